@@ -1,0 +1,306 @@
+/* luazero.h — the whole public C API of libluazero.
+ *
+ * Conventions
+ *   - Names are lz_<thing>_<verb>. Handles are opaque except lz_tensor, whose
+ *     metadata (data pointer, shape, dtype) is plain so scripts can read it.
+ *   - Every call that can fail returns lz_status; on failure lz_last_error()
+ *     (thread-local) holds a message naming the thing and the fix.
+ *   - Kernels never allocate. Parameter gradients accumulate (+=); input
+ *     gradients are overwritten.
+ *   - The block between LZ_CDEF_BEGIN and LZ_CDEF_END holds no preprocessor
+ *     lines: tools/gen-cdef.lua turns it into lua/luazero/cdef.lua for LuaJIT's
+ *     FFI, and a test fails if the two drift.
+ */
+#ifndef LUAZERO_H
+#define LUAZERO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LZ_VERSION_STRING "0.1.0"
+#define LZ_MAX_DIMS 4
+
+/* LZ_CDEF_BEGIN */
+
+/* ---------------------------------------------------------------- status */
+
+typedef enum lz_status {
+  LZ_OK = 0,
+  LZ_ERR_INVALID = 1,     /* bad argument: shape, dtype, value */
+  LZ_ERR_NOMEM = 2,       /* allocation failed */
+  LZ_ERR_IO = 3,          /* file or system call failed */
+  LZ_ERR_UNSUPPORTED = 4, /* not available on this machine or build */
+  LZ_ERR_COMM = 5,        /* a collective or a peer failed */
+  LZ_ERR_TIMEOUT = 6,     /* a wait ran past its limit */
+  LZ_ERR_INTERNAL = 7     /* a library (oneDNN, MPI, CUDA) failed */
+} lz_status;
+
+const char *lz_last_error(void);
+const char *lz_status_name(lz_status s);
+const char *lz_version(void);
+
+/* ------------------------------------------------------------- machine */
+
+int lz_cpu_has(const char *feature); /* "avx2", "avx512f", "avx512bf16" */
+lz_status lz_threads_set(int n);    /* compute threads (OpenMP, oneDNN) */
+int lz_threads_get(void);
+
+/* -------------------------------------------------------------- ledger */
+
+typedef enum lz_mem_category {
+  LZ_MEM_PARAMS = 0,
+  LZ_MEM_GRADS = 1,
+  LZ_MEM_OPTIMIZER = 2,
+  LZ_MEM_ACTIVATIONS = 3,
+  LZ_MEM_COMM = 4,
+  LZ_MEM_OFFLOAD = 5,
+  LZ_MEM_WORKSPACE = 6,
+  LZ_MEM_COUNT = 7
+} lz_mem_category;
+
+/* 64-byte aligned; 2 MiB aligned on transparent huge pages from
+ * LZ_MEM_HUGE_THRESHOLD bytes up. Memory is not zeroed. */
+lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat);
+lz_status lz_mem_free(void *ptr); /* NULL is fine */
+int64_t lz_mem_current(lz_mem_category cat);
+int64_t lz_mem_peak(lz_mem_category cat);
+int64_t lz_mem_total_current(void);
+void lz_mem_reset_peak(void); /* peak := current, every category */
+const char *lz_mem_category_name(lz_mem_category cat);
+int64_t lz_mem_huge_threshold(void);
+
+/* ------------------------------------------------------------- tensors */
+
+typedef enum lz_dtype {
+  LZ_F32 = 0,
+  LZ_BF16 = 1,
+  LZ_F16 = 2,
+  LZ_I32 = 3,
+  LZ_U16 = 4,
+  LZ_DTYPE_COUNT = 5
+} lz_dtype;
+
+typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1 } lz_device;
+
+typedef struct lz_storage lz_storage;
+
+/* Contiguous, row-major. A view shares its base's storage. */
+typedef struct lz_tensor {
+  void *data;
+  lz_storage *storage; /* NULL for arena and wrapped tensors */
+  int64_t shape[4];
+  int32_t ndim;
+  lz_dtype dtype;
+  lz_device device;
+  int32_t flags;
+} lz_tensor;
+
+size_t lz_dtype_size(lz_dtype dt);
+const char *lz_dtype_name(lz_dtype dt);
+int64_t lz_tensor_numel(const lz_tensor *t);
+size_t lz_tensor_bytes(const lz_tensor *t);
+
+lz_status lz_tensor_new(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
+                        lz_mem_category cat);
+/* A view of numel(shape) elements starting at element `offset` of base. */
+lz_status lz_tensor_view(lz_tensor **out, const lz_tensor *base, int64_t offset, int ndim,
+                         const int64_t *shape);
+/* Borrowed memory: the caller keeps it alive and frees it. */
+lz_status lz_tensor_wrap(lz_tensor **out, void *data, lz_dtype dt, int ndim,
+                         const int64_t *shape);
+lz_status lz_tensor_free(lz_tensor *t); /* NULL is fine; arena tensors: no-op */
+/* Same element count; converts between f32, bf16 and f16 (round to nearest even). */
+lz_status lz_tensor_copy(lz_tensor *dst, const lz_tensor *src);
+/* "f32[2,3,4]" into buf. */
+const char *lz_tensor_describe(const lz_tensor *t, char *buf, size_t len);
+
+/* Scalar conversions, round to nearest even; NaN stays NaN. */
+uint16_t lz_f32_to_bf16(float x);
+float lz_bf16_to_f32(uint16_t x);
+uint16_t lz_f32_to_f16(float x);
+float lz_f16_to_f32(uint16_t x);
+
+/* --------------------------------------------------------------- arena */
+
+/* Bump allocator for activations, reset once per micro-step. Tensors it
+ * returns live until the next reset. */
+typedef struct lz_arena lz_arena;
+lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat);
+lz_status lz_arena_free(lz_arena *a);
+lz_status lz_arena_tensor(lz_arena *a, lz_tensor **out, lz_dtype dt, int ndim,
+                          const int64_t *shape);
+lz_status lz_arena_reset(lz_arena *a);
+size_t lz_arena_used(const lz_arena *a);
+size_t lz_arena_peak(const lz_arena *a);
+size_t lz_arena_capacity(const lz_arena *a);
+
+/* ------------------------------------------------------------- kernels */
+
+/* c = alpha * op(a) @ op(b) + beta * c. a, b: f32, or both bf16 (fp32
+ * accumulation); c: f32. 2-D, or 3-D batched (b may be 2-D: shared). */
+lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int trans_a,
+                    int trans_b, float alpha, float beta);
+
+/* out[..., OC] = x[..., C] @ w[OC, C]^T + bias[OC]; bias may be NULL.
+ * x, w: f32 or both bf16; out f32. */
+lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *w,
+                            const lz_tensor *bias);
+/* dx = dy @ w (written); dw += dy^T @ x; db += sum(dy). Any of dx, dw, db may
+ * be NULL. dy, dw, db, dx: f32. */
+lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                             const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
+
+/* Over the last dimension C. mean, rstd: numel(x)/C floats, saved for backward. */
+lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
+                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *b,
+                               float eps);
+lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
+                                const lz_tensor *mean, const lz_tensor *rstd);
+
+/* GELU, tanh approximation (GPT-2). out may alias x; dx may alias dy. */
+lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x);
+lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x);
+
+/* Causal multi-head self-attention. qkv [B, T, 3C] (q, k, v each [B, T, NH, C/NH]),
+ * out [B, T, C], lse [B, NH, T] (row log-sum-exp, saved for backward).
+ * Scale 1/sqrt(C/NH). */
+lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                               int n_head);
+lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                const lz_tensor *qkv, const lz_tensor *out,
+                                const lz_tensor *lse, int n_head);
+
+/* out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. tokens i32 [B, T]. */
+lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
+                               const lz_tensor *wpe);
+/* dwte, dwpe accumulate; either may be NULL. Deterministic. */
+lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                const lz_tensor *tokens);
+
+/* logits [B, T, Vp]; only the first `vocab` columns take part (Vp >= vocab
+ * allows padding). targets i32 [B, T]; a negative target is ignored (loss 0,
+ * gradient 0). losses f32 [B, T]. */
+lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
+                                   const lz_tensor *targets, int64_t vocab);
+/* dlogits = (softmax(logits) - onehot(target)) * dloss; padded columns get 0.
+ * dlogits may alias logits. */
+lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                    const lz_tensor *targets, int64_t vocab, float dloss);
+
+/* Elementwise, f32 (fill and scale also bf16/f16). out may alias a or b. */
+lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
+lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x); /* y += alpha*x */
+lz_status lz_scale(lz_tensor *t, float s);
+lz_status lz_fill(lz_tensor *t, float v);
+
+/* Sum of squares in double, over fixed-size blocks summed in a fixed order:
+ * the result does not depend on the number of threads. f32, bf16, f16. */
+lz_status lz_sq_norm(const lz_tensor *t, double *out);
+/* 1 if any element is NaN or Inf. */
+lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
+
+typedef struct lz_adamw_args {
+  float lr;
+  float beta1;
+  float beta2;
+  float eps;
+  float weight_decay; /* decoupled: param -= lr * wd * param */
+  float grad_scale;   /* grads are multiplied by this first (clipping, 1/loss scale) */
+  int64_t step;       /* 1-based, for bias correction */
+} lz_adamw_args;
+
+/* One fused AdamW step over fp32 master `param` with fp32 `grad`, moments m, v.
+ * `working` (may be NULL) receives the updated parameters in its dtype
+ * (f32, bf16 or f16). All tensors the same element count. */
+lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                        lz_tensor *working, const lz_adamw_args *args);
+
+/* xxh64 of a byte range. */
+uint64_t lz_hash_xxh64(const void *data, size_t bytes, uint64_t seed);
+
+/* --------------------------------------------------------- collectives */
+
+typedef enum lz_comm_backend {
+  LZ_COMM_AUTO = 0, /* mpi under mpirun, shm under the launcher, else local */
+  LZ_COMM_LOCAL = 1,
+  LZ_COMM_SHM = 2,
+  LZ_COMM_MPI = 3,
+  LZ_COMM_NCCL = 4
+} lz_comm_backend;
+
+typedef enum lz_reduce_op { LZ_RED_SUM = 0, LZ_RED_AVG = 1, LZ_RED_MAX = 2 } lz_reduce_op;
+
+typedef enum lz_coll_kind {
+  LZ_COLL_ALL_REDUCE = 0,
+  LZ_COLL_REDUCE_SCATTER = 1,
+  LZ_COLL_ALL_GATHER = 2,
+  LZ_COLL_BROADCAST = 3,
+  LZ_COLL_BARRIER = 4,
+  LZ_COLL_COUNT = 5
+} lz_coll_kind;
+
+typedef struct lz_comm lz_comm;
+typedef struct lz_work lz_work;
+
+/* Rank and size from the environment (RANK/WORLD_SIZE, or OpenMPI's). */
+lz_status lz_comm_init(lz_comm **out, lz_comm_backend backend);
+lz_status lz_comm_free(lz_comm *c);
+int lz_comm_rank(const lz_comm *c);
+int lz_comm_size(const lz_comm *c);
+const char *lz_comm_backend_name(const lz_comm *c);
+
+/* The contiguous range of `count` elements that `rank` owns: the first
+ * count % size ranks get one element more. */
+void lz_comm_shard(int64_t count, int size, int rank, int64_t *offset, int64_t *len);
+
+/* `work` NULL: blocking. Otherwise the operation is queued in order on the
+ * communicator and *work receives a handle to wait on or test. Buffers may be
+ * host memory or device memory of the communicator's device. */
+lz_status lz_comm_all_reduce(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
+                             lz_reduce_op op, lz_work **work);
+/* send: count elements; recv: this rank's shard (lz_comm_shard). */
+lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64_t count,
+                                 lz_dtype dt, lz_reduce_op op, lz_work **work);
+/* send: this rank's shard; recv: count elements. */
+lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
+                             lz_dtype dt, lz_work **work);
+lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,
+                            lz_work **work);
+lz_status lz_comm_barrier(lz_comm *c);
+
+lz_status lz_work_wait(lz_work *w); /* waits, then frees the handle */
+lz_status lz_work_test(lz_work *w, int *done);
+
+/* Bytes this rank sent, per kind, counted as nccl-tests' bus volume:
+ * all-reduce 2(W-1)/W*n, reduce-scatter and all-gather (W-1)/W*n, broadcast n
+ * (root) — n being the full buffer in bytes. */
+uint64_t lz_comm_bytes(const lz_comm *c, lz_coll_kind kind);
+void lz_comm_bytes_reset(lz_comm *c);
+const char *lz_coll_kind_name(lz_coll_kind kind);
+
+/* ------------------------------------------------------------ launcher */
+
+/* Runs argv (argv[0] an executable) as `nranks` processes on this machine with
+ * RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+ * the job's shared-memory name set; shares the cores among them; stops them all
+ * when one fails. *exit_code: 0 when every rank exited 0. */
+lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
+
+/* ---------------------------------------------------------------- cuda */
+
+/* In libluazero_cuda.so (built where nvcc exists, loaded at run time). */
+lz_status lz_cuda_device_count(int *out);
+const char *lz_cuda_device_name(int device);
+
+/* LZ_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LUAZERO_H */

@@ -1,0 +1,66 @@
+/* lz_internal.h — shared by the core sources only: error reporting, argument checks,
+ * scalar dtype helpers. Not part of the public API. */
+#ifndef LZ_INTERNAL_H
+#define LZ_INTERNAL_H
+
+#include "luazero.h"
+
+#include <stdarg.h> /* va_list for lz_fail */
+#include <string.h> /* memcpy in the bit casts */
+
+/* Hot loops are compiled for AVX-512, AVX2 and plain x86-64 and picked at
+ * load time. GCC does not clone the bodies of OpenMP regions, so put the
+ * per-row or per-block work in a function carrying this attribute and call it
+ * from the parallel loop. */
+#define LZ_DISPATCH __attribute__((target_clones("avx512f", "avx2", "default")))
+
+/* Records a message for lz_last_error() and returns `st`, so callers write
+ * `return lz_fail(LZ_ERR_INVALID, "op: ...", ...)`. */
+lz_status lz_fail(lz_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Propagates a failing status unchanged (the message is already set). */
+#define LZ_TRY(expr)                                                                       \
+  do {                                                                                     \
+    lz_status lz_try_st_ = (expr);                                                         \
+    if (lz_try_st_ != LZ_OK) return lz_try_st_;                                            \
+  } while (0)
+
+/* Argument checks for kernels: each sets an error naming the op, the
+ * argument and its shape, e.g.
+ * "layernorm_forward: w is f32[64], expected f32[128] (the last dimension of x)". */
+lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t);
+lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt);
+lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi);
+lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
+                         const char *why);
+lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
+                              const char *name_b, const lz_tensor *b);
+lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t);
+/* Product of all dims but the last, and the last. */
+int64_t lz_rows(const lz_tensor *t);
+int64_t lz_cols(const lz_tensor *t);
+
+/* Float bits. */
+static inline uint32_t lz_f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float lz_bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t lz_bf16_from_f32_inline(float f) {
+  uint32_t u = lz_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+static inline float lz_bf16_to_f32_inline(uint16_t h) { return lz_bits_f32((uint32_t)h << 16); }
+
+/* Reads element i of a float-typed buffer (f32, bf16, f16) as float. */
+float lz_load_float(const void *data, lz_dtype dt, int64_t i);
+
+#endif /* LZ_INTERNAL_H */

@@ -1,0 +1,107 @@
+-- premake5.lua — the build. Runs under Debian's premake4 and under premake5:
+--   premake4 --file=premake5.lua gmake && make -C build config=release
+-- Outputs: build/lib/libluazero.so, build/lib/libluazero_cuda.so (where nvcc
+-- exists), build/bin/luazero, build/bin/lz_tests. The debug configuration
+-- (AddressSanitizer + UBSan) builds into build/debug/.
+if not workspace then workspace = solution end
+
+local root = os.getcwd()
+local mpi_inc = "/usr/lib/x86_64-linux-gnu/openmpi/include"
+local mpi_lib = "/usr/lib/x86_64-linux-gnu/openmpi/lib"
+local cuda = os.getenv("CUDA_HOME") or "/usr/local/cuda"
+local nvcc = cuda .. "/bin/nvcc"
+local have_cuda = os.isfile(nvcc) and os.getenv("LZ_NO_CUDA") == nil
+
+-- LZ_BUILD=DIR puts the whole build somewhere else (default: build/).
+local out = os.getenv("LZ_BUILD") or "build"
+
+local warnings = { "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas" }
+
+workspace "luazero"
+  configurations { "release", "debug" }
+  location(out)
+  flags { "Symbols" }
+  language "C"
+  includedirs { "core", mpi_inc }
+  buildoptions { "-std=gnu11", "-fPIC", "-fopenmp", "-pthread" }
+  buildoptions(warnings)
+  linkoptions { "-fopenmp", "-pthread" }
+
+  configuration "release"
+    buildoptions { "-O3", "-g", "-fno-strict-aliasing" }
+    defines { "NDEBUG" }
+  configuration "debug"
+    buildoptions { "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                   "-fno-sanitize-recover=undefined" }
+    linkoptions { "-fsanitize=address,undefined" }
+  configuration {}
+
+project "luazero"
+  kind "SharedLib"
+  files { "core/*.c", "core/*.h" }
+  libdirs { mpi_lib }
+  links { "dnnl", "xxhash", "zstd", "aio", "mpi", "m", "rt", "dl" }
+  configuration "release"
+    targetdir(out .. "/lib")
+  configuration "debug"
+    targetdir(out .. "/debug/lib")
+  configuration {}
+
+if have_cuda then
+  -- premake4 has no build rules for .cu: nvcc runs before the link, in build/.
+  local cu_files = os.matchfiles("cuda/*.cu")
+  local objs = {}
+  local cmds = { "mkdir -p obj/cuda" }
+  for _, f in ipairs(cu_files) do
+    local base = path.getbasename(f)
+    local obj = "obj/cuda/" .. base .. ".o"
+    table.insert(objs, obj)
+    table.insert(cmds, string.format(
+      "%s -O3 -std=c++17 -Xcompiler -fPIC -I../core -c ../%s -o %s", nvcc, f, obj))
+  end
+  project "luazero_cuda"
+    kind "SharedLib"
+    language "C"
+    files { "cuda/*.c" }
+    includedirs { "cuda", cuda .. "/include" }
+    prebuildcommands(cmds)
+    linkoptions(objs)
+    libdirs { cuda .. "/lib64" }
+    linkoptions { "-Wl,-rpath," .. cuda .. "/lib64" }
+    links { "cudart", "cublas", "cublasLt", "nccl", "stdc++" }
+    configuration "release"
+      targetdir(out .. "/lib")
+    configuration "debug"
+      targetdir(out .. "/debug/lib")
+    configuration {}
+end
+
+project "luazero-bin"
+  kind "ConsoleApp"
+  targetname "luazero"
+  files { "lua/main.c" }
+  includedirs { "/usr/include/luajit-2.1" }
+  links { "luazero", "luajit-5.1", "dl", "m" }
+  -- -Wl,-E: the executable's symbols are visible to LuaJIT's ffi.C.
+  linkoptions { "-Wl,-E", "-Wl,-rpath,'$$ORIGIN/../lib'" }
+  configuration "release"
+    targetdir(out .. "/bin")
+    libdirs { out .. "/lib" }
+  configuration "debug"
+    targetdir(out .. "/debug/bin")
+    libdirs { out .. "/debug/lib" }
+  configuration {}
+
+project "lz_tests"
+  kind "ConsoleApp"
+  files { "tests/*.c", "tests/*.h" }
+  includedirs { "tests" }
+  links { "luazero", "m" }
+  linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
+  configuration "release"
+    targetdir(out .. "/bin")
+    libdirs { out .. "/lib" }
+  configuration "debug"
+    targetdir(out .. "/debug/bin")
+    libdirs { out .. "/debug/lib" }
+  configuration {}
