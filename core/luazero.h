@@ -150,7 +150,8 @@ lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int tr
 lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *w,
                             const lz_tensor *bias);
 /* dx = dy @ w (written); dw += dy^T @ x; db += sum(dy). Any of dx, dw, db may
- * be NULL. dy, dw, db, dx: f32. */
+ * be NULL. dy, x and w share one dtype (f32, or bf16 with fp32 accumulation);
+ * dx, dw, db: f32. */
 lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                              const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
 

@@ -1,0 +1,319 @@
+-- luazero — the Lua package: the FFI binding of core/luazero.h, tensors,
+-- the ledger, the arena, and the kernels as Lua functions. Submodules
+-- (nn, optim, comm, ...) load on first use: lz.nn, lz.comm, ...
+local ffi = require("ffi")
+
+local lz = {}
+
+ffi.cdef(require("luazero.cdef"))
+
+-- This file's folder tells the repository root (lua/luazero/init.lua).
+local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
+lz.root = rawget(_G, "LUAZERO_ROOT") or (here .. "/../..")
+
+-- Inside the luazero executable the library's symbols are already loaded;
+-- from a plain luajit, find libluazero.so on package.cpath or under build/.
+local function load_library()
+  if pcall(function() return ffi.C.lz_version end) then return ffi.C end
+  local path = package.searchpath("libluazero", package.cpath)
+  if not path then
+    path = lz.root .. "/build/lib/libluazero.so"
+    local f = io.open(path, "rb")
+    if not f then
+      error("luazero: cannot find libluazero.so: build it (tools/test or make -C build) " ..
+            "or add its folder to LUA_CPATH (e.g. LUA_CPATH='build/lib/?.so')", 0)
+    end
+    f:close()
+  end
+  return ffi.load(path)
+end
+
+local C = load_library()
+lz.C = C
+lz.ffi = ffi
+
+function lz.version() return ffi.string(C.lz_version()) end
+
+-- A failing status becomes a Lua error carrying the C message.
+local function check(st, level)
+  if st ~= 0 then error(ffi.string(C.lz_last_error()), (level or 1) + 1) end
+end
+lz.check = check
+function lz.last_error() return ffi.string(C.lz_last_error()) end
+
+-------------------------------------------------------------------- dtypes
+
+local dtypes = { f32 = C.LZ_F32, bf16 = C.LZ_BF16, f16 = C.LZ_F16, i32 = C.LZ_I32, u16 = C.LZ_U16 }
+local dtype_names = {}
+for k, v in pairs(dtypes) do dtype_names[tonumber(v)] = k end
+lz.dtypes = dtypes
+
+local categories = {
+  params = C.LZ_MEM_PARAMS, grads = C.LZ_MEM_GRADS, optimizer = C.LZ_MEM_OPTIMIZER,
+  activations = C.LZ_MEM_ACTIVATIONS, comm = C.LZ_MEM_COMM, offload = C.LZ_MEM_OFFLOAD,
+  workspace = C.LZ_MEM_WORKSPACE,
+}
+lz.categories = categories
+lz.category_order = { "params", "grads", "optimizer", "activations", "comm", "offload",
+                      "workspace" }
+
+local function dtype_of(d)
+  if d == nil then return C.LZ_F32 end
+  local v = dtypes[d]
+  if v == nil then
+    error("luazero: unknown dtype '" .. tostring(d) .. "' (f32, bf16, f16, i32, u16)", 3)
+  end
+  return v
+end
+
+local function category_of(c)
+  if c == nil then return C.LZ_MEM_WORKSPACE end
+  local v = categories[c]
+  if v == nil then
+    error("luazero: unknown memory category '" .. tostring(c) ..
+          "' (params, grads, optimizer, activations, comm, offload, workspace)", 3)
+  end
+  return v
+end
+
+local function shape_array(shape)
+  if type(shape) == "number" then shape = { shape } end
+  if type(shape) ~= "table" or #shape > 4 then
+    error("luazero: a shape is a table of up to 4 sizes, e.g. {4, 64}", 3)
+  end
+  for i = 1, #shape do
+    local s = shape[i]
+    if type(s) ~= "number" or s < 0 or s ~= math.floor(s) then
+      error("luazero: shape entry " .. i .. " is " .. tostring(s) ..
+            "; sizes are whole numbers >= 0", 3)
+    end
+  end
+  return ffi.new("int64_t[4]", shape), #shape
+end
+
+------------------------------------------------------------------- tensors
+
+local Tensor = {}
+Tensor.__index = Tensor
+
+local tensor_ptr = ffi.typeof("lz_tensor *")
+local tensor_out = ffi.typeof("lz_tensor *[1]")
+
+-- A tensor the library allocated; ffi.gc frees it if the script forgets.
+local function own(t) return ffi.gc(t, C.lz_tensor_free) end
+
+-- lz.tensor(shape, dtype, category): zero-filled.
+function lz.tensor(shape, dtype, category)
+  local dims, nd = shape_array(shape)
+  local out = tensor_out()
+  check(C.lz_tensor_new(out, dtype_of(dtype), nd, dims, category_of(category)), 2)
+  local t = own(out[0])
+  ffi.fill(t.data, C.lz_tensor_bytes(t))
+  return t
+end
+
+-- lz.from_table({1, 2, 3, ...}, shape, dtype): shape defaults to {#values}.
+function lz.from_table(values, shape, dtype, category)
+  local t = lz.tensor(shape or { #values }, dtype, category)
+  local n = t:numel()
+  if #values ~= n then
+    error(("luazero: from_table: %d values for a tensor of %d elements"):format(#values, n), 2)
+  end
+  for i = 1, n do t:set(i - 1, values[i]) end
+  return t
+end
+
+function lz.is_tensor(x) return ffi.istype(tensor_ptr, x) end
+
+function Tensor:numel() return tonumber(C.lz_tensor_numel(self)) end
+function Tensor:bytes() return tonumber(C.lz_tensor_bytes(self)) end
+function Tensor:dtype_name() return dtype_names[tonumber(self.dtype)] end
+function Tensor:dim(i) return tonumber(self.shape[i - 1]) end
+
+function Tensor:sizes()
+  local s = {}
+  for i = 0, self.ndim - 1 do s[i + 1] = tonumber(self.shape[i]) end
+  return s
+end
+
+function Tensor:describe()
+  local buf = ffi.new("char[128]")
+  return ffi.string(C.lz_tensor_describe(self, buf, 128))
+end
+
+-- Element i (0-based, flat) as a Lua number.
+function Tensor:get(i)
+  local dt = self.dtype
+  if dt == C.LZ_F32 then return ffi.cast("float *", self.data)[i]
+  elseif dt == C.LZ_BF16 then return C.lz_bf16_to_f32(ffi.cast("uint16_t *", self.data)[i])
+  elseif dt == C.LZ_F16 then return C.lz_f16_to_f32(ffi.cast("uint16_t *", self.data)[i])
+  elseif dt == C.LZ_I32 then return ffi.cast("int32_t *", self.data)[i]
+  else return ffi.cast("uint16_t *", self.data)[i] end
+end
+
+function Tensor:set(i, v)
+  local dt = self.dtype
+  if dt == C.LZ_F32 then ffi.cast("float *", self.data)[i] = v
+  elseif dt == C.LZ_BF16 then ffi.cast("uint16_t *", self.data)[i] = C.lz_f32_to_bf16(v)
+  elseif dt == C.LZ_F16 then ffi.cast("uint16_t *", self.data)[i] = C.lz_f32_to_f16(v)
+  elseif dt == C.LZ_I32 then ffi.cast("int32_t *", self.data)[i] = v
+  else ffi.cast("uint16_t *", self.data)[i] = v end
+end
+
+function Tensor:totable()
+  local t = {}
+  for i = 0, self:numel() - 1 do t[i + 1] = self:get(i) end
+  return t
+end
+
+function Tensor:fill(v)
+  check(C.lz_fill(self, v), 2)
+  return self
+end
+
+function Tensor:zero()
+  ffi.fill(self.data, C.lz_tensor_bytes(self))
+  return self
+end
+
+-- Copies (and converts between f32, bf16 and f16) from src.
+function Tensor:copy(src)
+  check(C.lz_tensor_copy(self, src), 2)
+  return self
+end
+
+-- A view of `shape` starting at element `offset` (0-based), sharing storage.
+function Tensor:view(offset, shape)
+  local dims, nd = shape_array(shape)
+  local out = tensor_out()
+  check(C.lz_tensor_view(out, self, offset, nd, dims), 2)
+  return own(out[0])
+end
+
+function Tensor:reshape(shape) return self:view(0, shape) end
+
+function Tensor:sq_norm()
+  local out = ffi.new("double[1]")
+  check(C.lz_sq_norm(self, out), 2)
+  return out[0]
+end
+
+-- Frees now (tensors hold memory outside the Lua heap: free big ones explicitly).
+function Tensor:free()
+  if self.flags == 0 then
+    ffi.gc(self, nil)
+    C.lz_tensor_free(self)
+  end
+end
+
+function Tensor:__tostring()
+  local n = self:numel()
+  local parts = {}
+  local show = math.min(n, 8)
+  for i = 0, show - 1 do parts[#parts + 1] = ("%.6g"):format(self:get(i)) end
+  if n > show then parts[#parts + 1] = "..." end
+  return ("tensor %s [%s]"):format(self:describe(), table.concat(parts, ", "))
+end
+
+Tensor.__len = Tensor.numel
+
+ffi.metatype("lz_tensor", Tensor)
+lz.Tensor = Tensor
+
+--------------------------------------------------------------------- arena
+
+local Arena = {}
+Arena.__index = Arena
+
+function lz.arena(bytes, category)
+  local out = ffi.new("lz_arena *[1]")
+  check(C.lz_arena_new(out, bytes, category_of(category or "activations")), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.lz_arena_free) }, Arena)
+end
+
+function Arena:tensor(shape, dtype)
+  local dims, nd = shape_array(shape)
+  local out = tensor_out()
+  check(C.lz_arena_tensor(self.handle, out, dtype_of(dtype), nd, dims), 2)
+  return out[0]
+end
+
+function Arena:reset() check(C.lz_arena_reset(self.handle), 2) end
+function Arena:used() return tonumber(C.lz_arena_used(self.handle)) end
+function Arena:peak() return tonumber(C.lz_arena_peak(self.handle)) end
+function Arena:capacity() return tonumber(C.lz_arena_capacity(self.handle)) end
+
+function Arena:free()
+  if self.handle ~= nil then
+    ffi.gc(self.handle, nil)
+    C.lz_arena_free(self.handle)
+    self.handle = nil
+  end
+end
+
+-------------------------------------------------------------------- ledger
+
+-- { params = bytes, grads = bytes, ... } now, or at peak.
+function lz.mem()
+  local m = {}
+  for name, cat in pairs(categories) do m[name] = tonumber(C.lz_mem_current(cat)) end
+  return m
+end
+
+function lz.mem_peak()
+  local m = {}
+  for name, cat in pairs(categories) do m[name] = tonumber(C.lz_mem_peak(cat)) end
+  return m
+end
+
+function lz.mem_reset_peak() C.lz_mem_reset_peak() end
+
+---------------------------------------------------------------- machine
+
+function lz.threads(n)
+  if n then check(C.lz_threads_set(n), 2) end
+  return C.lz_threads_get()
+end
+
+function lz.cpu_has(feature) return C.lz_cpu_has(feature) ~= 0 end
+
+function lz.xxh64(ptr, bytes, seed)
+  return C.lz_hash_xxh64(ptr, bytes, seed or 0)
+end
+
+-------------------------------------------------------------------- kernels
+
+-- lz.ops.<name>(...) calls lz_<name> and turns a failing status into an error.
+local op_names = {
+  "matmul", "linear_forward", "linear_backward", "layernorm_forward", "layernorm_backward",
+  "gelu_forward", "gelu_backward", "attention_forward", "attention_backward",
+  "embedding_forward", "embedding_backward", "cross_entropy_forward",
+  "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step",
+}
+local ops = {}
+for _, name in ipairs(op_names) do
+  local fn
+  ops[name] = function(...)
+    fn = fn or C["lz_" .. name]
+    local st = fn(...)
+    if st ~= 0 then error(ffi.string(C.lz_last_error()), 2) end
+  end
+end
+lz.ops = ops
+
+function lz.adamw_args(t) return ffi.new("lz_adamw_args", t) end
+
+-- Submodules on first use.
+return setmetatable(lz, {
+  __index = function(t, k)
+    local ok, mod = pcall(require, "luazero." .. k)
+    if not ok then
+      if tostring(mod):find("module 'luazero." .. k .. "' not found", 1, true) then
+        return nil
+      end
+      error(mod, 2)
+    end
+    rawset(t, k, mod)
+    return mod
+  end,
+})

@@ -1,0 +1,32 @@
+-- test_cdef.lua — the FFI declarations (lua/luazero/cdef.lua) must be what
+-- tools/gen-cdef.lua makes of core/luazero.h today.
+local root = rawget(_G, "LUAZERO_ROOT") or "."
+package.path = root .. "/tools/?.lua;" .. package.path
+local gen = dofile(root .. "/tools/gen-cdef.lua")
+local want = gen.generate(gen.read(root .. "/core/luazero.h"))
+local have = gen.read(root .. "/lua/luazero/cdef.lua")
+local passed, failed = 0, 0
+if want == have then
+  print("ok   cdef.lua matches core/luazero.h")
+  passed = passed + 1
+else
+  print("FAIL lua/luazero/cdef.lua has drifted from core/luazero.h: run luajit tools/gen-cdef.lua")
+  failed = failed + 1
+end
+-- Every function the header declares resolves in the library (or is a CUDA one).
+local lz = require("luazero")
+local missing = {}
+for name in want:gmatch("([%w_]+)%s*%(") do
+  if name:match("^lz_") and not name:match("^lz_cuda_") then
+    if not pcall(function() return lz.C[name] end) then missing[#missing + 1] = name end
+  end
+end
+if #missing == 0 then
+  print("ok   every declared function is in libluazero")
+  passed = passed + 1
+else
+  print("FAIL declared but not in libluazero: " .. table.concat(missing, ", "))
+  failed = failed + 1
+end
+print(("%d passed, %d failed"):format(passed, failed))
+os.exit(failed == 0 and 0 or 1)

@@ -1,0 +1,213 @@
+/* test_matmul.c — oneDNN GEMMs and the linear layer against double references
+ * and central finite differences. */
+#include "lz_test.h"
+
+#include <stdlib.h> /* malloc */
+
+static uint64_t rng_state = 0x1234567ull;
+static float frand(void) { /* uniform in [-1, 1) */
+  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+  return (float)((rng_state >> 40) * 0x1p-24 * 2.0 - 1.0);
+}
+
+static lz_tensor *rand_tensor(lz_dtype dt, int ndim, const int64_t *shape) {
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_new(&t, dt, ndim, shape, LZ_MEM_WORKSPACE));
+  int64_t n = lz_tensor_numel(t);
+  for (int64_t i = 0; i < n; i++) {
+    if (dt == LZ_F32) ((float *)t->data)[i] = frand();
+    else ((uint16_t *)t->data)[i] = lz_f32_to_bf16(frand());
+  }
+  return t;
+}
+
+static double at(const lz_tensor *t, int64_t i) {
+  return t->dtype == LZ_F32 ? ((float *)t->data)[i] : lz_bf16_to_f32(((uint16_t *)t->data)[i]);
+}
+
+/* Reference c = alpha op(a) op(b) + beta c0 in double; checks max relative error. */
+static void check_matmul_case(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t k,
+                              int ta, int tb, int b_shared, float alpha, float beta) {
+  int64_t sa[3] = {batch, ta ? k : m, ta ? m : k};
+  int64_t sb[3] = {batch, tb ? n : k, tb ? k : n};
+  int64_t sc[3] = {batch, m, n};
+  int nd = batch > 1 ? 3 : 2;
+  lz_tensor *a = rand_tensor(dt, nd, nd == 3 ? sa : sa + 1);
+  lz_tensor *b = b_shared || nd == 2 ? rand_tensor(dt, 2, sb + 1) : rand_tensor(dt, 3, sb);
+  lz_tensor *c = rand_tensor(LZ_F32, nd, nd == 3 ? sc : sc + 1);
+  double *c0 = malloc(sizeof(double) * (size_t)(batch * m * n));
+  for (int64_t i = 0; i < batch * m * n; i++) c0[i] = ((float *)c->data)[i];
+  CHECK_OK(lz_matmul(c, a, b, ta, tb, alpha, beta));
+  double max_err = 0;
+  for (int64_t p = 0; p < batch; p++)
+    for (int64_t i = 0; i < m; i++)
+      for (int64_t j = 0; j < n; j++) {
+        double s = 0;
+        for (int64_t l = 0; l < k; l++) {
+          double av = at(a, p * m * k + (ta ? l * m + i : i * k + l));
+          int64_t bo = (b->ndim == 3 ? p * k * n : 0) + (tb ? j * k + l : l * n + j);
+          s += av * at(b, bo);
+        }
+        double ref = alpha * s + beta * c0[p * m * n + i * n + j];
+        double got = ((float *)c->data)[p * m * n + i * n + j];
+        double err = fabs(got - ref) / (fabs(ref) > 1 ? fabs(ref) : 1);
+        if (err > max_err) max_err = err;
+      }
+  if (max_err > 1e-5)
+    lz_test_fail(__FILE__, __LINE__, "%s matmul b%lld m%lld n%lld k%lld ta%d tb%d: error %g",
+                 lz_dtype_name(dt), (long long)batch, (long long)m, (long long)n, (long long)k,
+                 ta, tb, max_err);
+  free(c0);
+  lz_tensor_free(a);
+  lz_tensor_free(b);
+  lz_tensor_free(c);
+}
+
+LZ_TEST(matmul_f32_matches_reference) {
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++) {
+      check_matmul_case(LZ_F32, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(LZ_F32, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
+      check_matmul_case(LZ_F32, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(LZ_F32, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
+    }
+}
+
+LZ_TEST(matmul_bf16_matches_reference) {
+  if (!lz_cpu_has("avx512f")) {
+    printf("    skipped: bf16 matmul needs AVX-512\n");
+    return;
+  }
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++) {
+      check_matmul_case(LZ_BF16, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(LZ_BF16, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
+      check_matmul_case(LZ_BF16, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(LZ_BF16, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
+    }
+}
+
+LZ_TEST(matmul_rejects_bad_shapes) {
+  int64_t s23[2] = {2, 3}, s43[2] = {4, 3}, s24[2] = {2, 4};
+  lz_tensor *a = rand_tensor(LZ_F32, 2, s23), *b = rand_tensor(LZ_F32, 2, s43);
+  lz_tensor *c = rand_tensor(LZ_F32, 2, s24), *h = rand_tensor(LZ_BF16, 2, s43);
+  CHECK_ERR(lz_matmul(c, a, b, 0, 0, 1, 0), LZ_ERR_INVALID, "matmul: a f32[2,3], b f32[4,3]");
+  CHECK_OK(lz_matmul(c, a, b, 0, 1, 1, 0));
+  CHECK_ERR(lz_matmul(c, a, h, 0, 1, 1, 0), LZ_ERR_INVALID, "both must be f32 or both bf16");
+  CHECK_ERR(lz_matmul(c, a, NULL, 0, 1, 1, 0), LZ_ERR_INVALID, "b is missing");
+  lz_tensor_free(a);
+  lz_tensor_free(b);
+  lz_tensor_free(c);
+  lz_tensor_free(h);
+}
+
+/* Scalar loss L = sum(r * (x w^T + bias)) in double, for finite differences. */
+static double linear_loss(const double *x, const double *w, const double *bias, const double *r,
+                          int64_t rows, int64_t in, int64_t outc) {
+  double l = 0;
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t j = 0; j < outc; j++) {
+      double s = bias[j];
+      for (int64_t p = 0; p < in; p++) s += x[i * in + p] * w[j * in + p];
+      l += r[i * outc + j] * s;
+    }
+  return l;
+}
+
+static double rel_err(double got, double ref) {
+  return fabs(got - ref) / (fabs(ref) > 1e-2 ? fabs(ref) : 1e-2);
+}
+
+LZ_TEST(linear_forward_backward_vs_finite_differences) {
+  const int64_t B = 3, T = 5, in = 12, outc = 7, rows = B * T;
+  int64_t sx[3] = {B, T, in}, sw[2] = {outc, in}, sb[1] = {outc}, sy[3] = {B, T, outc};
+  lz_tensor *x = rand_tensor(LZ_F32, 3, sx), *w = rand_tensor(LZ_F32, 2, sw);
+  lz_tensor *bias = rand_tensor(LZ_F32, 1, sb), *y = rand_tensor(LZ_F32, 3, sy);
+  lz_tensor *dy = rand_tensor(LZ_F32, 3, sy), *dx = rand_tensor(LZ_F32, 3, sx);
+  lz_tensor *dw = NULL, *db = NULL;
+  CHECK_OK(lz_tensor_new(&dw, LZ_F32, 2, sw, LZ_MEM_GRADS));
+  CHECK_OK(lz_tensor_new(&db, LZ_F32, 1, sb, LZ_MEM_GRADS));
+  memset(dw->data, 0, lz_tensor_bytes(dw));
+  memset(db->data, 0, lz_tensor_bytes(db));
+  double xd[B * T * in], wd[outc * in], bd[outc], rd[B * T * outc];
+  for (int64_t i = 0; i < rows * in; i++) xd[i] = ((float *)x->data)[i];
+  for (int64_t i = 0; i < outc * in; i++) wd[i] = ((float *)w->data)[i];
+  for (int64_t i = 0; i < outc; i++) bd[i] = ((float *)bias->data)[i];
+  for (int64_t i = 0; i < rows * outc; i++) rd[i] = ((float *)dy->data)[i];
+
+  CHECK_OK(lz_linear_forward(y, x, w, bias));
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t j = 0; j < outc; j++) {
+      double s = bd[j];
+      for (int64_t p = 0; p < in; p++) s += xd[i * in + p] * wd[j * in + p];
+      CHECK_NEAR(((float *)y->data)[i * outc + j], s, 1e-5);
+    }
+
+  /* Twice: dw and db accumulate, dx is overwritten. */
+  CHECK_OK(lz_linear_backward(dx, dw, db, dy, x, w));
+  CHECK_OK(lz_linear_backward(dx, dw, db, dy, x, w));
+  const double h = 1e-6;
+  double worst = 0;
+  for (int64_t i = 0; i < rows * in; i++) {
+    double keep = xd[i];
+    xd[i] = keep + h;
+    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    xd[i] = keep - h;
+    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    xd[i] = keep;
+    double e = rel_err(((float *)dx->data)[i], (lp - lm) / (2 * h));
+    if (e > worst) worst = e;
+  }
+  for (int64_t i = 0; i < outc * in; i++) {
+    double keep = wd[i];
+    wd[i] = keep + h;
+    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    wd[i] = keep - h;
+    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    wd[i] = keep;
+    double e = rel_err(((float *)dw->data)[i] / 2, (lp - lm) / (2 * h));
+    if (e > worst) worst = e;
+  }
+  for (int64_t i = 0; i < outc; i++) {
+    double keep = bd[i];
+    bd[i] = keep + h;
+    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    bd[i] = keep - h;
+    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    bd[i] = keep;
+    double e = rel_err(((float *)db->data)[i] / 2, (lp - lm) / (2 * h));
+    if (e > worst) worst = e;
+  }
+  CHECK(worst <= 1e-3);
+  if (worst > 1e-3) printf("    worst relative error %g\n", worst);
+
+  /* Shape errors name the op and both shapes. */
+  int64_t bad[2] = {outc, in + 1};
+  lz_tensor *wbad = rand_tensor(LZ_F32, 2, bad);
+  CHECK_ERR(lz_linear_forward(y, x, wbad, bias), LZ_ERR_INVALID,
+            "linear_forward: x is f32[3,5,12] but w is f32[7,13]");
+  lz_tensor_free(wbad);
+  lz_tensor *xs[] = {x, w, bias, y, dy, dx, dw, db};
+  for (int i = 0; i < 8; i++) lz_tensor_free(xs[i]);
+}
+
+LZ_TEST(linear_bf16_close_to_f32) {
+  if (!lz_cpu_has("avx512f")) {
+    printf("    skipped: bf16 matmul needs AVX-512\n");
+    return;
+  }
+  const int64_t rows = 32, in = 64, outc = 48;
+  int64_t sx[2] = {rows, in}, sw[2] = {outc, in}, sb[1] = {outc}, sy[2] = {rows, outc};
+  lz_tensor *x = rand_tensor(LZ_BF16, 2, sx), *w = rand_tensor(LZ_BF16, 2, sw);
+  lz_tensor *bias = rand_tensor(LZ_F32, 1, sb), *y = rand_tensor(LZ_F32, 2, sy);
+  lz_tensor *xf = rand_tensor(LZ_F32, 2, sx), *wf = rand_tensor(LZ_F32, 2, sw);
+  lz_tensor *yf = rand_tensor(LZ_F32, 2, sy);
+  CHECK_OK(lz_tensor_copy(xf, x));
+  CHECK_OK(lz_tensor_copy(wf, w));
+  CHECK_OK(lz_linear_forward(y, x, w, bias));
+  CHECK_OK(lz_linear_forward(yf, xf, wf, bias));
+  for (int64_t i = 0; i < rows * outc; i++)
+    CHECK_NEAR(((float *)y->data)[i], ((float *)yf->data)[i], 1e-5);
+  lz_tensor *xs[] = {x, w, bias, y, xf, wf, yf};
+  for (int i = 0; i < 7; i++) lz_tensor_free(xs[i]);
+}
