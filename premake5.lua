@@ -28,7 +28,7 @@ workspace "luazero"
   linkoptions { "-fopenmp", "-pthread" }
 
   configuration "release"
-    buildoptions { "-O3", "-g", "-fno-strict-aliasing" }
+    buildoptions { "-O3", "-g", "-fno-strict-aliasing", "-fno-math-errno" }
     defines { "NDEBUG" }
   configuration "debug"
     buildoptions { "-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
@@ -67,12 +67,14 @@ if have_cuda then
     prebuildcommands(cmds)
     linkoptions(objs)
     libdirs { cuda .. "/lib64" }
-    linkoptions { "-Wl,-rpath," .. cuda .. "/lib64" }
-    links { "cudart", "cublas", "cublasLt", "nccl", "stdc++" }
+    linkoptions { "-Wl,-rpath," .. cuda .. "/lib64", "-Wl,-rpath,'$$ORIGIN'" }
+    links { "luazero", "cudart", "cublas", "cublasLt", "nccl", "stdc++" }
     configuration "release"
       targetdir(out .. "/lib")
+      libdirs { out .. "/lib" }
     configuration "debug"
       targetdir(out .. "/debug/lib")
+      libdirs { out .. "/debug/lib" }
     configuration {}
 end
 
@@ -96,7 +98,43 @@ project "lz_tests"
   kind "ConsoleApp"
   files { "tests/*.c", "tests/*.h" }
   includedirs { "tests" }
-  links { "luazero", "m" }
+  links { "luazero", "m", "dl" }
+  linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
+  configuration "release"
+    targetdir(out .. "/bin")
+    libdirs { out .. "/lib" }
+  configuration "debug"
+    targetdir(out .. "/debug/bin")
+    libdirs { out .. "/debug/lib" }
+  configuration {}
+
+-- Multi-rank tests and the collective benchmark (tests/comm/run.sh, tools/bench-comm).
+local function comm_tool(name, file)
+  project(name)
+    kind "ConsoleApp"
+    files { file }
+    links { "luazero", "m" }
+    linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
+    configuration "release"
+      targetdir(out .. "/bin")
+      libdirs { out .. "/lib" }
+    configuration "debug"
+      targetdir(out .. "/debug/bin")
+      libdirs { out .. "/debug/lib" }
+    configuration {}
+end
+comm_tool("lz_run", "tests/comm/lz_run.c")
+comm_tool("comm_check", "tests/comm/comm_check.c")
+comm_tool("bench_comm", "tools/bench_comm.c")
+project "bench_comm"
+  libdirs { mpi_lib }
+  links { "mpi" }
+
+-- The kernel benchmark (tools/bench-kernels): ours against raw oneDNN and OpenBLAS.
+project "bench_kernels"
+  kind "ConsoleApp"
+  files { "scripts/bench_kernels.c" }
+  links { "luazero", "dnnl", "openblas", "m" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   configuration "release"
     targetdir(out .. "/bin")

@@ -71,7 +71,7 @@ static int table_insert(entry e) {
 }
 
 static entry *table_find(uintptr_t p) {
-  if (!table_cap) return NULL;
+  if (!table_cap || p <= 1) return NULL; /* 0 and 1 mark empty and deleted slots */
   size_t s = slot_of(p, table_cap);
   while (table[s].ptr) {
     if (table[s].ptr == p) return &table[s];
@@ -86,6 +86,11 @@ lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat) {
   if ((unsigned)cat >= LZ_MEM_COUNT)
     return lz_fail(LZ_ERR_INVALID, "mem_alloc: category %d is not one of 0..%d", (int)cat,
                    LZ_MEM_COUNT - 1);
+  /* Rounding a size this close to SIZE_MAX up to pages would wrap to a small
+   * mapping; and the ledger counts in int64_t. */
+  if (bytes > (size_t)INT64_MAX - 2 * (size_t)HUGE_PAGE)
+    return lz_fail(LZ_ERR_NOMEM, "mem_alloc: %zu bytes for %s is more than any machine has",
+                   bytes, lz_mem_category_name(cat));
   entry e = {0};
   e.bytes = bytes;
   e.cat = (int)cat;

@@ -8,6 +8,10 @@
 #include <stdarg.h> /* va_list for lz_fail */
 #include <string.h> /* memcpy in the bit casts */
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* Hot loops are compiled for AVX-512, AVX2 and plain x86-64 and picked at
  * load time. GCC does not clone the bodies of OpenMP regions, so put the
  * per-row or per-block work in a function carrying this attribute and call it
@@ -62,5 +66,9 @@ static inline float lz_bf16_to_f32_inline(uint16_t h) { return lz_bits_f32((uint
 
 /* Reads element i of a float-typed buffer (f32, bf16, f16) as float. */
 float lz_load_float(const void *data, lz_dtype dt, int64_t i);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* LZ_INTERNAL_H */

@@ -195,7 +195,7 @@ int main(int argc, char **argv) {
     }
   }
   if (backend) setenv("LZ_BACKEND", backend, 1);
-  if (quiet) setenv("LZ_QUIET_RANKS", "1", 1);
+  if (quiet) setenv("LZ_RANK_OUTPUT", "quiet", 1);
 
   if (nranks > 0) {
     /* Each rank runs this executable again without -n: fork+exec keeps
@@ -227,6 +227,10 @@ int main(int argc, char **argv) {
     }
     return code;
   }
+
+  /* A rank's output goes through the launcher's pipes: flush it by line so
+   * it arrives while the job runs. */
+  if (getenv("LZ_SHM_NAME") || getenv("OMPI_COMM_WORLD_RANK")) setvbuf(stdout, NULL, _IOLBF, 0);
 
   lua_State *L = luaL_newstate();
   if (!L) {
@@ -275,6 +279,13 @@ int main(int argc, char **argv) {
   if (interactive || (!first_script && !n_exec)) {
     repl(L);
   }
+  /* A failed script exits without lua_close: closing would run finalizers
+   * (an MPI communicator's among them) that make peers wait out a timeout
+   * instead of being stopped at once. */
+  if (status) {
+    fflush(NULL);
+    _exit(1);
+  }
   lua_close(L);
-  return status ? 1 : 0;
+  return 0;
 }

@@ -1,0 +1,158 @@
+/* cross_entropy.c — softmax cross-entropy over the vocabulary, fused: the
+ * probabilities are never stored, backward recomputes them row by row.
+ *
+ * The last dimension Vp may be padded past the real vocabulary (llm.c pads
+ * 50257 to 50304 for aligned GEMMs); padded columns take no part in the
+ * softmax and get a zero gradient. A negative target marks a position to
+ * ignore (padding in a batch): loss 0, gradient 0. */
+#include "lz_internal.h"
+
+#include <math.h> /* logf */
+
+/* Sums and maxima are kept in LANES independent partials so the loops
+ * vectorize without -ffast-math. */
+#define LANES 16
+
+/* cond ? a : b as a bit select. GCC honours floating-point traps by default
+ * and will not if-convert a ternary whose result feeds a multiply, which
+ * leaves a branch in the loop and stops it vectorizing; this form has none. */
+static inline float select_f32(int cond, float a, float b) {
+  uint32_t mask = -(uint32_t)cond; /* all ones or all zeros */
+  return lz_bits_f32((lz_f32_bits(a) & mask) | (lz_f32_bits(b) & ~mask));
+}
+
+/* exp for x <= 0 (logits minus their row maximum), branch-free so it
+ * vectorizes where libm's expf, a call, does not: exp(x) = 2^n exp(r) with
+ * n = round(x / ln 2) and |r| <= ln(2)/2, exp(r) by Cephes' expf polynomial
+ * (about 1 ulp). Inputs are clamped at -87 so 2^n stays a normal float
+ * (e^-87 next to a row sum >= 1 is nothing). */
+static inline float exp_neg(float x) {
+  x = select_f32(x < -87.0f, -87.0f, x); /* NaN stays NaN */
+  /* Adding 1.5 * 2^23 rounds to an integer, which then sits in the low
+   * mantissa bits of t: n as a float, and as an int without a conversion
+   * (one that would be undefined for NaN). */
+  const float magic = 12582912.0f;
+  const float t = x * 1.44269504088896341f + magic;
+  const float n = t - magic;
+  const int32_t n_int = (int32_t)(lz_f32_bits(t) - lz_f32_bits(magic));
+  float r = x - n * 0.693359375f; /* ln 2 in two parts, so n * ln2 is exact */
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * lz_bits_f32((uint32_t)(n_int + 127) << 23); /* times 2^n */
+}
+
+/* max over the row and sum of exp(logit - max), the softmax normalizer. */
+LZ_DISPATCH static void softmax_stats(const float *logits, int64_t V, float *max_out,
+                                      float *sum_out) {
+  float mx[LANES];
+  for (int l = 0; l < LANES; l++) mx[l] = logits[0];
+  int64_t i = 0;
+  for (; i + LANES <= V; i += LANES)
+    for (int l = 0; l < LANES; l++) mx[l] = logits[i + l] > mx[l] ? logits[i + l] : mx[l];
+  float m = mx[0];
+  for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
+  for (; i < V; i++) m = logits[i] > m ? logits[i] : m;
+
+  float acc[LANES] = {0};
+  for (i = 0; i + LANES <= V; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += exp_neg(logits[i + l] - m);
+  float s = 0.0f;
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  for (; i < V; i++) s += exp_neg(logits[i] - m);
+  *max_out = m;
+  *sum_out = s;
+}
+
+/* Shared by forward and backward. Every target is checked before anything is
+ * written, so a bad one leaves the outputs untouched. */
+static lz_status check_args(const char *op, const lz_tensor *logits, const lz_tensor *targets,
+                            int64_t vocab) {
+  LZ_TRY(lz_check_dtype(op, "logits", logits, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, "logits", logits, 2, LZ_MAX_DIMS));
+  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  if (vocab < 1 || vocab > Vp) {
+    char a[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: vocab is %lld but logits is %s; vocab must be 1..%lld (the last "
+                   "dimension of logits)",
+                   op, (long long)vocab, lz_tensor_describe(logits, a, sizeof a), (long long)Vp);
+  }
+  LZ_TRY(lz_check_dtype(op, "targets", targets, LZ_I32));
+  LZ_TRY(lz_check_numel(op, "targets", targets, rows, "one per row of logits"));
+  const int32_t *tg = targets->data;
+  for (int64_t r = 0; r < rows; r++)
+    if (tg[r] >= vocab)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "
+                     "ignored)",
+                     op, (long long)r, (int)tg[r], (long long)vocab);
+  return LZ_OK;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* loss = log(sum_j exp(l_j)) - l_target, computed as log(sum exp(l_j - max))
+ * + max - l_target so no exp overflows. */
+static float row_loss(const float *logits, int64_t vocab, int32_t target) {
+  if (target < 0) return 0.0f;
+  float m, s;
+  softmax_stats(logits, vocab, &m, &s);
+  return logf(s) + m - logits[target];
+}
+
+lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
+                                   const lz_tensor *targets, int64_t vocab) {
+  const char *op = "cross_entropy_forward";
+  LZ_TRY(check_args(op, logits, targets, vocab));
+  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  LZ_TRY(lz_check_dtype(op, "losses", losses, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "losses", losses, rows, "one per row of logits"));
+
+  float *loss = losses->data;
+  const float *lg = logits->data;
+  const int32_t *tg = targets->data;
+#pragma omp parallel for schedule(static) if (rows * vocab > (1 << 15))
+  for (int64_t r = 0; r < rows; r++) loss[r] = row_loss(lg + r * Vp, vocab, tg[r]);
+  return LZ_OK;
+}
+
+/* --------------------------------------------------------------- backward */
+
+/* dlogits may be logits: each logit is read before its gradient overwrites
+ * it, and the target's logit is saved first. */
+LZ_DISPATCH static void xent_backward_row(float *dlogits, const float *logits, int64_t vocab,
+                                          int64_t Vp, int32_t target, float dloss) {
+  if (target < 0) {
+    for (int64_t i = 0; i < Vp; i++) dlogits[i] = 0.0f;
+    return;
+  }
+  float m, s;
+  softmax_stats(logits, vocab, &m, &s);
+  const float logit_target = logits[target], inv = 1.0f / s;
+  for (int64_t i = 0; i < vocab; i++) dlogits[i] = exp_neg(logits[i] - m) * inv * dloss;
+  dlogits[target] = (exp_neg(logit_target - m) * inv - 1.0f) * dloss;
+  for (int64_t i = vocab; i < Vp; i++) dlogits[i] = 0.0f;
+}
+
+lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                    const lz_tensor *targets, int64_t vocab, float dloss) {
+  const char *op = "cross_entropy_backward";
+  LZ_TRY(check_args(op, logits, targets, vocab));
+  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  LZ_TRY(lz_check_dtype(op, "dlogits", dlogits, LZ_F32));
+  LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
+
+  float *dl = dlogits->data;
+  const float *lg = logits->data;
+  const int32_t *tg = targets->data;
+#pragma omp parallel for schedule(static) if (rows * vocab > (1 << 15))
+  for (int64_t r = 0; r < rows; r++)
+    xent_backward_row(dl + r * Vp, lg + r * Vp, vocab, Vp, tg[r], dloss);
+  return LZ_OK;
+}

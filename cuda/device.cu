@@ -1,0 +1,30 @@
+// device.cu — CUDA devices as luazero sees them: how many, and their names.
+// A machine without a GPU (or without a driver) is a clear error, not a crash.
+#include "lz_internal.h"
+
+#include <cuda_runtime.h>  // cudaGetDeviceCount, cudaGetDeviceProperties
+
+extern "C" lz_status lz_cuda_device_count(int *out) {
+  *out = 0;
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky error
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "cuda: no usable GPU on this machine (%s); use device = \"cpu\"",
+                   cudaGetErrorString(e));
+  }
+  if (n == 0)
+    return lz_fail(LZ_ERR_UNSUPPORTED, "cuda: no GPU on this machine; use device = \"cpu\"");
+  *out = n;
+  return LZ_OK;
+}
+
+extern "C" const char *lz_cuda_device_name(int device) {
+  static thread_local cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "unknown";
+  }
+  return prop.name;
+}

@@ -1,0 +1,108 @@
+#!/bin/sh
+# run.sh — the multi-rank tests: the correctness matrix (comm_check) for the
+# shm backend (under lz_run) and the mpi backend (under mpirun) at 1-4 ranks,
+# bitwise equality across two runs and across the two backends, a rank killed
+# with SIGKILL mid-collective, and a rank that never joins. Ends with
+# "N passed, N failed"; exits non-zero on any failure.
+#   tests/comm/run.sh [--quick]      --quick: counts up to 1M+3 only
+# Binaries: $LZ_BIN (default build/bin): lz_run, comm_check.
+cd "$(dirname "$0")/../.."
+BIN=${LZ_BIN:-build/bin}
+QUICK=
+[ "$1" = "--quick" ] && QUICK=--quick
+for b in lz_run comm_check; do
+  [ -x "$BIN/$b" ] || { echo "run.sh: $BIN/$b is missing; build first (or set LZ_BIN)"; exit 2; }
+done
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPIRUN="mpirun --allow-run-as-root --oversubscribe"
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+passed=0
+failed=0
+ok() { passed=$((passed + 1)); echo "ok   $1"; }
+bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | tail -20; }
+now() { date +%s.%N; }
+shm_left() { ls /dev/shm 2>/dev/null | grep -c "^luazero-$1-" ; }
+
+# --- the matrix: every op x dtype x count, each backend, 1..4 ranks
+for w in 1 2 3 4; do
+  if "$BIN/lz_run" -n $w "$BIN/comm_check" --hashes $QUICK > "$TMP/shm$w" 2>&1 &&
+     grep -q "all passed" "$TMP/shm$w"; then ok "shm matrix, $w ranks $(grep -o "([0-9.]* s)" "$TMP/shm$w")"
+  else bad "shm matrix, $w ranks" "$TMP/shm$w"; fi
+  if $MPIRUN -np $w "$BIN/comm_check" --hashes $QUICK > "$TMP/mpi$w" 2>&1 &&
+     grep -q "all passed" "$TMP/mpi$w"; then ok "mpi matrix, $w ranks $(grep -o "([0-9.]* s)" "$TMP/mpi$w")"
+  else bad "mpi matrix, $w ranks" "$TMP/mpi$w"; fi
+  grep '^hash' "$TMP/shm$w" > "$TMP/h_shm$w"
+  grep '^hash' "$TMP/mpi$w" > "$TMP/h_mpi$w"
+  if [ -s "$TMP/h_shm$w" ] && cmp -s "$TMP/h_shm$w" "$TMP/h_mpi$w"; then
+    ok "shm and mpi results bitwise equal, $w ranks ($(wc -l < "$TMP/h_shm$w") cases)"
+  else bad "shm and mpi results bitwise equal, $w ranks"; fi
+done
+
+# --- a second run gives bitwise the same results
+for w in 3 4; do
+  "$BIN/lz_run" -n $w "$BIN/comm_check" --hashes --quick > "$TMP/again$w" 2>&1
+  grep '^hash' "$TMP/again$w" > "$TMP/h_again$w"
+  if [ -s "$TMP/h_again$w" ] && [ -z "$(grep -v -x -F -f "$TMP/h_shm$w" "$TMP/h_again$w")" ]; then
+    ok "second shm run bitwise equal to the first, $w ranks"
+  else bad "second shm run bitwise equal to the first, $w ranks" "$TMP/again$w"; fi
+done
+
+# --- kill -9 of rank 2 in the middle of all-reduces
+"$BIN/lz_run" -n 4 "$BIN/comm_check" --loop 60 > "$TMP/kill" 2>&1 &
+LPID=$!
+sleep 1.5
+victim=
+for p in $(pgrep -P $LPID); do
+  tr '\0' '\n' < /proc/$p/environ 2>/dev/null | grep -qx RANK=2 && victim=$p
+done
+t0=$(now)
+[ -n "$victim" ] && kill -9 "$victim"
+for i in $(seq 1 120); do kill -0 $LPID 2>/dev/null || break; sleep 0.1; done
+wait $LPID
+code=$?
+dt=$(echo "$(now) - $t0" | bc)
+if [ -n "$victim" ] && [ $code -ne 0 ] && [ "$(echo "$dt < 10" | bc)" = 1 ] &&
+   grep -q "rank 2 was killed by signal 9 (SIGKILL)" "$TMP/kill" && [ "$(shm_left $LPID)" = 0 ]; then
+  ok "kill -9 rank 2: launcher exits $code in ${dt%????} s, names the rank, /dev/shm clean"
+else bad "kill -9 rank 2 (victim '$victim', exit $code after $dt s, shm left $(shm_left $LPID))" "$TMP/kill"; fi
+
+# --- SIGTERM to the launcher: ranks stopped, segment removed
+"$BIN/lz_run" -n 3 "$BIN/comm_check" --loop 60 > "$TMP/term" 2>&1 &
+LPID=$!
+sleep 1.5
+kill -TERM $LPID
+wait $LPID
+code=$?
+if [ $code -ne 0 ] && [ "$(shm_left $LPID)" = 0 ] && [ -z "$(pgrep -P $LPID)" ]; then
+  ok "SIGTERM to the launcher: exit $code, ranks gone, /dev/shm clean"
+else bad "SIGTERM to the launcher (exit $code)" "$TMP/term"; fi
+
+# --- a rank that never joins: the others time out naming it
+t0=$(now)
+LZ_COMM_TIMEOUT=2 "$BIN/lz_run" -n 4 "$BIN/comm_check" --never-join 3 > "$TMP/never" 2>&1
+code=$?
+dt=$(echo "$(now) - $t0" | bc)
+if [ $code -ne 0 ] && [ "$(echo "$dt < 15" | bc)" = 1 ] &&
+   grep -q "all_reduce: rank 0 waited .* for ranks 3" "$TMP/never"; then
+  ok "shm: a rank that never joins: timeout error naming it, exit $code in ${dt%????} s"
+else bad "shm: a rank that never joins (exit $code after $dt s)" "$TMP/never"; fi
+t0=$(now)
+LZ_COMM_TIMEOUT=2 timeout 60 $MPIRUN -np 4 -x LZ_COMM_TIMEOUT "$BIN/comm_check" --never-join 3 > "$TMP/mnever" 2>&1
+code=$?
+dt=$(echo "$(now) - $t0" | bc)
+if [ $code -ne 0 ] && [ $code -ne 124 ] && grep -q "all_reduce: rank [0-2] waited .* for ranks 3" "$TMP/mnever"; then
+  ok "mpi: a rank that never joins: timeout error naming it, exit $code in ${dt%????} s"
+else bad "mpi: a rank that never joins (exit $code after $dt s)" "$TMP/mnever"; fi
+
+# --- output of ranks other than 0: prefixed, or silenced
+"$BIN/lz_run" -n 3 "$BIN/comm_check" --loop 0 > "$TMP/out" 2>&1
+if grep -qx "looping" "$TMP/out" && grep -qx "\[rank 1\] looping" "$TMP/out" &&
+   grep -qx "\[rank 2\] looping" "$TMP/out"; then ok "rank output prefixed"
+else bad "rank output prefixed" "$TMP/out"; fi
+"$BIN/lz_run" -n 3 --quiet-ranks "$BIN/comm_check" --loop 0 > "$TMP/quiet" 2>&1
+if [ "$(cat "$TMP/quiet")" = "looping" ]; then ok "rank output silenced (--quiet-ranks)"
+else bad "rank output silenced (--quiet-ranks)" "$TMP/quiet"; fi
+
+echo "$passed passed, $failed failed"
+[ $failed -eq 0 ]

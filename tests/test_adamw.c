@@ -1,0 +1,164 @@
+/* test_adamw.c — fused AdamW against a scalar double reference over several
+ * steps, working copies (f32, bf16, f16), thread independence, errors. */
+#include "lz_test.h"
+
+#include <stdlib.h> /* malloc */
+
+static uint64_t rng = 0x94D049BB133111EBull;
+static float frand(void) { /* uniform in [-1, 1) */
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
+}
+
+static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
+  return t;
+}
+
+/* Worst |a - b| / max(|b|, 1% of max|b|). */
+static double rel_err(const float *a, const double *b, int64_t n) {
+  double scale = 0.0, worst = 0.0;
+  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
+  for (int64_t i = 0; i < n; i++) {
+    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
+    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
+    worst = e > worst ? e : worst;
+  }
+  return worst;
+}
+
+/* torch.optim.AdamW, one element, in double. */
+static void ref_step(double *p, double *m, double *v, double grad, const lz_adamw_args *a) {
+  double g = grad * a->grad_scale, t = (double)a->step;
+  *p -= (double)a->lr * a->weight_decay * *p;
+  *m = a->beta1 * *m + (1.0 - a->beta1) * g;
+  *v = a->beta2 * *v + (1.0 - a->beta2) * g * g;
+  double mhat = *m / (1.0 - pow(a->beta1, t)), vhat = *v / (1.0 - pow(a->beta2, t));
+  *p -= a->lr * mhat / (sqrt(vhat) + a->eps);
+}
+
+/* Five steps on n elements with the working copy in `wdt` (or none); checks
+ * param, m, v against the reference and the working copy against param. */
+static void check_case(int64_t n, int with_working, lz_dtype wdt) {
+  const int64_t s1[1] = {n};
+  float *p = malloc(sizeof(float) * n), *g = malloc(sizeof(float) * n);
+  float *m = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
+  float *wf = malloc(sizeof(float) * n);
+  uint16_t *wh = malloc(sizeof(uint16_t) * n);
+  double *pd = malloc(sizeof(double) * n), *md = malloc(sizeof(double) * n);
+  double *vd = malloc(sizeof(double) * n);
+  for (int64_t i = 0; i < n; i++) {
+    p[i] = frand();
+    m[i] = v[i] = 0.0f;
+    pd[i] = p[i], md[i] = vd[i] = 0.0;
+  }
+  lz_tensor *tp = wrap(p, LZ_F32, 1, s1), *tg = wrap(g, LZ_F32, 1, s1);
+  lz_tensor *tm = wrap(m, LZ_F32, 1, s1), *tv = wrap(v, LZ_F32, 1, s1);
+  lz_tensor *tw = !with_working ? NULL
+                  : wdt == LZ_F32 ? wrap(wf, LZ_F32, 1, s1)
+                                  : wrap(wh, wdt, 1, s1);
+  lz_adamw_args args = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                        .weight_decay = 0.1f, .grad_scale = 0.5f, .step = 0};
+  for (int step = 1; step <= 5; step++) {
+    /* Gradients of mixed sizes, some zero (m = v = 0 for a while: eps matters). */
+    for (int64_t i = 0; i < n; i++) g[i] = i % 11 == 0 ? 0.0f : frand() * (i % 3 ? 1.0f : 1e-3f);
+    args.step = step;
+    CHECK_OK(lz_adamw_step(tp, tg, tm, tv, tw, &args));
+    for (int64_t i = 0; i < n; i++) ref_step(&pd[i], &md[i], &vd[i], g[i], &args);
+  }
+  CHECK(rel_err(p, pd, n) <= 1e-5);
+  CHECK(rel_err(m, md, n) <= 1e-5);
+  CHECK(rel_err(v, vd, n) <= 1e-5);
+  if (with_working) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) {
+      if (wdt == LZ_F32) ok &= wf[i] == p[i];
+      else if (wdt == LZ_BF16) ok &= wh[i] == lz_f32_to_bf16(p[i]);
+      else ok &= wh[i] == lz_f32_to_f16(p[i]);
+    }
+    CHECK(ok);
+  }
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
+  lz_tensor_free(tw);
+  free(p), free(g), free(m), free(v), free(wf), free(wh), free(pd), free(md), free(vd);
+}
+
+LZ_TEST(adamw_against_reference) { check_case(1001, 0, LZ_F32); }
+LZ_TEST(adamw_working_f32) { check_case(1001, 1, LZ_F32); }
+LZ_TEST(adamw_working_bf16) { check_case(100003, 1, LZ_BF16); } /* threaded */
+LZ_TEST(adamw_working_f16) { check_case(100003, 1, LZ_F16); }
+
+/* Elementwise, so the thread count cannot matter; check it does not. */
+LZ_TEST(adamw_thread_independent) {
+  enum { N = 200003 };
+  const int64_t s1[1] = {N};
+  float *p[2], *m[2], *v[2], *g = malloc(sizeof(float) * N);
+  for (int64_t i = 0; i < N; i++) g[i] = frand();
+  const int saved = lz_threads_get();
+  for (int k = 0; k < 2; k++) {
+    p[k] = malloc(sizeof(float) * N), m[k] = malloc(sizeof(float) * N);
+    v[k] = malloc(sizeof(float) * N);
+    for (int64_t i = 0; i < N; i++) p[k][i] = 1.0f, m[k][i] = 0.1f, v[k][i] = 0.01f;
+    lz_tensor *tp = wrap(p[k], LZ_F32, 1, s1), *tm = wrap(m[k], LZ_F32, 1, s1);
+    lz_tensor *tv = wrap(v[k], LZ_F32, 1, s1), *tg = wrap(g, LZ_F32, 1, s1);
+    lz_adamw_args args = {.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                          .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 7};
+    CHECK_OK(lz_threads_set(k + 1));
+    CHECK_OK(lz_adamw_step(tp, tg, tm, tv, NULL, &args));
+    lz_tensor_free(tp), lz_tensor_free(tm), lz_tensor_free(tv), lz_tensor_free(tg);
+  }
+  lz_threads_set(saved);
+  CHECK(memcmp(p[0], p[1], sizeof(float) * N) == 0);
+  CHECK(memcmp(m[0], m[1], sizeof(float) * N) == 0);
+  CHECK(memcmp(v[0], v[1], sizeof(float) * N) == 0);
+  for (int k = 0; k < 2; k++) free(p[k]), free(m[k]), free(v[k]);
+  free(g);
+}
+
+LZ_TEST(adamw_errors) {
+  float buf[16] = {0};
+  int32_t ibuf[16] = {0};
+  const int64_t s8[1] = {8}, s9[1] = {9};
+  lz_tensor *t = wrap(buf, LZ_F32, 1, s8), *t9 = wrap(buf, LZ_F32, 1, s9);
+  lz_tensor *ti = wrap(ibuf, LZ_I32, 1, s8), *th = wrap(buf, LZ_BF16, 1, s8);
+  const lz_adamw_args good = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                              .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 1};
+  lz_adamw_args a = good;
+  /* The failing calls below pass one tensor for all four: they stop before
+   * touching data. param, grad, m and v must be distinct memory otherwise. */
+  float pb[8] = {0}, gb[8] = {0}, mb[8] = {0}, vb[8] = {0};
+  lz_tensor *tp = wrap(pb, LZ_F32, 1, s8), *tg = wrap(gb, LZ_F32, 1, s8);
+  lz_tensor *tm = wrap(mb, LZ_F32, 1, s8), *tv = wrap(vb, LZ_F32, 1, s8);
+  CHECK_OK(lz_adamw_step(tp, tg, tm, tv, NULL, &a));
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
+  CHECK_ERR(lz_adamw_step(t, t9, t, t, NULL, &a), LZ_ERR_INVALID,
+            "adamw_step: grad is f32[9] (9 elements), expected 8 elements (the element count "
+            "of param)");
+  CHECK_ERR(lz_adamw_step(t, t, t, t9, NULL, &a), LZ_ERR_INVALID, "adamw_step: v is f32[9]");
+  CHECK_ERR(lz_adamw_step(th, t, t, t, NULL, &a), LZ_ERR_INVALID,
+            "adamw_step: param is bf16[8], expected dtype f32");
+  CHECK_ERR(lz_adamw_step(t, t, t, t, ti, &a), LZ_ERR_INVALID,
+            "adamw_step: working is i32[8], expected dtype f32, bf16 or f16");
+  CHECK_ERR(lz_adamw_step(t, t, t, t, t9, &a), LZ_ERR_INVALID, "adamw_step: working is f32[9]");
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, NULL), LZ_ERR_INVALID, "adamw_step: args is NULL");
+  a.step = 0;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID,
+            "adamw_step: args->step is 0; steps count from 1");
+  a = good, a.beta1 = 1.0f;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID,
+            "adamw_step: args->beta1 is 1; it must be in [0, 1)");
+  a = good, a.beta2 = NAN;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->beta2 is nan");
+  a = good, a.lr = -1.0f;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->lr is -1");
+  a = good, a.eps = -1.0f;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->eps is -1");
+  a = good, a.weight_decay = -0.5f;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->weight_decay is -0.5");
+  a = good, a.grad_scale = INFINITY;
+  CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->grad_scale is inf");
+  lz_tensor_free(t), lz_tensor_free(t9), lz_tensor_free(ti), lz_tensor_free(th);
+}

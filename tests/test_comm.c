@@ -1,0 +1,171 @@
+/* test_comm.c — the communicator on one rank (local backend): shard math,
+ * copies, the asynchronous queue, byte counters, argument and environment
+ * errors; and the launcher on small shell jobs (environment, a killed rank,
+ * a missing program, no segment left behind). The multi-rank matrix is
+ * tests/comm/run.sh. */
+#include "lz_test.h"
+
+#include <dirent.h>   /* scanning /dev/shm for leftovers */
+#include <stdint.h>   /* uint16_t */
+#include <stdlib.h>   /* setenv, unsetenv */
+#include <time.h>     /* clock_gettime */
+#include <unistd.h>   /* getpid */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A process outside any launcher, whatever ran this test. */
+static void clear_env(void) {
+  const char *vars[] = {"LZ_BACKEND", "LZ_SHM_NAME", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                        "WORLD_SIZE", "RANK", "LZ_COMM_TIMEOUT", NULL};
+  for (int i = 0; vars[i]; i++) unsetenv(vars[i]);
+}
+
+static int shm_leftovers(void) {
+  char prefix[64];
+  snprintf(prefix, sizeof prefix, "luazero-%d-", (int)getpid());
+  DIR *d = opendir("/dev/shm");
+  if (!d) return 0;
+  int n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)))
+    if (!strncmp(e->d_name, prefix, strlen(prefix))) n++;
+  closedir(d);
+  return n;
+}
+
+LZ_TEST(comm_shard_covers_the_count_in_order) {
+  int64_t counts[] = {0, 1, 7, 4097, 1000003};
+  for (int ci = 0; ci < 5; ci++)
+    for (int size = 1; size <= 8; size++) {
+      int64_t next = 0, c = counts[ci];
+      for (int r = 0; r < size; r++) {
+        int64_t off, len;
+        lz_comm_shard(c, size, r, &off, &len);
+        CHECK_EQ_INT(off, next);
+        CHECK_EQ_INT(len, c / size + (r < c % size ? 1 : 0));
+        next = off + len;
+      }
+      CHECK_EQ_INT(next, c);
+    }
+  int64_t off, len;
+  lz_comm_shard(10, 4, 7, &off, &len); /* not a rank: empty */
+  CHECK_EQ_INT(len, 0);
+}
+
+LZ_TEST(comm_local_ops_copy_and_count_nothing) {
+  clear_env();
+  lz_comm *c;
+  CHECK_OK(lz_comm_init(&c, LZ_COMM_AUTO));
+  if (!c) return;
+  CHECK(!strcmp(lz_comm_backend_name(c), "local"));
+  CHECK_EQ_INT(lz_comm_rank(c), 0);
+  CHECK_EQ_INT(lz_comm_size(c), 1);
+  float a[7] = {1, 2, 3, 4, 5, 6, 7}, b[7] = {0};
+  uint16_t h[7] = {0x3f80, 0x4000, 0x4040, 0x4080, 0xbf80, 0, 0x7f80};
+  CHECK_OK(lz_comm_all_reduce(c, a, 7, LZ_F32, LZ_RED_AVG, NULL));
+  CHECK(a[6] == 7.0f);
+  CHECK_OK(lz_comm_all_reduce(c, h, 7, LZ_BF16, LZ_RED_SUM, NULL));
+  CHECK_EQ_INT(h[4], 0xbf80);
+  CHECK_OK(lz_comm_reduce_scatter(c, a, b, 7, LZ_F32, LZ_RED_SUM, NULL));
+  CHECK(b[0] == 1.0f && b[6] == 7.0f);
+  memset(b, 0, sizeof b);
+  CHECK_OK(lz_comm_all_gather(c, a, b, 7, LZ_F32, NULL));
+  CHECK(b[3] == 4.0f);
+  CHECK_OK(lz_comm_broadcast(c, a, 7, LZ_F32, 0, NULL));
+  CHECK_OK(lz_comm_all_reduce(c, NULL, 0, LZ_F16, LZ_RED_MAX, NULL)); /* empty is fine */
+  CHECK_OK(lz_comm_barrier(c));
+  for (int k = 0; k < LZ_COLL_COUNT; k++) CHECK_EQ_INT(lz_comm_bytes(c, (lz_coll_kind)k), 0);
+  CHECK(!strcmp(lz_coll_kind_name(LZ_COLL_REDUCE_SCATTER), "reduce_scatter"));
+  CHECK_OK(lz_comm_free(c));
+}
+
+LZ_TEST(comm_async_work_runs_in_order) {
+  clear_env();
+  lz_comm *c;
+  CHECK_OK(lz_comm_init(&c, LZ_COMM_LOCAL));
+  if (!c) return;
+  enum { N = 16, LEN = 1000 };
+  static float src[N][LEN], dst[N][LEN];
+  lz_work *w[N];
+  for (int i = 0; i < N; i++)
+    for (int j = 0; j < LEN; j++) src[i][j] = (float)(i * LEN + j);
+  for (int i = 0; i < N; i++) {
+    CHECK_OK(lz_comm_all_gather(c, src[i], dst[i], LEN, LZ_F32, &w[i]));
+    if (i == N / 2) CHECK_OK(lz_comm_barrier(c)); /* a blocking call queues behind them */
+  }
+  int done = 0;
+  for (int spins = 0; !done && spins < 1000000; spins++) CHECK_OK(lz_work_test(w[N - 1], &done));
+  CHECK(done);
+  for (int i = 0; i < N; i++) CHECK_OK(lz_work_wait(w[i]));
+  for (int i = 0; i < N; i++) CHECK(dst[i][LEN - 1] == (float)(i * LEN + LEN - 1));
+  CHECK_OK(lz_comm_free(c));
+}
+
+LZ_TEST(comm_bad_arguments_are_named) {
+  clear_env();
+  lz_comm *c;
+  CHECK_OK(lz_comm_init(&c, LZ_COMM_LOCAL));
+  if (!c) return;
+  int32_t x[4] = {0};
+  float f[4] = {0};
+  CHECK_ERR(lz_comm_all_reduce(c, x, 4, LZ_I32, LZ_RED_SUM, NULL), LZ_ERR_INVALID, "dtype i32");
+  CHECK_ERR(lz_comm_all_reduce(c, f, -1, LZ_F32, LZ_RED_SUM, NULL), LZ_ERR_INVALID, "count is -1");
+  CHECK_ERR(lz_comm_all_reduce(c, f, 4, LZ_F32, (lz_reduce_op)9, NULL), LZ_ERR_INVALID, "reduce op 9");
+  CHECK_ERR(lz_comm_broadcast(c, f, 4, LZ_F32, 1, NULL), LZ_ERR_INVALID, "root 1");
+  CHECK_ERR(lz_comm_all_gather(c, NULL, f, 4, LZ_F32, NULL), LZ_ERR_INVALID, "send buffer");
+  CHECK_OK(lz_comm_broadcast(c, x, 4, LZ_I32, 0, NULL)); /* copies take any dtype */
+  CHECK_OK(lz_comm_free(c));
+}
+
+LZ_TEST(comm_environment_errors_name_the_fix) {
+  clear_env();
+  lz_comm *c = NULL;
+  setenv("LZ_BACKEND", "carrier-pigeon", 1);
+  CHECK_ERR(lz_comm_init(&c, LZ_COMM_AUTO), LZ_ERR_INVALID, "LZ_BACKEND");
+  unsetenv("LZ_BACKEND");
+  CHECK_ERR(lz_comm_init(&c, LZ_COMM_NCCL), LZ_ERR_UNSUPPORTED, "nccl");
+  setenv("WORLD_SIZE", "2", 1);
+  CHECK_ERR(lz_comm_init(&c, LZ_COMM_AUTO), LZ_ERR_INVALID, "luazero -n 2");
+  unsetenv("WORLD_SIZE");
+  CHECK_ERR(lz_comm_init(&c, LZ_COMM_SHM), LZ_ERR_INVALID, "LZ_SHM_NAME");
+  setenv("LZ_COMM_TIMEOUT", "soon", 1);
+  CHECK_ERR(lz_comm_init(&c, LZ_COMM_LOCAL), LZ_ERR_INVALID, "LZ_COMM_TIMEOUT");
+  unsetenv("LZ_COMM_TIMEOUT");
+  CHECK(c == NULL);
+}
+
+LZ_TEST(launch_sets_the_torchrun_environment) {
+  clear_env();
+  char *argv[] = {"/bin/sh", "-c",
+                  "test \"$WORLD_SIZE\" = 3 && test \"$LOCAL_WORLD_SIZE\" = 3 && "
+                  "test \"$LOCAL_RANK\" = \"$RANK\" && test \"$RANK\" -lt 3 && "
+                  "test -n \"$MASTER_ADDR\" && test -n \"$MASTER_PORT\" && "
+                  "test -n \"$OMP_NUM_THREADS\" && test -e \"/dev/shm$LZ_SHM_NAME\"",
+                  NULL};
+  int code = -1;
+  CHECK_OK(lz_launch(3, argv, &code));
+  CHECK_EQ_INT(code, 0);
+  CHECK_EQ_INT(shm_leftovers(), 0);
+}
+
+LZ_TEST(launch_stops_the_job_when_a_rank_is_killed) {
+  clear_env();
+  setenv("LZ_RANK_OUTPUT", "quiet", 1);
+  char *argv[] = {"/bin/sh", "-c", "if [ $RANK = 1 ]; then kill -9 $$; fi; sleep 30", NULL};
+  int code = -1;
+  double t0 = now_s();
+  CHECK_OK(lz_launch(3, argv, &code));
+  CHECK_EQ_INT(code, 128 + 9);
+  CHECK(now_s() - t0 < 10);
+  CHECK_EQ_INT(shm_leftovers(), 0);
+  char *missing[] = {"/nonexistent/program", NULL};
+  CHECK_OK(lz_launch(2, missing, &code));
+  CHECK_EQ_INT(code, 127);
+  unsetenv("LZ_RANK_OUTPUT");
+  CHECK_ERR(lz_launch(0, argv, &code), LZ_ERR_INVALID, "-n 0");
+  CHECK_EQ_INT(shm_leftovers(), 0);
+}

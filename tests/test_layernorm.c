@@ -1,0 +1,232 @@
+/* test_layernorm.c — layernorm forward against a double reference, backward
+ * against central differences of that reference, determinism, errors. */
+#include "lz_test.h"
+
+#include <stdlib.h> /* malloc */
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static float frand(void) { /* uniform in [-1, 1) */
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
+}
+
+static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
+  return t;
+}
+
+/* Worst |a - b| / max(|b|, 1% of max|b|): relative error, floored so the
+ * near-zero entries of a gradient are judged against its scale. */
+static double rel_err(const float *a, const double *b, int64_t n) {
+  double scale = 0.0, worst = 0.0;
+  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
+  for (int64_t i = 0; i < n; i++) {
+    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
+    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
+    worst = e > worst ? e : worst;
+  }
+  return worst;
+}
+
+/* The double reference: out = (x - mean) / sqrt(var + eps) * w + b per row;
+ * returns L = sum(out * dy), the loss whose gradient backward computes. */
+static double ref_forward(double *out, const double *x, const double *w, const double *b,
+                          const double *dy, int64_t rows, int64_t C, double eps) {
+  double loss = 0.0;
+  for (int64_t r = 0; r < rows; r++) {
+    const double *xr = x + r * C;
+    double m = 0.0, v = 0.0;
+    for (int64_t i = 0; i < C; i++) m += xr[i];
+    m /= (double)C;
+    for (int64_t i = 0; i < C; i++) v += (xr[i] - m) * (xr[i] - m);
+    v /= (double)C;
+    double s = 1.0 / sqrt(v + eps);
+    for (int64_t i = 0; i < C; i++) {
+      double o = (xr[i] - m) * s * w[i] + b[i];
+      if (out) out[r * C + i] = o;
+      loss += o * dy[r * C + i];
+    }
+  }
+  return loss;
+}
+
+/* Central difference of ref_forward's loss in element i of `p`. */
+static double fd(double *p, int64_t i, const double *x, const double *w, const double *b,
+                 const double *dy, int64_t rows, int64_t C, double eps) {
+  const double h = 1e-5, keep = p[i];
+  p[i] = keep + h;
+  double up = ref_forward(NULL, x, w, b, dy, rows, C, eps);
+  p[i] = keep - h;
+  double down = ref_forward(NULL, x, w, b, dy, rows, C, eps);
+  p[i] = keep;
+  return (up - down) / (2 * h);
+}
+
+/* Runs forward and backward on random data of the given size and checks them
+ * against the reference; `stride` > 1 checks only every stride-th gradient
+ * entry (central differences cost a full forward each). */
+static void check_case(int64_t B, int64_t T, int64_t C, int64_t stride) {
+  const int64_t rows = B * T, n = rows * C;
+  const float eps = 1e-5f;
+  float *x = malloc(sizeof(float) * n), *out = malloc(sizeof(float) * n);
+  float *dy = malloc(sizeof(float) * n), *dx = malloc(sizeof(float) * n);
+  float *w = malloc(sizeof(float) * C), *b = malloc(sizeof(float) * C);
+  float *dw = malloc(sizeof(float) * C), *db = malloc(sizeof(float) * C);
+  float *dw0 = malloc(sizeof(float) * C), *db0 = malloc(sizeof(float) * C);
+  float *mean = malloc(sizeof(float) * rows), *rstd = malloc(sizeof(float) * rows);
+  double *xd = malloc(sizeof(double) * n), *dyd = malloc(sizeof(double) * n);
+  double *outd = malloc(sizeof(double) * n), *wd = malloc(sizeof(double) * C);
+  double *bd = malloc(sizeof(double) * C);
+  /* Rows with a mean far from zero test the two-pass variance. */
+  for (int64_t i = 0; i < n; i++) x[i] = 3.0f + 2.0f * frand();
+  for (int64_t i = 0; i < n; i++) dy[i] = frand();
+  for (int64_t i = 0; i < C; i++) {
+    w[i] = 1.0f + 0.5f * frand();
+    b[i] = 0.5f * frand();
+    dw0[i] = dw[i] = frand(); /* parameter gradients accumulate */
+    db0[i] = db[i] = frand();
+  }
+  for (int64_t i = 0; i < n; i++) xd[i] = x[i], dyd[i] = dy[i];
+  for (int64_t i = 0; i < C; i++) wd[i] = w[i], bd[i] = b[i];
+
+  const int64_t s3[3] = {B, T, C}, sc[1] = {C}, sr[2] = {B, T};
+  lz_tensor *tx = wrap(x, LZ_F32, 3, s3), *tout = wrap(out, LZ_F32, 3, s3);
+  lz_tensor *tdy = wrap(dy, LZ_F32, 3, s3), *tdx = wrap(dx, LZ_F32, 3, s3);
+  lz_tensor *tw = wrap(w, LZ_F32, 1, sc), *tb = wrap(b, LZ_F32, 1, sc);
+  lz_tensor *tdw = wrap(dw, LZ_F32, 1, sc), *tdb = wrap(db, LZ_F32, 1, sc);
+  lz_tensor *tmean = wrap(mean, LZ_F32, 2, sr), *trstd = wrap(rstd, LZ_F32, 2, sr);
+
+  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, eps));
+  ref_forward(outd, xd, wd, bd, dyd, rows, C, eps);
+  /* fp32 rounding of x - mean (x near 3, so ulp ~ 5e-7) bounds this. */
+  CHECK(rel_err(out, outd, n) <= 5e-5);
+  for (int64_t r = 0; r < rows; r++) {
+    double m = 0.0;
+    for (int64_t i = 0; i < C; i++) m += xd[r * C + i];
+    CHECK_NEAR(mean[r], m / (double)C, 1e-6);
+  }
+
+  CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  /* Compare the sampled entries: analytic (fp32) against differences (double). */
+  int64_t nx = 0, nc = 0;
+  float *ga = malloc(sizeof(float) * (n + 2 * C));
+  double *gd = malloc(sizeof(double) * (n + 2 * C));
+  for (int64_t i = 0; i < n; i += stride, nx++) {
+    ga[nx] = dx[i];
+    gd[nx] = fd(xd, i, xd, wd, bd, dyd, rows, C, eps);
+  }
+  CHECK(rel_err(ga, gd, nx) <= 1e-3);
+  for (int64_t i = 0; i < C; i += (stride > 1 ? 7 : 1), nc++) {
+    ga[nc] = dw[i] - dw0[i];
+    gd[nc] = fd(wd, i, xd, wd, bd, dyd, rows, C, eps);
+  }
+  CHECK(rel_err(ga, gd, nc) <= 1e-3);
+  nc = 0;
+  for (int64_t i = 0; i < C; i += (stride > 1 ? 7 : 1), nc++) {
+    ga[nc] = db[i] - db0[i];
+    gd[nc] = fd(bd, i, xd, wd, bd, dyd, rows, C, eps);
+  }
+  CHECK(rel_err(ga, gd, nc) <= 1e-3);
+
+  free(ga), free(gd);
+  lz_tensor *ts[] = {tx, tout, tdy, tdx, tw, tb, tdw, tdb, tmean, trstd};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+  free(x), free(out), free(dy), free(dx), free(w), free(b), free(dw), free(db);
+  free(dw0), free(db0), free(mean), free(rstd), free(xd), free(dyd), free(outd), free(wd);
+  free(bd);
+}
+
+LZ_TEST(layernorm_small_against_reference) { check_case(2, 3, 37, 1); }
+
+/* Big enough for the threaded path (and C a multiple of the lane count). */
+LZ_TEST(layernorm_large_against_reference) { check_case(4, 16, 768, 97); }
+
+/* dw, db, dx do not depend on the thread count, to the bit. */
+LZ_TEST(layernorm_backward_deterministic) {
+  enum { ROWS = 96, C = 520 };
+  static float x[ROWS * C], dy[ROWS * C], out[ROWS * C], w[C], b[C], mean[ROWS], rstd[ROWS];
+  static float dx[2][ROWS * C], dw[2][C], db[2][C];
+  for (int i = 0; i < ROWS * C; i++) x[i] = frand(), dy[i] = frand();
+  for (int i = 0; i < C; i++) w[i] = frand(), b[i] = frand();
+  const int64_t s2[2] = {ROWS, C}, sc[1] = {C}, sr[1] = {ROWS};
+  lz_tensor *tx = wrap(x, LZ_F32, 2, s2), *tdy = wrap(dy, LZ_F32, 2, s2);
+  lz_tensor *tout = wrap(out, LZ_F32, 2, s2), *tw = wrap(w, LZ_F32, 1, sc);
+  lz_tensor *tb = wrap(b, LZ_F32, 1, sc), *tmean = wrap(mean, LZ_F32, 1, sr);
+  lz_tensor *trstd = wrap(rstd, LZ_F32, 1, sr);
+  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
+  const int saved = lz_threads_get();
+  for (int k = 0; k < 2; k++) {
+    CHECK_OK(lz_threads_set(k + 1));
+    lz_tensor *tdx = wrap(dx[k], LZ_F32, 2, s2), *tdw = wrap(dw[k], LZ_F32, 1, sc);
+    lz_tensor *tdb = wrap(db[k], LZ_F32, 1, sc);
+    CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
+    lz_tensor_free(tdx), lz_tensor_free(tdw), lz_tensor_free(tdb);
+  }
+  lz_threads_set(saved);
+  CHECK(memcmp(dx[0], dx[1], sizeof dx[0]) == 0);
+  CHECK(memcmp(dw[0], dw[1], sizeof dw[0]) == 0);
+  CHECK(memcmp(db[0], db[1], sizeof db[0]) == 0);
+  lz_tensor_free(tx), lz_tensor_free(tdy), lz_tensor_free(tout), lz_tensor_free(tw);
+  lz_tensor_free(tb), lz_tensor_free(tmean), lz_tensor_free(trstd);
+}
+
+/* dx may be dy (the backward of an in-place residual path). */
+LZ_TEST(layernorm_backward_dx_aliases_dy) {
+  enum { ROWS = 5, C = 33 };
+  float x[ROWS * C], dy[ROWS * C], out[ROWS * C], dx[ROWS * C], w[C], b[C];
+  float dw[C] = {0}, db[C] = {0}, mean[ROWS], rstd[ROWS];
+  for (int i = 0; i < ROWS * C; i++) x[i] = frand(), dy[i] = frand();
+  for (int i = 0; i < C; i++) w[i] = frand(), b[i] = frand();
+  const int64_t s2[2] = {ROWS, C}, sc[1] = {C}, sr[1] = {ROWS};
+  lz_tensor *tx = wrap(x, LZ_F32, 2, s2), *tdy = wrap(dy, LZ_F32, 2, s2);
+  lz_tensor *tout = wrap(out, LZ_F32, 2, s2), *tdx = wrap(dx, LZ_F32, 2, s2);
+  lz_tensor *tw = wrap(w, LZ_F32, 1, sc), *tb = wrap(b, LZ_F32, 1, sc);
+  lz_tensor *tdw = wrap(dw, LZ_F32, 1, sc), *tdb = wrap(db, LZ_F32, 1, sc);
+  lz_tensor *tmean = wrap(mean, LZ_F32, 1, sr), *trstd = wrap(rstd, LZ_F32, 1, sr);
+  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
+  CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  memset(dw, 0, sizeof dw), memset(db, 0, sizeof db);
+  CHECK_OK(lz_layernorm_backward(tdy, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  CHECK(memcmp(dx, dy, sizeof dx) == 0);
+  lz_tensor *ts[] = {tx, tdy, tout, tdx, tw, tb, tdw, tdb, tmean, trstd};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+}
+
+LZ_TEST(layernorm_errors) {
+  float buf[4096] = {0};
+  int32_t ibuf[256] = {0};
+  const int64_t s3[3] = {2, 4, 128}, s64[1] = {64}, s128[1] = {128}, s8[1] = {8},
+                s7[1] = {7}, s3b[3] = {2, 4, 64};
+  lz_tensor *x = wrap(buf, LZ_F32, 3, s3), *out = wrap(buf, LZ_F32, 3, s3);
+  lz_tensor *w = wrap(buf, LZ_F32, 1, s128), *w64 = wrap(buf, LZ_F32, 1, s64);
+  lz_tensor *mean = wrap(buf, LZ_F32, 1, s8), *mean7 = wrap(buf, LZ_F32, 1, s7);
+  lz_tensor *xi = wrap(ibuf, LZ_I32, 1, s128), *out_bad = wrap(buf, LZ_F32, 3, s3b);
+  CHECK_ERR(lz_layernorm_forward(out, mean, mean, x, w64, w, 1e-5f), LZ_ERR_INVALID,
+            "layernorm_forward: w is f32[64] (64 elements), expected 128 elements (the last "
+            "dimension of x)");
+  CHECK_ERR(lz_layernorm_forward(out, mean, mean, x, w, w64, 1e-5f), LZ_ERR_INVALID,
+            "layernorm_forward: b is f32[64]");
+  CHECK_ERR(lz_layernorm_forward(out, mean7, mean, x, w, w, 1e-5f), LZ_ERR_INVALID,
+            "layernorm_forward: mean is f32[7] (7 elements), expected 8 elements (one per row");
+  CHECK_ERR(lz_layernorm_forward(out_bad, mean, mean, x, w, w, 1e-5f), LZ_ERR_INVALID,
+            "layernorm_forward: out is f32[2,4,64] but x is f32[2,4,128]");
+  CHECK_ERR(lz_layernorm_forward(out, mean, mean, x, xi, w, 1e-5f), LZ_ERR_INVALID,
+            "layernorm_forward: w is i32[128], expected dtype f32");
+  CHECK_ERR(lz_layernorm_forward(out, mean, mean, NULL, w, w, 1e-5f), LZ_ERR_INVALID,
+            "layernorm_forward: x is missing");
+  CHECK_ERR(lz_layernorm_forward(out, mean, mean, x, w, w, -1.0f), LZ_ERR_INVALID,
+            "layernorm_forward: eps is -1");
+  CHECK_ERR(lz_layernorm_backward(out, w64, w, x, x, w, mean, mean), LZ_ERR_INVALID,
+            "layernorm_backward: dw is f32[64]");
+  CHECK_ERR(lz_layernorm_backward(out, w, w, out_bad, x, w, mean, mean), LZ_ERR_INVALID,
+            "layernorm_backward: dy is f32[2,4,64] but x is f32[2,4,128]");
+  CHECK_ERR(lz_layernorm_backward(out, w, NULL, x, x, w, mean, mean), LZ_ERR_INVALID,
+            "layernorm_backward: db is missing");
+  CHECK_ERR(lz_layernorm_backward(out, w, w, x, x, w, mean, mean7), LZ_ERR_INVALID,
+            "layernorm_backward: rstd is f32[7]");
+  lz_tensor *ts[] = {x, out, w, w64, mean, mean7, xi, out_bad};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+}

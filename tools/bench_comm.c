@@ -1,0 +1,155 @@
+/* bench_comm.c — one side of tools/bench-comm: times all-reduce (sum),
+ * reduce-scatter and all-gather of f32 from 4 KiB to 256 MiB on the
+ * communicator it finds (shm under the launcher, mpi under mpirun) and rank 0
+ * prints one line per point: "R backend ranks op bytes seconds".
+ *   --raw-mpi   OpenMPI's own MPI_Allreduce / MPI_Reduce_scatter_block /
+ *               MPI_Allgather instead of luazero's backends (run under mpirun)
+ *   --memcpy    single-thread memcpy of the same sizes (the ceiling)
+ *   --max BYTES the largest size (default 256 MiB) */
+#include "luazero.h"
+
+#include <mpi.h>    /* --raw-mpi */
+#include <stdio.h>  /* printf */
+#include <stdlib.h> /* atoll */
+#include <string.h> /* memcpy */
+#include <time.h>   /* clock_gettime */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Timed batches per point; the best is reported (this kind of machine is noisy). */
+#define BATCHES 3
+
+static int iters_for(size_t bytes) {
+  size_t it = ((size_t)1536 << 20) / bytes;
+  return it < 6 ? 6 : it > 300 ? 300 : (int)it;
+}
+
+static const char *op_names[3] = {"all_reduce", "reduce_scatter", "all_gather"};
+
+static int run_memcpy(size_t max) {
+  void *a, *b;
+  if (lz_mem_alloc(&a, max, LZ_MEM_WORKSPACE) || lz_mem_alloc(&b, max, LZ_MEM_WORKSPACE)) return 1;
+  memset(a, 1, max);
+  memset(b, 2, max);
+  for (size_t n = 4096; n <= max; n *= 4) {
+    int it = iters_for(n);
+    memcpy(b, a, n);
+    double best = 1e30;
+    for (int batch = 0; batch < BATCHES; batch++) {
+      double t0 = now_s();
+      for (int i = 0; i < it; i++) memcpy(b, a, n);
+      double t = (now_s() - t0) / it;
+      if (t < best) best = t;
+    }
+    printf("R memcpy 1 memcpy %zu %.9f\n", n, best);
+  }
+  return 0;
+}
+
+static int run_raw_mpi(size_t max) {
+  MPI_Init(NULL, NULL);
+  int rank, W;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &W);
+  float *a, *b;
+  if (lz_mem_alloc((void **)&a, max, LZ_MEM_COMM) || lz_mem_alloc((void **)&b, max, LZ_MEM_COMM))
+    return 1;
+  memset(a, 0, max);
+  memset(b, 0, max);
+  for (size_t n = 4096; n <= max; n *= 4) {
+    int count = (int)(n / 4), shard = count / W;
+    for (int op = 0; op < 3; op++) {
+      int it = (iters_for(n) + BATCHES - 1) / BATCHES;
+      double best = 1e30;
+      for (int batch = 0; batch < BATCHES; batch++) {
+        double t0 = 0;
+        for (int i = batch ? 0 : -1; i < it; i++) {
+          if (i == 0) {
+            MPI_Barrier(MPI_COMM_WORLD);
+            t0 = now_s();
+          }
+          if (op == 0) MPI_Allreduce(MPI_IN_PLACE, a, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+          else if (op == 1)
+            MPI_Reduce_scatter_block(a, b, shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+          else MPI_Allgather(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
+        }
+        double t = (now_s() - t0) / it, tmax;
+        MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (tmax < best) best = tmax;
+      }
+      if (rank == 0) printf("R ompi %d %s %zu %.9f\n", W, op_names[op], n, best);
+    }
+  }
+  MPI_Finalize();
+  return 0;
+}
+
+static int run_luazero(size_t max) {
+  lz_comm *c;
+  if (lz_comm_init(&c, LZ_COMM_AUTO) != LZ_OK) {
+    fprintf(stderr, "bench_comm: %s\n", lz_last_error());
+    return 1;
+  }
+  int rank = lz_comm_rank(c), W = lz_comm_size(c);
+  float *a, *b;
+  if (lz_mem_alloc((void **)&a, max, LZ_MEM_COMM) || lz_mem_alloc((void **)&b, max, LZ_MEM_COMM))
+    return 1;
+  memset(a, 0, max);
+  memset(b, 0, max);
+  for (size_t n = 4096; n <= max; n *= 4) {
+    int64_t count = (int64_t)(n / 4), off, len;
+    lz_comm_shard(count, W, rank, &off, &len);
+    for (int op = 0; op < 3; op++) {
+      int it = (iters_for(n) + BATCHES - 1) / BATCHES;
+      float best = 1e30f;
+      for (int batch = 0; batch < BATCHES; batch++) {
+        double t0 = 0;
+        lz_status st = LZ_OK;
+        for (int i = batch ? 0 : -1; i < it && st == LZ_OK; i++) {
+          if (i == 0) {
+            lz_comm_barrier(c);
+            t0 = now_s();
+          }
+          if (op == 0) st = lz_comm_all_reduce(c, a, count, LZ_F32, LZ_RED_SUM, NULL);
+          else if (op == 1) st = lz_comm_reduce_scatter(c, a, b, count, LZ_F32, LZ_RED_SUM, NULL);
+          else st = lz_comm_all_gather(c, a + off, b, count, LZ_F32, NULL);
+        }
+        float t = (float)((now_s() - t0) / it);
+        if (st != LZ_OK || lz_comm_all_reduce(c, &t, 1, LZ_F32, LZ_RED_MAX, NULL) != LZ_OK) {
+          fprintf(stderr, "bench_comm: %s\n", lz_last_error());
+          return 1;
+        }
+        if (t < best) best = t;
+      }
+      if (rank == 0)
+        printf("R %s %d %s %zu %.9f\n", lz_comm_backend_name(c), W, op_names[op], n, (double)best);
+    }
+  }
+  lz_mem_free(a);
+  lz_mem_free(b);
+  lz_comm_free(c);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  int raw = 0, mcp = 0;
+  size_t max = (size_t)256 << 20;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--raw-mpi")) raw = 1;
+    else if (!strcmp(argv[i], "--memcpy")) mcp = 1;
+    else if (!strcmp(argv[i], "--max") && i + 1 < argc) max = (size_t)atoll(argv[++i]);
+    else {
+      fprintf(stderr, "bench_comm: unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  if (max < 4096) max = 4096;
+  if (mcp) return run_memcpy(max);
+  if (raw) return run_raw_mpi(max);
+  return run_luazero(max);
+}
