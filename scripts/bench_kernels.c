@@ -1,0 +1,487 @@
+/* bench_kernels.c — the CPU kernels against their yardsticks, in one run.
+ *
+ * GEMMs: the linear layers of GPT-2 124M (qkv, attn proj, fc, fc proj, LM
+ * head) at several row counts (B*T), forward and the two backward GEMMs
+ * (dx = dy w, dw += dy^T x), in GFLOP/s, through
+ *   ours f32   lz_linear_forward / lz_linear_backward on f32 tensors
+ *   dnnl f32   raw dnnl_sgemm on the same buffers
+ *   blas f32   raw OpenBLAS cblas_sgemm on the same buffers
+ *   ours bf16  the same lz calls on bf16 tensors
+ *   dnnl bf16  a raw oneDNN matmul primitive (bf16 in, f32 out), built once
+ * and the ratios ours/raw oneDNN. The implementations take turns within each
+ * repetition, so a noisy neighbour hurts them alike; figures are medians.
+ *
+ * Then the fwd+bwd time of attention, layernorm, GELU and cross-entropy, as
+ * lines "OP <op> <shape> <ms>" that tools/bench-kernels joins with the same
+ * ops timed in PyTorch (scripts/bench_kernels_torch.py).
+ *
+ *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops]
+ * Threads: OMP_NUM_THREADS for ours and oneDNN, OPENBLAS_NUM_THREADS for OpenBLAS
+ * (tools/bench-kernels sets both). */
+#include "luazero.h"
+
+#include <cblas.h>  /* cblas_sgemm, openblas_set_num_threads: OpenBLAS */
+#include <dnnl.h>   /* dnnl_sgemm and the bf16 matmul primitive */
+#include <math.h>   /* sqrt */
+#include <stdio.h>  /* printf */
+#include <stdlib.h> /* qsort, strtol, exit */
+#include <string.h> /* strcmp */
+#include <time.h>   /* clock_gettime */
+
+#define CHECK_LZ(call)                                                             \
+  do {                                                                             \
+    lz_status st_ = (call);                                                        \
+    if (st_ != LZ_OK) {                                                            \
+      fprintf(stderr, "bench_kernels: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, \
+              lz_last_error());                                                    \
+      exit(1);                                                                     \
+    }                                                                              \
+  } while (0)
+
+#define CHECK_DNNL(call)                                                                         \
+  do {                                                                                           \
+    dnnl_status_t st_ = (call);                                                                  \
+    if (st_ != dnnl_success) {                                                                   \
+      fprintf(stderr, "bench_kernels: %s:%d: %s: oneDNN status %d\n", __FILE__, __LINE__, #call, \
+              (int)st_);                                                                         \
+      exit(1);                                                                                   \
+    }                                                                                            \
+  } while (0)
+
+/* ---------------------------------------------------------------- timing */
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+static double median(double *x, int n) {
+  qsort(x, (size_t)n, sizeof *x, cmp_double);
+  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+/* Repetitions for a case whose one warm-up run took `t` seconds: at least
+ * `lo`, about `budget` seconds in all, at most 50. */
+static int reps_for(double t, int lo, double budget) {
+  int r = t > 0 ? (int)(budget / t) : 50;
+  return r < lo ? lo : r > 50 ? 50 : r;
+}
+
+/* --------------------------------------------------------------- tensors */
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static float frand(void) { /* uniform in [-1, 1) */
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
+}
+
+static lz_tensor *tensor(lz_dtype dt, int ndim, int64_t d0, int64_t d1, int64_t d2) {
+  int64_t shape[3] = {d0, d1, d2};
+  lz_tensor *t = NULL;
+  CHECK_LZ(lz_tensor_new(&t, dt, ndim, shape, LZ_MEM_WORKSPACE));
+  return t;
+}
+
+static lz_tensor *random_f32(int ndim, int64_t d0, int64_t d1, int64_t d2, float scale) {
+  lz_tensor *t = tensor(LZ_F32, ndim, d0, d1, d2);
+  float *p = t->data;
+  for (int64_t i = 0; i < lz_tensor_numel(t); i++) p[i] = scale * frand();
+  return t;
+}
+
+static lz_tensor *to_bf16(const lz_tensor *src) {
+  lz_tensor *t = tensor(LZ_BF16, src->ndim, src->shape[0], src->shape[1], src->shape[2]);
+  CHECK_LZ(lz_tensor_copy(t, src));
+  return t;
+}
+
+/* ------------------------------------------------- raw oneDNN bf16 matmul */
+
+static dnnl_engine_t engine;
+static dnnl_stream_t stream;
+
+typedef struct {
+  dnnl_primitive_t prim;
+  dnnl_memory_t a, b, c;
+} raw_bf16;
+
+/* Row-major [rows, cols] stored transposed when `trans`. */
+static void md2(dnnl_memory_desc_t *md, int64_t rows, int64_t cols, int trans,
+                dnnl_data_type_t dt) {
+  dnnl_dims_t dims = {rows, cols};
+  dnnl_dims_t strides = {trans ? 1 : cols, trans ? rows : 1};
+  CHECK_DNNL(dnnl_memory_desc_init_by_strides(md, 2, dims, dt, strides));
+}
+
+/* c[m, n] (f32) = op(a)[m, k] @ op(b)[k, n] + beta c, a and b bf16. */
+static raw_bf16 raw_bf16_new(int64_t m, int64_t n, int64_t k, int ta, int tb, float beta) {
+  if (!engine) {
+    CHECK_DNNL(dnnl_engine_create(&engine, dnnl_cpu, 0));
+    CHECK_DNNL(dnnl_stream_create(&stream, engine, dnnl_stream_default_flags));
+  }
+  dnnl_memory_desc_t a_md, b_md, c_md;
+  md2(&a_md, m, k, ta, dnnl_bf16);
+  md2(&b_md, k, n, tb, dnnl_bf16);
+  md2(&c_md, m, n, 0, dnnl_f32);
+  dnnl_matmul_desc_t desc;
+  CHECK_DNNL(dnnl_matmul_desc_init(&desc, &a_md, &b_md, NULL, &c_md));
+  dnnl_primitive_attr_t attr;
+  CHECK_DNNL(dnnl_primitive_attr_create(&attr));
+  dnnl_post_ops_t ops = NULL;
+  if (beta != 0.0f) {
+    CHECK_DNNL(dnnl_post_ops_create(&ops));
+    CHECK_DNNL(dnnl_post_ops_append_sum(ops, beta));
+    CHECK_DNNL(dnnl_primitive_attr_set_post_ops(attr, ops));
+  }
+  dnnl_primitive_desc_t pd;
+  CHECK_DNNL(dnnl_primitive_desc_create(&pd, &desc, attr, engine, NULL));
+  raw_bf16 r;
+  CHECK_DNNL(dnnl_primitive_create(&r.prim, pd));
+  dnnl_primitive_desc_destroy(pd);
+  if (ops) dnnl_post_ops_destroy(ops);
+  dnnl_primitive_attr_destroy(attr);
+  CHECK_DNNL(dnnl_memory_create(&r.a, &a_md, engine, DNNL_MEMORY_NONE));
+  CHECK_DNNL(dnnl_memory_create(&r.b, &b_md, engine, DNNL_MEMORY_NONE));
+  CHECK_DNNL(dnnl_memory_create(&r.c, &c_md, engine, DNNL_MEMORY_NONE));
+  return r;
+}
+
+static void raw_bf16_run(raw_bf16 *r, const void *a, const void *b, float *c) {
+  CHECK_DNNL(dnnl_memory_set_data_handle(r->a, (void *)a));
+  CHECK_DNNL(dnnl_memory_set_data_handle(r->b, (void *)b));
+  CHECK_DNNL(dnnl_memory_set_data_handle(r->c, c));
+  dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, r->a}, {DNNL_ARG_WEIGHTS, r->b}, {DNNL_ARG_DST, r->c}};
+  CHECK_DNNL(dnnl_primitive_execute(r->prim, stream, 3, args));
+  CHECK_DNNL(dnnl_stream_wait(stream));
+}
+
+static void raw_bf16_free(raw_bf16 *r) {
+  dnnl_primitive_destroy(r->prim);
+  dnnl_memory_destroy(r->a);
+  dnnl_memory_destroy(r->b);
+  dnnl_memory_destroy(r->c);
+}
+
+/* ------------------------------------------------------------------ GEMMs */
+
+enum { OURS_F32, DNNL_F32, BLAS_F32, OURS_BF16, DNNL_BF16, N_IMPL };
+static const char *impl_name[N_IMPL] = {"ours f32", "dnnl f32", "blas f32", "ours bf16",
+                                        "dnnl bf16"};
+enum { FWD, DX, DW };
+static const char *dir_name[3] = {"fwd", "bwd dx", "bwd dw"};
+
+typedef struct {
+  const char *name;
+  int64_t in, out; /* C -> OC */
+} layer;
+
+static const layer gpt2_layers[] = {
+    {"qkv", 768, 2304},     {"attn proj", 768, 768}, {"fc", 768, 3072},
+    {"fc proj", 3072, 768}, {"lm head", 768, 50257},
+};
+
+typedef struct {
+  lz_tensor *x, *w, *bias, *y, *dy, *dx, *dw; /* f32 */
+  lz_tensor *xb, *wb, *dyb;                   /* bf16 copies */
+  raw_bf16 raw[3];
+  int bf16;
+} linear_bufs;
+
+/* One GEMM of one implementation. */
+static void run_gemm(linear_bufs *L, int impl, int dir, int64_t R, int64_t C, int64_t OC) {
+  float *x = L->x->data, *w = L->w->data, *y = L->y->data, *dy = L->dy->data;
+  float *dx = L->dx->data, *dw = L->dw->data;
+  switch (impl) {
+    case OURS_F32:
+    case OURS_BF16: {
+      int bf = impl == OURS_BF16;
+      lz_tensor *xt = bf ? L->xb : L->x, *wt = bf ? L->wb : L->w, *dyt = bf ? L->dyb : L->dy;
+      if (dir == FWD) CHECK_LZ(lz_linear_forward(L->y, xt, wt, L->bias));
+      if (dir == DX) CHECK_LZ(lz_linear_backward(L->dx, NULL, NULL, dyt, xt, wt));
+      if (dir == DW) CHECK_LZ(lz_linear_backward(NULL, L->dw, NULL, dyt, xt, wt));
+      break;
+    }
+    case DNNL_F32:
+      if (dir == FWD) CHECK_DNNL(dnnl_sgemm('N', 'T', R, OC, C, 1.0f, x, C, w, C, 0.0f, y, OC));
+      if (dir == DX) CHECK_DNNL(dnnl_sgemm('N', 'N', R, C, OC, 1.0f, dy, OC, w, C, 0.0f, dx, C));
+      if (dir == DW) CHECK_DNNL(dnnl_sgemm('T', 'N', OC, C, R, 1.0f, dy, OC, x, C, 1.0f, dw, C));
+      break;
+    case BLAS_F32:
+      if (dir == FWD)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, OC, C, 1.0f, x, C, w, C, 0.0f, y,
+                    OC);
+      if (dir == DX)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, R, C, OC, 1.0f, dy, OC, w, C, 0.0f,
+                    dx, C);
+      if (dir == DW)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, R, 1.0f, dy, OC, x, C, 1.0f, dw,
+                    C);
+      break;
+    case DNNL_BF16:
+      if (dir == FWD) raw_bf16_run(&L->raw[FWD], L->xb->data, L->wb->data, y);
+      if (dir == DX) raw_bf16_run(&L->raw[DX], L->dyb->data, L->wb->data, dx);
+      if (dir == DW) raw_bf16_run(&L->raw[DW], L->dyb->data, L->xb->data, dw);
+      break;
+  }
+}
+
+static double time_gemm(linear_bufs *L, int impl, int dir, int64_t R, int64_t C, int64_t OC) {
+  double t0 = now();
+  run_gemm(L, impl, dir, R, C, OC);
+  return now() - t0;
+}
+
+/* GFLOP/s summed over a row count: total flops / total median time. */
+typedef struct {
+  double flops, secs[N_IMPL];
+} totals;
+
+/* ratio: ours / raw oneDNN in GFLOP/s; NULL: the ratio of the times given. */
+static void print_gflops_row(const char *label, double flops, const double *secs,
+                             const double *ratio, int bf16) {
+  double g[N_IMPL];
+  for (int i = 0; i < N_IMPL; i++) g[i] = secs[i] > 0 ? flops / secs[i] / 1e9 : 0.0;
+  double r32 = ratio ? ratio[0] : g[OURS_F32] / g[DNNL_F32];
+  double r16 = ratio ? ratio[1] : g[OURS_BF16] / g[DNNL_BF16];
+  printf("%-32s | %8.1f %8.1f %8.1f %6.3f |", label, g[OURS_F32], g[DNNL_F32], g[BLAS_F32], r32);
+  if (bf16)
+    printf(" %9.1f %9.1f %6.3f\n", g[OURS_BF16], g[DNNL_BF16], r16);
+  else
+    printf(" %9s %9s %6s\n", "-", "-", "-");
+}
+
+/* Median over repetitions of t[raw][r] / t[ours][r]: the two ran back to back,
+ * so a slow moment of the machine cancels out of each pair. */
+static double paired_ratio(const double *ours, const double *raw, int reps) {
+  double q[50];
+  for (int r = 0; r < reps; r++) q[r] = raw[r] / ours[r];
+  return median(q, reps);
+}
+
+static void bench_gemms(const int64_t *rows, int nrows, int bf16) {
+  printf(
+      "# GEMMs of GPT-2 124M's linear layers, GFLOP/s (median), %d threads; ratio = "
+      "ours / raw oneDNN\n# (per GEMM: median of back-to-back pairs; 'all layers': total "
+      "flops / summed medians)\n",
+      lz_threads_get());
+  printf("%-32s | %8s %8s %8s %6s | %9s %9s %6s\n", "layer  rows x in -> out  dir",
+         impl_name[OURS_F32], impl_name[DNNL_F32], impl_name[BLAS_F32], "ratio",
+         impl_name[OURS_BF16], impl_name[DNNL_BF16], "ratio");
+  totals all = {0};
+  for (int ri = 0; ri < nrows; ri++) {
+    int64_t R = rows[ri];
+    totals sum = {0};
+    for (size_t li = 0; li < sizeof gpt2_layers / sizeof *gpt2_layers; li++) {
+      const layer *ly = &gpt2_layers[li];
+      int64_t C = ly->in, OC = ly->out;
+      linear_bufs L = {0};
+      L.bf16 = bf16;
+      L.x = random_f32(2, R, C, 0, 1.0f);
+      L.w = random_f32(2, OC, C, 0, 0.02f);
+      L.bias = random_f32(1, OC, 0, 0, 0.1f);
+      L.y = tensor(LZ_F32, 2, R, OC, 0);
+      L.dy = random_f32(2, R, OC, 0, 1e-3f);
+      L.dx = tensor(LZ_F32, 2, R, C, 0);
+      L.dw = random_f32(2, OC, C, 0, 0.0f);
+      if (bf16) {
+        L.xb = to_bf16(L.x);
+        L.wb = to_bf16(L.w);
+        L.dyb = to_bf16(L.dy);
+        L.raw[FWD] = raw_bf16_new(R, OC, C, 0, 1, 0.0f);
+        L.raw[DX] = raw_bf16_new(R, C, OC, 0, 0, 0.0f);
+        L.raw[DW] = raw_bf16_new(OC, C, R, 1, 0, 1.0f);
+      }
+      double flops = 2.0 * (double)R * (double)C * (double)OC;
+      for (int dir = 0; dir < 3; dir++) {
+        int nimpl = bf16 ? N_IMPL : OURS_BF16;
+        double warm = 0.0;
+        for (int i = 0; i < nimpl; i++) { /* warm-up: caches, primitives, pages */
+          double t = time_gemm(&L, i, dir, R, C, OC);
+          if (i == DNNL_F32) warm = t;
+        }
+        int reps = reps_for(warm * nimpl, 5, 1.5);
+        double t[N_IMPL][50], med[N_IMPL] = {0};
+        for (int r = 0; r < reps; r++) /* take turns: noise hits all alike */
+          for (int i = 0; i < nimpl; i++) t[i][r] = time_gemm(&L, i, dir, R, C, OC);
+        double ratio[2] = {paired_ratio(t[OURS_F32], t[DNNL_F32], reps),
+                           bf16 ? paired_ratio(t[OURS_BF16], t[DNNL_BF16], reps) : 0.0};
+        for (int i = 0; i < nimpl; i++) med[i] = median(t[i], reps);
+        char label[64];
+        snprintf(label, sizeof label, "%-9s %4lld x %4lld->%-5lld %s", ly->name, (long long)R,
+                 (long long)C, (long long)OC, dir_name[dir]);
+        print_gflops_row(label, flops, med, ratio, bf16);
+        fflush(stdout);
+        sum.flops += flops;
+        for (int i = 0; i < N_IMPL; i++) sum.secs[i] += med[i];
+      }
+      if (bf16)
+        for (int d = 0; d < 3; d++) raw_bf16_free(&L.raw[d]);
+      lz_tensor *all_t[] = {L.x, L.w, L.bias, L.y, L.dy, L.dx, L.dw, L.xb, L.wb, L.dyb};
+      for (size_t i = 0; i < sizeof all_t / sizeof *all_t; i++) lz_tensor_free(all_t[i]);
+    }
+    char label[64];
+    snprintf(label, sizeof label, "all layers, %lld rows", (long long)R);
+    print_gflops_row(label, sum.flops, sum.secs, NULL, bf16);
+    all.flops += sum.flops;
+    for (int i = 0; i < N_IMPL; i++) all.secs[i] += sum.secs[i];
+  }
+  if (nrows > 1) print_gflops_row("all layers, all rows", all.flops, all.secs, NULL, bf16);
+  printf("\n");
+}
+
+/* -------------------------------------------------------------- the ops */
+
+/* Median of `reps` fwd+bwd runs (after one warm-up), in milliseconds. */
+typedef void (*step_fn)(void *ctx);
+
+static double time_ms(step_fn fn, void *ctx, int lo) {
+  double t0 = now();
+  fn(ctx);
+  int reps = reps_for(now() - t0, lo, 2.0);
+  double t[50];
+  for (int r = 0; r < reps; r++) {
+    double s = now();
+    fn(ctx);
+    t[r] = now() - s;
+  }
+  return 1e3 * median(t, reps);
+}
+
+typedef struct {
+  int nh;
+  lz_tensor *qkv, *out, *lse, *dout, *dqkv;
+} attn_ctx;
+static void attn_step(void *p) {
+  attn_ctx *c = p;
+  CHECK_LZ(lz_attention_forward(c->out, c->lse, c->qkv, c->nh));
+  CHECK_LZ(lz_attention_backward(c->dqkv, c->dout, c->qkv, c->out, c->lse, c->nh));
+}
+
+typedef struct {
+  lz_tensor *x, *w, *b, *out, *mean, *rstd, *dy, *dx, *dw, *db;
+} ln_ctx;
+static void ln_step(void *p) {
+  ln_ctx *c = p;
+  CHECK_LZ(lz_layernorm_forward(c->out, c->mean, c->rstd, c->x, c->w, c->b, 1e-5f));
+  CHECK_LZ(lz_layernorm_backward(c->dx, c->dw, c->db, c->dy, c->x, c->w, c->mean, c->rstd));
+}
+
+typedef struct {
+  lz_tensor *x, *out, *dy, *dx;
+} gelu_ctx;
+static void gelu_step(void *p) {
+  gelu_ctx *c = p;
+  CHECK_LZ(lz_gelu_forward(c->out, c->x));
+  CHECK_LZ(lz_gelu_backward(c->dx, c->dy, c->x));
+}
+
+typedef struct {
+  int64_t vocab;
+  float dloss;
+  lz_tensor *logits, *targets, *losses, *dlogits;
+} ce_ctx;
+static void ce_step(void *p) {
+  ce_ctx *c = p;
+  CHECK_LZ(lz_cross_entropy_forward(c->losses, c->logits, c->targets, c->vocab));
+  CHECK_LZ(lz_cross_entropy_backward(c->dlogits, c->logits, c->targets, c->vocab, c->dloss));
+}
+
+static void free_all(lz_tensor **t, int n) {
+  for (int i = 0; i < n; i++) lz_tensor_free(t[i]);
+}
+
+static void bench_ops(void) {
+  printf("# fwd+bwd, ms (median), %d threads\n", lz_threads_get());
+  const int64_t B = 4, C = 768;
+  const int64_t attn_T[2] = {256, 1024};
+  for (int i = 0; i < 2; i++) {
+    int64_t T = attn_T[i];
+    attn_ctx c = {12,
+                  random_f32(3, B, T, 3 * C, 1.0f),
+                  tensor(LZ_F32, 3, B, T, C),
+                  tensor(LZ_F32, 3, B, 12, T),
+                  random_f32(3, B, T, C, 1.0f),
+                  tensor(LZ_F32, 3, B, T, 3 * C)};
+    printf("OP attention B=%lld,T=%lld,C=%lld,NH=12 %.3f\n", (long long)B, (long long)T,
+           (long long)C, time_ms(attn_step, &c, 5));
+    fflush(stdout);
+    free_all((lz_tensor *[]){c.qkv, c.out, c.lse, c.dout, c.dqkv}, 5);
+  }
+  const int64_t rows_T[2] = {256, 1024};
+  for (int i = 0; i < 2; i++) {
+    int64_t T = rows_T[i];
+    ln_ctx c = {random_f32(3, B, T, C, 2.0f), random_f32(1, C, 0, 0, 1.0f),
+                random_f32(1, C, 0, 0, 1.0f), tensor(LZ_F32, 3, B, T, C),
+                tensor(LZ_F32, 2, B, T, 0),   tensor(LZ_F32, 2, B, T, 0),
+                random_f32(3, B, T, C, 1.0f), tensor(LZ_F32, 3, B, T, C),
+                random_f32(1, C, 0, 0, 0.0f), random_f32(1, C, 0, 0, 0.0f)};
+    printf("OP layernorm B=%lld,T=%lld,C=%lld %.3f\n", (long long)B, (long long)T, (long long)C,
+           time_ms(ln_step, &c, 10));
+    fflush(stdout);
+    free_all((lz_tensor *[]){c.x, c.w, c.b, c.out, c.mean, c.rstd, c.dy, c.dx, c.dw, c.db}, 10);
+  }
+  for (int i = 0; i < 2; i++) {
+    int64_t T = rows_T[i];
+    gelu_ctx c = {random_f32(3, B, T, 4 * C, 3.0f), tensor(LZ_F32, 3, B, T, 4 * C),
+                  random_f32(3, B, T, 4 * C, 1.0f), tensor(LZ_F32, 3, B, T, 4 * C)};
+    printf("OP gelu B=%lld,T=%lld,C=%lld %.3f\n", (long long)B, (long long)T, (long long)(4 * C),
+           time_ms(gelu_step, &c, 10));
+    fflush(stdout);
+    free_all((lz_tensor *[]){c.x, c.out, c.dy, c.dx}, 4);
+  }
+  {
+    const int64_t T = 256, V = 50257;
+    ce_ctx c = {V,
+                1.0f / (float)(B * T),
+                random_f32(3, B, T, V, 4.0f),
+                tensor(LZ_I32, 2, B, T, 0),
+                tensor(LZ_F32, 2, B, T, 0),
+                tensor(LZ_F32, 3, B, T, V)};
+    int32_t *tg = c.targets->data;
+    for (int64_t i = 0; i < B * T; i++) tg[i] = (int32_t)((frand() + 1.0f) * 0.5f * (float)V) % V;
+    printf("OP cross_entropy B=%lld,T=%lld,V=%lld %.3f\n", (long long)B, (long long)T, (long long)V,
+           time_ms(ce_step, &c, 5));
+    fflush(stdout);
+    free_all((lz_tensor *[]){c.logits, c.targets, c.losses, c.dlogits}, 4);
+  }
+}
+
+int main(int argc, char **argv) {
+  int64_t rows[16] = {256, 1024};
+  int nrows = 2, gemms = 1, ops = 1;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--rows") && i + 1 < argc) {
+      nrows = 0;
+      char *s = argv[++i], *end;
+      for (long v; nrows < 16 && (v = strtol(s, &end, 10)) > 0; s = end) rows[nrows++] = v;
+      if (nrows == 0) {
+        fprintf(stderr, "bench_kernels: --rows wants positive counts, like \"256 1024\"\n");
+        return 2;
+      }
+    } else if (!strcmp(argv[i], "--no-gemm")) {
+      gemms = 0;
+    } else if (!strcmp(argv[i], "--no-ops")) {
+      ops = 0;
+    } else {
+      fprintf(stderr, "usage: bench_kernels [--rows \"256 1024\"] [--no-gemm] [--no-ops]\n");
+      return 2;
+    }
+  }
+  int bf16 = lz_cpu_has("avx512bf16");
+  const char *blas_threads = getenv("OPENBLAS_NUM_THREADS");
+  openblas_set_num_threads(blas_threads ? atoi(blas_threads) : lz_threads_get());
+  printf("# luazero %s; OpenBLAS core %s; oneDNN %d.%d.%d%s\n", lz_version(),
+         openblas_get_corename(), dnnl_version()->major, dnnl_version()->minor,
+         dnnl_version()->patch, bf16 ? "" : "; no AVX512-BF16: bf16 columns skipped");
+  if (gemms) bench_gemms(rows, nrows, bf16);
+  if (ops) bench_ops();
+  return 0;
+}

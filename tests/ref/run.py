@@ -1,0 +1,58 @@
+"""run.py — runs every tests/ref/test_*.py (the PyTorch reference tests).
+
+Each file runs as its own process with this interpreter and ends with an
+"N passed, N failed" line; this prints each file's output, then the sums. A
+file that exits non-zero without failures, or prints no summary, counts as one
+failure. Run with Debian's /usr/bin/python3 (python3-torch):
+    /usr/bin/python3 tests/ref/run.py [test_x.py ...]
+LZ_LIB picks the library (default build/lib/libluazero.so).
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed\s*$", re.M)
+
+
+def main(argv):
+    try:
+        import numpy  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as e:
+        print(f"ref: {sys.executable} cannot import {e.name}: install python3-torch and "
+              "python3-numpy (apt-get install python3-torch python3-numpy, or tools/setup) "
+              "and run with /usr/bin/python3")
+        print("0 passed, 1 failed")
+        return 1
+    files = [os.path.join(HERE, f) for f in argv] if argv else sorted(
+        glob.glob(os.path.join(HERE, "test_*.py")))
+    total_pass = total_fail = 0
+    for path in files:
+        name = os.path.basename(path)
+        print(f"== {name}", flush=True)
+        proc = subprocess.run([sys.executable, path], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=HERE)
+        sys.stdout.write(proc.stdout)
+        found = SUMMARY.findall(proc.stdout)
+        if not found:
+            print(f"== {name}: exit {proc.returncode} without a summary line: 1 failure")
+            total_fail += 1
+            continue
+        p, f = map(int, found[-1])
+        if proc.returncode != 0 and f == 0:
+            print(f"== {name}: exit {proc.returncode} with no failed check: 1 failure")
+            f = 1
+        total_pass += p
+        total_fail += f
+    if not files:
+        print("ref: no tests/ref/test_*.py found")
+        total_fail += 1
+    print(f"{total_pass} passed, {total_fail} failed")
+    return 1 if total_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
