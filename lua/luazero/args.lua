@@ -1,0 +1,68 @@
+-- args.lua — command-line flags for scripts: "--name value" or "--name=value",
+-- typed, with defaults. Errors are plain one-line strings naming the flag.
+--
+--   local flags = args.parse(arg, {
+--     { "steps", "int", 100, "optimizer steps" },
+--     { "lr", "number", nil, "peak learning rate" },
+--     { "model", "string", "gpt2-nano", "model size" },
+--   })
+local M = {}
+
+local kinds = { int = true, number = true, string = true }
+
+local function convert(name, kind, text)
+  if kind == "string" then return text end
+  local v = tonumber(text)
+  if v == nil or v ~= v or v == math.huge or v == -math.huge then
+    error(("--%s: '%s' is not a number"):format(name, text), 0)
+  end
+  if kind == "int" and v ~= math.floor(v) then
+    error(("--%s: '%s' is not a whole number"):format(name, text), 0)
+  end
+  return v
+end
+
+-- argv: a list of strings; spec: { {name, kind, default, help}, ... }.
+-- Returns { [name with - turned into _] = value }. "--help" returns nil and
+-- the usage text.
+function M.parse(argv, spec)
+  local by_name, out = {}, {}
+  for _, s in ipairs(spec) do
+    assert(kinds[s[2]], "args: kind of --" .. s[1] .. " must be int, number or string")
+    by_name[s[1]] = s
+    out[s[1]:gsub("-", "_")] = s[3]
+  end
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    if a == "--help" or a == "-h" then return nil, M.usage(spec) end
+    local name, value = a:match("^%-%-([%w%-]+)=(.*)$")
+    if not name then name = a:match("^%-%-([%w%-]+)$") end
+    if not name then
+      error(("unexpected argument '%s' (flags look like --steps 100; --help lists them)")
+            :format(a), 0)
+    end
+    local s = by_name[name]
+    if not s then error(("unknown flag --%s (--help lists the flags)"):format(name), 0) end
+    if value == nil then
+      i = i + 1
+      value = argv[i]
+      if value == nil then error(("--%s needs a value"):format(name), 0) end
+    end
+    out[name:gsub("-", "_")] = convert(name, s[2], value)
+    i = i + 1
+  end
+  return out
+end
+
+function M.usage(spec)
+  local lines = {}
+  for _, s in ipairs(spec) do
+    local default = s[3] == nil and "" or (" (default " .. tostring(s[3]) .. ")")
+    lines[#lines + 1] = ("  --%-20s %s%s"):format(s[1] .. " " .. s[2]:upper(), s[4] or "",
+                                                   default)
+  end
+  return table.concat(lines, "\n")
+end
+
+return M

@@ -1,0 +1,37 @@
+-- nn/attention.lua — causal multi-head self-attention: c_attn (C -> 3C: q, k,
+-- v), the fused attention kernel, c_proj (C -> C).
+local lz = require("luazero")
+local Module = require("luazero.nn.module")
+local Linear = require("luazero.nn.linear")
+
+local ops = lz.ops
+local CausalSelfAttention = Module:extend("CausalSelfAttention")
+
+function CausalSelfAttention.new(n_embd, n_head, proj_std)
+  assert(n_embd % n_head == 0, "attention: n_embd must be a multiple of n_head")
+  local self = setmetatable({}, CausalSelfAttention):init()
+  self.n_embd, self.n_head = n_embd, n_head
+  self:add("c_attn", Linear.new(n_embd, 3 * n_embd))
+  self:add("c_proj", Linear.new(n_embd, n_embd, { std = proj_std }))
+  return self
+end
+
+function CausalSelfAttention:forward(x)
+  local B, T = x:dim(1), x:dim(2)
+  local qkv = self:run_forward(self.c_attn, x)
+  local y = self:activation({ B, T, self.n_embd })
+  local lse = self:activation({ B, self.n_head, T })
+  ops.attention_forward(y, lse, qkv, self.n_head)
+  self.qkv, self.att_out, self.lse = qkv, y, lse
+  return self:run_forward(self.c_proj, y)
+end
+
+function CausalSelfAttention:backward(dy)
+  local dy_att = self:run_backward(self.c_proj, dy)
+  local qkv = self.qkv
+  local dqkv = self:scratch({ qkv:dim(1), qkv:dim(2), qkv:dim(3) })
+  ops.attention_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head)
+  return self:run_backward(self.c_attn, dqkv)
+end
+
+return CausalSelfAttention

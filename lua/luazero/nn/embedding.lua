@@ -1,0 +1,35 @@
+-- nn/embedding.lua — token plus position embedding, GPT-2's input layer.
+-- One kernel does both lookups, so one module holds both tables; their names
+-- stay Hugging Face's (wte.weight, wpe.weight) because the module sits in its
+-- parent's namespace (added with name false).
+local lz = require("luazero")
+local Module = require("luazero.nn.module")
+
+local ops = lz.ops
+local Embedding = Module:extend("Embedding")
+
+-- vocab: rows of the token table (may be padded past the real vocabulary);
+-- positions: rows of the position table (the model's context).
+function Embedding.new(vocab, positions, n_embd, std)
+  local self = setmetatable({}, Embedding):init()
+  self.vocab, self.positions, self.n_embd = vocab, positions, n_embd
+  local init = { kind = "normal", std = std or 0.02 }
+  self:param("wte", { vocab, n_embd }, init, true, "wte.weight")
+  self:param("wpe", { positions, n_embd }, init, true, "wpe.weight")
+  return self
+end
+
+-- tokens i32 [B, T] -> [B, T, C]
+function Embedding:forward(tokens)
+  local y = self:activation({ tokens:dim(1), tokens:dim(2), self.n_embd })
+  ops.embedding_forward(y, tokens, self.p.wte, self.p.wpe)
+  self.input = tokens
+  return y
+end
+
+-- Tokens have no gradient: returns nothing.
+function Embedding:backward(dy)
+  ops.embedding_backward(self.g.wte, self.g.wpe, dy, self.input)
+end
+
+return Embedding

@@ -1,0 +1,13 @@
+-- nn — modules that own their forward and backward (Torch7 style): the Module
+-- base, layers (Linear, LayerNorm, Embedding), GPT-2's parts
+-- (CausalSelfAttention, MLP, Block) and the Sequential container.
+return {
+  Module = require("luazero.nn.module"),
+  Linear = require("luazero.nn.linear"),
+  LayerNorm = require("luazero.nn.layernorm"),
+  Embedding = require("luazero.nn.embedding"),
+  CausalSelfAttention = require("luazero.nn.attention"),
+  MLP = require("luazero.nn.mlp"),
+  Block = require("luazero.nn.block"),
+  Sequential = require("luazero.nn.sequential"),
+}

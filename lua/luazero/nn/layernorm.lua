@@ -1,0 +1,35 @@
+-- nn/layernorm.lua — LayerNorm over the last dimension (eps 1e-5, as GPT-2).
+local lz = require("luazero")
+local Module = require("luazero.nn.module")
+
+local ops = lz.ops
+local LayerNorm = Module:extend("LayerNorm")
+
+function LayerNorm.new(n, eps)
+  local self = setmetatable({}, LayerNorm):init()
+  self.n, self.eps = n, eps or 1e-5
+  self:param("weight", { n }, { kind = "ones" }, false)
+  self:param("bias", { n }, { kind = "zeros" }, false)
+  return self
+end
+
+-- x [B, T, C]; mean and 1/std per row are kept for backward.
+function LayerNorm:forward(x)
+  local B, T = x:dim(1), x:dim(2)
+  local y = self:activation({ B, T, self.n })
+  self.mean = self:activation({ B, T })
+  self.rstd = self:activation({ B, T })
+  ops.layernorm_forward(y, self.mean, self.rstd, x, self.p.weight, self.p.bias, self.eps)
+  self.input = x
+  return y
+end
+
+function LayerNorm:backward(dy)
+  local x = self.input
+  local dx = self:scratch({ x:dim(1), x:dim(2), self.n })
+  ops.layernorm_backward(dx, self.g.weight, self.g.bias, dy, x, self.p.weight, self.mean,
+                         self.rstd)
+  return dx
+end
+
+return LayerNorm

@@ -1,0 +1,163 @@
+-- nn/module.lua — the Module base class (Torch7 nn style, no autograd tape).
+--
+-- A module declares its parameters (shape, initialisation, weight-decay group)
+-- when it is built, but owns no memory for them: the model lays every
+-- parameter of the tree out in one flat fp32 buffer (and one flat gradient
+-- buffer) in canonical order and binds views into them (module.p.<key>,
+-- module.g.<key>). A ZeRO engine can bind the same parameter table to
+-- gathered or partitioned buffers instead, without touching the modules.
+--
+-- forward(x) saves what backward needs and returns its output from the
+-- activation arena (ctx.arena, reset every micro-step). backward(dy)
+-- ACCUMULATES parameter gradients into module.g and returns dx, allocated in
+-- ctx.scratch (backward scratch, which a model may reset between blocks).
+--
+-- Containers run their children through Module:run_forward/run_backward,
+-- which call the hooks registered on the shared context around each child:
+-- the points where a ZeRO-3 engine gathers parameters before a module runs
+-- and releases them / reduce-scatters their gradients after.
+local Module = {}
+Module.__index = Module
+
+-- Subclassing: local Linear = Module:extend("Linear").
+function Module:extend(name)
+  local cls = setmetatable({}, { __index = self })
+  cls.__index = cls
+  cls.__name = name
+  cls.__tostring = function(m) return name .. "(" .. (m.path or "?") .. ")" end
+  return cls
+end
+
+-- Fields every module has; subclasses call this first in their constructor.
+function Module:init()
+  self.params = {}   -- ordered parameter specs: {key, name, shape, numel, init, decay}
+  self.children = {} -- ordered {name, module}
+  self.p, self.g = {}, {}
+  self.training = true
+  return self
+end
+
+-- Declares a parameter. key: the field in module.p/module.g; name: the last
+-- part of its stable name (defaults to key). init: {kind = "normal", std =
+-- 0.02} | {kind = "zeros"} | {kind = "ones"}. decay: whether AdamW's weight
+-- decay applies (2-D weights yes, biases and LayerNorm no).
+function Module:param(key, shape, init, decay, name)
+  local numel = 1
+  for _, s in ipairs(shape) do numel = numel * s end
+  self.params[#self.params + 1] = {
+    key = key, name = name or key, shape = shape, numel = numel, init = init,
+    decay = decay and true or false,
+  }
+end
+
+-- name false: the child's parameters sit directly in this module's namespace.
+function Module:add(name, child)
+  self.children[#self.children + 1] = { name = name, module = child }
+  if name then self[name] = child end
+  return child
+end
+
+local function join(prefix, name)
+  if not name or name == "" then return prefix end
+  if prefix == "" then return name end
+  return prefix .. "." .. name
+end
+
+-- Visits this module and its descendants depth first, own parameters before
+-- children's: that is the canonical order of the parameter table.
+function Module:walk(fn, prefix)
+  prefix = prefix or ""
+  self.path = prefix
+  fn(self, prefix)
+  for _, c in ipairs(self.children) do c.module:walk(fn, join(prefix, c.name)) end
+end
+
+-- The parameter table: { {name, shape, numel, offset, decay, init, module,
+-- key}, ... } in canonical order, offsets in elements into the flat buffer.
+function Module:parameter_table()
+  local table_, offset = {}, 0
+  self:walk(function(m, prefix)
+    for _, spec in ipairs(m.params) do
+      table_[#table_ + 1] = {
+        name = join(prefix, spec.name), shape = spec.shape, numel = spec.numel,
+        offset = offset, decay = spec.decay, init = spec.init, module = m, key = spec.key,
+      }
+      offset = offset + spec.numel
+    end
+  end)
+  return table_, offset
+end
+
+-- Points every module's p/g at views of the flat buffers (grads may be nil,
+-- e.g. for inference).
+function Module:bind(entries, params_flat, grads_flat)
+  for _, e in ipairs(entries) do
+    e.module.p[e.key] = params_flat:view(e.offset, e.shape)
+    if grads_flat then e.module.g[e.key] = grads_flat:view(e.offset, e.shape) end
+  end
+end
+
+-- The context shared by a whole model: arena, scratch, hooks.
+function Module:set_context(ctx)
+  self:walk(function(m) m.ctx = ctx end)
+end
+
+function Module:train()
+  self:walk(function(m) m.training = true end)
+end
+
+function Module:evaluate()
+  self:walk(function(m) m.training = false end)
+end
+
+------------------------------------------------------------------- hooks
+
+local hook_kinds = { pre_forward = true, post_forward = true, pre_backward = true,
+                     post_backward = true }
+
+-- fn(module) runs around every child a container runs (not the root itself).
+function Module:register_hook(kind, fn)
+  assert(hook_kinds[kind], "nn: hook kind must be pre_forward, post_forward, pre_backward "
+         .. "or post_backward (got " .. tostring(kind) .. ")")
+  local ctx = assert(self.ctx, "nn: set_context before registering hooks")
+  ctx.hooks = ctx.hooks or {}
+  local list = ctx.hooks[kind] or {}
+  ctx.hooks[kind] = list
+  list[#list + 1] = fn
+end
+
+local function run_hooks(ctx, kind, m)
+  local list = ctx.hooks and ctx.hooks[kind]
+  if list then for i = 1, #list do list[i](m) end end
+end
+
+function Module:run_forward(child, ...)
+  local ctx = self.ctx
+  run_hooks(ctx, "pre_forward", child)
+  local out = child:forward(...)
+  run_hooks(ctx, "post_forward", child)
+  return out
+end
+
+function Module:run_backward(child, dy)
+  local ctx = self.ctx
+  run_hooks(ctx, "pre_backward", child)
+  local dx = child:backward(dy)
+  run_hooks(ctx, "post_backward", child)
+  return dx
+end
+
+------------------------------------------------------------- allocation
+
+-- Activations of this micro-step (forward outputs, saved for backward).
+function Module:activation(shape, dtype)
+  return self.ctx.arena:tensor(shape, dtype)
+end
+
+-- Gradients flowing backward; dead once the previous module has used them.
+function Module:scratch(shape, dtype)
+  local ctx = self.ctx
+  return (ctx.scratch or ctx.arena):tensor(shape, dtype)
+end
+
+return Module

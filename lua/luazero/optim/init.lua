@@ -1,0 +1,5 @@
+-- optim — optimizers and learning-rate schedules.
+return {
+  AdamW = require("luazero.optim.adamw"),
+  schedule = require("luazero.optim.schedule"),
+}

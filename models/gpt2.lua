@@ -1,0 +1,312 @@
+-- models/gpt2.lua — the GPT-2 family: pre-LayerNorm blocks, learned position
+-- embeddings, GELU (tanh), the token embedding tied to the LM head.
+--
+--   local gpt2 = require("models.gpt2")
+--   local cfg = gpt2.config("gpt2-nano", { n_layer = 2 })
+--   local model = gpt2.new(cfg)       -- declares the parameter table
+--   model:allocate()                  -- flat fp32 params and grads, views bound
+--   model:init_weights(seed)          -- N(0, 0.02), residual projections scaled
+--   model:prepare(B, T)               -- activation arena sized for B x T
+--   local loss = model:forward(tokens, targets); model:backward(scale)
+--
+-- Parameter names are Hugging Face's (transformer.h.0.attn.c_attn.weight,
+-- ...) and the parameter table lists them in that canonical order. Linear
+-- weights are [out, in] (nn.Linear); Hugging Face's Conv1D stores [in, out].
+local ffi = require("ffi")
+local lz = require("luazero")
+local nn = require("luazero.nn")
+local rng = require("luazero.rng")
+
+local ops = lz.ops
+local M = {}
+
+------------------------------------------------------------------ configs
+
+-- lr: a learning rate that trains the size well, used when --lr is not given.
+M.configs = {
+  ["gpt2-nano"] = { n_layer = 4, n_head = 4, n_embd = 128, context = 256, vocab = 256,
+                    lr = 3e-3 },
+  ["gpt2"] = { n_layer = 12, n_head = 12, n_embd = 768, context = 1024, vocab = 50257,
+               lr = 6e-4 },
+  ["gpt2-medium"] = { n_layer = 24, n_head = 16, n_embd = 1024, context = 1024,
+                      vocab = 50257, lr = 3e-4 },
+  ["gpt2-large"] = { n_layer = 36, n_head = 20, n_embd = 1280, context = 1024,
+                     vocab = 50257, lr = 2.5e-4 },
+  ["gpt2-xl"] = { n_layer = 48, n_head = 25, n_embd = 1600, context = 1024, vocab = 50257,
+                  lr = 2e-4 },
+}
+M.names = { "gpt2-nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" }
+
+-- The embedding table gets rows up to a multiple of 64 (50257 -> 50304) so
+-- the LM-head GEMM runs on friendly shapes; the loss uses the real vocab.
+local function padded(vocab) return math.ceil(vocab / 64) * 64 end
+
+-- A named size with overrides (n_layer, n_head, n_embd, context, vocab).
+-- Errors are plain strings naming the thing and the fix.
+function M.config(name, overrides)
+  local base = M.configs[name]
+  if not base then
+    error(("unknown model '%s' (known: %s)"):format(tostring(name),
+          table.concat(M.names, ", ")), 0)
+  end
+  local cfg = { name = name }
+  for k, v in pairs(base) do cfg[k] = v end
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  for _, k in ipairs({ "n_layer", "n_head", "n_embd", "context", "vocab" }) do
+    local v = cfg[k]
+    if type(v) ~= "number" or v < 1 or v ~= math.floor(v) then
+      error(("%s must be a whole number >= 1 (got %s)"):format(k, tostring(v)), 0)
+    end
+  end
+  if cfg.n_embd % cfg.n_head ~= 0 then
+    error(("n_embd %d is not a multiple of n_head %d"):format(cfg.n_embd, cfg.n_head), 0)
+  end
+  if cfg.vocab > 65536 then
+    error(("vocab %d is above 65536, the most a token file's uint16 ids can name")
+          :format(cfg.vocab), 0)
+  end
+  cfg.padded_vocab = padded(cfg.vocab)
+  return cfg
+end
+
+---------------------------------------------------------- tied LM head
+
+-- logits = x @ wte^T: borrows the embedding's table, declares no parameter of
+-- its own (Hugging Face's lm_head.weight is transformer.wte.weight). A ZeRO-3
+-- engine reads `tied` to gather that table before this module runs.
+local LMHead = nn.Module:extend("LMHead")
+
+function LMHead.new(embedding, padded_vocab)
+  local self = setmetatable({}, LMHead):init()
+  self.embedding, self.padded_vocab = embedding, padded_vocab
+  self.tied = { weight = "transformer.wte.weight" }
+  return self
+end
+
+function LMHead:forward(x)
+  local logits = self:activation({ x:dim(1), x:dim(2), self.padded_vocab })
+  ops.linear_forward(logits, x, self.embedding.p.wte, nil)
+  self.input = x
+  return logits
+end
+
+function LMHead:backward(dlogits)
+  local x = self.input
+  local dx = self:scratch({ x:dim(1), x:dim(2), x:dim(3) })
+  ops.linear_backward(dx, self.embedding.g.wte, nil, dlogits, x, self.embedding.p.wte)
+  return dx
+end
+
+-------------------------------------------------------------------- model
+
+local GPT = nn.Module:extend("GPT")
+M.GPT = GPT
+
+function M.new(cfg)
+  local self = setmetatable({}, GPT):init()
+  self.cfg = cfg
+  local C, L = cfg.n_embd, cfg.n_layer
+  -- GPT-2: residual projections start smaller, so the residual stream's
+  -- variance does not grow with depth.
+  local proj_std = 0.02 / math.sqrt(2 * L)
+  local transformer = self:add("transformer", setmetatable({}, nn.Module):init())
+  transformer.embedding = transformer:add(false,
+                                          nn.Embedding.new(cfg.padded_vocab, cfg.context, C))
+  local blocks = {}
+  for i = 1, L do blocks[i] = nn.Block.new(C, cfg.n_head, proj_std) end
+  transformer:add("h", nn.Sequential.new(blocks))
+  transformer:add("ln_f", nn.LayerNorm.new(C))
+  self:add("lm_head", LMHead.new(transformer.embedding, cfg.padded_vocab))
+  self.param_table, self.n_params = self:parameter_table()
+  self:set_context({})
+  return self
+end
+
+-- Real parameters (the padded embedding rows excluded), as papers count them.
+function GPT:count_params()
+  return self.n_params - (self.cfg.padded_vocab - self.cfg.vocab) * self.cfg.n_embd
+end
+
+-- One flat fp32 buffer for the parameters and one for their gradients; every
+-- parameter is a view at its offset in the parameter table.
+function GPT:allocate()
+  self.params_flat = lz.tensor({ self.n_params }, "f32", "params")
+  self.grads_flat = lz.tensor({ self.n_params }, "f32", "grads")
+  self:bind(self.param_table, self.params_flat, self.grads_flat)
+  return self
+end
+
+-- Deterministic for a seed: one generator walks the table in canonical order.
+function GPT:init_weights(seed)
+  local r = rng.new(seed, 1)
+  for _, e in ipairs(self.param_table) do
+    local t = e.module.p[e.key]
+    local kind = e.init.kind
+    if kind == "normal" then
+      r:fill_normal(ffi.cast("float *", t.data), e.numel, e.init.std)
+    elseif kind == "ones" then
+      t:fill(1)
+    else
+      t:fill(0)
+    end
+  end
+  -- Padding rows of the token table are never looked up nor scored: zero
+  -- keeps them inert (weight decay leaves zeros at zero).
+  local cfg = self.cfg
+  local pad = cfg.padded_vocab - cfg.vocab
+  if pad > 0 then
+    self.transformer.embedding.p.wte:view(cfg.vocab * cfg.n_embd, { pad * cfg.n_embd }):fill(0)
+  end
+  return self
+end
+
+function GPT:zero_grad() self.grads_flat:zero() end
+
+------------------------------------------------------------ activations
+
+local ALIGN = 64
+
+-- Forward keeps every listed tensor until backward; backward needs at most
+-- one block's gradients at a time (two scratch arenas take turns).
+local function arena_sizes(cfg, B, T)
+  local C, NH, Vp = cfg.n_embd, cfg.n_head, cfg.padded_vocab
+  local BT, BTC = B * T, B * T * C
+  local function bytes(counts)
+    local n = 0
+    for _, c in ipairs(counts) do n = n + math.ceil(c * 4 / ALIGN) * ALIGN end
+    return n
+  end
+  local block = bytes({
+    BTC, BT, BT,        -- ln_1 out, mean, rstd
+    3 * BTC, BTC, B * NH * T, BTC, -- qkv, attention out, lse, c_proj out (+ residual)
+    BTC, BT, BT,        -- ln_2
+    4 * BTC, 4 * BTC, BTC, -- c_fc out, gelu out, c_proj out (+ residual)
+  })
+  local forward = bytes({ BTC }) + cfg.n_layer * block +
+                  bytes({ BTC, BT, BT, BT * Vp, BT }) -- ln_f, logits, losses
+  local scratch = bytes({ 4 * BTC, BTC, BTC, BTC, 3 * BTC, BTC, BTC }) -- one block
+  return forward, scratch
+end
+M.arena_sizes = arena_sizes
+
+-- Sizes the arenas for micro-batches of B sequences of T tokens (and anything
+-- smaller). Reallocates only when B x T grows.
+function GPT:prepare(B, T)
+  local cfg = self.cfg
+  if T > cfg.context then
+    error(("sequence length %d is longer than the model's context %d"):format(T, cfg.context), 0)
+  end
+  if self.prepared and B * T <= self.prepared then return self end
+  self:release_arenas()
+  local fwd, scr = arena_sizes(cfg, B, T)
+  local ctx = self.ctx
+  ctx.arena = lz.arena(fwd, "activations")
+  ctx.scratches = { lz.arena(scr, "activations"), lz.arena(scr, "activations") }
+  self.prepared = B * T
+  return self
+end
+
+function GPT:release_arenas()
+  local ctx = self.ctx
+  if ctx.arena then ctx.arena:free() end
+  for _, a in ipairs(ctx.scratches or {}) do a:free() end
+  ctx.arena, ctx.scratches, ctx.scratch, self.prepared = nil, nil, nil, nil
+end
+
+function GPT:free()
+  self:release_arenas()
+  if self.params_flat then self.params_flat:free() end
+  if self.grads_flat then self.grads_flat:free() end
+  self.params_flat, self.grads_flat = nil, nil
+end
+
+------------------------------------------------------- forward, backward
+
+-- tokens, targets: i32 [B, T] (targets may be nil: logits only). Returns the
+-- mean loss over the B x T positions (or nil) and the logits [B, T, Vp].
+-- Resets the activation arena: one forward per micro-step.
+function GPT:forward(tokens, targets)
+  local ctx, t = self.ctx, self.transformer
+  if not ctx.arena then error("gpt2: call model:prepare(B, T) before forward", 2) end
+  local B, T = tokens:dim(1), tokens:dim(2)
+  if B * T > self.prepared then
+    error(("gpt2: a batch of %d x %d tokens does not fit the activation arena, sized for " ..
+           "%d tokens: call model:prepare(%d, %d) first"):format(B, T, self.prepared, B, T), 2)
+  end
+  ctx.arena:reset()
+  local x = self:run_forward(t.embedding, tokens)
+  for _, c in ipairs(t.h.children) do x = self:run_forward(c.module, x) end
+  x = self:run_forward(t.ln_f, x)
+  local logits = self:run_forward(self.lm_head, x)
+  self.logits, self.targets = logits, targets
+  if not targets then return nil, logits end
+  local losses = ctx.arena:tensor({ B, T })
+  ops.cross_entropy_forward(losses, logits, targets, self.cfg.vocab)
+  local p, sum = ffi.cast("float *", losses.data), 0
+  for i = 0, B * T - 1 do sum = sum + p[i] end
+  return sum / (B * T), logits
+end
+
+-- Accumulates d(scale * mean loss)/d(params) into the flat gradient buffer.
+-- With gradient accumulation over n micro-steps, scale is 1/n.
+function GPT:backward(scale)
+  local ctx, t = self.ctx, self.transformer
+  local logits, targets = self.logits, self.targets
+  assert(targets, "gpt2: backward needs a forward with targets")
+  local rows = logits:dim(1) * logits:dim(2)
+  ops.cross_entropy_backward(logits, logits, targets, self.cfg.vocab, (scale or 1) / rows)
+  local turn = 0
+  local function next_scratch()
+    turn = turn % 2 + 1
+    ctx.scratch = ctx.scratches[turn]
+    ctx.scratch:reset()
+  end
+  next_scratch()
+  local d = self:run_backward(self.lm_head, logits)
+  next_scratch()
+  d = self:run_backward(t.ln_f, d)
+  local blocks = t.h.children
+  for i = #blocks, 1, -1 do
+    next_scratch()
+    d = self:run_backward(blocks[i].module, d)
+  end
+  self:run_backward(t.embedding, d)
+  ctx.scratch = nil
+end
+
+--------------------------------------------------------------- sampling
+
+-- Continues `prompt` (a list of token ids) by n tokens, sampling from the
+-- softmax of the logits at temperature `temperature` (default 1) over the
+-- real vocabulary. The window slides once the context is full.
+function GPT:generate(prompt, n, seed, temperature)
+  local cfg, r = self.cfg, rng.new(seed or 0, 3)
+  -- Arena sizes grow with B x T only, so one sequence of up to B x T tokens fits.
+  local window = math.min(cfg.context, self.prepared or cfg.context)
+  local buf = lz.tensor({ 1, window }, "i32", "workspace")
+  local ids = ffi.cast("int32_t *", buf.data)
+  local out = {}
+  for i = 1, #prompt do out[i] = prompt[i] end
+  local inv_t = 1 / (temperature or 1)
+  for _ = 1, n do
+    local T = math.min(#out, window)
+    for i = 0, T - 1 do ids[i] = out[#out - T + 1 + i] end
+    local tokens = buf:view(0, { 1, T })
+    local _, logits = self:forward(tokens, nil)
+    local row = ffi.cast("float *", logits.data) + (T - 1) * cfg.padded_vocab
+    local max = -math.huge
+    for j = 0, cfg.vocab - 1 do if row[j] > max then max = row[j] end end
+    local sum = 0
+    for j = 0, cfg.vocab - 1 do sum = sum + math.exp((row[j] - max) * inv_t) end
+    local u, pick = r:uniform() * sum, cfg.vocab - 1
+    for j = 0, cfg.vocab - 1 do
+      u = u - math.exp((row[j] - max) * inv_t)
+      if u <= 0 then pick = j; break end
+    end
+    out[#out + 1] = pick
+  end
+  buf:free()
+  return out
+end
+
+return M
