@@ -48,7 +48,10 @@ project "luazero"
   configuration {}
 
 if have_cuda then
-  -- premake4 has no build rules for .cu: nvcc runs before the link, in build/.
+  -- premake4 has no build rules for .cu, and its prebuild step runs beside the
+  -- link under make -j. So nvcc runs in the prebuild step of a project of its
+  -- own (an empty archive), which luazero_cuda links after: make orders them.
+  -- Each object is rebuilt only when its source is newer. Commands run in build/.
   local cu_files = os.matchfiles("cuda/*.cu")
   local objs = {}
   local cmds = { "mkdir -p obj/cuda" }
@@ -57,24 +60,34 @@ if have_cuda then
     local obj = "obj/cuda/" .. base .. ".o"
     table.insert(objs, obj)
     table.insert(cmds, string.format(
-      "%s -O3 -std=c++17 -Xcompiler -fPIC -I../core -c ../%s -o %s", nvcc, f, obj))
+      "test %s -nt %s/%s || %s -O3 -std=c++17 -Xcompiler -fPIC -I%s/core -c %s/%s -o %s",
+      obj, root, f, nvcc, root, root, f, obj))
   end
+  project "luazero_cuda_objects"
+    kind "StaticLib"
+    language "C"
+    prebuildcommands(cmds)
+    configuration "release"
+      targetdir(out .. "/obj")
+    configuration "debug"
+      targetdir(out .. "/debug/obj")
+    configuration {}
+
   project "luazero_cuda"
     kind "SharedLib"
     language "C"
     files { "cuda/*.c" }
     includedirs { "cuda", cuda .. "/include" }
-    prebuildcommands(cmds)
     linkoptions(objs)
     libdirs { cuda .. "/lib64" }
     linkoptions { "-Wl,-rpath," .. cuda .. "/lib64", "-Wl,-rpath,'$$ORIGIN'" }
-    links { "luazero", "cudart", "cublas", "cublasLt", "nccl", "stdc++" }
+    links { "luazero_cuda_objects", "luazero", "cudart", "cublas", "cublasLt", "nccl", "stdc++" }
     configuration "release"
       targetdir(out .. "/lib")
-      libdirs { out .. "/lib" }
+      libdirs { out .. "/lib", out .. "/obj" }
     configuration "debug"
       targetdir(out .. "/debug/lib")
-      libdirs { out .. "/debug/lib" }
+      libdirs { out .. "/debug/lib", out .. "/debug/obj" }
     configuration {}
 end
 
