@@ -85,15 +85,17 @@ end
 
 function LMHead:forward(x)
   local logits = self:activation({ x:dim(1), x:dim(2), self.padded_vocab })
-  ops.linear_forward(logits, x, self.embedding.p.wte, nil)
-  self.input = x
+  local xw, w = self:matmul_operands(x, self.embedding.p.wte)
+  ops.linear_forward(logits, xw, w, nil)
+  self.input = xw
   return logits
 end
 
 function LMHead:backward(dlogits)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), x:dim(3) })
-  ops.linear_backward(dx, self.embedding.g.wte, nil, dlogits, x, self.embedding.p.wte)
+  local dw, w = self:matmul_operands(dlogits, self.embedding.p.wte)
+  ops.linear_backward(dx, self.embedding.g.wte, nil, dw, x, w)
   return dx
 end
 
@@ -189,6 +191,29 @@ local function arena_sizes(cfg, B, T)
 end
 M.arena_sizes = arena_sizes
 
+-- Bytes of the cast arena the ZeRO engine gives a bf16/fp16 model for
+-- micro-batches of B x T: bf16 copies of every matmul input (kept for
+-- backward) and of the gradients flowing into matmuls, f32 copies of
+-- LayerNorm parameters, biases and the embedding tables (f16: of every
+-- matmul weight too). One forward and one backward.
+function GPT:cast_arena_size(B, T)
+  local cfg = self.cfg
+  local C, Vp, L, BT = cfg.n_embd, cfg.padded_vocab, cfg.n_layer, B * T
+  local n, count = 0, 0
+  local function add(elems, bytes) n = n + math.ceil(elems * bytes / ALIGN) * ALIGN; count = count + 1 end
+  for _ = 1, L do
+    for _, k in ipairs({ 1, 1, 1, 4 }) do add(BT * C * k, 2) end          -- matmul inputs
+    for _, k in ipairs({ 3, 1, 4, 1 }) do add(BT * C * k, 2) end          -- matmul dy
+    for _, k in ipairs({ 3, 1, 4, 1 }) do add(C * k, 4); add(C * k, 4) end -- biases
+    for _ = 1, 6 do add(C, 4) end                                          -- LayerNorms
+    for _, k in ipairs({ 3, 1, 4, 4 }) do add(C * C * k, 4); add(C * C * k, 4) end -- f16 weights
+  end
+  add(BT * C, 2); add(BT * Vp, 2)                                -- LM head x, dlogits
+  add(Vp * C, 4); add(cfg.context * C, 4); add(Vp * C, 4); add(Vp * C, 4) -- tables (f32)
+  for _ = 1, 4 do add(C, 4) end                                  -- ln_f
+  return n + count * ALIGN
+end
+
 -- Sizes the arenas for micro-batches of B sequences of T tokens (and anything
 -- smaller). Reallocates only when B x T grows.
 function GPT:prepare(B, T)
@@ -234,6 +259,7 @@ function GPT:forward(tokens, targets)
            "%d tokens: call model:prepare(%d, %d) first"):format(B, T, self.prepared, B, T), 2)
   end
   ctx.arena:reset()
+  if ctx.cast_arena then ctx.cast_arena:reset() end
   local x = self:run_forward(t.embedding, tokens)
   for _, c in ipairs(t.h.children) do x = self:run_forward(c.module, x) end
   x = self:run_forward(t.ln_f, x)

@@ -1,6 +1,9 @@
--- scripts/train.lua — trains a GPT-2 on one rank.
+-- scripts/train.lua — trains a GPT-2 with the ZeRO engine, on one rank or
+-- many (`luazero -n N scripts/train.lua ...`).
 --   luazero scripts/train.lua --model gpt2-nano --data corpus.txt --steps 500 --log run.jsonl
--- Flags: luazero scripts/train.lua --help. Formats and fields: docs/training.md.
+--   luazero -n 4 scripts/train.lua --data corpus.txt --config ds_config.json --stage 3
+-- Flags: luazero scripts/train.lua --help. Formats and fields: docs/training.md,
+-- the engine and the configuration: docs/zero.md.
 local ffi = require("ffi")
 local cjson = require("cjson")
 local lz = require("luazero")
@@ -8,20 +11,27 @@ local args = require("luazero.args")
 local clock = require("luazero.clock")
 local data = require("luazero.data")
 local optim = require("luazero.optim")
-local Trainer = require("luazero.trainer")
+local config = require("luazero.config")
+local estimate = require("luazero.estimate")
 local gpt2 = require("models.gpt2")
+
+-- Rank from the launcher's environment: only rank 0 prints and logs.
+local RANK = tonumber(os.getenv("RANK") or "0") or 0
 
 local spec = {
   { "model", "string", "gpt2-nano", "model size: " .. table.concat(gpt2.names, ", ") },
   { "data", "string", nil, "a text file (bytes are tokens) or a token file (tools/prepare-data)" },
   { "steps", "int", 100, "optimizer steps" },
-  { "micro-batch", "int", 8, "sequences per micro-batch" },
-  { "grad-accum", "int", 1, "micro-batches per optimizer step" },
+  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
+  { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
   { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
   { "lr", "number", nil, "peak learning rate (default: the model size's)" },
   { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100)" },
   { "seed", "int", 1337, "seed of the initial weights, the batches and the sample" },
-  { "dtype", "string", "fp32", "training precision: fp32" },
+  { "dtype", "string", nil, "training precision: fp32, bf16 or fp16 (default: the config's, else fp32)" },
+  { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
+  { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
+  { "memory-budget", "string", nil, "per-rank memory --stage auto may plan for (\"2GiB\"; default: free memory)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
@@ -35,8 +45,15 @@ local spec = {
 
 -- A user error: one line on stderr, exit status 2, no traceback.
 local function user_error(msg)
-  io.stderr:write("train: ", tostring(msg), "\n")
+  if RANK == 0 then io.stderr:write("train: ", tostring(msg), "\n") end
   os.exit(2)
+end
+
+local function say(...)
+  if RANK == 0 then
+    print(...)
+    io.stdout:flush()
+  end
 end
 
 -- Runs fn, turning any error it raises into a user error.
@@ -70,25 +87,54 @@ end
 
 local function mib(b) return b / 2 ^ 20 end
 
-local function checksum(t)
-  return require("bit").tohex(lz.xxh64(t.data, t:bytes(), 0), 16)
+-- The normalised DeepSpeed configuration: the file (or nothing) with the
+-- flags on top. Without a file, train.lua's own defaults stand in for what
+-- DeepSpeed would need from the script: micro-batch 8, clipping 1.0, AdamW
+-- (0.9, 0.95), weight decay 0.1, a warmup + cosine schedule.
+local function load_config(flags, world, model_cfg)
+  local ov = {
+    stage = flags.stage, dtype = flags.dtype, micro_batch = flags.micro_batch,
+    grad_accum = flags.grad_accum, lr = flags.lr, warmup = flags.warmup,
+    total_steps = flags.steps, memory_budget = flags.memory_budget,
+  }
+  local source = flags.config
+  if not source then
+    source = {}
+    ov.micro_batch = ov.micro_batch or 8
+    ov.grad_accum = ov.grad_accum or 1
+    ov.gradient_clipping = 1.0
+  end
+  local cfg = config.load(source, world, ov)
+  if not cfg.optimizer then
+    cfg.optimizer = { type = "AdamW", decoupled_weight_decay = true, params = {
+      lr = flags.lr or model_cfg.lr, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 } }
+  end
+  return cfg
+end
+
+-- "auto": the lowest stage whose model states fit the per-rank budget.
+local function resolve_stage(cfg, model, world)
+  local z = cfg.zero_optimization
+  if z.stage ~= "auto" then return end
+  local budget, source = config.memory_budget(cfg)
+  local persistent = 0
+  for _, e in ipairs(model.param_table) do
+    if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
+  end
+  local stage, why = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
+                                         { persistent = persistent })
+  config.set_stage(cfg, stage)
+  say(("stage auto: %s (budget from %s)"):format(why, source))
 end
 
 local function main(argv)
   local flags, usage = checked(args.parse, argv, spec)
   if not flags then
-    print("usage: luazero scripts/train.lua --data FILE [flags]\n" .. usage)
+    say("usage: luazero scripts/train.lua --data FILE [flags]\n" .. usage)
     return
   end
   if not flags.data then
     user_error("--data is required: a text file or a token file made by tools/prepare-data")
-  end
-  if flags.dtype ~= "fp32" then
-    if flags.dtype == "bf16" or flags.dtype == "fp16" then
-      user_error(("--dtype %s: not available until the ZeRO engine; use fp32")
-                 :format(flags.dtype))
-    end
-    user_error(("--dtype %s: unknown precision; use fp32"):format(flags.dtype))
   end
   for _, n in ipairs({ "steps", "micro-batch", "grad-accum", "seq-len", "n-layer", "n-head",
                        "n-embd", "context", "vocab" }) do
@@ -100,98 +146,111 @@ local function main(argv)
   positive(flags, "sample", 0)
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
 
-  local cfg = checked(gpt2.config, flags.model, {
+  local mcfg = checked(gpt2.config, flags.model, {
     n_layer = flags.n_layer, n_head = flags.n_head, n_embd = flags.n_embd,
     context = flags.context, vocab = flags.vocab,
   })
-  local B, T = flags.micro_batch, flags.seq_len or cfg.context
-  if T > cfg.context then
+  local comm = checked(function() return require("luazero.comm").init() end)
+  local world, rank = comm.size(), comm.rank()
+  local cfg = checked(load_config, flags, world, mcfg)
+  local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
+  if T > mcfg.context then
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
-                "or less, or --context %d"):format(T, cfg.context, cfg.name, cfg.context, T))
+                "or less, or --context %d"):format(T, mcfg.context, mcfg.name, mcfg.context, T))
   end
-  local steps, accum = flags.steps, flags.grad_accum
-  local lr = flags.lr or cfg.lr
+  local steps, accum = flags.steps, cfg.gradient_accumulation_steps
+  local lr = cfg.optimizer.params.lr
   local warmup = flags.warmup or math.min(100, math.floor(steps * 0.1))
+  local schedule
+  if cfg.scheduler then
+    schedule = config.lr_schedule(cfg)
+  elseif flags.config then
+    schedule = function() return lr end -- DeepSpeed: no scheduler, constant lr
+  else
+    schedule = optim.schedule.warmup_cosine(lr, warmup, steps)
+  end
 
   local corpus = checked(data.load, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
-                                                vocab = cfg.vocab })
+                                                vocab = mcfg.vocab, rank = rank, world = world })
   local log
-  if flags.log then
+  if flags.log and rank == 0 then
     local err
     log, err = io.open(flags.log, "w")
     if not log then user_error(("--log %s: cannot write it (%s)"):format(flags.log, err)) end
   end
 
-  local model = gpt2.new(cfg):allocate():init_weights(flags.seed)
-  model:prepare(B, T)
-  local optimizer = optim.AdamW.new(model.params_flat, model.grads_flat, model.param_table)
-  local trainer = Trainer.new({
-    model = model, optimizer = optimizer, grad_accum = accum, batches = loader,
-    lr = optim.schedule.warmup_cosine(lr, warmup, steps),
-  })
+  local model = gpt2.new(mcfg)
+  checked(resolve_stage, cfg, model, world)
+  local note = config.unimplemented_message(cfg)
+  if note then say(note) end
+  local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
+                                 batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
 
-  print(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
-        :format(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.context, cfg.vocab,
-                model:count_params() / 1e6))
-  print(("data %s (%s): %d tokens, %d for training, %d held out; %s")
-        :format(corpus.path, corpus.kind, corpus.count, loader.n_train, loader.n_val,
-                n_val > 0 and ("validation on " .. n_val .. " batches")
-                or "the held-out part is too small for one validation batch"))
-  print(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
-         "warmup %d, %d steps, %d threads")
-        :format(B, T, accum, B * T * accum, lr, warmup, steps, lz.threads()))
-  io.stdout:flush()
+  say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
+      :format(mcfg.name, mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.context, mcfg.vocab,
+              model:count_params() / 1e6))
+  say(("data %s (%s): %d tokens, %d for training, %d held out; %s")
+      :format(corpus.path, corpus.kind, corpus.count, loader.n_train, loader.n_val,
+              n_val > 0 and ("validation on " .. n_val .. " batches")
+              or "the held-out part is too small for one validation batch"))
+  say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage, engine.dtype, world,
+      world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
+  say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
+       "warmup %d, %d steps, %d threads")
+      :format(B * world, T, accum, B * T * accum * world, lr, warmup, steps, lz.threads()))
 
-  local tokens_per_step = B * T * accum
-  local comm = { all_reduce = 0, reduce_scatter = 0, all_gather = 0, broadcast = 0, barrier = 0 }
+  local tokens_per_step = B * T * accum * world
   for step = 1, steps do
+    comm.bytes_reset()
     local t0 = clock.now()
-    local loss, step_lr, norm = trainer:step()
+    local r = engine:train_batch(loader)
     local dt = clock.now() - t0
     local rec = {
-      step = step, loss = loss, lr = step_lr, grad_norm = norm, loss_scale = 1,
-      skipped = false, tokens = step * tokens_per_step, tokens_per_s = tokens_per_step / dt,
-      step_ms = dt * 1000, mem = mem_record(), comm = comm,
+      -- JSON has no inf: an overflowed step logs grad_norm -1 (skipped true).
+      step = step, loss = r.loss, lr = r.lr,
+      grad_norm = r.grad_norm < math.huge and r.grad_norm or -1,
+      loss_scale = r.loss_scale, skipped = r.skipped, tokens = step * tokens_per_step,
+      tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
+      comm = comm.bytes(),
     }
     local val = ""
     if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
-      rec.val_loss = trainer:evaluate(loader, n_val)
+      rec.val_loss = engine:evaluate(loader, n_val)
       val = (" | val %.4f"):format(rec.val_loss)
     end
-    if loss ~= loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
-    print(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-           "mem %.1f MiB, rss %.0f MiB")
-          :format(step, steps, loss, val, step_lr, norm, rec.tokens_per_s, rec.step_ms,
-                  mib(tonumber(lz.C.lz_mem_total_current())), mib(rec.mem.peak_rss)))
-    io.stdout:flush()
+    if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
+    say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
+         "mem %.1f MiB, rss %.0f MiB%s")
+        :format(step, steps, r.loss, val, r.lr, r.grad_norm, rec.tokens_per_s, rec.step_ms,
+                mib(tonumber(lz.C.lz_mem_total_current())), mib(rec.mem.peak_rss),
+                r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or ""))
     if log then
       log:write(cjson.encode(rec), "\n")
       log:flush()
     end
   end
 
-  local sum = checksum(model.params_flat)
+  local sum = engine:params_checksum()
   if log then
     log:write(cjson.encode({ event = "end", params_checksum = sum }), "\n")
     log:close()
   end
-  print("params_checksum " .. sum)
+  say("params_checksum " .. sum)
 
   if flags.sample > 0 then
-    local prompt = { cfg.vocab == 50257 and 50256 or (cfg.vocab > 10 and 10 or 0) }
+    local prompt = { mcfg.vocab == 50257 and 50256 or (mcfg.vocab > 10 and 10 or 0) }
     local ids = model:generate(prompt, flags.sample, flags.seed)
-    if cfg.vocab <= 256 then
-      print("sample:\n" .. data.decode_bytes(ids))
+    if mcfg.vocab <= 256 then
+      say("sample:\n" .. data.decode_bytes(ids))
     else
-      print("sample (token ids): " .. table.concat(ids, " "))
+      say("sample (token ids): " .. table.concat(ids, " "))
     end
   end
 
-  optimizer:free()
+  engine:free()
   loader:free()
-  model:free()
   corpus.tokens:free()
 end
 

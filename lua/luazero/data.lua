@@ -140,7 +140,9 @@ local Loader = {}
 Loader.__index = Loader
 
 -- data: from M.load. opts: B, T, seed, vocab (the model's: every id must be
--- below it), val_fraction (0.1). The last val_fraction of the tokens is held
+-- below it), val_fraction (0.1), rank and world (default 0 and 1): each batch
+-- draws world * B windows, the same on every rank, and rank r takes windows
+-- r*B+1 .. (r+1)*B, so the global batch does not depend on the world size. The last val_fraction of the tokens is held
 -- out; training windows start at random positions of the rest.
 function M.loader(data, opts)
   local B, T = opts.B, opts.T
@@ -162,6 +164,7 @@ function M.loader(data, opts)
     data = data, B = B, T = T, n_train = n_train, n_val = n_val,
     ids = ffi.cast("uint16_t *", data.tokens.data),
     rng = rng.new(opts.seed or 0, 2),
+    rank = opts.rank or 0, world = opts.world or 1,
     inputs = lz.tensor({ B, T }, "i32", "workspace"),
     targets = lz.tensor({ B, T }, "i32", "workspace"),
   }, Loader)
@@ -187,7 +190,11 @@ end
 -- The next training batch: inputs, targets (i32 [B, T], reused each call).
 function Loader:next_batch()
   local starts, span = {}, self.n_train - self.T
-  for b = 1, self.B do starts[b] = self.rng:int(span) end
+  local first = self.rank * self.B
+  for i = 0, self.world * self.B - 1 do
+    local s = self.rng:int(span)
+    if i >= first and i < first + self.B then starts[i - first + 1] = s end
+  end
   return fill(self, starts)
 end
 

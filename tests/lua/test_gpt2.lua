@@ -212,7 +212,7 @@ function T.bad_flags_are_one_line_errors()
   expect_user_error("--data " .. good .. " --stepz 3", "unknown flag --stepz")
   expect_user_error("--data " .. good .. " --steps ten", "--steps: 'ten' is not a number")
   expect_user_error("--data " .. good .. " --lr 1e-3x", "--lr: '1e-3x' is not a number")
-  expect_user_error("--data " .. good .. " --dtype bf16", "--dtype bf16: not available")
+  expect_user_error("--data " .. good .. " --dtype fp8", "--dtype must be fp32, bf16 or fp16")
   expect_user_error("--steps 3", "--data is required")
   expect_user_error("--data " .. good .. " --micro-batch 0", "--micro-batch must be >= 1")
 end

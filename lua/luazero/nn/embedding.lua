@@ -22,7 +22,7 @@ end
 -- tokens i32 [B, T] -> [B, T, C]
 function Embedding:forward(tokens)
   local y = self:activation({ tokens:dim(1), tokens:dim(2), self.n_embd })
-  ops.embedding_forward(y, tokens, self.p.wte, self.p.wpe)
+  ops.embedding_forward(y, tokens, self:cast(self.p.wte, "f32"), self:cast(self.p.wpe, "f32"))
   self.input = tokens
   return y
 end

@@ -19,7 +19,8 @@ function LayerNorm:forward(x)
   local y = self:activation({ B, T, self.n })
   self.mean = self:activation({ B, T })
   self.rstd = self:activation({ B, T })
-  ops.layernorm_forward(y, self.mean, self.rstd, x, self.p.weight, self.p.bias, self.eps)
+  ops.layernorm_forward(y, self.mean, self.rstd, x, self:cast(self.p.weight, "f32"),
+                        self:cast(self.p.bias, "f32"), self.eps)
   self.input = x
   return y
 end
@@ -27,8 +28,8 @@ end
 function LayerNorm:backward(dy)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n })
-  ops.layernorm_backward(dx, self.g.weight, self.g.bias, dy, x, self.p.weight, self.mean,
-                         self.rstd)
+  ops.layernorm_backward(dx, self.g.weight, self.g.bias, dy, x, self:cast(self.p.weight, "f32"),
+                         self.mean, self.rstd)
   return dx
 end
 

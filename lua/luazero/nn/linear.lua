@@ -18,17 +18,21 @@ function Linear.new(n_in, n_out, opts)
 end
 
 -- x [B, T, in] -> [B, T, out]
+-- With a bf16 weight (the ZeRO engine's bf16 working copy) x is cast to
+-- bf16 and the GEMM accumulates in fp32; the output stays f32.
 function Linear:forward(x)
   local y = self:activation({ x:dim(1), x:dim(2), self.n_out })
-  ops.linear_forward(y, x, self.p.weight, self.p.bias)
-  self.input = x
+  local xw, w = self:matmul_operands(x, self.p.weight)
+  ops.linear_forward(y, xw, w, self:cast(self.p.bias, "f32"))
+  self.input = xw
   return y
 end
 
 function Linear:backward(dy)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n_in })
-  ops.linear_backward(dx, self.g.weight, self.g.bias, dy, x, self.p.weight)
+  local dyw, w = self:matmul_operands(dy, self.p.weight)
+  ops.linear_backward(dx, self.g.weight, self.g.bias, dyw, x, w)
   return dx
 end
 

@@ -149,6 +149,29 @@ end
 
 ------------------------------------------------------------- allocation
 
+local F32, BF16 = 0, 1 -- lz_dtype values
+
+-- Mixed precision: t in `dtype` ("f32" or "bf16"). A tensor already in
+-- that dtype comes back as is; otherwise a converted copy from ctx.cast_arena
+-- (the engine sizes it for bf16/fp16 working parameters and resets it with
+-- each forward). Without a cast arena nothing is converted.
+function Module:cast(t, dtype)
+  if t == nil then return nil end
+  local want = dtype == "bf16" and BF16 or F32
+  if tonumber(t.dtype) == want then return t end
+  local arena = assert(self.ctx.cast_arena, "nn: a bf16/f16 parameter needs ctx.cast_arena")
+  local c = arena:tensor(t:sizes(), dtype)
+  return c:copy(t)
+end
+
+-- A weight and input ready for a matmul: both bf16 when the weight is bf16
+-- (oneDNN, fp32 accumulation), else both f32 (an f16 weight computes in
+-- f32: this CPU has no f16 GEMM).
+function Module:matmul_operands(x, w)
+  if tonumber(w.dtype) == BF16 then return self:cast(x, "bf16"), w end
+  return x, self:cast(w, "f32")
+end
+
 -- Activations of this micro-step (forward outputs, saved for backward).
 function Module:activation(shape, dtype)
   return self.ctx.arena:tensor(shape, dtype)

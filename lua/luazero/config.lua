@@ -1,0 +1,768 @@
+-- config.lua — DeepSpeed's configuration (ds_config.json), accepted as is:
+-- same keys, same defaults, same meaning (DESIGN.md decision 7).
+--
+--   local config = require("luazero.config")
+--   local cfg = config.load("ds_config.json", world_size, { stage = "auto", dtype = "bf16" })
+--   print(config.unimplemented_message(cfg))   -- nil when every key is implemented
+--   local lr = config.lr_schedule(cfg)         -- lr(step), step = 1, 2, ... applied steps
+--
+-- Errors are Lua errors whose message is one line starting "config: ", raised
+-- at level 0 (no position prefix), naming the key and the allowed values.
+-- Keys luazero does not implement are collected, by full dotted name, in
+-- cfg.unimplemented. The key reference is docs/zero.md, "Configuration".
+local cjson = require("cjson")
+
+local M = {}
+
+------------------------------------------------------------------ helpers
+
+local function fail(fmt, ...) error("config: " .. fmt:format(...), 0) end
+
+-- A value as it would appear in the JSON file.
+local function show(v)
+  if type(v) == "string" then return '"' .. v .. '"' end
+  if type(v) == "number" then
+    if v == math.floor(v) and math.abs(v) < 1e15 then return ("%d"):format(v) end
+    return ("%.14g"):format(v)
+  end
+  if type(v) == "table" then return "a " .. (v[1] ~= nil and "list" or "block") end
+  if v == cjson.null then return "null" end
+  return tostring(v)
+end
+M.show = show
+
+-- JSON null and "auto" (Hugging Face's placeholder) both mean "not given":
+-- the default or a command-line override fills the key.
+local function given(v) return v ~= nil and v ~= cjson.null and v ~= "auto" end
+
+local function is_whole(v) return type(v) == "number" and v == math.floor(v) and v == v and
+                                  v ~= math.huge and v ~= -math.huge end
+
+local function number_at_least(key, v, min)
+  if type(v) ~= "number" or v ~= v or v < min or v == math.huge then
+    fail("%s must be a number >= %s (got %s)", key, show(min), show(v))
+  end
+  return v
+end
+
+local function whole_at_least(key, v, min)
+  if not is_whole(v) or v < min then
+    fail("%s must be a whole number >= %d (got %s)", key, min, show(v))
+  end
+  return v
+end
+
+local function positive_whole(key, v)
+  if type(v) ~= "number" or v ~= v or v <= 0 or v == math.huge then
+    fail("%s must be a positive number (got %s)", key, show(v))
+  end
+  if not is_whole(v) then fail("%s must be a whole number (got %s)", key, show(v)) end
+  return v
+end
+
+local function boolean(key, v)
+  if type(v) ~= "boolean" then fail("%s must be true or false (got %s)", key, show(v)) end
+  return v
+end
+
+local function block(key, v)
+  if type(v) ~= "table" or (next(v) ~= nil and v[1] ~= nil) then
+    fail("%s must be a JSON object {...} (got %s)", key, show(v))
+  end
+  return v
+end
+
+-- A key that asks for nothing (false, or a block with "enabled": false) is
+-- accepted silently even where luazero does not implement the feature.
+local function asks_for_nothing(v)
+  if v == false or v == cjson.null then return true end
+  return type(v) == "table" and v.enabled == false
+end
+
+local function sorted_keys(t)
+  local ks = {}
+  for k in pairs(t) do ks[#ks + 1] = k end
+  table.sort(ks)
+  return ks
+end
+
+------------------------------------------------------------------ reading
+
+local function read_json(path)
+  local f, err = io.open(path, "rb")
+  if not f then
+    fail("%s: cannot read it (%s)", path, (err or ""):gsub("^[^:]*: ", ""))
+  end
+  local text, rerr = f:read("*a")
+  f:close()
+  if not text then fail("%s: cannot read it (%s)", path, tostring(rerr)) end
+  local ok, decoded = pcall(cjson.decode, text)
+  if not ok then
+    fail("%s: not valid JSON (%s)", path, tostring(decoded):gsub("^.-:%d+: ", ""))
+  end
+  if type(decoded) ~= "table" or (next(decoded) ~= nil and decoded[1] ~= nil) then
+    fail("%s: the top level must be a JSON object {...} (got %s)", path, show(decoded))
+  end
+  return decoded
+end
+M.read_json = read_json
+
+local function deep_copy(v)
+  if type(v) ~= "table" then return v end
+  local c = {}
+  for k, x in pairs(v) do c[k] = deep_copy(x) end
+  return c
+end
+
+------------------------------------------------------------- DeepSpeed's defaults
+
+M.fp16_defaults = {
+  enabled = false, loss_scale = 0, initial_scale_power = 16, loss_scale_window = 1000,
+  hysteresis = 2, consecutive_hysteresis = false, min_loss_scale = 1,
+}
+
+M.zero_defaults = {
+  stage = 0, contiguous_gradients = true, reduce_scatter = true,
+  reduce_bucket_size = 500000000, allgather_bucket_size = 500000000,
+  overlap_comm = nil, -- DeepSpeed: true at stage 3, false below
+  stage3_prefetch_bucket_size = 50000000, stage3_param_persistence_threshold = 100000,
+  stage3_max_live_parameters = 1000000000, stage3_max_reuse_distance = 1000000000,
+}
+
+-- FusedAdam's defaults (what DeepSpeed builds for "Adam" and "AdamW").
+M.adam_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0 }
+
+M.offload_optimizer_defaults = {
+  device = "none", nvme_path = nil, buffer_count = 4, pin_memory = false,
+  pipeline_read = false, pipeline_write = false, fast_init = false, ratio = 1.0,
+}
+M.offload_param_defaults = {
+  device = "none", nvme_path = nil, buffer_count = 5, buffer_size = 100000000,
+  max_in_cpu = 1000000000, pin_memory = false,
+}
+
+-- Scheduler parameters each type takes, with DeepSpeed's defaults;
+-- `required` ones have none. warmup_max_lr of WarmupLR defaults to the
+-- optimizer's lr (base_lr below).
+M.scheduler_params = {
+  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_num_steps = 1000, warmup_type = "log" },
+               optional = { warmup_max_lr = true } },
+  WarmupDecayLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001,
+                                 warmup_num_steps = 1000, warmup_type = "log" },
+                    required = { "total_num_steps" } },
+  WarmupCosineLR = { defaults = { warmup_min_ratio = 0, warmup_num_steps = 1000,
+                                  cos_min_ratio = 0.0001, warmup_type = "log" },
+                     required = { "total_num_steps" } },
+}
+local scheduler_names = "WarmupLR, WarmupDecayLR or WarmupCosineLR"
+
+-- Top-level keys that only set how often DeepSpeed prints, or pick among
+-- DeepSpeed implementations of the same optimizer: accepted, no effect.
+local accepted_top = { steps_per_print = true, zero_allow_untested_optimizer = true,
+                       zero_force_ds_cpu_optimizer = true }
+-- zero_optimization keys set to DeepSpeed's default, which is what luazero does.
+local zero_default_ok = { allgather_partitions = true, load_from_fp32_weights = true,
+                          ignore_unused_parameters = true, use_multi_rank_bucket_allreduce = true,
+                          memory_efficient_linear = true, override_module_apply = true }
+
+------------------------------------------------------------------ sections
+
+local function batch_sizes(raw, world, cfg, notes)
+  local keys = { "train_batch_size", "train_micro_batch_size_per_gpu",
+                 "gradient_accumulation_steps" }
+  local v = {}
+  for _, k in ipairs(keys) do
+    if given(raw[k]) then v[k] = whole_at_least(k, raw[k], 1) end
+  end
+  local tb, mb, ga = v.train_batch_size, v.train_micro_batch_size_per_gpu,
+                     v.gradient_accumulation_steps
+  local derived
+  -- DeepSpeed's rule (runtime/config.py, _set_batch_related_parameters),
+  -- with its integer divisions.
+  if tb and mb and ga then
+    -- all three given: nothing to derive, they must agree
+  elseif tb and mb then
+    ga = math.floor(math.floor(tb / mb) / world)
+    derived = ("gradient_accumulation_steps = train_batch_size // " ..
+               "train_micro_batch_size_per_gpu // world size")
+  elseif tb and ga then
+    mb = math.floor(math.floor(tb / world) / ga)
+    derived = ("train_micro_batch_size_per_gpu = train_batch_size // world size // " ..
+               "gradient_accumulation_steps")
+  elseif mb and ga then
+    tb = mb * ga * world
+  elseif tb then
+    ga, mb = 1, math.floor(tb / world)
+    derived = "gradient_accumulation_steps = 1, train_micro_batch_size_per_gpu = " ..
+              "train_batch_size // world size"
+  elseif mb then
+    tb, ga = mb * world, 1
+  else
+    fail("set train_batch_size or train_micro_batch_size_per_gpu (or --micro-batch); " ..
+         "DeepSpeed needs one of them")
+  end
+  local hint = derived and ("; " .. derived) or ""
+  if notes.batch then hint = hint .. "; " .. notes.batch .. " override the file" end
+  if mb < 1 or ga < 1 then
+    fail("train_batch_size %d is too small for world size %d: it gives " ..
+         "train_micro_batch_size_per_gpu %d, gradient_accumulation_steps %d%s",
+         tb, world, mb, ga, hint)
+  end
+  if tb ~= mb * ga * world then
+    fail("train_batch_size %d != train_micro_batch_size_per_gpu %d * " ..
+         "gradient_accumulation_steps %d * world size %d (= %d)%s",
+         tb, mb, ga, world, mb * ga * world, hint)
+  end
+  cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu = tb, mb
+  cfg.gradient_accumulation_steps = ga
+end
+
+local function optimizer_section(raw, cfg, unimpl)
+  if not given(raw) then return end
+  block("optimizer", raw)
+  local t = raw.type
+  if type(t) ~= "string" then
+    fail('optimizer.type must be "Adam" or "AdamW" (got %s)', show(t))
+  end
+  local lt = t:lower() -- DeepSpeed matches its own optimizer names case-insensitively
+  if lt ~= "adam" and lt ~= "adamw" then
+    fail('optimizer.type %s is not available; luazero has "Adam" and "AdamW"', show(t))
+  end
+  for _, k in ipairs(sorted_keys(raw)) do
+    if k ~= "type" and k ~= "params" then unimpl[#unimpl + 1] = "optimizer." .. k end
+  end
+  local p = given(raw.params) and block("optimizer.params", raw.params) or {}
+  local out = deep_copy(M.adam_defaults)
+  local key = "optimizer.params."
+  if given(p.lr) then out.lr = number_at_least(key .. "lr", p.lr, 0) end
+  if given(p.betas) then
+    local b = p.betas
+    if type(b) ~= "table" or #b ~= 2 or type(b[1]) ~= "number" or type(b[2]) ~= "number" or
+       b[1] < 0 or b[1] >= 1 or b[2] < 0 or b[2] >= 1 then
+      fail("%sbetas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999] (got %s)", key,
+           type(b) == "table" and cjson.encode(b) or show(b))
+    end
+    out.betas = { b[1], b[2] }
+  end
+  if given(p.eps) then out.eps = number_at_least(key .. "eps", p.eps, 0) end
+  if given(p.weight_decay) then
+    out.weight_decay = number_at_least(key .. "weight_decay", p.weight_decay, 0)
+  end
+  -- "Adam" is decoupled (AdamW) unless adam_w_mode is false; "AdamW" always is.
+  local w_mode = true
+  if given(p.adam_w_mode) then w_mode = boolean(key .. "adam_w_mode", p.adam_w_mode) end
+  if p.max_grad_norm ~= nil then
+    fail("%smax_grad_norm is not an optimizer parameter in DeepSpeed; use the top-level " ..
+         "gradient_clipping", key)
+  end
+  for _, k in ipairs(sorted_keys(p)) do
+    local known = k == "lr" or k == "betas" or k == "eps" or k == "weight_decay" or
+                  k == "adam_w_mode" or k == "torch_adam"
+    local v = p[k]
+    local default_ok = (k == "bias_correction" and v == true) or v == false
+    if not known and not default_ok then unimpl[#unimpl + 1] = key .. k end
+  end
+  cfg.optimizer = { type = lt == "adam" and "Adam" or "AdamW", params = out,
+                    decoupled_weight_decay = lt == "adamw" or w_mode }
+end
+
+local function scheduler_section(raw, cfg, unimpl, ov)
+  if not given(raw) then return end
+  block("scheduler", raw)
+  local t = raw.type
+  local spec = type(t) == "string" and M.scheduler_params[t]
+  if not spec then
+    if t == "LRRangeTest" or t == "OneCycle" then
+      fail("scheduler.type %s is not implemented; use %s", show(t), scheduler_names)
+    end
+    fail("scheduler.type must be %s (got %s)", scheduler_names, show(t))
+  end
+  for _, k in ipairs(sorted_keys(raw)) do
+    if k ~= "type" and k ~= "params" then unimpl[#unimpl + 1] = "scheduler." .. k end
+  end
+  local p = given(raw.params) and block("scheduler.params", raw.params) or {}
+  p = deep_copy(p)
+  if ov.warmup ~= nil then p.warmup_num_steps = ov.warmup end
+  if ov.total_steps ~= nil and not given(p.total_num_steps) then
+    p.total_num_steps = ov.total_steps
+  end
+  local out, key = {}, "scheduler.params."
+  for k, v in pairs(spec.defaults) do out[k] = v end
+  for _, k in ipairs(sorted_keys(p)) do
+    local v = p[k]
+    local known = spec.defaults[k] ~= nil or (spec.optional and spec.optional[k])
+    for _, r in ipairs(spec.required or {}) do known = known or r == k end
+    if k == "last_batch_iteration" then
+      if given(v) and v ~= -1 then unimpl[#unimpl + 1] = key .. k end
+    elseif not known then
+      local names = sorted_keys(spec.defaults)
+      for _, r in ipairs(spec.required or {}) do names[#names + 1] = r end
+      if spec.optional then names[#names + 1] = "warmup_max_lr" end
+      table.sort(names)
+      fail("%s%s is not a parameter of %s (it takes %s)", key, k, t, table.concat(names, ", "))
+    elseif given(v) then
+      if k == "warmup_type" then
+        if v ~= "log" and v ~= "linear" then
+          fail('%swarmup_type must be "log" or "linear" (got %s)', key, show(v))
+        end
+      elseif k == "warmup_num_steps" or k == "total_num_steps" then
+        whole_at_least(key .. k, v, 1)
+      elseif k == "warmup_min_ratio" or k == "cos_min_ratio" then
+        number_at_least(key .. k, v, 0)
+      else
+        number_at_least(key .. k, v, 0)
+      end
+      out[k] = v
+    end
+  end
+  for _, r in ipairs(spec.required or {}) do
+    if out[r] == nil then
+      fail("%s%s is required by %s (a whole number >= 1: the optimizer steps of the run)",
+           key, r, t)
+    end
+  end
+  cfg.scheduler = { type = t, params = out }
+end
+
+local function fp16_section(raw, cfg, unimpl)
+  local out = deep_copy(M.fp16_defaults)
+  if given(raw) then
+    block("fp16", raw)
+    local k = "fp16."
+    for _, name in ipairs(sorted_keys(raw)) do
+      local v = raw[name]
+      if not given(v) then
+        -- default stays
+      elseif name == "enabled" or name == "consecutive_hysteresis" then
+        out[name] = boolean(k .. name, v)
+      elseif name == "loss_scale" then
+        out.loss_scale = number_at_least(k .. name, v, 0)
+      elseif name == "initial_scale_power" then
+        out.initial_scale_power = whole_at_least(k .. name, v, 0)
+      elseif name == "loss_scale_window" or name == "hysteresis" then
+        out[name] = whole_at_least(k .. name, v, 1)
+      elseif name == "min_loss_scale" then
+        if type(v) ~= "number" or not (v > 0) then
+          fail("%smin_loss_scale must be a number > 0 (got %s)", k, show(v))
+        end
+        out.min_loss_scale = v
+      elseif not (v == false or (name == "fused_mode" and v == true)) then
+        unimpl[#unimpl + 1] = k .. name
+      end
+    end
+  end
+  cfg.fp16 = out
+end
+
+local function bf16_section(raw, cfg, unimpl, name)
+  local out = { enabled = false }
+  if given(raw) then
+    block(name, raw)
+    for _, k in ipairs(sorted_keys(raw)) do
+      local v = raw[k]
+      if k == "enabled" then
+        if given(v) then out.enabled = boolean(name .. ".enabled", v) end
+      elseif not (v == false or v == cjson.null or
+                  (k == "immediate_grad_update" and v == true)) then
+        unimpl[#unimpl + 1] = name .. "." .. k
+      end
+    end
+  end
+  cfg.bf16 = out
+end
+
+local function offload_block(key, raw, defaults, unimpl)
+  local out = deep_copy(defaults)
+  if not given(raw) then return out end
+  block(key, raw)
+  for _, k in ipairs(sorted_keys(raw)) do
+    local v = raw[k]
+    if given(v) then
+      if k == "device" then
+        if v ~= "none" and v ~= "cpu" and v ~= "nvme" then
+          fail('%s.device must be "none", "cpu" or "nvme" (got %s)', key, show(v))
+        end
+      elseif k == "nvme_path" then
+        if type(v) ~= "string" then fail("%s.nvme_path must be a path (got %s)", key, show(v)) end
+      elseif k == "ratio" then
+        if type(v) ~= "number" or v < 0 or v > 1 then
+          fail("%s.ratio must be a number in [0, 1] (got %s)", key, show(v))
+        end
+      elseif type(defaults[k]) == "number" then
+        whole_at_least(key .. "." .. k, v, 0)
+      elseif type(defaults[k]) == "boolean" then
+        boolean(key .. "." .. k, v)
+      end
+      out[k] = v
+    end
+  end
+  if out.device == "nvme" and not out.nvme_path then
+    fail('%s.nvme_path is required with "device": "nvme"', key)
+  end
+  -- The offload issue implements these; until then they are reported.
+  if out.device ~= "none" then unimpl[#unimpl + 1] = key end
+  return out
+end
+
+local function zero_section(raw, cfg, unimpl)
+  local out = {}
+  for k, v in pairs(M.zero_defaults) do out[k] = v end
+  local z = "zero_optimization."
+  if type(raw) == "boolean" then
+    -- DeepSpeed's deprecated form: "zero_optimization": true means stage 1.
+    raw = { stage = raw and 1 or 0 }
+  end
+  raw = given(raw) and block("zero_optimization", raw) or {}
+  if given(raw.stage) then
+    local s = raw.stage
+    if s ~= "auto" and not (is_whole(s) and s >= 0 and s <= 3) then
+      fail('%sstage must be 0..3 or "auto" (got %s)', z, show(s))
+    end
+    out.stage = s
+  elseif raw.stage == "auto" then
+    out.stage = "auto"
+  end
+  for _, k in ipairs({ "reduce_bucket_size", "allgather_bucket_size",
+                       "stage3_prefetch_bucket_size" }) do
+    if given(raw[k]) then out[k] = positive_whole(z .. k, raw[k]) end
+  end
+  for _, k in ipairs({ "stage3_param_persistence_threshold", "stage3_max_live_parameters",
+                       "stage3_max_reuse_distance" }) do
+    if given(raw[k]) then out[k] = whole_at_least(z .. k, raw[k], 0) end
+  end
+  for _, k in ipairs({ "overlap_comm", "contiguous_gradients", "reduce_scatter" }) do
+    if given(raw[k]) then out[k] = boolean(z .. k, raw[k]) end
+  end
+  out.overlap_comm_given = out.overlap_comm ~= nil
+  -- DeepSpeed's deprecated "cpu_offload": true is offload_optimizer on the CPU.
+  local opt_raw = raw.offload_optimizer
+  if raw.cpu_offload == true and not given(opt_raw) then opt_raw = { device = "cpu" } end
+  local param_raw = raw.offload_param
+  if raw.cpu_offload_param == true and not given(param_raw) then param_raw = { device = "cpu" } end
+  out.offload_optimizer = offload_block(z .. "offload_optimizer", opt_raw,
+                                        M.offload_optimizer_defaults, unimpl)
+  out.offload_param = offload_block(z .. "offload_param", param_raw, M.offload_param_defaults,
+                                    unimpl)
+  local handled = { stage = true, offload_optimizer = true, offload_param = true,
+                    cpu_offload = true, cpu_offload_param = true, overlap_comm = true,
+                    contiguous_gradients = true, reduce_scatter = true }
+  for k in pairs(M.zero_defaults) do handled[k] = true end
+  for _, k in ipairs(sorted_keys(raw)) do
+    local v = raw[k]
+    if not handled[k] and not asks_for_nothing(v) and not (zero_default_ok[k] and v == true) then
+      unimpl[#unimpl + 1] = z .. k
+    end
+  end
+  cfg.zero_optimization = out
+  M.set_stage(cfg, out.stage)
+end
+
+-- Fills what depends on the stage (overlap_comm: DeepSpeed's default is true
+-- at stage 3, false below). Call again once "auto" is resolved.
+function M.set_stage(cfg, stage)
+  local z = cfg.zero_optimization
+  z.stage = stage
+  if not z.overlap_comm_given then
+    if stage == "auto" then z.overlap_comm = nil else z.overlap_comm = stage == 3 end
+  end
+  return cfg
+end
+
+------------------------------------------------------------------ overrides
+
+-- Overrides come from command-line flags; each names its flag in errors.
+local override_flags = {
+  stage = "--stage", dtype = "--dtype", micro_batch = "--micro-batch",
+  grad_accum = "--grad-accum", train_batch = "--train-batch", lr = "--lr",
+  gradient_clipping = "--gradient-clipping", warmup = "--warmup",
+  total_steps = "--steps", memory_budget = "--memory-budget",
+}
+M.override_flags = override_flags
+
+local function apply_overrides(raw, ov, notes)
+  for k in pairs(ov) do
+    if not override_flags[k] then
+      error(("config: unknown override '%s' (known: %s)"):format(k,
+            table.concat(sorted_keys(override_flags), ", ")), 0)
+    end
+  end
+  local function section(name)
+    if type(raw[name]) ~= "table" then raw[name] = {} end
+    return raw[name]
+  end
+  if ov.stage ~= nil then
+    local s = ov.stage
+    if s ~= "auto" then s = tonumber(s) end
+    if not (s == "auto" or (is_whole(s) and s >= 0 and s <= 3)) then
+      fail('--stage must be 0..3 or "auto" (got %s)', tostring(ov.stage))
+    end
+    section("zero_optimization").stage = s
+  end
+  if ov.dtype ~= nil then
+    local d = ov.dtype
+    if d ~= "fp32" and d ~= "bf16" and d ~= "fp16" then
+      fail("--dtype must be fp32, bf16 or fp16 (got %s)", tostring(d))
+    end
+    section("fp16").enabled = d == "fp16"
+    if raw.bfloat16 ~= nil and raw.bf16 == nil then raw.bf16, raw.bfloat16 = raw.bfloat16, nil end
+    section("bf16").enabled = d == "bf16"
+  end
+  local batch = {}
+  for _, m in ipairs({ { "train_batch", "train_batch_size" },
+                       { "micro_batch", "train_micro_batch_size_per_gpu" },
+                       { "grad_accum", "gradient_accumulation_steps" } }) do
+    local v = ov[m[1]]
+    if v ~= nil then
+      if not is_whole(v) or v < 1 then
+        fail("%s must be a whole number >= 1 (got %s)", override_flags[m[1]], show(v))
+      end
+      raw[m[2]] = v
+      batch[#batch + 1] = override_flags[m[1]]
+    end
+  end
+  if #batch > 0 then notes.batch = table.concat(batch, ", ") end
+  if ov.lr ~= nil then
+    if type(ov.lr) ~= "number" or not (ov.lr >= 0) then
+      fail("--lr must be a number >= 0 (got %s)", show(ov.lr))
+    end
+    if given(raw.optimizer) then
+      local o = block("optimizer", raw.optimizer)
+      if type(o.params) ~= "table" then o.params = {} end
+      o.params.lr = ov.lr
+    end
+  end
+  if ov.gradient_clipping ~= nil then raw.gradient_clipping = ov.gradient_clipping end
+  if ov.warmup ~= nil then whole_at_least("--warmup", ov.warmup, 1) end
+  if ov.total_steps ~= nil then whole_at_least("--steps", ov.total_steps, 1) end
+end
+
+------------------------------------------------------------------ memory budget
+
+-- "12GiB", "512 MiB", "8G" (binary), "16GB" (decimal), "1.5e9" or a number:
+-- bytes. nil and an error message when it is none of these.
+function M.parse_bytes(v)
+  if type(v) == "number" then
+    if v > 0 and v == v and v ~= math.huge then return math.floor(v) end
+    return nil, "must be a positive number of bytes"
+  end
+  if type(v) ~= "string" then return nil, "must be bytes: a number or a string like \"12GiB\"" end
+  local num, unit = v:match("^%s*([%d%.eE%+%-]+)%s*(%a*)%s*$")
+  local n = tonumber(num)
+  local scale = ({ [""] = 1, B = 1, K = 2 ^ 10, KiB = 2 ^ 10, M = 2 ^ 20, MiB = 2 ^ 20,
+                   G = 2 ^ 30, GiB = 2 ^ 30, T = 2 ^ 40, TiB = 2 ^ 40, KB = 1e3, MB = 1e6,
+                   GB = 1e9, TB = 1e12 })[unit or ""]
+  if not n or not scale or n <= 0 then
+    return nil, "must be bytes: a number or a string like \"12GiB\", \"512MiB\", \"16GB\""
+  end
+  return math.floor(n * scale)
+end
+
+-- MemAvailable of /proc/meminfo in bytes (nil where there is none).
+function M.mem_available()
+  local f = io.open("/proc/meminfo", "r")
+  if not f then return nil end
+  local s = f:read("*a")
+  f:close()
+  local kb = s:match("MemAvailable:%s*(%d+)")
+  return kb and tonumber(kb) * 1024 or nil
+end
+
+-- The per-rank memory "stage": "auto" may use, and where that number came
+-- from: --memory-budget, then LZ_MEMORY_BUDGET, then luazero.memory_budget of
+-- the file, then what the machine has free (MemAvailable) divided among the
+-- ranks of this machine (local_ranks, default the world size).
+function M.memory_budget(cfg, local_ranks)
+  if cfg.memory_budget_source == "--memory-budget" then
+    return cfg.memory_budget, cfg.memory_budget_source
+  end
+  local env = os.getenv("LZ_MEMORY_BUDGET")
+  if env and env ~= "" then
+    local b, err = M.parse_bytes(env)
+    if not b then fail("LZ_MEMORY_BUDGET=%s %s", env, err) end
+    return b, "LZ_MEMORY_BUDGET"
+  end
+  if cfg.memory_budget then return cfg.memory_budget, cfg.memory_budget_source end
+  local avail = M.mem_available()
+  if not avail then
+    fail("cannot read MemAvailable from /proc/meminfo; set luazero.memory_budget, " ..
+         "LZ_MEMORY_BUDGET or --memory-budget")
+  end
+  local n = local_ranks or cfg.world_size or 1
+  return math.floor(avail / n), ("MemAvailable / %d local rank%s"):format(n, n == 1 and "" or "s")
+end
+
+local function luazero_section(raw, cfg, ov)
+  if given(raw) then
+    block("luazero", raw)
+    for _, k in ipairs(sorted_keys(raw)) do
+      if k ~= "memory_budget" then
+        fail("luazero.%s is not a luazero key (known: memory_budget)", k)
+      end
+    end
+    if given(raw.memory_budget) then
+      local b, err = M.parse_bytes(raw.memory_budget)
+      if not b then fail("luazero.memory_budget %s (got %s)", err, show(raw.memory_budget)) end
+      cfg.memory_budget, cfg.memory_budget_source = b, "luazero.memory_budget"
+    end
+  end
+  if ov.memory_budget ~= nil then
+    local b, err = M.parse_bytes(ov.memory_budget)
+    if not b then fail("--memory-budget %s (got %s)", err, tostring(ov.memory_budget)) end
+    cfg.memory_budget, cfg.memory_budget_source = b, "--memory-budget"
+  end
+end
+
+------------------------------------------------------------------ load
+
+local handled_top = {
+  train_batch_size = true, train_micro_batch_size_per_gpu = true,
+  gradient_accumulation_steps = true, gradient_clipping = true, optimizer = true,
+  scheduler = true, fp16 = true, bf16 = true, bfloat16 = true, zero_optimization = true,
+  luazero = true,
+}
+
+-- source: a path to a JSON file, a table (an already decoded config), or nil
+-- (no file: DeepSpeed's defaults and the overrides). world_size: ranks (1).
+-- overrides: { stage, dtype, micro_batch, grad_accum, train_batch, lr,
+-- gradient_clipping, warmup, total_steps, memory_budget } from flags; they
+-- win over the file. Returns the normalised configuration.
+function M.load(source, world_size, overrides)
+  world_size = world_size or 1
+  if not is_whole(world_size) or world_size < 1 then
+    error("config: world size must be a whole number >= 1 (got " .. show(world_size) .. ")", 0)
+  end
+  local raw, name
+  if type(source) == "string" then
+    raw, name = read_json(source), source
+  elseif type(source) == "table" then
+    raw, name = deep_copy(source), "(table)"
+  elseif source == nil then
+    raw, name = {}, "(defaults)"
+  else
+    error("config: config.load takes a path, a table or nil (got " .. type(source) .. ")", 0)
+  end
+  local original = deep_copy(raw)
+  local ov, notes = overrides or {}, {}
+  apply_overrides(raw, ov, notes)
+
+  local cfg = { source = name, world_size = world_size, raw = original,
+                overrides = deep_copy(ov) }
+  local unimpl = {}
+  cfg.gradient_clipping = 0
+  if given(raw.gradient_clipping) then
+    cfg.gradient_clipping = number_at_least("gradient_clipping", raw.gradient_clipping, 0)
+  end
+  optimizer_section(raw.optimizer, cfg, unimpl)
+  scheduler_section(raw.scheduler, cfg, unimpl, ov)
+  fp16_section(raw.fp16, cfg, unimpl)
+  -- "bfloat16" is DeepSpeed's older name of "bf16".
+  if raw.bf16 ~= nil then
+    bf16_section(raw.bf16, cfg, unimpl, "bf16")
+  else
+    bf16_section(raw.bfloat16, cfg, unimpl, "bfloat16")
+  end
+  if cfg.fp16.enabled and cfg.bf16.enabled then
+    fail("fp16.enabled and bf16.enabled are both true; enable at most one")
+  end
+  cfg.dtype = cfg.fp16.enabled and "fp16" or (cfg.bf16.enabled and "bf16" or "fp32")
+  zero_section(raw.zero_optimization, cfg, unimpl)
+  luazero_section(raw.luazero, cfg, ov)
+  batch_sizes(raw, world_size, cfg, notes)
+
+  for _, k in ipairs(sorted_keys(raw)) do
+    if not handled_top[k] and not accepted_top[k] and not asks_for_nothing(raw[k]) and
+       not (k == "gradient_predivide_factor" and raw[k] == 1) then
+      unimpl[#unimpl + 1] = k
+    end
+  end
+  table.sort(unimpl)
+  cfg.unimplemented = unimpl
+  return cfg
+end
+
+-- The start-up line for keys that are read but not acted on; nil if none.
+function M.unimplemented_message(cfg)
+  if #cfg.unimplemented == 0 then return nil end
+  return "config: not implemented (ignored): " .. table.concat(cfg.unimplemented, ", ")
+end
+
+-- One line saying what the configuration asks for.
+function M.summary(cfg)
+  local z = cfg.zero_optimization
+  local parts = {
+    ("stage %s"):format(tostring(z.stage)), cfg.dtype,
+    ("batch %d = %d micro x %d accum x %d rank%s"):format(cfg.train_batch_size,
+      cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.world_size,
+      cfg.world_size == 1 and "" or "s"),
+    cfg.gradient_clipping > 0 and ("clipping %g"):format(cfg.gradient_clipping) or "no clipping",
+  }
+  if cfg.optimizer then
+    local p = cfg.optimizer.params
+    parts[#parts + 1] = ("%s lr %g betas (%g, %g) eps %g weight_decay %g"):format(
+      cfg.optimizer.type, p.lr, p.betas[1], p.betas[2], p.eps, p.weight_decay)
+  end
+  if cfg.scheduler then parts[#parts + 1] = cfg.scheduler.type end
+  return "config " .. cfg.source .. ": " .. table.concat(parts, ", ")
+end
+
+------------------------------------------------------------------ schedules
+
+-- DeepSpeed's lr_schedules.py as functions of its last_batch_iteration `it`.
+-- warmup_num_steps is at least 2 there (max(2, n)); before the first
+-- scheduler step (it < 0) WarmupLR/WarmupDecayLR give warmup_min_lr and
+-- WarmupCosineLR gives 0.
+local function warmup_gamma(p, it)
+  local W = math.max(2, p.warmup_num_steps)
+  if p.warmup_type == "log" then return math.log(it + 1) * (1 / math.log(W)) end
+  return it / W
+end
+
+function M.lr_at_iteration(sched, base_lr, it)
+  if not sched then return base_lr end
+  local p, t = sched.params, sched.type
+  local W = math.max(2, p.warmup_num_steps)
+  if t == "WarmupLR" or t == "WarmupDecayLR" then
+    local min_lr = p.warmup_min_lr
+    local max_lr = p.warmup_max_lr or base_lr
+    if it < 0 then return min_lr end
+    local gamma
+    if it < W then
+      gamma = warmup_gamma(p, it)
+    elseif t == "WarmupLR" then
+      gamma = 1
+    else
+      local T = p.total_num_steps
+      gamma = math.max(0, (T - it) / math.max(1, T - W))
+    end
+    return min_lr + (max_lr - min_lr) * gamma
+  elseif t == "WarmupCosineLR" then
+    if it < 0 then return 0 end
+    local ratio
+    if it < W then
+      ratio = p.warmup_min_ratio + warmup_gamma(p, it) * (1 - p.warmup_min_ratio)
+    else
+      local progress = math.min(1, (it - W + 1) / math.max(1, p.total_num_steps - W))
+      ratio = (1 + math.cos(math.pi * progress)) / 2
+      ratio = math.max(0, p.cos_min_ratio + (1 - p.cos_min_ratio) * ratio)
+    end
+    return base_lr * ratio
+  end
+  error("config: unknown scheduler type " .. tostring(t), 0)
+end
+
+-- lr(step): the learning rate DeepSpeed uses for the step-th optimizer step
+-- (1, 2, ...), counting applied steps only — DeepSpeed does not advance the
+-- scheduler on a step skipped for fp16 overflow. DeepSpeed sets the lr once
+-- when the scheduler is built (last_batch_iteration -1) and calls
+-- scheduler.step() after each applied optimizer step, so step n runs at
+-- last_batch_iteration n - 2. base_lr: the optimizer's lr (the config's
+-- optimizer.params.lr, else the one given here, else DeepSpeed's 1e-3);
+-- without a scheduler lr(step) is base_lr.
+function M.lr_schedule(cfg, base_lr)
+  local lr0 = (cfg.optimizer and cfg.optimizer.params.lr) or base_lr or M.adam_defaults.lr
+  if cfg.optimizer == nil and cfg.overrides and cfg.overrides.lr then lr0 = cfg.overrides.lr end
+  local sched = cfg.scheduler
+  return function(step) return M.lr_at_iteration(sched, lr0, step - 2) end
+end
+
+return M

@@ -1,0 +1,642 @@
+-- engine.lua — the ZeRO engine: luazero.initialize{model=..., config=...}
+-- returns an engine with forward, backward, step and train_batch, in the
+-- spirit of deepspeed.initialize. Stages 0-3, bf16/fp16 working copies over
+-- fp32 master weights, dynamic loss scaling, gradient clipping with a global
+-- norm computed in a canonical order. docs/zero.md describes the design.
+--
+--   local engine = lz.initialize{ model = gpt2.new(cfg), config = cfg_table,
+--                                 seed = 1337, batch = {B, T}, lr = fn(step) }
+--   local rec = engine:train_batch(loader)   -- one optimizer step
+--   engine:params_checksum()
+local ffi = require("ffi")
+local lz = require("luazero")
+local layout = require("luazero.zero.layout")
+local Pool = require("luazero.zero.pool")
+local Scaler = require("luazero.zero.scaler")
+
+local ops = lz.ops
+local C = lz.C
+
+local M = {}
+local Engine = {}
+Engine.__index = Engine
+
+local wdtypes = { fp32 = "f32", bf16 = "bf16", fp16 = "f16" }
+
+-- The settings the engine reads from a normalised DeepSpeed config, with
+-- DeepSpeed's defaults for what is absent.
+local function settings(cfg)
+  cfg = cfg or {}
+  local z = cfg.zero_optimization or {}
+  local fp16, bf16 = cfg.fp16 or {}, cfg.bf16 or {}
+  local op = (cfg.optimizer or {}).params or {}
+  local dtype = "fp32"
+  if fp16.enabled then dtype = "fp16" elseif bf16.enabled then dtype = "bf16" end
+  local betas = op.betas or { 0.9, 0.999 }
+  return {
+    stage = z.stage or 0,
+    dtype = dtype,
+    accum = cfg.gradient_accumulation_steps or 1,
+    micro_batch = cfg.train_micro_batch_size_per_gpu,
+    clip = cfg.gradient_clipping or 0,
+    lr = op.lr or 1e-3, beta1 = betas[1], beta2 = betas[2], eps = op.eps or 1e-8,
+    weight_decay = op.weight_decay or 0.01,
+    reduce_bucket = z.reduce_bucket_size or 5e8,
+    allgather_bucket = z.allgather_bucket_size or 5e8,
+    overlap = z.overlap_comm == true,
+    prefetch = z.stage3_prefetch_bucket_size or 5e7,
+    persistence = z.stage3_param_persistence_threshold or 1e5,
+    max_live = z.stage3_max_live_parameters or 1e9,
+    fp16 = fp16,
+  }
+end
+M.settings = settings
+
+-- opts: model (not allocated), config (normalised DeepSpeed table), seed,
+-- batch {B, T} (sizes the activation arenas), lr (function of the 1-based
+-- optimizer step; default: the config's constant lr), comm (default
+-- luazero.comm).
+function M.initialize(opts)
+  local model = assert(opts.model, "initialize: model is required")
+  local s = settings(opts.config)
+  local comm = opts.comm or require("luazero.comm")
+  local W, rank = comm.size(), comm.rank()
+  local self = setmetatable({
+    model = model, s = s, comm = comm, world = W, rank = rank, stage = s.stage,
+    dtype = s.dtype, wdt = wdtypes[s.dtype], lr = opts.lr or function() return s.lr end,
+    micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0, inflight = {},
+    loss_sum = 0, loss_count = 0,
+  }, Engine)
+  assert(self.stage >= 0 and self.stage <= 3, "initialize: stage must be 0..3")
+  self.L = layout.new(model.param_table, W)
+  self.pool = Pool.new()
+  self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
+  self:find_users()
+  self:allocate()
+  self:init_weights(opts.seed or 0)
+  self:build_runs()
+  self:install_hooks()
+  if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
+  return self
+end
+
+------------------------------------------------------------- layout, buffers
+
+-- Which segments a module touches: its own, and a tied one (the LM head
+-- reads the embedding's table).
+function Engine:find_users()
+  local L, model = self.L, self.model
+  self.segs_of = {}
+  local by_name = {}
+  for _, e in ipairs(model.param_table) do by_name[e.name] = e end
+  for _, seg in ipairs(L.segments) do
+    seg.users = 1
+    self.segs_of[seg.module] = { seg }
+  end
+  model:walk(function(m)
+    if m.tied then
+      local list = self.segs_of[m] or {}
+      for _, name in pairs(m.tied) do
+        local e = assert(by_name[name], "engine: tied parameter " .. name .. " not found")
+        local seg = L.by_module[e.module]
+        seg.users = seg.users + 1
+        list[#list + 1] = seg
+      end
+      self.segs_of[m] = list
+    end
+  end)
+end
+
+-- Binds module.p views of one segment onto `buf` (its padded full extent).
+local function bind_params(seg, buf)
+  for _, e in ipairs(seg.entries) do
+    e.entry.module.p[e.entry.key] = buf and buf:view(e.seg_offset, e.shape) or nil
+  end
+end
+
+local function bind_grads(seg, buf)
+  for _, e in ipairs(seg.entries) do
+    e.entry.module.g[e.entry.key] = buf and buf:view(e.seg_offset, e.shape) or nil
+  end
+end
+
+function Engine:allocate()
+  local L, stage, wdt = self.L, self.stage, self.wdt
+  local full, shard = L.full_numel, L.shard_numel
+  if stage <= 2 then
+    self.full_w = lz.tensor({ full }, wdt, "params")
+    for _, seg in ipairs(L.segments) do
+      bind_params(seg, self.full_w:view(seg.full_offset, { seg.padded }))
+    end
+  else
+    self.shard_w = lz.tensor({ shard }, wdt, "params")
+    self.persistent = {}
+    for _, seg in ipairs(L.segments) do
+      if seg.numel <= self.s.persistence then
+        seg.persistent = lz.tensor({ seg.padded }, wdt, "params")
+        bind_params(seg, seg.persistent)
+      end
+    end
+  end
+  -- fp32 master: the working buffer itself in fp32, else its own buffer.
+  local opt_n = stage == 0 and full or shard
+  if wdt == "f32" then
+    self.master = stage == 3 and self.shard_w or self.full_w
+  else
+    self.master = lz.tensor({ opt_n }, "f32", "optimizer")
+  end
+  self.m = lz.tensor({ opt_n }, "f32", "optimizer")
+  self.v = lz.tensor({ opt_n }, "f32", "optimizer")
+  if stage <= 1 then
+    self.full_g = lz.tensor({ full }, "f32", "grads")
+    for _, seg in ipairs(L.segments) do
+      bind_grads(seg, self.full_g:view(seg.full_offset, { seg.padded }))
+    end
+  else
+    self.shard_g = lz.tensor({ shard }, "f32", "grads")
+  end
+end
+
+-- Every rank draws the same initial weights (same seed, canonical order)
+-- into a temporary fp32 buffer, then keeps what its stage holds.
+function Engine:init_weights(seed)
+  local L, model, rank = self.L, self.model, self.rank
+  local tmp = lz.tensor({ L.full_numel }, "f32", "workspace")
+  local saved = {}
+  for _, seg in ipairs(L.segments) do
+    for _, e in ipairs(seg.entries) do
+      saved[e] = e.entry.module.p[e.entry.key]
+    end
+    bind_params(seg, tmp:view(seg.full_offset, { seg.padded }))
+  end
+  model:init_weights(seed)
+  for _, seg in ipairs(L.segments) do
+    bind_params(seg, nil)
+    for _, e in ipairs(seg.entries) do e.entry.module.p[e.entry.key] = saved[e] end
+    local full = tmp:view(seg.full_offset, { seg.padded })
+    local slice = tmp:view(seg.full_offset + rank * seg.slice, { seg.slice })
+    if self.stage <= 2 then
+      self.full_w:view(seg.full_offset, { seg.padded }):copy(full)
+    else
+      self.shard_w:view(seg.shard_offset, { seg.slice }):copy(slice)
+      if seg.persistent then seg.persistent:copy(full) end
+    end
+    if self.master ~= self.full_w and self.master ~= self.shard_w then
+      if self.stage == 0 then
+        self.master:view(seg.full_offset, { seg.padded }):copy(full)
+      else
+        self.master:view(seg.shard_offset, { seg.slice }):copy(slice)
+      end
+    end
+  end
+  tmp:free()
+end
+
+-- AdamW runs over what this rank updates: every slice in stage 0 (the
+-- optimizer is replicated), its own slices otherwise. Views into master,
+-- grads, moments and (bf16/fp16) the working copy.
+function Engine:build_runs()
+  local L, stage = self.L, self.stage
+  local ranks = stage == 0 and self.world or 1
+  self.runs = {}
+  for k = 0, ranks - 1 do
+    local r = stage == 0 and k or self.rank
+    for _, run in ipairs(layout.shard_runs(L, r)) do
+      local shape = { run.numel }
+      local opt_off = stage == 0 and run.full_offset or run.shard_offset
+      local master_off = (self.master == self.full_w) and run.full_offset or opt_off
+      local x = {
+        decay = run.decay,
+        p = self.master:view(master_off, shape),
+        g = stage <= 1 and self.full_g:view(run.full_offset, shape)
+            or self.shard_g:view(run.shard_offset, shape),
+        m = self.m:view(opt_off, shape), v = self.v:view(opt_off, shape),
+      }
+      if self.wdt ~= "f32" then
+        x.w = stage <= 2 and self.full_w:view(run.full_offset, shape)
+              or self.shard_w:view(run.shard_offset, shape)
+      end
+      self.runs[#self.runs + 1] = x
+    end
+  end
+  -- This rank's gradient slices, for the norm's canonical partials.
+  self.grad_slices = {}
+  for i, seg in ipairs(L.segments) do
+    self.grad_slices[i] = stage <= 1
+      and self.full_g:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+      or self.shard_g:view(seg.shard_offset, { seg.slice })
+  end
+  local K = #L.segments + 1 -- the loss, then one partial per segment
+  self.meta_k = K
+  self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
+  self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
+  self.adam = lz.adamw_args({})
+end
+
+-- Activation arenas, plus (bf16/fp16) an arena for the casts modules make.
+function Engine:prepare(B, T)
+  local model = self.model
+  model:prepare(B, T)
+  if self.wdt ~= "f32" then
+    local ctx = model.ctx
+    if ctx.cast_arena then ctx.cast_arena:free() end
+    local bytes = model.cast_arena_size and model:cast_arena_size(B, T) or 2 ^ 26
+    ctx.cast_arena = lz.arena(bytes, "activations")
+  end
+end
+
+------------------------------------------------------------------- hooks
+
+local function is_boundary(self) return self.micro % self.s.accum == 0 end
+
+function Engine:install_hooks()
+  local model = self.model
+  model:register_hook("pre_forward", function(m) self:pre_forward(m) end)
+  model:register_hook("post_forward", function(m) self:post_forward(m) end)
+  model:register_hook("pre_backward", function(m) self:pre_backward(m) end)
+  model:register_hook("post_backward", function(m) self:post_backward(m) end)
+end
+
+-- Stage 3: parameters of a segment, gathered into a pooled buffer.
+function Engine:gather(seg, async)
+  if seg.persistent or seg.pbuf then return end
+  seg.pbuf = self.pool:get(seg.padded, self.wdt)
+  self.live = (self.live or 0) + seg.padded
+  local send = self.shard_w:view(seg.shard_offset, { seg.slice })
+  seg.pwork = self.comm.all_gather(send, seg.pbuf, async)
+  if not async then seg.pwork = nil end
+end
+
+function Engine:ensure(seg)
+  if seg.persistent then return end
+  if not seg.pbuf then self:gather(seg, false) end
+  if seg.pwork then seg.pwork:wait(); seg.pwork = nil end
+  seg.in_use = (seg.in_use or 0) + 1
+  if seg.in_use == 1 then bind_params(seg, seg.pbuf) end
+end
+
+function Engine:release(seg)
+  if seg.persistent then return end
+  seg.in_use = seg.in_use - 1
+  if seg.in_use > 0 then return end
+  bind_params(seg, nil)
+  self.pool:put(seg.pbuf)
+  self.live = self.live - seg.padded
+  seg.pbuf = nil
+end
+
+-- Prefetch along the order recorded on the first pass: segments of the
+-- next modules, up to stage3_prefetch_bucket_size elements ahead and
+-- stage3_max_live_parameters gathered at once.
+function Engine:prefetch(order, k)
+  if not (self.s.overlap and order.done) then return end
+  local budget, s = self.s.prefetch, self.s
+  for i = k + 1, #order do
+    local seg = order[i]
+    if not seg.persistent and not seg.pbuf then
+      if budget < seg.padded or (self.live or 0) + seg.padded > s.max_live then break end
+      budget = budget - seg.padded
+      self:gather(seg, true)
+    end
+  end
+end
+
+local function record(order, seg, pass)
+  if not order.done then order[#order + 1] = seg end
+  pass.k = pass.k + 1
+  return pass.k
+end
+
+function Engine:pre_forward(m)
+  local segs = self.segs_of[m]
+  if not segs or self.stage < 3 then return end
+  for _, seg in ipairs(segs) do
+    local k = record(self.fwd_order, seg, self.fwd_pass)
+    self:ensure(seg)
+    self:prefetch(self.fwd_order, k)
+  end
+end
+
+function Engine:post_forward(m)
+  local segs = self.segs_of[m]
+  if not segs or self.stage < 3 then return end
+  for _, seg in ipairs(segs) do self:release(seg) end
+end
+
+function Engine:pre_backward(m)
+  local segs = self.segs_of[m]
+  if not segs then return end
+  for _, seg in ipairs(segs) do
+    if self.stage == 3 then
+      local k = record(self.bwd_order, seg, self.bwd_pass)
+      self:ensure(seg)
+      self:prefetch(self.bwd_order, k)
+    end
+    if self.stage >= 2 and not seg.gbuf then
+      self:make_room(seg.padded)
+      seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
+      bind_grads(seg, seg.gbuf)
+      seg.pending = seg.users
+    elseif self.stage <= 1 and seg.pending == nil then
+      seg.pending = seg.users
+    end
+  end
+end
+
+function Engine:post_backward(m)
+  local segs = self.segs_of[m]
+  if not segs then return end
+  for _, seg in ipairs(segs) do
+    if self.stage == 3 then self:release(seg) end
+    seg.pending = seg.pending - 1
+    if seg.pending == 0 then
+      seg.pending = nil
+      self:grads_ready(seg)
+    end
+  end
+end
+
+------------------------------------------------------- gradient reduction
+
+-- A segment's gradients are complete for this micro-step.
+function Engine:grads_ready(seg)
+  local comm, async = self.comm, self.s.overlap
+  if self.stage >= 2 then
+    -- Reduce-scatter in place: this rank's slice of the staging buffer.
+    local recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
+    local w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
+    local item = { seg = seg, recv = recv, elems = seg.padded }
+    if async then
+      item.work = w
+      self.inflight[#self.inflight + 1] = item
+      self.inflight_elems = (self.inflight_elems or 0) + seg.padded
+    else
+      self:finish_reduce(item)
+    end
+    bind_grads(seg, nil)
+    return
+  end
+  if not is_boundary(self) then return end
+  if self.stage == 1 then
+    local full = self.full_g:view(seg.full_offset, { seg.padded })
+    local recv = self.full_g:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+    local w = comm.reduce_scatter(full, recv, "avg", async)
+    if async then self.inflight[#self.inflight + 1] = { work = w } end
+    return
+  end
+  -- Stage 0: all-reduce, neighbouring segments batched into buckets of
+  -- reduce_bucket_size elements (backward visits them back to front).
+  local b = self.bucket
+  if b and seg.full_offset + seg.padded == b.lo then
+    b.lo = seg.full_offset
+  else
+    self:flush_bucket()
+    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded }
+    self.bucket = b
+  end
+  if b.hi - b.lo >= self.s.reduce_bucket then self:flush_bucket() end
+end
+
+function Engine:flush_bucket()
+  local b = self.bucket
+  if not b then return end
+  self.bucket = nil
+  local w = self.comm.all_reduce(self.full_g:view(b.lo, { b.hi - b.lo }), "avg", self.s.overlap)
+  if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
+end
+
+-- Stage 2/3: adds a reduced slice into this rank's gradient shard.
+function Engine:finish_reduce(item)
+  if item.work then item.work:wait() end
+  local seg = item.seg
+  if seg then
+    ops.axpy(self.shard_g:view(seg.shard_offset, { seg.slice }), 1.0, item.recv)
+    self.pool:put(seg.gbuf)
+    seg.gbuf = nil
+    self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
+  end
+end
+
+-- Keeps the gradient buckets in flight under reduce_bucket_size elements.
+function Engine:make_room(n)
+  while #self.inflight > 0 and (self.inflight_elems or 0) + n > self.s.reduce_bucket do
+    self:finish_reduce(table.remove(self.inflight, 1))
+  end
+end
+
+function Engine:wait_all()
+  self:flush_bucket()
+  while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
+  self.inflight_elems = 0
+end
+
+------------------------------------------------------- forward, backward
+
+function Engine:forward(x, y)
+  local model = self.model
+  if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
+  self.fwd_order = self.fwd_order or {}
+  self.fwd_pass = { k = 0 }
+  local loss = model:forward(x, y)
+  if #self.fwd_order > 0 then self.fwd_order.done = true end
+  self:drop_prefetched()
+  return loss
+end
+
+-- Gathers that were prefetched but not used (a pass that ended early).
+function Engine:drop_prefetched()
+  if self.stage < 3 then return end
+  for _, seg in ipairs(self.L.segments) do
+    if seg.pbuf and (seg.in_use or 0) == 0 then
+      if seg.pwork then seg.pwork:wait(); seg.pwork = nil end
+      seg.in_use = 1
+      self:release(seg)
+    end
+  end
+end
+
+-- Backward of the last forward; the loss is scaled by 1/accumulation steps
+-- and by the fp16 loss scale.
+function Engine:backward(loss)
+  self.micro = self.micro + 1
+  if loss then
+    self.loss_sum = self.loss_sum + loss
+    self.loss_count = self.loss_count + 1
+  end
+  self.bwd_order = self.bwd_order or {}
+  self.bwd_pass = { k = 0 }
+  self.model:backward(self.scaler.scale / self.s.accum)
+  if #self.bwd_order > 0 then self.bwd_order.done = true end
+  self:drop_prefetched()
+  if self.stage >= 2 or is_boundary(self) then self:wait_all() end
+end
+
+function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
+
+---------------------------------------------------------------- the step
+
+local function inject_inf(self)
+  local k = tonumber(os.getenv("LZ_INJECT_INF_STEP") or "")
+  if k and k == self.global_steps + 1 and self.rank == 0 then
+    self.grad_slices[1]:set(0, math.huge)
+  end
+end
+
+-- Gathers every rank's loss and norm partials (as doubles) in one
+-- all-gather; sums them in canonical order (segment, then slice).
+function Engine:exchange(local_loss)
+  local K, W = self.meta_k, self.world
+  local send = ffi.cast("double *", self.meta_send.data)
+  send[0] = local_loss
+  for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
+  self.comm.all_gather(self.meta_send, self.meta_recv)
+  local all = ffi.cast("double *", self.meta_recv.data)
+  local loss = 0
+  for r = 0, W - 1 do loss = loss + all[r * K] end
+  local sq = 0
+  for i = 1, K - 1 do
+    for r = 0, W - 1 do sq = sq + all[r * K + i] end
+  end
+  return loss / W, sq
+end
+
+-- The optimizer step at the end of an accumulation cycle. Returns a
+-- record: loss (mean over ranks and micro-steps), lr, grad_norm (before
+-- clipping, unscaled), loss_scale (used for this step), skipped.
+function Engine:step()
+  local s = self.s
+  inject_inf(self)
+  local local_loss = self.loss_count > 0 and self.loss_sum / self.loss_count or 0
+  local loss, sq = self:exchange(local_loss)
+  self.loss_sum, self.loss_count = 0, 0
+  self.global_steps = self.global_steps + 1
+  local loss_scale = self.scaler.scale
+  local norm = math.sqrt(sq) / loss_scale
+  local overflow = not (sq < math.huge) -- inf or NaN
+  local rec = { loss = loss, grad_norm = norm, loss_scale = loss_scale, skipped = overflow }
+  self.scaler:update(overflow)
+  if overflow then
+    self.skipped_steps = self.skipped_steps + 1
+    rec.lr = self.lr(self.optimizer_steps + 1)
+    self:zero_grad()
+    return rec
+  end
+  self.optimizer_steps = self.optimizer_steps + 1
+  local lr = self.lr(self.optimizer_steps)
+  rec.lr = lr
+  local scale = 1.0 / loss_scale
+  if s.clip > 0 then
+    local c = s.clip / (norm + 1e-6)
+    if c < 1 then scale = scale * c end
+  end
+  local a = self.adam
+  a.lr, a.beta1, a.beta2, a.eps = lr, s.beta1, s.beta2, s.eps
+  a.grad_scale, a.step = scale, self.optimizer_steps
+  for _, r in ipairs(self.runs) do
+    a.weight_decay = r.decay and s.weight_decay or 0
+    ops.adamw_step(r.p, r.g, r.m, r.v, r.w, a)
+  end
+  self:gather_params()
+  self:zero_grad()
+  return rec
+end
+
+-- Stages 1-2: every rank's updated slices to every rank's full working
+-- copy; stage 3: the persistent parameters only.
+function Engine:gather_params()
+  local stage, comm = self.stage, self.comm
+  if stage == 0 then return end
+  local async, works = self.s.overlap, {}
+  for _, seg in ipairs(self.L.segments) do
+    local send, recv
+    if stage <= 2 then
+      recv = self.full_w:view(seg.full_offset, { seg.padded })
+      send = recv:view(self.rank * seg.slice, { seg.slice })
+    elseif seg.persistent then
+      recv = seg.persistent
+      send = self.shard_w:view(seg.shard_offset, { seg.slice })
+    end
+    if recv then works[#works + 1] = comm.all_gather(send, recv, async) end
+  end
+  if async then for _, w in ipairs(works) do w:wait() end end
+end
+
+function Engine:zero_grad()
+  if self.full_g then self.full_g:zero() else self.shard_g:zero() end
+end
+
+-- One optimizer step: accumulation micro-steps from batches:next_batch().
+function Engine:train_batch(batches)
+  for _ = 1, self.s.accum do
+    local x, y = batches:next_batch()
+    local loss = self:forward(x, y)
+    self:backward(loss)
+  end
+  return self:step()
+end
+
+-- Mean loss over validation batches 1..n (the same batches on every rank).
+function Engine:evaluate(loader, n)
+  local model, sum = self.model, 0
+  model:evaluate()
+  for i = 1, n do sum = sum + self:forward(loader:val_batch(i)) end
+  model:train()
+  return sum / n
+end
+
+---------------------------------------------------------- checkpoints
+
+-- The full fp32 master parameters in canonical order (unpadded), as an f32
+-- tensor (category workspace) on every rank.
+function Engine:master_params()
+  local L = self.L
+  local full
+  if self.stage == 0 or self.master == self.full_w then
+    full = self.master -- complete on every rank after the step's gather
+  else
+    full = lz.tensor({ L.full_numel }, "f32", "workspace")
+    for _, seg in ipairs(L.segments) do
+      self.comm.all_gather(self.master:view(seg.shard_offset, { seg.slice }),
+                           full:view(seg.full_offset, { seg.padded }))
+    end
+  end
+  local out = lz.tensor({ L.numel }, "f32", "workspace")
+  for _, seg in ipairs(L.segments) do
+    for _, e in ipairs(seg.entries) do
+      out:view(e.offset, { e.numel }):copy(full:view(seg.full_offset + e.seg_offset, { e.numel }))
+    end
+  end
+  if full ~= self.master then full:free() end
+  return out
+end
+
+-- xxh64 of the full fp32 master parameters in canonical order (hex).
+function Engine:params_checksum()
+  local t = self:master_params()
+  local h = require("bit").tohex(lz.xxh64(t.data, t:bytes(), 0), 16)
+  t:free()
+  return h
+end
+
+-- Bytes per ledger category of model states on this rank.
+function Engine:model_state_bytes()
+  local m = lz.mem()
+  return m.params + m.grads + m.optimizer
+end
+
+function Engine:free()
+  self:wait_all()
+  self.pool:free()
+  local function f(t) if t then t:free() end end
+  f(self.full_g); f(self.shard_g); f(self.m); f(self.v)
+  if self.master ~= self.full_w and self.master ~= self.shard_w then f(self.master) end
+  f(self.full_w); f(self.shard_w)
+  for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
+  f(self.meta_send); f(self.meta_recv)
+  local ctx = self.model.ctx
+  if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
+  self.model:release_arenas()
+end
+
+M.Engine = Engine
+return M

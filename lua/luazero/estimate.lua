@@ -1,0 +1,309 @@
+-- estimate.lua — model-state memory per rank for each ZeRO stage, with and
+-- without optimizer offload: the bytes luazero's engine allocates (its
+-- gradients are fp32 whatever the working dtype), or, with grads =
+-- "working", the ZeRO paper's accounting (Rajbhandari et al. 2020: 16Ψ,
+-- 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N); and the stage "auto" picks from a memory
+-- budget. Formulas: docs/zero.md, "Estimating memory". tools/estimate prints
+-- these as a table.
+--
+--   local estimate = require("luazero.estimate")
+--   local r = estimate.model_states(1.5e9, 8, 3, { dtype = "bf16" })  -- r.device, r.cpu
+--   local stage, why = estimate.pick_stage(124e6, 2, 1.5 * 2^30, "bf16")
+local M = {}
+
+-- Bytes per parameter of the working copy (params and grads) and of the
+-- fp32 master copy (none in fp32 training: the params are the master).
+local dtype_bytes = {
+  fp32 = { working = 4, master = 0 },
+  bf16 = { working = 2, master = 4 },
+  fp16 = { working = 2, master = 4 },
+}
+M.dtype_bytes = dtype_bytes
+local MOMENTS = 8 -- Adam's m and v, fp32
+local OFFLOAD_GRAD = 4 -- the fp32 gradient shard the CPU optimizer reads
+
+M.offloads = { "none", "cpu", "cpu+param" }
+
+local function check_count(what, v, min)
+  if type(v) ~= "number" or v ~= v or v < min or v ~= math.floor(v) or v == math.huge then
+    error(("estimate: %s must be a whole number >= %d (got %s)"):format(what, min, tostring(v)), 0)
+  end
+end
+
+local function check_dtype(dtype)
+  local b = dtype_bytes[dtype or "bf16"]
+  if not b then
+    error(("estimate: dtype must be fp32, bf16 or fp16 (got %s)"):format(tostring(dtype)), 0)
+  end
+  return b
+end
+
+-- Bytes per gradient element: luazero's kernels accumulate in fp32; the
+-- ZeRO paper and DeepSpeed keep gradients in the working dtype.
+local function grad_bytes(grads, b)
+  if grads == nil or grads == "fp32" then return 4 end
+  if grads == "working" then return b.working end
+  error(("estimate: grads must be fp32 or working (got %s)"):format(tostring(grads)), 0)
+end
+
+-- Per-rank model-state bytes for `params` parameters at world size `world`
+-- and ZeRO `stage` (0..3). opts: dtype ("bf16"), grads ("fp32": luazero;
+-- "working": the ZeRO paper's 2-byte gradients in bf16/fp16), offload
+-- ("none", "cpu": offload_optimizer on the CPU, "cpu+param": also
+-- offload_param, stage 3 only), persistent (stage 3: elements kept whole on
+-- every rank beside the shards, those in modules of at most
+-- stage3_param_persistence_threshold elements; 0), layout ({full, shard}:
+-- the engine's padded element counts, from model_params; default full =
+-- params, shard = ceil(params / world)).
+-- Returns nil for combinations DeepSpeed does not have (offload at stage 0,
+-- offload_param below stage 3); else a table: device and cpu bytes, and
+-- each split by ledger category (device_parts, cpu_parts: params, grads,
+-- optimizer).
+function M.model_states(params, world, stage, opts)
+  opts = opts or {}
+  check_count("the parameter count", params, 1)
+  check_count("the world size", world, 1)
+  check_count("the stage", stage, 0)
+  if stage > 3 then error("estimate: stage must be 0..3 (got " .. stage .. ")", 0) end
+  local b = check_dtype(opts.dtype)
+  local offload = opts.offload or "none"
+  local persistent = opts.persistent or 0
+  check_count("the persistent parameter count", persistent, 0)
+  if offload ~= "none" and offload ~= "cpu" and offload ~= "cpu+param" then
+    error(("estimate: offload must be none, cpu or cpu+param (got %s)"):format(tostring(offload)), 0)
+  end
+  if (offload ~= "none" and stage == 0) or (offload == "cpu+param" and stage ~= 3) then
+    return nil
+  end
+  local full, shard = params, math.ceil(params / world)
+  if opts.layout then full, shard = opts.layout.full, opts.layout.shard end
+  local w, g, opt = b.working, grad_bytes(opts.grads, b), b.master + MOMENTS
+  local dev = { params = 0, grads = 0, optimizer = 0 }
+  local cpu = { params = 0, grads = 0, optimizer = 0 }
+  -- Working parameters: whole below stage 3; a shard plus the persistent
+  -- ones kept whole at stage 3; nothing on the device with offload_param.
+  if stage < 3 then
+    dev.params = w * full
+  elseif offload == "cpu+param" then
+    dev.params = w * persistent
+    cpu.params = w * shard
+  else
+    dev.params = w * (shard + persistent)
+  end
+  if offload == "none" then
+    dev.grads = g * (stage < 2 and full or shard)
+    dev.optimizer = opt * (stage < 1 and full or shard)
+  else
+    -- ZeRO-Offload: master weights, moments and an fp32 gradient shard live
+    -- in CPU memory; the device keeps full gradients at stage 1 only (stage
+    -- 2 and 3 reduce them bucket by bucket straight to the CPU shard).
+    dev.grads = stage == 1 and g * full or 0
+    cpu.grads = OFFLOAD_GRAD * shard
+    cpu.optimizer = (4 + MOMENTS) * shard
+  end
+  local r = { stage = stage, offload = offload, dtype = opts.dtype or "bf16", params = params,
+              world = world, shard = shard, persistent = persistent,
+              device_parts = dev, cpu_parts = cpu,
+              device = dev.params + dev.grads + dev.optimizer,
+              cpu = cpu.params + cpu.grads + cpu.optimizer }
+  return r
+end
+
+-- The formula of a row, in bytes per parameter: Ψ parameters, N ranks, P
+-- persistent parameters; "device | cpu" with offload.
+function M.formula(stage, dtype, offload, grads)
+  local b = check_dtype(dtype)
+  local w, g, opt = b.working, grad_bytes(grads, b), b.master + MOMENTS
+  offload = offload or "none"
+  local function term(n, what)
+    if n == 0 then return nil end
+    return n .. what
+  end
+  local function join(terms)
+    local out = {}
+    for _, t in ipairs(terms) do if t then out[#out + 1] = t end end
+    return #out > 0 and table.concat(out, " + ") or "0"
+  end
+  if offload == "none" then
+    if stage == 0 then return join({ term(w + g + opt, "Ψ") }) end
+    if stage == 1 then return join({ term(w + g, "Ψ"), term(opt, "Ψ/N") }) end
+    if stage == 2 then return join({ term(w, "Ψ"), term(g + opt, "Ψ/N") }) end
+    return join({ term(w + g + opt, "Ψ/N"), term(w, "P") })
+  end
+  local cpu = OFFLOAD_GRAD + 4 + MOMENTS
+  if offload == "cpu+param" then
+    return join({ term(w, "P") }) .. " | " .. join({ term(cpu + w, "Ψ/N") })
+  end
+  local dev
+  if stage == 1 then dev = join({ term(w + g, "Ψ") })
+  elseif stage == 2 then dev = join({ term(w, "Ψ") })
+  else dev = join({ term(w, "Ψ/N"), term(w, "P") }) end
+  return dev .. " | " .. join({ term(cpu, "Ψ/N") })
+end
+
+-- Every row of the table: stages 0..3 without offload, 1..3 with the
+-- optimizer on the CPU, 3 with parameters on the CPU too.
+-- opts: grads, persistent, layout (as in model_states).
+function M.table_rows(params, world, dtype, opts)
+  opts = opts or {}
+  local rows = {}
+  for _, offload in ipairs(M.offloads) do
+    for stage = 0, 3 do
+      local r = M.model_states(params, world, stage,
+                               { dtype = dtype, offload = offload, grads = opts.grads,
+                                 persistent = opts.persistent, layout = opts.layout })
+      if r then
+        r.formula = M.formula(stage, dtype, offload, opts.grads)
+        rows[#rows + 1] = r
+      end
+    end
+  end
+  return rows
+end
+
+------------------------------------------------------------------ formatting
+
+function M.format_bytes(n)
+  if n >= 2 ^ 30 then return ("%.1f GiB"):format(n / 2 ^ 30) end
+  if n >= 2 ^ 20 then return ("%.1f MiB"):format(n / 2 ^ 20) end
+  if n >= 2 ^ 10 then return ("%.1f KiB"):format(n / 2 ^ 10) end
+  return ("%d B"):format(n)
+end
+
+-- 1234567 -> "1,234,567"
+function M.thousands(n)
+  local s = ("%d"):format(n)
+  local sign, digits = s:match("^(-?)(%d+)$")
+  digits = digits:reverse():gsub("(%d%d%d)", "%1,"):reverse():gsub("^,", "")
+  return sign .. digits
+end
+
+------------------------------------------------------------------ stage "auto"
+
+-- The lowest stage whose per-rank model states (no offload) fit in
+-- budget_bytes; with the reason, as one line, and whether it fits. When no
+-- stage fits, stage 3 (the least memory) and fits = false.
+-- opts: grads, persistent, layout (as in model_states).
+function M.pick_stage(params, world, budget_bytes, dtype, opts)
+  if type(budget_bytes) ~= "number" or not (budget_bytes > 0) then
+    error(("estimate: the memory budget must be a positive number of bytes (got %s)")
+          :format(tostring(budget_bytes)), 0)
+  end
+  opts = opts or {}
+  local too_big = {}
+  for stage = 0, 3 do
+    local r = M.model_states(params, world, stage, { dtype = dtype, grads = opts.grads,
+                             persistent = opts.persistent, layout = opts.layout })
+    if r.device <= budget_bytes then
+      local why
+      if #too_big == 0 then
+        why = ("stage %d needs %s per rank; budget %s: picked stage %d")
+              :format(stage, M.format_bytes(r.device), M.format_bytes(budget_bytes), stage)
+      else
+        why = ("%s per rank; budget %s; stage %d needs %s: picked stage %d")
+              :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes), stage,
+                      M.format_bytes(r.device), stage)
+      end
+      return stage, why, true
+    end
+    too_big[#too_big + 1] = ("stage %d needs %s"):format(stage, M.format_bytes(r.device))
+  end
+  return 3, ("%s per rank; budget %s: no stage fits; picked stage 3, the smallest " ..
+             "(offload or more ranks would help)")
+            :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes)), false
+end
+
+------------------------------------------------------------------ models
+
+-- Parameter counts of a model from its parameter table (a named model of
+-- models/gpt2.lua is declared by gpt2.new, nothing allocated): params (the
+-- table's elements, the vocabulary padding rows included), real (without
+-- them), largest_layer (the most one module owns, DeepSpeed's
+-- largest_layer_params), and for world size `world` the engine's layout
+-- (zero/layout.lua): layout = {full, shard} padded element counts, and
+-- persistent = padded elements of the modules of at most `threshold`
+-- elements (stage3_param_persistence_threshold, 1e5), kept whole at stage 3.
+function M.param_table_counts(param_table, world, threshold)
+  threshold = threshold or 100000
+  world = world or 1
+  local per_module, order, numel = {}, {}, 0
+  for _, e in ipairs(param_table) do
+    if not per_module[e.module] then order[#order + 1] = e.module end
+    per_module[e.module] = (per_module[e.module] or 0) + e.numel
+    numel = numel + e.numel
+  end
+  local largest = 0
+  for _, n in pairs(per_module) do largest = math.max(largest, n) end
+  local r = { params = numel, largest_layer = largest, threshold = threshold, world = world }
+  local ok, layout = pcall(require, "luazero.zero.layout")
+  if ok then
+    local L = layout.new(param_table, world)
+    r.layout = { full = L.full_numel, shard = L.shard_numel }
+    r.persistent = 0
+    for _, seg in ipairs(L.segments) do
+      if seg.numel <= threshold then r.persistent = r.persistent + seg.padded end
+    end
+  else
+    r.persistent = 0
+    for _, m in ipairs(order) do
+      if per_module[m] <= threshold then r.persistent = r.persistent + per_module[m] end
+    end
+  end
+  return r
+end
+
+function M.model_params(name, overrides, threshold, world)
+  local gpt2 = require("models.gpt2")
+  local cfg = gpt2.config(name, overrides)
+  local m = gpt2.new(cfg)
+  local r = M.param_table_counts(m.param_table, world, threshold)
+  r.name, r.real, r.config = name, m:count_params(), cfg
+  return r
+end
+
+------------------------------------------------------------------ DeepSpeed's own
+
+-- DeepSpeed's estimate_zero2_model_states_mem_needs (stage_1_and_2.py) and
+-- estimate_zero3_model_states_mem_needs (stage3.py), for comparison: they
+-- count an fp32 gradient copy and buffers, and CPU memory per node with a
+-- 1.5 buffer factor. Return cpu bytes (per node), gpu bytes (per GPU).
+function M.deepspeed_zero2(total, gpus_per_node, nodes, cpu_offload, factor)
+  factor = factor or 1.5
+  local gpus = gpus_per_node * nodes
+  local gpu, cpu
+  if cpu_offload then
+    gpu = 2 * total
+    cpu = total * math.max(4 * gpus, 16) * factor
+  else
+    gpu = 4 * total + math.floor(16 * total / gpus)
+    cpu = total * 4 * gpus_per_node * factor
+  end
+  return math.floor(cpu), math.floor(gpu)
+end
+
+function M.deepspeed_zero3(total, largest_layer, gpus_per_node, nodes, cpu_offload,
+                           cpu_offload_params, zero_init, factor)
+  factor = factor or 1.5
+  if zero_init == nil then zero_init = true end
+  local gpus, per_node = gpus_per_node * nodes, 1 / nodes
+  local largest_mem = 4 * largest_layer
+  local gpu, cpu
+  if cpu_offload then
+    if cpu_offload_params then
+      gpu = largest_mem
+      cpu = zero_init and total * 18 * per_node * factor
+            or total * math.max(4 * gpus_per_node, 18 * per_node) * factor
+    else
+      gpu = largest_mem + math.floor(2 * total / gpus)
+      cpu = zero_init and total * 16 * per_node * factor
+            or total * math.max(4 * gpus_per_node, 16 * per_node) * factor
+    end
+  else
+    gpu = largest_mem + math.floor(18 * total / gpus)
+    cpu = zero_init and largest_layer * 4 * gpus_per_node * factor
+          or total * 4 * gpus_per_node * factor
+  end
+  return math.floor(cpu), math.floor(gpu)
+end
+
+return M

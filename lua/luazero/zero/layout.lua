@@ -1,0 +1,87 @@
+-- zero/layout.lua — how a model's parameters lie in the ZeRO engine's flat,
+-- partitioned buffers. A pure function of the parameter table and the world
+-- size, so every stage at one world size uses the same layout (and gets the
+-- same bits), and tests can recompute the expected bytes.
+--
+-- The canonical parameter order is cut into segments: the parameters one
+-- module owns (a Linear's weight and bias, a LayerNorm's pair, the
+-- embedding's two tables). Each segment is padded to a multiple of
+-- world * ALIGN elements and split into `world` equal slices; rank r owns
+-- slice r of every segment (DeepSpeed's stage 3 partitions each parameter
+-- the same way). A rank's shard is contiguous in its own memory: its slices
+-- of all segments, one after another. The full ("gathered") buffer holds the
+-- segments one after another, each padded.
+--
+--   local L = layout.new(param_table, world)
+--   L.segments[i] = { index, module, entries, numel, padded, full_offset,
+--                     slice, shard_offset }
+--   L.full_numel, L.shard_numel, L.numel (unpadded)
+local M = {}
+
+-- Elements per slice are a multiple of this: 64 bytes of f32.
+M.ALIGN = 16
+
+local function round_up(n, m) return math.ceil(n / m) * m end
+M.round_up = round_up
+
+function M.new(param_table, world, align)
+  align = align or M.ALIGN
+  local L = { world = world, segments = {}, by_module = {}, numel = 0 }
+  local full, shard = 0, 0
+  local seg
+  for _, e in ipairs(param_table) do
+    if not seg or seg.module ~= e.module then
+      seg = { index = #L.segments + 1, module = e.module, entries = {}, numel = 0 }
+      L.segments[#L.segments + 1] = seg
+      L.by_module[e.module] = seg
+    end
+    seg.entries[#seg.entries + 1] = {
+      entry = e, seg_offset = seg.numel, numel = e.numel, shape = e.shape, decay = e.decay,
+      offset = e.offset,
+    }
+    seg.numel = seg.numel + e.numel
+    L.numel = L.numel + e.numel
+  end
+  for _, s in ipairs(L.segments) do
+    s.padded = round_up(s.numel, world * align)
+    s.slice = s.padded / world
+    s.full_offset, s.shard_offset = full, shard
+    full, shard = full + s.padded, shard + s.slice
+  end
+  L.full_numel, L.shard_numel = full, shard
+  return L
+end
+
+-- Runs {full_offset, shard_offset, numel, decay} over this rank's slices:
+-- the pieces of each slice that one decay setting covers (padding counts as
+-- no decay; it stays zero either way). Offsets in elements.
+function M.shard_runs(L, rank)
+  local runs = {}
+  local function add(full_off, shard_off, n, decay)
+    if n <= 0 then return end
+    local last = runs[#runs]
+    if last and last.decay == decay and last.full_offset + last.numel == full_off and
+       last.shard_offset + last.numel == shard_off then
+      last.numel = last.numel + n
+    else
+      runs[#runs + 1] = { full_offset = full_off, shard_offset = shard_off, numel = n,
+                          decay = decay }
+    end
+  end
+  for _, s in ipairs(L.segments) do
+    local lo, hi = rank * s.slice, (rank + 1) * s.slice -- within the segment
+    local pos = lo
+    for _, e in ipairs(s.entries) do
+      local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)
+      if b > a then
+        add(s.full_offset + pos, s.shard_offset + pos - lo, a - pos, false) -- gap (none)
+        add(s.full_offset + a, s.shard_offset + a - lo, b - a, e.decay)
+        pos = b
+      end
+    end
+    add(s.full_offset + pos, s.shard_offset + pos - lo, hi - pos, false) -- padding
+  end
+  return runs
+end
+
+return M

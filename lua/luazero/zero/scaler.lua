@@ -1,0 +1,42 @@
+-- zero/scaler.lua — fp16 loss scaling with DeepSpeed's semantics
+-- (DynamicLossScaler): on overflow skip the step and, once `hysteresis`
+-- overflows have been absorbed, halve the scale (not below min_loss_scale);
+-- after loss_scale_window steps without overflow, double it. A non-zero
+-- loss_scale is static. Without fp16 the scale is 1 and never moves.
+local Scaler = {}
+Scaler.__index = Scaler
+
+-- fp16: the config's fp16 section (nil: no scaling).
+function Scaler.new(fp16)
+  if not fp16 then
+    return setmetatable({ scale = 1, dynamic = false }, Scaler)
+  end
+  local static = fp16.loss_scale or 0
+  local hysteresis = fp16.hysteresis or 2
+  return setmetatable({
+    dynamic = static == 0,
+    scale = static ~= 0 and static or 2 ^ (fp16.initial_scale_power or 16),
+    window = fp16.loss_scale_window or 1000,
+    min_scale = fp16.min_loss_scale or 1,
+    delayed_shift = hysteresis, hysteresis = hysteresis,
+    iter = 0, last_overflow = -1,
+  }, Scaler)
+end
+
+function Scaler:update(overflow)
+  if not self.dynamic then return end
+  if overflow then
+    if self.delayed_shift == 1 or self.hysteresis == 1 then
+      self.scale = math.max(self.scale / 2, self.min_scale)
+    else
+      self.hysteresis = self.hysteresis - 1
+    end
+    self.last_overflow = self.iter
+  elseif (self.iter - self.last_overflow) % self.window == 0 then
+    self.hysteresis = self.delayed_shift
+    self.scale = self.scale * 2
+  end
+  self.iter = self.iter + 1
+end
+
+return Scaler

@@ -1,0 +1,423 @@
+-- test_config.lua — DeepSpeed's configuration (lua/luazero/config.lua):
+-- defaults, the batch-size rule, errors naming the key or the file,
+-- not-implemented keys, overrides, and the three schedules against numbers
+-- worked out by hand from DeepSpeed's lr_schedules.py.
+local config = require("luazero.config")
+
+local T = {}
+
+local tmp = os.tmpname()
+os.remove(tmp)
+os.execute("mkdir -p '" .. tmp .. "'")
+
+local function write_file(name, text)
+  local path = tmp .. "/" .. name
+  local f = assert(io.open(path, "wb"))
+  f:write(text)
+  f:close()
+  return path
+end
+
+-- The error a load raises; fails when it loads.
+local function load_error(source, world, overrides)
+  local ok, err = pcall(config.load, source, world, overrides)
+  assert(not ok, "expected an error, the config loaded")
+  return tostring(err)
+end
+
+local function expect_error(source, world, expected, overrides)
+  local err = load_error(source, world, overrides)
+  assert(err == expected, ("\nexpected: %s\n     got: %s"):format(expected, err))
+end
+
+local function close(got, want, what)
+  local tol = 1e-12 * math.max(1, math.abs(want))
+  assert(math.abs(got - want) <= tol, ("%s: got %.17g, want %.17g"):format(what, got, want))
+end
+
+------------------------------------------------------------------ defaults
+
+function T.defaults_are_deepspeeds()
+  local cfg = config.load({ train_micro_batch_size_per_gpu = 1 }, 1)
+  assert(cfg.train_batch_size == 1 and cfg.gradient_accumulation_steps == 1)
+  assert(cfg.gradient_clipping == 0, "DeepSpeed's gradient_clipping default is 0 (off)")
+  assert(cfg.dtype == "fp32" and cfg.fp16.enabled == false and cfg.bf16.enabled == false)
+  local f = cfg.fp16
+  assert(f.loss_scale == 0 and f.initial_scale_power == 16 and f.loss_scale_window == 1000 and
+         f.hysteresis == 2 and f.min_loss_scale == 1 and f.consecutive_hysteresis == false)
+  local z = cfg.zero_optimization
+  assert(z.stage == 0 and z.reduce_bucket_size == 5e8 and z.allgather_bucket_size == 5e8)
+  assert(z.overlap_comm == false and z.contiguous_gradients == true and z.reduce_scatter == true)
+  assert(z.stage3_prefetch_bucket_size == 5e7 and z.stage3_param_persistence_threshold == 1e5)
+  assert(z.stage3_max_live_parameters == 1e9 and z.stage3_max_reuse_distance == 1e9)
+  assert(z.offload_optimizer.device == "none" and z.offload_param.device == "none")
+  assert(cfg.optimizer == nil and cfg.scheduler == nil)
+  assert(#cfg.unimplemented == 0 and config.unimplemented_message(cfg) == nil)
+end
+
+function T.overlap_comm_defaults_to_true_at_stage_3_only()
+  for stage = 0, 3 do
+    local cfg = config.load({ train_batch_size = 4, zero_optimization = { stage = stage } }, 2)
+    assert(cfg.zero_optimization.overlap_comm == (stage == 3), "stage " .. stage)
+  end
+  local cfg = config.load({ train_batch_size = 4,
+                            zero_optimization = { stage = 3, overlap_comm = false } }, 2)
+  assert(cfg.zero_optimization.overlap_comm == false, "a given overlap_comm stays")
+  cfg = config.load({ train_batch_size = 4, zero_optimization = { stage = "auto" } }, 2)
+  assert(cfg.zero_optimization.stage == "auto" and cfg.zero_optimization.overlap_comm == nil)
+  config.set_stage(cfg, 3)
+  assert(cfg.zero_optimization.stage == 3 and cfg.zero_optimization.overlap_comm == true)
+end
+
+function T.optimizer_type_is_case_insensitive_with_fused_adam_defaults()
+  local cfg = config.load({ train_batch_size = 1, optimizer = { type = "ADAM" } }, 1)
+  local o = cfg.optimizer
+  assert(o.type == "Adam" and o.params.lr == 1e-3 and o.params.betas[1] == 0.9 and
+         o.params.betas[2] == 0.999 and o.params.eps == 1e-8 and o.params.weight_decay == 0)
+  assert(o.decoupled_weight_decay == true, "DeepSpeed's Adam is AdamW unless adam_w_mode is false")
+  cfg = config.load({ train_batch_size = 1, optimizer = { type = "adam",
+                      params = { adam_w_mode = false, lr = 2e-4, betas = { 0.8, 0.95 },
+                                 weight_decay = 0.1 } } }, 1)
+  o = cfg.optimizer
+  assert(o.decoupled_weight_decay == false and o.params.lr == 2e-4 and o.params.betas[2] == 0.95
+         and o.params.weight_decay == 0.1)
+  cfg = config.load({ train_batch_size = 1, optimizer = { type = "adamW",
+                      params = { adam_w_mode = false } } }, 1)
+  assert(cfg.optimizer.type == "AdamW" and cfg.optimizer.decoupled_weight_decay == true)
+end
+
+------------------------------------------------------------------ batch sizes
+
+function T.batch_size_rule_at_world_sizes_1_2_4()
+  local cases = {
+    -- given                              -> {train, micro, accum} at world 1, 2, 4
+    { { train_batch_size = 32, train_micro_batch_size_per_gpu = 4 },
+      { { 32, 4, 8 }, { 32, 4, 4 }, { 32, 4, 2 } } },
+    { { train_batch_size = 32, gradient_accumulation_steps = 2 },
+      { { 32, 16, 2 }, { 32, 8, 2 }, { 32, 4, 2 } } },
+    { { train_micro_batch_size_per_gpu = 4, gradient_accumulation_steps = 2 },
+      { { 8, 4, 2 }, { 16, 4, 2 }, { 32, 4, 2 } } },
+    { { train_batch_size = 32 }, { { 32, 32, 1 }, { 32, 16, 1 }, { 32, 8, 1 } } },
+    { { train_micro_batch_size_per_gpu = 4 }, { { 4, 4, 1 }, { 8, 4, 1 }, { 16, 4, 1 } } },
+  }
+  for ci, c in ipairs(cases) do
+    for wi, world in ipairs({ 1, 2, 4 }) do
+      local cfg = config.load(c[1], world)
+      local want = c[2][wi]
+      local got = { cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                    cfg.gradient_accumulation_steps }
+      assert(got[1] == want[1] and got[2] == want[2] and got[3] == want[3],
+             ("case %d world %d: got %d/%d/%d, want %d/%d/%d"):format(ci, world, got[1], got[2],
+             got[3], want[1], want[2], want[3]))
+    end
+  end
+  -- All three given: they must agree with the world size.
+  local all = { train_batch_size = 16, train_micro_batch_size_per_gpu = 2,
+                gradient_accumulation_steps = 2 }
+  assert(config.load(all, 4).train_batch_size == 16)
+  expect_error(all, 2, "config: train_batch_size 16 != train_micro_batch_size_per_gpu 2 * " ..
+               "gradient_accumulation_steps 2 * world size 2 (= 8)")
+  expect_error(all, 1, "config: train_batch_size 16 != train_micro_batch_size_per_gpu 2 * " ..
+               "gradient_accumulation_steps 2 * world size 1 (= 4)")
+end
+
+function T.batch_sizes_that_do_not_divide_are_errors()
+  -- DeepSpeed floors 10 // 4 // 1 = 2 and then fails its check.
+  local err = load_error({ train_batch_size = 10, train_micro_batch_size_per_gpu = 4 }, 1)
+  assert(err:find("config: train_batch_size 10 != train_micro_batch_size_per_gpu 4 * " ..
+                  "gradient_accumulation_steps 2 * world size 1 (= 8)", 1, true), err)
+  err = load_error({ train_batch_size = 2 }, 4)
+  assert(err:find("config: train_batch_size 2 is too small for world size 4", 1, true), err)
+  err = load_error({ gradient_accumulation_steps = 2 }, 1)
+  assert(err:find("train_batch_size or train_micro_batch_size_per_gpu", 1, true), err)
+  expect_error({ train_batch_size = 0 }, 1,
+               "config: train_batch_size must be a whole number >= 1 (got 0)")
+  expect_error({ train_micro_batch_size_per_gpu = 2.5 }, 1,
+               "config: train_micro_batch_size_per_gpu must be a whole number >= 1 (got 2.5)")
+end
+
+------------------------------------------------------------------ bad values
+
+function T.bad_configs_of_issue_5_name_the_key_or_file()
+  expect_error({ train_batch_size = 8, zero_optimization = { stage = 4 } }, 1,
+               'config: zero_optimization.stage must be 0..3 or "auto" (got 4)')
+  expect_error({ train_batch_size = 32, train_micro_batch_size_per_gpu = 4,
+                 gradient_accumulation_steps = 2 }, 2,
+               "config: train_batch_size 32 != train_micro_batch_size_per_gpu 4 * " ..
+               "gradient_accumulation_steps 2 * world size 2 (= 16)")
+  expect_error({ train_batch_size = 8, fp16 = { enabled = true }, bf16 = { enabled = true } }, 1,
+               "config: fp16.enabled and bf16.enabled are both true; enable at most one")
+  expect_error({ train_batch_size = 8, zero_optimization = { reduce_bucket_size = -5 } }, 1,
+               "config: zero_optimization.reduce_bucket_size must be a positive number (got -5)")
+  local bad = write_file("bad.json", '{ "train_batch_size": 8, }')
+  local err = load_error(bad, 1)
+  assert(err:find("config: " .. bad .. ": not valid JSON (", 1, true) and err:sub(-1) == ")", err)
+  assert(not err:find("\n"), "one line")
+  local missing = tmp .. "/missing.json"
+  expect_error(missing, 1, "config: " .. missing .. ": cannot read it (No such file or directory)")
+  local list = write_file("list.json", "[1, 2]")
+  err = load_error(list, 1)
+  assert(err:find("config: " .. list .. ": the top level must be a JSON object", 1, true), err)
+end
+
+function T.other_bad_values_name_the_key_and_allowed_values()
+  local base = function(extra)
+    local t = { train_batch_size = 8 }
+    for k, v in pairs(extra) do t[k] = v end
+    return t
+  end
+  expect_error(base({ zero_optimization = { stage = "two" } }), 1,
+               'config: zero_optimization.stage must be 0..3 or "auto" (got "two")')
+  expect_error(base({ zero_optimization = { allgather_bucket_size = 0 } }), 1,
+               "config: zero_optimization.allgather_bucket_size must be a positive number (got 0)")
+  expect_error(base({ zero_optimization = { stage3_max_live_parameters = -1 } }), 1,
+               "config: zero_optimization.stage3_max_live_parameters must be a whole number " ..
+               ">= 0 (got -1)")
+  expect_error(base({ zero_optimization = { overlap_comm = "yes" } }), 1,
+               'config: zero_optimization.overlap_comm must be true or false (got "yes")')
+  expect_error(base({ zero_optimization = { offload_optimizer = { device = "gpu" } } }), 1,
+               'config: zero_optimization.offload_optimizer.device must be "none", "cpu" or ' ..
+               '"nvme" (got "gpu")')
+  expect_error(base({ gradient_clipping = -1 }), 1,
+               "config: gradient_clipping must be a number >= 0 (got -1)")
+  expect_error(base({ optimizer = { type = "Lamb" } }), 1,
+               'config: optimizer.type "Lamb" is not available; luazero has "Adam" and "AdamW"')
+  expect_error(base({ optimizer = { type = "Adam", params = { betas = { 0.9 } } } }), 1,
+               "config: optimizer.params.betas must be a list of two numbers in [0, 1), " ..
+               "e.g. [0.9, 0.999] (got [0.9])")
+  local err = load_error(base({ optimizer = { type = "Adam", params = { max_grad_norm = 1 } } }), 1)
+  assert(err:find("use the top-level gradient_clipping", 1, true), err)
+  expect_error(base({ scheduler = { type = "OneCycle" } }), 1,
+               'config: scheduler.type "OneCycle" is not implemented; use WarmupLR, ' ..
+               'WarmupDecayLR or WarmupCosineLR')
+  expect_error(base({ scheduler = { type = "WarmupLR", params = { warmup_type = "cubic" } } }), 1,
+               'config: scheduler.params.warmup_type must be "log" or "linear" (got "cubic")')
+  expect_error(base({ scheduler = { type = "WarmupDecayLR", params = {} } }), 1,
+               "config: scheduler.params.total_num_steps is required by WarmupDecayLR " ..
+               "(a whole number >= 1: the optimizer steps of the run)")
+  expect_error(base({ scheduler = { type = "WarmupCosineLR",
+                                    params = { total_num_steps = 10, warmup_max_lr = 1 } } }), 1,
+               "config: scheduler.params.warmup_max_lr is not a parameter of WarmupCosineLR " ..
+               "(it takes cos_min_ratio, total_num_steps, warmup_min_ratio, warmup_num_steps, " ..
+               "warmup_type)")
+  expect_error(base({ fp16 = { enabled = true, loss_scale_window = 0 } }), 1,
+               "config: fp16.loss_scale_window must be a whole number >= 1 (got 0)")
+  expect_error(base({ fp16 = { min_loss_scale = 0 } }), 1,
+               "config: fp16.min_loss_scale must be a number > 0 (got 0)")
+  expect_error(base({ luazero = { budget = 1 } }), 1,
+               "config: luazero.budget is not a luazero key (known: memory_budget)")
+  expect_error(base({}), 1, 'config: --stage must be 0..3 or "auto" (got 5)', { stage = 5 })
+  expect_error(base({}), 1, "config: --dtype must be fp32, bf16 or fp16 (got f8)", { dtype = "f8" })
+end
+
+------------------------------------------------------------------ not implemented
+
+function T.unimplemented_keys_are_listed_by_dotted_name()
+  local cfg = config.load({
+    train_batch_size = 8,
+    wall_clock_breakdown = true,
+    activation_checkpointing = { partition_activations = true },
+    steps_per_print = 10,                    -- logging cadence: accepted
+    tensorboard = { enabled = false },       -- asks for nothing
+    flops_profiler = { enabled = true },
+    fp16 = { enabled = false, auto_cast = true },
+    optimizer = { type = "AdamW", params = { lr = 1e-4, amsgrad = true, torch_adam = true } },
+    zero_optimization = { stage = 2, allgather_partitions = true, round_robin_gradients = false,
+                          sub_group_size = 1e9, offload_optimizer = { device = "cpu" },
+                          offload_param = { device = "none" } },
+    aio = { block_size = 1048576 },
+  }, 1)
+  local want = { "activation_checkpointing", "aio", "flops_profiler", "fp16.auto_cast",
+                 "optimizer.params.amsgrad", "wall_clock_breakdown",
+                 "zero_optimization.offload_optimizer", "zero_optimization.sub_group_size" }
+  assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
+         table.concat(cfg.unimplemented, ","))
+  assert(config.unimplemented_message(cfg) == "config: not implemented (ignored): " ..
+         table.concat(want, ", "))
+  -- Offload blocks are kept, normalised with DeepSpeed's defaults, for later.
+  local o = cfg.zero_optimization.offload_optimizer
+  assert(o.device == "cpu" and o.buffer_count == 4 and o.pin_memory == false and o.ratio == 1)
+  assert(cfg.zero_optimization.offload_param.buffer_count == 5)
+  -- DeepSpeed's deprecated forms.
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { cpu_offload = true } }, 1)
+  assert(cfg.zero_optimization.offload_optimizer.device == "cpu")
+  cfg = config.load({ train_batch_size = 8, zero_optimization = true }, 1)
+  assert(cfg.zero_optimization.stage == 1)
+  cfg = config.load({ train_batch_size = 8, bfloat16 = { enabled = true } }, 1)
+  assert(cfg.dtype == "bf16")
+end
+
+------------------------------------------------------------------ files, overrides
+
+function T.a_file_with_overrides_that_win()
+  local path = write_file("ds_config.json", [[
+{
+  "train_micro_batch_size_per_gpu": 2,
+  "gradient_accumulation_steps": 4,
+  "gradient_clipping": 1.0,
+  "optimizer": { "type": "AdamW", "params": { "lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                              "weight_decay": 0.1 } },
+  "fp16": { "enabled": true, "initial_scale_power": 12 },
+  "zero_optimization": { "stage": 1, "reduce_bucket_size": 2e8 }
+}]])
+  local cfg = config.load(path, 2)
+  assert(cfg.source == path and cfg.train_batch_size == 16 and cfg.dtype == "fp16")
+  assert(cfg.fp16.initial_scale_power == 12 and cfg.gradient_clipping == 1)
+  assert(cfg.zero_optimization.stage == 1 and cfg.zero_optimization.reduce_bucket_size == 2e8)
+  assert(cfg.raw.fp16.enabled == true, "the file as read is kept (for the checkpoint manifest)")
+
+  cfg = config.load(path, 2, { stage = "3", dtype = "bf16", micro_batch = 8, lr = 1e-3 })
+  assert(cfg.zero_optimization.stage == 3 and cfg.zero_optimization.overlap_comm == true)
+  assert(cfg.dtype == "bf16" and cfg.fp16.enabled == false and cfg.bf16.enabled == true)
+  assert(cfg.fp16.initial_scale_power == 12, "the rest of the fp16 block stays")
+  assert(cfg.train_micro_batch_size_per_gpu == 8 and cfg.train_batch_size == 64)
+  assert(cfg.optimizer.params.lr == 1e-3 and cfg.optimizer.params.betas[2] == 0.95)
+  assert(config.load(path, 2, { stage = "auto" }).zero_optimization.stage == "auto")
+  assert(config.load(path, 2, { dtype = "fp32" }).dtype == "fp32")
+
+  -- A flag that makes the batch sizes disagree is an error that says so.
+  local fixed = write_file("fixed.json", '{"train_batch_size": 16, ' ..
+                           '"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4}')
+  assert(config.load(fixed, 2).train_batch_size == 16)
+  local err = load_error(fixed, 2, { micro_batch = 4 })
+  assert(err == "config: train_batch_size 16 != train_micro_batch_size_per_gpu 4 * " ..
+         "gradient_accumulation_steps 4 * world size 2 (= 32); --micro-batch override the file",
+         err)
+  expect_error(fixed, 2, "config: unknown override 'micro' (known: dtype, grad_accum, " ..
+               "gradient_clipping, lr, memory_budget, micro_batch, stage, total_steps, " ..
+               "train_batch, warmup)", { micro = 4 })
+end
+
+function T.auto_values_are_filled_by_defaults_and_flags()
+  -- A Hugging Face style file: "auto" leaves the key to luazero.
+  local cfg = config.load({
+    train_batch_size = "auto", train_micro_batch_size_per_gpu = "auto",
+    gradient_accumulation_steps = "auto", gradient_clipping = "auto",
+    fp16 = { enabled = "auto" }, bf16 = { enabled = "auto" },
+    zero_optimization = { stage = 2, reduce_bucket_size = "auto" },
+  }, 2, { micro_batch = 3, grad_accum = 2, dtype = "bf16" })
+  assert(cfg.train_batch_size == 12 and cfg.gradient_clipping == 0 and cfg.dtype == "bf16")
+  assert(cfg.zero_optimization.reduce_bucket_size == 5e8)
+end
+
+function T.memory_budget_comes_from_flag_env_file_or_memavailable()
+  local cfg = config.load({ train_batch_size = 2, luazero = { memory_budget = "2GiB" } }, 2)
+  local b, src = config.memory_budget(cfg)
+  assert(b == 2 * 2 ^ 30 and src == "luazero.memory_budget")
+  cfg = config.load({ train_batch_size = 2, luazero = { memory_budget = "2GiB" } }, 2,
+                    { memory_budget = "512MiB" })
+  b, src = config.memory_budget(cfg)
+  assert(b == 512 * 2 ^ 20 and src == "--memory-budget")
+  assert(config.parse_bytes("16GB") == 16e9 and config.parse_bytes("1.5e9") == 1.5e9 and
+         config.parse_bytes(4096) == 4096 and config.parse_bytes("8G") == 8 * 2 ^ 30)
+  assert(config.parse_bytes("lots") == nil and config.parse_bytes(-1) == nil)
+  expect_error({ train_batch_size = 2, luazero = { memory_budget = "lots" } }, 1,
+               'config: luazero.memory_budget must be bytes: a number or a string like ' ..
+               '"12GiB", "512MiB", "16GB" (got "lots")')
+  if not os.getenv("LZ_MEMORY_BUDGET") then
+    -- LZ_MEMORY_BUDGET sits between the flag and the file.
+    local p = io.popen(("LZ_MEMORY_BUDGET=3GiB '%s' -e %q"):format(arg[-1] or "luazero",
+      'local c = require("luazero.config") ' ..
+      'local cfg = c.load({ train_batch_size = 2, luazero = { memory_budget = "2GiB" } }, 1) ' ..
+      'print(c.memory_budget(cfg)) ' ..
+      'print(c.memory_budget(c.load(cfg.raw, 1, { memory_budget = "1GiB" })))'))
+    local out = p:read("*a")
+    p:close()
+    assert(out == "3221225472\tLZ_MEMORY_BUDGET\n1073741824\t--memory-budget\n", out)
+    cfg = config.load({ train_batch_size = 2 }, 2)
+    b, src = config.memory_budget(cfg)
+    local avail = config.mem_available()
+    assert(avail and b == math.floor(avail / 2) and src == "MemAvailable / 2 local ranks", src)
+  end
+end
+
+------------------------------------------------------------------ schedules
+
+-- step n runs at DeepSpeed's last_batch_iteration n - 2 (the lr is set when
+-- the scheduler is built, then scheduler.step() follows each optimizer step).
+local function lrs(sched, opt_lr)
+  local t = { train_batch_size = 1, scheduler = sched }
+  if opt_lr then t.optimizer = { type = "AdamW", params = { lr = opt_lr } } end
+  return config.lr_schedule(config.load(t, 1))
+end
+
+function T.warmup_lr_log_and_linear()
+  -- log: min + (max - min) * ln(it + 1) / ln(W); W = 10, min 0, max 0.01.
+  local lr = lrs({ type = "WarmupLR", params = { warmup_min_lr = 0, warmup_max_lr = 0.01,
+                                                 warmup_num_steps = 10 } })
+  close(lr(1), 0, "step 1 (it -1: warmup_min_lr)")
+  close(lr(2), 0, "step 2 (it 0: ln 1 = 0)")
+  close(lr(3), 0.01 * 0.30102999566398120, "step 3 (it 1: ln 2 / ln 10)")
+  close(lr(6), 0.01 * 0.69897000433601886, "step 6 (it 4: ln 5 / ln 10)")
+  close(lr(11), 0.01, "step 11 (it 9: ln 10 / ln 10)")
+  close(lr(12), 0.01, "after warmup")
+  close(lr(1000), 0.01, "long after warmup")
+  -- linear: min + (max - min) * it / W; W = 4, min 1e-4, max 1e-3.
+  lr = lrs({ type = "WarmupLR", params = { warmup_min_lr = 1e-4, warmup_max_lr = 1e-3,
+                                           warmup_num_steps = 4, warmup_type = "linear" } })
+  close(lr(1), 1e-4, "it -1")
+  close(lr(2), 1e-4, "it 0")
+  close(lr(3), 3.25e-4, "it 1")
+  close(lr(4), 5.5e-4, "it 2")
+  close(lr(5), 7.75e-4, "it 3")
+  close(lr(6), 1e-3, "it 4")
+  -- warmup_max_lr defaults to the optimizer's lr; warmup_num_steps is at least 2.
+  lr = lrs({ type = "WarmupLR", params = { warmup_num_steps = 1, warmup_type = "linear" } }, 3e-4)
+  close(lr(3), 1.5e-4, "W = max(2, 1): it 1 -> 1/2")
+  close(lr(4), 3e-4, "it 2 -> max = optimizer lr")
+end
+
+function T.warmup_decay_lr()
+  -- after warmup: max * max(0, (T - it) / max(1, T - W)); W = 10, T = 110.
+  local lr = lrs({ type = "WarmupDecayLR", params = { warmup_max_lr = 0.01,
+                   warmup_num_steps = 10, total_num_steps = 110, warmup_type = "linear" } })
+  close(lr(1), 0, "it -1")
+  close(lr(11), 0.009, "it 9: 9/10 of warmup")
+  close(lr(12), 0.01, "it 10: (110 - 10) / 100")
+  close(lr(62), 0.005, "it 60: 50 / 100")
+  close(lr(111), 0.0001, "it 109: 1 / 100")
+  close(lr(112), 0, "it 110")
+  close(lr(300), 0, "past the end: clamped at 0")
+  -- DeepSpeed's WarmupDecayLR default max is 0.001, not the optimizer's lr.
+  lr = lrs({ type = "WarmupDecayLR", params = { total_num_steps = 2000 } }, 0.5)
+  close(lr(1002), 0.001, "it 1000, warmup done")
+end
+
+function T.warmup_cosine_lr()
+  -- lr = optimizer lr * ratio; warmup: min_ratio + (1 - min_ratio) * it / W;
+  -- then cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2 with
+  -- p = min(1, (it - W + 1) / (T - W)). lr 0.01, W 10, T 110.
+  local lr = lrs({ type = "WarmupCosineLR", params = { total_num_steps = 110,
+                   warmup_num_steps = 10, warmup_min_ratio = 0.1, cos_min_ratio = 0.01,
+                   warmup_type = "linear" } }, 0.01)
+  close(lr(1), 0, "it -1: 0 before the first scheduler step")
+  close(lr(2), 0.001, "it 0: ratio 0.1")
+  close(lr(7), 0.0055, "it 5: 0.1 + 0.9 * 0.5")
+  -- it 10: p = 1/100, (1 + cos(0.01 pi)) / 2 = 0.99975328018287, ratio 0.99975574738104
+  close(lr(12), 0.0099975574738104, "it 10")
+  close(lr(61), 0.00505, "it 59: p = 1/2, ratio 0.01 + 0.99 * 0.5")
+  close(lr(111), 0.0001, "it 109: p = 1, ratio cos_min_ratio")
+  close(lr(500), 0.0001, "past the end: clamped")
+  -- log warmup from ratio 0: ln(it + 1) / ln(W).
+  lr = lrs({ type = "WarmupCosineLR", params = { total_num_steps = 100, warmup_num_steps = 10 } },
+           0.01)
+  close(lr(3), 0.01 * 0.30102999566398120, "log warmup, it 1")
+end
+
+function T.no_scheduler_is_the_optimizer_lr()
+  close(lrs(nil, 2e-4)(7), 2e-4, "constant optimizer lr")
+  local cfg = config.load({ train_batch_size = 1 }, 1)
+  close(config.lr_schedule(cfg)(1), 1e-3, "DeepSpeed's FusedAdam default")
+  close(config.lr_schedule(cfg, 5e-4)(1), 5e-4, "the client optimizer's lr")
+  cfg = config.load({ train_batch_size = 1 }, 1, { lr = 7e-4 })
+  close(config.lr_schedule(cfg, 5e-4)(1), 7e-4, "--lr wins")
+  -- --warmup and --steps fill the scheduler's warmup and total steps.
+  cfg = config.load({ train_batch_size = 1, optimizer = { type = "AdamW", params = { lr = 0.01 } },
+                      scheduler = { type = "WarmupDecayLR", params = { warmup_max_lr = 0.01,
+                                    warmup_type = "linear" } } }, 1, { warmup = 4, total_steps = 8 })
+  assert(cfg.scheduler.params.warmup_num_steps == 4 and cfg.scheduler.params.total_num_steps == 8)
+  close(config.lr_schedule(cfg)(6), 0.01, "it 4 = W")
+  close(config.lr_schedule(cfg)(8), 0.005, "it 6: (8 - 6) / (8 - 4)")
+end
+
+return T

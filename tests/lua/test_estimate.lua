@@ -1,0 +1,252 @@
+-- test_estimate.lua — model-state bytes per rank (lua/luazero/estimate.lua)
+-- against formulas worked out by hand (luazero's fp32 gradients, and the ZeRO
+-- paper's 2-byte ones), stage "auto"'s pick, parameter counts and padded
+-- layouts of the named models, and tools/estimate end to end.
+local estimate = require("luazero.estimate")
+local gpt2 = require("models.gpt2")
+local lz = require("luazero")
+
+local T = {}
+
+local function bytes(params, world, stage, dtype, offload, persistent, grads)
+  return estimate.model_states(params, world, stage, { dtype = dtype, offload = offload,
+                               persistent = persistent, grads = grads })
+end
+
+-- The ZeRO paper's accounting: gradients in the working dtype.
+local function paper(params, world, stage, dtype, offload, persistent)
+  return bytes(params, world, stage, dtype, offload, persistent, "working")
+end
+
+local function eq(got, want, what)
+  assert(got == want, ("%s: got %.17g, want %.17g"):format(what, got, want))
+end
+
+function T.luazero_mixed_precision_has_fp32_gradients()
+  local P = 1e9
+  -- stage 0: 2Ψ + 4Ψ + 12Ψ = 18Ψ; 1: 6Ψ + 12Ψ/N; 2: 2Ψ + 16Ψ/N; 3: 18Ψ/N.
+  local want = { [1] = { 18e9, 18e9, 18e9, 18e9 }, [4] = { 18e9, 9e9, 6e9, 4.5e9 } }
+  for world, w in pairs(want) do
+    for stage = 0, 3 do
+      eq(bytes(P, world, stage, "bf16").device, w[stage + 1],
+         ("bf16 world %d stage %d"):format(world, stage))
+    end
+  end
+  local r = bytes(P, 4, 2, "fp16")
+  eq(r.device_parts.params, 2e9, "2Ψ f16 params")
+  eq(r.device_parts.grads, 1e9, "4Ψ/N fp32 gradient shard")
+  eq(r.device_parts.optimizer, 3e9, "12Ψ/N fp32 master + m + v")
+  -- Offload: device 6Ψ at stage 1 (full fp32 gradients), 2Ψ at stage 2.
+  eq(bytes(P, 4, 1, "bf16", "cpu").device, 6e9, "stage 1 offload")
+  eq(bytes(P, 4, 2, "bf16", "cpu").device, 2e9, "stage 2 offload")
+end
+
+function T.paper_mixed_precision_per_stage_and_world_size()
+  local P = 1e9 -- Ψ; divides by 1, 2, 4 and 8
+  -- stage 0: 16Ψ; 1: 4Ψ + 12Ψ/N; 2: 2Ψ + 14Ψ/N; 3: 16Ψ/N.
+  local want = {
+    [1] = { 16e9, 16e9, 16e9, 16e9 },
+    [2] = { 16e9, 10e9, 9e9, 8e9 },
+    [4] = { 16e9, 7e9, 5.5e9, 4e9 },
+    [8] = { 16e9, 5.5e9, 3.75e9, 2e9 },
+  }
+  for _, dtype in ipairs({ "bf16", "fp16" }) do
+    for world, w in pairs(want) do
+      for stage = 0, 3 do
+        local r = paper(P, world, stage, dtype)
+        eq(r.device, w[stage + 1], ("%s world %d stage %d"):format(dtype, world, stage))
+        eq(r.cpu, 0, "no offload, no cpu bytes")
+      end
+    end
+  end
+  -- The split by ledger category at world size 4, stage 2.
+  local r = paper(P, 4, 2, "bf16")
+  eq(r.device_parts.params, 2e9, "2Ψ bf16 params")
+  eq(r.device_parts.grads, 0.5e9, "2Ψ/N gradient shard")
+  eq(r.device_parts.optimizer, 3e9, "12Ψ/N fp32 master + m + v")
+end
+
+function T.fp32_has_no_master_copy()
+  local P = 1e9
+  -- stage 0: 4Ψ + 4Ψ + 8Ψ; 1: 8Ψ + 8Ψ/N; 2: 4Ψ + 12Ψ/N; 3: 16Ψ/N.
+  local want = { 16e9, 10e9, 7e9, 4e9 }
+  for stage = 0, 3 do eq(bytes(P, 4, stage, "fp32").device, want[stage + 1], "fp32 stage " .. stage) end
+  eq(bytes(P, 4, 1, "fp32").device_parts.optimizer, 2e9, "moments only: 8Ψ/N")
+end
+
+function T.offload_moves_the_optimizer_to_the_cpu()
+  local P = 1e9
+  -- device | cpu: stage 1: 4Ψ | 16Ψ/N; 2: 2Ψ | 16Ψ/N; 3: 2Ψ/N | 16Ψ/N;
+  -- 3 with offload_param: 0 | 18Ψ/N.
+  local cases = { { 1, "cpu", 4e9, 4e9 }, { 2, "cpu", 2e9, 4e9 }, { 3, "cpu", 0.5e9, 4e9 },
+                  { 3, "cpu+param", 0, 4.5e9 } }
+  for _, c in ipairs(cases) do
+    local r = paper(P, 4, c[1], "bf16", c[2])
+    eq(r.device, c[3], ("stage %d %s device"):format(c[1], c[2]))
+    eq(r.cpu, c[4], ("stage %d %s cpu"):format(c[1], c[2]))
+  end
+  eq(bytes(P, 4, 2, "bf16", "cpu").cpu_parts.optimizer, 3e9, "fp32 master + m + v: 12Ψ/N")
+  assert(bytes(P, 4, 0, "bf16", "cpu") == nil, "DeepSpeed has no offload at stage 0")
+  assert(bytes(P, 4, 2, "bf16", "cpu+param") == nil, "offload_param is stage 3 only")
+  eq(#estimate.table_rows(P, 4, "bf16"), 8, "4 + 3 + 1 rows")
+end
+
+function T.shards_round_up_and_persistent_parameters_stay_whole()
+  -- Ψ = 10 over 4 ranks: shards of 3 elements.
+  eq(paper(10, 4, 3, "bf16").device, 16 * 3, "16 * ceil(10/4)")
+  eq(paper(10, 4, 1, "bf16").device, 4 * 10 + 12 * 3, "4Ψ + 12 * ceil(Ψ/N)")
+  eq(bytes(10, 4, 3, "bf16").device, 18 * 3, "18 * ceil(10/4)")
+  eq(paper(1e9, 4, 3, "bf16", "none", 1000).device, 4e9 + 2 * 1000, "16Ψ/N + 2P")
+  eq(bytes(1e9, 4, 3, "bf16", "none", 1000).device, 4.5e9 + 2 * 1000, "18Ψ/N + 2P")
+  eq(bytes(1e9, 4, 3, "bf16", "cpu+param", 1000).device, 2 * 1000, "2P on the device")
+  eq(bytes(1e9, 4, 2, "bf16", "none", 1000).device, 6e9, "P matters at stage 3 only")
+end
+
+function T.formulas_read_as_the_paper()
+  local f = function(stage, dtype, offload) return estimate.formula(stage, dtype, offload, "working") end
+  assert(f(0, "bf16") == "16Ψ" and f(1, "bf16") == "4Ψ + 12Ψ/N")
+  assert(f(2, "bf16") == "2Ψ + 14Ψ/N" and f(3, "bf16") == "16Ψ/N + 2P")
+  assert(f(1, "fp32") == "8Ψ + 8Ψ/N" and f(2, "bf16", "cpu") == "2Ψ | 16Ψ/N")
+  assert(f(3, "bf16", "cpu+param") == "2P | 18Ψ/N")
+  -- luazero's (the engine's doc, docs/zero.md "Layout")
+  assert(estimate.formula(0, "bf16") == "18Ψ" and estimate.formula(1, "bf16") == "6Ψ + 12Ψ/N")
+  assert(estimate.formula(2, "bf16") == "2Ψ + 16Ψ/N" and estimate.formula(3, "bf16") == "18Ψ/N + 2P")
+  assert(estimate.formula(2, "fp32") == "4Ψ + 12Ψ/N")
+end
+
+function T.bad_arguments_are_errors()
+  local ok, err = pcall(estimate.model_states, 1e9, 0, 1)
+  assert(not ok and err == "estimate: the world size must be a whole number >= 1 (got 0)", err)
+  ok, err = pcall(estimate.model_states, 1e9, 2, 4)
+  assert(not ok and err == "estimate: stage must be 0..3 (got 4)", err)
+  ok, err = pcall(estimate.model_states, 1e9, 2, 1, { dtype = "int8" })
+  assert(not ok and err == "estimate: dtype must be fp32, bf16 or fp16 (got int8)", err)
+end
+
+------------------------------------------------------------------ stage "auto"
+
+function T.pick_stage_picks_the_lowest_stage_that_fits()
+  local P = 1e6 -- world 2, bf16: stage 0 18e6, 1 12e6, 2 10e6, 3 9e6 bytes
+  local stage, why, fits = estimate.pick_stage(P, 2, 2 ^ 30, "bf16")
+  assert(stage == 0 and fits, why)
+  assert(why == "stage 0 needs 17.2 MiB per rank; budget 1.0 GiB: picked stage 0", why)
+  stage, why, fits = estimate.pick_stage(P, 2, 18e6 - 1, "bf16")
+  assert(stage == 1 and fits, why)
+  assert(why == "stage 0 needs 17.2 MiB per rank; budget 17.2 MiB; stage 1 needs 11.4 MiB: " ..
+         "picked stage 1", why)
+  stage = estimate.pick_stage(P, 2, 10e6, "bf16")
+  assert(stage == 2, "a budget equal to the need fits")
+  stage, why = estimate.pick_stage(P, 2, 9.5e6, "bf16")
+  assert(stage == 3, why)
+  assert(why:find("stage 0 needs 17.2 MiB, stage 1 needs 11.4 MiB, stage 2 needs 9.5 MiB per " ..
+                  "rank", 1, true), why)
+  -- The paper's accounting would fit stage 2 (9e6) in the same budget.
+  assert(estimate.pick_stage(P, 2, 9.5e6, "bf16", { grads = "working" }) == 2)
+  stage, why, fits = estimate.pick_stage(P, 2, 8e6, "bf16")
+  assert(stage == 3 and fits == false and why:find("no stage fits", 1, true), why)
+  -- A small model with the machine's memory picks stage 0.
+  local m = estimate.model_params("gpt2-nano")
+  stage = estimate.pick_stage(m.params, 2, 2 ^ 30, "bf16", { persistent = m.persistent })
+  assert(stage == 0)
+end
+
+------------------------------------------------------------------ models
+
+function T.model_parameter_counts_match_the_parameter_table()
+  -- GPT-2 124M by hand: wte Vp*C + wpe ctx*C + L (12C^2 + 13C) + ln_f 2C.
+  local C, L, Vp, ctx = 768, 12, 50304, 1024
+  local want = Vp * C + ctx * C + L * (12 * C * C + 13 * C) + 2 * C
+  local m = estimate.model_params("gpt2")
+  eq(m.params, want, "gpt2 allocated parameters")
+  eq(m.params, 124475904, "gpt2")
+  eq(m.real, 124439808, "gpt2 without the 47 padding rows")
+  -- Tensors of <= 1e5 elements: every bias and LayerNorm: L * 13C + 2C.
+  -- Modules of <= 1e5 elements stay whole at stage 3: the 2L + 1 LayerNorms.
+  eq(m.persistent, (2 * L + 1) * 2 * C, "gpt2 persistent")
+  eq(m.largest_layer, Vp * C + ctx * C, "the embedding owns wte and wpe")
+  eq(estimate.model_params("gpt2-xl").params, gpt2.new(gpt2.config("gpt2-xl")).n_params, "xl")
+  eq(estimate.model_params("gpt2-nano").params, 858880, "nano")
+end
+
+function T.model_layout_is_the_engines_padding()
+  -- gpt2-nano at world 3: every module padded to a multiple of 3 * 16 = 48:
+  -- embedding 65536 -> 65568, LayerNorm 256 -> 288, c_attn 49536, attn
+  -- c_proj 16512, c_fc 66048, mlp c_proj 65664 (multiples already).
+  local m = estimate.model_params("gpt2-nano", nil, nil, 3)
+  local full = 65568 + 4 * (288 + 49536 + 16512 + 288 + 66048 + 65664) + 288
+  eq(m.layout.full, full, "padded full")
+  eq(m.layout.shard, full / 3, "shard")
+  eq(m.persistent, full, "every nano module is under 1e5 elements")
+  local r = estimate.model_states(m.params, 3, 3, { dtype = "bf16", layout = m.layout,
+                                  persistent = m.persistent })
+  eq(r.device, 2 * full / 3 + 2 * full + 4 * full / 3 + 12 * full / 3, "stage 3 bf16 nano")
+  r = estimate.model_states(m.params, 3, 0, { dtype = "bf16", layout = m.layout })
+  eq(r.device, 18 * full, "stage 0 counts the padded buffer")
+end
+
+function T.deepspeeds_own_estimators()
+  -- estimate_zero2_model_states_mem_needs(1e9, 8 GPUs, 1 node):
+  -- no offload: gpu 4Ψ + 16Ψ/8, cpu 4Ψ * 8 * 1.5; offload: gpu 2Ψ, cpu Ψ * max(32, 16) * 1.5.
+  local cpu, gpu = estimate.deepspeed_zero2(1e9, 8, 1, false)
+  eq(gpu, 6e9, "zero2 gpu"); eq(cpu, 48e9, "zero2 cpu")
+  cpu, gpu = estimate.deepspeed_zero2(1e9, 8, 1, true)
+  eq(gpu, 2e9, "zero2 offload gpu"); eq(cpu, 48e9, "zero2 offload cpu")
+  -- zero3, largest layer 1e8: gpu 4e8 + 18Ψ/8; offload: 4e8 + 2Ψ/8 and cpu 16Ψ * 1.5.
+  cpu, gpu = estimate.deepspeed_zero3(1e9, 1e8, 8, 1, false, false)
+  eq(gpu, 4e8 + 2.25e9, "zero3 gpu"); eq(cpu, 1e8 * 4 * 8 * 1.5, "zero3 cpu (zero_init)")
+  cpu, gpu = estimate.deepspeed_zero3(1e9, 1e8, 8, 1, true, false)
+  eq(gpu, 4e8 + 2.5e8, "zero3 offload gpu"); eq(cpu, 24e9, "zero3 offload cpu")
+end
+
+------------------------------------------------------------------ the tool
+
+local function exe()
+  local f = assert(io.open("/proc/self/stat"))
+  local pid = f:read("*l"):match("^(%d+)")
+  f:close()
+  local p = io.popen("readlink /proc/" .. pid .. "/exe")
+  local path = p:read("*l")
+  p:close()
+  return path
+end
+
+local function run_tool(flags)
+  local cmd = ("cd '%s' && LUAZERO='%s' tools/estimate %s 2>&1; echo \"EXIT:$?\"")
+              :format(lz.root, exe(), flags)
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  return out:gsub("EXIT:%d+%s*$", ""), tonumber(out:match("EXIT:(%d+)%s*$"))
+end
+
+function T.tools_estimate_prints_the_table_and_the_pick()
+  local out, status = run_tool("--params 1e9 --world 4 --budget 8GiB")
+  assert(status == 0, out)
+  local function row(stage, offload)
+    return out:match("\n" .. stage .. "%s+" .. offload:gsub("%+", "%%+") .. "%s+([%d,]+)")
+  end
+  assert(row(0, "none") == "18,000,000,000", out)
+  assert(row(1, "none") == "9,000,000,000", out)
+  assert(row(2, "none") == "6,000,000,000", out)
+  assert(row(3, "none") == "4,500,000,000", out)
+  assert(row(3, "cpu") == "500,000,000", out)
+  assert(row(3, "cpu+param") == "0", out)
+  assert(out:find('stage "auto" (budget from --budget): stage 0 needs 16.8 GiB, stage 1 needs ' ..
+                  "8.4 GiB per rank; budget 8.0 GiB; stage 2 needs 5.6 GiB: picked stage 2",
+                  1, true), out)
+  out, status = run_tool("--params 1e9 --world 4 --budget 8GiB --grads working")
+  assert(status == 0, out)
+  assert(row(2, "none") == "5,500,000,000", out)
+  assert(out:find("stage 1 needs 6.5 GiB: picked stage 1", 1, true), out)
+  out, status = run_tool("--model gpt2 --world 2 --dtype fp32 --budget 1GiB")
+  assert(status == 0 and out:find("gpt2: 124,475,904 parameters", 1, true), out)
+  out, status = run_tool("--params lots")
+  assert(status == 2 and out == "estimate: --params 'lots' is not a parameter count " ..
+         "(e.g. 1.5e9, 124M, 1.5B)\n", out)
+  out, status = run_tool("")
+  assert(status == 2 and out:find("give either --params N", 1, true), out)
+  out, status = run_tool("--help")
+  assert(status == 0 and out:find("usage: tools/estimate", 1, true), out)
+end
+
+return T

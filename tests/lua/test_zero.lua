@@ -1,0 +1,293 @@
+-- test_zero.lua — the ZeRO engine end to end: scripts/train.lua under the
+-- launcher (`luazero -n N`) on a tiny GPT-2. Stages 0-3 agree bitwise,
+-- world sizes agree on the losses, the ledger and the comm counters hold
+-- the bytes the layout says (docs/zero.md), --stage auto, fp16 overflow,
+-- configuration errors.
+local cjson = require("cjson")
+local lz = require("luazero")
+local gpt2 = require("models.gpt2")
+local layout = require("luazero.zero.layout")
+
+local T = {}
+local root = lz.root
+
+local function exe()
+  local f = assert(io.open("/proc/self/stat"))
+  local pid = f:read("*l"):match("^(%d+)")
+  f:close()
+  local p = io.popen("readlink /proc/" .. pid .. "/exe")
+  local path = p:read("*l")
+  p:close()
+  return path
+end
+
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+local tmp = os.tmpname()
+os.remove(tmp)
+os.execute("mkdir -p " .. q(tmp))
+
+local function write_file(name, bytes)
+  local path = tmp .. "/" .. name
+  local f = assert(io.open(path, "wb"))
+  f:write(bytes)
+  f:close()
+  return path
+end
+
+local text = ("To be, or not to be, that is the question:\n" ..
+              "Whether 'tis nobler in the mind to suffer\n"):rep(60)
+local corpus = write_file("corpus.txt", text)
+
+-- The tiny model: 2 blocks of width 64. LayerNorms (128 elements) fall under
+-- the persistence threshold of 128; every other module is partitioned.
+local MODEL = { n_layer = 2, n_embd = 64, n_head = 4, context = 32 }
+local THRESHOLD = 128
+local model_flags = ("--model gpt2-nano --n-layer %d --n-embd %d --n-head %d --context %d " ..
+                     "--seq-len 16 --sample 0 --eval-batches 1 --seed 7")
+                    :format(MODEL.n_layer, MODEL.n_embd, MODEL.n_head, MODEL.context)
+
+local function config_file(name, t) return write_file(name, cjson.encode(t)) end
+
+local base_config = config_file("zero.json", {
+  train_batch_size = 4, gradient_clipping = 1.0,
+  optimizer = { type = "AdamW", params = { lr = 3e-3, betas = { 0.9, 0.95 },
+                                           weight_decay = 0.1 } },
+  zero_optimization = { stage3_param_persistence_threshold = THRESHOLD, overlap_comm = true,
+                        reduce_bucket_size = 20000, stage3_prefetch_bucket_size = 20000 },
+})
+
+-- Runs train.lua on n ranks; returns output, exit status.
+local function train(n, flags, env)
+  local cmd = ("cd %s && %s %s %s scripts/train.lua %s 2>&1; echo \"EXIT:$?\"")
+              :format(q(root), env or "", q(exe()), n > 1 and ("-n " .. n) or "", flags)
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local status = tonumber(out:match("EXIT:(%d+)%s*$"))
+  return out:gsub("EXIT:%d+%s*$", ""), status
+end
+
+-- Log records of a run (memoised: several tests read the same runs).
+local runs = {}
+local function run(n, stage, dtype, steps, extra)
+  local key = table.concat({ n, stage, dtype, steps, extra or "" }, "|")
+  if runs[key] then return runs[key] end
+  local log = ("%s/run%d.jsonl"):format(tmp, #(function() local c = {} for k in pairs(runs) do c[#c + 1] = k end return c end)() + 1)
+  local out, status = train(n, ("%s --data %s --config %s --stage %s --dtype %s --steps %d " ..
+                                "--log %s %s"):format(model_flags, corpus, base_config, stage,
+                                                      dtype, steps, log, extra or ""))
+  assert(status == 0, ("world %d stage %s %s failed:\n%s"):format(n, stage, dtype, out))
+  local recs = {}
+  for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+  local r = { out = out, recs = recs, checksum = recs[#recs].params_checksum }
+  runs[key] = r
+  return r
+end
+
+local function the_layout(world)
+  local m = gpt2.new(gpt2.config("gpt2-nano", MODEL))
+  return layout.new(m.param_table, world), m
+end
+
+------------------------------------------------------- (a) stages agree
+
+function T.stages_0_to_3_end_with_the_same_checksum_at_world_2_and_4()
+  for _, dtype in ipairs({ "fp32", "bf16" }) do
+    for _, n in ipairs({ 2, 4 }) do
+      local sums = {}
+      for stage = 0, 3 do sums[stage] = run(n, stage, dtype, 20).checksum end
+      print(("    world %d %s: %s %s %s %s"):format(n, dtype, sums[0], sums[1], sums[2], sums[3]))
+      for stage = 1, 3 do
+        assert(sums[stage] == sums[0], ("world %d %s: stage %d checksum %s != stage 0's %s")
+               :format(n, dtype, stage, sums[stage], sums[0]))
+      end
+    end
+  end
+end
+
+---------------------------------------------------- (b) world sizes agree
+
+function T.world_1_2_4_losses_agree_at_one_global_batch()
+  local base = run(1, 0, "fp32", 20).recs
+  for _, n in ipairs({ 2, 4 }) do
+    local recs = run(n, n == 2 and 2 or 3, "fp32", 20).recs
+    local worst = 0
+    for i = 1, 20 do
+      local a, b = base[i].loss, recs[i].loss
+      worst = math.max(worst, math.abs(a - b) / math.abs(a))
+      assert(recs[i].tokens == base[i].tokens, "same global batch")
+    end
+    print(("    world %d vs 1: largest relative loss difference %.2e"):format(n, worst))
+    assert(worst < 1e-4, ("world %d: losses differ by %.2e relative"):format(n, worst))
+  end
+end
+
+----------------------------------------------------- (c) model-state bytes
+
+-- bf16 working params (2 bytes), fp32 gradients (4: the kernels accumulate
+-- in fp32), fp32 master + Adam m, v (12): per rank, Ψ padded per segment.
+function T.model_state_bytes_match_the_layout_at_world_4_bf16()
+  local W = 4
+  local L = the_layout(W)
+  local psi, full, shard = L.numel, L.full_numel, L.shard_numel
+  local persistent = 0
+  for _, s in ipairs(L.segments) do
+    if s.numel <= THRESHOLD then persistent = persistent + s.padded end
+  end
+  local expect = {
+    [1] = { formula = "2Ψ + 4Ψ + 12Ψ/N", params = 2 * full, grads = 4 * full, optimizer = 12 * shard },
+    [2] = { formula = "2Ψ + (4 + 12)Ψ/N + buckets", params = 2 * full, grads = 4 * shard,
+            optimizer = 12 * shard },
+    [3] = { formula = "(2 + 4 + 12)Ψ/N + 2·persistent + buckets",
+            params = 2 * shard + 2 * persistent, grads = 4 * shard, optimizer = 12 * shard },
+  }
+  print(("    Ψ = %d parameters (%d padded, shard %d); persistent %d"):format(psi, full, shard,
+        persistent))
+  for stage = 1, 3 do
+    local mem = run(W, stage, "bf16", 20).recs[20].mem
+    local e = expect[stage]
+    local states = mem.params + mem.grads + mem.optimizer
+    local formula = ({ 2 * psi + 4 * psi + 12 * psi / W, 2 * psi + 16 * psi / W,
+                       18 * psi / W + 2 * persistent })[stage]
+    print(("    stage %d: params %d (expect %d), grads %d (%d), optimizer %d (%d); " ..
+           "%s = %.0f, buckets (comm) %d")
+          :format(stage, mem.params, e.params, mem.grads, e.grads, mem.optimizer, e.optimizer,
+                  e.formula, formula, mem.comm))
+    assert(mem.params == e.params and mem.grads == e.grads and mem.optimizer == e.optimizer)
+    assert(math.abs(states - formula) / formula < 0.02,
+           ("stage %d: %d bytes vs formula %.0f"):format(stage, states, formula))
+    if stage == 1 then assert(mem.comm == 0, "stage 1 has no buckets") end
+    if stage >= 2 then
+      -- Gradient staging (reduce_bucket_size in flight plus the segment being
+      -- filled) and, stage 3, gathered parameters: bounded by the config.
+      local bound = 4 * (20000 + 2 * L.segments[1].padded) * 2 + 2 * 2 * (20000 + full)
+      assert(mem.comm > 0 and mem.comm < bound, "buckets " .. mem.comm)
+    end
+  end
+end
+
+--------------------------------------------------------- (d) bytes sent
+
+function T.bytes_sent_per_step_are_the_all_reduce_volume_and_1_5x_at_stage_3()
+  for _, W in ipairs({ 2, 4 }) do
+    local L = the_layout(W)
+    local full = L.full_numel
+    local K = #L.segments + 1
+    local meta = (W - 1) * 8 * K -- loss and norm partials: all-gather of K doubles per rank
+    local dp = 2 * (W - 1) / W * 4 * full -- data-parallel all-reduce of fp32 gradients
+    local rs, ag = (W - 1) / W * 4 * full, (W - 1) / W * 4 * full
+    -- Stage 3: each partitioned segment gathered before forward and before
+    -- backward of each module that uses it (the tied embedding twice each);
+    -- persistent ones gathered once after the step.
+    local g3 = 0
+    for _, s in ipairs(L.segments) do
+      local users = s.index == 1 and 2 or 1
+      g3 = g3 + (s.numel <= THRESHOLD and s.padded or 2 * users * s.padded)
+    end
+    g3 = (W - 1) / W * 4 * g3
+    local expect = {
+      [0] = { all_reduce = dp, reduce_scatter = 0, all_gather = meta },
+      [1] = { all_reduce = 0, reduce_scatter = rs, all_gather = ag + meta },
+      [2] = { all_reduce = 0, reduce_scatter = rs, all_gather = ag + meta },
+      [3] = { all_reduce = 0, reduce_scatter = rs, all_gather = g3 + meta },
+    }
+    for stage = 0, 3 do
+      local c = run(W, stage, "fp32", 20).recs[5].comm
+      local e = expect[stage]
+      local total = c.all_reduce + c.reduce_scatter + c.all_gather
+      print(("    world %d stage %d: all_reduce %d, reduce_scatter %d, all_gather %d; " ..
+             "%.3f x the all-reduce volume %d (+%d metadata)")
+            :format(W, stage, c.all_reduce, c.reduce_scatter, c.all_gather,
+                    (total - meta) / dp, dp, meta))
+      for _, k in ipairs({ "all_reduce", "reduce_scatter", "all_gather" }) do
+        assert(c[k] == e[k], ("world %d stage %d: %s %d bytes, expected %d")
+               :format(W, stage, k, c[k], e[k]))
+      end
+      if stage <= 2 then assert(total - meta == dp) end
+      if stage == 3 then
+        local ratio = (total - meta) / dp
+        assert(ratio > 1.4 and ratio < 1.8, "stage 3 about 1.5x: " .. ratio)
+      end
+    end
+  end
+end
+
+--------------------------------------------------------------- (e) auto
+
+function T.stage_auto_picks_0_for_a_small_model_and_more_on_a_small_budget()
+  local out, status = train(1, ("%s --data %s --steps 1 --stage auto"):format(model_flags, corpus))
+  assert(status == 0, out)
+  assert(out:find("stage auto: [^\n]*picked stage 0"), out)
+  assert(out:find("zero stage 0,"), out)
+  -- Stage 0 needs 16 bytes per parameter in fp32 with Adam; give it 1/4 of that.
+  local L = the_layout(4)
+  local budget = math.floor(L.numel * 16 / 4)
+  out, status = train(4, ("%s --data %s --steps 1 --micro-batch 1 --stage auto --memory-budget %d")
+                         :format(model_flags, corpus, budget))
+  assert(status == 0, out)
+  local picked = tonumber(out:match("stage auto: [^\n]*picked stage (%d)"))
+  assert(picked and picked > 0, out)
+  assert(out:find("zero stage " .. picked .. ","), out)
+  print("    budget " .. budget .. " bytes: picked stage " .. picked)
+end
+
+---------------------------------------------------------- (f) fp16 overflow
+
+function T.fp16_overflow_skips_the_step_and_halves_the_scale()
+  local cfg = config_file("fp16.json", {
+    train_batch_size = 4, gradient_clipping = 1.0,
+    fp16 = { enabled = true, initial_scale_power = 10, hysteresis = 1, loss_scale_window = 1000 },
+    zero_optimization = { stage = 2 },
+  })
+  for _, n in ipairs({ 1, 2 }) do
+    local log = tmp .. "/fp16_" .. n .. ".jsonl"
+    local out, status = train(n, ("%s --data %s --config %s --steps 5 --log %s")
+                                 :format(model_flags, corpus, cfg, log), "LZ_INJECT_INF_STEP=3")
+    assert(status == 0, out)
+    local recs = {}
+    for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+    for i = 1, 5 do
+      assert(recs[i].skipped == (i == 3), "only step 3 is skipped")
+      local scale = i <= 3 and 1024 or 512
+      assert(recs[i].loss_scale == scale,
+             ("step %d: loss_scale %s, expected %d"):format(i, recs[i].loss_scale, scale))
+    end
+    assert(out:find("skipped %(overflow%)"), out)
+  end
+end
+
+----------------------------------------------------- (g) config errors
+
+local function expect_config_error(n, flags, needle)
+  local out, status = train(n, model_flags .. " --data " .. corpus .. " --steps 1 " .. flags)
+  assert(status ~= 0, "expected a failure for " .. flags .. ":\n" .. out)
+  local line
+  for l in out:gmatch("[^\n]+") do
+    if l:find("^train: ") then
+      assert(not line, "one error line, got:\n" .. out)
+      line = l
+    end
+  end
+  assert(line and line:find(needle, 1, true), ("%q does not name %q"):format(out, needle))
+  assert(not out:find("traceback", 1, true), out)
+end
+
+function T.bad_configuration_is_one_line_naming_the_key_or_file()
+  expect_config_error(1, "--config " .. config_file("s4.json", {
+    train_batch_size = 4, zero_optimization = { stage = 4 } }), "zero_optimization.stage")
+  expect_config_error(1, "--config " .. config_file("both.json", {
+    train_batch_size = 4, fp16 = { enabled = true }, bf16 = { enabled = true } }), "fp16")
+  expect_config_error(1, "--config " .. config_file("bucket.json", {
+    train_batch_size = 4, zero_optimization = { reduce_bucket_size = -1 } }),
+    "zero_optimization.reduce_bucket_size")
+  local bad = write_file("bad.json", "{ \"train_batch_size\": 4,")
+  expect_config_error(1, "--config " .. bad, bad)
+  expect_config_error(1, "--config " .. tmp .. "/absent.json", "absent.json")
+  expect_config_error(2, "--config " .. config_file("batch.json", {
+    train_batch_size = 5, train_micro_batch_size_per_gpu = 1,
+    gradient_accumulation_steps = 1 }), "train_batch_size")
+  expect_config_error(1, "--stage 5", "--stage")
+end
+
+return T

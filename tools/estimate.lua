@@ -1,0 +1,153 @@
+-- tools/estimate.lua — model-state memory per rank for ZeRO stages 0..3,
+-- with and without offload, for a parameter count or a model name. Run by
+-- tools/estimate; formulas in docs/zero.md, "Estimating memory".
+--   luazero tools/estimate.lua --params 1.5e9 --world 8
+--   luazero tools/estimate.lua --model gpt2-xl --world 8 --budget 12GiB
+local args = require("luazero.args")
+local config = require("luazero.config")
+local estimate = require("luazero.estimate")
+local gpt2 = require("models.gpt2")
+
+local spec = {
+  { "params", "string", nil, "parameter count: 1.5e9, 124M, 1.5B, 350000000" },
+  { "model", "string", nil, "a model name instead: " .. table.concat(gpt2.names, ", ") },
+  { "world", "int", 1, "ranks (data-parallel world size N)" },
+  { "dtype", "string", "bf16", "working precision: bf16, fp16 (fp32 master + Adam) or fp32" },
+  { "grads", "string", "fp32",
+    "gradient dtype: fp32 (luazero) or working (the ZeRO paper's and DeepSpeed's)" },
+  { "persistence-threshold", "number", 100000,
+    "with --model: modules of at most this many elements stay whole at stage 3" },
+  { "persistent", "number", nil, "with --params: parameters kept whole at stage 3 (P; 0)" },
+  { "budget", "string", nil,
+    "memory per rank for stage \"auto\": 12GiB, 16GB, bytes (default LZ_MEMORY_BUDGET, " ..
+    "else MemAvailable / world)" },
+  { "deepspeed", "int", 0, "1: also print DeepSpeed's own estimator functions' figures" },
+}
+
+local function fail(msg)
+  io.stderr:write("estimate: ", tostring(msg):gsub("^estimate: ", ""):gsub("^config: ", ""), "\n")
+  os.exit(2)
+end
+
+local function checked(fn, ...)
+  local res = { pcall(fn, ...) }
+  if not res[1] then fail(res[2]) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+local function parse_count(text)
+  local num, suffix = text:match("^%s*([%d%.eE%+%-]+)%s*([KkMmBbGgTt]?)%s*$")
+  local n = tonumber(num)
+  local scale = ({ [""] = 1, k = 1e3, K = 1e3, m = 1e6, M = 1e6, b = 1e9, B = 1e9, g = 1e9,
+                   G = 1e9, t = 1e12, T = 1e12 })[suffix or ""]
+  if not n or not scale or n * scale < 1 then
+    fail(("--params '%s' is not a parameter count (e.g. 1.5e9, 124M, 1.5B)"):format(text))
+  end
+  return math.floor(n * scale + 0.5)
+end
+
+local function main(argv)
+  local flags, usage = checked(args.parse, argv, spec)
+  if not flags then
+    print("usage: tools/estimate (--params N | --model NAME) [--world N] [flags]\n" ..
+          "Prints the model-state bytes per rank (parameters, gradients, optimizer states)\n" ..
+          "for ZeRO stages 0-3, without offload, with the optimizer on the CPU, and with\n" ..
+          "parameters on the CPU too; and the stage \"auto\" picks for a memory budget.\n" ..
+          "Activations and communication buffers come on top. Formulas: docs/zero.md.\n\n" ..
+          usage)
+    return
+  end
+  if (flags.params == nil) == (flags.model == nil) then
+    fail("give either --params N (e.g. 1.5e9) or --model NAME (" ..
+         table.concat(gpt2.names, ", ") .. "); --help lists the flags")
+  end
+  if not estimate.dtype_bytes[flags.dtype] then
+    fail(("--dtype must be bf16, fp16 or fp32 (got %s)"):format(flags.dtype))
+  end
+  if flags.grads ~= "fp32" and flags.grads ~= "working" then
+    fail(("--grads must be fp32 or working (got %s)"):format(flags.grads))
+  end
+  if flags.world < 1 then fail(("--world must be >= 1 (got %d)"):format(flags.world)) end
+  if flags.deepspeed ~= 0 and flags.deepspeed ~= 1 then fail("--deepspeed takes 0 or 1") end
+
+  local N = flags.world
+  local budget, source
+  if flags.budget then
+    budget = config.parse_bytes(flags.budget)
+    if not budget then fail(("--budget '%s' is not bytes (e.g. 12GiB, 16GB)"):format(flags.budget)) end
+    source = "--budget"
+  else
+    budget, source = checked(config.memory_budget, { world_size = N })
+  end
+
+  local params, persistent, largest, layout, what
+  if flags.model then
+    if flags.persistent then fail("--persistent goes with --params; --model counts it") end
+    local m = checked(estimate.model_params, flags.model, nil, flags.persistence_threshold, N)
+    params, persistent, largest, layout = m.params, m.persistent, m.largest_layer, m.layout
+    what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
+            "modules of <= %s elements"):format(m.name, estimate.thousands(m.params),
+            estimate.thousands(m.real), layout and
+            (", padded to %s, shards of %s"):format(estimate.thousands(layout.full),
+                                                     estimate.thousands(layout.shard)) or "",
+            estimate.thousands(persistent), estimate.thousands(flags.persistence_threshold))
+  else
+    params = parse_count(flags.params)
+    persistent = flags.persistent or 0
+    if persistent < 0 or persistent ~= math.floor(persistent) then
+      fail(("--persistent must be a whole number >= 0 (got %s)"):format(flags.persistent))
+    end
+    what = ("%s parameters; P = %s"):format(estimate.thousands(params),
+                                            estimate.thousands(persistent))
+  end
+  local dtype = flags.dtype
+  local b = estimate.dtype_bytes[dtype]
+  print(("model states per rank for %s"):format(what))
+  local gdt = flags.grads == "fp32" and "fp32" or dtype
+  print(("world size N = %d; %s parameters, %s gradients, %s"):format(N, dtype, gdt,
+        b.master > 0 and "fp32 master weights, Adam moments (fp32)" or
+        "Adam moments (fp32), no master copy"))
+  print()
+  print(("%-5s %-9s %17s %10s %17s %10s   %s"):format("stage", "offload", "device bytes",
+        "device", "cpu bytes", "cpu", "bytes/parameter (device | cpu)"))
+  for _, r in ipairs(estimate.table_rows(params, N, dtype, { grads = flags.grads,
+                                                         persistent = persistent,
+                                                         layout = layout })) do
+    print(("%-5d %-9s %17s %10s %17s %10s   %s"):format(r.stage, r.offload,
+          estimate.thousands(r.device), ("%.2f GiB"):format(r.device / 2 ^ 30),
+          estimate.thousands(r.cpu), ("%.2f GiB"):format(r.cpu / 2 ^ 30), r.formula))
+  end
+  print()
+  print(layout and "Ψ/N: the engine's padded shard; P: kept whole at stage 3, beside the shards." or
+        "Ψ parameters, N ranks, Ψ/N rounded up (padded shards), P kept whole at stage 3.")
+  print("device: the compute device's memory (on the CPU backend, the same RAM as cpu).")
+
+  local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
+                                                  persistent = persistent, layout = layout })
+  print()
+  print(("stage \"auto\" (budget from %s): %s"):format(source, why))
+
+  if flags.deepspeed == 1 then
+    print()
+    print("DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (1 node, N GPUs, buffer " ..
+          "factor 1.5; cpu per node):")
+    local rows = {
+      { "zero2", "none", estimate.deepspeed_zero2(params, N, 1, false) },
+      { "zero2", "cpu", estimate.deepspeed_zero2(params, N, 1, true) },
+    }
+    if largest then
+      rows[#rows + 1] = { "zero3", "none", estimate.deepspeed_zero3(params, largest, N, 1, false, false) }
+      rows[#rows + 1] = { "zero3", "cpu", estimate.deepspeed_zero3(params, largest, N, 1, true, false) }
+      rows[#rows + 1] = { "zero3", "cpu+param",
+                          estimate.deepspeed_zero3(params, largest, N, 1, true, true) }
+    else
+      print("  (zero3 needs the largest layer: give --model)")
+    end
+    for _, r in ipairs(rows) do
+      print(("  %-5s %-9s gpu %10s   cpu %10s"):format(r[1], r[2],
+            ("%.2f GiB"):format(r[4] / 2 ^ 30), ("%.2f GiB"):format(r[3] / 2 ^ 30)))
+    end
+  end
+end
+
+main(arg)
