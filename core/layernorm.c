@@ -1,23 +1,42 @@
 /* layernorm.c — LayerNorm over the last dimension (GPT-2's ln_1, ln_2, ln_f).
  *
  * Forward saves each row's mean and 1/std so backward need not recompute them.
- * Backward writes dx and accumulates dw, db. The dw/db sums run over rows; to
- * keep them bitwise independent of the thread count, threads split the
- * *columns* and each walks all rows in order, rather than each summing a
- * share of the rows into a partial that would have to be merged. */
+ * Backward writes dx and accumulates dw, db in one pass over the rows. The
+ * dw/db sums run over rows; to keep them bitwise independent of the thread
+ * count, the rows are cut into a number of blocks that depends on the row
+ * count alone, each block sums its rows in order into its own partial, and the
+ * partials are added in block order. The partials live on the stack, so wide
+ * rows (more than FUSED_MAX_COLS) take a two-pass path that sums in the same
+ * order: threads split the columns, each walks all row blocks in order. */
 #include "lz_internal.h"
 
-#include <math.h> /* sqrtf, isinf */
+#include <math.h>   /* sqrtf, isinf */
+#include <string.h> /* memcpy */
 
 /* Sums are kept in LANES independent partial sums: without -ffast-math GCC
- * will not reorder a single running sum, and so would not vectorize it. */
+ * will not reorder a single running sum, and so would not vectorize it. The
+ * lanes are a GCC vector: written as arrays with an inner lane loop, GCC
+ * vectorizes the outer loop instead and drowns it in shuffles. */
 #define LANES 16
-/* Columns per thread task in the dw/db pass: two cache lines of floats. */
+typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
+#define LOAD_LANES(v, p) memcpy(&(v), (p), sizeof(lanes_f32))
+#define STORE_LANES(p, v) memcpy((p), &(v), sizeof(lanes_f32))
+/* Columns per thread task in the two-pass dw/db pass: two cache lines. */
 #define COL_BLOCK 32
+/* Row blocks of backward's dw/db sums: at most MAX_ROW_BLOCKS, of at least
+ * MIN_BLOCK_ROWS rows, so 2 * MAX_ROW_BLOCKS * C floats of partials. */
+#define MAX_ROW_BLOCKS 16
+#define MIN_BLOCK_ROWS 16
+/* Widest rows the one-pass backward takes: 512 KiB of partials on the stack. */
+#define FUSED_MAX_COLS 4096
 
-static float sum_lanes(const float acc[LANES]) {
+/* Tests set this to 0 to force the two-pass backward (no header declares it:
+ * it is not API). */
+int64_t lz_layernorm_fused_max_cols = FUSED_MAX_COLS;
+
+static float sum_lanes(const lanes_f32 *acc) {
   float s = 0.0f;
-  for (int l = 0; l < LANES; l++) s += acc[l];
+  for (int l = 0; l < LANES; l++) s += (*acc)[l];
   return s;
 }
 
@@ -26,26 +45,29 @@ static float sum_lanes(const float acc[LANES]) {
 LZ_DISPATCH static void layernorm_forward_row(float *out, float *mean_out, float *rstd_out,
                                               const float *x, const float *w, const float *b,
                                               int64_t C, float eps) {
-  float acc[LANES] = {0};
+  /* One pass: sums of d = x - k and d^2, shifted by k = x[0]. The plain
+   * E[x^2] - E[x]^2 cancels badly when the mean is large next to the spread;
+   * after the shift the mean of d is on the order of the spread. */
+  const float k = C > 0 ? x[0] : 0.0f;
+  lanes_f32 acc = {0}, acc2 = {0};
   int64_t i = 0;
-  for (; i + LANES <= C; i += LANES)
-    for (int l = 0; l < LANES; l++) acc[l] += x[i + l];
-  float sum = sum_lanes(acc);
-  for (; i < C; i++) sum += x[i];
-  float m = sum / (float)C;
-
-  /* Two passes (mean, then squared deviations): the one-pass E[x^2]-E[x]^2
-   * cancels badly when the mean is large next to the spread. */
-  float acc2[LANES] = {0};
-  for (i = 0; i + LANES <= C; i += LANES)
-    for (int l = 0; l < LANES; l++) {
-      float d = x[i + l] - m;
-      acc2[l] += d * d;
-    }
-  float var = sum_lanes(acc2);
-  for (; i < C; i++) var += (x[i] - m) * (x[i] - m);
-  var /= (float)C; /* biased variance, as PyTorch's LayerNorm */
-  float s = 1.0f / sqrtf(var + eps);
+  for (; i + LANES <= C; i += LANES) {
+    lanes_f32 d;
+    LOAD_LANES(d, x + i);
+    d -= k;
+    acc += d;
+    acc2 += d * d;
+  }
+  float sum = sum_lanes(&acc), sum2 = sum_lanes(&acc2);
+  for (; i < C; i++) {
+    float d = x[i] - k;
+    sum += d;
+    sum2 += d * d;
+  }
+  const float md = sum / (float)C, m = k + md;
+  float var = sum2 / (float)C - md * md; /* biased variance, as PyTorch's LayerNorm */
+  var = var > 0.0f ? var : 0.0f;
+  const float s = 1.0f / sqrtf(var + eps);
 
   for (i = 0; i < C; i++) out[i] = (x[i] - m) * s * w[i] + b[i];
   *mean_out = m;
@@ -83,49 +105,103 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
 
 /* --------------------------------------------------------------- backward */
 
-/* dw[c] += sum_r norm[r,c] * dy[r,c];  db[c] += sum_r dy[r,c]  for the columns
- * [c0, c0+nc), rows in order. */
+/* Row block k of n covers rows [k * rows / n, (k + 1) * rows / n). */
+static int64_t row_blocks(int64_t rows) {
+  int64_t n = rows / MIN_BLOCK_ROWS;
+  return n < 1 ? 1 : n > MAX_ROW_BLOCKS ? MAX_ROW_BLOCKS : n;
+}
+static int64_t block_start(int64_t k, int64_t n, int64_t rows) { return k * rows / n; }
+
+/* With norm = (x - mean) * rstd and g = w * dy:
+ *   dx = rstd * (g - mean(g) - norm * mean(g * norm)).
+ * The rows [r0, r1) also add norm * dy into pw and dy into pb, in row order.
+ * dx may be dy: a row of dy is read whole before that row of dx is written. */
+LZ_DISPATCH static void layernorm_backward_rows(float *dx, float *restrict pw, float *restrict pb,
+                                                const float *dy, const float *x, const float *w,
+                                                const float *mean, const float *rstd, int64_t r0,
+                                                int64_t r1, int64_t C) {
+  for (int64_t i = 0; i < C; i++) pw[i] = pb[i] = 0.0f;
+  for (int64_t r = r0; r < r1; r++) {
+    const float *xr = x + r * C, *dyr = dy + r * C;
+    float *dxr = dx + r * C;
+    const float m = mean[r], s = rstd[r];
+    lanes_f32 ag = {0}, agn = {0};
+    int64_t i = 0;
+    for (; i + LANES <= C; i += LANES) {
+      lanes_f32 d, xv, wv, aw, ab;
+      LOAD_LANES(d, dyr + i), LOAD_LANES(xv, xr + i), LOAD_LANES(wv, w + i);
+      LOAD_LANES(aw, pw + i), LOAD_LANES(ab, pb + i);
+      const lanes_f32 norm = (xv - m) * s, g = wv * d;
+      ag += g;
+      agn += g * norm;
+      aw += norm * d;
+      ab += d;
+      STORE_LANES(pw + i, aw), STORE_LANES(pb + i, ab);
+    }
+    float sum_g = sum_lanes(&ag), sum_gn = sum_lanes(&agn);
+    for (; i < C; i++) {
+      const float d = dyr[i], norm = (xr[i] - m) * s, g = w[i] * d;
+      sum_g += g;
+      sum_gn += g * norm;
+      pw[i] += norm * d;
+      pb[i] += d;
+    }
+    const float mean_g = sum_g / (float)C, mean_gn = sum_gn / (float)C;
+    for (i = 0; i < C; i++) {
+      const float norm = (xr[i] - m) * s;
+      dxr[i] = (w[i] * dyr[i] - mean_g - norm * mean_gn) * s;
+    }
+  }
+}
+
+/* The two-pass path's dw/db for the columns [c0, c0+nc): the same sums, in the
+ * same order, as the one-pass path's row-block partials added in block order. */
 LZ_DISPATCH static void layernorm_dw_db_block(float *dw, float *db, const float *dy,
                                               const float *x, const float *mean,
                                               const float *rstd, int64_t rows, int64_t C,
                                               int64_t c0, int64_t nc) {
-  float aw[COL_BLOCK] = {0}, ab[COL_BLOCK] = {0};
-  for (int64_t r = 0; r < rows; r++) {
-    const float *xr = x + r * C + c0, *dyr = dy + r * C + c0;
-    const float m = mean[r], s = rstd[r];
-    for (int64_t j = 0; j < nc; j++) {
-      aw[j] += (xr[j] - m) * s * dyr[j];
-      ab[j] += dyr[j];
+  float tw[COL_BLOCK] = {0}, tb[COL_BLOCK] = {0};
+  const int64_t n = row_blocks(rows);
+  for (int64_t k = 0; k < n; k++) {
+    float aw[COL_BLOCK] = {0}, ab[COL_BLOCK] = {0};
+    for (int64_t r = block_start(k, n, rows); r < block_start(k + 1, n, rows); r++) {
+      const float *xr = x + r * C + c0, *dyr = dy + r * C + c0;
+      const float m = mean[r], s = rstd[r];
+      for (int64_t j = 0; j < nc; j++) {
+        const float d = dyr[j], norm = (xr[j] - m) * s;
+        aw[j] += norm * d;
+        ab[j] += d;
+      }
     }
+    for (int64_t j = 0; j < nc; j++) tw[j] += aw[j], tb[j] += ab[j];
   }
   for (int64_t j = 0; j < nc; j++) {
-    dw[c0 + j] += aw[j];
-    db[c0 + j] += ab[j];
+    dw[c0 + j] += tw[j];
+    db[c0 + j] += tb[j];
   }
 }
 
-/* With norm = (x - mean) * rstd and g = w * dy:
- *   dx = rstd * (g - mean(g) - norm * mean(g * norm)).
- * dx may be dy: every element of dy is read before dx overwrites it. */
+/* dx for one row, without dw/db: the second pass of the two-pass path. */
 LZ_DISPATCH static void layernorm_dx_row(float *dx, const float *dy, const float *x,
                                          const float *w, float m, float s, int64_t C) {
-  float ag[LANES] = {0}, agn[LANES] = {0};
+  lanes_f32 ag = {0}, agn = {0};
   int64_t i = 0;
-  for (; i + LANES <= C; i += LANES)
-    for (int l = 0; l < LANES; l++) {
-      float g = w[i + l] * dy[i + l];
-      ag[l] += g;
-      agn[l] += g * (x[i + l] - m) * s;
-    }
-  float sum_g = sum_lanes(ag), sum_gn = sum_lanes(agn);
+  for (; i + LANES <= C; i += LANES) {
+    lanes_f32 d, xv, wv;
+    LOAD_LANES(d, dy + i), LOAD_LANES(xv, x + i), LOAD_LANES(wv, w + i);
+    const lanes_f32 norm = (xv - m) * s, g = wv * d;
+    ag += g;
+    agn += g * norm;
+  }
+  float sum_g = sum_lanes(&ag), sum_gn = sum_lanes(&agn);
   for (; i < C; i++) {
-    float g = w[i] * dy[i];
+    const float norm = (x[i] - m) * s, g = w[i] * dy[i];
     sum_g += g;
-    sum_gn += g * (x[i] - m) * s;
+    sum_gn += g * norm;
   }
   const float mean_g = sum_g / (float)C, mean_gn = sum_gn / (float)C;
   for (i = 0; i < C; i++) {
-    float norm = (x[i] - m) * s;
+    const float norm = (x[i] - m) * s;
     dx[i] = (w[i] * dy[i] - mean_g - norm * mean_gn) * s;
   }
 }
@@ -156,6 +232,23 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
   const float *mu = mean->data, *rs = rstd->data;
   float *dxp = dx->data, *dwp = dw->data, *dbp = db->data;
   const int parallel = rows * C > (1 << 15);
+
+  if (C > 0 && C <= lz_layernorm_fused_max_cols) { /* C > 0: no empty VLA */
+    const int64_t n = row_blocks(rows);
+    float partial[2 * n * C]; /* block k: dw sums at 2kC, db sums at (2k+1)C */
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t k = 0; k < n; k++)
+      layernorm_backward_rows(dxp, partial + 2 * k * C, partial + (2 * k + 1) * C, dyp, xp, wp, mu,
+                              rs, block_start(k, n, rows), block_start(k + 1, n, rows), C);
+    for (int64_t c = 0; c < C; c++) {
+      float tw = 0.0f, tb = 0.0f;
+      for (int64_t k = 0; k < n; k++)
+        tw += partial[2 * k * C + c], tb += partial[(2 * k + 1) * C + c];
+      dwp[c] += tw;
+      dbp[c] += tb;
+    }
+    return LZ_OK;
+  }
 
   /* dw, db first: dx may share memory with dy, and the row pass overwrites it. */
   const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;

@@ -1,5 +1,6 @@
 /* test_layernorm.c — layernorm forward against a double reference, backward
- * against central differences of that reference, determinism, errors. */
+ * against central differences of that reference, determinism (thread count,
+ * one-pass against two-pass backward), errors. */
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
@@ -171,6 +172,80 @@ LZ_TEST(layernorm_backward_deterministic) {
   CHECK(memcmp(db[0], db[1], sizeof db[0]) == 0);
   lz_tensor_free(tx), lz_tensor_free(tdy), lz_tensor_free(tout), lz_tensor_free(tw);
   lz_tensor_free(tb), lz_tensor_free(tmean), lz_tensor_free(trstd);
+}
+
+/* Not API: layernorm.c's widest rows for the one-pass backward; 0 forces the
+ * two-pass path. */
+extern int64_t lz_layernorm_fused_max_cols;
+
+/* Backward of rows x C random rows into dx, dw, db (which start from the same
+ * nonzero dw, db each time), on `threads` threads, one-pass or two-pass. */
+static void backward_with(float *dx, float *dw, float *db, int64_t rows, int64_t C, int threads,
+                          int two_pass) {
+  const int64_t n = rows * C;
+  float *x = malloc(sizeof(float) * n), *dy = malloc(sizeof(float) * n);
+  float *out = malloc(sizeof(float) * n), *w = malloc(sizeof(float) * C);
+  float *b = malloc(sizeof(float) * C), *mean = malloc(sizeof(float) * rows);
+  float *rstd = malloc(sizeof(float) * rows);
+  uint64_t keep = rng;
+  rng = 0x243F6A8885A308D3ull; /* the same data on every call */
+  for (int64_t i = 0; i < n; i++) x[i] = 3.0f + frand(), dy[i] = frand();
+  for (int64_t i = 0; i < C; i++) w[i] = frand(), b[i] = frand(), dw[i] = frand(), db[i] = frand();
+  rng = keep;
+  const int64_t s2[2] = {rows, C}, sc[1] = {C}, sr[1] = {rows};
+  lz_tensor *tx = wrap(x, LZ_F32, 2, s2), *tdy = wrap(dy, LZ_F32, 2, s2);
+  lz_tensor *tout = wrap(out, LZ_F32, 2, s2), *tdx = wrap(dx, LZ_F32, 2, s2);
+  lz_tensor *tw = wrap(w, LZ_F32, 1, sc), *tb = wrap(b, LZ_F32, 1, sc);
+  lz_tensor *tdw = wrap(dw, LZ_F32, 1, sc), *tdb = wrap(db, LZ_F32, 1, sc);
+  lz_tensor *tmean = wrap(mean, LZ_F32, 1, sr), *trstd = wrap(rstd, LZ_F32, 1, sr);
+  const int saved_threads = lz_threads_get();
+  const int64_t saved_cols = lz_layernorm_fused_max_cols;
+  CHECK_OK(lz_threads_set(threads));
+  if (two_pass) lz_layernorm_fused_max_cols = 0;
+  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
+  CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  lz_layernorm_fused_max_cols = saved_cols;
+  lz_threads_set(saved_threads);
+  lz_tensor *ts[] = {tx, tdy, tout, tdx, tw, tb, tdw, tdb, tmean, trstd};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+  free(x), free(dy), free(out), free(w), free(b), free(mean), free(rstd);
+}
+
+/* The one-pass and two-pass backward sum dw, db in the same order: equal to
+ * the bit, and so are dx. Odd sizes: uneven row blocks, a scalar tail. */
+LZ_TEST(layernorm_backward_two_pass_matches_one_pass) {
+  const int64_t shapes[3][2] = {{300, 520}, {7, 37}, {1000, 768}};
+  for (int k = 0; k < 3; k++) {
+    const int64_t rows = shapes[k][0], C = shapes[k][1];
+    float *dx[2], *dw[2], *db[2];
+    for (int p = 0; p < 2; p++) {
+      dx[p] = malloc(sizeof(float) * rows * C);
+      dw[p] = malloc(sizeof(float) * C), db[p] = malloc(sizeof(float) * C);
+      backward_with(dx[p], dw[p], db[p], rows, C, 2, p);
+    }
+    CHECK(memcmp(dx[0], dx[1], sizeof(float) * rows * C) == 0);
+    CHECK(memcmp(dw[0], dw[1], sizeof(float) * C) == 0);
+    CHECK(memcmp(db[0], db[1], sizeof(float) * C) == 0);
+    for (int p = 0; p < 2; p++) free(dx[p]), free(dw[p]), free(db[p]);
+  }
+}
+
+/* Many row blocks (4096 rows, GPT-2's width): 1, 2 and 3 threads (3 splits
+ * the blocks unevenly) give the same bits. */
+LZ_TEST(layernorm_backward_thread_count_independent) {
+  const int64_t rows = 4096, C = 768;
+  float *dx[3], *dw[3], *db[3];
+  for (int t = 0; t < 3; t++) {
+    dx[t] = malloc(sizeof(float) * rows * C);
+    dw[t] = malloc(sizeof(float) * C), db[t] = malloc(sizeof(float) * C);
+    backward_with(dx[t], dw[t], db[t], rows, C, t + 1, 0);
+  }
+  for (int t = 1; t < 3; t++) {
+    CHECK(memcmp(dx[0], dx[t], sizeof(float) * rows * C) == 0);
+    CHECK(memcmp(dw[0], dw[t], sizeof(float) * C) == 0);
+    CHECK(memcmp(db[0], db[t], sizeof(float) * C) == 0);
+  }
+  for (int t = 0; t < 3; t++) free(dx[t]), free(dw[t]), free(db[t]);
 }
 
 /* dx may be dy (the backward of an in-place residual path). */
