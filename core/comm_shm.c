@@ -16,6 +16,19 @@
  * Every element is reduced by lz_reduce_fixed in rank order 0..W-1, so each
  * algorithm gives bitwise the same result on every rank and every run.
  *
+ * Single copy (Linux cross-memory attach): from SHM_CMA_MIN bytes up,
+ * all-reduce, reduce-scatter and all-gather skip the segment. Each rank
+ * publishes its buffers' addresses in its record, a barrier, then every rank
+ * reads the parts it needs straight out of its peers' memory with
+ * process_vm_readv (all-gather: into its receive buffer; reductions: into a
+ * small cache-resident staging buffer, reduced with its own part in rank
+ * order), and a closing barrier keeps every buffer valid until the last
+ * peer has read it. Each byte is copied once instead of twice, and the copy
+ * lands in the caller's (huge-page) memory rather than the 4 KiB pages of
+ * /dev/shm. At init every rank probes a read from a peer; if any probe fails
+ * (EPERM: ptrace restrictions such as Yama or a seccomp filter; ENOSYS) or
+ * LZ_SHM_CMA=0, all ranks use the segment paths.
+ *
  * Waiting: spin while the ranks have a core each, then sleep on a futex in
  * the segment; every 100 ms a sleeper checks the deadline (LZ_COMM_TIMEOUT)
  * and whether the ranks it waits for are still alive. */
@@ -31,13 +44,17 @@
 #include <stdlib.h>      /* getenv, strtoll */
 #include <sys/mman.h>    /* shm_open, mmap */
 #include <sys/stat.h>    /* fstat */
+#include <sys/prctl.h>   /* PR_SET_PTRACER: let sibling ranks read this one under Yama */
 #include <sys/syscall.h> /* SYS_futex */
+#include <sys/uio.h>     /* process_vm_readv */
 #include <unistd.h>      /* getpid, close */
 
 #define SHM_MAGIC 0x3130306d68737a6cull /* "lzshm001" */
 #define SHM_DEFAULT_CHUNK (1u << 20)
 #define SHM_DIRECT_MAX (64u << 10) /* all-reduce below this: direct */
 #define RANK_RECORD 128
+#define SHM_CMA_MIN (256u << 10)     /* single copy from this many bytes */
+#define SHM_STAGE_BYTES (512u << 10) /* reduction staging, all peers together */
 
 enum { RANK_EMPTY = 0, RANK_JOINED = 1, RANK_LEFT = 2 };
 
@@ -56,6 +73,10 @@ typedef struct shm_rank {
   _Alignas(64) _Atomic uint64_t arrive; /* barriers this rank has reached */
   _Alignas(64) _Atomic int32_t pid;
   _Atomic int32_t state;
+  _Atomic int32_t cma_ok; /* this rank's probe read of a peer worked */
+  int32_t pad;
+  _Atomic uint64_t send;  /* single copy: this rank's send buffer, in its address space */
+  _Atomic uint64_t probe; /* address of probe_word */
 } shm_rank;
 
 _Static_assert(sizeof(shm_rank) == RANK_RECORD, "rank record is two cache lines");
@@ -69,6 +90,9 @@ typedef struct shm_comm {
   size_t chunk;
   uint64_t step; /* barriers passed by this rank */
   int bank;
+  int cma;             /* every rank can read every other's memory */
+  uint64_t probe_word; /* what peers read at init */
+  uint8_t *stage;      /* SHM_STAGE_BYTES for the single-copy reductions */
   double spin_s;
   char name[256];
 } shm_comm;
@@ -203,6 +227,22 @@ static int cpus_available(void) {
   return n > 0 ? (int)n : 1;
 }
 
+/* 1 if this rank can read its neighbour's memory with process_vm_readv
+ * (and wants to: LZ_SHM_CMA=0 turns single copy off). Allocates the
+ * staging buffer when it can. */
+static int cma_probe(lz_comm *c, shm_comm *s) {
+  const char *env = getenv("LZ_SHM_CMA");
+  if (c->size < 2 || (env && !strcmp(env, "0"))) return 0;
+  int peer = (c->rank + 1) % c->size;
+  uint64_t got = 0;
+  struct iovec local = {&got, sizeof got};
+  struct iovec remote = {(void *)(uintptr_t)atomic_load(&s->ranks[peer].probe), sizeof got};
+  ssize_t r = process_vm_readv((pid_t)atomic_load(&s->ranks[peer].pid), &local, 1, &remote, 1, 0);
+  if (r != (ssize_t)sizeof got || got != (SHM_MAGIC ^ (uint64_t)peer)) return 0;
+  s->stage = aligned_alloc(4096, SHM_STAGE_BYTES);
+  return s->stage != NULL;
+}
+
 static lz_status shm_init(lz_comm *c) {
   const char *name = getenv("LZ_SHM_NAME");
   if (!name || !*name)
@@ -258,17 +298,29 @@ static lz_status shm_init(lz_comm *c) {
   c->size = world;
   c->impl = s;
 
+  s->probe_word = SHM_MAGIC ^ (uint64_t)rank;
+  atomic_store(&s->ranks[rank].probe, (uint64_t)(uintptr_t)&s->probe_word);
+  /* Under Yama ptrace_scope 1 only ancestors may read this process; the
+   * ranks are siblings. Harmless where Yama is absent. */
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
   atomic_store(&s->ranks[rank].pid, (int32_t)getpid());
   atomic_store(&s->ranks[rank].state, RANK_JOINED);
   atomic_fetch_add(&s->hdr->joined, 1);
   lz_status st_join = barrier(c, s, "comm_init");
+  if (st_join == LZ_OK) {
+    if (rank == 0) shm_unlink(name); /* everyone has it mapped: nothing outlives the job */
+    atomic_store(&s->ranks[rank].cma_ok, cma_probe(c, s));
+    st_join = barrier(c, s, "comm_init"); /* every probe done: all agree on the path */
+  }
   if (st_join != LZ_OK) {
+    free(s->stage);
     munmap(base, bytes);
     free(s);
     c->impl = NULL;
     return st_join;
   }
-  if (rank == 0) shm_unlink(name); /* everyone has it mapped: nothing outlives the job */
+  s->cma = world > 1;
+  for (int p = 0; p < world; p++) s->cma &= atomic_load(&s->ranks[p].cma_ok);
   return LZ_OK;
 }
 
@@ -279,6 +331,7 @@ static void shm_free(lz_comm *c) {
   atomic_fetch_add(&s->hdr->futex_word, 1);
   futex(&s->hdr->futex_word, FUTEX_WAKE, INT32_MAX, NULL);
   munmap(s->base, s->bytes);
+  free(s->stage);
   free(s);
   c->impl = NULL;
 }
@@ -388,6 +441,122 @@ static lz_status broadcast(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   return LZ_OK;
 }
 
+/* -------------------------------------------------------------- single copy */
+
+/* Copies `bytes` at address `remote` of rank p into `local`. */
+static lz_status cma_read(lz_comm *c, shm_comm *s, int p, void *local, uint64_t remote,
+                          size_t bytes, const char *op) {
+  pid_t pid = (pid_t)atomic_load(&s->ranks[p].pid);
+  uint8_t *dst = local;
+  while (bytes > 0) {
+    struct iovec l = {dst, bytes}, r = {(void *)(uintptr_t)remote, bytes};
+    ssize_t got = process_vm_readv(pid, &l, 1, &r, 1, 0);
+    if (got > 0) {
+      dst += got;
+      remote += (uint64_t)got;
+      bytes -= (size_t)got;
+      continue;
+    }
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && errno == ESRCH)
+      return lz_fail(LZ_ERR_COMM, "%s: rank %d is reading from rank %d (pid %d), which has exited",
+                     op, c->rank, p, (int)pid);
+    return lz_fail(LZ_ERR_COMM,
+                   "%s: rank %d cannot read %zu bytes of rank %d's buffer (pid %d): %s (set "
+                   "LZ_SHM_CMA=0 to copy through the segment instead)",
+                   op, c->rank, bytes, p, (int)pid, got < 0 ? strerror(errno) : "no progress");
+  }
+  return LZ_OK;
+}
+
+static int overlaps(const void *a, size_t na, const void *b, size_t nb) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return na && nb && x < y + nb && y < x + na;
+}
+
+/* Single copy applies: big enough, and no rank writes where a peer reads
+ * (the receive buffer may be the send buffer only at this rank's own shard). */
+static int cma_fits(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+  size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
+  if (!s->cma || n < SHM_CMA_MIN) return 0;
+  int64_t off, len;
+  lz_comm_shard(a->count, c->size, c->rank, &off, &len);
+  const uint8_t *send = a->send, *recv = a->recv;
+  size_t mine = (size_t)len * es;
+  switch (a->kind) {
+  case LZ_COLL_ALL_REDUCE: return 1;
+  case LZ_COLL_REDUCE_SCATTER:
+    return recv == send + (size_t)off * es || !overlaps(send, n, recv, mine);
+  case LZ_COLL_ALL_GATHER: return send == recv + (size_t)off * es || !overlaps(send, mine, recv, n);
+  default: return 0;
+  }
+}
+
+static lz_status all_gather_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+  int W = c->size, me = c->rank;
+  size_t es = lz_dtype_size(a->dt);
+  int64_t off[W], len[W];
+  for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
+  uint8_t *recv = a->recv;
+  atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)a->send);
+  if (len[me] && a->send != recv + off[me] * es)
+    memcpy(recv + off[me] * es, a->send, (size_t)len[me] * es);
+  LZ_TRY(barrier(c, s, "all_gather"));
+  for (int i = 1; i < W; i++) { /* start at the next rank: the ranks read different peers */
+    int p = (me + i) % W;
+    if (len[p])
+      LZ_TRY(cma_read(c, s, p, recv + off[p] * es, atomic_load(&s->ranks[p].send),
+                      (size_t)len[p] * es, "all_gather"));
+  }
+  return barrier(c, s, "all_gather"); /* every peer has read this rank's shard */
+}
+
+/* Reduce-scatter (and, for all-reduce, the all-gather after it) reading the
+ * peers' buffers in place: each rank reduces its shard in pieces, the peers'
+ * parts of a piece staged by process_vm_readv, in rank order 0..W-1 like
+ * every other path. The all-gather reads the peers' reduced shards straight
+ * into the buffer. */
+static lz_status reduce_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+  int W = c->size, me = c->rank;
+  const char *op = lz_coll_name(a->kind);
+  int all = a->kind == LZ_COLL_ALL_REDUCE;
+  size_t es = lz_dtype_size(a->dt);
+  int64_t off[W], len[W];
+  for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
+  const uint8_t *send = a->send;
+  uint8_t *recv = a->recv;
+  atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)send);
+  LZ_TRY(barrier(c, s, op));
+  size_t piece = SHM_STAGE_BYTES / (size_t)(W - 1) / 4096 * 4096;
+  int64_t m = (int64_t)(piece / es);
+  const void *srcs[W];
+  for (int64_t j0 = 0; j0 < len[me]; j0 += m) {
+    int64_t k = len[me] - j0 < m ? len[me] - j0 : m;
+    size_t at = (size_t)(off[me] + j0) * es;
+    for (int p = 0, slot = 0; p < W; p++) {
+      if (p == me) {
+        srcs[p] = send + at;
+        continue;
+      }
+      uint8_t *st = s->stage + (size_t)slot++ * piece;
+      LZ_TRY(cma_read(c, s, p, st, atomic_load(&s->ranks[p].send) + at, (size_t)k * es, op));
+      srcs[p] = st;
+    }
+    lz_reduce_fixed(all ? recv + at : recv + (size_t)j0 * es, srcs, W, k, a->dt, a->op, W);
+  }
+  if (all) {
+    LZ_TRY(barrier(c, s, op)); /* every shard reduced */
+    for (int i = 1; i < W; i++) {
+      int p = (me + i) % W;
+      size_t at = (size_t)off[p] * es;
+      if (len[p])
+        LZ_TRY(cma_read(c, s, p, recv + at, atomic_load(&s->ranks[p].send) + at,
+                        (size_t)len[p] * es, op));
+    }
+  }
+  return barrier(c, s, op); /* every peer has read this rank's buffer */
+}
+
 static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   shm_comm *s = c->impl;
   if (a->kind == LZ_COLL_BARRIER) return barrier(c, s, "barrier");
@@ -398,6 +567,8 @@ static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
       if (a->send != a->recv) memmove(a->recv, a->send, n);
     return LZ_OK;
   }
+  if (cma_fits(c, s, a))
+    return a->kind == LZ_COLL_ALL_GATHER ? all_gather_cma(c, s, a) : reduce_cma(c, s, a);
   switch (a->kind) {
   case LZ_COLL_ALL_REDUCE:
     if (n <= SHM_DIRECT_MAX && n <= s->chunk) return all_reduce_direct(c, s, a);

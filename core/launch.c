@@ -378,7 +378,7 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
 
 stop:;
   int failed_rank = -1, failed_code = 0, stopping = st != LZ_OK;
-  double kill_at = 0;
+  double kill_at = 0, grace_until = 0;
   if (stopping) {
     for (int r = 0; r < nranks; r++)
       if (procs[r].running) kill(procs[r].pid, SIGTERM);
@@ -406,21 +406,29 @@ stop:;
         procs[r].running = 0;
         procs[r].status = status;
         running--;
-        if (!stopping && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
-          char how[96];
-          describe(status, how, sizeof how);
-          if (running > 0)
-            fprintf(stderr, "luazero: rank %d %s; stopping the other %d rank%s\n", r, how,
-                    running, running == 1 ? "" : "s");
-          else fprintf(stderr, "luazero: rank %d %s\n", r, how);
-          failed_rank = r;
-          failed_code = status_code(status);
-          stopping = 1;
-          for (int q = 0; q < nranks; q++)
-            if (procs[q].running) kill(procs[q].pid, SIGTERM);
-          kill_at = lz_now_s() + 3.0;
-        }
+        if (stopping || (WIFEXITED(status) && WEXITSTATUS(status) == 0)) continue;
+        /* The first rank to fail is often a victim: a peer that saw another
+         * rank die or stall. A rank killed by a signal is the cause; else
+         * the first to fail. Wait a moment so the cause can show itself. */
+        int killed = WIFSIGNALED(status);
+        int cause_killed = failed_rank >= 0 && WIFSIGNALED(procs[failed_rank].status);
+        if (failed_rank < 0 || (killed && !cause_killed)) failed_rank = r;
+        if (grace_until == 0) grace_until = lz_now_s() + 0.5;
+        if (killed) grace_until = lz_now_s();
       }
+    }
+    if (failed_rank >= 0 && !stopping && (lz_now_s() >= grace_until || running == 0)) {
+      char how[96];
+      describe(procs[failed_rank].status, how, sizeof how);
+      if (running > 0)
+        fprintf(stderr, "luazero: rank %d %s; stopping the other %d rank%s\n", failed_rank, how,
+                running, running == 1 ? "" : "s");
+      else fprintf(stderr, "luazero: rank %d %s\n", failed_rank, how);
+      failed_code = status_code(procs[failed_rank].status);
+      stopping = 1;
+      for (int q = 0; q < nranks; q++)
+        if (procs[q].running) kill(procs[q].pid, SIGTERM);
+      kill_at = lz_now_s() + 3.0;
     }
     if (got_signal && !stopping) {
       fprintf(stderr, "luazero: received %s; stopping %d rank%s\n", signal_name(got_signal),

@@ -246,6 +246,34 @@ static void async_overlap(void *a, void *b) {
   free(shard);
 }
 
+/* all_reduce and reduce_scatter of the same input give bitwise the same
+ * shard (the ZeRO engine mixes them): on the segment path and on the single
+ * copy path, for every reducing dtype. */
+static void all_reduce_matches_reduce_scatter(void *a, void *b) {
+  int64_t counts[] = {40009, (1 << 20) + 3};
+  lz_dtype dts[] = {LZ_F32, LZ_BF16, LZ_F16};
+  lz_reduce_op ops[] = {LZ_RED_SUM, LZ_RED_AVG};
+  for (int ci = 0; ci < 2; ci++)
+    for (int d = 0; d < 3; d++)
+      for (int o = 0; o < 2; o++) {
+        int64_t count = counts[ci], off, len;
+        lz_dtype dt = dts[d];
+        size_t es = lz_dtype_size(dt);
+        lz_comm_shard(count, world, rank, &off, &len);
+        uint32_t seed = (uint32_t)(cases * 7919 + 17);
+        cases++;
+        for (int64_t i = 0; i < count; i++) put(a, dt, i, gen(rank, i, seed));
+        if (lz_comm_reduce_scatter(comm, a, b, count, dt, ops[o], NULL) != LZ_OK ||
+            lz_comm_all_reduce(comm, a, count, dt, ops[o], NULL) != LZ_OK) {
+          FAIL("all_reduce vs reduce_scatter: %s", lz_last_error());
+          return;
+        }
+        if (memcmp((char *)a + (size_t)off * es, b, (size_t)len * es) != 0)
+          FAIL("all_reduce and reduce_scatter %s %s count %lld: shards differ", lz_dtype_name(dt),
+               ops[o] == LZ_RED_SUM ? "sum" : "avg", (long long)count);
+      }
+}
+
 static int matrix(int quick, int print_hash) {
   int64_t counts[] = {0, 1, 7, 4097, (1 << 20) + 3, 16 << 20};
   int ncounts = quick ? 5 : 6;
@@ -270,6 +298,7 @@ static int matrix(int quick, int print_hash) {
       one_case(LZ_COLL_BROADCAST, dts[d], LZ_RED_SUM, counts[ci], k++ & 1, print_hash, a, b);
     }
   async_overlap(a, b);
+  all_reduce_matches_reduce_scatter(a, b);
   cases++;
   if (lz_comm_barrier(comm) != LZ_OK) FAIL("barrier: %s", lz_last_error());
   lz_mem_free(a);

@@ -1,7 +1,8 @@
 #!/bin/sh
 # run.sh — the multi-rank tests: the correctness matrix (comm_check) for the
 # shm backend (under lz_run) and the mpi backend (under mpirun) at 1-4 ranks,
-# bitwise equality across two runs and across the two backends, a rank killed
+# bitwise equality across two runs, across the two backends and with the
+# shm backend's single-copy path turned off, a rank killed
 # with SIGKILL mid-collective, and a rank that never joins. Ends with
 # "N passed, N failed"; exits non-zero on any failure.
 #   tests/comm/run.sh [--quick]      --quick: counts up to 1M+3 only
@@ -46,6 +47,17 @@ for w in 3 4; do
   if [ -s "$TMP/h_again$w" ] && [ -z "$(grep -v -x -F -f "$TMP/h_shm$w" "$TMP/h_again$w")" ]; then
     ok "second shm run bitwise equal to the first, $w ranks"
   else bad "second shm run bitwise equal to the first, $w ranks" "$TMP/again$w"; fi
+done
+
+# --- single copy off (LZ_SHM_CMA=0, as where ptrace rules forbid it): the
+# segment paths give bitwise the same results
+for w in 2 4; do
+  LZ_SHM_CMA=0 "$BIN/lz_run" -n $w "$BIN/comm_check" --hashes --quick > "$TMP/nocma$w" 2>&1
+  grep '^hash' "$TMP/nocma$w" > "$TMP/h_nocma$w"
+  if grep -q "all passed" "$TMP/nocma$w" && [ -s "$TMP/h_nocma$w" ] &&
+     [ -z "$(grep -v -x -F -f "$TMP/h_shm$w" "$TMP/h_nocma$w")" ]; then
+    ok "shm without single copy (LZ_SHM_CMA=0) bitwise equal, $w ranks"
+  else bad "shm without single copy (LZ_SHM_CMA=0) bitwise equal, $w ranks" "$TMP/nocma$w"; fi
 done
 
 # --- kill -9 of rank 2 in the middle of all-reduces
