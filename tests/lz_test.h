@@ -64,4 +64,13 @@ void lz_test_fail(const char *file, int line, const char *fmt, ...)
                    (double)(tol));                                                          \
   } while (0)
 
+/* Shared by the kernel tests (lz_test_util.c). */
+uint64_t lz_test_xorshift(uint64_t *state); /* next xorshift64 value */
+float lz_test_uniform(uint64_t *state);     /* uniform in [-1, 1) */
+/* A borrowed tensor over data (a failed wrap is a test failure). */
+lz_tensor *lz_test_wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape);
+/* Worst |a - b| / max(|b|, 1% of max|b|): relative error, floored so the
+ * near-zero entries of a gradient are judged against its scale. */
+double lz_test_rel_err(const float *a, const double *b, int64_t n);
+
 #endif /* LZ_TEST_H */

@@ -5,30 +5,7 @@
 #include <stdlib.h> /* malloc */
 
 static uint64_t rng = 0x94D049BB133111EBull;
-static float frand(void) { /* uniform in [-1, 1) */
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
-}
-
-static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
-  lz_tensor *t = NULL;
-  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
-  return t;
-}
-
-/* Worst |a - b| / max(|b|, 1% of max|b|). */
-static double rel_err(const float *a, const double *b, int64_t n) {
-  double scale = 0.0, worst = 0.0;
-  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
-  for (int64_t i = 0; i < n; i++) {
-    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
-    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
-    worst = e > worst ? e : worst;
-  }
-  return worst;
-}
+static float frand(void) { return lz_test_uniform(&rng); }
 
 /* torch.optim.AdamW, one element, in double. */
 static void ref_step(double *p, double *m, double *v, double grad, const lz_adamw_args *a) {
@@ -55,11 +32,11 @@ static void check_case(int64_t n, int with_working, lz_dtype wdt) {
     m[i] = v[i] = 0.0f;
     pd[i] = p[i], md[i] = vd[i] = 0.0;
   }
-  lz_tensor *tp = wrap(p, LZ_F32, 1, s1), *tg = wrap(g, LZ_F32, 1, s1);
-  lz_tensor *tm = wrap(m, LZ_F32, 1, s1), *tv = wrap(v, LZ_F32, 1, s1);
+  lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
+  lz_tensor *tm = lz_test_wrap(m, LZ_F32, 1, s1), *tv = lz_test_wrap(v, LZ_F32, 1, s1);
   lz_tensor *tw = !with_working ? NULL
-                  : wdt == LZ_F32 ? wrap(wf, LZ_F32, 1, s1)
-                                  : wrap(wh, wdt, 1, s1);
+                  : wdt == LZ_F32 ? lz_test_wrap(wf, LZ_F32, 1, s1)
+                                  : lz_test_wrap(wh, wdt, 1, s1);
   lz_adamw_args args = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
                         .weight_decay = 0.1f, .grad_scale = 0.5f, .step = 0};
   for (int step = 1; step <= 5; step++) {
@@ -69,9 +46,9 @@ static void check_case(int64_t n, int with_working, lz_dtype wdt) {
     CHECK_OK(lz_adamw_step(tp, tg, tm, tv, tw, &args));
     for (int64_t i = 0; i < n; i++) ref_step(&pd[i], &md[i], &vd[i], g[i], &args);
   }
-  CHECK(rel_err(p, pd, n) <= 1e-5);
-  CHECK(rel_err(m, md, n) <= 1e-5);
-  CHECK(rel_err(v, vd, n) <= 1e-5);
+  CHECK(lz_test_rel_err(p, pd, n) <= 1e-5);
+  CHECK(lz_test_rel_err(m, md, n) <= 1e-5);
+  CHECK(lz_test_rel_err(v, vd, n) <= 1e-5);
   if (with_working) {
     int ok = 1;
     for (int64_t i = 0; i < n; i++) {
@@ -102,8 +79,8 @@ LZ_TEST(adamw_thread_independent) {
     p[k] = malloc(sizeof(float) * N), m[k] = malloc(sizeof(float) * N);
     v[k] = malloc(sizeof(float) * N);
     for (int64_t i = 0; i < N; i++) p[k][i] = 1.0f, m[k][i] = 0.1f, v[k][i] = 0.01f;
-    lz_tensor *tp = wrap(p[k], LZ_F32, 1, s1), *tm = wrap(m[k], LZ_F32, 1, s1);
-    lz_tensor *tv = wrap(v[k], LZ_F32, 1, s1), *tg = wrap(g, LZ_F32, 1, s1);
+    lz_tensor *tp = lz_test_wrap(p[k], LZ_F32, 1, s1), *tm = lz_test_wrap(m[k], LZ_F32, 1, s1);
+    lz_tensor *tv = lz_test_wrap(v[k], LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
     lz_adamw_args args = {.lr = 3e-4f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                           .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 7};
     CHECK_OK(lz_threads_set(k + 1));
@@ -122,16 +99,16 @@ LZ_TEST(adamw_errors) {
   float buf[16] = {0};
   int32_t ibuf[16] = {0};
   const int64_t s8[1] = {8}, s9[1] = {9};
-  lz_tensor *t = wrap(buf, LZ_F32, 1, s8), *t9 = wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *ti = wrap(ibuf, LZ_I32, 1, s8), *th = wrap(buf, LZ_BF16, 1, s8);
+  lz_tensor *t = lz_test_wrap(buf, LZ_F32, 1, s8), *t9 = lz_test_wrap(buf, LZ_F32, 1, s9);
+  lz_tensor *ti = lz_test_wrap(ibuf, LZ_I32, 1, s8), *th = lz_test_wrap(buf, LZ_BF16, 1, s8);
   const lz_adamw_args good = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                               .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 1};
   lz_adamw_args a = good;
   /* The failing calls below pass one tensor for all four: they stop before
    * touching data. param, grad, m and v must be distinct memory otherwise. */
   float pb[8] = {0}, gb[8] = {0}, mb[8] = {0}, vb[8] = {0};
-  lz_tensor *tp = wrap(pb, LZ_F32, 1, s8), *tg = wrap(gb, LZ_F32, 1, s8);
-  lz_tensor *tm = wrap(mb, LZ_F32, 1, s8), *tv = wrap(vb, LZ_F32, 1, s8);
+  lz_tensor *tp = lz_test_wrap(pb, LZ_F32, 1, s8), *tg = lz_test_wrap(gb, LZ_F32, 1, s8);
+  lz_tensor *tm = lz_test_wrap(mb, LZ_F32, 1, s8), *tv = lz_test_wrap(vb, LZ_F32, 1, s8);
   CHECK_OK(lz_adamw_step(tp, tg, tm, tv, NULL, &a));
   lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
   CHECK_ERR(lz_adamw_step(t, t9, t, t, NULL, &a), LZ_ERR_INVALID,

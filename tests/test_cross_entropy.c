@@ -6,31 +6,8 @@
 #include <stdlib.h> /* malloc */
 
 static uint64_t rng = 0xA0761D6478BD642Full;
-static uint64_t next_u64(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
-static float frand(void) { return (float)((double)(next_u64() >> 40) * 0x1p-23 - 1.0); }
-
-static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
-  lz_tensor *t = NULL;
-  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
-  return t;
-}
-
-/* Worst |a - b| / max(|b|, 1% of max|b|). */
-static double rel_err(const float *a, const double *b, int64_t n) {
-  double scale = 0.0, worst = 0.0;
-  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
-  for (int64_t i = 0; i < n; i++) {
-    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
-    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
-    worst = e > worst ? e : worst;
-  }
-  return worst;
-}
+static uint64_t next_u64(void) { return lz_test_xorshift(&rng); }
+static float frand(void) { return lz_test_uniform(&rng); }
 
 /* -log softmax(row[0:vocab])[target], or 0 for a negative target. */
 static double ref_row_loss(const double *row, int64_t vocab, int32_t target) {
@@ -63,12 +40,12 @@ static void check_case(int64_t B, int64_t T, int64_t Vp, int64_t vocab, float sc
   for (int64_t i = 0; i < n; i++) ld[i] = logits[i];
 
   const int64_t s_lg[3] = {B, T, Vp}, s_bt[2] = {B, T};
-  lz_tensor *tl = wrap(logits, LZ_F32, 3, s_lg), *tdl = wrap(dlogits, LZ_F32, 3, s_lg);
-  lz_tensor *tloss = wrap(losses, LZ_F32, 2, s_bt), *tt = wrap(targets, LZ_I32, 2, s_bt);
+  lz_tensor *tl = lz_test_wrap(logits, LZ_F32, 3, s_lg), *tdl = lz_test_wrap(dlogits, LZ_F32, 3, s_lg);
+  lz_tensor *tloss = lz_test_wrap(losses, LZ_F32, 2, s_bt), *tt = lz_test_wrap(targets, LZ_I32, 2, s_bt);
 
   CHECK_OK(lz_cross_entropy_forward(tloss, tl, tt, vocab));
   for (int64_t r = 0; r < rows; r++) ref[r] = ref_row_loss(ld + r * Vp, vocab, targets[r]);
-  CHECK(rel_err(losses, ref, rows) <= 1e-5);
+  CHECK(lz_test_rel_err(losses, ref, rows) <= 1e-5);
   if (rows > 2) CHECK(losses[2] == 0.0f);
 
   /* L = dloss * sum of the row losses. */
@@ -87,7 +64,7 @@ static void check_case(int64_t B, int64_t T, int64_t Vp, int64_t vocab, float sc
     ga[k] = dlogits[i];
     gd[k++] = (up - down) / (2 * h) * dloss;
   }
-  CHECK(rel_err(ga, gd, k) <= 1e-3);
+  CHECK(lz_test_rel_err(ga, gd, k) <= 1e-3);
   /* Padded columns and ignored rows: exactly zero. */
   int zeros = 1;
   for (int64_t r = 0; r < rows; r++)
@@ -118,8 +95,8 @@ LZ_TEST(cross_entropy_nan_propagates) {
   float lg[2 * 5] = {0.1f, 0.2f, NAN, 0.4f, 0.5f, 1, 2, 3, 4, 5}, loss[2], dl[2 * 5];
   int32_t tg[2] = {0, 4};
   const int64_t s_lg[2] = {2, 5}, s_r[1] = {2};
-  lz_tensor *tl = wrap(lg, LZ_F32, 2, s_lg), *tdl = wrap(dl, LZ_F32, 2, s_lg);
-  lz_tensor *tloss = wrap(loss, LZ_F32, 1, s_r), *tt = wrap(tg, LZ_I32, 1, s_r);
+  lz_tensor *tl = lz_test_wrap(lg, LZ_F32, 2, s_lg), *tdl = lz_test_wrap(dl, LZ_F32, 2, s_lg);
+  lz_tensor *tloss = lz_test_wrap(loss, LZ_F32, 1, s_r), *tt = lz_test_wrap(tg, LZ_I32, 1, s_r);
   CHECK_OK(lz_cross_entropy_forward(tloss, tl, tt, 5));
   CHECK(isnan(loss[0]) && isfinite(loss[1]));
   CHECK_OK(lz_cross_entropy_backward(tdl, tl, tt, 5, 1.0f));
@@ -131,9 +108,9 @@ LZ_TEST(cross_entropy_errors) {
   float lg[2 * 3 * 8] = {0}, loss[6] = {0};
   int32_t tg[6] = {0, 1, 2, 3, 4, 5};
   const int64_t s_lg[3] = {2, 3, 8}, s_bt[2] = {2, 3}, s5[1] = {5};
-  lz_tensor *tl = wrap(lg, LZ_F32, 3, s_lg), *tloss = wrap(loss, LZ_F32, 2, s_bt);
-  lz_tensor *tt = wrap(tg, LZ_I32, 2, s_bt), *tt_f = wrap(loss, LZ_F32, 2, s_bt);
-  lz_tensor *tloss5 = wrap(loss, LZ_F32, 1, s5), *tt5 = wrap(tg, LZ_I32, 1, s5);
+  lz_tensor *tl = lz_test_wrap(lg, LZ_F32, 3, s_lg), *tloss = lz_test_wrap(loss, LZ_F32, 2, s_bt);
+  lz_tensor *tt = lz_test_wrap(tg, LZ_I32, 2, s_bt), *tt_f = lz_test_wrap(loss, LZ_F32, 2, s_bt);
+  lz_tensor *tloss5 = lz_test_wrap(loss, LZ_F32, 1, s5), *tt5 = lz_test_wrap(tg, LZ_I32, 1, s5);
   CHECK_OK(lz_cross_entropy_forward(tloss, tl, tt, 6));
   CHECK_ERR(lz_cross_entropy_forward(tloss, tl, tt, 5), LZ_ERR_INVALID,
             "cross_entropy_forward: targets[5] is 5, not below vocab 5");

@@ -6,18 +6,7 @@
 #include <stdlib.h> /* malloc */
 
 static uint64_t rng = 0x8BB84B93962EACC9ull;
-static float frand(void) { /* uniform in [-1, 1) */
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
-}
-
-static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
-  lz_tensor *t = NULL;
-  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
-  return t;
-}
+static float frand(void) { return lz_test_uniform(&rng); }
 
 /* Sizes on both sides of the one-thread cutoff, none a multiple of a block. */
 static const int64_t sizes[] = {1, 17, 1000, 3 * 65536 + 5};
@@ -29,8 +18,8 @@ LZ_TEST(elementwise_add_axpy_scale_fill) {
     float *out = malloc(sizeof(float) * n), *keep = malloc(sizeof(float) * n);
     for (int64_t i = 0; i < n; i++) a[i] = frand(), b[i] = frand();
     memcpy(keep, a, sizeof(float) * n);
-    lz_tensor *ta = wrap(a, LZ_F32, 1, s1), *tb = wrap(b, LZ_F32, 1, s1);
-    lz_tensor *tout = wrap(out, LZ_F32, 1, s1);
+    lz_tensor *ta = lz_test_wrap(a, LZ_F32, 1, s1), *tb = lz_test_wrap(b, LZ_F32, 1, s1);
+    lz_tensor *tout = lz_test_wrap(out, LZ_F32, 1, s1);
     int ok = 1;
 
     CHECK_OK(lz_add(tout, ta, tb));
@@ -58,7 +47,7 @@ LZ_TEST(elementwise_half_fill_scale) {
   uint16_t *h = malloc(sizeof(uint16_t) * n), *keep = malloc(sizeof(uint16_t) * n);
   const lz_dtype dts[2] = {LZ_BF16, LZ_F16};
   for (int d = 0; d < 2; d++) {
-    lz_tensor *t = wrap(h, dts[d], 1, s1);
+    lz_tensor *t = lz_test_wrap(h, dts[d], 1, s1);
     int ok = 1;
     CHECK_OK(lz_fill(t, 1.0f / 3.0f));
     const uint16_t third =
@@ -92,8 +81,8 @@ LZ_TEST(elementwise_sq_norm_against_double) {
     ref_b += (double)lz_bf16_to_f32(hb[i]) * lz_bf16_to_f32(hb[i]);
     ref_f += (double)lz_f16_to_f32(hf[i]) * lz_f16_to_f32(hf[i]);
   }
-  lz_tensor *t = wrap(x, LZ_F32, 1, s1), *tb = wrap(hb, LZ_BF16, 1, s1);
-  lz_tensor *tf = wrap(hf, LZ_F16, 1, s1);
+  lz_tensor *t = lz_test_wrap(x, LZ_F32, 1, s1), *tb = lz_test_wrap(hb, LZ_BF16, 1, s1);
+  lz_tensor *tf = lz_test_wrap(hf, LZ_F16, 1, s1);
   double got = -1.0;
   CHECK_OK(lz_sq_norm(t, &got));
   CHECK_NEAR(got, ref, 1e-10); /* both sum in double, in different orders */
@@ -102,7 +91,7 @@ LZ_TEST(elementwise_sq_norm_against_double) {
   CHECK_OK(lz_sq_norm(tf, &got));
   CHECK_NEAR(got, ref_f, 1e-10);
   const int64_t s0[1] = {0};
-  lz_tensor *empty = wrap(x, LZ_F32, 1, s0);
+  lz_tensor *empty = lz_test_wrap(x, LZ_F32, 1, s0);
   CHECK_OK(lz_sq_norm(empty, &got));
   CHECK(got == 0.0);
   lz_tensor_free(t), lz_tensor_free(tb), lz_tensor_free(tf), lz_tensor_free(empty);
@@ -116,7 +105,7 @@ LZ_TEST(elementwise_sq_norm_thread_independent) {
   const int64_t n = 3 * 1048576 + 12345, s1[1] = {n};
   float *x = malloc(sizeof(float) * n);
   for (int64_t i = 0; i < n; i++) x[i] = frand() * (i % 7 == 0 ? 1e3f : 1e-2f);
-  lz_tensor *t = wrap(x, LZ_F32, 1, s1);
+  lz_tensor *t = lz_test_wrap(x, LZ_F32, 1, s1);
   const int saved = lz_threads_get();
   double got[3];
   for (int k = 0; k < 3; k++) {
@@ -136,7 +125,7 @@ LZ_TEST(elementwise_has_inf_nan) {
   uint16_t *h = malloc(sizeof(uint16_t) * n);
   const int64_t where[3] = {0, 65537, n - 1};
   /* f32 */
-  lz_tensor *t = wrap(x, LZ_F32, 1, s1);
+  lz_tensor *t = lz_test_wrap(x, LZ_F32, 1, s1);
   for (int64_t i = 0; i < n; i++) x[i] = 3.0e38f * frand(); /* big, but finite */
   int found = -1;
   CHECK_OK(lz_has_inf_nan(t, &found));
@@ -156,7 +145,7 @@ LZ_TEST(elementwise_has_inf_nan) {
   const uint16_t max_finite[2] = {0x7f7f, 0x7bff}, inf[2] = {0x7f80, 0x7c00},
                  nan[2] = {0x7fc1, 0x7e01};
   for (int d = 0; d < 2; d++) {
-    lz_tensor *th = wrap(h, dts[d], 1, s1);
+    lz_tensor *th = lz_test_wrap(h, dts[d], 1, s1);
     for (int64_t i = 0; i < n; i++) h[i] = (uint16_t)(max_finite[d] | (i & 1 ? 0x8000 : 0));
     CHECK_OK(lz_has_inf_nan(th, &found));
     CHECK(found == 0);
@@ -179,8 +168,8 @@ LZ_TEST(elementwise_errors) {
   float buf[16] = {0};
   int32_t ibuf[16] = {0};
   const int64_t s8[2] = {2, 4}, s9[1] = {9};
-  lz_tensor *a = wrap(buf, LZ_F32, 2, s8), *b9 = wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *ai = wrap(ibuf, LZ_I32, 2, s8), *ah = wrap(buf, LZ_BF16, 2, s8);
+  lz_tensor *a = lz_test_wrap(buf, LZ_F32, 2, s8), *b9 = lz_test_wrap(buf, LZ_F32, 1, s9);
+  lz_tensor *ai = lz_test_wrap(ibuf, LZ_I32, 2, s8), *ah = lz_test_wrap(buf, LZ_BF16, 2, s8);
   double d;
   int flag;
   CHECK_ERR(lz_add(a, a, b9), LZ_ERR_INVALID,

@@ -6,31 +6,8 @@
 #include <stdlib.h> /* malloc */
 
 static uint64_t rng = 0xD1B54A32D192ED03ull;
-static uint64_t next_u64(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
-static float frand(void) { return (float)((double)(next_u64() >> 40) * 0x1p-23 - 1.0); }
-
-static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
-  lz_tensor *t = NULL;
-  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
-  return t;
-}
-
-/* Worst |a - b| / max(|b|, 1% of max|b|). */
-static double rel_err(const float *a, const double *b, int64_t n) {
-  double scale = 0.0, worst = 0.0;
-  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
-  for (int64_t i = 0; i < n; i++) {
-    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
-    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
-    worst = e > worst ? e : worst;
-  }
-  return worst;
-}
+static uint64_t next_u64(void) { return lz_test_xorshift(&rng); }
+static float frand(void) { return lz_test_uniform(&rng); }
 
 /* L = sum over b, t, c of (wte[tok, c] + wpe[t, c]) * dout[b, t, c]. */
 static double ref_loss(const double *wte, const double *wpe, const int32_t *tok,
@@ -71,16 +48,16 @@ LZ_TEST(embedding_against_reference) {
 
   const int64_t s_tok[2] = {B, T}, s_out[3] = {B, T, C}, s_wte[2] = {V, C},
                 s_wpe[2] = {MAXT, C};
-  lz_tensor *ttok = wrap(tok, LZ_I32, 2, s_tok), *tout = wrap(out, LZ_F32, 3, s_out);
-  lz_tensor *tdout = wrap(dout, LZ_F32, 3, s_out), *twte = wrap(wte, LZ_F32, 2, s_wte);
-  lz_tensor *twpe = wrap(wpe, LZ_F32, 2, s_wpe), *tdwte = wrap(dwte, LZ_F32, 2, s_wte);
-  lz_tensor *tdwpe = wrap(dwpe, LZ_F32, 2, s_wpe);
+  lz_tensor *ttok = lz_test_wrap(tok, LZ_I32, 2, s_tok), *tout = lz_test_wrap(out, LZ_F32, 3, s_out);
+  lz_tensor *tdout = lz_test_wrap(dout, LZ_F32, 3, s_out), *twte = lz_test_wrap(wte, LZ_F32, 2, s_wte);
+  lz_tensor *twpe = lz_test_wrap(wpe, LZ_F32, 2, s_wpe), *tdwte = lz_test_wrap(dwte, LZ_F32, 2, s_wte);
+  lz_tensor *tdwpe = lz_test_wrap(dwpe, LZ_F32, 2, s_wpe);
 
   CHECK_OK(lz_embedding_forward(tout, ttok, twte, twpe));
   for (int bt = 0; bt < B * T; bt++)
     for (int c = 0; c < C; c++)
       ref[bt * C + c] = wted[tok[bt] * C + c] + wped[(bt % T) * C + c];
-  CHECK(rel_err(out, ref, B * T * C) <= 1e-6);
+  CHECK(lz_test_rel_err(out, ref, B * T * C) <= 1e-6);
 
   CHECK_OK(lz_embedding_backward(tdwte, tdwpe, tdout, ttok));
   double gd[MAXT * C + V * C];
@@ -88,20 +65,20 @@ LZ_TEST(embedding_against_reference) {
     ga[i] = dwte[i] - dwte0[i];
     gd[i] = fd(wted, i, wted, wped, tok, doutd, B, T, C);
   }
-  CHECK(rel_err(ga, gd, V * C) <= 1e-3);
+  CHECK(lz_test_rel_err(ga, gd, V * C) <= 1e-3);
   for (int c = 0; c < C; c++) CHECK(dwte[6 * C + c] == dwte0[6 * C + c]);
   for (int i = 0; i < MAXT * C; i++) {
     ga[i] = dwpe[i] - dwpe0[i];
     gd[i] = fd(wped, i, wted, wped, tok, doutd, B, T, C);
   }
-  CHECK(rel_err(ga, gd, MAXT * C) <= 1e-3);
+  CHECK(lz_test_rel_err(ga, gd, MAXT * C) <= 1e-3);
   for (int i = T * C; i < MAXT * C; i++) CHECK(dwpe[i] == dwpe0[i]); /* positions >= T */
 
   /* Either gradient may be NULL; the other is the same as before. */
   float dwte1[V * C], dwpe1[MAXT * C];
   memcpy(dwte1, dwte0, sizeof dwte1);
   memcpy(dwpe1, dwpe0, sizeof dwpe1);
-  lz_tensor *tdwte1 = wrap(dwte1, LZ_F32, 2, s_wte), *tdwpe1 = wrap(dwpe1, LZ_F32, 2, s_wpe);
+  lz_tensor *tdwte1 = lz_test_wrap(dwte1, LZ_F32, 2, s_wte), *tdwpe1 = lz_test_wrap(dwpe1, LZ_F32, 2, s_wpe);
   CHECK_OK(lz_embedding_backward(tdwte1, NULL, tdout, ttok));
   CHECK(memcmp(dwte1, dwte, sizeof dwte) == 0);
   CHECK_OK(lz_embedding_backward(NULL, tdwpe1, tdout, ttok));
@@ -122,14 +99,14 @@ LZ_TEST(embedding_backward_deterministic) {
   for (int i = 0; i < B * T * C; i++) dout[i] = frand();
   for (int i = 0; i < B * T; i++) tok[i] = (int32_t)(next_u64() % V);
   const int64_t s_tok[2] = {B, T}, s_out[3] = {B, T, C}, s_wte[2] = {V, C}, s_wpe[2] = {T, C};
-  lz_tensor *ttok = wrap(tok, LZ_I32, 2, s_tok), *tdout = wrap(dout, LZ_F32, 3, s_out);
+  lz_tensor *ttok = lz_test_wrap(tok, LZ_I32, 2, s_tok), *tdout = lz_test_wrap(dout, LZ_F32, 3, s_out);
   const int saved = lz_threads_get();
   for (int k = 0; k < 3; k++) {
     dwte[k] = malloc(sizeof(float) * V * C);
     dwpe[k] = malloc(sizeof(float) * T * C);
     for (int i = 0; i < V * C; i++) dwte[k][i] = 0.25f;
     for (int i = 0; i < T * C; i++) dwpe[k][i] = -0.25f;
-    lz_tensor *a = wrap(dwte[k], LZ_F32, 2, s_wte), *b = wrap(dwpe[k], LZ_F32, 2, s_wpe);
+    lz_tensor *a = lz_test_wrap(dwte[k], LZ_F32, 2, s_wte), *b = lz_test_wrap(dwpe[k], LZ_F32, 2, s_wpe);
     CHECK_OK(lz_threads_set(k + 1));
     CHECK_OK(lz_embedding_backward(a, b, tdout, ttok));
     lz_tensor_free(a), lz_tensor_free(b);
@@ -151,11 +128,11 @@ LZ_TEST(embedding_errors) {
   const int64_t s_tok[2] = {B, T}, s_out[3] = {B, T, C}, s_wte[2] = {V, C},
                 s_wpe[2] = {8, C}, s_short[2] = {2, C}, s_wide[2] = {8, C + 1},
                 s_bad_out[3] = {B, T, C + 1};
-  lz_tensor *ttok = wrap(tok, LZ_I32, 2, s_tok), *tout = wrap(out, LZ_F32, 3, s_out);
-  lz_tensor *twte = wrap(wte, LZ_F32, 2, s_wte), *twpe = wrap(wpe, LZ_F32, 2, s_wpe);
-  lz_tensor *tshort = wrap(wpe, LZ_F32, 2, s_short), *twide = wrap(wpe, LZ_F32, 2, s_wide);
-  lz_tensor *tbad_out = wrap(out, LZ_F32, 3, s_bad_out);
-  lz_tensor *tok_f = wrap(wte, LZ_F32, 2, s_tok);
+  lz_tensor *ttok = lz_test_wrap(tok, LZ_I32, 2, s_tok), *tout = lz_test_wrap(out, LZ_F32, 3, s_out);
+  lz_tensor *twte = lz_test_wrap(wte, LZ_F32, 2, s_wte), *twpe = lz_test_wrap(wpe, LZ_F32, 2, s_wpe);
+  lz_tensor *tshort = lz_test_wrap(wpe, LZ_F32, 2, s_short), *twide = lz_test_wrap(wpe, LZ_F32, 2, s_wide);
+  lz_tensor *tbad_out = lz_test_wrap(out, LZ_F32, 3, s_bad_out);
+  lz_tensor *tok_f = lz_test_wrap(wte, LZ_F32, 2, s_tok);
 
   CHECK_OK(lz_embedding_forward(tout, ttok, twte, twpe));
   tok[4] = 7; /* == V */

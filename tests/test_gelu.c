@@ -5,30 +5,7 @@
 #include <stdlib.h> /* malloc */
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
-static float frand(void) { /* uniform in [-1, 1) */
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
-}
-
-static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
-  lz_tensor *t = NULL;
-  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
-  return t;
-}
-
-/* Worst |a - b| / max(|b|, 1% of max|b|). */
-static double rel_err(const float *a, const double *b, int64_t n) {
-  double scale = 0.0, worst = 0.0;
-  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
-  for (int64_t i = 0; i < n; i++) {
-    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
-    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
-    worst = e > worst ? e : worst;
-  }
-  return worst;
-}
+static float frand(void) { return lz_test_uniform(&rng); }
 
 static double ref_gelu(double x) {
   const double k = sqrt(2.0 / M_PI);
@@ -49,12 +26,12 @@ static void check_case(int64_t n) {
   fill_inputs(x, n);
   for (int64_t i = 0; i < n; i++) dy[i] = frand();
   const int64_t shape[2] = {n / 4, 4};
-  lz_tensor *tx = wrap(x, LZ_F32, 2, shape), *tout = wrap(out, LZ_F32, 2, shape);
-  lz_tensor *tdy = wrap(dy, LZ_F32, 2, shape), *tdx = wrap(dx, LZ_F32, 2, shape);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, shape), *tout = lz_test_wrap(out, LZ_F32, 2, shape);
+  lz_tensor *tdy = lz_test_wrap(dy, LZ_F32, 2, shape), *tdx = lz_test_wrap(dx, LZ_F32, 2, shape);
 
   CHECK_OK(lz_gelu_forward(tout, tx));
   for (int64_t i = 0; i < n; i++) ref[i] = ref_gelu(x[i]);
-  CHECK(rel_err(out, ref, n) <= 1e-5);
+  CHECK(lz_test_rel_err(out, ref, n) <= 1e-5);
   CHECK(out[0] == 12.0f && out[1] == 0.0f && out[2] == 0.0f);
 
   /* L = sum(gelu(x) * dy): dL/dx_i depends on x_i alone, so the central
@@ -63,7 +40,7 @@ static void check_case(int64_t n) {
   const double h = 1e-5;
   for (int64_t i = 0; i < n; i++)
     ref[i] = (ref_gelu((double)x[i] + h) - ref_gelu((double)x[i] - h)) / (2 * h) * dy[i];
-  CHECK(rel_err(dx, ref, n) <= 1e-3);
+  CHECK(lz_test_rel_err(dx, ref, n) <= 1e-3);
 
   lz_tensor_free(tx), lz_tensor_free(tout), lz_tensor_free(tdy), lz_tensor_free(tdx);
   free(x), free(out), free(dy), free(dx), free(ref);
@@ -79,9 +56,9 @@ LZ_TEST(gelu_in_place) {
   fill_inputs(x, N);
   for (int i = 0; i < N; i++) dy[i] = frand();
   const int64_t shape[1] = {N};
-  lz_tensor *tx = wrap(x, LZ_F32, 1, shape), *ty = wrap(y, LZ_F32, 1, shape);
-  lz_tensor *tdy = wrap(dy, LZ_F32, 1, shape), *tdx = wrap(dx, LZ_F32, 1, shape);
-  lz_tensor *tbuf = wrap(buf, LZ_F32, 1, shape);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 1, shape), *ty = lz_test_wrap(y, LZ_F32, 1, shape);
+  lz_tensor *tdy = lz_test_wrap(dy, LZ_F32, 1, shape), *tdx = lz_test_wrap(dx, LZ_F32, 1, shape);
+  lz_tensor *tbuf = lz_test_wrap(buf, LZ_F32, 1, shape);
   CHECK_OK(lz_gelu_forward(ty, tx));
   memcpy(buf, x, sizeof x);
   CHECK_OK(lz_gelu_forward(tbuf, tbuf));
@@ -99,7 +76,7 @@ LZ_TEST(gelu_in_place) {
 LZ_TEST(gelu_nan_inf) {
   float x[4] = {NAN, INFINITY, -1e30f, 1e30f}, y[4];
   const int64_t shape[1] = {4};
-  lz_tensor *tx = wrap(x, LZ_F32, 1, shape), *ty = wrap(y, LZ_F32, 1, shape);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 1, shape), *ty = lz_test_wrap(y, LZ_F32, 1, shape);
   CHECK_OK(lz_gelu_forward(ty, tx));
   CHECK(isnan(y[0]));
   CHECK(y[1] == INFINITY);
@@ -112,8 +89,8 @@ LZ_TEST(gelu_errors) {
   float buf[64] = {0};
   int32_t ibuf[64] = {0};
   const int64_t s8[2] = {2, 4}, s9[1] = {9};
-  lz_tensor *x = wrap(buf, LZ_F32, 2, s8), *y9 = wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *xi = wrap(ibuf, LZ_I32, 2, s8);
+  lz_tensor *x = lz_test_wrap(buf, LZ_F32, 2, s8), *y9 = lz_test_wrap(buf, LZ_F32, 1, s9);
+  lz_tensor *xi = lz_test_wrap(ibuf, LZ_I32, 2, s8);
   CHECK_ERR(lz_gelu_forward(y9, x), LZ_ERR_INVALID, "gelu_forward: out is f32[9] but x is "
                                                     "f32[2,4]");
   CHECK_ERR(lz_gelu_forward(x, xi), LZ_ERR_INVALID, "gelu_forward: x is i32[2,4], expected "

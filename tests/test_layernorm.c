@@ -6,31 +6,7 @@
 #include <stdlib.h> /* malloc */
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static float frand(void) { /* uniform in [-1, 1) */
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return (float)((double)(rng >> 40) * 0x1p-23 - 1.0);
-}
-
-static lz_tensor *wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape) {
-  lz_tensor *t = NULL;
-  CHECK_OK(lz_tensor_wrap(&t, data, dt, ndim, shape));
-  return t;
-}
-
-/* Worst |a - b| / max(|b|, 1% of max|b|): relative error, floored so the
- * near-zero entries of a gradient are judged against its scale. */
-static double rel_err(const float *a, const double *b, int64_t n) {
-  double scale = 0.0, worst = 0.0;
-  for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;
-  for (int64_t i = 0; i < n; i++) {
-    double den = fabs(b[i]) > 1e-2 * scale ? fabs(b[i]) : 1e-2 * scale;
-    double e = den > 0 ? fabs(a[i] - b[i]) / den : fabs(a[i] - b[i]);
-    worst = e > worst ? e : worst;
-  }
-  return worst;
-}
+static float frand(void) { return lz_test_uniform(&rng); }
 
 /* The double reference: out = (x - mean) / sqrt(var + eps) * w + b per row;
  * returns L = sum(out * dy), the loss whose gradient backward computes. */
@@ -94,16 +70,16 @@ static void check_case(int64_t B, int64_t T, int64_t C, int64_t stride) {
   for (int64_t i = 0; i < C; i++) wd[i] = w[i], bd[i] = b[i];
 
   const int64_t s3[3] = {B, T, C}, sc[1] = {C}, sr[2] = {B, T};
-  lz_tensor *tx = wrap(x, LZ_F32, 3, s3), *tout = wrap(out, LZ_F32, 3, s3);
-  lz_tensor *tdy = wrap(dy, LZ_F32, 3, s3), *tdx = wrap(dx, LZ_F32, 3, s3);
-  lz_tensor *tw = wrap(w, LZ_F32, 1, sc), *tb = wrap(b, LZ_F32, 1, sc);
-  lz_tensor *tdw = wrap(dw, LZ_F32, 1, sc), *tdb = wrap(db, LZ_F32, 1, sc);
-  lz_tensor *tmean = wrap(mean, LZ_F32, 2, sr), *trstd = wrap(rstd, LZ_F32, 2, sr);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 3, s3), *tout = lz_test_wrap(out, LZ_F32, 3, s3);
+  lz_tensor *tdy = lz_test_wrap(dy, LZ_F32, 3, s3), *tdx = lz_test_wrap(dx, LZ_F32, 3, s3);
+  lz_tensor *tw = lz_test_wrap(w, LZ_F32, 1, sc), *tb = lz_test_wrap(b, LZ_F32, 1, sc);
+  lz_tensor *tdw = lz_test_wrap(dw, LZ_F32, 1, sc), *tdb = lz_test_wrap(db, LZ_F32, 1, sc);
+  lz_tensor *tmean = lz_test_wrap(mean, LZ_F32, 2, sr), *trstd = lz_test_wrap(rstd, LZ_F32, 2, sr);
 
   CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, eps));
   ref_forward(outd, xd, wd, bd, dyd, rows, C, eps);
   /* fp32 rounding of x - mean (x near 3, so ulp ~ 5e-7) bounds this. */
-  CHECK(rel_err(out, outd, n) <= 5e-5);
+  CHECK(lz_test_rel_err(out, outd, n) <= 5e-5);
   for (int64_t r = 0; r < rows; r++) {
     double m = 0.0;
     for (int64_t i = 0; i < C; i++) m += xd[r * C + i];
@@ -119,18 +95,18 @@ static void check_case(int64_t B, int64_t T, int64_t C, int64_t stride) {
     ga[nx] = dx[i];
     gd[nx] = fd(xd, i, xd, wd, bd, dyd, rows, C, eps);
   }
-  CHECK(rel_err(ga, gd, nx) <= 1e-3);
+  CHECK(lz_test_rel_err(ga, gd, nx) <= 1e-3);
   for (int64_t i = 0; i < C; i += (stride > 1 ? 7 : 1), nc++) {
     ga[nc] = dw[i] - dw0[i];
     gd[nc] = fd(wd, i, xd, wd, bd, dyd, rows, C, eps);
   }
-  CHECK(rel_err(ga, gd, nc) <= 1e-3);
+  CHECK(lz_test_rel_err(ga, gd, nc) <= 1e-3);
   nc = 0;
   for (int64_t i = 0; i < C; i += (stride > 1 ? 7 : 1), nc++) {
     ga[nc] = db[i] - db0[i];
     gd[nc] = fd(bd, i, xd, wd, bd, dyd, rows, C, eps);
   }
-  CHECK(rel_err(ga, gd, nc) <= 1e-3);
+  CHECK(lz_test_rel_err(ga, gd, nc) <= 1e-3);
 
   free(ga), free(gd);
   lz_tensor *ts[] = {tx, tout, tdy, tdx, tw, tb, tdw, tdb, tmean, trstd};
@@ -153,16 +129,16 @@ LZ_TEST(layernorm_backward_deterministic) {
   for (int i = 0; i < ROWS * C; i++) x[i] = frand(), dy[i] = frand();
   for (int i = 0; i < C; i++) w[i] = frand(), b[i] = frand();
   const int64_t s2[2] = {ROWS, C}, sc[1] = {C}, sr[1] = {ROWS};
-  lz_tensor *tx = wrap(x, LZ_F32, 2, s2), *tdy = wrap(dy, LZ_F32, 2, s2);
-  lz_tensor *tout = wrap(out, LZ_F32, 2, s2), *tw = wrap(w, LZ_F32, 1, sc);
-  lz_tensor *tb = wrap(b, LZ_F32, 1, sc), *tmean = wrap(mean, LZ_F32, 1, sr);
-  lz_tensor *trstd = wrap(rstd, LZ_F32, 1, sr);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, s2), *tdy = lz_test_wrap(dy, LZ_F32, 2, s2);
+  lz_tensor *tout = lz_test_wrap(out, LZ_F32, 2, s2), *tw = lz_test_wrap(w, LZ_F32, 1, sc);
+  lz_tensor *tb = lz_test_wrap(b, LZ_F32, 1, sc), *tmean = lz_test_wrap(mean, LZ_F32, 1, sr);
+  lz_tensor *trstd = lz_test_wrap(rstd, LZ_F32, 1, sr);
   CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
   const int saved = lz_threads_get();
   for (int k = 0; k < 2; k++) {
     CHECK_OK(lz_threads_set(k + 1));
-    lz_tensor *tdx = wrap(dx[k], LZ_F32, 2, s2), *tdw = wrap(dw[k], LZ_F32, 1, sc);
-    lz_tensor *tdb = wrap(db[k], LZ_F32, 1, sc);
+    lz_tensor *tdx = lz_test_wrap(dx[k], LZ_F32, 2, s2), *tdw = lz_test_wrap(dw[k], LZ_F32, 1, sc);
+    lz_tensor *tdb = lz_test_wrap(db[k], LZ_F32, 1, sc);
     CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
     lz_tensor_free(tdx), lz_tensor_free(tdw), lz_tensor_free(tdb);
   }
@@ -193,11 +169,11 @@ static void backward_with(float *dx, float *dw, float *db, int64_t rows, int64_t
   for (int64_t i = 0; i < C; i++) w[i] = frand(), b[i] = frand(), dw[i] = frand(), db[i] = frand();
   rng = keep;
   const int64_t s2[2] = {rows, C}, sc[1] = {C}, sr[1] = {rows};
-  lz_tensor *tx = wrap(x, LZ_F32, 2, s2), *tdy = wrap(dy, LZ_F32, 2, s2);
-  lz_tensor *tout = wrap(out, LZ_F32, 2, s2), *tdx = wrap(dx, LZ_F32, 2, s2);
-  lz_tensor *tw = wrap(w, LZ_F32, 1, sc), *tb = wrap(b, LZ_F32, 1, sc);
-  lz_tensor *tdw = wrap(dw, LZ_F32, 1, sc), *tdb = wrap(db, LZ_F32, 1, sc);
-  lz_tensor *tmean = wrap(mean, LZ_F32, 1, sr), *trstd = wrap(rstd, LZ_F32, 1, sr);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, s2), *tdy = lz_test_wrap(dy, LZ_F32, 2, s2);
+  lz_tensor *tout = lz_test_wrap(out, LZ_F32, 2, s2), *tdx = lz_test_wrap(dx, LZ_F32, 2, s2);
+  lz_tensor *tw = lz_test_wrap(w, LZ_F32, 1, sc), *tb = lz_test_wrap(b, LZ_F32, 1, sc);
+  lz_tensor *tdw = lz_test_wrap(dw, LZ_F32, 1, sc), *tdb = lz_test_wrap(db, LZ_F32, 1, sc);
+  lz_tensor *tmean = lz_test_wrap(mean, LZ_F32, 1, sr), *trstd = lz_test_wrap(rstd, LZ_F32, 1, sr);
   const int saved_threads = lz_threads_get();
   const int64_t saved_cols = lz_layernorm_fused_max_cols;
   CHECK_OK(lz_threads_set(threads));
@@ -256,11 +232,11 @@ LZ_TEST(layernorm_backward_dx_aliases_dy) {
   for (int i = 0; i < ROWS * C; i++) x[i] = frand(), dy[i] = frand();
   for (int i = 0; i < C; i++) w[i] = frand(), b[i] = frand();
   const int64_t s2[2] = {ROWS, C}, sc[1] = {C}, sr[1] = {ROWS};
-  lz_tensor *tx = wrap(x, LZ_F32, 2, s2), *tdy = wrap(dy, LZ_F32, 2, s2);
-  lz_tensor *tout = wrap(out, LZ_F32, 2, s2), *tdx = wrap(dx, LZ_F32, 2, s2);
-  lz_tensor *tw = wrap(w, LZ_F32, 1, sc), *tb = wrap(b, LZ_F32, 1, sc);
-  lz_tensor *tdw = wrap(dw, LZ_F32, 1, sc), *tdb = wrap(db, LZ_F32, 1, sc);
-  lz_tensor *tmean = wrap(mean, LZ_F32, 1, sr), *trstd = wrap(rstd, LZ_F32, 1, sr);
+  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, s2), *tdy = lz_test_wrap(dy, LZ_F32, 2, s2);
+  lz_tensor *tout = lz_test_wrap(out, LZ_F32, 2, s2), *tdx = lz_test_wrap(dx, LZ_F32, 2, s2);
+  lz_tensor *tw = lz_test_wrap(w, LZ_F32, 1, sc), *tb = lz_test_wrap(b, LZ_F32, 1, sc);
+  lz_tensor *tdw = lz_test_wrap(dw, LZ_F32, 1, sc), *tdb = lz_test_wrap(db, LZ_F32, 1, sc);
+  lz_tensor *tmean = lz_test_wrap(mean, LZ_F32, 1, sr), *trstd = lz_test_wrap(rstd, LZ_F32, 1, sr);
   CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
   CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
   memset(dw, 0, sizeof dw), memset(db, 0, sizeof db);
@@ -275,10 +251,10 @@ LZ_TEST(layernorm_errors) {
   int32_t ibuf[256] = {0};
   const int64_t s3[3] = {2, 4, 128}, s64[1] = {64}, s128[1] = {128}, s8[1] = {8},
                 s7[1] = {7}, s3b[3] = {2, 4, 64};
-  lz_tensor *x = wrap(buf, LZ_F32, 3, s3), *out = wrap(buf, LZ_F32, 3, s3);
-  lz_tensor *w = wrap(buf, LZ_F32, 1, s128), *w64 = wrap(buf, LZ_F32, 1, s64);
-  lz_tensor *mean = wrap(buf, LZ_F32, 1, s8), *mean7 = wrap(buf, LZ_F32, 1, s7);
-  lz_tensor *xi = wrap(ibuf, LZ_I32, 1, s128), *out_bad = wrap(buf, LZ_F32, 3, s3b);
+  lz_tensor *x = lz_test_wrap(buf, LZ_F32, 3, s3), *out = lz_test_wrap(buf, LZ_F32, 3, s3);
+  lz_tensor *w = lz_test_wrap(buf, LZ_F32, 1, s128), *w64 = lz_test_wrap(buf, LZ_F32, 1, s64);
+  lz_tensor *mean = lz_test_wrap(buf, LZ_F32, 1, s8), *mean7 = lz_test_wrap(buf, LZ_F32, 1, s7);
+  lz_tensor *xi = lz_test_wrap(ibuf, LZ_I32, 1, s128), *out_bad = lz_test_wrap(buf, LZ_F32, 3, s3b);
   CHECK_ERR(lz_layernorm_forward(out, mean, mean, x, w64, w, 1e-5f), LZ_ERR_INVALID,
             "layernorm_forward: w is f32[64] (64 elements), expected 128 elements (the last "
             "dimension of x)");
