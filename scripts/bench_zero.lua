@@ -28,7 +28,8 @@ local function exe()
   local p = io.popen("readlink /proc/" .. pid .. "/exe")
   local path = p:read("*l")
   p:close()
-  return path
+  -- A rebuild while this runs unlinks the old binary: use the new one.
+  return (path:gsub(" %(deleted%)$", ""))
 end
 
 local tmp = os.tmpname()
@@ -104,14 +105,24 @@ if flags.part == 0 or flags.part == 2 then
           mem.comm / 2 ^ 20))
   end
   print(("   stage 3 / stage 0 throughput %.2f (target >= 0.85)"):format(t[3] / t[0]))
+  -- Same threads per rank as luazero's launcher gives each of 2 ranks
+  -- (the CPUs this process may use, divided by the ranks).
+  local threads = math.max(1, math.floor(lz.threads() / 2))
   for _, mode in ipairs({ "ddp", "zero1" }) do
     local out = sh(("/usr/bin/python3 %s/scripts/bench_zero_torch.py --mode %s --n-layer 8 " ..
-                    "--context 256 --micro-batch %d --seq-len %d --steps %d --threads 1")
-                   :format(q(root), mode, flags.micro_batch, flags.seq_len, flags.steps))
+                    "--context 256 --micro-batch %d --seq-len %d --steps %d --threads %d")
+                   :format(q(root), mode, flags.micro_batch, flags.seq_len, flags.steps, threads))
     local tps = torch_line(out, "torch_" .. mode .. "_tokens_per_s")
     local rss = torch_line(out, "torch_" .. mode .. "_peak_rss")
-    print(("   PyTorch %-5s %8s tok/s  peak RSS %s"):format(mode,
-          tps and ("%.1f"):format(tps) or "n/a", rss and ("%.0f MiB"):format(rss / 2 ^ 20) or "n/a"))
+    if not tps then
+      -- Say why instead of a bare n/a: the last line of the failure.
+      local last = out:match("([^\n]+)%s*$") or "no output"
+      print(("   PyTorch %-5s failed: %s"):format(mode, last))
+    else
+      print(("   PyTorch %-5s %8.1f tok/s  peak RSS %s/rank  (stage 0 / PyTorch %.2fx, %d thread%s per rank)")
+            :format(mode, tps, rss and ("%.0f MiB"):format(rss / 2 ^ 20) or "n/a", t[0] / tps,
+                    threads, threads == 1 and "" or "s"))
+    end
   end
 end
 os.execute("rm -rf " .. q(tmp))

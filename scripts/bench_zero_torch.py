@@ -7,6 +7,7 @@ with DistributedDataParallel + AdamW ("ddp") or with ZeroRedundancyOptimizer
 import argparse
 import os
 import resource
+import socket
 import sys
 import time
 
@@ -19,11 +20,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from test_gpt2 import GPT  # noqa: E402
 
 
-def worker(rank, a, q):
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("gloo", rank=rank, world_size=a.world)
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank, a, port, q):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(a.threads)
+    torch.set_num_interop_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=a.world)
     torch.manual_seed(0)
     padded = (a.vocab + 63) // 64 * 64
     model = GPT(dict(n_layer=a.n_layer, n_head=a.n_head, n_embd=a.n_embd, context=a.context,
@@ -40,8 +48,7 @@ def worker(rank, a, q):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        logits = ddp(x)[..., :a.vocab]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, a.vocab), y.reshape(-1))
+        _, loss = ddp(x, y)  # GPT.forward(idx, targets) -> (logits, mean loss)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
         opt.step()
@@ -69,7 +76,9 @@ def main():
     a = p.parse_args()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    mp.spawn(worker, args=(a, q), nprocs=a.world, join=True)
+    # Each rank runs --threads intra-op threads (luazero's launcher gives each
+    # of N ranks cpus/N threads); a free port so runs never collide.
+    mp.spawn(worker, args=(a, free_port(), q), nprocs=a.world, join=True)
     tps, rss = q.get()
     print(f"torch_{a.mode}_tokens_per_s {tps:.3f}")
     print(f"torch_{a.mode}_peak_rss {rss}")

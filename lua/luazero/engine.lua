@@ -68,6 +68,13 @@ function M.initialize(opts)
     loss_sum = 0, loss_count = 0,
   }, Engine)
   assert(self.stage >= 0 and self.stage <= 3, "initialize: stage must be 0..3")
+  -- Staged gradients: each module's gradients go into a pooled staging
+  -- buffer, are reduced as soon as they are complete and added into the
+  -- gradient buffer, every micro-step. Stages 2-3 always; stages 0-1 too
+  -- with gradient accumulation, so that every stage adds the same reduced
+  -- micro-step gradients in the same order (bitwise the same parameters;
+  -- docs/zero.md, Determinism).
+  self.staged = self.stage >= 2 or s.accum > 1
   self.L = layout.new(model.param_table, W)
   self.pool = Pool.new()
   self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
@@ -149,8 +156,10 @@ function Engine:allocate()
   self.v = lz.tensor({ opt_n }, "f32", "optimizer")
   if stage <= 1 then
     self.full_g = lz.tensor({ full }, "f32", "grads")
-    for _, seg in ipairs(L.segments) do
-      bind_grads(seg, self.full_g:view(seg.full_offset, { seg.padded }))
+    if not self.staged then
+      for _, seg in ipairs(L.segments) do
+        bind_grads(seg, self.full_g:view(seg.full_offset, { seg.padded }))
+      end
     end
   else
     self.shard_g = lz.tensor({ shard }, "f32", "grads")
@@ -332,12 +341,12 @@ function Engine:pre_backward(m)
       self:ensure(seg)
       self:prefetch(self.bwd_order, k)
     end
-    if self.stage >= 2 and not seg.gbuf then
+    if self.staged and not seg.gbuf then
       self:make_room(seg.padded)
       seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
       bind_grads(seg, seg.gbuf)
       seg.pending = seg.users
-    elseif self.stage <= 1 and seg.pending == nil then
+    elseif not self.staged and seg.pending == nil then
       seg.pending = seg.users
     end
   end
@@ -361,11 +370,25 @@ end
 -- A segment's gradients are complete for this micro-step.
 function Engine:grads_ready(seg)
   local comm, async = self.comm, self.s.overlap
-  if self.stage >= 2 then
-    -- Reduce-scatter in place: this rank's slice of the staging buffer.
-    local recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
-    local w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
-    local item = { seg = seg, recv = recv, elems = seg.padded }
+  if self.staged then
+    -- Stages 1-3: reduce-scatter in place (this rank's slice of the staging
+    -- buffer), added into this rank's slice of the gradients. Stage 0:
+    -- all-reduce of the staging buffer, added into the full gradients. The
+    -- shm backend reduces elementwise in rank order, so this rank's slice
+    -- holds the same bits either way.
+    local recv, dst, w
+    if self.stage == 0 then
+      recv = seg.gbuf
+      dst = self.full_g:view(seg.full_offset, { seg.padded })
+      w = comm.all_reduce(seg.gbuf, "avg", async)
+    else
+      recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
+      dst = self.stage == 1
+            and self.full_g:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+            or self.shard_g:view(seg.shard_offset, { seg.slice })
+      w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
+    end
+    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
     if async then
       item.work = w
       self.inflight[#self.inflight + 1] = item
@@ -405,12 +428,13 @@ function Engine:flush_bucket()
   if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
 end
 
--- Stage 2/3: adds a reduced slice into this rank's gradient shard.
+-- Staged gradients: adds a reduced staging buffer (stage 0) or slice
+-- (stages 1-3) into the gradients the optimizer reads.
 function Engine:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
   if seg then
-    ops.axpy(self.shard_g:view(seg.shard_offset, { seg.slice }), 1.0, item.recv)
+    ops.axpy(item.dst, 1.0, item.recv)
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
     self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
@@ -468,7 +492,7 @@ function Engine:backward(loss)
   self.model:backward(self.scaler.scale / self.s.accum)
   if #self.bwd_order > 0 then self.bwd_order.done = true end
   self:drop_prefetched()
-  if self.stage >= 2 or is_boundary(self) then self:wait_all() end
+  if self.staged or is_boundary(self) then self:wait_all() end
 end
 
 function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
