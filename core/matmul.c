@@ -48,10 +48,16 @@ static void entry_release(cache_entry *e) {
   memset(e, 0, sizeof *e);
 }
 
-/* 3-D descriptor [batch, rows, cols] of a row-major matrix that is stored
- * transposed when `trans`; batch stride 0 broadcasts one matrix. */
+/* Descriptor of a row-major matrix stored transposed when `trans`: 2-D for a
+ * single product (oneDNN picks its plain GEMM kernels for those), else 3-D
+ * [batch, rows, cols] where batch stride 0 broadcasts one matrix. */
 static dnnl_status_t md_init(dnnl_memory_desc_t *md, int64_t batch, int64_t rows, int64_t cols,
                              int trans, int shared, dnnl_data_type_t dt) {
+  if (batch == 1) {
+    dnnl_dims_t dims = {rows, cols};
+    dnnl_dims_t strides = {trans ? 1 : cols, trans ? rows : 1};
+    return dnnl_memory_desc_init_by_strides(md, 2, dims, dt, strides);
+  }
   dnnl_dims_t dims = {shared ? 1 : batch, rows, cols};
   dnnl_dims_t strides = {rows * cols, trans ? 1 : cols, trans ? rows : 1};
   return dnnl_memory_desc_init_by_strides(md, 3, dims, dt, strides);
@@ -70,7 +76,9 @@ static lz_status entry_build(cache_entry *e) {
   LZ_TRY(dnnl_check(md_init(&c_md, e->batch, e->m, e->n, 0, 0, dnnl_f32), "c desc"));
   if (e->has_bias) {
     dnnl_dims_t bd = {1, 1, e->n};
-    LZ_TRY(dnnl_check(dnnl_memory_desc_init_by_tag(&bias_md, 3, bd, dnnl_f32, dnnl_abc),
+    int nd = e->batch == 1 ? 2 : 3;
+    LZ_TRY(dnnl_check(dnnl_memory_desc_init_by_tag(&bias_md, nd, nd == 2 ? bd + 1 : bd, dnnl_f32,
+                                                   nd == 2 ? dnnl_ab : dnnl_abc),
                       "bias desc"));
   }
   dnnl_matmul_desc_t desc;

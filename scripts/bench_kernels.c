@@ -309,8 +309,17 @@ static void bench_gemms(const int64_t *rows, int nrows, int bf16) {
         }
         int reps = reps_for(warm * nimpl, 5, 1.5);
         double t[N_IMPL][50], med[N_IMPL] = {0};
-        for (int r = 0; r < reps; r++) /* take turns: noise hits all alike */
-          for (int i = 0; i < nimpl; i++) t[i][r] = time_gemm(&L, i, dir, R, C, OC);
+        /* Take turns so noise hits all alike. OpenBLAS's threads spin for a
+         * while after a call and slow whatever runs next, so it goes first;
+         * each of ours and its oneDNN yardstick swap places every repetition. */
+        static const int order[2][N_IMPL] = {
+            {BLAS_F32, OURS_F32, DNNL_F32, OURS_BF16, DNNL_BF16},
+            {BLAS_F32, DNNL_F32, OURS_F32, DNNL_BF16, OURS_BF16}};
+        for (int r = 0; r < reps; r++)
+          for (int j = 0; j < N_IMPL; j++) {
+            int i = order[r & 1][j];
+            if (i < nimpl) t[i][r] = time_gemm(&L, i, dir, R, C, OC);
+          }
         double ratio[2] = {paired_ratio(t[OURS_F32], t[DNNL_F32], reps),
                            bf16 ? paired_ratio(t[OURS_BF16], t[DNNL_BF16], reps) : 0.0};
         for (int i = 0; i < nimpl; i++) med[i] = median(t[i], reps);
