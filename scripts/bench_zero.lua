@@ -21,16 +21,7 @@ local flags = assert(args.parse(arg, {
 
 local root = lz.root
 local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
-local function exe()
-  local f = assert(io.open("/proc/self/stat"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local p = io.popen("readlink /proc/" .. pid .. "/exe")
-  local path = p:read("*l")
-  p:close()
-  -- A rebuild while this runs unlinks the old binary: use the new one.
-  return (path:gsub(" %(deleted%)$", ""))
-end
+local exe = lz.executable
 
 local tmp = os.tmpname()
 os.remove(tmp)

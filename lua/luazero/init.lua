@@ -277,6 +277,16 @@ end
 
 function lz.cpu_has(feature) return C.lz_cpu_has(feature) ~= 0 end
 
+-- The executable running this script (to start more of it: train runs,
+-- tools). A rebuild while it runs unlinks the old file: name the new one.
+function lz.executable()
+  pcall(ffi.cdef, "long readlink(const char *path, char *buf, size_t len);")
+  local buf = ffi.new("char[4096]")
+  local n = tonumber(ffi.C.readlink("/proc/self/exe", buf, 4095))
+  if n <= 0 then error("luazero: cannot read /proc/self/exe", 2) end
+  return (ffi.string(buf, n):gsub(" %(deleted%)$", ""))
+end
+
 function lz.xxh64(ptr, bytes, seed)
   return C.lz_hash_xxh64(ptr, bytes, seed or 0)
 end

@@ -200,15 +200,7 @@ end
 
 ------------------------------------------------------------------ the tool
 
-local function exe()
-  local f = assert(io.open("/proc/self/stat"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local p = io.popen("readlink /proc/" .. pid .. "/exe")
-  local path = p:read("*l")
-  p:close()
-  return path
-end
+local exe = lz.executable
 
 local function run_tool(flags)
   local cmd = ("cd '%s' && LUAZERO='%s' tools/estimate %s 2>&1; echo \"EXIT:$?\"")

@@ -10,17 +10,7 @@ local gpt2 = require("models.gpt2")
 local T = {}
 local root = lz.root
 
--- The luazero executable running these tests (read in this process: a shell
--- asked for /proc/self/exe would name itself).
-local function exe()
-  local f = assert(io.open("/proc/self/stat"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local p = io.popen("readlink /proc/" .. pid .. "/exe")
-  local path = p:read("*l")
-  p:close()
-  return path
-end
+local exe = lz.executable
 
 local function shell_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
