@@ -122,7 +122,8 @@ local function resolve_stage(cfg, model, world)
     if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
   end
   local stage, why = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
-                                         { persistent = persistent })
+                                         { persistent = persistent,
+                                           grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil })
   config.set_stage(cfg, stage)
   say(("stage auto: %s (budget from %s)"):format(why, source))
 end
@@ -195,7 +196,8 @@ local function main(argv)
       :format(corpus.path, corpus.kind, corpus.count, loader.n_train, loader.n_val,
               n_val > 0 and ("validation on " .. n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
-  say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage, engine.dtype, world,
+  say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage,
+      engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""), world,
       world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
        "warmup %d, %d steps, %d threads")

@@ -371,6 +371,32 @@ local function bf16_section(raw, cfg, unimpl, name)
   cfg.bf16 = out
 end
 
+-- data_types: grad_accum_dtype, the dtype the gradients are kept (and
+-- accumulated, reduced) in: "fp32" (the default) or the working dtype.
+local grad_dtypes = { fp32 = true, bf16 = true, fp16 = true }
+local function data_types_section(raw, cfg, unimpl)
+  cfg.grad_accum_dtype = "fp32"
+  if not given(raw) then return end
+  block("data_types", raw)
+  for _, k in ipairs(sorted_keys(raw)) do
+    local v = raw[k]
+    if k == "grad_accum_dtype" then
+      if given(v) then
+        if type(v) ~= "string" or not grad_dtypes[v] then
+          fail("data_types.grad_accum_dtype must be fp32, bf16 or fp16 (got %s)", show(v))
+        end
+        if v ~= "fp32" and v ~= cfg.dtype then
+          fail("data_types.grad_accum_dtype is %s but the working dtype is %s; " ..
+               "it must be fp32 or the working dtype", v, cfg.dtype)
+        end
+        cfg.grad_accum_dtype = v
+      end
+    elseif not asks_for_nothing(v) then
+      unimpl[#unimpl + 1] = "data_types." .. k
+    end
+  end
+end
+
 local function offload_block(key, raw, defaults, unimpl)
   local out = deep_copy(defaults)
   if not given(raw) then return out end
@@ -618,7 +644,7 @@ local handled_top = {
   train_batch_size = true, train_micro_batch_size_per_gpu = true,
   gradient_accumulation_steps = true, gradient_clipping = true, optimizer = true,
   scheduler = true, fp16 = true, bf16 = true, bfloat16 = true, zero_optimization = true,
-  luazero = true,
+  luazero = true, data_types = true,
 }
 
 -- source: a path to a JSON file, a table (an already decoded config), or nil
@@ -665,6 +691,7 @@ function M.load(source, world_size, overrides)
     fail("fp16.enabled and bf16.enabled are both true; enable at most one")
   end
   cfg.dtype = cfg.fp16.enabled and "fp16" or (cfg.bf16.enabled and "bf16" or "fp32")
+  data_types_section(raw.data_types, cfg, unimpl)
   zero_section(raw.zero_optimization, cfg, unimpl)
   luazero_section(raw.luazero, cfg, ov)
   batch_sizes(raw, world_size, cfg, notes)
@@ -690,7 +717,8 @@ end
 function M.summary(cfg)
   local z = cfg.zero_optimization
   local parts = {
-    ("stage %s"):format(tostring(z.stage)), cfg.dtype,
+    ("stage %s"):format(tostring(z.stage)),
+    cfg.dtype .. (cfg.grad_accum_dtype ~= "fp32" and (" (grads " .. cfg.grad_accum_dtype .. ")") or ""),
     ("batch %d = %d micro x %d accum x %d rank%s"):format(cfg.train_batch_size,
       cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.world_size,
       cfg.world_size == 1 and "" or "s"),

@@ -22,6 +22,7 @@ local Engine = {}
 Engine.__index = Engine
 
 local wdtypes = { fp32 = "f32", bf16 = "bf16", fp16 = "f16" }
+local CHUNK = 65536
 
 -- The settings the engine reads from a normalised DeepSpeed config, with
 -- DeepSpeed's defaults for what is absent.
@@ -48,6 +49,8 @@ local function settings(cfg)
     persistence = z.stage3_param_persistence_threshold or 1e5,
     max_live = z.stage3_max_live_parameters or 1e9,
     fp16 = fp16,
+    -- data_types.grad_accum_dtype: the dtype the gradients are kept in.
+    grad_dtype = cfg.grad_accum_dtype or "fp32",
   }
 end
 M.settings = settings
@@ -68,13 +71,22 @@ function M.initialize(opts)
     loss_sum = 0, loss_count = 0,
   }, Engine)
   assert(self.stage >= 0 and self.stage <= 3, "initialize: stage must be 0..3")
+  -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
+  -- the kernels still write fp32 module gradients into the staging buffer;
+  -- it is rounded to gdt, reduced in gdt and added (in fp32, rounded back)
+  -- into the gdt gradients. docs/zero.md, "Gradient dtype".
+  self.gdt = wdtypes[s.grad_dtype]
+  assert(self.gdt == "f32" or self.gdt == self.wdt,
+         "initialize: data_types.grad_accum_dtype must be fp32 or the working dtype")
+  self.half_grads = self.gdt ~= "f32"
   -- Staged gradients: each module's gradients go into a pooled staging
   -- buffer, are reduced as soon as they are complete and added into the
   -- gradient buffer, every micro-step. Stages 2-3 always; stages 0-1 too
   -- with gradient accumulation, so that every stage adds the same reduced
   -- micro-step gradients in the same order (bitwise the same parameters;
   -- docs/zero.md, Determinism).
-  self.staged = self.stage >= 2 or s.accum > 1
+  -- Half gradients are always staged (the kernels write fp32).
+  self.staged = self.stage >= 2 or s.accum > 1 or self.half_grads
   self.L = layout.new(model.param_table, W)
   self.pool = Pool.new()
   self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
@@ -152,17 +164,20 @@ function Engine:allocate()
   else
     self.master = lz.tensor({ opt_n }, "f32", "optimizer")
   end
+  -- Half gradients: fp32 scratch, CHUNK elements at a time, for the
+  -- optimizer's view of the gradients and for accumulating into them.
+  if self.half_grads then self.gscratch = lz.tensor({ 2 * CHUNK }, "f32", "workspace") end
   self.m = lz.tensor({ opt_n }, "f32", "optimizer")
   self.v = lz.tensor({ opt_n }, "f32", "optimizer")
   if stage <= 1 then
-    self.full_g = lz.tensor({ full }, "f32", "grads")
+    self.full_g = lz.tensor({ full }, self.gdt, "grads")
     if not self.staged then
       for _, seg in ipairs(L.segments) do
         bind_grads(seg, self.full_g:view(seg.full_offset, { seg.padded }))
       end
     end
   else
-    self.shard_g = lz.tensor({ shard }, "f32", "grads")
+    self.shard_g = lz.tensor({ shard }, self.gdt, "grads")
   end
 end
 
@@ -225,7 +240,20 @@ function Engine:build_runs()
         x.w = stage <= 2 and self.full_w:view(run.full_offset, shape)
               or self.shard_w:view(run.shard_offset, shape)
       end
-      self.runs[#self.runs + 1] = x
+      if self.half_grads then
+        -- AdamW reads fp32 gradients: each chunk's gradients are converted
+        -- into the scratch (x.gs) just before its step.
+        for off = 0, run.numel - 1, CHUNK do
+          local len = math.min(CHUNK, run.numel - off)
+          local c = { decay = x.decay, p = x.p:view(off, { len }), g = x.g:view(off, { len }),
+                      m = x.m:view(off, { len }), v = x.v:view(off, { len }),
+                      w = x.w and x.w:view(off, { len }) or nil,
+                      gs = self.gscratch:view(0, { len }) }
+          self.runs[#self.runs + 1] = c
+        end
+      else
+        self.runs[#self.runs + 1] = x
+      end
     end
   end
   -- This rank's gradient slices, for the norm's canonical partials.
@@ -376,6 +404,13 @@ function Engine:grads_ready(seg)
     -- all-reduce of the staging buffer, added into the full gradients. The
     -- shm backend reduces elementwise in rank order, so this rank's slice
     -- holds the same bits either way.
+    if self.half_grads then
+      -- Round the fp32 staging buffer to gdt; reduce that.
+      local h = self.pool:get(seg.padded, self.gdt)
+      h:copy(seg.gbuf)
+      self.pool:put(seg.gbuf)
+      seg.gbuf = h
+    end
     local recv, dst, w
     if self.stage == 0 then
       recv = seg.gbuf
@@ -434,10 +469,31 @@ function Engine:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
   if seg then
-    ops.axpy(item.dst, 1.0, item.recv)
+    if self.half_grads then
+      self:add_half(item.dst, item.recv)
+    else
+      ops.axpy(item.dst, 1.0, item.recv)
+    end
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
     self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
+  end
+end
+
+-- dst += src for gdt tensors: both converted to fp32, added, dst rounded
+-- back (nearest even), CHUNK elements at a time. Elementwise, so every
+-- stage gets the same bits.
+function Engine:add_half(dst, src)
+  local n = dst:numel()
+  for off = 0, n - 1, CHUNK do
+    local len = math.min(CHUNK, n - off)
+    local a = self.gscratch:view(0, { len })
+    local b = self.gscratch:view(CHUNK, { len })
+    local d = dst:view(off, { len })
+    a:copy(d)
+    b:copy(src:view(off, { len }))
+    ops.axpy(a, 1.0, b)
+    d:copy(a)
   end
 end
 
@@ -558,7 +614,8 @@ function Engine:step()
   a.grad_scale, a.step = scale, self.optimizer_steps
   for _, r in ipairs(self.runs) do
     a.weight_decay = r.decay and s.weight_decay or 0
-    ops.adamw_step(r.p, r.g, r.m, r.v, r.w, a)
+    if r.gs then r.gs:copy(r.g) end
+    ops.adamw_step(r.p, r.gs or r.g, r.m, r.v, r.w, a)
   end
   self:gather_params()
   self:zero_grad()
@@ -656,7 +713,7 @@ function Engine:free()
   if self.master ~= self.full_w and self.master ~= self.shard_w then f(self.master) end
   f(self.full_w); f(self.shard_w)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
-  f(self.meta_send); f(self.meta_recv)
+  f(self.meta_send); f(self.meta_recv); f(self.gscratch)
   local ctx = self.model.ctx
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()

@@ -420,4 +420,23 @@ function T.no_scheduler_is_the_optimizer_lr()
   close(config.lr_schedule(cfg)(8), 0.005, "it 6: (8 - 6) / (8 - 4)")
 end
 
+function T.data_types_grad_accum_dtype_is_fp32_or_the_working_dtype()
+  assert(config.load({ train_batch_size = 8 }, 1).grad_accum_dtype == "fp32")
+  local cfg = config.load({ train_batch_size = 8, bf16 = { enabled = true },
+                            data_types = { grad_accum_dtype = "bf16" } }, 1)
+  assert(cfg.grad_accum_dtype == "bf16" and #cfg.unimplemented == 0)
+  cfg = config.load({ train_batch_size = 8, data_types = { grad_accum_dtype = "fp16" } }, 1,
+                    { dtype = "fp16" })
+  assert(cfg.grad_accum_dtype == "fp16")
+  assert(config.load({ train_batch_size = 8, bf16 = { enabled = true },
+                       data_types = { grad_accum_dtype = "fp32" } }, 1).grad_accum_dtype == "fp32")
+  expect_error({ train_batch_size = 8, data_types = { grad_accum_dtype = "bf16" } }, 1,
+               "config: data_types.grad_accum_dtype is bf16 but the working dtype is fp32; " ..
+               "it must be fp32 or the working dtype")
+  expect_error({ train_batch_size = 8, bf16 = { enabled = true },
+                 data_types = { grad_accum_dtype = "fp8" } }, 1,
+               "config: data_types.grad_accum_dtype must be fp32, bf16 or fp16 (got \"fp8\")")
+  assert(load_error({ train_batch_size = 8, data_types = 3 }, 1):find("data_types", 1, true))
+end
+
 return T

@@ -11,16 +11,7 @@ local layout = require("luazero.zero.layout")
 local T = {}
 local root = lz.root
 
-local function exe()
-  local f = assert(io.open("/proc/self/stat"))
-  local pid = f:read("*l"):match("^(%d+)")
-  f:close()
-  local p = io.popen("readlink /proc/" .. pid .. "/exe")
-  local path = p:read("*l")
-  p:close()
-  -- A rebuild while this runs unlinks the old binary: use the new one.
-  return (path:gsub(" %(deleted%)$", ""))
-end
+local exe = lz.executable
 
 local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
@@ -71,12 +62,12 @@ end
 
 -- Log records of a run (memoised: several tests read the same runs).
 local runs = {}
-local function run(n, stage, dtype, steps, extra)
-  local key = table.concat({ n, stage, dtype, steps, extra or "" }, "|")
+local function run(n, stage, dtype, steps, extra, cfg)
+  local key = table.concat({ n, stage, dtype, steps, extra or "", cfg or "" }, "|")
   if runs[key] then return runs[key] end
   local log = ("%s/run%d.jsonl"):format(tmp, #(function() local c = {} for k in pairs(runs) do c[#c + 1] = k end return c end)() + 1)
   local out, status = train(n, ("%s --data %s --config %s --stage %s --dtype %s --steps %d " ..
-                                "--log %s %s"):format(model_flags, corpus, base_config, stage,
+                                "--log %s %s"):format(model_flags, corpus, cfg or base_config, stage,
                                                       dtype, steps, log, extra or ""))
   assert(status == 0, ("world %d stage %s %s failed:\n%s"):format(n, stage, dtype, out))
   local recs = {}
@@ -227,6 +218,71 @@ function T.model_state_bytes_match_the_layout_at_world_4_bf16()
       assert(mem.comm > 0 and mem.comm < bound, "buckets " .. mem.comm)
     end
   end
+end
+
+-- data_types.grad_accum_dtype = bf16: gradients kept in the working dtype
+-- (2 bytes), DeepSpeed's accounting: stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N,
+-- stage 3 16Ψ/N (+ 2·persistent). The fp32 module gradients live only in
+-- the staging buffers (comm) and the fp32 scratch (workspace).
+local half_grads_config = config_file("zero_bf16_grads.json", {
+  train_batch_size = 4, gradient_clipping = 1.0,
+  optimizer = { type = "AdamW", params = { lr = 3e-3, betas = { 0.9, 0.95 },
+                                           weight_decay = 0.1 } },
+  zero_optimization = { stage3_param_persistence_threshold = THRESHOLD, overlap_comm = true,
+                        reduce_bucket_size = 20000, stage3_prefetch_bucket_size = 20000 },
+  data_types = { grad_accum_dtype = "bf16" },
+})
+
+function T.grad_accum_dtype_bf16_matches_deepspeeds_formulas_at_world_4()
+  local W = 4
+  local L = the_layout(W)
+  local psi, full, shard = L.numel, L.full_numel, L.shard_numel
+  local persistent = 0
+  for _, s in ipairs(L.segments) do
+    if s.numel <= THRESHOLD then persistent = persistent + s.padded end
+  end
+  local expect = {
+    [1] = { formula = "4Ψ + 12Ψ/N", value = 4 * psi + 12 * psi / W,
+            params = 2 * full, grads = 2 * full, optimizer = 12 * shard },
+    [2] = { formula = "2Ψ + 14Ψ/N", value = 2 * psi + 14 * psi / W,
+            params = 2 * full, grads = 2 * shard, optimizer = 12 * shard },
+    [3] = { formula = "16Ψ/N + 2·persistent", value = 16 * psi / W + 2 * persistent,
+            params = 2 * shard + 2 * persistent, grads = 2 * shard, optimizer = 12 * shard },
+  }
+  print(("    Ψ = %d parameters (%d padded, shard %d); persistent %d"):format(psi, full, shard,
+        persistent))
+  for stage = 1, 3 do
+    local r = run(W, stage, "bf16", 20, nil, half_grads_config)
+    assert(r.out:find("grads bf16", 1, true), r.out)
+    local mem = r.recs[20].mem
+    local e = expect[stage]
+    local states = mem.params + mem.grads + mem.optimizer
+    print(("    stage %d: params %d (expect %d), grads %d (%d), optimizer %d (%d); total %d, " ..
+           "%s = %.0f (%.2f%%); buckets: comm %d, workspace %d")
+          :format(stage, mem.params, e.params, mem.grads, e.grads, mem.optimizer, e.optimizer,
+                  states, e.formula, e.value, 100 * (states - e.value) / e.value, mem.comm,
+                  mem.workspace or -1))
+    assert(mem.params == e.params and mem.grads == e.grads and mem.optimizer == e.optimizer)
+    assert(math.abs(states - e.value) / e.value < 0.02,
+           ("stage %d: %d bytes vs formula %.0f"):format(stage, states, e.value))
+  end
+end
+
+function T.grad_accum_dtype_bf16_keeps_stages_bitwise_equal_at_world_2()
+  for _, extra in ipairs({ "", "--grad-accum 2" }) do
+    local sums = {}
+    for stage = 0, 3 do sums[stage] = run(2, stage, "bf16", 20, extra, half_grads_config).checksum end
+    print(("    world 2 bf16, bf16 gradients%s: %s %s %s %s"):format(
+          extra == "" and "" or ", accumulation 2", sums[0], sums[1], sums[2], sums[3]))
+    for stage = 1, 3 do
+      assert(sums[stage] == sums[0], ("bf16 gradients%s: stage %d checksum %s != stage 0's %s")
+             :format(extra, stage, sums[stage], sums[0]))
+    end
+    assert(sums[0] ~= run(2, 0, "bf16", 20, extra).checksum, "bf16 gradients change the result")
+  end
+  local out, status = train(1, ("%s --data %s --config %s --steps 1 --dtype fp32")
+                               :format(model_flags, corpus, half_grads_config))
+  assert(status ~= 0 and out:find("data_types.grad_accum_dtype", 1, true), out)
 end
 
 --------------------------------------------------------- (d) bytes sent
