@@ -17,6 +17,18 @@ local out = os.getenv("LZ_BUILD") or "build"
 
 local warnings = { "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas" }
 
+-- Where a project's output goes: release into <out>/<sub>, debug into
+-- <out>/debug/<sub>, with the matching lib folder to link against.
+local function output_dirs(sub, extra_libdir)
+  configuration "release"
+    targetdir(out .. "/" .. sub)
+    libdirs { out .. "/lib", extra_libdir and (out .. "/" .. extra_libdir) or nil }
+  configuration "debug"
+    targetdir(out .. "/debug/" .. sub)
+    libdirs { out .. "/debug/lib", extra_libdir and (out .. "/debug/" .. extra_libdir) or nil }
+  configuration {}
+end
+
 workspace "luazero"
   configurations { "release", "debug" }
   location(out)
@@ -41,11 +53,7 @@ project "luazero"
   files { "core/*.c", "core/*.h" }
   libdirs { mpi_lib }
   links { "dnnl", "xxhash", "zstd", "aio", "mpi", "m", "rt", "dl" }
-  configuration "release"
-    targetdir(out .. "/lib")
-  configuration "debug"
-    targetdir(out .. "/debug/lib")
-  configuration {}
+  output_dirs("lib")
 
 if have_cuda then
   -- premake4 has no build rules for .cu, and its prebuild step runs beside the
@@ -67,11 +75,7 @@ if have_cuda then
     kind "StaticLib"
     language "C"
     prebuildcommands(cmds)
-    configuration "release"
-      targetdir(out .. "/obj")
-    configuration "debug"
-      targetdir(out .. "/debug/obj")
-    configuration {}
+    output_dirs("obj")
 
   project "luazero_cuda"
     kind "SharedLib"
@@ -82,13 +86,7 @@ if have_cuda then
     libdirs { cuda .. "/lib64" }
     linkoptions { "-Wl,-rpath," .. cuda .. "/lib64", "-Wl,-rpath,'$$ORIGIN'" }
     links { "luazero_cuda_objects", "luazero", "cudart", "cublas", "cublasLt", "nccl", "stdc++" }
-    configuration "release"
-      targetdir(out .. "/lib")
-      libdirs { out .. "/lib", out .. "/obj" }
-    configuration "debug"
-      targetdir(out .. "/debug/lib")
-      libdirs { out .. "/debug/lib", out .. "/debug/obj" }
-    configuration {}
+    output_dirs("lib", "obj")
 end
 
 project "luazero-bin"
@@ -99,13 +97,7 @@ project "luazero-bin"
   links { "luazero", "luajit-5.1", "dl", "m" }
   -- -Wl,-E: the executable's symbols are visible to LuaJIT's ffi.C.
   linkoptions { "-Wl,-E", "-Wl,-rpath,'$$ORIGIN/../lib'" }
-  configuration "release"
-    targetdir(out .. "/bin")
-    libdirs { out .. "/lib" }
-  configuration "debug"
-    targetdir(out .. "/debug/bin")
-    libdirs { out .. "/debug/lib" }
-  configuration {}
+  output_dirs("bin")
 
 project "lz_tests"
   kind "ConsoleApp"
@@ -113,13 +105,7 @@ project "lz_tests"
   includedirs { "tests" }
   links { "luazero", "m", "dl" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
-  configuration "release"
-    targetdir(out .. "/bin")
-    libdirs { out .. "/lib" }
-  configuration "debug"
-    targetdir(out .. "/debug/bin")
-    libdirs { out .. "/debug/lib" }
-  configuration {}
+  output_dirs("bin")
 
 -- Multi-rank tests and the collective benchmark (tests/comm/run.sh, tools/bench-comm).
 local function comm_tool(name, file)
@@ -128,13 +114,7 @@ local function comm_tool(name, file)
     files { file }
     links { "luazero", "m" }
     linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
-    configuration "release"
-      targetdir(out .. "/bin")
-      libdirs { out .. "/lib" }
-    configuration "debug"
-      targetdir(out .. "/debug/bin")
-      libdirs { out .. "/debug/lib" }
-    configuration {}
+    output_dirs("bin")
 end
 comm_tool("lz_run", "tests/comm/lz_run.c")
 comm_tool("comm_check", "tests/comm/comm_check.c")
@@ -149,10 +129,4 @@ project "bench_kernels"
   files { "scripts/bench_kernels.c" }
   links { "luazero", "dnnl", "openblas", "m" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
-  configuration "release"
-    targetdir(out .. "/bin")
-    libdirs { out .. "/lib" }
-  configuration "debug"
-    targetdir(out .. "/debug/bin")
-    libdirs { out .. "/debug/lib" }
-  configuration {}
+  output_dirs("bin")

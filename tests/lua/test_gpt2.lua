@@ -4,6 +4,7 @@
 -- The comparison with PyTorch is tests/ref/test_gpt2.py.
 local ffi = require("ffi")
 local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
 local data = require("luazero.data")
 local gpt2 = require("models.gpt2")
 
@@ -12,7 +13,7 @@ local root = lz.root
 
 local exe = lz.executable
 
-local function shell_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local shell_quote = support.quote
 
 -- Runs scripts/train.lua with `flags` (a string); returns output (stdout and
 -- stderr together) and the exit status.
@@ -26,17 +27,7 @@ local function train(flags)
   return out:gsub("EXIT:%d+%s*$", ""), status
 end
 
-local tmp = os.tmpname()
-os.remove(tmp)
-os.execute("mkdir -p " .. shell_quote(tmp))
-
-local function write_file(name, bytes)
-  local path = tmp .. "/" .. name
-  local f = assert(io.open(path, "wb"))
-  f:write(bytes)
-  f:close()
-  return path
-end
+local write_file, tmp = support.scratch()
 
 local text = ("To be, or not to be, that is the question:\n" ..
               "Whether 'tis nobler in the mind to suffer\n"):rep(40)

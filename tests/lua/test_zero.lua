@@ -5,6 +5,7 @@
 -- configuration errors.
 local cjson = require("cjson")
 local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
 local gpt2 = require("models.gpt2")
 local layout = require("luazero.zero.layout")
 
@@ -13,19 +14,9 @@ local root = lz.root
 
 local exe = lz.executable
 
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local q = support.quote
 
-local tmp = os.tmpname()
-os.remove(tmp)
-os.execute("mkdir -p " .. q(tmp))
-
-local function write_file(name, bytes)
-  local path = tmp .. "/" .. name
-  local f = assert(io.open(path, "wb"))
-  f:write(bytes)
-  f:close()
-  return path
-end
+local write_file, tmp = support.scratch()
 
 local text = ("To be, or not to be, that is the question:\n" ..
               "Whether 'tis nobler in the mind to suffer\n"):rep(60)
@@ -178,16 +169,22 @@ end
 
 ----------------------------------------------------- (c) model-state bytes
 
+-- Padded elements of the segments kept whole (at or under the threshold).
+local function persistent_elements(L)
+  local n = 0
+  for _, s in ipairs(L.segments) do
+    if s.numel <= THRESHOLD then n = n + s.padded end
+  end
+  return n
+end
+
 -- bf16 working params (2 bytes), fp32 gradients (4: the kernels accumulate
 -- in fp32), fp32 master + Adam m, v (12): per rank, Ψ padded per segment.
 function T.model_state_bytes_match_the_layout_at_world_4_bf16()
   local W = 4
   local L = the_layout(W)
   local psi, full, shard = L.numel, L.full_numel, L.shard_numel
-  local persistent = 0
-  for _, s in ipairs(L.segments) do
-    if s.numel <= THRESHOLD then persistent = persistent + s.padded end
-  end
+  local persistent = persistent_elements(L)
   local expect = {
     [1] = { formula = "2Ψ + 4Ψ + 12Ψ/N", params = 2 * full, grads = 4 * full, optimizer = 12 * shard },
     [2] = { formula = "2Ψ + (4 + 12)Ψ/N + buckets", params = 2 * full, grads = 4 * shard,
@@ -237,10 +234,7 @@ function T.grad_accum_dtype_bf16_matches_deepspeeds_formulas_at_world_4()
   local W = 4
   local L = the_layout(W)
   local psi, full, shard = L.numel, L.full_numel, L.shard_numel
-  local persistent = 0
-  for _, s in ipairs(L.segments) do
-    if s.numel <= THRESHOLD then persistent = persistent + s.padded end
-  end
+  local persistent = persistent_elements(L)
   local expect = {
     [1] = { formula = "4Ψ + 12Ψ/N", value = 4 * psi + 12 * psi / W,
             params = 2 * full, grads = 2 * full, optimizer = 12 * shard },
