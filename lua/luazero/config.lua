@@ -127,6 +127,13 @@ M.zero_defaults = {
   overlap_comm = nil, -- DeepSpeed: true at stage 3, false below
   stage3_prefetch_bucket_size = 50000000, stage3_param_persistence_threshold = 100000,
   stage3_max_live_parameters = 1000000000, stage3_max_reuse_distance = 1000000000,
+  sub_group_size = 1000000000,
+}
+
+-- DeepSpeed's "aio" block: how the NVMe tier drives libaio.
+M.aio_defaults = {
+  block_size = 1048576, queue_depth = 8, thread_count = 1, single_submit = false,
+  overlap_events = true,
 }
 
 -- FusedAdam's defaults (what DeepSpeed builds for "Adam" and "AdamW").
@@ -422,12 +429,53 @@ local function offload_block(key, raw, defaults, unimpl)
       out[k] = v
     end
   end
-  if out.device == "nvme" and not out.nvme_path then
-    fail('%s.nvme_path is required with "device": "nvme"', key)
+  if out.device == "nvme" then
+    if not out.nvme_path then fail('%s.nvme_path is required with "device": "nvme"', key) end
+    M.check_writable_dir(key .. ".nvme_path", out.nvme_path)
   end
-  -- The offload issue implements these; until then they are reported.
-  if out.device ~= "none" then unimpl[#unimpl + 1] = key end
+  -- Partial offload (ratio < 1) and a CPU cache of NVMe parameters are
+  -- read but not acted on.
+  if given(raw.ratio) and raw.ratio ~= 1 then unimpl[#unimpl + 1] = key .. ".ratio" end
+  if given(raw.max_in_cpu) then unimpl[#unimpl + 1] = key .. ".max_in_cpu" end
   return out
+end
+
+-- A directory this process can create files in; else an error naming key.
+function M.check_writable_dir(key, path)
+  local probe = ("%s/.luazero-probe-%d"):format(path, math.random(1, 2 ^ 30))
+  local f, err = io.open(probe, "w")
+  if not f then
+    local why = (err or ""):match(": ([^:]+)$") or tostring(err)
+    fail("%s: cannot create a file in %s (%s); point it at an existing, writable directory",
+         key, path, why)
+  end
+  f:close()
+  os.remove(probe)
+end
+
+local function aio_section(raw, cfg)
+  local out = deep_copy(M.aio_defaults)
+  cfg.aio = out
+  if not given(raw) then return end
+  block("aio", raw)
+  for _, k in ipairs(sorted_keys(raw)) do
+    local v = raw[k]
+    if M.aio_defaults[k] == nil then
+      fail("aio.%s is not a key of the aio block (known: %s)", k,
+           table.concat(sorted_keys(M.aio_defaults), ", "))
+    end
+    if given(v) then
+      if type(M.aio_defaults[k]) == "boolean" then
+        out[k] = boolean("aio." .. k, v)
+      else
+        out[k] = positive_whole("aio." .. k, v)
+      end
+    end
+  end
+  if out.block_size % 4096 ~= 0 then
+    fail("aio.block_size must be a multiple of 4096 (got %s): O_DIRECT transfers whole " ..
+         "4 KiB blocks", show(out.block_size))
+  end
 end
 
 local function zero_section(raw, cfg, unimpl)
@@ -449,7 +497,7 @@ local function zero_section(raw, cfg, unimpl)
     out.stage = "auto"
   end
   for _, k in ipairs({ "reduce_bucket_size", "allgather_bucket_size",
-                       "stage3_prefetch_bucket_size" }) do
+                       "stage3_prefetch_bucket_size", "sub_group_size" }) do
     if given(raw[k]) then out[k] = positive_whole(z .. k, raw[k]) end
   end
   for _, k in ipairs({ "stage3_param_persistence_threshold", "stage3_max_live_parameters",
@@ -488,6 +536,16 @@ end
 function M.set_stage(cfg, stage)
   local z = cfg.zero_optimization
   z.stage = stage
+  if stage ~= "auto" then
+    if z.offload_optimizer.device ~= "none" and stage == 0 then
+      fail("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got stage 0); " ..
+           "set zero_optimization.stage or remove offload_optimizer")
+    end
+    if z.offload_param.device ~= "none" and stage ~= 3 then
+      fail("zero_optimization.offload_param needs stage 3 (got stage %s); set " ..
+           "zero_optimization.stage to 3 or remove offload_param", show(stage))
+    end
+  end
   if not z.overlap_comm_given then
     if stage == "auto" then z.overlap_comm = nil else z.overlap_comm = stage == 3 end
   end
@@ -644,7 +702,7 @@ local handled_top = {
   train_batch_size = true, train_micro_batch_size_per_gpu = true,
   gradient_accumulation_steps = true, gradient_clipping = true, optimizer = true,
   scheduler = true, fp16 = true, bf16 = true, bfloat16 = true, zero_optimization = true,
-  luazero = true, data_types = true,
+  luazero = true, data_types = true, aio = true,
 }
 
 -- source: a path to a JSON file, a table (an already decoded config), or nil
@@ -693,6 +751,7 @@ function M.load(source, world_size, overrides)
   cfg.dtype = cfg.fp16.enabled and "fp16" or (cfg.bf16.enabled and "bf16" or "fp32")
   data_types_section(raw.data_types, cfg, unimpl)
   zero_section(raw.zero_optimization, cfg, unimpl)
+  aio_section(raw.aio, cfg)
   luazero_section(raw.luazero, cfg, ov)
   batch_sizes(raw, world_size, cfg, notes)
 

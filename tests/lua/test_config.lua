@@ -227,24 +227,78 @@ function T.unimplemented_keys_are_listed_by_dotted_name()
                           offload_param = { device = "none" } },
     aio = { block_size = 1048576 },
   }, 1)
-  local want = { "activation_checkpointing", "aio", "flops_profiler", "fp16.auto_cast",
-                 "optimizer.params.amsgrad", "wall_clock_breakdown",
-                 "zero_optimization.offload_optimizer", "zero_optimization.sub_group_size" }
+  local want = { "activation_checkpointing", "flops_profiler", "fp16.auto_cast",
+                 "optimizer.params.amsgrad", "wall_clock_breakdown" }
   assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
          table.concat(cfg.unimplemented, ","))
   assert(config.unimplemented_message(cfg) == "config: not implemented (ignored): " ..
          table.concat(want, ", "))
-  -- Offload blocks are kept, normalised with DeepSpeed's defaults, for later.
+  -- Offload blocks, normalised with DeepSpeed's defaults.
   local o = cfg.zero_optimization.offload_optimizer
   assert(o.device == "cpu" and o.buffer_count == 4 and o.pin_memory == false and o.ratio == 1)
   assert(cfg.zero_optimization.offload_param.buffer_count == 5)
   -- DeepSpeed's deprecated forms.
-  cfg = config.load({ train_batch_size = 8, zero_optimization = { cpu_offload = true } }, 1)
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 1, cpu_offload = true } },
+                      1)
   assert(cfg.zero_optimization.offload_optimizer.device == "cpu")
   cfg = config.load({ train_batch_size = 8, zero_optimization = true }, 1)
   assert(cfg.zero_optimization.stage == 1)
   cfg = config.load({ train_batch_size = 8, bfloat16 = { enabled = true } }, 1)
   assert(cfg.dtype == "bf16")
+end
+
+function T.offload_and_aio_keys()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir -p " .. dir) == 0)
+  local cfg = config.load({ train_batch_size = 8, aio = { block_size = 8192, queue_depth = 4 },
+                            zero_optimization = { stage = 3, sub_group_size = 4096,
+                              offload_optimizer = { device = "nvme", nvme_path = dir },
+                              offload_param = { device = "nvme", nvme_path = dir } } }, 1)
+  local z = cfg.zero_optimization
+  assert(z.sub_group_size == 4096 and z.offload_param.device == "nvme")
+  assert(cfg.aio.block_size == 8192 and cfg.aio.queue_depth == 4 and cfg.aio.thread_count == 1
+         and cfg.aio.single_submit == false and cfg.aio.overlap_events == true)
+  assert(#cfg.unimplemented == 0, table.concat(cfg.unimplemented, ","))
+  -- Partial offload and the CPU cache of NVMe parameters are reported.
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 3,
+    offload_optimizer = { device = "cpu", ratio = 0.5 },
+    offload_param = { device = "nvme", nvme_path = dir, max_in_cpu = 1e6 } } }, 1)
+  assert(table.concat(cfg.unimplemented, ",") ==
+         "zero_optimization.offload_optimizer.ratio,zero_optimization.offload_param.max_in_cpu")
+  expect_error({ train_batch_size = 8, aio = { block_size = 1000 } }, 1,
+               "config: aio.block_size must be a multiple of 4096 (got 1000): O_DIRECT " ..
+               "transfers whole 4 KiB blocks")
+  expect_error({ train_batch_size = 8, aio = { queue_depth = 0 } }, 1,
+               "config: aio.queue_depth must be a positive number (got 0)")
+  expect_error({ train_batch_size = 8, aio = { blocksize = 4096 } }, 1,
+               "config: aio.blocksize is not a key of the aio block (known: block_size, " ..
+               "overlap_events, queue_depth, single_submit, thread_count)")
+  expect_error({ train_batch_size = 8, zero_optimization = { stage = 2,
+                 offload_param = { device = "cpu" } } }, 1,
+               "config: zero_optimization.offload_param needs stage 3 (got stage 2); set " ..
+               "zero_optimization.stage to 3 or remove offload_param")
+  expect_error({ train_batch_size = 8, zero_optimization = {
+                 offload_optimizer = { device = "cpu" } } }, 1,
+               "config: zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got " ..
+               "stage 0); set zero_optimization.stage or remove offload_optimizer")
+  -- --stage overrides the file's stage before the check.
+  expect_error({ train_batch_size = 8, zero_optimization = { stage = 3,
+                 offload_param = { device = "cpu" } } }, 1,
+               "config: zero_optimization.offload_param needs stage 3 (got stage 1); set " ..
+               "zero_optimization.stage to 3 or remove offload_param", { stage = 1 })
+  local missing = dir .. "/not-there"
+  expect_error({ train_batch_size = 8, zero_optimization = { stage = 1,
+                 offload_optimizer = { device = "nvme", nvme_path = missing } } }, 1,
+               "config: zero_optimization.offload_optimizer.nvme_path: cannot create a file in " ..
+               missing .. " (No such file or directory); point it at an existing, writable " ..
+               "directory")
+  local file = write_file("a-file", "x")
+  expect_error({ train_batch_size = 8, zero_optimization = { stage = 3,
+                 offload_param = { device = "nvme", nvme_path = file } } }, 1,
+               "config: zero_optimization.offload_param.nvme_path: cannot create a file in " ..
+               file .. " (Not a directory); point it at an existing, writable directory")
+  os.execute("rm -rf " .. dir)
 end
 
 ------------------------------------------------------------------ files, overrides
