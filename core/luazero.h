@@ -223,6 +223,13 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
 
 /* xxh64 of a byte range. */
 uint64_t lz_hash_xxh64(const void *data, size_t bytes, uint64_t seed);
+/* Streaming xxh64: the digest of the concatenated updates equals the one-shot
+ * hash of the same bytes. */
+typedef struct lz_hasher lz_hasher;
+lz_status lz_hasher_new(lz_hasher **out, uint64_t seed);
+lz_status lz_hasher_update(lz_hasher *h, const void *data, size_t bytes);
+uint64_t lz_hasher_digest(const lz_hasher *h);
+lz_status lz_hasher_free(lz_hasher *h); /* NULL is fine */
 
 /* --------------------------------------------------------- collectives */
 

@@ -157,6 +157,12 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
 
 uint64_t lz_hash_xxh64(const void *data, size_t bytes, uint64_t seed);
 
+typedef struct lz_hasher lz_hasher;
+lz_status lz_hasher_new(lz_hasher **out, uint64_t seed);
+lz_status lz_hasher_update(lz_hasher *h, const void *data, size_t bytes);
+uint64_t lz_hasher_digest(const lz_hasher *h);
+lz_status lz_hasher_free(lz_hasher *h);
+
 typedef enum lz_comm_backend {
   LZ_COMM_AUTO = 0,
   LZ_COMM_LOCAL = 1,

@@ -13,6 +13,7 @@ local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local Pool = require("luazero.zero.pool")
 local Scaler = require("luazero.zero.scaler")
+local offload = require("luazero.zero.offload")
 
 local ops = lz.ops
 local C = lz.C
@@ -51,6 +52,10 @@ local function settings(cfg)
     fp16 = fp16,
     -- data_types.grad_accum_dtype: the dtype the gradients are kept in.
     grad_dtype = cfg.grad_accum_dtype or "fp32",
+    offload_opt = z.offload_optimizer or { device = "none" },
+    offload_param = z.offload_param or { device = "none" },
+    sub_group = z.sub_group_size or 1e9,
+    aio = cfg.aio,
   }
 end
 M.settings = settings
@@ -71,6 +76,10 @@ function M.initialize(opts)
     loss_sum = 0, loss_count = 0,
   }, Engine)
   assert(self.stage >= 0 and self.stage <= 3, "initialize: stage must be 0..3")
+  assert(s.offload_opt.device == "none" or self.stage >= 1,
+         "initialize: offload_optimizer needs stage 1, 2 or 3")
+  assert(s.offload_param.device == "none" or self.stage == 3,
+         "initialize: offload_param needs stage 3")
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
   -- the kernels still write fp32 module gradients into the staging buffer;
   -- it is rounded to gdt, reduced in gdt and added (in fp32, rounded back)
@@ -148,7 +157,14 @@ function Engine:allocate()
       bind_params(seg, self.full_w:view(seg.full_offset, { seg.padded }))
     end
   else
-    self.shard_w = lz.tensor({ shard }, wdt, "params")
+    -- offload_param: the working shard in host memory or on NVMe.
+    local op = self.s.offload_param
+    if op.device == "nvme" then
+      self.pshard = offload.param_shard{ n = shard, dtype = wdt, nvme_path = op.nvme_path,
+                                         aio = self.s.aio }
+    else
+      self.shard_w = lz.tensor({ shard }, wdt, op.device == "cpu" and "offload" or "params")
+    end
     self.persistent = {}
     for _, seg in ipairs(L.segments) do
       if seg.numel <= self.s.persistence then
@@ -157,18 +173,27 @@ function Engine:allocate()
       end
     end
   end
-  -- fp32 master: the working buffer itself in fp32, else its own buffer.
+  -- fp32 master: the working buffer itself in fp32 (unless that is on
+  -- NVMe), else its own buffer; with the moments, where offload_optimizer
+  -- puts them (zero/offload.lua).
   local opt_n = stage == 0 and full or shard
-  if wdt == "f32" then
-    self.master = stage == 3 and self.shard_w or self.full_w
+  local separate = wdt ~= "f32" or self.pshard ~= nil
+  local oo = self.s.offload_opt
+  self.states = offload.states{
+    n = opt_n, master = separate, device = oo.device, nvme_path = oo.nvme_path,
+    aio = self.s.aio, sub_group_size = self.s.sub_group, buffer_count = oo.buffer_count,
+    pipeline_read = oo.pipeline_read, pipeline_write = oo.pipeline_write,
+    params = self.pshard, work_dtype = wdt,
+  }
+  if separate then
+    self.master = self.states.master -- nil when on NVMe
   else
-    self.master = lz.tensor({ opt_n }, "f32", "optimizer")
+    self.master = stage == 3 and self.shard_w or self.full_w
   end
+  self.m, self.v = self.states.m, self.states.v
   -- Half gradients: fp32 scratch, CHUNK elements at a time, for the
   -- optimizer's view of the gradients and for accumulating into them.
   if self.half_grads then self.gscratch = lz.tensor({ 2 * CHUNK }, "f32", "workspace") end
-  self.m = lz.tensor({ opt_n }, "f32", "optimizer")
-  self.v = lz.tensor({ opt_n }, "f32", "optimizer")
   if stage <= 1 then
     self.full_g = lz.tensor({ full }, self.gdt, "grads")
     if not self.staged then
@@ -202,10 +227,10 @@ function Engine:init_weights(seed)
     if self.stage <= 2 then
       self.full_w:view(seg.full_offset, { seg.padded }):copy(full)
     else
-      self.shard_w:view(seg.shard_offset, { seg.slice }):copy(slice)
+      if self.shard_w then self.shard_w:view(seg.shard_offset, { seg.slice }):copy(slice) end
       if seg.persistent then seg.persistent:copy(full) end
     end
-    if self.master ~= self.full_w and self.master ~= self.shard_w then
+    if self.master and self.master ~= self.full_w and self.master ~= self.shard_w then
       if self.stage == 0 then
         self.master:view(seg.full_offset, { seg.padded }):copy(full)
       else
@@ -213,48 +238,101 @@ function Engine:init_weights(seed)
       end
     end
   end
+  -- Sub-groups on NVMe: the master slices and zero moments to the state
+  -- file, the working copy (the master rounded) to the parameter file.
+  local st = self.states
+  if st.nb > 0 then
+    st:each_group(true, function(_, lo, n, v)
+      if st.swap then
+        if v.master then
+          self:shard_pieces(lo, n, function(seg, a, len)
+            local from = seg.full_offset + rank * seg.slice + (a - seg.shard_offset)
+            v.master:view(a - lo, { len }):copy(tmp:view(from, { len }))
+          end)
+        end
+        v.m:zero()
+        v.v:zero()
+      end
+      if v.work then v.work:copy(v.master) end
+    end)
+  end
   tmp:free()
 end
 
+-- Calls fn(seg, a, len) for the pieces of shard elements [lo, lo + n) that
+-- fall in each segment's slice (a: the piece's shard offset), in order.
+function Engine:shard_pieces(lo, n, fn)
+  local hi = lo + n
+  for _, seg in ipairs(self.L.segments) do
+    local a = math.max(lo, seg.shard_offset)
+    local b = math.min(hi, seg.shard_offset + seg.slice)
+    if b > a then fn(seg, a, b - a) end
+    if seg.shard_offset >= hi then break end
+  end
+end
+
 -- AdamW runs over what this rank updates: every slice in stage 0 (the
--- optimizer is replicated), its own slices otherwise. Views into master,
--- grads, moments and (bf16/fp16) the working copy.
+-- optimizer is replicated), its own slices otherwise. Each run is a piece
+-- of one decay setting; the pieces that fall in each optimizer sub-group
+-- (zero/offload.lua) become that group's calls, with views into the
+-- group's master and moments (resident or staged), the gradients and (bf16/
+-- fp16, or an NVMe parameter shard) the working copy.
 function Engine:build_runs()
   local L, stage = self.L, self.stage
   local ranks = stage == 0 and self.world or 1
-  self.runs = {}
+  local runs = {}
   for k = 0, ranks - 1 do
     local r = stage == 0 and k or self.rank
     for _, run in ipairs(layout.shard_runs(L, r)) do
       local shape = { run.numel }
-      local opt_off = stage == 0 and run.full_offset or run.shard_offset
-      local master_off = (self.master == self.full_w) and run.full_offset or opt_off
       local x = {
-        decay = run.decay,
-        p = self.master:view(master_off, shape),
+        decay = run.decay, numel = run.numel,
+        opt_off = stage == 0 and run.full_offset or run.shard_offset,
         g = stage <= 1 and self.full_g:view(run.full_offset, shape)
             or self.shard_g:view(run.shard_offset, shape),
-        m = self.m:view(opt_off, shape), v = self.v:view(opt_off, shape),
       }
-      if self.wdt ~= "f32" then
+      -- A resident master that is the working buffer itself (fp32).
+      x.master_off = (self.master == self.full_w) and run.full_offset or x.opt_off
+      if self.wdt ~= "f32" and not self.pshard then
         x.w = stage <= 2 and self.full_w:view(run.full_offset, shape)
               or self.shard_w:view(run.shard_offset, shape)
       end
-      if self.half_grads then
-        -- AdamW reads fp32 gradients: each chunk's gradients are converted
-        -- into the scratch (x.gs) just before its step.
-        for off = 0, run.numel - 1, CHUNK do
-          local len = math.min(CHUNK, run.numel - off)
-          local c = { decay = x.decay, p = x.p:view(off, { len }), g = x.g:view(off, { len }),
-                      m = x.m:view(off, { len }), v = x.v:view(off, { len }),
-                      w = x.w and x.w:view(off, { len }) or nil,
-                      gs = self.gscratch:view(0, { len }) }
-          self.runs[#self.runs + 1] = c
+      runs[#runs + 1] = x
+    end
+  end
+  self.calls = {}
+  for k, g in ipairs(self.states.groups) do
+    local gv, calls = self.states.views[k], {}
+    for _, run in ipairs(runs) do
+      local a = math.max(run.opt_off, g.lo)
+      local b = math.min(run.opt_off + run.numel, g.lo + g.n)
+      if b > a then
+        local d, len, rel = a - run.opt_off, b - a, a - g.lo
+        local c = {
+          decay = run.decay,
+          p = gv.master and gv.master:view(rel, { len })
+              or self.master:view(run.master_off + d, { len }),
+          m = gv.m:view(rel, { len }), v = gv.v:view(rel, { len }),
+          g = run.g:view(d, { len }),
+          w = run.w and run.w:view(d, { len }) or (gv.work and gv.work:view(rel, { len })),
+        }
+        if self.half_grads then
+          -- AdamW reads fp32 gradients: each chunk's gradients are converted
+          -- into the scratch (gs) just before its step.
+          for off = 0, len - 1, CHUNK do
+            local n = math.min(CHUNK, len - off)
+            calls[#calls + 1] = { decay = c.decay, p = c.p:view(off, { n }),
+                                  g = c.g:view(off, { n }), m = c.m:view(off, { n }),
+                                  v = c.v:view(off, { n }),
+                                  w = c.w and c.w:view(off, { n }) or nil,
+                                  gs = self.gscratch:view(0, { n }) }
+          end
+        else
+          calls[#calls + 1] = c
         end
-      else
-        self.runs[#self.runs + 1] = x
       end
     end
+    self.calls[k] = calls
   end
   -- This rank's gradient slices, for the norm's canonical partials.
   self.grad_slices = {}
@@ -299,15 +377,31 @@ function Engine:gather(seg, async)
   if seg.persistent or seg.pbuf then return end
   seg.pbuf = self.pool:get(seg.padded, self.wdt)
   self.live = (self.live or 0) + seg.padded
-  local send = self.shard_w:view(seg.shard_offset, { seg.slice })
+  local send
+  send, seg.pstage = self:shard_slice(seg)
   seg.pwork = self.comm.all_gather(send, seg.pbuf, async)
-  if not async then seg.pwork = nil end
+  if not async then seg.pwork = nil; self:gathered(seg) end
+end
+
+-- This rank's working slice of a segment (stage 3): a view of the shard,
+-- or read from the NVMe parameter file into a staging buffer (returned
+-- second, for release once the gather has read it).
+function Engine:shard_slice(seg)
+  if self.pshard then return self.pshard:slice(seg.shard_offset, seg.slice) end
+  return self.shard_w:view(seg.shard_offset, { seg.slice })
+end
+
+-- A gather of seg has completed: its staging can go.
+function Engine:gathered(seg)
+  if seg.pwork then seg.pwork:wait() end
+  seg.pwork = nil
+  if seg.pstage then self.pshard:release(seg.pstage); seg.pstage = nil end
 end
 
 function Engine:ensure(seg)
   if seg.persistent then return end
   if not seg.pbuf then self:gather(seg, false) end
-  if seg.pwork then seg.pwork:wait(); seg.pwork = nil end
+  if seg.pwork then self:gathered(seg) end
   seg.in_use = (seg.in_use or 0) + 1
   if seg.in_use == 1 then bind_params(seg, seg.pbuf) end
 end
@@ -528,7 +622,7 @@ function Engine:drop_prefetched()
   if self.stage < 3 then return end
   for _, seg in ipairs(self.L.segments) do
     if seg.pbuf and (seg.in_use or 0) == 0 then
-      if seg.pwork then seg.pwork:wait(); seg.pwork = nil end
+      self:gathered(seg)
       seg.in_use = 1
       self:release(seg)
     end
@@ -612,11 +706,16 @@ function Engine:step()
   local a = self.adam
   a.lr, a.beta1, a.beta2, a.eps = lr, s.beta1, s.beta2, s.eps
   a.grad_scale, a.step = scale, self.optimizer_steps
-  for _, r in ipairs(self.runs) do
-    a.weight_decay = r.decay and s.weight_decay or 0
-    if r.gs then r.gs:copy(r.g) end
-    ops.adamw_step(r.p, r.gs or r.g, r.m, r.v, r.w, a)
-  end
+  local r0, w0 = self.states:io_bytes()
+  self.states:each_group(true, function(k)
+    for _, r in ipairs(self.calls[k]) do
+      a.weight_decay = r.decay and s.weight_decay or 0
+      if r.gs then r.gs:copy(r.g) end
+      ops.adamw_step(r.p, r.gs or r.g, r.m, r.v, r.w, a)
+    end
+  end)
+  local r1, w1 = self.states:io_bytes()
+  if r1 + w1 > 0 then rec.nvme_read, rec.nvme_written = r1 - r0, w1 - w0 end
   self:gather_params()
   self:zero_grad()
   return rec
@@ -627,19 +726,23 @@ end
 function Engine:gather_params()
   local stage, comm = self.stage, self.comm
   if stage == 0 then return end
-  local async, works = self.s.overlap, {}
+  local async, works, stages = self.s.overlap, {}, {}
   for _, seg in ipairs(self.L.segments) do
-    local send, recv
+    local send, recv, stg
     if stage <= 2 then
       recv = self.full_w:view(seg.full_offset, { seg.padded })
       send = recv:view(self.rank * seg.slice, { seg.slice })
     elseif seg.persistent then
       recv = seg.persistent
-      send = self.shard_w:view(seg.shard_offset, { seg.slice })
+      send, stg = self:shard_slice(seg)
     end
     if recv then works[#works + 1] = comm.all_gather(send, recv, async) end
+    if stg then
+      if async then stages[#stages + 1] = stg else self.pshard:release(stg) end
+    end
   end
   if async then for _, w in ipairs(works) do w:wait() end end
+  for _, stg in ipairs(stages) do self.pshard:release(stg) end
 end
 
 function Engine:zero_grad()
@@ -671,32 +774,74 @@ end
 -- tensor (category workspace) on every rank.
 function Engine:master_params()
   local L = self.L
-  local full
-  if self.stage == 0 or self.master == self.full_w then
-    full = self.master -- complete on every rank after the step's gather
-  else
-    full = lz.tensor({ L.full_numel }, "f32", "workspace")
-    for _, seg in ipairs(L.segments) do
-      self.comm.all_gather(self.master:view(seg.shard_offset, { seg.slice }),
-                           full:view(seg.full_offset, { seg.padded }))
-    end
-  end
   local out = lz.tensor({ L.numel }, "f32", "workspace")
-  for _, seg in ipairs(L.segments) do
-    for _, e in ipairs(seg.entries) do
-      out:view(e.offset, { e.numel }):copy(full:view(seg.full_offset + e.seg_offset, { e.numel }))
-    end
+  local function put(seg, full)
+    out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
   end
-  if full ~= self.master then full:free() end
+  if self.stage == 0 or self.master == self.full_w then
+    for _, seg in ipairs(L.segments) do
+      put(seg, self.master:view(seg.full_offset, { seg.padded }))
+    end
+  else
+    self:master_slices(function(seg, slice)
+      local full = lz.tensor({ seg.padded }, "f32", "workspace")
+      self.comm.all_gather(slice, full)
+      put(seg, full)
+      full:free()
+    end)
+  end
   return out
 end
 
--- xxh64 of the full fp32 master parameters in canonical order (hex).
+-- Calls fn(seg, slice) for every segment in order with this rank's fp32
+-- master slice of it (stages 1-3): a view of the resident master, or
+-- assembled from the sub-groups read from NVMe.
+function Engine:master_slices(fn)
+  local segs = self.L.segments
+  if self.master then
+    for _, seg in ipairs(segs) do fn(seg, self.master:view(seg.shard_offset, { seg.slice })) end
+    return
+  end
+  local i, part = 1, nil
+  self.states:each_group(false, function(_, lo, n, v)
+    local hi = lo + n
+    while i <= #segs do
+      local seg = segs[i]
+      local so, se = seg.shard_offset, seg.shard_offset + seg.slice
+      if so >= hi then break end
+      local a, b = math.max(so, lo), math.min(se, hi)
+      if a == so and b == se then
+        fn(seg, v.master:view(a - lo, { seg.slice }))
+      else
+        part = part or lz.tensor({ seg.slice }, "f32", "workspace")
+        part:view(a - so, { b - a }):copy(v.master:view(a - lo, { b - a }))
+        if b == se then fn(seg, part); part:free(); part = nil end
+      end
+      if se > hi then break end
+      i = i + 1
+    end
+  end)
+end
+
+-- xxh64 of the full fp32 master parameters in canonical order (hex),
+-- streamed one segment at a time: memory of one gathered segment.
 function Engine:params_checksum()
-  local t = self:master_params()
-  local h = require("bit").tohex(lz.xxh64(t.data, t:bytes(), 0), 16)
-  t:free()
-  return h
+  local h = lz.hasher(0)
+  if self.stage == 0 or self.master == self.full_w then
+    for _, seg in ipairs(self.L.segments) do
+      h:update(self.master:view(seg.full_offset, { seg.numel }).data, seg.numel * 4)
+    end
+  else
+    self:master_slices(function(seg, slice)
+      local full = lz.tensor({ seg.padded }, "f32", "workspace")
+      self.comm.all_gather(slice, full)
+      h:update(full.data, seg.numel * 4)
+      full:free()
+    end)
+  end
+  local hex = require("bit").tohex(h:digest(), 16)
+  h:free()
+  return hex
 end
 
 -- Bytes per ledger category of model states on this rank.
@@ -709,8 +854,10 @@ function Engine:free()
   self:wait_all()
   self.pool:free()
   local function f(t) if t then t:free() end end
-  f(self.full_g); f(self.shard_g); f(self.m); f(self.v)
-  if self.master ~= self.full_w and self.master ~= self.shard_w then f(self.master) end
+  f(self.full_g); f(self.shard_g)
+  self.states:free()
+  if self.pshard then self.pshard:free() end
+  self.m, self.v, self.master = nil, nil, nil
   f(self.full_w); f(self.shard_w)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
   f(self.meta_send); f(self.meta_recv); f(self.gscratch)

@@ -291,6 +291,20 @@ function lz.xxh64(ptr, bytes, seed)
   return C.lz_hash_xxh64(ptr, bytes, seed or 0)
 end
 
+-- Streaming xxh64: h:update(ptr, bytes) ...; h:digest() (uint64); h:free().
+local Hasher = {}
+Hasher.__index = Hasher
+function lz.hasher(seed)
+  local out = ffi.new("lz_hasher *[1]")
+  check(C.lz_hasher_new(out, seed or 0), 2)
+  return setmetatable({ h = ffi.gc(out[0], C.lz_hasher_free) }, Hasher)
+end
+function Hasher:update(ptr, bytes) check(C.lz_hasher_update(self.h, ptr, bytes), 2) end
+function Hasher:digest() return C.lz_hasher_digest(self.h) end
+function Hasher:free()
+  if self.h then C.lz_hasher_free(ffi.gc(self.h, nil)); self.h = nil end
+end
+
 -------------------------------------------------------------------- kernels
 
 -- lz.ops.<name>(...) calls lz_<name> and turns a failing status into an error.

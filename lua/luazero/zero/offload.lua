@@ -1,0 +1,265 @@
+-- zero/offload.lua — where the optimizer states live (DeepSpeed's
+-- offload_optimizer) and, at stage 3, the parameter shard (offload_param):
+-- on the compute device ("none"), in host memory ("cpu"), or in swap files
+-- on NVMe ("nvme", libaio with O_DIRECT through lz.swap).
+--
+-- The optimizer elements of a rank, [0, n), are cut into sub-groups of
+-- zero_optimization.sub_group_size elements. The optimizer step visits them
+-- in order through a ring of buffer_count staging buffers: on NVMe, the next
+-- sub-groups are read while the current one is updated and the previous one
+-- is written back (pipeline_read / pipeline_write). With the parameter shard
+-- on NVMe, each sub-group's updated working copy goes to the parameter swap
+-- file from a staging buffer of the same ring.
+--
+-- On a CPU rank the host is the compute device, so "cpu" changes where the
+-- ledger counts the bytes (offload), not how many there are; a CUDA rank puts
+-- the same buffers in pinned host memory.
+--
+--   local st = offload.states{ n = n, master = true, device = "nvme", ... }
+--   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.m, v.v, v.work end)
+--   local ps = offload.param_shard{ n = shard_numel, dtype = "bf16", device = "nvme", ... }
+--   local view, stage = ps:slice(offset, len) ... ps:release(stage)
+local lz = require("luazero")
+
+local M = {}
+
+-- Group boundaries are multiples of GRAIN elements: every file offset is
+-- then a multiple of 4096 bytes in f32, bf16 and f16 (O_DIRECT).
+M.GRAIN = 2048
+local PAGE = 4096
+
+local function round_up(n, m) return math.ceil(n / m) * m end
+local esize = { f32 = 4, bf16 = 2, f16 = 2 }
+
+-- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
+-- memory on huge pages (O_DIRECT needs 4 KiB alignment).
+local function staging(n, dtype)
+  local min = math.ceil(2 ^ 21 / esize[dtype])
+  return lz.tensor({ math.max(n, min) }, dtype, "offload")
+end
+
+local function swap_opts(aio)
+  aio = aio or {}
+  return { block_size = aio.block_size, queue_depth = aio.queue_depth,
+           thread_count = aio.thread_count, single_submit = aio.single_submit,
+           overlap_events = aio.overlap_events }
+end
+
+------------------------------------------------------------ optimizer states
+
+local States = {}
+States.__index = States
+
+-- opts: n (optimizer elements of this rank), master (true: keep an fp32
+-- master copy here; false: the working copy is the fp32 master),
+-- device ("none"|"cpu"|"nvme"), nvme_path, aio (the config's aio block),
+-- sub_group_size, buffer_count, pipeline_read, pipeline_write,
+-- params (a param_shard on NVMe whose working copy the groups write back),
+-- work_dtype (the working copy's dtype when params is given), grouped
+-- (cut into sub-groups even in memory: the parameter shard is on NVMe).
+function M.states(opts)
+  local n, dev = opts.n, opts.device or "none"
+  local self = setmetatable({ n = n, device = dev, has_master = opts.master,
+                              params = opts.params, wdt = opts.work_dtype,
+                              pipeline_read = opts.pipeline_read,
+                              pipeline_write = opts.pipeline_write }, States)
+  local on_disk = dev == "nvme"
+  local G = n
+  if on_disk or opts.params then
+    G = round_up(math.max(1, math.min(opts.sub_group_size or n, n)), M.GRAIN)
+  end
+  self.G = G
+  self.groups = {}
+  for lo = 0, math.max(n - 1, 0), G do
+    self.groups[#self.groups + 1] = { lo = lo, n = math.min(G, n - lo) }
+  end
+  if n == 0 then self.groups = {} end
+  self.parts = opts.master and 3 or 2 -- master?, m, v
+  if not on_disk then
+    local cat = dev == "cpu" and "offload" or "optimizer"
+    if opts.master then self.master = lz.tensor({ n }, "f32", cat) end
+    self.m = lz.tensor({ n }, "f32", cat)
+    self.v = lz.tensor({ n }, "f32", cat)
+    self.m:zero()
+    self.v:zero()
+  end
+  -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
+  self.nb = 0
+  if on_disk or opts.params then
+    self.nb = math.max(2, opts.buffer_count or 4)
+    self.nb = math.min(self.nb, #self.groups)
+    self.region = self.parts * G * 4 -- bytes of one group on the state file
+    self.buffers = {}
+    for b = 1, self.nb do
+      local buf = {}
+      if on_disk then buf.state = staging(self.parts * G, "f32") end
+      if opts.params then buf.work = staging(G, self.wdt) end
+      self.buffers[b] = buf
+    end
+  end
+  if on_disk then
+    self.swap = lz.swap(opts.nvme_path, math.max(PAGE, #self.groups * self.region),
+                        "optimizer", swap_opts(opts.aio))
+  end
+  self.views = {}
+  for k, g in ipairs(self.groups) do self.views[k] = self:make_views(k, g) end
+  return self
+end
+
+function States:buffer(k) return self.buffers[(k - 1) % self.nb + 1] end
+
+-- Views of group k: master (if kept here), m, v, and work (the staging of
+-- its working copy when the parameter shard is on NVMe). Stable per group.
+function States:make_views(k, g)
+  local v = {}
+  if self.swap then
+    local st, G = self:buffer(k).state, self.G
+    local i = 0
+    if self.has_master then v.master = st:view(0, { g.n }); i = 1 end
+    v.m = st:view(i * G, { g.n })
+    v.v = st:view((i + 1) * G, { g.n })
+  else
+    if self.master then v.master = self.master:view(g.lo, { g.n }) end
+    v.m = self.m:view(g.lo, { g.n })
+    v.v = self.v:view(g.lo, { g.n })
+  end
+  if self.params then v.work = self:buffer(k).work:view(0, { g.n }) end
+  return v
+end
+
+local function wait(req) if req then req:wait() end end
+
+-- Calls fn(k, lo, len, views) for every group in order. On NVMe the group's
+-- states are read before fn and (write_back) written after it; with an NVMe
+-- parameter shard, views.work is written to it after fn when write_back.
+function States:each_group(write_back, fn)
+  local groups, swap = self.groups, self.swap
+  if self.nb == 0 then
+    for k, g in ipairs(groups) do fn(k, g.lo, g.n, self.views[k]) end
+    return
+  end
+  local ahead = (swap and self.pipeline_read) and self.nb - 1 or 1
+  local function issue_read(j)
+    local b = self:buffer(j)
+    wait(b.write_state); wait(b.write_work)
+    b.write_state, b.write_work = nil, nil
+    if swap then
+      b.read = swap:read((j - 1) * self.region, b.state, self.parts * self.G * 4, true)
+    end
+  end
+  local ok, err = pcall(function()
+    for j = 1, math.min(ahead, #groups) do issue_read(j) end
+    for k, g in ipairs(groups) do
+      local b = self:buffer(k)
+      if not b.read and swap then issue_read(k) end
+      wait(b.read)
+      b.read = nil
+      fn(k, g.lo, g.n, self.views[k])
+      if write_back then
+        if swap then
+          b.write_state = swap:write((k - 1) * self.region, b.state,
+                                     self.parts * self.G * 4, true)
+        end
+        if self.params then b.write_work = self.params:write_group(g.lo, b.work, g.n) end
+        if not self.pipeline_write then
+          wait(b.write_state); wait(b.write_work)
+          b.write_state, b.write_work = nil, nil
+        end
+      end
+      local j = k + ahead
+      if j <= #groups and j > k then issue_read(j) end
+    end
+  end)
+  -- Every request finishes before the buffers are touched again, error or not.
+  for _, b in ipairs(self.buffers) do
+    for _, key in ipairs({ "read", "write_state", "write_work" }) do
+      if b[key] then pcall(b[key].wait, b[key]); b[key] = nil end
+    end
+  end
+  if not ok then error(err, 0) end
+end
+
+-- Bytes this rank's optimizer states hold on NVMe, read and written so far.
+function States:io_bytes()
+  local r, w = 0, 0
+  if self.swap then
+    local s = self.swap:stats()
+    r, w = r + s.bytes_read, w + s.bytes_written
+  end
+  if self.params then
+    local s = self.params.swap:stats()
+    r, w = r + s.bytes_read, w + s.bytes_written
+  end
+  return r, w
+end
+
+function States:free()
+  for _, b in ipairs(self.buffers or {}) do
+    if b.state then b.state:free() end
+    if b.work then b.work:free() end
+  end
+  self.buffers = nil
+  if self.swap then self.swap:close(); self.swap = nil end
+  for _, key in ipairs({ "master", "m", "v" }) do
+    if self[key] then self[key]:free(); self[key] = nil end
+  end
+end
+
+------------------------------------------------------------ parameter shard
+
+local Params = {}
+Params.__index = Params
+
+-- The stage-3 working shard of n elements of dtype, on NVMe: a swap file in
+-- shard order. opts: n, dtype, nvme_path, aio, buffer_size (elements: the
+-- largest slice read at once), buffer_count.
+function M.param_shard(opts)
+  local self = setmetatable({ n = opts.n, dtype = opts.dtype, es = esize[opts.dtype],
+                              buffer_size = opts.buffer_size, free_stages = {},
+                              all_stages = {} }, Params)
+  self.swap = lz.swap(opts.nvme_path, round_up(self.n * self.es, PAGE) + PAGE, "params",
+                      swap_opts(opts.aio))
+  return self
+end
+
+-- An async write of the first len elements of buf (a 4096-aligned staging
+-- tensor) at element offset lo (a multiple of GRAIN). Returns the request.
+function Params:write_group(lo, buf, len)
+  return self.swap:write(lo * self.es, buf, round_up(len * self.es, PAGE), true)
+end
+
+-- Blocking write of a whole shard held in memory (initialisation).
+function Params:write_all(t)
+  self.swap:write(0, t, round_up(self.n * self.es, PAGE), false)
+end
+
+-- Elements [off, off + len) read into a staging buffer; returns a view of
+-- them and the staging buffer (give it back with release).
+function Params:slice(off, len)
+  local a = math.floor(off * self.es / PAGE) * PAGE
+  local b = round_up((off + len) * self.es, PAGE)
+  local elems = (b - a) / self.es
+  local list = self.free_stages[elems]
+  local st = list and table.remove(list)
+  if not st then
+    st = staging(elems, self.dtype)
+    self.all_stages[#self.all_stages + 1] = st
+  end
+  self.swap:read(a, st, b - a, false)
+  return st:view(off - a / self.es, { len }), { t = st, elems = elems }
+end
+
+function Params:release(stage)
+  if not stage then return end
+  local list = self.free_stages[stage.elems] or {}
+  self.free_stages[stage.elems] = list
+  list[#list + 1] = stage.t
+end
+
+function Params:free()
+  for _, t in ipairs(self.all_stages) do t:free() end
+  self.all_stages, self.free_stages = {}, {}
+  if self.swap then self.swap:close(); self.swap = nil end
+end
+
+return M
