@@ -62,8 +62,9 @@ typedef enum lz_mem_category {
   LZ_MEM_COUNT = 7
 } lz_mem_category;
 
-/* 64-byte aligned; 2 MiB aligned on transparent huge pages from
- * LZ_MEM_HUGE_THRESHOLD bytes up. Memory is not zeroed. */
+/* 64-byte aligned (LZ_MEM_OFFLOAD: 4096-byte aligned, as O_DIRECT swap I/O
+ * needs); 2 MiB aligned on transparent huge pages from LZ_MEM_HUGE_THRESHOLD
+ * bytes up. Memory is not zeroed. */
 lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat);
 lz_status lz_mem_free(void *ptr); /* NULL is fine */
 int64_t lz_mem_current(lz_mem_category cat);
@@ -290,6 +291,54 @@ lz_status lz_work_test(lz_work *w, int *done);
 uint64_t lz_comm_bytes(const lz_comm *c, lz_coll_kind kind);
 void lz_comm_bytes_reset(lz_comm *c);
 const char *lz_coll_kind_name(lz_coll_kind kind);
+
+/* ------------------------------------------------- swap: the NVMe tier */
+
+/* A swap file for optimizer states and parameters moved out of memory
+ * (ZeRO-Infinity), read and written through libaio by I/O threads while the
+ * caller computes. Buffers are plain host pointers; allocate them with
+ * lz_mem_alloc(..., LZ_MEM_OFFLOAD), which aligns to 4096 bytes. */
+typedef struct lz_swap lz_swap;
+typedef struct lz_swap_req lz_swap_req;
+
+typedef struct lz_swap_opts { /* DeepSpeed's "aio" block */
+  int64_t block_size;         /* bytes per I/O request; a multiple of 4096 (default 1048576) */
+  int queue_depth;            /* requests in flight per thread (default 8) */
+  int thread_count;           /* I/O threads, each with its own io_context (default 1) */
+  int single_submit;          /* 1: io_submit one request at a time (default 0: batch) */
+  int overlap_events;         /* 1: submit new requests as each completes (default 1) */
+} lz_swap_opts;
+
+void lz_swap_opts_default(lz_swap_opts *o);
+/* Creates a swap file of `bytes` (rounded up to 4096) in directory `dir`: a
+ * unique name (luazero-swap-<pid>-<n>-<tag>), mode 0600, preallocated (a full
+ * disk fails here, naming the file), opened O_DIRECT. Where O_DIRECT is
+ * refused it warns once on stderr, naming the directory, and uses buffered
+ * I/O. The file is unlinked as soon as it is open, so it disappears on every
+ * exit path; lz_swap_path still names it for messages. `tag` names the
+ * contents ("optimizer", "params") and may be NULL; opts NULL: defaults. */
+lz_status lz_swap_open(lz_swap **out, const char *dir, int64_t bytes, const char *tag,
+                       const lz_swap_opts *opts);
+/* Waits for outstanding requests and frees handles not yet waited on
+ * (reporting the first error among them); NULL is fine. */
+lz_status lz_swap_close(lz_swap *s);
+/* offset, bytes and the buffer address must be multiples of 4096 (O_DIRECT).
+ * req NULL: blocking; else the request is queued and *req is a handle to wait
+ * on. Requests complete in any order; each is split into block_size pieces,
+ * up to queue_depth in flight per thread. */
+lz_status lz_swap_read(lz_swap *s, int64_t offset, void *dst, int64_t bytes, lz_swap_req **req);
+lz_status lz_swap_write(lz_swap *s, int64_t offset, const void *src, int64_t bytes,
+                        lz_swap_req **req);
+/* Waits, frees the handle, and reports the request's I/O error (naming the
+ * file, the offset and the system's reason). */
+lz_status lz_swap_wait(lz_swap_req *r);
+/* 1 once the request has completed (wait still frees it). */
+int lz_swap_req_done(lz_swap_req *r);
+const char *lz_swap_path(const lz_swap *s);
+int lz_swap_is_direct(const lz_swap *s);
+int64_t lz_swap_size(const lz_swap *s);
+uint64_t lz_swap_bytes_read(const lz_swap *s);
+uint64_t lz_swap_bytes_written(const lz_swap *s);
 
 /* ------------------------------------------------------------ launcher */
 

@@ -212,6 +212,37 @@ uint64_t lz_comm_bytes(const lz_comm *c, lz_coll_kind kind);
 void lz_comm_bytes_reset(lz_comm *c);
 const char *lz_coll_kind_name(lz_coll_kind kind);
 
+typedef struct lz_swap lz_swap;
+typedef struct lz_swap_req lz_swap_req;
+
+typedef struct lz_swap_opts {
+  int64_t block_size;
+  int queue_depth;
+  int thread_count;
+  int single_submit;
+  int overlap_events;
+} lz_swap_opts;
+
+void lz_swap_opts_default(lz_swap_opts *o);
+
+lz_status lz_swap_open(lz_swap **out, const char *dir, int64_t bytes, const char *tag,
+                       const lz_swap_opts *opts);
+
+lz_status lz_swap_close(lz_swap *s);
+
+lz_status lz_swap_read(lz_swap *s, int64_t offset, void *dst, int64_t bytes, lz_swap_req **req);
+lz_status lz_swap_write(lz_swap *s, int64_t offset, const void *src, int64_t bytes,
+                        lz_swap_req **req);
+
+lz_status lz_swap_wait(lz_swap_req *r);
+
+int lz_swap_req_done(lz_swap_req *r);
+const char *lz_swap_path(const lz_swap *s);
+int lz_swap_is_direct(const lz_swap *s);
+int64_t lz_swap_size(const lz_swap *s);
+uint64_t lz_swap_bytes_read(const lz_swap *s);
+uint64_t lz_swap_bytes_written(const lz_swap *s);
+
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
 lz_status lz_cuda_device_count(int *out);
