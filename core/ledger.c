@@ -27,6 +27,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static entry *table;
 static size_t table_cap, table_used; /* used counts live + deleted slots */
 static int64_t current[LZ_MEM_COUNT], peak[LZ_MEM_COUNT];
+static int64_t total_current, total_peak; /* all categories together */
 
 static const char *category_names[LZ_MEM_COUNT] = {
     "params", "grads", "optimizer", "activations", "comm", "offload", "workspace"};
@@ -123,6 +124,8 @@ lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat) {
   if (ok) {
     current[cat] += (int64_t)bytes;
     if (current[cat] > peak[cat]) peak[cat] = current[cat];
+    total_current += (int64_t)bytes;
+    if (total_current > total_peak) total_peak = total_current;
   }
   pthread_mutex_unlock(&lock);
   if (!ok) {
@@ -146,6 +149,7 @@ lz_status lz_mem_free(void *ptr) {
   entry e = *f;
   f->ptr = 1; /* tombstone */
   current[e.cat] -= (int64_t)e.bytes;
+  total_current -= (int64_t)e.bytes;
   pthread_mutex_unlock(&lock);
   if (e.mapped) munmap(e.base, e.mapped);
   else free(ptr);
@@ -176,8 +180,16 @@ int64_t lz_mem_total_current(void) {
   return s;
 }
 
+int64_t lz_mem_total_peak(void) {
+  pthread_mutex_lock(&lock);
+  int64_t v = total_peak;
+  pthread_mutex_unlock(&lock);
+  return v;
+}
+
 void lz_mem_reset_peak(void) {
   pthread_mutex_lock(&lock);
   for (int i = 0; i < LZ_MEM_COUNT; i++) peak[i] = current[i];
+  total_peak = total_current;
   pthread_mutex_unlock(&lock);
 }

@@ -70,6 +70,7 @@ lz_status lz_mem_free(void *ptr); /* NULL is fine */
 int64_t lz_mem_current(lz_mem_category cat);
 int64_t lz_mem_peak(lz_mem_category cat);
 int64_t lz_mem_total_current(void);
+int64_t lz_mem_total_peak(void); /* the most held at once, all categories together */
 void lz_mem_reset_peak(void); /* peak := current, every category */
 const char *lz_mem_category_name(lz_mem_category cat);
 int64_t lz_mem_huge_threshold(void);

@@ -194,9 +194,9 @@ M.arena_sizes = arena_sizes
 -- Bytes of the cast arena the ZeRO engine gives a bf16/fp16 model for
 -- micro-batches of B x T: bf16 copies of every matmul input (kept for
 -- backward) and of the gradients flowing into matmuls, f32 copies of
--- LayerNorm parameters, biases and the embedding tables (f16: of every
--- matmul weight too). One forward and one backward.
-function GPT:cast_arena_size(B, T)
+-- LayerNorm parameters, biases and the embedding tables (dtype "f16": of
+-- every matmul weight too). One forward and one backward.
+function GPT:cast_arena_size(B, T, dtype)
   local cfg = self.cfg
   local C, Vp, L, BT = cfg.n_embd, cfg.padded_vocab, cfg.n_layer, B * T
   local n, count = 0, 0
@@ -206,7 +206,9 @@ function GPT:cast_arena_size(B, T)
     for _, k in ipairs({ 3, 1, 4, 1 }) do add(BT * C * k, 2) end          -- matmul dy
     for _, k in ipairs({ 3, 1, 4, 1 }) do add(C * k, 4); add(C * k, 4) end -- biases
     for _ = 1, 6 do add(C, 4) end                                          -- LayerNorms
-    for _, k in ipairs({ 3, 1, 4, 4 }) do add(C * C * k, 4); add(C * C * k, 4) end -- f16 weights
+    if dtype ~= "bf16" then                                                -- f16 weights
+      for _, k in ipairs({ 3, 1, 4, 4 }) do add(C * C * k, 4); add(C * C * k, 4) end
+    end
   end
   add(BT * C, 2); add(BT * Vp, 2)                                -- LM head x, dlogits
   add(Vp * C, 4); add(cfg.context * C, 4); add(Vp * C, 4); add(Vp * C, 4) -- tables (f32)

@@ -31,7 +31,7 @@ local spec = {
   { "dtype", "string", nil, "training precision: fp32, bf16 or fp16 (default: the config's, else fp32)" },
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
-  { "memory-budget", "string", nil, "per-rank memory --stage auto may plan for (\"2GiB\"; default: free memory)" },
+  { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
@@ -82,6 +82,7 @@ end
 local function mem_record()
   local m = lz.mem()
   m.peak_rss = peak_rss()
+  m.peak_ledger = tonumber(lz.C.lz_mem_total_peak())
   return m
 end
 
@@ -199,16 +200,28 @@ local function main(argv)
   say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage,
       engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""), world,
       world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
+  local where = engine:offload_summary()
+  if where then say(where) end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
        "warmup %d, %d steps, %d threads")
       :format(B * world, T, accum, B * T * accum * world, lr, warmup, steps, lz.threads()))
+
+  -- A budget given explicitly (--memory-budget, LZ_MEMORY_BUDGET,
+  -- luazero.memory_budget) is held: a step whose peak RSS or ledger peak
+  -- passes it stops the run.
+  local budget, budget_source
+  if cfg.memory_budget or (os.getenv("LZ_MEMORY_BUDGET") or "") ~= "" then
+    budget, budget_source = config.memory_budget(cfg)
+  end
 
   local tokens_per_step = B * T * accum * world
   for step = 1, steps do
     comm.bytes_reset()
     local t0 = clock.now()
+    local read0, written0 = engine:nvme_bytes()
     local r = engine:train_batch(loader)
     local dt = clock.now() - t0
+    local read1, written1 = engine:nvme_bytes()
     local rec = {
       -- JSON has no inf: an overflowed step logs grad_norm -1 (skipped true).
       step = step, loss = r.loss, lr = r.lr,
@@ -217,6 +230,8 @@ local function main(argv)
       tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
       comm = comm.bytes(),
     }
+    -- This rank's swap-file traffic in the step (offload to NVMe).
+    if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
     local val = ""
     if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
       rec.val_loss = engine:evaluate(loader, n_val)
@@ -231,6 +246,18 @@ local function main(argv)
     if log then
       log:write(cjson.encode(rec), "\n")
       log:flush()
+    end
+    if budget then
+      local ledger = tonumber(lz.C.lz_mem_total_peak())
+      local over = math.max(rec.mem.peak_rss, ledger)
+      if over > budget then
+        user_error(("step %d: rank %d's peak memory %.0f MiB (RSS %.0f MiB, ledger %.0f MiB) " ..
+                    "is over the memory budget %.0f MiB (%s); offload the optimizer states or " ..
+                    "parameters (zero_optimization.offload_optimizer / offload_param), raise " ..
+                    "the ZeRO stage, or raise the budget")
+                   :format(step, rank, mib(over), mib(rec.mem.peak_rss), mib(ledger), mib(budget),
+                           budget_source))
+      end
     end
   end
 

@@ -35,6 +35,7 @@ lz_status lz_mem_free(void *ptr);
 int64_t lz_mem_current(lz_mem_category cat);
 int64_t lz_mem_peak(lz_mem_category cat);
 int64_t lz_mem_total_current(void);
+int64_t lz_mem_total_peak(void);
 void lz_mem_reset_peak(void);
 const char *lz_mem_category_name(lz_mem_category cat);
 int64_t lz_mem_huge_threshold(void);

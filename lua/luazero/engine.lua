@@ -292,7 +292,7 @@ function Engine:build_runs()
             or self.shard_g:view(run.shard_offset, shape),
       }
       -- A resident master that is the working buffer itself (fp32).
-      x.master_off = (self.master == self.full_w) and run.full_offset or x.opt_off
+      x.master_off = (self.master and self.master == self.full_w) and run.full_offset or x.opt_off
       if self.wdt ~= "f32" and not self.pshard then
         x.w = stage <= 2 and self.full_w:view(run.full_offset, shape)
               or self.shard_w:view(run.shard_offset, shape)
@@ -355,7 +355,7 @@ function Engine:prepare(B, T)
   if self.wdt ~= "f32" then
     local ctx = model.ctx
     if ctx.cast_arena then ctx.cast_arena:free() end
-    local bytes = model.cast_arena_size and model:cast_arena_size(B, T) or 2 ^ 26
+    local bytes = model.cast_arena_size and model:cast_arena_size(B, T, self.wdt) or 2 ^ 26
     ctx.cast_arena = lz.arena(bytes, "activations")
   end
 end
@@ -706,7 +706,6 @@ function Engine:step()
   local a = self.adam
   a.lr, a.beta1, a.beta2, a.eps = lr, s.beta1, s.beta2, s.eps
   a.grad_scale, a.step = scale, self.optimizer_steps
-  local r0, w0 = self.states:io_bytes()
   self.states:each_group(true, function(k)
     for _, r in ipairs(self.calls[k]) do
       a.weight_decay = r.decay and s.weight_decay or 0
@@ -714,8 +713,6 @@ function Engine:step()
       ops.adamw_step(r.p, r.gs or r.g, r.m, r.v, r.w, a)
     end
   end)
-  local r1, w1 = self.states:io_bytes()
-  if r1 + w1 > 0 then rec.nvme_read, rec.nvme_written = r1 - r0, w1 - w0 end
   self:gather_params()
   self:zero_grad()
   return rec
@@ -778,7 +775,7 @@ function Engine:master_params()
   local function put(seg, full)
     out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
   end
-  if self.stage == 0 or self.master == self.full_w then
+  if self.master and (self.stage == 0 or self.master == self.full_w) then
     for _, seg in ipairs(L.segments) do
       put(seg, self.master:view(seg.full_offset, { seg.padded }))
     end
@@ -827,7 +824,7 @@ end
 -- streamed one segment at a time: memory of one gathered segment.
 function Engine:params_checksum()
   local h = lz.hasher(0)
-  if self.stage == 0 or self.master == self.full_w then
+  if self.master and (self.stage == 0 or self.master == self.full_w) then
     for _, seg in ipairs(self.L.segments) do
       h:update(self.master:view(seg.full_offset, { seg.numel }).data, seg.numel * 4)
     end
@@ -842,6 +839,37 @@ function Engine:params_checksum()
   local hex = require("bit").tohex(h:digest(), 16)
   h:free()
   return hex
+end
+
+-- Bytes this rank has read from and written to its NVMe swap files so far
+-- (nil when nothing is on NVMe).
+function Engine:nvme_bytes()
+  if not (self.states.swap or self.pshard) then return nil end
+  return self.states:io_bytes()
+end
+
+-- Where the states live, for the start-up line: nil without offload.
+function Engine:offload_summary()
+  local oo, op, st = self.s.offload_opt, self.s.offload_param, self.states
+  if oo.device == "none" and op.device == "none" then return nil end
+  local parts = {}
+  if oo.device ~= "none" then
+    parts[#parts + 1] = "optimizer states on " .. oo.device
+  end
+  if op.device ~= "none" then parts[#parts + 1] = "parameter shard on " .. op.device end
+  local line = "offload: " .. table.concat(parts, ", ")
+  if st.nb > 0 then
+    local staged = 0
+    for _, b in ipairs(st.buffers) do
+      if b.state then staged = staged + b.state:bytes() end
+      if b.work then staged = staged + b.work:bytes() end
+    end
+    line = line .. ("; %d sub-groups of %d elements, %d staging buffers (%.1f MiB)")
+                   :format(#st.groups, st.G, st.nb, staged / 2 ^ 20)
+    local sw = st.swap or (self.pshard and self.pshard.swap)
+    if sw and not sw:stats().direct then line = line .. ", buffered I/O" end
+  end
+  return line
 end
 
 -- Bytes per ledger category of model states on this rank.

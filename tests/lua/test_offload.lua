@@ -1,0 +1,189 @@
+-- test_offload.lua — the offload tiers end to end (scripts/train.lua under
+-- the launcher): optimizer states in host memory and on NVMe, the stage-3
+-- parameter shard on NVMe, each ending with the params_checksum of the same
+-- run without offload, at world sizes 1 and 2; the swap files vanish; the
+-- step reports the bytes it moved; bad offload settings name their key.
+local cjson = require("cjson")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+
+local T = {}
+local root = lz.root
+local q = support.quote
+local write_file, tmp = support.scratch()
+
+local text = ("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n")
+             :rep(60)
+local corpus = write_file("corpus.txt", text)
+local swap_dir = tmp .. "/nvme"
+os.execute("mkdir -p " .. q(swap_dir))
+
+local model_flags = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 " ..
+                    "--seq-len 16 --sample 0 --eval-batches 1 --seed 11"
+
+-- A config: stage, and offload blocks. sub_group_size 4096 cuts the
+-- optimizer states of the tiny model into several sub-groups.
+local function config(stage, opt, param, extra)
+  local z = { stage = stage, stage3_param_persistence_threshold = 128, overlap_comm = true,
+              reduce_bucket_size = 20000, stage3_prefetch_bucket_size = 20000,
+              sub_group_size = 4096 }
+  if opt then z.offload_optimizer = opt end
+  if param then z.offload_param = param end
+  local t = { train_batch_size = 4, gradient_clipping = 1.0,
+              optimizer = { type = "AdamW", params = { lr = 3e-3, weight_decay = 0.1 } },
+              zero_optimization = z, aio = { block_size = 8192, queue_depth = 4 } }
+  for k, v in pairs(extra or {}) do t[k] = v end
+  return t
+end
+
+local count = 0
+local function train(n, cfg, dtype, steps)
+  count = count + 1
+  local cfg_path = write_file(("cfg%d.json"):format(count), cjson.encode(cfg))
+  local log = ("%s/run%d.jsonl"):format(tmp, count)
+  local cmd = ("cd %s && %s %s scripts/train.lua %s --data %s --config %s --dtype %s " ..
+               "--steps %d --log %s 2>&1; echo \"EXIT:$?\"")
+              :format(q(root), q(lz.executable()), n > 1 and ("-n " .. n) or "", model_flags,
+                      q(corpus), q(cfg_path), dtype, steps, q(log))
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local status = tonumber(out:match("EXIT:(%d+)%s*$"))
+  out = out:gsub("EXIT:%d+%s*$", "")
+  local recs = {}
+  if status == 0 then
+    for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+  end
+  return { out = out, status = status, recs = recs,
+           checksum = recs[#recs] and recs[#recs].params_checksum }
+end
+
+local function must(r, what)
+  assert(r.status == 0, what .. " failed:\n" .. r.out)
+  return r
+end
+
+local function leftovers()
+  local p = io.popen("ls -A " .. q(swap_dir))
+  local s = p:read("*a")
+  p:close()
+  return s
+end
+
+local nvme = { device = "nvme", nvme_path = swap_dir }
+
+function T.offloaded_runs_end_with_the_checksum_of_the_run_without()
+  local cases = {
+    { "optimizer cpu", 1, config(1, { device = "cpu" }) },
+    { "optimizer nvme", 1, config(2, nvme) },
+    { "optimizer nvme, pipelined, 2 buffers", 2,
+      config(2, { device = "nvme", nvme_path = swap_dir, pipeline_read = true,
+                  pipeline_write = true, buffer_count = 2 }) },
+    { "param nvme + optimizer nvme", 3,
+      config(3, { device = "nvme", nvme_path = swap_dir, pipeline_read = true,
+                  pipeline_write = true }, nvme) },
+    { "param nvme + optimizer cpu", 3, config(3, { device = "cpu" }, nvme) },
+    { "param cpu", 3, config(3, nil, { device = "cpu" }) },
+  }
+  for _, n in ipairs({ 1, 2 }) do
+    for _, dtype in ipairs(n == 1 and { "fp32", "bf16" } or { "bf16" }) do
+      local want = {}
+      for _, c in ipairs(cases) do
+        local stage = c[2]
+        want[stage] = want[stage] or must(train(n, config(stage), dtype, 6),
+                                          ("world %d stage %d %s"):format(n, stage, dtype)).checksum
+        local r = must(train(n, c[3], dtype, 6), ("world %d %s %s"):format(n, c[1], dtype))
+        assert(r.checksum == want[stage],
+               ("world %d %s %s: checksum %s != %s without offload"):format(n, c[1], dtype,
+                                                                           r.checksum, want[stage]))
+        assert(leftovers() == "", "swap files left behind: " .. leftovers())
+      end
+      print(("    world %d %s: %d offload settings match stages 1-3"):format(n, dtype, #cases))
+    end
+  end
+end
+
+function T.the_step_reports_bytes_moved_to_and_from_nvme()
+  local r = must(train(1, config(3, nvme, nvme), "bf16", 3), "nvme run")
+  local last = r.recs[#r.recs - 1] -- the last step (the final record is the end event)
+  assert(last.nvme_read and last.nvme_written, "no nvme byte counts in the log")
+  -- Per step: every state sub-group read and written once (master, m, v:
+  -- 12 bytes per element, padded to whole sub-groups of 4096), plus the
+  -- working copy written and the parameter slices read for the gathers.
+  assert(last.nvme_written >= 12 * 4096, "written " .. last.nvme_written)
+  assert(last.nvme_read >= 12 * 4096, "read " .. last.nvme_read)
+  print(("    per step: %d bytes read, %d written"):format(last.nvme_read, last.nvme_written))
+end
+
+-- A model whose optimizer states (12 bytes per parameter: fp32 master, m,
+-- v) are larger than the memory budget trains through the NVMe tier; the
+-- budget holds by the ledger and by peak RSS. Without offload the same
+-- budget stops the run with an error naming it.
+function T.a_budget_smaller_than_the_optimizer_states_holds_through_nvme()
+  local gpt2 = require("models.gpt2")
+  local layout = require("luazero.zero.layout")
+  local dims = { n_layer = 4, n_embd = 1024, n_head = 16, context = 64 }
+  local m = gpt2.new(gpt2.config("gpt2-nano", dims))
+  local states = 12 * layout.new(m.param_table, 1).shard_numel
+  local budget = math.floor(0.85 * states)
+  local flags = ("--model gpt2-nano --n-layer 4 --n-embd 1024 --n-head 16 --context 64 " ..
+                 "--seq-len 64 --sample 0 --eval-batches 0 --memory-budget %d"):format(budget)
+  local function run(opt)
+    local cfg = { train_batch_size = 1, bf16 = { enabled = true },
+                  data_types = { grad_accum_dtype = "bf16" },
+                  zero_optimization = { stage = 2, sub_group_size = 1000000,
+                                        reduce_bucket_size = 1000000, offload_optimizer = opt } }
+    count = count + 1
+    local cfg_path = write_file(("budget%d.json"):format(count), cjson.encode(cfg))
+    local log = ("%s/budget%d.jsonl"):format(tmp, count)
+    local p = io.popen(("cd %s && %s scripts/train.lua %s --data %s --config %s --steps 2 " ..
+                        "--log %s 2>&1; echo \"EXIT:$?\""):format(q(root), q(lz.executable()),
+                       flags, q(corpus), q(cfg_path), q(log)))
+    local out = p:read("*a")
+    p:close()
+    local recs = {}
+    local f = io.open(log)
+    if f then
+      for l in f:lines() do recs[#recs + 1] = cjson.decode(l) end
+      f:close()
+    end
+    return out, tonumber(out:match("EXIT:(%d+)%s*$")), recs
+  end
+  local out, status, recs = run({ device = "nvme", nvme_path = swap_dir, pipeline_read = true,
+                                  pipeline_write = true, buffer_count = 3 })
+  assert(status == 0, out)
+  local mem = recs[2].mem
+  local ledger = mem.peak_ledger
+  print(("    optimizer states %.0f MiB, budget %.0f MiB: peak RSS %.0f MiB, ledger %.0f MiB " ..
+         "(optimizer %d, offload staging %.0f MiB), %.0f MiB read and %.0f MiB written per step")
+        :format(states / 2 ^ 20, budget / 2 ^ 20, mem.peak_rss / 2 ^ 20, ledger / 2 ^ 20,
+                mem.optimizer, mem.offload / 2 ^ 20, recs[2].nvme_read / 2 ^ 20,
+                recs[2].nvme_written / 2 ^ 20))
+  assert(mem.peak_rss <= budget and ledger <= budget)
+  assert(mem.optimizer == 0)
+  assert(recs[2].nvme_read >= states and recs[2].nvme_written >= states)
+  assert(leftovers() == "", "swap files left behind: " .. leftovers())
+  -- The same budget without offload: the run stops, naming the budget.
+  out, status = run(nil)
+  assert(status ~= 0, "a run without offload held a budget below its optimizer states")
+  assert(out:find("is over the memory budget", 1, true) and
+         out:find("offload the optimizer states", 1, true), out)
+end
+
+function T.bad_offload_settings_name_the_key()
+  local r = train(1, config(2, nil, nvme), "fp32", 1)
+  assert(r.status ~= 0)
+  assert(r.out:find("zero_optimization.offload_param needs stage 3 (got stage 2)", 1, true),
+         r.out)
+  r = train(1, config(1, { device = "nvme", nvme_path = tmp .. "/missing" }), "fp32", 1)
+  assert(r.status ~= 0)
+  assert(r.out:find("zero_optimization.offload_optimizer.nvme_path: cannot create a file in " ..
+                    tmp .. "/missing (No such file or directory)", 1, true), r.out)
+  local cfg = config(1, nvme)
+  cfg.aio.block_size = 5000
+  r = train(1, cfg, "fp32", 1)
+  assert(r.status ~= 0)
+  assert(r.out:find("aio.block_size must be a multiple of 4096 (got 5000)", 1, true), r.out)
+end
+
+return T
