@@ -337,7 +337,10 @@ function T.stage_auto_picks_0_for_a_small_model_and_more_on_a_small_budget()
   local budget = math.floor(L.numel * 16 / 4)
   out, status = train(4, ("%s --data %s --steps 1 --micro-batch 1 --stage auto --memory-budget %d")
                          :format(model_flags, corpus, budget))
-  assert(status == 0, out)
+  -- A budget this small cannot hold the process itself: the run picks its
+  -- stage, then stops at the first step naming the budget.
+  assert(status ~= 0 and out:find("step 1: rank 0's peak memory [^\n]* is over the memory budget"),
+         out)
   local picked = tonumber(out:match("stage auto: [^\n]*picked stage (%d)"))
   assert(picked and picked > 0, out)
   assert(out:find("zero stage " .. picked .. ","), out)
