@@ -1,0 +1,151 @@
+-- scripts/bench_offload.lua — the offload tiers' benchmarks (not tests):
+--   1. tiers on and off: gpt2 (124M), bf16, one rank: tokens/s of a training
+--      step with the optimizer states in memory, in host memory ("cpu"), on
+--      NVMe, and with the stage-3 parameter shard on NVMe too; the ratio to
+--      the run without offload, peak RSS, NVMe bytes per step.
+--   2. gpt2-xl (1.5B parameters: 16 bytes per parameter of model state is
+--      more than this machine's memory) for a few steps in bf16 with the
+--      optimizer states on NVMe: step time, peak RSS, bytes read and written
+--      per step, next to what the model states would need without offload.
+--   luazero scripts/bench_offload.lua [--part 1|2] [--nvme DIR] [--steps N]
+-- Part 2 writes a ~19 GB swap file in --nvme (default: the build folder, on
+-- the work disk) and takes a few minutes. Run it on a quiet machine.
+local cjson = require("cjson")
+local lz = require("luazero")
+local args = require("luazero.args")
+local gpt2 = require("models.gpt2")
+local layout = require("luazero.zero.layout")
+
+local flags = assert(args.parse(arg, {
+  { "part", "int", 0, "1 or 2 (0: both)" },
+  { "steps", "int", 3, "timed steps per run (the first step is not counted)" },
+  { "seq-len", "int", 64, "tokens per sequence" },
+  { "micro-batch", "int", 1, "sequences per step" },
+  { "nvme", "string", nil, "directory for the swap files (default: build/)" },
+  { "sub-group", "int", 50000000, "zero_optimization.sub_group_size for gpt2-xl" },
+  { "data", "string", nil, "corpus (default: a generated text)" },
+}))
+
+local root = lz.root
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local nvme = flags.nvme or (root .. "/build")
+
+local tmp = os.tmpname()
+os.remove(tmp)
+os.execute("mkdir -p " .. q(tmp))
+local data = flags.data
+if not data then
+  data = tmp .. "/corpus.txt"
+  local f = assert(io.open(data, "w"))
+  f:write(("The quick brown fox jumps over the lazy dog. "):rep(20000))
+  f:close()
+end
+
+local function mib(b) return b / 2 ^ 20 end
+
+-- Runs train.lua with a config; returns the per-step records (after the
+-- first) and the output.
+local function train(model_flags, cfg, steps)
+  local cfg_path = tmp .. "/cfg.json"
+  local f = assert(io.open(cfg_path, "w"))
+  f:write(cjson.encode(cfg))
+  f:close()
+  local log = tmp .. "/bench.jsonl"
+  os.remove(log)
+  local p = io.popen(("cd %s && %s scripts/train.lua %s --data %s --config %s --steps %d " ..
+                      "--seq-len %d --sample 0 --eval-batches 0 --log %s 2>&1")
+                     :format(q(root), q(lz.executable()), model_flags, q(data), q(cfg_path),
+                             steps + 1, flags.seq_len, q(log)))
+  local out = {}
+  for line in p:lines() do
+    out[#out + 1] = line
+    io.stderr:write("  | ", line, "\n")
+  end
+  p:close()
+  local recs = {}
+  f = io.open(log)
+  if not f then error("run failed:\n" .. table.concat(out, "\n"), 0) end
+  for l in f:lines() do
+    local r = cjson.decode(l)
+    if r.step and r.step > 1 then recs[#recs + 1] = r end
+  end
+  f:close()
+  if #recs < steps then error("run stopped early:\n" .. table.concat(out, "\n"), 0) end
+  return recs
+end
+
+local function median(xs)
+  table.sort(xs)
+  local n = #xs
+  return n % 2 == 1 and xs[(n + 1) / 2] or (xs[n / 2] + xs[n / 2 + 1]) / 2
+end
+
+local function summary(recs)
+  local ms, rd, wr = {}, {}, {}
+  for _, r in ipairs(recs) do
+    ms[#ms + 1] = r.step_ms
+    rd[#rd + 1] = r.nvme_read or 0
+    wr[#wr + 1] = r.nvme_written or 0
+  end
+  local last = recs[#recs]
+  local tokens = last.tokens / last.step
+  local step_ms = median(ms)
+  return { step_ms = step_ms, tokens_per_s = tokens / (step_ms / 1000),
+           peak_rss = last.mem.peak_rss, read = median(rd), written = median(wr) }
+end
+
+local function zero_cfg(stage, opt, param, sub_group)
+  return { train_micro_batch_size_per_gpu = flags.micro_batch, bf16 = { enabled = true },
+           data_types = { grad_accum_dtype = "bf16" },
+           optimizer = { type = "AdamW", params = { lr = 1e-4, weight_decay = 0.1 } },
+           zero_optimization = { stage = stage, sub_group_size = sub_group,
+                                 offload_optimizer = opt, offload_param = param },
+           aio = { block_size = 1048576, queue_depth = 8 } }
+end
+
+local function nvme_block(extra)
+  local b = { device = "nvme", nvme_path = nvme, pipeline_read = true, pipeline_write = true,
+              buffer_count = 4 }
+  for k, v in pairs(extra or {}) do b[k] = v end
+  return b
+end
+
+if flags.part == 0 or flags.part == 1 then
+  print("== 1. gpt2 (124M), bf16, one rank: a training step with each tier on and off")
+  local sub = 10000000
+  local runs = {
+    { "stage 2, states in memory", zero_cfg(2, nil, nil, sub) },
+    { "stage 2, optimizer on cpu", zero_cfg(2, { device = "cpu" }, nil, sub) },
+    { "stage 2, optimizer on nvme", zero_cfg(2, nvme_block(), nil, sub) },
+    { "stage 3, states in memory", zero_cfg(3, nil, nil, sub) },
+    { "stage 3, optimizer + params on nvme", zero_cfg(3, nvme_block(), nvme_block(), sub) },
+  }
+  local base = {}
+  print(("%-38s %10s %10s %8s %10s %12s %12s"):format("run", "tok/s", "step ms", "vs off",
+                                                      "peak RSS", "read/step", "written/step"))
+  for _, r in ipairs(runs) do
+    local s = summary(train("--model gpt2", r[2], flags.steps))
+    local stage = r[2].zero_optimization.stage
+    base[stage] = base[stage] or s.tokens_per_s
+    print(("%-38s %10.1f %10.0f %7.2fx %7.0f MiB %8.0f MiB %8.0f MiB")
+          :format(r[1], s.tokens_per_s, s.step_ms, s.tokens_per_s / base[stage],
+                  mib(s.peak_rss), mib(s.read), mib(s.written)))
+  end
+end
+
+if flags.part == 0 or flags.part == 2 then
+  print("== 2. gpt2-xl, bf16, one rank, stage 2, optimizer states on NVMe (" .. nvme .. ")")
+  local m = gpt2.new(gpt2.config("gpt2-xl"))
+  local n = layout.new(m.param_table, 1).full_numel
+  print(("gpt2-xl: %.2fB parameters; model states without offload: %.1f GiB (16 B per " ..
+         "parameter: bf16 weights and grads, fp32 master, m, v); optimizer states %.1f GiB")
+        :format(m:count_params() / 1e9, 16 * n / 2 ^ 30, 12 * n / 2 ^ 30))
+  local s = summary(train("--model gpt2-xl", zero_cfg(2, nvme_block(), nil, flags.sub_group),
+                          flags.steps))
+  print(("step %.1f s (median of %d), %.1f tokens/s, peak RSS %.2f GiB, per step %.2f GiB read " ..
+         "and %.2f GiB written (%.2f and %.2f GB/s over the step)")
+        :format(s.step_ms / 1000, flags.steps, s.tokens_per_s, s.peak_rss / 2 ^ 30,
+                s.read / 2 ^ 30, s.written / 2 ^ 30, s.read / s.step_ms / 1e6,
+                s.written / s.step_ms / 1e6))
+end
+os.execute("rm -rf " .. q(tmp))
