@@ -14,14 +14,14 @@
 #include <errno.h>             /* EINTR */
 #include <lauxlib.h>           /* luaL_newstate, luaL_loadfile */
 #include <libgen.h>            /* dirname */
-#include <limits.h>  /* PATH_MAX */
-#include <lua.h>     /* the Lua C API */
-#include <lualib.h>  /* luaL_openlibs */
-#include <poll.h>    /* poll on stdin while the REPL waits */
-#include <stdio.h>   /* fprintf, getchar */
-#include <stdlib.h>  /* setenv, getenv, strtol */
-#include <string.h>  /* strcmp, strerror */
-#include <unistd.h>  /* readlink, isatty */
+#include <limits.h>            /* PATH_MAX */
+#include <lua.h>               /* the Lua C API */
+#include <lualib.h>            /* luaL_openlibs */
+#include <poll.h>              /* poll on stdin while the REPL waits */
+#include <stdio.h>             /* fprintf, getchar */
+#include <stdlib.h>            /* setenv, getenv, strtol */
+#include <string.h>            /* strcmp, strerror */
+#include <unistd.h>            /* readlink, isatty */
 
 static const char *usage =
     "usage: luazero [options] [script.lua [args...]]\n"
@@ -48,7 +48,7 @@ static void find_root(char *root, size_t len) {
     return;
   }
   exe[n] = 0;
-  char *dir = dirname(exe);        /* build/bin */
+  char *dir = dirname(exe);         /* build/bin */
   char *up = dirname(dirname(dir)); /* the root */
   snprintf(root, len, "%s", up);
 }
@@ -124,7 +124,8 @@ static int wait_input(lua_State *L, double idle_s) {
     int ms = idle_s > 0 ? (int)(idle_s * 1000) : -1;
     int r = poll(&p, 1, ms);
     if (r > 0) return 1;
-    if (r < 0 && errno != EINTR) return luaL_error(L, "lineedit: poll on stdin: %s", strerror(errno));
+    if (r < 0 && errno != EINTR)
+      return luaL_error(L, "lineedit: poll on stdin: %s", strerror(errno));
     if (r == 0 && lua_isfunction(L, 3)) {
       lua_pushvalue(L, 3);
       lua_call(L, 0, 0);
@@ -161,8 +162,10 @@ static int lineedit_read_tty(lua_State *L, const char *prompt, double idle_s) {
   if (*s) {
     add_history(edited_line);
     if (history_path[0] && write_history(history_path) != 0 && history_path[0]) {
-      fprintf(stderr, "luazero: cannot write the REPL history to %s (set LUAZERO_HISTORY to a "
-                      "writable file); history is off\n", history_path);
+      fprintf(stderr,
+              "luazero: cannot write the REPL history to %s (set LUAZERO_HISTORY to a "
+              "writable file); history is off\n",
+              history_path);
       history_path[0] = 0;
     }
   }
@@ -200,8 +203,10 @@ static int lineedit_open(lua_State *L) {
   if (!ready && isatty(0)) {
     const char *h = getenv("LUAZERO_HISTORY");
     const char *home = getenv("HOME");
-    if (h && *h) snprintf(history_path, sizeof history_path, "%s", h);
-    else if (home && *home) snprintf(history_path, sizeof history_path, "%s/.luazero_history", home);
+    if (h && *h)
+      snprintf(history_path, sizeof history_path, "%s", h);
+    else if (home && *home)
+      snprintf(history_path, sizeof history_path, "%s/.luazero_history", home);
     using_history();
     stifle_history(1000);
     if (history_path[0]) read_history(history_path); /* none yet is fine */
