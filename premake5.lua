@@ -94,7 +94,7 @@ project "luazero-bin"
   targetname "luazero"
   files { "lua/main.c" }
   includedirs { "/usr/include/luajit-2.1" }
-  links { "luazero", "luajit-5.1", "dl", "m" }
+  links { "luazero", "luajit-5.1", "edit", "dl", "m" }
   -- -Wl,-E: the executable's symbols are visible to LuaJIT's ffi.C.
   linkoptions { "-Wl,-E", "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")

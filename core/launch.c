@@ -6,7 +6,8 @@
  * share of the cores, relays the output of ranks other than 0 with a
  * "[rank N] " prefix, and watches them: when one fails the others get
  * SIGTERM, then SIGKILL, and the launcher exits non-zero naming the rank and
- * how it ended. The segment is unlinked on every exit path of the launcher
+ * how it ended. Rank 0 keeps the launcher's stdin (the terminal of a REPL);
+ * the others read /dev/null. The segment is unlinked on every exit path of the launcher
  * (rank 0 also unlinks it once all ranks have mapped it, so even a SIGKILLed
  * launcher leaves nothing behind: ranks die with it through PDEATHSIG).
  *
@@ -349,6 +350,17 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
       signal(SIGHUP, SIG_DFL);
+      /* Only rank 0 reads the terminal (the REPL of `-n N -i` runs there);
+       * the others would steal its input. */
+      if (r > 0) {
+        int dn = open("/dev/null", O_RDONLY);
+        if (dn < 0 || dup2(dn, 0) < 0) {
+          fprintf(stderr, "luazero: rank %d: cannot point stdin at /dev/null: %s\n", r,
+                  strerror(errno));
+          _exit(127);
+        }
+        if (dn != 0) close(dn);
+      }
       if (pout[1] >= 0) {
         dup2(pout[1], 1);
         dup2(perr[1], 2);

@@ -1,5 +1,6 @@
 /* main.c — the luazero executable: LuaJIT with the luazero package on its
- * path, the launcher (-n N) and a plain REPL.
+ * path, the launcher (-n N) and the REPL's line input (the REPL is
+ * lua/luazero/repl.lua).
  *
  *   luazero script.lua args...      run a script (arg[0] = script, arg[1..] = args)
  *   luazero -e 'code'               run a chunk
@@ -9,15 +10,18 @@
  */
 #include "luazero.h"
 
-#include <lauxlib.h> /* luaL_newstate, luaL_loadfile */
-#include <libgen.h>  /* dirname */
-#include <limits.h>  /* PATH_MAX */
-#include <lua.h>     /* the Lua C API */
-#include <lualib.h>  /* luaL_openlibs */
-#include <stdio.h>   /* fprintf, fgets */
-#include <stdlib.h>  /* setenv, getenv, strtol */
-#include <string.h>  /* strcmp */
-#include <unistd.h>  /* readlink, isatty */
+#include <editline/readline.h> /* readline's callback interface and history, from libedit */
+#include <errno.h>             /* EINTR */
+#include <lauxlib.h>           /* luaL_newstate, luaL_loadfile */
+#include <libgen.h>            /* dirname */
+#include <limits.h>            /* PATH_MAX */
+#include <lua.h>               /* the Lua C API */
+#include <lualib.h>            /* luaL_openlibs */
+#include <poll.h>              /* poll on stdin while the REPL waits */
+#include <stdio.h>             /* fprintf, getchar */
+#include <stdlib.h>            /* setenv, getenv, strtol */
+#include <string.h>            /* strcmp, strerror */
+#include <unistd.h>            /* readlink, isatty */
 
 static const char *usage =
     "usage: luazero [options] [script.lua [args...]]\n"
@@ -44,7 +48,7 @@ static void find_root(char *root, size_t len) {
     return;
   }
   exe[n] = 0;
-  char *dir = dirname(exe);        /* build/bin */
+  char *dir = dirname(exe);         /* build/bin */
   char *up = dirname(dirname(dir)); /* the root */
   snprintf(root, len, "%s", up);
 }
@@ -58,11 +62,11 @@ static int traceback(lua_State *L) {
   return 1;
 }
 
-static int run_chunk(lua_State *L, int nargs) {
+static int run_chunk_results(lua_State *L, int nargs, int nresults) {
   int base = lua_gettop(L) - nargs;
   lua_pushcfunction(L, traceback);
   lua_insert(L, base);
-  int st = lua_pcall(L, nargs, 0, base);
+  int st = lua_pcall(L, nargs, nresults, base);
   lua_remove(L, base);
   if (st != 0) {
     fprintf(stderr, "luazero: %s\n", lua_tostring(L, -1));
@@ -70,6 +74,8 @@ static int run_chunk(lua_State *L, int nargs) {
   }
   return st;
 }
+
+static int run_chunk(lua_State *L, int nargs) { return run_chunk_results(L, nargs, 0); }
 
 static void setup_paths(lua_State *L, const char *root) {
   char buf[4 * PATH_MAX + 256];
@@ -90,60 +96,144 @@ static void setup_paths(lua_State *L, const char *root) {
   lua_setglobal(L, "LUAZERO_ROOT");
 }
 
-/* The REPL: a line at a time; "=expr" or a bare expression prints its values;
- * an incomplete chunk asks for more lines. */
-static void repl(lua_State *L) {
-  char line[4096], chunk[65536];
-  size_t used = 0;
-  int tty = isatty(0);
-  if (tty) printf("luazero %s  (LuaJIT; `lz = require \"luazero\"`; Ctrl-D quits)\n", lz_version());
+/* Line input for the REPL (lua/luazero/repl.lua does the rest), as the module
+ * luazero.lineedit:
+ *
+ *   lineedit.read(prompt [, idle_s, on_idle]) -> line without its newline, or nil at EOF
+ *   lineedit.tty                                 whether stdin is a terminal
+ *
+ * On a terminal it edits with libedit and keeps a history in
+ * $LUAZERO_HISTORY (default ~/.luazero_history); otherwise it reads plain
+ * lines. While it waits, on_idle() runs every idle_s seconds: a multi-rank
+ * REPL keeps the other ranks' collective waits short that way. */
+static char history_path[PATH_MAX];
+static char *edited_line;
+static int edited_done;
+
+static void on_edited_line(char *line) {
+  edited_line = line;
+  edited_done = 1;
+  rl_callback_handler_remove(); /* no prompt redrawn after the line */
+}
+
+/* Waits until stdin is readable or idle_s passes (then runs on_idle, at
+ * stack index 3). Returns 1 when readable, raises on_idle's errors. */
+static int wait_input(lua_State *L, double idle_s) {
   for (;;) {
-    if (tty) {
-      fputs(used ? ">> " : "> ", stdout);
-      fflush(stdout);
+    struct pollfd p = {0, POLLIN, 0};
+    int ms = idle_s > 0 ? (int)(idle_s * 1000) : -1;
+    int r = poll(&p, 1, ms);
+    if (r > 0) return 1;
+    if (r < 0 && errno != EINTR)
+      return luaL_error(L, "lineedit: poll on stdin: %s", strerror(errno));
+    if (r == 0 && lua_isfunction(L, 3)) {
+      lua_pushvalue(L, 3);
+      lua_call(L, 0, 0);
     }
-    if (!fgets(line, sizeof line, stdin)) break;
-    size_t n = strlen(line);
-    if (used + n + 1 >= sizeof chunk) used = 0;
-    memcpy(chunk + used, line, n + 1);
-    used += n;
-    /* Try as an expression first, then as a statement. */
-    char expr[65536 + 16];
-    snprintf(expr, sizeof expr, "return %s", chunk[0] == '=' ? chunk + 1 : chunk);
-    int st = luaL_loadbuffer(L, expr, strlen(expr), "=stdin");
-    if (st != 0) {
-      lua_pop(L, 1);
-      st = luaL_loadbuffer(L, chunk, used, "=stdin");
-    }
-    if (st == LUA_ERRSYNTAX) {
-      const char *msg = lua_tostring(L, -1);
-      if (strstr(msg, "<eof>")) { /* incomplete: read more */
-        lua_pop(L, 1);
-        continue;
-      }
-      fprintf(stderr, "%s\n", msg);
-      lua_pop(L, 1);
-      used = 0;
-      continue;
-    }
-    used = 0;
-    int top = lua_gettop(L) - 1;
-    lua_pushcfunction(L, traceback);
-    lua_insert(L, top + 1);
-    if (lua_pcall(L, 0, LUA_MULTRET, top + 1) != 0) {
-      fprintf(stderr, "%s\n", lua_tostring(L, -1));
-      lua_settop(L, top);
-      continue;
-    }
-    int nres = lua_gettop(L) - (top + 1);
-    if (nres > 0) {
-      lua_getglobal(L, "print");
-      for (int i = 0; i < nres; i++) lua_pushvalue(L, top + 2 + i);
-      if (lua_pcall(L, nres, 0, 0) != 0) fprintf(stderr, "%s\n", lua_tostring(L, -1));
-    }
-    lua_settop(L, top);
   }
-  if (tty) printf("\n");
+}
+
+static int lineedit_read_tty(lua_State *L, const char *prompt, double idle_s) {
+  edited_line = NULL;
+  edited_done = 0;
+  rl_callback_handler_install(prompt, on_edited_line);
+  while (!edited_done) {
+    struct pollfd p = {0, POLLIN, 0};
+    int r = poll(&p, 1, idle_s > 0 ? (int)(idle_s * 1000) : -1);
+    if (r > 0) {
+      rl_callback_read_char();
+    } else if (r == 0 && lua_isfunction(L, 3)) {
+      lua_pushvalue(L, 3);
+      if (lua_pcall(L, 0, 0, 0) != 0) { /* give the terminal back before raising */
+        rl_callback_handler_remove();
+        return lua_error(L);
+      }
+    } else if (r < 0 && errno != EINTR) {
+      rl_callback_handler_remove();
+      return luaL_error(L, "lineedit: poll on stdin: %s", strerror(errno));
+    }
+  }
+  if (!edited_line) {
+    lua_pushnil(L);
+    return 1;
+  }
+  const char *s = edited_line;
+  while (*s == ' ' || *s == '\t') s++;
+  if (*s) {
+    add_history(edited_line);
+    if (history_path[0] && write_history(history_path) != 0 && history_path[0]) {
+      fprintf(stderr,
+              "luazero: cannot write the REPL history to %s (set LUAZERO_HISTORY to a "
+              "writable file); history is off\n",
+              history_path);
+      history_path[0] = 0;
+    }
+  }
+  lua_pushstring(L, edited_line);
+  free(edited_line);
+  edited_line = NULL;
+  return 1;
+}
+
+static int lineedit_read(lua_State *L) {
+  const char *prompt = luaL_optstring(L, 1, "> ");
+  double idle_s = luaL_optnumber(L, 2, 0);
+  lua_settop(L, 3);
+  if (isatty(0)) return lineedit_read_tty(L, prompt, idle_s);
+  fflush(stdout); /* no prompt: piped input makes no conversation */
+  wait_input(L, idle_s);
+  luaL_Buffer b;
+  luaL_buffinit(L, &b);
+  int c, any = 0;
+  /* stdin is unbuffered here (see lineedit_open): poll sees every line. */
+  while ((c = getchar()) != EOF && c != '\n') {
+    luaL_addchar(&b, (char)c);
+    any = 1;
+  }
+  if (c == EOF && !any) {
+    lua_pushnil(L);
+    return 1;
+  }
+  luaL_pushresult(&b);
+  return 1;
+}
+
+static int lineedit_open(lua_State *L) {
+  static int ready;
+  if (!ready && isatty(0)) {
+    const char *h = getenv("LUAZERO_HISTORY");
+    const char *home = getenv("HOME");
+    if (h && *h)
+      snprintf(history_path, sizeof history_path, "%s", h);
+    else if (home && *home)
+      snprintf(history_path, sizeof history_path, "%s/.luazero_history", home);
+    using_history();
+    stifle_history(1000);
+    if (history_path[0]) read_history(history_path); /* none yet is fine */
+  } else if (!ready) {
+    setvbuf(stdin, NULL, _IONBF, 0);
+  }
+  ready = 1;
+  lua_newtable(L);
+  lua_pushcfunction(L, lineedit_read);
+  lua_setfield(L, -2, "read");
+  lua_pushboolean(L, isatty(0));
+  lua_setfield(L, -2, "tty");
+  return 1;
+}
+
+/* The REPL itself is lua/luazero/repl.lua; script_failed says how the
+ * script before it ended. */
+static int repl(lua_State *L, int script_failed) {
+  lua_getglobal(L, "require");
+  lua_pushstring(L, "luazero.repl");
+  if (run_chunk_results(L, 1, 1) != 0) return 1;
+  lua_getfield(L, -1, "run");
+  lua_remove(L, -2);
+  lua_newtable(L);
+  lua_pushboolean(L, script_failed);
+  lua_setfield(L, -2, "script_failed");
+  return run_chunk_results(L, 1, 0);
 }
 
 int main(int argc, char **argv) {
@@ -238,6 +328,11 @@ int main(int argc, char **argv) {
     return 1;
   }
   luaL_openlibs(L);
+  lua_getglobal(L, "package");
+  lua_getfield(L, -1, "preload");
+  lua_pushcfunction(L, lineedit_open);
+  lua_setfield(L, -2, "luazero.lineedit");
+  lua_pop(L, 2);
   char root[PATH_MAX];
   find_root(root, sizeof root);
   setup_paths(L, root);
@@ -249,6 +344,10 @@ int main(int argc, char **argv) {
     lua_rawseti(L, -2, first_script ? k - first_script : k - argc);
   }
   lua_setglobal(L, "arg");
+  int repl_after = interactive || (!first_script && !n_exec);
+  /* A script can keep what the REPL should see (scripts/train.lua keeps its engine). */
+  lua_pushboolean(L, repl_after);
+  lua_setglobal(L, "LUAZERO_INTERACTIVE");
 
   int status = 0;
   for (int k = 0; k < n_exec && status == 0; k++) {
@@ -276,9 +375,7 @@ int main(int argc, char **argv) {
       status = run_chunk(L, nargs);
     }
   }
-  if (interactive || (!first_script && !n_exec)) {
-    repl(L);
-  }
+  if (repl_after && repl(L, status != 0) != 0) status = 1;
   /* A failed script exits without lua_close: closing would run finalizers
    * (an MPI communicator's among them) that make peers wait out a timeout
    * instead of being stopped at once. */

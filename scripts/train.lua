@@ -278,6 +278,12 @@ local function main(argv)
     end
   end
 
+  if rawget(_G, "LUAZERO_INTERACTIVE") then
+    -- luazero -i: the REPL looks at what the run left (shards(engine), ...).
+    rawset(_G, "engine", engine); rawset(_G, "model", model); rawset(_G, "loader", loader)
+    rawset(_G, "cfg", cfg)
+    return
+  end
   engine:free()
   loader:free()
   corpus.tokens:free()

@@ -1,0 +1,114 @@
+-- repl.lua — luazero's read-eval-print loop (`luazero`, `luazero -i script.lua`).
+-- A line at a time: "=expr" or a bare expression prints its values
+-- (luazero.show: tensors, modules, the engine, the ledger, tables); an
+-- incomplete chunk continues at a ">> " prompt; errors print with their
+-- traceback and the loop goes on. The helpers of luazero.inspect (shards,
+-- norms, mem, gather, estimate) are globals.
+--
+-- Under `luazero -n N -i` rank 0 runs the loop and the other ranks serve its
+-- helpers (luazero.serve); Ctrl-D on rank 0 ends every rank.
+--
+-- Line editing and history come from the luazero executable
+-- (luazero.lineedit, libedit); from a plain luajit the loop reads io.stdin.
+local show = require("luazero.show")
+local serve = require("luazero.serve")
+local inspect = require("luazero.inspect")
+
+local M = {}
+
+local function reader()
+  local ok, le = pcall(require, "luazero.lineedit")
+  if ok then return le.read, le.tty end
+  return function(prompt)
+    io.stdout:write(prompt)
+    io.stdout:flush()
+    return io.read("*l")
+  end, false
+end
+
+-- Compiles a chunk: an expression first (its values are printed), then a
+-- statement. Returns the function, or nil and whether the chunk is
+-- incomplete, or nil and the syntax error.
+local function compile(chunk)
+  local text = chunk:sub(1, 1) == "=" and chunk:sub(2) or chunk
+  local f = loadstring("return " .. text, "=stdin")
+  if f then return f end
+  local err
+  f, err = loadstring(text, "=stdin")
+  if f then return f end
+  if err:find("'<eof>'$") then return nil, true end
+  return nil, false, err
+end
+
+local function pack(...) return { n = select("#", ...), ... } end
+
+-- The error with the traceback of the chunk's own frames (not the REPL's).
+local function traceback(err)
+  local tb = debug.traceback(tostring(err), 2)
+  return (tb:gsub("\n%s*%[C%]: in function 'xpcall'.*$", ""))
+end
+
+local function print_values(res)
+  local parts, multi = {}, false
+  for i = 2, res.n do
+    local ok, text = pcall(show.value, res[i])
+    parts[#parts + 1] = ok and text or ("<cannot show: " .. tostring(text) .. ">")
+    if parts[#parts]:find("\n") then multi = true end
+  end
+  print(table.concat(parts, multi and "\n" or "\t"))
+end
+
+local function install_helpers()
+  for _, name in ipairs(inspect.globals) do
+    if rawget(_G, name) == nil then rawset(_G, name, inspect[name]) end
+  end
+  if rawget(_G, "lz") == nil then rawset(_G, "lz", require("luazero")) end
+end
+
+-- opts.script_failed: the script before the loop raised (its traceback is
+-- printed already).
+function M.run(opts)
+  opts = opts or {}
+  install_helpers()
+  if serve.multi() and serve.rank() ~= 0 then
+    serve.loop()
+    return
+  end
+  local read, tty = reader()
+  local multi = serve.lead()
+  if tty then
+    local lz = require("luazero")
+    print(("luazero %s REPL%s — helpers: %s; Ctrl-D quits"):format(lz.version(),
+          multi and (" on rank 0 of %d"):format(serve.size()) or "",
+          table.concat(inspect.globals, ", ")))
+    if opts.script_failed then print("(the script failed; its globals are here)") end
+  end
+  local idle = multi and serve.idle_seconds() or nil
+  local on_idle = multi and serve.ping or nil
+  local chunk = nil
+  while true do
+    local line = read(chunk and ">> " or "> ", idle, on_idle)
+    if line == nil then break end
+    chunk = chunk and (chunk .. "\n" .. line) or line
+    local f, incomplete, err = compile(chunk)
+    if f then
+      chunk = nil
+      local res = pack(xpcall(f, traceback))
+      if not res[1] then
+        io.stderr:write(tostring(res[2]), "\n")
+        io.stderr:flush()
+      elseif res.n > 1 then
+        print_values(res)
+      end
+      io.stdout:flush()
+    elseif not incomplete then
+      chunk = nil
+      io.stderr:write(err, "\n")
+      io.stderr:flush()
+    end
+  end
+  if tty then io.stdout:write("\n") end
+  serve.quit()
+end
+
+return M

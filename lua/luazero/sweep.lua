@@ -1,0 +1,499 @@
+-- sweep.lua — hyperparameter sweeps over scripts/train.lua (or another
+-- script taking --flags): expand a sweep file into runs, run each as its own
+-- job through the launcher (up to K at once, cores shared), record every
+-- run's status, and summarise in results.csv, results.md and loss.png.
+-- docs/sweeps.md describes the sweep file and the outputs.
+--
+--   local sweep = require("luazero.sweep")
+--   local spec = sweep.load("sweeps/example.lua")
+--   local runs = sweep.expand(spec)        -- { {id, flags, swept, ranks}, ... }
+--   sweep.run(spec, runs, { out = "sweep-out", jobs = 2, retry_failed = false })
+local bit = require("bit")
+local ffi = require("ffi")
+local cjson = require("cjson")
+local lz = require("luazero")
+
+local M = {}
+
+M.PLOT = { width = 900, height = 560 }
+
+pcall(ffi.cdef, [[
+int posix_spawnp(int *pid, const char *file, const void *file_actions, const void *attrp,
+                 char *const argv[], char *const envp[]);
+int waitpid(int pid, int *status, int options);
+int poll(void *fds, unsigned long nfds, int timeout);
+extern char **environ;
+]])
+
+local function fail(msg) error("sweep: " .. msg, 0) end
+
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+local function sleep_ms(ms) ffi.C.poll(nil, 0, ms) end
+
+local function now()
+  return require("luazero.clock").now()
+end
+
+------------------------------------------------------------------ the sweep file
+
+local function is_list(t)
+  if type(t) ~= "table" then return false end
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  return n == #t
+end
+
+local function check_value(where, k, v)
+  local t = type(v)
+  if t ~= "string" and t ~= "number" and t ~= "boolean" then
+    fail(("%s: %s must be a string, number or boolean (got a %s)"):format(where, k, t))
+  end
+end
+
+-- Reads and checks a sweep file: a Lua chunk returning
+-- { name, ranks, script, base, grid, runs, plot }.
+function M.load(path)
+  local chunk, err = loadfile(path)
+  if not chunk then fail(("%s: %s"):format(path, err)) end
+  local ok, spec = pcall(chunk)
+  if not ok then fail(("%s: %s"):format(path, tostring(spec))) end
+  if type(spec) ~= "table" then
+    fail(("%s must return a table ({ grid = {...}, runs = {...}, base = {...} }); got a %s")
+         :format(path, type(spec)))
+  end
+  local known = { name = true, ranks = true, script = true, base = true, grid = true, runs = true,
+                  plot = true }
+  for k in pairs(spec) do
+    if not known[k] then
+      fail(("%s: unknown key '%s' (name, ranks, script, base, grid, runs, plot)"):format(path, tostring(k)))
+    end
+  end
+  if spec.grid == nil and spec.runs == nil then
+    fail(("%s: give a grid ({ lr = {1e-3, 3e-4} }) or a list of runs ({ {lr = 1e-3}, ... }), or both")
+         :format(path))
+  end
+  spec.name = spec.name or path:match("([^/]+)%.lua$") or "sweep"
+  spec.ranks = spec.ranks or 1
+  if type(spec.ranks) ~= "number" or spec.ranks < 1 or spec.ranks ~= math.floor(spec.ranks) then
+    fail(("%s: ranks must be a whole number >= 1 (got %s)"):format(path, tostring(spec.ranks)))
+  end
+  spec.base = spec.base or {}
+  for k, v in pairs(spec.base) do check_value(path .. ": base", k, v) end
+  for k, vs in pairs(spec.grid or {}) do
+    if not is_list(vs) or #vs == 0 then
+      fail(("%s: grid.%s must be a non-empty list of values ({1e-3, 3e-4})"):format(path, tostring(k)))
+    end
+    for _, v in ipairs(vs) do check_value(path .. ": grid", k, v) end
+  end
+  if spec.runs ~= nil and not is_list(spec.runs) then
+    fail(("%s: runs must be a list of tables ({ {lr = 1e-3}, {lr = 3e-4} })"):format(path))
+  end
+  for i, r in ipairs(spec.runs or {}) do
+    if type(r) ~= "table" then fail(("%s: runs[%d] must be a table of flags"):format(path, i)) end
+    for k, v in pairs(r) do check_value(("%s: runs[%d]"):format(path, i), k, v) end
+  end
+  spec.plot = spec.plot or {}
+  spec.source = path
+  return spec
+end
+
+------------------------------------------------------------------ runs
+
+local function flag_name(k) return (tostring(k):gsub("_", "-")) end
+
+local function value_text(v)
+  if type(v) == "number" and v == math.floor(v) and math.abs(v) < 2 ^ 53 then
+    return ("%d"):format(v)
+  end
+  return tostring(v)
+end
+
+local function sorted_keys(t)
+  local ks = {}
+  for k in pairs(t) do ks[#ks + 1] = k end
+  table.sort(ks, function(a, b) return flag_name(a) < flag_name(b) end)
+  return ks
+end
+
+-- A stable id: the swept values as a slug, then 8 hex digits of a hash of
+-- every flag (so two runs never share an id).
+local function run_id(flags, swept_keys, ranks)
+  local parts = {}
+  for _, k in ipairs(swept_keys) do
+    if k == "ranks" then parts[#parts + 1] = "ranks" .. ranks
+    elseif flags[k] ~= nil then parts[#parts + 1] = flag_name(k) .. value_text(flags[k]) end
+  end
+  local slug = table.concat(parts, "_"):gsub("[^%w%.%-_]", "")
+  local all = { "ranks=" .. ranks }
+  for _, k in ipairs(sorted_keys(flags)) do all[#all + 1] = flag_name(k) .. "=" .. value_text(flags[k]) end
+  local text = table.concat(all, "\n")
+  local h = require("bit").tohex(lz.xxh64(ffi.cast("const char *", text), #text, 0), 8)
+  if slug == "" then return h end
+  return slug:sub(1, 80) .. "-" .. h
+end
+
+-- Every run: the grid's product (keys in name order) and then the listed
+-- runs, each on top of base. A key "ranks" sets the run's ranks.
+function M.expand(spec)
+  local combos = {}
+  if spec.grid then
+    local keys = sorted_keys(spec.grid)
+    local function rec(i, acc)
+      if i > #keys then
+        local c = {}
+        for k, v in pairs(acc) do c[k] = v end
+        combos[#combos + 1] = c
+        return
+      end
+      for _, v in ipairs(spec.grid[keys[i]]) do
+        acc[keys[i]] = v
+        rec(i + 1, acc)
+      end
+      acc[keys[i]] = nil
+    end
+    rec(1, {})
+  end
+  for _, r in ipairs(spec.runs or {}) do combos[#combos + 1] = r end
+  -- The swept keys: whatever the grid or a run sets.
+  local swept_set = {}
+  for _, c in ipairs(combos) do for k in pairs(c) do swept_set[k] = true end end
+  local swept_keys = sorted_keys(swept_set)
+  local runs, seen = {}, {}
+  for _, c in ipairs(combos) do
+    local flags = {}
+    for k, v in pairs(spec.base) do flags[k] = v end
+    local ranks = spec.ranks
+    for k, v in pairs(c) do
+      if k == "ranks" then ranks = v else flags[k] = v end
+    end
+    if type(ranks) ~= "number" or ranks < 1 or ranks ~= math.floor(ranks) then
+      fail(("ranks must be a whole number >= 1 (got %s)"):format(tostring(ranks)))
+    end
+    local swept = {}
+    for _, k in ipairs(swept_keys) do swept[k] = k == "ranks" and ranks or flags[k] end
+    local id = run_id(flags, swept_keys, ranks)
+    if not seen[id] then
+      seen[id] = true
+      runs[#runs + 1] = { id = id, flags = flags, swept = swept, ranks = ranks }
+    end
+  end
+  M.swept_keys = swept_keys
+  return runs, swept_keys
+end
+
+-- "lr=0.001 stage=3": a run's label in the plot and the progress lines.
+function M.label(run, swept_keys)
+  local parts = {}
+  for _, k in ipairs(swept_keys) do
+    if run.swept[k] ~= nil then parts[#parts + 1] = flag_name(k) .. "=" .. value_text(run.swept[k]) end
+  end
+  return #parts > 0 and table.concat(parts, " ") or run.id
+end
+
+------------------------------------------------------------------ files
+
+local function read_file(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+local function write_file(path, text)
+  local tmp = path .. ".tmp"
+  local f, err = io.open(tmp, "wb")
+  if not f then fail(("cannot write %s (%s)"):format(tmp, err)) end
+  local ok, werr = f:write(text)
+  f:close()
+  if not ok then fail(("cannot write %s (%s)"):format(tmp, werr)) end
+  local rok, rerr = os.rename(tmp, path)
+  if not rok then fail(("cannot rename %s to %s (%s)"):format(tmp, path, rerr)) end
+end
+
+local function mkdir(path)
+  local ok = os.execute("mkdir -p " .. q(path))
+  if ok ~= 0 and ok ~= true then fail(("cannot create the folder %s"):format(path)) end
+end
+
+local function cpus()
+  local p = io.popen("nproc 2>/dev/null")
+  local n = p and tonumber(p:read("*l") or "")
+  if p then p:close() end
+  return n or 1
+end
+
+------------------------------------------------------------------ metrics
+
+-- What a run's metrics log says: final loss, last validation loss, mean
+-- tokens/s (the first step, warming up, left out), peak ledger bytes and
+-- peak RSS of rank 0 (the rank that logs), and the loss curve.
+function M.metrics(path)
+  local out = { curve = {} }
+  local f = io.open(path, "r")
+  if not f then return out end
+  local tps, n_tps = 0, 0
+  for line in f:lines() do
+    local ok, r = pcall(cjson.decode, line)
+    if ok and type(r) == "table" and r.step then
+      out.curve[#out.curve + 1] = { r.step, r.loss }
+      out.final_loss = r.loss
+      out.steps = r.step
+      if r.val_loss then out.val_loss = r.val_loss end
+      if r.step > 1 and r.tokens_per_s then
+        tps, n_tps = tps + r.tokens_per_s, n_tps + 1
+      end
+      out.first_tps = out.first_tps or r.tokens_per_s
+      if type(r.mem) == "table" then
+        local total = 0
+        for _, c in ipairs(lz.category_order) do total = total + (r.mem[c] or 0) end
+        out.peak_mem = math.max(out.peak_mem or 0, total)
+        out.peak_rss = math.max(out.peak_rss or 0, r.mem.peak_rss or 0)
+      end
+    end
+  end
+  f:close()
+  out.tokens_per_s = n_tps > 0 and tps / n_tps or out.first_tps
+  return out
+end
+
+local function last_lines(text, n)
+  local lines = {}
+  for l in (text or ""):gmatch("[^\n]+") do
+    if l:match("%S") then lines[#lines + 1] = l end
+  end
+  local first = math.max(1, #lines - n + 1)
+  return table.concat(lines, "\n", first)
+end
+
+------------------------------------------------------------------ jobs
+
+local function spawn(cmd)
+  local argv = ffi.new("char *[4]")
+  local strs = { "/bin/sh", "-c", cmd }
+  local keep = {}
+  for i, s in ipairs(strs) do
+    keep[i] = ffi.new("char[?]", #s + 1, s)
+    argv[i - 1] = keep[i]
+  end
+  argv[3] = nil
+  local pid = ffi.new("int[1]")
+  local rc = ffi.C.posix_spawnp(pid, "/bin/sh", nil, nil, argv, ffi.C.environ)
+  if rc ~= 0 then fail(("cannot start a job (posix_spawnp error %d): %s"):format(rc, cmd)) end
+  return pid[0]
+end
+
+-- nil while the job runs; else exit code (128 + signal when killed).
+local function reap(pid)
+  local st = ffi.new("int[1]")
+  local r = ffi.C.waitpid(pid, st, 1) -- WNOHANG
+  if r == 0 then return nil end
+  if r < 0 then return 255 end
+  local s = st[0]
+  if bit.band(s, 0x7f) == 0 then return bit.band(bit.rshift(s, 8), 0xff) end
+  return 128 + bit.band(s, 0x7f)
+end
+
+local function command(spec, run, dir, threads)
+  local script = spec.script or (lz.root .. "/scripts/train.lua")
+  local args = {}
+  for _, k in ipairs(sorted_keys(run.flags)) do
+    local v = run.flags[k]
+    if v ~= false then
+      args[#args + 1] = "--" .. flag_name(k)
+      if v ~= true then args[#args + 1] = q(value_text(v)) end
+    end
+  end
+  return ("OMP_NUM_THREADS=%d exec %s %s %s %s --log %s > %s 2> %s"):format(
+    threads, q(lz.executable()), run.ranks > 1 and ("-n " .. run.ranks) or "", q(script),
+    table.concat(args, " "), q(dir .. "/metrics.jsonl"), q(dir .. "/stdout.log"),
+    q(dir .. "/stderr.log"))
+end
+
+-- Runs what is not finished; returns the records of every run.
+-- opts: out (folder), jobs (at once), retry_failed, say (progress function).
+function M.run(spec, runs, opts)
+  local out, jobs = opts.out, math.max(1, opts.jobs or 1)
+  local say = opts.say or print
+  mkdir(out .. "/runs")
+  local max_ranks = 1
+  for _, r in ipairs(runs) do max_ranks = math.max(max_ranks, r.ranks) end
+  local threads = math.max(1, math.floor(cpus() / (math.min(jobs, #runs) * max_ranks)))
+  local records, queue = {}, {}
+  local n = #runs
+  for k, r in ipairs(runs) do
+    local dir = out .. "/runs/" .. r.id
+    local prev = read_file(dir .. "/status.json")
+    local ok, rec = pcall(cjson.decode, prev or "")
+    if prev and ok and (rec.status == "ok" or (rec.status == "failed" and not opts.retry_failed)) then
+      records[k] = rec
+      say(("[%d/%d] %s  skipped (%s before)"):format(k, n, r.id, rec.status))
+    else
+      queue[#queue + 1] = k
+    end
+  end
+  local running, active = {}, 0
+  while #queue > 0 or active > 0 do
+    while #queue > 0 and active < jobs do
+      local k = table.remove(queue, 1)
+      local r = runs[k]
+      local dir = out .. "/runs/" .. r.id
+      mkdir(dir)
+      os.remove(dir .. "/metrics.jsonl")
+      local cmd = command(spec, r, dir, threads)
+      write_file(dir .. "/command.txt", cmd .. "\n")
+      running[spawn(cmd)] = { k = k, t0 = now(), dir = dir }
+      active = active + 1
+      say(("[%d/%d] %s  started: %s (%d rank%s, %d thread%s each)"):format(k, n, r.id,
+          M.label(r, M.swept_keys or {}), r.ranks, r.ranks == 1 and "" or "s", threads,
+          threads == 1 and "" or "s"))
+    end
+    sleep_ms(100)
+    for pid, job in pairs(running) do
+      local code = reap(pid)
+      if code then
+        running[pid] = nil
+        active = active - 1
+        local r = runs[job.k]
+        local m = M.metrics(job.dir .. "/metrics.jsonl")
+        local rec = {
+          id = r.id, flags = r.flags, swept = r.swept, ranks = r.ranks,
+          status = code == 0 and "ok" or "failed", exit_code = code,
+          seconds = now() - job.t0, final_loss = m.final_loss, val_loss = m.val_loss,
+          tokens_per_s = m.tokens_per_s, peak_mem = m.peak_mem, peak_rss = m.peak_rss,
+          steps = m.steps,
+        }
+        if code ~= 0 then
+          rec.error = last_lines(read_file(job.dir .. "/stderr.log"), 5)
+          if rec.error == "" then rec.error = ("exited with code %d, nothing on stderr"):format(code) end
+        end
+        write_file(job.dir .. "/status.json", cjson.encode(rec) .. "\n")
+        records[job.k] = rec
+        say(("[%d/%d] %s  %s in %.1f s%s"):format(job.k, n, r.id, rec.status, rec.seconds,
+            code == 0 and (rec.final_loss and (": loss %.4f"):format(rec.final_loss) or "")
+            or (" (exit %d): %s"):format(code, (rec.error:gsub("\n", " | ")))))
+      end
+    end
+  end
+  return records
+end
+
+------------------------------------------------------------------ results
+
+local function fmt(v, pattern)
+  if v == nil or v == cjson.null then return "" end
+  return pattern and pattern:format(v) or value_text(v)
+end
+
+local function columns(swept_keys)
+  local cols = { { "id", function(r) return r.id end } }
+  for _, k in ipairs(swept_keys) do
+    cols[#cols + 1] = { flag_name(k), function(r) return fmt(r.swept and r.swept[k]) end }
+  end
+  local more = {
+    { "status", function(r) return r.status end },
+    { "final_loss", function(r) return fmt(r.final_loss, "%.4f") end },
+    { "val_loss", function(r) return fmt(r.val_loss, "%.4f") end },
+    { "tokens_per_s", function(r) return fmt(r.tokens_per_s, "%.0f") end },
+    { "peak_mem_mib", function(r) return fmt(r.peak_mem and r.peak_mem / 2 ^ 20, "%.1f") end },
+    { "peak_rss_mib", function(r) return fmt(r.peak_rss and r.peak_rss / 2 ^ 20, "%.1f") end },
+    { "seconds", function(r) return fmt(r.seconds, "%.1f") end },
+    { "error", function(r) return r.error or "" end },
+  }
+  for _, c in ipairs(more) do cols[#cols + 1] = c end
+  return cols
+end
+
+local function csv_cell(s)
+  s = tostring(s)
+  if s:find('[,"\n]') then return '"' .. s:gsub('"', '""') .. '"' end
+  return s
+end
+
+function M.write_results(spec, runs, records, swept_keys, out)
+  local cols = columns(swept_keys)
+  local csv, md = {}, {}
+  local head = {}
+  for _, c in ipairs(cols) do head[#head + 1] = c[1] end
+  csv[1] = table.concat(head, ",")
+  md[1] = ("# Sweep %s\n\n%d runs from %s; peak memory is rank 0's (ledger, RSS).\n")
+          :format(spec.name, #runs, spec.source or "?")
+  md[2] = "| " .. table.concat(head, " | ") .. " |"
+  md[3] = "|" .. ("---|"):rep(#cols)
+  for k = 1, #runs do
+    local r = records[k]
+    if r then
+      local cells_csv, cells_md = {}, {}
+      for _, c in ipairs(cols) do
+        local v = c[2](r)
+        cells_csv[#cells_csv + 1] = csv_cell(v)
+        cells_md[#cells_md + 1] = tostring(v):gsub("|", "\\|"):gsub("\n", "<br>")
+      end
+      csv[#csv + 1] = table.concat(cells_csv, ",")
+      md[#md + 1] = "| " .. table.concat(cells_md, " | ") .. " |"
+    end
+  end
+  write_file(out .. "/results.csv", table.concat(csv, "\n") .. "\n")
+  md[#md + 1] = "\n![loss curves](loss.png)"
+  write_file(out .. "/results.md", table.concat(md, "\n") .. "\n")
+end
+
+------------------------------------------------------------------ the plot
+
+local function gnuplot_terminal()
+  local p = io.popen("gnuplot -e 'set terminal pngcairo' 2>&1 && echo LZ_OK")
+  local text = p and p:read("*a") or ""
+  if p then p:close() end
+  if text:find("LZ_OK") and not text:find("unknown") then return "pngcairo" end
+  p = io.popen("gnuplot -e 'set terminal png' 2>&1 && echo LZ_OK")
+  text = p and p:read("*a") or ""
+  if p then p:close() end
+  if text:find("LZ_OK") and not text:find("unknown") then return "png" end
+end
+
+-- loss.png: one line per successful run, labelled with its swept values.
+-- Returns the path, or nil and why not.
+function M.plot(spec, runs, records, swept_keys, out)
+  local width = spec.plot.width or M.PLOT.width
+  local height = spec.plot.height or M.PLOT.height
+  local series = {}
+  for k, r in ipairs(runs) do
+    local rec = records[k]
+    if rec and rec.status == "ok" then
+      local m = M.metrics(out .. "/runs/" .. r.id .. "/metrics.jsonl")
+      if #m.curve > 0 then
+        local lines = {}
+        for _, p in ipairs(m.curve) do lines[#lines + 1] = ("%d %.9g"):format(p[1], p[2]) end
+        local dat = out .. "/runs/" .. r.id .. "/loss.dat"
+        write_file(dat, table.concat(lines, "\n") .. "\n")
+        series[#series + 1] = { dat = dat, label = M.label(r, swept_keys) }
+      end
+    end
+  end
+  if #series == 0 then return nil, "no successful run logged a loss" end
+  local term = gnuplot_terminal()
+  if not term then
+    return nil, "gnuplot with a png terminal is missing (apt-get install gnuplot-nox)"
+  end
+  local png = out .. "/loss.png"
+  local gp = {
+    ("set terminal %s size %d,%d"):format(term, width, height),
+    ("set output %q"):format(png),
+    ("set title %q noenhanced"):format("sweep " .. spec.name .. ": training loss"),
+    "set xlabel 'step'", "set ylabel 'loss'", "set grid", "set key inside top right noenhanced box opaque",
+  }
+  local plots = {}
+  for _, s in ipairs(series) do
+    plots[#plots + 1] = ("%q using 1:2 with lines linewidth 2 title %q"):format(s.dat, s.label)
+  end
+  gp[#gp + 1] = "plot " .. table.concat(plots, ", \\\n     ")
+  write_file(out .. "/loss.gp", table.concat(gp, "\n") .. "\n")
+  local p = io.popen(("gnuplot %s 2>&1"):format(q(out .. "/loss.gp")))
+  local text = p:read("*a")
+  local ok = p:close()
+  if not ok then return nil, "gnuplot failed: " .. text end
+  return png
+end
+
+return M

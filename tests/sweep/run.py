@@ -1,0 +1,168 @@
+#!/usr/bin/python3
+"""tests/sweep/run.py — scripts/sweep.lua end to end: a sweep of 4 tiny
+training runs (one on 2 ranks, one made to fail with an invalid --dtype) at
+2 jobs at once; results.csv, results.md and loss.png (decoded here: PNG
+signature, IHDR size as the sweep file asked, IDAT inflated with zlib and
+its pixels varying); a second run skips every finished run, and
+--retry-failed reruns only the failed one. Ends with "N passed, N failed"."""
+import csv
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXE = os.environ.get("LUAZERO", os.path.join(ROOT, "build", "bin", "luazero"))
+WORK = tempfile.mkdtemp(prefix="luazero-sweep-")
+OUT = os.path.join(WORK, "out")
+WIDTH, HEIGHT = 640, 400
+
+SWEEP = """
+return {
+  name = "tiny",
+  base = { model = "gpt2-nano", data = "corpus.txt", steps = 8, ["n-layer"] = 1, ["n-embd"] = 32,
+           ["n-head"] = 2, context = 32, ["seq-len"] = 16, ["micro-batch"] = 2, sample = 0,
+           ["eval-batches"] = 1 },
+  grid = { lr = { 3e-3, 1e-2 } },
+  runs = { { lr = 1e-3, stage = 2, ranks = 2 }, { lr = 1e-3, dtype = "fp8" } },
+  plot = { width = %d, height = %d },
+}
+""" % (WIDTH, HEIGHT)
+
+
+def sweep(*flags):
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), "tiny.lua", "--jobs", "2",
+                        "--out", OUT] + list(flags), cwd=WORK, capture_output=True, text=True,
+                       timeout=120)
+    return p.returncode, p.stdout + p.stderr
+
+
+def setup():
+    text = ("To be, or not to be, that is the question:\n"
+            "Whether 'tis nobler in the mind to suffer\n") * 80
+    open(os.path.join(WORK, "corpus.txt"), "w").write(text)
+    open(os.path.join(WORK, "tiny.lua"), "w").write(SWEEP)
+    return sweep()
+
+
+FIRST = None
+
+
+def first():
+    global FIRST
+    if FIRST is None:
+        FIRST = setup()
+    return FIRST
+
+
+def rows():
+    with open(os.path.join(OUT, "results.csv")) as f:
+        return list(csv.DictReader(f))
+
+
+def test_sweep_records_3_results_and_1_failure():
+    code, out = first()
+    assert code == 0, out
+    assert out.count(" started: ") == 4, out
+    assert "sweep tiny: 3 ok, 1 failed" in out, out
+    rs = rows()
+    assert len(rs) == 4, rs
+    ok = [r for r in rs if r["status"] == "ok"]
+    bad = [r for r in rs if r["status"] == "failed"]
+    assert len(ok) == 3 and len(bad) == 1, rs
+    assert bad[0]["dtype"] == "fp8" and "--dtype must be fp32, bf16 or fp16 (got fp8)" in bad[0]["error"], bad
+    for r in ok:
+        assert 0 < float(r["final_loss"]) < 6, r
+        assert 0 < float(r["val_loss"]) < 6, r
+        assert float(r["tokens_per_s"]) > 0 and float(r["peak_rss_mib"]) > 0, r
+        assert float(r["peak_mem_mib"]) > 0, r
+    two = [r for r in ok if r["ranks"] == "2"]
+    assert len(two) == 1 and two[0]["stage"] == "2", ok
+    # The loss in the CSV is the metrics log's last step.
+    for r in ok:
+        log = os.path.join(OUT, "runs", r["id"], "metrics.jsonl")
+        last = [l for l in open(log) if '"step"' in l][-1]
+        import json
+        assert abs(json.loads(last)["loss"] - float(r["final_loss"])) < 1e-4, (last, r)
+    md = open(os.path.join(OUT, "results.md")).read()
+    assert md.count("\n| ") == 5, md  # header + 4 runs
+    assert "| failed |" in md and "(got fp8)" in md, md
+
+
+def png_chunks(data):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    pos, chunks = 8, []
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        chunks.append((kind, data[pos + 8:pos + 8 + n]))
+        pos += 12 + n
+    return chunks
+
+
+def test_loss_png_is_a_real_image_of_the_requested_size():
+    code, out = first()
+    assert code == 0, out
+    data = open(os.path.join(OUT, "loss.png"), "rb").read()
+    chunks = png_chunks(data)
+    assert chunks[0][0] == b"IHDR", chunks[0][0]
+    w, h, depth, color = struct.unpack(">IIBB", chunks[0][1][:10])
+    assert (w, h) == (WIDTH, HEIGHT), (w, h)
+    raw = zlib.decompress(b"".join(c for k, c in chunks if k == b"IDAT"))
+    channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[color]
+    stride = 1 + w * channels * depth // 8
+    assert len(raw) == stride * h, (len(raw), stride, h)
+    lines = {raw[i * stride + 1:(i + 1) * stride] for i in range(h)}
+    assert len(lines) > h // 4, "only %d distinct rows of %d" % (len(lines), h)
+    assert len(set(raw)) > 16, "only %d distinct byte values" % len(set(raw))
+    gp = open(os.path.join(OUT, "loss.gp")).read()
+    assert gp.count("with lines") == 3 and "dtype=fp8" not in gp, gp
+
+
+def test_rerun_skips_finished_runs_and_retry_failed_reruns_only_those():
+    first()
+    stamps = {d: os.stat(os.path.join(OUT, "runs", d, "status.json")).st_mtime_ns
+              for d in os.listdir(os.path.join(OUT, "runs"))}
+    code, out = sweep()
+    assert code == 0, out
+    assert " started: " not in out, out
+    assert out.count("skipped (ok before)") == 3 and out.count("skipped (failed before)") == 1, out
+    after = {d: os.stat(os.path.join(OUT, "runs", d, "status.json")).st_mtime_ns for d in stamps}
+    assert after == stamps, (stamps, after)
+    code, out = sweep("--retry-failed")
+    assert code == 0, out
+    assert out.count(" started: ") == 1 and "dtype=fp8" in out.split(" started: ")[1].split("\n")[0], out
+    assert out.count("skipped (ok before)") == 3, out
+
+
+def test_bad_sweep_file_is_a_user_error():
+    path = os.path.join(WORK, "bad.lua")
+    open(path, "w").write("return { grid = { lr = 0.1 } }")
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path], cwd=WORK,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "grid.lr must be a non-empty list of values" in p.stderr, p.stderr
+
+
+def main():
+    tests = [(k, v) for k, v in sorted(globals().items()) if k.startswith("test_")]
+    passed = failed = 0
+    for name, fn in tests:
+        t0 = time.time()
+        try:
+            fn()
+            passed += 1
+            print("ok   %-64s %6.2f s" % (name, time.time() - t0), flush=True)
+        except Exception:
+            failed += 1
+            print("FAIL %s\n    %s" % (name, traceback.format_exc().replace("\n", "\n    ")),
+                  flush=True)
+    print("%d passed, %d failed" % (passed, failed))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
