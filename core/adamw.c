@@ -44,8 +44,8 @@ static inline float adamw_update(float *p, const float *grad, float *m, float *v
 }
 
 /* One loop per kind of working copy, so each stays a straight vectorizable
- * loop. f16's conversion is a library call, so the f16 copy is written by
- * the caller in a second loop over the block while it is still in cache. */
+ * loop; the bf16 and f16 conversions are branch-free integer and float ops
+ * that vectorize with it, in the same pass. */
 LZ_DISPATCH static void adamw_block(float *restrict p, const float *restrict grad,
                                     float *restrict m, float *restrict v, void *restrict working,
                                     lz_dtype wdt, adamw_consts k, int64_t n) {
@@ -56,13 +56,13 @@ LZ_DISPATCH static void adamw_block(float *restrict p, const float *restrict gra
     uint16_t *w = working;
     for (int64_t i = 0; i < n; i++)
       w[i] = lz_bf16_from_f32_inline(adamw_update(p, grad, m, v, &k, i));
+  } else if (working && wdt == LZ_F16) {
+    uint16_t *w = working;
+    for (int64_t i = 0; i < n; i++)
+      w[i] = lz_f16_from_f32_inline(adamw_update(p, grad, m, v, &k, i));
   } else {
     for (int64_t i = 0; i < n; i++) adamw_update(p, grad, m, v, &k, i);
   }
-}
-
-static void f16_copy_block(uint16_t *dst, const float *src, int64_t n) {
-  for (int64_t i = 0; i < n; i++) dst[i] = lz_f32_to_f16(src[i]);
 }
 
 static lz_status check_args(const char *op, const lz_adamw_args *a) {
@@ -138,7 +138,6 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
     int64_t len = n - i0 < BLOCK ? n - i0 : BLOCK;
     void *w = wp ? wp + (size_t)i0 * wsize : NULL;
     adamw_block(pp + i0, gp + i0, mp + i0, vp + i0, w, wdt, k, len);
-    if (w && wdt == LZ_F16) f16_copy_block(w, pp + i0, len);
   }
   return LZ_OK;
 }
