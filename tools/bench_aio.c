@@ -4,11 +4,15 @@
  * medians of --reps passes:
  *   R lz <write|read> <bytes per second> <direct 0|1>
  *   --dir DIR (default build)  --size BYTES (default 2 GiB)  --bs BYTES (1 MiB)
- *   --qd N (8)  --threads N (1)  --single-submit  --no-overlap  --reps N (3) */
+ *   --qd N (8)  --threads N (1)  --single-submit  --no-overlap  --reps N (3)
+ *   --small-pages  the staging buffer on 4 KiB pages (as fio's malloc'd
+ *                  buffers are) instead of the ledger's huge pages: O_DIRECT
+ *                  pins every page of a request, so page size shows. */
 #include "luazero.h"
 
 #include <stdio.h>  /* printf */
-#include <stdlib.h> /* atoll, qsort */
+#include <stdlib.h>   /* atoll, qsort, posix_memalign */
+#include <sys/mman.h> /* madvise(MADV_NOHUGEPAGE) for --small-pages */
 #include <string.h> /* strcmp, memset */
 #include <time.h>   /* clock_gettime */
 
@@ -57,7 +61,7 @@ static double pass(lz_swap *s, int is_write, char *buf, int64_t chunk, int64_t s
 int main(int argc, char **argv) {
   const char *dir = "build";
   int64_t size = (int64_t)2 << 30;
-  int reps = 3;
+  int reps = 3, small_pages = 0;
   lz_swap_opts o;
   lz_swap_opts_default(&o);
   for (int i = 1; i < argc; i++) {
@@ -71,6 +75,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--reps") && has) reps = atoi(argv[++i]);
     else if (!strcmp(a, "--single-submit")) o.single_submit = 1;
     else if (!strcmp(a, "--no-overlap")) o.overlap_events = 0;
+    else if (!strcmp(a, "--small-pages")) small_pages = 1;
     else {
       fprintf(stderr, "bench_aio: unknown argument %s (see the comment in tools/bench_aio.c)\n",
               a);
@@ -93,11 +98,22 @@ int main(int argc, char **argv) {
   lz_swap *s = NULL;
   if (lz_swap_open(&s, dir, size, "bench", &o) != LZ_OK) return fail("open");
   char *buf = NULL;
-  if (lz_mem_alloc((void **)&buf, (size_t)chunk, LZ_MEM_OFFLOAD) != LZ_OK) return fail("alloc");
+  if (small_pages) {
+    int rc = posix_memalign((void **)&buf, 4096, (size_t)chunk);
+    if (rc != 0) {
+      fprintf(stderr, "bench_aio: posix_memalign of %lld bytes: %s\n", (long long)chunk,
+              strerror(rc));
+      return 1;
+    }
+    if (madvise(buf, (size_t)chunk, MADV_NOHUGEPAGE) != 0) perror("bench_aio: madvise");
+  } else if (lz_mem_alloc((void **)&buf, (size_t)chunk, LZ_MEM_OFFLOAD) != LZ_OK) {
+    return fail("alloc");
+  }
   memset(buf, 0x5A, (size_t)chunk);
-  printf("# lz_swap: %s, %lld bytes, block %lld, queue depth %d, threads %d, direct %d\n",
+  printf("# lz_swap: %s, %lld bytes, block %lld, queue depth %d, threads %d, direct %d, "
+         "buffer on %s pages\n",
          lz_swap_path(s), (long long)size, (long long)o.block_size, o.queue_depth,
-         o.thread_count, lz_swap_is_direct(s));
+         o.thread_count, lz_swap_is_direct(s), small_pages ? "4 KiB" : "huge");
   for (int is_write = 1; is_write >= 0; is_write--) {
     double t[99];
     for (int r = 0; r < reps; r++) {
@@ -110,7 +126,8 @@ int main(int argc, char **argv) {
            lz_swap_is_direct(s));
     fflush(stdout);
   }
-  lz_mem_free(buf);
+  if (small_pages) free(buf);
+  else lz_mem_free(buf);
   if (lz_swap_close(s) != LZ_OK) return fail("close");
   return 0;
 }
