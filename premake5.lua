@@ -130,3 +130,7 @@ project "bench_kernels"
   links { "luazero", "dnnl", "openblas", "m" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")
+
+-- The CPU Adam and NVMe-tier benchmarks (tools/bench-adam, tools/bench-aio).
+comm_tool("bench_adam", "tools/bench_adam.c")
+comm_tool("bench_aio", "tools/bench_aio.c")

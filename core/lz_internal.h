@@ -64,6 +64,32 @@ static inline uint16_t lz_bf16_from_f32_inline(float f) {
 }
 static inline float lz_bf16_to_f32_inline(uint16_t h) { return lz_bits_f32((uint32_t)h << 16); }
 
+/* lz_f32_to_f16 without branches, so loops that call it vectorize: bitwise
+ * the same result (round to nearest even, Inf, NaN keeping its top payload
+ * bits, subnormal halves). A value below 2^-14 is added to 0.5f: the sum's
+ * last place is 2^-24, a half's subnormal unit, so the FPU rounds it to even
+ * and the sum's low bits are the half's. Needs the default rounding mode and
+ * no denormals-are-zero. */
+static inline uint16_t lz_f16_from_f32_inline(float f) {
+  uint32_t u = lz_f32_bits(f);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t a = u & 0x7fffffffu;
+  uint32_t r = a - 0x38000000u; /* normal: exponent 127 -> 15 */
+  r += 0xfffu + ((r >> 13) & 1u);
+  uint32_t normal = r >> 13;
+  uint32_t subnormal = lz_f32_bits(lz_bits_f32(a) + 0.5f) - 0x3f000000u;
+  uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+  /* Selects by masks: a ?: would read as control flow, and GCC does not
+   * if-convert a float add it thinks may trap. */
+  uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u);
+  uint32_t is_inf = 0u - (uint32_t)(a >= 0x477ff000u); /* rounds to >= 65520 */
+  uint32_t is_nan = 0u - (uint32_t)(a > 0x7f800000u);
+  uint32_t h = (subnormal & is_sub) | (normal & ~is_sub);
+  h = (0x7c00u & is_inf) | (h & ~is_inf);
+  h = (nan & is_nan) | (h & ~is_nan);
+  return (uint16_t)(sign | h);
+}
+
 /* Reads element i of a float-typed buffer (f32, bf16, f16) as float. */
 float lz_load_float(const void *data, lz_dtype dt, int64_t i);
 

@@ -139,3 +139,90 @@ LZ_TEST(adamw_errors) {
   CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->grad_scale is inf");
   lz_tensor_free(t), lz_tensor_free(t9), lz_tensor_free(ti), lz_tensor_free(th);
 }
+
+/* The f16 working copy is converted in the update's own vectorized pass, by
+ * a different (branch-free) routine than lz_f32_to_f16: it must give the
+ * same bits on every kind of value. With lr 0, no decay and zero gradients
+ * the step leaves each parameter as it was, so the working copy is the
+ * conversion of chosen bit patterns. */
+static void check_f16_bits(const uint32_t *bits, int64_t n) {
+  const int64_t s1[1] = {n};
+  float *p = malloc(sizeof(float) * n), *g = calloc((size_t)n, sizeof(float));
+  float *m = calloc((size_t)n, sizeof(float)), *v = calloc((size_t)n, sizeof(float));
+  uint16_t *w = malloc(sizeof(uint16_t) * n);
+  for (int64_t i = 0; i < n; i++) memcpy(&p[i], &bits[i], 4);
+  lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
+  lz_tensor *tm = lz_test_wrap(m, LZ_F32, 1, s1), *tv = lz_test_wrap(v, LZ_F32, 1, s1);
+  lz_tensor *tw = lz_test_wrap(w, LZ_F16, 1, s1);
+  const lz_adamw_args args = {.lr = 0.0f,
+                              .beta1 = 0.9f,
+                              .beta2 = 0.999f,
+                              .eps = 1e-8f,
+                              .weight_decay = 0.0f,
+                              .grad_scale = 1.0f,
+                              .step = 1};
+  CHECK_OK(lz_adamw_step(tp, tg, tm, tv, tw, &args));
+  int64_t bad = 0, changed = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint32_t u;
+    memcpy(&u, &p[i], 4);
+    /* Arithmetic quiets a signaling NaN; every other value comes through as is. */
+    int is_nan = (bits[i] & 0x7fffffffu) > 0x7f800000u;
+    if (is_nan ? u != (bits[i] | 0x400000u) : u != bits[i]) changed++;
+    uint16_t want = lz_f32_to_f16(p[i]);
+    if (w[i] != want) {
+      if (bad < 5)
+        printf("    f32 0x%08x: working copy 0x%04x, lz_f32_to_f16 0x%04x\n", (unsigned)u,
+               (unsigned)w[i], (unsigned)want);
+      bad++;
+    }
+  }
+  CHECK_EQ_INT(changed, 0);
+  CHECK_EQ_INT(bad, 0);
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
+  lz_tensor_free(tw);
+  free(p), free(g), free(m), free(v), free(w);
+}
+
+LZ_TEST(adamw_f16_copy_is_bitwise_the_scalar_conversion) {
+  enum { MAX = 1 << 20 };
+  uint32_t *bits = malloc(sizeof(uint32_t) * MAX);
+  int64_t n = 0;
+  static const uint32_t special[] = {
+      0x00000000u, 0x00000001u, 0x007fffffu, 0x00800000u, /* zero, f32 subnormals, min normal */
+      0x33000000u, 0x33000001u, 0x32ffffffu,              /* 2^-25: the tie that goes to zero */
+      0x33800000u, 0x33c00000u, 0x33a00000u,              /* 2^-24, 1.5 and 1.25 units */
+      0x387fc000u, 0x387fe000u, 0x387ff000u, 0x387fffffu, /* just below 2^-14 (may carry) */
+      0x38800000u, 0x38801000u, 0x38802000u, 0x38803000u, /* 2^-14 and its ties */
+      0x3f800000u, 0x3f801000u, 0x3f803000u, 0x3f800fffu, /* 1 and its ties */
+      0x477fe000u, 0x477fefffu, 0x477ff000u, 0x477fffffu, /* 65504, up to the overflow tie */
+      0x47800000u, 0x7f7fffffu, 0x7f800000u,              /* 65536, FLT_MAX, Inf */
+      0x7f800001u, 0x7fbfffffu, 0x7fc00000u, 0x7fc02000u, /* NaNs: signaling, quiet, payloads */
+      0x7fffffffu, 0x7f802000u, 0x7fa00000u, 0x7f801fffu,
+  };
+  for (size_t i = 0; i < sizeof special / sizeof special[0]; i++) {
+    bits[n++] = special[i];
+    bits[n++] = special[i] | 0x80000000u;
+  }
+  /* Every half's value and the midpoints to its neighbours, and one f32
+   * ulp either side of each midpoint. */
+  for (uint32_t h = 0; h < 0x7c00u; h++) {
+    float lo = lz_f16_to_f32((uint16_t)h), hi = lz_f16_to_f32((uint16_t)(h + 1));
+    float mid = (float)(((double)lo + (double)hi) / 2);
+    uint32_t mb;
+    memcpy(&mb, &mid, 4);
+    memcpy(&bits[n++], &lo, 4);
+    bits[n++] = mb, bits[n++] = mb - 1, bits[n++] = mb + 1;
+    bits[n++] = mb | 0x80000000u;
+  }
+  /* Random bit patterns over every exponent, and random values near 1. */
+  uint64_t r = 0x9E3779B97F4A7C15ull;
+  while (n < MAX - 2) {
+    bits[n++] = (uint32_t)lz_test_xorshift(&r);
+    float f = lz_test_uniform(&r) * 4.0f;
+    memcpy(&bits[n++], &f, 4);
+  }
+  check_f16_bits(bits, n);        /* over 2^16 elements: threaded blocks */
+  check_f16_bits(bits + 3, 1001); /* a short, odd tail */
+  free(bits);
+}
