@@ -161,7 +161,17 @@ function Engine:allocate()
     local op = self.s.offload_param
     if op.device == "nvme" then
       self.pshard = offload.param_shard{ n = shard, dtype = wdt, nvme_path = op.nvme_path,
-                                         aio = self.s.aio }
+                                         aio = self.s.aio, buffer_count = op.buffer_count }
+      -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
+      -- staged at once must fit.
+      for _, seg in ipairs(L.segments) do
+        if op.buffer_size and seg.slice > op.buffer_size then
+          error(("initialize: zero_optimization.offload_param.buffer_size %d is smaller than " ..
+                 "%s's slice of %d elements; raise it to at least %d")
+                :format(op.buffer_size, seg.entries[1].entry.name or "a parameter", seg.slice,
+                        seg.slice), 0)
+        end
+      end
     else
       self.shard_w = lz.tensor({ shard }, wdt, op.device == "cpu" and "offload" or "params")
     end
@@ -426,6 +436,7 @@ function Engine:prefetch(order, k)
     local seg = order[i]
     if not seg.persistent and not seg.pbuf then
       if budget < seg.padded or (self.live or 0) + seg.padded > s.max_live then break end
+      if self.pshard and not self.pshard:can_prefetch() then break end
       budget = budget - seg.padded
       self:gather(seg, true)
     end

@@ -179,6 +179,12 @@ function T.bad_offload_settings_name_the_key()
   assert(r.status ~= 0)
   assert(r.out:find("zero_optimization.offload_optimizer.nvme_path: cannot create a file in " ..
                     tmp .. "/missing (No such file or directory)", 1, true), r.out)
+  r = train(1, config(3, nil, { device = "nvme", nvme_path = swap_dir, buffer_size = 1000 }),
+            "fp32", 1)
+  assert(r.status ~= 0)
+  assert(r.out:find("zero_optimization.offload_param.buffer_size 1000 is smaller than " ..
+                    "transformer.wte.weight's slice of 18432 elements; raise it to at least " ..
+                    "18432", 1, true), r.out)
   local cfg = config(1, nvme)
   cfg.aio.block_size = 5000
   r = train(1, cfg, "fp32", 1)

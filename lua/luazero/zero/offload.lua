@@ -211,12 +211,12 @@ local Params = {}
 Params.__index = Params
 
 -- The stage-3 working shard of n elements of dtype, on NVMe: a swap file in
--- shard order. opts: n, dtype, nvme_path, aio, buffer_size (elements: the
--- largest slice read at once), buffer_count.
+-- shard order. opts: n, dtype, nvme_path, aio, buffer_count (slices staged
+-- at once ahead of use: stage-3 prefetching stops there).
 function M.param_shard(opts)
   local self = setmetatable({ n = opts.n, dtype = opts.dtype, es = esize[opts.dtype],
-                              buffer_size = opts.buffer_size, free_stages = {},
-                              all_stages = {} }, Params)
+                              buffer_count = opts.buffer_count or 5, outstanding = 0,
+                              free_stages = {}, all_stages = {} }, Params)
   self.swap = lz.swap(opts.nvme_path, round_up(self.n * self.es, PAGE) + PAGE, "params",
                       swap_opts(opts.aio))
   return self
@@ -246,11 +246,16 @@ function Params:slice(off, len)
     self.all_stages[#self.all_stages + 1] = st
   end
   self.swap:read(a, st, b - a, false)
+  self.outstanding = self.outstanding + 1
   return st:view(off - a / self.es, { len }), { t = st, elems = elems }
 end
 
+-- Whether another slice may be staged ahead of use (buffer_count).
+function Params:can_prefetch() return self.outstanding < self.buffer_count end
+
 function Params:release(stage)
   if not stage then return end
+  self.outstanding = self.outstanding - 1
   local list = self.free_stages[stage.elems] or {}
   self.free_stages[stage.elems] = list
   list[#list + 1] = stage.t
