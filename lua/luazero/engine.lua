@@ -665,6 +665,71 @@ function Engine:evaluate(loader, n)
   return sum / n
 end
 
+-------------------------------------------- optimizer states (checkpoints)
+-- The interface checkpoints use (luazero/checkpoint.lua); nothing else
+-- reads master, m and v for them. docs/checkpoints.md.
+
+-- This rank's optimizer elements: the full padded layout at stage 0, its
+-- shard otherwise.
+function Engine:state_numel()
+  return self.stage == 0 and self.L.full_numel or self.L.shard_numel
+end
+
+-- Calls fn(offset, master, m, v) for chunks covering this rank's optimizer
+-- elements [0, state_numel()) in order, with f32 views of equal length.
+-- write_back: fn modifies them (a load). In memory the views are the states
+-- themselves, so there is nothing to write back.
+function Engine:visit_states(write_back, fn)
+  local _ = write_back
+  if self.stage >= 1 and self.master == self.full_w then
+    -- fp32 stages 1-2: the master is the full working buffer; this rank's
+    -- slices of it, one chunk per segment.
+    for _, seg in ipairs(self.L.segments) do
+      local n = { seg.slice }
+      fn(seg.shard_offset, self.master:view(seg.full_offset + self.rank * seg.slice, n),
+         self.m:view(seg.shard_offset, n), self.v:view(seg.shard_offset, n))
+    end
+  else
+    local n = self:state_numel()
+    fn(0, self.master:view(0, { n }), self.m, self.v)
+  end
+end
+
+-- How optimizer-element offsets map to canonical parameter coordinates:
+-- { numel = state_numel(), runs = { {offset, canonical, numel}, ... } }.
+function Engine:state_layout()
+  return { numel = self:state_numel(),
+           runs = layout.canonical_runs(self.L, self.stage > 0 and self.rank or nil) }
+end
+
+-- After the master was written (a load): the working copy is its rounding
+-- (AdamW writes round(master); init rounds the same way), then every rank's
+-- full working copy (stages 1-2) or persistent parameters (stage 3) are
+-- gathered again.
+function Engine:after_load()
+  local L, stage = self.L, self.stage
+  if self.wdt ~= "f32" then
+    if stage == 0 then
+      self.full_w:copy(self.master)
+    elseif stage <= 2 then
+      for _, seg in ipairs(L.segments) do
+        self.full_w:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+          :copy(self.master:view(seg.shard_offset, { seg.slice }))
+      end
+    else
+      self.shard_w:copy(self.master)
+    end
+  end
+  self:gather_params()
+  self:zero_grad()
+end
+
+-- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua.
+function Engine:save(dir, extra, opts)
+  return require("luazero.checkpoint").save(self, dir, extra, opts)
+end
+function Engine:load(path) return require("luazero.checkpoint").load(self, path) end
+
 ---------------------------------------------------------- checkpoints
 
 -- The full fp32 master parameters in canonical order (unpadded), as an f32
