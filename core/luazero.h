@@ -341,6 +341,52 @@ int64_t lz_swap_size(const lz_swap *s);
 uint64_t lz_swap_bytes_read(const lz_swap *s);
 uint64_t lz_swap_bytes_written(const lz_swap *s);
 
+/* --------------------------------------------------------- checkpoints */
+
+/* A shard file: a 48-byte header (magic "LZSHARD", version, these four
+ * numbers) then one zstd stream. docs/checkpoints.md. */
+typedef struct lz_shard_info {
+  uint64_t raw_bytes;        /* bytes before compression */
+  uint64_t compressed_bytes; /* bytes of the zstd stream after the header */
+  uint64_t xxh64_compressed; /* of the zstd stream */
+  uint64_t xxh64_raw;        /* of the raw bytes */
+} lz_shard_info;
+
+typedef struct lz_shard_writer lz_shard_writer;
+/* Creates (truncates) `path`; zstd `level`, `workers` compression threads (0:
+ * in the caller's thread). Data streams through: nothing is held whole. */
+lz_status lz_shard_writer_open(lz_shard_writer **out, const char *path, int level,
+                               int workers);
+lz_status lz_shard_writer_write(lz_shard_writer *w, const void *data, size_t bytes);
+/* Ends the stream, writes the header, fsyncs and closes the file; *info (may
+ * be NULL) receives its sizes and checksums. Frees w (on failure the file is
+ * removed). */
+lz_status lz_shard_writer_close(lz_shard_writer *w, lz_shard_info *info);
+void lz_shard_writer_abort(lz_shard_writer *w); /* closes, removes the file; NULL is fine */
+
+typedef struct lz_shard_reader lz_shard_reader;
+/* Opens `path` and checks its header; `expect` (may be NULL): what the
+ * manifest says (sizes and the compressed checksum must agree). */
+lz_status lz_shard_reader_open(lz_shard_reader **out, const char *path,
+                               const lz_shard_info *expect);
+lz_status lz_shard_reader_info(const lz_shard_reader *r, lz_shard_info *out);
+/* The next `bytes` raw bytes, in order, into dst (NULL: decompress and drop). */
+lz_status lz_shard_reader_read(lz_shard_reader *r, void *dst, size_t bytes);
+/* verify: read the rest of the file through the checksum and fail (naming the
+ * file, expected and actual xxh64) on a mismatch. Frees r either way. */
+lz_status lz_shard_reader_close(lz_shard_reader *r, int verify);
+
+/* The file-system steps of an atomic save: mkdir -p; fsync a file or folder;
+ * rename then fsync the destination's folder; write a small file under a
+ * temporary name, fsync, rename over `path`; rm -r; the numbers N of the
+ * step-N folders in `dir`, ascending (*count may exceed cap: only cap are written). */
+lz_status lz_ckpt_mkdir(const char *path);
+lz_status lz_ckpt_fsync(const char *path);
+lz_status lz_ckpt_rename(const char *from, const char *to);
+lz_status lz_ckpt_write_file(const char *path, const void *data, size_t bytes);
+lz_status lz_ckpt_remove_tree(const char *path);
+lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
+
 /* ------------------------------------------------------------ launcher */
 
 /* Runs argv (argv[0] an executable) as `nranks` processes on this machine with

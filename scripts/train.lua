@@ -36,6 +36,11 @@ local spec = {
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
   { "sample", "int", 200, "tokens to generate at the end (0: none)" },
+  { "save", "string", nil, "save checkpoints into this folder (DIR/step-NNNNNN, DIR/latest)" },
+  { "save-every", "int", 0, "with --save: a checkpoint every N steps (0: at the end only)" },
+  { "keep", "int", 0, "with --save: keep the newest N checkpoints (0: all)" },
+  { "save-zstd-level", "int", 3, "zstd level of checkpoint shards (1..19; higher: smaller, slower)" },
+  { "resume", "string", nil, "resume from a checkpoint: a step folder, or a --save folder (its latest)" },
   { "n-layer", "int", nil, "override: transformer blocks" },
   { "n-head", "int", nil, "override: attention heads" },
   { "n-embd", "int", nil, "override: embedding width" },
@@ -87,6 +92,13 @@ local function mem_record()
 end
 
 local function mib(b) return b / 2 ^ 20 end
+
+-- A 64-bit state saved as 16 hex digits.
+local function ckpt_u64(hex)
+  local v = ffi.new("uint64_t", 0)
+  for i = 1, #hex do v = v * 16 + tonumber(hex:sub(i, i), 16) end
+  return v
+end
 
 -- The normalised DeepSpeed configuration: the file (or nothing) with the
 -- flags on top. Without a file, train.lua's own defaults stand in for what
@@ -146,6 +158,9 @@ local function main(argv)
   positive(flags, "eval-every", 0)
   positive(flags, "eval-batches", 0)
   positive(flags, "sample", 0)
+  positive(flags, "save-every", 0)
+  positive(flags, "keep", 0)
+  positive(flags, "save-zstd-level", 1)
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
 
   local mcfg = checked(gpt2.config, flags.model, {
@@ -189,6 +204,15 @@ local function main(argv)
   local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
                                  batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
+  local first = 1
+  if flags.resume then
+    local m = checked(engine.load, engine, flags.resume)
+    local pos = m.extra and m.extra.data
+    if pos and pos.rng_state then loader.rng.state[0] = ckpt_u64(pos.rng_state) end
+    first = m.global_steps + 1
+    say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")
+        :format(m.dir, m.global_steps, m.optimizer_steps, m.world_size, m.stage))
+  end
 
   say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
       :format(mcfg.name, mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.context, mcfg.vocab,
@@ -215,7 +239,7 @@ local function main(argv)
   end
 
   local tokens_per_step = B * T * accum * world
-  for step = 1, steps do
+  for step = first, steps do
     comm.bytes_reset()
     local t0 = clock.now()
     local read0, written0 = engine:nvme_bytes()
@@ -258,6 +282,16 @@ local function main(argv)
                    :format(step, rank, mib(over), mib(rec.mem.peak_rss), mib(ledger), mib(budget),
                            budget_source))
       end
+    end
+    if flags.save and ((flags.save_every > 0 and step % flags.save_every == 0) or step == steps) then
+      local extra = {
+        data = { rng_state = require("bit").tohex(loader.rng.state[0], 16), batches = step * accum },
+        seed = flags.seed, steps = steps, warmup = warmup, lr = lr,
+      }
+      local t1 = clock.now()
+      local dir = checked(engine.save, engine, flags.save, extra,
+                          { zstd_level = flags.save_zstd_level, keep = flags.keep, config = cfg })
+      say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
     end
   end
 

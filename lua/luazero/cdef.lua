@@ -244,6 +244,39 @@ int64_t lz_swap_size(const lz_swap *s);
 uint64_t lz_swap_bytes_read(const lz_swap *s);
 uint64_t lz_swap_bytes_written(const lz_swap *s);
 
+typedef struct lz_shard_info {
+  uint64_t raw_bytes;
+  uint64_t compressed_bytes;
+  uint64_t xxh64_compressed;
+  uint64_t xxh64_raw;
+} lz_shard_info;
+
+typedef struct lz_shard_writer lz_shard_writer;
+
+lz_status lz_shard_writer_open(lz_shard_writer **out, const char *path, int level,
+                               int workers);
+lz_status lz_shard_writer_write(lz_shard_writer *w, const void *data, size_t bytes);
+
+lz_status lz_shard_writer_close(lz_shard_writer *w, lz_shard_info *info);
+void lz_shard_writer_abort(lz_shard_writer *w);
+
+typedef struct lz_shard_reader lz_shard_reader;
+
+lz_status lz_shard_reader_open(lz_shard_reader **out, const char *path,
+                               const lz_shard_info *expect);
+lz_status lz_shard_reader_info(const lz_shard_reader *r, lz_shard_info *out);
+
+lz_status lz_shard_reader_read(lz_shard_reader *r, void *dst, size_t bytes);
+
+lz_status lz_shard_reader_close(lz_shard_reader *r, int verify);
+
+lz_status lz_ckpt_mkdir(const char *path);
+lz_status lz_ckpt_fsync(const char *path);
+lz_status lz_ckpt_rename(const char *from, const char *to);
+lz_status lz_ckpt_write_file(const char *path, const void *data, size_t bytes);
+lz_status lz_ckpt_remove_tree(const char *path);
+lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
+
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
 lz_status lz_cuda_device_count(int *out);

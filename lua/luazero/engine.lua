@@ -776,6 +776,88 @@ function Engine:evaluate(loader, n)
   return sum / n
 end
 
+-------------------------------------------- optimizer states (checkpoints)
+-- The interface checkpoints use (luazero/checkpoint.lua); nothing else
+-- reads master, m and v for them. docs/checkpoints.md.
+
+-- This rank's optimizer elements: the full padded layout at stage 0, its
+-- shard otherwise.
+function Engine:state_numel()
+  return self.stage == 0 and self.L.full_numel or self.L.shard_numel
+end
+
+-- Calls fn(offset, master, m, v) for chunks covering this rank's optimizer
+-- elements [0, state_numel()) in order, with f32 views of equal length: the
+-- optimizer's sub-groups (zero/offload.lua), read from NVMe where they live
+-- there. write_back: fn modifies them (a load); on NVMe they are written
+-- back, and an NVMe parameter shard gets the rounded master with them.
+function Engine:visit_states(write_back, fn)
+  self.states:each_group(write_back, function(_, lo, n, v)
+    if v.master then
+      fn(lo, v.master, v.m, v.v)
+      if write_back and v.work then v.work:copy(v.master) end
+    elseif self.stage == 0 or self.master == self.shard_w then
+      fn(lo, self.master:view(lo, { n }), v.m, v.v)
+    else
+      -- fp32 stages 1-2: the master is the full working buffer; this rank's
+      -- slices of it, one chunk per segment.
+      self:shard_pieces(lo, n, function(seg, a, len)
+        local at = seg.full_offset + self.rank * seg.slice + (a - seg.shard_offset)
+        fn(a, self.master:view(at, { len }), v.m:view(a - lo, { len }), v.v:view(a - lo, { len }))
+      end)
+    end
+  end)
+end
+
+-- How optimizer-element offsets map to canonical parameter coordinates:
+-- { numel = state_numel(), runs = { {offset, canonical, numel}, ... } }.
+function Engine:state_layout()
+  return { numel = self:state_numel(),
+           runs = layout.canonical_runs(self.L, self.stage > 0 and self.rank or nil) }
+end
+
+-- After the master was written (a load): the working copy is its rounding
+-- (AdamW writes round(master); init rounds the same way), then every rank's
+-- full working copy (stages 1-2) or persistent parameters (stage 3) are
+-- gathered again.
+function Engine:after_load()
+  local L, stage = self.L, self.stage
+  if self.wdt ~= "f32" and not self.pshard then -- (an NVMe shard got it in visit_states)
+    if self.master then
+      if stage == 0 then
+        self.full_w:copy(self.master)
+      elseif stage <= 2 then
+        for _, seg in ipairs(L.segments) do
+          self.full_w:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+            :copy(self.master:view(seg.shard_offset, { seg.slice }))
+        end
+      else
+        self.shard_w:copy(self.master)
+      end
+    else
+      -- The master is on NVMe: one pass over its sub-groups.
+      self.states:each_group(false, function(_, lo, n, v)
+        if stage == 3 then
+          self.shard_w:view(lo, { n }):copy(v.master)
+        else
+          self:shard_pieces(lo, n, function(seg, a, len)
+            self.full_w:view(seg.full_offset + self.rank * seg.slice + (a - seg.shard_offset),
+                             { len }):copy(v.master:view(a - lo, { len }))
+          end)
+        end
+      end)
+    end
+  end
+  self:gather_params()
+  self:zero_grad()
+end
+
+-- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua.
+function Engine:save(dir, extra, opts)
+  return require("luazero.checkpoint").save(self, dir, extra, opts)
+end
+function Engine:load(path) return require("luazero.checkpoint").load(self, path) end
+
 ---------------------------------------------------------- checkpoints
 
 -- The full fp32 master parameters in canonical order (unpadded), as an f32

@@ -84,4 +84,30 @@ function M.shard_runs(L, rank)
   return runs
 end
 
+-- Where optimizer elements lie in canonical coordinates: runs {offset,
+-- canonical, numel} over the unpadded parameters, in increasing offset
+-- (and canonical) order; padding is in no run. rank nil: the full padded
+-- layout (stage 0's optimizer); else `rank`'s shard layout.
+function M.canonical_runs(L, rank)
+  local runs = {}
+  local function add(off, canon, n)
+    local last = runs[#runs]
+    if last and last.offset + last.numel == off and last.canonical + last.numel == canon then
+      last.numel = last.numel + n
+    else
+      runs[#runs + 1] = { offset = off, canonical = canon, numel = n }
+    end
+  end
+  for _, s in ipairs(L.segments) do
+    local lo, hi = 0, s.padded
+    if rank then lo, hi = rank * s.slice, (rank + 1) * s.slice end
+    local base = rank and (s.shard_offset - lo) or s.full_offset
+    for _, e in ipairs(s.entries) do
+      local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)
+      if b > a then add(base + a, e.offset + a - e.seg_offset, b - a) end
+    end
+  end
+  return runs
+end
+
 return M

@@ -1,0 +1,213 @@
+-- test_checkpoint.lua — checkpoints end to end through scripts/train.lua
+-- under the launcher: exact resume at stages 0-3, resharding (world 4 stage
+-- 3 to world 2 stage 1 and world 1 stage 0), an interrupted save, refusals
+-- (damaged shard, other model, garbled manifest), pruning, the reading API
+-- and consolidate; in process: the working copy is round(master) bitwise.
+local ffi = require("ffi")
+local bit = require("bit")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local checkpoint = require("luazero.checkpoint")
+
+local T = {}
+local root, q = lz.root, support.quote
+local write_file, tmp = support.scratch()
+local corpus = write_file("corpus.txt", ("To be, or not to be, that is the question:\n" ..
+                                         "Whether 'tis nobler in the mind to suffer\n"):rep(40))
+local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
+              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
+
+local function sh(cmd)
+  local p = io.popen(cmd .. " 2>&1; echo \"EXIT:$?\"")
+  local out = p:read("*a")
+  p:close()
+  return out:gsub("EXIT:%d+%s*$", ""), tonumber(out:match("EXIT:(%d+)%s*$"))
+end
+
+local function train(n, flags, env)
+  return sh(("cd %s && %s %s %s scripts/train.lua %s %s"):format(q(root), env or "",
+            q(lz.executable()), n > 1 and ("-n " .. n) or "", MODEL, flags))
+end
+
+local function ok_train(n, flags, env)
+  local out, st = train(n, flags, env)
+  assert(st == 0, ("train -n %d %s failed:\n%s"):format(n, flags, out))
+  return out, assert(out:match("params_checksum (%x+)"), out)
+end
+
+local function fails(n, flags, ...)
+  local out, st = train(n, flags)
+  assert(st ~= 0, "expected a failure:\n" .. out)
+  for _, needle in ipairs({ ... }) do
+    assert(out:find(needle, 1, true), ("error does not mention %q:\n%s"):format(needle, out))
+  end
+  return out
+end
+
+function T.resume_is_bitwise_at_stages_0_to_3_world_2()
+  for stage = 0, 3 do
+    local dtype = stage % 2 == 0 and "bf16" or "fp32"
+    local dir = ("%s/resume%d"):format(tmp, stage)
+    local flags = ("--steps 8 --stage %d --dtype %s"):format(stage, dtype)
+    local _, straight = ok_train(2, flags .. " --save " .. q(dir) .. " --save-every 4")
+    local _, resumed = ok_train(2, flags .. " --resume " .. q(dir .. "/step-000004"))
+    assert(straight == resumed, ("stage %d %s: %s straight, %s resumed"):format(stage, dtype,
+           straight, resumed))
+  end
+end
+
+-- The offload tiers: states on NVMe (and the stage-3 parameter shard) are
+-- saved, loaded and resumed exactly; a checkpoint saved with offload loads
+-- without it and the reverse.
+function T.resume_is_bitwise_with_states_on_nvme()
+  local nvme = tmp .. "/nvme"
+  os.execute("mkdir -p " .. q(nvme))
+  local cjson = require("cjson")
+  local function cfg(name, stage, opt, param)
+    return write_file(name, cjson.encode({
+      train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
+      zero_optimization = { stage = stage, sub_group_size = 4096,
+                            stage3_param_persistence_threshold = 128,
+                            offload_optimizer = opt, offload_param = param } }))
+  end
+  local dev = { device = "nvme", nvme_path = nvme, pipeline_read = true, pipeline_write = true }
+  local cases = {
+    { "stage 2, optimizer on nvme", cfg("o2.json", 2, dev), cfg("p2.json", 2) },
+    { "stage 3, optimizer and params on nvme", cfg("o3.json", 3, dev, dev), cfg("p3.json", 3) },
+  }
+  for _, c in ipairs(cases) do
+    local dir = tmp .. "/offload-" .. c[2]:match("(%w+)%.json$")
+    local flags = "--steps 8 --config " .. q(c[2])
+    local _, straight = ok_train(2, flags .. " --save " .. q(dir) .. " --save-every 4")
+    local _, resumed = ok_train(2, flags .. " --resume " .. q(dir .. "/step-000004"))
+    assert(straight == resumed, ("%s: %s straight, %s resumed"):format(c[1], straight, resumed))
+    -- Saved with offload, resumed without: the same run.
+    local _, plain = ok_train(2, "--steps 8 --config " .. q(c[3]) .. " --resume " ..
+                              q(dir .. "/step-000004"))
+    assert(plain == straight, ("%s: resumed without offload %s, %s"):format(c[1], plain, straight))
+  end
+end
+
+function T.reshards_world_4_stage_3_to_world_2_stage_1_and_world_1_stage_0()
+  local dir = tmp .. "/reshard"
+  local _, saved = ok_train(4, "--steps 4 --stage 3 --dtype bf16 --save " .. q(dir))
+  -- The consolidated master is the saved run's checksum.
+  local bin = tmp .. "/master.bin"
+  local ck = checkpoint.open(dir)
+  ck:consolidate(bin)
+  local f = assert(io.open(bin, "rb"))
+  local body = f:read("*a"):sub(1025)
+  f:close()
+  assert(bit.tohex(lz.xxh64(body, #body, 0), 16) == saved, "consolidated master differs")
+  assert(ck:summary().shards == 4 and ck:summary().stage == 3)
+  -- The reading API: one tensor whole agrees with the consolidated bytes.
+  local e = ck.manifest.params[5]
+  local t = ck:tensor(e.name)
+  assert(ffi.string(t.data, t:bytes()) == body:sub(e.offset * 4 + 1, (e.offset + e.numel) * 4))
+  t:free()
+  assert(#ck:norms() == #ck.manifest.params and ck:norms()[1].norm > 0)
+  for _, ws in ipairs({ { 2, 1 }, { 1, 0 } }) do
+    -- --steps 4: nothing to run; the checksum is the loaded master's.
+    local _, loaded = ok_train(ws[1], ("--steps 4 --stage %d --dtype bf16 --resume %s")
+                               :format(ws[2], q(dir)))
+    assert(loaded == saved, ("world %d stage %d loaded %s, saved %s"):format(ws[1], ws[2],
+           loaded, saved))
+    local out = ok_train(ws[1], ("--steps 6 --stage %d --resume %s"):format(ws[2], q(dir)))
+    local loss = tonumber(out:match("step +6/6 | loss ([%d%.]+)"))
+    assert(loss and loss < 10, "training did not continue:\n" .. out)
+  end
+end
+
+function T.interrupted_save_keeps_the_previous_checkpoint()
+  local dir = tmp .. "/killed"
+  ok_train(2, "--steps 2 --stage 2 --save " .. q(dir))
+  local out, st = train(2, "--steps 4 --stage 2 --save " .. q(dir) .. " --resume " .. q(dir),
+                        "LZ_CKPT_KILL_AFTER_BYTES=1000")
+  assert(st ~= 0, "the save was not interrupted:\n" .. out)
+  local latest = assert(io.open(dir .. "/latest")):read("*a")
+  assert(latest == "step-000002\n", "latest moved to " .. latest)
+  assert(not io.open(dir .. "/step-000004/manifest.json"), "a half-written step-000004 exists")
+  local _, a = ok_train(2, "--steps 4 --stage 2 --resume " .. q(dir))
+  local _, b = ok_train(2, "--steps 4 --stage 0 --resume " .. q(dir .. "/step-000002"))
+  assert(a == b, a .. " vs " .. b)
+end
+
+function T.refuses_damaged_shards_other_models_and_garbled_manifests()
+  local dir = tmp .. "/refuse"
+  ok_train(2, "--steps 2 --stage 1 --save " .. q(dir) .. " --keep 1")
+  local step = dir .. "/step-000002"
+  local shard = step .. "/shard-00001-of-00002.zst"
+  local m = checkpoint.read_manifest(step)
+  local expect = m.shards[2].xxh64_compressed
+  local f = assert(io.open(shard, "rb"))
+  local good = f:read("*a")
+  f:close()
+  local function put(path, bytes) local g = assert(io.open(path, "wb")); g:write(bytes); g:close() end
+  -- A flipped byte, then a truncated file: both name the file and checksum.
+  local mid = math.floor(#good / 2)
+  put(shard, good:sub(1, mid) .. string.char(bit.bxor(good:byte(mid + 1), 1)) .. good:sub(mid + 2))
+  fails(2, "--steps 3 --resume " .. q(dir), "shard-00001-of-00002.zst", expect, "xxh64")
+  put(shard, good:sub(1, #good - 7))
+  fails(1, "--steps 3 --resume " .. q(dir), "shard-00001-of-00002.zst", expect)
+  put(shard, good)
+  -- Another model: the first tensor that differs, by name and shape.
+  local other = MODEL:gsub("--n%-embd 64", "--n-embd 32")
+  local out, st = sh(("cd %s && %s scripts/train.lua %s --steps 3 --resume %s"):format(q(root),
+                     q(lz.executable()), other, q(dir)))
+  assert(st ~= 0 and out:find("transformer.wte.weight [256, 64]", 1, true) and
+         out:find("[256, 32]", 1, true), out)
+  -- A garbled manifest: names the file and the field.
+  local mf = step .. "/manifest.json"
+  local text = assert(io.open(mf)):read("*a")
+  put(mf, text:gsub('"stage":1', '"stage":7'))
+  fails(1, "--steps 3 --resume " .. q(dir), "manifest.json", "stage")
+  put(mf, text:sub(1, 100))
+  fails(1, "--steps 3 --resume " .. q(dir), "manifest.json", "not valid JSON")
+  os.remove(mf)
+  fails(1, "--steps 3 --resume " .. q(step), "neither manifest.json nor latest")
+  put(mf, text)
+  ok_train(1, "--steps 3 --resume " .. q(dir))
+end
+
+function T.keep_prunes_old_step_folders_after_latest_moved()
+  local dir = tmp .. "/keep"
+  ok_train(1, "--steps 6 --save " .. q(dir) .. " --save-every 2 --keep 2")
+  local p = io.popen("ls -a " .. q(dir))
+  local names = p:read("*a")
+  p:close()
+  local function has(s) return names:find(s, 1, true) ~= nil end
+  assert(has("step-000004") and has("step-000006"), names)
+  assert(not has("step-000002") and not has("tmp"), names)
+  assert(assert(io.open(dir .. "/latest")):read("*a") == "step-000006\n")
+end
+
+-- In process: after bf16 steps, every stage's working copy is exactly the
+-- rounding of its fp32 master, which is why checkpoints do not store it.
+function T.working_copy_is_round_of_master_bitwise()
+  local gpt2 = require("models.gpt2")
+  local data = require("luazero.data")
+  local comm = require("luazero.comm").init("local")
+  for _, stage in ipairs({ 0, 3 }) do
+    local cfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+    local engine = lz.initialize({
+      model = gpt2.new(cfg), seed = 3, batch = { 2, 16 }, comm = comm,
+      config = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
+                 bf16 = { enabled = true }, zero_optimization = { stage = stage } } })
+    local corpus_data = data.load(corpus)
+    local loader = data.loader(corpus_data, { B = 2, T = 16, seed = 1, vocab = cfg.vocab })
+    for _ = 1, 3 do engine:train_batch(loader) end
+    local w = stage == 3 and engine.shard_w or engine.full_w
+    engine:visit_states(false, function(off, master)
+      local r = lz.tensor({ master:numel() }, "bf16", "workspace"):copy(master)
+      local got = w:view(off, { master:numel() })
+      assert(ffi.string(r.data, r:bytes()) == ffi.string(got.data, got:bytes()),
+             "stage " .. stage .. ": working copy is not round(master)")
+      r:free()
+    end)
+    engine:free()
+    loader:free()
+    corpus_data.tokens:free()
+  end
+end
+
+return T
