@@ -151,10 +151,23 @@ local function my_norms(engine)
   end
   local working = engine.full_w or engine.shard_w
   buf("params (" .. (engine.full_w and "full" or "shard") .. ")", working)
-  if engine.master ~= working then buf("master (fp32)", engine.master) end
+  if engine.master and engine.master ~= working then buf("master (fp32)", engine.master) end
   buf("grads (" .. (engine.full_g and "full" or "shard") .. ")", engine.full_g or engine.shard_g)
   buf("adam m", engine.m)
   buf("adam v", engine.v)
+  if not engine.m then
+    -- The optimizer states are on NVMe: one pass over their sub-groups.
+    local sq, n = { 0, 0, 0 }, 0
+    engine:visit_states(false, function(_, p, m, v)
+      sq[1], sq[2], sq[3] = sq[1] + p:sq_norm(), sq[2] + m:sq_norm(), sq[3] + v:sq_norm()
+      n = n + p:numel()
+    end)
+    if engine.states.has_master then
+      out.buffers[#out.buffers + 1] = { "master (fp32, nvme)", "f32", n, math.sqrt(sq[1]) }
+    end
+    out.buffers[#out.buffers + 1] = { "adam m (nvme)", "f32", n, math.sqrt(sq[2]) }
+    out.buffers[#out.buffers + 1] = { "adam v (nvme)", "f32", n, math.sqrt(sq[3]) }
+  end
   -- Each parameter's part in this rank's slices (of the working copy), as
   -- a squared norm: the ranks' parts add up to the whole.
   local rank = engine.rank
@@ -164,9 +177,13 @@ local function my_norms(engine)
       local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)
       local sq = 0
       if b > a then
-        local v = engine.full_w and engine.full_w:view(seg.full_offset + a, { b - a })
-                  or engine.shard_w:view(seg.shard_offset + a - lo, { b - a })
-        sq = v:sq_norm()
+        if engine.full_w then
+          sq = engine.full_w:view(seg.full_offset + a, { b - a }):sq_norm()
+        else
+          local slice, stage = engine:shard_slice(seg) -- (staged from NVMe there)
+          sq = slice:view(a - lo, { b - a }):sq_norm()
+          if stage then engine.pshard:release(stage) end
+        end
       end
       out.params[#out.params + 1] = sq
     end
@@ -298,7 +315,9 @@ function M.gather(engine, name)
   else
     serve.together("gather", engine, name)
     local full = lz.tensor({ seg.padded }, engine.wdt, "workspace")
-    require("luazero.comm").all_gather(engine.shard_w:view(seg.shard_offset, { seg.slice }), full)
+    local slice, stage = engine:shard_slice(seg) -- (staged from NVMe when it lives there)
+    require("luazero.comm").all_gather(slice, full)
+    if stage then engine.pshard:release(stage) end
     flat:copy(full:view(e.seg_offset, { e.numel }))
     full:free()
   end
@@ -333,15 +352,58 @@ end
 
 ------------------------------------------------------------------ checkpoints on disk
 
--- ckpt(dir) belongs here: it reads a checkpoint through luazero.checkpoint
--- (manifest, shards) and joins the helpers in M.globals below once that
--- module exists.
+-- ckpt(dir [, "norms"]): a checkpoint on disk (a step folder, or a folder
+-- whose `latest` names one) through luazero.checkpoint: the manifest's
+-- summary and the shard table (which rank's file holds which canonical
+-- ranges), with per-tensor norms of the fp32 master when asked. The report's
+-- `checkpoint` field is the open checkpoint (:tensor(name), :norms(), ...).
+function M.ckpt(dir, what)
+  if type(dir) ~= "string" then
+    error("ckpt: give a checkpoint folder, e.g. ckpt(\"runs/ckpt\")", 0)
+  end
+  local ck = require("luazero.checkpoint").open(dir)
+  local sm, shards = ck:summary(), ck:shard_table()
+  local lines = {
+    ("checkpoint %s: model %s, world %d, stage %d, %s; %s parameters in %d tensors")
+      :format(sm.dir, tostring(sm.model), sm.world_size, sm.stage, tostring(sm.dtype),
+              show.thousands(sm.numel), sm.params),
+    ("step %d (global %d, skipped %d)%s; %d shard%s, %s raw, %s compressed (%.2fx)")
+      :format(sm.optimizer_steps, sm.global_steps, sm.skipped_steps,
+              sm.loss_scale and (", loss scale " .. sm.loss_scale) or "", sm.shards,
+              sm.shards == 1 and "" or "s", show.bytes(sm.raw_bytes),
+              show.bytes(sm.compressed_bytes), sm.ratio),
+    ("%-28s %5s %14s %12s %12s  %s"):format("shard", "rank", "elements", "raw",
+                                           "compressed", "canonical ranges"),
+  }
+  for _, r in ipairs(shards) do
+    local ranges = {}
+    for i, x in ipairs(r.ranges) do
+      if i > 3 then ranges[#ranges + 1] = ("... (%d ranges)"):format(#r.ranges); break end
+      ranges[#ranges + 1] = ("[%d, %d)"):format(x[1], x[2])
+    end
+    lines[#lines + 1] = ("%-28s %5d %14s %12s %12s  %s"):format(r.file, r.rank,
+      show.thousands(r.elems), show.bytes(r.raw_bytes), show.bytes(r.compressed_bytes),
+      table.concat(ranges, " "))
+  end
+  local fields = { checkpoint = ck, summary = sm, shards = shards }
+  if what == "norms" then
+    fields.norms = ck:norms()
+    lines[#lines + 1] = ("%-40s %-16s %14s"):format("tensor", "shape", "norm (master)")
+    for _, t in ipairs(fields.norms) do
+      lines[#lines + 1] = ("%-40s %-16s %14.6g"):format(t.name,
+        "[" .. table.concat(t.shape, ", ") .. "]", t.norm)
+    end
+  elseif what ~= nil then
+    error(("ckpt: unknown option %q (\"norms\" adds per-tensor norms)"):format(tostring(what)), 0)
+  end
+  return report(fields, table.concat(lines, "\n"))
+end
 
 ------------------------------------------------------------------ registry
 
 for _, name in ipairs({ "shards", "norms", "mem", "gather" }) do serve.register(name, M[name]) end
 
 -- The names the REPL makes global.
-M.globals = { "shards", "norms", "mem", "gather", "estimate" }
+M.globals = { "shards", "norms", "mem", "gather", "estimate", "ckpt" }
 
 return M

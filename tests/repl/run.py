@@ -214,6 +214,41 @@ def test_multi_rank_repl_rank0_leads_and_ctrl_d_ends_every_rank():
         s.close()
 
 
+def test_ckpt_prints_a_checkpoint_shard_table():
+    import subprocess
+    corpus = os.path.join(SCRATCH, "ck-corpus.txt")
+    with open(corpus, "w") as f:
+        f.write("To be, or not to be, that is the question.\n" * 60)
+    ck = os.path.join(SCRATCH, "ck")
+    out = subprocess.run([EXE, "-n", "2", os.path.join(ROOT, "scripts", "train.lua"),
+                          "--model", "gpt2-nano", "--n-layer", "2", "--n-embd", "64",
+                          "--n-head", "4", "--context", "32", "--seq-len", "16", "--steps", "2",
+                          "--stage", "3", "--sample", "0", "--eval-batches", "0",
+                          "--data", corpus, "--save", ck],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    s = Session([])
+    try:
+        s.expect(PROMPT)
+        s.send("c = ckpt(%r, 'norms')" % ck)
+        s.expect(PROMPT)
+        s.send("c")
+        s.expect(r"checkpoint \S+step-000002: model gpt2-nano, world 2, stage 3, fp32")
+        s.expect(r"step 2 \(global 2, skipped 0\)")
+        s.expect(r"shard-00000-of-00002\.zst\s+0\s+[\d,]+\s+\S+ \S+\s+\S+ \S+\s+\[0, \d+\)")
+        s.expect(r"shard-00001-of-00002\.zst\s+1\s+[\d,]+")
+        s.expect(r"transformer\.wte\.weight\s+\[256, 64\]\s+[0-9.]+")
+        s.send("c.summary.shards + c.summary.world_size")
+        s.expect(r"\b4\b")
+        s.send("ckpt('/no/such/checkpoint')")
+        s.expect(r"checkpoint: .*no/such/checkpoint")
+        s.eof()
+        code = s.wait(timeout=20)
+        assert code == 0, "exit code %d:\n%s" % (code, s.text()[-2000:])
+    finally:
+        s.close()
+
+
 def test_only_rank_0_reads_the_terminal():
     code = ("if os.getenv('RANK') == '1' then print('rank 1 stdin:', io.read('*l')) end "
             "if os.getenv('RANK') == '0' then print('rank 0 has a terminal:', "
