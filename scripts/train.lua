@@ -32,6 +32,7 @@ local spec = {
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "memory-budget", "string", nil, "per-rank memory --stage auto may plan for (\"2GiB\"; default: free memory)" },
+  { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
@@ -185,8 +186,16 @@ local function main(argv)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)
   if note then say(note) end
+  local ckpt = flags.checkpoint_activations
+  if ckpt then
+    note = config.no_effect_message(cfg)
+    if note then say(note) end
+  elseif cfg.activation_checkpointing_given then
+    say("config: activation_checkpointing has no effect without --checkpoint-activations")
+  end
   local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
-                                 batch = { B, T }, lr = schedule, comm = comm })
+                                 batch = { B, T }, lr = schedule, comm = comm,
+                                 checkpoint_activations = ckpt })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
 
   say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
@@ -196,6 +205,12 @@ local function main(argv)
       :format(corpus.path, corpus.kind, corpus.count, loader.n_train, loader.n_val,
               n_val > 0 and ("validation on " .. n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
+  if ckpt then
+    local ac = cfg.activation_checkpointing
+    say(("activation checkpointing: %d blocks keep their inputs (%s%s)"):format(mcfg.n_layer,
+        ac.cpu_checkpointing and "cpu_checkpointing: offload memory" or "activation memory",
+        ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
+  end
   say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage,
       engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""), world,
       world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
@@ -217,6 +232,8 @@ local function main(argv)
       tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
       comm = comm.bytes(),
     }
+    local prof = model:checkpoint_profile(true)
+    if prof then rec.checkpoint_ms = prof end
     local val = ""
     if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
       rec.val_loss = engine:evaluate(loader, n_val)
@@ -224,10 +241,13 @@ local function main(argv)
     end
     if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
     say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-         "mem %.1f MiB, rss %.0f MiB%s")
+         "mem %.1f MiB, rss %.0f MiB%s%s")
         :format(step, steps, r.loss, val, r.lr, r.grad_norm, rec.tokens_per_s, rec.step_ms,
                 mib(tonumber(lz.C.lz_mem_total_current())), mib(rec.mem.peak_rss),
-                r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or ""))
+                r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
+                prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
+                          "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
+                or ""))
     if log then
       log:write(cjson.encode(rec), "\n")
       log:flush()
