@@ -251,6 +251,7 @@ function GPT:block_cast_size(B, T) return (cast_sizes(self.cfg, B, T)) end
 -- activations, so bitwise the same gradients). Re-sizes prepared arenas.
 function GPT:checkpoint_activations(opts)
   if opts == true then opts = checkpoint.defaults end
+  if opts then checkpoint.check(opts, self.cfg.n_layer) end
   self.checkpointing = opts or nil
   local shape = self.prepared_shape
   self:release_arenas()

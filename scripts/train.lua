@@ -193,9 +193,9 @@ local function main(argv)
   elseif cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
+  if ckpt then checked(model.checkpoint_activations, model, cfg.activation_checkpointing) end
   local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
-                                 batch = { B, T }, lr = schedule, comm = comm,
-                                 checkpoint_activations = ckpt })
+                                 batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
 
   say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")

@@ -26,6 +26,15 @@ M.defaults = require("luazero.config").activation_checkpointing_defaults
 local ALIGN = 64
 local function aligned(bytes) return math.ceil(bytes / ALIGN) * ALIGN end
 
+-- Settings errors that depend on the model: n modules checkpointed per forward.
+function M.check(opts, n)
+  local slots = opts.number_checkpoints
+  if opts.contiguous_memory_optimization and slots and slots < n then
+    error(("activation_checkpointing.number_checkpoints is %d but the model checkpoints %d " ..
+           "blocks; raise it to %d or leave it null"):format(slots, n, n), 0)
+  end
+end
+
 local Store = {}
 Store.__index = Store
 
@@ -43,11 +52,8 @@ function M.store(opts, n, elems, arena)
   local category = opts.cpu_checkpointing and "offload" or "activations"
   self.category = category
   if opts.contiguous_memory_optimization then
+    M.check(opts, n)
     local slots = opts.number_checkpoints or n
-    if slots < n then
-      error(("activation_checkpointing.number_checkpoints is %d but the model checkpoints %d " ..
-             "blocks; raise it to %d or leave it null"):format(slots, n, n), 0)
-    end
     self.capacity = slots
     self.buffer = lz.tensor({ slots * aligned(elems * 4) / 4 }, "f32", category)
     self.arena = lz.arena_over(self.buffer, 0, self.buffer:bytes())
