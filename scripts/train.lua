@@ -190,10 +190,10 @@ local function main(argv)
   if ckpt then
     note = config.no_effect_message(cfg)
     if note then say(note) end
+    checked(model.checkpoint_activations, model, cfg.activation_checkpointing)
   elseif cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
-  if ckpt then checked(model.checkpoint_activations, model, cfg.activation_checkpointing) end
   local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
                                  batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
@@ -237,6 +237,7 @@ local function main(argv)
     local val = ""
     if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
       rec.val_loss = engine:evaluate(loader, n_val)
+      model:checkpoint_profile(true) -- the next step's profile counts training only
       val = (" | val %.4f"):format(rec.val_loss)
     end
     if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
