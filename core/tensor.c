@@ -4,6 +4,7 @@
 
 #include <math.h>   /* isnan, isinf */
 #include <stdatomic.h> /* storage refcount */
+#include <stdint.h> /* uintptr_t for the arena alignment check */
 #include <stdio.h>  /* snprintf for describe */
 #include <stdlib.h> /* malloc for tensor headers */
 
@@ -250,6 +251,7 @@ struct lz_arena {
   size_t capacity, used, peak;
   lz_tensor *headers;
   int n_headers;
+  int borrowed; /* data belongs to the caller (lz_arena_wrap) */
 };
 
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat) {
@@ -270,10 +272,33 @@ lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat) {
   return LZ_OK;
 }
 
+lz_status lz_arena_wrap(lz_arena **out, void *data, size_t bytes) {
+  *out = NULL;
+  if (!data && bytes > 0) return lz_fail(LZ_ERR_INVALID, "arena_wrap: data is NULL");
+  if ((uintptr_t)data % ARENA_ALIGN != 0)
+    return lz_fail(LZ_ERR_INVALID,
+                   "arena_wrap: data %p is not %d-byte aligned; pass an aligned offset into "
+                   "the buffer",
+                   data, ARENA_ALIGN);
+  lz_arena *a = calloc(1, sizeof *a);
+  if (!a) return lz_fail(LZ_ERR_NOMEM, "arena_wrap: out of memory for metadata");
+  lz_status st =
+      lz_mem_alloc((void **)&a->headers, sizeof(lz_tensor) * ARENA_MAX_TENSORS, LZ_MEM_WORKSPACE);
+  if (st != LZ_OK) {
+    free(a);
+    return st;
+  }
+  a->data = data;
+  a->capacity = bytes;
+  a->borrowed = 1;
+  *out = a;
+  return LZ_OK;
+}
+
 lz_status lz_arena_free(lz_arena *a) {
   if (!a) return LZ_OK;
   lz_mem_free(a->headers);
-  lz_status st = lz_mem_free(a->data);
+  lz_status st = a->borrowed ? LZ_OK : lz_mem_free(a->data);
   free(a);
   return st;
 }

@@ -32,6 +32,7 @@ local spec = {
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
+  { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
@@ -201,6 +202,14 @@ local function main(argv)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)
   if note then say(note) end
+  local ckpt = flags.checkpoint_activations
+  if ckpt then
+    note = config.no_effect_message(cfg)
+    if note then say(note) end
+    checked(model.checkpoint_activations, model, cfg.activation_checkpointing)
+  elseif cfg.activation_checkpointing_given then
+    say("config: activation_checkpointing has no effect without --checkpoint-activations")
+  end
   local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
                                  batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
@@ -221,6 +230,12 @@ local function main(argv)
       :format(corpus.path, corpus.kind, corpus.count, loader.n_train, loader.n_val,
               n_val > 0 and ("validation on " .. n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
+  if ckpt then
+    local ac = cfg.activation_checkpointing
+    say(("activation checkpointing: %d blocks keep their inputs (%s%s)"):format(mcfg.n_layer,
+        ac.cpu_checkpointing and "cpu_checkpointing: offload memory" or "activation memory",
+        ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
+  end
   say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage,
       engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""), world,
       world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
@@ -256,17 +271,23 @@ local function main(argv)
     }
     -- This rank's swap-file traffic in the step (offload to NVMe).
     if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
+    local prof = model:checkpoint_profile(true)
+    if prof then rec.checkpoint_ms = prof end
     local val = ""
     if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
       rec.val_loss = engine:evaluate(loader, n_val)
+      model:checkpoint_profile(true) -- the next step's profile counts training only
       val = (" | val %.4f"):format(rec.val_loss)
     end
     if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
     say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-         "mem %.1f MiB, rss %.0f MiB%s")
+         "mem %.1f MiB, rss %.0f MiB%s%s")
         :format(step, steps, r.loss, val, r.lr, r.grad_norm, rec.tokens_per_s, rec.step_ms,
                 mib(tonumber(lz.C.lz_mem_total_current())), mib(rec.mem.peak_rss),
-                r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or ""))
+                r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
+                prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
+                          "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
+                or ""))
     if log then
       log:write(cjson.encode(rec), "\n")
       log:flush()

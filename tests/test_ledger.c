@@ -150,3 +150,37 @@ LZ_TEST(ledger_arena) {
   CHECK_EQ_INT(lz_mem_current(LZ_MEM_ACTIVATIONS), act0);
   CHECK_OK(lz_arena_free(NULL));
 }
+
+/* Arenas over one borrowed buffer: bump allocation inside it, no bytes of
+ * their own on the ledger's activations, the buffer untouched by free. */
+LZ_TEST(ledger_arena_wrap) {
+  void *buf = NULL;
+  CHECK_OK(lz_mem_alloc(&buf, 4096, LZ_MEM_ACTIVATIONS));
+  const int64_t act0 = lz_mem_current(LZ_MEM_ACTIVATIONS);
+  lz_arena *lo = NULL, *hi = NULL;
+  CHECK_OK(lz_arena_wrap(&lo, buf, 1024));
+  CHECK_OK(lz_arena_wrap(&hi, (char *)buf + 1024, 3072));
+  CHECK_EQ_INT(lz_mem_current(LZ_MEM_ACTIVATIONS), act0);
+  CHECK_EQ_INT(lz_arena_capacity(hi), 3072);
+
+  lz_tensor *a = NULL, *b = NULL, *c = NULL;
+  const int64_t s200[1] = {200}, s300[1] = {300};
+  CHECK_OK(lz_arena_tensor(lo, &a, LZ_F32, 1, s200));
+  CHECK(a->data == buf);
+  CHECK_OK(lz_arena_tensor(hi, &b, LZ_F32, 1, s300));
+  CHECK(b->data == (char *)buf + 1024);
+  CHECK_ERR(lz_arena_tensor(lo, &c, LZ_F32, 1, s200), LZ_ERR_NOMEM,
+            "arena: 832 bytes asked with 832 of 1024 in use; make the arena larger");
+  CHECK_OK(lz_arena_reset(lo));
+  CHECK_OK(lz_arena_tensor(lo, &c, LZ_F32, 1, s200));
+  CHECK(c->data == buf);
+
+  lz_arena *odd = NULL;
+  CHECK_ERR(lz_arena_wrap(&odd, (char *)buf + 8, 64), LZ_ERR_INVALID, "arena_wrap: data");
+  CHECK(odd == NULL);
+  CHECK_OK(lz_arena_free(lo));
+  CHECK_OK(lz_arena_free(hi));
+  memset(buf, 0x5a, 4096); /* still the caller's */
+  CHECK_EQ_INT(lz_mem_current(LZ_MEM_ACTIVATIONS), act0);
+  CHECK_OK(lz_mem_free(buf));
+}

@@ -5,13 +5,19 @@
 --     { "steps", "int", 100, "optimizer steps" },
 --     { "lr", "number", nil, "peak learning rate" },
 --     { "model", "string", "gpt2-nano", "model size" },
+--     { "checkpoint-activations", "flag", false, "switch: on when given" },
 --   })
 local M = {}
 
-local kinds = { int = true, number = true, string = true }
+local kinds = { int = true, number = true, string = true, flag = true }
 
 local function convert(name, kind, text)
   if kind == "string" then return text end
+  if kind == "flag" then
+    if text == "true" or text == "1" then return true end
+    if text == "false" or text == "0" then return false end
+    error(("--%s takes no value, or =true / =false (got '%s')"):format(name, text), 0)
+  end
   local v = tonumber(text)
   if v == nil or v ~= v or v == math.huge or v == -math.huge then
     error(("--%s: '%s' is not a number"):format(name, text), 0)
@@ -28,7 +34,7 @@ end
 function M.parse(argv, spec)
   local by_name, out = {}, {}
   for _, s in ipairs(spec) do
-    assert(kinds[s[2]], "args: kind of --" .. s[1] .. " must be int, number or string")
+    assert(kinds[s[2]], "args: kind of --" .. s[1] .. " must be int, number, string or flag")
     by_name[s[1]] = s
     out[s[1]:gsub("-", "_")] = s[3]
   end
@@ -44,7 +50,9 @@ function M.parse(argv, spec)
     end
     local s = by_name[name]
     if not s then error(("unknown flag --%s (--help lists the flags)"):format(name), 0) end
-    if value == nil then
+    if value == nil and s[2] == "flag" then
+      value = "true"
+    elseif value == nil then
       i = i + 1
       value = argv[i]
       if value == nil then error(("--%s needs a value"):format(name), 0) end
@@ -58,9 +66,9 @@ end
 function M.usage(spec)
   local lines = {}
   for _, s in ipairs(spec) do
-    local default = s[3] == nil and "" or (" (default " .. tostring(s[3]) .. ")")
-    lines[#lines + 1] = ("  --%-20s %s%s"):format(s[1] .. " " .. s[2]:upper(), s[4] or "",
-                                                   default)
+    local default = (s[3] == nil or s[2] == "flag") and "" or (" (default " .. tostring(s[3]) .. ")")
+    local shown = s[2] == "flag" and s[1] or (s[1] .. " " .. s[2]:upper())
+    lines[#lines + 1] = ("  --%-20s %s%s"):format(shown, s[4] or "", default)
   end
   return table.concat(lines, "\n")
 end

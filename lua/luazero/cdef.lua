@@ -89,6 +89,8 @@ float lz_f16_to_f32(uint16_t x);
 
 typedef struct lz_arena lz_arena;
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat);
+
+lz_status lz_arena_wrap(lz_arena **out, void *data, size_t bytes);
 lz_status lz_arena_free(lz_arena *a);
 lz_status lz_arena_tensor(lz_arena *a, lz_tensor **out, lz_dtype dt, int ndim,
                           const int64_t *shape);

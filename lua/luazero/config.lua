@@ -148,6 +148,14 @@ M.offload_param_defaults = {
   max_in_cpu = 1000000000, pin_memory = false,
 }
 
+-- DeepSpeed's activation_checkpointing defaults
+-- (deepspeed/runtime/activation_checkpointing/config.py).
+M.activation_checkpointing_defaults = {
+  partition_activations = false, cpu_checkpointing = false,
+  contiguous_memory_optimization = false, number_checkpoints = nil,
+  synchronize_checkpoint_boundary = false, profile = false,
+}
+
 -- Scheduler parameters each type takes, with DeepSpeed's defaults;
 -- `required` ones have none. warmup_max_lr of WarmupLR defaults to the
 -- optimizer's lr (base_lr below).
@@ -401,6 +409,42 @@ local function data_types_section(raw, cfg, unimpl)
     elseif not asks_for_nothing(v) then
       unimpl[#unimpl + 1] = "data_types." .. k
     end
+  end
+end
+
+-- activation_checkpointing: how checkpointing works once it is on. In
+-- DeepSpeed the model's code turns it on (deepspeed.checkpointing.checkpoint);
+-- here --checkpoint-activations (initialize's checkpoint_activations) does.
+-- Settings that cannot act here go to cfg.no_effect with the reason.
+local function activation_checkpointing_section(raw, cfg, unimpl)
+  local out = deep_copy(M.activation_checkpointing_defaults)
+  cfg.activation_checkpointing = out
+  cfg.activation_checkpointing_given = given(raw)
+  if not given(raw) then return end
+  local key = "activation_checkpointing."
+  block("activation_checkpointing", raw)
+  for _, k in ipairs(sorted_keys(raw)) do
+    local v = raw[k]
+    if k == "number_checkpoints" then
+      if given(v) then out.number_checkpoints = whole_at_least(key .. k, v, 1) end
+    elseif type(M.activation_checkpointing_defaults[k]) == "boolean" then
+      if given(v) then out[k] = boolean(key .. k, v) end
+    elseif not asks_for_nothing(v) then
+      unimpl[#unimpl + 1] = key .. k
+    end
+  end
+  local notes = cfg.no_effect
+  if out.partition_activations then
+    notes[#notes + 1] = key .. "partition_activations (it splits checkpoints across the " ..
+                        "model-parallel group; without model parallelism that group is each rank alone)"
+  end
+  if out.synchronize_checkpoint_boundary then
+    notes[#notes + 1] = key .. "synchronize_checkpoint_boundary (CPU kernels run " ..
+                        "synchronously: every checkpoint boundary is synchronized already)"
+  end
+  if out.number_checkpoints and not out.contiguous_memory_optimization then
+    notes[#notes + 1] = key .. "number_checkpoints (it sizes the buffer of " ..
+                        "contiguous_memory_optimization, which is off)"
   end
 end
 
@@ -702,7 +746,7 @@ local handled_top = {
   train_batch_size = true, train_micro_batch_size_per_gpu = true,
   gradient_accumulation_steps = true, gradient_clipping = true, optimizer = true,
   scheduler = true, fp16 = true, bf16 = true, bfloat16 = true, zero_optimization = true,
-  luazero = true, data_types = true, aio = true,
+  luazero = true, data_types = true, aio = true, activation_checkpointing = true,
 }
 
 -- source: a path to a JSON file, a table (an already decoded config), or nil
@@ -732,6 +776,7 @@ function M.load(source, world_size, overrides)
   local cfg = { source = name, world_size = world_size, raw = original,
                 overrides = deep_copy(ov) }
   local unimpl = {}
+  cfg.no_effect = {}
   cfg.gradient_clipping = 0
   if given(raw.gradient_clipping) then
     cfg.gradient_clipping = number_at_least("gradient_clipping", raw.gradient_clipping, 0)
@@ -752,6 +797,7 @@ function M.load(source, world_size, overrides)
   data_types_section(raw.data_types, cfg, unimpl)
   zero_section(raw.zero_optimization, cfg, unimpl)
   aio_section(raw.aio, cfg)
+  activation_checkpointing_section(raw.activation_checkpointing, cfg, unimpl)
   luazero_section(raw.luazero, cfg, ov)
   batch_sizes(raw, world_size, cfg, notes)
 
@@ -770,6 +816,13 @@ end
 function M.unimplemented_message(cfg)
   if #cfg.unimplemented == 0 then return nil end
   return "config: not implemented (ignored): " .. table.concat(cfg.unimplemented, ", ")
+end
+
+-- The start-up line for settings that are read and valid but cannot act
+-- on this machine or model, each with the reason; nil if none.
+function M.no_effect_message(cfg)
+  if #cfg.no_effect == 0 then return nil end
+  return "config: no effect here: " .. table.concat(cfg.no_effect, "; ")
 end
 
 -- One line saying what the configuration asks for.

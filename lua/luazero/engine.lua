@@ -63,7 +63,9 @@ M.settings = settings
 -- opts: model (not allocated), config (normalised DeepSpeed table), seed,
 -- batch {B, T} (sizes the activation arenas), lr (function of the 1-based
 -- optimizer step; default: the config's constant lr), comm (default
--- luazero.comm).
+-- luazero.comm), checkpoint_activations (true: the model keeps only each
+-- block's input and replays its forward in backward, as the config's
+-- activation_checkpointing block says).
 function M.initialize(opts)
   local model = assert(opts.model, "initialize: model is required")
   local s = settings(opts.config)
@@ -104,6 +106,9 @@ function M.initialize(opts)
   self:init_weights(opts.seed or 0)
   self:build_runs()
   self:install_hooks()
+  if opts.checkpoint_activations then
+    model:checkpoint_activations((opts.config or {}).activation_checkpointing or true)
+  end
   if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   return self
 end
@@ -361,6 +366,7 @@ end
 -- Activation arenas, plus (bf16/fp16) an arena for the casts modules make.
 function Engine:prepare(B, T)
   local model = self.model
+  model.ctx.cast_dtype = self.wdt -- what the cast arenas are sized for
   model:prepare(B, T)
   if self.wdt ~= "f32" then
     local ctx = model.ctx
@@ -380,6 +386,8 @@ function Engine:install_hooks()
   model:register_hook("post_forward", function(m) self:post_forward(m) end)
   model:register_hook("pre_backward", function(m) self:pre_backward(m) end)
   model:register_hook("post_backward", function(m) self:post_backward(m) end)
+  model:register_hook("pre_recompute", function(m) self:pre_recompute(m) end)
+  model:register_hook("post_recompute", function(m) self:post_recompute(m) end)
 end
 
 -- Stage 3: parameters of a segment, gathered into a pooled buffer.
@@ -496,6 +504,38 @@ function Engine:post_backward(m)
       self:grads_ready(seg)
     end
   end
+end
+
+-- Activation checkpointing, stage 3: a checkpointed module's parameters
+-- (all its descendants' segments) are gathered before its forward is
+-- replayed and held through its backward, so one gather serves both. The
+-- replay runs no forward hooks: the recorded prefetch orders and the
+-- gradient reductions see only the real forward and backward.
+function Engine:recompute_segs(m)
+  self.recompute_segs_of = self.recompute_segs_of or {}
+  local list = self.recompute_segs_of[m]
+  if list then return list end
+  list = {}
+  local seen = {}
+  local function visit(x)
+    for _, seg in ipairs(self.segs_of[x] or {}) do
+      if not seen[seg] then seen[seg] = true; list[#list + 1] = seg end
+    end
+    for _, c in ipairs(x.children) do visit(c.module) end
+  end
+  visit(m)
+  self.recompute_segs_of[m] = list
+  return list
+end
+
+function Engine:pre_recompute(m)
+  if self.stage < 3 then return end
+  for _, seg in ipairs(self:recompute_segs(m)) do self:ensure(seg) end
+end
+
+function Engine:post_recompute(m)
+  if self.stage < 3 then return end
+  for _, seg in ipairs(self:recompute_segs(m)) do self:release(seg) end
 end
 
 ------------------------------------------------------- gradient reduction

@@ -231,6 +231,16 @@ function lz.arena(bytes, category)
   return setmetatable({ handle = ffi.gc(out[0], C.lz_arena_free) }, Arena)
 end
 
+-- An arena over bytes [offset, offset + bytes) of tensor t's memory (offset
+-- a multiple of 64): no memory of its own, so arenas whose lifetimes do not
+-- overlap can share one buffer. t must outlive it.
+function lz.arena_over(t, offset, bytes)
+  assert(offset + bytes <= C.lz_tensor_bytes(t), "arena_over: the range ends past the tensor")
+  local out = ffi.new("lz_arena *[1]")
+  check(C.lz_arena_wrap(out, ffi.cast("char *", t.data) + offset, bytes), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.lz_arena_free), base = t }, Arena)
+end
+
 function Arena:tensor(shape, dtype)
   local dims, nd = shape_array(shape)
   local out = tensor_out()

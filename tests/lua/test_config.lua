@@ -210,13 +210,77 @@ function T.other_bad_values_name_the_key_and_allowed_values()
   expect_error(base({}), 1, "config: --dtype must be fp32, bf16 or fp16 (got f8)", { dtype = "f8" })
 end
 
+------------------------------------------------------------------ activation checkpointing
+
+function T.activation_checkpointing_defaults_values_and_errors()
+  local cfg = config.load({ train_batch_size = 8 }, 1)
+  local ac = cfg.activation_checkpointing
+  assert(ac.partition_activations == false and ac.cpu_checkpointing == false and
+         ac.contiguous_memory_optimization == false and ac.number_checkpoints == nil and
+         ac.synchronize_checkpoint_boundary == false and ac.profile == false,
+         "DeepSpeed's defaults")
+  assert(not cfg.activation_checkpointing_given and config.no_effect_message(cfg) == nil)
+  cfg = config.load({ train_batch_size = 8, activation_checkpointing = {
+    cpu_checkpointing = true, contiguous_memory_optimization = true, number_checkpoints = 12,
+    profile = true, partition_activations = false, synchronize_checkpoint_boundary = false } }, 1)
+  ac = cfg.activation_checkpointing
+  assert(ac.cpu_checkpointing and ac.contiguous_memory_optimization and ac.profile)
+  assert(ac.number_checkpoints == 12 and cfg.activation_checkpointing_given)
+  assert(#cfg.unimplemented == 0 and config.no_effect_message(cfg) == nil)
+  -- null is "not given": the default stays.
+  local cjson = require("cjson")
+  cfg = config.load({ train_batch_size = 8, activation_checkpointing = {
+    number_checkpoints = cjson.null, profile = cjson.null } }, 1)
+  assert(cfg.activation_checkpointing.number_checkpoints == nil)
+  assert(cfg.activation_checkpointing.profile == false)
+  -- Valid settings that cannot act here are reported with the reason.
+  cfg = config.load({ train_batch_size = 8, activation_checkpointing = {
+    partition_activations = true, synchronize_checkpoint_boundary = true,
+    number_checkpoints = 4 } }, 1)
+  local msg = config.no_effect_message(cfg)
+  assert(msg:find("^config: no effect here: activation_checkpointing.partition_activations " ..
+                  "%(it splits checkpoints across the model%-parallel group; without model " ..
+                  "parallelism that group is each rank alone%)"), msg)
+  assert(msg:find("activation_checkpointing.synchronize_checkpoint_boundary (CPU kernels", 1,
+                  true), msg)
+  assert(msg:find("activation_checkpointing.number_checkpoints (it sizes the buffer of " ..
+                  "contiguous_memory_optimization, which is off)", 1, true), msg)
+  assert(#cfg.unimplemented == 0)
+  local function ac_error(block, expected)
+    expect_error({ train_batch_size = 8, activation_checkpointing = block }, 1, expected)
+  end
+  ac_error({ partition_activations = 1 },
+           "config: activation_checkpointing.partition_activations must be true or false (got 1)")
+  ac_error({ cpu_checkpointing = "yes" },
+           'config: activation_checkpointing.cpu_checkpointing must be true or false (got "yes")')
+  ac_error({ contiguous_memory_optimization = { true } },
+           "config: activation_checkpointing.contiguous_memory_optimization must be true or " ..
+           "false (got a list)")
+  ac_error({ synchronize_checkpoint_boundary = 0 },
+           "config: activation_checkpointing.synchronize_checkpoint_boundary must be true or " ..
+           "false (got 0)")
+  ac_error({ profile = "false" },
+           'config: activation_checkpointing.profile must be true or false (got "false")')
+  ac_error({ number_checkpoints = 0 },
+           "config: activation_checkpointing.number_checkpoints must be a whole number >= 1 " ..
+           "(got 0)")
+  ac_error({ number_checkpoints = 2.5 },
+           "config: activation_checkpointing.number_checkpoints must be a whole number >= 1 " ..
+           "(got 2.5)")
+  ac_error({ number_checkpoints = true },
+           "config: activation_checkpointing.number_checkpoints must be a whole number >= 1 " ..
+           "(got true)")
+  ac_error(true, "config: activation_checkpointing must be a JSON object {...} (got true)")
+end
+
 ------------------------------------------------------------------ not implemented
 
 function T.unimplemented_keys_are_listed_by_dotted_name()
   local cfg = config.load({
     train_batch_size = 8,
     wall_clock_breakdown = true,
-    activation_checkpointing = { partition_activations = true },
+    activation_checkpointing = { partition_activations = true, cpu_checkpointing = false,
+                                 offload_to_nvme = true },
     steps_per_print = 10,                    -- logging cadence: accepted
     tensorboard = { enabled = false },       -- asks for nothing
     flops_profiler = { enabled = true },
@@ -227,7 +291,7 @@ function T.unimplemented_keys_are_listed_by_dotted_name()
                           offload_param = { device = "none" } },
     aio = { block_size = 1048576 },
   }, 1)
-  local want = { "activation_checkpointing", "flops_profiler", "fp16.auto_cast",
+  local want = { "activation_checkpointing.offload_to_nvme", "flops_profiler", "fp16.auto_cast",
                  "optimizer.params.amsgrad", "wall_clock_breakdown" }
   assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
          table.concat(cfg.unimplemented, ","))

@@ -16,6 +16,14 @@
 -- which call the hooks registered on the shared context around each child:
 -- the points where a ZeRO-3 engine gathers parameters before a module runs
 -- and releases them / reduce-scatters their gradients after.
+--
+-- Activation checkpointing: a container may drop a child's activations
+-- after its forward and run it through Module:run_checkpointed_backward,
+-- which replays the child's forward from its kept input, then runs its
+-- backward. The replay calls no forward hooks (it is not a new pass);
+-- pre_recompute/post_recompute hooks bracket replay and backward together.
+local clock = require("luazero.clock")
+
 local Module = {}
 Module.__index = Module
 
@@ -113,12 +121,14 @@ end
 ------------------------------------------------------------------- hooks
 
 local hook_kinds = { pre_forward = true, post_forward = true, pre_backward = true,
-                     post_backward = true }
+                     post_backward = true, pre_recompute = true, post_recompute = true }
 
--- fn(module) runs around every child a container runs (not the root itself).
+-- fn(module) runs around every child a container runs (not the root itself);
+-- pre_recompute/post_recompute around a checkpointed child's replayed
+-- forward and the backward that follows it.
 function Module:register_hook(kind, fn)
-  assert(hook_kinds[kind], "nn: hook kind must be pre_forward, post_forward, pre_backward "
-         .. "or post_backward (got " .. tostring(kind) .. ")")
+  assert(hook_kinds[kind], "nn: hook kind must be pre_forward, post_forward, pre_backward, "
+         .. "post_backward, pre_recompute or post_recompute (got " .. tostring(kind) .. ")")
   local ctx = assert(self.ctx, "nn: set_context before registering hooks")
   ctx.hooks = ctx.hooks or {}
   local list = ctx.hooks[kind] or {}
@@ -133,6 +143,7 @@ end
 
 function Module:run_forward(child, ...)
   local ctx = self.ctx
+  if ctx.recomputing then return child:forward(...) end
   run_hooks(ctx, "pre_forward", child)
   local out = child:forward(...)
   run_hooks(ctx, "post_forward", child)
@@ -144,6 +155,31 @@ function Module:run_backward(child, dy)
   run_hooks(ctx, "pre_backward", child)
   local dx = child:backward(dy)
   run_hooks(ctx, "post_backward", child)
+  return dx
+end
+
+-- Replays child:forward(x) (x: the input kept by the checkpointed forward;
+-- the same kernels on the same bits give the same activations), then runs
+-- its backward with dy. The caller points ctx.arena where the replayed
+-- activations may go.
+-- ctx.checkpoint_profile, when set, sums the seconds of replays and of the
+-- backwards after them (activation_checkpointing.profile).
+function Module:run_checkpointed_backward(child, x, dy)
+  local ctx = self.ctx
+  local prof = ctx.checkpoint_profile
+  run_hooks(ctx, "pre_recompute", child)
+  local t0 = prof and clock.now()
+  ctx.recomputing = true
+  local ok, err = pcall(child.forward, child, x)
+  ctx.recomputing = false
+  if not ok then error(err, 0) end
+  local t1 = prof and clock.now()
+  local dx = self:run_backward(child, dy)
+  if prof then
+    prof.recompute = prof.recompute + (t1 - t0)
+    prof.backward = prof.backward + (clock.now() - t1)
+  end
+  run_hooks(ctx, "post_recompute", child)
   return dx
 end
 
