@@ -9,7 +9,7 @@
 -- Errors are Lua errors whose message is one line starting "config: ", raised
 -- at level 0 (no position prefix), naming the key and the allowed values.
 -- Keys luazero does not implement are collected, by full dotted name, in
--- cfg.unimplemented. The key reference is docs/zero.md, "Configuration".
+-- cfg.unimplemented. The key reference is docs/configuration.md.
 local cjson = require("cjson")
 
 local M = {}
@@ -266,6 +266,9 @@ local function optimizer_section(raw, cfg, unimpl)
   -- "Adam" is decoupled (AdamW) unless adam_w_mode is false; "AdamW" always is.
   local w_mode = true
   if given(p.adam_w_mode) then w_mode = boolean(key .. "adam_w_mode", p.adam_w_mode) end
+  -- luazero's optimizer is always AdamW (decoupled weight decay): "Adam"
+  -- with adam_w_mode false (L2 in the gradient) is reported.
+  if lt == "adam" and not w_mode then unimpl[#unimpl + 1] = key .. "adam_w_mode" end
   if p.max_grad_norm ~= nil then
     fail("%smax_grad_norm is not an optimizer parameter in DeepSpeed; use the top-level " ..
          "gradient_clipping", key)
@@ -274,7 +277,10 @@ local function optimizer_section(raw, cfg, unimpl)
     local known = k == "lr" or k == "betas" or k == "eps" or k == "weight_decay" or
                   k == "adam_w_mode" or k == "torch_adam"
     local v = p[k]
-    local default_ok = (k == "bias_correction" and v == true) or v == false
+    -- false asks for nothing, except bias_correction: false (the kernel
+    -- always corrects), which is reported.
+    local default_ok = (k == "bias_correction" and v == true) or
+                       (v == false and k ~= "bias_correction")
     if not known and not default_ok then unimpl[#unimpl + 1] = key .. k end
   end
   cfg.optimizer = { type = lt == "adam" and "Adam" or "AdamW", params = out,
@@ -366,6 +372,8 @@ local function fp16_section(raw, cfg, unimpl)
       end
     end
   end
+  -- The loss scaler always resets hysteresis after an overflow-free step.
+  if out.consecutive_hysteresis then unimpl[#unimpl + 1] = "fp16.consecutive_hysteresis" end
   cfg.fp16 = out
 end
 
@@ -497,7 +505,7 @@ function M.check_writable_dir(key, path)
   os.remove(probe)
 end
 
-local function aio_section(raw, cfg)
+local function aio_section(raw, cfg, unimpl)
   local out = deep_copy(M.aio_defaults)
   cfg.aio = out
   if not given(raw) then return end
@@ -505,10 +513,10 @@ local function aio_section(raw, cfg)
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
     if M.aio_defaults[k] == nil then
-      fail("aio.%s is not a key of the aio block (known: %s)", k,
-           table.concat(sorted_keys(M.aio_defaults), ", "))
-    end
-    if given(v) then
+      -- Newer DeepSpeed keys (use_gds, intra_op_parallelism, ...): reported
+      -- unless they ask for nothing.
+      if not asks_for_nothing(v) then unimpl[#unimpl + 1] = "aio." .. k end
+    elseif given(v) then
       if type(M.aio_defaults[k]) == "boolean" then
         out[k] = boolean("aio." .. k, v)
       else
@@ -796,7 +804,7 @@ function M.load(source, world_size, overrides)
   cfg.dtype = cfg.fp16.enabled and "fp16" or (cfg.bf16.enabled and "bf16" or "fp32")
   data_types_section(raw.data_types, cfg, unimpl)
   zero_section(raw.zero_optimization, cfg, unimpl)
-  aio_section(raw.aio, cfg)
+  aio_section(raw.aio, cfg, unimpl)
   activation_checkpointing_section(raw.activation_checkpointing, cfg, unimpl)
   luazero_section(raw.luazero, cfg, ov)
   batch_sizes(raw, world_size, cfg, notes)

@@ -335,9 +335,13 @@ function T.offload_and_aio_keys()
                "transfers whole 4 KiB blocks")
   expect_error({ train_batch_size = 8, aio = { queue_depth = 0 } }, 1,
                "config: aio.queue_depth must be a positive number (got 0)")
-  expect_error({ train_batch_size = 8, aio = { blocksize = 4096 } }, 1,
-               "config: aio.blocksize is not a key of the aio block (known: block_size, " ..
-               "overlap_events, queue_depth, single_submit, thread_count)")
+  cfg = config.load({ train_batch_size = 8, aio = { use_gds = false, blocksize = 4096 },
+                      optimizer = { type = "Adam", params = { adam_w_mode = false,
+                                                              bias_correction = false } },
+                      fp16 = { enabled = true, consecutive_hysteresis = true } }, 1)
+  assert(table.concat(cfg.unimplemented, ",") == "aio.blocksize,fp16.consecutive_hysteresis," ..
+         "optimizer.params.adam_w_mode,optimizer.params.bias_correction",
+         table.concat(cfg.unimplemented, ","))
   expect_error({ train_batch_size = 8, zero_optimization = { stage = 2,
                  offload_param = { device = "cpu" } } }, 1,
                "config: zero_optimization.offload_param needs stage 3 (got stage 2); set " ..
