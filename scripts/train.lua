@@ -130,7 +130,7 @@ end
 local function resolve_stage(cfg, model, world)
   local z = cfg.zero_optimization
   if z.stage ~= "auto" then return end
-  local budget, source = config.memory_budget(cfg)
+  local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   local persistent = 0
   for _, e in ipairs(model.param_table) do
     if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
@@ -250,7 +250,7 @@ local function main(argv)
   -- passes it stops the run.
   local budget, budget_source
   if cfg.memory_budget or (os.getenv("LZ_MEMORY_BUDGET") or "") ~= "" then
-    budget, budget_source = config.memory_budget(cfg)
+    budget, budget_source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   end
 
   local tokens_per_step = B * T * accum * world
