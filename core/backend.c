@@ -17,9 +17,7 @@ static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
 static const lz_backend *cuda_backend; /* set once, by lz_cuda_init */
 static int cuda_device = -1;
 
-const lz_backend *lz_backend_cuda(void) {
-  return __atomic_load_n(&cuda_backend, __ATOMIC_ACQUIRE);
-}
+const lz_backend *lz_backend_cuda(void) { return __atomic_load_n(&cuda_backend, __ATOMIC_ACQUIRE); }
 
 int lz_cuda_ready(void) { return lz_backend_cuda() != NULL; }
 int lz_cuda_device(void) { return lz_backend_cuda() ? cuda_device : -1; }
@@ -72,8 +70,8 @@ lz_status lz_cuda_init(int device) {
     return lz_fail(LZ_ERR_UNSUPPORTED,
                    "cuda: libluazero_cuda.so %s (backend ABI %d, this libluazero wants %d); "
                    "rebuild both together",
-                   be ? "is from another build" : "has no lz_cuda_backend table",
-                   be ? be->abi : -1, LZ_BACKEND_ABI);
+                   be ? "is from another build" : "has no lz_cuda_backend table", be ? be->abi : -1,
+                   LZ_BACKEND_ABI);
   }
   st = be->init(device);
   if (st == LZ_OK) {
@@ -88,8 +86,7 @@ static lz_status need_backend(const char *op, const lz_backend **be) {
   *be = lz_backend_cuda();
   if (!*be)
     return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: cuda is not initialized; call lz_cuda_init first (device = \"cuda\")",
-                   op);
+                   "%s: cuda is not initialized; call lz_cuda_init first (device = \"cuda\")", op);
   return LZ_OK;
 }
 
@@ -136,7 +133,8 @@ lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int 
     if (t->device != LZ_CPU && t->device != LZ_CUDA)
       return lz_fail(LZ_ERR_INVALID, "%s: %s has device %d; devices are cpu (0) and cuda (1)",
                      op_name, arg_names[op][i] ? arg_names[op][i] : "a tensor", (int)t->device);
-    if (first < 0) first = i;
+    if (first < 0)
+      first = i;
     else if (t->device != a->t[first]->device)
       return lz_fail(LZ_ERR_INVALID,
                      "%s: %s lives on %s but %s lives on %s; move them to one device "
@@ -150,8 +148,7 @@ lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int 
   if (!be->supports(op, a)) {
     char buf[96];
     return lz_fail(LZ_ERR_UNSUPPORTED, "%s: not supported on cuda yet: %s with %s %s", op_name,
-                   op_name, arg_names[op][first],
-                   lz_tensor_describe(a->t[first], buf, sizeof buf));
+                   op_name, arg_names[op][first], lz_tensor_describe(a->t[first], buf, sizeof buf));
   }
   *handled = 1;
   return be->compute(op, a);

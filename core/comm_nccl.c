@@ -71,8 +71,7 @@ static lz_status share_file(lz_comm *c, nccl_impl *m, const char *shm, void *id,
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
     if (fd < 0 || write(fd, id, bytes) != (ssize_t)bytes || close(fd) != 0 ||
         rename(tmp, m->id_file) != 0)
-      return lz_fail(LZ_ERR_IO, "nccl: rank 0: writing %s failed: %s", m->id_file,
-                     strerror(errno));
+      return lz_fail(LZ_ERR_IO, "nccl: rank 0: writing %s failed: %s", m->id_file, strerror(errno));
     return LZ_OK;
   }
   const double deadline = lz_now_s() + c->timeout_s;
@@ -123,12 +122,15 @@ static lz_status share_tcp(lz_comm *c, void *id, size_t bytes) {
   snprintf(who, sizeof who, "rank %d", c->rank);
   if (c->rank == 0) {
     int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(port)),
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)atoi(port)),
                              .sin_addr.s_addr = htonl(INADDR_ANY)};
     setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(ls, 128) != 0) {
-      lz_status st = lz_fail(LZ_ERR_COMM, "nccl: rank 0: cannot listen on port %s: %s; pick "
-                             "another MASTER_PORT", port, strerror(errno));
+      lz_status st = lz_fail(LZ_ERR_COMM,
+                             "nccl: rank 0: cannot listen on port %s: %s; pick "
+                             "another MASTER_PORT",
+                             port, strerror(errno));
       if (ls >= 0) close(ls);
       return st;
     }
@@ -207,9 +209,12 @@ static lz_status nccl_init(lz_comm *c) {
   lz_status st = c->rank == 0 ? be->nccl_get_id(id) : LZ_OK;
   const char *shm = getenv("LZ_SHM_NAME");
   if (st == LZ_OK && c->size > 1) {
-    if (in_mpi) st = share_mpi(c, m, id, be->nccl_id_bytes);
-    else if (shm && *shm) st = share_file(c, m, shm, id, be->nccl_id_bytes);
-    else st = share_tcp(c, id, be->nccl_id_bytes);
+    if (in_mpi)
+      st = share_mpi(c, m, id, be->nccl_id_bytes);
+    else if (shm && *shm)
+      st = share_file(c, m, shm, id, be->nccl_id_bytes);
+    else
+      st = share_tcp(c, id, be->nccl_id_bytes);
   }
   if (st == LZ_OK) st = be->nccl_init(&m->nc, id, c->rank, c->size);
   /* Every rank has joined (or failed): the id file has done its work. */

@@ -19,27 +19,27 @@ extern "C" {
 #define LZ_BACKEND_ABI 1
 
 typedef enum lz_op {
-  LZ_OP_MATMUL = 0,           /* t: c, a, b; i: trans_a, trans_b; f: alpha, beta */
-  LZ_OP_LINEAR_FORWARD,       /* t: out, x, w, bias (may be NULL) */
-  LZ_OP_LINEAR_BACKWARD,      /* t: dx, dw, db (each may be NULL), dy, x, w */
-  LZ_OP_LAYERNORM_FORWARD,    /* t: out, mean, rstd, x, w, b; f: eps */
-  LZ_OP_LAYERNORM_BACKWARD,   /* t: dx, dw, db, dy, x, w, mean, rstd */
-  LZ_OP_GELU_FORWARD,         /* t: out, x */
-  LZ_OP_GELU_BACKWARD,        /* t: dx, dy, x */
-  LZ_OP_ATTENTION_FORWARD,    /* t: out, lse, qkv; i: n_head */
-  LZ_OP_ATTENTION_BACKWARD,   /* t: dqkv, dout, qkv, out, lse; i: n_head */
-  LZ_OP_EMBEDDING_FORWARD,    /* t: out, tokens, wte, wpe */
-  LZ_OP_EMBEDDING_BACKWARD,   /* t: dwte, dwpe (either may be NULL), dout, tokens */
+  LZ_OP_MATMUL = 0,             /* t: c, a, b; i: trans_a, trans_b; f: alpha, beta */
+  LZ_OP_LINEAR_FORWARD,         /* t: out, x, w, bias (may be NULL) */
+  LZ_OP_LINEAR_BACKWARD,        /* t: dx, dw, db (each may be NULL), dy, x, w */
+  LZ_OP_LAYERNORM_FORWARD,      /* t: out, mean, rstd, x, w, b; f: eps */
+  LZ_OP_LAYERNORM_BACKWARD,     /* t: dx, dw, db, dy, x, w, mean, rstd */
+  LZ_OP_GELU_FORWARD,           /* t: out, x */
+  LZ_OP_GELU_BACKWARD,          /* t: dx, dy, x */
+  LZ_OP_ATTENTION_FORWARD,      /* t: out, lse, qkv; i: n_head */
+  LZ_OP_ATTENTION_BACKWARD,     /* t: dqkv, dout, qkv, out, lse; i: n_head */
+  LZ_OP_EMBEDDING_FORWARD,      /* t: out, tokens, wte, wpe */
+  LZ_OP_EMBEDDING_BACKWARD,     /* t: dwte, dwpe (either may be NULL), dout, tokens */
   LZ_OP_CROSS_ENTROPY_FORWARD,  /* t: losses, logits, targets; i: vocab */
   LZ_OP_CROSS_ENTROPY_BACKWARD, /* t: dlogits, logits, targets; i: vocab; f: dloss */
-  LZ_OP_ADD,                  /* t: out, a, b */
-  LZ_OP_AXPY,                 /* t: y, x; f: alpha */
-  LZ_OP_SCALE,                /* t: t; f: s */
-  LZ_OP_FILL,                 /* t: t; f: v */
-  LZ_OP_SQ_NORM,              /* t: t; out_f64 */
-  LZ_OP_HAS_INF_NAN,          /* t: t; out_int */
-  LZ_OP_ADAMW_STEP,           /* t: param, grad, m, v, working (may be NULL); adamw */
-  LZ_OP_CONVERT,              /* t: dst, src: same element count, both on the device */
+  LZ_OP_ADD,                    /* t: out, a, b */
+  LZ_OP_AXPY,                   /* t: y, x; f: alpha */
+  LZ_OP_SCALE,                  /* t: t; f: s */
+  LZ_OP_FILL,                   /* t: t; f: v */
+  LZ_OP_SQ_NORM,                /* t: t; out_f64 */
+  LZ_OP_HAS_INF_NAN,            /* t: t; out_int */
+  LZ_OP_ADAMW_STEP,             /* t: param, grad, m, v, working (may be NULL); adamw */
+  LZ_OP_CONVERT,                /* t: dst, src: same element count, both on the device */
   LZ_OP_COUNT
 } lz_op;
 
@@ -92,8 +92,8 @@ typedef struct lz_backend {
   void (*nccl_free)(void *nc, int abort);
   /* One collective queued on LZ_STREAM_COMM after the compute stream's work
    * so far; waits for it until timeout_s, then aborts the communicator. */
-  lz_status (*nccl_run)(void *nc, lz_coll_kind kind, const void *send, void *recv,
-                        int64_t count, lz_dtype dt, lz_reduce_op op, int root, double timeout_s);
+  lz_status (*nccl_run)(void *nc, lz_coll_kind kind, const void *send, void *recv, int64_t count,
+                        lz_dtype dt, lz_reduce_op op, int root, double timeout_s);
 } lz_backend;
 
 typedef const lz_backend *(*lz_backend_entry_fn)(void);
@@ -111,12 +111,12 @@ lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int 
 
 /* The op's checks and then the device switch, in one line at the end of the
  * checks of each public kernel. */
-#define LZ_DEVICE_DISPATCH(op_name, opcode, ...)                                           \
-  do {                                                                                     \
-    lz_op_args lz_dd_args_ = {__VA_ARGS__};                                                \
-    int lz_dd_handled_ = 0;                                                                \
+#define LZ_DEVICE_DISPATCH(op_name, opcode, ...)                                               \
+  do {                                                                                         \
+    lz_op_args lz_dd_args_ = {__VA_ARGS__};                                                    \
+    int lz_dd_handled_ = 0;                                                                    \
     lz_status lz_dd_st_ = lz_backend_dispatch(op_name, opcode, &lz_dd_args_, &lz_dd_handled_); \
-    if (lz_dd_st_ != LZ_OK || lz_dd_handled_) return lz_dd_st_;                            \
+    if (lz_dd_st_ != LZ_OK || lz_dd_handled_) return lz_dd_st_;                                \
   } while (0)
 
 /* i32 ids checked on the host: returns the data of a cpu tensor, or a

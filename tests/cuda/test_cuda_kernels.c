@@ -17,22 +17,22 @@
 static int failures, passed, failed, skipped;
 static const char *skip_reason;
 
-#define CHECK(cond)                                                                          \
-  do {                                                                                       \
-    if (!(cond)) {                                                                           \
-      printf("    %s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond);                           \
-      failures++;                                                                            \
-    }                                                                                        \
+#define CHECK(cond)                                                \
+  do {                                                             \
+    if (!(cond)) {                                                 \
+      printf("    %s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond); \
+      failures++;                                                  \
+    }                                                              \
   } while (0)
 
-#define CHECK_OK(expr)                                                                       \
-  do {                                                                                       \
-    lz_status st_ = (expr);                                                                  \
-    if (st_ != LZ_OK) {                                                                      \
-      printf("    %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr, lz_status_name(st_),    \
-             lz_last_error());                                                               \
-      failures++;                                                                            \
-    }                                                                                        \
+#define CHECK_OK(expr)                                                                    \
+  do {                                                                                    \
+    lz_status st_ = (expr);                                                               \
+    if (st_ != LZ_OK) {                                                                   \
+      printf("    %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr, lz_status_name(st_), \
+             lz_last_error());                                                            \
+      failures++;                                                                         \
+    }                                                                                     \
   } while (0)
 
 /* ------------------------------------------------------------------ helpers */
@@ -57,9 +57,12 @@ static lz_tensor *host_rand(lz_dtype dt, int ndim, const int64_t *shape, float s
   int64_t n = lz_tensor_numel(t);
   for (int64_t i = 0; i < n; i++) {
     float v = uniform() * scale;
-    if (dt == LZ_F32) ((float *)t->data)[i] = v;
-    else if (dt == LZ_BF16) ((uint16_t *)t->data)[i] = lz_f32_to_bf16(v);
-    else if (dt == LZ_F16) ((uint16_t *)t->data)[i] = lz_f32_to_f16(v);
+    if (dt == LZ_F32)
+      ((float *)t->data)[i] = v;
+    else if (dt == LZ_BF16)
+      ((uint16_t *)t->data)[i] = lz_f32_to_bf16(v);
+    else if (dt == LZ_F16)
+      ((uint16_t *)t->data)[i] = lz_f32_to_f16(v);
   }
   return t;
 }
@@ -81,11 +84,16 @@ static lz_tensor *back(const lz_tensor *d) {
 
 static double value(const lz_tensor *t, int64_t i) {
   switch (t->dtype) {
-  case LZ_F32: return ((const float *)t->data)[i];
-  case LZ_BF16: return lz_bf16_to_f32(((const uint16_t *)t->data)[i]);
-  case LZ_F16: return lz_f16_to_f32(((const uint16_t *)t->data)[i]);
-  case LZ_I32: return ((const int32_t *)t->data)[i];
-  default: return ((const uint16_t *)t->data)[i];
+    case LZ_F32:
+      return ((const float *)t->data)[i];
+    case LZ_BF16:
+      return lz_bf16_to_f32(((const uint16_t *)t->data)[i]);
+    case LZ_F16:
+      return lz_f16_to_f32(((const uint16_t *)t->data)[i]);
+    case LZ_I32:
+      return ((const int32_t *)t->data)[i];
+    default:
+      return ((const uint16_t *)t->data)[i];
   }
 }
 
@@ -106,17 +114,17 @@ static void expect_close(const char *what, const lz_tensor *d, const lz_tensor *
     }
   }
   if (!(worst <= tol)) {
-    printf("    %s: worst relative error %.3g at %lld (cuda %.9g, cpu %.9g), tolerance %g\n",
-           what, worst, (long long)at, value(h, at), value(ref, at), tol);
+    printf("    %s: worst relative error %.3g at %lld (cuda %.9g, cpu %.9g), tolerance %g\n", what,
+           worst, (long long)at, value(h, at), value(ref, at), tol);
     failures++;
   }
   lz_tensor_free(h);
 }
 
-#define FREE(...)                                                                            \
-  do {                                                                                       \
-    lz_tensor *fr_[] = {__VA_ARGS__};                                                        \
-    for (size_t i_ = 0; i_ < sizeof fr_ / sizeof fr_[0]; i_++) lz_tensor_free(fr_[i_]);      \
+#define FREE(...)                                                                       \
+  do {                                                                                  \
+    lz_tensor *fr_[] = {__VA_ARGS__};                                                   \
+    for (size_t i_ = 0; i_ < sizeof fr_ / sizeof fr_[0]; i_++) lz_tensor_free(fr_[i_]); \
   } while (0)
 
 /* ------------------------------------------------------------------- tests */
@@ -201,8 +209,7 @@ static void test_layernorm(void) {
   expect_close("layernorm_backward dx", d_gx, gx, 1e-5);
   expect_close("layernorm_backward dw", d_gw, gw, 1e-5);
   expect_close("layernorm_backward db", d_gb, gb, 1e-5);
-  FREE(x, w, b, y, mu, rs_, d_x, d_w, d_b, d_y, d_mu, d_rs, gy, gx, gw, gb, d_gy, d_gx, d_gw,
-       d_gb);
+  FREE(x, w, b, y, mu, rs_, d_x, d_w, d_b, d_y, d_mu, d_rs, gy, gx, gw, gb, d_gy, d_gx, d_gw, d_gb);
 }
 
 static void test_gelu(void) {
@@ -245,7 +252,8 @@ static void test_embedding(void) {
   int64_t V = 50, Tmax = 16, C = 40, B = 3, T = 12;
   int64_t ts[2] = {B, T}, tes[2] = {V, C}, pes[2] = {Tmax, C}, os[3] = {B, T, C};
   lz_tensor *tok = host(LZ_I32, 2, ts);
-  for (int64_t i = 0; i < B * T; i++) ((int32_t *)tok->data)[i] = (int32_t)(i * 7 % 5); /* repeats */
+  for (int64_t i = 0; i < B * T; i++)
+    ((int32_t *)tok->data)[i] = (int32_t)(i * 7 % 5); /* repeats */
   lz_tensor *wte = host_rand(LZ_F32, 2, tes, 1), *wpe = host_rand(LZ_F32, 2, pes, 1);
   lz_tensor *o = host(LZ_F32, 3, os);
   lz_tensor *d_tok = dev(tok), *d_wte = dev(wte), *d_wpe = dev(wpe), *d_o = dev(o);
@@ -272,7 +280,8 @@ static void test_cross_entropy(void) {
   int64_t B = 4, T = 9, V = 61, Vp = 64;
   int64_t ls[3] = {B, T, Vp}, ts[2] = {B, T};
   lz_tensor *logits = host_rand(LZ_F32, 3, ls, 5), *tg = host(LZ_I32, 2, ts);
-  for (int64_t i = 0; i < B * T; i++) ((int32_t *)tg->data)[i] = i == 3 ? -1 : (int32_t)(i * 13 % V);
+  for (int64_t i = 0; i < B * T; i++)
+    ((int32_t *)tg->data)[i] = i == 3 ? -1 : (int32_t)(i * 13 % V);
   lz_tensor *loss = host(LZ_F32, 2, ts), *gl = host(LZ_F32, 3, ls);
   lz_tensor *d_logits = dev(logits), *d_tg = dev(tg), *d_loss = dev(loss), *d_gl = dev(gl);
   CHECK_OK(lz_cross_entropy_forward(loss, logits, tg, V));
@@ -289,7 +298,8 @@ static void test_cross_entropy(void) {
 
 static void test_elementwise(void) {
   int64_t s[1] = {100003};
-  lz_tensor *a = host_rand(LZ_F32, 1, s, 1), *b = host_rand(LZ_F32, 1, s, 1), *o = host(LZ_F32, 1, s);
+  lz_tensor *a = host_rand(LZ_F32, 1, s, 1), *b = host_rand(LZ_F32, 1, s, 1),
+            *o = host(LZ_F32, 1, s);
   lz_tensor *d_a = dev(a), *d_b = dev(b), *d_o = dev(o);
   CHECK_OK(lz_add(o, a, b));
   CHECK_OK(lz_add(d_o, d_a, d_b));
@@ -317,8 +327,10 @@ static void test_elementwise(void) {
     CHECK_OK(lz_fill(d_t, -2.5f));
     expect_close("fill", d_t, t, 0.0);
     /* One NaN in the middle. */
-    if (dts[k] == LZ_F32) ((float *)t->data)[77777] = NAN;
-    else ((uint16_t *)t->data)[77777] = 0x7fff;
+    if (dts[k] == LZ_F32)
+      ((float *)t->data)[77777] = NAN;
+    else
+      ((uint16_t *)t->data)[77777] = 0x7fff;
     CHECK_OK(lz_tensor_copy(d_t, t));
     CHECK_OK(lz_has_inf_nan(t, &f1));
     CHECK_OK(lz_has_inf_nan(d_t, &f2));
@@ -351,8 +363,13 @@ static void test_convert(void) {
 
 static void test_adamw(void) {
   int64_t s[1] = {20011};
-  lz_adamw_args args = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
-                        .weight_decay = 0.1f, .grad_scale = 0.5f, .step = 3};
+  lz_adamw_args args = {.lr = 1e-3f,
+                        .beta1 = 0.9f,
+                        .beta2 = 0.95f,
+                        .eps = 1e-8f,
+                        .weight_decay = 0.1f,
+                        .grad_scale = 0.5f,
+                        .step = 3};
   const lz_dtype wdts[3] = {LZ_F32, LZ_BF16, LZ_F16};
   for (int k = 0; k < 3; k++) {
     lz_tensor *p = host_rand(LZ_F32, 1, s, 1), *g = host_rand(LZ_F32, 1, s, 1);
@@ -471,7 +488,9 @@ int main(int argc, char **argv) {
     }
     fflush(stdout);
   }
-  if (skipped) printf("%d passed, %d failed (%d skipped: no GPU)\n", passed, failed, skipped);
-  else printf("%d passed, %d failed\n", passed, failed);
+  if (skipped)
+    printf("%d passed, %d failed (%d skipped: no GPU)\n", passed, failed, skipped);
+  else
+    printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
