@@ -60,6 +60,14 @@ if have_cuda then
   -- link under make -j. So nvcc runs in the prebuild step of a project of its
   -- own (an empty archive), which luazero_cuda links after: make orders them.
   -- Each object is rebuilt only when its source is newer. Commands run in build/.
+  -- sm_90 (H100/H200) machine code plus compute_90 PTX, which the driver
+  -- compiles for newer GPUs. LZ_CUDA_ARCH=80 (say) builds for another one.
+  -- An object is rebuilt when its source or a shared header is newer.
+  local arch = os.getenv("LZ_CUDA_ARCH") or "90"
+  local nvflags = string.format("-O3 -std=c++17 -gencode arch=compute_%s,code=sm_%s "
+    .. "-gencode arch=compute_%s,code=compute_%s -Werror all-warnings "
+    .. "-Xcompiler -fPIC,-Wall,-Wextra,-Werror -I%s/core -I%s/cuda", arch, arch, arch, arch, root, root)
+  local headers = { "cuda/lz_cuda.h", "core/lz_backend.h", "core/lz_internal.h", "core/luazero.h" }
   local cu_files = os.matchfiles("cuda/*.cu")
   local objs = {}
   local cmds = { "mkdir -p obj/cuda" }
@@ -67,9 +75,9 @@ if have_cuda then
     local base = path.getbasename(f)
     local obj = "obj/cuda/" .. base .. ".o"
     table.insert(objs, obj)
-    table.insert(cmds, string.format(
-      "test %s -nt %s/%s || %s -O3 -std=c++17 -Xcompiler -fPIC -I%s/core -c %s/%s -o %s",
-      obj, root, f, nvcc, root, root, f, obj))
+    local fresh = string.format("test %s -nt %s/%s", obj, root, f)
+    for _, h in ipairs(headers) do fresh = fresh .. string.format(" -a %s -nt %s/%s", obj, root, h) end
+    table.insert(cmds, string.format("%s || %s %s -c %s/%s -o %s", fresh, nvcc, nvflags, root, f, obj))
   end
   project "luazero_cuda_objects"
     kind "StaticLib"
@@ -104,6 +112,14 @@ project "lz_tests"
   files { "tests/*.c", "tests/*.h" }
   includedirs { "tests" }
   links { "luazero", "m", "dl" }
+  linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
+  output_dirs("bin")
+
+-- The CUDA kernels against the CPU ones (tools/test cuda); skips without a GPU.
+project "lz_cuda_tests"
+  kind "ConsoleApp"
+  files { "tests/cuda/test_cuda_kernels.c" }
+  links { "luazero", "m" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")
 

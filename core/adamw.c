@@ -8,6 +8,7 @@
  *   m  = b1 m + (1 - b1) g          v = b2 v + (1 - b2) g^2
  *   p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
  * with g = grad * grad_scale (clipping and loss-scale undo folded in). */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <immintrin.h> /* F16C's vcvtps2ph for the f16 working copy */
@@ -145,7 +146,7 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
   LZ_TRY(lz_check_dtype(op, "v", v, LZ_F32));
   LZ_TRY(lz_check_numel(op, "v", v, n, "the element count of param"));
   if (working) {
-    LZ_TRY(lz_check_cpu(op, "working", working));
+    LZ_TRY(lz_check_present(op, "working", working));
     if (working->dtype != LZ_F32 && working->dtype != LZ_BF16 && working->dtype != LZ_F16) {
       char buf[96];
       return lz_fail(LZ_ERR_INVALID, "%s: working is %s, expected dtype f32, bf16 or f16", op,
@@ -154,6 +155,8 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
     LZ_TRY(lz_check_numel(op, "working", working, n, "the element count of param"));
   }
   LZ_TRY(check_args(op, args));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ADAMW_STEP, .t = {param, (lz_tensor *)grad, m, v, working},
+                     .adamw = args);
 
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
   const double bc1 = 1.0 - pow(b1, (double)args->step);

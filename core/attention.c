@@ -21,6 +21,7 @@
  * the stack of the thread that uses it, at most (8 * TILE * HS' + 2 * TILE^2)
  * floats (HS' = HS rounded up to 16): 160 KiB at HS = 64, 544 KiB at the
  * largest head size accepted, MAX_HS. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <math.h> /* exp2f, log2f, sqrtf, INFINITY */
@@ -483,6 +484,8 @@ lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *
   LZ_TRY(check_qkv(op, qkv, n_head, &d));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_FORWARD, .t = {out, lse, (lz_tensor *)qkv},
+                     .i = {n_head});
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *o = out->data, *l = lse->data;
@@ -508,6 +511,10 @@ lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz
   LZ_TRY(check_shape3(op, "dout", dout, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_BACKWARD,
+                     .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
+                           (lz_tensor *)lse},
+                     .i = {n_head});
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *dx = dqkv->data;

@@ -155,11 +155,8 @@ static lz_status choose_backend(lz_comm_backend asked, lz_comm_backend *out) {
                      env_world(), env_world(), env_world());
     else asked = LZ_COMM_LOCAL;
   }
-  if (asked == LZ_COMM_NCCL)
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "comm: the nccl backend is not available in this build (it comes with "
-                   "libluazero_cuda); use shm or mpi");
-  if (asked != LZ_COMM_LOCAL && asked != LZ_COMM_SHM && asked != LZ_COMM_MPI)
+  if (asked != LZ_COMM_LOCAL && asked != LZ_COMM_SHM && asked != LZ_COMM_MPI &&
+      asked != LZ_COMM_NCCL)
     return lz_fail(LZ_ERR_INVALID, "comm: backend %d is not one of auto, local, shm, mpi, nccl",
                    (int)asked);
   *out = asked;
@@ -184,9 +181,10 @@ lz_status lz_comm_init(lz_comm **out, lz_comm_backend backend) {
   if (!c) return lz_fail(LZ_ERR_NOMEM, "comm_init: out of memory");
   c->backend = b;
   c->timeout_s = timeout;
-  c->ops = b == LZ_COMM_SHM ? &lz_comm_shm_ops
-           : b == LZ_COMM_MPI ? &lz_comm_mpi_ops
-                              : &lz_comm_local_ops;
+  c->ops = b == LZ_COMM_SHM    ? &lz_comm_shm_ops
+           : b == LZ_COMM_MPI  ? &lz_comm_mpi_ops
+           : b == LZ_COMM_NCCL ? &lz_comm_nccl_ops
+                               : &lz_comm_local_ops;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   lz_status st = c->ops->init(c);

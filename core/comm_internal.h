@@ -35,6 +35,7 @@ typedef struct lz_comm_backend_ops {
 extern const lz_comm_backend_ops lz_comm_local_ops;
 extern const lz_comm_backend_ops lz_comm_shm_ops;
 extern const lz_comm_backend_ops lz_comm_mpi_ops;
+extern const lz_comm_backend_ops lz_comm_nccl_ops; /* comm_nccl.c: needs lz_cuda_init */
 
 struct lz_comm {
   const lz_comm_backend_ops *ops;

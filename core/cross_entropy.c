@@ -5,9 +5,11 @@
  * 50257 to 50304 for aligned GEMMs); padded columns take no part in the
  * softmax and get a zero gradient. A negative target marks a position to
  * ignore (padding in a batch): loss 0, gradient 0. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <math.h> /* logf */
+#include <stdlib.h> /* free: the host copy of device targets */
 
 /* Sums and maxima are kept in LANES independent partials so the loops
  * vectorize without -ffast-math. */
@@ -85,14 +87,18 @@ static lz_status check_args(const char *op, const lz_tensor *logits, const lz_te
   }
   LZ_TRY(lz_check_dtype(op, "targets", targets, LZ_I32));
   LZ_TRY(lz_check_numel(op, "targets", targets, rows, "one per row of logits"));
-  const int32_t *tg = targets->data;
-  for (int64_t r = 0; r < rows; r++)
+  const int32_t *tg;
+  int32_t *copy; /* device targets are checked in a host copy */
+  LZ_TRY(lz_backend_host_ids(op, targets, &tg, &copy));
+  lz_status st = LZ_OK;
+  for (int64_t r = 0; r < rows && st == LZ_OK; r++)
     if (tg[r] >= vocab)
-      return lz_fail(LZ_ERR_INVALID,
-                     "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "
-                     "ignored)",
-                     op, (long long)r, (int)tg[r], (long long)vocab);
-  return LZ_OK;
+      st = lz_fail(LZ_ERR_INVALID,
+                   "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "
+                   "ignored)",
+                   op, (long long)r, (int)tg[r], (long long)vocab);
+  free(copy);
+  return st;
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -113,6 +119,8 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
   const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   LZ_TRY(lz_check_dtype(op, "losses", losses, LZ_F32));
   LZ_TRY(lz_check_numel(op, "losses", losses, rows, "one per row of logits"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_FORWARD,
+                     .t = {losses, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab});
 
   float *loss = losses->data;
   const float *lg = logits->data;
@@ -147,6 +155,9 @@ lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
   const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   LZ_TRY(lz_check_dtype(op, "dlogits", dlogits, LZ_F32));
   LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_BACKWARD,
+                     .t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab},
+                     .f = {dloss});
 
   float *dl = dlogits->data;
   const float *lg = logits->data;

@@ -5,6 +5,7 @@
  *
  * Tensors are treated as flat arrays: operands need the same element count,
  * not the same shape, so a flat buffer and a view over it combine. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 /* Elements per thread task; small tensors stay on one thread. */
@@ -23,7 +24,7 @@ static int64_t block_len(int64_t n, int64_t i0, int64_t block) {
 }
 
 static lz_status check_float_dtype(const char *op, const char *name, const lz_tensor *t) {
-  LZ_TRY(lz_check_cpu(op, name, t));
+  LZ_TRY(lz_check_present(op, name, t));
   if (t->dtype != LZ_F32 && t->dtype != LZ_BF16 && t->dtype != LZ_F16) {
     char buf[96];
     return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype f32, bf16 or f16", op, name,
@@ -47,6 +48,7 @@ lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b) {
   LZ_TRY(lz_check_numel(op, "b", b, n, "the element count of a"));
   LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
   LZ_TRY(lz_check_numel(op, "out", out, n, "the element count of a"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ADD, .t = {out, (lz_tensor *)a, (lz_tensor *)b});
   float *o = out->data;
   const float *ap = a->data, *bp = b->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
@@ -65,6 +67,7 @@ lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x) {
   const int64_t n = lz_tensor_numel(y);
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_numel(op, "x", x, n, "the element count of y"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_AXPY, .t = {y, (lz_tensor *)x}, .f = {alpha});
   float *yp = y->data;
   const float *xp = x->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
@@ -90,6 +93,7 @@ static void scale_f16_block(uint16_t *t, float s, int64_t n) {
 
 lz_status lz_scale(lz_tensor *t, float s) {
   LZ_TRY(check_float_dtype("scale", "t", t));
+  LZ_DEVICE_DISPATCH("scale", LZ_OP_SCALE, .t = {t}, .f = {s});
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   void *p = t->data;
@@ -113,6 +117,7 @@ LZ_DISPATCH static void fill_u16_block(uint16_t *t, uint16_t v, int64_t n) {
 
 lz_status lz_fill(lz_tensor *t, float v) {
   LZ_TRY(check_float_dtype("fill", "t", t));
+  LZ_DEVICE_DISPATCH("fill", LZ_OP_FILL, .t = {t}, .f = {v});
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   /* A half-precision fill writes one bit pattern, converted once. */
@@ -185,6 +190,7 @@ lz_status lz_sq_norm(const lz_tensor *t, double *out) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
   *out = 0.0;
   LZ_TRY(check_float_dtype(op, "t", t));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_SQ_NORM, .t = {(lz_tensor *)t}, .out_f64 = out);
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   const void *p = t->data;
@@ -224,6 +230,7 @@ lz_status lz_has_inf_nan(const lz_tensor *t, int *out) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
   *out = 0;
   LZ_TRY(check_float_dtype(op, "t", t));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_HAS_INF_NAN, .t = {(lz_tensor *)t}, .out_int = out);
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   const uint16_t mask = dt == LZ_BF16 ? 0x7f80u : 0x7c00u;

@@ -6,7 +6,10 @@
  * bits) depend on timing. Threads split the channels instead: each owns a
  * column block of dwte and dwpe and walks every position in order, so the
  * result is the same on any thread count. */
+#include "lz_backend.h"
 #include "lz_internal.h"
+
+#include <stdlib.h> /* free: the host copy of device ids */
 
 /* Channels per thread task in backward: two cache lines of floats. */
 #define COL_BLOCK 32
@@ -16,15 +19,19 @@
 static lz_status check_tokens(const char *op, const lz_tensor *tokens, int64_t V) {
   LZ_TRY(lz_check_dtype(op, "tokens", tokens, LZ_I32));
   LZ_TRY(lz_check_ndim(op, "tokens", tokens, 2, 2));
-  const int32_t *tok = tokens->data;
+  const int32_t *tok;
+  int32_t *copy; /* device ids are checked in a host copy */
+  LZ_TRY(lz_backend_host_ids(op, tokens, &tok, &copy));
   const int64_t n = lz_tensor_numel(tokens), T = tokens->shape[1];
-  for (int64_t i = 0; i < n; i++)
+  lz_status st = LZ_OK;
+  for (int64_t i = 0; i < n && st == LZ_OK; i++)
     if (tok[i] < 0 || tok[i] >= V)
-      return lz_fail(LZ_ERR_INVALID,
-                     "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
-                     "rows of the token embedding)",
-                     op, (long long)(i / T), (long long)(i % T), (int)tok[i], (long long)V);
-  return LZ_OK;
+      st = lz_fail(LZ_ERR_INVALID,
+                   "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
+                   "rows of the token embedding)",
+                   op, (long long)(i / T), (long long)(i % T), (int)tok[i], (long long)V);
+  free(copy);
+  return st;
 }
 
 /* `name` must be f32 [B, T, C] for tokens [B, T]. */
@@ -87,6 +94,8 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
   const int64_t B = tokens->shape[0], T = tokens->shape[1];
   LZ_TRY(check_positions(op, "wpe", wpe, T));
   LZ_TRY(check_activation(op, "out", out, tokens, C));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_FORWARD,
+                     .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe});
 
   float *o = out->data;
   const float *te = wte->data, *pe = wpe->data;
@@ -136,6 +145,8 @@ lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tenso
     LZ_TRY(check_table(op, "dwpe", dwpe, C, "dout", dout));
     LZ_TRY(check_positions(op, "dwpe", dwpe, T));
   }
+  LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_BACKWARD,
+                     .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens});
   if (!dwte && !dwpe) return LZ_OK;
 
   float *te = dwte ? dwte->data : NULL, *pe = dwpe ? dwpe->data : NULL;

@@ -69,8 +69,11 @@ lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t) {
   return LZ_OK;
 }
 
+/* The shape and dtype checks accept tensors on any device: each kernel ends
+ * its checks with LZ_DEVICE_DISPATCH, which sends cuda tensors to the
+ * backend and refuses a mix of devices. */
 lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
-  LZ_TRY(lz_check_cpu(op, name, t));
+  LZ_TRY(lz_check_present(op, name, t));
   if (t->dtype != dt) {
     char buf[96];
     return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype %s", op, name,
@@ -80,7 +83,7 @@ lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, l
 }
 
 lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi) {
-  LZ_TRY(lz_check_cpu(op, name, t));
+  LZ_TRY(lz_check_present(op, name, t));
   if (t->ndim < lo || t->ndim > hi) {
     char buf[96];
     if (lo == hi)
@@ -94,7 +97,7 @@ lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, in
 
 lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
                          const char *why) {
-  LZ_TRY(lz_check_cpu(op, name, t));
+  LZ_TRY(lz_check_present(op, name, t));
   if (lz_tensor_numel(t) != n) {
     char buf[96];
     return lz_fail(LZ_ERR_INVALID, "%s: %s is %s (%lld elements), expected %lld elements (%s)",
@@ -106,8 +109,8 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
 
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
                               const char *name_b, const lz_tensor *b) {
-  LZ_TRY(lz_check_cpu(op, name_a, a));
-  LZ_TRY(lz_check_cpu(op, name_b, b));
+  LZ_TRY(lz_check_present(op, name_a, a));
+  LZ_TRY(lz_check_present(op, name_b, b));
   int same = a->ndim == b->ndim;
   for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
   if (!same) {

@@ -5,6 +5,7 @@
  * without -ffast-math, which made this memory-bound op compute bound. tanh
  * here is Eigen's rational approximation (max error a few float ulps), plain
  * arithmetic that vectorizes. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
@@ -64,6 +65,7 @@ lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x) {
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
   LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_FORWARD, .t = {out, (lz_tensor *)x});
   const int64_t n = lz_tensor_numel(x);
   float *o = out->data;
   const float *xp = x->data;
@@ -96,6 +98,7 @@ lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *
   LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
   LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
   LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_BACKWARD, .t = {dx, (lz_tensor *)dy, (lz_tensor *)x});
   const int64_t n = lz_tensor_numel(x);
   float *dxp = dx->data;
   const float *dyp = dy->data, *xp = x->data;

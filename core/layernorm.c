@@ -8,6 +8,7 @@
  * partials are added in block order. The partials live on the stack, so wide
  * rows (more than FUSED_MAX_COLS) take a two-pass path that sums in the same
  * order: threads split the columns, each walks all row blocks in order. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <math.h>   /* sqrtf, isinf */
@@ -94,6 +95,9 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
+  LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_FORWARD,
+                     .t = {out, mean, rstd, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)b},
+                     .f = {eps});
 
   float *o = out->data, *mu = mean->data, *rs = rstd->data;
   const float *xp = x->data, *wp = w->data, *bp = b->data;
@@ -227,6 +231,9 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
   LZ_TRY(lz_check_numel(op, "mean", mean, rows, "one per row of x"));
   LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
   LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_BACKWARD,
+                     .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
+                           (lz_tensor *)mean, (lz_tensor *)rstd});
 
   const float *dyp = dy->data, *xp = x->data, *wp = w->data;
   const float *mu = mean->data, *rs = rstd->data;

@@ -3,7 +3,13 @@
  * O_DIRECT); blocks from LZ_MEM_HUGE_THRESHOLD up are mmap'd, 2 MiB aligned
  * and advised onto transparent huge pages (a 256 MiB copy runs ~7x faster on
  * this kind of machine). A table keyed by address remembers size and category
- * so lz_mem_free needs only the pointer. */
+ * so lz_mem_free needs only the pointer.
+ *
+ * Device memory and page-locked host memory come from the cuda backend
+ * (lz_backend.h) and sit in the same table (addresses are unified): device
+ * bytes are counted on a device side of their own, pinned bytes on the host
+ * side as offload. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <errno.h>    /* errno for mmap failures */
@@ -21,13 +27,18 @@ typedef struct {
   size_t mapped; /* mmap length, 0 for aligned_alloc */
   void *base;    /* mmap base */
   int cat;
+  int where; /* WHERE_HOST, WHERE_PINNED, WHERE_DEVICE */
 } entry;
+
+enum { WHERE_HOST = 0, WHERE_PINNED = 1, WHERE_DEVICE = 2 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static entry *table;
 static size_t table_cap, table_used; /* used counts live + deleted slots */
 static int64_t current[LZ_MEM_COUNT], peak[LZ_MEM_COUNT];
 static int64_t total_current, total_peak; /* all categories together */
+static int64_t dev_current[LZ_MEM_COUNT], dev_peak[LZ_MEM_COUNT];
+static int64_t dev_total_current, dev_total_peak;
 
 static const char *category_names[LZ_MEM_COUNT] = {
     "params", "grads", "optimizer", "activations", "comm", "offload", "workspace"};
@@ -148,9 +159,19 @@ lz_status lz_mem_free(void *ptr) {
   }
   entry e = *f;
   f->ptr = 1; /* tombstone */
-  current[e.cat] -= (int64_t)e.bytes;
-  total_current -= (int64_t)e.bytes;
+  if (e.where == WHERE_DEVICE) {
+    dev_current[e.cat] -= (int64_t)e.bytes;
+    dev_total_current -= (int64_t)e.bytes;
+  } else {
+    current[e.cat] -= (int64_t)e.bytes;
+    total_current -= (int64_t)e.bytes;
+  }
   pthread_mutex_unlock(&lock);
+  if (e.where != WHERE_HOST) {
+    const lz_backend *be = lz_backend_cuda();
+    if (!be) return lz_fail(LZ_ERR_INTERNAL, "mem_free: %p is cuda memory but no backend is loaded", ptr);
+    return e.where == WHERE_DEVICE ? be->free(ptr) : be->host_free(ptr);
+  }
   if (e.mapped) munmap(e.base, e.mapped);
   else free(ptr);
   return LZ_OK;
@@ -191,5 +212,88 @@ void lz_mem_reset_peak(void) {
   pthread_mutex_lock(&lock);
   for (int i = 0; i < LZ_MEM_COUNT; i++) peak[i] = current[i];
   total_peak = total_current;
+  for (int i = 0; i < LZ_MEM_COUNT; i++) dev_peak[i] = dev_current[i];
+  dev_total_peak = dev_total_current;
   pthread_mutex_unlock(&lock);
+}
+
+/* ------------------------------------------------- device and pinned memory */
+
+static lz_status cuda_alloc(void **out, size_t bytes, lz_mem_category cat, int where) {
+  if (!out) return lz_fail(LZ_ERR_INVALID, "mem_alloc_%s: out is NULL",
+                           where == WHERE_DEVICE ? "device" : "pinned");
+  *out = NULL;
+  const char *what = where == WHERE_DEVICE ? "mem_alloc_device" : "mem_alloc_pinned";
+  if ((unsigned)cat >= LZ_MEM_COUNT)
+    return lz_fail(LZ_ERR_INVALID, "%s: category %d is not one of 0..%d", what, (int)cat,
+                   LZ_MEM_COUNT - 1);
+  const lz_backend *be = lz_backend_cuda();
+  if (!be)
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "%s: cuda is not initialized; call lz_cuda_init first (device = \"cuda\")",
+                   what);
+  void *p = NULL;
+  /* A zero-byte block still gets a unique address, as on the host side. */
+  size_t asked = bytes ? bytes : 1;
+  LZ_TRY(where == WHERE_DEVICE ? be->alloc(&p, asked) : be->host_alloc(&p, asked));
+  entry e = {.ptr = (uintptr_t)p, .bytes = bytes, .cat = (int)cat, .where = where};
+  pthread_mutex_lock(&lock);
+  int ok = table_insert(e);
+  if (ok && where == WHERE_DEVICE) {
+    dev_current[cat] += (int64_t)bytes;
+    if (dev_current[cat] > dev_peak[cat]) dev_peak[cat] = dev_current[cat];
+    dev_total_current += (int64_t)bytes;
+    if (dev_total_current > dev_total_peak) dev_total_peak = dev_total_current;
+  } else if (ok) {
+    current[cat] += (int64_t)bytes;
+    if (current[cat] > peak[cat]) peak[cat] = current[cat];
+    total_current += (int64_t)bytes;
+    if (total_current > total_peak) total_peak = total_current;
+  }
+  pthread_mutex_unlock(&lock);
+  if (!ok) {
+    if (where == WHERE_DEVICE) be->free(p);
+    else be->host_free(p);
+    return lz_fail(LZ_ERR_NOMEM, "%s: ledger table full (out of memory)", what);
+  }
+  *out = p;
+  return LZ_OK;
+}
+
+lz_status lz_mem_alloc_device(void **out, size_t bytes, lz_mem_category cat) {
+  return cuda_alloc(out, bytes, cat, WHERE_DEVICE);
+}
+
+lz_status lz_mem_alloc_pinned(void **out, size_t bytes) {
+  return cuda_alloc(out, bytes, LZ_MEM_OFFLOAD, WHERE_PINNED);
+}
+
+int64_t lz_mem_device_current(lz_mem_category cat) {
+  if ((unsigned)cat >= LZ_MEM_COUNT) return 0;
+  pthread_mutex_lock(&lock);
+  int64_t v = dev_current[cat];
+  pthread_mutex_unlock(&lock);
+  return v;
+}
+
+int64_t lz_mem_device_peak(lz_mem_category cat) {
+  if ((unsigned)cat >= LZ_MEM_COUNT) return 0;
+  pthread_mutex_lock(&lock);
+  int64_t v = dev_peak[cat];
+  pthread_mutex_unlock(&lock);
+  return v;
+}
+
+int64_t lz_mem_device_total_current(void) {
+  pthread_mutex_lock(&lock);
+  int64_t v = dev_total_current;
+  pthread_mutex_unlock(&lock);
+  return v;
+}
+
+int64_t lz_mem_device_total_peak(void) {
+  pthread_mutex_lock(&lock);
+  int64_t v = dev_total_peak;
+  pthread_mutex_unlock(&lock);
+  return v;
 }

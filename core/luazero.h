@@ -405,6 +405,53 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 lz_status lz_cuda_device_count(int *out);
 const char *lz_cuda_device_name(int device);
 
+/* Loads libluazero_cuda.so (from the folder of libluazero.so, else the
+ * loader's search path) and selects `device`. Without the library or a usable
+ * GPU: LZ_ERR_UNSUPPORTED, "cuda: no usable GPU on this machine (<reason>);
+ * run with --device cpu". Again with the same device: no-op; another: error. */
+lz_status lz_cuda_init(int device);
+int lz_cuda_ready(void);  /* 1 after a successful lz_cuda_init */
+int lz_cuda_device(void); /* the selected device, -1 before lz_cuda_init */
+lz_status lz_cuda_synchronize(void); /* waits for all work on the device */
+
+/* Device work runs on three streams, each in order: kernels on COMPUTE,
+ * collectives (nccl) on COMM, host<->device copies on COPY. Events order them:
+ * record on one, make another wait. Kernels called through the API queue on
+ * COMPUTE and return; lz_tensor_copy, lz_sq_norm and lz_has_inf_nan wait. */
+typedef enum lz_stream_kind {
+  LZ_STREAM_COMPUTE = 0,
+  LZ_STREAM_COMM = 1,
+  LZ_STREAM_COPY = 2,
+  LZ_STREAM_COUNT = 3
+} lz_stream_kind;
+typedef struct lz_event lz_event;
+lz_status lz_stream_synchronize(lz_stream_kind s);
+lz_status lz_event_new(lz_event **out);
+lz_status lz_event_free(lz_event *e); /* NULL is fine */
+lz_status lz_event_record(lz_event *e, lz_stream_kind s);
+lz_status lz_stream_wait_event(lz_stream_kind s, lz_event *e); /* s waits for e, the host does not */
+lz_status lz_event_synchronize(lz_event *e);
+lz_status lz_event_query(lz_event *e, int *done);
+
+/* A tensor in device memory (dev LZ_CUDA, after lz_cuda_init) or host memory
+ * (LZ_CPU: as lz_tensor_new). Device bytes go on the ledger's device side. */
+lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
+                           lz_mem_category cat, lz_device dev);
+/* Copy across devices, queued on stream s: same dtype and element count
+ * (convert on one device with lz_tensor_copy). Host memory should be pinned
+ * (lz_mem_alloc_pinned) for the copy to overlap; order it with events. */
+lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_kind s);
+
+/* Device memory (cudaMalloc) on the ledger's device side; freed by lz_mem_free. */
+lz_status lz_mem_alloc_device(void **out, size_t bytes, lz_mem_category cat);
+/* Page-locked host memory (cudaHostAlloc) for the offload tiers: category
+ * offload on the host side of the ledger; freed by lz_mem_free. */
+lz_status lz_mem_alloc_pinned(void **out, size_t bytes);
+int64_t lz_mem_device_current(lz_mem_category cat);
+int64_t lz_mem_device_peak(lz_mem_category cat);
+int64_t lz_mem_device_total_current(void);
+int64_t lz_mem_device_total_peak(void);
+
 /* LZ_CDEF_END */
 
 #ifdef __cplusplus

@@ -2,6 +2,7 @@
  * fp32 accumulation through the matmul primitive (cached per shape, since
  * creating one costs far more than running a small one). Then the linear
  * layer's forward and backward on top. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <dnnl.h>    /* dnnl_sgemm, matmul primitive */
@@ -224,6 +225,8 @@ lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int tr
   if (k != kb) return shape_error(op, a, b, c, "inner dimensions of op(a) and op(b) differ");
   if (c->shape[o] != m || c->shape[o + 1] != n)
     return shape_error(op, a, b, c, "c must be [rows of op(a), columns of op(b)]");
+  LZ_DEVICE_DISPATCH(op, LZ_OP_MATMUL, .t = {c, (lz_tensor *)a, (lz_tensor *)b},
+                     .i = {trans_a, trans_b}, .f = {alpha, beta});
   return gemm(a->dtype, batch, m, n, k, trans_a != 0, trans_b != 0, batched && b->ndim == 2,
               alpha, a->data, b->data, beta, c->data);
 }
@@ -269,6 +272,8 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
     LZ_TRY(lz_check_dtype(op, "bias", bias, LZ_F32));
     LZ_TRY(lz_check_numel(op, "bias", bias, outc, "the rows of w"));
   }
+  LZ_DEVICE_DISPATCH(op, LZ_OP_LINEAR_FORWARD,
+                     .t = {out, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)bias});
   if (rows == 0 || outc == 0) return LZ_OK;
   if (x->dtype == LZ_BF16)
     return gemm_bf16(1, rows, outc, in, 0, 1, 0, 1.0f, x->data, w->data, 0.0f, out->data,
@@ -322,6 +327,8 @@ lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const 
     LZ_TRY(lz_check_dtype(op, "db", db, LZ_F32));
     LZ_TRY(lz_check_numel(op, "db", db, outc, "the rows of w"));
   }
+  LZ_DEVICE_DISPATCH(op, LZ_OP_LINEAR_BACKWARD,
+                     .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w});
   lz_dtype dt = x->dtype;
   if (dx) LZ_TRY(gemm(dt, 1, rows, in, outc, 0, 0, 0, 1.0f, dy->data, w->data, 0.0f, dx->data));
   if (dw) LZ_TRY(gemm(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, 1.0f, dw->data));

@@ -1,5 +1,6 @@
 /* tensor.c — tensors (metadata over refcounted storage), views, dtype
  * conversions, and the activation arena. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <math.h>   /* isnan, isinf */
@@ -71,8 +72,16 @@ static void set_meta(lz_tensor *t, void *data, lz_dtype dt, int ndim, const int6
 
 lz_status lz_tensor_new(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
                         lz_mem_category cat) {
+  return lz_tensor_new_on(out, dt, ndim, shape, cat, LZ_CPU);
+}
+
+lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
+                           lz_mem_category cat, lz_device dev) {
   *out = NULL;
-  LZ_TRY(check_shape("tensor_new", dt, ndim, shape));
+  const char *op = dev == LZ_CPU ? "tensor_new" : "tensor_new_on";
+  LZ_TRY(check_shape(op, dt, ndim, shape));
+  if (dev != LZ_CPU && dev != LZ_CUDA)
+    return lz_fail(LZ_ERR_INVALID, "%s: device %d is not cpu (0) or cuda (1)", op, (int)dev);
   lz_tensor *t = malloc(sizeof *t);
   lz_storage *s = malloc(sizeof *s);
   if (!t || !s) {
@@ -81,8 +90,10 @@ lz_status lz_tensor_new(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *s
     return lz_fail(LZ_ERR_NOMEM, "tensor_new: out of memory for metadata");
   }
   set_meta(t, NULL, dt, ndim, shape);
+  t->device = dev;
   s->bytes = lz_tensor_bytes(t);
-  lz_status st = lz_mem_alloc(&s->data, s->bytes, cat);
+  lz_status st = dev == LZ_CUDA ? lz_mem_alloc_device(&s->data, s->bytes, cat)
+                                : lz_mem_alloc(&s->data, s->bytes, cat);
   if (st != LZ_OK) {
     free(t);
     free(s);
@@ -206,20 +217,21 @@ LZ_DISPATCH static void bf16_to_f32_block(float *dst, const uint16_t *src, int64
 static int is_float(lz_dtype dt) { return dt == LZ_F32 || dt == LZ_BF16 || dt == LZ_F16; }
 
 lz_status lz_tensor_copy(lz_tensor *dst, const lz_tensor *src) {
-  LZ_TRY(lz_check_cpu("tensor_copy", "dst", dst));
-  LZ_TRY(lz_check_cpu("tensor_copy", "src", src));
+  LZ_TRY(lz_check_present("tensor_copy", "dst", dst));
+  LZ_TRY(lz_check_present("tensor_copy", "src", src));
   int64_t n = lz_tensor_numel(src);
   LZ_TRY(lz_check_numel("tensor_copy", "dst", dst, n, "the element count of src"));
-  if (dst->dtype == src->dtype) {
-    if (dst->data != src->data) memmove(dst->data, src->data, lz_tensor_bytes(src));
-    return LZ_OK;
-  }
-  if (!is_float(dst->dtype) || !is_float(src->dtype)) {
+  if ((dst->dtype != src->dtype) && (!is_float(dst->dtype) || !is_float(src->dtype))) {
     char a[96], b[96];
     return lz_fail(LZ_ERR_INVALID,
                    "tensor_copy: cannot convert %s into %s; conversions are between f32, bf16 "
                    "and f16 only",
                    lz_tensor_describe(src, a, sizeof a), lz_tensor_describe(dst, b, sizeof b));
+  }
+  if (dst->device != LZ_CPU || src->device != LZ_CPU) return lz_tensor_copy_device(dst, src);
+  if (dst->dtype == src->dtype) {
+    if (dst->data != src->data) memmove(dst->data, src->data, lz_tensor_bytes(src));
+    return LZ_OK;
   }
   const int64_t block = 1 << 16;
 #pragma omp parallel for schedule(static) if (n > block)

@@ -11,11 +11,11 @@ extern "C" lz_status lz_cuda_device_count(int *out) {
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky error
     return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "cuda: no usable GPU on this machine (%s); use device = \"cpu\"",
+                   "cuda: no usable GPU on this machine (%s); run with --device cpu",
                    cudaGetErrorString(e));
   }
   if (n == 0)
-    return lz_fail(LZ_ERR_UNSUPPORTED, "cuda: no GPU on this machine; use device = \"cpu\"");
+    return lz_fail(LZ_ERR_UNSUPPORTED, "cuda: no usable GPU on this machine (the driver sees no device); run with --device cpu");
   *out = n;
   return LZ_OK;
 }

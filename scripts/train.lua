@@ -29,6 +29,7 @@ local spec = {
   { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100)" },
   { "seed", "int", 1337, "seed of the initial weights, the batches and the sample" },
   { "dtype", "string", nil, "training precision: fp32, bf16 or fp16 (default: the config's, else fp32)" },
+  { "device", "string", "cpu", "cpu or cuda (cuda: one GPU per rank, LOCAL_RANK's)" },
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
@@ -163,6 +164,17 @@ local function main(argv)
   positive(flags, "keep", 0)
   positive(flags, "save-zstd-level", 1)
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
+  if flags.device ~= "cpu" and flags.device ~= "cuda" then
+    user_error(("--device must be cpu or cuda (got %s)"):format(flags.device))
+  end
+  if flags.device == "cuda" then
+    -- The GPU first, before any data is read: no GPU is an error at start.
+    checked(lz.cuda.init, tonumber(os.getenv("LOCAL_RANK") or "0") or 0)
+    -- The kernels, device memory and nccl are in place (docs/cuda.md); the
+    -- engine and models/gpt2.lua still keep their buffers on the host.
+    user_error("not supported on cuda yet: the ZeRO engine (lua/luazero/engine.lua) and " ..
+               "models/gpt2.lua keep their buffers on the cpu; run with --device cpu")
+  end
 
   local mcfg = checked(gpt2.config, flags.model, {
     n_layer = flags.n_layer, n_head = flags.n_head, n_embd = flags.n_embd,

@@ -36,3 +36,56 @@ LZ_TEST(cuda_device_count_or_clear_error) {
   }
   /* CUDA's runtime keeps threads and handlers: not unloaded on purpose. */
 }
+
+/* Device tensors before lz_cuda_init, and a mix of devices: clear errors,
+ * never a cpu kernel reading device memory. A tensor's device is plain
+ * metadata, so a wrapped host buffer marked cuda stands in for one here. */
+LZ_TEST(cuda_dispatch_errors_without_init) {
+  if (lz_cuda_ready()) {
+    printf("    skipped: cuda is initialized in this process\n");
+    return;
+  }
+  float a[4] = {1, 2, 3, 4}, b[4] = {0};
+  lz_tensor *ha = lz_test_wrap(a, LZ_F32, 1, (int64_t[]){4});
+  lz_tensor *hb = lz_test_wrap(b, LZ_F32, 1, (int64_t[]){4});
+  if (!ha || !hb) return;
+  hb->device = LZ_CUDA;
+  CHECK_ERR(lz_add(ha, ha, hb), LZ_ERR_INVALID, "out lives on cpu but b lives on cuda");
+  CHECK(b[0] == 0.0f);
+  ha->device = LZ_CUDA;
+  CHECK_ERR(lz_gelu_forward(hb, ha), LZ_ERR_UNSUPPORTED, "gelu_forward: cuda is not initialized");
+  CHECK_ERR(lz_tensor_copy(hb, ha), LZ_ERR_UNSUPPORTED, "cuda is not initialized");
+  double n = -1;
+  CHECK_ERR(lz_sq_norm(ha, &n), LZ_ERR_UNSUPPORTED, "cuda is not initialized");
+  ha->device = (lz_device)7;
+  CHECK_ERR(lz_scale(ha, 2.0f), LZ_ERR_INVALID, "has device 7");
+  CHECK(a[0] == 1.0f);
+  lz_tensor *t = NULL;
+  CHECK_ERR(lz_tensor_new_on(&t, LZ_F32, 1, (int64_t[]){4}, LZ_MEM_PARAMS, LZ_CUDA),
+            LZ_ERR_UNSUPPORTED, "cuda is not initialized");
+  CHECK(t == NULL);
+  void *p = NULL;
+  CHECK_ERR(lz_mem_alloc_pinned(&p, 64), LZ_ERR_UNSUPPORTED, "cuda is not initialized");
+  CHECK_ERR(lz_event_new(&(lz_event *){NULL}), LZ_ERR_UNSUPPORTED, "cuda is not initialized");
+  CHECK_EQ_INT(lz_mem_device_current(LZ_MEM_PARAMS), 0);
+  CHECK_EQ_INT(lz_cuda_device(), -1);
+  lz_tensor_free(ha);
+  lz_tensor_free(hb);
+}
+
+/* lz_cuda_init: a GPU, or the one clear error that names the fix. */
+LZ_TEST(cuda_init_or_clear_error) {
+  CHECK_ERR(lz_cuda_init(-1), LZ_ERR_INVALID, "devices count from 0");
+  lz_status st = lz_cuda_init(0);
+  if (st == LZ_OK) {
+    CHECK(lz_cuda_ready());
+    CHECK_EQ_INT(lz_cuda_device(), 0);
+    printf("    cuda device 0 initialized\n");
+    return;
+  }
+  CHECK_EQ_INT(st, LZ_ERR_UNSUPPORTED);
+  CHECK(strstr(lz_last_error(), "cuda: ") == lz_last_error());
+  CHECK(strstr(lz_last_error(), "run with --device cpu") != NULL);
+  CHECK(!lz_cuda_ready());
+  printf("    skipped the GPU half: %s\n", lz_last_error());
+}

@@ -283,4 +283,37 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
 lz_status lz_cuda_device_count(int *out);
 const char *lz_cuda_device_name(int device);
+
+lz_status lz_cuda_init(int device);
+int lz_cuda_ready(void);
+int lz_cuda_device(void);
+lz_status lz_cuda_synchronize(void);
+
+typedef enum lz_stream_kind {
+  LZ_STREAM_COMPUTE = 0,
+  LZ_STREAM_COMM = 1,
+  LZ_STREAM_COPY = 2,
+  LZ_STREAM_COUNT = 3
+} lz_stream_kind;
+typedef struct lz_event lz_event;
+lz_status lz_stream_synchronize(lz_stream_kind s);
+lz_status lz_event_new(lz_event **out);
+lz_status lz_event_free(lz_event *e);
+lz_status lz_event_record(lz_event *e, lz_stream_kind s);
+lz_status lz_stream_wait_event(lz_stream_kind s, lz_event *e);
+lz_status lz_event_synchronize(lz_event *e);
+lz_status lz_event_query(lz_event *e, int *done);
+
+lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
+                           lz_mem_category cat, lz_device dev);
+
+lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_kind s);
+
+lz_status lz_mem_alloc_device(void **out, size_t bytes, lz_mem_category cat);
+
+lz_status lz_mem_alloc_pinned(void **out, size_t bytes);
+int64_t lz_mem_device_current(lz_mem_category cat);
+int64_t lz_mem_device_peak(lz_mem_category cat);
+int64_t lz_mem_device_total_current(void);
+int64_t lz_mem_device_total_peak(void);
 ]]

@@ -102,13 +102,28 @@ local tensor_out = ffi.typeof("lz_tensor *[1]")
 -- A tensor the library allocated; ffi.gc frees it if the script forgets.
 local function own(t) return ffi.gc(t, C.lz_tensor_free) end
 
--- lz.tensor(shape, dtype, category): zero-filled.
-function lz.tensor(shape, dtype, category)
+-- lz.tensor(shape, dtype, category, device): zero-filled. device "cpu"
+-- (default) or "cuda" (after lz.cuda.init; device memory, on the ledger's
+-- device side).
+function lz.tensor(shape, dtype, category, device)
+  if device == nil or device == "cpu" then
+    local dims, nd = shape_array(shape)
+    local out = tensor_out()
+    check(C.lz_tensor_new(out, dtype_of(dtype), nd, dims, category_of(category)), 2)
+    local t = own(out[0])
+    ffi.fill(t.data, C.lz_tensor_bytes(t))
+    return t
+  elseif device ~= "cuda" then
+    error(("luazero: tensor: device %q is not \"cpu\" or \"cuda\""):format(tostring(device)), 2)
+  end
   local dims, nd = shape_array(shape)
   local out = tensor_out()
-  check(C.lz_tensor_new(out, dtype_of(dtype), nd, dims, category_of(category)), 2)
+  check(C.lz_tensor_new_on(out, dtype_of(dtype), nd, dims, category_of(category), C.LZ_CUDA), 2)
   local t = own(out[0])
-  ffi.fill(t.data, C.lz_tensor_bytes(t))
+  -- Zeroed through a host buffer of zeros: one copy, any dtype.
+  local zeros = lz.tensor(shape, dtype, "workspace")
+  check(C.lz_tensor_copy(t, zeros), 2)
+  zeros:free()
   return t
 end
 
@@ -141,8 +156,26 @@ function Tensor:describe()
   return ffi.string(C.lz_tensor_describe(self, buf, 128))
 end
 
+-- Scripts read and write elements of host tensors only.
+local function host_only(t, what)
+  if t.device ~= C.LZ_CPU then
+    error(("luazero: not supported on cuda yet: %s of a device tensor %s; copy it to a cpu " ..
+           "tensor first (t:to(\"cpu\"))"):format(what, t:describe()), 3)
+  end
+end
+
+function Tensor:device_name() return self.device == C.LZ_CUDA and "cuda" or "cpu" end
+
+-- A copy on `device` ("cpu" or "cuda"), same dtype and shape.
+function Tensor:to(device)
+  local t = lz.tensor(self:sizes(), self:dtype_name(), "workspace", device)
+  check(C.lz_tensor_copy(t, self), 2)
+  return t
+end
+
 -- Element i (0-based, flat) as a Lua number.
 function Tensor:get(i)
+  host_only(self, "get")
   local dt = self.dtype
   if dt == C.LZ_F32 then return ffi.cast("float *", self.data)[i]
   elseif dt == C.LZ_BF16 then return C.lz_bf16_to_f32(ffi.cast("uint16_t *", self.data)[i])
@@ -152,6 +185,7 @@ function Tensor:get(i)
 end
 
 function Tensor:set(i, v)
+  host_only(self, "set")
   local dt = self.dtype
   if dt == C.LZ_F32 then ffi.cast("float *", self.data)[i] = v
   elseif dt == C.LZ_BF16 then ffi.cast("uint16_t *", self.data)[i] = C.lz_f32_to_bf16(v)
@@ -172,6 +206,7 @@ function Tensor:fill(v)
 end
 
 function Tensor:zero()
+  host_only(self, "zero")
   ffi.fill(self.data, C.lz_tensor_bytes(self))
   return self
 end
@@ -207,6 +242,7 @@ function Tensor:free()
 end
 
 function Tensor:__tostring()
+  if self.device ~= C.LZ_CPU then return ("tensor %s on cuda"):format(self:describe()) end
   local n = self:numel()
   local parts = {}
   local show = math.min(n, 8)
@@ -277,6 +313,38 @@ function lz.mem_peak()
 end
 
 function lz.mem_reset_peak() C.lz_mem_reset_peak() end
+
+-- The device side of the ledger: { params = bytes, ... } now, or at peak.
+function lz.mem_device()
+  local m = {}
+  for name, cat in pairs(categories) do m[name] = tonumber(C.lz_mem_device_current(cat)) end
+  return m
+end
+
+function lz.mem_device_peak()
+  local m = {}
+  for name, cat in pairs(categories) do m[name] = tonumber(C.lz_mem_device_peak(cat)) end
+  return m
+end
+
+------------------------------------------------------------------ cuda
+
+-- lz.cuda.init(device): loads libluazero_cuda.so and selects the GPU; raises
+-- the library's error ("cuda: no usable GPU on this machine (...); run with
+-- --device cpu") where there is none. lz.cuda.available(): true, or false
+-- and that reason, without raising.
+lz.cuda = {}
+function lz.cuda.init(device)
+  check(C.lz_cuda_init(device or 0), 2)
+end
+function lz.cuda.available()
+  if C.lz_cuda_ready() ~= 0 then return true end
+  if C.lz_cuda_init(0) == 0 then return true end
+  return false, ffi.string(C.lz_last_error())
+end
+function lz.cuda.ready() return C.lz_cuda_ready() ~= 0 end
+function lz.cuda.device() return C.lz_cuda_device() end
+function lz.cuda.synchronize() check(C.lz_cuda_synchronize(), 2) end
 
 ---------------------------------------------------------------- machine
 

@@ -1,0 +1,298 @@
+/* backend.c — the device side of the core: loading libluazero_cuda.so at run
+ * time (lz_cuda_init), the op switch every kernel ends its checks with
+ * (lz_backend_dispatch), device tensors, cross-device copies, and the public
+ * stream and event calls, which forward to the backend's table. */
+#define _GNU_SOURCE /* dladdr */
+#include "lz_backend.h"
+#include "lz_internal.h"
+
+#include <dlfcn.h>   /* dlopen, dlsym, dladdr */
+#include <libgen.h>  /* dirname */
+#include <limits.h>  /* PATH_MAX */
+#include <pthread.h> /* the init lock */
+#include <stdio.h>   /* snprintf */
+#include <stdlib.h>  /* malloc */
+
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
+static const lz_backend *cuda_backend; /* set once, by lz_cuda_init */
+static int cuda_device = -1;
+
+const lz_backend *lz_backend_cuda(void) { return __atomic_load_n(&cuda_backend, __ATOMIC_ACQUIRE); }
+
+int lz_cuda_ready(void) { return lz_backend_cuda() != NULL; }
+int lz_cuda_device(void) { return lz_backend_cuda() ? cuda_device : -1; }
+
+/* libluazero_cuda.so beside this library (build/lib/), else wherever the
+ * loader finds it. */
+static void *open_cuda_library(char *why, size_t len) {
+  Dl_info info;
+  if (dladdr((void *)&lz_cuda_init, &info) && info.dli_fname) {
+    char self[PATH_MAX], lib[PATH_MAX + 32];
+    snprintf(self, sizeof self, "%s", info.dli_fname);
+    snprintf(lib, sizeof lib, "%s/libluazero_cuda.so", dirname(self));
+    void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (h) return h;
+    snprintf(why, len, "%s", dlerror());
+  }
+  void *h = dlopen("libluazero_cuda.so", RTLD_NOW | RTLD_LOCAL);
+  if (!h && !*why) snprintf(why, len, "%s", dlerror());
+  return h;
+}
+
+lz_status lz_cuda_init(int device) {
+  if (device < 0)
+    return lz_fail(LZ_ERR_INVALID, "cuda_init: device %d; devices count from 0", device);
+  pthread_mutex_lock(&init_lock);
+  lz_status st = LZ_OK;
+  if (cuda_backend) {
+    if (device != cuda_device)
+      st = lz_fail(LZ_ERR_INVALID,
+                   "cuda_init: this process already uses cuda device %d; one device per "
+                   "process (asked for %d)",
+                   cuda_device, device);
+    pthread_mutex_unlock(&init_lock);
+    return st;
+  }
+  char why[512] = "";
+  void *h = open_cuda_library(why, sizeof why);
+  if (!h) {
+    pthread_mutex_unlock(&init_lock);
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "cuda: libluazero_cuda.so could not be loaded (%s); build where nvcc exists, "
+                   "or run with --device cpu",
+                   why);
+  }
+  lz_backend_entry_fn entry = (lz_backend_entry_fn)dlsym(h, "lz_cuda_backend");
+  const lz_backend *be = entry ? entry() : NULL;
+  if (!be || be->abi != LZ_BACKEND_ABI) {
+    pthread_mutex_unlock(&init_lock);
+    /* The handle stays open: CUDA's runtime does not unload cleanly. */
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "cuda: libluazero_cuda.so %s (backend ABI %d, this libluazero wants %d); "
+                   "rebuild both together",
+                   be ? "is from another build" : "has no lz_cuda_backend table", be ? be->abi : -1,
+                   LZ_BACKEND_ABI);
+  }
+  st = be->init(device);
+  if (st == LZ_OK) {
+    cuda_device = device;
+    __atomic_store_n(&cuda_backend, be, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&init_lock);
+  return st;
+}
+
+static lz_status need_backend(const char *op, const lz_backend **be) {
+  *be = lz_backend_cuda();
+  if (!*be)
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "%s: cuda is not initialized; call lz_cuda_init first (device = \"cuda\")", op);
+  return LZ_OK;
+}
+
+lz_status lz_cuda_synchronize(void) {
+  const lz_backend *be;
+  LZ_TRY(need_backend("cuda_synchronize", &be));
+  return be->sync();
+}
+
+/* ------------------------------------------------------------- op switch */
+
+static const char *arg_names[LZ_OP_COUNT][LZ_OP_MAX_TENSORS] = {
+    [LZ_OP_MATMUL] = {"c", "a", "b"},
+    [LZ_OP_LINEAR_FORWARD] = {"out", "x", "w", "bias"},
+    [LZ_OP_LINEAR_BACKWARD] = {"dx", "dw", "db", "dy", "x", "w"},
+    [LZ_OP_LAYERNORM_FORWARD] = {"out", "mean", "rstd", "x", "w", "b"},
+    [LZ_OP_LAYERNORM_BACKWARD] = {"dx", "dw", "db", "dy", "x", "w", "mean", "rstd"},
+    [LZ_OP_GELU_FORWARD] = {"out", "x"},
+    [LZ_OP_GELU_BACKWARD] = {"dx", "dy", "x"},
+    [LZ_OP_ATTENTION_FORWARD] = {"out", "lse", "qkv"},
+    [LZ_OP_ATTENTION_BACKWARD] = {"dqkv", "dout", "qkv", "out", "lse"},
+    [LZ_OP_EMBEDDING_FORWARD] = {"out", "tokens", "wte", "wpe"},
+    [LZ_OP_EMBEDDING_BACKWARD] = {"dwte", "dwpe", "dout", "tokens"},
+    [LZ_OP_CROSS_ENTROPY_FORWARD] = {"losses", "logits", "targets"},
+    [LZ_OP_CROSS_ENTROPY_BACKWARD] = {"dlogits", "logits", "targets"},
+    [LZ_OP_ADD] = {"out", "a", "b"},
+    [LZ_OP_AXPY] = {"y", "x"},
+    [LZ_OP_SCALE] = {"t"},
+    [LZ_OP_FILL] = {"t"},
+    [LZ_OP_SQ_NORM] = {"t"},
+    [LZ_OP_HAS_INF_NAN] = {"t"},
+    [LZ_OP_ADAMW_STEP] = {"param", "grad", "m", "v", "working"},
+    [LZ_OP_CONVERT] = {"dst", "src"},
+};
+
+static const char *device_name(lz_device d) { return d == LZ_CUDA ? "cuda" : "cpu"; }
+
+lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int *handled) {
+  *handled = 0;
+  int first = -1;
+  for (int i = 0; i < LZ_OP_MAX_TENSORS; i++) {
+    const lz_tensor *t = a->t[i];
+    if (!t) continue;
+    if (t->device != LZ_CPU && t->device != LZ_CUDA)
+      return lz_fail(LZ_ERR_INVALID, "%s: %s has device %d; devices are cpu (0) and cuda (1)",
+                     op_name, arg_names[op][i] ? arg_names[op][i] : "a tensor", (int)t->device);
+    if (first < 0)
+      first = i;
+    else if (t->device != a->t[first]->device)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: %s lives on %s but %s lives on %s; move them to one device "
+                     "(lz_tensor_copy) first",
+                     op_name, arg_names[op][first], device_name(a->t[first]->device),
+                     arg_names[op][i], device_name(t->device));
+  }
+  if (first < 0 || a->t[first]->device == LZ_CPU) return LZ_OK;
+  const lz_backend *be;
+  LZ_TRY(need_backend(op_name, &be));
+  if (!be->supports(op, a)) {
+    char buf[96];
+    return lz_fail(LZ_ERR_UNSUPPORTED, "%s: not supported on cuda yet: %s with %s %s", op_name,
+                   op_name, arg_names[op][first], lz_tensor_describe(a->t[first], buf, sizeof buf));
+  }
+  *handled = 1;
+  return be->compute(op, a);
+}
+
+lz_status lz_backend_host_ids(const char *op, const lz_tensor *t, const int32_t **ids,
+                              int32_t **copy) {
+  *copy = NULL;
+  *ids = t->data;
+  if (t->device == LZ_CPU) return LZ_OK;
+  const lz_backend *be;
+  LZ_TRY(need_backend(op, &be));
+  size_t bytes = lz_tensor_bytes(t);
+  int32_t *h = malloc(bytes ? bytes : 1);
+  if (!h) return lz_fail(LZ_ERR_NOMEM, "%s: out of memory for a host copy of the ids", op);
+  /* On the compute stream: the ids may have been written by earlier kernels. */
+  lz_status st = be->copy(h, t->data, bytes, LZ_STREAM_COMPUTE);
+  if (st == LZ_OK) st = be->stream_sync(LZ_STREAM_COMPUTE);
+  if (st != LZ_OK) {
+    free(h);
+    return st;
+  }
+  *copy = h;
+  *ids = h;
+  return LZ_OK;
+}
+
+/* ---------------------------------------------------------- device copies */
+
+lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_kind s) {
+  const char *op = "tensor_copy_async";
+  LZ_TRY(lz_check_present(op, "dst", dst));
+  LZ_TRY(lz_check_present(op, "src", src));
+  if ((unsigned)s >= LZ_STREAM_COUNT)
+    return lz_fail(LZ_ERR_INVALID, "%s: stream %d is not compute (0), comm (1) or copy (2)", op,
+                   (int)s);
+  LZ_TRY(lz_check_numel(op, "dst", dst, lz_tensor_numel(src), "the element count of src"));
+  if (dst->dtype != src->dtype) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: src is %s and dst is %s; copies across devices keep the dtype "
+                   "(convert on one device with lz_tensor_copy)",
+                   op, lz_tensor_describe(src, a, sizeof a), lz_tensor_describe(dst, b, sizeof b));
+  }
+  const lz_backend *be;
+  LZ_TRY(need_backend(op, &be));
+  return be->copy(dst->data, src->data, lz_tensor_bytes(src), s);
+}
+
+/* lz_tensor_copy with a cuda tensor on either side: in order with the
+ * kernels (the compute stream), and done when it returns. */
+lz_status lz_tensor_copy_device(lz_tensor *dst, const lz_tensor *src) {
+  const char *op = "tensor_copy";
+  const lz_backend *be;
+  LZ_TRY(need_backend(op, &be));
+  if (dst->dtype == src->dtype) {
+    LZ_TRY(be->copy(dst->data, src->data, lz_tensor_bytes(src), LZ_STREAM_COMPUTE));
+    return be->stream_sync(LZ_STREAM_COMPUTE);
+  }
+  if (dst->device != src->device) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s on %s into %s on %s: copy across devices in one dtype, then convert "
+                   "on one device",
+                   op, lz_tensor_describe(src, a, sizeof a), device_name(src->device),
+                   lz_tensor_describe(dst, b, sizeof b), device_name(dst->device));
+  }
+  int handled;
+  LZ_TRY(lz_backend_dispatch(op, LZ_OP_CONVERT, &(lz_op_args){.t = {dst, (lz_tensor *)src}},
+                             &handled));
+  return LZ_OK;
+}
+
+/* ------------------------------------------------------- streams and events */
+
+struct lz_event {
+  void *impl;
+};
+
+static lz_status check_stream(const char *op, lz_stream_kind s) {
+  if ((unsigned)s >= LZ_STREAM_COUNT)
+    return lz_fail(LZ_ERR_INVALID, "%s: stream %d is not compute (0), comm (1) or copy (2)", op,
+                   (int)s);
+  return LZ_OK;
+}
+
+lz_status lz_stream_synchronize(lz_stream_kind s) {
+  const lz_backend *be;
+  LZ_TRY(check_stream("stream_synchronize", s));
+  LZ_TRY(need_backend("stream_synchronize", &be));
+  return be->stream_sync(s);
+}
+
+lz_status lz_event_new(lz_event **out) {
+  if (!out) return lz_fail(LZ_ERR_INVALID, "event_new: out is NULL");
+  *out = NULL;
+  const lz_backend *be;
+  LZ_TRY(need_backend("event_new", &be));
+  lz_event *e = calloc(1, sizeof *e);
+  if (!e) return lz_fail(LZ_ERR_NOMEM, "event_new: out of memory");
+  lz_status st = be->event_new(&e->impl);
+  if (st != LZ_OK) {
+    free(e);
+    return st;
+  }
+  *out = e;
+  return LZ_OK;
+}
+
+lz_status lz_event_free(lz_event *e) {
+  if (!e) return LZ_OK;
+  const lz_backend *be = lz_backend_cuda();
+  lz_status st = be ? be->event_free(e->impl) : LZ_OK;
+  free(e);
+  return st;
+}
+
+lz_status lz_event_record(lz_event *e, lz_stream_kind s) {
+  const lz_backend *be;
+  if (!e) return lz_fail(LZ_ERR_INVALID, "event_record: event is NULL");
+  LZ_TRY(check_stream("event_record", s));
+  LZ_TRY(need_backend("event_record", &be));
+  return be->event_record(e->impl, s);
+}
+
+lz_status lz_stream_wait_event(lz_stream_kind s, lz_event *e) {
+  const lz_backend *be;
+  if (!e) return lz_fail(LZ_ERR_INVALID, "stream_wait_event: event is NULL");
+  LZ_TRY(check_stream("stream_wait_event", s));
+  LZ_TRY(need_backend("stream_wait_event", &be));
+  return be->stream_wait(s, e->impl);
+}
+
+lz_status lz_event_synchronize(lz_event *e) {
+  const lz_backend *be;
+  if (!e) return lz_fail(LZ_ERR_INVALID, "event_synchronize: event is NULL");
+  LZ_TRY(need_backend("event_synchronize", &be));
+  return be->event_sync(e->impl);
+}
+
+lz_status lz_event_query(lz_event *e, int *done) {
+  const lz_backend *be;
+  if (!e || !done) return lz_fail(LZ_ERR_INVALID, "event_query: event or done is NULL");
+  *done = 0;
+  LZ_TRY(need_backend("event_query", &be));
+  return be->event_query(e->impl, done);
+}

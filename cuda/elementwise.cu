@@ -1,0 +1,299 @@
+// elementwise.cu — flat ops over whole tensors on the device: add, axpy,
+// scale, fill, dtype conversion, GELU, the fused AdamW step, and the two
+// reductions the engine runs over gradients (squared norm, inf/NaN).
+// Same semantics as core/elementwise.c, core/gelu.c and core/adamw.c; tensors
+// are flat arrays (only element counts must agree, as the core checked).
+#include "lz_cuda.h"
+
+#include <math.h>  // pow, sqrt for AdamW's per-step constants
+
+#define THREADS 256
+
+// ------------------------------------------------------------ dtype access
+
+__device__ __forceinline__ float load_as_f32(const void *p, lz_dtype dt, int64_t i) {
+  if (dt == LZ_F32) return ((const float *)p)[i];
+  if (dt == LZ_BF16) return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+  return __half2float(((const __half *)p)[i]);
+}
+
+__device__ __forceinline__ void store_from_f32(void *p, lz_dtype dt, int64_t i, float v) {
+  if (dt == LZ_F32) ((float *)p)[i] = v;
+  else if (dt == LZ_BF16) ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(v);
+  else ((__half *)p)[i] = __float2half_rn(v);
+}
+
+#define GRID_STRIDE(i, n)                                                        \
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n);      \
+       i += (int64_t)gridDim.x * blockDim.x)
+
+// --------------------------------------------------- add, axpy, scale, fill
+
+__global__ void add_kernel(float *out, const float *a, const float *b, int64_t n) {
+  GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+__global__ void axpy_kernel(float *y, float alpha, const float *x, int64_t n) {
+  GRID_STRIDE(i, n) y[i] += alpha * x[i];
+}
+
+__global__ void scale_kernel(void *t, lz_dtype dt, float s, int64_t n) {
+  GRID_STRIDE(i, n) store_from_f32(t, dt, i, load_as_f32(t, dt, i) * s);
+}
+
+__global__ void fill_f32_kernel(float *t, float v, int64_t n) {
+  GRID_STRIDE(i, n) t[i] = v;
+}
+
+__global__ void fill_u16_kernel(uint16_t *t, uint16_t v, int64_t n) {
+  GRID_STRIDE(i, n) t[i] = v;
+}
+
+__global__ void convert_kernel(void *dst, lz_dtype ddt, const void *src, lz_dtype sdt,
+                               int64_t n) {
+  GRID_STRIDE(i, n) store_from_f32(dst, ddt, i, load_as_f32(src, sdt, i));
+}
+
+lz_status lz_cu_add(const lz_op_args *a) {
+  int64_t n = lz_tensor_numel(a->t[0]);
+  if (n == 0) return LZ_OK;
+  add_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, (const float *)a->t[2]->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_axpy(const lz_op_args *a) {
+  int64_t n = lz_tensor_numel(a->t[0]);
+  if (n == 0) return LZ_OK;
+  axpy_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, a->f[0], (const float *)a->t[1]->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_scale(const lz_op_args *a) {
+  lz_tensor *t = a->t[0];
+  int64_t n = lz_tensor_numel(t);
+  if (n == 0) return LZ_OK;
+  scale_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(t->data, t->dtype,
+                                                                        a->f[0], n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_fill(const lz_op_args *a) {
+  lz_tensor *t = a->t[0];
+  int64_t n = lz_tensor_numel(t);
+  if (n == 0) return LZ_OK;
+  if (t->dtype == LZ_F32) {
+    fill_f32_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)t->data, a->f[0], n);
+  } else {
+    // One bit pattern, converted by the core's own rounding: the same bits as the cpu.
+    uint16_t v = t->dtype == LZ_BF16 ? lz_f32_to_bf16(a->f[0]) : lz_f32_to_f16(a->f[0]);
+    fill_u16_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (uint16_t *)t->data, v, n);
+  }
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_convert(const lz_op_args *a) {
+  lz_tensor *dst = a->t[0], *src = a->t[1];
+  int64_t n = lz_tensor_numel(src);
+  if (n == 0) return LZ_OK;
+  convert_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      dst->data, dst->dtype, src->data, src->dtype, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// -------------------------------------------------------------------- GELU
+
+#define GELU_SCALE 0.7978845608028654f  // sqrt(2/pi)
+#define GELU_CUBIC 0.044715f
+
+__global__ void gelu_forward_kernel(float *out, const float *x, int64_t n) {
+  GRID_STRIDE(i, n) {
+    float xi = x[i];
+    float u = GELU_SCALE * (xi + GELU_CUBIC * xi * xi * xi);
+    out[i] = 0.5f * xi * (1.0f + tanhf(u));
+  }
+}
+
+__global__ void gelu_backward_kernel(float *dx, const float *dy, const float *x, int64_t n) {
+  GRID_STRIDE(i, n) {
+    float xi = x[i];
+    float u = GELU_SCALE * (xi + GELU_CUBIC * xi * xi * xi);
+    float t = tanhf(u);
+    float du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * xi * xi);
+    float grad = 0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * du;
+    dx[i] = grad * dy[i];
+  }
+}
+
+lz_status lz_cu_gelu_forward(const lz_op_args *a) {
+  int64_t n = lz_tensor_numel(a->t[1]);
+  if (n == 0) return LZ_OK;
+  gelu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_gelu_backward(const lz_op_args *a) {
+  int64_t n = lz_tensor_numel(a->t[2]);
+  if (n == 0) return LZ_OK;
+  gelu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, (const float *)a->t[2]->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ------------------------------------------------------------------- AdamW
+
+struct adamw_consts {
+  float decay, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, inv_bc2_sqrt, eps,
+      grad_scale;
+};
+
+__global__ void adamw_kernel(float *p, const float *grad, float *m, float *v, void *working,
+                             lz_dtype wdt, adamw_consts k, int64_t n) {
+  GRID_STRIDE(i, n) {
+    float g = grad[i] * k.grad_scale;
+    float mi = k.beta1 * m[i] + k.one_minus_beta1 * g;
+    float vi = k.beta2 * v[i] + k.one_minus_beta2 * g * g;
+    float denom = sqrtf(vi) * k.inv_bc2_sqrt + k.eps;
+    float pi = p[i] * k.decay - k.step_size * mi / denom;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+    if (working) store_from_f32(working, wdt, i, pi);
+  }
+}
+
+lz_status lz_cu_adamw_step(const lz_op_args *a) {
+  const lz_adamw_args *args = a->adamw;
+  int64_t n = lz_tensor_numel(a->t[0]);
+  if (n == 0) return LZ_OK;
+  // The per-step constants exactly as core/adamw.c works them out.
+  const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
+  const double bc1 = 1.0 - pow(b1, (double)args->step);
+  const double bc2 = 1.0 - pow(b2, (double)args->step);
+  adamw_consts k;
+  k.decay = (float)(1.0 - lr * args->weight_decay);
+  k.beta1 = args->beta1;
+  k.beta2 = args->beta2;
+  k.one_minus_beta1 = (float)(1.0 - b1);
+  k.one_minus_beta2 = (float)(1.0 - b2);
+  k.step_size = (float)(lr / bc1);
+  k.inv_bc2_sqrt = (float)(1.0 / sqrt(bc2));
+  k.eps = args->eps;
+  k.grad_scale = args->grad_scale;
+  lz_tensor *w = a->t[4];
+  adamw_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, (float *)a->t[2]->data,
+      (float *)a->t[3]->data, w ? w->data : NULL, w ? w->dtype : LZ_F32, k, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ------------------------------------------------------ sq_norm, inf/NaN
+
+// sq_norm: each block sums fixed SQ_CHUNK-element chunks in double (a
+// tree inside the block, so its order is fixed), one partial per chunk; a
+// single block then adds the partials in index order. The same bits on
+// every run (not the cpu's bits: the order differs).
+#define SQ_CHUNK 4096
+
+__global__ void sq_partials_kernel(const void *x, lz_dtype dt, int64_t n, double *partials,
+                                   int64_t n_chunks) {
+  __shared__ double sh[THREADS];
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    int64_t i0 = c * SQ_CHUNK, i1 = i0 + SQ_CHUNK < n ? i0 + SQ_CHUNK : n;
+    double s = 0.0;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += THREADS) {
+      double v = load_as_f32(x, dt, i);
+      s += v * v;
+    }
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int w = THREADS / 2; w > 0; w >>= 1) {
+      if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) partials[c] = sh[0];
+    __syncthreads();
+  }
+}
+
+__global__ void sum_partials_kernel(const double *partials, int64_t n, double *out) {
+  __shared__ double sh[THREADS];
+  // Each thread sums a contiguous run in order, then a fixed tree.
+  int64_t per = (n + THREADS - 1) / THREADS;
+  int64_t i0 = threadIdx.x * per, i1 = i0 + per < n ? i0 + per : n;
+  double s = 0.0;
+  for (int64_t i = i0; i < i1; i++) s += partials[i];
+  sh[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = THREADS / 2; w > 0; w >>= 1) {
+    if ((int)threadIdx.x < w) sh[threadIdx.x] += sh[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = sh[0];
+}
+
+lz_status lz_cu_sq_norm(const lz_op_args *a) {
+  const lz_tensor *t = a->t[0];
+  int64_t n = lz_tensor_numel(t);
+  *a->out_f64 = 0.0;
+  if (n == 0) return LZ_OK;
+  int64_t n_chunks = (n + SQ_CHUNK - 1) / SQ_CHUNK;
+  void *ws;
+  LZ_TRY(lz_cu_scratch(&ws, (size_t)(n_chunks + 1) * sizeof(double)));
+  double *partials = (double *)ws, *result = partials + n_chunks;
+  unsigned blocks = (unsigned)(n_chunks < 65535 * 4 ? n_chunks : 65535 * 4);
+  sq_partials_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(t->data, t->dtype, n, partials,
+                                                            n_chunks);
+  CUDA_LAUNCH_CHECK();
+  sum_partials_kernel<<<1, THREADS, 0, LZ_CU_COMPUTE>>>(partials, n_chunks, result);
+  CUDA_LAUNCH_CHECK();
+  double host = 0.0;
+  CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof host, cudaMemcpyDeviceToHost, LZ_CU_COMPUTE));
+  CUDA_CHECK(cudaStreamSynchronize(LZ_CU_COMPUTE));
+  *a->out_f64 = host;
+  return LZ_OK;
+}
+
+// An exponent field of all ones is Inf or NaN, whatever the mantissa.
+__global__ void inf_nan_kernel(const void *x, lz_dtype dt, int64_t n, int *found) {
+  int f = 0;
+  GRID_STRIDE(i, n) {
+    if (dt == LZ_F32) f |= (((const uint32_t *)x)[i] & 0x7f800000u) == 0x7f800000u;
+    else {
+      uint16_t mask = dt == LZ_BF16 ? 0x7f80u : 0x7c00u;
+      f |= (((const uint16_t *)x)[i] & mask) == mask;
+    }
+  }
+  if (__syncthreads_or(f) && threadIdx.x == 0) *found = 1;
+}
+
+lz_status lz_cu_has_inf_nan(const lz_op_args *a) {
+  const lz_tensor *t = a->t[0];
+  int64_t n = lz_tensor_numel(t);
+  *a->out_int = 0;
+  if (n == 0) return LZ_OK;
+  void *ws;
+  LZ_TRY(lz_cu_scratch(&ws, sizeof(int)));
+  int *found = (int *)ws;
+  CUDA_CHECK(cudaMemsetAsync(found, 0, sizeof(int), LZ_CU_COMPUTE));
+  inf_nan_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(t->data, t->dtype, n,
+                                                                          found);
+  CUDA_LAUNCH_CHECK();
+  int host = 0;
+  CUDA_CHECK(cudaMemcpyAsync(&host, found, sizeof host, cudaMemcpyDeviceToHost, LZ_CU_COMPUTE));
+  CUDA_CHECK(cudaStreamSynchronize(LZ_CU_COMPUTE));
+  *a->out_int = host != 0;
+  return LZ_OK;
+}

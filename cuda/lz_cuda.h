@@ -1,0 +1,88 @@
+// lz_cuda.h — what the files of libluazero_cuda.so share: the check macros,
+// the streams and handles of the selected device, the device scratch buffer,
+// and each file's entry points for the op switch in backend.cu.
+#ifndef LZ_CUDA_H
+#define LZ_CUDA_H
+
+#include "lz_backend.h"
+#include "lz_internal.h"
+
+#include <cublasLt.h>      // cublasLtHandle_t
+#include <cuda_bf16.h>     // __nv_bfloat16
+#include <cuda_fp16.h>     // __half
+#include <cuda_runtime.h>  // cudaStream_t, cudaError_t
+
+// Turns a CUDA or cuBLAS failure into luazero's error: the call, file:line
+// and the library's own string. Out of memory is LZ_ERR_NOMEM.
+lz_status lz_cuda_fail(cudaError_t e, const char *call, const char *file, int line);
+lz_status lz_cublas_fail(cublasStatus_t s, const char *call, const char *file, int line);
+
+#define CUDA_CHECK(call)                                                          \
+  do {                                                                            \
+    cudaError_t lz_ce_ = (call);                                                  \
+    if (lz_ce_ != cudaSuccess) return lz_cuda_fail(lz_ce_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+#define CUBLAS_CHECK(call)                                                        \
+  do {                                                                            \
+    cublasStatus_t lz_cs_ = (call);                                               \
+    if (lz_cs_ != CUBLAS_STATUS_SUCCESS)                                          \
+      return lz_cublas_fail(lz_cs_, #call, __FILE__, __LINE__);                   \
+  } while (0)
+
+// After a kernel launch: a bad configuration shows up here.
+#define CUDA_LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+// The selected device's streams (indexed by lz_stream_kind) and cuBLASLt.
+extern cudaStream_t lz_cu_stream[LZ_STREAM_COUNT];
+extern cublasLtHandle_t lz_cu_lt;
+extern void *lz_cu_lt_workspace; // cuBLASLt's workspace, LZ_CU_LT_WORKSPACE bytes
+#define LZ_CU_LT_WORKSPACE ((size_t)32 << 20)
+#define LZ_CU_COMPUTE (lz_cu_stream[LZ_STREAM_COMPUTE])
+
+// A device scratch buffer of at least `bytes`, grown on demand (on the ledger
+// as workspace). Valid until the next call; ops on the compute stream only.
+lz_status lz_cu_scratch(void **out, size_t bytes);
+
+// A grid of at most 65535 * 16 blocks for n elements, `threads` per block;
+// kernels loop over the rest (grid-stride).
+static inline unsigned lz_cu_blocks(int64_t n, int threads) {
+  int64_t b = (n + threads - 1) / threads;
+  if (b < 1) b = 1;
+  return (unsigned)(b > 65535 * 16 ? 65535 * 16 : b);
+}
+
+// Entry points of each file, called by backend.cu's switch with the checked
+// arguments (layout in lz_backend.h).
+lz_status lz_cu_matmul(const lz_op_args *a);
+lz_status lz_cu_linear_forward(const lz_op_args *a);
+lz_status lz_cu_linear_backward(const lz_op_args *a);
+lz_status lz_cu_layernorm_forward(const lz_op_args *a);
+lz_status lz_cu_layernorm_backward(const lz_op_args *a);
+lz_status lz_cu_gelu_forward(const lz_op_args *a);
+lz_status lz_cu_gelu_backward(const lz_op_args *a);
+lz_status lz_cu_attention_forward(const lz_op_args *a);
+lz_status lz_cu_attention_backward(const lz_op_args *a);
+lz_status lz_cu_embedding_forward(const lz_op_args *a);
+lz_status lz_cu_embedding_backward(const lz_op_args *a);
+lz_status lz_cu_cross_entropy_forward(const lz_op_args *a);
+lz_status lz_cu_cross_entropy_backward(const lz_op_args *a);
+lz_status lz_cu_add(const lz_op_args *a);
+lz_status lz_cu_axpy(const lz_op_args *a);
+lz_status lz_cu_scale(const lz_op_args *a);
+lz_status lz_cu_fill(const lz_op_args *a);
+lz_status lz_cu_sq_norm(const lz_op_args *a);
+lz_status lz_cu_has_inf_nan(const lz_op_args *a);
+lz_status lz_cu_adamw_step(const lz_op_args *a);
+lz_status lz_cu_convert(const lz_op_args *a);
+
+// NCCL (nccl.cu).
+extern const size_t lz_cu_nccl_id_bytes;
+lz_status lz_cu_nccl_get_id(void *id);
+lz_status lz_cu_nccl_init(void **out, const void *id, int rank, int size);
+void lz_cu_nccl_free(void *nc, int abort);
+lz_status lz_cu_nccl_run(void *nc, lz_coll_kind kind, const void *send, void *recv,
+                         int64_t count, lz_dtype dt, lz_reduce_op op, int root,
+                         double timeout_s);
+
+#endif  // LZ_CUDA_H

@@ -1,0 +1,225 @@
+// nccl.cu — the device half of the nccl collective backend: the NCCL
+// communicator and one collective at a time on the communication stream.
+// core/comm_nccl.c does the rest (rank and size, sharing the unique id,
+// argument checks, byte counters, the ordering queue).
+//
+// Communicators are non-blocking (ncclConfig_t.blocking = 0), so every wait
+// — joining, a collective — polls with a deadline and aborts the
+// communicator when it passes: a rank that dies makes the others fail with a
+// message, never hang. Collectives start after the work queued so far on the
+// compute stream (an event), and kernels queued after them see their results.
+// Shards that do not divide evenly (lz_comm_shard gives the first count %
+// size ranks one element more) go through grouped per-rank reduce or
+// broadcast calls; even ones through ncclReduceScatter / ncclAllGather.
+#include "lz_cuda.h"
+
+#include <nccl.h>    // the whole file
+#include <sched.h>   // sched_yield while polling
+#include <stdlib.h>  // calloc
+#include <string.h>  // memcpy
+#include <time.h>    // clock_gettime for deadlines
+
+const size_t lz_cu_nccl_id_bytes = sizeof(ncclUniqueId);
+
+typedef struct nccl_comm {
+  ncclComm_t comm;
+  int rank, size;
+  cudaEvent_t ready, done;
+  float *one;  // a device float for the barrier
+} nccl_comm;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static lz_status nccl_fail(ncclResult_t r, const char *call, const char *file, int line) {
+  return lz_fail(r == ncclSystemError || r == ncclRemoteError ? LZ_ERR_COMM : LZ_ERR_INTERNAL,
+                 "nccl: %s failed at %s:%d: %s (%s)", call, file, line, ncclGetErrorString(r),
+                 ncclGetLastError(NULL));
+}
+
+#define NCCL_CHECK(call)                                                          \
+  do {                                                                            \
+    ncclResult_t lz_nr_ = (call);                                                 \
+    if (lz_nr_ != ncclSuccess && lz_nr_ != ncclInProgress)                        \
+      return nccl_fail(lz_nr_, #call, __FILE__, __LINE__);                        \
+  } while (0)
+
+// Polls the communicator's asynchronous state until it leaves ncclInProgress.
+static lz_status wait_comm(nccl_comm *c, const char *what, double deadline) {
+  for (;;) {
+    ncclResult_t r = ncclInProgress;
+    NCCL_CHECK(ncclCommGetAsyncError(c->comm, &r));
+    if (r == ncclSuccess) return LZ_OK;
+    if (r != ncclInProgress) return nccl_fail(r, what, __FILE__, __LINE__);
+    if (now_s() > deadline) {
+      ncclCommAbort(c->comm);
+      c->comm = NULL;
+      return lz_fail(LZ_ERR_TIMEOUT,
+                     "nccl: %s: rank %d waited past LZ_COMM_TIMEOUT for its peers; a rank "
+                     "stopped or is stuck (communicator aborted)",
+                     what, c->rank);
+    }
+    sched_yield();
+  }
+}
+
+lz_status lz_cu_nccl_get_id(void *id) {
+  ncclUniqueId u;
+  NCCL_CHECK(ncclGetUniqueId(&u));
+  memcpy(id, &u, sizeof u);
+  return LZ_OK;
+}
+
+lz_status lz_cu_nccl_init(void **out, const void *id, int rank, int size) {
+  *out = NULL;
+  nccl_comm *c = (nccl_comm *)calloc(1, sizeof *c);
+  if (!c) return lz_fail(LZ_ERR_NOMEM, "nccl: out of memory");
+  c->rank = rank;
+  c->size = size;
+  ncclUniqueId u;
+  memcpy(&u, id, sizeof u);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  lz_status st = LZ_OK;
+  ncclResult_t r = ncclCommInitRankConfig(&c->comm, size, u, rank, &config);
+  if (r != ncclSuccess && r != ncclInProgress) st = nccl_fail(r, "ncclCommInitRankConfig", __FILE__, __LINE__);
+  const char *ts = getenv("LZ_COMM_TIMEOUT");
+  double timeout = ts && atof(ts) > 0 ? atof(ts) : 300.0;
+  if (st == LZ_OK) st = wait_comm(c, "joining the communicator", now_s() + timeout);
+  if (st == LZ_OK && cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming) != cudaSuccess)
+    st = lz_fail(LZ_ERR_INTERNAL, "nccl: cudaEventCreate failed");
+  if (st == LZ_OK && cudaEventCreateWithFlags(&c->done, cudaEventDisableTiming) != cudaSuccess)
+    st = lz_fail(LZ_ERR_INTERNAL, "nccl: cudaEventCreate failed");
+  if (st == LZ_OK && cudaMalloc(&c->one, sizeof(float)) != cudaSuccess)
+    st = lz_fail(LZ_ERR_NOMEM, "nccl: cudaMalloc of the barrier's float failed");
+  if (st != LZ_OK) {
+    cudaGetLastError();
+    lz_cu_nccl_free(c, 1);
+    return st;
+  }
+  *out = c;
+  return LZ_OK;
+}
+
+void lz_cu_nccl_free(void *p, int abort) {
+  nccl_comm *c = (nccl_comm *)p;
+  if (!c) return;
+  if (c->comm) {
+    if (abort) ncclCommAbort(c->comm);
+    else {
+      ncclCommFinalize(c->comm);
+      wait_comm(c, "finalizing", now_s() + 30.0);
+      if (c->comm) ncclCommDestroy(c->comm);
+    }
+  }
+  if (c->ready) cudaEventDestroy(c->ready);
+  if (c->done) cudaEventDestroy(c->done);
+  if (c->one) cudaFree(c->one);
+  free(c);
+}
+
+static ncclDataType_t nccl_type(lz_dtype dt, int64_t *count) {
+  switch (dt) {
+  case LZ_F32: return ncclFloat32;
+  case LZ_BF16: return ncclBfloat16;
+  case LZ_F16: return ncclFloat16;
+  case LZ_I32: return ncclInt32;
+  default: *count *= (int64_t)lz_dtype_size(dt); return ncclUint8;  // u16: moved as bytes
+  }
+}
+
+static ncclRedOp_t nccl_op(lz_reduce_op op) {
+  return op == LZ_RED_AVG ? ncclAvg : op == LZ_RED_MAX ? ncclMax : ncclSum;
+}
+
+static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void *recv,
+                         int64_t count, lz_dtype dt, lz_reduce_op op, int root) {
+  cudaStream_t s = lz_cu_stream[LZ_STREAM_COMM];
+  const size_t es = lz_dtype_size(dt);
+  const int W = c->size;
+  int64_t n = count;
+  switch (kind) {
+  case LZ_COLL_ALL_REDUCE: {
+    ncclDataType_t t = nccl_type(dt, &n);
+    NCCL_CHECK(ncclAllReduce(send, recv, (size_t)n, t, nccl_op(op), c->comm, s));
+    return LZ_OK;
+  }
+  case LZ_COLL_BROADCAST: {
+    ncclDataType_t t = nccl_type(dt, &n);
+    NCCL_CHECK(ncclBroadcast(recv, recv, (size_t)n, t, root, c->comm, s));
+    return LZ_OK;
+  }
+  case LZ_COLL_BARRIER:
+    NCCL_CHECK(ncclAllReduce(c->one, c->one, 1, ncclFloat32, ncclSum, c->comm, s));
+    return LZ_OK;
+  case LZ_COLL_REDUCE_SCATTER:
+  case LZ_COLL_ALL_GATHER: break;
+  default: return lz_fail(LZ_ERR_INVALID, "nccl: collective kind %d is unknown", (int)kind);
+  }
+  if (count % W == 0) {
+    int64_t shard = count / W;
+    ncclDataType_t t = nccl_type(dt, &shard);
+    if (kind == LZ_COLL_REDUCE_SCATTER)
+      NCCL_CHECK(ncclReduceScatter(send, recv, (size_t)shard, t, nccl_op(op), c->comm, s));
+    else NCCL_CHECK(ncclAllGather(send, recv, (size_t)shard, t, c->comm, s));
+    return LZ_OK;
+  }
+  NCCL_CHECK(ncclGroupStart());
+  for (int r = 0; r < W; r++) {
+    int64_t off, len;
+    lz_comm_shard(count, W, r, &off, &len);
+    ncclDataType_t t = nccl_type(dt, &len);
+    if (kind == LZ_COLL_REDUCE_SCATTER) {
+      const char *src = (const char *)send + (size_t)off * es;
+      NCCL_CHECK(ncclReduce(src, recv, (size_t)len, t, nccl_op(op), r, c->comm, s));
+    } else {
+      char *dst = (char *)recv + (size_t)off * es;
+      NCCL_CHECK(ncclBroadcast(send, dst, (size_t)len, t, r, c->comm, s));
+    }
+  }
+  NCCL_CHECK(ncclGroupEnd());
+  return LZ_OK;
+}
+
+lz_status lz_cu_nccl_run(void *p, lz_coll_kind kind, const void *send, void *recv,
+                                    int64_t count, lz_dtype dt, lz_reduce_op op, int root,
+                                    double timeout_s) {
+  nccl_comm *c = (nccl_comm *)p;
+  const char *what = lz_coll_kind_name(kind);
+  if (!c->comm)
+    return lz_fail(LZ_ERR_COMM, "nccl: %s: rank %d: the communicator was aborted earlier", what,
+                   c->rank);
+  const double deadline = now_s() + timeout_s;
+  CUDA_CHECK(cudaEventRecord(c->ready, LZ_CU_COMPUTE));
+  CUDA_CHECK(cudaStreamWaitEvent(lz_cu_stream[LZ_STREAM_COMM], c->ready, 0));
+  LZ_TRY(enqueue(c, kind, send, recv, count, dt, op, root));
+  LZ_TRY(wait_comm(c, what, deadline));
+  CUDA_CHECK(cudaEventRecord(c->done, lz_cu_stream[LZ_STREAM_COMM]));
+  // Kernels queued from here on run after the collective.
+  CUDA_CHECK(cudaStreamWaitEvent(LZ_CU_COMPUTE, c->done, 0));
+  for (;;) {
+    cudaError_t e = cudaEventQuery(c->done);
+    if (e == cudaSuccess) break;
+    if (e != cudaErrorNotReady) return lz_cuda_fail(e, "cudaEventQuery(done)", __FILE__, __LINE__);
+    ncclResult_t r = ncclSuccess;
+    ncclCommGetAsyncError(c->comm, &r);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      ncclCommAbort(c->comm);
+      c->comm = NULL;
+      return nccl_fail(r, what, __FILE__, __LINE__);
+    }
+    if (now_s() > deadline) {
+      ncclCommAbort(c->comm);
+      c->comm = NULL;
+      return lz_fail(LZ_ERR_TIMEOUT,
+                     "nccl: %s: rank %d waited past LZ_COMM_TIMEOUT (%.0f s) for its peers; a "
+                     "rank stopped or is stuck (communicator aborted)",
+                     what, c->rank, timeout_s);
+    }
+    sched_yield();
+  }
+  return LZ_OK;
+}

@@ -1,0 +1,282 @@
+// rows.cu — the row-wise ops on the device: LayerNorm, softmax cross-entropy
+// and the token + position embedding, forward and backward. Same semantics
+// as core/layernorm.c, core/cross_entropy.c and core/embedding.c (the core
+// has checked shapes and ids). Parameter-gradient sums run in a fixed order
+// with no atomics, so every run gives the same bits.
+#include "lz_cuda.h"
+
+#include <float.h>  // FLT_MAX
+
+#define THREADS 256
+#define WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum (or max) over a block of THREADS threads; every thread gets the result.
+__device__ float block_reduce(float v, bool is_max) {
+  __shared__ float sh[THREADS / WARP];
+  int lane = threadIdx.x % WARP, wid = threadIdx.x / WARP;
+  v = is_max ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // sh may still be read from a previous call
+  if (lane == 0) sh[wid] = v;
+  __syncthreads();
+  float r = lane < THREADS / WARP ? sh[lane] : (is_max ? -FLT_MAX : 0.0f);
+  return is_max ? warp_max(r) : warp_sum(r);
+}
+
+// --------------------------------------------------------------- LayerNorm
+
+// One warp per row: mean, then variance around it (two passes over the row,
+// the second from cache), biased as PyTorch's LayerNorm.
+__global__ void layernorm_forward_kernel(float *out, float *mean, float *rstd, const float *x,
+                                         const float *w, const float *b, int64_t rows,
+                                         int64_t C, float eps) {
+  int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int lane = threadIdx.x % WARP;
+  if (row >= rows) return;
+  const float *xr = x + row * C;
+  float s = 0.0f;
+  for (int64_t i = lane; i < C; i += WARP) s += xr[i];
+  const float m = warp_sum(s) / (float)C;
+  float s2 = 0.0f;
+  for (int64_t i = lane; i < C; i += WARP) {
+    float d = xr[i] - m;
+    s2 += d * d;
+  }
+  const float r = rsqrtf(warp_sum(s2) / (float)C + eps);
+  float *o = out + row * C;
+  for (int64_t i = lane; i < C; i += WARP) o[i] = (xr[i] - m) * r * w[i] + b[i];
+  if (lane == 0) {
+    mean[row] = m;
+    rstd[row] = r;
+  }
+}
+
+// dw, db partial sums over a fixed range of rows per blockIdx.y, in row order.
+#define LN_ROW_CHUNKS 64
+
+__global__ void layernorm_dw_db_kernel(float *partials, const float *dy, const float *x,
+                                       const float *mean, const float *rstd, int64_t rows,
+                                       int64_t C) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  int64_t per = (rows + LN_ROW_CHUNKS - 1) / LN_ROW_CHUNKS;
+  int64_t r0 = blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
+  float sw = 0.0f, sb = 0.0f;
+  for (int64_t r = r0; r < r1; r++) {
+    float g = dy[r * C + c];
+    sw += g * (x[r * C + c] - mean[r]) * rstd[r];
+    sb += g;
+  }
+  partials[(2 * (int64_t)blockIdx.y) * C + c] = sw;
+  partials[(2 * (int64_t)blockIdx.y + 1) * C + c] = sb;
+}
+
+__global__ void layernorm_dw_db_sum_kernel(float *dw, float *db, const float *partials,
+                                           int64_t C) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float tw = 0.0f, tb = 0.0f;
+  for (int k = 0; k < LN_ROW_CHUNKS; k++) {
+    tw += partials[2 * k * C + c];
+    tb += partials[(2 * k + 1) * C + c];
+  }
+  dw[c] += tw;
+  db[c] += tb;
+}
+
+// dx may be dy: each lane reads dy[i] before it writes dx[i], and the row
+// sums are done before any write.
+__global__ void layernorm_dx_kernel(float *dx, const float *dy, const float *x, const float *w,
+                                    const float *mean, const float *rstd, int64_t rows,
+                                    int64_t C) {
+  int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int lane = threadIdx.x % WARP;
+  if (row >= rows) return;
+  const float *dyr = dy + row * C, *xr = x + row * C;
+  const float m = mean[row], s = rstd[row];
+  float sg = 0.0f, sgn = 0.0f;
+  for (int64_t i = lane; i < C; i += WARP) {
+    float g = w[i] * dyr[i];
+    sg += g;
+    sgn += g * (xr[i] - m) * s;
+  }
+  const float mean_g = warp_sum(sg) / (float)C, mean_gn = warp_sum(sgn) / (float)C;
+  __syncwarp();
+  float *dxr = dx + row * C;
+  for (int64_t i = lane; i < C; i += WARP) {
+    float norm = (xr[i] - m) * s;
+    dxr[i] = (w[i] * dyr[i] - mean_g - norm * mean_gn) * s;
+  }
+}
+
+lz_status lz_cu_layernorm_forward(const lz_op_args *a) {
+  const lz_tensor *x = a->t[3];
+  int64_t C = lz_cols(x), rows = lz_rows(x);
+  if (rows == 0 || C == 0) return LZ_OK;
+  const int rows_per_block = THREADS / WARP;
+  layernorm_forward_kernel<<<(unsigned)((rows + rows_per_block - 1) / rows_per_block), THREADS,
+                             0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (float *)a->t[1]->data, (float *)a->t[2]->data,
+      (const float *)x->data, (const float *)a->t[4]->data, (const float *)a->t[5]->data, rows,
+      C, a->f[0]);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_layernorm_backward(const lz_op_args *a) {
+  lz_tensor *dx = a->t[0], *dw = a->t[1], *db = a->t[2];
+  const lz_tensor *dy = a->t[3], *x = a->t[4], *w = a->t[5], *mean = a->t[6], *rstd = a->t[7];
+  int64_t C = lz_cols(x), rows = lz_rows(x);
+  if (rows == 0 || C == 0) return LZ_OK;
+  void *ws;
+  LZ_TRY(lz_cu_scratch(&ws, (size_t)2 * LN_ROW_CHUNKS * (size_t)C * sizeof(float)));
+  // dw, db first: dx may share memory with dy.
+  dim3 grid((unsigned)((C + THREADS - 1) / THREADS), LN_ROW_CHUNKS);
+  layernorm_dw_db_kernel<<<grid, THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)ws, (const float *)dy->data, (const float *)x->data, (const float *)mean->data,
+      (const float *)rstd->data, rows, C);
+  CUDA_LAUNCH_CHECK();
+  layernorm_dw_db_sum_kernel<<<(unsigned)((C + THREADS - 1) / THREADS), THREADS, 0,
+                               LZ_CU_COMPUTE>>>((float *)dw->data, (float *)db->data,
+                                                (const float *)ws, C);
+  CUDA_LAUNCH_CHECK();
+  const int rows_per_block = THREADS / WARP;
+  layernorm_dx_kernel<<<(unsigned)((rows + rows_per_block - 1) / rows_per_block), THREADS, 0,
+                        LZ_CU_COMPUTE>>>((float *)dx->data, (const float *)dy->data,
+                                         (const float *)x->data, (const float *)w->data,
+                                         (const float *)mean->data, (const float *)rstd->data,
+                                         rows, C);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ------------------------------------------------------------ cross-entropy
+
+// One block per row: the row's maximum and sum of exp(logit - max) over the
+// first `vocab` columns.
+__device__ void softmax_stats(const float *lg, int64_t vocab, float *m_out, float *s_out) {
+  float m = -FLT_MAX;
+  for (int64_t i = threadIdx.x; i < vocab; i += THREADS) m = fmaxf(m, lg[i]);
+  m = block_reduce(m, true);
+  float s = 0.0f;
+  for (int64_t i = threadIdx.x; i < vocab; i += THREADS) s += expf(lg[i] - m);
+  s = block_reduce(s, false);
+  *m_out = m;
+  *s_out = s;
+}
+
+__global__ void xent_forward_kernel(float *losses, const float *logits, const int32_t *targets,
+                                    int64_t vocab, int64_t Vp) {
+  int64_t r = blockIdx.x;
+  int32_t tg = targets[r];
+  if (tg < 0) {
+    if (threadIdx.x == 0) losses[r] = 0.0f;
+    return;
+  }
+  const float *lg = logits + r * Vp;
+  float m, s;
+  softmax_stats(lg, vocab, &m, &s);
+  if (threadIdx.x == 0) losses[r] = logf(s) + m - lg[tg];
+}
+
+// dlogits may be logits: the statistics and the target's logit are read
+// before the first write (block_reduce ends on a barrier; the extra one
+// covers the target logit).
+__global__ void xent_backward_kernel(float *dlogits, const float *logits, const int32_t *targets,
+                                     int64_t vocab, int64_t Vp, float dloss) {
+  int64_t r = blockIdx.x;
+  int32_t tg = targets[r];
+  float *dl = dlogits + r * Vp;
+  if (tg < 0) {
+    for (int64_t i = threadIdx.x; i < Vp; i += THREADS) dl[i] = 0.0f;
+    return;
+  }
+  const float *lg = logits + r * Vp;
+  float m, s;
+  softmax_stats(lg, vocab, &m, &s);
+  const float logit_target = lg[tg], inv = 1.0f / s;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < vocab; i += THREADS) dl[i] = expf(lg[i] - m) * inv * dloss;
+  for (int64_t i = vocab + threadIdx.x; i < Vp; i += THREADS) dl[i] = 0.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) dl[tg] = (expf(logit_target - m) * inv - 1.0f) * dloss;
+}
+
+lz_status lz_cu_cross_entropy_forward(const lz_op_args *a) {
+  const lz_tensor *logits = a->t[1];
+  int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  if (rows == 0) return LZ_OK;
+  xent_forward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
+      a->i[0], Vp);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
+  const lz_tensor *logits = a->t[1];
+  int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  if (rows == 0) return LZ_OK;
+  xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
+      a->i[0], Vp, a->f[0]);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ---------------------------------------------------------------- embedding
+
+__global__ void embedding_forward_kernel(float *out, const int32_t *tok, const float *wte,
+                                         const float *wpe, int64_t BT, int64_t T, int64_t C) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    int64_t bt = i / C, c = i % C;
+    out[i] = wte[(int64_t)tok[bt] * C + c] + wpe[(bt % T) * C + c];
+  }
+}
+
+// One thread per channel walks every position in order, as the cpu does:
+// repeated tokens add into their row in the same order, so the bits match
+// the cpu's.
+__global__ void embedding_backward_kernel(float *dwte, float *dwpe, const float *dout,
+                                          const int32_t *tok, int64_t BT, int64_t T, int64_t C) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  for (int64_t bt = 0; bt < BT; bt++) {
+    float d = dout[bt * C + c];
+    if (dwte) dwte[(int64_t)tok[bt] * C + c] += d;
+    if (dwpe) dwpe[(bt % T) * C + c] += d;
+  }
+}
+
+lz_status lz_cu_embedding_forward(const lz_op_args *a) {
+  const lz_tensor *tokens = a->t[1], *wte = a->t[2];
+  int64_t B = tokens->shape[0], T = tokens->shape[1], C = wte->shape[1];
+  if (B * T * C == 0) return LZ_OK;
+  embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const int32_t *)tokens->data, (const float *)wte->data,
+      (const float *)a->t[3]->data, B * T, T, C);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_embedding_backward(const lz_op_args *a) {
+  lz_tensor *dwte = a->t[0], *dwpe = a->t[1];
+  const lz_tensor *dout = a->t[2], *tokens = a->t[3];
+  int64_t B = tokens->shape[0], T = tokens->shape[1], C = dout->shape[2];
+  if ((!dwte && !dwpe) || B * T * C == 0) return LZ_OK;
+  embedding_backward_kernel<<<(unsigned)((C + 63) / 64), 64, 0, LZ_CU_COMPUTE>>>(
+      dwte ? (float *)dwte->data : NULL, dwpe ? (float *)dwpe->data : NULL,
+      (const float *)dout->data, (const int32_t *)tokens->data, B * T, T, C);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}

@@ -1,0 +1,496 @@
+/* test_cuda_kernels.c — every CUDA kernel against the CPU kernel on the same
+ * random inputs: fp32 within 1e-5 relative, bf16 within 1e-2 (relative to
+ * max(|x|, 1% of the largest |x|), so near-zero entries of a gradient are
+ * judged against its scale). Also the device side of the ledger, pinned
+ * memory, streams and events, and the errors a device call can give.
+ *
+ * build/bin/lz_cuda_tests [substring]. On a machine without a usable GPU
+ * each test prints "skipped: <reason>" and the summary says how many were
+ * skipped; skips count neither as passes nor as failures. */
+#include "luazero.h"
+
+#include <math.h>   /* fabs */
+#include <stdio.h>  /* printf */
+#include <stdlib.h> /* malloc */
+#include <string.h> /* strstr */
+
+static int failures, passed, failed, skipped;
+static const char *skip_reason;
+
+#define CHECK(cond)                                                \
+  do {                                                             \
+    if (!(cond)) {                                                 \
+      printf("    %s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond); \
+      failures++;                                                  \
+    }                                                              \
+  } while (0)
+
+#define CHECK_OK(expr)                                                                    \
+  do {                                                                                    \
+    lz_status st_ = (expr);                                                               \
+    if (st_ != LZ_OK) {                                                                   \
+      printf("    %s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr, lz_status_name(st_), \
+             lz_last_error());                                                            \
+      failures++;                                                                         \
+    }                                                                                     \
+  } while (0)
+
+/* ------------------------------------------------------------------ helpers */
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static float uniform(void) { /* [-1, 1) */
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return (float)((double)(rng >> 11) / (double)(1ull << 53) * 2.0 - 1.0);
+}
+
+static lz_tensor *host(lz_dtype dt, int ndim, const int64_t *shape) {
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_new(&t, dt, ndim, shape, LZ_MEM_WORKSPACE));
+  return t;
+}
+
+static lz_tensor *host_rand(lz_dtype dt, int ndim, const int64_t *shape, float scale) {
+  lz_tensor *t = host(dt, ndim, shape);
+  if (!t) return NULL;
+  int64_t n = lz_tensor_numel(t);
+  for (int64_t i = 0; i < n; i++) {
+    float v = uniform() * scale;
+    if (dt == LZ_F32)
+      ((float *)t->data)[i] = v;
+    else if (dt == LZ_BF16)
+      ((uint16_t *)t->data)[i] = lz_f32_to_bf16(v);
+    else if (dt == LZ_F16)
+      ((uint16_t *)t->data)[i] = lz_f32_to_f16(v);
+  }
+  return t;
+}
+
+/* A device copy of a host tensor. */
+static lz_tensor *dev(const lz_tensor *h) {
+  lz_tensor *d = NULL;
+  CHECK_OK(lz_tensor_new_on(&d, h->dtype, h->ndim, h->shape, LZ_MEM_WORKSPACE, LZ_CUDA));
+  if (d) CHECK_OK(lz_tensor_copy(d, h));
+  return d;
+}
+
+/* A host copy of a device tensor. */
+static lz_tensor *back(const lz_tensor *d) {
+  lz_tensor *h = host(d->dtype, d->ndim, d->shape);
+  if (h) CHECK_OK(lz_tensor_copy(h, d));
+  return h;
+}
+
+static double value(const lz_tensor *t, int64_t i) {
+  switch (t->dtype) {
+    case LZ_F32:
+      return ((const float *)t->data)[i];
+    case LZ_BF16:
+      return lz_bf16_to_f32(((const uint16_t *)t->data)[i]);
+    case LZ_F16:
+      return lz_f16_to_f32(((const uint16_t *)t->data)[i]);
+    case LZ_I32:
+      return ((const int32_t *)t->data)[i];
+    default:
+      return ((const uint16_t *)t->data)[i];
+  }
+}
+
+/* Compares device tensor d (copied back) with host tensor ref. */
+static void expect_close(const char *what, const lz_tensor *d, const lz_tensor *ref, double tol) {
+  lz_tensor *h = back(d);
+  if (!h) return;
+  int64_t n = lz_tensor_numel(ref);
+  double big = 0.0;
+  for (int64_t i = 0; i < n; i++) big = fmax(big, fabs(value(ref, i)));
+  double floor = fmax(big * 1e-2, 1e-30), worst = 0.0;
+  int64_t at = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double e = fabs(value(h, i) - value(ref, i)) / fmax(fabs(value(ref, i)), floor);
+    if (!(e <= worst)) {
+      worst = e;
+      at = i;
+    }
+  }
+  if (!(worst <= tol)) {
+    printf("    %s: worst relative error %.3g at %lld (cuda %.9g, cpu %.9g), tolerance %g\n", what,
+           worst, (long long)at, value(h, at), value(ref, at), tol);
+    failures++;
+  }
+  lz_tensor_free(h);
+}
+
+#define FREE(...)                                                                       \
+  do {                                                                                  \
+    lz_tensor *fr_[] = {__VA_ARGS__};                                                   \
+    for (size_t i_ = 0; i_ < sizeof fr_ / sizeof fr_[0]; i_++) lz_tensor_free(fr_[i_]); \
+  } while (0)
+
+/* ------------------------------------------------------------------- tests */
+
+static void test_matmul(lz_dtype dt, double tol) {
+  for (int ta = 0; ta < 2; ta++)
+    for (int tb = 0; tb < 2; tb++) {
+      int64_t m = 37, n = 53, k = 29;
+      int64_t as[2] = {ta ? k : m, ta ? m : k}, bs[2] = {tb ? n : k, tb ? k : n}, cs[2] = {m, n};
+      lz_tensor *a = host_rand(dt, 2, as, 1), *b = host_rand(dt, 2, bs, 1);
+      lz_tensor *c = host_rand(LZ_F32, 2, cs, 1);
+      lz_tensor *da = dev(a), *db = dev(b), *dc = dev(c);
+      CHECK_OK(lz_matmul(c, a, b, ta, tb, 0.5f, 0.25f));
+      CHECK_OK(lz_matmul(dc, da, db, ta, tb, 0.5f, 0.25f));
+      expect_close("matmul 2-D", dc, c, tol);
+      FREE(a, b, c, da, db, dc);
+    }
+  /* Batched, b 3-D and b shared. */
+  for (int shared = 0; shared < 2; shared++) {
+    int64_t as[3] = {3, 17, 24}, bs3[3] = {3, 24, 19}, bs2[2] = {24, 19}, cs[3] = {3, 17, 19};
+    lz_tensor *a = host_rand(dt, 3, as, 1);
+    lz_tensor *b = shared ? host_rand(dt, 2, bs2, 1) : host_rand(dt, 3, bs3, 1);
+    lz_tensor *c = host_rand(LZ_F32, 3, cs, 1);
+    lz_tensor *da = dev(a), *db = dev(b), *dc = dev(c);
+    CHECK_OK(lz_matmul(c, a, b, 0, 0, 1.0f, 0.0f));
+    CHECK_OK(lz_matmul(dc, da, db, 0, 0, 1.0f, 0.0f));
+    expect_close(shared ? "matmul batched, b shared" : "matmul batched", dc, c, tol);
+    FREE(a, b, c, da, db, dc);
+  }
+}
+
+static void test_matmul_f32(void) { test_matmul(LZ_F32, 1e-5); }
+static void test_matmul_bf16(void) { test_matmul(LZ_BF16, 1e-2); }
+
+static void test_linear(lz_dtype dt, double tol) {
+  int64_t xs[3] = {2, 13, 48}, ws[2] = {72, 48}, bs[1] = {72}, ys[3] = {2, 13, 72};
+  for (int with_bias = 0; with_bias < 2; with_bias++) {
+    lz_tensor *x = host_rand(dt, 3, xs, 1), *w = host_rand(dt, 2, ws, 0.5f);
+    lz_tensor *bias = with_bias ? host_rand(LZ_F32, 1, bs, 1) : NULL;
+    lz_tensor *y = host(LZ_F32, 3, ys);
+    lz_tensor *dx_ = dev(x), *dw_ = dev(w), *db_ = bias ? dev(bias) : NULL, *dy_ = dev(y);
+    CHECK_OK(lz_linear_forward(y, x, w, bias));
+    CHECK_OK(lz_linear_forward(dy_, dx_, dw_, db_));
+    expect_close(with_bias ? "linear_forward with bias" : "linear_forward", dy_, y, tol);
+    FREE(x, w, bias, y, dx_, dw_, db_, dy_);
+  }
+  /* Backward: dx written, dw and db accumulate. */
+  lz_tensor *x = host_rand(dt, 3, xs, 1), *w = host_rand(dt, 2, ws, 0.5f);
+  lz_tensor *gy = host_rand(dt, 3, ys, 1);
+  lz_tensor *gx = host(LZ_F32, 3, xs), *gw = host_rand(LZ_F32, 2, ws, 1);
+  lz_tensor *gb = host_rand(LZ_F32, 1, bs, 1);
+  lz_tensor *d_x = dev(x), *d_w = dev(w), *d_gy = dev(gy), *d_gx = dev(gx), *d_gw = dev(gw),
+            *d_gb = dev(gb);
+  CHECK_OK(lz_linear_backward(gx, gw, gb, gy, x, w));
+  CHECK_OK(lz_linear_backward(d_gx, d_gw, d_gb, d_gy, d_x, d_w));
+  expect_close("linear_backward dx", d_gx, gx, tol);
+  expect_close("linear_backward dw", d_gw, gw, tol);
+  expect_close("linear_backward db", d_gb, gb, tol);
+  FREE(x, w, gy, gx, gw, gb, d_x, d_w, d_gy, d_gx, d_gw, d_gb);
+}
+
+static void test_linear_f32(void) { test_linear(LZ_F32, 1e-5); }
+static void test_linear_bf16(void) { test_linear(LZ_BF16, 1e-2); }
+
+static void test_layernorm(void) {
+  int64_t xs[3] = {3, 11, 96}, cs[1] = {96}, rs[2] = {3, 11};
+  lz_tensor *x = host_rand(LZ_F32, 3, xs, 2), *w = host_rand(LZ_F32, 1, cs, 1);
+  lz_tensor *b = host_rand(LZ_F32, 1, cs, 1), *y = host(LZ_F32, 3, xs);
+  lz_tensor *mu = host(LZ_F32, 2, rs), *rs_ = host(LZ_F32, 2, rs);
+  lz_tensor *d_x = dev(x), *d_w = dev(w), *d_b = dev(b), *d_y = dev(y), *d_mu = dev(mu),
+            *d_rs = dev(rs_);
+  CHECK_OK(lz_layernorm_forward(y, mu, rs_, x, w, b, 1e-5f));
+  CHECK_OK(lz_layernorm_forward(d_y, d_mu, d_rs, d_x, d_w, d_b, 1e-5f));
+  expect_close("layernorm_forward out", d_y, y, 1e-5);
+  expect_close("layernorm_forward mean", d_mu, mu, 1e-5);
+  expect_close("layernorm_forward rstd", d_rs, rs_, 1e-5);
+  lz_tensor *gy = host_rand(LZ_F32, 3, xs, 1), *gx = host(LZ_F32, 3, xs);
+  lz_tensor *gw = host_rand(LZ_F32, 1, cs, 1), *gb = host_rand(LZ_F32, 1, cs, 1);
+  lz_tensor *d_gy = dev(gy), *d_gx = dev(gx), *d_gw = dev(gw), *d_gb = dev(gb);
+  CHECK_OK(lz_layernorm_backward(gx, gw, gb, gy, x, w, mu, rs_));
+  CHECK_OK(lz_layernorm_backward(d_gx, d_gw, d_gb, d_gy, d_x, d_w, d_mu, d_rs));
+  expect_close("layernorm_backward dx", d_gx, gx, 1e-5);
+  expect_close("layernorm_backward dw", d_gw, gw, 1e-5);
+  expect_close("layernorm_backward db", d_gb, gb, 1e-5);
+  FREE(x, w, b, y, mu, rs_, d_x, d_w, d_b, d_y, d_mu, d_rs, gy, gx, gw, gb, d_gy, d_gx, d_gw, d_gb);
+}
+
+static void test_gelu(void) {
+  int64_t s[2] = {7, 301};
+  lz_tensor *x = host_rand(LZ_F32, 2, s, 4), *y = host(LZ_F32, 2, s);
+  lz_tensor *gy = host_rand(LZ_F32, 2, s, 1), *gx = host(LZ_F32, 2, s);
+  lz_tensor *d_x = dev(x), *d_y = dev(y), *d_gy = dev(gy), *d_gx = dev(gx);
+  CHECK_OK(lz_gelu_forward(y, x));
+  CHECK_OK(lz_gelu_forward(d_y, d_x));
+  expect_close("gelu_forward", d_y, y, 1e-5);
+  CHECK_OK(lz_gelu_backward(gx, gy, x));
+  CHECK_OK(lz_gelu_backward(d_gx, d_gy, d_x));
+  expect_close("gelu_backward", d_gx, gx, 1e-5);
+  FREE(x, y, gy, gx, d_x, d_y, d_gy, d_gx);
+}
+
+static void attention_case(int64_t B, int64_t T, int64_t C, int NH) {
+  int64_t qs[3] = {B, T, 3 * C}, os[3] = {B, T, C}, ls[3] = {B, NH, T};
+  lz_tensor *qkv = host_rand(LZ_F32, 3, qs, 1), *o = host(LZ_F32, 3, os), *l = host(LZ_F32, 3, ls);
+  lz_tensor *d_qkv = dev(qkv), *d_o = dev(o), *d_l = dev(l);
+  CHECK_OK(lz_attention_forward(o, l, qkv, NH));
+  CHECK_OK(lz_attention_forward(d_o, d_l, d_qkv, NH));
+  expect_close("attention_forward out", d_o, o, 1e-5);
+  expect_close("attention_forward lse", d_l, l, 1e-5);
+  lz_tensor *go = host_rand(LZ_F32, 3, os, 1), *gq = host(LZ_F32, 3, qs);
+  lz_tensor *d_go = dev(go), *d_gq = dev(gq);
+  CHECK_OK(lz_attention_backward(gq, go, qkv, o, l, NH));
+  CHECK_OK(lz_attention_backward(d_gq, d_go, d_qkv, d_o, d_l, NH));
+  expect_close("attention_backward dqkv", d_gq, gq, 1e-5);
+  FREE(qkv, o, l, d_qkv, d_o, d_l, go, gq, d_go, d_gq);
+}
+
+static void test_attention(void) {
+  attention_case(2, 37, 48, 3);   /* head size 16, T not a multiple of the tiles */
+  attention_case(1, 130, 256, 2); /* head size 128, three query blocks */
+  attention_case(1, 9, 192, 1);   /* head size 192: the 256 variant */
+}
+
+static void test_embedding(void) {
+  int64_t V = 50, Tmax = 16, C = 40, B = 3, T = 12;
+  int64_t ts[2] = {B, T}, tes[2] = {V, C}, pes[2] = {Tmax, C}, os[3] = {B, T, C};
+  lz_tensor *tok = host(LZ_I32, 2, ts);
+  for (int64_t i = 0; i < B * T; i++)
+    ((int32_t *)tok->data)[i] = (int32_t)(i * 7 % 5); /* repeats */
+  lz_tensor *wte = host_rand(LZ_F32, 2, tes, 1), *wpe = host_rand(LZ_F32, 2, pes, 1);
+  lz_tensor *o = host(LZ_F32, 3, os);
+  lz_tensor *d_tok = dev(tok), *d_wte = dev(wte), *d_wpe = dev(wpe), *d_o = dev(o);
+  CHECK_OK(lz_embedding_forward(o, tok, wte, wpe));
+  CHECK_OK(lz_embedding_forward(d_o, d_tok, d_wte, d_wpe));
+  expect_close("embedding_forward", d_o, o, 1e-5);
+  lz_tensor *g = host_rand(LZ_F32, 3, os, 1), *d_g = dev(g);
+  CHECK_OK(lz_embedding_backward(wte, wpe, g, tok));
+  CHECK_OK(lz_embedding_backward(d_wte, d_wpe, d_g, d_tok));
+  expect_close("embedding_backward dwte", d_wte, wte, 1e-5);
+  expect_close("embedding_backward dwpe", d_wpe, wpe, 1e-5);
+  /* A bad id on the device: the cpu's message, nothing written. */
+  int32_t bad = (int32_t)V;
+  lz_tensor *one = NULL;
+  CHECK_OK(lz_tensor_view(&one, tok, 5, 1, (int64_t[]){1}));
+  ((int32_t *)tok->data)[5] = bad;
+  CHECK_OK(lz_tensor_copy(d_tok, tok));
+  lz_status st = lz_embedding_forward(d_o, d_tok, d_wte, d_wpe);
+  CHECK(st == LZ_ERR_INVALID && strstr(lz_last_error(), "outside the vocabulary"));
+  FREE(one, tok, wte, wpe, o, d_tok, d_wte, d_wpe, d_o, g, d_g);
+}
+
+static void test_cross_entropy(void) {
+  int64_t B = 4, T = 9, V = 61, Vp = 64;
+  int64_t ls[3] = {B, T, Vp}, ts[2] = {B, T};
+  lz_tensor *logits = host_rand(LZ_F32, 3, ls, 5), *tg = host(LZ_I32, 2, ts);
+  for (int64_t i = 0; i < B * T; i++)
+    ((int32_t *)tg->data)[i] = i == 3 ? -1 : (int32_t)(i * 13 % V);
+  lz_tensor *loss = host(LZ_F32, 2, ts), *gl = host(LZ_F32, 3, ls);
+  lz_tensor *d_logits = dev(logits), *d_tg = dev(tg), *d_loss = dev(loss), *d_gl = dev(gl);
+  CHECK_OK(lz_cross_entropy_forward(loss, logits, tg, V));
+  CHECK_OK(lz_cross_entropy_forward(d_loss, d_logits, d_tg, V));
+  expect_close("cross_entropy_forward", d_loss, loss, 1e-5);
+  CHECK_OK(lz_cross_entropy_backward(gl, logits, tg, V, 0.25f));
+  CHECK_OK(lz_cross_entropy_backward(d_gl, d_logits, d_tg, V, 0.25f));
+  expect_close("cross_entropy_backward", d_gl, gl, 1e-5);
+  /* In place: dlogits aliasing logits. */
+  CHECK_OK(lz_cross_entropy_backward(d_logits, d_logits, d_tg, V, 0.25f));
+  expect_close("cross_entropy_backward in place", d_logits, gl, 1e-5);
+  FREE(logits, tg, loss, gl, d_logits, d_tg, d_loss, d_gl);
+}
+
+static void test_elementwise(void) {
+  int64_t s[1] = {100003};
+  lz_tensor *a = host_rand(LZ_F32, 1, s, 1), *b = host_rand(LZ_F32, 1, s, 1),
+            *o = host(LZ_F32, 1, s);
+  lz_tensor *d_a = dev(a), *d_b = dev(b), *d_o = dev(o);
+  CHECK_OK(lz_add(o, a, b));
+  CHECK_OK(lz_add(d_o, d_a, d_b));
+  expect_close("add", d_o, o, 1e-6);
+  CHECK_OK(lz_axpy(o, -0.75f, a));
+  CHECK_OK(lz_axpy(d_o, -0.75f, d_a));
+  expect_close("axpy", d_o, o, 1e-6);
+  const lz_dtype dts[3] = {LZ_F32, LZ_BF16, LZ_F16};
+  for (int k = 0; k < 3; k++) {
+    lz_tensor *t = host_rand(dts[k], 1, s, 3), *d_t = dev(t);
+    CHECK_OK(lz_scale(t, 1.5f));
+    CHECK_OK(lz_scale(d_t, 1.5f));
+    expect_close("scale", d_t, t, 0.0); /* one rounding of the same product: the same bits */
+    double n1 = 0, n2 = 0;
+    CHECK_OK(lz_sq_norm(t, &n1));
+    CHECK_OK(lz_sq_norm(d_t, &n2));
+    if (!(fabs(n1 - n2) <= 1e-9 * fabs(n1))) {
+      printf("    sq_norm %s: cuda %.17g vs cpu %.17g\n", lz_dtype_name(dts[k]), n2, n1);
+      failures++;
+    }
+    int f1 = -1, f2 = -1;
+    CHECK_OK(lz_has_inf_nan(d_t, &f2));
+    CHECK(f2 == 0);
+    CHECK_OK(lz_fill(t, -2.5f));
+    CHECK_OK(lz_fill(d_t, -2.5f));
+    expect_close("fill", d_t, t, 0.0);
+    /* One NaN in the middle. */
+    if (dts[k] == LZ_F32)
+      ((float *)t->data)[77777] = NAN;
+    else
+      ((uint16_t *)t->data)[77777] = 0x7fff;
+    CHECK_OK(lz_tensor_copy(d_t, t));
+    CHECK_OK(lz_has_inf_nan(t, &f1));
+    CHECK_OK(lz_has_inf_nan(d_t, &f2));
+    CHECK(f1 == 1 && f2 == 1);
+    FREE(t, d_t);
+  }
+  FREE(a, b, o, d_a, d_b, d_o);
+}
+
+static void test_convert(void) {
+  int64_t s[1] = {4099};
+  lz_tensor *x = host_rand(LZ_F32, 1, s, 100), *d_x = dev(x);
+  const lz_dtype dts[2] = {LZ_BF16, LZ_F16};
+  for (int k = 0; k < 2; k++) {
+    lz_tensor *h = host(dts[k], 1, s), *d = NULL;
+    CHECK_OK(lz_tensor_new_on(&d, dts[k], 1, s, LZ_MEM_WORKSPACE, LZ_CUDA));
+    CHECK_OK(lz_tensor_copy(h, x));
+    CHECK_OK(lz_tensor_copy(d, d_x)); /* converted on the device */
+    expect_close("convert f32 to half", d, h, 0.0);
+    lz_tensor *hf = host(LZ_F32, 1, s), *df = dev(hf);
+    CHECK_OK(lz_tensor_copy(hf, h));
+    CHECK_OK(lz_tensor_copy(df, d));
+    expect_close("convert half to f32", df, hf, 0.0);
+    /* Across devices and dtypes at once is refused. */
+    CHECK(lz_tensor_copy(d, x) == LZ_ERR_INVALID && strstr(lz_last_error(), "one dtype"));
+    FREE(h, d, hf, df);
+  }
+  FREE(x, d_x);
+}
+
+static void test_adamw(void) {
+  int64_t s[1] = {20011};
+  lz_adamw_args args = {.lr = 1e-3f,
+                        .beta1 = 0.9f,
+                        .beta2 = 0.95f,
+                        .eps = 1e-8f,
+                        .weight_decay = 0.1f,
+                        .grad_scale = 0.5f,
+                        .step = 3};
+  const lz_dtype wdts[3] = {LZ_F32, LZ_BF16, LZ_F16};
+  for (int k = 0; k < 3; k++) {
+    lz_tensor *p = host_rand(LZ_F32, 1, s, 1), *g = host_rand(LZ_F32, 1, s, 1);
+    lz_tensor *m = host_rand(LZ_F32, 1, s, 0.1f), *v = host_rand(LZ_F32, 1, s, 0.01f);
+    for (int64_t i = 0; i < s[0]; i++) ((float *)v->data)[i] = fabsf(((float *)v->data)[i]);
+    lz_tensor *w = host(wdts[k], 1, s);
+    lz_tensor *dp = dev(p), *dg = dev(g), *dm = dev(m), *dv = dev(v), *dw = dev(w);
+    CHECK_OK(lz_adamw_step(p, g, m, v, w, &args));
+    CHECK_OK(lz_adamw_step(dp, dg, dm, dv, dw, &args));
+    expect_close("adamw param", dp, p, 1e-5);
+    expect_close("adamw m", dm, m, 1e-5);
+    expect_close("adamw v", dv, v, 1e-5);
+    expect_close("adamw working copy", dw, w, k == 0 ? 1e-5 : 1e-2);
+    FREE(p, g, m, v, w, dp, dg, dm, dv, dw);
+  }
+}
+
+static void test_ledger_and_streams(void) {
+  int64_t before = lz_mem_device_current(LZ_MEM_PARAMS);
+  lz_mem_reset_peak();
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_new_on(&t, LZ_F32, 2, (int64_t[]){1000, 1000}, LZ_MEM_PARAMS, LZ_CUDA));
+  CHECK(lz_mem_device_current(LZ_MEM_PARAMS) == before + 4000000);
+  CHECK(lz_mem_device_peak(LZ_MEM_PARAMS) >= before + 4000000);
+  CHECK(t && t->device == LZ_CUDA);
+  lz_tensor_free(t);
+  CHECK(lz_mem_device_current(LZ_MEM_PARAMS) == before);
+  CHECK(lz_mem_device_peak(LZ_MEM_PARAMS) >= before + 4000000);
+  /* Pinned host memory is host-side offload; an async round trip through it. */
+  int64_t off0 = lz_mem_current(LZ_MEM_OFFLOAD);
+  float *pin = NULL;
+  size_t n = 1 << 20;
+  CHECK_OK(lz_mem_alloc_pinned((void **)&pin, n * sizeof(float)));
+  CHECK(lz_mem_current(LZ_MEM_OFFLOAD) == off0 + (int64_t)(n * sizeof(float)));
+  if (!pin) return;
+  for (size_t i = 0; i < n; i++) pin[i] = (float)i;
+  lz_tensor *hp = NULL, *d = NULL;
+  CHECK_OK(lz_tensor_wrap(&hp, pin, LZ_F32, 1, (int64_t[]){(int64_t)n}));
+  CHECK_OK(lz_tensor_new_on(&d, LZ_F32, 1, (int64_t[]){(int64_t)n}, LZ_MEM_WORKSPACE, LZ_CUDA));
+  lz_event *e1 = NULL, *e2 = NULL;
+  CHECK_OK(lz_event_new(&e1));
+  CHECK_OK(lz_event_new(&e2));
+  CHECK_OK(lz_tensor_copy_async(d, hp, LZ_STREAM_COPY));
+  CHECK_OK(lz_event_record(e1, LZ_STREAM_COPY));
+  CHECK_OK(lz_stream_wait_event(LZ_STREAM_COMPUTE, e1));
+  CHECK_OK(lz_scale(d, 2.0f)); /* on compute, after the copy */
+  CHECK_OK(lz_event_record(e2, LZ_STREAM_COMPUTE));
+  CHECK_OK(lz_stream_wait_event(LZ_STREAM_COPY, e2));
+  CHECK_OK(lz_tensor_copy_async(hp, d, LZ_STREAM_COPY));
+  CHECK_OK(lz_stream_synchronize(LZ_STREAM_COPY));
+  int done = 0;
+  CHECK_OK(lz_event_query(e2, &done));
+  CHECK(done == 1);
+  CHECK(pin[12345] == 24690.0f && pin[n - 1] == 2.0f * (float)(n - 1));
+  lz_event_free(e1);
+  lz_event_free(e2);
+  FREE(hp, d);
+  CHECK_OK(lz_mem_free(pin));
+  CHECK(lz_mem_current(LZ_MEM_OFFLOAD) == off0);
+}
+
+static void test_errors(void) {
+  int64_t s[1] = {8};
+  lz_tensor *h = host_rand(LZ_F32, 1, s, 1), *d = dev(h);
+  lz_status st = lz_add(d, d, h);
+  CHECK(st == LZ_ERR_INVALID && strstr(lz_last_error(), "lives on cuda but b lives on cpu"));
+  st = lz_cuda_init(lz_cuda_device() + 1);
+  CHECK(st == LZ_ERR_INVALID && strstr(lz_last_error(), "already uses cuda device"));
+  FREE(h, d);
+}
+
+/* ------------------------------------------------------------------- runner */
+
+static const struct {
+  const char *name;
+  void (*fn)(void);
+} tests[] = {
+    {"cuda_matmul_f32", test_matmul_f32},
+    {"cuda_matmul_bf16", test_matmul_bf16},
+    {"cuda_linear_f32", test_linear_f32},
+    {"cuda_linear_bf16", test_linear_bf16},
+    {"cuda_layernorm", test_layernorm},
+    {"cuda_gelu", test_gelu},
+    {"cuda_attention", test_attention},
+    {"cuda_embedding", test_embedding},
+    {"cuda_cross_entropy", test_cross_entropy},
+    {"cuda_elementwise", test_elementwise},
+    {"cuda_convert", test_convert},
+    {"cuda_adamw", test_adamw},
+    {"cuda_ledger_and_streams", test_ledger_and_streams},
+    {"cuda_errors", test_errors},
+};
+
+int main(int argc, char **argv) {
+  const char *filter = argc > 1 ? argv[1] : NULL;
+  static char why[1024];
+  if (lz_cuda_init(0) != LZ_OK) {
+    snprintf(why, sizeof why, "%s", lz_last_error());
+    skip_reason = why;
+  }
+  for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+    if (filter && !strstr(tests[i].name, filter)) continue;
+    if (skip_reason) {
+      printf("skip %-40s skipped: %s\n", tests[i].name, skip_reason);
+      skipped++;
+      continue;
+    }
+    failures = 0;
+    tests[i].fn();
+    if (failures == 0) {
+      passed++;
+      printf("ok   %s\n", tests[i].name);
+    } else {
+      failed++;
+      printf("FAIL %s\n", tests[i].name);
+    }
+    fflush(stdout);
+  }
+  if (skipped)
+    printf("%d passed, %d failed (%d skipped: no GPU)\n", passed, failed, skipped);
+  else
+    printf("%d passed, %d failed\n", passed, failed);
+  return failed ? 1 : 0;
+}
