@@ -48,9 +48,11 @@ function T.resume_is_bitwise_at_stages_0_to_3_world_2()
   for stage = 0, 3 do
     local dtype = stage % 2 == 0 and "bf16" or "fp32"
     local dir = ("%s/resume%d"):format(tmp, stage)
-    local flags = ("--steps 8 --stage %d --dtype %s"):format(stage, dtype)
-    local _, straight = ok_train(2, flags .. " --save " .. q(dir) .. " --save-every 4")
-    local _, resumed = ok_train(2, flags .. " --resume " .. q(dir .. "/step-000004"))
+    -- 20 steps straight (saving at 10 and 20), then the run that stopped
+    -- at 10 resumed from its checkpoint for the last 10.
+    local flags = ("--steps 20 --stage %d --dtype %s"):format(stage, dtype)
+    local _, straight = ok_train(2, flags .. " --save " .. q(dir) .. " --save-every 10")
+    local _, resumed = ok_train(2, flags .. " --resume " .. q(dir .. "/step-000010"))
     assert(straight == resumed, ("stage %d %s: %s straight, %s resumed"):format(stage, dtype,
            straight, resumed))
   end
