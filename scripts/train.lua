@@ -77,18 +77,10 @@ local function positive(flags, name, min)
   end
 end
 
-local function peak_rss()
-  local f = io.open("/proc/self/status", "r")
-  if not f then return 0 end
-  local s = f:read("*a")
-  f:close()
-  local kb = s:match("VmHWM:%s*(%d+)")
-  return kb and tonumber(kb) * 1024 or 0
-end
 
 local function mem_record()
   local m = lz.mem()
-  m.peak_rss = peak_rss()
+  m.peak_rss = lz.peak_rss()
   m.peak_ledger = tonumber(lz.C.lz_mem_total_peak())
   return m
 end

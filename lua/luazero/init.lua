@@ -312,6 +312,16 @@ function lz.mem_peak()
   return m
 end
 
+-- The process's peak resident set (VmHWM) in bytes; 0 where /proc has none.
+function lz.peak_rss()
+  local f = io.open("/proc/self/status", "r")
+  if not f then return 0 end
+  local s = f:read("*a")
+  f:close()
+  local kb = s:match("VmHWM:%s*(%d+)")
+  return kb and tonumber(kb) * 1024 or 0
+end
+
 function lz.mem_reset_peak() C.lz_mem_reset_peak() end
 
 -- The device side of the ledger: { params = bytes, ... } now, or at peak.

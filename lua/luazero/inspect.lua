@@ -235,19 +235,11 @@ end
 
 ------------------------------------------------------------------ memory
 
-local function peak_rss()
-  local f = io.open("/proc/self/status", "r")
-  if not f then return 0 end
-  local s = f:read("*a")
-  f:close()
-  local kb = s:match("VmHWM:%s*(%d+)")
-  return kb and tonumber(kb) * 1024 or 0
-end
 
 function M.mem()
   serve.together("mem")
   local mine = { rank = serve.rank(), current = lz.mem(), peak = lz.mem_peak(),
-                 peak_rss = peak_rss() }
+                 peak_rss = lz.peak_rss() }
   local ranks = {}
   for _, text in ipairs(serve.collect(cjson.encode(mine))) do
     local r = cjson.decode(text)
