@@ -3,6 +3,7 @@
 --   luazero tests/run_lua.lua [substring]
 local root = rawget(_G, "LUAZERO_ROOT") or "."
 local filter = arg and arg[1]
+local clock = require("luazero.clock") -- wall time per test
 local files = {}
 local p = io.popen('ls "' .. root .. '/tests/lua/"test_*.lua 2>/dev/null')
 for f in p:lines() do files[#files + 1] = f end
@@ -23,11 +24,11 @@ for _, file in ipairs(files) do
     for _, name in ipairs(names) do
       local full = short .. "." .. name
       if not filter or full:find(filter, 1, true) then
-        local t0 = os.clock()
+        local t0 = clock.now()
         local tok, err = xpcall(suite[name], debug.traceback)
         if tok then
           passed = passed + 1
-          print(("ok   %-56s %6.2f s"):format(full, os.clock() - t0))
+          print(("ok   %-56s %6.2f s"):format(full, clock.now() - t0))
         else
           failed = failed + 1
           print(("FAIL %s\n    %s"):format(full, tostring(err):gsub("\n", "\n    ")))
