@@ -499,9 +499,10 @@ static lz_status all_gather_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) 
   for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
   uint8_t *recv = a->recv;
   atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)a->send);
+  arrive(s, me); /* publish first: the own-shard copy overlaps the peers' arrival */
   if (len[me] && a->send != recv + off[me] * es)
     memcpy(recv + off[me] * es, a->send, (size_t)len[me] * es);
-  LZ_TRY(barrier(c, s, "all_gather"));
+  LZ_TRY(wait_all(c, s, s->step, "all_gather"));
   for (int i = 1; i < W; i++) { /* start at the next rank: the ranks read different peers */
     int p = (me + i) % W;
     if (len[p])
