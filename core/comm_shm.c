@@ -499,8 +499,6 @@ static lz_status all_gather_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) 
   for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
   uint8_t *recv = a->recv;
   atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)a->send);
-  if (len[me] && a->send != recv + off[me] * es)
-    memcpy(recv + off[me] * es, a->send, (size_t)len[me] * es);
   LZ_TRY(barrier(c, s, "all_gather"));
   for (int i = 1; i < W; i++) { /* start at the next rank: the ranks read different peers */
     int p = (me + i) % W;
@@ -508,7 +506,10 @@ static lz_status all_gather_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) 
       LZ_TRY(cma_read(c, s, p, recv + off[p] * es, atomic_load(&s->ranks[p].send),
                       (size_t)len[p] * es, "all_gather"));
   }
-  return barrier(c, s, "all_gather"); /* every peer has read this rank's shard */
+  arrive(s, me); /* this rank has read its peers: its own copy overlaps their reading */
+  if (len[me] && a->send != recv + off[me] * es)
+    memcpy(recv + off[me] * es, a->send, (size_t)len[me] * es);
+  return wait_all(c, s, s->step, "all_gather"); /* every peer has read this rank's shard */
 }
 
 /* Reduce-scatter (and, for all-reduce, the all-gather after it) reading the

@@ -4,15 +4,22 @@
  * prints one line per point: "R backend ranks op bytes seconds".
  *   --raw-mpi   OpenMPI's own MPI_Allreduce / MPI_Reduce_scatter_block /
  *               MPI_Allgather instead of luazero's backends (run under mpirun)
- *   --memcpy    single-thread memcpy of the same sizes (the ceiling)
+ *   --memcpy    single-thread memcpy of the same sizes (the ceiling), and
+ *               single-thread process_vm_readv from another process (the
+ *               ceiling of one cross-memory-attach copy, which both shm's
+ *               single-copy path and OpenMPI's vader BTL use)
  *   --max BYTES the largest size (default 256 MiB) */
+#define _GNU_SOURCE /* process_vm_readv */
 #include "luazero.h"
 
-#include <mpi.h>    /* --raw-mpi */
-#include <stdio.h>  /* printf */
-#include <stdlib.h> /* atoll */
-#include <string.h> /* memcpy */
-#include <time.h>   /* clock_gettime */
+#include <mpi.h>      /* --raw-mpi */
+#include <stdio.h>    /* printf */
+#include <stdlib.h>   /* atoll */
+#include <string.h>   /* memcpy */
+#include <sys/uio.h>  /* process_vm_readv */
+#include <sys/wait.h> /* waitpid */
+#include <time.h>     /* clock_gettime */
+#include <unistd.h>   /* fork, getppid */
 
 static double now_s(void) {
   struct timespec ts;
@@ -47,6 +54,33 @@ static int run_memcpy(size_t max) {
     }
     printf("R memcpy 1 memcpy %zu %.9f\n", n, best);
   }
+  /* A child reads the parent's buffer (a parent may always be read by its
+   * child under Yama's ptrace_scope 1). */
+  pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    pid_t parent = getppid();
+    void *dst; /* fresh huge pages: b here would be copy-on-write 4 KiB pages */
+    if (lz_mem_alloc(&dst, max, LZ_MEM_WORKSPACE)) _exit(1);
+    memset(dst, 3, max);
+    for (size_t n = 4096; n <= max; n *= 4) {
+      int it = iters_for(n);
+      double best = 1e30;
+      for (int batch = 0; batch <= BATCHES; batch++) { /* batch 0 warms up */
+        double t0 = now_s();
+        for (int i = 0; i < it; i++) {
+          struct iovec l = {dst, n}, r = {a, n};
+          if (process_vm_readv(parent, &l, 1, &r, 1, 0) != (ssize_t)n) _exit(0); /* no CMA here */
+        }
+        double t = (now_s() - t0) / it;
+        if (batch && t < best) best = t;
+      }
+      printf("R cma 1 cma %zu %.9f\n", n, best);
+    }
+    _exit(0);
+  }
+  int st;
+  waitpid(child, &st, 0);
   return 0;
 }
 
