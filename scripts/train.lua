@@ -245,9 +245,19 @@ local function main(argv)
       world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
   local where = engine:offload_summary()
   if where then say(where) end
+  -- The schedule that runs: the config's scheduler, a constant lr (a config
+  -- without one), or train.lua's warmup + cosine.
+  local sched
+  if cfg.scheduler then
+    sched = ("scheduler %s"):format(cfg.scheduler.type)
+  elseif flags.config then
+    sched = "constant"
+  else
+    sched = ("warmup %d + cosine"):format(warmup)
+  end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
-       "warmup %d, %d steps, %d threads")
-      :format(B * world, T, accum, B * T * accum * world, lr, warmup, steps, lz.threads()))
+       "%s, %d steps, %d threads")
+      :format(B * world, T, accum, B * T * accum * world, lr, sched, steps, lz.threads()))
 
   -- A budget given explicitly (--memory-budget, LZ_MEMORY_BUDGET,
   -- luazero.memory_budget) is held: a step whose peak RSS or ledger peak
