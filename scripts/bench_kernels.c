@@ -28,6 +28,8 @@
 #include <string.h> /* strcmp */
 #include <time.h>   /* clock_gettime */
 
+#include "../tools/bench_timing.h" /* now_s, median, best */
+
 #define CHECK_LZ(call)                                                             \
   do {                                                                             \
     lz_status st_ = (call);                                                        \
@@ -50,21 +52,8 @@
 
 /* ---------------------------------------------------------------- timing */
 
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
-static double median(double *x, int n) {
-  qsort(x, (size_t)n, sizeof *x, cmp_double);
-  return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
 
 /* Repetitions for a case whose one warm-up run took `t` seconds: at least
  * `lo`, about `budget` seconds in all, at most 50. */
@@ -234,9 +223,9 @@ static void run_gemm(linear_bufs *L, int impl, int dir, int64_t R, int64_t C, in
 }
 
 static double time_gemm(linear_bufs *L, int impl, int dir, int64_t R, int64_t C, int64_t OC) {
-  double t0 = now();
+  double t0 = now_s();
   run_gemm(L, impl, dir, R, C, OC);
-  return now() - t0;
+  return now_s() - t0;
 }
 
 /* GFLOP/s summed over a row count: total flops / total median time. */
@@ -352,14 +341,14 @@ static void bench_gemms(const int64_t *rows, int nrows, int bf16) {
 typedef void (*step_fn)(void *ctx);
 
 static double time_ms(step_fn fn, void *ctx, int lo) {
-  double t0 = now();
+  double t0 = now_s();
   fn(ctx);
-  int reps = reps_for(now() - t0, lo, 2.0);
+  int reps = reps_for(now_s() - t0, lo, 2.0);
   double t[50];
   for (int r = 0; r < reps; r++) {
-    double s = now();
+    double s = now_s();
     fn(ctx);
-    t[r] = now() - s;
+    t[r] = now_s() - s;
   }
   return 1e3 * median(t, reps);
 }

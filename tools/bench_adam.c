@@ -16,27 +16,11 @@
 #include <string.h> /* strcmp */
 #include <time.h>   /* clock_gettime */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "bench_timing.h" /* now_s, median, best */
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
-static double best(const double *t, int n) {
-  double b = t[0];
-  for (int i = 1; i < n; i++) b = t[i] < b ? t[i] : b;
-  return b;
-}
 
-static double median(double *t, int n) {
-  qsort(t, (size_t)n, sizeof *t, cmp_double);
-  return n % 2 ? t[n / 2] : 0.5 * (t[n / 2 - 1] + t[n / 2]);
-}
+
 
 static void *alloc_or_die(size_t bytes) {
   void *p = NULL;

@@ -16,18 +16,11 @@
 #include <string.h> /* strcmp, memset */
 #include <time.h>   /* clock_gettime */
 
+#include "bench_timing.h" /* now_s, median, best */
+
 #define MAX_REQS 4096
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
 static int fail(const char *what) {
   fprintf(stderr, "bench_aio: %s: %s\n", what, lz_last_error());
@@ -120,8 +113,7 @@ int main(int argc, char **argv) {
       t[r] = pass(s, is_write, buf, chunk, size);
       if (t[r] < 0) return 1;
     }
-    qsort(t, (size_t)reps, sizeof t[0], cmp_double);
-    double med = reps % 2 ? t[reps / 2] : 0.5 * (t[reps / 2 - 1] + t[reps / 2]);
+    double med = median(t, reps);
     printf("R lz %s %.6e %d\n", is_write ? "write" : "read", (double)size / med,
            lz_swap_is_direct(s));
     fflush(stdout);

@@ -21,11 +21,8 @@
 #include <time.h>     /* clock_gettime */
 #include <unistd.h>   /* fork, getppid */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "bench_timing.h" /* now_s, median, best */
+
 
 /* Timed batches per point; the best is reported (this kind of machine is noisy). */
 #define BATCHES 3
