@@ -269,7 +269,7 @@ function Engine:init_weights(seed)
         v.v:zero()
       end
       if v.work then v.work:copy(v.master) end
-    end)
+    end, true) -- fresh: every state is written here, nothing to read first
   end
   tmp:free()
 end

@@ -16,7 +16,7 @@
 -- the same buffers in pinned host memory.
 --
 --   local st = offload.states{ n = n, master = true, device = "nvme", ... }
---   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.m, v.v, v.work end)
+--   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.m, v.v, v.work end [, fresh])
 --   local ps = offload.param_shard{ n = shard_numel, dtype = "bf16", device = "nvme", ... }
 --   local view, stage = ps:slice(offset, len) ... ps:release(stage)
 local lz = require("luazero")
@@ -130,9 +130,10 @@ end
 local function wait(req) if req then req:wait() end end
 
 -- Calls fn(k, lo, len, views) for every group in order. On NVMe the group's
--- states are read before fn and (write_back) written after it; with an NVMe
--- parameter shard, views.work is written to it after fn when write_back.
-function States:each_group(write_back, fn)
+-- states are read before fn (unless fresh: fn writes all of them) and
+-- (write_back) written after it; with an NVMe parameter shard, views.work is
+-- written to it after fn when write_back.
+function States:each_group(write_back, fn, fresh)
   local groups, swap = self.groups, self.swap
   if self.nb == 0 then
     for k, g in ipairs(groups) do fn(k, g.lo, g.n, self.views[k]) end
@@ -143,15 +144,14 @@ function States:each_group(write_back, fn)
     local b = self:buffer(j)
     wait(b.write_state); wait(b.write_work)
     b.write_state, b.write_work = nil, nil
-    if swap then
+    if swap and not fresh then
       b.read = swap:read((j - 1) * self.region, b.state, self.parts * self.G * 4, true)
     end
   end
   local ok, err = pcall(function()
     for j = 1, math.min(ahead, #groups) do issue_read(j) end
     for k, g in ipairs(groups) do
-      local b = self:buffer(k)
-      if not b.read and swap then issue_read(k) end
+      local b = self:buffer(k) -- its read was issued `ahead` groups earlier
       wait(b.read)
       b.read = nil
       fn(k, g.lo, g.n, self.views[k])
@@ -166,8 +166,7 @@ function States:each_group(write_back, fn)
           b.write_state, b.write_work = nil, nil
         end
       end
-      local j = k + ahead
-      if j <= #groups and j > k then issue_read(j) end
+      if k + ahead <= #groups then issue_read(k + ahead) end
     end
   end)
   -- Every request finishes before the buffers are touched again, error or not.
