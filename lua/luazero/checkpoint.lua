@@ -37,13 +37,7 @@ local function exists(path)
   return f ~= nil
 end
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local read_file = lz.read_file
 
 function M.step_name(step) return ("step-%06d"):format(step) end
 function M.shard_name(i, n) return ("shard-%05d-of-%05d.zst"):format(i, n) end

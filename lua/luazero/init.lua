@@ -312,12 +312,19 @@ function lz.mem_peak()
   return m
 end
 
--- The process's peak resident set (VmHWM) in bytes; 0 where /proc has none.
-function lz.peak_rss()
-  local f = io.open("/proc/self/status", "r")
-  if not f then return 0 end
+-- A whole file's bytes; nil and the reason when it cannot be read.
+function lz.read_file(path)
+  local f, err = io.open(path, "rb")
+  if not f then return nil, err end
   local s = f:read("*a")
   f:close()
+  return s
+end
+
+-- The process's peak resident set (VmHWM) in bytes; 0 where /proc has none.
+function lz.peak_rss()
+  local s = lz.read_file("/proc/self/status")
+  if not s then return 0 end
   local kb = s:match("VmHWM:%s*(%d+)")
   return kb and tonumber(kb) * 1024 or 0
 end

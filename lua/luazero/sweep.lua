@@ -193,13 +193,7 @@ end
 
 ------------------------------------------------------------------ files
 
-local function read_file(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local read_file = lz.read_file
 
 local function write_file(path, text)
   local tmp = path .. ".tmp"
