@@ -43,17 +43,7 @@ lz_status lz_cu_scratch(void **out, size_t bytes) {
 
 static lz_status cu_init(int device) {
   int n = 0;
-  cudaError_t e = cudaGetDeviceCount(&n);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky error
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "cuda: no usable GPU on this machine (%s); run with --device cpu",
-                   cudaGetErrorString(e));
-  }
-  if (n == 0)
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "cuda: no usable GPU on this machine (the driver sees no device); run with "
-                   "--device cpu");
+  LZ_TRY(lz_cuda_device_count(&n));  // (device.cu: the clear "no GPU" errors)
   if (device >= n)
     return lz_fail(LZ_ERR_INVALID, "cuda: device %d does not exist; this machine has %d (0..%d)",
                    device, n, n - 1);

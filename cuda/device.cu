@@ -15,7 +15,9 @@ extern "C" lz_status lz_cuda_device_count(int *out) {
                    cudaGetErrorString(e));
   }
   if (n == 0)
-    return lz_fail(LZ_ERR_UNSUPPORTED, "cuda: no usable GPU on this machine (the driver sees no device); run with --device cpu");
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "cuda: no usable GPU on this machine (the driver sees no device); run with "
+                   "--device cpu");
   *out = n;
   return LZ_OK;
 }
