@@ -20,19 +20,12 @@ local flags = assert(args.parse(arg, {
 }))
 
 local root = lz.root
-local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+local bench = dofile(lz.root .. "/scripts/bench_support.lua")
+local q = bench.quote
 local exe = lz.executable
 
-local tmp = os.tmpname()
-os.remove(tmp)
-os.execute("mkdir -p " .. q(tmp))
-local data = flags.data
-if not data then
-  data = tmp .. "/corpus.txt"
-  local f = assert(io.open(data, "w"))
-  f:write(("The quick brown fox jumps over the lazy dog. "):rep(20000))
-  f:close()
-end
+local tmp = bench.scratch()
+local data = bench.corpus(tmp, flags.data)
 
 local function sh(cmd)
   local p = io.popen(cmd .. " 2>&1")
@@ -116,4 +109,4 @@ if flags.part == 0 or flags.part == 2 then
     end
   end
 end
-os.execute("rm -rf " .. q(tmp))
+bench.cleanup(tmp)
