@@ -14,7 +14,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXE = os.environ.get("LUAZERO", os.path.join(ROOT, "build", "bin", "luazero"))
@@ -264,25 +263,7 @@ def test_only_rank_0_reads_the_terminal():
         s.close()
 
 
-def main():
-    tests = [(k, v) for k, v in sorted(globals().items()) if k.startswith("test_")]
-    only = sys.argv[1] if len(sys.argv) > 1 else None
-    passed = failed = 0
-    for name, fn in tests:
-        if only and only not in name:
-            continue
-        t0 = time.time()
-        try:
-            fn()
-            passed += 1
-            print("ok   %-64s %6.2f s" % (name, time.time() - t0), flush=True)
-        except Exception:
-            failed += 1
-            print("FAIL %s\n    %s" % (name, traceback.format_exc().replace("\n", "\n    ")),
-                  flush=True)
-    print("%d passed, %d failed" % (passed, failed))
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from pyrun import run_tests
+    run_tests(globals())

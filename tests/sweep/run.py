@@ -11,8 +11,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -147,22 +145,7 @@ def test_bad_sweep_file_is_a_user_error():
     assert "grid.lr must be a non-empty list of values" in p.stderr, p.stderr
 
 
-def main():
-    tests = [(k, v) for k, v in sorted(globals().items()) if k.startswith("test_")]
-    passed = failed = 0
-    for name, fn in tests:
-        t0 = time.time()
-        try:
-            fn()
-            passed += 1
-            print("ok   %-64s %6.2f s" % (name, time.time() - t0), flush=True)
-        except Exception:
-            failed += 1
-            print("FAIL %s\n    %s" % (name, traceback.format_exc().replace("\n", "\n    ")),
-                  flush=True)
-    print("%d passed, %d failed" % (passed, failed))
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from pyrun import run_tests
+    run_tests(globals())
