@@ -64,11 +64,7 @@ local function say(...)
 end
 
 -- Runs fn, turning any error it raises into a user error.
-local function checked(fn, ...)
-  local res = { pcall(fn, ...) }
-  if not res[1] then user_error(res[2]) end
-  return unpack(res, 2, table.maxn(res))
-end
+local function checked(fn, ...) return args.checked(user_error, fn, ...) end
 
 local function positive(flags, name, min)
   local v = flags[name:gsub("-", "_")]

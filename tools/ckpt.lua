@@ -22,11 +22,7 @@ local function fail(msg)
   os.exit(2)
 end
 
-local function checked(fn, ...)
-  local res = { pcall(fn, ...) }
-  if not res[1] then fail(res[2]) end
-  return unpack(res, 2, table.maxn(res))
-end
+local function checked(fn, ...) return args.checked(fail, fn, ...) end
 
 local function gib(b) return b / 2 ^ 30 end
 

@@ -73,4 +73,12 @@ function M.usage(spec)
   return table.concat(lines, "\n")
 end
 
+-- checked(fail, fn, ...): fn's results, or fail(message) when it raises
+-- (the command-line tools' way of turning an error into one line + exit 2).
+function M.checked(fail, fn, ...)
+  local res = { pcall(fn, ...) }
+  if not res[1] then fail(res[2]) end
+  return unpack(res, 2, table.maxn(res))
+end
+
 return M
