@@ -903,24 +903,30 @@ function Engine:load(path) return require("luazero.checkpoint").load(self, path)
 -- The full fp32 master parameters in canonical order (unpadded), as an f32
 -- tensor (category workspace) on every rank.
 function Engine:master_params()
-  local L = self.L
-  local out = lz.tensor({ L.numel }, "f32", "workspace")
-  local function put(seg, full)
+  local out = lz.tensor({ self.L.numel }, "f32", "workspace")
+  self:full_master_segments(function(seg, full)
     out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
-  end
-  if self.master and (self.stage == 0 or self.master == self.full_w) then
-    for _, seg in ipairs(L.segments) do
-      put(seg, self.master:view(seg.full_offset, { seg.padded }))
-    end
-  else
-    self:master_slices(function(seg, slice)
-      local full = lz.tensor({ seg.padded }, "f32", "workspace")
-      self.comm.all_gather(slice, full)
-      put(seg, full)
-      full:free()
-    end)
-  end
+  end)
   return out
+end
+
+-- Calls fn(seg, full) for every segment in order with its whole fp32
+-- master (padded), the same on every rank: a view of the resident full
+-- master (stage 0, fp32 stages 1-2), or this rank's slices gathered into a
+-- temporary one segment at a time.
+function Engine:full_master_segments(fn)
+  if self.master and (self.stage == 0 or self.master == self.full_w) then
+    for _, seg in ipairs(self.L.segments) do
+      fn(seg, self.master:view(seg.full_offset, { seg.padded }))
+    end
+    return
+  end
+  self:master_slices(function(seg, slice)
+    local full = lz.tensor({ seg.padded }, "f32", "workspace")
+    self.comm.all_gather(slice, full)
+    fn(seg, full)
+    full:free()
+  end)
 end
 
 -- Calls fn(seg, slice) for every segment in order with this rank's fp32
@@ -957,18 +963,7 @@ end
 -- streamed one segment at a time: memory of one gathered segment.
 function Engine:params_checksum()
   local h = lz.hasher(0)
-  if self.master and (self.stage == 0 or self.master == self.full_w) then
-    for _, seg in ipairs(self.L.segments) do
-      h:update(self.master:view(seg.full_offset, { seg.numel }).data, seg.numel * 4)
-    end
-  else
-    self:master_slices(function(seg, slice)
-      local full = lz.tensor({ seg.padded }, "f32", "workspace")
-      self.comm.all_gather(slice, full)
-      h:update(full.data, seg.numel * 4)
-      full:free()
-    end)
-  end
+  self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * 4) end)
   local hex = require("bit").tohex(h:digest(), 16)
   h:free()
   return hex
