@@ -5,6 +5,7 @@
  * handles, and the fixed-order reduction all backends share. */
 #include "comm_internal.h"
 
+#include <emmintrin.h> /* _mm_stream_si128 */
 #include <errno.h>  /* strtod errors */
 #include <stdio.h>  /* snprintf */
 #include <stdlib.h> /* getenv, calloc */
@@ -60,45 +61,89 @@ static inline float f16_to_f32(uint16_t h) {
   return lz_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
 }
 
-static inline void load_block(float *acc, const void *src, lz_dtype dt, int64_t i0, int n) {
+/* acc[j] = x (first source) or op(acc[j], x) for one source's block, one
+ * loop per dtype and op so each vectorizes. */
+#define RED_LOOP(EXPR)                                                                             \
+  do {                                                                                             \
+    if (first)                                                                                     \
+      for (int j = 0; j < n; j++) acc[j] = (EXPR);                                                 \
+    else if (op == LZ_RED_MAX)                                                                     \
+      for (int j = 0; j < n; j++) {                                                                \
+        float x = (EXPR);                                                                          \
+        acc[j] = x > acc[j] ? x : acc[j];                                                          \
+      }                                                                                            \
+    else                                                                                           \
+      for (int j = 0; j < n; j++) acc[j] += (EXPR);                                                \
+  } while (0)
+
+static inline void accumulate(float *restrict acc, const void *src, lz_dtype dt, int n, int first,
+                              lz_reduce_op op) {
   if (dt == LZ_F32) {
-    const float *s = (const float *)src + i0;
-    for (int j = 0; j < n; j++) acc[j] = s[j];
+    const float *restrict s = src;
+    RED_LOOP(s[j]);
   } else if (dt == LZ_BF16) {
-    const uint16_t *s = (const uint16_t *)src + i0;
-    for (int j = 0; j < n; j++) acc[j] = lz_bits_f32((uint32_t)s[j] << 16);
+    const uint16_t *restrict s = src;
+    RED_LOOP(lz_bits_f32((uint32_t)s[j] << 16));
   } else {
-    const uint16_t *s = (const uint16_t *)src + i0;
-    for (int j = 0; j < n; j++) acc[j] = f16_to_f32(s[j]);
+    const uint16_t *restrict s = src;
+    RED_LOOP(f16_to_f32(s[j]));
   }
 }
 
+/* The last source, summed into `first` (the first source itself when there
+ * are two, else the block accumulated so far) and stored: one fused pass.
+ * dst may alias any source: each index is read before it is written. */
+#define RED_FINISH(FIRST, LOAD, STORE)                                                             \
+  do {                                                                                             \
+    if (avg)                                                                                       \
+      for (int j = 0; j < n; j++) STORE((FIRST + LOAD(last, j)) / w);                              \
+    else                                                                                           \
+      for (int j = 0; j < n; j++) STORE(FIRST + LOAD(last, j));                                    \
+  } while (0)
+#define LD_F32(p, j) (((const float *)(p))[j])
+#define LD_BF16(p, j) lz_bits_f32((uint32_t)((const uint16_t *)(p))[j] << 16)
+#define LD_F16(p, j) f16_to_f32(((const uint16_t *)(p))[j])
+#define ST_F32(x) (((float *)d)[j] = (x))
+#define ST_BF16(x) (((uint16_t *)d)[j] = lz_bf16_from_f32_inline(x))
+#define ST_F16(x) (((uint16_t *)d)[j] = lz_f16_from_f32_inline(x))
+
 LZ_DISPATCH static void reduce_blocks(void *dst, const void *const *srcs, int nsrc,
                                       int64_t count, lz_dtype dt, lz_reduce_op op, int world) {
-  float acc[RED_BLOCK], x[RED_BLOCK];
+  float acc[RED_BLOCK];
   float w = (float)world;
+  int avg = op == LZ_RED_AVG;
+  size_t es = lz_dtype_size(dt);
   for (int64_t i0 = 0; i0 < count; i0 += RED_BLOCK) {
     int n = (int)(count - i0 < RED_BLOCK ? count - i0 : RED_BLOCK);
-    load_block(acc, srcs[0], dt, i0, n);
-    for (int p = 1; p < nsrc; p++) {
-      load_block(x, srcs[p], dt, i0, n);
-      if (op == LZ_RED_MAX)
-        for (int j = 0; j < n; j++) acc[j] = x[j] > acc[j] ? x[j] : acc[j];
-      else
-        for (int j = 0; j < n; j++) acc[j] += x[j];
+    size_t at = (size_t)i0 * es;
+    void *d = (uint8_t *)dst + at;
+    if (op != LZ_RED_MAX && nsrc >= 2) {
+      /* Sum and average: sources 0..W-2 into acc (none for two sources),
+       * then the last one fused with the store. */
+      const void *first = (const uint8_t *)srcs[0] + at, *last = (const uint8_t *)srcs[nsrc - 1] + at;
+      for (int p = 0; p < nsrc - 1 && nsrc > 2; p++)
+        accumulate(acc, (const uint8_t *)srcs[p] + at, dt, n, p == 0, op);
+      if (nsrc > 2) {
+        if (dt == LZ_F32) RED_FINISH(acc[j], LD_F32, ST_F32);
+        else if (dt == LZ_BF16) RED_FINISH(acc[j], LD_BF16, ST_BF16);
+        else RED_FINISH(acc[j], LD_F16, ST_F16);
+      } else {
+        if (dt == LZ_F32) RED_FINISH(LD_F32(first, j), LD_F32, ST_F32);
+        else if (dt == LZ_BF16) RED_FINISH(LD_BF16(first, j), LD_BF16, ST_BF16);
+        else RED_FINISH(LD_F16(first, j), LD_F16, ST_F16);
+      }
+      continue;
     }
-    if (op == LZ_RED_AVG)
+    for (int p = 0; p < nsrc; p++)
+      accumulate(acc, (const uint8_t *)srcs[p] + at, dt, n, p == 0, op);
+    if (avg)
       for (int j = 0; j < n; j++) acc[j] /= w;
-    if (dt == LZ_F32) {
-      float *d = (float *)dst + i0;
-      for (int j = 0; j < n; j++) d[j] = acc[j];
-    } else if (dt == LZ_BF16) {
-      uint16_t *d = (uint16_t *)dst + i0;
-      for (int j = 0; j < n; j++) d[j] = lz_bf16_from_f32_inline(acc[j]);
-    } else {
-      uint16_t *d = (uint16_t *)dst + i0;
-      for (int j = 0; j < n; j++) d[j] = lz_f32_to_f16(acc[j]);
-    }
+    if (dt == LZ_F32)
+      for (int j = 0; j < n; j++) ST_F32(acc[j]);
+    else if (dt == LZ_BF16)
+      for (int j = 0; j < n; j++) ST_BF16(acc[j]);
+    else
+      for (int j = 0; j < n; j++) ST_F16(acc[j]);
   }
 }
 
@@ -106,6 +151,38 @@ void lz_reduce_fixed(void *dst, const void *const *srcs, int nsrc, int64_t count
                      lz_reduce_op op, int world) {
   if (count <= 0 || nsrc <= 0) return;
   reduce_blocks(dst, srcs, nsrc, count, dt, op, world);
+}
+
+/* ------------------------------------------------------------ streaming copy */
+
+/* Non-temporal stores write whole lines without first reading them in
+ * (no read-for-ownership), so a copy that goes to memory moves 2 bytes per
+ * byte instead of 3: measured 20 GB/s against memcpy's 12-13 at 64-256 MiB
+ * on the 2-core machine, two processes copying at once included. SSE2, so
+ * every x86-64 has it; the head up to 16-byte alignment and the tail go
+ * through memcpy. */
+void lz_copy_stream(void *dst, const void *src, size_t n) {
+  uint8_t *d = dst;
+  const uint8_t *s = src;
+  size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+  if (head > n) head = n;
+  memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  size_t body = n & ~(size_t)63;
+  for (size_t i = 0; i < body; i += 64) {
+    __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+    __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+    __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+    __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+    _mm_stream_si128((__m128i *)(d + i), a);
+    _mm_stream_si128((__m128i *)(d + i + 16), b);
+    _mm_stream_si128((__m128i *)(d + i + 32), c);
+    _mm_stream_si128((__m128i *)(d + i + 48), e);
+  }
+  _mm_sfence(); /* the stores are visible before whatever this rank publishes next */
+  memcpy(d + body, s + body, n - body);
 }
 
 /* ------------------------------------------------------------ communicator */

@@ -29,6 +29,19 @@
  * (EPERM: ptrace restrictions such as Yama or a seccomp filter; ENOSYS) or
  * LZ_SHM_CMA=0, all ranks use the segment paths.
  *
+ * Shared memory: under the launcher, params, grads and comm buffers of 64
+ * KiB and more live in memory every rank maps (shared_mem.c, huge pages
+ * where possible). When every buffer an operation reads in place is there,
+ * the ranks copy and reduce with plain loads and stores instead of
+ * process_vm_readv: all-gather reads the peers' shards (or, with private
+ * send buffers, writes its shard into every peer's receive buffer);
+ * reduce-scatter and all-reduce reduce this rank's shard straight out of
+ * every rank's buffer, all-reduce writing the result into every buffer in
+ * the same pass (one barrier in, one out). From SHM_STREAM_MIN bytes the
+ * copies use non-temporal stores, which skip the read-for-ownership of the
+ * destination: 1.5x less memory traffic on messages that do not stay in
+ * cache.
+ *
  * Waiting: spin while the ranks have a core each, then sleep on a futex in
  * the segment; every 100 ms a sleeper checks the deadline (LZ_COMM_TIMEOUT)
  * and whether the ranks it waits for are still alive. */
@@ -55,6 +68,9 @@
 #define RANK_RECORD 128
 #define SHM_CMA_MIN (256u << 10)     /* single copy from this many bytes */
 #define SHM_STAGE_BYTES (512u << 10) /* reduction staging, all peers together */
+#define SHM_SHARED_MIN (64u << 10)   /* in place through shared memory from this many bytes */
+#define SHM_STREAM_MIN (8u << 20)    /* non-temporal stores from this many bytes */
+#define SHM_PIECE (64u << 10)        /* reduced in cache, then written out */
 
 enum { RANK_EMPTY = 0, RANK_JOINED = 1, RANK_LEFT = 2 };
 
@@ -73,10 +89,12 @@ typedef struct shm_rank {
   _Alignas(64) _Atomic uint64_t arrive; /* barriers this rank has reached */
   _Alignas(64) _Atomic int32_t pid;
   _Atomic int32_t state;
-  _Atomic int32_t cma_ok; /* this rank's probe read of a peer worked */
-  int32_t pad;
-  _Atomic uint64_t send;  /* single copy: this rank's send buffer, in its address space */
-  _Atomic uint64_t probe; /* address of probe_word */
+  _Atomic int32_t cma_ok;    /* this rank's probe read of a peer worked */
+  _Atomic int32_t shared_ok; /* this rank maps the job's shared memory */
+  _Atomic uint64_t send;     /* single copy: this rank's send buffer, in its address space */
+  _Atomic uint64_t probe;    /* address of probe_word */
+  _Atomic uint64_t send_off; /* its send and receive buffers' offsets in its shared memory */
+  _Atomic uint64_t recv_off; /* (UINT64_MAX: private memory) */
 } shm_rank;
 
 _Static_assert(sizeof(shm_rank) == RANK_RECORD, "rank record is two cache lines");
@@ -91,8 +109,10 @@ typedef struct shm_comm {
   uint64_t step; /* barriers passed by this rank */
   int bank;
   int cma;             /* every rank can read every other's memory */
+  int direct;          /* every rank maps every rank's shared memory */
   uint64_t probe_word; /* what peers read at init */
   uint8_t *stage;      /* SHM_STAGE_BYTES for the single-copy reductions */
+  uint8_t *piece;      /* SHM_PIECE: a reduced piece on its way out (shared memory) */
   double spin_s;
   char name[256];
 } shm_comm;
@@ -243,6 +263,13 @@ static int cma_probe(lz_comm *c, shm_comm *s) {
   return s->stage != NULL;
 }
 
+/* LZ_SHM_CMA=0 turns off every in-place path, shared memory included: the
+ * segment paths alone, as where nothing else is possible. */
+static int shared_wanted(void) {
+  const char *env = getenv("LZ_SHM_CMA");
+  return !(env && !strcmp(env, "0"));
+}
+
 static lz_status shm_init(lz_comm *c) {
   const char *name = getenv("LZ_SHM_NAME");
   if (!name || !*name)
@@ -310,17 +337,23 @@ static lz_status shm_init(lz_comm *c) {
   if (st_join == LZ_OK) {
     if (rank == 0) shm_unlink(name); /* everyone has it mapped: nothing outlives the job */
     atomic_store(&s->ranks[rank].cma_ok, cma_probe(c, s));
+    if (shared_wanted() && lz_shared_ready()) s->piece = aligned_alloc(64, SHM_PIECE);
+    atomic_store(&s->ranks[rank].shared_ok, s->piece != NULL);
     st_join = barrier(c, s, "comm_init"); /* every probe done: all agree on the path */
   }
   if (st_join != LZ_OK) {
     free(s->stage);
+    free(s->piece);
     munmap(base, bytes);
     free(s);
     c->impl = NULL;
     return st_join;
   }
-  s->cma = world > 1;
-  for (int p = 0; p < world; p++) s->cma &= atomic_load(&s->ranks[p].cma_ok);
+  s->cma = s->direct = world > 1;
+  for (int p = 0; p < world; p++) {
+    s->cma &= atomic_load(&s->ranks[p].cma_ok);
+    s->direct &= atomic_load(&s->ranks[p].shared_ok);
+  }
   return LZ_OK;
 }
 
@@ -332,6 +365,7 @@ static void shm_free(lz_comm *c) {
   futex(&s->hdr->futex_word, FUTEX_WAKE, INT32_MAX, NULL);
   munmap(s->base, s->bytes);
   free(s->stage);
+  free(s->piece);
   free(s);
   c->impl = NULL;
 }
@@ -474,17 +508,20 @@ static int overlaps(const void *a, size_t na, const void *b, size_t nb) {
   return na && nb && x < y + nb && y < x + na;
 }
 
-/* Single copy applies: big enough, and no rank writes where a peer reads
- * (the receive buffer may be the send buffer only at this rank's own shard). */
-static int cma_fits(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+/* The peers' buffers can be read in place (shared memory or cross-memory
+ * attach) for this operation: big enough, and no rank writes where a peer
+ * reads (the receive buffer may be the send buffer only at this rank's own
+ * shard). */
+static int single_copy_fits(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
-  if (!s->cma || n < SHM_CMA_MIN) return 0;
+  if (!(s->direct && n >= SHM_SHARED_MIN) && !(s->cma && n >= SHM_CMA_MIN)) return 0;
   int64_t off, len;
   lz_comm_shard(a->count, c->size, c->rank, &off, &len);
   const uint8_t *send = a->send, *recv = a->recv;
   size_t mine = (size_t)len * es;
   switch (a->kind) {
   case LZ_COLL_ALL_REDUCE: return 1;
+  case LZ_COLL_BROADCAST: return s->direct;
   case LZ_COLL_REDUCE_SCATTER:
     return recv == send + (size_t)off * es || !overlaps(send, n, recv, mine);
   case LZ_COLL_ALL_GATHER: return send == recv + (size_t)off * es || !overlaps(send, mine, recv, n);
@@ -492,29 +529,72 @@ static int cma_fits(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   }
 }
 
-static lz_status all_gather_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+/* Every rank's buffer (its send buffer, or with `recv` its receive buffer)
+ * as this rank sees it in the job's shared memory, bytes[p] long from
+ * byte at[p]: 1 when all of them are there. */
+static int shared_views(lz_comm *c, shm_comm *s, int recv, const size_t *at, const size_t *bytes,
+                        uint8_t **view) {
+  if (!s->direct) return 0;
+  for (int p = 0; p < c->size; p++) {
+    uint64_t off = atomic_load(recv ? &s->ranks[p].recv_off : &s->ranks[p].send_off);
+    view[p] = off == UINT64_MAX ? NULL : lz_shared_view(p, (size_t)off + at[p], bytes[p]);
+    if (!view[p]) return 0;
+  }
+  return 1;
+}
+
+/* Copies within a collective: memcpy while the message fits in cache,
+ * non-temporal stores beyond (SHM_STREAM_MIN). */
+typedef void *(*copy_fn)(void *, const void *, size_t);
+static void *copy_stream(void *dst, const void *src, size_t n) {
+  lz_copy_stream(dst, src, n);
+  return dst;
+}
+static copy_fn copy_for(const lz_coll_args *a) {
+  return (size_t)a->count * lz_dtype_size(a->dt) >= SHM_STREAM_MIN ? copy_stream : memcpy;
+}
+
+/* All-gather reading the peers' shards in place: from their shared memory
+ * (view) or with process_vm_readv (view NULL). */
+static lz_status all_gather_read(lz_comm *c, shm_comm *s, const lz_coll_args *a, uint8_t **view) {
   int W = c->size, me = c->rank;
   size_t es = lz_dtype_size(a->dt);
   int64_t off[W], len[W];
   for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
   uint8_t *recv = a->recv;
-  atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)a->send);
-  LZ_TRY(barrier(c, s, "all_gather"));
+  copy_fn copy = copy_for(a);
   for (int i = 1; i < W; i++) { /* start at the next rank: the ranks read different peers */
     int p = (me + i) % W;
-    if (len[p])
+    if (!len[p]) continue;
+    if (view) copy(recv + off[p] * es, view[p], (size_t)len[p] * es);
+    else
       LZ_TRY(cma_read(c, s, p, recv + off[p] * es, atomic_load(&s->ranks[p].send),
                       (size_t)len[p] * es, "all_gather"));
   }
   arrive(s, me); /* this rank has read its peers: its own copy overlaps their reading */
   if (len[me] && a->send != recv + off[me] * es)
-    memcpy(recv + off[me] * es, a->send, (size_t)len[me] * es);
+    copy(recv + off[me] * es, a->send, (size_t)len[me] * es);
   return wait_all(c, s, s->step, "all_gather"); /* every peer has read this rank's shard */
 }
 
+/* All-gather writing this rank's shard into every rank's shared receive
+ * buffer (the send buffers are private). */
+static lz_status all_gather_push(lz_comm *c, shm_comm *s, const lz_coll_args *a, uint8_t **rview) {
+  int W = c->size, me = c->rank;
+  size_t es = lz_dtype_size(a->dt);
+  int64_t off, len;
+  lz_comm_shard(a->count, W, me, &off, &len);
+  for (int i = 0; i < W; i++) {
+    int p = (me + i) % W;
+    if (len && rview[p] + off * es != (const uint8_t *)a->send)
+      copy_for(a)(rview[p] + off * es, a->send, (size_t)len * es);
+  }
+  return barrier(c, s, "all_gather"); /* every shard is in every buffer */
+}
+
 /* Reduce-scatter (and, for all-reduce, the all-gather after it) reading the
- * peers' buffers in place: each rank reduces its shard in pieces, the peers'
- * parts of a piece staged by process_vm_readv, in rank order 0..W-1 like
+ * peers' buffers in place with process_vm_readv: each rank reduces its shard
+ * in pieces, the peers' parts of a piece staged, in rank order 0..W-1 like
  * every other path. The all-gather reads the peers' reduced shards straight
  * into the buffer. */
 static lz_status reduce_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
@@ -526,8 +606,6 @@ static lz_status reduce_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
   const uint8_t *send = a->send;
   uint8_t *recv = a->recv;
-  atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)send);
-  LZ_TRY(barrier(c, s, op));
   size_t piece = SHM_STAGE_BYTES / (size_t)(W - 1) / 4096 * 4096;
   int64_t m = (int64_t)(piece / es);
   const void *srcs[W];
@@ -558,6 +636,107 @@ static lz_status reduce_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   return barrier(c, s, op); /* every peer has read this rank's buffer */
 }
 
+/* Reduce-scatter and all-reduce over shared memory, one pass: each rank
+ * reduces its shard piece by piece straight from every rank's buffer, in
+ * rank order, and writes each reduced piece while it is in cache into its
+ * receive buffer (reduce-scatter) or into every rank's buffer (all-reduce:
+ * only this rank reads or writes its shard of any buffer, so in place is
+ * safe). Beyond the cache the piece is reduced into scratch and streamed. */
+static lz_status reduce_shared(lz_comm *c, shm_comm *s, const lz_coll_args *a, uint8_t **view) {
+  int W = c->size, me = c->rank, all = a->kind == LZ_COLL_ALL_REDUCE;
+  size_t es = lz_dtype_size(a->dt);
+  int64_t off, len;
+  lz_comm_shard(a->count, W, me, &off, &len);
+  int64_t m = (int64_t)(SHM_PIECE / es);
+  int stream = copy_for(a) != memcpy, nd = all ? W : 1;
+  const void *srcs[W];
+  uint8_t *dst[W];
+  for (int64_t j0 = 0; j0 < len; j0 += m) {
+    int64_t k = len - j0 < m ? len - j0 : m;
+    size_t at = (size_t)(off + j0) * es, bytes = (size_t)k * es;
+    for (int p = 0; p < W; p++) srcs[p] = view[p] + at;
+    for (int i = 0; i < nd; i++)
+      dst[i] = all ? view[(me + i) % W] + at : (uint8_t *)a->recv + (size_t)j0 * es;
+    if (stream) {
+      lz_reduce_fixed(s->piece, srcs, W, k, a->dt, a->op, W);
+      for (int i = 0; i < nd; i++) lz_copy_stream(dst[i], s->piece, bytes);
+    } else {
+      lz_reduce_fixed(dst[0], srcs, W, k, a->dt, a->op, W);
+      for (int i = 1; i < nd; i++) memcpy(dst[i], dst[0], bytes);
+    }
+  }
+  /* every shard is in every buffer; every peer has read this rank's buffer */
+  return barrier(c, s, lz_coll_name(a->kind));
+}
+
+static lz_status broadcast_shared(lz_comm *c, shm_comm *s, const lz_coll_args *a,
+                                  const uint8_t *root) {
+  if (c->rank != a->root) copy_for(a)(a->recv, root, (size_t)a->count * lz_dtype_size(a->dt));
+  return barrier(c, s, "broadcast"); /* every rank has read the root's buffer */
+}
+
+static lz_status segment_path(lz_comm *c, shm_comm *s, const lz_coll_args *a);
+
+/* Publishes this rank's buffers, then reads (or writes) the peers' in
+ * place: through shared memory where every buffer involved is in it, else
+ * with process_vm_readv where the kernel allows it, else (buffers turned
+ * out private, CMA refused) through the segment. Every rank sees the same
+ * published buffers, so all choose the same path. */
+static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+  int W = c->size, me = c->rank;
+  const char *op = lz_coll_name(a->kind);
+  size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
+  shm_rank *r = &s->ranks[me];
+  atomic_store(&r->send, (uint64_t)(uintptr_t)a->send);
+  atomic_store(&r->send_off, lz_shared_offset(a->send));
+  atomic_store(&r->recv_off, lz_shared_offset(a->recv));
+  LZ_TRY(barrier(c, s, op)); /* every rank has published */
+  size_t at[W], bytes[W];
+  uint8_t *view[W];
+  int64_t off, len;
+  for (int p = 0; p < W; p++) {
+    lz_comm_shard(a->count, W, p, &off, &len);
+    at[p] = 0;
+    bytes[p] = n;
+    if (a->kind == LZ_COLL_ALL_GATHER) bytes[p] = (size_t)len * es; /* the send shard */
+  }
+  int cma = s->cma && n >= SHM_CMA_MIN;
+  switch (a->kind) {
+  case LZ_COLL_ALL_GATHER:
+    if (shared_views(c, s, 0, at, bytes, view)) return all_gather_read(c, s, a, view);
+    for (int p = 0; p < W; p++) bytes[p] = n;
+    if (shared_views(c, s, 1, at, bytes, view)) return all_gather_push(c, s, a, view);
+    if (cma) return all_gather_read(c, s, a, NULL);
+    break;
+  case LZ_COLL_REDUCE_SCATTER:
+  case LZ_COLL_ALL_REDUCE:
+    if (shared_views(c, s, 0, at, bytes, view)) return reduce_shared(c, s, a, view);
+    if (cma) return reduce_cma(c, s, a);
+    break;
+  case LZ_COLL_BROADCAST: {
+    uint64_t o = atomic_load(&s->ranks[a->root].send_off);
+    const uint8_t *root = o == UINT64_MAX ? NULL : lz_shared_view(a->root, (size_t)o, n);
+    if (root) return broadcast_shared(c, s, a, root);
+    break;
+  }
+  default: break;
+  }
+  return segment_path(c, s, a);
+}
+
+static lz_status segment_path(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+  size_t n = (size_t)a->count * lz_dtype_size(a->dt);
+  switch (a->kind) {
+  case LZ_COLL_ALL_REDUCE:
+    if (n <= SHM_DIRECT_MAX && n <= s->chunk) return all_reduce_direct(c, s, a);
+    return reduce_chunked(c, s, a);
+  case LZ_COLL_REDUCE_SCATTER: return reduce_chunked(c, s, a);
+  case LZ_COLL_ALL_GATHER: return all_gather(c, s, a);
+  case LZ_COLL_BROADCAST: return broadcast(c, s, a);
+  default: return lz_fail(LZ_ERR_INVALID, "shm: unknown collective %d", (int)a->kind);
+  }
+}
+
 static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   shm_comm *s = c->impl;
   if (a->kind == LZ_COLL_BARRIER) return barrier(c, s, "barrier");
@@ -568,17 +747,8 @@ static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
       if (a->send != a->recv) memmove(a->recv, a->send, n);
     return LZ_OK;
   }
-  if (cma_fits(c, s, a))
-    return a->kind == LZ_COLL_ALL_GATHER ? all_gather_cma(c, s, a) : reduce_cma(c, s, a);
-  switch (a->kind) {
-  case LZ_COLL_ALL_REDUCE:
-    if (n <= SHM_DIRECT_MAX && n <= s->chunk) return all_reduce_direct(c, s, a);
-    return reduce_chunked(c, s, a);
-  case LZ_COLL_REDUCE_SCATTER: return reduce_chunked(c, s, a);
-  case LZ_COLL_ALL_GATHER: return all_gather(c, s, a);
-  case LZ_COLL_BROADCAST: return broadcast(c, s, a);
-  default: return lz_fail(LZ_ERR_INVALID, "shm: unknown collective %d", (int)a->kind);
-  }
+  if (single_copy_fits(c, s, a)) return single_copy(c, s, a);
+  return segment_path(c, s, a);
 }
 
 const lz_comm_backend_ops lz_comm_shm_ops = {"shm", shm_init, shm_free, shm_run};

@@ -149,9 +149,10 @@ static int free_port(void) {
 }
 
 /* environ without the variables we set, plus ours. */
-static char **rank_env(int rank, int nranks, const char *shm_name, int port, int threads) {
+static char **rank_env(int rank, int nranks, const char *shm_name, const char *shared, int port,
+                       int threads) {
   static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                               "LZ_SHM_NAME=", "LZ_LAUNCHER_PID=", NULL};
+                               "LZ_SHM_NAME=", "LZ_LAUNCHER_PID=", "LZ_SHM_SHARED=", NULL};
   size_t n = 0;
   while (environ[n]) n++;
   char **env = calloc(n + 16, sizeof *env);
@@ -175,6 +176,11 @@ static char **rank_env(int rank, int nranks, const char *shm_name, int port, int
   ADD("LOCAL_WORLD_SIZE=%d", nranks);
   ADD("LZ_SHM_NAME=%s", shm_name);
   ADD("LZ_LAUNCHER_PID=%d", (int)getpid());
+  if (shared) {
+    size_t len = strlen(shared) + 16;
+    env[k] = malloc(len);
+    if (env[k]) snprintf(env[k++], len, "LZ_SHM_SHARED=%s", shared);
+  }
   if (!getenv("MASTER_ADDR")) ADD("MASTER_ADDR=127.0.0.1");
   if (!getenv("MASTER_PORT")) ADD("MASTER_PORT=%d", port);
   /* The user's thread settings win; otherwise each rank gets its share. */
@@ -316,6 +322,8 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
   int threads = cpus_available() / nranks;
   if (threads < 1) threads = 1;
   int port = free_port();
+  int *memfds = calloc((size_t)nranks, sizeof *memfds);
+  char *shared = memfds ? lz_shared_create(nranks, memfds) : NULL;
   rank_proc *procs = calloc((size_t)nranks, sizeof *procs);
   stream *streams = calloc((size_t)nranks * 2, sizeof *streams);
   struct pollfd *pfds = calloc((size_t)nranks * 2, sizeof *pfds);
@@ -333,7 +341,7 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
       st = lz_fail(LZ_ERR_IO, "launch: pipe for rank %d: %s", r, strerror(errno));
       goto stop;
     }
-    char **env = rank_env(r, nranks, name, port, threads);
+    char **env = rank_env(r, nranks, name, shared, port, threads);
     if (!env) {
       st = lz_fail(LZ_ERR_NOMEM, "launch: out of memory");
       goto stop;
@@ -389,6 +397,7 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
   }
 
 stop:;
+  lz_shared_close(nranks, memfds); /* the ranks have theirs: the memory lives as long as they do */
   int failed_rank = -1, failed_code = 0, stopping = st != LZ_OK;
   double kill_at = 0, grace_until = 0;
   if (stopping) {
@@ -475,6 +484,9 @@ stop:;
   }
 done:
   shm_unlink(name);
+  lz_shared_close(nranks, memfds);
+  free(memfds);
+  free(shared);
   for (int i = 0; streams && i < nranks * 2; i++) {
     if (streams[i].fd >= 0) {
       if (streams[i].len) emit_line(&streams[i], streams[i].line, streams[i].len);

@@ -27,10 +27,11 @@ typedef struct {
   size_t mapped; /* mmap length, 0 for aligned_alloc */
   void *base;    /* mmap base */
   int cat;
-  int where; /* WHERE_HOST, WHERE_PINNED, WHERE_DEVICE */
+  int where; /* WHERE_HOST, WHERE_PINNED, WHERE_DEVICE, WHERE_SHARED */
 } entry;
 
-enum { WHERE_HOST = 0, WHERE_PINNED = 1, WHERE_DEVICE = 2 };
+/* WHERE_SHARED: host memory the job's ranks share (shared_mem.c). */
+enum { WHERE_HOST = 0, WHERE_PINNED = 1, WHERE_DEVICE = 2, WHERE_SHARED = 3 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static entry *table;
@@ -109,7 +110,11 @@ lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat) {
   e.bytes = bytes;
   e.cat = (int)cat;
   size_t asked = bytes ? bytes : 1;
-  if (asked >= HUGE_PAGE) {
+  void *sp;
+  if (lz_shared_wants(asked, cat) && lz_shared_alloc(&sp, asked) == LZ_OK) {
+    e.ptr = (uintptr_t)sp;
+    e.where = WHERE_SHARED;
+  } else if (asked >= HUGE_PAGE) {
     size_t len = (asked + HUGE_PAGE - 1) & ~(size_t)(HUGE_PAGE - 1);
     size_t map_len = len + HUGE_PAGE;
     void *base = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -140,7 +145,8 @@ lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat) {
   }
   pthread_mutex_unlock(&lock);
   if (!ok) {
-    if (e.mapped) munmap(e.base, e.mapped);
+    if (e.where == WHERE_SHARED) lz_shared_free((void *)e.ptr, e.bytes);
+    else if (e.mapped) munmap(e.base, e.mapped);
     else free((void *)e.ptr);
     return lz_fail(LZ_ERR_NOMEM, "mem_alloc: ledger table full (out of memory)");
   }
@@ -167,6 +173,10 @@ lz_status lz_mem_free(void *ptr) {
     total_current -= (int64_t)e.bytes;
   }
   pthread_mutex_unlock(&lock);
+  if (e.where == WHERE_SHARED) {
+    lz_shared_free(ptr, e.bytes);
+    return LZ_OK;
+  }
   if (e.where != WHERE_HOST) {
     const lz_backend *be = lz_backend_cuda();
     if (!be) return lz_fail(LZ_ERR_INTERNAL, "mem_free: %p is cuda memory but no backend is loaded", ptr);

@@ -74,6 +74,11 @@ int64_t lz_mem_total_peak(void); /* the most held at once, all categories togeth
 void lz_mem_reset_peak(void); /* peak := current, every category */
 const char *lz_mem_category_name(lz_mem_category cat);
 int64_t lz_mem_huge_threshold(void);
+/* 1 if ptr lies in this rank's job-shared memory: under `luazero -n N`,
+ * params, grads and comm blocks of 64 KiB and more are allocated where the
+ * other ranks can address them, and the shm backend's collectives on them
+ * copy without the kernel (LZ_SHM_SHARED_BYTES=0 turns this off). */
+int lz_mem_shared(const void *ptr);
 
 /* ------------------------------------------------------------- tensors */
 

@@ -44,6 +44,26 @@ lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t);
 int64_t lz_rows(const lz_tensor *t);
 int64_t lz_cols(const lz_tensor *t);
 
+/* shared_mem.c: memory every rank of a `luazero -n N` job maps (the
+ * launcher's memfds). lz_shared_wants: this block should live there (a
+ * params, grads or comm block of 64 KiB or more, in a rank of such a job).
+ * lz_shared_alloc fails (without a message) when the memfd is full; the
+ * caller then allocates privately. lz_shared_offset: UINT64_MAX for memory
+ * that is not this rank's shared memory; lz_shared_view: rank r's shared
+ * memory at that offset as mapped here, NULL where out of range. */
+int lz_shared_ready(void);
+int lz_shared_wants(size_t bytes, lz_mem_category cat);
+lz_status lz_shared_alloc(void **out, size_t bytes);
+void lz_shared_free(void *ptr, size_t bytes);
+uint64_t lz_shared_offset(const void *ptr);
+uint8_t *lz_shared_view(int rank, size_t offset, size_t bytes);
+/* The launcher's side: one file per rank, to be inherited through exec;
+ * returns the LZ_SHM_SHARED value to give the ranks (malloc'd) or NULL where
+ * turned off (LZ_SHM_SHARED_BYTES=0) or impossible. lz_shared_close closes
+ * the launcher's descriptors (fds[r] == -1 is skipped). */
+char *lz_shared_create(int nranks, int *fds);
+void lz_shared_close(int nranks, int *fds);
+
 /* Float bits. */
 static inline uint32_t lz_f32_bits(float f) {
   uint32_t u;

@@ -40,6 +40,8 @@ void lz_mem_reset_peak(void);
 const char *lz_mem_category_name(lz_mem_category cat);
 int64_t lz_mem_huge_threshold(void);
 
+int lz_mem_shared(const void *ptr);
+
 typedef enum lz_dtype {
   LZ_F32 = 0,
   LZ_BF16 = 1,

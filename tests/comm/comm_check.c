@@ -6,7 +6,11 @@
  * ranks all-gather the xxh64 of their results); with --hashes, rank 0 prints
  * one hash line per case so run.sh can compare two runs and both backends.
  *
- *   comm_check [--quick] [--hashes]      the matrix
+ *   comm_check [--quick] [--hashes] [--buffers shared|private|mixed]
+ *                                        the matrix; buffers: comm memory, which
+ *                                        the launcher's ranks share (default),
+ *                                        private memory, or private send and
+ *                                        shared receive buffers
  *   comm_check --never-join R            rank R skips an all_reduce; the others
  *                                        must fail with the timeout error
  *   comm_check --loop SECONDS            all_reduce in a loop (for kill -9 tests) */
@@ -125,15 +129,21 @@ static int hashes_agree(uint64_t h, int want_equal, uint64_t *out) {
   return eq;
 }
 
+/* A case of its own: all-gather whose send buffer is this rank's shard of
+ * the receive buffer (as the ZeRO engine gathers parameters). */
+#define ALL_GATHER_IN_PLACE LZ_COLL_COUNT
+
 static void one_case(lz_coll_kind kind, lz_dtype dt, lz_reduce_op op, int64_t count, int async,
                      int print_hash, void *a, void *b) {
+  int in_place = kind == ALL_GATHER_IN_PLACE;
+  if (in_place) kind = LZ_COLL_ALL_GATHER;
   uint32_t seed = (uint32_t)(cases * 7919 + 17);
   cases++;
   size_t es = lz_dtype_size(dt);
   int64_t off, len;
   lz_comm_shard(count, world, rank, &off, &len);
   int root = (int)(count % world);
-  const char *name = lz_coll_kind_name(kind);
+  const char *name = in_place ? "all_gather_in_place" : lz_coll_kind_name(kind);
   const char *opn = kind == LZ_COLL_ALL_GATHER || kind == LZ_COLL_BROADCAST ? "-"
                     : op == LZ_RED_SUM                                       ? "sum"
                     : op == LZ_RED_AVG                                       ? "avg"
@@ -154,8 +164,12 @@ static void one_case(lz_coll_kind kind, lz_dtype dt, lz_reduce_op op, int64_t co
     memset(b, 0xEE, (size_t)len * es);
     break;
   case LZ_COLL_ALL_GATHER:
-    for (int64_t i = 0; i < len; i++) put(a, dt, i, gen(rank, off + i, seed));
     memset(b, 0xEE, (size_t)count * es);
+    if (in_place) {
+      for (int64_t i = off; i < off + len; i++) put(b, dt, i, gen(rank, i, seed));
+      send = (const uint8_t *)b + (size_t)off * es;
+    } else
+      for (int64_t i = 0; i < len; i++) put(a, dt, i, gen(rank, off + i, seed));
     break;
   default:
     recv = a;
@@ -274,16 +288,22 @@ static void all_reduce_matches_reduce_scatter(void *a, void *b) {
       }
 }
 
-static int matrix(int quick, int print_hash) {
+static int matrix(int quick, int print_hash, const char *buffers) {
   int64_t counts[] = {0, 1, 7, 4097, (1 << 20) + 3, 16 << 20};
   int ncounts = quick ? 5 : 6;
   size_t maxb = (size_t)counts[ncounts - 1] * 4;
   void *a, *b;
-  if (lz_mem_alloc(&a, maxb + 64, LZ_MEM_WORKSPACE) != LZ_OK ||
-      lz_mem_alloc(&b, maxb + 64, LZ_MEM_WORKSPACE) != LZ_OK) {
+  lz_mem_category ca = !strcmp(buffers, "shared") ? LZ_MEM_COMM : LZ_MEM_WORKSPACE;
+  lz_mem_category cb = !strcmp(buffers, "private") ? LZ_MEM_WORKSPACE : LZ_MEM_COMM;
+  if (lz_mem_alloc(&a, maxb + 64, ca) != LZ_OK || lz_mem_alloc(&b, maxb + 64, cb) != LZ_OK) {
     FAIL("alloc: %s", lz_last_error());
     return 1;
   }
+  /* Where the buffers are decides the path (shared memory, cross-memory
+   * attach, segment): run.sh checks it is the one it asked for. */
+  if (rank == 0)
+    printf("buffers: send %s, receive %s\n", lz_mem_shared(a) ? "shared" : "private",
+           lz_mem_shared(b) ? "shared" : "private");
   lz_dtype dts[] = {LZ_F32, LZ_BF16, LZ_F16};
   lz_reduce_op ops[] = {LZ_RED_SUM, LZ_RED_AVG, LZ_RED_MAX};
   double t0 = now_s();
@@ -295,6 +315,7 @@ static int matrix(int quick, int print_hash) {
         one_case(LZ_COLL_REDUCE_SCATTER, dts[d], ops[o], counts[ci], k++ & 1, print_hash, a, b);
       }
       one_case(LZ_COLL_ALL_GATHER, dts[d], LZ_RED_SUM, counts[ci], k++ & 1, print_hash, a, b);
+      one_case(ALL_GATHER_IN_PLACE, dts[d], LZ_RED_SUM, counts[ci], k++ & 1, print_hash, a, b);
       one_case(LZ_COLL_BROADCAST, dts[d], LZ_RED_SUM, counts[ci], k++ & 1, print_hash, a, b);
     }
   async_overlap(a, b);
@@ -333,7 +354,7 @@ static int never_join(int who) {
 static int loop(double seconds) {
   int64_t n = 4 << 20;
   float *x;
-  if (lz_mem_alloc((void **)&x, (size_t)n * 4, LZ_MEM_WORKSPACE) != LZ_OK) return 5;
+  if (lz_mem_alloc((void **)&x, (size_t)n * 4, LZ_MEM_COMM) != LZ_OK) return 5;
   for (int64_t i = 0; i < n; i++) x[i] = 1.0f;
   printf("looping\n");
   fflush(stdout);
@@ -351,11 +372,16 @@ int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
   int quick = 0, print_hash = 0, never = -1;
   double loop_s = -1;
+  const char *buffers = "shared";
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--hashes")) print_hash = 1;
     else if (!strcmp(argv[i], "--never-join") && i + 1 < argc) never = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--loop") && i + 1 < argc) loop_s = atof(argv[++i]);
+    else if (!strcmp(argv[i], "--buffers") && i + 1 < argc &&
+             (!strcmp(argv[i + 1], "shared") || !strcmp(argv[i + 1], "private") ||
+              !strcmp(argv[i + 1], "mixed")))
+      buffers = argv[++i];
     else {
       fprintf(stderr, "comm_check: unknown argument %s\n", argv[i]);
       return 2;
@@ -370,7 +396,7 @@ int main(int argc, char **argv) {
   int code;
   if (never >= 0) code = never_join(never);
   else if (loop_s >= 0) code = loop(loop_s);
-  else code = matrix(quick, print_hash);
+  else code = matrix(quick, print_hash, buffers);
   if (code == 0) lz_comm_free(comm);
   return code;
 }

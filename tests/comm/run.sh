@@ -27,9 +27,12 @@ shm_left() { ls /dev/shm 2>/dev/null | grep -c "^luazero-$1-" ; }
 
 # --- the matrix: every op x dtype x count, each backend, 1..4 ranks
 for w in 1 2 3 4; do
+  # Ranks of a job share their comm buffers (1 rank: nothing to share).
+  want="send shared, receive shared"; [ $w = 1 ] && want="send private, receive private"
   if "$BIN/lz_run" -n $w "$BIN/comm_check" --hashes $QUICK > "$TMP/shm$w" 2>&1 &&
-     grep -q "all passed" "$TMP/shm$w"; then ok "shm matrix, $w ranks $(grep -o "([0-9.]* s)" "$TMP/shm$w")"
-  else bad "shm matrix, $w ranks" "$TMP/shm$w"; fi
+     grep -q "all passed" "$TMP/shm$w" && grep -qx "buffers: $want" "$TMP/shm$w"; then
+    ok "shm matrix, $w ranks, buffers $want $(grep -o "([0-9.]* s)" "$TMP/shm$w")"
+  else bad "shm matrix, $w ranks (buffers $want)" "$TMP/shm$w"; fi
   if $MPIRUN -np $w "$BIN/comm_check" --hashes $QUICK > "$TMP/mpi$w" 2>&1 &&
      grep -q "all passed" "$TMP/mpi$w"; then ok "mpi matrix, $w ranks $(grep -o "([0-9.]* s)" "$TMP/mpi$w")"
   else bad "mpi matrix, $w ranks" "$TMP/mpi$w"; fi
@@ -47,6 +50,25 @@ for w in 3 4; do
   if [ -s "$TMP/h_again$w" ] && [ -z "$(grep -v -x -F -f "$TMP/h_shm$w" "$TMP/h_again$w")" ]; then
     ok "second shm run bitwise equal to the first, $w ranks"
   else bad "second shm run bitwise equal to the first, $w ranks" "$TMP/again$w"; fi
+done
+
+# --- the other paths give bitwise the same results: private buffers
+# (process_vm_readv), private send and shared receive buffers (all-gather
+# writes into its peers), shared memory on 4 KiB pages (LZ_SHM_HUGE=0: memfds)
+for w in 2 3; do
+  for mode in private mixed memfd; do
+    case $mode in
+      private) want="send private, receive private"; args="--buffers private"; envs= ;;
+      mixed) want="send private, receive shared"; args="--buffers mixed"; envs= ;;
+      memfd) want="send shared, receive shared"; args=; envs="LZ_SHM_HUGE=0" ;;
+    esac
+    env $envs "$BIN/lz_run" -n $w "$BIN/comm_check" --hashes --quick $args > "$TMP/$mode$w" 2>&1
+    grep '^hash' "$TMP/$mode$w" > "$TMP/h_$mode$w"
+    if grep -q "all passed" "$TMP/$mode$w" && grep -qx "buffers: $want" "$TMP/$mode$w" &&
+       [ -s "$TMP/h_$mode$w" ] && [ -z "$(grep -v -x -F -f "$TMP/h_shm$w" "$TMP/h_$mode$w")" ]; then
+      ok "shm, $mode buffers ($want) bitwise equal, $w ranks"
+    else bad "shm, $mode buffers ($want) bitwise equal, $w ranks" "$TMP/$mode$w"; fi
+  done
 done
 
 # --- single copy off (LZ_SHM_CMA=0, as where ptrace rules forbid it): the
