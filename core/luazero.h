@@ -79,6 +79,10 @@ int64_t lz_mem_huge_threshold(void);
  * other ranks can address them, and the shm backend's collectives on them
  * copy without the kernel (LZ_SHM_SHARED_BYTES=0 turns this off). */
 int lz_mem_shared(const void *ptr);
+/* Bytes of the other ranks' shared memory this process has mapped in
+ * (collectives read and write it in place): counted in its RSS, but not its
+ * own. lz.peak_rss subtracts them. */
+int64_t lz_mem_shared_peer_rss(void);
 
 /* ------------------------------------------------------------- tensors */
 

@@ -202,6 +202,29 @@ int lz_mem_shared(const void *ptr) {
   return p >= b && p < b + g.bytes[g.rank];
 }
 
+int64_t lz_mem_shared_peer_rss(void) {
+  if (!g.ready) return 0;
+  FILE *f = fopen("/proc/self/smaps", "re");
+  if (!f) return 0;
+  char line[512];
+  int in_peer = 0;
+  int64_t total = 0;
+  while (fgets(line, sizeof line, f)) {
+    unsigned long lo, hi;
+    long kb;
+    if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2) { /* a mapping's first line */
+      in_peer = 0;
+      for (int r = 0; r < g.world; r++)
+        if (r != g.rank && (uint8_t *)lo == g.map[r]) in_peer = 1;
+    } else if (in_peer && sscanf(line, "Rss: %ld kB", &kb) == 1) {
+      total += (int64_t)kb * 1024;
+      in_peer = 0;
+    }
+  }
+  fclose(f);
+  return total;
+}
+
 uint8_t *lz_shared_view(int rank, size_t offset, size_t bytes) {
   if (!g.ready || rank < 0 || rank >= g.world) return NULL;
   if (offset > g.bytes[rank] || bytes > g.bytes[rank] - offset) return NULL;

@@ -32,7 +32,11 @@ static int iters_for(size_t bytes) {
   return it < 6 ? 6 : it > 300 ? 300 : (int)it;
 }
 
-static const char *op_names[3] = {"all_reduce", "reduce_scatter", "all_gather"};
+/* all_gather_in_place: the send buffer is this rank's shard of the receive
+ * buffer (MPI_IN_PLACE; how the ZeRO engine gathers parameters). */
+#define NOPS 4
+static const char *op_names[NOPS] = {"all_reduce", "reduce_scatter", "all_gather",
+                                     "all_gather_in_place"};
 
 static int run_memcpy(size_t max) {
   void *a, *b;
@@ -93,7 +97,7 @@ static int run_raw_mpi(size_t max) {
   memset(b, 0, max);
   for (size_t n = 4096; n <= max; n *= 4) {
     int count = (int)(n / 4), shard = count / W;
-    for (int op = 0; op < 3; op++) {
+    for (int op = 0; op < NOPS; op++) {
       int it = (iters_for(n) + BATCHES - 1) / BATCHES;
       double best = 1e30;
       for (int batch = 0; batch < BATCHES; batch++) {
@@ -106,7 +110,9 @@ static int run_raw_mpi(size_t max) {
           if (op == 0) MPI_Allreduce(MPI_IN_PLACE, a, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
           else if (op == 1)
             MPI_Reduce_scatter_block(a, b, shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-          else MPI_Allgather(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
+          else if (op == 2) MPI_Allgather(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
+          else
+            MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
         }
         double t = (now_s() - t0) / it, tmax;
         MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -134,7 +140,7 @@ static int run_luazero(size_t max) {
   for (size_t n = 4096; n <= max; n *= 4) {
     int64_t count = (int64_t)(n / 4), off, len;
     lz_comm_shard(count, W, rank, &off, &len);
-    for (int op = 0; op < 3; op++) {
+    for (int op = 0; op < NOPS; op++) {
       int it = (iters_for(n) + BATCHES - 1) / BATCHES;
       float best = 1e30f;
       for (int batch = 0; batch < BATCHES; batch++) {
@@ -147,7 +153,8 @@ static int run_luazero(size_t max) {
           }
           if (op == 0) st = lz_comm_all_reduce(c, a, count, LZ_F32, LZ_RED_SUM, NULL);
           else if (op == 1) st = lz_comm_reduce_scatter(c, a, b, count, LZ_F32, LZ_RED_SUM, NULL);
-          else st = lz_comm_all_gather(c, a + off, b, count, LZ_F32, NULL);
+          else if (op == 2) st = lz_comm_all_gather(c, a + off, b, count, LZ_F32, NULL);
+          else st = lz_comm_all_gather(c, b + off, b, count, LZ_F32, NULL);
         }
         float t = (float)((now_s() - t0) / it);
         if (st != LZ_OK || lz_comm_all_reduce(c, &t, 1, LZ_F32, LZ_RED_MAX, NULL) != LZ_OK) {

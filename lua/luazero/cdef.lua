@@ -42,6 +42,8 @@ int64_t lz_mem_huge_threshold(void);
 
 int lz_mem_shared(const void *ptr);
 
+int64_t lz_mem_shared_peer_rss(void);
+
 typedef enum lz_dtype {
   LZ_F32 = 0,
   LZ_BF16 = 1,

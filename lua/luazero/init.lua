@@ -322,11 +322,17 @@ function lz.read_file(path)
 end
 
 -- The process's peak resident set (VmHWM) in bytes; 0 where /proc has none.
+-- This process's peak resident memory (VmHWM), less the pages of the other
+-- ranks' shared memory it maps for collectives (see lz_mem_shared_peer_rss):
+-- those are theirs. A page of a peer first mapped after this process's peak
+-- is subtracted as well, so the first step of a run may read a little low.
 function lz.peak_rss()
   local s = lz.read_file("/proc/self/status")
   if not s then return 0 end
   local kb = s:match("VmHWM:%s*(%d+)")
-  return kb and tonumber(kb) * 1024 or 0
+  if not kb then return 0 end
+  local own = tonumber(kb) * 1024 - tonumber(C.lz_mem_shared_peer_rss())
+  return own > 0 and own or 0
 end
 
 function lz.mem_reset_peak() C.lz_mem_reset_peak() end

@@ -288,6 +288,51 @@ static void all_reduce_matches_reduce_scatter(void *a, void *b) {
       }
 }
 
+/* The ranks' shared memory: blocks are reused first fit after a free,
+ * small and private categories stay private, and the pages of peers this
+ * rank touched in collectives are counted apart from its own. */
+static void shared_memory(void) {
+  void *x, *y, *z, *again, *small, *opt;
+  size_t mb = (size_t)1 << 20;
+  cases++;
+  if (lz_mem_alloc(&x, 3 * mb, LZ_MEM_COMM) || lz_mem_alloc(&y, 5 * mb, LZ_MEM_GRADS) ||
+      lz_mem_alloc(&z, mb, LZ_MEM_PARAMS) || lz_mem_alloc(&small, 1000, LZ_MEM_COMM) ||
+      lz_mem_alloc(&opt, 4 * mb, LZ_MEM_OPTIMIZER)) {
+    FAIL("shared memory: alloc: %s", lz_last_error());
+    return;
+  }
+  if (!lz_mem_shared(x) || !lz_mem_shared(y) || !lz_mem_shared(z) || lz_mem_shared(small) ||
+      lz_mem_shared(opt))
+    FAIL("shared memory: comm/grads/params blocks shared (%d %d %d), a 1000-byte block and an "
+         "optimizer block private (%d %d)", lz_mem_shared(x), lz_mem_shared(y), lz_mem_shared(z),
+         lz_mem_shared(small), lz_mem_shared(opt));
+  memset(y, 7, 5 * mb);
+  lz_mem_free(y);
+  if (lz_mem_alloc(&again, 4 * mb, LZ_MEM_COMM) || again != y)
+    FAIL("shared memory: a 4 MiB block after freeing 5 MiB at %p came at %p", y, again);
+  else if (((unsigned char *)again)[0] != 0)
+    FAIL("shared memory: a freed block's pages were not given back (old bytes still there)");
+  lz_comm_barrier(comm); /* every rank's frees done: peers' pages counted below are new */
+  int64_t before = lz_mem_shared_peer_rss();
+  float *t = again;
+  int64_t n = (int64_t)(4 * mb / 4);
+  for (int64_t i = 0; i < n; i++) t[i] = 1.0f;
+  if (lz_comm_all_reduce(comm, t, n, LZ_F32, LZ_RED_SUM, NULL) != LZ_OK)
+    FAIL("shared memory: all_reduce: %s", lz_last_error());
+  else if (t[0] != (float)world || t[n - 1] != (float)world)
+    FAIL("shared memory: all_reduce gave %g, %g", t[0], t[n - 1]);
+  int64_t peer = lz_mem_shared_peer_rss() - before;
+  lz_comm_barrier(comm); /* no rank frees what another is still counting */
+  if (peer < (int64_t)(4 * mb) / world)
+    FAIL("shared memory: peers' pages mapped by the all_reduce: %lld bytes, expected at least %zu",
+         (long long)peer, 4 * mb / (size_t)world);
+  lz_mem_free(x);
+  lz_mem_free(z);
+  lz_mem_free(again);
+  lz_mem_free(small);
+  lz_mem_free(opt);
+}
+
 static int matrix(int quick, int print_hash, const char *buffers) {
   int64_t counts[] = {0, 1, 7, 4097, (1 << 20) + 3, 16 << 20};
   int ncounts = quick ? 5 : 6;
@@ -320,6 +365,7 @@ static int matrix(int quick, int print_hash, const char *buffers) {
     }
   async_overlap(a, b);
   all_reduce_matches_reduce_scatter(a, b);
+  if (lz_mem_shared(b)) shared_memory();
   cases++;
   if (lz_comm_barrier(comm) != LZ_OK) FAIL("barrier: %s", lz_last_error());
   lz_mem_free(a);
