@@ -263,13 +263,6 @@ static int cma_probe(lz_comm *c, shm_comm *s) {
   return s->stage != NULL;
 }
 
-/* LZ_SHM_CMA=0 turns off every in-place path, shared memory included: the
- * segment paths alone, as where nothing else is possible. */
-static int shared_wanted(void) {
-  const char *env = getenv("LZ_SHM_CMA");
-  return !(env && !strcmp(env, "0"));
-}
-
 static lz_status shm_init(lz_comm *c) {
   const char *name = getenv("LZ_SHM_NAME");
   if (!name || !*name)
@@ -337,7 +330,7 @@ static lz_status shm_init(lz_comm *c) {
   if (st_join == LZ_OK) {
     if (rank == 0) shm_unlink(name); /* everyone has it mapped: nothing outlives the job */
     atomic_store(&s->ranks[rank].cma_ok, cma_probe(c, s));
-    if (shared_wanted() && lz_shared_ready()) s->piece = aligned_alloc(64, SHM_PIECE);
+    if (lz_shared_ready()) s->piece = aligned_alloc(64, SHM_PIECE);
     atomic_store(&s->ranks[rank].shared_ok, s->piece != NULL);
     st_join = barrier(c, s, "comm_init"); /* every probe done: all agree on the path */
   }

@@ -78,9 +78,10 @@ static int is_job_file(int fd, long launcher, int r) {
 }
 
 static void setup(void) {
-  const char *spec = getenv("LZ_SHM_SHARED");
+  const char *spec = getenv("LZ_SHM_SHARED"), *single = getenv("LZ_SHM_CMA");
   int world = env_int("WORLD_SIZE", 1), rank = env_int("RANK", -1);
   if (!spec || !*spec || world < 2 || world > MAX_RANKS || rank < 0 || rank >= world) return;
+  if (single && !strcmp(single, "0")) return; /* in-place paths off: nothing to share */
   char *end;
   long launcher = strtol(spec, &end, 10);
   if (*end != ':') return;
