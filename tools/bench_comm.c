@@ -1,5 +1,5 @@
 /* bench_comm.c — one side of tools/bench-comm: times all-reduce (sum),
- * reduce-scatter and all-gather of f32 from 4 KiB to 256 MiB on the
+ * reduce-scatter, all-gather and in-place all-gather of f32 from 4 KiB to 256 MiB on the
  * communicator it finds (shm under the launcher, mpi under mpirun) and rank 0
  * prints one line per point: "R backend ranks op bytes seconds".
  *   --raw-mpi   OpenMPI's own MPI_Allreduce / MPI_Reduce_scatter_block /
