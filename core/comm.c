@@ -393,6 +393,24 @@ static lz_status check_args(lz_comm *c, const lz_coll_args *a) {
   int64_t recv_n = a->kind == LZ_COLL_REDUCE_SCATTER ? len : a->count;
   if (send_n > 0 && !a->send) return lz_fail(LZ_ERR_INVALID, "%s: send buffer is NULL", op);
   if (recv_n > 0 && !a->recv) return lz_fail(LZ_ERR_INVALID, "%s: receive buffer is NULL", op);
+  /* Send and receive buffers may be one only in the in-place form (as
+   * MPI_IN_PLACE): all_gather's send is this rank's shard of recv,
+   * reduce_scatter's recv is this rank's shard of send. Any other overlap
+   * has no defined result (and ranks would disagree on the path). */
+  if (a->kind == LZ_COLL_ALL_GATHER || a->kind == LZ_COLL_REDUCE_SCATTER) {
+    size_t es = lz_dtype_size(a->dt);
+    uintptr_t s0 = (uintptr_t)a->send, r0 = (uintptr_t)a->recv;
+    uintptr_t s1 = s0 + (size_t)send_n * es, r1 = r0 + (size_t)recv_n * es;
+    int in_place = a->kind == LZ_COLL_ALL_GATHER ? s0 == r0 + (size_t)off * es
+                                                 : r0 == s0 + (size_t)off * es;
+    if (send_n > 0 && recv_n > 0 && s0 < r1 && r0 < s1 && !in_place)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: the send and receive buffers overlap; they may share memory only in "
+                     "place (%s)",
+                     op, a->kind == LZ_COLL_ALL_GATHER
+                             ? "send = recv + this rank's shard offset, lz_comm_shard"
+                             : "recv = send + this rank's shard offset, lz_comm_shard");
+  }
   return LZ_OK;
 }
 

@@ -397,7 +397,6 @@ lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
   }
 
 stop:;
-  lz_shared_close(nranks, memfds); /* the ranks have theirs: the memory lives as long as they do */
   int failed_rank = -1, failed_code = 0, stopping = st != LZ_OK;
   double kill_at = 0, grace_until = 0;
   if (stopping) {

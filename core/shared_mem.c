@@ -1,10 +1,13 @@
 /* shared_mem.c — memory the ranks of one `luazero -n N` job can all address.
  *
- * The launcher creates one memfd per rank (sparse, as large as the machine's
- * memory unless LZ_SHM_SHARED_BYTES says otherwise) before it forks the
- * ranks, and names them in LZ_SHM_SHARED="<launcher pid>:<fd of rank 0>,...".
- * Each rank maps every rank's memfd once, on first use, and closes the
- * descriptors. A rank allocates only from its own memfd; the ledger routes
+ * The launcher creates one sparse file per rank before it forks the ranks
+ * (LZ_SHM_SHARED_BYTES each; default twice the machine's memory divided
+ * among the ranks, at least 1 GiB, at most the machine's memory), holds the
+ * descriptors close-on-exec for the job, and names them in
+ * LZ_SHM_SHARED="<launcher pid>:<fd of rank 0>,...". Each rank, when the
+ * library loads, opens every rank's file through /proc/<launcher pid>/fd,
+ * maps it, closes the descriptor and unsets the variable: nothing is
+ * inherited by what a rank starts. A rank allocates only from its own file; the ledger routes
  * params, grads and comm blocks of SHARED_MIN bytes and more here, so the
  * buffers the engine communicates are ones its peers can read and write with
  * plain loads and stores: the shm backend's collectives then copy at memcpy
@@ -21,7 +24,8 @@
  * exits, crashes included.
  *
  * Allocation: first fit over a sorted list of free extents below a bump
- * pointer, in 4 KiB units; one lock. Blocks are few and large (flat
+ * pointer, in 4 KiB units (2 MiB, aligned, for blocks of 2 MiB and more);
+ * one lock. Blocks are few and large (flat
  * parameter and gradient buffers, communication buffers). */
 #define _GNU_SOURCE /* MADV_REMOVE */
 #include "lz_internal.h"
@@ -40,6 +44,7 @@
 #include <unistd.h>    /* readlink, close */
 
 #define UNIT 4096u
+#define HUGE_UNIT (2u << 20)
 #define SHARED_MIN (64u << 10) /* smaller blocks stay private: collectives of them go through the segment */
 #define MAX_RANKS 256
 
@@ -63,7 +68,7 @@ static int env_int(const char *name, int fallback) {
   return s && *s ? atoi(s) : fallback;
 }
 
-/* 1 if fd is the launcher's file for rank r (not some inherited stranger):
+/* 1 if fd is the launcher's file for rank r (not some stranger):
  * "/memfd:luazero-<pid>-rank-<r> (deleted)" or ".../luazero-<pid>-rank-<r> (deleted)". */
 static int is_job_file(int fd, long launcher, int r) {
   char path[64], link[512], want[96];
@@ -77,45 +82,68 @@ static int is_job_file(int fd, long launcher, int r) {
          (link[n - wl - 1] == '/' || link[n - wl - 1] == ':');
 }
 
+/* Opens rank r's file through the launcher's descriptor, /proc/<launcher>/fd/<fd>
+ * (the launcher holds them for the job; nothing is inherited, so nothing
+ * leaks into whatever a rank starts). -1 where it is not the job's file. */
+static int open_job_file(long launcher, int fd, int r) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%ld/fd/%d", launcher, fd);
+  int mine = open(path, O_RDWR | O_CLOEXEC);
+  if (mine >= 0 && !is_job_file(mine, launcher, r)) {
+    close(mine);
+    mine = -1;
+  }
+  return mine;
+}
+
 static void setup(void) {
-  const char *spec = getenv("LZ_SHM_SHARED"), *single = getenv("LZ_SHM_CMA");
+  const char *env = getenv("LZ_SHM_SHARED"), *single = getenv("LZ_SHM_CMA");
+  if (!env || !*env) return;
+  char spec[4096];
+  snprintf(spec, sizeof spec, "%s", env);
+  /* Consumed: a program this rank starts must not take the files for its own. */
+  unsetenv("LZ_SHM_SHARED");
   int world = env_int("WORLD_SIZE", 1), rank = env_int("RANK", -1);
-  if (!spec || !*spec || world < 2 || world > MAX_RANKS || rank < 0 || rank >= world) return;
+  if (world < 2 || world > MAX_RANKS || rank < 0 || rank >= world) return;
   if (single && !strcmp(single, "0")) return; /* in-place paths off: nothing to share */
   char *end;
   long launcher = strtol(spec, &end, 10);
   if (*end != ':') return;
-  int fds[MAX_RANKS];
   const char *p = end + 1;
-  for (int r = 0; r < world; r++) {
-    fds[r] = (int)strtol(p, &end, 10);
-    if (end == p || (r + 1 < world ? *end != ',' : *end != 0)) return;
-    if (!is_job_file(fds[r], launcher, r)) return;
-    p = end + 1;
-  }
   int ok = 1;
   for (int r = 0; r < world && ok; r++) {
+    int lfd = (int)strtol(p, &end, 10);
+    ok = end != p && (r + 1 < world ? *end == ',' : *end == 0);
+    p = end + 1;
+    int fd = ok ? open_job_file(launcher, lfd, r) : -1;
     struct stat st;
-    ok = fstat(fds[r], &st) == 0 && st.st_size > 0;
+    ok = fd >= 0 && fstat(fd, &st) == 0 && st.st_size > 0;
     void *m = ok ? mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE,
-                        MAP_SHARED | MAP_NORESERVE, fds[r], 0)
+                        MAP_SHARED | MAP_NORESERVE, fd, 0)
                  : MAP_FAILED;
+    if (fd >= 0) close(fd); /* the mapping keeps the memory */
     if (m == MAP_FAILED) ok = 0;
     else {
+      /* Huge pages for the memfd fallback where shmem allows them
+       * (shmem_enabled=advise); the huge tmpfs has them already. */
+      madvise(m, (size_t)st.st_size, MADV_HUGEPAGE);
       g.map[r] = m;
       g.bytes[r] = (size_t)st.st_size;
     }
   }
-  for (int r = 0; r < world; r++) close(fds[r]); /* the mappings keep the memory */
   if (!ok) {
     for (int r = 0; r < world; r++)
-      if (g.map[r]) munmap(g.map[r], g.bytes[r]);
+      if (g.map[r]) munmap(g.map[r], g.bytes[r]), g.map[r] = NULL;
     return;
   }
   g.rank = rank;
   g.world = world;
   g.ready = 1;
 }
+
+/* At load, before the rank can start anything that would inherit the
+ * variable. */
+__attribute__((constructor)) static void setup_at_load(void) { pthread_once(&g.once, setup); }
 
 int lz_shared_ready(void) {
   pthread_once(&g.once, setup);
@@ -147,23 +175,44 @@ static void free_list_remove(size_t at) {
   g.nfree--;
 }
 
+/* Blocks of 2 MiB and more take whole huge pages at 2 MiB offsets, so no
+ * two blocks share one and a block's pages map as huge pages; smaller ones
+ * pack in 4 KiB units. */
+static size_t block_unit(size_t bytes) { return bytes >= HUGE_UNIT ? HUGE_UNIT : UNIT; }
+static size_t block_len(size_t bytes) {
+  size_t u = block_unit(bytes), len = (bytes + u - 1) / u * u;
+  return len ? len : UNIT;
+}
+
 lz_status lz_shared_alloc(void **out, size_t bytes) {
   if (!lz_shared_ready()) return LZ_ERR_INVALID;
-  size_t len = (bytes + UNIT - 1) / UNIT * UNIT;
-  if (!len) len = UNIT;
+  size_t len = block_len(bytes), unit = block_unit(bytes);
   pthread_mutex_lock(&g.mu);
   size_t off = SIZE_MAX;
   for (size_t i = 0; i < g.nfree; i++) {
-    if (g.free_list[i].len < len) continue;
-    off = g.free_list[i].off;
-    g.free_list[i].off += len;
-    g.free_list[i].len -= len;
-    if (!g.free_list[i].len) free_list_remove(i);
+    extent e = g.free_list[i];
+    size_t start = (e.off + unit - 1) / unit * unit;
+    if (start + len > e.off + e.len) continue;
+    extent head = {e.off, start - e.off}, tail = {start + len, e.off + e.len - start - len};
+    if (head.len && tail.len) {
+      g.free_list[i] = head;
+      if (!free_list_insert(i + 1, tail)) { /* no memory for the list: try elsewhere */
+        g.free_list[i] = e;
+        continue;
+      }
+    } else if (head.len) g.free_list[i] = head;
+    else if (tail.len) g.free_list[i] = tail;
+    else free_list_remove(i);
+    off = start;
     break;
   }
-  if (off == SIZE_MAX && g.bytes[g.rank] - g.top >= len) {
-    off = g.top;
-    g.top += len;
+  if (off == SIZE_MAX) {
+    size_t start = (g.top + unit - 1) / unit * unit;
+    if (start <= g.bytes[g.rank] && g.bytes[g.rank] - start >= len &&
+        (start == g.top || free_list_insert(g.nfree, (extent){g.top, start - g.top}))) {
+      off = start;
+      g.top = start + len;
+    }
   }
   pthread_mutex_unlock(&g.mu);
   if (off == SIZE_MAX) return LZ_ERR_NOMEM; /* the caller falls back to private memory */
@@ -172,8 +221,7 @@ lz_status lz_shared_alloc(void **out, size_t bytes) {
 }
 
 void lz_shared_free(void *ptr, size_t bytes) {
-  size_t len = (bytes + UNIT - 1) / UNIT * UNIT;
-  if (!len) len = UNIT;
+  size_t len = block_len(bytes);
   size_t off = (size_t)((uint8_t *)ptr - g.map[g.rank]);
   madvise(ptr, len, MADV_REMOVE); /* the pages go back to the system, in every rank's mapping */
   pthread_mutex_lock(&g.mu);
@@ -248,13 +296,19 @@ static int write_text(const char *path, const char *text) {
   return n == (ssize_t)strlen(text);
 }
 
+typedef union {
+  char buf[CMSG_SPACE(FDS_PER_MESSAGE * sizeof(int))];
+  struct cmsghdr align; /* control data must be aligned like a cmsghdr */
+} fd_control;
+
 static int send_fds(int sock, const int *fds, int n) {
-  char byte = 0, ctl[CMSG_SPACE(FDS_PER_MESSAGE * sizeof(int))];
+  char byte = 0;
+  fd_control ctl;
   struct iovec io = {&byte, 1};
   struct msghdr m = {0};
   m.msg_iov = &io;
   m.msg_iovlen = 1;
-  m.msg_control = ctl;
+  m.msg_control = ctl.buf;
   m.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
   struct cmsghdr *h = CMSG_FIRSTHDR(&m);
   h->cmsg_level = SOL_SOCKET;
@@ -265,18 +319,25 @@ static int send_fds(int sock, const int *fds, int n) {
 }
 
 static int recv_fds(int sock, int *fds, int n) {
-  char byte, ctl[CMSG_SPACE(FDS_PER_MESSAGE * sizeof(int))];
+  char byte;
+  fd_control ctl;
   struct iovec io = {&byte, 1};
   struct msghdr m = {0};
   m.msg_iov = &io;
   m.msg_iovlen = 1;
-  m.msg_control = ctl;
-  m.msg_controllen = sizeof ctl;
+  m.msg_control = ctl.buf;
+  m.msg_controllen = sizeof ctl.buf;
   if (recvmsg(sock, &m, MSG_CMSG_CLOEXEC) != 1) return 0;
   struct cmsghdr *h = CMSG_FIRSTHDR(&m);
-  if (!h || h->cmsg_type != SCM_RIGHTS || h->cmsg_len != CMSG_LEN((size_t)n * sizeof(int)))
+  if (!h || h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) return 0;
+  size_t got = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+  int tmp[FDS_PER_MESSAGE];
+  memcpy(tmp, CMSG_DATA(h), got * sizeof(int));
+  if (got != (size_t)n) { /* not what was sent: close what came */
+    for (size_t i = 0; i < got; i++) close(tmp[i]);
     return 0;
-  memcpy(fds, CMSG_DATA(h), (size_t)n * sizeof(int));
+  }
+  memcpy(fds, tmp, got * sizeof(int));
   return 1;
 }
 
@@ -296,7 +357,8 @@ static int huge_helper(int sock, int nranks, unsigned long long bytes, int launc
   } else if (unshare(CLONE_NEWNS)) return 1;
   if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL)) return 1;
   /* size=0: no limit of its own, like a memfd (a full tmpfs would SIGBUS a
-   * rank touching a fresh page; the machine's memory is the limit). */
+   * rank touching a fresh page; memory itself is the limit, and strict
+   * overcommit, where that too would be a SIGBUS, is refused above). */
   if (mount("luazero", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
             "huge=always,size=0,mode=0700"))
     return 1;
@@ -374,7 +436,23 @@ char *lz_shared_create(int nranks, int *fds) {
     }
     if (!bytes) return NULL;
   } else {
-    bytes = (unsigned long long)sysconf(_SC_PHYS_PAGES) * (unsigned long long)sysconf(_SC_PAGESIZE);
+    /* Every rank maps every file: twice a fair share each keeps the address
+     * space bounded however many ranks there are. A rank that fills its
+     * file allocates privately (slower collectives, the same results). */
+    unsigned long long ram =
+        (unsigned long long)sysconf(_SC_PHYS_PAGES) * (unsigned long long)sysconf(_SC_PAGESIZE);
+    bytes = 2 * ram / (unsigned long long)nranks;
+    if (bytes < (1ull << 30)) bytes = 1ull << 30;
+    if (bytes > ram) bytes = ram;
+  }
+  /* Under strict overcommit a shmem page is charged when first touched, and
+   * a refused charge is a SIGBUS, not an error: keep to private memory. */
+  char mode[8] = {0};
+  int ofd = open("/proc/sys/vm/overcommit_memory", O_RDONLY | O_CLOEXEC);
+  if (ofd >= 0) {
+    ssize_t got = read(ofd, mode, sizeof mode - 1);
+    close(ofd);
+    if (got > 0 && mode[0] == '2') return NULL;
   }
   bytes = (bytes + (2ull << 20) - 1) & ~((2ull << 20) - 1);
   const char *huge = getenv("LZ_SHM_HUGE");
@@ -392,9 +470,6 @@ char *lz_shared_create(int nranks, int *fds) {
   }
   size_t n = (size_t)snprintf(spec, cap, "%d:", (int)getpid());
   for (int r = 0; r < nranks; r++) {
-    /* Inherited through exec by the ranks, and only there: the launcher's
-     * other children (mpirun, helpers) never run with them open. */
-    fcntl(fds[r], F_SETFD, 0);
     n += (size_t)snprintf(spec + n, cap - n, r ? ",%d" : "%d", fds[r]);
   }
   return spec;

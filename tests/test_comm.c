@@ -117,6 +117,13 @@ LZ_TEST(comm_bad_arguments_are_named) {
   CHECK_ERR(lz_comm_all_reduce(c, f, 4, LZ_F32, (lz_reduce_op)9, NULL), LZ_ERR_INVALID, "reduce op 9");
   CHECK_ERR(lz_comm_broadcast(c, f, 4, LZ_F32, 1, NULL), LZ_ERR_INVALID, "root 1");
   CHECK_ERR(lz_comm_all_gather(c, NULL, f, 4, LZ_F32, NULL), LZ_ERR_INVALID, "send buffer");
+  float g[8] = {0};
+  CHECK_ERR(lz_comm_all_gather(c, g + 1, g, 4, LZ_F32, NULL), LZ_ERR_INVALID, "overlap");
+  CHECK_ERR(lz_comm_reduce_scatter(c, g, g + 2, 4, LZ_F32, LZ_RED_SUM, NULL), LZ_ERR_INVALID,
+            "only in place");
+  CHECK_OK(lz_comm_all_gather(c, g, g, 4, LZ_F32, NULL));           /* in place */
+  CHECK_OK(lz_comm_reduce_scatter(c, g, g, 4, LZ_F32, LZ_RED_SUM, NULL)); /* in place */
+  CHECK_OK(lz_comm_all_gather(c, g + 4, g, 4, LZ_F32, NULL));       /* touching, not overlapping */
   CHECK_OK(lz_comm_broadcast(c, x, 4, LZ_I32, 0, NULL)); /* copies take any dtype */
   CHECK_OK(lz_comm_free(c));
 }

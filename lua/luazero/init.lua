@@ -324,8 +324,9 @@ end
 -- The process's peak resident set (VmHWM) in bytes; 0 where /proc has none.
 -- This process's peak resident memory (VmHWM), less the pages of the other
 -- ranks' shared memory it maps for collectives (see lz_mem_shared_peer_rss):
--- those are theirs. A page of a peer first mapped after this process's peak
--- is subtracted as well, so the first step of a run may read a little low.
+-- those are theirs. It subtracts the peer pages mapped now: ones first
+-- touched after the peak make it read low, ones freed since make it read
+-- high; once a run's buffers are in place (after its first step) it is exact.
 function lz.peak_rss()
   local s = lz.read_file("/proc/self/status")
   if not s then return 0 end

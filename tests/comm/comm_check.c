@@ -21,7 +21,12 @@
 #include <stdlib.h> /* malloc, atoi */
 #include <string.h> /* memcmp */
 #include <time.h>   /* clock_gettime */
-#include <unistd.h> /* sleep */
+#include <dirent.h> /* the rank's descriptors */
+#include <unistd.h> /* sleep, readlink */
+
+/* The offset of a block in this rank's shared memory (core/shared_mem.c;
+ * exported from libluazero, not part of its API). */
+uint64_t lz_shared_offset(const void *ptr);
 
 static int rank, world, failures, cases;
 static lz_comm *comm;
@@ -295,6 +300,19 @@ static void shared_memory(void) {
   void *x, *y, *z, *again, *small, *opt;
   size_t mb = (size_t)1 << 20;
   cases++;
+  /* The files came through /proc/<launcher>/fd: no descriptor of them is
+   * open here, and the variable naming them is gone, so nothing this rank
+   * starts can take them. */
+  if (getenv("LZ_SHM_SHARED")) FAIL("shared memory: LZ_SHM_SHARED is still set in the rank");
+  DIR *fds = opendir("/proc/self/fd");
+  for (struct dirent *d; fds && (d = readdir(fds));) {
+    char path[300], link[512];
+    snprintf(path, sizeof path, "/proc/self/fd/%s", d->d_name);
+    ssize_t n = readlink(path, link, sizeof link - 1);
+    if (n > 0 && (link[n] = 0, strstr(link, "luazero-") && strstr(link, "-rank-")))
+      FAIL("shared memory: descriptor %s of the rank is open on %s", d->d_name, link);
+  }
+  if (fds) closedir(fds);
   if (lz_mem_alloc(&x, 3 * mb, LZ_MEM_COMM) || lz_mem_alloc(&y, 5 * mb, LZ_MEM_GRADS) ||
       lz_mem_alloc(&z, mb, LZ_MEM_PARAMS) || lz_mem_alloc(&small, 1000, LZ_MEM_COMM) ||
       lz_mem_alloc(&opt, 4 * mb, LZ_MEM_OPTIMIZER)) {
@@ -310,6 +328,9 @@ static void shared_memory(void) {
   lz_mem_free(y);
   if (lz_mem_alloc(&again, 4 * mb, LZ_MEM_COMM) || again != y)
     FAIL("shared memory: a 4 MiB block after freeing 5 MiB at %p came at %p", y, again);
+  else if (lz_shared_offset(x) % (2 * mb) || lz_shared_offset(y) % (2 * mb))
+    FAIL("shared memory: blocks of 2 MiB and more start on huge-page offsets (%llu, %llu)",
+         (unsigned long long)lz_shared_offset(x), (unsigned long long)lz_shared_offset(y));
   else if (((unsigned char *)again)[0] != 0)
     FAIL("shared memory: a freed block's pages were not given back (old bytes still there)");
   lz_comm_barrier(comm); /* every rank's frees done: peers' pages counted below are new */

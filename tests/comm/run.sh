@@ -54,13 +54,16 @@ done
 
 # --- the other paths give bitwise the same results: private buffers
 # (process_vm_readv), private send and shared receive buffers (all-gather
-# writes into its peers), shared memory on 4 KiB pages (LZ_SHM_HUGE=0: memfds)
+# writes into its peers), shared memory on 4 KiB pages (LZ_SHM_HUGE=0: memfds),
+# non-temporal copies at every size (LZ_SHM_STREAM_MIN=1; the quick matrix
+# stops below the 8 MiB where they start)
 for w in 2 3; do
-  for mode in private mixed memfd; do
+  for mode in private mixed memfd stream; do
     case $mode in
       private) want="send private, receive private"; args="--buffers private"; envs= ;;
       mixed) want="send private, receive shared"; args="--buffers mixed"; envs= ;;
       memfd) want="send shared, receive shared"; args=; envs="LZ_SHM_HUGE=0" ;;
+      stream) want="send shared, receive shared"; args=; envs="LZ_SHM_STREAM_MIN=1" ;;
     esac
     env $envs "$BIN/lz_run" -n $w "$BIN/comm_check" --hashes --quick $args > "$TMP/$mode$w" 2>&1
     grep '^hash' "$TMP/$mode$w" > "$TMP/h_$mode$w"
@@ -70,6 +73,13 @@ for w in 2 3; do
     else bad "shm, $mode buffers ($want) bitwise equal, $w ranks" "$TMP/$mode$w"; fi
   done
 done
+
+# --- the shared-memory files reach the ranks through /proc/<launcher>/fd:
+# a rank's program (here a shell) holds no descriptor of them to pass on
+"$BIN/lz_run" -n 2 sh -c 'ls -l /proc/$$/fd' > "$TMP/fds" 2>&1
+if [ -s "$TMP/fds" ] && ! grep -q "luazero-.*-rank-" "$TMP/fds"; then
+  ok "no shared-memory descriptor is inherited by a rank's program"
+else bad "no shared-memory descriptor is inherited by a rank's program" "$TMP/fds"; fi
 
 # --- single copy off (LZ_SHM_CMA=0, as where ptrace rules forbid it): the
 # segment paths give bitwise the same results
