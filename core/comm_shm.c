@@ -496,41 +496,29 @@ static lz_status cma_read(lz_comm *c, shm_comm *s, int p, void *local, uint64_t 
   return LZ_OK;
 }
 
-static int overlaps(const void *a, size_t na, const void *b, size_t nb) {
-  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
-  return na && nb && x < y + nb && y < x + na;
-}
-
 /* The peers' buffers can be read in place (shared memory or cross-memory
- * attach) for this operation: big enough, and no rank writes where a peer
- * reads (the receive buffer may be the send buffer only at this rank's own
- * shard). */
-static int single_copy_fits(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
-  size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
-  if (!(s->direct && n >= SHM_SHARED_MIN) && !(s->cma && n >= SHM_CMA_MIN)) return 0;
-  int64_t off, len;
-  lz_comm_shard(a->count, c->size, c->rank, &off, &len);
-  const uint8_t *send = a->send, *recv = a->recv;
-  size_t mine = (size_t)len * es;
+ * attach) for this operation: big enough (check_args in comm.c has already
+ * refused send and receive buffers that overlap other than in place). */
+static int single_copy_fits(shm_comm *s, const lz_coll_args *a) {
+  size_t n = (size_t)a->count * lz_dtype_size(a->dt);
+  int shared = s->direct && n >= SHM_SHARED_MIN, cma = s->cma && n >= SHM_CMA_MIN;
   switch (a->kind) {
-  case LZ_COLL_ALL_REDUCE: return 1;
-  case LZ_COLL_BROADCAST: return s->direct;
+  case LZ_COLL_ALL_REDUCE:
   case LZ_COLL_REDUCE_SCATTER:
-    return recv == send + (size_t)off * es || !overlaps(send, n, recv, mine);
-  case LZ_COLL_ALL_GATHER: return send == recv + (size_t)off * es || !overlaps(send, mine, recv, n);
+  case LZ_COLL_ALL_GATHER: return shared || cma;
+  case LZ_COLL_BROADCAST: return shared;
   default: return 0;
   }
 }
 
 /* Every rank's buffer (its send buffer, or with `recv` its receive buffer)
- * as this rank sees it in the job's shared memory, bytes[p] long from
- * byte at[p]: 1 when all of them are there. */
-static int shared_views(lz_comm *c, shm_comm *s, int recv, const size_t *at, const size_t *bytes,
-                        uint8_t **view) {
+ * as this rank sees it in the job's shared memory, bytes[p] long: 1 when
+ * all of them are there. */
+static int shared_views(lz_comm *c, shm_comm *s, int recv, const size_t *bytes, uint8_t **view) {
   if (!s->direct) return 0;
   for (int p = 0; p < c->size; p++) {
     uint64_t off = atomic_load(recv ? &s->ranks[p].recv_off : &s->ranks[p].send_off);
-    view[p] = off == UINT64_MAX ? NULL : lz_shared_view(p, (size_t)off + at[p], bytes[p]);
+    view[p] = off == UINT64_MAX ? NULL : lz_shared_view(p, (size_t)off, bytes[p]);
     if (!view[p]) return 0;
   }
   return 1;
@@ -589,10 +577,11 @@ static lz_status all_gather_push(lz_comm *c, shm_comm *s, const lz_coll_args *a,
   size_t es = lz_dtype_size(a->dt);
   int64_t off, len;
   lz_comm_shard(a->count, W, me, &off, &len);
+  copy_fn copy = copy_for(a);
   for (int i = 0; i < W; i++) {
     int p = (me + i) % W;
     if (len && rview[p] + off * es != (const uint8_t *)a->send)
-      copy_for(a)(rview[p] + off * es, a->send, (size_t)len * es);
+      copy(rview[p] + off * es, a->send, (size_t)len * es);
   }
   return barrier(c, s, "all_gather"); /* every shard is in every buffer */
 }
@@ -696,26 +685,26 @@ static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   atomic_store(&r->send_off, lz_shared_offset(a->send));
   atomic_store(&r->recv_off, lz_shared_offset(a->recv));
   LZ_TRY(barrier(c, s, op)); /* every rank has published */
-  size_t at[W], bytes[W];
+  size_t bytes[W];
   uint8_t *view[W];
   int64_t off, len;
-  for (int p = 0; p < W; p++) {
-    lz_comm_shard(a->count, W, p, &off, &len);
-    at[p] = 0;
-    bytes[p] = n;
-    if (a->kind == LZ_COLL_ALL_GATHER) bytes[p] = (size_t)len * es; /* the send shard */
-  }
+  for (int p = 0; p < W; p++) bytes[p] = n;
   int cma = s->cma && n >= SHM_CMA_MIN;
   switch (a->kind) {
-  case LZ_COLL_ALL_GATHER:
-    if (shared_views(c, s, 0, at, bytes, view)) return all_gather_read(c, s, a, view);
-    for (int p = 0; p < W; p++) bytes[p] = n;
-    if (shared_views(c, s, 1, at, bytes, view)) return all_gather_push(c, s, a, view);
+  case LZ_COLL_ALL_GATHER: {
+    size_t shard[W]; /* what each rank sends */
+    for (int p = 0; p < W; p++) {
+      lz_comm_shard(a->count, W, p, &off, &len);
+      shard[p] = (size_t)len * es;
+    }
+    if (shared_views(c, s, 0, shard, view)) return all_gather_read(c, s, a, view);
+    if (shared_views(c, s, 1, bytes, view)) return all_gather_push(c, s, a, view);
     if (cma) return all_gather_read(c, s, a, NULL);
     break;
+  }
   case LZ_COLL_REDUCE_SCATTER:
   case LZ_COLL_ALL_REDUCE:
-    if (shared_views(c, s, 0, at, bytes, view)) return reduce_shared(c, s, a, view);
+    if (shared_views(c, s, 0, bytes, view)) return reduce_shared(c, s, a, view);
     if (cma) return reduce_cma(c, s, a);
     break;
   case LZ_COLL_BROADCAST: {
@@ -752,7 +741,7 @@ static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
       if (a->send != a->recv) memmove(a->recv, a->send, n);
     return LZ_OK;
   }
-  if (single_copy_fits(c, s, a)) return single_copy(c, s, a);
+  if (single_copy_fits(s, a)) return single_copy(c, s, a);
   return segment_path(c, s, a);
 }
 
