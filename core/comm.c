@@ -121,9 +121,9 @@ LZ_DISPATCH static void reduce_blocks(void *dst, const void *const *srcs, int ns
       /* Sum and average: sources 0..W-2 into acc (none for two sources),
        * then the last one fused with the store. */
       const void *first = (const uint8_t *)srcs[0] + at, *last = (const uint8_t *)srcs[nsrc - 1] + at;
-      for (int p = 0; p < nsrc - 1 && nsrc > 2; p++)
-        accumulate(acc, (const uint8_t *)srcs[p] + at, dt, n, p == 0, op);
       if (nsrc > 2) {
+        for (int p = 0; p < nsrc - 1; p++)
+          accumulate(acc, (const uint8_t *)srcs[p] + at, dt, n, p == 0, op);
         if (dt == LZ_F32) RED_FINISH(acc[j], LD_F32, ST_F32);
         else if (dt == LZ_BF16) RED_FINISH(acc[j], LD_BF16, ST_BF16);
         else RED_FINISH(acc[j], LD_F16, ST_F16);
