@@ -301,15 +301,22 @@ typedef union {
   struct cmsghdr align; /* control data must be aligned like a cmsghdr */
 } fd_control;
 
+/* A one-byte message with room for a batch of descriptors. */
+static struct msghdr fd_message(struct iovec *io, char *byte, fd_control *ctl, size_t controllen) {
+  *io = (struct iovec){byte, 1};
+  struct msghdr m = {0};
+  m.msg_iov = io;
+  m.msg_iovlen = 1;
+  m.msg_control = ctl->buf;
+  m.msg_controllen = controllen;
+  return m;
+}
+
 static int send_fds(int sock, const int *fds, int n) {
   char byte = 0;
   fd_control ctl;
-  struct iovec io = {&byte, 1};
-  struct msghdr m = {0};
-  m.msg_iov = &io;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl.buf;
-  m.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
+  struct iovec io;
+  struct msghdr m = fd_message(&io, &byte, &ctl, CMSG_SPACE((size_t)n * sizeof(int)));
   struct cmsghdr *h = CMSG_FIRSTHDR(&m);
   h->cmsg_level = SOL_SOCKET;
   h->cmsg_type = SCM_RIGHTS;
@@ -321,12 +328,8 @@ static int send_fds(int sock, const int *fds, int n) {
 static int recv_fds(int sock, int *fds, int n) {
   char byte;
   fd_control ctl;
-  struct iovec io = {&byte, 1};
-  struct msghdr m = {0};
-  m.msg_iov = &io;
-  m.msg_iovlen = 1;
-  m.msg_control = ctl.buf;
-  m.msg_controllen = sizeof ctl.buf;
+  struct iovec io;
+  struct msghdr m = fd_message(&io, &byte, &ctl, sizeof ctl.buf);
   if (recvmsg(sock, &m, MSG_CMSG_CLOEXEC) != 1) return 0;
   struct cmsghdr *h = CMSG_FIRSTHDR(&m);
   if (!h || h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS) return 0;
