@@ -7,6 +7,7 @@
 
 #include <dnnl.h>    /* dnnl_sgemm, matmul primitive */
 #include <pthread.h> /* the primitive cache lock */
+#include <stdlib.h>  /* malloc, free for widened bf16 operands */
 
 /* ------------------------------------------------------------ bf16 cache */
 
@@ -114,10 +115,46 @@ static lz_status entry_build(cache_entry *e) {
   return LZ_OK;
 }
 
+static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
+                          int b_shared, float alpha, const float *a, const float *b, float beta,
+                          float *c);
+
+/* 0 once oneDNN said it has no bf16 matmul for this processor (no
+ * AVX-512): bf16 GEMMs then widen their inputs to f32 (exact) and run the
+ * f32 GEMM, accumulating in f32 as the bf16 kernels do. Slower, not
+ * different in kind, and the same on every rank and stage. */
+static int bf16_native = 1;
+
+static void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_to_f32_inline(src[i]);
+}
+
+static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t k, int ta,
+                                   int tb, int b_shared, float alpha, const void *a,
+                                   const void *b, float beta, float *c, const float *bias) {
+  const int64_t na = batch * m * k, nb = (b_shared ? 1 : batch) * k * n;
+  float *fa = malloc((size_t)(na + nb) * sizeof(float));
+  if (!fa)
+    return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory widening a %lld x %lld x %lld bf16 GEMM",
+                   (long long)m, (long long)n, (long long)k);
+  float *fb = fa + na;
+  widen_bf16(fa, a, na);
+  widen_bf16(fb, b, nb);
+  lz_status st = gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, fa, fb, beta, c);
+  free(fa);
+  if (st == LZ_OK && bias) /* only with alpha 1, beta 0 (linear_forward) */
+    for (int64_t r = 0; r < batch * m; r++)
+      for (int64_t j = 0; j < n; j++) c[r * n + j] += bias[j];
+  return st;
+}
+
 /* c[batch, m, n] = alpha * op(a) @ op(b) + beta * c (+ bias[n]); a and b bf16. */
 static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
                            int b_shared, float alpha, const void *a, const void *b, float beta,
                            float *c, const float *bias) {
+  if (!bf16_native)
+    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
   pthread_mutex_lock(&cache_lock);
   cache_entry *hit = NULL, *victim = &cache[0];
   for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
@@ -151,6 +188,10 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
     if (st == LZ_OK) st = dnnl_check(dnnl_stream_wait(stream), "stream_wait");
   }
   pthread_mutex_unlock(&cache_lock);
+  if (st == LZ_ERR_UNSUPPORTED) {
+    bf16_native = 0;
+    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
+  }
   return st;
 }
 

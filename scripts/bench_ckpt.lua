@@ -18,7 +18,7 @@ local flags = assert(args.parse(arg, {
 
 local cfg = gpt2.config(flags.model)
 local B, T = 1, 32
-local engine = lz.initialize({ model = gpt2.new(cfg), batch = { B, T }, seed = 1,
+local engine = require("luazero.zero").initialize({ model = gpt2.new(cfg), batch = { B, T }, seed = 1,
                                comm = require("luazero.comm").init("local"),
                                config = { train_micro_batch_size_per_gpu = B } })
 -- One step on random tokens, so the moments hold real numbers.

@@ -91,28 +91,47 @@ local function ckpt_u64(hex)
 end
 
 -- The normalised DeepSpeed configuration: the file (or nothing) with the
--- flags on top. Without a file, train.lua's own defaults stand in for what
--- DeepSpeed would need from the script: micro-batch 8, clipping 1.0, AdamW
--- (0.9, 0.95), weight decay 0.1, a warmup + cosine schedule.
+-- flags on top. Without a file, config.train_defaults stand in for what
+-- DeepSpeed would need from the script (micro-batch, clipping, AdamW); the
+-- lr is the model size's unless --lr is given.
 local function load_config(flags, world, model_cfg)
   local ov = {
     stage = flags.stage, dtype = flags.dtype, micro_batch = flags.micro_batch,
     grad_accum = flags.grad_accum, lr = flags.lr, warmup = flags.warmup,
     total_steps = flags.steps, memory_budget = flags.memory_budget,
   }
+  local td = config.train_defaults
   local source = flags.config
   if not source then
     source = {}
-    ov.micro_batch = ov.micro_batch or 8
-    ov.grad_accum = ov.grad_accum or 1
-    ov.gradient_clipping = 1.0
+    ov.micro_batch = ov.micro_batch or td.micro_batch
+    ov.grad_accum = ov.grad_accum or td.grad_accum
+    ov.gradient_clipping = td.gradient_clipping
   end
   local cfg = config.load(source, world, ov)
   if not cfg.optimizer then
-    cfg.optimizer = { type = "AdamW", decoupled_weight_decay = true, params = {
-      lr = flags.lr or model_cfg.lr, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 } }
+    local p = td.optimizer.params
+    cfg.optimizer = { type = td.optimizer.type, decoupled_weight_decay = true, params = {
+      lr = flags.lr or model_cfg.lr, betas = { p.betas[1], p.betas[2] }, eps = p.eps,
+      weight_decay = p.weight_decay } }
   end
   return cfg
+end
+
+-- The learning-rate schedule that runs, and its name for the start-up
+-- line: the config's scheduler, a constant lr (a config without one, as
+-- DeepSpeed), or without a config file warmup + cosine
+-- (config.train_defaults' warmup unless --warmup).
+local function schedule_of(cfg, flags)
+  local lr, td = cfg.optimizer.params.lr, config.train_defaults
+  local warmup = flags.warmup or math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction))
+  if cfg.scheduler then
+    return config.lr_schedule(cfg), ("scheduler %s"):format(cfg.scheduler.type), warmup
+  elseif flags.config then
+    return function() return lr end, "constant", warmup
+  end
+  return optim.schedule.warmup_cosine(lr, warmup, flags.steps),
+         ("warmup %d + cosine"):format(warmup), warmup
 end
 
 -- "auto": the lowest stage whose model states fit the per-rank budget.
@@ -178,15 +197,7 @@ local function main(argv)
   end
   local steps, accum = flags.steps, cfg.gradient_accumulation_steps
   local lr = cfg.optimizer.params.lr
-  local warmup = flags.warmup or math.min(100, math.floor(steps * 0.1))
-  local schedule
-  if cfg.scheduler then
-    schedule = config.lr_schedule(cfg)
-  elseif flags.config then
-    schedule = function() return lr end -- DeepSpeed: no scheduler, constant lr
-  else
-    schedule = optim.schedule.warmup_cosine(lr, warmup, steps)
-  end
+  local schedule, sched, warmup = schedule_of(cfg, flags)
 
   local corpus = checked(data.load, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
@@ -210,7 +221,7 @@ local function main(argv)
   elseif cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
-  local engine = lz.initialize({ model = model, config = cfg, seed = flags.seed,
+  local engine = require("luazero.zero").initialize({ model = model, config = cfg, seed = flags.seed,
                                  batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
   local first = 1
@@ -241,16 +252,6 @@ local function main(argv)
       world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
   local where = engine:offload_summary()
   if where then say(where) end
-  -- The schedule that runs: the config's scheduler, a constant lr (a config
-  -- without one), or train.lua's warmup + cosine.
-  local sched
-  if cfg.scheduler then
-    sched = ("scheduler %s"):format(cfg.scheduler.type)
-  elseif flags.config then
-    sched = "constant"
-  else
-    sched = ("warmup %d + cosine"):format(warmup)
-  end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
        "%s, %d steps, %d threads")
       :format(B * world, T, accum, B * T * accum * world, lr, sched, steps, lz.threads()))

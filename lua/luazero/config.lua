@@ -138,6 +138,24 @@ M.aio_defaults = {
 
 -- FusedAdam's defaults (what DeepSpeed builds for "Adam" and "AdamW").
 M.adam_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0 }
+-- FusedLion's (what DeepSpeed builds for "Lion").
+M.lion_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, weight_decay = 0 }
+-- The optimizer DeepSpeed's engine is given when the config has none: the
+-- engine's own default (scripts/train.lua brings its own, train_defaults).
+M.optimizer_default = { type = "AdamW", params = M.adam_defaults, decoupled_weight_decay = true }
+M.gradient_clipping_default = 0
+
+-- What scripts/train.lua uses when no --config file is given, in place of
+-- what a DeepSpeed user's script would pass (docs/configuration.md,
+-- "Without a config file"): the micro-batch, clipping, AdamW with GPT-2's
+-- betas and weight decay, and a warmup (10% of the steps, at most 100) +
+-- cosine schedule.
+M.train_defaults = {
+  micro_batch = 8, grad_accum = 1, gradient_clipping = 1.0,
+  optimizer = { type = "AdamW", decoupled_weight_decay = true,
+                params = { betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 } },
+  warmup_fraction = 0.1, warmup_max = 100,
+}
 
 M.offload_optimizer_defaults = {
   device = "none", nvme_path = nil, buffer_count = 4, pin_memory = false,
@@ -232,33 +250,49 @@ local function batch_sizes(raw, world, cfg, notes)
   cfg.gradient_accumulation_steps = ga
 end
 
+local function betas_param(key, b)
+  if type(b) ~= "table" or #b ~= 2 or type(b[1]) ~= "number" or type(b[2]) ~= "number" or
+     b[1] < 0 or b[1] >= 1 or b[2] < 0 or b[2] >= 1 then
+    fail("%sbetas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999] (got %s)", key,
+         type(b) == "table" and cjson.encode(b) or show(b))
+  end
+  return { b[1], b[2] }
+end
+
+-- Lion: lr, betas, weight_decay (decoupled); anything else is reported.
+local function lion_params(p, cfg, unimpl, key)
+  local out = deep_copy(M.lion_defaults)
+  if given(p.lr) then out.lr = number_at_least(key .. "lr", p.lr, 0) end
+  if given(p.betas) then out.betas = betas_param(key, p.betas) end
+  if given(p.weight_decay) then
+    out.weight_decay = number_at_least(key .. "weight_decay", p.weight_decay, 0)
+  end
+  for _, k in ipairs(sorted_keys(p)) do
+    if out[k] == nil and p[k] ~= false then unimpl[#unimpl + 1] = key .. k end
+  end
+  cfg.optimizer = { type = "Lion", params = out, decoupled_weight_decay = true }
+end
+
 local function optimizer_section(raw, cfg, unimpl)
   if not given(raw) then return end
   block("optimizer", raw)
   local t = raw.type
   if type(t) ~= "string" then
-    fail('optimizer.type must be "Adam" or "AdamW" (got %s)', show(t))
+    fail('optimizer.type must be "Adam", "AdamW" or "Lion" (got %s)', show(t))
   end
   local lt = t:lower() -- DeepSpeed matches its own optimizer names case-insensitively
-  if lt ~= "adam" and lt ~= "adamw" then
-    fail('optimizer.type %s is not available; luazero has "Adam" and "AdamW"', show(t))
+  if lt ~= "adam" and lt ~= "adamw" and lt ~= "lion" then
+    fail('optimizer.type %s is not available; luazero has "Adam", "AdamW" and "Lion"', show(t))
   end
   for _, k in ipairs(sorted_keys(raw)) do
     if k ~= "type" and k ~= "params" then unimpl[#unimpl + 1] = "optimizer." .. k end
   end
   local p = given(raw.params) and block("optimizer.params", raw.params) or {}
-  local out = deep_copy(M.adam_defaults)
   local key = "optimizer.params."
+  if lt == "lion" then return lion_params(p, cfg, unimpl, key) end
+  local out = deep_copy(M.adam_defaults)
   if given(p.lr) then out.lr = number_at_least(key .. "lr", p.lr, 0) end
-  if given(p.betas) then
-    local b = p.betas
-    if type(b) ~= "table" or #b ~= 2 or type(b[1]) ~= "number" or type(b[2]) ~= "number" or
-       b[1] < 0 or b[1] >= 1 or b[2] < 0 or b[2] >= 1 then
-      fail("%sbetas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999] (got %s)", key,
-           type(b) == "table" and cjson.encode(b) or show(b))
-    end
-    out.betas = { b[1], b[2] }
-  end
+  if given(p.betas) then out.betas = betas_param(key, p.betas) end
   if given(p.eps) then out.eps = number_at_least(key .. "eps", p.eps, 0) end
   if given(p.weight_decay) then
     out.weight_decay = number_at_least(key .. "weight_decay", p.weight_decay, 0)
@@ -785,7 +819,7 @@ function M.load(source, world_size, overrides)
                 overrides = deep_copy(ov) }
   local unimpl = {}
   cfg.no_effect = {}
-  cfg.gradient_clipping = 0
+  cfg.gradient_clipping = M.gradient_clipping_default
   if given(raw.gradient_clipping) then
     cfg.gradient_clipping = number_at_least("gradient_clipping", raw.gradient_clipping, 0)
   end

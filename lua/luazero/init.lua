@@ -540,9 +540,6 @@ lz.ops = ops
 
 function lz.adamw_args(t) return ffi.new("lz_adamw_args", t) end
 
--- The ZeRO engine (luazero/engine.lua): luazero.initialize{model=..., config=...}.
-function lz.initialize(opts) return require("luazero.engine").initialize(opts) end
-
 -- Submodules on first use.
 return setmetatable(lz, {
   __index = function(t, k)

@@ -34,7 +34,7 @@ local function is_engine(v) return show.is_engine(v) end
 local function the_engine(engine, fn)
   if engine ~= nil then
     if not is_engine(engine) then
-      error(("%s: expected an engine (from lz.initialize), got a %s"):format(fn, type(engine)), 0)
+      error(("%s: expected an engine (from luazero.zero.initialize), got a %s"):format(fn, type(engine)), 0)
     end
     return engine
   end

@@ -69,7 +69,7 @@ local function global_name(v)
 end
 
 local function is_engine(v)
-  local ok, engine = pcall(require, "luazero.engine")
+  local ok, engine = pcall(require, "luazero.zero.engine")
   return ok and type(v) == "table" and getmetatable(v) == engine.Engine
 end
 
@@ -81,7 +81,7 @@ local function encode_args(name, ...)
     if is_engine(v) then
       local g = global_name(v)
       if not g then
-        error(("%s: the engine must be in a global variable (engine = lz.initialize{...}) so " ..
+        error(("%s: the engine must be in a global variable (engine = zero.initialize{...}) so " ..
                "that the other ranks find theirs by its name"):format(name), 0)
       end
       a[tostring(i)] = { global = g }

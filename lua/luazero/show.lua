@@ -127,7 +127,7 @@ end
 ------------------------------------------------------------------ engine
 
 function M.is_engine(v)
-  local ok, engine = pcall(require, "luazero.engine")
+  local ok, engine = pcall(require, "luazero.zero.engine")
   return ok and type(v) == "table" and getmetatable(v) == engine.Engine
 end
 

@@ -191,7 +191,7 @@ function T.working_copy_is_round_of_master_bitwise()
   local comm = require("luazero.comm").init("local")
   for _, stage in ipairs({ 0, 3 }) do
     local cfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
-    local engine = lz.initialize({
+    local engine = require("luazero.zero").initialize({
       model = gpt2.new(cfg), seed = 3, batch = { 2, 16 }, comm = comm,
       config = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
                  bf16 = { enabled = true }, zero_optimization = { stage = stage } } })

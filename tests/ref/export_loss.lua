@@ -14,7 +14,7 @@ local c = ck.manifest.model.config
 local cfg = gpt2.config("gpt2-nano", { n_layer = c.n_layer, n_head = c.n_head, n_embd = c.n_embd,
                                        context = c.context, vocab = c.vocab })
 local B, T = 2, 16
-local engine = lz.initialize({ model = gpt2.new(cfg), batch = { B, T },
+local engine = require("luazero.zero").initialize({ model = gpt2.new(cfg), batch = { B, T },
                                comm = require("luazero.comm").init("local"),
                                config = { train_micro_batch_size_per_gpu = B } })
 engine:load(path)

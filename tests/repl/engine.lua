@@ -8,7 +8,7 @@ local gpt2 = require("models.gpt2")
 local stage = tonumber(arg[1] or "3")
 local cfg = gpt2.config("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 16 })
 model = gpt2.new(cfg)
-engine = lz.initialize({
+engine = require("luazero.zero").initialize({
   model = model, seed = 7, batch = { 2, 16 },
   config = { zero_optimization = { stage = stage, stage3_param_persistence_threshold = 128 },
              gradient_clipping = 1.0, optimizer = { params = { lr = 1e-3 } } },

@@ -16,7 +16,7 @@
 -- the same buffers in pinned host memory.
 --
 --   local st = offload.states{ n = n, master = true, device = "nvme", ... }
---   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.m, v.v, v.work end [, fresh])
+--   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.s (the states), v.work end [, fresh])
 --   local ps = offload.param_shard{ n = shard_numel, dtype = "bf16", device = "nvme", ... }
 --   local view, stage = ps:slice(offset, len) ... ps:release(stage)
 local lz = require("luazero")
@@ -51,7 +51,8 @@ local States = {}
 States.__index = States
 
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
--- master copy here; false: the working copy is the fp32 master),
+-- master copy here; false: the working copy is the fp32 master), names
+-- (the optimizer's per-element fp32 states, in order; { "m", "v" }),
 -- device ("none"|"cpu"|"nvme"), nvme_path, aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
 -- params (a param_shard on NVMe whose working copy the groups write back),
@@ -59,7 +60,8 @@ States.__index = States
 -- (cut into sub-groups even in memory: the parameter shard is on NVMe).
 function M.states(opts)
   local n, dev = opts.n, opts.device or "none"
-  local self = setmetatable({ n = n, device = dev, has_master = opts.master,
+  local names = opts.names or { "m", "v" }
+  local self = setmetatable({ n = n, device = dev, has_master = opts.master, names = names,
                               params = opts.params, wdt = opts.work_dtype,
                               pipeline_read = opts.pipeline_read,
                               pipeline_write = opts.pipeline_write }, States)
@@ -74,14 +76,12 @@ function M.states(opts)
     self.groups[#self.groups + 1] = { lo = lo, n = math.min(G, n - lo) }
   end
   if n == 0 then self.groups = {} end
-  self.parts = opts.master and 3 or 2 -- master?, m, v
+  self.parts = (opts.master and 1 or 0) + #names -- master?, then the states
+  self.s = {}
   if not on_disk then
     local cat = dev == "cpu" and "offload" or "optimizer"
     if opts.master then self.master = lz.tensor({ n }, "f32", cat) end
-    self.m = lz.tensor({ n }, "f32", cat)
-    self.v = lz.tensor({ n }, "f32", cat)
-    self.m:zero()
-    self.v:zero()
+    for i = 1, #names do self.s[i] = lz.tensor({ n }, "f32", cat):zero() end
   end
   -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
   self.nb = 0
@@ -108,20 +108,19 @@ end
 
 function States:buffer(k) return self.buffers[(k - 1) % self.nb + 1] end
 
--- Views of group k: master (if kept here), m, v, and work (the staging of
--- its working copy when the parameter shard is on NVMe). Stable per group.
+-- Views of group k: master (if kept here), s (the states, in order), and
+-- work (the staging of its working copy when the parameter shard is on
+-- NVMe). Stable per group.
 function States:make_views(k, g)
-  local v = {}
+  local v = { s = {} }
   if self.swap then
     local st, G = self:buffer(k).state, self.G
     local i = 0
     if self.has_master then v.master = st:view(0, { g.n }); i = 1 end
-    v.m = st:view(i * G, { g.n })
-    v.v = st:view((i + 1) * G, { g.n })
+    for j = 1, #self.names do v.s[j] = st:view((i + j - 1) * G, { g.n }) end
   else
     if self.master then v.master = self.master:view(g.lo, { g.n }) end
-    v.m = self.m:view(g.lo, { g.n })
-    v.v = self.v:view(g.lo, { g.n })
+    for j, t in ipairs(self.s) do v.s[j] = t:view(g.lo, { g.n }) end
   end
   if self.params then v.work = self:buffer(k).work:view(0, { g.n }) end
   return v
@@ -178,6 +177,16 @@ function States:each_group(write_back, fn, fresh)
   if not ok then error(err, 0) end
 end
 
+-- Bytes of the staging ring (host memory, ledger category offload).
+function States:staging_bytes()
+  local n = 0
+  for _, b in ipairs(self.buffers or {}) do
+    if b.state then n = n + b.state:bytes() end
+    if b.work then n = n + b.work:bytes() end
+  end
+  return n
+end
+
 -- Bytes this rank's optimizer states hold on NVMe, read and written so far.
 function States:io_bytes()
   local r, w = 0, 0
@@ -199,9 +208,9 @@ function States:free()
   end
   self.buffers = nil
   if self.swap then self.swap:close(); self.swap = nil end
-  for _, key in ipairs({ "master", "m", "v" }) do
-    if self[key] then self[key]:free(); self[key] = nil end
-  end
+  if self.master then self.master:free(); self.master = nil end
+  for _, t in ipairs(self.s) do t:free() end
+  self.s = {}
 end
 
 ------------------------------------------------------------ parameter shard

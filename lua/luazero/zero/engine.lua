@@ -1,22 +1,27 @@
--- engine.lua — the ZeRO engine: luazero.initialize{model=..., config=...}
+-- zero/engine.lua — the ZeRO engine: luazero.initialize{model=..., config=...}
 -- returns an engine with forward, backward, step and train_batch, in the
--- spirit of deepspeed.initialize. Stages 0-3, bf16/fp16 working copies over
--- fp32 master weights, dynamic loss scaling, gradient clipping with a global
--- norm computed in a canonical order. docs/zero.md describes the design.
+-- spirit of deepspeed.initialize. What each stage keeps where is the
+-- placement plan (zero/plan.lua), built once here and read everywhere
+-- below; bf16/fp16 working copies over fp32 master weights, dynamic loss
+-- scaling, gradient clipping with a global norm computed in a canonical
+-- order, and the update by an optimizer object (luazero/optim/).
+-- docs/zero.md describes the design.
 --
 --   local engine = lz.initialize{ model = gpt2.new(cfg), config = cfg_table,
 --                                 seed = 1337, batch = {B, T}, lr = fn(step) }
 --   local rec = engine:train_batch(loader)   -- one optimizer step
---   engine:params_checksum()
+--   engine:params_checksum(); print(engine:plan())
 local ffi = require("ffi")
 local lz = require("luazero")
+local config = require("luazero.config")
+local optim = require("luazero.optim")
 local layout = require("luazero.zero.layout")
+local Placement = require("luazero.zero.plan")
 local Pool = require("luazero.zero.pool")
 local Scaler = require("luazero.zero.scaler")
 local offload = require("luazero.zero.offload")
 
 local ops = lz.ops
-local C = lz.C
 
 local M = {}
 local Engine = {}
@@ -24,41 +29,52 @@ Engine.__index = Engine
 
 local wdtypes = { fp32 = "f32", bf16 = "bf16", fp16 = "f16" }
 local CHUNK = 65536
+local at = Placement.offset
 
--- The settings the engine reads from a normalised DeepSpeed config, with
--- DeepSpeed's defaults for what is absent.
+-- The settings the engine reads from a DeepSpeed config (normalised by
+-- luazero.config, or a partial table in tests): what is absent takes the
+-- defaults luazero.config holds, the one home of defaults.
 local function settings(cfg)
   cfg = cfg or {}
+  local zd = config.zero_defaults
   local z = cfg.zero_optimization or {}
   local fp16, bf16 = cfg.fp16 or {}, cfg.bf16 or {}
-  local op = (cfg.optimizer or {}).params or {}
   local dtype = "fp32"
   if fp16.enabled then dtype = "fp16" elseif bf16.enabled then dtype = "bf16" end
-  local betas = op.betas or { 0.9, 0.999 }
+  local function zget(k) if z[k] == nil then return zd[k] end return z[k] end
+  local opt = cfg.optimizer or { type = "AdamW", params = {} }
   return {
-    stage = z.stage or 0,
+    stage = zget("stage"),
     dtype = dtype,
     accum = cfg.gradient_accumulation_steps or 1,
     micro_batch = cfg.train_micro_batch_size_per_gpu,
-    clip = cfg.gradient_clipping or 0,
-    lr = op.lr or 1e-3, beta1 = betas[1], beta2 = betas[2], eps = op.eps or 1e-8,
-    weight_decay = op.weight_decay or 0.01,
-    reduce_bucket = z.reduce_bucket_size or 5e8,
-    allgather_bucket = z.allgather_bucket_size or 5e8,
+    clip = cfg.gradient_clipping or config.gradient_clipping_default,
+    optimizer = opt,
+    lr = (opt.params or {}).lr or config.adam_defaults.lr,
+    reduce_bucket = zget("reduce_bucket_size"),
+    allgather_bucket = zget("allgather_bucket_size"),
     overlap = z.overlap_comm == true,
-    prefetch = z.stage3_prefetch_bucket_size or 5e7,
-    persistence = z.stage3_param_persistence_threshold or 1e5,
-    max_live = z.stage3_max_live_parameters or 1e9,
+    prefetch = zget("stage3_prefetch_bucket_size"),
+    persistence = zget("stage3_param_persistence_threshold"),
+    max_live = zget("stage3_max_live_parameters"),
     fp16 = fp16,
     -- data_types.grad_accum_dtype: the dtype the gradients are kept in.
     grad_dtype = cfg.grad_accum_dtype or "fp32",
-    offload_opt = z.offload_optimizer or { device = "none" },
-    offload_param = z.offload_param or { device = "none" },
-    sub_group = z.sub_group_size or 1e9,
+    offload_opt = z.offload_optimizer or config.offload_optimizer_defaults,
+    offload_param = z.offload_param or config.offload_param_defaults,
+    sub_group = zget("sub_group_size"),
     aio = cfg.aio,
   }
 end
 M.settings = settings
+
+-- The placement plan a configuration gives (zero/plan.lua).
+function M.plan_of(s, device)
+  return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
+                        offload_optimizer = s.offload_opt.device,
+                        offload_param = s.offload_param.device, device = device or "cpu",
+                        accum = s.accum }
+end
 
 -- opts: model (not allocated), config (normalised DeepSpeed table), seed,
 -- batch {B, T} (sizes the activation arenas), lr (function of the 1-based
@@ -71,40 +87,30 @@ function M.initialize(opts)
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
   local W, rank = comm.size(), comm.rank()
+  local ok, P = pcall(M.plan_of, s)
+  if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   local self = setmetatable({
-    model = model, s = s, comm = comm, world = W, rank = rank, stage = s.stage,
-    dtype = s.dtype, wdt = wdtypes[s.dtype], lr = opts.lr or function() return s.lr end,
+    model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
+    dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
+    lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0, inflight = {},
     loss_sum = 0, loss_count = 0,
   }, Engine)
-  assert(self.stage >= 0 and self.stage <= 3, "initialize: stage must be 0..3")
-  assert(s.offload_opt.device == "none" or self.stage >= 1,
-         "initialize: offload_optimizer needs stage 1, 2 or 3")
-  assert(s.offload_param.device == "none" or self.stage == 3,
-         "initialize: offload_param needs stage 3")
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
   -- the kernels still write fp32 module gradients into the staging buffer;
   -- it is rounded to gdt, reduced in gdt and added (in fp32, rounded back)
   -- into the gdt gradients. docs/zero.md, "Gradient dtype".
-  self.gdt = wdtypes[s.grad_dtype]
   assert(self.gdt == "f32" or self.gdt == self.wdt,
          "initialize: data_types.grad_accum_dtype must be fp32 or the working dtype")
   self.half_grads = self.gdt ~= "f32"
-  -- Staged gradients: each module's gradients go into a pooled staging
-  -- buffer, are reduced as soon as they are complete and added into the
-  -- gradient buffer, every micro-step. Stages 2-3 always; stages 0-1 too
-  -- with gradient accumulation, so that every stage adds the same reduced
-  -- micro-step gradients in the same order (bitwise the same parameters;
-  -- docs/zero.md, Determinism).
-  -- Half gradients are always staged (the kernels write fp32).
-  self.staged = self.stage >= 2 or s.accum > 1 or self.half_grads
+  self.optimizer = optim.new(s.optimizer)
   self.L = layout.new(model.param_table, W)
   self.pool = Pool.new()
   self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
   self:find_users()
   self:allocate()
   self:init_weights(opts.seed or 0)
-  self:build_runs()
+  self:build_calls()
   self:install_hooks()
   if opts.checkpoint_activations then
     model:checkpoint_activations((opts.config or {}).activation_checkpointing or true)
@@ -112,6 +118,9 @@ function M.initialize(opts)
   if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   return self
 end
+
+-- The placement plan: print(engine:plan()) shows what lives where.
+function Engine:plan() return self.P end
 
 ------------------------------------------------------------- layout, buffers
 
@@ -125,6 +134,9 @@ function Engine:find_users()
   for _, seg in ipairs(L.segments) do
     seg.users = 1
     self.segs_of[seg.module] = { seg }
+    -- This rank's slice of the segment, as a run (layout.shard_runs).
+    seg.mine = { full_offset = seg.full_offset + self.rank * seg.slice,
+                 shard_offset = seg.shard_offset, numel = seg.slice }
   end
   model:walk(function(m)
     if m.tied then
@@ -140,91 +152,90 @@ function Engine:find_users()
   end)
 end
 
--- Binds module.p views of one segment onto `buf` (its padded full extent).
-local function bind_params(seg, buf)
+-- Binds module.p (or .g) views of one segment onto `buf` (its padded full
+-- extent), or unbinds them (nil).
+local function bind(field, seg, buf)
   for _, e in ipairs(seg.entries) do
-    e.entry.module.p[e.entry.key] = buf and buf:view(e.seg_offset, e.shape) or nil
+    e.entry.module[field][e.entry.key] = buf and buf:view(e.seg_offset, e.shape) or nil
   end
 end
+local function bind_params(seg, buf) bind("p", seg, buf) end
+local function bind_grads(seg, buf) bind("g", seg, buf) end
 
-local function bind_grads(seg, buf)
-  for _, e in ipairs(seg.entries) do
-    e.entry.module.g[e.entry.key] = buf and buf:view(e.seg_offset, e.shape) or nil
-  end
+-- Elements of a buffer of this extent on this rank.
+function Engine:numel(extent)
+  if extent == "full" then return self.L.full_numel end
+  if extent == "shard" then return self.L.shard_numel end
+  return 0
 end
 
+-- The ledger category of a state the plan puts on `tier`.
+local function category(name, tier)
+  if tier == "host" then return "offload" end
+  return name
+end
+
+-- One buffer per state the plan keeps in memory: the working parameters
+-- (self.work), the gradients (self.grads), the optimizer's fp32 master and
+-- states (self.states: zero/offload.lua, resident or swapped to NVMe).
 function Engine:allocate()
-  local L, stage, wdt = self.L, self.stage, self.wdt
-  local full, shard = L.full_numel, L.shard_numel
-  if stage <= 2 then
-    self.full_w = lz.tensor({ full }, wdt, "params")
+  local L, P, s = self.L, self.P, self.s
+  if P.device ~= "cpu" then
+    error(("initialize: device %s: the engine keeps its buffers on the cpu"):format(P.device), 0)
+  end
+  assert(P.opt_grads.alias, "engine: the optimizer reads the gradients where they are reduced")
+  local pp = P.params
+  if pp.tier == "nvme" then
+    local op = s.offload_param
+    self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype,
+                                       nvme_path = op.nvme_path, aio = s.aio,
+                                       buffer_count = op.buffer_count }
+    -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
+    -- staged at once must fit.
     for _, seg in ipairs(L.segments) do
-      bind_params(seg, self.full_w:view(seg.full_offset, { seg.padded }))
+      if op.buffer_size and seg.slice > op.buffer_size then
+        error(("initialize: zero_optimization.offload_param.buffer_size %d is smaller than " ..
+               "%s's slice of %d elements; raise it to at least %d")
+              :format(op.buffer_size, seg.entries[1].entry.name or "a parameter", seg.slice,
+                      seg.slice), 0)
+      end
     end
   else
-    -- offload_param: the working shard in host memory or on NVMe.
-    local op = self.s.offload_param
-    if op.device == "nvme" then
-      self.pshard = offload.param_shard{ n = shard, dtype = wdt, nvme_path = op.nvme_path,
-                                         aio = self.s.aio, buffer_count = op.buffer_count }
-      -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
-      -- staged at once must fit.
-      for _, seg in ipairs(L.segments) do
-        if op.buffer_size and seg.slice > op.buffer_size then
-          error(("initialize: zero_optimization.offload_param.buffer_size %d is smaller than " ..
-                 "%s's slice of %d elements; raise it to at least %d")
-                :format(op.buffer_size, seg.entries[1].entry.name or "a parameter", seg.slice,
-                        seg.slice), 0)
-        end
-      end
-    else
-      self.shard_w = lz.tensor({ shard }, wdt, op.device == "cpu" and "offload" or "params")
-    end
-    self.persistent = {}
-    for _, seg in ipairs(L.segments) do
-      if seg.numel <= self.s.persistence then
-        seg.persistent = lz.tensor({ seg.padded }, wdt, "params")
-        bind_params(seg, seg.persistent)
-      end
+    self.work = lz.tensor({ self:numel(pp.extent) }, pp.dtype, category("params", pp.tier))
+  end
+  for _, seg in ipairs(L.segments) do
+    if pp.extent == "full" then
+      bind_params(seg, self.work:view(seg.full_offset, { seg.padded }))
+    elseif seg.numel <= s.persistence then
+      seg.persistent = lz.tensor({ seg.padded }, pp.persistent.dtype, "params")
+      bind_params(seg, seg.persistent)
     end
   end
-  -- fp32 master: the working buffer itself in fp32 (unless that is on
-  -- NVMe), else its own buffer; with the moments, where offload_optimizer
-  -- puts them (zero/offload.lua).
-  local opt_n = stage == 0 and full or shard
-  local separate = wdt ~= "f32" or self.pshard ~= nil
-  local oo = self.s.offload_opt
+  -- The fp32 master (the working buffer itself where the plan says so) and
+  -- the optimizer's states, where offload_optimizer puts them.
+  local oo = s.offload_opt
   self.states = offload.states{
-    n = opt_n, master = separate, device = oo.device, nvme_path = oo.nvme_path,
-    aio = self.s.aio, sub_group_size = self.s.sub_group, buffer_count = oo.buffer_count,
-    pipeline_read = oo.pipeline_read, pipeline_write = oo.pipeline_write,
-    params = self.pshard, work_dtype = wdt,
+    n = self:numel(P.m.extent), master = not P.master.alias, names = self.optimizer.states,
+    device = oo.device, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
+    buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
+    pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
   }
-  if separate then
-    self.master = self.states.master -- nil when on NVMe
-  else
-    self.master = stage == 3 and self.shard_w or self.full_w
-  end
-  self.m, self.v = self.states.m, self.states.v
+  if P.master.alias then self.master = self.work else self.master = self.states.master end
   -- Half gradients: fp32 scratch, CHUNK elements at a time, for the
   -- optimizer's view of the gradients and for accumulating into them.
   if self.half_grads then self.gscratch = lz.tensor({ 2 * CHUNK }, "f32", "workspace") end
-  if stage <= 1 then
-    self.full_g = lz.tensor({ full }, self.gdt, "grads")
-    if not self.staged then
-      for _, seg in ipairs(L.segments) do
-        bind_grads(seg, self.full_g:view(seg.full_offset, { seg.padded }))
-      end
+  self.grads = lz.tensor({ self:numel(P.grads.extent) }, P.grads.dtype, "grads")
+  if not P.reduce.staged then
+    for _, seg in ipairs(L.segments) do
+      bind_grads(seg, self.grads:view(seg.full_offset, { seg.padded }))
     end
-  else
-    self.shard_g = lz.tensor({ shard }, self.gdt, "grads")
   end
 end
 
 -- Every rank draws the same initial weights (same seed, canonical order)
--- into a temporary fp32 buffer, then keeps what its stage holds.
+-- into a temporary fp32 buffer, then keeps what the plan places on it.
 function Engine:init_weights(seed)
-  local L, model, rank = self.L, self.model, self.rank
+  local L, model, P = self.L, self.model, self.P
   local tmp = lz.tensor({ L.full_numel }, "f32", "workspace")
   local saved = {}
   for _, seg in ipairs(L.segments) do
@@ -234,26 +245,24 @@ function Engine:init_weights(seed)
     bind_params(seg, tmp:view(seg.full_offset, { seg.padded }))
   end
   model:init_weights(seed)
+  -- A state's part of segment seg: the whole padded segment (full) or this
+  -- rank's slice (shard), copied from the drawn weights.
+  local function place(buf, extent, seg)
+    if not buf then return end
+    if extent == "full" then
+      buf:view(seg.full_offset, { seg.padded }):copy(tmp:view(seg.full_offset, { seg.padded }))
+    else
+      buf:view(seg.shard_offset, { seg.slice }):copy(tmp:view(seg.mine.full_offset, { seg.slice }))
+    end
+  end
   for _, seg in ipairs(L.segments) do
     bind_params(seg, nil)
     for _, e in ipairs(seg.entries) do e.entry.module.p[e.entry.key] = saved[e] end
-    local full = tmp:view(seg.full_offset, { seg.padded })
-    local slice = tmp:view(seg.full_offset + rank * seg.slice, { seg.slice })
-    if self.stage <= 2 then
-      self.full_w:view(seg.full_offset, { seg.padded }):copy(full)
-    else
-      if self.shard_w then self.shard_w:view(seg.shard_offset, { seg.slice }):copy(slice) end
-      if seg.persistent then seg.persistent:copy(full) end
-    end
-    if self.master and self.master ~= self.full_w and self.master ~= self.shard_w then
-      if self.stage == 0 then
-        self.master:view(seg.full_offset, { seg.padded }):copy(full)
-      else
-        self.master:view(seg.shard_offset, { seg.slice }):copy(slice)
-      end
-    end
+    place(self.work, P.params.extent, seg)
+    if seg.persistent then seg.persistent:copy(tmp:view(seg.full_offset, { seg.padded })) end
+    if not P.master.alias then place(self.master, P.master.extent, seg) end
   end
-  -- Sub-groups on NVMe: the master slices and zero moments to the state
+  -- Sub-groups on NVMe: the master slices and zero states to the state
   -- file, the working copy (the master rounded) to the parameter file.
   local st = self.states
   if st.nb > 0 then
@@ -261,12 +270,11 @@ function Engine:init_weights(seed)
       if st.swap then
         if v.master then
           self:shard_pieces(lo, n, function(seg, a, len)
-            local from = seg.full_offset + rank * seg.slice + (a - seg.shard_offset)
+            local from = seg.mine.full_offset + (a - seg.shard_offset)
             v.master:view(a - lo, { len }):copy(tmp:view(from, { len }))
           end)
         end
-        v.m:zero()
-        v.v:zero()
+        for _, t in ipairs(v.s) do t:zero() end
       end
       if v.work then v.work:copy(v.master) end
     end, true) -- fresh: every state is written here, nothing to read first
@@ -286,33 +294,33 @@ function Engine:shard_pieces(lo, n, fn)
   end
 end
 
--- AdamW runs over what this rank updates: every slice in stage 0 (the
--- optimizer is replicated), its own slices otherwise. Each run is a piece
--- of one decay setting; the pieces that fall in each optimizer sub-group
+-- The optimizer's calls: it updates every rank's slices where the plan
+-- replicates it (stage 0), this rank's otherwise. Each run is a piece of
+-- one decay setting; the pieces that fall in each optimizer sub-group
 -- (zero/offload.lua) become that group's calls, with views into the
--- group's master and moments (resident or staged), the gradients and (bf16/
+-- group's master and states (resident or staged), the gradients and (bf16/
 -- fp16, or an NVMe parameter shard) the working copy.
-function Engine:build_runs()
-  local L, stage = self.L, self.stage
-  local ranks = stage == 0 and self.world or 1
+function Engine:build_calls()
+  local L, P = self.L, self.P
+  local ranks = {}
+  if P.optimizer.ranks == "all" then
+    for r = 0, self.world - 1 do ranks[#ranks + 1] = r end
+  else
+    ranks[1] = self.rank
+  end
   local runs = {}
-  for k = 0, ranks - 1 do
-    local r = stage == 0 and k or self.rank
+  for _, r in ipairs(ranks) do
     for _, run in ipairs(layout.shard_runs(L, r)) do
       local shape = { run.numel }
-      local x = {
-        decay = run.decay, numel = run.numel,
-        opt_off = stage == 0 and run.full_offset or run.shard_offset,
-        g = stage <= 1 and self.full_g:view(run.full_offset, shape)
-            or self.shard_g:view(run.shard_offset, shape),
+      runs[#runs + 1] = {
+        decay = run.decay, numel = run.numel, opt_off = at(P.m.extent, run),
+        master_off = at(P.master.extent, run),
+        g = self.grads:view(at(P.grads.extent, run), shape),
+        -- The working copy the update rounds into (none when it is the
+        -- master itself, or on NVMe: each sub-group's staging then).
+        w = (self.wdt ~= "f32" and self.work) and self.work:view(at(P.params.extent, run), shape)
+            or nil,
       }
-      -- A resident master that is the working buffer itself (fp32).
-      x.master_off = (self.master and self.master == self.full_w) and run.full_offset or x.opt_off
-      if self.wdt ~= "f32" and not self.pshard then
-        x.w = stage <= 2 and self.full_w:view(run.full_offset, shape)
-              or self.shard_w:view(run.shard_offset, shape)
-      end
-      runs[#runs + 1] = x
     end
   end
   self.calls = {}
@@ -323,27 +331,27 @@ function Engine:build_runs()
       local b = math.min(run.opt_off + run.numel, g.lo + g.n)
       if b > a then
         local d, len, rel = a - run.opt_off, b - a, a - g.lo
-        local c = {
-          decay = run.decay,
-          p = gv.master and gv.master:view(rel, { len })
-              or self.master:view(run.master_off + d, { len }),
-          m = gv.m:view(rel, { len }), v = gv.v:view(rel, { len }),
-          g = run.g:view(d, { len }),
-          w = run.w and run.w:view(d, { len }) or (gv.work and gv.work:view(rel, { len })),
-        }
+        local function piece(off, n)
+          local st = {}
+          for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
+          return {
+            decay = run.decay, s = st,
+            p = gv.master and gv.master:view(rel + off, { n })
+                or self.master:view(run.master_off + d + off, { n }),
+            g = run.g:view(d + off, { n }),
+            w = run.w and run.w:view(d + off, { n }) or (gv.work and gv.work:view(rel + off, { n })),
+          }
+        end
         if self.half_grads then
-          -- AdamW reads fp32 gradients: each chunk's gradients are converted
-          -- into the scratch (gs) just before its step.
+          -- The optimizer reads fp32 gradients: each chunk's gradients
+          -- (half) are converted into the scratch just before its update.
           for off = 0, len - 1, CHUNK do
-            local n = math.min(CHUNK, len - off)
-            calls[#calls + 1] = { decay = c.decay, p = c.p:view(off, { n }),
-                                  g = c.g:view(off, { n }), m = c.m:view(off, { n }),
-                                  v = c.v:view(off, { n }),
-                                  w = c.w and c.w:view(off, { n }) or nil,
-                                  gs = self.gscratch:view(0, { n }) }
+            local c = piece(off, math.min(CHUNK, len - off))
+            c.half_g, c.g = c.g, self.gscratch:view(0, { c.p:numel() })
+            calls[#calls + 1] = c
           end
         else
-          calls[#calls + 1] = c
+          calls[#calls + 1] = piece(0, len)
         end
       end
     end
@@ -352,15 +360,12 @@ function Engine:build_runs()
   -- This rank's gradient slices, for the norm's canonical partials.
   self.grad_slices = {}
   for i, seg in ipairs(L.segments) do
-    self.grad_slices[i] = stage <= 1
-      and self.full_g:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
-      or self.shard_g:view(seg.shard_offset, { seg.slice })
+    self.grad_slices[i] = self.grads:view(at(P.grads.extent, seg.mine), { seg.slice })
   end
   local K = #L.segments + 1 -- the loss, then one partial per segment
   self.meta_k = K
   self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
   self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
-  self.adam = lz.adamw_args({})
 end
 
 -- Activation arenas, plus (bf16/fp16) an arena for the casts modules make.
@@ -390,7 +395,7 @@ function Engine:install_hooks()
   model:register_hook("post_recompute", function(m) self:post_recompute(m) end)
 end
 
--- Stage 3: parameters of a segment, gathered into a pooled buffer.
+-- Parameters gathered per module (stage 3): a segment's, into a pooled buffer.
 function Engine:gather(seg, async)
   if seg.persistent or seg.pbuf then return end
   seg.pbuf = self.pool:get(seg.padded, self.wdt)
@@ -401,12 +406,12 @@ function Engine:gather(seg, async)
   if not async then seg.pwork = nil; self:gathered(seg) end
 end
 
--- This rank's working slice of a segment (stage 3): a view of the shard,
--- or read from the NVMe parameter file into a staging buffer (returned
--- second, for release once the gather has read it).
+-- This rank's working slice of a segment (a sharded working copy): a view
+-- of the shard, or read from the NVMe parameter file into a staging buffer
+-- (returned second, for release once the gather has read it).
 function Engine:shard_slice(seg)
   if self.pshard then return self.pshard:slice(seg.shard_offset, seg.slice) end
-  return self.shard_w:view(seg.shard_offset, { seg.slice })
+  return self.work:view(seg.shard_offset, { seg.slice })
 end
 
 -- A gather of seg has completed: its staging can go.
@@ -457,37 +462,38 @@ local function record(order, seg, pass)
   return pass.k
 end
 
-function Engine:pre_forward(m)
-  local segs = self.segs_of[m]
-  if not segs or self.stage < 3 then return end
-  for _, seg in ipairs(segs) do
-    local k = record(self.fwd_order, seg, self.fwd_pass)
+-- Gathers a module's segments before it runs (forward or backward),
+-- recording the order and prefetching along the recorded one.
+function Engine:gather_for(m, order, pass)
+  for _, seg in ipairs(self.segs_of[m]) do
+    local k = record(order, seg, pass)
     self:ensure(seg)
-    self:prefetch(self.fwd_order, k)
+    self:prefetch(order, k)
   end
+end
+
+function Engine:pre_forward(m)
+  if not self.segs_of[m] or not self.P.params.gather then return end
+  self:gather_for(m, self.fwd_order, self.fwd_pass)
 end
 
 function Engine:post_forward(m)
   local segs = self.segs_of[m]
-  if not segs or self.stage < 3 then return end
+  if not segs or not self.P.params.gather then return end
   for _, seg in ipairs(segs) do self:release(seg) end
 end
 
 function Engine:pre_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
+  if self.P.params.gather then self:gather_for(m, self.bwd_order, self.bwd_pass) end
   for _, seg in ipairs(segs) do
-    if self.stage == 3 then
-      local k = record(self.bwd_order, seg, self.bwd_pass)
-      self:ensure(seg)
-      self:prefetch(self.bwd_order, k)
-    end
-    if self.staged and not seg.gbuf then
+    if self.P.reduce.staged and not seg.gbuf then
       self:make_room(seg.padded)
       seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
       bind_grads(seg, seg.gbuf)
       seg.pending = seg.users
-    elseif not self.staged and seg.pending == nil then
+    elseif not self.P.reduce.staged and seg.pending == nil then
       seg.pending = seg.users
     end
   end
@@ -497,7 +503,7 @@ function Engine:post_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
   for _, seg in ipairs(segs) do
-    if self.stage == 3 then self:release(seg) end
+    if self.P.params.gather then self:release(seg) end
     seg.pending = seg.pending - 1
     if seg.pending == 0 then
       seg.pending = nil
@@ -506,11 +512,12 @@ function Engine:post_backward(m)
   end
 end
 
--- Activation checkpointing, stage 3: a checkpointed module's parameters
--- (all its descendants' segments) are gathered before its forward is
--- replayed and held through its backward, so one gather serves both. The
--- replay runs no forward hooks: the recorded prefetch orders and the
--- gradient reductions see only the real forward and backward.
+-- Activation checkpointing with parameters gathered per module: a
+-- checkpointed module's parameters (all its descendants' segments) are
+-- gathered before its forward is replayed and held through its backward,
+-- so one gather serves both. The replay runs no forward hooks: the
+-- recorded prefetch orders and the gradient reductions see only the real
+-- forward and backward.
 function Engine:recompute_segs(m)
   self.recompute_segs_of = self.recompute_segs_of or {}
   local list = self.recompute_segs_of[m]
@@ -529,26 +536,27 @@ function Engine:recompute_segs(m)
 end
 
 function Engine:pre_recompute(m)
-  if self.stage < 3 then return end
+  if not self.P.params.gather then return end
   for _, seg in ipairs(self:recompute_segs(m)) do self:ensure(seg) end
 end
 
 function Engine:post_recompute(m)
-  if self.stage < 3 then return end
+  if not self.P.params.gather then return end
   for _, seg in ipairs(self:recompute_segs(m)) do self:release(seg) end
 end
 
 ------------------------------------------------------- gradient reduction
 
--- A segment's gradients are complete for this micro-step.
+-- A segment's gradients are complete for this micro-step: reduced as the
+-- plan says (P.reduce).
 function Engine:grads_ready(seg)
-  local comm, async = self.comm, self.s.overlap
-  if self.staged then
-    -- Stages 1-3: reduce-scatter in place (this rank's slice of the staging
-    -- buffer), added into this rank's slice of the gradients. Stage 0:
-    -- all-reduce of the staging buffer, added into the full gradients. The
-    -- shm backend reduces elementwise in rank order, so this rank's slice
-    -- holds the same bits either way.
+  local comm, async, R = self.comm, self.s.overlap, self.P.reduce
+  if R.staged then
+    -- Reduce the staging buffer: all-reduce of all of it (added into the
+    -- full gradients), or reduce-scatter in place (this rank's slice, added
+    -- into this rank's slice of the gradients, full or shard). The shm
+    -- backend reduces elementwise in rank order, so this rank's slice holds
+    -- the same bits either way.
     if self.half_grads then
       -- Round the fp32 staging buffer to gdt; reduce that.
       local h = self.pool:get(seg.padded, self.gdt)
@@ -557,15 +565,13 @@ function Engine:grads_ready(seg)
       seg.gbuf = h
     end
     local recv, dst, w
-    if self.stage == 0 then
+    if R.op == "all_reduce" then
       recv = seg.gbuf
-      dst = self.full_g:view(seg.full_offset, { seg.padded })
+      dst = self.grads:view(seg.full_offset, { seg.padded })
       w = comm.all_reduce(seg.gbuf, "avg", async)
     else
       recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
-      dst = self.stage == 1
-            and self.full_g:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
-            or self.shard_g:view(seg.shard_offset, { seg.slice })
+      dst = self.grads:view(at(R.into, seg.mine), { seg.slice })
       w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
     end
     local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
@@ -580,14 +586,15 @@ function Engine:grads_ready(seg)
     return
   end
   if not is_boundary(self) then return end
-  if self.stage == 1 then
-    local full = self.full_g:view(seg.full_offset, { seg.padded })
-    local recv = self.full_g:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+  if R.op == "reduce_scatter" then
+    -- In place, in the full gradient buffer: this rank's slice is reduced.
+    local full = self.grads:view(seg.full_offset, { seg.padded })
+    local recv = self.grads:view(seg.mine.full_offset, { seg.slice })
     local w = comm.reduce_scatter(full, recv, "avg", async)
     if async then self.inflight[#self.inflight + 1] = { work = w } end
     return
   end
-  -- Stage 0: all-reduce, neighbouring segments batched into buckets of
+  -- All-reduce, neighbouring segments batched into buckets of
   -- reduce_bucket_size elements (backward visits them back to front).
   local b = self.bucket
   if b and seg.full_offset + seg.padded == b.lo then
@@ -604,12 +611,12 @@ function Engine:flush_bucket()
   local b = self.bucket
   if not b then return end
   self.bucket = nil
-  local w = self.comm.all_reduce(self.full_g:view(b.lo, { b.hi - b.lo }), "avg", self.s.overlap)
+  local w = self.comm.all_reduce(self.grads:view(b.lo, { b.hi - b.lo }), "avg", self.s.overlap)
   if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
 end
 
--- Staged gradients: adds a reduced staging buffer (stage 0) or slice
--- (stages 1-3) into the gradients the optimizer reads.
+-- Staged gradients: adds a reduced staging buffer (all-reduce) or slice
+-- (reduce-scatter) into the gradients the optimizer reads.
 function Engine:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
@@ -670,7 +677,7 @@ end
 
 -- Gathers that were prefetched but not used (a pass that ended early).
 function Engine:drop_prefetched()
-  if self.stage < 3 then return end
+  if not self.P.params.gather then return end
   for _, seg in ipairs(self.L.segments) do
     if seg.pbuf and (seg.in_use or 0) == 0 then
       self:gathered(seg)
@@ -693,7 +700,7 @@ function Engine:backward(loss)
   self.model:backward(self.scaler.scale / self.s.accum)
   if #self.bwd_order > 0 then self.bwd_order.done = true end
   self:drop_prefetched()
-  if self.staged or is_boundary(self) then self:wait_all() end
+  if self.P.reduce.staged or is_boundary(self) then self:wait_all() end
 end
 
 function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
@@ -749,19 +756,19 @@ function Engine:step()
   self.optimizer_steps = self.optimizer_steps + 1
   local lr = self.lr(self.optimizer_steps)
   rec.lr = lr
+  -- The loss scale's undo and clipping (torch.nn.utils.clip_grad_norm_:
+  -- scale by clip / (norm + 1e-6) when that is below 1), folded into the
+  -- optimizer's gradient scale.
   local scale = 1.0 / loss_scale
   if s.clip > 0 then
     local c = s.clip / (norm + 1e-6)
     if c < 1 then scale = scale * c end
   end
-  local a = self.adam
-  a.lr, a.beta1, a.beta2, a.eps = lr, s.beta1, s.beta2, s.eps
-  a.grad_scale, a.step = scale, self.optimizer_steps
+  local opt, t = self.optimizer, self.optimizer_steps
   self.states:each_group(true, function(k)
-    for _, r in ipairs(self.calls[k]) do
-      a.weight_decay = r.decay and s.weight_decay or 0
-      if r.gs then r.gs:copy(r.g) end
-      ops.adamw_step(r.p, r.gs or r.g, r.m, r.v, r.w, a)
+    for _, c in ipairs(self.calls[k]) do
+      if c.half_g then c.g:copy(c.half_g) end
+      opt:update(c, t, lr, scale)
     end
   end)
   self:gather_params()
@@ -769,16 +776,16 @@ function Engine:step()
   return rec
 end
 
--- Stages 1-2: every rank's updated slices to every rank's full working
--- copy; stage 3: the persistent parameters only.
+-- What the plan gathers after the step: every rank's updated slices into
+-- every rank's full working copy, or the persistent parameters.
 function Engine:gather_params()
-  local stage, comm = self.stage, self.comm
-  if stage == 0 then return end
+  local after, comm = self.P.after_step, self.comm
+  if after == "none" then return end
   local async, works, stages = self.s.overlap, {}, {}
   for _, seg in ipairs(self.L.segments) do
     local send, recv, stg
-    if stage <= 2 then
-      recv = self.full_w:view(seg.full_offset, { seg.padded })
+    if after == "gather_full" then
+      recv = self.work:view(seg.full_offset, { seg.padded })
       send = recv:view(self.rank * seg.slice, { seg.slice })
     elseif seg.persistent then
       recv = seg.persistent
@@ -793,9 +800,7 @@ function Engine:gather_params()
   for _, stg in ipairs(stages) do self.pshard:release(stg) end
 end
 
-function Engine:zero_grad()
-  if self.full_g then self.full_g:zero() else self.shard_g:zero() end
-end
+function Engine:zero_grad() self.grads:zero() end
 
 -- One optimizer step: accumulation micro-steps from batches:next_batch().
 function Engine:train_batch(batches)
@@ -818,32 +823,35 @@ end
 
 -------------------------------------------- optimizer states (checkpoints)
 -- The interface checkpoints use (luazero/checkpoint.lua); nothing else
--- reads master, m and v for them. docs/checkpoints.md.
+-- reads the master and the optimizer's states for them. docs/checkpoints.md.
 
--- This rank's optimizer elements: the full padded layout at stage 0, its
--- shard otherwise.
-function Engine:state_numel()
-  return self.stage == 0 and self.L.full_numel or self.L.shard_numel
-end
+-- This rank's optimizer elements: the full padded layout where the plan
+-- replicates the optimizer, its shard otherwise.
+function Engine:state_numel() return self:numel(self.P.m.extent) end
 
--- Calls fn(offset, master, m, v) for chunks covering this rank's optimizer
--- elements [0, state_numel()) in order, with f32 views of equal length: the
--- optimizer's sub-groups (zero/offload.lua), read from NVMe where they live
--- there. write_back: fn modifies them (a load); on NVMe they are written
--- back, and an NVMe parameter shard gets the rounded master with them.
+-- Calls fn(offset, master, state1, state2, ...) for chunks covering this
+-- rank's optimizer elements [0, state_numel()) in order, with f32 views of
+-- equal length (the optimizer's states in its `states` order: m, v for
+-- AdamW): the optimizer's sub-groups (zero/offload.lua), read from NVMe
+-- where they live there. write_back: fn modifies them (a load); on NVMe
+-- they are written back, and an NVMe parameter shard gets the rounded
+-- master with them.
 function Engine:visit_states(write_back, fn)
+  local P = self.P
   self.states:each_group(write_back, function(_, lo, n, v)
     if v.master then
-      fn(lo, v.master, v.m, v.v)
+      fn(lo, v.master, unpack(v.s))
       if write_back and v.work then v.work:copy(v.master) end
-    elseif self.stage == 0 or self.master == self.shard_w then
-      fn(lo, self.master:view(lo, { n }), v.m, v.v)
+    elseif P.master.extent == P.m.extent then
+      fn(lo, self.master:view(lo, { n }), unpack(v.s))
     else
-      -- fp32 stages 1-2: the master is the full working buffer; this rank's
-      -- slices of it, one chunk per segment.
+      -- The master is the full working buffer, the states a shard: this
+      -- rank's slices of it, one chunk per segment.
       self:shard_pieces(lo, n, function(seg, a, len)
-        local at = seg.full_offset + self.rank * seg.slice + (a - seg.shard_offset)
-        fn(a, self.master:view(at, { len }), v.m:view(a - lo, { len }), v.v:view(a - lo, { len }))
+        local st = {}
+        for i, t in ipairs(v.s) do st[i] = t:view(a - lo, { len }) end
+        fn(a, self.master:view(seg.mine.full_offset + (a - seg.shard_offset), { len }),
+           unpack(st))
       end)
     end
   end)
@@ -853,36 +861,35 @@ end
 -- { numel = state_numel(), runs = { {offset, canonical, numel}, ... } }.
 function Engine:state_layout()
   return { numel = self:state_numel(),
-           runs = layout.canonical_runs(self.L, self.stage > 0 and self.rank or nil) }
+           runs = layout.canonical_runs(self.L, self.P.m.extent == "shard" and self.rank or nil) }
 end
 
+-- Whether every rank holds the same optimizer states (one writer is enough).
+function Engine:states_replicated() return self.P.m.extent == "full" end
+
 -- After the master was written (a load): the working copy is its rounding
--- (AdamW writes round(master); init rounds the same way), then every rank's
--- full working copy (stages 1-2) or persistent parameters (stage 3) are
--- gathered again.
+-- (the update writes round(master); init rounds the same way), then what
+-- the plan gathers after a step is gathered again.
 function Engine:after_load()
-  local L, stage = self.L, self.stage
-  if self.wdt ~= "f32" and not self.pshard then -- (an NVMe shard got it in visit_states)
-    if self.master then
-      if stage == 0 then
-        self.full_w:copy(self.master)
-      elseif stage <= 2 then
-        for _, seg in ipairs(L.segments) do
-          self.full_w:view(seg.full_offset + self.rank * seg.slice, { seg.slice })
+  local L, P = self.L, self.P
+  local work = self.wdt ~= "f32" and self.work -- (an NVMe shard got it in visit_states)
+  if work then
+    if self.master and P.params.extent == P.master.extent then
+      work:copy(self.master)
+    elseif self.master then
+      for _, seg in ipairs(L.segments) do
+        work:view(seg.mine.full_offset, { seg.slice })
             :copy(self.master:view(seg.shard_offset, { seg.slice }))
-        end
-      else
-        self.shard_w:copy(self.master)
       end
     else
       -- The master is on NVMe: one pass over its sub-groups.
       self.states:each_group(false, function(_, lo, n, v)
-        if stage == 3 then
-          self.shard_w:view(lo, { n }):copy(v.master)
+        if P.params.extent == "shard" then
+          work:view(lo, { n }):copy(v.master)
         else
           self:shard_pieces(lo, n, function(seg, a, len)
-            self.full_w:view(seg.full_offset + self.rank * seg.slice + (a - seg.shard_offset),
-                             { len }):copy(v.master:view(a - lo, { len }))
+            work:view(seg.mine.full_offset + (a - seg.shard_offset), { len })
+                :copy(v.master:view(a - lo, { len }))
           end)
         end
       end)
@@ -911,11 +918,11 @@ function Engine:master_params()
 end
 
 -- Calls fn(seg, full) for every segment in order with its whole fp32
--- master (padded), the same on every rank: a view of the resident full
--- master (stage 0, fp32 stages 1-2), or this rank's slices gathered into a
--- temporary one segment at a time.
+-- master (padded), the same on every rank: a view of a resident full
+-- master, or this rank's slices gathered into a temporary one segment at
+-- a time.
 function Engine:full_master_segments(fn)
-  if self.master and (self.stage == 0 or self.master == self.full_w) then
+  if self.master and self.P.master.extent == "full" then
     for _, seg in ipairs(self.L.segments) do
       fn(seg, self.master:view(seg.full_offset, { seg.padded }))
     end
@@ -930,7 +937,7 @@ function Engine:full_master_segments(fn)
 end
 
 -- Calls fn(seg, slice) for every segment in order with this rank's fp32
--- master slice of it (stages 1-3): a view of the resident master, or
+-- master slice of it (a sharded master): a view of the resident master, or
 -- assembled from the sub-groups read from NVMe.
 function Engine:master_slices(fn)
   local segs = self.L.segments
@@ -987,13 +994,8 @@ function Engine:offload_summary()
   if op.device ~= "none" then parts[#parts + 1] = "parameter shard on " .. op.device end
   local line = "offload: " .. table.concat(parts, ", ")
   if st.nb > 0 then
-    local staged = 0
-    for _, b in ipairs(st.buffers) do
-      if b.state then staged = staged + b.state:bytes() end
-      if b.work then staged = staged + b.work:bytes() end
-    end
     line = line .. ("; %d sub-groups of %d elements, %d staging buffers (%.1f MiB)")
-                   :format(#st.groups, st.G, st.nb, staged / 2 ^ 20)
+                   :format(#st.groups, st.G, st.nb, st:staging_bytes() / 2 ^ 20)
     local sw = st.swap or (self.pshard and self.pshard.swap)
     if sw and not sw:stats().direct then line = line .. ", buffered I/O" end
   end
@@ -1010,11 +1012,11 @@ function Engine:free()
   self:wait_all()
   self.pool:free()
   local function f(t) if t then t:free() end end
-  f(self.full_g); f(self.shard_g)
+  f(self.grads)
   self.states:free()
   if self.pshard then self.pshard:free() end
-  self.m, self.v, self.master = nil, nil, nil
-  f(self.full_w); f(self.shard_w)
+  self.master = nil
+  f(self.work)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
   f(self.meta_send); f(self.meta_recv); f(self.gscratch)
   local ctx = self.model.ctx

@@ -1,0 +1,186 @@
+-- zero/plan.lua — what a ZeRO stage keeps where, as data. Built once from
+-- the stage, the dtypes, the offload settings and the device; the engine
+-- (zero/engine.lua) and the memory estimate (luazero/estimate.lua) both read
+-- it, so what the engine allocates and what the estimate predicts cannot
+-- drift apart. DeepSpeed's stage_1_and_2.py / stage3.py split, as a table.
+--
+--   local plan = require("luazero.zero.plan")
+--   local p = plan.new{ stage = 2, dtype = "bf16", offload_optimizer = "cpu" }
+--   p.params  = { extent = "full", dtype = "bf16", tier = "device" }
+--   p.grads   = { extent = "shard", dtype = "f32", tier = "device" }
+--   p.master  = { extent = "shard", dtype = "f32", tier = "host" }   -- alias = "params": none of its own
+--   p.reduce  = { op = "reduce_scatter", staged = true, into = "shard" }
+--   p.after_step = "gather_full"
+--   p:bytes{ full = F, shard = S, persistent = P } -> { device = {...}, host = {...}, nvme = {...} }
+--   print(p)                                          -- one line per state
+--
+-- Extents: "full" (every element, padded), "shard" (this rank's slices),
+-- "shard+persistent" (stage 3 parameters: the shard, plus the small modules
+-- kept whole, gathered per module otherwise). Tiers: "device" (the compute
+-- device's memory), "host" (host memory; pinned on an accelerator), "nvme"
+-- (swap files). On a "cpu" device the device is the host: a host-tier state
+-- is counted under the ledger's offload category, and the optimizer reads
+-- the gradients and updates the fp32 parameters where they already are.
+local M = {}
+
+local Plan = {}
+Plan.__index = Plan
+
+local dtypes = { fp32 = "f32", bf16 = "bf16", fp16 = "f16", f32 = "f32", f16 = "f16" }
+local esize = { f32 = 4, bf16 = 2, f16 = 2 }
+M.esize = esize
+local tiers = { none = "device", cpu = "host", nvme = "nvme" }
+
+-- The states a plan places, in the order it prints them.
+M.states = { "params", "grads", "opt_grads", "master", "m", "v" }
+
+-- Ledger category of a state on the device tier (host tier: offload).
+local categories = { params = "params", grads = "grads", opt_grads = "grads", master = "optimizer",
+                     m = "optimizer", v = "optimizer" }
+
+local function tier_of(key, device)
+  local t = tiers[device or "none"]
+  if not t then
+    error(("plan: %s must be none, cpu or nvme (got %s)"):format(key, tostring(device)), 0)
+  end
+  return t
+end
+
+-- opts: stage (0..3), dtype (working: fp32|bf16|fp16), grad_dtype (the
+-- gradients': fp32 or the working dtype; fp32), offload_optimizer and
+-- offload_param (none|cpu|nvme), device (cpu|sim|cuda; cpu), accum
+-- (gradient accumulation steps; 1).
+function M.new(opts)
+  local stage = opts.stage or 0
+  if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
+    error(("plan: stage must be 0..3 (got %s)"):format(tostring(stage)), 0)
+  end
+  local wdt = dtypes[opts.dtype or "fp32"]
+  local gdt = dtypes[opts.grad_dtype or "fp32"]
+  if not wdt or not gdt then
+    error(("plan: dtype must be fp32, bf16 or fp16 (got %s)")
+          :format(tostring(wdt and opts.grad_dtype or opts.dtype)), 0)
+  end
+  local device = opts.device or "cpu"
+  local opt_tier = tier_of("offload_optimizer", opts.offload_optimizer)
+  local par_tier = tier_of("offload_param", opts.offload_param)
+  if opt_tier ~= "device" and stage == 0 then
+    error("plan: offload_optimizer needs stage 1, 2 or 3", 0)
+  end
+  if par_tier ~= "device" and stage ~= 3 then
+    error("plan: offload_param needs stage 3", 0)
+  end
+  -- On a cpu device, host and device are one memory.
+  local unified = device == "cpu"
+  local function same_memory(a, b) return a == b or (unified and a ~= "nvme" and b ~= "nvme") end
+
+  local p = setmetatable({ stage = stage, device = device, dtype = wdt, grad_dtype = gdt,
+                           accum = opts.accum or 1 }, Plan)
+  -- Working parameters: whole below stage 3; at stage 3 a shard (where
+  -- offload_param puts it), gathered module by module before use, and the
+  -- small modules kept whole on the device.
+  if stage < 3 then
+    p.params = { extent = "full", dtype = wdt, tier = "device" }
+  else
+    p.params = { extent = "shard", dtype = wdt, tier = par_tier, gather = "per_module",
+                 persistent = { extent = "persistent", dtype = wdt, tier = "device" } }
+  end
+  -- Gradients: whole below stage 2, this rank's shard from stage 2.
+  p.grads = { extent = stage < 2 and "full" or "shard", dtype = gdt, tier = "device" }
+  -- Optimizer states: replicated at stage 0, sharded from stage 1.
+  local opt_extent = stage == 0 and "full" or "shard"
+  p.optimizer = { extent = opt_extent, tier = opt_tier, ranks = stage == 0 and "all" or "own" }
+  p.m = { extent = opt_extent, dtype = "f32", tier = opt_tier }
+  p.v = { extent = opt_extent, dtype = "f32", tier = opt_tier }
+  -- fp32 master: the working parameters themselves when they are fp32 and
+  -- in memory the optimizer can update; else its own copy beside m and v.
+  if wdt == "f32" and same_memory(p.params.tier, opt_tier) then
+    p.master = { extent = p.params.extent, dtype = "f32", tier = p.params.tier, alias = "params" }
+  else
+    p.master = { extent = opt_extent, dtype = "f32", tier = opt_tier }
+  end
+  -- The gradients the optimizer reads: the reduced ones where they are, or
+  -- an fp32 copy of this rank's shard in the optimizer's memory.
+  if same_memory(p.grads.tier, opt_tier) then
+    p.opt_grads = { alias = "grads", extent = p.grads.extent, dtype = gdt, tier = p.grads.tier }
+  else
+    p.opt_grads = { extent = "shard", dtype = "f32", tier = opt_tier == "nvme" and "host" or opt_tier }
+    -- Stages 2-3 reduce straight into it: no gradient shard on the device.
+    if stage >= 2 then p.grads = { extent = "none", dtype = gdt, tier = "device" } end
+  end
+  -- How gradients are reduced. Staged: each module's gradients go to a
+  -- pooled buffer reduced as soon as they are complete and added into the
+  -- gradients every micro-step (stages 2-3 always; stages 0-1 with
+  -- accumulation or half gradients, so every stage adds the same reduced
+  -- micro-step gradients in the same order). Unstaged: once per step, at
+  -- the accumulation boundary, over the full gradient buffer.
+  local staged = stage >= 2 or p.accum > 1 or gdt ~= "f32"
+  p.reduce = { op = stage == 0 and "all_reduce" or "reduce_scatter", staged = staged,
+               into = stage >= 2 and "shard" or "full",
+               bucketed = stage == 0 and not staged }
+  -- What the step's end gathers: the updated slices into every rank's full
+  -- working copy (stages 1-2), the persistent parameters (stage 3).
+  p.after_step = (stage == 1 or stage == 2) and "gather_full"
+                 or stage == 3 and "gather_persistent" or "none"
+  return p
+end
+
+-- Bytes per rank of each state by tier and ledger category. counts: full,
+-- shard (padded elements of the full layout and of one rank's shard),
+-- persistent (elements kept whole at stage 3). Returns { device = {params,
+-- grads, optimizer}, host = {...}, nvme = {...}, states = {name = bytes} };
+-- each tier also has total.
+function Plan:bytes(counts)
+  local n = { full = counts.full, shard = counts.shard, persistent = counts.persistent or 0,
+              none = 0 }
+  local out = { states = {} }
+  for _, t in ipairs({ "device", "host", "nvme" }) do
+    out[t] = { params = 0, grads = 0, optimizer = 0, total = 0 }
+  end
+  local function add(name, s)
+    if not s or s.alias then return end
+    local b = n[s.extent] * esize[s.dtype]
+    local cat = categories[name]
+    out[s.tier][cat] = out[s.tier][cat] + b
+    out[s.tier].total = out[s.tier].total + b
+    out.states[name] = (out.states[name] or 0) + b
+  end
+  for _, name in ipairs(M.states) do add(name, self[name]) end
+  if self.params.persistent then add("params", self.params.persistent) end
+  return out
+end
+
+-- One line per state: "params  full  bf16  device".
+function Plan:lines()
+  local lines = { ("ZeRO stage %d on %s: working %s, gradients %s"):format(self.stage, self.device,
+                  self.dtype, self.grad_dtype) }
+  local function row(name, s, note)
+    if not s then return end
+    local where = s.alias and ("= " .. s.alias) or s.tier
+    lines[#lines + 1] = ("  %-10s %-11s %-5s %s%s"):format(name, s.extent, s.dtype, where, note or "")
+  end
+  row("params", self.params, self.params.gather and ", gathered per module" or "")
+  if self.params.persistent then row("persistent", self.params.persistent, " (small modules)") end
+  row("grads", self.grads)
+  if not self.opt_grads.alias then row("opt_grads", self.opt_grads, " (what the optimizer reads)") end
+  row("master", self.master)
+  row("m", self.m)
+  row("v", self.v)
+  local r = self.reduce
+  lines[#lines + 1] = ("  reduce     %s%s into the %s gradients, %s"):format(
+    r.bucketed and "bucketed " or "", r.op:gsub("_", "-"), r.into,
+    r.staged and "every micro-step through staging buffers" or "at the accumulation boundary")
+  lines[#lines + 1] = "  after step " .. self.after_step:gsub("_", " ")
+  return lines
+end
+
+function Plan:__tostring() return table.concat(self:lines(), "\n") end
+
+-- Offset of a run (layout.shard_runs: full_offset, shard_offset) in a
+-- buffer of this extent.
+function M.offset(extent, run)
+  return extent == "full" and run.full_offset or run.shard_offset
+end
+
+M.Plan = Plan
+return M
