@@ -15,6 +15,8 @@ local spec = {
   { "dtype", "string", "bf16", "working precision: bf16, fp16 (fp32 master + Adam) or fp32" },
   { "grads", "string", "fp32",
     "gradient dtype: fp32 (luazero) or working (the ZeRO paper's and DeepSpeed's)" },
+  { "device", "string", "cuda",
+    "cuda: device and host memory apart; cpu: a CPU run, one memory (its ledger's view)" },
   { "persistence-threshold", "number", 100000,
     "with --model: modules of at most this many elements stay whole at stage 3" },
   { "persistent", "number", nil, "with --params: parameters kept whole at stage 3 (P; 0)" },
@@ -63,6 +65,9 @@ local function main(argv)
   if flags.grads ~= "fp32" and flags.grads ~= "working" then
     fail(("--grads must be fp32 or working (got %s)"):format(flags.grads))
   end
+  if flags.device ~= "cuda" and flags.device ~= "cpu" then
+    fail(("--device must be cuda or cpu (got %s)"):format(flags.device))
+  end
   if flags.world < 1 then fail(("--world must be >= 1 (got %d)"):format(flags.world)) end
   if flags.deepspeed ~= 0 and flags.deepspeed ~= 1 then fail("--deepspeed takes 0 or 1") end
 
@@ -108,7 +113,8 @@ local function main(argv)
         "device", "cpu bytes", "cpu", "bytes/parameter (device | cpu)"))
   for _, r in ipairs(estimate.table_rows(params, N, dtype, { grads = flags.grads,
                                                          persistent = persistent,
-                                                         layout = layout })) do
+                                                         layout = layout,
+                                                         device = flags.device })) do
     print(("%-5d %-9s %17s %10s %17s %10s   %s"):format(r.stage, r.offload,
           estimate.thousands(r.device), ("%.2f GiB"):format(r.device / 2 ^ 30),
           estimate.thousands(r.cpu), ("%.2f GiB"):format(r.cpu / 2 ^ 30), r.formula))
@@ -116,7 +122,9 @@ local function main(argv)
   print()
   print(layout and "Ψ/N: the engine's padded shard; P: kept whole at stage 3, beside the shards." or
         "Ψ parameters, N ranks, Ψ/N rounded up (padded shards), P kept whole at stage 3.")
-  print("device: the compute device's memory (on the CPU backend, the same RAM as cpu).")
+  print(flags.device == "cpu" and
+        "device and cpu are one memory here (--device cpu): cpu is what the ledger counts as offload." or
+        "device: the accelerator's memory; cpu: host memory (pinned for transfers).")
 
   local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
                                                   persistent = persistent, layout = layout })

@@ -11,6 +11,8 @@
 --   local stage, why = estimate.pick_stage(124e6, 2, 1.5 * 2^30, "bf16")
 local M = {}
 
+local Placement = require("luazero.zero.plan")
+
 -- Bytes per parameter of the working copy (params and grads) and of the
 -- fp32 master copy (none in fp32 training: the params are the master).
 local dtype_bytes = {
@@ -19,8 +21,6 @@ local dtype_bytes = {
   fp16 = { working = 2, master = 4 },
 }
 M.dtype_bytes = dtype_bytes
-local MOMENTS = 8 -- Adam's m and v, fp32
-local OFFLOAD_GRAD = 4 -- the fp32 gradient shard the CPU optimizer reads
 
 M.offloads = { "none", "cpu", "cpu+param" }
 
@@ -46,19 +46,33 @@ local function grad_bytes(grads, b)
   error(("estimate: grads must be fp32 or working (got %s)"):format(tostring(grads)), 0)
 end
 
+-- The engine's placement plan (zero/plan.lua) for a row: offload "none",
+-- "cpu" (offload_optimizer) or "cpu+param" (and offload_param); device
+-- "cuda" (an accelerator: host and device memory apart; the default) or
+-- "cpu" (one memory: what a CPU run's ledger shows).
+function M.plan(stage, dtype, offload, grads, device)
+  return Placement.new{
+    stage = stage, dtype = dtype, grad_dtype = grads == "working" and dtype or "fp32",
+    offload_optimizer = offload ~= "none" and "cpu" or "none",
+    offload_param = offload == "cpu+param" and "cpu" or "none", device = device or "cuda",
+  }
+end
+
 -- Per-rank model-state bytes for `params` parameters at world size `world`
--- and ZeRO `stage` (0..3). opts: dtype ("bf16"), grads ("fp32": luazero;
--- "working": the ZeRO paper's 2-byte gradients in bf16/fp16), offload
--- ("none", "cpu": offload_optimizer on the CPU, "cpu+param": also
--- offload_param, stage 3 only), persistent (stage 3: elements kept whole on
--- every rank beside the shards, those in modules of at most
+-- and ZeRO `stage` (0..3), from the engine's placement plan. opts: dtype
+-- ("bf16"), grads ("fp32": luazero; "working": the ZeRO paper's 2-byte
+-- gradients in bf16/fp16), offload ("none", "cpu": offload_optimizer on the
+-- CPU, "cpu+param": also offload_param, stage 3 only), device ("cuda":
+-- device and host memory apart; "cpu": a CPU run, whose host-tier states
+-- the ledger counts under offload), persistent (stage 3: elements kept
+-- whole on every rank beside the shards, those in modules of at most
 -- stage3_param_persistence_threshold elements; 0), layout ({full, shard}:
 -- the engine's padded element counts, from model_params; default full =
 -- params, shard = ceil(params / world)).
 -- Returns nil for combinations DeepSpeed does not have (offload at stage 0,
 -- offload_param below stage 3); else a table: device and cpu bytes, and
 -- each split by ledger category (device_parts, cpu_parts: params, grads,
--- optimizer).
+-- optimizer), and the plan.
 function M.model_states(params, world, stage, opts)
   opts = opts or {}
   check_count("the parameter count", params, 1)
@@ -66,6 +80,7 @@ function M.model_states(params, world, stage, opts)
   check_count("the stage", stage, 0)
   if stage > 3 then error("estimate: stage must be 0..3 (got " .. stage .. ")", 0) end
   local b = check_dtype(opts.dtype)
+  grad_bytes(opts.grads, b)
   local offload = opts.offload or "none"
   local persistent = opts.persistent or 0
   check_count("the persistent parameter count", persistent, 0)
@@ -77,73 +92,46 @@ function M.model_states(params, world, stage, opts)
   end
   local full, shard = params, math.ceil(params / world)
   if opts.layout then full, shard = opts.layout.full, opts.layout.shard end
-  local w, g, opt = b.working, grad_bytes(opts.grads, b), b.master + MOMENTS
-  local dev = { params = 0, grads = 0, optimizer = 0 }
-  local cpu = { params = 0, grads = 0, optimizer = 0 }
-  -- Working parameters: whole below stage 3; a shard plus the persistent
-  -- ones kept whole at stage 3; nothing on the device with offload_param.
-  if stage < 3 then
-    dev.params = w * full
-  elseif offload == "cpu+param" then
-    dev.params = w * persistent
-    cpu.params = w * shard
-  else
-    dev.params = w * (shard + persistent)
-  end
-  if offload == "none" then
-    dev.grads = g * (stage < 2 and full or shard)
-    dev.optimizer = opt * (stage < 1 and full or shard)
-  else
-    -- ZeRO-Offload: master weights, moments and an fp32 gradient shard live
-    -- in CPU memory; the device keeps full gradients at stage 1 only (stage
-    -- 2 and 3 reduce them bucket by bucket straight to the CPU shard).
-    dev.grads = stage == 1 and g * full or 0
-    cpu.grads = OFFLOAD_GRAD * shard
-    cpu.optimizer = (4 + MOMENTS) * shard
-  end
+  local plan = M.plan(stage, opts.dtype or "bf16", offload, opts.grads, opts.device)
+  local by = plan:bytes{ full = full, shard = shard, persistent = persistent }
+  local dev, cpu = by.device, by.host
   local r = { stage = stage, offload = offload, dtype = opts.dtype or "bf16", params = params,
-              world = world, shard = shard, persistent = persistent,
-              device_parts = dev, cpu_parts = cpu,
-              device = dev.params + dev.grads + dev.optimizer,
-              cpu = cpu.params + cpu.grads + cpu.optimizer }
+              world = world, shard = shard, persistent = persistent, plan = plan,
+              device_parts = { params = dev.params, grads = dev.grads, optimizer = dev.optimizer },
+              cpu_parts = { params = cpu.params, grads = cpu.grads, optimizer = cpu.optimizer },
+              device = dev.total, cpu = cpu.total }
   return r
 end
 
 -- The formula of a row, in bytes per parameter: Ψ parameters, N ranks, P
--- persistent parameters; "device | cpu" with offload.
-function M.formula(stage, dtype, offload, grads)
-  local b = check_dtype(dtype)
-  local w, g, opt = b.working, grad_bytes(grads, b), b.master + MOMENTS
+-- persistent parameters; "device | cpu" with offload. The plan's bytes at
+-- unit counts give each term's coefficient.
+function M.formula(stage, dtype, offload, grads, device)
+  check_dtype(dtype)
   offload = offload or "none"
-  local function term(n, what)
-    if n == 0 then return nil end
-    return n .. what
+  local plan = M.plan(stage, dtype, offload, grads, device)
+  local function coeffs(counts)
+    local by = plan:bytes(counts)
+    return by.device.total, by.host.total
   end
-  local function join(terms)
+  local fd, fh = coeffs{ full = 1, shard = 0, persistent = 0 }
+  local sd, sh = coeffs{ full = 0, shard = 1, persistent = 0 }
+  local pd, ph = coeffs{ full = 0, shard = 0, persistent = 1 }
+  local function join(f, sh_, p)
     local out = {}
-    for _, t in ipairs(terms) do if t then out[#out + 1] = t end end
+    if f > 0 then out[#out + 1] = f .. "Ψ" end
+    if sh_ > 0 then out[#out + 1] = sh_ .. "Ψ/N" end
+    if p > 0 then out[#out + 1] = p .. "P" end
     return #out > 0 and table.concat(out, " + ") or "0"
   end
-  if offload == "none" then
-    if stage == 0 then return join({ term(w + g + opt, "Ψ") }) end
-    if stage == 1 then return join({ term(w + g, "Ψ"), term(opt, "Ψ/N") }) end
-    if stage == 2 then return join({ term(w, "Ψ"), term(g + opt, "Ψ/N") }) end
-    return join({ term(w + g + opt, "Ψ/N"), term(w, "P") })
-  end
-  local cpu = OFFLOAD_GRAD + 4 + MOMENTS
-  if offload == "cpu+param" then
-    return join({ term(w, "P") }) .. " | " .. join({ term(cpu + w, "Ψ/N") })
-  end
-  local dev
-  if stage == 1 then dev = join({ term(w + g, "Ψ") })
-  elseif stage == 2 then dev = join({ term(w, "Ψ") })
-  else dev = join({ term(w, "Ψ/N"), term(w, "P") }) end
-  return dev .. " | " .. join({ term(cpu, "Ψ/N") })
+  local dev = join(fd, sd, pd)
+  if offload == "none" then return dev end
+  return dev .. " | " .. join(fh, sh, ph)
 end
 
 -- Every row of the table: stages 0..3 without offload, 1..3 with the
 -- optimizer on the CPU, 3 with parameters on the CPU too.
--- opts: grads, persistent, layout (as in model_states).
+-- opts: grads, persistent, layout, device (as in model_states).
 function M.table_rows(params, world, dtype, opts)
   opts = opts or {}
   local rows = {}
@@ -151,9 +139,10 @@ function M.table_rows(params, world, dtype, opts)
     for stage = 0, 3 do
       local r = M.model_states(params, world, stage,
                                { dtype = dtype, offload = offload, grads = opts.grads,
-                                 persistent = opts.persistent, layout = opts.layout })
+                                 persistent = opts.persistent, layout = opts.layout,
+                                 device = opts.device })
       if r then
-        r.formula = M.formula(stage, dtype, offload, opts.grads)
+        r.formula = M.formula(stage, dtype, offload, opts.grads, opts.device)
         rows[#rows + 1] = r
       end
     end

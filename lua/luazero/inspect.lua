@@ -149,24 +149,27 @@ local function my_norms(engine)
       out.buffers[#out.buffers + 1] = { name, t:dtype_name(), t:numel(), norm_of(t) }
     end
   end
-  local working = engine.full_w or engine.shard_w
-  buf("params (" .. (engine.full_w and "full" or "shard") .. ")", working)
-  if engine.master and engine.master ~= working then buf("master (fp32)", engine.master) end
-  buf("grads (" .. (engine.full_g and "full" or "shard") .. ")", engine.full_g or engine.shard_g)
-  buf("adam m", engine.m)
-  buf("adam v", engine.v)
-  if not engine.m then
+  local P = engine:plan()
+  buf("params (" .. P.params.extent .. ")", engine.work)
+  if not P.master.alias then buf("master (fp32)", engine.master) end
+  buf("grads (" .. P.grads.extent .. ")", engine.grads)
+  local opt, st = engine.optimizer, engine.states
+  for i, name in ipairs(opt.states) do buf(opt.name .. " " .. name, st.s[i]) end
+  if not st.s[1] then
     -- The optimizer states are on NVMe: one pass over their sub-groups.
-    local sq, n = { 0, 0, 0 }, 0
-    engine:visit_states(false, function(_, p, m, v)
-      sq[1], sq[2], sq[3] = sq[1] + p:sq_norm(), sq[2] + m:sq_norm(), sq[3] + v:sq_norm()
+    local sq, n = {}, 0
+    engine:visit_states(false, function(_, p, ...)
+      local views = { p, ... }
+      for i, t in ipairs(views) do sq[i] = (sq[i] or 0) + t:sq_norm() end
       n = n + p:numel()
     end)
-    if engine.states.has_master then
+    if st.has_master then
       out.buffers[#out.buffers + 1] = { "master (fp32, nvme)", "f32", n, math.sqrt(sq[1]) }
     end
-    out.buffers[#out.buffers + 1] = { "adam m (nvme)", "f32", n, math.sqrt(sq[2]) }
-    out.buffers[#out.buffers + 1] = { "adam v (nvme)", "f32", n, math.sqrt(sq[3]) }
+    for i, name in ipairs(opt.states) do
+      out.buffers[#out.buffers + 1] = { opt.name .. " " .. name .. " (nvme)", "f32", n,
+                                        math.sqrt(sq[i + 1]) }
+    end
   end
   -- Each parameter's part in this rank's slices (of the working copy), as
   -- a squared norm: the ranks' parts add up to the whole.
@@ -177,8 +180,8 @@ local function my_norms(engine)
       local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)
       local sq = 0
       if b > a then
-        if engine.full_w then
-          sq = engine.full_w:view(seg.full_offset + a, { b - a }):sq_norm()
+        if P.params.extent == "full" then
+          sq = engine.work:view(seg.full_offset + a, { b - a }):sq_norm()
         else
           local slice, stage = engine:shard_slice(seg) -- (staged from NVMe there)
           sq = slice:view(a - lo, { b - a }):sq_norm()
@@ -300,8 +303,8 @@ function M.gather(engine, name)
   local seg, e = find_entry(engine, name, "gather")
   local out = lz.tensor(e.shape, engine.wdt, "workspace")
   local flat = out:view(0, { e.numel })
-  if engine.full_w then
-    flat:copy(engine.full_w:view(seg.full_offset + e.seg_offset, { e.numel }))
+  if engine:plan().params.extent == "full" then
+    flat:copy(engine.work:view(seg.full_offset + e.seg_offset, { e.numel }))
   elseif seg.persistent then
     flat:copy(seg.persistent:view(e.seg_offset, { e.numel }))
   else

@@ -198,7 +198,7 @@ function T.working_copy_is_round_of_master_bitwise()
     local corpus_data = data.load(corpus)
     local loader = data.loader(corpus_data, { B = 2, T = 16, seed = 1, vocab = cfg.vocab })
     for _ = 1, 3 do engine:train_batch(loader) end
-    local w = stage == 3 and engine.shard_w or engine.full_w
+    local w = engine.work
     engine:visit_states(false, function(off, master)
       local r = lz.tensor({ master:numel() }, "bf16", "workspace"):copy(master)
       local got = w:view(off, { master:numel() })

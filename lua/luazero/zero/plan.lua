@@ -15,8 +15,8 @@
 --   print(p)                                          -- one line per state
 --
 -- Extents: "full" (every element, padded), "shard" (this rank's slices),
--- "shard+persistent" (stage 3 parameters: the shard, plus the small modules
--- kept whole, gathered per module otherwise). Tiers: "device" (the compute
+-- "persistent" (stage 3: the small modules kept whole beside the shard;
+-- the others are gathered per module), "none". Tiers: "device" (the compute
 -- device's memory), "host" (host memory; pinned on an accelerator), "nvme"
 -- (swap files). On a "cpu" device the device is the host: a host-tier state
 -- is counted under the ledger's offload category, and the optimizer reads
@@ -70,9 +70,11 @@ function M.new(opts)
   if par_tier ~= "device" and stage ~= 3 then
     error("plan: offload_param needs stage 3", 0)
   end
-  -- On a cpu device, host and device are one memory.
-  local unified = device == "cpu"
-  local function same_memory(a, b) return a == b or (unified and a ~= "nvme" and b ~= "nvme") end
+  -- Where the optimizer computes: on the device, or on the host (its states
+  -- in host memory or staged there from NVMe). It updates in place what is
+  -- in that memory; on a cpu device, host and device are one memory.
+  local opt_at = opt_tier == "device" and "device" or "host"
+  local function reachable(tier) return tier ~= "nvme" and (tier == opt_at or device == "cpu") end
 
   local p = setmetatable({ stage = stage, device = device, dtype = wdt, grad_dtype = gdt,
                            accum = opts.accum or 1 }, Plan)
@@ -94,17 +96,17 @@ function M.new(opts)
   p.v = { extent = opt_extent, dtype = "f32", tier = opt_tier }
   -- fp32 master: the working parameters themselves when they are fp32 and
   -- in memory the optimizer can update; else its own copy beside m and v.
-  if wdt == "f32" and same_memory(p.params.tier, opt_tier) then
+  if wdt == "f32" and reachable(p.params.tier) then
     p.master = { extent = p.params.extent, dtype = "f32", tier = p.params.tier, alias = "params" }
   else
     p.master = { extent = opt_extent, dtype = "f32", tier = opt_tier }
   end
   -- The gradients the optimizer reads: the reduced ones where they are, or
   -- an fp32 copy of this rank's shard in the optimizer's memory.
-  if same_memory(p.grads.tier, opt_tier) then
+  if reachable(p.grads.tier) then
     p.opt_grads = { alias = "grads", extent = p.grads.extent, dtype = gdt, tier = p.grads.tier }
   else
-    p.opt_grads = { extent = "shard", dtype = "f32", tier = opt_tier == "nvme" and "host" or opt_tier }
+    p.opt_grads = { extent = "shard", dtype = "f32", tier = opt_at }
     -- Stages 2-3 reduce straight into it: no gradient shard on the device.
     if stage >= 2 then p.grads = { extent = "none", dtype = gdt, tier = "device" } end
   end

@@ -1,0 +1,97 @@
+-- plan_check.lua — run by test_plan.lua (one rank or several, under the
+-- launcher): for every stage x dtype x offload combination, builds the
+-- engine on a tiny GPT-2, takes one optimizer step and compares the bytes
+-- its placement plan gives (zero/plan.lua) with the ledger's growth and
+-- with luazero.estimate. Prints "ok <case>" or "BAD <case>: <why>" per
+-- case (rank 0), then "done". (Not a test file: run_lua.lua loads only
+-- test_*.lua.)
+--   luazero [-n 2] tests/lua/plan_check.lua CORPUS SWAP_DIR
+local lz = require("luazero")
+local zero = require("luazero.zero")
+local estimate = require("luazero.estimate")
+local data = require("luazero.data")
+local gpt2 = require("models.gpt2")
+
+local corpus_path, swap_dir = arg[1], arg[2]
+local comm = require("luazero.comm").init()
+local rank, world = comm.rank(), comm.size()
+local corpus = data.load(corpus_path)
+
+local offloads = {
+  { name = "none" },
+  { name = "cpu", opt = { device = "cpu" }, estimate = "cpu" },
+  { name = "nvme", opt = { device = "nvme", nvme_path = swap_dir } },
+  { name = "cpu+param", opt = { device = "cpu" }, param = { device = "cpu" }, estimate = "cpu+param" },
+  { name = "nvme+param-nvme", opt = { device = "nvme", nvme_path = swap_dir },
+    param = { device = "nvme", nvme_path = swap_dir, buffer_size = 1e6 } },
+}
+
+local function delta(after, before)
+  local d = {}
+  for k, v in pairs(after) do d[k] = v - (before[k] or 0) end
+  return d
+end
+
+local bad = 0
+local function check(case, what, got, want)
+  if got ~= want then
+    bad = bad + 1
+    if rank == 0 then print(("BAD %s: %s is %s, the plan says %s"):format(case, what, got, want)) end
+    return false
+  end
+  return true
+end
+
+for _, dtype in ipairs({ "fp32", "bf16" }) do
+  for stage = 0, 3 do
+    for _, o in ipairs(offloads) do
+      local ok_combo = (o.opt == nil or stage >= 1) and (o.param == nil or stage == 3)
+      if ok_combo then
+        local case = ("world %d stage %d %s offload %s"):format(world, stage, dtype, o.name)
+        local z = { stage = stage, stage3_param_persistence_threshold = 600,
+                    sub_group_size = 4096, offload_optimizer = o.opt, offload_param = o.param }
+        local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
+                      bf16 = { enabled = dtype == "bf16" }, zero_optimization = z,
+                      optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+        local mcfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+        collectgarbage(); collectgarbage()
+        local before = lz.mem()
+        local engine = zero.initialize({ model = gpt2.new(mcfg), config = cfg, seed = 1,
+                                         batch = { 2, 16 }, comm = comm })
+        local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
+                                             rank = rank, world = world })
+        engine:train_batch(loader)
+        local d = delta(lz.mem(), before)
+        local L, P = engine.L, engine:plan()
+        local persistent = 0
+        for _, seg in ipairs(L.segments) do
+          if seg.persistent then persistent = persistent + seg.padded end
+        end
+        local counts = { full = L.full_numel, shard = L.shard_numel, persistent = persistent }
+        local by = P:bytes(counts)
+        -- On a cpu device the host tier is the ledger's offload category;
+        -- NVMe staging buffers are offload too, beside it.
+        local staging = engine.states:staging_bytes()
+        for _, t in ipairs(engine.pshard and engine.pshard.all_stages or {}) do
+          staging = staging + t:bytes()
+        end
+        local fine = check(case, "ledger params", d.params, by.device.params) and
+                     check(case, "ledger grads", d.grads, by.device.grads) and
+                     check(case, "ledger optimizer", d.optimizer, by.device.optimizer) and
+                     check(case, "ledger offload", d.offload - staging, by.host.total)
+        if fine and o.name ~= "nvme" and o.name ~= "nvme+param-nvme" then
+          local r = estimate.model_states(L.numel, world, stage, {
+            dtype = dtype, offload = o.estimate or "none", device = "cpu",
+            layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
+          fine = check(case, "estimate device bytes", r.device, by.device.total) and
+                 check(case, "estimate cpu bytes", r.cpu, by.host.total)
+        end
+        if fine and rank == 0 then print("ok   " .. case) end
+        engine:free()
+        loader:free()
+      end
+    end
+  end
+end
+corpus.tokens:free()
+if rank == 0 then print(("done: %d bad"):format(bad)) end

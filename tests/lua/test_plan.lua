@@ -1,0 +1,77 @@
+-- test_plan.lua — the placement plan (zero/plan.lua): what each stage
+-- keeps where, its bytes against the ledger after one step and against
+-- tools/estimate for every stage x dtype x offload (tests/lua/plan_check.lua,
+-- at world 1 and 2), and its printout.
+local lz = require("luazero")
+local Placement = require("luazero.zero.plan")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+
+local T = {}
+local q = support.quote
+local write_file, tmp = support.scratch()
+
+function T.stages_are_data()
+  local function p(stage, extra)
+    local o = { stage = stage, dtype = "bf16" }
+    for k, v in pairs(extra or {}) do o[k] = v end
+    return Placement.new(o)
+  end
+  local s0, s1, s2, s3 = p(0), p(1), p(2), p(3)
+  assert(s0.params.extent == "full" and s0.grads.extent == "full" and s0.m.extent == "full")
+  assert(s0.reduce.op == "all_reduce" and s0.reduce.bucketed and s0.after_step == "none")
+  assert(s1.grads.extent == "full" and s1.m.extent == "shard" and s1.reduce.op == "reduce_scatter")
+  assert(not s1.reduce.staged and s1.after_step == "gather_full")
+  assert(s2.grads.extent == "shard" and s2.reduce.staged and s2.reduce.into == "shard")
+  assert(s3.params.extent == "shard" and s3.params.gather == "per_module")
+  assert(s3.after_step == "gather_persistent")
+  -- fp32: the master is the working copy; bf16: its own fp32 copy.
+  assert(p(2, { dtype = "fp32" }).master.alias == "params" and s2.master.alias == nil)
+  -- Accumulation and half gradients stage stages 0-1.
+  assert(p(0, { accum = 2 }).reduce.staged and p(1, { grad_dtype = "bf16" }).reduce.staged)
+  -- Offload: host tier; on an accelerator the optimizer reads an fp32
+  -- gradient shard in host memory, and stage 2 keeps no gradients on it.
+  local off = p(2, { offload_optimizer = "cpu", device = "cuda" })
+  assert(off.m.tier == "host" and off.opt_grads.tier == "host" and off.grads.extent == "none")
+  assert(p(2, { offload_optimizer = "cpu" }).opt_grads.alias == "grads")
+  assert(p(3, { offload_param = "nvme" }).params.tier == "nvme")
+  -- Bytes: bf16 stage 2 at 1000 / 250 elements: 2 * 1000 + 4 * 250 device
+  -- params + grads, 12 * 250 optimizer.
+  local by = s2:bytes{ full = 1000, shard = 250 }
+  assert(by.device.params == 2000 and by.device.grads == 1000 and by.device.optimizer == 3000)
+  local ok, err = pcall(Placement.new, { stage = 0, offload_optimizer = "cpu" })
+  assert(not ok and err == "plan: offload_optimizer needs stage 1, 2 or 3", err)
+  ok, err = pcall(Placement.new, { stage = 2, offload_param = "cpu" })
+  assert(not ok and err == "plan: offload_param needs stage 3", err)
+end
+
+function T.the_plan_prints_what_lives_where()
+  local text = tostring(Placement.new{ stage = 3, dtype = "bf16", offload_optimizer = "nvme" })
+  assert(text:find("ZeRO stage 3 on cpu: working bf16, gradients f32", 1, true), text)
+  assert(text:find("params     shard       bf16  device, gathered per module", 1, true), text)
+  assert(text:find("m          shard       f32   nvme", 1, true), text)
+  assert(text:find("after step gather persistent", 1, true), text)
+end
+
+local text = ("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n")
+             :rep(40)
+local corpus = write_file("corpus.txt", text)
+os.execute("mkdir -p " .. q(tmp .. "/nvme"))
+
+local function plan_check(n)
+  local cmd = ("cd %s && %s %s tests/lua/plan_check.lua %s %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
+                      q(tmp .. "/nvme"))
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local oks = select(2, out:gsub("\nok   ", "")) + (out:find("^ok   ") and 1 or 0)
+  -- 2 dtypes x (4 + 3 + 3 + 2) stage/offload combinations
+  assert(out:find("done: 0 bad", 1, true) and oks == 24, out)
+  print(("    world %d: %d combinations match the ledger (and estimate where it has them)")
+        :format(n, oks))
+end
+
+function T.plan_bytes_equal_the_ledger_and_estimate_at_world_1() plan_check(1) end
+function T.plan_bytes_equal_the_ledger_and_estimate_at_world_2() plan_check(2) end
+
+return T
