@@ -123,7 +123,7 @@ project "lz_cuda_tests"
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")
 
--- Multi-rank tests and the collective benchmark (tests/comm/run.sh, tools/bench-comm).
+-- Multi-rank tests and the collective benchmark (tests/comm/run.sh, bench/bench-comm).
 local function comm_tool(name, file)
   project(name)
     kind "ConsoleApp"
@@ -134,19 +134,19 @@ local function comm_tool(name, file)
 end
 comm_tool("lz_run", "tests/comm/lz_run.c")
 comm_tool("comm_check", "tests/comm/comm_check.c")
-comm_tool("bench_comm", "tools/bench_comm.c")
+comm_tool("bench_comm", "bench/bench_comm.c")
 project "bench_comm"
   libdirs { mpi_lib }
   links { "mpi" }
 
--- The kernel benchmark (tools/bench-kernels): ours against raw oneDNN and OpenBLAS.
+-- The kernel benchmark (bench/bench-kernels): ours against raw oneDNN and OpenBLAS.
 project "bench_kernels"
   kind "ConsoleApp"
-  files { "scripts/bench_kernels.c" }
+  files { "bench/bench_kernels.c" }
   links { "luazero", "dnnl", "openblas", "m" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")
 
--- The CPU Adam and NVMe-tier benchmarks (tools/bench-adam, tools/bench-aio).
-comm_tool("bench_adam", "tools/bench_adam.c")
-comm_tool("bench_aio", "tools/bench_aio.c")
+-- The CPU Adam and NVMe-tier benchmarks (bench/bench-adam, bench/bench-aio).
+comm_tool("bench_adam", "bench/bench_adam.c")
+comm_tool("bench_aio", "bench/bench_aio.c")

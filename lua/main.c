@@ -1,6 +1,6 @@
 /* main.c — the luazero executable: LuaJIT with the luazero package on its
  * path, the launcher (-n N) and the REPL's line input (the REPL is
- * lua/luazero/repl.lua).
+ * lua/luazero/ui/repl.lua).
  *
  *   luazero script.lua args...      run a script (arg[0] = script, arg[1..] = args)
  *   luazero -e 'code'               run a chunk
@@ -96,7 +96,7 @@ static void setup_paths(lua_State *L, const char *root) {
   lua_setglobal(L, "LUAZERO_ROOT");
 }
 
-/* Line input for the REPL (lua/luazero/repl.lua does the rest), as the module
+/* Line input for the REPL (lua/luazero/ui/repl.lua does the rest), as the module
  * luazero.lineedit:
  *
  *   lineedit.read(prompt [, idle_s, on_idle]) -> line without its newline, or nil at EOF
@@ -222,11 +222,11 @@ static int lineedit_open(lua_State *L) {
   return 1;
 }
 
-/* The REPL itself is lua/luazero/repl.lua; script_failed says how the
+/* The REPL itself is lua/luazero/ui/repl.lua; script_failed says how the
  * script before it ended. */
 static int repl(lua_State *L, int script_failed) {
   lua_getglobal(L, "require");
-  lua_pushstring(L, "luazero.repl");
+  lua_pushstring(L, "luazero.ui.repl");
   if (run_chunk_results(L, 1, 1) != 0) return 1;
   lua_getfield(L, -1, "run");
   lua_remove(L, -2);

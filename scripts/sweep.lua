@@ -3,7 +3,7 @@
 -- loss.png. Finished runs are skipped when the sweep runs again.
 --   luazero scripts/sweep.lua sweeps/example.lua [--jobs K] [--out DIR] [--retry-failed]
 -- The sweep file and the outputs: docs/sweeps.md.
-local sweep = require("luazero.sweep")
+local sweep = require("luazero.ui.sweep")
 
 local usage = [[
 usage: luazero scripts/sweep.lua SWEEP.lua [--jobs K] [--out DIR] [--retry-failed]

@@ -1,7 +1,8 @@
 -- tests/ref/gpt2_dump.lua — the luazero side of the GPT-2 reference test
--- (tests/ref/test_gpt2.py): builds a small GPT-2, runs one forward and
--- backward and 10 AdamW steps on fixed batches, and writes everything the
--- PyTorch side needs to redo and compare it.
+-- (tests/ref/test_gpt2.py): builds a small GPT-2 under the ZeRO engine
+-- (stage 0, one rank), runs one forward and backward and 10 AdamW steps on
+-- fixed batches, and writes everything the PyTorch side needs to redo and
+-- compare it.
 --   luazero tests/ref/gpt2_dump.lua OUT_DIR
 -- OUT_DIR/: meta.json (config, parameter table, batches, hyperparameters,
 -- loss and step losses), params0.f32, tokens.i32, logits.f32, grads.f32,
@@ -11,7 +12,7 @@ local cjson = require("cjson")
 local lz = require("luazero")
 local optim = require("luazero.optim")
 local rng = require("luazero.rng")
-local Trainer = require("luazero.trainer")
+local zero = require("luazero.zero")
 local gpt2 = require("models.gpt2")
 
 local out = assert(arg[1], "usage: luazero tests/ref/gpt2_dump.lua OUT_DIR")
@@ -29,9 +30,31 @@ local function write(name, ptr, bytes)
   f:close()
 end
 
-local model = gpt2.new(cfg):allocate():init_weights(7)
-model:prepare(B, T)
-write("params0.f32", model.params_flat.data, model.params_flat:bytes())
+-- The engine's config: hp as DeepSpeed keys; accum micro-batches per step.
+local function engine(accum, lr)
+  return zero.initialize({
+    model = gpt2.new(cfg), seed = 7, batch = { B, T }, lr = lr,
+    comm = require("luazero.comm").init("local"),
+    config = { train_micro_batch_size_per_gpu = B, gradient_accumulation_steps = accum,
+               gradient_clipping = hp.clip,
+               optimizer = { type = "AdamW", params = { lr = hp.lr, betas = { hp.beta1, hp.beta2 },
+                                                        eps = hp.eps, weight_decay = hp.weight_decay } } },
+  })
+end
+
+-- The engine's gradients (padded segments) in canonical order.
+local function canonical_grads(e)
+  local out = lz.tensor({ e.L.numel }, "f32", "workspace")
+  for _, seg in ipairs(e.L.segments) do
+    out:view(seg.entries[1].offset, { seg.numel }):copy(e.grads:view(seg.full_offset, { seg.numel }))
+  end
+  return out
+end
+
+local first = engine(1)
+local params0 = first:master_params()
+write("params0.f32", params0.data, params0:bytes())
+params0:free()
 
 -- STEPS x ACCUM micro-batches; batch k: inputs then targets. Each row is an
 -- arithmetic sequence mod vocab (random start and stride), learnable enough
@@ -55,25 +78,30 @@ local function batch(k) -- 0-based
 end
 
 -- One forward and backward on batch 0.
-model:zero_grad()
 local x, y = batch(0)
-local loss0, logits = model:forward(x, y)
+local loss0 = first:forward(x, y)
+local logits = first.model.logits
 write("logits.f32", logits.data, logits:bytes())
-model:backward(1)
-write("grads.f32", model.grads_flat.data, model.grads_flat:bytes())
+first:backward(loss0)
+local grads = canonical_grads(first)
+write("grads.f32", grads.data, grads:bytes())
+grads:free()
+first:free()
 
 -- 10 optimizer steps with gradient accumulation over batches 0, 1, 2, ...
-local optimizer = optim.AdamW.new(model.params_flat, model.grads_flat, model.param_table, hp)
 local next_k = 0
-local trainer = Trainer.new({
-  model = model, optimizer = optimizer, grad_accum = ACCUM,
-  lr = optim.schedule.warmup_cosine(hp.lr, hp.warmup, STEPS, hp.min_lr),
-  batches = { next_batch = function() next_k = next_k + 1; return batch(next_k - 1) end },
-})
+local trainer = engine(ACCUM, optim.schedule.warmup_cosine(hp.lr, hp.warmup, STEPS, hp.min_lr))
+local batches = { next_batch = function() next_k = next_k + 1; return batch(next_k - 1) end }
 local losses, lrs, norms = {}, {}, {}
-for s = 1, STEPS do losses[s], lrs[s], norms[s] = trainer:step() end
-write("params10.f32", model.params_flat.data, model.params_flat:bytes())
+for s = 1, STEPS do
+  local rec = trainer:train_batch(batches)
+  losses[s], lrs[s], norms[s] = rec.loss, rec.lr, rec.grad_norm
+end
+local params10 = trainer:master_params()
+write("params10.f32", params10.data, params10:bytes())
+params10:free()
 
+local model = trainer.model
 local params = {}
 for i, e in ipairs(model.param_table) do
   params[i] = { name = e.name, shape = e.shape, offset = e.offset, numel = e.numel,

@@ -1,4 +1,4 @@
-/* bench_aio.c — the C side of tools/bench-aio: write then read a swap file
+/* bench_aio.c — the C side of bench/bench-aio: write then read a swap file
  * (lz_swap) end to end through one staging buffer, every request in flight at
  * once so the I/O threads always have pieces to submit. One line per figure,
  * medians of --reps passes:
@@ -70,7 +70,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-overlap")) o.overlap_events = 0;
     else if (!strcmp(a, "--small-pages")) small_pages = 1;
     else {
-      fprintf(stderr, "bench_aio: unknown argument %s (see the comment in tools/bench_aio.c)\n",
+      fprintf(stderr, "bench_aio: unknown argument %s (see the comment in bench/bench_aio.c)\n",
               a);
       return 2;
     }

@@ -1,18 +1,18 @@
 -- repl.lua — luazero's read-eval-print loop (`luazero`, `luazero -i script.lua`).
 -- A line at a time: "=expr" or a bare expression prints its values
--- (luazero.show: tensors, modules, the engine, the ledger, tables); an
+-- (luazero.ui.show: tensors, modules, the engine, the ledger, tables); an
 -- incomplete chunk continues at a ">> " prompt; errors print with their
--- traceback and the loop goes on. The helpers of luazero.inspect (shards,
+-- traceback and the loop goes on. The helpers of luazero.ui.inspect (shards,
 -- norms, mem, gather, estimate) are globals.
 --
 -- Under `luazero -n N -i` rank 0 runs the loop and the other ranks serve its
--- helpers (luazero.serve); Ctrl-D on rank 0 ends every rank.
+-- helpers (luazero.ui.serve); Ctrl-D on rank 0 ends every rank.
 --
 -- Line editing and history come from the luazero executable
 -- (luazero.lineedit, libedit); from a plain luajit the loop reads io.stdin.
-local show = require("luazero.show")
-local serve = require("luazero.serve")
-local inspect = require("luazero.inspect")
+local show = require("luazero.ui.show")
+local serve = require("luazero.ui.serve")
+local inspect = require("luazero.ui.inspect")
 
 local M = {}
 

@@ -9,13 +9,13 @@
 --
 -- shards, norms and mem gather from every rank: in a script every rank calls
 -- them; in `luazero -n N -i` rank 0's REPL calls them and the other ranks
--- join through luazero.serve. The engine may be left out when exactly one
+-- join through luazero.ui.serve. The engine may be left out when exactly one
 -- global holds one. Each returns a report: its fields hold the numbers,
 -- tostring() (what the REPL prints) lays them out.
 local cjson = require("cjson")
 local lz = require("luazero")
-local serve = require("luazero.serve")
-local show = require("luazero.show")
+local serve = require("luazero.ui.serve")
+local show = require("luazero.ui.show")
 
 local M = {}
 

@@ -4,7 +4,7 @@
 -- run's status, and summarise in results.csv, results.md and loss.png.
 -- docs/sweeps.md describes the sweep file and the outputs.
 --
---   local sweep = require("luazero.sweep")
+--   local sweep = require("luazero.ui.sweep")
 --   local spec = sweep.load("sweeps/example.lua")
 --   local runs = sweep.expand(spec)        -- { {id, flags, swept, ranks}, ... }
 --   sweep.run(spec, runs, { out = "sweep-out", jobs = 2, retry_failed = false })

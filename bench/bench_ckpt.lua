@@ -1,8 +1,8 @@
--- scripts/bench_ckpt.lua — checkpoint save and load speed and compression
+-- bench/bench_ckpt.lua — checkpoint save and load speed and compression
 -- ratio for GPT-2 124M (fp32 master + Adam moments after one training step,
 -- one rank, stage 0), with the raw disk write speed of the same bytes
 -- (dd, fdatasync) beside it.
---   luazero scripts/bench_ckpt.lua [--model gpt2] [--dir /tmp] [--zstd-level 3]
+--   luazero bench/bench_ckpt.lua [--model gpt2] [--dir /tmp] [--zstd-level 3]
 local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")

@@ -1,6 +1,6 @@
 -- bench_support.lua — what the Lua benchmarks share (not a benchmark itself):
 -- shell quoting, a scratch folder, and the corpus they train on.
---   local bench = dofile(lz.root .. "/scripts/bench_support.lua")
+--   local bench = dofile(lz.root .. "/bench/bench_support.lua")
 --   local q, tmp = bench.quote, bench.scratch()
 --   local data = bench.corpus(tmp, flags.data)   -- the given file, or a generated text
 --   ... bench.cleanup(tmp)

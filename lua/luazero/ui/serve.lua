@@ -1,6 +1,6 @@
 -- serve.lua — a multi-rank REPL: rank 0 reads the terminal, the other ranks
 -- answer its questions. When rank 0 evaluates a helper that needs every rank
--- (luazero.inspect's shards, norms, mem, gather), it broadcasts a small
+-- (luazero.ui.inspect's shards, norms, mem, gather), it broadcasts a small
 -- command through the collectives; the other ranks, sitting in serve.loop()
 -- after their script ended, run the same helper and contribute to its
 -- collectives. While rank 0 waits at the prompt it broadcasts "ping" every

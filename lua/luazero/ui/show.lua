@@ -3,7 +3,7 @@
 -- engine (stage, world, dtype, counts), the ledger (bytes per category and
 -- peak), plain tables pretty-printed down to a depth limit.
 --
---   local show = require("luazero.show")
+--   local show = require("luazero.ui.show")
 --   print(show.value(x))            -- any value
 --   show.bytes(3 * 2^20)            -- "3.0 MiB"
 --   show.count(124439808)           -- "124.44M"

@@ -1,4 +1,4 @@
--- scripts/bench_offload.lua — the offload tiers' benchmarks (not tests):
+-- bench/bench_offload.lua — the offload tiers' benchmarks (not tests):
 --   1. tiers on and off: gpt2 (124M), bf16, one rank: tokens/s of a training
 --      step with the optimizer states in memory, in host memory ("cpu"), on
 --      NVMe, and with the stage-3 parameter shard on NVMe too; the ratio to
@@ -7,7 +7,7 @@
 --      more than this machine's memory) for a few steps in bf16 with the
 --      optimizer states on NVMe: step time, peak RSS, bytes read and written
 --      per step, next to what the model states would need without offload.
---   luazero scripts/bench_offload.lua [--part 1|2] [--nvme DIR] [--steps N]
+--   luazero bench/bench_offload.lua [--part 1|2] [--nvme DIR] [--steps N]
 -- Part 2 writes a ~19 GB swap file in --nvme (default: the build folder, on
 -- the work disk) and takes a few minutes. Run it on a quiet machine.
 local cjson = require("cjson")
@@ -27,7 +27,7 @@ local flags = assert(args.parse(arg, {
 }))
 
 local root = lz.root
-local bench = dofile(lz.root .. "/scripts/bench_support.lua")
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local nvme = flags.nvme or (root .. "/build")
 

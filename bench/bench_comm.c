@@ -1,4 +1,4 @@
-/* bench_comm.c — one side of tools/bench-comm: times all-reduce (sum),
+/* bench_comm.c — one side of bench/bench-comm: times all-reduce (sum),
  * reduce-scatter, all-gather and in-place all-gather of f32 from 4 KiB to 256 MiB on the
  * communicator it finds (shm under the launcher, mpi under mpirun) and rank 0
  * prints one line per point: "R backend ranks op bytes seconds".

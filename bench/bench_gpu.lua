@@ -1,7 +1,7 @@
--- scripts/bench_gpu.lua — GPU figures beside their yardsticks: GEMM TFLOP/s
+-- bench/bench_gpu.lua — GPU figures beside their yardsticks: GEMM TFLOP/s
 -- through luazero's lz_matmul (cuBLASLt) against the GPU's dense peak, and
 -- the main kernels' time per call at GPT-2 124M shapes (B=8, T=1024).
---   luazero scripts/bench_gpu.lua [--peak-bf16 TFLOPS] [--peak-f32 TFLOPS]
+--   luazero bench/bench_gpu.lua [--peak-bf16 TFLOPS] [--peak-f32 TFLOPS]
 -- The peaks default to the H200's data sheet (989 dense bf16, 67 fp32).
 -- Without a GPU it says so and exits 0.
 local ffi = require("ffi")

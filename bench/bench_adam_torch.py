@@ -1,4 +1,4 @@
-"""bench_adam_torch.py — the PyTorch side of tools/bench-adam: torch.optim.AdamW
+"""bench_adam_torch.py — the PyTorch side of bench/bench-adam: torch.optim.AdamW
 (its default implementation for CPU tensors in this version) over N fp32
 parameters, alone and followed by a bf16 working copy (p.to(bfloat16), what a
 mixed-precision loop does after the step). Prints, medians of --reps:

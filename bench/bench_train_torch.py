@@ -1,7 +1,7 @@
-"""bench_train_torch.py — the PyTorch side of scripts/bench_train.lua: GPT-2
+"""bench_train_torch.py — the PyTorch side of bench/bench_train.lua: GPT-2
 training steps (forward, backward, clipping, AdamW) in fp32 on the CPU, with
 the model of tests/ref/test_gpt2.py. Prints "torch_tokens_per_s X".
-    /usr/bin/python3 scripts/bench_train_torch.py --micro-batch 4 --seq-len 64
+    /usr/bin/python3 bench/bench_train_torch.py --micro-batch 4 --seq-len 64
 """
 import argparse
 import os

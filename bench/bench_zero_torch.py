@@ -1,8 +1,8 @@
-"""bench_zero_torch.py — the PyTorch yardstick of scripts/bench_zero.lua: the
+"""bench_zero_torch.py — the PyTorch yardstick of bench/bench_zero.lua: the
 GPT-2 of tests/ref/test_gpt2.py trained data-parallel on 2 CPU ranks (gloo),
 with DistributedDataParallel + AdamW ("ddp") or with ZeroRedundancyOptimizer
 ("zero1"). Prints "torch_<mode>_tokens_per_s X" and "torch_<mode>_peak_rss X".
-    /usr/bin/python3 scripts/bench_zero_torch.py --mode ddp --n-layer 8 --n-embd 768
+    /usr/bin/python3 bench/bench_zero_torch.py --mode ddp --n-layer 8 --n-embd 768
 """
 import argparse
 import os

@@ -12,12 +12,12 @@
  * repetition, so a noisy neighbour hurts them alike; figures are medians.
  *
  * Then the fwd+bwd time of attention, layernorm, GELU and cross-entropy, as
- * lines "OP <op> <shape> <ms>" that tools/bench-kernels joins with the same
- * ops timed in PyTorch (scripts/bench_kernels_torch.py).
+ * lines "OP <op> <shape> <ms>" that bench/bench-kernels joins with the same
+ * ops timed in PyTorch (bench/bench_kernels_torch.py).
  *
  *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops]
  * Threads: OMP_NUM_THREADS for ours and oneDNN, OPENBLAS_NUM_THREADS for OpenBLAS
- * (tools/bench-kernels sets both). */
+ * (bench/bench-kernels sets both). */
 #include "luazero.h"
 
 #include <cblas.h>  /* cblas_sgemm, openblas_set_num_threads: OpenBLAS */
@@ -28,7 +28,7 @@
 #include <string.h> /* strcmp */
 #include <time.h>   /* clock_gettime */
 
-#include "../tools/bench_timing.h" /* now_s, median, best */
+#include "bench_timing.h" /* now_s, median, best */
 
 #define CHECK_LZ(call)                                                             \
   do {                                                                             \

@@ -1,11 +1,11 @@
--- scripts/bench_zero.lua — the ZeRO engine's benchmarks (not tests):
+-- bench/bench_zero.lua — the ZeRO engine's benchmarks (not tests):
 --   1. gpt2 (124M) on one rank: bf16 vs fp32 vs PyTorch fp32, same batch and
 --      threads; tokens/s and the ratios (target: bf16 >= 1.5x our fp32).
 --   2. a ~100M-parameter GPT-2 (8 layers, width 768) at world size 2, each
 --      stage: tokens/s, peak RSS and model-state bytes per rank side by side,
 --      stage 3 / stage 0 throughput (target >= 0.85); PyTorch DDP and
 --      ZeroRedundancyOptimizer (gloo, 2 ranks, same threads) as yardstick.
---   luazero scripts/bench_zero.lua [--part 1|2] [--steps N] [--seq-len T]
+--   luazero bench/bench_zero.lua [--part 1|2] [--steps N] [--seq-len T]
 -- Takes minutes and both cores: run it on a quiet machine.
 local cjson = require("cjson")
 local lz = require("luazero")
@@ -20,7 +20,7 @@ local flags = assert(args.parse(arg, {
 }))
 
 local root = lz.root
-local bench = dofile(lz.root .. "/scripts/bench_support.lua")
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local exe = lz.executable
 
@@ -64,7 +64,7 @@ if flags.part == 0 or flags.part == 1 then
   local m = "--model gpt2"
   local fp32 = luazero(1, m, "--dtype fp32")
   local bf16 = luazero(1, m, "--dtype bf16")
-  local tout = sh(("/usr/bin/python3 %s/scripts/bench_train_torch.py --micro-batch %d " ..
+  local tout = sh(("/usr/bin/python3 %s/bench/bench_train_torch.py --micro-batch %d " ..
                    "--seq-len %d --steps %d --threads %d"):format(q(root), flags.micro_batch,
                    flags.seq_len, flags.steps, lz.threads()))
   local torch = torch_line(tout, "torch_tokens_per_s")
@@ -93,7 +93,7 @@ if flags.part == 0 or flags.part == 2 then
   -- (the CPUs this process may use, divided by the ranks).
   local threads = math.max(1, math.floor(lz.threads() / 2))
   for _, mode in ipairs({ "ddp", "zero1" }) do
-    local out = sh(("/usr/bin/python3 %s/scripts/bench_zero_torch.py --mode %s --n-layer 8 " ..
+    local out = sh(("/usr/bin/python3 %s/bench/bench_zero_torch.py --mode %s --n-layer 8 " ..
                     "--context 256 --micro-batch %d --seq-len %d --steps %d --threads %d")
                    :format(q(root), mode, flags.micro_batch, flags.seq_len, flags.steps, threads))
     local tps = torch_line(out, "torch_" .. mode .. "_tokens_per_s")

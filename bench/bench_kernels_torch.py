@@ -1,10 +1,10 @@
-"""bench_kernels_torch.py — PyTorch's side of tools/bench-kernels.
+"""bench_kernels_torch.py — PyTorch's side of bench/bench-kernels.
 
 Times forward+backward of attention (causal, matmul + mask + softmax, on
 GPT-2's qkv layout), layernorm, GELU (tanh) and cross-entropy in PyTorch on
-the shapes scripts/bench_kernels.c uses, and prints "OP <op> <shape> <ms>"
+the shapes bench/bench_kernels.c uses, and prints "OP <op> <shape> <ms>"
 lines (median milliseconds) for the wrapper to join with ours.
-    /usr/bin/python3 scripts/bench_kernels_torch.py [--threads N]
+    /usr/bin/python3 bench/bench_kernels_torch.py [--threads N]
 """
 import argparse
 import math

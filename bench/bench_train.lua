@@ -1,10 +1,11 @@
--- scripts/bench_train.lua — GPT-2 training throughput, luazero beside PyTorch.
---   luazero scripts/bench_train.lua [--model gpt2] [--micro-batch 4] [--seq-len 64]
+-- bench/bench_train.lua — GPT-2 training throughput, luazero beside PyTorch.
+--   luazero bench/bench_train.lua [--model gpt2] [--micro-batch 4] [--seq-len 64]
 --                                   [--steps 3] [--threads 2] [--torch-steps 2]
 -- In one run, on the same machine, threads, batch and model, in fp32:
 --   1. the GEMM yardstick: a large sgemm through lz_matmul (oneDNN), GFLOP/s;
---   2. luazero: full optimizer steps (forward, backward, clipping, AdamW);
---   3. PyTorch 1.13 (/usr/bin/python3, scripts/bench_train_torch.py): the same.
+--   2. luazero: full optimizer steps through the ZeRO engine at stage 0, one
+--      rank (forward, backward, clipping, AdamW);
+--   3. PyTorch 1.13 (/usr/bin/python3, bench/bench_train_torch.py): the same.
 -- Prints tokens/s of both, the ratio, and model FLOP utilisation (MFU) against
 -- the GEMM figure. FLOPs per token: 6 N + 12 L C T, nanoGPT's estimate (N: the
 -- parameters without the position table; the attention term counts the whole
@@ -13,9 +14,8 @@ local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
 local clock = require("luazero.clock")
-local optim = require("luazero.optim")
 local rng = require("luazero.rng")
-local Trainer = require("luazero.trainer")
+local zero = require("luazero.zero")
 local gpt2 = require("models.gpt2")
 
 local ok, flags = pcall(args.parse, arg, {
@@ -28,7 +28,7 @@ local ok, flags = pcall(args.parse, arg, {
   { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMM" },
 })
 if not ok or not flags then
-  io.stderr:write("bench_train: ", tostring(flags or "see the header of scripts/bench_train.lua"),
+  io.stderr:write("bench_train: ", tostring(flags or "see the header of bench/bench_train.lua"),
                   "\n")
   os.exit(2)
 end
@@ -60,9 +60,11 @@ local peak = gemm_gflops(flags.gemm)
 ------------------------------------------------------------- luazero
 
 local cfg = gpt2.config(flags.model)
-local model = gpt2.new(cfg):allocate():init_weights(1)
-model:prepare(B, T)
-local optimizer = optim.AdamW.new(model.params_flat, model.grads_flat, model.param_table)
+local model = gpt2.new(cfg)
+local engine = zero.initialize({
+  model = model, seed = 1, batch = { B, T }, comm = require("luazero.comm").init("local"),
+  config = { train_micro_batch_size_per_gpu = B, gradient_clipping = 1.0,
+             optimizer = { type = "AdamW", params = { lr = 1e-4 } } } })
 local r = rng.new(1)
 local x, y = lz.tensor({ B, T }, "i32"), lz.tensor({ B, T }, "i32")
 local px, py = ffi.cast("int32_t *", x.data), ffi.cast("int32_t *", y.data)
@@ -70,8 +72,6 @@ local batches = { next_batch = function()
   for i = 0, B * T - 1 do px[i] = r:int(cfg.vocab); py[i] = r:int(cfg.vocab) end
   return x, y
 end }
-local trainer = Trainer.new({ model = model, optimizer = optimizer, batches = batches,
-                              lr = function() return 1e-4 end })
 
 local n_params = model:count_params()
 local flops_per_token = 6 * (n_params - cfg.context * cfg.n_embd) +
@@ -79,9 +79,9 @@ local flops_per_token = 6 * (n_params - cfg.context * cfg.n_embd) +
 print(("model %s: %.1fM parameters, batch %d x %d, fp32; %.2f GFLOP per token")
       :format(cfg.name, n_params / 1e6, B, T, flops_per_token / 1e9))
 
-trainer:step() -- warm-up
+engine:train_batch(batches) -- warm-up
 local t0 = clock.now()
-for _ = 1, flags.steps do trainer:step() end
+for _ = 1, flags.steps do engine:train_batch(batches) end
 local dt = (clock.now() - t0) / flags.steps
 local ours = B * T / dt
 peak = math.max(peak, gemm_gflops(flags.gemm))
@@ -91,13 +91,12 @@ local mfu = ours * flops_per_token / (peak * 1e9)
 print(("luazero  %8.1f tokens/s  (%.0f ms/step, %d steps)  MFU %.1f%% of the GEMM figure")
       :format(ours, dt * 1000, flags.steps, mfu * 100))
 io.stdout:flush()
-optimizer:free()
-model:free()
+engine:free()
 
 ------------------------------------------------------------- PyTorch
 
 if flags.torch_steps > 0 then
-  local cmd = ("/usr/bin/python3 %s/scripts/bench_train_torch.py --n-layer %d --n-head %d " ..
+  local cmd = ("/usr/bin/python3 %s/bench/bench_train_torch.py --n-layer %d --n-head %d " ..
                "--n-embd %d --context %d --vocab %d --micro-batch %d --seq-len %d " ..
                "--steps %d --threads %d 2>&1")
               :format(lz.root, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.context,

@@ -1,4 +1,4 @@
-/* bench_adam.c — the C side of tools/bench-adam: lz_adamw_step over N fp32
+/* bench_adam.c — the C side of bench/bench-adam: lz_adamw_step over N fp32
  * parameters (working copy none, f32, bf16, f16) and a STREAM-like copy and
  * triad on the same kind of memory (2 MiB-aligned, huge pages), on the
  * threads OMP_NUM_THREADS gives. One line per figure, medians of --reps:
