@@ -20,14 +20,14 @@ function T.stages_are_data()
   assert(s0.params.extent == "full" and s0.grads.extent == "full" and s0.m.extent == "full")
   assert(s0.reduce.op == "all_reduce" and s0.reduce.bucketed and s0.after_step == "none")
   assert(s1.grads.extent == "full" and s1.m.extent == "shard" and s1.reduce.op == "reduce_scatter")
-  assert(not s1.reduce.staged and s1.after_step == "gather_full")
-  assert(s2.grads.extent == "shard" and s2.reduce.staged and s2.reduce.into == "shard")
+  assert(not s1.reduce.buffered and s1.after_step == "gather_full")
+  assert(s2.grads.extent == "shard" and s2.reduce.buffered and s2.reduce.into == "shard")
   assert(s3.params.extent == "shard" and s3.params.gather == "per_module")
   assert(s3.after_step == "gather_persistent")
   -- fp32: the master is the working copy; bf16: its own fp32 copy.
   assert(p(2, { dtype = "fp32" }).master.alias == "params" and s2.master.alias == nil)
   -- Accumulation and half gradients stage stages 0-1.
-  assert(p(0, { accum = 2 }).reduce.staged and p(1, { grad_dtype = "bf16" }).reduce.staged)
+  assert(p(0, { accum = 2 }).reduce.buffered and p(1, { grad_dtype = "bf16" }).reduce.buffered)
   -- Offload: host tier; on an accelerator the optimizer reads an fp32
   -- gradient shard in host memory, and stage 2 keeps no gradients on it.
   local off = p(2, { offload_optimizer = "cpu", device = "cuda" })

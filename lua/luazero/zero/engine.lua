@@ -1,6 +1,6 @@
 -- zero/engine.lua — the ZeRO engine: luazero.initialize{model=..., config=...}
 -- returns an engine with forward, backward, step and train_batch, in the
--- spirit of deepspeed.initialize. What each stage keeps where is the
+-- spirit of deepspeed.initialize. What lives where is the
 -- placement plan (zero/plan.lua), built once here and read everywhere
 -- below; bf16/fp16 working copies over fp32 master weights, dynamic loss
 -- scaling, gradient clipping with a global norm computed in a canonical
@@ -191,7 +191,7 @@ function Engine:allocate()
                                        nvme_path = op.nvme_path, aio = s.aio,
                                        buffer_count = op.buffer_count }
     -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
-    -- staged at once must fit.
+    -- held at once must fit.
     for _, seg in ipairs(L.segments) do
       if op.buffer_size and seg.slice > op.buffer_size then
         error(("initialize: zero_optimization.offload_param.buffer_size %d is smaller than " ..
@@ -225,7 +225,7 @@ function Engine:allocate()
   -- optimizer's view of the gradients and for accumulating into them.
   if self.half_grads then self.gscratch = lz.tensor({ 2 * CHUNK }, "f32", "workspace") end
   self.grads = lz.tensor({ self:numel(P.grads.extent) }, P.grads.dtype, "grads")
-  if not P.reduce.staged then
+  if not P.reduce.buffered then
     for _, seg in ipairs(L.segments) do
       bind_grads(seg, self.grads:view(seg.full_offset, { seg.padded }))
     end
@@ -295,10 +295,10 @@ function Engine:shard_pieces(lo, n, fn)
 end
 
 -- The optimizer's calls: it updates every rank's slices where the plan
--- replicates it (stage 0), this rank's otherwise. Each run is a piece of
+-- replicates it, this rank's otherwise. Each run is a piece of
 -- one decay setting; the pieces that fall in each optimizer sub-group
 -- (zero/offload.lua) become that group's calls, with views into the
--- group's master and states (resident or staged), the gradients and (bf16/
+-- group's master and states (resident or read from NVMe), the gradients and (bf16/
 -- fp16, or an NVMe parameter shard) the working copy.
 function Engine:build_calls()
   local L, P = self.L, self.P
@@ -395,13 +395,13 @@ function Engine:install_hooks()
   model:register_hook("post_recompute", function(m) self:post_recompute(m) end)
 end
 
--- Parameters gathered per module (stage 3): a segment's, into a pooled buffer.
+-- Parameters gathered per module: a segment's, into a pooled buffer.
 function Engine:gather(seg, async)
   if seg.persistent or seg.pbuf then return end
   seg.pbuf = self.pool:get(seg.padded, self.wdt)
   self.live = (self.live or 0) + seg.padded
   local send
-  send, seg.pstage = self:shard_slice(seg)
+  send, seg.pslot = self:shard_slice(seg)
   seg.pwork = self.comm.all_gather(send, seg.pbuf, async)
   if not async then seg.pwork = nil; self:gathered(seg) end
 end
@@ -418,7 +418,7 @@ end
 function Engine:gathered(seg)
   if seg.pwork then seg.pwork:wait() end
   seg.pwork = nil
-  if seg.pstage then self.pshard:release(seg.pstage); seg.pstage = nil end
+  if seg.pslot then self.pshard:release(seg.pslot); seg.pslot = nil end
 end
 
 function Engine:ensure(seg)
@@ -488,12 +488,12 @@ function Engine:pre_backward(m)
   if not segs then return end
   if self.P.params.gather then self:gather_for(m, self.bwd_order, self.bwd_pass) end
   for _, seg in ipairs(segs) do
-    if self.P.reduce.staged and not seg.gbuf then
+    if self.P.reduce.buffered and not seg.gbuf then
       self:make_room(seg.padded)
       seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
       bind_grads(seg, seg.gbuf)
       seg.pending = seg.users
-    elseif not self.P.reduce.staged and seg.pending == nil then
+    elseif not self.P.reduce.buffered and seg.pending == nil then
       seg.pending = seg.users
     end
   end
@@ -551,7 +551,7 @@ end
 -- plan says (P.reduce).
 function Engine:grads_ready(seg)
   local comm, async, R = self.comm, self.s.overlap, self.P.reduce
-  if R.staged then
+  if R.buffered then
     -- Reduce the staging buffer: all-reduce of all of it (added into the
     -- full gradients), or reduce-scatter in place (this rank's slice, added
     -- into this rank's slice of the gradients, full or shard). The shm
@@ -634,7 +634,7 @@ end
 
 -- dst += src for gdt tensors: both converted to fp32, added, dst rounded
 -- back (nearest even), CHUNK elements at a time. Elementwise, so every
--- stage gets the same bits.
+-- plan gets the same bits.
 function Engine:add_half(dst, src)
   local n = dst:numel()
   for off = 0, n - 1, CHUNK do
@@ -700,7 +700,7 @@ function Engine:backward(loss)
   self.model:backward(self.scaler.scale / self.s.accum)
   if #self.bwd_order > 0 then self.bwd_order.done = true end
   self:drop_prefetched()
-  if self.P.reduce.staged or is_boundary(self) then self:wait_all() end
+  if self.P.reduce.buffered or is_boundary(self) then self:wait_all() end
 end
 
 function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
@@ -781,7 +781,7 @@ end
 function Engine:gather_params()
   local after, comm = self.P.after_step, self.comm
   if after == "none" then return end
-  local async, works, stages = self.s.overlap, {}, {}
+  local async, works, slots = self.s.overlap, {}, {}
   for _, seg in ipairs(self.L.segments) do
     local send, recv, stg
     if after == "gather_full" then
@@ -793,11 +793,11 @@ function Engine:gather_params()
     end
     if recv then works[#works + 1] = comm.all_gather(send, recv, async) end
     if stg then
-      if async then stages[#stages + 1] = stg else self.pshard:release(stg) end
+      if async then slots[#slots + 1] = stg else self.pshard:release(stg) end
     end
   end
   if async then for _, w in ipairs(works) do w:wait() end end
-  for _, stg in ipairs(stages) do self.pshard:release(stg) end
+  for _, stg in ipairs(slots) do self.pshard:release(stg) end
 end
 
 function Engine:zero_grad() self.grads:zero() end

@@ -9,7 +9,7 @@
 --   p.params  = { extent = "full", dtype = "bf16", tier = "device" }
 --   p.grads   = { extent = "shard", dtype = "f32", tier = "device" }
 --   p.master  = { extent = "shard", dtype = "f32", tier = "host" }   -- alias = "params": none of its own
---   p.reduce  = { op = "reduce_scatter", staged = true, into = "shard" }
+--   p.reduce  = { op = "reduce_scatter", buffered = true, into = "shard" }
 --   p.after_step = "gather_full"
 --   p:bytes{ full = F, shard = S, persistent = P } -> { device = {...}, host = {...}, nvme = {...} }
 --   print(p)                                          -- one line per state
@@ -110,16 +110,16 @@ function M.new(opts)
     -- Stages 2-3 reduce straight into it: no gradient shard on the device.
     if stage >= 2 then p.grads = { extent = "none", dtype = gdt, tier = "device" } end
   end
-  -- How gradients are reduced. Staged: each module's gradients go to a
-  -- pooled buffer reduced as soon as they are complete and added into the
-  -- gradients every micro-step (stages 2-3 always; stages 0-1 with
+  -- How gradients are reduced. Buffered: each module's gradients go to a
+  -- pooled staging buffer reduced as soon as they are complete and added
+  -- into the gradients every micro-step (stages 2-3 always; stages 0-1 with
   -- accumulation or half gradients, so every stage adds the same reduced
-  -- micro-step gradients in the same order). Unstaged: once per step, at
+  -- micro-step gradients in the same order). Otherwise once per step, at
   -- the accumulation boundary, over the full gradient buffer.
-  local staged = stage >= 2 or p.accum > 1 or gdt ~= "f32"
-  p.reduce = { op = stage == 0 and "all_reduce" or "reduce_scatter", staged = staged,
+  local buffered = stage >= 2 or p.accum > 1 or gdt ~= "f32"
+  p.reduce = { op = stage == 0 and "all_reduce" or "reduce_scatter", buffered = buffered,
                into = stage >= 2 and "shard" or "full",
-               bucketed = stage == 0 and not staged }
+               bucketed = stage == 0 and not buffered }
   -- What the step's end gathers: the updated slices into every rank's full
   -- working copy (stages 1-2), the persistent parameters (stage 3).
   p.after_step = (stage == 1 or stage == 2) and "gather_full"
@@ -171,7 +171,7 @@ function Plan:lines()
   local r = self.reduce
   lines[#lines + 1] = ("  reduce     %s%s into the %s gradients, %s"):format(
     r.bucketed and "bucketed " or "", r.op:gsub("_", "-"), r.into,
-    r.staged and "every micro-step through staging buffers" or "at the accumulation boundary")
+    r.buffered and "every micro-step through staging buffers" or "at the accumulation boundary")
   lines[#lines + 1] = "  after step " .. self.after_step:gsub("_", " ")
   return lines
 end
