@@ -14,7 +14,6 @@ difference of c into a step of 2 lr.) Both sides read the same numpy arrays
 """
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 try:
@@ -27,32 +26,20 @@ except ImportError as e:
     print("0 passed, 1 failed")
     sys.exit(1)
 import lz  # noqa: E402
+from harness import check_equal, check_true, run, test  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng(20230213)
-passed = 0
-failed = 0
 
 
-def check_true(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"  ok   {name}")
-    else:
-        failed += 1
-        print(f"  FAIL {name} {detail}")
-
-
-def check_equal(name, ours, ref):
-    ref = ref.numpy() if isinstance(ref, torch.Tensor) else ref
-    same = np.array_equal(ours, ref)
-    detail = ""
-    if not same:
-        bad = np.flatnonzero(ours != ref)
-        i = bad[0]
-        detail = f"({bad.size} elements differ; first [{i}]: {ours[i]!r} vs {ref[i]!r})"
-    check_true(f"{name}: bitwise", same, detail)
+@test
+def bitwise_check_can_fail():
+    """One element one ulp off is caught: the comparison is exact."""
+    a = rng.standard_normal(33).astype(np.float32)
+    b = a.copy()
+    b[17] = np.nextafter(b[17], np.float32(np.inf))
+    check_true("an array equals itself", np.array_equal(a, a.copy()))
+    check_true("one ulp apart is not equal", not np.array_equal(a, b))
 
 
 def f32(x):
@@ -112,24 +99,21 @@ def lion_case(n, case):
                 lz.ctypes.byref(args))
         check_equal(f"{tag} {name}", copy, p.astype(copy.dtype))
 
-def main():
-    global failed
-    lz.call("lz_threads_set", 2)
-    print(f"test_optim: {lz.LIB_PATH}, torch {torch.__version__}, tolerance: bitwise")
-    for n in SIZES:
+def lion_sizes(n):
+    def fn():
         for case in CASES:
-            print(f"lion [{n}] {case}:")
-            try:
-                lion_case(n, case)
-            except Exception as e:  # a missing kernel or a bad status: one failure
-                failed += 1
-                msg = str(e) if isinstance(e, lz.LzError) else traceback.format_exc()
-                print(f"  FAIL lion [{n}]: {msg}")
-            finally:
-                lz.release()
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+            lion_case(n, case)
+            lz.release()
+    fn.__name__ = f"lion_{n}"
+    return test(fn)
 
+
+for _n in SIZES:
+    lion_sizes(_n)
+
+
+def main():
+    return run(f"test_optim: {lz.LIB_PATH}, torch {torch.__version__}, tolerance: bitwise")
 
 if __name__ == "__main__":
     sys.exit(main())
