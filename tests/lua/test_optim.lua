@@ -5,12 +5,7 @@ local lz = require("luazero")
 local optim = require("luazero.optim")
 local T = {}
 
-local function expect_error(fn, needle)
-  local ok, err = pcall(fn)
-  assert(not ok, "expected an error mentioning: " .. needle)
-  assert(tostring(err):find(needle, 1, true),
-         ("error %q does not mention %q"):format(tostring(err), needle))
-end
+local expect_error = dofile(lz.root .. "/tests/lua/support.lua").expect_error
 
 function T.new_picks_the_class_by_type()
   assert(getmetatable(optim.new({ type = "Adam" })) == optim.AdamW)
