@@ -236,6 +236,22 @@ typedef struct lz_adamw_args {
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                         lz_tensor *working, const lz_adamw_args *args);
 
+typedef struct lz_lion_args {
+  float lr;
+  float beta1;        /* the sign's interpolation: c = b1 m + (1 - b1) g */
+  float beta2;        /* the momentum's decay: m = b2 m + (1 - b2) g */
+  float weight_decay; /* decoupled: param -= lr * wd * param */
+  float grad_scale;   /* grads are multiplied by this first (clipping, 1/loss scale) */
+} lz_lion_args;
+
+/* One fused Lion step over fp32 master `param` with fp32 `grad` and momentum
+ * m: param = param (1 - lr wd) - lr sign(b1 m + (1 - b1) g), then
+ * m = b2 m + (1 - b2) g. `working` (may be NULL) receives the updated
+ * parameters in its dtype (f32, bf16 or f16). All tensors the same element
+ * count, on the cpu. */
+lz_status lz_lion_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *working,
+                       const lz_lion_args *args);
+
 /* xxh64 of a byte range. */
 uint64_t lz_hash_xxh64(const void *data, size_t bytes, uint64_t seed);
 /* Streaming xxh64: the digest of the concatenated updates equals the one-shot

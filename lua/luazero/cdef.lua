@@ -162,6 +162,17 @@ typedef struct lz_adamw_args {
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                         lz_tensor *working, const lz_adamw_args *args);
 
+typedef struct lz_lion_args {
+  float lr;
+  float beta1;
+  float beta2;
+  float weight_decay;
+  float grad_scale;
+} lz_lion_args;
+
+lz_status lz_lion_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *working,
+                       const lz_lion_args *args);
+
 uint64_t lz_hash_xxh64(const void *data, size_t bytes, uint64_t seed);
 
 typedef struct lz_hasher lz_hasher;

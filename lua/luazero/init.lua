@@ -525,7 +525,7 @@ local op_names = {
   "matmul", "linear_forward", "linear_backward", "layernorm_forward", "layernorm_backward",
   "gelu_forward", "gelu_backward", "attention_forward", "attention_backward",
   "embedding_forward", "embedding_backward", "cross_entropy_forward",
-  "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step",
+  "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step", "lion_step",
 }
 local ops = {}
 for _, name in ipairs(op_names) do
@@ -539,6 +539,7 @@ end
 lz.ops = ops
 
 function lz.adamw_args(t) return ffi.new("lz_adamw_args", t) end
+function lz.lion_args(t) return ffi.new("lz_lion_args", t) end
 
 -- Submodules on first use.
 return setmetatable(lz, {

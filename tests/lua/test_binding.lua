@@ -3,12 +3,7 @@
 local lz = require("luazero")
 local T = {}
 
-local function expect_error(fn, needle)
-  local ok, err = pcall(fn)
-  assert(not ok, "expected an error mentioning: " .. needle)
-  assert(tostring(err):find(needle, 1, true),
-         ("error %q does not mention %q"):format(tostring(err), needle))
-end
+local expect_error = dofile(lz.root .. "/tests/lua/support.lua").expect_error
 
 function T.tensor_shape_dtype_and_printing()
   local t = lz.tensor({2, 3}, "f32")

@@ -5,12 +5,7 @@ local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
 local T = {}
 
-local function expect_error(fn, needle)
-  local ok, err = pcall(fn)
-  assert(not ok, "expected an error mentioning: " .. needle)
-  assert(tostring(err):find(needle, 1, true),
-         ("error %q does not mention %q"):format(tostring(err), needle))
-end
+local expect_error = support.expect_error
 
 local function random_fill(t, seed)
   local p = lz.ffi.cast("uint32_t *", t.data)

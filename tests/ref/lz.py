@@ -53,6 +53,17 @@ class AdamwArgs(ctypes.Structure):
     ]
 
 
+class LionArgs(ctypes.Structure):
+    """struct lz_lion_args."""
+    _fields_ = [
+        ("lr", ctypes.c_float),
+        ("beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("grad_scale", ctypes.c_float),
+    ]
+
+
 T = ctypes.POINTER(Tensor)
 _f, _i, _i64, _d = ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_double
 
@@ -80,6 +91,7 @@ _SIGS = {
     "lz_fill": [T, _f],
     "lz_sq_norm": [T, ctypes.POINTER(_d)],
     "lz_adamw_step": [T, T, T, T, T, ctypes.POINTER(AdamwArgs)],
+    "lz_lion_step": [T, T, T, T, ctypes.POINTER(LionArgs)],
 }
 
 try:

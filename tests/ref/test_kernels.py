@@ -13,7 +13,6 @@ same 1e-5 applies. Run with /usr/bin/python3 (Debian's python3-torch).
 import math
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 try:
@@ -27,45 +26,10 @@ except ImportError as e:
     print("0 passed, 1 failed")
     sys.exit(1)
 import lz  # noqa: E402
+from harness import TOL, check, check_true, rel_err, run, test  # noqa: E402
 
-TOL = 1e-5
 torch.set_num_threads(2)
 rng = np.random.default_rng(20240520)
-passed = 0
-failed = 0
-
-
-def rel_err(ours, ref):
-    a = np.asarray(ours, dtype=np.float64)
-    b = ref.detach().double().numpy() if isinstance(ref, torch.Tensor) else np.asarray(
-        ref, dtype=np.float64)
-    if a.shape != b.shape:
-        a = a.reshape(b.shape)
-    scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-30)
-    return float(np.max(np.abs(a - b))) / scale if b.size else 0.0
-
-
-def check(name, ours, ref, tol=TOL):
-    global passed, failed
-    err = rel_err(ours, ref)
-    ok = err <= tol  # False for NaN
-    if ok:
-        passed += 1
-        print(f"  ok   {name:58s} err {err:.2e}")
-    else:
-        failed += 1
-        print(f"  FAIL {name:58s} err {err:.2e} > {tol:.0e}")
-    return ok
-
-
-def check_true(name, cond, detail=""):
-    global passed, failed
-    if cond:
-        passed += 1
-        print(f"  ok   {name}")
-    else:
-        failed += 1
-        print(f"  FAIL {name} {detail}")
 
 
 def randn(*shape, scale=1.0, shift=0.0):
@@ -82,14 +46,6 @@ def tt(a, grad=False):
 
 
 W = lz.wrap  # lz_tensor* over an array, alive until the test ends
-
-TESTS = []
-
-
-def test(fn):
-    TESTS.append(fn)
-    return fn
-
 
 # ------------------------------------------------------------------ metric
 
@@ -428,22 +384,8 @@ def adamw():
 
 
 def main():
-    global failed
-    lz.call("lz_threads_set", 2)
-    print(f"test_kernels: {lz.LIB_PATH}, torch {torch.__version__}, tolerance {TOL:.0e} "
-          "(max|ours-torch| / max|torch|)")
-    for fn in TESTS:
-        print(f"{fn.__name__}:")
-        try:
-            fn()
-        except Exception as e:  # a missing kernel or a bad status: one failure
-            failed += 1
-            msg = str(e) if isinstance(e, lz.LzError) else traceback.format_exc()
-            print(f"  FAIL {fn.__name__}: {msg}")
-        finally:
-            lz.release()
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return run(f"test_kernels: {lz.LIB_PATH}, torch {torch.__version__}, tolerance {TOL:.0e} "
+               "(max|ours-torch| / max|torch|)")
 
 
 if __name__ == "__main__":

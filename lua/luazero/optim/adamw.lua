@@ -1,18 +1,31 @@
--- optim/adamw.lua — AdamW (decoupled weight decay) through the fused kernel.
+-- optim/adamw.lua — AdamW (decoupled weight decay, torch.optim.AdamW's
+-- update) behind the optimizer interface: the engine hands it calls, pieces
+-- of the flat fp32 master with matching views, and each is one fused
+-- lz_adamw_step that also writes the working copy.
 local lz = require("luazero")
+local config = require("luazero.config")
 
 local ops = lz.ops
+-- states: per-element fp32 states the engine allocates, zero-initialised, in
+-- this order (call.s).
 local AdamW = { name = "AdamW", states = { "m", "v" } }
 AdamW.__index = AdamW
 
+-- params: the config's optimizer.params (lr, betas, eps, weight_decay);
+-- what is absent takes config.adam_defaults (DeepSpeed FusedAdam's).
 function AdamW.new(params)
+  local d = config.adam_defaults
   params = params or {}
-  local betas = params.betas or { 0.9, 0.999 }
-  return setmetatable({ lr = params.lr or 1e-3, beta1 = betas[1], beta2 = betas[2],
-                        eps = params.eps or 1e-8, weight_decay = params.weight_decay or 0,
-                        args = lz.adamw_args({}) }, AdamW)
+  local betas = params.betas or d.betas
+  return setmetatable({
+    lr = params.lr or d.lr, beta1 = betas[1], beta2 = betas[2], eps = params.eps or d.eps,
+    weight_decay = params.weight_decay or d.weight_decay, args = lz.adamw_args({}),
+  }, AdamW)
 end
 
+-- call: p, g (f32 views), s = { m, v }, w (working copy view or nil), decay
+-- (weight decay applies). step: 1-based; lr: this step's; grad_scale: g is
+-- multiplied by it first (loss-scale undo and clipping).
 function AdamW:update(call, step, lr, grad_scale)
   local a = self.args
   a.lr, a.beta1, a.beta2, a.eps = lr, self.beta1, self.beta2, self.eps

@@ -1,14 +1,21 @@
--- optim — optimizers and learning-rate schedules.
-local M = {
-  AdamW = require("luazero.optim.adamw"),
-  schedule = require("luazero.optim.schedule"),
-}
+-- optim — optimizers and learning-rate schedules. optim.new(cfg.optimizer)
+-- makes the optimizer a config names.
+local AdamW = require("luazero.optim.adamw")
+local Lion = require("luazero.optim.lion")
 
-function M.new(cfg)
-  cfg = cfg or {}
-  local t = tostring(cfg.type or "AdamW"):lower()
-  if t == "adam" or t == "adamw" then return M.AdamW.new(cfg.params or {}) end
-  error(("config: optimizer.type must be Adam, AdamW or Lion (got %s)"):format(tostring(cfg.type)), 0)
+local optim = { AdamW = AdamW, Lion = Lion, schedule = require("luazero.optim.schedule") }
+
+-- DeepSpeed matches its optimizer names case-insensitively; its "Adam" is
+-- AdamW unless adam_w_mode is false.
+local by_type = { adam = AdamW, adamw = AdamW, lion = Lion }
+
+function optim.new(optimizer_cfg)
+  local t = optimizer_cfg and optimizer_cfg.type
+  local class = type(t) == "string" and by_type[t:lower()]
+  if not class then
+    error(("config: optimizer.type must be Adam, AdamW or Lion (got %s)"):format(tostring(t)), 2)
+  end
+  return class.new(optimizer_cfg.params or {})
 end
 
-return M
+return optim

@@ -42,7 +42,7 @@ local function settings(cfg)
   local dtype = "fp32"
   if fp16.enabled then dtype = "fp16" elseif bf16.enabled then dtype = "bf16" end
   local function zget(k) if z[k] == nil then return zd[k] end return z[k] end
-  local opt = cfg.optimizer or { type = "AdamW", params = {} }
+  local opt = cfg.optimizer or config.optimizer_default
   return {
     stage = zget("stage"),
     dtype = dtype,
