@@ -15,7 +15,9 @@ function T.new_picks_the_class_by_type()
   assert(l.lr == 3e-5 and l.beta1 == 0.95 and l.beta2 == 0.98 and l.weight_decay == 0)
   expect_error(function() optim.new({ type = "Lamb" }) end,
                "config: optimizer.type must be Adam, AdamW or Lion (got Lamb)")
-  expect_error(function() optim.new({}) end, "(got nil)")
+  expect_error(function() optim.new({ type = 42 }) end, "(got 42)")
+  -- A block without a type (a partial table from Lua) is the engine's AdamW.
+  assert(getmetatable(optim.new({})) == optim.AdamW and getmetatable(optim.new()) == optim.AdamW)
 end
 
 function T.defaults_are_deepspeeds()

@@ -9,8 +9,11 @@ local optim = { AdamW = AdamW, Lion = Lion, schedule = require("luazero.optim.sc
 -- AdamW unless adam_w_mode is false.
 local by_type = { adam = AdamW, adamw = AdamW, lion = Lion }
 
+-- optimizer_cfg: the config's optimizer block ({type, params}); a block
+-- without a type (a partial table from Lua) is AdamW, the engine's default.
 function optim.new(optimizer_cfg)
-  local t = optimizer_cfg and optimizer_cfg.type
+  optimizer_cfg = optimizer_cfg or {}
+  local t = optimizer_cfg.type or "AdamW"
   local class = type(t) == "string" and by_type[t:lower()]
   if not class then
     error(("config: optimizer.type must be Adam, AdamW or Lion (got %s)"):format(tostring(t)), 2)
