@@ -161,7 +161,7 @@ LZ_TEST(launch_sets_the_torchrun_environment) {
                   "test \"$WORLD_SIZE\" = 3 && test \"$LOCAL_WORLD_SIZE\" = 3 && "
                   "test \"$LOCAL_RANK\" = \"$RANK\" && test \"$RANK\" -lt 3 && "
                   "test -n \"$MASTER_ADDR\" && test -n \"$MASTER_PORT\" && "
-                  "test -n \"$OMP_NUM_THREADS\" && test -e \"/dev/shm$LZ_SHM_NAME\"",
+                  "test -n \"$OMP_NUM_THREADS\" && test -e \"/proc/$LZ_LAUNCHER_PID/fd/$LZ_SHM_FD\"",
                   NULL};
   int code = -1;
   CHECK_OK(lz_launch(3, argv, &code));
