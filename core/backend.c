@@ -1,7 +1,8 @@
 /* backend.c — the device side of the core: loading libluazero_cuda.so at run
- * time (lz_cuda_init, which publishes its table in backend_slot.c), the op switch every kernel ends its checks with
- * (lz_backend_dispatch), device tensors, cross-device copies, and the public
- * stream and event calls, which forward to the backend's table. */
+ * time (lz_cuda_init, which publishes its table in backend_slot.c), the op
+ * switch every kernel ends its checks with (lz_backend_dispatch), device
+ * tensors, cross-device copies, and the public stream and event calls, which
+ * forward to the backend's table. */
 #define _GNU_SOURCE /* dladdr */
 #include "lz_backend.h"
 #include "lz_internal.h"

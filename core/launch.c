@@ -152,11 +152,11 @@ static int free_port(void) {
 }
 
 /* environ without the variables we set, plus ours. */
-static char **rank_env(int rank, int nranks, const char *shm_name, int shm_fd,
-                       const char *shared, int port, int threads) {
-  static const char *ours[] = {"RANK=",        "WORLD_SIZE=",      "LOCAL_RANK=",
-                               "LOCAL_WORLD_SIZE=", "LZ_SHM_NAME=", "LZ_SHM_FD=",
-                               "LZ_LAUNCHER_PID=",  "LZ_SHM_SHARED=", NULL};
+static char **rank_env(int rank, int nranks, const char *shm_name, int shm_fd, const char *shared,
+                       int port, int threads) {
+  static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
+                               "LZ_SHM_NAME=", "LZ_SHM_FD=", "LZ_LAUNCHER_PID=",
+                               "LZ_SHM_SHARED=", NULL};
   size_t n = 0;
   while (environ[n]) n++;
   char **env = calloc(n + 16, sizeof *env);
@@ -240,8 +240,10 @@ static void describe(int status, char *buf, size_t len) {
 /* ------------------------------------------------------------ start-up */
 
 #define MAX_RANKS 4096
-#define RANKS_PER_CORE 8          /* more ranks than this per core only wait on each other */
-#define RANK_MIN_BYTES (64ll << 20) /* a rank's executable, LuaJIT and buffers, before any model */
+/* More ranks than this per core only wait on each other. */
+#define RANKS_PER_CORE 8
+/* A rank's executable, LuaJIT and buffers, before any model. */
+#define RANK_MIN_BYTES (64ll << 20)
 
 /* Signals to the launcher stop the job: caught from the first line of
  * lz_launch to its last, so no moment of start-up or tear-down is left to
@@ -440,8 +442,7 @@ static lz_status fork_rank(job *j, int r) {
     int e = errno;
     close_pair(pout);
     close_pair(perr);
-    return lz_fail(LZ_ERR_IO, "launch: pipe for rank %d: %s (too many open files? use fewer "
-                   "ranks or raise ulimit -n)", r, strerror(e));
+    return lz_fail(LZ_ERR_IO, "launch: pipe for rank %d: %s", r, strerror(e));
   }
   char **env = rank_env(r, j->nranks, j->name, j->segment, j->shared, j->port, j->threads);
   pid_t launcher = getpid();

@@ -7,11 +7,11 @@
 # shared, rank 0 alone prints, and a signal to the launcher stops the job.
 # Called by run.sh; prints "ok ..." / "FAIL ..." lines and ends with
 # "N passed, N failed".
-#   tests/comm/launcher.sh [RUNS]      RUNS: early-kill runs (default 24)
+#   tests/comm/launcher.sh [RUNS]      RUNS: early-fault runs (default 40)
 # Binaries: $LZ_BIN (default build/bin): luazero, lz_run, comm_check.
 cd "$(dirname "$0")/../.."
 BIN=${LZ_BIN:-build/bin}
-RUNS=${1:-24}
+RUNS=${1:-40}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
@@ -43,6 +43,13 @@ job_left() {
 }
 # A rank that joins the job's communicator, then sleeps 30 s in its own process.
 SLEEPER='require("luazero.comm").init(); local ffi = require("ffi"); ffi.cdef("int poll(void *, unsigned long, int);"); ffi.C.poll(nil, 0, 30000)'
+# A rank of launcher $1 (a child that was exec'd with LZ_LAUNCHER_PID set),
+# not a helper the launcher forks for itself.
+a_rank() {
+  for c in $(pgrep -P "$1"); do
+    tr "\\0" "\\n" 2>/dev/null < "/proc/$c/environ" | grep -qx "LZ_LAUNCHER_PID=$1" && echo "$c" && return
+  done
+}
 shm_left() { ls /dev/shm 2>/dev/null | grep -c "^luazero-$1-" ; }
 # A random delay of 0-200 ms, as "0.NNN".
 delay() { printf "0.%03d" $(( $(od -An -N2 -tu2 /dev/urandom) % 201 )); }
@@ -85,7 +92,8 @@ for i in $(seq 1 "$RUNS"); do
   case $fault in
     kill-launcher) kill -KILL $lpid ;;
     kill-rank)
-      for k in $(seq 1 100); do [ -n "$started" ] && break; sleep 0.01; started=$(pgrep -P $lpid | head -1); done
+      started=$(a_rank $lpid)
+      for k in $(seq 1 100); do [ -n "$started" ] && break; sleep 0.01; started=$(a_rank $lpid); done
       [ -n "$started" ] && kill -KILL "$started" ;;
     term-launcher) kill -TERM $lpid ;;
     int-launcher) kill -INT $lpid ;;
