@@ -12,24 +12,18 @@
 cd "$(dirname "$0")/../.."
 BIN=${LZ_BIN:-build/bin}
 RUNS=${1:-40}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-passed=0
-failed=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | tail -20; }
-now() { date +%s.%N; }
+. tests/comm/lib.sh
 cores=$(nproc)
 
+# Whether process $1 was started with $2 (NAME=value) in its environment.
+has_env() { tr "\\0" "\\n" 2>/dev/null < "/proc/$1/environ" | grep -qx "$2"; }
 # Processes whose environment carries LZ_TEST_JOB=$1 (the launcher's
 # children inherit it, mpirun's ranks too), the launcher itself aside.
 job_procs() {
   for e in /proc/[0-9]*/environ; do
     p=${e#/proc/}
     p=${p%/environ}
-    [ "$p" = "$2" ] && continue
-    tr "\\0" "\\n" 2>/dev/null < "$e" | grep -qx "LZ_TEST_JOB=$1" && echo "$p"
+    [ "$p" != "$2" ] && has_env "$p" "LZ_TEST_JOB=$1" && echo "$p"
   done
 }
 # Waits up to 5 s for the job's processes to go; prints those left.
@@ -47,10 +41,9 @@ SLEEPER='require("luazero.comm").init(); local ffi = require("ffi"); ffi.cdef("i
 # not a helper the launcher forks for itself.
 a_rank() {
   for c in $(pgrep -P "$1"); do
-    tr "\\0" "\\n" 2>/dev/null < "/proc/$c/environ" | grep -qx "LZ_LAUNCHER_PID=$1" && echo "$c" && return
+    has_env "$c" "LZ_LAUNCHER_PID=$1" && echo "$c" && return
   done
 }
-shm_left() { ls /dev/shm 2>/dev/null | grep -c "^luazero-$1-" ; }
 # A random delay of 0-200 ms, as "0.NNN".
 delay() { printf "0.%03d" $(( $(od -An -N2 -tu2 /dev/urandom) % 201 )); }
 

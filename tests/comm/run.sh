@@ -15,16 +15,8 @@ QUICK=
 for b in lz_run comm_check; do
   [ -x "$BIN/$b" ] || { echo "run.sh: $BIN/$b is missing; build first (or set LZ_BIN)"; exit 2; }
 done
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+. tests/comm/lib.sh
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-passed=0
-failed=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | tail -20; }
-now() { date +%s.%N; }
-shm_left() { ls /dev/shm 2>/dev/null | grep -c "^luazero-$1-" ; }
 
 # --- the matrix: every op x dtype x count, each backend, 1..4 ranks
 for w in 1 2 3 4; do
