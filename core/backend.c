@@ -1,7 +1,8 @@
 /* backend.c — the device side of the core: loading libluazero_cuda.so at run
- * time (lz_cuda_init), the op switch every kernel ends its checks with
- * (lz_backend_dispatch), device tensors, cross-device copies, and the public
- * stream and event calls, which forward to the backend's table. */
+ * time (lz_cuda_init, which publishes its table in backend_slot.c), the op
+ * switch every kernel ends its checks with (lz_backend_dispatch), device
+ * tensors, cross-device copies, and the public stream and event calls, which
+ * forward to the backend's table. */
 #define _GNU_SOURCE /* dladdr */
 #include "lz_backend.h"
 #include "lz_internal.h"
@@ -14,13 +15,6 @@
 #include <stdlib.h>  /* malloc */
 
 static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
-static const lz_backend *cuda_backend; /* set once, by lz_cuda_init */
-static int cuda_device = -1;
-
-const lz_backend *lz_backend_cuda(void) { return __atomic_load_n(&cuda_backend, __ATOMIC_ACQUIRE); }
-
-int lz_cuda_ready(void) { return lz_backend_cuda() != NULL; }
-int lz_cuda_device(void) { return lz_backend_cuda() ? cuda_device : -1; }
 
 /* libluazero_cuda.so beside this library (build/lib/), else wherever the
  * loader finds it. */
@@ -44,12 +38,12 @@ lz_status lz_cuda_init(int device) {
     return lz_fail(LZ_ERR_INVALID, "cuda_init: device %d; devices count from 0", device);
   pthread_mutex_lock(&init_lock);
   lz_status st = LZ_OK;
-  if (cuda_backend) {
-    if (device != cuda_device)
+  if (lz_cuda_ready()) {
+    if (device != lz_cuda_device())
       st = lz_fail(LZ_ERR_INVALID,
                    "cuda_init: this process already uses cuda device %d; one device per "
                    "process (asked for %d)",
-                   cuda_device, device);
+                   lz_cuda_device(), device);
     pthread_mutex_unlock(&init_lock);
     return st;
   }
@@ -74,10 +68,7 @@ lz_status lz_cuda_init(int device) {
                    LZ_BACKEND_ABI);
   }
   st = be->init(device);
-  if (st == LZ_OK) {
-    cuda_device = device;
-    __atomic_store_n(&cuda_backend, be, __ATOMIC_RELEASE);
-  }
+  if (st == LZ_OK) lz_backend_cuda_set(be, device);
   pthread_mutex_unlock(&init_lock);
   return st;
 }

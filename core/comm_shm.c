@@ -1,6 +1,7 @@
 /* comm_shm.c — collectives between ranks forked on one machine, through one
- * shared-memory segment private to the job (created by the launcher, named
- * in LZ_SHM_NAME, unlinked by rank 0 as soon as every rank has mapped it).
+ * shared-memory segment private to the job (a memfd the launcher holds,
+ * opened through /proc/<LZ_LAUNCHER_PID>/fd/<LZ_SHM_FD>: it has no name, so
+ * nothing is left behind whoever is killed when).
  *
  * Segment: a header, one record per rank (its arrival counter on its own
  * cache line, its pid, its state), then per rank two banks of `chunk` bytes.
@@ -48,14 +49,14 @@
 #define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe */
 #include "comm_internal.h"
 
-#include <errno.h>       /* errno from shm_open, kill */
-#include <fcntl.h>       /* O_RDWR */
+#include <errno.h>       /* errno from open, kill */
+#include <fcntl.h>       /* open, O_RDWR */
 #include <linux/futex.h> /* FUTEX_WAIT, FUTEX_WAKE */
 #include <sched.h>       /* sched_getaffinity, sched_yield */
 #include <signal.h>      /* kill(pid, 0) to check a peer */
 #include <stdio.h>       /* snprintf */
 #include <stdlib.h>      /* getenv, strtoll */
-#include <sys/mman.h>    /* shm_open, mmap */
+#include <sys/mman.h>    /* mmap */
 #include <sys/stat.h>    /* fstat */
 #include <sys/prctl.h>   /* PR_SET_PTRACER: let sibling ranks read this one under Yama */
 #include <sys/syscall.h> /* SYS_futex */
@@ -263,6 +264,22 @@ static int cma_probe(lz_comm *c, shm_comm *s) {
   return s->stage != NULL;
 }
 
+/* The launcher's memfd, through /proc (nothing is inherited, so nothing
+ * leaks into what a rank starts). */
+static lz_status open_segment(int rank, const char *name, int *fd) {
+  const char *pid = getenv("LZ_LAUNCHER_PID"), *lfd = getenv("LZ_SHM_FD");
+  if (!pid || !lfd)
+    return lz_fail(LZ_ERR_INVALID, "shm: LZ_LAUNCHER_PID and LZ_SHM_FD must be set (the "
+                                   "launcher sets them)");
+  char path[96];
+  snprintf(path, sizeof path, "/proc/%s/fd/%s", pid, lfd);
+  *fd = open(path, O_RDWR | O_CLOEXEC);
+  if (*fd < 0)
+    return lz_fail(LZ_ERR_IO, "shm: rank %d cannot open the job's segment %s through %s: %s (is "
+                   "the launcher still running?)", rank, name, path, strerror(errno));
+  return LZ_OK;
+}
+
 static lz_status shm_init(lz_comm *c) {
   const char *name = getenv("LZ_SHM_NAME");
   if (!name || !*name)
@@ -277,11 +294,8 @@ static lz_status shm_init(lz_comm *c) {
   if (world < 1 || rank < 0 || rank >= world)
     return lz_fail(LZ_ERR_INVALID, "shm: RANK=%s WORLD_SIZE=%s: need 0 <= RANK < WORLD_SIZE", rs,
                    ws);
-  int fd = shm_open(name, O_RDWR, 0);
-  if (fd < 0)
-    return lz_fail(LZ_ERR_IO, "shm: rank %d cannot open the job's segment %s: %s (it is removed "
-                   "once every rank has joined; one communicator per process)",
-                   rank, name, strerror(errno));
+  int fd = -1;
+  LZ_TRY(open_segment(rank, name, &fd));
   struct stat st;
   if (fstat(fd, &st) != 0 || (size_t)st.st_size < data_offset(world)) {
     close(fd);
@@ -310,6 +324,12 @@ static lz_status shm_init(lz_comm *c) {
     return lz_fail(LZ_ERR_INVALID, "shm: segment %s was not made for %d ranks by this launcher",
                    name, world);
   }
+  if (atomic_load(&s->ranks[rank].state) != RANK_EMPTY) {
+    munmap(base, bytes);
+    free(s);
+    return lz_fail(LZ_ERR_INVALID, "shm: rank %d has joined segment %s already; one "
+                   "communicator per process", rank, name);
+  }
   s->chunk = s->hdr->chunk;
   s->data = (uint8_t *)base + s->hdr->data_offset;
   const char *spin = getenv("LZ_SHM_SPIN_US");
@@ -328,7 +348,6 @@ static lz_status shm_init(lz_comm *c) {
   atomic_fetch_add(&s->hdr->joined, 1);
   lz_status st_join = barrier(c, s, "comm_init");
   if (st_join == LZ_OK) {
-    if (rank == 0) shm_unlink(name); /* everyone has it mapped: nothing outlives the job */
     atomic_store(&s->ranks[rank].cma_ok, cma_probe(c, s));
     if (lz_shared_ready()) s->piece = aligned_alloc(64, SHM_PIECE);
     atomic_store(&s->ranks[rank].shared_ok, s->piece != NULL);

@@ -1,32 +1,35 @@
 /* launch.c — `luazero -n N`: runs N ranks of a program on this machine.
  *
- * The launcher creates the job's shared-memory segment (mode 0600, a unique
- * name passed in LZ_SHM_NAME), fork+execs each rank (plain fork would inherit
- * OpenMP state and hang, see NOTES.md) with the torchrun environment and a
- * share of the cores, relays the output of ranks other than 0 with a
- * "[rank N] " prefix, and watches them: when one fails the others get
- * SIGTERM, then SIGKILL, and the launcher exits non-zero naming the rank and
- * how it ended. Rank 0 keeps the launcher's stdin (the terminal of a REPL);
- * the others read /dev/null. The segment is unlinked on every exit path of the launcher
- * (rank 0 also unlinks it once all ranks have mapped it, so even a SIGKILLed
- * launcher leaves nothing behind: ranks die with it through PDEATHSIG).
+ * lz_launch reads top to bottom as it runs: check the arguments against the
+ * machine (ranks per core, memory), make the job's shared memory, fork+exec
+ * each rank (plain fork would inherit OpenMP state and hang, see NOTES.md)
+ * with the torchrun environment and a share of the cores, supervise them, tear
+ * down. The supervisor relays the output of ranks other than 0 with a
+ * "[rank N] " prefix; when a rank fails, or the launcher gets SIGINT, SIGTERM
+ * or SIGHUP (at any moment, start-up included), the ranks get SIGTERM, then
+ * SIGKILL, and the launcher exits non-zero naming the rank or the signal.
+ * Rank 0 keeps the launcher's stdin (the terminal of a REPL); the others read
+ * /dev/null.
+ *
+ * Nothing outlives a SIGKILLed launcher: the ranks die with it (PDEATHSIG),
+ * and the job's memory is in memfds, which have no name to leave behind.
  *
  * Environment read here: LZ_RANK_OUTPUT = prefix (default) | quiet (ranks
  * other than 0 silenced) | raw (inherited, no prefix); LZ_BACKEND=mpi runs
  * the ranks under mpirun instead. */
-#define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe */
+#define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe, memfd_create */
 #include "comm_internal.h"
 
 #include <arpa/inet.h>  /* htonl for the free-port probe */
 #include <errno.h>      /* EINTR, ENOENT */
-#include <fcntl.h>      /* O_CREAT, O_EXCL, fcntl */
+#include <fcntl.h>      /* O_CLOEXEC, O_RDONLY */
 #include <netinet/in.h> /* sockaddr_in */
 #include <poll.h>       /* poll over the ranks' pipes */
 #include <sched.h>      /* sched_getaffinity */
 #include <signal.h>     /* sigaction, kill */
 #include <stdio.h>      /* snprintf, fprintf */
 #include <stdlib.h>     /* getenv, malloc */
-#include <sys/mman.h>   /* shm_open, mmap */
+#include <sys/mman.h>   /* memfd_create, mmap */
 #include <sys/prctl.h>  /* PR_SET_PDEATHSIG */
 #include <sys/random.h> /* getrandom for the segment name */
 #include <sys/socket.h> /* socket, bind */
@@ -149,10 +152,11 @@ static int free_port(void) {
 }
 
 /* environ without the variables we set, plus ours. */
-static char **rank_env(int rank, int nranks, const char *shm_name, const char *shared, int port,
-                       int threads) {
+static char **rank_env(int rank, int nranks, const char *shm_name, int shm_fd, const char *shared,
+                       int port, int threads) {
   static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                               "LZ_SHM_NAME=", "LZ_LAUNCHER_PID=", "LZ_SHM_SHARED=", NULL};
+                               "LZ_SHM_NAME=", "LZ_SHM_FD=", "LZ_LAUNCHER_PID=",
+                               "LZ_SHM_SHARED=", NULL};
   size_t n = 0;
   while (environ[n]) n++;
   char **env = calloc(n + 16, sizeof *env);
@@ -175,6 +179,7 @@ static char **rank_env(int rank, int nranks, const char *shm_name, const char *s
   ADD("LOCAL_RANK=%d", rank);
   ADD("LOCAL_WORLD_SIZE=%d", nranks);
   ADD("LZ_SHM_NAME=%s", shm_name);
+  ADD("LZ_SHM_FD=%d", shm_fd);
   ADD("LZ_LAUNCHER_PID=%d", (int)getpid());
   if (shared) {
     size_t len = strlen(shared) + 16;
@@ -232,7 +237,81 @@ static void describe(int status, char *buf, size_t len) {
   else snprintf(buf, len, "ended with status %d", status);
 }
 
-/* LZ_BACKEND=mpi: mpirun starts the ranks; we wait for it. */
+/* ------------------------------------------------------------ start-up */
+
+#define MAX_RANKS 4096
+/* More ranks than this per core only wait on each other. */
+#define RANKS_PER_CORE 8
+/* A rank's executable, LuaJIT and buffers, before any model. */
+#define RANK_MIN_BYTES (64ll << 20)
+
+/* Signals to the launcher stop the job: caught from the first line of
+ * lz_launch to its last, so no moment of start-up or tear-down is left to
+ * the default action (which would skip the clean-up). */
+static const int job_signals[] = {SIGINT, SIGTERM, SIGHUP};
+#define N_JOB_SIGNALS 3
+static struct sigaction saved_actions[N_JOB_SIGNALS], saved_pipe;
+
+static void signals_catch(void) {
+  struct sigaction sa = {0}, ign = {0};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  got_signal = 0;
+  for (int i = 0; i < N_JOB_SIGNALS; i++) sigaction(job_signals[i], &sa, &saved_actions[i]);
+  ign.sa_handler = SIG_IGN;
+  sigaction(SIGPIPE, &ign, &saved_pipe);
+}
+
+static void signals_restore(void) {
+  for (int i = 0; i < N_JOB_SIGNALS; i++) sigaction(job_signals[i], &saved_actions[i], NULL);
+  sigaction(SIGPIPE, &saved_pipe, NULL);
+}
+
+/* Bytes of memory the system can give without swapping (MemAvailable), 0
+ * where unknown. */
+static long long memory_available(void) {
+  FILE *f = fopen("/proc/meminfo", "re");
+  long long kib = 0;
+  char line[128];
+  while (f && fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+  if (f) fclose(f);
+  return kib * 1024;
+}
+
+/* The job fits this machine: ranks within MAX_RANKS, RANKS_PER_CORE per core
+ * and RANK_MIN_BYTES each of available memory; a program to run; a known
+ * LZ_RANK_OUTPUT. */
+static lz_status check_args(int nranks, char *const *argv, int *mode) {
+  if (nranks < 1 || nranks > MAX_RANKS)
+    return lz_fail(LZ_ERR_INVALID, "launch: -n %d: the number of ranks must be 1..%d", nranks,
+                   MAX_RANKS);
+  int cores = cpus_available();
+  if (nranks > RANKS_PER_CORE * cores)
+    return lz_fail(LZ_ERR_INVALID, "launch: -n %d: at most %d ranks run on this machine's %d "
+                   "core%s (%d per core); use fewer ranks, or more machines through mpirun",
+                   nranks, RANKS_PER_CORE * cores, cores, cores == 1 ? "" : "s", RANKS_PER_CORE);
+  long long avail = memory_available();
+  if (avail > 0 && nranks * RANK_MIN_BYTES > avail)
+    return lz_fail(LZ_ERR_INVALID, "launch: -n %d: at most %lld ranks fit in this machine's "
+                   "%.1f GiB of available memory (%lld MiB each at least); use fewer ranks",
+                   nranks, avail / RANK_MIN_BYTES, (double)avail / (1 << 30),
+                   RANK_MIN_BYTES >> 20);
+  if (!argv || !argv[0])
+    return lz_fail(LZ_ERR_INVALID, "launch: no program to run (argv is empty)");
+  const char *om = getenv("LZ_RANK_OUTPUT");
+  *mode = OUT_PREFIX;
+  if (om && !strcmp(om, "quiet")) *mode = OUT_QUIET;
+  else if (om && !strcmp(om, "raw")) *mode = OUT_RAW;
+  else if (om && *om && strcmp(om, "prefix"))
+    return lz_fail(LZ_ERR_INVALID, "launch: LZ_RANK_OUTPUT=\"%s\" must be prefix, quiet or raw",
+                   om);
+  return LZ_OK;
+}
+
+/* LZ_BACKEND=mpi: mpirun starts the ranks; we wait for it, passing on the
+ * signals we get. It dies with the launcher (PDEATHSIG), and so do its
+ * ranks. */
 static lz_status launch_mpirun(int nranks, char *const *argv, int *exit_code) {
   int argc = 0;
   while (argv[argc]) argc++;
@@ -248,258 +327,309 @@ static lz_status launch_mpirun(int nranks, char *const *argv, int *exit_code) {
   if (nranks > cpus_available()) av[k++] = "--oversubscribe";
   for (int i = 0; i < argc; i++) av[k++] = argv[i];
   av[k] = NULL;
+  pid_t self = getpid();
   pid_t pid = fork();
   if (pid < 0) {
     free(av);
     return lz_fail(LZ_ERR_IO, "launch: fork failed: %s", strerror(errno));
   }
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGTERM); /* mpirun stops its ranks on SIGTERM */
+    if (getppid() != self) _exit(127);
+    for (int i = 0; i < N_JOB_SIGNALS; i++) signal(job_signals[i], SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
     execvp("mpirun", av);
     fprintf(stderr, "luazero: cannot run mpirun (LZ_BACKEND=mpi): %s\n", strerror(errno));
     _exit(127);
   }
   free(av);
-  int status;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  int status = 0, passed_on = 0;
+  for (;;) {
+    if (got_signal && !passed_on) {
+      fprintf(stderr, "luazero: received %s; stopping mpirun\n", signal_name(got_signal));
+      kill(pid, got_signal);
+      passed_on = 1;
+    }
+    if (waitpid(pid, &status, 0) >= 0 || errno != EINTR) break;
   }
-  *exit_code = status_code(status);
+  *exit_code = got_signal ? 128 + got_signal : status_code(status);
+  return LZ_OK;
+}
+
+/* What a job holds while it runs. */
+typedef struct job {
+  int nranks, mode, threads, port;
+  char *const *argv;
+  char name[96];  /* LZ_SHM_NAME: names the job (messages, the nccl id file) */
+  int segment;    /* the segment's memfd: it has no name to leave behind */
+  int *memfds;    /* the ranks' shared memory (shared_mem.c) */
+  char *shared;   /* LZ_SHM_SHARED for the ranks, NULL without */
+  rank_proc *procs;
+  stream *streams; /* 2 per rank (stdout, stderr); fd -1 when not relayed */
+  struct pollfd *pfds;
+  int running;
+  int stopping;    /* the ranks have been told to stop */
+  double kill_at;  /* then SIGKILL for those still running */
+  int failed_rank; /* the rank whose failure stops the job, -1 */
+} job;
+
+/* The job's segment (comm_shm.c's layout) in a memfd: the ranks open it
+ * through /proc/<launcher>/fd (LZ_SHM_FD), and it goes with the last process
+ * holding it, whoever is killed when. */
+static lz_status make_segment(job *j) {
+  uint64_t rnd = 0;
+  if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd) rnd = (uint64_t)lz_now_s() * 1000003u;
+  snprintf(j->name, sizeof j->name, "/luazero-%d-%016llx", (int)getpid(), (unsigned long long)rnd);
+  char label[64];
+  snprintf(label, sizeof label, "luazero-%d-segment", (int)getpid());
+  j->segment = memfd_create(label, MFD_CLOEXEC);
+  if (j->segment < 0)
+    return lz_fail(LZ_ERR_IO, "launch: cannot create the job's shared memory: memfd_create: %s",
+                   strerror(errno));
+  size_t seg = lz_shm_segment_bytes(j->nranks);
+  void *hdr = MAP_FAILED;
+  if (ftruncate(j->segment, (off_t)seg) == 0)
+    hdr = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, j->segment, 0);
+  if (hdr == MAP_FAILED)
+    return lz_fail(LZ_ERR_IO, "launch: cannot size the job's shared memory to %zu bytes: %s "
+                   "(is memory short?)", seg, strerror(errno));
+  lz_shm_segment_format(hdr, j->nranks);
+  munmap(hdr, 4096);
+  return LZ_OK;
+}
+
+/* In the child: becomes rank r of the job. */
+__attribute__((noreturn)) static void exec_rank(const job *j, int r, pid_t launcher, const int *pout, const int *perr,
+                      char **env) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL); /* the launcher gone: the ranks go too */
+  if (getppid() != launcher) _exit(127);
+  signal(SIGPIPE, SIG_DFL);
+  for (int i = 0; i < N_JOB_SIGNALS; i++) signal(job_signals[i], SIG_DFL);
+  /* Only rank 0 reads the terminal (the REPL of `-n N -i` runs there); the
+   * others would steal its input. */
+  if (r > 0) {
+    int dn = open("/dev/null", O_RDONLY);
+    if (dn < 0 || dup2(dn, 0) < 0) {
+      fprintf(stderr, "luazero: rank %d: cannot point stdin at /dev/null: %s\n", r,
+              strerror(errno));
+      _exit(127);
+    }
+    if (dn != 0) close(dn);
+  }
+  if (pout[1] >= 0) {
+    dup2(pout[1], 1);
+    dup2(perr[1], 2);
+  } else if (r > 0 && j->mode == OUT_QUIET) {
+    int dn = open("/dev/null", O_WRONLY);
+    if (dn >= 0) {
+      dup2(dn, 1);
+      dup2(dn, 2);
+    }
+  }
+  execvpe(j->argv[0], j->argv, env);
+  fprintf(stderr, "luazero: rank %d: cannot run %s: %s\n", r, j->argv[0], strerror(errno));
+  _exit(127);
+}
+
+static void close_pair(int *p) {
+  for (int i = 0; i < 2; i++)
+    if (p[i] >= 0) close(p[i]), p[i] = -1;
+}
+
+static lz_status fork_rank(job *j, int r) {
+  int pout[2] = {-1, -1}, perr[2] = {-1, -1};
+  if (r > 0 && j->mode == OUT_PREFIX && (pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC))) {
+    int e = errno;
+    close_pair(pout);
+    close_pair(perr);
+    return lz_fail(LZ_ERR_IO, "launch: pipe for rank %d: %s", r, strerror(e));
+  }
+  char **env = rank_env(r, j->nranks, j->name, j->segment, j->shared, j->port, j->threads);
+  pid_t launcher = getpid();
+  pid_t pid = env ? fork() : -1;
+  if (pid == 0) exec_rank(j, r, launcher, pout, perr, env);
+  int e = errno;
+  if (env) free_rank_env(env);
+  if (pout[1] >= 0) close(pout[1]), close(perr[1]);
+  if (pid < 0) {
+    if (pout[0] >= 0) close(pout[0]), close(perr[0]);
+    return env ? lz_fail(LZ_ERR_IO, "launch: fork of rank %d failed: %s", r, strerror(e))
+               : lz_fail(LZ_ERR_NOMEM, "launch: out of memory");
+  }
+  j->procs[r] = (rank_proc){pid, 1, 0};
+  j->running++;
+  if (pout[0] >= 0) {
+    j->streams[2 * r] = (stream){pout[0], 1, r, NULL, 0, 0};
+    j->streams[2 * r + 1] = (stream){perr[0], 2, r, NULL, 0, 0};
+  }
+  return LZ_OK;
+}
+
+/* Starts the ranks one after the other; a signal stops the start-up (the
+ * ranks started so far are then stopped by supervise). */
+static lz_status fork_ranks(job *j) {
+  for (int r = 0; r < j->nranks && !got_signal; r++) LZ_TRY(fork_rank(j, r));
+  return LZ_OK;
+}
+
+/* ------------------------------------------------------------ the run */
+
+static void kill_all(job *j, int sig) {
+  for (int r = 0; r < j->nranks; r++)
+    if (j->procs[r].running) kill(j->procs[r].pid, sig);
+}
+
+/* SIGTERM now, SIGKILL for whoever still runs 3 s later. */
+static void stop_all(job *j) {
+  j->stopping = 1;
+  kill_all(j, SIGTERM);
+  j->kill_at = lz_now_s() + 3.0;
+}
+
+/* Relays what the ranks wrote, waiting up to timeout_ms; returns the number
+ * of pipes still open. */
+static int relay_output(job *j, int timeout_ms) {
+  int np = 0;
+  for (int i = 0; i < j->nranks * 2; i++)
+    if (j->streams[i].fd >= 0) j->pfds[np++] = (struct pollfd){j->streams[i].fd, POLLIN, 0};
+  if (!np) {
+    if (timeout_ms > 0) usleep((useconds_t)timeout_ms * 1000);
+    return 0;
+  }
+  if (poll(j->pfds, (nfds_t)np, timeout_ms) <= 0) return np;
+  for (int i = 0, k = 0; i < j->nranks * 2; i++) {
+    if (j->streams[i].fd < 0) continue;
+    if (j->pfds[k].revents & (POLLIN | POLLHUP | POLLERR)) pump(&j->streams[i]);
+    k++;
+  }
+  return np;
+}
+
+/* Collects the ranks that ended. The first rank to fail is often a victim:
+ * a peer that saw another rank die or stall. A rank killed by a signal is
+ * the cause; else the first to fail. *grace_until: when to stop waiting for
+ * the cause to show itself. */
+static void reap(job *j, double *grace_until) {
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    for (int r = 0; r < j->nranks; r++) {
+      rank_proc *p = &j->procs[r];
+      if (p->pid != pid || !p->running) continue;
+      p->running = 0;
+      p->status = status;
+      j->running--;
+      if (j->stopping || (WIFEXITED(status) && WEXITSTATUS(status) == 0)) continue;
+      int killed = WIFSIGNALED(status);
+      int cause_killed = j->failed_rank >= 0 && WIFSIGNALED(j->procs[j->failed_rank].status);
+      if (j->failed_rank < 0 || (killed && !cause_killed)) j->failed_rank = r;
+      if (*grace_until == 0) *grace_until = lz_now_s() + 0.5;
+      if (killed) *grace_until = lz_now_s();
+    }
+  }
+}
+
+/* Watches the ranks until every one has ended: a failed rank or a signal to
+ * the launcher stops the others. Returns the job's exit code. */
+static int supervise(job *j) {
+  double grace_until = 0;
+  if (got_signal)
+    fprintf(stderr, "luazero: received %s during start-up; stopping the %d rank%s started\n",
+            signal_name(got_signal), j->running, j->running == 1 ? "" : "s");
+  if (got_signal || j->stopping) stop_all(j);
+  while (j->running > 0) {
+    relay_output(j, 100);
+    reap(j, &grace_until);
+    if (j->failed_rank >= 0 && !j->stopping && (lz_now_s() >= grace_until || !j->running)) {
+      char how[96];
+      describe(j->procs[j->failed_rank].status, how, sizeof how);
+      if (j->running > 0)
+        fprintf(stderr, "luazero: rank %d %s; stopping the other %d rank%s\n", j->failed_rank,
+                how, j->running, j->running == 1 ? "" : "s");
+      else fprintf(stderr, "luazero: rank %d %s\n", j->failed_rank, how);
+      stop_all(j);
+    }
+    if (got_signal && !j->stopping) {
+      fprintf(stderr, "luazero: received %s; stopping %d rank%s\n", signal_name(got_signal),
+              j->running, j->running == 1 ? "" : "s");
+      stop_all(j);
+    }
+    if (j->stopping && j->running > 0 && lz_now_s() > j->kill_at) {
+      kill_all(j, SIGKILL);
+      j->kill_at = lz_now_s() + 1e9;
+    }
+  }
+  /* What the ranks wrote before exiting (bounded: a grandchild may hold a pipe). */
+  for (double until = lz_now_s() + 1.0; lz_now_s() < until && relay_output(j, 50) > 0;) {
+  }
+  if (j->failed_rank >= 0) {
+    int code = status_code(j->procs[j->failed_rank].status);
+    return code ? code : 1;
+  }
+  return got_signal ? 128 + got_signal : 0;
+}
+
+static void tear_down(job *j) {
+  if (j->segment >= 0) close(j->segment);
+  if (j->memfds) lz_shared_close(j->nranks, j->memfds);
+  free(j->memfds);
+  free(j->shared);
+  for (int i = 0; j->streams && i < j->nranks * 2; i++) {
+    stream *s = &j->streams[i];
+    if (s->fd >= 0) {
+      if (s->len) emit_line(s, s->line, s->len);
+      close(s->fd);
+    }
+    free(s->line);
+  }
+  free(j->procs);
+  free(j->streams);
+  free(j->pfds);
+}
+
+/* Everything up to the first fork: the segment, the ranks' shared memory
+ * and the launcher's tables. */
+static lz_status prepare(job *j) {
+  LZ_TRY(make_segment(j));
+  j->threads = cpus_available() / j->nranks;
+  if (j->threads < 1) j->threads = 1;
+  j->port = free_port();
+  size_t n = (size_t)j->nranks;
+  j->memfds = calloc(n, sizeof *j->memfds);
+  j->procs = calloc(n, sizeof *j->procs);
+  j->streams = calloc(n * 2, sizeof *j->streams);
+  j->pfds = calloc(n * 2, sizeof *j->pfds);
+  if (!j->memfds || !j->procs || !j->streams || !j->pfds)
+    return lz_fail(LZ_ERR_NOMEM, "launch: out of memory");
+  for (size_t i = 0; i < n * 2; i++) j->streams[i].fd = -1;
+  j->shared = lz_shared_create(j->nranks, j->memfds);
   return LZ_OK;
 }
 
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
   if (!exit_code) return lz_fail(LZ_ERR_INVALID, "launch: exit_code is NULL");
   *exit_code = 1;
-  if (nranks < 1 || nranks > 4096)
-    return lz_fail(LZ_ERR_INVALID, "launch: -n %d: the number of ranks must be 1..4096", nranks);
-  if (!argv || !argv[0])
-    return lz_fail(LZ_ERR_INVALID, "launch: no program to run (argv is empty)");
+  signals_catch();
+  job j = {.nranks = nranks, .argv = argv, .segment = -1, .failed_rank = -1};
+  lz_status st = check_args(nranks, argv, &j.mode);
   const char *backend = getenv("LZ_BACKEND");
-  if (backend && !strcmp(backend, "mpi")) return launch_mpirun(nranks, argv, exit_code);
-  int mode = OUT_PREFIX;
-  const char *om = getenv("LZ_RANK_OUTPUT");
-  if (om && !strcmp(om, "quiet")) mode = OUT_QUIET;
-  else if (om && !strcmp(om, "raw")) mode = OUT_RAW;
-  else if (om && *om && strcmp(om, "prefix"))
-    return lz_fail(LZ_ERR_INVALID, "launch: LZ_RANK_OUTPUT=\"%s\" must be prefix, quiet or raw",
-                   om);
-
-  /* The job's segment. */
-  uint64_t rnd = 0;
-  if (getrandom(&rnd, sizeof rnd, 0) != sizeof rnd) rnd = (uint64_t)lz_now_s() * 1000003u;
-  char name[96];
-  snprintf(name, sizeof name, "/luazero-%d-%016llx", (int)getpid(), (unsigned long long)rnd);
-  int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0)
-    return lz_fail(LZ_ERR_IO, "launch: cannot create shared memory %s: %s (is /dev/shm mounted "
-                   "and writable?)", name, strerror(errno));
-  size_t seg = lz_shm_segment_bytes(nranks);
-  void *hdr = MAP_FAILED;
-  if (ftruncate(fd, (off_t)seg) == 0)
-    hdr = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (hdr == MAP_FAILED) {
-    int e = errno;
-    close(fd);
-    shm_unlink(name);
-    return lz_fail(LZ_ERR_IO, "launch: cannot size shared memory %s to %zu bytes: %s", name, seg,
-                   strerror(e));
+  if (st == LZ_OK && backend && !strcmp(backend, "mpi")) {
+    st = launch_mpirun(nranks, argv, exit_code);
+    signals_restore();
+    return st;
   }
-  lz_shm_segment_format(hdr, nranks);
-  munmap(hdr, 4096);
-  close(fd);
-
-  /* Signals to the launcher stop the job (and remove the segment). */
-  struct sigaction sa = {0}, old_int, old_term, old_hup, old_pipe;
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  got_signal = 0;
-  sigaction(SIGINT, &sa, &old_int);
-  sigaction(SIGTERM, &sa, &old_term);
-  sigaction(SIGHUP, &sa, &old_hup);
-  struct sigaction ign = {0};
-  ign.sa_handler = SIG_IGN;
-  sigaction(SIGPIPE, &ign, &old_pipe);
-
-  int threads = cpus_available() / nranks;
-  if (threads < 1) threads = 1;
-  int port = free_port();
-  int *memfds = calloc((size_t)nranks, sizeof *memfds);
-  char *shared = memfds ? lz_shared_create(nranks, memfds) : NULL;
-  rank_proc *procs = calloc((size_t)nranks, sizeof *procs);
-  stream *streams = calloc((size_t)nranks * 2, sizeof *streams);
-  struct pollfd *pfds = calloc((size_t)nranks * 2, sizeof *pfds);
-  lz_status st = LZ_OK;
-  int started = 0, running = 0;
-  if (!procs || !streams || !pfds) {
-    st = lz_fail(LZ_ERR_NOMEM, "launch: out of memory");
-    goto done;
+  if (st == LZ_OK && !got_signal) st = prepare(&j);
+  if (st == LZ_OK && !got_signal) st = fork_ranks(&j);
+  if (j.procs) {
+    j.stopping = st != LZ_OK;
+    int code = supervise(&j);
+    if (st == LZ_OK) *exit_code = code;
+  } else if (st == LZ_OK && got_signal) {
+    fprintf(stderr, "luazero: received %s during start-up; no rank was started\n",
+            signal_name(got_signal));
+    *exit_code = 128 + got_signal;
   }
-  for (int i = 0; i < nranks * 2; i++) streams[i].fd = -1;
-  pid_t self = getpid();
-  for (int r = 0; r < nranks; r++) {
-    int pout[2] = {-1, -1}, perr[2] = {-1, -1};
-    if (r > 0 && mode == OUT_PREFIX && (pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC))) {
-      st = lz_fail(LZ_ERR_IO, "launch: pipe for rank %d: %s", r, strerror(errno));
-      goto stop;
-    }
-    char **env = rank_env(r, nranks, name, shared, port, threads);
-    if (!env) {
-      st = lz_fail(LZ_ERR_NOMEM, "launch: out of memory");
-      goto stop;
-    }
-    pid_t pid = fork();
-    if (pid < 0) {
-      st = lz_fail(LZ_ERR_IO, "launch: fork of rank %d failed: %s", r, strerror(errno));
-      goto stop;
-    }
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGKILL); /* the launcher gone: the ranks go too */
-      if (getppid() != self) _exit(127);
-      signal(SIGPIPE, SIG_DFL);
-      signal(SIGINT, SIG_DFL);
-      signal(SIGTERM, SIG_DFL);
-      signal(SIGHUP, SIG_DFL);
-      /* Only rank 0 reads the terminal (the REPL of `-n N -i` runs there);
-       * the others would steal its input. */
-      if (r > 0) {
-        int dn = open("/dev/null", O_RDONLY);
-        if (dn < 0 || dup2(dn, 0) < 0) {
-          fprintf(stderr, "luazero: rank %d: cannot point stdin at /dev/null: %s\n", r,
-                  strerror(errno));
-          _exit(127);
-        }
-        if (dn != 0) close(dn);
-      }
-      if (pout[1] >= 0) {
-        dup2(pout[1], 1);
-        dup2(perr[1], 2);
-      } else if (r > 0 && mode == OUT_QUIET) {
-        int dn = open("/dev/null", O_WRONLY);
-        if (dn >= 0) {
-          dup2(dn, 1);
-          dup2(dn, 2);
-        }
-      }
-      execvpe(argv[0], argv, env);
-      fprintf(stderr, "luazero: rank %d: cannot run %s: %s\n", r, argv[0], strerror(errno));
-      _exit(127);
-    }
-    free_rank_env(env);
-    procs[r].pid = pid;
-    procs[r].running = 1;
-    started++;
-    running++;
-    if (pout[0] >= 0) {
-      close(pout[1]);
-      close(perr[1]);
-      streams[2 * r] = (stream){pout[0], 1, r, NULL, 0, 0};
-      streams[2 * r + 1] = (stream){perr[0], 2, r, NULL, 0, 0};
-    }
-  }
-
-stop:;
-  int failed_rank = -1, failed_code = 0, stopping = st != LZ_OK;
-  double kill_at = 0, grace_until = 0;
-  if (stopping) {
-    for (int r = 0; r < nranks; r++)
-      if (procs[r].running) kill(procs[r].pid, SIGTERM);
-    kill_at = lz_now_s() + 3.0;
-  }
-  while (running > 0) {
-    int np = 0;
-    for (int i = 0; i < nranks * 2; i++)
-      if (streams[i].fd >= 0) pfds[np++] = (struct pollfd){streams[i].fd, POLLIN, 0};
-    int pr = np ? poll(pfds, (nfds_t)np, 100) : (usleep(50 * 1000), 0);
-    if (pr > 0) {
-      for (int i = 0, j = 0; i < nranks * 2; i++) {
-        if (streams[i].fd < 0) continue;
-        if (pfds[j].fd == streams[i].fd && (pfds[j].revents & (POLLIN | POLLHUP | POLLERR)))
-          pump(&streams[i]);
-        j++;
-      }
-    }
-    for (;;) {
-      int status;
-      pid_t pid = waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) break;
-      for (int r = 0; r < nranks; r++) {
-        if (procs[r].pid != pid || !procs[r].running) continue;
-        procs[r].running = 0;
-        procs[r].status = status;
-        running--;
-        if (stopping || (WIFEXITED(status) && WEXITSTATUS(status) == 0)) continue;
-        /* The first rank to fail is often a victim: a peer that saw another
-         * rank die or stall. A rank killed by a signal is the cause; else
-         * the first to fail. Wait a moment so the cause can show itself. */
-        int killed = WIFSIGNALED(status);
-        int cause_killed = failed_rank >= 0 && WIFSIGNALED(procs[failed_rank].status);
-        if (failed_rank < 0 || (killed && !cause_killed)) failed_rank = r;
-        if (grace_until == 0) grace_until = lz_now_s() + 0.5;
-        if (killed) grace_until = lz_now_s();
-      }
-    }
-    if (failed_rank >= 0 && !stopping && (lz_now_s() >= grace_until || running == 0)) {
-      char how[96];
-      describe(procs[failed_rank].status, how, sizeof how);
-      if (running > 0)
-        fprintf(stderr, "luazero: rank %d %s; stopping the other %d rank%s\n", failed_rank, how,
-                running, running == 1 ? "" : "s");
-      else fprintf(stderr, "luazero: rank %d %s\n", failed_rank, how);
-      failed_code = status_code(procs[failed_rank].status);
-      stopping = 1;
-      for (int q = 0; q < nranks; q++)
-        if (procs[q].running) kill(procs[q].pid, SIGTERM);
-      kill_at = lz_now_s() + 3.0;
-    }
-    if (got_signal && !stopping) {
-      fprintf(stderr, "luazero: received %s; stopping %d rank%s\n", signal_name(got_signal),
-              running, running == 1 ? "" : "s");
-      stopping = 1;
-      for (int q = 0; q < nranks; q++)
-        if (procs[q].running) kill(procs[q].pid, SIGTERM);
-      kill_at = lz_now_s() + 3.0;
-    }
-    if (stopping && running > 0 && lz_now_s() > kill_at) {
-      for (int q = 0; q < nranks; q++)
-        if (procs[q].running) kill(procs[q].pid, SIGKILL);
-      kill_at = lz_now_s() + 1e9;
-    }
-  }
-  /* What the ranks wrote before exiting (bounded: a grandchild may hold a pipe). */
-  for (double until = lz_now_s() + 1.0; lz_now_s() < until;) {
-    int np = 0;
-    for (int i = 0; i < nranks * 2; i++)
-      if (streams[i].fd >= 0) pfds[np++] = (struct pollfd){streams[i].fd, POLLIN, 0};
-    if (!np || poll(pfds, (nfds_t)np, 50) <= 0) break;
-    for (int i = 0, j = 0; i < nranks * 2; i++) {
-      if (streams[i].fd < 0) continue;
-      if (pfds[j].revents) pump(&streams[i]);
-      j++;
-    }
-  }
-  if (st == LZ_OK) {
-    if (failed_rank >= 0) *exit_code = failed_code ? failed_code : 1;
-    else if (got_signal) *exit_code = 128 + got_signal;
-    else *exit_code = 0;
-  }
-done:
-  shm_unlink(name);
-  lz_shared_close(nranks, memfds);
-  free(memfds);
-  free(shared);
-  for (int i = 0; streams && i < nranks * 2; i++) {
-    if (streams[i].fd >= 0) {
-      if (streams[i].len) emit_line(&streams[i], streams[i].line, streams[i].len);
-      close(streams[i].fd);
-    }
-    free(streams[i].line);
-  }
-  free(procs);
-  free(streams);
-  free(pfds);
-  sigaction(SIGINT, &old_int, NULL);
-  sigaction(SIGTERM, &old_term, NULL);
-  sigaction(SIGHUP, &old_hup, NULL);
-  sigaction(SIGPIPE, &old_pipe, NULL);
-  (void)started;
+  tear_down(&j);
+  signals_restore();
   return st;
 }

@@ -5,8 +5,9 @@
  * this kind of machine). A table keyed by address remembers size and category
  * so lz_mem_free needs only the pointer.
  *
- * Device memory and page-locked host memory come from the cuda backend
- * (lz_backend.h) and sit in the same table (addresses are unified): device
+ * Device memory and page-locked host memory come from the cuda backend's
+ * table, read through backend_slot.c (a leaf: the ledger never calls up into
+ * backend.c), and sit in the same table (addresses are unified): device
  * bytes are counted on a device side of their own, pinned bytes on the host
  * side as offload. */
 #include "lz_backend.h"

@@ -100,8 +100,10 @@ typedef const lz_backend *(*lz_backend_entry_fn)(void);
 
 /* ---------------------------------------------------------------- core side */
 
-/* The loaded cuda backend, or NULL before a successful lz_cuda_init. */
+/* backend_slot.c: the loaded cuda backend, or NULL before a successful
+ * lz_cuda_init; lz_backend_cuda_set publishes it (lz_cuda_init only). */
 const lz_backend *lz_backend_cuda(void);
+void lz_backend_cuda_set(const lz_backend *be, int device);
 
 /* After an op's argument checks: when its tensors (the non-NULL ones in
  * a->t) live on cuda, runs it there and sets *handled; when they live on the

@@ -236,6 +236,31 @@ static int repl(lua_State *L, int script_failed) {
   return run_chunk_results(L, 1, 0);
 }
 
+/* Under mpirun: the torchrun variables (which scripts read to know their
+ * rank) from OpenMPI's, where unset, and the cores shared among the ranks
+ * of this machine as the luazero launcher shares them, unless
+ * OMP_NUM_THREADS says otherwise. */
+static void adopt_mpirun_ranks(void) {
+  static const char *names[][2] = {{"RANK", "OMPI_COMM_WORLD_RANK"},
+                                   {"WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"},
+                                   {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"},
+                                   {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}};
+  if (!getenv("OMPI_COMM_WORLD_RANK")) return;
+  for (int i = 0; i < 4; i++) {
+    const char *v = getenv(names[i][1]);
+    if (v && !getenv(names[i][0])) setenv(names[i][0], v, 0);
+  }
+  const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  long ranks_here = local ? strtol(local, NULL, 10) : 1;
+  if (getenv("OMP_NUM_THREADS") || ranks_here < 1) return;
+  int threads = lz_threads_get() / (int)ranks_here; /* the cores this process may use */
+  if (threads < 1) threads = 1;
+  char buf[16];
+  snprintf(buf, sizeof buf, "%d", threads);
+  setenv("OMP_NUM_THREADS", buf, 1);
+  lz_threads_set(threads);
+}
+
 int main(int argc, char **argv) {
   int interactive = 0, nranks = 0, quiet = 0, first_script = 0;
   const char *backend = NULL;
@@ -258,14 +283,17 @@ int main(int argc, char **argv) {
     } else if (!strcmp(a, "-i")) {
       interactive = 1;
     } else if (!strcmp(a, "-n")) {
+      const char *v = i + 1 < argc ? argv[++i] : "";
       char *end = NULL;
-      nranks = i + 1 < argc ? (int)strtol(argv[i + 1], &end, 10) : 0;
-      if (!end || *end || nranks < 1) {
-        fprintf(stderr, "luazero: -n needs a number of ranks >= 1 (got '%s')\n",
-                i + 1 < argc ? argv[i + 1] : "");
+      errno = 0;
+      long n = strtol(v, &end, 10);
+      /* The launcher checks the number against the machine; here it only
+       * has to be a number that an int holds. */
+      if (errno || end == v || *end || n < 1 || n > INT_MAX) {
+        fprintf(stderr, "luazero: -n takes a number of ranks from 1 to 4096 (got '%s')\n", v);
         return 2;
       }
-      i++;
+      nranks = (int)n;
     } else if (!strcmp(a, "--backend")) {
       if (i + 1 >= argc || (strcmp(argv[i + 1], "shm") && strcmp(argv[i + 1], "mpi") &&
                             strcmp(argv[i + 1], "local"))) {
@@ -318,6 +346,7 @@ int main(int argc, char **argv) {
     return code;
   }
 
+  adopt_mpirun_ranks();
   /* A rank's output goes through the launcher's pipes: flush it by line so
    * it arrives while the job runs. */
   if (getenv("LZ_SHM_NAME") || getenv("OMPI_COMM_WORLD_RANK")) setvbuf(stdout, NULL, _IOLBF, 0);

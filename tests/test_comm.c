@@ -161,7 +161,7 @@ LZ_TEST(launch_sets_the_torchrun_environment) {
                   "test \"$WORLD_SIZE\" = 3 && test \"$LOCAL_WORLD_SIZE\" = 3 && "
                   "test \"$LOCAL_RANK\" = \"$RANK\" && test \"$RANK\" -lt 3 && "
                   "test -n \"$MASTER_ADDR\" && test -n \"$MASTER_PORT\" && "
-                  "test -n \"$OMP_NUM_THREADS\" && test -e \"/dev/shm$LZ_SHM_NAME\"",
+                  "test -n \"$OMP_NUM_THREADS\" && test -e \"/proc/$LZ_LAUNCHER_PID/fd/$LZ_SHM_FD\"",
                   NULL};
   int code = -1;
   CHECK_OK(lz_launch(3, argv, &code));
@@ -184,5 +184,17 @@ LZ_TEST(launch_stops_the_job_when_a_rank_is_killed) {
   CHECK_EQ_INT(code, 127);
   unsetenv("LZ_RANK_OUTPUT");
   CHECK_ERR(lz_launch(0, argv, &code), LZ_ERR_INVALID, "-n 0");
+  CHECK_EQ_INT(shm_leftovers(), 0);
+}
+
+LZ_TEST(launch_refuses_more_ranks_than_the_machine_runs) {
+  clear_env();
+  char *argv[] = {"/bin/true", NULL};
+  int code = -1;
+  CHECK_ERR(lz_launch(4097, argv, &code), LZ_ERR_INVALID,
+            "-n 4097: the number of ranks must be 1..4096");
+  /* 4096 ranks need 512 cores and 256 GiB available: more than these tests run on. */
+  CHECK_ERR(lz_launch(4096, argv, &code), LZ_ERR_INVALID, "-n 4096: at most ");
+  CHECK_EQ_INT(code, 1);
   CHECK_EQ_INT(shm_leftovers(), 0);
 }

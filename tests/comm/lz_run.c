@@ -3,14 +3,19 @@
  * program through lz_launch and exits with the job's code. */
 #include "luazero.h"
 
+#include <limits.h> /* INT_MAX */
 #include <stdio.h>  /* fprintf */
-#include <stdlib.h> /* atoi, setenv */
+#include <stdlib.h> /* strtol, setenv */
 #include <string.h> /* strcmp */
 
 int main(int argc, char **argv) {
   int n = 1, i = 1;
   for (; i < argc && argv[i][0] == '-'; i++) {
-    if (!strcmp(argv[i], "-n") && i + 1 < argc) n = atoi(argv[++i]);
+    if (!strcmp(argv[i], "-n") && i + 1 < argc) {
+      char *end;
+      long v = strtol(argv[++i], &end, 10);
+      n = *end || v < 0 || v > INT_MAX ? 0 : (int)v; /* lz_launch refuses 0 */
+    }
     else if (!strcmp(argv[i], "--quiet-ranks")) setenv("LZ_RANK_OUTPUT", "quiet", 1);
     else if (!strcmp(argv[i], "--backend") && i + 1 < argc) setenv("LZ_BACKEND", argv[++i], 1);
     else break;

@@ -3,7 +3,8 @@
 # shm backend (under lz_run) and the mpi backend (under mpirun) at 1-4 ranks,
 # bitwise equality across two runs, across the two backends and with the
 # shm backend's single-copy path turned off, a rank killed
-# with SIGKILL mid-collective, and a rank that never joins. Ends with
+# with SIGKILL mid-collective, a rank that never joins, and the launcher's
+# promises (launcher.sh: signals at start-up, -n, mpirun's ranks). Ends with
 # "N passed, N failed"; exits non-zero on any failure.
 #   tests/comm/run.sh [--quick]      --quick: counts up to 1M+3 only
 # Binaries: $LZ_BIN (default build/bin): lz_run, comm_check.
@@ -14,16 +15,8 @@ QUICK=
 for b in lz_run comm_check; do
   [ -x "$BIN/$b" ] || { echo "run.sh: $BIN/$b is missing; build first (or set LZ_BIN)"; exit 2; }
 done
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+. tests/comm/lib.sh
 MPIRUN="mpirun --allow-run-as-root --oversubscribe"
-TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"' EXIT
-passed=0
-failed=0
-ok() { passed=$((passed + 1)); echo "ok   $1"; }
-bad() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "$2" ] && sed 's/^/    /' "$2" | tail -20; }
-now() { date +%s.%N; }
-shm_left() { ls /dev/shm 2>/dev/null | grep -c "^luazero-$1-" ; }
 
 # --- the matrix: every op x dtype x count, each backend, 1..4 ranks
 for w in 1 2 3 4; do
@@ -147,6 +140,15 @@ else bad "rank output prefixed" "$TMP/out"; fi
 "$BIN/lz_run" -n 3 --quiet-ranks "$BIN/comm_check" --loop 0 > "$TMP/quiet" 2>&1
 if [ "$(cat "$TMP/quiet")" = "looping" ]; then ok "rank output silenced (--quiet-ranks)"
 else bad "rank output silenced (--quiet-ranks)" "$TMP/quiet"; fi
+
+# --- the launcher's promises on signals, -n, and mpirun's ranks (launcher.sh)
+tests/comm/launcher.sh > "$TMP/launcher" 2>&1
+grep -v -E "^[0-9]+ passed, [0-9]+ failed" "$TMP/launcher"
+summary=$(grep -E "^[0-9]+ passed, [0-9]+ failed" "$TMP/launcher" | tail -n 1)
+if [ -n "$summary" ]; then
+  passed=$((passed + $(echo "$summary" | awk '{print $1}')))
+  failed=$((failed + $(echo "$summary" | awk '{print $3}')))
+else bad "launcher.sh ended without its summary line" "$TMP/launcher"; fi
 
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]

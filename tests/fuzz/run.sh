@@ -16,7 +16,8 @@ fail=0
 
 echo "== build fuzz_checkpoint (clang -fsanitize=fuzzer,address)"
 if ! clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined -Icore \
-    -I/usr/include/luajit-2.1 tests/fuzz/fuzz_checkpoint.c core/checkpoint.c core/error.c core/tensor.c core/ledger.c core/shared_mem.c core/backend.c \
+    -I/usr/include/luajit-2.1 tests/fuzz/fuzz_checkpoint.c core/checkpoint.c core/error.c core/checks.c core/tensor.c \
+    core/copy.c core/ledger.c core/shared_mem.c core/backend_slot.c core/backend.c \
     -ffunction-sections -Wl,--gc-sections -fopenmp -lzstd -lxxhash -lluajit-5.1 -lm -ldl \
     -o "$out/fuzz_checkpoint"; then
   echo "FAIL fuzz.build (the compiler says why above; tools/setup installs clang)"

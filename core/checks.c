@@ -1,0 +1,77 @@
+/* checks.c — the argument checks kernels share: each names the op, the
+ * argument and, through lz_tensor_describe, its shape; and the row and
+ * column counts of a tensor. Above tensor.c, which uses none of them. */
+#include "lz_internal.h"
+
+lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t) {
+  if (!t) return lz_fail(LZ_ERR_INVALID, "%s: %s is missing (NULL)", op, name);
+  return LZ_OK;
+}
+
+lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (t->device != LZ_CPU)
+    return lz_fail(LZ_ERR_UNSUPPORTED, "%s: %s lives on cuda; this is the cpu kernel", op,
+                   name);
+  return LZ_OK;
+}
+
+/* The shape and dtype checks accept tensors on any device: each kernel ends
+ * its checks with LZ_DEVICE_DISPATCH, which sends cuda tensors to the
+ * backend and refuses a mix of devices. */
+lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (t->dtype != dt) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype %s", op, name,
+                   lz_tensor_describe(t, buf, sizeof buf), lz_dtype_name(dt));
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (t->ndim < lo || t->ndim > hi) {
+    char buf[96];
+    if (lo == hi)
+      return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected %d dimensions", op, name,
+                     lz_tensor_describe(t, buf, sizeof buf), lo);
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected %d to %d dimensions", op, name,
+                   lz_tensor_describe(t, buf, sizeof buf), lo, hi);
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
+                         const char *why) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (lz_tensor_numel(t) != n) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s (%lld elements), expected %lld elements (%s)",
+                   op, name, lz_tensor_describe(t, buf, sizeof buf),
+                   (long long)lz_tensor_numel(t), (long long)n, why);
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
+                              const char *name_b, const lz_tensor *b) {
+  LZ_TRY(lz_check_present(op, name_a, a));
+  LZ_TRY(lz_check_present(op, name_b, b));
+  int same = a->ndim == b->ndim;
+  for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
+  if (!same) {
+    char ba[96], bb[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they must have the same shape",
+                   op, name_a, lz_tensor_describe(a, ba, sizeof ba), name_b,
+                   lz_tensor_describe(b, bb, sizeof bb));
+  }
+  return LZ_OK;
+}
+
+int64_t lz_cols(const lz_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+
+int64_t lz_rows(const lz_tensor *t) {
+  int64_t c = lz_cols(t);
+  return c ? lz_tensor_numel(t) / c : 0;
+}
