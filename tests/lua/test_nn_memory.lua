@@ -243,4 +243,35 @@ function T.reports_scale_with_the_batch_and_only_casts_see_the_dtype()
   eq(bit.band(a.activations, lz.ARENA_ALIGN - 1), 0, "whole arena units")
 end
 
+----------------------------------------------------------------- estimate
+
+-- estimate.activations reads the model's plan: what model:prepare puts on
+-- the ledger; tools/estimate prints it for a named model.
+function T.estimate_activations_are_what_prepare_allocates()
+  local estimate = require("luazero.estimate")
+  for _, ck in ipairs({ false, true, { cpu_checkpointing = true } }) do
+    local m = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 2 }))
+    m:checkpoint_activations(ck)
+    local e = estimate.activations(m, 2, 32, "fp32")
+    local before = lz.mem()
+    m:prepare(2, 32)
+    local after = lz.mem()
+    eq(after.activations - before.activations, e.device, "activations " .. tostring(ck))
+    eq(after.offload - before.offload, e.offload, "offload " .. tostring(ck))
+    m:free()
+  end
+  -- GPT-2 124M, B = 4, T = 64, fp32: 212.8 MiB, 61.9 MiB checkpointed
+  -- (docs/training.md).
+  for _, c in ipairs({ { 0, "223,153,152" }, { 1, "64,883,712" } }) do
+    local p = io.popen(("cd '%s' && LUAZERO='%s' tools/estimate --model gpt2 --dtype fp32 " ..
+                        "--budget 1GiB --micro-batch 4 --seq-len 64 --checkpoint-activations " ..
+                        "%d 2>&1"):format(lz.root, lz.executable(), c[1]))
+    local out = p:read("*a")
+    p:close()
+    assert(out:find("activations per rank for micro-batches of 4 x 64 tokens" ..
+                    (c[1] == 1 and ", checkpointed" or "") .. ": " .. c[2] .. " bytes", 1, true),
+           out)
+  end
+end
+
 return T
