@@ -51,16 +51,7 @@ end
 
 ------------------------------------------------------------------ sizes
 
-local function sum(reports)
-  local r = { activations = 0, scratch = 0, casts = 0 }
-  for _, m in ipairs(reports) do
-    r.activations = r.activations + m.activations
-    r.scratch = r.scratch + m.scratch
-    r.casts = r.casts + m.casts
-    r.input = r.input or m.input
-  end
-  return r
-end
+local sum = Module.sum_memory
 
 local function most(reports, key)
   local n = 0

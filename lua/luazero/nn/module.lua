@@ -224,14 +224,18 @@ end
 -- first child's.
 function Module:memory(B, T, dtype)
   dtype = dtype or "f32"
-  local own = self:own_memory(B, T, dtype)
-  local r = { activations = own.activations or 0, scratch = own.scratch or 0,
-              casts = own.casts or 0, input = own.input }
-  for _, c in ipairs(self.children) do
-    local m = c.module:memory(B, T, dtype)
-    r.activations = r.activations + m.activations
-    r.scratch = r.scratch + m.scratch
-    r.casts = r.casts + m.casts
+  local reports = { self:own_memory(B, T, dtype) }
+  for _, c in ipairs(self.children) do reports[#reports + 1] = c.module:memory(B, T, dtype) end
+  return Module.sum_memory(reports)
+end
+
+-- Reports added field by field; the input is the first one given.
+function Module.sum_memory(reports)
+  local r = { activations = 0, scratch = 0, casts = 0 }
+  for _, m in ipairs(reports) do
+    r.activations = r.activations + (m.activations or 0)
+    r.scratch = r.scratch + (m.scratch or 0)
+    r.casts = r.casts + (m.casts or 0)
     r.input = r.input or m.input
   end
   return r
