@@ -83,7 +83,6 @@ function Model:arena_plan(B, T, dtype)
   local own = self:own_memory(B, T, dtype)
   local before, after = sum(stem), sum(top)
   local n_blocks = #blocks
-  local half = dtype ~= "f32"
   local ck = self.checkpointing
   if not ck then
     local all = sum({ before, sum(blocks), after, out })
@@ -92,7 +91,7 @@ function Model:arena_plan(B, T, dtype)
       -- backward resets a scratch arena before each layer of each list
       scratch = math.max(most(stem, "scratch"), most(blocks, "scratch"),
                          most(top, "scratch"), out.scratch),
-      casts = half and all.casts or 0,
+      casts = all.casts,
     }
     p.activations, p.offload = p.arena + 2 * p.scratch + p.casts, 0
     return p
@@ -104,8 +103,8 @@ function Model:arena_plan(B, T, dtype)
            (own.activations or 0) + before.scratch + after.scratch + out.scratch,
     block = most(blocks, "activations"), scratch = most(blocks, "scratch"),
     logits = out.activations,
-    casts = half and (before.casts + after.casts + out.casts) or 0,
-    block_casts = half and most(blocks, "casts") or 0,
+    casts = before.casts + after.casts + out.casts,
+    block_casts = most(blocks, "casts"),
   }
   p.shared = math.max(p.logits, p.block + 2 * p.scratch)
   local store_bytes, category = checkpoint.store_bytes(ck, n_blocks, kept)
