@@ -138,7 +138,10 @@ float lz_f16_to_f32(uint16_t x);
 /* --------------------------------------------------------------- arena */
 
 /* Bump allocator for activations, reset once per micro-step. Tensors it
- * returns live until the next reset. */
+ * returns live until the next reset. Each starts at a multiple of
+ * LZ_ARENA_ALIGN bytes, so a tensor of n bytes takes n rounded up to it:
+ * what models size their arenas by. */
+enum { LZ_ARENA_ALIGN = 64 };
 typedef struct lz_arena lz_arena;
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat);
 /* An arena over borrowed memory (64-byte aligned; the caller keeps it alive

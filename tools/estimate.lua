@@ -1,8 +1,10 @@
 -- tools/estimate.lua — model-state memory per rank for ZeRO stages 0..3,
--- with and without offload, for a parameter count or a model name. Run by
--- tools/estimate; formulas in docs/zero.md, "Estimating memory".
+-- with and without offload, for a parameter count or a model name (and, for
+-- a model, its activation arenas for a micro-batch). Run by tools/estimate;
+-- formulas in docs/zero.md, "Estimating memory".
 --   luazero tools/estimate.lua --params 1.5e9 --world 8
 --   luazero tools/estimate.lua --model gpt2-xl --world 8 --budget 12GiB
+--   luazero tools/estimate.lua --model gpt2 --micro-batch 4 --seq-len 1024
 local args = require("luazero.args")
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
@@ -24,6 +26,10 @@ local spec = {
     "memory per rank for stage \"auto\": 12GiB, 16GB, bytes (default LZ_MEMORY_BUDGET, " ..
     "else MemAvailable / world)" },
   { "deepspeed", "int", 0, "1: also print DeepSpeed's own estimator functions' figures" },
+  { "micro-batch", "int", nil,
+    "with --model and --seq-len: also the activation arenas for this many sequences" },
+  { "seq-len", "int", nil, "with --micro-batch: tokens per sequence" },
+  { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing" },
 }
 
 local function fail(msg)
@@ -81,10 +87,11 @@ local function main(argv)
     budget, source = checked(config.memory_budget, { world_size = N })
   end
 
-  local params, persistent, largest, layout, what
+  local params, persistent, largest, layout, what, model
   if flags.model then
     if flags.persistent then fail("--persistent goes with --params; --model counts it") end
-    local m = checked(estimate.model_params, flags.model, nil, flags.persistence_threshold, N)
+    model = checked(function() return gpt2.new(gpt2.config(flags.model)) end)
+    local m = estimate.model_params(model, flags.persistence_threshold, N)
     params, persistent, largest, layout = m.params, m.persistent, m.largest_layer, m.layout
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
             "modules of <= %s elements"):format(m.name, estimate.thousands(m.params),
@@ -125,6 +132,24 @@ local function main(argv)
   print(flags.device == "cpu" and
         "device and cpu are one memory here (--device cpu): cpu is what the ledger counts as offload." or
         "device: the accelerator's memory; cpu: host memory (pinned for transfers).")
+
+  if (flags.micro_batch == nil) ~= (flags.seq_len == nil) or (flags.micro_batch and not model) then
+    fail("--micro-batch and --seq-len go together, with --model")
+  end
+  if flags.micro_batch then
+    if flags.seq_len > model.cfg.context then
+      fail(("--seq-len %d is longer than the model's context %d"):format(flags.seq_len,
+           model.cfg.context))
+    end
+    model:checkpoint_activations(flags.checkpoint_activations == 1)
+    local a = estimate.activations(model, flags.micro_batch, flags.seq_len, dtype)
+    print()
+    print(("activations per rank for micro-batches of %d x %d tokens%s: %s bytes (%.2f GiB)%s")
+          :format(flags.micro_batch, flags.seq_len,
+                  flags.checkpoint_activations == 1 and ", checkpointed" or "",
+                  estimate.thousands(a.device), a.device / 2 ^ 30,
+                  a.offload > 0 and (", %s offload"):format(estimate.thousands(a.offload)) or ""))
+  end
 
   local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
                                                   persistent = persistent, layout = layout })

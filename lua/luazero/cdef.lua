@@ -91,6 +91,7 @@ float lz_bf16_to_f32(uint16_t x);
 uint16_t lz_f32_to_f16(float x);
 float lz_f16_to_f32(uint16_t x);
 
+enum { LZ_ARENA_ALIGN = 64 };
 typedef struct lz_arena lz_arena;
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat);
 

@@ -204,8 +204,8 @@ end
 
 ------------------------------------------------------------------ models
 
--- Parameter counts of a model from its parameter table (a named model of
--- models/gpt2.lua is declared by gpt2.new, nothing allocated): params (the
+-- Parameter counts of a model from its parameter table (a model declared,
+-- e.g. by gpt2.new, nothing allocated): params (the
 -- table's elements, the vocabulary padding rows included), real (without
 -- them), largest_layer (the most one module owns, DeepSpeed's
 -- largest_layer_params), and for world size `world` the engine's layout
@@ -241,13 +241,24 @@ function M.param_table_counts(param_table, world, threshold)
   return r
 end
 
-function M.model_params(name, overrides, threshold, world)
-  local gpt2 = require("models.gpt2")
-  local cfg = gpt2.config(name, overrides)
-  local m = gpt2.new(cfg)
-  local r = M.param_table_counts(m.param_table, world, threshold)
-  r.name, r.real, r.config = name, m:count_params(), cfg
+function M.model_params(model, threshold, world)
+  local r = M.param_table_counts(model.param_table, world, threshold)
+  r.name, r.real, r.config = model.cfg.name, model:count_params(), model.cfg
   return r
+end
+
+------------------------------------------------------------------ activations
+
+-- Activation memory per rank for micro-batches of B x T in `dtype` (fp32,
+-- bf16, fp16), as the model (an nn.Model, declared) sizes its arenas from
+-- its modules' memory reports, with the activation checkpointing it is set
+-- to: device (the activations category), offload (kept inputs under
+-- cpu_checkpointing), plan (nn.Model:arena_plan, arena by arena).
+local working_dtype = { fp32 = "f32", bf16 = "bf16", fp16 = "f16" }
+
+function M.activations(model, B, T, dtype)
+  local plan = model:arena_plan(B, T, working_dtype[dtype or "fp32"] or dtype)
+  return { device = plan.activations, offload = plan.offload, plan = plan }
 end
 
 ------------------------------------------------------------------ DeepSpeed's own

@@ -267,8 +267,16 @@ function lz.arena(bytes, category)
   return setmetatable({ handle = ffi.gc(out[0], C.lz_arena_free) }, Arena)
 end
 
+-- Bytes an arena gives a tensor of `numel` elements of `dtype` (default
+-- f32): its size rounded up to LZ_ARENA_ALIGN. Arena sizes are sums of these.
+lz.ARENA_ALIGN = tonumber(C.LZ_ARENA_ALIGN)
+function lz.arena_bytes(numel, dtype)
+  local bytes = numel * tonumber(C.lz_dtype_size(dtype_of(dtype)))
+  return math.ceil(bytes / lz.ARENA_ALIGN) * lz.ARENA_ALIGN
+end
+
 -- An arena over bytes [offset, offset + bytes) of tensor t's memory (offset
--- a multiple of 64): no memory of its own, so arenas whose lifetimes do not
+-- a multiple of lz.ARENA_ALIGN): no memory of its own, so arenas whose lifetimes do not
 -- overlap can share one buffer. t must outlive it.
 function lz.arena_over(t, offset, bytes)
   assert(offset + bytes <= C.lz_tensor_bytes(t), "arena_over: the range ends past the tensor")

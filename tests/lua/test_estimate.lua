@@ -8,6 +8,8 @@ local lz = require("luazero")
 
 local T = {}
 
+local function named(name) return gpt2.new(gpt2.config(name)) end
+
 local function bytes(params, world, stage, dtype, offload, persistent, grads)
   return estimate.model_states(params, world, stage, { dtype = dtype, offload = offload,
                                persistent = persistent, grads = grads })
@@ -145,7 +147,7 @@ function T.pick_stage_picks_the_lowest_stage_that_fits()
   stage, why, fits = estimate.pick_stage(P, 2, 8e6, "bf16")
   assert(stage == 3 and fits == false and why:find("no stage fits", 1, true), why)
   -- A small model with the machine's memory picks stage 0.
-  local m = estimate.model_params("gpt2-nano")
+  local m = estimate.model_params(named("gpt2-nano"))
   stage = estimate.pick_stage(m.params, 2, 2 ^ 30, "bf16", { persistent = m.persistent })
   assert(stage == 0)
 end
@@ -156,7 +158,7 @@ function T.model_parameter_counts_match_the_parameter_table()
   -- GPT-2 124M by hand: wte Vp*C + wpe ctx*C + L (12C^2 + 13C) + ln_f 2C.
   local C, L, Vp, ctx = 768, 12, 50304, 1024
   local want = Vp * C + ctx * C + L * (12 * C * C + 13 * C) + 2 * C
-  local m = estimate.model_params("gpt2")
+  local m = estimate.model_params(named("gpt2"))
   eq(m.params, want, "gpt2 allocated parameters")
   eq(m.params, 124475904, "gpt2")
   eq(m.real, 124439808, "gpt2 without the 47 padding rows")
@@ -164,15 +166,16 @@ function T.model_parameter_counts_match_the_parameter_table()
   -- Modules of <= 1e5 elements stay whole at stage 3: the 2L + 1 LayerNorms.
   eq(m.persistent, (2 * L + 1) * 2 * C, "gpt2 persistent")
   eq(m.largest_layer, Vp * C + ctx * C, "the embedding owns wte and wpe")
-  eq(estimate.model_params("gpt2-xl").params, gpt2.new(gpt2.config("gpt2-xl")).n_params, "xl")
-  eq(estimate.model_params("gpt2-nano").params, 858880, "nano")
+  local xl = named("gpt2-xl")
+  eq(estimate.model_params(xl).params, xl.n_params, "xl")
+  eq(estimate.model_params(named("gpt2-nano")).params, 858880, "nano")
 end
 
 function T.model_layout_is_the_engines_padding()
   -- gpt2-nano at world 3: every module padded to a multiple of 3 * 16 = 48:
   -- embedding 65536 -> 65568, LayerNorm 256 -> 288, c_attn 49536, attn
   -- c_proj 16512, c_fc 66048, mlp c_proj 65664 (multiples already).
-  local m = estimate.model_params("gpt2-nano", nil, nil, 3)
+  local m = estimate.model_params(named("gpt2-nano"), nil, 3)
   local full = 65568 + 4 * (288 + 49536 + 16512 + 288 + 66048 + 65664) + 288
   eq(m.layout.full, full, "padded full")
   eq(m.layout.shard, full / 3, "shard")

@@ -34,4 +34,11 @@ function CausalSelfAttention:backward(dy)
   return self:run_backward(self.c_attn, dqkv)
 end
 
+-- Besides c_attn and c_proj: the attention output and lse, dqkv.
+function CausalSelfAttention:own_memory(B, T)
+  local BTC = B * T * self.n_embd
+  return { activations = lz.arena_bytes(BTC) + lz.arena_bytes(B * self.n_head * T),
+           scratch = lz.arena_bytes(3 * BTC) }
+end
+
 return CausalSelfAttention

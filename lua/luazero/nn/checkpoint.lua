@@ -2,7 +2,7 @@
 -- checkpointed modules from their forward until their backward replays it
 -- (DeepSpeed's activation_checkpointing block; docs/training.md).
 --
---   local store = checkpoint.store(opts, n, elems, arena)
+--   local store = checkpoint.store(opts, n, bytes, arena)
 --   store:reset()                 -- at the start of each forward
 --   local kept = store:keep(i, x) -- a copy of x, the i-th checkpointed input
 --   local x = store:kept(i)       -- what the i-th recompute starts from
@@ -17,14 +17,13 @@
 -- group; luazero has no model parallelism (that group is each rank alone),
 -- so the whole input stays on its rank. It never splits across data-parallel
 -- ranks: their activations differ.
+--
+-- opts is the activation_checkpointing settings (luazero.config's normalised
+-- block, which owns the defaults); a key it lacks is off, as each of
+-- DeepSpeed's defaults is.
 local lz = require("luazero")
 
 local M = {}
-
-M.defaults = require("luazero.config").activation_checkpointing_defaults
-
-local ALIGN = 64
-local function aligned(bytes) return math.ceil(bytes / ALIGN) * ALIGN end
 
 -- Settings errors that depend on the model: n modules checkpointed per forward.
 function M.check(opts, n)
@@ -38,34 +37,43 @@ end
 local Store = {}
 Store.__index = Store
 
--- opts: the activation_checkpointing settings (nil: the defaults); n: the
--- modules checkpointed in one forward; elems: the most f32 elements of one
--- kept input; arena: the model's activation arena (reset each forward), for
--- the default placement.
-function M.store(opts, n, elems, arena)
-  opts = opts or M.defaults
+-- Where n kept inputs of `bytes` each (arena bytes of the largest) go:
+-- the bytes of a buffer of their own and its ledger category, or the bytes
+-- they add to the model's arena and no category (the default placement).
+function M.store_bytes(opts, n, bytes)
+  if opts.contiguous_memory_optimization then
+    return (opts.number_checkpoints or n) * bytes,
+           opts.cpu_checkpointing and "offload" or "activations"
+  end
+  if opts.cpu_checkpointing then return n * bytes, "offload" end
+  return n * bytes, nil
+end
+
+-- n: the modules checkpointed in one forward; bytes: the arena bytes of the
+-- largest kept input (f32); arena: the model's activation arena (reset each
+-- forward), for the default placement.
+function M.store(opts, n, bytes, arena)
   local self = setmetatable({ n = n, slots = {}, owned = {} }, Store)
   -- cpu_checkpointing: on the CPU the host is the device, so the copy is the
   -- same memcpy into host memory counted as offload. A CUDA device puts this
   -- buffer in pinned host memory and copies each input back into device
   -- memory in kept(i), just before its recompute.
-  local category = opts.cpu_checkpointing and "offload" or "activations"
-  self.category = category
+  local total, category = M.store_bytes(opts, n, bytes)
+  self.category = category or "activations"
   if opts.contiguous_memory_optimization then
     M.check(opts, n)
-    local slots = opts.number_checkpoints or n
-    self.capacity = slots
-    self.buffer = lz.tensor({ slots * aligned(elems * 4) / 4 }, "f32", category)
-    self.arena = lz.arena_over(self.buffer, 0, self.buffer:bytes())
+    self.capacity = opts.number_checkpoints or n
+    self.buffer = lz.tensor({ total / 4 }, "f32", category)
+    self.arena = lz.arena_over(self.buffer, 0, total)
     self.owned[#self.owned + 1] = self.arena
-  elseif opts.cpu_checkpointing then
-    self.arena = lz.arena(n * aligned(elems * 4), category)
+  elseif category then
+    self.arena = lz.arena(total, category)
     self.owned[#self.owned + 1] = self.arena
   else
     self.arena = arena
   end
   -- Bytes this store adds to the model's arena (the default placement).
-  self.arena_bytes = self.arena == arena and n * aligned(elems * 4) or 0
+  self.arena_bytes = category and 0 or total
   return self
 end
 

@@ -32,4 +32,11 @@ function Embedding:backward(dy)
   ops.embedding_backward(self.g.wte, self.g.wpe, dy, self.input)
 end
 
+-- Input: the i32 token ids. Casts: both tables in forward.
+function Embedding:own_memory(B, T, dtype)
+  return { input = lz.arena_bytes(B * T, "i32"), activations = lz.arena_bytes(B * T * self.n_embd),
+           casts = Module.param_cast_bytes(self.vocab * self.n_embd, dtype) +
+                   Module.param_cast_bytes(self.positions * self.n_embd, dtype) }
+end
+
 return Embedding

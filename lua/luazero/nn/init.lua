@@ -1,6 +1,7 @@
 -- nn — modules that own their forward and backward (Torch7 style): the Module
 -- base, layers (Linear, LayerNorm, Embedding), GPT-2's parts
--- (CausalSelfAttention, MLP, Block) and the Sequential container.
+-- (CausalSelfAttention, MLP, Block), the Sequential container and the Model
+-- base (arenas sized from the modules' memory reports).
 return {
   Module = require("luazero.nn.module"),
   Linear = require("luazero.nn.linear"),
@@ -10,4 +11,5 @@ return {
   MLP = require("luazero.nn.mlp"),
   Block = require("luazero.nn.block"),
   Sequential = require("luazero.nn.sequential"),
+  Model = require("luazero.nn.model"),
 }

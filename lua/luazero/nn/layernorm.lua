@@ -33,4 +33,11 @@ function LayerNorm:backward(dy)
   return dx
 end
 
+-- Casts: weight and bias in forward, weight in backward.
+function LayerNorm:own_memory(B, T, dtype)
+  local x, rows = lz.arena_bytes(B * T * self.n), lz.arena_bytes(B * T)
+  return { input = x, activations = x + 2 * rows, scratch = x,
+           casts = 3 * Module.param_cast_bytes(self.n, dtype) }
+end
+
 return LayerNorm

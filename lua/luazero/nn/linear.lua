@@ -11,9 +11,9 @@ local Linear = Module:extend("Linear")
 function Linear.new(n_in, n_out, opts)
   opts = opts or {}
   local self = setmetatable({}, Linear):init()
-  self.n_in, self.n_out = n_in, n_out
+  self.n_in, self.n_out, self.has_bias = n_in, n_out, opts.bias ~= false
   self:param("weight", { n_out, n_in }, { kind = "normal", std = opts.std or 0.02 }, true)
-  if opts.bias ~= false then self:param("bias", { n_out }, { kind = "zeros" }, false) end
+  if self.has_bias then self:param("bias", { n_out }, { kind = "zeros" }, false) end
   return self
 end
 
@@ -34,6 +34,16 @@ function Linear:backward(dy)
   local dyw, w = self:matmul_operands(dy, self.p.weight)
   ops.linear_backward(dx, self.g.weight, self.g.bias, dyw, x, w)
   return dx
+end
+
+-- Casts: the matmul operands in forward and backward, the bias in forward.
+function Linear:own_memory(B, T, dtype)
+  local x, y, w = B * T * self.n_in, B * T * self.n_out, self.n_in * self.n_out
+  local bias = self.has_bias and Module.param_cast_bytes(self.n_out, dtype) or 0
+  return {
+    input = lz.arena_bytes(x), activations = lz.arena_bytes(y), scratch = lz.arena_bytes(x),
+    casts = Module.matmul_cast_bytes(x, w, dtype) + bias + Module.matmul_cast_bytes(y, w, dtype),
+  }
 end
 
 return Linear

@@ -9,8 +9,9 @@ local MLP = Module:extend("MLP")
 -- proj_std: init std of c_proj, scaled down for the residual stream.
 function MLP.new(n_embd, proj_std)
   local self = setmetatable({}, MLP):init()
-  self:add("c_fc", Linear.new(n_embd, 4 * n_embd))
-  self:add("c_proj", Linear.new(4 * n_embd, n_embd, { std = proj_std }))
+  self.n_hidden = 4 * n_embd
+  self:add("c_fc", Linear.new(n_embd, self.n_hidden))
+  self:add("c_proj", Linear.new(self.n_hidden, n_embd, { std = proj_std }))
   return self
 end
 
@@ -26,6 +27,11 @@ function MLP:backward(dy)
   local da = self:run_backward(self.c_proj, dy)
   ops.gelu_backward(da, da, self.pre_gelu) -- in place: dx may alias dy
   return self:run_backward(self.c_fc, da)
+end
+
+-- Besides c_fc and c_proj: the GELU output (its backward works in place).
+function MLP:own_memory(B, T)
+  return { activations = lz.arena_bytes(B * T * self.n_hidden) }
 end
 
 return MLP

@@ -22,6 +22,7 @@
 -- which replays the child's forward from its kept input, then runs its
 -- backward. The replay calls no forward hooks (it is not a new pass);
 -- pre_recompute/post_recompute hooks bracket replay and backward together.
+local lz = require("luazero")
 local clock = require("luazero.clock")
 
 local Module = {}
@@ -206,6 +207,53 @@ end
 function Module:matmul_operands(x, w)
   if tonumber(w.dtype) == BF16 then return self:cast(x, "bf16"), w end
   return x, self:cast(w, "f32")
+end
+
+------------------------------------------------------------------ memory
+
+-- What one forward and backward on a batch of B x T positions take from the
+-- model's arenas, in bytes, for working dtype `dtype` ("f32", "bf16",
+-- "f16": the dtype of the parameters the modules see):
+--   activations  forward outputs kept for backward (ctx.arena)
+--   scratch      backward's tensors, input gradients included (ctx.scratch)
+--   casts        converted copies (ctx.cast_arena)
+--   input        the bytes of the input forward receives
+-- Each tensor counts as the arena rounds it (lz.arena_bytes). A module
+-- reports what it allocates itself in own_memory (same fields, absent ones
+-- zero); memory adds its children's reports, and a container's input is its
+-- first child's.
+function Module:memory(B, T, dtype)
+  dtype = dtype or "f32"
+  local reports = { self:own_memory(B, T, dtype) }
+  for _, c in ipairs(self.children) do reports[#reports + 1] = c.module:memory(B, T, dtype) end
+  return Module.sum_memory(reports)
+end
+
+-- Reports added field by field; the input is the first one given.
+function Module.sum_memory(reports)
+  local r = { activations = 0, scratch = 0, casts = 0 }
+  for _, m in ipairs(reports) do
+    r.activations = r.activations + (m.activations or 0)
+    r.scratch = r.scratch + (m.scratch or 0)
+    r.casts = r.casts + (m.casts or 0)
+    r.input = r.input or m.input
+  end
+  return r
+end
+
+function Module:own_memory() return {} end
+
+-- Bytes of the copy cast(p, "f32") makes of a parameter of n elements
+-- under working dtype `dtype` (none when the parameters are f32).
+function Module.param_cast_bytes(n, dtype)
+  return dtype == "f32" and 0 or lz.arena_bytes(n, "f32")
+end
+
+-- Bytes of the copies matmul_operands makes for an input of x elements and
+-- a weight of w elements under working dtype `dtype`.
+function Module.matmul_cast_bytes(x, w, dtype)
+  if dtype == "bf16" then return lz.arena_bytes(x, "bf16") end
+  return Module.param_cast_bytes(w, dtype)
 end
 
 -- Activations of this micro-step (forward outputs, saved for backward).
