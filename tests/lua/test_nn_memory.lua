@@ -148,7 +148,7 @@ local function check_gpt2(cfg, B, S, dtype, ck)
   model:checkpoint_activations(ck)
   local plan = model:arena_plan(B, S, dtype)
   local mem0 = lz.mem()
-  local engine = lz.initialize({ model = model, seed = 1, comm = comm, config = conf })
+  local engine = require("luazero.zero").initialize({ model = model, seed = 1, comm = comm, config = conf })
   local a0, o0 = lz.mem().activations, lz.mem().offload
   engine:prepare(B, S)
   local x, y = lz.tensor({ B, S }, "i32", "workspace"), lz.tensor({ B, S }, "i32", "workspace")

@@ -7,7 +7,7 @@
 -- order, and the update by an optimizer object (luazero/optim/).
 -- docs/zero.md describes the design.
 --
---   local engine = lz.initialize{ model = gpt2.new(cfg), config = cfg_table,
+--   local engine = zero.initialize{ model = gpt2.new(cfg), config = cfg_table,
 --                                 seed = 1337, batch = {B, T}, lr = fn(step) }
 --   local rec = engine:train_batch(loader)   -- one optimizer step
 --   engine:params_checksum(); print(engine:plan())
