@@ -114,6 +114,11 @@ local function agree(comm, ok, err, what, extra_vals)
   local bad = {}
   for r, v in ipairs(all) do if v[1] ~= 1 then bad[#bad + 1] = r - 1 end end
   if #bad > 0 then
+    -- A failure of some ranks only is named with the rank it happened on:
+    -- the others hold only a pointer to it.
+    if not ok and #bad < #all then
+      error(("rank %d: %s"):format(comm.rank(), (tostring(err):gsub("^[^%s:]+%.lua:%d+: ", ""))), 0)
+    end
     if not ok then error(err, 0) end
     fail("%s failed on rank%s %s (see %s message)", what, #bad > 1 and "s" or "",
          table.concat(bad, ", "), #bad > 1 and "their" or "its")
