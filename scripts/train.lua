@@ -104,9 +104,12 @@ end
 local function checked(fn, ...) return args.checked(user_error, fn, ...) end
 
 -- Runs fn, whose errors may be one rank's alone (a collective, a rank's own
--- memory or files): exit status 1.
+-- memory or files): exit status 1; with LZ_DEBUG=1, with their traceback.
+local DEBUG = (os.getenv("LZ_DEBUG") or "0") ~= "0" and os.getenv("LZ_DEBUG") ~= ""
 local function checked_rank(fn, ...)
-  return args.checked(function(msg) fail_run(msg, 1, true) end, fn, ...)
+  local res = { xpcall(fn, DEBUG and debug.traceback or tostring, ...) }
+  if not res[1] then fail_run(res[2], 1, true) end
+  return unpack(res, 2, table.maxn(res))
 end
 
 local function positive(flags, name, min)

@@ -253,14 +253,23 @@ local function real_path(path)
   return s
 end
 
--- Leftovers of saves whose process died (.step-N.tmp-PID, .step-N.old-PID):
--- removed when PID is gone or is this process.
+-- Whether process pid runs (a zombie, dead but not yet reaped, does not).
+local function running(pid)
+  if ffi.C.kill(pid, 0) ~= 0 then return false end
+  local stat = read_file(("/proc/%d/stat"):format(pid))
+  local state = stat and stat:match("^%d+ %b() (%a)")
+  return state ~= "Z" and state ~= "X"
+end
+
+-- Leftovers of saves whose process died (.step-N.tmp-PID, .step-N.old-PID,
+-- latest.tmp-PID): removed when PID is gone or is this process.
 local function remove_dead_saves(dir)
   local me = tonumber(ffi.C.getpid())
   for _, name in ipairs(list_dir(dir)) do
     local pid = name:match("^%.step%-%d+%.tmp%-(%d+)$") or name:match("^%.step%-%d+%.old%-(%d+)$")
+                or name:match("^latest%.tmp%-(%d+)$")
     pid = tonumber(pid)
-    if pid and (pid == me or ffi.C.kill(pid, 0) ~= 0) then
+    if pid and (pid == me or not running(pid)) then
       check(C.lz_ckpt_remove_tree(dir .. "/" .. name))
     end
   end

@@ -39,8 +39,13 @@ function File:write(text)
     self.size = self.size + n
     return true
   end
-  local err = n < 0 and why() or ("wrote %d of %d bytes"):format(n, #text)
-  if n > 0 then ffi.C.ftruncate(self.fd, self.size) end
+  local err = n < 0 and why()
+  if n >= 0 then
+    -- a short write: the rest, to learn why (a full disk: ENOSPC)
+    local rest = tonumber(ffi.C.write(self.fd, ffi.cast("const char *", text) + n, #text - n))
+    err = rest < 0 and why() or ("wrote %d of %d bytes"):format(n, #text)
+    ffi.C.ftruncate(self.fd, self.size)
+  end
   return nil, err
 end
 

@@ -20,4 +20,13 @@ function M.scratch()
   end, dir
 end
 
+-- Runs a shell command; returns its output (stdout and stderr together)
+-- and its exit status.
+function M.sh(cmd)
+  local p = io.popen(cmd .. " 2>&1; echo \"EXIT:$?\"")
+  local out = p:read("*a")
+  p:close()
+  return out:gsub("EXIT:%d+%s*$", ""), tonumber(out:match("EXIT:(%d+)%s*$"))
+end
+
 return M
