@@ -492,9 +492,10 @@ function M.read_manifest(dir)
     if f then f:close() end
     if not size then fail("%s: missing or unreadable; the checkpoint is incomplete", file) end
     if size ~= SHARD_HEADER + s.compressed_bytes then
-      fail("%s: %d bytes, but %s says %d (%d-byte header + compressed_bytes %d); the shard " ..
-           "is truncated or damaged", file, size, path, SHARD_HEADER + s.compressed_bytes,
-           SHARD_HEADER, s.compressed_bytes)
+      fail("%s: %d bytes, but %s says %d (%d-byte header + compressed_bytes %d, xxh64 %s); " ..
+           "the shard is truncated or damaged: restore it, or resume from another checkpoint",
+           file, size, path, SHARD_HEADER + s.compressed_bytes, SHARD_HEADER,
+           s.compressed_bytes, s.xxh64_compressed)
     end
   end
   return m
