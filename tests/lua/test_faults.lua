@@ -20,16 +20,7 @@ local corpus = write_file("corpus.txt", ("To be, or not to be, that is the quest
 local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 " ..
               "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
 
-local function train(n, flags, env)
-  return sh(("cd %s && %s %s %s scripts/train.lua %s %s"):format(q(root), env or "",
-            q(lz.executable()), n > 1 and ("-n " .. n) or "", MODEL, flags))
-end
-
-local function ok_train(n, flags, env)
-  local out, st = train(n, flags, env)
-  assert(st == 0, ("train -n %d %s failed:\n%s"):format(n, flags, out))
-  return out, assert(out:match("params_checksum (%x+)"), out)
-end
+local train, ok_train = support.trainer(MODEL)
 
 -- A failed run: exit status `status`, every needle in its output, no
 -- traceback, no step run when `before_step_1`.
