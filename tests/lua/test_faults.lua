@@ -225,7 +225,7 @@ end
 
 function T.errors_are_one_line_without_lz_debug()
   -- Activations that do not fit: the flags that lower them.
-  local out = fails(1, "--steps 1 --micro-batch 100000000", 1,
+  local out = fails(1, "--steps 1 --micro-batch 20000000", 1,
                     { "for activations failed", "--micro-batch", "--checkpoint-activations" })
   assert(not out:find("gpt2.lua:", 1, true), out)
   -- LZ_MEMORY_BUDGET: once, from rank 0, before any work.
@@ -256,22 +256,26 @@ function T.a_stopped_rank_ends_the_run_with_one_line()
   local pidfile = tmp .. "/stopped.pid"
   local outfile = tmp .. "/stopped.out"
   os.execute(("cd %s && (sh -c 'echo $$ > %s; exec env LZ_COMM_TIMEOUT=2 %s -n 2 " ..
-              "scripts/train.lua %s --steps 100000' > %s 2>&1; echo \"EXIT:$?\" >> %s) &")
+              "scripts/train.lua %s --steps 3000' > %s 2>&1; echo \"EXIT:$?\" >> %s) &")
              :format(q(root), q(pidfile), q(lz.executable()), MODEL:gsub("'", "'\\''"),
                      q(outfile), q(outfile)))
   local t0 = clock.now()
   while not (read(outfile) or ""):find("step +2/") and clock.now() - t0 < 30 do clock.sleep(0.1) end
   local launcher = assert(tonumber(read(pidfile)), "no launcher pid")
-  local kids = read(("/proc/%d/task/%d/children"):format(launcher, launcher)) or ""
-  local rank1 = assert(tonumber(kids:match("%d+%s+(%d+)")), "no rank 1 among " .. kids)
-  os.execute("kill -STOP " .. rank1)
-  while not (read(outfile) or ""):find("EXIT:") and clock.now() - t0 < 60 do clock.sleep(0.2) end
-  os.execute("kill -CONT " .. rank1 .. " 2>/dev/null")
-  local out = read(outfile)
-  assert(out:find("EXIT:1", 1, true), out:sub(-2000))
-  assert(out:find("train: all_reduce: rank 0 waited", 1, true) or out:find("LZ_COMM_TIMEOUT", 1, true),
-         out:sub(-2000))
-  assert(not out:find("traceback", 1, true), out:sub(-2000))
+  local ok, err = pcall(function()
+    local kids = read(("/proc/%d/task/%d/children"):format(launcher, launcher)) or ""
+    local rank1 = assert(tonumber(kids:match("%d+%s+(%d+)")), "no rank 1 among " .. kids)
+    os.execute("kill -STOP " .. rank1)
+    while not (read(outfile) or ""):find("EXIT:") and clock.now() - t0 < 30 do clock.sleep(0.2) end
+    os.execute("kill -CONT " .. rank1 .. " 2>/dev/null")
+    local out = read(outfile)
+    assert(out:find("EXIT:1", 1, true), out:sub(-2000))
+    assert(out:match("train: [%w_]+: rank 0 waited [%d.]+ s %(LZ_COMM_TIMEOUT%) for ranks 1"),
+           out:sub(-2000))
+    assert(not out:find("traceback", 1, true), out:sub(-2000))
+  end)
+  os.execute("kill -KILL " .. launcher .. " 2>/dev/null") -- whatever happened
+  assert(ok, err)
 end
 
 function T.os_exit_in_the_multi_rank_repl_ends_every_rank_cleanly()
