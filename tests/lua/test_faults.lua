@@ -252,6 +252,24 @@ function T.errors_are_one_line_without_lz_debug()
          not out:find("traceback:", 1, true), out)
 end
 
+function T.a_full_nvme_path_is_one_line()
+  local img, mnt = tmp .. "/nvme.img", tmp .. "/nvme"
+  os.execute("mkdir -p " .. q(mnt))
+  if not os.execute(("dd if=/dev/zero of=%s bs=1M count=2 2>/dev/null && mkfs.ext4 -q -F %s " ..
+                     "2>/dev/null && mount -o loop %s %s 2>/dev/null"):format(q(img), q(img),
+                     q(img), q(mnt))) then
+    print("    (skipped: a small ext4 loop mount needs root and mkfs.ext4)")
+    return
+  end
+  local cfg = write_file("nvme.json", cjson.encode({
+    train_micro_batch_size_per_gpu = 2,
+    zero_optimization = { stage = 2, offload_optimizer = { device = "nvme", nvme_path = mnt } } }))
+  local ok, err = pcall(fails, 1, "--steps 1 --n-embd 128 --n-head 4 --config " .. q(cfg), 1,
+                        { mnt, "No space left on device", "larger disk" }, { before_step_1 = true })
+  os.execute("umount " .. q(mnt))
+  assert(ok, err)
+end
+
 function T.a_stopped_rank_ends_the_run_with_one_line()
   local pidfile = tmp .. "/stopped.pid"
   local outfile = tmp .. "/stopped.out"
