@@ -53,10 +53,12 @@ static void find_root(char *root, size_t len) {
   snprintf(root, len, "%s", up);
 }
 
-/* LZ_DEBUG=1 (anything but empty or 0): errors come with their traceback. */
+/* LZ_DEBUG=1 (anything but empty or 0), or -i (a debugging session after the
+ * script): errors come with their traceback. */
+static int with_traceback;
 static int debug_on(void) {
   const char *d = getenv("LZ_DEBUG");
-  return d && *d && strcmp(d, "0") != 0;
+  return with_traceback || (d && *d && strcmp(d, "0") != 0);
 }
 
 /* The length of a "chunk.lua:123: " location before a message, or 0. */
@@ -70,7 +72,7 @@ static size_t location_prefix(const char *msg) {
   return (size_t)(p + 2 - msg);
 }
 
-/* Without LZ_DEBUG an error is one line: a luazero message ("name: what is
+/* Without LZ_DEBUG or -i an error is one line: a luazero message ("name: what is
  * wrong; what to do") loses the Lua location in front of it; anything else
  * keeps it and says how to see the traceback. */
 static int traceback(lua_State *L) {
@@ -288,6 +290,7 @@ int main(int argc, char **argv) {
       exec_chunks[n_exec++] = argv[++i];
     } else if (!strcmp(a, "-i")) {
       interactive = 1;
+      with_traceback = 1;
     } else if (!strcmp(a, "-n")) {
       char *end = NULL;
       nranks = i + 1 < argc ? (int)strtol(argv[i + 1], &end, 10) : 0;
