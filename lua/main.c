@@ -53,12 +53,45 @@ static void find_root(char *root, size_t len) {
   snprintf(root, len, "%s", up);
 }
 
+/* LZ_DEBUG=1 (anything but empty or 0), or -i (a debugging session after the
+ * script): errors come with their traceback. */
+static int with_traceback;
+static int debug_on(void) {
+  const char *d = getenv("LZ_DEBUG");
+  return with_traceback || (d && *d && strcmp(d, "0") != 0);
+}
+
+/* The length of a "chunk.lua:123: " location before a message, or 0. */
+static size_t location_prefix(const char *msg) {
+  const char *p = msg;
+  while (*p && *p != ':' && *p != ' ') p++;
+  if (p - msg < 5 || strncmp(p - 4, ".lua", 4) != 0 || *p != ':') return 0;
+  const char *digits = ++p;
+  while (*p >= '0' && *p <= '9') p++;
+  if (p == digits || p[0] != ':' || p[1] != ' ') return 0;
+  return (size_t)(p + 2 - msg);
+}
+
+/* Without LZ_DEBUG or -i an error is one line: a luazero message ("name: what is
+ * wrong; what to do") loses the Lua location in front of it; anything else
+ * keeps it and says how to see the traceback. */
 static int traceback(lua_State *L) {
   const char *msg = lua_tostring(L, 1);
   if (!msg) msg = "(error object is not a string)";
-  /* A luazero user error (a table or a string starting "luazero:") needs no
-   * traceback; everything else gets one. */
-  luaL_traceback(L, L, msg, 1);
+  if (debug_on()) {
+    luaL_traceback(L, L, msg, 1);
+    return 1;
+  }
+  size_t skip = location_prefix(msg);
+  const char *rest = msg + skip;
+  const char *word = rest;
+  while ((*word >= 'a' && *word <= 'z') || (*word >= '0' && *word <= '9') || *word == '_' ||
+         *word == '.' || *word == '-')
+    word++;
+  if (skip && word > rest && word[0] == ':' && word[1] == ' ')
+    lua_pushstring(L, rest);
+  else
+    lua_pushfstring(L, "%s (LZ_DEBUG=1 shows the traceback)", msg);
   return 1;
 }
 
@@ -282,6 +315,7 @@ int main(int argc, char **argv) {
       exec_chunks[n_exec++] = argv[++i];
     } else if (!strcmp(a, "-i")) {
       interactive = 1;
+      with_traceback = 1;
     } else if (!strcmp(a, "-n")) {
       const char *v = i + 1 < argc ? argv[++i] : "";
       char *end = NULL;

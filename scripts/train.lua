@@ -12,11 +12,15 @@ local clock = require("luazero.clock")
 local data = require("luazero.data")
 local optim = require("luazero.optim")
 local config = require("luazero.config")
+local zero = require("luazero.zero")
 local estimate = require("luazero.estimate")
 local gpt2 = require("models.gpt2")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
+local WORLD = tonumber(os.getenv("WORLD_SIZE") or "1") or 1
+-- luazero -n N prefixes every line of ranks other than 0 with "[rank N] ".
+local PREFIXED = os.getenv("LZ_SHM_NAME") ~= nil and os.getenv("LZ_RANK_OUTPUT") ~= "raw"
 
 local spec = {
   { "model", "string", "gpt2-nano", "model size: " .. table.concat(gpt2.names, ", ") },
@@ -50,11 +54,45 @@ local spec = {
   { "vocab", "int", nil, "override: vocabulary size" },
 }
 
--- A user error: one line on stderr, exit status 2, no traceback.
-local function user_error(msg)
-  if RANK == 0 then io.stderr:write("train: ", tostring(msg), "\n") end
-  os.exit(2)
+-- What a message gains on the user's terminal: the flag that lowers it.
+local hints = {
+  { "for activations failed", "the activations do not fit: lower --micro-batch or --seq-len, " ..
+    "or add --checkpoint-activations" },
+}
+
+-- An error's one line: without the Lua location some messages carry, with a
+-- hint where one applies.
+local function one_line(msg)
+  msg = tostring(msg):gsub("^[^%s:]+%.lua:%d+: ", "")
+  for _, h in ipairs(hints) do
+    if msg:find(h[1], 1, true) then msg = msg .. "; " .. h[2] end
+  end
+  return msg
 end
+
+-- An error: one line on stderr, no traceback (LZ_DEBUG=1 adds it), exit
+-- status 2 (bad input) or `code`. An error every rank meets alike is shown
+-- by rank 0; a rank's own (a message starting "rank R: ", from a collective
+-- that failed there) by that rank. Under several ranks, another rank's error
+-- that may be its alone is shown after a second unless rank 0 has stopped
+-- the job by then (the launcher stops the others half a second after the
+-- first rank fails).
+local function fail_run(msg, code, alone)
+  msg = one_line(msg)
+  local own = tonumber(msg:match("^rank (%d+): "))
+  if own == RANK and PREFIXED then msg = msg:gsub("^rank %d+: ", "") end
+  -- one write: the launcher relays other ranks' lines between ours
+  if RANK == 0 or own == RANK then
+    io.stderr:write(("train: %s\n"):format(msg))
+  elseif alone and WORLD > 1 and not own and not msg:find("failed on rank", 1, true) then
+    require("luazero.clock").sleep(1)
+    io.stderr:write(("train: %s\n"):format(msg))
+  end
+  io.stderr:flush()
+  os.exit(code or 2)
+end
+
+local function user_error(msg) fail_run(msg, 2) end
 
 local function say(...)
   if RANK == 0 then
@@ -65,6 +103,15 @@ end
 
 -- Runs fn, turning any error it raises into a user error.
 local function checked(fn, ...) return args.checked(user_error, fn, ...) end
+
+-- Runs fn, whose errors may be one rank's alone (a collective, a rank's own
+-- memory or files): exit status 1; with LZ_DEBUG=1, with their traceback.
+local DEBUG = (os.getenv("LZ_DEBUG") or "0") ~= "0" and os.getenv("LZ_DEBUG") ~= ""
+local function checked_rank(fn, ...)
+  local res = { xpcall(fn, DEBUG and debug.traceback or tostring, ...) }
+  if not res[1] then fail_run(res[2], 1, true) end
+  return unpack(res, 2, table.maxn(res))
+end
 
 local function positive(flags, name, min)
   local v = flags[name:gsub("-", "_")]
@@ -150,6 +197,87 @@ local function resolve_stage(cfg, model, world)
   say(("stage auto: %s (budget from %s)"):format(why, source))
 end
 
+-- --save DIR: everything a save will need, before step 1 (a run with
+-- --save-every 0 saves only at its end): the zstd level, a folder that can be
+-- created and written, free space for one checkpoint (fp32 master, Adam m
+-- and v: 12 bytes a parameter). Every rank checks, so all stop alike.
+local ZSTD_LEVELS = { 1, 19 }
+pcall(ffi.cdef, [[
+typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, f_bfree, f_bavail,
+  f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
+int statvfs(const char *path, lz_statvfs *buf);
+]])
+local function check_save_target(flags, n_params)
+  local level = flags.save_zstd_level
+  if level < ZSTD_LEVELS[1] or level > ZSTD_LEVELS[2] then
+    user_error(("--save-zstd-level must be %d..%d (got %d)"):format(ZSTD_LEVELS[1], ZSTD_LEVELS[2],
+                                                                    level))
+  end
+  if not flags.save then return end
+  local dir = flags.save
+  if lz.C.lz_ckpt_mkdir(dir) ~= 0 then
+    user_error(("--save %s: %s"):format(dir, (ffi.string(lz.C.lz_last_error())
+                                              :gsub("^checkpoint: ", ""))))
+  end
+  local probe = ("%s/.write-check-%d-%d"):format(dir, RANK, tonumber(ffi.C.getpid()))
+  local f, err = io.open(probe, "wb")
+  local wrote = f and f:write("x") and f:close()
+  os.remove(probe)
+  if not wrote then
+    user_error(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
+               tostring(err or "write failed")))
+  end
+  local st = ffi.new("lz_statvfs")
+  if ffi.C.statvfs(dir, st) == 0 then
+    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
+    local need = n_params * 12 + 2 ^ 20
+    if free < need then
+      user_error(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
+                  "x 12 bytes); free space there or save elsewhere")
+                 :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
+    end
+  end
+end
+pcall(ffi.cdef, "int getpid(void);")
+
+-- --resume: the checkpoint's manifest, read before anything is built; a
+-- --steps below its step would run nothing.
+local function check_resume(flags)
+  if not flags.resume then return end
+  local checkpoint = require("luazero.checkpoint")
+  local m = checked(function() return checkpoint.read_manifest(checkpoint.resolve(flags.resume)) end)
+  if flags.steps < m.global_steps then
+    user_error(("--steps %d is below the checkpoint's step %d (%s): there is nothing to run; " ..
+                "give --steps %d or more (the run's total, as when it was saved)")
+               :format(flags.steps, m.global_steps, flags.resume, m.global_steps + 1))
+  end
+end
+
+-- LZ_MEMORY_BUDGET, read once, before any work.
+local function check_memory_budget_env(cfg)
+  if (os.getenv("LZ_MEMORY_BUDGET") or "") ~= "" then
+    checked(config.memory_budget, cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+  end
+end
+
+-- --log FILE: one write per record, checked; a failed one is cut back to the
+-- last complete record, so the file stays JSON Lines, and stops the run.
+local function open_log(path)
+  local jsonl = require("luazero.jsonl")
+  local log, err = jsonl.open(path)
+  if not log then user_error(("--log %s: cannot write it (%s)"):format(path, err)) end
+  return {
+    write = function(rec, what)
+      local ok, werr = log:write(cjson.encode(rec) .. "\n")
+      if not ok then
+        fail_run(("--log %s: writing %s failed (%s); the file ends at the record before it; " ..
+                  "free space there or log elsewhere"):format(path, what, werr), 1)
+      end
+    end,
+    close = function() log:close() end,
+  }
+end
+
 local function main(argv)
   local flags, usage = checked(args.parse, argv, spec)
   if not flags then
@@ -169,7 +297,6 @@ local function main(argv)
   positive(flags, "sample", 0)
   positive(flags, "save-every", 0)
   positive(flags, "keep", 0)
-  positive(flags, "save-zstd-level", 1)
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
   if flags.device ~= "cpu" and flags.device ~= "cuda" then
     user_error(("--device must be cpu or cuda (got %s)"):format(flags.device))
@@ -190,6 +317,8 @@ local function main(argv)
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
   local cfg = checked(load_config, flags, world, mcfg)
+  check_memory_budget_env(cfg)
+  check_resume(flags)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
   if T > mcfg.context then
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
@@ -203,13 +332,10 @@ local function main(argv)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world })
   local log
-  if flags.log and rank == 0 then
-    local err
-    log, err = io.open(flags.log, "w")
-    if not log then user_error(("--log %s: cannot write it (%s)"):format(flags.log, err)) end
-  end
+  if flags.log and rank == 0 then log = open_log(flags.log) end
 
   local model = gpt2.new(mcfg)
+  check_save_target(flags, model.n_params)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)
   if note then say(note) end
@@ -221,12 +347,12 @@ local function main(argv)
   elseif cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
-  local engine = require("luazero.zero").initialize({ model = model, config = cfg, seed = flags.seed,
+  local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,
                                  batch = { B, T }, lr = schedule, comm = comm })
   local n_val = math.min(flags.eval_batches, loader.val_batches)
   local first = 1
   if flags.resume then
-    local m = checked(engine.load, engine, flags.resume)
+    local m = checked_rank(engine.load, engine, flags.resume)
     local pos = m.extra and m.extra.data
     if pos and pos.rng_state then loader.rng.state[0] = ckpt_u64(pos.rng_state) end
     first = m.global_steps + 1
@@ -269,7 +395,7 @@ local function main(argv)
     comm.bytes_reset()
     local t0 = clock.now()
     local read0, written0 = engine:nvme_bytes()
-    local r = engine:train_batch(loader)
+    local r = checked_rank(engine.train_batch, engine, loader)
     local dt = clock.now() - t0
     local read1, written1 = engine:nvme_bytes()
     local rec = {
@@ -286,7 +412,7 @@ local function main(argv)
     if prof then rec.checkpoint_ms = prof end
     local val = ""
     if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
-      rec.val_loss = engine:evaluate(loader, n_val)
+      rec.val_loss = checked_rank(engine.evaluate, engine, loader, n_val)
       model:checkpoint_profile(true) -- the next step's profile counts training only
       val = (" | val %.4f"):format(rec.val_loss)
     end
@@ -299,10 +425,7 @@ local function main(argv)
                 prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
                           "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
                 or ""))
-    if log then
-      log:write(cjson.encode(rec), "\n")
-      log:flush()
-    end
+    if log then log.write(rec, ("step %d's record"):format(step)) end
     if budget then
       local ledger = tonumber(lz.C.lz_mem_total_peak())
       local over = math.max(rec.mem.peak_rss, ledger)
@@ -321,7 +444,7 @@ local function main(argv)
         seed = flags.seed, steps = steps, warmup = warmup, lr = lr,
       }
       local t1 = clock.now()
-      local dir = checked(engine.save, engine, flags.save, extra,
+      local dir = checked_rank(engine.save, engine, flags.save, extra,
                           { zstd_level = flags.save_zstd_level, keep = flags.keep, config = cfg })
       say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
     end
@@ -329,8 +452,8 @@ local function main(argv)
 
   local sum = engine:params_checksum()
   if log then
-    log:write(cjson.encode({ event = "end", params_checksum = sum }), "\n")
-    log:close()
+    log.write({ event = "end", params_checksum = sum }, "the end record")
+    log.close()
   end
   say("params_checksum " .. sum)
 

@@ -11,6 +11,9 @@ local M = {}
 
 local kinds = { int = true, number = true, string = true, flag = true }
 
+-- The largest whole-number flag: counts and sizes reach C as int.
+M.INT_MAX = 2 ^ 31 - 1
+
 local function convert(name, kind, text)
   if kind == "string" then return text end
   if kind == "flag" then
@@ -24,6 +27,10 @@ local function convert(name, kind, text)
   end
   if kind == "int" and v ~= math.floor(v) then
     error(("--%s: '%s' is not a whole number"):format(name, text), 0)
+  end
+  if kind == "int" and math.abs(v) > M.INT_MAX then
+    error(("--%s: '%s' is out of range (a whole number of at most %d)")
+          :format(name, text, M.INT_MAX), 0)
   end
   return v
 end

@@ -27,6 +27,7 @@ M.BLOCK = 262144 -- elements per block: 3 MiB of states
 M.manifest = manifest_io
 
 local SB = manifest_io.STATE_BYTES
+local SHARD_HEADER = 48 -- bytes before a shard's zstd stream (docs/formats.md)
 local NSTATES = #manifest_io.STATES
 
 local function fail(fmt, ...) error("checkpoint: " .. fmt:format(...), 0) end
@@ -113,6 +114,11 @@ local function agree(comm, ok, err, what, extra_vals)
   local bad = {}
   for r, v in ipairs(all) do if v[1] ~= 1 then bad[#bad + 1] = r - 1 end end
   if #bad > 0 then
+    -- A failure of some ranks only is named with the rank it happened on:
+    -- the others hold only a pointer to it.
+    if not ok and #bad < #all then
+      error(("rank %d: %s"):format(comm.rank(), (tostring(err):gsub("^[^%s:]+%.lua:%d+: ", ""))), 0)
+    end
     if not ok then error(err, 0) end
     fail("%s failed on rank%s %s (see %s message)", what, #bad > 1 and "s" or "",
          table.concat(bad, ", "), #bad > 1 and "their" or "its")
@@ -204,15 +210,116 @@ local function model_config(model)
   return cfg
 end
 
--- Step folders beyond the newest `keep` go, oldest first (keep 0: none).
-local function prune(dir, keep)
-  if not keep or keep <= 0 then return end
-  local steps = ffi.new("int64_t[4096]")
+-- Step numbers of dir's step folders, ascending.
+local function step_list(dir)
+  local cap = 65536
+  local steps = ffi.new("int64_t[?]", cap)
   local count = ffi.new("int[1]")
-  check(C.lz_ckpt_steps(dir, steps, 4096, count))
-  local n = math.min(count[0], 4096)
-  for i = 0, n - keep - 1 do
-    check(C.lz_ckpt_remove_tree(dir .. "/" .. M.step_name(tonumber(steps[i]))))
+  check(C.lz_ckpt_steps(dir, steps, cap, count))
+  local t = {}
+  for i = 0, math.min(count[0], cap) - 1 do t[#t + 1] = tonumber(steps[i]) end
+  return t
+end
+
+-- Names in a folder (readdir through libc: glibc's 64-bit struct dirent).
+pcall(ffi.cdef, [[
+typedef struct lz_dirent { uint64_t d_ino; int64_t d_off; unsigned short d_reclen;
+                           unsigned char d_type; char d_name[256]; } lz_dirent;
+void *opendir(const char *name);
+lz_dirent *readdir(void *dirp);
+int closedir(void *dirp);
+int kill(int pid, int sig);
+char *realpath(const char *path, char *resolved);
+void free(void *p);
+]])
+local function list_dir(dir)
+  local d = ffi.C.opendir(dir)
+  if d == nil then return {} end
+  local names = {}
+  while true do
+    local e = ffi.C.readdir(d)
+    if e == nil then break end
+    names[#names + 1] = ffi.string(e.d_name)
+  end
+  ffi.C.closedir(d)
+  return names
+end
+
+local function real_path(path)
+  local p = ffi.C.realpath(path, nil)
+  if p == nil then return path end
+  local s = ffi.string(p)
+  ffi.C.free(p)
+  return s
+end
+
+-- Whether process pid runs (a zombie, dead but not yet reaped, does not).
+local function running(pid)
+  if ffi.C.kill(pid, 0) ~= 0 then return false end
+  local stat = read_file(("/proc/%d/stat"):format(pid))
+  local state = stat and stat:match("^%d+ %b() (%a)")
+  return state ~= "Z" and state ~= "X"
+end
+
+-- Leftovers of saves whose process died (.step-N.tmp-PID, .step-N.old-PID,
+-- latest.tmp-PID): removed when PID is gone or is this process.
+local function remove_dead_saves(dir)
+  local me = tonumber(ffi.C.getpid())
+  for _, name in ipairs(list_dir(dir)) do
+    local pid = name:match("^%.step%-%d+%.tmp%-(%d+)$") or name:match("^%.step%-%d+%.old%-(%d+)$")
+                or name:match("^latest%.tmp%-(%d+)$")
+    pid = tonumber(pid)
+    if pid and (pid == me or not running(pid)) then
+      check(C.lz_ckpt_remove_tree(dir .. "/" .. name))
+    end
+  end
+end
+
+-- Where an engine's history in a --save folder starts: the step it resumed
+-- from (0: a fresh run), and the folders of its first save (weak keys).
+local history_checked = setmetatable({}, { __mode = "k" })
+
+-- The first save of a run into dir: step folders numbered after the step the
+-- run started from (and one with the number about to be written) belong to a
+-- history this run rewound; they move to dir/.abandoned-TIME-PID/, and
+-- `latest` never names a folder that is gone. Returns a line saying so, or nil.
+local function set_aside_abandoned(dir, since, step, pid)
+  local gone = {}
+  for _, s in ipairs(step_list(dir)) do
+    if s > since or s == step then gone[#gone + 1] = s end
+  end
+  if #gone == 0 then return nil end
+  -- `latest` first: at the newest folder that stays, or none.
+  local stay
+  for _, s in ipairs(step_list(dir)) do
+    if s <= since and s ~= step then stay = s end
+  end
+  if stay then
+    local latest = M.step_name(stay) .. "\n"
+    check(C.lz_ckpt_write_file(dir .. "/latest", latest, #latest))
+  else
+    os.remove(dir .. "/latest")
+  end
+  local aside = ("%s/.abandoned-%s-%d"):format(dir, os.date("!%Y%m%dT%H%M%SZ"), pid)
+  check(C.lz_ckpt_mkdir(aside))
+  for _, s in ipairs(gone) do
+    check(C.lz_ckpt_rename(dir .. "/" .. M.step_name(s), aside .. "/" .. M.step_name(s)))
+  end
+  check(C.lz_ckpt_fsync(dir))
+  local names = M.step_name(gone[1]) .. (#gone > 1 and (".." .. M.step_name(gone[#gone])) or "")
+  return ("checkpoint: this run started at step %d, so %s in %s (%d folder%s, a history it " ..
+          "rewound) moved to %s"):format(since, names, dir, #gone, #gone > 1 and "s" or "", aside)
+end
+
+-- Beyond the newest `keep` step folders, the oldest go (keep 0: none);
+-- `protected` step numbers (the one just written, the one resumed from) stay.
+local function prune(dir, keep, protected)
+  if not keep or keep <= 0 then return end
+  local steps = step_list(dir)
+  for i = 1, #steps - keep do
+    if not protected[steps[i]] then
+      check(C.lz_ckpt_remove_tree(dir .. "/" .. M.step_name(steps[i])))
+    end
   end
 end
 
@@ -238,9 +345,8 @@ function M.save(engine, dir, extra, opts)
     pid = tonumber(ffi.C.getpid())
     ok, err = pcall(function()
       check(C.lz_ckpt_mkdir(dir))
-      local tmp = ("%s/.%s.tmp-%d"):format(dir, name, pid)
-      check(C.lz_ckpt_remove_tree(tmp))
-      check(C.lz_ckpt_mkdir(tmp))
+      remove_dead_saves(dir)
+      check(C.lz_ckpt_mkdir(("%s/.%s.tmp-%d"):format(dir, name, pid)))
     end)
   end
   local all = agree(comm, ok, err, "save of " .. name, { pid })
@@ -271,8 +377,10 @@ function M.save(engine, dir, extra, opts)
   end
   all = err_all
 
-  -- 3. rank 0: manifest, fsync, rename into place, then `latest`, then prune.
+  -- 3. rank 0: manifest, fsync, set aside a rewound history, rename into
+  -- place, then `latest`, then prune.
   ok, err = true, nil
+  local note
   if rank == 0 then
     ok, err = pcall(function()
       local shards = {}
@@ -309,20 +417,31 @@ function M.save(engine, dir, extra, opts)
       local text = manifest_io.encode(m)
       check(C.lz_ckpt_write_file(tmp .. "/manifest.json", text, #text))
       check(C.lz_ckpt_fsync(tmp))
-      local old
-      if exists(final .. "/manifest.json") or exists(final) then
-        old = ("%s/.%s.old-%d"):format(dir, name, all[1][2])
-        check(C.lz_ckpt_rename(final, old))
-      end
+      local seen = history_checked[engine] or {}
+      history_checked[engine] = seen
+      local real = real_path(dir)
+      -- After the first save, only a folder of this very step is set aside
+      -- (engine:save called twice at one step).
+      local from = engine.resumed_from
+      local since = seen[real] and math.huge or (from and from.step or 0)
+      note = set_aside_abandoned(dir, since, step, all[1][2])
+      seen[real] = true
       check(C.lz_ckpt_rename(tmp, final))
       local latest = name .. "\n"
       check(C.lz_ckpt_write_file(dir .. "/latest", latest, #latest))
-      if old then check(C.lz_ckpt_remove_tree(old)) end
-      prune(dir, o.keep)
+      local protected = { [step] = true }
+      if from and real_path(from.dir:match("^(.*)/[^/]+$") or ".") == real then
+        protected[from.step] = true
+      end
+      prune(dir, o.keep, protected)
     end)
     if not ok then C.lz_ckpt_remove_tree(tmp) end
   end
   agree(comm, ok, err, "save of " .. name)
+  if note then
+    io.stdout:write(note, "\n")
+    io.stdout:flush()
+  end
   return final
 end
 
@@ -363,7 +482,23 @@ function M.read_manifest(dir)
   local path = dir .. "/manifest.json"
   local text = read_file(path)
   if not text then fail("%s: missing or unreadable; the checkpoint is incomplete", path) end
-  return manifest_io.decode(text, path)
+  local m = manifest_io.decode(text, path)
+  -- Each shard's size agrees with its entry (its header and hashes are
+  -- checked when it is read).
+  for _, s in ipairs(m.shards) do
+    local file = dir .. "/" .. s.file
+    local f = io.open(file, "rb")
+    local size = f and f:seek("end")
+    if f then f:close() end
+    if not size then fail("%s: missing or unreadable; the checkpoint is incomplete", file) end
+    if size ~= SHARD_HEADER + s.compressed_bytes then
+      fail("%s: %d bytes, but %s says %d (%d-byte header + compressed_bytes %d, xxh64 %s); " ..
+           "the shard is truncated or damaged: restore it, or resume from another checkpoint",
+           file, size, path, SHARD_HEADER + s.compressed_bytes, SHARD_HEADER,
+           s.compressed_bytes, s.xxh64_compressed)
+    end
+  end
+  return m
 end
 
 ---------------------------------------------------------- shard streaming
@@ -554,6 +689,7 @@ function M.load(engine, path)
     end
   end
   m.dir = dir
+  engine.resumed_from = { dir = dir, step = m.global_steps }
   return m
 end
 

@@ -27,7 +27,32 @@ local function fail(path, msg) error("data: " .. path .. ": " .. msg, 0) end
 -- passes through the Lua heap whole: its tokens go straight to C memory.
 local CHUNK = 2 ^ 20
 
+pcall(ffi.cdef, "int open(const char *path, int flags, int mode);")
+pcall(ffi.cdef, "int64_t lseek(int fd, int64_t offset, int whence);")
+pcall(ffi.cdef, "int close(int fd);")
+
+-- A folder or a stream is refused before it is opened for reading (opening
+-- a FIFO with no writer would wait for one).
+local function check_kind(path)
+  local d = io.open(path .. "/.", "rb")
+  if d then
+    d:close()
+    fail(path, "is a folder; give a text file or a token file made by tools/prepare-data")
+  end
+  local O_NONBLOCK, SEEK_END = 2048, 2
+  local fd = ffi.C.open(path, O_NONBLOCK, 0)
+  if fd < 0 then return end -- io.open below says why
+  local size = ffi.C.lseek(fd, 0, SEEK_END)
+  ffi.C.close(fd)
+  if size < 0 then
+    fail(path, "is a pipe or a stream (a FIFO, <(...), /dev/stdin), which is not supported: " ..
+         "the loader needs the size up front to hold out the last 10% for validation and " ..
+         "draws windows at random positions; write it to a file first")
+  end
+end
+
 local function open(path)
+  check_kind(path)
   local f, err = io.open(path, "rb")
   if not f then
     if err and err:find("No such file", 1, true) then
@@ -38,7 +63,7 @@ local function open(path)
   local size = f:seek("end")
   if not size or not f:seek("set", 0) then
     f:close()
-    fail(path, "cannot read it (is it a folder?)")
+    fail(path, "cannot seek in it; give a regular file")
   end
   return f, size
 end

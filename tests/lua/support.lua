@@ -1,5 +1,6 @@
--- support.lua — what the Lua tests share: an expected error, shell quoting
--- and a scratch folder for the files they write. (Not a test file: run_lua.lua
+-- support.lua — what the Lua tests share: an expected error, shell quoting,
+-- a scratch folder for the files they write, running a command and
+-- scripts/train.lua. (Not a test file: run_lua.lua
 -- loads only test_*.lua.)
 local M = {}
 
@@ -26,6 +27,32 @@ function M.scratch()
     f:close()
     return path
   end, dir
+end
+
+-- Runs a shell command; returns its output (stdout and stderr together)
+-- and its exit status.
+function M.sh(cmd)
+  local p = io.popen(cmd .. " 2>&1; echo \"EXIT:$?\"")
+  local out = p:read("*a")
+  p:close()
+  return out:gsub("EXIT:%d+%s*$", ""), tonumber(out:match("EXIT:(%d+)%s*$"))
+end
+
+-- train(n, flags [, env]) -> output, status: scripts/train.lua with
+-- `model_flags` and `flags` on n ranks; ok_train(...) -> output, the
+-- params_checksum, raising when the run fails.
+function M.trainer(model_flags)
+  local lz = require("luazero")
+  local function train(n, flags, env)
+    return M.sh(("cd %s && %s %s %s scripts/train.lua %s %s"):format(M.quote(lz.root), env or "",
+                M.quote(lz.executable()), n > 1 and ("-n " .. n) or "", model_flags, flags))
+  end
+  local function ok_train(n, flags, env)
+    local out, st = train(n, flags, env)
+    assert(st == 0, ("train -n %d %s failed:\n%s"):format(n, flags, out))
+    return out, assert(out:match("params_checksum (%x+)"), out)
+  end
+  return train, ok_train
 end
 
 return M

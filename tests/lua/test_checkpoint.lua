@@ -17,23 +17,8 @@ local corpus = write_file("corpus.txt", ("To be, or not to be, that is the quest
 local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
               "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
 
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1; echo \"EXIT:$?\"")
-  local out = p:read("*a")
-  p:close()
-  return out:gsub("EXIT:%d+%s*$", ""), tonumber(out:match("EXIT:(%d+)%s*$"))
-end
-
-local function train(n, flags, env)
-  return sh(("cd %s && %s %s %s scripts/train.lua %s %s"):format(q(root), env or "",
-            q(lz.executable()), n > 1 and ("-n " .. n) or "", MODEL, flags))
-end
-
-local function ok_train(n, flags, env)
-  local out, st = train(n, flags, env)
-  assert(st == 0, ("train -n %d %s failed:\n%s"):format(n, flags, out))
-  return out, assert(out:match("params_checksum (%x+)"), out)
-end
+local sh = support.sh
+local train, ok_train = support.trainer(MODEL)
 
 local function fails(n, flags, ...)
   local out, st = train(n, flags)

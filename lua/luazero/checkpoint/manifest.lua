@@ -1,14 +1,21 @@
 -- checkpoint/manifest.lua — a checkpoint's manifest.json: encoding, and a
 -- decoder that checks every field the loader relies on, so a garbled file
 -- fails with "checkpoint: PATH: FIELD: what is wrong" and never deeper in.
--- Plain Lua over cjson (no FFI): the fuzz target (tests/fuzz) runs it too.
--- The fields: docs/checkpoints.md.
+-- Plain LuaJIT over cjson (no luazero library): the fuzz target
+-- (tests/fuzz) runs it too. The fields: docs/checkpoints.md.
+--
+-- Version 2 ends the file with its own checksum: `,"manifest_xxh64":"H"}`
+-- where H is xxh64 (seed 0) of every byte before that comma, so any changed
+-- byte is refused; version 1 (no checksum) still loads.
+local ffi = require("ffi")
+local bit = require("bit")
 local cjson = require("cjson")
 
 local M = {}
 
 M.FORMAT = "luazero-checkpoint"
-M.VERSION = 1
+M.VERSION = 2
+M.VERSIONS = { [1] = true, [2] = true } -- read
 M.STATES = { "master", "m", "v" } -- f32 each, interleaved per block
 M.STATE_BYTES = 4
 
@@ -19,7 +26,59 @@ json.encode_number_precision(14)
 json.encode_sparse_array(true)
 M.json = json
 
-function M.encode(t) return json.encode(t) end
+-- xxh64 of a Lua string, seed 0, in LuaJIT's 64-bit integers.
+local U64 = ffi.typeof("uint64_t")
+local P1, P2 = U64(0x9E3779B1) * 2 ^ 32 + 0x85EBCA87, U64(0xC2B2AE3D) * 2 ^ 32 + 0x27D4EB4F
+local P3, P4 = U64(0x165667B1) * 2 ^ 32 + 0x9E3779F9, U64(0x85EBCA77) * 2 ^ 32 + 0xC2B2AE63
+local P5 = U64(0x27D4EB2F) * 2 ^ 32 + 0x165667C5
+local rol, bxor, rshift = bit.rol, bit.bxor, bit.rshift
+
+local function round(acc, lane) return rol(acc + lane * P2, 31) * P1 end
+local function merge(h, v) return bxor(h, round(U64(0), v)) * P1 + P4 end
+
+function M.xxh64(s)
+  local n = #s
+  local buf = ffi.new("uint8_t[?]", n + 8)
+  ffi.copy(buf, s, n)
+  local p = 0
+  local h
+  if n >= 32 then
+    local v1, v2, v3, v4 = P1 + P2, U64(P2), U64(0), U64(0) - P1
+    while p + 32 <= n do
+      local l = ffi.cast("const uint64_t *", buf + p)
+      v1, v2, v3, v4 = round(v1, l[0]), round(v2, l[1]), round(v3, l[2]), round(v4, l[3])
+      p = p + 32
+    end
+    h = rol(v1, 1) + rol(v2, 7) + rol(v3, 12) + rol(v4, 18)
+    h = merge(merge(merge(merge(h, v1), v2), v3), v4)
+  else
+    h = U64(P5)
+  end
+  h = h + n
+  while p + 8 <= n do
+    h = rol(bxor(h, round(U64(0), ffi.cast("const uint64_t *", buf + p)[0])), 27) * P1 + P4
+    p = p + 8
+  end
+  if p + 4 <= n then
+    h = rol(bxor(h, U64(ffi.cast("const uint32_t *", buf + p)[0]) * P1), 23) * P2 + P3
+    p = p + 4
+  end
+  while p < n do
+    h = rol(bxor(h, U64(buf[p]) * P5), 11) * P1
+    p = p + 1
+  end
+  h = bxor(h, rshift(h, 33)) * P2
+  h = bxor(h, rshift(h, 29)) * P3
+  return bit.tohex(bxor(h, rshift(h, 32)), 16)
+end
+
+local CHECKSUM_KEY = ',"manifest_xxh64":"'
+
+-- The manifest's text, its checksum last.
+function M.encode(t)
+  local body = json.encode(t):gsub("}$", "")
+  return body .. CHECKSUM_KEY .. M.xxh64(body) .. '"}\n'
+end
 
 local function fail(path, field, msg)
   error(("checkpoint: %s: %s: %s"):format(path, field, msg), 0)
@@ -69,7 +128,7 @@ function M.validate(m, path)
          :format(M.FORMAT, tostring(m.format)))
   end
   local version = int(path, m, "version", "version", 1, 1e9)
-  if version ~= M.VERSION then
+  if not M.VERSIONS[version] then
     fail(path, "version", ("%d is not supported (this luazero reads version %d)")
          :format(version, M.VERSION))
   end
@@ -79,6 +138,15 @@ function M.validate(m, path)
   int(path, m, "block_elems", "block_elems", 1, 2 ^ 30)
   for _, k in ipairs({ "optimizer_steps", "global_steps", "skipped_steps" }) do
     int(path, m, k, k)
+  end
+  if m.optimizer_steps + m.skipped_steps ~= m.global_steps then
+    fail(path, "skipped_steps", ("optimizer_steps %d + skipped_steps %d is not global_steps %d")
+         :format(m.optimizer_steps, m.skipped_steps, m.global_steps))
+  end
+  if type(m.lr_schedule) == "table" and m.lr_schedule.optimizer_steps ~= nil and
+     m.lr_schedule.optimizer_steps ~= m.optimizer_steps then
+    fail(path, "lr_schedule.optimizer_steps", ("%s, but optimizer_steps is %d")
+         :format(tostring(m.lr_schedule.optimizer_steps), m.optimizer_steps))
   end
   local params = tbl(path, m, "params", "params")
   local numel = int(path, m, "numel", "numel")
@@ -105,8 +173,10 @@ function M.validate(m, path)
   end
   -- Shards: their runs must cover canonical [0, numel) exactly once.
   local shards = tbl(path, m, "shards", "shards")
-  if #shards < 1 or #shards > world then
-    fail(path, "shards", ("%d shards for world size %d"):format(#shards, world))
+  local writers = m.stage == 0 and 1 or world
+  if #shards ~= writers then
+    fail(path, "shards", ("%d shards for world size %d at stage %d (expected %d)")
+         :format(#shards, world, m.stage, writers))
   end
   local all = {}
   for i = 1, #shards do
@@ -117,7 +187,9 @@ function M.validate(m, path)
       fail(path, f .. ".file", ("%q is not a shard file name (shard-NNNNN-of-NNNNN.zst)")
            :format(file:sub(1, 60)))
     end
-    int(path, s, "rank", f .. ".rank", 0, world - 1)
+    local want = ("shard-%05d-of-%05d.zst"):format(i - 1, writers)
+    if file ~= want then fail(path, f .. ".file", ("%q, expected %q"):format(file, want)) end
+    int(path, s, "rank", f .. ".rank", i - 1, i - 1)
     local elems = int(path, s, "elems", f .. ".elems")
     local raw = int(path, s, "raw_bytes", f .. ".raw_bytes")
     if raw ~= elems * #M.STATES * M.STATE_BYTES then
@@ -159,7 +231,32 @@ function M.validate(m, path)
     fail(path, "loss_scaler", "expected an object")
   end
   if m.extra ~= nil and type(m.extra) ~= "table" then fail(path, "extra", "expected an object") end
+  local pos_ = type(m.extra) == "table" and m.extra.data
+  if pos_ ~= nil then
+    if type(pos_) ~= "table" then fail(path, "extra.data", "expected an object") end
+    if pos_.rng_state ~= nil then hex64(path, pos_, "rng_state", "extra.data.rng_state") end
+    local gas = type(m.config) == "table" and m.config.gradient_accumulation_steps
+    if pos_.batches ~= nil and type(gas) == "number" and
+       int(path, pos_, "batches", "extra.data.batches") ~= m.global_steps * gas then
+      fail(path, "extra.data.batches", ("%d, expected global_steps %d x " ..
+           "gradient_accumulation_steps %d"):format(pos_.batches, m.global_steps, gas))
+    end
+  end
   return m
+end
+
+-- The text's checksum (version 2): the bytes before it hash to it.
+local function verify(text, m, path)
+  local body, sum = text:match('^(.*),"manifest_xxh64":"(%x+)"}\n?$')
+  if not body then
+    if m.version == 1 and m.manifest_xxh64 == nil then return end -- written before checksums
+    fail(path, "manifest_xxh64", "missing or not the last field; the manifest is damaged")
+  end
+  local actual = M.xxh64(body)
+  if sum ~= actual then
+    fail(path, "manifest_xxh64", ("the file hashes to %s, it says %s: the manifest was changed " ..
+         "or damaged; restore it or resume from another checkpoint"):format(actual, sum:sub(1, 20)))
+  end
 end
 
 -- Decodes and checks manifest text.
@@ -169,7 +266,9 @@ function M.decode(text, path)
     fail(path, "(file)", ("not valid JSON (%s); the manifest is damaged"):format(
       tostring(m):gsub("^.-: ", ""):sub(1, 120)))
   end
-  return M.validate(m, path)
+  M.validate(m, path)
+  verify(text, m, path)
+  return m
 end
 
 return M

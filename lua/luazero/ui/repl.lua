@@ -83,6 +83,15 @@ function M.run(opts)
           table.concat(inspect.globals, ", ")))
     if opts.script_failed then print("(the script failed; its globals are here)") end
   end
+  if multi then
+    -- os.exit at the prompt lets the serving ranks go first: they would
+    -- otherwise wait for rank 0's next command until the collective timeout.
+    local exit = os.exit
+    os.exit = function(...) -- luacheck: ignore
+      pcall(serve.quit)
+      return exit(...)
+    end
+  end
   local idle = multi and serve.idle_seconds() or nil
   local on_idle = multi and serve.ping or nil
   local chunk = nil

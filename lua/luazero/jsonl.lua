@@ -1,0 +1,57 @@
+-- jsonl.lua — a JSON Lines file written one record at a time: each record
+-- goes out in one write(2) and is checked; a failed or short write is cut
+-- back (ftruncate) to the end of the last complete record, so the file stays
+-- valid JSON Lines whatever stops it (a full disk, a quota, /dev/full).
+--
+--   local log = assert(jsonl.open("run.jsonl"))
+--   local ok, err = log:write(line)   -- line ends with "\n"
+--   log:close()
+local ffi = require("ffi")
+
+for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
+                       "long write(int fd, const void *buf, unsigned long n);",
+                       "int ftruncate(int fd, int64_t length);", "int close(int fd);",
+                       "char *strerror(int errnum);" }) do
+  pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
+end
+
+local O_WRONLY, O_CREAT, O_TRUNC, O_CLOEXEC = 1, 64, 512, 524288
+
+local M = {}
+local File = {}
+File.__index = File
+
+local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
+
+-- A new (emptied) file; nil and the reason when it cannot be opened.
+function M.open(path)
+  local fd = ffi.C.open(path, O_WRONLY + O_CREAT + O_TRUNC + O_CLOEXEC, 420) -- 0644
+  if fd < 0 then return nil, why() end
+  return setmetatable({ fd = fd, size = 0, path = path }, File)
+end
+
+-- Appends `text`; true, or nil and the reason (the file then ends at the
+-- last record written whole).
+function File:write(text)
+  if self.fd < 0 then return nil, "the file is closed" end
+  local n = tonumber(ffi.C.write(self.fd, text, #text))
+  if n == #text then
+    self.size = self.size + n
+    return true
+  end
+  local err = n < 0 and why()
+  if n >= 0 then
+    -- a short write: the rest, to learn why (a full disk: ENOSPC)
+    local rest = tonumber(ffi.C.write(self.fd, ffi.cast("const char *", text) + n, #text - n))
+    err = rest < 0 and why() or ("wrote %d of %d bytes"):format(n, #text)
+    ffi.C.ftruncate(self.fd, self.size)
+  end
+  return nil, err
+end
+
+function File:close()
+  if self.fd >= 0 then ffi.C.close(self.fd) end
+  self.fd = -1
+end
+
+return M
