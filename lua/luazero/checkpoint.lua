@@ -8,8 +8,9 @@
 --   ck:summary(); ck:shard_table(); ck:norms(); ck:tensor("transformer.wte.weight")
 --
 -- A shard holds one rank's optimizer elements in its own layout, three f32
--- states (master, m, v) interleaved per block of block_elems elements:
--- block k = master[k*B, ...), m[...], v[...]. The manifest maps each
+-- states (the fp32 master, then the optimizer's: m, v for AdamW, m for
+-- Lion; the manifest's `states`) interleaved per block of block_elems
+-- elements: block k = master[k*B, ...), m[...], v[...]. The manifest maps each
 -- shard's elements to canonical parameter coordinates (runs), so a loader in
 -- any other layout finds what it needs. The engine's states are reached only
 -- through engine:visit_states, engine:state_layout and engine:after_load.
@@ -28,7 +29,15 @@ M.manifest = manifest_io
 
 local SB = manifest_io.STATE_BYTES
 local SHARD_HEADER = 48 -- bytes before a shard's zstd stream (docs/formats.md)
-local NSTATES = #manifest_io.STATES
+-- The states a manifest's shards interleave (version 1: master, m, v).
+local function states_of(m) return m.states or manifest_io.STATES end
+
+-- The states this engine saves: the master, then its optimizer's.
+local function engine_states(engine)
+  local out = { "master" }
+  for _, name in ipairs(engine.optimizer.states) do out[#out + 1] = name end
+  return out
+end
 
 local function fail(fmt, ...) error("checkpoint: " .. fmt:format(...), 0) end
 
@@ -128,14 +137,16 @@ end
 
 ------------------------------------------------------------------ saving
 
--- Streams (offset, master, m, v) chunks into a shard writer as blocks.
-local function block_writer(w, n, B)
+-- Streams (offset, master, state...) chunks into a shard writer as blocks
+-- of NSTATES interleaved states.
+local function block_writer(w, n, B, NSTATES)
   local stage_buf, cur = nil, -1
   local function put(ptr, bytes) check(C.lz_shard_writer_write(w, ptr, bytes)) end
-  return function(off, master, m, v)
-    local len = master:numel()
-    local src = { ffi.cast("char *", master.data), ffi.cast("char *", m.data),
-                  ffi.cast("char *", v.data) }
+  return function(off, ...)
+    local views = { ... }
+    local len = views[1]:numel()
+    local src = {}
+    for s = 1, NSTATES do src[s] = ffi.cast("char *", views[s].data) end
     local pos = 0
     while pos < len do
       local e = off + pos
@@ -172,7 +183,7 @@ local function write_shard(engine, path, opts)
   check(C.lz_shard_writer_open(out, path, opts.zstd_level, opts.workers))
   local w = out[0]
   local ok, err = pcall(function()
-    local feed, done = block_writer(w, n, M.BLOCK)
+    local feed, done = block_writer(w, n, M.BLOCK, #engine_states(engine))
     engine:visit_states(false, feed)
     done()
   end)
@@ -353,7 +364,7 @@ function M.save(engine, dir, extra, opts)
   local tmp = ("%s/.%s.tmp-%d"):format(dir, name, all[1][2])
 
   -- 2. shards: every rank at stages 1-3; rank 0 alone at stage 0 (replicated).
-  local writers = engine.stage == 0 and 1 or W
+  local writers = engine:states_replicated() and 1 or W
   local info, elems
   ok, err = true, nil
   if rank < writers then
@@ -402,7 +413,7 @@ function M.save(engine, dir, extra, opts)
         format = manifest_io.FORMAT, version = manifest_io.VERSION,
         model = { config = model_config(engine.model), name = (engine.model.cfg or {}).name },
         world_size = W, stage = engine.stage, dtype = engine.dtype,
-        master_dtype = "fp32", states = manifest_io.STATES, state_dtype = "f32",
+        master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
         block_elems = M.BLOCK, zstd_level = o.zstd_level,
         numel = engine.L.numel, params = param_table(engine.model), shards = shards,
         optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
@@ -449,7 +460,7 @@ end
 function M.runs_of(engine, r)
   local layout = require("luazero.zero.layout")
   if r == engine.rank then return engine:state_layout().runs end
-  return layout.canonical_runs(engine.L, engine.stage > 0 and r or nil)
+  return layout.canonical_runs(engine.L, not engine:states_replicated() and r or nil)
 end
 
 pcall(ffi.cdef, "int getpid(void);")
@@ -507,20 +518,21 @@ end
 local Shard = {}
 Shard.__index = Shard
 
-local function open_shard(dir, entry, B)
+local function open_shard(dir, entry, B, nstates)
   local out = ffi.new("lz_shard_reader *[1]")
   check(C.lz_shard_reader_open(out, dir .. "/" .. entry.file, info_of(entry)))
-  return setmetatable({ h = out[0], entry = entry, B = B, block = -1, n = entry.elems }, Shard)
+  return setmetatable({ h = out[0], entry = entry, B = B, block = -1, n = entry.elems,
+                        ns = nstates }, Shard)
 end
 
 function Shard:block_len(k) return math.min(self.B, self.n - k * self.B) end
 
--- Block k (k > the last one read) into buf (f32, 3*B): master, m, v of it.
+-- Block k (k > the last one read) into buf (f32, ns*B): its states.
 function Shard:read_block(k, buf)
   for j = self.block + 1, k - 1 do
-    check(C.lz_shard_reader_read(self.h, nil, NSTATES * self:block_len(j) * SB))
+    check(C.lz_shard_reader_read(self.h, nil, self.ns * self:block_len(j) * SB))
   end
-  check(C.lz_shard_reader_read(self.h, buf.data, NSTATES * self:block_len(k) * SB))
+  check(C.lz_shard_reader_read(self.h, buf.data, self.ns * self:block_len(k) * SB))
   self.block = k
 end
 
@@ -533,9 +545,11 @@ function Shard:close(verify)
 end
 
 -- Calls fn(state, canonical, ptr, n) for every run piece of shard `entry`
--- (state 1 master, 2 m, 3 v; ptr: float *), in shard order. Reads it whole.
-function M.stream_shard(dir, entry, B, fn, on_bytes)
-  local sh = open_shard(dir, entry, B)
+-- (state: the index in the manifest's states, 1 the master; ptr: float *),
+-- in shard order. Reads it whole. nstates: #states (3).
+function M.stream_shard(dir, entry, B, fn, on_bytes, nstates)
+  local NSTATES = nstates or #manifest_io.STATES
+  local sh = open_shard(dir, entry, B, NSTATES)
   local buf = lz.tensor({ NSTATES * B }, "f32", "workspace")
   local ok, err = pcall(function()
     local runs, ri = entry.runs, 1
@@ -620,6 +634,14 @@ function M.load(engine, path)
   local dir = M.resolve(path)
   local m = M.read_manifest(dir)
   check_model(m, engine.model, dir)
+  -- The optimizer's states must be the ones saved (the same optimizer).
+  local saved, want = states_of(m), engine_states(engine)
+  if table.concat(saved, ",") ~= table.concat(want, ",") then
+    fail("%s holds the states %s; this run's optimizer %s keeps %s: resume with the optimizer " ..
+         "that saved it", dir, table.concat(saved, ", "), engine.optimizer.name,
+         table.concat(want, ", "))
+  end
+  local NSTATES = #saved
   local B = m.block_elems
   local layout = engine:state_layout()
   local pieces = plan(m, layout.runs)
@@ -630,10 +652,11 @@ function M.load(engine, path)
   local open, bufs = {}, {}
   local pi = 1
   local ok, err = pcall(function()
-    engine:visit_states(true, function(off, master, mm, vv)
-      local len = master:numel()
-      local dst = { ffi.cast("char *", master.data), ffi.cast("char *", mm.data),
-                    ffi.cast("char *", vv.data) }
+    engine:visit_states(true, function(off, ...)
+      local views = { ... }
+      local len = views[1]:numel()
+      local dst = {}
+      for s = 1, NSTATES do dst[s] = ffi.cast("char *", views[s].data) end
       -- Padding is in no piece: zero, as the engine keeps it.
       for s = 1, NSTATES do ffi.fill(dst[s], len * SB) end
       while pi <= #pieces and pieces[pi].dst < off + len do
@@ -642,7 +665,7 @@ function M.load(engine, path)
         local b = math.min(p.dst + p.numel, off + len)
         local sh = open[p.shard]
         if not sh then
-          sh = open_shard(dir, m.shards[p.shard], B)
+          sh = open_shard(dir, m.shards[p.shard], B, NSTATES)
           open[p.shard] = sh
           bufs[p.shard] = lz.tensor({ NSTATES * B }, "f32", "workspace")
         end
@@ -744,7 +767,7 @@ function Checkpoint:stream(fn, label)
     M.stream_shard(self.dir, s, m.block_elems, fn, function(b)
       done = done + b
       bar.update(done)
-    end)
+    end, #states_of(m))
   end
   bar.finish()
 end
@@ -784,12 +807,17 @@ function Checkpoint:norms()
 end
 
 -- One tensor's fp32 master values, whole, as an f32 tensor of its shape.
--- state: "master" (default), "m" or "v". Reads only the shards holding it.
+-- state: "master" (default) or one of the optimizer's ("m", "v" for AdamW).
+-- Reads only the shards holding it.
 function Checkpoint:tensor(name, state)
   local i = self.by_name[name]
   if not i then fail("%s has no tensor %q (ck:norms() lists them)", self.dir, tostring(name)) end
-  local which = ({ master = 1, m = 2, v = 3 })[state or "master"]
-  if not which then fail("state %q is not master, m or v", tostring(state)) end
+  local names = states_of(self.manifest)
+  local which
+  for k, n in ipairs(names) do if n == (state or "master") then which = k end end
+  if not which then
+    fail("state %q is not one this checkpoint holds (%s)", tostring(state), table.concat(names, ", "))
+  end
   local e = self.manifest.params[i]
   local t = lz.tensor(e.shape, "f32", "workspace")
   local out = ffi.cast("float *", t.data)
@@ -804,7 +832,7 @@ function Checkpoint:tensor(name, state)
         if state_ ~= which then return end
         local a, b = math.max(canon, lo), math.min(canon + n, hi)
         if b > a then ffi.copy(out + (a - lo), p + (a - canon), (b - a) * SB) end
-      end)
+      end, nil, #names)
     end
   end
   return t

@@ -244,7 +244,20 @@ function T.lion_keeps_stages_bitwise_equal_with_one_state_at_world_2()
     assert(sums[stage] == sums[0], ("stage %d: %s, stage 0: %s"):format(stage, sums[stage], sums[0]))
   end
   assert(sums[0] ~= run(W, 0, "bf16", 6).checksum, "Lion and AdamW ended on the same weights")
-  print(("    Lion, stages 0-3 at world 2: %s"):format(sums[0]))
+  -- Its checkpoints hold master and m; a resume continues bitwise, and a run
+  -- with another optimizer is refused, naming both.
+  local dir = tmp .. "/lion-ckpt"
+  run(W, 3, "bf16", 3, "--save " .. q(dir), lion_config)
+  local m = require("cjson").decode(io.open(dir .. "/step-000003/manifest.json"):read("*a"))
+  assert(table.concat(m.states, ",") == "master,m", table.concat(m.states, ","))
+  local resumed = run(W, 3, "bf16", 6, "--resume " .. q(dir), lion_config)
+  assert(resumed.checksum == sums[3], ("resumed %s, uninterrupted %s"):format(resumed.checksum,
+                                                                            sums[3]))
+  local out, status = train(W, ("%s --data %s --config %s --stage 3 --dtype bf16 --steps 6 " ..
+                                "--resume %s"):format(model_flags, corpus, base_config, q(dir)))
+  assert(status ~= 0 and out:find("holds the states master, m; this run's optimizer AdamW " ..
+                                  "keeps master, m, v", 1, true), out)
+  print(("    Lion, stages 0-3 at world 2: %s; save at 3 + resume to 6 the same"):format(sums[0]))
 end
 
 -- data_types.grad_accum_dtype = bf16: gradients kept in the working dtype

@@ -16,7 +16,7 @@ local M = {}
 M.FORMAT = "luazero-checkpoint"
 M.VERSION = 2
 M.VERSIONS = { [1] = true, [2] = true } -- read
-M.STATES = { "master", "m", "v" } -- f32 each, interleaved per block
+M.STATES = { "master", "m", "v" } -- f32 each, interleaved per block (the default)
 M.STATE_BYTES = 4
 
 -- Its own cjson instance at its most digits (14): what resuming needs
@@ -148,6 +148,16 @@ function M.validate(m, path)
     fail(path, "lr_schedule.optimizer_steps", ("%s, but optimizer_steps is %d")
          :format(tostring(m.lr_schedule.optimizer_steps), m.optimizer_steps))
   end
+  -- The states each shard interleaves: the fp32 master, then the optimizer's
+  -- own (AdamW: m, v; Lion: m). Absent: master, m, v.
+  local states = M.STATES
+  if m.states ~= nil then
+    states = tbl(path, m, "states", "states")
+    for i = 1, #states do str(path, states, i, ("states[%d]"):format(i)) end
+    if states[1] ~= "master" or #states < 1 or #states > 8 then
+      fail(path, "states", "expected \"master\" then up to 7 optimizer states")
+    end
+  end
   local params = tbl(path, m, "params", "params")
   local numel = int(path, m, "numel", "numel")
   local offset = 0
@@ -192,9 +202,9 @@ function M.validate(m, path)
     int(path, s, "rank", f .. ".rank", i - 1, i - 1)
     local elems = int(path, s, "elems", f .. ".elems")
     local raw = int(path, s, "raw_bytes", f .. ".raw_bytes")
-    if raw ~= elems * #M.STATES * M.STATE_BYTES then
-      fail(path, f .. ".raw_bytes", ("%d, expected %d (%d elements x 3 states x 4 bytes)")
-           :format(raw, elems * 12, elems))
+    if raw ~= elems * #states * M.STATE_BYTES then
+      fail(path, f .. ".raw_bytes", ("%d, expected %d (%d elements x %d states x 4 bytes)")
+           :format(raw, elems * #states * M.STATE_BYTES, elems, #states))
     end
     int(path, s, "compressed_bytes", f .. ".compressed_bytes")
     hex64(path, s, "xxh64_compressed", f .. ".xxh64_compressed")
