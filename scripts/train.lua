@@ -278,11 +278,12 @@ local function open_log(path)
   }
 end
 
-local function main(argv)
+-- The flags, checked: nil (after printing the usage) for --help.
+local function parse_flags(argv)
   local flags, usage = checked(args.parse, argv, spec)
   if not flags then
     say("usage: luazero scripts/train.lua --data FILE [flags]\n" .. usage)
-    return
+    return nil
   end
   if not flags.data then
     user_error("--data is required: a text file or a token file made by tools/prepare-data")
@@ -291,12 +292,9 @@ local function main(argv)
                        "n-embd", "context", "vocab" }) do
     positive(flags, n, 1)
   end
-  positive(flags, "warmup", 0)
-  positive(flags, "eval-every", 0)
-  positive(flags, "eval-batches", 0)
-  positive(flags, "sample", 0)
-  positive(flags, "save-every", 0)
-  positive(flags, "keep", 0)
+  for _, n in ipairs({ "warmup", "eval-every", "eval-batches", "sample", "save-every", "keep" }) do
+    positive(flags, n, 0)
+  end
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
   if flags.device ~= "cpu" and flags.device ~= "cuda" then
     user_error(("--device must be cpu or cuda (got %s)"):format(flags.device))
@@ -306,10 +304,16 @@ local function main(argv)
     checked(lz.cuda.init, tonumber(os.getenv("LOCAL_RANK") or "0") or 0)
     -- The kernels, device memory and nccl are in place (docs/cuda.md); the
     -- engine and models/gpt2.lua still keep their buffers on the host.
-    user_error("not supported on cuda yet: the ZeRO engine (lua/luazero/engine.lua) and " ..
+    user_error("not supported on cuda yet: the ZeRO engine (lua/luazero/zero/engine.lua) and " ..
                "models/gpt2.lua keep their buffers on the cpu; run with --device cpu")
   end
+  return flags
+end
 
+-- Everything a run needs before its first step: the model's config, the
+-- ranks, the normalised configuration, the data, the metrics log, the
+-- model and the engine. Returns the run (a table the steps share).
+local function set_up(flags)
   local mcfg = checked(gpt2.config, flags.model, {
     n_layer = flags.n_layer, n_head = flags.n_head, n_embd = flags.n_embd,
     context = flags.context, vocab = flags.vocab,
@@ -324,10 +328,7 @@ local function main(argv)
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
                 "or less, or --context %d"):format(T, mcfg.context, mcfg.name, mcfg.context, T))
   end
-  local steps, accum = flags.steps, cfg.gradient_accumulation_steps
-  local lr = cfg.optimizer.params.lr
   local schedule, sched, warmup = schedule_of(cfg, flags)
-
   local corpus = checked(data.load, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world })
@@ -339,8 +340,7 @@ local function main(argv)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)
   if note then say(note) end
-  local ckpt = flags.checkpoint_activations
-  if ckpt then
+  if flags.checkpoint_activations then
     note = config.no_effect_message(cfg)
     if note then say(note) end
     checked(model.checkpoint_activations, model, cfg.activation_checkpointing)
@@ -348,134 +348,186 @@ local function main(argv)
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
   local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,
-                                 batch = { B, T }, lr = schedule, comm = comm })
-  local n_val = math.min(flags.eval_batches, loader.val_batches)
-  local first = 1
-  if flags.resume then
-    local m = checked_rank(engine.load, engine, flags.resume)
-    local pos = m.extra and m.extra.data
-    if pos and pos.rng_state then loader.rng.state[0] = ckpt_u64(pos.rng_state) end
-    first = m.global_steps + 1
-    say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")
-        :format(m.dir, m.global_steps, m.optimizer_steps, m.world_size, m.stage))
-  end
+                                                 batch = { B, T }, lr = schedule, comm = comm })
+  return {
+    flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
+    accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
+    warmup = warmup, corpus = corpus, loader = loader, log = log, model = model,
+    engine = engine, n_val = math.min(flags.eval_batches, loader.val_batches), first = 1,
+  }
+end
 
+-- --resume: the engine's states, the batch generator, the next step.
+local function resume(run)
+  local m = checked_rank(run.engine.load, run.engine, run.flags.resume)
+  local pos = m.extra and m.extra.data
+  if pos and pos.rng_state then run.loader.rng.state[0] = ckpt_u64(pos.rng_state) end
+  run.first = m.global_steps + 1
+  say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")
+      :format(m.dir, m.global_steps, m.optimizer_steps, m.world_size, m.stage))
+end
+
+-- The start-up lines: model, data, activation checkpointing, the engine,
+-- offload, the batch and the schedule.
+local function say_start(run)
+  local mcfg, loader, engine, cfg = run.mcfg, run.loader, run.engine, run.cfg
   say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
       :format(mcfg.name, mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.context, mcfg.vocab,
-              model:count_params() / 1e6))
+              run.model:count_params() / 1e6))
   say(("data %s (%s): %d tokens, %d for training, %d held out; %s")
-      :format(corpus.path, corpus.kind, corpus.count, loader.n_train, loader.n_val,
-              n_val > 0 and ("validation on " .. n_val .. " batches")
+      :format(run.corpus.path, run.corpus.kind, run.corpus.count, loader.n_train, loader.n_val,
+              run.n_val > 0 and ("validation on " .. run.n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
-  if ckpt then
+  if run.flags.checkpoint_activations then
     local ac = cfg.activation_checkpointing
     say(("activation checkpointing: %d blocks keep their inputs (%s%s)"):format(mcfg.n_layer,
         ac.cpu_checkpointing and "cpu_checkpointing: offload memory" or "activation memory",
         ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
   end
-  say(("zero stage %d, %s, %d rank%s%s"):format(engine.stage,
-      engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""), world,
-      world == 1 and "" or "s", engine.s.overlap and ", overlap_comm" or ""))
+  say(("zero stage %d, %s, %s, %d rank%s%s"):format(engine.stage,
+      engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""),
+      engine.optimizer.name, run.world, run.world == 1 and "" or "s",
+      engine.s.overlap and ", overlap_comm" or ""))
   local where = engine:offload_summary()
   if where then say(where) end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
        "%s, %d steps, %d threads")
-      :format(B * world, T, accum, B * T * accum * world, lr, sched, steps, lz.threads()))
+      :format(run.B * run.world, run.T, run.accum, run.B * run.T * run.accum * run.world, run.lr,
+              run.sched, run.flags.steps, lz.threads()))
+end
 
-  -- A budget given explicitly (--memory-budget, LZ_MEMORY_BUDGET,
-  -- luazero.memory_budget) is held: a step whose peak RSS or ledger peak
-  -- passes it stops the run.
-  local budget, budget_source
+-- A budget given explicitly (--memory-budget, LZ_MEMORY_BUDGET,
+-- luazero.memory_budget) is held: a step whose peak RSS or ledger peak
+-- passes it stops the run. Returns budget, source (nil: none held).
+local function held_budget(cfg)
   if cfg.memory_budget or (os.getenv("LZ_MEMORY_BUDGET") or "") ~= "" then
-    budget, budget_source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+    return config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   end
+end
 
-  local tokens_per_step = B * T * accum * world
-  for step = first, steps do
-    comm.bytes_reset()
-    local t0 = clock.now()
-    local read0, written0 = engine:nvme_bytes()
-    local r = checked_rank(engine.train_batch, engine, loader)
-    local dt = clock.now() - t0
-    local read1, written1 = engine:nvme_bytes()
-    local rec = {
-      -- JSON has no inf: an overflowed step logs grad_norm -1 (skipped true).
-      step = step, loss = r.loss, lr = r.lr,
-      grad_norm = r.grad_norm < math.huge and r.grad_norm or -1,
-      loss_scale = r.loss_scale, skipped = r.skipped, tokens = step * tokens_per_step,
-      tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
-      comm = comm.bytes(),
-    }
-    -- This rank's swap-file traffic in the step (offload to NVMe).
-    if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
-    local prof = model:checkpoint_profile(true)
-    if prof then rec.checkpoint_ms = prof end
-    local val = ""
-    if n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or step == steps) then
-      rec.val_loss = checked_rank(engine.evaluate, engine, loader, n_val)
-      model:checkpoint_profile(true) -- the next step's profile counts training only
-      val = (" | val %.4f"):format(rec.val_loss)
-    end
-    if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
-    say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-         "mem %.1f MiB, rss %.0f MiB%s%s")
-        :format(step, steps, r.loss, val, r.lr, r.grad_norm, rec.tokens_per_s, rec.step_ms,
-                mib(tonumber(lz.C.lz_mem_total_current())), mib(rec.mem.peak_rss),
-                r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
-                prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
-                          "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
-                or ""))
-    if log then log.write(rec, ("step %d's record"):format(step)) end
-    if budget then
-      local ledger = tonumber(lz.C.lz_mem_total_peak())
-      local over = math.max(rec.mem.peak_rss, ledger)
-      if over > budget then
-        user_error(("step %d: rank %d's peak memory %.0f MiB (RSS %.0f MiB, ledger %.0f MiB) " ..
-                    "is over the memory budget %.0f MiB (%s); offload the optimizer states or " ..
-                    "parameters (zero_optimization.offload_optimizer / offload_param), raise " ..
-                    "the ZeRO stage, or raise the budget")
-                   :format(step, rank, mib(over), mib(rec.mem.peak_rss), mib(ledger), mib(budget),
-                           budget_source))
-      end
-    end
-    if flags.save and ((flags.save_every > 0 and step % flags.save_every == 0) or step == steps) then
-      local extra = {
-        data = { rng_state = require("bit").tohex(loader.rng.state[0], 16), batches = step * accum },
-        seed = flags.seed, steps = steps, warmup = warmup, lr = lr,
-      }
-      local t1 = clock.now()
-      local dir = checked_rank(engine.save, engine, flags.save, extra,
-                          { zstd_level = flags.save_zstd_level, keep = flags.keep, config = cfg })
-      say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
-    end
+local function check_budget(run, step, rec)
+  if not run.budget then return end
+  local ledger = tonumber(lz.C.lz_mem_total_peak())
+  local over = math.max(rec.mem.peak_rss, ledger)
+  if over > run.budget then
+    user_error(("step %d: rank %d's peak memory %.0f MiB (RSS %.0f MiB, ledger %.0f MiB) " ..
+                "is over the memory budget %.0f MiB (%s); offload the optimizer states or " ..
+                "parameters (zero_optimization.offload_optimizer / offload_param), raise " ..
+                "the ZeRO stage, or raise the budget")
+               :format(step, run.rank, mib(over), mib(rec.mem.peak_rss), mib(ledger),
+                       mib(run.budget), run.budget_source))
   end
+end
 
-  local sum = engine:params_checksum()
-  if log then
-    log.write({ event = "end", params_checksum = sum }, "the end record")
-    log.close()
+-- One optimizer step and, when due, the validation loss; returns the
+-- metrics record (docs/formats.md) and the checkpointing profile.
+local function train_step(run, step)
+  local engine, flags = run.engine, run.flags
+  local tokens_per_step = run.B * run.T * run.accum * run.world
+  run.comm.bytes_reset()
+  local t0 = clock.now()
+  local read0, written0 = engine:nvme_bytes()
+  local r = checked_rank(engine.train_batch, engine, run.loader)
+  local dt = clock.now() - t0
+  local read1, written1 = engine:nvme_bytes()
+  local rec = {
+    -- JSON has no inf: an overflowed step logs grad_norm -1 (skipped true).
+    step = step, loss = r.loss, lr = r.lr,
+    grad_norm = r.grad_norm < math.huge and r.grad_norm or -1,
+    loss_scale = r.loss_scale, skipped = r.skipped, tokens = step * tokens_per_step,
+    tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
+    comm = run.comm.bytes(),
+  }
+  -- This rank's swap-file traffic in the step (offload to NVMe).
+  if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
+  local prof = run.model:checkpoint_profile(true)
+  if prof then rec.checkpoint_ms = prof end
+  if run.n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or
+                        step == flags.steps) then
+    rec.val_loss = checked_rank(engine.evaluate, engine, run.loader, run.n_val)
+    run.model:checkpoint_profile(true) -- the next step's profile counts training only
+  end
+  if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
+  return rec, r, prof
+end
+
+local function say_step(run, step, rec, r, prof)
+  say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
+       "mem %.1f MiB, rss %.0f MiB%s%s")
+      :format(step, run.flags.steps, r.loss,
+              rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
+              rec.tokens_per_s, rec.step_ms, mib(tonumber(lz.C.lz_mem_total_current())),
+              mib(rec.mem.peak_rss),
+              r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
+              prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
+                        "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
+              or ""))
+end
+
+-- --save: a checkpoint every --save-every steps and at the last one.
+local function save_if_due(run, step)
+  local flags = run.flags
+  if not (flags.save and ((flags.save_every > 0 and step % flags.save_every == 0) or
+                          step == flags.steps)) then
+    return
+  end
+  local extra = {
+    data = { rng_state = require("bit").tohex(run.loader.rng.state[0], 16),
+             batches = step * run.accum },
+    seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
+  }
+  local t1 = clock.now()
+  local dir = checked_rank(run.engine.save, run.engine, flags.save, extra,
+                           { zstd_level = flags.save_zstd_level, keep = flags.keep,
+                             config = run.cfg })
+  say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
+end
+
+-- After the last step: the checksum (and the log's end record), a sample,
+-- and either the REPL (luazero -i) or the buffers freed.
+local function finish(run)
+  local sum = run.engine:params_checksum()
+  if run.log then
+    run.log.write({ event = "end", params_checksum = sum }, "the end record")
+    run.log.close()
   end
   say("params_checksum " .. sum)
-
+  local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
     local prompt = { mcfg.vocab == 50257 and 50256 or (mcfg.vocab > 10 and 10 or 0) }
-    local ids = model:generate(prompt, flags.sample, flags.seed)
+    local ids = run.model:generate(prompt, flags.sample, flags.seed)
     if mcfg.vocab <= 256 then
       say("sample:\n" .. data.decode_bytes(ids))
     else
       say("sample (token ids): " .. table.concat(ids, " "))
     end
   end
-
   if rawget(_G, "LUAZERO_INTERACTIVE") then
     -- luazero -i: the REPL looks at what the run left (shards(engine), ...).
-    rawset(_G, "engine", engine); rawset(_G, "model", model); rawset(_G, "loader", loader)
-    rawset(_G, "cfg", cfg)
+    rawset(_G, "engine", run.engine); rawset(_G, "model", run.model)
+    rawset(_G, "loader", run.loader); rawset(_G, "cfg", run.cfg)
     return
   end
-  engine:free()
-  loader:free()
-  corpus.tokens:free()
+  run.engine:free()
+  run.loader:free()
+  run.corpus.tokens:free()
+end
+
+local function main(argv)
+  local flags = parse_flags(argv)
+  if not flags then return end
+  local run = set_up(flags)
+  if flags.resume then resume(run) end
+  say_start(run)
+  run.budget, run.budget_source = held_budget(run.cfg)
+  for step = run.first, flags.steps do
+    local rec, r, prof = train_step(run, step)
+    say_step(run, step, rec, r, prof)
+    if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
+    check_budget(run, step, rec)
+    save_if_due(run, step)
+  end
+  finish(run)
 end
 
 main(arg)
