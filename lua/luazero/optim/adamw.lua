@@ -4,6 +4,7 @@
 -- lz_adamw_step that also writes the working copy.
 local lz = require("luazero")
 local config = require("luazero.config")
+local hyper = require("luazero.optim.hyper")
 
 local ops = lz.ops
 -- states: per-element fp32 states the engine allocates, zero-initialised, in
@@ -14,13 +15,9 @@ AdamW.__index = AdamW
 -- params: the config's optimizer.params (lr, betas, eps, weight_decay);
 -- what is absent takes config.adam_defaults (DeepSpeed FusedAdam's).
 function AdamW.new(params)
-  local d = config.adam_defaults
-  params = params or {}
-  local betas = params.betas or d.betas
-  return setmetatable({
-    lr = params.lr or d.lr, beta1 = betas[1], beta2 = betas[2], eps = params.eps or d.eps,
-    weight_decay = params.weight_decay or d.weight_decay, args = lz.adamw_args({}),
-  }, AdamW)
+  local self = hyper.read(params, config.adam_defaults)
+  self.args = lz.adamw_args({})
+  return setmetatable(self, AdamW)
 end
 
 -- call: p, g (f32 views), s = { m, v }, w (working copy view or nil), decay

@@ -5,6 +5,7 @@
 -- rate 3-10x smaller than AdamW's.
 local lz = require("luazero")
 local config = require("luazero.config")
+local hyper = require("luazero.optim.hyper")
 
 local ops = lz.ops
 local Lion = { name = "Lion", states = { "m" } }
@@ -13,13 +14,9 @@ Lion.__index = Lion
 -- params: the config's optimizer.params (lr, betas, weight_decay); what is
 -- absent takes config.lion_defaults (DeepSpeed FusedLion's).
 function Lion.new(params)
-  local d = config.lion_defaults
-  params = params or {}
-  local betas = params.betas or d.betas
-  return setmetatable({
-    lr = params.lr or d.lr, beta1 = betas[1], beta2 = betas[2],
-    weight_decay = params.weight_decay or d.weight_decay, args = lz.lion_args({}),
-  }, Lion)
+  local self = hyper.read(params, config.lion_defaults)
+  self.args = lz.lion_args({})
+  return setmetatable(self, Lion)
 end
 
 -- call: p, g (f32 views), s = { m }, w (working copy view or nil), decay.

@@ -89,14 +89,28 @@ local owns = {
   [3] = "a rank owns the optimizer states, gradients and parameters of its slices",
 }
 
-function M.shards(engine, pattern)
-  engine = the_engine(engine, "shards")
-  serve.together("shards", engine, pattern)
+-- Every rank's report (mine(), JSON through the collectives), indexed by
+-- rank + 1.
+local function every_rank(mine)
   local ranks = {}
-  for _, text in ipairs(serve.collect(cjson.encode(my_shards(engine)))) do
+  for _, text in ipairs(serve.collect(cjson.encode(mine()))) do
     local r = cjson.decode(text)
     ranks[r.rank + 1] = r
   end
+  return ranks
+end
+
+-- The helper `name` on every rank together: its engine and every rank's
+-- report(engine).
+local function engine_reports(name, engine, pattern, report)
+  engine = the_engine(engine, name)
+  serve.together(name, engine, pattern)
+  return engine, every_rank(function() return report(engine) end)
+end
+
+function M.shards(engine, pattern)
+  local ranks
+  engine, ranks = engine_reports("shards", engine, pattern, my_shards)
   local lines = { ("ZeRO stage %d, world %d: %s"):format(engine.stage, engine.world,
                                                         owns[engine.stage]) }
   for _, r in ipairs(ranks) do
@@ -195,13 +209,8 @@ local function my_norms(engine)
 end
 
 function M.norms(engine, pattern)
-  engine = the_engine(engine, "norms")
-  serve.together("norms", engine, pattern)
-  local ranks = {}
-  for _, text in ipairs(serve.collect(cjson.encode(my_norms(engine)))) do
-    local r = cjson.decode(text)
-    ranks[r.rank + 1] = r
-  end
+  local ranks
+  engine, ranks = engine_reports("norms", engine, pattern, my_norms)
   local lines = { "buffers per rank:" }
   for _, r in ipairs(ranks) do
     for _, b in ipairs(r.buffers) do
@@ -241,13 +250,10 @@ end
 
 function M.mem()
   serve.together("mem")
-  local mine = { rank = serve.rank(), current = lz.mem(), peak = lz.mem_peak(),
-                 peak_rss = lz.peak_rss() }
-  local ranks = {}
-  for _, text in ipairs(serve.collect(cjson.encode(mine))) do
-    local r = cjson.decode(text)
-    ranks[r.rank + 1] = r
-  end
+  local ranks = every_rank(function()
+    return { rank = serve.rank(), current = lz.mem(), peak = lz.mem_peak(),
+             peak_rss = lz.peak_rss() }
+  end)
   local head = { ("%-12s"):format("category") }
   for _, r in ipairs(ranks) do head[#head + 1] = ("%24s"):format(("rank %d: now / peak"):format(r.rank)) end
   local lines = { table.concat(head, " ") }
