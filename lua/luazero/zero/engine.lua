@@ -1,4 +1,4 @@
--- zero/engine.lua — the ZeRO engine: luazero.initialize{model=..., config=...}
+-- zero/engine.lua — the ZeRO engine: luazero.zero.initialize{model=..., config=...}
 -- returns an engine with forward, backward, step and train_batch, in the
 -- spirit of deepspeed.initialize. What lives where is the
 -- placement plan (zero/plan.lua), built once here and read everywhere
