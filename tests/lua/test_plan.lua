@@ -74,4 +74,37 @@ end
 function T.plan_bytes_equal_the_ledger_and_estimate_at_world_1() plan_check(1) end
 function T.plan_bytes_equal_the_ledger_and_estimate_at_world_2() plan_check(2) end
 
+-- tools/estimate prints the plan's bytes: every row of gpt2-nano at world 2
+-- (--device cpu and cuda, bf16 and fp32) against the plan built here.
+function T.tools_estimate_prints_the_plans_bytes()
+  local gpt2 = require("models.gpt2")
+  local layout = require("luazero.zero.layout")
+  local estimate = require("luazero.estimate")
+  local L = layout.new(gpt2.new(gpt2.config("gpt2-nano")).param_table, 2)
+  local persistent = 0
+  for _, seg in ipairs(L.segments) do
+    if seg.numel <= 100000 then persistent = persistent + seg.padded end
+  end
+  local rows = 0
+  for _, device in ipairs({ "cpu", "cuda" }) do
+    for _, dtype in ipairs({ "bf16", "fp32" }) do
+      local p = io.popen(("cd %s && %s tools/estimate.lua --model gpt2-nano --world 2 " ..
+                          "--device %s --dtype %s 2>&1"):format(q(lz.root), q(lz.executable()),
+                                                               device, dtype))
+      local out = p:read("*a")
+      p:close()
+      for stage, offload, dev, cpu in out:gmatch("\n(%d)%s+(%S+)%s+([%d,]+)%s+%S+ GiB%s+([%d,]+)") do
+        local plan = estimate.plan(tonumber(stage), dtype, offload, nil, device)
+        local by = plan:bytes{ full = L.full_numel, shard = L.shard_numel, persistent = persistent }
+        local function n(text) return tonumber((text:gsub(",", ""))) end
+        assert(n(dev) == by.device.total and n(cpu) == by.host.total,
+               ("%s %s stage %s %s: tools/estimate %s | %s, the plan %d | %d")
+               :format(device, dtype, stage, offload, dev, cpu, by.device.total, by.host.total))
+        rows = rows + 1
+      end
+    end
+  end
+  assert(rows == 4 * 8, ("%d rows read"):format(rows))
+end
+
 return T
