@@ -280,12 +280,18 @@ function Tokenizer:token_id(text) return self.added_id[text] or self.by_bytes[te
 
 --------------------------------------------------------------- loading
 
-local function check_type(path, field, value, supported)
+-- The type of an optional part of the file, refused unless it is one of
+-- supported (or absent, where null_ok).
+local function check_type(path, field, value, supported, null_ok)
+  if (value == nil or value == cjson.null) and null_ok then return nil end
   local t = type(value) == "table" and value.type or nil
-  if value == nil or value == cjson.null then return nil end
   for _, s in ipairs(supported) do if t == s then return t end end
-  fail(path, ("%s is %s; supported: %s"):format(field, t and ('"' .. t .. '"') or "not a type",
-    #supported > 0 and ('"' .. concat(supported, '", "') .. '" or null') or "null"))
+  local names = {}
+  for _, s in ipairs(supported) do names[#names + 1] = '"' .. s .. '"' end
+  if null_ok then names[#names + 1] = "null" end
+  fail(path, ("%s is %s; supported: %s"):format(field,
+    t and ('"' .. tostring(t) .. '"') or (value == nil or value == cjson.null) and "null" or
+    "without a type", concat(names, " or ")))
 end
 
 local function is_set(v) return v ~= nil and v ~= cjson.null and v ~= false and v ~= "" end
@@ -302,7 +308,7 @@ function M.load(path)
   local model = j.model
   if type(model) ~= "table" then fail(path, "has no \"model\"; give a Hugging Face tokenizer.json") end
   if model.type ~= "BPE" then
-    fail(path, ("model.type is %s; supported: \"BPE\""):format(tostring(model.type)))
+    fail(path, ("model.type is %s; supported: \"BPE\""):format(cjson.encode(model.type or cjson.null)))
   end
   for _, field in ipairs({ "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback",
                            "dropout" }) do
@@ -311,13 +317,11 @@ function M.load(path)
                  :format(field, cjson.encode(model[field])))
     end
   end
-  check_type(path, "normalizer", j.normalizer, {})
+  check_type(path, "normalizer", j.normalizer, {}, true)
   local pre = j.pre_tokenizer
-  if check_type(path, "pre_tokenizer", pre, { "ByteLevel" }) == nil then
-    fail(path, "pre_tokenizer is null; supported: \"ByteLevel\" (a byte-level BPE)")
-  end
-  check_type(path, "post_processor", j.post_processor, { "ByteLevel" })
-  check_type(path, "decoder", j.decoder, { "ByteLevel" })
+  check_type(path, "pre_tokenizer", pre, { "ByteLevel" }, false)
+  check_type(path, "post_processor", j.post_processor, { "ByteLevel" }, true)
+  check_type(path, "decoder", j.decoder, { "ByteLevel" }, true)
 
   local self = setmetatable({
     add_prefix_space = pre.add_prefix_space == true,
