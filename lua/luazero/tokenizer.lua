@@ -9,10 +9,13 @@
 --
 -- Supported: model.type "BPE" (vocab, merges as "a b" strings or [a, b]
 -- lists, ignore_merges, unk_token), no normalizer, the ByteLevel
--- pre-tokenizer (GPT-2's split, add_prefix_space, use_regex), a ByteLevel or
--- absent post-processor and decoder, and added_tokens, which are matched in
--- the text before pre-tokenization (leftmost, then longest). Anything else is
--- refused naming the field.
+-- pre-tokenizer (GPT-2's split, add_prefix_space, use_regex) or Llama 3's
+-- Sequence [Split (its pattern), ByteLevel], a ByteLevel or absent decoder,
+-- and added_tokens, which are matched in the text before pre-tokenization
+-- (leftmost, then longest). A post-processor (ByteLevel, TemplateProcessing)
+-- adds nothing: encode gives the text's ids alone, as tokenizers'
+-- encode(text, add_special_tokens=False). Anything else is refused naming the
+-- field.
 --
 -- The split is GPT-2's pattern
 --   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
@@ -169,6 +172,84 @@ local function split_gpt2(s, emit)
   end
 end
 
+-- Llama 3's pattern, for a Split pre-tokenizer before ByteLevel:
+--   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+--   ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+local LLAMA3_PATTERN = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|" ..
+  "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+local CR, LF = 13, 10
+
+local function is_newline(c) return c == CR or c == LF end
+
+local function split_llama3(s, emit)
+  local n, p = #s, 1
+  while p <= n do
+    local c, l = code_point(s, p)
+    local k, r = class_of(c), p + l
+    local q
+    if c == APOSTROPHE then
+      local b1 = byte(s, p + 1)
+      if b1 and CONTRACTION1[bor(b1, 32)] then
+        q = p + 2
+      elseif CONTRACTION2[sub(s, p + 1, p + 2):lower()] then
+        q = p + 3
+      end
+    end
+    if not q and k ~= LETTER and k ~= NUMBER and not is_newline(c) and r <= n then
+      local c2, l2 = code_point(s, r) -- [^\r\n\p{L}\p{N}]?\p{L}+
+      if class_of(c2) == LETTER then k, r = LETTER, r + l2 end
+    end
+    if q then -- a contraction
+    elseif k == LETTER then
+      while r <= n do
+        local c2, l2 = code_point(s, r)
+        if class_of(c2) ~= LETTER then break end
+        r = r + l2
+      end
+      q = r
+    elseif k == NUMBER then
+      for _ = 2, 3 do
+        if r > n then break end
+        local c2, l2 = code_point(s, r)
+        if class_of(c2) ~= NUMBER then break end
+        r = r + l2
+      end
+      q = r
+    else
+      if c == SPACE_BYTE and r <= n then -- " ?" before a run of others
+        local c2, l2 = code_point(s, r)
+        if class_of(c2) == OTHER then k, r = OTHER, r + l2 end
+      end
+      if k == OTHER then
+        while r <= n do
+          local c2, l2 = code_point(s, r)
+          if class_of(c2) ~= OTHER then break end
+          r = r + l2
+        end
+        while r <= n and is_newline(byte(s, r)) do r = r + 1 end
+        q = r
+      else -- a run of blanks: up to its last newline, else as GPT-2's
+        local last, after_newline = p, is_newline(c) and r or nil
+        while r <= n do
+          local c2, l2 = code_point(s, r)
+          if class_of(c2) ~= SPACE then break end
+          last, r = r, r + l2
+          if is_newline(c2) then after_newline = r end
+        end
+        if after_newline then
+          q = after_newline
+        elseif r <= n and last > p then
+          q = last
+        else
+          q = r
+        end
+      end
+    end
+    emit(s, p, q - 1)
+    p = q
+  end
+end
+
 --------------------------------------------------------------- BPE
 
 local Tokenizer = {}
@@ -217,8 +298,8 @@ end
 local function encode_plain(self, s, out)
   if #s == 0 then return end
   if self.add_prefix_space and byte(s, 1) ~= SPACE_BYTE then s = " " .. s end
-  if not self.use_regex then return bpe(self, s, out) end
-  split_gpt2(s, function(t, i, j) bpe(self, sub(t, i, j), out) end)
+  if not self.split then return bpe(self, s, out) end
+  self.split(s, function(t, i, j) bpe(self, sub(t, i, j), out) end)
 end
 
 -- Where added tokens occur in text: leftmost first, the longest at a place.
@@ -318,14 +399,38 @@ function M.load(path)
     end
   end
   check_type(path, "normalizer", j.normalizer, {}, true)
-  local pre = j.pre_tokenizer
+  local pre, split = j.pre_tokenizer, split_gpt2
+  -- Llama 3: Sequence [Split(its pattern, Isolated), ByteLevel(use_regex false)].
+  if type(pre) == "table" and pre.type == "Sequence" and type(pre.pretokenizers) == "table" and
+     #pre.pretokenizers == 2 then
+    local sp, bl = pre.pretokenizers[1], pre.pretokenizers[2]
+    local pattern = type(sp) == "table" and type(sp.pattern) == "table" and sp.pattern.Regex
+    if not (sp.type == "Split" and pattern == LLAMA3_PATTERN and sp.behavior == "Isolated" and
+            sp.invert ~= true and type(bl) == "table" and bl.type == "ByteLevel" and
+            bl.use_regex == false) then
+      fail(path, "pre_tokenizer is a Sequence other than Llama 3's; supported: \"ByteLevel\", " ..
+                 "or Sequence [Split (Llama 3's pattern, Isolated), ByteLevel (use_regex false)]")
+    end
+    pre, split = bl, split_llama3
+  end
   check_type(path, "pre_tokenizer", pre, { "ByteLevel" }, false)
-  check_type(path, "post_processor", j.post_processor, { "ByteLevel" }, true)
+  if pre.use_regex == false and split == split_gpt2 then split = nil end
+  -- Post-processors add nothing here: encode is the text's ids alone
+  -- (tokenizers' encode(text, add_special_tokens=False)).
+  local post = j.post_processor
+  if type(post) == "table" and post.type == "Sequence" and type(post.processors) == "table" then
+    for i, p in ipairs(post.processors) do
+      check_type(path, ("post_processor.processors[%d]"):format(i), p,
+                 { "ByteLevel", "TemplateProcessing" }, false)
+    end
+  else
+    check_type(path, "post_processor", post, { "ByteLevel", "TemplateProcessing", "Sequence" }, true)
+  end
   check_type(path, "decoder", j.decoder, { "ByteLevel" }, true)
 
   local self = setmetatable({
     add_prefix_space = pre.add_prefix_space == true,
-    use_regex = pre.use_regex ~= false,
+    split = split,
     ignore_merges = model.ignore_merges == true,
     cache = {}, cache_size = 0, cache_limit = 2 ^ 20,
     by_bytes = {}, bytes_of = {}, byte_id = {}, merge_rank = {}, merge_result = {},
@@ -395,6 +500,6 @@ function M.load(path)
   return self
 end
 
-M.split_gpt2 = split_gpt2 -- for tests
+M.split_gpt2, M.split_llama3 = split_gpt2, split_llama3 -- for tests
 
 return M

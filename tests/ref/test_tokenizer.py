@@ -4,7 +4,9 @@ Trains a byte-level BPE (vocabulary 1000, special token <|endoftext|>) with
 `tokenizers` on ../shared/data/tinyshakespeare.txt (relative to the repository
 root), saves its tokenizer.json, and encodes the whole corpus and texts with
 special tokens, Unicode and odd whitespace with both `tokenizers` and luazero
-(tests/ref/tokenize.lua). Checks: identical ids, decode round-trips, the same
+(tests/ref/tokenize.lua); the same for a Llama 3 kind of tokenizer.json (Split
+with Llama 3's pattern, ByteLevel without a regex, ignore_merges,
+TemplateProcessing). Checks: identical ids, decode round-trips, the same
 ids from "a b" string merges as from [a, b] list merges, tools/prepare-data
 --tokenizer writes the same ids, and an unsupported tokenizer.json or a
 vocabulary over 65536 is refused naming the field. Prints encoding MB/s of both.
@@ -28,6 +30,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
 CORPUS = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
 
 TEXTS = {
@@ -40,6 +44,7 @@ TEXTS = {
     "only_space": "   ",
     "one_newline": "\n",
     "empty": "",
+    "llama_cases": "'S 'T 'RE 'Ll \"Hello (x) 12345678 a1b22c333 \t\tfoo  \n \n\t x.\n\n\r\n!!\n\n",
     "invalid_utf8_free": "Ωμέγα Привет мир مرحبا שלום नमस्ते 中文字符 한국어",
 }
 
@@ -208,6 +213,36 @@ def main():
                 ["pre_tokenizer", '"Whitespace"', '"ByteLevel"'])
         refused("vocab_over_uint16", lambda j: j["added_tokens"].append(
             {"id": 70000, "content": "<|big|>", "special": True}), ["70001", "65536"])
+
+        # Llama 3's kind: Split with its pattern, then ByteLevel without a regex,
+        # ignore_merges, and a TemplateProcessing post-processor (adds nothing
+        # to encode(text, add_special_tokens=False)).
+        from tokenizers import Regex, processors
+        l3 = Tokenizer(models.BPE(ignore_merges=True))
+        l3.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        l3.decoder = decoders.ByteLevel()
+        l3.train([CORPUS], trainers.BpeTrainer(
+            vocab_size=1000, special_tokens=["<|begin_of_text|>", "<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        l3.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)])
+        l3_json = os.path.join(tmp, "tokenizer-llama3.json")
+        l3.save(l3_json)
+        lua3, err = run_lua(l3_json)
+        check("llama3_runs", lua3 is not None, err.strip()[-2000:])
+        for name, text in texts.items():
+            want = l3.encode(text, add_special_tokens=False).ids
+            got = lua3[name][0] if lua3 else None
+            detail = f"{len(want)} tokens"
+            if lua3 and got != want:
+                k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                         min(len(got), len(want)))
+                detail = (f"first difference at token {k}: luazero {got[k:k + 6]} tokenizers "
+                          f"{want[k:k + 6]} near {l3.decode(want[k:k + 6])!r}")
+            check(f"llama3.same_ids.{name}", got == want, detail)
+            check(f"llama3.decode_round_trip.{name}", lua3 is not None and lua3[name][1] == text)
 
         # Speed on the whole corpus: one encode call each (luazero: one thread;
         # tokenizers: encode of the whole string, and encode_batch of its lines on
