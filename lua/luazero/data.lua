@@ -144,14 +144,26 @@ function M.load(path)
   return { tokens = t, count = t:numel(), max_id = max, kind = kind, path = path }
 end
 
--- Writes tokens (a Lua string of bytes, one token each) as a token file.
-function M.write_token_file(path, text)
-  local n = #text
+-- Writes tokens as a token file: a Lua string of bytes (one token each) or a
+-- list of ids, each 0..65535 (the file holds uint16).
+function M.write_token_file(path, tokens)
+  local n = #tokens
   local header = ffi.new("int32_t[256]")
   header[0], header[1], header[2] = M.MAGIC, M.VERSION, n
   local body = ffi.new("uint16_t[?]", math.max(n, 1))
-  local src = ffi.cast("const uint8_t *", text)
-  for i = 0, n - 1 do body[i] = src[i] end
+  if type(tokens) == "string" then
+    local src = ffi.cast("const uint8_t *", tokens)
+    for i = 0, n - 1 do body[i] = src[i] end
+  else
+    for i = 1, n do
+      local id = tokens[i]
+      if id < 0 or id > 65535 then
+        error(("prepare-data: %s: token id %d does not fit a token file's uint16 (0..65535)")
+              :format(path, id), 0)
+      end
+      body[i - 1] = id
+    end
+  end
   local f, err = io.open(path, "wb")
   if not f then error("prepare-data: cannot write " .. path .. " (" .. tostring(err) .. ")", 0) end
   f:write(ffi.string(header, M.HEADER_BYTES), ffi.string(body, n * 2))
