@@ -11,8 +11,10 @@ lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t)
 lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t) {
   LZ_TRY(lz_check_present(op, name, t));
   if (t->device != LZ_CPU)
-    return lz_fail(LZ_ERR_UNSUPPORTED, "%s: %s lives on cuda; this is the cpu kernel", op,
-                   name);
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "%s: %s lives on cuda, and this op has no cuda kernel: keep its tensors in "
+                   "host memory (device cpu)",
+                   op, name);
   return LZ_OK;
 }
 

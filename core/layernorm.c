@@ -10,18 +10,10 @@
  * order: threads split the columns, each walks all row blocks in order. */
 #include "lz_backend.h"
 #include "lz_internal.h"
+#include "lz_lanes.h" /* sums in independent lanes */
 
 #include <math.h>   /* sqrtf, isinf */
-#include <string.h> /* memcpy */
 
-/* Sums are kept in LANES independent partial sums: without -ffast-math GCC
- * will not reorder a single running sum, and so would not vectorize it. The
- * lanes are a GCC vector: written as arrays with an inner lane loop, GCC
- * vectorizes the outer loop instead and drowns it in shuffles. */
-#define LANES 16
-typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
-#define LOAD_LANES(v, p) memcpy(&(v), (p), sizeof(lanes_f32))
-#define STORE_LANES(p, v) memcpy((p), &(v), sizeof(lanes_f32))
 /* Columns per thread task in the two-pass dw/db pass: two cache lines. */
 #define COL_BLOCK 32
 /* Row blocks of backward's dw/db sums: at most MAX_ROW_BLOCKS, of at least
@@ -35,12 +27,6 @@ typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
  * it is not API). */
 int64_t lz_layernorm_fused_max_cols = FUSED_MAX_COLS;
 
-static float sum_lanes(const lanes_f32 *acc) {
-  float s = 0.0f;
-  for (int l = 0; l < LANES; l++) s += (*acc)[l];
-  return s;
-}
-
 /* ---------------------------------------------------------------- forward */
 
 LZ_DISPATCH static void layernorm_forward_row(float *out, float *mean_out, float *rstd_out,
@@ -50,16 +36,16 @@ LZ_DISPATCH static void layernorm_forward_row(float *out, float *mean_out, float
    * E[x^2] - E[x]^2 cancels badly when the mean is large next to the spread;
    * after the shift the mean of d is on the order of the spread. */
   const float k = C > 0 ? x[0] : 0.0f;
-  lanes_f32 acc = {0}, acc2 = {0};
+  lz_lanes_f32 acc = {0}, acc2 = {0};
   int64_t i = 0;
-  for (; i + LANES <= C; i += LANES) {
-    lanes_f32 d;
-    LOAD_LANES(d, x + i);
+  for (; i + LZ_LANES <= C; i += LZ_LANES) {
+    lz_lanes_f32 d;
+    LZ_LOAD_LANES(d, x + i);
     d -= k;
     acc += d;
     acc2 += d * d;
   }
-  float sum = sum_lanes(&acc), sum2 = sum_lanes(&acc2);
+  float sum = lz_sum_lanes(&acc), sum2 = lz_sum_lanes(&acc2);
   for (; i < C; i++) {
     float d = x[i] - k;
     sum += d;
@@ -129,20 +115,20 @@ LZ_DISPATCH static void layernorm_backward_rows(float *dx, float *restrict pw, f
     const float *xr = x + r * C, *dyr = dy + r * C;
     float *dxr = dx + r * C;
     const float m = mean[r], s = rstd[r];
-    lanes_f32 ag = {0}, agn = {0};
+    lz_lanes_f32 ag = {0}, agn = {0};
     int64_t i = 0;
-    for (; i + LANES <= C; i += LANES) {
-      lanes_f32 d, xv, wv, aw, ab;
-      LOAD_LANES(d, dyr + i), LOAD_LANES(xv, xr + i), LOAD_LANES(wv, w + i);
-      LOAD_LANES(aw, pw + i), LOAD_LANES(ab, pb + i);
-      const lanes_f32 norm = (xv - m) * s, g = wv * d;
+    for (; i + LZ_LANES <= C; i += LZ_LANES) {
+      lz_lanes_f32 d, xv, wv, aw, ab;
+      LZ_LOAD_LANES(d, dyr + i), LZ_LOAD_LANES(xv, xr + i), LZ_LOAD_LANES(wv, w + i);
+      LZ_LOAD_LANES(aw, pw + i), LZ_LOAD_LANES(ab, pb + i);
+      const lz_lanes_f32 norm = (xv - m) * s, g = wv * d;
       ag += g;
       agn += g * norm;
       aw += norm * d;
       ab += d;
-      STORE_LANES(pw + i, aw), STORE_LANES(pb + i, ab);
+      LZ_STORE_LANES(pw + i, aw), LZ_STORE_LANES(pb + i, ab);
     }
-    float sum_g = sum_lanes(&ag), sum_gn = sum_lanes(&agn);
+    float sum_g = lz_sum_lanes(&ag), sum_gn = lz_sum_lanes(&agn);
     for (; i < C; i++) {
       const float d = dyr[i], norm = (xr[i] - m) * s, g = w[i] * d;
       sum_g += g;
@@ -188,16 +174,16 @@ LZ_DISPATCH static void layernorm_dw_db_block(float *dw, float *db, const float 
 /* dx for one row, without dw/db: the second pass of the two-pass path. */
 LZ_DISPATCH static void layernorm_dx_row(float *dx, const float *dy, const float *x,
                                          const float *w, float m, float s, int64_t C) {
-  lanes_f32 ag = {0}, agn = {0};
+  lz_lanes_f32 ag = {0}, agn = {0};
   int64_t i = 0;
-  for (; i + LANES <= C; i += LANES) {
-    lanes_f32 d, xv, wv;
-    LOAD_LANES(d, dy + i), LOAD_LANES(xv, x + i), LOAD_LANES(wv, w + i);
-    const lanes_f32 norm = (xv - m) * s, g = wv * d;
+  for (; i + LZ_LANES <= C; i += LZ_LANES) {
+    lz_lanes_f32 d, xv, wv;
+    LZ_LOAD_LANES(d, dy + i), LZ_LOAD_LANES(xv, x + i), LZ_LOAD_LANES(wv, w + i);
+    const lz_lanes_f32 norm = (xv - m) * s, g = wv * d;
     ag += g;
     agn += g * norm;
   }
-  float sum_g = sum_lanes(&ag), sum_gn = sum_lanes(&agn);
+  float sum_g = lz_sum_lanes(&ag), sum_gn = lz_sum_lanes(&agn);
   for (; i < C; i++) {
     const float norm = (x[i] - m) * s, g = w[i] * dy[i];
     sum_g += g;

@@ -1,0 +1,75 @@
+/* swiglu.c — the gated activation of Llama's MLP, as Hugging Face's LlamaMLP
+ * computes it: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). CPU only. */
+#include "lz_internal.h"
+
+#include <math.h> /* expf */
+
+/* Elements per thread task. */
+#define BLOCK (1 << 14)
+
+/* out may be gate or up: each element is read before it is written. */
+LZ_DISPATCH static void swiglu_forward_block(float *out, const float *gate, const float *up,
+                                             int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + expf(-g)) * up[i];
+  }
+}
+
+/* With s = sigmoid(g): d silu / dg = s (1 + g (1 - s)), as torch's silu
+ * backward. dgate and dup may each be dout, gate or up. */
+LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const float *dout,
+                                              const float *gate, const float *up, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float g = gate[i], u = up[i], d = dout[i];
+    const float s = 1.0f / (1.0f + expf(-g));
+    dgate[i] = d * u * (s * (1.0f + g * (1.0f - s)));
+    dup[i] = d * (g * s);
+  }
+}
+
+/* Checks that each tensor is f32, shaped as gate and on the cpu. */
+static lz_status check_like_gate(const char *op, int n, const char *const *names,
+                                 const lz_tensor *const *ts) {
+  LZ_TRY(lz_check_dtype(op, "gate", ts[0], LZ_F32));
+  for (int i = 0; i < n; i++) {
+    LZ_TRY(lz_check_dtype(op, names[i], ts[i], LZ_F32));
+    LZ_TRY(lz_check_same_shape(op, names[i], ts[i], "gate", ts[0]));
+    LZ_TRY(lz_check_cpu(op, names[i], ts[i]));
+  }
+  return LZ_OK;
+}
+
+lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
+  const char *op = "swiglu_forward";
+  const char *names[] = {"gate", "up", "out"};
+  const lz_tensor *ts[] = {gate, up, out};
+  LZ_TRY(check_like_gate(op, 3, names, ts));
+  const int64_t n = lz_tensor_numel(gate);
+  float *o = out->data;
+  const float *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+    swiglu_forward_block(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
+  return LZ_OK;
+}
+
+lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                             const lz_tensor *gate, const lz_tensor *up) {
+  const char *op = "swiglu_backward";
+  const char *names[] = {"gate", "up", "dout", "dgate", "dup"};
+  const lz_tensor *ts[] = {gate, up, dout, dgate, dup};
+  LZ_TRY(check_like_gate(op, 5, names, ts));
+  if (dgate->data == dup->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: dgate and dup are the same memory; give each gradient its own buffer",
+                   op);
+  const int64_t n = lz_tensor_numel(gate);
+  float *dg = dgate->data, *du = dup->data;
+  const float *dop = dout->data, *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+    swiglu_backward_block(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
+                          n - i0 < BLOCK ? n - i0 : BLOCK);
+  return LZ_OK;
+}
