@@ -18,6 +18,12 @@ lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t) {
   return LZ_OK;
 }
 
+lz_status lz_check_cpu_all(const char *op, int n, const char *const *names,
+                           const lz_tensor *const *ts) {
+  for (int i = 0; i < n; i++) LZ_TRY(lz_check_cpu(op, names[i], ts[i]));
+  return LZ_OK;
+}
+
 /* The shape and dtype checks accept tensors on any device: each kernel ends
  * its checks with LZ_DEVICE_DISPATCH, which sends cuda tensors to the
  * backend and refuses a mix of devices. */
@@ -69,6 +75,18 @@ lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tenso
                    lz_tensor_describe(b, bb, sizeof bb));
   }
   return LZ_OK;
+}
+
+lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
+                            const char *like_name, const lz_tensor *like) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  return lz_check_same_shape(op, name, t, like_name, like);
+}
+
+lz_status lz_check_f32_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
+                             const char *why) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  return lz_check_numel(op, name, t, n, why);
 }
 
 int64_t lz_cols(const lz_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }

@@ -63,8 +63,7 @@ LZ_DISPATCH static void gelu_forward_block(float *out, const float *x, int64_t n
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x) {
   const char *op = "gelu_forward";
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
   LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_FORWARD, .t = {out, (lz_tensor *)x});
   const int64_t n = lz_tensor_numel(x);
   float *o = out->data;
@@ -94,10 +93,8 @@ LZ_DISPATCH static void gelu_backward_block(float *dx, const float *dy, const fl
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x) {
   const char *op = "gelu_backward";
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_dtype(op, "dy", dy, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
   LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_BACKWARD, .t = {dx, (lz_tensor *)dy, (lz_tensor *)x});
   const int64_t n = lz_tensor_numel(x);
   float *dxp = dx->data;

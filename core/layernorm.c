@@ -68,16 +68,11 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
-  LZ_TRY(lz_check_dtype(op, "w", w, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "b", b, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "b", b, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "mean", mean, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "mean", mean, rows, "one per row of x"));
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
+  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
+  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "b", b, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "mean", mean, rows, "one per row of x"));
+  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
@@ -203,20 +198,13 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_dtype(op, "dy", dy, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
-  LZ_TRY(lz_check_dtype(op, "w", w, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "dw", dw, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "dw", dw, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "db", db, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "db", db, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "mean", mean, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "mean", mean, rows, "one per row of x"));
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
+  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
+  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "dw", dw, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "db", db, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "mean", mean, rows, "one per row of x"));
+  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_BACKWARD,
                      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
                            (lz_tensor *)mean, (lz_tensor *)rstd});

@@ -40,6 +40,14 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
                               const char *name_b, const lz_tensor *b);
 lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t);
+/* lz_check_cpu on each of n tensors, named by names. */
+lz_status lz_check_cpu_all(const char *op, int n, const char *const *names,
+                           const lz_tensor *const *ts);
+/* f32 and shaped as `like`; f32 and n elements. */
+lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
+                            const char *like_name, const lz_tensor *like);
+lz_status lz_check_f32_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
+                             const char *why);
 /* Product of all dims but the last, and the last. */
 int64_t lz_rows(const lz_tensor *t);
 int64_t lz_cols(const lz_tensor *t);

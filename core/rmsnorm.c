@@ -39,18 +39,15 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
-  LZ_TRY(lz_check_dtype(op, "w", w, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
+  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
+  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
   const lz_tensor *all[] = {out, rstd, x, w};
   const char *names[] = {"out", "rstd", "x", "w"};
-  for (int i = 0; i < 4; i++) LZ_TRY(lz_check_cpu(op, names[i], all[i]));
+  LZ_TRY(lz_check_cpu_all(op, 4, names, all));
 
   float *o = out->data, *rs = rstd->data;
   const float *xp = x->data, *wp = w->data;
@@ -97,19 +94,14 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_dtype(op, "dy", dy, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
-  LZ_TRY(lz_check_dtype(op, "w", w, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "dw", dw, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "dw", dw, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
+  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
+  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "dw", dw, C, "the last dimension of x"));
+  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   const lz_tensor *all[] = {dx, dw, dy, x, w, rstd};
   const char *names[] = {"dx", "dw", "dy", "x", "w", "rstd"};
-  for (int i = 0; i < 6; i++) LZ_TRY(lz_check_cpu(op, names[i], all[i]));
+  LZ_TRY(lz_check_cpu_all(op, 6, names, all));
 
   const float *dyp = dy->data, *xp = x->data, *wp = w->data, *rs = rstd->data;
   float *dxp = dx->data, *dwp = dw->data;

@@ -42,8 +42,7 @@ static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out
                             int64_t pos_offset, float theta, float sign) {
   LZ_TRY(lz_check_dtype(op, x_name, x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
-  LZ_TRY(lz_check_dtype(op, out_name, out, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, out_name, out, x_name, x));
+  LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
   LZ_TRY(lz_check_cpu(op, x_name, x));
   LZ_TRY(lz_check_cpu(op, out_name, out));
   if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);

@@ -32,12 +32,8 @@ LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const fl
 static lz_status check_like_gate(const char *op, int n, const char *const *names,
                                  const lz_tensor *const *ts) {
   LZ_TRY(lz_check_dtype(op, "gate", ts[0], LZ_F32));
-  for (int i = 0; i < n; i++) {
-    LZ_TRY(lz_check_dtype(op, names[i], ts[i], LZ_F32));
-    LZ_TRY(lz_check_same_shape(op, names[i], ts[i], "gate", ts[0]));
-    LZ_TRY(lz_check_cpu(op, names[i], ts[i]));
-  }
-  return LZ_OK;
+  for (int i = 1; i < n; i++) LZ_TRY(lz_check_f32_like(op, names[i], ts[i], "gate", ts[0]));
+  return lz_check_cpu_all(op, n, names, ts);
 }
 
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
