@@ -34,23 +34,11 @@ except ImportError as e:
     print("0 passed, 1 failed")
     sys.exit(1)
 import lz  # noqa: E402
-from harness import TOL, check, check_true, run, test  # noqa: E402
+from harness import TOL, check, check_true, randn_with, run, test, tt, zeros  # noqa: E402
 
 torch.set_num_threads(2)
-rng = np.random.default_rng(20250101)
+randn = randn_with(np.random.default_rng(20250101))
 W = lz.wrap
-
-
-def randn(*shape, scale=1.0, shift=0.0):
-    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
-
-
-def zeros(*shape):
-    return np.zeros(shape, dtype=np.float32)
-
-
-def tt(a, grad=False):
-    return torch.from_numpy(np.array(a, copy=True)).requires_grad_(grad)
 
 
 def refused(name, fn, needle):
