@@ -43,8 +43,7 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
   LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
   LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (!(eps >= 0.0f) || isinf(eps))
-    return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
-                   (double)eps);
+    return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
   const lz_tensor *all[] = {out, rstd, x, w};
   const char *names[] = {"out", "rstd", "x", "w"};
   LZ_TRY(lz_check_cpu_all(op, 4, names, all));
@@ -88,8 +87,8 @@ LZ_DISPATCH static void rmsnorm_dx_row(float *dx, const float *dy, const float *
   for (i = 0; i < C; i++) dx[i] = (w[i] * dy[i] - x[i] * s * mean_gn) * s;
 }
 
-lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
-                              const lz_tensor *x, const lz_tensor *w, const lz_tensor *rstd) {
+lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy, const lz_tensor *x,
+                              const lz_tensor *w, const lz_tensor *rstd) {
   const char *op = "rmsnorm_backward";
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));

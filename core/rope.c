@@ -64,8 +64,8 @@ static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out
     return lz_fail(LZ_ERR_INVALID, "%s: pos_offset is %lld; it must be >= 0", op,
                    (long long)pos_offset);
   if (!(theta > 0.0f) || isinf(theta))
-    return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)",
-                   op, (double)theta);
+    return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
+                   (double)theta);
 
   const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
   float inv_freq[half];

@@ -58,8 +58,7 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
   LZ_TRY(check_like_gate(op, 5, names, ts));
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
-                   "%s: dgate and dup are the same memory; give each gradient its own buffer",
-                   op);
+                   "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
   const int64_t n = lz_tensor_numel(gate);
   float *dg = dgate->data, *du = dup->data;
   const float *dop = dout->data, *gp = gate->data, *up_ = up->data;

@@ -160,8 +160,10 @@ static void rmsnorm_backward_with(float *dx, float *dw, int64_t rows, int64_t C,
   CHECK_OK(lz_rmsnorm_forward(tout, tr, tx, tw, 1e-5f));
   CHECK_OK(lz_rmsnorm_backward(tdx, tdw, tdy, tx, tw, tr));
   lz_threads_set(saved);
-  if (dx_is_dy) memcpy(dx, dy, sizeof(float) * n);
-  else lz_tensor_free(tdx);
+  if (dx_is_dy)
+    memcpy(dx, dy, sizeof(float) * n);
+  else
+    lz_tensor_free(tdx);
   lz_tensor *ts[] = {tx, tdy, tout, tw, tdw, tr};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
   free(x), free(dy), free(out), free(w), free(rstd);
@@ -469,8 +471,7 @@ LZ_TEST(swiglu_errors) {
             "swiglu_forward: gate is bf16[2,4], expected dtype f32");
   CHECK_ERR(lz_swiglu_forward(NULL, a, a), LZ_ERR_INVALID, "swiglu_forward: out is missing");
   CHECK_ERR(lz_swiglu_forward(a, a, ac), LZ_ERR_UNSUPPORTED, "swiglu_forward: up lives on cuda");
-  CHECK_ERR(lz_swiglu_backward(a, b, y9, a, a), LZ_ERR_INVALID,
-            "swiglu_backward: dout is f32[9]");
+  CHECK_ERR(lz_swiglu_backward(a, b, y9, a, a), LZ_ERR_INVALID, "swiglu_backward: dout is f32[9]");
   CHECK_ERR(lz_swiglu_backward(a, y9, a, a, a), LZ_ERR_INVALID, "swiglu_backward: dup is f32[9]");
   CHECK_ERR(lz_swiglu_backward(a, a, a, a, a), LZ_ERR_INVALID,
             "swiglu_backward: dgate and dup are the same memory");
