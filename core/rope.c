@@ -3,13 +3,14 @@
  * element i pairs with element i + head_dim/2 and the pair turns by the angle
  * pos * inv_freq[i], inv_freq[i] = theta^(-2i/head_dim). CPU only.
  *
- * The numbers follow LlamaRotaryEmbedding: inv_freq in fp32 (here worked out
- * in double, then rounded), the angle pos * inv_freq a product in fp32, its
- * cos and sin in fp32. A row of x is one position: its cos and sin are
+ * The numbers follow LlamaRotaryEmbedding: inv_freq in fp32 (worked out here
+ * in double, then rounded; Hugging Face's fp32 arithmetic lands within a few
+ * ulps of it), the angle pos * inv_freq a product in fp32, its cos and sin in
+ * fp32. A row of x is one position: its cos and sin are
  * worked out once and serve every head. */
 #include "lz_internal.h"
 
-#include <math.h> /* pow, cosf, sinf, isfinite */
+#include <math.h> /* pow, cosf, sinf, isinf */
 
 /* Widest head the kernel takes: its cos and sin tables live on the stack. */
 #define ROPE_MAX_HEAD_DIM 4096
