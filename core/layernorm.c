@@ -10,16 +10,13 @@
  * order: threads split the columns, each walks all row blocks in order. */
 #include "lz_backend.h"
 #include "lz_internal.h"
-#include "lz_lanes.h" /* sums in independent lanes */
+#include "lz_lanes.h"     /* sums in independent lanes */
+#include "lz_rowblocks.h" /* the row blocks of the dw/db sums */
 
 #include <math.h>   /* sqrtf, isinf */
 
 /* Columns per thread task in the two-pass dw/db pass: two cache lines. */
 #define COL_BLOCK 32
-/* Row blocks of backward's dw/db sums: at most MAX_ROW_BLOCKS, of at least
- * MIN_BLOCK_ROWS rows, so 2 * MAX_ROW_BLOCKS * C floats of partials. */
-#define MAX_ROW_BLOCKS 16
-#define MIN_BLOCK_ROWS 16
 /* Widest rows the one-pass backward takes: 512 KiB of partials on the stack. */
 #define FUSED_MAX_COLS 4096
 
@@ -90,13 +87,6 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
 
 /* --------------------------------------------------------------- backward */
 
-/* Row block k of n covers rows [k * rows / n, (k + 1) * rows / n). */
-static int64_t row_blocks(int64_t rows) {
-  int64_t n = rows / MIN_BLOCK_ROWS;
-  return n < 1 ? 1 : n > MAX_ROW_BLOCKS ? MAX_ROW_BLOCKS : n;
-}
-static int64_t block_start(int64_t k, int64_t n, int64_t rows) { return k * rows / n; }
-
 /* With norm = (x - mean) * rstd and g = w * dy:
  *   dx = rstd * (g - mean(g) - norm * mean(g * norm)).
  * The rows [r0, r1) also add norm * dy into pw and dy into pb, in row order.
@@ -146,10 +136,10 @@ LZ_DISPATCH static void layernorm_dw_db_block(float *dw, float *db, const float 
                                               const float *rstd, int64_t rows, int64_t C,
                                               int64_t c0, int64_t nc) {
   float tw[COL_BLOCK] = {0}, tb[COL_BLOCK] = {0};
-  const int64_t n = row_blocks(rows);
+  const int64_t n = lz_row_blocks(rows);
   for (int64_t k = 0; k < n; k++) {
     float aw[COL_BLOCK] = {0}, ab[COL_BLOCK] = {0};
-    for (int64_t r = block_start(k, n, rows); r < block_start(k + 1, n, rows); r++) {
+    for (int64_t r = lz_block_start(k, n, rows); r < lz_block_start(k + 1, n, rows); r++) {
       const float *xr = x + r * C + c0, *dyr = dy + r * C + c0;
       const float m = mean[r], s = rstd[r];
       for (int64_t j = 0; j < nc; j++) {
@@ -215,12 +205,12 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
   const int parallel = rows * C > (1 << 15);
 
   if (C > 0 && C <= lz_layernorm_fused_max_cols) { /* C > 0: no empty VLA */
-    const int64_t n = row_blocks(rows);
+    const int64_t n = lz_row_blocks(rows);
     float partial[2 * n * C]; /* block k: dw sums at 2kC, db sums at (2k+1)C */
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t k = 0; k < n; k++)
       layernorm_backward_rows(dxp, partial + 2 * k * C, partial + (2 * k + 1) * C, dyp, xp, wp, mu,
-                              rs, block_start(k, n, rows), block_start(k + 1, n, rows), C);
+                              rs, lz_block_start(k, n, rows), lz_block_start(k + 1, n, rows), C);
     for (int64_t c = 0; c < C; c++) {
       float tw = 0.0f, tb = 0.0f;
       for (int64_t k = 0; k < n; k++)

@@ -3,16 +3,20 @@
  *   y = w * (x / sqrt(mean(x^2) + eps)), in fp32. CPU only.
  *
  * Forward saves each row's 1/rms so backward need not recompute it. Backward
- * sums dw first, threads splitting the columns and each walking all rows in
- * order, so the sums do not depend on the thread count; then it writes dx row
- * by row. */
+ * writes dx and sums dw in one pass over fixed row blocks (lz_rowblocks.h),
+ * so dw does not depend on the thread count. Rows wider than FUSED_MAX_COLS
+ * (whose partials would not fit the stack) take two passes: dw, threads
+ * splitting the columns and each walking all rows in order, then dx. */
 #include "lz_internal.h"
-#include "lz_lanes.h" /* sums in independent lanes */
+#include "lz_lanes.h"     /* sums in independent lanes */
+#include "lz_rowblocks.h" /* the row blocks of the dw sums */
 
 #include <math.h> /* sqrtf, isinf */
 
-/* Columns per thread task in the dw pass: two cache lines. */
+/* Columns per thread task in the two-pass dw pass: two cache lines. */
 #define COL_BLOCK 32
+/* Widest rows the one-pass backward takes: 256 KiB of partials on the stack. */
+#define FUSED_MAX_COLS 4096
 
 /* ---------------------------------------------------------------- forward */
 
@@ -87,6 +91,21 @@ LZ_DISPATCH static void rmsnorm_dx_row(float *dx, const float *dy, const float *
   for (i = 0; i < C; i++) dx[i] = (w[i] * dy[i] - x[i] * s * mean_gn) * s;
 }
 
+/* The one-pass path: rows [r0, r1) write dx and sum dy * (x * rstd) in row
+ * order into pw. dx may be dy: a row's dw terms are taken before its dx is
+ * written. */
+LZ_DISPATCH static void rmsnorm_backward_rows(float *dx, float *restrict pw, const float *dy,
+                                              const float *x, const float *w, const float *rstd,
+                                              int64_t r0, int64_t r1, int64_t C) {
+  for (int64_t i = 0; i < C; i++) pw[i] = 0.0f;
+  for (int64_t r = r0; r < r1; r++) {
+    const float *xr = x + r * C, *dyr = dy + r * C;
+    const float s = rstd[r];
+    for (int64_t i = 0; i < C; i++) pw[i] += dyr[i] * (xr[i] * s);
+    rmsnorm_dx_row(dx + r * C, dyr, xr, w, s, C);
+  }
+}
+
 lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy, const lz_tensor *x,
                               const lz_tensor *w, const lz_tensor *rstd) {
   const char *op = "rmsnorm_backward";
@@ -105,6 +124,22 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
   const float *dyp = dy->data, *xp = x->data, *wp = w->data, *rs = rstd->data;
   float *dxp = dx->data, *dwp = dw->data;
   const int parallel = rows * C > (1 << 15);
+
+  if (C > 0 && C <= FUSED_MAX_COLS) { /* C > 0: no empty VLA */
+    const int64_t n = lz_row_blocks(rows);
+    float partial[n * C]; /* block k's dw sums at kC */
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t k = 0; k < n; k++)
+      rmsnorm_backward_rows(dxp, partial + k * C, dyp, xp, wp, rs, lz_block_start(k, n, rows),
+                            lz_block_start(k + 1, n, rows), C);
+    for (int64_t c = 0; c < C; c++) {
+      float t = 0.0f;
+      for (int64_t k = 0; k < n; k++) t += partial[k * C + c];
+      dwp[c] += t;
+    }
+    return LZ_OK;
+  }
+
   /* dw first: dx may share memory with dy, and the row pass overwrites it. */
   const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for schedule(static) if (parallel)

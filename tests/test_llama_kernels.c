@@ -169,20 +169,24 @@ static void rmsnorm_backward_with(float *dx, float *dw, int64_t rows, int64_t C,
   free(x), free(dy), free(out), free(w), free(rstd);
 }
 
-/* 1, 2 and 3 threads (3 splits the columns unevenly) give the same bits, and
- * dx written over dy is the same as dx on its own. */
+/* 1, 2 and 3 threads (3 splits the blocks unevenly) give the same bits, and
+ * dx written over dy is the same as dx on its own: one-pass rows (520
+ * columns, uneven row blocks) and two-pass rows (4136 columns). */
 LZ_TEST(rmsnorm_backward_thread_count_independent) {
-  const int64_t rows = 1024, C = 4096 + 40;
-  float *dx[4], *dw[4];
-  for (int t = 0; t < 4; t++) {
-    dx[t] = malloc(sizeof(float) * rows * C), dw[t] = malloc(sizeof(float) * C);
-    rmsnorm_backward_with(dx[t], dw[t], rows, C, t < 3 ? t + 1 : 2, t == 3);
+  const int64_t shapes[2][2] = {{1000, 520}, {1024, 4096 + 40}};
+  for (int k = 0; k < 2; k++) {
+    const int64_t rows = shapes[k][0], C = shapes[k][1];
+    float *dx[4], *dw[4];
+    for (int t = 0; t < 4; t++) {
+      dx[t] = malloc(sizeof(float) * rows * C), dw[t] = malloc(sizeof(float) * C);
+      rmsnorm_backward_with(dx[t], dw[t], rows, C, t < 3 ? t + 1 : 2, t == 3);
+    }
+    for (int t = 1; t < 4; t++) {
+      CHECK(memcmp(dx[0], dx[t], sizeof(float) * rows * C) == 0);
+      CHECK(memcmp(dw[0], dw[t], sizeof(float) * C) == 0);
+    }
+    for (int t = 0; t < 4; t++) free(dx[t]), free(dw[t]);
   }
-  for (int t = 1; t < 4; t++) {
-    CHECK(memcmp(dx[0], dx[t], sizeof(float) * rows * C) == 0);
-    CHECK(memcmp(dw[0], dw[t], sizeof(float) * C) == 0);
-  }
-  for (int t = 0; t < 4; t++) free(dx[t]), free(dw[t]);
 }
 
 LZ_TEST(rmsnorm_errors) {
