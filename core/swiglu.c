@@ -3,53 +3,19 @@
  *
  * libm's expf is a function call per element that no compiler vectorizes
  * without -ffast-math, which made this memory-bound op compute bound; e^x
- * here is Cephes' expf, plain arithmetic that vectorizes. */
+ * here is lz_exp, plain arithmetic that vectorizes. */
 #include "lz_internal.h"
-
-#include <math.h> /* INFINITY */
+#include "lz_vecmath.h" /* lz_exp */
 
 /* Elements per thread task. */
 #define BLOCK (1 << 14)
-
-/* cond ? a : b as a bit select, which GCC vectorizes where it would keep a
- * branch for a ternary on floats (it honours floating-point traps). */
-static inline float select_f32(int cond, float a, float b) {
-  uint32_t mask = -(uint32_t)cond; /* all ones or all zeros */
-  return lz_bits_f32((lz_f32_bits(a) & mask) | (lz_f32_bits(b) & ~mask));
-}
-
-/* Cephes' expf: x = n ln2 + r, |r| <= ln2/2, e^r a degree-7 polynomial, 2^n
- * written into the exponent bits; within 2 ulps of e^x. n is rounded with
- * the 1.5 * 2^23 trick, which leaves it in the low bits of the sum (no float
- * to int conversion, so a NaN stays a NaN without undefined behaviour). The
- * input is clamped where e^x leaves the normal floats: below, the result is
- * the smallest normal (1 + it is 1); above 88.03 it is Inf, where expf
- * rounds to a finite float up to 88.72 (1 / (1 + e^x) is 0 or 3e-39). */
-static inline float exp_approx(float x) {
-  const float hi = 88.3762626647949f, lo = -87.3365447504019f;
-  const float xc = select_f32(x > hi, hi, select_f32(x < lo, lo, x));
-  const float magic = 12582912.0f; /* 1.5 * 2^23 */
-  const float t = xc * 1.44269504088896341f + magic;
-  const float n = t - magic;
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.0f;
-  const uint32_t scale = (lz_f32_bits(t) - lz_f32_bits(magic) + 127u) << 23;
-  return select_f32(x > hi, INFINITY, p * lz_bits_f32(scale));
-}
 
 /* out may be gate or up: each element is read before it is written. */
 LZ_DISPATCH static void swiglu_forward_block(float *out, const float *gate, const float *up,
                                              int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     const float g = gate[i];
-    out[i] = g / (1.0f + exp_approx(-g)) * up[i];
+    out[i] = g / (1.0f + lz_exp(-g)) * up[i];
   }
 }
 
@@ -59,7 +25,7 @@ LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const fl
                                               const float *gate, const float *up, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     const float g = gate[i], u = up[i], d = dout[i];
-    const float s = 1.0f / (1.0f + exp_approx(-g));
+    const float s = 1.0f / (1.0f + lz_exp(-g));
     dgate[i] = d * u * (s * (1.0f + g * (1.0f - s)));
     dup[i] = d * (g * s);
   }
