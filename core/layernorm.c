@@ -62,14 +62,10 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *b,
                                float eps) {
   const char *op = "layernorm_forward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const lz_arg like[] = {{"out", out}, {0}}, per_col[] = {{"w", w}, {"b", b}, {0}},
+               per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
+  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
-  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "b", b, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "mean", mean, rows, "one per row of x"));
-  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
@@ -185,16 +181,11 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                                 const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
                                 const lz_tensor *mean, const lz_tensor *rstd) {
   const char *op = "layernorm_backward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const lz_arg like[] = {{"dy", dy}, {"dx", dx}, {0}},
+               per_col[] = {{"w", w}, {"dw", dw}, {"db", db}, {0}},
+               per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
+  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
-  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "dw", dw, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "db", db, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "mean", mean, rows, "one per row of x"));
-  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_BACKWARD,
                      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
                            (lz_tensor *)mean, (lz_tensor *)rstd});

@@ -40,17 +40,13 @@ LZ_DISPATCH static void rmsnorm_forward_row(float *out, float *rstd_out, const f
 lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x,
                              const lz_tensor *w, float eps) {
   const char *op = "rmsnorm_forward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const lz_arg like[] = {{"out", out}, {0}}, per_col[] = {{"w", w}, {0}},
+               per_row[] = {{"rstd", rstd}, {0}};
+  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
-  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
-  const lz_tensor *all[] = {out, rstd, x, w};
-  const char *names[] = {"out", "rstd", "x", "w"};
-  LZ_TRY(lz_check_cpu_all(op, 4, names, all));
+  LZ_TRY(lz_check_cpu_all(op, (lz_arg[]){{"out", out}, {"rstd", rstd}, {"x", x}, {"w", w}, {0}}));
 
   float *o = out->data, *rs = rstd->data;
   const float *xp = x->data, *wp = w->data;
@@ -109,17 +105,12 @@ LZ_DISPATCH static void rmsnorm_backward_rows(float *dx, float *restrict pw, con
 lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy, const lz_tensor *x,
                               const lz_tensor *w, const lz_tensor *rstd) {
   const char *op = "rmsnorm_backward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const lz_arg like[] = {{"dy", dy}, {"dx", dx}, {0}}, per_col[] = {{"w", w}, {"dw", dw}, {0}},
+               per_row[] = {{"rstd", rstd}, {0}};
+  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
-  LZ_TRY(lz_check_f32_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "dw", dw, C, "the last dimension of x"));
-  LZ_TRY(lz_check_f32_numel(op, "rstd", rstd, rows, "one per row of x"));
-  const lz_tensor *all[] = {dx, dw, dy, x, w, rstd};
-  const char *names[] = {"dx", "dw", "dy", "x", "w", "rstd"};
-  LZ_TRY(lz_check_cpu_all(op, 6, names, all));
+  LZ_TRY(lz_check_cpu_all(
+      op, (lz_arg[]){{"dx", dx}, {"dw", dw}, {"dy", dy}, {"x", x}, {"w", w}, {"rstd", rstd}, {0}}));
 
   const float *dyp = dy->data, *xp = x->data, *wp = w->data, *rs = rstd->data;
   float *dxp = dx->data, *dwp = dw->data;

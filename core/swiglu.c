@@ -31,19 +31,19 @@ LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const fl
   }
 }
 
-/* Checks that each tensor is f32, shaped as gate and on the cpu. */
-static lz_status check_like_gate(const char *op, int n, const char *const *names,
-                                 const lz_tensor *const *ts) {
-  LZ_TRY(lz_check_dtype(op, "gate", ts[0], LZ_F32));
-  for (int i = 1; i < n; i++) LZ_TRY(lz_check_f32_like(op, names[i], ts[i], "gate", ts[0]));
-  return lz_check_cpu_all(op, n, names, ts);
+/* Checks that gate and each argument of the list are f32, shaped as gate
+ * and on the cpu. */
+static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *args) {
+  LZ_TRY(lz_check_dtype(op, "gate", gate, LZ_F32));
+  for (const lz_arg *a = args; a->name; a++)
+    LZ_TRY(lz_check_f32_like(op, a->name, a->t, "gate", gate));
+  LZ_TRY(lz_check_cpu(op, "gate", gate));
+  return lz_check_cpu_all(op, args);
 }
 
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_forward";
-  const char *names[] = {"gate", "up", "out"};
-  const lz_tensor *ts[] = {gate, up, out};
-  LZ_TRY(check_like_gate(op, 3, names, ts));
+  LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"out", out}, {0}}));
   const int64_t n = lz_tensor_numel(gate);
   float *o = out->data;
   const float *gp = gate->data, *up_ = up->data;
@@ -56,9 +56,8 @@ lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tens
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_backward";
-  const char *names[] = {"gate", "up", "dout", "dgate", "dup"};
-  const lz_tensor *ts[] = {gate, up, dout, dgate, dup};
-  LZ_TRY(check_like_gate(op, 5, names, ts));
+  LZ_TRY(check_like_gate(
+      op, gate, (lz_arg[]){{"up", up}, {"dout", dout}, {"dgate", dgate}, {"dup", dup}, {0}}));
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
