@@ -202,13 +202,8 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
     for (int64_t k = 0; k < n; k++)
       layernorm_backward_rows(dxp, partial + 2 * k * C, partial + (2 * k + 1) * C, dyp, xp, wp, mu,
                               rs, lz_block_start(k, n, rows), lz_block_start(k + 1, n, rows), C);
-    for (int64_t c = 0; c < C; c++) {
-      float tw = 0.0f, tb = 0.0f;
-      for (int64_t k = 0; k < n; k++)
-        tw += partial[2 * k * C + c], tb += partial[(2 * k + 1) * C + c];
-      dwp[c] += tw;
-      dbp[c] += tb;
-    }
+    lz_add_block_partials(dwp, partial, n, C, 2 * C);
+    lz_add_block_partials(dbp, partial + C, n, C, 2 * C);
     return LZ_OK;
   }
 

@@ -22,4 +22,15 @@ static inline int64_t lz_row_blocks(int64_t rows) {
 /* Block k of n covers rows [k * rows / n, (k + 1) * rows / n). */
 static inline int64_t lz_block_start(int64_t k, int64_t n, int64_t rows) { return k * rows / n; }
 
+/* dst[c] += the n blocks' partial sums of column c, added in block order;
+ * block k's partials start at partial + k * stride. */
+static inline void lz_add_block_partials(float *dst, const float *partial, int64_t n, int64_t C,
+                                         int64_t stride) {
+  for (int64_t c = 0; c < C; c++) {
+    float t = 0.0f;
+    for (int64_t k = 0; k < n; k++) t += partial[k * stride + c];
+    dst[c] += t;
+  }
+}
+
 #endif /* LZ_ROWBLOCKS_H */

@@ -123,11 +123,7 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
     for (int64_t k = 0; k < n; k++)
       rmsnorm_backward_rows(dxp, partial + k * C, dyp, xp, wp, rs, lz_block_start(k, n, rows),
                             lz_block_start(k + 1, n, rows), C);
-    for (int64_t c = 0; c < C; c++) {
-      float t = 0.0f;
-      for (int64_t k = 0; k < n; k++) t += partial[k * C + c];
-      dwp[c] += t;
-    }
+    lz_add_block_partials(dwp, partial, n, C, C);
     return LZ_OK;
   }
 
