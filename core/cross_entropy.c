@@ -7,6 +7,7 @@
  * ignore (padding in a batch): loss 0, gradient 0. */
 #include "lz_backend.h"
 #include "lz_internal.h"
+#include "lz_vecmath.h" /* lz_exp */
 
 #include <math.h> /* logf */
 #include <stdlib.h> /* free: the host copy of device targets */
@@ -14,40 +15,6 @@
 /* Sums and maxima are kept in LANES independent partials so the loops
  * vectorize without -ffast-math. */
 #define LANES 16
-
-/* cond ? a : b as a bit select. GCC honours floating-point traps by default
- * and will not if-convert a ternary whose result feeds a multiply, which
- * leaves a branch in the loop and stops it vectorizing; this form has none. */
-static inline float select_f32(int cond, float a, float b) {
-  uint32_t mask = -(uint32_t)cond; /* all ones or all zeros */
-  return lz_bits_f32((lz_f32_bits(a) & mask) | (lz_f32_bits(b) & ~mask));
-}
-
-/* exp for x <= 0 (logits minus their row maximum), branch-free so it
- * vectorizes where libm's expf, a call, does not: exp(x) = 2^n exp(r) with
- * n = round(x / ln 2) and |r| <= ln(2)/2, exp(r) by Cephes' expf polynomial
- * (about 1 ulp). Inputs are clamped at -87 so 2^n stays a normal float
- * (e^-87 next to a row sum >= 1 is nothing). */
-static inline float exp_neg(float x) {
-  x = select_f32(x < -87.0f, -87.0f, x); /* NaN stays NaN */
-  /* Adding 1.5 * 2^23 rounds to an integer, which then sits in the low
-   * mantissa bits of t: n as a float, and as an int without a conversion
-   * (one that would be undefined for NaN). */
-  const float magic = 12582912.0f;
-  const float t = x * 1.44269504088896341f + magic;
-  const float n = t - magic;
-  const int32_t n_int = (int32_t)(lz_f32_bits(t) - lz_f32_bits(magic));
-  float r = x - n * 0.693359375f; /* ln 2 in two parts, so n * ln2 is exact */
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * lz_bits_f32((uint32_t)(n_int + 127) << 23); /* times 2^n */
-}
 
 /* max over the row and sum of exp(logit - max), the softmax normalizer. */
 LZ_DISPATCH static void softmax_stats(const float *logits, int64_t V, float *max_out,
@@ -63,10 +30,10 @@ LZ_DISPATCH static void softmax_stats(const float *logits, int64_t V, float *max
 
   float acc[LANES] = {0};
   for (i = 0; i + LANES <= V; i += LANES)
-    for (int l = 0; l < LANES; l++) acc[l] += exp_neg(logits[i + l] - m);
+    for (int l = 0; l < LANES; l++) acc[l] += lz_exp(logits[i + l] - m);
   float s = 0.0f;
   for (int l = 0; l < LANES; l++) s += acc[l];
-  for (; i < V; i++) s += exp_neg(logits[i] - m);
+  for (; i < V; i++) s += lz_exp(logits[i] - m);
   *max_out = m;
   *sum_out = s;
 }
@@ -143,8 +110,8 @@ LZ_DISPATCH static void xent_backward_row(float *dlogits, const float *logits, i
   float m, s;
   softmax_stats(logits, vocab, &m, &s);
   const float logit_target = logits[target], inv = 1.0f / s;
-  for (int64_t i = 0; i < vocab; i++) dlogits[i] = exp_neg(logits[i] - m) * inv * dloss;
-  dlogits[target] = (exp_neg(logit_target - m) * inv - 1.0f) * dloss;
+  for (int64_t i = 0; i < vocab; i++) dlogits[i] = lz_exp(logits[i] - m) * inv * dloss;
+  dlogits[target] = (lz_exp(logit_target - m) * inv - 1.0f) * dloss;
   for (int64_t i = vocab; i < Vp; i++) dlogits[i] = 0.0f;
 }
 

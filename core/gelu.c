@@ -7,19 +7,12 @@
  * arithmetic that vectorizes. */
 #include "lz_backend.h"
 #include "lz_internal.h"
+#include "lz_vecmath.h" /* lz_select_f32 */
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
 #define GELU_CUBIC 0.044715f
 /* Elements per thread task. */
 #define BLOCK (1 << 14)
-
-/* cond ? a : b as a bit select. GCC honours floating-point traps by default
- * and will not if-convert a ternary whose result feeds a multiply, which
- * leaves a branch in the loop and stops it vectorizing; this form has none. */
-static inline float select_f32(int cond, float a, float b) {
-  uint32_t mask = -(uint32_t)cond; /* all ones or all zeros */
-  return lz_bits_f32((lz_f32_bits(a) & mask) | (lz_f32_bits(b) & ~mask));
-}
 
 /* Eigen's float tanh (Eigen/src/Core/MathFunctionsImpl.h): odd 13th / even
  * 6th degree rational on [-c, c]. Beyond c tanh is 1 in float, and the result
@@ -30,7 +23,7 @@ static inline float select_f32(int cond, float a, float b) {
  * stays NaN. */
 static inline float tanh_approx(float x) {
   const float c = 7.90531110763549805f;
-  const float xc = select_f32(x > c, c, select_f32(x < -c, -c, x));
+  const float xc = lz_select_f32(x > c, c, lz_select_f32(x < -c, -c, x));
   const float x2 = xc * xc;
   float p = -2.76076847742355e-16f;
   p = p * x2 + 2.00018790482477e-13f;
@@ -45,8 +38,8 @@ static inline float tanh_approx(float x) {
   q = q * x2 + 2.26843463243900e-03f;
   q = q * x2 + 4.89352518554385e-03f;
   float y = p / q;
-  y = select_f32((x >= c) | (y > 1.0f), 1.0f, y);
-  return select_f32((x <= -c) | (y < -1.0f), -1.0f, y);
+  y = lz_select_f32((x >= c) | (y > 1.0f), 1.0f, y);
+  return lz_select_f32((x <= -c) | (y < -1.0f), -1.0f, y);
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -63,8 +56,7 @@ LZ_DISPATCH static void gelu_forward_block(float *out, const float *x, int64_t n
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x) {
   const char *op = "gelu_forward";
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
   LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_FORWARD, .t = {out, (lz_tensor *)x});
   const int64_t n = lz_tensor_numel(x);
   float *o = out->data;
@@ -94,10 +86,8 @@ LZ_DISPATCH static void gelu_backward_block(float *dx, const float *dy, const fl
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x) {
   const char *op = "gelu_backward";
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_dtype(op, "dy", dy, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
+  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
   LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_BACKWARD, .t = {dx, (lz_tensor *)dy, (lz_tensor *)x});
   const int64_t n = lz_tensor_numel(x);
   float *dxp = dx->data;

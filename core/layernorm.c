@@ -10,36 +10,19 @@
  * order: threads split the columns, each walks all row blocks in order. */
 #include "lz_backend.h"
 #include "lz_internal.h"
+#include "lz_lanes.h"     /* sums in independent lanes */
+#include "lz_rowblocks.h" /* the row blocks of the dw/db sums */
 
 #include <math.h>   /* sqrtf, isinf */
-#include <string.h> /* memcpy */
 
-/* Sums are kept in LANES independent partial sums: without -ffast-math GCC
- * will not reorder a single running sum, and so would not vectorize it. The
- * lanes are a GCC vector: written as arrays with an inner lane loop, GCC
- * vectorizes the outer loop instead and drowns it in shuffles. */
-#define LANES 16
-typedef float lanes_f32 __attribute__((vector_size(LANES * sizeof(float))));
-#define LOAD_LANES(v, p) memcpy(&(v), (p), sizeof(lanes_f32))
-#define STORE_LANES(p, v) memcpy((p), &(v), sizeof(lanes_f32))
 /* Columns per thread task in the two-pass dw/db pass: two cache lines. */
 #define COL_BLOCK 32
-/* Row blocks of backward's dw/db sums: at most MAX_ROW_BLOCKS, of at least
- * MIN_BLOCK_ROWS rows, so 2 * MAX_ROW_BLOCKS * C floats of partials. */
-#define MAX_ROW_BLOCKS 16
-#define MIN_BLOCK_ROWS 16
 /* Widest rows the one-pass backward takes: 512 KiB of partials on the stack. */
 #define FUSED_MAX_COLS 4096
 
 /* Tests set this to 0 to force the two-pass backward (no header declares it:
  * it is not API). */
 int64_t lz_layernorm_fused_max_cols = FUSED_MAX_COLS;
-
-static float sum_lanes(const lanes_f32 *acc) {
-  float s = 0.0f;
-  for (int l = 0; l < LANES; l++) s += (*acc)[l];
-  return s;
-}
 
 /* ---------------------------------------------------------------- forward */
 
@@ -50,16 +33,16 @@ LZ_DISPATCH static void layernorm_forward_row(float *out, float *mean_out, float
    * E[x^2] - E[x]^2 cancels badly when the mean is large next to the spread;
    * after the shift the mean of d is on the order of the spread. */
   const float k = C > 0 ? x[0] : 0.0f;
-  lanes_f32 acc = {0}, acc2 = {0};
+  lz_lanes_f32 acc = {0}, acc2 = {0};
   int64_t i = 0;
-  for (; i + LANES <= C; i += LANES) {
-    lanes_f32 d;
-    LOAD_LANES(d, x + i);
+  for (; i + LZ_LANES <= C; i += LZ_LANES) {
+    lz_lanes_f32 d;
+    LZ_LOAD_LANES(d, x + i);
     d -= k;
     acc += d;
     acc2 += d * d;
   }
-  float sum = sum_lanes(&acc), sum2 = sum_lanes(&acc2);
+  float sum = lz_sum_lanes(&acc), sum2 = lz_sum_lanes(&acc2);
   for (; i < C; i++) {
     float d = x[i] - k;
     sum += d;
@@ -79,19 +62,10 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *b,
                                float eps) {
   const char *op = "layernorm_forward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const lz_arg like[] = {{"out", out}, {0}}, per_col[] = {{"w", w}, {"b", b}, {0}},
+               per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
+  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
-  LZ_TRY(lz_check_dtype(op, "w", w, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "b", b, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "b", b, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "mean", mean, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "mean", mean, rows, "one per row of x"));
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
@@ -109,13 +83,6 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
 
 /* --------------------------------------------------------------- backward */
 
-/* Row block k of n covers rows [k * rows / n, (k + 1) * rows / n). */
-static int64_t row_blocks(int64_t rows) {
-  int64_t n = rows / MIN_BLOCK_ROWS;
-  return n < 1 ? 1 : n > MAX_ROW_BLOCKS ? MAX_ROW_BLOCKS : n;
-}
-static int64_t block_start(int64_t k, int64_t n, int64_t rows) { return k * rows / n; }
-
 /* With norm = (x - mean) * rstd and g = w * dy:
  *   dx = rstd * (g - mean(g) - norm * mean(g * norm)).
  * The rows [r0, r1) also add norm * dy into pw and dy into pb, in row order.
@@ -129,20 +96,20 @@ LZ_DISPATCH static void layernorm_backward_rows(float *dx, float *restrict pw, f
     const float *xr = x + r * C, *dyr = dy + r * C;
     float *dxr = dx + r * C;
     const float m = mean[r], s = rstd[r];
-    lanes_f32 ag = {0}, agn = {0};
+    lz_lanes_f32 ag = {0}, agn = {0};
     int64_t i = 0;
-    for (; i + LANES <= C; i += LANES) {
-      lanes_f32 d, xv, wv, aw, ab;
-      LOAD_LANES(d, dyr + i), LOAD_LANES(xv, xr + i), LOAD_LANES(wv, w + i);
-      LOAD_LANES(aw, pw + i), LOAD_LANES(ab, pb + i);
-      const lanes_f32 norm = (xv - m) * s, g = wv * d;
+    for (; i + LZ_LANES <= C; i += LZ_LANES) {
+      lz_lanes_f32 d, xv, wv, aw, ab;
+      LZ_LOAD_LANES(d, dyr + i), LZ_LOAD_LANES(xv, xr + i), LZ_LOAD_LANES(wv, w + i);
+      LZ_LOAD_LANES(aw, pw + i), LZ_LOAD_LANES(ab, pb + i);
+      const lz_lanes_f32 norm = (xv - m) * s, g = wv * d;
       ag += g;
       agn += g * norm;
       aw += norm * d;
       ab += d;
-      STORE_LANES(pw + i, aw), STORE_LANES(pb + i, ab);
+      LZ_STORE_LANES(pw + i, aw), LZ_STORE_LANES(pb + i, ab);
     }
-    float sum_g = sum_lanes(&ag), sum_gn = sum_lanes(&agn);
+    float sum_g = lz_sum_lanes(&ag), sum_gn = lz_sum_lanes(&agn);
     for (; i < C; i++) {
       const float d = dyr[i], norm = (xr[i] - m) * s, g = w[i] * d;
       sum_g += g;
@@ -165,10 +132,10 @@ LZ_DISPATCH static void layernorm_dw_db_block(float *dw, float *db, const float 
                                               const float *rstd, int64_t rows, int64_t C,
                                               int64_t c0, int64_t nc) {
   float tw[COL_BLOCK] = {0}, tb[COL_BLOCK] = {0};
-  const int64_t n = row_blocks(rows);
+  const int64_t n = lz_row_blocks(rows);
   for (int64_t k = 0; k < n; k++) {
     float aw[COL_BLOCK] = {0}, ab[COL_BLOCK] = {0};
-    for (int64_t r = block_start(k, n, rows); r < block_start(k + 1, n, rows); r++) {
+    for (int64_t r = lz_block_start(k, n, rows); r < lz_block_start(k + 1, n, rows); r++) {
       const float *xr = x + r * C + c0, *dyr = dy + r * C + c0;
       const float m = mean[r], s = rstd[r];
       for (int64_t j = 0; j < nc; j++) {
@@ -188,16 +155,16 @@ LZ_DISPATCH static void layernorm_dw_db_block(float *dw, float *db, const float 
 /* dx for one row, without dw/db: the second pass of the two-pass path. */
 LZ_DISPATCH static void layernorm_dx_row(float *dx, const float *dy, const float *x,
                                          const float *w, float m, float s, int64_t C) {
-  lanes_f32 ag = {0}, agn = {0};
+  lz_lanes_f32 ag = {0}, agn = {0};
   int64_t i = 0;
-  for (; i + LANES <= C; i += LANES) {
-    lanes_f32 d, xv, wv;
-    LOAD_LANES(d, dy + i), LOAD_LANES(xv, x + i), LOAD_LANES(wv, w + i);
-    const lanes_f32 norm = (xv - m) * s, g = wv * d;
+  for (; i + LZ_LANES <= C; i += LZ_LANES) {
+    lz_lanes_f32 d, xv, wv;
+    LZ_LOAD_LANES(d, dy + i), LZ_LOAD_LANES(xv, x + i), LZ_LOAD_LANES(wv, w + i);
+    const lz_lanes_f32 norm = (xv - m) * s, g = wv * d;
     ag += g;
     agn += g * norm;
   }
-  float sum_g = sum_lanes(&ag), sum_gn = sum_lanes(&agn);
+  float sum_g = lz_sum_lanes(&ag), sum_gn = lz_sum_lanes(&agn);
   for (; i < C; i++) {
     const float norm = (x[i] - m) * s, g = w[i] * dy[i];
     sum_g += g;
@@ -214,23 +181,11 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                                 const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
                                 const lz_tensor *mean, const lz_tensor *rstd) {
   const char *op = "layernorm_backward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const lz_arg like[] = {{"dy", dy}, {"dx", dx}, {0}},
+               per_col[] = {{"w", w}, {"dw", dw}, {"db", db}, {0}},
+               per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
+  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_dtype(op, "dy", dy, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
-  LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
-  LZ_TRY(lz_check_dtype(op, "w", w, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "dw", dw, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "dw", dw, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "db", db, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "db", db, C, "the last dimension of x"));
-  LZ_TRY(lz_check_dtype(op, "mean", mean, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "mean", mean, rows, "one per row of x"));
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
   LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_BACKWARD,
                      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
                            (lz_tensor *)mean, (lz_tensor *)rstd});
@@ -241,19 +196,14 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
   const int parallel = rows * C > (1 << 15);
 
   if (C > 0 && C <= lz_layernorm_fused_max_cols) { /* C > 0: no empty VLA */
-    const int64_t n = row_blocks(rows);
+    const int64_t n = lz_row_blocks(rows);
     float partial[2 * n * C]; /* block k: dw sums at 2kC, db sums at (2k+1)C */
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t k = 0; k < n; k++)
       layernorm_backward_rows(dxp, partial + 2 * k * C, partial + (2 * k + 1) * C, dyp, xp, wp, mu,
-                              rs, block_start(k, n, rows), block_start(k + 1, n, rows), C);
-    for (int64_t c = 0; c < C; c++) {
-      float tw = 0.0f, tb = 0.0f;
-      for (int64_t k = 0; k < n; k++)
-        tw += partial[2 * k * C + c], tb += partial[(2 * k + 1) * C + c];
-      dwp[c] += tw;
-      dbp[c] += tb;
-    }
+                              rs, lz_block_start(k, n, rows), lz_block_start(k + 1, n, rows), C);
+    lz_add_block_partials(dwp, partial, n, C, 2 * C);
+    lz_add_block_partials(dbp, partial + C, n, C, 2 * C);
     return LZ_OK;
   }
 

@@ -185,6 +185,31 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x);
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x);
 
+/* Llama's layers (Hugging Face's equations), f32, on the cpu only. */
+
+/* RMSNorm over the last dimension C: out = w * (x / sqrt(mean(x^2) + eps)).
+ * rstd: numel(x)/C floats, 1/sqrt(mean(x^2) + eps), saved for backward. */
+lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x,
+                             const lz_tensor *w, float eps);
+/* dx written (may alias dy); dw += sum over rows of dy * x * rstd. */
+lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                              const lz_tensor *x, const lz_tensor *w, const lz_tensor *rstd);
+
+/* Rotary embeddings, rotate_half convention: x [B, T, n_head * head_dim]; in
+ * each head, element i pairs with i + head_dim/2 and turns by the angle
+ * (pos_offset + t) * theta^(-2i/head_dim). out may alias x. Backward turns dy
+ * by the opposite angles; dx may alias dy. */
+lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
+                          int64_t pos_offset, float theta);
+lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
+                           int64_t pos_offset, float theta);
+
+/* out = silu(gate) * up, all one shape; out may alias gate or up. Backward
+ * writes dgate and dup (two buffers; each may alias dout, gate or up). */
+lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
+lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                             const lz_tensor *gate, const lz_tensor *up);
+
 /* Causal multi-head self-attention. qkv [B, T, 3C] (q, k, v each [B, T, NH, C/NH]),
  * out [B, T, C], lse [B, NH, T] (row log-sum-exp, saved for backward).
  * Scale 1/sqrt(C/NH). */

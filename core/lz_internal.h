@@ -40,6 +40,21 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
                               const char *name_b, const lz_tensor *b);
 lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t);
+/* f32 and shaped as `like`. */
+lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
+                            const char *like_name, const lz_tensor *like);
+/* A named argument, for the checks that take lists (ended by {NULL}). */
+typedef struct lz_arg {
+  const char *name;
+  const lz_tensor *t;
+} lz_arg;
+/* A row-wise op's arguments, all f32: x of 1 to LZ_MAX_DIMS dimensions, the
+ * `like` tensors shaped as x, the `per_col` ones holding one value per column
+ * of x (its last dimension), the `per_row` ones one per row. */
+lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
+                           const lz_arg *per_col, const lz_arg *per_row);
+/* lz_check_cpu on each argument of the list. */
+lz_status lz_check_cpu_all(const char *op, const lz_arg *args);
 /* Product of all dims but the last, and the last. */
 int64_t lz_rows(const lz_tensor *t);
 int64_t lz_cols(const lz_tensor *t);

@@ -123,6 +123,21 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x);
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x);
 
+lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x,
+                             const lz_tensor *w, float eps);
+
+lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                              const lz_tensor *x, const lz_tensor *w, const lz_tensor *rstd);
+
+lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
+                          int64_t pos_offset, float theta);
+lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
+                           int64_t pos_offset, float theta);
+
+lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
+lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                             const lz_tensor *gate, const lz_tensor *up);
+
 lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
                                int n_head);
 lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout,

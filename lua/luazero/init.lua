@@ -531,7 +531,8 @@ lz.Swap = Swap
 -- lz.ops.<name>(...) calls lz_<name> and turns a failing status into an error.
 local op_names = {
   "matmul", "linear_forward", "linear_backward", "layernorm_forward", "layernorm_backward",
-  "gelu_forward", "gelu_backward", "attention_forward", "attention_backward",
+  "gelu_forward", "gelu_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_forward",
+  "rope_backward", "swiglu_forward", "swiglu_backward", "attention_forward", "attention_backward",
   "embedding_forward", "embedding_backward", "cross_entropy_forward",
   "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step", "lion_step",
 }

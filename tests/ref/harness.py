@@ -66,6 +66,22 @@ def check_equal(name, ours, ref):
     check_true(f"{name}: bitwise", same, detail)
 
 
+def randn_with(rng):
+    """randn(*shape, scale=1, shift=0): fp32 normal samples drawn from rng."""
+    def randn(*shape, scale=1.0, shift=0.0):
+        return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
+    return randn
+
+
+def zeros(*shape):
+    return np.zeros(shape, dtype=np.float32)
+
+
+def tt(a, grad=False):
+    """A torch tensor holding a copy of numpy array a."""
+    return torch.from_numpy(np.array(a, copy=True)).requires_grad_(grad)
+
+
 def run(header):
     """Runs the registered tests on 2 threads; an exception is one failure.
     Returns the exit status."""

@@ -26,25 +26,12 @@ except ImportError as e:
     print("0 passed, 1 failed")
     sys.exit(1)
 import lz  # noqa: E402
-from harness import TOL, check, check_true, rel_err, run, test  # noqa: E402
+from harness import (TOL, check, check_true, randn_with, rel_err, run, test, tt,  # noqa: E402
+                     zeros)
 
 torch.set_num_threads(2)
 rng = np.random.default_rng(20240520)
-
-
-def randn(*shape, scale=1.0, shift=0.0):
-    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
-
-
-def zeros(*shape):
-    return np.zeros(shape, dtype=np.float32)
-
-
-def tt(a, grad=False):
-    """A torch tensor holding a copy of numpy array a."""
-    return torch.from_numpy(np.array(a, copy=True)).requires_grad_(grad)
-
-
+randn = randn_with(rng)
 W = lz.wrap  # lz_tensor* over an array, alive until the test ends
 
 # ------------------------------------------------------------------ metric

@@ -1,0 +1,92 @@
+/* rope.c — rotary position embeddings as Hugging Face's Llama applies them
+ * (apply_rotary_pos_emb with rotate_half): in each head of head_dim values,
+ * element i pairs with element i + head_dim/2 and the pair turns by the angle
+ * pos * inv_freq[i], inv_freq[i] = theta^(-2i/head_dim). CPU only.
+ *
+ * The numbers follow LlamaRotaryEmbedding: inv_freq in fp32 (worked out here
+ * in double, then rounded; Hugging Face's fp32 arithmetic lands within a few
+ * ulps of it), the angle pos * inv_freq a product in fp32, its cos and sin in
+ * fp32. A row of x is one position: its cos and sin are
+ * worked out once and serve every head. */
+#include "lz_internal.h"
+
+#include <math.h> /* pow, cosf, sinf, isinf */
+
+/* Widest head the kernel takes: its cos and sin tables live on the stack. */
+#define ROPE_MAX_HEAD_DIM 4096
+
+/* Turns every head of one row by `sign` times its angles: sign 1 is forward,
+ * -1 the backward (the rotation's transpose). out may be x: each pair is
+ * read before it is written. */
+LZ_DISPATCH static void rope_row(float *out, const float *x, const float *inv_freq, float pos,
+                                 float sign, int64_t n_head, int64_t half) {
+  float cos_t[half], sin_t[half];
+  for (int64_t i = 0; i < half; i++) {
+    const float angle = pos * inv_freq[i];
+    cos_t[i] = cosf(angle);
+    sin_t[i] = sign * sinf(angle);
+  }
+  for (int64_t h = 0; h < n_head; h++) {
+    const float *xh = x + 2 * half * h;
+    float *oh = out + 2 * half * h;
+    for (int64_t i = 0; i < half; i++) {
+      const float x1 = xh[i], x2 = xh[i + half];
+      oh[i] = x1 * cos_t[i] - x2 * sin_t[i];
+      oh[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
+    }
+  }
+}
+
+/* The checks and the loop forward and backward share; `sign` as rope_row's. */
+static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out,
+                            const char *x_name, const lz_tensor *x, int n_head, int head_dim,
+                            int64_t pos_offset, float theta, float sign) {
+  LZ_TRY(lz_check_dtype(op, x_name, x, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
+  LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
+  LZ_TRY(lz_check_cpu(op, x_name, x));
+  LZ_TRY(lz_check_cpu(op, out_name, out));
+  if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
+  if (head_dim < 2 || head_dim % 2 || head_dim > ROPE_MAX_HEAD_DIM)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: head_dim is %d; it must be even (rotate_half pairs element i with "
+                   "i + head_dim/2), from 2 to %d",
+                   op, head_dim, ROPE_MAX_HEAD_DIM);
+  const int64_t C = x->shape[2];
+  if ((int64_t)n_head * head_dim != C) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s is %s, but n_head * head_dim = %d * %d = %lld; the last dimension "
+                   "must hold the heads",
+                   op, x_name, lz_tensor_describe(x, buf, sizeof buf), n_head, head_dim,
+                   (long long)n_head * head_dim);
+  }
+  if (pos_offset < 0)
+    return lz_fail(LZ_ERR_INVALID, "%s: pos_offset is %lld; it must be >= 0", op,
+                   (long long)pos_offset);
+  if (!(theta > 0.0f) || isinf(theta))
+    return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
+                   (double)theta);
+
+  const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
+  float inv_freq[half];
+  for (int64_t i = 0; i < half; i++)
+    inv_freq[i] = (float)pow((double)theta, -2.0 * (double)i / (double)head_dim);
+  float *o = out->data;
+  const float *xp = x->data;
+#pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
+  for (int64_t r = 0; r < rows; r++)
+    rope_row(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head, half);
+  return LZ_OK;
+}
+
+lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
+                          int64_t pos_offset, float theta) {
+  return rope_apply("rope_forward", "out", out, "x", x, n_head, head_dim, pos_offset, theta, 1.0f);
+}
+
+lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
+                           int64_t pos_offset, float theta) {
+  return rope_apply("rope_backward", "dx", dx, "dy", dy, n_head, head_dim, pos_offset, theta,
+                    -1.0f);
+}

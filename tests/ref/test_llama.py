@@ -1,0 +1,207 @@
+"""test_llama.py — luazero's Llama kernels (RMSNorm, rotary embeddings,
+SwiGLU) against the same layers written here from Hugging Face's Llama
+equations (LlamaRMSNorm, LlamaRotaryEmbedding with apply_rotary_pos_emb and
+rotate_half, LlamaMLP's silu(gate) * up), in fp32, backward through autograd.
+
+Both sides read the same numpy arrays. Error of a tensor:
+
+    err = max|ours - torch| / max(max|torch|, 1e-30)
+
+and a check passes when err <= 1e-5. The kernels take f32 only (as layernorm
+does); a bf16 input must be refused with an error naming the dtype.
+
+Rotary inverse frequencies: luazero rounds theta^(-2i/d), worked out in
+double, to fp32. Hugging Face computes 1 / theta ** (arange(0, d, 2) / d) in
+fp32 arithmetic, which lands up to a few fp32 ulps away; the angle
+pos * inv_freq carries that difference times pos. The reference takes
+luazero's inv_freq, so the checks at 1e-5 test the rest of the equations;
+one more check takes Hugging Face's own inv_freq at positions below 64,
+where that difference stays under the tolerance (worked out there).
+Run with /usr/bin/python3 (Debian's python3-torch).
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+except ImportError as e:
+    print(f"test_llama: cannot import {e.name}: install python3-torch and python3-numpy "
+          "(apt-get install python3-torch python3-numpy; tools/setup does it) and run with "
+          "/usr/bin/python3")
+    print("0 passed, 1 failed")
+    sys.exit(1)
+import lz  # noqa: E402
+from harness import TOL, check, check_true, randn_with, run, test, tt, zeros  # noqa: E402
+
+torch.set_num_threads(2)
+randn = randn_with(np.random.default_rng(20250101))
+W = lz.wrap
+
+
+def refused(name, fn, needle):
+    """fn() must raise LzError whose message holds needle."""
+    try:
+        fn()
+    except lz.LzError as e:
+        check_true(f"{name}: refused", needle in str(e), f"(message: {e})")
+        return
+    check_true(f"{name}: refused", False, "(no error)")
+
+
+# ----------------------------------------------------------------- rmsnorm
+
+
+def llama_rmsnorm(x, w, eps):
+    """LlamaRMSNorm.forward."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return w * h.to(x.dtype)
+
+
+@test
+def rmsnorm():
+    for (B, Tn, C) in ((2, 16, 64), (2, 5, 37), (4, 32, 1024), (1, 8, 4096 + 40)):
+        x = randn(B, Tn, C, scale=2.0, shift=0.5)
+        w, dy, dw0 = randn(C, scale=0.5, shift=1.0), randn(B, Tn, C), randn(C)
+        out, rstd, dx, dw = zeros(B, Tn, C), zeros(B, Tn), zeros(B, Tn, C), dw0.copy()
+        eps = 1e-6
+        lz.call("lz_rmsnorm_forward", W(out), W(rstd), W(x), W(w), eps)
+        lz.call("lz_rmsnorm_backward", W(dx), W(dw), W(dy), W(x), W(w), W(rstd))
+        xt, wt = tt(x, True), tt(w, True)
+        ref = llama_rmsnorm(xt, wt, eps)
+        ref.backward(tt(dy))
+        tag = f"rmsnorm [{B},{Tn},{C}]"
+        check(f"{tag} forward", out, ref)
+        check(f"{tag} rstd", rstd, torch.rsqrt(tt(x).pow(2).mean(-1) + eps))
+        check(f"{tag} dx", dx, xt.grad)
+        check(f"{tag} dw (accumulated onto dw0)", dw, tt(dw0) + wt.grad)
+    # dx written over dy
+    x, w, dy = randn(3, 100), randn(100), randn(3, 100)
+    out, rstd, dw = zeros(3, 100), zeros(3), zeros(100)
+    lz.call("lz_rmsnorm_forward", W(out), W(rstd), W(x), W(w), 1e-5)
+    dyi = dy.copy()
+    lz.call("lz_rmsnorm_backward", W(dyi), W(dw), W(dyi), W(x), W(w), W(rstd))
+    xt = tt(x, True)
+    llama_rmsnorm(xt, tt(w), 1e-5).backward(tt(dy))
+    check("rmsnorm [3,100] dx written over dy", dyi, xt.grad)
+    xb = lz.bf16_round(x)[0]
+    refused("rmsnorm bf16 x", lambda: lz.call("lz_rmsnorm_forward", W(out), W(rstd),
+                                               W(xb, lz.BF16), W(w), 1e-5),
+            "rmsnorm_forward: x is bf16[3,100], expected dtype f32")
+
+
+# -------------------------------------------------------------------- rope
+
+
+def inv_freq_luazero(theta, d):
+    return torch.tensor([np.float32(float(theta) ** (-2.0 * i / d)) for i in range(d // 2)],
+                        dtype=torch.float32)
+
+
+def inv_freq_hf(theta, d):
+    """LlamaRotaryEmbedding's inv_freq."""
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def llama_rope(x, n_head, head_dim, pos_offset, inv_freq):
+    """x [B, T, n_head * head_dim] through LlamaRotaryEmbedding and
+    apply_rotary_pos_emb (q laid out [B, n_head, T, head_dim])."""
+    B, Tn, _ = x.shape
+    position_ids = (torch.arange(Tn, dtype=torch.int64) + pos_offset)[None, :].expand(B, -1)
+    inv_freq_expanded = inv_freq[None, :, None].float().expand(B, -1, 1)
+    freqs = (inv_freq_expanded @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+    q = x.view(B, Tn, n_head, head_dim).transpose(1, 2)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    return q_embed.transpose(1, 2).reshape(B, Tn, n_head * head_dim)
+
+
+def rope_case(B, Tn, n_head, head_dim, pos_offset, theta):
+    C = n_head * head_dim
+    x, dy = randn(B, Tn, C), randn(B, Tn, C)
+    out, dx = zeros(B, Tn, C), zeros(B, Tn, C)
+    lz.call("lz_rope_forward", W(out), W(x), n_head, head_dim, pos_offset, theta)
+    lz.call("lz_rope_backward", W(dx), W(dy), n_head, head_dim, pos_offset, theta)
+    xt = tt(x, True)
+    ref = llama_rope(xt, n_head, head_dim, pos_offset, inv_freq_luazero(theta, head_dim))
+    ref.backward(tt(dy))
+    tag = f"rope [{B},{Tn},{n_head}x{head_dim}] pos {pos_offset}+ theta {theta:g}"
+    check(f"{tag} forward", out, ref)
+    check(f"{tag} dx", dx, xt.grad)
+    return x, out
+
+
+@test
+def rope():
+    rope_case(2, 16, 4, 64, 0, 10000.0)
+    rope_case(2, 32, 8, 128, 7, 10000.0)
+    rope_case(1, 24, 3, 12, 1000, 500000.0)  # 2i/d not exact in fp32
+    # in place: out over x, dx over dy
+    x, out = rope_case(2, 8, 2, 16, 3, 10000.0)
+    xi = x.copy()
+    lz.call("lz_rope_forward", W(xi), W(xi), 2, 16, 3, 10000.0)
+    check("rope [2,8,2x16] in place forward", xi, torch.from_numpy(out))
+    lz.call("lz_rope_backward", W(xi), W(xi), 2, 16, 3, 10000.0)
+    check("rope [2,8,2x16] backward of forward = x", xi, torch.from_numpy(x))
+    # Hugging Face's own fp32 inv_freq, positions 0..63: for head_dim 128 and
+    # theta 10000 it lies within 1 fp32 ulp (1.2e-7 relative) of luazero's,
+    # so the angles differ by at most 63 * 1.2e-7 = 7.5e-6 rad, and so the
+    # outputs (relative to the largest): 1e-5 holds.
+    B, Tn, NH, HD = 1, 64, 4, 128
+    hf, ours = inv_freq_hf(10000.0, HD), inv_freq_luazero(10000.0, HD)
+    ulps = int((hf.numpy().view(np.int32) - ours.numpy().view(np.int32)).__abs__().max())
+    check_true("rope inv_freq: HF's fp32 within 1 ulp of luazero's (head_dim 128)", ulps <= 1,
+               f"({ulps} ulps)")
+    x = randn(B, Tn, NH * HD)
+    out = zeros(B, Tn, NH * HD)
+    lz.call("lz_rope_forward", W(out), W(x), NH, HD, 0, 10000.0)
+    check(f"rope [1,{Tn},{NH}x{HD}] forward against HF's own fp32 inv_freq", out,
+          llama_rope(tt(x), NH, HD, 0, hf))
+    xb = lz.bf16_round(x)[0]
+    refused("rope bf16 x", lambda: lz.call("lz_rope_forward", W(out), W(xb, lz.BF16), NH, HD,
+                                            0, 10000.0),
+            "rope_forward: x is bf16[1,64,512], expected dtype f32")
+
+
+# ------------------------------------------------------------------ swiglu
+
+
+@test
+def swiglu():
+    for shape in ((2, 16, 172), (2, 64, 1376)):
+        gate, up, dy = randn(*shape, scale=3.0), randn(*shape), randn(*shape)
+        gate.flat[:3] = (30.0, -30.0, 0.0)  # saturated tails and the middle
+        out, dgate, dup = zeros(*shape), zeros(*shape), zeros(*shape)
+        lz.call("lz_swiglu_forward", W(out), W(gate), W(up))
+        lz.call("lz_swiglu_backward", W(dgate), W(dup), W(dy), W(gate), W(up))
+        gt, ut = tt(gate, True), tt(up, True)
+        ref = F.silu(gt) * ut
+        ref.backward(tt(dy))
+        tag = f"swiglu {list(shape)}"
+        check(f"{tag} forward", out, ref)
+        check(f"{tag} dgate", dgate, gt.grad)
+        check(f"{tag} dup", dup, ut.grad)
+    gb = lz.bf16_round(gate)[0]
+    refused("swiglu bf16 gate", lambda: lz.call("lz_swiglu_forward", W(out), W(gb, lz.BF16),
+                                                 W(up)),
+            "swiglu_forward: gate is bf16[2,64,1376], expected dtype f32")
+
+
+def main():
+    return run(f"test_llama: {lz.LIB_PATH}, torch {torch.__version__}, tolerance {TOL:.0e} "
+               "(max|ours-torch| / max|torch|)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
