@@ -129,6 +129,16 @@ local APOSTROPHE, SPACE_BYTE = 39, 32
 local CONTRACTION1 = { [115] = true, [116] = true, [109] = true, [100] = true } -- s t m d
 local CONTRACTION2 = { ["re"] = true, ["ve"] = true, ["ll"] = true }
 
+-- The byte after the run of class k that starts at byte r (r <= n + 1).
+local function run_end(s, r, n, k)
+  while r <= n do
+    local c, l = code_point(s, r)
+    if class_of(c) ~= k then break end
+    r = r + l
+  end
+  return r
+end
+
 -- Calls emit(s, i, j) for each piece s:sub(i, j) of GPT-2's split of s.
 local function split_gpt2(s, emit)
   local n, p = #s, 1
@@ -151,11 +161,7 @@ local function split_gpt2(s, emit)
         if k2 ~= SPACE then k, r = k2, r + l2 end
       end
       if k ~= SPACE then
-        while r <= n do
-          local c2, l2 = code_point(s, r)
-          if class_of(c2) ~= k then break end
-          r = r + l2
-        end
+        r = run_end(s, r, n, k)
         q = r
       else -- \s+(?!\S) leaves the last blank before a non-blank to the next piece
         local last = p
@@ -201,11 +207,7 @@ local function split_llama3(s, emit)
     end
     if q then -- a contraction
     elseif k == LETTER then
-      while r <= n do
-        local c2, l2 = code_point(s, r)
-        if class_of(c2) ~= LETTER then break end
-        r = r + l2
-      end
+      r = run_end(s, r, n, LETTER)
       q = r
     elseif k == NUMBER then
       for _ = 2, 3 do
@@ -221,11 +223,7 @@ local function split_llama3(s, emit)
         if class_of(c2) == OTHER then k, r = OTHER, r + l2 end
       end
       if k == OTHER then
-        while r <= n do
-          local c2, l2 = code_point(s, r)
-          if class_of(c2) ~= OTHER then break end
-          r = r + l2
-        end
+        r = run_end(s, r, n, OTHER)
         while r <= n and is_newline(byte(s, r)) do r = r + 1 end
         q = r
       else -- a run of blanks: up to its last newline, else as GPT-2's
