@@ -1,6 +1,7 @@
 -- plan_check.lua — run by test_plan.lua (one rank or several, under the
 -- launcher): for every stage x dtype x offload combination, builds the
--- engine on a tiny GPT-2, takes one optimizer step and compares the bytes
+-- engine on a tiny GPT-2 with AdamW and with Lion, takes one optimizer
+-- step and compares the bytes
 -- its placement plan gives (zero/plan.lua) with the ledger's growth and
 -- with luazero.estimate. Prints "ok <case>" or "BAD <case>: <why>" per
 -- case (rank 0), then "done". (Not a test file: run_lua.lua loads only
@@ -42,17 +43,18 @@ local function check(case, what, got, want)
   return true
 end
 
+for _, opt in ipairs({ "AdamW", "Lion" }) do
 for _, dtype in ipairs({ "fp32", "bf16" }) do
   for stage = 0, 3 do
     for _, o in ipairs(offloads) do
       local ok_combo = (o.opt == nil or stage >= 1) and (o.param == nil or stage == 3)
       if ok_combo then
-        local case = ("world %d stage %d %s offload %s"):format(world, stage, dtype, o.name)
+        local case = ("world %d stage %d %s %s offload %s"):format(world, stage, dtype, opt, o.name)
         local z = { stage = stage, stage3_param_persistence_threshold = 600,
                     sub_group_size = 4096, offload_optimizer = o.opt, offload_param = o.param }
         local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
                       bf16 = { enabled = dtype == "bf16" }, zero_optimization = z,
-                      optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+                      optimizer = { type = opt, params = { lr = 1e-3 } } }
         local mcfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
         collectgarbage(); collectgarbage()
         local before = lz.mem()
@@ -79,7 +81,7 @@ for _, dtype in ipairs({ "fp32", "bf16" }) do
                      check(case, "ledger grads", d.grads, by.device.grads) and
                      check(case, "ledger optimizer", d.optimizer, by.device.optimizer) and
                      check(case, "ledger offload", d.offload - staging, by.host.total)
-        if fine and o.name ~= "nvme" and o.name ~= "nvme+param-nvme" then
+        if fine and opt == "AdamW" and o.name ~= "nvme" and o.name ~= "nvme+param-nvme" then
           local r = estimate.model_states(L.numel, world, stage, {
             dtype = dtype, offload = o.estimate or "none", device = "cpu",
             layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
@@ -92,6 +94,7 @@ for _, dtype in ipairs({ "fp32", "bf16" }) do
       end
     end
   end
+end
 end
 corpus.tokens:free()
 if rank == 0 then print(("done: %d bad"):format(bad)) end

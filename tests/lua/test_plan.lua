@@ -17,9 +17,9 @@ function T.stages_are_data()
     return Placement.new(o)
   end
   local s0, s1, s2, s3 = p(0), p(1), p(2), p(3)
-  assert(s0.params.extent == "full" and s0.grads.extent == "full" and s0.m.extent == "full")
+  assert(s0.params.extent == "full" and s0.grads.extent == "full" and s0.optimizer.extent == "full")
   assert(s0.reduce.op == "all_reduce" and s0.reduce.bucketed and s0.after_step == "none")
-  assert(s1.grads.extent == "full" and s1.m.extent == "shard" and s1.reduce.op == "reduce_scatter")
+  assert(s1.grads.extent == "full" and s1.optimizer.extent == "shard" and s1.reduce.op == "reduce_scatter")
   assert(not s1.reduce.buffered and s1.after_step == "gather_full")
   assert(s2.grads.extent == "shard" and s2.reduce.buffered and s2.reduce.into == "shard")
   assert(s3.params.extent == "shard" and s3.params.gather == "per_module")
@@ -31,13 +31,16 @@ function T.stages_are_data()
   -- Offload: host tier; on an accelerator the optimizer reads an fp32
   -- gradient shard in host memory, and stage 2 keeps no gradients on it.
   local off = p(2, { offload_optimizer = "cpu", device = "cuda" })
-  assert(off.m.tier == "host" and off.opt_grads.tier == "host" and off.grads.extent == "none")
+  assert(off.optimizer.tier == "host" and off.opt_grads.tier == "host" and off.grads.extent == "none")
   assert(p(2, { offload_optimizer = "cpu" }).opt_grads.alias == "grads")
   assert(p(3, { offload_param = "nvme" }).params.tier == "nvme")
   -- Bytes: bf16 stage 2 at 1000 / 250 elements: 2 * 1000 + 4 * 250 device
   -- params + grads, 12 * 250 optimizer.
   local by = s2:bytes{ full = 1000, shard = 250 }
   assert(by.device.params == 2000 and by.device.grads == 1000 and by.device.optimizer == 3000)
+  -- The optimizer's states: Lion keeps one, 4 bytes per shard element.
+  local lion = Placement.new{ stage = 2, dtype = "bf16", optimizer_states = { "m" } }
+  assert(lion:bytes{ full = 1000, shard = 250 }.device.optimizer == 2000)
   local ok, err = pcall(Placement.new, { stage = 0, offload_optimizer = "cpu" })
   assert(not ok and err == "plan: offload_optimizer needs stage 1, 2 or 3", err)
   ok, err = pcall(Placement.new, { stage = 2, offload_param = "cpu" })
@@ -65,8 +68,8 @@ local function plan_check(n)
   local out = p:read("*a")
   p:close()
   local oks = select(2, out:gsub("\nok   ", "")) + (out:find("^ok   ") and 1 or 0)
-  -- 2 dtypes x (4 + 3 + 3 + 2) stage/offload combinations
-  assert(out:find("done: 0 bad", 1, true) and oks == 24, out)
+  -- 2 optimizers x 2 dtypes x (4 + 3 + 3 + 2) stage/offload combinations
+  assert(out:find("done: 0 bad", 1, true) and oks == 48, out)
   print(("    world %d: %d combinations match the ledger (and estimate where it has them)")
         :format(n, oks))
 end

@@ -68,12 +68,13 @@ local function settings(cfg)
 end
 M.settings = settings
 
--- The placement plan a configuration gives (zero/plan.lua).
-function M.plan_of(s, device)
+-- The placement plan a configuration gives (zero/plan.lua); states: the
+-- optimizer class's per-element states.
+function M.plan_of(s, device, states)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
-                        accum = s.accum }
+                        accum = s.accum, optimizer_states = states }
 end
 
 -- opts: model (not allocated), config (normalised DeepSpeed table), seed,
@@ -87,7 +88,8 @@ function M.initialize(opts)
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
   local W, rank = comm.size(), comm.rank()
-  local ok, P = pcall(M.plan_of, s)
+  local optimizer = optim.new(s.optimizer)
+  local ok, P = pcall(M.plan_of, s, "cpu", optimizer.states)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   local self = setmetatable({
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
@@ -103,7 +105,7 @@ function M.initialize(opts)
   assert(self.gdt == "f32" or self.gdt == self.wdt,
          "initialize: data_types.grad_accum_dtype must be fp32 or the working dtype")
   self.half_grads = self.gdt ~= "f32"
-  self.optimizer = optim.new(s.optimizer)
+  self.optimizer = optimizer
   self.L = layout.new(model.param_table, W)
   self.pool = Pool.new()
   self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
@@ -215,7 +217,7 @@ function Engine:allocate()
   -- the optimizer's states, where offload_optimizer puts them.
   local oo = s.offload_opt
   self.states = offload.states{
-    n = self:numel(P.m.extent), master = not P.master.alias, names = self.optimizer.states,
+    n = self:numel(P.optimizer.extent), master = not P.master.alias, names = self.optimizer.states,
     device = oo.device, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
@@ -313,7 +315,7 @@ function Engine:build_calls()
     for _, run in ipairs(layout.shard_runs(L, r)) do
       local shape = { run.numel }
       runs[#runs + 1] = {
-        decay = run.decay, numel = run.numel, opt_off = at(P.m.extent, run),
+        decay = run.decay, numel = run.numel, opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
         g = self.grads:view(at(P.grads.extent, run), shape),
         -- The working copy the update rounds into (none when it is the
@@ -376,8 +378,7 @@ function Engine:prepare(B, T)
   if self.wdt ~= "f32" then
     local ctx = model.ctx
     if ctx.cast_arena then ctx.cast_arena:free() end
-    local bytes = model.cast_arena_size and model:cast_arena_size(B, T, self.wdt) or 2 ^ 26
-    ctx.cast_arena = lz.arena(bytes, "activations")
+    ctx.cast_arena = lz.arena(model:cast_arena_size(B, T, self.wdt), "activations")
   end
 end
 
@@ -827,7 +828,7 @@ end
 
 -- This rank's optimizer elements: the full padded layout where the plan
 -- replicates the optimizer, its shard otherwise.
-function Engine:state_numel() return self:numel(self.P.m.extent) end
+function Engine:state_numel() return self:numel(self.P.optimizer.extent) end
 
 -- Calls fn(offset, master, state1, state2, ...) for chunks covering this
 -- rank's optimizer elements [0, state_numel()) in order, with f32 views of
@@ -842,7 +843,7 @@ function Engine:visit_states(write_back, fn)
     if v.master then
       fn(lo, v.master, unpack(v.s))
       if write_back and v.work then v.work:copy(v.master) end
-    elseif P.master.extent == P.m.extent then
+    elseif P.master.extent == P.optimizer.extent then
       fn(lo, self.master:view(lo, { n }), unpack(v.s))
     else
       -- The master is the full working buffer, the states a shard: this
@@ -861,11 +862,11 @@ end
 -- { numel = state_numel(), runs = { {offset, canonical, numel}, ... } }.
 function Engine:state_layout()
   return { numel = self:state_numel(),
-           runs = layout.canonical_runs(self.L, self.P.m.extent == "shard" and self.rank or nil) }
+           runs = layout.canonical_runs(self.L, self.P.optimizer.extent == "shard" and self.rank or nil) }
 end
 
 -- Whether every rank holds the same optimizer states (one writer is enough).
-function Engine:states_replicated() return self.P.m.extent == "full" end
+function Engine:states_replicated() return self.P.optimizer.extent == "full" end
 
 -- After the master was written (a load): the working copy is its rounding
 -- (the update writes round(master); init rounds the same way), then what

@@ -9,6 +9,7 @@
 --   p.params  = { extent = "full", dtype = "bf16", tier = "device" }
 --   p.grads   = { extent = "shard", dtype = "f32", tier = "device" }
 --   p.master  = { extent = "shard", dtype = "f32", tier = "host" }   -- alias = "params": none of its own
+--   p.optimizer = { extent = "shard", dtype = "f32", tier = "host", ranks = "own", states = { "m", "v" } }
 --   p.reduce  = { op = "reduce_scatter", buffered = true, into = "shard" }
 --   p.after_step = "gather_full"
 --   p:bytes{ full = F, shard = S, persistent = P } -> { device = {...}, host = {...}, nvme = {...} }
@@ -32,11 +33,11 @@ M.esize = esize
 local tiers = { none = "device", cpu = "host", nvme = "nvme" }
 
 -- The states a plan places, in the order it prints them.
-M.states = { "params", "grads", "opt_grads", "master", "m", "v" }
+M.states = { "params", "grads", "opt_grads", "master" }
 
 -- Ledger category of a state on the device tier (host tier: offload).
 local categories = { params = "params", grads = "grads", opt_grads = "grads", master = "optimizer",
-                     m = "optimizer", v = "optimizer" }
+                     optimizer = "optimizer" }
 
 local function tier_of(key, device)
   local t = tiers[device or "none"]
@@ -49,7 +50,8 @@ end
 -- opts: stage (0..3), dtype (working: fp32|bf16|fp16), grad_dtype (the
 -- gradients': fp32 or the working dtype; fp32), offload_optimizer and
 -- offload_param (none|cpu|nvme), device (cpu|sim|cuda; cpu), accum
--- (gradient accumulation steps; 1).
+-- (gradient accumulation steps; 1), optimizer_states (the optimizer
+-- class's per-element states; { "m", "v" }).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -91,9 +93,11 @@ function M.new(opts)
   p.grads = { extent = stage < 2 and "full" or "shard", dtype = gdt, tier = "device" }
   -- Optimizer states: replicated at stage 0, sharded from stage 1.
   local opt_extent = stage == 0 and "full" or "shard"
-  p.optimizer = { extent = opt_extent, tier = opt_tier, ranks = stage == 0 and "all" or "own" }
-  p.m = { extent = opt_extent, dtype = "f32", tier = opt_tier }
-  p.v = { extent = opt_extent, dtype = "f32", tier = opt_tier }
+  -- The optimizer's own per-element states (its class's `states`: AdamW m,
+  -- v; Lion m), fp32, beside the master.
+  p.optimizer = { extent = opt_extent, dtype = "f32", tier = opt_tier,
+                  ranks = stage == 0 and "all" or "own",
+                  states = opts.optimizer_states or { "m", "v" } }
   -- fp32 master: the working parameters themselves when they are fp32 and
   -- in memory the optimizer can update; else its own copy beside m and v.
   if wdt == "f32" and reachable(p.params.tier) then
@@ -148,6 +152,7 @@ function Plan:bytes(counts)
     out.states[name] = (out.states[name] or 0) + b
   end
   for _, name in ipairs(M.states) do add(name, self[name]) end
+  for _ in ipairs(self.optimizer.states) do add("optimizer", self.optimizer) end
   if self.params.persistent then add("params", self.params.persistent) end
   return out
 end
@@ -166,8 +171,7 @@ function Plan:lines()
   row("grads", self.grads)
   if not self.opt_grads.alias then row("opt_grads", self.opt_grads, " (what the optimizer reads)") end
   row("master", self.master)
-  row("m", self.m)
-  row("v", self.v)
+  for _, name in ipairs(self.optimizer.states) do row(name, self.optimizer) end
   local r = self.reduce
   lines[#lines + 1] = ("  reduce     %s%s into the %s gradients, %s"):format(
     r.bucketed and "bucketed " or "", r.op:gsub("_", "-"), r.into,
