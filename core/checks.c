@@ -1,6 +1,7 @@
 /* checks.c — the argument checks kernels share: each names the op, the
  * argument and, through lz_tensor_describe, its shape; and the row and
  * column counts of a tensor. Above tensor.c, which uses none of them. */
+#include "lz_backend.h" /* lz_device_name */
 #include "lz_internal.h"
 
 lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t) {
@@ -12,9 +13,9 @@ lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t) {
   LZ_TRY(lz_check_present(op, name, t));
   if (t->device != LZ_CPU)
     return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: %s lives on cuda, and this op has no cuda kernel: keep its tensors in "
+                   "%s: %s lives on %s, and this op has no %s kernel: keep its tensors in "
                    "host memory (device cpu)",
-                   op, name);
+                   op, name, lz_device_name(t->device), lz_device_name(t->device));
   return LZ_OK;
 }
 
@@ -24,7 +25,7 @@ lz_status lz_check_cpu_all(const char *op, const lz_arg *args) {
 }
 
 /* The shape and dtype checks accept tensors on any device: each kernel ends
- * its checks with LZ_DEVICE_DISPATCH, which sends cuda tensors to the
+ * its checks with LZ_DEVICE_DISPATCH, which sends device tensors to the
  * backend and refuses a mix of devices. */
 lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
   LZ_TRY(lz_check_present(op, name, t));

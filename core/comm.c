@@ -2,8 +2,11 @@
  * argument checks, shard ranges, byte counters, the per-communicator ordering
  * queue (blocking calls run inline when nothing is queued; asynchronous ones
  * run on a progress thread, one at a time, in submission order), work
- * handles, and the fixed-order reduction all backends share. */
+ * handles, and the fixed-order reduction all backends share. Buffers in sim
+ * device memory reach the host backends through their host views, after
+ * the compute stream's work queued before the call. */
 #include "comm_internal.h"
+#include "lz_sim.h" /* host views of sim device buffers */
 
 #include <emmintrin.h> /* _mm_stream_si128 */
 #include <errno.h>  /* strtod errors */
@@ -306,6 +309,24 @@ void lz_comm_bytes_reset(lz_comm *c) {
 
 /* ------------------------------------------------------------------ queue */
 
+/* One collective, on this thread. Sim device buffers: first the compute
+ * stream's work queued before the call, then the host backend on the
+ * buffers' host views; when this returns the result is in device memory. */
+static lz_status run_coll(lz_comm *c, const lz_coll_args *a) {
+  if (!a->on_sim) return c->ops->run(c, a);
+  if (lz_sim_wait_compute(a->sim_point) != LZ_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", lz_last_error());
+    return lz_fail(LZ_ERR_INTERNAL, "%s: rank %d: the device work before it failed: %s",
+                   lz_coll_name(a->kind), c->rank, why);
+  }
+  lz_coll_args h = *a;
+  void *v;
+  if (a->send && (v = lz_sim_host_view(a->send))) h.send = v;
+  if (a->recv && (v = lz_sim_host_view(a->recv))) h.recv = v;
+  return c->ops->run(c, &h);
+}
+
 /* Caller holds c->mu. */
 static void mark_broken(lz_comm *c, lz_status st, const char *msg) {
   if (c->broken) return;
@@ -315,7 +336,7 @@ static void mark_broken(lz_comm *c, lz_status st, const char *msg) {
 
 static void run_work(lz_work *w) {
   lz_comm *c = w->c;
-  lz_status st = c->ops->run(c, &w->a);
+  lz_status st = run_coll(c, &w->a);
   pthread_mutex_lock(&c->mu);
   if (st != LZ_OK) {
     snprintf(w->msg, sizeof w->msg, "%.1000s", lz_last_error());
@@ -414,9 +435,19 @@ static lz_status check_args(lz_comm *c, const lz_coll_args *a) {
   return LZ_OK;
 }
 
-static lz_status submit(lz_comm *c, const lz_coll_args *a, lz_work **work) {
+static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
   if (work) *work = NULL;
-  LZ_TRY(check_args(c, a));
+  LZ_TRY(check_args(c, in));
+  lz_coll_args sa = *in, *a = &sa;
+  if (a->kind != LZ_COLL_BARRIER && lz_sim_ready() &&
+      ((a->send && lz_sim_host_view(a->send)) || (a->recv && lz_sim_host_view(a->recv)))) {
+    if (c->backend == LZ_COMM_NCCL)
+      return lz_fail(LZ_ERR_UNSUPPORTED,
+                     "%s: the nccl backend cannot move sim buffers; use shm, mpi or local",
+                     lz_coll_name(a->kind));
+    a->on_sim = 1;
+    LZ_TRY(lz_sim_compute_point(&a->sim_point));
+  }
   pthread_mutex_lock(&c->mu);
   if (c->broken) {
     lz_status st = c->broken;
@@ -428,7 +459,7 @@ static lz_status submit(lz_comm *c, const lz_coll_args *a, lz_work **work) {
   if (!work && !c->busy && !c->head) { /* nothing queued: run on this thread */
     c->busy = 1;
     pthread_mutex_unlock(&c->mu);
-    lz_status st = c->ops->run(c, a);
+    lz_status st = run_coll(c, a);
     pthread_mutex_lock(&c->mu);
     if (st != LZ_OK) mark_broken(c, st, lz_last_error());
     c->busy = 0;
@@ -498,29 +529,29 @@ lz_status lz_work_test(lz_work *w, int *done) {
 
 lz_status lz_comm_all_reduce(lz_comm *c, void *buf, int64_t count, lz_dtype dt, lz_reduce_op op,
                              lz_work **work) {
-  lz_coll_args a = {LZ_COLL_ALL_REDUCE, buf, buf, count, dt, op, 0};
+  lz_coll_args a = {LZ_COLL_ALL_REDUCE, buf, buf, count, dt, op, 0, 0, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64_t count,
                                  lz_dtype dt, lz_reduce_op op, lz_work **work) {
-  lz_coll_args a = {LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0};
+  lz_coll_args a = {LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, 0, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
                              lz_dtype dt, lz_work **work) {
-  lz_coll_args a = {LZ_COLL_ALL_GATHER, send, recv, count, dt, LZ_RED_SUM, 0};
+  lz_coll_args a = {LZ_COLL_ALL_GATHER, send, recv, count, dt, LZ_RED_SUM, 0, 0, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,
                             lz_work **work) {
-  lz_coll_args a = {LZ_COLL_BROADCAST, buf, buf, count, dt, LZ_RED_SUM, root};
+  lz_coll_args a = {LZ_COLL_BROADCAST, buf, buf, count, dt, LZ_RED_SUM, root, 0, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_barrier(lz_comm *c) {
-  lz_coll_args a = {LZ_COLL_BARRIER, NULL, NULL, 0, LZ_F32, LZ_RED_SUM, 0};
+  lz_coll_args a = {LZ_COLL_BARRIER, NULL, NULL, 0, LZ_F32, LZ_RED_SUM, 0, 0, 0};
   return submit(c, &a, NULL);
 }

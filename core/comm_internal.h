@@ -19,6 +19,11 @@ typedef struct lz_coll_args {
   lz_dtype dt;
   lz_reduce_op op;
   int root;
+  /* Set by comm.c when send or recv is sim device memory: the collective
+   * runs after the compute stream's work up to sim_point (queued before the
+   * call, as NCCL orders it), on the buffers' host views. */
+  int on_sim;
+  uint64_t sim_point;
 } lz_coll_args;
 
 /* A backend: one function per operation, ggml style. Each runs one

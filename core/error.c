@@ -54,3 +54,15 @@ lz_status lz_threads_set(int n) {
 }
 
 int lz_threads_get(void) { return omp_get_max_threads(); }
+
+const char *lz_format_bytes(uint64_t bytes, char *buf, size_t len) {
+  static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = (double)bytes;
+  int u = 0;
+  while (v >= 1024.0 && u < 4) v /= 1024.0, u++;
+  if (u == 0)
+    snprintf(buf, len, "%llu B", (unsigned long long)bytes);
+  else
+    snprintf(buf, len, "%.2f %s", v, units[u]);
+  return buf;
+}

@@ -5,11 +5,11 @@
  * this kind of machine). A table keyed by address remembers size and category
  * so lz_mem_free needs only the pointer.
  *
- * Device memory and page-locked host memory come from the cuda backend's
- * table, read through backend_slot.c (a leaf: the ledger never calls up into
- * backend.c), and sit in the same table (addresses are unified): device
- * bytes are counted on a device side of their own, pinned bytes on the host
- * side as offload. */
+ * Device memory and page-locked host memory come from the active
+ * accelerator's table (cuda or sim), read through backend_slot.c (a leaf:
+ * the ledger never calls up into backend.c), and sit in the same table
+ * (addresses are unified): device bytes are counted on a device side of
+ * their own, pinned bytes on the host side as offload. */
 #include "lz_backend.h"
 #include "lz_internal.h"
 
@@ -179,8 +179,10 @@ lz_status lz_mem_free(void *ptr) {
     return LZ_OK;
   }
   if (e.where != WHERE_HOST) {
-    const lz_backend *be = lz_backend_cuda();
-    if (!be) return lz_fail(LZ_ERR_INTERNAL, "mem_free: %p is cuda memory but no backend is loaded", ptr);
+    const lz_backend *be = lz_backend_active();
+    if (!be)
+      return lz_fail(LZ_ERR_INTERNAL, "mem_free: %p is device memory but no backend is loaded",
+                     ptr);
     return e.where == WHERE_DEVICE ? be->free(ptr) : be->host_free(ptr);
   }
   if (e.mapped) munmap(e.base, e.mapped);
@@ -230,7 +232,7 @@ void lz_mem_reset_peak(void) {
 
 /* ------------------------------------------------- device and pinned memory */
 
-static lz_status cuda_alloc(void **out, size_t bytes, lz_mem_category cat, int where) {
+static lz_status device_alloc(void **out, size_t bytes, lz_mem_category cat, int where) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "mem_alloc_%s: out is NULL",
                            where == WHERE_DEVICE ? "device" : "pinned");
   *out = NULL;
@@ -238,10 +240,11 @@ static lz_status cuda_alloc(void **out, size_t bytes, lz_mem_category cat, int w
   if ((unsigned)cat >= LZ_MEM_COUNT)
     return lz_fail(LZ_ERR_INVALID, "%s: category %d is not one of 0..%d", what, (int)cat,
                    LZ_MEM_COUNT - 1);
-  const lz_backend *be = lz_backend_cuda();
+  const lz_backend *be = lz_backend_active();
   if (!be)
     return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: cuda is not initialized; call lz_cuda_init first (device = \"cuda\")",
+                   "%s: cuda is not initialized, nor sim; call lz_cuda_init or lz_sim_init first "
+                   "(device = \"cuda\" or \"sim\")",
                    what);
   void *p = NULL;
   /* A zero-byte block still gets a unique address, as on the host side. */
@@ -272,11 +275,11 @@ static lz_status cuda_alloc(void **out, size_t bytes, lz_mem_category cat, int w
 }
 
 lz_status lz_mem_alloc_device(void **out, size_t bytes, lz_mem_category cat) {
-  return cuda_alloc(out, bytes, cat, WHERE_DEVICE);
+  return device_alloc(out, bytes, cat, WHERE_DEVICE);
 }
 
 lz_status lz_mem_alloc_pinned(void **out, size_t bytes) {
-  return cuda_alloc(out, bytes, LZ_MEM_OFFLOAD, WHERE_PINNED);
+  return device_alloc(out, bytes, LZ_MEM_OFFLOAD, WHERE_PINNED);
 }
 
 int64_t lz_mem_device_current(lz_mem_category cat) {

@@ -95,7 +95,9 @@ typedef enum lz_dtype {
   LZ_DTYPE_COUNT = 5
 } lz_dtype;
 
-typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1 } lz_device;
+/* One accelerator per process: cuda (a GPU) or sim (docs/devices.md: the
+ * cpu kernels on memory the host cannot touch, on asynchronous streams). */
+typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1, LZ_SIM = 2 } lz_device;
 
 typedef struct lz_storage lz_storage;
 
@@ -144,9 +146,13 @@ float lz_f16_to_f32(uint16_t x);
 enum { LZ_ARENA_ALIGN = 64 };
 typedef struct lz_arena lz_arena;
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat);
+/* An arena in device memory (dev LZ_SIM or LZ_CUDA, once initialized; LZ_CPU:
+ * lz_arena_new): its tensors live on dev. */
+lz_status lz_arena_new_on(lz_arena **out, size_t bytes, lz_mem_category cat, lz_device dev);
 /* An arena over borrowed memory (64-byte aligned; the caller keeps it alive
  * and frees it, and it stays on the ledger under the owner's category):
- * arenas whose lifetimes do not overlap can share one buffer. */
+ * arenas whose lifetimes do not overlap can share one buffer. Over device
+ * memory its tensors live on that device. */
 lz_status lz_arena_wrap(lz_arena **out, void *data, size_t bytes);
 lz_status lz_arena_free(lz_arena *a);
 lz_status lz_arena_tensor(lz_arena *a, lz_tensor **out, lz_dtype dt, int ndim,
@@ -185,7 +191,7 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x);
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x);
 
-/* Llama's layers (Hugging Face's equations), f32, on the cpu only. */
+/* Llama's layers (Hugging Face's equations), f32 (cpu and sim; not cuda yet). */
 
 /* RMSNorm over the last dimension C: out = w * (x / sqrt(mean(x^2) + eps)).
  * rstd: numel(x)/C floats, 1/sqrt(mean(x^2) + eps), saved for backward. */
@@ -236,7 +242,7 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss);
 
-/* Elementwise, f32 (fill and scale also bf16/f16). out may alias a or b. */
+/* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
 lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x); /* y += alpha*x */
 lz_status lz_scale(lz_tensor *t, float s);
@@ -276,7 +282,7 @@ typedef struct lz_lion_args {
  * m: param = param (1 - lr wd) - lr sign(b1 m + (1 - b1) g), then
  * m = b2 m + (1 - b2) g. `working` (may be NULL) receives the updated
  * parameters in its dtype (f32, bf16 or f16). All tensors the same element
- * count, on the cpu. */
+ * count. */
 lz_status lz_lion_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *working,
                        const lz_lion_args *args);
 
@@ -452,7 +458,12 @@ lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
  * when one fails. *exit_code: 0 when every rank exited 0. */
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
-/* ---------------------------------------------------------------- cuda */
+/* ------------------------------------------------- devices: cuda, sim */
+
+/* A process uses one accelerator: cuda or sim. Initializing one after the
+ * other is an error naming both. Device tensors, device memory, copies
+ * across devices, streams and events below work on whichever is initialized,
+ * and their errors name it. */
 
 /* In libluazero_cuda.so (built where nvcc exists, loaded at run time). */
 lz_status lz_cuda_device_count(int *out);
@@ -466,6 +477,24 @@ lz_status lz_cuda_init(int device);
 int lz_cuda_ready(void);  /* 1 after a successful lz_cuda_init */
 int lz_cuda_device(void); /* the selected device, -1 before lz_cuda_init */
 lz_status lz_cuda_synchronize(void); /* waits for all work on the device */
+
+/* The simulated accelerator (core/sim.c, always built): runs the cpu
+ * kernels on worker threads, one per stream, over device memory the host
+ * cannot read or write (a host access faults). LZ_SIM_MEMORY sets its
+ * capacity (bytes, or with KiB/MiB/GiB; default 8GiB); LZ_SIM_JITTER=<seed>
+ * delays each queued item by up to LZ_SIM_JITTER_US (default 200) us, so a
+ * missing wait shows as a wrong result. Again: no-op. */
+lz_status lz_sim_init(void);
+int lz_sim_ready(void); /* 1 after a successful lz_sim_init */
+
+/* LZ_CPU, or the accelerator whose device memory holds p. */
+int lz_pointer_device(const void *p);
+/* Waits for all streams of the initialized accelerator. */
+lz_status lz_device_synchronize(void);
+/* Bytes this process has queued across devices (lz_tensor_copy,
+ * lz_tensor_copy_async): dir 0 host to device, 1 device to host. */
+uint64_t lz_device_copy_bytes(int dir);
+void lz_device_copy_bytes_reset(void);
 
 /* Device work runs on three streams, each in order: kernels on COMPUTE,
  * collectives (nccl) on COMM, host<->device copies on COPY. Events order them:
@@ -486,18 +515,22 @@ lz_status lz_stream_wait_event(lz_stream_kind s, lz_event *e); /* s waits for e,
 lz_status lz_event_synchronize(lz_event *e);
 lz_status lz_event_query(lz_event *e, int *done);
 
-/* A tensor in device memory (dev LZ_CUDA, after lz_cuda_init) or host memory
+/* A tensor in device memory (dev LZ_CUDA or LZ_SIM, once initialized) or host memory
  * (LZ_CPU: as lz_tensor_new). Device bytes go on the ledger's device side. */
 lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
                            lz_mem_category cat, lz_device dev);
+/* A host tensor in pinned memory (lz_mem_alloc_pinned: category offload, on
+ * the host side of the ledger), for copies to and from the device. */
+lz_status lz_tensor_new_pinned(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape);
 /* Copy across devices, queued on stream s: same dtype and element count
  * (convert on one device with lz_tensor_copy). Host memory should be pinned
  * (lz_mem_alloc_pinned) for the copy to overlap; order it with events. */
 lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_kind s);
 
-/* Device memory (cudaMalloc) on the ledger's device side; freed by lz_mem_free. */
+/* Device memory of the initialized accelerator on the ledger's device side;
+ * freed by lz_mem_free. */
 lz_status lz_mem_alloc_device(void **out, size_t bytes, lz_mem_category cat);
-/* Page-locked host memory (cudaHostAlloc) for the offload tiers: category
+/* Page-locked host memory (cudaHostAlloc; sim: aligned host memory) for the offload tiers: category
  * offload on the host side of the ledger; freed by lz_mem_free. */
 lz_status lz_mem_alloc_pinned(void **out, size_t bytes);
 int64_t lz_mem_device_current(lz_mem_category cat);

@@ -1,12 +1,14 @@
-/* lz_backend.h — the device backend table, shared by the core and
- * libluazero_cuda.so. Not part of the public API.
+/* lz_backend.h — the device backend table, shared by the core, the sim
+ * backend (core/sim.c) and libluazero_cuda.so. Not part of the public API.
  *
  * A backend is one switch over ops, guarded by "does this backend support
  * it" (ggml's shape). The core runs every argument check, then, when the
  * op's tensors live on a device, packs them into lz_op_args and hands the op
  * to the backend: the kernels never see a bad shape. libluazero_cuda.so
  * exports lz_cuda_backend(), which returns its table; the core finds it with
- * dlopen/dlsym (lz_cuda_init) and refuses a table of another ABI version. */
+ * dlopen/dlsym (lz_cuda_init) and refuses a table of another ABI version.
+ * core/sim.c's table (lz_sim_backend) is built in. One of them is the
+ * process's active accelerator (backend_slot.c). */
 #ifndef LZ_BACKEND_H
 #define LZ_BACKEND_H
 
@@ -16,7 +18,7 @@
 extern "C" {
 #endif
 
-#define LZ_BACKEND_ABI 1
+#define LZ_BACKEND_ABI 2
 
 typedef enum lz_op {
   LZ_OP_MATMUL = 0,             /* t: c, a, b; i: trans_a, trans_b; f: alpha, beta */
@@ -40,6 +42,13 @@ typedef enum lz_op {
   LZ_OP_HAS_INF_NAN,            /* t: t; out_int */
   LZ_OP_ADAMW_STEP,             /* t: param, grad, m, v, working (may be NULL); adamw */
   LZ_OP_CONVERT,                /* t: dst, src: same element count, both on the device */
+  LZ_OP_LION_STEP,              /* t: param, grad, m, working (may be NULL); lion */
+  LZ_OP_RMSNORM_FORWARD,        /* t: out, rstd, x, w; f: eps */
+  LZ_OP_RMSNORM_BACKWARD,       /* t: dx, dw, dy, x, w, rstd */
+  LZ_OP_ROPE_FORWARD,           /* t: out, x; i: n_head, head_dim, pos_offset; f: theta */
+  LZ_OP_ROPE_BACKWARD,          /* t: dx, dy; i: n_head, head_dim, pos_offset; f: theta */
+  LZ_OP_SWIGLU_FORWARD,         /* t: out, gate, up */
+  LZ_OP_SWIGLU_BACKWARD,        /* t: dgate, dup, dout, gate, up */
   LZ_OP_COUNT
 } lz_op;
 
@@ -47,9 +56,10 @@ typedef enum lz_op {
 
 typedef struct lz_op_args {
   lz_tensor *t[LZ_OP_MAX_TENSORS]; /* in the public function's argument order */
-  int64_t i[2];
+  int64_t i[3];
   float f[2];
   const lz_adamw_args *adamw;
+  const lz_lion_args *lion;
   double *out_f64;
   int *out_int;
 } lz_op_args;
@@ -60,7 +70,8 @@ typedef struct lz_op_args {
  * only ops that return a value to the host (sq_norm, has_inf_nan) wait. */
 typedef struct lz_backend {
   int abi; /* LZ_BACKEND_ABI */
-  const char *name;
+  const char *name; /* "cuda", "sim": what messages call the device */
+  lz_device kind;
   lz_status (*init)(int device); /* selects the device, creates streams and handles */
   int (*supports)(lz_op op, const lz_op_args *a);
   lz_status (*compute)(lz_op op, const lz_op_args *a);
@@ -85,7 +96,8 @@ typedef struct lz_backend {
   int (*is_device_pointer)(const void *p);
 
   /* NCCL (the collectives' nccl backend, core/comm_nccl.c). An id is
-   * nccl_id_bytes of opaque bytes that rank 0 makes and every rank gets. */
+   * nccl_id_bytes of opaque bytes that rank 0 makes and every rank gets.
+   * A backend without NCCL (sim) leaves these NULL and nccl_id_bytes 0. */
   size_t nccl_id_bytes;
   lz_status (*nccl_get_id)(void *id);
   lz_status (*nccl_init)(void **out, const void *id, int rank, int size);
@@ -100,15 +112,27 @@ typedef const lz_backend *(*lz_backend_entry_fn)(void);
 
 /* ---------------------------------------------------------------- core side */
 
-/* backend_slot.c: the loaded cuda backend, or NULL before a successful
- * lz_cuda_init; lz_backend_cuda_set publishes it (lz_cuda_init only). */
+/* backend_slot.c: the active accelerator's backend, or NULL before a
+ * successful lz_cuda_init or lz_sim_init; lz_backend_active_set publishes
+ * it (those two only, once). lz_backend_of(dev): the active backend when it
+ * is dev's, else NULL; lz_backend_cuda() is lz_backend_of(LZ_CUDA). */
+const lz_backend *lz_backend_active(void);
+void lz_backend_active_set(const lz_backend *be, int device);
+const lz_backend *lz_backend_of(lz_device dev);
 const lz_backend *lz_backend_cuda(void);
-void lz_backend_cuda_set(const lz_backend *be, int device);
+/* dev's backend (LZ_CUDA, LZ_SIM) when it is the active one, else an error
+ * naming op and how to initialize dev. */
+lz_status lz_backend_need(const char *op, lz_device dev, const lz_backend **be);
+/* "cpu", "cuda", "sim" (or "device <n>"): for messages. */
+const char *lz_device_name(lz_device dev);
+
+/* sim.c: the built-in sim backend's table. */
+const lz_backend *lz_sim_backend(void);
 
 /* After an op's argument checks: when its tensors (the non-NULL ones in
- * a->t) live on cuda, runs it there and sets *handled; when they live on the
- * cpu, leaves *handled 0 for the caller's cpu kernel. Tensors on two devices
- * are an error naming both. */
+ * a->t) live on an accelerator, runs it there and sets *handled; when they
+ * live on the cpu, leaves *handled 0 for the caller's cpu kernel. Tensors on
+ * two devices are an error naming both. */
 lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int *handled);
 
 /* The op's checks and then the device switch, in one line at the end of the
@@ -122,11 +146,11 @@ lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int 
   } while (0)
 
 /* i32 ids checked on the host: returns the data of a cpu tensor, or a
- * malloc'd host copy of a cuda one in *copy (free it). */
+ * malloc'd host copy of a device one in *copy (free it). */
 lz_status lz_backend_host_ids(const char *op, const lz_tensor *t, const int32_t **ids,
                               int32_t **copy);
 
-/* lz_tensor_copy when either side lives on cuda (checks done). */
+/* lz_tensor_copy when either side lives on a device (checks done). */
 lz_status lz_tensor_copy_device(lz_tensor *dst, const lz_tensor *src);
 
 #ifdef __cplusplus

@@ -79,6 +79,10 @@ uint8_t *lz_shared_view(int rank, size_t offset, size_t bytes);
 char *lz_shared_create(int nranks, int *fds);
 void lz_shared_close(int nranks, int *fds);
 
+/* "1.50 GiB", "512 B": a byte count in the largest binary unit it reaches,
+ * into buf, for messages. */
+const char *lz_format_bytes(uint64_t bytes, char *buf, size_t len);
+
 /* Float bits. */
 static inline uint32_t lz_f32_bits(float f) {
   uint32_t u;

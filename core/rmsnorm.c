@@ -1,12 +1,13 @@
 /* rmsnorm.c — RMSNorm over the last dimension (Llama's input_layernorm,
  * post_attention_layernorm and final norm), as Hugging Face's LlamaRMSNorm:
- *   y = w * (x / sqrt(mean(x^2) + eps)), in fp32. CPU only.
+ *   y = w * (x / sqrt(mean(x^2) + eps)), in fp32. A cpu kernel (sim runs it too).
  *
  * Forward saves each row's 1/rms so backward need not recompute it. Backward
  * writes dx and sums dw in one pass over fixed row blocks (lz_rowblocks.h),
  * so dw does not depend on the thread count. Rows wider than FUSED_MAX_COLS
  * (whose partials would not fit the stack) take two passes: dw, threads
  * splitting the columns and each walking all rows in order, then dx. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 #include "lz_lanes.h"     /* sums in independent lanes */
 #include "lz_rowblocks.h" /* the row blocks of the dw sums */
@@ -46,7 +47,8 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
   const int64_t C = lz_cols(x), rows = lz_rows(x);
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
-  LZ_TRY(lz_check_cpu_all(op, (lz_arg[]){{"out", out}, {"rstd", rstd}, {"x", x}, {"w", w}, {0}}));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_RMSNORM_FORWARD, .t = {out, rstd, (lz_tensor *)x, (lz_tensor *)w},
+                     .f = {eps});
 
   float *o = out->data, *rs = rstd->data;
   const float *xp = x->data, *wp = w->data;
@@ -109,8 +111,9 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                per_row[] = {{"rstd", rstd}, {0}};
   LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_TRY(lz_check_cpu_all(
-      op, (lz_arg[]){{"dx", dx}, {"dw", dw}, {"dy", dy}, {"x", x}, {"w", w}, {"rstd", rstd}, {0}}));
+  LZ_DEVICE_DISPATCH(
+      op, LZ_OP_RMSNORM_BACKWARD,
+      .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)rstd});
 
   const float *dyp = dy->data, *xp = x->data, *wp = w->data, *rs = rstd->data;
   float *dxp = dx->data, *dwp = dw->data;

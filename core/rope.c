@@ -1,13 +1,14 @@
 /* rope.c — rotary position embeddings as Hugging Face's Llama applies them
  * (apply_rotary_pos_emb with rotate_half): in each head of head_dim values,
  * element i pairs with element i + head_dim/2 and the pair turns by the angle
- * pos * inv_freq[i], inv_freq[i] = theta^(-2i/head_dim). CPU only.
+ * pos * inv_freq[i], inv_freq[i] = theta^(-2i/head_dim). A cpu kernel (sim runs it too).
  *
  * The numbers follow LlamaRotaryEmbedding: inv_freq in fp32 (worked out here
  * in double, then rounded; Hugging Face's fp32 arithmetic lands within a few
  * ulps of it), the angle pos * inv_freq a product in fp32, its cos and sin in
  * fp32. A row of x is one position: its cos and sin are
  * worked out once and serve every head. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 
 #include <math.h> /* pow, cosf, sinf, isinf */
@@ -38,14 +39,12 @@ LZ_DISPATCH static void rope_row(float *out, const float *x, const float *inv_fr
 }
 
 /* The checks and the loop forward and backward share; `sign` as rope_row's. */
-static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out,
+static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
                             const char *x_name, const lz_tensor *x, int n_head, int head_dim,
                             int64_t pos_offset, float theta, float sign) {
   LZ_TRY(lz_check_dtype(op, x_name, x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
   LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
-  LZ_TRY(lz_check_cpu(op, x_name, x));
-  LZ_TRY(lz_check_cpu(op, out_name, out));
   if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
   if (head_dim < 2 || head_dim % 2 || head_dim > ROPE_MAX_HEAD_DIM)
     return lz_fail(LZ_ERR_INVALID,
@@ -67,6 +66,8 @@ static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out
   if (!(theta > 0.0f) || isinf(theta))
     return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
                    (double)theta);
+  LZ_DEVICE_DISPATCH(op, opcode, .t = {out, (lz_tensor *)x}, .i = {n_head, head_dim, pos_offset},
+                     .f = {theta});
 
   const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
   float inv_freq[half];
@@ -82,11 +83,12 @@ static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out
 
 lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
                           int64_t pos_offset, float theta) {
-  return rope_apply("rope_forward", "out", out, "x", x, n_head, head_dim, pos_offset, theta, 1.0f);
+  return rope_apply("rope_forward", LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim,
+                    pos_offset, theta, 1.0f);
 }
 
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta) {
-  return rope_apply("rope_backward", "dx", dx, "dy", dy, n_head, head_dim, pos_offset, theta,
-                    -1.0f);
+  return rope_apply("rope_backward", LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim,
+                    pos_offset, theta, -1.0f);
 }

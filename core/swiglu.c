@@ -1,9 +1,11 @@
 /* swiglu.c — the gated activation of Llama's MLP, as Hugging Face's LlamaMLP
- * computes it: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). CPU only.
+ * computes it: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). A cpu kernel
+ * (sim runs it too).
  *
  * libm's expf is a function call per element that no compiler vectorizes
  * without -ffast-math, which made this memory-bound op compute bound; e^x
  * here is lz_exp, plain arithmetic that vectorizes. */
+#include "lz_backend.h"
 #include "lz_internal.h"
 #include "lz_vecmath.h" /* lz_exp */
 
@@ -31,19 +33,18 @@ LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const fl
   }
 }
 
-/* Checks that gate and each argument of the list are f32, shaped as gate
- * and on the cpu. */
+/* Checks that gate and each argument of the list are f32 and shaped as gate. */
 static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *args) {
   LZ_TRY(lz_check_dtype(op, "gate", gate, LZ_F32));
   for (const lz_arg *a = args; a->name; a++)
     LZ_TRY(lz_check_f32_like(op, a->name, a->t, "gate", gate));
-  LZ_TRY(lz_check_cpu(op, "gate", gate));
-  return lz_check_cpu_all(op, args);
+  return LZ_OK;
 }
 
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_forward";
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"out", out}, {0}}));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_FORWARD, .t = {out, (lz_tensor *)gate, (lz_tensor *)up});
   const int64_t n = lz_tensor_numel(gate);
   float *o = out->data;
   const float *gp = gate->data, *up_ = up->data;
@@ -61,6 +62,8 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
+  LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_BACKWARD,
+                     .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up});
   const int64_t n = lz_tensor_numel(gate);
   float *dg = dgate->data, *du = dup->data;
   const float *dop = dout->data, *gp = gate->data, *up_ = up->data;

@@ -1,6 +1,7 @@
 /* tensor.c — tensors (metadata over refcounted storage), views, dtype
  * conversions of one value, and the activation arena. Calls only the
  * ledger and error.c below it (copies between tensors are copy.c). */
+#include "lz_backend.h" /* lz_backend_need: device tensors */
 #include "lz_internal.h"
 
 #include <math.h>   /* isnan, isinf */
@@ -75,13 +76,29 @@ lz_status lz_tensor_new(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *s
   return lz_tensor_new_on(out, dt, ndim, shape, cat, LZ_CPU);
 }
 
+/* pinned: host memory from lz_mem_alloc_pinned (dev is LZ_CPU). */
+static lz_status tensor_new(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
+                            lz_mem_category cat, lz_device dev, int pinned);
+
 lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
                            lz_mem_category cat, lz_device dev) {
+  return tensor_new(out, dt, ndim, shape, cat, dev, 0);
+}
+
+lz_status lz_tensor_new_pinned(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape) {
+  return tensor_new(out, dt, ndim, shape, LZ_MEM_OFFLOAD, LZ_CPU, 1);
+}
+
+static lz_status tensor_new(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
+                            lz_mem_category cat, lz_device dev, int pinned) {
   *out = NULL;
-  const char *op = dev == LZ_CPU ? "tensor_new" : "tensor_new_on";
+  const char *op = pinned ? "tensor_new_pinned" : dev == LZ_CPU ? "tensor_new" : "tensor_new_on";
   LZ_TRY(check_shape(op, dt, ndim, shape));
-  if (dev != LZ_CPU && dev != LZ_CUDA)
-    return lz_fail(LZ_ERR_INVALID, "%s: device %d is not cpu (0) or cuda (1)", op, (int)dev);
+  if (dev != LZ_CPU && dev != LZ_CUDA && dev != LZ_SIM)
+    return lz_fail(LZ_ERR_INVALID, "%s: device %d is not cpu (0), cuda (1) or sim (2)", op,
+                   (int)dev);
+  const lz_backend *be;
+  if (dev != LZ_CPU) LZ_TRY(lz_backend_need(op, dev, &be));
   lz_tensor *t = malloc(sizeof *t);
   lz_storage *s = malloc(sizeof *s);
   if (!t || !s) {
@@ -92,8 +109,9 @@ lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t
   set_meta(t, NULL, dt, ndim, shape);
   t->device = dev;
   s->bytes = lz_tensor_bytes(t);
-  lz_status st = dev == LZ_CUDA ? lz_mem_alloc_device(&s->data, s->bytes, cat)
-                                : lz_mem_alloc(&s->data, s->bytes, cat);
+  lz_status st = dev != LZ_CPU ? lz_mem_alloc_device(&s->data, s->bytes, cat)
+                 : pinned      ? lz_mem_alloc_pinned(&s->data, s->bytes)
+                               : lz_mem_alloc(&s->data, s->bytes, cat);
   if (st != LZ_OK) {
     free(t);
     free(s);
@@ -216,14 +234,27 @@ struct lz_arena {
   size_t capacity, used, peak;
   lz_tensor *headers;
   int n_headers;
-  int borrowed; /* data belongs to the caller (lz_arena_wrap) */
+  int borrowed;     /* data belongs to the caller (lz_arena_wrap) */
+  lz_device device; /* where data lives, and so its tensors */
 };
 
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat) {
+  return lz_arena_new_on(out, bytes, cat, LZ_CPU);
+}
+
+lz_status lz_arena_new_on(lz_arena **out, size_t bytes, lz_mem_category cat, lz_device dev) {
   *out = NULL;
+  const char *op = dev == LZ_CPU ? "arena_new" : "arena_new_on";
+  if (dev != LZ_CPU && dev != LZ_CUDA && dev != LZ_SIM)
+    return lz_fail(LZ_ERR_INVALID, "%s: device %d is not cpu (0), cuda (1) or sim (2)", op,
+                   (int)dev);
+  const lz_backend *be;
+  if (dev != LZ_CPU) LZ_TRY(lz_backend_need(op, dev, &be));
   lz_arena *a = calloc(1, sizeof *a);
-  if (!a) return lz_fail(LZ_ERR_NOMEM, "arena_new: out of memory for metadata");
-  lz_status st = lz_mem_alloc((void **)&a->data, bytes, cat);
+  if (!a) return lz_fail(LZ_ERR_NOMEM, "%s: out of memory for metadata", op);
+  a->device = dev;
+  lz_status st = dev != LZ_CPU ? lz_mem_alloc_device((void **)&a->data, bytes, cat)
+                               : lz_mem_alloc((void **)&a->data, bytes, cat);
   if (st == LZ_OK)
     st = lz_mem_alloc((void **)&a->headers, sizeof(lz_tensor) * ARENA_MAX_TENSORS,
                       LZ_MEM_WORKSPACE);
@@ -256,6 +287,7 @@ lz_status lz_arena_wrap(lz_arena **out, void *data, size_t bytes) {
   a->data = data;
   a->capacity = bytes;
   a->borrowed = 1;
+  a->device = (lz_device)lz_pointer_device(data);
   *out = a;
   return LZ_OK;
 }
@@ -283,6 +315,7 @@ lz_status lz_arena_tensor(lz_arena *a, lz_tensor **out, lz_dtype dt, int ndim,
                    "arena: %zu bytes asked with %zu of %zu in use; make the arena larger",
                    bytes, a->used, a->capacity);
   t->data = a->data + a->used;
+  t->device = a->device;
   t->flags = TENSOR_ARENA;
   a->used += bytes;
   if (a->used > a->peak) a->peak = a->used;

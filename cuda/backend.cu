@@ -57,7 +57,30 @@ static lz_status cu_init(int device) {
 
 static int cu_supports(lz_op op, const lz_op_args *a) {
   (void)a;  // the core's checks already pinned the dtypes to what the kernels take
-  return (unsigned)op < LZ_OP_COUNT;
+  switch (op) {
+  case LZ_OP_MATMUL:
+  case LZ_OP_LINEAR_FORWARD:
+  case LZ_OP_LINEAR_BACKWARD:
+  case LZ_OP_LAYERNORM_FORWARD:
+  case LZ_OP_LAYERNORM_BACKWARD:
+  case LZ_OP_GELU_FORWARD:
+  case LZ_OP_GELU_BACKWARD:
+  case LZ_OP_ATTENTION_FORWARD:
+  case LZ_OP_ATTENTION_BACKWARD:
+  case LZ_OP_EMBEDDING_FORWARD:
+  case LZ_OP_EMBEDDING_BACKWARD:
+  case LZ_OP_CROSS_ENTROPY_FORWARD:
+  case LZ_OP_CROSS_ENTROPY_BACKWARD:
+  case LZ_OP_ADD:
+  case LZ_OP_AXPY:
+  case LZ_OP_SCALE:
+  case LZ_OP_FILL:
+  case LZ_OP_SQ_NORM:
+  case LZ_OP_HAS_INF_NAN:
+  case LZ_OP_ADAMW_STEP:
+  case LZ_OP_CONVERT: return 1;
+  default: return 0;  // lion, rmsnorm, rope, swiglu: no cuda kernel yet
+  }
 }
 
 static lz_status cu_compute(lz_op op, const lz_op_args *a) {
@@ -97,10 +120,13 @@ static lz_status cu_alloc(void **out, size_t bytes) {
     cudaGetLastError();
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
+    char asked[32], used[32], total[32];
     return lz_fail(LZ_ERR_NOMEM,
-                   "cuda: out of device memory: %zu bytes asked, %zu of %zu free; use a higher "
-                   "ZeRO stage, offload, or a smaller batch",
-                   bytes, free_b, total_b);
+                   "cuda: out of device memory: %zu bytes (%s) asked with %zu (%s) of %zu (%s) in "
+                   "use; use a higher ZeRO stage, offload, or a smaller batch",
+                   bytes, lz_format_bytes(bytes, asked, sizeof asked), total_b - free_b,
+                   lz_format_bytes(total_b - free_b, used, sizeof used), total_b,
+                   lz_format_bytes(total_b, total, sizeof total));
   }
   CUDA_CHECK(e);
   return LZ_OK;
@@ -193,6 +219,7 @@ static lz_backend table;
 extern "C" const lz_backend *lz_cuda_backend(void) {
   table.abi = LZ_BACKEND_ABI;
   table.name = "cuda";
+  table.kind = LZ_CUDA;
   table.init = cu_init;
   table.supports = cu_supports;
   table.compute = cu_compute;

@@ -215,8 +215,8 @@ LZ_TEST(rmsnorm_errors) {
             "rmsnorm_forward: x is missing");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, x, w, NAN), LZ_ERR_INVALID,
             "rmsnorm_forward: eps is nan; it must be finite and >= 0");
-  CHECK_ERR(lz_rmsnorm_forward(out, r8, xc, w, 1e-5f), LZ_ERR_UNSUPPORTED,
-            "rmsnorm_forward: x lives on cuda, and this op has no cuda kernel");
+  CHECK_ERR(lz_rmsnorm_forward(out, r8, xc, w, 1e-5f), LZ_ERR_INVALID,
+            "rmsnorm_forward: out lives on cpu but x lives on cuda");
   CHECK_ERR(lz_rmsnorm_backward(out, w64, x, x, w, r8), LZ_ERR_INVALID,
             "rmsnorm_backward: dw is f32[64]");
   CHECK_ERR(lz_rmsnorm_backward(out, w, bad, x, w, r8), LZ_ERR_INVALID,
@@ -225,8 +225,8 @@ LZ_TEST(rmsnorm_errors) {
             "rmsnorm_backward: dx is missing");
   CHECK_ERR(lz_rmsnorm_backward(out, w, x, x, w, r7), LZ_ERR_INVALID,
             "rmsnorm_backward: rstd is f32[7]");
-  CHECK_ERR(lz_rmsnorm_backward(out, w, xc, x, w, r8), LZ_ERR_UNSUPPORTED,
-            "rmsnorm_backward: dy lives on cuda");
+  CHECK_ERR(lz_rmsnorm_backward(out, w, xc, x, w, r8), LZ_ERR_INVALID,
+            "rmsnorm_backward: dx lives on cpu but dy lives on cuda");
   lz_tensor *ts[] = {x, out, w, w64, r8, r7, wi, xb, bad, xc};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
 }
@@ -356,8 +356,8 @@ LZ_TEST(rope_errors) {
             "rope_forward: out is f32[2,4,12] but x is f32[2,4,24]");
   CHECK_ERR(lz_rope_forward(x, xb, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
             "rope_forward: x is bf16[2,4,24], expected dtype f32");
-  CHECK_ERR(lz_rope_forward(xc, x, 3, 8, 0, 1e4f), LZ_ERR_UNSUPPORTED,
-            "rope_forward: out lives on cuda");
+  CHECK_ERR(lz_rope_forward(xc, x, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
+            "rope_forward: out lives on cuda but x lives on cpu");
   CHECK_ERR(lz_rope_backward(x, bad, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
             "rope_backward: dx is f32[2,4,24] but dy is f32[2,4,12]");
   CHECK_ERR(lz_rope_backward(NULL, x, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
@@ -474,7 +474,12 @@ LZ_TEST(swiglu_errors) {
   CHECK_ERR(lz_swiglu_forward(a, ab, a), LZ_ERR_INVALID,
             "swiglu_forward: gate is bf16[2,4], expected dtype f32");
   CHECK_ERR(lz_swiglu_forward(NULL, a, a), LZ_ERR_INVALID, "swiglu_forward: out is missing");
-  CHECK_ERR(lz_swiglu_forward(a, a, ac), LZ_ERR_UNSUPPORTED, "swiglu_forward: up lives on cuda");
+  CHECK_ERR(lz_swiglu_forward(a, a, ac), LZ_ERR_INVALID,
+            "swiglu_forward: out lives on cpu but up lives on cuda");
+  /* All on cuda: no cuda kernel (with a GPU), or no cuda at all. */
+  CHECK_ERR(lz_swiglu_forward(ac, ac, ac), LZ_ERR_UNSUPPORTED,
+            lz_cuda_ready() ? "swiglu_forward: not supported on cuda yet"
+                            : "swiglu_forward: cuda is not initialized");
   CHECK_ERR(lz_swiglu_backward(a, b, y9, a, a), LZ_ERR_INVALID, "swiglu_backward: dout is f32[9]");
   CHECK_ERR(lz_swiglu_backward(a, y9, a, a, a), LZ_ERR_INVALID, "swiglu_backward: dup is f32[9]");
   CHECK_ERR(lz_swiglu_backward(a, a, a, a, a), LZ_ERR_INVALID,

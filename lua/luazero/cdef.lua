@@ -53,7 +53,7 @@ typedef enum lz_dtype {
   LZ_DTYPE_COUNT = 5
 } lz_dtype;
 
-typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1 } lz_device;
+typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1, LZ_SIM = 2 } lz_device;
 
 typedef struct lz_storage lz_storage;
 
@@ -94,6 +94,8 @@ float lz_f16_to_f32(uint16_t x);
 enum { LZ_ARENA_ALIGN = 64 };
 typedef struct lz_arena lz_arena;
 lz_status lz_arena_new(lz_arena **out, size_t bytes, lz_mem_category cat);
+
+lz_status lz_arena_new_on(lz_arena **out, size_t bytes, lz_mem_category cat, lz_device dev);
 
 lz_status lz_arena_wrap(lz_arena **out, void *data, size_t bytes);
 lz_status lz_arena_free(lz_arena *a);
@@ -320,6 +322,16 @@ int lz_cuda_ready(void);
 int lz_cuda_device(void);
 lz_status lz_cuda_synchronize(void);
 
+lz_status lz_sim_init(void);
+int lz_sim_ready(void);
+
+int lz_pointer_device(const void *p);
+
+lz_status lz_device_synchronize(void);
+
+uint64_t lz_device_copy_bytes(int dir);
+void lz_device_copy_bytes_reset(void);
+
 typedef enum lz_stream_kind {
   LZ_STREAM_COMPUTE = 0,
   LZ_STREAM_COMM = 1,
@@ -337,6 +349,8 @@ lz_status lz_event_query(lz_event *e, int *done);
 
 lz_status lz_tensor_new_on(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape,
                            lz_mem_category cat, lz_device dev);
+
+lz_status lz_tensor_new_pinned(lz_tensor **out, lz_dtype dt, int ndim, const int64_t *shape);
 
 lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_kind s);
 

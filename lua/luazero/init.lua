@@ -102,28 +102,62 @@ local tensor_out = ffi.typeof("lz_tensor *[1]")
 -- A tensor the library allocated; ffi.gc frees it if the script forgets.
 local function own(t) return ffi.gc(t, C.lz_tensor_free) end
 
+-- Devices: "cpu", and the process's one accelerator, "sim" or "cuda".
+local devices = { cpu = C.LZ_CPU, cuda = C.LZ_CUDA, sim = C.LZ_SIM }
+local device_names = { [tonumber(C.LZ_CPU)] = "cpu", [tonumber(C.LZ_CUDA)] = "cuda",
+                       [tonumber(C.LZ_SIM)] = "sim" }
+lz.devices = devices
+
+local function device_of(d, what)
+  if d == nil then return C.LZ_CPU end
+  local v = devices[d]
+  if v == nil then
+    error(("luazero: %s: device %q is not \"cpu\", \"sim\" or \"cuda\""):format(
+      what or "tensor", tostring(d)), 3)
+  end
+  return v
+end
+
+local float_dtypes = { [tonumber(C.LZ_F32)] = true, [tonumber(C.LZ_BF16)] = true,
+                       [tonumber(C.LZ_F16)] = true }
+
 -- lz.tensor(shape, dtype, category, device): zero-filled. device "cpu"
--- (default) or "cuda" (after lz.cuda.init; device memory, on the ledger's
--- device side).
+-- (default), "sim" or "cuda" (after lz.device_init: device memory, on the
+-- ledger's device side, zeroed on the device).
 function lz.tensor(shape, dtype, category, device)
-  if device == nil or device == "cpu" then
-    local dims, nd = shape_array(shape)
-    local out = tensor_out()
+  local dev = device_of(device)
+  local dims, nd = shape_array(shape)
+  local out = tensor_out()
+  if dev == C.LZ_CPU then
     check(C.lz_tensor_new(out, dtype_of(dtype), nd, dims, category_of(category)), 2)
     local t = own(out[0])
     ffi.fill(t.data, C.lz_tensor_bytes(t))
     return t
-  elseif device ~= "cuda" then
-    error(("luazero: tensor: device %q is not \"cpu\" or \"cuda\""):format(tostring(device)), 2)
+  end
+  check(C.lz_tensor_new_on(out, dtype_of(dtype), nd, dims, category_of(category), dev), 2)
+  local t = own(out[0])
+  if float_dtypes[tonumber(t.dtype)] then
+    check(C.lz_fill(t, 0), 2)
+  else -- i32, u16: no fill kernel; through a host buffer of zeros
+    local zeros = lz.tensor(shape, dtype, "workspace")
+    check(C.lz_tensor_copy(t, zeros), 2)
+    zeros:free()
+  end
+  return t
+end
+
+-- lz.pinned(shape, dtype): a zero-filled host tensor in pinned memory
+-- (category offload, host side of the ledger) for copies to and from the
+-- device; without an accelerator, an ordinary offload tensor.
+function lz.pinned(shape, dtype)
+  if C.lz_cuda_ready() == 0 and C.lz_sim_ready() == 0 then
+    return lz.tensor(shape, dtype, "offload")
   end
   local dims, nd = shape_array(shape)
   local out = tensor_out()
-  check(C.lz_tensor_new_on(out, dtype_of(dtype), nd, dims, category_of(category), C.LZ_CUDA), 2)
+  check(C.lz_tensor_new_pinned(out, dtype_of(dtype), nd, dims), 2)
   local t = own(out[0])
-  -- Zeroed through a host buffer of zeros: one copy, any dtype.
-  local zeros = lz.tensor(shape, dtype, "workspace")
-  check(C.lz_tensor_copy(t, zeros), 2)
-  zeros:free()
+  ffi.fill(t.data, C.lz_tensor_bytes(t))
   return t
 end
 
@@ -156,17 +190,19 @@ function Tensor:describe()
   return ffi.string(C.lz_tensor_describe(self, buf, 128))
 end
 
--- Scripts read and write elements of host tensors only.
-local function host_only(t, what)
+function Tensor:device_name() return device_names[tonumber(self.device)] or "unknown" end
+
+-- Scripts read and write elements of host tensors only: device memory
+-- faults when the host touches it (sim) or is not there (cuda).
+local function host_only(t, what, writes)
   if t.device ~= C.LZ_CPU then
-    error(("luazero: not supported on cuda yet: %s of a device tensor %s; copy it to a cpu " ..
-           "tensor first (t:to(\"cpu\"))"):format(what, t:describe()), 3)
+    error(("luazero: %s of a %s tensor %s: device memory is not %s from the host; copy it " ..
+           "first (t:to(\"cpu\"))"):format(what, t:device_name(), t:describe(),
+                                         writes and "writable" or "readable"), 3)
   end
 end
 
-function Tensor:device_name() return self.device == C.LZ_CUDA and "cuda" or "cpu" end
-
--- A copy on `device` ("cpu" or "cuda"), same dtype and shape.
+-- A copy on `device` ("cpu", "sim" or "cuda"), same dtype and shape.
 function Tensor:to(device)
   local t = lz.tensor(self:sizes(), self:dtype_name(), "workspace", device)
   check(C.lz_tensor_copy(t, self), 2)
@@ -185,7 +221,7 @@ function Tensor:get(i)
 end
 
 function Tensor:set(i, v)
-  host_only(self, "set")
+  host_only(self, "set", true)
   local dt = self.dtype
   if dt == C.LZ_F32 then ffi.cast("float *", self.data)[i] = v
   elseif dt == C.LZ_BF16 then ffi.cast("uint16_t *", self.data)[i] = C.lz_f32_to_bf16(v)
@@ -195,6 +231,7 @@ function Tensor:set(i, v)
 end
 
 function Tensor:totable()
+  host_only(self, "totable")
   local t = {}
   for i = 0, self:numel() - 1 do t[i + 1] = self:get(i) end
   return t
@@ -206,8 +243,15 @@ function Tensor:fill(v)
 end
 
 function Tensor:zero()
-  host_only(self, "zero")
-  ffi.fill(self.data, C.lz_tensor_bytes(self))
+  if self.device == C.LZ_CPU then
+    ffi.fill(self.data, C.lz_tensor_bytes(self))
+  elseif float_dtypes[tonumber(self.dtype)] then
+    check(C.lz_fill(self, 0), 2)
+  else
+    local zeros = lz.tensor(self:sizes(), self:dtype_name(), "workspace")
+    check(C.lz_tensor_copy(self, zeros), 2)
+    zeros:free()
+  end
   return self
 end
 
@@ -242,7 +286,9 @@ function Tensor:free()
 end
 
 function Tensor:__tostring()
-  if self.device ~= C.LZ_CPU then return ("tensor %s on cuda"):format(self:describe()) end
+  if self.device ~= C.LZ_CPU then
+    return ("tensor %s on %s"):format(self:describe(), self:device_name())
+  end
   local n = self:numel()
   local parts = {}
   local show = math.min(n, 8)
@@ -261,9 +307,12 @@ lz.Tensor = Tensor
 local Arena = {}
 Arena.__index = Arena
 
-function lz.arena(bytes, category)
+-- lz.arena(bytes, category, device): device "cpu" (default), "sim" or
+-- "cuda": an arena in that device's memory, whose tensors live there.
+function lz.arena(bytes, category, device)
   local out = ffi.new("lz_arena *[1]")
-  check(C.lz_arena_new(out, bytes, category_of(category or "activations")), 2)
+  check(C.lz_arena_new_on(out, bytes, category_of(category or "activations"),
+                          device_of(device, "arena")), 2)
   return setmetatable({ handle = ffi.gc(out[0], C.lz_arena_free) }, Arena)
 end
 
@@ -277,7 +326,8 @@ end
 
 -- An arena over bytes [offset, offset + bytes) of tensor t's memory (offset
 -- a multiple of lz.ARENA_ALIGN): no memory of its own, so arenas whose lifetimes do not
--- overlap can share one buffer. t must outlive it.
+-- overlap can share one buffer. t must outlive it. Over a device tensor the
+-- arena's tensors live on that device.
 function lz.arena_over(t, offset, bytes)
   assert(offset + bytes <= C.lz_tensor_bytes(t), "arena_over: the range ends past the tensor")
   local out = ffi.new("lz_arena *[1]")
@@ -358,6 +408,93 @@ function lz.mem_device_peak()
   for name, cat in pairs(categories) do m[name] = tonumber(C.lz_mem_device_peak(cat)) end
   return m
 end
+
+------------------------------------------------------------ devices
+
+-- lz.sim.init(): the simulated accelerator (core/sim.c: the cpu kernels on
+-- memory the host cannot touch, on asynchronous streams; docs/devices.md).
+lz.sim = {}
+function lz.sim.init() check(C.lz_sim_init(), 2) end
+function lz.sim.ready() return C.lz_sim_ready() ~= 0 end
+
+-- lz.device_init(name, index): "cpu" (nothing to do), "sim", or "cuda"
+-- (GPU `index`, default LOCAL_RANK or 0). One accelerator per process.
+function lz.device_init(name, index)
+  if name == "cpu" then return end
+  if name == "sim" then
+    check(C.lz_sim_init(), 2)
+  elseif name == "cuda" then
+    check(C.lz_cuda_init(index or tonumber(os.getenv("LOCAL_RANK") or "0") or 0), 2)
+  else
+    error(("luazero: device_init: device %q is not \"cpu\", \"sim\" or \"cuda\""):format(
+      tostring(name)), 2)
+  end
+end
+
+-- Waits for all streams of the initialized accelerator.
+function lz.device_synchronize() check(C.lz_device_synchronize(), 2) end
+
+local streams = { compute = C.LZ_STREAM_COMPUTE, comm = C.LZ_STREAM_COMM,
+                  copy = C.LZ_STREAM_COPY }
+local function stream_of(name)
+  local s = streams[name or "compute"]
+  if s == nil then
+    error(("luazero: stream %q is not \"compute\", \"comm\" or \"copy\""):format(
+      tostring(name)), 3)
+  end
+  return s
+end
+
+-- lz.copy_async(dst, src, stream): a copy across devices (same dtype and
+-- element count) queued on stream "compute" (default), "comm" or "copy".
+-- A host source must stay alive and unchanged until the stream passes it.
+function lz.copy_async(dst, src, stream)
+  check(C.lz_tensor_copy_async(dst, src, stream_of(stream)), 2)
+end
+
+function lz.stream_synchronize(stream) check(C.lz_stream_synchronize(stream_of(stream)), 2) end
+
+-- lz.event(): e:record(stream) marks the work queued on stream so far;
+-- e:wait_on(stream) makes stream wait for it (the host does not);
+-- e:synchronize() waits on the host; e:query() is true once reached.
+local Event = {}
+Event.__index = Event
+function lz.event()
+  local out = ffi.new("lz_event *[1]")
+  check(C.lz_event_new(out), 2)
+  return setmetatable({ handle = ffi.gc(out[0], C.lz_event_free) }, Event)
+end
+local function event_handle(e)
+  if e.handle == nil then error("luazero: this event was freed", 3) end
+  return e.handle
+end
+function Event:record(stream)
+  check(C.lz_event_record(event_handle(self), stream_of(stream)), 2)
+  return self
+end
+function Event:wait_on(stream)
+  check(C.lz_stream_wait_event(stream_of(stream), event_handle(self)), 2)
+  return self
+end
+function Event:synchronize() check(C.lz_event_synchronize(event_handle(self)), 2) end
+function Event:query()
+  local done = ffi.new("int[1]")
+  check(C.lz_event_query(event_handle(self), done), 2)
+  return done[0] ~= 0
+end
+function Event:free()
+  if self.handle ~= nil then
+    C.lz_event_free(ffi.gc(self.handle, nil))
+    self.handle = nil
+  end
+end
+
+-- Bytes queued across devices since the start (or the last reset):
+-- { h2d = n, d2h = n }.
+function lz.copy_bytes()
+  return { h2d = tonumber(C.lz_device_copy_bytes(0)), d2h = tonumber(C.lz_device_copy_bytes(1)) }
+end
+function lz.copy_bytes_reset() C.lz_device_copy_bytes_reset() end
 
 ------------------------------------------------------------------ cuda
 
