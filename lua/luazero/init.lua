@@ -123,7 +123,7 @@ local float_dtypes = { [tonumber(C.LZ_F32)] = true, [tonumber(C.LZ_BF16)] = true
 
 -- lz.tensor(shape, dtype, category, device): zero-filled. device "cpu"
 -- (default), "sim" or "cuda" (after lz.device_init: device memory, on the
--- ledger's device side, zeroed on the device).
+-- ledger's device side, zeroed on the device before it returns).
 function lz.tensor(shape, dtype, category, device)
   local dev = device_of(device)
   local dims, nd = shape_array(shape)
@@ -137,7 +137,10 @@ function lz.tensor(shape, dtype, category, device)
   check(C.lz_tensor_new_on(out, dtype_of(dtype), nd, dims, category_of(category), dev), 2)
   local t = own(out[0])
   if float_dtypes[tonumber(t.dtype)] then
+    -- Zeroed on the compute stream, then waited for: the zeros are there for
+    -- work on any stream (a copy on the copy stream is not ordered after it).
     check(C.lz_fill(t, 0), 2)
+    check(C.lz_stream_synchronize(C.LZ_STREAM_COMPUTE), 2)
   else -- i32, u16: no fill kernel; through a host buffer of zeros
     local zeros = lz.tensor(shape, dtype, "workspace")
     check(C.lz_tensor_copy(t, zeros), 2)

@@ -3,16 +3,17 @@
 # shm backend (under lz_run) and the mpi backend (under mpirun) at 1-4 ranks,
 # bitwise equality across two runs, across the two backends and with the
 # shm backend's single-copy path turned off, a rank killed
-# with SIGKILL mid-collective, a rank that never joins, and the launcher's
+# with SIGKILL mid-collective, a rank that never joins, collectives on sim
+# device buffers (sim_collectives.lua), and the launcher's
 # promises (launcher.sh: signals at start-up, -n, mpirun's ranks). Ends with
 # "N passed, N failed"; exits non-zero on any failure.
 #   tests/comm/run.sh [--quick]      --quick: counts up to 1M+3 only
-# Binaries: $LZ_BIN (default build/bin): lz_run, comm_check.
+# Binaries: $LZ_BIN (default build/bin): lz_run, comm_check, luazero.
 cd "$(dirname "$0")/../.."
 BIN=${LZ_BIN:-build/bin}
 QUICK=
 [ "$1" = "--quick" ] && QUICK=--quick
-for b in lz_run comm_check; do
+for b in lz_run comm_check luazero; do
   [ -x "$BIN/$b" ] || { echo "run.sh: $BIN/$b is missing; build first (or set LZ_BIN)"; exit 2; }
 done
 . tests/comm/lib.sh
@@ -140,6 +141,20 @@ else bad "rank output prefixed" "$TMP/out"; fi
 "$BIN/lz_run" -n 3 --quiet-ranks "$BIN/comm_check" --loop 0 > "$TMP/quiet" 2>&1
 if [ "$(cat "$TMP/quiet")" = "looping" ]; then ok "rank output silenced (--quiet-ranks)"
 else bad "rank output silenced (--quiet-ranks)" "$TMP/quiet"; fi
+
+# --- collectives on sim device buffers (with jitter on the device streams):
+# bitwise the host result, blocking and async, and on mixed host/sim buffers
+for launch in shm mpi; do
+  case $launch in
+    shm) LZ_SIM_JITTER=5 "$BIN/luazero" -n 2 tests/comm/sim_collectives.lua > "$TMP/sim_$launch" 2>&1 ;;
+    mpi) LZ_SIM_JITTER=5 $MPIRUN -np 2 -x LZ_SIM_JITTER "$BIN/luazero" tests/comm/sim_collectives.lua \
+           > "$TMP/sim_$launch" 2>&1 ;;
+  esac
+  code=$?
+  if [ $code -eq 0 ] && [ "$(grep -c "sim collectives: all passed (2 ranks, $launch)" "$TMP/sim_$launch")" = 2 ]; then
+    ok "$launch: all_reduce, reduce_scatter, all_gather on sim buffers bitwise equal to host ones, 2 ranks"
+  else bad "$launch: collectives on sim buffers (exit $code)" "$TMP/sim_$launch"; fi
+done
 
 # --- the launcher's promises on signals, -n, and mpirun's ranks (launcher.sh)
 tests/comm/launcher.sh > "$TMP/launcher" 2>&1
