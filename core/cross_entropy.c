@@ -58,7 +58,7 @@ static lz_status check_args(const char *op, const lz_tensor *logits, const lz_te
   int32_t *copy; /* device targets are checked in a host copy */
   LZ_TRY(lz_backend_host_ids(op, targets, &tg, &copy));
   lz_status st = LZ_OK;
-  for (int64_t r = 0; r < rows && st == LZ_OK; r++)
+  for (int64_t r = 0; tg && r < rows && st == LZ_OK; r++)
     if (tg[r] >= vocab)
       st = lz_fail(LZ_ERR_INVALID,
                    "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "

@@ -24,7 +24,7 @@ static lz_status check_tokens(const char *op, const lz_tensor *tokens, int64_t V
   LZ_TRY(lz_backend_host_ids(op, tokens, &tok, &copy));
   const int64_t n = lz_tensor_numel(tokens), T = tokens->shape[1];
   lz_status st = LZ_OK;
-  for (int64_t i = 0; i < n && st == LZ_OK; i++)
+  for (int64_t i = 0; tok && i < n && st == LZ_OK; i++)
     if (tok[i] < 0 || tok[i] >= V)
       st = lz_fail(LZ_ERR_INVALID,
                    "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "

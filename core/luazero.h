@@ -486,6 +486,7 @@ lz_status lz_cuda_synchronize(void); /* waits for all work on the device */
  * missing wait shows as a wrong result. Again: no-op. */
 lz_status lz_sim_init(void);
 int lz_sim_ready(void); /* 1 after a successful lz_sim_init */
+int64_t lz_sim_capacity(void); /* bytes of device memory (LZ_SIM_MEMORY); 0 before lz_sim_init */
 
 /* LZ_CPU, or the accelerator whose device memory holds p. */
 int lz_pointer_device(const void *p);

@@ -146,7 +146,8 @@ lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int 
   } while (0)
 
 /* i32 ids checked on the host: returns the data of a cpu tensor, or a
- * malloc'd host copy of a device one in *copy (free it). */
+ * malloc'd host copy of a cuda one in *copy (free it); NULL for a sim
+ * one, whose ops check the ids where they run. */
 lz_status lz_backend_host_ids(const char *op, const lz_tensor *t, const int32_t **ids,
                               int32_t **copy);
 

@@ -836,3 +836,5 @@ static lz_backend table = {
 };
 
 const lz_backend *lz_sim_backend(void) { return &table; }
+
+int64_t lz_sim_capacity(void) { return lz_sim_ready() ? (int64_t)capacity : 0; }

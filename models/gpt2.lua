@@ -191,14 +191,13 @@ end
 function GPT:forward(tokens, targets)
   local B, T = tokens:dim(1), tokens:dim(2)
   self:begin_forward(B, T)
+  tokens, targets = self:place_inputs(tokens, targets)
   local logits = self:forward_layers(tokens)
   self.logits, self.targets = logits, targets
   if not targets then return nil, logits end
   local losses = self.ctx.arena:tensor({ B, T })
   ops.cross_entropy_forward(losses, logits, targets, self.cfg.vocab)
-  local p, sum = ffi.cast("float *", losses.data), 0
-  for i = 0, B * T - 1 do sum = sum + p[i] end
-  return sum / (B * T), logits
+  return self:host_sum(losses) / (B * T), logits
 end
 
 -- Accumulates d(scale * mean loss)/d(params) into the flat gradient buffer.
@@ -230,7 +229,9 @@ function GPT:generate(prompt, n, seed, temperature)
     for i = 0, T - 1 do ids[i] = out[#out - T + 1 + i] end
     local tokens = buf:view(0, { 1, T })
     local _, logits = self:forward(tokens, nil)
-    local row = ffi.cast("float *", logits.data) + (T - 1) * cfg.padded_vocab
+    local last = logits:view((T - 1) * cfg.padded_vocab, { cfg.padded_vocab })
+    local copy = last:device_name() ~= "cpu" and last:to("cpu")
+    local row = ffi.cast("float *", (copy or last).data)
     local max = -math.huge
     for j = 0, cfg.vocab - 1 do if row[j] > max then max = row[j] end end
     local sum = 0
@@ -241,6 +242,7 @@ function GPT:generate(prompt, n, seed, temperature)
       if u <= 0 then pick = j; break end
     end
     out[#out + 1] = pick
+    if copy then copy:free() end
   end
   buf:free()
   return out

@@ -33,7 +33,8 @@ local spec = {
   { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100)" },
   { "seed", "int", 1337, "seed of the initial weights, the batches and the sample" },
   { "dtype", "string", nil, "training precision: fp32, bf16 or fp16 (default: the config's, else fp32)" },
-  { "device", "string", "cpu", "cpu or cuda (cuda: one GPU per rank, LOCAL_RANK's)" },
+  { "device", "string", "cpu", "cpu, sim (a device the host cannot touch, for tests) or cuda " ..
+                              "(one GPU per rank, LOCAL_RANK's)" },
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
@@ -109,7 +110,11 @@ local function checked(fn, ...) return args.checked(user_error, fn, ...) end
 local DEBUG = (os.getenv("LZ_DEBUG") or "0") ~= "0" and os.getenv("LZ_DEBUG") ~= ""
 local function checked_rank(fn, ...)
   local res = { xpcall(fn, DEBUG and debug.traceback or tostring, ...) }
-  if not res[1] then fail_run(res[2], 1, true) end
+  if not res[1] then
+    -- Out of device memory is the configuration's to fix: exit 2, as bad input.
+    local oom = tostring(res[2]):find("out of device memory", 1, true)
+    fail_run(res[2], oom and 2 or 1, true)
+  end
   return unpack(res, 2, table.maxn(res))
 end
 
@@ -125,6 +130,15 @@ local function mem_record()
   local m = lz.mem()
   m.peak_rss = lz.peak_rss()
   m.peak_ledger = tonumber(lz.C.lz_mem_total_peak())
+  return m
+end
+
+-- The device side of the ledger (bytes per category now, and the peak of
+-- all of them together); nil on the cpu.
+local function dev_mem_record(device)
+  if device == "cpu" then return nil end
+  local m = lz.mem_device()
+  m.peak = tonumber(lz.C.lz_mem_device_total_peak())
   return m
 end
 
@@ -296,16 +310,8 @@ local function parse_flags(argv)
     positive(flags, n, 0)
   end
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
-  if flags.device ~= "cpu" and flags.device ~= "cuda" then
-    user_error(("--device must be cpu or cuda (got %s)"):format(flags.device))
-  end
-  if flags.device == "cuda" then
-    -- The GPU first, before any data is read: no GPU is an error at start.
-    checked(lz.cuda.init, tonumber(os.getenv("LOCAL_RANK") or "0") or 0)
-    -- The kernels, device memory and nccl are in place (docs/cuda.md); the
-    -- engine and models/gpt2.lua still keep their buffers on the host.
-    user_error("not supported on cuda yet: the ZeRO engine (lua/luazero/zero/engine.lua) and " ..
-               "models/gpt2.lua keep their buffers on the cpu; run with --device cpu")
+  if flags.device ~= "cpu" and flags.device ~= "sim" and flags.device ~= "cuda" then
+    user_error(("--device must be cpu, sim or cuda (got %s)"):format(flags.device))
   end
   return flags
 end
@@ -320,6 +326,8 @@ local function set_up(flags)
   })
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
+  -- The device before any data is read: no GPU is an error at start.
+  if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(load_config, flags, world, mcfg)
   check_memory_budget_env(cfg)
   check_resume(flags)
@@ -348,7 +356,8 @@ local function set_up(flags)
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
   local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,
-                                                 batch = { B, T }, lr = schedule, comm = comm })
+                                                 batch = { B, T }, lr = schedule, comm = comm,
+                                                 device = flags.device })
   return {
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
@@ -425,6 +434,7 @@ local function train_step(run, step)
   local engine, flags = run.engine, run.flags
   local tokens_per_step = run.B * run.T * run.accum * run.world
   run.comm.bytes_reset()
+  lz.copy_bytes_reset()
   local t0 = clock.now()
   local read0, written0 = engine:nvme_bytes()
   local r = checked_rank(engine.train_batch, engine, run.loader)
@@ -436,8 +446,13 @@ local function train_step(run, step)
     grad_norm = r.grad_norm < math.huge and r.grad_norm or -1,
     loss_scale = r.loss_scale, skipped = r.skipped, tokens = step * tokens_per_step,
     tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
-    comm = run.comm.bytes(),
+    dev_mem = dev_mem_record(flags.device), comm = run.comm.bytes(),
   }
+  -- Bytes copied between host and device memory in the step.
+  if flags.device ~= "cpu" then
+    local c = lz.copy_bytes()
+    rec.h2d, rec.d2h = c.h2d, c.d2h
+  end
   -- This rank's swap-file traffic in the step (offload to NVMe).
   if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
   local prof = run.model:checkpoint_profile(true)

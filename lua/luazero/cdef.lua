@@ -324,6 +324,7 @@ lz_status lz_cuda_synchronize(void);
 
 lz_status lz_sim_init(void);
 int lz_sim_ready(void);
+int64_t lz_sim_capacity(void);
 
 int lz_pointer_device(const void *p);
 

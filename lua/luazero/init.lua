@@ -419,6 +419,11 @@ end
 lz.sim = {}
 function lz.sim.init() check(C.lz_sim_init(), 2) end
 function lz.sim.ready() return C.lz_sim_ready() ~= 0 end
+-- Bytes of device memory a device has (nil where it is not known).
+function lz.device_capacity(name)
+  if name == "sim" and lz.sim.ready() then return tonumber(C.lz_sim_capacity()) end
+  return nil
+end
 
 -- lz.device_init(name, index): "cpu" (nothing to do), "sim", or "cuda"
 -- (GPU `index`, default LOCAL_RANK or 0). One accelerator per process.

@@ -51,8 +51,13 @@ end
 
 -- n: the modules checkpointed in one forward; bytes: the arena bytes of the
 -- largest kept input (f32); arena: the model's activation arena (reset each
--- forward), for the default placement.
-function M.store(opts, n, bytes, arena)
+-- forward), for the default placement; device: the model's ("cpu").
+function M.store(opts, n, bytes, arena, device)
+  device = device or "cpu"
+  if opts.cpu_checkpointing and device ~= "cpu" then
+    error(("activation_checkpointing.cpu_checkpointing is not available on %s yet; turn it " ..
+           "off (the kept inputs then stay in device memory)"):format(device), 0)
+  end
   local self = setmetatable({ n = n, slots = {}, owned = {} }, Store)
   -- cpu_checkpointing: on the CPU the host is the device, so the copy is the
   -- same memcpy into host memory counted as offload. A CUDA device puts this
@@ -63,7 +68,7 @@ function M.store(opts, n, bytes, arena)
   if opts.contiguous_memory_optimization then
     M.check(opts, n)
     self.capacity = opts.number_checkpoints or n
-    self.buffer = lz.tensor({ total / 4 }, "f32", category)
+    self.buffer = lz.tensor({ total / 4 }, "f32", category, device)
     self.arena = lz.arena_over(self.buffer, 0, total)
     self.owned[#self.owned + 1] = self.arena
   elseif category then

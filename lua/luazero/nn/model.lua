@@ -22,6 +22,7 @@
 -- replay) with the two scratch arenas, and, over the same bytes, the
 -- output's activations, dead before the first replay; the blocks' casts go
 -- to an arena sized for one block, reset for each.
+local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local checkpoint = require("luazero.nn.checkpoint")
@@ -31,11 +32,16 @@ local Model = Module:extend("Model")
 
 ----------------------------------------------------------------- buffers
 
+-- The device the model computes on: ctx.device ("cpu" unless an engine or
+-- a script places it on "sim" or "cuda"). Its parameters, gradients and
+-- activations live there; batches come from host memory.
+function Model:device() return self.ctx.device or "cpu" end
+
 -- One flat fp32 buffer for the parameters and one for their gradients; every
 -- parameter is a view at its offset in the parameter table.
 function Model:allocate()
-  self.params_flat = lz.tensor({ self.n_params }, "f32", "params")
-  self.grads_flat = lz.tensor({ self.n_params }, "f32", "grads")
+  self.params_flat = lz.tensor({ self.n_params }, "f32", "params", self:device())
+  self.grads_flat = lz.tensor({ self.n_params }, "f32", "grads", self:device())
   self:bind(self.param_table, self.params_flat, self.grads_flat)
   return self
 end
@@ -149,14 +155,20 @@ end
 function Model:prepare(B, T)
   if self.prepared and B * T <= self.prepared then return self end
   self:release_arenas()
-  local ctx = self.ctx
+  local ctx, dev = self.ctx, self:device()
   local plan = self:arena_plan(B, T, ctx.cast_dtype)
   if self.checkpointing then
     self:prepare_checkpointing(plan)
   else
-    ctx.arena = lz.arena(plan.arena, "activations")
-    ctx.scratches = { lz.arena(plan.scratch, "activations"),
-                      lz.arena(plan.scratch, "activations") }
+    ctx.arena = lz.arena(plan.arena, "activations", dev)
+    ctx.scratches = { lz.arena(plan.scratch, "activations", dev),
+                      lz.arena(plan.scratch, "activations", dev) }
+  end
+  if dev ~= "cpu" then
+    -- Where each batch's tokens and targets land on the device, and the
+    -- host copy of the per-position losses.
+    self.inputs = lz.tensor({ 2 * B * T }, "i32", "activations", dev)
+    self.host_losses = lz.tensor({ B * T }, "f32", "workspace")
   end
   self.prepared, self.prepared_shape = B * T, { B, T }
   return self
@@ -166,10 +178,10 @@ end
 -- (nn/checkpoint.lua), and the shared region carved into the block arena,
 -- the two scratch arenas and (over the same bytes) the output's arena.
 function Model:prepare_checkpointing(plan)
-  local ctx = self.ctx
-  local main = lz.arena(plan.main, "activations")
-  local store = checkpoint.store(self.checkpointing, plan.n_kept, plan.kept, main)
-  local shared = lz.tensor({ plan.shared / 4 }, "f32", "activations")
+  local ctx, dev = self.ctx, self:device()
+  local main = lz.arena(plan.main, "activations", dev)
+  local store = checkpoint.store(self.checkpointing, plan.n_kept, plan.kept, main, dev)
+  local shared = lz.tensor({ plan.shared / 4 }, "f32", "activations", dev)
   local ck = {
     main = main, store = store, shared = shared,
     block = lz.arena_over(shared, 0, plan.block),
@@ -196,6 +208,8 @@ function Model:release_arenas()
   end
   if ctx.arena then ctx.arena:free() end
   for _, a in ipairs(ctx.scratches or {}) do a:free() end
+  if self.inputs then self.inputs:free(); self.host_losses:free() end
+  self.inputs, self.host_losses = nil, nil
   ctx.arena, ctx.scratches, ctx.scratch, self.prepared = nil, nil, nil, nil
   self.prepared_shape = nil
 end
@@ -214,6 +228,24 @@ function Model:begin_forward(B, T)
   if self.ckpt then self:restore_arenas() end
   ctx.arena:reset()
   if ctx.cast_arena then ctx.cast_arena:reset() end
+end
+
+-- A batch's tokens and targets (host i32 [B, T]; targets may be nil) where
+-- the model computes: themselves on the cpu, copies on a device.
+function Model:place_inputs(tokens, targets)
+  if not self.inputs or tokens:device_name() ~= "cpu" then return tokens, targets end
+  local B, T = tokens:dim(1), tokens:dim(2)
+  local x = self.inputs:view(0, { B, T }):copy(tokens)
+  local y = targets and self.inputs:view(B * T, { B, T }):copy(targets)
+  return x, y
+end
+
+-- The sum of an f32 tensor's elements, added on the host in order.
+function Model:host_sum(t)
+  if t:device_name() ~= "cpu" then t = self.host_losses:view(0, t:sizes()):copy(t) end
+  local p, sum = ffi.cast("float *", t.data), 0
+  for i = 0, t:numel() - 1 do sum = sum + p[i] end
+  return sum
 end
 
 -- Runs the layers on x; returns the output module's output. Afterwards
@@ -283,7 +315,9 @@ function Model:enter_block()
   ck.block:reset()
   ctx.arena = ck.block
   if ctx.cast_arena then
-    if not ck.block_casts then ck.block_casts = lz.arena(ck.block_cast_bytes, "activations") end
+    if not ck.block_casts then
+      ck.block_casts = lz.arena(ck.block_cast_bytes, "activations", self:device())
+    end
     ck.casts = ctx.cast_arena
     ck.block_casts:reset()
     ctx.cast_arena = ck.block_casts

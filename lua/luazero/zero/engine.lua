@@ -23,7 +23,26 @@ local offload = require("luazero.zero.offload")
 
 local ops = lz.ops
 
+-- dst := src across devices and dtypes: a conversion between devices runs
+-- on the host (the same rounding the device's conversion gives: both are
+-- the CPU's, or bitwise equal to it).
+local function xcopy(dst, src)
+  if dst.dtype == src.dtype or dst.device == src.device then return dst:copy(src) end
+  local host = lz.tensor(src:sizes(), dst:dtype_name(), "workspace")
+  if src:device_name() == "cpu" then
+    host:copy(src)
+  else
+    local raw = src:to("cpu")
+    host:copy(raw)
+    raw:free()
+  end
+  dst:copy(host)
+  host:free()
+  return dst
+end
+
 local M = {}
+M.xcopy = xcopy
 local Engine = {}
 Engine.__index = Engine
 
@@ -82,17 +101,22 @@ end
 -- optimizer step; default: the config's constant lr), comm (default
 -- luazero.comm), checkpoint_activations (true: the model keeps only each
 -- block's input and replays its forward in backward, as the config's
--- activation_checkpointing block says).
+-- activation_checkpointing block says), device ("cpu", "sim" or "cuda":
+-- where the model computes and the plan's device tier lives; "cpu").
 function M.initialize(opts)
   local model = assert(opts.model, "initialize: model is required")
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
   local W, rank = comm.size(), comm.rank()
   local optimizer = optim.new(s.optimizer)
-  local ok, P = pcall(M.plan_of, s, "cpu", optimizer.states)
+  local device = opts.device or "cpu"
+  local ok, P = pcall(M.plan_of, s, device, optimizer.states)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
+  if device ~= "cpu" then lz.device_init(device) end
+  model.ctx.device = device
   local self = setmetatable({
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
+    dev = device,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0, inflight = {},
@@ -107,18 +131,74 @@ function M.initialize(opts)
   self.half_grads = self.gdt ~= "f32"
   self.optimizer = optimizer
   self.L = layout.new(model.param_table, W)
-  self.pool = Pool.new()
+  self.pool = Pool.new(device)
+  -- Host staging for gradients copied off the device (host-tier optimizer).
+  self.hpool = Pool.new(device == "cpu" and "cpu" or "pinned")
   self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
   self:find_users()
-  self:allocate()
-  self:init_weights(opts.seed or 0)
-  self:build_calls()
-  self:install_hooks()
-  if opts.checkpoint_activations then
-    model:checkpoint_activations((opts.config or {}).activation_checkpointing or true)
+  local ok, err = pcall(function()
+    self:allocate()
+    self:init_weights(opts.seed or 0)
+    self:build_calls()
+    self:install_hooks()
+    if opts.checkpoint_activations then
+      model:checkpoint_activations((opts.config or {}).activation_checkpointing or true)
+    end
+    if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
+  end)
+  if not ok then
+    if tostring(err):find("out of device memory", 1, true) then
+      error(self:out_of_memory(opts.batch), 0)
+    end
+    error(err, 0)
   end
-  if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   return self
+end
+
+-- The error when device memory runs out while the engine places its
+-- buffers: what this configuration wants on the device per rank (model
+-- states as the plan places them, and activations), the device's
+-- capacity, and the first placement that fits (estimate.lua's rows).
+function Engine:out_of_memory(batch)
+  local estimate = require("luazero.estimate")
+  local L, s = self.L, self.s
+  local persistent = 0
+  for _, seg in ipairs(L.segments) do
+    if seg.numel <= s.persistence then persistent = persistent + seg.padded end
+  end
+  local acts = batch and estimate.activations(self.model, batch[1], batch[2], self.dtype).device
+               or 0
+  local function wants(stage, offload)
+    local r = estimate.model_states(L.numel, self.world, stage, {
+      dtype = self.dtype, offload = offload, device = "cuda",
+      grads = self.half_grads and "working" or "fp32",
+      layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
+    return r and r.device + acts
+  end
+  local offload = s.offload_opt.device ~= "none" and "cpu" or "none"
+  if s.offload_param.device ~= "none" then offload = "cpu+param" end
+  local want = wants(self.stage, offload)
+  local cap = lz.device_capacity(self.dev)
+  local mib = function(b) return ("%.1f MiB"):format(b / 2 ^ 20) end
+  local names = { none = "", cpu = " with offload_optimizer", ["cpu+param"] =
+                  " with offload_optimizer and offload_param" }
+  local fit
+  if cap then
+    for _, c in ipairs({ { 1, "none" }, { 2, "none" }, { 3, "none" }, { 2, "cpu" }, { 3, "cpu" },
+                         { 3, "cpu+param" } }) do
+      local w = wants(c[1], c[2])
+      if w and w < cap and (c[1] > self.stage or c[2] ~= "none") then
+        fit = ("ZeRO stage %d%s (device: \"cpu\") wants %s and fits"):format(c[1], names[c[2]],
+                                                                           mib(w))
+        break
+      end
+    end
+  end
+  return ("initialize: %s: out of device memory: ZeRO stage %d%s with %s wants %s of device " ..
+          "memory per rank (model states %s, activations %s)%s; %s"):format(
+    self.dev, self.stage, names[offload], self.dtype, mib(want), mib(want - acts), mib(acts),
+    cap and (", more than the device's %s"):format(mib(cap)) or "",
+    fit or "no ZeRO stage or offload tier fits: use a smaller model or micro-batch, or more ranks")
 end
 
 -- The placement plan: print(engine:plan()) shows what lives where.
@@ -171,10 +251,12 @@ function Engine:numel(extent)
   return 0
 end
 
--- The ledger category of a state the plan puts on `tier`.
-local function category(name, tier)
-  if tier == "host" then return "offload" end
-  return name
+-- A buffer of n elements for a state the plan puts on `tier`: device
+-- memory under the state's ledger category, or host memory (pinned beside
+-- an accelerator) under offload.
+function Engine:buffer(n, dtype, name, tier)
+  if tier == "host" then return offload.host({ n }, dtype, self.dev) end
+  return lz.tensor({ n }, dtype, name, self.dev)
 end
 
 -- One buffer per state the plan keeps in memory: the working parameters
@@ -182,16 +264,12 @@ end
 -- states (self.states: zero/offload.lua, resident or swapped to NVMe).
 function Engine:allocate()
   local L, P, s = self.L, self.P, self.s
-  if P.device ~= "cpu" then
-    error(("initialize: device %s: the engine keeps its buffers on the cpu"):format(P.device), 0)
-  end
-  assert(P.opt_grads.alias, "engine: the optimizer reads the gradients where they are reduced")
   local pp = P.params
   if pp.tier == "nvme" then
     local op = s.offload_param
     self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype,
                                        nvme_path = op.nvme_path, aio = s.aio,
-                                       buffer_count = op.buffer_count }
+                                       buffer_count = op.buffer_count, compute = self.dev }
     -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
     -- held at once must fit.
     for _, seg in ipairs(L.segments) do
@@ -203,13 +281,13 @@ function Engine:allocate()
       end
     end
   else
-    self.work = lz.tensor({ self:numel(pp.extent) }, pp.dtype, category("params", pp.tier))
+    self.work = self:buffer(self:numel(pp.extent), pp.dtype, "params", pp.tier)
   end
   for _, seg in ipairs(L.segments) do
     if pp.extent == "full" then
       bind_params(seg, self.work:view(seg.full_offset, { seg.padded }))
     elseif seg.numel <= s.persistence then
-      seg.persistent = lz.tensor({ seg.padded }, pp.persistent.dtype, "params")
+      seg.persistent = lz.tensor({ seg.padded }, pp.persistent.dtype, "params", self.dev)
       bind_params(seg, seg.persistent)
     end
   end
@@ -221,17 +299,57 @@ function Engine:allocate()
     device = oo.device, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
+    compute = self.dev,
   }
   if P.master.alias then self.master = self.work else self.master = self.states.master end
-  -- Half gradients: fp32 scratch, CHUNK elements at a time, for the
-  -- optimizer's view of the gradients and for accumulating into them.
-  if self.half_grads then self.gscratch = lz.tensor({ 2 * CHUNK }, "f32", "workspace") end
-  self.grads = lz.tensor({ self:numel(P.grads.extent) }, P.grads.dtype, "grads")
+  -- The gradients (none on the device when stages 2-3 reduce straight into
+  -- the optimizer's host shard), and what the optimizer reads: the same
+  -- buffer, or a shard of its own in host memory.
+  local G, OG = P.grads, P.opt_grads
+  if G.extent ~= "none" then
+    self.grads = self:buffer(self:numel(G.extent), G.dtype, "grads", G.tier)
+  end
+  if OG.alias then
+    self.ograds = self.grads
+  else
+    self.ograds = self:buffer(self:numel(OG.extent), OG.dtype, "grads", OG.tier):zero()
+  end
+  -- Device memory holds the comm buffers live at once, plus idle ones up
+  -- to that: the prefetch window beside the largest module gathered, and
+  -- reduce_bucket_size of gradients beside the largest module's.
+  if self.dev ~= "cpu" then
+    local largest = 0
+    for _, seg in ipairs(L.segments) do largest = math.max(largest, seg.padded) end
+    self.pool:set_cap((s.prefetch + 2 * largest) * Placement.esize[self.wdt] +
+                      (s.reduce_bucket + largest) * 4)
+  end
+  -- A host optimizer whose working parameters live on the device writes
+  -- the updated working shard to host staging, copied to the device after
+  -- each sub-group (on the copy stream, overlapping the next group's update).
+  self.push_params = self.dev ~= "cpu" and P.optimizer.tier ~= "device" and pp.tier == "device"
+  if self.push_params then
+    self.wstage = offload.host({ L.shard_numel }, pp.dtype, self.dev)
+    self.pushed = lz.event()
+  end
   if not P.reduce.buffered then
     for _, seg in ipairs(L.segments) do
       bind_grads(seg, self.grads:view(seg.full_offset, { seg.padded }))
     end
   end
+end
+
+-- Half gradients: an fp32 scratch of 2 x CHUNK elements beside a tensor
+-- (on its device), for the optimizer's view of the gradients and for
+-- accumulating into them.
+function Engine:scratch_by(t)
+  self.scratches = self.scratches or {}
+  local d = t:device_name()
+  local sc = self.scratches[d]
+  if not sc then
+    sc = lz.tensor({ 2 * CHUNK }, "f32", "workspace", d)
+    self.scratches[d] = sc
+  end
+  return sc
 end
 
 -- Every rank draws the same initial weights (same seed, canonical order)
@@ -252,16 +370,16 @@ function Engine:init_weights(seed)
   local function place(buf, extent, seg)
     if not buf then return end
     if extent == "full" then
-      buf:view(seg.full_offset, { seg.padded }):copy(tmp:view(seg.full_offset, { seg.padded }))
+      xcopy(buf:view(seg.full_offset, { seg.padded }), tmp:view(seg.full_offset, { seg.padded }))
     else
-      buf:view(seg.shard_offset, { seg.slice }):copy(tmp:view(seg.mine.full_offset, { seg.slice }))
+      xcopy(buf:view(seg.shard_offset, { seg.slice }), tmp:view(seg.mine.full_offset, { seg.slice }))
     end
   end
   for _, seg in ipairs(L.segments) do
     bind_params(seg, nil)
     for _, e in ipairs(seg.entries) do e.entry.module.p[e.entry.key] = saved[e] end
     place(self.work, P.params.extent, seg)
-    if seg.persistent then seg.persistent:copy(tmp:view(seg.full_offset, { seg.padded })) end
+    if seg.persistent then xcopy(seg.persistent, tmp:view(seg.full_offset, { seg.padded })) end
     if not P.master.alias then place(self.master, P.master.extent, seg) end
   end
   -- Sub-groups on NVMe: the master slices and zero states to the state
@@ -314,15 +432,21 @@ function Engine:build_calls()
   for _, r in ipairs(ranks) do
     for _, run in ipairs(layout.shard_runs(L, r)) do
       local shape = { run.numel }
-      runs[#runs + 1] = {
+      local item = {
         decay = run.decay, numel = run.numel, opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
-        g = self.grads:view(at(P.grads.extent, run), shape),
+        g = self.ograds:view(at(P.opt_grads.extent, run), shape),
         -- The working copy the update rounds into (none when it is the
         -- master itself, or on NVMe: each sub-group's staging then).
         w = (self.wdt ~= "f32" and self.work) and self.work:view(at(P.params.extent, run), shape)
             or nil,
       }
+      if self.push_params then
+        -- Host staging, then the device's working copy.
+        item.w = self.wstage:view(run.shard_offset, shape)
+        item.wdev = self.work:view(at(P.params.extent, run), shape)
+      end
+      runs[#runs + 1] = item
     end
   end
   self.calls = {}
@@ -342,6 +466,7 @@ function Engine:build_calls()
                 or self.master:view(run.master_off + d + off, { n }),
             g = run.g:view(d + off, { n }),
             w = run.w and run.w:view(d + off, { n }) or (gv.work and gv.work:view(rel + off, { n })),
+            wdev = run.wdev and run.wdev:view(d + off, { n }),
           }
         end
         if self.half_grads then
@@ -349,7 +474,7 @@ function Engine:build_calls()
           -- (half) are converted into the scratch just before its update.
           for off = 0, len - 1, CHUNK do
             local c = piece(off, math.min(CHUNK, len - off))
-            c.half_g, c.g = c.g, self.gscratch:view(0, { c.p:numel() })
+            c.half_g, c.g = c.g, self:scratch_by(c.g):view(0, { c.p:numel() })
             calls[#calls + 1] = c
           end
         else
@@ -362,7 +487,7 @@ function Engine:build_calls()
   -- This rank's gradient slices, for the norm's canonical partials.
   self.grad_slices = {}
   for i, seg in ipairs(L.segments) do
-    self.grad_slices[i] = self.grads:view(at(P.grads.extent, seg.mine), { seg.slice })
+    self.grad_slices[i] = self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
   end
   local K = #L.segments + 1 -- the loss, then one partial per segment
   self.meta_k = K
@@ -378,7 +503,7 @@ function Engine:prepare(B, T)
   if self.wdt ~= "f32" then
     local ctx = model.ctx
     if ctx.cast_arena then ctx.cast_arena:free() end
-    ctx.cast_arena = lz.arena(model:cast_arena_size(B, T, self.wdt), "activations")
+    ctx.cast_arena = lz.arena(model:cast_arena_size(B, T, self.wdt), "activations", self.dev)
   end
 end
 
@@ -407,19 +532,34 @@ function Engine:gather(seg, async)
   if not async then seg.pwork = nil; self:gathered(seg) end
 end
 
--- This rank's working slice of a segment (a sharded working copy): a view
--- of the shard, or read from the NVMe parameter file into a staging buffer
--- (returned second, for release once the gather has read it).
+-- This rank's working slice of a segment (a sharded working copy), where
+-- the gather reads it: a view of the shard, or, read from the NVMe
+-- parameter file or copied from host memory to the device, a staging
+-- buffer (returned second, for release_slice once the gather has read it).
 function Engine:shard_slice(seg)
-  if self.pshard then return self.pshard:slice(seg.shard_offset, seg.slice) end
-  return self.work:view(seg.shard_offset, { seg.slice })
+  local v, stage
+  if self.pshard then
+    v, stage = self.pshard:slice(seg.shard_offset, seg.slice)
+  else
+    v = self.work:view(seg.shard_offset, { seg.slice })
+  end
+  if v:device_name() == self.dev then return v, stage end
+  local d = self.pool:get(seg.slice, self.wdt)
+  d:copy(v)
+  if stage then self.pshard:release(stage) end
+  return d, { pooled = d }
+end
+
+function Engine:release_slice(stage)
+  if not stage then return end
+  if stage.pooled then self.pool:put(stage.pooled) else self.pshard:release(stage) end
 end
 
 -- A gather of seg has completed: its staging can go.
 function Engine:gathered(seg)
   if seg.pwork then seg.pwork:wait() end
   seg.pwork = nil
-  if seg.pslot then self.pshard:release(seg.pslot); seg.pslot = nil end
+  if seg.pslot then self:release_slice(seg.pslot); seg.pslot = nil end
 end
 
 function Engine:ensure(seg)
@@ -572,7 +712,8 @@ function Engine:grads_ready(seg)
       w = comm.all_reduce(seg.gbuf, "avg", async)
     else
       recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
-      dst = self.grads:view(at(R.into, seg.mine), { seg.slice })
+      -- Into the gradient shard, or (none on the device) the optimizer's.
+      dst = (self.grads or self.ograds):view(at(R.into, seg.mine), { seg.slice })
       w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
     end
     local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
@@ -622,11 +763,19 @@ function Engine:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
   if seg then
-    if self.half_grads then
-      self:add_half(item.dst, item.recv)
-    else
-      ops.axpy(item.dst, 1.0, item.recv)
+    local src, host = item.recv, nil
+    if src.device ~= item.dst.device then
+      -- Reduced on the device, added into the host's gradients.
+      host = self.hpool:get(src:numel(), src:dtype_name())
+      host:copy(src)
+      src = host
     end
+    if self.half_grads then
+      self:add_half(item.dst, src)
+    else
+      ops.axpy(item.dst, 1.0, src)
+    end
+    if host then self.hpool:put(host) end
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
     self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
@@ -636,17 +785,30 @@ end
 -- dst += src for gdt tensors: both converted to fp32, added, dst rounded
 -- back (nearest even), CHUNK elements at a time. Elementwise, so every
 -- plan gets the same bits.
+--
+-- An fp32 dst (the optimizer's host gradients) holds gdt values: the sum
+-- is rounded to gdt and widened back, the same numbers a gdt dst holds.
 function Engine:add_half(dst, src)
-  local n = dst:numel()
+  local n, scratch = dst:numel(), self:scratch_by(dst)
+  local round = dst.dtype ~= src.dtype and src:dtype_name()
+  if round and not self.round_scratch then
+    self.round_scratch = lz.tensor({ CHUNK }, round, "workspace")
+  end
   for off = 0, n - 1, CHUNK do
     local len = math.min(CHUNK, n - off)
-    local a = self.gscratch:view(0, { len })
-    local b = self.gscratch:view(CHUNK, { len })
+    local a = scratch:view(0, { len })
+    local b = scratch:view(CHUNK, { len })
     local d = dst:view(off, { len })
     a:copy(d)
     b:copy(src:view(off, { len }))
     ops.axpy(a, 1.0, b)
-    d:copy(a)
+    if round then
+      local r = self.round_scratch:view(0, { len })
+      r:copy(a)
+      d:copy(r)
+    else
+      d:copy(a)
+    end
   end
 end
 
@@ -711,7 +873,9 @@ function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
 local function inject_inf(self)
   local k = tonumber(os.getenv("LZ_INJECT_INF_STEP") or "")
   if k and k == self.global_steps + 1 and self.rank == 0 then
-    self.grad_slices[1]:set(0, math.huge)
+    local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
+    self.grad_slices[1]:view(0, { 1 }):copy(inf)
+    inf:free()
   end
 end
 
@@ -738,6 +902,7 @@ end
 -- clipping, unscaled), loss_scale (used for this step), skipped.
 function Engine:step()
   local s = self.s
+  self:pull_grads()
   inject_inf(self)
   local local_loss = self.loss_count > 0 and self.loss_sum / self.loss_count or 0
   local loss, sq = self:exchange(local_loss)
@@ -766,12 +931,21 @@ function Engine:step()
     if c < 1 then scale = scale * c end
   end
   local opt, t = self.optimizer, self.optimizer_steps
+  if self.push_params then self.pushed:synchronize() end -- the last step's copies
   self.states:each_group(true, function(k)
     for _, c in ipairs(self.calls[k]) do
       if c.half_g then c.g:copy(c.half_g) end
       opt:update(c, t, lr, scale)
     end
+    if self.push_params then
+      for _, c in ipairs(self.calls[k]) do lz.copy_async(c.wdev, c.w, "copy") end
+    end
   end)
+  if self.push_params then
+    -- The device's kernels and collectives run after the new parameters landed.
+    self.pushed:record("copy")
+    self.pushed:wait_on("compute")
+  end
   self:gather_params()
   self:zero_grad()
   return rec
@@ -794,14 +968,29 @@ function Engine:gather_params()
     end
     if recv then works[#works + 1] = comm.all_gather(send, recv, async) end
     if stg then
-      if async then slots[#slots + 1] = stg else self.pshard:release(stg) end
+      if async then slots[#slots + 1] = stg else self:release_slice(stg) end
     end
   end
   if async then for _, w in ipairs(works) do w:wait() end end
-  for _, stg in ipairs(slots) do self.pshard:release(stg) end
+  for _, stg in ipairs(slots) do self:release_slice(stg) end
 end
 
-function Engine:zero_grad() self.grads:zero() end
+-- A host optimizer's gradients when the device keeps whole ones (stage 1,
+-- or accumulation before stage 2): this rank's slices, copied off the
+-- device once per step.
+function Engine:pull_grads()
+  if self.ograds == self.grads or not self.grads then return end
+  local P = self.P
+  for _, seg in ipairs(self.L.segments) do
+    self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
+        :copy(self.grads:view(at(P.grads.extent, seg.mine), { seg.slice }))
+  end
+end
+
+function Engine:zero_grad()
+  if self.grads then self.grads:zero() end
+  if self.ograds ~= self.grads then self.ograds:zero() end
+end
 
 -- One optimizer step: accumulation micro-steps from batches:next_batch().
 function Engine:train_batch(batches)
@@ -839,6 +1028,19 @@ function Engine:state_numel() return self:numel(self.P.optimizer.extent) end
 -- master with them.
 function Engine:visit_states(write_back, fn)
   local P = self.P
+  if self.dev ~= "cpu" and P.optimizer.tier == "device" then
+    -- Host copies of the device's chunks (copied back when written).
+    local inner = fn
+    fn = function(off, ...)
+      local dev, host = { ... }, {}
+      for i, t in ipairs(dev) do host[i] = t:to("cpu") end
+      inner(off, unpack(host))
+      for i, t in ipairs(dev) do
+        if write_back then t:copy(host[i]) end
+        host[i]:free()
+      end
+    end
+  end
   self.states:each_group(write_back, function(_, lo, n, v)
     if v.master then
       fn(lo, v.master, unpack(v.s))
@@ -873,24 +1075,26 @@ function Engine:states_replicated() return self.P.optimizer.extent == "full" end
 -- the plan gathers after a step is gathered again.
 function Engine:after_load()
   local L, P = self.L, self.P
-  local work = self.wdt ~= "f32" and self.work -- (an NVMe shard got it in visit_states)
+  -- (an NVMe shard got it in visit_states; a host master beside a device
+  -- working copy is never the working copy itself)
+  local work = (self.wdt ~= "f32" or self.push_params) and self.work
   if work then
     if self.master and P.params.extent == P.master.extent then
-      work:copy(self.master)
+      xcopy(work, self.master)
     elseif self.master then
       for _, seg in ipairs(L.segments) do
-        work:view(seg.mine.full_offset, { seg.slice })
-            :copy(self.master:view(seg.shard_offset, { seg.slice }))
+        xcopy(work:view(seg.mine.full_offset, { seg.slice }),
+              self.master:view(seg.shard_offset, { seg.slice }))
       end
     else
       -- The master is on NVMe: one pass over its sub-groups.
       self.states:each_group(false, function(_, lo, n, v)
         if P.params.extent == "shard" then
-          work:view(lo, { n }):copy(v.master)
+          xcopy(work:view(lo, { n }), v.master)
         else
           self:shard_pieces(lo, n, function(seg, a, len)
-            work:view(seg.mine.full_offset + (a - seg.shard_offset), { len })
-                :copy(v.master:view(a - lo, { len }))
+            xcopy(work:view(seg.mine.full_offset + (a - seg.shard_offset), { len }),
+                  v.master:view(a - lo, { len }))
           end)
         end
       end)
@@ -925,13 +1129,22 @@ end
 function Engine:full_master_segments(fn)
   if self.master and self.P.master.extent == "full" then
     for _, seg in ipairs(self.L.segments) do
-      fn(seg, self.master:view(seg.full_offset, { seg.padded }))
+      local full = self.master:view(seg.full_offset, { seg.padded })
+      if full:device_name() ~= "cpu" then
+        full = full:to("cpu")
+        fn(seg, full)
+        full:free()
+      else
+        fn(seg, full)
+      end
     end
     return
   end
   self:master_slices(function(seg, slice)
     local full = lz.tensor({ seg.padded }, "f32", "workspace")
-    self.comm.all_gather(slice, full)
+    local host = slice:device_name() ~= "cpu" and slice:to("cpu")
+    self.comm.all_gather(host or slice, full)
+    if host then host:free() end
     fn(seg, full)
     full:free()
   end)
@@ -1013,13 +1226,18 @@ function Engine:free()
   self:wait_all()
   self.pool:free()
   local function f(t) if t then t:free() end end
+  if self.ograds ~= self.grads then f(self.ograds) end
   f(self.grads)
+  f(self.wstage)
+  if self.pushed then self.pushed:free() end
+  self.hpool:free()
+  for _, t in pairs(self.scratches or {}) do t:free() end
   self.states:free()
   if self.pshard then self.pshard:free() end
   self.master = nil
   f(self.work)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
-  f(self.meta_send); f(self.meta_recv); f(self.gscratch)
+  f(self.meta_send); f(self.meta_recv); f(self.round_scratch)
   local ctx = self.model.ctx
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()

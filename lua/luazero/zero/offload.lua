@@ -12,8 +12,9 @@
 -- file from a staging buffer of the same ring.
 --
 -- On a CPU rank the host is the compute device, so "cpu" changes where the
--- ledger counts the bytes (offload), not how many there are; a CUDA rank puts
--- the same buffers in pinned host memory.
+-- ledger counts the bytes (offload), not how many there are; a rank on an
+-- accelerator (sim, cuda) puts the same buffers in pinned host memory, and
+-- "none" puts the states in device memory.
 --
 --   local st = offload.states{ n = n, master = true, device = "nvme", ... }
 --   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.s (the states), v.work end [, fresh])
@@ -33,9 +34,15 @@ local esize = { f32 = 4, bf16 = 2, f16 = 2 }
 
 -- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
 -- memory on huge pages (O_DIRECT needs 4 KiB alignment).
-local function staging(n, dtype)
+local function staging(n, dtype, compute)
   local min = math.ceil(2 ^ 21 / esize[dtype])
-  return lz.tensor({ math.max(n, min) }, dtype, "offload")
+  return M.host({ math.max(n, min) }, dtype, compute)
+end
+
+-- A host buffer counted as offload: pinned beside an accelerator.
+function M.host(shape, dtype, compute)
+  if compute and compute ~= "cpu" then return lz.pinned(shape, dtype) end
+  return lz.tensor(shape, dtype, "offload")
 end
 
 local function swap_opts(aio)
@@ -56,13 +63,15 @@ States.__index = States
 -- device ("none"|"cpu"|"nvme"), nvme_path, aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
 -- params (a param_shard on NVMe whose working copy the groups write back),
--- work_dtype (the working copy's dtype when params is given), grouped
--- (cut into sub-groups even in memory: the parameter shard is on NVMe).
+-- work_dtype (the working copy's dtype when params is given), compute
+-- (the rank's compute device: "cpu", "sim" or "cuda"; "none" states live
+-- in its memory).
 function M.states(opts)
   local n, dev = opts.n, opts.device or "none"
   local names = opts.names or { "m", "v" }
   local self = setmetatable({ n = n, device = dev, has_master = opts.master, names = names,
                               params = opts.params, wdt = opts.work_dtype,
+                              compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
                               pipeline_write = opts.pipeline_write }, States)
   local on_disk = dev == "nvme"
@@ -79,9 +88,12 @@ function M.states(opts)
   self.parts = (opts.master and 1 or 0) + #names -- master?, then the states
   self.s = {}
   if not on_disk then
-    local cat = dev == "cpu" and "offload" or "optimizer"
-    if opts.master then self.master = lz.tensor({ n }, "f32", cat) end
-    for i = 1, #names do self.s[i] = lz.tensor({ n }, "f32", cat):zero() end
+    local function new()
+      if dev == "cpu" then return M.host({ n }, "f32", self.compute) end
+      return lz.tensor({ n }, "f32", "optimizer", self.compute)
+    end
+    if opts.master then self.master = new() end
+    for i = 1, #names do self.s[i] = new():zero() end
   end
   -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
   self.nb = 0
@@ -92,8 +104,8 @@ function M.states(opts)
     self.buffers = {}
     for b = 1, self.nb do
       local buf = {}
-      if on_disk then buf.state = staging(self.parts * G, "f32") end
-      if opts.params then buf.work = staging(G, self.wdt) end
+      if on_disk then buf.state = staging(self.parts * G, "f32", self.compute) end
+      if opts.params then buf.work = staging(G, self.wdt, self.compute) end
       self.buffers[b] = buf
     end
   end
@@ -223,7 +235,7 @@ Params.__index = Params
 -- at once ahead of use: stage-3 prefetching stops there).
 function M.param_shard(opts)
   local self = setmetatable({ n = opts.n, dtype = opts.dtype, es = esize[opts.dtype],
-                              buffer_count = opts.buffer_count or 5, outstanding = 0,
+                              compute = opts.compute or "cpu", buffer_count = opts.buffer_count or 5, outstanding = 0,
                               free_stages = {}, all_stages = {} }, Params)
   self.swap = lz.swap(opts.nvme_path, round_up(self.n * self.es, PAGE) + PAGE, "params",
                       swap_opts(opts.aio))
@@ -250,7 +262,7 @@ function Params:slice(off, len)
   local list = self.free_stages[elems]
   local st = list and table.remove(list)
   if not st then
-    st = staging(elems, self.dtype)
+    st = staging(elems, self.dtype, self.compute)
     self.all_stages[#self.all_stages + 1] = st
   end
   self.swap:read(a, st, b - a, false)

@@ -8,15 +8,57 @@ local lz = require("luazero")
 local Pool = {}
 Pool.__index = Pool
 
-function Pool.new() return setmetatable({ free_lists = {}, all = {} }, Pool) end
+local esize = { f32 = 4, bf16 = 2, f16 = 2, i32 = 4 }
+
+-- device: where the buffers live ("cpu" default, "sim", "cuda"); host
+-- buffers beside an accelerator (device "pinned") are pinned, category offload.
+function Pool.new(device)
+  return setmetatable({ free_lists = {}, all = {}, device = device or "cpu" }, Pool)
+end
+
+-- Idle buffers are kept while all the pool holds stays within cap bytes
+-- (nil: no limit); past it, a miss first frees idle ones, oldest first.
+function Pool:set_cap(bytes) self.cap = bytes end
+
+local function trim(self, need)
+  local freed = false
+  while self.cap and (self.held or 0) + need > self.cap and #(self.idle or {}) > 0 do
+    local t = table.remove(self.idle, 1)
+    local list = self.free_lists[t:dtype_name() .. ":" .. t:numel()]
+    for i = #list, 1, -1 do if list[i] == t then table.remove(list, i) end end
+    for i = #self.all, 1, -1 do if self.all[i] == t then table.remove(self.all, i) end end
+    self.held = self.held - t:bytes()
+    t:free()
+    freed = true
+  end
+  -- A buffer's memory goes when its last view does: views the engine
+  -- dropped are collected now rather than whenever the GC gets to them.
+  if freed then collectgarbage() end
+end
+
+local function unidle(self, t)
+  for i = #(self.idle or {}), 1, -1 do
+    if self.idle[i] == t then table.remove(self.idle, i); return end
+  end
+end
 
 -- A tensor of n elements of dtype (contents undefined).
 function Pool:get(n, dtype)
   local key = dtype .. ":" .. n
   local list = self.free_lists[key]
-  if list and #list > 0 then return table.remove(list) end
-  local t = lz.tensor({ n }, dtype, "comm")
+  if list and #list > 0 then
+    local t = table.remove(list)
+    if self.cap then unidle(self, t) end
+    return t
+  end
+  local t
+  if self.device == "pinned" then t = lz.pinned({ n }, dtype)
+  else
+    if self.cap then trim(self, n * esize[dtype]) end
+    t = lz.tensor({ n }, dtype, "comm", self.device)
+  end
   self.all[#self.all + 1] = t
+  self.held = (self.held or 0) + t:bytes()
   return t
 end
 
@@ -25,11 +67,15 @@ function Pool:put(t)
   local list = self.free_lists[key] or {}
   self.free_lists[key] = list
   list[#list + 1] = t
+  if self.cap then
+    self.idle = self.idle or {}
+    self.idle[#self.idle + 1] = t
+  end
 end
 
 function Pool:free()
   for _, t in ipairs(self.all) do t:free() end
-  self.all, self.free_lists = {}, {}
+  self.all, self.free_lists, self.idle, self.held = {}, {}, {}, 0
 end
 
 return Pool
