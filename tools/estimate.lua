@@ -18,7 +18,7 @@ local spec = {
   { "grads", "string", "fp32",
     "gradient dtype: fp32 (luazero) or working (the ZeRO paper's and DeepSpeed's)" },
   { "device", "string", "cuda",
-    "cuda: device and host memory apart; cpu: a CPU run, one memory (its ledger's view)" },
+    "cuda (or sim): device and host memory apart; cpu: a CPU run, one memory (its ledger's view)" },
   { "persistence-threshold", "number", 100000,
     "with --model: modules of at most this many elements stay whole at stage 3" },
   { "persistent", "number", nil, "with --params: parameters kept whole at stage 3 (P; 0)" },
@@ -71,8 +71,10 @@ local function main(argv)
   if flags.grads ~= "fp32" and flags.grads ~= "working" then
     fail(("--grads must be fp32 or working (got %s)"):format(flags.grads))
   end
+  -- sim keeps its memory apart from the host's, as cuda does.
+  if flags.device == "sim" then flags.device = "cuda" end
   if flags.device ~= "cuda" and flags.device ~= "cpu" then
-    fail(("--device must be cuda or cpu (got %s)"):format(flags.device))
+    fail(("--device must be cuda, sim or cpu (got %s)"):format(flags.device))
   end
   if flags.world < 1 then fail(("--world must be >= 1 (got %d)"):format(flags.world)) end
   if flags.deepspeed ~= 0 and flags.deepspeed ~= 1 then fail("--deepspeed takes 0 or 1") end

@@ -5,15 +5,16 @@
 -- its placement plan gives (zero/plan.lua) with the ledger's growth and
 -- with luazero.estimate. Prints "ok <case>" or "BAD <case>: <why>" per
 -- case (rank 0), then "done". (Not a test file: run_lua.lua loads only
--- test_*.lua.)
---   luazero [-n 2] tests/lua/plan_check.lua CORPUS SWAP_DIR
+-- test_*.lua.) On DEVICE sim, the device tier is the device's ledger and
+-- the host tier the host's offload category, as on a GPU.
+--   luazero [-n 2] tests/lua/plan_check.lua CORPUS SWAP_DIR [DEVICE]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local estimate = require("luazero.estimate")
 local data = require("luazero.data")
 local gpt2 = require("models.gpt2")
 
-local corpus_path, swap_dir = arg[1], arg[2]
+local corpus_path, swap_dir, device = arg[1], arg[2], arg[3] or "cpu"
 local comm = require("luazero.comm").init()
 local rank, world = comm.rank(), comm.size()
 local corpus = data.load(corpus_path)
@@ -57,13 +58,14 @@ for _, dtype in ipairs({ "fp32", "bf16" }) do
                       optimizer = { type = opt, params = { lr = 1e-3 } } }
         local mcfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
         collectgarbage(); collectgarbage()
-        local before = lz.mem()
+        local before, before_dev = lz.mem(), lz.mem_device()
         local engine = zero.initialize({ model = gpt2.new(mcfg), config = cfg, seed = 1,
-                                         batch = { 2, 16 }, comm = comm })
+                                         batch = { 2, 16 }, comm = comm, device = device })
         local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
                                              rank = rank, world = world })
         engine:train_batch(loader)
         local d = delta(lz.mem(), before)
+        local dd = device == "cpu" and d or delta(lz.mem_device(), before_dev)
         local L, P = engine.L, engine:plan()
         local persistent = 0
         for _, seg in ipairs(L.segments) do
@@ -77,13 +79,25 @@ for _, dtype in ipairs({ "fp32", "bf16" }) do
         for _, t in ipairs(engine.pshard and engine.pshard.all_stages or {}) do
           staging = staging + t:bytes()
         end
-        local fine = check(case, "ledger params", d.params, by.device.params) and
-                     check(case, "ledger grads", d.grads, by.device.grads) and
-                     check(case, "ledger optimizer", d.optimizer, by.device.optimizer) and
+        -- Beside an accelerator: the updated working shard's staging and
+        -- the reduced gradients' (pinned, offload).
+        if device ~= "cpu" then
+          if engine.wstage then staging = staging + engine.wstage:bytes() end
+          for _, t in ipairs(engine.hpool.all) do staging = staging + t:bytes() end
+        end
+        local fine = check(case, "ledger params", dd.params, by.device.params) and
+                     check(case, "ledger grads", dd.grads, by.device.grads) and
+                     check(case, "ledger optimizer", dd.optimizer, by.device.optimizer) and
                      check(case, "ledger offload", d.offload - staging, by.host.total)
+        if fine and device ~= "cpu" then
+          -- Nothing of the model's states in host memory but the host tier.
+          fine = check(case, "host params", d.params, 0) and check(case, "host grads", d.grads, 0)
+                 and check(case, "host optimizer", d.optimizer, 0)
+        end
         if fine and opt == "AdamW" and o.name ~= "nvme" and o.name ~= "nvme+param-nvme" then
           local r = estimate.model_states(L.numel, world, stage, {
-            dtype = dtype, offload = o.estimate or "none", device = "cpu",
+            dtype = dtype, offload = o.estimate or "none",
+            device = device == "cpu" and "cpu" or "cuda",
             layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
           fine = check(case, "estimate device bytes", r.device, by.device.total) and
                  check(case, "estimate cpu bytes", r.cpu, by.host.total)

@@ -234,4 +234,46 @@ function T.states_that_do_not_fit_the_device_fail_at_stage_0_and_train_offloaded
   assert(sum:match("^%x+$"), sum)
 end
 
+------------------------------------------------------------ REPL helpers
+
+-- shards, norms, gather and mem on an engine whose buffers are on sim:
+-- the same numbers as on the cpu (host copies where they read memory).
+function T.repl_helpers_read_a_sim_engine_as_a_cpu_one()
+  local zero = require("luazero.zero")
+  local data = require("luazero.data")
+  local inspect = require("luazero.ui.inspect")
+  local text = lz.read_file(corpus)
+  local loaded = data.load(corpus)
+  local out = {}
+  for _, device in ipairs({ "cpu", "sim" }) do
+    local cfg = { train_micro_batch_size_per_gpu = B, bf16 = { enabled = true },
+                  zero_optimization = { stage = 3, stage3_param_persistence_threshold = THRESHOLD,
+                                        offload_optimizer = { device = "cpu" } },
+                  optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+    local model = gpt2.new(gpt2.config("gpt2-nano", MODEL))
+    local engine = zero.initialize{ model = model, config = cfg, seed = 3, batch = { B, SEQ },
+                                    device = device }
+    local loader = data.loader(loaded, { B = B, T = SEQ, seed = 1, vocab = 256 })
+    engine:train_batch(loader)
+    local g = inspect.gather(engine, "h.0.attn.c_attn.weight")
+    local r = { norms = inspect.norms(engine), gather = g:totable(), shards = tostring(inspect.shards(engine)),
+                mem = tostring(inspect.mem()), checksum = engine:params_checksum() }
+    g:free()
+    engine:free()
+    loader:free()
+    out[device] = r
+  end
+  assert(#text > 0)
+  local c, s = out.cpu, out.sim
+  assert(c.checksum == s.checksum, c.checksum .. " vs " .. s.checksum)
+  assert(#c.gather == #s.gather and #c.gather > 0)
+  for i = 1, #c.gather do assert(c.gather[i] == s.gather[i], "gather differs at " .. i) end
+  for i, p in ipairs(c.norms.params) do
+    assert(p.norm == s.norms.params[i].norm, p.name .. ": norm differs on sim")
+  end
+  assert(c.shards == s.shards, "shards differ:\n" .. c.shards .. "\n" .. s.shards)
+  assert(s.mem:find("device memory:", 1, true), s.mem)
+  loaded.tokens:free()
+end
+
 return T

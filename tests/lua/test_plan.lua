@@ -60,22 +60,24 @@ local text = ("Now is the winter of our discontent\nMade glorious summer by this
 local corpus = write_file("corpus.txt", text)
 os.execute("mkdir -p " .. q(tmp .. "/nvme"))
 
-local function plan_check(n)
-  local cmd = ("cd %s && %s %s tests/lua/plan_check.lua %s %s 2>&1")
+local function plan_check(n, device)
+  local cmd = ("cd %s && %s %s tests/lua/plan_check.lua %s %s %s 2>&1")
               :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
-                      q(tmp .. "/nvme"))
+                      q(tmp .. "/nvme"), device or "cpu")
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
   local oks = select(2, out:gsub("\nok   ", "")) + (out:find("^ok   ") and 1 or 0)
   -- 2 optimizers x 2 dtypes x (4 + 3 + 3 + 2) stage/offload combinations
   assert(out:find("done: 0 bad", 1, true) and oks == 48, out)
-  print(("    world %d: %d combinations match the ledger (and estimate where it has them)")
-        :format(n, oks))
+  print(("    world %d on %s: %d combinations match the ledger (and estimate where it has " ..
+         "them)"):format(n, device or "cpu", oks))
 end
 
 function T.plan_bytes_equal_the_ledger_and_estimate_at_world_1() plan_check(1) end
 function T.plan_bytes_equal_the_ledger_and_estimate_at_world_2() plan_check(2) end
+-- On a device: device bytes from the device's ledger, host bytes from the host's.
+function T.plan_bytes_equal_the_device_and_host_ledgers_on_sim_at_world_2() plan_check(2, "sim") end
 
 -- tools/estimate prints the plan's bytes: every row of gpt2-nano at world 2
 -- (--device cpu and cuda, bf16 and fp32) against the plan built here.

@@ -167,6 +167,7 @@ local function my_norms(engine)
   buf("params (" .. P.params.extent .. ")", engine.work)
   if not P.master.alias then buf("master (fp32)", engine.master) end
   buf("grads (" .. P.grads.extent .. ")", engine.grads)
+  if engine.ograds ~= engine.grads then buf("grads (host, f32)", engine.ograds) end
   local opt, st = engine.optimizer, engine.states
   for i, name in ipairs(opt.states) do buf(opt.name .. " " .. name, st.s[i]) end
   if not st.s[1] then
@@ -199,7 +200,7 @@ local function my_norms(engine)
         else
           local slice, stage = engine:shard_slice(seg) -- (staged from NVMe there)
           sq = slice:view(a - lo, { b - a }):sq_norm()
-          if stage then engine.pshard:release(stage) end
+          engine:release_slice(stage)
         end
       end
       out.params[#out.params + 1] = sq
@@ -252,7 +253,7 @@ function M.mem()
   serve.together("mem")
   local ranks = every_rank(function()
     return { rank = serve.rank(), current = lz.mem(), peak = lz.mem_peak(),
-             peak_rss = lz.peak_rss() }
+             peak_rss = lz.peak_rss(), device = lz.mem_device(), device_peak = lz.mem_device_peak() }
   end)
   local head = { ("%-12s"):format("category") }
   for _, r in ipairs(ranks) do head[#head + 1] = ("%24s"):format(("rank %d: now / peak"):format(r.rank)) end
@@ -271,6 +272,19 @@ function M.mem()
     return show.bytes(t)
   end)
   row("peak_rss", function(r) return show.bytes(r.peak_rss) end)
+  -- The device's own ledger, where a rank computes on an accelerator.
+  local on_device = false
+  for _, r in ipairs(ranks) do
+    for _, c in ipairs(lz.category_order) do
+      if (r.device_peak[c] or 0) > 0 then on_device = true end
+    end
+  end
+  if on_device then
+    lines[#lines + 1] = "device memory:"
+    for _, c in ipairs(lz.category_order) do
+      row(c, function(r) return show.bytes(r.device[c]) .. " / " .. show.bytes(r.device_peak[c]) end)
+    end
+  end
   return report({ ranks = ranks }, table.concat(lines, "\n"))
 end
 
@@ -318,7 +332,7 @@ function M.gather(engine, name)
     local full = lz.tensor({ seg.padded }, engine.wdt, "workspace")
     local slice, stage = engine:shard_slice(seg) -- (staged from NVMe when it lives there)
     require("luazero.comm").all_gather(slice, full)
-    if stage then engine.pshard:release(stage) end
+    engine:release_slice(stage)
     flat:copy(full:view(e.seg_offset, { e.numel }))
     full:free()
   end
