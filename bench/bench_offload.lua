@@ -7,7 +7,12 @@
 --      more than this machine's memory) for a few steps in bf16 with the
 --      optimizer states on NVMe: step time, peak RSS, bytes read and written
 --      per step, next to what the model states would need without offload.
---   luazero bench/bench_offload.lua [--part 1|2] [--nvme DIR] [--steps N]
+--   3. overlap on the sim device: gpt2 (124M), bf16, one rank, stage 2 with
+--      the optimizer on the cpu, host<->device copies paced like a link of
+--      --link-gbps: step time with overlap_comm off and on, the copies' time
+--      per step, how long the host waited for them, and the fraction of the
+--      copy time hidden behind compute.
+--   luazero bench/bench_offload.lua [--part 1|2|3] [--nvme DIR] [--steps N]
 -- Part 2 writes a ~19 GB swap file in --nvme (default: the build folder, on
 -- the work disk) and takes a few minutes. Run it on a quiet machine.
 local cjson = require("cjson")
@@ -17,7 +22,8 @@ local gpt2 = require("models.gpt2")
 local layout = require("luazero.zero.layout")
 
 local flags = assert(args.parse(arg, {
-  { "part", "int", 0, "1 or 2 (0: both)" },
+  { "part", "int", 0, "1, 2 or 3 (0: all)" },
+  { "link-gbps", "number", 4, "part 3: the pace of the sim's host<->device copies, GB/s" },
   { "steps", "int", 3, "timed steps per run (the first step is not counted)" },
   { "seq-len", "int", 64, "tokens per sequence" },
   { "micro-batch", "int", 1, "sequences per step" },
@@ -38,17 +44,17 @@ local function mib(b) return b / 2 ^ 20 end
 
 -- Runs train.lua with a config; returns the per-step records (after the
 -- first) and the output.
-local function train(model_flags, cfg, steps)
+local function train(model_flags, cfg, steps, env)
   local cfg_path = tmp .. "/cfg.json"
   local f = assert(io.open(cfg_path, "w"))
   f:write(cjson.encode(cfg))
   f:close()
   local log = tmp .. "/bench.jsonl"
   os.remove(log)
-  local p = io.popen(("cd %s && %s scripts/train.lua %s --data %s --config %s --steps %d " ..
+  local p = io.popen(("cd %s && %s %s scripts/train.lua %s --data %s --config %s --steps %d " ..
                       "--seq-len %d --sample 0 --eval-batches 0 --log %s 2>&1")
-                     :format(q(root), q(lz.executable()), model_flags, q(data), q(cfg_path),
-                             steps + 1, flags.seq_len, q(log)))
+                     :format(q(root), env or "", q(lz.executable()), model_flags, q(data),
+                             q(cfg_path), steps + 1, flags.seq_len, q(log)))
   local out = {}
   for line in p:lines() do
     out[#out + 1] = line
@@ -74,17 +80,20 @@ local function median(xs)
 end
 
 local function summary(recs)
-  local ms, rd, wr = {}, {}, {}
+  local ms, rd, wr, cp, cw = {}, {}, {}, {}, {}
   for _, r in ipairs(recs) do
     ms[#ms + 1] = r.step_ms
     rd[#rd + 1] = r.nvme_read or 0
     wr[#wr + 1] = r.nvme_written or 0
+    cp[#cp + 1] = r.copy_ms or 0
+    cw[#cw + 1] = r.copy_wait_ms or 0
   end
   local last = recs[#recs]
   local tokens = last.tokens / last.step
   local step_ms = median(ms)
   return { step_ms = step_ms, tokens_per_s = tokens / (step_ms / 1000),
-           peak_rss = last.mem.peak_rss, read = median(rd), written = median(wr) }
+           peak_rss = last.mem.peak_rss, read = median(rd), written = median(wr),
+           copy_ms = median(cp), copy_wait_ms = median(cw), h2d = last.h2d, d2h = last.d2h }
 end
 
 local function zero_cfg(stage, opt, param, sub_group)
@@ -140,5 +149,31 @@ if flags.part == 0 or flags.part == 2 then
         :format(s.step_ms / 1000, flags.steps, s.tokens_per_s, s.peak_rss / 2 ^ 30,
                 s.read / 2 ^ 30, s.written / 2 ^ 30, s.read / s.step_ms / 1e6,
                 s.written / s.step_ms / 1e6))
+end
+if flags.part == 0 or flags.part == 3 then
+  print(("== 3. overlap on the sim device: gpt2 (124M), bf16, one rank, stage 2, optimizer on " ..
+         "the cpu, copies paced at %g GB/s (LZ_SIM_COPY_GBPS)"):format(flags.link_gbps))
+  local env = ("LZ_SIM_COPY_GBPS=%g"):format(flags.link_gbps)
+  local res = {}
+  print(("%-12s %10s %12s %14s %14s %12s %12s"):format("overlap_comm", "step ms", "copies ms",
+        "host waited ms", "hidden", "h2d/step", "d2h/step"))
+  for _, overlap in ipairs({ false, true }) do
+    local cfg = zero_cfg(2, { device = "cpu" }, nil, 10000000)
+    cfg.data_types = nil
+    cfg.zero_optimization.overlap_comm = overlap
+    local s = summary(train("--model gpt2 --device sim", cfg, flags.steps, env))
+    -- Off: every copy waits on the host. On: the host waits for what is not hidden.
+    local waited = overlap and s.copy_wait_ms or s.copy_ms
+    s.hidden = 1 - waited / s.copy_ms
+    res[overlap] = s
+    print(("%-12s %10.0f %12.0f %14.0f %13.0f%% %8.0f MiB %8.0f MiB")
+          :format(tostring(overlap), s.step_ms, s.copy_ms, waited, 100 * s.hidden, mib(s.h2d),
+                  mib(s.d2h)))
+  end
+  local off, on = res[false], res[true]
+  print(("overlap on: %.0f%% of the copy time hidden behind compute (the host waited %.0f of " ..
+         "%.0f ms); step %.0f -> %.0f ms, %.0f ms saved of %.0f ms of copies when serial")
+        :format(100 * on.hidden, on.copy_wait_ms, on.copy_ms, off.step_ms, on.step_ms,
+                off.step_ms - on.step_ms, off.copy_ms))
 end
 bench.cleanup(tmp)

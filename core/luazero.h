@@ -487,6 +487,9 @@ lz_status lz_cuda_synchronize(void); /* waits for all work on the device */
 lz_status lz_sim_init(void);
 int lz_sim_ready(void); /* 1 after a successful lz_sim_init */
 int64_t lz_sim_capacity(void); /* bytes of device memory (LZ_SIM_MEMORY); 0 before lz_sim_init */
+/* Nanoseconds the sim's host<->device copies have taken so far (on any
+ * stream; LZ_SIM_COPY_GBPS paces them like a link of that bandwidth). */
+uint64_t lz_sim_copy_ns(void);
 
 /* LZ_CPU, or the accelerator whose device memory holds p. */
 int lz_pointer_device(const void *p);

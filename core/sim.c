@@ -115,6 +115,10 @@ static int started, stopping;
 static char sticky[1024];
 static char *fail_next;    /* lz_sim_inject_failure */
 static unsigned jitter_us; /* read by the workers: atomic loads */
+/* LZ_SIM_COPY_GBPS: host<->device copies take at least bytes / this (a
+ * PCIe link's pace; 0: as fast as memcpy). copy_ns: time copies took. */
+static double copy_gbps;
+static uint64_t copy_ns;
 static uint64_t jitter_seed;
 
 /* ------------------------------------------------------------ the memory */
@@ -454,9 +458,27 @@ static void run_item(int s, item *it, int *threads) {
       if (st != LZ_OK) set_sticky(s, op_names[it->op], lz_last_error());
       return;
     }
-    case ITEM_COPY:
+    case ITEM_COPY: {
+      struct timespec a, b;
+      clock_gettime(CLOCK_MONOTONIC, &a);
       if (!has_sticky()) memmove(it->dst, it->src, it->bytes);
+      if (copy_gbps > 0) {
+        double want = (double)it->bytes / (copy_gbps * 1e9);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        double took = (double)(b.tv_sec - a.tv_sec) + 1e-9 * (double)(b.tv_nsec - a.tv_nsec);
+        if (want > took) {
+          double rest = want - took;
+          struct timespec ts = {.tv_sec = (time_t)rest,
+                                .tv_nsec = (long)((rest - (double)(time_t)rest) * 1e9)};
+          nanosleep(&ts, NULL);
+        }
+      }
+      clock_gettime(CLOCK_MONOTONIC, &b);
+      __atomic_fetch_add(&copy_ns,
+                         (uint64_t)((b.tv_sec - a.tv_sec) * 1000000000ll + (b.tv_nsec - a.tv_nsec)),
+                         __ATOMIC_RELAXED);
       return;
+    }
     case ITEM_WAIT:
       pthread_mutex_lock(&mu);
       while (streams[it->wait_stream].done < it->wait_count && !stopping)
@@ -788,6 +810,22 @@ static lz_status sim_init(int device) {
 
   jitter_seed = seed;
   jitter_us = (unsigned)us;
+  const char *gbps = getenv("LZ_SIM_COPY_GBPS");
+  copy_gbps = 0;
+  if (gbps && *gbps) {
+    char *end;
+    copy_gbps = strtod(gbps, &end);
+    if (*end || copy_gbps < 0) {
+      munmap(d, cap);
+      munmap(h, cap);
+      close(fd);
+      free(all);
+      return lz_fail(LZ_ERR_INVALID,
+                     "sim: LZ_SIM_COPY_GBPS=\"%s\" is not a bandwidth; give GB/s (e.g. 25), or 0 "
+                     "for memcpy's pace",
+                     gbps);
+    }
+  }
   memset(streams, 0, sizeof streams);
   sticky[0] = 0;
   stopping = 0;
@@ -838,3 +876,5 @@ static lz_backend table = {
 const lz_backend *lz_sim_backend(void) { return &table; }
 
 int64_t lz_sim_capacity(void) { return lz_sim_ready() ? (int64_t)capacity : 0; }
+
+uint64_t lz_sim_copy_ns(void) { return __atomic_load_n(&copy_ns, __ATOMIC_RELAXED); }

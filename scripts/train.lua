@@ -435,6 +435,8 @@ local function train_step(run, step)
   local tokens_per_step = run.B * run.T * run.accum * run.world
   run.comm.bytes_reset()
   lz.copy_bytes_reset()
+  local wait0 = engine:copy_wait_s()
+  local copy0 = flags.device == "sim" and lz.C.lz_sim_copy_ns()
   local t0 = clock.now()
   local read0, written0 = engine:nvme_bytes()
   local r = checked_rank(engine.train_batch, engine, run.loader)
@@ -452,6 +454,10 @@ local function train_step(run, step)
   if flags.device ~= "cpu" then
     local c = lz.copy_bytes()
     rec.h2d, rec.d2h = c.h2d, c.d2h
+    -- How long the host waited for copies meant to overlap, and (sim) how
+    -- long the copies took.
+    rec.copy_wait_ms = (engine:copy_wait_s() - wait0) * 1000
+    if copy0 then rec.copy_ms = tonumber(lz.C.lz_sim_copy_ns() - copy0) / 1e6 end
   end
   -- This rank's swap-file traffic in the step (offload to NVMe).
   if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end

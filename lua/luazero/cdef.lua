@@ -326,6 +326,8 @@ lz_status lz_sim_init(void);
 int lz_sim_ready(void);
 int64_t lz_sim_capacity(void);
 
+uint64_t lz_sim_copy_ns(void);
+
 int lz_pointer_device(const void *p);
 
 lz_status lz_device_synchronize(void);

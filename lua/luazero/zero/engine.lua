@@ -20,6 +20,7 @@ local Placement = require("luazero.zero.plan")
 local Pool = require("luazero.zero.pool")
 local Scaler = require("luazero.zero.scaler")
 local offload = require("luazero.zero.offload")
+local clock = require("luazero.clock")
 
 local ops = lz.ops
 
@@ -120,6 +121,7 @@ function M.initialize(opts)
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0, inflight = {},
+    landing = {},
     loss_sum = 0, loss_count = 0,
   }, Engine)
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
@@ -545,14 +547,26 @@ function Engine:shard_slice(seg)
   end
   if v:device_name() == self.dev then return v, stage end
   local d = self.pool:get(seg.slice, self.wdt)
-  d:copy(v)
-  if stage then self.pshard:release(stage) end
-  return d, { pooled = d }
+  if self.s.overlap then
+    -- On the copy stream; the device's work after this (the gather) waits
+    -- for it, the host does not.
+    lz.copy_async(d, v, "copy")
+    self.staged = self.staged or lz.event()
+    self.staged:record("copy")
+    self.staged:wait_on("compute")
+  else
+    d:copy(v)
+  end
+  return d, { pooled = d, read = stage }
 end
 
 function Engine:release_slice(stage)
   if not stage then return end
-  if stage.pooled then self.pool:put(stage.pooled) else self.pshard:release(stage) end
+  if stage.pooled then
+    self.pool:put(stage.pooled)
+    stage = stage.read
+  end
+  if stage then self.pshard:release(stage) end
 end
 
 -- A gather of seg has completed: its staging can go.
@@ -763,22 +777,59 @@ function Engine:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
   if seg then
-    local src, host = item.recv, nil
-    if src.device ~= item.dst.device then
-      -- Reduced on the device, added into the host's gradients.
-      host = self.hpool:get(src:numel(), src:dtype_name())
-      host:copy(src)
-      src = host
+    if item.recv.device ~= item.dst.device then
+      -- Reduced on the device, added into the host's gradients: copied off
+      -- on the copy stream (overlap_comm: while backward goes on; the add
+      -- waits for it in land), else at once.
+      local host = self.hpool:get(item.recv:numel(), item.recv:dtype_name())
+      item.host, item.gbuf = host, seg.gbuf
+      seg.gbuf = nil
+      self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
+      if self.s.overlap then
+        lz.copy_async(host, item.recv, "copy")
+        item.landed = lz.event()
+        item.landed:record("copy")
+        self.landing[#self.landing + 1] = item
+      else
+        host:copy(item.recv)
+        self:land(item)
+      end
+      return
     end
     if self.half_grads then
-      self:add_half(item.dst, src)
+      self:add_half(item.dst, item.recv)
     else
-      ops.axpy(item.dst, 1.0, src)
+      ops.axpy(item.dst, 1.0, item.recv)
     end
-    if host then self.hpool:put(host) end
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
     self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
+  end
+end
+
+-- A reduced gradient copied off the device is added into the host's
+-- gradients once its copy has landed; its buffers go back to their pools.
+function Engine:land(item)
+  if item.landed then
+    local t0 = clock.now()
+    item.landed:synchronize()
+    self.copy_wait = (self.copy_wait or 0) + (clock.now() - t0)
+    item.landed:free()
+  end
+  if self.half_grads then
+    self:add_half(item.dst, item.host)
+  else
+    ops.axpy(item.dst, 1.0, item.host)
+  end
+  self.hpool:put(item.host)
+  self.pool:put(item.gbuf)
+end
+
+-- Lands the copies in flight, in order (all, or those already done).
+function Engine:land_all(done_only)
+  local landing = self.landing
+  while #landing > 0 and (not done_only or landing[1].landed:query()) do
+    self:land(table.remove(landing, 1))
   end
 end
 
@@ -814,15 +865,28 @@ end
 
 -- Keeps the gradient buckets in flight under reduce_bucket_size elements.
 function Engine:make_room(n)
+  self:land_all(true)
   while #self.inflight > 0 and (self.inflight_elems or 0) + n > self.s.reduce_bucket do
     self:finish_reduce(table.remove(self.inflight, 1))
   end
+  -- Gradient buffers whose copies are in flight count against the bucket too.
+  while #self.landing > 0 and (self.inflight_elems or 0) + self:landing_elems() + n >
+        self.s.reduce_bucket do
+    self:land(table.remove(self.landing, 1))
+  end
+end
+
+function Engine:landing_elems()
+  local n = 0
+  for _, item in ipairs(self.landing) do n = n + item.elems end
+  return n
 end
 
 function Engine:wait_all()
   self:flush_bucket()
   while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
   self.inflight_elems = 0
+  self:land_all()
 end
 
 ------------------------------------------------------- forward, backward
@@ -931,14 +995,20 @@ function Engine:step()
     if c < 1 then scale = scale * c end
   end
   local opt, t = self.optimizer, self.optimizer_steps
-  if self.push_params then self.pushed:synchronize() end -- the last step's copies
+  if self.push_params then -- the last step's copies
+    local t0 = clock.now()
+    self.pushed:synchronize()
+    self.copy_wait = (self.copy_wait or 0) + (clock.now() - t0)
+  end
   self.states:each_group(true, function(k)
     for _, c in ipairs(self.calls[k]) do
       if c.half_g then c.g:copy(c.half_g) end
       opt:update(c, t, lr, scale)
     end
     if self.push_params then
-      for _, c in ipairs(self.calls[k]) do lz.copy_async(c.wdev, c.w, "copy") end
+      for _, c in ipairs(self.calls[k]) do
+        if s.overlap then lz.copy_async(c.wdev, c.w, "copy") else c.wdev:copy(c.w) end
+      end
     end
   end)
   if self.push_params then
@@ -1190,6 +1260,10 @@ function Engine:params_checksum()
   return hex
 end
 
+-- Seconds the host has waited so far for host<->device copies queued to
+-- overlap with compute (overlap_comm): the part of their time not hidden.
+function Engine:copy_wait_s() return self.copy_wait or 0 end
+
 -- Bytes this rank has read from and written to its NVMe swap files so far
 -- (nil when nothing is on NVMe).
 function Engine:nvme_bytes()
@@ -1230,6 +1304,7 @@ function Engine:free()
   f(self.grads)
   f(self.wstage)
   if self.pushed then self.pushed:free() end
+  if self.staged then self.staged:free() end
   self.hpool:free()
   for _, t in pairs(self.scratches or {}) do t:free() end
   self.states:free()
