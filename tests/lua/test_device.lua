@@ -165,6 +165,14 @@ function T.zero_offload_stage_2_bf16_holds_2psi_on_the_device_and_16psi_over_n_o
   -- updated working shard goes on (bf16).
   assert(rec.d2h == 4 * S + BATCH_D2H, ("d2h %d, want 4 x %d + %d"):format(rec.d2h, S, BATCH_D2H))
   assert(rec.h2d == 2 * S + BATCH_H2D, ("h2d %d, want 2 x %d + %d"):format(rec.h2d, S, BATCH_H2D))
+  -- The NVMe tier: the same device and the same crossings; the host keeps
+  -- staging only, the states go to the swap file.
+  local nv = records(W, config(2, "bf16", { offload_optimizer = { device = "nvme",
+                                                                   nvme_path = nvme } }))[2]
+  assert(nv.dev_mem.params == 2 * F and nv.dev_mem.grads == 0 and nv.dev_mem.optimizer == 0,
+         cjson.encode(nv.dev_mem))
+  assert(nv.d2h == rec.d2h and nv.h2d == rec.h2d, ("nvme: h2d %d, d2h %d"):format(nv.h2d, nv.d2h))
+  assert(nv.nvme_read > 0 and nv.nvme_written > 0, cjson.encode(nv))
 end
 
 function T.zero_3_offload_param_keeps_only_live_modules_and_persistent_params_on_the_device()
@@ -203,6 +211,12 @@ function T.zero_3_offload_param_keeps_only_live_modules_and_persistent_params_on
   local want_h2d = 2 * gathers + BATCH_H2D
   assert(rec.h2d == want_h2d, ("h2d %d, want %d"):format(rec.h2d, want_h2d))
   assert(rec.d2h == 4 * S + BATCH_D2H, ("d2h %d, want 4 x %d + %d"):format(rec.d2h, S, BATCH_D2H))
+  -- Parameters and states on NVMe: the same crossings, read from the swap files.
+  local nv = records(W, config(3, "bf16", { offload_optimizer = { device = "nvme", nvme_path = nvme },
+                                            offload_param = { device = "nvme", nvme_path = nvme,
+                                                              buffer_size = 1000000 } }))[2]
+  assert(nv.dev_mem.params == 2 * persistent, cjson.encode(nv.dev_mem))
+  assert(nv.h2d == want_h2d and nv.d2h == rec.d2h, ("nvme: h2d %d, d2h %d"):format(nv.h2d, nv.d2h))
 end
 
 function T.without_offload_nothing_but_the_batch_crosses()
