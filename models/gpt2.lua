@@ -150,7 +150,13 @@ function GPT:init_weights(seed)
   for _, e in ipairs(self.param_table) do
     local t = e.module.p[e.key]
     local kind = e.init.kind
-    if kind == "normal" then
+    if kind == "normal" and t:device_name() ~= "cpu" then
+      -- Drawn on the host, then copied: device memory is not the host's.
+      local h = lz.tensor(t:sizes(), "f32", "workspace")
+      r:fill_normal(ffi.cast("float *", h.data), e.numel, e.init.std)
+      t:copy(h)
+      h:free()
+    elseif kind == "normal" then
       r:fill_normal(ffi.cast("float *", t.data), e.numel, e.init.std)
     elseif kind == "ones" then
       t:fill(1)

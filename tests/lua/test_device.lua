@@ -106,15 +106,19 @@ function T.sim_gives_the_cpus_checksum_with_accumulation_checkpointing_and_offlo
 end
 
 function T.save_on_sim_resumes_on_sim_and_on_cpu_to_the_same_checksum()
-  local cfg = config(3, "bf16", { offload_optimizer = { device = "cpu" } })
-  local dir = tmp .. "/ckpt"
-  local _, whole = ok_train(2, ("--steps 4 --device sim --config %s"):format(cfg), JITTER)
-  ok_train(2, ("--steps 2 --device sim --config %s --save %s"):format(cfg, dir), JITTER)
-  for _, device in ipairs({ "sim", "cpu" }) do
-    local _, resumed = ok_train(2, ("--steps 4 --device %s --config %s --resume %s")
-                                   :format(device, cfg, dir),
-                                device == "sim" and JITTER or nil)
-    assert(resumed == whole, ("resumed on %s: %s, uninterrupted %s"):format(device, resumed, whole))
+  -- The optimizer's states on the device (stage 1), and in host memory (stage 3).
+  for i, cfg in ipairs({ config(1, "bf16"),
+                         config(3, "bf16", { offload_optimizer = { device = "cpu" } }) }) do
+    local dir = ("%s/ckpt%d"):format(tmp, i)
+    local _, whole = ok_train(2, ("--steps 4 --device sim --config %s"):format(cfg), JITTER)
+    ok_train(2, ("--steps 2 --device sim --config %s --save %s"):format(cfg, dir), JITTER)
+    for _, device in ipairs({ "sim", "cpu" }) do
+      local _, resumed = ok_train(2, ("--steps 4 --device %s --config %s --resume %s")
+                                     :format(device, cfg, dir),
+                                  device == "sim" and JITTER or nil)
+      assert(resumed == whole, ("%s resumed on %s: %s, uninterrupted %s"):format(cfg, device,
+                                                                                 resumed, whole))
+    end
   end
 end
 

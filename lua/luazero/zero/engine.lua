@@ -796,15 +796,16 @@ function Engine:finish_reduce(item)
       end
       return
     end
-    if self.half_grads then
-      self:add_half(item.dst, item.recv)
-    else
-      ops.axpy(item.dst, 1.0, item.recv)
-    end
+    self:accumulate(item.dst, item.recv)
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
     self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
   end
+end
+
+-- dst += a reduced micro-step gradient src (both where the add runs).
+function Engine:accumulate(dst, src)
+  if self.half_grads then self:add_half(dst, src) else ops.axpy(dst, 1.0, src) end
 end
 
 -- A reduced gradient copied off the device is added into the host's
@@ -816,11 +817,7 @@ function Engine:land(item)
     self.copy_wait = (self.copy_wait or 0) + (clock.now() - t0)
     item.landed:free()
   end
-  if self.half_grads then
-    self:add_half(item.dst, item.host)
-  else
-    ops.axpy(item.dst, 1.0, item.host)
-  end
+  self:accumulate(item.dst, item.host)
   self.hpool:put(item.host)
   self.pool:put(item.gbuf)
 end
