@@ -448,6 +448,14 @@ static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
     a->on_sim = 1;
     LZ_TRY(lz_sim_compute_point(&a->sim_point));
   }
+  /* GPU memory is not the host's: host backends cannot read it. */
+  if (a->kind != LZ_COLL_BARRIER && c->backend != LZ_COMM_NCCL && c->backend != LZ_COMM_LOCAL &&
+      ((a->send && lz_pointer_device(a->send) == LZ_CUDA) ||
+       (a->recv && lz_pointer_device(a->recv) == LZ_CUDA)))
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "%s: the %s backend cannot move cuda buffers; run with the nccl backend "
+                   "(LZ_BACKEND=nccl)",
+                   lz_coll_name(a->kind), lz_comm_backend_name(c));
   pthread_mutex_lock(&c->mu);
   if (c->broken) {
     lz_status st = c->broken;
