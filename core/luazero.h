@@ -208,7 +208,9 @@ lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int he
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta);
 /* The same with the inverse frequencies given: inv_freq f32 [head_dim/2]
- * (Llama 3's rope_scaling). x, dy: f32 or bf16; out, dx: f32. */
+ * (Llama 3's rope_scaling). x, dy: f32 or bf16; out, dx: f32. The last
+ * dimension may hold more than n_head heads: the first n_head turn, the rest
+ * is copied (Llama's packed q|k|v rows: turn the q and k heads). */
 lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
                                 int n_head, int64_t pos_offset);
 lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,

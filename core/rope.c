@@ -15,7 +15,8 @@
  * input. */
 #include "lz_internal.h"
 
-#include <math.h> /* pow, cosf, sinf, isinf, isfinite */
+#include <math.h>   /* pow, cosf, sinf, isinf, isfinite */
+#include <string.h> /* memcpy */
 
 /* Widest head the kernel takes: its cos and sin tables live on the stack. */
 #define ROPE_MAX_HEAD_DIM 4096
@@ -64,7 +65,10 @@ LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float
 }
 
 /* The checks and the loop forward and backward share; `sign` as rope_row's.
- * inv_freq: head_dim/2 floats, or NULL to work them out from theta. */
+ * inv_freq: head_dim/2 floats, or NULL to work them out from theta. With
+ * freqs given, a row may hold more than the n_head heads (Llama's packed
+ * q|k|v rows: q and k turn, v does not): the rest is copied to out (left
+ * alone when out is x). */
 static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out,
                             const char *x_name, const lz_tensor *x, int n_head, int head_dim,
                             int64_t pos_offset, float theta, const float *freqs, float sign) {
@@ -81,13 +85,14 @@ static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out
                    "i + head_dim/2), from 2 to %d",
                    op, head_dim, ROPE_MAX_HEAD_DIM);
   const int64_t C = x->shape[2];
-  if ((int64_t)n_head * head_dim != C) {
+  const int64_t turned = (int64_t)n_head * head_dim; /* leading columns of a row */
+  if (freqs ? turned > C : turned != C) {
     char buf[96];
     return lz_fail(LZ_ERR_INVALID,
                    "%s: %s is %s, but n_head * head_dim = %d * %d = %lld; the last dimension "
-                   "must hold the heads",
+                   "must hold the heads%s",
                    op, x_name, lz_tensor_describe(x, buf, sizeof buf), n_head, head_dim,
-                   (long long)n_head * head_dim);
+                   (long long)turned, freqs ? " (it may hold more)" : "");
   }
   if (pos_offset < 0)
     return lz_fail(LZ_ERR_INVALID, "%s: pos_offset is %lld; it must be >= 0", op,
@@ -104,15 +109,20 @@ static lz_status rope_apply(const char *op, const char *out_name, lz_tensor *out
   if (x->dtype == LZ_BF16) {
     const uint16_t *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
-    for (int64_t r = 0; r < rows; r++)
+    for (int64_t r = 0; r < rows; r++) {
       rope_row_bf16(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head,
                     half);
+      lz_row_to_f32(o + r * C + turned, xp + r * C + turned, LZ_BF16, C - turned);
+    }
     return LZ_OK;
   }
   const float *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
-  for (int64_t r = 0; r < rows; r++)
+  for (int64_t r = 0; r < rows; r++) {
     rope_row(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head, half);
+    if (o != xp && C > turned)
+      memcpy(o + r * C + turned, xp + r * C + turned, (size_t)(C - turned) * sizeof(float));
+  }
   return LZ_OK;
 }
 

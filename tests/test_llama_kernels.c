@@ -643,7 +643,8 @@ LZ_TEST(rope_freqs_uses_the_given_frequencies) {
   const int64_t s3[1] = {3};
   lz_tensor *f3 = lz_test_wrap(fd_, LZ_F32, 1, s3);
   CHECK_ERR(lz_rope_freqs_forward(o, x, f3, 1, 0), LZ_ERR_INVALID,
-            "rope_forward: x is f32[1,3,4], but n_head * head_dim = 1 * 6 = 6");
+            "rope_forward: x is f32[1,3,4], but n_head * head_dim = 1 * 6 = 6; the last "
+            "dimension must hold the heads (it may hold more)");
   lz_tensor_free(x), lz_tensor_free(o), lz_tensor_free(f), lz_tensor_free(f3);
 }
 
@@ -669,4 +670,33 @@ static void swiglu_bf16_case(int64_t n) {
 LZ_TEST(swiglu_bf16_is_f32_on_widened_inputs) {
   swiglu_bf16_case(8 * 37 + 3);
   swiglu_bf16_case(8 * 50001); /* threaded, chunks and a tail */
+}
+
+/* Packed rows: the first n_head heads turn (as a tensor of those heads
+ * alone would), the rest is copied, or left alone in place. */
+LZ_TEST(rope_freqs_turns_the_leading_heads_of_a_packed_row) {
+  const int64_t B = 2, T = 9, HD = 8, NR = 3, NT = 5; /* 3 heads turn, 2 pass */
+  const int64_t sp[3] = {B, T, NT * HD}, sr[3] = {B, T, NR * HD}, sf[1] = {HD / 2};
+  lz_tensor *xb, *x;
+  rand_pair(&xb, &x, 3, sp, 1.0f);
+  lz_tensor *o = new_t(LZ_F32, 3, sp), *ob = new_t(LZ_F32, 3, sp), *lead = new_t(LZ_F32, 3, sr);
+  lz_tensor *lo = new_t(LZ_F32, 3, sr), *f = new_t(LZ_F32, 1, sf);
+  float *fp = f->data, *xp = x->data, *lp = lead->data;
+  for (int i = 0; i < HD / 2; i++) fp[i] = 1.0f / (float)(i + 2);
+  for (int64_t r = 0; r < B * T; r++)
+    for (int64_t c = 0; c < NR * HD; c++) lp[r * NR * HD + c] = xp[r * NT * HD + c];
+  CHECK_OK(lz_rope_freqs_forward(o, x, f, (int)NR, 4));
+  CHECK_OK(lz_rope_freqs_forward(ob, xb, f, (int)NR, 4));
+  CHECK_OK(lz_rope_freqs_forward(lo, lead, f, (int)NR, 4));
+  check_same_bits("packed rope: bf16 = f32", ob, o);
+  const float *op = o->data, *lop = lo->data;
+  for (int64_t r = 0; r < B * T; r++) {
+    CHECK(memcmp(op + r * NT * HD, lop + r * NR * HD, sizeof(float) * NR * HD) == 0);
+    CHECK(memcmp(op + r * NT * HD + NR * HD, xp + r * NT * HD + NR * HD,
+                 sizeof(float) * (NT - NR) * HD) == 0);
+  }
+  CHECK_OK(lz_rope_freqs_forward(x, x, f, (int)NR, 4)); /* in place */
+  check_same_bits("packed rope in place", x, o);
+  lz_tensor *ts[] = {xb, x, o, ob, lead, lo, f};
+  free_all(ts, 7);
 }
