@@ -123,6 +123,25 @@ function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
   end
 end
 
+-- tools/estimate takes the Llama names and config.json files.
+function T.estimate_takes_llama_names_and_config_json()
+  local json = write_file("tl.json", cjson.encode(tinyllama_json))
+  for _, flag in ipairs({ "--model tinyllama-1.1b", "--model-config " .. q(json) }) do
+    local out, st = support.sh(("cd %s && LUAZERO=%s tools/estimate %s --world 4 --budget 8GiB")
+                               :format(q(lz.root), q(lz.executable()), flag))
+    eq(st, 0, "tools/estimate " .. flag .. ":\n" .. out)
+    assert(out:find("1,100,048,384 parameters", 1, true), out)
+  end
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/estimate --model llama-tiny " ..
+                              "--micro-batch 2 --seq-len 64"):format(q(lz.root),
+                                                                     q(lz.executable())))
+  eq(st, 0, out)
+  local m = models.new(models.config("llama-tiny"))
+  local want = require("luazero.estimate").activations(m, 2, 64, "bf16").device
+  assert(out:find(("activations per rank for micro-batches of 2 x 64 tokens: %s bytes")
+                  :format(require("luazero.estimate").thousands(want)), 1, true), out)
+end
+
 ---------------------------------------------------------- end to end
 
 local corpus = write_file("corpus.txt", ("Shall I compare thee to a summer's day?\n" ..
