@@ -226,4 +226,32 @@ function T.resume_is_bitwise_at_world_2()
   end
 end
 
+-- tools/ckpt export writes Hugging Face's Llama names and shapes, the token
+-- tables without their padding rows (vocab 250 pads to 256).
+function T.export_writes_hugging_faces_names_and_shapes()
+  local dir, st = tmp .. "/export", tmp .. "/llama.safetensors"
+  ok_train(1, "--steps 2 --vocab 250 --save " .. q(dir))
+  local out, status = support.sh(("cd %s && LUAZERO=%s tools/ckpt export %s %s")
+                                 :format(q(lz.root), q(lz.executable()), q(dir), q(st)))
+  eq(status, 0, out)
+  local f = assert(io.open(st, "rb"))
+  local b = { f:read(8):byte(1, 8) }
+  local len = 0
+  for i = 8, 1, -1 do len = len * 256 + b[i] end
+  local header = cjson.decode(f:read(len))
+  f:close()
+  local want = { ["model.embed_tokens.weight"] = { 250, 64 }, ["lm_head.weight"] = { 250, 64 },
+                 ["model.layers.1.self_attn.q_proj.weight"] = { 64, 64 },
+                 ["model.layers.1.self_attn.k_proj.weight"] = { 32, 64 },
+                 ["model.layers.0.mlp.down_proj.weight"] = { 64, 176 },
+                 ["model.norm.weight"] = { 64 } }
+  for name, shape in pairs(want) do
+    local h = assert(header[name], name .. " missing from the export")
+    eq(table.concat(h.shape, "x"), table.concat(shape, "x"), name)
+  end
+  local n = 0
+  for k in pairs(header) do if k ~= "__metadata__" then n = n + 1 end end
+  eq(n, 21, "tensors exported")
+end
+
 return T
