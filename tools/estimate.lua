@@ -68,7 +68,7 @@ local function main(argv)
   local given = (flags.params and 1 or 0) + (flags.model and 1 or 0) +
                 (flags.model_config and 1 or 0)
   if given ~= 1 then
-    fail("give one of --params N (e.g. 1.5e9), --model NAME (" ..
+    fail("give either --params N (e.g. 1.5e9), --model NAME (" ..
          table.concat(models.names, ", ") .. ") or --model-config config.json; --help lists " ..
          "the flags")
   end
