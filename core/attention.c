@@ -1,12 +1,14 @@
-/* attention.c — causal multi-head self-attention (GPT-2), forward and backward,
- * computed in tiles of TILE queries x TILE keys (flash-attention style) so no
- * T x T matrix is ever stored.
+/* attention.c — causal self-attention, multi-head (GPT-2) and grouped-query
+ * (Llama: n_kv_head key/value heads, each shared by n_head/n_kv_head query
+ * heads), forward and backward, computed in tiles of TILE queries x TILE keys (flash-attention
+ * style) so no T x T matrix is ever stored.
  *
  * Forward keeps, per query row, a running maximum and sum of the softmax and
  * rescales its output accumulator when the maximum grows; it saves the row's
  * log-sum-exp so backward can recompute the probabilities tile by tile.
  * Backward walks key tiles outermost: dK and dV of a key tile build up in
- * scratch over the query tiles, dQ in the output itself.
+ * scratch over the query heads of its group, in head order, and their query
+ * tiles; dQ builds up in the output itself.
  *
  * Scores are kept in base-2 units: (1/sqrt(HS)) * log2(e) is folded into the
  * tile copy of one operand (Q in forward, K in backward), so a probability is
@@ -44,10 +46,12 @@ typedef int32_t vi __attribute__((vector_size(64)));
 #define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
-  int64_t B, T, C, NH, HS;
-  int64_t HSP; /* HS rounded up to whole vectors: the row length of tiles */
-  int64_t nb;  /* tiles along T */
-  float scale; /* 1/sqrt(HS) */
+  int64_t B, T, C, NH, HS; /* C = NH * HS: the width of out (and of q) */
+  int64_t NKV;             /* key/value heads; NH is a multiple */
+  int64_t row;             /* floats per qkv row: (NH + 2 NKV) * HS */
+  int64_t HSP;             /* HS rounded up to whole vectors: the row length of tiles */
+  int64_t nb;              /* tiles along T */
+  float scale;             /* 1/sqrt(HS) */
 } attn_dims;
 
 /* ------------------------------------------------------------ vector math */
@@ -115,10 +119,18 @@ INLINE void tile_nt(float *restrict s, const float *restrict a, int64_t lda,
   for (int64_t r0 = 0; r0 < nrows; r0 += ROWS) {
     int nv = diag ? (int)((r0 + ROWS - 1) / VL + 1) : TILE / VL;
     switch (nv) {
-    case 1: block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 1); break;
-    case 2: block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 2); break;
-    case 3: block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 3); break;
-    default: block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 4); break;
+      case 1:
+        block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 1);
+        break;
+      case 2:
+        block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 2);
+        break;
+      case 3:
+        block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 3);
+        break;
+      default:
+        block_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 4);
+        break;
     }
   }
 }
@@ -128,10 +140,18 @@ INLINE void tile_nt(float *restrict s, const float *restrict a, int64_t lda,
 INLINE void tile_nt_cols(float *restrict s, const float *restrict a, int64_t lda,
                          const float *restrict bt, int64_t n, int v0) {
   switch (TILE / VL - v0) {
-  case 1: block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 1); break;
-  case 2: block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 2); break;
-  case 3: block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 3); break;
-  default: block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 4); break;
+    case 1:
+      block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 1);
+      break;
+    case 2:
+      block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 2);
+      break;
+    case 3:
+      block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 3);
+      break;
+    default:
+      block_nt(s + v0 * VL, a, lda, bt + v0 * VL, n, 4);
+      break;
   }
 }
 
@@ -143,8 +163,10 @@ INLINE void block_nn(float *restrict out, int64_t ldo, const float *restrict coe
   vf acc[ROWS][MAX_NV];
   for (int r = 0; r < ROWS; r++)
     for (int v = 0; v < nv; v++) {
-      if (alpha) acc[r][v] = ((const vf *)(out + r * ldo))[v] * alpha[r];
-      else v_splat(&acc[r][v], 0.0f);
+      if (alpha)
+        acc[r][v] = ((const vf *)(out + r * ldo))[v] * alpha[r];
+      else
+        v_splat(&acc[r][v], 0.0f);
     }
   for (int64_t k = k0; k < k1; k++) {
     const vf *mv = (const vf *)(m + k * ldm);
@@ -166,10 +188,18 @@ INLINE void rows_nn(float *restrict out, int64_t ldo, const float *restrict coef
   for (int64_t c = 0; c < hsp; c += MAX_NV * VL) {
     int64_t nv = (hsp - c) / VL;
     switch (nv) {
-    case 1: block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 1); break;
-    case 2: block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 2); break;
-    case 3: block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 3); break;
-    default: block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 4); break;
+      case 1:
+        block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 1);
+        break;
+      case 2:
+        block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 2);
+        break;
+      case 3:
+        block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 3);
+        break;
+      default:
+        block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 4);
+        break;
     }
   }
 }
@@ -178,8 +208,8 @@ INLINE void rows_nn(float *restrict out, int64_t ldo, const float *restrict coef
 
 /* dst[i][0:hsp] = src[i*stride + 0:hs] * mul for i < n, zero beyond (columns
  * hs..hsp and rows n..TILE). */
-INLINE void load_rows(float *restrict dst, int64_t hsp, const float *restrict src,
-                      int64_t stride, int64_t n, int64_t hs, float mul) {
+INLINE void load_rows(float *restrict dst, int64_t hsp, const float *restrict src, int64_t stride,
+                      int64_t n, int64_t hs, float mul) {
   for (int64_t i = 0; i < TILE; i++) {
     float *d = dst + i * hsp;
     if (i < n) {
@@ -225,9 +255,11 @@ static float *align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintp
  * rescale factors are vectors, with no reduction across lanes. */
 LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const float *qkv,
                                                attn_dims d, int64_t b, int64_t h, int64_t qb) {
-  const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = 3 * C;
+  const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = d.row;
   const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
-  const float *qbase = qkv + b * T * row + h * HS, *kbase = qbase + C, *vbase = qbase + 2 * C;
+  const float *qbase = qkv + b * T * row + h * HS;
+  const float *kbase = qkv + b * T * row + C + h / (d.NH / d.NKV) * HS;
+  const float *vbase = kbase + d.NKV * HS;
   const int nvq = TILE / VL;
 
   float scratch[4 * TILE * HSP + TILE * TILE + 16];
@@ -304,31 +336,30 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
 
 /* --------------------------------------------------------------- backward */
 
-/* All of dq, dk, dv of one (batch, head). With P = softmax, D_i = dout_i . out_i:
+/* All of dk, dv of one (batch, key/value head g) and dq of the query heads
+ * that share it. With P = softmax, D_i = dout_i . out_i:
  *   dv_j = sum_i P_ij dout_i,  dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i),
  *   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i. */
-LZ_DISPATCH static void attention_backward_head(float *dqkv, const float *dout,
-                                                const float *qkv, const float *out,
-                                                const float *lse, attn_dims d, int64_t b,
-                                                int64_t h) {
-  const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = 3 * C;
-  const int64_t off = b * T * row + h * HS;
-  const float *qbase = qkv + off, *kbase = qbase + C, *vbase = qbase + 2 * C;
-  float *dqbase = dqkv + off, *dkbase = dqbase + C, *dvbase = dqbase + 2 * C;
-  const float *obase = out + b * T * C + h * HS, *dobase = dout + b * T * C + h * HS;
-  const float *lse_bh = lse + (b * d.NH + h) * T;
+LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout, const float *qkv,
+                                                 const float *out, const float *lse, attn_dims d,
+                                                 int64_t b, int64_t g) {
+  const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = d.row;
+  const int64_t group = d.NH / d.NKV;
+  const int64_t koff = b * T * row + C + g * HS, voff = koff + d.NKV * HS;
+  const float *kbase = qkv + koff, *vbase = qkv + voff;
+  float *dkbase = dqkv + koff, *dvbase = dqkv + voff;
 
   float scratch[8 * TILE * HSP + 2 * TILE * TILE + 16];
-  float *k = align64(scratch);    /* [TILE][HSP] */
-  float *kt = k + TILE * HSP;     /* [HSP][TILE], scaled to base-2 scores */
-  float *vt = kt + TILE * HSP;    /* [HSP][TILE] */
-  float *dk = vt + TILE * HSP;    /* [TILE][HSP] */
-  float *dv = dk + TILE * HSP;    /* [TILE][HSP] */
-  float *q = dv + TILE * HSP;     /* [TILE][HSP] */
-  float *dO = q + TILE * HSP;     /* [TILE][HSP] */
-  float *dq = dO + TILE * HSP;    /* [TILE][HSP] */
-  float *p = dq + TILE * HSP;     /* [TILE][TILE] probabilities, then dS */
-  float *dp = p + TILE * TILE;    /* [TILE][TILE] */
+  float *k = align64(scratch); /* [TILE][HSP] */
+  float *kt = k + TILE * HSP;  /* [HSP][TILE], scaled to base-2 scores */
+  float *vt = kt + TILE * HSP; /* [HSP][TILE] */
+  float *dk = vt + TILE * HSP; /* [TILE][HSP] */
+  float *dv = dk + TILE * HSP; /* [TILE][HSP] */
+  float *q = dv + TILE * HSP;  /* [TILE][HSP] */
+  float *dO = q + TILE * HSP;  /* [TILE][HSP] */
+  float *dq = dO + TILE * HSP; /* [TILE][HSP] */
+  float *p = dq + TILE * HSP;  /* [TILE][TILE] probabilities, then dS */
+  float *dp = p + TILE * TILE; /* [TILE][TILE] */
   float lse2[TILE], D[TILE], ones[ROWS];
   for (int r = 0; r < ROWS; r++) ones[r] = 1.0f;
   const float c = d.scale * LOG2E;
@@ -341,79 +372,86 @@ LZ_DISPATCH static void attention_backward_head(float *dqkv, const float *dout,
     load_transposed(vt, vbase + j0 * row, row, nk, HS, 1.0f);
     for (int64_t i = 0; i < TILE * HSP; i++) dk[i] = dv[i] = 0.0f;
 
-    for (int64_t qb = kb; qb < d.nb; qb++) {
-      const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
-      const int64_t nqr = (nq + ROWS - 1) / ROWS * ROWS;
-      const int diag = kb == qb;
-      /* Fetch ahead what the next step reads: the next query tile, or at the
-       * end of this key tile the next key tile and its first query tile. */
-      const int64_t nqb = qb + 1 < d.nb ? qb + 1 : kb + 1;
-      if (nqb < d.nb) {
-        const int64_t n_next = T - nqb * TILE < TILE ? T - nqb * TILE : TILE;
-        prefetch_rows(qbase + nqb * TILE * row, row, n_next, HS);
-        prefetch_rows(dobase + nqb * TILE * C, C, n_next, HS);
-        prefetch_rows(obase + nqb * TILE * C, C, n_next, HS);
-        prefetch_rows(dqbase + nqb * TILE * row, row, n_next, HS);
-        if (qb + 1 == d.nb) {
-          prefetch_rows(kbase + nqb * TILE * row, row, n_next, HS);
-          prefetch_rows(vbase + nqb * TILE * row, row, n_next, HS);
+    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+      const int64_t qoff = b * T * row + h * HS;
+      const float *qbase = qkv + qoff;
+      float *dqbase = dqkv + qoff;
+      const float *obase = out + b * T * C + h * HS, *dobase = dout + b * T * C + h * HS;
+      const float *lse_bh = lse + (b * d.NH + h) * T;
+      for (int64_t qb = kb; qb < d.nb; qb++) {
+        const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
+        const int64_t nqr = (nq + ROWS - 1) / ROWS * ROWS;
+        const int diag = kb == qb;
+        /* Fetch ahead what the next step reads: the next query tile, or at the
+         * end of this key tile the next key tile and its first query tile. */
+        const int64_t nqb = qb + 1 < d.nb ? qb + 1 : kb + 1;
+        if (nqb < d.nb) {
+          const int64_t n_next = T - nqb * TILE < TILE ? T - nqb * TILE : TILE;
+          prefetch_rows(qbase + nqb * TILE * row, row, n_next, HS);
+          prefetch_rows(dobase + nqb * TILE * C, C, n_next, HS);
+          prefetch_rows(obase + nqb * TILE * C, C, n_next, HS);
+          prefetch_rows(dqbase + nqb * TILE * row, row, n_next, HS);
+          if (qb + 1 == d.nb && h + 1 == (g + 1) * group) {
+            prefetch_rows(kbase + nqb * TILE * row, row, n_next, HS);
+            prefetch_rows(vbase + nqb * TILE * row, row, n_next, HS);
+          }
         }
-      }
-      load_rows(q, HSP, qbase + i0 * row, row, nq, HS, 1.0f);
-      load_rows(dO, HSP, dobase + i0 * C, C, nq, HS, 1.0f);
-      for (int64_t i = 0; i < nq; i++) {
-        const float *oi = obase + (i0 + i) * C, *di = dO + i * HSP;
-        float acc[VL] = {0};
-        int64_t cc = 0;
-        for (; cc + VL <= HS; cc += VL)
-          for (int ll = 0; ll < VL; ll++) acc[ll] += di[cc + ll] * oi[cc + ll];
-        float sum = 0.0f;
-        for (int ll = 0; ll < VL; ll++) sum += acc[ll];
-        for (; cc < HS; cc++) sum += di[cc] * oi[cc];
-        D[i] = sum;
-        lse2[i] = lse_bh[i0 + i] * LOG2E;
-      }
+        load_rows(q, HSP, qbase + i0 * row, row, nq, HS, 1.0f);
+        load_rows(dO, HSP, dobase + i0 * C, C, nq, HS, 1.0f);
+        for (int64_t i = 0; i < nq; i++) {
+          const float *oi = obase + (i0 + i) * C, *di = dO + i * HSP;
+          float acc[VL] = {0};
+          int64_t cc = 0;
+          for (; cc + VL <= HS; cc += VL)
+            for (int ll = 0; ll < VL; ll++) acc[ll] += di[cc + ll] * oi[cc + ll];
+          float sum = 0.0f;
+          for (int ll = 0; ll < VL; ll++) sum += acc[ll];
+          for (; cc < HS; cc++) sum += di[cc] * oi[cc];
+          D[i] = sum;
+          lse2[i] = lse_bh[i0 + i] * LOG2E;
+        }
 
-      tile_nt(p, q, HSP, kt, HS, nqr, diag);
-      tile_nt(dp, dO, HSP, vt, HS, nqr, diag);
-      /* P = exp2(S - lse2) and dS = P (dP - D), over the same lanes forward used. */
-      for (int64_t i = 0; i < nqr; i++) {
-        float *pi = p + i * TILE, *dpi = dp + i * TILE;
-        if (i >= nq) {
-          for (int j = 0; j < TILE; j++) pi[j] = dpi[j] = 0.0f;
-          continue;
+        tile_nt(p, q, HSP, kt, HS, nqr, diag);
+        tile_nt(dp, dO, HSP, vt, HS, nqr, diag);
+        /* P = exp2(S - lse2) and dS = P (dP - D), over the same lanes forward used. */
+        for (int64_t i = 0; i < nqr; i++) {
+          float *pi = p + i * TILE, *dpi = dp + i * TILE;
+          if (i >= nq) {
+            for (int j = 0; j < TILE; j++) pi[j] = dpi[j] = 0.0f;
+            continue;
+          }
+          const int64_t n = diag ? i + 1 : nk, nv = (n + VL - 1) / VL;
+          vf ls, dd;
+          v_splat(&ls, lse2[i]);
+          v_splat(&dd, D[i]);
+          for (int64_t vv = 0; vv < nv; vv++) {
+            vf x = ((vf *)pi)[vv] - ls;
+            v_exp2((vf *)pi + vv, &x);
+          }
+          for (int64_t j = n; j < nv * VL; j++) pi[j] = 0.0f;
+          for (int64_t vv = 0; vv < nv; vv++)
+            ((vf *)dpi)[vv] = ((vf *)pi)[vv] * (((vf *)dpi)[vv] - dd);
         }
-        const int64_t n = diag ? i + 1 : nk, nv = (n + VL - 1) / VL;
-        vf ls, dd;
-        v_splat(&ls, lse2[i]);
-        v_splat(&dd, D[i]);
-        for (int64_t vv = 0; vv < nv; vv++) {
-          vf x = ((vf *)pi)[vv] - ls;
-          v_exp2((vf *)pi + vv, &x);
-        }
-        for (int64_t j = n; j < nv * VL; j++) pi[j] = 0.0f;
-        for (int64_t vv = 0; vv < nv; vv++)
-          ((vf *)dpi)[vv] = ((vf *)pi)[vv] * (((vf *)dpi)[vv] - dd);
-      }
 
-      /* dv, dk rows are keys: query i reaches key j only from i = j on. */
-      for (int64_t r0 = 0; r0 < nkr; r0 += ROWS) {
-        const int64_t i_begin = diag ? r0 : 0;
-        rows_nn(dv + r0 * HSP, HSP, p + r0, 1, TILE, dO, HSP, i_begin, nq, ones, HSP);
-        rows_nn(dk + r0 * HSP, HSP, dp + r0, 1, TILE, q, HSP, i_begin, nq, ones, HSP);
-      }
-      for (int64_t r0 = 0; r0 < nqr; r0 += ROWS) {
-        const int64_t k1 = diag ? (r0 + ROWS < nk ? r0 + ROWS : nk) : nk;
-        rows_nn(dq + r0 * HSP, HSP, dp + r0 * TILE, TILE, 1, k, HSP, 0, k1, NULL, HSP);
-      }
-      /* Key tile 0 is the first to reach every query row: it writes, later ones add. */
-      for (int64_t i = 0; i < nq; i++) {
-        float *dst = dqbase + (i0 + i) * row;
-        const float *src = dq + i * HSP;
-        if (kb == 0)
-          for (int64_t cc = 0; cc < HS; cc++) dst[cc] = src[cc] * d.scale;
-        else
-          for (int64_t cc = 0; cc < HS; cc++) dst[cc] += src[cc] * d.scale;
+        /* dv, dk rows are keys: query i reaches key j only from i = j on. */
+        for (int64_t r0 = 0; r0 < nkr; r0 += ROWS) {
+          const int64_t i_begin = diag ? r0 : 0;
+          rows_nn(dv + r0 * HSP, HSP, p + r0, 1, TILE, dO, HSP, i_begin, nq, ones, HSP);
+          rows_nn(dk + r0 * HSP, HSP, dp + r0, 1, TILE, q, HSP, i_begin, nq, ones, HSP);
+        }
+        for (int64_t r0 = 0; r0 < nqr; r0 += ROWS) {
+          const int64_t k1 = diag ? (r0 + ROWS < nk ? r0 + ROWS : nk) : nk;
+          rows_nn(dq + r0 * HSP, HSP, dp + r0 * TILE, TILE, 1, k, HSP, 0, k1, NULL, HSP);
+        }
+        /* Key tile 0 is the first to reach every query row: it writes, later ones add. */
+        for (int64_t i = 0; i < nq; i++) {
+          float *dst = dqbase + (i0 + i) * row;
+          const float *src = dq + i * HSP;
+          if (kb == 0)
+            for (int64_t cc = 0; cc < HS; cc++) dst[cc] = src[cc] * d.scale;
+          else
+            for (int64_t cc = 0; cc < HS; cc++) dst[cc] += src[cc] * d.scale;
+        }
       }
     }
 
@@ -430,40 +468,52 @@ LZ_DISPATCH static void attention_backward_head(float *dqkv, const float *dout,
 /* ------------------------------------------------------------------ checks */
 
 static lz_status check_shape3(const char *op, const char *name, const lz_tensor *t, int64_t d0,
-                              int64_t d1, int64_t d2, const char *what,
-                              const lz_tensor *qkv) {
+                              int64_t d1, int64_t d2, const char *what, const lz_tensor *qkv) {
   LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
   if (t->ndim != 3 || t->shape[0] != d0 || t->shape[1] != d1 || t->shape[2] != d2) {
     char bt[96], bq[96];
     return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected f32[%lld,%lld,%lld] (%s, from qkv %s)",
-                   op, name, lz_tensor_describe(t, bt, sizeof bt), (long long)d0,
-                   (long long)d1, (long long)d2, what,
-                   lz_tensor_describe(qkv, bq, sizeof bq));
+                   op, name, lz_tensor_describe(t, bt, sizeof bt), (long long)d0, (long long)d1,
+                   (long long)d2, what, lz_tensor_describe(qkv, bq, sizeof bq));
   }
   return LZ_OK;
 }
 
-/* Checks qkv and n_head and fills d. */
-static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, attn_dims *d) {
+/* Checks qkv, n_head and n_kv_head and fills d. */
+static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, int n_kv_head,
+                           attn_dims *d) {
   LZ_TRY(lz_check_dtype(op, "qkv", qkv, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "qkv", qkv, 3, 3));
   char b[96];
-  if (qkv->shape[2] % 3 != 0)
+  if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
+  if (n_kv_head < 1 || n_head % n_kv_head != 0)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: n_kv_head is %d; it must be >= 1 and divide n_head = %d (each key/value "
+                   "head serves n_head/n_kv_head query heads)",
+                   op, n_kv_head, n_head);
+  const int64_t parts = n_head + 2 * (int64_t)n_kv_head; /* heads of q, k and v in a row */
+  if (n_kv_head == n_head && qkv->shape[2] % 3 != 0)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: qkv is %s; its last dimension must be 3C (q, k and v side by side), "
                    "and %lld is not a multiple of 3",
                    op, lz_tensor_describe(qkv, b, sizeof b), (long long)qkv->shape[2]);
+  if (n_kv_head == n_head && (qkv->shape[2] / 3) % n_head != 0)
+    return lz_fail(LZ_ERR_INVALID, "%s: C = %lld (qkv %s) is not divisible by n_head = %d", op,
+                   (long long)(qkv->shape[2] / 3), lz_tensor_describe(qkv, b, sizeof b), n_head);
+  if (qkv->shape[2] % parts != 0)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: qkv is %s; its last dimension must be (n_head + 2 n_kv_head) * head_dim "
+                   "= %lld * head_dim (q, then k and v of n_kv_head heads), and %lld is not a "
+                   "multiple of %lld",
+                   op, lz_tensor_describe(qkv, b, sizeof b), (long long)parts,
+                   (long long)qkv->shape[2], (long long)parts);
   d->B = qkv->shape[0];
   d->T = qkv->shape[1];
-  d->C = qkv->shape[2] / 3;
-  if (n_head < 1)
-    return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
-  if (d->C % n_head != 0)
-    return lz_fail(LZ_ERR_INVALID,
-                   "%s: C = %lld (qkv %s) is not divisible by n_head = %d", op,
-                   (long long)d->C, lz_tensor_describe(qkv, b, sizeof b), n_head);
+  d->HS = qkv->shape[2] / parts;
+  d->C = d->HS * n_head;
+  d->row = qkv->shape[2];
   d->NH = n_head;
-  d->HS = d->C / n_head;
+  d->NKV = n_kv_head;
   if (d->HS > MAX_HS)
     return lz_fail(LZ_ERR_UNSUPPORTED,
                    "%s: head size C/n_head = %lld/%d = %lld is above the supported %d; use "
@@ -477,15 +527,24 @@ static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, att
 
 /* ------------------------------------------------------------------ entry */
 
-lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
-                               int n_head) {
+lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv, int n_head) {
+  return lz_attention_gqa_forward(out, lse, qkv, n_head, n_head);
+}
+
+lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                const lz_tensor *out, const lz_tensor *lse, int n_head) {
+  return lz_attention_gqa_backward(dqkv, dout, qkv, out, lse, n_head, n_head);
+}
+
+lz_status lz_attention_gqa_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv, int n_head,
+                                   int n_kv_head) {
   const char *op = "attention_forward";
   attn_dims d;
-  LZ_TRY(check_qkv(op, qkv, n_head, &d));
+  LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
   LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_FORWARD, .t = {out, lse, (lz_tensor *)qkv},
-                     .i = {n_head});
+                     .i = {n_head, n_kv_head});
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *o = out->data, *l = lse->data;
@@ -501,27 +560,29 @@ lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *
   return LZ_OK;
 }
 
-lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                const lz_tensor *out, const lz_tensor *lse, int n_head) {
+lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                    const lz_tensor *out, const lz_tensor *lse, int n_head,
+                                    int n_kv_head) {
   const char *op = "attention_backward";
   attn_dims d;
-  LZ_TRY(check_qkv(op, qkv, n_head, &d));
+  LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(lz_check_dtype(op, "dqkv", dqkv, LZ_F32));
   LZ_TRY(lz_check_same_shape(op, "dqkv", dqkv, "qkv", qkv));
   LZ_TRY(check_shape3(op, "dout", dout, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_BACKWARD,
-                     .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
-                           (lz_tensor *)lse},
-                     .i = {n_head});
+  LZ_DEVICE_DISPATCH(
+      op, LZ_OP_ATTENTION_BACKWARD,
+      .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out, (lz_tensor *)lse},
+      .i = {n_head, n_kv_head});
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *dx = dqkv->data;
   const float *dy = dout->data, *x = qkv->data, *y = out->data, *l = lse->data;
-  const int64_t BH = d.B * d.NH;
-#pragma omp parallel for schedule(dynamic, 1) if (BH > 1)
-  for (int64_t bh = 0; bh < BH; bh++)
-    attention_backward_head(dx, dy, x, y, l, d, bh / d.NH, bh % d.NH);
+  /* One task per key/value head: it alone writes its dk and dv. */
+  const int64_t BG = d.B * d.NKV;
+#pragma omp parallel for schedule(dynamic, 1) if (BG > 1)
+  for (int64_t bg = 0; bg < BG; bg++)
+    attention_backward_group(dx, dy, x, y, l, d, bg / d.NKV, bg % d.NKV);
   return LZ_OK;
 }

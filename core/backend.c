@@ -174,8 +174,8 @@ static const char *arg_names[LZ_OP_COUNT][LZ_OP_MAX_TENSORS] = {
     [LZ_OP_LION_STEP] = {"param", "grad", "m", "working"},
     [LZ_OP_RMSNORM_FORWARD] = {"out", "rstd", "x", "w"},
     [LZ_OP_RMSNORM_BACKWARD] = {"dx", "dw", "dy", "x", "w", "rstd"},
-    [LZ_OP_ROPE_FORWARD] = {"out", "x"},
-    [LZ_OP_ROPE_BACKWARD] = {"dx", "dy"},
+    [LZ_OP_ROPE_FORWARD] = {"out", "x", "inv_freq"},
+    [LZ_OP_ROPE_BACKWARD] = {"dx", "dy", "inv_freq"},
     [LZ_OP_SWIGLU_FORWARD] = {"out", "gate", "up"},
     [LZ_OP_SWIGLU_BACKWARD] = {"dgate", "dup", "dout", "gate", "up"},
 };

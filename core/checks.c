@@ -9,21 +9,6 @@ lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t)
   return LZ_OK;
 }
 
-lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t) {
-  LZ_TRY(lz_check_present(op, name, t));
-  if (t->device != LZ_CPU)
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: %s lives on %s, and this op has no %s kernel: keep its tensors in "
-                   "host memory (device cpu)",
-                   op, name, lz_device_name(t->device), lz_device_name(t->device));
-  return LZ_OK;
-}
-
-lz_status lz_check_cpu_all(const char *op, const lz_arg *args) {
-  for (; args->name; args++) LZ_TRY(lz_check_cpu(op, args->name, args->t));
-  return LZ_OK;
-}
-
 /* The shape and dtype checks accept tensors on any device: each kernel ends
  * its checks with LZ_DEVICE_DISPATCH, which sends device tensors to the
  * backend and refuses a mix of devices. */
@@ -55,9 +40,9 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
   LZ_TRY(lz_check_present(op, name, t));
   if (lz_tensor_numel(t) != n) {
     char buf[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s (%lld elements), expected %lld elements (%s)",
-                   op, name, lz_tensor_describe(t, buf, sizeof buf),
-                   (long long)lz_tensor_numel(t), (long long)n, why);
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s (%lld elements), expected %lld elements (%s)", op,
+                   name, lz_tensor_describe(t, buf, sizeof buf), (long long)lz_tensor_numel(t),
+                   (long long)n, why);
   }
   return LZ_OK;
 }
@@ -70,8 +55,8 @@ lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tenso
   for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
   if (!same) {
     char ba[96], bb[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they must have the same shape",
-                   op, name_a, lz_tensor_describe(a, ba, sizeof ba), name_b,
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they must have the same shape", op,
+                   name_a, lz_tensor_describe(a, ba, sizeof ba), name_b,
                    lz_tensor_describe(b, bb, sizeof bb));
   }
   return LZ_OK;
@@ -84,7 +69,7 @@ lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t
 }
 
 static lz_status check_f32_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
-                                const char *why) {
+                                 const char *why) {
   LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
   return lz_check_numel(op, name, t, n, why);
 }
@@ -99,6 +84,34 @@ lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *lik
     LZ_TRY(check_f32_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
   for (; per_row->name; per_row++)
     LZ_TRY(check_f32_numel(op, per_row->name, per_row->t, rows, "one per row of x"));
+  return LZ_OK;
+}
+
+lz_status lz_check_f32_or_bf16(const char *op, const lz_arg *args) {
+  const lz_arg *first = args;
+  for (; args->name; args++) {
+    LZ_TRY(lz_check_present(op, args->name, args->t));
+    if ((args->t->dtype != LZ_F32 && args->t->dtype != LZ_BF16) ||
+        args->t->dtype != first->t->dtype) {
+      char b[96], bf[96];
+      if (args == first)
+        return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype f32 or bf16", op, args->name,
+                       lz_tensor_describe(args->t, b, sizeof b));
+      return lz_fail(LZ_ERR_INVALID, "%s: %s is %s and %s is %s; both must be f32 or both bf16", op,
+                     first->name, lz_tensor_describe(first->t, bf, sizeof bf), args->name,
+                     lz_tensor_describe(args->t, b, sizeof b));
+    }
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_no_alias(const char *op, const char *out_name, const lz_tensor *out,
+                            const char *in_name, const lz_tensor *in) {
+  if (in->dtype != LZ_F32 && out->data == in->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s (f32) and %s (%s) are the same memory; only an f32 input may be "
+                   "overwritten by its result",
+                   op, out_name, in_name, lz_dtype_name(in->dtype));
   return LZ_OK;
 }
 

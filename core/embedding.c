@@ -41,8 +41,8 @@ static lz_status check_activation(const char *op, const char *name, const lz_ten
   if (t->ndim != 3 || t->shape[0] != tokens->shape[0] || t->shape[1] != tokens->shape[1] ||
       t->shape[2] != C) {
     char a[96], b[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected f32[%lld,%lld,%lld] (tokens is %s)",
-                   op, name, lz_tensor_describe(t, a, sizeof a), (long long)tokens->shape[0],
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected f32[%lld,%lld,%lld] (tokens is %s)", op,
+                   name, lz_tensor_describe(t, a, sizeof a), (long long)tokens->shape[0],
                    (long long)tokens->shape[1], (long long)C,
                    lz_tensor_describe(tokens, b, sizeof b));
   }
@@ -56,8 +56,8 @@ static lz_status check_table(const char *op, const char *name, const lz_tensor *
   LZ_TRY(lz_check_ndim(op, name, t, 2, 2));
   if (t->shape[1] != C) {
     char a[96], b[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they need the same channels C",
-                   op, name, lz_tensor_describe(t, a, sizeof a), ref_name,
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they need the same channels C", op,
+                   name, lz_tensor_describe(t, a, sizeof a), ref_name,
                    lz_tensor_describe(ref, b, sizeof b));
   }
   return LZ_OK;
@@ -68,18 +68,22 @@ static lz_status check_positions(const char *op, const char *name, const lz_tens
                                  int64_t T) {
   if (T > wpe->shape[0]) {
     char a[96];
-    return lz_fail(LZ_ERR_INVALID,
-                   "%s: sequence length T = %lld is longer than %s %s allows (%lld positions)",
-                   op, (long long)T, name, lz_tensor_describe(wpe, a, sizeof a),
-                   (long long)wpe->shape[0]);
+    return lz_fail(
+        LZ_ERR_INVALID, "%s: sequence length T = %lld is longer than %s %s allows (%lld positions)",
+        op, (long long)T, name, lz_tensor_describe(wpe, a, sizeof a), (long long)wpe->shape[0]);
   }
   return LZ_OK;
 }
 
 /* ---------------------------------------------------------------- forward */
 
+/* wpe_row NULL: the token row alone (Llama has no position table). */
 LZ_DISPATCH static void embedding_forward_row(float *out, const float *wte_row,
                                               const float *wpe_row, int64_t C) {
+  if (!wpe_row) {
+    for (int64_t c = 0; c < C; c++) out[c] = wte_row[c];
+    return;
+  }
   for (int64_t c = 0; c < C; c++) out[c] = wte_row[c] + wpe_row[c];
 }
 
@@ -89,20 +93,20 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
   LZ_TRY(lz_check_dtype(op, "wte", wte, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "wte", wte, 2, 2));
   const int64_t V = wte->shape[0], C = wte->shape[1];
-  LZ_TRY(check_table(op, "wpe", wpe, C, "wte", wte));
+  if (wpe) LZ_TRY(check_table(op, "wpe", wpe, C, "wte", wte));
   LZ_TRY(check_tokens(op, tokens, V));
   const int64_t B = tokens->shape[0], T = tokens->shape[1];
-  LZ_TRY(check_positions(op, "wpe", wpe, T));
+  if (wpe) LZ_TRY(check_positions(op, "wpe", wpe, T));
   LZ_TRY(check_activation(op, "out", out, tokens, C));
   LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_FORWARD,
                      .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe});
 
   float *o = out->data;
-  const float *te = wte->data, *pe = wpe->data;
+  const float *te = wte->data, *pe = wpe ? wpe->data : NULL;
   const int32_t *tok = tokens->data;
 #pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
   for (int64_t bt = 0; bt < B * T; bt++)
-    embedding_forward_row(o + bt * C, te + (int64_t)tok[bt] * C, pe + (bt % T) * C, C);
+    embedding_forward_row(o + bt * C, te + (int64_t)tok[bt] * C, pe ? pe + (bt % T) * C : NULL, C);
   return LZ_OK;
 }
 

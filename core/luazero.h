@@ -191,9 +191,13 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x);
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x);
 
-/* Llama's layers (Hugging Face's equations), f32 (cpu and sim; not cuda yet). */
+/* Llama's layers (Hugging Face's equations), on the cpu and sim (not cuda
+ * yet). Inputs f32, or bf16 with fp32 arithmetic (bitwise the f32 result on
+ * the bf16 values widened); outputs and saved statistics f32. An f32 output
+ * may alias an f32 input only. */
 
 /* RMSNorm over the last dimension C: out = w * (x / sqrt(mean(x^2) + eps)).
+ * x, w: f32 or both bf16 (and dy, x, w in backward); out, rstd, dx, dw f32.
  * rstd: numel(x)/C floats, 1/sqrt(mean(x^2) + eps), saved for backward. */
 lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x,
                              const lz_tensor *w, float eps);
@@ -209,9 +213,18 @@ lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int he
                           int64_t pos_offset, float theta);
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta);
+/* The same with the inverse frequencies given: inv_freq f32 [head_dim/2]
+ * (Llama 3's rope_scaling). x, dy: f32 or bf16; out, dx: f32. The last
+ * dimension may hold more than n_head heads: the first n_head turn, the rest
+ * is copied (Llama's packed q|k|v rows: turn the q and k heads). */
+lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                                int n_head, int64_t pos_offset);
+lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                                 int n_head, int64_t pos_offset);
 
 /* out = silu(gate) * up, all one shape; out may alias gate or up. Backward
- * writes dgate and dup (two buffers; each may alias dout, gate or up). */
+ * writes dgate and dup (two buffers; each may alias dout, gate or up).
+ * gate, up (and dout): f32 or all bf16; out, dgate, dup: f32. */
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
@@ -224,8 +237,19 @@ lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *
 lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                 const lz_tensor *qkv, const lz_tensor *out,
                                 const lz_tensor *lse, int n_head);
+/* Grouped-query attention (Llama): qkv rows pack [q: n_head * hd | k:
+ * n_kv_head * hd | v: n_kv_head * hd], hd the head size; query head h reads
+ * key/value head h / (n_head / n_kv_head). out [B, T, n_head * hd], lse
+ * [B, n_head, T]. n_kv_head must divide n_head; n_kv_head = n_head is the
+ * multi-head attention above (which calls these). */
+lz_status lz_attention_gqa_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                   int n_head, int n_kv_head);
+lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                    const lz_tensor *qkv, const lz_tensor *out,
+                                    const lz_tensor *lse, int n_head, int n_kv_head);
 
-/* out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. tokens i32 [B, T]. */
+/* out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. tokens i32 [B, T]. wpe
+ * may be NULL: the token rows alone (Llama's embed_tokens). */
 lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
                                const lz_tensor *wpe);
 /* dwte, dwpe accumulate; either may be NULL. Deterministic. */

@@ -28,8 +28,8 @@ typedef enum lz_op {
   LZ_OP_LAYERNORM_BACKWARD,     /* t: dx, dw, db, dy, x, w, mean, rstd */
   LZ_OP_GELU_FORWARD,           /* t: out, x */
   LZ_OP_GELU_BACKWARD,          /* t: dx, dy, x */
-  LZ_OP_ATTENTION_FORWARD,      /* t: out, lse, qkv; i: n_head */
-  LZ_OP_ATTENTION_BACKWARD,     /* t: dqkv, dout, qkv, out, lse; i: n_head */
+  LZ_OP_ATTENTION_FORWARD,      /* t: out, lse, qkv; i: n_head, n_kv_head (0: n_head) */
+  LZ_OP_ATTENTION_BACKWARD,     /* t: dqkv, dout, qkv, out, lse; i: n_head, n_kv_head */
   LZ_OP_EMBEDDING_FORWARD,      /* t: out, tokens, wte, wpe */
   LZ_OP_EMBEDDING_BACKWARD,     /* t: dwte, dwpe (either may be NULL), dout, tokens */
   LZ_OP_CROSS_ENTROPY_FORWARD,  /* t: losses, logits, targets; i: vocab */

@@ -39,7 +39,6 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
                          const char *why);
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
                               const char *name_b, const lz_tensor *b);
-lz_status lz_check_cpu(const char *op, const char *name, const lz_tensor *t);
 /* f32 and shaped as `like`. */
 lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
                             const char *like_name, const lz_tensor *like);
@@ -53,8 +52,13 @@ typedef struct lz_arg {
  * of x (its last dimension), the `per_row` ones one per row. */
 lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
                            const lz_arg *per_col, const lz_arg *per_row);
-/* lz_check_cpu on each argument of the list. */
-lz_status lz_check_cpu_all(const char *op, const lz_arg *args);
+/* The inputs of a kernel that takes f32 or bf16 (fp32 arithmetic either
+ * way): every tensor of the list has the first one's dtype, f32 or bf16. */
+lz_status lz_check_f32_or_bf16(const char *op, const lz_arg *args);
+/* An f32 output that must not share memory with a bf16 input (it could
+ * alias an f32 one): names both when it does. */
+lz_status lz_check_no_alias(const char *op, const char *out_name, const lz_tensor *out,
+                            const char *in_name, const lz_tensor *in);
 /* Product of all dims but the last, and the last. */
 int64_t lz_rows(const lz_tensor *t);
 int64_t lz_cols(const lz_tensor *t);
@@ -127,6 +131,17 @@ static inline uint16_t lz_f16_from_f32_inline(float f) {
   h = (0x7c00u & is_inf) | (h & ~is_inf);
   h = (nan & is_nan) | (h & ~is_nan);
   return (uint16_t)(sign | h);
+}
+
+/* dst[0:n] = src[0:n] (f32 or bf16) as f32; inlined into the LZ_DISPATCH
+ * loops that call it, which vectorize it. */
+static inline void lz_row_to_f32(float *dst, const void *src, lz_dtype dt, int64_t n) {
+  if (dt == LZ_BF16) {
+    const uint16_t *h = (const uint16_t *)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_to_f32_inline(h[i]);
+  } else {
+    memcpy(dst, src, (size_t)n * sizeof(float));
+  }
 }
 
 /* Reads element i of a float-typed buffer (f32, bf16, f16) as float. */

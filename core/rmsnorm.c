@@ -2,6 +2,10 @@
  * post_attention_layernorm and final norm), as Hugging Face's LlamaRMSNorm:
  *   y = w * (x / sqrt(mean(x^2) + eps)), in fp32. A cpu kernel (sim runs it too).
  *
+ * x and w are f32 or both bf16; out, rstd, dx and dw are f32. A bf16 row is
+ * widened to f32 on the stack and goes through the f32 code, so a bf16 call
+ * gives bitwise what the f32 call gives on the widened inputs.
+ *
  * Forward saves each row's 1/rms so backward need not recompute it. Backward
  * writes dx and sums dw in one pass over fixed row blocks (lz_rowblocks.h),
  * so dw does not depend on the thread count. Rows wider than FUSED_MAX_COLS
@@ -18,6 +22,8 @@
 #define COL_BLOCK 32
 /* Widest rows the one-pass backward takes: 256 KiB of partials on the stack. */
 #define FUSED_MAX_COLS 4096
+/* Widest bf16 rows: backward widens three rows per thread on its stack. */
+#define BF16_MAX_COLS 16384
 
 /* ---------------------------------------------------------------- forward */
 
@@ -38,12 +44,52 @@ LZ_DISPATCH static void rmsnorm_forward_row(float *out, float *rstd_out, const f
   *rstd_out = s;
 }
 
+/* bf16 x and w: the row widened, then rmsnorm_forward_row. */
+LZ_DISPATCH static void rmsnorm_forward_row_bf16(float *out, float *rstd_out, const uint16_t *x,
+                                                 const uint16_t *w, int64_t C, float eps) {
+  float xf[C], wf[C];
+  lz_row_to_f32(xf, x, LZ_BF16, C);
+  lz_row_to_f32(wf, w, LZ_BF16, C);
+  rmsnorm_forward_row(out, rstd_out, xf, wf, C, eps);
+}
+
+/* The checks forward and backward share: x (and `like`, shaped as x) of
+ * x's dtype, f32 or bf16; w of that dtype with C elements; `out_like` f32
+ * shaped as x; `per_col` f32 of C elements; rstd f32, one per row. */
+static lz_status check_args(const char *op, const lz_tensor *x, const lz_arg *like,
+                            const lz_tensor *w, const lz_arg *out_like, const lz_arg *per_col,
+                            const lz_tensor *rstd) {
+  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"x", x}, {0}}));
+  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const int64_t C = lz_cols(x), rows = lz_rows(x);
+  for (; like->name; like++) {
+    LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"x", x}, {like->name, like->t}, {0}}));
+    LZ_TRY(lz_check_same_shape(op, like->name, like->t, "x", x));
+  }
+  for (; out_like->name; out_like++) {
+    LZ_TRY(lz_check_f32_like(op, out_like->name, out_like->t, "x", x));
+    LZ_TRY(lz_check_no_alias(op, out_like->name, out_like->t, "x", x));
+  }
+  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"x", x}, {"w", w}, {0}}));
+  LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
+  for (; per_col->name; per_col++) {
+    LZ_TRY(lz_check_dtype(op, per_col->name, per_col->t, LZ_F32));
+    LZ_TRY(lz_check_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
+  }
+  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
+  if (x->dtype == LZ_BF16 && C > BF16_MAX_COLS)
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "%s: bf16 rows of %lld columns are wider than the %d supported; pass f32", op,
+                   (long long)C, BF16_MAX_COLS);
+  return LZ_OK;
+}
+
 lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x,
                              const lz_tensor *w, float eps) {
   const char *op = "rmsnorm_forward";
-  const lz_arg like[] = {{"out", out}, {0}}, per_col[] = {{"w", w}, {0}},
-               per_row[] = {{"rstd", rstd}, {0}};
-  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
+  const lz_arg none[] = {{0}}, out_like[] = {{"out", out}, {0}};
+  LZ_TRY(check_args(op, x, none, w, out_like, none, rstd));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
@@ -51,6 +97,13 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
                      .f = {eps});
 
   float *o = out->data, *rs = rstd->data;
+  if (x->dtype == LZ_BF16) {
+    const uint16_t *xp = x->data, *wp = w->data;
+#pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
+    for (int64_t r = 0; r < rows; r++)
+      rmsnorm_forward_row_bf16(o + r * C, rs + r, xp + r * C, wp, C, eps);
+    return LZ_OK;
+  }
   const float *xp = x->data, *wp = w->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
   for (int64_t r = 0; r < rows; r++) rmsnorm_forward_row(o + r * C, rs + r, xp + r * C, wp, C, eps);
@@ -104,18 +157,65 @@ LZ_DISPATCH static void rmsnorm_backward_rows(float *dx, float *restrict pw, con
   }
 }
 
+/* bf16 dy, x, w: rmsnorm_backward_rows on widened rows. */
+LZ_DISPATCH static void rmsnorm_backward_rows_bf16(float *dx, float *restrict pw,
+                                                   const uint16_t *dy, const uint16_t *x,
+                                                   const uint16_t *w, const float *rstd, int64_t r0,
+                                                   int64_t r1, int64_t C) {
+  float wf[C], dyf[C], xf[C];
+  lz_row_to_f32(wf, w, LZ_BF16, C);
+  for (int64_t i = 0; i < C; i++) pw[i] = 0.0f;
+  for (int64_t r = r0; r < r1; r++) {
+    lz_row_to_f32(dyf, dy + r * C, LZ_BF16, C);
+    lz_row_to_f32(xf, x + r * C, LZ_BF16, C);
+    const float s = rstd[r];
+    for (int64_t i = 0; i < C; i++) pw[i] += dyf[i] * (xf[i] * s);
+    rmsnorm_dx_row(dx + r * C, dyf, xf, wf, s, C);
+  }
+}
+
+/* The two-pass path's dw for bf16 dy and x: rmsnorm_dw_block's sums. */
+LZ_DISPATCH static void rmsnorm_dw_block_bf16(float *dw, const uint16_t *dy, const uint16_t *x,
+                                              const float *rstd, int64_t rows, int64_t C,
+                                              int64_t c0, int64_t nc) {
+  float acc[COL_BLOCK] = {0}, xf[COL_BLOCK], dyf[COL_BLOCK];
+  for (int64_t r = 0; r < rows; r++) {
+    lz_row_to_f32(xf, x + r * C + c0, LZ_BF16, nc);
+    lz_row_to_f32(dyf, dy + r * C + c0, LZ_BF16, nc);
+    const float s = rstd[r];
+    for (int64_t j = 0; j < nc; j++) acc[j] += dyf[j] * (xf[j] * s);
+  }
+  for (int64_t j = 0; j < nc; j++) dw[c0 + j] += acc[j];
+}
+
+LZ_DISPATCH static void rmsnorm_dx_row_bf16(float *dx, const uint16_t *dy, const uint16_t *x,
+                                            const uint16_t *w, float s, int64_t C) {
+  float wf[C], dyf[C], xf[C];
+  lz_row_to_f32(wf, w, LZ_BF16, C);
+  lz_row_to_f32(dyf, dy, LZ_BF16, C);
+  lz_row_to_f32(xf, x, LZ_BF16, C);
+  rmsnorm_dx_row(dx, dyf, xf, wf, s, C);
+}
+
 lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy, const lz_tensor *x,
                               const lz_tensor *w, const lz_tensor *rstd) {
   const char *op = "rmsnorm_backward";
-  const lz_arg like[] = {{"dy", dy}, {"dx", dx}, {0}}, per_col[] = {{"w", w}, {"dw", dw}, {0}},
-               per_row[] = {{"rstd", rstd}, {0}};
-  LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
+  const lz_arg like[] = {{"dy", dy}, {0}}, out_like[] = {{"dx", dx}, {0}},
+               per_col[] = {{"dw", dw}, {0}};
+  LZ_TRY(check_args(op, x, like, w, out_like, per_col, rstd));
+  if (dy->dtype != LZ_F32 && dx->data == dy->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: dx (f32) and dy (bf16) are the same memory; only an f32 dy may be "
+                   "overwritten by dx",
+                   op);
   const int64_t C = lz_cols(x), rows = lz_rows(x);
   LZ_DEVICE_DISPATCH(
       op, LZ_OP_RMSNORM_BACKWARD,
       .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)rstd});
 
-  const float *dyp = dy->data, *xp = x->data, *wp = w->data, *rs = rstd->data;
+  const int bf16 = x->dtype == LZ_BF16;
+  const void *dyp = dy->data, *xp = x->data, *wp = w->data;
+  const float *rs = rstd->data;
   float *dxp = dx->data, *dwp = dw->data;
   const int parallel = rows * C > (1 << 15);
 
@@ -123,9 +223,13 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
     const int64_t n = lz_row_blocks(rows);
     float partial[n * C]; /* block k's dw sums at kC */
 #pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t k = 0; k < n; k++)
-      rmsnorm_backward_rows(dxp, partial + k * C, dyp, xp, wp, rs, lz_block_start(k, n, rows),
-                            lz_block_start(k + 1, n, rows), C);
+    for (int64_t k = 0; k < n; k++) {
+      const int64_t r0 = lz_block_start(k, n, rows), r1 = lz_block_start(k + 1, n, rows);
+      if (bf16)
+        rmsnorm_backward_rows_bf16(dxp, partial + k * C, dyp, xp, wp, rs, r0, r1, C);
+      else
+        rmsnorm_backward_rows(dxp, partial + k * C, dyp, xp, wp, rs, r0, r1, C);
+    }
     lz_add_block_partials(dwp, partial, n, C, C);
     return LZ_OK;
   }
@@ -135,10 +239,19 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t k = 0; k < n_blocks; k++) {
     int64_t c0 = k * COL_BLOCK, nc = C - c0 < COL_BLOCK ? C - c0 : COL_BLOCK;
-    rmsnorm_dw_block(dwp, dyp, xp, rs, rows, C, c0, nc);
+    if (bf16)
+      rmsnorm_dw_block_bf16(dwp, dyp, xp, rs, rows, C, c0, nc);
+    else
+      rmsnorm_dw_block(dwp, dyp, xp, rs, rows, C, c0, nc);
   }
 #pragma omp parallel for schedule(static) if (parallel)
-  for (int64_t r = 0; r < rows; r++)
-    rmsnorm_dx_row(dxp + r * C, dyp + r * C, xp + r * C, wp, rs[r], C);
+  for (int64_t r = 0; r < rows; r++) {
+    if (bf16)
+      rmsnorm_dx_row_bf16(dxp + r * C, (const uint16_t *)dyp + r * C, (const uint16_t *)xp + r * C,
+                          wp, rs[r], C);
+    else
+      rmsnorm_dx_row(dxp + r * C, (const float *)dyp + r * C, (const float *)xp + r * C, wp, rs[r],
+                     C);
+  }
   return LZ_OK;
 }

@@ -381,10 +381,12 @@ static lz_status run_op(const item *it) {
       return lz_gelu_forward(t[0], t[1]);
     case LZ_OP_GELU_BACKWARD:
       return lz_gelu_backward(t[0], t[1], t[2]);
-    case LZ_OP_ATTENTION_FORWARD:
-      return lz_attention_forward(t[0], t[1], t[2], (int)a->i[0]);
+    case LZ_OP_ATTENTION_FORWARD: /* i[1]: n_kv_head, 0 for n_head */
+      return lz_attention_gqa_forward(t[0], t[1], t[2], (int)a->i[0],
+                                      (int)(a->i[1] ? a->i[1] : a->i[0]));
     case LZ_OP_ATTENTION_BACKWARD:
-      return lz_attention_backward(t[0], t[1], t[2], t[3], t[4], (int)a->i[0]);
+      return lz_attention_gqa_backward(t[0], t[1], t[2], t[3], t[4], (int)a->i[0],
+                                       (int)(a->i[1] ? a->i[1] : a->i[0]));
     case LZ_OP_EMBEDDING_FORWARD:
       return lz_embedding_forward(t[0], t[1], t[2], t[3]);
     case LZ_OP_EMBEDDING_BACKWARD:
@@ -416,8 +418,10 @@ static lz_status run_op(const item *it) {
     case LZ_OP_RMSNORM_BACKWARD:
       return lz_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5]);
     case LZ_OP_ROPE_FORWARD:
+      if (t[2]) return lz_rope_freqs_forward(t[0], t[1], t[2], (int)a->i[0], a->i[2]);
       return lz_rope_forward(t[0], t[1], (int)a->i[0], (int)a->i[1], a->i[2], a->f[0]);
     case LZ_OP_ROPE_BACKWARD:
+      if (t[2]) return lz_rope_freqs_backward(t[0], t[1], t[2], (int)a->i[0], a->i[2]);
       return lz_rope_backward(t[0], t[1], (int)a->i[0], (int)a->i[1], a->i[2], a->f[0]);
     case LZ_OP_SWIGLU_FORWARD:
       return lz_swiglu_forward(t[0], t[1], t[2]);

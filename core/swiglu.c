@@ -4,7 +4,11 @@
  *
  * libm's expf is a function call per element that no compiler vectorizes
  * without -ffast-math, which made this memory-bound op compute bound; e^x
- * here is lz_exp, plain arithmetic that vectorizes. */
+ * here is lz_exp, plain arithmetic that vectorizes.
+ *
+ * gate and up (and dout) are f32 or all bf16; out, dgate and dup are f32. bf16
+ * inputs are widened in chunks on the stack and go through the f32 code, so
+ * the result is bitwise the f32 one on the widened inputs. */
 #include "lz_backend.h"
 #include "lz_internal.h"
 #include "lz_vecmath.h" /* lz_exp */
@@ -33,20 +37,64 @@ LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const fl
   }
 }
 
-/* Checks that gate and each argument of the list are f32 and shaped as gate. */
-static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *args) {
-  LZ_TRY(lz_check_dtype(op, "gate", gate, LZ_F32));
-  for (const lz_arg *a = args; a->name; a++)
+/* Elements widened at a time from bf16. */
+#define CHUNK 1024
+
+LZ_DISPATCH static void swiglu_forward_block_bf16(float *out, const uint16_t *gate,
+                                                  const uint16_t *up, int64_t n) {
+  float g[CHUNK], u[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    lz_row_to_f32(g, gate + i0, LZ_BF16, m);
+    lz_row_to_f32(u, up + i0, LZ_BF16, m);
+    swiglu_forward_block(out + i0, g, u, m);
+  }
+}
+
+LZ_DISPATCH static void swiglu_backward_block_bf16(float *dgate, float *dup, const uint16_t *dout,
+                                                   const uint16_t *gate, const uint16_t *up,
+                                                   int64_t n) {
+  float d[CHUNK], g[CHUNK], u[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    lz_row_to_f32(d, dout + i0, LZ_BF16, m);
+    lz_row_to_f32(g, gate + i0, LZ_BF16, m);
+    lz_row_to_f32(u, up + i0, LZ_BF16, m);
+    swiglu_backward_block(dgate + i0, dup + i0, d, g, u, m);
+  }
+}
+
+/* Checks that the inputs share gate's dtype (f32 or bf16) and shape, and
+ * that the outputs are f32 shaped as gate and overwrite no bf16 input. */
+static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *inputs,
+                                 const lz_arg *outputs) {
+  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"gate", gate}, {0}}));
+  for (const lz_arg *a = inputs; a->name; a++) {
+    LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"gate", gate}, {a->name, a->t}, {0}}));
+    LZ_TRY(lz_check_same_shape(op, a->name, a->t, "gate", gate));
+  }
+  for (const lz_arg *a = outputs; a->name; a++) {
     LZ_TRY(lz_check_f32_like(op, a->name, a->t, "gate", gate));
+    LZ_TRY(lz_check_no_alias(op, a->name, a->t, "gate", gate));
+    for (const lz_arg *in = inputs; in->name; in++)
+      LZ_TRY(lz_check_no_alias(op, a->name, a->t, in->name, in->t));
+  }
   return LZ_OK;
 }
 
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_forward";
-  LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"out", out}, {0}}));
+  LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {0}}, (lz_arg[]){{"out", out}, {0}}));
   LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_FORWARD, .t = {out, (lz_tensor *)gate, (lz_tensor *)up});
   const int64_t n = lz_tensor_numel(gate);
   float *o = out->data;
+  if (gate->dtype == LZ_BF16) {
+    const uint16_t *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+      swiglu_forward_block_bf16(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
+    return LZ_OK;
+  }
   const float *gp = gate->data, *up_ = up->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
@@ -57,8 +105,8 @@ lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tens
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_backward";
-  LZ_TRY(check_like_gate(
-      op, gate, (lz_arg[]){{"up", up}, {"dout", dout}, {"dgate", dgate}, {"dup", dup}, {0}}));
+  LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"dout", dout}, {0}},
+                         (lz_arg[]){{"dgate", dgate}, {"dup", dup}, {0}}));
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
@@ -66,6 +114,14 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
                      .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up});
   const int64_t n = lz_tensor_numel(gate);
   float *dg = dgate->data, *du = dup->data;
+  if (gate->dtype == LZ_BF16) {
+    const uint16_t *dop = dout->data, *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+      swiglu_backward_block_bf16(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
+                                 n - i0 < BLOCK ? n - i0 : BLOCK);
+    return LZ_OK;
+  }
   const float *dop = dout->data, *gp = gate->data, *up_ = up->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)

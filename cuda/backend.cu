@@ -14,8 +14,8 @@ static size_t scratch_bytes;
 
 lz_status lz_cuda_fail(cudaError_t e, const char *call, const char *file, int line) {
   lz_status st = e == cudaErrorMemoryAllocation ? LZ_ERR_NOMEM : LZ_ERR_INTERNAL;
-  return lz_fail(st, "cuda: %s failed at %s:%d: %s (%s)", call, file, line,
-                 cudaGetErrorString(e), cudaGetErrorName(e));
+  return lz_fail(st, "cuda: %s failed at %s:%d: %s (%s)", call, file, line, cudaGetErrorString(e),
+                 cudaGetErrorName(e));
 }
 
 lz_status lz_cublas_fail(cublasStatus_t s, const char *call, const char *file, int line) {
@@ -55,9 +55,16 @@ static lz_status cu_init(int device) {
   return LZ_OK;
 }
 
+// The core's checks already pinned the dtypes to what the kernels take. Not
+// here yet: grouped-query attention (n_kv_head in i[1], other than 0 or
+// n_head) and the token-only embedding (no wpe).
 static int cu_supports(lz_op op, const lz_op_args *a) {
-  (void)a;  // the core's checks already pinned the dtypes to what the kernels take
   switch (op) {
+  case LZ_OP_ATTENTION_FORWARD:
+  case LZ_OP_ATTENTION_BACKWARD:
+    return a->i[1] == 0 || a->i[1] == a->i[0];  // grouped-query attention: no cuda kernel yet
+  case LZ_OP_EMBEDDING_FORWARD:
+    return a->t[3] != NULL;  // token-only embedding (no position table): not yet
   case LZ_OP_MATMUL:
   case LZ_OP_LINEAR_FORWARD:
   case LZ_OP_LINEAR_BACKWARD:
@@ -65,9 +72,6 @@ static int cu_supports(lz_op op, const lz_op_args *a) {
   case LZ_OP_LAYERNORM_BACKWARD:
   case LZ_OP_GELU_FORWARD:
   case LZ_OP_GELU_BACKWARD:
-  case LZ_OP_ATTENTION_FORWARD:
-  case LZ_OP_ATTENTION_BACKWARD:
-  case LZ_OP_EMBEDDING_FORWARD:
   case LZ_OP_EMBEDDING_BACKWARD:
   case LZ_OP_CROSS_ENTROPY_FORWARD:
   case LZ_OP_CROSS_ENTROPY_BACKWARD:
@@ -85,28 +89,50 @@ static int cu_supports(lz_op op, const lz_op_args *a) {
 
 static lz_status cu_compute(lz_op op, const lz_op_args *a) {
   switch (op) {
-  case LZ_OP_MATMUL: return lz_cu_matmul(a);
-  case LZ_OP_LINEAR_FORWARD: return lz_cu_linear_forward(a);
-  case LZ_OP_LINEAR_BACKWARD: return lz_cu_linear_backward(a);
-  case LZ_OP_LAYERNORM_FORWARD: return lz_cu_layernorm_forward(a);
-  case LZ_OP_LAYERNORM_BACKWARD: return lz_cu_layernorm_backward(a);
-  case LZ_OP_GELU_FORWARD: return lz_cu_gelu_forward(a);
-  case LZ_OP_GELU_BACKWARD: return lz_cu_gelu_backward(a);
-  case LZ_OP_ATTENTION_FORWARD: return lz_cu_attention_forward(a);
-  case LZ_OP_ATTENTION_BACKWARD: return lz_cu_attention_backward(a);
-  case LZ_OP_EMBEDDING_FORWARD: return lz_cu_embedding_forward(a);
-  case LZ_OP_EMBEDDING_BACKWARD: return lz_cu_embedding_backward(a);
-  case LZ_OP_CROSS_ENTROPY_FORWARD: return lz_cu_cross_entropy_forward(a);
-  case LZ_OP_CROSS_ENTROPY_BACKWARD: return lz_cu_cross_entropy_backward(a);
-  case LZ_OP_ADD: return lz_cu_add(a);
-  case LZ_OP_AXPY: return lz_cu_axpy(a);
-  case LZ_OP_SCALE: return lz_cu_scale(a);
-  case LZ_OP_FILL: return lz_cu_fill(a);
-  case LZ_OP_SQ_NORM: return lz_cu_sq_norm(a);
-  case LZ_OP_HAS_INF_NAN: return lz_cu_has_inf_nan(a);
-  case LZ_OP_ADAMW_STEP: return lz_cu_adamw_step(a);
-  case LZ_OP_CONVERT: return lz_cu_convert(a);
-  default: break;
+    case LZ_OP_MATMUL:
+      return lz_cu_matmul(a);
+    case LZ_OP_LINEAR_FORWARD:
+      return lz_cu_linear_forward(a);
+    case LZ_OP_LINEAR_BACKWARD:
+      return lz_cu_linear_backward(a);
+    case LZ_OP_LAYERNORM_FORWARD:
+      return lz_cu_layernorm_forward(a);
+    case LZ_OP_LAYERNORM_BACKWARD:
+      return lz_cu_layernorm_backward(a);
+    case LZ_OP_GELU_FORWARD:
+      return lz_cu_gelu_forward(a);
+    case LZ_OP_GELU_BACKWARD:
+      return lz_cu_gelu_backward(a);
+    case LZ_OP_ATTENTION_FORWARD:
+      return lz_cu_attention_forward(a);
+    case LZ_OP_ATTENTION_BACKWARD:
+      return lz_cu_attention_backward(a);
+    case LZ_OP_EMBEDDING_FORWARD:
+      return lz_cu_embedding_forward(a);
+    case LZ_OP_EMBEDDING_BACKWARD:
+      return lz_cu_embedding_backward(a);
+    case LZ_OP_CROSS_ENTROPY_FORWARD:
+      return lz_cu_cross_entropy_forward(a);
+    case LZ_OP_CROSS_ENTROPY_BACKWARD:
+      return lz_cu_cross_entropy_backward(a);
+    case LZ_OP_ADD:
+      return lz_cu_add(a);
+    case LZ_OP_AXPY:
+      return lz_cu_axpy(a);
+    case LZ_OP_SCALE:
+      return lz_cu_scale(a);
+    case LZ_OP_FILL:
+      return lz_cu_fill(a);
+    case LZ_OP_SQ_NORM:
+      return lz_cu_sq_norm(a);
+    case LZ_OP_HAS_INF_NAN:
+      return lz_cu_has_inf_nan(a);
+    case LZ_OP_ADAMW_STEP:
+      return lz_cu_adamw_step(a);
+    case LZ_OP_CONVERT:
+      return lz_cu_convert(a);
+    default:
+      break;
   }
   return lz_fail(LZ_ERR_UNSUPPORTED, "cuda: op %d is not supported on cuda yet", (int)op);
 }

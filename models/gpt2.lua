@@ -53,6 +53,12 @@ function M.config(name, overrides)
   local cfg = { name = name }
   for k, v in pairs(base) do cfg[k] = v end
   for k, v in pairs(overrides or {}) do cfg[k] = v end
+  return M.finish(cfg)
+end
+
+-- A complete config from a table of fields (a named size's, or one read
+-- from a config.json): checked, with the derived sizes.
+function M.finish(cfg)
   for _, k in ipairs({ "n_layer", "n_head", "n_embd", "context", "vocab" }) do
     local v = cfg[k]
     if type(v) ~= "number" or v < 1 or v ~= math.floor(v) then
@@ -66,6 +72,7 @@ function M.config(name, overrides)
     error(("vocab %d is above 65536, the most a token file's uint16 ids can name")
           :format(cfg.vocab), 0)
   end
+  cfg.family = "gpt2"
   cfg.padded_vocab = padded(cfg.vocab)
   return cfg
 end

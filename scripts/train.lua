@@ -1,6 +1,8 @@
--- scripts/train.lua — trains a GPT-2 with the ZeRO engine, on one rank or
--- many (`luazero -n N scripts/train.lua ...`).
+-- scripts/train.lua — trains a GPT-2 or a Llama with the ZeRO engine, on one
+-- rank or many (`luazero -n N scripts/train.lua ...`).
 --   luazero scripts/train.lua --model gpt2-nano --data corpus.txt --steps 500 --log run.jsonl
+--   luazero scripts/train.lua --model llama-tiny --data corpus.txt
+--   luazero scripts/train.lua --model-config config.json --data corpus.txt  # Hugging Face's
 --   luazero -n 4 scripts/train.lua --data corpus.txt --config ds_config.json --stage 3
 -- Flags: luazero scripts/train.lua --help. Formats and fields: docs/training.md,
 -- the engine and the configuration: docs/zero.md.
@@ -14,7 +16,7 @@ local optim = require("luazero.optim")
 local config = require("luazero.config")
 local zero = require("luazero.zero")
 local estimate = require("luazero.estimate")
-local gpt2 = require("models.gpt2")
+local models = require("models.registry")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
@@ -23,7 +25,8 @@ local WORLD = tonumber(os.getenv("WORLD_SIZE") or "1") or 1
 local PREFIXED = os.getenv("LZ_SHM_NAME") ~= nil and os.getenv("LZ_RANK_OUTPUT") ~= "raw"
 
 local spec = {
-  { "model", "string", "gpt2-nano", "model size: " .. table.concat(gpt2.names, ", ") },
+  { "model", "string", "gpt2-nano", "model size: " .. table.concat(models.names, ", ") },
+  { "model-config", "string", nil, "a Hugging Face config.json (GPT2LMHeadModel or LlamaForCausalLM) instead of --model" },
   { "data", "string", nil, "a text file (bytes are tokens) or a token file (tools/prepare-data)" },
   { "steps", "int", 100, "optimizer steps" },
   { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
@@ -320,10 +323,16 @@ end
 -- ranks, the normalised configuration, the data, the metrics log, the
 -- model and the engine. Returns the run (a table the steps share).
 local function set_up(flags)
-  local mcfg = checked(gpt2.config, flags.model, {
+  local overrides = {
     n_layer = flags.n_layer, n_head = flags.n_head, n_embd = flags.n_embd,
     context = flags.context, vocab = flags.vocab,
-  })
+  }
+  local mcfg
+  if flags.model_config then
+    mcfg = checked(models.from_hf_config, flags.model_config, overrides)
+  else
+    mcfg = checked(models.config, flags.model, overrides)
+  end
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
   -- The device before any data is read: no GPU is an error at start.
@@ -343,7 +352,7 @@ local function set_up(flags)
   local log
   if flags.log and rank == 0 then log = open_log(flags.log) end
 
-  local model = gpt2.new(mcfg)
+  local model = models.new(mcfg)
   check_save_target(flags, model.n_params)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)

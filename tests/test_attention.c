@@ -4,6 +4,7 @@
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
+#include <string.h> /* memcmp */
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static float frand(void) { /* uniform in [-1, 1) */
@@ -27,8 +28,8 @@ static lz_tensor *rand3(int64_t a, int64_t b, int64_t c, float amp) {
 
 /* Reference forward of one (b, h) in double: out rows [T][HS] (stride C in
  * the caller's layout) and lse[T]. x is the full qkv in double. */
-static void ref_head(double *out, double *lse, const double *x, int64_t T, int64_t C,
-                     int64_t NH, int64_t b, int64_t h) {
+static void ref_head(double *out, double *lse, const double *x, int64_t T, int64_t C, int64_t NH,
+                     int64_t b, int64_t h) {
   const int64_t HS = C / NH, row = 3 * C;
   const double scale = 1.0 / sqrt((double)HS);
   const double *q = x + b * T * row + h * HS, *k = q + C, *v = q + 2 * C;
@@ -83,9 +84,10 @@ static void check_forward(int64_t B, int64_t T, int64_t C, int NH, float amp) {
   }
   const double tol = 5e-6 * (amp > 1 ? amp * amp : 1); /* scores grow as amp^2 */
   if (!(err_o <= tol) || !(err_l <= tol))
-    lz_test_fail(__FILE__, __LINE__, "forward B%lld T%lld C%lld NH%d amp %g: out error %g, "
-                 "lse error %g", (long long)B, (long long)T, (long long)C, NH, (double)amp,
-                 err_o, err_l);
+    lz_test_fail(__FILE__, __LINE__,
+                 "forward B%lld T%lld C%lld NH%d amp %g: out error %g, "
+                 "lse error %g",
+                 (long long)B, (long long)T, (long long)C, NH, (double)amp, err_o, err_l);
   free(x);
   free(ro);
   free(rl);
@@ -106,8 +108,8 @@ LZ_TEST(attention_forward_matches_reference) {
 }
 
 /* Loss sum(out * w) over head h of batch b, through the double reference. */
-static double ref_loss(const double *x, const float *w, int64_t T, int64_t C, int64_t NH,
-                       int64_t b, int64_t h, double *scratch) {
+static double ref_loss(const double *x, const float *w, int64_t T, int64_t C, int64_t NH, int64_t b,
+                       int64_t h, double *scratch) {
   const int64_t HS = C / NH;
   ref_head(scratch, NULL, x, T, C, NH, b, h);
   double L = 0;
@@ -172,13 +174,13 @@ static void check_backward(int64_t B, int64_t T, int64_t C, int NH, int max_chec
 }
 
 LZ_TEST(attention_backward_matches_finite_differences) {
-  check_backward(1, 1, 8, 2, 100000);    /* one token: dq, dk are 0, dv = dout */
-  check_backward(2, 5, 12, 3, 100000);   /* HS 4 */
-  check_backward(1, 70, 16, 1, 100000);  /* NH 1, two tiles, the second partial */
-  check_backward(2, 33, 48, 3, 100000);  /* HS 16 */
-  check_backward(1, 131, 40, 2, 1000);   /* HS 20, three tiles */
-  check_backward(1, 80, 128, 2, 800);    /* HS 64 */
-  check_backward(1, 20, 160, 2, 2000);   /* HS 80: head dimension in two chunks */
+  check_backward(1, 1, 8, 2, 100000);   /* one token: dq, dk are 0, dv = dout */
+  check_backward(2, 5, 12, 3, 100000);  /* HS 4 */
+  check_backward(1, 70, 16, 1, 100000); /* NH 1, two tiles, the second partial */
+  check_backward(2, 33, 48, 3, 100000); /* HS 16 */
+  check_backward(1, 131, 40, 2, 1000);  /* HS 20, three tiles */
+  check_backward(1, 80, 128, 2, 800);   /* HS 64 */
+  check_backward(1, 20, 160, 2, 2000);  /* HS 80: head dimension in two chunks */
 }
 
 /* Forward and backward outputs of one run, concatenated. */
@@ -263,8 +265,7 @@ LZ_TEST(attention_rejects_bad_arguments) {
             "lse is f32[2,4,5], expected f32[2,2,5]");
   CHECK_ERR(lz_attention_forward(out, lse, qkv_bf16, 4), LZ_ERR_INVALID, "expected dtype f32");
   CHECK_ERR(lz_attention_forward(NULL, lse, qkv, 4), LZ_ERR_INVALID, "out is missing");
-  CHECK_ERR(lz_attention_forward(out_wide, lse_wide, qkv_wide, 1), LZ_ERR_UNSUPPORTED,
-            "head size");
+  CHECK_ERR(lz_attention_forward(out_wide, lse_wide, qkv_wide, 1), LZ_ERR_UNSUPPORTED, "head size");
 
   CHECK_OK(lz_attention_backward(dqkv, dout, qkv, out, lse, 4));
   CHECK_ERR(lz_attention_backward(dqkv_bad, dout, qkv, out, lse, 4), LZ_ERR_INVALID,
@@ -275,11 +276,10 @@ LZ_TEST(attention_rejects_bad_arguments) {
             "attention_backward: lse is f32[2,4,6]");
   CHECK_ERR(lz_attention_backward(dqkv, dout, qkv, out, lse, 5), LZ_ERR_INVALID,
             "not divisible by n_head = 5");
-  CHECK_ERR(lz_attention_backward(dqkv, dout, qkv, NULL, lse, 4), LZ_ERR_INVALID,
-            "out is missing");
+  CHECK_ERR(lz_attention_backward(dqkv, dout, qkv, NULL, lse, 4), LZ_ERR_INVALID, "out is missing");
 
-  lz_tensor *all[] = {qkv,      out,      lse,      dqkv,     dout,     qkv_bad3, out_bad,
-                      lse_bad,  dqkv_bad, qkv_wide, out_wide, lse_wide, qkv_bf16};
+  lz_tensor *all[] = {qkv,     out,      lse,      dqkv,     dout,     qkv_bad3, out_bad,
+                      lse_bad, dqkv_bad, qkv_wide, out_wide, lse_wide, qkv_bf16};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) lz_tensor_free(all[i]);
 }
 
@@ -291,8 +291,7 @@ LZ_TEST(attention_single_token_is_v) {
   lz_tensor *dout = rand3(B, 1, C, 1.0f), *dqkv = new3(B, 1, 3 * C);
   CHECK_OK(lz_attention_forward(out, lse, qkv, NH));
   CHECK_OK(lz_attention_backward(dqkv, dout, qkv, out, lse, NH));
-  const float *x = qkv->data, *o = out->data, *l = lse->data, *dy = dout->data,
-              *dx = dqkv->data;
+  const float *x = qkv->data, *o = out->data, *l = lse->data, *dy = dout->data, *dx = dqkv->data;
   for (int64_t b = 0; b < B; b++) {
     for (int64_t c = 0; c < C; c++) {
       CHECK_NEAR(o[b * C + c], x[b * 3 * C + 2 * C + c], 1e-6);
@@ -312,4 +311,73 @@ LZ_TEST(attention_single_token_is_v) {
   lz_tensor_free(lse);
   lz_tensor_free(dout);
   lz_tensor_free(dqkv);
+}
+
+/* ------------------------------------------------------- grouped-query */
+
+/* Grouped-query attention is multi-head attention on k and v repeated for
+ * each query head of a group: forward bitwise (each query head computes the
+ * same products), dq bitwise, dk and dv the sums of the repeated heads'. */
+static void check_gqa(int64_t B, int64_t T, int NH, int NKV, int64_t HS) {
+  const int64_t C = NH * HS, KV = NKV * HS, row = C + 2 * KV, G = NH / NKV;
+  lz_tensor *qkv = rand3(B, T, row, 1.5f), *mha = new3(B, T, 3 * C);
+  const float *g = qkv->data;
+  float *m = mha->data;
+  for (int64_t bt = 0; bt < B * T; bt++)
+    for (int64_t h = 0; h < NH; h++)
+      for (int64_t c = 0; c < HS; c++) {
+        const int64_t kv = h / G;
+        m[bt * 3 * C + h * HS + c] = g[bt * row + h * HS + c];
+        m[bt * 3 * C + C + h * HS + c] = g[bt * row + C + kv * HS + c];
+        m[bt * 3 * C + 2 * C + h * HS + c] = g[bt * row + C + KV + kv * HS + c];
+      }
+  lz_tensor *o1 = new3(B, T, C), *o2 = new3(B, T, C), *l1 = new3(B, NH, T), *l2 = new3(B, NH, T);
+  CHECK_OK(lz_attention_gqa_forward(o1, l1, qkv, NH, NKV));
+  CHECK_OK(lz_attention_forward(o2, l2, mha, NH));
+  CHECK(memcmp(o1->data, o2->data, sizeof(float) * (size_t)(B * T * C)) == 0);
+  CHECK(memcmp(l1->data, l2->data, sizeof(float) * (size_t)(B * NH * T)) == 0);
+
+  lz_tensor *dout = rand3(B, T, C, 1.0f), *d1 = new3(B, T, row), *d2 = new3(B, T, 3 * C);
+  CHECK_OK(lz_attention_gqa_backward(d1, dout, qkv, o1, l1, NH, NKV));
+  CHECK_OK(lz_attention_backward(d2, dout, mha, o2, l2, NH));
+  const float *a = d1->data, *b = d2->data;
+  double err = 0;
+  for (int64_t bt = 0; bt < B * T; bt++) {
+    for (int64_t i = 0; i < C; i++) CHECK(a[bt * row + i] == b[bt * 3 * C + i]); /* dq */
+    for (int64_t kv = 0; kv < NKV; kv++)
+      for (int64_t c = 0; c < HS; c++)
+        for (int part = 1; part <= 2; part++) { /* dk, dv */
+          double want = 0;
+          for (int64_t h = kv * G; h < (kv + 1) * G; h++)
+            want += b[bt * 3 * C + part * C + h * HS + c];
+          const double got = a[bt * row + C + (part - 1) * KV + kv * HS + c];
+          const double e = fabs(got - want) / (fabs(want) > 1 ? fabs(want) : 1);
+          if (!(e <= err)) err = e;
+        }
+  }
+  if (!(err <= 1e-5))
+    lz_test_fail(__FILE__, __LINE__, "gqa B%lld T%lld NH%d NKV%d HS%lld: dk/dv error %g",
+                 (long long)B, (long long)T, NH, NKV, (long long)HS, err);
+  lz_tensor *ts[] = {qkv, mha, o1, o2, l1, l2, dout, d1, d2};
+  for (int i = 0; i < 9; i++) lz_tensor_free(ts[i]);
+}
+
+LZ_TEST(attention_gqa_is_mha_on_repeated_kv) {
+  check_gqa(2, 7, 4, 2, 8);    /* short */
+  check_gqa(1, 130, 8, 2, 16); /* three tiles, groups of 4 */
+  check_gqa(2, 65, 6, 1, 32);  /* one key/value head (multi-query) */
+  check_gqa(1, 64, 4, 4, 16);  /* n_kv_head = n_head: plain multi-head */
+}
+
+LZ_TEST(attention_gqa_rejects_bad_arguments) {
+  lz_tensor *qkv = rand3(1, 4, 64, 1.0f), *out = new3(1, 4, 32), *lse = new3(1, 4, 4);
+  CHECK_OK(lz_attention_gqa_forward(out, lse, qkv, 4, 2)); /* hd 8: 4*8 + 2*2*8 = 64 */
+  CHECK_ERR(lz_attention_gqa_forward(out, lse, qkv, 4, 3), LZ_ERR_INVALID,
+            "attention_forward: n_kv_head is 3; it must be >= 1 and divide n_head = 4");
+  CHECK_ERR(lz_attention_gqa_forward(out, lse, qkv, 4, 0), LZ_ERR_INVALID,
+            "attention_forward: n_kv_head is 0");
+  CHECK_ERR(lz_attention_gqa_forward(out, lse, qkv, 6, 2), LZ_ERR_INVALID,
+            "attention_forward: qkv is f32[1,4,64]; its last dimension must be (n_head + 2 "
+            "n_kv_head) * head_dim = 10 * head_dim");
+  lz_tensor_free(qkv), lz_tensor_free(out), lz_tensor_free(lse);
 }

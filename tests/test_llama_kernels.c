@@ -4,6 +4,7 @@
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
+#include <string.h> /* memcmp */
 
 static uint64_t rng = 0x853C49E6748FEA9Bull;
 static float frand(void) { return lz_test_uniform(&rng); }
@@ -208,9 +209,11 @@ LZ_TEST(rmsnorm_errors) {
   CHECK_ERR(lz_rmsnorm_forward(bad, r8, x, w, 1e-5f), LZ_ERR_INVALID,
             "rmsnorm_forward: out is f32[2,4,64] but x is f32[2,4,128]");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, x, wi, 1e-5f), LZ_ERR_INVALID,
-            "rmsnorm_forward: w is i32[128], expected dtype f32");
+            "rmsnorm_forward: x is f32[2,4,128] and w is i32[128]; both must be f32 or both bf16");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, xb, w, 1e-5f), LZ_ERR_INVALID,
-            "rmsnorm_forward: x is bf16[2,4,128], expected dtype f32");
+            "rmsnorm_forward: out (f32) and x (bf16) are the same memory");
+  CHECK_ERR(lz_rmsnorm_forward(out, r8, wi, w, 1e-5f), LZ_ERR_INVALID,
+            "rmsnorm_forward: x is i32[128], expected dtype f32 or bf16");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, NULL, w, 1e-5f), LZ_ERR_INVALID,
             "rmsnorm_forward: x is missing");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, x, w, NAN), LZ_ERR_INVALID,
@@ -355,7 +358,7 @@ LZ_TEST(rope_errors) {
   CHECK_ERR(lz_rope_forward(bad, x, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
             "rope_forward: out is f32[2,4,12] but x is f32[2,4,24]");
   CHECK_ERR(lz_rope_forward(x, xb, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
-            "rope_forward: x is bf16[2,4,24], expected dtype f32");
+            "rope_forward: out (f32) and x (bf16) are the same memory");
   CHECK_ERR(lz_rope_forward(xc, x, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
             "rope_forward: out lives on cuda but x lives on cpu");
   CHECK_ERR(lz_rope_backward(x, bad, 3, 8, 0, 1e4f), LZ_ERR_INVALID,
@@ -472,7 +475,9 @@ LZ_TEST(swiglu_errors) {
   CHECK_ERR(lz_swiglu_forward(a, a, y9), LZ_ERR_INVALID,
             "swiglu_forward: up is f32[9] but gate is f32[2,4]");
   CHECK_ERR(lz_swiglu_forward(a, ab, a), LZ_ERR_INVALID,
-            "swiglu_forward: gate is bf16[2,4], expected dtype f32");
+            "swiglu_forward: gate is bf16[2,4] and up is f32[2,4]; both must be f32 or both bf16");
+  CHECK_ERR(lz_swiglu_forward(a, ab, ab), LZ_ERR_INVALID,
+            "swiglu_forward: out (f32) and gate (bf16) are the same memory");
   CHECK_ERR(lz_swiglu_forward(NULL, a, a), LZ_ERR_INVALID, "swiglu_forward: out is missing");
   CHECK_ERR(lz_swiglu_forward(a, a, ac), LZ_ERR_INVALID,
             "swiglu_forward: out lives on cpu but up lives on cuda");
@@ -517,4 +522,186 @@ LZ_TEST(swiglu_silu_dense) {
   CHECK(out[1] == INFINITY);
   CHECK(isnan(out[2]));
   lz_tensor_free(tg), lz_tensor_free(tu), lz_tensor_free(tout);
+}
+
+/* ------------------------------------------------------------------- bf16 */
+
+/* bf16 inputs are widened and go through the f32 code: each kernel must give
+ * bitwise what it gives on the widened values as f32. */
+
+static lz_tensor *new_t(lz_dtype dt, int ndim, const int64_t *shape) {
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_new(&t, dt, ndim, shape, LZ_MEM_WORKSPACE));
+  return t;
+}
+
+/* A random bf16 tensor and its f32 widening. */
+static void rand_pair(lz_tensor **b, lz_tensor **f, int ndim, const int64_t *shape, float amp) {
+  *b = new_t(LZ_BF16, ndim, shape);
+  *f = new_t(LZ_F32, ndim, shape);
+  const int64_t n = lz_tensor_numel(*f);
+  uint16_t *hb = (*b)->data;
+  float *pf = (*f)->data;
+  for (int64_t i = 0; i < n; i++) {
+    hb[i] = lz_f32_to_bf16(amp * frand());
+    pf[i] = lz_bf16_to_f32(hb[i]);
+  }
+}
+
+static void check_same_bits(const char *what, const lz_tensor *a, const lz_tensor *b) {
+  const int64_t n = lz_tensor_numel(a);
+  if (memcmp(a->data, b->data, (size_t)n * sizeof(float)) != 0)
+    lz_test_fail(__FILE__, __LINE__, "%s: bf16 result differs from the f32 one", what);
+}
+
+static void free_all(lz_tensor **ts, int n) {
+  for (int i = 0; i < n; i++) lz_tensor_free(ts[i]);
+}
+
+static void rmsnorm_bf16_case(int64_t rows, int64_t C) {
+  const int64_t sx[2] = {rows, C}, sw[1] = {C}, sr[1] = {rows};
+  lz_tensor *xb, *xf, *wb, *wf, *dyb, *dyf;
+  rand_pair(&xb, &xf, 2, sx, 2.0f);
+  rand_pair(&wb, &wf, 1, sw, 1.5f);
+  rand_pair(&dyb, &dyf, 2, sx, 1.0f);
+  lz_tensor *o1 = new_t(LZ_F32, 2, sx), *o2 = new_t(LZ_F32, 2, sx);
+  lz_tensor *r1 = new_t(LZ_F32, 1, sr), *r2 = new_t(LZ_F32, 1, sr);
+  lz_tensor *d1 = new_t(LZ_F32, 2, sx), *d2 = new_t(LZ_F32, 2, sx);
+  lz_tensor *g1 = new_t(LZ_F32, 1, sw), *g2 = new_t(LZ_F32, 1, sw);
+  CHECK_OK(lz_rmsnorm_forward(o1, r1, xb, wb, 1e-5f));
+  CHECK_OK(lz_rmsnorm_forward(o2, r2, xf, wf, 1e-5f));
+  check_same_bits("rmsnorm forward out", o1, o2);
+  check_same_bits("rmsnorm forward rstd", r1, r2);
+  CHECK_OK(lz_fill(g1, 0.25f));
+  CHECK_OK(lz_fill(g2, 0.25f));
+  CHECK_OK(lz_rmsnorm_backward(d1, g1, dyb, xb, wb, r1));
+  CHECK_OK(lz_rmsnorm_backward(d2, g2, dyf, xf, wf, r2));
+  check_same_bits("rmsnorm backward dx", d1, d2);
+  check_same_bits("rmsnorm backward dw", g1, g2);
+  lz_tensor *ts[] = {xb, xf, wb, wf, dyb, dyf, o1, o2, r1, r2, d1, d2, g1, g2};
+  free_all(ts, 14);
+}
+
+LZ_TEST(rmsnorm_bf16_is_f32_on_widened_inputs) {
+  rmsnorm_bf16_case(3, 37);
+  rmsnorm_bf16_case(64, 1024); /* threaded */
+  rmsnorm_bf16_case(5, 5000);  /* the two-pass backward */
+}
+
+LZ_TEST(rmsnorm_bf16_errors) {
+  const int64_t sx[2] = {2, 8}, sw[1] = {8}, sr[1] = {2};
+  lz_tensor *xb = new_t(LZ_BF16, 2, sx), *wf = new_t(LZ_F32, 1, sw), *out = new_t(LZ_F32, 2, sx);
+  lz_tensor *r = new_t(LZ_F32, 1, sr), *xf = new_t(LZ_F32, 2, sx);
+  CHECK_ERR(lz_rmsnorm_forward(out, r, xb, wf, 1e-5f), LZ_ERR_INVALID,
+            "rmsnorm_forward: x is bf16[2,8] and w is f32[8]; both must be f32 or both bf16");
+  CHECK_ERR(lz_rmsnorm_backward(out, wf, xf, xb, wf, r), LZ_ERR_INVALID,
+            "rmsnorm_backward: x is bf16[2,8] and dy is f32[2,8]; both must be f32 or both bf16");
+  lz_tensor *ts[] = {xb, wf, out, r, xf};
+  free_all(ts, 5);
+}
+
+static void rope_bf16_case(int64_t B, int64_t T, int n_head, int head_dim, int64_t pos) {
+  const int64_t sx[3] = {B, T, (int64_t)n_head * head_dim}, sf[1] = {head_dim / 2};
+  lz_tensor *xb, *xf;
+  rand_pair(&xb, &xf, 3, sx, 1.0f);
+  lz_tensor *o1 = new_t(LZ_F32, 3, sx), *o2 = new_t(LZ_F32, 3, sx), *o3 = new_t(LZ_F32, 3, sx);
+  lz_tensor *freqs = new_t(LZ_F32, 1, sf);
+  float *fp = freqs->data;
+  for (int i = 0; i < head_dim / 2; i++) fp[i] = (float)pow(10000.0, -2.0 * i / (double)head_dim);
+  /* the theta form and the inv_freq form agree, bf16 or f32 */
+  CHECK_OK(lz_rope_forward(o1, xb, n_head, head_dim, pos, 10000.0f));
+  CHECK_OK(lz_rope_forward(o2, xf, n_head, head_dim, pos, 10000.0f));
+  CHECK_OK(lz_rope_freqs_forward(o3, xb, freqs, n_head, pos));
+  check_same_bits("rope forward", o1, o2);
+  check_same_bits("rope_freqs forward", o3, o2);
+  CHECK_OK(lz_rope_backward(o1, xb, n_head, head_dim, pos, 10000.0f));
+  CHECK_OK(lz_rope_backward(o2, xf, n_head, head_dim, pos, 10000.0f));
+  CHECK_OK(lz_rope_freqs_backward(o3, xf, freqs, n_head, pos));
+  check_same_bits("rope backward", o1, o2);
+  check_same_bits("rope_freqs backward", o3, o2);
+  lz_tensor *ts[] = {xb, xf, o1, o2, o3, freqs};
+  free_all(ts, 6);
+}
+
+LZ_TEST(rope_bf16_and_freqs_match) {
+  rope_bf16_case(2, 5, 3, 8, 0);
+  rope_bf16_case(2, 64, 8, 128, 7); /* threaded */
+}
+
+/* Scaled frequencies (Llama 3) turn each pair by pos * inv_freq[i]: a row at
+ * position p of a unit vector (1 at i, 0 at i + half) becomes (cos, sin). */
+LZ_TEST(rope_freqs_uses_the_given_frequencies) {
+  const int64_t sx[3] = {1, 3, 4}, sf[1] = {2};
+  float xd[12] = {1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0}, fd_[3] = {0.5f, 0.0078125f, 1.0f}, od[12];
+  lz_tensor *x = lz_test_wrap(xd, LZ_F32, 3, sx), *o = lz_test_wrap(od, LZ_F32, 3, sx);
+  lz_tensor *f = lz_test_wrap(fd_, LZ_F32, 1, sf);
+  CHECK_OK(lz_rope_freqs_forward(o, x, f, 1, 10));
+  for (int t = 0; t < 3; t++) {
+    CHECK_NEAR(od[4 * t], cos((10 + t) * 0.5), 1e-6);
+    CHECK_NEAR(od[4 * t + 2], sin((10 + t) * 0.5), 1e-6);
+    CHECK_NEAR(od[4 * t + 1], 0.0, 1e-7);
+  }
+  fd_[1] = NAN;
+  CHECK_ERR(lz_rope_freqs_forward(o, x, f, 1, 0), LZ_ERR_INVALID,
+            "rope_forward: inv_freq[1] is nan; it must be finite");
+  fd_[1] = 0.25f;
+  const int64_t s3[1] = {3};
+  lz_tensor *f3 = lz_test_wrap(fd_, LZ_F32, 1, s3);
+  CHECK_ERR(lz_rope_freqs_forward(o, x, f3, 1, 0), LZ_ERR_INVALID,
+            "rope_forward: x is f32[1,3,4], but n_head * head_dim = 1 * 6 = 6; the last "
+            "dimension must hold the heads (it may hold more)");
+  lz_tensor_free(x), lz_tensor_free(o), lz_tensor_free(f), lz_tensor_free(f3);
+}
+
+static void swiglu_bf16_case(int64_t n) {
+  const int64_t s[1] = {n};
+  lz_tensor *gb, *gf, *ub, *uf, *db, *df;
+  rand_pair(&gb, &gf, 1, s, 6.0f);
+  rand_pair(&ub, &uf, 1, s, 2.0f);
+  rand_pair(&db, &df, 1, s, 1.0f);
+  lz_tensor *o1 = new_t(LZ_F32, 1, s), *o2 = new_t(LZ_F32, 1, s);
+  lz_tensor *p1 = new_t(LZ_F32, 1, s), *p2 = new_t(LZ_F32, 1, s);
+  CHECK_OK(lz_swiglu_forward(o1, gb, ub));
+  CHECK_OK(lz_swiglu_forward(o2, gf, uf));
+  check_same_bits("swiglu forward", o1, o2);
+  CHECK_OK(lz_swiglu_backward(o1, p1, db, gb, ub));
+  CHECK_OK(lz_swiglu_backward(o2, p2, df, gf, uf));
+  check_same_bits("swiglu backward dgate", o1, o2);
+  check_same_bits("swiglu backward dup", p1, p2);
+  lz_tensor *ts[] = {gb, gf, ub, uf, db, df, o1, o2, p1, p2};
+  free_all(ts, 10);
+}
+
+LZ_TEST(swiglu_bf16_is_f32_on_widened_inputs) {
+  swiglu_bf16_case(8 * 37 + 3);
+  swiglu_bf16_case(8 * 50001); /* threaded, chunks and a tail */
+}
+
+/* Packed rows: the first n_head heads turn (as a tensor of those heads
+ * alone would), the rest is copied, or left alone in place. */
+LZ_TEST(rope_freqs_turns_the_leading_heads_of_a_packed_row) {
+  const int64_t B = 2, T = 9, HD = 8, NR = 3, NT = 5; /* 3 heads turn, 2 pass */
+  const int64_t sp[3] = {B, T, NT * HD}, sr[3] = {B, T, NR * HD}, sf[1] = {HD / 2};
+  lz_tensor *xb, *x;
+  rand_pair(&xb, &x, 3, sp, 1.0f);
+  lz_tensor *o = new_t(LZ_F32, 3, sp), *ob = new_t(LZ_F32, 3, sp), *lead = new_t(LZ_F32, 3, sr);
+  lz_tensor *lo = new_t(LZ_F32, 3, sr), *f = new_t(LZ_F32, 1, sf);
+  float *fp = f->data, *xp = x->data, *lp = lead->data;
+  for (int i = 0; i < HD / 2; i++) fp[i] = 1.0f / (float)(i + 2);
+  for (int64_t r = 0; r < B * T; r++)
+    for (int64_t c = 0; c < NR * HD; c++) lp[r * NR * HD + c] = xp[r * NT * HD + c];
+  CHECK_OK(lz_rope_freqs_forward(o, x, f, (int)NR, 4));
+  CHECK_OK(lz_rope_freqs_forward(ob, xb, f, (int)NR, 4));
+  CHECK_OK(lz_rope_freqs_forward(lo, lead, f, (int)NR, 4));
+  check_same_bits("packed rope: bf16 = f32", ob, o);
+  const float *op = o->data, *lop = lo->data;
+  for (int64_t r = 0; r < B * T; r++) {
+    CHECK(memcmp(op + r * NT * HD, lop + r * NR * HD, sizeof(float) * NR * HD) == 0);
+    CHECK(memcmp(op + r * NT * HD + NR * HD, xp + r * NT * HD + NR * HD,
+                 sizeof(float) * (NT - NR) * HD) == 0);
+  }
+  CHECK_OK(lz_rope_freqs_forward(x, x, f, (int)NR, 4)); /* in place */
+  check_same_bits("packed rope in place", x, o);
+  lz_tensor *ts[] = {xb, x, o, ob, lead, lo, f};
+  free_all(ts, 7);
 }

@@ -13,8 +13,9 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   inspect CKPT                 the manifest's summary, per-rank shard sizes, per-tensor norms
   consolidate CKPT OUT.bin     the fp32 master weights in canonical order (header: 256 int32,
                                magic 20240521, version 1, tensors, elements low/high 32 bits)
-  export CKPT OUT.safetensors  safetensors with Hugging Face GPT-2 names (wte.weight,
-                               h.0.attn.c_attn.weight [in, out], ...); --dtype fp32|bf16
+  export CKPT OUT.safetensors  safetensors with Hugging Face names: GPT-2's (wte.weight,
+                               h.0.attn.c_attn.weight [in, out], ...), Llama's as they are
+                               (model.embed_tokens.weight, ...); --dtype fp32|bf16
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]
 
 local function fail(msg)
@@ -57,6 +58,11 @@ local function hf_name(name)
   return n, conv ~= nil
 end
 
+-- Tables with a row per token: exported without the padding rows past the
+-- real vocabulary (GPT-2's wte; Llama's embed_tokens and untied lm_head).
+local vocab_tables = { ["wte.weight"] = true, ["model.embed_tokens.weight"] = true,
+                       ["lm_head.weight"] = true }
+
 local function export(ck, out, dtype)
   local m = ck.manifest
   if dtype ~= "fp32" and dtype ~= "bf16" then
@@ -74,7 +80,7 @@ local function export(ck, out, dtype)
     local name, conv = hf_name(p.name)
     local shape = { unpack(p.shape) }
     local rows = shape[1]
-    if name == "wte.weight" and vocab and vocab < rows then rows = vocab; shape[1] = vocab end
+    if vocab_tables[name] and vocab and vocab < rows then rows = vocab; shape[1] = vocab end
     if conv then shape = { shape[2], shape[1] } end
     local n = 1
     for _, d in ipairs(shape) do n = n * d end
@@ -95,7 +101,7 @@ local function export(ck, out, dtype)
   for _, e in ipairs(entries) do
     local p = e.p
     src:seek("set", 1024 + p.offset * 4)
-    local n_in = e.conv and p.numel or e.numel -- wte: only the real vocabulary rows
+    local n_in = e.conv and p.numel or e.numel -- token tables: only the real vocabulary rows
     local raw = src:read(n_in * 4)
     local t = lz.tensor({ e.numel }, "f32", "workspace")
     if e.conv then

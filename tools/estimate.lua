@@ -5,14 +5,18 @@
 --   luazero tools/estimate.lua --params 1.5e9 --world 8
 --   luazero tools/estimate.lua --model gpt2-xl --world 8 --budget 12GiB
 --   luazero tools/estimate.lua --model gpt2 --micro-batch 4 --seq-len 1024
+--   luazero tools/estimate.lua --model llama3-8b --world 8
+--   luazero tools/estimate.lua --model-config config.json --world 8   # Hugging Face's
 local args = require("luazero.args")
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
-local gpt2 = require("models.gpt2")
+local models = require("models.registry")
 
 local spec = {
   { "params", "string", nil, "parameter count: 1.5e9, 124M, 1.5B, 350000000" },
-  { "model", "string", nil, "a model name instead: " .. table.concat(gpt2.names, ", ") },
+  { "model", "string", nil, "a model name instead: " .. table.concat(models.names, ", ") },
+  { "model-config", "string", nil,
+    "a Hugging Face config.json instead (GPT2LMHeadModel or LlamaForCausalLM)" },
   { "world", "int", 1, "ranks (data-parallel world size N)" },
   { "dtype", "string", "bf16", "working precision: bf16, fp16 (fp32 master + Adam) or fp32" },
   { "grads", "string", "fp32",
@@ -61,9 +65,12 @@ local function main(argv)
           usage)
     return
   end
-  if (flags.params == nil) == (flags.model == nil) then
-    fail("give either --params N (e.g. 1.5e9) or --model NAME (" ..
-         table.concat(gpt2.names, ", ") .. "); --help lists the flags")
+  local given = (flags.params and 1 or 0) + (flags.model and 1 or 0) +
+                (flags.model_config and 1 or 0)
+  if given ~= 1 then
+    fail("give either --params N (e.g. 1.5e9), --model NAME (" ..
+         table.concat(models.names, ", ") .. ") or --model-config config.json; --help lists " ..
+         "the flags")
   end
   if not estimate.dtype_bytes[flags.dtype] then
     fail(("--dtype must be bf16, fp16 or fp32 (got %s)"):format(flags.dtype))
@@ -90,9 +97,12 @@ local function main(argv)
   end
 
   local params, persistent, largest, layout, what, model
-  if flags.model then
+  if flags.model or flags.model_config then
     if flags.persistent then fail("--persistent goes with --params; --model counts it") end
-    model = checked(function() return gpt2.new(gpt2.config(flags.model)) end)
+    model = checked(function()
+      return models.new(flags.model and models.config(flags.model) or
+                        models.from_hf_config(flags.model_config))
+    end)
     local m = estimate.model_params(model, flags.persistence_threshold, N)
     params, persistent, largest, layout = m.params, m.persistent, m.largest_layer, m.layout
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..

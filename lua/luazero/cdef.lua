@@ -136,6 +136,11 @@ lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int he
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta);
 
+lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                                int n_head, int64_t pos_offset);
+lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                                 int n_head, int64_t pos_offset);
+
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
@@ -145,6 +150,12 @@ lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *
 lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                 const lz_tensor *qkv, const lz_tensor *out,
                                 const lz_tensor *lse, int n_head);
+
+lz_status lz_attention_gqa_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                   int n_head, int n_kv_head);
+lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                    const lz_tensor *qkv, const lz_tensor *out,
+                                    const lz_tensor *lse, int n_head, int n_kv_head);
 
 lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
                                const lz_tensor *wpe);

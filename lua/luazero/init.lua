@@ -678,6 +678,7 @@ local op_names = {
   "matmul", "linear_forward", "linear_backward", "layernorm_forward", "layernorm_backward",
   "gelu_forward", "gelu_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_forward",
   "rope_backward", "swiglu_forward", "swiglu_backward", "attention_forward", "attention_backward",
+  "rope_freqs_forward", "rope_freqs_backward", "attention_gqa_forward", "attention_gqa_backward",
   "embedding_forward", "embedding_backward", "cross_entropy_forward",
   "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step", "lion_step",
 }

@@ -105,6 +105,27 @@ function T.sim_gives_the_cpus_checksum_with_accumulation_checkpointing_and_offlo
   assert(got == cpu_sum(1, "fp32"), "fp32 offload_optimizer cpu on sim: " .. got)
 end
 
+-- Llama (grouped-query attention, rotary embeddings, RMSNorm, SwiGLU) on
+-- sim: the cpu's checksum too.
+function T.llama_on_sim_gives_the_cpus_checksum()
+  local flags = "--model llama-tiny --seq-len 16 --sample 0 --eval-batches 1 --seed 7 --data " ..
+                support.quote(corpus)
+  local function run(device, cfg)
+    local out, st = support.sh(("cd %s && %s %s -n 2 scripts/train.lua %s --steps 3 --device %s " ..
+                                "--config %s"):format(support.quote(lz.root),
+                               device == "sim" and JITTER or "", support.quote(lz.executable()),
+                               flags, device, cfg))
+    assert(st == 0, out)
+    return assert(out:match("params_checksum (%x+)"), out)
+  end
+  local want = run("cpu", config(0, "bf16"))
+  for _, cfg in ipairs({ config(0, "bf16"), config(3, "bf16"),
+                         config(2, "bf16", { offload_optimizer = { device = "cpu" } }) }) do
+    local got = run("sim", cfg)
+    assert(got == want, ("llama-tiny on sim (%s): %s, on cpu %s"):format(cfg, got, want))
+  end
+end
+
 function T.save_on_sim_resumes_on_sim_and_on_cpu_to_the_same_checksum()
   -- The optimizer's states on the device (stage 1), and in host memory (stage 3).
   for i, cfg in ipairs({ config(1, "bf16"),

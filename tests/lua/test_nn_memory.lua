@@ -1,13 +1,15 @@
 -- test_nn_memory.lua — the bytes nn modules report (Module:memory) and the
 -- arenas nn.Model sizes from them equal, to the byte, what one forward and
--- backward take from those arenas: every module alone, GPT-2 at two sizes,
--- with and without activation checkpointing, in f32, bf16 and f16.
+-- backward take from those arenas: every module alone, GPT-2 at two sizes
+-- and Llama (untied and tied), with and without activation checkpointing, in
+-- f32, bf16 and f16.
 local bit = require("bit")
 local lz = require("luazero")
 local nn = require("luazero.nn")
 local rng = require("luazero.rng")
 local config = require("luazero.config")
 local gpt2 = require("models.gpt2")
+local llama = require("models.llama")
 
 local T = {}
 
@@ -134,17 +136,55 @@ function T.every_module_reports_the_bytes_its_forward_and_backward_take()
   end
 end
 
+-- Llama's parts: RMSNorm, the SwiGLU MLP, grouped-query attention with its
+-- rotary frequencies, the decoder layer, the token embedding, the tied head.
+function T.every_llama_module_reports_the_bytes_its_forward_and_backward_take()
+  local C, B, S = 32, 2, 5
+  local lcfg = { n_embd = C, n_head = 4, n_kv_head = 2, head_dim = 8, n_hidden = 48, eps = 1e-5,
+                 std = 0.02 }
+  local rope = { inv_freq = lz.from_table({ 1, 0.1, 0.01, 0.001 }, { 4 }, "f32", "workspace") }
+  local tied = llama.new(llama.config("llama-tiny", { n_layer = 1, n_embd = C, n_head = 2,
+                                                      n_kv_head = 1, tie = true }))
+  local TiedHead = getmetatable(tied.lm_head)
+  tied:free()
+  local cases = {
+    { "RMSNorm", function() return nn.RMSNorm.new(C, 1e-5) end, C, C },
+    { "SwiGLUMLP", function() return nn.SwiGLUMLP.new(C, 48, 0.02) end, C, C },
+    { "GQA", function() return nn.GQA.new(C, 4, 2, 8, rope, 0.02) end, C, C },
+    { "LlamaBlock", function() return nn.LlamaBlock.new(lcfg, rope) end, C, C },
+  }
+  for _, dtype in ipairs(DTYPES) do
+    for _, c in ipairs(cases) do
+      local x = input(B, S, c[3])
+      local r = check_module(c[1], c[2](), x, "f32", c[4], dtype, B, S)
+      assert(r.activations > 0 and r.scratch > 0, c[1])
+      x:free()
+    end
+    local tokens = lz.tensor({ B, S }, "i32", "workspace")
+    for i = 0, B * S - 1 do tokens:set(i, (i * 7) % 48) end
+    check_module("TokenEmbedding", nn.TokenEmbedding.new(48, C), tokens, "i32", C, dtype, B, S)
+    tokens:free()
+    local root = setmetatable({}, nn.Module):init()
+    local head = TiedHead.new(root:add("embed_tokens", nn.TokenEmbedding.new(64, C)), 64)
+    local x = input(B, S, C)
+    local r = check_module("TiedHead", head, x, "f32", 64, dtype, B, S, root)
+    assert(dtype == "f32" or r.casts > 0, "TiedHead casts")
+    x:free()
+  end
+  rope.inv_freq:free()
+end
+
 ------------------------------------------------------------------ GPT-2
 
 local ENGINE_DTYPE = { f32 = "fp32", bf16 = "bf16", f16 = "fp16" }
 
 -- One engine step's forward and backward at stage 0; every arena's high-water
 -- mark is the plan's figure for it and the ledger holds the plan's total.
-local function check_gpt2(cfg, B, S, dtype, ck)
+local function check_gpt2(cfg, B, S, dtype, ck, family)
   local comm = require("luazero.comm").init("local")
   local conf = { train_micro_batch_size_per_gpu = B, gradient_accumulation_steps = 1 }
   if dtype ~= "f32" then conf[ENGINE_DTYPE[dtype]] = { enabled = true } end
-  local model = gpt2.new(cfg)
+  local model = (family or gpt2).new(cfg)
   model:checkpoint_activations(ck)
   local plan = model:arena_plan(B, S, dtype)
   local mem0 = lz.mem()
@@ -157,7 +197,8 @@ local function check_gpt2(cfg, B, S, dtype, ck)
     engine:forward(x, y)
     engine:backward()
   end)
-  local what = ("gpt2 L=%d C=%d %s B=%d T=%d checkpointing %s"):format(cfg.n_layer, cfg.n_embd,
+  local what = ("%s L=%d C=%d %s B=%d T=%d checkpointing %s"):format(cfg.name, cfg.n_layer,
+               cfg.n_embd,
                dtype, B, S, ck and "on" or "off")
   local ctx, k = model.ctx, model.ckpt
   local scratch = math.max(ctx.scratches[1]:peak(), ctx.scratches[2]:peak())
@@ -207,6 +248,21 @@ function T.gpt2_arenas_are_the_modules_reports_to_the_byte()
   local plan = check_gpt2(sizes[2][1], 3, 20, "f32", { cpu_checkpointing = true,
                           contiguous_memory_optimization = true, number_checkpoints = 4 })
   eq(plan.offload, 4 * lz.arena_bytes(3 * 20 * 64), "four slots of one block input")
+end
+
+function T.llama_arenas_are_the_modules_reports_to_the_byte()
+  local sizes = {
+    { llama.config("llama-tiny", { context = 16 }), 2, 16 },
+    { llama.config("llama-tiny", { n_layer = 3, n_head = 4, n_kv_head = 1, vocab = 200,
+                                   tie = true }), 3, 20 },
+  }
+  for _, s in ipairs(sizes) do
+    for _, dtype in ipairs(DTYPES) do
+      local off = check_gpt2(s[1], s[2], s[3], dtype, false, llama)
+      local on = check_gpt2(s[1], s[2], s[3], dtype, true, llama)
+      assert(on.activations < off.activations, "checkpointing keeps less")
+    end
+  end
 end
 
 -- A report is a function of B x T and the dtype only: doubling the batch

@@ -1,5 +1,5 @@
 """test_llama.py — luazero's Llama kernels (RMSNorm, rotary embeddings,
-SwiGLU) against the same layers written here from Hugging Face's Llama
+with Llama 3's scaled frequencies too, SwiGLU, grouped-query attention) against the same layers written here from Hugging Face's Llama
 equations (LlamaRMSNorm, LlamaRotaryEmbedding with apply_rotary_pos_emb and
 rotate_half, LlamaMLP's silu(gate) * up), in fp32, backward through autograd.
 
@@ -7,8 +7,10 @@ Both sides read the same numpy arrays. Error of a tensor:
 
     err = max|ours - torch| / max(max|torch|, 1e-30)
 
-and a check passes when err <= 1e-5. The kernels take f32 only (as layernorm
-does); a bf16 input must be refused with an error naming the dtype.
+and a check passes when err <= 1e-5. The kernels also take bf16 inputs
+(fp32 arithmetic, f32 outputs): those are checked at the same 1e-5 against
+the reference run in fp32 on the same bf16-rounded values, which is what the
+kernels promise (no bf16 rounding of their own).
 
 Rotary inverse frequencies: luazero rounds theta^(-2i/d), worked out in
 double, to fp32. Hugging Face computes 1 / theta ** (arange(0, d, 2) / d) in
@@ -19,6 +21,7 @@ one more check takes Hugging Face's own inv_freq at positions below 64,
 where that difference stays under the tolerance (worked out there).
 Run with /usr/bin/python3 (Debian's python3-torch).
 """
+import math
 import os
 import sys
 
@@ -88,10 +91,22 @@ def rmsnorm():
     xt = tt(x, True)
     llama_rmsnorm(xt, tt(w), 1e-5).backward(tt(dy))
     check("rmsnorm [3,100] dx written over dy", dyi, xt.grad)
-    xb = lz.bf16_round(x)[0]
-    refused("rmsnorm bf16 x", lambda: lz.call("lz_rmsnorm_forward", W(out), W(rstd),
-                                               W(xb, lz.BF16), W(w), 1e-5),
-            "rmsnorm_forward: x is bf16[3,100], expected dtype f32")
+    for C in (100, 4096 + 40):  # the one-pass and the two-pass backward
+        (xb, xf), (wb, wf), (dyb, dyf) = (lz.bf16_round(randn(3, C, scale=2.0)),
+                                          lz.bf16_round(randn(C, shift=1.0)),
+                                          lz.bf16_round(randn(3, C)))
+        out, rstd, dx, dw = zeros(3, C), zeros(3), zeros(3, C), zeros(C)
+        lz.call("lz_rmsnorm_forward", W(out), W(rstd), W(xb, lz.BF16), W(wb, lz.BF16), 1e-5)
+        lz.call("lz_rmsnorm_backward", W(dx), W(dw), W(dyb, lz.BF16), W(xb, lz.BF16),
+                W(wb, lz.BF16), W(rstd))
+        xt, wt = tt(xf, True), tt(wf, True)
+        llama_rmsnorm(xt, wt, 1e-5).backward(tt(dyf))
+        check(f"rmsnorm bf16 [3,{C}] forward", out, llama_rmsnorm(tt(xf), tt(wf), 1e-5))
+        check(f"rmsnorm bf16 [3,{C}] dx", dx, xt.grad)
+        check(f"rmsnorm bf16 [3,{C}] dw", dw, wt.grad)
+    refused("rmsnorm bf16 x with an f32 w",
+            lambda: lz.call("lz_rmsnorm_forward", W(out), W(rstd), W(xb, lz.BF16), W(wf), 1e-5),
+            "both must be f32 or both bf16")
 
 
 # -------------------------------------------------------------------- rope
@@ -168,10 +183,42 @@ def rope():
     lz.call("lz_rope_forward", W(out), W(x), NH, HD, 0, 10000.0)
     check(f"rope [1,{Tn},{NH}x{HD}] forward against HF's own fp32 inv_freq", out,
           llama_rope(tt(x), NH, HD, 0, hf))
-    xb = lz.bf16_round(x)[0]
-    refused("rope bf16 x", lambda: lz.call("lz_rope_forward", W(out), W(xb, lz.BF16), NH, HD,
-                                            0, 10000.0),
-            "rope_forward: x is bf16[1,64,512], expected dtype f32")
+    xb, xf = lz.bf16_round(x)
+    lz.call("lz_rope_forward", W(out), W(xb, lz.BF16), NH, HD, 0, 10000.0)
+    check(f"rope bf16 [1,{Tn},{NH}x{HD}] forward", out, llama_rope(tt(xf), NH, HD, 0, ours))
+    lz.call("lz_rope_backward", W(out), W(xb, lz.BF16), NH, HD, 0, 10000.0)
+    check(f"rope bf16 [1,{Tn},{NH}x{HD}] backward", out, llama_rope(tt(xf), NH, HD, 0, -ours))
+
+
+def llama3_inv_freq(theta, d, factor, low_freq_factor, high_freq_factor, original_max):
+    """transformers 4.40's _compute_llama3_parameters, in torch fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    low_freq_wavelen = original_max / low_freq_factor
+    high_freq_wavelen = original_max / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+@test
+def rope_scaled():
+    # Llama 3.1's rope_scaling on head_dim 128, theta 500000: the given
+    # inv_freq turns the pairs, forward and backward (its transpose).
+    B, Tn, NH, HD = 2, 48, 3, 128
+    inv = llama3_inv_freq(500000.0, HD, 8.0, 1.0, 4.0, 8192)
+    x, dy = randn(B, Tn, NH * HD), randn(B, Tn, NH * HD)
+    out, dx = zeros(B, Tn, NH * HD), zeros(B, Tn, NH * HD)
+    freqs = inv.numpy().astype(np.float32)
+    lz.call("lz_rope_freqs_forward", W(out), W(x), W(freqs), NH, 5)
+    lz.call("lz_rope_freqs_backward", W(dx), W(dy), W(freqs), NH, 5)
+    xt = tt(x, True)
+    ref = llama_rope(xt, NH, HD, 5, inv)
+    ref.backward(tt(dy))
+    check(f"rope llama3-scaled [{B},{Tn},{NH}x{HD}] forward", out, ref)
+    check(f"rope llama3-scaled [{B},{Tn},{NH}x{HD}] backward", dx, xt.grad)
 
 
 # ------------------------------------------------------------------ swiglu
@@ -192,10 +239,51 @@ def swiglu():
         check(f"{tag} forward", out, ref)
         check(f"{tag} dgate", dgate, gt.grad)
         check(f"{tag} dup", dup, ut.grad)
-    gb = lz.bf16_round(gate)[0]
-    refused("swiglu bf16 gate", lambda: lz.call("lz_swiglu_forward", W(out), W(gb, lz.BF16),
-                                                 W(up)),
-            "swiglu_forward: gate is bf16[2,64,1376], expected dtype f32")
+    (gb, gf), (ub, uf), (db, df) = (lz.bf16_round(gate), lz.bf16_round(up),
+                                    lz.bf16_round(dy))
+    lz.call("lz_swiglu_forward", W(out), W(gb, lz.BF16), W(ub, lz.BF16))
+    lz.call("lz_swiglu_backward", W(dgate), W(dup), W(db, lz.BF16), W(gb, lz.BF16),
+            W(ub, lz.BF16))
+    gt, ut = tt(gf, True), tt(uf, True)
+    ref = F.silu(gt) * ut
+    ref.backward(tt(df))
+    check("swiglu bf16 [2,64,1376] forward", out, ref)
+    check("swiglu bf16 [2,64,1376] dgate", dgate, gt.grad)
+    check("swiglu bf16 [2,64,1376] dup", dup, ut.grad)
+
+
+# ------------------------------------------------------- grouped-query attention
+
+
+def gqa_reference(qkv, NH, NKV, HD):
+    """LlamaAttention's core: repeat_kv, causal softmax(q k^T / sqrt(hd)) v."""
+    B, Tn, _ = qkv.shape
+    q = qkv[..., :NH * HD].view(B, Tn, NH, HD).transpose(1, 2)
+    k = qkv[..., NH * HD:(NH + NKV) * HD].view(B, Tn, NKV, HD).transpose(1, 2)
+    v = qkv[..., (NH + NKV) * HD:].view(B, Tn, NKV, HD).transpose(1, 2)
+    k = k.repeat_interleave(NH // NKV, dim=1)  # repeat_kv
+    v = v.repeat_interleave(NH // NKV, dim=1)
+    s = q @ k.transpose(2, 3) / math.sqrt(HD)
+    mask = torch.full((Tn, Tn), float("-inf")).triu(1)
+    p = torch.softmax(s + mask, dim=-1)
+    return (p @ v).transpose(1, 2).reshape(B, Tn, NH * HD), torch.logsumexp(s + mask, dim=-1)
+
+
+@test
+def attention_gqa():
+    for (B, Tn, NH, NKV, HD) in ((2, 33, 4, 2, 16), (1, 100, 8, 2, 64), (2, 70, 6, 1, 32)):
+        row = (NH + 2 * NKV) * HD
+        qkv, dout = randn(B, Tn, row), randn(B, Tn, NH * HD)
+        out, lse, dqkv = zeros(B, Tn, NH * HD), zeros(B, NH, Tn), zeros(B, Tn, row)
+        lz.call("lz_attention_gqa_forward", W(out), W(lse), W(qkv), NH, NKV)
+        lz.call("lz_attention_gqa_backward", W(dqkv), W(dout), W(qkv), W(out), W(lse), NH, NKV)
+        qt = tt(qkv, True)
+        ref, ref_lse = gqa_reference(qt, NH, NKV, HD)
+        ref.backward(tt(dout))
+        tag = f"attention gqa B={B} T={Tn} NH={NH} NKV={NKV} hd={HD}"
+        check(f"{tag} forward", out, ref)
+        check(f"{tag} lse", lse, ref_lse)
+        check(f"{tag} dqkv", dqkv, qt.grad)
 
 
 def main():

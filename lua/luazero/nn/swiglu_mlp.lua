@@ -1,0 +1,47 @@
+-- nn/swiglu_mlp.lua — Llama's feed-forward (Hugging Face's LlamaMLP):
+-- down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+local lz = require("luazero")
+local Module = require("luazero.nn.module")
+local Linear = require("luazero.nn.linear")
+
+local ops = lz.ops
+local SwiGLUMLP = Module:extend("SwiGLUMLP")
+
+-- n_hidden: intermediate_size. std: the init std of all three projections.
+function SwiGLUMLP.new(n_embd, n_hidden, std)
+  local self = setmetatable({}, SwiGLUMLP):init()
+  self.n_embd, self.n_hidden = n_embd, n_hidden
+  local opts = { bias = false, std = std }
+  self:add("gate_proj", Linear.new(n_embd, n_hidden, opts))
+  self:add("up_proj", Linear.new(n_embd, n_hidden, opts))
+  self:add("down_proj", Linear.new(n_hidden, n_embd, opts))
+  return self
+end
+
+function SwiGLUMLP:forward(x)
+  local gate = self:run_forward(self.gate_proj, x)
+  local up = self:run_forward(self.up_proj, x)
+  local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
+  ops.swiglu_forward(h, gate, up)
+  self.gate, self.up = gate, up
+  return self:run_forward(self.down_proj, h)
+end
+
+-- The two projections read the same x: their input gradients add.
+function SwiGLUMLP:backward(dy)
+  local dh = self:run_backward(self.down_proj, dy)
+  local dup = self:scratch({ dh:dim(1), dh:dim(2), self.n_hidden })
+  ops.swiglu_backward(dh, dup, dh, self.gate, self.up) -- dgate over dh
+  local dx = self:run_backward(self.gate_proj, dh)
+  local dx_up = self:run_backward(self.up_proj, dup)
+  ops.add(dx, dx, dx_up)
+  return dx
+end
+
+-- Besides the projections: silu(gate) * up; dup.
+function SwiGLUMLP:own_memory(B, T)
+  local h = lz.arena_bytes(B * T * self.n_hidden)
+  return { activations = h, scratch = h }
+end
+
+return SwiGLUMLP

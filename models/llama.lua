@@ -1,0 +1,289 @@
+-- models/llama.lua — the Llama family as Hugging Face's LlamaForCausalLM
+-- defines it: RMSNorm before each branch, rotary position embeddings
+-- (rope_theta; Llama 3's rope_scaling), grouped-query attention
+-- (num_key_value_heads), a SwiGLU MLP, no biases, an LM head untied or tied
+-- to the token embedding (tie_word_embeddings).
+--
+--   local llama = require("models.llama")
+--   local cfg = llama.config("llama-tiny", { n_layer = 4 })
+--   local model = llama.new(cfg)   -- then as models/gpt2.lua: allocate,
+--                                  -- init_weights, prepare, forward, backward
+--
+-- Parameter names are Hugging Face's, in its order: model.embed_tokens.weight,
+-- model.layers.N.input_layernorm.weight, model.layers.N.self_attn.{q,k,v,o}_proj.weight,
+-- model.layers.N.post_attention_layernorm.weight,
+-- model.layers.N.mlp.{gate,up,down}_proj.weight, model.norm.weight,
+-- lm_head.weight (absent when tied). The embedding and LM head have rows
+-- up to a multiple of 64 (the real vocab first; 32000 and 128256 need none).
+local ffi = require("ffi")
+local lz = require("luazero")
+local nn = require("luazero.nn")
+local rng = require("luazero.rng")
+local gpt2 = require("models.gpt2")
+
+local M = {}
+
+------------------------------------------------------------------ configs
+
+-- Names as Hugging Face's config.json has them, for each field here.
+M.hf_fields = {
+  n_layer = "num_hidden_layers", n_head = "num_attention_heads",
+  n_kv_head = "num_key_value_heads", n_embd = "hidden_size", n_hidden = "intermediate_size",
+  context = "max_position_embeddings", vocab = "vocab_size", eps = "rms_norm_eps",
+  rope_theta = "rope_theta", tie = "tie_word_embeddings", std = "initializer_range",
+  head_dim = "head_dim", rope_scaling = "rope_scaling",
+}
+
+local llama3_scaling = { rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
+                         high_freq_factor = 4.0, original_max_position_embeddings = 8192 }
+
+-- lr: a learning rate that trains the size well, used when --lr is not given.
+M.configs = {
+  -- for tests: GQA (2 query heads per key/value head), two layers
+  ["llama-tiny"] = { n_layer = 2, n_head = 4, n_kv_head = 2, n_embd = 64, n_hidden = 176,
+                     context = 256, vocab = 256, eps = 1e-5, rope_theta = 10000, tie = false,
+                     lr = 3e-3 },
+  -- about 100M parameters (tied), for benchmarks
+  ["llama-100m"] = { n_layer = 12, n_head = 12, n_kv_head = 4, n_embd = 768, n_hidden = 2048,
+                     context = 1024, vocab = 32000, eps = 1e-5, rope_theta = 10000, tie = true,
+                     lr = 6e-4 },
+  -- TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T's config.json
+  ["tinyllama-1.1b"] = { n_layer = 22, n_head = 32, n_kv_head = 4, n_embd = 2048,
+                         n_hidden = 5632, context = 2048, vocab = 32000, eps = 1e-5,
+                         rope_theta = 10000, tie = false, lr = 4e-4 },
+  -- meta-llama/Meta-Llama-3-8B's config.json
+  ["llama3-8b"] = { n_layer = 32, n_head = 32, n_kv_head = 8, n_embd = 4096, n_hidden = 14336,
+                    context = 8192, vocab = 128256, eps = 1e-5, rope_theta = 500000,
+                    tie = false, lr = 3e-4 },
+  -- meta-llama/Llama-3.1-8B: Llama 3's shape, scaled rotary frequencies
+  ["llama3.1-8b"] = { n_layer = 32, n_head = 32, n_kv_head = 8, n_embd = 4096, n_hidden = 14336,
+                      context = 131072, vocab = 128256, eps = 1e-5, rope_theta = 500000,
+                      tie = false, rope_scaling = llama3_scaling, lr = 3e-4 },
+}
+M.names = { "llama-tiny", "llama-100m", "tinyllama-1.1b", "llama3-8b", "llama3.1-8b" }
+
+local function padded(vocab) return math.ceil(vocab / 64) * 64 end
+
+local function whole(cfg, k, lo)
+  local v = cfg[k]
+  if type(v) ~= "number" or v < lo or v ~= math.floor(v) then
+    error(("%s must be a whole number >= %d (got %s)"):format(k, lo, tostring(v)), 0)
+  end
+end
+
+-- Checks a Llama 3 rope_scaling table; errors name the key.
+local function check_scaling(s)
+  if s.rope_type ~= "llama3" then
+    error(("rope_scaling.rope_type must be \"llama3\" (got %s); other scalings are not " ..
+           "implemented"):format(tostring(s.rope_type)), 0)
+  end
+  for _, k in ipairs({ "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings" }) do
+    if type(s[k]) ~= "number" or not (s[k] > 0) then
+      error(("rope_scaling.%s must be a number > 0 (got %s)"):format(k, tostring(s[k])), 0)
+    end
+  end
+  if not (s.high_freq_factor > s.low_freq_factor) then
+    error(("rope_scaling.high_freq_factor %g must be above low_freq_factor %g")
+          :format(s.high_freq_factor, s.low_freq_factor), 0)
+  end
+end
+
+-- A complete config from a table of fields (a named size's, or one read
+-- from a config.json): checked, with the derived sizes.
+function M.finish(cfg)
+  for _, k in ipairs({ "n_layer", "n_head", "n_embd", "n_hidden", "context", "vocab" }) do
+    whole(cfg, k, 1)
+  end
+  cfg.n_kv_head = cfg.n_kv_head or cfg.n_head
+  whole(cfg, "n_kv_head", 1)
+  if cfg.n_head % cfg.n_kv_head ~= 0 then
+    error(("n_head %d is not a multiple of n_kv_head %d"):format(cfg.n_head, cfg.n_kv_head), 0)
+  end
+  if not cfg.head_dim then
+    if cfg.n_embd % cfg.n_head ~= 0 then
+      error(("n_embd %d is not a multiple of n_head %d"):format(cfg.n_embd, cfg.n_head), 0)
+    end
+    cfg.head_dim = math.floor(cfg.n_embd / cfg.n_head)
+  end
+  whole(cfg, "head_dim", 2)
+  if cfg.head_dim % 2 ~= 0 then
+    error(("head_dim %d must be even (rotary embeddings turn pairs)"):format(cfg.head_dim), 0)
+  end
+  cfg.eps = cfg.eps or 1e-6
+  cfg.rope_theta = cfg.rope_theta or 10000
+  cfg.std = cfg.std or 0.02
+  if cfg.tie == nil then cfg.tie = false end
+  for _, k in ipairs({ "eps", "rope_theta", "std" }) do
+    if type(cfg[k]) ~= "number" or not (cfg[k] > 0) then
+      error(("%s must be a number > 0 (got %s)"):format(k, tostring(cfg[k])), 0)
+    end
+  end
+  if cfg.rope_scaling then check_scaling(cfg.rope_scaling) end
+  cfg.family = "llama"
+  cfg.padded_vocab = padded(cfg.vocab)
+  return cfg
+end
+
+-- A named size with overrides (any field above).
+function M.config(name, overrides)
+  local base = M.configs[name]
+  if not base then
+    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
+          0)
+  end
+  local cfg = { name = name }
+  for k, v in pairs(base) do cfg[k] = v end
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  return M.finish(cfg)
+end
+
+------------------------------------------------------- rotary frequencies
+
+local f32 = ffi.new("float[1]")
+local function round32(x) f32[0] = x; return f32[0] end
+
+-- The inverse frequencies of the rotary embeddings, head_dim / 2 numbers,
+-- as Hugging Face works them out in fp32 (_compute_default_rope_parameters,
+-- then _compute_llama3_parameters for rope_scaling llama3): every operation
+-- rounded to fp32 as torch does it; theta^e in double, rounded.
+function M.inv_freq(cfg)
+  local d, theta, s = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+  local out = {}
+  for i = 0, d / 2 - 1 do
+    local e = round32(round32(2 * i) / d)
+    out[i + 1] = round32(1 / round32(theta ^ e))
+  end
+  if not s then return out end
+  local factor, low, high = round32(s.factor), round32(s.low_freq_factor),
+                            round32(s.high_freq_factor)
+  local old = s.original_max_position_embeddings
+  local low_wavelen = round32(old / s.low_freq_factor)
+  local high_wavelen = round32(old / s.high_freq_factor)
+  local span = round32(s.high_freq_factor - s.low_freq_factor)
+  local two_pi = round32(2 * math.pi)
+  for i, f in ipairs(out) do
+    local wavelen = round32(two_pi / f)
+    local g = wavelen > low_wavelen and round32(f / factor) or f
+    if not (wavelen < high_wavelen) and not (wavelen > low_wavelen) then
+      local smooth = round32(round32(round32(round32(old) / wavelen) - low) / span)
+      local a = round32(round32(round32(1 - smooth) * g) / factor)
+      g = round32(a + round32(smooth * g))
+    end
+    out[i] = g
+  end
+  return out
+end
+
+---------------------------------------------------------- tied LM head
+
+-- logits = x @ embed_tokens^T: borrows the embedding's table (Hugging
+-- Face's lm_head.weight is model.embed_tokens.weight when tied).
+local TiedHead = nn.Module:extend("TiedHead")
+
+function TiedHead.new(embedding, padded_vocab)
+  local self = setmetatable({}, TiedHead):init()
+  self.embedding, self.padded_vocab = embedding, padded_vocab
+  self.tied = { weight = "model.embed_tokens.weight" }
+  return self
+end
+
+function TiedHead:forward(x)
+  local logits = self:activation({ x:dim(1), x:dim(2), self.padded_vocab })
+  local xw, w = self:matmul_operands(x, self.embedding.p.weight)
+  lz.ops.linear_forward(logits, xw, w, nil)
+  self.input = xw
+  return logits
+end
+
+function TiedHead:backward(dlogits)
+  local x = self.input
+  local dx = self:scratch({ x:dim(1), x:dim(2), x:dim(3) })
+  local dw, w = self:matmul_operands(dlogits, self.embedding.p.weight)
+  lz.ops.linear_backward(dx, self.embedding.g.weight, nil, dw, x, w)
+  return dx
+end
+
+function TiedHead:own_memory(B, T, dtype)
+  local C = self.embedding.n_embd
+  local x, logits, w = B * T * C, B * T * self.padded_vocab, self.padded_vocab * C
+  return { input = lz.arena_bytes(x), activations = lz.arena_bytes(logits),
+           scratch = lz.arena_bytes(x),
+           casts = nn.Module.matmul_cast_bytes(x, w, dtype) +
+                   nn.Module.matmul_cast_bytes(logits, w, dtype) }
+end
+
+-------------------------------------------------------------------- model
+
+local Llama = nn.Model:extend("Llama")
+M.Llama = Llama
+
+function M.new(cfg)
+  local self = setmetatable({}, Llama):init()
+  self.cfg = cfg
+  local C, Vp = cfg.n_embd, cfg.padded_vocab
+  local freqs = M.inv_freq(cfg)
+  self.rope = { inv_freq = lz.from_table(freqs, { #freqs }, "f32", "workspace") }
+  local model = self:add("model", setmetatable({}, nn.Module):init())
+  local embed = model:add("embed_tokens", nn.TokenEmbedding.new(Vp, C, cfg.std))
+  local blocks = {}
+  for i = 1, cfg.n_layer do blocks[i] = nn.LlamaBlock.new(cfg, self.rope) end
+  model:add("layers", nn.Sequential.new(blocks))
+  local norm = model:add("norm", nn.RMSNorm.new(C, cfg.eps))
+  local head = cfg.tie and TiedHead.new(embed, Vp) or
+               nn.Linear.new(C, Vp, { bias = false, std = cfg.std })
+  self:add("lm_head", head)
+  self.layers = { stem = { embed }, blocks = blocks, top = { norm }, output = head }
+  self.param_table, self.n_params = self:parameter_table()
+  self:set_context({})
+  return self
+end
+
+-- Real parameters (padded rows excluded), as Hugging Face counts them.
+function Llama:count_params()
+  local cfg = self.cfg
+  local pad = (cfg.padded_vocab - cfg.vocab) * cfg.n_embd
+  return self.n_params - pad * (cfg.tie and 1 or 2)
+end
+
+-- As Hugging Face's _init_weights: every Linear and the embedding
+-- N(0, initializer_range), RMSNorm weights 1; one generator walks the table
+-- in canonical order. Padded rows are zero (never looked up, never scored).
+function Llama:init_weights(seed)
+  local r = rng.new(seed, 1)
+  for _, e in ipairs(self.param_table) do
+    local t = e.module.p[e.key]
+    if e.init.kind == "normal" then
+      r:fill_normal(ffi.cast("float *", t.data), e.numel, e.init.std)
+    elseif e.init.kind == "ones" then
+      t:fill(1)
+    else
+      t:fill(0)
+    end
+  end
+  local cfg = self.cfg
+  local pad = cfg.padded_vocab - cfg.vocab
+  if pad > 0 then
+    local n = pad * cfg.n_embd
+    self.model.embed_tokens.p.weight:view(cfg.vocab * cfg.n_embd, { n }):fill(0)
+    if not cfg.tie then self.lm_head.p.weight:view(cfg.vocab * cfg.n_embd, { n }):fill(0) end
+  end
+  return self
+end
+
+function Llama:free()
+  nn.Model.free(self)
+  if self.rope.inv_freq then self.rope.inv_freq:free() end
+  if self.rope.on_device then self.rope.on_device:free() end
+  self.rope.inv_freq, self.rope.on_device = nil, nil
+end
+
+-- The per-position losses of forward; forward, backward and sampling are
+-- GPT-2's (the same loss over the logits of the real vocabulary).
+Llama.own_memory = gpt2.GPT.own_memory
+Llama.prepare = gpt2.GPT.prepare
+Llama.forward = gpt2.GPT.forward
+Llama.backward = gpt2.GPT.backward
+Llama.generate = gpt2.GPT.generate
+
+return M
