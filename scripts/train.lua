@@ -41,6 +41,9 @@ local spec = {
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
+  { "lora-r", "int", nil, "LoRA adapters of rank r on --lora-targets; everything else frozen" },
+  { "lora-alpha", "number", nil, "LoRA scale alpha / r (default: alpha = r)" },
+  { "lora-targets", "string", "q_proj,v_proj", "modules LoRA adapts, comma-separated" },
   { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
@@ -353,6 +356,15 @@ local function set_up(flags)
   if flags.log and rank == 0 then log = open_log(flags.log) end
 
   local model = models.new(mcfg)
+  if flags.lora_r then
+    local targets = {}
+    for t in flags.lora_targets:gmatch("[^,%s]+") do targets[#targets + 1] = t end
+    local n = checked(require("models.lora").apply, model,
+                      { r = flags.lora_r, alpha = flags.lora_alpha, targets = targets })
+    say(("lora: rank %d, alpha %g on %d weights (%s); %d parameters train, the rest frozen")
+        :format(flags.lora_r, flags.lora_alpha or flags.lora_r, n, table.concat(targets, ","),
+                select(2, model:trainable_table())))
+  end
   check_save_target(flags, model.n_params)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)

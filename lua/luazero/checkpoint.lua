@@ -204,9 +204,10 @@ local function scaler_state(sc)
   return t
 end
 
-local function param_table(model)
+-- The parameters an engine trains (frozen ones are not saved).
+local function param_table(engine)
   local t = {}
-  for i, e in ipairs(model.param_table) do
+  for i, e in ipairs(engine.ptable) do
     t[i] = { name = e.name, shape = e.shape, offset = e.offset, numel = e.numel,
              decay = e.decay or false }
   end
@@ -415,7 +416,7 @@ function M.save(engine, dir, extra, opts)
         world_size = W, stage = engine.stage, dtype = engine.dtype,
         master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
         block_elems = M.BLOCK, zstd_level = o.zstd_level,
-        numel = engine.L.numel, params = param_table(engine.model), shards = shards,
+        numel = engine.L.numel, params = param_table(engine), shards = shards,
         optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
         skipped_steps = engine.skipped_steps,
         lr_schedule = { optimizer_steps = engine.optimizer_steps,
@@ -581,8 +582,8 @@ end
 ------------------------------------------------------------------ loading
 
 -- The first tensor where the checkpoint's model and this one differ.
-local function check_model(m, model, dir)
-  local here = model.param_table
+local function check_model(m, engine, dir)
+  local here = engine.ptable
   local function shape(s) return "[" .. table.concat(s, ", ") .. "]" end
   for i = 1, math.max(#here, #m.params) do
     local a, b = m.params[i], here[i]
@@ -633,7 +634,7 @@ end
 function M.load(engine, path)
   local dir = M.resolve(path)
   local m = M.read_manifest(dir)
-  check_model(m, engine.model, dir)
+  check_model(m, engine, dir)
   -- The optimizer's states must be the ones saved (the same optimizer).
   local saved, want = states_of(m), engine_states(engine)
   if table.concat(saved, ",") ~= table.concat(want, ",") then

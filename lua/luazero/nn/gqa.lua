@@ -13,6 +13,7 @@ local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
+local lora = require("luazero.nn.lora")
 
 local C = lz.C
 local ops = lz.ops
@@ -67,7 +68,7 @@ function GQA:forward(x)
   local B, T = x:dim(1), x:dim(2)
   local qkv = self:activation({ B, T, self.width })
   local w = self:packed(self.p, "weights")
-  local xw, ww = self:matmul_operands(x, w)
+  local xw, ww = self:matmul_operands(x, self.lora and (lora.effective(self, w)) or w)
   ops.linear_forward(qkv, xw, ww, nil)
   C.lz_tensor_free(w)
   -- q and k turn in place; v passes.
@@ -89,11 +90,21 @@ function GQA:backward(dy)
   -- the gradients of q and k before their turn
   ops.rope_freqs_backward(dqkv, dqkv, self:freqs_for(dqkv), self.n_head + self.n_kv_head, 0)
   local dx = self:scratch({ B, T, self.n_embd })
-  local w, gw = self:packed(self.p, "weights"), self:packed(self.g, "gradients")
-  local dyw, ww = self:matmul_operands(dqkv, w)
-  ops.linear_backward(dx, gw, nil, dyw, x, ww)
+  local g = self.g
+  local frozen = not (g.q or g.k or g.v)
+  if not frozen and not (g.q and g.k and g.v) then
+    error(("attention %s: q_proj, k_proj and v_proj are one matrix here; freeze all three or " ..
+           "none"):format(self.path or "?"), 0)
+  end
+  local w, gw = self:packed(self.p, "weights"), not frozen and self:packed(g, "gradients") or nil
+  local weff, copies = w, nil
+  if self.lora then weff, copies = lora.effective(self, w) end
+  local dyw, ww = self:matmul_operands(dqkv, weff)
+  local dw = copies and lora.grad_workspace(self, self.width, self.n_embd, w:device_name()) or gw
+  ops.linear_backward(dx, dw, nil, dyw, x, ww)
+  if copies then lora.backward(self, dw, copies) end
   C.lz_tensor_free(w)
-  C.lz_tensor_free(gw)
+  if gw then C.lz_tensor_free(gw) end
   return dx
 end
 

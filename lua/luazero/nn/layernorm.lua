@@ -28,8 +28,8 @@ end
 function LayerNorm:backward(dy)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n })
-  ops.layernorm_backward(dx, self.g.weight, self.g.bias, dy, x, self:cast(self.p.weight, "f32"),
-                         self.mean, self.rstd)
+  ops.layernorm_backward(dx, self:grad_or_sink("weight"), self:grad_or_sink("bias"), dy, x,
+                         self:cast(self.p.weight, "f32"), self.mean, self.rstd)
   return dx
 end
 

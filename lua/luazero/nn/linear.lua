@@ -3,6 +3,7 @@
 -- transpose [in, out]; export transposes them.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
+local lora = require("luazero.nn.lora")
 
 local ops = lz.ops
 local Linear = Module:extend("Linear")
@@ -20,9 +21,15 @@ end
 -- x [B, T, in] -> [B, T, out]
 -- With a bf16 weight (the ZeRO engine's bf16 working copy) x is cast to
 -- bf16 and the GEMM accumulates in fp32; the output stays f32.
+-- With LoRA adapters (models/lora.lua) the weight is the effective one.
+function Linear:weight()
+  if self.lora then return lora.effective(self, self.p.weight) end
+  return self.p.weight
+end
+
 function Linear:forward(x)
   local y = self:activation({ x:dim(1), x:dim(2), self.n_out })
-  local xw, w = self:matmul_operands(x, self.p.weight)
+  local xw, w = self:matmul_operands(x, (self:weight()))
   ops.linear_forward(y, xw, w, self:cast(self.p.bias, "f32"))
   self.input = xw
   return y
@@ -31,8 +38,12 @@ end
 function Linear:backward(dy)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n_in })
-  local dyw, w = self:matmul_operands(dy, self.p.weight)
-  ops.linear_backward(dx, self.g.weight, self.g.bias, dyw, x, w)
+  local weight, copies = self:weight()
+  local dyw, w = self:matmul_operands(dy, weight)
+  local dw = copies and lora.grad_workspace(self, self.n_out, self.n_in, w:device_name()) or
+             self.g.weight
+  ops.linear_backward(dx, dw, self.g.bias, dyw, x, w)
+  if copies then lora.backward(self, dw, copies) end
   return dx
 end
 

@@ -106,6 +106,60 @@ function Module:bind(entries, params_flat, grads_flat)
   end
 end
 
+-- Freezes the parameters whose full name matches `what` (a Lua pattern,
+-- or a function of the name returning true): they get no gradients, no
+-- optimizer states and no gradient communication, and stay exactly as they
+-- are. Call it on the whole model before the engine is built. Returns how
+-- many were frozen; naming none is an error.
+function Module:freeze(what)
+  local match = type(what) == "function" and what or function(name) return name:find(what) end
+  local table_ = self.param_table or self:parameter_table()
+  local n = 0
+  for _, e in ipairs(table_) do
+    if not e.frozen and match(e.name) then
+      e.frozen = true
+      e.module.frozen = e.module.frozen or {}
+      e.module.frozen[e.key] = true
+      n = n + 1
+    end
+  end
+  if n == 0 and type(what) ~= "function" then
+    error(("freeze: no parameter name matches %q (names look like %s)")
+          :format(tostring(what), table_[1] and table_[1].name or "?"), 2)
+  end
+  return n
+end
+
+-- The parameters that train (not frozen), with offsets renumbered over
+-- them alone: the table an engine lays out and checkpoints save.
+function Module:trainable_table()
+  local out, offset = {}, 0
+  for _, e in ipairs(self.param_table or self:parameter_table()) do
+    if not e.frozen then
+      local c = {}
+      for k, v in pairs(e) do c[k] = v end
+      c.offset = offset
+      out[#out + 1] = c
+      offset = offset + e.numel
+    end
+  end
+  return out, offset
+end
+
+-- Where a kernel that must write a gradient accumulates a frozen
+-- parameter's: a scratch of the model's (ctx.sinks), never read.
+function Module:grad_or_sink(key)
+  local g = self.g[key]
+  if g then return g end
+  local p = self.p[key]
+  local sinks = self.ctx.sinks or {}
+  self.ctx.sinks = sinks
+  local n, dev = p:numel(), p:device_name()
+  local id = dev .. ":" .. n
+  if not sinks[id] then sinks[id] = lz.tensor({ n }, "f32", "workspace", dev) end
+  return sinks[id]:view(0, p:sizes())
+end
+
 -- The context shared by a whole model: arena, scratch, hooks.
 function Module:set_context(ctx)
   self:walk(function(m) m.ctx = ctx end)

@@ -28,7 +28,8 @@ end
 function RMSNorm:backward(dy)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n })
-  ops.rmsnorm_backward(dx, self.g.weight, dy, x, self:cast(self.p.weight, "f32"), self.rstd)
+  ops.rmsnorm_backward(dx, self:grad_or_sink("weight"), dy, x, self:cast(self.p.weight, "f32"),
+                       self.rstd)
   return dx
 end
 

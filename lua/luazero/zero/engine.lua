@@ -132,7 +132,17 @@ function M.initialize(opts)
          "initialize: data_types.grad_accum_dtype must be fp32 or the working dtype")
   self.half_grads = self.gdt ~= "f32"
   self.optimizer = optimizer
-  self.L = layout.new(model.param_table, W)
+  -- Frozen parameters (model:freeze) are not laid out: the engine keeps
+  -- them whole in the working dtype, with no gradients and no states.
+  self.ptable = model:trainable_table()
+  self.frozen_entries = {}
+  for _, e in ipairs(model.param_table) do
+    if e.frozen then self.frozen_entries[#self.frozen_entries + 1] = e end
+  end
+  if #self.ptable == 0 then
+    error("initialize: every parameter is frozen (model:freeze); leave some to train", 0)
+  end
+  self.L = layout.new(self.ptable, W)
   self.pool = Pool.new(device)
   -- Host staging for gradients copied off the device (host-tier optimizer).
   self.hpool = Pool.new(device == "cpu" and "cpu" or "pinned")
@@ -214,7 +224,7 @@ function Engine:find_users()
   local L, model = self.L, self.model
   self.segs_of = {}
   local by_name = {}
-  for _, e in ipairs(model.param_table) do by_name[e.name] = e end
+  for _, e in ipairs(self.ptable) do by_name[e.name] = e end
   for _, seg in ipairs(L.segments) do
     seg.users = 1
     self.segs_of[seg.module] = { seg }
@@ -226,10 +236,13 @@ function Engine:find_users()
     if m.tied then
       local list = self.segs_of[m] or {}
       for _, name in pairs(m.tied) do
-        local e = assert(by_name[name], "engine: tied parameter " .. name .. " not found")
-        local seg = L.by_module[e.module]
-        seg.users = seg.users + 1
-        list[#list + 1] = seg
+        local e = by_name[name]
+        -- (a frozen table is whole on every rank: nothing to gather)
+        if e then
+          local seg = L.by_module[e.module]
+          seg.users = seg.users + 1
+          list[#list + 1] = seg
+        end
       end
       self.segs_of[m] = list
     end
@@ -267,6 +280,19 @@ end
 function Engine:allocate()
   local L, P, s = self.L, self.P, self.s
   local pp = P.params
+  -- Frozen parameters: one whole buffer in the working dtype, on the device.
+  local nf = 0
+  for _, e in ipairs(self.frozen_entries) do nf = nf + e.numel end
+  if nf > 0 then
+    self.frozen = lz.tensor({ nf }, pp.dtype, "params", self.dev)
+    local off = 0
+    for _, e in ipairs(self.frozen_entries) do
+      e.frozen_offset = off
+      e.module.p[e.key] = self.frozen:view(off, e.shape)
+      e.module.g[e.key] = nil
+      off = off + e.numel
+    end
+  end
   if pp.tier == "nvme" then
     local op = s.offload_param
     self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype,
@@ -359,6 +385,12 @@ end
 function Engine:init_weights(seed)
   local L, model, P = self.L, self.model, self.P
   local tmp = lz.tensor({ L.full_numel }, "f32", "workspace")
+  -- Frozen parameters are drawn into an fp32 buffer of their own (the draws
+  -- walk every parameter in canonical order), then rounded into theirs.
+  local ftmp = self.frozen and lz.tensor({ self.frozen:numel() }, "f32", "workspace")
+  for _, e in ipairs(self.frozen_entries) do
+    e.module.p[e.key] = ftmp:view(e.frozen_offset, e.shape)
+  end
   local saved = {}
   for _, seg in ipairs(L.segments) do
     for _, e in ipairs(seg.entries) do
@@ -367,6 +399,13 @@ function Engine:init_weights(seed)
     bind_params(seg, tmp:view(seg.full_offset, { seg.padded }))
   end
   model:init_weights(seed)
+  if ftmp then
+    xcopy(self.frozen, ftmp)
+    for _, e in ipairs(self.frozen_entries) do
+      e.module.p[e.key] = self.frozen:view(e.frozen_offset, e.shape)
+    end
+    ftmp:free()
+  end
   -- A state's part of segment seg: the whole padded segment (full) or this
   -- rank's slice (shard), copied from the drawn weights.
   local function place(buf, extent, seg)
@@ -1309,7 +1348,7 @@ function Engine:free()
   self.master = nil
   f(self.work)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
-  f(self.meta_send); f(self.meta_recv); f(self.round_scratch)
+  f(self.meta_send); f(self.meta_recv); f(self.round_scratch); f(self.frozen)
   local ctx = self.model.ctx
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()

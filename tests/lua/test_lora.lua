@@ -1,0 +1,156 @@
+-- test_lora.lua — frozen parameters (model:freeze) and LoRA adapters
+-- (models/lora.lua, --lora-r): only what trains gets gradients, optimizer
+-- states and communication; frozen weights stay bitwise as they were; the
+-- ZeRO stages agree bitwise; the sim device gives the cpu's numbers.
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local zero = require("luazero.zero")
+local data = require("luazero.data")
+local registry = require("models.registry")
+local lora = require("models.lora")
+
+local T = {}
+
+local write_file = support.scratch()
+local corpus_path = write_file("corpus.txt", ("Now is the winter of our discontent\n" ..
+                                              "Made glorious summer by this sun of York;\n"):rep(60))
+
+local function frozen_hash(engine)
+  local h = engine.frozen:to("cpu")
+  local x = lz.xxh64(h.data, h:bytes())
+  h:free()
+  return x
+end
+
+-- llama-tiny with adapters on q_proj, v_proj and the MLP's down_proj,
+-- trained `steps` steps at stage `stage` on `device`; returns the losses,
+-- the engine and whether the frozen weights stayed as they were.
+local function lora_run(stage, device, steps)
+  local model = registry.new(registry.config("llama-tiny"))
+  local adapted = lora.apply(model, { r = 4, alpha = 8, targets = { "q_proj", "v_proj", "down_proj" } })
+  assert(adapted == 3 * 2, "adapted " .. adapted)
+  local cfg = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
+                zero_optimization = { stage = stage },
+                optimizer = { type = "AdamW", params = { lr = 1e-2, weight_decay = 0.0 } } }
+  collectgarbage(); collectgarbage()
+  local before = lz.mem()
+  local engine = zero.initialize{ model = model, config = cfg, seed = 5, batch = { 2, 16 },
+                                  device = device }
+  local base = frozen_hash(engine)
+  local corpus = data.load(corpus_path)
+  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = 256 })
+  local losses = {}
+  for i = 1, steps do losses[i] = engine:train_batch(loader).loss end
+  local after = lz.mem()
+  local r = { losses = losses, unchanged = frozen_hash(engine) == base, engine = engine,
+              optimizer = after.optimizer - before.optimizer, grads = after.grads - before.grads,
+              checksum = engine:params_checksum() }
+  loader:free()
+  corpus.tokens:free()
+  return r, model
+end
+
+function T.lora_trains_the_adapters_alone_and_the_base_stays_bitwise()
+  local r, model = lora_run(2, "cpu", 12)
+  assert(r.unchanged, "a frozen weight changed")
+  assert(r.losses[#r.losses] < r.losses[1] - 0.05,
+         ("loss did not fall: %g -> %g"):format(r.losses[1], r.losses[#r.losses]))
+  -- What trains is the adapters: r (in + out) elements per adapted weight.
+  local cfg, adapters = model.cfg, 0
+  for _, e in ipairs(model.param_table) do
+    if not e.frozen then
+      assert(e.name:find("lora_[AB]%.weight$"), e.name .. " trains")
+      adapters = adapters + e.numel
+    end
+  end
+  local hd = cfg.n_embd / cfg.n_head
+  local want = cfg.n_layer * 4 * ((cfg.n_embd + cfg.n_head * hd) + (cfg.n_embd + cfg.n_kv_head * hd) +
+                                  (cfg.n_hidden + cfg.n_embd))
+  assert(adapters == want, ("%d adapter elements, want %d"):format(adapters, want))
+  -- The ledger: the optimizer's bytes are those of the adapters' fp32
+  -- master, m and v (padded layout), and the gradients theirs.
+  local L = r.engine.L
+  assert(L.numel == adapters)
+  assert(r.optimizer == 12 * L.full_numel,
+         ("optimizer bytes %d, want 12 x %d (the adapters' master, m, v)"):format(r.optimizer,
+                                                                                L.full_numel))
+  assert(r.grads == 4 * L.full_numel, ("gradient bytes %d, want 4 x %d"):format(r.grads,
+                                                                              L.full_numel))
+  r.engine:free()
+end
+
+function T.lora_on_sim_and_every_stage_give_the_same_weights()
+  local first = lora_run(0, "cpu", 3)
+  local want = first.checksum
+  first.engine:free()
+  for _, c in ipairs({ { 1, "cpu" }, { 3, "cpu" }, { 0, "sim" }, { 3, "sim" } }) do
+    local r = lora_run(c[1], c[2], 3)
+    assert(r.unchanged, "a frozen weight changed")
+    assert(r.checksum == want, ("stage %d on %s: %s, stage 0 on cpu: %s"):format(c[1], c[2],
+                                                                               r.checksum, want))
+    r.engine:free()
+  end
+end
+
+-- GPT-2 with its token table (tied to the LM head) and LayerNorms frozen:
+-- stages agree, the frozen weights stay, the ledger holds the rest only.
+function T.frozen_gpt2_parameters_stay_and_the_stages_agree()
+  local gpt2 = require("models.gpt2")
+  local sums
+  for _, stage in ipairs({ 0, 3 }) do
+    local model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4,
+                                                      context = 32 }))
+    local n = model:freeze("^transformer%.wte") + model:freeze("ln_")
+    assert(n == 1 + 2 * 2 * 2 + 2, "froze " .. n)
+    local cfg = { train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = stage,
+                  stage3_param_persistence_threshold = 128 },
+                  optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
+    collectgarbage(); collectgarbage()
+    local before = lz.mem()
+    local engine = zero.initialize{ model = model, config = cfg, seed = 2, batch = { 2, 16 } }
+    local base = frozen_hash(engine)
+    local corpus = data.load(corpus_path)
+    local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = 256 })
+    for _ = 1, 3 do engine:train_batch(loader) end
+    assert(frozen_hash(engine) == base, "a frozen weight changed at stage " .. stage)
+    local trainable = 0
+    for _, e in ipairs(model.param_table) do
+      if not e.frozen then trainable = trainable + e.numel end
+    end
+    assert(engine.L.numel == trainable)
+    assert(lz.mem().optimizer - before.optimizer == 8 * engine.L.full_numel,
+           "optimizer bytes beyond the trainable parameters'")
+    local sum = engine:params_checksum()
+    sums = sums or sum
+    assert(sum == sums, ("stage %d: %s, stage 0: %s"):format(stage, sum, sums))
+    engine:free(); loader:free(); corpus.tokens:free()
+  end
+end
+
+local train, ok_train = support.trainer(("--model llama-tiny --seq-len 16 --sample 0 " ..
+                                         "--eval-batches 1 --data %s"):format(
+                                         support.quote(corpus_path)))
+
+function T.lora_flags_train_at_world_2_with_the_same_checksum_at_every_stage()
+  local sums = {}
+  for stage = 0, 3 do
+    local out
+    out, sums[stage] = ok_train(2, ("--steps 3 --stage %d --dtype bf16 --lora-r 4 " ..
+                                   "--lora-targets q_proj,v_proj,o_proj"):format(stage))
+    assert(out:find("lora: rank 4", 1, true), out)
+    assert(sums[stage] == sums[0], ("stage %d: %s, stage 0: %s"):format(stage, sums[stage],
+                                                                       sums[0]))
+  end
+end
+
+function T.freezing_nothing_or_adapting_nothing_is_an_error()
+  local model = registry.new(registry.config("llama-tiny"))
+  support.expect_error(function() model:freeze("no_such_weight") end,
+                       'freeze: no parameter name matches "no_such_weight"')
+  local out, st = train(1, "--steps 1 --lora-r 4 --lora-targets qq_proj")
+  assert(st == 2 and out:find("lora: no module named qq_proj to adapt", 1, true), out)
+  out, st = train(1, "--steps 1 --lora-r 0")
+  assert(st == 2 and out:find("lora: r must be", 1, true), out)
+end
+
+return T
