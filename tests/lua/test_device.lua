@@ -84,6 +84,9 @@ function T.sim_gives_the_cpus_checksum_with_accumulation_checkpointing_and_offlo
   local cases = {
     { "activation checkpointing, stage 2", config(2, "bf16"), "--checkpoint-activations" },
     { "activation checkpointing, stage 3", config(3, "bf16"), "--checkpoint-activations" },
+    { "activation checkpointing with the kept inputs in host memory, stage 2",
+      config(2, "bf16", nil, { activation_checkpointing = { cpu_checkpointing = true } }),
+      "--checkpoint-activations" },
     { "offload_optimizer cpu, stage 1", config(1, "bf16", { offload_optimizer = { device = "cpu" } }) },
     { "offload_optimizer cpu, stage 2", config(2, "bf16", { offload_optimizer = { device = "cpu" } }) },
     { "offload_optimizer cpu + offload_param cpu, stage 3",

@@ -54,10 +54,6 @@ end
 -- forward), for the default placement; device: the model's ("cpu").
 function M.store(opts, n, bytes, arena, device)
   device = device or "cpu"
-  if opts.cpu_checkpointing and device ~= "cpu" then
-    error(("activation_checkpointing.cpu_checkpointing is not available on %s yet; turn it " ..
-           "off (the kept inputs then stay in device memory)"):format(device), 0)
-  end
   local self = setmetatable({ n = n, slots = {}, owned = {} }, Store)
   -- cpu_checkpointing: on the CPU the host is the device, so the copy is the
   -- same memcpy into host memory counted as offload. A CUDA device puts this
@@ -65,10 +61,15 @@ function M.store(opts, n, bytes, arena, device)
   -- memory in kept(i), just before its recompute.
   local total, category = M.store_bytes(opts, n, bytes)
   self.category = category or "activations"
+  -- Beside a device, cpu_checkpointing keeps the inputs in host memory and
+  -- copies each one back into a landing buffer on the device before its
+  -- replay; the landing buffer is also the input of the forward that kept it.
+  local on_host = opts.cpu_checkpointing and device ~= "cpu"
+  if on_host then self.landing = lz.tensor({ bytes / 4 }, "f32", "activations", device) end
   if opts.contiguous_memory_optimization then
     M.check(opts, n)
     self.capacity = opts.number_checkpoints or n
-    self.buffer = lz.tensor({ total / 4 }, "f32", category, device)
+    self.buffer = lz.tensor({ total / 4 }, "f32", category, not on_host and device or nil)
     self.arena = lz.arena_over(self.buffer, 0, total)
     self.owned[#self.owned + 1] = self.arena
   elseif category then
@@ -96,16 +97,20 @@ function Store:keep(i, x)
   local t = self.arena:tensor(x:sizes(), "f32")
   t:copy(x)
   self.slots[i] = t
+  if self.landing then return self.landing:view(0, x:sizes()):copy(x) end
   return t
 end
 
 function Store:kept(i)
-  return assert(self.slots[i], "checkpoint: no kept input for this module; run forward first")
+  local t = assert(self.slots[i], "checkpoint: no kept input for this module; run forward first")
+  if self.landing then return self.landing:view(0, t:sizes()):copy(t) end
+  return t
 end
 
 function Store:free()
   for _, a in ipairs(self.owned) do a:free() end
   if self.buffer then self.buffer:free() end
+  if self.landing then self.landing:free(); self.landing = nil end
   self.owned, self.buffer, self.arena, self.slots = {}, nil, nil, {}
 end
 
