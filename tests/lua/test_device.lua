@@ -75,10 +75,19 @@ end
 
 function T.sim_gives_the_cpus_checksum_with_accumulation_checkpointing_and_offload()
   local accum = { gradient_accumulation_steps = 2 }
-  local want = cpu_sum(2, "bf16", nil, accum)
-  for _, stage in ipairs({ 0, 1, 2, 3 }) do
-    local got = sum_of(2, "sim", config(stage, "bf16", nil, accum))
-    assert(got == want, ("accumulation 2, stage %d on sim: %s, on cpu %s"):format(stage, got, want))
+  for _, c in ipairs({ { 2, "bf16" }, { 1, "fp32" } }) do
+    local n, dtype = c[1], c[2]
+    local want = cpu_sum(n, dtype, nil, accum)
+    for _, stage in ipairs({ 0, 1, 2, 3 }) do
+      local got = sum_of(n, "sim", config(stage, dtype, nil, accum))
+      assert(got == want, ("world %d %s accumulation 2, stage %d on sim: %s, on cpu %s")
+                          :format(n, dtype, stage, got, want))
+    end
+  end
+  for _, stage in ipairs({ 0, 3 }) do
+    local got = sum_of(1, "sim", config(stage, "fp32"), "--checkpoint-activations")
+    assert(got == cpu_sum(1, "fp32"), ("world 1 fp32 checkpointing, stage %d on sim: %s")
+                                      :format(stage, got))
   end
   want = cpu_sum(2, "bf16")
   local cases = {
