@@ -155,6 +155,17 @@ function T.save_on_sim_resumes_on_sim_and_on_cpu_to_the_same_checksum()
   end
 end
 
+-- A world-2 stage-3 checkpoint saved on sim loads at world 1, stage 1, on
+-- sim: the same weights (a resume at the step it was saved runs no step).
+function T.a_sim_checkpoint_reshards_on_sim()
+  local dir = tmp .. "/reshard"
+  local _, saved = ok_train(2, ("--steps 2 --device sim --config %s --save %s")
+                               :format(config(3, "bf16"), dir), JITTER)
+  local _, loaded = ok_train(1, ("--steps 2 --device sim --config %s --resume %s")
+                                :format(config(1, "bf16"), dir), JITTER)
+  assert(loaded == saved, ("resharded %s, saved %s"):format(loaded, saved))
+end
+
 ------------------------------------------------------------ bytes and tiers
 
 -- The log records of one sim run.
