@@ -369,10 +369,11 @@ local function set_up(flags)
   local corpus = checked(data.load, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world })
+  local model = models.new(mcfg)
+  -- --init's files checked (headers, names, shapes) before anything is written.
+  if flags.init then checked(hf.check, flags.init, model) end
   local log
   if flags.log and rank == 0 then log = open_log(flags.log) end
-
-  local model = models.new(mcfg)
   check_save_target(flags, model.n_params)
   checked(resolve_stage, cfg, model, world)
   local note = config.unimplemented_message(cfg)

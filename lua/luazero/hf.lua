@@ -5,6 +5,7 @@
 -- and the config.json of a model. docs/models.md, "Hugging Face weights".
 --
 --   local hf = require("luazero.hf")
+--   hf.check("model.safetensors", model)          -- names, shapes, sizes: errors before any work
 --   hf.load_into(engine, "model.safetensors")     -- or a folder: config.json, shards, index
 --   hf.config_path("folder")                      -- its config.json, or nil
 --   hf.tensor_of(name, shape, vocab)              -- {name, shape, conv, rows}
@@ -171,9 +172,9 @@ local function plan(src, model)
     local e = M.tensor_of(p.name, p.shape, cfg.vocab)
     local have = src.by_name[e.name]
     if not have then
-      fail("%s: tensor %s is missing (%s %s of %s); give the weights of this model, or the " ..
-           "--model / --model-config they were made for", one, e.name, shape_text(e.shape),
-           cfg.name or "this model", cfg.family or "")
+      fail("%s: tensor %s %s is missing (this model, %s, has it); give the weights of this " ..
+           "model, or the --model / --model-config they were made for", one, e.name,
+           shape_text(e.shape), cfg.name or "?")
     end
     if shape_text(have.t.shape) ~= shape_text(e.shape) then
       fail("%s: tensor %s has shape %s, this model (%s) wants %s; give the --model / " ..
@@ -238,6 +239,15 @@ local function fill(want, c, n, dst)
     read_param(e, a, k, dst)
     c, n, dst, i = c + k, n - k, dst + k, i + 1
   end
+end
+
+-- Checks that path's weights fill model (names, shapes, file sizes) without
+-- reading them: what load_into refuses, refused before anything is built.
+function M.check(path, model)
+  local src = M.open(path)
+  local ok, err = pcall(plan, src, model)
+  M.close(src)
+  if not ok then error(err, 0) end
 end
 
 -- Loads Hugging Face weights (path: a .safetensors file or a folder) into
