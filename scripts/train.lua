@@ -3,6 +3,7 @@
 --   luazero scripts/train.lua --model gpt2-nano --data corpus.txt --steps 500 --log run.jsonl
 --   luazero scripts/train.lua --model llama-tiny --data corpus.txt
 --   luazero scripts/train.lua --model-config config.json --data corpus.txt  # Hugging Face's
+--   luazero scripts/train.lua --init hf-folder --data corpus.bin  # its config.json and weights
 --   luazero -n 4 scripts/train.lua --data corpus.txt --config ds_config.json --stage 3
 -- Flags: luazero scripts/train.lua --help. Formats and fields: docs/training.md,
 -- the engine and the configuration: docs/zero.md.
@@ -17,6 +18,7 @@ local config = require("luazero.config")
 local zero = require("luazero.zero")
 local estimate = require("luazero.estimate")
 local models = require("models.registry")
+local hf = require("luazero.hf")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
@@ -25,10 +27,12 @@ local WORLD = tonumber(os.getenv("WORLD_SIZE") or "1") or 1
 local PREFIXED = os.getenv("LZ_SHM_NAME") ~= nil and os.getenv("LZ_RANK_OUTPUT") ~= "raw"
 
 local spec = {
-  { "model", "string", "gpt2-nano", "model size: " .. table.concat(models.names, ", ") },
+  { "model", "string", nil, "model size (default gpt2-nano, or --init's config.json): " .. table.concat(models.names, ", ") },
   { "model-config", "string", nil, "a Hugging Face config.json (GPT2LMHeadModel or LlamaForCausalLM) instead of --model" },
+  { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
+  { "tokenizer", "string", nil, "the tokenizer.json the data was prepared with: the sample is decoded with it" },
   { "data", "string", nil, "a text file (bytes are tokens) or a token file (tools/prepare-data)" },
-  { "steps", "int", 100, "optimizer steps" },
+  { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)" },
   { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
   { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
   { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
@@ -165,7 +169,7 @@ local function load_config(flags, world, model_cfg)
   local ov = {
     stage = flags.stage, dtype = flags.dtype, micro_batch = flags.micro_batch,
     grad_accum = flags.grad_accum, lr = flags.lr, warmup = flags.warmup,
-    total_steps = flags.steps, memory_budget = flags.memory_budget,
+    total_steps = flags.steps > 0 and flags.steps or nil, memory_budget = flags.memory_budget,
   }
   local td = config.train_defaults
   local source = flags.config
@@ -308,9 +312,14 @@ local function parse_flags(argv)
   if not flags.data then
     user_error("--data is required: a text file or a token file made by tools/prepare-data")
   end
-  for _, n in ipairs({ "steps", "micro-batch", "grad-accum", "seq-len", "n-layer", "n-head",
+  for _, n in ipairs({ "micro-batch", "grad-accum", "seq-len", "n-layer", "n-head",
                        "n-embd", "context", "vocab" }) do
     positive(flags, n, 1)
+  end
+  positive(flags, "steps", flags.init and 0 or 1)
+  if flags.init and flags.resume then
+    user_error(("--init %s and --resume %s: give one (--resume continues a luazero checkpoint, " ..
+                "--init starts from Hugging Face weights)"):format(flags.init, flags.resume))
   end
   for _, n in ipairs({ "warmup", "eval-every", "eval-batches", "sample", "save-every", "keep" }) do
     positive(flags, n, 0)
@@ -331,10 +340,21 @@ local function set_up(flags)
     context = flags.context, vocab = flags.vocab,
   }
   local mcfg
-  if flags.model_config then
-    mcfg = checked(models.from_hf_config, flags.model_config, overrides)
+  -- --init FOLDER without --model / --model-config: the folder's config.json.
+  local init_config = flags.init and not flags.model and not flags.model_config and
+                      hf.config_path(flags.init)
+  if flags.model_config or init_config then
+    mcfg = checked(models.from_hf_config, flags.model_config or init_config, overrides)
   else
-    mcfg = checked(models.config, flags.model, overrides)
+    mcfg = checked(models.config, flags.model or "gpt2-nano", overrides)
+  end
+  local tok
+  if flags.tokenizer then
+    tok = checked(require("luazero.tokenizer").load, flags.tokenizer)
+    if tok:vocab_size() > mcfg.vocab then
+      user_error(("--tokenizer %s: %d tokens, more than the model's vocab %d; give --vocab %d " ..
+                  "or more"):format(flags.tokenizer, tok:vocab_size(), mcfg.vocab, tok:vocab_size()))
+    end
   end
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
@@ -352,10 +372,11 @@ local function set_up(flags)
   local corpus = checked(data.load, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world })
+  local model = models.new(mcfg)
+  -- --init's files checked (headers, names, shapes) before anything is written.
+  if flags.init then checked(hf.check, flags.init, model) end
   local log
   if flags.log and rank == 0 then log = open_log(flags.log) end
-
-  local model = models.new(mcfg)
   if flags.lora_r then
     local targets = {}
     for t in flags.lora_targets:gmatch("[^,%s]+") do targets[#targets + 1] = t end
@@ -384,7 +405,16 @@ local function set_up(flags)
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
     warmup = warmup, corpus = corpus, loader = loader, log = log, model = model,
     engine = engine, n_val = math.min(flags.eval_batches, loader.val_batches), first = 1,
+    tok = tok,
   }
+end
+
+-- --init: Hugging Face weights into the engine, each rank reading its part.
+local function init_from_hf(run)
+  local t0 = clock.now()
+  local r = checked(hf.load_into, run.engine, run.flags.init)
+  say(("initialized from %s: %d tensors from %d file%s in %.2f s"):format(run.flags.init,
+      r.tensors, r.files, r.files == 1 and "" or "s", clock.now() - t0))
 end
 
 -- --resume: the engine's states, the batch generator, the next step.
@@ -538,7 +568,14 @@ local function finish(run)
   if flags.sample > 0 then
     local prompt = { mcfg.vocab == 50257 and 50256 or (mcfg.vocab > 10 and 10 or 0) }
     local ids = run.model:generate(prompt, flags.sample, flags.seed)
-    if mcfg.vocab <= 256 then
+    if run.tok then
+      -- ids past the tokenizer's vocabulary (the model's may be larger) as <id>
+      local parts = {}
+      for i, id in ipairs(ids) do
+        parts[i] = id < run.tok:vocab_size() and run.tok:decode({ id }) or ("<%d>"):format(id)
+      end
+      say("sample:\n" .. table.concat(parts))
+    elseif mcfg.vocab <= 256 then
       say("sample:\n" .. data.decode_bytes(ids))
     else
       say("sample (token ids): " .. table.concat(ids, " "))
@@ -560,6 +597,7 @@ local function main(argv)
   if not flags then return end
   local run = set_up(flags)
   if flags.resume then resume(run) end
+  if flags.init then init_from_hf(run) end
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
   for step = run.first, flags.steps do
@@ -568,6 +606,12 @@ local function main(argv)
     if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
     check_budget(run, step, rec)
     save_if_due(run, step)
+  end
+  -- No step ran (--steps 0 with --init, or a resume at its last step): the
+  -- validation loss of the weights as loaded, to the last bit.
+  if run.first > flags.steps and run.n_val > 0 then
+    local v = checked_rank(run.engine.evaluate, run.engine, run.loader, run.n_val)
+    say(("val_loss %.17g"):format(v))
   end
   finish(run)
 end

@@ -1,12 +1,14 @@
 -- tools/ckpt.lua — checkpoint tools, run by tools/ckpt. docs/checkpoints.md.
 --   luazero tools/ckpt.lua inspect CKPT
 --   luazero tools/ckpt.lua consolidate CKPT OUT.bin
---   luazero tools/ckpt.lua export CKPT OUT.safetensors [--dtype fp32|bf16]
+--   luazero tools/ckpt.lua export CKPT OUT.safetensors|FOLDER [--dtype fp32|bf16]
 local ffi = require("ffi")
 local cjson = require("cjson")
 local lz = require("luazero")
 local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
+local hf = require("luazero.hf")
+local safetensors = require("luazero.checkpoint.safetensors")
 
 local USAGE = [[
 usage: tools/ckpt COMMAND CKPT [OUT] [flags]
@@ -16,6 +18,8 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   export CKPT OUT.safetensors  safetensors with Hugging Face names: GPT-2's (wte.weight,
                                h.0.attn.c_attn.weight [in, out], ...), Llama's as they are
                                (model.embed_tokens.weight, ...); --dtype fp32|bf16
+  export CKPT FOLDER           the same as FOLDER/model.safetensors, with FOLDER/config.json
+                               (GPT2LMHeadModel, LlamaForCausalLM): a Hugging Face model folder
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]
 
 local function fail(msg)
@@ -49,55 +53,46 @@ local function inspect(ck)
   end
 end
 
--- Hugging Face GPT-2 (GPT2Model) name of a luazero parameter, and whether
--- it is a Conv1D weight (stored [in, out]: our [out, in] transposed).
-local function hf_name(name)
-  local n = name:gsub("^transformer%.", "")
-  local conv = n:match("%.c_attn%.weight$") or n:match("%.c_proj%.weight$") or
-               n:match("%.c_fc%.weight$")
-  return n, conv ~= nil
-end
-
--- Tables with a row per token: exported without the padding rows past the
--- real vocabulary (GPT-2's wte; Llama's embed_tokens and untied lm_head).
-local vocab_tables = { ["wte.weight"] = true, ["model.embed_tokens.weight"] = true,
-                       ["lm_head.weight"] = true }
-
+-- The export: safetensors with Hugging Face's names (luazero/hf.lua),
+-- token tables without their padding rows. OUT ending in .safetensors: that
+-- file; anything else: a folder with model.safetensors and config.json,
+-- loadable by transformers' from_pretrained. Streamed from the consolidated
+-- fp32 master, one tensor in memory.
 local function export(ck, out, dtype)
   local m = ck.manifest
   if dtype ~= "fp32" and dtype ~= "bf16" then
     fail(("--dtype %s: expected fp32 or bf16"):format(tostring(dtype)))
   end
-  local vocab = m.model and m.model.config and m.model.config.vocab
-  local tmp = out .. ".consolidated-tmp"
+  local mcfg = m.model and m.model.config or {}
+  local vocab = mcfg.vocab
+  local folder = not out:match("%.safetensors$")
+  local file = out
+  if folder then
+    out = out:gsub("/+$", "")
+    if lz.C.lz_ckpt_mkdir(out) ~= 0 then
+      fail(("%s: %s"):format(out, (ffi.string(lz.C.lz_last_error()):gsub("^checkpoint: ", ""))))
+    end
+    file = out .. "/model.safetensors"
+  end
+  local tmp = file .. ".consolidated-tmp"
   checked(ck.consolidate, ck, tmp)
   local esize = dtype == "bf16" and 2 or 4
-  -- Header: every tensor's name, dtype, shape, byte range.
-  local entries, offset = {}, 0
-  local header = { __metadata__ = { format = "pt", source = "luazero " .. lz.version(),
-                                    step = tostring(m.global_steps) } }
+  local entries = {}
   for _, p in ipairs(m.params) do
-    local name, conv = hf_name(p.name)
-    local shape = { unpack(p.shape) }
-    local rows = shape[1]
-    if vocab_tables[name] and vocab and vocab < rows then rows = vocab; shape[1] = vocab end
-    if conv then shape = { shape[2], shape[1] } end
+    local e = hf.tensor_of(p.name, p.shape, vocab)
     local n = 1
-    for _, d in ipairs(shape) do n = n * d end
-    entries[#entries + 1] = { p = p, name = name, conv = conv, shape = shape, numel = n,
-                              rows = rows, begin = offset }
-    header[name] = { dtype = dtype == "bf16" and "BF16" or "F32", shape = shape,
-                     data_offsets = { offset, offset + n * esize } }
-    offset = offset + n * esize
+    for _, d in ipairs(e.shape) do n = n * d end
+    e.p, e.numel, e.bytes = p, n, n * esize
+    e.dtype = dtype == "bf16" and "BF16" or "F32"
+    entries[#entries + 1] = e
   end
-  local text = cjson.encode(header)
-  text = text .. (" "):rep((8 - #text % 8) % 8)
-  local f, err = io.open(out, "wb")
-  if not f then os.remove(tmp); fail(("%s: cannot write it (%s)"):format(out, tostring(err))) end
-  local len = ffi.new("uint64_t[1]", #text)
-  f:write(ffi.string(len, 8), text)
+  local head, total = safetensors.header(entries, { format = "pt",
+    source = "luazero " .. lz.version(), step = tostring(m.global_steps) })
+  local f, err = io.open(file, "wb")
+  if not f then os.remove(tmp); fail(("%s: cannot write it (%s)"):format(file, tostring(err))) end
+  f:write(head)
   local src = assert(io.open(tmp, "rb"))
-  local bar = checkpoint.progress("export", offset)
+  local bar = checkpoint.progress("export", total)
   for _, e in ipairs(entries) do
     local p = e.p
     src:seek("set", 1024 + p.offset * 4)
@@ -121,13 +116,19 @@ local function export(ck, out, dtype)
       f:write(ffi.string(t.data, t:bytes()))
     end
     t:free()
-    bar.update(e.begin + e.numel * esize)
+    bar.update(e.data_offset + e.bytes)
   end
   bar.finish()
   src:close()
   f:close()
   os.remove(tmp)
-  print(("exported %d tensors (%s, %.1f MiB) to %s"):format(#entries, dtype, offset / 2 ^ 20, out))
+  if folder then
+    local cf = assert(io.open(out .. "/config.json", "wb"))
+    cf:write(cjson.encode(hf.config_json(mcfg, dtype)), "\n")
+    cf:close()
+  end
+  print(("exported %d tensors (%s, %.1f MiB) to %s%s"):format(#entries, dtype, total / 2 ^ 20,
+        file, folder and (" and " .. out .. "/config.json") or ""))
 end
 
 local function main(argv)
@@ -148,7 +149,7 @@ local function main(argv)
     local n = checked(ck.consolidate, ck, out)
     print(("consolidated %d fp32 elements (%d tensors) to %s"):format(n, #ck.manifest.params, out))
   elseif cmd == "export" then
-    if not out then fail("export needs OUT.safetensors") end
+    if not out then fail("export needs OUT.safetensors or a FOLDER") end
     export(ck, out, flags.dtype)
   else
     fail(("unknown command %q\n%s"):format(cmd, USAGE))

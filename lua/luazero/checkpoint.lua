@@ -214,10 +214,20 @@ local function param_table(engine)
   return t
 end
 
+-- The model's config: its scalar fields, and tables of scalars (Llama's
+-- rope_scaling), which an export's config.json needs.
 local function model_config(model)
   local cfg = {}
   for k, v in pairs(model.cfg or {}) do
-    if type(v) ~= "table" and type(v) ~= "function" then cfg[k] = v end
+    if type(v) == "table" then
+      local t = {}
+      for tk, tv in pairs(v) do
+        if type(tv) ~= "table" and type(tv) ~= "function" then t[tk] = tv end
+      end
+      if next(t) then cfg[k] = t end
+    elseif type(v) ~= "function" then
+      cfg[k] = v
+    end
   end
   return cfg
 end

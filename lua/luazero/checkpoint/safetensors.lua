@@ -1,0 +1,196 @@
+-- checkpoint/safetensors.lua — the safetensors format, read by ranges: a
+-- file's header (8-byte little-endian length, then JSON: name -> dtype,
+-- shape, data_offsets), checked against the file's size, and any range of
+-- a tensor's elements read as fp32 (F32, BF16, F16) with pread, so a reader
+-- holds only what it asked for. docs/formats.md.
+--
+--   local st = safetensors.open("model.safetensors")   -- errors name the file and tensor
+--   local t = st.tensors["model.norm.weight"]          -- {dtype, shape, numel, begin, stop}
+--   st:read(t, first, n, float_ptr)                    -- elements [first, first + n)
+--   st:close()
+local ffi = require("ffi")
+local cjson = require("cjson")
+
+for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
+                       "int64_t pread(int fd, void *buf, size_t n, int64_t offset);",
+                       "int64_t lseek(int fd, int64_t offset, int whence);",
+                       "int close(int fd);", "char *strerror(int errnum);" }) do
+  pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
+end
+
+local M = {}
+
+M.DTYPES = { F32 = 4, BF16 = 2, F16 = 2 }
+-- A header longer than this is not one (the format's own limit is 100 MB).
+local MAX_HEADER = 100000000
+-- Elements converted per pread of a 2-byte dtype.
+local STAGE = 2 ^ 20
+
+local function fail(path, msg) error(("safetensors %s: %s"):format(path, msg), 0) end
+
+local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
+
+-- fp32 value of every 16-bit pattern, for BF16 and F16: built on first use.
+local lut = {}
+local function table_of(dtype)
+  if lut[dtype] then return lut[dtype] end
+  local t = ffi.new("float[65536]")
+  local u = ffi.new("union { uint32_t u; float f; }")
+  for h = 0, 65535 do
+    if dtype == "BF16" then
+      u.u = h * 65536
+      t[h] = u.f
+    else -- IEEE half: sign, 5-bit exponent (bias 15), 10-bit mantissa
+      local sign = h >= 32768 and -1 or 1
+      local e, m = math.floor(h / 1024) % 32, h % 1024
+      if e == 0 then
+        t[h] = sign * m * 2 ^ -24
+      elseif e == 31 then
+        t[h] = m == 0 and sign * math.huge or 0 / 0
+      else
+        t[h] = sign * (1 + m / 1024) * 2 ^ (e - 15)
+      end
+    end
+  end
+  lut[dtype] = t
+  return t
+end
+
+local File = {}
+File.__index = File
+
+local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
+M.shape_text = shape_text
+
+-- Opens and checks a file: its header parses, every tensor has a known
+-- dtype, a shape and data_offsets that agree, and lies inside the file.
+function M.open(path)
+  local fd = ffi.C.open(path, 524288, 0) -- O_RDONLY | O_CLOEXEC
+  if fd < 0 then fail(path, ("cannot read it (%s)"):format(why())) end
+  local self = setmetatable({ path = path, fd = fd, tensors = {}, names = {} }, File)
+  local ok, err = pcall(function()
+    self.size = tonumber(ffi.C.lseek(fd, 0, 2))
+    if self.size < 8 then
+      fail(path, ("%d bytes, shorter than the 8-byte header length: not a safetensors file")
+                 :format(self.size))
+    end
+    local len = ffi.new("uint64_t[1]")
+    assert(ffi.C.pread(fd, len, 8, 0) == 8, why())
+    local n = tonumber(len[0])
+    if n > MAX_HEADER then
+      fail(path, ("header length %d is over %d bytes: not a safetensors file"):format(n, MAX_HEADER))
+    end
+    if 8 + n > self.size then
+      fail(path, ("header length %d runs past the end of the file (%d bytes): the file is " ..
+                  "truncated; copy or export it again"):format(n, self.size))
+    end
+    local buf = ffi.new("char[?]", n)
+    assert(ffi.C.pread(fd, buf, n, 8) == n, why())
+    local jok, h = pcall(cjson.decode, ffi.string(buf, n))
+    if not jok or type(h) ~= "table" then
+      fail(path, ("header is not a JSON object (%s); the file is damaged or not safetensors")
+                 :format(jok and type(h) or tostring(h)))
+    end
+    self.start = 8 + n
+    self.metadata = type(h.__metadata__) == "table" and h.__metadata__ or {}
+    for name, e in pairs(h) do
+      if name ~= "__metadata__" then self:add(name, e) end
+    end
+    table.sort(self.names)
+  end)
+  if not ok then
+    ffi.C.close(fd)
+    error(err, 0)
+  end
+  return self
+end
+
+function File:add(name, e)
+  local path = self.path
+  if type(e) ~= "table" then fail(path, ("tensor %s: header entry is not an object"):format(name)) end
+  local es = M.DTYPES[e.dtype]
+  if not es then
+    fail(path, ("tensor %s has dtype %s; supported: F32, BF16, F16"):format(name,
+               cjson.encode(e.dtype == nil and cjson.null or e.dtype)))
+  end
+  if type(e.shape) ~= "table" then fail(path, ("tensor %s has no shape"):format(name)) end
+  local numel = 1
+  for _, d in ipairs(e.shape) do
+    if type(d) ~= "number" or d < 0 or d ~= math.floor(d) then
+      fail(path, ("tensor %s: shape %s is not a list of whole numbers"):format(name,
+                 cjson.encode(e.shape)))
+    end
+    numel = numel * d
+  end
+  local o = e.data_offsets
+  if type(o) ~= "table" or type(o[1]) ~= "number" or type(o[2]) ~= "number" or o[2] < o[1] then
+    fail(path, ("tensor %s: data_offsets %s is not [begin, end]"):format(name,
+               cjson.encode(o == nil and cjson.null or o)))
+  end
+  if o[2] - o[1] ~= numel * es then
+    fail(path, ("tensor %s: data_offsets span %d bytes, but shape %s of %s needs %d")
+               :format(name, o[2] - o[1], shape_text(e.shape), e.dtype, numel * es))
+  end
+  if self.start + o[2] > self.size then
+    fail(path, ("tensor %s ends at byte %d, but the file has %d bytes: the file is truncated; " ..
+                "copy or export it again"):format(name, self.start + o[2], self.size))
+  end
+  self.tensors[name] = { name = name, dtype = e.dtype, esize = es, shape = e.shape,
+                         numel = numel, begin = self.start + o[1], stop = self.start + o[2] }
+  self.names[#self.names + 1] = name
+end
+
+local function pread_all(self, buf, bytes, at, what)
+  local done = 0
+  while done < bytes do
+    local r = tonumber(ffi.C.pread(self.fd, ffi.cast("char *", buf) + done, bytes - done, at + done))
+    if r <= 0 then
+      fail(self.path, ("reading tensor %s at byte %d failed (%s)"):format(what, at + done,
+                       r < 0 and why() or "end of file: the file shrank while read"))
+    end
+    done = done + r
+  end
+end
+
+-- Elements [first, first + n) of tensor t, as fp32, into dst (float *).
+function File:read(t, first, n, dst)
+  if n <= 0 then return end
+  assert(first >= 0 and first + n <= t.numel, "safetensors: read past the tensor")
+  local at = t.begin + first * t.esize
+  if t.dtype == "F32" then
+    pread_all(self, dst, n * 4, at, t.name)
+    return
+  end
+  local conv = table_of(t.dtype)
+  self.stage = self.stage or ffi.new("uint16_t[?]", STAGE)
+  local src, done = self.stage, 0
+  while done < n do
+    local k = math.min(STAGE, n - done)
+    pread_all(self, src, k * 2, at + done * 2, t.name)
+    for i = 0, k - 1 do dst[done + i] = conv[src[i]] end
+    done = done + k
+  end
+end
+
+function File:close()
+  if self.fd >= 0 then ffi.C.close(self.fd) end
+  self.fd = -1
+end
+
+-- A header for tensors {name, dtype, shape, bytes} laid out in that order:
+-- the bytes to write first (length, JSON padded with spaces to 8), and each
+-- tensor's data offset after it.
+function M.header(list, metadata)
+  local h, offset = { __metadata__ = metadata }, 0
+  for _, e in ipairs(list) do
+    h[e.name] = { dtype = e.dtype, shape = e.shape, data_offsets = { offset, offset + e.bytes } }
+    e.data_offset = offset
+    offset = offset + e.bytes
+  end
+  local text = cjson.encode(h)
+  text = text .. (" "):rep((8 - #text % 8) % 8)
+  local len = ffi.new("uint64_t[1]", #text)
+  return ffi.string(len, 8) .. text, offset
+end
+
+return M

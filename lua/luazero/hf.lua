@@ -1,0 +1,349 @@
+-- hf.lua — Hugging Face weights and a ZeRO engine: which Hugging Face tensor
+-- each of our parameters is (GPT-2's names and Conv1D layout, Llama's names
+-- as they are), a model.safetensors or a Hugging Face folder loaded into an
+-- engine with each rank reading only the byte ranges of its own partition,
+-- and the config.json of a model. docs/models.md, "Hugging Face weights".
+--
+--   local hf = require("luazero.hf")
+--   hf.check("model.safetensors", model)          -- names, shapes, sizes: errors before any work
+--   hf.load_into(engine, "model.safetensors")     -- or a folder: config.json, shards, index
+--   hf.config_path("folder")                      -- its config.json, or nil
+--   hf.tensor_of(name, shape, vocab)              -- {name, shape, conv, rows}
+--   hf.config_json(model_cfg, "fp32")             -- a table for cjson
+local ffi = require("ffi")
+local lz = require("luazero")
+local cjson = require("cjson")
+local safetensors = require("luazero.checkpoint.safetensors")
+
+local M = {}
+
+local shape_text = safetensors.shape_text
+
+local function fail(fmt, ...) error("init: " .. fmt:format(...), 0) end
+
+------------------------------------------------------------------- names
+
+-- Tables with a row per token: the file has the real vocabulary's rows
+-- (GPT-2's wte; Llama's embed_tokens and untied lm_head), ours are padded.
+local VOCAB_TABLES = { ["wte.weight"] = true, ["model.embed_tokens.weight"] = true,
+                       ["lm_head.weight"] = true }
+
+-- Buffers some published files hold beside the weights; nothing to load.
+local BUFFERS = { "%.attn%.bias$", "%.attn%.masked_bias$", "%.rotary_emb%.inv_freq$" }
+
+-- A file's name for one of our parameters: GPT-2's without "transformer."
+-- (GPT2Model's names, as the published files have them), Conv1D weights
+-- stored [in, out] (ours are [out, in]); Llama's as they are.
+function M.tensor_of(name, shape, vocab)
+  local n = name:gsub("^transformer%.", "")
+  local conv = n:match("%.c_attn%.weight$") or n:match("%.c_proj%.weight$") or
+               n:match("%.c_fc%.weight$")
+  local s = { unpack(shape) }
+  local rows = s[1]
+  if VOCAB_TABLES[n] and vocab and vocab < rows then rows = vocab; s[1] = vocab end
+  if conv then s = { s[2], s[1] } end
+  return { name = n, shape = s, conv = conv ~= nil, rows = rows }
+end
+
+-- A file's tensor name as ours would be named by tensor_of ("transformer."
+-- dropped: GPT2LMHeadModel.save_pretrained writes it).
+local function normal_name(n) return (n:gsub("^transformer%.", "")) end
+
+------------------------------------------------------------------ source
+
+local function is_dir(path)
+  local f = io.open(path .. "/.", "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- A folder's config.json, or nil (a file, or a folder without one).
+function M.config_path(path)
+  path = path:gsub("/+$", "")
+  if is_dir(path) and exists(path .. "/config.json") then return path .. "/config.json" end
+end
+
+local function list_safetensors(dir)
+  local p = io.popen("ls -1 '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
+  local out = {}
+  for name in p:lines() do
+    if name:match("%.safetensors$") then out[#out + 1] = dir .. "/" .. name end
+  end
+  p:close()
+  table.sort(out)
+  return out
+end
+
+-- The files of `path` opened and their headers checked: a .safetensors
+-- file, or a folder with model.safetensors.index.json (its weight_map names
+-- the shards), model.safetensors, or *.safetensors. Returns {files, by_name
+-- (normal name -> {file, t}), where (what names the source in messages)}.
+function M.open(path)
+  path = path:gsub("/+$", "")
+  local src = { files = {}, by_name = {}, where = path }
+  local names, index = {}, nil
+  if is_dir(path) then
+    local ipath = path .. "/model.safetensors.index.json"
+    local text = require("luazero").read_file(ipath)
+    if text then
+      local ok, j = pcall(cjson.decode, text)
+      if not ok or type(j) ~= "table" or type(j.weight_map) ~= "table" then
+        fail("%s: not JSON with a weight_map object (%s); the index is damaged", ipath,
+             ok and "no weight_map" or tostring(j))
+      end
+      index = { path = ipath, map = j.weight_map }
+      local seen = {}
+      for _, file in pairs(j.weight_map) do
+        if type(file) ~= "string" or file:find("/", 1, true) then
+          fail("%s: weight_map holds %s, not a file name in %s", ipath, cjson.encode(file), path)
+        end
+        if not seen[file] then seen[file] = true; names[#names + 1] = path .. "/" .. file end
+      end
+      table.sort(names)
+    elseif exists(path .. "/model.safetensors") then
+      names = { path .. "/model.safetensors" }
+    else
+      names = list_safetensors(path)
+    end
+    if #names == 0 then
+      fail("%s: a folder without model.safetensors, model.safetensors.index.json or any " ..
+           "*.safetensors; give a Hugging Face model folder or a .safetensors file", path)
+    end
+  else
+    if not exists(path) then fail("%s: cannot read it; give a .safetensors file or a folder", path) end
+    names = { path }
+  end
+  local ok, err = pcall(function()
+    for _, file in ipairs(names) do
+      if not exists(file) then
+        fail("%s: %s names %s, which is missing; download the shard again", index.path,
+             "its weight_map", file)
+      end
+      local st = safetensors.open(file)
+      src.files[#src.files + 1] = st
+      for _, n in ipairs(st.names) do
+        local key = normal_name(n)
+        local prev = src.by_name[key]
+        if prev then
+          fail("tensor %s is in both %s and %s; keep one", n, prev.file.path, file)
+        end
+        src.by_name[key] = { file = st, t = st.tensors[n] }
+      end
+    end
+    if index then
+      for n, file in pairs(index.map) do
+        local e = src.by_name[normal_name(n)]
+        if e and e.file.path ~= path .. "/" .. file then
+          fail("%s says tensor %s is in %s, but %s holds it; fix the index", index.path, n, file,
+               e.file.path)
+        elseif not e then
+          fail("%s: tensor %s is missing (%s names it there); download the shard again",
+               path .. "/" .. file, n, index.path)
+        end
+      end
+    end
+  end)
+  if not ok then
+    M.close(src)
+    error(err, 0)
+  end
+  return src
+end
+
+function M.close(src)
+  for _, st in ipairs(src.files) do st:close() end
+end
+
+------------------------------------------------------------------ plan
+
+-- For each of the model's parameters (param_table order), the tensor that
+-- fills it; every tensor of the source used once. Errors name the tensor
+-- and the file.
+local function plan(src, model)
+  local cfg = model.cfg or {}
+  local want, used = {}, {}
+  local one = #src.files == 1 and src.files[1].path or src.where
+  local i = 0
+  for _, p in ipairs(model.param_table) do
+    -- LoRA adapters are not in a base model's files: they keep their start.
+    if p.name:find("lora_[AB]%.weight$") then goto next end
+    i = i + 1
+    local e = M.tensor_of(p.name, p.shape, cfg.vocab)
+    local have = src.by_name[e.name]
+    if not have then
+      fail("%s: tensor %s %s is missing (this model, %s, has it); give the weights of this " ..
+           "model, or the --model / --model-config they were made for", one, e.name,
+           shape_text(e.shape), cfg.name or "?")
+    end
+    if shape_text(have.t.shape) ~= shape_text(e.shape) then
+      fail("%s: tensor %s has shape %s, this model (%s) wants %s; give the --model / " ..
+           "--model-config the weights were made for", have.file.path, have.t.name,
+           shape_text(have.t.shape), cfg.name or "?", shape_text(e.shape))
+    end
+    used[e.name] = true
+    e.file, e.t, e.p = have.file, have.t, p
+    want[i] = e
+    want[p.name] = e
+    ::next::
+  end
+  local tied = cfg.family == "gpt2" or cfg.tie
+  for _, st in ipairs(src.files) do
+    for _, n in ipairs(st.names) do
+      local key = normal_name(n)
+      local skip = (tied and key == "lm_head.weight")
+      for _, pat in ipairs(BUFFERS) do skip = skip or key:match(pat) ~= nil end
+      if not used[key] and not skip then
+        fail("%s: tensor %s is not a parameter of this model (%s); give the --model / " ..
+             "--model-config the weights were made for", st.path, n, cfg.name or "?")
+      end
+    end
+  end
+  return want
+end
+
+------------------------------------------------------------------ reading
+
+-- Elements [a, a + k) of our parameter (canonical layout) into dst.
+local function read_param(e, a, k, dst)
+  if not e.conv then
+    -- Rows past the file's (the vocabulary padding) stay zero.
+    local n = math.max(0, math.min(k, e.t.numel - a))
+    e.file:read(e.t, a, n, dst)
+    return
+  end
+  -- Ours [out, in], the file's [in, out]: our rows r0..r1 are the file's
+  -- columns r0..r1, read from each of its `in` rows.
+  local out, inn = e.p.shape[1], e.p.shape[2]
+  local r0, r1 = math.floor(a / inn), math.floor((a + k - 1) / inn)
+  local nr = r1 - r0 + 1
+  local tmp = ffi.new("float[?]", inn * nr)
+  for c = 0, inn - 1 do e.file:read(e.t, c * out + r0, nr, tmp + c * nr) end
+  for j = 0, k - 1 do
+    local idx = a + j
+    local r = math.floor(idx / inn)
+    dst[j] = tmp[(idx - r * inn) * nr + r - r0]
+  end
+end
+
+-- Canonical elements [c, c + n) of `params` (a parameter table: the
+-- engine's trainable one) into dst, across parameters; an adapter's are
+-- left as they are.
+local function fill(want, params, c, n, dst)
+  local lo, hi = 1, #params
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if params[mid].offset <= c then lo = mid else hi = mid - 1 end
+  end
+  local i = lo
+  while n > 0 do
+    local p = params[i]
+    local a = c - p.offset
+    local k = math.min(n, p.numel - a)
+    local e = want[p.name]
+    if e then read_param(e, a, k, dst) end
+    c, n, dst, i = c + k, n - k, dst + k, i + 1
+  end
+end
+
+-- Checks that path's weights fill model (names, shapes, file sizes) without
+-- reading them: what load_into refuses, refused before anything is built.
+function M.check(path, model)
+  local src = M.open(path)
+  local ok, err = pcall(plan, src, model)
+  M.close(src)
+  if not ok then error(err, 0) end
+end
+
+-- Loads Hugging Face weights (path: a .safetensors file or a folder) into
+-- engine's fp32 master, through the states the optimizer holds on this rank
+-- (engine:visit_states), reading only their byte ranges; the optimizer's
+-- own states are zero. Then engine:after_load() derives the working copy
+-- and gathers. Every check is made before anything is written. Returns
+-- {files, tensors}.
+function M.load_into(engine, path)
+  local src = M.open(path)
+  local ok, err = pcall(function()
+    local want = plan(src, engine.model)
+    local runs = engine:state_layout().runs
+    local params = engine.ptable
+    local ri = 1
+    engine:visit_states(true, function(off, ...)
+      local views = { ... }
+      local len = views[1]:numel()
+      -- The optimizer's states start at zero; the master's elements are all
+      -- written below but an adapter's (and padding, zero already).
+      for s = 2, #views do ffi.fill(views[s].data, len * 4) end
+      local master = ffi.cast("float *", views[1].data)
+      if ri > #runs or runs[ri].offset > off then ri = 1 end
+      while ri <= #runs and runs[ri].offset + runs[ri].numel <= off do ri = ri + 1 end
+      local j = ri
+      while j <= #runs and runs[j].offset < off + len do
+        local r = runs[j]
+        local a, b = math.max(r.offset, off), math.min(r.offset + r.numel, off + len)
+        if b > a then fill(want, params, r.canonical + a - r.offset, b - a, master + (a - off)) end
+        j = j + 1
+      end
+    end)
+    -- Frozen parameters (whole on every rank, in the working dtype).
+    local xcopy = require("luazero.zero.engine").xcopy
+    for _, p in ipairs(engine.frozen_entries or {}) do
+      local e = want[p.name]
+      if e then
+        local tmp = lz.tensor({ p.numel }, "f32", "workspace")
+        read_param(e, 0, p.numel, ffi.cast("float *", tmp.data))
+        xcopy(engine.frozen:view(p.frozen_offset, { p.numel }), tmp)
+        tmp:free()
+      end
+    end
+    return #want
+  end)
+  M.close(src)
+  if not ok then error(err, 0) end
+  engine:after_load()
+  return { files = #src.files, tensors = err }
+end
+
+------------------------------------------------------------------ config
+
+local TORCH_DTYPES = { fp32 = "float32", bf16 = "bfloat16", fp16 = "float16" }
+
+-- The config.json of a model config (models/registry.lua's fields, or a
+-- manifest's model.config): LlamaForCausalLM or GPT2LMHeadModel, loadable by
+-- transformers' AutoModelForCausalLM; dtype: the weights' (fp32, bf16).
+function M.config_json(cfg, dtype)
+  local torch_dtype = TORCH_DTYPES[dtype or "fp32"] or "float32"
+  if cfg.family == "llama" then
+    local rs = cjson.null
+    if type(cfg.rope_scaling) == "table" then
+      rs = {}
+      for k, v in pairs(cfg.rope_scaling) do rs[k] = v end
+    end
+    return {
+      architectures = { "LlamaForCausalLM" }, model_type = "llama",
+      hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
+      num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
+      num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
+      rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta, rope_scaling = rs,
+      vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
+      tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
+      hidden_act = "silu", attention_bias = false, mlp_bias = false, attention_dropout = 0,
+      torch_dtype = torch_dtype,
+    }
+  end
+  return {
+    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2",
+    n_layer = cfg.n_layer, n_head = cfg.n_head, n_embd = cfg.n_embd,
+    n_positions = cfg.context, n_ctx = cfg.context, vocab_size = cfg.vocab, n_inner = cjson.null,
+    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, tie_word_embeddings = true,
+    torch_dtype = torch_dtype,
+  }
+end
+
+return M

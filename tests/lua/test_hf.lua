@@ -1,0 +1,314 @@
+-- test_hf.lua — Hugging Face weights in and out (luazero/hf.lua,
+-- checkpoint/safetensors.lua, train.lua --init, tools/ckpt export FOLDER):
+-- a checkpoint exported in fp32 and loaded back with --init gives its
+-- validation loss and params_checksum bit for bit (llama-tiny and GPT-2, and
+-- into stage 3 at world 2), sharded folders with an index, BF16/F16 files,
+-- a sample decoded with --tokenizer, and one-line refusals that write nothing.
+local ffi = require("ffi")
+local cjson = require("cjson")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local safetensors = require("luazero.checkpoint.safetensors")
+
+local T = {}
+local q = support.quote
+local write_file, tmp = support.scratch()
+
+local function eq(got, want, what)
+  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
+end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local corpus
+local function corpus_path()
+  if not corpus then
+    local lines = {}
+    for i = 1, 300 do lines[i] = ("line %d: it was the best of times, the worst of times."):format(i) end
+    corpus = write_file("corpus.txt", table.concat(lines, "\n"))
+  end
+  return corpus
+end
+
+local LLAMA = "--model llama-tiny --vocab 250 --context 64"
+local GPT2 = "--model gpt2-nano --n-layer 2 --n-head 4 --n-embd 64 --context 64 --vocab 250"
+local RUN = "--seq-len 32 --micro-batch 4 --sample 0 --eval-batches 4 --data "
+
+local train = support.trainer("")
+
+-- A run that must succeed: its output, val_loss (the exact digits) and checksum.
+local function ok_run(n, flags)
+  local out, st = train(n, flags)
+  assert(st == 0, ("train -n %d %s failed:\n%s"):format(n, flags, out))
+  return out, out:match("val_loss (%S+)"), assert(out:match("params_checksum (%x+)"), out)
+end
+
+local function ckpt(args)
+  return support.sh(("cd %s && LUAZERO=%s tools/ckpt %s"):format(q(lz.root), q(lz.executable()),
+                                                                 args))
+end
+
+-- A checkpoint of `model` trained 3 steps, its fp32 export folder, and the
+-- val_loss and checksum of the checkpoint itself (resumed, no step run).
+local function trained(name, model)
+  local dir, out = tmp .. "/" .. name .. "-ck", tmp .. "/" .. name .. "-hf"
+  ok_run(1, ("%s %s%s --steps 3 --save %s"):format(model, RUN, q(corpus_path()), q(dir)))
+  local text, st = ckpt(("export %s %s"):format(q(dir), q(out)))
+  eq(st, 0, text)
+  assert(exists(out .. "/config.json") and exists(out .. "/model.safetensors"), text)
+  local _, val, sum = ok_run(1, ("%s %s%s --steps 3 --resume %s"):format(model, RUN,
+                                 q(corpus_path()), q(dir)))
+  assert(val, "the resumed run printed no val_loss")
+  return { dir = dir, out = out, val = val, sum = sum }
+end
+
+local cache = {}
+local function get(name, model)
+  cache[name] = cache[name] or trained(name, model)
+  return cache[name]
+end
+
+--------------------------------------------------------------- round trip
+
+-- --init of the export, model from its config.json: the checkpoint's
+-- validation loss and checksum, to the last bit; stage 3 at world 2 too
+-- (against the checkpoint resumed there: the loss of a 2-rank forward).
+local function round_trip(name, model)
+  local c = get(name, model)
+  local out, val, sum = ok_run(1, ("%s%s --steps 0 --init %s"):format(RUN, q(corpus_path()),
+                                                                      q(c.out)))
+  assert(out:find("initialized from", 1, true), out)
+  eq(val, c.val, name .. " --init val_loss (checkpoint's)")
+  eq(sum, c.sum, name .. " --init params_checksum")
+  local _, val2, sum2 = ok_run(2, ("%s%s --steps 0 --stage 3 --init %s"):format(RUN,
+                               q(corpus_path()), q(c.out)))
+  local _, rval2, rsum2 = ok_run(2, ("%s %s%s --steps 3 --stage 3 --resume %s"):format(model, RUN,
+                                 q(corpus_path()), q(c.dir)))
+  eq(sum2, c.sum, name .. " --init at world 2 stage 3: params_checksum")
+  eq(val2, rval2, name .. " --init at world 2 stage 3: val_loss (the checkpoint's there)")
+  eq(rsum2, c.sum, name .. " resume at world 2 stage 3: params_checksum")
+end
+
+function T.llama_export_then_init_is_bitwise() round_trip("llama", LLAMA) end
+function T.gpt2_export_then_init_is_bitwise() round_trip("gpt2", GPT2) end
+
+-- The export's tensors split in two shards named by an index, given with
+-- --model-config instead of the folder's config.json: the same checksum.
+function T.sharded_folder_with_index_loads_the_same()
+  local c = get("llama", LLAMA)
+  local src = safetensors.open(c.out .. "/model.safetensors")
+  local dir = tmp .. "/sharded"
+  os.execute("mkdir -p " .. q(dir))
+  local map, halves = {}, { {}, {} }
+  for i, n in ipairs(src.names) do table.insert(halves[i % 2 + 1], n) end
+  for k, names in ipairs(halves) do
+    local file = ("model-%05d-of-00002.safetensors"):format(k)
+    local list = {}
+    for _, n in ipairs(names) do
+      local t = src.tensors[n]
+      list[#list + 1] = { name = n, dtype = "F32", shape = t.shape, bytes = t.numel * 4, t = t }
+      map[n] = file
+    end
+    local head = safetensors.header(list, { format = "pt" })
+    local f = assert(io.open(dir .. "/" .. file, "wb"))
+    f:write(head)
+    for _, e in ipairs(list) do
+      local buf = ffi.new("float[?]", e.t.numel)
+      src:read(e.t, 0, e.t.numel, buf)
+      f:write(ffi.string(buf, e.t.numel * 4))
+    end
+    f:close()
+  end
+  src:close()
+  write_file("sharded/model.safetensors.index.json", cjson.encode({ metadata = {}, weight_map = map }))
+  local _, val, sum = ok_run(1, ("%s%s --steps 0 --model-config %s --init %s"):format(RUN,
+                             q(corpus_path()), q(c.out .. "/config.json"), q(dir)))
+  eq(sum, c.sum, "sharded folder: params_checksum")
+  eq(val, c.val, "sharded folder: val_loss")
+end
+
+-- BF16 and F16 tensors read as fp32: exact values, subnormals and signs.
+function T.bf16_and_f16_read_as_fp32()
+  local bf = ffi.new("uint16_t[4]", { 0x3f80, 0xc020, 0x0001, 0x7f80 }) -- 1, -2.5, tiny, inf
+  local hf16 = ffi.new("uint16_t[4]", { 0x3c00, 0xc100, 0x0001, 0x7bff }) -- 1, -2.5, 2^-24, 65504
+  local list = { { name = "a", dtype = "BF16", shape = { 2, 2 }, bytes = 8 },
+                 { name = "b", dtype = "F16", shape = { 4 }, bytes = 8 } }
+  local head = safetensors.header(list, {})
+  local path = write_file("half.safetensors", head .. ffi.string(bf, 8) .. ffi.string(hf16, 8))
+  local st = safetensors.open(path)
+  local out = ffi.new("float[4]")
+  st:read(st.tensors.a, 0, 4, out)
+  eq(out[0], 1, "bf16 1"); eq(out[1], -2.5, "bf16 -2.5")
+  eq(out[2], 2 ^ -133, "bf16 subnormal"); eq(out[3], math.huge, "bf16 inf")
+  st:read(st.tensors.b, 1, 3, out)
+  eq(out[0], -2.5, "f16 -2.5"); eq(out[1], 2 ^ -24, "f16 subnormal"); eq(out[2], 65504, "f16 max")
+  st:close()
+end
+
+-- A bf16 export loads with --init: the weights are the fp32 master rounded,
+-- so the loss is near the checkpoint's (not equal).
+function T.bf16_export_inits_close()
+  local c = get("llama", LLAMA)
+  local out = tmp .. "/llama-bf16.safetensors"
+  local text, st = ckpt(("export %s %s --dtype bf16"):format(q(c.dir), q(out)))
+  eq(st, 0, text)
+  local _, val, sum = ok_run(1, ("%s %s%s --steps 0 --init %s"):format(LLAMA, RUN, q(corpus_path()),
+                                                                       q(out)))
+  assert(sum ~= c.sum, "bf16 weights gave the fp32 checksum")
+  local rel = math.abs(tonumber(val) - tonumber(c.val)) / tonumber(c.val)
+  assert(rel < 1e-2, ("bf16 --init loss %s vs %s (relative %g)"):format(val, c.val, rel))
+end
+
+--------------------------------------------------------------- tokenizer
+
+-- GPT-2's bytes-to-unicode table: a tokenizer.json with every byte and a
+-- few merges.
+local function byte_level_tokenizer()
+  local function utf8(cp)
+    if cp < 0x80 then return string.char(cp) end
+    return string.char(0xC0 + math.floor(cp / 64), 0x80 + cp % 64)
+  end
+  local vocab, n = {}, 0
+  for b = 0, 255 do
+    local printable = (b >= 33 and b <= 126) or (b >= 161 and b <= 172) or (b >= 174)
+    local cp = b
+    if not printable then cp = 256 + n; n = n + 1 end
+    vocab[utf8(cp)] = b
+  end
+  vocab["th"], vocab["the"], vocab["Ġthe"] = 256, 257, 258
+  return write_file("tokenizer.json", cjson.encode({
+    pre_tokenizer = { type = "ByteLevel", add_prefix_space = false, use_regex = true },
+    decoder = { type = "ByteLevel" },
+    model = { type = "BPE", vocab = vocab, merges = { "t h", "th e", "Ġ the" } },
+  }))
+end
+
+-- Data prepared with a tokenizer: the sample is its text with --tokenizer,
+-- the ids it decodes without.
+function T.sample_is_decoded_with_the_tokenizer()
+  local tok_path = byte_level_tokenizer()
+  local bin = tmp .. "/tok.bin"
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s %s %s")
+                             :format(q(lz.root), q(lz.executable()), q(tok_path),
+                                     q(corpus_path()), q(bin)))
+  eq(st, 0, out)
+  local flags = ("--model llama-tiny --vocab 259 --seq-len 32 --micro-batch 4 --steps 1 " ..
+                 "--sample 40 --data %s"):format(q(bin))
+  local plain = select(1, ok_run(1, flags))
+  local ids = {}
+  for id in assert(plain:match("sample %(token ids%): ([%d ]+)"), plain):gmatch("%d+") do
+    ids[#ids + 1] = tonumber(id)
+  end
+  eq(#ids, 41, "sampled ids (prompt and 40)")
+  local decoded = ok_run(1, flags .. " --tokenizer " .. q(tok_path))
+  local want = require("luazero.tokenizer").load(tok_path):decode(ids)
+  local text = assert(decoded:match("sample:\n(.*)\nparams_checksum") or
+                      decoded:match("sample:\n(.*)$"), decoded)
+  eq(text:gsub("\n$", ""), want:gsub("\n$", ""), "decoded sample")
+end
+
+--------------------------------------------------------------- refusals
+
+-- One line on stderr naming `needles`, exit status 2, and no --save folder
+-- or --log file left.
+local function refused(flags, needles)
+  local save, log = tmp .. "/never-saved", tmp .. "/never.jsonl"
+  os.execute("rm -rf " .. q(save) .. " " .. q(log))
+  local out, st = train(1, ("%s%s --steps 1 --save %s --log %s %s"):format(RUN, q(corpus_path()),
+                            q(save), q(log), flags))
+  eq(st, 2, "exit status of " .. flags .. ":\n" .. out)
+  local line = out:match("train: [^\n]*")
+  assert(line, out)
+  for _, n in ipairs(needles) do
+    assert(line:find(n, 1, true), ("%q does not name %q"):format(line, n))
+  end
+  assert(not exists(save) and not exists(log), "a refused run wrote " .. save .. " or " .. log)
+end
+
+-- A copy of the llama export folder with `edit(header)` applied to its
+-- header (a table), and `cut` bytes cut from its end.
+local function altered(name, edit, cut)
+  local c = get("llama", LLAMA)
+  local dir = tmp .. "/" .. name
+  os.execute(("rm -rf %s && cp -r %s %s"):format(q(dir), q(c.out), q(dir)))
+  local path = dir .. "/model.safetensors"
+  local f = assert(io.open(path, "rb"))
+  local bytes = f:read("*a")
+  f:close()
+  local b = { bytes:byte(1, 8) }
+  local len = 0
+  for i = 8, 1, -1 do len = len * 256 + b[i] end
+  local header, body = bytes:sub(9, 8 + len), bytes:sub(9 + len)
+  if edit then
+    local h = cjson.decode(header)
+    edit(h)
+    header = cjson.encode(h)
+    header = header .. (" "):rep((8 - #header % 8) % 8)
+  end
+  local n = ffi.new("uint64_t[1]", #header)
+  if cut then body = body:sub(1, #body - cut) end
+  f = assert(io.open(path, "wb"))
+  f:write(ffi.string(n, 8), header, body)
+  f:close()
+  return dir, path
+end
+
+function T.wrong_shape_is_refused_naming_tensor_and_file()
+  local dir, path = altered("bad-shape", function(h)
+    local e = h["model.norm.weight"]
+    e.shape = { 32, 2 }
+  end)
+  refused("--init " .. q(dir), { path, "model.norm.weight", "[32, 2]", "[64]" })
+end
+
+function T.truncated_shard_is_refused_naming_file_and_tensor()
+  local dir, path = altered("truncated", nil, 100)
+  refused("--init " .. q(dir), { path, "truncated", "lm_head.weight" })
+end
+
+function T.missing_and_unknown_tensors_are_refused()
+  local dir, path = altered("missing", function(h) h["model.norm.weight"] = nil end)
+  refused("--init " .. q(dir), { path, "model.norm.weight", "missing" })
+  dir, path = altered("extra", function(h)
+    h["model.layers.9.mlp.up_proj.weight"] = h["model.norm.weight"]
+  end)
+  refused("--init " .. q(dir), { path, "model.layers.9.mlp.up_proj.weight", "not a parameter" })
+end
+
+function T.bad_header_json_is_refused()
+  local path = write_file("garbled.safetensors", ffi.string(ffi.new("uint64_t[1]", 8), 8) ..
+                          "{\"a\": [1" .. ("\0"):rep(16))
+  refused("--model llama-tiny --vocab 250 --init " .. q(path), { path, "not a JSON object" })
+end
+
+function T.unknown_architecture_in_config_json_is_refused()
+  local c = get("llama", LLAMA)
+  local dir = tmp .. "/mistral"
+  os.execute(("rm -rf %s && cp -r %s %s"):format(q(dir), q(c.out), q(dir)))
+  local j = cjson.decode(assert(lz.read_file(dir .. "/config.json")))
+  j.architectures = { "MistralForCausalLM" }
+  write_file("mistral/config.json", cjson.encode(j))
+  refused("--init " .. q(dir), { dir .. "/config.json", "architectures[0]", "MistralForCausalLM" })
+end
+
+function T.a_tokenizer_that_is_not_bpe_is_refused_by_prepare_data()
+  local path = write_file("wordpiece.json", cjson.encode({
+    model = { type = "WordPiece", vocab = { a = 0 } } }))
+  local bin = tmp .. "/never.bin"
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s %s %s")
+                             :format(q(lz.root), q(lz.executable()), q(path), q(corpus_path()),
+                                     q(bin)))
+  eq(st, 2, out)
+  local _, lines = out:gsub("\n", "")
+  eq(lines, 1, "lines of " .. out)
+  assert(out:find(path, 1, true) and out:find('model.type is "WordPiece"', 1, true), out)
+  assert(not exists(bin), "prepare-data left " .. bin)
+  -- train.lua --tokenizer refuses it the same way, before the run starts.
+  refused("--model llama-tiny --vocab 250 --tokenizer " .. q(path), { path, "WordPiece" })
+end
+
+return T
