@@ -143,6 +143,45 @@ function T.lora_flags_train_at_world_2_with_the_same_checksum_at_every_stage()
   end
 end
 
+-- The fine-tuning path: a tiny Llama trained, exported with Hugging Face
+-- names, imported into a model with LoRA adapters, fine-tuned on another
+-- text: the loss falls, the imported base stays bitwise, and the
+-- optimizer's ledger bytes are the adapters' alone.
+function T.fine_tuning_an_exported_llama_with_lora()
+  local dir = select(2, support.scratch())
+  local _, _ = ok_train(1, ("--steps 20 --save %s/ck"):format(dir))
+  local out, st = support.sh(("cd %s && %s tools/ckpt.lua export %s/ck %s/hf"):format(
+    support.quote(lz.root), support.quote(lz.executable()), dir, dir))
+  assert(st == 0, out)
+  local other = write_file("other.txt", ("It was the best of times, it was the worst of times, " ..
+                                         "it was the age of wisdom.\n"):rep(80))
+  local model = registry.new(registry.from_hf_config(dir .. "/hf/config.json"))
+  lora.apply(model, { r = 4, alpha = 8, targets = { "q_proj", "v_proj" } })
+  local cfg = { train_micro_batch_size_per_gpu = 4, zero_optimization = { stage = 2 },
+                optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
+  collectgarbage(); collectgarbage()
+  local before = lz.mem()
+  local engine = zero.initialize{ model = model, config = cfg, seed = 9, batch = { 4, 16 } }
+  require("luazero.hf").load_into(engine, dir .. "/hf")
+  local base = frozen_hash(engine)
+  local corpus = data.load(other)
+  local loader = data.loader(corpus, { B = 4, T = 16, seed = 1, vocab = 256 })
+  local first, last
+  for i = 1, 25 do
+    local loss = engine:train_batch(loader).loss
+    if i == 1 then first = loss end
+    last = loss
+  end
+  assert(last < first - 0.1, ("fine-tuning loss %g -> %g"):format(first, last))
+  assert(frozen_hash(engine) == base, "an imported base weight changed")
+  -- fp32: the adapters are their own master; m and v, 8 bytes each.
+  local adapters = engine.L.numel
+  assert(adapters == 2 * 4 * ((64 + 64) + (64 + 32)), "adapters " .. adapters) -- q, v per layer
+  assert(lz.mem().optimizer - before.optimizer == 8 * engine.L.full_numel,
+         "optimizer bytes beyond the adapters'")
+  engine:free(); loader:free(); corpus.tokens:free()
+end
+
 function T.freezing_nothing_or_adapting_nothing_is_an_error()
   local model = registry.new(registry.config("llama-tiny"))
   support.expect_error(function() model:freeze("no_such_weight") end,
