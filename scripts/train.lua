@@ -317,9 +317,10 @@ local function parse_flags(argv)
     positive(flags, n, 1)
   end
   positive(flags, "steps", flags.init and 0 or 1)
-  if flags.init and flags.resume then
+  if flags.init and flags.resume and not flags.lora_r then
     user_error(("--init %s and --resume %s: give one (--resume continues a luazero checkpoint, " ..
-                "--init starts from Hugging Face weights)"):format(flags.init, flags.resume))
+                "--init starts from Hugging Face weights; with --lora-r both: the base from " ..
+                "--init, the adapters from --resume)"):format(flags.init, flags.resume))
   end
   for _, n in ipairs({ "warmup", "eval-every", "eval-batches", "sample", "save-every", "keep" }) do
     positive(flags, n, 0)
@@ -413,6 +414,8 @@ end
 local function init_from_hf(run)
   local t0 = clock.now()
   local r = checked(hf.load_into, run.engine, run.flags.init)
+  local p = run.flags.init
+  run.engine.init_path = p:sub(1, 1) == "/" and p or ((os.getenv("PWD") or ".") .. "/" .. p)
   say(("initialized from %s: %d tensors from %d file%s in %.2f s"):format(run.flags.init,
       r.tensors, r.files, r.files == 1 and "" or "s", clock.now() - t0))
 end
@@ -596,8 +599,8 @@ local function main(argv)
   local flags = parse_flags(argv)
   if not flags then return end
   local run = set_up(flags)
-  if flags.resume then resume(run) end
   if flags.init then init_from_hf(run) end
+  if flags.resume then resume(run) end
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
   for step = run.first, flags.steps do

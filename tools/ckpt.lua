@@ -20,6 +20,11 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
                                (model.embed_tokens.weight, ...); --dtype fp32|bf16
   export CKPT FOLDER           the same as FOLDER/model.safetensors, with FOLDER/config.json
                                (GPT2LMHeadModel, LlamaForCausalLM): a Hugging Face model folder
+  A LoRA run's checkpoint (--lora-r) holds its adapters:
+  export CKPT FOLDER           PEFT's adapter folder: adapter_model.safetensors, adapter_config.json
+  export CKPT FOLDER --merge-lora [--base PATH]
+                               the adapters folded into the base weights (PATH: the run's --init,
+                               by default) as a Hugging Face model folder
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]
 
 local function fail(msg)
@@ -131,6 +136,125 @@ local function export(ck, out, dtype)
         file, folder and (" and " .. out .. "/config.json") or ""))
 end
 
+------------------------------------------------------------------ LoRA
+
+-- Writes a safetensors file of `tensors` ({name, shape, data = f32 tensor})
+-- in dtype (fp32|bf16).
+local function write_safetensors(file, tensors, dtype, m)
+  local esize = dtype == "bf16" and 2 or 4
+  local entries = {}
+  for _, t in ipairs(tensors) do
+    local n = t.data:numel()
+    entries[#entries + 1] = { name = t.name, shape = t.shape, numel = n, bytes = n * esize,
+                              dtype = dtype == "bf16" and "BF16" or "F32", src = t.data }
+  end
+  local head = safetensors.header(entries, { format = "pt", source = "luazero " .. lz.version(),
+                                             step = tostring(m.global_steps) })
+  local f, err = io.open(file, "wb")
+  if not f then fail(("%s: cannot write it (%s)"):format(file, tostring(err))) end
+  f:write(head)
+  for _, e in ipairs(entries) do
+    local t = e.src
+    if dtype == "bf16" then
+      local h = lz.tensor({ e.numel }, "bf16", "workspace"):copy(t)
+      f:write(ffi.string(h.data, h:bytes()))
+      h:free()
+    else
+      f:write(ffi.string(t.data, t:bytes()))
+    end
+  end
+  f:close()
+end
+
+-- The adapters of a LoRA checkpoint, fp32, by name: { [name] = {name, shape, data} }, in order.
+local function adapters_of(ck, out)
+  local m = ck.manifest
+  local tmp = out .. ".consolidated-tmp"
+  checked(ck.consolidate, ck, tmp)
+  local src = assert(io.open(tmp, "rb"))
+  local list = {}
+  for _, p in ipairs(m.params) do
+    src:seek("set", 1024 + p.offset * 4)
+    local t = lz.tensor({ p.numel }, "f32", "workspace")
+    ffi.copy(t.data, src:read(p.numel * 4), p.numel * 4)
+    list[#list + 1] = { name = p.name, shape = p.shape, data = t }
+  end
+  src:close()
+  os.remove(tmp)
+  return list
+end
+
+-- PEFT's adapter folder, or (merge) the base model with the adapters folded
+-- in: W + (alpha / r) B A, computed as the adapted layers compute it.
+local function export_lora(ck, out, dtype, merge, base)
+  local m = ck.manifest
+  local lora, mcfg = m.lora, m.model and m.model.config or {}
+  out = out:gsub("/+$", "")
+  if lz.C.lz_ckpt_mkdir(out) ~= 0 then
+    fail(("%s: %s"):format(out, (ffi.string(lz.C.lz_last_error()):gsub("^checkpoint: ", ""))))
+  end
+  local adapters = adapters_of(ck, out)
+  if not merge then
+    local named = {}
+    for i, a in ipairs(adapters) do
+      named[i] = { name = "base_model.model." .. a.name, shape = a.shape, data = a.data }
+    end
+    write_safetensors(out .. "/adapter_model.safetensors", named, dtype, m)
+    local cf = assert(io.open(out .. "/adapter_config.json", "wb"))
+    cf:write(cjson.encode({
+      peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
+      target_modules = lora.targets, lora_dropout = 0.0, bias = "none",
+      fan_in_fan_out = false, inference_mode = true, base_model_name_or_path = m.init or "",
+    }), "\n")
+    cf:close()
+    print(("exported %d adapter tensors (%s) to %s/adapter_model.safetensors and " ..
+           "adapter_config.json"):format(#adapters, dtype, out))
+    return
+  end
+  base = base or m.init
+  if not base then
+    fail("export --merge-lora: the checkpoint does not say where its base weights came from " ..
+         "(no --init); give them with --base PATH")
+  end
+  local src = checked(hf.open, base)
+  local by_base = {}
+  for _, a in ipairs(adapters) do
+    local w = a.name:gsub("%.lora_([AB])%.weight$", ".weight")
+    by_base[w] = by_base[w] or {}
+    by_base[w][a.name:match("lora_([AB])%.weight$")] = a
+  end
+  local scale = lora.alpha / lora.r
+  local out_list = {}
+  for _, st in ipairs(src.files) do
+    for _, n in ipairs(st.names) do
+      local t = st.tensors[n]
+      local w = lz.tensor({ t.numel }, "f32", "workspace")
+      st:read(t, 0, t.numel, ffi.cast("float *", w.data))
+      local ad = by_base[n]
+      if ad then
+        local rows, cols = t.shape[1], t.shape[2]
+        local a = ad.A.data:view(0, { lora.r, cols })
+        local b = ad.B.data:view(0, { rows, lora.r })
+        lz.ops.matmul(w:view(0, { rows, cols }), b, a, 0, 0, scale, 1)
+        by_base[n] = nil
+      end
+      out_list[#out_list + 1] = { name = n, shape = t.shape, data = w }
+    end
+  end
+  hf.close(src)
+  local missing = next(by_base)
+  if missing then
+    fail(("export --merge-lora: %s has no tensor %s for its adapters; give the base the run " ..
+          "started from (--base)"):format(base, missing))
+  end
+  write_safetensors(out .. "/model.safetensors", out_list, dtype, m)
+  local cf = assert(io.open(out .. "/config.json", "wb"))
+  cf:write(cjson.encode(hf.config_json(mcfg, dtype)), "\n")
+  cf:close()
+  print(("exported %d tensors (%s, %d with adapters folded in) to %s/model.safetensors and " ..
+         "config.json"):format(#out_list, dtype, #adapters / 2, out))
+end
+
 local function main(argv)
   local cmd, ck_path, out = argv[1], argv[2], argv[3]
   if not cmd or cmd == "--help" or cmd == "-h" then
@@ -139,7 +263,11 @@ local function main(argv)
   end
   local rest = {}
   for i = (cmd == "inspect" and 3 or 4), #argv do rest[#rest + 1] = argv[i] end
-  local flags = checked(args.parse, rest, { { "dtype", "string", "fp32", "export: fp32 or bf16" } })
+  local flags = checked(args.parse, rest, {
+    { "dtype", "string", "fp32", "export: fp32 or bf16" },
+    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base" },
+    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)" },
+  })
   if not ck_path then fail("missing CKPT\n" .. USAGE) end
   local ck = checked(checkpoint.open, ck_path)
   if cmd == "inspect" then
@@ -150,7 +278,16 @@ local function main(argv)
     print(("consolidated %d fp32 elements (%d tensors) to %s"):format(n, #ck.manifest.params, out))
   elseif cmd == "export" then
     if not out then fail("export needs OUT.safetensors or a FOLDER") end
-    export(ck, out, flags.dtype)
+    if ck.manifest.lora then
+      if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
+        fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
+      end
+      export_lora(ck, out, flags.dtype, flags.merge_lora, flags.base)
+    elseif flags.merge_lora then
+      fail(("export --merge-lora: %s is not a LoRA run's checkpoint (no adapters)"):format(ck_path))
+    else
+      export(ck, out, flags.dtype)
+    end
   else
     fail(("unknown command %q\n%s"):format(cmd, USAGE))
   end

@@ -427,6 +427,9 @@ function M.save(engine, dir, extra, opts)
         master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
         block_elems = M.BLOCK, zstd_level = o.zstd_level,
         numel = engine.L.numel, params = param_table(engine), shards = shards,
+        -- A run with frozen parameters saves what trains: LoRA's settings,
+        -- and where the frozen weights came from (--init), for the export.
+        lora = engine.model.lora, init = engine.init_path,
         optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
         skipped_steps = engine.skipped_steps,
         lr_schedule = { optimizer_steps = engine.optimizer_steps,
