@@ -1,8 +1,8 @@
 /* lion.c — fused Lion (Chen et al. 2023, "Symbolic Discovery of Optimization
  * Algorithms") over a flat fp32 shard: one pass reads param, grad, m and
  * writes param, m and the working copy (optim_pass.c). One state per
- * parameter against AdamW's two. A cpu kernel (sim runs it too; cuda has
- * none yet).
+ * parameter against AdamW's two. A cpu kernel (sim runs it too; cuda/
+ * elementwise.cu has the same arithmetic).
  *
  * The update follows lion-pytorch and DeepSpeed's FusedLion:
  *   c = b1 m + (1 - b1) g

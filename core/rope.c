@@ -131,7 +131,8 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
 }
 
 /* The inverse frequencies of the _freqs variants: f32, head_dim/2 finite
- * values (on a device, with x: checked where the op runs there). */
+ * values. On sim the values are checked where the op runs; cuda does not
+ * check them (it would have to wait for the device). */
 static lz_status check_freqs(const char *op, const lz_tensor *inv_freq, int head_dim) {
   LZ_TRY(lz_check_present(op, "inv_freq", inv_freq));
   LZ_TRY(lz_check_dtype(op, "inv_freq", inv_freq, LZ_F32));

@@ -55,16 +55,12 @@ static lz_status cu_init(int device) {
   return LZ_OK;
 }
 
-// The core's checks already pinned the dtypes to what the kernels take. Not
-// here yet: grouped-query attention (n_kv_head in i[1], other than 0 or
-// n_head) and the token-only embedding (no wpe).
+// The core's checks already pinned the dtypes and shapes to what the kernels
+// take, so support depends on the op alone: an op added to lz_backend.h is
+// refused here until it has a kernel.
 static int cu_supports(lz_op op, const lz_op_args *a) {
+  (void)a;
   switch (op) {
-  case LZ_OP_ATTENTION_FORWARD:
-  case LZ_OP_ATTENTION_BACKWARD:
-    return a->i[1] == 0 || a->i[1] == a->i[0];  // grouped-query attention: no cuda kernel yet
-  case LZ_OP_EMBEDDING_FORWARD:
-    return a->t[3] != NULL;  // token-only embedding (no position table): not yet
   case LZ_OP_MATMUL:
   case LZ_OP_LINEAR_FORWARD:
   case LZ_OP_LINEAR_BACKWARD:
@@ -72,6 +68,9 @@ static int cu_supports(lz_op op, const lz_op_args *a) {
   case LZ_OP_LAYERNORM_BACKWARD:
   case LZ_OP_GELU_FORWARD:
   case LZ_OP_GELU_BACKWARD:
+  case LZ_OP_ATTENTION_FORWARD:  // multi-head and grouped-query
+  case LZ_OP_ATTENTION_BACKWARD:
+  case LZ_OP_EMBEDDING_FORWARD:  // with or without a position table
   case LZ_OP_EMBEDDING_BACKWARD:
   case LZ_OP_CROSS_ENTROPY_FORWARD:
   case LZ_OP_CROSS_ENTROPY_BACKWARD:
@@ -82,8 +81,15 @@ static int cu_supports(lz_op op, const lz_op_args *a) {
   case LZ_OP_SQ_NORM:
   case LZ_OP_HAS_INF_NAN:
   case LZ_OP_ADAMW_STEP:
-  case LZ_OP_CONVERT: return 1;
-  default: return 0;  // lion, rmsnorm, rope, swiglu: no cuda kernel yet
+  case LZ_OP_CONVERT:
+  case LZ_OP_LION_STEP:
+  case LZ_OP_RMSNORM_FORWARD:
+  case LZ_OP_RMSNORM_BACKWARD:
+  case LZ_OP_ROPE_FORWARD:  // theta or given inverse frequencies
+  case LZ_OP_ROPE_BACKWARD:
+  case LZ_OP_SWIGLU_FORWARD:
+  case LZ_OP_SWIGLU_BACKWARD: return 1;
+  default: return 0;
   }
 }
 
@@ -131,6 +137,20 @@ static lz_status cu_compute(lz_op op, const lz_op_args *a) {
       return lz_cu_adamw_step(a);
     case LZ_OP_CONVERT:
       return lz_cu_convert(a);
+    case LZ_OP_LION_STEP:
+      return lz_cu_lion_step(a);
+    case LZ_OP_RMSNORM_FORWARD:
+      return lz_cu_rmsnorm_forward(a);
+    case LZ_OP_RMSNORM_BACKWARD:
+      return lz_cu_rmsnorm_backward(a);
+    case LZ_OP_ROPE_FORWARD:
+      return lz_cu_rope_forward(a);
+    case LZ_OP_ROPE_BACKWARD:
+      return lz_cu_rope_backward(a);
+    case LZ_OP_SWIGLU_FORWARD:
+      return lz_cu_swiglu_forward(a);
+    case LZ_OP_SWIGLU_BACKWARD:
+      return lz_cu_swiglu_backward(a);
     default:
       break;
   }

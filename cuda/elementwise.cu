@@ -1,8 +1,9 @@
 // elementwise.cu — flat ops over whole tensors on the device: add, axpy,
-// scale, fill, dtype conversion, GELU, the fused AdamW step, and the two
-// reductions the engine runs over gradients (squared norm, inf/NaN).
-// Same semantics as core/elementwise.c, core/gelu.c and core/adamw.c; tensors
-// are flat arrays (only element counts must agree, as the core checked).
+// scale, fill, dtype conversion, GELU, SwiGLU, the fused AdamW and Lion
+// steps, and the two reductions the engine runs over gradients (squared
+// norm, inf/NaN). Same semantics as core/elementwise.c, core/gelu.c,
+// core/swiglu.c, core/adamw.c and core/lion.c; tensors are flat arrays (only
+// element counts must agree, as the core checked).
 #include "lz_cuda.h"
 
 #include <math.h>  // pow, sqrt for AdamW's per-step constants
@@ -151,6 +152,67 @@ lz_status lz_cu_gelu_backward(const lz_op_args *a) {
   return LZ_OK;
 }
 
+// ------------------------------------------------------------------ SwiGLU
+
+// bf16 inputs are widened exactly, so a bf16 call computes what the f32
+// call computes on the widened values (as core/swiglu.c does).
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// out = silu(gate) * up, silu(g) = g / (1 + e^-g). out may be gate or up
+// (f32): each element is read before it is written.
+template <typename T>
+__global__ void swiglu_forward_kernel(float *out, const T *gate, const T *up, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = widen(gate[i]);
+    out[i] = g / (1.0f + expf(-g)) * widen(up[i]);
+  }
+}
+
+// With s = sigmoid(g): d silu / dg = s (1 + g (1 - s)), as torch's silu
+// backward. dgate and dup may each be dout, gate or up (f32).
+template <typename T>
+__global__ void swiglu_backward_kernel(float *dgate, float *dup, const T *dout, const T *gate,
+                                       const T *up, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = widen(gate[i]), u = widen(up[i]), d = widen(dout[i]);
+    const float s = 1.0f / (1.0f + expf(-g));
+    dgate[i] = d * u * (s * (1.0f + g * (1.0f - s)));
+    dup[i] = d * (g * s);
+  }
+}
+
+lz_status lz_cu_swiglu_forward(const lz_op_args *a) {
+  const lz_tensor *gate = a->t[1], *up = a->t[2];
+  int64_t n = lz_tensor_numel(gate);
+  if (n == 0) return LZ_OK;
+  float *out = (float *)a->t[0]->data;
+  if (gate->dtype == LZ_BF16)
+    swiglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        out, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
+  else
+    swiglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        out, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_swiglu_backward(const lz_op_args *a) {
+  const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
+  int64_t n = lz_tensor_numel(gate);
+  if (n == 0) return LZ_OK;
+  float *dg = (float *)a->t[0]->data, *du = (float *)a->t[1]->data;
+  if (gate->dtype == LZ_BF16)
+    swiglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        dg, du, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
+        (const __nv_bfloat16 *)up->data, n);
+  else
+    swiglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        dg, du, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
 // ------------------------------------------------------------------- AdamW
 
 struct adamw_consts {
@@ -195,6 +257,51 @@ lz_status lz_cu_adamw_step(const lz_op_args *a) {
   adamw_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
       (float *)a->t[0]->data, (const float *)a->t[1]->data, (float *)a->t[2]->data,
       (float *)a->t[3]->data, w ? w->data : NULL, w ? w->dtype : LZ_F32, k, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// -------------------------------------------------------------------- Lion
+
+struct lion_consts {
+  float decay, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, grad_scale;
+};
+
+// As core/lion.c: sign() turns a last-place difference of c into a step of
+// 2 lr, so each product and sum is rounded on its own (the _rn intrinsics
+// are never contracted into an FMA). The result is then bitwise the cpu's.
+// The sign is torch.sign's: +1, -1, or 0 for zero and NaN.
+__global__ void lion_kernel(float *p, const float *grad, float *m, void *working, lz_dtype wdt,
+                            lion_consts k, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = __fmul_rn(grad[i], k.grad_scale), mi = m[i];
+    const float c = __fadd_rn(__fmul_rn(k.beta1, mi), __fmul_rn(k.one_minus_beta1, g));
+    const float sign = (float)(c > 0.0f) - (float)(c < 0.0f);
+    const float pi = __fsub_rn(__fmul_rn(p[i], k.decay), __fmul_rn(k.lr, sign));
+    p[i] = pi;
+    m[i] = __fadd_rn(__fmul_rn(k.beta2, mi), __fmul_rn(k.one_minus_beta2, g));
+    if (working) store_from_f32(working, wdt, i, pi);
+  }
+}
+
+lz_status lz_cu_lion_step(const lz_op_args *a) {
+  const lz_lion_args *args = a->lion;
+  int64_t n = lz_tensor_numel(a->t[0]);
+  if (n == 0) return LZ_OK;
+  // The per-step constants exactly as core/lion.c works them out.
+  const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
+  lion_consts k;
+  k.decay = (float)(1.0 - lr * args->weight_decay);
+  k.lr = args->lr;
+  k.beta1 = args->beta1;
+  k.beta2 = args->beta2;
+  k.one_minus_beta1 = (float)(1.0 - b1);
+  k.one_minus_beta2 = (float)(1.0 - b2);
+  k.grad_scale = args->grad_scale;
+  lz_tensor *w = a->t[3];
+  lion_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, (float *)a->t[2]->data,
+      w ? w->data : NULL, w ? w->dtype : LZ_F32, k, n);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

@@ -75,6 +75,13 @@ lz_status lz_cu_sq_norm(const lz_op_args *a);
 lz_status lz_cu_has_inf_nan(const lz_op_args *a);
 lz_status lz_cu_adamw_step(const lz_op_args *a);
 lz_status lz_cu_convert(const lz_op_args *a);
+lz_status lz_cu_lion_step(const lz_op_args *a);
+lz_status lz_cu_rmsnorm_forward(const lz_op_args *a);
+lz_status lz_cu_rmsnorm_backward(const lz_op_args *a);
+lz_status lz_cu_rope_forward(const lz_op_args *a);
+lz_status lz_cu_rope_backward(const lz_op_args *a);
+lz_status lz_cu_swiglu_forward(const lz_op_args *a);
+lz_status lz_cu_swiglu_backward(const lz_op_args *a);
 
 // NCCL (nccl.cu).
 extern const size_t lz_cu_nccl_id_bytes;

@@ -1,8 +1,9 @@
-// rows.cu — the row-wise ops on the device: LayerNorm, softmax cross-entropy
-// and the token + position embedding, forward and backward. Same semantics
-// as core/layernorm.c, core/cross_entropy.c and core/embedding.c (the core
-// has checked shapes and ids). Parameter-gradient sums run in a fixed order
-// with no atomics, so every run gives the same bits.
+// rows.cu — the row-wise ops on the device: LayerNorm, RMSNorm, rotary
+// position embeddings, softmax cross-entropy and the token (+ position)
+// embedding, forward and backward. Same semantics as core/layernorm.c,
+// core/rmsnorm.c, core/rope.c, core/cross_entropy.c and core/embedding.c
+// (the core has checked shapes and ids). Parameter-gradient sums run in a
+// fixed order with no atomics, so every run gives the same bits.
 #include "lz_cuda.h"
 
 #include <float.h>  // FLT_MAX
@@ -31,6 +32,11 @@ __device__ float block_reduce(float v, bool is_max) {
   float r = lane < THREADS / WARP ? sh[lane] : (is_max ? -FLT_MAX : 0.0f);
   return is_max ? warp_max(r) : warp_sum(r);
 }
+
+// bf16 inputs are widened exactly, so a bf16 call computes what the f32
+// call computes on the widened values (as the cpu kernels do).
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // --------------------------------------------------------------- LayerNorm
 
@@ -159,6 +165,209 @@ lz_status lz_cu_layernorm_backward(const lz_op_args *a) {
   return LZ_OK;
 }
 
+// ----------------------------------------------------------------- RMSNorm
+
+// One warp per row: y = w * (x * s), s = 1 / sqrt(mean(x^2) + eps); x * s is
+// rounded before w multiplies it, as in LlamaRMSNorm. x and w f32 or bf16.
+template <typename T>
+__global__ void rmsnorm_forward_kernel(float *out, float *rstd, const T *x, const T *w,
+                                       int64_t rows, int64_t C, float eps) {
+  int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int lane = threadIdx.x % WARP;
+  if (row >= rows) return;
+  const T *xr = x + row * C;
+  float s2 = 0.0f;
+  for (int64_t i = lane; i < C; i += WARP) {
+    float v = widen(xr[i]);
+    s2 += v * v;
+  }
+  const float s = 1.0f / sqrtf(warp_sum(s2) / (float)C + eps);
+  float *o = out + row * C;
+  for (int64_t i = lane; i < C; i += WARP) o[i] = widen(w[i]) * (widen(xr[i]) * s);
+  if (lane == 0) rstd[row] = s;
+}
+
+// dw partial sums of dy * (x * rstd) over a fixed range of rows per
+// blockIdx.y, in row order; summed in chunk order by rmsnorm_dw_sum_kernel.
+#define RMS_ROW_CHUNKS 64
+
+template <typename T>
+__global__ void rmsnorm_dw_kernel(float *partials, const T *dy, const T *x, const float *rstd,
+                                  int64_t rows, int64_t C) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  int64_t per = (rows + RMS_ROW_CHUNKS - 1) / RMS_ROW_CHUNKS;
+  int64_t r0 = blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
+  float sw = 0.0f;
+  for (int64_t r = r0; r < r1; r++) sw += widen(dy[r * C + c]) * (widen(x[r * C + c]) * rstd[r]);
+  partials[(int64_t)blockIdx.y * C + c] = sw;
+}
+
+__global__ void rmsnorm_dw_sum_kernel(float *dw, const float *partials, int64_t C) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  float t = 0.0f;
+  for (int k = 0; k < RMS_ROW_CHUNKS; k++) t += partials[k * C + c];
+  dw[c] += t;
+}
+
+// With norm = x * rstd and g = w * dy: dx = rstd * (g - norm * mean(g * norm)).
+// dx may be dy (f32): each lane reads dy[i] before it writes dx[i], and the
+// row sum is done before any write.
+template <typename T>
+__global__ void rmsnorm_dx_kernel(float *dx, const T *dy, const T *x, const T *w,
+                                  const float *rstd, int64_t rows, int64_t C) {
+  int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int lane = threadIdx.x % WARP;
+  if (row >= rows) return;
+  const T *dyr = dy + row * C, *xr = x + row * C;
+  const float s = rstd[row];
+  float sgn = 0.0f;
+  for (int64_t i = lane; i < C; i += WARP)
+    sgn += (widen(w[i]) * widen(dyr[i])) * (widen(xr[i]) * s);
+  const float mean_gn = warp_sum(sgn) / (float)C;
+  __syncwarp();
+  float *dxr = dx + row * C;
+  for (int64_t i = lane; i < C; i += WARP)
+    dxr[i] = (widen(w[i]) * widen(dyr[i]) - widen(xr[i]) * s * mean_gn) * s;
+}
+
+template <typename T>
+static lz_status rmsnorm_forward(const lz_op_args *a) {
+  const lz_tensor *x = a->t[2];
+  int64_t C = lz_cols(x), rows = lz_rows(x);
+  if (rows == 0 || C == 0) return LZ_OK;
+  const int rows_per_block = THREADS / WARP;
+  rmsnorm_forward_kernel<T><<<(unsigned)((rows + rows_per_block - 1) / rows_per_block), THREADS,
+                              0, LZ_CU_COMPUTE>>>((float *)a->t[0]->data, (float *)a->t[1]->data,
+                                                  (const T *)x->data, (const T *)a->t[3]->data,
+                                                  rows, C, a->f[0]);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+template <typename T>
+static lz_status rmsnorm_backward(const lz_op_args *a) {
+  lz_tensor *dx = a->t[0], *dw = a->t[1];
+  const lz_tensor *dy = a->t[2], *x = a->t[3], *w = a->t[4], *rstd = a->t[5];
+  int64_t C = lz_cols(x), rows = lz_rows(x);
+  if (rows == 0 || C == 0) return LZ_OK;
+  void *ws;
+  LZ_TRY(lz_cu_scratch(&ws, (size_t)RMS_ROW_CHUNKS * (size_t)C * sizeof(float)));
+  // dw first: dx may share memory with dy.
+  dim3 grid((unsigned)((C + THREADS - 1) / THREADS), RMS_ROW_CHUNKS);
+  rmsnorm_dw_kernel<T><<<grid, THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)ws, (const T *)dy->data, (const T *)x->data, (const float *)rstd->data, rows, C);
+  CUDA_LAUNCH_CHECK();
+  rmsnorm_dw_sum_kernel<<<(unsigned)((C + THREADS - 1) / THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)dw->data, (const float *)ws, C);
+  CUDA_LAUNCH_CHECK();
+  const int rows_per_block = THREADS / WARP;
+  rmsnorm_dx_kernel<T><<<(unsigned)((rows + rows_per_block - 1) / rows_per_block), THREADS, 0,
+                         LZ_CU_COMPUTE>>>((float *)dx->data, (const T *)dy->data,
+                                          (const T *)x->data, (const T *)w->data,
+                                          (const float *)rstd->data, rows, C);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_rmsnorm_forward(const lz_op_args *a) {
+  return a->t[2]->dtype == LZ_BF16 ? rmsnorm_forward<__nv_bfloat16>(a) : rmsnorm_forward<float>(a);
+}
+
+lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {
+  return a->t[3]->dtype == LZ_BF16 ? rmsnorm_backward<__nv_bfloat16>(a)
+                                   : rmsnorm_backward<float>(a);
+}
+
+// -------------------------------------------------------------------- RoPE
+
+// The inverse frequencies of the theta form, worked out in double and
+// rounded to fp32, as core/rope.c does.
+__global__ void rope_inv_freq_kernel(float *inv_freq, double theta, int64_t half, int head_dim) {
+  int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < half) inv_freq[i] = (float)pow(theta, -2.0 * (double)i / (double)head_dim);
+}
+
+// One thread per pair (element i and i + half of a head) of the first n_head
+// heads of each row: the pair turns by sign * pos * inv_freq[i], the angle
+// an fp32 product. out may be x (f32): a thread reads its pair before it
+// writes it.
+template <typename T>
+__global__ void rope_kernel(float *out, const T *x, const float *inv_freq, int64_t rows,
+                            int64_t seq, int64_t C, int64_t n_head, int64_t half,
+                            int64_t pos_offset, float sign) {
+  const int64_t n = rows * n_head * half;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = e % half, rh = e / half, h = rh % n_head, r = rh / n_head;
+    const float angle = (float)(pos_offset + r % seq) * inv_freq[i];
+    float sn, cs;
+    sincosf(angle, &sn, &cs);
+    sn *= sign;
+    const int64_t at = r * C + h * 2 * half + i;
+    const float x1 = widen(x[at]), x2 = widen(x[at + half]);
+    out[at] = x1 * cs - x2 * sn;
+    out[at + half] = x2 * cs + x1 * sn;
+  }
+}
+
+// Columns [turned, C) of each row: copied (widened) from x to out.
+template <typename T>
+__global__ void rope_copy_rest_kernel(float *out, const T *x, int64_t rows, int64_t C,
+                                      int64_t turned) {
+  const int64_t w = C - turned, n = rows * w;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t at = (e / w) * C + turned + e % w;
+    out[at] = widen(x[at]);
+  }
+}
+
+// t: out, x, inv_freq (NULL: from theta); i: n_head, head_dim, pos_offset;
+// f: theta. With inv_freq given a row may hold more than the n_head heads:
+// the rest is copied to out (left alone when out is x).
+template <typename T>
+static lz_status rope(const lz_op_args *a, float sign) {
+  lz_tensor *out = a->t[0];
+  const lz_tensor *x = a->t[1], *freqs = a->t[2];
+  const int64_t n_head = a->i[0], head_dim = a->i[1], half = head_dim / 2, pos_offset = a->i[2];
+  const int64_t seq = x->shape[1], rows = x->shape[0] * seq, C = x->shape[2];
+  const int64_t turned = n_head * head_dim;
+  if (rows == 0) return LZ_OK;
+  const float *inv_freq;
+  if (freqs) {
+    inv_freq = (const float *)freqs->data;
+  } else {
+    void *ws;
+    LZ_TRY(lz_cu_scratch(&ws, (size_t)half * sizeof(float)));
+    rope_inv_freq_kernel<<<(unsigned)((half + THREADS - 1) / THREADS), THREADS, 0,
+                           LZ_CU_COMPUTE>>>((float *)ws, (double)a->f[0], half, (int)head_dim);
+    CUDA_LAUNCH_CHECK();
+    inv_freq = (const float *)ws;
+  }
+  rope_kernel<T><<<lz_cu_blocks(rows * n_head * half, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)out->data, (const T *)x->data, inv_freq, rows, seq, C, n_head, half, pos_offset,
+      sign);
+  CUDA_LAUNCH_CHECK();
+  if (C > turned && out->data != x->data) {
+    rope_copy_rest_kernel<T><<<lz_cu_blocks(rows * (C - turned), THREADS), THREADS, 0,
+                               LZ_CU_COMPUTE>>>((float *)out->data, (const T *)x->data, rows, C,
+                                                turned);
+    CUDA_LAUNCH_CHECK();
+  }
+  return LZ_OK;
+}
+
+lz_status lz_cu_rope_forward(const lz_op_args *a) {
+  return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16>(a, 1.0f) : rope<float>(a, 1.0f);
+}
+
+// The rotation's transpose: the angles turned the other way.
+lz_status lz_cu_rope_backward(const lz_op_args *a) {
+  return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16>(a, -1.0f) : rope<float>(a, -1.0f);
+}
+
 // ------------------------------------------------------------ cross-entropy
 
 // One block per row: the row's maximum and sum of exp(logit - max) over the
@@ -235,12 +444,14 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
 
 // ---------------------------------------------------------------- embedding
 
+// wpe NULL: the token row alone (Llama has no position table).
 __global__ void embedding_forward_kernel(float *out, const int32_t *tok, const float *wte,
                                          const float *wpe, int64_t BT, int64_t T, int64_t C) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C;
        i += (int64_t)gridDim.x * blockDim.x) {
     int64_t bt = i / C, c = i % C;
-    out[i] = wte[(int64_t)tok[bt] * C + c] + wpe[(bt % T) * C + c];
+    const float te = wte[(int64_t)tok[bt] * C + c];
+    out[i] = wpe ? te + wpe[(bt % T) * C + c] : te;
   }
 }
 
@@ -264,7 +475,7 @@ lz_status lz_cu_embedding_forward(const lz_op_args *a) {
   if (B * T * C == 0) return LZ_OK;
   embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
       (float *)a->t[0]->data, (const int32_t *)tokens->data, (const float *)wte->data,
-      (const float *)a->t[3]->data, B * T, T, C);
+      a->t[3] ? (const float *)a->t[3]->data : NULL, B * T, T, C);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

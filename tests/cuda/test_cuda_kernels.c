@@ -1,15 +1,20 @@
 /* test_cuda_kernels.c — every CUDA kernel against the CPU kernel on the same
  * random inputs: fp32 within 1e-5 relative, bf16 within 1e-2 (relative to
  * max(|x|, 1% of the largest |x|), so near-zero entries of a gradient are
- * judged against its scale). Also the device side of the ledger, pinned
- * memory, streams and events, and the errors a device call can give.
+ * judged against its scale). Kernels whose bf16 inputs are widened to f32
+ * (RMSNorm, RoPE, SwiGLU, as on the CPU) are held to the f32 tolerance on
+ * bf16 inputs too; Lion, whose CPU kernel rounds every product and sum on
+ * its own, to the same bits. Each op of the Llama models and Lion also runs
+ * twice on the device and must give the same bits both times. Also the
+ * device side of the ledger, pinned memory, streams and events, and the
+ * errors a device call can give.
  *
  * build/bin/lz_cuda_tests [substring]. On a machine without a usable GPU
  * each test prints "skipped: <reason>" and the summary says how many were
  * skipped; skips count neither as passes nor as failures. */
 #include "luazero.h"
 
-#include <math.h>   /* fabs */
+#include <math.h>   /* fabs, pow */
 #include <stdio.h>  /* printf */
 #include <stdlib.h> /* malloc */
 #include <string.h> /* strstr */
@@ -119,6 +124,17 @@ static void expect_close(const char *what, const lz_tensor *d, const lz_tensor *
     failures++;
   }
   lz_tensor_free(h);
+}
+
+/* Two device tensors (same dtype and shape) hold the same bits. */
+static void expect_same_bits(const char *what, const lz_tensor *d1, const lz_tensor *d2) {
+  lz_tensor *h1 = back(d1), *h2 = back(d2);
+  if (h1 && h2 && memcmp(h1->data, h2->data, lz_tensor_bytes(h1)) != 0) {
+    printf("    %s: two runs on the device differ\n", what);
+    failures++;
+  }
+  lz_tensor_free(h1);
+  lz_tensor_free(h2);
 }
 
 #define FREE(...)                                                                       \
@@ -387,6 +403,239 @@ static void test_adamw(void) {
   }
 }
 
+/* ------------------------------------------------------- Llama, Lion */
+
+/* RMSNorm on x of `dt` (w too), forward and backward (dw accumulates onto
+ * nonzero values; dx also written over dy), twice on the device. dw_tol:
+ * 1e-5 for a few rows; sums over many rows in another order differ more
+ * near zero, where the 1% floor judges them. */
+static void rmsnorm_case(lz_dtype dt, int64_t rows, int64_t C, double dw_tol) {
+  int64_t xs[2] = {rows, C}, cs[1] = {C}, rs[1] = {rows};
+  lz_tensor *x = host_rand(dt, 2, xs, 2), *w = host_rand(dt, 1, cs, 1.5f);
+  lz_tensor *y = host(LZ_F32, 2, xs), *r = host(LZ_F32, 1, rs);
+  lz_tensor *d_x = dev(x), *d_w = dev(w), *d_y = dev(y), *d_r = dev(r), *d_y2 = dev(y),
+            *d_r2 = dev(r);
+  CHECK_OK(lz_rmsnorm_forward(y, r, x, w, 1e-5f));
+  CHECK_OK(lz_rmsnorm_forward(d_y, d_r, d_x, d_w, 1e-5f));
+  CHECK_OK(lz_rmsnorm_forward(d_y2, d_r2, d_x, d_w, 1e-5f));
+  expect_close("rmsnorm_forward out", d_y, y, 1e-5);
+  expect_close("rmsnorm_forward rstd", d_r, r, 1e-5);
+  expect_same_bits("rmsnorm_forward out", d_y, d_y2);
+  expect_same_bits("rmsnorm_forward rstd", d_r, d_r2);
+
+  lz_tensor *gy = host_rand(dt, 2, xs, 1), *gx = host(LZ_F32, 2, xs);
+  lz_tensor *gw = host_rand(LZ_F32, 1, cs, 1);
+  lz_tensor *d_gy = dev(gy), *d_gx = dev(gx), *d_gx2 = dev(gx), *d_gw = dev(gw), *d_gw2 = dev(gw);
+  CHECK_OK(lz_rmsnorm_backward(gx, gw, gy, x, w, r));
+  CHECK_OK(lz_rmsnorm_backward(d_gx, d_gw, d_gy, d_x, d_w, d_r));
+  CHECK_OK(lz_rmsnorm_backward(d_gx2, d_gw2, d_gy, d_x, d_w, d_r));
+  expect_close("rmsnorm_backward dx", d_gx, gx, 1e-5);
+  expect_close("rmsnorm_backward dw", d_gw, gw, dw_tol);
+  expect_same_bits("rmsnorm_backward dx", d_gx, d_gx2);
+  expect_same_bits("rmsnorm_backward dw", d_gw, d_gw2);
+  if (dt == LZ_F32) { /* dx over dy: the same as dx on its own */
+    lz_tensor *d_gw3 = dev(gw);
+    CHECK_OK(lz_rmsnorm_backward(d_gy, d_gw3, d_gy, d_x, d_w, d_r));
+    expect_same_bits("rmsnorm_backward dx over dy", d_gy, d_gx);
+    FREE(d_gw3);
+  }
+  FREE(x, w, y, r, d_x, d_w, d_y, d_r, d_y2, d_r2, gy, gx, gw, d_gy, d_gx, d_gx2, d_gw, d_gw2);
+}
+
+static void test_rmsnorm(void) {
+  rmsnorm_case(LZ_F32, 2 * 3, 37, 1e-5);
+  rmsnorm_case(LZ_F32, 4 * 16, 1024, 1e-4);
+  rmsnorm_case(LZ_F32, 1000, 520, 1e-4); /* uneven row chunks */
+  rmsnorm_case(LZ_BF16, 3, 37, 1e-5);
+  rmsnorm_case(LZ_BF16, 64, 1024, 1e-4);
+  rmsnorm_case(LZ_BF16, 5, 5000, 1e-5); /* the cpu's two-pass backward */
+}
+
+/* RoPE with theta on x of `dt` [B, T, n_head * head_dim], forward and
+ * backward, twice on the device; f32 also in place. Angles reach
+ * (pos_offset + T) radians: cosf and sinf agree with the cpu's to a few ulps. */
+static void rope_case(lz_dtype dt, int64_t B, int64_t T, int n_head, int head_dim,
+                      int64_t pos_offset, float theta) {
+  int64_t xs[3] = {B, T, (int64_t)n_head * head_dim};
+  lz_tensor *x = host_rand(dt, 3, xs, 1), *y = host(LZ_F32, 3, xs), *g = host(LZ_F32, 3, xs);
+  lz_tensor *d_x = dev(x), *d_y = dev(y), *d_y2 = dev(y), *d_g = dev(g);
+  CHECK_OK(lz_rope_forward(y, x, n_head, head_dim, pos_offset, theta));
+  CHECK_OK(lz_rope_forward(d_y, d_x, n_head, head_dim, pos_offset, theta));
+  CHECK_OK(lz_rope_forward(d_y2, d_x, n_head, head_dim, pos_offset, theta));
+  expect_close("rope_forward", d_y, y, 1e-5);
+  expect_same_bits("rope_forward", d_y, d_y2);
+  CHECK_OK(lz_rope_backward(g, x, n_head, head_dim, pos_offset, theta));
+  CHECK_OK(lz_rope_backward(d_g, d_x, n_head, head_dim, pos_offset, theta));
+  expect_close("rope_backward", d_g, g, 1e-5);
+  if (dt == LZ_F32) {
+    CHECK_OK(lz_rope_forward(d_x, d_x, n_head, head_dim, pos_offset, theta));
+    expect_same_bits("rope_forward in place", d_x, d_y);
+  }
+  FREE(x, y, g, d_x, d_y, d_y2, d_g);
+}
+
+/* lz_rope_freqs_* on packed rows: the first n_turn heads of n_all turn by
+ * the given inverse frequencies (on the device), the rest is copied; in
+ * place, the rest is left alone. */
+static void rope_freqs_case(lz_dtype dt, int64_t B, int64_t T, int head_dim, int n_turn,
+                            int n_all, int64_t pos_offset) {
+  int64_t xs[3] = {B, T, (int64_t)n_all * head_dim}, fs[1] = {head_dim / 2};
+  lz_tensor *x = host_rand(dt, 3, xs, 1), *y = host(LZ_F32, 3, xs), *g = host(LZ_F32, 3, xs);
+  lz_tensor *f = host(LZ_F32, 1, fs);
+  for (int i = 0; i < head_dim / 2; i++) /* Llama 3-like: some scaled down */
+    ((float *)f->data)[i] =
+        (float)pow(500000.0, -2.0 * i / head_dim) / (i >= head_dim / 4 ? 8.0f : 1.0f);
+  lz_tensor *d_x = dev(x), *d_y = dev(y), *d_y2 = dev(y), *d_g = dev(g), *d_f = dev(f);
+  CHECK_OK(lz_rope_freqs_forward(y, x, f, n_turn, pos_offset));
+  CHECK_OK(lz_rope_freqs_forward(d_y, d_x, d_f, n_turn, pos_offset));
+  CHECK_OK(lz_rope_freqs_forward(d_y2, d_x, d_f, n_turn, pos_offset));
+  expect_close("rope_freqs_forward", d_y, y, 1e-5);
+  expect_same_bits("rope_freqs_forward", d_y, d_y2);
+  CHECK_OK(lz_rope_freqs_backward(g, x, f, n_turn, pos_offset));
+  CHECK_OK(lz_rope_freqs_backward(d_g, d_x, d_f, n_turn, pos_offset));
+  expect_close("rope_freqs_backward", d_g, g, 1e-5);
+  if (dt == LZ_F32) {
+    CHECK_OK(lz_rope_freqs_forward(d_x, d_x, d_f, n_turn, pos_offset));
+    expect_same_bits("rope_freqs_forward in place", d_x, d_y);
+  }
+  FREE(x, y, g, f, d_x, d_y, d_y2, d_g, d_f);
+}
+
+static void test_rope(void) {
+  rope_case(LZ_F32, 2, 5, 3, 8, 0, 10000.0f);
+  rope_case(LZ_F32, 1, 7, 2, 12, 1000, 500000.0f);
+  rope_case(LZ_F32, 2, 64, 8, 128, 3, 10000.0f);
+  rope_case(LZ_BF16, 2, 5, 3, 8, 0, 10000.0f);
+  rope_case(LZ_BF16, 2, 64, 8, 128, 7, 10000.0f);
+  rope_freqs_case(LZ_F32, 2, 9, 8, 3, 5, 4);    /* 3 heads turn, 2 pass */
+  rope_freqs_case(LZ_BF16, 2, 9, 8, 3, 5, 4);
+  rope_freqs_case(LZ_F32, 2, 33, 64, 6, 8, 100); /* q|k|v of 4 + 2 + 2 heads, q and k turn */
+  rope_freqs_case(LZ_BF16, 1, 64, 128, 8, 8, 0); /* no rest */
+}
+
+/* SwiGLU on gate, up (and dout) of `dt`, twice on the device; f32 also with
+ * the outputs over the inputs. The cpu's e^x is its own polynomial, the
+ * device's expf: they agree to a few ulps. */
+static void swiglu_case(lz_dtype dt, int64_t n) {
+  int64_t s[2] = {n / 8, 8};
+  lz_tensor *gt = host_rand(dt, 2, s, 6), *up = host_rand(dt, 2, s, 2);
+  lz_tensor *go = host_rand(dt, 2, s, 1);
+  lz_tensor *y = host(LZ_F32, 2, s), *dg = host(LZ_F32, 2, s), *du = host(LZ_F32, 2, s);
+  lz_tensor *d_gt = dev(gt), *d_up = dev(up), *d_go = dev(go), *d_y = dev(y), *d_y2 = dev(y);
+  lz_tensor *d_dg = dev(dg), *d_du = dev(du), *d_dg2 = dev(dg), *d_du2 = dev(du);
+  CHECK_OK(lz_swiglu_forward(y, gt, up));
+  CHECK_OK(lz_swiglu_forward(d_y, d_gt, d_up));
+  CHECK_OK(lz_swiglu_forward(d_y2, d_gt, d_up));
+  expect_close("swiglu_forward", d_y, y, 1e-5);
+  expect_same_bits("swiglu_forward", d_y, d_y2);
+  CHECK_OK(lz_swiglu_backward(dg, du, go, gt, up));
+  CHECK_OK(lz_swiglu_backward(d_dg, d_du, d_go, d_gt, d_up));
+  CHECK_OK(lz_swiglu_backward(d_dg2, d_du2, d_go, d_gt, d_up));
+  expect_close("swiglu_backward dgate", d_dg, dg, 1e-5);
+  expect_close("swiglu_backward dup", d_du, du, 1e-5);
+  expect_same_bits("swiglu_backward dgate", d_dg, d_dg2);
+  expect_same_bits("swiglu_backward dup", d_du, d_du2);
+  if (dt == LZ_F32) { /* dgate over gate, dup over up */
+    CHECK_OK(lz_swiglu_backward(d_gt, d_up, d_go, d_gt, d_up));
+    expect_same_bits("swiglu_backward in place dgate", d_gt, d_dg);
+    expect_same_bits("swiglu_backward in place dup", d_up, d_du);
+  }
+  FREE(gt, up, go, y, dg, du, d_gt, d_up, d_go, d_y, d_y2, d_dg, d_du, d_dg2, d_du2);
+}
+
+static void test_swiglu(void) {
+  swiglu_case(LZ_F32, 8 * 37);
+  swiglu_case(LZ_F32, 8 * 50001);
+  swiglu_case(LZ_BF16, 8 * 37);
+  swiglu_case(LZ_BF16, 8 * 50001);
+}
+
+/* Five Lion steps with mixed gradients (some zero) on the cpu and, twice,
+ * on the device: param, m and the working copy bitwise the cpu's. */
+static void lion_case(int64_t n, int with_working, lz_dtype wdt, const lz_lion_args *args) {
+  int64_t s[1] = {n};
+  lz_tensor *p = host_rand(LZ_F32, 1, s, 1), *m = host(LZ_F32, 1, s), *g = host(LZ_F32, 1, s);
+  lz_tensor *w = with_working ? host(wdt, 1, s) : NULL;
+  CHECK_OK(lz_fill(m, 0.0f));
+  lz_tensor *d_p = dev(p), *d_m = dev(m), *d_g = dev(g), *d_w = w ? dev(w) : NULL;
+  lz_tensor *d_p2 = dev(p), *d_m2 = dev(m), *d_w2 = w ? dev(w) : NULL;
+  for (int step = 1; step <= 5; step++) {
+    float *gp = g->data;
+    for (int64_t i = 0; i < n; i++) gp[i] = i % 11 == 0 ? 0.0f : uniform() * (i % 3 ? 1.0f : 1e-3f);
+    CHECK_OK(lz_tensor_copy(d_g, g));
+    CHECK_OK(lz_lion_step(p, g, m, w, args));
+    CHECK_OK(lz_lion_step(d_p, d_g, d_m, d_w, args));
+    CHECK_OK(lz_lion_step(d_p2, d_g, d_m2, d_w2, args));
+  }
+  expect_close("lion param", d_p, p, 0.0);
+  expect_close("lion m", d_m, m, 0.0);
+  if (w) expect_close("lion working copy", d_w, w, 0.0);
+  expect_same_bits("lion param", d_p, d_p2);
+  expect_same_bits("lion m", d_m, d_m2);
+  if (w) expect_same_bits("lion working copy", d_w, d_w2);
+  FREE(p, m, g, w, d_p, d_m, d_g, d_w, d_p2, d_m2, d_w2);
+}
+
+static void test_lion(void) {
+  const lz_lion_args typical = {
+      .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = 0.1f, .grad_scale = 0.5f};
+  const lz_lion_args big = {
+      .lr = 3e-2f, .beta1 = 0.95f, .beta2 = 0.98f, .weight_decay = 0.0f, .grad_scale = 8.0f};
+  lion_case(1001, 0, LZ_F32, &typical);
+  lion_case(1001, 0, LZ_F32, &big);
+  lion_case(1001, 1, LZ_F32, &typical);
+  lion_case(100003, 1, LZ_BF16, &typical);
+  lion_case(100003, 1, LZ_F16, &typical);
+}
+
+/* Grouped-query attention (qkv rows of q for NH heads, k and v for NKV),
+ * forward and backward against the cpu, the backward twice. */
+static void gqa_case(int64_t B, int64_t T, int NH, int NKV, int64_t HS) {
+  const int64_t row = (NH + 2 * (int64_t)NKV) * HS, C = NH * HS;
+  int64_t qs[3] = {B, T, row}, os[3] = {B, T, C}, ls[3] = {B, NH, T};
+  lz_tensor *qkv = host_rand(LZ_F32, 3, qs, 1.5f), *o = host(LZ_F32, 3, os);
+  lz_tensor *l = host(LZ_F32, 3, ls);
+  lz_tensor *d_qkv = dev(qkv), *d_o = dev(o), *d_l = dev(l);
+  CHECK_OK(lz_attention_gqa_forward(o, l, qkv, NH, NKV));
+  CHECK_OK(lz_attention_gqa_forward(d_o, d_l, d_qkv, NH, NKV));
+  expect_close("attention_gqa_forward out", d_o, o, 1e-5);
+  expect_close("attention_gqa_forward lse", d_l, l, 1e-5);
+  lz_tensor *go = host_rand(LZ_F32, 3, os, 1), *gq = host(LZ_F32, 3, qs);
+  lz_tensor *d_go = dev(go), *d_gq = dev(gq), *d_gq2 = dev(gq);
+  CHECK_OK(lz_attention_gqa_backward(gq, go, qkv, o, l, NH, NKV));
+  CHECK_OK(lz_attention_gqa_backward(d_gq, d_go, d_qkv, d_o, d_l, NH, NKV));
+  CHECK_OK(lz_attention_gqa_backward(d_gq2, d_go, d_qkv, d_o, d_l, NH, NKV));
+  expect_close("attention_gqa_backward dqkv", d_gq, gq, 1e-5);
+  expect_same_bits("attention_gqa_backward dqkv", d_gq, d_gq2);
+  FREE(qkv, o, l, d_qkv, d_o, d_l, go, gq, d_go, d_gq, d_gq2);
+}
+
+static void test_attention_gqa(void) {
+  gqa_case(2, 7, 4, 2, 8);    /* short */
+  gqa_case(1, 130, 8, 2, 16); /* three query blocks, groups of 4 */
+  gqa_case(2, 65, 6, 1, 32);  /* one key/value head (multi-query) */
+  gqa_case(1, 64, 4, 4, 16);  /* n_kv_head = n_head: plain multi-head */
+  gqa_case(1, 40, 4, 2, 128); /* Llama's head size */
+}
+
+/* Token-only embedding (no position table), as Llama's. */
+static void test_embedding_tokens_only(void) {
+  int64_t V = 50, C = 40, B = 3, T = 12;
+  int64_t ts[2] = {B, T}, tes[2] = {V, C}, os[3] = {B, T, C};
+  lz_tensor *tok = host(LZ_I32, 2, ts);
+  for (int64_t i = 0; i < B * T; i++) ((int32_t *)tok->data)[i] = (int32_t)(i * 7 % 5);
+  lz_tensor *wte = host_rand(LZ_F32, 2, tes, 1), *o = host(LZ_F32, 3, os);
+  lz_tensor *d_tok = dev(tok), *d_wte = dev(wte), *d_o = dev(o);
+  CHECK_OK(lz_embedding_forward(o, tok, wte, NULL));
+  CHECK_OK(lz_embedding_forward(d_o, d_tok, d_wte, NULL));
+  expect_close("embedding_forward tokens only", d_o, o, 0.0); /* copies */
+  lz_tensor *g = host_rand(LZ_F32, 3, os, 1), *d_g = dev(g);
+  CHECK_OK(lz_embedding_backward(wte, NULL, g, tok));
+  CHECK_OK(lz_embedding_backward(d_wte, NULL, d_g, d_tok));
+  expect_close("embedding_backward dwte only", d_wte, wte, 0.0); /* the cpu's order */
+  FREE(tok, wte, o, d_tok, d_wte, d_o, g, d_g);
+}
+
 static void test_ledger_and_streams(void) {
   int64_t before = lz_mem_device_current(LZ_MEM_PARAMS);
   lz_mem_reset_peak();
@@ -459,6 +708,12 @@ static const struct {
     {"cuda_elementwise", test_elementwise},
     {"cuda_convert", test_convert},
     {"cuda_adamw", test_adamw},
+    {"cuda_rmsnorm", test_rmsnorm},
+    {"cuda_rope", test_rope},
+    {"cuda_swiglu", test_swiglu},
+    {"cuda_lion", test_lion},
+    {"cuda_attention_gqa", test_attention_gqa},
+    {"cuda_embedding_tokens_only", test_embedding_tokens_only},
     {"cuda_ledger_and_streams", test_ledger_and_streams},
     {"cuda_errors", test_errors},
 };
