@@ -182,6 +182,44 @@ function T.fine_tuning_an_exported_llama_with_lora()
   engine:free(); loader:free(); corpus.tokens:free()
 end
 
+-- Exports of a LoRA run: PEFT's adapter folder, and the adapters folded into
+-- the base (--merge-lora), whose loss is the LoRA model's to the last bit.
+function T.lora_exports_peft_adapters_and_a_merged_model_with_the_same_loss()
+  local dir = select(2, support.scratch())
+  local function ckpt(...)
+    local out, st = support.sh(("cd %s && %s tools/ckpt.lua export %s"):format(
+      support.quote(lz.root), support.quote(lz.executable()), table.concat({ ... }, " ")))
+    return out, st
+  end
+  ok_train(1, ("--steps 5 --save %s/base"):format(dir))
+  assert(select(2, ckpt(dir .. "/base", dir .. "/hf")) == 0)
+  local lora_flags = ("--init %s/hf --lora-r 4 --lora-alpha 8 --lora-targets " ..
+                      "q_proj,v_proj,down_proj"):format(dir)
+  ok_train(1, ("--steps 4 %s --save %s/ft"):format(lora_flags, dir))
+  local out = ok_train(1, ("--steps 4 %s --resume %s/ft"):format(lora_flags, dir))
+  local v1 = assert(out:match("val_loss (%S+)"), out)
+  -- PEFT's folder: every adapter under base_model.model., the settings.
+  local o, st = ckpt(dir .. "/ft", dir .. "/peft")
+  assert(st == 0, o)
+  local cfg = require("cjson").decode(lz.read_file(dir .. "/peft/adapter_config.json"))
+  assert(cfg.peft_type == "LORA" and cfg.r == 4 and cfg.lora_alpha == 8 and
+         #cfg.target_modules == 3, lz.read_file(dir .. "/peft/adapter_config.json"))
+  local st_file = require("luazero.checkpoint.safetensors").open(dir .. "/peft/adapter_model.safetensors")
+  assert(#st_file.names == 2 * 3 * 2, #st_file.names .. " adapter tensors")
+  for _, n in ipairs(st_file.names) do
+    assert(n:find("^base_model%.model%.model%.layers%.%d+%..*lora_[AB]%.weight$"), n)
+  end
+  st_file:close()
+  -- Merged: a plain model whose loss is the adapted one's.
+  o, st = ckpt(dir .. "/ft", dir .. "/merged", "--merge-lora")
+  assert(st == 0, o)
+  out = ok_train(1, ("--steps 0 --init %s/merged"):format(dir))
+  local v2 = assert(out:match("val_loss (%S+)"), out)
+  assert(v1 == v2, ("merged model's val_loss %s, the LoRA model's %s"):format(v2, v1))
+  o, st = ckpt(dir .. "/base", dir .. "/nope", "--merge-lora")
+  assert(st == 2 and o:find("is not a LoRA run's checkpoint", 1, true), o)
+end
+
 function T.freezing_nothing_or_adapting_nothing_is_an_error()
   local model = registry.new(registry.config("llama-tiny"))
   support.expect_error(function() model:freeze("no_such_weight") end,
