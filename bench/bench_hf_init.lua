@@ -26,8 +26,9 @@ local function mib(b) return b / 2 ^ 20 end
 local cfg = models.from_hf_config(hf.config_path(folder))
 local model = models.new(cfg)
 local comm = require("luazero.comm").init()
+-- As train.lua --init builds it: nothing drawn, no whole-model buffer.
 local engine = require("luazero.zero").initialize({
-  model = model, comm = comm, batch = { 1, 16 },
+  model = model, comm = comm, batch = { 1, 16 }, draw_weights = false,
   config = { train_micro_batch_size_per_gpu = 1, zero_optimization = { stage = flags.stage } } })
 local hwm_init = status("VmHWM")
 local f = assert(io.open("/proc/self/clear_refs", "w"))

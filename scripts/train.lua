@@ -400,7 +400,8 @@ local function set_up(flags)
   end
   local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,
                                                  batch = { B, T }, lr = schedule, comm = comm,
-                                                 device = flags.device })
+                                                 device = flags.device,
+                                                 draw_weights = not flags.init })
   return {
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,

@@ -231,10 +231,27 @@ local function read_param(e, a, k, dst)
   end
 end
 
+-- A parameter the files do not hold (a LoRA adapter): drawn whole as its
+-- init says, from its own generator (the seed and its place in the table),
+-- so every rank and every chunking draws the same numbers. Cached by name.
+local function drawn(p, index, seed, cache)
+  local t = cache[p.name]
+  if t then return t end
+  t = ffi.new("float[?]", p.numel)
+  local init = p.init or { kind = "zeros" }
+  if init.kind == "normal" then
+    require("luazero.rng").new(seed, 1000 + index):fill_normal(t, p.numel, init.std)
+  elseif init.kind == "ones" then
+    for i = 0, p.numel - 1 do t[i] = 1 end
+  end
+  cache[p.name] = t
+  return t
+end
+
 -- Canonical elements [c, c + n) of `params` (a parameter table: the
--- engine's trainable one) into dst, across parameters; an adapter's are
--- left as they are.
-local function fill(want, params, c, n, dst)
+-- engine's trainable one) into dst, across parameters; one the files do
+-- not hold is drawn (drawn).
+local function fill(want, params, c, n, dst, seed, cache)
   local lo, hi = 1, #params
   while lo < hi do
     local mid = math.floor((lo + hi + 1) / 2)
@@ -246,7 +263,11 @@ local function fill(want, params, c, n, dst)
     local a = c - p.offset
     local k = math.min(n, p.numel - a)
     local e = want[p.name]
-    if e then read_param(e, a, k, dst) end
+    if e then
+      read_param(e, a, k, dst)
+    else
+      ffi.copy(dst, drawn(p, i, seed, cache) + a, k * 4)
+    end
     c, n, dst, i = c + k, n - k, dst + k, i + 1
   end
 end
@@ -272,6 +293,7 @@ function M.load_into(engine, path)
     local want = plan(src, engine.model)
     local runs = engine:state_layout().runs
     local params = engine.ptable
+    local cache = {}
     local ri = 1
     engine:visit_states(true, function(off, ...)
       local views = { ... }
@@ -286,7 +308,10 @@ function M.load_into(engine, path)
       while j <= #runs and runs[j].offset < off + len do
         local r = runs[j]
         local a, b = math.max(r.offset, off), math.min(r.offset + r.numel, off + len)
-        if b > a then fill(want, params, r.canonical + a - r.offset, b - a, master + (a - off)) end
+        if b > a then
+          fill(want, params, r.canonical + a - r.offset, b - a, master + (a - off), engine.seed,
+               cache)
+        end
         j = j + 1
       end
     end)

@@ -117,7 +117,7 @@ function M.initialize(opts)
   model.ctx.device = device
   local self = setmetatable({
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
-    dev = device,
+    dev = device, seed = opts.seed or 0,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0, inflight = {},
@@ -150,7 +150,9 @@ function M.initialize(opts)
   self:find_users()
   local ok, err = pcall(function()
     self:allocate()
-    self:init_weights(opts.seed or 0)
+    -- draw_weights false: the weights are loaded next (--init): nothing is
+    -- drawn, and no whole-model buffer is made.
+    if opts.draw_weights == false then self:zero_weights() else self:init_weights(opts.seed or 0) end
     self:build_calls()
     self:install_hooks()
     if opts.checkpoint_activations then
@@ -441,6 +443,23 @@ function Engine:init_weights(seed)
     end, true) -- fresh: every state is written here, nothing to read first
   end
   tmp:free()
+end
+
+-- Zero weights everywhere the plan keeps them (the loader fills them next).
+function Engine:zero_weights()
+  if self.work then self.work:zero() end
+  if self.master and self.master ~= self.work then self.master:zero() end
+  for _, seg in ipairs(self.L.segments) do
+    if seg.persistent then seg.persistent:zero() end
+  end
+  local st = self.states
+  if st.nb > 0 then
+    st:each_group(true, function(_, _, _, v)
+      if v.master then v.master:zero() end
+      for _, t in ipairs(v.s) do t:zero() end
+      if v.work then v.work:zero() end
+    end, true)
+  end
 end
 
 -- Calls fn(seg, a, len) for the pieces of shard elements [lo, lo + n) that
