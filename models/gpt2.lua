@@ -77,46 +77,6 @@ function M.finish(cfg)
   return cfg
 end
 
----------------------------------------------------------- tied LM head
-
--- logits = x @ wte^T: borrows the embedding's table, declares no parameter of
--- its own (Hugging Face's lm_head.weight is transformer.wte.weight). A ZeRO-3
--- engine reads `tied` to gather that table before this module runs.
-local LMHead = nn.Module:extend("LMHead")
-
-function LMHead.new(embedding, padded_vocab)
-  local self = setmetatable({}, LMHead):init()
-  self.embedding, self.padded_vocab = embedding, padded_vocab
-  self.tied = { weight = "transformer.wte.weight" }
-  return self
-end
-
-function LMHead:forward(x)
-  local logits = self:activation({ x:dim(1), x:dim(2), self.padded_vocab })
-  local xw, w = self:matmul_operands(x, self.embedding.p.wte)
-  ops.linear_forward(logits, xw, w, nil)
-  self.input = xw
-  return logits
-end
-
-function LMHead:backward(dlogits)
-  local x = self.input
-  local dx = self:scratch({ x:dim(1), x:dim(2), x:dim(3) })
-  local dw, w = self:matmul_operands(dlogits, self.embedding.p.wte)
-  ops.linear_backward(dx, self.embedding.g.wte, nil, dw, x, w)
-  return dx
-end
-
--- Casts: the matmul operands in forward and backward.
-function LMHead:own_memory(B, T, dtype)
-  local C = self.embedding.n_embd
-  local x, logits, w = B * T * C, B * T * self.padded_vocab, self.padded_vocab * C
-  return { input = lz.arena_bytes(x), activations = lz.arena_bytes(logits),
-           scratch = lz.arena_bytes(x),
-           casts = nn.Module.matmul_cast_bytes(x, w, dtype) +
-                   nn.Module.matmul_cast_bytes(logits, w, dtype) }
-end
-
 -------------------------------------------------------------------- model
 
 -- nn.Model runs the layers and sizes the arenas: the embedding, the blocks,
@@ -138,7 +98,8 @@ function M.new(cfg)
   for i = 1, L do blocks[i] = nn.Block.new(C, cfg.n_head, proj_std) end
   transformer:add("h", nn.Sequential.new(blocks))
   transformer:add("ln_f", nn.LayerNorm.new(C))
-  self:add("lm_head", LMHead.new(transformer.embedding, cfg.padded_vocab))
+  self:add("lm_head", nn.TiedHead.new(transformer.embedding, "wte", "transformer.wte.weight",
+                                                 cfg.padded_vocab))
   self.layers = { stem = { transformer.embedding }, blocks = blocks, top = { transformer.ln_f },
                   output = self.lm_head }
   self.param_table, self.n_params = self:parameter_table()

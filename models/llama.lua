@@ -175,44 +175,6 @@ function M.inv_freq(cfg)
   return out
 end
 
----------------------------------------------------------- tied LM head
-
--- logits = x @ embed_tokens^T: borrows the embedding's table (Hugging
--- Face's lm_head.weight is model.embed_tokens.weight when tied).
-local TiedHead = nn.Module:extend("TiedHead")
-
-function TiedHead.new(embedding, padded_vocab)
-  local self = setmetatable({}, TiedHead):init()
-  self.embedding, self.padded_vocab = embedding, padded_vocab
-  self.tied = { weight = "model.embed_tokens.weight" }
-  return self
-end
-
-function TiedHead:forward(x)
-  local logits = self:activation({ x:dim(1), x:dim(2), self.padded_vocab })
-  local xw, w = self:matmul_operands(x, self.embedding.p.weight)
-  lz.ops.linear_forward(logits, xw, w, nil)
-  self.input = xw
-  return logits
-end
-
-function TiedHead:backward(dlogits)
-  local x = self.input
-  local dx = self:scratch({ x:dim(1), x:dim(2), x:dim(3) })
-  local dw, w = self:matmul_operands(dlogits, self.embedding.p.weight)
-  lz.ops.linear_backward(dx, self.embedding.g.weight, nil, dw, x, w)
-  return dx
-end
-
-function TiedHead:own_memory(B, T, dtype)
-  local C = self.embedding.n_embd
-  local x, logits, w = B * T * C, B * T * self.padded_vocab, self.padded_vocab * C
-  return { input = lz.arena_bytes(x), activations = lz.arena_bytes(logits),
-           scratch = lz.arena_bytes(x),
-           casts = nn.Module.matmul_cast_bytes(x, w, dtype) +
-                   nn.Module.matmul_cast_bytes(logits, w, dtype) }
-end
-
 -------------------------------------------------------------------- model
 
 local Llama = nn.Model:extend("Llama")
@@ -230,7 +192,7 @@ function M.new(cfg)
   for i = 1, cfg.n_layer do blocks[i] = nn.LlamaBlock.new(cfg, self.rope) end
   model:add("layers", nn.Sequential.new(blocks))
   local norm = model:add("norm", nn.RMSNorm.new(C, cfg.eps))
-  local head = cfg.tie and TiedHead.new(embed, Vp) or
+  local head = cfg.tie and nn.TiedHead.new(embed, "weight", "model.embed_tokens.weight", Vp) or
                nn.Linear.new(C, Vp, { bias = false, std = cfg.std })
   self:add("lm_head", head)
   self.layers = { stem = { embed }, blocks = blocks, top = { norm }, output = head }

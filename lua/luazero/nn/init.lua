@@ -1,7 +1,8 @@
 -- nn — modules that own their forward and backward (Torch7 style): the Module
 -- base, layers (Linear, LayerNorm, RMSNorm, Embedding, TokenEmbedding),
 -- GPT-2's parts (CausalSelfAttention, MLP, Block), Llama's (GQA, SwiGLUMLP,
--- LlamaBlock), the Sequential container and the Model base (arenas sized
+-- LlamaBlock), an LM head tied to the embedding (TiedHead), the Sequential
+-- container and the Model base (arenas sized
 -- from the modules' memory reports).
 return {
   Module = require("luazero.nn.module"),
@@ -16,6 +17,7 @@ return {
   GQA = require("luazero.nn.gqa"),
   SwiGLUMLP = require("luazero.nn.swiglu_mlp"),
   LlamaBlock = require("luazero.nn.llama_block"),
+  TiedHead = require("luazero.nn.tied_head"),
   Sequential = require("luazero.nn.sequential"),
   Model = require("luazero.nn.model"),
 }
