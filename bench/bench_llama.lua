@@ -1,0 +1,336 @@
+-- bench/bench_llama.lua — Llama training throughput at the ~100M size, in fp32
+-- and bf16, on one rank and on two, beside GPT-2 of the same depth and width
+-- and beside PyTorch on the same shapes.
+--   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--micro-batch 4]
+--                                 [--seq-len 64] [--steps 3] [--torch-steps 2]
+--                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1]
+-- In one run, on the same machine, threads, batch and sequence length:
+--   1. the GEMM yardsticks: a large GEMM through lz_matmul (oneDNN), fp32
+--      (sgemm) and bf16 (bf16 inputs, fp32 output), GFLOP/s, measured
+--      before and after the training runs (the better figure counts);
+--   2. luazero: full optimizer steps through the ZeRO engine (forward,
+--      backward, clipping, AdamW), random tokens, for Llama and GPT-2, fp32
+--      and bf16, on one rank (stage 0) and on --ranks ranks (`luazero -n`,
+--      ZeRO --stage, --micro-batch sequences per rank, the launcher's threads:
+--      --threads / ranks each). Each run is its own process; one warm-up
+--      step, then --steps steps timed one by one, the median counts;
+--   3. PyTorch 1.13 (/usr/bin/python3, bench/bench_llama_torch.py): the same
+--      Llama written from Hugging Face's equations, one rank, same threads,
+--      fp32 and bf16 (torch.autocast on the CPU).
+-- --rounds N repeats 2 and 3 N times, interleaved, and prints the median of
+-- each figure over the rounds. On a shared machine the ratios of one round
+-- hold better than the absolute figures, and one rank of two threads loses
+-- more to other jobs than two ranks of one thread each: use a quiet machine
+-- for figures to compare (docs/models.md, "Speed").
+-- Model FLOP utilisation (MFU) is against the GEMM figure of the run's dtype.
+-- FLOPs per token: 6 N + 12 L C T (nanoGPT's estimate; N: the parameters,
+-- without GPT-2's position table; the attention term counts the whole T x T
+-- square and the query heads, C = n_head * head_dim).
+local ffi = require("ffi")
+local lz = require("luazero")
+local args = require("luazero.args")
+local clock = require("luazero.clock")
+local models = require("models.registry")
+
+local spec = {
+  { "model", "string", "llama-100m", "the Llama size (models/registry.lua)" },
+  { "gpt2", "string", "gpt2", "the GPT-2 size beside it (\"none\" skips GPT-2)" },
+  { "micro-batch", "int", 4, "sequences per step (per rank)" },
+  { "seq-len", "int", 64, "tokens per sequence" },
+  { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
+  { "torch-steps", "int", 2, "timed PyTorch steps per run (after one warm-up step); 0 skips PyTorch" },
+  { "threads", "int", 2, "compute threads in all (one rank: all of them; n ranks: threads / n each)" },
+  { "ranks", "int", 2, "ranks of the multi-rank runs (1 skips them)" },
+  { "stage", "int", 2, "ZeRO stage of the multi-rank runs (0-3)" },
+  { "dtypes", "string", "fp32,bf16", "precisions, comma-separated (fp32, bf16)" },
+  { "rounds", "int", 1, "times to repeat every run; figures are medians over the rounds" },
+  { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMMs" },
+  -- internal: one run, in its own process (and ranks)
+  { "run", "string", nil, "(internal) run one model in this process: MODEL:DTYPE:STAGE" },
+}
+
+local function fail(msg)
+  io.stderr:write("bench_llama: ", tostring(msg), "\n")
+  os.exit(2)
+end
+
+local ok, flags, usage = pcall(args.parse, arg, spec)
+if not ok then fail(flags) end
+if not flags then
+  print("luazero bench/bench_llama.lua [flags]\n" .. usage)
+  os.exit(0)
+end
+
+local B, T = flags.micro_batch, flags.seq_len
+local function at_least(name, v, lo)
+  if v < lo then fail(("--%s must be >= %d (got %d)"):format(name, lo, v)) end
+end
+at_least("micro-batch", B, 1)
+at_least("seq-len", T, 1)
+at_least("steps", flags.steps, 1)
+at_least("torch-steps", flags.torch_steps, 0)
+at_least("threads", flags.threads, 1)
+at_least("ranks", flags.ranks, 1)
+at_least("rounds", flags.rounds, 1)
+at_least("gemm", flags.gemm, 64)
+if flags.stage < 0 or flags.stage > 3 then
+  fail(("--stage must be 0, 1, 2 or 3 (got %d)"):format(flags.stage))
+end
+local dtypes = {}
+for d in (flags.dtypes .. ","):gmatch("([^,]*),") do
+  if d ~= "fp32" and d ~= "bf16" then
+    fail(("--dtypes must list fp32 and/or bf16, comma-separated (got '%s')"):format(flags.dtypes))
+  end
+  dtypes[#dtypes + 1] = d
+end
+
+-- A named size of the given family, with --seq-len inside its context.
+local function model_config(name, family, flag)
+  local ok_, cfg = pcall(models.config, name)
+  if not ok_ then fail(("--%s: %s"):format(flag, cfg)) end
+  if cfg.family ~= family then
+    fail(("--%s: '%s' is not a %s size (%s sizes: %s)"):format(flag, name, family, family,
+         table.concat(models.families[family].names, ", ")))
+  end
+  if T > cfg.context then
+    fail(("--seq-len %d is beyond %s's context of %d"):format(T, name, cfg.context))
+  end
+  return cfg
+end
+
+-- FLOPs per token of a config (see the header).
+local function flops_per_token(cfg, n_params)
+  local n = n_params - (cfg.family == "llama" and 0 or cfg.context * cfg.n_embd)
+  local attn = cfg.n_head * (cfg.head_dim or cfg.n_embd / cfg.n_head)
+  return 6 * n + 12 * cfg.n_layer * attn * T
+end
+
+--------------------------------------------------------------- one run
+
+-- In its own process (under `luazero -n R` for R ranks): builds the model
+-- and the engine, times the steps; rank 0 prints one "bench_llama_run" line.
+if flags.run then
+  local name, dtype, stage = flags.run:match("^([^:]+):([^:]+):(%d)$")
+  if not name or (dtype ~= "fp32" and dtype ~= "bf16") or tonumber(stage) > 3 then
+    fail(("--run: '%s' is not MODEL:DTYPE:STAGE (DTYPE fp32 or bf16, STAGE 0-3)")
+         :format(flags.run))
+  end
+  local ok_, cfg = pcall(models.config, name)
+  if not ok_ then fail("--run: " .. cfg) end
+  local comm = require("luazero.comm").init()
+  local world = comm.size()
+  lz.threads(math.max(1, math.floor(flags.threads / world)))
+  local rng = require("luazero.rng")
+  local zero = require("luazero.zero")
+  local model = models.new(cfg)
+  local engine = zero.initialize({
+    model = model, seed = 1, batch = { B, T }, comm = comm,
+    config = { train_micro_batch_size_per_gpu = B, gradient_clipping = 1.0,
+               bf16 = { enabled = dtype == "bf16" }, zero_optimization = { stage = tonumber(stage) },
+               optimizer = { type = "AdamW", params = { lr = 1e-4 } } } })
+  local r = rng.new(1 + comm.rank())
+  local x, y = lz.tensor({ B, T }, "i32"), lz.tensor({ B, T }, "i32")
+  local px, py = ffi.cast("int32_t *", x.data), ffi.cast("int32_t *", y.data)
+  local batches = { next_batch = function()
+    for i = 0, B * T - 1 do px[i] = r:int(cfg.vocab); py[i] = r:int(cfg.vocab) end
+    return x, y
+  end }
+  engine:train_batch(batches) -- warm-up
+  local ms = {}
+  for i = 1, flags.steps do
+    local t0 = clock.now()
+    engine:train_batch(batches)
+    ms[i] = (clock.now() - t0) * 1000
+  end
+  if comm.rank() == 0 then
+    local shown = {}
+    for i, v in ipairs(ms) do shown[i] = ("%.1f"):format(v) end
+    print(("bench_llama_run params %d world %d threads %d step_ms %s"):format(
+          model:count_params(), world, lz.threads(), table.concat(shown, ",")))
+  end
+  io.stdout:flush()
+  engine:free()
+  os.exit(0)
+end
+
+------------------------------------------------------------- the whole run
+
+local llama_cfg = model_config(flags.model, "llama", "model")
+local gpt2_cfg = flags.gpt2 ~= "none" and model_config(flags.gpt2, "gpt2", "gpt2") or nil
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local q = bench.quote
+local threads = flags.threads
+
+local function median(t)
+  local s = {}
+  for i, v in ipairs(t) do s[i] = v end
+  table.sort(s)
+  local n = #s
+  if n == 0 then return nil end
+  return n % 2 == 1 and s[(n + 1) / 2] or (s[n / 2] + s[n / 2 + 1]) / 2
+end
+
+-- The yardstick GEMMs run in this process; the training runs are children
+-- (fork + exec through the shell), so this process's OpenMP state does not
+-- reach them.
+local function gemm_gflops(n, dtype)
+  local dt = dtype == "bf16" and "bf16" or "f32"
+  local a, b, c = lz.tensor({ n, n }, dt), lz.tensor({ n, n }, dt), lz.tensor({ n, n })
+  a:fill(0.5)
+  b:fill(0.25)
+  lz.ops.matmul(c, a, b, 0, 0, 1, 0) -- warm-up: oneDNN picks its kernel
+  local best = math.huge
+  for _ = 1, 10 do
+    local t0 = clock.now()
+    lz.ops.matmul(c, a, b, 0, 0, 1, 0)
+    best = math.min(best, clock.now() - t0)
+  end
+  a:free(); b:free(); c:free()
+  return 2 * n ^ 3 / best / 1e9
+end
+
+lz.threads(threads)
+local peak = {}
+for _, d in ipairs(dtypes) do peak[d] = gemm_gflops(flags.gemm, d) end
+
+local function sh(cmd)
+  local p = io.popen(cmd .. " 2>&1")
+  local out = p:read("*a")
+  p:close()
+  return out
+end
+
+-- One luazero run: tokens/s (all ranks together) from the median step.
+local function luazero_run(cfg, dtype, ranks, stage)
+  local out = sh(("cd %s && %s %s bench/bench_llama.lua --run %s --micro-batch %d " ..
+                  "--seq-len %d --steps %d --threads %d")
+                 :format(q(lz.root), q(lz.executable()), ranks > 1 and ("-n " .. ranks) or "",
+                         q(("%s:%s:%d"):format(cfg.name, dtype, stage)), B, T, flags.steps,
+                         threads))
+  local params, world, th, list =
+    out:match("bench_llama_run params (%d+) world (%d+) threads (%d+) step_ms ([%d.,]+)")
+  if not params then
+    print(("luazero %s %s %d rank(s) failed:\n%s"):format(cfg.name, dtype, ranks, out))
+    os.exit(1)
+  end
+  local ms = {}
+  for v in list:gmatch("[%d.]+") do ms[#ms + 1] = tonumber(v) end
+  return { tps = ranks * B * T / median(ms) * 1000, ms = ms, params = tonumber(params),
+           threads = tonumber(th) }
+end
+
+local function torch_run(cfg, dtype)
+  local out = sh(("/usr/bin/python3 %s --n-layer %d --n-head %d --n-kv-head %d --n-embd %d " ..
+                  "--n-hidden %d --vocab %d --tie %d --eps %g --rope-theta %g --micro-batch %d " ..
+                  "--seq-len %d --steps %d --threads %d --dtype %s")
+                 :format(q(lz.root .. "/bench/bench_llama_torch.py"), cfg.n_layer, cfg.n_head,
+                         cfg.n_kv_head, cfg.n_embd, cfg.n_hidden, cfg.vocab, cfg.tie and 1 or 0,
+                         cfg.eps, cfg.rope_theta, B, T, flags.torch_steps, threads, dtype))
+  local tps = tonumber(out:match("torch_tokens_per_s ([%d.e+-]+)"))
+  local list = out:match("torch_step_ms ([%d. ]+)")
+  if not tps then
+    print(("pytorch %s failed:\n%s"):format(dtype, out))
+    os.exit(1)
+  end
+  local ms = {}
+  for v in list:gmatch("[%d.]+") do ms[#ms + 1] = tonumber(v) end
+  return { tps = tps, ms = ms }
+end
+
+-- The rows, in the order they run in each round.
+local rows = {}
+local function add(label, fn, cfg, dtype, ranks)
+  rows[#rows + 1] = { label = label, fn = fn, cfg = cfg, dtype = dtype, ranks = ranks, tps = {} }
+end
+local multi = flags.ranks > 1 and ("%d ranks, stage %d"):format(flags.ranks, flags.stage)
+for _, d in ipairs(dtypes) do
+  add(("luazero %s %s, 1 rank"):format(llama_cfg.name, d),
+      function() return luazero_run(llama_cfg, d, 1, 0) end, llama_cfg, d, 1)
+  if gpt2_cfg then
+    add(("luazero %s %s, 1 rank"):format(gpt2_cfg.name, d),
+        function() return luazero_run(gpt2_cfg, d, 1, 0) end, gpt2_cfg, d, 1)
+  end
+  if flags.torch_steps > 0 then
+    add(("pytorch %s %s, 1 rank"):format(llama_cfg.name, d),
+        function() return torch_run(llama_cfg, d) end, llama_cfg, d, 1)
+  end
+  if multi then
+    add(("luazero %s %s, %s"):format(llama_cfg.name, d, multi),
+        function() return luazero_run(llama_cfg, d, flags.ranks, flags.stage) end,
+        llama_cfg, d, flags.ranks)
+    if gpt2_cfg then
+      add(("luazero %s %s, %s"):format(gpt2_cfg.name, d, multi),
+          function() return luazero_run(gpt2_cfg, d, flags.ranks, flags.stage) end,
+          gpt2_cfg, d, flags.ranks)
+    end
+  end
+end
+
+print(("llama %s and gpt2 %s, batch %d x %d per rank, %d threads in all, %d round%s")
+      :format(llama_cfg.name, gpt2_cfg and gpt2_cfg.name or "(none)", B, T, threads,
+              flags.rounds, flags.rounds == 1 and "" or "s"))
+io.stdout:flush()
+local n_params = {}
+for round = 1, flags.rounds do
+  for _, row in ipairs(rows) do
+    local res = row.fn()
+    row.tps[round] = res.tps
+    if res.params then n_params[row.cfg] = res.params end
+    local steps = {}
+    for i, v in ipairs(res.ms) do steps[i] = ("%.0f"):format(v) end
+    print(("  round %d  %-42s %8.1f tokens/s  (step ms %s)"):format(round, row.label, res.tps,
+          table.concat(steps, " ")))
+    io.stdout:flush()
+  end
+end
+
+for _, d in ipairs(dtypes) do peak[d] = math.max(peak[d], gemm_gflops(flags.gemm, d)) end
+for _, d in ipairs(dtypes) do
+  print(("gemm  %d x %d x %d %s (lz_matmul, oneDNN), %d threads: %.1f GFLOP/s")
+        :format(flags.gemm, flags.gemm, flags.gemm, d == "bf16" and "bf16 -> fp32" or "sgemm",
+                threads, peak[d]))
+end
+for _, cfg in ipairs({ llama_cfg, gpt2_cfg }) do
+  if n_params[cfg] then
+    print(("model %s: %.1fM parameters, %.2f GFLOP per token")
+          :format(cfg.name, n_params[cfg] / 1e6, flops_per_token(cfg, n_params[cfg]) / 1e9))
+  end
+end
+
+-- Figures: medians over the rounds; ratios: the median of each round's ratio.
+local function find(label)
+  for _, row in ipairs(rows) do if row.label == label then return row end end
+end
+print(("%-44s %10s %8s"):format("run", "tokens/s", "MFU"))
+for _, row in ipairs(rows) do
+  local tps = median(row.tps)
+  local n = n_params[row.cfg] or n_params[llama_cfg]
+  local mfu = tps * flops_per_token(row.cfg, n) / (peak[row.dtype] * 1e9)
+  print(("%-44s %10.1f %7.1f%%"):format(row.label, tps, mfu * 100))
+end
+local function ratio(label, a, b)
+  local ra, rb = find(a), find(b)
+  if not ra or not rb then return end
+  local rs = {}
+  for i = 1, flags.rounds do rs[i] = ra.tps[i] / rb.tps[i] end
+  print(("ratio %-58s %6.2fx"):format(label, median(rs)))
+end
+local L, G = llama_cfg.name, gpt2_cfg and gpt2_cfg.name
+for _, d in ipairs(dtypes) do
+  ratio(("luazero / pytorch, %s %s"):format(L, d), ("luazero %s %s, 1 rank"):format(L, d),
+        ("pytorch %s %s, 1 rank"):format(L, d))
+  if G then
+    ratio(("%s / %s, luazero %s"):format(L, G, d), ("luazero %s %s, 1 rank"):format(L, d),
+          ("luazero %s %s, 1 rank"):format(G, d))
+  end
+  if multi then
+    ratio(("%s %s: %s / 1 rank"):format(L, d, multi), ("luazero %s %s, %s"):format(L, d, multi),
+          ("luazero %s %s, 1 rank"):format(L, d))
+  end
+end
+if #dtypes == 2 then
+  ratio(("bf16 / fp32, luazero %s 1 rank"):format(L), ("luazero %s bf16, 1 rank"):format(L),
+        ("luazero %s fp32, 1 rank"):format(L))
+  ratio(("bf16 / fp32, pytorch %s"):format(L), ("pytorch %s bf16, 1 rank"):format(L),
+        ("pytorch %s fp32, 1 rank"):format(L))
+end
