@@ -264,6 +264,23 @@ function Tensor:copy(src)
   return self
 end
 
+-- Copies from src across devices and dtypes at once (copy refuses both):
+-- the conversion runs on the host, where it rounds as the devices' do.
+function Tensor:convert(src)
+  if self.dtype == src.dtype or self.device == src.device then return self:copy(src) end
+  local host = lz.tensor(src:sizes(), self:dtype_name(), "workspace")
+  if src.device == C.LZ_CPU then
+    host:copy(src)
+  else
+    local raw = src:to("cpu")
+    host:copy(raw)
+    raw:free()
+  end
+  self:copy(host)
+  host:free()
+  return self
+end
+
 -- A view of `shape` starting at element `offset` (0-based), sharing storage.
 function Tensor:view(offset, shape)
   local dims, nd = shape_array(shape)

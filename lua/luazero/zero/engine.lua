@@ -24,26 +24,7 @@ local clock = require("luazero.clock")
 
 local ops = lz.ops
 
--- dst := src across devices and dtypes: a conversion between devices runs
--- on the host (the same rounding the device's conversion gives: both are
--- the CPU's, or bitwise equal to it).
-local function xcopy(dst, src)
-  if dst.dtype == src.dtype or dst.device == src.device then return dst:copy(src) end
-  local host = lz.tensor(src:sizes(), dst:dtype_name(), "workspace")
-  if src:device_name() == "cpu" then
-    host:copy(src)
-  else
-    local raw = src:to("cpu")
-    host:copy(raw)
-    raw:free()
-  end
-  dst:copy(host)
-  host:free()
-  return dst
-end
-
 local M = {}
-M.xcopy = xcopy
 local Engine = {}
 Engine.__index = Engine
 
@@ -152,7 +133,11 @@ function M.initialize(opts)
     self:allocate()
     -- draw_weights false: the weights are loaded next (--init): nothing is
     -- drawn, and no whole-model buffer is made.
-    if opts.draw_weights == false then self:zero_weights() else self:init_weights(opts.seed or 0) end
+    if opts.draw_weights == false then
+      self:zero_weights()
+    else
+      self:init_weights(opts.seed or 0)
+    end
     self:build_calls()
     self:install_hooks()
     if opts.checkpoint_activations then
@@ -402,7 +387,7 @@ function Engine:init_weights(seed)
   end
   model:init_weights(seed)
   if ftmp then
-    xcopy(self.frozen, ftmp)
+    self.frozen:convert(ftmp)
     for _, e in ipairs(self.frozen_entries) do
       e.module.p[e.key] = self.frozen:view(e.frozen_offset, e.shape)
     end
@@ -413,16 +398,18 @@ function Engine:init_weights(seed)
   local function place(buf, extent, seg)
     if not buf then return end
     if extent == "full" then
-      xcopy(buf:view(seg.full_offset, { seg.padded }), tmp:view(seg.full_offset, { seg.padded }))
+      buf:view(seg.full_offset, { seg.padded })
+         :convert(tmp:view(seg.full_offset, { seg.padded }))
     else
-      xcopy(buf:view(seg.shard_offset, { seg.slice }), tmp:view(seg.mine.full_offset, { seg.slice }))
+      buf:view(seg.shard_offset, { seg.slice })
+         :convert(tmp:view(seg.mine.full_offset, { seg.slice }))
     end
   end
   for _, seg in ipairs(L.segments) do
     bind_params(seg, nil)
     for _, e in ipairs(seg.entries) do e.entry.module.p[e.entry.key] = saved[e] end
     place(self.work, P.params.extent, seg)
-    if seg.persistent then xcopy(seg.persistent, tmp:view(seg.full_offset, { seg.padded })) end
+    if seg.persistent then seg.persistent:convert(tmp:view(seg.full_offset, { seg.padded })) end
     if not P.master.alias then place(self.master, P.master.extent, seg) end
   end
   -- Sub-groups on NVMe: the master slices and zero states to the state
@@ -1205,21 +1192,21 @@ function Engine:after_load()
   local work = (self.wdt ~= "f32" or self.push_params) and self.work
   if work then
     if self.master and P.params.extent == P.master.extent then
-      xcopy(work, self.master)
+      work:convert(self.master)
     elseif self.master then
       for _, seg in ipairs(L.segments) do
-        xcopy(work:view(seg.mine.full_offset, { seg.slice }),
-              self.master:view(seg.shard_offset, { seg.slice }))
+        work:view(seg.mine.full_offset, { seg.slice })
+            :convert(self.master:view(seg.shard_offset, { seg.slice }))
       end
     else
       -- The master is on NVMe: one pass over its sub-groups.
       self.states:each_group(false, function(_, lo, n, v)
         if P.params.extent == "shard" then
-          xcopy(work:view(lo, { n }), v.master)
+          work:view(lo, { n }):convert(v.master)
         else
           self:shard_pieces(lo, n, function(seg, a, len)
-            xcopy(work:view(seg.mine.full_offset + (a - seg.shard_offset), { len }),
-                  v.master:view(a - lo, { len }))
+            work:view(seg.mine.full_offset + (a - seg.shard_offset), { len })
+                :convert(v.master:view(a - lo, { len }))
           end)
         end
       end)
