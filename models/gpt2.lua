@@ -114,24 +114,7 @@ end
 
 -- Deterministic for a seed: one generator walks the table in canonical order.
 function GPT:init_weights(seed)
-  local r = rng.new(seed, 1)
-  for _, e in ipairs(self.param_table) do
-    local t = e.module.p[e.key]
-    local kind = e.init.kind
-    if kind == "normal" and t:device_name() ~= "cpu" then
-      -- Drawn on the host, then copied: device memory is not the host's.
-      local h = lz.tensor(t:sizes(), "f32", "workspace")
-      r:fill_normal(ffi.cast("float *", h.data), e.numel, e.init.std)
-      t:copy(h)
-      h:free()
-    elseif kind == "normal" then
-      r:fill_normal(ffi.cast("float *", t.data), e.numel, e.init.std)
-    elseif kind == "ones" then
-      t:fill(1)
-    else
-      t:fill(0)
-    end
-  end
+  self:draw_params(seed)
   -- Padding rows of the token table are never looked up nor scored: zero
   -- keeps them inert (weight decay leaves zeros at zero).
   local cfg = self.cfg

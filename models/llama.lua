@@ -18,7 +18,6 @@
 local ffi = require("ffi")
 local lz = require("luazero")
 local nn = require("luazero.nn")
-local rng = require("luazero.rng")
 local gpt2 = require("models.gpt2")
 
 local M = {}
@@ -212,17 +211,7 @@ end
 -- N(0, initializer_range), RMSNorm weights 1; one generator walks the table
 -- in canonical order. Padded rows are zero (never looked up, never scored).
 function Llama:init_weights(seed)
-  local r = rng.new(seed, 1)
-  for _, e in ipairs(self.param_table) do
-    local t = e.module.p[e.key]
-    if e.init.kind == "normal" then
-      r:fill_normal(ffi.cast("float *", t.data), e.numel, e.init.std)
-    elseif e.init.kind == "ones" then
-      t:fill(1)
-    else
-      t:fill(0)
-    end
-  end
+  self:draw_params(seed)
   local cfg = self.cfg
   local pad = cfg.padded_vocab - cfg.vocab
   if pad > 0 then

@@ -12,6 +12,8 @@
 --   hf.config_json(model_cfg, "fp32")             -- a table for cjson
 local ffi = require("ffi")
 local lz = require("luazero")
+local Module = require("luazero.nn.module")
+local rng = require("luazero.rng")
 local cjson = require("cjson")
 local safetensors = require("luazero.checkpoint.safetensors")
 
@@ -238,12 +240,7 @@ local function drawn(p, index, seed, cache)
   local t = cache[p.name]
   if t then return t end
   t = ffi.new("float[?]", p.numel)
-  local init = p.init or { kind = "zeros" }
-  if init.kind == "normal" then
-    require("luazero.rng").new(seed, 1000 + index):fill_normal(t, p.numel, init.std)
-  elseif init.kind == "ones" then
-    for i = 0, p.numel - 1 do t[i] = 1 end
-  end
+  Module.fill_init(p.init, t, p.numel, rng.new(seed, 1000 + index))
   cache[p.name] = t
   return t
 end
@@ -316,13 +313,12 @@ function M.load_into(engine, path)
       end
     end)
     -- Frozen parameters (whole on every rank, in the working dtype).
-    local xcopy = require("luazero.zero.engine").xcopy
     for _, p in ipairs(engine.frozen_entries or {}) do
       local e = want[p.name]
       if e then
         local tmp = lz.tensor({ p.numel }, "f32", "workspace")
         read_param(e, 0, p.numel, ffi.cast("float *", tmp.data))
-        xcopy(engine.frozen:view(p.frozen_offset, { p.numel }), tmp)
+        engine.frozen:view(p.frozen_offset, { p.numel }):convert(tmp)
         tmp:free()
       end
     end

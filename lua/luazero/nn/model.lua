@@ -27,6 +27,7 @@ local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local checkpoint = require("luazero.nn.checkpoint")
 local clock = require("luazero.clock")
+local rng = require("luazero.rng")
 
 local Model = Module:extend("Model")
 
@@ -47,6 +48,23 @@ function Model:allocate()
 end
 
 function Model:zero_grad() self.grads_flat:zero() end
+
+-- Every parameter as its init spec says, deterministic for a seed: one
+-- generator walks the table in canonical order (drawn on the host, then
+-- copied where a parameter lives on a device).
+function Model:draw_params(seed)
+  local r = rng.new(seed, 1)
+  for _, e in ipairs(self.param_table) do
+    local t = e.module.p[e.key]
+    local host = t:device_name() ~= "cpu" and lz.tensor(t:sizes(), "f32", "workspace")
+    Module.fill_init(e.init, ffi.cast("float *", (host or t).data), e.numel, r)
+    if host then
+      t:copy(host)
+      host:free()
+    end
+  end
+  return self
+end
 
 function Model:free()
   self:release_arenas()

@@ -106,6 +106,18 @@ function Module:bind(entries, params_flat, grads_flat)
   end
 end
 
+-- Fills n floats at ptr (host memory) as an init spec says (see param):
+-- normal draws from generator r, ones and zeros need none.
+function Module.fill_init(init, ptr, n, r)
+  local kind = init and init.kind or "zeros"
+  if kind == "normal" then
+    r:fill_normal(ptr, n, init.std)
+  else
+    local v = kind == "ones" and 1 or 0
+    for i = 0, n - 1 do ptr[i] = v end
+  end
+end
+
 -- Freezes the parameters whose full name matches `what` (a Lua pattern,
 -- or a function of the name returning true): they get no gradients, no
 -- optimizer states and no gradient communication, and stay exactly as they
