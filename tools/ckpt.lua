@@ -58,6 +58,24 @@ local function inspect(ck)
   end
 end
 
+-- An export's folder (made if missing).
+local function make_folder(out)
+  if lz.C.lz_ckpt_mkdir(out) ~= 0 then
+    fail(("%s: %s"):format(out, (ffi.string(lz.C.lz_last_error()):gsub("^checkpoint: ", ""))))
+  end
+end
+
+-- An f32 tensor's data written to f in dtype (fp32 as is, bf16 rounded).
+local function write_data(f, t, dtype)
+  if dtype == "bf16" then
+    local h = lz.tensor({ t:numel() }, "bf16", "workspace"):copy(t)
+    f:write(ffi.string(h.data, h:bytes()))
+    h:free()
+  else
+    f:write(ffi.string(t.data, t:bytes()))
+  end
+end
+
 -- The export: safetensors with Hugging Face's names (luazero/hf.lua),
 -- token tables without their padding rows. OUT ending in .safetensors: that
 -- file; anything else: a folder with model.safetensors and config.json,
@@ -74,9 +92,7 @@ local function export(ck, out, dtype)
   local file = out
   if folder then
     out = out:gsub("/+$", "")
-    if lz.C.lz_ckpt_mkdir(out) ~= 0 then
-      fail(("%s: %s"):format(out, (ffi.string(lz.C.lz_last_error()):gsub("^checkpoint: ", ""))))
-    end
+    make_folder(out)
     file = out .. "/model.safetensors"
   end
   local tmp = file .. ".consolidated-tmp"
@@ -113,13 +129,7 @@ local function export(ck, out, dtype)
     else
       ffi.copy(t.data, raw, e.numel * 4)
     end
-    if dtype == "bf16" then
-      local h = lz.tensor({ e.numel }, "bf16", "workspace"):copy(t)
-      f:write(ffi.string(h.data, h:bytes()))
-      h:free()
-    else
-      f:write(ffi.string(t.data, t:bytes()))
-    end
+    write_data(f, t, dtype)
     t:free()
     bar.update(e.data_offset + e.bytes)
   end
@@ -153,16 +163,7 @@ local function write_safetensors(file, tensors, dtype, m)
   local f, err = io.open(file, "wb")
   if not f then fail(("%s: cannot write it (%s)"):format(file, tostring(err))) end
   f:write(head)
-  for _, e in ipairs(entries) do
-    local t = e.src
-    if dtype == "bf16" then
-      local h = lz.tensor({ e.numel }, "bf16", "workspace"):copy(t)
-      f:write(ffi.string(h.data, h:bytes()))
-      h:free()
-    else
-      f:write(ffi.string(t.data, t:bytes()))
-    end
-  end
+  for _, e in ipairs(entries) do write_data(f, e.src, dtype) end
   f:close()
 end
 
@@ -190,9 +191,7 @@ local function export_lora(ck, out, dtype, merge, base)
   local m = ck.manifest
   local lora, mcfg = m.lora, m.model and m.model.config or {}
   out = out:gsub("/+$", "")
-  if lz.C.lz_ckpt_mkdir(out) ~= 0 then
-    fail(("%s: %s"):format(out, (ffi.string(lz.C.lz_last_error()):gsub("^checkpoint: ", ""))))
-  end
+  make_folder(out)
   local adapters = adapters_of(ck, out)
   if not merge then
     local named = {}
