@@ -161,44 +161,18 @@ local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local threads = flags.threads
 
-local function median(t)
-  local s = {}
-  for i, v in ipairs(t) do s[i] = v end
-  table.sort(s)
-  local n = #s
-  if n == 0 then return nil end
-  return n % 2 == 1 and s[(n + 1) / 2] or (s[n / 2] + s[n / 2 + 1]) / 2
-end
+local median = bench.median
 
 -- The yardstick GEMMs run in this process; the training runs are children
 -- (fork + exec through the shell), so this process's OpenMP state does not
 -- reach them.
-local function gemm_gflops(n, dtype)
-  local dt = dtype == "bf16" and "bf16" or "f32"
-  local a, b, c = lz.tensor({ n, n }, dt), lz.tensor({ n, n }, dt), lz.tensor({ n, n })
-  a:fill(0.5)
-  b:fill(0.25)
-  lz.ops.matmul(c, a, b, 0, 0, 1, 0) -- warm-up: oneDNN picks its kernel
-  local best = math.huge
-  for _ = 1, 10 do
-    local t0 = clock.now()
-    lz.ops.matmul(c, a, b, 0, 0, 1, 0)
-    best = math.min(best, clock.now() - t0)
-  end
-  a:free(); b:free(); c:free()
-  return 2 * n ^ 3 / best / 1e9
-end
+local gemm_gflops = bench.gemm_gflops
 
 lz.threads(threads)
 local peak = {}
 for _, d in ipairs(dtypes) do peak[d] = gemm_gflops(flags.gemm, d) end
 
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1")
-  local out = p:read("*a")
-  p:close()
-  return out
-end
+local sh = bench.sh
 
 -- One luazero run: tokens/s (all ranks together) from the median step.
 local function luazero_run(cfg, dtype, ranks, stage)

@@ -73,11 +73,7 @@ local function train(model_flags, cfg, steps, env)
   return recs
 end
 
-local function median(xs)
-  table.sort(xs)
-  local n = #xs
-  return n % 2 == 1 and xs[(n + 1) / 2] or (xs[n / 2] + xs[n / 2 + 1]) / 2
-end
+local median = bench.median
 
 local function summary(recs)
   local ms, rd, wr, cp, cw = {}, {}, {}, {}, {}

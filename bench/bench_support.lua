@@ -1,9 +1,14 @@
 -- bench_support.lua — what the Lua benchmarks share (not a benchmark itself):
--- shell quoting, a scratch folder, and the corpus they train on.
+-- shell quoting and commands, a scratch folder, the corpus they train on,
+-- medians and the GEMM yardstick.
 --   local bench = dofile(lz.root .. "/bench/bench_support.lua")
 --   local q, tmp = bench.quote, bench.scratch()
 --   local data = bench.corpus(tmp, flags.data)   -- the given file, or a generated text
+--   local peak = bench.gemm_gflops(2048, "f32")  -- GFLOP/s of n x n x n through lz_matmul
 --   ... bench.cleanup(tmp)
+local lz = require("luazero")
+local clock = require("luazero.clock")
+
 local M = {}
 
 function M.quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
@@ -26,5 +31,41 @@ function M.corpus(dir, given)
 end
 
 function M.cleanup(dir) os.execute("rm -rf " .. M.quote(dir)) end
+
+-- A shell command's output, stdout and stderr together.
+function M.sh(cmd)
+  local p = io.popen(cmd .. " 2>&1")
+  local out = p:read("*a")
+  p:close()
+  return out
+end
+
+-- The median of a list of numbers (the list is left as it is); nil when empty.
+function M.median(t)
+  local s = {}
+  for i, v in ipairs(t) do s[i] = v end
+  table.sort(s)
+  local n = #s
+  if n == 0 then return nil end
+  return n % 2 == 1 and s[(n + 1) / 2] or (s[n / 2] + s[n / 2 + 1]) / 2
+end
+
+-- GFLOP/s of an n x n x n GEMM through lz_matmul (oneDNN) in dtype ("f32",
+-- or "bf16" operands with fp32 accumulation): the best of 10 after a warm-up.
+function M.gemm_gflops(n, dtype)
+  local dt = dtype == "bf16" and "bf16" or "f32"
+  local a, b, c = lz.tensor({ n, n }, dt), lz.tensor({ n, n }, dt), lz.tensor({ n, n })
+  a:fill(0.5)
+  b:fill(0.25)
+  lz.ops.matmul(c, a, b, 0, 0, 1, 0) -- warm-up: oneDNN picks its kernel
+  local best = math.huge
+  for _ = 1, 10 do
+    local t0 = clock.now()
+    lz.ops.matmul(c, a, b, 0, 0, 1, 0)
+    best = math.min(best, clock.now() - t0)
+  end
+  a:free(); b:free(); c:free()
+  return 2 * n ^ 3 / best / 1e9
+end
 
 return M

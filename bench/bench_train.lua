@@ -38,20 +38,7 @@ lz.threads(threads)
 
 ------------------------------------------------------------- GEMM peak
 
-local function gemm_gflops(n)
-  local a, b, c = lz.tensor({ n, n }), lz.tensor({ n, n }), lz.tensor({ n, n })
-  a:fill(0.5)
-  b:fill(0.25)
-  lz.ops.matmul(c, a, b, 0, 0, 1, 0) -- warm-up: oneDNN picks its kernel
-  local best = math.huge
-  for _ = 1, 10 do
-    local t0 = clock.now()
-    lz.ops.matmul(c, a, b, 0, 0, 1, 0)
-    best = math.min(best, clock.now() - t0)
-  end
-  a:free(); b:free(); c:free()
-  return 2 * n ^ 3 / best / 1e9
-end
+local gemm_gflops = dofile(lz.root .. "/bench/bench_support.lua").gemm_gflops
 
 -- Measured before and after the training runs; the better figure counts, so
 -- a burst of load from elsewhere does not pass for the machine's peak.

@@ -27,12 +27,7 @@ local exe = lz.executable
 local tmp = bench.scratch()
 local data = bench.corpus(tmp, flags.data)
 
-local function sh(cmd)
-  local p = io.popen(cmd .. " 2>&1")
-  local out = p:read("*a")
-  p:close()
-  return out
-end
+local sh = bench.sh
 
 -- Mean tokens/s over steps 2.., last record's mem; via train.lua's log.
 local function luazero(n, model_flags, extra)
