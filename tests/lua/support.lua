@@ -29,6 +29,14 @@ function M.scratch()
   end, dir
 end
 
+-- The records of a metrics log (JSON Lines), in order.
+function M.records(path)
+  local cjson = require("cjson")
+  local recs = {}
+  for l in io.lines(path) do recs[#recs + 1] = cjson.decode(l) end
+  return recs
+end
+
 -- Runs a shell command; returns its output (stdout and stderr together)
 -- and its exit status.
 function M.sh(cmd)

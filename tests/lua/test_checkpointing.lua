@@ -222,8 +222,7 @@ local function train(n, stage, dtype, cfg, ckpt)
   p:close()
   assert(tonumber(out:match("EXIT:(%d+)%s*$")) == 0, ("world %d stage %d %s %s failed:\n%s")
          :format(n, stage, dtype, cfg, out))
-  local recs = {}
-  for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+  local recs = support.records(log)
   return { out = out, recs = recs, checksum = recs[#recs].params_checksum }
 end
 

@@ -173,8 +173,7 @@ local function records(n, cfg, extra)
   local log = ("%s/log%d.jsonl"):format(tmp, n_configs)
   ok_train(n, ("--steps 2 --device sim --config %s --log %s %s"):format(cfg, log, extra or ""),
            JITTER)
-  local recs = {}
-  for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+  local recs = support.records(log)
   return recs
 end
 

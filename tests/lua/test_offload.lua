@@ -52,7 +52,7 @@ local function train(n, cfg, dtype, steps)
   out = out:gsub("EXIT:%d+%s*$", "")
   local recs = {}
   if status == 0 then
-    for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+    recs = support.records(log)
   end
   return { out = out, status = status, recs = recs,
            checksum = recs[#recs] and recs[#recs].params_checksum }

@@ -61,8 +61,7 @@ local function run(n, stage, dtype, steps, extra, cfg)
                                 "--log %s %s"):format(model_flags, corpus, cfg or base_config, stage,
                                                       dtype, steps, log, extra or ""))
   assert(status == 0, ("world %d stage %s %s failed:\n%s"):format(n, stage, dtype, out))
-  local recs = {}
-  for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+  local recs = support.records(log)
   local r = { out = out, recs = recs, checksum = recs[#recs].params_checksum }
   runs[key] = r
   return r
@@ -403,8 +402,7 @@ function T.fp16_overflow_skips_the_step_and_halves_the_scale()
     local out, status = train(n, ("%s --data %s --config %s --steps 5 --log %s")
                                  :format(model_flags, corpus, cfg, log), "LZ_INJECT_INF_STEP=3")
     assert(status == 0, out)
-    local recs = {}
-    for l in io.lines(log) do recs[#recs + 1] = cjson.decode(l) end
+    local recs = support.records(log)
     for i = 1, 5 do
       assert(recs[i].skipped == (i == 3), "only step 3 is skipped")
       local scale = i <= 3 and 1024 or 512
