@@ -822,6 +822,7 @@ function Engine:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
   if seg then
+    self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
     if item.recv.device ~= item.dst.device then
       -- Reduced on the device, added into the host's gradients: copied off
       -- on the copy stream (overlap_comm: while backward goes on; the add
@@ -829,7 +830,6 @@ function Engine:finish_reduce(item)
       local host = self.hpool:get(item.recv:numel(), item.recv:dtype_name())
       item.host, item.gbuf = host, seg.gbuf
       seg.gbuf = nil
-      self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
       if self.s.overlap then
         lz.copy_async(host, item.recv, "copy")
         item.landed = lz.event()
@@ -844,7 +844,6 @@ function Engine:finish_reduce(item)
     self:accumulate(item.dst, item.recv)
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
-    self.inflight_elems = (self.inflight_elems or 0) - (item.work and item.elems or 0)
   end
 end
 
@@ -857,14 +856,20 @@ end
 -- gradients once its copy has landed; its buffers go back to their pools.
 function Engine:land(item)
   if item.landed then
-    local t0 = clock.now()
-    item.landed:synchronize()
-    self.copy_wait = (self.copy_wait or 0) + (clock.now() - t0)
+    self:wait_copies(item.landed)
     item.landed:free()
   end
   self:accumulate(item.dst, item.host)
   self.hpool:put(item.host)
   self.pool:put(item.gbuf)
+end
+
+-- Waits for copies queued to overlap (up to event ev), counting the host's
+-- wait: the part of their time that was not hidden (copy_wait_s).
+function Engine:wait_copies(ev)
+  local t0 = clock.now()
+  ev:synchronize()
+  self.copy_wait = (self.copy_wait or 0) + (clock.now() - t0)
 end
 
 -- Lands the copies in flight, in order (all, or those already done).
@@ -1037,11 +1042,7 @@ function Engine:step()
     if c < 1 then scale = scale * c end
   end
   local opt, t = self.optimizer, self.optimizer_steps
-  if self.push_params then -- the last step's copies
-    local t0 = clock.now()
-    self.pushed:synchronize()
-    self.copy_wait = (self.copy_wait or 0) + (clock.now() - t0)
-  end
+  if self.push_params then self:wait_copies(self.pushed) end -- the last step's copies
   self.states:each_group(true, function(k)
     for _, c in ipairs(self.calls[k]) do
       if c.half_g then c.g:copy(c.half_g) end
