@@ -136,16 +136,10 @@ function lz.tensor(shape, dtype, category, device)
   end
   check(C.lz_tensor_new_on(out, dtype_of(dtype), nd, dims, category_of(category), dev), 2)
   local t = own(out[0])
-  if float_dtypes[tonumber(t.dtype)] then
-    -- Zeroed on the compute stream, then waited for: the zeros are there for
-    -- work on any stream (a copy on the copy stream is not ordered after it).
-    check(C.lz_fill(t, 0), 2)
-    check(C.lz_stream_synchronize(C.LZ_STREAM_COMPUTE), 2)
-  else -- i32, u16: no fill kernel; through a host buffer of zeros
-    local zeros = lz.tensor(shape, dtype, "workspace")
-    check(C.lz_tensor_copy(t, zeros), 2)
-    zeros:free()
-  end
+  -- Zeroed (t:zero), then waited for: the zeros are there for work on any
+  -- stream (a copy on the copy stream is not ordered after the fill).
+  t:zero()
+  check(C.lz_stream_synchronize(C.LZ_STREAM_COMPUTE), 2)
   return t
 end
 

@@ -235,7 +235,8 @@ Params.__index = Params
 -- at once ahead of use: stage-3 prefetching stops there).
 function M.param_shard(opts)
   local self = setmetatable({ n = opts.n, dtype = opts.dtype, es = esize[opts.dtype],
-                              compute = opts.compute or "cpu", buffer_count = opts.buffer_count or 5, outstanding = 0,
+                              compute = opts.compute or "cpu",
+                              buffer_count = opts.buffer_count or 5, outstanding = 0,
                               free_stages = {}, all_stages = {} }, Params)
   self.swap = lz.swap(opts.nvme_path, round_up(self.n * self.es, PAGE) + PAGE, "params",
                       swap_opts(opts.aio))

@@ -8,7 +8,7 @@ local lz = require("luazero")
 local Pool = {}
 Pool.__index = Pool
 
-local esize = { f32 = 4, bf16 = 2, f16 = 2, i32 = 4 }
+local esize = require("luazero.zero.plan").esize
 
 -- device: where the buffers live ("cpu" default, "sim", "cuda"); host
 -- buffers beside an accelerator (device "pinned") are pinned, category offload.
