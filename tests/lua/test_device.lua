@@ -337,4 +337,40 @@ function T.repl_helpers_read_a_sim_engine_as_a_cpu_one()
   loaded.tokens:free()
 end
 
+-- shards() reports the engine's own bytes (its plan's, all tiers): another
+-- engine and stray tensors alive in the process do not change them.
+function T.shards_reports_the_engine_s_own_bytes_whatever_else_is_alive()
+  local zero = require("luazero.zero")
+  local inspect = require("luazero.ui.inspect")
+  local function engine_of(device)
+    local cfg = { train_micro_batch_size_per_gpu = B, bf16 = { enabled = true },
+                  zero_optimization = { stage = 3, stage3_param_persistence_threshold = THRESHOLD,
+                                        offload_optimizer = { device = "cpu" } },
+                  optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+    return zero.initialize{ model = gpt2.new(gpt2.config("gpt2-nano", MODEL)), config = cfg,
+                            seed = 3, batch = { B, SEQ }, device = device }
+  end
+  local a = engine_of("cpu")
+  local alone = inspect.shards(a).ranks[1].bytes
+  local other = engine_of("sim")
+  local stray = { lz.tensor({ 100000 }, "f32", "params"), lz.tensor({ 50000 }, "f32", "grads"),
+                  lz.tensor({ 70000 }, "f32", "optimizer") }
+  local crowded = inspect.shards(a).ranks[1].bytes
+  local L, persistent = a.L, 0
+  for _, seg in ipairs(L.segments) do
+    if seg.persistent then persistent = persistent + seg.padded end
+  end
+  -- bf16 working shard + persistent, fp32 gradient shard, fp32 master + m + v.
+  local want = { params = 2 * (L.shard_numel + persistent), grads = 4 * L.shard_numel,
+                 optimizer = 12 * L.shard_numel }
+  for cat, b in pairs(want) do
+    assert(alone[cat] == b, ("%s: %d bytes alone, the plan says %d"):format(cat, alone[cat], b))
+    assert(crowded[cat] == b, ("%s: %d bytes beside another engine, want %d"):format(cat, crowded[cat], b))
+  end
+  assert(inspect.shards(other).ranks[1].bytes.grads == want.grads)
+  for _, t in ipairs(stray) do t:free() end
+  other:free()
+  a:free()
+end
+
 return T

@@ -77,8 +77,8 @@ local function my_shards(engine)
   end
   out.shard = engine.L.shard_numel
   out.padding = padding
-  local m = lz.mem()
-  out.bytes = { params = m.params, grads = m.grads, optimizer = m.optimizer }
+  local b = engine:state_bytes()
+  out.bytes = { params = b.params, grads = b.grads, optimizer = b.optimizer }
   return out
 end
 

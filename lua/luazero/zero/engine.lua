@@ -1333,11 +1333,27 @@ function Engine:offload_summary()
   return line
 end
 
--- Bytes per ledger category of model states on this rank.
-function Engine:model_state_bytes()
-  local m = lz.mem()
-  return m.params + m.grads + m.optimizer
+-- This engine's own model-state bytes on this rank, from its plan and
+-- layout (never the process-wide ledger, which also counts every other live
+-- engine and tensor): { params, grads, optimizer, total } over the device
+-- and host tiers, frozen parameters under params; nvme = bytes in swap files.
+function Engine:state_bytes()
+  local persistent = 0
+  for _, seg in ipairs(self.L.segments) do
+    if seg.persistent then persistent = persistent + seg.padded end
+  end
+  local by = self.P:bytes{ full = self.L.full_numel, shard = self.L.shard_numel,
+                           persistent = persistent }
+  local out = { nvme = by.nvme.total }
+  for _, cat in ipairs({ "params", "grads", "optimizer" }) do
+    out[cat] = by.device[cat] + by.host[cat]
+  end
+  if self.frozen then out.params = out.params + self.frozen:bytes() end
+  out.total = out.params + out.grads + out.optimizer
+  return out
 end
+
+function Engine:model_state_bytes() return self:state_bytes().total end
 
 function Engine:free()
   self:wait_all()
