@@ -37,6 +37,18 @@ function M.records(path)
   return recs
 end
 
+-- Before a test reads the ledger to measure its own objects: frees what
+-- earlier code left for the collector (jit.flush first: compiled traces pin
+-- objects that collectgarbage alone does not reclaim), then stops the
+-- collector so nothing older is freed between the test's readings.
+-- tests/run_lua.lua restarts it after each test.
+function M.settle()
+  jit.flush()
+  collectgarbage()
+  collectgarbage()
+  collectgarbage("stop")
+end
+
 -- Runs a shell command; returns its output (stdout and stderr together)
 -- and its exit status.
 function M.sh(cmd)

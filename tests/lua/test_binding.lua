@@ -3,7 +3,8 @@
 local lz = require("luazero")
 local T = {}
 
-local expect_error = dofile(lz.root .. "/tests/lua/support.lua").expect_error
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local expect_error = support.expect_error
 
 function T.tensor_shape_dtype_and_printing()
   local t = lz.tensor({2, 3}, "f32")
@@ -36,6 +37,7 @@ function T.copy_converts_dtypes()
 end
 
 function T.ledger_counts_categories()
+  support.settle()
   lz.mem_reset_peak()
   local before = lz.mem()
   local g = lz.tensor({1000}, "f32", "grads")

@@ -63,6 +63,7 @@ function T.every_placement_gives_bitwise_the_same_gradients_and_arenas_fit()
       opts = { contiguous_memory_optimization = true, cpu_checkpointing = true } },
   }
   for _, v in ipairs(variants) do
+    support.settle()
     local before = lz.mem()
     local loss, hash, m = two_steps(cfg, v.opts, B, S)
     local mem = lz.mem()
@@ -138,6 +139,7 @@ function T.gpt2_124m_activation_memory_drops_more_than_3x()
   local function prepared(ck)
     local m = gpt2.new(gpt2.config("gpt2"))
     m:checkpoint_activations(ck)
+    support.settle()
     local a0 = lz.mem().activations
     m:prepare(B, S)
     local bytes = lz.mem().activations - a0
@@ -156,6 +158,7 @@ function T.gpt2_124m_activation_memory_drops_more_than_3x()
   for _, ck in ipairs({ false, true }) do
     local m = gpt2.new(cfg):allocate():init_weights(3)
     m:checkpoint_activations(ck)
+    support.settle()
     local a0 = lz.mem().activations
     m:prepare(B, S)
     local allocated = lz.mem().activations

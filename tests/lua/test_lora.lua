@@ -32,7 +32,7 @@ local function lora_run(stage, device, steps)
   local cfg = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
                 zero_optimization = { stage = stage },
                 optimizer = { type = "AdamW", params = { lr = 1e-2, weight_decay = 0.0 } } }
-  collectgarbage(); collectgarbage()
+  support.settle()
   local before = lz.mem()
   local engine = zero.initialize{ model = model, config = cfg, seed = 5, batch = { 2, 16 },
                                   device = device }
@@ -105,7 +105,7 @@ function T.frozen_gpt2_parameters_stay_and_the_stages_agree()
     local cfg = { train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = stage,
                   stage3_param_persistence_threshold = 128 },
                   optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
-    collectgarbage(); collectgarbage()
+    support.settle()
     local before = lz.mem()
     local engine = zero.initialize{ model = model, config = cfg, seed = 2, batch = { 2, 16 } }
     local base = frozen_hash(engine)
@@ -159,7 +159,7 @@ function T.fine_tuning_an_exported_llama_with_lora()
   lora.apply(model, { r = 4, alpha = 8, targets = { "q_proj", "v_proj" } })
   local cfg = { train_micro_batch_size_per_gpu = 4, zero_optimization = { stage = 2 },
                 optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
-  collectgarbage(); collectgarbage()
+  support.settle()
   local before = lz.mem()
   local engine = zero.initialize{ model = model, config = cfg, seed = 9, batch = { 4, 16 } }
   require("luazero.hf").load_into(engine, dir .. "/hf")

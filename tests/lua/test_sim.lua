@@ -89,6 +89,7 @@ end
 
 function T.arena_on_sim()
   if not up() then return end
+  support.settle()
   local before = lz.mem_device().activations
   local a = lz.arena(4096, "activations", "sim")
   assert(lz.mem_device().activations == before + 4096)
@@ -123,6 +124,7 @@ end
 
 function T.mem_device_shows_the_bytes()
   if not up() then return end
+  support.settle()
   local before = lz.mem_device().params
   local t = lz.tensor({ 1000 }, "bf16", "params", "sim")
   assert(lz.mem_device().params == before + 2000)
@@ -158,6 +160,7 @@ end
 
 function T.pinned_is_host_memory_on_the_ledger()
   if not up() then return end
+  support.settle()
   local before = lz.mem().offload
   local p = lz.pinned({ 1024 }, "f32")
   assert(p:device_name() == "cpu")

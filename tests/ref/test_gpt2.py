@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from training_ref import lr_at, rel_err
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
 
@@ -95,23 +97,6 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits[..., :self.vocab].reshape(-1, self.vocab),
                                targets.reshape(-1))
         return logits, loss
-
-
-def rel_err(a, b):
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    scale = np.max(np.abs(b))
-    return float(np.max(np.abs(a - b)) / (scale if scale > 0 else 1.0))
-
-
-def lr_at(hp, steps, step):
-    lr, warmup, min_lr = hp["lr"], hp["warmup"], hp["min_lr"]
-    if step <= warmup:
-        return lr * step / warmup
-    if step >= steps:
-        return min_lr
-    ratio = (step - warmup) / (steps - warmup)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
 
 def main():
