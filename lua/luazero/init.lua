@@ -738,7 +738,7 @@ lz.Swap = Swap
 
 -- lz.ops.<name>(...) calls lz_<name>, its arguments checked (op_args.lua);
 -- a failing status becomes an error.
-lz.ops = require("luazero.op_args").ops(C, require("luazero.cdef"), gone)
+lz.ops = require("luazero.op_args").ops(C, require("luazero.cdef"), dead, gone)
 
 function lz.adamw_args(t) return ffi.new("lz_adamw_args", t) end
 function lz.lion_args(t) return ffi.new("lz_lion_args", t) end

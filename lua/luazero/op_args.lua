@@ -59,30 +59,51 @@ local function misfit(p, a, gone)
   end
 end
 
+-- One line per parameter kind: true when argument A does not fit (A and I
+-- replaced by the argument's name and number).
+local test = {
+  tensor = "A ~= nil and (not istype(tensor_ptr, A) or (dead[A] and gone(A)))",
+  number = "type(A) ~= 'number' and not (type(A) == 'cdata' and tonumber(A))",
+  pointer = "A ~= nil and not istype(P[I].ctype, A) and not istype(P[I].base, A)",
+}
+
 -- The ops table: ops.<name>(...) checks its arguments, calls lz_<name> of
 -- library C and turns a failing status into an error carrying C's message.
-function M.ops(C, cdef, gone)
+-- Each op is Lua code written for its parameters (a loop over varargs
+-- would cost the hot path more than the kernel call on small tensors).
+-- dead, gone: tensor_guard's registry of tensors whose header is gone.
+function M.ops(C, cdef, dead, gone)
   local ops = {}
   for _, name in ipairs(M.names) do
-    local fn, params
-    ops[name] = function(...)
-      if not fn then fn, params = C["lz_" .. name], M.params(cdef, name) end
-      local n = select("#", ...)
-      if n > #params then
+    local params = M.params(cdef, name)
+    local function fail(i, a, extra)
+      if not i then
         local list = {}
-        for i, p in ipairs(params) do list[i] = p.name end
+        for k, p in ipairs(params) do list[k] = p.name end
         error(("luazero: ops.%s takes %d arguments (%s); got %d"):format(name, #params,
-              table.concat(list, ", "), n), 2)
+              table.concat(list, ", "), #params + extra), 3)
       end
-      for i = 1, #params do
-        local bad = misfit(params[i], (select(i, ...)), gone)
-        if bad then
-          error(("luazero: ops.%s: argument %d (%s) is %s"):format(name, i, params[i].name, bad), 2)
-        end
-      end
-      local st = fn(...)
-      if st ~= 0 then error(ffi.string(C.lz_last_error()), 2) end
+      error(("luazero: ops.%s: argument %d (%s) is %s"):format(name, i, params[i].name,
+            misfit(params[i], a, gone)), 3)
     end
+    local args, checks = {}, {}
+    for i, p in ipairs(params) do
+      args[i] = "a" .. i
+      checks[i] = ("  if %s then fail(%d, a%d) end"):format(
+        test[p.kind]:gsub("A", "a" .. i):gsub("I", tostring(i)), i, i)
+    end
+    local list = table.concat(args, ", ")
+    local src = ([[
+local C, ffi, istype, tensor_ptr, dead, gone, P, fail = ...
+local fn
+return function(%s, ...)
+  if select("#", ...) > 0 then fail(nil, nil, select("#", ...)) end
+%s
+  fn = fn or C.lz_%s
+  if fn(%s) ~= 0 then error(ffi.string(C.lz_last_error()), 2) end
+end]]):format(list, table.concat(checks, "\n"), name, list)
+    ops[name] = assert(loadstring(src, "=ops." .. name))(C, ffi, ffi.istype, tensor_ptr, dead,
+                                                        gone, params, fail)
   end
   return ops
 end
