@@ -55,10 +55,18 @@ static lz_status check_shape(const char *op, lz_dtype dt, int ndim, const int64_
   if (ndim < 0 || ndim > LZ_MAX_DIMS)
     return lz_fail(LZ_ERR_INVALID, "%s: %d dimensions; tensors have 0 to %d", op, ndim,
                    LZ_MAX_DIMS);
-  for (int i = 0; i < ndim; i++)
+  int64_t bytes = (int64_t)dtype_sizes[dt], zero = 0, over = 0;
+  for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0)
       return lz_fail(LZ_ERR_INVALID, "%s: dimension %d is %lld; sizes must be >= 0", op, i,
                      (long long)shape[i]);
+    zero |= shape[i] == 0; /* an empty shape overflows nothing */
+    over |= !zero && __builtin_mul_overflow(bytes, shape[i], &bytes);
+  }
+  if (over && !zero)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: the shape's %s elements are over 2^63 bytes; check the sizes", op,
+                   dtype_names[dt]);
   return LZ_OK;
 }
 
@@ -132,7 +140,7 @@ lz_status lz_tensor_view(lz_tensor **out, const lz_tensor *base, int64_t offset,
   lz_tensor tmp;
   set_meta(&tmp, NULL, base->dtype, ndim, shape);
   int64_t n = lz_tensor_numel(&tmp), have = lz_tensor_numel(base);
-  if (offset < 0 || offset + n > have) {
+  if (offset < 0 || offset > have || n > have - offset) {
     char b[96];
     return lz_fail(LZ_ERR_INVALID,
                    "tensor_view: elements [%lld, %lld) are outside the base %s (%lld elements)",

@@ -47,7 +47,7 @@ local spec = {
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
   { "lora-r", "int", nil, "LoRA adapters of rank r on --lora-targets; everything else frozen" },
   { "lora-alpha", "number", nil, "LoRA scale alpha / r (default: alpha = r)" },
-  { "lora-targets", "string", "q_proj,v_proj", "modules LoRA adapts, comma-separated" },
+  { "lora-targets", "string", nil, "modules LoRA adapts, comma-separated (default q_proj,v_proj)" },
   { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
@@ -265,8 +265,9 @@ end
 pcall(ffi.cdef, "int getpid(void);")
 
 -- --resume: the checkpoint's manifest, read before anything is built; a
--- --steps below its step would run nothing.
-local function check_resume(flags)
+-- --steps below its step would run nothing. A --steps other than the saved
+-- run's stretches (or shrinks) a schedule laid over --steps: said at start.
+local function check_resume(flags, cfg)
   if not flags.resume then return end
   local checkpoint = require("luazero.checkpoint")
   local m = checked(function() return checkpoint.read_manifest(checkpoint.resolve(flags.resume)) end)
@@ -274,6 +275,16 @@ local function check_resume(flags)
     user_error(("--steps %d is below the checkpoint's step %d (%s): there is nothing to run; " ..
                 "give --steps %d or more (the run's total, as when it was saved)")
                :format(flags.steps, m.global_steps, flags.resume, m.global_steps + 1))
+  end
+  local saved = type(m.extra) == "table" and tonumber(m.extra.steps)
+  local sch = cfg.scheduler
+  local total = sch and sch.type ~= "WarmupLR" and (sch.params or {}).total_num_steps
+  local over_steps = not flags.config and "the warmup + cosine schedule" or
+                     total == flags.steps and ("scheduler %s"):format(sch.type)
+  if saved and saved ~= flags.steps and over_steps then
+    say(("resume: --steps %d, the saved run had --steps %d: %s now spans %d steps, not %d " ..
+         "(--steps %d keeps the saved run's)")
+        :format(flags.steps, saved, over_steps, flags.steps, saved, saved))
   end
 end
 
@@ -302,6 +313,27 @@ local function open_log(path)
   }
 end
 
+-- --lora-alpha and --lora-targets shape the adapters --lora-r adds: alone
+-- they would be ignored. The targets default to q_proj,v_proj.
+local function check_lora_flags(flags)
+  for _, n in ipairs({ "lora-alpha", "lora-targets" }) do
+    local v = flags[n:gsub("-", "_")]
+    if v ~= nil and not flags.lora_r then
+      user_error(("--%s %s without --lora-r does nothing: add --lora-r R (the adapters' rank) " ..
+                  "or drop --%s"):format(n, v == "" and "''" or tostring(v), n))
+    end
+  end
+  if flags.lora_alpha and flags.lora_alpha <= 0 then
+    user_error(("--lora-alpha must be > 0 (got %s): the adapters' scale is alpha / r")
+               :format(tostring(flags.lora_alpha)))
+  end
+  flags.lora_targets = flags.lora_targets or "q_proj,v_proj"
+  if flags.lora_r and not flags.lora_targets:find("[^,%s]") then
+    user_error(("--lora-targets '%s' names no module: give comma-separated names, e.g. " ..
+                "q_proj,v_proj (Llama) or c_attn (GPT-2)"):format(flags.lora_targets))
+  end
+end
+
 -- The flags, checked: nil (after printing the usage) for --help.
 local function parse_flags(argv)
   local flags, usage = checked(args.parse, argv, spec)
@@ -326,6 +358,12 @@ local function parse_flags(argv)
     positive(flags, n, 0)
   end
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
+  if flags.model and flags.model_config then
+    user_error(("--model %s beside --model-config %s: the config.json defines the model; drop " ..
+                "--model (or drop --model-config to train %s)")
+               :format(flags.model, flags.model_config, flags.model))
+  end
+  check_lora_flags(flags)
   if flags.device ~= "cpu" and flags.device ~= "sim" and flags.device ~= "cuda" then
     user_error(("--device must be cpu, sim or cuda (got %s)"):format(flags.device))
   end
@@ -363,7 +401,7 @@ local function set_up(flags)
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(load_config, flags, world, mcfg)
   check_memory_budget_env(cfg)
-  check_resume(flags)
+  check_resume(flags, cfg)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
   if T > mcfg.context then
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
@@ -523,7 +561,14 @@ local function train_step(run, step)
     rec.val_loss = checked_rank(engine.evaluate, engine, run.loader, run.n_val)
     run.model:checkpoint_profile(true) -- the next step's profile counts training only
   end
-  if r.loss ~= r.loss then user_error(("step %d: the loss is NaN; lower --lr"):format(step)) end
+  -- A skipped step's overflow is in its gradients (fp16 loss scaling); a
+  -- loss that is not finite means the weights diverged: the run stops.
+  for _, l in ipairs({ { "loss", r.loss }, { "validation loss", rec.val_loss or 0 } }) do
+    if not (math.abs(l[2]) < math.huge) then
+      user_error(("step %d: the %s is %s: training diverged; lower --lr (it was %g)")
+                 :format(step, l[1], tostring(l[2]), run.lr))
+    end
+  end
   return rec, r, prof
 end
 

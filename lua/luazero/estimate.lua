@@ -179,10 +179,11 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
           :format(tostring(budget_bytes)), 0)
   end
   opts = opts or {}
-  local too_big = {}
+  local too_big, least = {}, nil
   for stage = 0, 3 do
     local r = M.model_states(params, world, stage, { dtype = dtype, grads = opts.grads,
                              persistent = opts.persistent, layout = opts.layout })
+    if not least or r.device < least.device then least = { stage = stage, device = r.device } end
     if r.device <= budget_bytes then
       local why
       if #too_big == 0 then
@@ -197,9 +198,10 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
     end
     too_big[#too_big + 1] = ("stage %d needs %s"):format(stage, M.format_bytes(r.device))
   end
-  return 3, ("%s per rank; budget %s: no stage fits; picked stage 3, the smallest " ..
-             "(offload or more ranks would help)")
-            :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes)), false
+  return 3, ("%s per rank; budget %s: no stage fits (stage %d needs the least, %s); picked " ..
+             "stage 3, which more ranks shrink: offload, more ranks or a larger budget would help")
+            :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes), least.stage,
+                    M.format_bytes(least.device)), false
 end
 
 ------------------------------------------------------------------ models

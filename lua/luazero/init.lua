@@ -76,18 +76,12 @@ local function category_of(c)
   return v
 end
 
-local function shape_array(shape)
-  if type(shape) == "number" then shape = { shape } end
-  if type(shape) ~= "table" or #shape > 4 then
-    error("luazero: a shape is a table of up to 4 sizes, e.g. {4, 64}", 3)
-  end
-  for i = 1, #shape do
-    local s = shape[i]
-    if type(s) ~= "number" or s < 0 or s ~= math.floor(s) then
-      error("luazero: shape entry " .. i .. " is " .. tostring(s) ..
-            "; sizes are whole numbers >= 0", 3)
-    end
-  end
+local guard = require("luazero.tensor_guard")
+local dead, gone, live, whole_in = guard.dead, guard.gone, guard.live, guard.whole_in
+
+-- A shape table as the C int64_t[4], checked (tensor_guard.lua) for dtype dt.
+local function shape_array(shape, dt)
+  shape = guard.shape(shape, tonumber(C.lz_dtype_size(dt)), ffi.string(C.lz_dtype_name(dt)), 4)
   return ffi.new("int64_t[4]", shape), #shape
 end
 
@@ -125,16 +119,16 @@ local float_dtypes = { [tonumber(C.LZ_F32)] = true, [tonumber(C.LZ_BF16)] = true
 -- (default), "sim" or "cuda" (after lz.device_init: device memory, on the
 -- ledger's device side, zeroed on the device before it returns).
 function lz.tensor(shape, dtype, category, device)
-  local dev = device_of(device)
-  local dims, nd = shape_array(shape)
+  local dev, dt = device_of(device), dtype_of(dtype)
+  local dims, nd = shape_array(shape, dt)
   local out = tensor_out()
   if dev == C.LZ_CPU then
-    check(C.lz_tensor_new(out, dtype_of(dtype), nd, dims, category_of(category)), 2)
+    check(C.lz_tensor_new(out, dt, nd, dims, category_of(category)), 2)
     local t = own(out[0])
     ffi.fill(t.data, C.lz_tensor_bytes(t))
     return t
   end
-  check(C.lz_tensor_new_on(out, dtype_of(dtype), nd, dims, category_of(category), dev), 2)
+  check(C.lz_tensor_new_on(out, dt, nd, dims, category_of(category), dev), 2)
   local t = own(out[0])
   -- Zeroed (t:zero), then waited for: the zeros are there for work on any
   -- stream (a copy on the copy stream is not ordered after the fill).
@@ -150,48 +144,60 @@ function lz.pinned(shape, dtype)
   if C.lz_cuda_ready() == 0 and C.lz_sim_ready() == 0 then
     return lz.tensor(shape, dtype, "offload")
   end
-  local dims, nd = shape_array(shape)
+  local dt = dtype_of(dtype)
+  local dims, nd = shape_array(shape, dt)
   local out = tensor_out()
-  check(C.lz_tensor_new_pinned(out, dtype_of(dtype), nd, dims), 2)
+  check(C.lz_tensor_new_pinned(out, dt, nd, dims), 2)
   local t = own(out[0])
   ffi.fill(t.data, C.lz_tensor_bytes(t))
   return t
 end
 
+local store -- below, with Tensor:set
+
 -- lz.from_table({1, 2, 3, ...}, shape, dtype): shape defaults to {#values}.
 function lz.from_table(values, shape, dtype, category)
+  if type(values) ~= "table" then
+    error(("luazero: from_table: values is a %s; give a table of numbers"):format(type(values)), 2)
+  end
   local t = lz.tensor(shape or { #values }, dtype, category)
   local n = t:numel()
   if #values ~= n then
+    t:free()
     error(("luazero: from_table: %d values for a tensor of %d elements"):format(#values, n), 2)
   end
-  for i = 1, n do t:set(i - 1, values[i]) end
+  for i = 1, n do store(t, i - 1, values[i], "from_table") end
   return t
 end
 
 function lz.is_tensor(x) return ffi.istype(tensor_ptr, x) end
 
-function Tensor:numel() return tonumber(C.lz_tensor_numel(self)) end
-function Tensor:bytes() return tonumber(C.lz_tensor_bytes(self)) end
-function Tensor:dtype_name() return dtype_names[tonumber(self.dtype)] end
-function Tensor:dim(i) return tonumber(self.shape[i - 1]) end
+function Tensor:numel() return tonumber(C.lz_tensor_numel(live(self, "numel"))) end
+function Tensor:bytes() return tonumber(C.lz_tensor_bytes(live(self, "bytes"))) end
+function Tensor:dtype_name() return dtype_names[tonumber(live(self, "dtype_name").dtype)] end
+function Tensor:dim(i)
+  return tonumber(self.shape[whole_in(live(self, "dim"), "dim", "dimension", i, 1, self.ndim) - 1])
+end
 
 function Tensor:sizes()
   local s = {}
-  for i = 0, self.ndim - 1 do s[i + 1] = tonumber(self.shape[i]) end
+  for i = 0, live(self, "sizes").ndim - 1 do s[i + 1] = tonumber(self.shape[i]) end
   return s
 end
 
 function Tensor:describe()
   local buf = ffi.new("char[128]")
-  return ffi.string(C.lz_tensor_describe(self, buf, 128))
+  return ffi.string(C.lz_tensor_describe(live(self, "describe"), buf, 128))
 end
 
-function Tensor:device_name() return device_names[tonumber(self.device)] or "unknown" end
+function Tensor:device_name()
+  return device_names[tonumber(live(self, "device_name").device)] or "unknown"
+end
 
 -- Scripts read and write elements of host tensors only: device memory
 -- faults when the host touches it (sim) or is not there (cuda).
 local function host_only(t, what, writes)
+  live(t, what, 4)
   if t.device ~= C.LZ_CPU then
     error(("luazero: %s of a %s tensor %s: device memory is not %s from the host; copy it " ..
            "first (t:to(\"cpu\"))"):format(what, t:device_name(), t:describe(),
@@ -201,7 +207,7 @@ end
 
 -- A copy on `device` ("cpu", "sim" or "cuda"), same dtype and shape.
 function Tensor:to(device)
-  local t = lz.tensor(self:sizes(), self:dtype_name(), "workspace", device)
+  local t = lz.tensor(live(self, "to"):sizes(), self:dtype_name(), "workspace", device)
   check(C.lz_tensor_copy(t, self), 2)
   return t
 end
@@ -209,6 +215,7 @@ end
 -- Element i (0-based, flat) as a Lua number.
 function Tensor:get(i)
   host_only(self, "get")
+  i = whole_in(self, "get", "index", i, 0, tonumber(C.lz_tensor_numel(self)) - 1)
   local dt = self.dtype
   if dt == C.LZ_F32 then return ffi.cast("float *", self.data)[i]
   elseif dt == C.LZ_BF16 then return C.lz_bf16_to_f32(ffi.cast("uint16_t *", self.data)[i])
@@ -217,14 +224,29 @@ function Tensor:get(i)
   else return ffi.cast("uint16_t *", self.data)[i] end
 end
 
+-- The values integer dtypes hold; others take any number.
+local int_range = { [tonumber(C.LZ_I32)] = { -2 ^ 31, 2 ^ 31 - 1 },
+                    [tonumber(C.LZ_U16)] = { 0, 65535 } }
+
+-- Writes v at index i (in range) of host tensor t; a v the dtype cannot
+-- hold is an error at the caller of t's method (or of from_table).
+function store(t, i, v, what)
+  local dt = t.dtype
+  local range = int_range[tonumber(dt)]
+  if type(v) ~= "number" or (range and (v ~= math.floor(v) or v < range[1] or v > range[2])) then
+    error(("luazero: %s: value %s does not fit %s; give %s"):format(what, tostring(v), t:describe(),
+          range and ("a whole number in %d..%d"):format(range[1], range[2]) or "a number"), 3)
+  end
+  if dt == C.LZ_F32 then ffi.cast("float *", t.data)[i] = v
+  elseif dt == C.LZ_BF16 then ffi.cast("uint16_t *", t.data)[i] = C.lz_f32_to_bf16(v)
+  elseif dt == C.LZ_F16 then ffi.cast("uint16_t *", t.data)[i] = C.lz_f32_to_f16(v)
+  elseif dt == C.LZ_I32 then ffi.cast("int32_t *", t.data)[i] = v
+  else ffi.cast("uint16_t *", t.data)[i] = v end
+end
+
 function Tensor:set(i, v)
   host_only(self, "set", true)
-  local dt = self.dtype
-  if dt == C.LZ_F32 then ffi.cast("float *", self.data)[i] = v
-  elseif dt == C.LZ_BF16 then ffi.cast("uint16_t *", self.data)[i] = C.lz_f32_to_bf16(v)
-  elseif dt == C.LZ_F16 then ffi.cast("uint16_t *", self.data)[i] = C.lz_f32_to_f16(v)
-  elseif dt == C.LZ_I32 then ffi.cast("int32_t *", self.data)[i] = v
-  else ffi.cast("uint16_t *", self.data)[i] = v end
+  store(self, whole_in(self, "set", "index", i, 0, tonumber(C.lz_tensor_numel(self)) - 1), v, "set")
 end
 
 function Tensor:totable()
@@ -235,12 +257,15 @@ function Tensor:totable()
 end
 
 function Tensor:fill(v)
-  check(C.lz_fill(self, v), 2)
+  if type(v) ~= "number" then
+    error(("luazero: fill: value %s is not a number"):format(tostring(v)), 2)
+  end
+  check(C.lz_fill(live(self, "fill"), v), 2)
   return self
 end
 
 function Tensor:zero()
-  if self.device == C.LZ_CPU then
+  if live(self, "zero").device == C.LZ_CPU then
     ffi.fill(self.data, C.lz_tensor_bytes(self))
   elseif float_dtypes[tonumber(self.dtype)] then
     check(C.lz_fill(self, 0), 2)
@@ -252,15 +277,25 @@ function Tensor:zero()
   return self
 end
 
+-- src of a copy: a live tensor.
+local function source(src, what)
+  if not ffi.istype(tensor_ptr, src) then
+    error(("luazero: %s: src is a %s, not a tensor"):format(what, type(src)), 3)
+  end
+  return live(src, what)
+end
+
 -- Copies (and converts between f32, bf16 and f16) from src.
 function Tensor:copy(src)
-  check(C.lz_tensor_copy(self, src), 2)
+  check(C.lz_tensor_copy(live(self, "copy"), source(src, "copy")), 2)
   return self
 end
 
 -- Copies from src across devices and dtypes at once (copy refuses both):
 -- the conversion runs on the host, where it rounds as the devices' do.
 function Tensor:convert(src)
+  live(self, "convert")
+  source(src, "convert")
   if self.dtype == src.dtype or self.device == src.device then return self:copy(src) end
   local host = lz.tensor(src:sizes(), self:dtype_name(), "workspace")
   if src.device == C.LZ_CPU then
@@ -277,7 +312,8 @@ end
 
 -- A view of `shape` starting at element `offset` (0-based), sharing storage.
 function Tensor:view(offset, shape)
-  local dims, nd = shape_array(shape)
+  offset = whole_in(live(self, "view"), "view", "offset", offset, 0, self:numel())
+  local dims, nd = shape_array(shape, self.dtype)
   local out = tensor_out()
   check(C.lz_tensor_view(out, self, offset, nd, dims), 2)
   return own(out[0])
@@ -287,19 +323,22 @@ function Tensor:reshape(shape) return self:view(0, shape) end
 
 function Tensor:sq_norm()
   local out = ffi.new("double[1]")
-  check(C.lz_sq_norm(self, out), 2)
+  check(C.lz_sq_norm(live(self, "sq_norm"), out), 2)
   return out[0]
 end
 
--- Frees now (tensors hold memory outside the Lua heap: free big ones explicitly).
+-- Frees now (tensors hold memory outside the Lua heap: free big ones
+-- explicitly). Again, or on an arena's tensor: nothing.
 function Tensor:free()
-  if self.flags == 0 then
+  if dead[self] == nil and self.flags == 0 then
+    dead[self] = true
     ffi.gc(self, nil)
     C.lz_tensor_free(self)
   end
 end
 
 function Tensor:__tostring()
+  if dead[self] and gone(self) then return "tensor (freed)" end
   if self.device ~= C.LZ_CPU then
     return ("tensor %s on %s"):format(self:describe(), self:device_name())
   end
@@ -343,23 +382,35 @@ end
 -- overlap can share one buffer. t must outlive it. Over a device tensor the
 -- arena's tensors live on that device.
 function lz.arena_over(t, offset, bytes)
-  assert(offset + bytes <= C.lz_tensor_bytes(t), "arena_over: the range ends past the tensor")
+  local n = live(t, "arena_over"):bytes()
+  offset = whole_in(t, "arena_over", "byte offset", offset, 0, n)
+  bytes = whole_in(t, "arena_over", "bytes", bytes, 0, n)
+  whole_in(t, "arena_over", "end byte", offset + bytes, 0, n)
   local out = ffi.new("lz_arena *[1]")
   check(C.lz_arena_wrap(out, ffi.cast("char *", t.data) + offset, bytes), 2)
   return setmetatable({ handle = ffi.gc(out[0], C.lz_arena_free), base = t }, Arena)
 end
 
-function Arena:tensor(shape, dtype)
-  local dims, nd = shape_array(shape)
-  local out = tensor_out()
-  check(C.lz_arena_tensor(self.handle, out, dtype_of(dtype), nd, dims), 2)
-  return out[0]
+local function arena_handle(a)
+  if a.handle == nil then error("luazero: this arena was freed (a:free()); make a new one", 3) end
+  return a.handle
 end
 
-function Arena:reset() check(C.lz_arena_reset(self.handle), 2) end
-function Arena:used() return tonumber(C.lz_arena_used(self.handle)) end
-function Arena:peak() return tonumber(C.lz_arena_peak(self.handle)) end
-function Arena:capacity() return tonumber(C.lz_arena_capacity(self.handle)) end
+-- Its tensors live until the next reset, and are refused once it is freed.
+function Arena:tensor(shape, dtype)
+  local dt = dtype_of(dtype)
+  local dims, nd = shape_array(shape, dt)
+  local out = tensor_out()
+  check(C.lz_arena_tensor(arena_handle(self), out, dt, nd, dims), 2)
+  local t = out[0]
+  dead[t] = self
+  return t
+end
+
+function Arena:reset() check(C.lz_arena_reset(arena_handle(self)), 2) end
+function Arena:used() return tonumber(C.lz_arena_used(arena_handle(self))) end
+function Arena:peak() return tonumber(C.lz_arena_peak(arena_handle(self))) end
+function Arena:capacity() return tonumber(C.lz_arena_capacity(arena_handle(self))) end
 
 function Arena:free()
   if self.handle ~= nil then
@@ -468,7 +519,8 @@ end
 -- element count) queued on stream "compute" (default), "comm" or "copy".
 -- A host source must stay alive and unchanged until the stream passes it.
 function lz.copy_async(dst, src, stream)
-  check(C.lz_tensor_copy_async(dst, src, stream_of(stream)), 2)
+  check(C.lz_tensor_copy_async(live(dst, "copy_async"), live(src, "copy_async"),
+                               stream_of(stream)), 2)
 end
 
 function lz.stream_synchronize(stream) check(C.lz_stream_synchronize(stream_of(stream)), 2) end
@@ -620,7 +672,7 @@ local function swap_io(self, fn, offset, x, bytes, async)
   if self.handle == nil then error("swap: " .. self.path .. " is closed", 3) end
   local ptr = x
   if lz.is_tensor(x) then
-    ptr, bytes = x.data, bytes or x:bytes()
+    ptr, bytes = live(x, "swap", 4).data, bytes or x:bytes()
   elseif bytes == nil then
     error("swap: give the byte count when the buffer is a pointer, not a tensor", 3)
   end
@@ -684,25 +736,9 @@ lz.Swap = Swap
 
 -------------------------------------------------------------------- kernels
 
--- lz.ops.<name>(...) calls lz_<name> and turns a failing status into an error.
-local op_names = {
-  "matmul", "linear_forward", "linear_backward", "layernorm_forward", "layernorm_backward",
-  "gelu_forward", "gelu_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_forward",
-  "rope_backward", "swiglu_forward", "swiglu_backward", "attention_forward", "attention_backward",
-  "rope_freqs_forward", "rope_freqs_backward", "attention_gqa_forward", "attention_gqa_backward",
-  "embedding_forward", "embedding_backward", "cross_entropy_forward",
-  "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step", "lion_step",
-}
-local ops = {}
-for _, name in ipairs(op_names) do
-  local fn
-  ops[name] = function(...)
-    fn = fn or C["lz_" .. name]
-    local st = fn(...)
-    if st ~= 0 then error(ffi.string(C.lz_last_error()), 2) end
-  end
-end
-lz.ops = ops
+-- lz.ops.<name>(...) calls lz_<name>, its arguments checked (op_args.lua);
+-- a failing status becomes an error.
+lz.ops = require("luazero.op_args").ops(C, require("luazero.cdef"), dead, gone)
 
 function lz.adamw_args(t) return ffi.new("lz_adamw_args", t) end
 function lz.lion_args(t) return ffi.new("lz_lion_args", t) end

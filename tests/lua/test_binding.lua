@@ -3,6 +3,7 @@
 local lz = require("luazero")
 local T = {}
 
+local ffi = require("ffi")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
 local expect_error = support.expect_error
 
@@ -82,6 +83,120 @@ function T.matmul_from_lua()
   lz.ops.matmul(c, a, b, 0, 0, 1, 0)
   local r = c:totable()
   assert(r[1] == 4 and r[2] == 5 and r[3] == 10 and r[4] == 11, table.concat(r, ","))
+end
+
+-- Indices, offsets and dimensions are whole numbers in range: an error
+-- naming the method and the range, never a read or write past the buffer.
+function T.get_set_and_views_check_index_type_and_range()
+  local t = lz.tensor({2, 3})
+  for _, i in ipairs({ 6, -1, 1e9, 2 ^ 53 }) do
+    local range = ("index %.0f is outside f32[2,3] (0 to 5)"):format(i)
+    expect_error(function() return t:get(i) end, "get: " .. range)
+    expect_error(function() t:set(i, 7) end, "set: " .. range)
+  end
+  expect_error(function() return t:get(2.5) end, "get: index 2.5 is not a whole number")
+  expect_error(function() return t:get("1") end, "get: index 1 is not a whole number")
+  expect_error(function() return t:get(0 / 0) end, "get: index nan is not a whole number")
+  expect_error(function() t:set(2.5, 1) end, "set: index 2.5 is not a whole number")
+  expect_error(function() t:set(0, "x") end, "set: value x does not fit f32[2,3]; give a number")
+  expect_error(function() return lz.tensor({0}):get(0) end, "outside f32[0] (it has no elements)")
+  t:set(5, 7)
+  assert(t:get(5) == 7 and t:get(ffi.new("int64_t", 5)) == 7)
+  local u = lz.tensor({2}, "u16")
+  expect_error(function() u:set(0, 65536) end,
+               "value 65536 does not fit u16[2]; give a whole number in 0..65535")
+  expect_error(function() lz.tensor({1}, "i32"):set(0, 0.5) end,
+               "a whole number in -2147483648..2147483647")
+  expect_error(function() return t:dim(3) end, "dim: dimension 3 is outside f32[2,3] (1 to 2)")
+  expect_error(function() t:view(7, { 1 }) end, "view: offset 7 is outside f32[2,3] (0 to 6)")
+  expect_error(function() t:view(-1, { 1 }) end, "view: offset -1 is outside")
+  expect_error(function() t:view(1e30, { 1 }) end,
+               "view: offset 1000000000000000019884624838656 is outside")
+  expect_error(function() t:view(0.5, { 1 }) end, "view: offset 0.5 is not a whole number")
+  expect_error(function() t:view(6, { 1 }) end, "tensor_view: elements [6, 7) are outside the base")
+  assert(t:view(6, { 0 }):numel() == 0, "an empty view at the end")
+  expect_error(function() t:fill("a") end, "fill: value a is not a number")
+  expect_error(function() t:copy(3) end, "copy: src is a number, not a tensor")
+  expect_error(function() lz.from_table({ 1, "x" }) end, "from_table: value x does not fit f32[2]")
+  expect_error(function() lz.from_table(3) end, "from_table: values is a number")
+  expect_error(function() lz.arena_over(t, -64, 64) end, "arena_over: byte offset -64 is outside")
+  expect_error(function() lz.arena_over(t, 0, 25) end, "arena_over: bytes 25 is outside")
+  t:free(); u:free()
+end
+
+-- Shapes whose bytes (elements x element size) pass 2^63 are refused in Lua
+-- before C, and by C itself when it is called directly.
+function T.shape_bytes_overflow_is_an_error_in_lua_and_in_c()
+  expect_error(function() lz.tensor({ 1e12, 1e12 }) end,
+               "shape {1000000000000, 1000000000000} of f32 is 4e+24 bytes, past the 2^63")
+  expect_error(function() lz.tensor({ 2 ^ 40, 2 ^ 22 }, "bf16") end, "past the 2^63")
+  expect_error(function() lz.tensor({ 1e30, 0 }) end, "shape entry 1 is 1e+30")
+  local a = lz.arena(4096)
+  expect_error(function() a:tensor({ 2 ^ 31, 2 ^ 31, 2 ^ 2 }, "u16") end, "past the 2^63")
+  a:free()
+  local e = lz.tensor({ 2 ^ 40, 2 ^ 40, 0 })
+  assert(e:numel() == 0 and e:bytes() == 0, "an empty shape overflows nothing")
+  e:free()
+  local out, dims = ffi.new("lz_tensor *[1]"), ffi.new("int64_t[4]", { 2 ^ 40, 2 ^ 22 })
+  assert(lz.C.lz_tensor_new(out, lz.dtypes.f32, 2, dims, lz.categories.workspace) ~= 0)
+  assert(lz.last_error() == "tensor_new: the shape's f32 elements are over 2^63 bytes; " ..
+         "check the sizes", lz.last_error())
+  local base = lz.tensor({ 4 })
+  dims[0] = 4 -- an offset whose end wraps past int64_t
+  assert(lz.C.lz_tensor_view(out, base, 0x7ffffffffffffffeLL, 1, dims) ~= 0)
+  assert(lz.last_error():find("tensor_view: elements", 1, true), lz.last_error())
+  base:free()
+end
+
+-- A freed tensor (t:free(), or its arena freed) is refused by every
+-- method and op with one line; a second free does nothing.
+function T.a_freed_tensor_is_refused_not_read()
+  local t = lz.from_table({ 1, 2, 3 })
+  local v = t:view(1, { 2 })
+  t:free()
+  t:free()
+  for name, fn in pairs({
+    get = function() return t:get(0) end, set = function() t:set(0, 1) end,
+    numel = function() return t:numel() end, view = function() return t:view(0, { 1 }) end,
+    fill = function() t:fill(1) end, copy = function() t:copy(v) end,
+    totable = function() return t:totable() end, sizes = function() return t:sizes() end,
+    to = function() return t:to("cpu") end, sq_norm = function() return t:sq_norm() end,
+  }) do
+    expect_error(fn, name .. " of a freed tensor: it was freed (t:free()); use a live tensor")
+  end
+  expect_error(function() lz.tensor({ 3 }):copy(t) end, "copy of a freed tensor")
+  expect_error(function() lz.ops.scale(t, 2) end,
+               "ops.scale: argument 1 (t) is a freed tensor: it was freed (t:free())")
+  assert(tostring(t) == "tensor (freed)")
+  assert(v:get(1) == 3, "a view keeps the storage")
+  v:free()
+  local a = lz.arena(4096)
+  local x = a:tensor({ 4 })
+  a:free()
+  expect_error(function() return x:get(0) end, "get of a freed tensor: its arena was freed")
+  expect_error(function() a:tensor({ 4 }) end, "this arena was freed")
+  expect_error(function() a:reset() end, "this arena was freed")
+  x:free()
+end
+
+-- lz.ops check each argument against the op's C parameters: the op and the
+-- argument by number and name.
+function T.op_arguments_are_checked_by_name()
+  local x = lz.tensor({ 4 })
+  expect_error(function() lz.ops.scale(x, "a") end,
+               'ops.scale: argument 2 (s) is a string ("a"); it takes a number')
+  expect_error(function() lz.ops.scale(x) end, "ops.scale: argument 2 (s) is missing (nil)")
+  expect_error(function() lz.ops.scale(x, 1, 2) end, "ops.scale takes 2 arguments (t, s); got 3")
+  expect_error(function() lz.ops.add(x, x, 3) end,
+               "ops.add: argument 3 (b) is a number (3); it takes a tensor")
+  expect_error(function() lz.ops.matmul(x, x, x, true, 0, 1, 0) end,
+               "ops.matmul: argument 4 (trans_a) is a boolean (true); it takes a number")
+  expect_error(function() lz.ops.adamw_step(x, x, x, x, nil, {}) end,
+               "ops.adamw_step: argument 6 (args) is a table")
+  expect_error(function() lz.ops.add(x, x, nil) end, "add: b is missing (NULL)")
+  lz.ops.scale(x:fill(2), ffi.new("int64_t", 3))
+  assert(x:get(3) == 6)
+  x:free()
 end
 
 return T

@@ -438,7 +438,7 @@ function T.memory_budget_comes_from_flag_env_file_or_memavailable()
                '"12GiB", "512MiB", "16GB" (got "lots")')
   if not os.getenv("LZ_MEMORY_BUDGET") then
     -- LZ_MEMORY_BUDGET sits between the flag and the file.
-    local p = io.popen(("LZ_MEMORY_BUDGET=3GiB '%s' -e %q"):format(arg[-1] or "luazero",
+    local p = io.popen(("LZ_MEMORY_BUDGET=3GiB '%s' -e %q"):format(require("luazero").executable(),
       'local c = require("luazero.config") ' ..
       'local cfg = c.load({ train_batch_size = 2, luazero = { memory_budget = "2GiB" } }, 1) ' ..
       'print(c.memory_budget(cfg)) ' ..

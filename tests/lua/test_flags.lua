@@ -1,0 +1,91 @@
+-- test_flags.lua — scripts/train.lua's flags that would otherwise be
+-- ignored or taken silently: --model beside --model-config, the LoRA flags
+-- without --lora-r, a run whose loss stops being finite, --stage auto with
+-- a budget no stage fits, and a resume whose --steps stretches the schedule.
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local estimate = require("luazero.estimate")
+
+local T = {}
+local write_file = support.scratch()
+local corpus = write_file("corpus.txt", ("It was the best of times, it was the worst of times.\n"):rep(60))
+local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 " ..
+              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. support.quote(corpus)
+local train, ok_train = support.trainer(MODEL)
+
+-- A run that stops before step 1 with exit 2 and `needle` on one line.
+local function refused(flags, needle)
+  local out, st = train(1, flags)
+  assert(st == 2, ("exit %s, expected 2:\n%s"):format(tostring(st), out))
+  assert(out:find(needle, 1, true), ("output does not mention %q:\n%s"):format(needle, out))
+  assert(not out:find("step +1/"), "a step ran:\n" .. out)
+  assert(not out:find("traceback", 1, true), out)
+end
+
+function T.model_beside_model_config_is_refused_naming_the_one_to_drop()
+  refused("--model-config " .. support.quote(write_file("config.json", "{}")),
+          "train: --model gpt2-nano beside --model-config ")
+  refused("--model-config x.json", "the config.json defines the model; drop --model (or drop " ..
+          "--model-config to train gpt2-nano)")
+end
+
+function T.lora_flags_without_lora_r_or_out_of_range_are_refused()
+  refused("--lora-alpha 8", "train: --lora-alpha 8 without --lora-r does nothing: add --lora-r R " ..
+          "(the adapters' rank) or drop --lora-alpha")
+  refused("--lora-targets c_attn", "train: --lora-targets c_attn without --lora-r does nothing")
+  refused("--lora-targets ''", "train: --lora-targets '' without --lora-r does nothing")
+  refused("--lora-r 2 --lora-alpha 0", "train: --lora-alpha must be > 0 (got 0): the adapters' " ..
+          "scale is alpha / r")
+  refused("--lora-r 2 --lora-alpha -4", "--lora-alpha must be > 0 (got -4)")
+  refused("--lora-r 2 --lora-targets ''", "train: --lora-targets '' names no module: give " ..
+          "comma-separated names")
+  refused("--lora-r 2 --lora-targets ' , '", "--lora-targets ' , ' names no module")
+end
+
+-- A loss or validation loss that is not finite stops the run: exit 2, one
+-- line naming the step and --lr. fp16's skipped overflow steps (inf in the
+-- gradients, the loss finite) run on.
+function T.a_loss_that_is_not_finite_stops_the_run_but_skipped_fp16_steps_run_on()
+  for _, case in ipairs({ { "--steps 2", "step 2: the validation loss is nan" },
+                          { "--steps 3", "step 3: the loss is nan" },
+                          { "--steps 4 --dtype fp16", "step 2: the loss is nan" } }) do
+    local out, st = train(1, "--lr 1e9 " .. case[1])
+    assert(st == 2, ("%s: exit %s:\n%s"):format(case[1], tostring(st), out))
+    assert(out:find("train: " .. case[2] .. ": training diverged; lower --lr (it was 1e+09)\n",
+                    1, true), out)
+    assert(not out:find("params_checksum", 1, true), out)
+  end
+  local out = ok_train(1, "--steps 3 --dtype fp16", "LZ_INJECT_INF_STEP=2")
+  assert(out:find("step     2/3 | loss %d.*skipped %(overflow%)"), out)
+end
+
+function T.stage_auto_says_which_stage_needs_the_least_when_none_fits()
+  local _, why, fits = estimate.pick_stage(1e6, 1, 1e6, "fp32", { persistent = 1e6 })
+  assert(fits == false, why)
+  assert(why:find("no stage fits (stage 0 needs the least, ", 1, true), why)
+  assert(not why:find("the smallest", 1, true), why)
+  _, why = estimate.pick_stage(1e6, 2, 1e6, "bf16")
+  assert(why:find("no stage fits (stage 3 needs the least, 8.6 MiB); picked stage 3", 1, true), why)
+  -- (the run then stops at step 1: the budget held is passed)
+  local out = train(1, "--steps 1 --stage auto --memory-budget 100KiB")
+  assert(out:find("budget 100.0 KiB: no stage fits (stage 0 needs the least, ", 1, true), out)
+  assert(out:find("zero stage 3,", 1, true), out)
+end
+
+function T.a_resume_with_other_steps_says_the_schedule_changes()
+  local dir = select(2, support.scratch())
+  ok_train(1, ("--steps 4 --save-every 2 --save %s"):format(dir))
+  local ck = dir .. "/step-000002"
+  local out = ok_train(1, "--steps 8 --resume " .. ck)
+  assert(out:find("resume: --steps 8, the saved run had --steps 4: the warmup + cosine " ..
+                  "schedule now spans 8 steps, not 4 (--steps 4 keeps the saved run's)\n", 1, true),
+         out)
+  out = ok_train(1, "--steps 4 --resume " .. ck)
+  assert(not out:find("resume: --steps", 1, true), out)
+  -- A config without a scheduler keeps its lr whatever --steps is: nothing to say.
+  local cfg = write_file("constant.json", '{"train_micro_batch_size_per_gpu": 2}')
+  out = ok_train(1, ("--steps 8 --config %s --resume %s"):format(cfg, ck))
+  assert(not out:find("resume: --steps", 1, true), out)
+end
+
+return T
