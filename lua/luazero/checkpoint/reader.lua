@@ -5,6 +5,7 @@ local ffi = require("ffi")
 local lz = require("luazero")
 local clock = require("luazero.clock")
 local disk = require("luazero.checkpoint.disk")
+local atomic = require("luazero.io.atomic")
 
 local fail = disk.fail
 local SB = disk.SB
@@ -160,26 +161,20 @@ end
 
 -- Writes the fp32 master weights in canonical order to `out`: a 256-int32
 -- header (magic 20240521, version 1, tensor count, element count low and
--- high 32 bits) then the floats. Memory: one block per shard read.
+-- high 32 bits) then the floats; complete or not at all (io/atomic.lua).
+-- Memory: one block per shard read.
 M.CONSOLIDATED_MAGIC = 20240521
 function Checkpoint:consolidate(out)
   local m = self.manifest
-  local f, ferr = io.open(out, "wb")
-  if not f then fail("%s: cannot write it (%s)", out, tostring(ferr)) end
-  local header = ffi.new("int32_t[256]")
-  header[0], header[1], header[2] = M.CONSOLIDATED_MAGIC, 1, #m.params
-  header[3], header[4] = m.numel % 2 ^ 32, math.floor(m.numel / 2 ^ 32)
-  f:write(ffi.string(header, 1024))
-  local ok, err = pcall(self.stream, self, function(state, canon, p, n)
-    if state ~= 1 then return end
-    f:seek("set", 1024 + canon * SB)
-    f:write(ffi.string(p, n * SB))
-  end, "consolidate")
-  f:close()
-  if not ok then
-    os.remove(out)
-    error(err, 0)
-  end
+  atomic.build_file(out, 1024 + m.numel * SB, function(w)
+    local header = ffi.new("int32_t[256]")
+    header[0], header[1], header[2] = M.CONSOLIDATED_MAGIC, 1, #m.params
+    header[3], header[4] = m.numel % 2 ^ 32, math.floor(m.numel / 2 ^ 32)
+    w:write(header, 1024)
+    self:stream(function(state, canon, p, n)
+      if state == 1 then w:pwrite(p, n * SB, 1024 + canon * SB) end
+    end, "consolidate")
+  end)
   return m.numel
 end
 
