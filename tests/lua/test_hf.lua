@@ -163,6 +163,41 @@ function T.bf16_export_inits_close()
   assert(rel < 1e-2, ("bf16 --init loss %s vs %s (relative %g)"):format(val, c.val, rel))
 end
 
+-- Headers that lie about where the data is: the format's rules (offsets
+-- from 0, the tensors tiling the data exactly) refuse each, naming the
+-- tensor and the rule.
+function T.lying_data_offsets_are_refused_naming_the_tensor_and_the_rule()
+  local function file(name, h, data_bytes)
+    local text = cjson.encode(h)
+    text = text .. (" "):rep((8 - #text % 8) % 8)
+    return write_file(name, ffi.string(ffi.new("uint64_t[1]", #text), 8) .. text ..
+                      ("\0"):rep(data_bytes))
+  end
+  local function f32(n, a, b) return { dtype = "F32", shape = { n }, data_offsets = { a, b } } end
+  local cases = {
+    { "negative", { a = f32(64, -256, 0) }, 0, { "tensor a", "[-256, 0]", "begin before the data" } },
+    { "borrowed", { a = f32(2, 0, 8), b = f32(2, 0, 8) }, 8, { "overlap tensor", "[0, 8]" } },
+    { "shifted", { a = f32(2, 0, 8), b = f32(2, 7, 15) }, 15,
+      { "tensor b", "[7, 15]", "overlap tensor a's [0, 8]" } },
+    { "gap", { a = f32(2, 0, 8), b = f32(2, 16, 24) }, 24,
+      { "tensor b", "[16, 24]", "begin 8 bytes after tensor a ends", "no gap" } },
+    { "trailing", { a = f32(2, 0, 8) }, 12, { "4 bytes after the last tensor (a)" } },
+  }
+  for _, c in ipairs(cases) do
+    local path = file(c[1] .. ".safetensors", c[2], c[3])
+    local ok, err = pcall(safetensors.open, path)
+    assert(not ok, c[1] .. ": accepted")
+    for _, n in ipairs(c[4]) do
+      assert(tostring(err):find(n, 1, true), ("%s: %q does not name %q"):format(c[1], err, n))
+    end
+    assert(tostring(err):find(path, 1, true), err)
+  end
+  -- The same tensors laid out right are read.
+  local st = safetensors.open(file("right.safetensors", { a = f32(2, 0, 8), b = f32(2, 8, 16) }, 16))
+  eq(#st.names, 2, "tensors of a right file")
+  st:close()
+end
+
 --------------------------------------------------------------- tokenizer
 
 -- GPT-2's bytes-to-unicode table: a tokenizer.json with every byte and a
@@ -229,9 +264,9 @@ local function refused(flags, needles)
   assert(not exists(save) and not exists(log), "a refused run wrote " .. save .. " or " .. log)
 end
 
--- A copy of the llama export folder with `edit(header)` applied to its
--- header (a table), and `cut` bytes cut from its end.
-local function altered(name, edit, cut)
+-- A copy of the llama export folder with `edit(header, data_bytes)` applied
+-- to its header (a table), `cut` bytes cut from its end and `append` added.
+local function altered(name, edit, cut, append)
   local c = get("llama", LLAMA)
   local dir = tmp .. "/" .. name
   os.execute(("rm -rf %s && cp -r %s %s"):format(q(dir), q(c.out), q(dir)))
@@ -245,12 +280,13 @@ local function altered(name, edit, cut)
   local header, body = bytes:sub(9, 8 + len), bytes:sub(9 + len)
   if edit then
     local h = cjson.decode(header)
-    edit(h)
+    edit(h, #body)
     header = cjson.encode(h)
     header = header .. (" "):rep((8 - #header % 8) % 8)
   end
   local n = ffi.new("uint64_t[1]", #header)
   if cut then body = body:sub(1, #body - cut) end
+  if append then body = body .. append end
   f = assert(io.open(path, "wb"))
   f:write(ffi.string(n, 8), header, body)
   f:close()
@@ -271,11 +307,14 @@ function T.truncated_shard_is_refused_naming_file_and_tensor()
 end
 
 function T.missing_and_unknown_tensors_are_refused()
-  local dir, path = altered("missing", function(h) h["model.norm.weight"] = nil end)
-  refused("--init " .. q(dir), { path, "model.norm.weight", "missing" })
-  dir, path = altered("extra", function(h)
-    h["model.layers.9.mlp.up_proj.weight"] = h["model.norm.weight"]
+  local dir, path = altered("missing", function(h)
+    h["model.norm_renamed.weight"], h["model.norm.weight"] = h["model.norm.weight"], nil
   end)
+  refused("--init " .. q(dir), { path, "model.norm.weight", "missing" })
+  dir, path = altered("extra", function(h, bytes)
+    h["model.layers.9.mlp.up_proj.weight"] = { dtype = "F32", shape = { 4 },
+                                               data_offsets = { bytes, bytes + 16 } }
+  end, nil, ("\0"):rep(16))
   refused("--init " .. q(dir), { path, "model.layers.9.mlp.up_proj.weight", "not a parameter" })
 end
 
