@@ -265,7 +265,8 @@ end
 pcall(ffi.cdef, "int getpid(void);")
 
 -- --resume: the checkpoint's manifest, read before anything is built; a
--- --steps below its step would run nothing.
+-- --steps below its step would run nothing; a LoRA run's flags and base
+-- must be the saved ones (without --init: the recorded --init).
 local function check_resume(flags)
   if not flags.resume then return end
   local checkpoint = require("luazero.checkpoint")
@@ -274,6 +275,12 @@ local function check_resume(flags)
     user_error(("--steps %d is below the checkpoint's step %d (%s): there is nothing to run; " ..
                 "give --steps %d or more (the run's total, as when it was saved)")
                :format(flags.steps, m.global_steps, flags.resume, m.global_steps + 1))
+  end
+  local init = checked(require("luazero.checkpoint.resume").check, flags, m, flags.resume)
+  if init then
+    flags.init = init
+    say(("resume: the base weights from the checkpoint's --init %s (its xxh64 %s)")
+        :format(init, m.init_xxh64))
   end
 end
 
@@ -340,6 +347,7 @@ local function set_up(flags)
     n_layer = flags.n_layer, n_head = flags.n_head, n_embd = flags.n_embd,
     context = flags.context, vocab = flags.vocab,
   }
+  check_resume(flags)
   local mcfg
   -- --init FOLDER without --model / --model-config: the folder's config.json.
   local init_config = flags.init and not flags.model and not flags.model_config and
@@ -363,7 +371,6 @@ local function set_up(flags)
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(load_config, flags, world, mcfg)
   check_memory_budget_env(cfg)
-  check_resume(flags)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
   if T > mcfg.context then
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
@@ -417,6 +424,8 @@ local function init_from_hf(run)
   local r = checked(hf.load_into, run.engine, run.flags.init)
   local p = run.flags.init
   run.engine.init_path = p:sub(1, 1) == "/" and p or ((os.getenv("PWD") or ".") .. "/" .. p)
+  -- A LoRA run records its base's checksum: a resume must adapt the same.
+  if run.model.lora then run.engine.init_xxh64 = checked(hf.checksum, p) end
   say(("initialized from %s: %d tensors from %d file%s in %.2f s"):format(run.flags.init,
       r.tensors, r.files, r.files == 1 and "" or "s", clock.now() - t0))
 end

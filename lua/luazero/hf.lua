@@ -162,6 +162,32 @@ function M.close(src)
   for _, st in ipairs(src.files) do st:close() end
 end
 
+-- xxh64 of the bytes of path's safetensors files, in the order M.open lists
+-- them (16 hex digits): what a LoRA checkpoint records of its base.
+local sums = {}
+function M.checksum(path)
+  if sums[path] then return sums[path] end
+  local src = M.open(path)
+  local h = lz.hasher(0)
+  local ok, err = pcall(function()
+    for _, st in ipairs(src.files) do
+      local f = assert(io.open(st.path, "rb"))
+      while true do
+        local chunk = f:read(2 ^ 24)
+        if not chunk then break end
+        h:update(chunk, #chunk)
+      end
+      f:close()
+    end
+  end)
+  M.close(src)
+  local sum = ok and require("bit").tohex(h:digest(), 16)
+  h:free()
+  if not ok then error(err, 0) end
+  sums[path] = sum
+  return sum
+end
+
 ------------------------------------------------------------------ plan
 
 -- For each of the model's parameters (param_table order), the tensor that

@@ -198,6 +198,67 @@ function T.lying_data_offsets_are_refused_naming_the_tensor_and_the_rule()
   st:close()
 end
 
+--------------------------------------------------------------- LoRA resume
+
+-- A LoRA run on an --init base records its settings and the base (path and
+-- checksum): a resume with other settings or another base is refused in
+-- one line naming the flag and the saved value; without --init it takes
+-- the recorded base and says so; a base that is gone or changed is refused.
+function T.lora_resume_checks_its_settings_and_its_base()
+  local c = get("llama", LLAMA)
+  local base = tmp .. "/lora-base"
+  os.execute(("rm -rf %s && cp -r %s %s"):format(q(base), q(c.out), q(base)))
+  local ft = tmp .. "/lora-ft"
+  local LORA = "--lora-r 2 --lora-alpha 8 --lora-targets q_proj,v_proj"
+  local function run(flags) return train(1, ("%s%s %s"):format(RUN, q(corpus_path()), flags)) end
+  local out, st = run(("--steps 2 --init %s %s --save %s"):format(q(base), LORA, q(ft)))
+  eq(st, 0, out)
+  local m = require("luazero.checkpoint").open(ft).manifest
+  eq(m.lora.alpha, 8, "the manifest's lora.alpha")
+  assert(m.init:find("lora-base", 1, true) and m.init_xxh64:match("^%x+$"), m.init)
+  local function refused_resume(flags, needles)
+    local o, s2 = run(("--steps 3 --resume %s %s"):format(q(ft), flags))
+    eq(s2, 2, "exit status of " .. flags .. ":\n" .. o)
+    local _, lines = o:gsub("\n", "")
+    eq(lines, 1, "lines of " .. o)
+    for _, n in ipairs(needles) do
+      assert(o:find(n, 1, true), ("%q does not name %q"):format(o, n))
+    end
+  end
+  local init = "--init " .. q(base) .. " "
+  refused_resume(init .. "--lora-r 2 --lora-alpha 32", { "--lora-alpha 32", "saved with --lora-alpha 8" })
+  refused_resume(init .. "--lora-r 4 --lora-alpha 8", { "--lora-r 4", "saved with --lora-r 2" })
+  refused_resume(init .. "--lora-r 2 --lora-alpha 8 --lora-targets q_proj",
+                 { "--lora-targets q_proj", "saved with --lora-targets q_proj,v_proj" })
+  refused_resume("", { "trained LoRA adapters", "--lora-r 2 --lora-alpha 8" })
+  -- Without --init (the model from --model-config): the recorded base.
+  local _, _, want = ok_run(1, ("%s%s --steps 3 --resume %s %s %s"):format(RUN, q(corpus_path()),
+                            q(ft), init, LORA))
+  local o2, _, got = ok_run(1, ("%s%s --steps 3 --resume %s --model-config %s %s"):format(RUN,
+                            q(corpus_path()), q(ft), q(base .. "/config.json"), LORA))
+  assert(o2:find("resume: the base weights from the checkpoint's --init", 1, true), o2)
+  eq(got, want, "params_checksum resumed on the recorded base")
+  -- Another base: changed weights are refused by their checksum.
+  local other = tmp .. "/lora-other"
+  os.execute(("rm -rf %s && cp -r %s %s"):format(q(other), q(base), q(other)))
+  local f = assert(io.open(other .. "/model.safetensors", "r+b"))
+  f:seek("end", -4)
+  f:write("\1\2\3\4")
+  f:close()
+  refused_resume("--init " .. q(other) .. " " .. LORA, { "--init " .. other, "hash", m.init_xxh64 })
+  -- The recorded base gone: refused, naming it.
+  os.execute("rm -rf " .. q(base))
+  refused_resume("--model-config " .. q(other .. "/config.json") .. " " .. LORA,
+                 { base, "which is gone", "--init PATH" })
+  -- A LoRA run on a drawn base, resumed with --init: refused.
+  local drawn = tmp .. "/lora-drawn"
+  out, st = run(("%s --steps 2 %s --save %s"):format(LLAMA, LORA, q(drawn)))
+  eq(st, 0, out)
+  out, st = run(("%s --steps 3 %s --init %s --resume %s"):format(LLAMA, LORA, q(other), q(drawn)))
+  eq(st, 2, out)
+  assert(out:find("drawn from --seed", 1, true), out)
+end
+
 --------------------------------------------------------------- tokenizer
 
 -- GPT-2's bytes-to-unicode table: a tokenizer.json with every byte and a

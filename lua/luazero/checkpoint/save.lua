@@ -313,7 +313,7 @@ function M.save(engine, dir, extra, opts)
         numel = engine.L.numel, params = param_table(engine), shards = shards,
         -- A run with frozen parameters saves what trains: LoRA's settings,
         -- and where the frozen weights came from (--init), for the export.
-        lora = engine.model.lora, init = engine.init_path,
+        lora = engine.model.lora, init = engine.init_path, init_xxh64 = engine.init_xxh64,
         optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
         skipped_steps = engine.skipped_steps,
         lr_schedule = { optimizer_steps = engine.optimizer_steps,
