@@ -352,8 +352,12 @@ local function set_up(flags)
   -- --init FOLDER without --model / --model-config: the folder's config.json.
   local init_config = flags.init and not flags.model and not flags.model_config and
                       hf.config_path(flags.init)
+  if flags.init and not flags.model and not flags.model_config and not init_config then
+    user_error(("--init %s: no config.json there says which model the weights are; give " ..
+                "--model NAME or --model-config config.json"):format(flags.init))
+  end
   if flags.model_config or init_config then
-    mcfg = checked(models.from_hf_config, flags.model_config or init_config, overrides)
+    mcfg = checked(hf.model_config, models, flags.model_config or init_config, overrides)
   else
     mcfg = checked(models.config, flags.model or "gpt2-nano", overrides)
   end

@@ -360,6 +360,30 @@ end
 
 local TORCH_DTYPES = { fp32 = "float32", bf16 = "bfloat16", fp16 = "float16" }
 
+-- A config.json's names for our config fields, per family.
+local FILE_FIELDS = {
+  llama = { n_layer = "num_hidden_layers", n_head = "num_attention_heads",
+            n_kv_head = "num_key_value_heads", n_embd = "hidden_size",
+            n_hidden = "intermediate_size", context = "max_position_embeddings",
+            vocab = "vocab_size", eps = "rms_norm_eps", std = "initializer_range" },
+  gpt2 = { vocab = "vocab_size", context = "n_positions" },
+}
+
+-- models.from_hf_config(path, overrides) (models: the registry, given by the
+-- caller: this layer does not reach up to models/), its errors naming the
+-- file's fields (num_attention_heads) rather than ours (n_head).
+function M.model_config(models, path, overrides)
+  local ok, cfg = pcall(models.from_hf_config, path, overrides)
+  if ok then return cfg end
+  local msg, head = tostring(cfg), ("model config %s: "):format(path)
+  if msg:sub(1, #head) ~= head then error(msg, 0) end
+  local jok, j = pcall(cjson.decode, lz.read_file(path) or "")
+  local arch = jok and type(j) == "table" and
+               (type(j.architectures) == "table" and j.architectures[1] or j.model_type)
+  local names = FILE_FIELDS[(arch == "LlamaForCausalLM" or arch == "llama") and "llama" or "gpt2"]
+  error(head .. msg:sub(#head + 1):gsub("[%a_]+", function(w) return names[w] end), 0)
+end
+
 -- The config.json of a model config (models/registry.lua's fields, or a
 -- manifest's model.config): LlamaForCausalLM or GPT2LMHeadModel, loadable by
 -- transformers' AutoModelForCausalLM; dtype: the weights' (fp32, bf16).

@@ -395,6 +395,37 @@ function T.unknown_architecture_in_config_json_is_refused()
   refused("--init " .. q(dir), { dir .. "/config.json", "architectures[0]", "MistralForCausalLM" })
 end
 
+-- --init of a folder without config.json names the flags that say the
+-- model; sizes in a config.json that do not fit are named as the file
+-- names them (num_attention_heads, not n_head).
+function T.config_json_missing_or_wrong_is_refused_in_the_files_names()
+  local c = get("llama", LLAMA)
+  local dir = tmp .. "/no-config"
+  os.execute(("rm -rf %s && cp -r %s %s && rm %s"):format(q(dir), q(c.out), q(dir),
+                                                          q(dir .. "/config.json")))
+  refused("--init " .. q(dir), { dir, "no config.json", "--model NAME", "--model-config" })
+  local j0 = cjson.decode(assert(lz.read_file(c.out .. "/config.json")))
+  local heads = j0.num_attention_heads
+  local cases = {
+    { function(j) j.num_key_value_heads = heads - 1 end,
+      ("num_attention_heads %d is not a multiple of num_key_value_heads %d"):format(heads, heads - 1) },
+    { function(j) j.head_dim = nil; j.hidden_size = heads * 16 + 1 end,
+      ("hidden_size %d is not a multiple of num_attention_heads %d"):format(heads * 16 + 1, heads) },
+    { function(j) j.num_hidden_layers = 0 end, "num_hidden_layers" },
+  }
+  for i, case in ipairs(cases) do
+    local j = cjson.decode(assert(lz.read_file(c.out .. "/config.json")))
+    case[1](j)
+    local path = write_file(("config-%d.json"):format(i), cjson.encode(j))
+    local out = train(1, ("%s%s --steps 1 --model-config %s"):format(RUN, q(corpus_path()), q(path)))
+    local line = assert(out:match("train: [^\n]*"), out)
+    assert(line:find(path, 1, true) and line:find(case[2], 1, true), line .. " vs " .. case[2])
+    for _, ours in ipairs({ "n_head", "n_kv_head", "n_embd", "n_layer" }) do
+      assert(not line:find("%f[%w_]" .. ours .. "%f[^%w_]"), line .. " names " .. ours)
+    end
+  end
+end
+
 function T.a_tokenizer_that_is_not_bpe_is_refused_by_prepare_data()
   local path = write_file("wordpiece.json", cjson.encode({
     model = { type = "WordPiece", vocab = { a = 0 } } }))

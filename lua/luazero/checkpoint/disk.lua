@@ -71,15 +71,26 @@ end
 
 -- The step folder `path` names: itself (it holds manifest.json), or the one
 -- its `latest` file names.
+-- Text as one quoted line: control characters, quotes and backslashes escaped.
+local ESCAPES = { ["\n"] = "\\n", ["\t"] = "\\t", ["\r"] = "\\r", ['"'] = '\\"',
+                  ["\\"] = "\\\\" }
+local function quoted(text)
+  local body = text:gsub('[%c"\\]', function(c) return ESCAPES[c] or ("\\%03d"):format(c:byte()) end)
+  return '"' .. body .. '"'
+end
+
 function M.resolve(path)
   path = path:gsub("/+$", "")
   if exists(path .. "/manifest.json") then return path end
+  if not exists(path .. "/.") then
+    fail("%s: no such folder; give a step folder (DIR/step-000020) or the --save folder", path)
+  end
   local latest = read_file(path .. "/latest")
   if latest then
     local name = latest:match("^%s*(step%-%d+)%s*$")
     if not name then
-      fail("%s/latest: holds %q, not a step folder name (step-NNNNNN); fix or remove it",
-           path, latest:sub(1, 60))
+      fail("%s/latest: holds %s, not a step folder name (step-NNNNNN); fix or remove it",
+           path, quoted(latest:sub(1, 60)))
     end
     if not exists(path .. "/" .. name .. "/manifest.json") then
       fail("%s/latest names %s, which has no manifest.json; point latest at a complete step " ..
