@@ -160,7 +160,8 @@ end
 -- `latest` holding a path is quoted on one line; a damaged shard read by
 -- export or the REPL's ckpt(dir, "norms") is named without a Lua position.
 function T.resume_and_reading_messages_are_one_line_without_lua_positions()
-  local out = fails(1, "--steps 3 --resume " .. q(tmp .. "/no-such-run"), "no-such-run: no such folder")
+  local out = fails(1, "--steps 3 --resume " .. q(tmp .. "/no-such-run"),
+                    "no-such-run: no such folder")
   assert(not out:find("neither manifest.json nor latest", 1, true), out)
   local dir = tmp .. "/bad-latest"
   os.execute("mkdir -p " .. q(dir))

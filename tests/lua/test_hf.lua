@@ -175,7 +175,8 @@ function T.lying_data_offsets_are_refused_naming_the_tensor_and_the_rule()
   end
   local function f32(n, a, b) return { dtype = "F32", shape = { n }, data_offsets = { a, b } } end
   local cases = {
-    { "negative", { a = f32(64, -256, 0) }, 0, { "tensor a", "[-256, 0]", "begin before the data" } },
+    { "negative", { a = f32(64, -256, 0) }, 0,
+      { "tensor a", "[-256, 0]", "begin before the data" } },
     { "borrowed", { a = f32(2, 0, 8), b = f32(2, 0, 8) }, 8, { "overlap tensor", "[0, 8]" } },
     { "shifted", { a = f32(2, 0, 8), b = f32(2, 7, 15) }, 15,
       { "tensor b", "[7, 15]", "overlap tensor a's [0, 8]" } },
@@ -193,7 +194,8 @@ function T.lying_data_offsets_are_refused_naming_the_tensor_and_the_rule()
     assert(tostring(err):find(path, 1, true), err)
   end
   -- The same tensors laid out right are read.
-  local st = safetensors.open(file("right.safetensors", { a = f32(2, 0, 8), b = f32(2, 8, 16) }, 16))
+  local right = { a = f32(2, 0, 8), b = f32(2, 8, 16) }
+  local st = safetensors.open(file("right.safetensors", right, 16))
   eq(#st.names, 2, "tensors of a right file")
   st:close()
 end
@@ -226,7 +228,8 @@ function T.lora_resume_checks_its_settings_and_its_base()
     end
   end
   local init = "--init " .. q(base) .. " "
-  refused_resume(init .. "--lora-r 2 --lora-alpha 32", { "--lora-alpha 32", "saved with --lora-alpha 8" })
+  refused_resume(init .. "--lora-r 2 --lora-alpha 32",
+                 { "--lora-alpha 32", "saved with --lora-alpha 8" })
   refused_resume(init .. "--lora-r 4 --lora-alpha 8", { "--lora-r 4", "saved with --lora-r 2" })
   refused_resume(init .. "--lora-r 2 --lora-alpha 8 --lora-targets q_proj",
                  { "--lora-targets q_proj", "saved with --lora-targets q_proj,v_proj" })
@@ -408,16 +411,19 @@ function T.config_json_missing_or_wrong_is_refused_in_the_files_names()
   local heads = j0.num_attention_heads
   local cases = {
     { function(j) j.num_key_value_heads = heads - 1 end,
-      ("num_attention_heads %d is not a multiple of num_key_value_heads %d"):format(heads, heads - 1) },
+      ("num_attention_heads %d is not a multiple of num_key_value_heads %d")
+        :format(heads, heads - 1) },
     { function(j) j.head_dim = nil; j.hidden_size = heads * 16 + 1 end,
-      ("hidden_size %d is not a multiple of num_attention_heads %d"):format(heads * 16 + 1, heads) },
+      ("hidden_size %d is not a multiple of num_attention_heads %d")
+        :format(heads * 16 + 1, heads) },
     { function(j) j.num_hidden_layers = 0 end, "num_hidden_layers" },
   }
   for i, case in ipairs(cases) do
     local j = cjson.decode(assert(lz.read_file(c.out .. "/config.json")))
     case[1](j)
     local path = write_file(("config-%d.json"):format(i), cjson.encode(j))
-    local out = train(1, ("%s%s --steps 1 --model-config %s"):format(RUN, q(corpus_path()), q(path)))
+    local out = train(1, ("%s%s --steps 1 --model-config %s"):format(RUN, q(corpus_path()),
+                                                                      q(path)))
     local line = assert(out:match("train: [^\n]*"), out)
     assert(line:find(path, 1, true) and line:find(case[2], 1, true), line .. " vs " .. case[2])
     for _, ours in ipairs({ "n_head", "n_kv_head", "n_embd", "n_layer" }) do

@@ -38,7 +38,8 @@ local function snapshot(path)
                      q(path:match("([^/]+)$")) .. " -type f 2>/dev/null | sort")
   local parts = {}
   for f in p:lines() do
-    parts[#parts + 1] = f .. "\n" .. (lz.read_file((path:match("^(.*)/") or ".") .. "/" .. f) or "?")
+    local dir = path:match("^(.*)/") or "."
+    parts[#parts + 1] = f .. "\n" .. (lz.read_file(dir .. "/" .. f) or "?")
   end
   p:close()
   return table.concat(parts, "\n--\n")
@@ -177,7 +178,8 @@ function T.sweep_files_that_fail_stop_the_sweep_and_leave_nothing()
   os.execute("mkdir -p " .. q(dir))
   write_file("sweep/s.lua", ([[return { name = "w", base = { model = "gpt2-nano", data = %q,
     steps = 1, ["n-layer"] = 1, ["n-embd"] = 32, ["n-head"] = 2, context = 32, ["seq-len"] = 16,
-    ["micro-batch"] = 2, sample = 0, ["eval-batches"] = 1 }, runs = { { lr = 1e-3 } } }]]):format(corpus))
+    ["micro-batch"] = 2, sample = 0, ["eval-batches"] = 1 },
+    runs = { { lr = 1e-3 } } }]]):format(corpus))
   local out, st = tool(fail_at(0), ("%s scripts/sweep.lua %s --out %s"):format(
     q(lz.executable()), q(dir .. "/s.lua"), q(dir .. "/out")))
   assert(st ~= 0, out)

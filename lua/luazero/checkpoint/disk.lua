@@ -75,7 +75,9 @@ end
 local ESCAPES = { ["\n"] = "\\n", ["\t"] = "\\t", ["\r"] = "\\r", ['"'] = '\\"',
                   ["\\"] = "\\\\" }
 local function quoted(text)
-  local body = text:gsub('[%c"\\]', function(c) return ESCAPES[c] or ("\\%03d"):format(c:byte()) end)
+  local body = text:gsub('[%c"\\]', function(c)
+    return ESCAPES[c] or ("\\%03d"):format(c:byte())
+  end)
   return '"' .. body .. '"'
 end
 

@@ -12,7 +12,7 @@ local disk = require("luazero.checkpoint.disk")
 local agree = require("luazero.checkpoint.agree").agree
 
 local C = lz.C
-local check, hex = disk.check, disk.hex
+local check, fail, hex, exists = disk.check, disk.fail, disk.hex, disk.exists
 local read_file = lz.read_file
 local SB = disk.SB
 local engine_states = disk.engine_states
@@ -204,7 +204,10 @@ local function set_aside_abandoned(dir, since, step, pid)
     local latest = disk.step_name(stay) .. "\n"
     check(C.lz_ckpt_write_file(dir .. "/latest", latest, #latest))
   else
-    os.remove(dir .. "/latest")
+    local gone, why = os.remove(dir .. "/latest")
+    if not gone and exists(dir .. "/latest") then
+      fail("%s/latest: cannot remove it (%s)", dir, tostring(why))
+    end
   end
   local aside = ("%s/.abandoned-%s-%d"):format(dir, os.date("!%Y%m%dT%H%M%SZ"), pid)
   check(C.lz_ckpt_mkdir(aside))

@@ -133,7 +133,9 @@ function Writer:commit()
     C.unlink(self.tmp)
     error(("%s: cannot put it in place (%s)"):format(self.path, err), 0)
   end
-  lz.C.lz_ckpt_fsync((dir_of(self.path)))
+  if lz.C.lz_ckpt_fsync((dir_of(self.path))) ~= 0 then
+    error(("%s: written, but %s"):format(self.path, lz.last_error():gsub("^checkpoint: ", "")), 0)
+  end
   return self.high
 end
 
@@ -236,8 +238,13 @@ function Folder:commit()
     self:abort()
     error(("%s: cannot put it in place (%s)"):format(self.path, err), 0)
   end
-  if old then lz.C.lz_ckpt_remove_tree(old) end
-  lz.C.lz_ckpt_fsync((dir_of(self.path)))
+  if old and lz.C.lz_ckpt_remove_tree(old) ~= 0 then
+    error(("%s: written, but the earlier one set aside as %s could not be removed (%s)")
+          :format(self.path, old, lz.last_error():gsub("^checkpoint: ", "")), 0)
+  end
+  if lz.C.lz_ckpt_fsync((dir_of(self.path))) ~= 0 then
+    error(("%s: written, but %s"):format(self.path, lz.last_error():gsub("^checkpoint: ", "")), 0)
+  end
 end
 
 function Folder:abort() lz.C.lz_ckpt_remove_tree(self.tmp) end
