@@ -147,6 +147,24 @@ function T.bf16_and_f16_read_as_fp32()
   st:read(st.tensors.b, 1, 3, out)
   eq(out[0], -2.5, "f16 -2.5"); eq(out[1], 2 ^ -24, "f16 subnormal"); eq(out[2], 65504, "f16 max")
   st:close()
+  -- In the interpreter too, NaN payloads kept bit for bit (a NaN read into a
+  -- Lua number there can look like another type).
+  local nan = ffi.new("uint16_t[2]", { 0xff88, 0x7c01 }) -- a BF16 and an F16 NaN
+  path = write_file("nan.safetensors", safetensors.header({
+    { name = "a", dtype = "BF16", shape = { 1 }, bytes = 2 },
+    { name = "b", dtype = "F16", shape = { 1 }, bytes = 2 } }, {}) .. ffi.string(nan, 4))
+  jit.off()
+  local ok, err = pcall(function()
+    st = safetensors.open(path)
+    local bits = ffi.new("uint32_t[2]")
+    st:read(st.tensors.a, 0, 1, ffi.cast("float *", bits))
+    st:read(st.tensors.b, 0, 1, ffi.cast("float *", bits + 1))
+    st:close()
+    eq(bits[0], 0xff880000, "bf16 NaN bits")
+    eq(bits[1], 0x7f802000, "f16 NaN bits")
+  end)
+  jit.on()
+  if not ok then error(err, 0) end
 end
 
 -- A bf16 export loads with --init: the weights are the fp32 master rounded,
