@@ -279,8 +279,8 @@ local function check_resume(flags)
   local init = checked(require("luazero.checkpoint.resume").check, flags, m, flags.resume)
   if init then
     flags.init = init
-    say(("resume: the base weights from the checkpoint's --init %s (its xxh64 %s)")
-        :format(init, m.init_xxh64))
+    say(("resume: the base weights from the checkpoint's --init %s%s"):format(init,
+        m.init_xxh64 and (" (xxh64 " .. m.init_xxh64 .. ", as saved)") or ""))
   end
 end
 

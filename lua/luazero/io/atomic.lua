@@ -51,18 +51,20 @@ local written_total = 0
 local function put(fd, ptr, n, at)
   local allowed = n
   if budget then allowed = math.max(0, math.min(n, budget - written_total)) end
-  local done = 0
+  local done, errno = 0, nil
   while done < allowed do
     local r = at and C.pwrite(fd, ptr + done, allowed - done, at + done)
               or C.write(fd, ptr + done, allowed - done)
     r = tonumber(r)
-    if r < 0 then return done, ffi.errno() end
-    if r == 0 then return done, ENOSPC end
+    if r <= 0 then
+      errno = r < 0 and ffi.errno() or ENOSPC
+      break
+    end
     done = done + r
   end
   written_total = written_total + done
-  if done < n then return done, INJECTED end
-  return done
+  if not errno and done < n then errno = INJECTED end
+  return done, errno
 end
 
 local function dir_of(path)
