@@ -265,9 +265,10 @@ end
 pcall(ffi.cdef, "int getpid(void);")
 
 -- --resume: the checkpoint's manifest, read before anything is built; a
--- --steps below its step would run nothing. A --steps other than the saved
--- run's stretches (or shrinks) a schedule laid over --steps: said at start.
-local function check_resume(flags, cfg)
+-- --steps below its step would run nothing; a LoRA run's flags and base
+-- must be the saved ones (without --init: the recorded --init). Returns the
+-- manifest (nil without --resume).
+local function check_resume(flags)
   if not flags.resume then return end
   local checkpoint = require("luazero.checkpoint")
   local m = checked(function() return checkpoint.read_manifest(checkpoint.resolve(flags.resume)) end)
@@ -276,6 +277,19 @@ local function check_resume(flags, cfg)
                 "give --steps %d or more (the run's total, as when it was saved)")
                :format(flags.steps, m.global_steps, flags.resume, m.global_steps + 1))
   end
+  local init = checked(require("luazero.checkpoint.resume").check, flags, m, flags.resume)
+  if init then
+    flags.init = init
+    say(("resume: the base weights from the checkpoint's --init %s%s"):format(init,
+        m.init_xxh64 and (" (xxh64 " .. m.init_xxh64 .. ", as saved)") or ""))
+  end
+  return m
+end
+
+-- A --steps other than the saved run's stretches (or shrinks) a schedule
+-- laid over --steps: said at start.
+local function note_resumed_schedule(flags, cfg, m)
+  if not m then return end
   local saved = type(m.extra) == "table" and tonumber(m.extra.steps)
   local sch = cfg.scheduler
   local total = sch and sch.type ~= "WarmupLR" and (sch.params or {}).total_num_steps
@@ -378,12 +392,17 @@ local function set_up(flags)
     n_layer = flags.n_layer, n_head = flags.n_head, n_embd = flags.n_embd,
     context = flags.context, vocab = flags.vocab,
   }
+  local resumed = check_resume(flags)
   local mcfg
   -- --init FOLDER without --model / --model-config: the folder's config.json.
   local init_config = flags.init and not flags.model and not flags.model_config and
                       hf.config_path(flags.init)
+  if flags.init and not flags.model and not flags.model_config and not init_config then
+    user_error(("--init %s: no config.json there says which model the weights are; give " ..
+                "--model NAME or --model-config config.json"):format(flags.init))
+  end
   if flags.model_config or init_config then
-    mcfg = checked(models.from_hf_config, flags.model_config or init_config, overrides)
+    mcfg = checked(hf.model_config, models, flags.model_config or init_config, overrides)
   else
     mcfg = checked(models.config, flags.model or "gpt2-nano", overrides)
   end
@@ -401,7 +420,7 @@ local function set_up(flags)
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(load_config, flags, world, mcfg)
   check_memory_budget_env(cfg)
-  check_resume(flags, cfg)
+  note_resumed_schedule(flags, cfg, resumed)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
   if T > mcfg.context then
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
@@ -455,6 +474,8 @@ local function init_from_hf(run)
   local r = checked(hf.load_into, run.engine, run.flags.init)
   local p = run.flags.init
   run.engine.init_path = p:sub(1, 1) == "/" and p or ((os.getenv("PWD") or ".") .. "/" .. p)
+  -- A LoRA run records its base's checksum: a resume must adapt the same.
+  if run.model.lora then run.engine.init_xxh64 = checked(hf.checksum, p) end
   say(("initialized from %s: %d tensors from %d file%s in %.2f s"):format(run.flags.init,
       r.tensors, r.files, r.files == 1 and "" or "s", clock.now() - t0))
 end

@@ -9,6 +9,9 @@ local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
 local hf = require("luazero.hf")
 local safetensors = require("luazero.checkpoint.safetensors")
+local atomic = require("luazero.io.atomic")
+
+pcall(ffi.cdef, "int getpid(void);")
 
 local USAGE = [[
 usage: tools/ckpt COMMAND CKPT [OUT] [flags]
@@ -58,45 +61,69 @@ local function inspect(ck)
   end
 end
 
--- An export's folder (made if missing).
-local function make_folder(out)
-  if lz.C.lz_ckpt_mkdir(out) ~= 0 then
-    fail(("%s: %s"):format(out, (ffi.string(lz.C.lz_last_error()):gsub("^checkpoint: ", ""))))
+-- What an export folder holds; an existing folder holding anything else is
+-- refused rather than left with stale files of another model beside ours.
+local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json",
+                       "adapter_model.safetensors" }
+
+local function refuse(msg) error(msg, 0) end
+
+-- The consolidated fp32 master as a scratch file beside `near`, handed to
+-- fn(path); removed afterwards whatever happens. `out`: the output named in
+-- messages.
+local function with_consolidated(ck, near, out, fn)
+  local dir, name = near:match("^(.*)/([^/]*)$")
+  dir, name = dir or ".", name or near
+  local scratch = ("%s/.%s.consolidated-%d"):format(dir, name, ffi.C.getpid())
+  local probe = io.open(dir .. "/.", "rb")
+  if not probe then refuse(("%s: the folder %s does not exist; make it first"):format(out, dir)) end
+  probe:close()
+  local ok, err = pcall(ck.consolidate, ck, scratch)
+  if not ok then
+    os.remove(scratch)
+    local i, j = tostring(err):find(scratch .. ": ", 1, true)
+    if i == 1 then
+      err = ("%s: its scratch copy of the fp32 weights (%s): %s"):format(out, scratch,
+            tostring(err):sub(j + 1))
+    end
+    error(err, 0)
   end
+  ok, err = pcall(fn, scratch)
+  os.remove(scratch)
+  if not ok then error(err, 0) end
+  return err
 end
 
--- An f32 tensor's data written to f in dtype (fp32 as is, bf16 rounded).
-local function write_data(f, t, dtype)
+-- n fp32 values of the consolidated file at element `offset`.
+local function read_floats(src, scratch, offset, n)
+  src:seek("set", 1024 + offset * 4)
+  local raw = src:read(n * 4)
+  if not raw or #raw ~= n * 4 then
+    refuse(("%s: read %d of %d bytes at element %d; the scratch copy was cut short")
+           :format(scratch, raw and #raw or 0, n * 4, offset))
+  end
+  return raw
+end
+
+-- An f32 tensor's data written to w in dtype (fp32 as is, bf16 rounded).
+local function write_data(w, t, dtype)
   if dtype == "bf16" then
     local h = lz.tensor({ t:numel() }, "bf16", "workspace"):copy(t)
-    f:write(ffi.string(h.data, h:bytes()))
+    local ok, err = pcall(w.write, w, h.data, h:bytes())
     h:free()
+    if not ok then error(err, 0) end
   else
-    f:write(ffi.string(t.data, t:bytes()))
+    w:write(t.data, t:bytes())
   end
 end
 
--- The export: safetensors with Hugging Face's names (luazero/hf.lua),
--- token tables without their padding rows. OUT ending in .safetensors: that
--- file; anything else: a folder with model.safetensors and config.json,
--- loadable by transformers' from_pretrained. Streamed from the consolidated
--- fp32 master, one tensor in memory.
-local function export(ck, out, dtype)
+-- model.safetensors of a checkpoint at `file`: Hugging Face's names
+-- (luazero/hf.lua), token tables without their padding rows, streamed from
+-- the consolidated fp32 master (a scratch file beside), one tensor in
+-- memory. Returns the tensor count and bytes.
+local function write_model(ck, file, dtype, out)
   local m = ck.manifest
-  if dtype ~= "fp32" and dtype ~= "bf16" then
-    fail(("--dtype %s: expected fp32 or bf16"):format(tostring(dtype)))
-  end
-  local mcfg = m.model and m.model.config or {}
-  local vocab = mcfg.vocab
-  local folder = not out:match("%.safetensors$")
-  local file = out
-  if folder then
-    out = out:gsub("/+$", "")
-    make_folder(out)
-    file = out .. "/model.safetensors"
-  end
-  local tmp = file .. ".consolidated-tmp"
-  checked(ck.consolidate, ck, tmp)
+  local vocab = (m.model and m.model.config or {}).vocab
   local esize = dtype == "bf16" and 2 or 4
   local entries = {}
   for _, p in ipairs(m.params) do
@@ -109,41 +136,60 @@ local function export(ck, out, dtype)
   end
   local head, total = safetensors.header(entries, { format = "pt",
     source = "luazero " .. lz.version(), step = tostring(m.global_steps) })
-  local f, err = io.open(file, "wb")
-  if not f then os.remove(tmp); fail(("%s: cannot write it (%s)"):format(file, tostring(err))) end
-  f:write(head)
-  local src = assert(io.open(tmp, "rb"))
-  local bar = checkpoint.progress("export", total)
-  for _, e in ipairs(entries) do
-    local p = e.p
-    src:seek("set", 1024 + p.offset * 4)
-    local n_in = e.conv and p.numel or e.numel -- token tables: only the real vocabulary rows
-    local raw = src:read(n_in * 4)
-    local t = lz.tensor({ e.numel }, "f32", "workspace")
-    if e.conv then
-      local a, b = ffi.cast("const float *", raw), ffi.cast("float *", t.data)
-      local rows, cols = p.shape[1], p.shape[2] -- ours [out, in] -> [in, out]
-      for r = 0, rows - 1 do
-        for c = 0, cols - 1 do b[c * rows + r] = a[r * cols + c] end
-      end
-    else
-      ffi.copy(t.data, raw, e.numel * 4)
-    end
-    write_data(f, t, dtype)
-    t:free()
-    bar.update(e.data_offset + e.bytes)
+  with_consolidated(ck, file, out or file, function(scratch)
+    atomic.build_file(file, #head + total, function(w)
+      w:write(head)
+      local src = assert(io.open(scratch, "rb"))
+      local bar = checkpoint.progress("export", total)
+      local ok, err = pcall(function()
+        for _, e in ipairs(entries) do
+          local p = e.p
+          local n_in = e.conv and p.numel or e.numel -- token tables: the real vocabulary rows
+          local raw = read_floats(src, scratch, p.offset, n_in)
+          local t = lz.tensor({ e.numel }, "f32", "workspace")
+          if e.conv then
+            local a, b = ffi.cast("const float *", raw), ffi.cast("float *", t.data)
+            local rows, cols = p.shape[1], p.shape[2] -- ours [out, in] -> [in, out]
+            for r = 0, rows - 1 do
+              for c = 0, cols - 1 do b[c * rows + r] = a[r * cols + c] end
+            end
+          else
+            ffi.copy(t.data, raw, e.numel * 4)
+          end
+          local wok, werr = pcall(write_data, w, t, dtype)
+          t:free()
+          if not wok then error(werr, 0) end
+          bar.update(e.data_offset + e.bytes)
+        end
+      end)
+      src:close()
+      bar.finish()
+      if not ok then error(err, 0) end
+    end)
+  end)
+  return #entries, total
+end
+
+local function write_json(path, t) atomic.write(path, cjson.encode(t) .. "\n") end
+
+-- The export: OUT ending in .safetensors: that file; anything else: a
+-- folder with model.safetensors and config.json, loadable by transformers'
+-- from_pretrained. Either appears whole or not at all.
+local function export(ck, out, dtype)
+  local mcfg = ck.manifest.model and ck.manifest.model.config or {}
+  if not out:match("%.safetensors$") then
+    out = out:gsub("/+$", "")
+    local r = atomic.build_folder(out, FOLDER_FILES, function(f)
+      local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
+      write_json(f.tmp .. "/config.json", hf.config_json(mcfg, dtype))
+      return { n, total }
+    end)
+    print(("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json")
+          :format(r[1], dtype, r[2] / 2 ^ 20, out))
+    return
   end
-  bar.finish()
-  src:close()
-  f:close()
-  os.remove(tmp)
-  if folder then
-    local cf = assert(io.open(out .. "/config.json", "wb"))
-    cf:write(cjson.encode(hf.config_json(mcfg, dtype)), "\n")
-    cf:close()
-  end
-  print(("exported %d tensors (%s, %.1f MiB) to %s%s"):format(#entries, dtype, total / 2 ^ 20,
-        file, folder and (" and " .. out .. "/config.json") or ""))
+  local n, total = write_model(ck, out, dtype)
+  print(("exported %d tensors (%s, %.1f MiB) to %s"):format(n, dtype, total / 2 ^ 20, out))
 end
 
 ------------------------------------------------------------------ LoRA
@@ -158,64 +204,39 @@ local function write_safetensors(file, tensors, dtype, m)
     entries[#entries + 1] = { name = t.name, shape = t.shape, numel = n, bytes = n * esize,
                               dtype = dtype == "bf16" and "BF16" or "F32", src = t.data }
   end
-  local head = safetensors.header(entries, { format = "pt", source = "luazero " .. lz.version(),
-                                             step = tostring(m.global_steps) })
-  local f, err = io.open(file, "wb")
-  if not f then fail(("%s: cannot write it (%s)"):format(file, tostring(err))) end
-  f:write(head)
-  for _, e in ipairs(entries) do write_data(f, e.src, dtype) end
-  f:close()
+  local head, total = safetensors.header(entries, { format = "pt",
+    source = "luazero " .. lz.version(), step = tostring(m.global_steps) })
+  atomic.build_file(file, #head + total, function(w)
+    w:write(head)
+    for _, e in ipairs(entries) do write_data(w, e.src, dtype) end
+  end)
 end
 
 -- The adapters of a LoRA checkpoint, fp32, by name: { [name] = {name, shape, data} }, in order.
-local function adapters_of(ck, out)
+local function adapters_of(ck, near, out)
   local m = ck.manifest
-  local tmp = out .. ".consolidated-tmp"
-  checked(ck.consolidate, ck, tmp)
-  local src = assert(io.open(tmp, "rb"))
-  local list = {}
-  for _, p in ipairs(m.params) do
-    src:seek("set", 1024 + p.offset * 4)
-    local t = lz.tensor({ p.numel }, "f32", "workspace")
-    ffi.copy(t.data, src:read(p.numel * 4), p.numel * 4)
-    list[#list + 1] = { name = p.name, shape = p.shape, data = t }
-  end
-  src:close()
-  os.remove(tmp)
-  return list
+  return with_consolidated(ck, near, out, function(scratch)
+    local src = assert(io.open(scratch, "rb"))
+    local list = {}
+    local ok, err = pcall(function()
+      for _, p in ipairs(m.params) do
+        local raw = read_floats(src, scratch, p.offset, p.numel)
+        local t = lz.tensor({ p.numel }, "f32", "workspace")
+        ffi.copy(t.data, raw, p.numel * 4)
+        list[#list + 1] = { name = p.name, shape = p.shape, data = t }
+      end
+    end)
+    src:close()
+    if not ok then error(err, 0) end
+    return list
+  end)
 end
 
--- PEFT's adapter folder, or (merge) the base model with the adapters folded
--- in: W + (alpha / r) B A, computed as the adapted layers compute it.
-local function export_lora(ck, out, dtype, merge, base)
-  local m = ck.manifest
-  local lora, mcfg = m.lora, m.model and m.model.config or {}
-  out = out:gsub("/+$", "")
-  make_folder(out)
-  local adapters = adapters_of(ck, out)
-  if not merge then
-    local named = {}
-    for i, a in ipairs(adapters) do
-      named[i] = { name = "base_model.model." .. a.name, shape = a.shape, data = a.data }
-    end
-    write_safetensors(out .. "/adapter_model.safetensors", named, dtype, m)
-    local cf = assert(io.open(out .. "/adapter_config.json", "wb"))
-    cf:write(cjson.encode({
-      peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
-      target_modules = lora.targets, lora_dropout = 0.0, bias = "none",
-      fan_in_fan_out = false, inference_mode = true, base_model_name_or_path = m.init or "",
-    }), "\n")
-    cf:close()
-    print(("exported %d adapter tensors (%s) to %s/adapter_model.safetensors and " ..
-           "adapter_config.json"):format(#adapters, dtype, out))
-    return
-  end
-  base = base or m.init
-  if not base then
-    fail("export --merge-lora: the checkpoint does not say where its base weights came from " ..
-         "(no --init); give them with --base PATH")
-  end
-  local src = checked(hf.open, base)
+-- The base model with the adapters folded in: W + (alpha / r) B A,
+-- computed as the adapted layers compute it; its tensors, in the base's order.
+local function merged(m, adapters, base)
+  local lora = m.lora
+  local src = hf.open(base)
   local by_base = {}
   for _, a in ipairs(adapters) do
     local w = a.name:gsub("%.lora_([AB])%.weight$", ".weight")
@@ -243,15 +264,50 @@ local function export_lora(ck, out, dtype, merge, base)
   hf.close(src)
   local missing = next(by_base)
   if missing then
-    fail(("export --merge-lora: %s has no tensor %s for its adapters; give the base the run " ..
-          "started from (--base)"):format(base, missing))
+    refuse(("export --merge-lora: %s has no tensor %s for its adapters; give the base the run " ..
+            "started from (--base)"):format(base, missing))
   end
-  write_safetensors(out .. "/model.safetensors", out_list, dtype, m)
-  local cf = assert(io.open(out .. "/config.json", "wb"))
-  cf:write(cjson.encode(hf.config_json(mcfg, dtype)), "\n")
-  cf:close()
-  print(("exported %d tensors (%s, %d with adapters folded in) to %s/model.safetensors and " ..
-         "config.json"):format(#out_list, dtype, #adapters / 2, out))
+  return out_list
+end
+
+-- PEFT's adapter folder, or (merge) the base model with the adapters folded
+-- in; the folder appears whole or not at all.
+local function export_lora(ck, out, dtype, merge, base)
+  local m = ck.manifest
+  local lora, mcfg = m.lora, m.model and m.model.config or {}
+  out = out:gsub("/+$", "")
+  base = base or m.init
+  if merge and not base then
+    refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
+           "(no --init); give them with --base PATH")
+  end
+  local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
+    local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
+    if not merge then
+      local named = {}
+      for i, a in ipairs(adapters) do
+        named[i] = { name = "base_model.model." .. a.name, shape = a.shape, data = a.data }
+      end
+      write_safetensors(f.tmp .. "/adapter_model.safetensors", named, dtype, m)
+      write_json(f.tmp .. "/adapter_config.json", {
+        peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
+        target_modules = lora.targets, lora_dropout = 0.0, bias = "none",
+        fan_in_fan_out = false, inference_mode = true, base_model_name_or_path = m.init or "",
+      })
+      return #adapters
+    end
+    local out_list = merged(m, adapters, base)
+    write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)
+    write_json(f.tmp .. "/config.json", hf.config_json(mcfg, dtype))
+    return #out_list
+  end)
+  if not merge then
+    print(("exported %d adapter tensors (%s) to %s/adapter_model.safetensors and " ..
+           "adapter_config.json"):format(n_out, dtype, out))
+  else
+    print(("exported %d tensors (%s, %d with adapters folded in) to %s/model.safetensors and " ..
+           "config.json"):format(n_out, dtype, #ck.manifest.params / 2, out))
+  end
 end
 
 local function main(argv)
@@ -281,11 +337,14 @@ local function main(argv)
       if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
         fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
       end
-      export_lora(ck, out, flags.dtype, flags.merge_lora, flags.base)
+      checked(export_lora, ck, out, flags.dtype, flags.merge_lora, flags.base)
     elseif flags.merge_lora then
       fail(("export --merge-lora: %s is not a LoRA run's checkpoint (no adapters)"):format(ck_path))
     else
-      export(ck, out, flags.dtype)
+      if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
+        fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
+      end
+      checked(export, ck, out, flags.dtype)
     end
   else
     fail(("unknown command %q\n%s"):format(cmd, USAGE))

@@ -162,6 +162,32 @@ function M.close(src)
   for _, st in ipairs(src.files) do st:close() end
 end
 
+-- xxh64 of the bytes of path's safetensors files, in the order M.open lists
+-- them (16 hex digits): what a LoRA checkpoint records of its base.
+local sums = {}
+function M.checksum(path)
+  if sums[path] then return sums[path] end
+  local src = M.open(path)
+  local h = lz.hasher(0)
+  local ok, err = pcall(function()
+    for _, st in ipairs(src.files) do
+      local f = assert(io.open(st.path, "rb"))
+      while true do
+        local chunk = f:read(2 ^ 24)
+        if not chunk then break end
+        h:update(chunk, #chunk)
+      end
+      f:close()
+    end
+  end)
+  M.close(src)
+  local sum = ok and require("bit").tohex(h:digest(), 16)
+  h:free()
+  if not ok then error(err, 0) end
+  sums[path] = sum
+  return sum
+end
+
 ------------------------------------------------------------------ plan
 
 -- For each of the model's parameters (param_table order), the tensor that
@@ -333,6 +359,30 @@ end
 ------------------------------------------------------------------ config
 
 local TORCH_DTYPES = { fp32 = "float32", bf16 = "bfloat16", fp16 = "float16" }
+
+-- A config.json's names for our config fields, per family.
+local FILE_FIELDS = {
+  llama = { n_layer = "num_hidden_layers", n_head = "num_attention_heads",
+            n_kv_head = "num_key_value_heads", n_embd = "hidden_size",
+            n_hidden = "intermediate_size", context = "max_position_embeddings",
+            vocab = "vocab_size", eps = "rms_norm_eps", std = "initializer_range" },
+  gpt2 = { vocab = "vocab_size", context = "n_positions" },
+}
+
+-- models.from_hf_config(path, overrides) (models: the registry, given by the
+-- caller: this layer does not reach up to models/), its errors naming the
+-- file's fields (num_attention_heads) rather than ours (n_head).
+function M.model_config(models, path, overrides)
+  local ok, cfg = pcall(models.from_hf_config, path, overrides)
+  if ok then return cfg end
+  local msg, head = tostring(cfg), ("model config %s: "):format(path)
+  if msg:sub(1, #head) ~= head then error(msg, 0) end
+  local jok, j = pcall(cjson.decode, lz.read_file(path) or "")
+  local arch = jok and type(j) == "table" and
+               (type(j.architectures) == "table" and j.architectures[1] or j.model_type)
+  local names = FILE_FIELDS[(arch == "LlamaForCausalLM" or arch == "llama") and "llama" or "gpt2"]
+  error(head .. msg:sub(#head + 1):gsub("[%a_]+", function(w) return names[w] end), 0)
+end
 
 -- The config.json of a model config (models/registry.lua's fields, or a
 -- manifest's model.config): LlamaForCausalLM or GPT2LMHeadModel, loadable by

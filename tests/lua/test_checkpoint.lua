@@ -156,6 +156,39 @@ function T.refuses_damaged_shards_other_models_and_garbled_manifests()
   ok_train(1, "--steps 3 --resume " .. q(dir))
 end
 
+-- Messages about the folder given: one that does not exist says so; a
+-- `latest` holding a path is quoted on one line; a damaged shard read by
+-- export or the REPL's ckpt(dir, "norms") is named without a Lua position.
+function T.resume_and_reading_messages_are_one_line_without_lua_positions()
+  local out = fails(1, "--steps 3 --resume " .. q(tmp .. "/no-such-run"),
+                    "no-such-run: no such folder")
+  assert(not out:find("neither manifest.json nor latest", 1, true), out)
+  local dir = tmp .. "/bad-latest"
+  os.execute("mkdir -p " .. q(dir))
+  write_file("bad-latest/latest", "../x\n")
+  out = fails(1, "--steps 3 --resume " .. q(dir), [[holds "../x\n", not a step folder name]])
+  local _, lines = out:gsub("\n", "")
+  assert(lines == 1, out)
+  local damaged = tmp .. "/damaged"
+  ok_train(1, "--steps 2 --save " .. q(damaged))
+  local shard = damaged .. "/step-000002/shard-00000-of-00001.zst"
+  local f = assert(io.open(shard, "r+b"))
+  local size = f:seek("end")
+  f:seek("set", math.floor(size / 2))
+  local b = f:read(1)
+  f:seek("set", math.floor(size / 2))
+  f:write(string.char(bit.bxor(b:byte(), 0xff)))
+  f:close()
+  local text, st = sh(("cd %s && LUAZERO=%s tools/ckpt export %s %s"):format(q(root),
+                      q(lz.executable()), q(damaged), q(tmp .. "/damaged-hf")))
+  assert(st ~= 0 and text:find("shard-00000-of-00001.zst", 1, true), text)
+  assert(not text:find("%.lua:%d+:"), text)
+  assert(not io.open(tmp .. "/damaged-hf"), "the failed export left a folder")
+  local ok, err = pcall(require("luazero.ui.inspect").ckpt, damaged, "norms")
+  assert(not ok and tostring(err):find("shard-00000-of-00001.zst", 1, true), tostring(err))
+  assert(not tostring(err):find("%.lua:%d+:"), err)
+end
+
 function T.keep_prunes_old_step_folders_after_latest_moved()
   local dir = tmp .. "/keep"
   ok_train(1, "--steps 6 --save " .. q(dir) .. " --save-every 2 --keep 2")

@@ -147,6 +147,24 @@ function T.bf16_and_f16_read_as_fp32()
   st:read(st.tensors.b, 1, 3, out)
   eq(out[0], -2.5, "f16 -2.5"); eq(out[1], 2 ^ -24, "f16 subnormal"); eq(out[2], 65504, "f16 max")
   st:close()
+  -- In the interpreter too, NaN payloads kept bit for bit (a NaN read into a
+  -- Lua number there can look like another type).
+  local nan = ffi.new("uint16_t[2]", { 0xff88, 0x7c01 }) -- a BF16 and an F16 NaN
+  path = write_file("nan.safetensors", safetensors.header({
+    { name = "a", dtype = "BF16", shape = { 1 }, bytes = 2 },
+    { name = "b", dtype = "F16", shape = { 1 }, bytes = 2 } }, {}) .. ffi.string(nan, 4))
+  jit.off()
+  local ok, err = pcall(function()
+    st = safetensors.open(path)
+    local bits = ffi.new("uint32_t[2]")
+    st:read(st.tensors.a, 0, 1, ffi.cast("float *", bits))
+    st:read(st.tensors.b, 0, 1, ffi.cast("float *", bits + 1))
+    st:close()
+    eq(bits[0], 0xff880000, "bf16 NaN bits")
+    eq(bits[1], 0x7f802000, "f16 NaN bits")
+  end)
+  jit.on()
+  if not ok then error(err, 0) end
 end
 
 -- A bf16 export loads with --init: the weights are the fp32 master rounded,
@@ -161,6 +179,105 @@ function T.bf16_export_inits_close()
   assert(sum ~= c.sum, "bf16 weights gave the fp32 checksum")
   local rel = math.abs(tonumber(val) - tonumber(c.val)) / tonumber(c.val)
   assert(rel < 1e-2, ("bf16 --init loss %s vs %s (relative %g)"):format(val, c.val, rel))
+end
+
+-- Headers that lie about where the data is: the format's rules (offsets
+-- from 0, the tensors tiling the data exactly) refuse each, naming the
+-- tensor and the rule.
+function T.lying_data_offsets_are_refused_naming_the_tensor_and_the_rule()
+  local function file(name, h, data_bytes)
+    local text = cjson.encode(h)
+    text = text .. (" "):rep((8 - #text % 8) % 8)
+    return write_file(name, ffi.string(ffi.new("uint64_t[1]", #text), 8) .. text ..
+                      ("\0"):rep(data_bytes))
+  end
+  local function f32(n, a, b) return { dtype = "F32", shape = { n }, data_offsets = { a, b } } end
+  local cases = {
+    { "negative", { a = f32(64, -256, 0) }, 0,
+      { "tensor a", "[-256, 0]", "begin before the data" } },
+    { "borrowed", { a = f32(2, 0, 8), b = f32(2, 0, 8) }, 8, { "overlap tensor", "[0, 8]" } },
+    { "shifted", { a = f32(2, 0, 8), b = f32(2, 7, 15) }, 15,
+      { "tensor b", "[7, 15]", "overlap tensor a's [0, 8]" } },
+    { "gap", { a = f32(2, 0, 8), b = f32(2, 16, 24) }, 24,
+      { "tensor b", "[16, 24]", "begin 8 bytes after tensor a ends", "no gap" } },
+    { "trailing", { a = f32(2, 0, 8) }, 12, { "4 bytes after the last tensor (a)" } },
+  }
+  for _, c in ipairs(cases) do
+    local path = file(c[1] .. ".safetensors", c[2], c[3])
+    local ok, err = pcall(safetensors.open, path)
+    assert(not ok, c[1] .. ": accepted")
+    for _, n in ipairs(c[4]) do
+      assert(tostring(err):find(n, 1, true), ("%s: %q does not name %q"):format(c[1], err, n))
+    end
+    assert(tostring(err):find(path, 1, true), err)
+  end
+  -- The same tensors laid out right are read.
+  local right = { a = f32(2, 0, 8), b = f32(2, 8, 16) }
+  local st = safetensors.open(file("right.safetensors", right, 16))
+  eq(#st.names, 2, "tensors of a right file")
+  st:close()
+end
+
+--------------------------------------------------------------- LoRA resume
+
+-- A LoRA run on an --init base records its settings and the base (path and
+-- checksum): a resume with other settings or another base is refused in
+-- one line naming the flag and the saved value; without --init it takes
+-- the recorded base and says so; a base that is gone or changed is refused.
+function T.lora_resume_checks_its_settings_and_its_base()
+  local c = get("llama", LLAMA)
+  local base = tmp .. "/lora-base"
+  os.execute(("rm -rf %s && cp -r %s %s"):format(q(base), q(c.out), q(base)))
+  local ft = tmp .. "/lora-ft"
+  local LORA = "--lora-r 2 --lora-alpha 8 --lora-targets q_proj,v_proj"
+  local function run(flags) return train(1, ("%s%s %s"):format(RUN, q(corpus_path()), flags)) end
+  local out, st = run(("--steps 2 --init %s %s --save %s"):format(q(base), LORA, q(ft)))
+  eq(st, 0, out)
+  local m = require("luazero.checkpoint").open(ft).manifest
+  eq(m.lora.alpha, 8, "the manifest's lora.alpha")
+  assert(m.init:find("lora-base", 1, true) and m.init_xxh64:match("^%x+$"), m.init)
+  local function refused_resume(flags, needles)
+    local o, s2 = run(("--steps 3 --resume %s %s"):format(q(ft), flags))
+    eq(s2, 2, "exit status of " .. flags .. ":\n" .. o)
+    local _, lines = o:gsub("\n", "")
+    eq(lines, 1, "lines of " .. o)
+    for _, n in ipairs(needles) do
+      assert(o:find(n, 1, true), ("%q does not name %q"):format(o, n))
+    end
+  end
+  local init = "--init " .. q(base) .. " "
+  refused_resume(init .. "--lora-r 2 --lora-alpha 32",
+                 { "--lora-alpha 32", "saved with --lora-alpha 8" })
+  refused_resume(init .. "--lora-r 4 --lora-alpha 8", { "--lora-r 4", "saved with --lora-r 2" })
+  refused_resume(init .. "--lora-r 2 --lora-alpha 8 --lora-targets q_proj",
+                 { "--lora-targets q_proj", "saved with --lora-targets q_proj,v_proj" })
+  refused_resume("", { "trained LoRA adapters", "--lora-r 2 --lora-alpha 8" })
+  -- Without --init (the model from --model-config): the recorded base.
+  local _, _, want = ok_run(1, ("%s%s --steps 3 --resume %s %s %s"):format(RUN, q(corpus_path()),
+                            q(ft), init, LORA))
+  local o2, _, got = ok_run(1, ("%s%s --steps 3 --resume %s --model-config %s %s"):format(RUN,
+                            q(corpus_path()), q(ft), q(base .. "/config.json"), LORA))
+  assert(o2:find("resume: the base weights from the checkpoint's --init", 1, true), o2)
+  eq(got, want, "params_checksum resumed on the recorded base")
+  -- Another base: changed weights are refused by their checksum.
+  local other = tmp .. "/lora-other"
+  os.execute(("rm -rf %s && cp -r %s %s"):format(q(other), q(base), q(other)))
+  local f = assert(io.open(other .. "/model.safetensors", "r+b"))
+  f:seek("end", -4)
+  f:write("\1\2\3\4")
+  f:close()
+  refused_resume("--init " .. q(other) .. " " .. LORA, { "--init " .. other, "hash", m.init_xxh64 })
+  -- The recorded base gone: refused, naming it.
+  os.execute("rm -rf " .. q(base))
+  refused_resume("--model-config " .. q(other .. "/config.json") .. " " .. LORA,
+                 { base, "which is gone", "--init PATH" })
+  -- A LoRA run on a drawn base, resumed with --init: refused.
+  local drawn = tmp .. "/lora-drawn"
+  out, st = run(("%s --steps 2 %s --save %s"):format(LLAMA, LORA, q(drawn)))
+  eq(st, 0, out)
+  out, st = run(("%s --steps 3 %s --init %s --resume %s"):format(LLAMA, LORA, q(other), q(drawn)))
+  eq(st, 2, out)
+  assert(out:find("drawn from --seed", 1, true), out)
 end
 
 --------------------------------------------------------------- tokenizer
@@ -229,9 +346,9 @@ local function refused(flags, needles)
   assert(not exists(save) and not exists(log), "a refused run wrote " .. save .. " or " .. log)
 end
 
--- A copy of the llama export folder with `edit(header)` applied to its
--- header (a table), and `cut` bytes cut from its end.
-local function altered(name, edit, cut)
+-- A copy of the llama export folder with `edit(header, data_bytes)` applied
+-- to its header (a table), `cut` bytes cut from its end and `append` added.
+local function altered(name, edit, cut, append)
   local c = get("llama", LLAMA)
   local dir = tmp .. "/" .. name
   os.execute(("rm -rf %s && cp -r %s %s"):format(q(dir), q(c.out), q(dir)))
@@ -245,12 +362,13 @@ local function altered(name, edit, cut)
   local header, body = bytes:sub(9, 8 + len), bytes:sub(9 + len)
   if edit then
     local h = cjson.decode(header)
-    edit(h)
+    edit(h, #body)
     header = cjson.encode(h)
     header = header .. (" "):rep((8 - #header % 8) % 8)
   end
   local n = ffi.new("uint64_t[1]", #header)
   if cut then body = body:sub(1, #body - cut) end
+  if append then body = body .. append end
   f = assert(io.open(path, "wb"))
   f:write(ffi.string(n, 8), header, body)
   f:close()
@@ -271,11 +389,14 @@ function T.truncated_shard_is_refused_naming_file_and_tensor()
 end
 
 function T.missing_and_unknown_tensors_are_refused()
-  local dir, path = altered("missing", function(h) h["model.norm.weight"] = nil end)
-  refused("--init " .. q(dir), { path, "model.norm.weight", "missing" })
-  dir, path = altered("extra", function(h)
-    h["model.layers.9.mlp.up_proj.weight"] = h["model.norm.weight"]
+  local dir, path = altered("missing", function(h)
+    h["model.norm_renamed.weight"], h["model.norm.weight"] = h["model.norm.weight"], nil
   end)
+  refused("--init " .. q(dir), { path, "model.norm.weight", "missing" })
+  dir, path = altered("extra", function(h, bytes)
+    h["model.layers.9.mlp.up_proj.weight"] = { dtype = "F32", shape = { 4 },
+                                               data_offsets = { bytes, bytes + 16 } }
+  end, nil, ("\0"):rep(16))
   refused("--init " .. q(dir), { path, "model.layers.9.mlp.up_proj.weight", "not a parameter" })
 end
 
@@ -293,6 +414,40 @@ function T.unknown_architecture_in_config_json_is_refused()
   j.architectures = { "MistralForCausalLM" }
   write_file("mistral/config.json", cjson.encode(j))
   refused("--init " .. q(dir), { dir .. "/config.json", "architectures[0]", "MistralForCausalLM" })
+end
+
+-- --init of a folder without config.json names the flags that say the
+-- model; sizes in a config.json that do not fit are named as the file
+-- names them (num_attention_heads, not n_head).
+function T.config_json_missing_or_wrong_is_refused_in_the_files_names()
+  local c = get("llama", LLAMA)
+  local dir = tmp .. "/no-config"
+  os.execute(("rm -rf %s && cp -r %s %s && rm %s"):format(q(dir), q(c.out), q(dir),
+                                                          q(dir .. "/config.json")))
+  refused("--init " .. q(dir), { dir, "no config.json", "--model NAME", "--model-config" })
+  local j0 = cjson.decode(assert(lz.read_file(c.out .. "/config.json")))
+  local heads = j0.num_attention_heads
+  local cases = {
+    { function(j) j.num_key_value_heads = heads - 1 end,
+      ("num_attention_heads %d is not a multiple of num_key_value_heads %d")
+        :format(heads, heads - 1) },
+    { function(j) j.head_dim = nil; j.hidden_size = heads * 16 + 1 end,
+      ("hidden_size %d is not a multiple of num_attention_heads %d")
+        :format(heads * 16 + 1, heads) },
+    { function(j) j.num_hidden_layers = 0 end, "num_hidden_layers" },
+  }
+  for i, case in ipairs(cases) do
+    local j = cjson.decode(assert(lz.read_file(c.out .. "/config.json")))
+    case[1](j)
+    local path = write_file(("config-%d.json"):format(i), cjson.encode(j))
+    local out = train(1, ("%s%s --steps 1 --model-config %s"):format(RUN, q(corpus_path()),
+                                                                      q(path)))
+    local line = assert(out:match("train: [^\n]*"), out)
+    assert(line:find(path, 1, true) and line:find(case[2], 1, true), line .. " vs " .. case[2])
+    for _, ours in ipairs({ "n_head", "n_kv_head", "n_embd", "n_layer" }) do
+      assert(not line:find("%f[%w_]" .. ours .. "%f[^%w_]"), line .. " names " .. ours)
+    end
+  end
 end
 
 function T.a_tokenizer_that_is_not_bpe_is_refused_by_prepare_data()

@@ -30,25 +30,26 @@ local function fail(path, msg) error(("safetensors %s: %s"):format(path, msg), 0
 
 local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
 
--- fp32 value of every 16-bit pattern, for BF16 and F16: built on first use.
+-- The fp32 bit pattern of every 16-bit pattern, for BF16 and F16: built on
+-- first use. Bits, not numbers: a NaN read into a Lua number can carry a
+-- payload the interpreter takes for another type ("cannot convert").
 local lut = {}
 local function table_of(dtype)
   if lut[dtype] then return lut[dtype] end
-  local t = ffi.new("float[65536]")
-  local u = ffi.new("union { uint32_t u; float f; }")
+  local t = ffi.new("uint32_t[65536]")
+  local f = ffi.new("float[1]")
+  local fbits = ffi.cast("uint32_t *", f)
   for h = 0, 65535 do
     if dtype == "BF16" then
-      u.u = h * 65536
-      t[h] = u.f
+      t[h] = h * 65536
     else -- IEEE half: sign, 5-bit exponent (bias 15), 10-bit mantissa
-      local sign = h >= 32768 and -1 or 1
+      local sign = h >= 32768 and 0x80000000 or 0
       local e, m = math.floor(h / 1024) % 32, h % 1024
-      if e == 0 then
-        t[h] = sign * m * 2 ^ -24
-      elseif e == 31 then
-        t[h] = m == 0 and sign * math.huge or 0 / 0
+      if e == 31 then
+        t[h] = sign + 0x7f800000 + m * 8192 -- inf, or NaN with its payload
       else
-        t[h] = sign * (1 + m / 1024) * 2 ^ (e - 15)
+        f[0] = e == 0 and m * 2 ^ -24 or (1 + m / 1024) * 2 ^ (e - 15)
+        t[h] = sign + fbits[0]
       end
     end
   end
@@ -97,6 +98,7 @@ function M.open(path)
       if name ~= "__metadata__" then self:add(name, e) end
     end
     table.sort(self.names)
+    self:check_tiling()
   end)
   if not ok then
     ffi.C.close(fd)
@@ -123,9 +125,14 @@ function File:add(name, e)
     numel = numel * d
   end
   local o = e.data_offsets
-  if type(o) ~= "table" or type(o[1]) ~= "number" or type(o[2]) ~= "number" or o[2] < o[1] then
-    fail(path, ("tensor %s: data_offsets %s is not [begin, end]"):format(name,
-               cjson.encode(o == nil and cjson.null or o)))
+  if type(o) ~= "table" or type(o[1]) ~= "number" or type(o[2]) ~= "number" or o[2] < o[1] or
+     o[1] ~= math.floor(o[1]) or o[2] ~= math.floor(o[2]) then
+    fail(path, ("tensor %s: data_offsets %s is not [begin, end] (whole numbers, begin <= end)")
+               :format(name, cjson.encode(o == nil and cjson.null or o)))
+  end
+  if o[1] < 0 then
+    fail(path, ("tensor %s: data_offsets [%d, %d] begin before the data (offsets count from " ..
+                "the end of the header, from 0)"):format(name, o[1], o[2]))
   end
   if o[2] - o[1] ~= numel * es then
     fail(path, ("tensor %s: data_offsets span %d bytes, but shape %s of %s needs %d")
@@ -138,6 +145,38 @@ function File:add(name, e)
   self.tensors[name] = { name = name, dtype = e.dtype, esize = es, shape = e.shape,
                          numel = numel, begin = self.start + o[1], stop = self.start + o[2] }
   self.names[#self.names + 1] = name
+end
+
+-- The format's rule: sorted by offset, the tensors fill the data region
+-- exactly: no gap, no overlap, nothing after the last.
+function File:check_tiling()
+  local list = {}
+  for _, n in ipairs(self.names) do list[#list + 1] = self.tensors[n] end
+  table.sort(list, function(a, b)
+    if a.begin ~= b.begin then return a.begin < b.begin end
+    if a.stop ~= b.stop then return a.stop < b.stop end
+    return a.name < b.name
+  end)
+  local pos, prev = self.start, nil
+  local function span(t) return ("[%d, %d]"):format(t.begin - self.start, t.stop - self.start) end
+  for _, t in ipairs(list) do
+    if t.begin > pos then
+      fail(self.path, ("tensor %s: data_offsets %s begin %d bytes after %s: a gap (the " ..
+                       "tensors must fill the data with no gap); the file is damaged or not " ..
+                       "safetensors"):format(t.name, span(t), t.begin - pos,
+                       prev and ("tensor " .. prev.name .. " ends") or "the data starts"))
+    elseif t.begin < pos then
+      fail(self.path, ("tensor %s: data_offsets %s overlap tensor %s's %s (each byte of the " ..
+                       "data belongs to one tensor); the file is damaged or not safetensors")
+                      :format(t.name, span(t), prev.name, span(prev)))
+    end
+    pos, prev = t.stop, t
+  end
+  if pos ~= self.size then
+    fail(self.path, ("%d bytes after the last tensor (%s), which belong to none; the file is " ..
+                     "damaged or not safetensors"):format(self.size - pos,
+                     prev and prev.name or "there are none"))
+  end
 end
 
 local function pread_all(self, buf, bytes, at, what)
@@ -162,12 +201,13 @@ function File:read(t, first, n, dst)
     return
   end
   local conv = table_of(t.dtype)
+  local bits = ffi.cast("uint32_t *", dst)
   self.stage = self.stage or ffi.new("uint16_t[?]", STAGE)
   local src, done = self.stage, 0
   while done < n do
     local k = math.min(STAGE, n - done)
     pread_all(self, src, k * 2, at + done * 2, t.name)
-    for i = 0, k - 1 do dst[done + i] = conv[src[i]] end
+    for i = 0, k - 1 do bits[done + i] = conv[src[i]] end
     done = done + k
   end
 end

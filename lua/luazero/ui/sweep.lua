@@ -12,6 +12,7 @@ local bit = require("bit")
 local ffi = require("ffi")
 local cjson = require("cjson")
 local lz = require("luazero")
+local atomic = require("luazero.io.atomic")
 
 local M = {}
 
@@ -195,15 +196,10 @@ end
 
 local read_file = lz.read_file
 
+-- Whole or not at all (io/atomic.lua); a failure stops the sweep.
 local function write_file(path, text)
-  local tmp = path .. ".tmp"
-  local f, err = io.open(tmp, "wb")
-  if not f then fail(("cannot write %s (%s)"):format(tmp, err)) end
-  local ok, werr = f:write(text)
-  f:close()
-  if not ok then fail(("cannot write %s (%s)"):format(tmp, werr)) end
-  local rok, rerr = os.rename(tmp, path)
-  if not rok then fail(("cannot rename %s to %s (%s)"):format(tmp, path, rerr)) end
+  local ok, err = pcall(atomic.write, path, text)
+  if not ok then fail(tostring(err)) end
 end
 
 local function mkdir(path)

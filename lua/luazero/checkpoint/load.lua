@@ -1,0 +1,153 @@
+-- checkpoint/load.lua — loading a checkpoint into a ZeRO engine at any world
+-- size and stage: each rank finds where its own optimizer elements lie in
+-- the saved shards (the manifest's runs), reads those shards forward once,
+-- verifies them and fills its states through engine:visit_states, then
+-- engine:after_load.
+local ffi = require("ffi")
+local lz = require("luazero")
+local disk = require("luazero.checkpoint.disk")
+local agree = require("luazero.checkpoint.agree").agree
+
+local fail = disk.fail
+local SB = disk.SB
+local states_of, engine_states = disk.states_of, disk.engine_states
+
+local M = {}
+
+-- The first tensor where the checkpoint's model and this one differ.
+local function check_model(m, engine, dir)
+  local here = engine.ptable
+  local function shape(s) return "[" .. table.concat(s, ", ") .. "]" end
+  for i = 1, math.max(#here, #m.params) do
+    local a, b = m.params[i], here[i]
+    if not a or not b or a.name ~= b.name or shape(a.shape) ~= shape(b.shape) then
+      fail("%s holds a different model: parameter %d is %s there but %s here; load it with " ..
+           "the model flags it was saved with (%s)", dir, i,
+           a and (a.name .. " " .. shape(a.shape)) or "absent",
+           b and (b.name .. " " .. shape(b.shape)) or "absent",
+           m.model and m.model.name or "see its manifest.json")
+    end
+  end
+end
+
+-- Pieces {dst, shard, src, numel}: where each of this rank's optimizer
+-- elements lies in the saved shards (shard: index into m.shards).
+local function plan(m, runs)
+  local saved = {}
+  for i, s in ipairs(m.shards) do
+    for _, r in ipairs(s.runs) do
+      saved[#saved + 1] = { shard = i, offset = r[1], canonical = r[2], numel = r[3] }
+    end
+  end
+  table.sort(saved, function(a, b) return a.canonical < b.canonical end)
+  local pieces = {}
+  for _, r in ipairs(runs) do
+    -- the saved run holding r.canonical: binary search
+    local lo, hi = 1, #saved
+    while lo < hi do
+      local mid = math.floor((lo + hi + 1) / 2)
+      if saved[mid].canonical <= r.canonical then lo = mid else hi = mid - 1 end
+    end
+    local c, left, dst = r.canonical, r.numel, r.offset
+    local i = lo
+    while left > 0 do
+      local s = saved[i]
+      local a = c - s.canonical
+      local n = math.min(left, s.numel - a)
+      pieces[#pieces + 1] = { dst = dst, shard = s.shard, src = s.offset + a, numel = n }
+      c, dst, left, i = c + n, dst + n, left - n, i + 1
+    end
+  end
+  return pieces
+end
+
+-- Loads a checkpoint (a step folder, or a --save folder through latest) into
+-- engine, whatever world size and stage it was saved at. Returns the
+-- manifest (its `extra` holds what the trainer saved).
+function M.load(engine, path)
+  local dir = disk.resolve(path)
+  local m = disk.read_manifest(dir)
+  check_model(m, engine, dir)
+  -- The optimizer's states must be the ones saved (the same optimizer).
+  local saved, want = states_of(m), engine_states(engine)
+  if table.concat(saved, ",") ~= table.concat(want, ",") then
+    fail("%s holds the states %s; this run's optimizer %s keeps %s: resume with the optimizer " ..
+         "that saved it", dir, table.concat(saved, ", "), engine.optimizer.name,
+         table.concat(want, ", "))
+  end
+  local NSTATES = #saved
+  local B = m.block_elems
+  local layout = engine:state_layout()
+  local pieces = plan(m, layout.runs)
+  -- Each needed shard: opened on first use, read forward once, verified
+  -- and closed after its last piece.
+  local last_use = {}
+  for i, p in ipairs(pieces) do last_use[p.shard] = i end
+  local open, bufs = {}, {}
+  local pi = 1
+  local ok, err = pcall(function()
+    engine:visit_states(true, function(off, ...)
+      local views = { ... }
+      local len = views[1]:numel()
+      local dst = {}
+      for s = 1, NSTATES do dst[s] = ffi.cast("char *", views[s].data) end
+      -- Padding is in no piece: zero, as the engine keeps it.
+      for s = 1, NSTATES do ffi.fill(dst[s], len * SB) end
+      while pi <= #pieces and pieces[pi].dst < off + len do
+        local p = pieces[pi]
+        local a = math.max(p.dst, off) -- pieces may straddle chunks
+        local b = math.min(p.dst + p.numel, off + len)
+        local sh = open[p.shard]
+        if not sh then
+          sh = disk.open_shard(dir, m.shards[p.shard], B, NSTATES)
+          open[p.shard] = sh
+          bufs[p.shard] = lz.tensor({ NSTATES * B }, "f32", "workspace")
+        end
+        local buf = bufs[p.shard]
+        local src = p.src + a - p.dst
+        local pos = a
+        while pos < b do
+          local k = math.floor(src / B)
+          if sh.block < k then sh:read_block(k, buf) end
+          local blen = sh:block_len(k)
+          local n = math.min(b - pos, (k + 1) * B - src)
+          local base = ffi.cast("char *", buf.data)
+          for s = 1, NSTATES do
+            ffi.copy(dst[s] + (pos - off) * SB, base + ((s - 1) * blen + src - k * B) * SB, n * SB)
+          end
+          pos, src = pos + n, src + n
+        end
+        if b == p.dst + p.numel then
+          if last_use[p.shard] == pi then
+            sh:close(true)
+            bufs[p.shard]:free()
+            open[p.shard], bufs[p.shard] = false, nil
+          end
+          pi = pi + 1
+        else
+          break -- the rest of this piece is in the next chunk
+        end
+      end
+    end)
+    if pi <= #pieces then fail("%s: the engine's chunks did not cover its states", dir) end
+  end)
+  for i, sh in pairs(open) do
+    if sh then pcall(sh.close, sh, false) end
+    if bufs[i] then bufs[i]:free() end
+  end
+  agree(engine.comm, ok, err, "load of " .. dir)
+  engine:after_load()
+  engine.optimizer_steps = m.optimizer_steps
+  engine.global_steps = m.global_steps
+  engine.skipped_steps = m.skipped_steps
+  if engine.scaler.dynamic and m.dtype == "fp16" and engine.dtype == "fp16" then
+    for k, v in pairs(m.loss_scaler or {}) do
+      if type(engine.scaler[k]) == type(v) then engine.scaler[k] = v end
+    end
+  end
+  m.dir = dir
+  engine.resumed_from = { dir = dir, step = m.global_steps }
+  return m
+end
+
+return M

@@ -1,0 +1,367 @@
+-- checkpoint/save.lua — saving a ZeRO engine's states: every rank streams
+-- its shard (zstd, checksummed) into a temporary step folder, rank 0 writes
+-- the manifest, fsyncs, renames the folder into place, points `latest` at it
+-- and prunes; a failed save leaves nothing but the previous checkpoints.
+-- The engine's states are reached only through engine:visit_states and
+-- engine:state_layout.
+local ffi = require("ffi")
+local bit = require("bit")
+local lz = require("luazero")
+local manifest_io = require("luazero.checkpoint.manifest")
+local disk = require("luazero.checkpoint.disk")
+local agree = require("luazero.checkpoint.agree").agree
+
+local C = lz.C
+local check, fail, hex, exists = disk.check, disk.fail, disk.hex, disk.exists
+local read_file = lz.read_file
+local SB = disk.SB
+local engine_states = disk.engine_states
+
+pcall(ffi.cdef, "int getpid(void);")
+
+local M = {}
+
+-- Streams (offset, master, state...) chunks into a shard writer as blocks
+-- of NSTATES interleaved states.
+local function block_writer(w, n, B, NSTATES)
+  local stage_buf, cur = nil, -1
+  local function put(ptr, bytes) check(C.lz_shard_writer_write(w, ptr, bytes)) end
+  return function(off, ...)
+    local views = { ... }
+    local len = views[1]:numel()
+    local src = {}
+    for s = 1, NSTATES do src[s] = ffi.cast("char *", views[s].data) end
+    local pos = 0
+    while pos < len do
+      local e = off + pos
+      local k = math.floor(e / B)
+      local bstart = k * B
+      local blen = math.min(B, n - bstart)
+      local take = math.min(len - pos, bstart + blen - e)
+      if e == bstart and take == blen then
+        for s = 1, NSTATES do put(src[s] + pos * SB, blen * SB) end
+      else
+        -- A block split across chunks: gathered, then written whole.
+        stage_buf = stage_buf or lz.tensor({ NSTATES * B }, "f32", "workspace")
+        cur = k
+        local dst = ffi.cast("char *", stage_buf.data)
+        for s = 1, NSTATES do
+          ffi.copy(dst + ((s - 1) * blen + e - bstart) * SB, src[s] + pos * SB, take * SB)
+        end
+        if e - bstart + take == blen then
+          put(dst, NSTATES * blen * SB)
+          cur = -1
+        end
+      end
+      pos = pos + take
+    end
+  end, function()
+    if stage_buf then stage_buf:free() end
+    assert(cur == -1, "checkpoint: the engine's chunks did not cover its states")
+  end
+end
+
+local function write_shard(engine, path, opts)
+  local n = engine:state_numel()
+  local out = ffi.new("lz_shard_writer *[1]")
+  check(C.lz_shard_writer_open(out, path, opts.zstd_level, opts.workers))
+  local w = out[0]
+  local ok, err = pcall(function()
+    local feed, done = block_writer(w, n, disk.BLOCK, #engine_states(engine))
+    engine:visit_states(false, feed)
+    done()
+  end)
+  if not ok then
+    C.lz_shard_writer_abort(w)
+    error(err, 0)
+  end
+  local info = ffi.new("lz_shard_info")
+  check(C.lz_shard_writer_close(w, info))
+  return info, n
+end
+
+local function scaler_state(sc)
+  local t = {}
+  for k, v in pairs(sc) do
+    if type(v) == "number" or type(v) == "boolean" then t[k] = v end
+  end
+  return t
+end
+
+-- The parameters an engine trains (frozen ones are not saved).
+local function param_table(engine)
+  local t = {}
+  for i, e in ipairs(engine.ptable) do
+    t[i] = { name = e.name, shape = e.shape, offset = e.offset, numel = e.numel,
+             decay = e.decay or false }
+  end
+  return t
+end
+
+-- The model's config: its scalar fields, and tables of scalars (Llama's
+-- rope_scaling), which an export's config.json needs.
+local function model_config(model)
+  local cfg = {}
+  for k, v in pairs(model.cfg or {}) do
+    if type(v) == "table" then
+      local t = {}
+      for tk, tv in pairs(v) do
+        if type(tv) ~= "table" and type(tv) ~= "function" then t[tk] = tv end
+      end
+      if next(t) then cfg[k] = t end
+    elseif type(v) ~= "function" then
+      cfg[k] = v
+    end
+  end
+  return cfg
+end
+
+-- Step numbers of dir's step folders, ascending.
+local function step_list(dir)
+  local cap = 65536
+  local steps = ffi.new("int64_t[?]", cap)
+  local count = ffi.new("int[1]")
+  check(C.lz_ckpt_steps(dir, steps, cap, count))
+  local t = {}
+  for i = 0, math.min(count[0], cap) - 1 do t[#t + 1] = tonumber(steps[i]) end
+  return t
+end
+
+-- Names in a folder (readdir through libc: glibc's 64-bit struct dirent).
+pcall(ffi.cdef, [[
+typedef struct lz_dirent { uint64_t d_ino; int64_t d_off; unsigned short d_reclen;
+                           unsigned char d_type; char d_name[256]; } lz_dirent;
+void *opendir(const char *name);
+lz_dirent *readdir(void *dirp);
+int closedir(void *dirp);
+int kill(int pid, int sig);
+char *realpath(const char *path, char *resolved);
+void free(void *p);
+]])
+local function list_dir(dir)
+  local d = ffi.C.opendir(dir)
+  if d == nil then return {} end
+  local names = {}
+  while true do
+    local e = ffi.C.readdir(d)
+    if e == nil then break end
+    names[#names + 1] = ffi.string(e.d_name)
+  end
+  ffi.C.closedir(d)
+  return names
+end
+
+local function real_path(path)
+  local p = ffi.C.realpath(path, nil)
+  if p == nil then return path end
+  local s = ffi.string(p)
+  ffi.C.free(p)
+  return s
+end
+
+-- Whether process pid runs (a zombie, dead but not yet reaped, does not).
+local function running(pid)
+  if ffi.C.kill(pid, 0) ~= 0 then return false end
+  local stat = read_file(("/proc/%d/stat"):format(pid))
+  local state = stat and stat:match("^%d+ %b() (%a)")
+  return state ~= "Z" and state ~= "X"
+end
+
+-- Leftovers of saves whose process died (.step-N.tmp-PID, .step-N.old-PID,
+-- latest.tmp-PID): removed when PID is gone or is this process.
+local function remove_dead_saves(dir)
+  local me = tonumber(ffi.C.getpid())
+  for _, name in ipairs(list_dir(dir)) do
+    local pid = name:match("^%.step%-%d+%.tmp%-(%d+)$") or name:match("^%.step%-%d+%.old%-(%d+)$")
+                or name:match("^latest%.tmp%-(%d+)$")
+    pid = tonumber(pid)
+    if pid and (pid == me or not running(pid)) then
+      check(C.lz_ckpt_remove_tree(dir .. "/" .. name))
+    end
+  end
+end
+
+-- Where an engine's history in a --save folder starts: the step it resumed
+-- from (0: a fresh run), and the folders of its first save (weak keys).
+local history_checked = setmetatable({}, { __mode = "k" })
+
+-- The first save of a run into dir: step folders numbered after the step the
+-- run started from (and one with the number about to be written) belong to a
+-- history this run rewound; they move to dir/.abandoned-TIME-PID/, and
+-- `latest` never names a folder that is gone. Returns a line saying so, or nil.
+local function set_aside_abandoned(dir, since, step, pid)
+  local gone = {}
+  for _, s in ipairs(step_list(dir)) do
+    if s > since or s == step then gone[#gone + 1] = s end
+  end
+  if #gone == 0 then return nil end
+  -- `latest` first: at the newest folder that stays, or none.
+  local stay
+  for _, s in ipairs(step_list(dir)) do
+    if s <= since and s ~= step then stay = s end
+  end
+  if stay then
+    local latest = disk.step_name(stay) .. "\n"
+    check(C.lz_ckpt_write_file(dir .. "/latest", latest, #latest))
+  else
+    local gone, why = os.remove(dir .. "/latest")
+    if not gone and exists(dir .. "/latest") then
+      fail("%s/latest: cannot remove it (%s)", dir, tostring(why))
+    end
+  end
+  local aside = ("%s/.abandoned-%s-%d"):format(dir, os.date("!%Y%m%dT%H%M%SZ"), pid)
+  check(C.lz_ckpt_mkdir(aside))
+  for _, s in ipairs(gone) do
+    check(C.lz_ckpt_rename(dir .. "/" .. disk.step_name(s), aside .. "/" .. disk.step_name(s)))
+  end
+  check(C.lz_ckpt_fsync(dir))
+  local names = disk.step_name(gone[1]) .. (#gone > 1 and (".." .. disk.step_name(gone[#gone])) or "")
+  return ("checkpoint: this run started at step %d, so %s in %s (%d folder%s, a history it " ..
+          "rewound) moved to %s"):format(since, names, dir, #gone, #gone > 1 and "s" or "", aside)
+end
+
+-- Beyond the newest `keep` step folders, the oldest go (keep 0: none);
+-- `protected` step numbers (the one just written, the one resumed from) stay.
+local function prune(dir, keep, protected)
+  if not keep or keep <= 0 then return end
+  local steps = step_list(dir)
+  for i = 1, #steps - keep do
+    if not protected[steps[i]] then
+      check(C.lz_ckpt_remove_tree(dir .. "/" .. disk.step_name(steps[i])))
+    end
+  end
+end
+
+-- Saves engine's state as dir/step-NNNNNN (NNNNNN: engine.global_steps), then
+-- points dir/latest at it. extra: a table stored as is (train.lua's RNG and
+-- data position). opts: zstd_level (3), workers (zstd threads, default the
+-- compute threads), keep (newest step folders kept, 0: all), config (the
+-- normalised DeepSpeed configuration, stored whole). Collective:
+-- every rank calls it; all succeed or all raise, and a failed save leaves
+-- nothing but the previous checkpoints. Returns the step folder.
+function M.save(engine, dir, extra, opts)
+  opts = opts or {}
+  local o = { zstd_level = opts.zstd_level or 3, workers = opts.workers or lz.threads(),
+              keep = opts.keep or 0 }
+  local comm, rank, W = engine.comm, engine.rank, engine.world
+  local step = engine.global_steps
+  local name = disk.step_name(step)
+  local final = dir .. "/" .. name
+
+  -- 1. rank 0 makes the temporary folder; every rank learns its name.
+  local ok, err, pid = true, nil, 0
+  if rank == 0 then
+    pid = tonumber(ffi.C.getpid())
+    ok, err = pcall(function()
+      check(C.lz_ckpt_mkdir(dir))
+      remove_dead_saves(dir)
+      check(C.lz_ckpt_mkdir(("%s/.%s.tmp-%d"):format(dir, name, pid)))
+    end)
+  end
+  local all = agree(comm, ok, err, "save of " .. name, { pid })
+  local tmp = ("%s/.%s.tmp-%d"):format(dir, name, all[1][2])
+
+  -- 2. shards: every rank at stages 1-3; rank 0 alone at stage 0 (replicated).
+  local writers = engine:states_replicated() and 1 or W
+  local info, elems
+  ok, err = true, nil
+  if rank < writers then
+    ok, err = pcall(function()
+      info, elems = write_shard(engine, tmp .. "/" .. disk.shard_name(rank, writers), o)
+    end)
+  end
+  local function halves(u)
+    return tonumber(bit.rshift(u, 32)), tonumber(bit.band(u, 0xffffffffULL))
+  end
+  local vals = { 0, 0, 0, 0, 0, 0, 0 }
+  if ok and info then
+    local a, b = halves(info.xxh64_compressed)
+    local c, d = halves(info.xxh64_raw)
+    vals = { tonumber(info.raw_bytes), tonumber(info.compressed_bytes), a, b, c, d, elems }
+  end
+  local ok_all, err_all = pcall(agree, comm, ok, err, "save of " .. name, vals)
+  if not ok_all then
+    if rank == 0 then C.lz_ckpt_remove_tree(tmp) end
+    error(err_all, 0)
+  end
+  all = err_all
+
+  -- 3. rank 0: manifest, fsync, set aside a rewound history, rename into
+  -- place, then `latest`, then prune.
+  ok, err = true, nil
+  local note
+  if rank == 0 then
+    ok, err = pcall(function()
+      local shards = {}
+      for r = 0, writers - 1 do
+        local v = all[r + 1]
+        local u = function(hi, lo) return hex(ffi.new("uint64_t", hi) * 2 ^ 32 + lo) end
+        shards[r + 1] = {
+          file = disk.shard_name(r, writers), rank = r, elems = v[8], raw_bytes = v[2],
+          compressed_bytes = v[3], xxh64_compressed = u(v[4], v[5]), xxh64_raw = u(v[6], v[7]),
+          runs = {},
+        }
+        for _, run in ipairs(M.runs_of(engine, r)) do
+          local t = shards[r + 1].runs
+          t[#t + 1] = { run.offset, run.canonical, run.numel }
+        end
+      end
+      local s = engine.s
+      local m = {
+        format = manifest_io.FORMAT, version = manifest_io.VERSION,
+        model = { config = model_config(engine.model), name = (engine.model.cfg or {}).name },
+        world_size = W, stage = engine.stage, dtype = engine.dtype,
+        master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
+        block_elems = disk.BLOCK, zstd_level = o.zstd_level,
+        numel = engine.L.numel, params = param_table(engine), shards = shards,
+        -- A run with frozen parameters saves what trains: LoRA's settings,
+        -- and where the frozen weights came from (--init), for the export.
+        lora = engine.model.lora, init = engine.init_path, init_xxh64 = engine.init_xxh64,
+        optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
+        skipped_steps = engine.skipped_steps,
+        lr_schedule = { optimizer_steps = engine.optimizer_steps,
+                        lr = engine.lr(math.max(engine.optimizer_steps, 1)),
+                        base_lr = s.lr },
+        loss_scaler = scaler_state(engine.scaler),
+        extra = extra or {}, config = opts.config or {},
+        created = os.date("!%Y-%m-%dT%H:%M:%SZ"),
+      }
+      local text = manifest_io.encode(m)
+      check(C.lz_ckpt_write_file(tmp .. "/manifest.json", text, #text))
+      check(C.lz_ckpt_fsync(tmp))
+      local seen = history_checked[engine] or {}
+      history_checked[engine] = seen
+      local real = real_path(dir)
+      -- After the first save, only a folder of this very step is set aside
+      -- (engine:save called twice at one step).
+      local from = engine.resumed_from
+      local since = seen[real] and math.huge or (from and from.step or 0)
+      note = set_aside_abandoned(dir, since, step, all[1][2])
+      seen[real] = true
+      check(C.lz_ckpt_rename(tmp, final))
+      local latest = name .. "\n"
+      check(C.lz_ckpt_write_file(dir .. "/latest", latest, #latest))
+      local protected = { [step] = true }
+      if from and real_path(from.dir:match("^(.*)/[^/]+$") or ".") == real then
+        protected[from.step] = true
+      end
+      prune(dir, o.keep, protected)
+    end)
+    if not ok then C.lz_ckpt_remove_tree(tmp) end
+  end
+  agree(comm, ok, err, "save of " .. name)
+  if note then
+    io.stdout:write(note, "\n")
+    io.stdout:flush()
+  end
+  return final
+end
+
+-- Runs {offset, canonical, numel} of rank r's shard in engine's layout.
+function M.runs_of(engine, r)
+  local layout = require("luazero.zero.layout")
+  if r == engine.rank then return engine:state_layout().runs end
+  return layout.canonical_runs(engine.L, not engine:states_replicated() and r or nil)
+end
+
+return M

@@ -1,0 +1,275 @@
+-- io/atomic.lua — the one way a user's file or folder is written: into a
+-- temporary name beside the target, every write checked, then fsync, close
+-- and a rename into place only when all of it succeeded; on any failure the
+-- temporary is removed and the error is one line naming the target, the
+-- bytes written and the bytes needed. An earlier file or folder of the same
+-- name stays untouched until the new one replaces it whole.
+--
+--   local w = atomic.open("out.bin", total_bytes)    -- total: for the message
+--   w:write(str)  w:write(ptr, n)  w:pwrite(ptr, n, offset)
+--   w:commit()                                       -- or w:abort()
+--   atomic.build_file("out.bin", total, function(w) ... end)  -- removed if fn raises
+--   atomic.write("results.csv", text)                -- the same, in one call
+--   local f = atomic.folder("hf-model", { "config.json", "model.safetensors" })
+--   f.tmp .. "/config.json"  ...  f:commit()         -- or f:abort()
+--   atomic.build_folder("hf-model", owned, function(f) ... end)
+--
+-- Test hook: LZ_WRITE_FAIL_AFTER_BYTES=N makes the writes of this process
+-- fail with "No space left on device" once N bytes have been written in
+-- all (counted across files), as a full disk would.
+local ffi = require("ffi")
+local lz = require("luazero")
+
+for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
+                       "long write(int fd, const void *buf, unsigned long n);",
+                       "int64_t pwrite(int fd, const void *buf, size_t n, int64_t offset);",
+                       "int fsync(int fd);", "int close(int fd);", "int unlink(const char *path);",
+                       "int rename(const char *from, const char *to);", "int getpid(void);",
+                       "char *strerror(int errnum);" }) do
+  pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
+end
+
+local C = ffi.C
+local O_WRONLY, O_CREAT, O_TRUNC, O_CLOEXEC = 1, 64, 512, 524288
+local ENOSPC = 28
+
+local M = {}
+
+local INJECTED = -1 -- the errno of a failure LZ_WRITE_FAIL_AFTER_BYTES made
+
+local function why(errno)
+  if errno == INJECTED then return "No space left on device: LZ_WRITE_FAIL_AFTER_BYTES" end
+  return ffi.string(C.strerror(errno or ffi.errno()))
+end
+
+-- The injected limit (LZ_WRITE_FAIL_AFTER_BYTES) and what was written so far.
+local budget = tonumber(os.getenv("LZ_WRITE_FAIL_AFTER_BYTES") or "")
+local written_total = 0
+
+-- One write of n bytes at `at` (nil: the file's position); the bytes it
+-- wrote, and an errno when it stopped short.
+local function put(fd, ptr, n, at)
+  local allowed = n
+  if budget then allowed = math.max(0, math.min(n, budget - written_total)) end
+  local done, errno = 0, nil
+  while done < allowed do
+    local r = at and C.pwrite(fd, ptr + done, allowed - done, at + done)
+              or C.write(fd, ptr + done, allowed - done)
+    r = tonumber(r)
+    if r <= 0 then
+      errno = r < 0 and ffi.errno() or ENOSPC
+      break
+    end
+    done = done + r
+  end
+  written_total = written_total + done
+  if not errno and done < n then errno = INJECTED end
+  return done, errno
+end
+
+local function dir_of(path)
+  return path:match("^(.*)/[^/]*$") or ".", path:match("([^/]*)$")
+end
+
+-- The temporary name beside `path`: .NAME.tmp-PID.
+local function temporary(path)
+  local dir, name = dir_of(path)
+  return ("%s/.%s.tmp-%d"):format(dir, name, C.getpid())
+end
+
+local Writer = {}
+Writer.__index = Writer
+
+-- A writer of `path` (total: the bytes it will hold, for messages).
+function M.open(path, total)
+  local tmp = temporary(path)
+  local fd = C.open(tmp, O_WRONLY + O_CREAT + O_TRUNC + O_CLOEXEC, 420) -- 0644
+  if fd < 0 then
+    error(("%s: cannot write it (%s); check the folder exists and is writable")
+          :format(path, why()), 0)
+  end
+  return setmetatable({ path = path, tmp = tmp, fd = fd, written = 0, total = total,
+                        high = 0 }, Writer)
+end
+
+function Writer:fail(errno)
+  local path, written, total = self.path, self.high, self.total
+  self:abort()
+  error(("%s: writing failed after %d%s bytes (%s); nothing was written there: free space " ..
+         "or write elsewhere"):format(path, written, total and (" of " .. total) or "",
+         why(errno)), 0)
+end
+
+-- Appends `data` (a string, or a pointer and n).
+function Writer:write(data, n)
+  n = n or #data
+  local done, errno = put(self.fd, ffi.cast("const char *", data), n, nil)
+  self.written = self.written + done
+  self.high = math.max(self.high, self.written)
+  if errno then self:fail(errno) end
+end
+
+-- Writes n bytes at `offset` (the file grows as needed).
+function Writer:pwrite(data, n, offset)
+  local done, errno = put(self.fd, ffi.cast("const char *", data), n, offset)
+  self.high = math.max(self.high, offset + done)
+  if errno then self:fail(errno) end
+end
+
+-- fsync, close, rename into place, fsync the folder.
+function Writer:commit()
+  local fd = self.fd
+  self.fd = -1
+  local err
+  if C.fsync(fd) ~= 0 then err = ffi.errno() end
+  if C.close(fd) ~= 0 and not err then err = ffi.errno() end
+  if err then
+    self.fd = -1
+    C.unlink(self.tmp)
+    error(("%s: writing failed after %d%s bytes (%s); nothing was written there: free space " ..
+           "or write elsewhere"):format(self.path, self.high,
+           self.total and (" of " .. self.total) or "", why(err)), 0)
+  end
+  if C.rename(self.tmp, self.path) ~= 0 then
+    err = why()
+    C.unlink(self.tmp)
+    error(("%s: cannot put it in place (%s)"):format(self.path, err), 0)
+  end
+  if lz.C.lz_ckpt_fsync((dir_of(self.path))) ~= 0 then
+    error(("%s: written, but %s"):format(self.path, lz.last_error():gsub("^checkpoint: ", "")), 0)
+  end
+  return self.high
+end
+
+-- Closes and removes the temporary; the target is as it was.
+function Writer:abort()
+  if self.fd >= 0 then C.close(self.fd) end
+  self.fd = -1
+  C.unlink(self.tmp)
+end
+
+-- fn(writer) inside a pcall: the file committed when it returns, removed
+-- when it raises (the error raised again). Returns fn's result.
+function M.build_file(path, total, fn)
+  local w = M.open(path, total)
+  local ok, res = pcall(fn, w)
+  if not ok then
+    w:abort()
+    error(res, 0)
+  end
+  w:commit()
+  return res
+end
+
+-- The whole of `text` as `path`.
+function M.write(path, text)
+  local w = M.open(path, #text)
+  w:write(text)
+  return w:commit()
+end
+
+------------------------------------------------------------------ folders
+
+local Folder = {}
+Folder.__index = Folder
+
+local function is_dir(path)
+  local f = io.open(path .. "/.", "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function list(dir)
+  local p = io.popen("ls -A1 '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
+  local out = {}
+  for name in p:lines() do out[#out + 1] = name end
+  p:close()
+  return out
+end
+
+-- A folder `path` built in a temporary folder beside it (f.tmp) and renamed
+-- into place by f:commit(). `owned`: the names such a folder holds; an
+-- existing folder holding anything else is refused (it is not an earlier
+-- output of this kind, and replacing it would lose those files).
+function M.folder(path, owned)
+  path = path:gsub("/+$", "")
+  if exists(path) and not is_dir(path) then
+    error(("%s: a file is there, not a folder; give a new folder name"):format(path), 0)
+  end
+  if is_dir(path) then
+    local ok = {}
+    for _, n in ipairs(owned or {}) do ok[n] = true end
+    for _, n in ipairs(list(path)) do
+      if not ok[n] then
+        error(("%s: the folder holds %s, which this output does not write (another model's " ..
+               "folder?); give a new or empty folder, or remove it"):format(path, n), 0)
+      end
+    end
+  end
+  local tmp = temporary(path)
+  lz.C.lz_ckpt_remove_tree(tmp)
+  if lz.C.lz_ckpt_mkdir(tmp) ~= 0 then
+    error(("%s: cannot make a folder beside it (%s)"):format(path,
+          (lz.last_error():gsub("^checkpoint: ", ""))), 0)
+  end
+  return setmetatable({ path = path, tmp = tmp }, Folder)
+end
+
+-- The temporary folder renamed into place (an earlier one set aside first,
+-- then removed).
+function Folder:commit()
+  local old
+  if is_dir(self.path) then
+    old = ("%s/.%s.old-%d"):format(dir_of(self.path), select(2, dir_of(self.path)), C.getpid())
+    lz.C.lz_ckpt_remove_tree(old)
+    if C.rename(self.path, old) ~= 0 then
+      local err = why()
+      self:abort()
+      error(("%s: cannot replace it (%s)"):format(self.path, err), 0)
+    end
+  end
+  if lz.C.lz_ckpt_fsync(self.tmp) ~= 0 or C.rename(self.tmp, self.path) ~= 0 then
+    local err = why()
+    if old then C.rename(old, self.path) end
+    self:abort()
+    error(("%s: cannot put it in place (%s)"):format(self.path, err), 0)
+  end
+  if old and lz.C.lz_ckpt_remove_tree(old) ~= 0 then
+    error(("%s: written, but the earlier one set aside as %s could not be removed (%s)")
+          :format(self.path, old, lz.last_error():gsub("^checkpoint: ", "")), 0)
+  end
+  if lz.C.lz_ckpt_fsync((dir_of(self.path))) ~= 0 then
+    error(("%s: written, but %s"):format(self.path, lz.last_error():gsub("^checkpoint: ", "")), 0)
+  end
+end
+
+function Folder:abort() lz.C.lz_ckpt_remove_tree(self.tmp) end
+
+-- fn(folder) inside a pcall: the folder committed when it returns, removed
+-- when it raises (the error raised again).
+function M.build_folder(path, owned, fn)
+  local f = M.folder(path, owned)
+  local ok, err = pcall(fn, f)
+  if not ok then
+    f:abort()
+    -- Messages name the files as they would have been named.
+    local msg, i = tostring(err), 1
+    while true do
+      local a, b = msg:find(f.tmp, i, true)
+      if not a then break end
+      msg = msg:sub(1, a - 1) .. f.path .. msg:sub(b + 1)
+      i = a + #f.path
+    end
+    error(msg, 0)
+  end
+  f:commit()
+  return err
+end
+
+return M

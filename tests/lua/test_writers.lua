@@ -1,0 +1,241 @@
+-- test_writers.lua — every writer of a user's file (io/atomic.lua): tools/ckpt
+-- consolidate, export to a file and to a folder, PEFT adapters,
+-- tools/prepare-data (bytes and --tokenizer), the sweep's files. A write
+-- that fails at a chosen byte count (LZ_WRITE_FAIL_AFTER_BYTES) or on a
+-- really full tmpfs (as root) exits non-zero with one line naming the path
+-- and the bytes, leaves no partial file or folder, and an earlier complete
+-- output of the same name stays as it was.
+local cjson = require("cjson")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local checkpoint = require("luazero.checkpoint")
+
+local T = {}
+local q = support.quote
+local write_file, tmp = support.scratch()
+local corpus = write_file("corpus.txt", ("It is a truth universally acknowledged, that a single " ..
+                                         "man in possession of a good fortune\n"):rep(40))
+
+local function eq(got, want, what)
+  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
+end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- A tool run from the root: output (stdout and stderr) and exit status.
+local function tool(env, cmd)
+  return support.sh(("cd %s && %s LUAZERO=%s %s"):format(q(lz.root), env or "",
+                                                       q(lz.executable()), cmd))
+end
+
+-- What a path holds: a file's bytes, or a folder's names and bytes, as text.
+local function snapshot(path)
+  local p = io.popen("cd " .. q(path:match("^(.*)/") or ".") .. " && find " ..
+                     q(path:match("([^/]+)$")) .. " -type f 2>/dev/null | sort")
+  local parts = {}
+  for f in p:lines() do
+    local dir = path:match("^(.*)/") or "."
+    parts[#parts + 1] = f .. "\n" .. (lz.read_file(dir .. "/" .. f) or "?")
+  end
+  p:close()
+  return table.concat(parts, "\n--\n")
+end
+
+local function listing(dir)
+  local p = io.popen("ls -A " .. q(dir))
+  local s = p:read("*a")
+  p:close()
+  return s
+end
+
+-- A refused write: non-zero exit, one line naming `needles`, the target and
+-- its folder as they were.
+local function refused(env, cmd, target, needles)
+  local dir = target:match("^(.*)/")
+  local before, names = snapshot(target), listing(dir)
+  local out, st = tool(env, cmd)
+  assert(st ~= 0, "expected a failure of " .. cmd .. ":\n" .. out)
+  local _, lines = out:gsub("\n", "")
+  eq(lines, 1, "lines of the error " .. out)
+  for _, n in ipairs(needles) do
+    assert(out:find(n, 1, true), ("%q does not name %q"):format(out, n))
+  end
+  eq(snapshot(target), before, target .. " after a failed write")
+  eq(listing(dir), names, "the names in " .. dir .. " after a failed write")
+  return out
+end
+
+local function ok_tool(env, cmd)
+  local out, st = tool(env, cmd)
+  assert(st == 0, cmd .. " failed:\n" .. out)
+  return out
+end
+
+local cks = {}
+-- A checkpoint: plain GPT-2 (gpt2) or llama-tiny with LoRA adapters (lora).
+local function ck(kind)
+  if cks[kind] then return cks[kind] end
+  local dir = tmp .. "/ck-" .. kind
+  local model = kind == "lora" and "--model llama-tiny --lora-r 2 --lora-alpha 4" or
+                "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4"
+  local train = support.trainer(("%s --context 32 --seq-len 16 --micro-batch 2 --sample 0 " ..
+                                 "--eval-batches 1 --data %s"):format(model, q(corpus)))
+  local out, st = train(1, "--steps 2 --save " .. q(dir))
+  assert(st == 0, out)
+  local numel = checkpoint.open(dir).manifest.numel
+  cks[kind] = { dir = dir, scratch = 1024 + numel * 4 }
+  return cks[kind]
+end
+
+local function fail_at(n) return "LZ_WRITE_FAIL_AFTER_BYTES=" .. math.floor(n) end
+
+function T.consolidate_that_fails_leaves_the_earlier_file()
+  local c = ck("gpt2")
+  local out = tmp .. "/consolidate/c.bin"
+  os.execute("mkdir -p " .. q(tmp .. "/consolidate"))
+  ok_tool(nil, ("tools/ckpt consolidate %s %s"):format(q(c.dir), q(out)))
+  eq(#lz.read_file(out), c.scratch, "consolidated bytes")
+  refused(fail_at(5000), ("tools/ckpt consolidate %s %s"):format(q(c.dir), q(out)), out,
+          { out, "writing failed after 5000 of " .. c.scratch .. " bytes" })
+end
+
+function T.export_to_a_file_that_fails_leaves_the_earlier_file()
+  local c = ck("gpt2")
+  local out = tmp .. "/export-file/e.safetensors"
+  os.execute("mkdir -p " .. q(tmp .. "/export-file"))
+  ok_tool(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)))
+  local cmd = ("tools/ckpt export %s %s --dtype bf16"):format(q(c.dir), q(out))
+  -- While the scratch copy is written, then while the file itself is.
+  refused(fail_at(100), cmd, out, { out, "scratch copy", "writing failed after 100 of" })
+  refused(fail_at(c.scratch + 300), cmd, out, { out, "writing failed after 300 of" })
+end
+
+function T.export_to_a_folder_that_fails_leaves_the_earlier_folder()
+  local c = ck("gpt2")
+  local out = tmp .. "/export-folder/hf"
+  ok_tool(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)))
+  local model_bytes = #lz.read_file(out .. "/model.safetensors")
+  local cmd = ("tools/ckpt export %s %s"):format(q(c.dir), q(out))
+  refused(fail_at(64), cmd, out, { out, "scratch copy" })
+  refused(fail_at(c.scratch + 1000), cmd, out,
+          { out .. "/model.safetensors", ("after 1000 of %d bytes"):format(model_bytes) })
+  refused(fail_at(c.scratch + model_bytes + 10), cmd, out,
+          { out .. "/config.json", "writing failed after 10 of" })
+  -- A complete export replaces it whole.
+  ok_tool(nil, cmd .. " --dtype bf16")
+  assert(#lz.read_file(out .. "/model.safetensors") < model_bytes, "the bf16 export is not there")
+end
+
+function T.peft_adapters_that_fail_leave_the_earlier_folder()
+  local c = ck("lora")
+  local out = tmp .. "/peft/adapters"
+  ok_tool(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)))
+  local st_bytes = #lz.read_file(out .. "/adapter_model.safetensors")
+  local cmd = ("tools/ckpt export %s %s"):format(q(c.dir), q(out))
+  refused(fail_at(c.scratch + 50), cmd, out, { out .. "/adapter_model.safetensors" })
+  refused(fail_at(c.scratch + st_bytes + 5), cmd, out,
+          { out .. "/adapter_config.json", "writing failed after 5 of" })
+  local cfg = cjson.decode(lz.read_file(out .. "/adapter_config.json"))
+  eq(cfg.r, 2, "adapter_config.json r")
+end
+
+function T.prepare_data_that_fails_leaves_the_earlier_file()
+  local out = tmp .. "/prepared/corpus.bin"
+  os.execute("mkdir -p " .. q(tmp .. "/prepared"))
+  ok_tool(nil, ("tools/prepare-data %s %s"):format(q(corpus), q(out)))
+  local bytes = #lz.read_file(out)
+  refused(fail_at(2000), ("tools/prepare-data %s %s"):format(q(corpus), q(out)), out,
+          { out, ("writing failed after 2000 of %d bytes"):format(bytes) })
+  -- With a tokenizer: every byte its own token, so the same size.
+  local vocab = {}
+  for b = 0, 255 do
+    local printable = (b >= 33 and b <= 126) or (b >= 161 and b <= 172) or b >= 174
+    if printable then vocab[b < 128 and string.char(b) or
+                         string.char(0xC0 + math.floor(b / 64), 0x80 + b % 64)] = b end
+  end
+  local n = 0
+  for b = 0, 255 do
+    local printable = (b >= 33 and b <= 126) or (b >= 161 and b <= 172) or b >= 174
+    if not printable then
+      local cp = 256 + n
+      n = n + 1
+      vocab[string.char(0xC0 + math.floor(cp / 64), 0x80 + cp % 64)] = b
+    end
+  end
+  local tok = write_file("tokenizer.json", cjson.encode({
+    pre_tokenizer = { type = "ByteLevel", add_prefix_space = false, use_regex = true },
+    decoder = { type = "ByteLevel" }, model = { type = "BPE", vocab = vocab, merges = {} } }))
+  refused(fail_at(0), ("tools/prepare-data --tokenizer %s %s %s"):format(q(tok), q(corpus), q(out)),
+          out, { out, ("writing failed after 0 of %d bytes"):format(bytes) })
+end
+
+function T.sweep_files_that_fail_stop_the_sweep_and_leave_nothing()
+  local dir = tmp .. "/sweep"
+  os.execute("mkdir -p " .. q(dir))
+  write_file("sweep/s.lua", ([[return { name = "w", base = { model = "gpt2-nano", data = %q,
+    steps = 1, ["n-layer"] = 1, ["n-embd"] = 32, ["n-head"] = 2, context = 32, ["seq-len"] = 16,
+    ["micro-batch"] = 2, sample = 0, ["eval-batches"] = 1 },
+    runs = { { lr = 1e-3 } } }]]):format(corpus))
+  local out, st = tool(fail_at(0), ("%s scripts/sweep.lua %s --out %s"):format(
+    q(lz.executable()), q(dir .. "/s.lua"), q(dir .. "/out")))
+  assert(st ~= 0, out)
+  assert(out:find("command.txt: writing failed after 0 of", 1, true), out)
+  local p = io.popen("find " .. q(dir .. "/out") .. " -type f 2>/dev/null")
+  local files = p:read("*a")
+  p:close()
+  eq(files, "", "files the failed sweep left")
+end
+
+-- A really full disk: a 256 KiB tmpfs (root only; skipped otherwise).
+function T.a_full_tmpfs_is_refused_without_a_partial_file()
+  local c = ck("gpt2")
+  local mnt = tmp .. "/tmpfs"
+  os.execute("mkdir -p " .. q(mnt))
+  local uid = support.sh("id -u")
+  if not uid:match("^0%s") or
+     select(2, support.sh("mount -t tmpfs -o size=256k tmpfs " .. q(mnt))) ~= 0 then
+    print("    skipped: mounting a tmpfs needs root")
+    return
+  end
+  local ok, err = pcall(function()
+    assert(c.scratch > 256 * 1024, "the checkpoint fits the tmpfs")
+    local out = mnt .. "/c.bin"
+    refused(nil, ("tools/ckpt consolidate %s %s"):format(q(c.dir), q(out)), out,
+            { out, "of " .. c.scratch .. " bytes", "No space left on device" })
+    refused(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(mnt .. "/hf")), mnt .. "/hf",
+            { mnt .. "/hf", "No space left on device" })
+    eq(listing(mnt), "", "the tmpfs after the failed writes")
+  end)
+  support.sh("umount " .. q(mnt))
+  if not ok then error(err, 0) end
+end
+
+------------------------------------------------------------- refusals
+
+-- An export into a folder holding another model's files is refused, the
+-- folder untouched; a refused --merge-lora leaves no folder.
+function T.export_refuses_a_folder_with_other_files_and_leaves_none_when_refused()
+  local c = ck("gpt2")
+  local out = tmp .. "/other-model"
+  os.execute("mkdir -p " .. q(out))
+  write_file("other-model/config.json", "{}")
+  write_file("other-model/generation_config.json", "{}")
+  refused(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)), out,
+          { out, "generation_config.json", "new or empty folder" })
+  local lc = ck("lora")
+  local none = tmp .. "/never-merged"
+  local text, st = tool(nil, ("tools/ckpt export %s %s --merge-lora"):format(q(lc.dir), q(none)))
+  assert(st == 2 and text:find("--base PATH", 1, true), text)
+  assert(not exists(none), "a refused --merge-lora left " .. none)
+  text, st = tool(nil, ("tools/ckpt export %s %s --merge-lora --base %s"):format(q(lc.dir),
+                  q(none), q(tmp .. "/no-such-base")))
+  assert(st == 2, text)
+  assert(not exists(none), "a refused --merge-lora left " .. none)
+  eq(listing(tmp):find("never%-merged"), nil, "leftovers of the refused export in " .. tmp)
+end
+
+return T
