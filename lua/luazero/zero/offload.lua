@@ -30,7 +30,7 @@ M.GRAIN = 2048
 local PAGE = 4096
 
 local function round_up(n, m) return math.ceil(n / m) * m end
-local esize = { f32 = 4, bf16 = 2, f16 = 2 }
+local esize = require("luazero.zero.plan").esize
 
 -- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
 -- memory on huge pages (O_DIRECT needs 4 KiB alignment).
