@@ -197,7 +197,7 @@ local function schedule_of(cfg, flags)
   local lr, td = cfg.optimizer.params.lr, config.train_defaults
   local warmup = flags.warmup or math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction))
   if cfg.scheduler then
-    return config.lr_schedule(cfg), ("scheduler %s"):format(cfg.scheduler.type), warmup
+    return optim.schedule.lr_schedule(cfg), ("scheduler %s"):format(cfg.scheduler.type), warmup
   elseif flags.config then
     return function() return lr end, "constant", warmup
   end

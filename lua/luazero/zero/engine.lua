@@ -294,7 +294,7 @@ function Engine:allocate()
     local largest = 0
     for _, seg in ipairs(L.segments) do largest = math.max(largest, seg.padded) end
     self.pool:set_cap((s.prefetch + 2 * largest) * Placement.esize[self.wdt] +
-                      (s.reduce_bucket + largest) * 4)
+                      (s.reduce_bucket + largest) * Placement.esize.f32)
   end
   -- The buffer reductions add into (P.reduce.dst).
   self.rgrads = P.reduce.dst == "grads" and self.grads or self.ograds

@@ -100,7 +100,7 @@ function M.states(opts)
   if on_disk or opts.params then
     self.nb = math.max(2, opts.buffer_count or 4)
     self.nb = math.min(self.nb, #self.groups)
-    self.region = self.parts * G * 4 -- bytes of one group on the state file
+    self.region = self.parts * G * esize.f32 -- bytes of one group on the state file
     self.buffers = {}
     for b = 1, self.nb do
       local buf = {}
@@ -156,7 +156,7 @@ function States:each_group(write_back, fn, fresh)
     wait(b.write_state); wait(b.write_work)
     b.write_state, b.write_work = nil, nil
     if swap and not fresh then
-      b.read = swap:read((j - 1) * self.region, b.state, self.parts * self.G * 4, true)
+      b.read = swap:read((j - 1) * self.region, b.state, self.region, true)
     end
   end
   local ok, err = pcall(function()
@@ -168,8 +168,7 @@ function States:each_group(write_back, fn, fresh)
       fn(k, g.lo, g.n, self.views[k])
       if write_back then
         if swap then
-          b.write_state = swap:write((k - 1) * self.region, b.state,
-                                     self.parts * self.G * 4, true)
+          b.write_state = swap:write((k - 1) * self.region, b.state, self.region, true)
         end
         if self.params then b.write_work = self.params:write_group(g.lo, b.work, g.n) end
         if not self.pipeline_write then
