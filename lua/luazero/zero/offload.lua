@@ -96,12 +96,11 @@ function M.states(opts)
     for i = 1, #names do self.s[i] = new():zero() end
   end
   -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
-  self.nb = 0
+  self.nb, self.buffers = 0, {}
   if on_disk or opts.params then
     self.nb = math.max(2, opts.buffer_count or 4)
     self.nb = math.min(self.nb, #self.groups)
     self.region = self.parts * G * esize.f32 -- bytes of one group on the state file
-    self.buffers = {}
     for b = 1, self.nb do
       local buf = {}
       if on_disk then buf.state = staging(self.parts * G, "f32", self.compute) end
@@ -191,7 +190,7 @@ end
 -- Bytes of the staging ring (host memory, ledger category offload).
 function States:staging_bytes()
   local n = 0
-  for _, b in ipairs(self.buffers or {}) do
+  for _, b in ipairs(self.buffers) do
     if b.state then n = n + b.state:bytes() end
     if b.work then n = n + b.work:bytes() end
   end
@@ -213,11 +212,11 @@ function States:io_bytes()
 end
 
 function States:free()
-  for _, b in ipairs(self.buffers or {}) do
+  for _, b in ipairs(self.buffers) do
     if b.state then b.state:free() end
     if b.work then b.work:free() end
   end
-  self.buffers = nil
+  self.buffers = {}
   if self.swap then self.swap:close(); self.swap = nil end
   if self.master then self.master:free(); self.master = nil end
   for _, t in ipairs(self.s) do t:free() end
