@@ -89,7 +89,8 @@ function T.the_engine_s_modes_are_plan_fields()
   -- by the estimate (nil rows where DeepSpeed has none).
   assert(Placement.stage_allows("offload_optimizer", 1) and
          not Placement.stage_allows("offload_optimizer", 0))
-  assert(Placement.stage_allows("offload_param", 3) and not Placement.stage_allows("offload_param", 2))
+  assert(Placement.stage_allows("offload_param", 3) and
+         not Placement.stage_allows("offload_param", 2))
   local estimate = require("luazero.estimate")
   assert(estimate.model_states(1000, 2, 0, { offload = "cpu" }) == nil)
   assert(estimate.model_states(1000, 2, 2, { offload = "cpu+param" }) == nil)

@@ -115,7 +115,7 @@ function M.initialize(opts)
     -- off the device, the open all-reduce bucket (false: none).
     inflight = {}, inflight_elems = 0, landing = {}, bucket = false,
     copy_wait = 0,          -- seconds the host waited for overlapped copies
-    scratches = {},         -- device -> fp32 scratch for half gradients
+    scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
   }, Engine)
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
   -- the kernels still write fp32 module gradients into the staging buffer;
@@ -298,8 +298,18 @@ function Engine:allocate()
   end
   -- The buffer reductions add into (P.reduce.dst).
   self.rgrads = P.reduce.dst == "grads" and self.grads or self.ograds
-  -- Half gradients added into fp32 ones (the optimizer's host shard) are
-  -- rounded to gdt through this.
+  -- Half gradients pass through an fp32 scratch of 2 x CHUNK elements on
+  -- the device of the gradients the optimizer reads and of those the
+  -- reductions add into; added into fp32 ones (the optimizer's host shard)
+  -- they are rounded to gdt through round_scratch.
+  if self.half_grads then
+    for _, t in ipairs({ self.ograds, self.rgrads }) do
+      local d = t:device_name()
+      if not self.scratches[d] then
+        self.scratches[d] = lz.tensor({ 2 * layout.CHUNK }, "f32", "workspace", d)
+      end
+    end
+  end
   if self.half_grads and P[P.reduce.dst].dtype == "f32" then
     self.round_scratch = lz.tensor({ layout.CHUNK }, self.gdt, "workspace")
   end

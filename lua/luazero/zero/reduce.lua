@@ -169,17 +169,9 @@ function M:land_all(done_only)
 end
 
 -- Half gradients: the fp32 scratch of 2 x CHUNK elements beside a tensor
--- (on its device), for the optimizer's view of the gradients and for
--- accumulating into them; one per device, made on first use.
-function M:scratch_by(t)
-  local d = t:device_name()
-  local sc = self.scratches[d]
-  if not sc then
-    sc = lz.tensor({ 2 * CHUNK }, "f32", "workspace", d)
-    self.scratches[d] = sc
-  end
-  return sc
-end
+-- (on its device, made by allocate), for the optimizer's view of the
+-- gradients and for accumulating into them.
+function M:scratch_by(t) return self.scratches[t:device_name()] end
 
 -- dst += src for gdt tensors: both converted to fp32, added, dst rounded
 -- back (nearest even), CHUNK elements at a time. Elementwise, so every

@@ -374,7 +374,8 @@ end
 -- streamed one segment at a time: memory of one gathered segment.
 function M:params_checksum()
   local h = lz.hasher(0)
-  self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * Placement.esize.f32) end)
+  local es = Placement.esize.f32
+  self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * es) end)
   local hex = require("bit").tohex(h:digest(), 16)
   h:free()
   return hex
