@@ -139,7 +139,7 @@ end
 local function mem_record()
   local m = lz.mem()
   m.peak_rss = lz.peak_rss()
-  m.peak_ledger = tonumber(lz.C.lz_mem_total_peak())
+  m.peak_ledger = lz.mem_total_peak()
   return m
 end
 
@@ -148,7 +148,7 @@ end
 local function dev_mem_record(device)
   if device == "cpu" then return nil end
   local m = lz.mem_device()
-  m.peak = tonumber(lz.C.lz_mem_device_total_peak())
+  m.peak = lz.mem_device_total_peak()
   return m
 end
 
@@ -197,7 +197,7 @@ local function schedule_of(cfg, flags)
   local lr, td = cfg.optimizer.params.lr, config.train_defaults
   local warmup = flags.warmup or math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction))
   if cfg.scheduler then
-    return config.lr_schedule(cfg), ("scheduler %s"):format(cfg.scheduler.type), warmup
+    return optim.schedule.lr_schedule(cfg), ("scheduler %s"):format(cfg.scheduler.type), warmup
   elseif flags.config then
     return function() return lr end, "constant", warmup
   end
@@ -239,10 +239,8 @@ local function check_save_target(flags, n_params)
   end
   if not flags.save then return end
   local dir = flags.save
-  if lz.C.lz_ckpt_mkdir(dir) ~= 0 then
-    user_error(("--save %s: %s"):format(dir, (ffi.string(lz.C.lz_last_error())
-                                              :gsub("^checkpoint: ", ""))))
-  end
+  local made, why = lz.mkdir(dir)
+  if not made then user_error(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
   local probe = ("%s/.write-check-%d-%d"):format(dir, RANK, tonumber(ffi.C.getpid()))
   local f, err = io.open(probe, "wb")
   local wrote = f and f:write("x") and f:close()
@@ -472,10 +470,9 @@ end
 local function init_from_hf(run)
   local t0 = clock.now()
   local r = checked(hf.load_into, run.engine, run.flags.init)
-  local p = run.flags.init
-  run.engine.init_path = p:sub(1, 1) == "/" and p or ((os.getenv("PWD") or ".") .. "/" .. p)
   -- A LoRA run records its base's checksum: a resume must adapt the same.
-  if run.model.lora then run.engine.init_xxh64 = checked(hf.checksum, p) end
+  run.engine:set_init_path(run.flags.init,
+                           run.model.lora and checked(hf.checksum, run.flags.init) or nil)
   say(("initialized from %s: %d tensors from %d file%s in %.2f s"):format(run.flags.init,
       r.tensors, r.files, r.files == 1 and "" or "s", clock.now() - t0))
 end
@@ -507,10 +504,7 @@ local function say_start(run)
         ac.cpu_checkpointing and "cpu_checkpointing: offload memory" or "activation memory",
         ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
   end
-  say(("zero stage %d, %s, %s, %d rank%s%s"):format(engine.stage,
-      engine.dtype .. (engine.half_grads and (" (grads " .. engine.s.grad_dtype .. ")") or ""),
-      engine.optimizer.name, run.world, run.world == 1 and "" or "s",
-      engine.s.overlap and ", overlap_comm" or ""))
+  say(engine:describe())
   local where = engine:offload_summary()
   if where then say(where) end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
@@ -530,7 +524,7 @@ end
 
 local function check_budget(run, step, rec)
   if not run.budget then return end
-  local ledger = tonumber(lz.C.lz_mem_total_peak())
+  local ledger = lz.mem_total_peak()
   local over = math.max(rec.mem.peak_rss, ledger)
   if over > run.budget then
     user_error(("step %d: rank %d's peak memory %.0f MiB (RSS %.0f MiB, ledger %.0f MiB) " ..
@@ -550,7 +544,7 @@ local function train_step(run, step)
   run.comm.bytes_reset()
   lz.copy_bytes_reset()
   local wait0 = engine:copy_wait_s()
-  local copy0 = flags.device == "sim" and lz.C.lz_sim_copy_ns()
+  local copy0 = flags.device == "sim" and lz.sim_copy_ns()
   local t0 = clock.now()
   local read0, written0 = engine:nvme_bytes()
   local r = checked_rank(engine.train_batch, engine, run.loader)
@@ -571,7 +565,7 @@ local function train_step(run, step)
     -- How long the host waited for copies meant to overlap, and (sim) how
     -- long the copies took.
     rec.copy_wait_ms = (engine:copy_wait_s() - wait0) * 1000
-    if copy0 then rec.copy_ms = tonumber(lz.C.lz_sim_copy_ns() - copy0) / 1e6 end
+    if copy0 then rec.copy_ms = (lz.sim_copy_ns() - copy0) / 1e6 end
   end
   -- This rank's swap-file traffic in the step (offload to NVMe).
   if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
@@ -598,7 +592,7 @@ local function say_step(run, step, rec, r, prof)
        "mem %.1f MiB, rss %.0f MiB%s%s")
       :format(step, run.flags.steps, r.loss,
               rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
-              rec.tokens_per_s, rec.step_ms, mib(tonumber(lz.C.lz_mem_total_current())),
+              rec.tokens_per_s, rec.step_ms, mib(lz.mem_total()),
               mib(rec.mem.peak_rss),
               r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
               prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..

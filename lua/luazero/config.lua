@@ -4,189 +4,32 @@
 --   local config = require("luazero.config")
 --   local cfg = config.load("ds_config.json", world_size, { stage = "auto", dtype = "bf16" })
 --   print(config.unimplemented_message(cfg))   -- nil when every key is implemented
---   local lr = config.lr_schedule(cfg)         -- lr(step), step = 1, 2, ... applied steps
 --
+-- Its parts: config/values.lua (checking one value), config/defaults.lua
+-- (DeepSpeed's defaults); the stage rules are zero/plan.lua's, the
+-- learning-rate schedules optim/schedule.lua's.
 -- Errors are Lua errors whose message is one line starting "config: ", raised
 -- at level 0 (no position prefix), naming the key and the allowed values.
 -- Keys luazero does not implement are collected, by full dotted name, in
 -- cfg.unimplemented. The key reference is docs/configuration.md.
 local cjson = require("cjson")
 
+local values = require("luazero.config.values")
+local defaults = require("luazero.config.defaults")
+local Placement = require("luazero.zero.plan")
+
 local M = {}
 
------------------------------------------------------------------- helpers
+local fail, show, given, is_whole = values.fail, values.show, values.given, values.is_whole
+local number_at_least, whole_at_least = values.number_at_least, values.whole_at_least
+local positive_whole, boolean, block = values.positive_whole, values.boolean, values.block
+local asks_for_nothing, sorted_keys = values.asks_for_nothing, values.sorted_keys
+local read_json, deep_copy = values.read_json, values.deep_copy
+M.show, M.read_json = show, read_json
 
-local function fail(fmt, ...) error("config: " .. fmt:format(...), 0) end
+-- DeepSpeed's defaults (config/defaults.lua): M.zero_defaults, M.adam_defaults, ...
+for k, v in pairs(defaults) do M[k] = v end
 
--- A value as it would appear in the JSON file.
-local function show(v)
-  if type(v) == "string" then return '"' .. v .. '"' end
-  if type(v) == "number" then
-    if v == math.floor(v) and math.abs(v) < 1e15 then return ("%d"):format(v) end
-    return ("%.14g"):format(v)
-  end
-  if type(v) == "table" then return "a " .. (v[1] ~= nil and "list" or "block") end
-  if v == cjson.null then return "null" end
-  return tostring(v)
-end
-M.show = show
-
--- JSON null and "auto" (Hugging Face's placeholder) both mean "not given":
--- the default or a command-line override fills the key.
-local function given(v) return v ~= nil and v ~= cjson.null and v ~= "auto" end
-
-local function is_whole(v) return type(v) == "number" and v == math.floor(v) and v == v and
-                                  v ~= math.huge and v ~= -math.huge end
-
-local function number_at_least(key, v, min)
-  if type(v) ~= "number" or v ~= v or v < min or v == math.huge then
-    fail("%s must be a number >= %s (got %s)", key, show(min), show(v))
-  end
-  return v
-end
-
-local function whole_at_least(key, v, min)
-  if not is_whole(v) or v < min then
-    fail("%s must be a whole number >= %d (got %s)", key, min, show(v))
-  end
-  return v
-end
-
-local function positive_whole(key, v)
-  if type(v) ~= "number" or v ~= v or v <= 0 or v == math.huge then
-    fail("%s must be a positive number (got %s)", key, show(v))
-  end
-  if not is_whole(v) then fail("%s must be a whole number (got %s)", key, show(v)) end
-  return v
-end
-
-local function boolean(key, v)
-  if type(v) ~= "boolean" then fail("%s must be true or false (got %s)", key, show(v)) end
-  return v
-end
-
-local function block(key, v)
-  if type(v) ~= "table" or (next(v) ~= nil and v[1] ~= nil) then
-    fail("%s must be a JSON object {...} (got %s)", key, show(v))
-  end
-  return v
-end
-
--- A key that asks for nothing (false, or a block with "enabled": false) is
--- accepted silently even where luazero does not implement the feature.
-local function asks_for_nothing(v)
-  if v == false or v == cjson.null then return true end
-  return type(v) == "table" and v.enabled == false
-end
-
-local function sorted_keys(t)
-  local ks = {}
-  for k in pairs(t) do ks[#ks + 1] = k end
-  table.sort(ks)
-  return ks
-end
-
------------------------------------------------------------------- reading
-
-local function read_json(path)
-  local f, err = io.open(path, "rb")
-  if not f then
-    fail("%s: cannot read it (%s)", path, (err or ""):gsub("^[^:]*: ", ""))
-  end
-  local text, rerr = f:read("*a")
-  f:close()
-  if not text then fail("%s: cannot read it (%s)", path, tostring(rerr)) end
-  local ok, decoded = pcall(cjson.decode, text)
-  if not ok then
-    fail("%s: not valid JSON (%s)", path, tostring(decoded):gsub("^.-:%d+: ", ""))
-  end
-  if type(decoded) ~= "table" or (next(decoded) ~= nil and decoded[1] ~= nil) then
-    fail("%s: the top level must be a JSON object {...} (got %s)", path, show(decoded))
-  end
-  return decoded
-end
-M.read_json = read_json
-
-local function deep_copy(v)
-  if type(v) ~= "table" then return v end
-  local c = {}
-  for k, x in pairs(v) do c[k] = deep_copy(x) end
-  return c
-end
-
-------------------------------------------------------------- DeepSpeed's defaults
-
-M.fp16_defaults = {
-  enabled = false, loss_scale = 0, initial_scale_power = 16, loss_scale_window = 1000,
-  hysteresis = 2, consecutive_hysteresis = false, min_loss_scale = 1,
-}
-
-M.zero_defaults = {
-  stage = 0, contiguous_gradients = true, reduce_scatter = true,
-  reduce_bucket_size = 500000000, allgather_bucket_size = 500000000,
-  overlap_comm = nil, -- DeepSpeed: true at stage 3, false below
-  stage3_prefetch_bucket_size = 50000000, stage3_param_persistence_threshold = 100000,
-  stage3_max_live_parameters = 1000000000, stage3_max_reuse_distance = 1000000000,
-  sub_group_size = 1000000000,
-}
-
--- DeepSpeed's "aio" block: how the NVMe tier drives libaio.
-M.aio_defaults = {
-  block_size = 1048576, queue_depth = 8, thread_count = 1, single_submit = false,
-  overlap_events = true,
-}
-
--- FusedAdam's defaults (what DeepSpeed builds for "Adam" and "AdamW").
-M.adam_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0 }
--- FusedLion's (what DeepSpeed builds for "Lion").
-M.lion_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, weight_decay = 0 }
--- The optimizer DeepSpeed's engine is given when the config has none: the
--- engine's own default (scripts/train.lua brings its own, train_defaults).
-M.optimizer_default = { type = "AdamW", params = M.adam_defaults, decoupled_weight_decay = true }
-M.gradient_clipping_default = 0
-
--- What scripts/train.lua uses when no --config file is given, in place of
--- what a DeepSpeed user's script would pass (docs/configuration.md,
--- "Without a config file"): the micro-batch, clipping, AdamW with GPT-2's
--- betas and weight decay, and a warmup (10% of the steps, at most 100) +
--- cosine schedule.
-M.train_defaults = {
-  micro_batch = 8, grad_accum = 1, gradient_clipping = 1.0,
-  optimizer = { type = "AdamW", decoupled_weight_decay = true,
-                params = { betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 } },
-  warmup_fraction = 0.1, warmup_max = 100,
-}
-
-M.offload_optimizer_defaults = {
-  device = "none", nvme_path = nil, buffer_count = 4, pin_memory = false,
-  pipeline_read = false, pipeline_write = false, fast_init = false, ratio = 1.0,
-}
-M.offload_param_defaults = {
-  device = "none", nvme_path = nil, buffer_count = 5, buffer_size = 100000000,
-  max_in_cpu = 1000000000, pin_memory = false,
-}
-
--- DeepSpeed's activation_checkpointing defaults
--- (deepspeed/runtime/activation_checkpointing/config.py).
-M.activation_checkpointing_defaults = {
-  partition_activations = false, cpu_checkpointing = false,
-  contiguous_memory_optimization = false, number_checkpoints = nil,
-  synchronize_checkpoint_boundary = false, profile = false,
-}
-
--- Scheduler parameters each type takes, with DeepSpeed's defaults;
--- `required` ones have none. warmup_max_lr of WarmupLR defaults to the
--- optimizer's lr (base_lr below).
-M.scheduler_params = {
-  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_num_steps = 1000, warmup_type = "log" },
-               optional = { warmup_max_lr = true } },
-  WarmupDecayLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001,
-                                 warmup_num_steps = 1000, warmup_type = "log" },
-                    required = { "total_num_steps" } },
-  WarmupCosineLR = { defaults = { warmup_min_ratio = 0, warmup_num_steps = 1000,
-                                  cos_min_ratio = 0.0001, warmup_type = "log" },
-                     required = { "total_num_steps" } },
-}
 local scheduler_names = "WarmupLR, WarmupDecayLR or WarmupCosineLR"
 
 -- Top-level keys that only set how often DeepSpeed prints, or pick among
@@ -623,13 +466,12 @@ function M.set_stage(cfg, stage)
   local z = cfg.zero_optimization
   z.stage = stage
   if stage ~= "auto" then
-    if z.offload_optimizer.device ~= "none" and stage == 0 then
-      fail("zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got stage 0); " ..
-           "set zero_optimization.stage or remove offload_optimizer")
-    end
-    if z.offload_param.device ~= "none" and stage ~= 3 then
-      fail("zero_optimization.offload_param needs stage 3 (got stage %s); set " ..
-           "zero_optimization.stage to 3 or remove offload_param", show(stage))
+    for _, key in ipairs({ "offload_optimizer", "offload_param" }) do
+      local rule = Placement.offload_stages[key]
+      if z[key].device ~= "none" and not Placement.stage_allows(key, stage) then
+        fail("zero_optimization.%s needs %s (got stage %s); set %s or remove %s", key,
+             rule.names, show(stage), rule.set, key)
+      end
     end
   end
   if not z.overlap_comm_given then
@@ -885,66 +727,6 @@ function M.summary(cfg)
   end
   if cfg.scheduler then parts[#parts + 1] = cfg.scheduler.type end
   return "config " .. cfg.source .. ": " .. table.concat(parts, ", ")
-end
-
------------------------------------------------------------------- schedules
-
--- DeepSpeed's lr_schedules.py as functions of its last_batch_iteration `it`.
--- warmup_num_steps is at least 2 there (max(2, n)); before the first
--- scheduler step (it < 0) WarmupLR/WarmupDecayLR give warmup_min_lr and
--- WarmupCosineLR gives 0.
-local function warmup_gamma(p, it)
-  local W = math.max(2, p.warmup_num_steps)
-  if p.warmup_type == "log" then return math.log(it + 1) * (1 / math.log(W)) end
-  return it / W
-end
-
-function M.lr_at_iteration(sched, base_lr, it)
-  if not sched then return base_lr end
-  local p, t = sched.params, sched.type
-  local W = math.max(2, p.warmup_num_steps)
-  if t == "WarmupLR" or t == "WarmupDecayLR" then
-    local min_lr = p.warmup_min_lr
-    local max_lr = p.warmup_max_lr or base_lr
-    if it < 0 then return min_lr end
-    local gamma
-    if it < W then
-      gamma = warmup_gamma(p, it)
-    elseif t == "WarmupLR" then
-      gamma = 1
-    else
-      local T = p.total_num_steps
-      gamma = math.max(0, (T - it) / math.max(1, T - W))
-    end
-    return min_lr + (max_lr - min_lr) * gamma
-  elseif t == "WarmupCosineLR" then
-    if it < 0 then return 0 end
-    local ratio
-    if it < W then
-      ratio = p.warmup_min_ratio + warmup_gamma(p, it) * (1 - p.warmup_min_ratio)
-    else
-      local progress = math.min(1, (it - W + 1) / math.max(1, p.total_num_steps - W))
-      ratio = (1 + math.cos(math.pi * progress)) / 2
-      ratio = math.max(0, p.cos_min_ratio + (1 - p.cos_min_ratio) * ratio)
-    end
-    return base_lr * ratio
-  end
-  error("config: unknown scheduler type " .. tostring(t), 0)
-end
-
--- lr(step): the learning rate DeepSpeed uses for the step-th optimizer step
--- (1, 2, ...), counting applied steps only — DeepSpeed does not advance the
--- scheduler on a step skipped for fp16 overflow. DeepSpeed sets the lr once
--- when the scheduler is built (last_batch_iteration -1) and calls
--- scheduler.step() after each applied optimizer step, so step n runs at
--- last_batch_iteration n - 2. base_lr: the optimizer's lr (the config's
--- optimizer.params.lr, else the one given here, else DeepSpeed's 1e-3);
--- without a scheduler lr(step) is base_lr.
-function M.lr_schedule(cfg, base_lr)
-  local lr0 = (cfg.optimizer and cfg.optimizer.params.lr) or base_lr or M.adam_defaults.lr
-  if cfg.optimizer == nil and cfg.overrides and cfg.overrides.lr then lr0 = cfg.overrides.lr end
-  local sched = cfg.scheduler
-  return function(step) return M.lr_at_iteration(sched, lr0, step - 2) end
 end
 
 return M

@@ -13,13 +13,15 @@ local M = {}
 
 local Placement = require("luazero.zero.plan")
 
+local esize = Placement.esize
+
 -- Bytes per parameter of the working copy (params and grads) and of the
 -- fp32 master copy (none in fp32 training: the params are the master).
-local dtype_bytes = {
-  fp32 = { working = 4, master = 0 },
-  bf16 = { working = 2, master = 4 },
-  fp16 = { working = 2, master = 4 },
-}
+local dtype_bytes = {}
+for _, name in ipairs({ "fp32", "bf16", "fp16" }) do
+  local working = esize[Placement.dtypes[name]]
+  dtype_bytes[name] = { working = working, master = name == "fp32" and 0 or esize.f32 }
+end
 M.dtype_bytes = dtype_bytes
 
 M.offloads = { "none", "cpu", "cpu+param" }
@@ -41,7 +43,7 @@ end
 -- Bytes per gradient element: luazero's kernels accumulate in fp32; the
 -- ZeRO paper and DeepSpeed keep gradients in the working dtype.
 local function grad_bytes(grads, b)
-  if grads == nil or grads == "fp32" then return 4 end
+  if grads == nil or grads == "fp32" then return esize.f32 end
   if grads == "working" then return b.working end
   error(("estimate: grads must be fp32 or working (got %s)"):format(tostring(grads)), 0)
 end
@@ -87,7 +89,8 @@ function M.model_states(params, world, stage, opts)
   if offload ~= "none" and offload ~= "cpu" and offload ~= "cpu+param" then
     error(("estimate: offload must be none, cpu or cpu+param (got %s)"):format(tostring(offload)), 0)
   end
-  if (offload ~= "none" and stage == 0) or (offload == "cpu+param" and stage ~= 3) then
+  if (offload ~= "none" and not Placement.stage_allows("offload_optimizer", stage)) or
+     (offload == "cpu+param" and not Placement.stage_allows("offload_param", stage)) then
     return nil
   end
   local full, shard = params, math.ceil(params / world)
@@ -256,10 +259,8 @@ end
 -- its modules' memory reports, with the activation checkpointing it is set
 -- to: device (the activations category), offload (kept inputs under
 -- cpu_checkpointing), plan (nn.Model:arena_plan, arena by arena).
-local working_dtype = { fp32 = "f32", bf16 = "bf16", fp16 = "f16" }
-
 function M.activations(model, B, T, dtype)
-  local plan = model:arena_plan(B, T, working_dtype[dtype or "fp32"] or dtype)
+  local plan = model:arena_plan(B, T, Placement.dtypes[dtype or "fp32"] or dtype)
   return { device = plan.activations, offload = plan.offload, plan = plan }
 end
 

@@ -435,6 +435,21 @@ function lz.mem_peak()
   return m
 end
 
+-- All categories together: bytes held now, and the most held at once (on
+-- the host and the device; lz.mem_device_total_peak: the device's alone).
+function lz.mem_total() return tonumber(C.lz_mem_total_current()) end
+function lz.mem_total_peak() return tonumber(C.lz_mem_total_peak()) end
+function lz.mem_device_total_peak() return tonumber(C.lz_mem_device_total_peak()) end
+
+-- Nanoseconds the sim device's host<->device copies have taken so far.
+function lz.sim_copy_ns() return tonumber(C.lz_sim_copy_ns()) end
+
+-- mkdir -p path: true, or nil and the reason.
+function lz.mkdir(path)
+  if C.lz_ckpt_mkdir(path) ~= 0 then return nil, ffi.string(C.lz_last_error()) end
+  return true
+end
+
 -- A whole file's bytes; nil and the reason when it cannot be read.
 function lz.read_file(path)
   local f, err = io.open(path, "rb")

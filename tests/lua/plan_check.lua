@@ -10,6 +10,7 @@
 --   luazero [-n 2] tests/lua/plan_check.lua CORPUS SWAP_DIR [DEVICE]
 local lz = require("luazero")
 local zero = require("luazero.zero")
+local Placement = require("luazero.zero.plan")
 local estimate = require("luazero.estimate")
 local data = require("luazero.data")
 local gpt2 = require("models.gpt2")
@@ -48,7 +49,8 @@ for _, opt in ipairs({ "AdamW", "Lion" }) do
 for _, dtype in ipairs({ "fp32", "bf16" }) do
   for stage = 0, 3 do
     for _, o in ipairs(offloads) do
-      local ok_combo = (o.opt == nil or stage >= 1) and (o.param == nil or stage == 3)
+      local ok_combo = (o.opt == nil or Placement.stage_allows("offload_optimizer", stage)) and
+                       (o.param == nil or Placement.stage_allows("offload_param", stage))
       if ok_combo then
         local case = ("world %d stage %d %s %s offload %s"):format(world, stage, dtype, opt, o.name)
         local z = { stage = stage, stage3_param_persistence_threshold = 600,
@@ -76,13 +78,13 @@ for _, dtype in ipairs({ "fp32", "bf16" }) do
         -- On a cpu device the host tier is the ledger's offload category;
         -- NVMe staging buffers are offload too, beside it.
         local staging = engine.states:staging_bytes()
-        for _, t in ipairs(engine.pshard and engine.pshard.all_stages or {}) do
-          staging = staging + t:bytes()
+        if P.params.tier == "nvme" then
+          for _, t in ipairs(engine.pshard.all_stages) do staging = staging + t:bytes() end
         end
         -- Beside an accelerator: the updated working shard's staging and
         -- the reduced gradients' (pinned, offload).
         if device ~= "cpu" then
-          if engine.wstage then staging = staging + engine.wstage:bytes() end
+          if P.push_params then staging = staging + engine.wstage:bytes() end
           for _, t in ipairs(engine.hpool.all) do staging = staging + t:bytes() end
         end
         local fine = check(case, "ledger params", dd.params, by.device.params) and

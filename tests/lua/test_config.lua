@@ -1,8 +1,9 @@
 -- test_config.lua — DeepSpeed's configuration (lua/luazero/config.lua):
 -- defaults, the batch-size rule, errors naming the key or the file,
--- not-implemented keys, overrides, and the three schedules against numbers
--- worked out by hand from DeepSpeed's lr_schedules.py.
+-- not-implemented keys, overrides, and the three schedules (optim/schedule.lua)
+-- against numbers worked out by hand from DeepSpeed's lr_schedules.py.
 local config = require("luazero.config")
+local schedule = require("luazero.optim.schedule")
 
 local T = {}
 
@@ -460,7 +461,7 @@ end
 local function lrs(sched, opt_lr)
   local t = { train_batch_size = 1, scheduler = sched }
   if opt_lr then t.optimizer = { type = "AdamW", params = { lr = opt_lr } } end
-  return config.lr_schedule(config.load(t, 1))
+  return schedule.lr_schedule(config.load(t, 1))
 end
 
 function T.warmup_lr_log_and_linear()
@@ -529,17 +530,17 @@ end
 function T.no_scheduler_is_the_optimizer_lr()
   close(lrs(nil, 2e-4)(7), 2e-4, "constant optimizer lr")
   local cfg = config.load({ train_batch_size = 1 }, 1)
-  close(config.lr_schedule(cfg)(1), 1e-3, "DeepSpeed's FusedAdam default")
-  close(config.lr_schedule(cfg, 5e-4)(1), 5e-4, "the client optimizer's lr")
+  close(schedule.lr_schedule(cfg)(1), 1e-3, "DeepSpeed's FusedAdam default")
+  close(schedule.lr_schedule(cfg, 5e-4)(1), 5e-4, "the client optimizer's lr")
   cfg = config.load({ train_batch_size = 1 }, 1, { lr = 7e-4 })
-  close(config.lr_schedule(cfg, 5e-4)(1), 7e-4, "--lr wins")
+  close(schedule.lr_schedule(cfg, 5e-4)(1), 7e-4, "--lr wins")
   -- --warmup and --steps fill the scheduler's warmup and total steps.
   cfg = config.load({ train_batch_size = 1, optimizer = { type = "AdamW", params = { lr = 0.01 } },
                       scheduler = { type = "WarmupDecayLR", params = { warmup_max_lr = 0.01,
                                     warmup_type = "linear" } } }, 1, { warmup = 4, total_steps = 8 })
   assert(cfg.scheduler.params.warmup_num_steps == 4 and cfg.scheduler.params.total_num_steps == 8)
-  close(config.lr_schedule(cfg)(6), 0.01, "it 4 = W")
-  close(config.lr_schedule(cfg)(8), 0.005, "it 6: (8 - 6) / (8 - 4)")
+  close(schedule.lr_schedule(cfg)(6), 0.01, "it 4 = W")
+  close(schedule.lr_schedule(cfg)(8), 0.005, "it 6: (8 - 6) / (8 - 4)")
 end
 
 function T.data_types_grad_accum_dtype_is_fp32_or_the_working_dtype()

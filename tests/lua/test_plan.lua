@@ -55,6 +55,48 @@ function T.the_plan_prints_what_lives_where()
   assert(text:find("after step gather persistent", 1, true), text)
 end
 
+-- The modes the engine reads from the plan rather than from its buffers:
+-- where reductions add and whether they are copied off the device first,
+-- whether gathered slices are copied to the device, whether the updated
+-- working shard is pushed from the host, which states the host reads
+-- through a copy; and the stage rules the config and the estimate share.
+function T.the_engine_s_modes_are_plan_fields()
+  local function p(o) o.dtype = o.dtype or "bf16"; return Placement.new(o) end
+  local cpu2 = p{ stage = 2, offload_optimizer = "cpu" }
+  assert(cpu2.reduce.dst == "grads" and not cpu2.reduce.to_host and not cpu2.push_params)
+  local sim2 = p{ stage = 2, offload_optimizer = "cpu", device = "sim" }
+  assert(sim2.reduce.dst == "opt_grads" and sim2.reduce.to_host and sim2.push_params)
+  local sim1 = p{ stage = 1, offload_optimizer = "cpu", device = "sim" }
+  assert(sim1.reduce.dst == "grads" and not sim1.reduce.to_host and sim1.push_params)
+  assert(not p{ stage = 2, device = "sim" }.push_params)
+  -- Stage 3: a host or NVMe parameter shard is copied to the device per
+  -- gather on an accelerator; on the cpu it is read where it is.
+  assert(p{ stage = 3, offload_optimizer = "cpu", offload_param = "cpu", device = "sim" }
+         .params.upload)
+  assert(not p{ stage = 3, offload_optimizer = "cpu", offload_param = "cpu" }.params.upload)
+  assert(not p{ stage = 3, device = "sim" }.params.upload and not p{ stage = 2 }.params.upload)
+  assert(p{ stage = 3, offload_optimizer = "cpu", offload_param = "nvme", device = "sim" }
+         .params.upload)
+  -- The host reads device-tier states through a copy only on an accelerator.
+  assert(p{ stage = 0, device = "sim" }:on_device("master"))
+  assert(not p{ stage = 0 }:on_device("master"))
+  assert(not sim2:on_device("optimizer") and sim2:on_device("params"))
+  -- The push is printed; a cpu plan has none.
+  assert(tostring(sim2):find("push       the updated working shard from the host to the device",
+                             1, true), tostring(sim2))
+  assert(not tostring(cpu2):find("push", 1, true), tostring(cpu2))
+  -- Which stage each offload needs: one rule, read here, by the config and
+  -- by the estimate (nil rows where DeepSpeed has none).
+  assert(Placement.stage_allows("offload_optimizer", 1) and
+         not Placement.stage_allows("offload_optimizer", 0))
+  assert(Placement.stage_allows("offload_param", 3) and
+         not Placement.stage_allows("offload_param", 2))
+  local estimate = require("luazero.estimate")
+  assert(estimate.model_states(1000, 2, 0, { offload = "cpu" }) == nil)
+  assert(estimate.model_states(1000, 2, 2, { offload = "cpu+param" }) == nil)
+  assert(estimate.model_states(1000, 2, 3, { offload = "cpu+param" }) ~= nil)
+end
+
 local text = ("Now is the winter of our discontent\nMade glorious summer by this sun of York;\n")
              :rep(40)
 local corpus = write_file("corpus.txt", text)

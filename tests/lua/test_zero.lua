@@ -259,6 +259,31 @@ function T.lion_keeps_stages_bitwise_equal_with_one_state_at_world_2()
   print(("    Lion, stages 0-3 at world 2: %s; save at 3 + resume to 6 the same"):format(sums[0]))
 end
 
+-- Without a schedule the engine runs at its optimizer's own learning rate:
+-- Lion's default when the config gives none, not AdamW's. (Lion's default
+-- is set apart from AdamW's here, so that one cannot pass for the other.)
+function T.the_engine_runs_at_its_own_optimizer_s_learning_rate()
+  local config = require("luazero.config")
+  local zero = require("luazero.zero")
+  local saved = config.lion_defaults.lr
+  config.lion_defaults.lr = 1e-4
+  local ok, err = pcall(function()
+    for _, c in ipairs({ { "Lion", nil, 1e-4 }, { "Lion", 3e-5, 3e-5 },
+                         { "AdamW", nil, config.adam_defaults.lr } }) do
+      local cfg = { train_micro_batch_size_per_gpu = 2,
+                    optimizer = { type = c[1], params = { lr = c[2] } } }
+      local engine = zero.initialize{ model = gpt2.new(gpt2.config("gpt2-nano", MODEL)),
+                                      config = cfg, seed = 1, batch = { 2, 16 } }
+      local lr, name = engine.lr(1), engine.optimizer.name
+      engine:free()
+      assert(name == c[1] and lr == c[3], ("%s, lr %s: runs at %g, wants %g")
+                                          :format(c[1], tostring(c[2]), lr, c[3]))
+    end
+  end)
+  config.lion_defaults.lr = saved
+  assert(ok, err)
+end
+
 -- data_types.grad_accum_dtype = bf16: gradients kept in the working dtype
 -- (2 bytes), DeepSpeed's accounting: stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N,
 -- stage 3 16Ψ/N (+ 2·persistent). The fp32 module gradients live only in

@@ -24,6 +24,18 @@ M.ALIGN = 16
 local function round_up(n, m) return math.ceil(n / m) * m end
 M.round_up = round_up
 
+-- Elements per piece where half gradients pass through an fp32 scratch
+-- (the optimizer's reads, the micro-step adds).
+M.CHUNK = 65536
+
+-- Binds module.p (or .g, field) views of one segment onto `buf` (its
+-- padded full extent), or unbinds them (nil).
+function M.bind(field, seg, buf)
+  for _, e in ipairs(seg.entries) do
+    e.entry.module[field][e.entry.key] = buf and buf:view(e.seg_offset, e.shape) or nil
+  end
+end
+
 function M.new(param_table, world, align)
   align = align or M.ALIGN
   local L = { world = world, segments = {}, by_module = {}, numel = 0 }

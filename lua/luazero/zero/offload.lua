@@ -30,7 +30,7 @@ M.GRAIN = 2048
 local PAGE = 4096
 
 local function round_up(n, m) return math.ceil(n / m) * m end
-local esize = { f32 = 4, bf16 = 2, f16 = 2 }
+local esize = require("luazero.zero.plan").esize
 
 -- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
 -- memory on huge pages (O_DIRECT needs 4 KiB alignment).
@@ -96,12 +96,11 @@ function M.states(opts)
     for i = 1, #names do self.s[i] = new():zero() end
   end
   -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
-  self.nb = 0
+  self.nb, self.buffers = 0, {}
   if on_disk or opts.params then
     self.nb = math.max(2, opts.buffer_count or 4)
     self.nb = math.min(self.nb, #self.groups)
-    self.region = self.parts * G * 4 -- bytes of one group on the state file
-    self.buffers = {}
+    self.region = self.parts * G * esize.f32 -- bytes of one group on the state file
     for b = 1, self.nb do
       local buf = {}
       if on_disk then buf.state = staging(self.parts * G, "f32", self.compute) end
@@ -156,7 +155,7 @@ function States:each_group(write_back, fn, fresh)
     wait(b.write_state); wait(b.write_work)
     b.write_state, b.write_work = nil, nil
     if swap and not fresh then
-      b.read = swap:read((j - 1) * self.region, b.state, self.parts * self.G * 4, true)
+      b.read = swap:read((j - 1) * self.region, b.state, self.region, true)
     end
   end
   local ok, err = pcall(function()
@@ -168,8 +167,7 @@ function States:each_group(write_back, fn, fresh)
       fn(k, g.lo, g.n, self.views[k])
       if write_back then
         if swap then
-          b.write_state = swap:write((k - 1) * self.region, b.state,
-                                     self.parts * self.G * 4, true)
+          b.write_state = swap:write((k - 1) * self.region, b.state, self.region, true)
         end
         if self.params then b.write_work = self.params:write_group(g.lo, b.work, g.n) end
         if not self.pipeline_write then
@@ -192,7 +190,7 @@ end
 -- Bytes of the staging ring (host memory, ledger category offload).
 function States:staging_bytes()
   local n = 0
-  for _, b in ipairs(self.buffers or {}) do
+  for _, b in ipairs(self.buffers) do
     if b.state then n = n + b.state:bytes() end
     if b.work then n = n + b.work:bytes() end
   end
@@ -214,11 +212,11 @@ function States:io_bytes()
 end
 
 function States:free()
-  for _, b in ipairs(self.buffers or {}) do
+  for _, b in ipairs(self.buffers) do
     if b.state then b.state:free() end
     if b.work then b.work:free() end
   end
-  self.buffers = nil
+  self.buffers = {}
   if self.swap then self.swap:close(); self.swap = nil end
   if self.master then self.master:free(); self.master = nil end
   for _, t in ipairs(self.s) do t:free() end

@@ -28,9 +28,23 @@ local Plan = {}
 Plan.__index = Plan
 
 local dtypes = { fp32 = "f32", bf16 = "bf16", fp16 = "f16", f32 = "f32", f16 = "f16" }
+-- The kernels' dtype name of a config dtype (fp32 -> f32, ...).
+M.dtypes = dtypes
+-- Bytes per element of each dtype: the one table every size is computed from.
 local esize = { f32 = 4, bf16 = 2, f16 = 2 }
 M.esize = esize
 local tiers = { none = "device", cpu = "host", nvme = "nvme" }
+
+-- Which stages each offload works at (DeepSpeed's rule, as data): the
+-- least stage, and how errors name the stages.
+M.offload_stages = {
+  offload_optimizer = { least = 1, names = "stage 1, 2 or 3", set = "zero_optimization.stage" },
+  offload_param = { least = 3, names = "stage 3", set = "zero_optimization.stage to 3" },
+}
+
+-- Whether `key` (offload_optimizer or offload_param) may move states off
+-- the device at ZeRO stage `stage`.
+function M.stage_allows(key, stage) return stage >= M.offload_stages[key].least end
 
 -- The states a plan places, in the order it prints them.
 M.states = { "params", "grads", "opt_grads", "master" }
@@ -66,11 +80,11 @@ function M.new(opts)
   local device = opts.device or "cpu"
   local opt_tier = tier_of("offload_optimizer", opts.offload_optimizer)
   local par_tier = tier_of("offload_param", opts.offload_param)
-  if opt_tier ~= "device" and stage == 0 then
-    error("plan: offload_optimizer needs stage 1, 2 or 3", 0)
-  end
-  if par_tier ~= "device" and stage ~= 3 then
-    error("plan: offload_param needs stage 3", 0)
+  for _, kt in ipairs({ { "offload_optimizer", opt_tier }, { "offload_param", par_tier } }) do
+    local key, tier = kt[1], kt[2]
+    if tier ~= "device" and not M.stage_allows(key, stage) then
+      error(("plan: %s needs %s"):format(key, M.offload_stages[key].names), 0)
+    end
   end
   -- Where the optimizer computes: on the device, or on the host (its states
   -- in host memory or staged there from NVMe). It updates in place what is
@@ -124,6 +138,18 @@ function M.new(opts)
   p.reduce = { op = stage == 0 and "all_reduce" or "reduce_scatter", buffered = buffered,
                into = stage >= 2 and "shard" or "full",
                bucketed = stage == 0 and not buffered }
+  -- The buffer reductions add into: the gradients, or (none on the device)
+  -- the optimizer's; on an accelerator with that in host memory, each
+  -- reduced slice is copied off the device first.
+  p.reduce.dst = p.grads.extent == "none" and "opt_grads" or "grads"
+  p.reduce.to_host = device ~= "cpu" and p[p.reduce.dst].tier ~= "device"
+  -- A sharded working copy outside device memory on an accelerator: each
+  -- slice a gather reads is copied to the device first.
+  p.params.upload = p.params.extent == "shard" and p.params.tier ~= "device" and device ~= "cpu"
+  -- A host optimizer beside device-resident working parameters: the
+  -- updated working shard goes from host staging to the device after each
+  -- optimizer sub-group (overlapping the next group's update).
+  p.push_params = device ~= "cpu" and opt_at == "host" and p.params.tier == "device"
   -- What the step's end gathers: the updated slices into every rank's full
   -- working copy (stages 1-2), the persistent parameters (stage 3).
   p.after_step = (stage == 1 or stage == 2) and "gather_full"
@@ -176,11 +202,21 @@ function Plan:lines()
   lines[#lines + 1] = ("  reduce     %s%s into the %s gradients, %s"):format(
     r.bucketed and "bucketed " or "", r.op:gsub("_", "-"), r.into,
     r.buffered and "every micro-step through staging buffers" or "at the accumulation boundary")
+  if self.push_params then
+    lines[#lines + 1] = "  push       the updated working shard from the host to the device"
+  end
   lines[#lines + 1] = "  after step " .. self.after_step:gsub("_", " ")
   return lines
 end
 
 function Plan:__tostring() return table.concat(self:lines(), "\n") end
+
+-- Whether a state (params, grads, opt_grads, master, optimizer) lives in
+-- device memory apart from the host's (an accelerator's device tier): the
+-- host reads it through a copy.
+function Plan:on_device(name)
+  return self[name].tier == "device" and self.device ~= "cpu"
+end
 
 -- Offset of a run (layout.shard_runs: full_offset, shard_offset) in a
 -- buffer of this extent.

@@ -13,7 +13,10 @@ local esize = require("luazero.zero.plan").esize
 -- device: where the buffers live ("cpu" default, "sim", "cuda"); host
 -- buffers beside an accelerator (device "pinned") are pinned, category offload.
 function Pool.new(device)
-  return setmetatable({ free_lists = {}, all = {}, device = device or "cpu" }, Pool)
+  -- held: bytes of every buffer made; idle: those put back, oldest first
+  -- (kept only under a cap).
+  return setmetatable({ free_lists = {}, all = {}, idle = {}, held = 0, device = device or "cpu" },
+                      Pool)
 end
 
 -- Idle buffers are kept while all the pool holds stays within cap bytes
@@ -22,7 +25,7 @@ function Pool:set_cap(bytes) self.cap = bytes end
 
 local function trim(self, need)
   local freed = false
-  while self.cap and (self.held or 0) + need > self.cap and #(self.idle or {}) > 0 do
+  while self.cap and self.held + need > self.cap and #self.idle > 0 do
     local t = table.remove(self.idle, 1)
     local list = self.free_lists[t:dtype_name() .. ":" .. t:numel()]
     for i = #list, 1, -1 do if list[i] == t then table.remove(list, i) end end
@@ -37,7 +40,7 @@ local function trim(self, need)
 end
 
 local function unidle(self, t)
-  for i = #(self.idle or {}), 1, -1 do
+  for i = #self.idle, 1, -1 do
     if self.idle[i] == t then table.remove(self.idle, i); return end
   end
 end
@@ -58,7 +61,7 @@ function Pool:get(n, dtype)
     t = lz.tensor({ n }, dtype, "comm", self.device)
   end
   self.all[#self.all + 1] = t
-  self.held = (self.held or 0) + t:bytes()
+  self.held = self.held + t:bytes()
   return t
 end
 
@@ -67,10 +70,7 @@ function Pool:put(t)
   local list = self.free_lists[key] or {}
   self.free_lists[key] = list
   list[#list + 1] = t
-  if self.cap then
-    self.idle = self.idle or {}
-    self.idle[#self.idle + 1] = t
-  end
+  if self.cap then self.idle[#self.idle + 1] = t end
 end
 
 function Pool:free()

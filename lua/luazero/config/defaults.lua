@@ -1,0 +1,78 @@
+-- config/defaults.lua — DeepSpeed's defaults for the keys luazero reads
+-- (and what scripts/train.lua uses without a config file): the one home of
+-- defaults; luazero.config hands them out under the same names.
+local M = {}
+
+M.fp16_defaults = {
+  enabled = false, loss_scale = 0, initial_scale_power = 16, loss_scale_window = 1000,
+  hysteresis = 2, consecutive_hysteresis = false, min_loss_scale = 1,
+}
+
+M.zero_defaults = {
+  stage = 0, contiguous_gradients = true, reduce_scatter = true,
+  reduce_bucket_size = 500000000, allgather_bucket_size = 500000000,
+  overlap_comm = nil, -- DeepSpeed: true at stage 3, false below
+  stage3_prefetch_bucket_size = 50000000, stage3_param_persistence_threshold = 100000,
+  stage3_max_live_parameters = 1000000000, stage3_max_reuse_distance = 1000000000,
+  sub_group_size = 1000000000,
+}
+
+-- DeepSpeed's "aio" block: how the NVMe tier drives libaio.
+M.aio_defaults = {
+  block_size = 1048576, queue_depth = 8, thread_count = 1, single_submit = false,
+  overlap_events = true,
+}
+
+-- FusedAdam's defaults (what DeepSpeed builds for "Adam" and "AdamW").
+M.adam_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0 }
+-- FusedLion's (what DeepSpeed builds for "Lion").
+M.lion_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, weight_decay = 0 }
+-- The optimizer DeepSpeed's engine is given when the config has none: the
+-- engine's own default (scripts/train.lua brings its own, train_defaults).
+M.optimizer_default = { type = "AdamW", params = M.adam_defaults, decoupled_weight_decay = true }
+M.gradient_clipping_default = 0
+
+-- What scripts/train.lua uses when no --config file is given, in place of
+-- what a DeepSpeed user's script would pass (docs/configuration.md,
+-- "Without a config file"): the micro-batch, clipping, AdamW with GPT-2's
+-- betas and weight decay, and a warmup (10% of the steps, at most 100) +
+-- cosine schedule.
+M.train_defaults = {
+  micro_batch = 8, grad_accum = 1, gradient_clipping = 1.0,
+  optimizer = { type = "AdamW", decoupled_weight_decay = true,
+                params = { betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 } },
+  warmup_fraction = 0.1, warmup_max = 100,
+}
+
+M.offload_optimizer_defaults = {
+  device = "none", nvme_path = nil, buffer_count = 4, pin_memory = false,
+  pipeline_read = false, pipeline_write = false, fast_init = false, ratio = 1.0,
+}
+M.offload_param_defaults = {
+  device = "none", nvme_path = nil, buffer_count = 5, buffer_size = 100000000,
+  max_in_cpu = 1000000000, pin_memory = false,
+}
+
+-- DeepSpeed's activation_checkpointing defaults
+-- (deepspeed/runtime/activation_checkpointing/config.py).
+M.activation_checkpointing_defaults = {
+  partition_activations = false, cpu_checkpointing = false,
+  contiguous_memory_optimization = false, number_checkpoints = nil,
+  synchronize_checkpoint_boundary = false, profile = false,
+}
+
+-- Scheduler parameters each type takes, with DeepSpeed's defaults;
+-- `required` ones have none. warmup_max_lr of WarmupLR defaults to the
+-- optimizer's lr (base_lr below).
+M.scheduler_params = {
+  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_num_steps = 1000, warmup_type = "log" },
+               optional = { warmup_max_lr = true } },
+  WarmupDecayLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001,
+                                 warmup_num_steps = 1000, warmup_type = "log" },
+                    required = { "total_num_steps" } },
+  WarmupCosineLR = { defaults = { warmup_min_ratio = 0, warmup_num_steps = 1000,
+                                  cos_min_ratio = 0.0001, warmup_type = "log" },
+                     required = { "total_num_steps" } },
+}
+
+return M

@@ -1,0 +1,112 @@
+-- config/values.lua — reading DeepSpeed JSON values: each checker returns
+-- the value or raises one line starting "config: " that names the key, the
+-- allowed values and what was given (as it would appear in the file).
+local cjson = require("cjson")
+
+local M = {}
+
+local function fail(fmt, ...) error("config: " .. fmt:format(...), 0) end
+
+-- A value as it would appear in the JSON file.
+local function show(v)
+  if type(v) == "string" then return '"' .. v .. '"' end
+  if type(v) == "number" then
+    if v == math.floor(v) and math.abs(v) < 1e15 then return ("%d"):format(v) end
+    return ("%.14g"):format(v)
+  end
+  if type(v) == "table" then return "a " .. (v[1] ~= nil and "list" or "block") end
+  if v == cjson.null then return "null" end
+  return tostring(v)
+end
+
+-- JSON null and "auto" (Hugging Face's placeholder) both mean "not given":
+-- the default or a command-line override fills the key.
+local function given(v) return v ~= nil and v ~= cjson.null and v ~= "auto" end
+
+local function is_whole(v) return type(v) == "number" and v == math.floor(v) and v == v and
+                                  v ~= math.huge and v ~= -math.huge end
+
+local function number_at_least(key, v, min)
+  if type(v) ~= "number" or v ~= v or v < min or v == math.huge then
+    fail("%s must be a number >= %s (got %s)", key, show(min), show(v))
+  end
+  return v
+end
+
+local function whole_at_least(key, v, min)
+  if not is_whole(v) or v < min then
+    fail("%s must be a whole number >= %d (got %s)", key, min, show(v))
+  end
+  return v
+end
+
+local function positive_whole(key, v)
+  if type(v) ~= "number" or v ~= v or v <= 0 or v == math.huge then
+    fail("%s must be a positive number (got %s)", key, show(v))
+  end
+  if not is_whole(v) then fail("%s must be a whole number (got %s)", key, show(v)) end
+  return v
+end
+
+local function boolean(key, v)
+  if type(v) ~= "boolean" then fail("%s must be true or false (got %s)", key, show(v)) end
+  return v
+end
+
+local function block(key, v)
+  if type(v) ~= "table" or (next(v) ~= nil and v[1] ~= nil) then
+    fail("%s must be a JSON object {...} (got %s)", key, show(v))
+  end
+  return v
+end
+
+-- A key that asks for nothing (false, or a block with "enabled": false) is
+-- accepted silently even where luazero does not implement the feature.
+local function asks_for_nothing(v)
+  if v == false or v == cjson.null then return true end
+  return type(v) == "table" and v.enabled == false
+end
+
+local function sorted_keys(t)
+  local ks = {}
+  for k in pairs(t) do ks[#ks + 1] = k end
+  table.sort(ks)
+  return ks
+end
+
+------------------------------------------------------------------ reading
+
+local function read_json(path)
+  local f, err = io.open(path, "rb")
+  if not f then
+    fail("%s: cannot read it (%s)", path, (err or ""):gsub("^[^:]*: ", ""))
+  end
+  local text, rerr = f:read("*a")
+  f:close()
+  if not text then fail("%s: cannot read it (%s)", path, tostring(rerr)) end
+  local ok, decoded = pcall(cjson.decode, text)
+  if not ok then
+    fail("%s: not valid JSON (%s)", path, tostring(decoded):gsub("^.-:%d+: ", ""))
+  end
+  if type(decoded) ~= "table" or (next(decoded) ~= nil and decoded[1] ~= nil) then
+    fail("%s: the top level must be a JSON object {...} (got %s)", path, show(decoded))
+  end
+  return decoded
+end
+M.read_json = read_json
+
+local function deep_copy(v)
+  if type(v) ~= "table" then return v end
+  local c = {}
+  for k, x in pairs(v) do c[k] = deep_copy(x) end
+  return c
+end
+
+M.fail, M.show, M.given, M.is_whole = fail, show, given, is_whole
+M.number_at_least, M.whole_at_least, M.positive_whole = number_at_least, whole_at_least,
+                                                        positive_whole
+M.boolean, M.block, M.asks_for_nothing, M.sorted_keys = boolean, block, asks_for_nothing,
+                                                        sorted_keys
+M.deep_copy = deep_copy
+
+return M

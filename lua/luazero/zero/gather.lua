@@ -1,0 +1,220 @@
+-- zero/gather.lua — the engine's parameter gathers: where the plan shards
+-- the working parameters (stage 3), each module's segments are all-gathered
+-- into pooled buffers before it runs and released after, prefetched along
+-- the order the first pass recorded; and what the plan gathers after each
+-- optimizer step. Methods of the engine (zero/engine.lua mixes them in).
+local lz = require("luazero")
+local layout = require("luazero.zero.layout")
+
+local M = {}
+
+local function bind_params(seg, buf) layout.bind("p", seg, buf) end
+
+-- Parameters gathered per module: a segment's, into a pooled buffer.
+function M:gather(seg, async)
+  if seg.persistent or seg.pbuf then return end
+  seg.pbuf = self.pool:get(seg.padded, self.wdt)
+  self.live = self.live + seg.padded
+  local send
+  send, seg.pslot = self:shard_slice(seg)
+  seg.pwork = self.comm.all_gather(send, seg.pbuf, async)
+  if not async then seg.pwork = nil; self:gathered(seg) end
+end
+
+-- This rank's working slice of a segment (a sharded working copy), where
+-- the gather reads it: a view of the shard, or, read from the NVMe
+-- parameter file or copied from host memory to the device, a staging
+-- buffer (returned second, for release_slice once the gather has read it).
+function M:shard_slice(seg)
+  local v, stage
+  if self.P.params.tier == "nvme" then
+    v, stage = self.pshard:slice(seg.shard_offset, seg.slice)
+  else
+    v = self.work:view(seg.shard_offset, { seg.slice })
+  end
+  if not self.P.params.upload then return v, stage end
+  local d = self.pool:get(seg.slice, self.wdt)
+  if self.s.overlap then
+    -- On the copy stream; the device's work after this (the gather) waits
+    -- for it, the host does not.
+    lz.copy_async(d, v, "copy")
+    self.staged:record("copy")
+    self.staged:wait_on("compute")
+  else
+    d:copy(v)
+  end
+  return d, { pooled = d, read = stage }
+end
+
+function M:release_slice(stage)
+  if not stage then return end
+  if stage.pooled then
+    self.pool:put(stage.pooled)
+    stage = stage.read
+  end
+  if stage then self.pshard:release(stage) end
+end
+
+-- A gather of seg has completed: its staging can go.
+function M:gathered(seg)
+  if seg.pwork then seg.pwork:wait() end
+  seg.pwork = nil
+  if seg.pslot then self:release_slice(seg.pslot); seg.pslot = nil end
+end
+
+function M:ensure(seg)
+  if seg.persistent then return end
+  if not seg.pbuf then self:gather(seg, false) end
+  if seg.pwork then self:gathered(seg) end
+  seg.in_use = seg.in_use + 1
+  if seg.in_use == 1 then bind_params(seg, seg.pbuf) end
+end
+
+function M:release(seg)
+  if seg.persistent then return end
+  seg.in_use = seg.in_use - 1
+  if seg.in_use > 0 then return end
+  bind_params(seg, nil)
+  self.pool:put(seg.pbuf)
+  self.live = self.live - seg.padded
+  seg.pbuf = nil
+end
+
+-- Prefetch along the order recorded on the first pass: segments of the
+-- next modules, up to stage3_prefetch_bucket_size elements ahead and
+-- stage3_max_live_parameters gathered at once.
+function M:prefetch(order, k)
+  if not (self.s.overlap and order.done) then return end
+  local budget, s = self.s.prefetch, self.s
+  local nvme = self.P.params.tier == "nvme"
+  for i = k + 1, #order do
+    local seg = order[i]
+    if not seg.persistent and not seg.pbuf then
+      if budget < seg.padded or self.live + seg.padded > s.max_live then break end
+      if nvme and not self.pshard:can_prefetch() then break end
+      budget = budget - seg.padded
+      self:gather(seg, true)
+    end
+  end
+end
+
+local function record(order, seg, pass)
+  if not order.done then order[#order + 1] = seg end
+  pass.k = pass.k + 1
+  return pass.k
+end
+
+-- Gathers a module's segments before it runs (forward or backward),
+-- recording the order and prefetching along the recorded one.
+function M:gather_for(m, order, pass)
+  for _, seg in ipairs(self.segs_of[m]) do
+    local k = record(order, seg, pass)
+    self:ensure(seg)
+    self:prefetch(order, k)
+  end
+end
+
+-- Gathers that were prefetched but not used (a pass that ended early).
+function M:drop_prefetched()
+  if not self.P.params.gather then return end
+  for _, seg in ipairs(self.L.segments) do
+    if seg.pbuf and seg.in_use == 0 then
+      self:gathered(seg)
+      seg.in_use = 1
+      self:release(seg)
+    end
+  end
+end
+
+------------------------------------------------------------------- hooks
+
+function M:pre_forward(m)
+  if not self.segs_of[m] or not self.P.params.gather then return end
+  self:gather_for(m, self.fwd_order, self.fwd_pass)
+end
+
+function M:post_forward(m)
+  local segs = self.segs_of[m]
+  if not segs or not self.P.params.gather then return end
+  for _, seg in ipairs(segs) do self:release(seg) end
+end
+
+function M:pre_backward(m)
+  local segs = self.segs_of[m]
+  if not segs then return end
+  if self.P.params.gather then self:gather_for(m, self.bwd_order, self.bwd_pass) end
+  self:stage_grads(segs)
+end
+
+function M:post_backward(m)
+  local segs = self.segs_of[m]
+  if not segs then return end
+  for _, seg in ipairs(segs) do
+    if self.P.params.gather then self:release(seg) end
+    seg.pending = seg.pending - 1
+    if seg.pending == 0 then
+      seg.pending = nil
+      self:grads_ready(seg)
+    end
+  end
+end
+
+-- Activation checkpointing with parameters gathered per module: a
+-- checkpointed module's parameters (all its descendants' segments) are
+-- gathered before its forward is replayed and held through its backward,
+-- so one gather serves both. The replay runs no forward hooks: the
+-- recorded prefetch orders and the gradient reductions see only the real
+-- forward and backward.
+function M:recompute_segs(m)
+  local list = self.recompute_segs_of[m]
+  if list then return list end
+  list = {}
+  local seen = {}
+  local function visit(x)
+    for _, seg in ipairs(self.segs_of[x] or {}) do
+      if not seen[seg] then seen[seg] = true; list[#list + 1] = seg end
+    end
+    for _, c in ipairs(x.children) do visit(c.module) end
+  end
+  visit(m)
+  self.recompute_segs_of[m] = list
+  return list
+end
+
+function M:pre_recompute(m)
+  if not self.P.params.gather then return end
+  for _, seg in ipairs(self:recompute_segs(m)) do self:ensure(seg) end
+end
+
+function M:post_recompute(m)
+  if not self.P.params.gather then return end
+  for _, seg in ipairs(self:recompute_segs(m)) do self:release(seg) end
+end
+
+------------------------------------------------------------ after the step
+
+-- What the plan gathers after the step: every rank's updated slices into
+-- every rank's full working copy, or the persistent parameters.
+function M:gather_params()
+  local after, comm = self.P.after_step, self.comm
+  if after == "none" then return end
+  local async, works, slots = self.s.overlap, {}, {}
+  for _, seg in ipairs(self.L.segments) do
+    local send, recv, stg
+    if after == "gather_full" then
+      recv = self.work:view(seg.full_offset, { seg.padded })
+      send = recv:view(self.rank * seg.slice, { seg.slice })
+    elseif seg.persistent then
+      recv = seg.persistent
+      send, stg = self:shard_slice(seg)
+    end
+    if recv then works[#works + 1] = comm.all_gather(send, recv, async) end
+    if stg then
+      if async then slots[#slots + 1] = stg else self:release_slice(stg) end
+    end
+  end
+  if async then for _, w in ipairs(works) do w:wait() end end
+  for _, stg in ipairs(slots) do self:release_slice(stg) end
+end
+
+return M

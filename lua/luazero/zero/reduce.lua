@@ -1,0 +1,248 @@
+-- zero/reduce.lua — the engine's gradient reduction, as the plan says
+-- (P.reduce): each module's gradients into a pooled staging buffer reduced
+-- as soon as they are complete and added into the gradients every
+-- micro-step (buffered), or the full gradient buffer reduced once per step
+-- in buckets; the reduced gradients copied off the device where the
+-- optimizer reads them from host memory; half gradients added through an
+-- fp32 scratch. Methods of the engine (zero/engine.lua mixes them in).
+local lz = require("luazero")
+local layout = require("luazero.zero.layout")
+local Placement = require("luazero.zero.plan")
+local clock = require("luazero.clock")
+
+local ops = lz.ops
+local at = Placement.offset
+local CHUNK = layout.CHUNK
+
+local M = {}
+
+local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
+
+-- A module's backward is about to run: its segments' gradients get a
+-- staging buffer (buffered), and every segment counts the modules still to
+-- write into it.
+function M:stage_grads(segs)
+  local buffered = self.P.reduce.buffered
+  for _, seg in ipairs(segs) do
+    if buffered and not seg.gbuf then
+      self:make_room(seg.padded)
+      seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
+      bind_grads(seg, seg.gbuf)
+      seg.pending = seg.users
+    elseif not buffered and seg.pending == nil then
+      seg.pending = seg.users
+    end
+  end
+end
+
+-- A segment's gradients are complete for this micro-step: reduced as the
+-- plan says (P.reduce).
+function M:grads_ready(seg)
+  local comm, async, R = self.comm, self.s.overlap, self.P.reduce
+  if R.buffered then
+    -- Reduce the staging buffer: all-reduce of all of it (added into the
+    -- full gradients), or reduce-scatter in place (this rank's slice, added
+    -- into this rank's slice of the gradients, full or shard). The shm
+    -- backend reduces elementwise in rank order, so this rank's slice holds
+    -- the same bits either way.
+    if self.half_grads then
+      -- Round the fp32 staging buffer to gdt; reduce that.
+      local h = self.pool:get(seg.padded, self.gdt)
+      h:copy(seg.gbuf)
+      self.pool:put(seg.gbuf)
+      seg.gbuf = h
+    end
+    local recv, dst, w
+    if R.op == "all_reduce" then
+      recv = seg.gbuf
+      dst = self.rgrads:view(seg.full_offset, { seg.padded })
+      w = comm.all_reduce(seg.gbuf, "avg", async)
+    else
+      recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
+      -- Into the gradient shard, or (none on the device) the optimizer's.
+      dst = self.rgrads:view(at(R.into, seg.mine), { seg.slice })
+      w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
+    end
+    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
+    if async then
+      item.work = w
+      self.inflight[#self.inflight + 1] = item
+      self.inflight_elems = self.inflight_elems + seg.padded
+    else
+      self:finish_reduce(item)
+    end
+    bind_grads(seg, nil)
+    return
+  end
+  if not self:is_gradient_accumulation_boundary() then return end
+  if R.op == "reduce_scatter" then
+    -- In place, in the full gradient buffer: this rank's slice is reduced.
+    local full = self.grads:view(seg.full_offset, { seg.padded })
+    local recv = self.grads:view(seg.mine.full_offset, { seg.slice })
+    local w = comm.reduce_scatter(full, recv, "avg", async)
+    if async then self.inflight[#self.inflight + 1] = { work = w } end
+    return
+  end
+  -- All-reduce, neighbouring segments batched into buckets of
+  -- reduce_bucket_size elements (backward visits them back to front).
+  local b = self.bucket
+  if b and seg.full_offset + seg.padded == b.lo then
+    b.lo = seg.full_offset
+  else
+    self:flush_bucket()
+    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded }
+    self.bucket = b
+  end
+  if b.hi - b.lo >= self.s.reduce_bucket then self:flush_bucket() end
+end
+
+function M:flush_bucket()
+  local b = self.bucket
+  if not b then return end
+  self.bucket = false
+  local w = self.comm.all_reduce(self.grads:view(b.lo, { b.hi - b.lo }), "avg", self.s.overlap)
+  if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
+end
+
+-- Staged gradients: adds a reduced staging buffer (all-reduce) or slice
+-- (reduce-scatter) into the gradients the optimizer reads.
+function M:finish_reduce(item)
+  if item.work then item.work:wait() end
+  local seg = item.seg
+  if seg then
+    if item.work then self.inflight_elems = self.inflight_elems - item.elems end
+    if self.P.reduce.to_host then
+      -- Reduced on the device, added into the host's gradients: copied off
+      -- on the copy stream (overlap_comm: while backward goes on; the add
+      -- waits for it in land), else at once.
+      local host = self.hpool:get(item.recv:numel(), item.recv:dtype_name())
+      item.host, item.gbuf = host, seg.gbuf
+      seg.gbuf = nil
+      if self.s.overlap then
+        lz.copy_async(host, item.recv, "copy")
+        item.landed = lz.event()
+        item.landed:record("copy")
+        self.landing[#self.landing + 1] = item
+      else
+        host:copy(item.recv)
+        self:land(item)
+      end
+      return
+    end
+    self:accumulate(item.dst, item.recv)
+    self.pool:put(seg.gbuf)
+    seg.gbuf = nil
+  end
+end
+
+-- dst += a reduced micro-step gradient src (both where the add runs).
+function M:accumulate(dst, src)
+  if self.half_grads then self:add_half(dst, src) else ops.axpy(dst, 1.0, src) end
+end
+
+-- A reduced gradient copied off the device is added into the host's
+-- gradients once its copy has landed; its buffers go back to their pools.
+function M:land(item)
+  if item.landed then
+    self:wait_copies(item.landed)
+    item.landed:free()
+  end
+  self:accumulate(item.dst, item.host)
+  self.hpool:put(item.host)
+  self.pool:put(item.gbuf)
+end
+
+-- Waits for copies queued to overlap (up to event ev), counting the host's
+-- wait: the part of their time that was not hidden (copy_wait_s).
+function M:wait_copies(ev)
+  local t0 = clock.now()
+  ev:synchronize()
+  self.copy_wait = self.copy_wait + (clock.now() - t0)
+end
+
+-- Lands the copies in flight, in order (all, or those already done).
+function M:land_all(done_only)
+  local landing = self.landing
+  while #landing > 0 and (not done_only or landing[1].landed:query()) do
+    self:land(table.remove(landing, 1))
+  end
+end
+
+-- Half gradients: the fp32 scratch of 2 x CHUNK elements beside a tensor
+-- (on its device, made by allocate), for the optimizer's view of the
+-- gradients and for accumulating into them.
+function M:scratch_by(t) return self.scratches[t:device_name()] end
+
+-- dst += src for gdt tensors: both converted to fp32, added, dst rounded
+-- back (nearest even), CHUNK elements at a time. Elementwise, so every
+-- plan gets the same bits.
+--
+-- An fp32 dst (the optimizer's host gradients) holds gdt values: the sum
+-- is rounded to gdt and widened back (through round_scratch), the same
+-- numbers a gdt dst holds.
+function M:add_half(dst, src)
+  local n, scratch = dst:numel(), self:scratch_by(dst)
+  local round = dst.dtype ~= src.dtype
+  for off = 0, n - 1, CHUNK do
+    local len = math.min(CHUNK, n - off)
+    local a = scratch:view(0, { len })
+    local b = scratch:view(CHUNK, { len })
+    local d = dst:view(off, { len })
+    a:copy(d)
+    b:copy(src:view(off, { len }))
+    ops.axpy(a, 1.0, b)
+    if round then
+      local r = self.round_scratch:view(0, { len })
+      r:copy(a)
+      d:copy(r)
+    else
+      d:copy(a)
+    end
+  end
+end
+
+-- Keeps the gradient buckets in flight under reduce_bucket_size elements.
+function M:make_room(n)
+  self:land_all(true)
+  while #self.inflight > 0 and self.inflight_elems + n > self.s.reduce_bucket do
+    self:finish_reduce(table.remove(self.inflight, 1))
+  end
+  -- Gradient buffers whose copies are in flight count against the bucket too.
+  while #self.landing > 0 and self.inflight_elems + self:landing_elems() + n >
+        self.s.reduce_bucket do
+    self:land(table.remove(self.landing, 1))
+  end
+end
+
+function M:landing_elems()
+  local n = 0
+  for _, item in ipairs(self.landing) do n = n + item.elems end
+  return n
+end
+
+function M:wait_all()
+  self:flush_bucket()
+  while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
+  self.inflight_elems = 0
+  self:land_all()
+end
+
+-- A host optimizer's gradients when the device keeps whole ones (stage 1,
+-- or accumulation before stage 2): this rank's slices, copied off the
+-- device once per step.
+function M:pull_grads()
+  local P = self.P
+  if P.opt_grads.alias or P.grads.extent == "none" then return end
+  for _, seg in ipairs(self.L.segments) do
+    self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
+        :copy(self.grads:view(at(P.grads.extent, seg.mine), { seg.slice }))
+  end
+end
+
+function M:zero_grad()
+  local P = self.P
+  if P.grads.extent ~= "none" then self.grads:zero() end
+  if not P.opt_grads.alias then self.ograds:zero() end
+end
+
+return M

@@ -1,0 +1,384 @@
+-- zero/states.lua — the engine's model states as numbers: the initial
+-- weights placed where the plan keeps them, the optimizer's calls over its
+-- master and states (sub-group by sub-group, resident or on NVMe), and the
+-- interface checkpoints and checksums read them through (visit_states,
+-- state_layout, after_load, master_params, params_checksum). Methods of
+-- the engine (zero/engine.lua mixes them in).
+local lz = require("luazero")
+local layout = require("luazero.zero.layout")
+local Placement = require("luazero.zero.plan")
+
+local at = Placement.offset
+local CHUNK = layout.CHUNK
+
+local M = {}
+
+local function bind_params(seg, buf) layout.bind("p", seg, buf) end
+
+------------------------------------------------------------ initial weights
+
+-- Every rank draws the same initial weights (same seed, canonical order)
+-- into a temporary fp32 buffer, then keeps what the plan places on it.
+function M:init_weights(seed)
+  local L, model, P = self.L, self.model, self.P
+  local tmp = lz.tensor({ L.full_numel }, "f32", "workspace")
+  -- Frozen parameters are drawn into an fp32 buffer of their own (the draws
+  -- walk every parameter in canonical order), then rounded into theirs.
+  local ftmp = self.frozen and lz.tensor({ self.frozen:numel() }, "f32", "workspace")
+  for _, e in ipairs(self.frozen_entries) do
+    e.module.p[e.key] = ftmp:view(e.frozen_offset, e.shape)
+  end
+  local saved = {}
+  for _, seg in ipairs(L.segments) do
+    for _, e in ipairs(seg.entries) do
+      saved[e] = e.entry.module.p[e.entry.key]
+    end
+    bind_params(seg, tmp:view(seg.full_offset, { seg.padded }))
+  end
+  model:init_weights(seed)
+  if ftmp then
+    self.frozen:convert(ftmp)
+    for _, e in ipairs(self.frozen_entries) do
+      e.module.p[e.key] = self.frozen:view(e.frozen_offset, e.shape)
+    end
+    ftmp:free()
+  end
+  -- A state's part of segment seg: the whole padded segment (full) or this
+  -- rank's slice (shard), copied from the drawn weights.
+  local function place(buf, extent, seg)
+    if extent == "full" then
+      buf:view(seg.full_offset, { seg.padded })
+         :convert(tmp:view(seg.full_offset, { seg.padded }))
+    else
+      buf:view(seg.shard_offset, { seg.slice })
+         :convert(tmp:view(seg.mine.full_offset, { seg.slice }))
+    end
+  end
+  local own_master = not P.master.alias and P.master.tier ~= "nvme"
+  for _, seg in ipairs(L.segments) do
+    bind_params(seg, nil)
+    for _, e in ipairs(seg.entries) do e.entry.module.p[e.entry.key] = saved[e] end
+    if P.params.tier ~= "nvme" then place(self.work, P.params.extent, seg) end
+    if seg.persistent then seg.persistent:convert(tmp:view(seg.full_offset, { seg.padded })) end
+    if own_master then place(self.master, P.master.extent, seg) end
+  end
+  -- Sub-groups on NVMe: the master slices and zero states to the state
+  -- file, the working copy (the master rounded) to the parameter file.
+  local st = self.states
+  if st.nb > 0 then
+    st:each_group(true, function(_, lo, n, v)
+      if P.optimizer.tier == "nvme" then
+        if not P.master.alias then
+          self:shard_pieces(lo, n, function(seg, a, len)
+            local from = seg.mine.full_offset + (a - seg.shard_offset)
+            v.master:view(a - lo, { len }):copy(tmp:view(from, { len }))
+          end)
+        end
+        for _, t in ipairs(v.s) do t:zero() end
+      end
+      if P.params.tier == "nvme" then v.work:copy(v.master) end
+    end, true) -- fresh: every state is written here, nothing to read first
+  end
+  tmp:free()
+end
+
+-- Zero weights everywhere the plan keeps them (the loader fills them next).
+function M:zero_weights()
+  local P = self.P
+  if P.params.tier ~= "nvme" then self.work:zero() end
+  if not P.master.alias and P.master.tier ~= "nvme" then self.master:zero() end
+  for _, seg in ipairs(self.L.segments) do
+    if seg.persistent then seg.persistent:zero() end
+  end
+  local st = self.states
+  if st.nb > 0 then
+    st:each_group(true, function(_, _, _, v)
+      if not P.master.alias then v.master:zero() end
+      for _, t in ipairs(v.s) do t:zero() end
+      if P.params.tier == "nvme" then v.work:zero() end
+    end, true)
+  end
+end
+
+-- Calls fn(seg, a, len) for the pieces of shard elements [lo, lo + n) that
+-- fall in each segment's slice (a: the piece's shard offset), in order.
+function M:shard_pieces(lo, n, fn)
+  local hi = lo + n
+  for _, seg in ipairs(self.L.segments) do
+    local a = math.max(lo, seg.shard_offset)
+    local b = math.min(hi, seg.shard_offset + seg.slice)
+    if b > a then fn(seg, a, b - a) end
+    if seg.shard_offset >= hi then break end
+  end
+end
+
+------------------------------------------------------------ the optimizer's calls
+
+-- The optimizer's calls: it updates every rank's slices where the plan
+-- replicates it, this rank's otherwise. Each run is a piece of
+-- one decay setting; the pieces that fall in each optimizer sub-group
+-- (zero/offload.lua) become that group's calls, with views into the
+-- group's master and states (resident or read from NVMe), the gradients and (bf16/
+-- fp16, or an NVMe parameter shard) the working copy.
+function M:build_calls()
+  local L, P = self.L, self.P
+  local ranks = {}
+  if P.optimizer.ranks == "all" then
+    for r = 0, self.world - 1 do ranks[#ranks + 1] = r end
+  else
+    ranks[1] = self.rank
+  end
+  -- The working copy the update rounds into (none when it is the master
+  -- itself, or on NVMe: each sub-group's staging then).
+  local rounds = P.dtype ~= "f32" and P.params.tier ~= "nvme"
+  local runs = {}
+  for _, r in ipairs(ranks) do
+    for _, run in ipairs(layout.shard_runs(L, r)) do
+      local shape = { run.numel }
+      local item = {
+        decay = run.decay, numel = run.numel, opt_off = at(P.optimizer.extent, run),
+        master_off = at(P.master.extent, run),
+        g = self.ograds:view(at(P.opt_grads.extent, run), shape),
+        w = rounds and self.work:view(at(P.params.extent, run), shape) or nil,
+      }
+      if P.push_params then
+        -- Host staging, then the device's working copy.
+        item.w = self.wstage:view(run.shard_offset, shape)
+        item.wdev = self.work:view(at(P.params.extent, run), shape)
+      end
+      runs[#runs + 1] = item
+    end
+  end
+  local grouped_master = not P.master.alias
+  local grouped_work = P.params.tier == "nvme"
+  self.calls = {}
+  for k, g in ipairs(self.states.groups) do
+    local gv, calls = self.states.views[k], {}
+    for _, run in ipairs(runs) do
+      local a = math.max(run.opt_off, g.lo)
+      local b = math.min(run.opt_off + run.numel, g.lo + g.n)
+      if b > a then
+        local d, len, rel = a - run.opt_off, b - a, a - g.lo
+        local function piece(off, n)
+          local st = {}
+          for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
+          return {
+            decay = run.decay, s = st,
+            p = grouped_master and gv.master:view(rel + off, { n })
+                or self.master:view(run.master_off + d + off, { n }),
+            g = run.g:view(d + off, { n }),
+            w = run.w and run.w:view(d + off, { n })
+                or (grouped_work and gv.work:view(rel + off, { n }) or nil),
+            wdev = run.wdev and run.wdev:view(d + off, { n }),
+          }
+        end
+        if self.half_grads then
+          -- The optimizer reads fp32 gradients: each chunk's gradients
+          -- (half) are converted into the scratch just before its update.
+          for off = 0, len - 1, CHUNK do
+            local c = piece(off, math.min(CHUNK, len - off))
+            c.half_g, c.g = c.g, self:scratch_by(c.g):view(0, { c.p:numel() })
+            calls[#calls + 1] = c
+          end
+        else
+          calls[#calls + 1] = piece(0, len)
+        end
+      end
+    end
+    self.calls[k] = calls
+  end
+  -- This rank's gradient slices, for the norm's canonical partials.
+  self.grad_slices = {}
+  for i, seg in ipairs(L.segments) do
+    self.grad_slices[i] = self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
+  end
+  local K = #L.segments + 1 -- the loss, then one partial per segment
+  self.meta_k = K
+  self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
+  self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
+end
+
+-------------------------------------------- optimizer states (checkpoints)
+-- The interface checkpoints use (luazero/checkpoint.lua); nothing else
+-- reads the master and the optimizer's states for them. docs/checkpoints.md.
+
+-- This rank's optimizer elements: the full padded layout where the plan
+-- replicates the optimizer, its shard otherwise.
+function M:state_numel() return self:numel(self.P.optimizer.extent) end
+
+-- Calls fn(offset, master, state1, state2, ...) for chunks covering this
+-- rank's optimizer elements [0, state_numel()) in order, with f32 views of
+-- equal length (the optimizer's states in its `states` order: m, v for
+-- AdamW): the optimizer's sub-groups (zero/offload.lua), read from NVMe
+-- where they live there. write_back: fn modifies them (a load); on NVMe
+-- they are written back, and an NVMe parameter shard gets the rounded
+-- master with them.
+function M:visit_states(write_back, fn)
+  local P = self.P
+  if P:on_device("optimizer") then
+    -- Host copies of the device's chunks (copied back when written).
+    local inner = fn
+    fn = function(off, ...)
+      local dev, host = { ... }, {}
+      for i, t in ipairs(dev) do host[i] = t:to("cpu") end
+      inner(off, unpack(host))
+      for i, t in ipairs(dev) do
+        if write_back then t:copy(host[i]) end
+        host[i]:free()
+      end
+    end
+  end
+  self.states:each_group(write_back, function(_, lo, n, v)
+    if not P.master.alias then
+      fn(lo, v.master, unpack(v.s))
+      if write_back and P.params.tier == "nvme" then v.work:copy(v.master) end
+    elseif P.master.extent == P.optimizer.extent then
+      fn(lo, self.master:view(lo, { n }), unpack(v.s))
+    else
+      -- The master is the full working buffer, the states a shard: this
+      -- rank's slices of it, one chunk per segment.
+      self:shard_pieces(lo, n, function(seg, a, len)
+        local st = {}
+        for i, t in ipairs(v.s) do st[i] = t:view(a - lo, { len }) end
+        fn(a, self.master:view(seg.mine.full_offset + (a - seg.shard_offset), { len }),
+           unpack(st))
+      end)
+    end
+  end)
+end
+
+-- How optimizer-element offsets map to canonical parameter coordinates:
+-- { numel = state_numel(), runs = { {offset, canonical, numel}, ... } }.
+function M:state_layout()
+  return { numel = self:state_numel(),
+           runs = layout.canonical_runs(self.L, self.P.optimizer.extent == "shard" and self.rank or nil) }
+end
+
+-- Whether every rank holds the same optimizer states (one writer is enough).
+function M:states_replicated() return self.P.optimizer.extent == "full" end
+
+-- After the master was written (a load): the working copy is its rounding
+-- (the update writes round(master); init rounds the same way), then what
+-- the plan gathers after a step is gathered again.
+function M:after_load()
+  local L, P = self.L, self.P
+  -- (an NVMe shard got it in visit_states; a host master beside a device
+  -- working copy is never the working copy itself)
+  local resident = P.master.tier ~= "nvme"
+  if (P.dtype ~= "f32" or P.push_params) and P.params.tier ~= "nvme" then
+    local work = self.work
+    if resident and P.params.extent == P.master.extent then
+      work:convert(self.master)
+    elseif resident then
+      for _, seg in ipairs(L.segments) do
+        work:view(seg.mine.full_offset, { seg.slice })
+            :convert(self.master:view(seg.shard_offset, { seg.slice }))
+      end
+    else
+      -- The master is on NVMe: one pass over its sub-groups.
+      self.states:each_group(false, function(_, lo, n, v)
+        if P.params.extent == "shard" then
+          work:view(lo, { n }):convert(v.master)
+        else
+          self:shard_pieces(lo, n, function(seg, a, len)
+            work:view(seg.mine.full_offset + (a - seg.shard_offset), { len })
+                :convert(v.master:view(a - lo, { len }))
+          end)
+        end
+      end)
+    end
+  end
+  self:gather_params()
+  self:zero_grad()
+end
+
+-- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua.
+function M:save(dir, extra, opts)
+  return require("luazero.checkpoint").save(self, dir, extra, opts)
+end
+function M:load(path) return require("luazero.checkpoint").load(self, path) end
+
+---------------------------------------------------------- checkpoints
+
+-- The full fp32 master parameters in canonical order (unpadded), as an f32
+-- tensor (category workspace) on every rank.
+function M:master_params()
+  local out = lz.tensor({ self.L.numel }, "f32", "workspace")
+  self:full_master_segments(function(seg, full)
+    out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
+  end)
+  return out
+end
+
+-- Calls fn(seg, full) for every segment in order with its whole fp32
+-- master (padded), the same on every rank: a view of a resident full
+-- master, or this rank's slices gathered into a temporary one segment at
+-- a time.
+function M:full_master_segments(fn)
+  local P = self.P
+  local on_device = P:on_device("master")
+  if P.master.tier ~= "nvme" and P.master.extent == "full" then
+    for _, seg in ipairs(self.L.segments) do
+      local full = self.master:view(seg.full_offset, { seg.padded })
+      if on_device then
+        full = full:to("cpu")
+        fn(seg, full)
+        full:free()
+      else
+        fn(seg, full)
+      end
+    end
+    return
+  end
+  self:master_slices(function(seg, slice)
+    local full = lz.tensor({ seg.padded }, "f32", "workspace")
+    local host = on_device and slice:to("cpu")
+    self.comm.all_gather(host or slice, full)
+    if host then host:free() end
+    fn(seg, full)
+    full:free()
+  end)
+end
+
+-- Calls fn(seg, slice) for every segment in order with this rank's fp32
+-- master slice of it (a sharded master): a view of the resident master, or
+-- assembled from the sub-groups read from NVMe.
+function M:master_slices(fn)
+  local segs = self.L.segments
+  if self.P.master.tier ~= "nvme" then
+    for _, seg in ipairs(segs) do fn(seg, self.master:view(seg.shard_offset, { seg.slice })) end
+    return
+  end
+  local i, part = 1, nil
+  self.states:each_group(false, function(_, lo, n, v)
+    local hi = lo + n
+    while i <= #segs do
+      local seg = segs[i]
+      local so, se = seg.shard_offset, seg.shard_offset + seg.slice
+      if so >= hi then break end
+      local a, b = math.max(so, lo), math.min(se, hi)
+      if a == so and b == se then
+        fn(seg, v.master:view(a - lo, { seg.slice }))
+      else
+        part = part or lz.tensor({ seg.slice }, "f32", "workspace")
+        part:view(a - so, { b - a }):copy(v.master:view(a - lo, { b - a }))
+        if b == se then fn(seg, part); part:free(); part = nil end
+      end
+      if se > hi then break end
+      i = i + 1
+    end
+  end)
+end
+
+-- xxh64 of the full fp32 master parameters in canonical order (hex),
+-- streamed one segment at a time: memory of one gathered segment.
+function M:params_checksum()
+  local h = lz.hasher(0)
+  local es = Placement.esize.f32
+  self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * es) end)
+  local hex = require("bit").tohex(h:digest(), 16)
+  h:free()
+  return hex
+end
+
+return M
