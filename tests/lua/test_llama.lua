@@ -103,7 +103,7 @@ function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
         for k, v in pairs(tinyllama_json) do j[k] = v end
         j.num_key_value_heads = 5
         return j
-      end)(), "n_head 32 is not a multiple of n_kv_head 5" },
+      end)(), "num_attention_heads 32 is not a multiple of num_key_value_heads 5" },
     { (function()
         local j = {}
         for k, v in pairs(tinyllama_json) do j[k] = v end
