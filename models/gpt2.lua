@@ -20,17 +20,21 @@ local M = {}
 
 ------------------------------------------------------------------ configs
 
+-- GPT-2's BPE vocabulary: 50257 tokens, the last <|endoftext|>, which also
+-- begins a document (samples start from it).
+M.VOCAB, M.END_OF_TEXT = 50257, 50256
+
 -- lr: a learning rate that trains the size well, used when --lr is not given.
 M.configs = {
   ["gpt2-nano"] = { n_layer = 4, n_head = 4, n_embd = 128, context = 256, vocab = 256,
                     lr = 3e-3 },
-  ["gpt2"] = { n_layer = 12, n_head = 12, n_embd = 768, context = 1024, vocab = 50257,
+  ["gpt2"] = { n_layer = 12, n_head = 12, n_embd = 768, context = 1024, vocab = M.VOCAB,
                lr = 6e-4 },
   ["gpt2-medium"] = { n_layer = 24, n_head = 16, n_embd = 1024, context = 1024,
-                      vocab = 50257, lr = 3e-4 },
+                      vocab = M.VOCAB, lr = 3e-4 },
   ["gpt2-large"] = { n_layer = 36, n_head = 20, n_embd = 1280, context = 1024,
-                     vocab = 50257, lr = 2.5e-4 },
-  ["gpt2-xl"] = { n_layer = 48, n_head = 25, n_embd = 1600, context = 1024, vocab = 50257,
+                     vocab = M.VOCAB, lr = 2.5e-4 },
+  ["gpt2-xl"] = { n_layer = 48, n_head = 25, n_embd = 1600, context = 1024, vocab = M.VOCAB,
                   lr = 2e-4 },
 }
 M.names = { "gpt2-nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" }
