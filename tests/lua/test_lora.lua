@@ -233,8 +233,9 @@ function T.a_new_lora_target_is_one_entry_in_the_table()
   where.gate_proj = nil
   local targets = { "q_proj", "v_proj", "gate_proj" }
   local model = registry.new(registry.config("llama-tiny"))
-  support.expect_error(function() lora.apply(model, { r = 4, targets = targets, where = where }) end,
-                       "lora: no module named gate_proj to adapt")
+  support.expect_error(function()
+    lora.apply(model, { r = 4, targets = targets, where = where })
+  end, "lora: no module named gate_proj to adapt")
   where.gate_proj = { "mlp.gate_proj" }
   assert(lora.apply(model, { r = 4, alpha = 8, targets = targets, where = where }) ==
          3 * model.cfg.n_layer)

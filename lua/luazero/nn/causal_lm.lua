@@ -41,7 +41,7 @@ end
 -- A model of class `cls` (a CausalLM:extend of the family's) from `desc`.
 function CausalLM.new(cls, desc, cfg)
   local self = setmetatable({}, cls):init()
-  self.cfg, self.desc, self.lora_targets = cfg, desc, desc.lora_targets
+  self.cfg, self.lora_targets = cfg, desc.lora_targets
   local names = desc.names
   self.shared = desc.shared and desc.shared(cfg) or {}
   local body = self:add(names.body, setmetatable({}, Module):init())
