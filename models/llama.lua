@@ -8,6 +8,7 @@
 --   local cfg = llama.config("llama-tiny", { n_layer = 4 })
 --   local model = llama.new(cfg)   -- then as models/gpt2.lua: allocate,
 --                                  -- init_weights, prepare, forward, backward
+-- (nn/causal_lm.lua runs it; this file describes it: its sizes and parts.)
 --
 -- Parameter names are Hugging Face's, in its order: model.embed_tokens.weight,
 -- model.layers.N.input_layernorm.weight, model.layers.N.self_attn.{q,k,v,o}_proj.weight,
@@ -16,9 +17,7 @@
 -- lm_head.weight (absent when tied). The embedding and LM head have rows
 -- up to a multiple of 64 (the real vocab first; 32000 and 128256 need none).
 local ffi = require("ffi")
-local lz = require("luazero")
 local nn = require("luazero.nn")
-local gpt2 = require("models.gpt2")
 
 local M = {}
 
@@ -176,65 +175,43 @@ end
 
 -------------------------------------------------------------------- model
 
-local Llama = nn.Model:extend("Llama")
+-- The model as nn.CausalLM builds it, with Hugging Face's names (see the
+-- header). Every Linear and the embedding start N(0, initializer_range)
+-- (Hugging Face's _init_weights), RMSNorm weights 1.
+M.description = {
+  names = { body = "model", embedding = "embed_tokens", blocks = "layers", norm = "norm",
+            head = "lm_head",
+            block = { attn_norm = "input_layernorm", attn = "self_attn",
+                      mlp_norm = "post_attention_layernorm", mlp = "mlp" } },
+  -- The rotary frequencies, one table for every layer.
+  shared = function(cfg) return { rope = nn.Rope.new(M.inv_freq(cfg)) } end,
+  embedding = function(cfg) return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std) end,
+  norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps) end,
+  attention = function(cfg, shared)
+    return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std)
+  end,
+  mlp = function(cfg) return nn.SwiGLUMLP.new(cfg.n_embd, cfg.n_hidden, cfg.std) end,
+  -- tie_word_embeddings: the head reads the token table; else a Linear of its own.
+  head = function(cfg)
+    if cfg.tie then return nil end
+    return nn.Linear.new(cfg.n_embd, cfg.padded_vocab, { bias = false, std = cfg.std })
+  end,
+  -- LoRA targets (models/lora.lua): a module name -> the Linears it names,
+  -- as the ends of their paths; part: a part of the packed q|k|v projection.
+  lora_targets = {
+    q_proj = { "self_attn", part = "q_proj" },
+    k_proj = { "self_attn", part = "k_proj" },
+    v_proj = { "self_attn", part = "v_proj" },
+    o_proj = { "self_attn.o_proj" },
+    gate_proj = { "mlp.gate_proj" },
+    up_proj = { "mlp.up_proj" },
+    down_proj = { "mlp.down_proj" },
+  },
+}
+
+local Llama = nn.CausalLM:extend("Llama")
 M.Llama = Llama
 
-function M.new(cfg)
-  local self = setmetatable({}, Llama):init()
-  self.cfg = cfg
-  local C, Vp = cfg.n_embd, cfg.padded_vocab
-  local freqs = M.inv_freq(cfg)
-  self.rope = { inv_freq = lz.from_table(freqs, { #freqs }, "f32", "workspace") }
-  local model = self:add("model", setmetatable({}, nn.Module):init())
-  local embed = model:add("embed_tokens", nn.TokenEmbedding.new(Vp, C, cfg.std))
-  local blocks = {}
-  for i = 1, cfg.n_layer do blocks[i] = nn.LlamaBlock.new(cfg, self.rope) end
-  model:add("layers", nn.Sequential.new(blocks))
-  local norm = model:add("norm", nn.RMSNorm.new(C, cfg.eps))
-  local head = cfg.tie and nn.TiedHead.new(embed, "weight", "model.embed_tokens.weight", Vp) or
-               nn.Linear.new(C, Vp, { bias = false, std = cfg.std })
-  self:add("lm_head", head)
-  self.layers = { stem = { embed }, blocks = blocks, top = { norm }, output = head }
-  self.param_table, self.n_params = self:parameter_table()
-  self:set_context({})
-  return self
-end
-
--- Real parameters (padded rows excluded), as Hugging Face counts them.
-function Llama:count_params()
-  local cfg = self.cfg
-  local pad = (cfg.padded_vocab - cfg.vocab) * cfg.n_embd
-  return self.n_params - pad * (cfg.tie and 1 or 2)
-end
-
--- As Hugging Face's _init_weights: every Linear and the embedding
--- N(0, initializer_range), RMSNorm weights 1; one generator walks the table
--- in canonical order. Padded rows are zero (never looked up, never scored).
-function Llama:init_weights(seed)
-  self:draw_params(seed)
-  local cfg = self.cfg
-  local pad = cfg.padded_vocab - cfg.vocab
-  if pad > 0 then
-    local n = pad * cfg.n_embd
-    self.model.embed_tokens.p.weight:view(cfg.vocab * cfg.n_embd, { n }):fill(0)
-    if not cfg.tie then self.lm_head.p.weight:view(cfg.vocab * cfg.n_embd, { n }):fill(0) end
-  end
-  return self
-end
-
-function Llama:free()
-  nn.Model.free(self)
-  if self.rope.inv_freq then self.rope.inv_freq:free() end
-  if self.rope.on_device then self.rope.on_device:free() end
-  self.rope.inv_freq, self.rope.on_device = nil, nil
-end
-
--- The per-position losses of forward; forward, backward and sampling are
--- GPT-2's (the same loss over the logits of the real vocabulary).
-Llama.own_memory = gpt2.GPT.own_memory
-Llama.prepare = gpt2.GPT.prepare
-Llama.forward = gpt2.GPT.forward
-Llama.backward = gpt2.GPT.backward
-Llama.generate = gpt2.GPT.generate
+function M.new(cfg) return Llama:new(M.description, cfg) end
 
 return M

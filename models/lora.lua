@@ -1,74 +1,128 @@
--- models/lora.lua — LoRA adapters (PEFT's names and scaling): beside each
--- chosen weight W [out, in], two trainable matrices A [r, in] and B [out, r];
--- the layer computes with W + (alpha / r) B A, and everything else in the
--- model is frozen. Written on the existing kernels: the effective weight is
--- formed in an fp32 workspace before the layer's GEMM, and its gradient
--- (from the same GEMM's backward) gives A's and B's.
+-- models/lora.lua — LoRA adapters (PEFT's names and scaling) in a model:
+-- each chosen Linear is wrapped (nn/lora.lua) with two trainable matrices
+-- A [r, in] and B [out, r] beside its weight W [out, in]; it computes with
+-- W + (alpha / r) B A, and everything else in the model is frozen.
 --
 --   local lora = require("models.lora")
 --   lora.apply(model, { r = 8, alpha = 16, targets = { "q_proj", "v_proj" } })
 --   -- then the engine: only the adapters train, get gradients and states
 --
--- Targets name the weights' modules as Hugging Face does: a Linear whose
--- path ends in the target (o_proj, gate_proj, up_proj, down_proj, c_fc,
--- c_proj, ...), or a Llama attention's q_proj, k_proj, v_proj (one packed
--- matrix here: adapters add into its rows). Parameter names follow PEFT:
+-- Targets name modules as Hugging Face does. Where each name's Linears are
+-- is the family's table (model.lora_targets, from models/gpt2.lua and
+-- models/llama.lua): name -> { path end, ... [, part = packed part] }, e.g.
+--   gate_proj = { "mlp.gate_proj" }                -- every layer's mlp.gate_proj
+--   c_proj = { "attn.c_proj", "mlp.c_proj" }       -- two Linears per layer
+--   q_proj = { "self_attn", part = "q_proj" }      -- q's rows of the packed q|k|v
+-- so adapting a new module is one entry there. Parameter names follow PEFT:
 -- <module>.lora_A.weight, <module>.lora_B.weight. A starts normal with std
 -- 1/sqrt(in), B at zero, so the adapted model starts as the base one.
 local nn = require("luazero.nn")
 
 local M = {}
 
-local function last(path) return path:match("([^.]+)$") or path end
+-- Whether m is a Linear (or a subclass of it, as PackedLinear).
+local function is_linear(m)
+  local cls = getmetatable(m)
+  while cls do
+    if cls == nn.Linear then return true end
+    local meta = getmetatable(cls)
+    cls = meta and meta.__index
+  end
+  return false
+end
 
--- Declares an adapter on module m for its weight `key` (rows [row0, row0 +
--- out) of it; name: the weight's HF module name, "" for the module's own).
-local function add(m, key, name, n_in, n_out, row0, r, scale)
-  local prefix = name == "" and "" or (name .. ".")
-  local a_key, b_key = "lora_A_" .. key, "lora_B_" .. key
-  m:param(a_key, { r, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in) }, false,
-          prefix .. "lora_A.weight")
-  m:param(b_key, { n_out, r }, { kind = "zeros" }, false, prefix .. "lora_B.weight")
-  m.lora = m.lora or {}
-  m.lora[#m.lora + 1] = { key = key, a = a_key, b = b_key, n_in = n_in, n_out = n_out,
-                          row0 = row0, r = r, scale = scale }
+local function ends_with(path, tail)
+  return path == tail or path:sub(-(#tail + 1)) == "." .. tail
+end
+
+-- The adapters each Linear of the model gets for `targets` (names of
+-- `where`): { [linear] = {parent, adapters = { {name, row0, rows}, ... }} }
+-- in the model's order, and how many weights each target found.
+local function plan(model, targets, where)
+  local found, by_linear, order = {}, {}, {}
+  local function visit(m, path)
+    for _, c in ipairs(m.children) do
+      local child = c.module
+      local cpath = (not c.name or c.name == "") and path or
+                    (path == "" and c.name or (path .. "." .. c.name))
+      if is_linear(child) then
+        for _, t in ipairs(targets) do
+          local entry = where[t]
+          for _, tail in ipairs(entry) do
+            if ends_with(cpath, tail) then
+              local ad
+              if entry.part then
+                local part = child.parts and child.parts[entry.part]
+                if part then ad = { entry.part, part.row0, part.rows } end
+              else
+                ad = { "", 0, child.n_out }
+              end
+              if ad then
+                if not by_linear[child] then
+                  by_linear[child] = { parent = m, adapters = {} }
+                  order[#order + 1] = child
+                end
+                local list = by_linear[child].adapters
+                list[#list + 1] = ad
+                found[t] = (found[t] or 0) + 1
+              end
+            end
+          end
+        end
+      end
+      visit(child, cpath)
+    end
+  end
+  visit(model, "")
+  return by_linear, order, found
+end
+
+local function known(where)
+  local names = {}
+  for k in pairs(where) do names[#names + 1] = k end
+  table.sort(names)
+  return table.concat(names, ", ")
 end
 
 -- opts: r (rank), alpha (scale alpha / r; default r: scale 1), targets (list
--- of module names). Rebuilds the model's parameter table and freezes every
--- parameter but the adapters. Returns the number of adapted weights.
+-- of module names; default q_proj, v_proj), where (the targets' table;
+-- default model.lora_targets). Wraps the Linears, rebuilds the model's
+-- parameter table and freezes every parameter but the adapters. Returns the
+-- number of adapted weights.
 function M.apply(model, opts)
   local r = assert(opts.r, "lora: r is required")
-  if r < 1 or r ~= math.floor(r) then error(("lora: r must be a whole number >= 1 (got %s)"):format(r), 0) end
+  if r < 1 or r ~= math.floor(r) then
+    error(("lora: r must be a whole number >= 1 (got %s)"):format(r), 0)
+  end
+  if model.lora then error("lora: the model has adapters already; apply them once", 0) end
   local scale = (opts.alpha or r) / r
-  local want = {}
-  for _, t in ipairs(opts.targets or { "q_proj", "v_proj" }) do want[t] = false end
-  local n = 0
-  model:walk(function(m, path)
-    if getmetatable(m) == nn.Linear and want[last(path)] ~= nil then
-      add(m, "weight", "", m.n_in, m.n_out, 0, r, scale)
-      want[last(path)] = true
-      n = n + 1
-    elseif getmetatable(m) == nn.GQA then
-      local rows = { q = { 0, m.q_width }, k = { m.q_width, m.kv_width },
-                     v = { m.q_width + m.kv_width, m.kv_width } }
-      for _, key in ipairs({ "q", "k", "v" }) do
-        local proj = key .. "_proj"
-        if want[proj] ~= nil then
-          add(m, key, proj, m.n_embd, rows[key][2], rows[key][1], r, scale)
-          want[proj] = true
-          n = n + 1
-        end
-      end
-    end
-  end)
-  for t, found in pairs(want) do
-    if not found then
-      error(("lora: no module named %s to adapt (--lora-targets); Llama has q_proj, k_proj, " ..
-             "v_proj, o_proj, gate_proj, up_proj, down_proj; GPT-2 c_attn, c_proj, c_fc"):format(t), 0)
+  local targets, seen = {}, {}
+  for _, t in ipairs(opts.targets or { "q_proj", "v_proj" }) do
+    if not seen[t] then seen[t] = true; targets[#targets + 1] = t end
+  end
+  local where = opts.where or model.lora_targets or {}
+  for _, t in ipairs(targets) do
+    if not where[t] then
+      error(("lora: no module named %s to adapt (--lora-targets); this model has %s")
+            :format(t, known(where)), 0)
     end
   end
+  local by_linear, order, found = plan(model, targets, where)
+  for _, t in ipairs(targets) do
+    if not found[t] then
+      error(("lora: no module named %s to adapt (--lora-targets); this model has %s")
+            :format(t, known(where)), 0)
+    end
+  end
+  local n = 0
+  for _, linear in ipairs(order) do
+    local p = by_linear[linear]
+    table.sort(p.adapters, function(a, b) return a[2] < b[2] end)
+    p.parent:replace(linear, nn.LoRA.new(linear, p.adapters, r, scale))
+    n = n + #p.adapters
+  end
   model.param_table, model.n_params = model:parameter_table()
+  model:set_context(model.ctx)
   model:freeze(function(name) return not name:find("lora_[AB]%.weight$") end)
   model.lora = { r = r, alpha = opts.alpha or r, targets = opts.targets }
   return n

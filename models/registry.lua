@@ -38,6 +38,17 @@ function M.new(cfg)
   return (cfg.family == "llama" and llama or gpt2).new(cfg)
 end
 
+-- The byte-level vocabulary's newline (data.lua's 256 byte tokens).
+M.NEWLINE = 10
+
+-- The token a sample starts from, by the vocabulary: GPT-2's <|endoftext|>
+-- for GPT-2's BPE vocabulary, else the byte-level newline (token 0 for a
+-- vocabulary too small to hold it).
+function M.sample_start(cfg)
+  if cfg.vocab == gpt2.VOCAB then return gpt2.END_OF_TEXT end
+  return cfg.vocab > M.NEWLINE and M.NEWLINE or 0
+end
+
 ------------------------------------------------------------ config.json
 
 local ARCHS = { GPT2LMHeadModel = "gpt2", LlamaForCausalLM = "llama" }

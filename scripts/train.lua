@@ -630,7 +630,7 @@ local function finish(run)
   say("params_checksum " .. sum)
   local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
-    local prompt = { mcfg.vocab == 50257 and 50256 or (mcfg.vocab > 10 and 10 or 0) }
+    local prompt = { models.sample_start(mcfg) }
     local ids = run.model:generate(prompt, flags.sample, flags.seed)
     if run.tok then
       -- ids past the tokenizer's vocabulary (the model's may be larger) as <id>

@@ -220,6 +220,76 @@ function T.lora_exports_peft_adapters_and_a_merged_model_with_the_same_loss()
   assert(st == 2 and o:find("is not a LoRA run's checkpoint", 1, true), o)
 end
 
+-- Where adapters go is the family's table (models/llama.lua's
+-- description.lora_targets): without its gate_proj entry, gate_proj is
+-- unknown; that one entry back, q_proj, v_proj and gate_proj train. The
+-- gate_proj adapters are LoRA wrappers around the MLP's Linear, get
+-- gradients (B at once, A once B has moved) and change; the base stays.
+function T.a_new_lora_target_is_one_entry_in_the_table()
+  local llama = require("models.llama")
+  local nn = require("luazero.nn")
+  local where = {}
+  for k, v in pairs(llama.description.lora_targets) do where[k] = v end
+  where.gate_proj = nil
+  local targets = { "q_proj", "v_proj", "gate_proj" }
+  local model = registry.new(registry.config("llama-tiny"))
+  support.expect_error(function()
+    lora.apply(model, { r = 4, targets = targets, where = where })
+  end, "lora: no module named gate_proj to adapt")
+  where.gate_proj = { "mlp.gate_proj" }
+  assert(lora.apply(model, { r = 4, alpha = 8, targets = targets, where = where }) ==
+         3 * model.cfg.n_layer)
+  local gate = {}
+  for l = 0, model.cfg.n_layer - 1 do
+    local mlp = model.model.layers[tostring(l)].mlp
+    assert(getmetatable(mlp.gate_proj) == nn.LoRA and getmetatable(mlp.gate_proj.base) == nn.Linear,
+           "gate_proj is a LoRA around the Linear")
+    for _, ab in ipairs({ "A", "B" }) do
+      gate[#gate + 1] = ("model.layers.%d.mlp.gate_proj.lora_%s.weight"):format(l, ab)
+    end
+  end
+  local cfg = { train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = 0 },
+                optimizer = { type = "AdamW", params = { lr = 1e-2, weight_decay = 0.0 } } }
+  local engine = zero.initialize{ model = model, config = cfg, seed = 5, batch = { 2, 16 } }
+  local at = {}
+  for _, seg in ipairs(engine.L.segments) do
+    for _, e in ipairs(seg.entries) do at[e.entry.name] = { seg = seg, e = e } end
+  end
+  for _, name in ipairs(gate) do assert(at[name], name .. " trains") end
+  -- A parameter in master_params (canonical order), or in the engine's
+  -- full gradient buffer (padded segments).
+  local function slice(buf, name, full)
+    local x = at[name]
+    local off = full and x.seg.full_offset + x.e.seg_offset or x.e.offset
+    return buf:view(off, { x.e.numel })
+  end
+  local function norms(buf, full)
+    local out = {}
+    for i, name in ipairs(gate) do out[i] = slice(buf, name, full):sq_norm() end
+    return out
+  end
+  local function hash(t) return lz.xxh64(t.data, t:bytes()) end
+  local base = frozen_hash(engine)
+  local p0 = engine:master_params()
+  local before = norms(p0)
+  local corpus = data.load(corpus_path)
+  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = 256 })
+  for _ = 1, 3 do engine:train_batch(loader) end
+  -- One more forward and backward: every gate_proj adapter has a gradient.
+  local x, y = loader:next_batch()
+  engine:backward(engine:forward(x, y))
+  local grads = norms(engine.grads, true)
+  local p1 = engine:master_params()
+  for i, name in ipairs(gate) do
+    assert(grads[i] > 0, name .. " got no gradient")
+    assert(hash(slice(p1, name)) ~= hash(slice(p0, name)), name .. " did not change")
+  end
+  assert(before[2] == 0, "lora_B starts at zero")
+  assert(frozen_hash(engine) == base, "a frozen weight changed")
+  p0:free(); p1:free()
+  engine:free(); loader:free(); corpus.tokens:free()
+end
+
 function T.freezing_nothing_or_adapting_nothing_is_an_error()
   local model = registry.new(registry.config("llama-tiny"))
   support.expect_error(function() model:freeze("no_such_weight") end,

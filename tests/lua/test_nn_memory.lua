@@ -101,17 +101,32 @@ local function check_module(name, m, x, x_dtype, dy_width, dtype, B, S, root)
   return r
 end
 
+-- GPT-2's pre-norm block: LayerNorm, causal self-attention, the GELU MLP.
+local function gpt2_block(C, H)
+  return nn.Block.new({ attn_norm = { "ln_1", nn.LayerNorm.new(C) },
+                        attn = { "attn", nn.CausalSelfAttention.new(C, H, 0.01) },
+                        mlp_norm = { "ln_2", nn.LayerNorm.new(C) },
+                        mlp = { "mlp", nn.MLP.new(C, 0.01) } })
+end
+
 function T.every_module_reports_the_bytes_its_forward_and_backward_take()
   local C, H, B, S = 32, 2, 2, 5
   local cases = {
     { "Linear", function() return nn.Linear.new(C, 3 * C) end, C, 3 * C },
     { "Linear without bias", function() return nn.Linear.new(C, 24, { bias = false }) end, C, 24 },
+    { "PackedLinear", function()
+        return nn.PackedLinear.new(C, { { "q_proj", 16 }, { "k_proj", 8 }, { "v_proj", 8 } })
+      end, C, 32 },
+    -- LoRA's workspaces lie outside the arenas: the wrapper adds no bytes.
+    { "LoRA around a Linear", function()
+        return nn.LoRA.new(nn.Linear.new(C, 24), { { "", 0, 24 } }, 4, 2)
+      end, C, 24 },
     { "LayerNorm", function() return nn.LayerNorm.new(C) end, C, C },
     { "CausalSelfAttention", function() return nn.CausalSelfAttention.new(C, H, 0.01) end, C, C },
     { "MLP", function() return nn.MLP.new(C, 0.01) end, C, C },
-    { "Block", function() return nn.Block.new(C, H, 0.01) end, C, C },
+    { "Block", function() return gpt2_block(C, H) end, C, C },
     { "Sequential", function()
-        return nn.Sequential.new({ nn.Block.new(C, H, 0.01), nn.Block.new(C, H, 0.01) })
+        return nn.Sequential.new({ gpt2_block(C, H), gpt2_block(C, H) })
       end, C, C },
   }
   for _, dtype in ipairs(DTYPES) do
@@ -140,14 +155,17 @@ end
 -- rotary frequencies, the decoder layer, the token embedding, the tied head.
 function T.every_llama_module_reports_the_bytes_its_forward_and_backward_take()
   local C, B, S = 32, 2, 5
-  local lcfg = { n_embd = C, n_head = 4, n_kv_head = 2, head_dim = 8, n_hidden = 48, eps = 1e-5,
-                 std = 0.02 }
-  local rope = { inv_freq = lz.from_table({ 1, 0.1, 0.01, 0.001 }, { 4 }, "f32", "workspace") }
+  local rope = nn.Rope.new({ 1, 0.1, 0.01, 0.001 })
   local cases = {
     { "RMSNorm", function() return nn.RMSNorm.new(C, 1e-5) end, C, C },
     { "SwiGLUMLP", function() return nn.SwiGLUMLP.new(C, 48, 0.02) end, C, C },
     { "GQA", function() return nn.GQA.new(C, 4, 2, 8, rope, 0.02) end, C, C },
-    { "LlamaBlock", function() return nn.LlamaBlock.new(lcfg, rope) end, C, C },
+    { "Llama's Block", function()
+        return nn.Block.new({ attn_norm = { "input_layernorm", nn.RMSNorm.new(C, 1e-5) },
+                              attn = { "self_attn", nn.GQA.new(C, 4, 2, 8, rope, 0.02) },
+                              mlp_norm = { "post_attention_layernorm", nn.RMSNorm.new(C, 1e-5) },
+                              mlp = { "mlp", nn.SwiGLUMLP.new(C, 48, 0.02) } })
+      end, C, C },
   }
   for _, dtype in ipairs(DTYPES) do
     for _, c in ipairs(cases) do
@@ -168,7 +186,7 @@ function T.every_llama_module_reports_the_bytes_its_forward_and_backward_take()
     assert(dtype == "f32" or r.casts > 0, "TiedHead casts")
     x:free()
   end
-  rope.inv_freq:free()
+  rope:free()
 end
 
 ------------------------------------------------------------------ GPT-2

@@ -13,6 +13,7 @@ local Embedding = Module:extend("Embedding")
 function Embedding.new(vocab, positions, n_embd, std)
   local self = setmetatable({}, Embedding):init()
   self.vocab, self.positions, self.n_embd = vocab, positions, n_embd
+  self.token_key = "wte" -- the token table (an LM head tied to it reads it)
   local init = { kind = "normal", std = std or 0.02 }
   self:param("wte", { vocab, n_embd }, init, true, "wte.weight")
   self:param("wpe", { positions, n_embd }, init, true, "wpe.weight")

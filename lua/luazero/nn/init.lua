@@ -1,12 +1,14 @@
 -- nn — modules that own their forward and backward (Torch7 style): the Module
--- base, layers (Linear, LayerNorm, RMSNorm, Embedding, TokenEmbedding),
--- GPT-2's parts (CausalSelfAttention, MLP, Block), Llama's (GQA, SwiGLUMLP,
--- LlamaBlock), an LM head tied to the embedding (TiedHead), the Sequential
--- container and the Model base (arenas sized
--- from the modules' memory reports).
+-- base, layers (Linear, PackedLinear, LayerNorm, RMSNorm, Embedding,
+-- TokenEmbedding), attention (GPT-2's CausalSelfAttention; Llama's GQA with
+-- its shared Rope), MLPs (GELU, SwiGLU), the pre-norm Block made of those
+-- parts, LoRA adapters around a Linear, an LM head tied to the embedding
+-- (TiedHead), the Sequential container, the Model base (arenas sized from
+-- the modules' memory reports) and the CausalLM a model family fills in.
 return {
   Module = require("luazero.nn.module"),
   Linear = require("luazero.nn.linear"),
+  PackedLinear = require("luazero.nn.packed_linear"),
   LayerNorm = require("luazero.nn.layernorm"),
   Embedding = require("luazero.nn.embedding"),
   CausalSelfAttention = require("luazero.nn.attention"),
@@ -14,10 +16,12 @@ return {
   Block = require("luazero.nn.block"),
   RMSNorm = require("luazero.nn.rmsnorm"),
   TokenEmbedding = require("luazero.nn.token_embedding"),
+  Rope = require("luazero.nn.rope"),
   GQA = require("luazero.nn.gqa"),
   SwiGLUMLP = require("luazero.nn.swiglu_mlp"),
-  LlamaBlock = require("luazero.nn.llama_block"),
+  LoRA = require("luazero.nn.lora"),
   TiedHead = require("luazero.nn.tied_head"),
   Sequential = require("luazero.nn.sequential"),
   Model = require("luazero.nn.model"),
+  CausalLM = require("luazero.nn.causal_lm"),
 }

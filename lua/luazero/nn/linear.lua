@@ -1,9 +1,12 @@
 -- nn/linear.lua — y = x W^T + b, W stored [out, in] (torch.nn.Linear's layout).
 -- Hugging Face's GPT-2 keeps these weights in Conv1D modules, which store the
 -- transpose [in, out]; export transposes them.
+--
+-- forward and backward take an optional weight to multiply by instead of the
+-- module's own (and, in backward, where that weight's gradient goes): a
+-- wrapper (nn/lora.lua) passes an effective weight it formed from this one.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
-local lora = require("luazero.nn.lora")
 
 local ops = lz.ops
 local Linear = Module:extend("Linear")
@@ -18,32 +21,38 @@ function Linear.new(n_in, n_out, opts)
   return self
 end
 
+-- The [out, in] weight and its gradient (nil when frozen). A subclass whose
+-- weight is several parameters (nn/packed_linear.lua) lends a tensor over
+-- them, given back through release.
+function Linear:weight() return self.p.weight end
+function Linear:weight_grad() return self.g.weight end
+function Linear:release() end
+
 -- x [B, T, in] -> [B, T, out]
 -- With a bf16 weight (the ZeRO engine's bf16 working copy) x is cast to
 -- bf16 and the GEMM accumulates in fp32; the output stays f32.
--- With LoRA adapters (models/lora.lua) the weight is the effective one.
-function Linear:weight()
-  if self.lora then return lora.effective(self, self.p.weight) end
-  return self.p.weight
-end
-
-function Linear:forward(x)
+function Linear:forward(x, w)
   local y = self:activation({ x:dim(1), x:dim(2), self.n_out })
-  local xw, w = self:matmul_operands(x, (self:weight()))
-  ops.linear_forward(y, xw, w, self:cast(self.p.bias, "f32"))
+  local own = not w and self:weight()
+  local xw, ww = self:matmul_operands(x, w or own)
+  ops.linear_forward(y, xw, ww, self:cast(self.p.bias, "f32"))
+  if own then self:release(own) end
   self.input = xw
   return y
 end
 
-function Linear:backward(dy)
+-- w, dw: the weight forward was given and where its gradient accumulates.
+function Linear:backward(dy, w, dw)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n_in })
-  local weight, copies = self:weight()
-  local dyw, w = self:matmul_operands(dy, weight)
-  local dw = copies and lora.grad_workspace(self, self.n_out, self.n_in, w:device_name()) or
-             self.g.weight
-  ops.linear_backward(dx, dw, self.g.bias, dyw, x, w)
-  if copies then lora.backward(self, dw, copies) end
+  local own, gown
+  if not w then
+    own, gown = self:weight(), self:weight_grad()
+    w, dw = own, gown
+  end
+  local dyw, ww = self:matmul_operands(dy, w)
+  ops.linear_backward(dx, dw, self.g.bias, dyw, x, ww)
+  if own then self:release(own, gown) end
   return dx
 end
 

@@ -172,6 +172,20 @@ function Module:grad_or_sink(key)
   return sinks[id]:view(0, p:sizes())
 end
 
+-- Puts `new` where the child `old` was: the same place among the children
+-- (the same name) and every field of this module that held `old`.
+function Module:replace(old, new)
+  local found = false
+  for _, c in ipairs(self.children) do
+    if c.module == old then c.module, found = new, true end
+  end
+  assert(found, "nn: replace: not a child of this module")
+  for k, v in pairs(self) do
+    if v == old then self[k] = new end
+  end
+  return new
+end
+
 -- The context shared by a whole model: arena, scratch, hooks.
 function Module:set_context(ctx)
   self:walk(function(m) m.ctx = ctx end)
@@ -217,10 +231,10 @@ function Module:run_forward(child, ...)
   return out
 end
 
-function Module:run_backward(child, dy)
+function Module:run_backward(child, dy, ...)
   local ctx = self.ctx
   run_hooks(ctx, "pre_backward", child)
-  local dx = child:backward(dy)
+  local dx = child:backward(dy, ...)
   run_hooks(ctx, "post_backward", child)
   return dx
 end

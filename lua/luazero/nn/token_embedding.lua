@@ -10,6 +10,7 @@ local TokenEmbedding = Module:extend("TokenEmbedding")
 function TokenEmbedding.new(vocab, n_embd, std)
   local self = setmetatable({}, TokenEmbedding):init()
   self.vocab, self.n_embd = vocab, n_embd
+  self.token_key = "weight" -- the token table (an LM head tied to it reads it)
   self:param("weight", { vocab, n_embd }, { kind = "normal", std = std or 0.02 }, true)
   return self
 end

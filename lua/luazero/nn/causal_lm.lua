@@ -1,0 +1,187 @@
+-- nn/causal_lm.lua — a causal language model: token (and position)
+-- embedding, pre-norm blocks, a final norm, an LM head (tied to the token
+-- table or a Linear of its own), the cross-entropy loss over the real
+-- vocabulary, and sampling. A family (models/gpt2.lua, models/llama.lua)
+-- fills it in with a description:
+--
+--   names       Hugging Face's module names: body (the module holding the
+--               embedding, blocks and norm), embedding (false: its tables
+--               sit in the body's namespace), blocks, norm, head, and
+--               block = { attn_norm, attn, mlp_norm, mlp } (nn/block.lua)
+--   shared(cfg)         what every block shares (each with a free method), or nil
+--   embedding(cfg)      the embedding; its token_key names the token table
+--   norm(cfg)           the norm before each branch and after the blocks
+--   attention(cfg, shared), mlp(cfg)   a block's branches
+--   head(cfg)           an untied LM head (a Linear), or nil: tied to the token table
+--   lora_targets        where LoRA adapters may go (models/lora.lua)
+--
+-- cfg: the family's checked config (n_layer, n_embd, context, vocab,
+-- padded_vocab: the token rows, up to a multiple of 64; the real ones first).
+local ffi = require("ffi")
+local lz = require("luazero")
+local Module = require("luazero.nn.module")
+local Model = require("luazero.nn.model")
+local Block = require("luazero.nn.block")
+local Sequential = require("luazero.nn.sequential")
+local TiedHead = require("luazero.nn.tied_head")
+local LoRA = require("luazero.nn.lora")
+local rng = require("luazero.rng")
+
+local ops = lz.ops
+local CausalLM = Model:extend("CausalLM")
+
+-- The full name of a module's parameter `key`, the module at `path`.
+local function param_name(m, key, path)
+  for _, spec in ipairs(m.params) do
+    if spec.key == key then return path == "" and spec.name or (path .. "." .. spec.name) end
+  end
+  error("causal_lm: the embedding has no parameter " .. tostring(key), 0)
+end
+
+-- A model of class `cls` (a CausalLM:extend of the family's) from `desc`.
+function CausalLM.new(cls, desc, cfg)
+  local self = setmetatable({}, cls):init()
+  self.cfg, self.lora_targets = cfg, desc.lora_targets
+  local names = desc.names
+  self.shared = desc.shared and desc.shared(cfg) or {}
+  local body = self:add(names.body, setmetatable({}, Module):init())
+  local embedding = body:add(names.embedding, desc.embedding(cfg))
+  body.embedding, self.embedding = embedding, embedding
+  local blocks, bn = {}, names.block
+  for i = 1, cfg.n_layer do
+    blocks[i] = Block.new({ attn_norm = { bn.attn_norm, desc.norm(cfg) },
+                            attn = { bn.attn, desc.attention(cfg, self.shared) },
+                            mlp_norm = { bn.mlp_norm, desc.norm(cfg) },
+                            mlp = { bn.mlp, desc.mlp(cfg) } })
+  end
+  body:add(names.blocks, Sequential.new(blocks))
+  local norm = body:add(names.norm, desc.norm(cfg))
+  local head = desc.head and desc.head(cfg)
+  self.untied_head = head
+  if not head then
+    local key = embedding.token_key
+    local path = names.embedding and (names.body .. "." .. names.embedding) or names.body
+    head = TiedHead.new(embedding, key, param_name(embedding, key, path), cfg.padded_vocab)
+  end
+  self:add(names.head, head)
+  self.layers = { stem = { embedding }, blocks = blocks, top = { norm }, output = head }
+  self.param_table, self.n_params = self:parameter_table()
+  self:set_context({})
+  return self
+end
+
+-- Real parameters (the padded token rows excluded), as papers and Hugging
+-- Face count them.
+function CausalLM:count_params()
+  local cfg = self.cfg
+  local pad = (cfg.padded_vocab - cfg.vocab) * cfg.n_embd
+  return self.n_params - pad * (self.untied_head and 2 or 1)
+end
+
+-- Deterministic for a seed: one generator walks the table in canonical
+-- order, each parameter as its init spec says (the family's: GPT-2's
+-- N(0, 0.02) with residual projections scaled, Llama's N(0,
+-- initializer_range), norms 1). Padding rows of the token table (and of an
+-- untied head) are never looked up nor scored: zero keeps them inert
+-- (weight decay leaves zeros at zero).
+function CausalLM:init_weights(seed)
+  self:draw_params(seed)
+  local cfg = self.cfg
+  local pad = cfg.padded_vocab - cfg.vocab
+  if pad > 0 then
+    local n = pad * cfg.n_embd
+    self.embedding.p[self.embedding.token_key]:view(cfg.vocab * cfg.n_embd, { n }):fill(0)
+    if self.untied_head then
+      self.untied_head.p.weight:view(cfg.vocab * cfg.n_embd, { n }):fill(0)
+    end
+  end
+  return self
+end
+
+function CausalLM:free()
+  Model.free(self)
+  LoRA.free_workspaces(self)
+  for _, s in pairs(self.shared) do s:free() end
+end
+
+------------------------------------------------------------ activations
+
+-- The per-position losses of forward.
+function CausalLM:own_memory(B, T)
+  return { activations = lz.arena_bytes(B * T) }
+end
+
+function CausalLM:prepare(B, T)
+  if T > self.cfg.context then
+    error(("sequence length %d is longer than the model's context %d"):format(T, self.cfg.context),
+          0)
+  end
+  return Model.prepare(self, B, T)
+end
+
+------------------------------------------------------- forward, backward
+
+-- tokens, targets: i32 [B, T] (targets may be nil: logits only). Returns the
+-- mean loss over the B x T positions (or nil) and the logits [B, T, Vp].
+-- Resets the activation arena: one forward per micro-step.
+function CausalLM:forward(tokens, targets)
+  local B, T = tokens:dim(1), tokens:dim(2)
+  self:begin_forward(B, T)
+  tokens, targets = self:place_inputs(tokens, targets)
+  local logits = self:forward_layers(tokens)
+  self.logits, self.targets = logits, targets
+  if not targets then return nil, logits end
+  local losses = self.ctx.arena:tensor({ B, T })
+  ops.cross_entropy_forward(losses, logits, targets, self.cfg.vocab)
+  return self:host_sum(losses) / (B * T), logits
+end
+
+-- Accumulates d(scale * mean loss)/d(params) into the flat gradient buffer.
+-- With gradient accumulation over n micro-steps, scale is 1/n.
+function CausalLM:backward(scale)
+  local logits, targets = self.logits, self.targets
+  assert(targets, "model: backward needs a forward with targets")
+  local rows = logits:dim(1) * logits:dim(2)
+  ops.cross_entropy_backward(logits, logits, targets, self.cfg.vocab, (scale or 1) / rows)
+  self:backward_layers(logits)
+end
+
+--------------------------------------------------------------- sampling
+
+-- Continues `prompt` (a list of token ids) by n tokens, sampling from the
+-- softmax of the logits at temperature `temperature` (default 1) over the
+-- real vocabulary. The window slides once the context is full.
+function CausalLM:generate(prompt, n, seed, temperature)
+  local cfg, r = self.cfg, rng.new(seed or 0, 3)
+  -- Arena sizes grow with B x T only, so one sequence of up to B x T tokens fits.
+  local window = math.min(cfg.context, self.prepared or cfg.context)
+  local buf = lz.tensor({ 1, window }, "i32", "workspace")
+  local ids = ffi.cast("int32_t *", buf.data)
+  local out = {}
+  for i = 1, #prompt do out[i] = prompt[i] end
+  local inv_t = 1 / (temperature or 1)
+  for _ = 1, n do
+    local T = math.min(#out, window)
+    for i = 0, T - 1 do ids[i] = out[#out - T + 1 + i] end
+    local tokens = buf:view(0, { 1, T })
+    local _, logits = self:forward(tokens, nil)
+    local last = logits:view((T - 1) * cfg.padded_vocab, { cfg.padded_vocab })
+    local copy = last:device_name() ~= "cpu" and last:to("cpu")
+    local row = ffi.cast("float *", (copy or last).data)
+    local max = -math.huge
+    for j = 0, cfg.vocab - 1 do if row[j] > max then max = row[j] end end
+    local sum = 0
+    for j = 0, cfg.vocab - 1 do sum = sum + math.exp((row[j] - max) * inv_t) end
+    local u, pick = r:uniform() * sum, cfg.vocab - 1
+    for j = 0, cfg.vocab - 1 do
+      u = u - math.exp((row[j] - max) * inv_t)
+      if u <= 0 then pick = j; break end
+    end
+    out[#out + 1] = pick
+    if copy then copy:free() end
+  end
+  buf:free()
+  return out
+end
+
+return CausalLM
