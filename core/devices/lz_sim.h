@@ -1,9 +1,12 @@
 /* lz_sim.h — what the core's collectives and the tests see of the sim
- * device (core/sim.c) beyond its backend table. Not part of the public API. */
+ * device (core/devices/) beyond its backend table. Not part of the public API. */
 #ifndef LZ_SIM_H
 #define LZ_SIM_H
 
-#include "luazero.h"
+#include "mem/lz_backend.h"
+
+/* The built-in sim backend's table, which lz_sim_init publishes. */
+const lz_backend *lz_sim_backend(void);
 
 /* The host's view of sim device memory: device_ptr translated into the
  * read-write alias mapping of the same bytes; NULL when device_ptr is not

@@ -755,7 +755,7 @@ static lz_status env_uint(const char *name, uint64_t *out, uint64_t dflt) {
   return LZ_OK;
 }
 
-/* Called by lz_sim_init (backend.c) once per process, under its lock. In a
+/* Called by lz_sim_init (devices/backend.c) once per process, under its lock. In a
  * forked rank nothing of the parent's is used: all state starts here. */
 static lz_status sim_init(int device) {
   (void)device;

@@ -1,5 +1,5 @@
 /* copy.c — lz_tensor_copy: the same dtype or a conversion between f32, bf16
- * and f16 on the cpu, and the switch to the device copies (backend.c) when
+ * and f16 on the cpu, and the switch to the device copies (mem/dispatch.c) when
  * a cuda tensor is on either side. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"

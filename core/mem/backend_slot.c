@@ -1,5 +1,5 @@
 /* backend_slot.c — which accelerator this process uses: set once by
- * lz_cuda_init or lz_sim_init (backend.c), read by the ledger, the kernels'
+ * lz_cuda_init or lz_sim_init (devices/backend.c), read by the ledger, the kernels'
  * device switch, tensors and the collectives. A leaf: it calls nothing in
  * the core but lz_fail and the backend's own is_device_pointer. */
 #include "mem/lz_backend.h"

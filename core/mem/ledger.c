@@ -7,7 +7,7 @@
  *
  * Device memory and page-locked host memory come from the active
  * accelerator's table (cuda or sim), read through backend_slot.c (a leaf:
- * the ledger never calls up into backend.c), and sit in the same table
+ * the ledger never calls up into devices/), and sit in the same table
  * (addresses are unified): device bytes are counted on a device side of
  * their own, pinned bytes on the host side as offload. */
 #include "mem/lz_backend.h"

@@ -1,5 +1,8 @@
-/* lz_backend.h — the device backend table, shared by the core, the sim
- * backend (core/sim.c) and libluazero_cuda.so. Not part of the public API.
+/* lz_backend.h — the backend slot: the device backend table, shared by the
+ * core, the sim backend (core/devices/) and libluazero_cuda.so. Not part of
+ * the public API. It sits at the bottom of the core (mem/) because tensors
+ * and the ledger allocate through it; the devices fill it, the kernels
+ * dispatch through it, and neither calls the other through it.
  *
  * A backend is one switch over ops, guarded by "does this backend support
  * it" (ggml's shape). The core runs every argument check, then, when the
@@ -7,8 +10,8 @@
  * to the backend: the kernels never see a bad shape. libluazero_cuda.so
  * exports lz_cuda_backend(), which returns its table; the core finds it with
  * dlopen/dlsym (lz_cuda_init) and refuses a table of another ABI version.
- * core/sim.c's table (lz_sim_backend) is built in. One of them is the
- * process's active accelerator (backend_slot.c). */
+ * core/devices/sim.c's table (lz_sim_backend) is built in. One of them is
+ * the process's active accelerator (mem/backend_slot.c). */
 #ifndef LZ_BACKEND_H
 #define LZ_BACKEND_H
 
@@ -95,7 +98,7 @@ typedef struct lz_backend {
   lz_status (*event_query)(void *e, int *done);
   int (*is_device_pointer)(const void *p);
 
-  /* NCCL (the collectives' nccl backend, core/comm_nccl.c). An id is
+  /* NCCL (the collectives' nccl backend, core/comm/comm_nccl.c). An id is
    * nccl_id_bytes of opaque bytes that rank 0 makes and every rank gets.
    * A backend without NCCL (sim) leaves these NULL and nccl_id_bytes 0. */
   size_t nccl_id_bytes;
@@ -125,9 +128,6 @@ const lz_backend *lz_backend_cuda(void);
 lz_status lz_backend_need(const char *op, lz_device dev, const lz_backend **be);
 /* "cpu", "cuda", "sim" (or "device <n>"): for messages. */
 const char *lz_device_name(lz_device dev);
-
-/* sim.c: the built-in sim backend's table. */
-const lz_backend *lz_sim_backend(void);
 
 /* After an op's argument checks: when its tensors (the non-NULL ones in
  * a->t) live on an accelerator, runs it there and sets *handled; when they
