@@ -53,17 +53,6 @@ void lz_comm_shard(int64_t count, int size, int rank, int64_t *offset, int64_t *
 
 #define RED_BLOCK 512
 
-static inline float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return lz_bits_f32(sign | 0x7f800000u | (m << 13));
-  if (e == 0) {
-    float v = (float)m * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  return lz_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
-}
-
 /* acc[j] = x (first source) or op(acc[j], x) for one source's block, one
  * loop per dtype and op so each vectorizes. */
 #define RED_LOOP(EXPR)                                                                             \
@@ -89,7 +78,7 @@ static inline void accumulate(float *restrict acc, const void *src, lz_dtype dt,
     RED_LOOP(lz_bits_f32((uint32_t)s[j] << 16));
   } else {
     const uint16_t *restrict s = src;
-    RED_LOOP(f16_to_f32(s[j]));
+    RED_LOOP(lz_f16_to_f32_inline(s[j]));
   }
 }
 
@@ -105,7 +94,7 @@ static inline void accumulate(float *restrict acc, const void *src, lz_dtype dt,
   } while (0)
 #define LD_F32(p, j) (((const float *)(p))[j])
 #define LD_BF16(p, j) lz_bits_f32((uint32_t)((const uint16_t *)(p))[j] << 16)
-#define LD_F16(p, j) f16_to_f32(((const uint16_t *)(p))[j])
+#define LD_F16(p, j) lz_f16_to_f32_inline(((const uint16_t *)(p))[j])
 #define ST_F32(x) (((float *)d)[j] = (x))
 #define ST_BF16(x) (((uint16_t *)d)[j] = lz_bf16_from_f32_inline(x))
 #define ST_F16(x) (((uint16_t *)d)[j] = lz_f16_from_f32_inline(x))

@@ -1,12 +1,13 @@
-/* lz_internal.h — shared by the core sources only: error reporting, argument checks,
- * scalar dtype helpers. Not part of the public API. */
+/* lz_internal.h — shared by the core sources only: error reporting, argument
+ * checks, shared memory, and (through mem/lz_dtype.h) the dtype conversions.
+ * Not part of the public API. */
 #ifndef LZ_INTERNAL_H
 #define LZ_INTERNAL_H
 
 #include "luazero.h"
+#include "mem/lz_dtype.h" /* conversions between f32, bf16 and f16 */
 
 #include <stdarg.h> /* va_list for lz_fail */
-#include <string.h> /* memcpy in the bit casts */
 
 #ifdef __cplusplus
 extern "C" {
@@ -86,66 +87,6 @@ void lz_shared_close(int nranks, int *fds);
 /* "1.50 GiB", "512 B": a byte count in the largest binary unit it reaches,
  * into buf, for messages. */
 const char *lz_format_bytes(uint64_t bytes, char *buf, size_t len);
-
-/* Float bits. */
-static inline uint32_t lz_f32_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-static inline float lz_bits_f32(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t lz_bf16_from_f32_inline(float f) {
-  uint32_t u = lz_f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(u >> 16);
-}
-static inline float lz_bf16_to_f32_inline(uint16_t h) { return lz_bits_f32((uint32_t)h << 16); }
-
-/* lz_f32_to_f16 without branches, so loops that call it vectorize: bitwise
- * the same result (round to nearest even, Inf, NaN keeping its top payload
- * bits, subnormal halves). A value below 2^-14 is added to 0.5f: the sum's
- * last place is 2^-24, a half's subnormal unit, so the FPU rounds it to even
- * and the sum's low bits are the half's. Needs the default rounding mode and
- * no denormals-are-zero. */
-static inline uint16_t lz_f16_from_f32_inline(float f) {
-  uint32_t u = lz_f32_bits(f);
-  uint32_t sign = (u >> 16) & 0x8000u;
-  uint32_t a = u & 0x7fffffffu;
-  uint32_t r = a - 0x38000000u; /* normal: exponent 127 -> 15 */
-  r += 0xfffu + ((r >> 13) & 1u);
-  uint32_t normal = r >> 13;
-  uint32_t subnormal = lz_f32_bits(lz_bits_f32(a) + 0.5f) - 0x3f000000u;
-  uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
-  /* Selects by masks: a ?: would read as control flow, and GCC does not
-   * if-convert a float add it thinks may trap. */
-  uint32_t is_sub = 0u - (uint32_t)(a < 0x38800000u);
-  uint32_t is_inf = 0u - (uint32_t)(a >= 0x477ff000u); /* rounds to >= 65520 */
-  uint32_t is_nan = 0u - (uint32_t)(a > 0x7f800000u);
-  uint32_t h = (subnormal & is_sub) | (normal & ~is_sub);
-  h = (0x7c00u & is_inf) | (h & ~is_inf);
-  h = (nan & is_nan) | (h & ~is_nan);
-  return (uint16_t)(sign | h);
-}
-
-/* dst[0:n] = src[0:n] (f32 or bf16) as f32; inlined into the LZ_DISPATCH
- * loops that call it, which vectorize it. */
-static inline void lz_row_to_f32(float *dst, const void *src, lz_dtype dt, int64_t n) {
-  if (dt == LZ_BF16) {
-    const uint16_t *h = (const uint16_t *)src;
-    for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_to_f32_inline(h[i]);
-  } else {
-    memcpy(dst, src, (size_t)n * sizeof(float));
-  }
-}
-
-/* Reads element i of a float-typed buffer (f32, bf16, f16) as float. */
-float lz_load_float(const void *data, lz_dtype dt, int64_t i);
 
 #ifdef __cplusplus
 }

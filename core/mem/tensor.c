@@ -1,5 +1,5 @@
-/* tensor.c — tensors (metadata over refcounted storage), views, dtype
- * conversions of one value, and the activation arena. Calls only the
+/* tensor.c — tensors (metadata over refcounted storage), views, and the
+ * activation arena. Calls only the
  * ledger and error.c below it (copies between tensors are copy.c). */
 #include "mem/lz_backend.h" /* lz_backend_need: device tensors */
 #include "mem/lz_internal.h"
@@ -17,14 +17,6 @@ struct lz_storage {
   size_t bytes;
   atomic_int refs;
 };
-
-static const size_t dtype_sizes[LZ_DTYPE_COUNT] = {4, 2, 2, 4, 2};
-static const char *dtype_names[LZ_DTYPE_COUNT] = {"f32", "bf16", "f16", "i32", "u16"};
-
-size_t lz_dtype_size(lz_dtype dt) { return (unsigned)dt < LZ_DTYPE_COUNT ? dtype_sizes[dt] : 0; }
-const char *lz_dtype_name(lz_dtype dt) {
-  return (unsigned)dt < LZ_DTYPE_COUNT ? dtype_names[dt] : "unknown";
-}
 
 int64_t lz_tensor_numel(const lz_tensor *t) {
   int64_t n = 1;
@@ -171,57 +163,6 @@ lz_status lz_tensor_free(lz_tensor *t) {
     return st;
   }
   return LZ_OK;
-}
-
-/* ------------------------------------------------------------ conversions */
-
-uint16_t lz_f32_to_bf16(float x) { return lz_bf16_from_f32_inline(x); }
-float lz_bf16_to_f32(uint16_t x) { return lz_bf16_to_f32_inline(x); }
-
-uint16_t lz_f32_to_f16(float f) {
-  uint32_t u = lz_f32_bits(f);
-  uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-  uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu)); /* NaN */
-  if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to >= 65520: Inf */
-  if (a < 0x38800000u) {
-    /* Below the smallest normal half (2^-14): a subnormal half, units of 2^-24. */
-    if (a < 0x33000000u) return sign; /* < 2^-25: rounds to zero (2^-25 tie goes to 0) */
-    uint32_t e = a >> 23;
-    uint32_t m = (a & 0x7fffffu) | 0x800000u;
-    uint32_t shift = 126 - e; /* value = m * 2^(e-150); in units of 2^-24: m >> (126-e) */
-    uint32_t q = m >> shift;
-    uint32_t rem = m & ((1u << shift) - 1);
-    uint32_t half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (q & 1))) q++;
-    return (uint16_t)(sign | q);
-  }
-  /* Normal: rebias the exponent, round 13 dropped bits to nearest even. */
-  uint32_t r = a - 0x38000000u; /* exponent 127 -> 15 */
-  r += 0xfffu + ((r >> 13) & 1u);
-  return (uint16_t)(sign | (r >> 13));
-}
-
-float lz_f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0x1f) return lz_bits_f32(sign | 0x7f800000u | (m << 13));
-  if (e == 0) {
-    float v = (float)m * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  return lz_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-float lz_load_float(const void *data, lz_dtype dt, int64_t i) {
-  switch (dt) {
-  case LZ_F32: return ((const float *)data)[i];
-  case LZ_BF16: return lz_bf16_to_f32_inline(((const uint16_t *)data)[i]);
-  case LZ_F16: return lz_f16_to_f32(((const uint16_t *)data)[i]);
-  case LZ_I32: return (float)((const int32_t *)data)[i];
-  case LZ_U16: return (float)((const uint16_t *)data)[i];
-  default: return 0.0f;
-  }
 }
 
 /* ------------------------------------------------------------------ arena */
