@@ -37,10 +37,24 @@ enum { WHERE_HOST = 0, WHERE_PINNED = 1, WHERE_DEVICE = 2, WHERE_SHARED = 3 };
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static entry *table;
 static size_t table_cap, table_used; /* used counts live + deleted slots */
-static int64_t current[LZ_MEM_COUNT], peak[LZ_MEM_COUNT];
-static int64_t total_current, total_peak; /* all categories together */
-static int64_t dev_current[LZ_MEM_COUNT], dev_peak[LZ_MEM_COUNT];
-static int64_t dev_total_current, dev_total_peak;
+
+/* The bytes of one side of the ledger, per category and all together: host
+ * memory (pinned and shared included) on one, device memory on the other. */
+typedef struct {
+  int64_t current[LZ_MEM_COUNT], peak[LZ_MEM_COUNT];
+  int64_t total_current, total_peak;
+} side;
+static side host_side, device_side;
+
+static side *side_of(int where) { return where == WHERE_DEVICE ? &device_side : &host_side; }
+
+/* Caller holds the lock. */
+static void side_add(side *s, int cat, int64_t bytes) {
+  s->current[cat] += bytes;
+  if (s->current[cat] > s->peak[cat]) s->peak[cat] = s->current[cat];
+  s->total_current += bytes;
+  if (s->total_current > s->total_peak) s->total_peak = s->total_current;
+}
 
 static const char *category_names[LZ_MEM_COUNT] = {
     "params", "grads", "optimizer", "activations", "comm", "offload", "workspace"};
@@ -96,6 +110,16 @@ static entry *table_find(uintptr_t p) {
   return NULL;
 }
 
+/* Puts a new block in the table and counts it on its side; 0 when the
+ * table cannot grow. */
+static int record(entry e) {
+  pthread_mutex_lock(&lock);
+  int ok = table_insert(e);
+  if (ok) side_add(side_of(e.where), e.cat, (int64_t)e.bytes);
+  pthread_mutex_unlock(&lock);
+  return ok;
+}
+
 lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "mem_alloc: out is NULL");
   *out = NULL;
@@ -136,16 +160,7 @@ lz_status lz_mem_alloc(void **out, size_t bytes, lz_mem_category cat) {
                      lz_mem_category_name(cat));
     e.ptr = (uintptr_t)p;
   }
-  pthread_mutex_lock(&lock);
-  int ok = table_insert(e);
-  if (ok) {
-    current[cat] += (int64_t)bytes;
-    if (current[cat] > peak[cat]) peak[cat] = current[cat];
-    total_current += (int64_t)bytes;
-    if (total_current > total_peak) total_peak = total_current;
-  }
-  pthread_mutex_unlock(&lock);
-  if (!ok) {
+  if (!record(e)) {
     if (e.where == WHERE_SHARED) lz_shared_free((void *)e.ptr, e.bytes);
     else if (e.mapped) munmap(e.base, e.mapped);
     else free((void *)e.ptr);
@@ -166,13 +181,9 @@ lz_status lz_mem_free(void *ptr) {
   }
   entry e = *f;
   f->ptr = 1; /* tombstone */
-  if (e.where == WHERE_DEVICE) {
-    dev_current[e.cat] -= (int64_t)e.bytes;
-    dev_total_current -= (int64_t)e.bytes;
-  } else {
-    current[e.cat] -= (int64_t)e.bytes;
-    total_current -= (int64_t)e.bytes;
-  }
+  side *sd = side_of(e.where);
+  sd->current[e.cat] -= (int64_t)e.bytes;
+  sd->total_current -= (int64_t)e.bytes;
   pthread_mutex_unlock(&lock);
   if (e.where == WHERE_SHARED) {
     lz_shared_free(ptr, e.bytes);
@@ -190,43 +201,33 @@ lz_status lz_mem_free(void *ptr) {
   return LZ_OK;
 }
 
-int64_t lz_mem_current(lz_mem_category cat) {
-  if ((unsigned)cat >= LZ_MEM_COUNT) return 0;
+/* A count read under the lock; per category, one out of range reads 0. */
+static int64_t read_locked(const int64_t *v) {
   pthread_mutex_lock(&lock);
-  int64_t v = current[cat];
+  int64_t x = *v;
   pthread_mutex_unlock(&lock);
-  return v;
+  return x;
+}
+static int64_t read_cat(const int64_t *v, lz_mem_category cat) {
+  return (unsigned)cat < LZ_MEM_COUNT ? read_locked(&v[cat]) : 0;
 }
 
-int64_t lz_mem_peak(lz_mem_category cat) {
-  if ((unsigned)cat >= LZ_MEM_COUNT) return 0;
-  pthread_mutex_lock(&lock);
-  int64_t v = peak[cat];
-  pthread_mutex_unlock(&lock);
-  return v;
-}
-
-int64_t lz_mem_total_current(void) {
-  int64_t s = 0;
-  pthread_mutex_lock(&lock);
-  for (int i = 0; i < LZ_MEM_COUNT; i++) s += current[i];
-  pthread_mutex_unlock(&lock);
-  return s;
-}
-
-int64_t lz_mem_total_peak(void) {
-  pthread_mutex_lock(&lock);
-  int64_t v = total_peak;
-  pthread_mutex_unlock(&lock);
-  return v;
-}
+int64_t lz_mem_current(lz_mem_category cat) { return read_cat(host_side.current, cat); }
+int64_t lz_mem_peak(lz_mem_category cat) { return read_cat(host_side.peak, cat); }
+int64_t lz_mem_total_current(void) { return read_locked(&host_side.total_current); }
+int64_t lz_mem_total_peak(void) { return read_locked(&host_side.total_peak); }
+int64_t lz_mem_device_current(lz_mem_category cat) { return read_cat(device_side.current, cat); }
+int64_t lz_mem_device_peak(lz_mem_category cat) { return read_cat(device_side.peak, cat); }
+int64_t lz_mem_device_total_current(void) { return read_locked(&device_side.total_current); }
+int64_t lz_mem_device_total_peak(void) { return read_locked(&device_side.total_peak); }
 
 void lz_mem_reset_peak(void) {
   pthread_mutex_lock(&lock);
-  for (int i = 0; i < LZ_MEM_COUNT; i++) peak[i] = current[i];
-  total_peak = total_current;
-  for (int i = 0; i < LZ_MEM_COUNT; i++) dev_peak[i] = dev_current[i];
-  dev_total_peak = dev_total_current;
+  side *sides[2] = {&host_side, &device_side};
+  for (int k = 0; k < 2; k++) {
+    for (int i = 0; i < LZ_MEM_COUNT; i++) sides[k]->peak[i] = sides[k]->current[i];
+    sides[k]->total_peak = sides[k]->total_current;
+  }
   pthread_mutex_unlock(&lock);
 }
 
@@ -251,21 +252,7 @@ static lz_status device_alloc(void **out, size_t bytes, lz_mem_category cat, int
   size_t asked = bytes ? bytes : 1;
   LZ_TRY(where == WHERE_DEVICE ? be->alloc(&p, asked) : be->host_alloc(&p, asked));
   entry e = {.ptr = (uintptr_t)p, .bytes = bytes, .cat = (int)cat, .where = where};
-  pthread_mutex_lock(&lock);
-  int ok = table_insert(e);
-  if (ok && where == WHERE_DEVICE) {
-    dev_current[cat] += (int64_t)bytes;
-    if (dev_current[cat] > dev_peak[cat]) dev_peak[cat] = dev_current[cat];
-    dev_total_current += (int64_t)bytes;
-    if (dev_total_current > dev_total_peak) dev_total_peak = dev_total_current;
-  } else if (ok) {
-    current[cat] += (int64_t)bytes;
-    if (current[cat] > peak[cat]) peak[cat] = current[cat];
-    total_current += (int64_t)bytes;
-    if (total_current > total_peak) total_peak = total_current;
-  }
-  pthread_mutex_unlock(&lock);
-  if (!ok) {
+  if (!record(e)) {
     if (where == WHERE_DEVICE) be->free(p);
     else be->host_free(p);
     return lz_fail(LZ_ERR_NOMEM, "%s: ledger table full (out of memory)", what);
@@ -280,34 +267,4 @@ lz_status lz_mem_alloc_device(void **out, size_t bytes, lz_mem_category cat) {
 
 lz_status lz_mem_alloc_pinned(void **out, size_t bytes) {
   return device_alloc(out, bytes, LZ_MEM_OFFLOAD, WHERE_PINNED);
-}
-
-int64_t lz_mem_device_current(lz_mem_category cat) {
-  if ((unsigned)cat >= LZ_MEM_COUNT) return 0;
-  pthread_mutex_lock(&lock);
-  int64_t v = dev_current[cat];
-  pthread_mutex_unlock(&lock);
-  return v;
-}
-
-int64_t lz_mem_device_peak(lz_mem_category cat) {
-  if ((unsigned)cat >= LZ_MEM_COUNT) return 0;
-  pthread_mutex_lock(&lock);
-  int64_t v = dev_peak[cat];
-  pthread_mutex_unlock(&lock);
-  return v;
-}
-
-int64_t lz_mem_device_total_current(void) {
-  pthread_mutex_lock(&lock);
-  int64_t v = dev_total_current;
-  pthread_mutex_unlock(&lock);
-  return v;
-}
-
-int64_t lz_mem_device_total_peak(void) {
-  pthread_mutex_lock(&lock);
-  int64_t v = dev_total_peak;
-  pthread_mutex_unlock(&lock);
-  return v;
 }
