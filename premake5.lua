@@ -87,7 +87,8 @@ if have_cuda then
   local nvflags = string.format("-O3 -std=c++17 -gencode arch=compute_%s,code=sm_%s "
     .. "-gencode arch=compute_%s,code=compute_%s -Werror all-warnings "
     .. "-Xcompiler -fPIC,-Wall,-Wextra,-Werror -I%s/core -I%s/cuda", arch, arch, arch, arch, root, root)
-  local headers = { "cuda/lz_cuda.h", "core/mem/lz_backend.h", "core/mem/lz_internal.h", "core/luazero.h" }
+  local headers = { "cuda/lz_cuda.h", "core/mem/lz_backend.h", "core/mem/lz_internal.h",
+                    "core/mem/lz_dtype.h", "core/luazero.h" }
   local cu_files = os.matchfiles("cuda/*.cu")
   local objs = {}
   local cmds = { "mkdir -p obj/cuda" }
