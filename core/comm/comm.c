@@ -49,6 +49,13 @@ void lz_comm_shard(int64_t count, int size, int rank, int64_t *offset, int64_t *
   *offset = (int64_t)rank * base + (rank < rem ? rank : rem);
 }
 
+void lz_comm_gather_own(const lz_coll_args *a, int world, int rank, int64_t *off, int64_t *len) {
+  size_t es = lz_dtype_size(a->dt);
+  for (int p = 0; p < world; p++) lz_comm_shard(a->count, world, p, &off[p], &len[p]);
+  uint8_t *own = (uint8_t *)a->recv + off[rank] * (int64_t)es;
+  if (len[rank] && (const uint8_t *)a->send != own) memmove(own, a->send, (size_t)len[rank] * es);
+}
+
 /* ------------------------------------------------------ fixed-order reduction */
 
 #define RED_BLOCK 512

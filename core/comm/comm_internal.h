@@ -65,6 +65,11 @@ struct lz_comm {
 
 const char *lz_coll_name(lz_coll_kind kind); /* "all_reduce", ... for messages */
 
+/* The start of an all_gather on the host: every rank's shard of a->count
+ * (off and len, world entries each) and this rank's own shard moved from
+ * send to its place in recv (unless it is there already). */
+void lz_comm_gather_own(const lz_coll_args *a, int world, int rank, int64_t *off, int64_t *len);
+
 /* dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) in fp32, in source order, then
  * rounded once to dt. The one definition of a reduction every backend and
  * the tests' serial reference use, so results are bitwise the same

@@ -199,11 +199,9 @@ static lz_status all_gather(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
   size_t es = lz_dtype_size(a->dt);
   int64_t mm = (int64_t)(MPI_MAX_MSG / es);
   int64_t off[W], len[W];
-  for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
+  lz_comm_gather_own(a, W, me, off, len);
   const uint8_t *send = a->send;
   uint8_t *recv = a->recv;
-  if (len[me] && send != recv + off[me] * es)
-    memmove(recv + off[me] * es, send, (size_t)len[me] * es);
   for (int64_t j0 = 0; j0 < len[0]; j0 += mm) {
     for (int p = 0; p < W; p++) {
       if (p == me) continue;

@@ -454,11 +454,9 @@ static lz_status all_gather(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   size_t es = lz_dtype_size(a->dt);
   int64_t m = (int64_t)(s->chunk / es);
   int64_t off[W], len[W];
-  for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
+  lz_comm_gather_own(a, W, me, off, len);
   const uint8_t *send = a->send;
   uint8_t *recv = a->recv;
-  if (len[me] && send != recv + off[me] * es)
-    memmove(recv + off[me] * es, send, (size_t)len[me] * es);
   for (int64_t j0 = 0; j0 < len[0]; j0 += m) {
     int64_t k = len[me] - j0 < m ? len[me] - j0 : m;
     if (k > 0) memcpy(bank_ptr(s, me, s->bank), send + j0 * es, (size_t)k * es);
