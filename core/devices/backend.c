@@ -2,7 +2,7 @@
  * libluazero_cuda.so at run time, lz_sim_init takes the built-in sim table;
  * either publishes its table in the backend slot (mem/backend_slot.c), through
  * which tensors, the ledger and the kernels reach it. */
-#define _GNU_SOURCE /* dladdr */
+#define _GNU_SOURCE         /* dladdr */
 #include "devices/lz_sim.h" /* lz_sim_backend */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"

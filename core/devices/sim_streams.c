@@ -122,7 +122,8 @@ static void run_item(int s, item *it, int *threads) {
         omp_set_num_threads(it->threads);
         *threads = it->threads;
       }
-      lz_status st = it->fail ? lz_fail(LZ_ERR_INTERNAL, "%s", it->fail) : lz_sim_run_op(it->op, &it->args);
+      lz_status st =
+          it->fail ? lz_fail(LZ_ERR_INTERNAL, "%s", it->fail) : lz_sim_run_op(it->op, &it->args);
       if (st != LZ_OK) set_sticky(s, lz_sim_op_name(it->op), lz_last_error());
       return;
     }
@@ -222,7 +223,8 @@ lz_status lz_sim_compute(lz_op op, const lz_op_args *a) {
   assert((unsigned)op < LZ_OP_COUNT);
   LZ_TRY(lz_sim_sticky_error());
   item *it = calloc(1, sizeof *it);
-  if (!it) return lz_fail(LZ_ERR_NOMEM, "sim: %s: out of host memory for the queue", lz_sim_op_name(op));
+  if (!it)
+    return lz_fail(LZ_ERR_NOMEM, "sim: %s: out of host memory for the queue", lz_sim_op_name(op));
   it->kind = ITEM_OP;
   it->op = op;
   it->args = *a;

@@ -17,11 +17,17 @@ float lz_f16_to_f32(uint16_t x) { return lz_f16_to_f32_inline(x); }
 
 float lz_load_float(const void *data, lz_dtype dt, int64_t i) {
   switch (dt) {
-  case LZ_F32: return ((const float *)data)[i];
-  case LZ_BF16: return lz_bf16_to_f32_inline(((const uint16_t *)data)[i]);
-  case LZ_F16: return lz_f16_to_f32_inline(((const uint16_t *)data)[i]);
-  case LZ_I32: return (float)((const int32_t *)data)[i];
-  case LZ_U16: return (float)((const uint16_t *)data)[i];
-  default: return 0.0f;
+    case LZ_F32:
+      return ((const float *)data)[i];
+    case LZ_BF16:
+      return lz_bf16_to_f32_inline(((const uint16_t *)data)[i]);
+    case LZ_F16:
+      return lz_f16_to_f32_inline(((const uint16_t *)data)[i]);
+    case LZ_I32:
+      return (float)((const int32_t *)data)[i];
+    case LZ_U16:
+      return (float)((const uint16_t *)data)[i];
+    default:
+      return 0.0f;
   }
 }
