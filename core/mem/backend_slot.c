@@ -61,3 +61,12 @@ lz_status lz_backend_need(const char *op, lz_device dev, const lz_backend **be) 
                  "%s: %s is not initialized; call lz_%s_init first (device = \"%s\")", op, name,
                  name, name);
 }
+
+lz_status lz_backend_need_any(const char *op, const lz_backend **be) {
+  *be = lz_backend_active();
+  if (*be) return LZ_OK;
+  return lz_fail(LZ_ERR_UNSUPPORTED,
+                 "%s: cuda is not initialized, nor sim; call lz_cuda_init or lz_sim_init first "
+                 "(device = \"cuda\" or \"sim\")",
+                 op);
+}

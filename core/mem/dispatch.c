@@ -16,17 +16,6 @@ static lz_status need_device(const char *op, lz_device dev, const lz_backend **b
   return lz_backend_need(op, dev, be);
 }
 
-/* Whichever accelerator is initialized. */
-static lz_status need_backend(const char *op, const lz_backend **be) {
-  *be = lz_backend_active();
-  if (!*be)
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: cuda is not initialized, nor sim; call lz_cuda_init or lz_sim_init first "
-                   "(device = \"cuda\" or \"sim\")",
-                   op);
-  return LZ_OK;
-}
-
 lz_status lz_cuda_synchronize(void) {
   const lz_backend *be;
   LZ_TRY(need_device("cuda_synchronize", LZ_CUDA, &be));
@@ -35,7 +24,7 @@ lz_status lz_cuda_synchronize(void) {
 
 lz_status lz_device_synchronize(void) {
   const lz_backend *be;
-  LZ_TRY(need_backend("device_synchronize", &be));
+  LZ_TRY(lz_backend_need_any("device_synchronize", &be));
   return be->sync();
 }
 
@@ -167,7 +156,14 @@ static lz_status need_copy_backend(const char *op, const lz_tensor *dst, const l
   }
   if (dst->device != LZ_CPU) LZ_TRY(need_device(op, dst->device, be));
   if (src->device != LZ_CPU) LZ_TRY(need_device(op, src->device, be));
-  if (dst->device == LZ_CPU && src->device == LZ_CPU) LZ_TRY(need_backend(op, be));
+  if (dst->device == LZ_CPU && src->device == LZ_CPU) LZ_TRY(lz_backend_need_any(op, be));
+  return LZ_OK;
+}
+
+static lz_status check_stream(const char *op, lz_stream_kind s) {
+  if ((unsigned)s >= LZ_STREAM_COUNT)
+    return lz_fail(LZ_ERR_INVALID, "%s: stream %d is not compute (0), comm (1) or copy (2)", op,
+                   (int)s);
   return LZ_OK;
 }
 
@@ -175,9 +171,7 @@ lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_k
   const char *op = "tensor_copy_async";
   LZ_TRY(lz_check_present(op, "dst", dst));
   LZ_TRY(lz_check_present(op, "src", src));
-  if ((unsigned)s >= LZ_STREAM_COUNT)
-    return lz_fail(LZ_ERR_INVALID, "%s: stream %d is not compute (0), comm (1) or copy (2)", op,
-                   (int)s);
+  LZ_TRY(check_stream(op, s));
   LZ_TRY(lz_check_numel(op, "dst", dst, lz_tensor_numel(src), "the element count of src"));
   if (dst->dtype != src->dtype) {
     char a[96], b[96];
@@ -223,17 +217,10 @@ struct lz_event {
   void *impl;
 };
 
-static lz_status check_stream(const char *op, lz_stream_kind s) {
-  if ((unsigned)s >= LZ_STREAM_COUNT)
-    return lz_fail(LZ_ERR_INVALID, "%s: stream %d is not compute (0), comm (1) or copy (2)", op,
-                   (int)s);
-  return LZ_OK;
-}
-
 lz_status lz_stream_synchronize(lz_stream_kind s) {
   const lz_backend *be;
   LZ_TRY(check_stream("stream_synchronize", s));
-  LZ_TRY(need_backend("stream_synchronize", &be));
+  LZ_TRY(lz_backend_need_any("stream_synchronize", &be));
   return be->stream_sync(s);
 }
 
@@ -241,7 +228,7 @@ lz_status lz_event_new(lz_event **out) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "event_new: out is NULL");
   *out = NULL;
   const lz_backend *be;
-  LZ_TRY(need_backend("event_new", &be));
+  LZ_TRY(lz_backend_need_any("event_new", &be));
   lz_event *e = calloc(1, sizeof *e);
   if (!e) return lz_fail(LZ_ERR_NOMEM, "event_new: out of memory");
   lz_status st = be->event_new(&e->impl);
@@ -265,7 +252,7 @@ lz_status lz_event_record(lz_event *e, lz_stream_kind s) {
   const lz_backend *be;
   if (!e) return lz_fail(LZ_ERR_INVALID, "event_record: event is NULL");
   LZ_TRY(check_stream("event_record", s));
-  LZ_TRY(need_backend("event_record", &be));
+  LZ_TRY(lz_backend_need_any("event_record", &be));
   return be->event_record(e->impl, s);
 }
 
@@ -273,14 +260,14 @@ lz_status lz_stream_wait_event(lz_stream_kind s, lz_event *e) {
   const lz_backend *be;
   if (!e) return lz_fail(LZ_ERR_INVALID, "stream_wait_event: event is NULL");
   LZ_TRY(check_stream("stream_wait_event", s));
-  LZ_TRY(need_backend("stream_wait_event", &be));
+  LZ_TRY(lz_backend_need_any("stream_wait_event", &be));
   return be->stream_wait(s, e->impl);
 }
 
 lz_status lz_event_synchronize(lz_event *e) {
   const lz_backend *be;
   if (!e) return lz_fail(LZ_ERR_INVALID, "event_synchronize: event is NULL");
-  LZ_TRY(need_backend("event_synchronize", &be));
+  LZ_TRY(lz_backend_need_any("event_synchronize", &be));
   return be->event_sync(e->impl);
 }
 
@@ -288,6 +275,6 @@ lz_status lz_event_query(lz_event *e, int *done) {
   const lz_backend *be;
   if (!e || !done) return lz_fail(LZ_ERR_INVALID, "event_query: event or done is NULL");
   *done = 0;
-  LZ_TRY(need_backend("event_query", &be));
+  LZ_TRY(lz_backend_need_any("event_query", &be));
   return be->event_query(e->impl, done);
 }

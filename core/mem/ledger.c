@@ -241,12 +241,8 @@ static lz_status device_alloc(void **out, size_t bytes, lz_mem_category cat, int
   if ((unsigned)cat >= LZ_MEM_COUNT)
     return lz_fail(LZ_ERR_INVALID, "%s: category %d is not one of 0..%d", what, (int)cat,
                    LZ_MEM_COUNT - 1);
-  const lz_backend *be = lz_backend_active();
-  if (!be)
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: cuda is not initialized, nor sim; call lz_cuda_init or lz_sim_init first "
-                   "(device = \"cuda\" or \"sim\")",
-                   what);
+  const lz_backend *be;
+  LZ_TRY(lz_backend_need_any(what, &be));
   void *p = NULL;
   /* A zero-byte block still gets a unique address, as on the host side. */
   size_t asked = bytes ? bytes : 1;

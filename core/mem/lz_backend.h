@@ -126,6 +126,9 @@ const lz_backend *lz_backend_cuda(void);
 /* dev's backend (LZ_CUDA, LZ_SIM) when it is the active one, else an error
  * naming op and how to initialize dev. */
 lz_status lz_backend_need(const char *op, lz_device dev, const lz_backend **be);
+/* The active backend, whichever accelerator it is, else an error naming op
+ * and how to initialize one. */
+lz_status lz_backend_need_any(const char *op, const lz_backend **be);
 /* "cpu", "cuda", "sim" (or "device <n>"): for messages. */
 const char *lz_device_name(lz_device dev);
 
