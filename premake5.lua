@@ -15,6 +15,26 @@ local have_cuda = os.isfile(nvcc) and os.getenv("LZ_NO_CUDA") == nil
 -- LZ_BUILD=DIR puts the whole build somewhere else (default: build/).
 local out = os.getenv("LZ_BUILD") or "build"
 
+-- A dependency file (.d) naming a source or header that has moved or gone
+-- stops make ("No rule to make target"): drop it and its object, which is
+-- then rebuilt. Paths in it are relative to the build folder.
+for _, dep in ipairs(os.matchfiles(out .. "/obj/**.d")) do
+  local f = io.open(dep)
+  local text = f and f:read("*a") or ""
+  if f then f:close() end
+  for word in text:gmatch("[^%s\\]+") do
+    local file = word:gsub(":$", "")
+    if file:match("%.[ch]$") or file:match("%.cu$") then
+      local full = file:sub(1, 1) == "/" and file or (out .. "/" .. file)
+      if not os.isfile(full) then
+        os.remove(dep)
+        os.remove((dep:gsub("%.d$", ".o")))
+        break
+      end
+    end
+  end
+end
+
 local warnings = { "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas" }
 
 -- Where a project's output goes: release into <out>/<sub>, debug into
@@ -50,7 +70,7 @@ workspace "luazero"
 
 project "luazero"
   kind "SharedLib"
-  files { "core/*.c", "core/*.h" }
+  files { "core/**.c", "core/**.h" }
   libdirs { mpi_lib }
   links { "dnnl", "xxhash", "zstd", "aio", "mpi", "m", "rt", "dl" }
   output_dirs("lib")
@@ -67,7 +87,8 @@ if have_cuda then
   local nvflags = string.format("-O3 -std=c++17 -gencode arch=compute_%s,code=sm_%s "
     .. "-gencode arch=compute_%s,code=compute_%s -Werror all-warnings "
     .. "-Xcompiler -fPIC,-Wall,-Wextra,-Werror -I%s/core -I%s/cuda", arch, arch, arch, arch, root, root)
-  local headers = { "cuda/lz_cuda.h", "core/lz_backend.h", "core/lz_internal.h", "core/luazero.h" }
+  local headers = { "cuda/lz_cuda.h", "core/mem/lz_backend.h", "core/mem/lz_internal.h",
+                    "core/mem/lz_dtype.h", "core/luazero.h" }
   local cu_files = os.matchfiles("cuda/*.cu")
   local objs = {}
   local cmds = { "mkdir -p obj/cuda" }

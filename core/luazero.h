@@ -502,7 +502,7 @@ int lz_cuda_ready(void);  /* 1 after a successful lz_cuda_init */
 int lz_cuda_device(void); /* the selected device, -1 before lz_cuda_init */
 lz_status lz_cuda_synchronize(void); /* waits for all work on the device */
 
-/* The simulated accelerator (core/sim.c, always built): runs the cpu
+/* The simulated accelerator (core/devices/, always built): runs the cpu
  * kernels on worker threads, one per stream, over device memory the host
  * cannot read or write (a host access faults). LZ_SIM_MEMORY sets its
  * capacity (bytes, or with KiB/MiB/GiB; default 8GiB); LZ_SIM_JITTER=<seed>

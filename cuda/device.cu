@@ -1,6 +1,6 @@
 // device.cu — CUDA devices as luazero sees them: how many, and their names.
 // A machine without a GPU (or without a driver) is a clear error, not a crash.
-#include "lz_internal.h"
+#include "mem/lz_internal.h"
 
 #include <cuda_runtime.h>  // cudaGetDeviceCount, cudaGetDeviceProperties
 

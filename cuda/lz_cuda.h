@@ -4,8 +4,8 @@
 #ifndef LZ_CUDA_H
 #define LZ_CUDA_H
 
-#include "lz_backend.h"
-#include "lz_internal.h"
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
 
 #include <cublasLt.h>      // cublasLtHandle_t
 #include <cuda_bf16.h>     // __nv_bfloat16

@@ -1,5 +1,6 @@
 -- test_cdef.lua — the FFI declarations (lua/luazero/cdef.lua) must be what
--- tools/gen-cdef.lua makes of core/luazero.h today.
+-- tools/gen-cdef.lua makes of core/luazero.h today, and the layers must hold
+-- (tools/check-layers).
 local root = rawget(_G, "LUAZERO_ROOT") or "."
 package.path = root .. "/tools/?.lua;" .. package.path
 local gen = dofile(root .. "/tools/gen-cdef.lua")
@@ -26,6 +27,18 @@ if #missing == 0 then
   passed = passed + 1
 else
   print("FAIL declared but not in libluazero: " .. table.concat(missing, ", "))
+  failed = failed + 1
+end
+-- The core's rooms depend downward only and the Lua modules have no require
+-- cycle (tools/check-layers says which arrow is wrong).
+local p = io.popen("cd '" .. root .. "' && tools/check-layers 2>&1; echo \"exit $?\"")
+local out = p:read("*a")
+p:close()
+if out:match("exit 0%s*$") then
+  print("ok   tools/check-layers: rooms and requires point one way")
+  passed = passed + 1
+else
+  print("FAIL tools/check-layers:\n" .. out)
   failed = failed + 1
 end
 print(("%d passed, %d failed"):format(passed, failed))

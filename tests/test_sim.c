@@ -1,10 +1,10 @@
-/* test_sim.c — the sim device (core/sim.c): its allocator and capacity, every
+/* test_sim.c — the sim device (core/devices/): its allocator and capacity, every
  * op bitwise the cpu result, asynchronous streams and events (with jitter),
  * host accesses that fault, and sticky errors. Sim is initialized once in
  * this process and stays; with cuda initialized first (a GPU machine), the
  * tests are skipped. */
-#include "lz_backend.h" /* LZ_OP_COUNT: every op is covered */
-#include "lz_sim.h"
+#include "mem/lz_backend.h" /* LZ_OP_COUNT: every op is covered */
+#include "devices/lz_sim.h"
 #include "lz_test.h"
 
 #include <signal.h>   /* SIGSEGV */

@@ -24,7 +24,7 @@
 #include <dirent.h> /* the rank's descriptors */
 #include <unistd.h> /* sleep, readlink */
 
-/* The offset of a block in this rank's shared memory (core/shared_mem.c;
+/* The offset of a block in this rank's shared memory (core/mem/shared_mem.c;
  * exported from libluazero, not part of its API). */
 uint64_t lz_shared_offset(const void *ptr);
 

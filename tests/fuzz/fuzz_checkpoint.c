@@ -1,6 +1,6 @@
 /* fuzz_checkpoint.c — libFuzzer target for what a checkpoint loader reads
  * from disk. The first input byte picks the reader:
- *   even: a shard file (core/checkpoint.c, built in with ASan): open, read
+ *   even: a shard file (core/io/checkpoint.c, built in with ASan): open, read
  *         everything in uneven pieces, verify; any status is fine, a crash
  *         or sanitizer report is not.
  *   odd:  manifest.json text through luazero.checkpoint.manifest (embedded

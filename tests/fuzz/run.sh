@@ -15,10 +15,10 @@ pass=0
 fail=0
 
 echo "== build fuzz_checkpoint (clang -fsanitize=fuzzer,address)"
-# The checkpoint reader (core/checkpoint.c) is built instrumented; the rest of
+# The checkpoint reader (core/io/checkpoint.c) is built instrumented; the rest of
 # the library comes from build/lib/libluazero.so.
 if ! clang -g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined -Icore \
-    -I/usr/include/luajit-2.1 tests/fuzz/fuzz_checkpoint.c core/checkpoint.c \
+    -I/usr/include/luajit-2.1 tests/fuzz/fuzz_checkpoint.c core/io/checkpoint.c \
     -Lbuild/lib -lluazero -Wl,-rpath,"$root/build/lib" -fopenmp -lzstd -lxxhash -lluajit-5.1 \
     -lm -ldl -o "$out/fuzz_checkpoint"; then
   echo "FAIL fuzz.build (the compiler says why above; tools/setup installs clang)"

@@ -1,0 +1,92 @@
+/* comm_internal.h — what the collective backends (comm_local.c, comm_shm.c,
+ * comm_mpi.c, later nccl) share with comm.c: the backend vtable, the
+ * communicator struct, the fixed-order reduction and the launcher's
+ * shared-memory contract. Not part of the public API. */
+#ifndef LZ_COMM_INTERNAL_H
+#define LZ_COMM_INTERNAL_H
+
+#include "mem/lz_internal.h"
+
+#include <pthread.h>   /* the work queue's lock and progress thread */
+#include <stdatomic.h> /* byte counters */
+
+/* One operation, as queued on a communicator. Buffers are the caller's. */
+typedef struct lz_coll_args {
+  lz_coll_kind kind;
+  const void *send; /* all_reduce: == recv (in place) */
+  void *recv;
+  int64_t count;
+  lz_dtype dt;
+  lz_reduce_op op;
+  int root;
+  /* Set by comm.c when send or recv is sim device memory: the collective
+   * runs after the compute stream's work up to sim_point (queued before the
+   * call, as NCCL orders it), on the buffers' host views. */
+  int on_sim;
+  uint64_t sim_point;
+} lz_coll_args;
+
+/* A backend: one function per operation, ggml style. Each runs one
+ * collective to completion on the calling thread; comm.c guarantees that
+ * calls on one communicator never overlap and come in the same order on every
+ * rank. Errors go through lz_fail and must name the operation and this rank. */
+typedef struct lz_comm_backend_ops {
+  const char *name;
+  lz_status (*init)(lz_comm *c); /* sets c->rank, c->size, c->impl */
+  void (*free)(lz_comm *c);
+  lz_status (*run)(lz_comm *c, const lz_coll_args *a);
+} lz_comm_backend_ops;
+
+extern const lz_comm_backend_ops lz_comm_local_ops;
+extern const lz_comm_backend_ops lz_comm_shm_ops;
+extern const lz_comm_backend_ops lz_comm_mpi_ops;
+extern const lz_comm_backend_ops lz_comm_nccl_ops; /* comm_nccl.c: needs lz_cuda_init */
+
+struct lz_comm {
+  const lz_comm_backend_ops *ops;
+  void *impl;
+  lz_comm_backend backend;
+  int rank, size;
+  double timeout_s; /* LZ_COMM_TIMEOUT */
+  _Atomic uint64_t bytes[LZ_COLL_COUNT];
+
+  /* The ordering queue: operations run one at a time, in submission order,
+   * on the caller's thread (blocking, queue empty) or the progress thread. */
+  pthread_mutex_t mu;
+  pthread_cond_t cv; /* queue changed, an operation finished */
+  lz_work *head, *tail;
+  int busy; /* an operation is running */
+  int stopping;
+  int thread_started;
+  pthread_t thread;
+  lz_status broken; /* sticky: after a failed collective the ranks are out of step */
+  char broken_msg[1024];
+};
+
+const char *lz_coll_name(lz_coll_kind kind); /* "all_reduce", ... for messages */
+
+/* The start of an all_gather on the host: every rank's shard of a->count
+ * (off and len, world entries each) and this rank's own shard moved from
+ * send to its place in recv (unless it is there already). */
+void lz_comm_gather_own(const lz_coll_args *a, int world, int rank, int64_t *off, int64_t *len);
+
+/* dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) in fp32, in source order, then
+ * rounded once to dt. The one definition of a reduction every backend and
+ * the tests' serial reference use, so results are bitwise the same
+ * everywhere. dst may alias any source. */
+void lz_reduce_fixed(void *dst, const void *const *srcs, int nsrc, int64_t count, lz_dtype dt,
+                     lz_reduce_op op, int world);
+
+/* memcpy with non-temporal stores, for copies too big to stay in cache:
+ * about 1.5x faster to memory, and it leaves the cache to the caller. */
+void lz_copy_stream(void *dst, const void *src, size_t n);
+
+double lz_now_s(void); /* CLOCK_MONOTONIC seconds */
+
+/* The shared-memory segment: the launcher creates and sizes it; the shm
+ * backend maps it. Its size depends on the world size and LZ_SHM_CHUNK. */
+size_t lz_shm_segment_bytes(int world);
+/* Writes the header into the launcher's freshly sized (zeroed) segment. */
+void lz_shm_segment_format(void *base, int world);
+
+#endif /* LZ_COMM_INTERNAL_H */

@@ -1,0 +1,256 @@
+/* comm_mpi.c — collectives over OpenMPI (many machines). MPI is initialised
+ * only when this backend is chosen. Reductions do not use MPI's own: each
+ * rank receives its shard's pieces from every peer (point to point) and
+ * reduces them with lz_reduce_fixed in rank order, then the shards are
+ * exchanged back — the same per-element order as the shm backend, so results
+ * are bitwise the same across ranks, runs and backends, and bf16/f16
+ * accumulate in fp32. Every wait polls with a deadline (LZ_COMM_TIMEOUT) and
+ * names the ranks whose messages have not arrived. */
+#include "comm/comm_internal.h"
+
+#include <mpi.h>    /* the whole backend */
+#include <sched.h>  /* sched_yield when oversubscribed */
+#include <stdio.h>  /* snprintf */
+#include <stdlib.h> /* getenv */
+#include <time.h>   /* nanosleep for long waits */
+#include <unistd.h> /* sysconf */
+
+#define MPI_TAG_LZ 0x4c5a
+#define MPI_DEFAULT_CHUNK (8u << 20) /* bytes of a reduction round (all ranks' parts) */
+#define MPI_DIRECT_MAX (64u << 10)
+#define MPI_MAX_MSG ((size_t)1 << 28) /* one message's bytes stay far below INT_MAX */
+
+typedef struct mpi_comm {
+  MPI_Comm comm;
+  int own_init;
+  int yield;
+  uint8_t *tmp;
+  size_t tmp_bytes;
+  MPI_Request *reqs;
+  int *peer; /* the rank a receive waits for; -1 for sends */
+  int nreq;
+} mpi_comm;
+
+static lz_status mpi_fail(lz_comm *c, int rc, const char *op) {
+  char s[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, s, &len);
+  s[len < MPI_MAX_ERROR_STRING ? len : MPI_MAX_ERROR_STRING - 1] = 0;
+  return lz_fail(LZ_ERR_COMM, "%s: rank %d: MPI failed: %s", op, c->rank, s);
+}
+
+static lz_status mpi_init(lz_comm *c) {
+  int inited = 0, provided = 0;
+  MPI_Initialized(&inited);
+  mpi_comm *m = calloc(1, sizeof *m);
+  if (!m) return lz_fail(LZ_ERR_NOMEM, "mpi: out of memory");
+  if (!inited) {
+    int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided);
+    if (rc != MPI_SUCCESS) {
+      free(m);
+      return lz_fail(LZ_ERR_COMM, "mpi: MPI_Init_thread failed (code %d)", rc);
+    }
+    m->own_init = 1;
+  }
+  MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
+  MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(m->comm, &c->rank);
+  MPI_Comm_size(m->comm, &c->size);
+  const char *local = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  m->yield = local && atoi(local) > ncpu;
+  const char *cs = getenv("LZ_MPI_CHUNK");
+  long long chunk = cs ? atoll(cs) : 0;
+  m->tmp_bytes = chunk >= 4096 ? (size_t)chunk : MPI_DEFAULT_CHUNK;
+  if (m->tmp_bytes < (size_t)c->size * 64) m->tmp_bytes = (size_t)c->size * 64;
+  lz_status st = lz_mem_alloc((void **)&m->tmp, m->tmp_bytes, LZ_MEM_COMM);
+  m->reqs = malloc(sizeof *m->reqs * 2 * (size_t)c->size);
+  m->peer = malloc(sizeof *m->peer * 2 * (size_t)c->size);
+  if (st != LZ_OK || !m->reqs || !m->peer) {
+    lz_mem_free(m->tmp);
+    free(m->reqs);
+    free(m->peer);
+    MPI_Comm_free(&m->comm);
+    if (m->own_init) MPI_Finalize();
+    size_t want = m->tmp_bytes;
+    free(m);
+    return lz_fail(LZ_ERR_NOMEM, "mpi: out of memory for %zu bytes of staging", want);
+  }
+  c->impl = m;
+  return LZ_OK;
+}
+
+static void mpi_free(lz_comm *c) {
+  mpi_comm *m = c->impl;
+  if (!m) return;
+  lz_mem_free(m->tmp);
+  free(m->reqs);
+  free(m->peer);
+  /* After a failed collective, requests may still be pending: finalizing
+   * could hang, so leave it to the process exit (mpirun then stops the job). */
+  if (!c->broken) {
+    MPI_Comm_free(&m->comm);
+    if (m->own_init) MPI_Finalize();
+  }
+  free(m);
+  c->impl = NULL;
+}
+
+static lz_status post(lz_comm *c, mpi_comm *m, int is_recv, void *buf, size_t bytes, int p,
+                      const char *op) {
+  int rc = is_recv ? MPI_Irecv(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq])
+                   : MPI_Isend(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq]);
+  if (rc != MPI_SUCCESS) return mpi_fail(c, rc, op);
+  m->peer[m->nreq++] = is_recv ? p : -1;
+  return LZ_OK;
+}
+
+/* Waits for the posted requests; `who` names the peers for collectives MPI
+ * runs itself (broadcast, barrier). */
+static lz_status wait_posted(lz_comm *c, mpi_comm *m, const char *op, const char *who) {
+  double t0 = lz_now_s(), deadline = t0 + c->timeout_s;
+  for (unsigned i = 1;; i++) {
+    int done = 0;
+    int rc = MPI_Testall(m->nreq, m->reqs, &done, MPI_STATUSES_IGNORE);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, rc, op);
+    if (done) {
+      m->nreq = 0;
+      return LZ_OK;
+    }
+    if (m->yield) sched_yield();
+    if ((i & 1023) == 0) {
+      double t = lz_now_s();
+      if (t - t0 > 1.0) { /* a long wait: stop burning the core */
+        struct timespec nap = {0, 1000 * 1000};
+        nanosleep(&nap, NULL);
+      }
+      if (t >= deadline) {
+        char buf[256];
+        size_t n = 0;
+        buf[0] = 0;
+        for (int r = 0; r < m->nreq && n < sizeof buf; r++) {
+          int flag = 1;
+          if (m->peer[r] >= 0) MPI_Request_get_status(m->reqs[r], &flag, MPI_STATUS_IGNORE);
+          if (!flag) n += (size_t)snprintf(buf + n, sizeof buf - n, n ? ", %d" : "%d", m->peer[r]);
+        }
+        return lz_fail(LZ_ERR_TIMEOUT,
+                       "%s: rank %d waited %.1f s (LZ_COMM_TIMEOUT) for %s%s; they never joined "
+                       "this collective (a rank stuck, or ranks calling different collectives)",
+                       op, c->rank, t - t0, who ? who : "ranks ", who ? "" : buf);
+      }
+    }
+  }
+}
+
+static lz_status reduce(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
+  int W = c->size, me = c->rank, all = a->kind == LZ_COLL_ALL_REDUCE;
+  const char *op = lz_coll_name(a->kind);
+  size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
+  const void *srcs[W];
+  if (all && n <= MPI_DIRECT_MAX && n * (size_t)(W - 1) <= m->tmp_bytes) {
+    for (int p = 0; p < W; p++) {
+      if (p == me) continue;
+      int slot = p < me ? p : p - 1;
+      LZ_TRY(post(c, m, 1, m->tmp + (size_t)slot * n, n, p, op));
+      LZ_TRY(post(c, m, 0, a->recv, n, p, op));
+    }
+    LZ_TRY(wait_posted(c, m, op, NULL));
+    for (int p = 0; p < W; p++)
+      srcs[p] = p == me ? a->recv : m->tmp + (size_t)(p < me ? p : p - 1) * n;
+    lz_reduce_fixed(a->recv, srcs, W, a->count, a->dt, a->op, W);
+    return LZ_OK;
+  }
+  size_t sub_bytes = m->tmp_bytes / (size_t)W / 64 * 64;
+  if (sub_bytes > MPI_MAX_MSG) sub_bytes = MPI_MAX_MSG;
+  int64_t mm = (int64_t)(sub_bytes / es);
+  sub_bytes = (size_t)mm * es;
+  int64_t off[W], len[W];
+  for (int p = 0; p < W; p++) lz_comm_shard(a->count, W, p, &off[p], &len[p]);
+  const uint8_t *send = a->send;
+  uint8_t *recv = a->recv;
+  for (int64_t j0 = 0; j0 < len[0]; j0 += mm) {
+    int64_t k[W];
+    for (int p = 0; p < W; p++) k[p] = len[p] - j0 < mm ? (len[p] - j0 > 0 ? len[p] - j0 : 0) : mm;
+    for (int p = 0; p < W; p++) {
+      if (p == me) continue;
+      if (k[me]) LZ_TRY(post(c, m, 1, m->tmp + (size_t)p * sub_bytes, (size_t)k[me] * es, p, op));
+      if (k[p]) LZ_TRY(post(c, m, 0, (void *)(send + (off[p] + j0) * es), (size_t)k[p] * es, p, op));
+    }
+    LZ_TRY(wait_posted(c, m, op, NULL));
+    uint8_t *dst = all ? recv + (off[me] + j0) * es : recv + j0 * es;
+    if (k[me]) {
+      for (int p = 0; p < W; p++)
+        srcs[p] = p == me ? (const void *)(send + (off[me] + j0) * es) : m->tmp + (size_t)p * sub_bytes;
+      lz_reduce_fixed(dst, srcs, W, k[me], a->dt, a->op, W);
+    }
+    if (!all) continue;
+    for (int p = 0; p < W; p++) {
+      if (p == me) continue;
+      if (k[p]) LZ_TRY(post(c, m, 1, recv + (off[p] + j0) * es, (size_t)k[p] * es, p, op));
+      if (k[me]) LZ_TRY(post(c, m, 0, dst, (size_t)k[me] * es, p, op));
+    }
+    LZ_TRY(wait_posted(c, m, op, NULL));
+  }
+  return LZ_OK;
+}
+
+static lz_status all_gather(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
+  int W = c->size, me = c->rank;
+  size_t es = lz_dtype_size(a->dt);
+  int64_t mm = (int64_t)(MPI_MAX_MSG / es);
+  int64_t off[W], len[W];
+  lz_comm_gather_own(a, W, me, off, len);
+  const uint8_t *send = a->send;
+  uint8_t *recv = a->recv;
+  for (int64_t j0 = 0; j0 < len[0]; j0 += mm) {
+    for (int p = 0; p < W; p++) {
+      if (p == me) continue;
+      int64_t kp = len[p] - j0 < mm ? len[p] - j0 : mm, km = len[me] - j0 < mm ? len[me] - j0 : mm;
+      if (kp > 0) LZ_TRY(post(c, m, 1, recv + (off[p] + j0) * es, (size_t)kp * es, p, "all_gather"));
+      if (km > 0)
+        LZ_TRY(post(c, m, 0, (void *)(send + j0 * es), (size_t)km * es, p, "all_gather"));
+    }
+    LZ_TRY(wait_posted(c, m, "all_gather", NULL));
+  }
+  return LZ_OK;
+}
+
+static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
+  mpi_comm *m = c->impl;
+  m->nreq = 0;
+  if (a->kind == LZ_COLL_BARRIER) {
+    int rc = MPI_Ibarrier(m->comm, &m->reqs[0]);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "barrier");
+    m->peer[0] = -1;
+    m->nreq = 1;
+    return wait_posted(c, m, "barrier", "the other ranks (MPI cannot tell which)");
+  }
+  if (a->count == 0) return LZ_OK;
+  size_t n = (size_t)a->count * lz_dtype_size(a->dt);
+  if (c->size == 1) {
+    if ((a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER) && a->send != a->recv)
+      memmove(a->recv, a->send, n);
+    return LZ_OK;
+  }
+  switch (a->kind) {
+  case LZ_COLL_ALL_REDUCE:
+  case LZ_COLL_REDUCE_SCATTER: return reduce(c, m, a);
+  case LZ_COLL_ALL_GATHER: return all_gather(c, m, a);
+  case LZ_COLL_BROADCAST: {
+    char who[64];
+    snprintf(who, sizeof who, "root rank %d", a->root);
+    for (size_t j0 = 0; j0 < n; j0 += MPI_MAX_MSG) {
+      size_t k = n - j0 < MPI_MAX_MSG ? n - j0 : MPI_MAX_MSG;
+      int rc = MPI_Ibcast((uint8_t *)a->recv + j0, (int)k, MPI_BYTE, a->root, m->comm, &m->reqs[0]);
+      if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "broadcast");
+      m->peer[0] = -1;
+      m->nreq = 1;
+      LZ_TRY(wait_posted(c, m, "broadcast", who));
+    }
+    return LZ_OK;
+  }
+  default: return lz_fail(LZ_ERR_INVALID, "mpi: unknown collective %d", (int)a->kind);
+  }
+}
+
+const lz_comm_backend_ops lz_comm_mpi_ops = {"mpi", mpi_init, mpi_free, mpi_run};

@@ -1,0 +1,136 @@
+/* cross_entropy.c — softmax cross-entropy over the vocabulary, fused: the
+ * probabilities are never stored, backward recomputes them row by row.
+ *
+ * The last dimension Vp may be padded past the real vocabulary (llm.c pads
+ * 50257 to 50304 for aligned GEMMs); padded columns take no part in the
+ * softmax and get a zero gradient. A negative target marks a position to
+ * ignore (padding in a batch): loss 0, gradient 0. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+#include "kernels/lz_vecmath.h" /* lz_exp */
+
+#include <math.h> /* logf */
+#include <stdlib.h> /* free: the host copy of device targets */
+
+/* Sums and maxima are kept in LANES independent partials so the loops
+ * vectorize without -ffast-math. */
+#define LANES 16
+
+/* max over the row and sum of exp(logit - max), the softmax normalizer. */
+LZ_DISPATCH static void softmax_stats(const float *logits, int64_t V, float *max_out,
+                                      float *sum_out) {
+  float mx[LANES];
+  for (int l = 0; l < LANES; l++) mx[l] = logits[0];
+  int64_t i = 0;
+  for (; i + LANES <= V; i += LANES)
+    for (int l = 0; l < LANES; l++) mx[l] = logits[i + l] > mx[l] ? logits[i + l] : mx[l];
+  float m = mx[0];
+  for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
+  for (; i < V; i++) m = logits[i] > m ? logits[i] : m;
+
+  float acc[LANES] = {0};
+  for (i = 0; i + LANES <= V; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += lz_exp(logits[i + l] - m);
+  float s = 0.0f;
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  for (; i < V; i++) s += lz_exp(logits[i] - m);
+  *max_out = m;
+  *sum_out = s;
+}
+
+/* Shared by forward and backward. Every target is checked before anything is
+ * written, so a bad one leaves the outputs untouched. */
+static lz_status check_args(const char *op, const lz_tensor *logits, const lz_tensor *targets,
+                            int64_t vocab) {
+  LZ_TRY(lz_check_dtype(op, "logits", logits, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, "logits", logits, 2, LZ_MAX_DIMS));
+  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  if (vocab < 1 || vocab > Vp) {
+    char a[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: vocab is %lld but logits is %s; vocab must be 1..%lld (the last "
+                   "dimension of logits)",
+                   op, (long long)vocab, lz_tensor_describe(logits, a, sizeof a), (long long)Vp);
+  }
+  LZ_TRY(lz_check_dtype(op, "targets", targets, LZ_I32));
+  LZ_TRY(lz_check_numel(op, "targets", targets, rows, "one per row of logits"));
+  const int32_t *tg;
+  int32_t *copy; /* device targets are checked in a host copy */
+  LZ_TRY(lz_backend_host_ids(op, targets, &tg, &copy));
+  lz_status st = LZ_OK;
+  for (int64_t r = 0; tg && r < rows && st == LZ_OK; r++)
+    if (tg[r] >= vocab)
+      st = lz_fail(LZ_ERR_INVALID,
+                   "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "
+                   "ignored)",
+                   op, (long long)r, (int)tg[r], (long long)vocab);
+  free(copy);
+  return st;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* loss = log(sum_j exp(l_j)) - l_target, computed as log(sum exp(l_j - max))
+ * + max - l_target so no exp overflows. */
+static float row_loss(const float *logits, int64_t vocab, int32_t target) {
+  if (target < 0) return 0.0f;
+  float m, s;
+  softmax_stats(logits, vocab, &m, &s);
+  return logf(s) + m - logits[target];
+}
+
+lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
+                                   const lz_tensor *targets, int64_t vocab) {
+  const char *op = "cross_entropy_forward";
+  LZ_TRY(check_args(op, logits, targets, vocab));
+  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  LZ_TRY(lz_check_dtype(op, "losses", losses, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "losses", losses, rows, "one per row of logits"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_FORWARD,
+                     .t = {losses, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab});
+
+  float *loss = losses->data;
+  const float *lg = logits->data;
+  const int32_t *tg = targets->data;
+#pragma omp parallel for schedule(static) if (rows * vocab > (1 << 15))
+  for (int64_t r = 0; r < rows; r++) loss[r] = row_loss(lg + r * Vp, vocab, tg[r]);
+  return LZ_OK;
+}
+
+/* --------------------------------------------------------------- backward */
+
+/* dlogits may be logits: each logit is read before its gradient overwrites
+ * it, and the target's logit is saved first. */
+LZ_DISPATCH static void xent_backward_row(float *dlogits, const float *logits, int64_t vocab,
+                                          int64_t Vp, int32_t target, float dloss) {
+  if (target < 0) {
+    for (int64_t i = 0; i < Vp; i++) dlogits[i] = 0.0f;
+    return;
+  }
+  float m, s;
+  softmax_stats(logits, vocab, &m, &s);
+  const float logit_target = logits[target], inv = 1.0f / s;
+  for (int64_t i = 0; i < vocab; i++) dlogits[i] = lz_exp(logits[i] - m) * inv * dloss;
+  dlogits[target] = (lz_exp(logit_target - m) * inv - 1.0f) * dloss;
+  for (int64_t i = vocab; i < Vp; i++) dlogits[i] = 0.0f;
+}
+
+lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                    const lz_tensor *targets, int64_t vocab, float dloss) {
+  const char *op = "cross_entropy_backward";
+  LZ_TRY(check_args(op, logits, targets, vocab));
+  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  LZ_TRY(lz_check_dtype(op, "dlogits", dlogits, LZ_F32));
+  LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_BACKWARD,
+                     .t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab},
+                     .f = {dloss});
+
+  float *dl = dlogits->data;
+  const float *lg = logits->data;
+  const int32_t *tg = targets->data;
+#pragma omp parallel for schedule(static) if (rows * vocab > (1 << 15))
+  for (int64_t r = 0; r < rows; r++)
+    xent_backward_row(dl + r * Vp, lg + r * Vp, vocab, Vp, tg[r], dloss);
+  return LZ_OK;
+}

@@ -1,0 +1,247 @@
+/* elementwise.c — flat elementwise ops over whole tensors (add, axpy, scale,
+ * fill) and the two reductions the engine runs over gradient buffers before
+ * each step: the squared norm (for clipping) and the inf/NaN check (for the
+ * fp16 loss scaler).
+ *
+ * Tensors are treated as flat arrays: operands need the same element count,
+ * not the same shape, so a flat buffer and a view over it combine. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+
+/* Elements per thread task; small tensors stay on one thread. */
+#define BLOCK (1 << 15)
+/* sq_norm: elements per partial sum, and partials per parallel pass. The
+ * block size is fixed (not derived from the thread count), the partials of a
+ * pass sit in a stack array and are added in index order, and the passes are
+ * added in order: the same bits on any number of threads. */
+#define SQ_BLOCK 4096
+#define SQ_GROUP 256
+/* Double partial sums inside a block, so the loop vectorizes. */
+#define LANES 8
+
+static int64_t block_len(int64_t n, int64_t i0, int64_t block) {
+  return n - i0 < block ? n - i0 : block;
+}
+
+static lz_status check_float_dtype(const char *op, const char *name, const lz_tensor *t) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (t->dtype != LZ_F32 && t->dtype != LZ_BF16 && t->dtype != LZ_F16) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype f32, bf16 or f16", op, name,
+                   lz_tensor_describe(t, buf, sizeof buf));
+  }
+  return LZ_OK;
+}
+
+/* ------------------------------------------------------ add, axpy, scale, fill */
+
+/* No restrict anywhere below: out may be a or b. */
+LZ_DISPATCH static void add_block(float *out, const float *a, const float *b, int64_t n) {
+  for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b) {
+  const char *op = "add";
+  LZ_TRY(lz_check_dtype(op, "a", a, LZ_F32));
+  const int64_t n = lz_tensor_numel(a);
+  LZ_TRY(lz_check_dtype(op, "b", b, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "b", b, n, "the element count of a"));
+  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "out", out, n, "the element count of a"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ADD, .t = {out, (lz_tensor *)a, (lz_tensor *)b});
+  float *o = out->data;
+  const float *ap = a->data, *bp = b->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+    add_block(o + i0, ap + i0, bp + i0, block_len(n, i0, BLOCK));
+  return LZ_OK;
+}
+
+LZ_DISPATCH static void axpy_block(float *y, float alpha, const float *x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x) {
+  const char *op = "axpy";
+  LZ_TRY(lz_check_dtype(op, "y", y, LZ_F32));
+  const int64_t n = lz_tensor_numel(y);
+  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "x", x, n, "the element count of y"));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_AXPY, .t = {y, (lz_tensor *)x}, .f = {alpha});
+  float *yp = y->data;
+  const float *xp = x->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+    axpy_block(yp + i0, alpha, xp + i0, block_len(n, i0, BLOCK));
+  return LZ_OK;
+}
+
+LZ_DISPATCH static void scale_f32_block(float *t, float s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) t[i] *= s;
+}
+
+LZ_DISPATCH static void scale_bf16_block(uint16_t *t, float s, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    t[i] = lz_bf16_from_f32_inline(lz_bf16_to_f32_inline(t[i]) * s);
+}
+
+/* f16 goes through the library's scalar conversions: no CPU path here keeps
+ * big tensors in f16, so this need not be fast. */
+static void scale_f16_block(uint16_t *t, float s, int64_t n) {
+  for (int64_t i = 0; i < n; i++) t[i] = lz_f32_to_f16(lz_f16_to_f32(t[i]) * s);
+}
+
+lz_status lz_scale(lz_tensor *t, float s) {
+  LZ_TRY(check_float_dtype("scale", "t", t));
+  LZ_DEVICE_DISPATCH("scale", LZ_OP_SCALE, .t = {t}, .f = {s});
+  const int64_t n = lz_tensor_numel(t);
+  const lz_dtype dt = t->dtype;
+  void *p = t->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
+    int64_t len = block_len(n, i0, BLOCK);
+    if (dt == LZ_F32) scale_f32_block((float *)p + i0, s, len);
+    else if (dt == LZ_BF16) scale_bf16_block((uint16_t *)p + i0, s, len);
+    else scale_f16_block((uint16_t *)p + i0, s, len);
+  }
+  return LZ_OK;
+}
+
+LZ_DISPATCH static void fill_f32_block(float *t, float v, int64_t n) {
+  for (int64_t i = 0; i < n; i++) t[i] = v;
+}
+
+LZ_DISPATCH static void fill_u16_block(uint16_t *t, uint16_t v, int64_t n) {
+  for (int64_t i = 0; i < n; i++) t[i] = v;
+}
+
+lz_status lz_fill(lz_tensor *t, float v) {
+  LZ_TRY(check_float_dtype("fill", "t", t));
+  LZ_DEVICE_DISPATCH("fill", LZ_OP_FILL, .t = {t}, .f = {v});
+  const int64_t n = lz_tensor_numel(t);
+  const lz_dtype dt = t->dtype;
+  /* A half-precision fill writes one bit pattern, converted once. */
+  const uint16_t v16 = dt == LZ_BF16 ? lz_f32_to_bf16(v) : lz_f32_to_f16(v);
+  void *p = t->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
+    int64_t len = block_len(n, i0, BLOCK);
+    if (dt == LZ_F32) fill_f32_block((float *)p + i0, v, len);
+    else fill_u16_block((uint16_t *)p + i0, v16, len);
+  }
+  return LZ_OK;
+}
+
+/* ------------------------------------------------------------------ sq_norm */
+
+LZ_DISPATCH static double sq_f32_block(const float *x, int64_t n) {
+  double acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) acc[l] += (double)x[i + l] * (double)x[i + l];
+  double s = 0.0;
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  for (; i < n; i++) s += (double)x[i] * (double)x[i];
+  return s;
+}
+
+LZ_DISPATCH static double sq_bf16_block(const uint16_t *x, int64_t n) {
+  double acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) {
+      double v = lz_bf16_to_f32_inline(x[i + l]);
+      acc[l] += v * v;
+    }
+  double s = 0.0;
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  for (; i < n; i++) {
+    double v = lz_bf16_to_f32_inline(x[i]);
+    s += v * v;
+  }
+  return s;
+}
+
+static double sq_f16_block(const uint16_t *x, int64_t n) {
+  double acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; l++) {
+      double v = lz_f16_to_f32(x[i + l]);
+      acc[l] += v * v;
+    }
+  double s = 0.0;
+  for (int l = 0; l < LANES; l++) s += acc[l];
+  for (; i < n; i++) {
+    double v = lz_f16_to_f32(x[i]);
+    s += v * v;
+  }
+  return s;
+}
+
+static double sq_block(const void *data, lz_dtype dt, int64_t i0, int64_t len) {
+  if (dt == LZ_F32) return sq_f32_block((const float *)data + i0, len);
+  if (dt == LZ_BF16) return sq_bf16_block((const uint16_t *)data + i0, len);
+  return sq_f16_block((const uint16_t *)data + i0, len);
+}
+
+lz_status lz_sq_norm(const lz_tensor *t, double *out) {
+  const char *op = "sq_norm";
+  if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
+  *out = 0.0;
+  LZ_TRY(check_float_dtype(op, "t", t));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_SQ_NORM, .t = {(lz_tensor *)t}, .out_f64 = out);
+  const int64_t n = lz_tensor_numel(t);
+  const lz_dtype dt = t->dtype;
+  const void *p = t->data;
+  double total = 0.0;
+  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * SQ_GROUP) {
+    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * SQ_GROUP);
+    const int64_t nb = (g_len + SQ_BLOCK - 1) / SQ_BLOCK;
+    double partial[SQ_GROUP];
+#pragma omp parallel for schedule(static) if (nb > 8)
+    for (int64_t k = 0; k < nb; k++) {
+      int64_t i0 = g0 + k * SQ_BLOCK;
+      partial[k] = sq_block(p, dt, i0, block_len(n, i0, SQ_BLOCK));
+    }
+    for (int64_t k = 0; k < nb; k++) total += partial[k];
+  }
+  *out = total;
+  return LZ_OK;
+}
+
+/* -------------------------------------------------------------- has_inf_nan */
+
+/* An exponent field of all ones is Inf or NaN, whatever the mantissa. */
+LZ_DISPATCH static int inf_nan_f32_block(const float *x, int64_t n) {
+  int found = 0;
+  for (int64_t i = 0; i < n; i++) found |= (lz_f32_bits(x[i]) & 0x7f800000u) == 0x7f800000u;
+  return found;
+}
+
+LZ_DISPATCH static int inf_nan_u16_block(const uint16_t *x, uint16_t exp_mask, int64_t n) {
+  int found = 0;
+  for (int64_t i = 0; i < n; i++) found |= (x[i] & exp_mask) == exp_mask;
+  return found;
+}
+
+lz_status lz_has_inf_nan(const lz_tensor *t, int *out) {
+  const char *op = "has_inf_nan";
+  if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
+  *out = 0;
+  LZ_TRY(check_float_dtype(op, "t", t));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_HAS_INF_NAN, .t = {(lz_tensor *)t}, .out_int = out);
+  const int64_t n = lz_tensor_numel(t);
+  const lz_dtype dt = t->dtype;
+  const uint16_t mask = dt == LZ_BF16 ? 0x7f80u : 0x7c00u;
+  const void *p = t->data;
+  int found = 0;
+#pragma omp parallel for schedule(static) reduction(| : found) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
+    int64_t len = block_len(n, i0, BLOCK);
+    if (dt == LZ_F32) found |= inf_nan_f32_block((const float *)p + i0, len);
+    else found |= inf_nan_u16_block((const uint16_t *)p + i0, mask, len);
+  }
+  *out = found;
+  return LZ_OK;
+}

@@ -1,0 +1,166 @@
+/* embedding.c — token plus position embedding (GPT-2's wte and wpe).
+ *
+ * Backward scatters rows of dout into dwte at the token ids, and a token that
+ * repeats adds into the same row. Threads that split the (b, t) positions
+ * would race on those rows, and atomics would make the sum order (and so the
+ * bits) depend on timing. Threads split the channels instead: each owns a
+ * column block of dwte and dwpe and walks every position in order, so the
+ * result is the same on any thread count. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+
+#include <stdlib.h> /* free: the host copy of device ids */
+
+/* Channels per thread task in backward: two cache lines of floats. */
+#define COL_BLOCK 32
+
+/* tokens: i32 [B, T], every id in [0, V). Checked before anything is
+ * written, so a bad id leaves the outputs untouched. */
+static lz_status check_tokens(const char *op, const lz_tensor *tokens, int64_t V) {
+  LZ_TRY(lz_check_dtype(op, "tokens", tokens, LZ_I32));
+  LZ_TRY(lz_check_ndim(op, "tokens", tokens, 2, 2));
+  const int32_t *tok;
+  int32_t *copy; /* device ids are checked in a host copy */
+  LZ_TRY(lz_backend_host_ids(op, tokens, &tok, &copy));
+  const int64_t n = lz_tensor_numel(tokens), T = tokens->shape[1];
+  lz_status st = LZ_OK;
+  for (int64_t i = 0; tok && i < n && st == LZ_OK; i++)
+    if (tok[i] < 0 || tok[i] >= V)
+      st = lz_fail(LZ_ERR_INVALID,
+                   "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
+                   "rows of the token embedding)",
+                   op, (long long)(i / T), (long long)(i % T), (int)tok[i], (long long)V);
+  free(copy);
+  return st;
+}
+
+/* `name` must be f32 [B, T, C] for tokens [B, T]. */
+static lz_status check_activation(const char *op, const char *name, const lz_tensor *t,
+                                  const lz_tensor *tokens, int64_t C) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  if (t->ndim != 3 || t->shape[0] != tokens->shape[0] || t->shape[1] != tokens->shape[1] ||
+      t->shape[2] != C) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected f32[%lld,%lld,%lld] (tokens is %s)", op,
+                   name, lz_tensor_describe(t, a, sizeof a), (long long)tokens->shape[0],
+                   (long long)tokens->shape[1], (long long)C,
+                   lz_tensor_describe(tokens, b, sizeof b));
+  }
+  return LZ_OK;
+}
+
+/* A 2-D f32 table [rows, C] whose C matches `ref_name`'s channels. */
+static lz_status check_table(const char *op, const char *name, const lz_tensor *t, int64_t C,
+                             const char *ref_name, const lz_tensor *ref) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, name, t, 2, 2));
+  if (t->shape[1] != C) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they need the same channels C", op,
+                   name, lz_tensor_describe(t, a, sizeof a), ref_name,
+                   lz_tensor_describe(ref, b, sizeof b));
+  }
+  return LZ_OK;
+}
+
+/* The position table must have a row for each of the T positions. */
+static lz_status check_positions(const char *op, const char *name, const lz_tensor *wpe,
+                                 int64_t T) {
+  if (T > wpe->shape[0]) {
+    char a[96];
+    return lz_fail(
+        LZ_ERR_INVALID, "%s: sequence length T = %lld is longer than %s %s allows (%lld positions)",
+        op, (long long)T, name, lz_tensor_describe(wpe, a, sizeof a), (long long)wpe->shape[0]);
+  }
+  return LZ_OK;
+}
+
+/* ---------------------------------------------------------------- forward */
+
+/* wpe_row NULL: the token row alone (Llama has no position table). */
+LZ_DISPATCH static void embedding_forward_row(float *out, const float *wte_row,
+                                              const float *wpe_row, int64_t C) {
+  if (!wpe_row) {
+    for (int64_t c = 0; c < C; c++) out[c] = wte_row[c];
+    return;
+  }
+  for (int64_t c = 0; c < C; c++) out[c] = wte_row[c] + wpe_row[c];
+}
+
+lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
+                               const lz_tensor *wpe) {
+  const char *op = "embedding_forward";
+  LZ_TRY(lz_check_dtype(op, "wte", wte, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, "wte", wte, 2, 2));
+  const int64_t V = wte->shape[0], C = wte->shape[1];
+  if (wpe) LZ_TRY(check_table(op, "wpe", wpe, C, "wte", wte));
+  LZ_TRY(check_tokens(op, tokens, V));
+  const int64_t B = tokens->shape[0], T = tokens->shape[1];
+  if (wpe) LZ_TRY(check_positions(op, "wpe", wpe, T));
+  LZ_TRY(check_activation(op, "out", out, tokens, C));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_FORWARD,
+                     .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe});
+
+  float *o = out->data;
+  const float *te = wte->data, *pe = wpe ? wpe->data : NULL;
+  const int32_t *tok = tokens->data;
+#pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
+  for (int64_t bt = 0; bt < B * T; bt++)
+    embedding_forward_row(o + bt * C, te + (int64_t)tok[bt] * C, pe ? pe + (bt % T) * C : NULL, C);
+  return LZ_OK;
+}
+
+/* --------------------------------------------------------------- backward */
+
+/* Columns [c0, c0+nc) of dwte and dwpe, positions in order. */
+LZ_DISPATCH static void embedding_backward_block(float *dwte, float *dwpe, const float *dout,
+                                                 const int32_t *tok, int64_t B, int64_t T,
+                                                 int64_t C, int64_t c0, int64_t nc) {
+  for (int64_t bt = 0; bt < B * T; bt++) {
+    const float *d = dout + bt * C + c0;
+    if (dwte) {
+      float *row = dwte + (int64_t)tok[bt] * C + c0;
+      for (int64_t j = 0; j < nc; j++) row[j] += d[j];
+    }
+    if (dwpe) {
+      float *row = dwpe + (bt % T) * C + c0;
+      for (int64_t j = 0; j < nc; j++) row[j] += d[j];
+    }
+  }
+}
+
+lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                const lz_tensor *tokens) {
+  const char *op = "embedding_backward";
+  LZ_TRY(lz_check_dtype(op, "dout", dout, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, "dout", dout, 3, 3));
+  const int64_t C = dout->shape[2];
+  /* With no dwte there is no vocabulary to check ids against: any id >= 0 is
+   * harmless since nothing is indexed by it. */
+  int64_t V = INT32_MAX;
+  if (dwte) {
+    LZ_TRY(check_table(op, "dwte", dwte, C, "dout", dout));
+    V = dwte->shape[0];
+  }
+  LZ_TRY(check_tokens(op, tokens, V));
+  LZ_TRY(check_activation(op, "dout", dout, tokens, C));
+  const int64_t B = tokens->shape[0], T = tokens->shape[1];
+  if (dwpe) {
+    LZ_TRY(check_table(op, "dwpe", dwpe, C, "dout", dout));
+    LZ_TRY(check_positions(op, "dwpe", dwpe, T));
+  }
+  LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_BACKWARD,
+                     .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens});
+  if (!dwte && !dwpe) return LZ_OK;
+
+  float *te = dwte ? dwte->data : NULL, *pe = dwpe ? dwpe->data : NULL;
+  const float *d = dout->data;
+  const int32_t *tok = tokens->data;
+  const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
+  for (int64_t k = 0; k < n_blocks; k++) {
+    int64_t c0 = k * COL_BLOCK, nc = C - c0 < COL_BLOCK ? C - c0 : COL_BLOCK;
+    embedding_backward_block(te, pe, d, tok, B, T, C, c0, nc);
+  }
+  return LZ_OK;
+}

@@ -1,0 +1,383 @@
+/* matmul.c — GEMMs through oneDNN: fp32 through dnnl_sgemm, bf16 inputs with
+ * fp32 accumulation through the matmul primitive (cached per shape, since
+ * creating one costs far more than running a small one). Then the linear
+ * layer's forward and backward on top. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+
+#include <dnnl.h>    /* dnnl_sgemm, matmul primitive */
+#include <pthread.h> /* the primitive cache lock */
+#include <stdlib.h>  /* malloc, free for widened bf16 operands */
+
+/* ------------------------------------------------------------ bf16 cache */
+
+#define CACHE_SLOTS 128
+
+typedef struct {
+  int used;
+  uint64_t stamp;
+  /* key */
+  int64_t batch, m, n, k;
+  int ta, tb, b_shared, has_bias;
+  float alpha, beta;
+  /* value */
+  dnnl_primitive_t prim;
+  dnnl_memory_t a, b, c, bias;
+} cache_entry;
+
+static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
+static cache_entry cache[CACHE_SLOTS];
+static uint64_t cache_clock;
+static dnnl_engine_t engine;
+static dnnl_stream_t stream;
+
+static lz_status dnnl_check(dnnl_status_t s, const char *what) {
+  if (s == dnnl_success) return LZ_OK;
+  if (s == dnnl_unimplemented)
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "matmul: oneDNN has no bf16 kernel for this processor (%s); bf16 needs "
+                   "AVX-512; use fp32",
+                   what);
+  return lz_fail(LZ_ERR_INTERNAL, "matmul: oneDNN %s failed with status %d", what, (int)s);
+}
+
+static void entry_release(cache_entry *e) {
+  if (e->prim) dnnl_primitive_destroy(e->prim);
+  if (e->a) dnnl_memory_destroy(e->a);
+  if (e->b) dnnl_memory_destroy(e->b);
+  if (e->c) dnnl_memory_destroy(e->c);
+  if (e->bias) dnnl_memory_destroy(e->bias);
+  memset(e, 0, sizeof *e);
+}
+
+/* Descriptor of a row-major matrix stored transposed when `trans`: 2-D for a
+ * single product (oneDNN picks its plain GEMM kernels for those), else 3-D
+ * [batch, rows, cols] where batch stride 0 broadcasts one matrix. */
+static dnnl_status_t md_init(dnnl_memory_desc_t *md, int64_t batch, int64_t rows, int64_t cols,
+                             int trans, int shared, dnnl_data_type_t dt) {
+  if (batch == 1) {
+    dnnl_dims_t dims = {rows, cols};
+    dnnl_dims_t strides = {trans ? 1 : cols, trans ? rows : 1};
+    return dnnl_memory_desc_init_by_strides(md, 2, dims, dt, strides);
+  }
+  dnnl_dims_t dims = {shared ? 1 : batch, rows, cols};
+  dnnl_dims_t strides = {rows * cols, trans ? 1 : cols, trans ? rows : 1};
+  return dnnl_memory_desc_init_by_strides(md, 3, dims, dt, strides);
+}
+
+static lz_status entry_build(cache_entry *e) {
+  if (!engine) {
+    LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
+    LZ_TRY(dnnl_check(dnnl_stream_create(&stream, engine, dnnl_stream_default_flags),
+                      "stream_create"));
+  }
+  dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
+  LZ_TRY(dnnl_check(md_init(&a_md, e->batch, e->m, e->k, e->ta, 0, dnnl_bf16), "a desc"));
+  LZ_TRY(dnnl_check(md_init(&b_md, e->batch, e->k, e->n, e->tb, e->b_shared, dnnl_bf16),
+                    "b desc"));
+  LZ_TRY(dnnl_check(md_init(&c_md, e->batch, e->m, e->n, 0, 0, dnnl_f32), "c desc"));
+  if (e->has_bias) {
+    dnnl_dims_t bd = {1, 1, e->n};
+    int nd = e->batch == 1 ? 2 : 3;
+    LZ_TRY(dnnl_check(dnnl_memory_desc_init_by_tag(&bias_md, nd, nd == 2 ? bd + 1 : bd, dnnl_f32,
+                                                   nd == 2 ? dnnl_ab : dnnl_abc),
+                      "bias desc"));
+  }
+  dnnl_matmul_desc_t desc;
+  LZ_TRY(dnnl_check(dnnl_matmul_desc_init(&desc, &a_md, &b_md, e->has_bias ? &bias_md : NULL,
+                                          &c_md),
+                    "matmul_desc_init"));
+  dnnl_primitive_attr_t attr;
+  LZ_TRY(dnnl_check(dnnl_primitive_attr_create(&attr), "attr_create"));
+  dnnl_post_ops_t ops = NULL;
+  dnnl_status_t s = dnnl_success;
+  if (e->alpha != 1.0f) s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha);
+  if (s == dnnl_success && e->beta != 0.0f) {
+    s = dnnl_post_ops_create(&ops);
+    if (s == dnnl_success) s = dnnl_post_ops_append_sum(ops, e->beta);
+    if (s == dnnl_success) s = dnnl_primitive_attr_set_post_ops(attr, ops);
+  }
+  dnnl_primitive_desc_t pd = NULL;
+  if (s == dnnl_success) s = dnnl_primitive_desc_create(&pd, &desc, attr, engine, NULL);
+  if (ops) dnnl_post_ops_destroy(ops);
+  dnnl_primitive_attr_destroy(attr);
+  LZ_TRY(dnnl_check(s, "primitive_desc_create"));
+  s = dnnl_primitive_create(&e->prim, pd);
+  dnnl_primitive_desc_destroy(pd);
+  LZ_TRY(dnnl_check(s, "primitive_create"));
+  /* Memory objects without buffers: handles are set at each run. */
+  LZ_TRY(dnnl_check(dnnl_memory_create(&e->a, &a_md, engine, DNNL_MEMORY_NONE), "memory a"));
+  LZ_TRY(dnnl_check(dnnl_memory_create(&e->b, &b_md, engine, DNNL_MEMORY_NONE), "memory b"));
+  LZ_TRY(dnnl_check(dnnl_memory_create(&e->c, &c_md, engine, DNNL_MEMORY_NONE), "memory c"));
+  if (e->has_bias)
+    LZ_TRY(dnnl_check(dnnl_memory_create(&e->bias, &bias_md, engine, DNNL_MEMORY_NONE),
+                      "memory bias"));
+  return LZ_OK;
+}
+
+static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
+                          int b_shared, float alpha, const float *a, const float *b, float beta,
+                          float *c);
+
+/* 0 once oneDNN said it has no bf16 matmul for this processor (no
+ * AVX-512): bf16 GEMMs then widen their inputs to f32 (exact) and run the
+ * f32 GEMM, accumulating in f32 as the bf16 kernels do. Slower, not
+ * different in kind, and the same on every rank and stage. */
+static int bf16_native = 1;
+
+static void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_to_f32_inline(src[i]);
+}
+
+static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t k, int ta,
+                                   int tb, int b_shared, float alpha, const void *a,
+                                   const void *b, float beta, float *c, const float *bias) {
+  const int64_t na = batch * m * k, nb = (b_shared ? 1 : batch) * k * n;
+  float *fa = malloc((size_t)(na + nb) * sizeof(float));
+  if (!fa)
+    return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory widening a %lld x %lld x %lld bf16 GEMM",
+                   (long long)m, (long long)n, (long long)k);
+  float *fb = fa + na;
+  widen_bf16(fa, a, na);
+  widen_bf16(fb, b, nb);
+  lz_status st = gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, fa, fb, beta, c);
+  free(fa);
+  if (st == LZ_OK && bias) /* only with alpha 1, beta 0 (linear_forward) */
+    for (int64_t r = 0; r < batch * m; r++)
+      for (int64_t j = 0; j < n; j++) c[r * n + j] += bias[j];
+  return st;
+}
+
+/* c[batch, m, n] = alpha * op(a) @ op(b) + beta * c (+ bias[n]); a and b bf16. */
+static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
+                           int b_shared, float alpha, const void *a, const void *b, float beta,
+                           float *c, const float *bias) {
+  if (!bf16_native)
+    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
+  pthread_mutex_lock(&cache_lock);
+  cache_entry *hit = NULL, *victim = &cache[0];
+  for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
+    cache_entry *e = &cache[i];
+    if (e->used && e->batch == batch && e->m == m && e->n == n && e->k == k && e->ta == ta &&
+        e->tb == tb && e->b_shared == b_shared && e->has_bias == (bias != NULL) &&
+        e->alpha == alpha && e->beta == beta)
+      hit = e;
+    else if (!e->used || (victim->used && e->stamp < victim->stamp))
+      victim = e;
+  }
+  lz_status st = LZ_OK;
+  if (!hit) {
+    entry_release(victim);
+    *victim = (cache_entry){.used = 1, .batch = batch, .m = m, .n = n, .k = k, .ta = ta,
+                            .tb = tb, .b_shared = b_shared, .has_bias = bias != NULL,
+                            .alpha = alpha, .beta = beta};
+    st = entry_build(victim);
+    if (st != LZ_OK) entry_release(victim);
+    else hit = victim;
+  }
+  if (st == LZ_OK) {
+    hit->stamp = ++cache_clock;
+    dnnl_memory_set_data_handle(hit->a, (void *)a);
+    dnnl_memory_set_data_handle(hit->b, (void *)b);
+    dnnl_memory_set_data_handle(hit->c, c);
+    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, hit->a}, {DNNL_ARG_WEIGHTS, hit->b},
+                               {DNNL_ARG_DST, hit->c}, {DNNL_ARG_BIAS, hit->bias}};
+    if (bias) dnnl_memory_set_data_handle(hit->bias, (void *)bias);
+    st = dnnl_check(dnnl_primitive_execute(hit->prim, stream, bias ? 4 : 3, args), "execute");
+    if (st == LZ_OK) st = dnnl_check(dnnl_stream_wait(stream), "stream_wait");
+  }
+  pthread_mutex_unlock(&cache_lock);
+  if (st == LZ_ERR_UNSUPPORTED) {
+    bf16_native = 0;
+    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
+  }
+  return st;
+}
+
+/* The same contract in fp32: a loop of dnnl_sgemm (each one multithreaded). */
+static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
+                          int b_shared, float alpha, const float *a, const float *b, float beta,
+                          float *c) {
+  for (int64_t i = 0; i < batch; i++) {
+    dnnl_status_t s =
+        dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a + i * m * k, ta ? m : k,
+                   b + (b_shared ? 0 : i * k * n), tb ? k : n, beta, c + i * m * n, n);
+    if (s != dnnl_success)
+      return lz_fail(LZ_ERR_INTERNAL, "matmul: dnnl_sgemm(%lld x %lld x %lld) failed: status %d",
+                     (long long)m, (long long)n, (long long)k, (int)s);
+  }
+  return LZ_OK;
+}
+
+static lz_status gemm(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t k, int ta,
+                      int tb, int b_shared, float alpha, const void *a, const void *b,
+                      float beta, float *c) {
+  if (m == 0 || n == 0 || batch == 0) return LZ_OK;
+  if (k == 0) { /* empty sum: c = beta * c */
+    for (int64_t i = 0; i < batch * m * n; i++) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+    return LZ_OK;
+  }
+  if (dt == LZ_BF16) return gemm_bf16(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, NULL);
+  return gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c);
+}
+
+/* ----------------------------------------------------------------- matmul */
+
+static lz_status check_input_dtypes(const char *op, const char *na, const lz_tensor *a,
+                                    const char *nb, const lz_tensor *b) {
+  if ((a->dtype != LZ_F32 && a->dtype != LZ_BF16) || a->dtype != b->dtype) {
+    char ba[96], bb[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s and %s is %s; both must be f32 or both bf16",
+                   op, na, lz_tensor_describe(a, ba, sizeof ba), nb,
+                   lz_tensor_describe(b, bb, sizeof bb));
+  }
+  return LZ_OK;
+}
+
+static lz_status shape_error(const char *op, const lz_tensor *a, const lz_tensor *b,
+                             const lz_tensor *c, const char *why) {
+  char ba[96], bb[96], bc[96];
+  return lz_fail(LZ_ERR_INVALID, "%s: a %s, b %s, c %s: %s", op,
+                 lz_tensor_describe(a, ba, sizeof ba), lz_tensor_describe(b, bb, sizeof bb),
+                 lz_tensor_describe(c, bc, sizeof bc), why);
+}
+
+lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int trans_a,
+                    int trans_b, float alpha, float beta) {
+  const char *op = "matmul";
+  LZ_TRY(lz_check_ndim(op, "a", a, 2, 3));
+  LZ_TRY(lz_check_ndim(op, "b", b, 2, 3));
+  LZ_TRY(lz_check_ndim(op, "c", c, 2, 3));
+  LZ_TRY(lz_check_dtype(op, "c", c, LZ_F32));
+  LZ_TRY(check_input_dtypes(op, "a", a, "b", b));
+  int batched = a->ndim == 3;
+  int64_t batch = batched ? a->shape[0] : 1;
+  if (c->ndim != a->ndim || (b->ndim == 3 && !batched))
+    return shape_error(op, a, b, c, "a and c must both be 2-D or both 3-D; b 3-D only if a is");
+  if (batched && (c->shape[0] != batch || (b->ndim == 3 && b->shape[0] != batch)))
+    return shape_error(op, a, b, c, "batch sizes differ");
+  int o = batched;
+  int64_t m = trans_a ? a->shape[o + 1] : a->shape[o];
+  int64_t k = trans_a ? a->shape[o] : a->shape[o + 1];
+  int ob = b->ndim == 3;
+  int64_t kb = trans_b ? b->shape[ob + 1] : b->shape[ob];
+  int64_t n = trans_b ? b->shape[ob] : b->shape[ob + 1];
+  if (k != kb) return shape_error(op, a, b, c, "inner dimensions of op(a) and op(b) differ");
+  if (c->shape[o] != m || c->shape[o + 1] != n)
+    return shape_error(op, a, b, c, "c must be [rows of op(a), columns of op(b)]");
+  LZ_DEVICE_DISPATCH(op, LZ_OP_MATMUL, .t = {c, (lz_tensor *)a, (lz_tensor *)b},
+                     .i = {trans_a, trans_b}, .f = {alpha, beta});
+  return gemm(a->dtype, batch, m, n, k, trans_a != 0, trans_b != 0, batched && b->ndim == 2,
+              alpha, a->data, b->data, beta, c->data);
+}
+
+/* ----------------------------------------------------------------- linear */
+
+/* Shapes of a linear layer: x [..., C], w [OC, C], y [..., OC]. */
+static lz_status linear_shapes(const char *op, const lz_tensor *x, const lz_tensor *w,
+                               const lz_tensor *y, const char *yname, int64_t *rows,
+                               int64_t *in, int64_t *outc) {
+  LZ_TRY(lz_check_ndim(op, "x", x, 1, 4));
+  LZ_TRY(lz_check_ndim(op, "w", w, 2, 2));
+  LZ_TRY(lz_check_ndim(op, yname, y, 1, 4));
+  *in = w->shape[1];
+  *outc = w->shape[0];
+  *rows = lz_rows(x);
+  char bx[96], bw[96], by[96];
+  if (lz_cols(x) != *in)
+    return lz_fail(LZ_ERR_INVALID, "%s: x is %s but w is %s; x's last dimension must be %lld",
+                   op, lz_tensor_describe(x, bx, sizeof bx), lz_tensor_describe(w, bw, sizeof bw),
+                   (long long)*in);
+  if (lz_cols(y) != *outc || lz_rows(y) != *rows)
+    return lz_fail(LZ_ERR_INVALID, "%s: x is %s and w is %s, so %s must be [..., %lld] with "
+                   "%lld rows (got %s)",
+                   op, lz_tensor_describe(x, bx, sizeof bx), lz_tensor_describe(w, bw, sizeof bw),
+                   yname, (long long)*outc, (long long)*rows,
+                   lz_tensor_describe(y, by, sizeof by));
+  return LZ_OK;
+}
+
+LZ_DISPATCH static void fill_rows(float *y, const float *bias, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; r++) memcpy(y + r * n, bias, (size_t)n * sizeof(float));
+}
+
+lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *w,
+                            const lz_tensor *bias) {
+  const char *op = "linear_forward";
+  int64_t rows, in, outc;
+  LZ_TRY(linear_shapes(op, x, w, out, "out", &rows, &in, &outc));
+  LZ_TRY(check_input_dtypes(op, "x", x, "w", w));
+  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
+  if (bias) {
+    LZ_TRY(lz_check_dtype(op, "bias", bias, LZ_F32));
+    LZ_TRY(lz_check_numel(op, "bias", bias, outc, "the rows of w"));
+  }
+  LZ_DEVICE_DISPATCH(op, LZ_OP_LINEAR_FORWARD,
+                     .t = {out, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)bias});
+  if (rows == 0 || outc == 0) return LZ_OK;
+  if (x->dtype == LZ_BF16)
+    return gemm_bf16(1, rows, outc, in, 0, 1, 0, 1.0f, x->data, w->data, 0.0f, out->data,
+                     bias ? bias->data : NULL);
+  float beta = 0.0f;
+  if (bias) {
+    fill_rows(out->data, bias->data, rows, outc);
+    beta = 1.0f;
+  }
+  return gemm(LZ_F32, 1, rows, outc, in, 0, 1, 0, 1.0f, x->data, w->data, beta, out->data);
+}
+
+/* db[j] += sum over rows of dy[r, j], column blocks in parallel: each column's
+ * sum runs over rows in order, so the result does not depend on threads. */
+LZ_DISPATCH static void bias_grad_block(float *db, const void *dy, lz_dtype dt, int64_t rows,
+                                        int64_t n, int64_t j0, int64_t j1) {
+  float acc[256];
+  for (int64_t j = j0; j < j1; j++) acc[j - j0] = 0.0f;
+  for (int64_t r = 0; r < rows; r++) {
+    if (dt == LZ_BF16) {
+      const uint16_t *row = (const uint16_t *)dy + r * n;
+      for (int64_t j = j0; j < j1; j++) acc[j - j0] += lz_bf16_to_f32_inline(row[j]);
+    } else {
+      const float *row = (const float *)dy + r * n;
+      for (int64_t j = j0; j < j1; j++) acc[j - j0] += row[j];
+    }
+  }
+  for (int64_t j = j0; j < j1; j++) db[j] += acc[j - j0];
+}
+
+lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const lz_tensor *dy,
+                             const lz_tensor *x, const lz_tensor *w) {
+  const char *op = "linear_backward";
+  int64_t rows, in, outc;
+  LZ_TRY(linear_shapes(op, x, w, dy, "dy", &rows, &in, &outc));
+  LZ_TRY(check_input_dtypes(op, "x", x, "w", w));
+  if (dy->dtype != x->dtype) {
+    char b1[96], b2[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: dy is %s but x is %s; dy, x and w share one dtype", op,
+                   lz_tensor_describe(dy, b1, sizeof b1), lz_tensor_describe(x, b2, sizeof b2));
+  }
+  if (dx) {
+    LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
+    LZ_TRY(lz_check_numel(op, "dx", dx, rows * in, "the shape of x"));
+  }
+  if (dw) {
+    LZ_TRY(lz_check_dtype(op, "dw", dw, LZ_F32));
+    LZ_TRY(lz_check_numel(op, "dw", dw, outc * in, "the shape of w"));
+  }
+  if (db) {
+    LZ_TRY(lz_check_dtype(op, "db", db, LZ_F32));
+    LZ_TRY(lz_check_numel(op, "db", db, outc, "the rows of w"));
+  }
+  LZ_DEVICE_DISPATCH(op, LZ_OP_LINEAR_BACKWARD,
+                     .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w});
+  lz_dtype dt = x->dtype;
+  if (dx) LZ_TRY(gemm(dt, 1, rows, in, outc, 0, 0, 0, 1.0f, dy->data, w->data, 0.0f, dx->data));
+  if (dw) LZ_TRY(gemm(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, 1.0f, dw->data));
+  if (db && rows > 0) {
+    const int64_t block = 256;
+#pragma omp parallel for schedule(static) if (outc >= 2 * block)
+    for (int64_t j0 = 0; j0 < outc; j0 += block)
+      bias_grad_block(db->data, dy->data, dt, rows, outc, j0, j0 + block < outc ? j0 + block : outc);
+  }
+  return LZ_OK;
+}

@@ -1,0 +1,182 @@
+/* rope.c — rotary position embeddings as Hugging Face's Llama applies them
+ * (apply_rotary_pos_emb with rotate_half): in each head of head_dim values,
+ * element i pairs with element i + head_dim/2 and the pair turns by the angle
+ * pos * inv_freq[i], inv_freq[i] = theta^(-2i/head_dim). A cpu kernel (sim runs it too).
+ *
+ * The numbers follow LlamaRotaryEmbedding: inv_freq in fp32 (worked out here
+ * in double, then rounded; Hugging Face's fp32 arithmetic lands within a few
+ * ulps of it), the angle pos * inv_freq a product in fp32, its cos and sin in
+ * fp32. A row of x is one position: its cos and sin are
+ * worked out once and serve every head.
+ *
+ * lz_rope_freqs_* take the inverse frequencies as a tensor instead (Llama 3's
+ * rope_scaling rescales them). x may be bf16 (out stays f32): each head is
+ * widened to f32 first, so the result is bitwise the f32 one on the widened
+ * input. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+
+#include <math.h>   /* pow, cosf, sinf, isinf, isfinite */
+#include <string.h> /* memcpy */
+
+/* Widest head the kernel takes: its cos and sin tables live on the stack. */
+#define ROPE_MAX_HEAD_DIM 4096
+
+/* Turns every head of one row by `sign` times its angles: sign 1 is forward,
+ * -1 the backward (the rotation's transpose). out may be x: each pair is
+ * read before it is written. */
+LZ_DISPATCH static void rope_row(float *out, const float *x, const float *inv_freq, float pos,
+                                 float sign, int64_t n_head, int64_t half) {
+  float cos_t[half], sin_t[half];
+  for (int64_t i = 0; i < half; i++) {
+    const float angle = pos * inv_freq[i];
+    cos_t[i] = cosf(angle);
+    sin_t[i] = sign * sinf(angle);
+  }
+  for (int64_t h = 0; h < n_head; h++) {
+    const float *xh = x + 2 * half * h;
+    float *oh = out + 2 * half * h;
+    for (int64_t i = 0; i < half; i++) {
+      const float x1 = xh[i], x2 = xh[i + half];
+      oh[i] = x1 * cos_t[i] - x2 * sin_t[i];
+      oh[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
+    }
+  }
+}
+
+/* rope_row for a bf16 row: each head widened, then turned. */
+LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float *inv_freq,
+                                      float pos, float sign, int64_t n_head, int64_t half) {
+  float cos_t[half], sin_t[half];
+  for (int64_t i = 0; i < half; i++) {
+    const float angle = pos * inv_freq[i];
+    cos_t[i] = cosf(angle);
+    sin_t[i] = sign * sinf(angle);
+  }
+  float xh[2 * half];
+  for (int64_t h = 0; h < n_head; h++) {
+    lz_row_to_f32(xh, x + 2 * half * h, LZ_BF16, 2 * half);
+    float *oh = out + 2 * half * h;
+    for (int64_t i = 0; i < half; i++) {
+      const float x1 = xh[i], x2 = xh[i + half];
+      oh[i] = x1 * cos_t[i] - x2 * sin_t[i];
+      oh[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
+    }
+  }
+}
+
+/* The checks and the loop forward and backward share; `sign` as rope_row's.
+ * inv_freq: head_dim/2 floats, or NULL to work them out from theta. With
+ * freqs given, a row may hold more than the n_head heads (Llama's packed
+ * q|k|v rows: q and k turn, v does not): the rest is copied to out (left
+ * alone when out is x). */
+static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
+                            const char *x_name, const lz_tensor *x, int n_head, int head_dim,
+                            int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
+                            float sign) {
+  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{x_name, x}, {0}}));
+  LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
+  LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
+  LZ_TRY(lz_check_no_alias(op, out_name, out, x_name, x));
+  const int freqs = inv_freq_t != NULL;
+  if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
+  if (head_dim < 2 || head_dim % 2 || head_dim > ROPE_MAX_HEAD_DIM)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: head_dim is %d; it must be even (rotate_half pairs element i with "
+                   "i + head_dim/2), from 2 to %d",
+                   op, head_dim, ROPE_MAX_HEAD_DIM);
+  const int64_t C = x->shape[2];
+  const int64_t turned = (int64_t)n_head * head_dim; /* leading columns of a row */
+  if (freqs ? turned > C : turned != C) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s is %s, but n_head * head_dim = %d * %d = %lld; the last dimension "
+                   "must hold the heads%s",
+                   op, x_name, lz_tensor_describe(x, buf, sizeof buf), n_head, head_dim,
+                   (long long)turned, freqs ? " (it may hold more)" : "");
+  }
+  if (pos_offset < 0)
+    return lz_fail(LZ_ERR_INVALID, "%s: pos_offset is %lld; it must be >= 0", op,
+                   (long long)pos_offset);
+  if (!freqs && (!(theta > 0.0f) || isinf(theta)))
+    return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
+                   (double)theta);
+  LZ_DEVICE_DISPATCH(op, opcode, .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t},
+                     .i = {n_head, head_dim, pos_offset}, .f = {theta});
+
+  const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
+  float inv_freq[half];
+  const float *given = freqs ? inv_freq_t->data : NULL;
+  for (int64_t i = 0; i < half; i++)
+    inv_freq[i] = freqs ? given[i] : (float)pow((double)theta, -2.0 * (double)i / (double)head_dim);
+  float *o = out->data;
+  if (x->dtype == LZ_BF16) {
+    const uint16_t *xp = x->data;
+#pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
+    for (int64_t r = 0; r < rows; r++) {
+      rope_row_bf16(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head,
+                    half);
+      lz_row_to_f32(o + r * C + turned, xp + r * C + turned, LZ_BF16, C - turned);
+    }
+    return LZ_OK;
+  }
+  const float *xp = x->data;
+#pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
+  for (int64_t r = 0; r < rows; r++) {
+    rope_row(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head, half);
+    if (o != xp && C > turned)
+      memcpy(o + r * C + turned, xp + r * C + turned, (size_t)(C - turned) * sizeof(float));
+  }
+  return LZ_OK;
+}
+
+/* The inverse frequencies of the _freqs variants: f32, head_dim/2 finite
+ * values. On sim the values are checked where the op runs; cuda does not
+ * check them (it would have to wait for the device). */
+static lz_status check_freqs(const char *op, const lz_tensor *inv_freq, int head_dim) {
+  LZ_TRY(lz_check_present(op, "inv_freq", inv_freq));
+  LZ_TRY(lz_check_dtype(op, "inv_freq", inv_freq, LZ_F32));
+  LZ_TRY(lz_check_numel(op, "inv_freq", inv_freq, head_dim / 2, "head_dim / 2"));
+  if (inv_freq->device != LZ_CPU) return LZ_OK;
+  const float *f = inv_freq->data;
+  for (int64_t i = 0; i < head_dim / 2; i++)
+    if (!isfinite(f[i]))
+      return lz_fail(LZ_ERR_INVALID, "%s: inv_freq[%lld] is %g; it must be finite", op,
+                     (long long)i, (double)f[i]);
+  return LZ_OK;
+}
+
+lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
+                          int64_t pos_offset, float theta) {
+  return rope_apply("rope_forward", LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim,
+                    pos_offset, theta, NULL, 1.0f);
+}
+
+lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
+                           int64_t pos_offset, float theta) {
+  return rope_apply("rope_backward", LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim,
+                    pos_offset, theta, NULL, -1.0f);
+}
+
+/* head_dim is 2 * numel(inv_freq). */
+static int freqs_head_dim(const lz_tensor *inv_freq) {
+  return inv_freq ? (int)(2 * lz_tensor_numel(inv_freq)) : 0;
+}
+
+lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                                int n_head, int64_t pos_offset) {
+  const char *op = "rope_forward";
+  const int head_dim = freqs_head_dim(inv_freq);
+  LZ_TRY(check_freqs(op, inv_freq, head_dim));
+  return rope_apply(op, LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim, pos_offset, 1.0f,
+                    inv_freq, 1.0f);
+}
+
+lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                                 int n_head, int64_t pos_offset) {
+  const char *op = "rope_backward";
+  const int head_dim = freqs_head_dim(inv_freq);
+  LZ_TRY(check_freqs(op, inv_freq, head_dim));
+  return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, pos_offset,
+                    1.0f, inv_freq, -1.0f);
+}

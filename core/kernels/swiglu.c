@@ -1,0 +1,131 @@
+/* swiglu.c — the gated activation of Llama's MLP, as Hugging Face's LlamaMLP
+ * computes it: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). A cpu kernel
+ * (sim runs it too).
+ *
+ * libm's expf is a function call per element that no compiler vectorizes
+ * without -ffast-math, which made this memory-bound op compute bound; e^x
+ * here is lz_exp, plain arithmetic that vectorizes.
+ *
+ * gate and up (and dout) are f32 or all bf16; out, dgate and dup are f32. bf16
+ * inputs are widened in chunks on the stack and go through the f32 code, so
+ * the result is bitwise the f32 one on the widened inputs. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+#include "kernels/lz_vecmath.h" /* lz_exp */
+
+/* Elements per thread task. */
+#define BLOCK (1 << 14)
+
+/* out may be gate or up: each element is read before it is written. */
+LZ_DISPATCH static void swiglu_forward_block(float *out, const float *gate, const float *up,
+                                             int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + lz_exp(-g)) * up[i];
+  }
+}
+
+/* With s = sigmoid(g): d silu / dg = s (1 + g (1 - s)), as torch's silu
+ * backward. dgate and dup may each be dout, gate or up. */
+LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const float *dout,
+                                              const float *gate, const float *up, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float g = gate[i], u = up[i], d = dout[i];
+    const float s = 1.0f / (1.0f + lz_exp(-g));
+    dgate[i] = d * u * (s * (1.0f + g * (1.0f - s)));
+    dup[i] = d * (g * s);
+  }
+}
+
+/* Elements widened at a time from bf16. */
+#define CHUNK 1024
+
+LZ_DISPATCH static void swiglu_forward_block_bf16(float *out, const uint16_t *gate,
+                                                  const uint16_t *up, int64_t n) {
+  float g[CHUNK], u[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    lz_row_to_f32(g, gate + i0, LZ_BF16, m);
+    lz_row_to_f32(u, up + i0, LZ_BF16, m);
+    swiglu_forward_block(out + i0, g, u, m);
+  }
+}
+
+LZ_DISPATCH static void swiglu_backward_block_bf16(float *dgate, float *dup, const uint16_t *dout,
+                                                   const uint16_t *gate, const uint16_t *up,
+                                                   int64_t n) {
+  float d[CHUNK], g[CHUNK], u[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    lz_row_to_f32(d, dout + i0, LZ_BF16, m);
+    lz_row_to_f32(g, gate + i0, LZ_BF16, m);
+    lz_row_to_f32(u, up + i0, LZ_BF16, m);
+    swiglu_backward_block(dgate + i0, dup + i0, d, g, u, m);
+  }
+}
+
+/* Checks that the inputs share gate's dtype (f32 or bf16) and shape, and
+ * that the outputs are f32 shaped as gate and overwrite no bf16 input. */
+static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *inputs,
+                                 const lz_arg *outputs) {
+  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"gate", gate}, {0}}));
+  for (const lz_arg *a = inputs; a->name; a++) {
+    LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"gate", gate}, {a->name, a->t}, {0}}));
+    LZ_TRY(lz_check_same_shape(op, a->name, a->t, "gate", gate));
+  }
+  for (const lz_arg *a = outputs; a->name; a++) {
+    LZ_TRY(lz_check_f32_like(op, a->name, a->t, "gate", gate));
+    LZ_TRY(lz_check_no_alias(op, a->name, a->t, "gate", gate));
+    for (const lz_arg *in = inputs; in->name; in++)
+      LZ_TRY(lz_check_no_alias(op, a->name, a->t, in->name, in->t));
+  }
+  return LZ_OK;
+}
+
+lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
+  const char *op = "swiglu_forward";
+  LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {0}}, (lz_arg[]){{"out", out}, {0}}));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_FORWARD, .t = {out, (lz_tensor *)gate, (lz_tensor *)up});
+  const int64_t n = lz_tensor_numel(gate);
+  float *o = out->data;
+  if (gate->dtype == LZ_BF16) {
+    const uint16_t *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+      swiglu_forward_block_bf16(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
+    return LZ_OK;
+  }
+  const float *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+    swiglu_forward_block(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
+  return LZ_OK;
+}
+
+lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                             const lz_tensor *gate, const lz_tensor *up) {
+  const char *op = "swiglu_backward";
+  LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"dout", dout}, {0}},
+                         (lz_arg[]){{"dgate", dgate}, {"dup", dup}, {0}}));
+  if (dgate->data == dup->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
+  LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_BACKWARD,
+                     .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up});
+  const int64_t n = lz_tensor_numel(gate);
+  float *dg = dgate->data, *du = dup->data;
+  if (gate->dtype == LZ_BF16) {
+    const uint16_t *dop = dout->data, *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+      swiglu_backward_block_bf16(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
+                                 n - i0 < BLOCK ? n - i0 : BLOCK);
+    return LZ_OK;
+  }
+  const float *dop = dout->data, *gp = gate->data, *up_ = up->data;
+#pragma omp parallel for schedule(static) if (n > BLOCK)
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
+    swiglu_backward_block(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
+                          n - i0 < BLOCK ? n - i0 : BLOCK);
+  return LZ_OK;
+}

@@ -1,0 +1,123 @@
+/* checks.c — the argument checks kernels share: each names the op, the
+ * argument and, through lz_tensor_describe, its shape; and the row and
+ * column counts of a tensor. Above tensor.c, which uses none of them. */
+#include "mem/lz_backend.h" /* lz_device_name */
+#include "mem/lz_internal.h"
+
+lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t) {
+  if (!t) return lz_fail(LZ_ERR_INVALID, "%s: %s is missing (NULL)", op, name);
+  return LZ_OK;
+}
+
+/* The shape and dtype checks accept tensors on any device: each kernel ends
+ * its checks with LZ_DEVICE_DISPATCH, which sends device tensors to the
+ * backend and refuses a mix of devices. */
+lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (t->dtype != dt) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype %s", op, name,
+                   lz_tensor_describe(t, buf, sizeof buf), lz_dtype_name(dt));
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (t->ndim < lo || t->ndim > hi) {
+    char buf[96];
+    if (lo == hi)
+      return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected %d dimensions", op, name,
+                     lz_tensor_describe(t, buf, sizeof buf), lo);
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected %d to %d dimensions", op, name,
+                   lz_tensor_describe(t, buf, sizeof buf), lo, hi);
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
+                         const char *why) {
+  LZ_TRY(lz_check_present(op, name, t));
+  if (lz_tensor_numel(t) != n) {
+    char buf[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s (%lld elements), expected %lld elements (%s)", op,
+                   name, lz_tensor_describe(t, buf, sizeof buf), (long long)lz_tensor_numel(t),
+                   (long long)n, why);
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
+                              const char *name_b, const lz_tensor *b) {
+  LZ_TRY(lz_check_present(op, name_a, a));
+  LZ_TRY(lz_check_present(op, name_b, b));
+  int same = a->ndim == b->ndim;
+  for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
+  if (!same) {
+    char ba[96], bb[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s but %s is %s; they must have the same shape", op,
+                   name_a, lz_tensor_describe(a, ba, sizeof ba), name_b,
+                   lz_tensor_describe(b, bb, sizeof bb));
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
+                            const char *like_name, const lz_tensor *like) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  return lz_check_same_shape(op, name, t, like_name, like);
+}
+
+static lz_status check_f32_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
+                                 const char *why) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  return lz_check_numel(op, name, t, n, why);
+}
+
+lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
+                           const lz_arg *per_col, const lz_arg *per_row) {
+  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
+  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  const int64_t C = lz_cols(x), rows = lz_rows(x);
+  for (; like->name; like++) LZ_TRY(lz_check_f32_like(op, like->name, like->t, "x", x));
+  for (; per_col->name; per_col++)
+    LZ_TRY(check_f32_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
+  for (; per_row->name; per_row++)
+    LZ_TRY(check_f32_numel(op, per_row->name, per_row->t, rows, "one per row of x"));
+  return LZ_OK;
+}
+
+lz_status lz_check_f32_or_bf16(const char *op, const lz_arg *args) {
+  const lz_arg *first = args;
+  for (; args->name; args++) {
+    LZ_TRY(lz_check_present(op, args->name, args->t));
+    if ((args->t->dtype != LZ_F32 && args->t->dtype != LZ_BF16) ||
+        args->t->dtype != first->t->dtype) {
+      char b[96], bf[96];
+      if (args == first)
+        return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype f32 or bf16", op, args->name,
+                       lz_tensor_describe(args->t, b, sizeof b));
+      return lz_fail(LZ_ERR_INVALID, "%s: %s is %s and %s is %s; both must be f32 or both bf16", op,
+                     first->name, lz_tensor_describe(first->t, bf, sizeof bf), args->name,
+                     lz_tensor_describe(args->t, b, sizeof b));
+    }
+  }
+  return LZ_OK;
+}
+
+lz_status lz_check_no_alias(const char *op, const char *out_name, const lz_tensor *out,
+                            const char *in_name, const lz_tensor *in) {
+  if (in->dtype != LZ_F32 && out->data == in->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s (f32) and %s (%s) are the same memory; only an f32 input may be "
+                   "overwritten by its result",
+                   op, out_name, in_name, lz_dtype_name(in->dtype));
+  return LZ_OK;
+}
+
+int64_t lz_cols(const lz_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1; }
+
+int64_t lz_rows(const lz_tensor *t) {
+  int64_t c = lz_cols(t);
+  return c ? lz_tensor_numel(t) / c : 0;
+}

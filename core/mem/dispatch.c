@@ -1,0 +1,280 @@
+/* dispatch.c — the calls that reach the active accelerator through the
+ * backend slot: the op switch every kernel ends its checks with
+ * (lz_backend_dispatch), ids checked on the host, cross-device copies and
+ * their byte counters, and the public stream and event calls, which forward
+ * to the backend's table. Below the kernels and the devices: it knows a
+ * backend only by its table. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+
+#include <stdatomic.h> /* the copy counters */
+#include <stdlib.h>    /* malloc */
+
+static _Atomic uint64_t copy_bytes[2]; /* h2d, d2h */
+
+static lz_status need_device(const char *op, lz_device dev, const lz_backend **be) {
+  return lz_backend_need(op, dev, be);
+}
+
+lz_status lz_cuda_synchronize(void) {
+  const lz_backend *be;
+  LZ_TRY(need_device("cuda_synchronize", LZ_CUDA, &be));
+  return be->sync();
+}
+
+lz_status lz_device_synchronize(void) {
+  const lz_backend *be;
+  LZ_TRY(lz_backend_need_any("device_synchronize", &be));
+  return be->sync();
+}
+
+uint64_t lz_device_copy_bytes(int dir) {
+  return dir == 0 || dir == 1 ? atomic_load(&copy_bytes[dir]) : 0;
+}
+
+void lz_device_copy_bytes_reset(void) {
+  atomic_store(&copy_bytes[0], 0);
+  atomic_store(&copy_bytes[1], 0);
+}
+
+/* Counts a copy between host and device memory by its direction. */
+static void count_copy(lz_device dst, lz_device src, size_t bytes) {
+  if (dst != LZ_CPU && src == LZ_CPU)
+    atomic_fetch_add(&copy_bytes[0], bytes);
+  else if (dst == LZ_CPU && src != LZ_CPU)
+    atomic_fetch_add(&copy_bytes[1], bytes);
+}
+
+/* ------------------------------------------------------------- op switch */
+
+static const char *arg_names[LZ_OP_COUNT][LZ_OP_MAX_TENSORS] = {
+    [LZ_OP_MATMUL] = {"c", "a", "b"},
+    [LZ_OP_LINEAR_FORWARD] = {"out", "x", "w", "bias"},
+    [LZ_OP_LINEAR_BACKWARD] = {"dx", "dw", "db", "dy", "x", "w"},
+    [LZ_OP_LAYERNORM_FORWARD] = {"out", "mean", "rstd", "x", "w", "b"},
+    [LZ_OP_LAYERNORM_BACKWARD] = {"dx", "dw", "db", "dy", "x", "w", "mean", "rstd"},
+    [LZ_OP_GELU_FORWARD] = {"out", "x"},
+    [LZ_OP_GELU_BACKWARD] = {"dx", "dy", "x"},
+    [LZ_OP_ATTENTION_FORWARD] = {"out", "lse", "qkv"},
+    [LZ_OP_ATTENTION_BACKWARD] = {"dqkv", "dout", "qkv", "out", "lse"},
+    [LZ_OP_EMBEDDING_FORWARD] = {"out", "tokens", "wte", "wpe"},
+    [LZ_OP_EMBEDDING_BACKWARD] = {"dwte", "dwpe", "dout", "tokens"},
+    [LZ_OP_CROSS_ENTROPY_FORWARD] = {"losses", "logits", "targets"},
+    [LZ_OP_CROSS_ENTROPY_BACKWARD] = {"dlogits", "logits", "targets"},
+    [LZ_OP_ADD] = {"out", "a", "b"},
+    [LZ_OP_AXPY] = {"y", "x"},
+    [LZ_OP_SCALE] = {"t"},
+    [LZ_OP_FILL] = {"t"},
+    [LZ_OP_SQ_NORM] = {"t"},
+    [LZ_OP_HAS_INF_NAN] = {"t"},
+    [LZ_OP_ADAMW_STEP] = {"param", "grad", "m", "v", "working"},
+    [LZ_OP_CONVERT] = {"dst", "src"},
+    [LZ_OP_LION_STEP] = {"param", "grad", "m", "working"},
+    [LZ_OP_RMSNORM_FORWARD] = {"out", "rstd", "x", "w"},
+    [LZ_OP_RMSNORM_BACKWARD] = {"dx", "dw", "dy", "x", "w", "rstd"},
+    [LZ_OP_ROPE_FORWARD] = {"out", "x", "inv_freq"},
+    [LZ_OP_ROPE_BACKWARD] = {"dx", "dy", "inv_freq"},
+    [LZ_OP_SWIGLU_FORWARD] = {"out", "gate", "up"},
+    [LZ_OP_SWIGLU_BACKWARD] = {"dgate", "dup", "dout", "gate", "up"},
+};
+
+static const char *device_name(lz_device d) { return lz_device_name(d); }
+
+lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int *handled) {
+  *handled = 0;
+  int first = -1;
+  for (int i = 0; i < LZ_OP_MAX_TENSORS; i++) {
+    const lz_tensor *t = a->t[i];
+    if (!t) continue;
+    if (t->device != LZ_CPU && t->device != LZ_CUDA && t->device != LZ_SIM)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: %s has device %d; devices are cpu (0), cuda (1) and sim (2)", op_name,
+                     arg_names[op][i] ? arg_names[op][i] : "a tensor", (int)t->device);
+    if (first < 0)
+      first = i;
+    else if (t->device != a->t[first]->device)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: %s lives on %s but %s lives on %s; move them to one device "
+                     "(lz_tensor_copy) first",
+                     op_name, arg_names[op][first], device_name(a->t[first]->device),
+                     arg_names[op][i], device_name(t->device));
+  }
+  if (first < 0 || a->t[first]->device == LZ_CPU) return LZ_OK;
+  const lz_backend *be;
+  LZ_TRY(need_device(op_name, a->t[first]->device, &be));
+  if (!be->supports(op, a)) {
+    char buf[96];
+    return lz_fail(LZ_ERR_UNSUPPORTED, "%s: not supported on %s yet: %s with %s %s", op_name,
+                   be->name, op_name, arg_names[op][first],
+                   lz_tensor_describe(a->t[first], buf, sizeof buf));
+  }
+  *handled = 1;
+  return be->compute(op, a);
+}
+
+lz_status lz_backend_host_ids(const char *op, const lz_tensor *t, const int32_t **ids,
+                              int32_t **copy) {
+  *copy = NULL;
+  *ids = t->data;
+  if (t->device == LZ_CPU) return LZ_OK;
+  /* The sim device runs the cpu function on its stream, which checks the
+   * ids there (a bad one is the stream's error): no copy back. */
+  if (t->device == LZ_SIM) {
+    *ids = NULL;
+    return LZ_OK;
+  }
+  const lz_backend *be;
+  LZ_TRY(need_device(op, t->device, &be));
+  size_t bytes = lz_tensor_bytes(t);
+  int32_t *h = malloc(bytes ? bytes : 1);
+  if (!h) return lz_fail(LZ_ERR_NOMEM, "%s: out of memory for a host copy of the ids", op);
+  /* On the compute stream: the ids may have been written by earlier kernels. */
+  count_copy(LZ_CPU, t->device, bytes);
+  lz_status st = be->copy(h, t->data, bytes, LZ_STREAM_COMPUTE);
+  if (st == LZ_OK) st = be->stream_sync(LZ_STREAM_COMPUTE);
+  if (st != LZ_OK) {
+    free(h);
+    return st;
+  }
+  *copy = h;
+  *ids = h;
+  return LZ_OK;
+}
+
+/* ---------------------------------------------------------- device copies */
+
+/* The backend of the device tensor(s) of a copy; two accelerators at once
+ * cannot be (one per process), a cpu-to-cpu copy takes the active one. */
+static lz_status need_copy_backend(const char *op, const lz_tensor *dst, const lz_tensor *src,
+                                   const lz_backend **be) {
+  for (int i = 0; i < 2; i++) {
+    lz_device d = (i ? src : dst)->device;
+    if (d != LZ_CPU && d != LZ_CUDA && d != LZ_SIM)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: %s has device %d; devices are cpu (0), cuda (1) and sim (2)", op,
+                     i ? "src" : "dst", (int)d);
+  }
+  if (dst->device != LZ_CPU) LZ_TRY(need_device(op, dst->device, be));
+  if (src->device != LZ_CPU) LZ_TRY(need_device(op, src->device, be));
+  if (dst->device == LZ_CPU && src->device == LZ_CPU) LZ_TRY(lz_backend_need_any(op, be));
+  return LZ_OK;
+}
+
+static lz_status check_stream(const char *op, lz_stream_kind s) {
+  if ((unsigned)s >= LZ_STREAM_COUNT)
+    return lz_fail(LZ_ERR_INVALID, "%s: stream %d is not compute (0), comm (1) or copy (2)", op,
+                   (int)s);
+  return LZ_OK;
+}
+
+lz_status lz_tensor_copy_async(lz_tensor *dst, const lz_tensor *src, lz_stream_kind s) {
+  const char *op = "tensor_copy_async";
+  LZ_TRY(lz_check_present(op, "dst", dst));
+  LZ_TRY(lz_check_present(op, "src", src));
+  LZ_TRY(check_stream(op, s));
+  LZ_TRY(lz_check_numel(op, "dst", dst, lz_tensor_numel(src), "the element count of src"));
+  if (dst->dtype != src->dtype) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: src is %s and dst is %s; copies across devices keep the dtype "
+                   "(convert on one device with lz_tensor_copy)",
+                   op, lz_tensor_describe(src, a, sizeof a), lz_tensor_describe(dst, b, sizeof b));
+  }
+  const lz_backend *be;
+  LZ_TRY(need_copy_backend(op, dst, src, &be));
+  count_copy(dst->device, src->device, lz_tensor_bytes(src));
+  return be->copy(dst->data, src->data, lz_tensor_bytes(src), s);
+}
+
+/* lz_tensor_copy with a device tensor on either side: in order with the
+ * kernels (the compute stream), and done when it returns. */
+lz_status lz_tensor_copy_device(lz_tensor *dst, const lz_tensor *src) {
+  const char *op = "tensor_copy";
+  const lz_backend *be;
+  LZ_TRY(need_copy_backend(op, dst, src, &be));
+  if (dst->dtype == src->dtype) {
+    count_copy(dst->device, src->device, lz_tensor_bytes(src));
+    LZ_TRY(be->copy(dst->data, src->data, lz_tensor_bytes(src), LZ_STREAM_COMPUTE));
+    return be->stream_sync(LZ_STREAM_COMPUTE);
+  }
+  if (dst->device != src->device) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s on %s into %s on %s: copy across devices in one dtype, then convert "
+                   "on one device",
+                   op, lz_tensor_describe(src, a, sizeof a), device_name(src->device),
+                   lz_tensor_describe(dst, b, sizeof b), device_name(dst->device));
+  }
+  int handled;
+  LZ_TRY(lz_backend_dispatch(op, LZ_OP_CONVERT, &(lz_op_args){.t = {dst, (lz_tensor *)src}},
+                             &handled));
+  return LZ_OK;
+}
+
+/* ------------------------------------------------------- streams and events */
+
+struct lz_event {
+  void *impl;
+};
+
+lz_status lz_stream_synchronize(lz_stream_kind s) {
+  const lz_backend *be;
+  LZ_TRY(check_stream("stream_synchronize", s));
+  LZ_TRY(lz_backend_need_any("stream_synchronize", &be));
+  return be->stream_sync(s);
+}
+
+lz_status lz_event_new(lz_event **out) {
+  if (!out) return lz_fail(LZ_ERR_INVALID, "event_new: out is NULL");
+  *out = NULL;
+  const lz_backend *be;
+  LZ_TRY(lz_backend_need_any("event_new", &be));
+  lz_event *e = calloc(1, sizeof *e);
+  if (!e) return lz_fail(LZ_ERR_NOMEM, "event_new: out of memory");
+  lz_status st = be->event_new(&e->impl);
+  if (st != LZ_OK) {
+    free(e);
+    return st;
+  }
+  *out = e;
+  return LZ_OK;
+}
+
+lz_status lz_event_free(lz_event *e) {
+  if (!e) return LZ_OK;
+  const lz_backend *be = lz_backend_active();
+  lz_status st = be ? be->event_free(e->impl) : LZ_OK;
+  free(e);
+  return st;
+}
+
+lz_status lz_event_record(lz_event *e, lz_stream_kind s) {
+  const lz_backend *be;
+  if (!e) return lz_fail(LZ_ERR_INVALID, "event_record: event is NULL");
+  LZ_TRY(check_stream("event_record", s));
+  LZ_TRY(lz_backend_need_any("event_record", &be));
+  return be->event_record(e->impl, s);
+}
+
+lz_status lz_stream_wait_event(lz_stream_kind s, lz_event *e) {
+  const lz_backend *be;
+  if (!e) return lz_fail(LZ_ERR_INVALID, "stream_wait_event: event is NULL");
+  LZ_TRY(check_stream("stream_wait_event", s));
+  LZ_TRY(lz_backend_need_any("stream_wait_event", &be));
+  return be->stream_wait(s, e->impl);
+}
+
+lz_status lz_event_synchronize(lz_event *e) {
+  const lz_backend *be;
+  if (!e) return lz_fail(LZ_ERR_INVALID, "event_synchronize: event is NULL");
+  LZ_TRY(lz_backend_need_any("event_synchronize", &be));
+  return be->event_sync(e->impl);
+}
+
+lz_status lz_event_query(lz_event *e, int *done) {
+  const lz_backend *be;
+  if (!e || !done) return lz_fail(LZ_ERR_INVALID, "event_query: event or done is NULL");
+  *done = 0;
+  LZ_TRY(lz_backend_need_any("event_query", &be));
+  return be->event_query(e->impl, done);
+}

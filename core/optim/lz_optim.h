@@ -1,0 +1,56 @@
+/* lz_optim.h — what the fused optimizer steps (adamw.c, lion.c) share: the
+ * checks of their tensors and scalars, and the one pass over the fp32 master
+ * that updates it chunk by chunk and writes the working copy of each chunk
+ * while it is still in L1. Not part of the public API. */
+#ifndef LZ_OPTIM_H
+#define LZ_OPTIM_H
+
+#include "mem/lz_internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* States per element beside the parameter (AdamW: m, v; Lion: m). */
+#define LZ_OPTIM_MAX_STATES 2
+
+/* Updates n elements in place: the parameter p, the states s0 and s1 (s1 is
+ * NULL for an optimizer of one state), from the gradient. `consts` is the
+ * optimizer's own per-step scalars. Called once per chunk of at most a few
+ * KiB, so mark it LZ_DISPATCH and keep it one straight loop. */
+typedef void (*lz_optim_update_fn)(float *restrict p, const float *restrict grad,
+                                   float *restrict s0, float *restrict s1, const void *consts,
+                                   int64_t n);
+
+/* An optimizer step's tensors: param, grad and the states f32 with param's
+ * element count; working (may be NULL) f32, bf16 or f16 of the same count. */
+typedef struct lz_optim_tensors {
+  lz_tensor *param;
+  const lz_tensor *grad;
+  lz_tensor *states[LZ_OPTIM_MAX_STATES];
+  const char *state_names[LZ_OPTIM_MAX_STATES];
+  int n_states;
+  lz_tensor *working;
+} lz_optim_tensors;
+
+/* The dtype and element-count checks, each error naming op and the tensor,
+ * e.g. "adamw_step: grad is f32[9] (9 elements), expected 8 elements (the
+ * element count of param)". */
+lz_status lz_optim_check_tensors(const char *op, const lz_optim_tensors *t);
+
+/* What an args field may hold: finite and >= 0 (rates, decays, eps), in
+ * [0, 1) (betas), finite (grad_scale). The error reads
+ * "op: args->name is X; it must be ...". */
+typedef enum lz_optim_range { LZ_OPTIM_NONNEG, LZ_OPTIM_UNIT, LZ_OPTIM_FINITE } lz_optim_range;
+lz_status lz_optim_check_arg(const char *op, const char *name, float value, lz_optim_range range);
+
+/* The pass, checks done and the tensors on the cpu: chunks of the element
+ * range, spread over threads in contiguous static ranges, each updated by
+ * `update` and then, where working is given, converted into it. */
+void lz_optim_run(const lz_optim_tensors *t, lz_optim_update_fn update, const void *consts);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LZ_OPTIM_H */
