@@ -47,7 +47,7 @@ static lz_status check_shape(const char *op, lz_dtype dt, int ndim, const int64_
   if (ndim < 0 || ndim > LZ_MAX_DIMS)
     return lz_fail(LZ_ERR_INVALID, "%s: %d dimensions; tensors have 0 to %d", op, ndim,
                    LZ_MAX_DIMS);
-  int64_t bytes = (int64_t)dtype_sizes[dt], zero = 0, over = 0;
+  int64_t bytes = (int64_t)lz_dtype_size(dt), zero = 0, over = 0;
   for (int i = 0; i < ndim; i++) {
     if (shape[i] < 0)
       return lz_fail(LZ_ERR_INVALID, "%s: dimension %d is %lld; sizes must be >= 0", op, i,
@@ -58,7 +58,7 @@ static lz_status check_shape(const char *op, lz_dtype dt, int ndim, const int64_
   if (over && !zero)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: the shape's %s elements are over 2^63 bytes; check the sizes", op,
-                   dtype_names[dt]);
+                   lz_dtype_name(dt));
   return LZ_OK;
 }
 
