@@ -8,7 +8,7 @@
 // each; query head h reads key/value head h / (NH / NKV). Multi-head is
 // NKV = NH (rows of 3C). out [B, T, C], C = NH HS; lse [B, NH, T] the
 // natural-log log-sum-exp of each query's scaled scores, saved for backward
-// — as core/attention.c.
+// — as core/kernels/attention.c.
 //
 // Forward: one thread per query, key tiles staged in shared memory, an
 // online softmax per tile. Backward in two passes with no atomics (so every

@@ -1,8 +1,8 @@
 // elementwise.cu — flat ops over whole tensors on the device: add, axpy,
 // scale, fill, dtype conversion, GELU, SwiGLU, the fused AdamW and Lion
 // steps, and the two reductions the engine runs over gradients (squared
-// norm, inf/NaN). Same semantics as core/elementwise.c, core/gelu.c,
-// core/swiglu.c, core/adamw.c and core/lion.c; tensors are flat arrays (only
+// norm, inf/NaN). Same semantics as core/kernels/elementwise.c, core/kernels/gelu.c,
+// core/kernels/swiglu.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
 // element counts must agree, as the core checked).
 #include "lz_cuda.h"
 
@@ -155,7 +155,7 @@ lz_status lz_cu_gelu_backward(const lz_op_args *a) {
 // ------------------------------------------------------------------ SwiGLU
 
 // bf16 inputs are widened exactly, so a bf16 call computes what the f32
-// call computes on the widened values (as core/swiglu.c does).
+// call computes on the widened values (as core/kernels/swiglu.c does).
 __device__ __forceinline__ float widen(float v) { return v; }
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
 
@@ -239,7 +239,7 @@ lz_status lz_cu_adamw_step(const lz_op_args *a) {
   const lz_adamw_args *args = a->adamw;
   int64_t n = lz_tensor_numel(a->t[0]);
   if (n == 0) return LZ_OK;
-  // The per-step constants exactly as core/adamw.c works them out.
+  // The per-step constants exactly as core/optim/adamw.c works them out.
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
   const double bc1 = 1.0 - pow(b1, (double)args->step);
   const double bc2 = 1.0 - pow(b2, (double)args->step);
@@ -267,7 +267,7 @@ struct lion_consts {
   float decay, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, grad_scale;
 };
 
-// As core/lion.c: sign() turns a last-place difference of c into a step of
+// As core/optim/lion.c: sign() turns a last-place difference of c into a step of
 // 2 lr, so each product and sum is rounded on its own (the _rn intrinsics
 // are never contracted into an FMA). The result is then bitwise the cpu's.
 // The sign is torch.sign's: +1, -1, or 0 for zero and NaN.
@@ -288,7 +288,7 @@ lz_status lz_cu_lion_step(const lz_op_args *a) {
   const lz_lion_args *args = a->lion;
   int64_t n = lz_tensor_numel(a->t[0]);
   if (n == 0) return LZ_OK;
-  // The per-step constants exactly as core/lion.c works them out.
+  // The per-step constants exactly as core/optim/lion.c works them out.
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
   lion_consts k;
   k.decay = (float)(1.0 - lr * args->weight_decay);

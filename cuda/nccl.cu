@@ -1,6 +1,6 @@
 // nccl.cu — the device half of the nccl collective backend: the NCCL
 // communicator and one collective at a time on the communication stream.
-// core/comm_nccl.c does the rest (rank and size, sharing the unique id,
+// core/comm/comm_nccl.c does the rest (rank and size, sharing the unique id,
 // argument checks, byte counters, the ordering queue).
 //
 // Communicators are non-blocking (ncclConfig_t.blocking = 0), so every wait

@@ -1,7 +1,7 @@
 // rows.cu — the row-wise ops on the device: LayerNorm, RMSNorm, rotary
 // position embeddings, softmax cross-entropy and the token (+ position)
-// embedding, forward and backward. Same semantics as core/layernorm.c,
-// core/rmsnorm.c, core/rope.c, core/cross_entropy.c and core/embedding.c
+// embedding, forward and backward. Same semantics as core/kernels/layernorm.c,
+// core/kernels/rmsnorm.c, core/kernels/rope.c, core/kernels/cross_entropy.c and core/kernels/embedding.c
 // (the core has checked shapes and ids). Parameter-gradient sums run in a
 // fixed order with no atomics, so every run gives the same bits.
 #include "lz_cuda.h"
@@ -283,7 +283,7 @@ lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {
 // -------------------------------------------------------------------- RoPE
 
 // The inverse frequencies of the theta form, worked out in double and
-// rounded to fp32, as core/rope.c does.
+// rounded to fp32, as core/kernels/rope.c does.
 __global__ void rope_inv_freq_kernel(float *inv_freq, double theta, int64_t half, int head_dim) {
   int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < half) inv_freq[i] = (float)pow(theta, -2.0 * (double)i / (double)head_dim);

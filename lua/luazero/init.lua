@@ -491,7 +491,7 @@ end
 
 ------------------------------------------------------------ devices
 
--- lz.sim.init(): the simulated accelerator (core/sim.c: the cpu kernels on
+-- lz.sim.init(): the simulated accelerator (core/devices/sim*.c: the cpu kernels on
 -- memory the host cannot touch, on asynchronous streams; docs/devices.md).
 lz.sim = {}
 function lz.sim.init() check(C.lz_sim_init(), 2) end
@@ -640,7 +640,7 @@ end
 
 ------------------------------------------------------ swap (the NVMe tier)
 
--- A swap file read and written by I/O threads (core/swap.c). Buffers must be
+-- A swap file read and written by I/O threads (core/io/swap.c). Buffers must be
 -- 4096-byte aligned: tensors of category "offload" are.
 local Swap = {}
 Swap.__index = Swap
