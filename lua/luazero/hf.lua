@@ -53,17 +53,8 @@ local function normal_name(n) return (n:gsub("^transformer%.", "")) end
 
 ------------------------------------------------------------------ source
 
-local function is_dir(path)
-  local f = io.open(path .. "/.", "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local fs = require("luazero.io.fs")
+local exists, is_dir = fs.exists, fs.is_dir
 
 -- A folder's config.json, or nil (a file, or a folder without one).
 function M.config_path(path)

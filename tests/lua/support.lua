@@ -49,6 +49,13 @@ function M.settle()
   collectgarbage("stop")
 end
 
+-- got must equal want; the error names what and both values.
+function M.eq(got, want, what)
+  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
+end
+
+M.exists = require("luazero.io.fs").exists
+
 -- Runs a shell command; returns its output (stdout and stderr together)
 -- and its exit status.
 function M.sh(cmd)

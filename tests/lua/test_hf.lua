@@ -14,15 +14,7 @@ local T = {}
 local q = support.quote
 local write_file, tmp = support.scratch()
 
-local function eq(got, want, what)
-  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local eq, exists = support.eq, support.exists
 
 local corpus
 local function corpus_path()

@@ -14,9 +14,7 @@ local T = {}
 local q = support.quote
 local write_file, tmp = support.scratch()
 
-local function eq(got, want, what)
-  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
-end
+local eq = support.eq
 
 -------------------------------------------------------------- sizes
 

@@ -14,9 +14,7 @@ local llama = require("models.llama")
 
 local T = {}
 
-local function eq(got, want, what)
-  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
-end
+local eq = support.eq
 
 -- Every dtype runs real kernels (bf16 GEMMs widen to f32 where the CPU has
 -- no bf16 kernel).

@@ -16,15 +16,7 @@ local write_file, tmp = support.scratch()
 local corpus = write_file("corpus.txt", ("It is a truth universally acknowledged, that a single " ..
                                          "man in possession of a good fortune\n"):rep(40))
 
-local function eq(got, want, what)
-  assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local eq, exists = support.eq, support.exists
 
 -- A tool run from the root: output (stdout and stderr) and exit status.
 local function tool(env, cmd)

@@ -40,11 +40,7 @@ local fail = M.fail
 function M.check(st) if st ~= 0 then error(lz.last_error(), 0) end end
 local check = M.check
 
-function M.exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+M.exists = require("luazero.io.fs").exists
 local exists = M.exists
 
 local read_file = lz.read_file

@@ -12,11 +12,7 @@ local M = {}
 
 local function fail(fmt, ...) error(fmt:format(...), 0) end
 
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local exists = require("luazero.io.fs").exists
 
 local function targets_of(text)
   local t = {}

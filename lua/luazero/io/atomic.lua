@@ -173,17 +173,8 @@ end
 local Folder = {}
 Folder.__index = Folder
 
-local function is_dir(path)
-  local f = io.open(path .. "/.", "rb")
-  if f then f:close() end
-  return f ~= nil
-end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local fs = require("luazero.io.fs")
+local exists, is_dir = fs.exists, fs.is_dir
 
 local function list(dir)
   local p = io.popen("ls -A1 '" .. dir:gsub("'", "'\\''") .. "' 2>/dev/null")
