@@ -393,6 +393,10 @@ end
 
 local function arena_handle(a)
   if a.handle == nil then error("luazero: this arena was freed (a:free()); make a new one", 3) end
+  if guard.arena_gone(a) then
+    error("luazero: the tensor this arena lies over (lz.arena_over) was freed; " ..
+          "free the arena before its tensor", 3)
+  end
   return a.handle
 end
 

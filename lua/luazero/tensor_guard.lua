@@ -9,11 +9,21 @@ local M = {}
 -- the arena is freed). Methods ask here, not the freed header.
 M.dead = setmetatable({}, { __mode = "k" })
 
+-- Why an arena can no longer be used, or nil: freed, or (lz.arena_over)
+-- the tensor whose memory it lies in is gone.
+function M.arena_gone(a)
+  if a.handle == nil then return "its arena was freed" end
+  local base = a.base
+  if base ~= nil and M.dead[base] and M.gone(base) then
+    return "the tensor its arena lies over (lz.arena_over) was freed"
+  end
+end
+
 -- Why t's header is gone, or nil.
 function M.gone(t)
   local d = M.dead[t]
   if d == true then return "it was freed (t:free())" end
-  if d and d.handle == nil then return "its arena was freed" end
+  if d then return M.arena_gone(d) end
 end
 
 -- t, refused when its header is gone (the error at `level`, default 3).

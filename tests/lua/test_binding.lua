@@ -199,4 +199,19 @@ function T.op_arguments_are_checked_by_name()
   x:free()
 end
 
+-- An arena over a tensor's memory is refused once that tensor is freed,
+-- and so are the tensors it gave out, before or after the free.
+function T.arena_over_a_freed_tensor_is_refused()
+  local t = lz.tensor({ 1024 })
+  local a = lz.arena_over(t, 0, 1024)
+  local before = a:tensor({ 4 })
+  t:free()
+  expect_error(function() a:tensor({ 4 }) end, "the tensor this arena lies over (lz.arena_over) was freed")
+  expect_error(function() before:fill(1) end,
+               "fill of a freed tensor: the tensor its arena lies over (lz.arena_over) was freed")
+  expect_error(function() return before:get(0) end, "of a freed tensor")
+  expect_error(function() lz.ops.add(before, before, before) end, "freed")
+  assert(tostring(before) == "tensor (freed)")
+end
+
 return T
