@@ -238,26 +238,44 @@ local function check_save_target(flags, n_params)
                                                                     level))
   end
   if not flags.save then return end
-  local dir = flags.save
+  local dir = flags.save:gsub("(.)/+$", "%1")
+  -- The folders mkdir -p would make (deepest first), and the nearest that is
+  -- there: free space is read there, before anything is made, and what was
+  -- made is removed again when the folder is refused.
+  local made_dirs, there = {}, dir
+  local function exists(p)
+    local f = io.open(p, "rb")
+    if f then f:close() end
+    return f ~= nil
+  end
+  while not exists(there) do
+    made_dirs[#made_dirs + 1] = there
+    local up = there:match("^(.*)/[^/]*$")
+    there = up and (up == "" and "/" or up) or "."
+  end
+  local function refuse(msg)
+    for _, d in ipairs(made_dirs) do os.remove(d) end
+    user_error(msg)
+  end
+  local st = ffi.new("lz_statvfs")
+  if ffi.C.statvfs(there, st) == 0 then
+    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
+    local need = n_params * 12 + 2 ^ 20
+    if free < need then
+      refuse(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
+              "x 12 bytes); free space there or save elsewhere")
+             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
+    end
+  end
   local made, why = lz.mkdir(dir)
-  if not made then user_error(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
+  if not made then refuse(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
   local probe = ("%s/.write-check-%d-%d"):format(dir, RANK, tonumber(ffi.C.getpid()))
   local f, err = io.open(probe, "wb")
   local wrote = f and f:write("x") and f:close()
   os.remove(probe)
   if not wrote then
-    user_error(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
-               tostring(err or "write failed")))
-  end
-  local st = ffi.new("lz_statvfs")
-  if ffi.C.statvfs(dir, st) == 0 then
-    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
-    local need = n_params * 12 + 2 ^ 20
-    if free < need then
-      user_error(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
-                  "x 12 bytes); free space there or save elsewhere")
-                 :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
-    end
+    refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
+           tostring(err or "write failed")))
   end
 end
 pcall(ffi.cdef, "int getpid(void);")
@@ -325,6 +343,18 @@ local function open_log(path)
   }
 end
 
+-- --log FILE is emptied at start: refused when it is (or lies inside) a file
+-- or folder the run reads or saves to.
+local function check_log_target(flags)
+  if not flags.log then return end
+  local atomic = require("luazero.io.atomic")
+  for _, f in ipairs({ "data", "resume", "save", "init", "tokenizer", "config", "model_config" }) do
+    if flags[f] then
+      checked(atomic.refuse_overlap, flags.log, "--log", flags[f], "--" .. f:gsub("_", "-"))
+    end
+  end
+end
+
 -- --lora-alpha and --lora-targets shape the adapters --lora-r adds: alone
 -- they would be ignored. The targets default to q_proj,v_proj.
 local function check_lora_flags(flags)
@@ -376,6 +406,7 @@ local function parse_flags(argv)
                :format(flags.model, flags.model_config, flags.model))
   end
   check_lora_flags(flags)
+  check_log_target(flags)
   if flags.device ~= "cpu" and flags.device ~= "sim" and flags.device ~= "cuda" then
     user_error(("--device must be cpu, sim or cuda (got %s)"):format(flags.device))
   end

@@ -329,10 +329,12 @@ local function main(argv)
     checked(inspect, ck)
   elseif cmd == "consolidate" then
     if not out then fail("consolidate needs OUT.bin") end
+    checked(atomic.refuse_overlap, out, "OUT", ck_path, "the checkpoint")
     local n = checked(ck.consolidate, ck, out)
     print(("consolidated %d fp32 elements (%d tensors) to %s"):format(n, #ck.manifest.params, out))
   elseif cmd == "export" then
     if not out then fail("export needs OUT.safetensors or a FOLDER") end
+    checked(atomic.refuse_overlap, out, "OUT", ck_path, "the checkpoint")
     if ck.manifest.lora then
       if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
         fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
