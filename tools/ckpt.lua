@@ -68,6 +68,12 @@ local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json"
 
 local function refuse(msg) error(msg, 0) end
 
+local function path_exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
 -- The consolidated fp32 master as a scratch file beside `near`, handed to
 -- fn(path); removed afterwards whatever happens. `out`: the output named in
 -- messages.
@@ -280,6 +286,16 @@ local function export_lora(ck, out, dtype, merge, base)
   if merge and not base then
     refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
            "(no --init); give them with --base PATH")
+  end
+  if merge then
+    if not path_exists(base) then
+      refuse(("export --merge-lora: the base %s%s is not there; give the weights the run " ..
+              "started from with --base PATH"):format(base, base == m.init and
+              " (the run's --init)" or ""))
+    end
+    atomic.refuse_overlap(out, "OUT", base, "the base")
+    require("luazero.checkpoint.resume").check_base_checksum(base, m, ck.dir,
+      base == m.init and "the run's --init" or "--base")
   end
   local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
     local adapters = adapters_of(ck, f.tmp .. "/adapters", out)

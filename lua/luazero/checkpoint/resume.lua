@@ -72,16 +72,22 @@ local function check_base(flags, m, where)
            "weights with --init PATH", where, path)
     end
   end
-  local want = m.init_xxh64
-  if want then
-    local got = hf.checksum(path)
-    if got ~= want then
-      fail("--init %s: its weights hash to xxh64 %s, but the checkpoint %s was trained on a " ..
-           "base hashing to %s (%s); give the base the run started from", path, got, where,
-           want, m.init)
-    end
-  end
+  M.check_base_checksum(path, m, where, "--init")
   return recorded and path or nil
+end
+
+-- The base weights at `path` (given as `flag`: --init, --base) against the
+-- xxh64 the manifest m recorded for its --init (nothing recorded: nothing
+-- to check).
+function M.check_base_checksum(path, m, where, flag)
+  local want = m.init_xxh64
+  if not want then return end
+  local got = hf.checksum(path)
+  if got ~= want then
+    fail("%s %s: its weights hash to xxh64 %s, but the checkpoint %s was trained on a " ..
+         "base hashing to %s (%s); give the base the run started from", flag, path, got, where,
+         want, m.init)
+  end
 end
 
 function M.check(flags, m, where)
