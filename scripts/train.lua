@@ -569,6 +569,13 @@ end
 
 -- One optimizer step and, when due, the validation loss; returns the
 -- metrics record (docs/formats.md) and the checkpointing profile.
+-- Where the weights a run starts from came from, for messages.
+local function starting_weights(flags)
+  if flags.resume then return "the weights resumed from " .. flags.resume end
+  if flags.init then return "the weights loaded from --init " .. flags.init end
+  return "the weights drawn from --seed"
+end
+
 local function train_step(run, step)
   local engine, flags = run.engine, run.flags
   local tokens_per_step = run.B * run.T * run.accum * run.world
@@ -609,6 +616,11 @@ local function train_step(run, step)
   end
   -- A skipped step's overflow is in its gradients (fp16 loss scaling); a
   -- loss that is not finite means the weights diverged: the run stops.
+  -- The first step's loss is the starting weights' own, before any update.
+  if step == run.first and not (math.abs(r.loss) < math.huge) then
+    user_error(("step %d: the loss is %s before any update: %s give a non-finite loss; " ..
+                "check those weights"):format(step, tostring(r.loss), starting_weights(flags)))
+  end
   for _, l in ipairs({ { "loss", r.loss }, { "validation loss", rec.val_loss or 0 } }) do
     if not (math.abs(l[2]) < math.huge) then
       user_error(("step %d: the %s is %s: training diverged; lower --lr (it was %g)")
@@ -706,6 +718,10 @@ local function main(argv)
   -- validation loss of the weights as loaded, to the last bit.
   if run.first > flags.steps and run.n_val > 0 then
     local v = checked_rank(run.engine.evaluate, run.engine, run.loader, run.n_val)
+    if not (math.abs(v) < math.huge) then
+      user_error(("the validation loss is %s: %s give a non-finite loss; check those weights")
+                 :format(tostring(v), starting_weights(flags)))
+    end
     say(("val_loss %.17g"):format(v))
   end
   finish(run)

@@ -466,4 +466,27 @@ function T.a_tokenizer_that_is_not_bpe_is_refused_by_prepare_data()
   refused("--model llama-tiny --vocab 250 --tokenizer " .. q(path), { path, "WordPiece" })
 end
 
+-- Weights that are NaN from the start: a run of no steps (--steps 0) exits
+-- 2, as a diverged one does, and so does a run whose first loss is NaN;
+-- neither blames the learning rate.
+function T.non_finite_loaded_weights_exit_2_naming_the_weights()
+  local dir, path = altered("nan-weights")
+  local bytes = lz.read_file(path)
+  local b = { bytes:byte(1, 8) }
+  local len = 0
+  for i = 8, 1, -1 do len = len * 256 + b[i] end
+  local f = assert(io.open(path, "wb"))
+  f:write(bytes:sub(1, 8 + len), ("\0\0\192\127"):rep((#bytes - 8 - len) / 4)) -- f32 NaN
+  f:close()
+  for _, steps in ipairs({ 0, 2 }) do
+    local out, st = train(1, ("%s%s --steps %d --init %s"):format(RUN, q(corpus_path()), steps,
+                                                                  q(dir)))
+    eq(st, 2, "exit status of --steps " .. steps .. ":\n" .. out)
+    local line = assert(out:match("train: [^\n]*"), out)
+    assert(line:find("the weights loaded from --init " .. dir .. " give a non-finite loss", 1, true)
+           and not line:find("lower --lr", 1, true), line)
+    assert(not out:find("val_loss", 1, true), out)
+  end
+end
+
 return T
