@@ -52,6 +52,19 @@ end
 -- Bytes past which no tensor is addressed (int64_t offsets and sizes in C).
 M.MAX_BYTES = 2 ^ 63
 
+-- v as a count (of bytes, elements) for `what`: a whole number from 0 to
+-- below MAX_BYTES, else an error at `level` (default 3) naming it.
+function M.count(what, v, level)
+  if type(v) == "cdata" then v = tonumber(v) end
+  if type(v) ~= "number" or v ~= v or v < 0 or v ~= math.floor(v) or v >= M.MAX_BYTES then
+    error(("luazero: %s is %s; give a whole number from 0 to below 2^63")
+          :format(what, type(v) == "string" and ("%q"):format(v) or
+                  type(v) == "number" and v == math.floor(v) and math.abs(v) < 1e300 and
+                  ("%.0f"):format(v) or tostring(v)), level or 3)
+  end
+  return v
+end
+
 -- A shape: a size or a table of up to 4 sizes (whole numbers >= 0) whose
 -- elements of elem_size bytes (dtype `dtype`) stay below MAX_BYTES. Returns
 -- the table; errors at `level` (default 3).
