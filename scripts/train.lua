@@ -407,6 +407,12 @@ local function parse_flags(argv)
   end
   check_lora_flags(flags)
   check_log_target(flags)
+  local init_file = flags.init and io.open(flags.init, "rb")
+  if init_file then init_file:close() end
+  if flags.init and not init_file then
+    user_error(("--init %s: no such file or folder; give a Hugging Face model folder or a " ..
+                ".safetensors file"):format(flags.init))
+  end
   if flags.device ~= "cpu" and flags.device ~= "sim" and flags.device ~= "cuda" then
     user_error(("--device must be cpu, sim or cuda (got %s)"):format(flags.device))
   end

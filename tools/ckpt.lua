@@ -328,9 +328,13 @@ end
 
 local function main(argv)
   local cmd, ck_path, out = argv[1], argv[2], argv[3]
-  if not cmd or cmd == "--help" or cmd == "-h" then
+  if cmd == "--help" or cmd == "-h" then
     print(USAGE)
     return
+  end
+  if not cmd then
+    io.stderr:write(USAGE, "\n")
+    os.exit(2)
   end
   local rest = {}
   for i = (cmd == "inspect" and 3 or 4), #argv do rest[#rest + 1] = argv[i] end

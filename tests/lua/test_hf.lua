@@ -259,6 +259,10 @@ function T.lora_resume_checks_its_settings_and_its_base()
                             q(corpus_path()), q(ft), q(base .. "/config.json"), LORA))
   assert(o2:find("resume: the base weights from the checkpoint's --init", 1, true), o2)
   eq(got, want, "params_checksum resumed on the recorded base")
+  -- The same targets in another order: the same set, resumed as saved.
+  local _, _, swapped = ok_run(1, ("%s%s --steps 3 --resume %s %s%s"):format(RUN, q(corpus_path()),
+                               q(ft), init, LORA:gsub("q_proj,v_proj", "v_proj,q_proj")))
+  eq(swapped, want, "params_checksum resumed with --lora-targets v_proj,q_proj")
   -- Another base: changed weights are refused by their checksum.
   local other = tmp .. "/lora-other"
   os.execute(("rm -rf %s && cp -r %s %s"):format(q(other), q(base), q(other)))

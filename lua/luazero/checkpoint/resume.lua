@@ -24,6 +24,16 @@ local function targets_of(text)
   return table.concat(t, ",")
 end
 
+-- A comma-separated list as its distinct names, sorted: the set it names.
+local function sorted_set(text)
+  local t, seen = {}, {}
+  for name in text:gmatch("[^,]+") do
+    if not seen[name] then seen[name] = true; t[#t + 1] = name end
+  end
+  table.sort(t)
+  return table.concat(t, ",")
+end
+
 -- The LoRA flags against the manifest's lora {r, alpha, targets}.
 local function check_lora(flags, lora, where)
   if not lora then
@@ -48,10 +58,13 @@ local function check_lora(flags, lora, where)
          "--lora-alpha %g", alpha, flags.lora_alpha and "" or " (the default: --lora-r)", where,
          lora.alpha, lora.alpha)
   end
-  if targets_of(flags.lora_targets) ~= targets then
+  if sorted_set(targets_of(flags.lora_targets)) ~= sorted_set(targets) then
     fail("--lora-targets %s: the checkpoint %s was saved with --lora-targets %s; resume with " ..
          "--lora-targets %s", targets_of(flags.lora_targets), where, targets, targets)
   end
+  -- The same set in another order: the saved order, which lays the
+  -- adapters out as they were saved.
+  flags.lora_targets = targets
 end
 
 -- The base weights of a LoRA checkpoint: the --init given, or the one it
