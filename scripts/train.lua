@@ -239,9 +239,8 @@ local function check_save_target(flags, n_params)
   end
   if not flags.save then return end
   local dir = flags.save:gsub("(.)/+$", "%1")
-  -- The folders mkdir -p would make (deepest first), and the nearest that is
-  -- there: free space is read there, before anything is made, and what was
-  -- made is removed again when the folder is refused.
+  -- The folders mkdir -p makes (deepest first): removed again when the
+  -- folder is refused, so a refused --save leaves nothing behind.
   local made_dirs, there = {}, dir
   local function exists(p)
     local f = io.open(p, "rb")
@@ -257,16 +256,6 @@ local function check_save_target(flags, n_params)
     for _, d in ipairs(made_dirs) do os.remove(d) end
     user_error(msg)
   end
-  local st = ffi.new("lz_statvfs")
-  if ffi.C.statvfs(there, st) == 0 then
-    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
-    local need = n_params * 12 + 2 ^ 20
-    if free < need then
-      refuse(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
-              "x 12 bytes); free space there or save elsewhere")
-             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
-    end
-  end
   local made, why = lz.mkdir(dir)
   if not made then refuse(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
   local probe = ("%s/.write-check-%d-%d"):format(dir, RANK, tonumber(ffi.C.getpid()))
@@ -276,6 +265,16 @@ local function check_save_target(flags, n_params)
   if not wrote then
     refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
            tostring(err or "write failed")))
+  end
+  local st = ffi.new("lz_statvfs")
+  if ffi.C.statvfs(dir, st) == 0 then
+    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
+    local need = n_params * 12 + 2 ^ 20
+    if free < need then
+      refuse(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
+              "x 12 bytes); free space there or save elsewhere")
+             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
+    end
   end
 end
 pcall(ffi.cdef, "int getpid(void);")
