@@ -238,25 +238,42 @@ local function check_save_target(flags, n_params)
                                                                     level))
   end
   if not flags.save then return end
-  local dir = flags.save
+  local dir = flags.save:gsub("(.)/+$", "%1")
+  -- The folders mkdir -p makes (deepest first): removed again when the
+  -- folder is refused, so a refused --save leaves nothing behind.
+  local made_dirs, there = {}, dir
+  local function exists(p)
+    local f = io.open(p, "rb")
+    if f then f:close() end
+    return f ~= nil
+  end
+  while not exists(there) do
+    made_dirs[#made_dirs + 1] = there
+    local up = there:match("^(.*)/[^/]*$")
+    there = up and (up == "" and "/" or up) or "."
+  end
+  local function refuse(msg)
+    for _, d in ipairs(made_dirs) do os.remove(d) end
+    user_error(msg)
+  end
   local made, why = lz.mkdir(dir)
-  if not made then user_error(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
+  if not made then refuse(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
   local probe = ("%s/.write-check-%d-%d"):format(dir, RANK, tonumber(ffi.C.getpid()))
   local f, err = io.open(probe, "wb")
   local wrote = f and f:write("x") and f:close()
   os.remove(probe)
   if not wrote then
-    user_error(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
-               tostring(err or "write failed")))
+    refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
+           tostring(err or "write failed")))
   end
   local st = ffi.new("lz_statvfs")
   if ffi.C.statvfs(dir, st) == 0 then
     local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
     local need = n_params * 12 + 2 ^ 20
     if free < need then
-      user_error(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
-                  "x 12 bytes); free space there or save elsewhere")
-                 :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
+      refuse(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
+              "x 12 bytes); free space there or save elsewhere")
+             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
     end
   end
 end
@@ -325,6 +342,18 @@ local function open_log(path)
   }
 end
 
+-- --log FILE is emptied at start: refused when it is (or lies inside) a file
+-- or folder the run reads or saves to.
+local function check_log_target(flags)
+  if not flags.log then return end
+  local atomic = require("luazero.io.atomic")
+  for _, f in ipairs({ "data", "resume", "save", "init", "tokenizer", "config", "model_config" }) do
+    if flags[f] then
+      checked(atomic.refuse_overlap, flags.log, "--log", flags[f], "--" .. f:gsub("_", "-"))
+    end
+  end
+end
+
 -- --lora-alpha and --lora-targets shape the adapters --lora-r adds: alone
 -- they would be ignored. The targets default to q_proj,v_proj.
 local function check_lora_flags(flags)
@@ -376,6 +405,13 @@ local function parse_flags(argv)
                :format(flags.model, flags.model_config, flags.model))
   end
   check_lora_flags(flags)
+  check_log_target(flags)
+  local init_file = flags.init and io.open(flags.init, "rb")
+  if init_file then init_file:close() end
+  if flags.init and not init_file then
+    user_error(("--init %s: no such file or folder; give a Hugging Face model folder or a " ..
+                ".safetensors file"):format(flags.init))
+  end
   if flags.device ~= "cpu" and flags.device ~= "sim" and flags.device ~= "cuda" then
     user_error(("--device must be cpu, sim or cuda (got %s)"):format(flags.device))
   end
@@ -538,6 +574,13 @@ end
 
 -- One optimizer step and, when due, the validation loss; returns the
 -- metrics record (docs/formats.md) and the checkpointing profile.
+-- Where the weights a run starts from came from, for messages.
+local function starting_weights(flags)
+  if flags.resume then return "the weights resumed from " .. flags.resume end
+  if flags.init then return "the weights loaded from --init " .. flags.init end
+  return "the weights drawn from --seed"
+end
+
 local function train_step(run, step)
   local engine, flags = run.engine, run.flags
   local tokens_per_step = run.B * run.T * run.accum * run.world
@@ -578,6 +621,11 @@ local function train_step(run, step)
   end
   -- A skipped step's overflow is in its gradients (fp16 loss scaling); a
   -- loss that is not finite means the weights diverged: the run stops.
+  -- The first step's loss is the starting weights' own, before any update.
+  if step == run.first and not (math.abs(r.loss) < math.huge) then
+    user_error(("step %d: the loss is %s before any update: %s give a non-finite loss; " ..
+                "check those weights"):format(step, tostring(r.loss), starting_weights(flags)))
+  end
   for _, l in ipairs({ { "loss", r.loss }, { "validation loss", rec.val_loss or 0 } }) do
     if not (math.abs(l[2]) < math.huge) then
       user_error(("step %d: the %s is %s: training diverged; lower --lr (it was %g)")
@@ -675,6 +723,10 @@ local function main(argv)
   -- validation loss of the weights as loaded, to the last bit.
   if run.first > flags.steps and run.n_val > 0 then
     local v = checked_rank(run.engine.evaluate, run.engine, run.loader, run.n_val)
+    if not (math.abs(v) < math.huge) then
+      user_error(("the validation loss is %s: %s give a non-finite loss; check those weights")
+                 :format(tostring(v), starting_weights(flags)))
+    end
     say(("val_loss %.17g"):format(v))
   end
   finish(run)

@@ -68,6 +68,12 @@ local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json"
 
 local function refuse(msg) error(msg, 0) end
 
+local function path_exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
 -- The consolidated fp32 master as a scratch file beside `near`, handed to
 -- fn(path); removed afterwards whatever happens. `out`: the output named in
 -- messages.
@@ -281,6 +287,16 @@ local function export_lora(ck, out, dtype, merge, base)
     refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
            "(no --init); give them with --base PATH")
   end
+  if merge then
+    if not path_exists(base) then
+      refuse(("export --merge-lora: the base %s%s is not there; give the weights the run " ..
+              "started from with --base PATH"):format(base, base == m.init and
+              " (the run's --init)" or ""))
+    end
+    atomic.refuse_overlap(out, "OUT", base, "the base")
+    require("luazero.checkpoint.resume").check_base_checksum(base, m, ck.dir,
+      base == m.init and "the run's --init" or "--base")
+  end
   local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
     local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
     if not merge then
@@ -312,9 +328,13 @@ end
 
 local function main(argv)
   local cmd, ck_path, out = argv[1], argv[2], argv[3]
-  if not cmd or cmd == "--help" or cmd == "-h" then
+  if cmd == "--help" or cmd == "-h" then
     print(USAGE)
     return
+  end
+  if not cmd then
+    io.stderr:write(USAGE, "\n")
+    os.exit(2)
   end
   local rest = {}
   for i = (cmd == "inspect" and 3 or 4), #argv do rest[#rest + 1] = argv[i] end
@@ -329,10 +349,12 @@ local function main(argv)
     checked(inspect, ck)
   elseif cmd == "consolidate" then
     if not out then fail("consolidate needs OUT.bin") end
+    checked(atomic.refuse_overlap, out, "OUT", ck_path, "the checkpoint")
     local n = checked(ck.consolidate, ck, out)
     print(("consolidated %d fp32 elements (%d tensors) to %s"):format(n, #ck.manifest.params, out))
   elseif cmd == "export" then
     if not out then fail("export needs OUT.safetensors or a FOLDER") end
+    checked(atomic.refuse_overlap, out, "OUT", ck_path, "the checkpoint")
     if ck.manifest.lora then
       if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
         fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))

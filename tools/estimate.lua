@@ -51,6 +51,10 @@ local function parse_count(text)
   if not n or not scale or n * scale < 1 then
     fail(("--params '%s' is not a parameter count (e.g. 1.5e9, 124M, 1.5B)"):format(text))
   end
+  if n * scale > 2 ^ 53 then
+    fail(("--params '%s' is more than 2^53 (9,007,199,254,740,992) parameters, past the " ..
+          "counts this estimate holds exactly; give a smaller count"):format(text))
+  end
   return math.floor(n * scale + 0.5)
 end
 
@@ -85,6 +89,10 @@ local function main(argv)
   end
   if flags.world < 1 then fail(("--world must be >= 1 (got %d)"):format(flags.world)) end
   if flags.deepspeed ~= 0 and flags.deepspeed ~= 1 then fail("--deepspeed takes 0 or 1") end
+  local pt = flags.persistence_threshold
+  if pt < 0 or pt ~= math.floor(pt) or pt > 2 ^ 53 then
+    fail(("--persistence-threshold must be a whole number of elements >= 0 (got %s)"):format(pt))
+  end
 
   local N = flags.world
   local budget, source
@@ -114,11 +122,26 @@ local function main(argv)
   else
     params = parse_count(flags.params)
     persistent = flags.persistent or 0
-    if persistent < 0 or persistent ~= math.floor(persistent) then
-      fail(("--persistent must be a whole number >= 0 (got %s)"):format(flags.persistent))
+    if persistent < 0 or persistent ~= math.floor(persistent) or persistent > params then
+      fail(("--persistent must be a whole number from 0 to the --params count (got %s)")
+           :format(flags.persistent))
     end
     what = ("%s parameters; P = %s"):format(estimate.thousands(params),
                                             estimate.thousands(persistent))
+  end
+  if (flags.micro_batch == nil) ~= (flags.seq_len == nil) or (flags.micro_batch and not model) then
+    fail("--micro-batch and --seq-len go together, with --model")
+  end
+  if flags.micro_batch then
+    for _, f in ipairs({ "micro_batch", "seq_len" }) do
+      if flags[f] < 1 then
+        fail(("--%s must be >= 1 (got %d)"):format(f:gsub("_", "-"), flags[f]))
+      end
+    end
+    if flags.seq_len > model.cfg.context then
+      fail(("--seq-len %d is longer than the model's context %d"):format(flags.seq_len,
+           model.cfg.context))
+    end
   end
   local dtype = flags.dtype
   local b = estimate.dtype_bytes[dtype]
@@ -145,14 +168,7 @@ local function main(argv)
         "device and cpu are one memory here (--device cpu): cpu is what the ledger counts as offload." or
         "device: the accelerator's memory; cpu: host memory (pinned for transfers).")
 
-  if (flags.micro_batch == nil) ~= (flags.seq_len == nil) or (flags.micro_batch and not model) then
-    fail("--micro-batch and --seq-len go together, with --model")
-  end
   if flags.micro_batch then
-    if flags.seq_len > model.cfg.context then
-      fail(("--seq-len %d is longer than the model's context %d"):format(flags.seq_len,
-           model.cfg.context))
-    end
     model:checkpoint_activations(flags.checkpoint_activations == 1)
     local a = estimate.activations(model, flags.micro_batch, flags.seq_len, dtype)
     print()

@@ -57,6 +57,16 @@ if tokenizer_path then
   end
 end
 
+for i = 1, #args - 1 do
+  local ok, err = pcall(atomic.refuse_overlap, args[#args], "the output", args[i], "the input")
+  if not ok then fail(err) end
+end
+if tokenizer_path then
+  local ok, err = pcall(atomic.refuse_overlap, args[#args], "the output", tokenizer_path,
+                        "--tokenizer")
+  if not ok then fail(err) end
+end
+
 local parts = {}
 for i = 1, #args - 1 do
   local f, err = io.open(args[i], "rb")

@@ -37,9 +37,9 @@ end
 
 -- argv: a list of strings; spec: { {name, kind, default, help}, ... }.
 -- Returns { [name with - turned into _] = value }. "--help" returns nil and
--- the usage text.
+-- the usage text. A flag given twice is an error (which one was meant?).
 function M.parse(argv, spec)
-  local by_name, out = {}, {}
+  local by_name, out, seen = {}, {}, {}
   for _, s in ipairs(spec) do
     assert(kinds[s[2]], "args: kind of --" .. s[1] .. " must be int, number, string or flag")
     by_name[s[1]] = s
@@ -64,6 +64,11 @@ function M.parse(argv, spec)
       value = argv[i]
       if value == nil then error(("--%s needs a value"):format(name), 0) end
     end
+    local given = (a:find("=", 1, true) or s[2] == "flag") and a or a .. " " .. value
+    if seen[name] then
+      error(("--%s is given twice (%s, then %s); give it once"):format(name, seen[name], given), 0)
+    end
+    seen[name] = given
     out[name:gsub("-", "_")] = convert(name, s[2], value)
     i = i + 1
   end

@@ -94,6 +94,12 @@ local function tokens_from_file(path, f, size, head)
     fail(path, ("truncated: the header says %d tokens (%d bytes) but only %d bytes follow " ..
                 "it; re-create it with tools/prepare-data"):format(count, count * 2, have))
   end
+  if count * 2 < have then
+    fail(path, ("the header says %d tokens (%d bytes) but %d bytes follow it (%s); a token " ..
+                "file holds exactly its count: re-create it with tools/prepare-data")
+         :format(count, count * 2, have, have % 2 == 1 and "an odd byte at the end" or
+                 ("%d tokens more"):format((have - count * 2) / 2)))
+  end
   if count == 0 then fail(path, "holds no tokens; give a file with some text in it") end
   local t = lz.tensor({ count }, "u16", "workspace")
   local dst, left = ffi.cast("char *", t.data), count * 2

@@ -363,6 +363,7 @@ Arena.__index = Arena
 -- lz.arena(bytes, category, device): device "cpu" (default), "sim" or
 -- "cuda": an arena in that device's memory, whose tensors live there.
 function lz.arena(bytes, category, device)
+  guard.count("arena: bytes", bytes)
   local out = ffi.new("lz_arena *[1]")
   check(C.lz_arena_new_on(out, bytes, category_of(category or "activations"),
                           device_of(device, "arena")), 2)
@@ -373,8 +374,9 @@ end
 -- f32): its size rounded up to LZ_ARENA_ALIGN. Arena sizes are sums of these.
 lz.ARENA_ALIGN = tonumber(C.LZ_ARENA_ALIGN)
 function lz.arena_bytes(numel, dtype)
-  local bytes = numel * tonumber(C.lz_dtype_size(dtype_of(dtype)))
-  return math.ceil(bytes / lz.ARENA_ALIGN) * lz.ARENA_ALIGN
+  local bytes = guard.count("arena_bytes: numel", numel) * tonumber(C.lz_dtype_size(dtype_of(dtype)))
+  bytes = guard.count("arena_bytes: the bytes", math.ceil(bytes / lz.ARENA_ALIGN) * lz.ARENA_ALIGN)
+  return bytes
 end
 
 -- An arena over bytes [offset, offset + bytes) of tensor t's memory (offset
@@ -393,6 +395,10 @@ end
 
 local function arena_handle(a)
   if a.handle == nil then error("luazero: this arena was freed (a:free()); make a new one", 3) end
+  if guard.arena_gone(a) then
+    error("luazero: the tensor this arena lies over (lz.arena_over) was freed; " ..
+          "free the arena before its tensor", 3)
+  end
   return a.handle
 end
 

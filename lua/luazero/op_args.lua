@@ -27,7 +27,7 @@ function M.params(cdef, op)
   for p in decl:gmatch("[^,]+") do
     local ty, name = p:match("^%s*(.-)%s*([%w_]+)%s*$")
     local kind = ty:find("lz_tensor", 1, true) and "tensor" or ty:find("*", 1, true) and "pointer"
-                 or "number"
+                 or name:find("^trans_") and "flag" or "number"
     out[#out + 1] = { name = name, kind = kind, ctype = kind == "pointer" and ffi.typeof(ty),
                       base = kind == "pointer" and ffi.typeof((ty:gsub("%*%s*$", ""))) }
   end
@@ -51,6 +51,9 @@ local function misfit(p, a, gone)
     if not ffi.istype(tensor_ptr, a) then return shown(a) .. "; it takes a tensor" end
     local why = gone(a)
     return why and ("a freed tensor: " .. why .. "; pass a live one")
+  elseif p.kind == "flag" then
+    if a == true or a == false or a == 0 or a == 1 then return nil end
+    return shown(a) .. "; it takes true or false (or 1 or 0)"
   elseif p.kind == "number" then
     if type(a) == "number" or (type(a) == "cdata" and tonumber(a) ~= nil) then return nil end
     return shown(a) .. "; it takes a number"
@@ -64,6 +67,7 @@ end
 local test = {
   tensor = "A ~= nil and (not istype(tensor_ptr, A) or (dead[A] and gone(A)))",
   number = "type(A) ~= 'number' and not (type(A) == 'cdata' and tonumber(A))",
+  flag = "A ~= 0 and A ~= 1 and A ~= true and A ~= false",
   pointer = "A ~= nil and not istype(P[I].ctype, A) and not istype(P[I].base, A)",
 }
 
@@ -91,6 +95,9 @@ function M.ops(C, cdef, dead, gone)
       args[i] = "a" .. i
       checks[i] = ("  if %s then fail(%d, a%d) end"):format(
         test[p.kind]:gsub("A", "a" .. i):gsub("I", tostring(i)), i, i)
+      if p.kind == "flag" then -- C takes an int
+        checks[i] = checks[i] .. ("\n  a%d = (a%d == true or a%d == 1) and 1 or 0"):format(i, i, i)
+      end
     end
     local list = table.concat(args, ", ")
     local src = ([[
@@ -105,7 +112,11 @@ end]]):format(list, table.concat(checks, "\n"), name, list)
     ops[name] = assert(loadstring(src, "=ops." .. name))(C, ffi, ffi.istype, tensor_ptr, dead,
                                                         gone, params, fail)
   end
-  return ops
+  local names = table.concat(M.names, ", ")
+  return setmetatable(ops, { __index = function(_, k)
+    error(("luazero: lz.ops.%s: there is no such op; the ops are %s (their arguments: " ..
+           "core/luazero.h, docs/architecture.md)"):format(tostring(k), names), 2)
+  end })
 end
 
 return M

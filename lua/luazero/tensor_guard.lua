@@ -9,11 +9,21 @@ local M = {}
 -- the arena is freed). Methods ask here, not the freed header.
 M.dead = setmetatable({}, { __mode = "k" })
 
+-- Why an arena can no longer be used, or nil: freed, or (lz.arena_over)
+-- the tensor whose memory it lies in is gone.
+function M.arena_gone(a)
+  if a.handle == nil then return "its arena was freed" end
+  local base = a.base
+  if base ~= nil and M.dead[base] and M.gone(base) then
+    return "the tensor its arena lies over (lz.arena_over) was freed"
+  end
+end
+
 -- Why t's header is gone, or nil.
 function M.gone(t)
   local d = M.dead[t]
   if d == true then return "it was freed (t:free())" end
-  if d and d.handle == nil then return "its arena was freed" end
+  if d then return M.arena_gone(d) end
 end
 
 -- t, refused when its header is gone (the error at `level`, default 3).
@@ -41,6 +51,19 @@ end
 
 -- Bytes past which no tensor is addressed (int64_t offsets and sizes in C).
 M.MAX_BYTES = 2 ^ 63
+
+-- v as a count (of bytes, elements) for `what`: a whole number from 0 to
+-- below MAX_BYTES, else an error at `level` (default 3) naming it.
+function M.count(what, v, level)
+  if type(v) == "cdata" then v = tonumber(v) end
+  if type(v) ~= "number" or v ~= v or v < 0 or v ~= math.floor(v) or v >= M.MAX_BYTES then
+    error(("luazero: %s is %s; give a whole number from 0 to below 2^63")
+          :format(what, type(v) == "string" and ("%q"):format(v) or
+                  type(v) == "number" and v == math.floor(v) and math.abs(v) < 1e300 and
+                  ("%.0f"):format(v) or tostring(v)), level or 3)
+  end
+  return v
+end
 
 -- A shape: a size or a table of up to 4 sizes (whole numbers >= 0) whose
 -- elements of elem_size bytes (dtype `dtype`) stay below MAX_BYTES. Returns

@@ -189,14 +189,53 @@ function T.op_arguments_are_checked_by_name()
   expect_error(function() lz.ops.scale(x, 1, 2) end, "ops.scale takes 2 arguments (t, s); got 3")
   expect_error(function() lz.ops.add(x, x, 3) end,
                "ops.add: argument 3 (b) is a number (3); it takes a tensor")
-  expect_error(function() lz.ops.matmul(x, x, x, true, 0, 1, 0) end,
-               "ops.matmul: argument 4 (trans_a) is a boolean (true); it takes a number")
+  -- Transpose flags: true or false, or 1 or 0 (nothing that C would round).
+  expect_error(function() lz.ops.matmul(x, x, x, 0.5, 0, 1, 0) end,
+               "ops.matmul: argument 4 (trans_a) is a number (0.5); it takes true or false (or 1 or 0)")
+  expect_error(function() lz.ops.matmul(x, x, x, 0, 2, 1, 0) end,
+               "ops.matmul: argument 5 (trans_b) is a number (2); it takes true or false")
+  local a, c = lz.from_table({ 1, 2, 3, 4 }, { 2, 2 }), lz.tensor({ 2, 2 })
+  lz.ops.matmul(c, a, a, true, false, 1, 0) -- a^T a: [[10, 14], [14, 20]]
+  assert(c:get(0) == 10 and c:get(1) == 14 and c:get(3) == 20, tostring(c))
+  lz.ops.matmul(c, a, a, 0, 1, 1, 0) -- a a^T: [[5, 11], [11, 25]]
+  assert(c:get(0) == 5 and c:get(1) == 11 and c:get(3) == 25, tostring(c))
+  expect_error(function() lz.ops.conv2d(x) end,
+               "lz.ops.conv2d: there is no such op; the ops are matmul, ")
   expect_error(function() lz.ops.adamw_step(x, x, x, x, nil, {}) end,
                "ops.adamw_step: argument 6 (args) is a table")
   expect_error(function() lz.ops.add(x, x, nil) end, "add: b is missing (NULL)")
   lz.ops.scale(x:fill(2), ffi.new("int64_t", 3))
   assert(x:get(3) == 6)
   x:free()
+end
+
+-- Arena sizes are checked as shapes are: whole numbers from 0 to below 2^63.
+function T.arena_sizes_are_whole_numbers_below_2_63()
+  expect_error(function() lz.arena("1k") end, 'arena: bytes is "1k"; give a whole number')
+  expect_error(function() lz.arena(-5) end, "arena: bytes is -5; give a whole number")
+  expect_error(function() lz.arena(10.5) end, "arena: bytes is 10.5; give a whole number")
+  expect_error(function() lz.arena(2 ^ 63) end, "arena: bytes is 9223372036854775808")
+  expect_error(function() lz.arena_bytes(-1, "f32") end, "arena_bytes: numel is -1")
+  expect_error(function() lz.arena_bytes(2 ^ 62, "f32") end, "arena_bytes: the bytes is")
+  assert(lz.arena_bytes(3) == lz.ARENA_ALIGN and lz.arena_bytes(0) == 0)
+  local a = lz.arena(1024)
+  assert(a:capacity() == 1024)
+  a:free()
+end
+
+-- An arena over a tensor's memory is refused once that tensor is freed,
+-- and so are the tensors it gave out, before or after the free.
+function T.arena_over_a_freed_tensor_is_refused()
+  local t = lz.tensor({ 1024 })
+  local a = lz.arena_over(t, 0, 1024)
+  local before = a:tensor({ 4 })
+  t:free()
+  expect_error(function() a:tensor({ 4 }) end, "the tensor this arena lies over (lz.arena_over) was freed")
+  expect_error(function() before:fill(1) end,
+               "fill of a freed tensor: the tensor its arena lies over (lz.arena_over) was freed")
+  expect_error(function() return before:get(0) end, "of a freed tensor")
+  expect_error(function() lz.ops.add(before, before, before) end, "freed")
+  assert(tostring(before) == "tensor (freed)")
 end
 
 return T

@@ -230,4 +230,32 @@ function T.working_copy_is_round_of_master_bitwise()
   end
 end
 
+-- The fields the loader and the export rely on: a manifest without `model`
+-- or `lr_schedule`, an n_embd its embedding's shape contradicts, a dtype no
+-- run trains in, a learning rate that is not a number: each refused in one
+-- line naming the field (the checksum rewritten, so only the field is wrong).
+function T.manifest_fields_are_checked_by_name()
+  local manifest = require("luazero.checkpoint.manifest")
+  local dir = tmp .. "/fields"
+  ok_train(1, "--steps 1 --save " .. q(dir))
+  local text = assert(lz.read_file(dir .. "/step-000001/manifest.json"))
+  local function refused(edit, needle)
+    local m = manifest.json.decode(text)
+    edit(m)
+    local ok, err = pcall(manifest.decode, manifest.encode(m), "x/manifest.json")
+    assert(not ok and err:find("checkpoint: x/manifest.json: " .. needle, 1, true),
+           tostring(err) .. " does not name " .. needle)
+  end
+  refused(function(m) m.model = nil end, "model: expected an object")
+  refused(function(m) m.model.config = nil end, "model.config: expected an object")
+  refused(function(m) m.model.config.n_embd = 32 end,
+          "model.config.n_embd: 32, but params[1] (transformer.wte.weight) has shape [256, 64]")
+  refused(function(m) m.dtype = "fp8" end, 'dtype: "fp8" is not a training dtype')
+  refused(function(m) m.lr_schedule = nil end, "lr_schedule: expected an object")
+  refused(function(m) m.lr_schedule.lr = "nan" end, 'lr_schedule.lr: expected a finite number >= 0 (got "nan")')
+  refused(function(m) m.lr_schedule.lr = nil end, "lr_schedule.lr: expected a finite number")
+  refused(function(m) m.lr_schedule.base_lr = -1 end, "lr_schedule.base_lr: expected a finite")
+  assert(manifest.decode(manifest.encode(manifest.json.decode(text)), "x").dtype == "fp32")
+end
+
 return T

@@ -244,4 +244,23 @@ function T.tools_estimate_prints_the_table_and_the_pick()
   assert(status == 0 and out:find("usage: tools/estimate", 1, true), out)
 end
 
+-- Counts past 2^53, non-positive micro-batches and sequence lengths, a
+-- negative threshold: one line, exit 2, and no table before it.
+function T.tools_estimate_refuses_out_of_range_numbers_with_one_line()
+  for _, c in ipairs({
+    { "--params 1e19", "--params '1e19' is more than 2^53" },
+    { "--model gpt2 --micro-batch -4 --seq-len 8", "--micro-batch must be >= 1 (got -4)" },
+    { "--model gpt2 --micro-batch 4 --seq-len 0", "--seq-len must be >= 1 (got 0)" },
+    { "--params 1e9 --persistence-threshold -1", "--persistence-threshold must be a whole number" },
+    { "--params 1e9 --persistent 2e9", "--persistent must be a whole number from 0" },
+    { "--model gpt2 --micro-batch 4", "--micro-batch and --seq-len go together" },
+    { "--model gpt2 --micro-batch 4 --seq-len 99999", "--seq-len 99999 is longer than" },
+  }) do
+    local out, status = run_tool(c[1])
+    assert(status == 2, c[1] .. ": exit " .. tostring(status) .. "\n" .. out)
+    assert(out:find("^estimate: ") and out:find(c[2], 1, true) and select(2, out:gsub("\n", "")) == 1,
+           c[1] .. ":\n" .. out)
+  end
+end
+
 return T

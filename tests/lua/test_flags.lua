@@ -88,4 +88,19 @@ function T.a_resume_with_other_steps_says_the_schedule_changes()
   assert(not out:find("resume: --steps", 1, true), out)
 end
 
+-- A flag given twice, an --init that is not there, a --resume that is a
+-- file: one line each, saying which; tools/ckpt without a command: usage
+-- and exit 2.
+function T.repeated_flags_and_missing_paths_are_named()
+  refused("--steps 2 --steps=3", "train: --steps is given twice (--steps 2, then --steps=3); " ..
+          "give it once")
+  refused("--steps 0 --init /nonexistent/hf", "train: --init /nonexistent/hf: no such file or " ..
+          "folder")
+  refused("--steps 2 --resume " .. support.quote(corpus), corpus .. ": is a file, not a " ..
+          "checkpoint folder")
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt"):format(support.quote(lz.root),
+                             support.quote(lz.executable())))
+  assert(st == 2 and out:find("^usage: tools/ckpt"), ("exit %s:\n%s"):format(tostring(st), out))
+end
+
 return T

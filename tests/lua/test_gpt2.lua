@@ -177,6 +177,16 @@ function T.bad_data_files_are_one_line_errors()
   local trunc = write_file("trunc.bin", ffi.string(h, 1024) .. ("\1\0"):rep(10))
   expect_user_error("--data " .. trunc, "trunc.bin: truncated: the header says 1000 tokens")
   expect_user_error("--data " .. write_file("short.bin", "\1\2\3"), "short.bin: truncated")
+  -- A count below the tokens that follow, or an odd byte at the end: the
+  -- count is the data's length exactly.
+  h[2] = 10
+  local long = write_file("long.bin", ffi.string(h, 1024) .. ("\1\0"):rep(12))
+  expect_user_error("--data " .. long, "long.bin: the header says 10 tokens (20 bytes) but 24 " ..
+                    "bytes follow it (2 tokens more)")
+  local odd = write_file("odd.bin", ffi.string(h, 1024) .. ("\1\0"):rep(10) .. "\1")
+  expect_user_error("--data " .. odd, "odd.bin: the header says 10 tokens (20 bytes) but 21 " ..
+                    "bytes follow it (an odd byte at the end)")
+  h[2] = 1000
   h[0] = 1234
   local magic = write_file("magic.bin", ffi.string(h, 1024) .. ("\1\0"):rep(1000))
   expect_user_error("--data " .. magic,

@@ -251,6 +251,10 @@ function T.lora_resume_checks_its_settings_and_its_base()
                             q(corpus_path()), q(ft), q(base .. "/config.json"), LORA))
   assert(o2:find("resume: the base weights from the checkpoint's --init", 1, true), o2)
   eq(got, want, "params_checksum resumed on the recorded base")
+  -- The same targets in another order: the same set, resumed as saved.
+  local _, _, swapped = ok_run(1, ("%s%s --steps 3 --resume %s %s%s"):format(RUN, q(corpus_path()),
+                               q(ft), init, LORA:gsub("q_proj,v_proj", "v_proj,q_proj")))
+  eq(swapped, want, "params_checksum resumed with --lora-targets v_proj,q_proj")
   -- Another base: changed weights are refused by their checksum.
   local other = tmp .. "/lora-other"
   os.execute(("rm -rf %s && cp -r %s %s"):format(q(other), q(base), q(other)))
@@ -456,6 +460,29 @@ function T.a_tokenizer_that_is_not_bpe_is_refused_by_prepare_data()
   assert(not exists(bin), "prepare-data left " .. bin)
   -- train.lua --tokenizer refuses it the same way, before the run starts.
   refused("--model llama-tiny --vocab 250 --tokenizer " .. q(path), { path, "WordPiece" })
+end
+
+-- Weights that are NaN from the start: a run of no steps (--steps 0) exits
+-- 2, as a diverged one does, and so does a run whose first loss is NaN;
+-- neither blames the learning rate.
+function T.non_finite_loaded_weights_exit_2_naming_the_weights()
+  local dir, path = altered("nan-weights")
+  local bytes = lz.read_file(path)
+  local b = { bytes:byte(1, 8) }
+  local len = 0
+  for i = 8, 1, -1 do len = len * 256 + b[i] end
+  local f = assert(io.open(path, "wb"))
+  f:write(bytes:sub(1, 8 + len), ("\0\0\192\127"):rep((#bytes - 8 - len) / 4)) -- f32 NaN
+  f:close()
+  for _, steps in ipairs({ 0, 2 }) do
+    local out, st = train(1, ("%s%s --steps %d --init %s"):format(RUN, q(corpus_path()), steps,
+                                                                  q(dir)))
+    eq(st, 2, "exit status of --steps " .. steps .. ":\n" .. out)
+    local line = assert(out:match("train: [^\n]*"), out)
+    assert(line:find("the weights loaded from --init " .. dir .. " give a non-finite loss", 1, true)
+           and not line:find("lower --lr", 1, true), line)
+    assert(not out:find("val_loss", 1, true), out)
+  end
 end
 
 return T

@@ -218,6 +218,13 @@ function T.lora_exports_peft_adapters_and_a_merged_model_with_the_same_loss()
   assert(v1 == v2, ("merged model's val_loss %s, the LoRA model's %s"):format(v2, v1))
   o, st = ckpt(dir .. "/base", dir .. "/nope", "--merge-lora")
   assert(st == 2 and o:find("is not a LoRA run's checkpoint", 1, true), o)
+  -- A base that is not the one trained on is refused, as --resume refuses it.
+  o, st = ckpt(dir .. "/ft", dir .. "/merged2", "--merge-lora --base " .. dir .. "/merged")
+  assert(st == 2 and o:find("--base " .. dir .. "/merged: its weights hash to xxh64", 1, true), o)
+  assert(select(2, ckpt(dir .. "/base", dir .. "/hf", "--dtype bf16")) == 0)
+  o, st = ckpt(dir .. "/ft", dir .. "/merged2", "--merge-lora")
+  assert(st == 2 and o:find("the run's --init " .. dir .. "/hf: its weights hash", 1, true), o)
+  assert(not io.open(dir .. "/merged2"), "a refused merge left its folder")
 end
 
 -- Where adapters go is the family's table (models/llama.lua's

@@ -200,6 +200,11 @@ function T.a_full_tmpfs_is_refused_without_a_partial_file()
             { out, "of " .. c.scratch .. " bytes", "No space left on device" })
     refused(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(mnt .. "/hf")), mnt .. "/hf",
             { mnt .. "/hf", "No space left on device" })
+    -- --save there: refused before the run, and no folder left behind.
+    local train = support.trainer("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 " ..
+                                  "--context 32 --seq-len 16 --micro-batch 2 --sample 0")
+    local tout, st = train(1, ("--data %s --steps 1 --save %s/run/a"):format(q(corpus), q(mnt)))
+    assert(st == 2 and tout:find("MiB free, one checkpoint needs about", 1, true), tout)
     eq(listing(mnt), "", "the tmpfs after the failed writes")
   end)
   support.sh("umount " .. q(mnt))
@@ -228,6 +233,44 @@ function T.export_refuses_a_folder_with_other_files_and_leaves_none_when_refused
   assert(st == 2, text)
   assert(not exists(none), "a refused --merge-lora left " .. none)
   eq(listing(tmp):find("never%-merged"), nil, "leftovers of the refused export in " .. tmp)
+end
+
+-- An output that is one of its own inputs (the same file by real path or
+-- device and inode: ./ forms, symlinks, hard links) or a file inside an
+-- input folder is refused, naming both, and the input stays as it was.
+function T.an_output_that_is_an_input_is_refused()
+  local dir = tmp .. "/same"
+  os.execute("mkdir -p " .. q(dir))
+  local text = write_file("same/c.txt", "abc abc abc\n")
+  os.execute(("ln -sf c.txt %s/link.txt && ln -f %s %s/hard.txt"):format(q(dir), q(text), q(dir)))
+  local other = write_file("same/d.txt", "def\n")
+  refused(nil, ("tools/prepare-data %s %s"):format(q(text), q(text)), text,
+          { "the output " .. text, "the input " .. text })
+  refused(nil, ("tools/prepare-data %s %s/./link.txt"):format(q(text), q(dir)), text,
+          { "is the same file as the input" })
+  refused(nil, ("tools/prepare-data %s %s %s/hard.txt"):format(q(other), q(text), q(dir)), text,
+          { "the output " .. dir .. "/hard.txt", "the input " .. text })
+  -- The checkpoint's own files, as consolidate's or export's output.
+  local c = ck("gpt2")
+  local shard = c.dir .. "/step-000002/shard-00000-of-00001.zst"
+  refused(nil, ("tools/ckpt consolidate %s %s"):format(q(c.dir), q(shard)), shard,
+          { "OUT " .. shard, "inside the checkpoint " .. c.dir })
+  refused(nil, ("tools/ckpt export %s %s/latest"):format(q(c.dir), q(c.dir)), c.dir .. "/latest",
+          { "inside the checkpoint " .. c.dir })
+  -- --log: the training data, or a file the --resume folder holds.
+  local train = support.trainer("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 " ..
+                                "--context 32 --seq-len 16 --micro-batch 2 --sample 0 " ..
+                                "--eval-batches 1")
+  local before = lz.read_file(corpus)
+  local out, st = train(1, ("--data %s --steps 1 --log %s"):format(q(corpus), q(corpus)))
+  assert(st == 2 and out:find("--log " .. corpus .. " is the same file as --data " .. corpus, 1, true),
+         out)
+  eq(lz.read_file(corpus), before, "the data after a refused --log")
+  local latest = lz.read_file(c.dir .. "/latest")
+  out, st = train(1, ("--data %s --steps 3 --resume %s --log %s/latest"):format(q(corpus), q(c.dir),
+                  q(c.dir)))
+  assert(st == 2 and out:find("is inside --resume " .. c.dir, 1, true), out)
+  eq(lz.read_file(c.dir .. "/latest"), latest, "latest after a refused --log")
 end
 
 return T

@@ -81,6 +81,10 @@ function M.resolve(path)
   path = path:gsub("/+$", "")
   if exists(path .. "/manifest.json") then return path end
   if not exists(path .. "/.") then
+    if exists(path) then
+      fail("%s: is a file, not a checkpoint folder; give a step folder (DIR/step-000020) or " ..
+           "the --save folder", path)
+    end
     fail("%s: no such folder; give a step folder (DIR/step-000020) or the --save folder", path)
   end
   local latest = read_file(path .. "/latest")

@@ -120,6 +120,29 @@ local function hex64(path, t, key, field)
   return v
 end
 
+M.DTYPES = { fp32 = true, bf16 = true, fp16 = true }
+
+local function finite(v) return type(v) == "number" and v >= 0 and v < math.huge end
+
+-- model: { name, config } of the saving run; config.n_embd, when given, is
+-- the width of the token embedding (GPT-2's wte, Llama's embed_tokens).
+local function check_model(path, m, params)
+  local model = tbl(path, m, "model", "model")
+  if model.name ~= nil then str(path, model, "name", "model.name") end
+  local cfg = tbl(path, model, "config", "model.config")
+  if cfg.n_embd == nil then return end
+  local n_embd = int(path, cfg, "n_embd", "model.config.n_embd", 1)
+  for i, p in ipairs(params) do
+    if p.name:match("wte%.weight$") or p.name:match("embed_tokens%.weight$") then
+      if #p.shape ~= 2 or p.shape[2] ~= n_embd then
+        fail(path, "model.config.n_embd", ("%d, but params[%d] (%s) has shape [%s]")
+             :format(n_embd, i, p.name, table.concat(p.shape, ", ")))
+      end
+      return
+    end
+  end
+end
+
 -- Checks a decoded manifest; returns it. Errors name path and field.
 function M.validate(m, path)
   if type(m) ~= "table" then fail(path, "(top level)", "expected a JSON object") end
@@ -134,7 +157,10 @@ function M.validate(m, path)
   end
   local world = int(path, m, "world_size", "world_size", 1, 1e6)
   int(path, m, "stage", "stage", 0, 3)
-  str(path, m, "dtype", "dtype")
+  local dtype = str(path, m, "dtype", "dtype")
+  if not M.DTYPES[dtype] then
+    fail(path, "dtype", ("%q is not a training dtype (fp32, bf16 or fp16)"):format(dtype:sub(1, 40)))
+  end
   int(path, m, "block_elems", "block_elems", 1, 2 ^ 30)
   for _, k in ipairs({ "optimizer_steps", "global_steps", "skipped_steps" }) do
     int(path, m, k, k)
@@ -143,7 +169,15 @@ function M.validate(m, path)
     fail(path, "skipped_steps", ("optimizer_steps %d + skipped_steps %d is not global_steps %d")
          :format(m.optimizer_steps, m.skipped_steps, m.global_steps))
   end
-  if type(m.lr_schedule) == "table" and m.lr_schedule.optimizer_steps ~= nil and
+  local sched = tbl(path, m, "lr_schedule", "lr_schedule")
+  for _, k in ipairs({ "lr", "base_lr" }) do
+    local v = sched[k]
+    if (v ~= nil or k == "lr") and not finite(v) then
+      fail(path, "lr_schedule." .. k, ("expected a finite number >= 0 (got %s)")
+           :format(type(v) == "string" and ("%q"):format(v:sub(1, 40)) or tostring(v)))
+    end
+  end
+  if m.lr_schedule.optimizer_steps ~= nil and
      m.lr_schedule.optimizer_steps ~= m.optimizer_steps then
     fail(path, "lr_schedule.optimizer_steps", ("%s, but optimizer_steps is %d")
          :format(tostring(m.lr_schedule.optimizer_steps), m.optimizer_steps))
@@ -181,6 +215,7 @@ function M.validate(m, path)
   if #params == 0 or offset ~= numel then
     fail(path, "numel", ("%d, but the parameter table holds %d elements"):format(numel, offset))
   end
+  check_model(path, m, params)
   -- Shards: their runs must cover canonical [0, numel) exactly once.
   local shards = tbl(path, m, "shards", "shards")
   local writers = m.stage == 0 and 1 or world

@@ -20,6 +20,16 @@ local function targets_of(text)
   return table.concat(t, ",")
 end
 
+-- A comma-separated list as its distinct names, sorted: the set it names.
+local function sorted_set(text)
+  local t, seen = {}, {}
+  for name in text:gmatch("[^,]+") do
+    if not seen[name] then seen[name] = true; t[#t + 1] = name end
+  end
+  table.sort(t)
+  return table.concat(t, ",")
+end
+
 -- The LoRA flags against the manifest's lora {r, alpha, targets}.
 local function check_lora(flags, lora, where)
   if not lora then
@@ -44,10 +54,13 @@ local function check_lora(flags, lora, where)
          "--lora-alpha %g", alpha, flags.lora_alpha and "" or " (the default: --lora-r)", where,
          lora.alpha, lora.alpha)
   end
-  if targets_of(flags.lora_targets) ~= targets then
+  if sorted_set(targets_of(flags.lora_targets)) ~= sorted_set(targets) then
     fail("--lora-targets %s: the checkpoint %s was saved with --lora-targets %s; resume with " ..
          "--lora-targets %s", targets_of(flags.lora_targets), where, targets, targets)
   end
+  -- The same set in another order: the saved order, which lays the
+  -- adapters out as they were saved.
+  flags.lora_targets = targets
 end
 
 -- The base weights of a LoRA checkpoint: the --init given, or the one it
@@ -68,16 +81,22 @@ local function check_base(flags, m, where)
            "weights with --init PATH", where, path)
     end
   end
-  local want = m.init_xxh64
-  if want then
-    local got = hf.checksum(path)
-    if got ~= want then
-      fail("--init %s: its weights hash to xxh64 %s, but the checkpoint %s was trained on a " ..
-           "base hashing to %s (%s); give the base the run started from", path, got, where,
-           want, m.init)
-    end
-  end
+  M.check_base_checksum(path, m, where, "--init")
   return recorded and path or nil
+end
+
+-- The base weights at `path` (given as `flag`: --init, --base) against the
+-- xxh64 the manifest m recorded for its --init (nothing recorded: nothing
+-- to check).
+function M.check_base_checksum(path, m, where, flag)
+  local want = m.init_xxh64
+  if not want then return end
+  local got = hf.checksum(path)
+  if got ~= want then
+    fail("%s %s: its weights hash to xxh64 %s, but the checkpoint %s was trained on a " ..
+         "base hashing to %s (%s); give the base the run started from", flag, path, got, where,
+         want, m.init)
+  end
 end
 
 function M.check(flags, m, where)

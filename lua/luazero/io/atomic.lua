@@ -77,6 +77,63 @@ local function temporary(path)
   return ("%s/.%s.tmp-%d"):format(dir, name, C.getpid())
 end
 
+------------------------------------------------- outputs that are inputs
+
+pcall(ffi.cdef, [[
+typedef struct lz_stat_id { uint64_t st_dev, st_ino; uint8_t rest[256]; } lz_stat_id;
+int stat(const char *path, lz_stat_id *buf);
+char *realpath(const char *path, char *resolved);
+void free(void *p);
+]])
+
+-- path with links, "." and ".." resolved (a path that does not exist yet:
+-- its folder resolved, its name kept), or nil when its folder is not there.
+function M.real_path(path)
+  path = path:gsub("(.)/+$", "%1")
+  local p = C.realpath(path, nil)
+  if p == nil then
+    local dir, name = dir_of(path)
+    if name == "" or name == "." or name == ".." then return nil end
+    local d = C.realpath(dir, nil)
+    if d == nil then return nil end
+    local s = ffi.string(d)
+    C.free(d)
+    return (s == "/" and "" or s) .. "/" .. name
+  end
+  local s = ffi.string(p)
+  C.free(p)
+  return s
+end
+
+-- "device:inode" of an existing path, or nil.
+local function identity(path)
+  local ok, st = pcall(ffi.new, "lz_stat_id")
+  if not ok or C.stat(path, st) ~= 0 then return nil end
+  return tostring(st.st_dev) .. ":" .. tostring(st.st_ino)
+end
+
+-- How writing `out` would touch `input`: "the same file as" (by device and
+-- inode, or real path), "inside" (a file the folder `input` already holds:
+-- a new name there destroys nothing), or nil when it would not.
+function M.overlap(out, input)
+  local a = identity(out)
+  if a and a == identity(input) then return "the same file as" end
+  local ro, ri = M.real_path(out), M.real_path(input)
+  if not ro or not ri then return nil end
+  if ro == ri then return "the same file as" end
+  if a and ro:sub(1, #ri + 1) == ri .. "/" then return "inside" end
+end
+
+-- Refuses an output `out` (`out_what`: e.g. "the output") that is the input
+-- `input` (`in_what`) or lies inside it: one line naming both.
+function M.refuse_overlap(out, out_what, input, in_what)
+  local how = input and M.overlap(out, input)
+  if how then
+    error(("%s %s is %s %s %s; writing it would destroy that input: give another path")
+          :format(out_what, out, how, in_what, input), 0)
+  end
+end
+
 local Writer = {}
 Writer.__index = Writer
 
