@@ -288,4 +288,24 @@ function T.tinyshakespeare_validation_loss_below_2()
   assert(val < 2.0, ("validation loss %.4f is not below 2.0"):format(val))
 end
 
+-- Losses summed on the host: a NaN with a payload (all bits set) is a NaN,
+-- with the JIT compiler on or off, never a Lua error.
+function T.host_sum_reads_nans_with_payloads()
+  local ffi = require("ffi")
+  local m = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 }))
+  local t = lz.tensor({ 4 }, "f32")
+  t:set(0, 1.5); t:set(1, 2)
+  assert(m:host_sum(t) == 3.5)
+  local u = ffi.cast("uint32_t *", t.data)
+  u[2] = 0xFFFFFFFF
+  u[3] = 0x7FC00001
+  for _, on in ipairs({ true, false }) do
+    jit[on and "on" or "off"](m.host_sum)
+    local s = m:host_sum(t)
+    assert(type(s) == "number" and s ~= s, "sum " .. tostring(s))
+  end
+  jit.on(m.host_sum)
+  t:free()
+end
+
 return T

@@ -23,6 +23,7 @@
 -- output's activations, dead before the first replay; the blocks' casts go
 -- to an arena sized for one block, reset for each.
 local ffi = require("ffi")
+local bit = require("bit")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local checkpoint = require("luazero.nn.checkpoint")
@@ -262,7 +263,16 @@ end
 function Model:host_sum(t)
   if t:device_name() ~= "cpu" then t = self.host_losses:view(0, t:sizes()):copy(t) end
   local p, sum = ffi.cast("float *", t.data), 0
-  for i = 0, t:numel() - 1 do sum = sum + p[i] end
+  local u = ffi.cast("uint32_t *", t.data)
+  for i = 0, t:numel() - 1 do
+    -- A NaN with a payload widens to a double LuaJIT reads as another type:
+    -- count it as the NaN it is.
+    if bit.band(u[i], 0x7f800000) == 0x7f800000 and bit.band(u[i], 0x7fffff) ~= 0 then
+      sum = 0 / 0
+    else
+      sum = sum + p[i]
+    end
+  end
   return sum
 end
 
