@@ -4,7 +4,6 @@
 -- tools/prepare-data.
 --   luazero tools/prepare_data.lua [--tokenizer tokenizer.json] INPUT... OUTPUT.bin
 -- Several inputs are concatenated in order.
-local ffi = require("ffi")
 local data = require("luazero.data")
 local atomic = require("luazero.io.atomic")
 
@@ -85,32 +84,6 @@ if tok then
                                            #text / 1e6 / math.max(os.clock() - t0, 1e-9))
 end
 if #tokens > 2 ^ 31 - 1 then fail("more than 2^31 tokens; split the input") end
--- The token file: llm.c's header, then one uint16 per token; written whole
--- or not at all (io/atomic.lua).
-local function write_tokens(path, toks)
-  local n = #toks
-  local header = ffi.new("int32_t[256]")
-  header[0], header[1], header[2] = data.MAGIC, data.VERSION, n
-  local body = ffi.new("uint16_t[?]", math.max(n, 1))
-  if type(toks) == "string" then
-    local src = ffi.cast("const uint8_t *", toks)
-    for i = 0, n - 1 do body[i] = src[i] end
-  else
-    for i = 1, n do
-      local id = toks[i]
-      if id < 0 or id > 65535 then
-        error(("%s: token id %d does not fit a token file's uint16 (0..65535)"):format(path, id), 0)
-      end
-      body[i - 1] = id
-    end
-  end
-  atomic.build_file(path, data.HEADER_BYTES + n * 2, function(w)
-    w:write(header, data.HEADER_BYTES)
-    w:write(body, n * 2)
-  end)
-  return n
-end
-
-local ok, n = pcall(write_tokens, out, tokens)
+local ok, n = pcall(data.write_token_file, out, tokens)
 if not ok then fail(tostring(n)) end
 print(("prepare-data: %s: %d tokens (%s)"):format(out, n, what))

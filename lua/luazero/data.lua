@@ -151,7 +151,9 @@ function M.load(path)
 end
 
 -- Writes tokens as a token file: a Lua string of bytes (one token each) or a
--- list of ids, each 0..65535 (the file holds uint16).
+-- list of ids, each 0..65535 (the file holds uint16). llm.c's header, then one
+-- uint16 per token; written whole or not at all (io/atomic.lua). Returns the
+-- token count.
 function M.write_token_file(path, tokens)
   local n = #tokens
   local header = ffi.new("int32_t[256]")
@@ -164,16 +166,15 @@ function M.write_token_file(path, tokens)
     for i = 1, n do
       local id = tokens[i]
       if id < 0 or id > 65535 then
-        error(("prepare-data: %s: token id %d does not fit a token file's uint16 (0..65535)")
-              :format(path, id), 0)
+        error(("%s: token id %d does not fit a token file's uint16 (0..65535)"):format(path, id), 0)
       end
       body[i - 1] = id
     end
   end
-  local f, err = io.open(path, "wb")
-  if not f then error("prepare-data: cannot write " .. path .. " (" .. tostring(err) .. ")", 0) end
-  f:write(ffi.string(header, M.HEADER_BYTES), ffi.string(body, n * 2))
-  f:close()
+  require("luazero.io.atomic").build_file(path, M.HEADER_BYTES + n * 2, function(w)
+    w:write(header, M.HEADER_BYTES)
+    w:write(body, n * 2)
+  end)
   return n
 end
 
