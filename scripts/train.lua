@@ -493,6 +493,7 @@ local function set_up(flags)
                                                  batch = { B, T }, lr = schedule, comm = comm,
                                                  device = flags.device,
                                                  draw_weights = not flags.init })
+  optim.schedule.drive_betas(engine, cfg) -- OneCycle's cycle_momentum
   return {
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,

@@ -189,8 +189,8 @@ function T.other_bad_values_name_the_key_and_allowed_values()
   local err = load_error(base({ optimizer = { type = "Adam", params = { max_grad_norm = 1 } } }), 1)
   assert(err:find("use the top-level gradient_clipping", 1, true), err)
   expect_error(base({ scheduler = { type = "OneCycle" } }), 1,
-               'config: scheduler.type "OneCycle" is not implemented; use WarmupLR, ' ..
-               'WarmupDecayLR or WarmupCosineLR')
+               'config: scheduler.params.cycle_min_lr is required by OneCycle (a number >= 0: ' ..
+               'the learning rate the cycle starts and ends at)')
   expect_error(base({ scheduler = { type = "WarmupLR", params = { warmup_type = "cubic" } } }), 1,
                'config: scheduler.params.warmup_type must be "log" or "linear" (got "cubic")')
   expect_error(base({ scheduler = { type = "WarmupDecayLR", params = {} } }), 1,
