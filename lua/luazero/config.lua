@@ -16,6 +16,7 @@ local cjson = require("cjson")
 
 local values = require("luazero.config.values")
 local defaults = require("luazero.config.defaults")
+local monitor = require("luazero.config.monitor")
 local Placement = require("luazero.zero.plan")
 
 local M = {}
@@ -450,6 +451,13 @@ local function zero_section(raw, cfg, unimpl)
   for _, k in ipairs({ "overlap_comm", "contiguous_gradients", "reduce_scatter" }) do
     if given(raw[k]) then out[k] = boolean(z .. k, raw[k]) end
   end
+  -- A 16-bit Hugging Face export beside each checkpoint (DeepSpeed's older
+  -- name: stage3_gather_fp16_weights_on_model_save).
+  out.gather_16bit_weights_on_model_save = false
+  for _, k in ipairs({ "stage3_gather_16bit_weights_on_model_save",
+                       "stage3_gather_fp16_weights_on_model_save" }) do
+    if given(raw[k]) and boolean(z .. k, raw[k]) then out.gather_16bit_weights_on_model_save = true end
+  end
   out.overlap_comm_given = out.overlap_comm ~= nil
   -- DeepSpeed's deprecated "cpu_offload": true is offload_optimizer on the CPU.
   local opt_raw = raw.offload_optimizer
@@ -462,7 +470,12 @@ local function zero_section(raw, cfg, unimpl)
                                     unimpl)
   local handled = { stage = true, offload_optimizer = true, offload_param = true,
                     cpu_offload = true, cpu_offload_param = true, overlap_comm = true,
-                    contiguous_gradients = true, reduce_scatter = true }
+                    contiguous_gradients = true, reduce_scatter = true,
+                    stage3_gather_16bit_weights_on_model_save = true,
+                    stage3_gather_fp16_weights_on_model_save = true }
+  -- hpZ (a secondary partition of the parameters within a node): its size 1
+  -- (DeepSpeed's default, no secondary partition) is what luazero does.
+  if raw.zero_hpz_partition_size == 1 then handled.zero_hpz_partition_size = true end
   for k in pairs(M.zero_defaults) do handled[k] = true end
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
@@ -697,10 +710,12 @@ function M.load(source, world_size, overrides)
   aio_section(raw.aio, cfg, unimpl)
   activation_checkpointing_section(raw.activation_checkpointing, cfg, unimpl)
   luazero_section(raw.luazero, cfg, ov)
+  monitor.read(raw, cfg, unimpl)
   batch_sizes(raw, world_size, cfg, notes)
 
   for _, k in ipairs(sorted_keys(raw)) do
-    if not handled_top[k] and not accepted_top[k] and not asks_for_nothing(raw[k]) and
+    if not handled_top[k] and not accepted_top[k] and not monitor.top_keys[k] and
+       not asks_for_nothing(raw[k]) and
        not (k == "gradient_predivide_factor" and raw[k] == 1) then
       unimpl[#unimpl + 1] = k
     end
