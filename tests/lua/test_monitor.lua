@@ -155,12 +155,12 @@ function T.wall_clock_breakdown_parts_are_positive_and_within_the_step()
   assert(support.records(log)[1].time == nil, "time logged without wall_clock_breakdown")
 end
 
-function T.flops_profiler_totals_are_the_models()
+-- The profile of one step of `name` at B x T, in process.
+local function profile_of(name, B, T_)
   local models = require("models.registry")
   local zero = require("luazero.zero")
-  local mcfg = models.config("gpt2-nano", {})
+  local mcfg = models.config(name, {})
   local model = models.new(mcfg)
-  local B, T_ = 2, 64
   local cfg = config.load({ train_micro_batch_size_per_gpu = B,
                             flops_profiler = { enabled = true, profile_step = 1 } }, 1)
   local engine = zero.initialize({ model = model, config = cfg, seed = 1, batch = { B, T_ } })
@@ -175,12 +175,26 @@ function T.flops_profiler_totals_are_the_models()
   mon:before_step(1)
   engine:train_batch(batches)
   mon:after_step({ step = 1, step_ms = 100 })
-  local p = assert(mon.profile, "no profile at profile_step")
   local n = model:count_params()
+  engine:free()
+  x:free()
+  y:free()
+  return assert(mon.profile, "no profile at profile_step"), n, mcfg, cfg
+end
+
+function T.flops_profiler_totals_are_the_models()
+  local B, T_ = 2, 64
+  local p, n, mcfg, cfg = profile_of("gpt2-nano", B, T_)
   eq(p.root.params, n, "profiled parameters")
   -- bench/bench_train.lua's FLOPs per token: forward and backward.
   local per_token = 6 * (n - mcfg.context * mcfg.n_embd) + 12 * mcfg.n_layer * mcfg.n_embd * T_
   eq(3 * p.root.flops, per_token * B * T_, "fwd+bwd FLOPs of one micro-batch")
+  -- Llama: the token table is a lookup, the head a Linear of its own.
+  local lp, ln, lcfg = profile_of("llama-tiny", B, 32)
+  eq(lp.root.params, ln, "llama-tiny's parameters")
+  local width = lcfg.n_head * (lcfg.head_dim or lcfg.n_embd / lcfg.n_head)
+  eq(3 * lp.root.flops, (6 * (ln - lcfg.vocab * lcfg.n_embd) + 12 * lcfg.n_layer * width * 32) *
+                        B * 32, "llama-tiny's fwd+bwd FLOPs")
   -- every module the model runs was timed; a container's time holds its children's
   local function check(node)
     assert(node.seconds > 0, node.name .. " has no time")
@@ -192,9 +206,6 @@ function T.flops_profiler_totals_are_the_models()
   local text = monitor.flops.report(p, cfg.flops_profiler)
   assert(text:find("fwd FLOPs per micro%-batch") and text:find("detailed profile") and
          text:find("attn %(CausalSelfAttention%)"), text)
-  engine:free()
-  x:free()
-  y:free()
   -- Through train.lua, into output_file at profile_step.
   local out_file = tmp .. "/flops.txt"
   local cfgf = config_file("flops", { train_micro_batch_size_per_gpu = 2,

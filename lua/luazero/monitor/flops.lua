@@ -18,6 +18,7 @@
 --   prof:arm()  engine:train_batch(loader)  local p = prof:finish(step, step_ms)
 --   print(flops.report(p, cfg.flops_profiler))
 local clock = require("luazero.clock")
+local nn = require("luazero.nn")
 
 local M = {}
 
@@ -25,14 +26,14 @@ local M = {}
 local function own_flops(m, B, T)
   local tokens, own = B * T, 0
   for _, p in ipairs(m.params or {}) do own = own + p.numel end
-  local class = m.__name
-  if class == "Embedding" or class == "TokenEmbedding" then return 0 end
+  local class = getmetatable(m)
+  if class == nn.Embedding or class == nn.TokenEmbedding then return 0 end
   local f = 2 * tokens * own
-  if class == "TiedHead" then
+  if class == nn.TiedHead then
     f = f + 2 * tokens * m.padded_vocab * m.embedding.n_embd
-  elseif class == "CausalSelfAttention" then
+  elseif class == nn.CausalSelfAttention then
     f = f + 4 * B * T * T * m.n_embd
-  elseif class == "GQA" then
+  elseif class == nn.GQA then
     f = f + 4 * B * T * T * m.n_head * m.head_dim
   end
   return f
