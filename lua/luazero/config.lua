@@ -187,7 +187,7 @@ local function scheduler_section(raw, cfg, unimpl, ov)
   local p = given(raw.params) and block("scheduler.params", raw.params) or {}
   p = deep_copy(p)
   -- --warmup and --steps fill the schedulers that take a warmup and a total.
-  local takes = function(k)
+  local function takes(k)
     if spec.defaults[k] ~= nil then return true end
     for _, r in ipairs(spec.required or {}) do if r == k then return true end end
   end
@@ -456,7 +456,9 @@ local function zero_section(raw, cfg, unimpl)
   out.gather_16bit_weights_on_model_save = false
   for _, k in ipairs({ "stage3_gather_16bit_weights_on_model_save",
                        "stage3_gather_fp16_weights_on_model_save" }) do
-    if given(raw[k]) and boolean(z .. k, raw[k]) then out.gather_16bit_weights_on_model_save = true end
+    if given(raw[k]) and boolean(z .. k, raw[k]) then
+      out.gather_16bit_weights_on_model_save = true
+    end
   end
   out.overlap_comm_given = out.overlap_comm ~= nil
   -- DeepSpeed's deprecated "cpu_offload": true is offload_optimizer on the CPU.

@@ -78,7 +78,8 @@ function T.tensorboard_records_read_back()
   local dir = tmp .. "/tb"
   assert(lz.mkdir(dir))
   local w = assert(tb.open(dir, 1700000000.5))
-  assert(w:scalars(8, { { "Train/Samples/lr", 0.25 }, { "Train/Samples/train_loss", 3.5 } }, 1700000001))
+  local scalars = { { "Train/Samples/lr", 0.25 }, { "Train/Samples/train_loss", 3.5 } }
+  assert(w:scalars(8, scalars, 1700000001))
   w:close()
   local f = assert(io.open(w.path, "rb"))
   local raw = f:read("*a")
@@ -100,9 +101,7 @@ function T.tensorboard_records_read_back()
   assert(events[1]:find("brain.Event:2", 1, true), "file_version first")
   assert(events[2]:find("Train/Samples/lr", 1, true) and events[2]:find("\21\0\0\128\62", 1, true),
          "the lr tag and 0.25 as a float")
-  eq(events[2], tb.event(1700000001, 8, { scalars = { { "Train/Samples/lr", 0.25 },
-                                                      { "Train/Samples/train_loss", 3.5 } } }),
-     "the step's event")
+  eq(events[2], tb.event(1700000001, 8, { scalars = scalars }), "the step's event")
 end
 
 function T.wandb_is_refused_naming_the_offline_monitors()
@@ -122,9 +121,9 @@ function T.wandb_is_refused_naming_the_offline_monitors()
   local cfgf = config_file("badtb", { train_micro_batch_size_per_gpu = 2,
     tensorboard = { enabled = true, output_path = blocker, job_name = "j" } })
   local out, st = train(1, ("--steps 1 --config %s"):format(q(cfgf)))
-  assert(st == 2 and out:find("train: tensorboard: cannot make the folder " .. blocker .. "/j",
-                              1, true) and out:find("point tensorboard.output_path at a writable folder",
-                                                    1, true), out)
+  assert(st == 2, out)
+  assert(out:find("train: tensorboard: cannot make the folder " .. blocker .. "/j", 1, true), out)
+  assert(out:find("point tensorboard.output_path at a writable folder", 1, true), out)
 end
 
 function T.wall_clock_breakdown_parts_are_positive_and_within_the_step()
@@ -133,7 +132,8 @@ function T.wall_clock_breakdown_parts_are_positive_and_within_the_step()
       gradient_accumulation_steps = 2, wall_clock_breakdown = true,
       zero_optimization = { stage = stage } })
     local log = ("%s/wcb%d.jsonl"):format(tmp, stage)
-    local out = ok_train(1, ("--steps 3 --eval-every 1 --config %s --log %s"):format(q(cfg), q(log)))
+    local out = ok_train(1, ("--steps 3 --eval-every 1 --config %s --log %s")
+                            :format(q(cfg), q(log)))
     assert(out:find("| forward %d+ backward %d+ reduce %d+ step %d+ gather %d+ ms"), out)
     for _, r in ipairs(support.records(log)) do
       if r.step then

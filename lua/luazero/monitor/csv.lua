@@ -21,6 +21,8 @@ function M.file_name(tag) return (tag:gsub("[/ ]", "_")) .. ".csv" end
 -- The shortest decimal that reads back as v (Python's repr, which
 -- DeepSpeed's csv.writer writes).
 function M.number(v)
+  if v ~= v then return "nan" end
+  if v == math.huge or v == -math.huge then return v > 0 and "inf" or "-inf" end
   if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
   for digits = 15, 17 do
     local s = ("%." .. digits .. "g"):format(v)

@@ -167,8 +167,9 @@ function M.report(p, opts)
       local parts = {}
       for i = 1, math.min(opts.top_modules, #sorted) do
         local a = sorted[i]
-        parts[i] = ("%s: %s"):format(a.class, key == "seconds" and ("%.2f ms"):format(a.seconds * 1000)
-                                     or si(a[key], key == "flops" and "FLOPs" or ""))
+        local v = key == "seconds" and ("%.2f ms"):format(a.seconds * 1000)
+                  or si(a[key], key == "flops" and "FLOPs" or "")
+        parts[i] = ("%s: %s"):format(a.class, v)
       end
       add("    %-8s - %s", key == "seconds" and "time" or (key == "flops" and "FLOPs" or key),
           table.concat(parts, ", "))
