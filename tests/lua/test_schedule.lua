@@ -160,4 +160,19 @@ function T.configs_with_them_train()
   assert(recs[6].loss == recs[6].loss and recs[6].loss < 10, "the run trains")
 end
 
+-- A resumed OneCycle run with cycle_momentum continues bitwise: each step's
+-- betas come from its step number, not from state.
+function T.one_cycle_resumes_bitwise()
+  local cjson = require("cjson")
+  local cfg = write_file("resume.json", cjson.encode({
+    train_micro_batch_size_per_gpu = 2, optimizer = { type = "AdamW", params = { lr = 1e-3 } },
+    scheduler = { type = "OneCycle", params = { cycle_min_lr = 1e-3, cycle_max_lr = 1e-2,
+                                                cycle_first_step_size = 2 } } }))
+  local dir = tmp .. "/resume"
+  local flags = "--steps 6 --config " .. support.quote(cfg)
+  local _, straight = ok_train(1, flags .. " --save " .. support.quote(dir) .. " --save-every 3")
+  local _, resumed = ok_train(1, flags .. " --resume " .. support.quote(dir .. "/step-000003"))
+  assert(straight == resumed, ("resumed %s, straight %s"):format(resumed, straight))
+end
+
 return T
