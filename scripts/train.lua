@@ -721,7 +721,7 @@ local function main(argv)
   for step = run.first, flags.steps do
     run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)
-    checked(run.mon.after_step, run.mon, rec)
+    checked_rank(run.mon.after_step, run.mon, rec) -- a full disk: exit 1, as --log
     say_step(run, step, rec, r, prof)
     if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
     check_budget(run, step, rec)

@@ -126,6 +126,21 @@ function T.wandb_is_refused_naming_the_offline_monitors()
   assert(out:find("point tensorboard.output_path at a writable folder", 1, true), out)
 end
 
+-- A full disk (a CSV that is /dev/full): the run stops at that step with exit
+-- status 1 and one line naming the file, the step and the reason.
+function T.a_failed_write_stops_the_run_naming_the_file()
+  local dir = tmp .. "/full"
+  assert(lz.mkdir(dir .. "/j"))
+  local file = dir .. "/j/Train_Samples_train_loss.csv"
+  assert(os.execute(("ln -s /dev/full %s"):format(q(file))) == 0)
+  local cfgf = config_file("full", { train_micro_batch_size_per_gpu = 2,
+    csv_monitor = { enabled = true, output_path = dir, job_name = "j" } })
+  local out, st = train(1, ("--steps 2 --config %s"):format(q(cfgf)))
+  eq(st, 1, "exit status:\n" .. out)
+  assert(out:find(("train: csv_monitor: writing step 1 failed (%s: No space left on device); " ..
+                   "free space there or turn csv_monitor off"):format(file), 1, true), out)
+end
+
 function T.wall_clock_breakdown_parts_are_positive_and_within_the_step()
   for _, stage in ipairs({ 0, 3 }) do
     local cfg = config_file("wcb" .. stage, { train_micro_batch_size_per_gpu = 2,
