@@ -114,7 +114,7 @@ local function si(v, unit)
   for _, p in ipairs(prefixes) do
     if math.abs(v) >= p[1] then return ("%.2f %s%s"):format(v / p[1], p[2], unit) end
   end
-  return ("%.0f %s"):format(v, unit)
+  return unit == "" and ("%.0f"):format(v) or ("%.0f %s"):format(v, unit)
 end
 
 local function share(part, whole) return whole > 0 and 100 * part / whole or 0 end
@@ -126,7 +126,7 @@ function M.report(p, opts)
   local fwd, step_flops = root.flops, 3 * root.flops * p.accum
   add("-------------------------- luazero flops profiler --------------------------")
   add("profile at step %d (micro-batch %d x %d, %d per step)", p.step, p.B, p.T, p.accum)
-  add("params per rank:                       %d (%s)", root.params, si(root.params, ""))
+  add("params of the model:                   %d (%s)", root.params, si(root.params, ""))
   add("fwd FLOPs per micro-batch:             %s", si(fwd, "FLOPs"))
   add("fwd+bwd FLOPs per step (3 x fwd):      %s", si(step_flops, "FLOPs"))
   add("fwd+bwd time of the modules:           %.2f ms", root.seconds * 1000)
