@@ -11,7 +11,7 @@
 local ffi = require("ffi")
 local cjson = require("cjson")
 local lz = require("luazero")
-local checkpoint = require("luazero.checkpoint")
+local progress = require("luazero.checkpoint.reader").progress
 local hf = require("luazero.hf")
 local safetensors = require("luazero.checkpoint.safetensors")
 local atomic = require("luazero.io.atomic")
@@ -105,7 +105,7 @@ local function write_model(ck, file, dtype, out)
     atomic.build_file(file, #head + total, function(w)
       w:write(head)
       local src = assert(io.open(scratch, "rb"))
-      local bar = checkpoint.progress("export", total)
+      local bar = progress("export", total)
       local ok, err = pcall(function()
         for _, e in ipairs(entries) do
           local p = e.p
