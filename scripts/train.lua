@@ -19,6 +19,7 @@ local zero = require("luazero.zero")
 local estimate = require("luazero.estimate")
 local models = require("models.registry")
 local hf = require("luazero.hf")
+local monitor = require("luazero.monitor")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
@@ -493,12 +494,16 @@ local function set_up(flags)
                                                  batch = { B, T }, lr = schedule, comm = comm,
                                                  device = flags.device,
                                                  draw_weights = not flags.init })
+  optim.schedule.drive_betas(engine, cfg) -- OneCycle's cycle_momentum
+  -- tensorboard, csv_monitor, wall_clock_breakdown, flops_profiler
+  local mon = checked(monitor.start, { engine = engine, model = model, cfg = cfg, rank = rank,
+                                       B = B, T = T })
   return {
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
     warmup = warmup, corpus = corpus, loader = loader, log = log, model = model,
     engine = engine, n_val = math.min(flags.eval_batches, loader.val_batches), first = 1,
-    tok = tok,
+    tok = tok, mon = mon,
   }
 end
 
@@ -637,11 +642,11 @@ end
 
 local function say_step(run, step, rec, r, prof)
   say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-       "mem %.1f MiB, rss %.0f MiB%s%s")
+       "mem %.1f MiB, rss %.0f MiB%s%s%s")
       :format(step, run.flags.steps, r.loss,
               rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
               rec.tokens_per_s, rec.step_ms, mib(lz.mem_total()),
-              mib(rec.mem.peak_rss),
+              mib(rec.mem.peak_rss), rec.time and monitor.breakdown.line(rec.time) or "",
               r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
               prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
                         "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
@@ -676,6 +681,7 @@ local function finish(run)
     run.log.close()
   end
   say("params_checksum " .. sum)
+  run.mon:close()
   local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
     local prompt = { models.sample_start(mcfg) }
@@ -713,7 +719,9 @@ local function main(argv)
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
   for step = run.first, flags.steps do
+    run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)
+    checked_rank(run.mon.after_step, run.mon, rec) -- a full disk: exit 1, as --log
     say_step(run, step, rec, r, prof)
     if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
     check_budget(run, step, rec)
