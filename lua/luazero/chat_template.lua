@@ -71,7 +71,9 @@ function M.new(source, opts)
   return self
 end
 
--- Reads folder/tokenizer_config.json (or a tokenizer_config.json path).
+-- Reads folder/tokenizer_config.json (or a tokenizer_config.json path): its
+-- chat_template (a string, or the "default" of a list of { name, template },
+-- or else the file chat_template.jinja beside it) and special tokens.
 function M.load(folder)
   local path = folder
   if not path:match("%.json$") then path = folder .. "/tokenizer_config.json" end
@@ -95,9 +97,17 @@ function M.load(folder)
     end
     source = chosen
   end
+  if type(source) ~= "string" then -- newer folders keep it in chat_template.jinja
+    local dir = path:match("^(.*)/[^/]*$") or "."
+    local g = io.open(dir .. "/chat_template.jinja", "rb")
+    if g then
+      source = g:read("*a")
+      g:close()
+    end
+  end
   if type(source) ~= "string" then
-    error(("chat_template: %s: has no \"chat_template\" string; give the folder of a chat " ..
-           "model (its tokenizer_config.json has one)"):format(path), 0)
+    error(("chat_template: %s: has no \"chat_template\" string (nor a chat_template.jinja " ..
+           "beside it); give the folder of a chat model"):format(path), 0)
   end
   local opts = { name = path, additional_special_tokens = j.additional_special_tokens,
                  special_tokens = {} }

@@ -122,6 +122,35 @@ function T.unsupported_constructs_are_named()
   assert(not ok and err:find("nowhere/tokenizer_config.json: cannot read it", 1, true), err)
 end
 
+local function folder_with(files)
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir -p '" .. dir .. "'"))
+  for name, text in pairs(files) do
+    local f = assert(io.open(dir .. "/" .. name, "wb"))
+    f:write(text)
+    f:close()
+  end
+  return dir
+end
+
+function T.template_lists_and_jinja_files()
+  local listed = folder_with({ ["tokenizer_config.json"] = cjson.encode({
+    eos_token = { content = "</s>", special = true },
+    chat_template = { { name = "tool_use", template = "tools" },
+                      { name = "default", template = "{{ messages[0].content ~ eos_token }}" } } }) })
+  same(chat_template.load(listed):render({ { role = "user", content = "hi" } }), "hi</s>")
+  local jinja_file = folder_with({ ["tokenizer_config.json"] = cjson.encode({ eos_token = "<e>" }),
+                                   ["chat_template.jinja"] = "{% for m in messages %}{{ m.role }}:" ..
+                                     "{{ m.content }}{{ eos_token }}\n{% endfor %}" })
+  same(chat_template.load(jinja_file):render({ { role = "user", content = "a" },
+                                                { role = "assistant", content = "b" } }),
+       "user:a<e>\nassistant:b<e>\n")
+  local none = folder_with({ ["tokenizer_config.json"] = cjson.encode({ eos_token = "<e>" }) })
+  local ok, err = pcall(chat_template.load, none)
+  assert(not ok and err:find('has no "chat_template" string', 1, true), err)
+end
+
 local function render(src, vars) return jinja.render(jinja.compile(src), vars or {}) end
 
 function T.jinja_expressions()
