@@ -166,6 +166,14 @@ function T.jinja_expressions()
   same(render("{{ {'b': 1, 'a': [true, none, \"<é😀'&>\"]} | tojson }}"),
        '{"a": [true, null, "\\u003c\\u00e9\\ud83d\\ude00\\u0027\\u0026\\u003e"], "b": 1}')
   same(render("{{ x | default('d') }}{{ '' | default('e', true) }}{{ [3, 4] | join('-') }}"), "de3-4")
+  local ms = { { role = "user", content = "A" }, { role = "assistant", content = "B", tool = true },
+               { role = "user", content = "C" } }
+  same(render("{{ ['a', 'code', 'b'] | reject('equalto', 'code') | join(', ') }}|" ..
+              "{{ ms | selectattr('role', 'equalto', 'user') | map(attribute='content') | join }}|" ..
+              "{{ [1, 0, 2] | select | list }}|{{ ms | rejectattr('tool') | list | length }}|" ..
+              "{{ ['x', 'y', 'x'] | unique | join }}|{{ ms | map(attribute='zz', default='d') | join }}|" ..
+              "{{ [' a ', 'b '] | map('trim') | join('.') }}", { ms = ms }),
+       "a, b|AC|[1, 2]|2|xy|ddd|a.b")
 end
 
 function T.jinja_statements_and_whitespace()

@@ -26,8 +26,9 @@ local str, repr, truthy, is_list, chars = values.str, values.repr, values.truthy
                                          values.chars
 local getitem, getattr, python_slice = values.getitem, values.getattr, values.python_slice
 local arith, compare, contains, number = values.arith, values.compare, values.contains, values.number
-local TESTS, FILTERS, GLOBALS, DICT_METHODS = values.TESTS, values.FILTERS, values.GLOBALS,
-                                              values.DICT_METHODS
+local TESTS, FILTERS, SEQ_FILTERS, GLOBALS = values.TESTS, values.FILTERS, values.SEQ_FILTERS,
+                                             values.GLOBALS
+local DICT_METHODS = values.DICT_METHODS
 local concat = table.concat
 M.NONE, M.UNDEF = NONE, UNDEF
 
@@ -94,6 +95,9 @@ function eval(e, scope)
   elseif k == "call" then
     return call(eval(e[2], scope), eval_args(e[3], scope), eval_kwargs(e[4], scope))
   elseif k == "filter" then
+    if SEQ_FILTERS[e[2]] then
+      return SEQ_FILTERS[e[2]](eval(e[3], scope), eval_args(e[4], scope), eval_kwargs(e[5], scope))
+    end
     local f = FILTERS[e[2]]
     if not f then fail(("the filter |%s is not supported"):format(e[2])) end
     local args = eval_args(e[4], scope)

@@ -408,6 +408,64 @@ local FILTERS = {
 }
 FILTERS.d = FILTERS.default
 
+-- Filters over a list, called with (value, args, kwargs).
+local function test_by_name(name, what)
+  local t = TESTS[name]
+  if not t then fail(("the test %s in %s is not supported"):format(repr(name), what)) end
+  return t
+end
+
+local function sequence(v, what)
+  if type(v) == "string" then return chars(v) end
+  if v == UNDEF or v == NONE then return {} end
+  if type(v) ~= "table" then fail(("%s needs a list (got %s)"):format(what, repr(v))) end
+  return is_list(v) and v or DICT_METHODS.keys(v)
+end
+
+local function choose(keep, by_attr)
+  return function(v, args, kw)
+    local what = (by_attr and (keep and "selectattr" or "rejectattr")) or (keep and "select" or "reject")
+    local attr = by_attr and args[1]
+    local rest = by_attr and 2 or 1
+    local test = args[rest] and test_by_name(args[rest], "|" .. what) or truthy
+    local out = {}
+    for _, x in ipairs(sequence(v, "|" .. what)) do
+      local y = attr and getattr(x, attr) or x
+      if (test(y, args[rest + 1]) and true or false) == keep then out[#out + 1] = x end
+    end
+    return out
+  end
+end
+
+local SEQ_FILTERS = {
+  select = choose(true, false), reject = choose(false, false),
+  selectattr = choose(true, true), rejectattr = choose(false, true),
+  map = function(v, args, kw)
+    local out = {}
+    for i, x in ipairs(sequence(v, "|map")) do
+      if kw.attribute ~= nil then
+        local y = getattr(x, kw.attribute)
+        if y == UNDEF and kw.default ~= nil then y = kw.default end
+        out[i] = y
+      else
+        local f = FILTERS[args[1]]
+        if not f then fail(("the filter %s in |map is not supported"):format(repr(args[1]))) end
+        out[i] = f(x, unpack(args, 2))
+      end
+    end
+    return out
+  end,
+  unique = function(v)
+    local out = {}
+    for _, x in ipairs(sequence(v, "|unique")) do
+      local seen = false
+      for _, y in ipairs(out) do if equal(x, y) then seen = true break end end
+      if not seen then out[#out + 1] = x end
+    end
+    return out
+  end,
+}
+
 local GLOBALS = {
   range = { __callable = function(args)
     local a, b, c = args[1], args[2], args[3] or 1
@@ -427,5 +485,6 @@ V.NONE, V.UNDEF, V.fail = NONE, UNDEF, fail
 V.chars, V.strip, V.str, V.repr, V.truthy, V.length, V.is_list = chars, strip, str, repr, truthy, length, is_list
 V.python_slice, V.getitem, V.getattr, V.arith, V.compare, V.contains, V.number =
   python_slice, getitem, getattr, arith, compare, contains, number
-V.TESTS, V.FILTERS, V.GLOBALS, V.DICT_METHODS = TESTS, FILTERS, GLOBALS, DICT_METHODS
+V.TESTS, V.FILTERS, V.SEQ_FILTERS, V.GLOBALS, V.DICT_METHODS =
+  TESTS, FILTERS, SEQ_FILTERS, GLOBALS, DICT_METHODS
 return V
