@@ -10,6 +10,7 @@
 --     { role = "assistant", content = "Hello." },
 --   }, { add_generation_prompt = false })
 --   -- spans[1] = { first = byte0, last = byte1_exclusive, role = "assistant", message = 3 }
+--   local mask = chat_template.token_mask(spans, starts, #text)  -- starts: tok:encode offsets
 --
 -- The template runs in luazero.jinja with the variables transformers gives
 -- it: messages, add_generation_prompt, and the special tokens of the config
@@ -196,6 +197,28 @@ function ChatTemplate:render(messages, opts)
     end
   end
   return text, spans
+end
+
+-- Which tokens an assistant span holds: mask[i] = 1 when the bytes token i
+-- covers overlap a span, else 0. A token covers starts[i] up to starts[i + 1]
+-- (nbytes = #text for the last; at least one byte). Overlap, not "starts
+-- inside": a SentencePiece token such as "▁Hello" starts at the blank the
+-- template writes before the content. starts as tokenizer:encode(text,
+-- { offsets = true }) gives them.
+function M.token_mask(spans, starts, nbytes)
+  local mask = {}
+  for i = 1, #starts do
+    local a = starts[i]
+    local b = math.max(starts[i + 1] or nbytes, a + 1)
+    mask[i] = 0
+    for _, s in ipairs(spans) do
+      if a < s.last and b > s.first then
+        mask[i] = 1
+        break
+      end
+    end
+  end
+  return mask
 end
 
 return M

@@ -151,6 +151,14 @@ function T.template_lists_and_jinja_files()
   assert(not ok and err:find('has no "chat_template" string', 1, true), err)
 end
 
+function T.token_mask_is_overlap()
+  local spans = { { first = 5, last = 10, role = "assistant" }, { first = 20, last = 22, role = "assistant" } }
+  same(chat_template.token_mask(spans, { 0, 4, 7, 10, 12, 19, 22 }, 25), { 0, 1, 1, 0, 0, 1, 0 })
+  -- a token of no bytes (a prepended "▁" alone) counts as one byte
+  same(chat_template.token_mask(spans, { 0, 5, 5, 9 }, 15), { 0, 1, 1, 1 })
+  same(chat_template.token_mask({}, { 0, 1 }, 2), { 0, 0 })
+end
+
 local function render(src, vars) return jinja.render(jinja.compile(src), vars or {}) end
 
 function T.jinja_expressions()

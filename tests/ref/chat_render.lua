@@ -2,7 +2,7 @@
 -- renders each conversation of CONVERSATIONS.json (a list of message lists)
 -- with the chat template of an HF FOLDER, with add_generation_prompt off and
 -- on, tokenizes the text with FOLDER/tokenizer.json, and writes OUT.json: a
--- list of { text, spans, ids, starts } or { error } per conversation and
+-- list of { text, spans, ids, starts, mask } or { error } per conversation and
 -- setting, in that order (an empty list is written as {}).
 --   luazero tests/ref/chat_render.lua FOLDER CONVERSATIONS.json OUT.json
 local cjson = require("cjson")
@@ -22,7 +22,8 @@ for _, messages in ipairs(conversations) do
     local ok, text, spans = pcall(ct.render, ct, messages, { add_generation_prompt = agp })
     if ok then
       local ids, starts = tok:encode(text, { offsets = true })
-      out[#out + 1] = { text = text, spans = spans, ids = ids, starts = starts }
+      out[#out + 1] = { text = text, spans = spans, ids = ids, starts = starts,
+                        mask = chat_template.token_mask(spans, starts, #text) }
     else
       out[#out + 1] = { error = text }
     end

@@ -198,6 +198,17 @@ def main():
                             details["span"].append(f"{where}: span {got!r}, want "
                                                    f"{body + ender!r}; its last token "
                                                    f"{inside[-1:] } (end of turn {ender_id})")
+                    # token_mask: the tokens overlapping the spans decode to every
+                    # assistant content (a first word glued to the blank before it
+                    # too), blanks aside (a SentencePiece decode of a part adds some).
+                    mask = mine["mask"] or []
+                    masked = " ".join(hf.decode([i for i, m in zip(ids, mask) if m == 1]).split())
+                    for content in assistants:
+                        body = " ".join(content.split())
+                        if body and body not in masked:
+                            spans_ok = False
+                            details["span"].append(f"{where}: token_mask's tokens decode to "
+                                                   f"{masked!r}, without {body.strip()!r}")
             check(f"{name}.same_text", texts_same and rendered > 0,
                   f"{rendered} renderings " + "; ".join(details["text"])[:1500])
             check(f"{name}.same_ids", ids_same, "; ".join(details["ids"])[:1500])
