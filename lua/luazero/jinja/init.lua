@@ -1,6 +1,8 @@
--- jinja.lua — the subset of Jinja that chat templates use, rendered the way
+-- jinja — the subset of Jinja that chat templates use, rendered the way
 -- transformers renders them (jinja2 with trim_blocks and lstrip_blocks, a
 -- raise_exception global, one trailing newline of the template dropped).
+-- lexer.lua cuts the source, parser.lua builds the tree, values.lua holds
+-- Python's semantics of values; this file evaluates the tree.
 --
 --   local jinja = require("luazero.jinja")
 --   local t = jinja.compile(source)            -- errors name the construct
@@ -14,7 +16,6 @@
 -- Values: Lua strings, numbers, booleans, tables (a list when t[1] ~= nil or
 -- empty, else a dict); jinja.NONE is Python's None, a missing value renders
 -- as "". Errors are strings without a prefix; the caller names the file.
-local cjson = require("cjson")
 local values = require("luazero.jinja.values")
 local lex = require("luazero.jinja.lexer").lex
 local parse = require("luazero.jinja.parser").parse
