@@ -6,8 +6,16 @@ root), saves its tokenizer.json, and encodes the whole corpus and texts with
 special tokens, Unicode and odd whitespace with both `tokenizers` and luazero
 (tests/ref/tokenize.lua); the same for a Llama 3 kind of tokenizer.json (Split
 with Llama 3's pattern, ByteLevel without a regex, ignore_merges,
-TemplateProcessing). Checks: identical ids, decode round-trips, the same
-ids from "a b" string merges as from [a, b] list merges, tools/prepare-data
+TemplateProcessing); and for SentencePiece-style ones (Llama 2, Mistral,
+TinyLlama: a BPE with byte_fallback trained here, <0xNN> byte tokens added
+at ids 3..258 as in Llama 2's vocabulary) in eight layouts: Llama 2's
+Prepend/Replace normalizer with its Replace/ByteFallback/Fuse/Strip decoder,
+Metaspace (first, always, never; split or not) with either decoder or none,
+unknown tokens fused or not without byte_fallback, normalized added tokens.
+Checks: identical ids, identical offsets (luazero's byte offsets read as the
+character tokenizers counts), decode round-trips and decode as tokenizers
+does with and without special tokens, bos and eos ids, the same ids from
+"a b" string merges as from [a, b] list merges, tools/prepare-data
 --tokenizer writes the same ids, and an unsupported tokenizer.json or a
 vocabulary over 65536 is refused naming the field. Prints encoding MB/s of both.
 
@@ -71,6 +79,7 @@ TEXTS = {
     "leading_spaces": "   three leading, one trailing \n\ttab\t and\r\nCRLF ",
     "lone_space": " ",
     "newlines_only": "\n\n\n",
+    "metaspace_in_text": "a\u2581b \u2581 c\u2581\u2581 <s>\u2581</s>\u2581",
 }
 
 
