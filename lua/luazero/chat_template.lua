@@ -16,9 +16,11 @@
 -- it: messages, add_generation_prompt, and the special tokens of the config
 -- (bos_token, eos_token, unk_token, pad_token, ... as strings). A span covers
 -- an assistant message's content as the template wrote it (after |trim or
--- .strip()) and the end-of-turn text right after it: the eos token or
--- another special token of added_tokens_decoder (<|eot_id|>, <|im_end|>),
--- with the blanks before it (Llama 2 writes " </s>"). It is found by
+-- .strip()), with the spaces and tabs the template writes just before it
+-- (Llama 2's "[/INST] " + content: tokenizers glue them to the first word),
+-- and the end-of-turn text right after it: the eos token or another special
+-- token of added_tokens_decoder (<|eot_id|>, <|im_end|>), with the blanks
+-- before it (Llama 2 writes " </s>"). It is found by
 -- rendering again with that message's content replaced by a marker, so a
 -- template whose other text depends on the content is refused by name.
 local cjson = require("cjson")
@@ -185,6 +187,9 @@ function ChatTemplate:render(messages, opts)
                     "a template whose other text does not"):format(i))
       end
       local first, last = #before, #text - #after
+      -- The blanks the template writes just before the content go with it:
+      -- tokenizers glue them to its first word ("▁Paris", "ĠParis").
+      first = first - #(before:match("[ \t]*$"))
       local rest = text:sub(last + 1)
       local blank = rest:match("^%s*")
       for _, e in ipairs(self.enders) do

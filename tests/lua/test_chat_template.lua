@@ -81,14 +81,14 @@ function T.llama2_slices_strip_and_system()
   local ct = chat_template.load(FIXTURES .. "llama2")
   local text, spans = ct:render(SHORT)
   same(text, "<s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHi there [/INST] Hello! </s>")
-  same(span_texts(text, spans), { "Hello! </s>" })
+  same(span_texts(text, spans), { " Hello! </s>" })
   text, spans = ct:render(LONG)
   same(text, "<s>[INST] spaced question [/INST] answer with\ttabs </s><s>[INST] again? 日本語 😀 " ..
              "[/INST] Yes.\n\nTwo lines. </s>")
-  same(span_texts(text, spans), { "answer with\ttabs </s>", "Yes.\n\nTwo lines. </s>" })
+  same(span_texts(text, spans), { " answer with\ttabs </s>", " Yes.\n\nTwo lines. </s>" })
   text, spans = ct:render({ { role = "user", content = "" }, { role = "assistant", content = "" } })
   same(text, "<s>[INST]  [/INST]  </s>")
-  same(span_texts(text, spans), { " </s>" })
+  same(span_texts(text, spans), { "  </s>" })
 end
 
 function T.refused_roles_name_the_file()

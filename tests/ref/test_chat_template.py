@@ -46,7 +46,7 @@ MODELS = {
     "llama3": ("byte_level", "<|eot_id|>", True),
     "zephyr": ("sentencepiece", "</s>", False),
     "chatml": ("byte_level", "<|im_end|>", False),
-    "llama2": ("sentencepiece", " </s>", True),
+    "llama2": ("sentencepiece", " </s>", True),  # and the " " written before the content
     "mistral": ("sentencepiece", "</s>", False),
 }
 
@@ -191,6 +191,8 @@ def main():
                     for s, content in zip(spans, assistants):
                         got = data[s["first"]:s["last"]].decode("utf-8")
                         body = content.strip() if strip else content
+                        if name == "llama2":
+                            body = " " + body
                         inside = [i for i, st in zip(ids, starts) if s["first"] <= st < s["last"]]
                         if got != body + ender or s["role"] != "assistant" or \
                                 not inside or inside[-1] != ender_id:
