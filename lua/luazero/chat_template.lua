@@ -149,7 +149,9 @@ end
 
 local function fail(self, msg) error(("chat_template: %s: %s"):format(self.name, msg), 0) end
 
--- The exact text of the conversation, and the assistant spans in it.
+-- The exact text of the conversation, and the assistant spans in it;
+-- opts: add_generation_prompt, spans (false: no spans, and no rendering
+-- again per assistant message).
 function ChatTemplate:render(messages, opts)
   opts = opts or {}
   if type(messages) ~= "table" then fail(self, "render(messages) needs a list of messages") end
@@ -170,7 +172,7 @@ function ChatTemplate:render(messages, opts)
   end
   local spans = {}
   for i, m in ipairs(messages) do
-    if m.role == "assistant" and type(m.content) == "string" then
+    if opts.spans ~= false and m.role == "assistant" and type(m.content) == "string" then
       local marker = ("\1\1luazero-span-%d\2\2"):format(i)
       local probe = copy_messages(messages)
       probe[i].content = marker

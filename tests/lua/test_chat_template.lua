@@ -151,6 +151,18 @@ function T.template_lists_and_jinja_files()
   assert(not ok and err:find('has no "chat_template" string', 1, true), err)
 end
 
+function T.spans_need_text_that_does_not_depend_on_the_content()
+  local ct = chat_template.new("{% for m in messages %}{{ m.content }}{% if m.content | length > 3 %}" ..
+                               " (long){% endif %}{{ eos_token }}{% endfor %}",
+                               { name = "t.json", eos_token = "</s>" })
+  local msgs = { { role = "user", content = "hello" }, { role = "assistant", content = "hi" } }
+  local ok, err = pcall(ct.render, ct, msgs)
+  assert(not ok and err:find("chat_template: t.json: the text around assistant message 2 depends " ..
+                             "on its content", 1, true), err)
+  local text, spans = ct:render(msgs, { spans = false })
+  same({ text, spans }, { "hello (long)</s>hi</s>", {} })
+end
+
 function T.token_mask_is_overlap()
   local spans = { { first = 5, last = 10, role = "assistant" }, { first = 20, last = 22, role = "assistant" } }
   same(chat_template.token_mask(spans, { 0, 4, 7, 10, 12, 19, 22 }, 25), { 0, 1, 1, 0, 0, 1, 0 })
