@@ -131,9 +131,11 @@ function M.load(folder)
   return M.new(source, opts)
 end
 
-local function render_once(self, messages, add_generation_prompt)
-  local vars = { messages = messages, add_generation_prompt = add_generation_prompt }
+local function render_once(self, messages, add_generation_prompt, extra)
+  local vars = {} -- as transformers: the special tokens, then the caller's (which win)
   for k, v in pairs(self.vars) do vars[k] = v end
+  for k, v in pairs(extra or {}) do vars[k] = v end
+  vars.messages, vars.add_generation_prompt = messages, add_generation_prompt
   return jinja.render(self.compiled, vars)
 end
 
@@ -151,7 +153,8 @@ local function fail(self, msg) error(("chat_template: %s: %s"):format(self.name,
 
 -- The exact text of the conversation, and the assistant spans in it;
 -- opts: add_generation_prompt, spans (false: no spans, and no rendering
--- again per assistant message).
+-- again per assistant message), vars (more template variables, as
+-- apply_chat_template's keyword arguments: tools, date_string, ...).
 function ChatTemplate:render(messages, opts)
   opts = opts or {}
   if type(messages) ~= "table" then fail(self, "render(messages) needs a list of messages") end
@@ -161,7 +164,7 @@ function ChatTemplate:render(messages, opts)
     end
   end
   local agp = opts.add_generation_prompt == true
-  local ok, text = pcall(render_once, self, messages, agp)
+  local ok, text = pcall(render_once, self, messages, agp, opts.vars)
   if not ok then
     local msg = tostring(text)
     if msg:find("^raise_exception: ") then
@@ -176,7 +179,7 @@ function ChatTemplate:render(messages, opts)
       local marker = ("\1\1luazero-span-%d\2\2"):format(i)
       local probe = copy_messages(messages)
       probe[i].content = marker
-      local mok, marked = pcall(render_once, self, probe, agp)
+      local mok, marked = pcall(render_once, self, probe, agp, opts.vars)
       local at = mok and marked:find(marker, 1, true)
       if not at or marked:find(marker, at + 1, true) then
         fail(self, ("assistant message %d is not written once, unchanged, by the template; " ..

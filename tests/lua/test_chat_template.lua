@@ -163,6 +163,17 @@ function T.spans_need_text_that_does_not_depend_on_the_content()
   same({ text, spans }, { "hello (long)</s>hi</s>", {} })
 end
 
+function T.extra_variables_as_keyword_arguments()
+  local ct = chat_template.new("{{ bos_token }}{{ date_string | default('no date') }}|" ..
+                               "{% for t in tools %}{{ t | tojson }}{% endfor %}",
+                               { name = "t.json", bos_token = "<s>" })
+  same(ct:render({}), "<s>no date|")
+  -- the caller's variables win over the special tokens, as in apply_chat_template(**kwargs)
+  same(ct:render({}, { vars = { date_string = "1 Jan", bos_token = "<b>",
+                                tools = { { name = "f", required = { "x" } } } } }),
+       '<b>1 Jan|{"name": "f", "required": ["x"]}')
+end
+
 function T.token_mask_is_overlap()
   local spans = { { first = 5, last = 10, role = "assistant" }, { first = 20, last = 22, role = "assistant" } }
   same(chat_template.token_mask(spans, { 0, 4, 7, 10, 12, 19, 22 }, 25), { 0, 1, 1, 0, 0, 1, 0 })
