@@ -261,6 +261,51 @@ function T.jsonl_messages_weigh_assistant_spans()
   data.free(c)
 end
 
+-- End to end with a real template (ChatML, tests/fixtures/chat) and a
+-- tokenizer folder: the assistant's content and its <|im_end|> weigh 1,
+-- the rest (headers, system, user, the newline after <|im_end|>) 0; a role
+-- the template rejects is the line's error.
+function T.jsonl_messages_with_a_chat_template_folder()
+  local dir = tmp .. "/chatml"
+  os.execute("mkdir -p " .. q(dir))
+  os.execute(("cp %s/tests/fixtures/chat/chatml/tokenizer_config.json %s/"):format(q(lz.root),
+             q(dir)))
+  os.rename(byte_tokenizer("chatml.json", { ["<|im_start|>"] = 256, ["<|im_end|>"] = 257 }),
+            dir .. "/tokenizer.json")
+  local tok, template = instruct.open_tokenizer(dir)
+  local path = jsonl("chat.jsonl", { { messages = {
+    { role = "system", content = "S" }, { role = "user", content = "Hi" },
+    { role = "assistant", content = "Yo" } } } })
+  local c = data.load(path, { tokenizer = tok, template = template })
+  local ids, w = doc(c, 0)
+  local want_ids, want_w = {}, {}
+  local function add(s, weight)
+    if type(s) == "number" then
+      want_ids[#want_ids + 1], want_w[#want_w + 1] = s, weight
+      return
+    end
+    for i = 1, #s do want_ids[#want_ids + 1], want_w[#want_w + 1] = s:byte(i), weight end
+  end
+  add(256, 0); add("system\nS", 0); add(257, 0); add("\n", 0)
+  add(256, 0); add("user\nHi", 0); add(257, 0); add("\n", 0)
+  add(256, 0); add("assistant\n", 0); add("Yo", 1); add(257, 1); add("\n", 0)
+  same(ids, want_ids, "ids")
+  same(w, want_w, "weights")
+  data.free(c)
+  -- Llama 2's template raises for roles that do not alternate
+  local l2 = tmp .. "/llama2"
+  os.execute("mkdir -p " .. q(l2))
+  os.execute(("cp %s/tests/fixtures/chat/llama2/tokenizer_config.json %s/"):format(q(lz.root),
+             q(l2)))
+  os.rename(byte_tokenizer("l2.json", { ["<s>"] = 256, ["</s>"] = 257 }), l2 .. "/tokenizer.json")
+  tok, template = instruct.open_tokenizer(l2)
+  local bad = jsonl("alt.jsonl", { { prompt = "a", completion = "b" }, { messages = {
+    { role = "user", content = "a" }, { role = "user", content = "b" } } } })
+  local ok, err = pcall(data.load, bad, { tokenizer = tok, template = template })
+  assert(not ok and tostring(err):find("^data: " .. bad:gsub("%p", "%%%0") .. ":2: chat_template: ")
+         and not tostring(err):find("\n"), tostring(err))
+end
+
 function T.every_bad_line_is_one_line_with_file_line_and_fix()
   local cases = {
     { '{"prompt": "a", "completion": ', ":1: not valid JSON (", "fix the line or drop it" },
