@@ -16,6 +16,7 @@
 -- document came from, for messages). docs/formats.md has the same.
 local ffi = require("ffi")
 local cjson = require("cjson")
+local lz = require("luazero")
 local files = require("luazero.data.files")
 
 local M = {}
@@ -65,18 +66,13 @@ end
 -- Without --tokenizer: one token per byte (vocabulary 256), no bos or eos,
 -- no chat template.
 local bytes = {
-  bos_id = nil, eos_id = nil, vocab = 256, name = "byte level",
+  bos_id = nil, eos_id = nil,
   encode = function(_, text)
     local ids, starts = {}, {}
     for i = 1, #text do ids[i], starts[i] = text:byte(i), i - 1 end
     return ids, starts
   end,
 }
-
-local function vocab_of(tok)
-  if type(tok.vocab_size) == "function" then return tok:vocab_size() end
-  return tok.vocab_size or tok.vocab
-end
 
 -- --tokenizer ARG: a Hugging Face tokenizer folder (its tokenizer.json, and
 -- tokenizer_config.json's chat template for "messages" lines) or a
@@ -141,7 +137,8 @@ local function messages(tok, template, obj, path, line)
       line_fail(path, line, ('messages[%d] needs a "role" and a "content", both text'):format(i))
     end
   end
-  local ct = template()
+  local tok_ok, ct = pcall(template)
+  if not tok_ok then line_fail(path, line, (tostring(ct):gsub("^data: ", ""))) end
   local ok, text, spans = pcall(ct.render, ct, msgs, { add_generation_prompt = false })
   if not ok then line_fail(path, line, tostring(text):gsub("^data: ", "")) end
   local ids, starts = tok:encode(text, { offsets = true })
@@ -248,14 +245,11 @@ function M.tokenize_jsonl(path, opts)
     ffi.copy(t.ln, lines.p, lines.n * 4)
   end)
   ids.free(); weights.free(); starts.free(); lines.free()
-  c.max_id, c.kind, c.tokenizer = max, "instruct", tok.name or opts.tokenizer_name
-  c.vocab = vocab_of(tok)
+  c.max_id = max
   return c
 end
 
 --------------------------------------------------------------- the corpus
-
-local lz = require("luazero")
 
 -- An instruction corpus of n tokens and d documents in C memory, filled by
 -- fill(c): ids (uint32_t*, in an i32 tensor), w (uint8_t*), st (d + 1
