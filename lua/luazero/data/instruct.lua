@@ -1,8 +1,9 @@
 -- data/instruct.lua — instruction data: JSON Lines examples tokenised with
 -- per-token loss weights, and the instruction file that stores them.
 --
--- A line is {"prompt": P, "completion": C} — tokens bos? P C eos?, weight 0
--- on bos and P, 1 on C and eos — or {"messages": [{"role", "content"}, ...]}
+-- A line is {"prompt": P, "completion": C} — tokens bos? (P .. C) eos?,
+-- weight 0 on bos and tokens starting in P, 1 on those starting in C and
+-- on eos — or {"messages": [{"role", "content"}, ...]}
 -- rendered by the tokenizer folder's chat template (chat_template.lua):
 -- a token weighs 1 when its first byte lies in an assistant span (the
 -- assistant's content and the end-of-turn text after it), else 0. Blank
@@ -88,6 +89,30 @@ end
 
 --------------------------------------------------------------- one example
 
+-- The ids of text and each one's first byte (0-based): the tokenizer's
+-- offsets, or for a tokenizer without encode(text, {offsets = true}) the
+-- lengths of its tokens decoded one by one, used only when they add up to
+-- the text itself (byte-level BPE's do).
+local function encode_with_offsets(tok, text)
+  local ids, starts = tok:encode(text, { offsets = true })
+  if starts then return ids, starts end
+  local at = 0
+  starts = {}
+  for i, id in ipairs(ids) do
+    starts[i] = at
+    local piece = tok:decode({ id })
+    if text:sub(at + 1, at + #piece) ~= piece then
+      error("data: the tokenizer gives no byte offsets (encode(text, {offsets = true})) and " ..
+            "its tokens do not decode to the text byte for byte; use a tokenizer with offsets", 0)
+    end
+    at = at + #piece
+  end
+  return ids, starts
+end
+
+-- The text encoded whole (as tokenizers would encode prompt .. completion),
+-- a token weighing 1 when its first byte lies in the completion; bos
+-- before (weight 0) and eos after (weight 1) when the tokenizer has them.
 local function prompt_completion(tok, obj, path, line)
   for _, k in ipairs({ "prompt", "completion" }) do
     if obj[k] == nil then
@@ -98,32 +123,15 @@ local function prompt_completion(tok, obj, path, line)
                 obj[k] == cjson.null and "null" or type(obj[k])))
     end
   end
+  local text = obj.prompt .. obj.completion
+  local x, starts = encode_with_offsets(tok, text)
   local ids, w = {}, {}
-  local function add(list, weight)
-    for _, id in ipairs(list) do ids[#ids + 1], w[#w + 1] = id, weight end
+  if tok.bos_id then ids[1], w[1] = tok.bos_id, 0 end
+  for i = 1, #x do
+    ids[#ids + 1], w[#w + 1] = x[i], starts[i] >= #obj.prompt and 1 or 0
   end
-  if tok.bos_id then add({ tok.bos_id }, 0) end
-  add((tok:encode(obj.prompt)), 0)
-  add((tok:encode(obj.completion)), 1)
-  if tok.eos_id then add({ tok.eos_id }, 1) end
+  if tok.eos_id then ids[#ids + 1], w[#w + 1] = tok.eos_id, 1 end
   return ids, w
-end
-
--- A tokenizer without encode(text, {offsets = true}): each token's first
--- byte from the lengths of the tokens decoded one by one, used only when
--- they add up to the text itself (byte-level BPE's do).
-local function offsets_by_decoding(tok, ids, text)
-  local starts, at = {}, 0
-  for i, id in ipairs(ids) do
-    starts[i] = at
-    local piece = tok:decode({ id })
-    if text:sub(at + 1, at + #piece) ~= piece then
-      error("data: the tokenizer gives no byte offsets (encode(text, {offsets = true})) and " ..
-            "its tokens do not decode to the text byte for byte; use a tokenizer with offsets", 0)
-    end
-    at = at + #piece
-  end
-  return starts
 end
 
 local function messages(tok, template, obj, path, line)
@@ -141,8 +149,7 @@ local function messages(tok, template, obj, path, line)
   if not tok_ok then line_fail(path, line, (tostring(ct):gsub("^data: ", ""))) end
   local ok, text, spans = pcall(ct.render, ct, msgs, { add_generation_prompt = false })
   if not ok then line_fail(path, line, tostring(text):gsub("^data: ", "")) end
-  local ids, starts = tok:encode(text, { offsets = true })
-  if not starts then starts = offsets_by_decoding(tok, ids, text) end
+  local ids, starts = encode_with_offsets(tok, text)
   table.sort(spans, function(a, b) return a.first < b.first end)
   local w, s = {}, 1
   for i = 1, #ids do
