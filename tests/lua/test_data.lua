@@ -32,8 +32,9 @@ local function tool(cmd)
 end
 
 -- A byte-level BPE tokenizer.json over all 256 bytes (GPT-2's byte to
--- character map, no merges) with added tokens {content = id}.
-local function byte_tokenizer(name, added)
+-- character map) with added tokens {content = id} and merges {"a b", ...}
+-- (each merged token gets the next id from 300).
+local function byte_tokenizer(name, added, merges)
   local vocab, n = {}, 0
   for b = 0, 255 do
     local printable = (b >= 33 and b <= 126) or (b >= 161 and b <= 172) or b >= 174
@@ -43,6 +44,7 @@ local function byte_tokenizer(name, added)
                string.char(0xC0 + math.floor(cp / 64), 0x80 + cp % 64)
     vocab[ch] = b
   end
+  for i, m in ipairs(merges or {}) do vocab[m:gsub(" ", "")] = 299 + i end
   local add = {}
   for content, id in pairs(added or {}) do
     add[#add + 1] = { id = id, content = content, special = true }
@@ -52,7 +54,7 @@ local function byte_tokenizer(name, added)
     added_tokens = add,
     pre_tokenizer = { type = "ByteLevel", add_prefix_space = false, use_regex = true },
     decoder = { type = "ByteLevel" },
-    model = { type = "BPE", vocab = vocab, merges = {} },
+    model = { type = "BPE", vocab = vocab, merges = merges or {} },
   }))
 end
 
@@ -193,6 +195,22 @@ function T.jsonl_prompt_completion_with_bos_and_eos()
   -- the completion's own "</s>" is the special token, as tokenizers reads it
   same(ids, { 256, 72, 105, 32, 121, 111, 257, 257 }, "ids")
   same(w, { 0, 0, 0, 1, 1, 1, 1, 1 }, "weights")
+  data.free(c)
+end
+
+-- A token across the prompt/completion boundary weighs as the part its first
+-- byte lies in: "xa" + "bcd" is x, ab, c, d.
+function T.jsonl_prompt_completion_boundary_token()
+  local tok = require("luazero.tokenizer").load(byte_tokenizer("m.json", {}, { "a b" }))
+  local c = data.load(jsonl("mb.jsonl", { { prompt = "xa", completion = "bcd" },
+                                          { prompt = "x", completion = "abcd" } }),
+                      { tokenizer = tok })
+  local ids, w = doc(c, 0)
+  same(ids, { 120, 300, 99, 100 }, "ids")
+  same(w, { 0, 0, 1, 1 }, "weights")
+  ids, w = doc(c, 1)
+  same(ids, { 120, 300, 99, 100 }, "ids")
+  same(w, { 0, 1, 1, 1 }, "weights")
   data.free(c)
 end
 
