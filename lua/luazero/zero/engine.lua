@@ -357,7 +357,7 @@ end
 
 ------------------------------------------------------- forward, backward
 
--- extra: the batch's document layout (data/packed.lua: pos, seg), or nil.
+-- extra: a batch's packed documents ({ pos =, seg = }), or nil.
 function Engine:forward(x, y, extra)
   local model = self.model
   if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
