@@ -377,7 +377,8 @@ local function parse_flags(argv)
     return nil
   end
   if not flags.data then
-    user_error("--data is required: a text file or a token file made by tools/prepare-data")
+    user_error("--data is required: a text file, a token file made by tools/prepare-data, or " ..
+               "instruction examples (.jsonl)")
   end
   for _, n in ipairs({ "micro-batch", "grad-accum", "seq-len", "n-layer", "n-head",
                        "n-embd", "context", "vocab" }) do
