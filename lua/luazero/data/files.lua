@@ -123,9 +123,10 @@ function M.read_token_file(path, f, size, head)
     local extra = have - count * width
     fail(path, ("the header says %d tokens (%d bytes) but %d bytes follow it (%s); a token " ..
                 "file holds exactly its count: re-create it with tools/prepare-data")
-         :format(count, count * width, have, extra % width ~= 0 and
-                 ("%d bytes more, not whole %d-byte tokens"):format(extra, width) or
-                 ("%d tokens more"):format(extra / width)))
+         :format(count, count * width, have,
+                 extra % width == 0 and ("%d tokens more"):format(extra / width) or
+                 width == 2 and "an odd byte at the end" or
+                 ("%d bytes more, not whole %d-byte tokens"):format(extra, width)))
   end
   if count == 0 then fail(path, "holds no tokens; give a file with some text in it") end
   local t = lz.tensor({ count }, width == 2 and "u16" or "i32", "workspace")
