@@ -99,8 +99,8 @@ LZ_TEST(attention_seg_equals_each_document_alone) {
   /* Documents that cross tile edges (64), a one-token document, a row that
    * is one document, many short ones. */
   const int64_t lens[3][8] = {{40, 70, 1, 39, 0}, {150, 0}, {5, 9, 64, 64, 8, 0}};
-  check_documents(3, 150, 4, 4, 16, lens);      /* multi-head */
-  check_documents(3, 150, 4, 2, 24, lens);      /* grouped-query, padded head */
+  check_documents(3, 150, 4, 4, 16, lens);     /* multi-head */
+  check_documents(3, 150, 4, 2, 24, lens);     /* grouped-query, padded head */
   const int64_t one[1][8] = {{1, 2, 3, 4, 0}}; /* below one tile */
   check_documents(1, 10, 2, 1, 8, one);
 }
