@@ -237,6 +237,33 @@ function T.all_masked_micro_batch_gives_zero_loss_and_gradient()
   end
 end
 
+-- Through a ZeRO-3 engine (parameters gathered around each module): a
+-- loader's third value reaches the model in train_batch, and the step's
+-- loss is the packed batch's, as the bare model computes it.
+function T.engine_passes_a_batchs_extra_to_the_model()
+  local zero = require("luazero.zero")
+  for _, family in ipairs({ "gpt2", "llama" }) do
+    local m = new_model(family)
+    m:prepare(#docs, S)
+    local x, y, extra = packed(make_docs(m.cfg.vocab))
+    local want = m:forward(x, y, extra)
+    local plain = m:forward(x, y)
+    m:free()
+    assert(math.abs(plain - want) > 1e-4 * want, family .. ": packing changed nothing")
+    local engine = zero.initialize({
+      model = models.new(families[family]()), seed = 3, batch = { #docs, S },
+      comm = require("luazero.comm").init("local"),
+      config = { train_micro_batch_size_per_gpu = #docs, zero_optimization = { stage = 3 } } })
+    local calls = 0
+    local batches = { next_batch = function() calls = calls + 1; return x, y, extra end }
+    local rec = engine:train_batch(batches)
+    engine:free()
+    assert(calls == 1 and rec.loss == want,
+           ("%s: the engine's loss %.9g, the model's %.9g"):format(family, rec.loss, want))
+    x:free(); y:free(); extra.pos:free(); extra.seg:free()
+  end
+end
+
 function T.bad_extra_is_a_one_line_error()
   local m = new_model("gpt2")
   m:prepare(2, 8)
