@@ -258,7 +258,7 @@ local function check_extra(tokens, extra)
     if t ~= nil and (type(t) ~= "cdata" or t:dtype_name() ~= "i32" or t.ndim ~= 2 or
                      t:dim(1) ~= tokens:dim(1) or t:dim(2) ~= tokens:dim(2)) then
       error(("model: extra.%s must be an i32 tensor [%d, %d] like the tokens (got %s)"):format(
-            key, tokens:dim(1), tokens:dim(2), tostring(t)), 3)
+            key, tokens:dim(1), tokens:dim(2), tostring(t)), 0)
     end
   end
 end
