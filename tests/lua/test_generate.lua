@@ -1,0 +1,226 @@
+-- test_generate.lua — decoding with a key/value cache (lua/luazero/generate.lua,
+-- CausalLM:forward_cached, core/kernels/attention_decode.c): its logits are
+-- the full forward's, position by position, for GPT-2 (learned positions)
+-- and Llama (rotary, grouped-query), prompt by prompt or rows of different
+-- lengths together; a bf16 cache stays close; the choice of the next token
+-- (greedy, top-k, top-p, eos); and the kernel's refusals.
+local ffi = require("ffi")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local models = require("models.registry")
+local generate = require("luazero.generate")
+
+local T = {}
+local eq = support.eq
+
+local function model_of(name, overrides, seed)
+  local m = models.new(models.config(name, overrides))
+  m:allocate()
+  m:init_weights(seed or 5)
+  return m
+end
+
+local function ids_tensor(ids)
+  return lz.from_table(ids, { 1, #ids }, "i32", "workspace")
+end
+
+-- Pseudo-random token ids below V.
+local function some_ids(n, V, k)
+  local ids = {}
+  for i = 1, n do ids[i] = (i * 7919 + (k or 0) * 104729) % V end
+  return ids
+end
+
+-- The full forward's logits of `ids`, a host copy [#ids * Vp].
+local function full_logits(m, ids)
+  m:prepare(1, #ids)
+  local t = ids_tensor(ids)
+  local _, logits = m:forward(t, nil)
+  local copy = lz.tensor({ logits:numel() }, "f32", "workspace"):copy(logits:view(0, { logits:numel() }))
+  t:free()
+  return copy
+end
+
+-- The largest difference between position t's logits of the cached run
+-- (row b of logits [B, T', Vp] at t') and the full forward's.
+local function max_diff(cached, b, tc, full, t, V)
+  local Tc, Vp = cached:dim(2), cached:dim(3)
+  local a = ffi.cast("float *", cached.data) + ((b - 1) * Tc + tc) * Vp
+  local f = ffi.cast("float *", full.data) + t * Vp
+  local d = 0
+  for j = 0, V - 1 do d = math.max(d, math.abs(a[j] - f[j])) end
+  return d
+end
+
+-- Prompt of 5 in one call, then one position per call: every position's
+-- logits within tol of the full forward's over the same ids.
+local function check_cached_equals_full(m, dtype, tol)
+  local V, n, k = m.cfg.vocab, 12, 5
+  local ids = some_ids(n, V)
+  local full = full_logits(m, ids)
+  local cache = generate.Cache.new(m, 1, n, dtype)
+  local prompt = ids_tensor({ unpack(ids, 1, k) })
+  m:prepare(1, n)
+  local logits = m:forward_cached(prompt, cache)
+  local worst = 0
+  for t = 0, k - 1 do worst = math.max(worst, max_diff(logits, 1, t, full, t, V)) end
+  for t = k, n - 1 do
+    local one = ids_tensor({ ids[t + 1] })
+    logits = m:forward_cached(one, cache)
+    worst = math.max(worst, max_diff(logits, 1, 0, full, t, V))
+    one:free()
+  end
+  eq(cache.at[1], n, "positions cached")
+  prompt:free(); full:free(); cache:free()
+  assert(worst <= tol, ("%s cache: logits differ from the full forward's by %g (tolerance %g)")
+         :format(dtype, worst, tol))
+  return worst
+end
+
+function T.gpt2_cached_logits_equal_the_full_forward()
+  local m = model_of("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 32 })
+  check_cached_equals_full(m, "f32", 1e-5)
+  m:free()
+end
+
+function T.llama_cached_logits_equal_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32 })
+  check_cached_equals_full(m, "f32", 1e-5)
+  m:free()
+end
+
+-- A bf16 cache rounds keys and values once: close, not the same.
+function T.bf16_cache_is_close_to_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32 })
+  local worst = check_cached_equals_full(m, "bf16", 5e-2)
+  assert(worst > 0, "a bf16 cache should round something")
+  m:free()
+end
+
+-- Rows of different lengths decode together: row b at its own position
+-- (GPT-2's position table and Llama's rotation per row).
+function T.rows_at_different_positions_decode_together()
+  for _, spec in ipairs({ { "gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 32 } },
+                          { "llama-tiny", { context = 32 } } }) do
+    local m = model_of(spec[1], spec[2])
+    local V = m.cfg.vocab
+    local rows = { some_ids(9, V, 1), some_ids(4, V, 2), some_ids(7, V, 3) }
+    local steps = 3
+    local fulls = {}
+    for b, ids in ipairs(rows) do fulls[b] = full_logits(m, ids) end
+    local cache = generate.Cache.new(m, 3, 9, "f32")
+    m:prepare(1, 9)
+    local prompt_len = { 6, 1, 4 }
+    for b, ids in ipairs(rows) do
+      local p = ids_tensor({ unpack(ids, 1, prompt_len[b]) })
+      m:forward_cached(p, cache:row(b))
+      p:free()
+    end
+    eq(cache.at[2], 1, "row 2's cached positions")
+    local worst = 0
+    for s = 0, steps - 1 do
+      local next_ids = {}
+      for b = 1, 3 do next_ids[b] = rows[b][prompt_len[b] + s + 1] end
+      local t = lz.from_table(next_ids, { 3, 1 }, "i32", "workspace")
+      local logits = m:forward_cached(t, cache)
+      for b = 1, 3 do
+        worst = math.max(worst, max_diff(logits, b, 0, fulls[b], prompt_len[b] + s, V))
+      end
+      t:free()
+    end
+    for _, f in ipairs(fulls) do f:free() end
+    cache:free()
+    m:free()
+    assert(worst <= 1e-5, ("%s: batched rows differ by %g"):format(spec[1], worst))
+  end
+end
+
+-- Greedy continuation through the cache is the argmax of the full forward
+-- over the growing sequence, token for token.
+function T.greedy_run_follows_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32 }, 11)
+  local V = m.cfg.vocab
+  local prompts = { some_ids(5, V, 1), some_ids(2, V, 2) }
+  local outs = generate.run(m, prompts, { max_new = 6, temperature = 0 })
+  for i, p in ipairs(prompts) do
+    local seq = { unpack(p) }
+    for k = 1, 6 do
+      local full = full_logits(m, seq)
+      local row = ffi.cast("float *", full.data) + (#seq - 1) * m.cfg.padded_vocab
+      local want = generate.pick(row, V, { temperature = 0 })
+      full:free()
+      eq(outs[i].ids[k], want, ("prompt %d, new token %d"):format(i, k))
+      seq[#seq + 1] = want
+    end
+    eq(outs[i].reason, "length", "reason")
+  end
+  m:free()
+end
+
+-- eos ends a row (the id kept); stop() ends it; the context ends it.
+function T.rows_end_at_eos_stop_or_the_context()
+  local m = model_of("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 16 }, 3)
+  local V = m.cfg.vocab
+  local prompt = some_ids(4, V)
+  local free_run = generate.run(m, { prompt }, { max_new = 8 })[1]
+  local eos_id = free_run.ids[3]
+  local first = 1
+  while free_run.ids[first] ~= eos_id do first = first + 1 end
+  local o = generate.run(m, { prompt, prompt }, { max_new = 8, eos = { [eos_id] = true } })
+  for i = 1, 2 do
+    eq(#o[i].ids, first, "ids up to eos")
+    eq(o[i].reason, "eos", "reason")
+  end
+  o = generate.run(m, { prompt }, { max_new = 8, stop = function(_, ids) return #ids == 2 end })[1]
+  eq(#o.ids, 2, "ids up to stop"); eq(o.reason, "stop", "reason")
+  o = generate.run(m, { some_ids(10, V) }, { max_new = 100 })[1]
+  eq(#o.ids, 7, "ids up to the context (16 - 10 + 1)"); eq(o.reason, "context", "reason")
+  m:free()
+end
+
+-- Sampling: top_k = 1 is greedy; a seed repeats; top_p keeps the likeliest.
+function T.sampling_follows_temperature_top_k_and_top_p()
+  local V = 5
+  local row = ffi.new("float[5]", { 1.0, 3.0, 2.0, 3.0, -1.0 })
+  eq(generate.pick(row, V, { temperature = 0 }), 1, "greedy takes the first largest")
+  local r = require("luazero.rng").new(1, 4)
+  local tied = {}
+  for _ = 1, 100 do
+    local k1 = generate.pick(row, V, { temperature = 1, top_k = 1 }, r)
+    assert(k1 == 1 or k1 == 3, "top_k 1 keeps the largest and its ties; got " .. k1)
+    tied[k1] = true
+  end
+  assert(tied[1] and tied[3], "top_k 1 keeps both ids tied for the largest")
+  local plain = ffi.new("float[5]", { 1.0, 3.5, 2.0, 3.0, -1.0 })
+  for _ = 1, 20 do
+    eq(generate.pick(plain, V, { temperature = 1, top_k = 1 }, r), 1, "top_k 1 is greedy")
+  end
+  local seen = {}
+  for _ = 1, 200 do
+    local id = generate.pick(row, V, { temperature = 1, top_p = 0.5 }, r)
+    seen[id] = true
+  end
+  -- p(1) = p(3) ~ 0.4 each: the set reaching 0.5 is {1, 3}
+  assert(seen[1] and seen[3] and not seen[0] and not seen[2] and not seen[4],
+         "top_p 0.5 keeps ids 1 and 3")
+  local a, b = {}, {}
+  local ra, rb = require("luazero.rng").new(9, 4), require("luazero.rng").new(9, 4)
+  for i = 1, 10 do
+    a[i] = generate.pick(row, V, { temperature = 2 }, ra)
+    b[i] = generate.pick(row, V, { temperature = 2 }, rb)
+  end
+  eq(table.concat(a, ","), table.concat(b, ","), "one seed, one draw")
+end
+
+function T.decode_kernel_refuses_a_full_cache()
+  local m = model_of("llama-tiny", { context = 32 })
+  local cache = generate.Cache.new(m, 1, 4, "f32")
+  m:prepare(1, 8)
+  local t = ids_tensor(some_ids(5, 256))
+  local ok, err = pcall(m.forward_cached, m, t, cache)
+  assert(not ok and tostring(err):find("row 0 holds 0 cached positions and 5 new ones come; " ..
+                                       "the cache has room for 4", 1, true), tostring(err))
+  t:free(); cache:free(); m:free()
+end
+
+return T
