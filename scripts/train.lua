@@ -32,6 +32,7 @@ local spec = {
   { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
   { "tokenizer", "string", nil, "the tokenizer.json the data was prepared with: the sample is decoded with it" },
   { "data", "string", nil, "a text file (bytes are tokens) or a token file (tools/prepare-data)" },
+  { "val-data", "string", nil, "validation from this file (text or token file), all of --data trains (default: the last 10% of --data)" },
   { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)" },
   { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
   { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
@@ -347,7 +348,8 @@ end
 local function check_log_target(flags)
   if not flags.log then return end
   local atomic = require("luazero.io.atomic")
-  for _, f in ipairs({ "data", "resume", "save", "init", "tokenizer", "config", "model_config" }) do
+  for _, f in ipairs({ "data", "val_data", "resume", "save", "init", "tokenizer", "config",
+                       "model_config" }) do
     if flags[f] then
       checked(atomic.refuse_overlap, flags.log, "--log", flags[f], "--" .. f:gsub("_", "-"))
     end
@@ -463,7 +465,14 @@ local function set_up(flags)
   local schedule, sched, warmup = schedule_of(cfg, flags)
   local corpus = checked(data.load, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
-                                                vocab = mcfg.vocab, rank = rank, world = world })
+                                                vocab = mcfg.vocab, rank = rank, world = world,
+                                                val_fraction = flags.val_data and 0 or nil })
+  -- --val-data: its windows are the validation batches; --data trains whole.
+  local val_corpus = flags.val_data and checked(data.load, flags.val_data)
+  local val_loader = val_corpus and
+                     checked(require("luazero.held_out").loader, val_corpus,
+                             { B = B, T = T, seed = flags.seed, vocab = mcfg.vocab, rank = rank,
+                               world = world }) or loader
   local model = models.new(mcfg)
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end
@@ -497,8 +506,8 @@ local function set_up(flags)
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
     warmup = warmup, corpus = corpus, loader = loader, log = log, model = model,
-    engine = engine, n_val = math.min(flags.eval_batches, loader.val_batches), first = 1,
-    tok = tok,
+    engine = engine, n_val = math.min(flags.eval_batches, val_loader.val_batches), first = 1,
+    tok = tok, val_loader = val_loader, val_corpus = val_corpus,
   }
 end
 
@@ -530,8 +539,11 @@ local function say_start(run)
   say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
       :format(mcfg.name, mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.context, mcfg.vocab,
               run.model:count_params() / 1e6))
-  say(("data %s (%s): %d tokens, %d for training, %d held out; %s")
-      :format(run.corpus.path, run.corpus.kind, run.corpus.count, loader.n_train, loader.n_val,
+  local vc = run.val_corpus
+  say(("data %s (%s): %d tokens, %d for training, %d held out%s; %s")
+      :format(run.corpus.path, run.corpus.kind, run.corpus.count, loader.n_train,
+              vc and vc.count or loader.n_val,
+              vc and (" in --val-data %s (%s)"):format(vc.path, vc.kind) or "",
               run.n_val > 0 and ("validation on " .. run.n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
   if run.flags.checkpoint_activations then
@@ -616,7 +628,7 @@ local function train_step(run, step)
   if prof then rec.checkpoint_ms = prof end
   if run.n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or
                         step == flags.steps) then
-    rec.val_loss = checked_rank(engine.evaluate, engine, run.loader, run.n_val)
+    rec.val_loss = checked_rank(engine.evaluate, engine, run.val_loader, run.n_val)
     run.model:checkpoint_profile(true) -- the next step's profile counts training only
   end
   -- A skipped step's overflow is in its gradients (fp16 loss scaling); a
@@ -702,6 +714,10 @@ local function finish(run)
   run.engine:free()
   run.loader:free()
   run.corpus.tokens:free()
+  if run.val_corpus then
+    run.val_loader:free()
+    run.val_corpus.tokens:free()
+  end
 end
 
 local function main(argv)
@@ -722,7 +738,7 @@ local function main(argv)
   -- No step ran (--steps 0 with --init, or a resume at its last step): the
   -- validation loss of the weights as loaded, to the last bit.
   if run.first > flags.steps and run.n_val > 0 then
-    local v = checked_rank(run.engine.evaluate, run.engine, run.loader, run.n_val)
+    local v = checked_rank(run.engine.evaluate, run.engine, run.val_loader, run.n_val)
     if not (math.abs(v) < math.huge) then
       user_error(("the validation loss is %s: %s give a non-finite loss; check those weights")
                  :format(tostring(v), starting_weights(flags)))

@@ -3,7 +3,10 @@
 -- the full forward's, position by position, for GPT-2 (learned positions)
 -- and Llama (rotary, grouped-query), prompt by prompt or rows of different
 -- lengths together; a bf16 cache stays close; the choice of the next token
--- (greedy, top-k, top-p, eos); and the kernel's refusals.
+-- (greedy, top-k, top-p, eos); and the kernel's refusals. Then the
+-- scripts: a checkpoint's scripts/eval.lua loss is the val_loss
+-- scripts/train.lua --val-data logged for it, and scripts/generate.lua
+-- continues prompts from a checkpoint as luazero.generate does.
 local ffi = require("ffi")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
@@ -221,6 +224,86 @@ function T.decode_kernel_refuses_a_full_cache()
   assert(not ok and tostring(err):find("row 0 holds 0 cached positions and 5 new ones come; " ..
                                        "the cache has room for 4", 1, true), tostring(err))
   t:free(); cache:free(); m:free()
+end
+
+------------------------------------------------------------- scripts
+
+local q = support.quote
+local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
+              "--micro-batch 2 --sample 0 --seed 7 "
+
+local function corpus(n, k)
+  local lines = {}
+  for i = 1, n do lines[i] = ("line %d of part %d: %d words\n"):format(i, k, (i * 7919) % 1000) end
+  return table.concat(lines)
+end
+
+local function script(name, flags)
+  return support.sh(("cd %s && %s scripts/%s.lua %s"):format(q(lz.root), q(lz.executable()),
+                                                            name, flags))
+end
+
+-- The checkpoint of a short run validated on --val-data, its log and files.
+local function trained(extra)
+  local write, dir = support.scratch()
+  local train, val = write("train.txt", corpus(300, 1)), write("val.txt", corpus(40, 2))
+  local out, st = script("train", MODEL .. ("--data %s --val-data %s --steps 3 --eval-batches " ..
+                                            "1000 --save %s/ck --log %s/log.jsonl %s")
+                                          :format(q(train), q(val), dir, dir, extra or ""))
+  assert(st == 0, out)
+  assert(out:find(" held out in --val-data " .. val, 1, true), out)
+  return dir, train, val, out
+end
+
+function T.eval_of_a_checkpoint_is_the_val_loss_train_logged()
+  for _, dtype in ipairs({ "fp32", "bf16" }) do
+    local dir, train, val = trained("--dtype " .. dtype)
+    local recs = support.records(dir .. "/log.jsonl")
+    local logged = assert(recs[3].val_loss, "step 3 logs val_loss")
+    -- The run at its saved step prints the loss of the weights to the last bit.
+    local again, st = script("train", MODEL .. ("--data %s --val-data %s --steps 3 " ..
+                             "--eval-batches 1000 --resume %s/ck --dtype %s")
+                             :format(q(train), q(val), dir, dtype))
+    assert(st == 0, again)
+    local exact = assert(again:match("val_loss (%S+)"), again)
+    local out, st2 = script("eval", ("--load %s/ck --data %s --seq-len 16"):format(dir, q(val)))
+    assert(st2 == 0, out)
+    eq(out:match("val_loss (%S+)"), exact, dtype .. ": eval's loss, to the last bit")
+    assert(math.abs(tonumber(exact) - logged) <= 1e-12 * logged, dtype .. ": the logged val_loss")
+    local batches = tonumber(out:match("over (%d+) batches"))
+    -- 40 lines of the val file, in windows of 2 x 16 tokens
+    local f = io.open(val, "rb"); local n = #f:read("*a"); f:close()
+    eq(batches, math.floor((n - 1) / 32), "eval walks the whole file")
+    local ppl = tonumber(out:match("perplexity (%S+)"))
+    assert(math.abs(ppl - math.exp(tonumber(exact))) < 1e-3, "perplexity is exp(loss)")
+    out = script("eval", ("--load %s/ck --data %s --seq-len 16 --max-batches 2 --json")
+                         :format(dir, q(val)))
+    eq(require("cjson").decode(out).batches, 2, "--max-batches")
+  end
+end
+
+function T.generate_continues_prompts_from_a_checkpoint()
+  local dir = trained()
+  local out, st = script("generate", ("--load %s/ck --prompt-ids 108,105,110 --prompt 'line 7' " ..
+                                      "--max-new-tokens 5 --out %s/o.jsonl"):format(dir, dir))
+  assert(st == 0, out)
+  local recs = support.records(dir .. "/o.jsonl")
+  eq(#recs, 2, "one record per prompt")
+  -- --prompt first, then --prompt-ids
+  eq(table.concat(recs[1].prompt_ids, ","), "108,105,110,101,32,55", "'line 7' as bytes")
+  eq(table.concat(recs[2].prompt_ids, ","), "108,105,110", "prompt ids")
+  -- The same continuation as luazero.generate on the checkpoint's weights.
+  local w = require("luazero.inference").open({ load = dir .. "/ck" })
+  local o = generate.run(w.model, { { 108, 105, 110 } }, { max_new = 5 })
+  w.free()
+  eq(table.concat(recs[2].ids, ","), table.concat(o[1].ids, ","), "greedy ids")
+  eq(#recs[2].ids, 5, "--max-new-tokens"); eq(recs[2].finish, "length", "finish")
+  out, st = script("generate", ("--load %s/ck --prompt hi --top-p 0"):format(dir))
+  assert(st == 2 and out:find("generate: --top-p must be in (0, 1]", 1, true), out)
+  out, st = script("generate", ("--load %s/ck"):format(dir))
+  assert(st == 2 and out:find("no prompt: give --prompt TEXT", 1, true), out)
+  out, st = script("generate", ("--load %s/ck --prompt x --chat"):format(dir))
+  assert(st == 2 and out:find("--chat needs the model's Hugging Face folder", 1, true), out)
 end
 
 return T
