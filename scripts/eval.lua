@@ -14,7 +14,9 @@ local held_out = require("luazero.held_out")
 local inference = require("luazero.inference")
 
 local spec = {
-  { "load", "string", nil, "a luazero checkpoint: a step folder or a --save folder (its latest)" },
+  { "load", "string", nil, "a luazero checkpoint: a step folder, a --save folder (its latest) or a consolidated file" },
+  { "model", "string", nil, "with --load FILE (tools/ckpt consolidate's): the model's named size" },
+  { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
   { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors)" },
   { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
   { "data", "string", nil, "the held-out file: text (bytes are tokens) or a token file, all of it" },
@@ -47,13 +49,14 @@ local function main(argv)
   local corpus = checked(data.load, flags.data)
   -- The batch: a checkpoint's micro-batch unless given.
   local B = flags.micro_batch
-  if not B and flags.load then
+  if not B and flags.load and require("luazero.io.fs").is_dir(flags.load) then
     local checkpoint = require("luazero.checkpoint")
     local m = checked(function() return checkpoint.read_manifest(checkpoint.resolve(flags.load)) end)
     B = type(m.config) == "table" and tonumber(m.config.train_micro_batch_size_per_gpu) or nil
   end
   B = B or 8
   local w = checked(inference.open, { load = flags.load, hf = flags.hf, adapters = flags.adapters,
+                                      model = flags.model, model_config = flags.model_config,
                                       dtype = flags.dtype, micro_batch = B,
                                       seq_len = flags.seq_len })
   local T = flags.seq_len or w.cfg.context

@@ -11,7 +11,9 @@ local generate = require("luazero.generate")
 local inference = require("luazero.inference")
 
 local spec = {
-  { "load", "string", nil, "a luazero checkpoint: a step folder or a --save folder (its latest)" },
+  { "load", "string", nil, "a luazero checkpoint: a step folder, a --save folder (its latest) or a consolidated file" },
+  { "model", "string", nil, "with --load FILE (tools/ckpt consolidate's): the model's named size" },
+  { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
   { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)" },
   { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
   { "tokenizer", "string", nil, "a tokenizer.json (default: the model folder's; none: bytes are tokens)" },
@@ -212,6 +214,7 @@ local function main(argv)
   if not flags then return end
   local list = read_prompts(flags)
   local w = checked(inference.open, { load = flags.load, hf = flags.hf, adapters = flags.adapters,
+                                      model = flags.model, model_config = flags.model_config,
                                       dtype = flags.dtype, seed = flags.seed })
   local side = text_side(flags, w)
   local prompts = prompt_ids(list, side, flags)

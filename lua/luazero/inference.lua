@@ -1,7 +1,9 @@
 -- inference.lua — a model with trained weights, for generation and
 -- evaluation (scripts/generate.lua, scripts/eval.lua), from:
 --   load      a luazero checkpoint: a step folder, or a --save folder (its
---             latest); a LoRA run's brings its base from the run's --init
+--             latest); a LoRA run's brings its base from the run's --init.
+--             Or a consolidated file (tools/ckpt consolidate), the model
+--             named by model / model_config
 --   hf        a Hugging Face folder (config.json, *.safetensors), as
 --             scripts/train.lua --init reads it
 --   adapters  with hf: PEFT adapters (adapter_config.json,
@@ -76,12 +78,51 @@ end
 
 -- A one-rank stage 0 engine over model, its optimizer the one whose states
 -- a checkpoint holds (engine:load refuses others).
-local function engine_for(model, dtype, batch, optimizer, seed)
+local function engine_for(model, dtype, batch, optimizer, seed, draw)
   local cfg = config.load({ optimizer = { type = optimizer, params = { lr = 1e-3 } } }, 1,
                           { stage = 0, dtype = dtype, micro_batch = batch[1], grad_accum = 1 })
   return zero.initialize({ model = model, config = cfg, seed = seed or 0, batch = batch,
                            lr = function() return 0 end, comm = require("luazero.comm").init(),
-                           device = "cpu", draw_weights = false })
+                           device = "cpu", draw_weights = draw ~= nil })
+end
+
+-- Canonical elements from a source into the engine's master: read(c, n,
+-- dst) fills dst with canonical elements c .. c + n - 1.
+local function fill_master(engine, read)
+  local runs = engine:state_layout().runs
+  engine:visit_states(true, function(off, master)
+    local len = master:numel()
+    local dst = ffi.cast("float *", master.data)
+    for _, r in ipairs(runs) do
+      local a, b = math.max(r.offset, off), math.min(r.offset + r.numel, off + len)
+      if b > a then read(r.canonical + a - r.offset, b - a, dst + (a - off)) end
+    end
+  end)
+  engine:after_load()
+end
+
+local CONSOLIDATED_MAGIC = 20240521
+
+-- A consolidated file's header, checked against the model.
+local function consolidated(path, model)
+  local f, why = io.open(path, "rb")
+  if not f then fail("--load %s: cannot read it (%s)", path, tostring(why)) end
+  local raw = f:read(1024)
+  local h = raw and #raw == 1024 and ffi.cast("const int32_t *", raw)
+  if not h or h[0] ~= CONSOLIDATED_MAGIC then
+    f:close()
+    fail("--load %s: not a checkpoint folder nor a consolidated file (magic %d); give a step " ..
+         "folder, a --save folder or tools/ckpt consolidate's output", path, CONSOLIDATED_MAGIC)
+  end
+  local numel = tonumber(ffi.cast("const uint32_t *", raw)[3]) + h[4] * 2 ^ 32
+  local _, n = model:trainable_table()
+  if h[2] ~= #model.param_table or numel ~= n then
+    f:close()
+    fail("--load %s holds %d tensors, %d elements; this model (%s) has %d tensors, %d " ..
+         "elements: give the --model / --model-config it was trained as", path, h[2], numel,
+         tostring(model.cfg.name), #model.param_table, n)
+  end
+  return f
 end
 
 -- PEFT adapters into the engine's master (the trainable parameters are the
@@ -92,7 +133,7 @@ local function load_adapters(engine, dir)
   local ok, err = pcall(function()
     local by_name = {}
     for _, n in ipairs(st.names) do by_name[(n:gsub("^base_model%.model%.", ""))] = st.tensors[n] end
-    local params, runs = engine.ptable, engine:state_layout().runs
+    local params = engine.ptable
     for _, p in ipairs(params) do
       local t = by_name[p.name]
       if not t then
@@ -104,31 +145,24 @@ local function load_adapters(engine, dir)
              "differ?)", dir, p.name, t.numel, p.numel)
       end
     end
-    engine:visit_states(true, function(off, master)
-      local len = master:numel()
-      local dst = ffi.cast("float *", master.data)
-      for _, r in ipairs(runs) do
-        local a, b = math.max(r.offset, off), math.min(r.offset + r.numel, off + len)
-        local c = r.canonical + a - r.offset
-        while a < b do
-          -- the parameter holding canonical element c
-          local p
-          for _, e in ipairs(params) do
-            if c >= e.offset and c < e.offset + e.numel then p = e; break end
-          end
-          local k = math.min(b - a, p.offset + p.numel - c)
-          st:read(by_name[p.name], c - p.offset, k, dst + (a - off))
-          a, c = a + k, c + k
+    fill_master(engine, function(c, n, dst)
+      while n > 0 do
+        local p
+        for _, e in ipairs(params) do
+          if c >= e.offset and c < e.offset + e.numel then p = e; break end
         end
+        local k = math.min(n, p.offset + p.numel - c)
+        st:read(by_name[p.name], c - p.offset, k, dst)
+        c, n, dst = c + k, n - k, dst + k
       end
     end)
   end)
   st:close()
   if not ok then error(err, 0) end
-  engine:after_load()
 end
 
--- opts: load | hf (one of them), adapters (with hf), dtype ("fp32",
+-- opts: load | hf (one of them), adapters (with hf), model / model_config
+-- (with a consolidated file: a named size or a config.json), dtype ("fp32",
 -- "bf16"; default: a checkpoint's own, else fp32), micro_batch and seq_len
 -- (the largest batch it runs: default 1 x the model's context), seed. Returns { model,
 -- engine, cfg (the model config), manifest (with load), dir (a Hugging Face
@@ -142,17 +176,32 @@ function M.open(opts)
          "LoRA checkpoint given to --load brings its own", opts.adapters)
   end
   local w = { dir = opts.hf }
-  local dtype, lora, init, optimizer = opts.dtype, nil, nil, "AdamW"
-  if opts.load then
+  local dtype, lora, init, optimizer, draw_seed = opts.dtype, nil, nil, "AdamW", nil
+  local file = opts.load and not require("luazero.io.fs").is_dir(opts.load) and opts.load
+  if file then
+    if not opts.model and not opts.model_config then
+      fail("--load %s is a file: a consolidated file says no model; add --model NAME or " ..
+           "--model-config config.json", file)
+    end
+    w.cfg = opts.model_config and hf.model_config(models, opts.model_config, {}) or
+            models.config(opts.model, {})
+  elseif opts.load then
     local checkpoint = require("luazero.checkpoint")
     local dir = checkpoint.resolve(opts.load)
     local m = checkpoint.read_manifest(dir)
     w.manifest, w.cfg = m, config_of_manifest(m, opts.load)
     dtype = dtype or m.dtype
     if #(m.states or { 1, 2, 3 }) == 2 then optimizer = "Lion" end
-    if m.lora then
+    if m.lora and not m.init then
+      -- a LoRA run without --init adapted weights drawn from its seed
+      lora, draw_seed = m.lora, type(m.extra) == "table" and tonumber(m.extra.seed)
+      if not draw_seed then
+        fail("--load %s: a LoRA checkpoint that records neither its base (--init) nor its " ..
+             "seed", opts.load)
+      end
+    elseif m.lora then
       lora, init = m.lora, m.init
-      if not init or not exists(init) then
+      if not exists(init) then
         fail("--load %s: a LoRA checkpoint whose base weights (%s) are not there; give the " ..
              "folder it was trained from there, or export merged weights with tools/ckpt " ..
              "export --merge-lora", opts.load, tostring(init))
@@ -183,10 +232,22 @@ function M.open(opts)
     fail("--seq-len %d is longer than the model's context %d", T, w.cfg.context)
   end
   local batch = { opts.micro_batch or 1, T }
-  local engine = engine_for(model, dtype, batch, optimizer, opts.seed)
+  local engine = engine_for(model, dtype, batch, optimizer, draw_seed or opts.seed, draw_seed)
   w.model, w.engine, w.dtype = model, engine, dtype
   if init then hf.load_into(engine, init) end
-  if opts.load then engine:load(opts.load) end
+  if file then
+    local f = consolidated(file, model)
+    local ok, err = pcall(fill_master, engine, function(c, n, dst)
+      f:seek("set", 1024 + 4 * c)
+      local bytes = f:read(4 * n)
+      if not bytes or #bytes ~= 4 * n then fail("--load %s: cut short", file) end
+      ffi.copy(dst, bytes, 4 * n)
+    end)
+    f:close()
+    if not ok then error(err, 0) end
+  elseif opts.load then
+    engine:load(opts.load)
+  end
   if opts.adapters then load_adapters(engine, opts.adapters) end
   function w.free()
     engine:free()

@@ -306,4 +306,51 @@ function T.generate_continues_prompts_from_a_checkpoint()
   assert(st == 2 and out:find("--chat needs the model's Hugging Face folder", 1, true), out)
 end
 
+-- A consolidated file (with the model's config.json) and a LoRA run's
+-- checkpoint (with its base from --init, or the adapters exported for PEFT
+-- on that base) give what their checkpoints give.
+function T.consolidated_files_and_lora_adapters_load_alike()
+  local dir = trained()
+  local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))
+  local out, st = support.sh(("%s consolidate %s/ck %s/all.bin && %s export %s/ck %s/hf")
+                             :format(ckpt, dir, dir, ckpt, dir, dir))
+  assert(st == 0, out)
+  local ids = {}
+  for _, src in ipairs({ "--load " .. dir .. "/ck",
+                         ("--load %s/all.bin --model-config %s/hf/config.json"):format(dir, dir),
+                         "--hf " .. dir .. "/hf" }) do
+    out, st = script("generate", src .. " --prompt-ids 108,105 --max-new-tokens 6 --out " ..
+                     dir .. "/g.jsonl")
+    assert(st == 0, out)
+    ids[#ids + 1] = table.concat(support.records(dir .. "/g.jsonl")[1].ids, ",")
+  end
+  eq(ids[2], ids[1], "consolidated file"); eq(ids[3], ids[1], "exported folder")
+  out, st = script("generate", ("--load %s/all.bin --prompt x"):format(dir))
+  assert(st == 2 and out:find("add --model NAME or --model-config", 1, true), out)
+  -- LoRA on the exported folder
+  local lora = "--model llama-tiny --context 32 --seq-len 16 --micro-batch 2 --sample 0 --seed 7 "
+  local write = support.scratch()
+  local data = write("d.txt", corpus(200, 3))
+  out, st = script("train", lora .. ("--data %s --steps 2 --save %s/base"):format(q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s export %s/base %s/lhf"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  out, st = script("train", ("--init %s/lhf --seq-len 16 --micro-batch 2 --sample 0 --seed 7 " ..
+                             "--data %s --steps 3 --lora-r 4 --lr 3e-2 --save %s/lora")
+                            :format(dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s export %s/lora %s/adapters"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  local got = {}
+  for _, src in ipairs({ "--load " .. dir .. "/lora",
+                         ("--hf %s/lhf --adapters %s/adapters"):format(dir, dir),
+                         "--hf " .. dir .. "/lhf" }) do
+    out, st = script("eval", src .. (" --data %s --seq-len 16 --micro-batch 2"):format(q(data)))
+    assert(st == 0, out)
+    got[#got + 1] = out:match("val_loss (%S+)")
+  end
+  eq(got[2], got[1], "eval: the PEFT adapters on their base, as the LoRA checkpoint")
+  assert(got[3] ~= got[1], "the adapters change the loss")
+end
+
 return T
