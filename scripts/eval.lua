@@ -55,7 +55,8 @@ local function main(argv)
     B = type(m.config) == "table" and tonumber(m.config.train_micro_batch_size_per_gpu) or nil
   end
   B = B or 8
-  local w = checked(inference.open, { load = flags.load, hf = flags.hf, adapters = flags.adapters,
+  local w = checked(inference.open, { models = require("models.registry"),
+                                      lora = require("models.lora"), load = flags.load, hf = flags.hf, adapters = flags.adapters,
                                       model = flags.model, model_config = flags.model_config,
                                       dtype = flags.dtype, micro_batch = B,
                                       seq_len = flags.seq_len })

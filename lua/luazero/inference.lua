@@ -11,10 +11,13 @@
 -- The weights sit in a one-rank ZeRO stage 0 engine, loaded the way
 -- training loads them (hf.load_into, engine:load), and the model computes
 -- in the engine's dtype: a checkpoint's own (the one its validation loss
--- was measured in) unless one is given.
+-- was measured in) unless one is given. The caller gives the model
+-- families (this layer does not reach up to models/): models.registry and
+-- models.lora.
 --
 --   local inference = require("luazero.inference")
---   local w = inference.open({ load = "runs/ck", batch = { 8, 256 } })
+--   local w = inference.open({ models = require("models.registry"), lora = require("models.lora"),
+--                              load = "runs/ck", micro_batch = 8, seq_len = 256 })
 --   w.model:forward(tokens, targets) ... w:free()
 local ffi = require("ffi")
 local cjson = require("cjson")
@@ -22,7 +25,6 @@ local lz = require("luazero")
 local config = require("luazero.config")
 local hf = require("luazero.hf")
 local zero = require("luazero.zero")
-local models = require("models.registry")
 
 local M = {}
 
@@ -47,7 +49,7 @@ end
 -- The model config a checkpoint was saved with: a named size with the
 -- overrides scripts/train.lua takes, else (a --model-config or --init
 -- run's) its config.json form read back.
-local function config_of_manifest(m, dir)
+local function config_of_manifest(models, m, dir)
   local saved = m.model and m.model.config
   if type(saved) ~= "table" or not saved.family then
     fail("--load %s: its manifest.json holds no model config; load a checkpoint saved by " ..
@@ -161,13 +163,15 @@ local function load_adapters(engine, dir)
   if not ok then error(err, 0) end
 end
 
--- opts: load | hf (one of them), adapters (with hf), model / model_config
--- (with a consolidated file: a named size or a config.json), dtype ("fp32",
--- "bf16"; default: a checkpoint's own, else fp32), micro_batch and seq_len
--- (the largest batch it runs: default 1 x the model's context), seed. Returns { model,
--- engine, cfg (the model config), manifest (with load), dir (a Hugging Face
--- folder for the tokenizer: hf's, or a checkpoint's --init), free }.
+-- opts: models, lora (above), load | hf (one of them), adapters (with hf),
+-- model / model_config (with a consolidated file: a named size or a
+-- config.json), dtype ("fp32", "bf16"; default: a checkpoint's own, else
+-- fp32), micro_batch and seq_len (the largest batch it runs: default 1 x
+-- the model's context), seed. Returns { model, engine, cfg (the model
+-- config), manifest (with load), dir (a Hugging Face folder for the
+-- tokenizer: hf's, or a checkpoint's --init), free }.
 function M.open(opts)
+  local models = assert(opts.models, "inference.open: opts.models (models.registry) is required")
   if (opts.load ~= nil) == (opts.hf ~= nil) then
     fail("give --load DIR (a luazero checkpoint) or --hf DIR (a Hugging Face folder), one of them")
   end
@@ -189,7 +193,7 @@ function M.open(opts)
     local checkpoint = require("luazero.checkpoint")
     local dir = checkpoint.resolve(opts.load)
     local m = checkpoint.read_manifest(dir)
-    w.manifest, w.cfg = m, config_of_manifest(m, opts.load)
+    w.manifest, w.cfg = m, config_of_manifest(models, m, opts.load)
     dtype = dtype or m.dtype
     if #(m.states or { 1, 2, 3 }) == 2 then optimizer = "Lion" end
     if m.lora and not m.init then
@@ -223,8 +227,8 @@ function M.open(opts)
   dtype = dtype or "fp32"
   local model = models.new(w.cfg)
   if lora then
-    require("models.lora").apply(model, { r = lora.r, alpha = lora.alpha,
-                                          targets = targets_list(lora.targets) })
+    assert(opts.lora, "inference.open: opts.lora (models.lora) is required for adapters")
+    opts.lora.apply(model, { r = lora.r, alpha = lora.alpha, targets = targets_list(lora.targets) })
   end
   if init then hf.check(init, model) end
   local T = opts.seq_len or w.cfg.context

@@ -293,7 +293,7 @@ function T.generate_continues_prompts_from_a_checkpoint()
   eq(table.concat(recs[1].prompt_ids, ","), "108,105,110,101,32,55", "'line 7' as bytes")
   eq(table.concat(recs[2].prompt_ids, ","), "108,105,110", "prompt ids")
   -- The same continuation as luazero.generate on the checkpoint's weights.
-  local w = require("luazero.inference").open({ load = dir .. "/ck" })
+  local w = require("luazero.inference").open({ models = models, load = dir .. "/ck" })
   local o = generate.run(w.model, { { 108, 105, 110 } }, { max_new = 5 })
   w.free()
   eq(table.concat(recs[2].ids, ","), table.concat(o[1].ids, ","), "greedy ids")
