@@ -95,6 +95,20 @@ function M.pick(row, V, opts, r)
     end
     return best
   end
+  local k, top_p = opts.top_k or 0, opts.top_p or 1
+  if (k == 0 or k >= V) and top_p >= 1 then
+    -- the whole vocabulary: one pass for the sum, one for the draw, in id order
+    local max = row[0]
+    for j = 1, V - 1 do if row[j] > max then max = row[j] end end
+    local inv, sum = 1 / temperature, 0
+    for j = 0, V - 1 do sum = sum + math.exp((row[j] - max) * inv) end
+    local u = r:uniform() * sum
+    for j = 0, V - 1 do
+      u = u - math.exp((row[j] - max) * inv)
+      if u <= 0 then return j end
+    end
+    return V - 1
+  end
   local cand = {}
   for j = 0, V - 1 do cand[j + 1] = { id = j, l = row[j] / temperature } end
   table.sort(cand, function(a, b)
@@ -102,7 +116,6 @@ function M.pick(row, V, opts, r)
     return a.id < b.id
   end)
   local keep = #cand
-  local k = opts.top_k or 0
   if k > 0 and k < keep then
     -- ties with the k-th value stay, as torch.topk's threshold keeps them
     local kth = cand[k].l
@@ -114,7 +127,6 @@ function M.pick(row, V, opts, r)
     cand[i].p = math.exp(cand[i].l - max)
     sum = sum + cand[i].p
   end
-  local top_p = opts.top_p or 1
   if top_p < 1 then
     local acc, n = 0, 0
     for i = 1, keep do

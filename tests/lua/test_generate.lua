@@ -206,6 +206,19 @@ function T.sampling_follows_temperature_top_k_and_top_p()
   -- p(1) = p(3) ~ 0.4 each: the set reaching 0.5 is {1, 3}
   assert(seen[1] and seen[3] and not seen[0] and not seen[2] and not seen[4],
          "top_p 0.5 keeps ids 1 and 3")
+  -- the draw follows the softmax
+  local count, n = { [0] = 0, 0, 0, 0, 0 }, 4000
+  for _ = 1, n do
+    local id = generate.pick(row, V, { temperature = 1 }, r)
+    count[id] = count[id] + 1
+  end
+  local z = 0
+  for j = 0, 4 do z = z + math.exp(row[j]) end
+  for j = 0, 4 do
+    local want = math.exp(row[j]) / z
+    assert(math.abs(count[j] / n - want) < 0.03,
+           ("id %d drawn %.3f of the time, softmax %.3f"):format(j, count[j] / n, want))
+  end
   local a, b = {}, {}
   local ra, rb = require("luazero.rng").new(9, 4), require("luazero.rng").new(9, 4)
   for i = 1, 10 do
