@@ -230,6 +230,16 @@ function M.open(opts)
     assert(opts.lora, "inference.open: opts.lora (models.lora) is required for adapters")
     opts.lora.apply(model, { r = lora.r, alpha = lora.alpha, targets = targets_list(lora.targets) })
   end
+  if opts.hf and not lora then
+    -- Nothing trains here: frozen weights take no optimizer states (a
+    -- quarter of the memory in fp32). The engine wants one parameter that
+    -- trains: the smallest keeps that role (it never takes a step).
+    local keep = model.param_table[1]
+    for _, e in ipairs(model.param_table) do
+      if e.numel < keep.numel then keep = e end
+    end
+    model:freeze(function(name) return name ~= keep.name end)
+  end
   if init then hf.check(init, model) end
   local T = opts.seq_len or w.cfg.context
   if T > w.cfg.context then

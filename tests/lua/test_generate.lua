@@ -364,6 +364,12 @@ function T.consolidated_files_and_lora_adapters_load_alike()
   end
   eq(got[2], got[1], "eval: the PEFT adapters on their base, as the LoRA checkpoint")
   assert(got[3] ~= got[1], "the adapters change the loss")
+  -- the base alone (its weights frozen in the engine) as train.lua --init measures it
+  out, st = script("train", ("--init %s/lhf --seq-len 16 --micro-batch 2 --sample 0 --data %s " ..
+                             "--val-data %s --eval-batches 100000 --steps 0")
+                            :format(dir, q(data), q(data)))
+  assert(st == 0, out)
+  eq(got[3], out:match("val_loss (%S+)"), "eval --hf: train --init --steps 0's val_loss")
 end
 
 return T
