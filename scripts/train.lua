@@ -34,7 +34,7 @@ local spec = {
   { "data", "string", nil, "a text file (bytes are tokens) or a token file (tools/prepare-data)" },
   { "val-data", "string", nil, "validation from this file (text or token file), all of --data trains (default: the last 10% of --data)" },
   { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)" },
-  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
+  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else the model size's, else 8)" },
   { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
   { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
   { "lr", "number", nil, "peak learning rate (default: the model size's)" },
@@ -165,7 +165,7 @@ end
 -- The normalised DeepSpeed configuration: the file (or nothing) with the
 -- flags on top. Without a file, config.train_defaults stand in for what
 -- DeepSpeed would need from the script (micro-batch, clipping, AdamW); the
--- lr is the model size's unless --lr is given.
+-- lr (and a micro-batch the size names) is the model size's unless given.
 local function load_config(flags, world, model_cfg)
   local ov = {
     stage = flags.stage, dtype = flags.dtype, micro_batch = flags.micro_batch,
@@ -176,7 +176,7 @@ local function load_config(flags, world, model_cfg)
   local source = flags.config
   if not source then
     source = {}
-    ov.micro_batch = ov.micro_batch or td.micro_batch
+    ov.micro_batch = ov.micro_batch or model_cfg.micro_batch or td.micro_batch
     ov.grad_accum = ov.grad_accum or td.grad_accum
     ov.gradient_clipping = td.gradient_clipping
   end
