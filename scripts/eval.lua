@@ -51,12 +51,15 @@ local function main(argv)
   local B = flags.micro_batch
   if not B and flags.load and require("luazero.io.fs").is_dir(flags.load) then
     local checkpoint = require("luazero.checkpoint")
-    local m = checked(function() return checkpoint.read_manifest(checkpoint.resolve(flags.load)) end)
+    local m = checked(function()
+      return checkpoint.read_manifest(checkpoint.resolve(flags.load))
+    end)
     B = type(m.config) == "table" and tonumber(m.config.train_micro_batch_size_per_gpu) or nil
   end
   B = B or 8
   local w = checked(inference.open, { models = require("models.registry"),
-                                      lora = require("models.lora"), load = flags.load, hf = flags.hf, adapters = flags.adapters,
+                                      lora = require("models.lora"), load = flags.load,
+                                      hf = flags.hf, adapters = flags.adapters,
                                       model = flags.model, model_config = flags.model_config,
                                       dtype = flags.dtype, micro_batch = B,
                                       seq_len = flags.seq_len })

@@ -214,7 +214,8 @@ local function main(argv)
   if not flags then return end
   local list = read_prompts(flags)
   local w = checked(inference.open, { models = require("models.registry"),
-                                      lora = require("models.lora"), load = flags.load, hf = flags.hf, adapters = flags.adapters,
+                                      lora = require("models.lora"), load = flags.load,
+                                      hf = flags.hf, adapters = flags.adapters,
                                       model = flags.model, model_config = flags.model_config,
                                       dtype = flags.dtype, seed = flags.seed })
   local side = text_side(flags, w)

@@ -134,7 +134,9 @@ local function load_adapters(engine, dir)
   local st = require("luazero.checkpoint.safetensors").open(path)
   local ok, err = pcall(function()
     local by_name = {}
-    for _, n in ipairs(st.names) do by_name[(n:gsub("^base_model%.model%.", ""))] = st.tensors[n] end
+    for _, n in ipairs(st.names) do
+      by_name[(n:gsub("^base_model%.model%.", ""))] = st.tensors[n]
+    end
     local params = engine.ptable
     for _, p in ipairs(params) do
       local t = by_name[p.name]

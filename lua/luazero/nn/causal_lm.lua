@@ -176,7 +176,8 @@ function CausalLM:forward_cached(tokens, cache)
   for b = 1, B do
     if cache.at[b] + T > self.cfg.context then
       error(("generate: row %d would reach position %d, past the model's context %d; " ..
-             "shorten the prompt or --max-new-tokens"):format(b, cache.at[b] + T, self.cfg.context), 0)
+             "shorten the prompt or --max-new-tokens")
+            :format(b, cache.at[b] + T, self.cfg.context), 0)
     end
   end
   self:begin_forward(B, T)
