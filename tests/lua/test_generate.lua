@@ -372,4 +372,19 @@ function T.consolidated_files_and_lora_adapters_load_alike()
   eq(got[3], out:match("val_loss (%S+)"), "eval --hf: train --init --steps 0's val_loss")
 end
 
+-- A --val-data file too small for one batch, or absent: one line naming it.
+function T.val_data_too_small_or_absent_is_one_line()
+  local write = support.scratch()
+  local train, tiny = write("t.txt", corpus(100, 1)), write("v.txt", "short")
+  local out, st = script("train", MODEL .. ("--data %s --val-data %s --steps 1")
+                                          :format(q(train), q(tiny)))
+  assert(st == 2 and out:find("train: data: " .. tiny .. ": 5 tokens, too few for one " ..
+                              "validation batch of 2 x 16 (needs 33)", 1, true), out)
+  out, st = script("train", MODEL .. ("--data %s --val-data %s.gone --steps 1")
+                                     :format(q(train), q(tiny)))
+  assert(st == 2 and out:find("train: data: " .. tiny .. ".gone", 1, true), out)
+  out, st = script("eval", ("--hf %s --data %s"):format(q(tiny), q(train)))
+  assert(st == 2 and out:find("eval: --hf " .. tiny .. ": no config.json there", 1, true), out)
+end
+
 return T
