@@ -691,7 +691,19 @@ local function finish(run)
   local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
     local prompt = { models.sample_start(mcfg) }
-    local ids = run.model:generate(prompt, flags.sample, flags.seed)
+    local ids
+    if flags.device == "cpu" and run.engine.P.params.extent == "full" and
+       #prompt + flags.sample <= mcfg.context then
+      -- whole parameters on the cpu: one position per token, against the
+      -- key/value cache (luazero.generate)
+      local new = require("luazero.generate").run(run.model, { prompt }, {
+        max_new = flags.sample, temperature = 1, seed = flags.seed })[1].ids
+      ids = { unpack(prompt) }
+      for _, id in ipairs(new) do ids[#ids + 1] = id end
+    else
+      -- sharded parameters, a device, or past the context: a full forward per token
+      ids = run.model:generate(prompt, flags.sample, flags.seed)
+    end
     if run.tok then
       -- ids past the tokenizer's vocabulary (the model's may be larger) as <id>
       local parts = {}

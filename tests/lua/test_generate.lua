@@ -387,4 +387,22 @@ function T.val_data_too_small_or_absent_is_one_line()
   assert(st == 2 and out:find("eval: --hf " .. tiny .. ": no config.json there", 1, true), out)
 end
 
+-- train.lua's sample at the end runs through the cache: the checkpoint of
+-- the same weights, sampled by luazero.generate with the run's seed, gives it.
+function T.train_samples_through_the_cache()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(300, 1))
+  local flags = ("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 " ..
+                 "--seq-len 16 --micro-batch 2 --seed 7 --steps 2 --sample 12 --data %s " ..
+                 "--save %s/ck"):format(q(data), dir)
+  local out, st = script("train", flags)
+  assert(st == 0, out)
+  local text = assert(out:match("\nsample:\n(.*)$"), out):gsub("\n$", "")
+  local w = require("luazero.inference").open({ models = models, load = dir .. "/ck" })
+  local o = generate.run(w.model, { { 10 } }, { max_new = 12, temperature = 1, seed = 7 })[1]
+  w.free()
+  local want = require("luazero.data").decode_bytes({ 10, unpack(o.ids) })
+  eq(text, want:gsub("\n$", ""), "the sample")
+end
+
 return T
