@@ -12,12 +12,20 @@ transformers does. The weights are drawn with a wide initializer_range so the
 largest logit stands clear of the next (a near tie would compare rounding
 noise, not decoding).
 
+First the kernel: lz_attention_decode (core/kernels/attention_decode.c)
+against PyTorch's softmax(q k^T / sqrt(hd)) v over each row's cached keys and
+the new ones (causal among the new), multi-head and grouped-query, rows at
+different positions, one new position and several: out within 1e-5
+relative, the new keys and values written at each row's position; with a
+bf16 cache, against the same on the bf16-rounded keys and values.
+
 transformers 4.40.2 comes from build/ref-venv (tools/setup) or LZ_REF_VENV;
-without it this file says it skipped.
+without it the comparison with generate() says it skipped.
     /usr/bin/python3 tests/ref/test_generate.py     # ends with "N passed, N failed"
 """
 import glob
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,13 +65,63 @@ def models(transformers):
             ("gpt2", transformers.GPT2LMHeadModel, gpt2)]
 
 
+def decode_kernel(check):
+    """lz_attention_decode against torch, f32 and bf16 caches."""
+    import ctypes
+    import numpy as np
+    import lz
+    T = lz.T
+    lz.lib.lz_attention_decode.argtypes = [T, T, T, T, T, ctypes.c_int, ctypes.c_int]
+    lz.lib.lz_attention_decode.restype = ctypes.c_int
+    rng = np.random.default_rng(3)
+    for (NH, NKV, HS, S, pos, Tq) in ((4, 4, 16, 40, [0, 7, 31], 1), (4, 2, 16, 40, [3, 20], 5),
+                                      (6, 2, 24, 300, [250, 0], 1), (2, 1, 64, 9, [0], 9)):
+        B, kvw = len(pos), NKV * HS
+        W = (NH + 2 * NKV) * HS
+        for dtype in ("f32", "bf16"):
+            qkv = rng.standard_normal((B, Tq, W), dtype=np.float32) * 1.5
+            old = rng.standard_normal((2, B, S, kvw), dtype=np.float32)
+            if dtype == "bf16":
+                kb, kf = lz.bf16_round(old[0])
+                vb, vf = lz.bf16_round(old[1])
+                kc, vc, kd = kb.copy(), vb.copy(), lz.BF16
+            else:
+                kc, vc, kf, vf, kd = old[0].copy(), old[1].copy(), old[0], old[1], None
+            out = np.zeros((B, Tq, NH * HS), dtype=np.float32)
+            p = np.array(pos, dtype=np.int32)
+            lz.call("lz_attention_decode", lz.wrap(out), lz.wrap(qkv), lz.wrap(kc, kd),
+                    lz.wrap(vc, kd), lz.wrap(p), NH, NKV)
+            worst, written = 0.0, True
+            for b in range(B):
+                n = pos[b] + Tq
+                newk = qkv[b, :, NH * HS:NH * HS + kvw]
+                newv = qkv[b, :, NH * HS + kvw:]
+                if dtype == "bf16":
+                    newk, newv = lz.bf16_round(newk)[1], lz.bf16_round(newv)[1]
+                    got_k = (kc[b, pos[b]:n].astype(np.uint32) << 16).view(np.float32)
+                    got_v = (vc[b, pos[b]:n].astype(np.uint32) << 16).view(np.float32)
+                else:
+                    got_k, got_v = kc[b, pos[b]:n], vc[b, pos[b]:n]
+                written = written and np.array_equal(got_k, newk) and np.array_equal(got_v, newv)
+                keys = torch.from_numpy(np.concatenate([kf[b, :pos[b]], newk]))
+                vals = torch.from_numpy(np.concatenate([vf[b, :pos[b]], newv]))
+                q = torch.from_numpy(qkv[b, :, :NH * HS].copy()).view(Tq, NH, HS).transpose(0, 1)
+                k = keys.view(n, NKV, HS).transpose(0, 1).repeat_interleave(NH // NKV, dim=0)
+                v = vals.view(n, NKV, HS).transpose(0, 1).repeat_interleave(NH // NKV, dim=0)
+                scores = (q.double() @ k.double().transpose(1, 2)) / math.sqrt(HS)
+                mask = torch.ones(Tq, n, dtype=torch.bool).triu(pos[b] + 1)
+                ref = torch.softmax(scores.masked_fill(mask, float("-inf")), -1) @ v.double()
+                ref = ref.transpose(0, 1).reshape(Tq, NH * HS)
+                err = float((torch.from_numpy(out[b]).double() - ref).abs().max() /
+                            ref.abs().max())
+                worst = max(worst, err)
+            lz.release()
+            tag = f"kernel NH={NH} NKV={NKV} HS={HS} pos={pos} T={Tq} {dtype}"
+            check(f"{tag} out", worst <= 1e-5, f"err {worst:.2e}")
+            check(f"{tag} cache written", written)
+
+
 def main():
-    transformers = import_transformers()
-    if transformers is None:
-        print(f"skip: cannot import transformers (not in {VENV}): run tools/setup")
-        print("0 passed, 0 failed")
-        return 0
-    transformers.logging.set_verbosity_error()
     passed, failed = 0, 0
 
     def check(name, ok, detail=""):
@@ -73,6 +131,14 @@ def main():
             passed += 1
         else:
             failed += 1
+
+    decode_kernel(check)
+    transformers = import_transformers()
+    if transformers is None:
+        print(f"skip: cannot import transformers (not in {VENV}): run tools/setup")
+        print(f"{passed} passed, {failed} failed")
+        return 1 if failed else 0
+    transformers.logging.set_verbosity_error()
 
     for name, cls, config in models(transformers):
         torch.manual_seed(11)
