@@ -12,7 +12,15 @@
 --      --link-gbps: step time with overlap_comm off and on, the copies' time
 --      per step, how long the host waited for them, and the fraction of the
 --      copy time hidden behind compute.
---   luazero bench/bench_offload.lua [--part 1|2|3] [--nvme DIR] [--steps N]
+--   4. ZeRO-Infinity: a Llama larger than this machine's memory (--hidden,
+--      --layers, ...; the default is 1.8B parameters, 30 GB of model states)
+--      at stage 3, bf16, with the parameters and the optimizer states on
+--      NVMe and activation checkpointing: per step the bytes read and
+--      written, the step time next to what the disk alone allows at the read
+--      and write rates fio measures in the same run (O_DIRECT, libaio, 1 MiB
+--      blocks, queue depth 8), peak RSS; with --half-depth also the same
+--      model at half the layers, whose peak RSS should be the same.
+--   luazero bench/bench_offload.lua [--part 1|2|3|4] [--nvme DIR] [--steps N]
 -- Part 2 writes a ~19 GB swap file in --nvme (default: the build folder, on
 -- the work disk) and takes a few minutes. Run it on a quiet machine.
 local cjson = require("cjson")
@@ -22,7 +30,14 @@ local gpt2 = require("models.gpt2")
 local layout = require("luazero.zero.layout")
 
 local flags = assert(args.parse(arg, {
-  { "part", "int", 0, "1, 2 or 3 (0: all)" },
+  { "part", "int", 0, "1, 2, 3 or 4 (0: 1 to 3)" },
+  { "hidden", "int", 2560, "part 4: the Llama's hidden size" },
+  { "layers", "int", 24, "part 4: layers" },
+  { "heads", "int", 20, "part 4: attention heads" },
+  { "kv-heads", "int", 4, "part 4: key/value heads" },
+  { "intermediate", "int", 6912, "part 4: the MLP's width" },
+  { "half-depth", "int", 0, "part 4: 1: also the same model at half the layers" },
+  { "fio-size", "string", "4G", "part 4: fio's file size for the disk yardstick" },
   { "link-gbps", "number", 4, "part 3: the pace of the sim's host<->device copies, GB/s" },
   { "steps", "int", 3, "timed steps per run (the first step is not counted)" },
   { "seq-len", "int", 64, "tokens per sequence" },
@@ -171,5 +186,66 @@ if flags.part == 0 or flags.part == 3 then
          "%.0f ms); step %.0f -> %.0f ms, %.0f ms saved of %.0f ms of copies when serial")
         :format(100 * on.hidden, on.copy_wait_ms, on.copy_ms, off.step_ms, on.step_ms,
                 off.step_ms - on.step_ms, off.copy_ms))
+end
+
+-- fio's O_DIRECT libaio rate (GB/s) in `dir` for rw = read or write.
+local function fio_rate(dir, rw)
+  local p = io.popen(("fio --name=lz --directory=%s --rw=%s --bs=1M --iodepth=8 --direct=1 " ..
+                      "--ioengine=libaio --size=%s --numjobs=1 --output-format=json 2>/dev/null")
+                     :format(q(dir), rw, flags.fio_size))
+  local out = p:read("*a")
+  p:close()
+  os.remove(dir .. "/lz.0.0")
+  local ok, r = pcall(cjson.decode, out)
+  if not ok then error("fio gave no result (is fio installed?): " .. out:sub(1, 200), 0) end
+  return r.jobs[1][rw].bw_bytes / 1e9
+end
+
+if flags.part == 4 then
+  local function config_json(layers)
+    local path = ("%s/llama-%d.json"):format(tmp, layers)
+    local f = assert(io.open(path, "w"))
+    f:write(cjson.encode{ architectures = { "LlamaForCausalLM" }, model_type = "llama",
+                          hidden_size = flags.hidden, num_hidden_layers = layers,
+                          num_attention_heads = flags.heads,
+                          num_key_value_heads = flags.kv_heads,
+                          intermediate_size = flags.intermediate, vocab_size = 32000,
+                          max_position_embeddings = 2048, rms_norm_eps = 1e-5,
+                          tie_word_embeddings = false })
+    f:close()
+    return path
+  end
+  local read_gbps, write_gbps = fio_rate(nvme, "read"), fio_rate(nvme, "write")
+  print(("== 4. ZeRO-Infinity: Llama hidden %d, %d layers, stage 3, bf16, params and optimizer " ..
+         "on NVMe (%s); fio here: read %.2f GB/s, write %.2f GB/s")
+        :format(flags.hidden, flags.layers, nvme, read_gbps, write_gbps))
+  local depths = { flags.layers }
+  if flags.half_depth == 1 then depths[2] = math.floor(flags.layers / 2) end
+  local peaks = {}
+  for _, layers in ipairs(depths) do
+    local cfg = zero_cfg(3, nvme_block(), nvme_block({ buffer_count = 5, buffer_size = 200000000 }),
+                         20000000)
+    cfg.data_types = nil
+    cfg.gradient_clipping = 1.0
+    local z = cfg.zero_optimization
+    z.stage3_max_live_parameters, z.stage3_prefetch_bucket_size = 200000000, 50000000
+    z.overlap_comm = true
+    cfg.aio = { block_size = 1048576, queue_depth = 8, thread_count = 2 }
+    local path = config_json(layers)
+    local s = summary(train("--model-config " .. q(path) .. " --checkpoint-activations", cfg,
+                            flags.steps))
+    local disk_s = s.read / 1e9 / read_gbps + s.written / 1e9 / write_gbps
+    peaks[#peaks + 1] = s.peak_rss
+    print(("%d layers: step %.1f s (median), per step %.1f GB read and %.1f GB written " ..
+           "(%.2f GB/s together); the disk alone at fio's rates: %.1f s; step / disk %.2f; " ..
+           "peak RSS %.2f GiB")
+          :format(layers, s.step_ms / 1000, s.read / 1e9, s.written / 1e9,
+                  (s.read + s.written) / s.step_ms / 1e6, disk_s, s.step_ms / 1000 / disk_s,
+                  s.peak_rss / 2 ^ 30))
+  end
+  if #peaks == 2 then
+    print(("peak RSS at %d layers / at %d layers: %.3f"):format(depths[1], depths[2],
+                                                             peaks[1] / peaks[2]))
+  end
 end
 bench.cleanup(tmp)

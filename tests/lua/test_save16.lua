@@ -65,7 +65,8 @@ function T.save_writes_a_bf16_export_beside_each_checkpoint()
     assert(cfg_json.torch_dtype == "bfloat16", tostring(cfg_json.torch_dtype))
   end
   -- It loads: --init from it runs (the weights rounded to bf16 give a finite loss).
-  local out = ok_train(1, ("--steps 0 --init %s"):format(q(dir .. "/step-000004/hf16")))
+  local out = ok_train(1, ("--steps 0 --micro-batch 2 --init %s")
+                         :format(q(dir .. "/step-000004/hf16")))
   local val = tonumber(out:match("val_loss (%S+)"))
   assert(val and val > 0 and val < 10, out)
   -- The checkpoint itself still resumes (the folder inside it is no shard).
