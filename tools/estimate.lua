@@ -34,6 +34,14 @@ local spec = {
     "with --model and --seq-len: also the activation arenas for this many sequences" },
   { "seq-len", "int", nil, "with --micro-batch: tokens per sequence" },
   { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing" },
+  { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen" },
+  { "lora-targets", "string", nil, "with --lora-r: modules adapted, comma-separated (q_proj,v_proj)" },
+  { "sub-group-size", "number", nil, "zero_optimization.sub_group_size (1e9): NVMe sub-groups" },
+  { "grad-accum", "int", 1, "gradient accumulation steps: NVMe reads and writes per step" },
+  { "read-gbps", "number", nil, "the disk's read speed in GB/s for the step time NVMe allows " ..
+    "(1.9, assumed: measure with bench/bench-aio)" },
+  { "write-gbps", "number", nil, "the disk's write speed in GB/s (1.1, assumed)" },
+  { "json", "int", 0, "1: print the figures as one JSON object instead of tables" },
 }
 
 local function fail(msg)
@@ -104,7 +112,26 @@ local function main(argv)
     budget, source = checked(config.memory_budget, { world_size = N })
   end
 
-  local params, persistent, largest, layout, what, model
+  if (flags.lora_r or flags.lora_targets) and not (flags.model or flags.model_config) then
+    fail("--lora-r and --lora-targets go with --model or --model-config")
+  end
+  if flags.lora_targets and not flags.lora_r then
+    fail("--lora-targets without --lora-r does nothing: add --lora-r R (the adapters' rank)")
+  end
+  for _, f in ipairs({ "read_gbps", "write_gbps" }) do
+    local v = flags[f]
+    if v ~= nil and not (v > 0 and v < math.huge) then
+      fail(("--%s must be a positive number of GB/s (got %s)"):format(f:gsub("_", "-"), v))
+    end
+  end
+  if flags.sub_group_size and not (flags.sub_group_size >= 1 and
+                                   flags.sub_group_size == math.floor(flags.sub_group_size)) then
+    fail(("--sub-group-size must be a whole number >= 1 (got %s)"):format(flags.sub_group_size))
+  end
+  if flags.grad_accum < 1 then fail(("--grad-accum must be >= 1 (got %d)"):format(flags.grad_accum)) end
+  if flags.json ~= 0 and flags.json ~= 1 then fail("--json takes 0 or 1") end
+
+  local params, persistent, largest, layout, what, model, counts
   if flags.model or flags.model_config then
     if flags.persistent then fail("--persistent goes with --params; --model counts it") end
     model = checked(function()
@@ -112,13 +139,25 @@ local function main(argv)
                         models.from_hf_config(flags.model_config))
     end)
     local m = estimate.model_params(model, flags.persistence_threshold, N)
-    params, persistent, largest, layout = m.params, m.persistent, m.largest_layer, m.layout
+    if flags.lora_r then
+      local targets = {}
+      for t in (flags.lora_targets or "q_proj,v_proj"):gmatch("[^,%s]+") do
+        targets[#targets + 1] = t
+      end
+      checked(require("models.lora").apply, model, { r = flags.lora_r, targets = targets })
+    end
+    counts = estimate.counts(model, N, flags.persistence_threshold)
+    params, persistent, largest = counts.numel, counts.persistent, m.largest_layer
+    layout = { full = counts.full, shard = counts.shard }
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
             "modules of <= %s elements"):format(m.name, estimate.thousands(m.params),
-            estimate.thousands(m.real), layout and
-            (", padded to %s, shards of %s"):format(estimate.thousands(layout.full),
-                                                     estimate.thousands(layout.shard)) or "",
+            estimate.thousands(m.real), (", padded to %s, shards of %s"):format(
+            estimate.thousands(layout.full), estimate.thousands(layout.shard)),
             estimate.thousands(persistent), estimate.thousands(flags.persistence_threshold))
+    if flags.lora_r then
+      what = ("%s: LoRA rank %d: %s parameters train (the adapters), %s are frozen (the base)"):format(
+        what, flags.lora_r, estimate.thousands(counts.numel), estimate.thousands(counts.frozen.numel))
+    end
   else
     params = parse_count(flags.params)
     persistent = flags.persistent or 0
@@ -128,6 +167,7 @@ local function main(argv)
     end
     what = ("%s parameters; P = %s"):format(estimate.thousands(params),
                                             estimate.thousands(persistent))
+    counts = estimate.counts_of_params(params, N, persistent)
   end
   if (flags.micro_batch == nil) ~= (flags.seq_len == nil) or (flags.micro_batch and not model) then
     fail("--micro-batch and --seq-len go together, with --model")
@@ -145,6 +185,21 @@ local function main(argv)
   end
   local dtype = flags.dtype
   local b = estimate.dtype_bytes[dtype]
+  local disk = { read_gbps = flags.read_gbps or estimate.disk.read_gbps,
+                 write_gbps = flags.write_gbps or estimate.disk.write_gbps }
+  disk.assumed = not (flags.read_gbps and flags.write_gbps)
+  local rows = estimate.rank_rows(counts, {
+    dtype = dtype, grads = flags.grads, device = flags.device, accum = flags.grad_accum,
+    sub_group_size = flags.sub_group_size, read_gbps = disk.read_gbps,
+    write_gbps = disk.write_gbps })
+  local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
+                                                  persistent = persistent, layout = layout })
+  if flags.json == 1 then
+    print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
+                         device = flags.device, counts = counts, rows = rows, disk = disk,
+                         auto = why, budget = budget })
+    return
+  end
   print(("model states per rank for %s"):format(what))
   local gdt = flags.grads == "fp32" and "fp32" or dtype
   print(("world size N = %d; %s parameters, %s gradients, %s"):format(N, dtype, gdt,
@@ -179,8 +234,8 @@ local function main(argv)
                   a.offload > 0 and (", %s offload"):format(estimate.thousands(a.offload)) or ""))
   end
 
-  local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
-                                                  persistent = persistent, layout = layout })
+  print()
+  for _, line in ipairs(estimate.rank_table(rows, counts, disk, flags.device)) do print(line) end
   print()
   print(("stage \"auto\" (budget from %s): %s"):format(source, why))
 

@@ -209,6 +209,89 @@ function M.thousands(n)
   return sign .. digits
 end
 
+-- The order a tier's parts print in.
+local part_order = { "params", "grads", "optimizer", "frozen", "optimizer staging",
+                     "gradient staging", "parameter staging", "update staging", "gradient copies",
+                     "comm", "gradients" }
+
+local function parts_line(t)
+  local out = {}
+  for _, name in ipairs(part_order) do
+    if t[name] then out[#out + 1] = ("%s %s"):format(name, M.format_bytes(t[name])) end
+  end
+  return table.concat(out, " + ")
+end
+
+-- The per-rank table of M.rank_rows: device, host and NVMe bytes, the NVMe
+-- bytes read and written per optimizer step and the seconds the disk needs
+-- for them; then where each row's host bytes go. Lines, to print.
+function M.rank_table(rows, counts, disk, device)
+  local lines = {
+    "per rank, all the engine allocates for the model (states, frozen parameters, staging, " ..
+    "comm buffers; activations apart) and the NVMe tier's traffic per optimizer step:",
+    ("  %-5s %-15s %11s %11s %11s %11s %11s %9s"):format("stage", "placement", "device", "host",
+      "nvme", "nvme read", "nvme write", "disk s"),
+  }
+  local fb = M.format_bytes
+  for _, r in ipairs(rows) do
+    lines[#lines + 1] = ("  %-5d %-15s %11s %11s %11s %11s %11s %9s"):format(r.stage, r.placement,
+      fb(r.device.total), fb(r.host.total), fb(r.nvme.total), fb(r.traffic.read),
+      fb(r.traffic.written), r.disk_s > 0 and ("%.3f"):format(r.disk_s) or "-")
+  end
+  lines[#lines + 1] = ""
+  lines[#lines + 1] = "host memory per rank, part by part:"
+  for _, r in ipairs(rows) do
+    if r.host.total > 0 then
+      lines[#lines + 1] = ("  %d %-15s %s"):format(r.stage, r.placement, parts_line(r.host))
+    end
+  end
+  local notes = {}
+  if counts.frozen.numel > 0 then
+    notes[#notes + 1] = ("frozen: %s parameters with no gradients or optimizer states, in the " ..
+                         "working dtype"):format(M.thousands(counts.frozen.numel))
+  end
+  notes[#notes + 1] = ("disk: %.2f GB/s read, %.2f GB/s write%s; disk s: the step time the " ..
+    "disk alone allows (reads and writes one after another)"):format(disk.read_gbps,
+    disk.write_gbps, disk.assumed and " (assumed: fio on the development machines; measure " ..
+    "yours with bench/bench-aio and give --read-gbps and --write-gbps)" or "")
+  if device == "cpu" then
+    notes[#notes + 1] = "device and host are one memory here (--device cpu): all of it under host"
+  end
+  if not counts.segments then
+    notes[#notes + 1] = "without --model: no modules known; comm buffers and the parameter " ..
+                        "shard's staging are figured from its size"
+  end
+  for _, n in ipairs(notes) do lines[#lines + 1] = n end
+  return lines
+end
+
+-- The figures of tools/estimate as one JSON object (t: what, world, dtype,
+-- grads, device, counts, rows, disk, auto, budget).
+function M.json(t)
+  local cjson = require("cjson")
+  local rows = {}
+  for _, r in ipairs(t.rows) do
+    local parts = {}
+    for name, v in pairs(r.traffic.parts) do parts[name] = { read = v.read, written = v.written } end
+    rows[#rows + 1] = {
+      stage = r.stage, placement = r.placement, offload_optimizer = r.opt, offload_param = r.param,
+      device = r.device, host = r.host, nvme = r.nvme, sub_groups = r.groups,
+      sub_group_elements = r.G,
+      model_states = { device = r.states.device.total, host = r.states.host.total,
+                       nvme = r.states.nvme.total },
+      nvme_read = r.traffic.read, nvme_written = r.traffic.written, nvme_parts = parts,
+      disk_s = r.disk_s,
+    }
+  end
+  local c = t.counts
+  return cjson.encode{
+    model = t.what, world = t.world, dtype = t.dtype, grads = t.grads, device = t.device,
+    params = { trainable = c.numel, full = c.full, shard = c.shard, persistent = c.persistent,
+               largest_module = c.largest, frozen = c.frozen.numel, frozen_shard = c.frozen.shard },
+    disk = t.disk, stage_auto = t.auto, budget = t.budget, rows = rows,
+  }
+end
+
 ------------------------------------------------------------------ stage "auto"
 
 -- The lowest stage whose per-rank model states (no offload) fit in
@@ -588,7 +671,8 @@ function M.rank(counts, opts)
   -- Pooled buffers are kept per size: with the modules known, one of each
   -- size the step uses (the pool's high-water mark without overlap_comm);
   -- beside an accelerator the pool's cap bounds it.
-  local largest = math.max(counts.largest, fc.largest or 0)
+  local largest = counts.largest
+  if F.extent == "shard" then largest = math.max(largest, fc.largest) end
   local comm = 0
   local half = P.grad_dtype ~= "f32"
   if counts.segments and not overlap then
