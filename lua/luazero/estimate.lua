@@ -222,6 +222,32 @@ local function parts_line(t)
   return table.concat(out, " + ")
 end
 
+-- One row of M.rank as lines: the totals and the NVMe traffic, then each
+-- tier part by part (what engine:estimate() prints).
+function M.rank_lines(r)
+  local fb = M.format_bytes
+  local lines = {
+    ("ZeRO stage %d, %s, per rank: device %s, host %s, nvme %s"):format(r.stage, r.placement,
+      fb(r.device.total), fb(r.host.total), fb(r.nvme.total)),
+  }
+  for _, tier in ipairs({ "device", "host", "nvme" }) do
+    if r[tier].total > 0 then
+      local names = {}
+      for name in pairs(r[tier]) do if name ~= "total" then names[#names + 1] = name end end
+      table.sort(names)
+      local parts = {}
+      for _, name in ipairs(names) do parts[#parts + 1] = ("%s %s"):format(name, fb(r[tier][name])) end
+      lines[#lines + 1] = ("  %-6s %s"):format(tier, table.concat(parts, ", "))
+    end
+  end
+  if r.traffic.read + r.traffic.written > 0 then
+    lines[#lines + 1] = ("  nvme per optimizer step: %s read, %s written; the disk alone " ..
+                         "allows a step every %.3f s"):format(fb(r.traffic.read),
+                         fb(r.traffic.written), r.disk_s)
+  end
+  return lines
+end
+
 -- The per-rank table of M.rank_rows: device, host and NVMe bytes, the NVMe
 -- bytes read and written per optimizer step and the seconds the disk needs
 -- for them; then where each row's host bytes go. Lines, to print.
@@ -459,10 +485,15 @@ end
 -- defaults (luazero.config): from a normalised DeepSpeed config, or a
 -- partial table. Returns opts for M.rank.
 function M.settings_of(cfg, device)
-  local s = require("luazero.zero.engine").settings(cfg)
+  return M.settings_from(require("luazero.zero.engine").settings(cfg), device)
+end
+
+-- The same from the engine's settings (zero/engine.lua's settings(cfg));
+-- states: the optimizer's per-element states (default: its config's).
+function M.settings_from(s, device, states)
   local opt = s.offload_opt or {}
   local par = s.offload_param or {}
-  local states = require("luazero.optim").new(s.optimizer).states
+  states = states or require("luazero.optim").new(s.optimizer).states
   return {
     stage = s.stage, dtype = s.dtype, grads = s.grad_dtype ~= "fp32" and "working" or "fp32",
     device = device, offload = M.placement_name(opt.device or "none", par.device or "none"),

@@ -125,4 +125,30 @@ end
 
 function M:model_state_bytes() return self:state_bytes().total end
 
+-- What tools/estimate figures for this engine, per rank: device, host and
+-- NVMe bytes part by part (states, frozen parameters, staging, comm
+-- buffers), the NVMe bytes read and written per optimizer step and the
+-- step time the disk allows (opts: read_gbps, write_gbps; luazero.estimate's
+-- assumed figures else). Beside them, live: what this engine holds now
+-- where it can say without the process-wide ledger: staging (its offload
+-- staging buffers) and nvme (its swap files' sizes). print() shows it.
+function M:estimate(opts)
+  local estimate = require("luazero.estimate")
+  local o = estimate.settings_from(self.s, self.dev == "cpu" and "cpu" or "cuda",
+                                   self.optimizer.states)
+  for k, v in pairs(opts or {}) do o[k] = v end
+  local r = estimate.rank(estimate.counts(self.model, self.world, self.s.persistence), o)
+  local st, staging, nvme = self.states, 0, 0
+  staging = st:staging_bytes()
+  if self.pshard then
+    for _, t in ipairs(self.pshard.all_stages) do staging = staging + t:bytes() end
+    nvme = nvme + self.pshard.swap:stats().size
+  end
+  if st.swap then nvme = nvme + st.swap:stats().size end
+  r.live = { staging = staging, nvme = nvme }
+  return setmetatable(r, { __tostring = function(t)
+    return table.concat(estimate.rank_lines(t), "\n")
+  end })
+end
+
 return M
