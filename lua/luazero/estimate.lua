@@ -349,10 +349,59 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
     end
     too_big[#too_big + 1] = ("stage %d needs %s"):format(stage, M.format_bytes(r.device))
   end
-  return 3, ("%s per rank; budget %s: no stage fits (stage %d needs the least, %s); picked " ..
+  local head = ("%s per rank; budget %s"):format(table.concat(too_big, ", "),
+                                                M.format_bytes(budget_bytes))
+  local nvme_note = ""
+  if opts.nvme then
+    local pick, why, need = M.pick_nvme(params, world, budget_bytes, dtype, opts)
+    if pick then
+      if not opts.nvme_path then
+        error(("stage auto: %s: no stage fits in memory; stage 3 with %s needs %s and fits: " ..
+               "give --nvme-path DIR (a directory on a fast disk for the swap files) or set " ..
+               "zero_optimization.offload_optimizer.nvme_path"):format(head, why,
+               M.format_bytes(need)), 0)
+      end
+      return 3, ("%s: no stage fits in memory; stage 3 with %s needs %s: picked stage 3, %s " ..
+                 "(nvme_path %s)"):format(head, why, M.format_bytes(need), why, opts.nvme_path),
+             true, pick
+    end
+    nvme_note = ("; NVMe does not fit either (stage 3 with %s needs %s)"):format(why,
+                                                                               M.format_bytes(need))
+  end
+  return 3, ("%s: no stage fits (stage %d needs the least, %s)%s; picked " ..
              "stage 3, which more ranks shrink: offload, more ranks or a larger budget would help")
-            :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes), least.stage,
-                    M.format_bytes(least.device)), false
+            :format(head, least.stage, M.format_bytes(least.device), nvme_note), false
+end
+
+-- The NVMe placement stage "auto" falls back on when no stage fits in
+-- memory: stage 3 with the optimizer states on NVMe, else with the
+-- parameter shard there too, the first whose memory (model states and
+-- staging: host memory on a cpu device, device memory on an accelerator)
+-- fits budget_bytes. opts: as pick_stage's, and counts (M.counts; else
+-- figured from params, layout and persistent), device ("cpu" | "cuda"),
+-- settings (M.settings_of's: sub_group_size, buffer counts, ...). Returns
+-- the placement name or nil, what it puts on NVMe, and the bytes it needs
+-- (the last tried when none fits).
+function M.pick_nvme(params, world, budget_bytes, dtype, opts)
+  local counts = opts.counts
+  if not counts then
+    counts = M.counts_of_params(params, world, opts.persistent)
+    if opts.layout then counts.full, counts.shard = opts.layout.full, opts.layout.shard end
+  end
+  local device = opts.device or "cuda"
+  local what = { nvme = "the optimizer states on NVMe",
+                 ["nvme+param"] = "the optimizer states and the parameter shard on NVMe" }
+  local need, name
+  for _, pl in ipairs({ "nvme", "nvme+param" }) do
+    local o = {}
+    for k, v in pairs(opts.settings or {}) do o[k] = v end
+    o.stage, o.offload, o.opt, o.param = 3, pl, nil, nil
+    o.dtype, o.grads, o.device = dtype, opts.grads, device
+    local r = M.rank(counts, o)
+    need, name = M.kept(r, device == "cpu" and "host" or "device"), pl
+    if need <= budget_bytes then return pl, what[pl], need end
+  end
+  return nil, what[name], need
 end
 
 ------------------------------------------------------------------ models
