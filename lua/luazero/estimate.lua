@@ -705,9 +705,9 @@ function M.rank(counts, opts)
     local read, stage_bytes = 0, 0
     if counts.segments then
       -- Staging buffers are kept per span size: as many of a size as are
-      -- read at once (buffer_count ahead with overlap_comm; every
+      -- read at once (up to buffer_count ahead with overlap_comm; every
       -- persistent module's after the step).
-      local gather_need, after_need = {}, {}
+      local gather_need, after_need, gathered = {}, {}, 0
       for _, seg in ipairs(counts.segments) do
         local e = span_elems(seg.shard_offset, seg.slice, wb)
         if seg.persistent then
@@ -716,10 +716,14 @@ function M.rank(counts, opts)
         else
           read = read + 2 * accum * seg.users * e * wb
           gather_need[e] = (gather_need[e] or 0) + 1
+          gathered = gathered + 1
         end
       end
+      -- A module's own slice is released before the next ones are read
+      -- ahead: at most buffer_count, and all but one module, at once.
+      local ahead = overlap and math.max(1, math.min(par_nb, gathered - 1)) or 1
       local keys = {}
-      for e, n in pairs(gather_need) do keys[e] = math.min(n, overlap and par_nb + 1 or 1) end
+      for e, n in pairs(gather_need) do keys[e] = math.min(n, ahead) end
       for e, n in pairs(after_need) do keys[e] = math.max(keys[e] or 0, overlap and n or 1) end
       for e, n in pairs(keys) do stage_bytes = stage_bytes + n * staging_bytes(e, wdt) end
     else
