@@ -64,7 +64,7 @@ end
 
 -- Runs every case; say(line) reports "ok ..." or "BAD ...", pending(line)
 -- what the engine does not have yet. Returns the count of bad cases.
-function T.check_engines(comm, corpus, swap_dir, say, pending)
+local function check_engines(comm, corpus, swap_dir, say, pending)
   local zero = require("luazero.zero")
   local data = require("luazero.data")
   local llama = require("models.llama")
@@ -168,7 +168,7 @@ if arg and arg[1] == "check" and (arg[0] or ""):find("test_estimate%.lua$") then
   local corpus = require("luazero.data").load(arg[2])
   local rank = comm.rank()
   local function say(line) if rank == 0 then print(line) end end
-  local bad = T.check_engines(comm, corpus, arg[3], say, function(what) say("pending: " .. what) end)
+  local bad = check_engines(comm, corpus, arg[3], say, function(what) say("pending: " .. what) end)
   corpus.tokens:free()
   say(("done: %d bad"):format(bad))
   return T
@@ -195,7 +195,7 @@ function T.host_and_nvme_bytes_match_the_engine_at_world_1()
   local comm = require("luazero.comm").init("local")
   local corpus = require("luazero.data").load(corpus_path)
   local lines = {}
-  local bad = T.check_engines(comm, corpus, swap_dir, function(l) lines[#lines + 1] = l end,
+  local bad = check_engines(comm, corpus, swap_dir, function(l) lines[#lines + 1] = l end,
                               function(what) lines[#lines + 1] = "pending: " .. what end)
   corpus.tokens:free()
   lines[#lines + 1] = ("done: %d bad"):format(bad)
