@@ -464,4 +464,142 @@ function T.tools_estimate_refuses_out_of_range_numbers_with_one_line()
   end
 end
 
+
+------------------------------------------------------------ NVMe, by hand
+
+-- One rank, bf16, stage 3, a bare count of 2^20 parameters: shards of 2^20,
+-- sub-groups of 2^18 elements (4 of them), buffer_count 4.
+function T.nvme_bytes_and_traffic_by_hand()
+  local n, G = 2 ^ 20, 2 ^ 18
+  local counts = estimate.counts_of_params(n, 1, 0)
+  local function rank(offload, accum)
+    return estimate.rank(counts, { stage = 3, dtype = "bf16", offload = offload, device = "cpu",
+                                   sub_group_size = G, accum = accum })
+  end
+  local r = rank("nvme", 1)
+  eq(r.groups, 4, "sub-groups")
+  -- master, m and v: 12 bytes an element, in a file, read and written once a step
+  eq(r.nvme.optimizer, 12 * n, "the optimizer's swap file")
+  eq(r.traffic.read, 12 * n, "read per step"); eq(r.traffic.written, 12 * n, "written per step")
+  eq(r.host["optimizer staging"], 4 * 12 * G, "4 staging buffers of master + m + v")
+  eq(r.disk_s, 12 * n / 1.9e9 + 12 * n / 1.1e9, "the disk's time at 1.9 / 1.1 GB/s")
+  assert(not r.host.optimizer, "no optimizer states in host memory")
+  -- The parameter shard too: bf16, read per forward and backward gather
+  -- of every micro-step, written once a step, plus a page of slack.
+  r = rank("nvme+param", 2)
+  eq(r.nvme.params, 2 * n + 4096, "the parameter swap file")
+  eq(r.traffic.parts.parameters.read, 2 * 2 * 2 * n, "2 micro-steps x (forward + backward)")
+  eq(r.traffic.parts.parameters.written, 2 * n, "written once")
+  -- (each of the ring's working-copy buffers at least 2 MiB: 2^20 bf16 elements, not G)
+  eq(r.host["update staging"], 4 * 2 ^ 21, "the ring's working-copy buffers")
+  -- Staging buffers are at least 2 MiB (huge pages): a tiny model pays that.
+  local tiny = estimate.rank(estimate.counts_of_params(1000, 1, 0),
+                             { stage = 3, dtype = "bf16", offload = "nvme", device = "cpu" })
+  eq(tiny.host["optimizer staging"], 2 ^ 21, "one group, one 2 MiB buffer")
+  assert(estimate.rank(counts, { stage = 2, offload = "nvme+param" }) == nil,
+         "offload_param needs stage 3")
+end
+
+function T.pick_stage_falls_back_on_nvme_and_asks_for_a_path()
+  -- 1e8 fp32 parameters, one rank: every stage needs 16 bytes a parameter
+  -- in memory (1.5 GiB); with the optimizer's m and v on NVMe, 8 bytes and
+  -- 4 staging buffers of a sub-group's m and v (sub-groups of 1e7 rounded
+  -- up to a multiple of 2048 elements).
+  -- (An engine that spills the gradient shard to NVMe keeps 4 bytes and 4
+  -- gradient buffers of a sub-group instead.)
+  local n, budget, G = 1e8, 1.2e9, 10000384
+  local spill = estimate.plan(3, "fp32", "nvme", nil, "cpu").opt_grads.tier == "nvme"
+  local opts = { nvme = true, device = "cpu",
+                 settings = { sub_group_size = 1e7, param_buffer_size = 1e6 } }
+  local need = spill and 4 * n + 4 * 2 * G * 4 + 4 * G * 4 or 8 * n + 4 * 2 * G * 4
+  local ok, err = pcall(estimate.pick_stage, n, 1, budget, "fp32", opts)
+  assert(not ok and err:find(("no stage fits in memory; stage 3 with the optimizer states on " ..
+                              "NVMe needs %s and fits: give --nvme-path DIR")
+                             :format(estimate.format_bytes(need)), 1, true), err)
+  opts.nvme_path = "/nvme"
+  local stage, why, fits, placement = estimate.pick_stage(n, 1, budget, "fp32", opts)
+  assert(stage == 3 and fits and placement == "nvme", why)
+  assert(why:find("picked stage 3, the optimizer states on NVMe (nvme_path /nvme)", 1, true), why)
+  -- Smaller still: the parameter shard goes too (1.06e9: the gradients,
+  -- the ring's master, m and v (an fp32 master of its own now) and working
+  -- copies, 5 parameter reads of 1e6).
+  stage, why, fits, placement = estimate.pick_stage(n, 1, 1.1e9, "fp32", opts)
+  assert(fits and (placement == "nvme+param" or spill and placement == "nvme"), why)
+  -- Nothing fits: stage 3, as before, saying what NVMe would need.
+  stage, why, fits, placement = estimate.pick_stage(n, 1, 1e6, "fp32", opts)
+  assert(stage == 3 and not fits and not placement and
+         why:find("NVMe does not fit either", 1, true), why)
+  -- A budget a stage fits is unchanged by the NVMe rows.
+  assert(estimate.pick_stage(n, 1, 2e9, "fp32", opts) == 0)
+end
+
+function T.engine_estimate_is_the_tools_figures_for_the_live_engine()
+  local zero = require("luazero.zero")
+  local mc = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+  local cfg = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
+                zero_optimization = { stage = 3, sub_group_size = 4096, offload_optimizer =
+                                      { device = "nvme", nvme_path = swap_dir } } }
+  local engine = zero.initialize({ model = gpt2.new(mc), config = cfg, seed = 1,
+                                   batch = { 2, 16 }, comm = require("luazero.comm").init("local") })
+  local r = engine:estimate()
+  local want = estimate.rank(estimate.counts(gpt2.new(mc), 1), estimate.settings_of(cfg, "cpu"))
+  eq(r.host.total, want.host.total, "host"); eq(r.nvme.total, want.nvme.total, "nvme")
+  eq(r.live.nvme, want.nvme.total, "the engine's swap files")
+  eq(r.live.staging, want.host["optimizer staging"], "the engine's staging")
+  local text = tostring(r)
+  assert(text:find("ZeRO stage 3, nvme, per rank: ", 1, true) and
+         text:find("nvme per optimizer step: ", 1, true), text)
+  engine:free()
+end
+
+function T.tools_estimate_has_nvme_rows_lora_and_json()
+  local out, status = run_tool("--model llama-tiny --lora-r 4 --world 2 --budget 1GiB --json 1")
+  assert(status == 0, out)
+  local j = require("cjson").decode(out)
+  local llama = require("models.llama")
+  local m = llama.new(llama.config("llama-tiny"))
+  local base = m.n_params
+  local n = require("models.lora").apply(m, { r = 4, targets = { "q_proj", "v_proj" } })
+  assert(n > 0)
+  local trainable = select(2, m:trainable_table())
+  eq(j.params.trainable, trainable, "adapters train")
+  eq(j.params.frozen, base, "the base is frozen")
+  local seen = {}
+  for _, row in ipairs(j.rows) do
+    seen[row.stage .. " " .. row.placement] = row
+    assert(row.host.total and row.device.total and row.nvme.total, out)
+  end
+  for _, k in ipairs({ "3 nvme", "3 nvme+param", "3 cpu+nvme-param", "1 nvme", "2 nvme" }) do
+    assert(seen[k], k .. " missing:\n" .. out)
+  end
+  assert(seen["3 nvme+param"].nvme_read > 0 and seen["3 nvme"].device.frozen, out)
+  assert(j.disk.assumed and j.disk.read_gbps == 1.9, out)
+  out, status = run_tool("--params 1e9 --world 8 --read-gbps 3 --write-gbps 2 --sub-group-size 1e8")
+  assert(status == 0, out)
+  local row = out:match("\n  3     nvme%+param  [^\n]*")
+  assert(row, out)
+  assert(out:find("disk: 3.00 GB/s read, 2.00 GB/s write;", 1, true), out)
+  out, status = run_tool("--params 1e9 --lora-r 4")
+  assert(status == 2 and out:find("--lora-r and --lora-targets go with --model", 1, true), out)
+end
+
+-- The trainer's --stage auto on a budget no stage fits in memory: stage 3
+-- with the optimizer states on NVMe, said at start-up; without a path, an
+-- error naming --nvme-path.
+function T.stage_auto_picks_nvme_in_the_trainer()
+  local cfg = write_file("auto.json", '{"train_micro_batch_size_per_gpu": 2, ' ..
+                         '"zero_optimization": {"stage": "auto", "sub_group_size": 65536}}')
+  local base = ("cd %s && %s scripts/train.lua --model gpt2-nano --n-embd 256 --n-head 4 " ..
+                "--n-layer 4 --seq-len 32 --data %s --steps 1 --config %s --memory-budget 40MiB")
+               :format(support.quote(lz.root), support.quote(lz.executable()),
+                       support.quote(corpus_path), support.quote(cfg))
+  local out, status = support.sh(base)
+  assert(status == 2 and out:find("give --nvme-path DIR", 1, true), out)
+  out = support.sh(base .. " --nvme-path " .. support.quote(swap_dir))
+  assert(out:find("picked stage 3, the optimizer states on NVMe (nvme_path " .. swap_dir, 1, true),
+         out)
+  assert(out:find("zero stage 3,", 1, true) and out:find("offload: optimizer states on nvme", 1, true),
+         out)
+end
+
 return T
