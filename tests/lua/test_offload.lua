@@ -115,6 +115,44 @@ function T.the_step_reports_bytes_moved_to_and_from_nvme()
   print(("    per step: %d bytes read, %d written"):format(last.nvme_read, last.nvme_written))
 end
 
+-- With the optimizer states on NVMe (stage 2 and 3) the reduced gradients
+-- go to a file of their own sub-group by sub-group and come back with the
+-- states: no gradient buffer in memory (ledger grads 0), the same bits as
+-- the run without offload, through gradient accumulation (sub-groups read
+-- back and added into) and half gradients, and the file is written each step.
+function T.gradients_spill_to_nvme_and_end_bitwise()
+  local layout = require("luazero.zero.layout")
+  local gpt2 = require("models.gpt2")
+  local m = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 32 }))
+  local cases = {
+    { 1, 2, "fp32", {} },
+    { 1, 3, "bf16", { gradient_accumulation_steps = 2, train_batch_size = 8 } },
+    { 1, 2, "bf16", { gradient_accumulation_steps = 3, train_batch_size = 12,
+                      data_types = { grad_accum_dtype = "bf16" } } },
+    { 2, 3, "bf16", { gradient_accumulation_steps = 2, train_batch_size = 16 } },
+  }
+  for _, c in ipairs(cases) do
+    local n, stage, dtype, extra = c[1], c[2], c[3], c[4]
+    local what = ("world %d stage %d %s accumulation %d%s"):format(n, stage, dtype,
+      extra.gradient_accumulation_steps or 1, extra.data_types and " bf16 gradients" or "")
+    local want = must(train(n, config(stage, nil, nil, extra), dtype, 4), what).checksum
+    local r = must(train(n, config(stage, nvme, nil, extra), dtype, 4), what .. " nvme")
+    assert(r.checksum == want, ("%s: checksum %s with gradients on nvme, %s without")
+                               :format(what, r.checksum, want))
+    local last = r.recs[#r.recs - 1]
+    assert(last.mem.grads == 0, what .. ": gradients in memory: " .. last.mem.grads)
+    -- Each step writes the gradient file once per micro-step and the states
+    -- once (m and v; and a master of its own beside bf16 parameters).
+    local shard = layout.new(m.param_table, n).shard_numel
+    local accum = extra.gradient_accumulation_steps or 1
+    local states = dtype == "fp32" and 8 or 12
+    assert(last.nvme_written >= (states + 4 * accum) * shard,
+           what .. ": written " .. last.nvme_written)
+    assert(leftovers() == "", "swap files left behind: " .. leftovers())
+    print(("    %s: %s, %d bytes written per step"):format(what, r.checksum, last.nvme_written))
+  end
+end
+
 -- A model whose optimizer states (12 bytes per parameter: fp32 master, m,
 -- v) are larger than the memory budget trains through the NVMe tier; the
 -- budget holds by the ledger and by peak RSS. Without offload the same

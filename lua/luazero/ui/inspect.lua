@@ -167,7 +167,7 @@ local function my_norms(engine)
   buf("params (" .. P.params.extent .. ")", engine.work)
   if not P.master.alias then buf("master (fp32)", engine.master) end
   buf("grads (" .. P.grads.extent .. ")", engine.grads)
-  if not P.opt_grads.alias then buf("grads (host, f32)", engine.ograds) end
+  if not P.opt_grads.alias and engine.ograds then buf("grads (host, f32)", engine.ograds) end
   local opt, st = engine.optimizer, engine.states
   for i, name in ipairs(opt.states) do buf(opt.name .. " " .. name, st.s[i]) end
   if not st.s[1] then

@@ -28,6 +28,7 @@ local Placement = require("luazero.zero.plan")
 local Pool = require("luazero.zero.pool")
 local Scaler = require("luazero.zero.scaler")
 local offload = require("luazero.zero.offload")
+local spill = require("luazero.zero.spill")
 
 local M = {}
 local Engine = {}
@@ -272,7 +273,7 @@ function Engine:allocate()
     device = oo.device, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
-    compute = self.dev,
+    compute = self.dev, grads = P.opt_grads.tier == "nvme",
   }
   if P.master.alias then self.master = self.work else self.master = self.states.master end
   -- The gradients (none on the device when stages 2-3 reduce straight into
@@ -284,6 +285,15 @@ function Engine:allocate()
   end
   if OG.alias then
     self.ograds = self.grads
+  elseif OG.tier == "nvme" then
+    local st = self.states
+    local buffers = {}
+    for i, b in ipairs(st.buffers) do buffers[i] = b.grad end
+    self.spill = spill.new{ groups = st.groups, G = st.G, nvme_path = oo.nvme_path,
+                            aio = offload.swap_opts(s.aio), buffers = buffers,
+                            make_buffer = function() return offload.staging(st.G, "f32", self.dev) end }
+    st.spill = self.spill
+    self.spill_sq = {}
   else
     self.ograds = self:buffer(self:numel(OG.extent), OG.dtype, "grads", OG.tier):zero()
   end
@@ -303,8 +313,8 @@ function Engine:allocate()
   -- reductions add into; added into fp32 ones (the optimizer's host shard)
   -- they are rounded to gdt through round_scratch.
   if self.half_grads then
-    for _, t in ipairs({ self.ograds, self.rgrads }) do
-      local d = t:device_name()
+    for _, t in ipairs({ self.ograds or "cpu", self.rgrads or "cpu" }) do
+      local d = t == "cpu" and t or t:device_name()
       if not self.scratches[d] then
         self.scratches[d] = lz.tensor({ 2 * layout.CHUNK }, "f32", "workspace", d)
       end
@@ -376,10 +386,12 @@ function Engine:backward(loss)
     self.loss_count = self.loss_count + 1
   end
   self.bwd_pass = { k = 0 }
+  if self.spill then self.spill:begin_micro((self.micro - 1) % self.s.accum == 0) end
   self.model:backward(self.scaler.scale / self.s.accum)
   if #self.bwd_order > 0 then self.bwd_order.done = true end
   self:drop_prefetched()
   if self.P.reduce.buffered or is_boundary(self) then self:wait_all() end
+  if self.spill then self.spill:end_micro() end
 end
 
 function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
@@ -389,6 +401,7 @@ function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
 local function inject_inf(self)
   local k = tonumber(os.getenv("LZ_INJECT_INF_STEP") or "")
   if k and k == self.global_steps + 1 and self.rank == 0 then
+    if self.spill then self.spill_sq[1] = math.huge; return end
     local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
     self.grad_slices[1]:view(0, { 1 }):copy(inf)
     inf:free()
@@ -401,7 +414,11 @@ function Engine:exchange(local_loss)
   local K, W = self.meta_k, self.world
   local send = ffi.cast("double *", self.meta_send.data)
   send[0] = local_loss
-  for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
+  if self.spill then
+    for i = 1, K - 1 do send[i] = self.spill_sq[i] or 0 end
+  else
+    for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
+  end
   self.comm.all_gather(self.meta_send, self.meta_recv)
   local all = ffi.cast("double *", self.meta_recv.data)
   local loss = 0
@@ -418,6 +435,7 @@ end
 -- clipping, unscaled), loss_scale (used for this step), skipped.
 function Engine:step()
   local s = self.s
+  if self.spill then self.spill:finish() end
   self:pull_grads()
   inject_inf(self)
   local local_loss = self.loss_count > 0 and self.loss_sum / self.loss_count or 0
@@ -458,7 +476,7 @@ function Engine:step()
         if s.overlap then lz.copy_async(c.wdev, c.w, "copy") else c.wdev:copy(c.w) end
       end
     end
-  end)
+  end, nil, true)
   if self.P.push_params then
     -- The device's kernels and collectives run after the new parameters landed.
     self.pushed:record("copy")
@@ -493,7 +511,7 @@ function Engine:free()
   self:wait_all()
   self.pool:free()
   local function f(t) if t then t:free() end end
-  if not self.P.opt_grads.alias then f(self.ograds) end
+  if self.ograds ~= self.grads then f(self.ograds) end
   f(self.grads)
   f(self.wstage)
   if self.pushed then self.pushed:free() end

@@ -34,10 +34,11 @@ local esize = require("luazero.zero.plan").esize
 
 -- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
 -- memory on huge pages (O_DIRECT needs 4 KiB alignment).
-local function staging(n, dtype, compute)
+function M.staging(n, dtype, compute)
   local min = math.ceil(2 ^ 21 / esize[dtype])
   return M.host({ math.max(n, min) }, dtype, compute)
 end
+local staging = M.staging
 
 -- A host buffer counted as offload: pinned beside an accelerator.
 function M.host(shape, dtype, compute)
@@ -45,12 +46,13 @@ function M.host(shape, dtype, compute)
   return lz.tensor(shape, dtype, "offload")
 end
 
-local function swap_opts(aio)
+function M.swap_opts(aio)
   aio = aio or {}
   return { block_size = aio.block_size, queue_depth = aio.queue_depth,
            thread_count = aio.thread_count, single_submit = aio.single_submit,
            overlap_events = aio.overlap_events }
 end
+local swap_opts = M.swap_opts
 
 ------------------------------------------------------------ optimizer states
 
@@ -65,7 +67,8 @@ States.__index = States
 -- params (a param_shard on NVMe whose working copy the groups write back),
 -- work_dtype (the working copy's dtype when params is given), compute
 -- (the rank's compute device: "cpu", "sim" or "cuda"; "none" states live
--- in its memory).
+-- in its memory), grads (true: each staging buffer also holds a group's
+-- gradients, read from the gradient file, zero/spill.lua, set as .spill).
 function M.states(opts)
   local n, dev = opts.n, opts.device or "none"
   local names = opts.names or { "m", "v" }
@@ -105,6 +108,7 @@ function M.states(opts)
       local buf = {}
       if on_disk then buf.state = staging(self.parts * G, "f32", self.compute) end
       if opts.params then buf.work = staging(G, self.wdt, self.compute) end
+      if opts.grads then buf.grad = staging(G, "f32", self.compute) end
       self.buffers[b] = buf
     end
   end
@@ -134,6 +138,8 @@ function States:make_views(k, g)
     for j, t in ipairs(self.s) do v.s[j] = t:view(g.lo, { g.n }) end
   end
   if self.params then v.work = self:buffer(k).work:view(0, { g.n }) end
+  local b = self.nb > 0 and self:buffer(k)
+  if b and b.grad then v.g = b.grad:view(0, { g.n }) end
   return v
 end
 
@@ -142,8 +148,9 @@ local function wait(req) if req then req:wait() end end
 -- Calls fn(k, lo, len, views) for every group in order. On NVMe the group's
 -- states are read before fn (unless fresh: fn writes all of them) and
 -- (write_back) written after it; with an NVMe parameter shard, views.work is
--- written to it after fn when write_back.
-function States:each_group(write_back, fn, fresh)
+-- written to it after fn when write_back. with_grads: views.g holds the
+-- group's gradients, read from the gradient file.
+function States:each_group(write_back, fn, fresh, with_grads)
   local groups, swap = self.groups, self.swap
   if self.nb == 0 then
     for k, g in ipairs(groups) do fn(k, g.lo, g.n, self.views[k]) end
@@ -157,13 +164,14 @@ function States:each_group(write_back, fn, fresh)
     if swap and not fresh then
       b.read = swap:read((j - 1) * self.region, b.state, self.region, true)
     end
+    if with_grads and self.spill then b.gread = self.spill:read(j, b.grad) end
   end
   local ok, err = pcall(function()
     for j = 1, math.min(ahead, #groups) do issue_read(j) end
     for k, g in ipairs(groups) do
       local b = self:buffer(k) -- its read was issued `ahead` groups earlier
-      wait(b.read)
-      b.read = nil
+      wait(b.read); wait(b.gread)
+      b.read, b.gread = nil, nil
       fn(k, g.lo, g.n, self.views[k])
       if write_back then
         if swap then
@@ -180,7 +188,7 @@ function States:each_group(write_back, fn, fresh)
   end)
   -- Every request finishes before the buffers are touched again, error or not.
   for _, b in ipairs(self.buffers) do
-    for _, key in ipairs({ "read", "write_state", "write_work" }) do
+    for _, key in ipairs({ "read", "gread", "write_state", "write_work" }) do
       if b[key] then pcall(b[key].wait, b[key]); b[key] = nil end
     end
   end
@@ -193,7 +201,9 @@ function States:staging_bytes()
   for _, b in ipairs(self.buffers) do
     if b.state then n = n + b.state:bytes() end
     if b.work then n = n + b.work:bytes() end
+    if b.grad then n = n + b.grad:bytes() end
   end
+  if self.spill then n = n + self.spill:staging_bytes() end
   return n
 end
 
@@ -208,13 +218,20 @@ function States:io_bytes()
     local s = self.params.swap:stats()
     r, w = r + s.bytes_read, w + s.bytes_written
   end
+  if self.spill then
+    local sr, sw = self.spill:io_bytes()
+    r, w = r + sr, w + sw
+  end
   return r, w
 end
 
 function States:free()
+  -- The gradient file's writes in flight may still read the ring's buffers.
+  if self.spill then self.spill:free(); self.spill = nil end
   for _, b in ipairs(self.buffers) do
     if b.state then b.state:free() end
     if b.work then b.work:free() end
+    if b.grad then b.grad:free() end
   end
   self.buffers = {}
   if self.swap then self.swap:close(); self.swap = nil end

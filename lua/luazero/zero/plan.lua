@@ -128,6 +128,13 @@ function M.new(opts)
     -- Stages 2-3 reduce straight into it: no gradient shard on the device.
     if stage >= 2 then p.grads = { extent = "none", dtype = gdt, tier = "device" } end
   end
+  -- Optimizer states on NVMe from stage 2: the reduced gradients go to a
+  -- swap file sub-group by sub-group (zero/spill.lua) and the optimizer
+  -- reads them back with its states; no gradient shard stays in memory.
+  if opt_tier == "nvme" and stage >= 2 then
+    p.opt_grads = { extent = "shard", dtype = "f32", tier = "nvme" }
+    p.grads = { extent = "none", dtype = gdt, tier = "device" }
+  end
   -- How gradients are reduced. Buffered: each module's gradients go to a
   -- pooled staging buffer reduced as soon as they are complete and added
   -- into the gradients every micro-step (stages 2-3 always; stages 0-1 with

@@ -59,8 +59,9 @@ function M:grads_ready(seg)
       w = comm.all_reduce(seg.gbuf, "avg", async)
     else
       recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
-      -- Into the gradient shard, or (none on the device) the optimizer's.
-      dst = self.rgrads:view(at(R.into, seg.mine), { seg.slice })
+      -- Into the gradient shard, or (none on the device) the optimizer's,
+      -- or (on NVMe) the gradient file's staging.
+      dst = self.rgrads and self.rgrads:view(at(R.into, seg.mine), { seg.slice })
       w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
     end
     local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
@@ -129,10 +130,37 @@ function M:finish_reduce(item)
       end
       return
     end
-    self:accumulate(item.dst, item.recv)
+    self:add_reduced(item, item.recv)
     self.pool:put(seg.gbuf)
     seg.gbuf = nil
   end
+end
+
+-- A reduced slice src (where the add runs) into the gradients the optimizer
+-- reads: item.dst, or the gradient file's staging (zero/spill.lua), taking
+-- the norm's partial of the slice on the last micro-step.
+function M:add_reduced(item, src)
+  if not self.spill then return self:accumulate(item.dst, src) end
+  local seg = item.seg
+  local inspect
+  if self:is_gradient_accumulation_boundary() then
+    inspect = function(views)
+      if #views == 1 then
+        self.spill_sq[seg.index] = views[1]:sq_norm()
+        return
+      end
+      local whole, off = lz.tensor({ seg.slice }, "f32", "workspace"), 0
+      for _, v in ipairs(views) do
+        local part = whole:view(off, { v:numel() })
+        part:copy(v)
+        part:free() -- (a view keeps the storage until freed)
+        off = off + v:numel()
+      end
+      self.spill_sq[seg.index] = whole:sq_norm()
+      whole:free()
+    end
+  end
+  self.spill:add(seg.shard_offset, src, function(d, s) self:accumulate(d, s) end, inspect)
 end
 
 -- dst += a reduced micro-step gradient src (both where the add runs).
@@ -147,7 +175,7 @@ function M:land(item)
     self:wait_copies(item.landed)
     item.landed:free()
   end
-  self:accumulate(item.dst, item.host)
+  self:add_reduced(item, item.host)
   self.hpool:put(item.host)
   self.pool:put(item.gbuf)
 end
@@ -242,7 +270,8 @@ end
 function M:zero_grad()
   local P = self.P
   if P.grads.extent ~= "none" then self.grads:zero() end
-  if not P.opt_grads.alias then self.ograds:zero() end
+  if self.spill then self.spill_sq = {}
+  elseif not P.opt_grads.alias then self.ograds:zero() end
 end
 
 return M

@@ -138,7 +138,8 @@ function M:build_calls()
       local item = {
         decay = run.decay, numel = run.numel, opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
-        g = self.ograds:view(at(P.opt_grads.extent, run), shape),
+        -- (gradients on NVMe: the group's, read with its states)
+        g = self.ograds and self.ograds:view(at(P.opt_grads.extent, run), shape),
         w = rounds and self.work:view(at(P.params.extent, run), shape) or nil,
       }
       if P.push_params then
@@ -166,7 +167,7 @@ function M:build_calls()
             decay = run.decay, s = st,
             p = grouped_master and gv.master:view(rel + off, { n })
                 or self.master:view(run.master_off + d + off, { n }),
-            g = run.g:view(d + off, { n }),
+            g = run.g and run.g:view(d + off, { n }) or gv.g:view(rel + off, { n }),
             w = run.w and run.w:view(d + off, { n })
                 or (grouped_work and gv.work:view(rel + off, { n }) or nil),
             wdev = run.wdev and run.wdev:view(d + off, { n }),
@@ -190,7 +191,9 @@ function M:build_calls()
   -- This rank's gradient slices, for the norm's canonical partials.
   self.grad_slices = {}
   for i, seg in ipairs(L.segments) do
-    self.grad_slices[i] = self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
+    if self.ograds then
+      self.grad_slices[i] = self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
+    end
   end
   local K = #L.segments + 1 -- the loss, then one partial per segment
   self.meta_k = K
