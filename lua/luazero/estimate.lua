@@ -673,8 +673,8 @@ function M.rank(counts, opts)
   r.G, r.groups = G, groups
   local parts = (P.master.alias and 0 or 1) + #P.optimizer.states
   -- The ring of staging buffers (offload.lua's States).
+  local nb = math.min(math.max(2, opt_nb), groups)
   if on_disk or P.params.tier == "nvme" then
-    local nb = math.min(math.max(2, opt_nb), groups)
     if on_disk then add(r.host, "optimizer staging", nb * staging_bytes(parts * G, "f32")) end
     if P.params.tier == "nvme" then add(r.host, "update staging", nb * staging_bytes(G, wdt)) end
   end
@@ -683,11 +683,11 @@ function M.rank(counts, opts)
     add(r.nvme, "optimizer", round_up(math.max(PAGE, groups * region), PAGE))
     io("optimizer states", groups * region, groups * region)
   end
-  -- The fp32 gradient shard on NVMe: added per sub-group in host buffers
-  -- of sub_group_size elements (up to buffer_count), written in shard
+  -- The fp32 gradient shard on NVMe (zero/spill.lua): added per sub-group
+  -- in the ring's gradient buffers (a sub-group each), written in shard
   -- order, read back for the next micro-step's add and by the optimizer.
   if grads_on_disk then
-    add(r.host, "gradient staging", math.min(opt_nb, groups) * staging_bytes(G, "f32"))
+    add(r.host, "gradient staging", nb * staging_bytes(G, "f32"))
     add(r.nvme, "gradients", round_up(math.max(PAGE, groups * G * 4), PAGE))
     io("gradients", accum * groups * G * 4, accum * groups * G * 4)
   end

@@ -145,6 +145,7 @@ function M:estimate(opts)
     nvme = nvme + self.pshard.swap:stats().size
   end
   if st.swap then nvme = nvme + st.swap:stats().size end
+  if self.spill then nvme = nvme + self.spill.swap:stats().size end
   r.live = { staging = staging, nvme = nvme }
   return setmetatable(r, { __tostring = function(t)
     return table.concat(estimate.rank_lines(t), "\n")
