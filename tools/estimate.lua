@@ -192,8 +192,13 @@ local function main(argv)
     dtype = dtype, grads = flags.grads, device = flags.device, accum = flags.grad_accum,
     sub_group_size = flags.sub_group_size, read_gbps = disk.read_gbps,
     write_gbps = disk.write_gbps })
-  local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
-                                                  persistent = persistent, layout = layout })
+  -- As the trainer picks: in memory, else on NVMe (a path is the trainer's to give).
+  local ok, picked, why = pcall(estimate.pick_stage, params, N, budget, dtype, {
+    grads = flags.grads, persistent = persistent, layout = layout, nvme = true,
+    nvme_path = "given", counts = counts, device = flags.device,
+    settings = { sub_group_size = flags.sub_group_size, accum = flags.grad_accum } })
+  if not ok then fail(picked) end
+  why = why:gsub(" %(nvme_path given%)", "")
   if flags.json == 1 then
     print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
                          device = flags.device, counts = counts, rows = rows, disk = disk,
