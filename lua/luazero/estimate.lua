@@ -375,9 +375,10 @@ end
 
 -- The NVMe placement stage "auto" falls back on when no stage fits in
 -- memory: stage 3 with the optimizer states on NVMe, else with the
--- parameter shard there too, the first whose memory (model states and
--- staging: host memory on a cpu device, device memory on an accelerator)
--- fits budget_bytes. opts: as pick_stage's, and counts (M.counts; else
+-- parameter shard there too, the first whose memory per rank (model states
+-- and staging, device and host together, as the stages' rows count it)
+-- fits budget_bytes. (Offload to the CPU moves bytes between device and
+-- host, not their sum: no such row fits where stage 3 does not.) opts: as pick_stage's, and counts (M.counts; else
 -- figured from params, layout and persistent), device ("cpu" | "cuda"),
 -- settings (M.settings_of's: sub_group_size, buffer counts, ...). Returns
 -- the placement name or nil, what it puts on NVMe, and the bytes it needs
@@ -398,7 +399,7 @@ function M.pick_nvme(params, world, budget_bytes, dtype, opts)
     o.stage, o.offload, o.opt, o.param = 3, pl, nil, nil
     o.dtype, o.grads, o.device = dtype, opts.grads, device
     local r = M.rank(counts, o)
-    need, name = M.kept(r, device == "cpu" and "host" or "device"), pl
+    need, name = M.kept(r, "device") + M.kept(r, "host"), pl
     if need <= budget_bytes then return pl, what[pl], need end
   end
   return nil, what[name], need
