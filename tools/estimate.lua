@@ -155,8 +155,11 @@ local function main(argv)
             estimate.thousands(layout.full), estimate.thousands(layout.shard)),
             estimate.thousands(persistent), estimate.thousands(flags.persistence_threshold))
     if flags.lora_r then
-      what = ("%s: LoRA rank %d: %s parameters train (the adapters), %s are frozen (the base)"):format(
-        what, flags.lora_r, estimate.thousands(counts.numel), estimate.thousands(counts.frozen.numel))
+      what = ("%s with LoRA rank %d: %s parameters train (the adapters; padded to %s, shards " ..
+              "of %s), %s are frozen (the base); P = %s in modules of <= %s elements"):format(
+        m.name, flags.lora_r, estimate.thousands(counts.numel), estimate.thousands(layout.full),
+        estimate.thousands(layout.shard), estimate.thousands(counts.frozen.numel),
+        estimate.thousands(persistent), estimate.thousands(flags.persistence_threshold))
     end
   else
     params = parse_count(flags.params)
