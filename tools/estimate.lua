@@ -41,6 +41,8 @@ local spec = {
   { "read-gbps", "number", nil, "the disk's read speed in GB/s for the step time NVMe allows " ..
     "(1.9, assumed: measure with bench/bench-aio)" },
   { "write-gbps", "number", nil, "the disk's write speed in GB/s (1.1, assumed)" },
+  { "measure-disk", "string", nil, "a directory on the disk the swap files would use: measure " ..
+    "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
   { "json", "int", 0, "1: print the figures as one JSON object instead of tables" },
 }
 
@@ -191,6 +193,17 @@ local function main(argv)
   local disk = { read_gbps = flags.read_gbps or estimate.disk.read_gbps,
                  write_gbps = flags.write_gbps or estimate.disk.write_gbps }
   disk.assumed = not (flags.read_gbps and flags.write_gbps)
+  if flags.measure_disk then
+    local rd, wr, direct = checked(estimate.measure_disk, flags.measure_disk)
+    if not direct then
+      fail(("--measure-disk %s: the file system refuses O_DIRECT (tmpfs?), so the page cache " ..
+            "would be measured, not the disk; point it at the disk nvme_path would use")
+           :format(flags.measure_disk))
+    end
+    disk.read_gbps = flags.read_gbps or rd
+    disk.write_gbps = flags.write_gbps or wr
+    disk.assumed, disk.measured = false, flags.measure_disk
+  end
   local rows = estimate.rank_rows(counts, {
     dtype = dtype, grads = flags.grads, device = flags.device, accum = flags.grad_accum,
     sub_group_size = flags.sub_group_size, read_gbps = disk.read_gbps,

@@ -595,6 +595,10 @@ function T.tools_estimate_has_nvme_rows_lora_and_json()
   local row = out:match("\n  3     nvme%+param  [^\n]*")
   assert(row, out)
   assert(out:find("disk: 3.00 GB/s read, 2.00 GB/s write;", 1, true), out)
+  -- Measured through the swap file's own I/O on the disk given.
+  out, status = run_tool("--params 1e9 --measure-disk " .. support.quote(swap_dir))
+  local rd, wr = out:match("disk: ([%d.]+) GB/s read, ([%d.]+) GB/s write %(measured in ")
+  assert(status == 0 and tonumber(rd) > 0 and tonumber(wr) > 0, out)
   out, status = run_tool("--params 1e9 --lora-r 4")
   assert(status == 2 and out:find("--lora-r and --lora-targets go with --model", 1, true), out)
 end
