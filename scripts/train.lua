@@ -211,7 +211,13 @@ end
 -- NVMe where that fits, in the config's nvme_path or --nvme-path.
 local function resolve_stage(cfg, model, world, flags)
   local z = cfg.zero_optimization
-  if z.stage ~= "auto" then return end
+  if z.stage ~= "auto" then
+    if flags.nvme_path then
+      user_error("--nvme-path is where --stage auto puts swap files when it picks NVMe; " ..
+                 "without --stage auto set zero_optimization.offload_optimizer.nvme_path")
+    end
+    return
+  end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   local persistent = 0
   for _, e in ipairs(model.param_table) do
@@ -221,10 +227,10 @@ local function resolve_stage(cfg, model, world, flags)
   local settings = estimate.settings_of(cfg, device)
   settings.overlap = z.overlap_comm_given and z.overlap_comm or nil
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
+  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
   local stage, why, _, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
     { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
-      nvme = true, nvme_path = nvme_path, device = device, settings = settings,
-      counts = estimate.counts(model, world, z.stage3_param_persistence_threshold) })
+      nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts })
   if placement then
     if not (z.offload_optimizer.nvme_path or z.offload_param.nvme_path) then
       config.check_writable_dir("--nvme-path", nvme_path)
@@ -235,6 +241,12 @@ local function resolve_stage(cfg, model, world, flags)
         z[key].device = "nvme"
         z[key].nvme_path = z[key].nvme_path or nvme_path
       end
+    end
+    -- offload_param.buffer_size must hold the largest slice a gather reads.
+    if pl.param == "nvme" then
+      local slice = 0
+      for _, seg in ipairs(counts.segments) do slice = math.max(slice, seg.slice) end
+      z.offload_param.buffer_size = math.max(z.offload_param.buffer_size or 0, slice)
     end
   end
   config.set_stage(cfg, stage)

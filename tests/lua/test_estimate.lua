@@ -620,6 +620,9 @@ function T.stage_auto_picks_nvme_in_the_trainer()
          out)
   assert(out:find("zero stage 3,", 1, true) and out:find("offload: optimizer states on nvme", 1, true),
          out)
+  out, status = support.sh(base:gsub("%-%-config %S+", "--stage 2") .. " --nvme-path /nvme")
+  assert(status == 2 and out:find("train: --nvme-path is where --stage auto puts swap files", 1,
+                                   true), out)
 end
 
 return T
