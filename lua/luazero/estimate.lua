@@ -512,11 +512,15 @@ function M.counts(model, world, threshold)
                                     shard_offset = seg.shard_offset, users = users[seg],
                                     persistent = pers }
   end
-  c.frozen = { numel = 0, full = 0, shard = 0, largest = 0 }
+  c.frozen = { numel = 0, full = 0, shard = 0, largest = 0, persistent = 0 }
   if #frozen > 0 then
     local F = layout.new(frozen, world)
-    c.frozen = { numel = F.numel, full = F.full_numel, shard = F.shard_numel, largest = 0 }
-    for _, seg in ipairs(F.segments) do c.frozen.largest = math.max(c.frozen.largest, seg.padded) end
+    c.frozen = { numel = F.numel, full = F.full_numel, shard = F.shard_numel, largest = 0,
+                 persistent = 0 }
+    for _, seg in ipairs(F.segments) do
+      c.frozen.largest = math.max(c.frozen.largest, seg.padded)
+      if seg.numel <= threshold then c.frozen.persistent = c.frozen.persistent + seg.padded end
+    end
   end
   return c
 end
@@ -529,7 +533,7 @@ function M.counts_of_params(params, world, persistent, largest)
   local shard = math.ceil(params / world)
   return { world = world, full = params, shard = shard, numel = params,
            persistent = persistent or 0, largest = largest or 0,
-           frozen = { numel = 0, full = 0, shard = 0, largest = 0 } }
+           frozen = { numel = 0, full = 0, shard = 0, largest = 0, persistent = 0 } }
 end
 
 -- The engine's settings a rank's bytes depend on, with the config's
@@ -662,6 +666,10 @@ function M.rank(counts, opts)
   if F.extent == "none" then frozen_n = 0 end
   local frozen_bytes = frozen_n * esize[F.dtype]
   if F.tier ~= "nvme" then add(mem[F.tier], "frozen", frozen_bytes) end
+  -- Sharded frozen parameters whose small modules the plan keeps whole.
+  if F.persistent then
+    add(mem[F.persistent.tier or "device"], "frozen", (fc.persistent or 0) * esize[F.dtype])
+  end
 
   -- The optimizer's sub-groups: one group of every element unless a state
   -- lives on NVMe (then sub_group_size, in multiples of 2048 elements).
