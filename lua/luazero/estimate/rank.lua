@@ -135,6 +135,13 @@ local function span_elems(off, len, es)
   return (b - a) / es
 end
 
+-- The distinct slice sizes of the modules (a set).
+local function slice_sizes(counts)
+  local set = {}
+  for _, seg in ipairs(counts.segments) do set[seg.slice] = true end
+  return set
+end
+
 local function add(t, name, bytes)
   if bytes == 0 then return end
   t[name] = (t[name] or 0) + bytes
@@ -304,10 +311,17 @@ function M.rank(counts, opts)
   if device ~= "cpu" then
     if P.push_params then add(r.host, "update staging", counts.shard * wb) end
     if P.reduce.to_host then
+      -- Pooled by size: without overlap_comm one of each slice size (the
+      -- modules known), with it reduce_bucket_size in flight.
       local gb = esize[P.grad_dtype]
-      local inflight = overlap and math.ceil(reduce_bucket / counts.world) + counts.largest
-                       or counts.largest
-      add(r.host, "gradient copies", math.min(counts.shard, inflight) * gb)
+      local n
+      if counts.segments and not overlap then
+        n = 0
+        for size in pairs(slice_sizes(counts)) do n = n + size end
+      else
+        n = overlap and math.ceil(reduce_bucket / counts.world) + counts.largest or counts.largest
+      end
+      add(r.host, "gradient copies", math.min(counts.shard, n) * gb)
     end
   end
   -- The working set (comm): gathered modules at stage 3 (the largest one
@@ -327,6 +341,10 @@ function M.rank(counts, opts)
       rsizes[seg.padded] = true
     end
     for n in pairs(gsizes) do comm = comm + n * wb end
+    -- Slices read from host memory or NVMe go to the device first.
+    if P.params.upload then
+      for n in pairs(slice_sizes(counts)) do comm = comm + n * wb end
+    end
     if P.reduce.buffered then
       for n in pairs(rsizes) do comm = comm + n * (4 + (half and wb or 0)) end
     end
