@@ -59,6 +59,11 @@ local function cases()
       list[#list + 1] = { stage = stage, pl = pl, dtype = "bf16", lora = true, overlap = stage == 3 }
     end
   end
+  -- Accumulation: the gradient file read back, the parameter file read per micro-step.
+  for _, c in ipairs({ { 2, "nvme" }, { 3, "nvme" }, { 3, "nvme+param" } }) do
+    list[#list + 1] = { stage = c[1], pl = estimate.placement_of[c[2]], dtype = "bf16",
+                        overlap = c[1] == 3, accum = 3 }
+  end
   return list
 end
 
@@ -76,14 +81,16 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
   local bad, pend = 0, {}
   for _, c in ipairs(cases()) do
     local pl, stage = c.pl, c.stage
-    if (device == "cpu" or c.dtype == "bf16") and (pl.opt == "none" or Placement.stage_allows("offload_optimizer", stage)) and
+    if (device == "cpu" or c.dtype == "bf16") and
+       (pl.opt == "none" or Placement.stage_allows("offload_optimizer", stage)) and
        (pl.param == "none" or Placement.stage_allows("offload_param", stage)) then
-      local name = ("world %d %s stage %d %s %s%s%s"):format(world, device, stage, c.dtype,
-                   pl.name, c.overlap and " overlap" or "", c.lora and " lora" or "")
+      local name = ("world %d %s stage %d %s %s%s%s%s"):format(world, device, stage, c.dtype,
+                   pl.name, c.overlap and " overlap" or "", c.lora and " lora" or "",
+                   c.accum and (" accumulation " .. c.accum) or "")
       local function dev(d)
         return d ~= "none" and { device = d, nvme_path = swap_dir, buffer_count = 3 } or nil
       end
-      local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
+      local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = c.accum or 1,
                     bf16 = { enabled = c.dtype == "bf16" },
                     zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600,
                                           sub_group_size = 4096, overlap_comm = c.overlap,
