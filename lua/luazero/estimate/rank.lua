@@ -383,7 +383,8 @@ function M.measure_disk(dir, bytes, aio)
   local chunk = math.min(2 ^ 25, bytes)
   local n = math.max(1, math.floor(bytes / chunk))
   local swap = lz.swap(dir, n * chunk, "bench", aio)
-  local bufs = { lz.tensor({ chunk / 4 }, "f32", "offload"), lz.tensor({ chunk / 4 }, "f32", "offload") }
+  local bufs = { lz.tensor({ chunk / 4 }, "f32", "offload"),
+                 lz.tensor({ chunk / 4 }, "f32", "offload") }
   local ok, err = pcall(function()
     for _, b in ipairs(bufs) do b:fill(1) end
     local function pass(op)
@@ -548,8 +549,9 @@ end
 -- parameter shard there too, the first whose memory per rank (model states
 -- and staging, device and host together, as the stages' rows count it)
 -- fits budget_bytes. (Offload to the CPU moves bytes between device and
--- host, not their sum: no such row fits where stage 3 does not.) opts: as pick_stage's, and counts (M.counts; else
--- figured from params, layout and persistent), device ("cpu" | "cuda"),
+-- host, not their sum: no such row fits where stage 3 does not.) opts: as
+-- pick_stage's, and counts (M.counts; else figured from params, layout and
+-- persistent), device ("cpu" | "cuda"),
 -- settings (M.settings_of's: sub_group_size, buffer counts, ...). Returns
 -- the placement name or nil, what it puts on NVMe, and the bytes it needs
 -- (the last tried when none fits).
