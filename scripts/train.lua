@@ -225,7 +225,8 @@ local function resolve_stage(cfg, model, world, flags)
   end
   local device = flags.device == "cpu" and "cpu" or "cuda"
   local settings = estimate.settings_of(cfg, device)
-  settings.overlap = z.overlap_comm_given and z.overlap_comm or nil
+  settings.overlap = nil -- stage 3's default unless the config says
+  if z.overlap_comm_given then settings.overlap = z.overlap_comm end
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
   local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
   local stage, why, _, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,

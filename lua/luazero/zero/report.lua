@@ -138,8 +138,8 @@ function M:estimate(opts)
                                    self.optimizer.states)
   for k, v in pairs(opts or {}) do o[k] = v end
   local r = estimate.rank(estimate.counts(self.model, self.world, self.s.persistence), o)
-  local st, staging, nvme = self.states, 0, 0
-  staging = st:staging_bytes()
+  local st = self.states
+  local staging, nvme = st:staging_bytes(), 0
   if self.pshard then
     for _, t in ipairs(self.pshard.all_stages) do staging = staging + t:bytes() end
     nvme = nvme + self.pshard.swap:stats().size
