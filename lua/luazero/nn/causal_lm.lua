@@ -98,6 +98,17 @@ function CausalLM:init_weights(seed)
   return self
 end
 
+-- The padding rows draw_stream zeroes (the same as init_weights): past the
+-- real vocabulary in the token table and an untied head.
+function CausalLM:zero_from(e)
+  local cfg = self.cfg
+  if cfg.padded_vocab == cfg.vocab then return nil end
+  if (e.module == self.embedding and e.key == self.embedding.token_key) or
+     (self.untied_head and e.module == self.untied_head and e.key == "weight") then
+    return cfg.vocab * cfg.n_embd
+  end
+end
+
 function CausalLM:free()
   Model.free(self)
   LoRA.free_workspaces(self)

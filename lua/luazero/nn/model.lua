@@ -67,6 +67,37 @@ function Model:draw_params(seed)
   return self
 end
 
+-- The same numbers as draw_params, streamed: sink(e, a, t) gets elements
+-- [a, a + n) of parameter e (canonical order) in an f32 host tensor t of
+-- at most `chunk` elements, valid during the call, so no buffer the size of
+-- the model is made. Chunks are even (each normal pair stays whole);
+-- elements from self:zero_from(e) on are zero (padding rows).
+function Model:draw_stream(seed, sink, chunk)
+  chunk = math.max(2, math.floor((chunk or 2 ^ 22) / 2) * 2)
+  local r = rng.new(seed, 1)
+  local buf = lz.tensor({ chunk }, "f32", "workspace")
+  local ptr = ffi.cast("float *", buf.data)
+  local ok, err = pcall(function()
+    for _, e in ipairs(self.param_table) do
+      local zero_from = self:zero_from(e) or e.numel
+      for a = 0, e.numel - 1, chunk do
+        local n = math.min(chunk, e.numel - a)
+        Module.fill_init(e.init, ptr, n, r)
+        for i = math.max(zero_from - a, 0), n - 1 do ptr[i] = 0 end
+        local t = buf:view(0, { n })
+        sink(e, a, t)
+        t:free()
+      end
+    end
+  end)
+  buf:free()
+  if not ok then error(err, 0) end
+end
+
+-- Where a parameter's padding starts (draw_stream zeroes from there): none
+-- by default.
+function Model.zero_from() return nil end
+
 function Model:free()
   self:release_arenas()
   if self.params_flat then self.params_flat:free() end

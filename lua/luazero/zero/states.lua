@@ -17,70 +17,101 @@ local function bind_params(seg, buf) layout.bind("p", seg, buf) end
 
 ------------------------------------------------------------ initial weights
 
--- Every rank draws the same initial weights (same seed, canonical order)
--- into a temporary fp32 buffer, then keeps what the plan places on it.
+-- Every rank draws the same initial weights (same seed, canonical order),
+-- streamed (model:draw_stream): each segment is gathered whole in an fp32
+-- temporary, placed where the plan keeps it (the working copy, persistent
+-- parameters, a resident master), and, where sub-groups live on NVMe, kept
+-- until the sub-groups it falls in are written. Frozen parameters go
+-- straight to their own store. So start-up holds a segment or two, not the
+-- model.
 function M:init_weights(seed)
   local L, model, P = self.L, self.model, self.P
-  local tmp = lz.tensor({ L.full_numel }, "f32", "workspace")
-  -- Frozen parameters are drawn into an fp32 buffer of their own (the draws
-  -- walk every parameter in canonical order), then rounded into theirs.
-  local ftmp = self.frozen and lz.tensor({ self.frozen:numel() }, "f32", "workspace")
-  for _, e in ipairs(self.frozen_entries) do
-    e.module.p[e.key] = ftmp:view(e.frozen_offset, e.shape)
-  end
-  local saved = {}
+  local where = {}
   for _, seg in ipairs(L.segments) do
-    for _, e in ipairs(seg.entries) do
-      saved[e] = e.entry.module.p[e.entry.key]
-    end
-    bind_params(seg, tmp:view(seg.full_offset, { seg.padded }))
+    for _, se in ipairs(seg.entries) do where[se.entry.name] = { seg = seg, at = se.seg_offset } end
   end
-  model:init_weights(seed)
-  if ftmp then
-    self.frozen:convert(ftmp)
-    for _, e in ipairs(self.frozen_entries) do
-      e.module.p[e.key] = self.frozen:view(e.frozen_offset, e.shape)
-    end
-    ftmp:free()
-  end
-  -- A state's part of segment seg: the whole padded segment (full) or this
-  -- rank's slice (shard), copied from the drawn weights.
-  local function place(buf, extent, seg)
-    if extent == "full" then
-      buf:view(seg.full_offset, { seg.padded })
-         :convert(tmp:view(seg.full_offset, { seg.padded }))
-    else
-      buf:view(seg.shard_offset, { seg.slice })
-         :convert(tmp:view(seg.mine.full_offset, { seg.slice }))
-    end
-  end
+  local st = self.states
+  local grouped = st.nb > 0
   local own_master = not P.master.alias and P.master.tier ~= "nvme"
-  for _, seg in ipairs(L.segments) do
-    bind_params(seg, nil)
-    for _, e in ipairs(seg.entries) do e.entry.module.p[e.entry.key] = saved[e] end
-    if P.params.tier ~= "nvme" then place(self.work, P.params.extent, seg) end
-    if seg.persistent then seg.persistent:convert(tmp:view(seg.full_offset, { seg.padded })) end
-    if own_master then place(self.master, P.master.extent, seg) end
+  local full_of, drawing = {}, {}
+  local frontier = 0 -- shard elements [0, frontier) drawn and placed
+  -- A state's part of segment seg from its drawn fp32 values: the whole
+  -- padded segment (full) or this rank's slice (shard).
+  local function place(buf, extent, seg, full)
+    if extent == "full" then
+      buf:view(seg.full_offset, { seg.padded }):convert(full)
+    else
+      buf:view(seg.shard_offset, { seg.slice }):convert(full:view(self.rank * seg.slice, { seg.slice }))
+    end
+  end
+  local function placed(seg, full)
+    if P.params.tier ~= "nvme" then place(self.work, P.params.extent, seg, full) end
+    if seg.persistent then seg.persistent:convert(full) end
+    if own_master then place(self.master, P.master.extent, seg, full) end
+    frontier = seg.shard_offset + seg.slice
+    if grouped then full_of[seg] = full else full:free() end
+  end
+  local function sink(e, a, t)
+    if e.frozen then return self:frozen_write(e, a, t) end
+    local w = where[e.name]
+    local seg = w.seg
+    local d = drawing[seg]
+    if not d then
+      d = { full = lz.tensor({ seg.padded }, "f32", "workspace"):zero(), left = seg.numel }
+      drawing[seg] = d
+    end
+    d.full:view(w.at + a, { t:numel() }):copy(t)
+    d.left = d.left - t:numel()
+    if d.left == 0 then
+      drawing[seg] = nil
+      placed(seg, d.full)
+    end
+  end
+  local draw = coroutine.wrap(function()
+    model:draw_stream(seed, function(e, a, t) coroutine.yield(e, a, t) end)
+  end)
+  local finished = false
+  local function pump()
+    if finished then return false end
+    local e, a, t = draw()
+    if not e then finished = true; return false end
+    sink(e, a, t)
+    return true
   end
   -- Sub-groups on NVMe: the master slices and zero states to the state
-  -- file, the working copy (the master rounded) to the parameter file.
-  local st = self.states
-  if st.nb > 0 then
+  -- file, the working copy (the master rounded) to the parameter file,
+  -- each group as soon as the segments it covers are drawn.
+  if grouped then
     st:each_group(true, function(_, lo, n, v)
+      while frontier < lo + n and pump() do end
       if P.optimizer.tier == "nvme" then
         if not P.master.alias then
           self:shard_pieces(lo, n, function(seg, a, len)
-            local from = seg.mine.full_offset + (a - seg.shard_offset)
-            v.master:view(a - lo, { len }):copy(tmp:view(from, { len }))
+            local from = self.rank * seg.slice + (a - seg.shard_offset)
+            v.master:view(a - lo, { len }):copy(full_of[seg]:view(from, { len }))
           end)
         end
         for _, t in ipairs(v.s) do t:zero() end
       end
       if P.params.tier == "nvme" then v.work:copy(v.master) end
+      for seg, full in pairs(full_of) do
+        if seg.shard_offset + seg.slice <= lo + n then full:free(); full_of[seg] = nil end
+      end
     end, true) -- fresh: every state is written here, nothing to read first
   end
-  tmp:free()
+  while pump() do end
+  for _, full in pairs(full_of) do full:free() end
+  self:frozen_done()
 end
+
+-- Elements [a, a + n) of frozen parameter e, drawn or read in fp32 (t),
+-- into the frozen store, in the working dtype.
+function M:frozen_write(e, a, t)
+  self.frozen:view(e.frozen_offset + a, { t:numel() }):convert(t)
+end
+
+-- Every frozen parameter has been written.
+function M:frozen_done() end
 
 -- Zero weights everywhere the plan keeps them (the loader fills them next).
 function M:zero_weights()
