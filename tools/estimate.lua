@@ -1,12 +1,16 @@
 -- tools/estimate.lua — model-state memory per rank for ZeRO stages 0..3,
 -- with and without offload, for a parameter count or a model name (and, for
--- a model, its activation arenas for a micro-batch). Run by tools/estimate;
--- formulas in docs/zero.md, "Estimating memory".
+-- a model, its activation arenas for a micro-batch); then every placement's
+-- device, host and NVMe bytes per rank, with the NVMe traffic per step and
+-- the disk's time for it. Run by tools/estimate; formulas in docs/zero.md,
+-- "Estimating memory".
 --   luazero tools/estimate.lua --params 1.5e9 --world 8
 --   luazero tools/estimate.lua --model gpt2-xl --world 8 --budget 12GiB
 --   luazero tools/estimate.lua --model gpt2 --micro-batch 4 --seq-len 1024
 --   luazero tools/estimate.lua --model llama3-8b --world 8
 --   luazero tools/estimate.lua --model-config config.json --world 8   # Hugging Face's
+--   luazero tools/estimate.lua --model tinyllama-1.1b --lora-r 8 --sub-group-size 1e8 --json 1
+--   luazero tools/estimate.lua --params 3e9 --measure-disk /nvme
 local args = require("luazero.args")
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
@@ -74,8 +78,11 @@ local function main(argv)
     print("usage: tools/estimate (--params N | --model NAME) [--world N] [flags]\n" ..
           "Prints the model-state bytes per rank (parameters, gradients, optimizer states)\n" ..
           "for ZeRO stages 0-3, without offload, with the optimizer on the CPU, and with\n" ..
-          "parameters on the CPU too; and the stage \"auto\" picks for a memory budget.\n" ..
-          "Activations and communication buffers come on top. Formulas: docs/zero.md.\n\n" ..
+          "parameters on the CPU too; then, for every placement (NVMe ones too), all the\n" ..
+          "engine allocates per rank on the device, in host memory and on NVMe (staging,\n" ..
+          "frozen parameters, comm buffers), the NVMe bytes read and written per step and\n" ..
+          "the step time the disk allows; and the stage \"auto\" picks for a memory budget.\n" ..
+          "Activations come on top. Formulas: docs/zero.md, docs/offload.md.\n\n" ..
           usage)
     return
   end
