@@ -19,6 +19,7 @@ local zero = require("luazero.zero")
 local estimate = require("luazero.estimate")
 local models = require("models.registry")
 local hf = require("luazero.hf")
+local monitor = require("luazero.monitor")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
@@ -30,8 +31,9 @@ local spec = {
   { "model", "string", nil, "model size (default gpt2-nano, or --init's config.json): " .. table.concat(models.names, ", ") },
   { "model-config", "string", nil, "a Hugging Face config.json (GPT2LMHeadModel or LlamaForCausalLM) instead of --model" },
   { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
-  { "tokenizer", "string", nil, "the tokenizer.json the data was prepared with: the sample is decoded with it" },
-  { "data", "string", nil, "a text file (bytes are tokens) or a token file (tools/prepare-data)" },
+  { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it" },
+  { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)" },
+  { "packing", "string", nil, "instruction data: pack (several examples per row, the default) or pad (one per row)" },
   { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)" },
   { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
   { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
@@ -154,13 +156,6 @@ local function dev_mem_record(device)
 end
 
 local function mib(b) return b / 2 ^ 20 end
-
--- A 64-bit state saved as 16 hex digits.
-local function ckpt_u64(hex)
-  local v = ffi.new("uint64_t", 0)
-  for i = 1, #hex do v = v * 16 + tonumber(hex:sub(i, i), 16) end
-  return v
-end
 
 -- The normalised DeepSpeed configuration: the file (or nothing) with the
 -- flags on top. Without a file, config.train_defaults stand in for what
@@ -416,7 +411,8 @@ local function parse_flags(argv)
     return nil
   end
   if not flags.data then
-    user_error("--data is required: a text file or a token file made by tools/prepare-data")
+    user_error("--data is required: a text file, a token file made by tools/prepare-data, or " ..
+               "instruction examples (.jsonl)")
   end
   for _, n in ipairs({ "micro-batch", "grad-accum", "seq-len", "n-layer", "n-head",
                        "n-embd", "context", "vocab" }) do
@@ -473,9 +469,9 @@ local function set_up(flags)
   else
     mcfg = checked(models.config, flags.model or "gpt2-nano", overrides)
   end
-  local tok
+  local tok, template
   if flags.tokenizer then
-    tok = checked(require("luazero.tokenizer").load, flags.tokenizer)
+    tok, template = checked(require("luazero.data.instruct").open_tokenizer, flags.tokenizer)
     if tok:vocab_size() > mcfg.vocab then
       user_error(("--tokenizer %s: %d tokens, more than the model's vocab %d; give --vocab %d " ..
                   "or more"):format(flags.tokenizer, tok:vocab_size(), mcfg.vocab, tok:vocab_size()))
@@ -494,9 +490,11 @@ local function set_up(flags)
                 "or less, or --context %d"):format(T, mcfg.context, mcfg.name, mcfg.context, T))
   end
   local schedule, sched, warmup = schedule_of(cfg, flags)
-  local corpus = checked(data.load, flags.data)
+  local corpus = checked(data.load, flags.data, { tokenizer = tok, template = template,
+                                                  max_len = T })
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
-                                                vocab = mcfg.vocab, rank = rank, world = world })
+                                                vocab = mcfg.vocab, rank = rank, world = world,
+                                                packing = flags.packing })
   local model = models.new(mcfg)
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end
@@ -526,12 +524,16 @@ local function set_up(flags)
                                                  batch = { B, T }, lr = schedule, comm = comm,
                                                  device = flags.device,
                                                  draw_weights = not flags.init })
+  optim.schedule.drive_betas(engine, cfg) -- OneCycle's cycle_momentum
+  -- tensorboard, csv_monitor, wall_clock_breakdown, flops_profiler
+  local mon = checked(monitor.start, { engine = engine, model = model, cfg = cfg, rank = rank,
+                                       B = B, T = T })
   return {
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
     warmup = warmup, corpus = corpus, loader = loader, log = log, model = model,
     engine = engine, n_val = math.min(flags.eval_batches, loader.val_batches), first = 1,
-    tok = tok,
+    tok = tok, mon = mon,
   }
 end
 
@@ -550,7 +552,7 @@ end
 local function resume(run)
   local m = checked_rank(run.engine.load, run.engine, run.flags.resume)
   local pos = m.extra and m.extra.data
-  if pos and pos.rng_state then run.loader.rng.state[0] = ckpt_u64(pos.rng_state) end
+  if pos then checked(run.loader.set_position, run.loader, pos) end
   run.first = m.global_steps + 1
   say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")
       :format(m.dir, m.global_steps, m.optimizer_steps, m.world_size, m.stage))
@@ -567,6 +569,7 @@ local function say_start(run)
       :format(run.corpus.path, run.corpus.kind, run.corpus.count, loader.n_train, loader.n_val,
               run.n_val > 0 and ("validation on " .. run.n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
+  if loader.layout then say(loader.layout) end
   if run.flags.checkpoint_activations then
     local ac = cfg.activation_checkpointing
     say(("activation checkpointing: %d blocks keep their inputs (%s%s)"):format(mcfg.n_layer,
@@ -670,11 +673,11 @@ end
 
 local function say_step(run, step, rec, r, prof)
   say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-       "mem %.1f MiB, rss %.0f MiB%s%s")
+       "mem %.1f MiB, rss %.0f MiB%s%s%s")
       :format(step, run.flags.steps, r.loss,
               rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
               rec.tokens_per_s, rec.step_ms, mib(lz.mem_total()),
-              mib(rec.mem.peak_rss),
+              mib(rec.mem.peak_rss), rec.time and monitor.breakdown.line(rec.time) or "",
               r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
               prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
                         "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
@@ -689,10 +692,10 @@ local function save_if_due(run, step)
     return
   end
   local extra = {
-    data = { rng_state = require("bit").tohex(run.loader.rng.state[0], 16),
-             batches = step * run.accum },
+    data = run.loader:position(),
     seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
   }
+  extra.data.batches = step * run.accum
   local t1 = clock.now()
   local dir = checked_rank(run.engine.save, run.engine, flags.save, extra,
                            { zstd_level = flags.save_zstd_level, keep = flags.keep,
@@ -709,6 +712,7 @@ local function finish(run)
     run.log.close()
   end
   say("params_checksum " .. sum)
+  run.mon:close()
   local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
     local prompt = { models.sample_start(mcfg) }
@@ -734,7 +738,7 @@ local function finish(run)
   end
   run.engine:free()
   run.loader:free()
-  run.corpus.tokens:free()
+  data.free(run.corpus)
 end
 
 local function main(argv)
@@ -746,7 +750,9 @@ local function main(argv)
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
   for step = run.first, flags.steps do
+    run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)
+    checked_rank(run.mon.after_step, run.mon, rec) -- a full disk: exit 1, as --log
     say_step(run, step, rec, r, prof)
     if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
     check_budget(run, step, rec)

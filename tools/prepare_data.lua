@@ -1,10 +1,14 @@
--- tools/prepare_data.lua — turns text into a token file (llm.c's format, one
--- uint16 per token): byte level (one token per byte, vocabulary 256), or with
--- --tokenizer a Hugging Face tokenizer.json byte-level BPE. Run by
--- tools/prepare-data.
---   luazero tools/prepare_data.lua [--tokenizer tokenizer.json] INPUT... OUTPUT.bin
--- Several inputs are concatenated in order.
+-- tools/prepare_data.lua — turns text into a token file (llm.c's format):
+-- byte level (one token per byte, vocabulary 256), or with --tokenizer a
+-- Hugging Face tokenizer; uint16 ids (version 1) unless the vocabulary needs
+-- uint32 (version 2: an id over 65535, or a vocabulary over 65536). With
+-- --format jsonl, JSON Lines of instruction examples into an instruction
+-- file (docs/formats.md). Run by tools/prepare-data.
+--   luazero tools/prepare_data.lua [--tokenizer T] INPUT... OUTPUT.bin
+--   luazero tools/prepare_data.lua --format jsonl [--tokenizer T] [--seq-len N] IN.jsonl OUT.bin
+-- Several text inputs are concatenated in order.
 local data = require("luazero.data")
+local instruct = require("luazero.data.instruct")
 local atomic = require("luazero.io.atomic")
 
 local UINT16_TOKENS = 65536
@@ -14,21 +18,39 @@ local function fail(msg)
   os.exit(2)
 end
 
-local args, tokenizer_path = {}, nil
+local USAGE = [[
+usage: tools/prepare-data [--tokenizer TOKENIZER] INPUT.txt... OUTPUT.bin
+       tools/prepare-data --format jsonl [--tokenizer TOKENIZER] [--seq-len N] IN.jsonl OUTPUT.bin
+Text: writes a token file: 256 int32 header (magic 20240520, version, token count),
+then one token per byte of the inputs, or with --tokenizer the ids of a Hugging Face
+tokenizer (a tokenizer.json, or a folder holding one): uint16 ids (version 1), or
+uint32 (version 2) when the vocabulary is over 65536.
+--format jsonl (the default for a .jsonl input): lines {"prompt": ..., "completion": ...}
+or {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the chat template
+of the --tokenizer folder's tokenizer_config.json) into an instruction file: the ids,
+a loss weight per token (1 on completions and assistant turns) and where each example
+starts. --seq-len N refuses examples longer than N tokens now rather than at training.]]
+
+local args, opt = {}, {}
 do
+  local takes = { ["--tokenizer"] = "tokenizer", ["--format"] = "format", ["--seq-len"] = "seq_len" }
   local i = 1
   while i <= #arg do
     local a = arg[i]
-    if a == "--tokenizer" then
-      tokenizer_path = arg[i + 1]
-      if not tokenizer_path then fail("--tokenizer needs a file: --tokenizer tokenizer.json") end
-      i = i + 2
-    elseif a:match("^%-%-tokenizer=") then
-      tokenizer_path = a:sub(#"--tokenizer=" + 1)
+    local name, value = a:match("^(%-%-[%w-]+)=(.*)$")
+    if takes[name or a] then
+      local key = takes[name or a]
+      if not name then
+        value = arg[i + 1]
+        i = i + 1
+      end
+      if not value then fail(("%s needs a value; see --help"):format(a)) end
+      if opt[key] then fail(("%s given twice; give it once"):format(name or a)) end
+      opt[key] = value
       i = i + 1
     elseif a == "--help" then
-      args = { "--help" }
-      break
+      print(USAGE)
+      os.exit(0)
     else
       args[#args + 1] = a
       i = i + 1
@@ -36,34 +58,61 @@ do
   end
 end
 
-if #args < 2 or args[1] == "--help" then
-  print("usage: tools/prepare-data [--tokenizer tokenizer.json] INPUT.txt... OUTPUT.bin\n" ..
-        "Writes a token file: 256 int32 header (magic 20240520, version 1, token count),\n" ..
-        "then one uint16 token per byte of the inputs, or with --tokenizer the ids of a\n" ..
-        "Hugging Face byte-level BPE tokenizer.json (vocabulary at most 65536).")
-  os.exit(args[1] == "--help" and 0 or 2)
+if #args < 2 then
+  print(USAGE)
+  os.exit(2)
 end
-
-local tok
-if tokenizer_path then
-  local ok, t = pcall(require("luazero.tokenizer").load, tokenizer_path)
-  if not ok then fail(tostring(t)) end
-  tok = t
-  if tok:vocab_size() > UINT16_TOKENS then
-    fail(("%s: vocabulary of %d tokens is larger than a token file holds (uint16 ids: at " ..
-          "most %d); use a tokenizer with a smaller vocabulary"):format(tokenizer_path,
-          tok:vocab_size(), UINT16_TOKENS))
-  end
+local out = args[#args]
+local format = opt.format or (#args == 2 and data.is_jsonl(args[1]) and "jsonl") or "text"
+if format ~= "text" and format ~= "jsonl" then
+  fail(("--format must be text or jsonl (got %s)"):format(format))
+end
+local seq_len = opt.seq_len and tonumber(opt.seq_len)
+if opt.seq_len and not (seq_len and seq_len >= 2 and seq_len % 1 == 0) then
+  fail(("--seq-len must be a whole number >= 2 (got %s)"):format(opt.seq_len))
+end
+if seq_len and format ~= "jsonl" then
+  fail("--seq-len applies to --format jsonl (examples longer than it are refused); drop it")
+end
+if format == "jsonl" and #args ~= 2 then
+  fail(("--format jsonl takes one input and the output (got %d inputs); concatenate the " ..
+        ".jsonl files first"):format(#args - 1))
 end
 
 for i = 1, #args - 1 do
-  local ok, err = pcall(atomic.refuse_overlap, args[#args], "the output", args[i], "the input")
+  local ok, err = pcall(atomic.refuse_overlap, out, "the output", args[i], "the input")
   if not ok then fail(err) end
 end
-if tokenizer_path then
-  local ok, err = pcall(atomic.refuse_overlap, args[#args], "the output", tokenizer_path,
-                        "--tokenizer")
+if opt.tokenizer then
+  local ok, err = pcall(atomic.refuse_overlap, out, "the output", opt.tokenizer, "--tokenizer")
   if not ok then fail(err) end
+end
+
+local tok, template
+if opt.tokenizer then
+  local ok, t, ct = pcall(instruct.open_tokenizer, opt.tokenizer)
+  if not ok then fail(tostring(t)) end
+  tok, template = t, ct
+end
+local function vocab_of(t)
+  if type(t.vocab_size) == "function" then return t:vocab_size() end
+  return t.vocab_size
+end
+
+if format == "jsonl" then
+  local t0 = os.clock()
+  local ok, c = pcall(data.load, args[1], { tokenizer = tok, template = template,
+                                           max_len = seq_len })
+  if not ok then fail(tostring(c)) end
+  local wok, err = pcall(data.write_instruction_file, out, c)
+  if not wok then fail(tostring(err)) end
+  local trained = 0
+  for i = 0, c.count - 1 do trained = trained + c.w[i] end
+  print(("prepare-data: %s: %d examples, %d tokens, %d trained (%s, %.1f s)")
+        :format(out, c.docs, c.count, trained, tok and ("%s, vocab %d"):format(opt.tokenizer,
+                vocab_of(tok)) or "byte level, vocab 256", os.clock() - t0))
+  data.free(c)
+  os.exit(0)
 end
 
 local parts = {}
@@ -75,15 +124,16 @@ for i = 1, #args - 1 do
 end
 local text = table.concat(parts)
 if #text == 0 then fail("the inputs are empty; give a text file with something in it") end
-local out = args[#args]
-local tokens, what = text, "byte level, vocab 256"
+local tokens, what, version = text, "byte level, vocab 256", nil
 if tok then
   local t0 = os.clock()
   tokens = tok:encode(text)
-  what = ("%s, vocab %d, %.1f MB/s"):format(tokenizer_path, tok:vocab_size(),
+  what = ("%s, vocab %d, %.1f MB/s"):format(opt.tokenizer, vocab_of(tok),
                                            #text / 1e6 / math.max(os.clock() - t0, 1e-9))
+  if vocab_of(tok) > UINT16_TOKENS then version = 2 end
 end
 if #tokens > 2 ^ 31 - 1 then fail("more than 2^31 tokens; split the input") end
-local ok, n = pcall(data.write_token_file, out, tokens)
+local ok, n, v = pcall(data.write_token_file, out, tokens, { version = version })
 if not ok then fail(tostring(n)) end
-print(("prepare-data: %s: %d tokens (%s)"):format(out, n, what))
+print(("prepare-data: %s: %d tokens, version %d (%s ids; %s)"):format(out, n, v,
+      v == 2 and "uint32" or "uint16", what))

@@ -16,6 +16,7 @@ local cjson = require("cjson")
 
 local values = require("luazero.config.values")
 local defaults = require("luazero.config.defaults")
+local monitor = require("luazero.config.monitor")
 local Placement = require("luazero.zero.plan")
 
 local M = {}
@@ -30,7 +31,15 @@ M.show, M.read_json = show, read_json
 -- DeepSpeed's defaults (config/defaults.lua): M.zero_defaults, M.adam_defaults, ...
 for k, v in pairs(defaults) do M[k] = v end
 
-local scheduler_names = "WarmupLR, WarmupDecayLR or WarmupCosineLR"
+local scheduler_names = "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"
+
+-- Scheduler parameters that are whole numbers (with their least value) or
+-- booleans; every other one is a number >= 0.
+local scheduler_whole = { warmup_num_steps = 1, total_num_steps = 1, cycle_first_step_size = 1,
+                          cycle_second_step_size = 1, cycle_first_stair_count = 0,
+                          cycle_second_stair_count = 0, decay_step_size = 0,
+                          lr_range_test_step_size = 1 }
+local scheduler_boolean = { cycle_momentum = true, lr_range_test_staircase = true }
 
 -- Top-level keys that only set how often DeepSpeed prints, or pick among
 -- DeepSpeed implementations of the same optimizer: accepted, no effect.
@@ -170,9 +179,6 @@ local function scheduler_section(raw, cfg, unimpl, ov)
   local t = raw.type
   local spec = type(t) == "string" and M.scheduler_params[t]
   if not spec then
-    if t == "LRRangeTest" or t == "OneCycle" then
-      fail("scheduler.type %s is not implemented; use %s", show(t), scheduler_names)
-    end
     fail("scheduler.type must be %s (got %s)", scheduler_names, show(t))
   end
   for _, k in ipairs(sorted_keys(raw)) do
@@ -180,8 +186,18 @@ local function scheduler_section(raw, cfg, unimpl, ov)
   end
   local p = given(raw.params) and block("scheduler.params", raw.params) or {}
   p = deep_copy(p)
-  if ov.warmup ~= nil then p.warmup_num_steps = ov.warmup end
-  if ov.total_steps ~= nil and not given(p.total_num_steps) then
+  -- --warmup and --steps fill the schedulers that take a warmup and a total.
+  local function takes(k)
+    if spec.defaults[k] ~= nil then return true end
+    for _, r in ipairs(spec.required or {}) do if r == k then return true end end
+  end
+  if ov.warmup ~= nil then
+    if not takes("warmup_num_steps") then
+      fail("--warmup does not apply to scheduler %s (it has no warmup); remove --warmup", t)
+    end
+    p.warmup_num_steps = ov.warmup
+  end
+  if ov.total_steps ~= nil and not given(p.total_num_steps) and takes("total_num_steps") then
     p.total_num_steps = ov.total_steps
   end
   local out, key = {}, "scheduler.params."
@@ -195,7 +211,7 @@ local function scheduler_section(raw, cfg, unimpl, ov)
     elseif not known then
       local names = sorted_keys(spec.defaults)
       for _, r in ipairs(spec.required or {}) do names[#names + 1] = r end
-      if spec.optional then names[#names + 1] = "warmup_max_lr" end
+      for _, o in ipairs(sorted_keys(spec.optional or {})) do names[#names + 1] = o end
       table.sort(names)
       fail("%s%s is not a parameter of %s (it takes %s)", key, k, t, table.concat(names, ", "))
     elseif given(v) then
@@ -203,10 +219,10 @@ local function scheduler_section(raw, cfg, unimpl, ov)
         if v ~= "log" and v ~= "linear" then
           fail('%swarmup_type must be "log" or "linear" (got %s)', key, show(v))
         end
-      elseif k == "warmup_num_steps" or k == "total_num_steps" then
-        whole_at_least(key .. k, v, 1)
-      elseif k == "warmup_min_ratio" or k == "cos_min_ratio" then
-        number_at_least(key .. k, v, 0)
+      elseif scheduler_whole[k] then
+        whole_at_least(key .. k, v, scheduler_whole[k])
+      elseif scheduler_boolean[k] then
+        boolean(key .. k, v)
       else
         number_at_least(key .. k, v, 0)
       end
@@ -215,8 +231,7 @@ local function scheduler_section(raw, cfg, unimpl, ov)
   end
   for _, r in ipairs(spec.required or {}) do
     if out[r] == nil then
-      fail("%s%s is required by %s (a whole number >= 1: the optimizer steps of the run)",
-           key, r, t)
+      fail("%s%s is required by %s (%s)", key, r, t, M.scheduler_required[r])
     end
   end
   cfg.scheduler = { type = t, params = out }
@@ -436,6 +451,15 @@ local function zero_section(raw, cfg, unimpl)
   for _, k in ipairs({ "overlap_comm", "contiguous_gradients", "reduce_scatter" }) do
     if given(raw[k]) then out[k] = boolean(z .. k, raw[k]) end
   end
+  -- A 16-bit Hugging Face export beside each checkpoint (DeepSpeed's older
+  -- name: stage3_gather_fp16_weights_on_model_save).
+  out.gather_16bit_weights_on_model_save = false
+  for _, k in ipairs({ "stage3_gather_16bit_weights_on_model_save",
+                       "stage3_gather_fp16_weights_on_model_save" }) do
+    if given(raw[k]) and boolean(z .. k, raw[k]) then
+      out.gather_16bit_weights_on_model_save = true
+    end
+  end
   out.overlap_comm_given = out.overlap_comm ~= nil
   -- DeepSpeed's deprecated "cpu_offload": true is offload_optimizer on the CPU.
   local opt_raw = raw.offload_optimizer
@@ -448,7 +472,12 @@ local function zero_section(raw, cfg, unimpl)
                                     unimpl)
   local handled = { stage = true, offload_optimizer = true, offload_param = true,
                     cpu_offload = true, cpu_offload_param = true, overlap_comm = true,
-                    contiguous_gradients = true, reduce_scatter = true }
+                    contiguous_gradients = true, reduce_scatter = true,
+                    stage3_gather_16bit_weights_on_model_save = true,
+                    stage3_gather_fp16_weights_on_model_save = true }
+  -- hpZ (a secondary partition of the parameters within a node): its size 1
+  -- (DeepSpeed's default, no secondary partition) is what luazero does.
+  if raw.zero_hpz_partition_size == 1 then handled.zero_hpz_partition_size = true end
   for k in pairs(M.zero_defaults) do handled[k] = true end
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
@@ -683,10 +712,12 @@ function M.load(source, world_size, overrides)
   aio_section(raw.aio, cfg, unimpl)
   activation_checkpointing_section(raw.activation_checkpointing, cfg, unimpl)
   luazero_section(raw.luazero, cfg, ov)
+  monitor.read(raw, cfg, unimpl)
   batch_sizes(raw, world_size, cfg, notes)
 
   for _, k in ipairs(sorted_keys(raw)) do
-    if not handled_top[k] and not accepted_top[k] and not asks_for_nothing(raw[k]) and
+    if not handled_top[k] and not accepted_top[k] and not monitor.top_keys[k] and
+       not asks_for_nothing(raw[k]) and
        not (k == "gradient_predivide_factor" and raw[k] == 1) then
       unimpl[#unimpl + 1] = k
     end

@@ -189,8 +189,8 @@ function T.other_bad_values_name_the_key_and_allowed_values()
   local err = load_error(base({ optimizer = { type = "Adam", params = { max_grad_norm = 1 } } }), 1)
   assert(err:find("use the top-level gradient_clipping", 1, true), err)
   expect_error(base({ scheduler = { type = "OneCycle" } }), 1,
-               'config: scheduler.type "OneCycle" is not implemented; use WarmupLR, ' ..
-               'WarmupDecayLR or WarmupCosineLR')
+               'config: scheduler.params.cycle_min_lr is required by OneCycle (a number >= 0: ' ..
+               'the learning rate the cycle starts and ends at)')
   expect_error(base({ scheduler = { type = "WarmupLR", params = { warmup_type = "cubic" } } }), 1,
                'config: scheduler.params.warmup_type must be "log" or "linear" (got "cubic")')
   expect_error(base({ scheduler = { type = "WarmupDecayLR", params = {} } }), 1,
@@ -279,12 +279,12 @@ end
 function T.unimplemented_keys_are_listed_by_dotted_name()
   local cfg = config.load({
     train_batch_size = 8,
-    wall_clock_breakdown = true,
+    prescale_gradients = true,
     activation_checkpointing = { partition_activations = true, cpu_checkpointing = false,
                                  offload_to_nvme = true },
     steps_per_print = 10,                    -- logging cadence: accepted
     tensorboard = { enabled = false },       -- asks for nothing
-    flops_profiler = { enabled = true },
+    comms_logger = { enabled = true },
     fp16 = { enabled = false, auto_cast = true },
     optimizer = { type = "AdamW", params = { lr = 1e-4, amsgrad = true, torch_adam = true } },
     zero_optimization = { stage = 2, allgather_partitions = true, round_robin_gradients = false,
@@ -292,8 +292,8 @@ function T.unimplemented_keys_are_listed_by_dotted_name()
                           offload_param = { device = "none" } },
     aio = { block_size = 1048576 },
   }, 1)
-  local want = { "activation_checkpointing.offload_to_nvme", "flops_profiler", "fp16.auto_cast",
-                 "optimizer.params.amsgrad", "wall_clock_breakdown" }
+  local want = { "activation_checkpointing.offload_to_nvme", "comms_logger", "fp16.auto_cast",
+                 "optimizer.params.amsgrad", "prescale_gradients" }
   assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
          table.concat(cfg.unimplemented, ","))
   assert(config.unimplemented_message(cfg) == "config: not implemented (ignored): " ..

@@ -1,8 +1,10 @@
--- test_tokenizer.lua — lua/luazero/tokenizer.lua without Hugging Face's
+-- test_tokenizer.lua — lua/luazero/tokenizer/ without Hugging Face's
 -- tokenizers: the GPT-2 and Llama 3 splits against pieces worked out by hand
--- from their patterns, BPE merges on a tiny tokenizer.json, added tokens,
--- decode and the refusals. tests/ref/test_tokenizer.py compares with
--- tokenizers itself.
+-- from their patterns, BPE merges on tiny tokenizer.json files (byte-level,
+-- and SentencePiece-style with byte fallback, unknown tokens, Metaspace),
+-- offsets, added tokens, decode and the refusals. The expected ids are
+-- tokenizers 0.19's for the same files; tests/ref/test_tokenizer.py compares
+-- with tokenizers itself.
 local cjson = require("cjson")
 local tokenizer = require("luazero.tokenizer")
 
@@ -65,10 +67,121 @@ function T.encode_and_decode()
   assert(not ok and tostring(err):find("id 99 at position 1 is not in the vocabulary", 1, true), err)
 end
 
+function T.byte_level_offsets()
+  local tok = tokenizer.load(tiny())
+  local ids, starts = tok:encode("ab abc<|eot|>c ab", { offsets = true })
+  same(ids, { 4, 5, 2, 6, 2, 5 })
+  same(starts, { 0, 2, 5, 6, 13, 14 })
+  assert(tok.bos_id == nil and tok.eos_id == nil)
+  same(tok:decode(ids, { skip_special_tokens = true }), "ab abcc ab")
+end
+
+-- Llama 2's layout: <unk> <s> </s>, the 256 byte tokens <0x00>..<0xFF>, then
+-- pieces; Llama 2's normalizer and decoder unless edit changes them.
+local function sentencepiece(edit)
+  local vocab = { ["<unk>"] = 0, ["<s>"] = 1, ["</s>"] = 2 }
+  for b = 0, 255 do vocab[("<0x%02X>"):format(b)] = 3 + b end
+  for i, t in ipairs({ "▁", "a", "b", "c", "▁a", "ab", "▁ab", "é", "▁▁" }) do vocab[t] = 258 + i end
+  local added = {}
+  for i, c in ipairs({ "<unk>", "<s>", "</s>" }) do
+    added[i] = { id = i - 1, content = c, special = true, normalized = false }
+  end
+  local j = {
+    added_tokens = added,
+    normalizer = { type = "Sequence", normalizers = {
+      { type = "Prepend", prepend = "▁" },
+      { type = "Replace", pattern = { String = " " }, content = "▁" } } },
+    pre_tokenizer = cjson.null,
+    decoder = { type = "Sequence", decoders = {
+      { type = "Replace", pattern = { String = "▁" }, content = " " },
+      { type = "ByteFallback" }, { type = "Fuse" },
+      { type = "Strip", content = " ", start = 1, stop = 0 } } },
+    model = { type = "BPE", unk_token = "<unk>", fuse_unk = true, byte_fallback = true,
+              vocab = vocab, merges = { "▁ a", "a b", "▁ ab", "▁ ▁" } },
+  }
+  if edit then edit(j) end
+  return write(cjson.encode(j))
+end
+
+-- ids, starts and both decodings of each text against want.
+local function check_encodings(tok, want)
+  for _, w in ipairs(want) do
+    local ids, starts = tok:encode(w[1], { offsets = true })
+    same({ w[1], ids, starts }, { w[1], w[2], w[3] })
+    same(tok:encode(w[1]), w[2])
+    same({ tok:decode(ids), tok:decode(ids, { skip_special_tokens = true }) }, { w[4], w[5] })
+  end
+end
+
+function T.sentencepiece_llama2()
+  local tok = tokenizer.load(sentencepiece())
+  check_encodings(tok, {
+    { "ab ab", { 263, 261, 263, 261 }, { 0, 1, 2, 4 }, "ab ab", "ab ab" },
+    { " ab  c", { 259, 263, 261, 267, 262 }, { 0, 0, 2, 3, 5 }, " ab  c", " ab  c" },
+    -- 日 is not a piece: its three bytes; the prepended ▁ starts where "c" does
+    { "aé日b", { 263, 266, 233, 154, 168, 261 }, { 0, 1, 3, 4, 5, 6 }, "aé日b", "aé日b" },
+    { "c</s>ab", { 259, 262, 2, 263, 261 }, { 0, 0, 1, 5, 6 }, "c</s> ab", "c ab" },
+    { "", {}, {}, "", "" },
+    { "</s>", { 2 }, { 0 }, "</s>", "" },
+    { "x\u{301}", { 259, 123, 207, 132 }, { 0, 0, 1, 2 }, "x\u{301}", "x\u{301}" },
+  })
+  assert(tok.bos_id == 1 and tok.eos_id == 2 and tok:vocab_size() == 268)
+  -- Lone or broken bytes decode as one U+FFFD each, as Rust's from_utf8 refuses them.
+  same(tok:decode({ 233, 154, 261, 233, 154, 168 }), "\u{FFFD}\u{FFFD}b日")
+end
+
+function T.sentencepiece_metaspace()
+  local tok = tokenizer.load(sentencepiece(function(j)
+    j.normalizer = cjson.null
+    j.pre_tokenizer = { type = "Metaspace", replacement = "▁", prepend_scheme = "first", split = true }
+    j.decoder = { type = "Metaspace", replacement = "▁", prepend_scheme = "first", split = true }
+  end))
+  check_encodings(tok, {
+    { "ab ab", { 263, 261, 263, 261 }, { 0, 1, 2, 4 }, "ab ab", "ab ab" },
+    { " ab  c", { 263, 261, 259, 259, 262 }, { 0, 2, 3, 4, 5 }, "ab  c", "ab  c" },
+    -- "first": no ▁ before the text after a special token
+    { "c</s>ab", { 259, 262, 2, 264 }, { 0, 0, 1, 5 }, "c</s>ab", "cab" },
+    { "<s>ab", { 1, 264 }, { 0, 3 }, "<s>ab", "ab" },
+  })
+end
+
+function T.sentencepiece_unknown()
+  local tok = tokenizer.load(sentencepiece(function(j) j.model.byte_fallback = false end))
+  check_encodings(tok, {
+    { "a日本b", { 263, 0, 261 }, { 0, 1, 7 }, "a<unk>b", "ab" }, -- fused
+    { "日 本", { 259, 0, 259, 0 }, { 0, 0, 3, 4 }, "<unk> <unk>", " " },
+  })
+end
+
+function T.heap_merges_equal_scanning_merges()
+  -- Past 48 symbols the merges run on a heap: the same result as scanning.
+  local bpe = require("luazero.tokenizer.bpe")
+  local tok = tokenizer.load(sentencepiece())
+  local alphabet = { "a", "b", "c", "▁" }
+  math.randomseed(7)
+  for _ = 1, 200 do
+    local syms, lens = {}, {}
+    for i = 1, math.random(2, 160) do
+      local c = alphabet[math.random(#alphabet)]
+      syms[i], lens[i] = tok.by_text[c], #c
+    end
+    local s2, l2 = { unpack(syms) }, { unpack(lens) }
+    local n1 = bpe.merge_scan(tok, syms, lens, #syms)
+    local n2 = bpe.merge_heap(tok, s2, l2, #s2)
+    assert(n1 == n2 and n1 == #syms and n2 == #s2)
+    same({ s2, l2 }, { syms, lens })
+  end
+  local word = ("ab"):rep(40) .. "c" .. (" ab"):rep(30)
+  assert(tok:decode(tok:encode(word)) == word)
+end
+
 function T.refusals_name_the_field()
   local cases = {
     { function(j) j.model.type = "Unigram" end, 'model.type is "Unigram"; supported: "BPE"' },
     { function(j) j.normalizer = { type = "NFKC" } end, 'normalizer is "NFKC"; supported: null' },
+    { function(j) j.pre_tokenizer = { type = "Whitespace" } end,
+      'pre_tokenizer is "Whitespace"; supported: "ByteLevel" or "Metaspace"' },
+    { function(j) j.decoder = { type = "WordPiece" } end, 'decoder is "WordPiece"; supported: "ByteLevel"' },
     { function(j) j.model.merges = { "a" } end, 'model.merges[1] is "a"' },
     { function(j) j.model.continuing_subword_prefix = "##" end, "model.continuing_subword_prefix" },
   }

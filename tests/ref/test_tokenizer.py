@@ -6,8 +6,16 @@ root), saves its tokenizer.json, and encodes the whole corpus and texts with
 special tokens, Unicode and odd whitespace with both `tokenizers` and luazero
 (tests/ref/tokenize.lua); the same for a Llama 3 kind of tokenizer.json (Split
 with Llama 3's pattern, ByteLevel without a regex, ignore_merges,
-TemplateProcessing). Checks: identical ids, decode round-trips, the same
-ids from "a b" string merges as from [a, b] list merges, tools/prepare-data
+TemplateProcessing); and for SentencePiece-style ones (Llama 2, Mistral,
+TinyLlama: a BPE with byte_fallback trained here, <0xNN> byte tokens added
+at ids 3..258 as in Llama 2's vocabulary) in eight layouts: Llama 2's
+Prepend/Replace normalizer with its Replace/ByteFallback/Fuse/Strip decoder,
+Metaspace (first, always, never; split or not) with either decoder or none,
+unknown tokens fused or not without byte_fallback, normalized added tokens.
+Checks: identical ids, identical offsets (luazero's byte offsets read as the
+character tokenizers counts), decode round-trips and decode as tokenizers
+does with and without special tokens, bos and eos ids, the same ids from
+"a b" string merges as from [a, b] list merges, tools/prepare-data
 --tokenizer writes the same ids, and an unsupported tokenizer.json or a
 vocabulary over 65536 is refused naming the field. Prints encoding MB/s of both.
 
@@ -29,7 +37,27 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
-CORPUS = os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+
+
+def find_corpus():
+    """../shared/data/tinyshakespeare.txt beside the repository, or beside the
+    main checkout when this is a git worktree."""
+    places = [REPO]
+    try:
+        common = subprocess.run(["git", "-C", REPO, "rev-parse", "--git-common-dir"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        if common.returncode == 0:
+            places.append(os.path.dirname(os.path.abspath(os.path.join(REPO, common.stdout.strip()))))
+    except OSError:
+        pass
+    for place in places:
+        path = os.path.join(place, "..", "shared", "data", "tinyshakespeare.txt")
+        if os.path.exists(path):
+            return path
+    return os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt")
+
+
+CORPUS = find_corpus()
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
@@ -46,6 +74,12 @@ TEXTS = {
     "empty": "",
     "llama_cases": "'S 'T 'RE 'Ll \"Hello (x) 12345678 a1b22c333 \t\tfoo  \n \n\t x.\n\n\r\n!!\n\n",
     "invalid_utf8_free": "Ωμέγα Привет мир مرحبا שלום नमस्ते 中文字符 한국어",
+    "byte_fallback": "e\u0301 n\u0303o 😀👍🏽 🇫🇷 日本語の テキスト \u200b\ufeff \U0001F9EA ∑∫√ ﬁ",
+    "sp_specials": "<s>Hello</s> world<s>  two  spaces</s>\n</s></s>x<unk> <s>",
+    "leading_spaces": "   three leading, one trailing \n\ttab\t and\r\nCRLF ",
+    "lone_space": " ",
+    "newlines_only": "\n\n\n",
+    "metaspace_in_text": "a\u2581b \u2581 c\u2581\u2581 <s>\u2581</s>\u2581",
 }
 
 
@@ -71,6 +105,130 @@ def read_token_file(path):
         f.seek(1024)
         body = f.read()
     return magic, version, list(struct.unpack(f"<{n}H", body[:2 * n]))
+
+
+def char_starts(text, byte_starts):
+    """Byte offsets in text as the index of the character holding each byte
+    (tokenizers' Python offsets count characters)."""
+    of_byte = []
+    for i, c in enumerate(text):
+        of_byte.extend([i] * len(c.encode("utf-8")))
+    of_byte.append(len(text))
+    return [of_byte[min(b, len(of_byte) - 1)] for b in byte_starts]
+
+
+def sentencepiece_spec(tk):
+    """A SentencePiece-style BPE (Llama 2's layout: <unk> <s> </s>, then the 256
+    <0xNN> byte tokens, then the merged pieces) trained on the corpus with
+    tokenizers, as a tokenizer.json dict without normalizer or pre-tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    base = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                  split=True)
+    base.train([CORPUS], trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"],
+                                             show_progress=False))
+    spec = json.loads(base.to_str())
+    old = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    vocab = {t: i for t, i in old if i < 3}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    vocab.update({t: i + 256 for t, i in old if i >= 3})
+    spec["model"]["vocab"] = vocab
+    spec["normalizer"] = spec["pre_tokenizer"] = spec["decoder"] = spec["post_processor"] = None
+    return spec
+
+
+LLAMA2_NORMALIZER = {"type": "Sequence", "normalizers": [
+    {"type": "Prepend", "prepend": "\u2581"},
+    {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+LLAMA2_DECODER = {"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+    {"type": "ByteFallback"}, {"type": "Fuse"},
+    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]}
+LLAMA2_POST = {"type": "TemplateProcessing",
+               "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                          {"Sequence": {"id": "A", "type_id": 0}}],
+               "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                        {"Sequence": {"id": "A", "type_id": 0}},
+                        {"SpecialToken": {"id": "<s>", "type_id": 1}},
+                        {"Sequence": {"id": "B", "type_id": 1}}],
+               "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}}
+
+
+def metaspace(scheme, split):
+    return {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": scheme, "split": split}
+
+
+def check_sentencepiece(check, tk, tmp, texts, run_lua):
+    """Llama 2 / Mistral / TinyLlama kinds of tokenizer.json against tokenizers:
+    ids, offsets and decoding (with and without special tokens)."""
+    from tokenizers import Tokenizer
+    spec = sentencepiece_spec(tk)
+    check("sentencepiece.trained", len(spec["model"]["vocab"]) == 1200 + 256 and
+          spec["model"]["byte_fallback"], f"vocab {len(spec['model']['vocab'])}")
+
+    def variant(edit):
+        v = json.loads(json.dumps(spec))
+        edit(v)
+        return v
+
+    def legacy(v):  # Llama 2, TinyLlama, Mistral v0.1: Prepend + Replace, no pre-tokenizer
+        v.update(normalizer=LLAMA2_NORMALIZER, decoder=LLAMA2_DECODER, post_processor=LLAMA2_POST)
+
+    variants = {
+        "legacy": variant(legacy),
+        "metaspace_first": variant(lambda v: v.update(pre_tokenizer=metaspace("first", False),
+                                                      decoder=metaspace("first", False))),
+        "metaspace_always_split": variant(lambda v: v.update(pre_tokenizer=metaspace("always", True),
+                                                             decoder=LLAMA2_DECODER)),
+        "metaspace_never": variant(lambda v: v.update(pre_tokenizer=metaspace("never", True),
+                                                      decoder=metaspace("never", True))),
+        "unk_fused": variant(lambda v: (legacy(v), v["model"].update(byte_fallback=False))),
+        "unk_unfused": variant(lambda v: (legacy(v), v["model"].update(byte_fallback=False,
+                                                                       fuse_unk=False))),
+        "normalized_added": variant(lambda v: (legacy(v), [a.update(normalized=True)
+                                                           for a in v["added_tokens"]])),
+        "no_decoder": variant(lambda v: v.update(pre_tokenizer=metaspace("always", True))),
+    }
+    with_corpus = {"legacy", "metaspace_first"}
+    for name, v in variants.items():
+        path = os.path.join(tmp, f"tokenizer-sp-{name}.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(v, f, ensure_ascii=False)
+        hf = Tokenizer.from_file(path)
+        names = [n for n in texts if n != "corpus" or name in with_corpus]
+        lua, err = run_lua(path, names)
+        check(f"sentencepiece.{name}.runs", lua is not None, err.strip()[-2000:])
+        if lua is None:
+            continue
+        bad_ids, bad_offsets, bad_decode = [], [], []
+        for n in names:
+            enc = hf.encode(texts[n], add_special_tokens=False)
+            ids, decoded, _, starts, decoded_skip = lua[n]
+            if ids != enc.ids:
+                k = next((i for i, (a, b) in enumerate(zip(ids, enc.ids)) if a != b),
+                         min(len(ids), len(enc.ids)))
+                bad_ids.append(f"{n}: first difference at token {k}: luazero {ids[k:k + 6]} "
+                               f"tokenizers {enc.ids[k:k + 6]} {enc.tokens[k:k + 6]}")
+                continue
+            if char_starts(texts[n], starts) != [o[0] for o in enc.offsets]:
+                got = char_starts(texts[n], starts)
+                k = next(i for i, (a, b) in enumerate(zip(got, enc.offsets)) if a != b[0])
+                bad_offsets.append(f"{n}: token {k} {enc.tokens[k]!r}: luazero {got[k]} "
+                                   f"tokenizers {enc.offsets[k][0]}")
+            want = hf.decode(enc.ids, skip_special_tokens=False)
+            want_skip = hf.decode(enc.ids, skip_special_tokens=True)
+            if decoded != want or decoded_skip != want_skip:
+                bad_decode.append(f"{n}: luazero {decoded[:50]!r} / {decoded_skip[:50]!r} "
+                                  f"tokenizers {want[:50]!r} / {want_skip[:50]!r}")
+        check(f"sentencepiece.{name}.same_ids", not bad_ids, "; ".join(bad_ids)[:1500])
+        check(f"sentencepiece.{name}.offsets", not bad_offsets, "; ".join(bad_offsets)[:1500])
+        check(f"sentencepiece.{name}.decode", not bad_decode, "; ".join(bad_decode)[:1500])
+        stats = lua[names[0]][2]
+        check(f"sentencepiece.{name}.bos_eos", (stats["bos_id"], stats["eos_id"]) == (1, 2),
+              f"bos_id {stats['bos_id']} eos_id {stats['eos_id']}")
+        if name == "legacy":
+            print(f"speed: sentencepiece legacy: corpus {lua['corpus'][2]['bytes'] / 1e6:.2f} MB "
+                  f"in {lua['corpus'][2]['seconds']:.2f} s (one word: no pre-tokenizer)")
 
 
 def main():
@@ -125,9 +283,10 @@ def main():
             with open(paths[name], "w", encoding="utf-8", newline="") as f:
                 f.write(text)
 
-        def run_lua(tokenizer_json):
+        def run_lua(tokenizer_json, names=None):
+            names = list(texts) if names is None else names
             run = subprocess.run([LUAZERO, os.path.join(REPO, "tests", "ref", "tokenize.lua"),
-                                  tokenizer_json] + [paths[n] for n in texts],
+                                  tokenizer_json] + [paths[n] for n in names],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  cwd=REPO)
             if run.returncode != 0:
@@ -137,11 +296,17 @@ def main():
                 r = json.loads(line)
                 stats[r["input"]] = r
             out = {}
-            for name, p in paths.items():
+            for name in names:
+                p = paths[name]
                 with open(p + ".ids") as f:
                     ids = [int(x) for x in f.read().split()]
+                with open(p + ".starts") as f:
+                    starts = [int(x) for x in f.read().split()]
                 with open(p + ".decoded", "rb") as f:
-                    out[name] = (ids, f.read().decode("utf-8"), stats[p])
+                    decoded = f.read().decode("utf-8", errors="surrogateescape")
+                with open(p + ".decoded_skip", "rb") as f:
+                    decoded_skip = f.read().decode("utf-8", errors="surrogateescape")
+                out[name] = (ids, decoded, stats[p], starts, decoded_skip)
             return out, ""
 
         lua, err = run_lua(tok_json)
@@ -153,7 +318,7 @@ def main():
         hf_ids = {}
         for name, text in texts.items():
             hf_ids[name] = hf.encode(text).ids
-            ids, decoded, _ = lua[name]
+            ids, decoded = lua[name][:2]
             same = ids == hf_ids[name]
             detail = f"{len(ids)} tokens"
             if not same:
@@ -165,6 +330,8 @@ def main():
             check(f"decode_round_trip.{name}", decoded == text and
                   decoded == hf.decode(ids, skip_special_tokens=False),
                   "" if decoded == text else f"got {decoded[:60]!r}")
+        check("offsets", all(char_starts(t, lua[n][3]) == [o[0] for o in hf.encode(t).offsets]
+                             for n, t in texts.items()), "byte-level: starts differ from tokenizers")
         eot = hf.token_to_id("<|endoftext|>")
         check("special_token_is_one_id", hf_ids["special"].count(eot) == 3 and
               lua["special"][0].count(eot) == 3, f"<|endoftext|> = {eot}")
@@ -243,6 +410,12 @@ def main():
                           f"{want[k:k + 6]} near {l3.decode(want[k:k + 6])!r}")
             check(f"llama3.same_ids.{name}", got == want, detail)
             check(f"llama3.decode_round_trip.{name}", lua3 is not None and lua3[name][1] == text)
+
+        check("llama3.offsets", lua3 is not None and all(
+            char_starts(t, lua3[n][3]) == [o[0] for o in l3.encode(t, add_special_tokens=False).offsets]
+            for n, t in texts.items()))
+
+        check_sentencepiece(check, tk, tmp, texts, run_lua)
 
         # Speed on the whole corpus: one encode call each (luazero: one thread;
         # tokenizers: encode of the whole string, and encode_batch of its lines on

@@ -1,7 +1,9 @@
 -- tests/ref/tokenize.lua — the luazero side of tests/ref/test_tokenizer.py:
 -- encodes each INPUT with a tokenizer.json, writes its ids (one line,
--- space-separated) to INPUT.ids and its decoding to INPUT.decoded, and
--- prints one JSON line per input: { "input", "bytes", "tokens", "seconds" }.
+-- space-separated) to INPUT.ids, each token's byte offset to INPUT.starts,
+-- its decoding to INPUT.decoded (and without special tokens to
+-- INPUT.decoded_skip), and prints one JSON line per input:
+-- { "input", "bytes", "tokens", "seconds", "bos_id", "eos_id" }.
 --   luazero tests/ref/tokenize.lua TOKENIZER.json INPUT...
 local cjson = require("cjson")
 local tokenizer = require("luazero.tokenizer")
@@ -33,7 +35,12 @@ for i = 2, #arg do
   local t0 = now()
   local ids = tok:encode(text)
   local seconds = now() - t0
+  local ids2, starts = tok:encode(text, { offsets = true })
+  assert(#ids2 == #ids and #starts == #ids, "tokenize.lua: encode with offsets gave other ids")
   write(arg[i] .. ".ids", table.concat(ids, " "))
+  write(arg[i] .. ".starts", table.concat(starts, " "))
   write(arg[i] .. ".decoded", tok:decode(ids))
-  print(cjson.encode({ input = arg[i], bytes = #text, tokens = #ids, seconds = seconds }))
+  write(arg[i] .. ".decoded_skip", tok:decode(ids, { skip_special_tokens = true }))
+  print(cjson.encode({ input = arg[i], bytes = #text, tokens = #ids, seconds = seconds,
+                       bos_id = tok.bos_id or cjson.null, eos_id = tok.eos_id or cjson.null }))
 end

@@ -346,6 +346,16 @@ function M.save(engine, dir, extra, opts)
         protected[from.step] = true
       end
       prune(dir, o.keep, protected)
+      -- zero_optimization.stage3_gather_16bit_weights_on_model_save: the
+      -- weights in bf16 as a Hugging Face folder inside the step folder
+      -- (tools/ckpt export --dtype bf16's, through the same code).
+      local z = (opts.config or {}).zero_optimization
+      if z and z.gather_16bit_weights_on_model_save then
+        local ckpt = require("luazero.checkpoint.reader").open(final)
+        local ex = require("luazero.checkpoint.export")
+        local write = m.lora and ex.export_lora or ex.export -- LoRA: PEFT's adapter folder
+        write(ckpt, final .. "/hf16", "bf16")
+      end
     end)
     if not ok then C.lz_ckpt_remove_tree(tmp) end
   end

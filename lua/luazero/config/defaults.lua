@@ -73,6 +73,23 @@ M.scheduler_params = {
   WarmupCosineLR = { defaults = { warmup_min_ratio = 0, warmup_num_steps = 1000,
                                   cos_min_ratio = 0.0001, warmup_type = "log" },
                      required = { "total_num_steps" } },
+  -- cycle_second_step_size defaults to cycle_first_step_size,
+  -- cycle_second_stair_count to cycle_first_stair_count.
+  OneCycle = { defaults = { decay_lr_rate = 0, cycle_first_step_size = 2000,
+                            cycle_first_stair_count = 0, decay_step_size = 0,
+                            cycle_momentum = true, cycle_min_mom = 0.8, cycle_max_mom = 0.9,
+                            decay_mom_rate = 0 },
+               optional = { cycle_second_step_size = true, cycle_second_stair_count = true },
+               required = { "cycle_min_lr", "cycle_max_lr" } },
+  LRRangeTest = { defaults = { lr_range_test_min_lr = 1e-3, lr_range_test_step_size = 2000,
+                               lr_range_test_step_rate = 1.0, lr_range_test_staircase = false } },
+}
+
+-- What each required scheduler parameter is, for the error when it is missing.
+M.scheduler_required = {
+  total_num_steps = "a whole number >= 1: the optimizer steps of the run",
+  cycle_min_lr = "a number >= 0: the learning rate the cycle starts and ends at",
+  cycle_max_lr = "a number >= 0: the learning rate at the top of the cycle",
 }
 
 return M

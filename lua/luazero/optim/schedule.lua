@@ -29,10 +29,26 @@ local function warmup_gamma(p, it)
   return it / W
 end
 
+-- OneCycle's cycle: its length (first + second step size) and the scale
+-- (0 at the cycle's ends, 1 at its top) of the lr at iteration it. The
+-- stair counts are read by DeepSpeed's OneCycle but never applied; the
+-- same here.
+local function one_cycle(p)
+  local first = p.cycle_first_step_size
+  local total = first + (p.cycle_second_step_size or first)
+  local ratio = first / total
+  return { total = total, scale = function(it)
+    local b = it + 1
+    local x = 1 + b / total - math.floor(1 + b / total)
+    if x <= ratio then return x / ratio end
+    return (x - 1) / (ratio - 1)
+  end }
+end
+
 function M.lr_at_iteration(sched, base_lr, it)
   if not sched then return base_lr end
   local p, t = sched.params, sched.type
-  local W = math.max(2, p.warmup_num_steps)
+  local W = p.warmup_num_steps and math.max(2, p.warmup_num_steps)
   if t == "WarmupLR" or t == "WarmupDecayLR" then
     local min_lr = p.warmup_min_lr
     local max_lr = p.warmup_max_lr or base_lr
@@ -58,6 +74,19 @@ function M.lr_at_iteration(sched, base_lr, it)
       ratio = math.max(0, p.cos_min_ratio + (1 - p.cos_min_ratio) * ratio)
     end
     return base_lr * ratio
+  elseif t == "OneCycle" then
+    local c = one_cycle(p)
+    if it < c.total then return p.cycle_min_lr + (p.cycle_max_lr - p.cycle_min_lr) * c.scale(it) end
+    -- After the cycle: cycle_min_lr / (1 + decay_lr_rate * (it - total + 1) /
+    -- decay_step_size); no decay when either is 0.
+    if p.decay_step_size == 0 or p.decay_lr_rate == 0 then return p.cycle_min_lr end
+    return p.cycle_min_lr / (1 + p.decay_lr_rate * (it - c.total + 1) / p.decay_step_size)
+  elseif t == "LRRangeTest" then
+    -- lr_range_test_min_lr * (1 + step_rate * interval), interval =
+    -- (it + 1) / step_size, floored with lr_range_test_staircase.
+    local interval = (it + 1) / p.lr_range_test_step_size
+    if p.lr_range_test_staircase then interval = math.floor(interval) end
+    return p.lr_range_test_min_lr * (1 + p.lr_range_test_step_rate * interval)
   end
   error("config: unknown scheduler type " .. tostring(t), 0)
 end
@@ -77,6 +106,48 @@ function M.lr_schedule(cfg, base_lr)
   if cfg.optimizer == nil and cfg.overrides and cfg.overrides.lr then lr0 = cfg.overrides.lr end
   local sched = cfg.scheduler
   return function(step) return M.lr_at_iteration(sched, lr0, step - 2) end
+end
+
+-- OneCycle with cycle_momentum: Adam's (or Lion's) betas at iteration it,
+-- as DeepSpeed sets them: beta1 cycles inversely to the lr, from
+-- cycle_max_mom down to cycle_min_mom and back, then
+-- cycle_max_mom * (1 + decay_mom_rate * (it - total + 1) / decay_step_size);
+-- beta2 is 0.99 throughout. Before the first scheduler step (it -1)
+-- DeepSpeed has set (cycle_min_mom, 0.99). nil for any other schedule.
+function M.betas_at_iteration(sched, it)
+  if not (sched and sched.type == "OneCycle" and sched.params.cycle_momentum) then return nil end
+  local p = sched.params
+  if it < 0 then return p.cycle_min_mom, 0.99 end
+  local c = one_cycle(p)
+  if it < c.total then
+    return p.cycle_max_mom - (p.cycle_max_mom - p.cycle_min_mom) * c.scale(it), 0.99
+  end
+  if p.decay_step_size == 0 or p.decay_mom_rate == 0 then return p.cycle_max_mom, 0.99 end
+  return p.cycle_max_mom * (1 + p.decay_mom_rate * (it - c.total + 1) / p.decay_step_size), 0.99
+end
+
+-- betas(step) -> beta1, beta2 for the step-th applied optimizer step (as
+-- lr_schedule counts), or nil when the config's schedule leaves the betas
+-- alone.
+function M.betas_schedule(cfg)
+  local sched = cfg.scheduler
+  if not M.betas_at_iteration(sched, -1) then return nil end
+  return function(step) return M.betas_at_iteration(sched, step - 2) end
+end
+
+-- Lets the config's schedule drive the engine's optimizer's betas: each
+-- step's lr lookup (engine.lr) first sets the step's betas. Every
+-- optimizer luazero has (AdamW, Lion) reads its betas at each update.
+function M.drive_betas(engine, cfg)
+  local betas = M.betas_schedule(cfg)
+  if not betas then return engine end
+  local lr, opt = engine.lr, engine.optimizer
+  engine.lr = function(step)
+    opt.beta1, opt.beta2 = betas(step)
+    opt.betas = { opt.beta1, opt.beta2 }
+    return lr(step)
+  end
+  return engine
 end
 
 return M

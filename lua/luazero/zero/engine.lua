@@ -367,11 +367,12 @@ end
 
 ------------------------------------------------------- forward, backward
 
-function Engine:forward(x, y)
+-- extra: a batch's packed documents ({ pos =, seg = }), or nil.
+function Engine:forward(x, y, extra)
   local model = self.model
   if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
   self.fwd_pass = { k = 0 }
-  local loss = model:forward(x, y)
+  local loss = model:forward(x, y, extra)
   if #self.fwd_order > 0 then self.fwd_order.done = true end
   self:drop_prefetched()
   return loss
@@ -490,8 +491,8 @@ end
 -- One optimizer step: accumulation micro-steps from batches:next_batch().
 function Engine:train_batch(batches)
   for _ = 1, self.s.accum do
-    local x, y = batches:next_batch()
-    local loss = self:forward(x, y)
+    local x, y, extra = batches:next_batch()
+    local loss = self:forward(x, y, extra)
     self:backward(loss)
   end
   return self:step()

@@ -37,11 +37,18 @@ function M:init_weights(seed)
   local frontier = 0 -- shard elements [0, frontier) drawn and placed
   -- A state's part of segment seg from its drawn fp32 values: the whole
   -- padded segment (full) or this rank's slice (shard).
+  -- (Views are freed at once: each keeps its storage alive until freed.)
+  local function copy(dst, src, how)
+    dst[how](dst, src)
+    dst:free()
+    if src ~= nil then src:free() end
+  end
   local function place(buf, extent, seg, full)
     if extent == "full" then
-      buf:view(seg.full_offset, { seg.padded }):convert(full)
+      copy(buf:view(seg.full_offset, { seg.padded }), full:view(0, { seg.padded }), "convert")
     else
-      buf:view(seg.shard_offset, { seg.slice }):convert(full:view(self.rank * seg.slice, { seg.slice }))
+      copy(buf:view(seg.shard_offset, { seg.slice }),
+           full:view(self.rank * seg.slice, { seg.slice }), "convert")
     end
   end
   local function placed(seg, full)
@@ -60,7 +67,9 @@ function M:init_weights(seed)
       d = { full = lz.tensor({ seg.padded }, "f32", "workspace"):zero(), left = seg.numel }
       drawing[seg] = d
     end
-    d.full:view(w.at + a, { t:numel() }):copy(t)
+    local v = d.full:view(w.at + a, { t:numel() })
+    v:copy(t)
+    v:free()
     d.left = d.left - t:numel()
     if d.left == 0 then
       drawing[seg] = nil
@@ -88,7 +97,7 @@ function M:init_weights(seed)
         if not P.master.alias then
           self:shard_pieces(lo, n, function(seg, a, len)
             local from = self.rank * seg.slice + (a - seg.shard_offset)
-            v.master:view(a - lo, { len }):copy(full_of[seg]:view(from, { len }))
+            copy(v.master:view(a - lo, { len }), full_of[seg]:view(from, { len }), "copy")
           end)
         end
         for _, t in ipairs(v.s) do t:zero() end
@@ -107,7 +116,9 @@ end
 -- Elements [a, a + n) of frozen parameter e, drawn or read in fp32 (t),
 -- into the frozen store, in the working dtype.
 function M:frozen_write(e, a, t)
-  self.frozen:view(e.frozen_offset + a, { t:numel() }):convert(t)
+  local v = self.frozen:view(e.frozen_offset + a, { t:numel() })
+  v:convert(t)
+  v:free()
 end
 
 -- Every frozen parameter has been written.

@@ -1,0 +1,234 @@
+-- chat_template.lua — a Hugging Face model's chat template: renders a
+-- conversation to the exact text transformers' apply_chat_template(...,
+-- tokenize=False) gives, and says where each assistant message lies in it.
+--
+--   local chat_template = require("luazero.chat_template")
+--   local ct = chat_template.load("path/to/hf-folder")      -- its tokenizer_config.json
+--   local text, spans = ct:render({
+--     { role = "system", content = "Be brief." },
+--     { role = "user", content = "Hi" },
+--     { role = "assistant", content = "Hello." },
+--   }, { add_generation_prompt = false })
+--   -- spans[1] = { first = byte0, last = byte1_exclusive, role = "assistant", message = 3 }
+--   local mask = chat_template.token_mask(spans, starts, #text)  -- starts: tok:encode offsets
+--
+-- The template runs in luazero.jinja with the variables transformers gives
+-- it: messages, add_generation_prompt, and the special tokens of the config
+-- (bos_token, eos_token, unk_token, pad_token, ... as strings). A span covers
+-- an assistant message's content as the template wrote it (after |trim or
+-- .strip()), with the spaces and tabs the template writes just before it
+-- (Llama 2's "[/INST] " + content: tokenizers glue them to the first word),
+-- and the end-of-turn text right after it: the eos token or another special
+-- token of added_tokens_decoder (<|eot_id|>, <|im_end|>), with the blanks
+-- before it (Llama 2 writes " </s>"). It is found by
+-- rendering again with that message's content replaced by a marker, so a
+-- template whose other text depends on the content is refused by name.
+local cjson = require("cjson")
+local jinja = require("luazero.jinja")
+
+local M = {}
+
+local ChatTemplate = {}
+ChatTemplate.__index = ChatTemplate
+
+local SPECIAL_KEYS = { "bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token" }
+
+local function token_text(v)
+  if type(v) == "string" then return v end
+  if type(v) == "table" and type(v.content) == "string" then return v.content end
+  return nil
+end
+
+-- A template from its source; opts: name (for errors), bos_token,
+-- eos_token, ... (strings or {content=...}), additional_special_tokens,
+-- special_tokens (a list of the strings that may end a turn).
+function M.new(source, opts)
+  opts = opts or {}
+  local name = opts.name or "chat_template"
+  local ok, compiled = pcall(jinja.compile, source)
+  if not ok then
+    error(("chat_template: %s: %s; rewrite the template without it (supported: for, if, set, " ..
+           "expressions, filters and tests of the Jinja subset in lua/luazero/jinja.lua)")
+          :format(name, tostring(compiled)), 0)
+  end
+  local self = setmetatable({ name = name, compiled = compiled, source = source, vars = {},
+                              enders = {} }, ChatTemplate)
+  for _, k in ipairs(SPECIAL_KEYS) do self.vars[k] = token_text(opts[k]) end
+  if type(opts.additional_special_tokens) == "table" then
+    local list = {}
+    for _, t in ipairs(opts.additional_special_tokens) do list[#list + 1] = token_text(t) end
+    self.vars.additional_special_tokens = list
+  end
+  self.bos_token, self.eos_token = self.vars.bos_token, self.vars.eos_token
+  local seen = {}
+  local function ender(t)
+    if type(t) == "string" and t ~= "" and t ~= self.bos_token and not seen[t] then
+      seen[t] = true
+      self.enders[#self.enders + 1] = t
+    end
+  end
+  ender(self.eos_token)
+  for _, t in ipairs(opts.special_tokens or {}) do ender(t) end
+  table.sort(self.enders, function(a, b) return #a > #b end) -- the longest first
+  return self
+end
+
+-- Reads folder/tokenizer_config.json (or a tokenizer_config.json path): its
+-- chat_template (a string, or the "default" of a list of { name, template },
+-- or else the file chat_template.jinja beside it) and special tokens.
+function M.load(folder)
+  local path = folder
+  if not path:match("%.json$") then path = folder .. "/tokenizer_config.json" end
+  local f, err = io.open(path, "rb")
+  if not f then
+    error(("chat_template: %s: cannot read it (%s); give a Hugging Face folder with a " ..
+           "tokenizer_config.json"):format(path, tostring(err)), 0)
+  end
+  local text = f:read("*a")
+  f:close()
+  local ok, j = pcall(cjson.decode, text)
+  if not ok or type(j) ~= "table" then
+    error(("chat_template: %s: is not JSON (%s); give a Hugging Face tokenizer_config.json")
+          :format(path, tostring(j)), 0)
+  end
+  local source = j.chat_template
+  if type(source) == "table" then -- a list of { name, template }: the "default" one
+    local chosen
+    for _, t in ipairs(source) do
+      if type(t) == "table" and t.name == "default" then chosen = t.template end
+    end
+    source = chosen
+  end
+  if type(source) ~= "string" then -- newer folders keep it in chat_template.jinja
+    local dir = path:match("^(.*)/[^/]*$") or "."
+    local g = io.open(dir .. "/chat_template.jinja", "rb")
+    if g then
+      source = g:read("*a")
+      g:close()
+    end
+  end
+  if type(source) ~= "string" then
+    error(("chat_template: %s: has no \"chat_template\" string (nor a chat_template.jinja " ..
+           "beside it); give the folder of a chat model"):format(path), 0)
+  end
+  local opts = { name = path, additional_special_tokens = j.additional_special_tokens,
+                 special_tokens = {} }
+  for _, k in ipairs(SPECIAL_KEYS) do
+    if j[k] ~= cjson.null then opts[k] = j[k] end
+  end
+  if type(j.added_tokens_decoder) == "table" then
+    local ids = {}
+    for id in pairs(j.added_tokens_decoder) do ids[#ids + 1] = tonumber(id) or 0 end
+    table.sort(ids)
+    for _, id in ipairs(ids) do
+      local t = j.added_tokens_decoder[tostring(id)]
+      if type(t) == "table" and t.special == true and type(t.content) == "string" then
+        opts.special_tokens[#opts.special_tokens + 1] = t.content
+      end
+    end
+  end
+  return M.new(source, opts)
+end
+
+local function render_once(self, messages, add_generation_prompt, extra)
+  local vars = {} -- as transformers: the special tokens, then the caller's (which win)
+  for k, v in pairs(self.vars) do vars[k] = v end
+  for k, v in pairs(extra or {}) do vars[k] = v end
+  vars.messages, vars.add_generation_prompt = messages, add_generation_prompt
+  return jinja.render(self.compiled, vars)
+end
+
+local function copy_messages(messages)
+  local out = {}
+  for i, m in ipairs(messages) do
+    local c = {}
+    for k, v in pairs(m) do c[k] = v end
+    out[i] = c
+  end
+  return out
+end
+
+local function fail(self, msg) error(("chat_template: %s: %s"):format(self.name, msg), 0) end
+
+-- The exact text of the conversation, and the assistant spans in it;
+-- opts: add_generation_prompt, spans (false: no spans, and no rendering
+-- again per assistant message), vars (more template variables, as
+-- apply_chat_template's keyword arguments: tools, date_string, ...).
+function ChatTemplate:render(messages, opts)
+  opts = opts or {}
+  if type(messages) ~= "table" then fail(self, "render(messages) needs a list of messages") end
+  for i, m in ipairs(messages) do
+    if type(m) ~= "table" or type(m.role) ~= "string" then
+      fail(self, ("messages[%d] needs a string \"role\" (system, user, assistant)"):format(i))
+    end
+  end
+  local agp = opts.add_generation_prompt == true
+  local ok, text = pcall(render_once, self, messages, agp, opts.vars)
+  if not ok then
+    local msg = tostring(text)
+    if msg:find("^raise_exception: ") then
+      fail(self, ("the template refuses these messages (%s); give messages it accepts, e.g. " ..
+                  "roles it knows in the order it wants"):format(msg:sub(18)))
+    end
+    fail(self, msg .. "; the template cannot render these messages")
+  end
+  local spans = {}
+  for i, m in ipairs(messages) do
+    if opts.spans ~= false and m.role == "assistant" and type(m.content) == "string" then
+      local marker = ("\1\1luazero-span-%d\2\2"):format(i)
+      local probe = copy_messages(messages)
+      probe[i].content = marker
+      local mok, marked = pcall(render_once, self, probe, agp, opts.vars)
+      local at = mok and marked:find(marker, 1, true)
+      if not at or marked:find(marker, at + 1, true) then
+        fail(self, ("assistant message %d is not written once, unchanged, by the template; " ..
+                    "spans need a template that writes each assistant content once"):format(i))
+      end
+      local before, after = marked:sub(1, at - 1), marked:sub(at + #marker)
+      if #before + #after > #text or text:sub(1, #before) ~= before or
+         (#after > 0 and text:sub(-#after) ~= after) then
+        fail(self, ("the text around assistant message %d depends on its content; spans need " ..
+                    "a template whose other text does not"):format(i))
+      end
+      local first, last = #before, #text - #after
+      -- The blanks the template writes just before the content go with it:
+      -- tokenizers glue them to its first word ("▁Paris", "ĠParis").
+      first = first - #(before:match("[ \t]*$"))
+      local rest = text:sub(last + 1)
+      local blank = rest:match("^%s*")
+      for _, e in ipairs(self.enders) do
+        if rest:sub(#blank + 1, #blank + #e) == e then
+          last = last + #blank + #e
+          break
+        end
+      end
+      spans[#spans + 1] = { first = first, last = last, role = "assistant", message = i }
+    end
+  end
+  return text, spans
+end
+
+-- Which tokens an assistant span holds: mask[i] = 1 when the bytes token i
+-- covers overlap a span, else 0. A token covers starts[i] up to starts[i + 1]
+-- (nbytes = #text for the last; at least one byte). Overlap, not "starts
+-- inside": a SentencePiece token such as "▁Hello" starts at the blank the
+-- template writes before the content. starts as tokenizer:encode(text,
+-- { offsets = true }) gives them.
+function M.token_mask(spans, starts, nbytes)
+  local mask = {}
+  for i = 1, #starts do
+    local a = starts[i]
+    local b = math.max(starts[i + 1] or nbytes, a + 1)
+    mask[i] = 0
+    for _, s in ipairs(spans) do
+      if a < s.last and b > s.first then
+        mask[i] = 1
+        break
+      end
+    end
+  end
+  return mask
+end
+
+return M

@@ -1,0 +1,286 @@
+-- checkpoint/export.lua — a checkpoint as Hugging Face files: a
+-- model.safetensors (Hugging Face's tensor names, fp32 or bf16) or a model
+-- folder (with config.json), and a LoRA run's adapter folder (PEFT's) or its
+-- adapters merged into the base. tools/ckpt export and the 16-bit export
+-- beside each save (zero_optimization.stage3_gather_16bit_weights_on_model_save)
+-- both write through here. docs/checkpoints.md.
+--   local export = require("luazero.checkpoint.export")
+--   print(export.export(checkpoint.open("runs/a/step-000020"), "hf-folder", "bf16"))
+-- Each returns the line that says what it wrote; a file or folder appears
+-- whole or not at all (io/atomic.lua).
+local ffi = require("ffi")
+local cjson = require("cjson")
+local lz = require("luazero")
+local progress = require("luazero.checkpoint.reader").progress
+local hf = require("luazero.hf")
+local safetensors = require("luazero.checkpoint.safetensors")
+local atomic = require("luazero.io.atomic")
+
+pcall(ffi.cdef, "int getpid(void);")
+
+local M = {}
+
+-- What an export folder holds; an existing folder holding anything else is
+-- refused rather than left with stale files of another model beside ours.
+local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json",
+                       "adapter_model.safetensors" }
+
+local function refuse(msg) error(msg, 0) end
+
+local function path_exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- The consolidated fp32 master as a scratch file beside `near`, handed to
+-- fn(path); removed afterwards whatever happens. `out`: the output named in
+-- messages.
+local function with_consolidated(ck, near, out, fn)
+  local dir, name = near:match("^(.*)/([^/]*)$")
+  dir, name = dir or ".", name or near
+  local scratch = ("%s/.%s.consolidated-%d"):format(dir, name, ffi.C.getpid())
+  local probe = io.open(dir .. "/.", "rb")
+  if not probe then refuse(("%s: the folder %s does not exist; make it first"):format(out, dir)) end
+  probe:close()
+  local ok, err = pcall(ck.consolidate, ck, scratch)
+  if not ok then
+    os.remove(scratch)
+    local i, j = tostring(err):find(scratch .. ": ", 1, true)
+    if i == 1 then
+      err = ("%s: its scratch copy of the fp32 weights (%s): %s"):format(out, scratch,
+            tostring(err):sub(j + 1))
+    end
+    error(err, 0)
+  end
+  ok, err = pcall(fn, scratch)
+  os.remove(scratch)
+  if not ok then error(err, 0) end
+  return err
+end
+
+-- n fp32 values of the consolidated file at element `offset`.
+local function read_floats(src, scratch, offset, n)
+  src:seek("set", 1024 + offset * 4)
+  local raw = src:read(n * 4)
+  if not raw or #raw ~= n * 4 then
+    refuse(("%s: read %d of %d bytes at element %d; the scratch copy was cut short")
+           :format(scratch, raw and #raw or 0, n * 4, offset))
+  end
+  return raw
+end
+
+-- An f32 tensor's data written to w in dtype (fp32 as is, bf16 rounded).
+local function write_data(w, t, dtype)
+  if dtype == "bf16" then
+    local h = lz.tensor({ t:numel() }, "bf16", "workspace"):copy(t)
+    local ok, err = pcall(w.write, w, h.data, h:bytes())
+    h:free()
+    if not ok then error(err, 0) end
+  else
+    w:write(t.data, t:bytes())
+  end
+end
+
+-- model.safetensors of a checkpoint at `file`: Hugging Face's names
+-- (luazero/hf.lua), token tables without their padding rows, streamed from
+-- the consolidated fp32 master (a scratch file beside), one tensor in
+-- memory. Returns the tensor count and bytes.
+local function write_model(ck, file, dtype, out)
+  local m = ck.manifest
+  local vocab = (m.model and m.model.config or {}).vocab
+  local esize = dtype == "bf16" and 2 or 4
+  local entries = {}
+  for _, p in ipairs(m.params) do
+    local e = hf.tensor_of(p.name, p.shape, vocab)
+    local n = 1
+    for _, d in ipairs(e.shape) do n = n * d end
+    e.p, e.numel, e.bytes = p, n, n * esize
+    e.dtype = dtype == "bf16" and "BF16" or "F32"
+    entries[#entries + 1] = e
+  end
+  local head, total = safetensors.header(entries, { format = "pt",
+    source = "luazero " .. lz.version(), step = tostring(m.global_steps) })
+  with_consolidated(ck, file, out or file, function(scratch)
+    atomic.build_file(file, #head + total, function(w)
+      w:write(head)
+      local src = assert(io.open(scratch, "rb"))
+      local bar = progress("export", total)
+      local ok, err = pcall(function()
+        for _, e in ipairs(entries) do
+          local p = e.p
+          local n_in = e.conv and p.numel or e.numel -- token tables: the real vocabulary rows
+          local raw = read_floats(src, scratch, p.offset, n_in)
+          local t = lz.tensor({ e.numel }, "f32", "workspace")
+          if e.conv then
+            local a, b = ffi.cast("const float *", raw), ffi.cast("float *", t.data)
+            local rows, cols = p.shape[1], p.shape[2] -- ours [out, in] -> [in, out]
+            for r = 0, rows - 1 do
+              for c = 0, cols - 1 do b[c * rows + r] = a[r * cols + c] end
+            end
+          else
+            ffi.copy(t.data, raw, e.numel * 4)
+          end
+          local wok, werr = pcall(write_data, w, t, dtype)
+          t:free()
+          if not wok then error(werr, 0) end
+          bar.update(e.data_offset + e.bytes)
+        end
+      end)
+      src:close()
+      bar.finish()
+      if not ok then error(err, 0) end
+    end)
+  end)
+  return #entries, total
+end
+
+local function write_json(path, t) atomic.write(path, cjson.encode(t) .. "\n") end
+
+-- The export: OUT ending in .safetensors: that file; anything else: a
+-- folder with model.safetensors and config.json, loadable by transformers'
+-- from_pretrained. Either appears whole or not at all.
+function M.export(ck, out, dtype)
+  local mcfg = ck.manifest.model and ck.manifest.model.config or {}
+  if not out:match("%.safetensors$") then
+    out = out:gsub("/+$", "")
+    local r = atomic.build_folder(out, FOLDER_FILES, function(f)
+      local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
+      write_json(f.tmp .. "/config.json", hf.config_json(mcfg, dtype))
+      return { n, total }
+    end)
+    return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json")
+           :format(r[1], dtype, r[2] / 2 ^ 20, out)
+  end
+  local n, total = write_model(ck, out, dtype)
+  return ("exported %d tensors (%s, %.1f MiB) to %s"):format(n, dtype, total / 2 ^ 20, out)
+end
+
+------------------------------------------------------------------ LoRA
+
+-- Writes a safetensors file of `tensors` ({name, shape, data = f32 tensor})
+-- in dtype (fp32|bf16).
+local function write_safetensors(file, tensors, dtype, m)
+  local esize = dtype == "bf16" and 2 or 4
+  local entries = {}
+  for _, t in ipairs(tensors) do
+    local n = t.data:numel()
+    entries[#entries + 1] = { name = t.name, shape = t.shape, numel = n, bytes = n * esize,
+                              dtype = dtype == "bf16" and "BF16" or "F32", src = t.data }
+  end
+  local head, total = safetensors.header(entries, { format = "pt",
+    source = "luazero " .. lz.version(), step = tostring(m.global_steps) })
+  atomic.build_file(file, #head + total, function(w)
+    w:write(head)
+    for _, e in ipairs(entries) do write_data(w, e.src, dtype) end
+  end)
+end
+
+-- The adapters of a LoRA checkpoint, fp32, by name: { [name] = {name, shape, data} }, in order.
+local function adapters_of(ck, near, out)
+  local m = ck.manifest
+  return with_consolidated(ck, near, out, function(scratch)
+    local src = assert(io.open(scratch, "rb"))
+    local list = {}
+    local ok, err = pcall(function()
+      for _, p in ipairs(m.params) do
+        local raw = read_floats(src, scratch, p.offset, p.numel)
+        local t = lz.tensor({ p.numel }, "f32", "workspace")
+        ffi.copy(t.data, raw, p.numel * 4)
+        list[#list + 1] = { name = p.name, shape = p.shape, data = t }
+      end
+    end)
+    src:close()
+    if not ok then error(err, 0) end
+    return list
+  end)
+end
+
+-- The base model with the adapters folded in: W + (alpha / r) B A,
+-- computed as the adapted layers compute it; its tensors, in the base's order.
+local function merged(m, adapters, base)
+  local lora = m.lora
+  local src = hf.open(base)
+  local by_base = {}
+  for _, a in ipairs(adapters) do
+    local w = a.name:gsub("%.lora_([AB])%.weight$", ".weight")
+    by_base[w] = by_base[w] or {}
+    by_base[w][a.name:match("lora_([AB])%.weight$")] = a
+  end
+  local scale = lora.alpha / lora.r
+  local out_list = {}
+  for _, st in ipairs(src.files) do
+    for _, n in ipairs(st.names) do
+      local t = st.tensors[n]
+      local w = lz.tensor({ t.numel }, "f32", "workspace")
+      st:read(t, 0, t.numel, ffi.cast("float *", w.data))
+      local ad = by_base[n]
+      if ad then
+        local rows, cols = t.shape[1], t.shape[2]
+        local a = ad.A.data:view(0, { lora.r, cols })
+        local b = ad.B.data:view(0, { rows, lora.r })
+        lz.ops.matmul(w:view(0, { rows, cols }), b, a, 0, 0, scale, 1)
+        by_base[n] = nil
+      end
+      out_list[#out_list + 1] = { name = n, shape = t.shape, data = w }
+    end
+  end
+  hf.close(src)
+  local missing = next(by_base)
+  if missing then
+    refuse(("export --merge-lora: %s has no tensor %s for its adapters; give the base the run " ..
+            "started from (--base)"):format(base, missing))
+  end
+  return out_list
+end
+
+-- PEFT's adapter folder, or (merge) the base model with the adapters folded
+-- in; the folder appears whole or not at all.
+function M.export_lora(ck, out, dtype, merge, base)
+  local m = ck.manifest
+  local lora, mcfg = m.lora, m.model and m.model.config or {}
+  out = out:gsub("/+$", "")
+  base = base or m.init
+  if merge and not base then
+    refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
+           "(no --init); give them with --base PATH")
+  end
+  if merge then
+    if not path_exists(base) then
+      refuse(("export --merge-lora: the base %s%s is not there; give the weights the run " ..
+              "started from with --base PATH"):format(base, base == m.init and
+              " (the run's --init)" or ""))
+    end
+    atomic.refuse_overlap(out, "OUT", base, "the base")
+    require("luazero.checkpoint.resume").check_base_checksum(base, m, ck.dir,
+      base == m.init and "the run's --init" or "--base")
+  end
+  local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
+    local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
+    if not merge then
+      local named = {}
+      for i, a in ipairs(adapters) do
+        named[i] = { name = "base_model.model." .. a.name, shape = a.shape, data = a.data }
+      end
+      write_safetensors(f.tmp .. "/adapter_model.safetensors", named, dtype, m)
+      write_json(f.tmp .. "/adapter_config.json", {
+        peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
+        target_modules = lora.targets, lora_dropout = 0.0, bias = "none",
+        fan_in_fan_out = false, inference_mode = true, base_model_name_or_path = m.init or "",
+      })
+      return #adapters
+    end
+    local out_list = merged(m, adapters, base)
+    write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)
+    write_json(f.tmp .. "/config.json", hf.config_json(mcfg, dtype))
+    return #out_list
+  end)
+  if not merge then
+    return ("exported %d adapter tensors (%s) to %s/adapter_model.safetensors and " ..
+            "adapter_config.json"):format(n_out, dtype, out)
+  end
+  return ("exported %d tensors (%s, %d with adapters folded in) to %s/model.safetensors and " ..
+          "config.json"):format(n_out, dtype, #ck.manifest.params / 2, out)
+end
+
+return M

@@ -1,0 +1,201 @@
+-- data/files.lua — reading the files training data comes in: token files
+-- (llm.c's format, versions 1 and 2), instruction files and plain text,
+-- streamed through in chunks straight into C memory; and writing token files.
+--
+-- Token file: a header of 256 int32 (little endian) — [0] magic 20240520,
+-- [1] version, [2] token count — then that many tokens: uint16 in version 1,
+-- uint32 in version 2 (llm.c's layout for vocabularies over 65536).
+-- Instruction file (data/instruct.lua): magic 20240521, see docs/formats.md.
+--
+-- Errors are one line, "data: FILE: what is wrong; what to do".
+local ffi = require("ffi")
+local lz = require("luazero")
+
+local M = {}
+
+M.MAGIC = 20240520
+M.INSTRUCT_MAGIC = 20240521
+M.VERSIONS = { [1] = 2, [2] = 4 } -- token file version -> bytes per token
+M.HEADER_INTS = 256
+M.HEADER_BYTES = 256 * 4
+M.UINT16_IDS = 65536
+
+local function fail(path, msg) error("data: " .. path .. ": " .. msg, 0) end
+M.fail = fail
+
+-- Files stream through in chunks of this size, so a large corpus never
+-- passes through the Lua heap whole: its tokens go straight to C memory.
+local CHUNK = 2 ^ 20
+
+pcall(ffi.cdef, "int open(const char *path, int flags, int mode);")
+pcall(ffi.cdef, "int64_t lseek(int fd, int64_t offset, int whence);")
+pcall(ffi.cdef, "int close(int fd);")
+
+-- A folder or a stream is refused before it is opened for reading (opening
+-- a FIFO with no writer would wait for one).
+local function check_kind(path)
+  local d = io.open(path .. "/.", "rb")
+  if d then
+    d:close()
+    fail(path, "is a folder; give a text file or a token file made by tools/prepare-data")
+  end
+  local O_NONBLOCK, SEEK_END = 2048, 2
+  local fd = ffi.C.open(path, O_NONBLOCK, 0)
+  if fd < 0 then return end -- io.open below says why
+  local size = ffi.C.lseek(fd, 0, SEEK_END)
+  ffi.C.close(fd)
+  if size < 0 then
+    fail(path, "is a pipe or a stream (a FIFO, <(...), /dev/stdin), which is not supported: " ..
+         "the loader needs the size up front to hold out the last 10% for validation and " ..
+         "draws windows at random positions; write it to a file first")
+  end
+end
+
+-- The file opened for reading, and its size.
+function M.open(path)
+  check_kind(path)
+  local f, err = io.open(path, "rb")
+  if not f then
+    if err and err:find("No such file", 1, true) then
+      fail(path, "no such file; give a text file or a token file made by tools/prepare-data")
+    end
+    fail(path, "cannot open (" .. tostring(err) .. ")")
+  end
+  local size = f:seek("end")
+  if not size or not f:seek("set", 0) then
+    f:close()
+    fail(path, "cannot seek in it; give a regular file")
+  end
+  return f, size
+end
+
+function M.looks_like_token_file(path, head)
+  if path:match("%.bin$") or path:match("%.tok$") then return true end
+  return head:find("\0", 1, true) ~= nil
+end
+
+-- A C buffer of n bytes on the ledger (workspace): an i32 tensor, since the
+-- library's dtypes hold no 8-bit type; its bytes are read through a cast.
+function M.bytes_tensor(n)
+  return lz.tensor({ math.max(1, math.ceil(n / 4)) }, "i32", "workspace")
+end
+
+-- Reads n bytes from f (at its position) into the C memory at dst.
+function M.read_into(path, f, dst, n)
+  dst = ffi.cast("char *", dst)
+  while n > 0 do
+    local chunk = f:read(math.min(CHUNK, n))
+    if not chunk or #chunk == 0 then fail(path, "could not read it whole (file changed?)") end
+    ffi.copy(dst, chunk, #chunk)
+    dst, n = dst + #chunk, n - #chunk
+  end
+end
+
+-- The largest of n ids at p.
+function M.max_id(p, n)
+  local max = 0
+  for i = 0, n - 1 do if p[i] > max then max = p[i] end end
+  return tonumber(max)
+end
+
+-- Tokens of a token file in C memory: version 1 as a u16 tensor, version 2
+-- as uint32 ids held in an i32 tensor (4 bytes each; read them through
+-- `ids`). Returns tensor, ids (a uint16_t* or uint32_t*), max id, version.
+function M.read_token_file(path, f, size, head)
+  local header = ffi.cast("const int32_t *", head)
+  local magic, version, count = header[0], header[1], header[2]
+  if magic ~= M.MAGIC then
+    fail(path, ("header magic %d is not a token file (expected %d); give a token file " ..
+                "made by tools/prepare-data, or a text file"):format(magic, M.MAGIC))
+  end
+  local width = M.VERSIONS[version]
+  if not width then
+    fail(path, ("token file version %d is not supported (this luazero reads versions 1 and " ..
+                "2: uint16 and uint32 ids); re-create it with tools/prepare-data")
+         :format(version))
+  end
+  local have = size - M.HEADER_BYTES
+  if count < 0 or count * width > have then
+    fail(path, ("truncated: the header says %d tokens (%d bytes) but only %d bytes follow " ..
+                "it; re-create it with tools/prepare-data"):format(count, count * width, have))
+  end
+  if count * width < have then
+    local extra = have - count * width
+    fail(path, ("the header says %d tokens (%d bytes) but %d bytes follow it (%s); a token " ..
+                "file holds exactly its count: re-create it with tools/prepare-data")
+         :format(count, count * width, have,
+                 extra % width == 0 and ("%d tokens more"):format(extra / width) or
+                 width == 2 and "an odd byte at the end" or
+                 ("%d bytes more, not whole %d-byte tokens"):format(extra, width)))
+  end
+  if count == 0 then fail(path, "holds no tokens; give a file with some text in it") end
+  local t = lz.tensor({ count }, width == 2 and "u16" or "i32", "workspace")
+  f:seek("set", M.HEADER_BYTES)
+  M.read_into(path, f, t.data, count * width)
+  local ids = ffi.cast(width == 2 and "uint16_t *" or "uint32_t *", t.data)
+  return t, ids, M.max_id(ids, count), version
+end
+
+-- Plain text: one token per byte (vocabulary 256), as a u16 tensor.
+function M.read_text(path, f, size)
+  local t = lz.tensor({ size }, "u16", "workspace")
+  local p, n, max = ffi.cast("uint16_t *", t.data), 0, 0
+  while n < size do
+    local chunk = f:read(math.min(CHUNK, size - n))
+    if not chunk or #chunk == 0 then fail(path, "could not read it (file changed?)") end
+    local src = ffi.cast("const uint8_t *", chunk)
+    for i = 0, #chunk - 1 do
+      local b = src[i]
+      p[n + i] = b
+      if b > max then max = b end
+    end
+    n = n + #chunk
+  end
+  return t, p, max
+end
+
+-- The version a list of ids needs: 2 when one is over 65535, else 1.
+function M.version_for(tokens)
+  if type(tokens) == "string" then return 1 end
+  for i = 1, #tokens do
+    if tokens[i] >= M.UINT16_IDS then return 2 end
+  end
+  return 1
+end
+
+-- Writes tokens as a token file: a Lua string of bytes (one token each) or a
+-- list of ids. opts.version: 1 (uint16 ids, 0..65535), 2 (uint32 ids), or
+-- nil: 2 when an id needs it, else 1. llm.c's header, then the ids; written
+-- whole or not at all (io/atomic.lua). Returns the token count and version.
+function M.write_token_file(path, tokens, opts)
+  local n = #tokens
+  local version = opts and opts.version or M.version_for(tokens)
+  local width = M.VERSIONS[version]
+  if not width then
+    error(("%s: token file version %s is not one of 1, 2"):format(path, tostring(version)), 0)
+  end
+  local top = width == 2 and 65535 or 4294967295
+  local header = ffi.new("int32_t[256]")
+  header[0], header[1], header[2] = M.MAGIC, version, n
+  local body = ffi.new(width == 2 and "uint16_t[?]" or "uint32_t[?]", math.max(n, 1))
+  if type(tokens) == "string" then
+    local src = ffi.cast("const uint8_t *", tokens)
+    for i = 0, n - 1 do body[i] = src[i] end
+  else
+    for i = 1, n do
+      local id = tokens[i]
+      if id < 0 or id > top then
+        error(("%s: token id %d does not fit a version %d token file (0..%d)")
+              :format(path, id, version, top), 0)
+      end
+      body[i - 1] = id
+    end
+  end
+  require("luazero.io.atomic").build_file(path, M.HEADER_BYTES + n * width, function(w)
+    w:write(header, M.HEADER_BYTES)
+    w:write(body, n * width)
+  end)
+  return n, version
+end
+
+return M

@@ -1,0 +1,225 @@
+-- test_chat_template.lua — lua/luazero/chat_template.lua and luazero.jinja
+-- without Python: the chat templates of Llama 3, Zephyr/TinyLlama, ChatML,
+-- Llama 2 and Mistral (tests/fixtures/chat/*/tokenizer_config.json) against
+-- the strings jinja2 renders for transformers' apply_chat_template (copied
+-- here; tests/ref/test_chat_template.py compares with transformers itself),
+-- the assistant spans, whitespace control, and the one-line refusals.
+local cjson = require("cjson")
+local chat_template = require("luazero.chat_template")
+local jinja = require("luazero.jinja")
+
+local T = {}
+
+local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+local FIXTURES = here .. "/../fixtures/chat/"
+
+local function same(got, want)
+  local a, b = cjson.encode(got), cjson.encode(want)
+  assert(a == b, ("\nexpected: %s\n     got: %s"):format(b, a))
+end
+
+local SHORT = {
+  { role = "system", content = "You are terse." },
+  { role = "user", content = "Hi there" },
+  { role = "assistant", content = "Hello!" },
+}
+local LONG = {
+  { role = "user", content = "  spaced question \n" },
+  { role = "assistant", content = " answer with\ttabs  " },
+  { role = "user", content = "again? 日本語 😀" },
+  { role = "assistant", content = "Yes.\n\nTwo lines." },
+}
+
+-- The span texts of a rendering.
+local function span_texts(text, spans)
+  local out = {}
+  for i, s in ipairs(spans) do
+    assert(s.role == "assistant" and s.first <= s.last, cjson.encode(s))
+    out[i] = text:sub(s.first + 1, s.last)
+  end
+  return out
+end
+
+function T.llama3()
+  local ct = chat_template.load(FIXTURES .. "llama3")
+  local text, spans = ct:render(SHORT)
+  same(text, "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>" ..
+             "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>" ..
+             "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>")
+  same(span_texts(text, spans), { "Hello!<|eot_id|>" })
+  text, spans = ct:render(LONG, { add_generation_prompt = true })
+  same(text, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nspaced question<|eot_id|>" ..
+             "<|start_header_id|>assistant<|end_header_id|>\n\nanswer with\ttabs<|eot_id|>" ..
+             "<|start_header_id|>user<|end_header_id|>\n\nagain? 日本語 😀<|eot_id|>" ..
+             "<|start_header_id|>assistant<|end_header_id|>\n\nYes.\n\nTwo lines.<|eot_id|>" ..
+             "<|start_header_id|>assistant<|end_header_id|>\n\n")
+  same(span_texts(text, spans), { "answer with\ttabs<|eot_id|>", "Yes.\n\nTwo lines.<|eot_id|>" })
+  assert(spans[1].message == 2 and spans[2].message == 4)
+end
+
+function T.zephyr_trim_and_lstrip_blocks()
+  local ct = chat_template.load(FIXTURES .. "zephyr")
+  local text, spans = ct:render(SHORT)
+  same(text, "<|system|>\nYou are terse.</s>\n<|user|>\nHi there</s>\n<|assistant|>\nHello!</s>\n")
+  same(span_texts(text, spans), { "Hello!</s>" })
+  text = ct:render(LONG, { add_generation_prompt = true })
+  same(text, "<|user|>\n  spaced question \n</s>\n<|assistant|>\n answer with\ttabs  </s>\n" ..
+             "<|user|>\nagain? 日本語 😀</s>\n<|assistant|>\nYes.\n\nTwo lines.</s>\n<|assistant|>\n")
+end
+
+function T.chatml()
+  local ct = chat_template.load(FIXTURES .. "chatml")
+  local text, spans = ct:render(LONG)
+  same(text, "<|im_start|>user\n  spaced question \n<|im_end|>\n<|im_start|>assistant\n answer with" ..
+             "\ttabs  <|im_end|>\n<|im_start|>user\nagain? 日本語 😀<|im_end|>\n<|im_start|>assistant\n" ..
+             "Yes.\n\nTwo lines.<|im_end|>\n")
+  same(span_texts(text, spans), { " answer with\ttabs  <|im_end|>", "Yes.\n\nTwo lines.<|im_end|>" })
+  assert(ct.bos_token == nil and ct.eos_token == "<|im_end|>")
+end
+
+function T.llama2_slices_strip_and_system()
+  local ct = chat_template.load(FIXTURES .. "llama2")
+  local text, spans = ct:render(SHORT)
+  same(text, "<s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHi there [/INST] Hello! </s>")
+  same(span_texts(text, spans), { " Hello! </s>" })
+  text, spans = ct:render(LONG)
+  same(text, "<s>[INST] spaced question [/INST] answer with\ttabs </s><s>[INST] again? 日本語 😀 " ..
+             "[/INST] Yes.\n\nTwo lines. </s>")
+  same(span_texts(text, spans), { " answer with\ttabs </s>", " Yes.\n\nTwo lines. </s>" })
+  text, spans = ct:render({ { role = "user", content = "" }, { role = "assistant", content = "" } })
+  same(text, "<s>[INST]  [/INST]  </s>")
+  same(span_texts(text, spans), { "  </s>" })
+end
+
+function T.refused_roles_name_the_file()
+  local ct = chat_template.load(FIXTURES .. "mistral")
+  local ok, err = pcall(ct.render, ct, SHORT)
+  assert(not ok and err:find("mistral/tokenizer_config.json: the template refuses these messages " ..
+                             "(Conversation roles must alternate", 1, true), err)
+  assert(not err:find("\n"), err)
+  same(ct:render(LONG), "<s>[INST]   spaced question \n [/INST] answer with\ttabs  </s>[INST] " ..
+                        "again? 日本語 😀 [/INST]Yes.\n\nTwo lines.</s>")
+  ok, err = pcall(ct.render, ct, { { content = "x" } })
+  assert(not ok and err:find('messages[1] needs a string "role"', 1, true), err)
+end
+
+function T.unsupported_constructs_are_named()
+  local cases = {
+    { "{% macro m() %}x{% endmacro %}", "{% macro %} is not supported" },
+    { "{{ x | wordwrap }}", "the filter |wordwrap is not supported" },
+    { "{% for m in messages %}", "{% endfor %} is missing" },
+    { "{{ 'a' ", "not closed with }}" },
+    { "{% set x %}y{% endset %}", "(a block set) is not supported" },
+  }
+  for _, c in ipairs(cases) do
+    local ok, err = pcall(function()
+      chat_template.new(c[1], { name = "t.json" }):render({ { role = "user", content = "x" } })
+    end)
+    assert(not ok and err:find("chat_template: t.json: ", 1, true) and err:find(c[2], 1, true) and
+           not err:find("\n"), tostring(err))
+  end
+  local ok, err = pcall(chat_template.load, FIXTURES .. "nowhere")
+  assert(not ok and err:find("nowhere/tokenizer_config.json: cannot read it", 1, true), err)
+end
+
+local function folder_with(files)
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(os.execute("mkdir -p '" .. dir .. "'"))
+  for name, text in pairs(files) do
+    local f = assert(io.open(dir .. "/" .. name, "wb"))
+    f:write(text)
+    f:close()
+  end
+  return dir
+end
+
+function T.template_lists_and_jinja_files()
+  local listed = folder_with({ ["tokenizer_config.json"] = cjson.encode({
+    eos_token = { content = "</s>", special = true },
+    chat_template = { { name = "tool_use", template = "tools" },
+                      { name = "default", template = "{{ messages[0].content ~ eos_token }}" } } }) })
+  same(chat_template.load(listed):render({ { role = "user", content = "hi" } }), "hi</s>")
+  local jinja_file = folder_with({ ["tokenizer_config.json"] = cjson.encode({ eos_token = "<e>" }),
+                                   ["chat_template.jinja"] = "{% for m in messages %}{{ m.role }}:" ..
+                                     "{{ m.content }}{{ eos_token }}\n{% endfor %}" })
+  same(chat_template.load(jinja_file):render({ { role = "user", content = "a" },
+                                                { role = "assistant", content = "b" } }),
+       "user:a<e>\nassistant:b<e>\n")
+  local none = folder_with({ ["tokenizer_config.json"] = cjson.encode({ eos_token = "<e>" }) })
+  local ok, err = pcall(chat_template.load, none)
+  assert(not ok and err:find('has no "chat_template" string', 1, true), err)
+end
+
+function T.spans_need_text_that_does_not_depend_on_the_content()
+  local ct = chat_template.new("{% for m in messages %}{{ m.content }}{% if m.content | length > 3 %}" ..
+                               " (long){% endif %}{{ eos_token }}{% endfor %}",
+                               { name = "t.json", eos_token = "</s>" })
+  local msgs = { { role = "user", content = "hello" }, { role = "assistant", content = "hi" } }
+  local ok, err = pcall(ct.render, ct, msgs)
+  assert(not ok and err:find("chat_template: t.json: the text around assistant message 2 depends " ..
+                             "on its content", 1, true), err)
+  local text, spans = ct:render(msgs, { spans = false })
+  same({ text, spans }, { "hello (long)</s>hi</s>", {} })
+end
+
+function T.extra_variables_as_keyword_arguments()
+  local ct = chat_template.new("{{ bos_token }}{{ date_string | default('no date') }}|" ..
+                               "{% for t in tools %}{{ t | tojson }}{% endfor %}",
+                               { name = "t.json", bos_token = "<s>" })
+  same(ct:render({}), "<s>no date|")
+  -- the caller's variables win over the special tokens, as in apply_chat_template(**kwargs)
+  same(ct:render({}, { vars = { date_string = "1 Jan", bos_token = "<b>",
+                                tools = { { name = "f", required = { "x" } } } } }),
+       '<b>1 Jan|{"name": "f", "required": ["x"]}')
+end
+
+function T.token_mask_is_overlap()
+  local spans = { { first = 5, last = 10, role = "assistant" }, { first = 20, last = 22, role = "assistant" } }
+  same(chat_template.token_mask(spans, { 0, 4, 7, 10, 12, 19, 22 }, 25), { 0, 1, 1, 0, 0, 1, 0 })
+  -- a token of no bytes (a prepended "▁" alone) counts as one byte
+  same(chat_template.token_mask(spans, { 0, 5, 5, 9 }, 15), { 0, 1, 1, 1 })
+  same(chat_template.token_mask({}, { 0, 1 }, 2), { 0, 0 })
+end
+
+local function render(src, vars) return jinja.render(jinja.compile(src), vars or {}) end
+
+function T.jinja_expressions()
+  same(render("{{ 'a' ~ 1 ~ none }}|{{ 7 // 2 }} {{ -7 % 3 }} {{ 2 ** 3 }}|{{ 'x' if 0 else 'y' }}"),
+       "a1None|3 2 8|y")
+  same(render("{{ [1, 2, 3][1:] }}{{ 'héllo'[1:3] }}{{ 'abc'[::-1] }}{{ [1,2,3][-1] }}"),
+       "[2, 3]élcba3")
+  same(render("{{ '  a b \\t' | trim | upper }}{{ 'abc' | length }}{{ '日本' | length }}" ..
+              "{{ ('a' in 'cat') ~ (3 not in [1, 2]) }}"), "A B32TrueTrue")
+  same(render("{{ x is defined }}{{ y is not defined }}{{ none is none }}{{ m.role }}{{ m['role'] }}",
+              { x = 1, m = { role = "user" } }), "TrueTrueTrueuseruser")
+  same(render("{{ 'a\\u00e9\\x41\\n' }}{{ \"q'\" }}{{ '\\u3000x\\u3000'.strip() }}"), "aéA\nq'x")
+  same(render("{{ {'b': 1, 'a': [true, none, \"<é😀'&>\"]} | tojson }}"),
+       '{"a": [true, null, "\\u003c\\u00e9\\ud83d\\ude00\\u0027\\u0026\\u003e"], "b": 1}')
+  same(render("{{ x | default('d') }}{{ '' | default('e', true) }}{{ [3, 4] | join('-') }}"), "de3-4")
+  local ms = { { role = "user", content = "A" }, { role = "assistant", content = "B", tool = true },
+               { role = "user", content = "C" } }
+  same(render("{{ ['a', 'code', 'b'] | reject('equalto', 'code') | join(', ') }}|" ..
+              "{{ ms | selectattr('role', 'equalto', 'user') | map(attribute='content') | join }}|" ..
+              "{{ [1, 0, 2] | select | list }}|{{ ms | rejectattr('tool') | list | length }}|" ..
+              "{{ ['x', 'y', 'x'] | unique | join }}|{{ ms | map(attribute='zz', default='d') | join }}|" ..
+              "{{ [' a ', 'b '] | map('trim') | join('.') }}", { ms = ms }),
+       "a, b|AC|[1, 2]|2|xy|ddd|a.b")
+end
+
+function T.jinja_statements_and_whitespace()
+  same(render("{% for x in xs if x > 1 %}{{ loop.index0 }}{{ x }}{% if loop.last %}.{% endif %}" ..
+              "{% else %}none{% endfor %}", { xs = { 1, 2, 3 } }), "0213.")
+  same(render("{% for x in xs %}{% else %}none{% endfor %}", { xs = {} }), "none")
+  same(render("{% set ns = namespace(n=0) %}{% for x in [1, 2] %}{% set ns.n = ns.n + x %}" ..
+              "{% set local = 5 %}{% endfor %}{{ ns.n }}{{ local }}"), "3")
+  same(render("{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}", { d = { b = 2, a = 1 } }),
+       "a=1;b=2;")
+  -- lstrip_blocks and trim_blocks; {%- -%} and {{- -}} strip all blanks; one
+  -- trailing newline of the template goes.
+  same(render("a\n  {% if true %}\n  b\n  {% endif %}\nc  {{- ' d ' -}}  \n e\n"), "a\n  b\nc d e")
+  same(render("x  {%+ if true %}y{% endif +%}\nz"), "x  y\nz")
+  same(render("{# a comment #}\n  {#- another -#}  q"), "q")
+end
+
+return T
