@@ -221,6 +221,13 @@ lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_ten
                                 int n_head, int64_t pos_offset);
 lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
                                  int n_head, int64_t pos_offset);
+/* The freqs variants with a position per token: pos i32 [B, T] (>= 0),
+ * the position of each row within its document (a packed batch restarts at 0
+ * at each document). pos NULL is the freqs variant with pos_offset 0. */
+lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                              const lz_tensor *pos, int n_head);
+lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                               const lz_tensor *pos, int n_head);
 
 /* out = silu(gate) * up, all one shape; out may alias gate or up. Backward
  * writes dgate and dup (two buffers; each may alias dout, gate or up).
@@ -247,6 +254,16 @@ lz_status lz_attention_gqa_forward(lz_tensor *out, lz_tensor *lse, const lz_tens
 lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                     const lz_tensor *qkv, const lz_tensor *out,
                                     const lz_tensor *lse, int n_head, int n_kv_head);
+/* Document masking: seg i32 [B, T], a document id per token; query t sees
+ * key s only when s <= t and seg[b, s] == seg[b, t] (a packed batch's
+ * documents never see each other). seg NULL is the plain causal attention
+ * above, bitwise. n_kv_head = n_head for multi-head attention. */
+lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                   const lz_tensor *seg, int n_head, int n_kv_head);
+lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                    const lz_tensor *qkv, const lz_tensor *out,
+                                    const lz_tensor *lse, const lz_tensor *seg, int n_head,
+                                    int n_kv_head);
 
 /* out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. tokens i32 [B, T]. wpe
  * may be NULL: the token rows alone (Llama's embed_tokens). */
@@ -255,6 +272,13 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
 /* dwte, dwpe accumulate; either may be NULL. Deterministic. */
 lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                 const lz_tensor *tokens);
+/* The same with the position rows given: out[b, t, :] = wte[tokens[b, t], :] +
+ * wpe[pos[b, t], :], pos i32 [B, T] in [0, rows of wpe) (a packed batch's
+ * positions restart at each document). pos NULL: position t, as above. */
+lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *pos,
+                                   const lz_tensor *wte, const lz_tensor *wpe);
+lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                    const lz_tensor *tokens, const lz_tensor *pos);
 
 /* logits [B, T, Vp]; only the first `vocab` columns take part (Vp >= vocab
  * allows padding). targets i32 [B, T]; a negative target is ignored (loss 0,

@@ -17,6 +17,11 @@
 // query heads of its group in head order, and in each the queries after it,
 // accumulating dK and dV. Head sizes are compiled for up to 64, 128 and 256
 // (MAX_HS of the cpu kernel), so the per-thread rows stay in registers.
+//
+// seg (NULL: none), i32 [B, T]: a document id per token; a query sees a key
+// only when both are in one document (lz_attention_seg_*). Keys of another
+// document are skipped outright, so a query whose tile holds none of its
+// own keys adds nothing.
 #include "lz_cuda.h"
 
 #include <float.h>  // FLT_MAX
@@ -41,7 +46,8 @@ __device__ __forceinline__ int64_t v_col(const attn_dims &d, int g) {
 }
 
 template <int HSM>
-__global__ void attention_forward_kernel(float *out, float *lse, const float *qkv, attn_dims d) {
+__global__ void attention_forward_kernel(float *out, float *lse, const float *qkv,
+                                         const int32_t *seg, attn_dims d) {
   __shared__ float ks[KTILE][HSM], vs[KTILE][HSM];
   const int h = blockIdx.y, g = h / (d.NH / d.NKV), HS = d.HS;
   const int64_t b = blockIdx.z, T = d.T, row = d.row, kc = k_col(d, g), vc = v_col(d, g);
@@ -54,6 +60,8 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
     q[dd] = (valid && dd < HS) ? base[qi * row + h * HS + dd] * d.scale : 0.0f;
     acc[dd] = 0.0f;
   }
+  const int32_t *sg = seg ? seg + b * T : NULL;
+  const int32_t mine = sg && valid ? sg[qi] : 0;
   float m = -FLT_MAX, l = 0.0f;
   int64_t kend = ((int64_t)blockIdx.x + 1) * QPB;
   if (kend > T) kend = T;
@@ -75,7 +83,7 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
 #pragma unroll
       for (int dd = 0; dd < HSM; dd++)
         if (dd < HS) dot += q[dd] * ks[r][dd];
-      s[r] = (k0 + r <= qi) ? dot : -FLT_MAX;
+      s[r] = (k0 + r <= qi && (!sg || sg[k0 + r] == mine)) ? dot : -FLT_MAX;
       tmax = fmaxf(tmax, s[r]);
     }
     const float m_new = fmaxf(m, tmax), corr = expf(m - m_new);
@@ -85,6 +93,7 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
 #pragma unroll
     for (int r = 0; r < KTILE; r++) {
       if (k0 + r > qi) break;
+      if (sg && sg[k0 + r] != mine) continue;
       float p = expf(s[r] - m_new);
       l += p;
 #pragma unroll
@@ -105,7 +114,8 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
 // dQ and D (= dout . out per query, into dsum [B, NH, T]).
 template <int HSM>
 __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout, const float *qkv,
-                                    const float *out, const float *lse, attn_dims d) {
+                                    const float *out, const float *lse, const int32_t *seg,
+                                    attn_dims d) {
   __shared__ float ks[KTILE][HSM], vs[KTILE][HSM];
   const int h = blockIdx.y, g = h / (d.NH / d.NKV), HS = d.HS;
   const int64_t b = blockIdx.z, T = d.T, C = d.C, row = d.row, kc = k_col(d, g), vc = v_col(d, g);
@@ -123,6 +133,8 @@ __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout,
     dq[dd] = 0.0f;
   }
   const float L = valid ? lse[(b * d.NH + h) * T + qi] : 0.0f;
+  const int32_t *sg = seg ? seg + b * T : NULL;
+  const int32_t mine = sg && valid ? sg[qi] : 0;
   int64_t kend = ((int64_t)blockIdx.x + 1) * QPB;
   if (kend > T) kend = T;
   for (int64_t k0 = 0; k0 < kend; k0 += KTILE) {
@@ -137,6 +149,7 @@ __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout,
     if (!valid || k0 > qi) continue;
     for (int r = 0; r < KTILE; r++) {
       if (k0 + r > qi) break;
+      if (sg && sg[k0 + r] != mine) continue;
       float s = 0.0f, dp = 0.0f;
 #pragma unroll
       for (int dd = 0; dd < HSM; dd++)
@@ -163,7 +176,8 @@ __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout,
 // after the key.
 template <int HSM>
 __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float *dout,
-                                     const float *qkv, const float *lse, attn_dims d) {
+                                     const float *qkv, const float *lse, const int32_t *seg,
+                                     attn_dims d) {
   __shared__ float qs[KTILE][HSM], gs[KTILE][HSM];
   __shared__ float ls[KTILE], ds_[KTILE];
   const int g = blockIdx.y, group = d.NH / d.NKV, HS = d.HS;
@@ -171,6 +185,8 @@ __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float
   const int64_t kj = (int64_t)blockIdx.x * QPB + threadIdx.x;
   const bool valid = kj < T;
   const float *base = qkv + b * T * row;
+  const int32_t *sg = seg ? seg + b * T : NULL;
+  const int32_t mine = sg && valid ? sg[kj] : 0;
   float k[HSM], v[HSM], dk[HSM], dv[HSM];
 #pragma unroll
   for (int dd = 0; dd < HSM; dd++) {
@@ -199,6 +215,7 @@ __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float
       for (int r = 0; r < KTILE; r++) {
         int64_t qi = q0 + r;
         if (qi < kj || qi >= T) continue;
+        if (sg && sg[qi] != mine) continue;
         float s = 0.0f, dp = 0.0f;
 #pragma unroll
         for (int dd = 0; dd < HSM; dd++)
@@ -254,13 +271,14 @@ lz_status lz_cu_attention_forward(const lz_op_args *a) {
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
   dim3 grid((unsigned)((d.T + QPB - 1) / QPB), (unsigned)d.NH, (unsigned)d.B);
   LAUNCH_BY_HS(attention_forward_kernel, grid, (float *)a->t[0]->data, (float *)a->t[1]->data,
-               (const float *)qkv->data, d);
+               (const float *)qkv->data, a->t[3] ? (const int32_t *)a->t[3]->data : NULL, d);
   return LZ_OK;
 }
 
 lz_status lz_cu_attention_backward(const lz_op_args *a) {
   lz_tensor *dqkv = a->t[0];
   const lz_tensor *dout = a->t[1], *qkv = a->t[2], *out = a->t[3], *lse = a->t[4];
+  const int32_t *seg = a->t[5] ? (const int32_t *)a->t[5]->data : NULL;
   attn_dims d = dims_of(qkv, a);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
   void *ws;
@@ -268,9 +286,10 @@ lz_status lz_cu_attention_backward(const lz_op_args *a) {
   dim3 grid_q((unsigned)((d.T + QPB - 1) / QPB), (unsigned)d.NH, (unsigned)d.B);
   LAUNCH_BY_HS(attention_dq_kernel, grid_q, (float *)dqkv->data, (float *)ws,
                (const float *)dout->data, (const float *)qkv->data, (const float *)out->data,
-               (const float *)lse->data, d);
+               (const float *)lse->data, seg, d);
   dim3 grid_kv((unsigned)((d.T + QPB - 1) / QPB), (unsigned)d.NKV, (unsigned)d.B);
   LAUNCH_BY_HS(attention_dkv_kernel, grid_kv, (float *)dqkv->data, (const float *)ws,
-               (const float *)dout->data, (const float *)qkv->data, (const float *)lse->data, d);
+               (const float *)dout->data, (const float *)qkv->data, (const float *)lse->data, seg,
+               d);
   return LZ_OK;
 }

@@ -293,15 +293,17 @@ __global__ void rope_inv_freq_kernel(float *inv_freq, double theta, int64_t half
 // heads of each row: the pair turns by sign * pos * inv_freq[i], the angle
 // an fp32 product. out may be x (f32): a thread reads its pair before it
 // writes it.
+// pos (NULL: pos_offset + t): each row's position, as lz_rope_pos_*.
 template <typename T>
-__global__ void rope_kernel(float *out, const T *x, const float *inv_freq, int64_t rows,
-                            int64_t seq, int64_t C, int64_t n_head, int64_t half,
+__global__ void rope_kernel(float *out, const T *x, const float *inv_freq, const int32_t *pos,
+                            int64_t rows, int64_t seq, int64_t C, int64_t n_head, int64_t half,
                             int64_t pos_offset, float sign) {
   const int64_t n = rows * n_head * half;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (int64_t)gridDim.x * blockDim.x) {
     const int64_t i = e % half, rh = e / half, h = rh % n_head, r = rh / n_head;
-    const float angle = (float)(pos_offset + r % seq) * inv_freq[i];
+    const float p = pos ? (float)pos[r] : (float)(pos_offset + r % seq);
+    const float angle = p * inv_freq[i];
     float sn, cs;
     sincosf(angle, &sn, &cs);
     sn *= sign;
@@ -324,9 +326,10 @@ __global__ void rope_copy_rest_kernel(float *out, const T *x, int64_t rows, int6
   }
 }
 
-// t: out, x, inv_freq (NULL: from theta); i: n_head, head_dim, pos_offset;
-// f: theta. With inv_freq given a row may hold more than the n_head heads:
-// the rest is copied to out (left alone when out is x).
+// t: out, x, inv_freq (NULL: from theta), pos (NULL: pos_offset + t); i:
+// n_head, head_dim, pos_offset; f: theta. With inv_freq given a row may hold
+// more than the n_head heads: the rest is copied to out (left alone when out
+// is x).
 template <typename T>
 static lz_status rope(const lz_op_args *a, float sign) {
   lz_tensor *out = a->t[0];
@@ -347,7 +350,8 @@ static lz_status rope(const lz_op_args *a, float sign) {
     inv_freq = (const float *)ws;
   }
   rope_kernel<T><<<lz_cu_blocks(rows * n_head * half, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)out->data, (const T *)x->data, inv_freq, rows, seq, C, n_head, half, pos_offset,
+      (float *)out->data, (const T *)x->data, inv_freq,
+      a->t[3] ? (const int32_t *)a->t[3]->data : NULL, rows, seq, C, n_head, half, pos_offset,
       sign);
   CUDA_LAUNCH_CHECK();
   if (C > turned && out->data != x->data) {
@@ -444,14 +448,16 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
 
 // ---------------------------------------------------------------- embedding
 
-// wpe NULL: the token row alone (Llama has no position table).
-__global__ void embedding_forward_kernel(float *out, const int32_t *tok, const float *wte,
-                                         const float *wpe, int64_t BT, int64_t T, int64_t C) {
+// wpe NULL: the token row alone (Llama has no position table). pos NULL:
+// position t; else each token's row of wpe.
+__global__ void embedding_forward_kernel(float *out, const int32_t *tok, const int32_t *pos,
+                                         const float *wte, const float *wpe, int64_t BT,
+                                         int64_t T, int64_t C) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C;
        i += (int64_t)gridDim.x * blockDim.x) {
     int64_t bt = i / C, c = i % C;
     const float te = wte[(int64_t)tok[bt] * C + c];
-    out[i] = wpe ? te + wpe[(bt % T) * C + c] : te;
+    out[i] = wpe ? te + wpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c] : te;
   }
 }
 
@@ -459,13 +465,14 @@ __global__ void embedding_forward_kernel(float *out, const int32_t *tok, const f
 // repeated tokens add into their row in the same order, so the bits match
 // the cpu's.
 __global__ void embedding_backward_kernel(float *dwte, float *dwpe, const float *dout,
-                                          const int32_t *tok, int64_t BT, int64_t T, int64_t C) {
+                                          const int32_t *tok, const int32_t *pos, int64_t BT,
+                                          int64_t T, int64_t C) {
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   for (int64_t bt = 0; bt < BT; bt++) {
     float d = dout[bt * C + c];
     if (dwte) dwte[(int64_t)tok[bt] * C + c] += d;
-    if (dwpe) dwpe[(bt % T) * C + c] += d;
+    if (dwpe) dwpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c] += d;
   }
 }
 
@@ -474,7 +481,8 @@ lz_status lz_cu_embedding_forward(const lz_op_args *a) {
   int64_t B = tokens->shape[0], T = tokens->shape[1], C = wte->shape[1];
   if (B * T * C == 0) return LZ_OK;
   embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)a->t[0]->data, (const int32_t *)tokens->data, (const float *)wte->data,
+      (float *)a->t[0]->data, (const int32_t *)tokens->data,
+      a->t[4] ? (const int32_t *)a->t[4]->data : NULL, (const float *)wte->data,
       a->t[3] ? (const float *)a->t[3]->data : NULL, B * T, T, C);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
@@ -487,7 +495,8 @@ lz_status lz_cu_embedding_backward(const lz_op_args *a) {
   if ((!dwte && !dwpe) || B * T * C == 0) return LZ_OK;
   embedding_backward_kernel<<<(unsigned)((C + 63) / 64), 64, 0, LZ_CU_COMPUTE>>>(
       dwte ? (float *)dwte->data : NULL, dwpe ? (float *)dwpe->data : NULL,
-      (const float *)dout->data, (const int32_t *)tokens->data, B * T, T, C);
+      (const float *)dout->data, (const int32_t *)tokens->data,
+      a->t[4] ? (const int32_t *)a->t[4]->data : NULL, B * T, T, C);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

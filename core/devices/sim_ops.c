@@ -61,15 +61,15 @@ lz_status lz_sim_run_op(lz_op op, const lz_op_args *a) {
     case LZ_OP_GELU_BACKWARD:
       return lz_gelu_backward(t[0], t[1], t[2]);
     case LZ_OP_ATTENTION_FORWARD: /* i[1]: n_kv_head, 0 for n_head */
-      return lz_attention_gqa_forward(t[0], t[1], t[2], (int)a->i[0],
+      return lz_attention_seg_forward(t[0], t[1], t[2], t[3], (int)a->i[0],
                                       (int)(a->i[1] ? a->i[1] : a->i[0]));
     case LZ_OP_ATTENTION_BACKWARD:
-      return lz_attention_gqa_backward(t[0], t[1], t[2], t[3], t[4], (int)a->i[0],
+      return lz_attention_seg_backward(t[0], t[1], t[2], t[3], t[4], t[5], (int)a->i[0],
                                        (int)(a->i[1] ? a->i[1] : a->i[0]));
     case LZ_OP_EMBEDDING_FORWARD:
-      return lz_embedding_forward(t[0], t[1], t[2], t[3]);
+      return lz_embedding_pos_forward(t[0], t[1], t[4], t[2], t[3]);
     case LZ_OP_EMBEDDING_BACKWARD:
-      return lz_embedding_backward(t[0], t[1], t[2], t[3]);
+      return lz_embedding_pos_backward(t[0], t[1], t[2], t[3], t[4]);
     case LZ_OP_CROSS_ENTROPY_FORWARD:
       return lz_cross_entropy_forward(t[0], t[1], t[2], a->i[0]);
     case LZ_OP_CROSS_ENTROPY_BACKWARD:
@@ -97,9 +97,11 @@ lz_status lz_sim_run_op(lz_op op, const lz_op_args *a) {
     case LZ_OP_RMSNORM_BACKWARD:
       return lz_rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5]);
     case LZ_OP_ROPE_FORWARD:
+      if (t[3]) return lz_rope_pos_forward(t[0], t[1], t[2], t[3], (int)a->i[0]);
       if (t[2]) return lz_rope_freqs_forward(t[0], t[1], t[2], (int)a->i[0], a->i[2]);
       return lz_rope_forward(t[0], t[1], (int)a->i[0], (int)a->i[1], a->i[2], a->f[0]);
     case LZ_OP_ROPE_BACKWARD:
+      if (t[3]) return lz_rope_pos_backward(t[0], t[1], t[2], t[3], (int)a->i[0]);
       if (t[2]) return lz_rope_freqs_backward(t[0], t[1], t[2], (int)a->i[0], a->i[2]);
       return lz_rope_backward(t[0], t[1], (int)a->i[0], (int)a->i[1], a->i[2], a->f[0]);
     case LZ_OP_SWIGLU_FORWARD:

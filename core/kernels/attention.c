@@ -22,7 +22,15 @@
  * bitwise the same on every run and for every thread count. All scratch is on
  * the stack of the thread that uses it, at most (8 * TILE * HS' + 2 * TILE^2)
  * floats (HS' = HS rounded up to 16): 160 KiB at HS = 64, 544 KiB at the
- * largest head size accepted, MAX_HS. */
+ * largest head size accepted, MAX_HS.
+ *
+ * Document masking (the _seg entries): seg gives each token a document id,
+ * and query i sees key j only when j <= i and seg[j] == seg[i]. A pair of
+ * tiles whose tokens are all in one document runs as without seg; a pair
+ * with no visible key is skipped; the others mask their scores one by one.
+ * A query row may then see no key of a tile, so its running maximum may
+ * stay -inf: the exponentials subtract 0 instead (every row sees itself, so
+ * its final sum is never 0). */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
@@ -247,6 +255,24 @@ INLINE void prefetch_rows(const float *src, int64_t stride, int64_t n, int64_t h
 
 static float *align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
 
+/* ---------------------------------------------------------- document masks */
+
+/* How queries [i0, i0+nq) meet keys [j0, j0+nk) of one sequence. */
+enum { MEET_ALL, MEET_SOME, MEET_NONE };
+
+static int tiles_meet(const int32_t *sg, int64_t i0, int64_t nq, int64_t j0, int64_t nk) {
+  if (!sg) return MEET_ALL;
+  const int32_t first = sg[j0];
+  int one = 1;
+  for (int64_t j = j0; j < j0 + nk && one; j++) one = sg[j] == first;
+  for (int64_t i = i0; i < i0 + nq && one; i++) one = sg[i] == first;
+  if (one) return MEET_ALL;
+  for (int64_t i = i0; i < i0 + nq; i++)
+    for (int64_t j = j0; j < j0 + nk && j <= i; j++)
+      if (sg[j] == sg[i]) return MEET_SOME;
+  return MEET_NONE;
+}
+
 /* ---------------------------------------------------------------- forward */
 
 /* One query tile of one (batch, head): out rows [qb*TILE, +TILE) and their lse.
@@ -254,13 +280,15 @@ static float *align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintp
  * down the keys with a vector of 16 queries at a time: its maxima, sums and
  * rescale factors are vectors, with no reduction across lanes. */
 LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const float *qkv,
-                                               attn_dims d, int64_t b, int64_t h, int64_t qb) {
+                                               const int32_t *seg, attn_dims d, int64_t b,
+                                               int64_t h, int64_t qb) {
   const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = d.row;
   const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
   const float *qbase = qkv + b * T * row + h * HS;
   const float *kbase = qkv + b * T * row + C + h / (d.NH / d.NKV) * HS;
   const float *vbase = kbase + d.NKV * HS;
   const int nvq = TILE / VL;
+  const int32_t *sg = seg ? seg + b * T : NULL; /* this sequence's documents */
 
   float scratch[4 * TILE * HSP + TILE * TILE + 16];
   float *qt = align64(scratch); /* [HSP][TILE] queries, scaled to base-2 scores */
@@ -285,6 +313,8 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
     const int64_t j0 = kb * TILE, nk = T - j0 < TILE ? T - j0 : TILE;
     const int64_t nkr = (nk + ROWS - 1) / ROWS * ROWS;
     const int diag = kb == qb;
+    const int meet = tiles_meet(sg, i0, nq, j0, nk);
+    if (meet == MEET_NONE) continue;
     if (kb < qb) {
       const int64_t n_next = T - j0 - TILE < TILE ? T - j0 - TILE : TILE;
       prefetch_rows(kbase + (j0 + TILE) * row, row, n_next, HS);
@@ -298,6 +328,11 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
       tile_nt_cols(st + r0 * TILE, k + r0 * HSP, HSP, qt, HS, v0);
     }
 
+    if (meet == MEET_SOME) /* keys of another document */
+      for (int64_t j = 0; j < nk; j++)
+        for (int64_t i = 0; i < nq; i++)
+          if (sg[j0 + j] != sg[i0 + i]) st[j * TILE + i] = -INFINITY;
+
     /* Padded queries (past nq) get finite, unused values: no special case. */
     for (int vq = 0; vq < nvq; vq++) {
       const int64_t q0 = (int64_t)vq * VL;
@@ -307,12 +342,19 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
           for (int64_t i = q0; i < j; i++) st[j * TILE + i] = -INFINITY;
       vf mx = mv[vq];
       for (int64_t j = 0; j < jend; j++) v_max(&mx, &mx, (const vf *)(st + j * TILE) + vq);
-      vf x = mv[vq] - mx, sum;
+      vf ms = mx; /* what the exponentials subtract */
+      if (meet == MEET_SOME) {
+        vf ninf;
+        v_splat(&ninf, -INFINITY);
+        vi none = ms == ninf; /* rows that saw no key yet subtract 0 */
+        ms = (vf)((vi)ms & ~none);
+      }
+      vf x = mv[vq] - ms, sum;
       v_exp2(&av[vq], &x);
       v_splat(&sum, 0.0f);
       for (int64_t j = 0; j < jend; j++) {
         vf *p = (vf *)(st + j * TILE) + vq;
-        x = *p - mx;
+        x = *p - ms;
         v_exp2(p, &x);
         sum += *p;
       }
@@ -341,8 +383,9 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
  *   dv_j = sum_i P_ij dout_i,  dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i),
  *   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i. */
 LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout, const float *qkv,
-                                                 const float *out, const float *lse, attn_dims d,
-                                                 int64_t b, int64_t g) {
+                                                 const float *out, const float *lse,
+                                                 const int32_t *seg, attn_dims d, int64_t b,
+                                                 int64_t g) {
   const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = d.row;
   const int64_t group = d.NH / d.NKV;
   const int64_t koff = b * T * row + C + g * HS, voff = koff + d.NKV * HS;
@@ -363,6 +406,7 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
   float lse2[TILE], D[TILE], ones[ROWS];
   for (int r = 0; r < ROWS; r++) ones[r] = 1.0f;
   const float c = d.scale * LOG2E;
+  const int32_t *sg = seg ? seg + b * T : NULL; /* this sequence's documents */
 
   for (int64_t kb = 0; kb < d.nb; kb++) {
     const int64_t j0 = kb * TILE, nk = T - j0 < TILE ? T - j0 : TILE;
@@ -382,6 +426,13 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
         const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
         const int64_t nqr = (nq + ROWS - 1) / ROWS * ROWS;
         const int diag = kb == qb;
+        const int meet = tiles_meet(sg, i0, nq, j0, nk);
+        if (meet == MEET_NONE) { /* no key here reaches these queries */
+          if (kb == 0)
+            for (int64_t i = 0; i < nq; i++)
+              for (int64_t cc = 0; cc < HS; cc++) dqbase[(i0 + i) * row + cc] = 0.0f;
+          continue;
+        }
         /* Fetch ahead what the next step reads: the next query tile, or at the
          * end of this key tile the next key tile and its first query tile. */
         const int64_t nqb = qb + 1 < d.nb ? qb + 1 : kb + 1;
@@ -429,6 +480,9 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
             v_exp2((vf *)pi + vv, &x);
           }
           for (int64_t j = n; j < nv * VL; j++) pi[j] = 0.0f;
+          if (meet == MEET_SOME) /* keys of another document */
+            for (int64_t j = 0; j < n; j++)
+              if (sg[j0 + j] != sg[i0 + i]) pi[j] = 0.0f;
           for (int64_t vv = 0; vv < nv; vv++)
             ((vf *)dpi)[vv] = ((vf *)pi)[vv] * (((vf *)dpi)[vv] - dd);
         }
@@ -538,31 +592,58 @@ lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz
 
 lz_status lz_attention_gqa_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv, int n_head,
                                    int n_kv_head) {
+  return lz_attention_seg_forward(out, lse, qkv, NULL, n_head, n_kv_head);
+}
+
+lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                    const lz_tensor *out, const lz_tensor *lse, int n_head,
+                                    int n_kv_head) {
+  return lz_attention_seg_backward(dqkv, dout, qkv, out, lse, NULL, n_head, n_kv_head);
+}
+
+/* seg, when given: i32 [B, T]. Any ids: only equality matters. */
+static lz_status check_seg(const char *op, const lz_tensor *seg, const attn_dims *d,
+                           const lz_tensor *qkv) {
+  if (!seg) return LZ_OK;
+  LZ_TRY(lz_check_dtype(op, "seg", seg, LZ_I32));
+  if (seg->ndim != 2 || seg->shape[0] != d->B || seg->shape[1] != d->T) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: seg is %s, expected i32[%lld,%lld] (from qkv %s)", op,
+                   lz_tensor_describe(seg, a, sizeof a), (long long)d->B, (long long)d->T,
+                   lz_tensor_describe(qkv, b, sizeof b));
+  }
+  return LZ_OK;
+}
+
+lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                   const lz_tensor *seg, int n_head, int n_kv_head) {
   const char *op = "attention_forward";
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_FORWARD, .t = {out, lse, (lz_tensor *)qkv},
-                     .i = {n_head, n_kv_head});
+  LZ_TRY(check_seg(op, seg, &d, qkv));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_FORWARD,
+                     .t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg}, .i = {n_head, n_kv_head});
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *o = out->data, *l = lse->data;
   const float *x = qkv->data;
+  const int32_t *sg = seg ? seg->data : NULL;
   const int64_t BH = d.B * d.NH, n_tasks = BH * d.nb;
   /* Head by head, so the threads share its keys and values in cache; within
    * a head the longest tasks (last query tiles) first, for balance. */
 #pragma omp parallel for schedule(dynamic, 1) if (n_tasks > 1)
   for (int64_t t = 0; t < n_tasks; t++) {
     const int64_t bh = t / d.nb, qb = d.nb - 1 - t % d.nb;
-    attention_forward_tile(o, l, x, d, bh / d.NH, bh % d.NH, qb);
+    attention_forward_tile(o, l, x, sg, d, bh / d.NH, bh % d.NH, qb);
   }
   return LZ_OK;
 }
 
-lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                    const lz_tensor *out, const lz_tensor *lse, int n_head,
-                                    int n_kv_head) {
+lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                    const lz_tensor *out, const lz_tensor *lse,
+                                    const lz_tensor *seg, int n_head, int n_kv_head) {
   const char *op = "attention_backward";
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
@@ -571,18 +652,20 @@ lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
   LZ_TRY(check_shape3(op, "dout", dout, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
-  LZ_DEVICE_DISPATCH(
-      op, LZ_OP_ATTENTION_BACKWARD,
-      .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out, (lz_tensor *)lse},
-      .i = {n_head, n_kv_head});
+  LZ_TRY(check_seg(op, seg, &d, qkv));
+  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_BACKWARD,
+                     .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
+                           (lz_tensor *)lse, (lz_tensor *)seg},
+                     .i = {n_head, n_kv_head});
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *dx = dqkv->data;
   const float *dy = dout->data, *x = qkv->data, *y = out->data, *l = lse->data;
+  const int32_t *sg = seg ? seg->data : NULL;
   /* One task per key/value head: it alone writes its dk and dv. */
   const int64_t BG = d.B * d.NKV;
 #pragma omp parallel for schedule(dynamic, 1) if (BG > 1)
   for (int64_t bg = 0; bg < BG; bg++)
-    attention_backward_group(dx, dy, x, y, l, d, bg / d.NKV, bg % d.NKV);
+    attention_backward_group(dx, dy, x, y, l, sg, d, bg / d.NKV, bg % d.NKV);
   return LZ_OK;
 }

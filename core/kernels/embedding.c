@@ -5,7 +5,10 @@
  * would race on those rows, and atomics would make the sum order (and so the
  * bits) depend on timing. Threads split the channels instead: each owns a
  * column block of dwte and dwpe and walks every position in order, so the
- * result is the same on any thread count. */
+ * result is the same on any thread count.
+ *
+ * The _pos variants take each token's position row from a tensor (a packed
+ * batch restarts positions at each document); without one, position t. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
@@ -75,6 +78,32 @@ static lz_status check_positions(const char *op, const char *name, const lz_tens
   return LZ_OK;
 }
 
+/* pos: i32 [B, T] like tokens, every value a row of the position table
+ * `name` (n_rows rows). */
+static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *tokens,
+                           const char *name, int64_t n_rows) {
+  LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
+  if (pos->ndim != 2 || pos->shape[0] != tokens->shape[0] || pos->shape[1] != tokens->shape[1]) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: pos is %s but tokens is %s; they need the same shape", op,
+                   lz_tensor_describe(pos, a, sizeof a), lz_tensor_describe(tokens, b, sizeof b));
+  }
+  const int32_t *pp;
+  int32_t *copy; /* device positions are checked in a host copy */
+  LZ_TRY(lz_backend_host_ids(op, pos, &pp, &copy));
+  const int64_t n = lz_tensor_numel(pos), T = pos->shape[1];
+  lz_status st = LZ_OK;
+  for (int64_t i = 0; pp && i < n && st == LZ_OK; i++)
+    if (pp[i] < 0 || pp[i] >= n_rows)
+      st = lz_fail(LZ_ERR_INVALID,
+                   "%s: pos[%lld, %lld] is %d, outside the %lld positions of %s; positions "
+                   "must be in [0, %lld)",
+                   op, (long long)(i / T), (long long)(i % T), (int)pp[i], (long long)n_rows, name,
+                   (long long)n_rows);
+  free(copy);
+  return st;
+}
+
 /* ---------------------------------------------------------------- forward */
 
 /* wpe_row NULL: the token row alone (Llama has no position table). */
@@ -89,6 +118,11 @@ LZ_DISPATCH static void embedding_forward_row(float *out, const float *wte_row,
 
 lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
                                const lz_tensor *wpe) {
+  return lz_embedding_pos_forward(out, tokens, NULL, wte, wpe);
+}
+
+lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *pos,
+                                   const lz_tensor *wte, const lz_tensor *wpe) {
   const char *op = "embedding_forward";
   LZ_TRY(lz_check_dtype(op, "wte", wte, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "wte", wte, 2, 2));
@@ -96,17 +130,24 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
   if (wpe) LZ_TRY(check_table(op, "wpe", wpe, C, "wte", wte));
   LZ_TRY(check_tokens(op, tokens, V));
   const int64_t B = tokens->shape[0], T = tokens->shape[1];
-  if (wpe) LZ_TRY(check_positions(op, "wpe", wpe, T));
+  if (wpe && pos)
+    LZ_TRY(check_pos(op, pos, tokens, "wpe", wpe->shape[0]));
+  else if (wpe)
+    LZ_TRY(check_positions(op, "wpe", wpe, T));
   LZ_TRY(check_activation(op, "out", out, tokens, C));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_FORWARD,
-                     .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe});
+  if (!wpe) pos = NULL; /* no position table: nothing to index */
+  LZ_DEVICE_DISPATCH(
+      op, LZ_OP_EMBEDDING_FORWARD,
+      .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe, (lz_tensor *)pos});
 
   float *o = out->data;
   const float *te = wte->data, *pe = wpe ? wpe->data : NULL;
-  const int32_t *tok = tokens->data;
+  const int32_t *tok = tokens->data, *pp = pos ? pos->data : NULL;
 #pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
-  for (int64_t bt = 0; bt < B * T; bt++)
-    embedding_forward_row(o + bt * C, te + (int64_t)tok[bt] * C, pe ? pe + (bt % T) * C : NULL, C);
+  for (int64_t bt = 0; bt < B * T; bt++) {
+    const int64_t p = pp ? pp[bt] : bt % T;
+    embedding_forward_row(o + bt * C, te + (int64_t)tok[bt] * C, pe ? pe + p * C : NULL, C);
+  }
   return LZ_OK;
 }
 
@@ -114,8 +155,8 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
 
 /* Columns [c0, c0+nc) of dwte and dwpe, positions in order. */
 LZ_DISPATCH static void embedding_backward_block(float *dwte, float *dwpe, const float *dout,
-                                                 const int32_t *tok, int64_t B, int64_t T,
-                                                 int64_t C, int64_t c0, int64_t nc) {
+                                                 const int32_t *tok, const int32_t *pos, int64_t B,
+                                                 int64_t T, int64_t C, int64_t c0, int64_t nc) {
   for (int64_t bt = 0; bt < B * T; bt++) {
     const float *d = dout + bt * C + c0;
     if (dwte) {
@@ -123,7 +164,7 @@ LZ_DISPATCH static void embedding_backward_block(float *dwte, float *dwpe, const
       for (int64_t j = 0; j < nc; j++) row[j] += d[j];
     }
     if (dwpe) {
-      float *row = dwpe + (bt % T) * C + c0;
+      float *row = dwpe + (pos ? (int64_t)pos[bt] : bt % T) * C + c0;
       for (int64_t j = 0; j < nc; j++) row[j] += d[j];
     }
   }
@@ -131,6 +172,11 @@ LZ_DISPATCH static void embedding_backward_block(float *dwte, float *dwpe, const
 
 lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                 const lz_tensor *tokens) {
+  return lz_embedding_pos_backward(dwte, dwpe, dout, tokens, NULL);
+}
+
+lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                    const lz_tensor *tokens, const lz_tensor *pos) {
   const char *op = "embedding_backward";
   LZ_TRY(lz_check_dtype(op, "dout", dout, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "dout", dout, 3, 3));
@@ -147,20 +193,25 @@ lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tenso
   const int64_t B = tokens->shape[0], T = tokens->shape[1];
   if (dwpe) {
     LZ_TRY(check_table(op, "dwpe", dwpe, C, "dout", dout));
-    LZ_TRY(check_positions(op, "dwpe", dwpe, T));
+    if (pos)
+      LZ_TRY(check_pos(op, pos, tokens, "dwpe", dwpe->shape[0]));
+    else
+      LZ_TRY(check_positions(op, "dwpe", dwpe, T));
+  } else {
+    pos = NULL; /* no position table: nothing to index */
   }
   LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_BACKWARD,
-                     .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens});
+                     .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens, (lz_tensor *)pos});
   if (!dwte && !dwpe) return LZ_OK;
 
   float *te = dwte ? dwte->data : NULL, *pe = dwpe ? dwpe->data : NULL;
   const float *d = dout->data;
-  const int32_t *tok = tokens->data;
+  const int32_t *tok = tokens->data, *pp = pos ? pos->data : NULL;
   const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
   for (int64_t k = 0; k < n_blocks; k++) {
     int64_t c0 = k * COL_BLOCK, nc = C - c0 < COL_BLOCK ? C - c0 : COL_BLOCK;
-    embedding_backward_block(te, pe, d, tok, B, T, C, c0, nc);
+    embedding_backward_block(te, pe, d, tok, pp, B, T, C, c0, nc);
   }
   return LZ_OK;
 }

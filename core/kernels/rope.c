@@ -12,11 +12,15 @@
  * lz_rope_freqs_* take the inverse frequencies as a tensor instead (Llama 3's
  * rope_scaling rescales them). x may be bf16 (out stays f32): each head is
  * widened to f32 first, so the result is bitwise the f32 one on the widened
- * input. */
+ * input.
+ *
+ * lz_rope_pos_* take each row's position from a tensor: in a packed batch
+ * positions restart at 0 at each document, as Hugging Face's position_ids. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
 #include <math.h>   /* pow, cosf, sinf, isinf, isfinite */
+#include <stdlib.h> /* free: the host copy of device positions */
 #include <string.h> /* memcpy */
 
 /* Widest head the kernel takes: its cos and sin tables live on the stack. */
@@ -65,7 +69,31 @@ LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float
   }
 }
 
+/* pos: i32 [B, T] for x [B, T, C], every value >= 0. Checked before
+ * anything is written. */
+static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *x) {
+  LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
+  if (pos->ndim != 2 || pos->shape[0] != x->shape[0] || pos->shape[1] != x->shape[1]) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: pos is %s, expected i32[%lld,%lld] (one per row of %s)", op,
+                   lz_tensor_describe(pos, a, sizeof a), (long long)x->shape[0],
+                   (long long)x->shape[1], lz_tensor_describe(x, b, sizeof b));
+  }
+  const int32_t *pp;
+  int32_t *copy; /* device positions are checked in a host copy */
+  LZ_TRY(lz_backend_host_ids(op, pos, &pp, &copy));
+  const int64_t n = lz_tensor_numel(pos), T = pos->shape[1];
+  lz_status st = LZ_OK;
+  for (int64_t i = 0; pp && i < n && st == LZ_OK; i++)
+    if (pp[i] < 0)
+      st = lz_fail(LZ_ERR_INVALID, "%s: pos[%lld, %lld] is %d; positions must be >= 0", op,
+                   (long long)(i / T), (long long)(i % T), (int)pp[i]);
+  free(copy);
+  return st;
+}
+
 /* The checks and the loop forward and backward share; `sign` as rope_row's.
+ * pos: each row's position, or NULL for pos_offset + t.
  * inv_freq: head_dim/2 floats, or NULL to work them out from theta. With
  * freqs given, a row may hold more than the n_head heads (Llama's packed
  * q|k|v rows: q and k turn, v does not): the rest is copied to out (left
@@ -73,7 +101,7 @@ LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float
 static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
                             const char *x_name, const lz_tensor *x, int n_head, int head_dim,
                             int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
-                            float sign) {
+                            const lz_tensor *pos_t, float sign) {
   LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{x_name, x}, {0}}));
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
   LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
@@ -101,7 +129,9 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
   if (!freqs && (!(theta > 0.0f) || isinf(theta)))
     return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
                    (double)theta);
-  LZ_DEVICE_DISPATCH(op, opcode, .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t},
+  if (pos_t) LZ_TRY(check_pos(op, pos_t, x));
+  LZ_DEVICE_DISPATCH(op, opcode,
+                     .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
                      .i = {n_head, head_dim, pos_offset}, .f = {theta});
 
   const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
@@ -110,12 +140,13 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
   for (int64_t i = 0; i < half; i++)
     inv_freq[i] = freqs ? given[i] : (float)pow((double)theta, -2.0 * (double)i / (double)head_dim);
   float *o = out->data;
+  const int32_t *pp = pos_t ? pos_t->data : NULL;
+#define ROW_POS(r) (pp ? (float)pp[r] : (float)(pos_offset + (r) % T))
   if (x->dtype == LZ_BF16) {
     const uint16_t *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
     for (int64_t r = 0; r < rows; r++) {
-      rope_row_bf16(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head,
-                    half);
+      rope_row_bf16(o + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half);
       lz_row_to_f32(o + r * C + turned, xp + r * C + turned, LZ_BF16, C - turned);
     }
     return LZ_OK;
@@ -123,10 +154,11 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
   const float *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
   for (int64_t r = 0; r < rows; r++) {
-    rope_row(o + r * C, xp + r * C, inv_freq, (float)(pos_offset + r % T), sign, n_head, half);
+    rope_row(o + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half);
     if (o != xp && C > turned)
       memcpy(o + r * C + turned, xp + r * C + turned, (size_t)(C - turned) * sizeof(float));
   }
+#undef ROW_POS
   return LZ_OK;
 }
 
@@ -149,13 +181,13 @@ static lz_status check_freqs(const char *op, const lz_tensor *inv_freq, int head
 lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
                           int64_t pos_offset, float theta) {
   return rope_apply("rope_forward", LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim,
-                    pos_offset, theta, NULL, 1.0f);
+                    pos_offset, theta, NULL, NULL, 1.0f);
 }
 
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta) {
   return rope_apply("rope_backward", LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim,
-                    pos_offset, theta, NULL, -1.0f);
+                    pos_offset, theta, NULL, NULL, -1.0f);
 }
 
 /* head_dim is 2 * numel(inv_freq). */
@@ -169,7 +201,7 @@ lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_ten
   const int head_dim = freqs_head_dim(inv_freq);
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
   return rope_apply(op, LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim, pos_offset, 1.0f,
-                    inv_freq, 1.0f);
+                    inv_freq, NULL, 1.0f);
 }
 
 lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
@@ -177,6 +209,24 @@ lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_te
   const char *op = "rope_backward";
   const int head_dim = freqs_head_dim(inv_freq);
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
-  return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, pos_offset,
-                    1.0f, inv_freq, -1.0f);
+  return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, pos_offset, 1.0f,
+                    inv_freq, NULL, -1.0f);
+}
+
+lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                              const lz_tensor *pos, int n_head) {
+  const char *op = "rope_forward";
+  const int head_dim = freqs_head_dim(inv_freq);
+  LZ_TRY(check_freqs(op, inv_freq, head_dim));
+  return rope_apply(op, LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim, 0, 1.0f, inv_freq,
+                    pos, 1.0f);
+}
+
+lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                               const lz_tensor *pos, int n_head) {
+  const char *op = "rope_backward";
+  const int head_dim = freqs_head_dim(inv_freq);
+  LZ_TRY(check_freqs(op, inv_freq, head_dim));
+  return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, 0, 1.0f,
+                    inv_freq, pos, -1.0f);
 }

@@ -31,10 +31,10 @@ typedef enum lz_op {
   LZ_OP_LAYERNORM_BACKWARD,     /* t: dx, dw, db, dy, x, w, mean, rstd */
   LZ_OP_GELU_FORWARD,           /* t: out, x */
   LZ_OP_GELU_BACKWARD,          /* t: dx, dy, x */
-  LZ_OP_ATTENTION_FORWARD,      /* t: out, lse, qkv; i: n_head, n_kv_head (0: n_head) */
-  LZ_OP_ATTENTION_BACKWARD,     /* t: dqkv, dout, qkv, out, lse; i: n_head, n_kv_head */
-  LZ_OP_EMBEDDING_FORWARD,      /* t: out, tokens, wte, wpe */
-  LZ_OP_EMBEDDING_BACKWARD,     /* t: dwte, dwpe (either may be NULL), dout, tokens */
+  LZ_OP_ATTENTION_FORWARD,      /* t: out, lse, qkv, seg (may be NULL); i: n_head, n_kv_head */
+  LZ_OP_ATTENTION_BACKWARD,     /* t: dqkv, dout, qkv, out, lse, seg; i: n_head, n_kv_head */
+  LZ_OP_EMBEDDING_FORWARD,      /* t: out, tokens, wte, wpe, pos (may be NULL) */
+  LZ_OP_EMBEDDING_BACKWARD,     /* t: dwte, dwpe (either may be NULL), dout, tokens, pos */
   LZ_OP_CROSS_ENTROPY_FORWARD,  /* t: losses, logits, targets; i: vocab */
   LZ_OP_CROSS_ENTROPY_BACKWARD, /* t: dlogits, logits, targets; i: vocab; f: dloss */
   LZ_OP_ADD,                    /* t: out, a, b */
@@ -48,8 +48,8 @@ typedef enum lz_op {
   LZ_OP_LION_STEP,              /* t: param, grad, m, working (may be NULL); lion */
   LZ_OP_RMSNORM_FORWARD,        /* t: out, rstd, x, w; f: eps */
   LZ_OP_RMSNORM_BACKWARD,       /* t: dx, dw, dy, x, w, rstd */
-  LZ_OP_ROPE_FORWARD,           /* t: out, x; i: n_head, head_dim, pos_offset; f: theta */
-  LZ_OP_ROPE_BACKWARD,          /* t: dx, dy; i: n_head, head_dim, pos_offset; f: theta */
+  LZ_OP_ROPE_FORWARD,           /* t: out, x, inv_freq, pos; i: n_head, hd, pos_offset; f: theta */
+  LZ_OP_ROPE_BACKWARD,          /* t: dx, dy, inv_freq, pos; i: n_head, hd, pos_offset; f: theta */
   LZ_OP_SWIGLU_FORWARD,         /* t: out, gate, up */
   LZ_OP_SWIGLU_BACKWARD,        /* t: dgate, dup, dout, gate, up */
   LZ_OP_COUNT

@@ -141,6 +141,11 @@ lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_ten
 lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
                                  int n_head, int64_t pos_offset);
 
+lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                              const lz_tensor *pos, int n_head);
+lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                               const lz_tensor *pos, int n_head);
+
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
@@ -157,11 +162,23 @@ lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                     const lz_tensor *qkv, const lz_tensor *out,
                                     const lz_tensor *lse, int n_head, int n_kv_head);
 
+lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                   const lz_tensor *seg, int n_head, int n_kv_head);
+lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                    const lz_tensor *qkv, const lz_tensor *out,
+                                    const lz_tensor *lse, const lz_tensor *seg, int n_head,
+                                    int n_kv_head);
+
 lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
                                const lz_tensor *wpe);
 
 lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                 const lz_tensor *tokens);
+
+lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *pos,
+                                   const lz_tensor *wte, const lz_tensor *wpe);
+lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                    const lz_tensor *tokens, const lz_tensor *pos);
 
 lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
                                    const lz_tensor *targets, int64_t vocab);

@@ -13,6 +13,8 @@ M.names = {
   "rope_freqs_forward", "rope_freqs_backward", "attention_gqa_forward", "attention_gqa_backward",
   "embedding_forward", "embedding_backward", "cross_entropy_forward",
   "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step", "lion_step",
+  "attention_seg_forward", "attention_seg_backward", "rope_pos_forward", "rope_pos_backward",
+  "embedding_pos_forward", "embedding_pos_backward",
 }
 
 local tensor_ptr = ffi.typeof("lz_tensor *")

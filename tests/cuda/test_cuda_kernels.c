@@ -680,6 +680,66 @@ static void test_ledger_and_streams(void) {
   CHECK(lz_mem_current(LZ_MEM_OFFLOAD) == off0);
 }
 
+/* Document masking: attention with seg (GPT-2's and Llama's shapes), the
+ * position table and the rotary turn indexed by pos, against the cpu. */
+static void test_masking(void) {
+  int64_t B = 2, T = 150, NH = 4, NKV = 2, HS = 16, W = (NH + 2 * NKV) * HS, C = NH * HS;
+  int64_t ss[2] = {B, T}, os[3] = {B, T, C}, ls[3] = {B, NH, T};
+  lz_tensor *seg = host(LZ_I32, 2, ss), *pos = host(LZ_I32, 2, ss);
+  const int64_t lens[2][4] = {{40, 70, 1, 39}, {5, 9, 64, 72}};
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t d = 0, t = 0; d < 4; d++)
+      for (int64_t k = 0; k < lens[b][d]; k++, t++) {
+        ((int32_t *)seg->data)[b * T + t] = (int32_t)(d * 3 + 1);
+        ((int32_t *)pos->data)[b * T + t] = (int32_t)k;
+      }
+  lz_tensor *d_seg = dev(seg), *d_pos = dev(pos);
+  for (int nkv = (int)NKV; nkv <= NH; nkv += (int)(NH - NKV)) {
+    int64_t w = (NH + 2 * nkv) * HS, q2[3] = {B, T, w};
+    lz_tensor *qkv = host_rand(LZ_F32, 3, q2, 1), *o = host(LZ_F32, 3, os),
+              *l = host(LZ_F32, 3, ls);
+    lz_tensor *d_qkv = dev(qkv), *d_o = dev(o), *d_l = dev(l);
+    CHECK_OK(lz_attention_seg_forward(o, l, qkv, seg, (int)NH, nkv));
+    CHECK_OK(lz_attention_seg_forward(d_o, d_l, d_qkv, d_seg, (int)NH, nkv));
+    expect_close("attention_seg_forward out", d_o, o, 1e-5);
+    expect_close("attention_seg_forward lse", d_l, l, 1e-5);
+    lz_tensor *go = host_rand(LZ_F32, 3, os, 1), *gq = host(LZ_F32, 3, q2);
+    lz_tensor *d_go = dev(go), *d_gq = dev(gq);
+    CHECK_OK(lz_attention_seg_backward(gq, go, qkv, o, l, seg, (int)NH, nkv));
+    CHECK_OK(lz_attention_seg_backward(d_gq, d_go, d_qkv, d_o, d_l, d_seg, (int)NH, nkv));
+    expect_close("attention_seg_backward dqkv", d_gq, gq, 1e-5);
+    FREE(qkv, o, l, d_qkv, d_o, d_l, go, gq, d_go, d_gq);
+  }
+
+  int64_t V = 50, P = 80, es[2] = {V, C}, ps[2] = {P, C};
+  lz_tensor *tok = host(LZ_I32, 2, ss);
+  for (int64_t i = 0; i < B * T; i++) ((int32_t *)tok->data)[i] = (int32_t)(i * 7 % V);
+  lz_tensor *wte = host_rand(LZ_F32, 2, es, 1), *wpe = host_rand(LZ_F32, 2, ps, 1);
+  lz_tensor *o = host(LZ_F32, 3, os), *g = host_rand(LZ_F32, 3, os, 1);
+  lz_tensor *d_tok = dev(tok), *d_wte = dev(wte), *d_wpe = dev(wpe), *d_o = dev(o), *d_g = dev(g);
+  CHECK_OK(lz_embedding_pos_forward(o, tok, pos, wte, wpe));
+  CHECK_OK(lz_embedding_pos_forward(d_o, d_tok, d_pos, d_wte, d_wpe));
+  expect_close("embedding_pos_forward", d_o, o, 1e-5);
+  CHECK_OK(lz_embedding_pos_backward(wte, wpe, g, tok, pos));
+  CHECK_OK(lz_embedding_pos_backward(d_wte, d_wpe, d_g, d_tok, d_pos));
+  expect_close("embedding_pos_backward dwpe", d_wpe, wpe, 1e-5);
+
+  int64_t fs[1] = {HS / 2}, rs[3] = {B, T, W};
+  lz_tensor *freqs = host(LZ_F32, 1, fs);
+  for (int64_t i = 0; i < HS / 2; i++)
+    ((float *)freqs->data)[i] = (float)pow(10000.0, -2.0 * (double)i / (double)HS);
+  lz_tensor *x = host_rand(LZ_F32, 3, rs, 1), *y = host(LZ_F32, 3, rs);
+  lz_tensor *d_freqs = dev(freqs), *d_x = dev(x), *d_y = dev(y);
+  CHECK_OK(lz_rope_pos_forward(y, x, freqs, pos, (int)(NH + NKV)));
+  CHECK_OK(lz_rope_pos_forward(d_y, d_x, d_freqs, d_pos, (int)(NH + NKV)));
+  expect_close("rope_pos_forward", d_y, y, 1e-5);
+  CHECK_OK(lz_rope_pos_backward(y, x, freqs, pos, (int)(NH + NKV)));
+  CHECK_OK(lz_rope_pos_backward(d_y, d_x, d_freqs, d_pos, (int)(NH + NKV)));
+  expect_close("rope_pos_backward", d_y, y, 1e-5);
+  FREE(seg, pos, d_seg, d_pos, tok, wte, wpe, o, g, d_tok, d_wte, d_wpe, d_o, d_g);
+  FREE(freqs, x, y, d_freqs, d_x, d_y);
+}
+
 static void test_errors(void) {
   int64_t s[1] = {8};
   lz_tensor *h = host_rand(LZ_F32, 1, s, 1), *d = dev(h);
@@ -715,6 +775,7 @@ static const struct {
     {"cuda_attention_gqa", test_attention_gqa},
     {"cuda_embedding_tokens_only", test_embedding_tokens_only},
     {"cuda_ledger_and_streams", test_ledger_and_streams},
+    {"cuda_masking", test_masking},
     {"cuda_errors", test_errors},
 };
 

@@ -1,5 +1,6 @@
 -- nn/attention.lua — causal multi-head self-attention: c_attn (C -> 3C: q, k,
--- v), the fused attention kernel, c_proj (C -> C).
+-- v), the fused attention kernel, c_proj (C -> C). When a batch packs
+-- documents (the model's ctx.extra.seg), a token attends within its own.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
@@ -21,8 +22,14 @@ function CausalSelfAttention:forward(x)
   local qkv = self:run_forward(self.c_attn, x)
   local y = self:activation({ B, T, self.n_embd })
   local lse = self:activation({ B, self.n_head, T })
-  ops.attention_forward(y, lse, qkv, self.n_head)
-  self.qkv, self.att_out, self.lse = qkv, y, lse
+  local extra = self.ctx.extra
+  local seg = extra and extra.seg
+  if seg then
+    ops.attention_seg_forward(y, lse, qkv, seg, self.n_head, self.n_head)
+  else
+    ops.attention_forward(y, lse, qkv, self.n_head)
+  end
+  self.qkv, self.att_out, self.lse, self.seg = qkv, y, lse, seg
   return self:run_forward(self.c_proj, y)
 end
 
@@ -30,7 +37,12 @@ function CausalSelfAttention:backward(dy)
   local dy_att = self:run_backward(self.c_proj, dy)
   local qkv = self.qkv
   local dqkv = self:scratch({ qkv:dim(1), qkv:dim(2), qkv:dim(3) })
-  ops.attention_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head)
+  if self.seg then
+    ops.attention_seg_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
+                               self.n_head)
+  else
+    ops.attention_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head)
+  end
   return self:run_backward(self.c_attn, dqkv)
 end
 

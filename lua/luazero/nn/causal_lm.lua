@@ -132,28 +132,53 @@ end
 
 ------------------------------------------------------- forward, backward
 
+-- The positions that count in the loss: targets >= 0 (a negative target,
+-- Hugging Face's -100, marks a position to skip: a prompt, padding).
+local function count_targets(targets)
+  local host = targets:device_name() ~= "cpu" and targets:to("cpu")
+  local t = host or targets
+  local p, n = ffi.cast("const int32_t *", t.data), 0
+  for i = 0, t:numel() - 1 do
+    if p[i] >= 0 then n = n + 1 end
+  end
+  if host then host:free() end
+  return n
+end
+
 -- tokens, targets: i32 [B, T] (targets may be nil: logits only). Returns the
--- mean loss over the B x T positions (or nil) and the logits [B, T, Vp].
--- Resets the activation arena: one forward per micro-step.
-function CausalLM:forward(tokens, targets)
+-- mean loss over the positions whose target is >= 0 (Hugging Face's
+-- CrossEntropyLoss(ignore_index=-100); 0 when there is none), or nil, and the
+-- logits [B, T, Vp]. extra (nil for plain streams): packed documents, pos and
+-- seg i32 [B, T]: the position of each token within its document (learned
+-- positions and rotary embeddings read it) and its document id (attention
+-- stays within a document). Resets the activation arena: one forward per
+-- micro-step.
+function CausalLM:forward(tokens, targets, extra)
   local B, T = tokens:dim(1), tokens:dim(2)
   self:begin_forward(B, T)
-  tokens, targets = self:place_inputs(tokens, targets)
+  local count = targets and count_targets(targets)
+  tokens, targets, extra = self:place_inputs(tokens, targets, extra)
+  -- What the embedding and attention layers read, in forward and in the
+  -- replays of activation checkpointing; valid until the next forward.
+  self.ctx.extra = extra
   local logits = self:forward_layers(tokens)
-  self.logits, self.targets = logits, targets
+  self.logits, self.targets, self.target_count = logits, targets, count
   if not targets then return nil, logits end
   local losses = self.ctx.arena:tensor({ B, T })
   ops.cross_entropy_forward(losses, logits, targets, self.cfg.vocab)
-  return self:host_sum(losses) / (B * T), logits
+  if count == 0 then return 0, logits end
+  return self:host_sum(losses) / count, logits
 end
 
 -- Accumulates d(scale * mean loss)/d(params) into the flat gradient buffer.
--- With gradient accumulation over n micro-steps, scale is 1/n.
+-- With gradient accumulation over n micro-steps, scale is 1/n. The mean is
+-- over the micro-batch's counted targets: a micro-batch with none adds 0.
 function CausalLM:backward(scale)
   local logits, targets = self.logits, self.targets
   assert(targets, "model: backward needs a forward with targets")
-  local rows = logits:dim(1) * logits:dim(2)
-  ops.cross_entropy_backward(logits, logits, targets, self.cfg.vocab, (scale or 1) / rows)
+  local count = self.target_count
+  local dloss = count > 0 and (scale or 1) / count or 0
+  ops.cross_entropy_backward(logits, logits, targets, self.cfg.vocab, dloss)
   self:backward_layers(logits)
 end
 

@@ -20,17 +20,29 @@ function Embedding.new(vocab, positions, n_embd, std)
   return self
 end
 
--- tokens i32 [B, T] -> [B, T, C]
+-- tokens i32 [B, T] -> [B, T, C]. Positions are 0..T-1, or the model's
+-- ctx.extra.pos when a batch packs documents (each restarts at 0).
 function Embedding:forward(tokens)
   local y = self:activation({ tokens:dim(1), tokens:dim(2), self.n_embd })
-  ops.embedding_forward(y, tokens, self:cast(self.p.wte, "f32"), self:cast(self.p.wpe, "f32"))
-  self.input = tokens
+  local extra = self.ctx.extra
+  local pos = extra and extra.pos
+  local wte, wpe = self:cast(self.p.wte, "f32"), self:cast(self.p.wpe, "f32")
+  if pos then
+    ops.embedding_pos_forward(y, tokens, pos, wte, wpe)
+  else
+    ops.embedding_forward(y, tokens, wte, wpe)
+  end
+  self.input, self.pos = tokens, pos
   return y
 end
 
 -- Tokens have no gradient: returns nothing.
 function Embedding:backward(dy)
-  ops.embedding_backward(self.g.wte, self.g.wpe, dy, self.input)
+  if self.pos then
+    ops.embedding_pos_backward(self.g.wte, self.g.wpe, dy, self.input, self.pos)
+  else
+    ops.embedding_backward(self.g.wte, self.g.wpe, dy, self.input)
+  end
 end
 
 -- Input: the i32 token ids. Casts: both tables in forward.

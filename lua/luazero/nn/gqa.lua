@@ -1,7 +1,9 @@
 -- nn/gqa.lua — Llama's self-attention (Hugging Face's LlamaAttention):
 -- q_proj, k_proj, v_proj (no biases), rotary embeddings on q and k, causal
 -- grouped-query attention (n_kv_head key/value heads, each shared by
--- n_head / n_kv_head query heads), o_proj.
+-- n_head / n_kv_head query heads), o_proj. When a batch packs documents
+-- (the model's ctx.extra), q and k turn by each token's position within its
+-- document (extra.pos) and a token attends within its own (extra.seg).
 --
 -- q_proj, k_proj and v_proj are one PackedLinear (nn/packed_linear.lua),
 -- added with name false so their weights keep Hugging Face's names
@@ -42,12 +44,22 @@ end
 function GQA:forward(x)
   local B, T = x:dim(1), x:dim(2)
   local qkv = self:run_forward(self.qkv_proj, x)
+  local extra = self.ctx.extra
+  local pos, seg = extra and extra.pos, extra and extra.seg
   -- q and k turn in place; v passes.
-  ops.rope_freqs_forward(qkv, qkv, self:freqs_for(qkv), self.n_head + self.n_kv_head, 0)
+  if pos then
+    ops.rope_pos_forward(qkv, qkv, self:freqs_for(qkv), pos, self.n_head + self.n_kv_head)
+  else
+    ops.rope_freqs_forward(qkv, qkv, self:freqs_for(qkv), self.n_head + self.n_kv_head, 0)
+  end
   local y = self:activation({ B, T, self.q_width })
   local lse = self:activation({ B, self.n_head, T })
-  ops.attention_gqa_forward(y, lse, qkv, self.n_head, self.n_kv_head)
-  self.qkv, self.att_out, self.lse = qkv, y, lse
+  if seg then
+    ops.attention_seg_forward(y, lse, qkv, seg, self.n_head, self.n_kv_head)
+  else
+    ops.attention_gqa_forward(y, lse, qkv, self.n_head, self.n_kv_head)
+  end
+  self.qkv, self.att_out, self.lse, self.pos, self.seg = qkv, y, lse, pos, seg
   return self:run_forward(self.o_proj, y)
 end
 
@@ -55,10 +67,19 @@ function GQA:backward(dy)
   local dy_att = self:run_backward(self.o_proj, dy)
   local qkv = self.qkv
   local dqkv = self:scratch({ qkv:dim(1), qkv:dim(2), self.width })
-  ops.attention_gqa_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head,
-                             self.n_kv_head)
+  if self.seg then
+    ops.attention_seg_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
+                               self.n_kv_head)
+  else
+    ops.attention_gqa_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head,
+                               self.n_kv_head)
+  end
   -- the gradients of q and k before their turn
-  ops.rope_freqs_backward(dqkv, dqkv, self:freqs_for(dqkv), self.n_head + self.n_kv_head, 0)
+  if self.pos then
+    ops.rope_pos_backward(dqkv, dqkv, self:freqs_for(dqkv), self.pos, self.n_head + self.n_kv_head)
+  else
+    ops.rope_freqs_backward(dqkv, dqkv, self:freqs_for(dqkv), self.n_head + self.n_kv_head, 0)
+  end
   return self:run_backward(self.qkv_proj, dqkv)
 end
 

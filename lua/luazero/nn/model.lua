@@ -259,7 +259,8 @@ function Model:release_arenas()
   if ctx.arena then ctx.arena:free() end
   for _, a in ipairs(ctx.scratches or {}) do a:free() end
   if self.inputs then self.inputs:free(); self.host_losses:free() end
-  self.inputs, self.host_losses = nil, nil
+  if self.extra_inputs then self.extra_inputs:free() end
+  self.inputs, self.host_losses, self.extra_inputs = nil, nil, nil
   ctx.arena, ctx.scratches, ctx.scratch, self.prepared = nil, nil, nil, nil
   self.prepared_shape = nil
 end
@@ -280,14 +281,38 @@ function Model:begin_forward(B, T)
   if ctx.cast_arena then ctx.cast_arena:reset() end
 end
 
--- A batch's tokens and targets (host i32 [B, T]; targets may be nil) where
--- the model computes: themselves on the cpu, copies on a device.
-function Model:place_inputs(tokens, targets)
-  if not self.inputs or tokens:device_name() ~= "cpu" then return tokens, targets end
+-- extra.pos and extra.seg (packed documents: a position and a document id
+-- per token) must be i32 tensors shaped as the tokens.
+local function check_extra(tokens, extra)
+  for _, key in ipairs({ "pos", "seg" }) do
+    local t = extra[key]
+    if t ~= nil and (type(t) ~= "cdata" or t:dtype_name() ~= "i32" or t.ndim ~= 2 or
+                     t:dim(1) ~= tokens:dim(1) or t:dim(2) ~= tokens:dim(2)) then
+      error(("model: extra.%s must be an i32 tensor [%d, %d] like the tokens (got %s)"):format(
+            key, tokens:dim(1), tokens:dim(2), tostring(t)), 0)
+    end
+  end
+end
+
+-- A batch's tokens and targets (host i32 [B, T]; targets may be nil) and
+-- its extra (nil, or { pos =, seg = } of host i32 [B, T]) where the model
+-- computes: themselves on the cpu, copies on a device.
+function Model:place_inputs(tokens, targets, extra)
+  if extra then check_extra(tokens, extra) end
+  if not self.inputs or tokens:device_name() ~= "cpu" then return tokens, targets, extra end
   local B, T = tokens:dim(1), tokens:dim(2)
   local x = self.inputs:view(0, { B, T }):copy(tokens)
   local y = targets and self.inputs:view(B * T, { B, T }):copy(targets)
-  return x, y
+  if not extra then return x, y end
+  -- Made at the first batch that has them, so plain runs hold no more memory.
+  if not self.extra_inputs then
+    self.extra_inputs = lz.tensor({ 2 * self.prepared }, "i32", "activations", self:device())
+  end
+  local placed = {
+    pos = extra.pos and self.extra_inputs:view(0, { B, T }):copy(extra.pos),
+    seg = extra.seg and self.extra_inputs:view(B * T, { B, T }):copy(extra.seg),
+  }
+  return x, y, placed
 end
 
 -- The sum of an f32 tensor's elements, added on the host in order.
