@@ -31,7 +31,9 @@ M.offloads = { "none", "cpu", "cpu+param" }
 -- Every placement the engine has: where offload_optimizer (opt) and
 -- offload_param (param) put their states. "nvme": the optimizer's states
 -- in swap files; "nvme+param": the parameter shard there too;
--- "cpu+nvme-param": the optimizer in host memory, the parameter shard on NVMe.
+-- "cpu+nvme-param": the optimizer in host memory, the parameter shard on
+-- NVMe; "nvme+cpu-param" the other way round; "cpu-param", "nvme-param":
+-- the parameter shard alone off the device.
 M.placements = {
   { name = "none", opt = "none", param = "none" },
   { name = "cpu", opt = "cpu", param = "none" },
@@ -39,6 +41,9 @@ M.placements = {
   { name = "nvme", opt = "nvme", param = "none" },
   { name = "nvme+param", opt = "nvme", param = "nvme" },
   { name = "cpu+nvme-param", opt = "cpu", param = "nvme" },
+  { name = "nvme+cpu-param", opt = "nvme", param = "cpu" },
+  { name = "cpu-param", opt = "none", param = "cpu" },
+  { name = "nvme-param", opt = "none", param = "nvme" },
 }
 local placement_of = {}
 for _, pl in ipairs(M.placements) do placement_of[pl.name] = pl end

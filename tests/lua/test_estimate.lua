@@ -81,9 +81,16 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
   local bad, pend = 0, {}
   for _, c in ipairs(cases()) do
     local pl, stage = c.pl, c.stage
-    if (device == "cpu" or c.dtype == "bf16") and
-       (pl.opt == "none" or Placement.stage_allows("offload_optimizer", stage)) and
-       (pl.param == "none" or Placement.stage_allows("offload_param", stage)) then
+    local allowed = (pl.opt == "none" or Placement.stage_allows("offload_optimizer", stage)) and
+                    (pl.param == "none" or Placement.stage_allows("offload_param", stage))
+    -- On a device the optimizer there cannot update a working shard kept
+    -- in host memory or on NVMe (adamw_step refuses the mixed devices).
+    local on_device_alone = device ~= "cpu" and pl.opt == "none" and pl.param ~= "none"
+    if allowed and on_device_alone then
+      pend["offload_param without offload_optimizer on a device (the engine's optimizer " ..
+           "on the device cannot update the offloaded working shard)"] = true
+    end
+    if (device == "cpu" or c.dtype == "bf16") and allowed and not on_device_alone then
       local name = ("world %d %s stage %d %s %s%s%s%s"):format(world, device, stage, c.dtype,
                    pl.name, c.overlap and " overlap" or "", c.lora and " lora" or "",
                    c.accum and (" accumulation " .. c.accum) or "")
