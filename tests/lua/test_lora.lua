@@ -15,22 +15,18 @@ local write_file = support.scratch()
 local corpus_path = write_file("corpus.txt", ("Now is the winter of our discontent\n" ..
                                               "Made glorious summer by this sun of York;\n"):rep(60))
 
-local function frozen_hash(engine)
-  local h = engine.frozen:to("cpu")
-  local x = lz.xxh64(h.data, h:bytes())
-  h:free()
-  return x
-end
+local function frozen_hash(engine) return engine:frozen_checksum() end
 
 -- llama-tiny with adapters on q_proj, v_proj and the MLP's down_proj,
 -- trained `steps` steps at stage `stage` on `device`; returns the losses,
 -- the engine and whether the frozen weights stayed as they were.
-local function lora_run(stage, device, steps)
+local function lora_run(stage, device, steps, offload_param)
   local model = registry.new(registry.config("llama-tiny"))
   local adapted = lora.apply(model, { r = 4, alpha = 8, targets = { "q_proj", "v_proj", "down_proj" } })
   assert(adapted == 3 * 2, "adapted " .. adapted)
   local cfg = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
-                zero_optimization = { stage = stage },
+                zero_optimization = { stage = stage, offload_param = offload_param,
+                                      stage3_param_persistence_threshold = 64 },
                 optimizer = { type = "AdamW", params = { lr = 1e-2, weight_decay = 0.0 } } }
   support.settle()
   local before = lz.mem()
@@ -92,6 +88,34 @@ function T.lora_on_sim_and_every_stage_give_the_same_weights()
   end
 end
 
+-- At stage 3 the frozen base is partitioned and gathered per module like
+-- the trained weights, also from host memory and from NVMe
+-- (offload_param): the same adapters as stage 0, the base unchanged, and
+-- no frozen weight left whole in memory but the small persistent ones.
+function T.frozen_weights_are_partitioned_and_offloaded_at_stage_3()
+  local first = lora_run(0, "cpu", 3)
+  local want, base = first.checksum, first.engine:frozen_checksum()
+  local whole = first.engine:frozen_bytes()
+  first.engine:free()
+  local nvme = support.scratch_dir and support.scratch_dir() or os.tmpname() .. ".d"
+  os.execute("mkdir -p " .. support.quote(nvme))
+  for _, c in ipairs({ { "none" }, { "cpu" }, { "nvme", nvme }, { "none", nil, "sim" } }) do
+    local r = lora_run(3, c[3] or "cpu", 3, { device = c[1], nvme_path = c[2] })
+    local what = ("stage 3, offload_param %s on %s"):format(c[1], c[3] or "cpu")
+    assert(r.unchanged, what .. ": a frozen weight changed")
+    assert(r.engine:frozen_checksum() == base, what .. ": a different frozen base")
+    assert(r.checksum == want, ("%s: %s, stage 0: %s"):format(what, r.checksum, want))
+    assert(r.engine.LF and not r.engine.frozen, what .. ": frozen weights not partitioned")
+    local held = r.engine:frozen_bytes()
+    if c[1] == "nvme" then
+      assert(held < whole / 4, ("%s: %d of %d frozen bytes in memory"):format(what, held, whole))
+    end
+    print(("    %s: %s, %d of %d frozen bytes in memory"):format(what, r.checksum, held, whole))
+    r.engine:free()
+  end
+  os.execute("rm -rf " .. support.quote(nvme))
+end
+
 -- GPT-2 with its token table (tied to the LM head) and LayerNorms frozen:
 -- stages agree, the frozen weights stay, the ledger holds the rest only.
 function T.frozen_gpt2_parameters_stay_and_the_stages_agree()
@@ -141,6 +165,31 @@ function T.lora_flags_train_at_world_2_with_the_same_checksum_at_every_stage()
     assert(sums[stage] == sums[0], ("stage %d: %s, stage 0: %s"):format(stage, sums[stage],
                                                                        sums[0]))
   end
+end
+
+-- Two ranks at stage 3 hold half the frozen base each (the log's ledger
+-- figures, rank 0) and end with the stage-0 run's adapters.
+function T.two_ranks_at_stage_3_hold_half_the_frozen_base_each()
+  local got = {}
+  for _, stage in ipairs({ 0, 3 }) do
+    local log = write_file(("lora_w2_s%d.jsonl"):format(stage), "")
+    -- (small modules are kept whole at stage 3: a low threshold partitions
+    -- every matrix of this tiny model)
+    local cfg = write_file(("lora_w2_s%d.json"):format(stage),
+      ('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": %d, ' ..
+       '"stage3_param_persistence_threshold": 64}}'):format(stage))
+    local out, sum = ok_train(2, ("--steps 2 --dtype bf16 --lora-r 4 --config %s --log %s")
+                                 :format(support.quote(cfg), support.quote(log)))
+    local recs = support.records(log)
+    got[stage] = { sum = sum, params = recs[#recs - 1].mem.params }
+    assert(out:find("lora: rank 4", 1, true), out)
+  end
+  print(("    params per rank: stage 0 %d bytes, stage 3 %d bytes"):format(got[0].params,
+                                                                        got[3].params))
+  assert(got[3].sum == got[0].sum, ("stage 3: %s, stage 0: %s"):format(got[3].sum, got[0].sum))
+  assert(got[3].params < 0.6 * got[0].params and got[3].params > 0.4 * got[0].params,
+         ("stage 3 holds %d parameter bytes per rank, stage 0 %d"):format(got[3].params,
+                                                                         got[0].params))
 end
 
 -- The fine-tuning path: a tiny Llama trained, exported with Hugging Face

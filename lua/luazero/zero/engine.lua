@@ -226,19 +226,7 @@ end
 function Engine:allocate()
   local L, P, s = self.L, self.P, self.s
   local pp = P.params
-  -- Frozen parameters: one whole buffer in the working dtype, on the device.
-  local nf = 0
-  for _, e in ipairs(self.frozen_entries) do nf = nf + e.numel end
-  if nf > 0 then
-    self.frozen = lz.tensor({ nf }, pp.dtype, "params", self.dev)
-    local off = 0
-    for _, e in ipairs(self.frozen_entries) do
-      e.frozen_offset = off
-      e.module.p[e.key] = self.frozen:view(off, e.shape)
-      e.module.g[e.key] = nil
-      off = off + e.numel
-    end
-  end
+  self:allocate_frozen() -- zero/frozen.lua
   if pp.tier == "nvme" then
     local op = s.offload_param
     self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype,
@@ -257,6 +245,10 @@ function Engine:allocate()
   else
     self.work = self:buffer(self:numel(pp.extent), pp.dtype, "params", pp.tier)
   end
+  -- Where a gather reads this rank's slices (zero/gather.lua; frozen
+  -- segments have a store of their own).
+  self.tstore = { work = self.work, pshard = self.pshard, upload = pp.upload }
+  for _, seg in ipairs(L.segments) do seg.store = self.tstore end
   for _, seg in ipairs(L.segments) do
     if pp.extent == "full" then
       layout.bind("p", seg, self.work:view(seg.full_offset, { seg.padded }))
@@ -524,14 +516,15 @@ function Engine:free()
   self.master = nil
   f(self.work)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
-  f(self.meta_send); f(self.meta_recv); f(self.round_scratch); f(self.frozen)
+  f(self.meta_send); f(self.meta_recv); f(self.round_scratch)
+  self:free_frozen()
   local ctx = self.model.ctx
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()
 end
 
 -- The engine's parts, each a file of methods.
-for _, part in ipairs({ "gather", "reduce", "states", "report" }) do
+for _, part in ipairs({ "gather", "reduce", "states", "report", "frozen" }) do
   for name, fn in pairs(require("luazero.zero." .. part)) do
     assert(Engine[name] == nil, "engine: two parts define " .. name)
     Engine[name] = fn

@@ -27,12 +27,13 @@ end
 -- buffer (returned second, for release_slice once the gather has read it).
 function M:shard_slice(seg)
   local v, stage
-  if self.P.params.tier == "nvme" then
-    v, stage = self.pshard:slice(seg.shard_offset, seg.slice)
+  local store = seg.store
+  if store.pshard then
+    v, stage = store.pshard:slice(seg.shard_offset, seg.slice)
   else
-    v = self.work:view(seg.shard_offset, { seg.slice })
+    v = store.work:view(seg.shard_offset, { seg.slice })
   end
-  if not self.P.params.upload then return v, stage end
+  if not store.upload then return v, stage end
   local d = self.pool:get(seg.slice, self.wdt)
   if self.s.overlap then
     -- On the copy stream; the device's work after this (the gather) waits
@@ -52,7 +53,7 @@ function M:release_slice(stage)
     self.pool:put(stage.pooled)
     stage = stage.read
   end
-  if stage then self.pshard:release(stage) end
+  if stage then stage.owner:release(stage) end
 end
 
 -- A gather of seg has completed: its staging can go.
@@ -86,12 +87,12 @@ end
 function M:prefetch(order, k)
   if not (self.s.overlap and order.done) then return end
   local budget, s = self.s.prefetch, self.s
-  local nvme = self.P.params.tier == "nvme"
   for i = k + 1, #order do
     local seg = order[i]
     if not seg.persistent and not seg.pbuf then
       if budget < seg.padded or self.live + seg.padded > s.max_live then break end
-      if nvme and not self.pshard:can_prefetch() then break end
+      local ps = seg.store.pshard
+      if ps and not ps:can_prefetch() then break end
       budget = budget - seg.padded
       self:gather(seg, true)
     end
@@ -117,11 +118,13 @@ end
 -- Gathers that were prefetched but not used (a pass that ended early).
 function M:drop_prefetched()
   if not self.P.params.gather then return end
-  for _, seg in ipairs(self.L.segments) do
-    if seg.pbuf and seg.in_use == 0 then
-      self:gathered(seg)
-      seg.in_use = 1
-      self:release(seg)
+  for _, L in ipairs({ self.L, self.LF }) do
+    for _, seg in ipairs(L.segments) do
+      if seg.pbuf and seg.in_use == 0 then
+        self:gathered(seg)
+        seg.in_use = 1
+        self:release(seg)
+      end
     end
   end
 end
@@ -151,7 +154,7 @@ function M:post_backward(m)
   if not segs then return end
   for _, seg in ipairs(segs) do
     if self.P.params.gather then self:release(seg) end
-    seg.pending = seg.pending - 1
+    if not seg.frozen then seg.pending = seg.pending - 1 end
     if seg.pending == 0 then
       seg.pending = nil
       self:grads_ready(seg)

@@ -283,7 +283,7 @@ function Params:slice(off, len)
   end
   self.swap:read(a, st, b - a, false)
   self.outstanding = self.outstanding + 1
-  return st:view(off - a / self.es, { len }), { t = st, elems = elems }
+  return st:view(off - a / self.es, { len }), { t = st, elems = elems, owner = self }
 end
 
 -- Whether another slice may be staged ahead of use (buffer_count).

@@ -51,7 +51,7 @@ M.states = { "params", "grads", "opt_grads", "master" }
 
 -- Ledger category of a state on the device tier (host tier: offload).
 local categories = { params = "params", grads = "grads", opt_grads = "grads", master = "optimizer",
-                     optimizer = "optimizer" }
+                     optimizer = "optimizer", frozen = "params" }
 
 local function tier_of(key, device)
   local t = tiers[device or "none"]
@@ -101,6 +101,15 @@ function M.new(opts)
     p.params = { extent = "full", dtype = wdt, tier = "device" }
   else
     p.params = { extent = "shard", dtype = wdt, tier = par_tier, gather = "per_module",
+                 persistent = { extent = "persistent", dtype = wdt, tier = "device" } }
+  end
+  -- Frozen parameters (no gradients, no optimizer states): whole on the
+  -- device below stage 3; at stage 3 partitioned and placed like the
+  -- working shard (zero/frozen.lua), small modules kept whole.
+  if stage < 3 then
+    p.frozen = { extent = "full", dtype = wdt, tier = "device" }
+  else
+    p.frozen = { extent = "shard", dtype = wdt, tier = par_tier, gather = "per_module",
                  persistent = { extent = "persistent", dtype = wdt, tier = "device" } }
   end
   -- Gradients: whole below stage 2, this rank's shard from stage 2.
@@ -166,7 +175,9 @@ end
 
 -- Bytes per rank of each state by tier and ledger category. counts: full,
 -- shard (padded elements of the full layout and of one rank's shard),
--- persistent (elements kept whole at stage 3). Returns { device = {params,
+-- persistent (elements kept whole at stage 3); frozen (optional: the
+-- frozen parameters' {full, shard, persistent} element counts, their own
+-- layout's). Returns { device = {params,
 -- grads, optimizer}, host = {...}, nvme = {...}, states = {name = bytes} };
 -- each tier also has total.
 function Plan:bytes(counts)
@@ -187,6 +198,14 @@ function Plan:bytes(counts)
   for _, name in ipairs(M.states) do add(name, self[name]) end
   for _ in ipairs(self.optimizer.states) do add("optimizer", self.optimizer) end
   if self.params.persistent then add("params", self.params.persistent) end
+  local fc = counts.frozen
+  if fc then
+    local saved = n
+    n = { full = fc.full, shard = fc.shard, persistent = fc.persistent or 0 }
+    add("frozen", self.frozen)
+    if self.frozen.persistent then add("frozen", self.frozen.persistent) end
+    n = saved
+  end
   return out
 end
 

@@ -24,7 +24,8 @@ local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
 function M:stage_grads(segs)
   local buffered = self.P.reduce.buffered
   for _, seg in ipairs(segs) do
-    if buffered and not seg.gbuf then
+    if seg.frozen then -- (no gradients)
+    elseif buffered and not seg.gbuf then
       self:make_room(seg.padded)
       seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
       bind_grads(seg, seg.gbuf)

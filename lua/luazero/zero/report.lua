@@ -118,7 +118,7 @@ function M:state_bytes()
   for _, cat in ipairs({ "params", "grads", "optimizer" }) do
     out[cat] = by.device[cat] + by.host[cat]
   end
-  if self.frozen then out.params = out.params + self.frozen:bytes() end
+  out.params = out.params + self:frozen_bytes()
   out.total = out.params + out.grads + out.optimizer
   return out
 end

@@ -113,16 +113,6 @@ function M:init_weights(seed)
   self:frozen_done()
 end
 
--- Elements [a, a + n) of frozen parameter e, drawn or read in fp32 (t),
--- into the frozen store, in the working dtype.
-function M:frozen_write(e, a, t)
-  local v = self.frozen:view(e.frozen_offset + a, { t:numel() })
-  v:convert(t)
-  v:free()
-end
-
--- Every frozen parameter has been written.
-function M:frozen_done() end
 
 -- Zero weights everywhere the plan keeps them (the loader fills them next).
 function M:zero_weights()
