@@ -42,35 +42,44 @@ function M.counts(model, world, threshold)
     if e.frozen then frozen[#frozen + 1] = e end
   end
   local L = layout.new(trainable, world)
+  local F = #frozen > 0 and layout.new(frozen, world)
+  -- Modules that gather each segment: its own (or the LoRA wrapper around
+  -- it), and those that read a tied table.
   local by_name = {}
-  for _, e in ipairs(trainable) do by_name[e.name] = e end
+  for _, e in ipairs(model.param_table) do by_name[e.name] = e end
   local users = {}
   for _, seg in ipairs(L.segments) do users[seg] = 1 end
+  for _, seg in ipairs(F and F.segments or {}) do users[seg] = 1 end
   model:walk(function(m)
     for _, name in pairs(m.tied or {}) do
       local e = by_name[name]
-      local seg = e and L.by_module[e.module]
+      local seg = e and (L.by_module[e.module] or F and F.by_module[e.module])
       if seg then users[seg] = users[seg] + 1 end
     end
   end)
+  local function segments_of(layout_)
+    local list = {}
+    for _, seg in ipairs(layout_.segments) do
+      list[#list + 1] = { padded = seg.padded, slice = seg.slice, numel = seg.numel,
+                          shard_offset = seg.shard_offset, users = users[seg],
+                          persistent = seg.numel <= threshold }
+    end
+    return list
+  end
   local c = { world = world, threshold = threshold, full = L.full_numel, shard = L.shard_numel,
               numel = L.numel, persistent = 0, largest = 0, segments = {} }
-  for _, seg in ipairs(L.segments) do
-    local pers = seg.numel <= threshold
-    if pers then c.persistent = c.persistent + seg.padded end
+  c.segments = segments_of(L)
+  for _, seg in ipairs(c.segments) do
+    if seg.persistent then c.persistent = c.persistent + seg.padded end
     c.largest = math.max(c.largest, seg.padded)
-    c.segments[#c.segments + 1] = { padded = seg.padded, slice = seg.slice, numel = seg.numel,
-                                    shard_offset = seg.shard_offset, users = users[seg],
-                                    persistent = pers }
   end
-  c.frozen = { numel = 0, full = 0, shard = 0, largest = 0, persistent = 0 }
-  if #frozen > 0 then
-    local F = layout.new(frozen, world)
+  c.frozen = { numel = 0, full = 0, shard = 0, largest = 0, persistent = 0, segments = {} }
+  if F then
     c.frozen = { numel = F.numel, full = F.full_numel, shard = F.shard_numel, largest = 0,
-                 persistent = 0 }
-    for _, seg in ipairs(F.segments) do
+                 persistent = 0, segments = segments_of(F) }
+    for _, seg in ipairs(c.frozen.segments) do
       c.frozen.largest = math.max(c.frozen.largest, seg.padded)
-      if seg.numel <= threshold then c.frozen.persistent = c.frozen.persistent + seg.padded end
+      if seg.persistent then c.frozen.persistent = c.frozen.persistent + seg.padded end
     end
   end
   return c
@@ -140,6 +149,44 @@ local function slice_sizes(counts)
   local set = {}
   for _, seg in ipairs(counts.segments) do set[seg.slice] = true end
   return set
+end
+
+-- Reads of a parameter store on NVMe (zero/offload.lua's param_shard): each
+-- gathered module's slice, in whole pages, in forward and backward of every
+-- micro-step (once per module that gathers it); with after_step, the
+-- persistent modules' slices after the step. Staging buffers are kept per
+-- span size: as many of a size as are read at once (a module's own slice
+-- is released before the next ones are read ahead: up to buffer_count of
+-- the next modules' with overlap_comm; every persistent module's after the
+-- step). Returns the bytes read per step and the staging bytes.
+local function slice_reads(segments, wb, wdt, accum, overlap, par_nb, after_step)
+  local read, stage_bytes = 0, 0
+  local seq, after_need = {}, {}
+  for _, seg in ipairs(segments) do
+    local e = span_elems(seg.shard_offset, seg.slice, wb)
+    if not seg.persistent then
+      read = read + 2 * accum * seg.users * e * wb
+      seq[#seq + 1] = e
+    elseif after_step then
+      read = read + e * wb
+      after_need[e] = (after_need[e] or 0) + 1
+    end
+  end
+  -- The slices held at once: a window of the gather order (module order,
+  -- backward the reverse), as many of each size as one window holds.
+  local ahead = overlap and math.max(1, math.min(par_nb, #seq - 1)) or 1
+  local keys = {}
+  for i = 1, #seq do
+    local in_window = {}
+    for j = i, math.min(#seq, i + ahead - 1) do
+      local e = seq[j]
+      in_window[e] = (in_window[e] or 0) + 1
+      keys[e] = math.max(keys[e] or 0, in_window[e])
+    end
+  end
+  for e, n in pairs(after_need) do keys[e] = math.max(keys[e] or 0, overlap and n or 1) end
+  for e, n in pairs(keys) do stage_bytes = stage_bytes + n * staging_bytes(e, wdt) end
+  return read, stage_bytes
 end
 
 local function add(t, name, bytes)
@@ -218,14 +265,15 @@ function M.rank(counts, opts)
 
   -- Frozen parameters (LoRA's base): where the plan puts them, else (an
   -- engine without p.frozen) whole on the device in the working dtype.
-  local F = P.frozen or { extent = "full", dtype = wdt, tier = "device", unpadded = true }
+  -- (Whole: unpadded, one buffer; sharded: the frozen layout's shard.)
+  local F = P.frozen or { extent = "full", dtype = wdt, tier = "device" }
   local fc = counts.frozen
-  local frozen_n = F.extent == "shard" and fc.shard or (F.unpadded and fc.numel or fc.full)
-  if F.extent == "none" then frozen_n = 0 end
+  local frozen_n = F.extent == "shard" and fc.shard or fc.numel
+  if F.extent == "none" or fc.numel == 0 then frozen_n = 0 end
   local frozen_bytes = frozen_n * esize[F.dtype]
   if F.tier ~= "nvme" then add(mem[F.tier], "frozen", frozen_bytes) end
   -- Sharded frozen parameters whose small modules the plan keeps whole.
-  if F.persistent then
+  if F.extent == "shard" and F.persistent then
     add(mem[F.persistent.tier or "device"], "frozen", (fc.persistent or 0) * esize[F.dtype])
   end
 
@@ -270,30 +318,9 @@ function M.rank(counts, opts)
       local len = math.min(G, n_opt - (k - 1) * G)
       written = written + round_up(len * wb, PAGE)
     end
-    local read, stage_bytes = 0, 0
+    local read, stage_bytes
     if counts.segments then
-      -- Staging buffers are kept per span size: as many of a size as are
-      -- read at once (up to buffer_count ahead with overlap_comm; every
-      -- persistent module's after the step).
-      local gather_need, after_need, gathered = {}, {}, 0
-      for _, seg in ipairs(counts.segments) do
-        local e = span_elems(seg.shard_offset, seg.slice, wb)
-        if seg.persistent then
-          read = read + e * wb
-          after_need[e] = (after_need[e] or 0) + 1
-        else
-          read = read + 2 * accum * seg.users * e * wb
-          gather_need[e] = (gather_need[e] or 0) + 1
-          gathered = gathered + 1
-        end
-      end
-      -- A module's own slice is released before the next ones are read
-      -- ahead: at most buffer_count, and all but one module, at once.
-      local ahead = overlap and math.max(1, math.min(par_nb, gathered - 1)) or 1
-      local keys = {}
-      for e, n in pairs(gather_need) do keys[e] = math.min(n, ahead) end
-      for e, n in pairs(after_need) do keys[e] = math.max(keys[e] or 0, overlap and n or 1) end
-      for e, n in pairs(keys) do stage_bytes = stage_bytes + n * staging_bytes(e, wdt) end
+      read, stage_bytes = slice_reads(counts.segments, wb, wdt, accum, overlap, par_nb, true)
     else
       read = 2 * accum * counts.shard * wb
       stage_bytes = par_nb * staging_bytes(math.min(par_bs, counts.shard), wdt)
@@ -301,10 +328,19 @@ function M.rank(counts, opts)
     add(r.host, "parameter staging", stage_bytes)
     io("parameters", read, written)
   end
-  -- Frozen parameters on NVMe: a shard read per gather, never written.
-  if F.tier == "nvme" then
+  -- Frozen parameters on NVMe (stage 3): a file of their own, read per
+  -- gather through staging of their own, never written.
+  if F.tier == "nvme" and fc.numel > 0 then
     add(r.nvme, "frozen", round_up(round_up(frozen_bytes, PAGE) + PAGE, PAGE))
-    io("frozen parameters", 2 * accum * frozen_bytes, 0)
+    local read, stage_bytes
+    if fc.segments then
+      read, stage_bytes = slice_reads(fc.segments, wb, wdt, accum, overlap, par_nb, false)
+    else
+      read = 2 * accum * frozen_bytes
+      stage_bytes = par_nb * staging_bytes(math.min(par_bs, fc.shard), wdt)
+    end
+    add(r.host, "parameter staging", stage_bytes)
+    io("frozen parameters", read, 0)
   end
   -- Beside an accelerator: the updated working shard pushed from the host
   -- (pinned), and the reduced gradient slices copied off the device.
@@ -335,16 +371,23 @@ function M.rank(counts, opts)
   local comm = 0
   local half = P.grad_dtype ~= "f32"
   if counts.segments and not overlap then
-    local gsizes, rsizes = {}, {}
+    -- Gathered modules (trained and frozen), slices read from host memory
+    -- or NVMe on their way to the device, and the gradients reduced.
+    local gsizes, usizes, rsizes = {}, {}, {}
+    local frozen_up = F.extent == "shard" and F.tier ~= "device" and device ~= "cpu"
     for _, seg in ipairs(counts.segments) do
       if P.params.gather and not seg.persistent then gsizes[seg.padded] = true end
+      if P.params.upload then usizes[seg.slice] = true end
       rsizes[seg.padded] = true
     end
-    for n in pairs(gsizes) do comm = comm + n * wb end
-    -- Slices read from host memory or NVMe go to the device first.
-    if P.params.upload then
-      for n in pairs(slice_sizes(counts)) do comm = comm + n * wb end
+    for _, seg in ipairs(F.extent == "shard" and fc.segments or {}) do
+      if not seg.persistent then
+        gsizes[seg.padded] = true
+        if frozen_up then usizes[seg.slice] = true end
+      end
     end
+    for n in pairs(gsizes) do comm = comm + n * wb end
+    for n in pairs(usizes) do comm = comm + n * wb end
     if P.reduce.buffered then
       for n in pairs(rsizes) do comm = comm + n * (4 + (half and wb or 0)) end
     end

@@ -144,6 +144,11 @@ function M:estimate(opts)
     for _, t in ipairs(self.pshard.all_stages) do staging = staging + t:bytes() end
     nvme = nvme + self.pshard.swap:stats().size
   end
+  local fps = self.fstore and self.fstore.pshard -- frozen parameters on NVMe
+  if fps then
+    for _, t in ipairs(fps.all_stages) do staging = staging + t:bytes() end
+    nvme = nvme + fps.swap:stats().size
+  end
   if st.swap then nvme = nvme + st.swap:stats().size end
   if self.spill then nvme = nvme + self.spill.swap:stats().size end
   r.live = { staging = staging, nvme = nvme }
