@@ -264,6 +264,16 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                     const lz_tensor *qkv, const lz_tensor *out,
                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
                                     int n_kv_head);
+/* Attention against a key/value cache (generation). qkv f32 [B, T, W]: the
+ * packed q|k|v rows above for T new positions. k_cache, v_cache [B, S,
+ * n_kv_head * hd], f32 or bf16, row b holding pos[b] positions (pos: i32
+ * [B], host memory). The new keys and values are written at pos[b] ..
+ * pos[b] + T - 1 (pos[b] + T <= S), then query t of row b attends to
+ * positions 0 .. pos[b] + t. out f32 [B, T, n_head * hd]. pos is left as it
+ * is (the caller advances it). Cpu tensors only. */
+lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
+                              lz_tensor *v_cache, const lz_tensor *pos, int n_head,
+                              int n_kv_head);
 
 /* out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. tokens i32 [B, T]. wpe
  * may be NULL: the token rows alone (Llama's embed_tokens). */

@@ -26,8 +26,10 @@ M.VOCAB, M.END_OF_TEXT = 50257, 50256
 
 -- lr: a learning rate that trains the size well, used when --lr is not given.
 M.configs = {
+  -- micro_batch: scripts/train.lua's default for this size (else 8): a
+  -- short run on a small corpus learns (docs/training.md, "Defaults that learn")
   ["gpt2-nano"] = { n_layer = 4, n_head = 4, n_embd = 128, context = 256, vocab = 256,
-                    lr = 3e-3 },
+                    lr = 3e-3, micro_batch = 64 },
   ["gpt2"] = { n_layer = 12, n_head = 12, n_embd = 768, context = 1024, vocab = M.VOCAB,
                lr = 6e-4 },
   ["gpt2-medium"] = { n_layer = 24, n_head = 16, n_embd = 1024, context = 1024,

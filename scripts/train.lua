@@ -34,8 +34,9 @@ local spec = {
   { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it" },
   { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)" },
   { "packing", "string", nil, "instruction data: pack (several examples per row, the default) or pad (one per row)" },
+  { "val-data", "string", nil, "validation from this file (text, token file or instruction data), all of --data trains (default: the last 10% of --data)" },
   { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)" },
-  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else 8)" },
+  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else the model size's, else 8)" },
   { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
   { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
   { "lr", "number", nil, "peak learning rate (default: the model size's)" },
@@ -160,7 +161,7 @@ local function mib(b) return b / 2 ^ 20 end
 -- The normalised DeepSpeed configuration: the file (or nothing) with the
 -- flags on top. Without a file, config.train_defaults stand in for what
 -- DeepSpeed would need from the script (micro-batch, clipping, AdamW); the
--- lr is the model size's unless --lr is given.
+-- lr (and a micro-batch the size names) is the model size's unless given.
 local function load_config(flags, world, model_cfg)
   local ov = {
     stage = flags.stage, dtype = flags.dtype, micro_batch = flags.micro_batch,
@@ -171,7 +172,7 @@ local function load_config(flags, world, model_cfg)
   local source = flags.config
   if not source then
     source = {}
-    ov.micro_batch = ov.micro_batch or td.micro_batch
+    ov.micro_batch = ov.micro_batch or model_cfg.micro_batch or td.micro_batch
     ov.grad_accum = ov.grad_accum or td.grad_accum
     ov.gradient_clipping = td.gradient_clipping
   end
@@ -375,7 +376,8 @@ end
 local function check_log_target(flags)
   if not flags.log then return end
   local atomic = require("luazero.io.atomic")
-  for _, f in ipairs({ "data", "resume", "save", "init", "tokenizer", "config", "model_config" }) do
+  for _, f in ipairs({ "data", "val_data", "resume", "save", "init", "tokenizer", "config",
+                       "model_config" }) do
     if flags[f] then
       checked(atomic.refuse_overlap, flags.log, "--log", flags[f], "--" .. f:gsub("_", "-"))
     end
@@ -494,7 +496,15 @@ local function set_up(flags)
                                                   max_len = T })
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world,
-                                                packing = flags.packing })
+                                                packing = flags.packing,
+                                                val_fraction = flags.val_data and 0 or nil })
+  -- --val-data: its windows are the validation batches; --data trains whole.
+  local val_corpus = flags.val_data and checked(data.load, flags.val_data,
+                                                { tokenizer = tok, template = template, max_len = T })
+  local val_loader = val_corpus and
+                     checked(require("luazero.held_out").loader, val_corpus,
+                             { B = B, T = T, seed = flags.seed, vocab = mcfg.vocab, rank = rank,
+                               world = world, packing = flags.packing }) or loader
   local model = models.new(mcfg)
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end
@@ -532,8 +542,8 @@ local function set_up(flags)
     flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg, B = B, T = T,
     accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr, sched = sched,
     warmup = warmup, corpus = corpus, loader = loader, log = log, model = model,
-    engine = engine, n_val = math.min(flags.eval_batches, loader.val_batches), first = 1,
-    tok = tok, mon = mon,
+    engine = engine, n_val = math.min(flags.eval_batches, val_loader.val_batches), first = 1,
+    tok = tok, mon = mon, val_loader = val_loader, val_corpus = val_corpus,
   }
 end
 
@@ -565,8 +575,11 @@ local function say_start(run)
   say(("model %s: %d layers, %d heads, %d embd, context %d, vocab %d; %.2fM parameters")
       :format(mcfg.name, mcfg.n_layer, mcfg.n_head, mcfg.n_embd, mcfg.context, mcfg.vocab,
               run.model:count_params() / 1e6))
-  say(("data %s (%s): %d tokens, %d for training, %d held out; %s")
-      :format(run.corpus.path, run.corpus.kind, run.corpus.count, loader.n_train, loader.n_val,
+  local vc = run.val_corpus
+  say(("data %s (%s): %d tokens, %d for training, %d held out%s; %s")
+      :format(run.corpus.path, run.corpus.kind, run.corpus.count, loader.n_train,
+              vc and vc.count or loader.n_val,
+              vc and (" in --val-data %s (%s)"):format(vc.path, vc.kind) or "",
               run.n_val > 0 and ("validation on " .. run.n_val .. " batches")
               or "the held-out part is too small for one validation batch"))
   if loader.layout then say(loader.layout) end
@@ -652,7 +665,7 @@ local function train_step(run, step)
   if prof then rec.checkpoint_ms = prof end
   if run.n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or
                         step == flags.steps) then
-    rec.val_loss = checked_rank(engine.evaluate, engine, run.loader, run.n_val)
+    rec.val_loss = checked_rank(engine.evaluate, engine, run.val_loader, run.n_val)
     run.model:checkpoint_profile(true) -- the next step's profile counts training only
   end
   -- A skipped step's overflow is in its gradients (fp16 loss scaling); a
@@ -716,7 +729,19 @@ local function finish(run)
   local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
     local prompt = { models.sample_start(mcfg) }
-    local ids = run.model:generate(prompt, flags.sample, flags.seed)
+    local ids
+    if flags.device == "cpu" and run.engine.P.params.extent == "full" and
+       #prompt + flags.sample <= mcfg.context then
+      -- whole parameters on the cpu: one position per token, against the
+      -- key/value cache (luazero.generate)
+      local new = require("luazero.generate").run(run.model, { prompt }, {
+        max_new = flags.sample, temperature = 1, seed = flags.seed })[1].ids
+      ids = { unpack(prompt) }
+      for _, id in ipairs(new) do ids[#ids + 1] = id end
+    else
+      -- sharded parameters, a device, or past the context: a full forward per token
+      ids = run.model:generate(prompt, flags.sample, flags.seed)
+    end
     if run.tok then
       -- ids past the tokenizer's vocabulary (the model's may be larger) as <id>
       local parts = {}
@@ -739,6 +764,10 @@ local function finish(run)
   run.engine:free()
   run.loader:free()
   data.free(run.corpus)
+  if run.val_corpus then
+    run.val_loader:free()
+    data.free(run.val_corpus)
+  end
 end
 
 local function main(argv)
@@ -761,7 +790,7 @@ local function main(argv)
   -- No step ran (--steps 0 with --init, or a resume at its last step): the
   -- validation loss of the weights as loaded, to the last bit.
   if run.first > flags.steps and run.n_val > 0 then
-    local v = checked_rank(run.engine.evaluate, run.engine, run.loader, run.n_val)
+    local v = checked_rank(run.engine.evaluate, run.engine, run.val_loader, run.n_val)
     if not (math.abs(v) < math.huge) then
       user_error(("the validation loss is %s: %s give a non-finite loss; check those weights")
                  :format(tostring(v), starting_weights(flags)))

@@ -46,6 +46,16 @@ function CausalSelfAttention:backward(dy)
   return self:run_backward(self.c_attn, dqkv)
 end
 
+-- Generation: x [B, T, C] holds T new positions of each row; their keys and
+-- values join the cache kv = { k, v, pos } (lua/luazero/generate.lua), and
+-- each query attends to every cached position up to its own. No backward.
+function CausalSelfAttention:forward_cached(x, kv)
+  local qkv = self:run_forward(self.c_attn, x)
+  local y = self:activation({ x:dim(1), x:dim(2), self.n_embd })
+  lz.check(lz.C.lz_attention_decode(y, qkv, kv.k, kv.v, kv.pos, self.n_head, self.n_head))
+  return self:run_forward(self.c_proj, y)
+end
+
 -- Besides c_attn and c_proj: the attention output and lse, dqkv.
 function CausalSelfAttention:own_memory(B, T)
   local BTC = B * T * self.n_embd

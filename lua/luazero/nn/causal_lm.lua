@@ -182,6 +182,55 @@ function CausalLM:backward(scale)
   self:backward_layers(logits)
 end
 
+--------------------------------------------------------- cached decoding
+
+-- The embedding of T new positions of each row of `cache`: a learned
+-- position table (GPT-2's wpe) is read from row b's first new position on.
+function CausalLM:embed_cached(tokens, cache)
+  local emb = self.embedding
+  if not emb.p.wpe then return self:run_forward(emb, tokens) end
+  local B, T, C = tokens:dim(1), tokens:dim(2), emb.n_embd
+  local y = self.ctx.arena:tensor({ B, T, C })
+  local wte, wpe = emb:cast(emb.p.wte, "f32"), emb:cast(emb.p.wpe, "f32")
+  for b = 1, B do
+    local at = cache.at[b]
+    ops.embedding_forward(y:view((b - 1) * T * C, { 1, T, C }),
+                          tokens:view((b - 1) * T, { 1, T }), wte,
+                          wpe:view(at * C, { emb.positions - at, C }))
+  end
+  return y
+end
+
+-- Generation: tokens i32 [B, T] (host) are the next T positions of each of
+-- the B rows of `cache` (luazero.generate's Cache, whose row b already holds
+-- cache.at[b] positions); their keys and values join it, and the cache
+-- moves on by T. Returns the logits [B, T, Vp], valid until the next
+-- forward. Bitwise the model's own modules: norms, MLPs and the head are the
+-- same calls as forward; only attention reads the cache.
+function CausalLM:forward_cached(tokens, cache)
+  local B, T = tokens:dim(1), tokens:dim(2)
+  for b = 1, B do
+    if cache.at[b] + T > self.cfg.context then
+      error(("generate: row %d would reach position %d, past the model's context %d; " ..
+             "shorten the prompt or --max-new-tokens")
+            :format(b, cache.at[b] + T, self.cfg.context), 0)
+    end
+  end
+  self:begin_forward(B, T)
+  local x = self:embed_cached(tokens, cache)
+  for i, blk in ipairs(self.layers.blocks) do
+    local a = blk.attn:forward_cached(blk:run_forward(blk.attn_norm, x), cache.layers[i])
+    ops.add(a, a, x)
+    local m = blk:run_forward(blk.mlp, blk:run_forward(blk.mlp_norm, a))
+    ops.add(m, m, a)
+    x = m
+  end
+  for _, m in ipairs(self.layers.top) do x = self:run_forward(m, x) end
+  local logits = self:run_forward(self.layers.output, x)
+  cache:advance(T)
+  return logits
+end
+
 --------------------------------------------------------------- sampling
 
 -- Continues `prompt` (a list of token ids) by n tokens, sampling from the

@@ -83,6 +83,30 @@ function GQA:backward(dy)
   return self:run_backward(self.qkv_proj, dqkv)
 end
 
+-- Generation: x [B, T, n_embd] holds T new positions of each row, row b
+-- starting at position kv.at[b]: q and k turn by those positions, then the
+-- keys and values join the cache kv = { k, v, pos, at }
+-- (lua/luazero/generate.lua) and each query attends to every cached
+-- position up to its own. No backward.
+function GQA:forward_cached(x, kv)
+  local B, T = x:dim(1), x:dim(2)
+  local qkv = self:run_forward(self.qkv_proj, x)
+  local freqs, heads, at = self:freqs_for(qkv), self.n_head + self.n_kv_head, kv.at
+  local same = true
+  for b = 2, B do same = same and at[b] == at[1] end
+  if same then
+    ops.rope_freqs_forward(qkv, qkv, freqs, heads, at[1])
+  else
+    for b = 1, B do
+      local row = qkv:view((b - 1) * T * self.width, { 1, T, self.width })
+      ops.rope_freqs_forward(row, row, freqs, heads, at[b])
+    end
+  end
+  local y = self:activation({ B, T, self.q_width })
+  lz.check(lz.C.lz_attention_decode(y, qkv, kv.k, kv.v, kv.pos, self.n_head, self.n_kv_head))
+  return self:run_forward(self.o_proj, y)
+end
+
 -- Besides the projections: the attention output and lse; dqkv. The input
 -- is the q|k|v projection's.
 function GQA:own_memory(B, T)

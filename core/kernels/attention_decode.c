@@ -1,0 +1,192 @@
+/* attention_decode.c — causal attention against a key/value cache, the
+ * generation path: each call appends the keys and values of T new positions
+ * (T = 1 for a decoding step, the prompt's length to fill the cache) to the
+ * cache of each row, then every new query attends to all the cached
+ * positions up to its own. Multi-head (GPT-2) and grouped-query (Llama)
+ * alike: the packed q|k|v rows of lz_attention_gqa_forward.
+ *
+ * The cache holds f32 or bf16 (half the memory; each key and value is
+ * rounded once, when it is written); the arithmetic is fp32 either way. A
+ * query row is one task: its scores in a buffer of the thread's, a softmax
+ * over them, then the weighted sum of the values, in key order, so results
+ * do not depend on the thread count. */
+#include "mem/lz_backend.h" /* lz_device_name */
+#include "mem/lz_internal.h"
+
+#include <math.h>   /* expf, sqrtf, INFINITY */
+#include <stdlib.h> /* malloc, free */
+#include <string.h> /* memcpy */
+
+typedef struct {
+  int64_t B, T, S;     /* rows, new positions, cache length */
+  int64_t NH, NKV, HS; /* query heads, key/value heads, head size */
+  int64_t row;         /* floats per qkv row: (NH + 2 NKV) * HS */
+  int64_t kv;          /* elements per cache position: NKV * HS */
+  float scale;         /* 1/sqrt(HS) */
+} decode_dims;
+
+/* Writes n floats at x into the cache at dst, in the cache's dtype. */
+static void store_row(void *dst, int64_t at, const float *x, int64_t n, int bf16) {
+  if (bf16) {
+    uint16_t *d = (uint16_t *)dst + at;
+    for (int64_t i = 0; i < n; i++) d[i] = lz_bf16_from_f32_inline(x[i]);
+  } else {
+    memcpy((float *)dst + at, x, (size_t)n * sizeof(float));
+  }
+}
+
+/* Cache element i as f32. */
+static inline float cached(const void *c, int64_t i, int bf16) {
+  return bf16 ? lz_bf16_to_f32_inline(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+}
+
+/* Query head h of new position t in row b: out = softmax(q K^T * scale) V
+ * over the cached positions 0 .. n - 1. scores: n floats of the thread's. */
+LZ_DISPATCH static void decode_query(float *out, const float *qkv, const void *kc, const void *vc,
+                                     int bf16, decode_dims d, int64_t b, int64_t t, int64_t h,
+                                     int64_t n, float *scores) {
+  const float *q = qkv + (b * d.T + t) * d.row + h * d.HS;
+  const int64_t g = h / (d.NH / d.NKV); /* the key/value head serving query head h */
+  const int64_t base = b * d.S * d.kv + g * d.HS;
+  float max = -INFINITY;
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t k0 = base + j * d.kv;
+    float s = 0.0f;
+    if (bf16) {
+      for (int64_t i = 0; i < d.HS; i++) s += q[i] * cached(kc, k0 + i, 1);
+    } else {
+      const float *k = (const float *)kc + k0;
+      for (int64_t i = 0; i < d.HS; i++) s += q[i] * k[i];
+    }
+    s *= d.scale;
+    scores[j] = s;
+    if (s > max) max = s;
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; j++) {
+    scores[j] = expf(scores[j] - max);
+    sum += scores[j];
+  }
+  const float inv = 1.0f / sum;
+  float *o = out + (b * d.T + t) * d.NH * d.HS + h * d.HS;
+  for (int64_t i = 0; i < d.HS; i++) o[i] = 0.0f;
+  for (int64_t j = 0; j < n; j++) {
+    const float p = scores[j] * inv;
+    const int64_t v0 = base + j * d.kv;
+    if (bf16) {
+      for (int64_t i = 0; i < d.HS; i++) o[i] += p * cached(vc, v0 + i, 1);
+    } else {
+      const float *v = (const float *)vc + v0;
+      for (int64_t i = 0; i < d.HS; i++) o[i] += p * v[i];
+    }
+  }
+}
+
+static lz_status on_cpu(const char *op, const char *name, const lz_tensor *t) {
+  if (t->device == LZ_CPU) return LZ_OK;
+  return lz_fail(LZ_ERR_UNSUPPORTED,
+                 "%s: %s lives on %s; decoding with a key/value cache runs on the cpu: load "
+                 "the model there",
+                 op, name, lz_device_name(t->device));
+}
+
+lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
+                              lz_tensor *v_cache, const lz_tensor *pos, int n_head, int n_kv_head) {
+  const char *op = "attention_decode";
+  char b1[96], b2[96];
+  LZ_TRY(lz_check_present(op, "out", out));
+  LZ_TRY(lz_check_present(op, "qkv", qkv));
+  LZ_TRY(lz_check_present(op, "k_cache", k_cache));
+  LZ_TRY(lz_check_present(op, "v_cache", v_cache));
+  LZ_TRY(lz_check_present(op, "pos", pos));
+  LZ_TRY(on_cpu(op, "out", out));
+  LZ_TRY(on_cpu(op, "qkv", qkv));
+  LZ_TRY(on_cpu(op, "k_cache", k_cache));
+  LZ_TRY(on_cpu(op, "v_cache", v_cache));
+  LZ_TRY(on_cpu(op, "pos", pos));
+  LZ_TRY(lz_check_dtype(op, "qkv", qkv, LZ_F32));
+  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
+  LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
+  LZ_TRY(lz_check_ndim(op, "qkv", qkv, 3, 3));
+  LZ_TRY(lz_check_ndim(op, "k_cache", k_cache, 3, 3));
+  if (k_cache->dtype != LZ_F32 && k_cache->dtype != LZ_BF16)
+    return lz_fail(LZ_ERR_INVALID, "%s: k_cache is %s; the cache holds f32 or bf16", op,
+                   lz_tensor_describe(k_cache, b1, sizeof b1));
+  LZ_TRY(lz_check_same_shape(op, "v_cache", v_cache, "k_cache", k_cache));
+  LZ_TRY(lz_check_dtype(op, "v_cache", v_cache, k_cache->dtype));
+  if (n_head < 1 || n_kv_head < 1 || n_head % n_kv_head != 0)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: n_head %d, n_kv_head %d; both must be >= 1 and n_kv_head must divide "
+                   "n_head",
+                   op, n_head, n_kv_head);
+  decode_dims d;
+  d.B = qkv->shape[0];
+  d.T = qkv->shape[1];
+  d.NH = n_head;
+  d.NKV = n_kv_head;
+  const int64_t parts = n_head + 2 * (int64_t)n_kv_head;
+  if (qkv->shape[2] % parts != 0)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: qkv is %s; its last dimension must be (n_head + 2 n_kv_head) * "
+                   "head_dim = %lld * head_dim",
+                   op, lz_tensor_describe(qkv, b1, sizeof b1), (long long)parts);
+  d.HS = qkv->shape[2] / parts;
+  d.row = qkv->shape[2];
+  d.kv = d.NKV * d.HS;
+  d.S = k_cache->shape[1];
+  d.scale = d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  if (k_cache->shape[0] != d.B || k_cache->shape[2] != d.kv)
+    return lz_fail(LZ_ERR_INVALID, "%s: k_cache is %s; expected [%lld, S, %lld] for qkv %s", op,
+                   lz_tensor_describe(k_cache, b1, sizeof b1), (long long)d.B, (long long)d.kv,
+                   lz_tensor_describe(qkv, b2, sizeof b2));
+  LZ_TRY(lz_check_numel(op, "pos", pos, d.B, "one cached length per row of qkv"));
+  if (out->ndim != 3 || out->shape[0] != d.B || out->shape[1] != d.T ||
+      out->shape[2] != d.NH * d.HS)
+    return lz_fail(LZ_ERR_INVALID, "%s: out is %s; expected f32[%lld, %lld, %lld] for qkv %s", op,
+                   lz_tensor_describe(out, b1, sizeof b1), (long long)d.B, (long long)d.T,
+                   (long long)(d.NH * d.HS), lz_tensor_describe(qkv, b2, sizeof b2));
+  const int32_t *p = pos->data;
+  for (int64_t b = 0; b < d.B; b++) {
+    if (p[b] < 0 || p[b] + d.T > d.S)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: row %lld holds %d cached positions and %lld new ones come; the cache "
+                     "has room for %lld: make it longer (prompt plus new tokens)",
+                     op, (long long)b, p[b], (long long)d.T, (long long)d.S);
+  }
+  if (d.B == 0 || d.T == 0 || d.HS == 0) return LZ_OK;
+
+  const int bf16 = k_cache->dtype == LZ_BF16;
+  const float *x = qkv->data;
+  for (int64_t b = 0; b < d.B; b++) {
+    for (int64_t t = 0; t < d.T; t++) {
+      const float *r = x + (b * d.T + t) * d.row;
+      const int64_t at = (b * d.S + p[b] + t) * d.kv;
+      store_row(k_cache->data, at, r + d.NH * d.HS, d.kv, bf16);
+      store_row(v_cache->data, at, r + (d.NH + d.NKV) * d.HS, d.kv, bf16);
+    }
+  }
+  int64_t longest = 0;
+  for (int64_t b = 0; b < d.B; b++)
+    if (p[b] + d.T > longest) longest = p[b] + d.T;
+  const int64_t n_tasks = d.B * d.T * d.NH;
+  lz_status st = LZ_OK;
+  float *o = out->data;
+#pragma omp parallel if (n_tasks > 1)
+  {
+    float *scores = malloc((size_t)longest * sizeof(float));
+    if (!scores) {
+#pragma omp atomic write
+      st = LZ_ERR_NOMEM;
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_tasks; i++) {
+      if (!scores) continue;
+      const int64_t h = i % d.NH, bt = i / d.NH, b = bt / d.T, t = bt % d.T;
+      decode_query(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h, p[b] + t + 1, scores);
+    }
+    free(scores);
+  }
+  if (st != LZ_OK)
+    return lz_fail(st, "%s: no memory for %lld scores per thread", op, (long long)longest);
+  return LZ_OK;
+}

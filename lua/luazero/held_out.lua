@@ -1,0 +1,30 @@
+-- held_out.lua — a whole file as validation data (scripts/train.lua
+-- --val-data, scripts/eval.lua): a data.loader whose validation batches walk
+-- the file from its first token, in consecutive non-overlapping windows, as
+-- they walk the held-out tail of a training file.
+--   local held_out = require("luazero.held_out")
+--   local loader = held_out.loader(data.load(path), { B = 8, T = 256, vocab = 256 })
+--   for i = 1, loader.val_batches do engine:forward(loader:val_batch(i)) end
+local data = require("luazero.data")
+
+local M = {}
+
+-- corpus: data.load's. opts: as data.loader's (B, T, vocab, seed).
+function M.loader(corpus, opts)
+  local B, T = opts.B, opts.T
+  if corpus.count < B * T + 1 then
+    error(("data: %s: %d tokens, too few for one validation batch of %d x %d (needs %d); use " ..
+           "a longer file or a smaller --micro-batch / --seq-len")
+          :format(corpus.path, corpus.count, B, T, B * T + 1), 0)
+  end
+  local o = {}
+  for k, v in pairs(opts) do o[k] = v end
+  o.val_fraction = 0
+  local loader = data.loader(corpus, o)
+  -- Nothing of it trains: the held-out part is all of it.
+  loader.n_train, loader.n_val = 0, corpus.count
+  loader.val_batches = math.floor((corpus.count - 1) / (B * T))
+  return loader
+end
+
+return M

@@ -1,0 +1,258 @@
+-- scripts/generate.lua — continues prompts with a trained model, decoding
+-- one token per step against a key/value cache (docs/generate.md).
+--   luazero scripts/generate.lua --load runs/ck --prompt "ROMEO:" --max-new-tokens 200
+--   luazero scripts/generate.lua --hf tinyllama --prompts prompts.txt --temperature 0.8 --top-p 0.9
+--   luazero scripts/generate.lua --hf base --adapters lora-out --chat --prompts chats.jsonl --out out.jsonl
+-- Flags: luazero scripts/generate.lua --help.
+local cjson = require("cjson")
+local args = require("luazero.args")
+local data = require("luazero.data")
+local generate = require("luazero.generate")
+local inference = require("luazero.inference")
+
+local spec = {
+  { "load", "string", nil, "a luazero checkpoint: a step folder, a --save folder (its latest) or a consolidated file" },
+  { "model", "string", nil, "with --load FILE (tools/ckpt consolidate's): the model's named size" },
+  { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
+  { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)" },
+  { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
+  { "tokenizer", "string", nil, "a tokenizer.json (default: the model folder's; none: bytes are tokens)" },
+  { "chat", "flag", false, "render each prompt with the folder's chat template (tokenizer_config.json)" },
+  { "prompt", "string", nil, "one prompt (text; with --chat the user's message)" },
+  { "prompts", "string", nil, "a file of prompts: one per line, or JSON Lines ({\"prompt\": ...}, {\"prompt_ids\": [...]} or, with --chat, {\"messages\": [...]})" },
+  { "prompt-ids", "string", nil, "one prompt as token ids, comma-separated" },
+  { "max-new-tokens", "int", 64, "new tokens per prompt (at most)" },
+  { "temperature", "number", 0, "0: greedy (the likeliest token); above 0: sample at that temperature" },
+  { "top-k", "int", 0, "sample among the k likeliest tokens (0: all)" },
+  { "top-p", "number", 1, "sample among the likeliest tokens whose probabilities reach p (1: all)" },
+  { "seed", "int", 1337, "seed of the sampling" },
+  { "stop", "string", nil, "end a completion where this text appears (the text is cut off)" },
+  { "batch", "int", 8, "prompts decoded together" },
+  { "dtype", "string", nil, "fp32 or bf16 (default: a checkpoint's, else fp32)" },
+  { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory" },
+  { "out", "string", nil, "write one JSON object per prompt to this file (JSON Lines)" },
+}
+
+local function fail(msg)
+  msg = tostring(msg):gsub("^[^%s:]+%.lua:%d+: ", "")
+  io.stderr:write("generate: ", msg, "\n")
+  os.exit(2)
+end
+
+local function checked(fn, ...) return args.checked(fail, fn, ...) end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function read_json(path)
+  local f = io.open(path, "rb")
+  if not f then return nil end
+  local text = f:read("*a")
+  f:close()
+  local ok, j = pcall(cjson.decode, text)
+  return ok and type(j) == "table" and j or nil
+end
+
+-- The ids of a config.json field: a number or a list of them.
+local function id_set(v, set)
+  if type(v) == "number" then set[v] = true
+  elseif type(v) == "table" then for _, x in ipairs(v) do id_set(x, set) end end
+  return set
+end
+
+-- Prompts: { text = ..., messages = ... } each, in order.
+local function read_prompts(flags)
+  local list = {}
+  if flags.prompt then list[#list + 1] = { text = flags.prompt } end
+  if flags.prompt_ids then
+    local ids = {}
+    for n in flags.prompt_ids:gmatch("[^,%s]+") do
+      local v = tonumber(n)
+      if not v or v ~= math.floor(v) or v < 0 then
+        fail(("--prompt-ids %s: %s is not a token id; give whole numbers, comma-separated")
+             :format(flags.prompt_ids, n))
+      end
+      ids[#ids + 1] = v
+    end
+    list[#list + 1] = { ids = ids }
+  end
+  if flags.prompts then
+    local f, why = io.open(flags.prompts, "rb")
+    if not f then fail(("--prompts %s: cannot read it (%s)"):format(flags.prompts, why)) end
+    local n = 0
+    for line in f:lines() do
+      n = n + 1
+      if line:find("%S") then
+        if line:match("^%s*{") then
+          local ok, j = pcall(cjson.decode, line)
+          if not ok or type(j) ~= "table" or (j.prompt == nil and j.messages == nil and
+                                              type(j.prompt_ids) ~= "table") then
+            fail(("--prompts %s: line %d is not a JSON object with \"prompt\", \"messages\" " ..
+                  "or \"prompt_ids\""):format(flags.prompts, n))
+          end
+          if j.messages and not flags.chat then
+            fail(("--prompts %s: line %d holds messages; add --chat to render them with the " ..
+                  "chat template"):format(flags.prompts, n))
+          end
+          list[#list + 1] = { text = j.prompt, messages = j.messages,
+                              ids = j.prompt_ids and { unpack(j.prompt_ids) } }
+        else
+          list[#list + 1] = { text = line }
+        end
+      end
+    end
+    f:close()
+  end
+  if #list == 0 then fail("no prompt: give --prompt TEXT, --prompts FILE or --prompt-ids LIST") end
+  return list
+end
+
+local function parse(argv)
+  local flags, usage = checked(args.parse, argv, spec)
+  if not flags then
+    print("usage: luazero scripts/generate.lua (--load DIR | --hf DIR) --prompt TEXT [flags]\n" ..
+          usage)
+    return nil
+  end
+  if flags.max_new_tokens < 1 then fail("--max-new-tokens must be >= 1") end
+  if flags.temperature < 0 then fail("--temperature must be >= 0 (0: greedy)") end
+  if flags.top_k < 0 then fail("--top-k must be >= 0 (0: all tokens)") end
+  if flags.top_p <= 0 or flags.top_p > 1 then fail("--top-p must be in (0, 1]") end
+  if flags.batch < 1 then fail("--batch must be >= 1") end
+  if flags.kv_dtype ~= "fp32" and flags.kv_dtype ~= "bf16" then
+    fail(("--kv-dtype must be fp32 or bf16 (got %s)"):format(flags.kv_dtype))
+  end
+  if flags.dtype and flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
+    fail(("--dtype must be fp32 or bf16 (got %s)"):format(flags.dtype))
+  end
+  return flags
+end
+
+-- The text side: encode(text) -> ids, decode(ids) -> text, the eos ids,
+-- and the chat template (with --chat).
+local function text_side(flags, w)
+  local side = { eos = {} }
+  local dir = w.dir
+  local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and
+                                       dir .. "/tokenizer.json")
+  local V = w.cfg.vocab
+  if tok_path then
+    local tok = checked(require("luazero.tokenizer").load, tok_path)
+    side.encode = function(text) return tok:encode(text) end
+    side.decode = function(ids)
+      local size = type(tok.vocab_size) == "function" and tok:vocab_size() or tok.vocab_size
+      local parts = {}
+      for i, id in ipairs(ids) do
+        parts[i] = id < size and tok:decode({ id }) or ("<%d>"):format(id)
+      end
+      return table.concat(parts)
+    end
+    if tok.eos_id then side.eos[tok.eos_id] = true end
+    side.bos = tok.bos_id
+  elseif V >= 256 then
+    side.encode = function(text)
+      local ids = {}
+      for i = 1, #text do ids[i] = text:byte(i) end
+      return ids
+    end
+    side.decode = data.decode_bytes
+  end
+  if dir then
+    local c = read_json(dir .. "/config.json") or {}
+    id_set(c.eos_token_id, side.eos)
+    side.bos = side.bos or (type(c.bos_token_id) == "number" and c.bos_token_id or nil)
+    local tc = read_json(dir .. "/tokenizer_config.json") or {}
+    side.add_bos = tc.add_bos_token == true
+  end
+  if flags.chat then
+    if not dir then
+      fail("--chat needs the model's Hugging Face folder (--hf, or a LoRA checkpoint's base) " ..
+           "for its tokenizer_config.json")
+    end
+    local ok, ct = pcall(require, "luazero.chat_template")
+    if not ok then
+      fail("--chat: this build has no luazero.chat_template; render the prompts yourself and " ..
+           "give them as text")
+    end
+    side.template = checked(ct.load, dir)
+  end
+  return side
+end
+
+-- Each prompt's ids (and the text they came from).
+local function prompt_ids(list, side, flags)
+  local out = {}
+  for i, p in ipairs(list) do
+    if p.ids then
+      out[i] = p.ids
+    else
+      if not side.encode then
+        fail("the model's vocabulary is below 256 and no tokenizer.json was given: use " ..
+             "--prompt-ids, or --tokenizer FILE")
+      end
+      local text = p.text
+      if flags.chat then
+        local messages = p.messages or { { role = "user", content = p.text } }
+        text = checked(side.template.render, side.template, messages,
+                       { add_generation_prompt = true })
+      end
+      out[i] = side.encode(text)
+      if not flags.chat and side.add_bos and side.bos and out[i][1] ~= side.bos then
+        table.insert(out[i], 1, side.bos)
+      end
+    end
+    if #out[i] == 0 then fail(("prompt %d encodes to no tokens"):format(i)) end
+  end
+  return out
+end
+
+local function main(argv)
+  local flags = parse(argv)
+  if not flags then return end
+  local list = read_prompts(flags)
+  local w = checked(inference.open, { models = require("models.registry"),
+                                      lora = require("models.lora"), load = flags.load,
+                                      hf = flags.hf, adapters = flags.adapters,
+                                      model = flags.model, model_config = flags.model_config,
+                                      dtype = flags.dtype, seed = flags.seed })
+  local side = text_side(flags, w)
+  local prompts = prompt_ids(list, side, flags)
+  -- --stop: the completion so far, decoded, holds the text.
+  local stop
+  if flags.stop then
+    if not side.decode then fail("--stop needs a tokenizer (or a byte vocabulary) to read text") end
+    stop = function(_, ids) return side.decode(ids):find(flags.stop, 1, true) ~= nil end
+  end
+  local outs = checked(generate.run, w.model, prompts, {
+    max_new = flags.max_new_tokens, temperature = flags.temperature, top_k = flags.top_k,
+    top_p = flags.top_p, seed = flags.seed, eos = side.eos, stop = stop, batch = flags.batch,
+    kv_dtype = flags.kv_dtype == "bf16" and "bf16" or "f32",
+  })
+  local log
+  if flags.out then
+    local why
+    log, why = io.open(flags.out, "wb")
+    if not log then fail(("--out %s: cannot write it (%s)"):format(flags.out, why)) end
+  end
+  for i, o in ipairs(outs) do
+    local text
+    if side.decode then
+      text = side.decode(o.ids)
+      if o.reason == "stop" then text = text:sub(1, text:find(flags.stop, 1, true) - 1) end
+    end
+    if #outs > 1 then print(("--- %d (%s)"):format(i, o.reason)) end
+    print(text or table.concat(o.ids, " "))
+    if log then
+      log:write(cjson.encode({ prompt = list[i].text, messages = list[i].messages,
+                               prompt_ids = prompts[i], ids = o.ids, completion = text,
+                               finish = o.reason }), "\n")
+    end
+  end
+  if log then log:close() end
+  w.free()
+end
+
+main(arg)

@@ -1,0 +1,408 @@
+-- test_generate.lua — decoding with a key/value cache (lua/luazero/generate.lua,
+-- CausalLM:forward_cached, core/kernels/attention_decode.c): its logits are
+-- the full forward's, position by position, for GPT-2 (learned positions)
+-- and Llama (rotary, grouped-query), prompt by prompt or rows of different
+-- lengths together; a bf16 cache stays close; the choice of the next token
+-- (greedy, top-k, top-p, eos); and the kernel's refusals. Then the
+-- scripts: a checkpoint's scripts/eval.lua loss is the val_loss
+-- scripts/train.lua --val-data logged for it, and scripts/generate.lua
+-- continues prompts from a checkpoint as luazero.generate does.
+local ffi = require("ffi")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local models = require("models.registry")
+local generate = require("luazero.generate")
+
+local T = {}
+local eq = support.eq
+
+local function model_of(name, overrides, seed)
+  local m = models.new(models.config(name, overrides))
+  m:allocate()
+  m:init_weights(seed or 5)
+  return m
+end
+
+local function ids_tensor(ids)
+  return lz.from_table(ids, { 1, #ids }, "i32", "workspace")
+end
+
+-- Pseudo-random token ids below V.
+local function some_ids(n, V, k)
+  local ids = {}
+  for i = 1, n do ids[i] = (i * 7919 + (k or 0) * 104729) % V end
+  return ids
+end
+
+-- The full forward's logits of `ids`, a host copy [#ids * Vp].
+local function full_logits(m, ids)
+  m:prepare(1, #ids)
+  local t = ids_tensor(ids)
+  local _, logits = m:forward(t, nil)
+  local copy = lz.tensor({ logits:numel() }, "f32", "workspace"):copy(logits:view(0, { logits:numel() }))
+  t:free()
+  return copy
+end
+
+-- The largest difference between position t's logits of the cached run
+-- (row b of logits [B, T', Vp] at t') and the full forward's.
+local function max_diff(cached, b, tc, full, t, V)
+  local Tc, Vp = cached:dim(2), cached:dim(3)
+  local a = ffi.cast("float *", cached.data) + ((b - 1) * Tc + tc) * Vp
+  local f = ffi.cast("float *", full.data) + t * Vp
+  local d = 0
+  for j = 0, V - 1 do d = math.max(d, math.abs(a[j] - f[j])) end
+  return d
+end
+
+-- Prompt of 5 in one call, then one position per call: every position's
+-- logits within tol of the full forward's over the same ids.
+local function check_cached_equals_full(m, dtype, tol)
+  local V, n, k = m.cfg.vocab, 12, 5
+  local ids = some_ids(n, V)
+  local full = full_logits(m, ids)
+  local cache = generate.Cache.new(m, 1, n, dtype)
+  local prompt = ids_tensor({ unpack(ids, 1, k) })
+  m:prepare(1, n)
+  local logits = m:forward_cached(prompt, cache)
+  local worst = 0
+  for t = 0, k - 1 do worst = math.max(worst, max_diff(logits, 1, t, full, t, V)) end
+  for t = k, n - 1 do
+    local one = ids_tensor({ ids[t + 1] })
+    logits = m:forward_cached(one, cache)
+    worst = math.max(worst, max_diff(logits, 1, 0, full, t, V))
+    one:free()
+  end
+  eq(cache.at[1], n, "positions cached")
+  prompt:free(); full:free(); cache:free()
+  assert(worst <= tol, ("%s cache: logits differ from the full forward's by %g (tolerance %g)")
+         :format(dtype, worst, tol))
+  return worst
+end
+
+function T.gpt2_cached_logits_equal_the_full_forward()
+  local m = model_of("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 32 })
+  check_cached_equals_full(m, "f32", 1e-5)
+  m:free()
+end
+
+function T.llama_cached_logits_equal_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32 })
+  check_cached_equals_full(m, "f32", 1e-5)
+  m:free()
+end
+
+-- A bf16 cache rounds keys and values once: close, not the same.
+function T.bf16_cache_is_close_to_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32 })
+  local worst = check_cached_equals_full(m, "bf16", 5e-2)
+  assert(worst > 0, "a bf16 cache should round something")
+  m:free()
+end
+
+-- Rows of different lengths decode together: row b at its own position
+-- (GPT-2's position table and Llama's rotation per row).
+function T.rows_at_different_positions_decode_together()
+  for _, spec in ipairs({ { "gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 32 } },
+                          { "llama-tiny", { context = 32 } } }) do
+    local m = model_of(spec[1], spec[2])
+    local V = m.cfg.vocab
+    local rows = { some_ids(9, V, 1), some_ids(4, V, 2), some_ids(7, V, 3) }
+    local steps = 3
+    local fulls = {}
+    for b, ids in ipairs(rows) do fulls[b] = full_logits(m, ids) end
+    local cache = generate.Cache.new(m, 3, 9, "f32")
+    m:prepare(1, 9)
+    local prompt_len = { 6, 1, 4 }
+    for b, ids in ipairs(rows) do
+      local p = ids_tensor({ unpack(ids, 1, prompt_len[b]) })
+      m:forward_cached(p, cache:row(b))
+      p:free()
+    end
+    eq(cache.at[2], 1, "row 2's cached positions")
+    local worst = 0
+    for s = 0, steps - 1 do
+      local next_ids = {}
+      for b = 1, 3 do next_ids[b] = rows[b][prompt_len[b] + s + 1] end
+      local t = lz.from_table(next_ids, { 3, 1 }, "i32", "workspace")
+      local logits = m:forward_cached(t, cache)
+      for b = 1, 3 do
+        worst = math.max(worst, max_diff(logits, b, 0, fulls[b], prompt_len[b] + s, V))
+      end
+      t:free()
+    end
+    for _, f in ipairs(fulls) do f:free() end
+    cache:free()
+    m:free()
+    assert(worst <= 1e-5, ("%s: batched rows differ by %g"):format(spec[1], worst))
+  end
+end
+
+-- Greedy continuation through the cache is the argmax of the full forward
+-- over the growing sequence, token for token.
+function T.greedy_run_follows_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32 }, 11)
+  local V = m.cfg.vocab
+  local prompts = { some_ids(5, V, 1), some_ids(2, V, 2) }
+  local outs = generate.run(m, prompts, { max_new = 6, temperature = 0 })
+  for i, p in ipairs(prompts) do
+    local seq = { unpack(p) }
+    for k = 1, 6 do
+      local full = full_logits(m, seq)
+      local row = ffi.cast("float *", full.data) + (#seq - 1) * m.cfg.padded_vocab
+      local want = generate.pick(row, V, { temperature = 0 })
+      full:free()
+      eq(outs[i].ids[k], want, ("prompt %d, new token %d"):format(i, k))
+      seq[#seq + 1] = want
+    end
+    eq(outs[i].reason, "length", "reason")
+  end
+  m:free()
+end
+
+-- eos ends a row (the id kept); stop() ends it; the context ends it.
+function T.rows_end_at_eos_stop_or_the_context()
+  local m = model_of("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 16 }, 3)
+  local V = m.cfg.vocab
+  local prompt = some_ids(4, V)
+  local free_run = generate.run(m, { prompt }, { max_new = 8 })[1]
+  local eos_id = free_run.ids[3]
+  local first = 1
+  while free_run.ids[first] ~= eos_id do first = first + 1 end
+  local o = generate.run(m, { prompt, prompt }, { max_new = 8, eos = { [eos_id] = true } })
+  for i = 1, 2 do
+    eq(#o[i].ids, first, "ids up to eos")
+    eq(o[i].reason, "eos", "reason")
+  end
+  o = generate.run(m, { prompt }, { max_new = 8, stop = function(_, ids) return #ids == 2 end })[1]
+  eq(#o.ids, 2, "ids up to stop"); eq(o.reason, "stop", "reason")
+  o = generate.run(m, { some_ids(10, V) }, { max_new = 100 })[1]
+  eq(#o.ids, 7, "ids up to the context (16 - 10 + 1)"); eq(o.reason, "context", "reason")
+  m:free()
+end
+
+-- Sampling: top_k = 1 is greedy; a seed repeats; top_p keeps the likeliest.
+function T.sampling_follows_temperature_top_k_and_top_p()
+  local V = 5
+  local row = ffi.new("float[5]", { 1.0, 3.0, 2.0, 3.0, -1.0 })
+  eq(generate.pick(row, V, { temperature = 0 }), 1, "greedy takes the first largest")
+  local r = require("luazero.rng").new(1, 4)
+  local tied = {}
+  for _ = 1, 100 do
+    local k1 = generate.pick(row, V, { temperature = 1, top_k = 1 }, r)
+    assert(k1 == 1 or k1 == 3, "top_k 1 keeps the largest and its ties; got " .. k1)
+    tied[k1] = true
+  end
+  assert(tied[1] and tied[3], "top_k 1 keeps both ids tied for the largest")
+  local plain = ffi.new("float[5]", { 1.0, 3.5, 2.0, 3.0, -1.0 })
+  for _ = 1, 20 do
+    eq(generate.pick(plain, V, { temperature = 1, top_k = 1 }, r), 1, "top_k 1 is greedy")
+  end
+  local seen = {}
+  for _ = 1, 200 do
+    local id = generate.pick(row, V, { temperature = 1, top_p = 0.5 }, r)
+    seen[id] = true
+  end
+  -- p(1) = p(3) ~ 0.4 each: the set reaching 0.5 is {1, 3}
+  assert(seen[1] and seen[3] and not seen[0] and not seen[2] and not seen[4],
+         "top_p 0.5 keeps ids 1 and 3")
+  -- the draw follows the softmax
+  local count, n = { [0] = 0, 0, 0, 0, 0 }, 4000
+  for _ = 1, n do
+    local id = generate.pick(row, V, { temperature = 1 }, r)
+    count[id] = count[id] + 1
+  end
+  local z = 0
+  for j = 0, 4 do z = z + math.exp(row[j]) end
+  for j = 0, 4 do
+    local want = math.exp(row[j]) / z
+    assert(math.abs(count[j] / n - want) < 0.03,
+           ("id %d drawn %.3f of the time, softmax %.3f"):format(j, count[j] / n, want))
+  end
+  local a, b = {}, {}
+  local ra, rb = require("luazero.rng").new(9, 4), require("luazero.rng").new(9, 4)
+  for i = 1, 10 do
+    a[i] = generate.pick(row, V, { temperature = 2 }, ra)
+    b[i] = generate.pick(row, V, { temperature = 2 }, rb)
+  end
+  eq(table.concat(a, ","), table.concat(b, ","), "one seed, one draw")
+end
+
+function T.decode_kernel_refuses_a_full_cache()
+  local m = model_of("llama-tiny", { context = 32 })
+  local cache = generate.Cache.new(m, 1, 4, "f32")
+  m:prepare(1, 8)
+  local t = ids_tensor(some_ids(5, 256))
+  local ok, err = pcall(m.forward_cached, m, t, cache)
+  assert(not ok and tostring(err):find("row 0 holds 0 cached positions and 5 new ones come; " ..
+                                       "the cache has room for 4", 1, true), tostring(err))
+  t:free(); cache:free(); m:free()
+end
+
+------------------------------------------------------------- scripts
+
+local q = support.quote
+local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
+              "--micro-batch 2 --sample 0 --seed 7 "
+
+local function corpus(n, k)
+  local lines = {}
+  for i = 1, n do lines[i] = ("line %d of part %d: %d words\n"):format(i, k, (i * 7919) % 1000) end
+  return table.concat(lines)
+end
+
+local function script(name, flags)
+  return support.sh(("cd %s && %s scripts/%s.lua %s"):format(q(lz.root), q(lz.executable()),
+                                                            name, flags))
+end
+
+-- The checkpoint of a short run validated on --val-data, its log and files.
+local function trained(extra)
+  local write, dir = support.scratch()
+  local train, val = write("train.txt", corpus(300, 1)), write("val.txt", corpus(40, 2))
+  local out, st = script("train", MODEL .. ("--data %s --val-data %s --steps 3 --eval-batches " ..
+                                            "1000 --save %s/ck --log %s/log.jsonl %s")
+                                          :format(q(train), q(val), dir, dir, extra or ""))
+  assert(st == 0, out)
+  assert(out:find(" held out in --val-data " .. val, 1, true), out)
+  return dir, train, val, out
+end
+
+function T.eval_of_a_checkpoint_is_the_val_loss_train_logged()
+  for _, dtype in ipairs({ "fp32", "bf16" }) do
+    local dir, train, val = trained("--dtype " .. dtype)
+    local recs = support.records(dir .. "/log.jsonl")
+    local logged = assert(recs[3].val_loss, "step 3 logs val_loss")
+    -- The run at its saved step prints the loss of the weights to the last bit.
+    local again, st = script("train", MODEL .. ("--data %s --val-data %s --steps 3 " ..
+                             "--eval-batches 1000 --resume %s/ck --dtype %s")
+                             :format(q(train), q(val), dir, dtype))
+    assert(st == 0, again)
+    local exact = assert(again:match("val_loss (%S+)"), again)
+    local out, st2 = script("eval", ("--load %s/ck --data %s --seq-len 16"):format(dir, q(val)))
+    assert(st2 == 0, out)
+    eq(out:match("val_loss (%S+)"), exact, dtype .. ": eval's loss, to the last bit")
+    assert(math.abs(tonumber(exact) - logged) <= 1e-12 * logged, dtype .. ": the logged val_loss")
+    local batches = tonumber(out:match("over (%d+) batches"))
+    -- 40 lines of the val file, in windows of 2 x 16 tokens
+    local f = io.open(val, "rb"); local n = #f:read("*a"); f:close()
+    eq(batches, math.floor((n - 1) / 32), "eval walks the whole file")
+    local ppl = tonumber(out:match("perplexity (%S+)"))
+    assert(math.abs(ppl - math.exp(tonumber(exact))) < 1e-3, "perplexity is exp(loss)")
+    out = script("eval", ("--load %s/ck --data %s --seq-len 16 --max-batches 2 --json")
+                         :format(dir, q(val)))
+    eq(require("cjson").decode(out).batches, 2, "--max-batches")
+  end
+end
+
+function T.generate_continues_prompts_from_a_checkpoint()
+  local dir = trained()
+  local out, st = script("generate", ("--load %s/ck --prompt-ids 108,105,110 --prompt 'line 7' " ..
+                                      "--max-new-tokens 5 --out %s/o.jsonl"):format(dir, dir))
+  assert(st == 0, out)
+  local recs = support.records(dir .. "/o.jsonl")
+  eq(#recs, 2, "one record per prompt")
+  -- --prompt first, then --prompt-ids
+  eq(table.concat(recs[1].prompt_ids, ","), "108,105,110,101,32,55", "'line 7' as bytes")
+  eq(table.concat(recs[2].prompt_ids, ","), "108,105,110", "prompt ids")
+  -- The same continuation as luazero.generate on the checkpoint's weights.
+  local w = require("luazero.inference").open({ models = models, load = dir .. "/ck" })
+  local o = generate.run(w.model, { { 108, 105, 110 } }, { max_new = 5 })
+  w.free()
+  eq(table.concat(recs[2].ids, ","), table.concat(o[1].ids, ","), "greedy ids")
+  eq(#recs[2].ids, 5, "--max-new-tokens"); eq(recs[2].finish, "length", "finish")
+  out, st = script("generate", ("--load %s/ck --prompt hi --top-p 0"):format(dir))
+  assert(st == 2 and out:find("generate: --top-p must be in (0, 1]", 1, true), out)
+  out, st = script("generate", ("--load %s/ck"):format(dir))
+  assert(st == 2 and out:find("no prompt: give --prompt TEXT", 1, true), out)
+  out, st = script("generate", ("--load %s/ck --prompt x --chat"):format(dir))
+  assert(st == 2 and out:find("--chat needs the model's Hugging Face folder", 1, true), out)
+end
+
+-- A consolidated file (with the model's config.json) and a LoRA run's
+-- checkpoint (with its base from --init, or the adapters exported for PEFT
+-- on that base) give what their checkpoints give.
+function T.consolidated_files_and_lora_adapters_load_alike()
+  local dir = trained()
+  local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))
+  local out, st = support.sh(("%s consolidate %s/ck %s/all.bin && %s export %s/ck %s/hf")
+                             :format(ckpt, dir, dir, ckpt, dir, dir))
+  assert(st == 0, out)
+  local ids = {}
+  for _, src in ipairs({ "--load " .. dir .. "/ck",
+                         ("--load %s/all.bin --model-config %s/hf/config.json"):format(dir, dir),
+                         "--hf " .. dir .. "/hf" }) do
+    out, st = script("generate", src .. " --prompt-ids 108,105 --max-new-tokens 6 --out " ..
+                     dir .. "/g.jsonl")
+    assert(st == 0, out)
+    ids[#ids + 1] = table.concat(support.records(dir .. "/g.jsonl")[1].ids, ",")
+  end
+  eq(ids[2], ids[1], "consolidated file"); eq(ids[3], ids[1], "exported folder")
+  out, st = script("generate", ("--load %s/all.bin --prompt x"):format(dir))
+  assert(st == 2 and out:find("add --model NAME or --model-config", 1, true), out)
+  -- LoRA on the exported folder
+  local lora = "--model llama-tiny --context 32 --seq-len 16 --micro-batch 2 --sample 0 --seed 7 "
+  local write = support.scratch()
+  local data = write("d.txt", corpus(200, 3))
+  out, st = script("train", lora .. ("--data %s --steps 2 --save %s/base"):format(q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s export %s/base %s/lhf"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  out, st = script("train", ("--init %s/lhf --seq-len 16 --micro-batch 2 --sample 0 --seed 7 " ..
+                             "--data %s --steps 3 --lora-r 4 --lr 3e-2 --save %s/lora")
+                            :format(dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s export %s/lora %s/adapters"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  local got = {}
+  for _, src in ipairs({ "--load " .. dir .. "/lora",
+                         ("--hf %s/lhf --adapters %s/adapters"):format(dir, dir),
+                         "--hf " .. dir .. "/lhf" }) do
+    out, st = script("eval", src .. (" --data %s --seq-len 16 --micro-batch 2"):format(q(data)))
+    assert(st == 0, out)
+    got[#got + 1] = out:match("val_loss (%S+)")
+  end
+  eq(got[2], got[1], "eval: the PEFT adapters on their base, as the LoRA checkpoint")
+  assert(got[3] ~= got[1], "the adapters change the loss")
+  -- the base alone (its weights frozen in the engine) as train.lua --init measures it
+  out, st = script("train", ("--init %s/lhf --seq-len 16 --micro-batch 2 --sample 0 --data %s " ..
+                             "--val-data %s --eval-batches 100000 --steps 0")
+                            :format(dir, q(data), q(data)))
+  assert(st == 0, out)
+  eq(got[3], out:match("val_loss (%S+)"), "eval --hf: train --init --steps 0's val_loss")
+end
+
+-- A --val-data file too small for one batch, or absent: one line naming it.
+function T.val_data_too_small_or_absent_is_one_line()
+  local write = support.scratch()
+  local train, tiny = write("t.txt", corpus(100, 1)), write("v.txt", "short")
+  local out, st = script("train", MODEL .. ("--data %s --val-data %s --steps 1")
+                                          :format(q(train), q(tiny)))
+  assert(st == 2 and out:find("train: data: " .. tiny .. ": 5 tokens, too few for one " ..
+                              "validation batch of 2 x 16 (needs 33)", 1, true), out)
+  out, st = script("train", MODEL .. ("--data %s --val-data %s.gone --steps 1")
+                                     :format(q(train), q(tiny)))
+  assert(st == 2 and out:find("train: data: " .. tiny .. ".gone", 1, true), out)
+  out, st = script("eval", ("--hf %s --data %s"):format(q(tiny), q(train)))
+  assert(st == 2 and out:find("eval: --hf " .. tiny .. ": no config.json there", 1, true), out)
+end
+
+-- train.lua's sample at the end runs through the cache: the checkpoint of
+-- the same weights, sampled by luazero.generate with the run's seed, gives it.
+function T.train_samples_through_the_cache()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(300, 1))
+  local flags = ("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 " ..
+                 "--seq-len 16 --micro-batch 2 --seed 7 --steps 2 --sample 12 --data %s " ..
+                 "--save %s/ck"):format(q(data), dir)
+  local out, st = script("train", flags)
+  assert(st == 0, out)
+  local text = assert(out:match("\nsample:\n(.*)$"), out):gsub("\n$", "")
+  local w = require("luazero.inference").open({ models = models, load = dir .. "/ck" })
+  local o = generate.run(w.model, { { 10 } }, { max_new = 12, temperature = 1, seed = 7 })[1]
+  w.free()
+  local want = require("luazero.data").decode_bytes({ 10, unpack(o.ids) })
+  eq(text, want:gsub("\n$", ""), "the sample")
+end
+
+return T
