@@ -41,7 +41,9 @@ local spec = {
   { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen" },
   { "lora-targets", "string", nil, "with --lora-r: modules adapted, comma-separated (q_proj,v_proj)" },
   { "sub-group-size", "number", nil, "zero_optimization.sub_group_size (1e9): NVMe sub-groups" },
-  { "grad-accum", "int", 1, "gradient accumulation steps: NVMe reads and writes per step" },
+  { "grad-accum", "int", nil, "gradient accumulation steps: NVMe reads and writes per step (1)" },
+  { "config", "string", nil, "a DeepSpeed config whose sub_group_size, offload buffer counts " ..
+    "and sizes, buckets, overlap_comm, accumulation and optimizer the per-rank table uses" },
   { "read-gbps", "number", nil, "the disk's read speed in GB/s for the step time NVMe allows " ..
     "(1.9, assumed: measure with bench/bench-aio)" },
   { "write-gbps", "number", nil, "the disk's write speed in GB/s (1.1, assumed)" },
@@ -137,7 +139,9 @@ local function main(argv)
                                    flags.sub_group_size == math.floor(flags.sub_group_size)) then
     fail(("--sub-group-size must be a whole number >= 1 (got %s)"):format(flags.sub_group_size))
   end
-  if flags.grad_accum < 1 then fail(("--grad-accum must be >= 1 (got %d)"):format(flags.grad_accum)) end
+  if flags.grad_accum and flags.grad_accum < 1 then
+    fail(("--grad-accum must be >= 1 (got %d)"):format(flags.grad_accum))
+  end
   if flags.json ~= 0 and flags.json ~= 1 then fail("--json takes 0 or 1") end
 
   local params, persistent, largest, layout, what, model, counts
@@ -211,15 +215,29 @@ local function main(argv)
     disk.write_gbps = flags.write_gbps or wr
     disk.assumed, disk.measured = false, flags.measure_disk
   end
-  local rows = estimate.rank_rows(counts, {
-    dtype = dtype, grads = flags.grads, device = flags.device, accum = flags.grad_accum,
-    sub_group_size = flags.sub_group_size, read_gbps = disk.read_gbps,
-    write_gbps = disk.write_gbps })
+  -- The engine's settings: the config's (placements and stages are the
+  -- rows'), the flags on top.
+  local settings = {}
+  if flags.config then
+    local cfg = checked(config.load, flags.config, N)
+    settings = estimate.settings_of(cfg, flags.device)
+    settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
+    settings.dtype, settings.grads = nil, nil
+    settings.overlap = nil -- stage 3's default unless the config says
+    if cfg.zero_optimization.overlap_comm_given then
+      settings.overlap = cfg.zero_optimization.overlap_comm
+    end
+  end
+  settings.dtype, settings.grads, settings.device = dtype, flags.grads, flags.device
+  settings.accum = flags.grad_accum or settings.accum or 1
+  settings.sub_group_size = flags.sub_group_size or settings.sub_group_size
+  settings.read_gbps, settings.write_gbps = disk.read_gbps, disk.write_gbps
+  local rows = estimate.rank_rows(counts, settings)
   -- As the trainer picks: in memory, else on NVMe (a path is the trainer's to give).
   local ok, picked, why = pcall(estimate.pick_stage, params, N, budget, dtype, {
     grads = flags.grads, persistent = persistent, layout = layout, nvme = true,
     nvme_path = "given", counts = counts, device = flags.device,
-    settings = { sub_group_size = flags.sub_group_size, accum = flags.grad_accum } })
+    settings = settings })
   if not ok then fail(picked) end
   why = why:gsub(" %(nvme_path given%)", "")
   if flags.json == 1 then

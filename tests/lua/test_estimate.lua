@@ -650,6 +650,24 @@ function T.tools_estimate_has_nvme_rows_lora_and_json()
   local row = out:match("\n  3     nvme%+param  [^\n]*")
   assert(row, out)
   assert(out:find("disk: 3.00 GB/s read, 2.00 GB/s write;", 1, true), out)
+  -- A DeepSpeed config's settings: Lion (master and m), 2 staging
+  -- buffers, sub-groups of 1e7 (10000384 elements), 4 micro-steps a step.
+  local cfg = write_file("ds.json", '{"train_micro_batch_size_per_gpu": 1, ' ..
+    '"gradient_accumulation_steps": 4, "bf16": {"enabled": true}, "optimizer": {"type": ' ..
+    '"Lion", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3, "sub_group_size": 1e7, ' ..
+    '"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 2}}}')
+  out, status = run_tool("--params 1e8 --json 1 --config " .. support.quote(cfg))
+  assert(status == 0, out)
+  local G = 10000384
+  for _, row in ipairs(require("cjson").decode(out).rows) do
+    if row.stage == 3 and row.placement == "nvme" then
+      eq(row.host["optimizer staging"], 2 * 2 * G * 4, "2 buffers of master + m")
+      eq(row.host["gradient staging"], 2 * G * 4, "2 buffers of gradients")
+      eq(row.nvme_parts.gradients.written, 4 * 10 * G * 4, "the gradient file, 4 micro-steps")
+      seen.config = true
+    end
+  end
+  assert(seen.config, out)
   -- Measured through the swap file's own I/O on the disk given.
   out, status = run_tool("--params 1e9 --measure-disk " .. support.quote(swap_dir))
   local rd, wr = out:match("disk: ([%d.]+) GB/s read, ([%d.]+) GB/s write %(measured in ")
