@@ -153,6 +153,44 @@ function T.gradients_spill_to_nvme_and_end_bitwise()
   end
 end
 
+-- Start-up streams the drawn weights into the shards and swap files: the
+-- workspace it needs is a segment or two (and a chunk of draws), never a
+-- buffer the size of the model, and the weights are the stage-0 run's.
+function T.start_up_streams_weights_into_nvme_without_a_model_sized_buffer()
+  local zero = require("luazero.zero")
+  local gpt2 = require("models.gpt2")
+  local layout = require("luazero.zero.layout")
+  local dims = { n_layer = 8, n_embd = 256, n_head = 4, context = 32 }
+  local function engine_for(z)
+    local model = gpt2.new(gpt2.config("gpt2-nano", dims))
+    local cfg = { train_micro_batch_size_per_gpu = 1, bf16 = { enabled = true },
+                  zero_optimization = z }
+    return zero.initialize{ model = model, config = cfg, seed = 3, batch = { 1, 16 } }, model
+  end
+  local plain = engine_for({ stage = 0 })
+  local want = plain:params_checksum()
+  plain:free()
+  support.settle()
+  lz.mem_reset_peak()
+  local before = lz.mem()
+  local engine, model = engine_for({ stage = 3, sub_group_size = 65536,
+                                     stage3_param_persistence_threshold = 1024,
+                                     offload_optimizer = nvme, offload_param = nvme })
+  local peak = lz.mem_peak().workspace - before.workspace
+  local L = layout.new(model.param_table, 1)
+  local largest = 0
+  for _, seg in ipairs(L.segments) do largest = math.max(largest, seg.padded) end
+  print(("    workspace peak %d bytes at start-up; fp32 model %d bytes, largest segment %d")
+        :format(peak, 4 * L.full_numel, 4 * largest))
+  -- (a chunk of draws, the segment being drawn, the ones a sub-group still reads)
+  assert(peak <= 5 * 4 * largest, ("start-up workspace peak %d bytes, more than 5 segments (%d)")
+                                  :format(peak, 5 * 4 * largest))
+  assert(peak < 4 * L.full_numel / 4)
+  assert(engine:params_checksum() == want, "streamed start-up drew other weights")
+  engine:free()
+  assert(leftovers() == "", "swap files left behind: " .. leftovers())
+end
+
 -- A model whose optimizer states (12 bytes per parameter: fp32 master, m,
 -- v) are larger than the memory budget trains through the NVMe tier; the
 -- budget holds by the ledger and by peak RSS. Without offload the same

@@ -73,7 +73,9 @@ end
 -- the model is made. Chunks are even (each normal pair stays whole);
 -- elements from self:zero_from(e) on are zero (padding rows).
 function Model:draw_stream(seed, sink, chunk)
-  chunk = math.max(2, math.floor((chunk or 2 ^ 22) / 2) * 2)
+  local largest = 2
+  for _, e in ipairs(self.param_table) do largest = math.max(largest, e.numel) end
+  chunk = math.max(2, math.floor(math.min(chunk or 2 ^ 22, largest + 1) / 2) * 2)
   local r = rng.new(seed, 1)
   local buf = lz.tensor({ chunk }, "f32", "workspace")
   local ptr = ffi.cast("float *", buf.data)

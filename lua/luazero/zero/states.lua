@@ -396,7 +396,10 @@ function M:master_slices(fn)
         fn(seg, v.master:view(a - lo, { seg.slice }))
       else
         part = part or lz.tensor({ seg.slice }, "f32", "workspace")
-        part:view(a - so, { b - a }):copy(v.master:view(a - lo, { b - a }))
+        local dst, src = part:view(a - so, { b - a }), v.master:view(a - lo, { b - a })
+        dst:copy(src)
+        dst:free() -- (a view keeps its storage until freed)
+        src:free()
         if b == se then fn(seg, part); part:free(); part = nil end
       end
       if se > hi then break end
