@@ -47,6 +47,7 @@ local spec = {
                               "(one GPU per rank, LOCAL_RANK's)" },
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
+  { "nvme-path", "string", nil, "--stage auto: where the swap files go when only an NVMe placement fits (default: the config's nvme_path)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
   { "lora-r", "int", nil, "LoRA adapters of rank r on --lora-targets; everything else frozen" },
   { "lora-alpha", "number", nil, "LoRA scale alpha / r (default: alpha = r)" },
@@ -201,18 +202,50 @@ local function schedule_of(cfg, flags)
          ("warmup %d + cosine"):format(warmup), warmup
 end
 
--- "auto": the lowest stage whose model states fit the per-rank budget.
-local function resolve_stage(cfg, model, world)
+-- "auto": the lowest stage whose model states fit the per-rank budget; when
+-- none does, stage 3 with the optimizer states (and the parameter shard) on
+-- NVMe where that fits, in the config's nvme_path or --nvme-path.
+local function resolve_stage(cfg, model, world, flags)
   local z = cfg.zero_optimization
-  if z.stage ~= "auto" then return end
+  if z.stage ~= "auto" then
+    if flags.nvme_path then
+      user_error("--nvme-path is where --stage auto puts swap files when it picks NVMe; " ..
+                 "without --stage auto set zero_optimization.offload_optimizer.nvme_path")
+    end
+    return
+  end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   local persistent = 0
   for _, e in ipairs(model.param_table) do
     if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
   end
-  local stage, why = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
-                                         { persistent = persistent,
-                                           grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil })
+  local device = flags.device == "cpu" and "cpu" or "cuda"
+  local settings = estimate.settings_of(cfg, device)
+  settings.overlap = nil -- stage 3's default unless the config says
+  if z.overlap_comm_given then settings.overlap = z.overlap_comm end
+  local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
+  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
+  local stage, why, _, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
+    { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
+      nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts })
+  if placement then
+    if not (z.offload_optimizer.nvme_path or z.offload_param.nvme_path) then
+      config.check_writable_dir("--nvme-path", nvme_path)
+    end
+    local pl = estimate.placement_of[placement]
+    for key, dev in pairs({ offload_optimizer = pl.opt, offload_param = pl.param }) do
+      if dev == "nvme" then
+        z[key].device = "nvme"
+        z[key].nvme_path = z[key].nvme_path or nvme_path
+      end
+    end
+    -- offload_param.buffer_size must hold the largest slice a gather reads.
+    if pl.param == "nvme" then
+      local slice = 0
+      for _, seg in ipairs(counts.segments) do slice = math.max(slice, seg.slice) end
+      z.offload_param.buffer_size = math.max(z.offload_param.buffer_size or 0, slice)
+    end
+  end
   config.set_stage(cfg, stage)
   say(("stage auto: %s (budget from %s)"):format(why, source))
 end
@@ -487,7 +520,7 @@ local function set_up(flags)
                 select(2, model:trainable_table())))
   end
   check_save_target(flags, model.n_params)
-  checked(resolve_stage, cfg, model, world)
+  checked(resolve_stage, cfg, model, world, flags)
   local note = config.unimplemented_message(cfg)
   if note then say(note) end
   if flags.checkpoint_activations then

@@ -1,12 +1,16 @@
 -- tools/estimate.lua — model-state memory per rank for ZeRO stages 0..3,
 -- with and without offload, for a parameter count or a model name (and, for
--- a model, its activation arenas for a micro-batch). Run by tools/estimate;
--- formulas in docs/zero.md, "Estimating memory".
+-- a model, its activation arenas for a micro-batch); then every placement's
+-- device, host and NVMe bytes per rank, with the NVMe traffic per step and
+-- the disk's time for it. Run by tools/estimate; formulas in docs/zero.md,
+-- "Estimating memory".
 --   luazero tools/estimate.lua --params 1.5e9 --world 8
 --   luazero tools/estimate.lua --model gpt2-xl --world 8 --budget 12GiB
 --   luazero tools/estimate.lua --model gpt2 --micro-batch 4 --seq-len 1024
 --   luazero tools/estimate.lua --model llama3-8b --world 8
 --   luazero tools/estimate.lua --model-config config.json --world 8   # Hugging Face's
+--   luazero tools/estimate.lua --model tinyllama-1.1b --lora-r 8 --sub-group-size 1e8 --json 1
+--   luazero tools/estimate.lua --params 3e9 --measure-disk /nvme
 local args = require("luazero.args")
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
@@ -34,6 +38,18 @@ local spec = {
     "with --model and --seq-len: also the activation arenas for this many sequences" },
   { "seq-len", "int", nil, "with --micro-batch: tokens per sequence" },
   { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing" },
+  { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen" },
+  { "lora-targets", "string", nil, "with --lora-r: modules adapted, comma-separated (q_proj,v_proj)" },
+  { "sub-group-size", "number", nil, "zero_optimization.sub_group_size (1e9): NVMe sub-groups" },
+  { "grad-accum", "int", nil, "gradient accumulation steps: NVMe reads and writes per step (1)" },
+  { "config", "string", nil, "a DeepSpeed config whose sub_group_size, offload buffer counts " ..
+    "and sizes, buckets, overlap_comm, accumulation and optimizer the per-rank table uses" },
+  { "read-gbps", "number", nil, "the disk's read speed in GB/s for the step time NVMe allows " ..
+    "(1.9, assumed: measure with bench/bench-aio)" },
+  { "write-gbps", "number", nil, "the disk's write speed in GB/s (1.1, assumed)" },
+  { "measure-disk", "string", nil, "a directory on the disk the swap files would use: measure " ..
+    "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
+  { "json", "int", 0, "1: print the figures as one JSON object instead of tables" },
 }
 
 local function fail(msg)
@@ -64,8 +80,11 @@ local function main(argv)
     print("usage: tools/estimate (--params N | --model NAME) [--world N] [flags]\n" ..
           "Prints the model-state bytes per rank (parameters, gradients, optimizer states)\n" ..
           "for ZeRO stages 0-3, without offload, with the optimizer on the CPU, and with\n" ..
-          "parameters on the CPU too; and the stage \"auto\" picks for a memory budget.\n" ..
-          "Activations and communication buffers come on top. Formulas: docs/zero.md.\n\n" ..
+          "parameters on the CPU too; then, for every placement (NVMe ones too), all the\n" ..
+          "engine allocates per rank on the device, in host memory and on NVMe (staging,\n" ..
+          "frozen parameters, comm buffers), the NVMe bytes read and written per step and\n" ..
+          "the step time the disk allows; and the stage \"auto\" picks for a memory budget.\n" ..
+          "Activations come on top. Formulas: docs/zero.md, docs/offload.md.\n\n" ..
           usage)
     return
   end
@@ -104,7 +123,28 @@ local function main(argv)
     budget, source = checked(config.memory_budget, { world_size = N })
   end
 
-  local params, persistent, largest, layout, what, model
+  if (flags.lora_r or flags.lora_targets) and not (flags.model or flags.model_config) then
+    fail("--lora-r and --lora-targets go with --model or --model-config")
+  end
+  if flags.lora_targets and not flags.lora_r then
+    fail("--lora-targets without --lora-r does nothing: add --lora-r R (the adapters' rank)")
+  end
+  for _, f in ipairs({ "read_gbps", "write_gbps" }) do
+    local v = flags[f]
+    if v ~= nil and not (v > 0 and v < math.huge) then
+      fail(("--%s must be a positive number of GB/s (got %s)"):format(f:gsub("_", "-"), v))
+    end
+  end
+  if flags.sub_group_size and not (flags.sub_group_size >= 1 and
+                                   flags.sub_group_size == math.floor(flags.sub_group_size)) then
+    fail(("--sub-group-size must be a whole number >= 1 (got %s)"):format(flags.sub_group_size))
+  end
+  if flags.grad_accum and flags.grad_accum < 1 then
+    fail(("--grad-accum must be >= 1 (got %d)"):format(flags.grad_accum))
+  end
+  if flags.json ~= 0 and flags.json ~= 1 then fail("--json takes 0 or 1") end
+
+  local params, persistent, largest, layout, what, model, counts
   if flags.model or flags.model_config then
     if flags.persistent then fail("--persistent goes with --params; --model counts it") end
     model = checked(function()
@@ -112,13 +152,28 @@ local function main(argv)
                         models.from_hf_config(flags.model_config))
     end)
     local m = estimate.model_params(model, flags.persistence_threshold, N)
-    params, persistent, largest, layout = m.params, m.persistent, m.largest_layer, m.layout
+    if flags.lora_r then
+      local targets = {}
+      for t in (flags.lora_targets or "q_proj,v_proj"):gmatch("[^,%s]+") do
+        targets[#targets + 1] = t
+      end
+      checked(require("models.lora").apply, model, { r = flags.lora_r, targets = targets })
+    end
+    counts = estimate.counts(model, N, flags.persistence_threshold)
+    params, persistent, largest = counts.numel, counts.persistent, m.largest_layer
+    layout = { full = counts.full, shard = counts.shard }
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
             "modules of <= %s elements"):format(m.name, estimate.thousands(m.params),
-            estimate.thousands(m.real), layout and
-            (", padded to %s, shards of %s"):format(estimate.thousands(layout.full),
-                                                     estimate.thousands(layout.shard)) or "",
+            estimate.thousands(m.real), (", padded to %s, shards of %s"):format(
+            estimate.thousands(layout.full), estimate.thousands(layout.shard)),
             estimate.thousands(persistent), estimate.thousands(flags.persistence_threshold))
+    if flags.lora_r then
+      what = ("%s with LoRA rank %d: %s parameters train (the adapters; padded to %s, shards " ..
+              "of %s), %s are frozen (the base); P = %s in modules of <= %s elements"):format(
+        m.name, flags.lora_r, estimate.thousands(counts.numel), estimate.thousands(layout.full),
+        estimate.thousands(layout.shard), estimate.thousands(counts.frozen.numel),
+        estimate.thousands(persistent), estimate.thousands(flags.persistence_threshold))
+    end
   else
     params = parse_count(flags.params)
     persistent = flags.persistent or 0
@@ -128,6 +183,7 @@ local function main(argv)
     end
     what = ("%s parameters; P = %s"):format(estimate.thousands(params),
                                             estimate.thousands(persistent))
+    counts = estimate.counts_of_params(params, N, persistent)
   end
   if (flags.micro_batch == nil) ~= (flags.seq_len == nil) or (flags.micro_batch and not model) then
     fail("--micro-batch and --seq-len go together, with --model")
@@ -145,6 +201,51 @@ local function main(argv)
   end
   local dtype = flags.dtype
   local b = estimate.dtype_bytes[dtype]
+  local disk = { read_gbps = flags.read_gbps or estimate.disk.read_gbps,
+                 write_gbps = flags.write_gbps or estimate.disk.write_gbps }
+  disk.assumed = not (flags.read_gbps and flags.write_gbps)
+  if flags.measure_disk then
+    local rd, wr, direct = checked(estimate.measure_disk, flags.measure_disk)
+    if not direct then
+      fail(("--measure-disk %s: the file system refuses O_DIRECT (tmpfs?), so the page cache " ..
+            "would be measured, not the disk; point it at the disk nvme_path would use")
+           :format(flags.measure_disk))
+    end
+    disk.read_gbps = flags.read_gbps or rd
+    disk.write_gbps = flags.write_gbps or wr
+    disk.assumed, disk.measured = false, flags.measure_disk
+  end
+  -- The engine's settings: the config's (placements and stages are the
+  -- rows'), the flags on top.
+  local settings = {}
+  if flags.config then
+    local cfg = checked(config.load, flags.config, N)
+    settings = estimate.settings_of(cfg, flags.device)
+    settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
+    settings.dtype, settings.grads = nil, nil
+    settings.overlap = nil -- stage 3's default unless the config says
+    if cfg.zero_optimization.overlap_comm_given then
+      settings.overlap = cfg.zero_optimization.overlap_comm
+    end
+  end
+  settings.dtype, settings.grads, settings.device = dtype, flags.grads, flags.device
+  settings.accum = flags.grad_accum or settings.accum or 1
+  settings.sub_group_size = flags.sub_group_size or settings.sub_group_size
+  settings.read_gbps, settings.write_gbps = disk.read_gbps, disk.write_gbps
+  local rows = estimate.rank_rows(counts, settings)
+  -- As the trainer picks: in memory, else on NVMe (a path is the trainer's to give).
+  local ok, picked, why = pcall(estimate.pick_stage, params, N, budget, dtype, {
+    grads = flags.grads, persistent = persistent, layout = layout, nvme = true,
+    nvme_path = "given", counts = counts, device = flags.device,
+    settings = settings })
+  if not ok then fail(picked) end
+  why = why:gsub(" %(nvme_path given%)", "")
+  if flags.json == 1 then
+    print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
+                         device = flags.device, counts = counts, rows = rows, disk = disk,
+                         auto = why, budget = budget })
+    return
+  end
   print(("model states per rank for %s"):format(what))
   local gdt = flags.grads == "fp32" and "fp32" or dtype
   print(("world size N = %d; %s parameters, %s gradients, %s"):format(N, dtype, gdt,
@@ -179,8 +280,8 @@ local function main(argv)
                   a.offload > 0 and (", %s offload"):format(estimate.thousands(a.offload)) or ""))
   end
 
-  local _, why = estimate.pick_stage(params, N, budget, dtype, { grads = flags.grads,
-                                                  persistent = persistent, layout = layout })
+  print()
+  for _, line in ipairs(estimate.rank_table(rows, counts, disk, flags.device)) do print(line) end
   print()
   print(("stage \"auto\" (budget from %s): %s"):format(source, why))
 

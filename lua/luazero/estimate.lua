@@ -4,7 +4,8 @@
 -- "working", the ZeRO paper's accounting (Rajbhandari et al. 2020: 16Ψ,
 -- 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N); and the stage "auto" picks from a memory
 -- budget. Formulas: docs/zero.md, "Estimating memory". tools/estimate prints
--- these as a table.
+-- these as a table. estimate/rank.lua adds the rest of a rank's story
+-- (staging, swap files, NVMe traffic, every placement), re-exported here.
 --
 --   local estimate = require("luazero.estimate")
 --   local r = estimate.model_states(1.5e9, 8, 3, { dtype = "bf16" })  -- r.device, r.cpu
@@ -24,7 +25,37 @@ for _, name in ipairs({ "fp32", "bf16", "fp16" }) do
 end
 M.dtype_bytes = dtype_bytes
 
+-- The model-state table's rows (the ZeRO paper's placements).
 M.offloads = { "none", "cpu", "cpu+param" }
+
+-- Every placement the engine has: where offload_optimizer (opt) and
+-- offload_param (param) put their states. "nvme": the optimizer's states
+-- in swap files; "nvme+param": the parameter shard there too;
+-- "cpu+nvme-param": the optimizer in host memory, the parameter shard on
+-- NVMe; "nvme+cpu-param" the other way round; "cpu-param", "nvme-param":
+-- the parameter shard alone off the device.
+M.placements = {
+  { name = "none", opt = "none", param = "none" },
+  { name = "cpu", opt = "cpu", param = "none" },
+  { name = "cpu+param", opt = "cpu", param = "cpu" },
+  { name = "nvme", opt = "nvme", param = "none" },
+  { name = "nvme+param", opt = "nvme", param = "nvme" },
+  { name = "cpu+nvme-param", opt = "cpu", param = "nvme" },
+  { name = "nvme+cpu-param", opt = "nvme", param = "cpu" },
+  { name = "cpu-param", opt = "none", param = "cpu" },
+  { name = "nvme-param", opt = "none", param = "nvme" },
+}
+local placement_of = {}
+for _, pl in ipairs(M.placements) do placement_of[pl.name] = pl end
+M.placement_of = placement_of
+
+-- The placement's name for offload_optimizer and offload_param devices
+-- (nil where none is named: nvme optimizer beside cpu parameters).
+function M.placement_name(opt, param)
+  for _, pl in ipairs(M.placements) do
+    if pl.opt == opt and pl.param == param then return pl.name end
+  end
+end
 
 local function check_count(what, v, min)
   if type(v) ~= "number" or v ~= v or v < min or v ~= math.floor(v) or v == math.huge then
@@ -32,7 +63,7 @@ local function check_count(what, v, min)
   end
 end
 
-local function check_dtype(dtype)
+function M.check_dtype(dtype)
   local b = dtype_bytes[dtype or "bf16"]
   if not b then
     error(("estimate: dtype must be fp32, bf16 or fp16 (got %s)"):format(tostring(dtype)), 0)
@@ -52,12 +83,23 @@ end
 -- "cpu" (offload_optimizer) or "cpu+param" (and offload_param); device
 -- "cuda" (an accelerator: host and device memory apart; the default) or
 -- "cpu" (one memory: what a CPU run's ledger shows).
-function M.plan(stage, dtype, offload, grads, device)
+function M.plan(stage, dtype, offload, grads, device, extra)
+  local pl = placement_of[offload or "none"]
+  if not pl then
+    error(("estimate: offload must be %s (got %s)"):format(M.placement_list(), tostring(offload)), 0)
+  end
+  extra = extra or {}
   return Placement.new{
     stage = stage, dtype = dtype, grad_dtype = grads == "working" and dtype or "fp32",
-    offload_optimizer = offload ~= "none" and "cpu" or "none",
-    offload_param = offload == "cpu+param" and "cpu" or "none", device = device or "cuda",
+    offload_optimizer = pl.opt, offload_param = pl.param, device = device or "cuda",
+    accum = extra.accum, optimizer_states = extra.states,
   }
+end
+
+function M.placement_list()
+  local names = {}
+  for _, pl in ipairs(M.placements) do names[#names + 1] = pl.name end
+  return table.concat(names, ", ")
 end
 
 -- Per-rank model-state bytes for `params` parameters at world size `world`
@@ -81,16 +123,17 @@ function M.model_states(params, world, stage, opts)
   check_count("the world size", world, 1)
   check_count("the stage", stage, 0)
   if stage > 3 then error("estimate: stage must be 0..3 (got " .. stage .. ")", 0) end
-  local b = check_dtype(opts.dtype)
+  local b = M.check_dtype(opts.dtype)
   grad_bytes(opts.grads, b)
   local offload = opts.offload or "none"
   local persistent = opts.persistent or 0
   check_count("the persistent parameter count", persistent, 0)
-  if offload ~= "none" and offload ~= "cpu" and offload ~= "cpu+param" then
-    error(("estimate: offload must be none, cpu or cpu+param (got %s)"):format(tostring(offload)), 0)
+  local pl = placement_of[offload]
+  if not pl then
+    error(("estimate: offload must be %s (got %s)"):format(M.placement_list(), tostring(offload)), 0)
   end
-  if (offload ~= "none" and not Placement.stage_allows("offload_optimizer", stage)) or
-     (offload == "cpu+param" and not Placement.stage_allows("offload_param", stage)) then
+  if (pl.opt ~= "none" and not Placement.stage_allows("offload_optimizer", stage)) or
+     (pl.param ~= "none" and not Placement.stage_allows("offload_param", stage)) then
     return nil
   end
   local full, shard = params, math.ceil(params / world)
@@ -102,7 +145,9 @@ function M.model_states(params, world, stage, opts)
               world = world, shard = shard, persistent = persistent, plan = plan,
               device_parts = { params = dev.params, grads = dev.grads, optimizer = dev.optimizer },
               cpu_parts = { params = cpu.params, grads = cpu.grads, optimizer = cpu.optimizer },
-              device = dev.total, cpu = cpu.total }
+              nvme_parts = { params = by.nvme.params, grads = by.nvme.grads,
+                             optimizer = by.nvme.optimizer },
+              device = dev.total, cpu = cpu.total, nvme = by.nvme.total }
   return r
 end
 
@@ -110,7 +155,7 @@ end
 -- persistent parameters; "device | cpu" with offload. The plan's bytes at
 -- unit counts give each term's coefficient.
 function M.formula(stage, dtype, offload, grads, device)
-  check_dtype(dtype)
+  M.check_dtype(dtype)
   offload = offload or "none"
   local plan = M.plan(stage, dtype, offload, grads, device)
   local function coeffs(counts)
@@ -201,10 +246,28 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
     end
     too_big[#too_big + 1] = ("stage %d needs %s"):format(stage, M.format_bytes(r.device))
   end
-  return 3, ("%s per rank; budget %s: no stage fits (stage %d needs the least, %s); picked " ..
+  local head = ("%s per rank; budget %s"):format(table.concat(too_big, ", "),
+                                                M.format_bytes(budget_bytes))
+  local nvme_note = ""
+  if opts.nvme then
+    local pick, why, need = M.pick_nvme(params, world, budget_bytes, dtype, opts)
+    if pick then
+      if not opts.nvme_path then
+        error(("stage auto: %s: no stage fits in memory; stage 3 with %s needs %s and fits: " ..
+               "give --nvme-path DIR (a directory on a fast disk for the swap files) or set " ..
+               "zero_optimization.offload_optimizer.nvme_path"):format(head, why,
+               M.format_bytes(need)), 0)
+      end
+      return 3, ("%s: no stage fits in memory; stage 3 with %s needs %s: picked stage 3, %s " ..
+                 "(nvme_path %s)"):format(head, why, M.format_bytes(need), why, opts.nvme_path),
+             true, pick
+    end
+    nvme_note = ("; NVMe does not fit either (stage 3 with %s needs %s)"):format(why,
+                                                                               M.format_bytes(need))
+  end
+  return 3, ("%s: no stage fits (stage %d needs the least, %s)%s; picked " ..
              "stage 3, which more ranks shrink: offload, more ranks or a larger budget would help")
-            :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes), least.stage,
-                    M.format_bytes(least.device)), false
+            :format(head, least.stage, M.format_bytes(least.device), nvme_note), false
 end
 
 ------------------------------------------------------------------ models
@@ -307,6 +370,12 @@ function M.deepspeed_zero3(total, largest_layer, gpus_per_node, nodes, cpu_offlo
           or total * 4 * gpus_per_node * factor
   end
   return math.floor(cpu), math.floor(gpu)
+end
+
+-- The per-rank half (estimate/rank.lua): rank, counts, rank_table, pick_nvme, ...
+for k, v in pairs(require("luazero.estimate.rank")) do
+  assert(M[k] == nil, "estimate: two halves define " .. k)
+  M[k] = v
 end
 
 return M

@@ -5,8 +5,270 @@
 local estimate = require("luazero.estimate")
 local gpt2 = require("models.gpt2")
 local lz = require("luazero")
+local ffi = require("ffi")
 
 local T = {}
+
+------------------------------------------------------ against the engine
+
+-- Every stage x offload_optimizer x offload_param the engine allows, built
+-- on a tiny GPT-2 (and LoRA on a tiny Llama), one optimizer step taken: the
+-- estimator's host bytes against the ledger's growth (params, grads,
+-- optimizer, offload: a cpu rank's one memory), its NVMe bytes against the
+-- swap files on disk (the engine unlinks them at once: found through
+-- /proc/PID/fd), its NVMe reads and writes per step against the swap
+-- files' counters, and engine:estimate() against both. Runs in this process
+-- (world 1) and as a script under the launcher (world 2):
+--   luazero -n 2 tests/lua/test_estimate.lua check CORPUS SWAP_DIR
+pcall(ffi.cdef, "int getpid(void);")
+local TOLERANCE = 0.05
+
+-- Bytes of this process's swap files under dir.
+local function swap_file_bytes(dir)
+  local p = io.popen(("for f in /proc/%d/fd/*; do case \"$(readlink $f)\" in '%s'/luazero-swap-*) " ..
+                      "stat -L -c %%s $f;; esac; done 2>/dev/null"):format(ffi.C.getpid(), dir))
+  local n = 0
+  for l in p:lines() do n = n + tonumber(l) end
+  p:close()
+  return n
+end
+
+-- Bytes an engine's swap files have read and written: engine:nvme_bytes()
+-- (the metrics log's), and the frozen parameters' file, which it leaves out.
+local function nvme_io(engine)
+  local r, w = engine:nvme_bytes()
+  local fps = engine.fstore and engine.fstore.pshard
+  if fps then
+    local st = fps.swap:stats()
+    r, w = (r or 0) + st.bytes_read, (w or 0) + st.bytes_written
+  end
+  return r, w
+end
+
+local function close_to(got, want)
+  if want == 0 then return got == 0 end
+  return math.abs(got - want) <= TOLERANCE * want
+end
+
+-- The cases: placements x stages x dtypes, the LoRA ones, and accumulation.
+-- Beside the figures each case checks what the engine is described to do
+-- (docs/offload.md, docs/zero.md): the fp32 gradient shard on NVMe with the
+-- optimizer there at stage >= 2, frozen parameters sharded at stage 3 where
+-- offload_param puts the working shard.
+local function cases()
+  local list = {}
+  for _, dtype in ipairs({ "bf16", "fp32" }) do
+    for _, pl in ipairs(estimate.placements) do
+      for stage = 0, 3 do
+        -- overlap_comm changes what stage 3 reads ahead and holds at once
+        for _, overlap in ipairs(stage == 3 and { false, true } or { false }) do
+          list[#list + 1] = { stage = stage, pl = pl, dtype = dtype, overlap = overlap }
+        end
+      end
+    end
+  end
+  for _, name in ipairs({ "none", "cpu+param", "nvme+param" }) do
+    local pl = estimate.placement_of[name]
+    for stage = 0, 3 do
+      list[#list + 1] = { stage = stage, pl = pl, dtype = "bf16", lora = true, overlap = stage == 3 }
+    end
+  end
+  -- Accumulation: the gradient file read back, the parameter file read per micro-step.
+  for _, c in ipairs({ { 2, "nvme" }, { 3, "nvme" }, { 3, "nvme+param" } }) do
+    list[#list + 1] = { stage = c[1], pl = estimate.placement_of[c[2]], dtype = "bf16",
+                        overlap = c[1] == 3, accum = 3 }
+  end
+  return list
+end
+
+-- Runs every case on `device` ("cpu": one memory; "sim": device memory
+-- apart, the host's the pinned staging, as on a GPU); say(line) reports
+-- "ok ..." or "BAD ...", pending(line) what the engine does not have yet.
+-- Returns the count of bad cases.
+local function check_engines(comm, corpus, swap_dir, say, pending, device)
+  device = device or "cpu"
+  local zero = require("luazero.zero")
+  local data = require("luazero.data")
+  local llama = require("models.llama")
+  local Placement = require("luazero.zero.plan")
+  local rank, world = comm.rank(), comm.size()
+  local bad, pend = 0, {}
+  for _, c in ipairs(cases()) do
+    local pl, stage = c.pl, c.stage
+    local allowed = (pl.opt == "none" or Placement.stage_allows("offload_optimizer", stage)) and
+                    (pl.param == "none" or Placement.stage_allows("offload_param", stage))
+    -- On a device the optimizer there cannot update a working shard kept
+    -- in host memory or on NVMe (adamw_step refuses the mixed devices).
+    local on_device_alone = device ~= "cpu" and pl.opt == "none" and pl.param ~= "none"
+    if allowed and on_device_alone then
+      pend["offload_param without offload_optimizer on a device (the engine's optimizer " ..
+           "on the device cannot update the offloaded working shard)"] = true
+    end
+    if (device == "cpu" or c.dtype == "bf16") and allowed and not on_device_alone then
+      local name = ("world %d %s stage %d %s %s%s%s%s"):format(world, device, stage, c.dtype,
+                   pl.name, c.overlap and " overlap" or "", c.lora and " lora" or "",
+                   c.accum and (" accumulation " .. c.accum) or "")
+      local function dev(d)
+        return d ~= "none" and { device = d, nvme_path = swap_dir, buffer_count = 3 } or nil
+      end
+      local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = c.accum or 1,
+                    bf16 = { enabled = c.dtype == "bf16" },
+                    zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600,
+                                          sub_group_size = 4096, overlap_comm = c.overlap,
+                                          offload_optimizer = dev(pl.opt),
+                                          offload_param = dev(pl.param) },
+                    optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+      local model, vocab
+      if c.lora then
+        local mc = llama.config("llama-tiny", { context = 16 })
+        model, vocab = llama.new(mc), mc.vocab
+        require("models.lora").apply(model, { r = 4, targets = { "q_proj", "v_proj" } })
+      else
+        local mc = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+        model, vocab = gpt2.new(mc), mc.vocab
+      end
+      local counts = estimate.counts(model, world, 600)
+      jit.flush(); collectgarbage(); collectgarbage()
+      local before, before_dev = lz.mem(), lz.mem_device()
+      local engine = zero.initialize({ model = model, config = cfg, seed = 1, batch = { 2, 16 },
+                                       comm = comm, device = device })
+      local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = vocab, rank = rank,
+                                           world = world })
+      engine:train_batch(loader)
+      local r0, w0 = nvme_io(engine)
+      engine:train_batch(loader)
+      local r1, w1 = nvme_io(engine)
+      -- A cpu rank's one memory is all host; on sim the device's ledger
+      -- holds the device tier and the host's offload category the rest.
+      local m, md = lz.mem(), lz.mem_device()
+      local host, dev_bytes = 0, 0
+      for _, cat in ipairs({ "params", "grads", "optimizer", "offload" }) do
+        host = host + m[cat] - before[cat]
+        if device ~= "cpu" and cat ~= "offload" then dev_bytes = dev_bytes + md[cat] - before_dev[cat] end
+      end
+      local files = swap_file_bytes(swap_dir)
+      local r = estimate.rank(counts, estimate.settings_of(cfg, device == "cpu" and "cpu" or "cuda"))
+      local live = engine:estimate()
+      local why
+      if not close_to(host, estimate.kept(r, "host")) then
+        why = ("host bytes: the ledger %d, the estimate %d"):format(host, estimate.kept(r, "host"))
+      elseif not close_to(dev_bytes, estimate.kept(r, "device")) then
+        why = ("device bytes: the ledger %d, the estimate %d"):format(dev_bytes,
+                                                                     estimate.kept(r, "device"))
+      elseif not close_to(files, r.nvme.total) then
+        why = ("NVMe bytes: swap files %d, the estimate %d"):format(files, r.nvme.total)
+      elseif r0 and not (close_to(r1 - r0, r.traffic.read) and close_to(w1 - w0, r.traffic.written)) then
+        why = ("NVMe bytes per step: read %d written %d, the estimate %d and %d")
+              :format(r1 - r0, w1 - w0, r.traffic.read, r.traffic.written)
+      elseif not r0 and r.traffic.read + r.traffic.written > 0 then
+        why = "the estimate moves NVMe bytes; the engine has no swap files"
+      elseif live.host.total ~= r.host.total or live.nvme.total ~= r.nvme.total or
+             live.live.nvme ~= files then
+        why = ("engine:estimate() host %d nvme %d (swap files %d), the estimate %d and %d")
+              :format(live.host.total, live.nvme.total, live.live.nvme, r.host.total, r.nvme.total)
+      end
+      -- What the engine is described to do (docs/offload.md), where it may not yet.
+      local P = engine:plan()
+      if pl.opt == "nvme" and stage >= 2 then
+        if P.opt_grads.tier ~= "nvme" then
+          pend["the fp32 gradient shard on NVMe (plan opt_grads tier nvme) with " ..
+               "offload_optimizer nvme at stage >= 2"] = true
+        elseif not why and not (r.nvme.gradients and (r.host.grads or 0) == 0) then
+          why = "the gradient shard is not on NVMe in the estimate"
+        end
+      end
+      if c.lora and stage == 3 then
+        if not (P.frozen and P.frozen.extent == "shard") then
+          pend["frozen parameters sharded at stage 3 (plan frozen extent shard)"] = true
+        elseif not why and pl.param == "nvme" and not r.nvme.frozen then
+          why = "the frozen shard is not on NVMe in the estimate"
+        end
+      end
+      if why then
+        bad = bad + 1
+        say(("BAD  %s: %s"):format(name, why))
+      else
+        say(("ok   %s: host %d, nvme %d, per step read %d written %d"):format(name, host, files,
+            r.traffic.read, r.traffic.written))
+      end
+      engine:free()
+      loader:free()
+    end
+  end
+  for what in pairs(pend) do pending(what) end
+  return bad
+end
+
+-- As a script under the launcher (world 2): "check CORPUS SWAP_DIR".
+if arg and arg[1] == "check" and (arg[0] or ""):find("test_estimate%.lua$") then
+  local comm = require("luazero.comm").init()
+  local corpus = require("luazero.data").load(arg[2])
+  local rank = comm.rank()
+  local function say(line) if rank == 0 then print(line) end end
+  local bad = check_engines(comm, corpus, arg[3], say, function(what) say("pending: " .. what) end)
+  corpus.tokens:free()
+  say(("done: %d bad"):format(bad))
+  return T
+end
+
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local write_file, scratch = support.scratch()
+local corpus_path = write_file("corpus.txt", ("Now is the winter of our discontent\nMade " ..
+                                              "glorious summer by this sun of York;\n"):rep(40))
+local swap_dir = scratch .. "/nvme"
+os.execute("mkdir -p " .. support.quote(swap_dir))
+
+local function report(n, out)
+  local oks = select(2, out:gsub("ok   world", ""))
+  for what in out:gmatch("pending: ([^\n]+)") do
+    print("    PENDING (skipped, the engine does not have it yet): " .. what)
+  end
+  assert(out:find("done: 0 bad", 1, true) and oks > 0, out)
+  print(("    world %d: %d engines: host, NVMe and per-step NVMe bytes within %d%% of the " ..
+         "estimate"):format(n, oks, TOLERANCE * 100))
+end
+
+function T.host_and_nvme_bytes_match_the_engine_at_world_1()
+  local comm = require("luazero.comm").init("local")
+  -- Steps of a tiny model: one thread is faster than two waiting on each other.
+  local threads = lz.threads()
+  lz.threads(1)
+  local corpus = require("luazero.data").load(corpus_path)
+  local lines = {}
+  local ok, bad = pcall(check_engines, comm, corpus, swap_dir,
+                        function(l) lines[#lines + 1] = l end,
+                        function(what) lines[#lines + 1] = "pending: " .. what end)
+  corpus.tokens:free()
+  lz.threads(threads)
+  if not ok then error(bad, 0) end
+  lines[#lines + 1] = ("done: %d bad"):format(bad)
+  report(1, table.concat(lines, "\n"))
+end
+
+-- On sim (device memory apart from the host's, as on a GPU): the pinned
+-- staging, the reduced gradients' host copies, the pushed working shard.
+function T.device_host_and_nvme_bytes_match_the_engine_on_sim()
+  local comm = require("luazero.comm").init("local")
+  local threads = lz.threads()
+  lz.threads(1)
+  local corpus = require("luazero.data").load(corpus_path)
+  local lines = {}
+  local ok, bad = pcall(check_engines, comm, corpus, swap_dir,
+                        function(l) lines[#lines + 1] = l end,
+                        function(what) lines[#lines + 1] = "pending: " .. what end, "sim")
+  corpus.tokens:free()
+  lz.threads(threads)
+  if not ok then error(bad, 0) end
+  lines[#lines + 1] = ("done: %d bad"):format(bad)
+  report(1, table.concat(lines, "\n"))
+end
+
+function T.host_and_nvme_bytes_match_the_engine_at_world_2()
+  local out = support.sh(("cd %s && %s -n 2 tests/lua/test_estimate.lua check %s %s")
+                         :format(support.quote(lz.root), support.quote(lz.executable()),
+                                 support.quote(corpus_path), support.quote(swap_dir)))
+  report(2, out)
+end
 
 local function named(name) return gpt2.new(gpt2.config(name)) end
 
@@ -261,6 +523,179 @@ function T.tools_estimate_refuses_out_of_range_numbers_with_one_line()
     assert(out:find("^estimate: ") and out:find(c[2], 1, true) and select(2, out:gsub("\n", "")) == 1,
            c[1] .. ":\n" .. out)
   end
+end
+
+
+------------------------------------------------------------ NVMe, by hand
+
+-- One rank, bf16, stage 3, a bare count of 2^20 parameters: shards of 2^20,
+-- sub-groups of 2^18 elements (4 of them), buffer_count 4.
+function T.nvme_bytes_and_traffic_by_hand()
+  local n, G = 2 ^ 20, 2 ^ 18
+  local counts = estimate.counts_of_params(n, 1, 0)
+  local function rank(offload, accum)
+    return estimate.rank(counts, { stage = 3, dtype = "bf16", offload = offload, device = "cpu",
+                                   sub_group_size = G, accum = accum })
+  end
+  local r = rank("nvme", 1)
+  eq(r.groups, 4, "sub-groups")
+  -- master, m and v: 12 bytes an element, in a file, read and written once
+  -- a step; the fp32 gradients, 4 bytes, in another: written as backward
+  -- completes each sub-group, read by the optimizer.
+  eq(r.nvme.optimizer, 12 * n, "the optimizer's swap file")
+  eq(r.nvme.gradients, 4 * n, "the gradient file")
+  eq(r.traffic.read, 16 * n, "read per step"); eq(r.traffic.written, 16 * n, "written per step")
+  eq(r.host["optimizer staging"], 4 * 12 * G, "4 staging buffers of master + m + v")
+  -- (each at least 2 MiB: 2^19 f32 elements, not G)
+  eq(r.host["gradient staging"], 4 * 2 ^ 21, "and 4 of a sub-group's gradients")
+  eq(r.disk_s, 16 * n / 1.9e9 + 16 * n / 1.1e9, "the disk's time at 1.9 / 1.1 GB/s")
+  assert(not r.host.optimizer and not r.host.grads, "no optimizer states or gradients in memory")
+  -- Accumulation: each micro-step after the first reads the gradients back.
+  local r4 = rank("nvme", 4)
+  eq(r4.traffic.parts.gradients.read, 4 * 4 * n, "3 read-backs + the optimizer's")
+  eq(r4.traffic.parts.gradients.written, 4 * 4 * n, "written every micro-step")
+  -- The parameter shard too: bf16, read per forward and backward gather
+  -- of every micro-step, written once a step, plus a page of slack.
+  r = rank("nvme+param", 2)
+  eq(r.nvme.params, 2 * n + 4096, "the parameter swap file")
+  eq(r.traffic.parts.parameters.read, 2 * 2 * 2 * n, "2 micro-steps x (forward + backward)")
+  eq(r.traffic.parts.parameters.written, 2 * n, "written once")
+  -- (each of the ring's working-copy buffers at least 2 MiB: 2^20 bf16 elements, not G)
+  eq(r.host["update staging"], 4 * 2 ^ 21, "the ring's working-copy buffers")
+  -- Staging buffers are at least 2 MiB (huge pages): a tiny model pays that.
+  local tiny = estimate.rank(estimate.counts_of_params(1000, 1, 0),
+                             { stage = 3, dtype = "bf16", offload = "nvme", device = "cpu" })
+  eq(tiny.host["optimizer staging"], 2 ^ 21, "one group, one 2 MiB buffer")
+  assert(estimate.rank(counts, { stage = 2, offload = "nvme+param" }) == nil,
+         "offload_param needs stage 3")
+end
+
+function T.pick_stage_falls_back_on_nvme_and_asks_for_a_path()
+  -- 1e8 fp32 parameters, one rank: every stage needs 16 bytes a parameter
+  -- in memory (1.5 GiB); with the optimizer's m and v on NVMe, 8 bytes and
+  -- 4 staging buffers of a sub-group's m and v (sub-groups of 1e7 rounded
+  -- up to a multiple of 2048 elements).
+  -- (An engine that spills the gradient shard to NVMe keeps 4 bytes and 4
+  -- gradient buffers of a sub-group instead.)
+  local n, budget, G = 1e8, 1.2e9, 10000384
+  local spill = estimate.plan(3, "fp32", "nvme", nil, "cpu").opt_grads.tier == "nvme"
+  local opts = { nvme = true, device = "cpu",
+                 settings = { sub_group_size = 1e7, param_buffer_size = 1e6 } }
+  local need = spill and 4 * n + 4 * 2 * G * 4 + 4 * G * 4 or 8 * n + 4 * 2 * G * 4
+  local ok, err = pcall(estimate.pick_stage, n, 1, budget, "fp32", opts)
+  assert(not ok and err:find(("no stage fits in memory; stage 3 with the optimizer states on " ..
+                              "NVMe needs %s and fits: give --nvme-path DIR")
+                             :format(estimate.format_bytes(need)), 1, true), err)
+  opts.nvme_path = "/nvme"
+  local stage, why, fits, placement = estimate.pick_stage(n, 1, budget, "fp32", opts)
+  assert(stage == 3 and fits and placement == "nvme", why)
+  assert(why:find("picked stage 3, the optimizer states on NVMe (nvme_path /nvme)", 1, true), why)
+  -- Smaller still: the parameter shard goes too (1.06e9: the gradients,
+  -- the ring's master, m and v (an fp32 master of its own now) and working
+  -- copies, 5 parameter reads of 1e6).
+  stage, why, fits, placement = estimate.pick_stage(n, 1, 1.1e9, "fp32", opts)
+  assert(fits and (placement == "nvme+param" or spill and placement == "nvme"), why)
+  -- Nothing fits: stage 3, as before, saying what NVMe would need.
+  stage, why, fits, placement = estimate.pick_stage(n, 1, 1e6, "fp32", opts)
+  assert(stage == 3 and not fits and not placement and
+         why:find("NVMe does not fit either", 1, true), why)
+  -- A budget a stage fits is unchanged by the NVMe rows.
+  assert(estimate.pick_stage(n, 1, 2e9, "fp32", opts) == 0)
+end
+
+function T.engine_estimate_is_the_tools_figures_for_the_live_engine()
+  local zero = require("luazero.zero")
+  local mc = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+  local cfg = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
+                zero_optimization = { stage = 3, sub_group_size = 4096, offload_optimizer =
+                                      { device = "nvme", nvme_path = swap_dir } } }
+  local engine = zero.initialize({ model = gpt2.new(mc), config = cfg, seed = 1,
+                                   batch = { 2, 16 }, comm = require("luazero.comm").init("local") })
+  local r = engine:estimate()
+  local want = estimate.rank(estimate.counts(gpt2.new(mc), 1), estimate.settings_of(cfg, "cpu"))
+  eq(r.host.total, want.host.total, "host"); eq(r.nvme.total, want.nvme.total, "nvme")
+  eq(r.live.nvme, want.nvme.total, "the engine's swap files")
+  eq(r.live.staging, want.host["optimizer staging"] + want.host["gradient staging"],
+     "the engine's staging")
+  local text = tostring(r)
+  assert(text:find("ZeRO stage 3, nvme, per rank: ", 1, true) and
+         text:find("nvme per optimizer step: ", 1, true), text)
+  engine:free()
+end
+
+function T.tools_estimate_has_nvme_rows_lora_and_json()
+  local out, status = run_tool("--model llama-tiny --lora-r 4 --world 2 --budget 1GiB --json 1")
+  assert(status == 0, out)
+  local j = require("cjson").decode(out)
+  local llama = require("models.llama")
+  local m = llama.new(llama.config("llama-tiny"))
+  local base = m.n_params
+  local n = require("models.lora").apply(m, { r = 4, targets = { "q_proj", "v_proj" } })
+  assert(n > 0)
+  local trainable = select(2, m:trainable_table())
+  eq(j.params.trainable, trainable, "adapters train")
+  eq(j.params.frozen, base, "the base is frozen")
+  local seen = {}
+  for _, row in ipairs(j.rows) do
+    seen[row.stage .. " " .. row.placement] = row
+    assert(row.host.total and row.device.total and row.nvme.total, out)
+  end
+  for _, k in ipairs({ "3 nvme", "3 nvme+param", "3 cpu+nvme-param", "1 nvme", "2 nvme" }) do
+    assert(seen[k], k .. " missing:\n" .. out)
+  end
+  assert(seen["3 nvme+param"].nvme_read > 0 and seen["3 nvme"].device.frozen, out)
+  assert(j.disk.assumed and j.disk.read_gbps == 1.9, out)
+  out, status = run_tool("--params 1e9 --world 8 --read-gbps 3 --write-gbps 2 --sub-group-size 1e8")
+  assert(status == 0, out)
+  local row = out:match("\n  3     nvme%+param  [^\n]*")
+  assert(row, out)
+  assert(out:find("disk: 3.00 GB/s read, 2.00 GB/s write;", 1, true), out)
+  -- A DeepSpeed config's settings: Lion (master and m), 2 staging
+  -- buffers, sub-groups of 1e7 (10000384 elements), 4 micro-steps a step.
+  local cfg = write_file("ds.json", '{"train_micro_batch_size_per_gpu": 1, ' ..
+    '"gradient_accumulation_steps": 4, "bf16": {"enabled": true}, "optimizer": {"type": ' ..
+    '"Lion", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 3, "sub_group_size": 1e7, ' ..
+    '"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 2}}}')
+  out, status = run_tool("--params 1e8 --json 1 --config " .. support.quote(cfg))
+  assert(status == 0, out)
+  local G = 10000384
+  for _, row in ipairs(require("cjson").decode(out).rows) do
+    if row.stage == 3 and row.placement == "nvme" then
+      eq(row.host["optimizer staging"], 2 * 2 * G * 4, "2 buffers of master + m")
+      eq(row.host["gradient staging"], 2 * G * 4, "2 buffers of gradients")
+      eq(row.nvme_parts.gradients.written, 4 * 10 * G * 4, "the gradient file, 4 micro-steps")
+      seen.config = true
+    end
+  end
+  assert(seen.config, out)
+  -- Measured through the swap file's own I/O on the disk given.
+  out, status = run_tool("--params 1e9 --measure-disk " .. support.quote(swap_dir))
+  local rd, wr = out:match("disk: ([%d.]+) GB/s read, ([%d.]+) GB/s write %(measured in ")
+  assert(status == 0 and tonumber(rd) > 0 and tonumber(wr) > 0, out)
+  out, status = run_tool("--params 1e9 --lora-r 4")
+  assert(status == 2 and out:find("--lora-r and --lora-targets go with --model", 1, true), out)
+end
+
+-- The trainer's --stage auto on a budget no stage fits in memory: stage 3
+-- with the optimizer states on NVMe, said at start-up; without a path, an
+-- error naming --nvme-path.
+function T.stage_auto_picks_nvme_in_the_trainer()
+  local cfg = write_file("auto.json", '{"train_micro_batch_size_per_gpu": 2, ' ..
+                         '"zero_optimization": {"stage": "auto", "sub_group_size": 65536}}')
+  local base = ("cd %s && %s scripts/train.lua --model gpt2-nano --n-embd 256 --n-head 4 " ..
+                "--n-layer 4 --seq-len 32 --data %s --steps 1 --config %s --memory-budget 40MiB")
+               :format(support.quote(lz.root), support.quote(lz.executable()),
+                       support.quote(corpus_path), support.quote(cfg))
+  local out, status = support.sh(base)
+  assert(status == 2 and out:find("give --nvme-path DIR", 1, true), out)
+  out = support.sh(base .. " --nvme-path " .. support.quote(swap_dir))
+  assert(out:find("picked stage 3, the optimizer states on NVMe (nvme_path " .. swap_dir, 1, true),
+         out)
+  assert(out:find("zero stage 3,", 1, true) and out:find("offload: optimizer states on nvme", 1, true),
+         out)
+  out, status = support.sh(base:gsub("%-%-config %S+", "--stage 2") .. " --nvme-path /nvme")
+  assert(status == 2 and out:find("train: --nvme-path is where --stage auto puts swap files", 1,
+                                   true), out)
 end
 
 return T

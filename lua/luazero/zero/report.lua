@@ -125,4 +125,36 @@ end
 
 function M:model_state_bytes() return self:state_bytes().total end
 
+-- What tools/estimate figures for this engine, per rank: device, host and
+-- NVMe bytes part by part (states, frozen parameters, staging, comm
+-- buffers), the NVMe bytes read and written per optimizer step and the
+-- step time the disk allows (opts: read_gbps, write_gbps; luazero.estimate's
+-- assumed figures else). Beside them, live: what this engine holds now
+-- where it can say without the process-wide ledger: staging (its offload
+-- staging buffers) and nvme (its swap files' sizes). print() shows it.
+function M:estimate(opts)
+  local estimate = require("luazero.estimate")
+  local o = estimate.settings_from(self.s, self.dev == "cpu" and "cpu" or "cuda",
+                                   self.optimizer.states)
+  for k, v in pairs(opts or {}) do o[k] = v end
+  local r = estimate.rank(estimate.counts(self.model, self.world, self.s.persistence), o)
+  local st = self.states
+  local staging, nvme = st:staging_bytes(), 0
+  if self.pshard then
+    for _, t in ipairs(self.pshard.all_stages) do staging = staging + t:bytes() end
+    nvme = nvme + self.pshard.swap:stats().size
+  end
+  local fps = self.fstore and self.fstore.pshard -- frozen parameters on NVMe
+  if fps then
+    for _, t in ipairs(fps.all_stages) do staging = staging + t:bytes() end
+    nvme = nvme + fps.swap:stats().size
+  end
+  if st.swap then nvme = nvme + st.swap:stats().size end
+  if self.spill then nvme = nvme + self.spill.swap:stats().size end
+  r.live = { staging = staging, nvme = nvme }
+  return setmetatable(r, { __tostring = function(t)
+    return table.concat(estimate.rank_lines(t), "\n")
+  end })
+end
+
 return M
