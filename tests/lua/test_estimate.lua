@@ -33,17 +33,9 @@ local function swap_file_bytes(dir)
   return n
 end
 
--- Bytes an engine's swap files have read and written: engine:nvme_bytes()
--- (the metrics log's), and the frozen parameters' file, which it leaves out.
-local function nvme_io(engine)
-  local r, w = engine:nvme_bytes()
-  local fps = engine.fstore and engine.fstore.pshard
-  if fps then
-    local st = fps.swap:stats()
-    r, w = (r or 0) + st.bytes_read, (w or 0) + st.bytes_written
-  end
-  return r, w
-end
+-- Bytes an engine's swap files have read and written (the metrics log's
+-- figure, the frozen parameters' file included).
+local function nvme_io(engine) return engine:nvme_bytes() end
 
 local function close_to(got, want)
   if want == 0 then return got == 0 end
@@ -98,11 +90,16 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
     local allowed = (pl.opt == "none" or Placement.stage_allows("offload_optimizer", stage)) and
                     (pl.param == "none" or Placement.stage_allows("offload_param", stage))
     -- On a device the optimizer there cannot update a working shard kept
-    -- in host memory or on NVMe (adamw_step refuses the mixed devices).
+    -- in host memory or on NVMe: the plan refuses it, naming the fix.
     local on_device_alone = device ~= "cpu" and pl.opt == "none" and pl.param ~= "none"
     if allowed and on_device_alone then
-      pend["offload_param without offload_optimizer on a device (the engine's optimizer " ..
-           "on the device cannot update the offloaded working shard)"] = true
+      local ok, err = pcall(Placement.new, { stage = stage, offload_param = pl.param,
+                                             device = device })
+      if ok or not tostring(err):find("add offload_optimizer", 1, true) then
+        bad = bad + 1
+        say(("BAD  stage %d offload_param %s on %s without offload_optimizer: %s")
+            :format(stage, pl.param, device, ok and "accepted" or tostring(err)))
+      end
     end
     if (device == "cpu" or c.dtype == "bf16") and allowed and not on_device_alone then
       local name = ("world %d %s stage %d %s %s%s%s%s"):format(world, device, stage, c.dtype,

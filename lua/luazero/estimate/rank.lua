@@ -227,6 +227,7 @@ function M.rank(counts, opts)
     return nil
   end
   local device = opts.device or "cuda"
+  if not Placement.placement_allowed(device, opt, param) then return nil end
   local accum = opts.accum or 1
   local P = Placement.new{ stage = stage, dtype = dtype,
                            grad_dtype = opts.grads == "working" and dtype or "fp32",

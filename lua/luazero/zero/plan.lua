@@ -46,6 +46,14 @@ M.offload_stages = {
 -- the device at ZeRO stage `stage`.
 function M.stage_allows(key, stage) return stage >= M.offload_stages[key].least end
 
+-- Whether offload_optimizer and offload_param (none|cpu|nvme) may go
+-- together on `device`: on an accelerator the parameter shard leaves the
+-- device only with the optimizer (which updates it where it lives).
+function M.placement_allowed(device, offload_optimizer, offload_param)
+  return (device or "cpu") == "cpu" or (offload_param or "none") == "none" or
+         (offload_optimizer or "none") ~= "none"
+end
+
 -- The states a plan places, in the order it prints them.
 M.states = { "params", "grads", "opt_grads", "master" }
 
@@ -85,6 +93,11 @@ function M.new(opts)
     if tier ~= "device" and not M.stage_allows(key, stage) then
       error(("plan: %s needs %s"):format(key, M.offload_stages[key].names), 0)
     end
+  end
+  if not M.placement_allowed(device, opts.offload_optimizer, opts.offload_param) then
+    error(("plan: offload_param (device: %s) on a %s device needs the optimizer off the device " ..
+           "too: it updates the working shard where that lives; add offload_optimizer " ..
+           "(device: cpu or nvme)"):format(opts.offload_param, device), 0)
   end
   -- Where the optimizer computes: on the device, or on the host (its states
   -- in host memory or staged there from NVMe). It updates in place what is

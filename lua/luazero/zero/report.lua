@@ -79,7 +79,14 @@ function M:copy_wait_s() return self.copy_wait end
 function M:nvme_bytes()
   local P = self.P
   if P.optimizer.tier ~= "nvme" and P.params.tier ~= "nvme" then return nil end
-  return self.states:io_bytes()
+  local r, w = self.states:io_bytes()
+  -- (the frozen parameters' own file at stage 3)
+  local ps = self.fstore and self.fstore.pshard
+  if ps then
+    local s = ps.swap:stats()
+    r, w = r + s.bytes_read, w + s.bytes_written
+  end
+  return r, w
 end
 
 -- Where the states live, for the start-up line: nil without offload.
