@@ -401,9 +401,7 @@ function M.rank(counts, opts)
                     (4 + (half and wb or 0))
     end
   end
-  if device ~= "cpu" then
-    comm = math.min(comm, (prefetch + 2 * largest) * wb + (reduce_bucket + largest) * 4)
-  end
+  comm = math.min(comm, (prefetch + 2 * largest) * wb + (reduce_bucket + largest) * 4)
   add(mem.device, "comm", comm)
 
   local rg, wg = opts.read_gbps or M.disk.read_gbps, opts.write_gbps or M.disk.write_gbps

@@ -292,12 +292,16 @@ function Engine:allocate()
   -- Device memory holds the comm buffers live at once, plus idle ones up
   -- to that: the prefetch window beside the largest module gathered, and
   -- reduce_bucket_size of gradients beside the largest module's.
-  if self.dev ~= "cpu" then
-    local largest = 0
-    for _, seg in ipairs(L.segments) do largest = math.max(largest, seg.padded) end
-    self.pool:set_cap((s.prefetch + 2 * largest) * Placement.esize[self.wdt] +
-                      (s.reduce_bucket + largest) * Placement.esize.f32)
+  -- The pool keeps idle buffers up to the working set (the prefetch window
+  -- and the largest module gathered, the reduce bucket and the largest
+  -- module's gradients), what tools/estimate counts as comm.
+  local largest = 0
+  for _, seg in ipairs(L.segments) do largest = math.max(largest, seg.padded) end
+  for _, seg in ipairs(self.LF and self.LF.segments or {}) do
+    largest = math.max(largest, seg.padded)
   end
+  self.pool:set_cap((s.prefetch + 2 * largest) * Placement.esize[self.wdt] +
+                    (s.reduce_bucket + largest) * Placement.esize.f32)
   -- The buffer reductions add into (P.reduce.dst).
   self.rgrads = P.reduce.dst == "grads" and self.grads or self.ograds
   -- Half gradients pass through an fp32 scratch of 2 x CHUNK elements on

@@ -142,26 +142,25 @@ end
 -- the norm's partial of the slice on the last micro-step.
 function M:add_reduced(item, src)
   if not self.spill then return self:accumulate(item.dst, src) end
-  local seg = item.seg
-  local inspect
-  if self:is_gradient_accumulation_boundary() then
-    inspect = function(views)
-      if #views == 1 then
-        self.spill_sq[seg.index] = views[1]:sq_norm()
-        return
-      end
-      local whole, off = lz.tensor({ seg.slice }, "f32", "workspace"), 0
-      for _, v in ipairs(views) do
-        local part = whole:view(off, { v:numel() })
-        part:copy(v)
-        part:free() -- (a view keeps the storage until freed)
-        off = off + v:numel()
-      end
-      self.spill_sq[seg.index] = whole:sq_norm()
-      whole:free()
-    end
+  local seg, sp = item.seg, self.spill
+  local add = function(d, s) self:accumulate(d, s) end
+  if not self:is_gradient_accumulation_boundary() then
+    return sp:add(seg.shard_offset, src, add)
   end
-  self.spill:add(seg.shard_offset, src, function(d, s) self:accumulate(d, s) end, inspect)
+  -- The norm's partial over the slice's final values: of the one piece, or
+  -- of the pieces copied together (sq_norm's blocks follow the slice).
+  local lo, n = seg.shard_offset, src:numel()
+  if sp:group_of(lo) == sp:group_of(lo + n - 1) then
+    return sp:add(lo, src, add, function(d) self.spill_sq[seg.index] = d:sq_norm() end)
+  end
+  local whole = lz.tensor({ n }, "f32", "workspace")
+  sp:add(lo, src, add, function(d, off)
+    local part = whole:view(off, { d:numel() })
+    part:copy(d)
+    part:free() -- (a view keeps the storage until freed)
+  end)
+  self.spill_sq[seg.index] = whole:sq_norm()
+  whole:free()
 end
 
 -- dst += a reduced micro-step gradient src (both where the add runs).

@@ -17,7 +17,7 @@
 --
 --   local sp = spill.new{ groups = states.groups, G = states.G, nvme_path = p, ... }
 --   sp:begin_micro(first)        -- before a backward
---   sp:add(shard_lo, src, add)   -- add(dst_view, src_view) adds a reduced slice
+--   sp:add(shard_lo, src, add [, collect])  -- add(dst_view, src_view) adds a reduced slice
 --   sp:end_micro()               -- after it: every sub-group written
 --   sp:finish()                  -- before the optimizer reads the file
 local lz = require("luazero")
@@ -109,25 +109,23 @@ function Spill:close(k)
 end
 
 -- Adds src (this rank's reduced slice starting at shard element lo) into
--- the groups it covers with add(dst, src); then inspect(views), if given,
--- sees the f32 views written, in order (the slice's final values on the
--- last micro-step), before the groups it completed are written out.
-function Spill:add(lo, src, add, inspect)
-  local n, views, spans = src:numel(), {}, {}
+-- the groups it covers with add(dst, src); collect(dst, off), if given,
+-- sees each piece after its add (off: its place in the slice; the slice's
+-- final values on the last micro-step) before a group it completed is
+-- written out, so a slice spanning many groups holds two at a time.
+function Spill:add(lo, src, add, collect)
+  local n = src:numel()
   for k = self:group_of(lo), #self.groups do
     local g = self.groups[k]
     local a, b = math.max(lo, g.lo), math.min(lo + n, g.lo + g.n)
     if b <= a then break end
-    local dst = self:opened(k):view(a - g.lo, { b - a })
-    add(dst, src:view(a - lo, { b - a }))
-    views[#views + 1] = dst
-    spans[#spans + 1] = { k, b - a }
-  end
-  if inspect then inspect(views) end
-  for _, s in ipairs(spans) do
-    local k = s[1]
-    self.filled[k] = self.filled[k] + s[2]
-    if self.filled[k] == self.groups[k].n then self:close(k) end
+    local dst, piece = self:opened(k):view(a - g.lo, { b - a }), src:view(a - lo, { b - a })
+    add(dst, piece)
+    if collect then collect(dst, a - lo) end
+    dst:free()
+    piece:free()
+    self.filled[k] = self.filled[k] + (b - a)
+    if self.filled[k] == g.n then self:close(k) end
   end
 end
 
