@@ -144,7 +144,8 @@ function M.engine(e)
       e.s.micro_batch and (", micro-batch " .. e.s.micro_batch) or ""),
     ("  on this rank: params %s, grads %s, optimizer %s"):format(M.bytes(m.params),
       M.bytes(m.grads), M.bytes(m.optimizer)),
-    "  engine:plan() says what lives where; shards(engine), norms(engine), mem(),",
+    "  engine:plan() says what lives where, engine:estimate() the bytes per tier and the",
+    "  NVMe traffic per step; shards(engine), norms(engine), mem(),",
     "  gather(engine, name) look inside",
   }, "\n")
 end
