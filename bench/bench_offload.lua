@@ -38,6 +38,7 @@ local flags = assert(args.parse(arg, {
   { "intermediate", "int", 6912, "part 4: the MLP's width" },
   { "half-depth", "int", 0, "part 4: 1: also the same model at half the layers" },
   { "fio-size", "string", "4G", "part 4: fio's file size for the disk yardstick" },
+  { "lr", "number", 3e-5, "part 4: AdamW's learning rate (constant; a model this size from random weights)" },
   { "link-gbps", "number", 4, "part 3: the pace of the sim's host<->device copies, GB/s" },
   { "steps", "int", 3, "timed steps per run (the first step is not counted)" },
   { "seq-len", "int", 64, "tokens per sequence" },
@@ -102,7 +103,7 @@ local function summary(recs)
   local last = recs[#recs]
   local tokens = last.tokens / last.step
   local step_ms = median(ms)
-  return { step_ms = step_ms, tokens_per_s = tokens / (step_ms / 1000),
+  return { step_ms = step_ms, tokens_per_s = tokens / (step_ms / 1000), recs = recs,
            peak_rss = last.mem.peak_rss, read = median(rd), written = median(wr),
            copy_ms = median(cp), copy_wait_ms = median(cw), h2d = last.h2d, d2h = last.d2h }
 end
@@ -227,6 +228,7 @@ if flags.part == 4 then
                          20000000)
     cfg.data_types = nil
     cfg.gradient_clipping = 1.0
+    cfg.optimizer.params.lr = flags.lr
     local z = cfg.zero_optimization
     z.stage3_max_live_parameters, z.stage3_prefetch_bucket_size = 200000000, 50000000
     z.overlap_comm = true
@@ -235,13 +237,15 @@ if flags.part == 4 then
     local s = summary(train("--model-config " .. q(path) .. " --checkpoint-activations", cfg,
                             flags.steps))
     local disk_s = s.read / 1e9 / read_gbps + s.written / 1e9 / write_gbps
+    local losses = {}
+    for _, r in ipairs(s.recs) do losses[#losses + 1] = ("%.3f"):format(r.loss) end
     peaks[#peaks + 1] = s.peak_rss
     print(("%d layers: step %.1f s (median), per step %.1f GB read and %.1f GB written " ..
            "(%.2f GB/s together); the disk alone at fio's rates: %.1f s; step / disk %.2f; " ..
-           "peak RSS %.2f GiB")
+           "peak RSS %.2f GiB; losses of the timed steps %s")
           :format(layers, s.step_ms / 1000, s.read / 1e9, s.written / 1e9,
                   (s.read + s.written) / s.step_ms / 1e6, disk_s, s.step_ms / 1000 / disk_s,
-                  s.peak_rss / 2 ^ 30))
+                  s.peak_rss / 2 ^ 30, table.concat(losses, " ")))
   end
   if #peaks == 2 then
     print(("peak RSS at %d layers / at %d layers: %.3f"):format(depths[1], depths[2],
