@@ -236,6 +236,33 @@ if flags.part == 4 then
     local path = config_json(layers)
     local s = summary(train("--model-config " .. q(path) .. " --checkpoint-activations", cfg,
                             flags.steps))
+    -- What tools/estimate predicts for the same config, beside the ledger.
+    local cfg_path = tmp .. "/cfg.json"
+    local p = io.popen(("cd %s && %s tools/estimate.lua --model-config %s --config %s " ..
+                        "--device cpu --micro-batch %d --seq-len %d --checkpoint-activations 1 " ..
+                        "--json 1 2>&1"):format(q(root), q(lz.executable()), q(path), q(cfg_path),
+                                                flags.micro_batch, flags.seq_len))
+    local est_out = p:read("*a")
+    p:close()
+    local okj, est = pcall(cjson.decode, est_out)
+    local row
+    for _, r in ipairs(okj and est.rows or {}) do
+      if r.placement == "nvme+param" and r.stage == 3 then row = r end
+    end
+    if row then
+      local last = s.recs[#s.recs]
+      local act = last.mem.activations or 0
+      print(("  tools/estimate: host %.2f GiB + activations %.2f GiB = %.2f GiB against the " ..
+             "ledger's peak %.2f GiB (%.1f%%); NVMe files %.2f GiB; per step %.1f GB read, " ..
+             "%.1f GB written (measured %.1f, %.1f)")
+            :format(row.host.total / 2 ^ 30, act / 2 ^ 30, (row.host.total + act) / 2 ^ 30,
+                    last.mem.peak_ledger / 2 ^ 30,
+                    100 * ((row.host.total + act) / last.mem.peak_ledger - 1),
+                    row.nvme.total / 2 ^ 30, row.nvme_read / 1e9, row.nvme_written / 1e9,
+                    s.read / 1e9, s.written / 1e9))
+    else
+      print("  tools/estimate gave no nvme+param row: " .. est_out:sub(1, 300))
+    end
     local disk_s = s.read / 1e9 / read_gbps + s.written / 1e9 / write_gbps
     local losses = {}
     for _, r in ipairs(s.recs) do losses[#losses + 1] = ("%.3f"):format(r.loss) end
