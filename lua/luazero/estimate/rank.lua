@@ -305,6 +305,9 @@ function M.rank(counts, opts)
   -- order, read back for the next micro-step's add and by the optimizer.
   if grads_on_disk then
     add(r.host, "gradient staging", nb * staging_bytes(G, "f32"))
+    -- Under accumulation the norm's partial of a slice that spans
+    -- sub-groups is taken over a copy of it (the largest, at its peak).
+    if accum > 1 then add(r.host, "norm scratch", math.ceil(counts.largest / counts.world) * 4) end
     add(r.nvme, "gradients", round_up(math.max(PAGE, groups * G * 4), PAGE))
     io("gradients", accum * groups * G * 4, accum * groups * G * 4)
   end
@@ -476,7 +479,7 @@ end
 
 -- The order a tier's parts print in.
 local part_order = { "params", "grads", "optimizer", "frozen", "optimizer staging",
-                     "gradient staging", "parameter staging", "update staging", "gradient copies",
+                     "gradient staging", "norm scratch", "parameter staging", "update staging", "gradient copies",
                      "comm", "gradients" }
 
 local function parts_line(t)

@@ -147,9 +147,15 @@ function M:add_reduced(item, src)
   if not self:is_gradient_accumulation_boundary() then
     return sp:add(seg.shard_offset, src, add)
   end
-  -- The norm's partial over the slice's final values: of the one piece, or
-  -- of the pieces copied together (sq_norm's blocks follow the slice).
+  -- The norm's partial over the slice's final values. Without
+  -- accumulation they are 0 + src, whose squares are src's: its own norm.
+  -- Else of the one piece, or of the pieces copied together (sq_norm's
+  -- blocks follow the slice).
   local lo, n = seg.shard_offset, src:numel()
+  if sp.first then
+    self.spill_sq[seg.index] = src:sq_norm()
+    return sp:add(lo, src, add)
+  end
   if sp:group_of(lo) == sp:group_of(lo + n - 1) then
     return sp:add(lo, src, add, function(d) self.spill_sq[seg.index] = d:sq_norm() end)
   end
