@@ -17,7 +17,8 @@ multi-turn). For each tokenizer:
            tools/ckpt export: PeftModel.from_pretrained on the same base gives
            the loss scripts/eval.lua --adapters gives (1e-5)
   generate scripts/generate.lua --hf --adapters --chat, greedy: the same tokens
-           as transformers + PEFT generate(do_sample=False)
+           as transformers + PEFT generate(do_sample=False), 16 of them (no
+           early end-of-turn, so the comparison is not one token)
 
 transformers 4.40.2, tokenizers, jinja2 and peft 0.10.0 come from
 build/ref-venv (tools/setup); without one of them this file says it skipped.
@@ -238,7 +239,7 @@ def main():
             ck, peft_dir = os.path.join(tmp, kind + "-ck"), os.path.join(tmp, kind + "-peft")
             st, out = lz("scripts/train.lua", "--init", base, "--tokenizer", folder, "--data", data,
                          "--packing", "pad", "--micro-batch", "2", "--seq-len", "128",
-                         "--lora-r", "4", "--lr", "0.01", "--steps", "6", "--save", ck,
+                         "--lora-r", "4", "--lr", "0.002", "--steps", "6", "--save", ck,
                          "--log", os.path.join(tmp, kind + ".jsonl"))
             check(f"{kind}.train", st == 0, "" if st == 0 else out[-2000:])
             st, out = lz("tools/ckpt.lua", "export", ck, peft_dir)
@@ -266,7 +267,7 @@ def main():
                                    max_new_tokens=16, eos_token_id=hf.eos_token_id,
                                    pad_token_id=hf.eos_token_id)
             ref_ids = y[0, x.shape[1]:].tolist()
-            check(f"{kind}.generate", st == 0 and rec.get("ids") == ref_ids,
+            check(f"{kind}.generate", st == 0 and rec.get("ids") == ref_ids and len(ref_ids) >= 8,
                   f"{ref_ids}" if st == 0 else out[-2000:])
             if st == 0 and rec.get("ids") != ref_ids:
                 print(f"  luazero {rec}")
