@@ -19,7 +19,8 @@ local spec = {
   { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
   { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors)" },
   { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
-  { "data", "string", nil, "the held-out file: text (bytes are tokens) or a token file, all of it" },
+  { "data", "string", nil, "the held-out file: text (bytes are tokens), a token file or instruction data (.jsonl or tools/prepare-data's), all of it" },
+  { "tokenizer", "string", nil, "a .jsonl --data's Hugging Face tokenizer folder (default: the --hf folder)" },
   { "micro-batch", "int", nil, "sequences per batch (default: a checkpoint's, else 8)" },
   { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
   { "max-batches", "int", 0, "evaluate the first N batches only (0: the whole file)" },
@@ -46,7 +47,14 @@ local function main(argv)
     if flags[n] and flags[n] < 1 then fail(("--%s must be >= 1"):format(n:gsub("_", "-"))) end
   end
   if flags.max_batches < 0 then fail("--max-batches must be >= 0 (0: the whole file)") end
-  local corpus = checked(data.load, flags.data)
+  local opts
+  if data.is_jsonl(flags.data) and (flags.tokenizer or flags.hf) then
+    -- Instruction examples: tokenised and masked as scripts/train.lua does.
+    local tok, template = checked(require("luazero.data.instruct").open_tokenizer,
+                                  flags.tokenizer or flags.hf)
+    opts = { tokenizer = tok, template = template, max_len = flags.seq_len }
+  end
+  local corpus = checked(data.load, flags.data, opts)
   -- The batch: a checkpoint's micro-batch unless given.
   local B = flags.micro_batch
   if not B and flags.load and require("luazero.io.fs").is_dir(flags.load) then

@@ -16,7 +16,7 @@ local spec = {
   { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
   { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)" },
   { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
-  { "tokenizer", "string", nil, "a tokenizer.json (default: the model folder's; none: bytes are tokens)" },
+  { "tokenizer", "string", nil, "a tokenizer.json or the folder holding it (default: the model folder's; none: bytes are tokens)" },
   { "chat", "flag", false, "render each prompt with the folder's chat template (tokenizer_config.json)" },
   { "prompt", "string", nil, "one prompt (text; with --chat the user's message)" },
   { "prompts", "string", nil, "a file of prompts: one per line, or JSON Lines ({\"prompt\": ...}, {\"prompt_ids\": [...]} or, with --chat, {\"messages\": [...]})" },
@@ -138,6 +138,9 @@ local function text_side(flags, w)
   local dir = w.dir
   local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and
                                        dir .. "/tokenizer.json")
+  if flags.tokenizer and exists(flags.tokenizer .. "/tokenizer.json") then
+    tok_path = flags.tokenizer .. "/tokenizer.json" -- a Hugging Face folder, as train takes
+  end
   local V = w.cfg.vocab
   if tok_path then
     local tok = checked(require("luazero.tokenizer").load, tok_path)
