@@ -184,6 +184,30 @@ function T.jsonl_prompt_completion_byte_level()
   data.free(c)
 end
 
+-- Held-out instruction data (--val-data, scripts/eval.lua): every example
+-- is validation, in file order, masked as training masks it.
+function T.held_out_instruction_data_is_every_example_masked()
+  local path = jsonl("held.jsonl", { { prompt = "ab", completion = "cd" },
+                                     { prompt = "efg", completion = "h" },
+                                     { prompt = "i", completion = "jk" } })
+  local c = data.load(path)
+  local loader = require("luazero.held_out").loader(c, { B = 1, T = 8, vocab = 256, seed = 1,
+                                                        packing = "pad" })
+  same({ loader.val_batches }, { 3 }, "one padded row per example")
+  local scored = {}
+  for i = 1, loader.val_batches do
+    local x, y = loader:val_batch(i)
+    local n = 0
+    for t = 0, 7 do if y:get(t) >= 0 then n = n + 1 end end
+    scored[i] = n
+    same({ x:get(0) }, { ("aei"):byte(i) }, "example " .. i .. " in file order")
+  end
+  -- Scored: the targets whose next token is the completion's.
+  same(scored, { 2, 1, 2 }, "masked targets per example")
+  loader:free()
+  data.free(c)
+end
+
 -- With a tokenizer: bos (weight 0) prompt (0) completion (1) eos (1).
 function T.jsonl_prompt_completion_with_bos_and_eos()
   local tok = require("luazero.tokenizer").load(byte_tokenizer("be.json",
