@@ -373,9 +373,13 @@ function M.deepspeed_zero3(total, largest_layer, gpus_per_node, nodes, cpu_offlo
 end
 
 -- The per-rank half (estimate/rank.lua): rank, counts, rank_table, pick_nvme, ...
-for k, v in pairs(require("luazero.estimate.rank")) do
-  assert(M[k] == nil, "estimate: two halves define " .. k)
-  M[k] = v
+local rank_half = require("luazero.estimate.rank")
+rank_half.bind(M)
+for k, v in pairs(rank_half) do
+  if k ~= "bind" then
+    assert(M[k] == nil, "estimate: two halves define " .. k)
+    M[k] = v
+  end
 end
 
 return M

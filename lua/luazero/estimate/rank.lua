@@ -13,8 +13,11 @@ local Placement = require("luazero.zero.plan")
 local M = {}
 
 local esize = Placement.esize
--- The model-state half (placements, dtypes, formatting), read at call time.
-local E = setmetatable({}, { __index = function(_, k) return require("luazero.estimate")[k] end })
+-- The model-state half (placements, dtypes, formatting): luazero.estimate,
+-- which hands itself over (M.bind) as it loads this half, so neither
+-- requires the other in a circle.
+local E
+function M.bind(model_half) E = model_half end
 
 -- What the engine holds per rank beyond the model states, and what the
 -- NVMe tier moves: the staging zero/offload.lua allocates (its ring of
