@@ -378,8 +378,21 @@ def main():
                 ["normalizer", '"NFC"', "supported: null"])
         refused("pre_tokenizer", lambda j: j.update(pre_tokenizer={"type": "Whitespace"}),
                 ["pre_tokenizer", '"Whitespace"', '"ByteLevel"'])
-        refused("vocab_over_uint16", lambda j: j["added_tokens"].append(
-            {"id": 70000, "content": "<|big|>", "special": True}), ["70001", "65536"])
+        # A vocabulary past uint16 is no refusal: the token file is version 2
+        # (uint32 ids), llm.c's layout.
+        big = json.loads(json.dumps(spec))
+        big["added_tokens"].append({"id": 70000, "content": "<|big|>", "special": True})
+        p = os.path.join(tmp, "vocab_over_uint16.json")
+        with open(p, "w", encoding="utf-8") as f:
+            json.dump(big, f)
+        out_bin = os.path.join(tmp, "big.bin")
+        r = subprocess.run([os.path.join(REPO, "tools", "prepare-data"), "--tokenizer", p,
+                            paths["special"], out_bin],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=dict(os.environ, LUAZERO=LUAZERO))
+        header = open(out_bin, "rb").read(12) if r.returncode == 0 else b""
+        check("vocab_over_uint16_writes_version_2", r.returncode == 0 and len(header) == 12 and
+              struct.unpack("<3i", header)[:2] == (20240520, 2), r.stdout.strip())
 
         # Llama 3's kind: Split with its pattern, then ByteLevel without a regex,
         # ignore_merges, and a TemplateProcessing post-processor (adds nothing
