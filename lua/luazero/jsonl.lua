@@ -2,8 +2,11 @@
 -- goes out in one write(2) and is checked; a failed or short write is cut
 -- back (ftruncate) to the end of the last complete record, so the file stays
 -- valid JSON Lines whatever stops it (a full disk, a quota, /dev/full).
+-- The monitors' files (CSV, TensorBoard events) are written the same way,
+-- appended to when they exist (a resumed run continues them).
 --
 --   local log = assert(jsonl.open("run.jsonl"))
+--   local f = assert(jsonl.open("run/Train_Samples_lr.csv", { append = true }))
 --   local ok, err = log:write(line)   -- line ends with "\n"
 --   log:close()
 local ffi = require("ffi")
@@ -11,11 +14,13 @@ local ffi = require("ffi")
 for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                        "long write(int fd, const void *buf, unsigned long n);",
                        "int ftruncate(int fd, int64_t length);", "int close(int fd);",
+                       "int64_t lseek(int fd, int64_t offset, int whence);",
                        "char *strerror(int errnum);" }) do
   pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
 end
 
-local O_WRONLY, O_CREAT, O_TRUNC, O_CLOEXEC = 1, 64, 512, 524288
+local O_WRONLY, O_CREAT, O_TRUNC, O_APPEND, O_CLOEXEC = 1, 64, 512, 1024, 524288
+local SEEK_END = 2
 
 local M = {}
 local File = {}
@@ -23,11 +28,15 @@ File.__index = File
 
 local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
 
--- A new (emptied) file; nil and the reason when it cannot be opened.
-function M.open(path)
-  local fd = ffi.C.open(path, O_WRONLY + O_CREAT + O_TRUNC + O_CLOEXEC, 420) -- 0644
+-- A new (emptied) file, or with opts.append the file as it is (created when
+-- missing); nil and the reason when it cannot be opened.
+function M.open(path, opts)
+  local append = opts and opts.append
+  local fd = ffi.C.open(path, O_WRONLY + O_CREAT + O_CLOEXEC + (append and O_APPEND or O_TRUNC),
+                        420) -- 0644
   if fd < 0 then return nil, why() end
-  return setmetatable({ fd = fd, size = 0, path = path }, File)
+  local size = append and tonumber(ffi.C.lseek(fd, 0, SEEK_END)) or 0
+  return setmetatable({ fd = fd, size = size, path = path }, File)
 end
 
 -- Appends `text`; true, or nil and the reason (the file then ends at the

@@ -2,13 +2,13 @@
 -- job's folder, named after the tag with "/" and " " turned into "_"
 -- (Train/Samples/lr -> Train_Samples_lr.csv), its header "step,<the tag's
 -- last part>", then one "step,value" row per step, appended when the step
--- ends (monitor/append.lua). A file that exists already (a resumed run) is
+-- ends (luazero/jsonl.lua). A file that exists already (a resumed run) is
 -- continued, with no second header.
 --
 --   local c = csv.open("runs/job")
 --   c:scalars(step, { { "Train/Samples/lr", 1e-3 }, ... })
 --   c:close()
-local append = require("luazero.monitor.append")
+local jsonl = require("luazero.jsonl")
 
 local M = {}
 local Csv = {}
@@ -35,7 +35,7 @@ function Csv:file(tag)
   if f then return f end
   local path = self.dir .. "/" .. M.file_name(tag)
   local err
-  f, err = append.open(path)
+  f, err = jsonl.open(path, { append = true })
   if not f then return nil, ("%s: %s"):format(path, err) end
   if f.size == 0 then
     local ok, werr = f:write(("step,%s\n"):format(tag:match("([^/]*)$")))

@@ -8,10 +8,10 @@
 --   local tb = tensorboard.open("runs/job")   -- runs/job/events.out.tfevents.<time>.<host>.<pid>
 --   tb:scalars(step, { { "Train/Samples/lr", 1e-3 }, ... }, wall_time)
 --   tb:close()
--- Each record is appended in one write when its step ends (monitor/append.lua).
+-- Each record is appended in one write when its step ends (luazero/jsonl.lua).
 local ffi = require("ffi")
 local bit = require("bit")
-local append = require("luazero.monitor.append")
+local jsonl = require("luazero.jsonl")
 require("luazero.clock") -- declares clock_gettime and its timespec
 
 pcall(ffi.cdef, "int gethostname(char *name, size_t len);")
@@ -116,7 +116,7 @@ function M.open(dir, wall_time)
   wall_time = wall_time or M.wall_time()
   local path = ("%s/events.out.tfevents.%d.%s.%d.0"):format(dir, math.floor(wall_time),
                                                            hostname(), tonumber(ffi.C.getpid()))
-  local f, err = append.open(path)
+  local f, err = jsonl.open(path, { append = true })
   if not f then return nil, ("%s: %s"):format(path, err) end
   local self = setmetatable({ f = f, path = path }, Writer)
   local ok, werr = self:put(M.event(wall_time, 0, { file_version = "brain.Event:2" }))
