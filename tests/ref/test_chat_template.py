@@ -86,16 +86,7 @@ def sentencepiece(tokenizers):
 
 
 def main():
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        print(("ok   " if ok else "FAIL ") + f"chat_template.{name} {detail}", flush=True)
-        if ok:
-            passed += 1
-        else:
-            failed += 1
-
+    check = tt.Checks("chat_template")
     tokenizers, why = tt.import_tokenizers()
     try:
         import jinja2  # noqa: F401
@@ -104,19 +95,9 @@ def main():
     except ImportError as e:
         why = why or (f"cannot import {e.name} (pip install transformers==4.40.2 jinja2 into "
                       f"{tt.VENV}, or run tools/setup)")
-    if why:
-        print(f"skip chat_template: {why}")
-        print("0 passed, 0 failed")
-        return 0
-    if not os.path.exists(tt.CORPUS):
-        print(f"skip chat_template: {os.path.normpath(tt.CORPUS)} is missing: put "
-              "tinyshakespeare.txt there to run this test")
-        print("0 passed, 0 failed")
-        return 0
-    if not os.access(LUAZERO, os.X_OK):
-        check("luazero", False, f"{LUAZERO} is missing: build first (tools/setup), or set LUAZERO")
-        print(f"{passed} passed, {failed} failed")
-        return 1
+    code = tt.preflight(check, why)
+    if code is not None:
+        return code
     print(f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}")
     from jinja2.exceptions import TemplateError
 
@@ -228,8 +209,7 @@ def main():
                 a.get("text") == b.get("text") for a, b in zip(ours, from_fixture)),
                 run.stdout.strip()[-500:])
 
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

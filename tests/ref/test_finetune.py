@@ -166,16 +166,7 @@ def hf_loss(torch, model, ids, weights):
 
 
 def main():
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        print(("ok   " if ok else "FAIL ") + f"finetune.{name} {detail}", flush=True)
-        if ok:
-            passed += 1
-        else:
-            failed += 1
-
+    check = tt.Checks("finetune")
     tokenizers, why = tt.import_tokenizers()
     try:
         import jinja2  # noqa: F401
@@ -186,19 +177,9 @@ def main():
     except ImportError as e:
         why = why or (f"cannot import {e.name} (pip install transformers==4.40.2 jinja2 "
                       f"peft==0.10.0 into {tt.VENV}, or run tools/setup)")
-    if why:
-        print(f"skip finetune: {why}")
-        print("0 passed, 0 failed")
-        return 0
-    if not os.path.exists(tt.CORPUS):
-        print(f"skip finetune: {os.path.normpath(tt.CORPUS)} is missing: put "
-              "tinyshakespeare.txt there to run this test")
-        print("0 passed, 0 failed")
-        return 0
-    if not os.access(LUAZERO, os.X_OK):
-        check("luazero", False, f"{LUAZERO} is missing: build first (tools/setup), or set LUAZERO")
-        print(f"{passed} passed, {failed} failed")
-        return 1
+    code = tt.preflight(check, why)
+    if code is not None:
+        return code
     print(f"transformers {transformers.__version__}, peft {peft.__version__}")
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,8 +252,7 @@ def main():
                   f"{ref_ids}" if st == 0 else out[-2000:])
             if st == 0 and rec.get("ids") != ref_ids:
                 print(f"  luazero {rec}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ import tempfile
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
 VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
@@ -122,22 +125,13 @@ def decode_kernel(check):
 
 
 def main():
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        print(("ok   " if ok else "FAIL ") + f"generate.{name} {detail}")
-        if ok:
-            passed += 1
-        else:
-            failed += 1
+    check = Checks("generate")
 
     decode_kernel(check)
     transformers = import_transformers()
     if transformers is None:
         print(f"skip: cannot import transformers (not in {VENV}): run tools/setup")
-        print(f"{passed} passed, {failed} failed")
-        return 1 if failed else 0
+        return check.summary()
     transformers.logging.set_verbosity_error()
 
     for name, cls, config in models(transformers):
@@ -172,8 +166,7 @@ def main():
                       f"({len(want)} ids" + (f"; first difference at {first}: {got[first]} vs "
                                              f"{want[first]}" if first is not None else "") +
                       (f"; ours {got} theirs {want}" if got != want else "") + ")")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
 VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
@@ -66,16 +69,7 @@ def field(rec, path):
 
 def main():
     import numpy as np
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        if ok:
-            passed += 1
-            print(f"ok   {name}")
-        else:
-            failed += 1
-            print(f"FAIL {name} {detail}")
+    check = Checks("tensorboard")
 
     EventAccumulator, why = import_accumulator()
     if not EventAccumulator:
@@ -104,8 +98,7 @@ def main():
                           text=True)
     check("train.lua runs with tensorboard enabled", proc.returncode == 0, proc.stdout[-2000:])
     if proc.returncode != 0:
-        print(f"{passed} passed, {failed} failed")
-        return 1
+        return check.summary()
     recs = [json.loads(line) for line in open(log)]
     recs = [r for r in recs if "step" in r]
     files = glob.glob(os.path.join(tmp, "tb", "job", "events.out.tfevents.*"))
@@ -142,8 +135,7 @@ def main():
                                    for (_, g), (_, w) in zip(got, want))
         check(f"{tag}: {len(want)} values equal the log's", close and len(want) > 0,
               f"got {got[:6]}, want {want[:6]}")
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

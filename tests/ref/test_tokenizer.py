@@ -35,6 +35,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402  (test_chat_template.py, test_finetune.py use it as tt.Checks)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
 
@@ -231,31 +234,32 @@ def check_sentencepiece(check, tk, tmp, texts, run_lua):
                   f"in {lua['corpus'][2]['seconds']:.2f} s (one word: no pre-tokenizer)")
 
 
-def main():
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        print(("ok   " if ok else "FAIL ") + f"tokenizer.{name} {detail}", flush=True)
-        if ok:
-            passed += 1
-        else:
-            failed += 1
-
-    tk, why = import_tokenizers()
-    if tk is None:
-        print(f"skip tokenizer: {why}")
+def preflight(check, why):
+    """The start the suites that need the venv, the corpus and luazero share:
+    a skip (exit code 0, counted as neither passed nor failed) when a package
+    is missing (why) or the corpus is absent, a failure when luazero is not
+    built; None to go on."""
+    if why:
+        print(f"skip {check.prefix}: {why}")
         print("0 passed, 0 failed")
         return 0
     if not os.path.exists(CORPUS):
-        print(f"skip tokenizer: {os.path.normpath(CORPUS)} is missing: put tinyshakespeare.txt "
-              "there to run this test")
+        print(f"skip {check.prefix}: {os.path.normpath(CORPUS)} is missing: put "
+              "tinyshakespeare.txt there to run this test")
         print("0 passed, 0 failed")
         return 0
     if not os.access(LUAZERO, os.X_OK):
         check("luazero", False, f"{LUAZERO} is missing: build first (tools/setup), or set LUAZERO")
-        print(f"{passed} passed, {failed} failed")
-        return 1
+        return check.summary()
+    return None
+
+
+def main():
+    check = Checks("tokenizer")
+    tk, why = import_tokenizers()
+    code = preflight(check, why if tk is None else None)
+    if code is not None:
+        return code
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     with open(CORPUS, encoding="utf-8") as f:
@@ -312,8 +316,7 @@ def main():
         lua, err = run_lua(tok_json)
         check("luazero_runs", lua is not None, err.strip()[-2000:])
         if lua is None:
-            print(f"{passed} passed, {failed} failed")
-            return 1
+            return check.summary()
 
         hf_ids = {}
         for name, text in texts.items():
@@ -446,8 +449,7 @@ def main():
               f"tokenizers encode {hf_one:.1f} MB/s, encode_batch of lines {hf_batch:.1f} MB/s "
               f"({os.cpu_count()} CPUs)")
 
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return check.summary()
 
 
 if __name__ == "__main__":
