@@ -188,8 +188,7 @@ function M:frozen_checksum()
       if seg.persistent then
         hash(seg.persistent, seg.numel)
       else
-        local full = lz.tensor({ seg.padded }, seg.store.work and seg.store.work:dtype_name()
-                               or seg.store.pshard.dtype, "workspace", self.dev)
+        local full = lz.tensor({ seg.padded }, self.P.frozen.dtype, "workspace", self.dev)
         local send, stage = self:shard_slice(seg)
         self.comm.all_gather(send, full)
         self:release_slice(stage)
