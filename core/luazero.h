@@ -515,6 +515,14 @@ lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
  * the job's shared-memory name set; shares the cores among them; stops them all
  * when one fails. *exit_code: 0 when every rank exited 0. */
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
+/* lz_launch, and when a rank fails (a non-zero exit, a signal) the job again, up to
+ * `restarts` times, its ranks told by LZ_RESTART=<k> and LZ_RESTART_CAUSE=<one line>
+ * (and LZ_RESTARTS=<restarts> from the first run). min_ranks 0: every run has nranks
+ * ranks; 1..nranks: the ranks that died are lost, a restart runs on those left but never
+ * fewer than min_ranks. A signal to the launcher is never restarted. Restarts used up, or
+ * fewer ranks than min_ranks: *exit_code 1 after a line on stderr saying why. */
+lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int min_ranks,
+                               int *exit_code);
 
 /* ------------------------------------------------- devices: cuda, sim */
 

@@ -5,6 +5,8 @@
  *   luazero script.lua args...      run a script (arg[0] = script, arg[1..] = args)
  *   luazero -e 'code'               run a chunk
  *   luazero -n 4 script.lua ...     four ranks on this machine (shared memory)
+ *   luazero -n 4 --restarts 2 --min-ranks 3 script.lua ...
+ *                                   ... run again when a rank fails, on the ranks left
  *   luazero -i script.lua ...       the REPL after the script (or after its error)
  *   luazero                         the REPL
  */
@@ -30,6 +32,10 @@ static const char *usage =
     "  -n N             run N ranks of the script on this machine\n"
     "  --backend NAME   collective backend for -n: shm (default) or mpi\n"
     "  --quiet-ranks    with -n: silence the output of ranks other than 0\n"
+    "  --restarts K     with -n: run the job again (up to K times) when a rank fails;\n"
+    "                   the ranks see LZ_RESTART (default: LZ_RESTARTS, else 0)\n"
+    "  --min-ranks M    with --restarts: the ranks that died are lost; restart on those\n"
+    "                   left, never fewer than M (default: LZ_MIN_RANKS, else restart on N)\n"
     "  --version        print the version\n"
     "  --help           print this help\n"
     "With no script and no -e, starts the REPL.\n";
@@ -269,6 +275,21 @@ static int repl(lua_State *L, int script_failed) {
   return run_chunk_results(L, 1, 0);
 }
 
+/* A count flag's value (or an environment variable's): 1 and *out when v is a
+ * whole number in lo..hi, else 0 after a line naming `what` and the range. */
+static int count_arg(const char *what, const char *v, long lo, long hi, int *out) {
+  char *end = NULL;
+  errno = 0;
+  long n = strtol(v, &end, 10);
+  if (errno || end == v || *end || n < lo || n > hi) {
+    fprintf(stderr, "luazero: %s takes a whole number from %ld to %ld (got '%s')\n", what, lo, hi,
+            v);
+    return 0;
+  }
+  *out = (int)n;
+  return 1;
+}
+
 /* Under mpirun: the torchrun variables (which scripts read to know their
  * rank) from OpenMPI's, where unset, and the cores shared among the ranks
  * of this machine as the luazero launcher shares them, unless
@@ -296,7 +317,7 @@ static void adopt_mpirun_ranks(void) {
 
 int main(int argc, char **argv) {
   int interactive = 0, nranks = 0, quiet = 0, first_script = 0;
-  const char *backend = NULL;
+  const char *backend = NULL, *restarts_flag = NULL, *min_ranks_flag = NULL;
   int n_exec = 0;
   const char *exec_chunks[64];
   for (int i = 1; i < argc; i++) {
@@ -338,6 +359,9 @@ int main(int argc, char **argv) {
       backend = argv[++i];
     } else if (!strcmp(a, "--quiet-ranks")) {
       quiet = 1;
+    } else if (!strcmp(a, "--restarts") || !strcmp(a, "--min-ranks")) {
+      const char **v = a[2] == 'r' ? &restarts_flag : &min_ranks_flag;
+      *v = i + 1 < argc ? argv[++i] : "";
     } else if (a[0] == '-' && a[1] != 0) {
       fprintf(stderr, "luazero: unknown option '%s' (see luazero --help)\n", a);
       return 2;
@@ -349,11 +373,37 @@ int main(int argc, char **argv) {
   if (backend) setenv("LZ_BACKEND", backend, 1);
   if (quiet) setenv("LZ_RANK_OUTPUT", "quiet", 1);
 
+  if (!nranks && (restarts_flag || min_ranks_flag)) {
+    fprintf(stderr, "luazero: %s restarts the ranks of a job: give -n N too (luazero -n 2 "
+            "--restarts 1 train.lua ...)\n", restarts_flag ? "--restarts" : "--min-ranks");
+    return 2;
+  }
+
   if (nranks > 0) {
     /* Each rank runs this executable again without -n: fork+exec keeps
      * OpenMP state out of the children. */
     if (!first_script && !n_exec) {
       fprintf(stderr, "luazero: -n needs a script to run (luazero -n 2 train.lua ...)\n");
+      return 2;
+    }
+    /* Restarts: the flags, else LZ_RESTARTS and LZ_MIN_RANKS (only here: the
+     * ranks, run without -n, inherit them). */
+    int restarts = 0, min_ranks = 0;
+    const char *r_env = getenv("LZ_RESTARTS"), *m_env = getenv("LZ_MIN_RANKS");
+    const char *r_src = restarts_flag ? "--restarts" : "LZ_RESTARTS";
+    const char *m_src = min_ranks_flag ? "--min-ranks" : "LZ_MIN_RANKS";
+    const char *r_val = restarts_flag ? restarts_flag : r_env && *r_env ? r_env : NULL;
+    const char *m_val = min_ranks_flag ? min_ranks_flag : m_env && *m_env ? m_env : NULL;
+    if (r_val && !count_arg(r_src, r_val, 0, 1000, &restarts)) return 2;
+    if (m_val && !count_arg(m_src, m_val, 1, 4096, &min_ranks)) return 2;
+    if (m_val && min_ranks > nranks) {
+      fprintf(stderr, "luazero: %s %d is more than -n %d: a restart never has more ranks than the "
+              "first run; give %s 1..%d\n", m_src, min_ranks, nranks, m_src, nranks);
+      return 2;
+    }
+    if (min_ranks_flag && !restarts) {
+      fprintf(stderr, "luazero: --min-ranks %d does nothing without --restarts K: add --restarts "
+              "(how many times to run the job again)\n", min_ranks);
       return 2;
     }
     char *child[512];
@@ -373,9 +423,10 @@ int main(int argc, char **argv) {
       child[0] = exe;
     }
     int code = 1;
-    if (lz_launch(nranks, child, &code) != LZ_OK) {
+    lz_status st = lz_launch_restarting(nranks, child, restarts, min_ranks, &code);
+    if (st != LZ_OK) {
       fprintf(stderr, "luazero: %s\n", lz_last_error());
-      return 1;
+      return st == LZ_ERR_INVALID ? 2 : 1;
     }
     return code;
   }

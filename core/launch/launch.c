@@ -14,6 +14,13 @@
  * Nothing outlives a SIGKILLed launcher: the ranks die with it (PDEATHSIG),
  * and the job's memory is in memfds, which have no name to leave behind.
  *
+ * lz_launch_restarting runs the job again when a rank fails, up to
+ * `restarts` times, with LZ_RESTART=<k> and LZ_RESTART_CAUSE=<one line> in
+ * the ranks' environment (scripts/train.lua resumes from its --save folder
+ * then). With min_ranks the ranks that died are lost: a restart runs on
+ * those left, never fewer than min_ranks. A signal to the launcher is never
+ * restarted.
+ *
  * Environment read here: LZ_RANK_OUTPUT = prefix (default) | quiet (ranks
  * other than 0 silenced) | raw (inherited, no prefix); LZ_BACKEND=mpi runs
  * the ranks under mpirun instead. */
@@ -34,6 +41,7 @@
 #include <sys/random.h> /* getrandom for the segment name */
 #include <sys/socket.h> /* socket, bind */
 #include <sys/wait.h>   /* waitpid */
+#include <time.h>       /* time, gmtime_r, strftime for a failure's time */
 #include <unistd.h>     /* fork, execvpe, pipe2 */
 
 extern char **environ;
@@ -56,6 +64,28 @@ typedef struct rank_proc {
   int running;
   int status;
 } rank_proc;
+
+/* What a job holds while it runs. */
+typedef struct job {
+  int nranks, mode, threads, port;
+  char *const *argv;
+  char name[96];  /* LZ_SHM_NAME: names the job (messages, the nccl id file) */
+  int segment;    /* the segment's memfd: it has no name to leave behind */
+  int *memfds;    /* the ranks' shared memory (shared_mem.c) */
+  char *shared;   /* LZ_SHM_SHARED for the ranks, NULL without */
+  rank_proc *procs;
+  stream *streams; /* 2 per rank (stdout, stderr); fd -1 when not relayed */
+  struct pollfd *pfds;
+  int running;
+  int stopping;    /* the ranks have been told to stop */
+  double kill_at;  /* then SIGKILL for those still running */
+  int failed_rank; /* the rank whose failure stops the job, -1 */
+  time_t failed_at;
+  int killed;      /* ranks killed by a signal before the job was stopped */
+  int restart;     /* 0 for the first run, then 1.. */
+  int restarts;    /* how many restarts the job may have */
+  char cause[256]; /* LZ_RESTART_CAUSE of a restart */
+} job;
 
 static void write_all(int fd, const char *p, size_t n) {
   while (n) {
@@ -152,14 +182,14 @@ static int free_port(void) {
 }
 
 /* environ without the variables we set, plus ours. */
-static char **rank_env(int rank, int nranks, const char *shm_name, int shm_fd, const char *shared,
-                       int port, int threads) {
+static char **rank_env(const job *j, int rank) {
   static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
                                "LZ_SHM_NAME=", "LZ_SHM_FD=", "LZ_LAUNCHER_PID=",
-                               "LZ_SHM_SHARED=", NULL};
+                               "LZ_SHM_SHARED=", "LZ_RESTART=", "LZ_RESTART_CAUSE=",
+                               "LZ_RESTARTS=", NULL};
   size_t n = 0;
   while (environ[n]) n++;
-  char **env = calloc(n + 16, sizeof *env);
+  char **env = calloc(n + 24, sizeof *env);
   if (!env) return NULL;
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
@@ -175,24 +205,30 @@ static char **rank_env(int rank, int nranks, const char *shm_name, int shm_fd, c
     env[k++] = strdup(tmp);                                                                        \
   } while (0)
   ADD("RANK=%d", rank);
-  ADD("WORLD_SIZE=%d", nranks);
+  ADD("WORLD_SIZE=%d", j->nranks);
   ADD("LOCAL_RANK=%d", rank);
-  ADD("LOCAL_WORLD_SIZE=%d", nranks);
-  ADD("LZ_SHM_NAME=%s", shm_name);
-  ADD("LZ_SHM_FD=%d", shm_fd);
+  ADD("LOCAL_WORLD_SIZE=%d", j->nranks);
+  ADD("LZ_SHM_NAME=%s", j->name);
+  ADD("LZ_SHM_FD=%d", j->segment);
   ADD("LZ_LAUNCHER_PID=%d", (int)getpid());
-  if (shared) {
-    size_t len = strlen(shared) + 16;
+  if (j->shared) {
+    size_t len = strlen(j->shared) + 16;
     env[k] = malloc(len);
-    if (env[k]) snprintf(env[k++], len, "LZ_SHM_SHARED=%s", shared);
+    if (env[k]) snprintf(env[k++], len, "LZ_SHM_SHARED=%s", j->shared);
+  }
+  /* A script learns that it may be restarted, and that it is a restart. */
+  if (j->restarts > 0) ADD("LZ_RESTARTS=%d", j->restarts);
+  if (j->restart > 0) {
+    ADD("LZ_RESTART=%d", j->restart);
+    ADD("LZ_RESTART_CAUSE=%s", j->cause);
   }
   if (!getenv("MASTER_ADDR")) ADD("MASTER_ADDR=127.0.0.1");
-  if (!getenv("MASTER_PORT")) ADD("MASTER_PORT=%d", port);
+  if (!getenv("MASTER_PORT")) ADD("MASTER_PORT=%d", j->port);
   /* The user's thread settings win; otherwise each rank gets its share. */
-  if (!getenv("OMP_NUM_THREADS")) ADD("OMP_NUM_THREADS=%d", threads);
+  if (!getenv("OMP_NUM_THREADS")) ADD("OMP_NUM_THREADS=%d", j->threads);
   if (!getenv("ONEDNN_NUM_THREADS") && !getenv("OMP_NUM_THREADS"))
-    ADD("ONEDNN_NUM_THREADS=%d", threads);
-  if (!getenv("OPENBLAS_NUM_THREADS")) ADD("OPENBLAS_NUM_THREADS=%d", threads);
+    ADD("ONEDNN_NUM_THREADS=%d", j->threads);
+  if (!getenv("OPENBLAS_NUM_THREADS")) ADD("OPENBLAS_NUM_THREADS=%d", j->threads);
 #undef ADD
   env[k] = NULL;
   return env;
@@ -356,23 +392,6 @@ static lz_status launch_mpirun(int nranks, char *const *argv, int *exit_code) {
   return LZ_OK;
 }
 
-/* What a job holds while it runs. */
-typedef struct job {
-  int nranks, mode, threads, port;
-  char *const *argv;
-  char name[96];  /* LZ_SHM_NAME: names the job (messages, the nccl id file) */
-  int segment;    /* the segment's memfd: it has no name to leave behind */
-  int *memfds;    /* the ranks' shared memory (shared_mem.c) */
-  char *shared;   /* LZ_SHM_SHARED for the ranks, NULL without */
-  rank_proc *procs;
-  stream *streams; /* 2 per rank (stdout, stderr); fd -1 when not relayed */
-  struct pollfd *pfds;
-  int running;
-  int stopping;    /* the ranks have been told to stop */
-  double kill_at;  /* then SIGKILL for those still running */
-  int failed_rank; /* the rank whose failure stops the job, -1 */
-} job;
-
 /* The job's segment (comm_shm.c's layout) in a memfd: the ranks open it
  * through /proc/<launcher>/fd (LZ_SHM_FD), and it goes with the last process
  * holding it, whoever is killed when. */
@@ -444,7 +463,7 @@ static lz_status fork_rank(job *j, int r) {
     close_pair(perr);
     return lz_fail(LZ_ERR_IO, "launch: pipe for rank %d: %s", r, strerror(e));
   }
-  char **env = rank_env(r, j->nranks, j->name, j->segment, j->shared, j->port, j->threads);
+  char **env = rank_env(j, r);
   pid_t launcher = getpid();
   pid_t pid = env ? fork() : -1;
   if (pid == 0) exec_rank(j, r, launcher, pout, perr, env);
@@ -522,7 +541,11 @@ static void reap(job *j, double *grace_until) {
       if (j->stopping || (WIFEXITED(status) && WEXITSTATUS(status) == 0)) continue;
       int killed = WIFSIGNALED(status);
       int cause_killed = j->failed_rank >= 0 && WIFSIGNALED(j->procs[j->failed_rank].status);
-      if (j->failed_rank < 0 || (killed && !cause_killed)) j->failed_rank = r;
+      if (j->failed_rank < 0 || (killed && !cause_killed)) {
+        j->failed_rank = r;
+        j->failed_at = time(NULL);
+      }
+      j->killed += killed;
       if (*grace_until == 0) *grace_until = lz_now_s() + 0.5;
       if (killed) *grace_until = lz_now_s();
     }
@@ -606,30 +629,92 @@ static lz_status prepare(job *j) {
   return LZ_OK;
 }
 
-lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
-  if (!exit_code) return lz_fail(LZ_ERR_INVALID, "launch: exit_code is NULL");
-  *exit_code = 1;
-  signals_catch();
-  job j = {.nranks = nranks, .argv = argv, .segment = -1, .failed_rank = -1};
-  lz_status st = check_args(nranks, argv, &j.mode);
-  const char *backend = getenv("LZ_BACKEND");
-  if (st == LZ_OK && backend && !strcmp(backend, "mpi")) {
-    st = launch_mpirun(nranks, argv, exit_code);
-    signals_restore();
-    return st;
-  }
-  if (st == LZ_OK && !got_signal) st = prepare(&j);
-  if (st == LZ_OK && !got_signal) st = fork_ranks(&j);
-  if (j.procs) {
-    j.stopping = st != LZ_OK;
-    int code = supervise(&j);
-    if (st == LZ_OK) *exit_code = code;
+/* Runs the job once: its ranks from start to end. *code: the job's exit
+ * code. */
+static lz_status run_once(job *j, int *code) {
+  lz_status st = LZ_OK;
+  if (!got_signal) st = prepare(j);
+  if (st == LZ_OK && !got_signal) st = fork_ranks(j);
+  if (j->procs) {
+    j->stopping = st != LZ_OK;
+    int c = supervise(j);
+    if (st == LZ_OK) *code = c;
   } else if (st == LZ_OK && got_signal) {
     fprintf(stderr, "luazero: received %s during start-up; no rank was started\n",
             signal_name(got_signal));
-    *exit_code = 128 + got_signal;
+    *code = 128 + got_signal;
   }
-  tear_down(&j);
+  tear_down(j);
+  return st;
+}
+
+/* After a failed run: the world size of the next one (0: none), saying
+ * why on stderr. Ranks killed by a signal are lost under min_ranks (they
+ * died; the others were stopped); with none killed, the failed rank is. */
+static int next_world(job *j, int min_ranks, int *exit_code) {
+  char how[96], when[32];
+  struct tm tm;
+  describe(j->procs[j->failed_rank].status, how, sizeof how);
+  gmtime_r(&j->failed_at, &tm);
+  strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  snprintf(j->cause, sizeof j->cause, "rank %d %s at %s", j->failed_rank, how, when);
+  int lost = j->killed > 0 ? j->killed : 1;
+  int world = min_ranks > 0 ? j->nranks - lost : j->nranks;
+  if (j->restart >= j->restarts) {
+    fprintf(stderr, "luazero: %s; no restart left (%d restart%s used, --restarts %d)\n", j->cause,
+            j->restarts, j->restarts == 1 ? "" : "s", j->restarts);
+    *exit_code = 1;
+    return 0;
+  }
+  if (world < min_ranks) {
+    fprintf(stderr, "luazero: %s; %d rank%s left, fewer than --min-ranks %d: not restarting\n",
+            j->cause, world, world == 1 ? "" : "s", min_ranks);
+    *exit_code = 1;
+    return 0;
+  }
+  fprintf(stderr, "luazero: %s; restart %d of %d on %d rank%s", j->cause, j->restart + 1,
+          j->restarts, world, world == 1 ? "" : "s");
+  if (min_ranks > 0) fprintf(stderr, " (%d lost, --min-ranks %d)", j->nranks - world, min_ranks);
+  fprintf(stderr, "\n");
+  return world;
+}
+
+lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int min_ranks,
+                               int *exit_code) {
+  if (!exit_code) return lz_fail(LZ_ERR_INVALID, "launch: exit_code is NULL");
+  *exit_code = 1;
+  if (restarts < 0)
+    return lz_fail(LZ_ERR_INVALID, "launch: --restarts %d: must be 0 or more", restarts);
+  if (min_ranks < 0 || min_ranks > nranks)
+    return lz_fail(LZ_ERR_INVALID, "launch: --min-ranks %d: must be 1..%d (-n %d)", min_ranks,
+                   nranks, nranks);
+  signals_catch();
+  job j = {.nranks = nranks, .argv = argv, .segment = -1, .failed_rank = -1, .restarts = restarts};
+  lz_status st = check_args(nranks, argv, &j.mode);
+  const char *backend = getenv("LZ_BACKEND");
+  if (st == LZ_OK && backend && !strcmp(backend, "mpi")) {
+    if (restarts > 0)
+      st = lz_fail(LZ_ERR_INVALID, "launch: --restarts %d under --backend mpi: mpirun does not "
+                   "say which rank failed; restart under the shm backend (the default)", restarts);
+    else st = launch_mpirun(nranks, argv, exit_code);
+    signals_restore();
+    return st;
+  }
+  while (st == LZ_OK) {
+    st = run_once(&j, exit_code);
+    if (st != LZ_OK || *exit_code == 0 || got_signal || j.failed_rank < 0) break;
+    if (restarts == 0) break; /* as without restarts: the rank's own code */
+    int world = next_world(&j, min_ranks, exit_code);
+    if (!world) break;
+    job next = {.nranks = world, .argv = argv, .mode = j.mode, .segment = -1,
+                .failed_rank = -1, .restart = j.restart + 1, .restarts = restarts};
+    memcpy(next.cause, j.cause, sizeof next.cause);
+    j = next;
+  }
   signals_restore();
   return st;
+}
+
+lz_status lz_launch(int nranks, char *const *argv, int *exit_code) {
+  return lz_launch_restarting(nranks, argv, 0, 0, exit_code);
 }

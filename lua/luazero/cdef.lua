@@ -346,6 +346,9 @@ lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
 
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
+lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int min_ranks,
+                               int *exit_code);
+
 lz_status lz_cuda_device_count(int *out);
 const char *lz_cuda_device_name(int device);
 
