@@ -20,6 +20,7 @@ local estimate = require("luazero.estimate")
 local models = require("models.registry")
 local hf = require("luazero.hf")
 local monitor = require("luazero.monitor")
+local restart = require("luazero.checkpoint.restart")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
@@ -355,9 +356,10 @@ end
 
 -- --log FILE: one write per record, checked; a failed one is cut back to the
 -- last complete record, so the file stays JSON Lines, and stops the run.
+-- A restarted run (luazero --restarts) appends to it.
 local function open_log(path)
   local jsonl = require("luazero.jsonl")
-  local log, err = jsonl.open(path)
+  local log, err = jsonl.open(path, { append = restart.count() ~= nil })
   if not log then user_error(("--log %s: cannot write it (%s)"):format(path, err)) end
   return {
     write = function(rec, what)
@@ -773,9 +775,13 @@ end
 local function main(argv)
   local flags = parse_flags(argv)
   if not flags then return end
+  local again = restart.prepare(flags, RANK) -- a restart resumes from --save's latest
   local run = set_up(flags)
   if flags.init then init_from_hf(run) end
   if flags.resume then resume(run) end
+  if again and run.log then
+    run.log.write(again:record(run.world, run.first), "the restart record")
+  end
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
   for step = run.first, flags.steps do
@@ -785,6 +791,7 @@ local function main(argv)
     say_step(run, step, rec, r, prof)
     if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
     check_budget(run, step, rec)
+    restart.fault_hook(run.rank, step) -- test hook: LZ_FAULT_KILL
     save_if_due(run, step)
   end
   -- No step ran (--steps 0 with --init, or a resume at its last step): the

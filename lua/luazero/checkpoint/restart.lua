@@ -1,0 +1,82 @@
+-- checkpoint/restart.lua — a training run the launcher started again
+-- (`luazero -n N --restarts K`, core/launch/launch.c), told by LZ_RESTART=<k>
+-- and LZ_RESTART_CAUSE=<one line>. A restart continues from the latest
+-- checkpoint of its --save folder exactly as --resume DIR would (the loader
+-- reshards to the world size the restart has), or, with nothing saved yet,
+-- from where the first run started; its metrics log is appended to, one
+-- restart record before the restarted run's first step. Also the test hook
+-- LZ_FAULT_KILL.
+--
+--   local again = restart.prepare(flags, rank)   -- nil on a first run; may set flags.resume
+--   jsonl.open(path, { append = restart.count() ~= nil })
+--   log:write(again:record(world, first_step))   -- {"event":"restart", ...}
+--   restart.fault_hook(rank, step)               -- after each optimizer step
+local ffi = require("ffi")
+local exists = require("luazero.io.fs").exists
+
+pcall(ffi.cdef, "int getpid(void);")
+pcall(ffi.cdef, "int kill(int pid, int sig);")
+
+local M = {}
+local Restart = {}
+Restart.__index = Restart
+
+-- k of LZ_RESTART=<k> (1 for the first restart), nil on a first run.
+function M.count()
+  local k = tonumber(os.getenv("LZ_RESTART") or "")
+  return k and k >= 1 and k or nil
+end
+
+-- On a restart: flags.resume becomes the --save folder when it has a
+-- `latest` (else the run's own --resume, or none, stays), and rank 0 says
+-- where the run continues from. On a first run that may be restarted
+-- (LZ_RESTARTS) without --save, rank 0 warns that a restart would begin
+-- again from step 0. Returns the restart, nil on a first run.
+function M.prepare(flags, rank)
+  local k = M.count()
+  if not k then
+    local restarts = tonumber(os.getenv("LZ_RESTARTS") or "") or 0
+    if restarts > 0 and not flags.save and rank == 0 then
+      io.stderr:write(("train: warning: --restarts %d without --save: a restart would begin " ..
+                       "again from step 0; add --save DIR (and --save-every N) to continue " ..
+                       "from the latest checkpoint\n"):format(restarts))
+      io.stderr:flush()
+    end
+    return nil
+  end
+  local again = setmetatable({ count = k, cause = os.getenv("LZ_RESTART_CAUSE") or "" }, Restart)
+  local saved = flags.save and exists(flags.save .. "/latest")
+  if saved then flags.resume = flags.save end
+  if rank == 0 then
+    print(("restart %d (%s): %s"):format(k, again.cause, saved and
+          ("resuming from the latest checkpoint in --save " .. flags.save) or flags.resume and
+          ("nothing saved yet: resuming from --resume " .. flags.resume) or
+          "nothing saved yet: starting again from step 0"))
+    io.stdout:flush()
+  end
+  return again
+end
+
+-- The metrics log's record of this restart: first_step is the first step
+-- the restarted run trains.
+function Restart:record(world, first_step)
+  return { event = "restart", restart = self.count, cause = self.cause, world_size = world,
+           resumed_from_step = first_step - 1 }
+end
+
+-- Test hook: LZ_FAULT_KILL="RANK:STEP" makes rank RANK SIGKILL itself right
+-- after optimizer step STEP (its metrics record written, before that step's
+-- save), on a first run only (LZ_RESTART unset): the restarted run goes on.
+local fault = os.getenv("LZ_FAULT_KILL")
+function M.fault_hook(rank, step)
+  if not fault or fault == "" or M.count() then return end
+  local r, s = fault:match("^(%d+):(%d+)$")
+  if not r then error(("LZ_FAULT_KILL=%s: must be RANK:STEP (e.g. 2:5)"):format(fault), 0) end
+  if tonumber(r) == rank and tonumber(s) == step then
+    io.stdout:flush()
+    io.stderr:flush()
+    ffi.C.kill(ffi.C.getpid(), 9)
+  end
+end
+
+return M
