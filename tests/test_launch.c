@@ -32,7 +32,7 @@ LZ_TEST(launch_restarts_on_the_ranks_left_after_a_rank_is_killed) {
   /* The first run: rank 2 kills itself. The restart: 2 ranks, told why. */
   char *argv[] = {
       "/bin/sh", "-c",
-      "if [ -z \"$LZ_RESTART\" ]; then [ $RANK = 2 ] && kill -9 $$; sleep 30; fi; "
+      "if [ -z \"$LZ_RESTART\" ]; then [ $RANK = 2 ] && kill -9 $$; exec sleep 30; fi; "
       "test \"$WORLD_SIZE\" = 2 && test \"$LZ_RESTART\" = 1 && "
       "test \"$LZ_RESTARTS\" = 1 && "
       "case \"$LZ_RESTART_CAUSE\" in \"rank 2 was killed by signal 9 (SIGKILL) at \"*Z) ;; "
@@ -51,8 +51,8 @@ LZ_TEST(launch_gives_up_when_restarts_are_used_or_too_few_ranks_are_left) {
   launch_env();
   char path[64], cmd[256];
   snprintf(path, sizeof path, "/tmp/lz-test-launch-%d", (int)getpid());
-  snprintf(cmd, sizeof cmd, "[ $RANK = 0 ] && echo run >> %s; [ $RANK = 1 ] && exit 3; sleep 30",
-           path);
+  snprintf(cmd, sizeof cmd,
+           "[ $RANK = 0 ] && echo run >> %s; [ $RANK = 1 ] && exit 3; exec sleep 30", path);
   char *argv[] = {"/bin/sh", "-c", cmd, NULL};
   int code = -1;
   /* Every run fails: the first and 2 restarts, then exit 1. */

@@ -27,21 +27,36 @@ function M.count()
   return k and k >= 1 and k or nil
 end
 
+local function warn(fmt, ...)
+  io.stderr:write(("train: warning: " .. fmt .. "\n"):format(...))
+  io.stderr:flush()
+end
+
+-- A first run that may be restarted (LZ_RESTARTS): rank 0 warns when a
+-- restart could not continue it, without --save (it would begin again from
+-- step 0), or when --save already holds another run's checkpoints (a
+-- restart before this run's first save would resume from those).
+local function check_first_run(flags, rank)
+  local restarts = tonumber(os.getenv("LZ_RESTARTS") or "") or 0
+  if restarts == 0 or rank ~= 0 then return end
+  if not flags.save then
+    warn("--restarts %d without --save: a restart would begin again from step 0; add --save " ..
+         "DIR (and --save-every N) to continue from the latest checkpoint", restarts)
+  elseif not flags.resume and exists(flags.save .. "/latest") then
+    warn("--save %s already holds checkpoints this run does not resume: a restart before its " ..
+         "first save would resume from that latest; give --resume %s to continue them, or " ..
+         "another --save folder", flags.save, flags.save)
+  end
+end
+
 -- On a restart: flags.resume becomes the --save folder when it has a
 -- `latest` (else the run's own --resume, or none, stays), and rank 0 says
--- where the run continues from. On a first run that may be restarted
--- (LZ_RESTARTS) without --save, rank 0 warns that a restart would begin
--- again from step 0. Returns the restart, nil on a first run.
+-- where the run continues from. Returns the restart, nil on a first run
+-- (after check_first_run's warnings).
 function M.prepare(flags, rank)
   local k = M.count()
   if not k then
-    local restarts = tonumber(os.getenv("LZ_RESTARTS") or "") or 0
-    if restarts > 0 and not flags.save and rank == 0 then
-      io.stderr:write(("train: warning: --restarts %d without --save: a restart would begin " ..
-                       "again from step 0; add --save DIR (and --save-every N) to continue " ..
-                       "from the latest checkpoint\n"):format(restarts))
-      io.stderr:flush()
-    end
+    check_first_run(flags, rank)
     return nil
   end
   local again = setmetatable({ count = k, cause = os.getenv("LZ_RESTART_CAUSE") or "" }, Restart)
