@@ -80,6 +80,7 @@ typedef struct job {
   int stopping;    /* the ranks have been told to stop */
   double kill_at;  /* then SIGKILL for those still running */
   int failed_rank; /* the rank whose failure stops the job, -1 */
+  int failed_status; /* its wait status, and when it was seen */
   time_t failed_at;
   int killed;      /* ranks killed by a signal before the job was stopped */
   int restart;     /* 0 for the first run, then 1.. */
@@ -543,6 +544,7 @@ static void reap(job *j, double *grace_until) {
       int cause_killed = j->failed_rank >= 0 && WIFSIGNALED(j->procs[j->failed_rank].status);
       if (j->failed_rank < 0 || (killed && !cause_killed)) {
         j->failed_rank = r;
+        j->failed_status = status;
         j->failed_at = time(NULL);
       }
       j->killed += killed;
@@ -648,13 +650,14 @@ static lz_status run_once(job *j, int *code) {
   return st;
 }
 
-/* After a failed run: the world size of the next one (0: none), saying
- * why on stderr. Ranks killed by a signal are lost under min_ranks (they
- * died; the others were stopped); with none killed, the failed rank is. */
+/* After a failed run (torn down: only the failure's fields are left): the
+ * world size of the next one (0: none), saying why on stderr. Ranks killed
+ * by a signal are lost under min_ranks (they died; the others were
+ * stopped); with none killed, the failed rank is. */
 static int next_world(job *j, int min_ranks, int *exit_code) {
   char how[96], when[32];
   struct tm tm;
-  describe(j->procs[j->failed_rank].status, how, sizeof how);
+  describe(j->failed_status, how, sizeof how);
   gmtime_r(&j->failed_at, &tm);
   strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%SZ", &tm);
   snprintf(j->cause, sizeof j->cause, "rank %d %s at %s", j->failed_rank, how, when);
