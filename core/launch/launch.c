@@ -707,6 +707,11 @@ lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int 
     st = run_once(&j, exit_code);
     if (st != LZ_OK || *exit_code == 0 || got_signal || j.failed_rank < 0) break;
     if (restarts == 0) break; /* as without restarts: the rank's own code */
+    if (WIFEXITED(j.failed_status) && WEXITSTATUS(j.failed_status) == 2) {
+      /* Bad input fails the same way every time: a restart would only repeat it. */
+      fprintf(stderr, "luazero: rank %d refused its input (exit 2): not restarting\n", j.failed_rank);
+      break;
+    }
     int world = next_world(&j, min_ranks, exit_code);
     if (!world) break;
     job next = {.nranks = world, .argv = argv, .mode = j.mode, .segment = -1,

@@ -105,6 +105,14 @@ function T.restarts_used_up_or_too_few_ranks_left_exit_1_saying_why()
   assert(out:find("1 rank left, fewer than --min-ranks 2: not restarting", 1, true), out)
 end
 
+-- Bad input would be refused again: a rank that exits 2 ends the job at once.
+function T.a_rank_that_refuses_its_input_is_not_restarted()
+  local out, st = launch("", "-n 2 --restarts 2", "-e " .. q('if os.getenv("RANK") == "1" then os.exit(2) end'))
+  support.eq(st, 2, "exit status")
+  assert(out:find("luazero: rank 1 refused its input (exit 2): not restarting", 1, true), out)
+  assert(not out:find("restart 1 of", 1, true), out)
+end
+
 function T.restart_flags_are_checked_and_the_environment_gives_defaults()
   for _, c in ipairs({
     { "--restarts 1", "luazero: --restarts restarts the ranks of a job: give -n N too" },
