@@ -378,7 +378,7 @@ function Profile:format(opts)
     if r.gflops then
       g = ("%9.1f"):format(r.gflops)
       local dt = r.name:match("^GEMM %S+ %S+ (%S+)")
-      if peak and peak[dt] then g = g .. (" %4.0f%%"):format(100 * r.gflops / peak[dt]) end
+      if peak and (peak[dt] or 0) > 0 then g = g .. (" %4.0f%%"):format(100 * r.gflops / peak[dt]) end
     end
     lines[#lines + 1] = ("%-52s %8.1f %10.2f %6.1f%% %s"):format(r.name, r.calls, r.ms, r.pct, g)
   end
