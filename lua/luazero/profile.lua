@@ -82,7 +82,8 @@ function Profile:pop()
   if parent then parent.child = parent.child + dt end
 end
 
--- One row's record: calls, seconds, FLOPs (GEMMs).
+-- One row's record: calls, seconds, FLOPs (GEMMs) or bytes moved (tensor
+-- calls; 0 for kernels).
 function Profile:add(key, seconds, calls, flops, gemm)
   local r = self.rows[key]
   if not r then
@@ -204,8 +205,32 @@ local function wrap_tensor(self)
           keys[c] = key
         end
       end
-      return self:leaf(key, 0, false, orig, t, a)
+      -- bytes moved: read and written (copy), written (zero, fill), read (sq_norm)
+      local bytes = t:bytes()
+      if name == "copy" then bytes = bytes + a:bytes() end
+      return self:leaf(key, bytes, false, orig, t, a)
     end
+  end
+end
+
+-- The end of a frame: popped, its label dropped, an error raised again,
+-- else the call's results passed on (no table: this runs around every
+-- module call).
+local function leave(self, key, label, ok, ...)
+  if key then self:pop() end
+  if label then self.labels[#self.labels] = nil end
+  if not ok then error((...), 0) end
+  return ...
+end
+
+-- orig wrapped: while a step runs, timed as a frame (key: its row, ctx: what
+-- tensor calls inside it say, label: the module GEMMs inside it name).
+local function framed(self, orig, key, ctx, label)
+  return function(...)
+    if not self.active then return orig(...) end
+    if label then self.labels[#self.labels + 1] = label end
+    if key then self:push(key, ctx) end
+    return leave(self, key, label, pcall(orig, ...))
   end
 end
 
@@ -215,17 +240,24 @@ local function wrap_method(self, obj, name, key, ctx, label)
   local orig = obj[name]
   if type(orig) ~= "function" then return end
   self.saved_fields[#self.saved_fields + 1] = { obj, name, rawget(obj, name) }
-  obj[name] = function(...)
-    if not self.active then return orig(...) end
-    local labels = self.labels
-    if label then labels[#labels + 1] = label end
-    if key then self:push(key, ctx) end
-    local out = { pcall(orig, ...) }
-    if key then self:pop() end
-    if label then labels[#labels] = nil end
-    if not out[1] then error(out[2], 0) end
-    return unpack(out, 2, table.maxn(out))
+  obj[name] = framed(self, orig, key, ctx, label)
+end
+
+-- After a step: the frames closed, its time counted (not the warm-up's),
+-- the batches' next_batch back.
+function Profile:end_step(t0, batches, raw, warmup, keep, ok, ...)
+  if self.sync then self.sync() end
+  while #self.stack > 0 do self:pop() end
+  local dt = now() - t0
+  self.active = false
+  if raw ~= nil then batches.next_batch = raw or nil end
+  if warmup then
+    self.warm, self.rows = 1, keep
+  else
+    self.steps, self.step_s = self.steps + 1, self.step_s + dt
   end
+  if not ok then error((...), 0) end
+  return ...
 end
 
 --------------------------------------------------------------- attach
@@ -264,16 +296,11 @@ function M.attach(engine, opts)
   local train_batch = engine.train_batch
   self.saved_fields[#self.saved_fields + 1] = { engine, "train_batch", rawget(engine, "train_batch") }
   engine.train_batch = function(eng, batches, ...)
-    local raw = type(batches) == "table" and rawget(batches, "next_batch")
-    local next_batch = type(batches) == "table" and batches.next_batch
-    if next_batch then
-      batches.next_batch = function(...)
-        self:push(M.DATA, M.DATA)
-        local out = { pcall(next_batch, ...) }
-        self:pop()
-        if not out[1] then error(out[2], 0) end
-        return unpack(out, 2, table.maxn(out))
-      end
+    -- raw: the batches' own next_batch field (false: none, nil: no batches table)
+    local raw
+    if type(batches) == "table" and batches.next_batch then
+      raw = rawget(batches, "next_batch") or false
+      batches.next_batch = framed(self, batches.next_batch, M.DATA, M.DATA)
     end
     -- the warm-up step's rows go to a table that is dropped after it
     local warmup, keep = self.warm == 0, self.rows
@@ -281,20 +308,8 @@ function M.attach(engine, opts)
     self.active, self.stack, self.labels = true, {}, {}
     if self.sync then self.sync() end
     self:push(M.GLUE, "optimizer")
-    local t0 = self.stack[1].t0
-    local out = { pcall(train_batch, eng, batches, ...) }
-    if self.sync then self.sync() end
-    while #self.stack > 0 do self:pop() end
-    local dt = now() - t0
-    self.active = false
-    if next_batch then batches.next_batch = raw or nil end
-    if warmup then
-      self.warm, self.rows = 1, keep
-    else
-      self.steps, self.step_s = self.steps + 1, self.step_s + dt
-    end
-    if not out[1] then error(out[2], 0) end
-    return unpack(out, 2, table.maxn(out))
+    return self:end_step(self.stack[1].t0, batches, raw, warmup, keep,
+                         pcall(train_batch, eng, batches, ...))
   end
   return self
 end
@@ -336,6 +351,8 @@ function Profile:report()
       local part = key:match("^GEMM %S+ (%S+)")
       local pt = parts[part] or { part = part, s = 0, flops = 0 }
       parts[part], pt.s, pt.flops = pt, pt.s + r.s, pt.flops + r.flops
+    elseif r.flops > 0 then
+      row.gbs = r.s > 0 and r.flops / r.s / 1e9 or 0
     end
     sum = sum + ms
     out.rows[#out.rows + 1] = row
@@ -375,6 +392,7 @@ function Profile:format(opts)
                                                        "GFLOP/s")
   for _, r in ipairs(rep.rows) do
     local g = ""
+    if r.gbs then g = ("%9.1f GB/s"):format(r.gbs) end
     if r.gflops then
       g = ("%9.1f"):format(r.gflops)
       local dt = r.name:match("^GEMM %S+ %S+ (%S+)")
