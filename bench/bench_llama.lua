@@ -240,17 +240,20 @@ local function luazero_run(cfg, dtype, ranks, stage)
            profile = flags.profile and out:match("\n(profile: .*)$") or nil }
 end
 
-local function torch_run(cfg, dtype)
-  local out = sh(("/usr/bin/python3 %s --n-layer %d --n-head %d --n-kv-head %d --n-embd %d " ..
-                  "--n-hidden %d --vocab %d --tie %d --eps %g --rope-theta %g --micro-batch %d " ..
-                  "--seq-len %d --steps %d --threads %d --dtype %s")
-                 :format(q(lz.root .. "/bench/bench_llama_torch.py"), cfg.n_layer, cfg.n_head,
+-- One Python run (bench_llama_torch.py: PyTorch's Llama written here;
+-- bench_llama_hf.py: transformers'): tokens/s and the step times the script
+-- printed as PREFIX_tokens_per_s and PREFIX_step_ms. extra: more flags.
+local function python_run(python, script, prefix, name, cfg, dtype, steps, extra)
+  local out = sh(("%s %s --n-layer %d --n-head %d --n-kv-head %d --n-embd %d --n-hidden %d " ..
+                  "--vocab %d --tie %d --eps %g --rope-theta %g --micro-batch %d --seq-len %d " ..
+                  "--steps %d --threads %d --dtype %s%s")
+                 :format(q(python), q(lz.root .. "/bench/" .. script), cfg.n_layer, cfg.n_head,
                          cfg.n_kv_head, cfg.n_embd, cfg.n_hidden, cfg.vocab, cfg.tie and 1 or 0,
-                         cfg.eps, cfg.rope_theta, B, T, flags.torch_steps, threads, dtype))
-  local tps = tonumber(out:match("torch_tokens_per_s ([%d.e+-]+)"))
-  local list = out:match("torch_step_ms ([%d. ]+)")
+                         cfg.eps, cfg.rope_theta, B, T, steps, threads, dtype, extra or ""))
+  local tps = tonumber(out:match(prefix .. "_tokens_per_s ([%d.e+-]+)"))
+  local list = out:match(prefix .. "_step_ms ([%d. ]+)")
   if not tps then
-    print(("pytorch %s failed:\n%s"):format(dtype, out))
+    print(("%s %s failed:\n%s"):format(name, dtype, out))
     os.exit(1)
   end
   local ms = {}
@@ -258,42 +261,31 @@ local function torch_run(cfg, dtype)
   return { tps = tps, ms = ms }
 end
 
+local function torch_run(cfg, dtype)
+  return python_run("/usr/bin/python3", "bench_llama_torch.py", "torch", "pytorch", cfg, dtype,
+                    flags.torch_steps)
+end
+
 -- transformers (PEFT with --lora) in the reference venv, when it imports.
+local HF = flags.lora and "peft" or "transformers"
 local hf_python = lz.root .. "/build/ref-venv/bin/python"
 local hf_missing
 if flags.hf_steps > 0 then
   local need = flags.lora and "transformers, peft" or "transformers"
   local out = sh(("%s -c %s"):format(q(hf_python), q("import " .. need)))
   if out:find("%S") then
-    hf_missing = ("(%s not importable by %s: run tools/setup; the transformers rows are " ..
-                  "skipped)"):format(need, hf_python)
+    hf_missing = ("(%s not importable by %s: run tools/setup; the %s rows are skipped)")
+                 :format(need, hf_python, HF)
   end
 end
 
 local function hf_run(cfg, dtype)
-  local out = sh(("%s %s --n-layer %d --n-head %d --n-kv-head %d --n-embd %d --n-hidden %d " ..
-                  "--vocab %d --tie %d --eps %g --rope-theta %g --micro-batch %d --seq-len %d " ..
-                  "--steps %d --threads %d --dtype %s%s")
-                 :format(q(hf_python), q(lz.root .. "/bench/bench_llama_hf.py"), cfg.n_layer,
-                         cfg.n_head, cfg.n_kv_head, cfg.n_embd, cfg.n_hidden, cfg.vocab,
-                         cfg.tie and 1 or 0, cfg.eps, cfg.rope_theta, B, T, flags.hf_steps,
-                         threads, dtype,
-                         flags.lora and (" --lora-r %d --lora-targets q_proj,v_proj")
-                                        :format(flags.lora_r) or ""))
-  local tps = tonumber(out:match("hf_tokens_per_s ([%d.e+-]+)"))
-  local list = out:match("hf_step_ms ([%d. ]+)")
-  if not tps then
-    print(("transformers %s failed:\n%s"):format(dtype, out))
-    os.exit(1)
-  end
-  local ms = {}
-  for v in list:gmatch("[%d.]+") do ms[#ms + 1] = tonumber(v) end
-  return { tps = tps, ms = ms }
+  return python_run(hf_python, "bench_llama_hf.py", "hf", HF, cfg, dtype, flags.hf_steps,
+                    flags.lora and (" --lora-r %d --lora-targets q_proj,v_proj"):format(flags.lora_r))
 end
 
 -- The rows, in the order they run in each round.
 local rows = {}
-local HF = flags.lora and "peft" or "transformers"
 local function add(label, fn, cfg, dtype, ranks)
   rows[#rows + 1] = { label = label, fn = fn, cfg = cfg, dtype = dtype, ranks = ranks, tps = {} }
 end
