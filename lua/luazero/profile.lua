@@ -26,7 +26,8 @@
 -- the step is the Lua glue. The rows add up to the step's time.
 -- GEMM rows (matmul, linear forward, dX, dW) are split by the module that
 -- ran them (the part of its path after the block number: self_attn.o_proj,
--- mlp.c_fc, lm_head), dtype and shape M x N x K, with the GFLOP/s reached.
+-- mlp.c_fc, lm_head), dtype and shape M x N x K, with the GFLOP/s reached;
+-- the tensor calls' rows carry the GB/s they moved.
 -- On a device the wrappers synchronise around each call (host time would
 -- only say when the work was queued): the step is slower, the split right.
 local lz = require("luazero")
