@@ -1,6 +1,6 @@
 -- test_profile.lua — luazero.profile and train.lua --profile: a profiled run
 -- ends with the same parameters bit for bit (fp32 and bf16, LoRA, ZeRO-3 on
--- two ranks); the rows add up to the step's time measured outside; the
+-- two ranks, the sim device); the rows add up to the step's time measured outside; the
 -- GEMM rows carry their module, part, dtype, shape and GFLOP/s; detach puts
 -- every wrapped function back; --profile-json writes the report.
 local cjson = require("cjson")
@@ -32,6 +32,7 @@ function T.train_gives_the_same_checksum_with_and_without_profile()
     { "gpt2-nano", "--n-layer 2 --n-embd 32 --n-head 2 --context 32 --dtype fp32", 1 },
     { "llama-tiny", "--dtype bf16 --lora-r 2 --seq-len 32", 1 },
     { "gpt2-nano", "--n-layer 2 --n-embd 32 --n-head 2 --context 32 --dtype bf16 --stage 3", 2 },
+    { "gpt2-nano", "--n-layer 2 --n-embd 32 --n-head 2 --context 32 --device sim", 1 },
   }
   for _, c in ipairs(cases) do
     local _, ok_train = support.trainer(("--model %s %s --sample 0 --eval-batches 1 --data %s")
