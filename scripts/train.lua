@@ -788,6 +788,11 @@ local function main(argv)
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
   if flags.profile or flags.profile_json then
+    if flags.profile_json and run.rank == 0 then -- an unwritable path fails before the steps
+      local f, err = io.open(flags.profile_json, "w")
+      if not f then user_error(("--profile-json: cannot write %s; give a path in a writable folder"):format(err)) end
+      f:close()
+    end
     run.profile = require("luazero.profile").attach(run.engine)
   end
   for step = run.first, flags.steps do

@@ -110,6 +110,13 @@ function T.profile_json_is_written()
   f:close()
   eq(rep.steps, 2, "steps in the JSON report")
   assert(#rep.rows > 5 and rep.step_ms > 0 and rep.gemm_gflops > 0, "the JSON report's rows")
+  -- an unwritable path stops the run before its first step
+  local train = support.trainer(("--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 " ..
+                                 "--context 32 --sample 0 --data %s"):format(q(corpus)))
+  local out, st = train(1, "--steps 2 --profile-json " .. q(tmp .. "/no/such/dir/p.json"))
+  eq(st, 2, "exit status of an unwritable --profile-json")
+  assert(out:find("--profile-json: cannot write", 1, true) and not out:find("step     1", 1, true),
+         out)
 end
 
 return T
