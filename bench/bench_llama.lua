@@ -1,9 +1,12 @@
 -- bench/bench_llama.lua — Llama training throughput at the ~100M size, in fp32
 -- and bf16, on one rank and on two, beside GPT-2 of the same depth and width
--- and beside PyTorch on the same shapes.
+-- and beside PyTorch and Hugging Face transformers on the same shapes; or
+-- (--lora) LoRA fine-tuning of a TinyLlama-1.1B shape beside PEFT.
 --   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--micro-batch 4]
---                                 [--seq-len 64] [--steps 3] [--torch-steps 2]
---                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1]
+--                                 [--seq-len 64] [--steps 3] [--torch-steps 2] [--hf-steps 2]
+--                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1] [--profile]
+--   luazero bench/bench_llama.lua --lora [--model tinyllama-1.1b] [--lora-r 8]
+--                                 [--micro-batch 2] [--seq-len 128] [--profile]
 -- In one run, on the same machine, threads, batch and sequence length:
 --   1. the GEMM yardsticks: a large GEMM through lz_matmul (oneDNN), fp32
 --      (sgemm) and bf16 (bf16 inputs, fp32 output), GFLOP/s, measured
@@ -16,7 +19,20 @@
 --      step, then --steps steps timed one by one, the median counts;
 --   3. PyTorch 1.13 (/usr/bin/python3, bench/bench_llama_torch.py): the same
 --      Llama written from Hugging Face's equations, one rank, same threads,
---      fp32 and bf16 (torch.autocast on the CPU).
+--      fp32 and bf16 (torch.autocast on the CPU);
+--   4. transformers 4.40.2 (the reference venv's python, build/ref-venv, made
+--      by tools/setup; skipped when it cannot import transformers):
+--      LlamaForCausalLM of the same config, eager attention, AdamW, fp32 and
+--      bf16 under torch.autocast (bench/bench_llama_hf.py).
+-- --lora: the model (default tinyllama-1.1b, random weights) with LoRA
+-- adapters of rank --lora-r (alpha = r) on q_proj and v_proj, everything
+-- else frozen, bf16, one rank, batch 2 x 128 by default; beside it PEFT 0.10
+-- LoRA (same rank and targets) on transformers' LlamaForCausalLM of the same
+-- shape under autocast. No GPT-2, no multi-rank and no PyTorch-own rows.
+-- --profile prints, under each luazero row, where its steps went
+-- (luazero.profile: per kernel and engine phase, the GEMMs by module, part,
+-- dtype and shape with the share of the yardstick they reach); the profiled
+-- runs pay the profiler's small cost in their tokens/s.
 -- --rounds N repeats 2 and 3 N times, interleaved, and prints the median of
 -- each figure over the rounds. On a shared machine the ratios of one round
 -- hold better than the absolute figures, and one rank of two threads loses
@@ -25,7 +41,8 @@
 -- Model FLOP utilisation (MFU) is against the GEMM figure of the run's dtype.
 -- FLOPs per token: 6 N + 12 L C T (nanoGPT's estimate; N: the parameters,
 -- without GPT-2's position table; the attention term counts the whole T x T
--- square and the query heads, C = n_head * head_dim).
+-- square and the query heads, C = n_head * head_dim); with LoRA 4 N + 12 L C T
+-- (the frozen weights' forward and input gradients, no weight gradients).
 local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
@@ -33,12 +50,16 @@ local clock = require("luazero.clock")
 local models = require("models.registry")
 
 local spec = {
-  { "model", "string", "llama-100m", "the Llama size (models/registry.lua)" },
+  { "model", "string", nil, "the Llama size (models/registry.lua; default llama-100m, with --lora tinyllama-1.1b)" },
   { "gpt2", "string", "gpt2", "the GPT-2 size beside it (\"none\" skips GPT-2)" },
-  { "micro-batch", "int", 4, "sequences per step (per rank)" },
-  { "seq-len", "int", 64, "tokens per sequence" },
+  { "micro-batch", "int", nil, "sequences per step (per rank; default 4, with --lora 2)" },
+  { "seq-len", "int", nil, "tokens per sequence (default 64, with --lora 128)" },
   { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
   { "torch-steps", "int", 2, "timed PyTorch steps per run (after one warm-up step); 0 skips PyTorch" },
+  { "hf-steps", "int", 2, "timed transformers (PEFT with --lora) steps per run (after one warm-up step); 0 skips them" },
+  { "lora", "flag", false, "LoRA mode: adapters of --lora-r on q_proj, v_proj, bf16, one rank, beside PEFT" },
+  { "lora-r", "int", 8, "--lora: the adapters' rank" },
+  { "profile", "flag", false, "print each luazero run's profile (luazero.profile)" },
   { "threads", "int", 2, "compute threads in all (one rank: all of them; n ranks: threads / n each)" },
   { "ranks", "int", 2, "ranks of the multi-rank runs (1 skips them)" },
   { "stage", "int", 2, "ZeRO stage of the multi-rank runs (0-3)" },
@@ -46,7 +67,8 @@ local spec = {
   { "rounds", "int", 1, "times to repeat every run; figures are medians over the rounds" },
   { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMMs" },
   -- internal: one run, in its own process (and ranks)
-  { "run", "string", nil, "(internal) run one model in this process: MODEL:DTYPE:STAGE" },
+  { "run", "string", nil, "(internal) run one model in this process: MODEL:DTYPE:STAGE[:LORA_R]" },
+  { "peak", "string", nil, "(internal) the yardsticks for --profile: F32,BF16 GFLOP/s" },
 }
 
 local function fail(msg)
@@ -61,6 +83,13 @@ if not flags then
   os.exit(0)
 end
 
+if flags.lora then
+  flags.gpt2, flags.ranks, flags.torch_steps = "none", 1, 0
+  flags.dtypes = "bf16"
+end
+flags.model = flags.model or (flags.lora and "tinyllama-1.1b" or "llama-100m")
+flags.micro_batch = flags.micro_batch or (flags.lora and 2 or 4)
+flags.seq_len = flags.seq_len or (flags.lora and 128 or 64)
 local B, T = flags.micro_batch, flags.seq_len
 local function at_least(name, v, lo)
   if v < lo then fail(("--%s must be >= %d (got %d)"):format(name, lo, v)) end
@@ -69,6 +98,8 @@ at_least("micro-batch", B, 1)
 at_least("seq-len", T, 1)
 at_least("steps", flags.steps, 1)
 at_least("torch-steps", flags.torch_steps, 0)
+at_least("hf-steps", flags.hf_steps, 0)
+at_least("lora-r", flags.lora_r, 1)
 at_least("threads", flags.threads, 1)
 at_least("ranks", flags.ranks, 1)
 at_least("rounds", flags.rounds, 1)
@@ -98,11 +129,11 @@ local function model_config(name, family, flag)
   return cfg
 end
 
--- FLOPs per token of a config (see the header).
-local function flops_per_token(cfg, n_params)
+-- FLOPs per token of a config (see the header); lora: adapters train.
+local function flops_per_token(cfg, n_params, lora)
   local n = n_params - (cfg.family == "llama" and 0 or cfg.context * cfg.n_embd)
   local attn = cfg.n_head * (cfg.head_dim or cfg.n_embd / cfg.n_head)
-  return 6 * n + 12 * cfg.n_layer * attn * T
+  return (lora and 4 or 6) * n + 12 * cfg.n_layer * attn * T
 end
 
 --------------------------------------------------------------- one run
@@ -110,9 +141,9 @@ end
 -- In its own process (under `luazero -n R` for R ranks): builds the model
 -- and the engine, times the steps; rank 0 prints one "bench_llama_run" line.
 if flags.run then
-  local name, dtype, stage = flags.run:match("^([^:]+):([^:]+):(%d)$")
+  local name, dtype, stage, lora_r = flags.run:match("^([^:]+):([^:]+):(%d):?(%d*)$")
   if not name or (dtype ~= "fp32" and dtype ~= "bf16") or tonumber(stage) > 3 then
-    fail(("--run: '%s' is not MODEL:DTYPE:STAGE (DTYPE fp32 or bf16, STAGE 0-3)")
+    fail(("--run: '%s' is not MODEL:DTYPE:STAGE[:LORA_R] (DTYPE fp32 or bf16, STAGE 0-3)")
          :format(flags.run))
   end
   local ok_, cfg = pcall(models.config, name)
@@ -123,6 +154,11 @@ if flags.run then
   local rng = require("luazero.rng")
   local zero = require("luazero.zero")
   local model = models.new(cfg)
+  local n_params = model:count_params()
+  if lora_r ~= "" then
+    local r = tonumber(lora_r)
+    require("models.lora").apply(model, { r = r, alpha = r, targets = { "q_proj", "v_proj" } })
+  end
   local engine = zero.initialize({
     model = model, seed = 1, batch = { B, T }, comm = comm,
     config = { train_micro_batch_size_per_gpu = B, gradient_clipping = 1.0,
@@ -135,7 +171,8 @@ if flags.run then
     for i = 0, B * T - 1 do px[i] = r:int(cfg.vocab); py[i] = r:int(cfg.vocab) end
     return x, y
   end }
-  engine:train_batch(batches) -- warm-up
+  local prof = flags.profile and require("luazero.profile").attach(engine)
+  engine:train_batch(batches) -- warm-up (the profile's too)
   local ms = {}
   for i = 1, flags.steps do
     local t0 = clock.now()
@@ -146,8 +183,13 @@ if flags.run then
     local shown = {}
     for i, v in ipairs(ms) do shown[i] = ("%.1f"):format(v) end
     print(("bench_llama_run params %d world %d threads %d step_ms %s"):format(
-          model:count_params(), world, lz.threads(), table.concat(shown, ",")))
+          n_params, world, lz.threads(), table.concat(shown, ",")))
+    if prof then
+      local f32, bf16 = (flags.peak or ""):match("^([%d.]+),([%d.]+)$")
+      print(prof:format({ peak = { f32 = tonumber(f32), bf16 = tonumber(bf16) } }))
+    end
   end
+  if prof then prof:detach() end
   io.stdout:flush()
   engine:free()
   os.exit(0)
@@ -174,13 +216,17 @@ for _, d in ipairs(dtypes) do peak[d] = gemm_gflops(flags.gemm, d) end
 
 local sh = bench.sh
 
--- One luazero run: tokens/s (all ranks together) from the median step.
+-- One luazero run: tokens/s (all ranks together) from the median step;
+-- with --profile, the run's profile table (the lines after its figures).
 local function luazero_run(cfg, dtype, ranks, stage)
+  local lora = flags.lora and (":" .. flags.lora_r) or ""
   local out = sh(("cd %s && %s %s bench/bench_llama.lua --run %s --micro-batch %d " ..
-                  "--seq-len %d --steps %d --threads %d")
+                  "--seq-len %d --steps %d --threads %d%s")
                  :format(q(lz.root), q(lz.executable()), ranks > 1 and ("-n " .. ranks) or "",
-                         q(("%s:%s:%d"):format(cfg.name, dtype, stage)), B, T, flags.steps,
-                         threads))
+                         q(("%s:%s:%d%s"):format(cfg.name, dtype, stage, lora)), B, T,
+                         flags.steps, threads,
+                         flags.profile and (" --profile --peak %.1f,%.1f"):format(
+                           peak.fp32 or 0, peak.bf16 or 0) or ""))
   local params, world, th, list =
     out:match("bench_llama_run params (%d+) world (%d+) threads (%d+) step_ms ([%d.,]+)")
   if not params then
@@ -190,25 +236,52 @@ local function luazero_run(cfg, dtype, ranks, stage)
   local ms = {}
   for v in list:gmatch("[%d.]+") do ms[#ms + 1] = tonumber(v) end
   return { tps = ranks * B * T / median(ms) * 1000, ms = ms, params = tonumber(params),
-           threads = tonumber(th) }
+           threads = tonumber(th),
+           profile = flags.profile and out:match("\n(profile: .*)$") or nil }
 end
 
-local function torch_run(cfg, dtype)
-  local out = sh(("/usr/bin/python3 %s --n-layer %d --n-head %d --n-kv-head %d --n-embd %d " ..
-                  "--n-hidden %d --vocab %d --tie %d --eps %g --rope-theta %g --micro-batch %d " ..
-                  "--seq-len %d --steps %d --threads %d --dtype %s")
-                 :format(q(lz.root .. "/bench/bench_llama_torch.py"), cfg.n_layer, cfg.n_head,
+-- One Python run (bench_llama_torch.py: PyTorch's Llama written here;
+-- bench_llama_hf.py: transformers'): tokens/s and the step times the script
+-- printed as PREFIX_tokens_per_s and PREFIX_step_ms. extra: more flags.
+local function python_run(python, script, prefix, name, cfg, dtype, steps, extra)
+  local out = sh(("%s %s --n-layer %d --n-head %d --n-kv-head %d --n-embd %d --n-hidden %d " ..
+                  "--vocab %d --tie %d --eps %g --rope-theta %g --micro-batch %d --seq-len %d " ..
+                  "--steps %d --threads %d --dtype %s%s")
+                 :format(q(python), q(lz.root .. "/bench/" .. script), cfg.n_layer, cfg.n_head,
                          cfg.n_kv_head, cfg.n_embd, cfg.n_hidden, cfg.vocab, cfg.tie and 1 or 0,
-                         cfg.eps, cfg.rope_theta, B, T, flags.torch_steps, threads, dtype))
-  local tps = tonumber(out:match("torch_tokens_per_s ([%d.e+-]+)"))
-  local list = out:match("torch_step_ms ([%d. ]+)")
+                         cfg.eps, cfg.rope_theta, B, T, steps, threads, dtype, extra or ""))
+  local tps = tonumber(out:match(prefix .. "_tokens_per_s ([%d.e+-]+)"))
+  local list = out:match(prefix .. "_step_ms ([%d. ]+)")
   if not tps then
-    print(("pytorch %s failed:\n%s"):format(dtype, out))
+    print(("%s %s failed:\n%s"):format(name, dtype, out))
     os.exit(1)
   end
   local ms = {}
   for v in list:gmatch("[%d.]+") do ms[#ms + 1] = tonumber(v) end
   return { tps = tps, ms = ms }
+end
+
+local function torch_run(cfg, dtype)
+  return python_run("/usr/bin/python3", "bench_llama_torch.py", "torch", "pytorch", cfg, dtype,
+                    flags.torch_steps)
+end
+
+-- transformers (PEFT with --lora) in the reference venv, when it imports.
+local HF = flags.lora and "peft" or "transformers"
+local hf_python = lz.root .. "/build/ref-venv/bin/python"
+local hf_missing
+if flags.hf_steps > 0 then
+  local need = flags.lora and "transformers, peft" or "transformers"
+  local out = sh(("%s -c %s"):format(q(hf_python), q("import " .. need)))
+  if out:find("%S") then
+    hf_missing = ("(%s not importable by %s: run tools/setup; the %s rows are skipped)")
+                 :format(need, hf_python, HF)
+  end
+end
+
+local function hf_run(cfg, dtype)
+  return python_run(hf_python, "bench_llama_hf.py", "hf", HF, cfg, dtype, flags.hf_steps,
+                    flags.lora and (" --lora-r %d --lora-targets q_proj,v_proj"):format(flags.lora_r))
 end
 
 -- The rows, in the order they run in each round.
@@ -228,6 +301,10 @@ for _, d in ipairs(dtypes) do
     add(("pytorch %s %s, 1 rank"):format(llama_cfg.name, d),
         function() return torch_run(llama_cfg, d) end, llama_cfg, d, 1)
   end
+  if flags.hf_steps > 0 and not hf_missing then
+    add(("%s %s %s, 1 rank"):format(HF, llama_cfg.name, d),
+        function() return hf_run(llama_cfg, d) end, llama_cfg, d, 1)
+  end
   if multi then
     add(("luazero %s %s, %s"):format(llama_cfg.name, d, multi),
         function() return luazero_run(llama_cfg, d, flags.ranks, flags.stage) end,
@@ -240,9 +317,12 @@ for _, d in ipairs(dtypes) do
   end
 end
 
-print(("llama %s and gpt2 %s, batch %d x %d per rank, %d threads in all, %d round%s")
-      :format(llama_cfg.name, gpt2_cfg and gpt2_cfg.name or "(none)", B, T, threads,
+print(("llama %s%s and gpt2 %s, batch %d x %d per rank, %d threads in all, %d round%s")
+      :format(llama_cfg.name,
+              flags.lora and (" LoRA r%d on q_proj, v_proj"):format(flags.lora_r) or "",
+              gpt2_cfg and gpt2_cfg.name or "(none)", B, T, threads,
               flags.rounds, flags.rounds == 1 and "" or "s"))
+if hf_missing then print(hf_missing) end
 io.stdout:flush()
 local n_params = {}
 for round = 1, flags.rounds do
@@ -254,6 +334,7 @@ for round = 1, flags.rounds do
     for i, v in ipairs(res.ms) do steps[i] = ("%.0f"):format(v) end
     print(("  round %d  %-42s %8.1f tokens/s  (step ms %s)"):format(round, row.label, res.tps,
           table.concat(steps, " ")))
+    if res.profile then print(res.profile) end
     io.stdout:flush()
   end
 end
@@ -266,8 +347,10 @@ for _, d in ipairs(dtypes) do
 end
 for _, cfg in ipairs({ llama_cfg, gpt2_cfg }) do
   if n_params[cfg] then
-    print(("model %s: %.1fM parameters, %.2f GFLOP per token")
-          :format(cfg.name, n_params[cfg] / 1e6, flops_per_token(cfg, n_params[cfg]) / 1e9))
+    print(("model %s: %.1fM parameters, %.2f GFLOP per token%s")
+          :format(cfg.name, n_params[cfg] / 1e6,
+                  flops_per_token(cfg, n_params[cfg], flags.lora) / 1e9,
+                  flags.lora and " (LoRA: 4 N + attention)" or ""))
   end
 end
 
@@ -279,7 +362,7 @@ print(("%-44s %10s %8s"):format("run", "tokens/s", "MFU"))
 for _, row in ipairs(rows) do
   local tps = median(row.tps)
   local n = n_params[row.cfg] or n_params[llama_cfg]
-  local mfu = tps * flops_per_token(row.cfg, n) / (peak[row.dtype] * 1e9)
+  local mfu = tps * flops_per_token(row.cfg, n, flags.lora) / (peak[row.dtype] * 1e9)
   print(("%-44s %10.1f %7.1f%%"):format(row.label, tps, mfu * 100))
 end
 local function ratio(label, a, b)
@@ -293,6 +376,8 @@ local L, G = llama_cfg.name, gpt2_cfg and gpt2_cfg.name
 for _, d in ipairs(dtypes) do
   ratio(("luazero / pytorch, %s %s"):format(L, d), ("luazero %s %s, 1 rank"):format(L, d),
         ("pytorch %s %s, 1 rank"):format(L, d))
+  ratio(("luazero / %s, %s %s"):format(HF, L, d), ("luazero %s %s, 1 rank"):format(L, d),
+        ("%s %s %s, 1 rank"):format(HF, L, d))
   if G then
     ratio(("%s / %s, luazero %s"):format(L, G, d), ("luazero %s %s, 1 rank"):format(L, d),
           ("luazero %s %s, 1 rank"):format(G, d))
@@ -307,4 +392,6 @@ if #dtypes == 2 then
         ("luazero %s fp32, 1 rank"):format(L))
   ratio(("bf16 / fp32, pytorch %s"):format(L), ("pytorch %s bf16, 1 rank"):format(L),
         ("pytorch %s fp32, 1 rank"):format(L))
+  ratio(("bf16 / fp32, transformers %s"):format(L), ("transformers %s bf16, 1 rank"):format(L),
+        ("transformers %s fp32, 1 rank"):format(L))
 end

@@ -57,6 +57,8 @@ local spec = {
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
+  { "profile", "flag", false, "print where the steps after the first spent their time, per kernel and engine phase (luazero.profile)" },
+  { "profile-json", "string", nil, "--profile, also written to this file as JSON" },
   { "sample", "int", 200, "tokens to generate at the end (0: none)" },
   { "save", "string", nil, "save checkpoints into this folder (DIR/step-NNNNNN, DIR/latest)" },
   { "save-every", "int", 0, "with --save: a checkpoint every N steps (0: at the end only)" },
@@ -728,6 +730,13 @@ local function finish(run)
   end
   say("params_checksum " .. sum)
   run.mon:close()
+  if run.profile then
+    say(run.profile:format())
+    if run.flags.profile_json and run.rank == 0 then
+      checked(run.profile.write_json, run.profile, run.flags.profile_json)
+    end
+    run.profile:detach()
+  end
   local mcfg, flags = run.mcfg, run.flags
   if flags.sample > 0 then
     local prompt = { models.sample_start(mcfg) }
@@ -784,6 +793,14 @@ local function main(argv)
   end
   say_start(run)
   run.budget, run.budget_source = held_budget(run.cfg)
+  if flags.profile or flags.profile_json then
+    if flags.profile_json and run.rank == 0 then -- an unwritable path fails before the steps
+      local f, err = io.open(flags.profile_json, "w")
+      if not f then user_error(("--profile-json: cannot write %s; give a path in a writable folder"):format(err)) end
+      f:close()
+    end
+    run.profile = require("luazero.profile").attach(run.engine)
+  end
   for step = run.first, flags.steps do
     run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)

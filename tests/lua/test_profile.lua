@@ -1,0 +1,122 @@
+-- test_profile.lua — luazero.profile and train.lua --profile: a profiled run
+-- ends with the same parameters bit for bit (fp32 and bf16, LoRA, ZeRO-3 on
+-- two ranks, the sim device); the rows add up to the step's time measured outside; the
+-- GEMM rows carry their module, part, dtype, shape and GFLOP/s; detach puts
+-- every wrapped function back; --profile-json writes the report.
+local cjson = require("cjson")
+local lz = require("luazero")
+local clock = require("luazero.clock")
+local data = require("luazero.data")
+local profile = require("luazero.profile")
+local registry = require("models.registry")
+local zero = require("luazero.zero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+
+local T = {}
+local q, eq = support.quote, support.eq
+local write_file, tmp = support.scratch()
+local corpus = write_file("corpus.txt", ("It was the best of times, it was the worst of times; "):rep(80))
+
+local function engine_of(name, dtype, stage)
+  local model = registry.new(registry.config(name))
+  local engine = zero.initialize{ model = model, seed = 3, batch = { 2, 16 },
+    config = { train_micro_batch_size_per_gpu = 2, gradient_clipping = 1.0,
+               bf16 = { enabled = dtype == "bf16" }, zero_optimization = { stage = stage or 0 },
+               optimizer = { type = "AdamW", params = { lr = 1e-3 } } } }
+  local c = data.load(corpus)
+  return engine, data.loader(c, { B = 2, T = 16, seed = 1, vocab = 256 }), c
+end
+
+function T.train_gives_the_same_checksum_with_and_without_profile()
+  local cases = {
+    { "gpt2-nano", "--n-layer 2 --n-embd 32 --n-head 2 --context 32 --dtype fp32", 1 },
+    { "llama-tiny", "--dtype bf16 --lora-r 2 --seq-len 32", 1 },
+    { "gpt2-nano", "--n-layer 2 --n-embd 32 --n-head 2 --context 32 --dtype bf16 --stage 3", 2 },
+    { "gpt2-nano", "--n-layer 2 --n-embd 32 --n-head 2 --context 32 --device sim", 1 },
+  }
+  for _, c in ipairs(cases) do
+    local _, ok_train = support.trainer(("--model %s %s --sample 0 --eval-batches 1 --data %s")
+                                        :format(c[1], c[2], q(corpus)))
+    local _, plain = ok_train(c[3], "--steps 3")
+    local out, profiled = ok_train(c[3], "--steps 3 --profile")
+    eq(profiled, plain, c[1] .. " " .. c[2] .. " params_checksum under --profile")
+    assert(out:find("GEMMs [%d.]+%% of the step at [%d.]+ GFLOP/s, everything else [%d.]+%%"),
+           "no summary line in:\n" .. out)
+    assert(out:find("profile: 2 steps after the warm-up", 1, true), out)
+  end
+end
+
+function T.rows_add_up_to_the_step_measured_outside()
+  local engine, loader, c = engine_of("gpt2-nano", "fp32")
+  local p = profile.attach(engine)
+  local total = 0
+  for i = 1, 4 do
+    local t0 = clock.now()
+    engine:train_batch(loader)
+    if i > 1 then total = total + (clock.now() - t0) end
+  end
+  local rep = p:report()
+  p:detach()
+  eq(rep.steps, 3, "steps after the warm-up")
+  local outside = total / 3 * 1000
+  local sum = 0
+  for _, r in ipairs(rep.rows) do sum = sum + r.ms end
+  assert(math.abs(sum - outside) <= 0.03 * outside,
+         ("the rows add up to %.2f ms, the step measured outside took %.2f ms"):format(sum, outside))
+  local by = {}
+  for _, r in ipairs(rep.rows) do by[r.name] = r end
+  -- gpt2-nano: 4 blocks of qkv, proj, fc and fc-proj linears, the tied head
+  local fwd = assert(by["GEMM attn.c_attn fwd f32 32x384x128"], "no qkv forward GEMM row")
+  eq(fwd.calls, 4, "qkv forwards per step")
+  assert(fwd.gflops > 0, "the qkv GEMM's GFLOP/s")
+  assert(by["GEMM attn.c_attn dW f32 384x128x32"], "no qkv dW row")
+  assert(by["GEMM lm_head dX f32 32x128x256"], "no head dX row")
+  eq(by.adamw_step.calls > 0, true, "adamw_step calls")
+  eq(by[profile.DATA].calls, 1, "data loading calls per step")
+  local norm = assert(by["tensor sq_norm (grad norm)"], "no grad-norm row")
+  assert(norm.gbs > 0 and not norm.gflops, "the grad norm's GB/s")
+  assert(rep.gemm_pct > 0 and rep.gemm_pct < 100, "GEMM share " .. rep.gemm_pct)
+  engine:free(); loader:free(); data.free(c)
+end
+
+function T.detach_puts_everything_back()
+  local engine, loader, c = engine_of("llama-tiny", "bf16", 3)
+  local matmul, copy, train_batch = lz.ops.matmul, lz.Tensor.copy, engine.train_batch
+  local before = engine:params_checksum()
+  local p = profile.attach(engine)
+  assert(lz.ops.matmul ~= matmul, "attach wraps lz.ops")
+  support.expect_error(function() profile.attach(engine) end, "a profiler is attached already")
+  engine:train_batch(loader)
+  p:detach()
+  eq(lz.ops.matmul, matmul, "lz.ops.matmul after detach")
+  eq(lz.Tensor.copy, copy, "lz.Tensor.copy after detach")
+  eq(engine.train_batch, train_batch, "engine.train_batch after detach")
+  eq(rawget(engine, "train_batch"), nil, "engine's own train_batch field")
+  eq(rawget(engine.model, "forward"), nil, "the model's own forward field")
+  eq(profile.attached(), nil, "attached profiler")
+  assert(p:format():find("no step after the warm-up", 1, true), "a warm-up only profile says so")
+  assert(engine:params_checksum() ~= before, "the step trained")
+  engine:free(); loader:free(); data.free(c)
+end
+
+function T.profile_json_is_written()
+  local _, ok_train = support.trainer(("--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 " ..
+                                       "--context 32 --sample 0 --eval-batches 1 --data %s")
+                                      :format(q(corpus)))
+  local path = tmp .. "/profile.json"
+  ok_train(1, "--steps 3 --profile-json " .. q(path))
+  local f = assert(io.open(path))
+  local rep = cjson.decode(f:read("*a"))
+  f:close()
+  eq(rep.steps, 2, "steps in the JSON report")
+  assert(#rep.rows > 5 and rep.step_ms > 0 and rep.gemm_gflops > 0, "the JSON report's rows")
+  -- an unwritable path stops the run before its first step
+  local train = support.trainer(("--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 " ..
+                                 "--context 32 --sample 0 --data %s"):format(q(corpus)))
+  local out, st = train(1, "--steps 2 --profile-json " .. q(tmp .. "/no/such/dir/p.json"))
+  eq(st, 2, "exit status of an unwritable --profile-json")
+  assert(out:find("--profile-json: cannot write", 1, true) and not out:find("step     1", 1, true),
+         out)
+end
+
+return T
