@@ -1,8 +1,11 @@
 -- bench/bench_ckpt.lua — checkpoint save and load speed and compression
 -- ratio for GPT-2 124M (fp32 master + Adam moments after one training step,
 -- one rank, stage 0), with the raw disk write speed of the same bytes
--- (dd, fdatasync) beside it.
+-- (dd, fdatasync) beside it. With --async: what a save costs the step that
+-- makes it, synchronous against asynchronous (--async-save), measured as
+-- ratios to a step that does not save, in one run (docs/checkpoints.md).
 --   luazero bench/bench_ckpt.lua [--model gpt2] [--dir /tmp] [--zstd-level 3]
+--   luazero bench/bench_ckpt.lua --async [--dtype bf16] [--rounds 3] [--device cpu]
 local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
@@ -14,7 +17,99 @@ local flags = assert(args.parse(arg, {
   { "model", "string", "gpt2", "model size" },
   { "dir", "string", "/tmp", "folder on the disk to measure (a scratch folder is made in it)" },
   { "zstd-level", "int", 3, "zstd level" },
+  { "async", "flag", false, "measure the step cost of a save, sync against async" },
+  { "dtype", "string", "fp32", "with --async: fp32 or bf16" },
+  { "device", "string", "cpu", "with --async: cpu or cuda" },
+  { "batch", "int", 4, "with --async: micro-batch" },
+  { "seq-len", "int", 128, "with --async: tokens per row" },
+  { "rounds", "int", 3, "with --async: rounds of sync then async (order alternating)" },
 }))
+
+-- --async: rounds of [plain step, step + save, step, step + save, step]
+-- for a sync and an async engine in turn (the order alternates by round),
+-- every step timed with what the loop does around it (the poll of the
+-- writer, the save or its start); medians over the rounds.
+local function step_cost()
+  local cfg = gpt2.config(flags.model)
+  local B, T = flags.batch, flags.seq_len
+  local engine = require("luazero.zero").initialize({
+    model = gpt2.new(cfg), batch = { B, T }, seed = 1, device = flags.device,
+    comm = require("luazero.comm").init("local"),
+    config = { train_micro_batch_size_per_gpu = B, bf16 = { enabled = flags.dtype == "bf16" } } })
+  local async = require("luazero.checkpoint.async")
+  local x, y = lz.tensor({ B, T }, "i32"), lz.tensor({ B, T }, "i32")
+  local r = require("luazero.rng").new(3)
+  for i = 0, B * T - 1 do x:set(i, r:int(cfg.vocab)); y:set(i, r:int(cfg.vocab)) end
+  local batch = { next_batch = function() return x, y end }
+  local dir = ("%s/lz_bench_ckpt_%d"):format(flags.dir, tonumber(ffi.C.getpid()))
+  local opts = { zstd_level = flags.zstd_level, keep = 1 }
+  engine:train_batch(batch) -- warm-up
+  local t = { sync = { plain = {}, save = {}, after = {} },
+              async = { plain = {}, save = {}, after = {}, copy = {}, total = {}, wait = {} } }
+  local function run(mode)
+    local m = t[mode]
+    for k = 1, 5 do
+      local t0 = clock.now()
+      if mode == "async" then
+        local done, info = async.poll(engine)
+        if done then m.total[#m.total + 1] = info.total_s end
+      end
+      engine:train_batch(batch)
+      local saving = k == 2 or k == 4
+      if saving and mode == "sync" then
+        engine:save(dir, {}, opts)
+      elseif saving then
+        local w0 = clock.now()
+        local done, info = async.wait(engine) -- one save at a time
+        m.wait[#m.wait + 1] = clock.now() - w0
+        if done then m.total[#m.total + 1] = info.total_s end
+        local _, copy_s = async.start(engine, dir, {}, opts)
+        m.copy[#m.copy + 1] = copy_s
+      end
+      local dt = clock.now() - t0
+      local into = saving and m.save or (k == 1 and m.plain or m.after)
+      into[#into + 1] = dt
+    end
+    if mode == "async" then
+      local done, info = async.wait(engine)
+      if done then m.total[#m.total + 1] = info.total_s end
+    end
+  end
+  for round = 1, flags.rounds do
+    local order = round % 2 == 1 and { "sync", "async" } or { "async", "sync" }
+    for _, mode in ipairs(order) do run(mode) end
+  end
+  async.release(engine)
+  os.execute("rm -rf '" .. dir .. "'")
+  local function median(v)
+    table.sort(v)
+    local n = #v
+    return n % 2 == 1 and v[(n + 1) / 2] or (v[n / 2] + v[n / 2 + 1]) / 2
+  end
+  local plain = median({ unpack(t.sync.plain), unpack(t.async.plain) })
+  print(("save cost per step: %s %s, B%d T%d, %s, zstd %d, %d threads, %d rounds " ..
+         "(medians; ratios within this run)"):format(cfg.name, flags.dtype, B, T, flags.device,
+         flags.zstd_level, lz.threads(), flags.rounds))
+  print(("plain step        %8.0f ms  1.00"):format(plain * 1000))
+  for _, mode in ipairs({ "sync", "async" }) do
+    local m = t[mode]
+    local save, after = median(m.save), median(m.after)
+    print(("%-5s save step   %8.0f ms  %.2f   (the step after it %.0f ms, %.2f)")
+          :format(mode, save * 1000, save / plain, after * 1000, after / plain))
+  end
+  local copy, wait = median(t.async.copy), median(t.async.wait)
+  print(("async snapshot copy %6.0f ms  %.2f of a step; waiting for the previous save %.0f ms " ..
+         "(%.2f); beyond both the save step costs %.2f of a step (target <= 0.10); a " ..
+         "background save took %.2f s from its step")
+        :format(copy * 1000, copy / plain, wait * 1000, wait / plain,
+                (median(t.async.save) - copy - wait - plain) / plain, median(t.async.total)))
+  engine:free()
+end
+
+if flags.async then
+  step_cost()
+  return
+end
 
 local cfg = gpt2.config(flags.model)
 local B, T = 1, 32
