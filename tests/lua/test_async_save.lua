@@ -133,6 +133,23 @@ function T.saves_every_minutes_happen_at_one_step_on_every_rank()
   assert(st == 2 and out:find("--save-every-minutes must be >= 0", 1, true), out)
 end
 
+-- States on NVMe: saved synchronously, with one line saying so.
+function T.states_on_nvme_save_synchronously()
+  local nvme = tmp .. "/nvme"
+  os.execute("mkdir -p " .. q(nvme))
+  local cfg = write_file("nvme.json", require("cjson").encode({
+    train_micro_batch_size_per_gpu = 2,
+    zero_optimization = { stage = 2, sub_group_size = 4096,
+                          offload_optimizer = { device = "nvme", nvme_path = nvme } } }))
+  local flags = "--steps 4 --save-every 2 --config " .. q(cfg) .. " --save "
+  local _, a = ok_train(1, flags .. q(tmp .. "/nvme-sync"))
+  local out, b = ok_train(1, flags .. q(tmp .. "/nvme-async") .. " --async-save")
+  assert(out:find("--async-save: saving synchronously: the optimizer states are on NVMe", 1, true),
+         out)
+  support.eq(b, a, "end checksums")
+  same_checkpoints(tmp .. "/nvme-sync", tmp .. "/nvme-async", "nvme")
+end
+
 -- A writer thread that cannot create its file: the join says so, by name.
 function T.a_writer_threads_failure_comes_back_on_join()
   local C = lz.C
