@@ -6,16 +6,22 @@
  * so its file is byte for byte the one a synchronous save writes. It runs
  * at the lowest CPU priority (nice 19, inherited by zstd's workers): on a
  * busy CPU training goes first, on an idle one the writer takes it all.
+ * A join that has to wait gives the job's threads the process's priority
+ * back (where the system lets it: lowering a nice value needs privilege),
+ * so the waiting caller does not wait behind other processes.
  * No Lua here: the snapshot stays the caller's until the job is joined. */
 #define _GNU_SOURCE /* gettid */
 #include "mem/lz_internal.h"
 
+#include <dirent.h>       /* /proc/self/task: the job's threads, zstd's workers among them */
 #include <pthread.h>      /* pthread_create, pthread_join */
 #include <stdatomic.h>    /* the done flag, read without a lock */
 #include <stdio.h>        /* snprintf */
 #include <stdlib.h>       /* calloc */
 #include <sys/resource.h> /* setpriority */
 #include <unistd.h>       /* gettid */
+
+#define JOB_NICE 19 /* the lowest CPU priority */
 
 struct lz_shard_job {
   pthread_t thread;
@@ -31,7 +37,7 @@ struct lz_shard_job {
 
 static void *job_run(void *arg) {
   lz_shard_job *j = arg;
-  setpriority(PRIO_PROCESS, (id_t)gettid(), 19); /* a refusal only costs speed */
+  setpriority(PRIO_PROCESS, (id_t)gettid(), JOB_NICE); /* a refusal only costs speed */
   lz_shard_writer *w = NULL;
   lz_status st = lz_shard_writer_open(&w, j->path, j->level, j->workers);
   for (size_t at = 0; st == LZ_OK && at < j->bytes; at += j->piece) {
@@ -49,8 +55,8 @@ static void *job_run(void *arg) {
   return NULL;
 }
 
-lz_status lz_shard_job_start(lz_shard_job **out, const char *path, const void *data,
-                             size_t bytes, size_t piece, int level, int workers) {
+lz_status lz_shard_job_start(lz_shard_job **out, const char *path, const void *data, size_t bytes,
+                             size_t piece, int level, int workers) {
   *out = NULL;
   if (piece == 0)
     return lz_fail(LZ_ERR_INVALID, "checkpoint: a shard job's piece size must be > 0");
@@ -73,12 +79,27 @@ lz_status lz_shard_job_start(lz_shard_job **out, const char *path, const void *d
   return LZ_OK;
 }
 
-int lz_shard_job_done(const lz_shard_job *j) {
-  return atomic_load((atomic_int *)&j->done);
+int lz_shard_job_done(const lz_shard_job *j) { return atomic_load((atomic_int *)&j->done); }
+
+/* The threads at the job's nice value (the writer and the zstd workers it
+ * started) get the process's own back. */
+static void job_hurry(void) {
+  int own = getpriority(PRIO_PROCESS, 0);
+  if (own >= JOB_NICE) return;
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return;
+  struct dirent *e;
+  while ((e = readdir(d)) != NULL) {
+    id_t tid = (id_t)strtol(e->d_name, NULL, 10);
+    if (tid > 0 && getpriority(PRIO_PROCESS, tid) == JOB_NICE)
+      setpriority(PRIO_PROCESS, tid, own); /* refused without privilege: only slower */
+  }
+  closedir(d);
 }
 
 lz_status lz_shard_job_join(lz_shard_job *j, lz_shard_info *info) {
   if (!j) return LZ_OK;
+  if (!atomic_load(&j->done)) job_hurry();
   pthread_join(j->thread, NULL);
   lz_status st = j->status;
   if (st == LZ_OK && info) *info = j->info;
