@@ -26,9 +26,20 @@ local flags = assert(args.parse(arg, {
 }))
 
 -- --async: rounds of [2 plain steps, step + save, step, step + save, step]
--- for a sync and an async engine in turn (the order alternates by round),
+-- for a sync and an async engine in turn (the order alternating by round),
 -- every step timed with what the loop does around it (the poll of the
--- writer, the save or its start); medians over the rounds.
+-- writer, the save or its start). Each save step's cost is its time over
+-- the median plain step; an async one's splits into the snapshot copy, the
+-- wait for the save before it (with a save every 2 steps, the second save
+-- of a round waits for the first) and the rest. Medians over the rounds.
+local function median(v)
+  local c = { unpack(v) }
+  table.sort(c)
+  local n = #c
+  if n == 0 then return 0 end
+  return n % 2 == 1 and c[(n + 1) / 2] or (c[n / 2] + c[n / 2 + 1]) / 2
+end
+
 local function step_cost()
   local cfg = gpt2.config(flags.model)
   local B, T = flags.batch, flags.seq_len
@@ -44,66 +55,74 @@ local function step_cost()
   local dir = ("%s/lz_bench_ckpt_%d"):format(flags.dir, tonumber(ffi.C.getpid()))
   local opts = { zstd_level = flags.zstd_level, keep = 1 }
   engine:train_batch(batch) -- warm-up
-  local t = { sync = { plain = {}, save = {}, after = {} },
-              async = { plain = {}, save = {}, after = {}, copy = {}, total = {}, wait = {} } }
+  local plain, after = {}, { sync = {}, async = {} }
+  local saves = { sync = {}, async = {} } -- { step_s, copy_s, wait_s, second }
+  local total = {}
+  local function finished(done, info)
+    if done then total[#total + 1] = info.total_s end
+  end
   local function run(mode)
-    local m = t[mode]
     engine:train_batch(batch) -- not timed: the first step after the other mode's
     for k = 1, 6 do
       local t0 = clock.now()
-      if mode == "async" then
-        local done, info = async.poll(engine)
-        if done then m.total[#m.total + 1] = info.total_s end
-      end
+      if mode == "async" then finished(async.poll(engine)) end
       engine:train_batch(batch)
-      local saving = k == 3 or k == 5
-      if saving and mode == "sync" then
-        engine:save(dir, {}, opts)
-      elseif saving then
-        local w0 = clock.now()
-        local done, info = async.wait(engine) -- one save at a time
-        m.wait[#m.wait + 1] = clock.now() - w0
-        if done then m.total[#m.total + 1] = info.total_s end
-        local _, copy_s = async.start(engine, dir, {}, opts)
-        m.copy[#m.copy + 1] = copy_s
+      local rec
+      if k == 3 or k == 5 then
+        rec = { second = k == 5, copy_s = 0, wait_s = 0 }
+        if mode == "sync" then
+          engine:save(dir, {}, opts)
+        else
+          local w0 = clock.now()
+          finished(async.wait(engine)) -- one save at a time
+          rec.wait_s = clock.now() - w0
+          local _, copy_s = async.start(engine, dir, {}, opts)
+          rec.copy_s = copy_s
+        end
       end
       local dt = clock.now() - t0
-      local into = saving and m.save or (k <= 2 and m.plain or m.after)
-      into[#into + 1] = dt
+      if rec then
+        rec.step_s = dt
+        saves[mode][#saves[mode] + 1] = rec
+      elseif k <= 2 then
+        plain[#plain + 1] = dt
+      else
+        after[mode][#after[mode] + 1] = dt
+      end
     end
-    if mode == "async" then
-      local done, info = async.wait(engine)
-      if done then m.total[#m.total + 1] = info.total_s end
-    end
+    if mode == "async" then finished(async.wait(engine)) end
   end
   for round = 1, flags.rounds do
     local order = round % 2 == 1 and { "sync", "async" } or { "async", "sync" }
     for _, mode in ipairs(order) do run(mode) end
+    io.stderr:write(("round %d/%d done\n"):format(round, flags.rounds))
   end
   async.release(engine)
   os.execute("rm -rf '" .. dir .. "'")
-  local function median(v)
-    table.sort(v)
-    local n = #v
-    return n % 2 == 1 and v[(n + 1) / 2] or (v[n / 2] + v[n / 2 + 1]) / 2
+  local p = median(plain)
+  local function of(mode, field, which)
+    local v = {}
+    for _, rec in ipairs(saves[mode]) do
+      if which == nil or rec.second == which then
+        v[#v + 1] = field == "beyond" and (rec.step_s - p - rec.copy_s - rec.wait_s) / p
+                    or field == "cost" and (rec.step_s - p) / p or rec[field] / p
+      end
+    end
+    return median(v)
   end
-  local plain = median({ unpack(t.sync.plain), unpack(t.async.plain) })
   print(("save cost per step: %s %s, B%d T%d, %s, zstd %d, %d threads, %d rounds " ..
          "(medians; ratios within this run)"):format(cfg.name, flags.dtype, B, T, flags.device,
          flags.zstd_level, lz.threads(), flags.rounds))
-  print(("plain step        %8.0f ms  1.00"):format(plain * 1000))
+  print(("plain step            %8.0f ms   1.00"):format(p * 1000))
   for _, mode in ipairs({ "sync", "async" }) do
-    local m = t[mode]
-    local save, after = median(m.save), median(m.after)
-    print(("%-5s save step   %8.0f ms  %.2f   (the step after it %.0f ms, %.2f)")
-          :format(mode, save * 1000, save / plain, after * 1000, after / plain))
+    print(("%-5s save step: +%.2f of a step (the step after it %.2f)")
+          :format(mode, of(mode, "cost"), median(after[mode]) / p))
   end
-  local copy, wait = median(t.async.copy), median(t.async.wait)
-  print(("async snapshot copy %6.0f ms  %.2f of a step; waiting for the previous save %.0f ms " ..
-         "(%.2f); beyond both the save step costs %.2f of a step (target <= 0.10); a " ..
-         "background save took %.2f s from its step")
-        :format(copy * 1000, copy / plain, wait * 1000, wait / plain,
-                (median(t.async.save) - copy - wait - plain) / plain, median(t.async.total)))
+  print(("async: snapshot copy %.2f of a step; wait for the save before: first save of a " ..
+         "round %.2f, second %.2f; the rest %.2f of a step (target <= 0.10); a background " ..
+         "save took %.2f s from its step (a sync save %.2f s)")
+        :format(of("async", "copy_s"), of("async", "wait_s", false), of("async", "wait_s", true),
+                of("async", "beyond"), median(total), of("sync", "cost") * p))
   engine:free()
 end
 
