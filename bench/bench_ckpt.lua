@@ -115,8 +115,10 @@ local function step_cost()
          flags.zstd_level, lz.threads(), flags.rounds))
   print(("plain step            %8.0f ms   1.00"):format(p * 1000))
   for _, mode in ipairs({ "sync", "async" }) do
-    print(("%-5s save step: +%.2f of a step (the step after it %.2f)")
-          :format(mode, of(mode, "cost"), median(after[mode]) / p))
+    local each = {}
+    for i, rec in ipairs(saves[mode]) do each[i] = ("%+.2f"):format((rec.step_s - p) / p) end
+    print(("%-5s save step: +%.2f of a step (the step after it %.2f; each save: %s)")
+          :format(mode, of(mode, "cost"), median(after[mode]) / p, table.concat(each, " ")))
   end
   print(("async: snapshot copy %.2f of a step; wait for the save before: first save of a " ..
          "round %.2f, second %.2f; the rest %.2f of a step (target <= 0.10); a background " ..
