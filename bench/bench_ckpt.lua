@@ -1,8 +1,11 @@
 -- bench/bench_ckpt.lua — checkpoint save and load speed and compression
 -- ratio for GPT-2 124M (fp32 master + Adam moments after one training step,
 -- one rank, stage 0), with the raw disk write speed of the same bytes
--- (dd, fdatasync) beside it.
+-- (dd, fdatasync) beside it. With --async: what a save costs the step that
+-- makes it, synchronous against asynchronous (--async-save), measured as
+-- ratios to a step that does not save, in one run (docs/checkpoints.md).
 --   luazero bench/bench_ckpt.lua [--model gpt2] [--dir /tmp] [--zstd-level 3]
+--   luazero bench/bench_ckpt.lua --async [--dtype bf16] [--rounds 3] [--device cpu]
 local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
@@ -14,7 +17,121 @@ local flags = assert(args.parse(arg, {
   { "model", "string", "gpt2", "model size" },
   { "dir", "string", "/tmp", "folder on the disk to measure (a scratch folder is made in it)" },
   { "zstd-level", "int", 3, "zstd level" },
+  { "async", "flag", false, "measure the step cost of a save, sync against async" },
+  { "dtype", "string", "fp32", "with --async: fp32 or bf16" },
+  { "device", "string", "cpu", "with --async: cpu or cuda" },
+  { "batch", "int", 4, "with --async: micro-batch" },
+  { "seq-len", "int", 128, "with --async: tokens per row" },
+  { "rounds", "int", 3, "with --async: rounds of sync then async (order alternating)" },
 }))
+
+-- --async: rounds of [2 plain steps, step + save, step, step + save, step]
+-- for a sync and an async engine in turn (the order alternating by round),
+-- every step timed with what the loop does around it (the poll of the
+-- writer, the save or its start). Each save step's cost is its time over
+-- the median plain step; an async one's splits into the snapshot copy, the
+-- wait for the save before it (with a save every 2 steps, the second save
+-- of a round waits for the first) and the rest. Medians over the rounds.
+local function median(v)
+  local c = { unpack(v) }
+  table.sort(c)
+  local n = #c
+  if n == 0 then return 0 end
+  return n % 2 == 1 and c[(n + 1) / 2] or (c[n / 2] + c[n / 2 + 1]) / 2
+end
+
+local function step_cost()
+  local cfg = gpt2.config(flags.model)
+  local B, T = flags.batch, flags.seq_len
+  local engine = require("luazero.zero").initialize({
+    model = gpt2.new(cfg), batch = { B, T }, seed = 1, device = flags.device,
+    comm = require("luazero.comm").init("local"),
+    config = { train_micro_batch_size_per_gpu = B, bf16 = { enabled = flags.dtype == "bf16" } } })
+  local async = require("luazero.checkpoint.async")
+  local x, y = lz.tensor({ B, T }, "i32"), lz.tensor({ B, T }, "i32")
+  local r = require("luazero.rng").new(3)
+  for i = 0, B * T - 1 do x:set(i, r:int(cfg.vocab)); y:set(i, r:int(cfg.vocab)) end
+  local batch = { next_batch = function() return x, y end }
+  local dir = ("%s/lz_bench_ckpt_%d"):format(flags.dir, tonumber(ffi.C.getpid()))
+  local opts = { zstd_level = flags.zstd_level, keep = 1 }
+  engine:train_batch(batch) -- warm-up
+  local plain, after = {}, { sync = {}, async = {} }
+  local saves = { sync = {}, async = {} } -- { step_s, copy_s, wait_s, second }
+  local total = {}
+  local function finished(done, info)
+    if done then total[#total + 1] = info.total_s end
+  end
+  local function run(mode)
+    engine:train_batch(batch) -- not timed: the first step after the other mode's
+    for k = 1, 6 do
+      local t0 = clock.now()
+      if mode == "async" then finished(async.poll(engine)) end
+      engine:train_batch(batch)
+      local rec
+      if k == 3 or k == 5 then
+        rec = { second = k == 5, copy_s = 0, wait_s = 0 }
+        if mode == "sync" then
+          engine:save(dir, {}, opts)
+        else
+          local w0 = clock.now()
+          finished(async.wait(engine)) -- one save at a time
+          rec.wait_s = clock.now() - w0
+          local _, copy_s = async.start(engine, dir, {}, opts)
+          rec.copy_s = copy_s
+        end
+      end
+      local dt = clock.now() - t0
+      if rec then
+        rec.step_s = dt
+        saves[mode][#saves[mode] + 1] = rec
+      elseif k <= 2 then
+        plain[#plain + 1] = dt
+      else
+        after[mode][#after[mode] + 1] = dt
+      end
+    end
+    if mode == "async" then finished(async.wait(engine)) end
+  end
+  for round = 1, flags.rounds do
+    local order = round % 2 == 1 and { "sync", "async" } or { "async", "sync" }
+    for _, mode in ipairs(order) do run(mode) end
+    io.stderr:write(("round %d/%d done\n"):format(round, flags.rounds))
+  end
+  async.release(engine)
+  os.execute("rm -rf '" .. dir .. "'")
+  local p = median(plain)
+  local function of(mode, field, which)
+    local v = {}
+    for _, rec in ipairs(saves[mode]) do
+      if which == nil or rec.second == which then
+        v[#v + 1] = field == "beyond" and (rec.step_s - p - rec.copy_s - rec.wait_s) / p
+                    or field == "cost" and (rec.step_s - p) / p or rec[field] / p
+      end
+    end
+    return median(v)
+  end
+  print(("save cost per step: %s %s, B%d T%d, %s, zstd %d, %d threads, %d rounds " ..
+         "(medians; ratios within this run)"):format(cfg.name, flags.dtype, B, T, flags.device,
+         flags.zstd_level, lz.threads(), flags.rounds))
+  print(("plain step            %8.0f ms   1.00"):format(p * 1000))
+  for _, mode in ipairs({ "sync", "async" }) do
+    local each = {}
+    for i, rec in ipairs(saves[mode]) do each[i] = ("%+.2f"):format((rec.step_s - p) / p) end
+    print(("%-5s save step: +%.2f of a step (the step after it %.2f; each save: %s)")
+          :format(mode, of(mode, "cost"), median(after[mode]) / p, table.concat(each, " ")))
+  end
+  print(("async: snapshot copy %.2f of a step; wait for the save before: first save of a " ..
+         "round %.2f, second %.2f; the rest %.2f of a step (target <= 0.10); a background " ..
+         "save took %.2f s from its step (a sync save %.2f s)")
+        :format(of("async", "copy_s"), of("async", "wait_s", false), of("async", "wait_s", true),
+                of("async", "beyond"), median(total), of("sync", "cost") * p))
+  engine:free()
+end
+
+if flags.async then
+  step_cost()
+  return
+end
 
 local cfg = gpt2.config(flags.model)
 local B, T = 1, 32

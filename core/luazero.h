@@ -485,6 +485,18 @@ lz_status lz_shard_writer_write(lz_shard_writer *w, const void *data, size_t byt
 lz_status lz_shard_writer_close(lz_shard_writer *w, lz_shard_info *info);
 void lz_shard_writer_abort(lz_shard_writer *w); /* closes, removes the file; NULL is fine */
 
+/* A shard written by a thread of its own (an asynchronous save): `bytes` of
+ * `data` (the raw bytes in the shard's order) go through a shard writer in
+ * pieces of `piece` bytes, so the file is the one lz_shard_writer_write
+ * calls of that size make. `data` must stay unchanged until the join. */
+typedef struct lz_shard_job lz_shard_job;
+lz_status lz_shard_job_start(lz_shard_job **out, const char *path, const void *data,
+                             size_t bytes, size_t piece, int level, int workers);
+int lz_shard_job_done(const lz_shard_job *j); /* 1: finished (the join will not wait) */
+/* Waits for the thread; its outcome: *info (may be NULL), or its error (the
+ * file removed). Frees j; NULL is fine. */
+lz_status lz_shard_job_join(lz_shard_job *j, lz_shard_info *info);
+
 typedef struct lz_shard_reader lz_shard_reader;
 /* Opens `path` and checks its header; `expect` (may be NULL): what the
  * manifest says (sizes and the compressed checksum must agree). */

@@ -21,6 +21,8 @@ local models = require("models.registry")
 local hf = require("luazero.hf")
 local monitor = require("luazero.monitor")
 local restart = require("luazero.checkpoint.restart")
+local due_saves = require("luazero.checkpoint.due")
+local async_saves = require("luazero.checkpoint.async")
 
 -- Rank from the launcher's environment: only rank 0 prints and logs.
 local RANK = tonumber(os.getenv("RANK") or "0") or 0
@@ -62,6 +64,8 @@ local spec = {
   { "sample", "int", 200, "tokens to generate at the end (0: none)" },
   { "save", "string", nil, "save checkpoints into this folder (DIR/step-NNNNNN, DIR/latest)" },
   { "save-every", "int", 0, "with --save: a checkpoint every N steps (0: at the end only)" },
+  { "save-every-minutes", "number", 0, "with --save: also a checkpoint every M minutes of wall clock (rank 0's clock decides for all)" },
+  { "async-save", "flag", false, "with --save: shards written by a background thread while training goes on (docs/checkpoints.md)" },
   { "keep", "int", 0, "with --save: keep the newest N checkpoints (0: all)" },
   { "save-zstd-level", "int", 3, "zstd level of checkpoint shards (1..19; higher: smaller, slower)" },
   { "resume", "string", nil, "resume from a checkpoint: a step folder, or a --save folder (its latest)" },
@@ -106,6 +110,10 @@ local function fail_run(msg, code, alone)
     require("luazero.clock").sleep(1)
     io.stderr:write(("train: %s\n"):format(msg))
   end
+  -- A save in flight: its writer finished (one rank) or joined.
+  local async = package.loaded["luazero.checkpoint.async"]
+  local line = async and async.at_exit()
+  if line and RANK == 0 then io.stderr:write(("train: %s\n"):format(line)) end
   io.stderr:flush()
   os.exit(code or 2)
 end
@@ -433,6 +441,9 @@ local function parse_flags(argv)
   for _, n in ipairs({ "warmup", "eval-every", "eval-batches", "sample", "save-every", "keep" }) do
     positive(flags, n, 0)
   end
+  if flags.save_every_minutes < 0 then
+    user_error(("--save-every-minutes must be >= 0 (got %g)"):format(flags.save_every_minutes))
+  end
   if flags.lr and flags.lr <= 0 then user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
   if flags.model and flags.model_config then
     user_error(("--model %s beside --model-config %s: the config.json defines the model; drop " ..
@@ -701,23 +712,54 @@ local function say_step(run, step, rec, r, prof)
               or ""))
 end
 
--- --save: a checkpoint every --save-every steps and at the last one.
+-- --save: when checkpoints are due (every --save-every steps, every
+-- --save-every-minutes, at the last step: luazero/checkpoint/due.lua), and
+-- whether they are written in the background (--async-save:
+-- luazero/checkpoint/async.lua; states on NVMe save synchronously).
+local function plan_saves(run)
+  local flags = run.flags
+  if not flags.save then return end
+  run.due = due_saves.new(run.comm, flags.save_every, flags.save_every_minutes, flags.steps)
+  run.async = flags.async_save
+  local why = run.async and async_saves.refusal(run.engine)
+  if why then
+    say("--async-save: saving synchronously: " .. why)
+    run.async = false
+  end
+end
+
+local function say_async_saved(dir, t)
+  if dir then say(("saved %s in the background (%.2f s from its step)"):format(dir, t.total_s)) end
+end
+
 local function save_if_due(run, step)
   local flags = run.flags
-  if not (flags.save and ((flags.save_every > 0 and step % flags.save_every == 0) or
-                          step == flags.steps)) then
-    return
-  end
+  if not flags.save then return end
+  if run.async then say_async_saved(checked_rank(async_saves.poll, run.engine)) end
+  if not run.due:check(step) then return end
   local extra = {
     data = run.loader:position(),
     seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
   }
   extra.data.batches = step * run.accum
+  local opts = { zstd_level = flags.save_zstd_level, keep = flags.keep, config = run.cfg }
   local t1 = clock.now()
-  local dir = checked_rank(run.engine.save, run.engine, flags.save, extra,
-                           { zstd_level = flags.save_zstd_level, keep = flags.keep,
-                             config = run.cfg })
-  say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
+  if run.async then
+    say_async_saved(checked_rank(async_saves.wait, run.engine)) -- one save at a time
+    local dir, copy_s = checked_rank(async_saves.start, run.engine, flags.save, extra, opts)
+    say(("saving %s in the background (snapshot %.2f s)"):format(dir, copy_s))
+  else
+    local dir = checked_rank(run.engine.save, run.engine, flags.save, extra, opts)
+    say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
+  end
+  run.due:saved()
+end
+
+-- The end of the run: the save in flight finished, its buffer freed.
+local function finish_saves(run)
+  if not run.async then return end
+  say_async_saved(checked_rank(async_saves.wait, run.engine))
+  async_saves.release(run.engine)
 end
 
 -- After the last step: the checksum (and the log's end record), a sample,
@@ -801,6 +843,7 @@ local function main(argv)
     end
     run.profile = require("luazero.profile").attach(run.engine)
   end
+  plan_saves(run)
   for step = run.first, flags.steps do
     run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)
@@ -821,6 +864,7 @@ local function main(argv)
     end
     say(("val_loss %.17g"):format(v))
   end
+  finish_saves(run)
   finish(run)
 end
 

@@ -20,6 +20,7 @@
 #include <ftw.h>      /* nftw for lz_ckpt_remove_tree */
 #include <inttypes.h> /* PRIx64 */
 #include <signal.h>   /* raise(SIGKILL) for the interrupted-save test hook */
+#include <stdatomic.h> /* the test hook's byte count, shared by writer threads */
 #include <stdio.h>    /* snprintf, rename */
 #include <stdlib.h>   /* malloc, getenv, qsort */
 #include <sys/stat.h> /* mkdir, fstat */
@@ -91,6 +92,10 @@ struct lz_shard_writer {
   uint64_t raw, comp;
   uint64_t kill_after; /* LZ_CKPT_KILL_AFTER_BYTES: 0 = never */
 };
+
+/* Compressed bytes every shard writer of this process has written: the test
+ * hook counts across saves, so one number picks a save and a byte in it. */
+static _Atomic uint64_t bytes_written_all;
 
 static void writer_release(lz_shard_writer *w) {
   if (!w) return;
@@ -169,9 +174,15 @@ static lz_status writer_pump(lz_shard_writer *w, ZSTD_inBuffer *in, ZSTD_EndDire
                      ZSTD_getErrorName(left));
     if (ob.pos > 0) {
       XXH64_update(w->h_comp, w->out, ob.pos);
+      uint64_t before = atomic_fetch_add(&bytes_written_all, ob.pos);
+      if (w->kill_after && before + ob.pos >= w->kill_after) {
+        /* tests only: the process dies with exactly kill_after bytes written */
+        size_t head = w->kill_after > before ? (size_t)(w->kill_after - before) : 0;
+        LZ_TRY(write_all(w->fd, w->out, head, w->path));
+        raise(SIGKILL);
+      }
       LZ_TRY(write_all(w->fd, w->out, ob.pos, w->path));
       w->comp += ob.pos;
-      if (w->kill_after && w->comp >= w->kill_after) raise(SIGKILL); /* tests only */
     }
     int done = mode == ZSTD_e_continue ? in->pos == in->size : left == 0;
     if (done) return LZ_OK;

@@ -327,6 +327,13 @@ lz_status lz_shard_writer_write(lz_shard_writer *w, const void *data, size_t byt
 lz_status lz_shard_writer_close(lz_shard_writer *w, lz_shard_info *info);
 void lz_shard_writer_abort(lz_shard_writer *w);
 
+typedef struct lz_shard_job lz_shard_job;
+lz_status lz_shard_job_start(lz_shard_job **out, const char *path, const void *data,
+                             size_t bytes, size_t piece, int level, int workers);
+int lz_shard_job_done(const lz_shard_job *j);
+
+lz_status lz_shard_job_join(lz_shard_job *j, lz_shard_info *info);
+
 typedef struct lz_shard_reader lz_shard_reader;
 
 lz_status lz_shard_reader_open(lz_shard_reader **out, const char *path,

@@ -21,11 +21,10 @@ pcall(ffi.cdef, "int getpid(void);")
 
 local M = {}
 
--- Streams (offset, master, state...) chunks into a shard writer as blocks
--- of NSTATES interleaved states.
-local function block_writer(w, n, B, NSTATES)
+-- Streams (offset, master, state...) chunks, as blocks of NSTATES
+-- interleaved states, into put(ptr, bytes): the shard's raw bytes in order.
+local function block_writer(put, n, B, NSTATES)
   local stage_buf, cur = nil, -1
-  local function put(ptr, bytes) check(C.lz_shard_writer_write(w, ptr, bytes)) end
   return function(off, ...)
     local views = { ... }
     local len = views[1]:numel()
@@ -67,7 +66,8 @@ local function write_shard(engine, path, opts)
   check(C.lz_shard_writer_open(out, path, opts.zstd_level, opts.workers))
   local w = out[0]
   local ok, err = pcall(function()
-    local feed, done = block_writer(w, n, disk.BLOCK, #engine_states(engine))
+    local function put(ptr, bytes) check(C.lz_shard_writer_write(w, ptr, bytes)) end
+    local feed, done = block_writer(put, n, disk.BLOCK, #engine_states(engine))
     engine:visit_states(false, feed)
     done()
   end)
@@ -78,6 +78,22 @@ local function write_shard(engine, path, opts)
   local info = ffi.new("lz_shard_info")
   check(C.lz_shard_writer_close(w, info))
   return info, n
+end
+
+-- This rank's states as its shard's raw bytes, copied into dst (char *,
+-- state_numel() x #states x 4 bytes): the snapshot an asynchronous save
+-- writes from. Returns the bytes copied.
+function M.snapshot(engine, dst)
+  local at = 0
+  local function put(ptr, bytes)
+    ffi.copy(dst + at, ptr, bytes)
+    at = at + bytes
+  end
+  local feed, done = block_writer(put, engine:state_numel(), disk.BLOCK,
+                                  #engine_states(engine))
+  engine:visit_states(false, feed)
+  done()
+  return at
 end
 
 local function scaler_state(sc)
@@ -232,23 +248,20 @@ local function prune(dir, keep, protected)
   end
 end
 
--- Saves engine's state as dir/step-NNNNNN (NNNNNN: engine.global_steps), then
--- points dir/latest at it. extra: a table stored as is (train.lua's RNG and
--- data position). opts: zstd_level (3), workers (zstd threads, default the
--- compute threads), keep (newest step folders kept, 0: all), config (the
--- normalised DeepSpeed configuration, stored whole). Collective:
--- every rank calls it; all succeed or all raise, and a failed save leaves
--- nothing but the previous checkpoints. Returns the step folder.
-function M.save(engine, dir, extra, opts)
+-- The start of a save of engine's state as dir/step-NNNNNN (NNNNNN:
+-- engine.global_steps): rank 0 makes the temporary folder and every rank
+-- learns its name; the manifest is drawn now (the engine moves on during an
+-- asynchronous save), its shards filled in by M.finish. Collective.
+-- Returns the save's context: { dir, name, step, tmp, final, writers, o,
+-- pid, manifest }.
+function M.begin(engine, dir, extra, opts)
   opts = opts or {}
   local o = { zstd_level = opts.zstd_level or 3, workers = opts.workers or lz.threads(),
-              keep = opts.keep or 0 }
-  local comm, rank, W = engine.comm, engine.rank, engine.world
+              keep = opts.keep or 0, config = opts.config }
+  local comm, rank = engine.comm, engine.rank
   local step = engine.global_steps
   local name = disk.step_name(step)
-  local final = dir .. "/" .. name
 
-  -- 1. rank 0 makes the temporary folder; every rank learns its name.
   local ok, err, pid = true, nil, 0
   if rank == 0 then
     pid = tonumber(ffi.C.getpid())
@@ -259,36 +272,57 @@ function M.save(engine, dir, extra, opts)
     end)
   end
   local all = agree(comm, ok, err, "save of " .. name, { pid })
-  local tmp = ("%s/.%s.tmp-%d"):format(dir, name, all[1][2])
-
-  -- 2. shards: every rank at stages 1-3; rank 0 alone at stage 0 (replicated).
-  local writers = engine:states_replicated() and 1 or W
-  local info, elems
-  ok, err = true, nil
-  if rank < writers then
-    ok, err = pcall(function()
-      info, elems = write_shard(engine, tmp .. "/" .. disk.shard_name(rank, writers), o)
-    end)
+  pid = all[1][2]
+  local s = engine.s
+  local m
+  if rank == 0 then
+    m = {
+      format = manifest_io.FORMAT, version = manifest_io.VERSION,
+      model = { config = model_config(engine.model), name = (engine.model.cfg or {}).name },
+      world_size = engine.world, stage = engine.stage, dtype = engine.dtype,
+      master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
+      block_elems = disk.BLOCK, zstd_level = o.zstd_level,
+      numel = engine.L.numel, params = param_table(engine),
+      -- A run with frozen parameters saves what trains: LoRA's settings,
+      -- and where the frozen weights came from (--init), for the export.
+      lora = engine.model.lora, init = engine.init_path, init_xxh64 = engine.init_xxh64,
+      optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
+      skipped_steps = engine.skipped_steps,
+      lr_schedule = { optimizer_steps = engine.optimizer_steps,
+                      lr = engine.lr(math.max(engine.optimizer_steps, 1)),
+                      base_lr = s.lr },
+      loss_scaler = scaler_state(engine.scaler),
+      extra = extra or {}, config = opts.config or {},
+      created = os.date("!%Y-%m-%dT%H:%M:%SZ"),
+    }
   end
+  return { dir = dir, name = name, step = step, final = dir .. "/" .. name,
+           tmp = ("%s/.%s.tmp-%d"):format(dir, name, pid), pid = pid,
+           writers = engine:states_replicated() and 1 or engine.world, o = o, manifest = m }
+end
+
+-- What a rank tells the others of its shard (agree's numbers after the ok
+-- flag): raw and compressed bytes, both checksums in halves, elements.
+function M.shard_vals(info, elems)
+  if not info then return { 0, 0, 0, 0, 0, 0, 0 } end
   local function halves(u)
     return tonumber(bit.rshift(u, 32)), tonumber(bit.band(u, 0xffffffffULL))
   end
-  local vals = { 0, 0, 0, 0, 0, 0, 0 }
-  if ok and info then
-    local a, b = halves(info.xxh64_compressed)
-    local c, d = halves(info.xxh64_raw)
-    vals = { tonumber(info.raw_bytes), tonumber(info.compressed_bytes), a, b, c, d, elems }
-  end
-  local ok_all, err_all = pcall(agree, comm, ok, err, "save of " .. name, vals)
-  if not ok_all then
-    if rank == 0 then C.lz_ckpt_remove_tree(tmp) end
-    error(err_all, 0)
-  end
-  all = err_all
+  local a, b = halves(info.xxh64_compressed)
+  local c, d = halves(info.xxh64_raw)
+  return { tonumber(info.raw_bytes), tonumber(info.compressed_bytes), a, b, c, d, elems }
+end
 
-  -- 3. rank 0: manifest, fsync, set aside a rewound history, rename into
-  -- place, then `latest`, then prune.
-  ok, err = true, nil
+-- The end of a save once every rank's shard is in ctx.tmp (all[r + 1]: rank
+-- r's ok flag then M.shard_vals): rank 0 writes the manifest, fsyncs, sets
+-- aside a rewound history, renames the folder into place, then `latest`,
+-- then prunes. Collective; returns the step folder.
+function M.finish(engine, ctx, all)
+  local comm, rank = engine.comm, engine.rank
+  local step, name, tmp, final, writers, o = ctx.step, ctx.name, ctx.tmp, ctx.final,
+                                             ctx.writers, ctx.o
+  local dir = ctx.dir
+  local ok, err = true, nil
   local note
   if rank == 0 then
     ok, err = pcall(function()
@@ -306,26 +340,8 @@ function M.save(engine, dir, extra, opts)
           t[#t + 1] = { run.offset, run.canonical, run.numel }
         end
       end
-      local s = engine.s
-      local m = {
-        format = manifest_io.FORMAT, version = manifest_io.VERSION,
-        model = { config = model_config(engine.model), name = (engine.model.cfg or {}).name },
-        world_size = W, stage = engine.stage, dtype = engine.dtype,
-        master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
-        block_elems = disk.BLOCK, zstd_level = o.zstd_level,
-        numel = engine.L.numel, params = param_table(engine), shards = shards,
-        -- A run with frozen parameters saves what trains: LoRA's settings,
-        -- and where the frozen weights came from (--init), for the export.
-        lora = engine.model.lora, init = engine.init_path, init_xxh64 = engine.init_xxh64,
-        optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
-        skipped_steps = engine.skipped_steps,
-        lr_schedule = { optimizer_steps = engine.optimizer_steps,
-                        lr = engine.lr(math.max(engine.optimizer_steps, 1)),
-                        base_lr = s.lr },
-        loss_scaler = scaler_state(engine.scaler),
-        extra = extra or {}, config = opts.config or {},
-        created = os.date("!%Y-%m-%dT%H:%M:%SZ"),
-      }
+      local m = ctx.manifest
+      m.shards = shards
       local text = manifest_io.encode(m)
       check(C.lz_ckpt_write_file(tmp .. "/manifest.json", text, #text))
       check(C.lz_ckpt_fsync(tmp))
@@ -336,7 +352,7 @@ function M.save(engine, dir, extra, opts)
       -- (engine:save called twice at one step).
       local from = engine.resumed_from
       local since = seen[real] and math.huge or (from and from.step or 0)
-      note = set_aside_abandoned(dir, since, step, all[1][2])
+      note = set_aside_abandoned(dir, since, step, ctx.pid)
       seen[real] = true
       check(C.lz_ckpt_rename(tmp, final))
       local latest = name .. "\n"
@@ -349,7 +365,7 @@ function M.save(engine, dir, extra, opts)
       -- zero_optimization.stage3_gather_16bit_weights_on_model_save: the
       -- weights in bf16 as a Hugging Face folder inside the step folder
       -- (tools/ckpt export --dtype bf16's, through the same code).
-      local z = (opts.config or {}).zero_optimization
+      local z = (o.config or {}).zero_optimization
       if z and z.gather_16bit_weights_on_model_save then
         local ckpt = require("luazero.checkpoint.reader").open(final)
         local ex = require("luazero.checkpoint.export")
@@ -365,6 +381,40 @@ function M.save(engine, dir, extra, opts)
     io.stdout:flush()
   end
   return final
+end
+
+-- Whether every rank's shard is written (all[r + 1] from agree); raises
+-- on every rank otherwise, the temporary folder removed.
+function M.agree_shards(engine, ctx, ok, err, vals)
+  local ok_all, all = pcall(agree, engine.comm, ok, err, "save of " .. ctx.name, vals)
+  if not ok_all then
+    if engine.rank == 0 then C.lz_ckpt_remove_tree(ctx.tmp) end
+    error(all, 0)
+  end
+  return all
+end
+
+-- Saves engine's state as dir/step-NNNNNN (NNNNNN: engine.global_steps), then
+-- points dir/latest at it. extra: a table stored as is (train.lua's RNG and
+-- data position). opts: zstd_level (3), workers (zstd threads, default the
+-- compute threads), keep (newest step folders kept, 0: all), config (the
+-- normalised DeepSpeed configuration, stored whole). Collective:
+-- every rank calls it; all succeed or all raise, and a failed save leaves
+-- nothing but the previous checkpoints. Returns the step folder.
+-- (checkpoint/async.lua: the same save with the shard written by a thread.)
+function M.save(engine, dir, extra, opts)
+  local ctx = M.begin(engine, dir, extra, opts)
+  -- Shards: every rank at stages 1-3; rank 0 alone at stage 0 (replicated).
+  local info, elems
+  local ok, err = true, nil
+  if engine.rank < ctx.writers then
+    ok, err = pcall(function()
+      info, elems = write_shard(engine, ctx.tmp .. "/" .. disk.shard_name(engine.rank,
+                                ctx.writers), ctx.o)
+    end)
+  end
+  local all = M.agree_shards(engine, ctx, ok, err, M.shard_vals(ok and info, elems))
+  return M.finish(engine, ctx, all)
 end
 
 -- Runs {offset, canonical, numel} of rank r's shard in engine's layout.
