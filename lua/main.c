@@ -373,9 +373,10 @@ int main(int argc, char **argv) {
       child[0] = exe;
     }
     int code = 1;
-    if (lz_launch(nranks, child, &code) != LZ_OK) {
+    lz_status st = lz_launch(nranks, child, &code);
+    if (st != LZ_OK) {
       fprintf(stderr, "luazero: %s\n", lz_last_error());
-      return 1;
+      return st == LZ_ERR_INVALID ? 2 : 1; /* a job this machine cannot run is bad input */
     }
     return code;
   }

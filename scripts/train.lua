@@ -560,6 +560,8 @@ end
 
 -- --resume: the engine's states, the batch generator, the next step.
 local function resume(run)
+  -- another model or optimizer is the input's fault (exit 2); reading the shards is the rank's
+  checked(require("luazero.checkpoint.load").check, run.engine, run.flags.resume)
   local m = checked_rank(run.engine.load, run.engine, run.flags.resume)
   local pos = m.extra and m.extra.data
   if pos then checked(run.loader.set_position, run.loader, pos) end
