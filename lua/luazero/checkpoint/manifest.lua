@@ -80,8 +80,10 @@ function M.encode(t)
   return body .. CHECKSUM_KEY .. M.xxh64(body) .. '"}\n'
 end
 
+-- One line whatever the file holds: control characters as \NNN.
 local function fail(path, field, msg)
-  error(("checkpoint: %s: %s: %s"):format(path, field, msg), 0)
+  error((("checkpoint: %s: %s: %s"):format(path, field, msg)
+               :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
 end
 
 local MAX_INT = 2 ^ 53

@@ -26,7 +26,11 @@ local MAX_HEADER = 100000000
 -- Elements converted per pread of a 2-byte dtype.
 local STAGE = 2 ^ 20
 
-local function fail(path, msg) error(("safetensors %s: %s"):format(path, msg), 0) end
+-- One line whatever the file holds: control characters as \NNN.
+local function fail(path, msg)
+  error((("safetensors %s: %s"):format(path, msg)
+               :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
+end
 
 local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
 

@@ -5,11 +5,15 @@ local cjson = require("cjson")
 
 local M = {}
 
-local function fail(fmt, ...) error("config: " .. fmt:format(...), 0) end
+-- One line whatever the file holds: control characters as \NNN.
+local function fail(fmt, ...)
+  error("config: " .. fmt:format(...)
+               :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
+end
 
 -- A value as it would appear in the JSON file.
 local function show(v)
-  if type(v) == "string" then return '"' .. v .. '"' end
+  if type(v) == "string" then return cjson.encode(v) end
   if type(v) == "number" then
     if v == math.floor(v) and math.abs(v) < 1e15 then return ("%d"):format(v) end
     return ("%.14g"):format(v)

@@ -20,7 +20,11 @@ M.HEADER_INTS = 256
 M.HEADER_BYTES = 256 * 4
 M.UINT16_IDS = 65536
 
-local function fail(path, msg) error("data: " .. path .. ": " .. msg, 0) end
+-- One line whatever the file holds: control characters as \NNN.
+local function fail(path, msg)
+  error(("data: " .. path .. ": " .. msg)
+               :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
+end
 M.fail = fail
 
 -- Files stream through in chunks of this size, so a large corpus never

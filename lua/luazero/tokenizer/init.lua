@@ -40,7 +40,11 @@ local unbyte, split_gpt2, split_llama3 = split.unbyte, split.split_gpt2, split.s
 
 local M = {}
 
-local function fail(path, msg) error("tokenizer: " .. path .. ": " .. msg, 0) end
+-- One line whatever the file holds: control characters as \NNN.
+local function fail(path, msg)
+  error(("tokenizer: " .. path .. ": " .. msg)
+               :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
+end
 
 local Tokenizer = {}
 Tokenizer.__index = Tokenizer
@@ -365,11 +369,18 @@ function M.load(path)
 
   local added = j.added_tokens
   if added ~= nil and added ~= cjson.null then
+    if type(added) ~= "table" then
+      fail(path, ("added_tokens is %s; give a list of tokens"):format(cjson.encode(added)))
+    end
     local by_prefix, by_prefix_normalized = {}, {}
     for i, a in ipairs(added) do
       if type(a) ~= "table" or type(a.content) ~= "string" or a.content == "" or
          type(a.id) ~= "number" then
         fail(path, ("added_tokens[%d] needs a non-empty \"content\" and an \"id\""):format(i))
+      end
+      if a.id < 0 or a.id >= PAIR or a.id % 1 ~= 0 then
+        fail(path, ("added_tokens[%d] (%s) has id %s; ids are integers 0..%d")
+                   :format(i, a.content, tostring(a.id), PAIR - 1))
       end
       for _, field in ipairs({ "single_word", "lstrip", "rstrip" }) do
         if a[field] == true then
