@@ -1,8 +1,9 @@
 -- tests/fuzz/fuzz_readers.lua — a seeded mutation loop over every Lua reader
 -- of a user's file: safetensors (checkpoint/safetensors.lua), a DeepSpeed
 -- config (config.lua), a Hugging Face config.json (hf.model_config),
--- tokenizer.json (tokenizer/), token and instruction files (data.load) and
--- a checkpoint's manifest.json (checkpoint/manifest.lua). Each input is a
+-- tokenizer.json (tokenizer/), token and instruction files (data.load), a
+-- checkpoint's manifest.json (checkpoint/manifest.lua) alone and beside its
+-- shards (checkpoint.open, then what tools/ckpt inspect reads). Each input is a
 -- seed file mutated by tests/fuzz/mutate.lua from its own number. A reader
 -- must accept it or raise its own one-line error ("safetensors FILE: ",
 -- "config: ", "model config FILE: ", "tokenizer: FILE: ", "data: FILE: ",
@@ -15,7 +16,8 @@
 --   luazero tests/fuzz/fuzz_readers.lua SEEDS replay TARGET N    # input N again, saved
 --
 -- SEEDS holds one folder per target (safetensors, ds_config, hf_config,
--- tokenizer, tokens, manifest) of seed files (tests/fuzz/run.sh makes it).
+-- tokenizer, tokens, manifest) of seed files, and shards/ the shards of the
+-- manifests' checkpoint (tests/fuzz/run.sh makes it).
 -- LZ_FUZZ_SEED (default 1) picks the inputs' numbers: N from SEED * 1000000.
 -- Before each input, SEEDS/current names it, so a crash or a hang the
 -- caller sees can be replayed. Ends with "N passed, N failed".
@@ -71,7 +73,22 @@ end
 
 local manifest = require("luazero.checkpoint.manifest")
 
--- name -> { mutate(r, seed text, other seeds), run(path), the error prefix for path }
+-- A manifest mutated, mostly with its checksum made right so the checks
+-- behind it run.
+local function mutate_manifest(r, s, others)
+  return mutate.json(r, s, others, function(text)
+    local ok, t = pcall(manifest.json.decode, text)
+    if not ok or type(t) ~= "table" then return text end
+    t.manifest_xxh64 = nil
+    local body = mutate.encode(t)
+    if not body or body:sub(-1) ~= "}" or body == "{}" then return text end
+    body = body:sub(1, -2)
+    return body .. ',"manifest_xxh64":"' .. manifest.xxh64(body) .. '"}\n'
+  end)
+end
+
+-- name -> { mutate(r, seed text, other seeds), run(path), the error prefix for
+-- path; seeds: another target's folder; file(): where the input goes }
 local targets = {
   safetensors = {
     mutate = mutate.safetensors, ext = ".safetensors",
@@ -117,22 +134,27 @@ local targets = {
     end,
   },
   manifest = {
-    -- mostly with the checksum made right, so the checks behind it run
-    mutate = function(r, s, others) return mutate.json(r, s, others, function(text)
-      local ok, t = pcall(manifest.json.decode, text)
-      if not ok or type(t) ~= "table" then return text end
-      t.manifest_xxh64 = nil
-      local body = mutate.encode(t)
-      if not body or body:sub(-1) ~= "}" or body == "{}" then return text end
-      body = body:sub(1, -2)
-      return body .. ',"manifest_xxh64":"' .. manifest.xxh64(body) .. '"}\n'
-    end) end,
-    ext = ".json",
+    mutate = mutate_manifest, ext = ".json",
     prefix = function(p) return "checkpoint: " .. p .. ": " end,
     run = function(p) return manifest.decode(read(p), p) end,
   },
+  -- a manifest beside the real shards (SEEDS/shards), read as tools/ckpt
+  -- inspect does: what the manifest says must hold for the shards too
+  checkpoint = {
+    seeds = "manifest", mutate = mutate_manifest, ext = ".json",
+    file = function() return work .. "/ck/manifest.json" end,
+    prefix = function() return "checkpoint: " end,
+    run = function(p)
+      local ck = require("luazero.checkpoint").open(p:match("^(.*)/[^/]*$"))
+      ck:summary()
+      ck:shard_table()
+      ck:norms()
+    end,
+  },
 }
-local ORDER = { "safetensors", "ds_config", "hf_config", "tokenizer", "tokens", "manifest" }
+local ORDER = { "safetensors", "ds_config", "hf_config", "tokenizer", "tokens", "manifest",
+                "checkpoint" }
+os.execute(("mkdir -p '%s/ck' && cp '%s'/shards/* '%s/ck/'"):format(work, seeds_dir, work))
 
 -- The seed texts of a target: its folder's files, read once; ds_config's
 -- "@WORK@" is this run's work folder (an nvme_path that exists).
@@ -140,7 +162,7 @@ local seed_cache = {}
 local function seeds_of(name)
   if seed_cache[name] then return seed_cache[name] end
   local list = {}
-  for _, f in ipairs(files_in(seeds_dir .. "/" .. name)) do
+  for _, f in ipairs(files_in(seeds_dir .. "/" .. (targets[name].seeds or name))) do
     list[#list + 1] = (read(f):gsub("@WORK@", work))
   end
   assert(#list > 0, ("fuzz: no seeds in %s/%s"):format(seeds_dir, name))
@@ -159,7 +181,7 @@ end
 local function try(name, n, path)
   local t = targets[name]
   write(path, input(name, n))
-  if os.getenv("LZ_FUZZ_TRACE") then write(seeds_dir .. "/current", ("%s %d run\n"):format(name, n)) end
+  write(seeds_dir .. "/current", ("%s %d reading\n"):format(name, n))
   local heap0, ledger0 = collectgarbage("count") * 1024, lz.mem_total_peak()
   local t0 = clock.now()
   local ok, err = xpcall(t.run, debug.traceback, path)
@@ -186,6 +208,11 @@ local function try(name, n, path)
   return nil
 end
 
+local function input_path(name)
+  local t = targets[name]
+  return t.file and t.file() or ("%s/input%s"):format(work, t.ext)
+end
+
 local function save_failure(name, n)
   local out = ("%s/failed-%s-%d%s"):format(seeds_dir, name, n, targets[name].ext)
   write(out, input(name, n))
@@ -195,7 +222,7 @@ end
 if mode == "replay" then
   local name, n = arg[3], tonumber(arg[4])
   assert(targets[name] and n, "replay TARGET N: TARGET one of " .. table.concat(ORDER, ", "))
-  local why = try(name, n, work .. "/input" .. targets[name].ext)
+  local why = try(name, n, input_path(name))
   print(why and ("FAIL %s input %d: %s"):format(name, n, why) or ("ok   %s input %d"):format(name, n))
   print(("input saved as %s"):format(save_failure(name, n)))
   os.exit(why and 1 or 0)
@@ -207,7 +234,7 @@ local base = (tonumber(os.getenv("LZ_FUZZ_SEED") or "") or 1) * 1000000
 local passed, failed = 0, 0
 for _, name in ipairs(ORDER) do
   if not arg[3] or arg[3] == name then
-    local path = ("%s/input%s"):format(work, targets[name].ext)
+    local path = input_path(name)
     local t_end = clock.now() + seconds
     local n, bad, count = base, nil, 0
     while clock.now() < t_end do

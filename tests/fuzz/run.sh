@@ -5,7 +5,7 @@
 #    and a shard), for LZ_FUZZ_SECONDS (default 25).
 #  * Lua: tests/fuzz/fuzz_readers.lua, a seeded mutation loop over the
 #    safetensors, DeepSpeed config, config.json, tokenizer.json, token file
-#    and manifest readers, each for LZ_FUZZ_SECONDS / 4 (at least 1 s), seeded
+#    and manifest readers (the manifest also beside its shards), each for LZ_FUZZ_SECONDS / 4 (at least 1 s), seeded
 #    from files made here (the checkpoint, its exports, tools/prepare-data's
 #    token and instruction files) and tests/fuzz/seeds, tests/fixtures/tokenizer.
 #    A crash or a hang (past twice the budget) names the input in flight.
@@ -65,7 +65,8 @@ fi
 echo "== seeds of the Lua readers"
 lz=build/bin/luazero
 seeds="$work/lua-seeds"
-mkdir -p "$seeds"/{safetensors,ds_config,hf_config,tokenizer,tokens,manifest}
+mkdir -p "$seeds"/{safetensors,ds_config,hf_config,tokenizer,tokens,manifest,shards}
+cp "$step"/shard-*.zst "$seeds/shards/"
 cp tests/fuzz/seeds/ds_config_*.json "$seeds/ds_config/"
 cp tests/fixtures/tokenizer/*.json "$seeds/tokenizer/"
 cp "$step/manifest.json" "$seeds/manifest/"
@@ -95,8 +96,8 @@ fi
 
 lua_secs=$(( secs / 4 > 0 ? secs / 4 : 1 ))
 echo "== fuzz the Lua readers ${lua_secs}s each"
-# 6 targets: a hang past twice their budget is killed and names the input in flight.
-timeout $(( 12 * lua_secs + 30 )) $lz tests/fuzz/fuzz_readers.lua "$seeds" "$lua_secs" > "$work/lua.log" 2>&1
+# 7 targets: a hang past twice their budget is killed and names the input in flight.
+timeout $(( 14 * lua_secs + 30 )) $lz tests/fuzz/fuzz_readers.lua "$seeds" "$lua_secs" > "$work/lua.log" 2>&1
 rc=$?
 grep -aE "^(ok|FAIL) " "$work/lua.log" | head -20
 grep -aA30 "^FAIL " "$work/lua.log" | grep -av "^ok " | head -40
