@@ -8,7 +8,7 @@
 -- must accept it or raise its own one-line error ("safetensors FILE: ",
 -- "config: ", "model config FILE: ", "tokenizer: FILE: ", "data: FILE: ",
 -- "checkpoint: FILE: "); a stray error, a traceback, more than
--- LZ_FUZZ_INPUT_SECONDS (default 2) on one input or a jump of the ledger's
+-- LZ_FUZZ_INPUT_SECONDS (default 5) on one input or a jump of the ledger's
 -- or the Lua heap's peak past 1 GiB fails, printing the input's number.
 -- What a loaded tokenizer gives must also encode and decode a text.
 --
@@ -33,7 +33,7 @@ if not seeds_dir or not mode then
                   "SEEDS replay TARGET N\n")
   os.exit(2)
 end
-local INPUT_SECONDS = tonumber(os.getenv("LZ_FUZZ_INPUT_SECONDS") or "") or 2
+local INPUT_SECONDS = tonumber(os.getenv("LZ_FUZZ_INPUT_SECONDS") or "") or 5
 local BIG = 2 ^ 30
 local work = seeds_dir .. "/work"
 os.execute(("mkdir -p '%s'"):format(work))
@@ -254,8 +254,9 @@ for _, name in ipairs(ORDER) do
       print(bad)
       failed = failed + 1
     else
-      print(("ok   fuzz.%s %d inputs in %gs (%d accepted, the rest refused)")
-            :format(name, count, seconds, targets[name].accepted or 0))
+      print(("ok   fuzz.%s %d inputs in %gs (%d accepted, the rest refused), heap %.0f MiB")
+            :format(name, count, seconds, targets[name].accepted or 0,
+                    collectgarbage("count") / 1024))
       passed = passed + 1
     end
     io.stdout:flush()
