@@ -1,7 +1,8 @@
 -- tests/fuzz/fuzz_readers.lua — a seeded mutation loop over every Lua reader
 -- of a user's file: safetensors (checkpoint/safetensors.lua), a DeepSpeed
 -- config (config.lua), a Hugging Face config.json (hf.model_config),
--- tokenizer.json (tokenizer/), token and instruction files (data.load), a
+-- tokenizer.json (tokenizer/), token and instruction files and instruction
+-- data as JSON Lines (data.load), a
 -- checkpoint's manifest.json (checkpoint/manifest.lua) alone and beside its
 -- shards (checkpoint.open, then what tools/ckpt inspect reads). Each input is a
 -- seed file mutated by tests/fuzz/mutate.lua from its own number. A reader
@@ -16,7 +17,7 @@
 --   luazero tests/fuzz/fuzz_readers.lua SEEDS replay TARGET N    # input N again, saved
 --
 -- SEEDS holds one folder per target (safetensors, ds_config, hf_config,
--- tokenizer, tokens, manifest) of seed files, and shards/ the shards of the
+-- tokenizer, jsonl, tokens, manifest) of seed files, and shards/ the shards of the
 -- manifests' checkpoint (tests/fuzz/run.sh makes it).
 -- LZ_FUZZ_SEED (default 1) picks the inputs' numbers: N from SEED * 1000000.
 -- Before each input, SEEDS/current names it, so a crash or a hang the
@@ -73,6 +74,14 @@ end
 
 local manifest = require("luazero.checkpoint.manifest")
 
+local fixtures = lz.root .. "/tests/fixtures"
+local fixture_tokenizer = function()
+  local tok = require("luazero.tokenizer").load(fixtures .. "/tokenizer/byte_level.json")
+  fixture_tokenizer = function() return tok end
+  return tok
+end
+local function chatml() return require("luazero.chat_template").load(fixtures .. "/chat/chatml") end
+
 -- A manifest mutated, mostly with its checksum made right so the checks
 -- behind it run.
 local function mutate_manifest(r, s, others)
@@ -125,6 +134,16 @@ local targets = {
     prefix = function(p) return "tokenizer: " .. p .. ": " end,
     run = function(p) exercise_tokenizer(require("luazero.tokenizer").load(p)) end,
   },
+  -- instruction data as JSON Lines, through the byte-level fixture and
+  -- ChatML's template (tests/fixtures)
+  jsonl = {
+    mutate = mutate.jsonl, ext = ".jsonl",
+    prefix = function(p) return "data: " .. p .. ":" end,
+    run = function(p)
+      local data = require("luazero.data")
+      data.free(data.load(p, { tokenizer = fixture_tokenizer(), template = chatml, max_len = 64 }))
+    end,
+  },
   tokens = {
     mutate = mutate.token_file, ext = ".bin",
     prefix = function(p) return "data: " .. p .. ": " end,
@@ -152,8 +171,8 @@ local targets = {
     end,
   },
 }
-local ORDER = { "safetensors", "ds_config", "hf_config", "tokenizer", "tokens", "manifest",
-                "checkpoint" }
+local ORDER = { "safetensors", "ds_config", "hf_config", "tokenizer", "jsonl", "tokens",
+                "manifest", "checkpoint" }
 os.execute(("mkdir -p '%s/ck' && cp '%s'/shards/* '%s/ck/'"):format(work, seeds_dir, work))
 
 -- The seed texts of a target: its folder's files, read once; ds_config's

@@ -215,6 +215,18 @@ function M.safetensors(r, s, others)
   return u64(math.max(0, len)) .. header .. data
 end
 
+-------------------------------------------------------------- JSON Lines
+
+-- JSON Lines: one line mutated as JSON, or the whole text as bytes.
+function M.jsonl(r, s, others)
+  if r(4) == 1 then return M.bytes(r, s, others) end
+  local lines = {}
+  for l in (s .. "\n"):gmatch("([^\n]*)\n") do lines[#lines + 1] = l end
+  local i = r(#lines)
+  lines[i] = M.json(r, lines[i], {})
+  return table.concat(lines, "\n")
+end
+
 -------------------------------------------------------------- token files
 
 -- A token file: an int32 of its header (mostly magic, version or count)

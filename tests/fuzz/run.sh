@@ -4,8 +4,9 @@
 #    AddressSanitizer, seeded from a real small checkpoint (its manifest.json
 #    and a shard), for LZ_FUZZ_SECONDS (default 25).
 #  * Lua: tests/fuzz/fuzz_readers.lua, a seeded mutation loop over the
-#    safetensors, DeepSpeed config, config.json, tokenizer.json, token file
-#    and manifest readers (the manifest also beside its shards), each for LZ_FUZZ_SECONDS / 4 (at least 1 s), seeded
+#    safetensors, DeepSpeed config, config.json, tokenizer.json, JSON Lines,
+#    token file and manifest readers (the manifest also beside its shards),
+#    each for LZ_FUZZ_SECONDS / 5 (at least 1 s), seeded
 #    from files made here (the checkpoint, its exports, tools/prepare-data's
 #    token and instruction files) and tests/fuzz/seeds, tests/fixtures/tokenizer.
 #    A crash or a hang (past twice the budget) names the input in flight.
@@ -65,14 +66,13 @@ fi
 echo "== seeds of the Lua readers"
 lz=build/bin/luazero
 seeds="$work/lua-seeds"
-mkdir -p "$seeds"/{safetensors,ds_config,hf_config,tokenizer,tokens,manifest,shards}
+mkdir -p "$seeds"/{safetensors,ds_config,hf_config,tokenizer,jsonl,tokens,manifest,shards}
+cp tests/fuzz/seeds/instruct_*.jsonl "$seeds/jsonl/"
 cp "$step"/shard-*.zst "$seeds/shards/"
 cp tests/fuzz/seeds/ds_config_*.json "$seeds/ds_config/"
 cp tests/fixtures/tokenizer/*.json "$seeds/tokenizer/"
 cp "$step/manifest.json" "$seeds/manifest/"
 head -c 3000 "$work/corpus.txt" > "$work/small.txt"
-printf '%s\n' '{"prompt": "the answer is", "completion": " then an answer"}' \
-  '{"prompt": "ab", "completion": " the end"}' > "$work/small.jsonl"
 if tools/ckpt export "$work/ck" "$work/hf" >/dev/null &&
    tools/ckpt export "$work/ck" "$seeds/safetensors/bf16.safetensors" --dtype bf16 >/dev/null &&
    cp "$work/hf/model.safetensors" "$seeds/safetensors/fp32.safetensors" &&
@@ -87,17 +87,17 @@ if tools/ckpt export "$work/ck" "$work/hf" >/dev/null &&
    $lz -e 'local ids = {} for i = 1, 500 do ids[i] = (i * 7919) % 70000 end
      require("luazero.data").write_token_file("'"$seeds"'/tokens/v2.bin", ids, { version = 2 })' &&
    tools/prepare-data --format jsonl --tokenizer tests/fixtures/tokenizer/byte_level.json \
-     "$work/small.jsonl" "$seeds/tokens/instruct.bin" >/dev/null; then
+     tests/fuzz/seeds/instruct_prompt.jsonl "$seeds/tokens/instruct.bin" >/dev/null; then
   pass=$((pass + 1))
 else
   echo "FAIL fuzz.lua_seeds: making the seed files failed (above)"
   fail=$((fail + 1))
 fi
 
-lua_secs=$(( secs / 4 > 0 ? secs / 4 : 1 ))
+lua_secs=$(( secs / 5 > 0 ? secs / 5 : 1 ))
 echo "== fuzz the Lua readers ${lua_secs}s each"
-# 7 targets: a hang past twice their budget is killed and names the input in flight.
-timeout $(( 14 * lua_secs + 30 )) $lz tests/fuzz/fuzz_readers.lua "$seeds" "$lua_secs" > "$work/lua.log" 2>&1
+# 8 targets: a hang past twice their budget is killed and names the input in flight.
+timeout $(( 16 * lua_secs + 30 )) $lz tests/fuzz/fuzz_readers.lua "$seeds" "$lua_secs" > "$work/lua.log" 2>&1
 rc=$?
 grep -aE "^(ok|FAIL) " "$work/lua.log" | head -20
 grep -aA30 "^FAIL " "$work/lua.log" | grep -av "^ok " | head -40
