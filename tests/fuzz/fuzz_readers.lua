@@ -15,6 +15,7 @@
 --
 --   luazero tests/fuzz/fuzz_readers.lua SEEDS SECONDS [TARGET]   # SECONDS per target
 --   luazero tests/fuzz/fuzz_readers.lua SEEDS replay TARGET N    # input N again, saved
+--   luazero tests/fuzz/fuzz_readers.lua SEEDS selfcheck          # the checks catch canaries
 --
 -- SEEDS holds one folder per target (safetensors, ds_config, hf_config,
 -- tokenizer, jsonl, tokens, manifest) of seed files, and shards/ the shards of the
@@ -39,12 +40,7 @@ local BIG = 2 ^ 30
 local work = seeds_dir .. "/work"
 os.execute(("mkdir -p '%s'"):format(work))
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local function read(path) return assert(lz.read_file(path), path) end
 
 local function write(path, s)
   local f = assert(io.open(path, "wb"))
@@ -215,14 +211,14 @@ local function try(name, n, path)
       return "a stray error (not one line starting " .. ("%q"):format(prefix) .. "):\n" .. err
     end
   end
-  if dt > INPUT_SECONDS then
-    return ("took %.1f s (over LZ_FUZZ_INPUT_SECONDS=%g)"):format(dt, INPUT_SECONDS)
-  end
   if lz.mem_total_peak() - ledger0 > BIG then
-    return ("allocated %.1f GiB of C memory"):format((lz.mem_total_peak() - ledger0) / 2 ^ 30)
+    return ("allocated %.3f GiB of C memory"):format((lz.mem_total_peak() - ledger0) / 2 ^ 30)
   end
   if heap - heap0 > BIG then
-    return ("grew the Lua heap by %.1f GiB"):format((heap - heap0) / 2 ^ 30)
+    return ("grew the Lua heap by %.3f GiB"):format((heap - heap0) / 2 ^ 30)
+  end
+  if dt > INPUT_SECONDS then
+    return ("took %.1f s (over LZ_FUZZ_INPUT_SECONDS=%g)"):format(dt, INPUT_SECONDS)
   end
   return nil
 end
@@ -236,6 +232,39 @@ local function save_failure(name, n)
   local out = ("%s/failed-%s-%d%s"):format(seeds_dir, name, n, targets[name].ext)
   write(out, input(name, n))
   return out
+end
+
+-- selfcheck: the checks above catch what they are for. Readers that
+-- misbehave on purpose must each be reported; one that refuses in its own
+-- line must not.
+if mode == "selfcheck" then
+  local function canary(run)
+    return { mutate = function(r, s) return s .. r(9) end, ext = ".txt", run = run,
+             prefix = function(p) return "canary: " .. p .. ": " end }
+  end
+  os.execute(("mkdir -p '%s/canary' && echo seed > '%s/canary/seed.txt'"):format(seeds_dir,
+             seeds_dir))
+  INPUT_SECONDS, BIG = 0.2, 2 ^ 20
+  local cases = {
+    { "refuses", nil, function(p) error("canary: " .. p .. ": refused; fix it", 0) end },
+    { "stray", "a stray error", function() error("oops") end },
+    { "two_lines", "a stray error", function(p) error("canary: " .. p .. ": a\nb", 0) end },
+    { "slow", "took", function() clock.sleep(0.3) end },
+    { "big", "allocated", function() lz.tensor({ 2 ^ 19 }, "f32", "workspace"):free() end },
+  }
+  local passed, failed = 0, 0
+  for _, c in ipairs(cases) do
+    local name = "canary_" .. c[1]
+    targets[name] = canary(c[3])
+    targets[name].seeds = "canary"
+    local why = try(name, 1, input_path(name))
+    local ok = (why == nil) == (c[2] == nil) and (why == nil or why:find(c[2], 1, true))
+    print(("%s fuzz.selfcheck.%s%s"):format(ok and "ok  " or "FAIL", c[1],
+          ok and "" or (": got " .. tostring(why))))
+    if ok then passed = passed + 1 else failed = failed + 1 end
+  end
+  print(("%d passed, %d failed"):format(passed, failed))
+  os.exit(failed == 0 and 0 or 1)
 end
 
 if mode == "replay" then

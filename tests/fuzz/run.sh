@@ -94,6 +94,18 @@ else
   fail=$((fail + 1))
 fi
 
+echo "== the Lua fuzzer's own checks catch readers that misbehave on purpose"
+$lz tests/fuzz/fuzz_readers.lua "$seeds" selfcheck > "$work/self.log" 2>&1
+grep -aE "^(ok|FAIL) " "$work/self.log"
+sp=$(grep -ac "^ok " "$work/self.log")
+sf=$(grep -ac "^FAIL " "$work/self.log")
+if ! grep -qE "^[0-9]+ passed, 0 failed$" "$work/self.log"; then
+  tail -5 "$work/self.log"
+  sf=$((sf > 0 ? sf : 1))
+fi
+pass=$((pass + sp))
+fail=$((fail + sf))
+
 lua_secs=$(( secs / 5 > 0 ? secs / 5 : 1 ))
 echo "== fuzz the Lua readers ${lua_secs}s each"
 # 8 targets: a hang past twice their budget is killed and names the input in flight.
