@@ -83,7 +83,7 @@ end
 -- One line whatever the file holds: control characters as \NNN.
 local function fail(path, field, msg)
   error((("checkpoint: %s: %s: %s"):format(path, field, msg)
-               :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
+        :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
 end
 
 local MAX_INT = 2 ^ 53

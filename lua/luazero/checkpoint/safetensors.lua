@@ -29,7 +29,7 @@ local STAGE = 2 ^ 20
 -- One line whatever the file holds: control characters as \NNN.
 local function fail(path, msg)
   error((("safetensors %s: %s"):format(path, msg)
-               :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
+        :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
 end
 
 local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end

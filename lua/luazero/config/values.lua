@@ -8,7 +8,7 @@ local M = {}
 -- One line whatever the file holds: control characters as \NNN.
 local function fail(fmt, ...)
   error("config: " .. fmt:format(...)
-               :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
+        :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
 end
 
 -- A value as it would appear in the JSON file.

@@ -23,7 +23,7 @@ M.UINT16_IDS = 65536
 -- One line whatever the file holds: control characters as \NNN.
 local function fail(path, msg)
   error(("data: " .. path .. ": " .. msg)
-               :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
+        :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
 end
 M.fail = fail
 

@@ -43,7 +43,7 @@ local M = {}
 -- One line whatever the file holds: control characters as \NNN.
 local function fail(path, msg)
   error(("tokenizer: " .. path .. ": " .. msg)
-               :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
+        :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
 end
 
 local Tokenizer = {}
