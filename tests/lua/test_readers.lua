@@ -1,6 +1,7 @@
 -- test_readers.lua — inputs that tests/fuzz/fuzz_readers.lua found a reader
 -- mishandling, each kept here: the reader now refuses it in its own one
--- line ("tokenizer: FILE: ...", "config: ...", "checkpoint: FILE: ...").
+-- line ("tokenizer: FILE: ...", "config: ...", "checkpoint: FILE: ..."); and
+-- that the fuzzer's inputs replay from their numbers.
 local cjson = require("cjson")
 local support = dofile(require("luazero").root .. "/tests/lua/support.lua")
 
@@ -54,6 +55,30 @@ function T.config_and_manifest_refusals_stay_one_line_whatever_the_file_holds()
   local tokenizer = require("luazero.tokenizer")
   p = tokenizer_json(function(j) j.model.vocab["x\ny"] = -1 end)
   refused("tokenizer: " .. p .. ": ", { "model.vocab[" }, tokenizer.load, p)
+end
+
+-- tests/fuzz/mutate.lua: an input number gives the same input every time
+-- (so a failure replays), whatever order the process hashes keys in.
+function T.fuzz_inputs_replay_from_their_number()
+  local lz = require("luazero")
+  local mutate = dofile(lz.root .. "/tests/fuzz/mutate.lua")
+  local seed = '{"b": [1, 2, {"c": "x", "d": null}], "a": {"e": 1.5, "f": true, "g": "text"}}'
+  local seen = {}
+  for n = 1, 200 do
+    local a = mutate.json(mutate.rng(n), seed, { seed })
+    local b = mutate.json(mutate.rng(n), seed, { seed })
+    assert(a == b, ("input %d differs between two makings:\n%s\n%s"):format(n, a, b))
+    seen[a] = true
+  end
+  local distinct = 0
+  for _ in pairs(seen) do distinct = distinct + 1 end
+  assert(distinct > 150, ("only %d distinct inputs of 200"):format(distinct))
+  -- a table built in another key order encodes to the same text
+  local x, y = {}, {}
+  for _, k in ipairs({ "p", "q", "r", "s" }) do x[k] = k end
+  for _, k in ipairs({ "s", "r", "q", "p" }) do y[k] = k end
+  assert(mutate.encode(x) == mutate.encode(y) and
+         mutate.encode(x) == '{"p":"p","q":"q","r":"r","s":"s"}', mutate.encode(x))
 end
 
 return T
