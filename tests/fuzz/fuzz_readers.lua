@@ -1,6 +1,7 @@
 -- tests/fuzz/fuzz_readers.lua — a seeded mutation loop over every Lua reader
 -- of a user's file: safetensors (checkpoint/safetensors.lua), a DeepSpeed
--- config (config.lua), a Hugging Face config.json (hf.model_config),
+-- config (config.lua), a Hugging Face config.json (hf.model_config) and
+-- model.safetensors.index.json (hf.open),
 -- tokenizer.json (tokenizer/), token and instruction files and instruction
 -- data as JSON Lines (data.load), a
 -- checkpoint's manifest.json (checkpoint/manifest.lua) alone and beside its
@@ -18,7 +19,7 @@
 --   luazero tests/fuzz/fuzz_readers.lua SEEDS selfcheck          # the checks catch canaries
 --
 -- SEEDS holds one folder per target (safetensors, ds_config, hf_config,
--- tokenizer, jsonl, tokens, manifest) of seed files, and shards/ the shards of the
+-- hf_index, tokenizer, jsonl, tokens, manifest) of seed files, and shards/ the shards of the
 -- manifests' checkpoint (tests/fuzz/run.sh makes it).
 -- LZ_FUZZ_SEED (default 1) picks the inputs' numbers: N from SEED * 1000000.
 -- Before each input, SEEDS/current names it, so a crash or a hang the
@@ -140,6 +141,17 @@ local targets = {
       data.free(data.load(p, { tokenizer = fixture_tokenizer(), template = chatml, max_len = 64 }))
     end,
   },
+  -- a Hugging Face folder's model.safetensors.index.json beside the real
+  -- model.safetensors (SEEDS/safetensors/fp32.safetensors), opened as --init does
+  hf_index = {
+    mutate = mutate.json, ext = ".json",
+    file = function() return work .. "/hf/model.safetensors.index.json" end,
+    prefix = function() return { "init: ", "safetensors " .. work .. "/hf" } end,
+    run = function(p)
+      local hf = require("luazero.hf")
+      hf.close(hf.open(p:match("^(.*)/[^/]*$")))
+    end,
+  },
   tokens = {
     mutate = mutate.token_file, ext = ".bin",
     prefix = function(p) return "data: " .. p .. ": " end,
@@ -167,9 +179,11 @@ local targets = {
     end,
   },
 }
-local ORDER = { "safetensors", "ds_config", "hf_config", "tokenizer", "jsonl", "tokens",
-                "manifest", "checkpoint" }
-os.execute(("mkdir -p '%s/ck' && cp '%s'/shards/* '%s/ck/'"):format(work, seeds_dir, work))
+local ORDER = { "safetensors", "ds_config", "hf_config", "hf_index", "tokenizer", "jsonl",
+                "tokens", "manifest", "checkpoint" }
+os.execute(("mkdir -p '%s/ck' '%s/hf' && cp '%s'/shards/* '%s/ck/' && cp " ..
+            "'%s/safetensors/fp32.safetensors' '%s/hf/model.safetensors'")
+           :format(work, work, seeds_dir, work, seeds_dir, work))
 
 -- The seed texts of a target: its folder's files, read once; ds_config's
 -- "@WORK@" is this run's work folder (an nvme_path that exists).
@@ -206,9 +220,13 @@ local function try(name, n, path)
   if not ok then
     err = tostring(err)
     local msg = err:gsub("\nstack traceback:.*$", "")
-    local prefix = t.prefix(path)
-    if msg:sub(1, #prefix) ~= prefix or msg:find("\n") then
-      return "a stray error (not one line starting " .. ("%q"):format(prefix) .. "):\n" .. err
+    local prefixes = t.prefix(path)
+    if type(prefixes) == "string" then prefixes = { prefixes } end
+    local own = false
+    for _, prefix in ipairs(prefixes) do own = own or msg:sub(1, #prefix) == prefix end
+    if not own or msg:find("\n") then
+      return ("a stray error (not one line starting %s):\n%s"):format(
+        table.concat(prefixes, " or "), err)
     end
   end
   if lz.mem_total_peak() - ledger0 > BIG then

@@ -4,12 +4,13 @@
 #    AddressSanitizer, seeded from a real small checkpoint (its manifest.json
 #    and a shard), for LZ_FUZZ_SECONDS (default 25).
 #  * Lua: tests/fuzz/fuzz_readers.lua, a seeded mutation loop over the
-#    safetensors, DeepSpeed config, config.json, tokenizer.json, JSON Lines,
-#    token file and manifest readers (the manifest also beside its shards),
-#    each for LZ_FUZZ_SECONDS / 5 (at least 1 s), seeded
-#    from files made here (the checkpoint, its exports, tools/prepare-data's
-#    token and instruction files) and tests/fuzz/seeds, tests/fixtures/tokenizer.
-#    A crash or a hang (past twice the budget) names the input in flight.
+#    safetensors, DeepSpeed config, config.json, safetensors index,
+#    tokenizer.json, JSON Lines, token file and manifest readers (the
+#    manifest also beside its shards), each for LZ_FUZZ_SECONDS / 6 (at
+#    least 1 s), after its selfcheck; seeded from files made here (the
+#    checkpoint, its exports, tools/prepare-data's token and instruction
+#    files), tests/fuzz/seeds and tests/fixtures/tokenizer. A crash or a
+#    hang (past twice the budget) names the input in flight.
 # Ends with "N passed, N failed".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -66,7 +67,7 @@ fi
 echo "== seeds of the Lua readers"
 lz=build/bin/luazero
 seeds="$work/lua-seeds"
-mkdir -p "$seeds"/{safetensors,ds_config,hf_config,tokenizer,jsonl,tokens,manifest,shards}
+mkdir -p "$seeds"/{safetensors,ds_config,hf_config,hf_index,tokenizer,jsonl,tokens,manifest,shards}
 cp tests/fuzz/seeds/instruct_*.jsonl "$seeds/jsonl/"
 cp "$step"/shard-*.zst "$seeds/shards/"
 cp tests/fuzz/seeds/ds_config_*.json "$seeds/ds_config/"
@@ -77,6 +78,10 @@ if tools/ckpt export "$work/ck" "$work/hf" >/dev/null &&
    tools/ckpt export "$work/ck" "$seeds/safetensors/bf16.safetensors" --dtype bf16 >/dev/null &&
    cp "$work/hf/model.safetensors" "$seeds/safetensors/fp32.safetensors" &&
    cp "$work/hf/config.json" "$seeds/hf_config/gpt2.json" &&
+   $lz -e 'local st = require("luazero.checkpoint.safetensors").open("'"$work"'/hf/model.safetensors")
+     local map = {} for _, n in ipairs(st.names) do map[n] = "model.safetensors" end
+     io.write(require("cjson").encode({ metadata = { total_size = st.size - st.start },
+                                       weight_map = map }))' > "$seeds/hf_index/index.json" &&
    $lz -e 'local hf, reg = require("luazero.hf"), require("models.registry")
      io.write(require("cjson").encode(hf.config_json(reg.config("llama-tiny"))))' \
      > "$seeds/hf_config/llama.json" &&
@@ -106,10 +111,10 @@ fi
 pass=$((pass + sp))
 fail=$((fail + sf))
 
-lua_secs=$(( secs / 5 > 0 ? secs / 5 : 1 ))
+lua_secs=$(( secs / 6 > 0 ? secs / 6 : 1 ))
 echo "== fuzz the Lua readers ${lua_secs}s each"
-# 8 targets: a hang past twice their budget is killed and names the input in flight.
-timeout $(( 16 * lua_secs + 30 )) $lz tests/fuzz/fuzz_readers.lua "$seeds" "$lua_secs" > "$work/lua.log" 2>&1
+# 9 targets: a hang past twice their budget is killed and names the input in flight.
+timeout $(( 18 * lua_secs + 30 )) $lz tests/fuzz/fuzz_readers.lua "$seeds" "$lua_secs" > "$work/lua.log" 2>&1
 rc=$?
 grep -aE "^(ok|FAIL) " "$work/lua.log" | head -20
 grep -aA30 "^FAIL " "$work/lua.log" | grep -av "^ok " | head -40

@@ -57,6 +57,24 @@ function T.config_and_manifest_refusals_stay_one_line_whatever_the_file_holds()
   refused("tokenizer: " .. p .. ": ", { "model.vocab[" }, tokenizer.load, p)
 end
 
+-- A folder given as a safetensors file raised pread's "Is a directory"
+-- from an assert; an index whose weight_map names "", "." or ".." opened
+-- the folder itself; a name with a newline made a refusal of two lines.
+function T.hf_index_naming_folders_and_a_folder_as_safetensors()
+  local safetensors = require("luazero.checkpoint.safetensors")
+  local hf = require("luazero.hf")
+  local dir = select(2, support.scratch())
+  refused("safetensors " .. dir .. ": ", { "cannot read it (Is a directory)" }, safetensors.open,
+          dir)
+  for _, name in ipairs({ "", ".", "..", "a\nb" }) do
+    local f = assert(io.open(dir .. "/model.safetensors.index.json", "w"))
+    f:write(cjson.encode({ weight_map = { ["wte.weight"] = name } }))
+    f:close()
+    refused("init: " .. dir .. "/model.safetensors.index.json: ",
+            { name == "a\nb" and "a\\10b" or "not a file name" }, hf.open, dir)
+  end
+end
+
 -- tests/fuzz/mutate.lua: an input number gives the same input every time
 -- (so a failure replays), whatever order the process hashes keys in.
 function T.fuzz_inputs_replay_from_their_number()

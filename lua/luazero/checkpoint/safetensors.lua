@@ -8,6 +8,7 @@
 --   local t = st.tensors["model.norm.weight"]          -- {dtype, shape, numel, begin, stop}
 --   st:read(t, first, n, float_ptr)                    -- elements [first, first + n)
 --   st:close()
+local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
 local cjson = require("cjson")
 
@@ -26,10 +27,8 @@ local MAX_HEADER = 100000000
 -- Elements converted per pread of a 2-byte dtype.
 local STAGE = 2 ^ 20
 
--- One line whatever the file holds: control characters as \NNN.
 local function fail(path, msg)
-  error((("safetensors %s: %s"):format(path, msg)
-        :gsub("%c", function(c) return "\\" .. c:byte() end)), 0)
+  error(oneline.of(("safetensors %s: %s"):format(path, msg)), 0)
 end
 
 local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
@@ -90,7 +89,9 @@ function M.open(path)
                  :format(self.size))
     end
     local len = ffi.new("uint64_t[1]")
-    assert(ffi.C.pread(fd, len, 8, 0) == 8, why())
+    if ffi.C.pread(fd, len, 8, 0) ~= 8 then
+      fail(path, ("cannot read it (%s); give a .safetensors file"):format(why()))
+    end
     local n = tonumber(len[0])
     if n > MAX_HEADER then
       fail(path, ("header length %.0f is over %d bytes: not a safetensors file"):format(n, MAX_HEADER))
@@ -100,7 +101,9 @@ function M.open(path)
                   "truncated; copy or export it again"):format(n, self.size))
     end
     local buf = ffi.new("char[?]", n)
-    assert(ffi.C.pread(fd, buf, n, 8) == n, why())
+    if ffi.C.pread(fd, buf, n, 8) ~= n then
+      fail(path, ("cannot read its header (%s); give a .safetensors file"):format(why()))
+    end
     local text = ffi.string(buf, n)
     if text:find("[\128-\255]") and not valid_utf8(text) then
       fail(path, "header is not UTF-8 text; the file is damaged or not safetensors")

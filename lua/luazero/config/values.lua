@@ -1,15 +1,12 @@
 -- config/values.lua — reading DeepSpeed JSON values: each checker returns
 -- the value or raises one line starting "config: " that names the key, the
 -- allowed values and what was given (as it would appear in the file).
+local oneline = require("luazero.io.oneline")
 local cjson = require("cjson")
 
 local M = {}
 
--- One line whatever the file holds: control characters as \NNN.
-local function fail(fmt, ...)
-  error("config: " .. fmt:format(...)
-        :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
-end
+local function fail(fmt, ...) error(oneline.of("config: " .. fmt:format(...)), 0) end
 
 -- A value as it would appear in the JSON file.
 local function show(v)

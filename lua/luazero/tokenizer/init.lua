@@ -30,6 +30,7 @@
 -- starts[i] (encode with offsets) is the 0-based byte offset in text of the
 -- first byte token i covers; a token made only of text the normalizer added
 -- (a prepended "▁") starts where the text it stands before starts.
+local oneline = require("luazero.io.oneline")
 local cjson = require("cjson")
 local split = require("luazero.tokenizer.split")
 local bpe = require("luazero.tokenizer.bpe")
@@ -40,11 +41,7 @@ local unbyte, split_gpt2, split_llama3 = split.unbyte, split.split_gpt2, split.s
 
 local M = {}
 
--- One line whatever the file holds: control characters as \NNN.
-local function fail(path, msg)
-  error(("tokenizer: " .. path .. ": " .. msg)
-        :gsub("%c", function(c) return "\\" .. c:byte() end), 0)
-end
+local function fail(path, msg) error(oneline.of("tokenizer: " .. path .. ": " .. msg), 0) end
 
 local Tokenizer = {}
 Tokenizer.__index = Tokenizer
