@@ -426,7 +426,7 @@ int main(int argc, char **argv) {
     lz_status st = lz_launch_restarting(nranks, child, restarts, min_ranks, &code);
     if (st != LZ_OK) {
       fprintf(stderr, "luazero: %s\n", lz_last_error());
-      return st == LZ_ERR_INVALID ? 2 : 1;
+      return st == LZ_ERR_INVALID ? 2 : 1; /* a job this machine cannot run is bad input */
     }
     return code;
   }

@@ -136,9 +136,11 @@ local DEBUG = (os.getenv("LZ_DEBUG") or "0") ~= "0" and os.getenv("LZ_DEBUG") ~=
 local function checked_rank(fn, ...)
   local res = { xpcall(fn, DEBUG and debug.traceback or tostring, ...) }
   if not res[1] then
-    -- Out of device memory is the configuration's to fix: exit 2, as bad input.
-    local oom = tostring(res[2]):find("out of device memory", 1, true)
-    fail_run(res[2], oom and 2 or 1, true)
+    -- Out of device memory is the configuration's to fix, as is what the
+    -- engine refuses to build ("initialize: ..."): exit 2, as bad input.
+    local msg = tostring(res[2])
+    local bad = msg:find("out of device memory", 1, true) or msg:find("^initialize: ")
+    fail_run(res[2], bad and 2 or 1, true)
   end
   return unpack(res, 2, table.maxn(res))
 end
@@ -575,6 +577,8 @@ end
 
 -- --resume: the engine's states, the batch generator, the next step.
 local function resume(run)
+  -- another model or optimizer is the input's fault (exit 2); reading the shards is the rank's
+  checked(require("luazero.checkpoint.load").check, run.engine, run.flags.resume)
   local m = checked_rank(run.engine.load, run.engine, run.flags.resume)
   local pos = m.extra and m.extra.data
   if pos then checked(run.loader.set_position, run.loader, pos) end

@@ -10,6 +10,7 @@
 --   hf.config_path("folder")                      -- its config.json, or nil
 --   hf.tensor_of(name, shape, vocab)              -- {name, shape, conv, rows}
 --   hf.config_json(model_cfg, "fp32")             -- a table for cjson
+local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
@@ -21,7 +22,7 @@ local M = {}
 
 local shape_text = safetensors.shape_text
 
-local function fail(fmt, ...) error("init: " .. fmt:format(...), 0) end
+local function fail(fmt, ...) error(oneline.of("init: " .. fmt:format(...)), 0) end
 
 ------------------------------------------------------------------- names
 
@@ -93,7 +94,8 @@ function M.open(path)
       index = { path = ipath, map = j.weight_map }
       local seen = {}
       for _, file in pairs(j.weight_map) do
-        if type(file) ~= "string" or file:find("/", 1, true) then
+        if type(file) ~= "string" or file:find("/", 1, true) or file == "" or file == "." or
+           file == ".." then
           fail("%s: weight_map holds %s, not a file name in %s", ipath, cjson.encode(file), path)
         end
         if not seen[file] then seen[file] = true; names[#names + 1] = path .. "/" .. file end

@@ -88,6 +88,27 @@ function T.a_resume_with_other_steps_says_the_schedule_changes()
   assert(not out:find("resume: --steps", 1, true), out)
 end
 
+-- Bad input exits 2, a failure during the run 1: a resume of another model
+-- (found when the engine meets the manifest), a config the engine refuses
+-- to build and an -n this machine cannot run are bad input.
+function T.another_model_resumed_a_refused_config_and_too_many_ranks_exit_2()
+  local dir = select(2, support.scratch())
+  ok_train(1, ("--steps 1 --save %s"):format(dir))
+  refused("--steps 2 --vocab 300 --resume " .. support.quote(dir), "holds a different model: " ..
+          "parameter 1 is transformer.wte.weight")
+  -- what the engine refuses to build from a config is bad input too
+  local nvme = select(2, support.scratch())
+  local cfg = write_file("buffer.json", ('{"train_micro_batch_size_per_gpu": 2, ' ..
+    '"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "%s", ' ..
+    '"buffer_size": 1}}}'):format(nvme))
+  refused("--steps 1 --config " .. support.quote(cfg), "train: initialize: " ..
+          "zero_optimization.offload_param.buffer_size 1 is smaller than ")
+  local out, st = support.sh(("cd %s && %s -n 4097 scripts/train.lua"):format(
+                             support.quote(lz.root), support.quote(lz.executable())))
+  assert(st == 2 and out:find("launch: -n 4097: the number of ranks must be 1..4096", 1, true),
+         ("exit %s:\n%s"):format(tostring(st), out))
+end
+
 -- A flag given twice, an --init that is not there, a --resume that is a
 -- file: one line each, saying which; tools/ckpt without a command: usage
 -- and exit 2.

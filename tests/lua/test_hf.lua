@@ -210,6 +210,56 @@ function T.lying_data_offsets_are_refused_naming_the_tensor_and_the_rule()
   st:close()
 end
 
+-- Headers the safetensors library refuses, refused here too in one line
+-- naming the file (and the tensor, where one is at fault): 64-bit
+-- overflow, offsets that are not a pair, metadata that is not strings,
+-- a header that is not UTF-8, not an object, or has bytes JSON forbids.
+function T.malformed_headers_are_refused_as_the_safetensors_library_does()
+  local function file(name, text, data_bytes)
+    return write_file(name, ffi.string(ffi.new("uint64_t[1]", #text), 8) .. text ..
+                      ("\0"):rep(data_bytes))
+  end
+  local A = '"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+  local cases = {
+    { "overflow", '{"a":{"dtype":"F32","shape":[4294967296,4294967296,0],"data_offsets":[0,0]}}',
+      0, { "tensor a: shape [4294967296,4294967296,0] overflows 64 bits" } },
+    { "triple", '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,8]}}', 8,
+      { "tensor a: data_offsets [0,8,8] is not [begin, end]" } },
+    { "shape-object", '{"a":{"dtype":"F32","shape":{"n":2},"data_offsets":[0,8]}}', 8,
+      { "tensor a: shape {\"n\":2} is not a list" } },
+    { "metadata", '{"__metadata__":{"step":3},' .. A .. '}', 8,
+      { '__metadata__: {"step":3} is not an object of strings' } },
+    { "utf8", '{"a\255":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8,
+      { "header is not UTF-8 text" } },
+    { "array", "[]", 0, { "header is not a JSON object (an array)" } },
+    { "nul", "{" .. A .. "}\0\0", 8, { "header byte 54 is the control character 0" } },
+    { "huge-end", '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551616]}}', 8,
+      { "tensor a: data_offsets span 18446744073709551616 bytes, but shape [2] of F32 needs 8" } },
+  }
+  for _, c in ipairs(cases) do
+    local path = file(c[1] .. ".safetensors", c[2], c[3])
+    local ok, err = pcall(safetensors.open, path)
+    assert(not ok, c[1] .. ": accepted")
+    err = tostring(err)
+    assert(err:find("safetensors " .. path .. ": ", 1, true) == 1 and not err:find("\n"), err)
+    for _, n in ipairs(c[4]) do
+      assert(err:find(n, 1, true), ("%s: %q does not name %q"):format(c[1], err, n))
+    end
+  end
+  -- What the library accepts: metadata of strings or null, spaces around
+  -- the object, empty tensors anywhere in the order.
+  for name, text in pairs({
+    meta = '{"__metadata__":{"format":"pt"},' .. A .. '}',
+    null = '{"__metadata__":null,' .. A .. '}',
+    spaces = " {" .. A .. "}   ",
+    empty = '{"z":{"dtype":"F32","shape":[0],"data_offsets":[8,8]},' .. A .. '}',
+  }) do
+    local st = safetensors.open(file(name .. ".safetensors", text, 8))
+    eq(#st.names, name == "empty" and 2 or 1, "tensors of " .. name)
+    st:close()
+  end
+end
+
 --------------------------------------------------------------- LoRA resume
 
 -- A LoRA run on an --init base records its settings and the base (path and

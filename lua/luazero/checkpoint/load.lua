@@ -61,20 +61,28 @@ local function plan(m, runs)
   return pieces
 end
 
--- Loads a checkpoint (a step folder, or a --save folder through latest) into
--- engine, whatever world size and stage it was saved at. Returns the
--- manifest (its `extra` holds what the trainer saved).
-function M.load(engine, path)
+-- The checkpoint at path fits engine: the same model, and the same
+-- optimizer's states. Every rank reads the same manifest, so a refusal here
+-- is the input's, not one rank's. Returns the folder, the manifest and the
+-- saved states' names.
+function M.check(engine, path)
   local dir = disk.resolve(path)
   local m = disk.read_manifest(dir)
   check_model(m, engine, dir)
-  -- The optimizer's states must be the ones saved (the same optimizer).
   local saved, want = states_of(m), engine_states(engine)
   if table.concat(saved, ",") ~= table.concat(want, ",") then
     fail("%s holds the states %s; this run's optimizer %s keeps %s: resume with the optimizer " ..
          "that saved it", dir, table.concat(saved, ", "), engine.optimizer.name,
          table.concat(want, ", "))
   end
+  return dir, m, saved
+end
+
+-- Loads a checkpoint (a step folder, or a --save folder through latest) into
+-- engine, whatever world size and stage it was saved at. Returns the
+-- manifest (its `extra` holds what the trainer saved).
+function M.load(engine, path)
+  local dir, m, saved = M.check(engine, path)
   local NSTATES = #saved
   local B = m.block_elems
   local layout = engine:state_layout()

@@ -7,6 +7,7 @@
 -- Version 2 ends the file with its own checksum: `,"manifest_xxh64":"H"}`
 -- where H is xxh64 (seed 0) of every byte before that comma, so any changed
 -- byte is refused; version 1 (no checksum) still loads.
+local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
 local bit = require("bit")
 local cjson = require("cjson")
@@ -81,7 +82,7 @@ function M.encode(t)
 end
 
 local function fail(path, field, msg)
-  error(("checkpoint: %s: %s: %s"):format(path, field, msg), 0)
+  error(oneline.of(("checkpoint: %s: %s: %s"):format(path, field, msg)), 0)
 end
 
 local MAX_INT = 2 ^ 53

@@ -8,6 +8,7 @@
 --   local t = st.tensors["model.norm.weight"]          -- {dtype, shape, numel, begin, stop}
 --   st:read(t, first, n, float_ptr)                    -- elements [first, first + n)
 --   st:close()
+local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
 local cjson = require("cjson")
 
@@ -26,7 +27,9 @@ local MAX_HEADER = 100000000
 -- Elements converted per pread of a 2-byte dtype.
 local STAGE = 2 ^ 20
 
-local function fail(path, msg) error(("safetensors %s: %s"):format(path, msg), 0) end
+local function fail(path, msg)
+  error(oneline.of(("safetensors %s: %s"):format(path, msg)), 0)
+end
 
 local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
 
@@ -63,6 +66,16 @@ File.__index = File
 local function shape_text(s) return "[" .. table.concat(s, ", ") .. "]" end
 M.shape_text = shape_text
 
+-- A JSON array as cjson decodes it: keys 1..#t only ({} and [] alike).
+local function is_array(t)
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  return n == #t
+end
+
+-- Valid UTF-8, as the format requires of the header.
+local function valid_utf8(s) return require("luazero.tokenizer.sentencepiece").valid_utf8(s) end
+
 -- Opens and checks a file: its header parses, every tensor has a known
 -- dtype, a shape and data_offsets that agree, and lies inside the file.
 function M.open(path)
@@ -76,24 +89,49 @@ function M.open(path)
                  :format(self.size))
     end
     local len = ffi.new("uint64_t[1]")
-    assert(ffi.C.pread(fd, len, 8, 0) == 8, why())
+    if ffi.C.pread(fd, len, 8, 0) ~= 8 then
+      fail(path, ("cannot read it (%s); give a .safetensors file"):format(why()))
+    end
     local n = tonumber(len[0])
     if n > MAX_HEADER then
-      fail(path, ("header length %d is over %d bytes: not a safetensors file"):format(n, MAX_HEADER))
+      fail(path, ("header length %.0f is over %d bytes: not a safetensors file"):format(n, MAX_HEADER))
     end
     if 8 + n > self.size then
       fail(path, ("header length %d runs past the end of the file (%d bytes): the file is " ..
                   "truncated; copy or export it again"):format(n, self.size))
     end
     local buf = ffi.new("char[?]", n)
-    assert(ffi.C.pread(fd, buf, n, 8) == n, why())
-    local jok, h = pcall(cjson.decode, ffi.string(buf, n))
-    if not jok or type(h) ~= "table" then
+    if ffi.C.pread(fd, buf, n, 8) ~= n then
+      fail(path, ("cannot read its header (%s); give a .safetensors file"):format(why()))
+    end
+    local text = ffi.string(buf, n)
+    if text:find("[\128-\255]") and not valid_utf8(text) then
+      fail(path, "header is not UTF-8 text; the file is damaged or not safetensors")
+    end
+    -- cjson stops at a NUL and takes raw control characters; JSON has neither
+    local at = text:find("[%z\1-\8\11\12\14-\31]")
+    if at then
+      fail(path, ("header byte %d is the control character %d, which JSON does not allow; the " ..
+                  "file is damaged or not safetensors"):format(at - 1, text:byte(at)))
+    end
+    local jok, h = pcall(cjson.decode, text)
+    if not jok or type(h) ~= "table" or not text:find("^%s*{") then
       fail(path, ("header is not a JSON object (%s); the file is damaged or not safetensors")
-                 :format(jok and type(h) or tostring(h)))
+                 :format(jok and (type(h) == "table" and "an array" or type(h)) or tostring(h)))
     end
     self.start = 8 + n
-    self.metadata = type(h.__metadata__) == "table" and h.__metadata__ or {}
+    local meta = h.__metadata__
+    if meta ~= nil and meta ~= cjson.null then
+      local bad = type(meta) ~= "table"
+      for k, v in pairs(type(meta) == "table" and meta or {}) do
+        bad = bad or type(k) ~= "string" or type(v) ~= "string"
+      end
+      if bad then
+        fail(path, ("__metadata__: %s is not an object of strings; the file is damaged or not " ..
+                    "safetensors"):format(cjson.encode(meta)))
+      end
+    end
+    self.metadata = type(meta) == "table" and meta or {}
     for name, e in pairs(h) do
       if name ~= "__metadata__" then self:add(name, e) end
     end
@@ -109,38 +147,50 @@ end
 
 function File:add(name, e)
   local path = self.path
-  if type(e) ~= "table" then fail(path, ("tensor %s: header entry is not an object"):format(name)) end
+  local function refuse(fmt, ...)
+    fail(path, ("tensor %s: " .. fmt .. "; the file is damaged or not safetensors")
+               :format(name, ...))
+  end
+  if type(e) ~= "table" then refuse("header entry %s is not an object", cjson.encode(e)) end
   local es = M.DTYPES[e.dtype]
   if not es then
-    fail(path, ("tensor %s has dtype %s; supported: F32, BF16, F16"):format(name,
-               cjson.encode(e.dtype == nil and cjson.null or e.dtype)))
+    fail(path, ("tensor %s: dtype %s is not one luazero reads; convert the file to F32, BF16 " ..
+                "or F16"):format(name, cjson.encode(e.dtype == nil and cjson.null or e.dtype)))
   end
-  if type(e.shape) ~= "table" then fail(path, ("tensor %s has no shape"):format(name)) end
+  if type(e.shape) ~= "table" or not is_array(e.shape) then
+    refuse("shape %s is not a list", cjson.encode(e.shape == nil and cjson.null or e.shape))
+  end
+  -- As the format's own reader: every dimension, their product and its
+  -- bytes fit in 64 bits.
   local numel = 1
   for _, d in ipairs(e.shape) do
-    if type(d) ~= "number" or d < 0 or d ~= math.floor(d) then
-      fail(path, ("tensor %s: shape %s is not a list of whole numbers"):format(name,
-                 cjson.encode(e.shape)))
+    if type(d) ~= "number" or d < 0 or d ~= math.floor(d) or d >= 2 ^ 64 then
+      refuse("shape %s is not a list of whole numbers from 0", cjson.encode(e.shape))
     end
     numel = numel * d
+    if numel >= 2 ^ 64 then refuse("shape %s overflows 64 bits", cjson.encode(e.shape)) end
+  end
+  if numel * es >= 2 ^ 64 then
+    refuse("shape %s of %s overflows 64 bits of bytes", cjson.encode(e.shape), e.dtype)
   end
   local o = e.data_offsets
-  if type(o) ~= "table" or type(o[1]) ~= "number" or type(o[2]) ~= "number" or o[2] < o[1] or
-     o[1] ~= math.floor(o[1]) or o[2] ~= math.floor(o[2]) then
-    fail(path, ("tensor %s: data_offsets %s is not [begin, end] (whole numbers, begin <= end)")
-               :format(name, cjson.encode(o == nil and cjson.null or o)))
+  if type(o) ~= "table" or not is_array(o) or #o ~= 2 or type(o[1]) ~= "number" or
+     type(o[2]) ~= "number" or o[2] < o[1] or o[1] ~= math.floor(o[1]) or
+     o[2] ~= math.floor(o[2]) then
+    refuse("data_offsets %s is not [begin, end] (whole numbers, begin <= end)",
+           cjson.encode(o == nil and cjson.null or o))
   end
   if o[1] < 0 then
-    fail(path, ("tensor %s: data_offsets [%d, %d] begin before the data (offsets count from " ..
-                "the end of the header, from 0)"):format(name, o[1], o[2]))
+    refuse("data_offsets [%.0f, %.0f] begin before the data (offsets count from the end of the " ..
+           "header, from 0)", o[1], o[2])
   end
   if o[2] - o[1] ~= numel * es then
-    fail(path, ("tensor %s: data_offsets span %d bytes, but shape %s of %s needs %d")
-               :format(name, o[2] - o[1], shape_text(e.shape), e.dtype, numel * es))
+    refuse("data_offsets span %.0f bytes, but shape %s of %s needs %.0f", o[2] - o[1],
+           shape_text(e.shape), e.dtype, numel * es)
   end
   if self.start + o[2] > self.size then
-    fail(path, ("tensor %s ends at byte %d, but the file has %d bytes: the file is truncated; " ..
-                "copy or export it again"):format(name, self.start + o[2], self.size))
+    fail(path, ("tensor %s: ends at byte %.0f, but the file has %d bytes: the file is " ..
+                "truncated; copy or export it again"):format(name, self.start + o[2], self.size))
   end
   self.tensors[name] = { name = name, dtype = e.dtype, esize = es, shape = e.shape,
                          numel = numel, begin = self.start + o[1], stop = self.start + o[2] }

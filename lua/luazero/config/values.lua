@@ -1,15 +1,16 @@
 -- config/values.lua — reading DeepSpeed JSON values: each checker returns
 -- the value or raises one line starting "config: " that names the key, the
 -- allowed values and what was given (as it would appear in the file).
+local oneline = require("luazero.io.oneline")
 local cjson = require("cjson")
 
 local M = {}
 
-local function fail(fmt, ...) error("config: " .. fmt:format(...), 0) end
+local function fail(fmt, ...) error(oneline.of("config: " .. fmt:format(...)), 0) end
 
 -- A value as it would appear in the JSON file.
 local function show(v)
-  if type(v) == "string" then return '"' .. v .. '"' end
+  if type(v) == "string" then return cjson.encode(v) end
   if type(v) == "number" then
     if v == math.floor(v) and math.abs(v) < 1e15 then return ("%d"):format(v) end
     return ("%.14g"):format(v)

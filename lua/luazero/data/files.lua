@@ -8,6 +8,7 @@
 -- Instruction file (data/instruct.lua): magic 20240521, see docs/formats.md.
 --
 -- Errors are one line, "data: FILE: what is wrong; what to do".
+local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
 local lz = require("luazero")
 
@@ -20,7 +21,7 @@ M.HEADER_INTS = 256
 M.HEADER_BYTES = 256 * 4
 M.UINT16_IDS = 65536
 
-local function fail(path, msg) error("data: " .. path .. ": " .. msg, 0) end
+local function fail(path, msg) error(oneline.of("data: " .. path .. ": " .. msg), 0) end
 M.fail = fail
 
 -- Files stream through in chunks of this size, so a large corpus never

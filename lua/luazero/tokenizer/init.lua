@@ -30,6 +30,7 @@
 -- starts[i] (encode with offsets) is the 0-based byte offset in text of the
 -- first byte token i covers; a token made only of text the normalizer added
 -- (a prepended "▁") starts where the text it stands before starts.
+local oneline = require("luazero.io.oneline")
 local cjson = require("cjson")
 local split = require("luazero.tokenizer.split")
 local bpe = require("luazero.tokenizer.bpe")
@@ -40,7 +41,7 @@ local unbyte, split_gpt2, split_llama3 = split.unbyte, split.split_gpt2, split.s
 
 local M = {}
 
-local function fail(path, msg) error("tokenizer: " .. path .. ": " .. msg, 0) end
+local function fail(path, msg) error(oneline.of("tokenizer: " .. path .. ": " .. msg), 0) end
 
 local Tokenizer = {}
 Tokenizer.__index = Tokenizer
@@ -365,11 +366,18 @@ function M.load(path)
 
   local added = j.added_tokens
   if added ~= nil and added ~= cjson.null then
+    if type(added) ~= "table" then
+      fail(path, ("added_tokens is %s; give a list of tokens"):format(cjson.encode(added)))
+    end
     local by_prefix, by_prefix_normalized = {}, {}
     for i, a in ipairs(added) do
       if type(a) ~= "table" or type(a.content) ~= "string" or a.content == "" or
          type(a.id) ~= "number" then
         fail(path, ("added_tokens[%d] needs a non-empty \"content\" and an \"id\""):format(i))
+      end
+      if a.id < 0 or a.id >= PAIR or a.id % 1 ~= 0 then
+        fail(path, ("added_tokens[%d] (%s) has id %s; ids are integers 0..%d")
+                   :format(i, a.content, tostring(a.id), PAIR - 1))
       end
       for _, field in ipairs({ "single_word", "lstrip", "rstrip" }) do
         if a[field] == true then
