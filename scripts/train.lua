@@ -724,10 +724,12 @@ local function plan_saves(run)
   local flags = run.flags
   if not flags.save then return end
   run.due = due_saves.new(run.comm, flags.save_every, flags.save_every_minutes, flags.steps)
-  run.async = flags.async_save
+  -- ds_config's checkpoint.writer.decoupled asks for the same.
+  run.async = flags.async_save or run.cfg.checkpoint.async
   local why = run.async and async_saves.refusal(run.engine)
   if why then
-    say("--async-save: saving synchronously: " .. why)
+    say((flags.async_save and "--async-save" or "checkpoint.writer.decoupled") ..
+        ": saving synchronously: " .. why)
     run.async = false
   end
 end

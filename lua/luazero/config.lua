@@ -17,6 +17,7 @@ local cjson = require("cjson")
 local values = require("luazero.config.values")
 local defaults = require("luazero.config.defaults")
 local monitor = require("luazero.config.monitor")
+local checkpoint = require("luazero.config.checkpoint")
 local Placement = require("luazero.zero.plan")
 
 local M = {}
@@ -713,10 +714,12 @@ function M.load(source, world_size, overrides)
   activation_checkpointing_section(raw.activation_checkpointing, cfg, unimpl)
   luazero_section(raw.luazero, cfg, ov)
   monitor.read(raw, cfg, unimpl)
+  checkpoint.read(raw, cfg, unimpl)
   batch_sizes(raw, world_size, cfg, notes)
 
   for _, k in ipairs(sorted_keys(raw)) do
     if not handled_top[k] and not accepted_top[k] and not monitor.top_keys[k] and
+       not checkpoint.top_keys[k] and
        not asks_for_nothing(raw[k]) and
        not (k == "gradient_predivide_factor" and raw[k] == 1) then
       unimpl[#unimpl + 1] = k

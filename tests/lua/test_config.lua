@@ -276,6 +276,19 @@ end
 
 ------------------------------------------------------------------ not implemented
 
+-- checkpoint.writer.decoupled is a background save; the writer's other keys
+-- are reported; tag_validation is met (every load checks the whole checkpoint).
+function T.checkpoint_writer_decoupled_asks_for_background_saves()
+  assert(config.load({ train_batch_size = 8 }, 1).checkpoint.async == false, "default")
+  local cfg = config.load({ train_batch_size = 8, checkpoint = { tag_validation = "Fail",
+                                           writer = { decoupled = true, type = "fast" } } }, 1)
+  assert(cfg.checkpoint.async == true, "decoupled")
+  assert(table.concat(cfg.unimplemented, ",") == "checkpoint.writer.type",
+         table.concat(cfg.unimplemented, ","))
+  local ok, err = pcall(config.load, { train_batch_size = 8, checkpoint = { writer = { decoupled = "yes" } } }, 1)
+  assert(not ok and err:find("checkpoint.writer.decoupled", 1, true), tostring(err))
+end
+
 function T.unimplemented_keys_are_listed_by_dotted_name()
   local cfg = config.load({
     train_batch_size = 8,
