@@ -449,15 +449,17 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
 // ---------------------------------------------------------------- embedding
 
 // wpe NULL: the token row alone (Llama has no position table). pos NULL:
-// position t; else each token's row of wpe.
+// position t; else each token's row of wpe. Tables f32 or bf16 (widened
+// exactly, as the cpu does).
+template <typename W>
 __global__ void embedding_forward_kernel(float *out, const int32_t *tok, const int32_t *pos,
-                                         const float *wte, const float *wpe, int64_t BT,
-                                         int64_t T, int64_t C) {
+                                         const W *wte, const W *wpe, int64_t BT, int64_t T,
+                                         int64_t C) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C;
        i += (int64_t)gridDim.x * blockDim.x) {
     int64_t bt = i / C, c = i % C;
-    const float te = wte[(int64_t)tok[bt] * C + c];
-    out[i] = wpe ? te + wpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c] : te;
+    const float te = widen(wte[(int64_t)tok[bt] * C + c]);
+    out[i] = wpe ? te + widen(wpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c]) : te;
   }
 }
 
@@ -480,10 +482,16 @@ lz_status lz_cu_embedding_forward(const lz_op_args *a) {
   const lz_tensor *tokens = a->t[1], *wte = a->t[2];
   int64_t B = tokens->shape[0], T = tokens->shape[1], C = wte->shape[1];
   if (B * T * C == 0) return LZ_OK;
-  embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)a->t[0]->data, (const int32_t *)tokens->data,
-      a->t[4] ? (const int32_t *)a->t[4]->data : NULL, (const float *)wte->data,
-      a->t[3] ? (const float *)a->t[3]->data : NULL, B * T, T, C);
+  const int32_t *pos = a->t[4] ? (const int32_t *)a->t[4]->data : NULL;
+  const void *wpe = a->t[3] ? a->t[3]->data : NULL;
+  if (wte->dtype == LZ_BF16)
+    embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)a->t[0]->data, (const int32_t *)tokens->data, pos,
+        (const __nv_bfloat16 *)wte->data, (const __nv_bfloat16 *)wpe, B * T, T, C);
+  else
+    embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)a->t[0]->data, (const int32_t *)tokens->data, pos, (const float *)wte->data,
+        (const float *)wpe, B * T, T, C);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

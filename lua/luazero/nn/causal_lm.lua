@@ -191,7 +191,7 @@ function CausalLM:embed_cached(tokens, cache)
   if not emb.p.wpe then return self:run_forward(emb, tokens) end
   local B, T, C = tokens:dim(1), tokens:dim(2), emb.n_embd
   local y = self.ctx.arena:tensor({ B, T, C })
-  local wte, wpe = emb:cast(emb.p.wte, "f32"), emb:cast(emb.p.wpe, "f32")
+  local wte, wpe = emb:table_operand(emb.p.wte), emb:table_operand(emb.p.wpe)
   for b = 1, B do
     local at = cache.at[b]
     ops.embedding_forward(y:view((b - 1) * T * C, { 1, T, C }),
