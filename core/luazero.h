@@ -48,6 +48,9 @@ const char *lz_version(void);
 int lz_cpu_has(const char *feature); /* "avx2", "avx512f", "avx512bf16" */
 lz_status lz_threads_set(int n);    /* compute threads (OpenMP, oneDNN) */
 int lz_threads_get(void);
+/* How bf16 GEMMs run here: "native (...)" (oneDNN bf16) or "f32 (...)"
+ * (widened, fp32 sgemm), and why; LZ_BF16_MATMUL=native|f32 overrides. */
+lz_status lz_bf16_matmul_path(const char **what);
 
 /* -------------------------------------------------------------- ledger */
 

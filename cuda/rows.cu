@@ -403,14 +403,21 @@ __global__ void xent_forward_kernel(float *losses, const float *logits, const in
 
 // dlogits may be logits: the statistics and the target's logit are read
 // before the first write (block_reduce ends on a barrier; the extra one
-// covers the target logit).
-__global__ void xent_backward_kernel(float *dlogits, const float *logits, const int32_t *targets,
+// covers the target logit). A bf16 dlogits gets each gradient rounded as
+// the cpu rounds it.
+__device__ __forceinline__ void store_grad(float *p, float v) { *p = v; }
+__device__ __forceinline__ void store_grad(__nv_bfloat16 *p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+
+template <typename G>
+__global__ void xent_backward_kernel(G *dlogits, const float *logits, const int32_t *targets,
                                      int64_t vocab, int64_t Vp, float dloss) {
   int64_t r = blockIdx.x;
   int32_t tg = targets[r];
-  float *dl = dlogits + r * Vp;
+  G *dl = dlogits + r * Vp;
   if (tg < 0) {
-    for (int64_t i = threadIdx.x; i < Vp; i += THREADS) dl[i] = 0.0f;
+    for (int64_t i = threadIdx.x; i < Vp; i += THREADS) store_grad(dl + i, 0.0f);
     return;
   }
   const float *lg = logits + r * Vp;
@@ -418,10 +425,11 @@ __global__ void xent_backward_kernel(float *dlogits, const float *logits, const 
   softmax_stats(lg, vocab, &m, &s);
   const float logit_target = lg[tg], inv = 1.0f / s;
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < vocab; i += THREADS) dl[i] = expf(lg[i] - m) * inv * dloss;
-  for (int64_t i = vocab + threadIdx.x; i < Vp; i += THREADS) dl[i] = 0.0f;
+  for (int64_t i = threadIdx.x; i < vocab; i += THREADS)
+    store_grad(dl + i, expf(lg[i] - m) * inv * dloss);
+  for (int64_t i = vocab + threadIdx.x; i < Vp; i += THREADS) store_grad(dl + i, 0.0f);
   __syncthreads();
-  if (threadIdx.x == 0) dl[tg] = (expf(logit_target - m) * inv - 1.0f) * dloss;
+  if (threadIdx.x == 0) store_grad(dl + tg, (expf(logit_target - m) * inv - 1.0f) * dloss);
 }
 
 lz_status lz_cu_cross_entropy_forward(const lz_op_args *a) {
@@ -439,9 +447,14 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
   const lz_tensor *logits = a->t[1];
   int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   if (rows == 0) return LZ_OK;
-  xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
-      a->i[0], Vp, a->f[0]);
+  if (a->t[0]->dtype == LZ_BF16)
+    xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
+        (__nv_bfloat16 *)a->t[0]->data, (const float *)logits->data,
+        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0]);
+  else
+    xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
+        a->i[0], Vp, a->f[0]);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -449,15 +462,17 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
 // ---------------------------------------------------------------- embedding
 
 // wpe NULL: the token row alone (Llama has no position table). pos NULL:
-// position t; else each token's row of wpe.
+// position t; else each token's row of wpe. Tables f32 or bf16 (widened
+// exactly, as the cpu does).
+template <typename W>
 __global__ void embedding_forward_kernel(float *out, const int32_t *tok, const int32_t *pos,
-                                         const float *wte, const float *wpe, int64_t BT,
-                                         int64_t T, int64_t C) {
+                                         const W *wte, const W *wpe, int64_t BT, int64_t T,
+                                         int64_t C) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < BT * C;
        i += (int64_t)gridDim.x * blockDim.x) {
     int64_t bt = i / C, c = i % C;
-    const float te = wte[(int64_t)tok[bt] * C + c];
-    out[i] = wpe ? te + wpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c] : te;
+    const float te = widen(wte[(int64_t)tok[bt] * C + c]);
+    out[i] = wpe ? te + widen(wpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c]) : te;
   }
 }
 
@@ -480,10 +495,16 @@ lz_status lz_cu_embedding_forward(const lz_op_args *a) {
   const lz_tensor *tokens = a->t[1], *wte = a->t[2];
   int64_t B = tokens->shape[0], T = tokens->shape[1], C = wte->shape[1];
   if (B * T * C == 0) return LZ_OK;
-  embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)a->t[0]->data, (const int32_t *)tokens->data,
-      a->t[4] ? (const int32_t *)a->t[4]->data : NULL, (const float *)wte->data,
-      a->t[3] ? (const float *)a->t[3]->data : NULL, B * T, T, C);
+  const int32_t *pos = a->t[4] ? (const int32_t *)a->t[4]->data : NULL;
+  const void *wpe = a->t[3] ? a->t[3]->data : NULL;
+  if (wte->dtype == LZ_BF16)
+    embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)a->t[0]->data, (const int32_t *)tokens->data, pos,
+        (const __nv_bfloat16 *)wte->data, (const __nv_bfloat16 *)wpe, B * T, T, C);
+  else
+    embedding_forward_kernel<<<lz_cu_blocks(B * T * C, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)a->t[0]->data, (const int32_t *)tokens->data, pos, (const float *)wte->data,
+        (const float *)wpe, B * T, T, C);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

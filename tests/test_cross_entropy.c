@@ -91,6 +91,30 @@ LZ_TEST(cross_entropy_large_against_reference) { check_case(2, 8, 50304, 50257, 
 LZ_TEST(cross_entropy_large_logits) { check_case(1, 4, 37, 37, 2000.0f, 1); }
 
 /* A NaN logit makes its row's loss and gradient NaN, not a quiet number. */
+/* A bf16 dlogits holds bitwise the f32 gradients converted to bf16, padded
+ * columns and an ignored row included; it may not alias the logits. */
+LZ_TEST(cross_entropy_backward_bf16_is_the_converted_f32) {
+  enum { R = 5, Vp = 1000, V = 987 };
+  float *logits = malloc(sizeof(float) * R * Vp), *df = malloc(sizeof(float) * R * Vp);
+  uint16_t *db = malloc(sizeof(uint16_t) * R * Vp), *want = malloc(sizeof(uint16_t) * R * Vp);
+  int32_t tg[R] = {3, 986, -100, 0, 500};
+  for (int i = 0; i < R * Vp; i++) logits[i] = 4.0f * frand();
+  const int64_t s_l[2] = {R, Vp}, s_t[1] = {R};
+  lz_tensor *tl = lz_test_wrap(logits, LZ_F32, 2, s_l), *tf = lz_test_wrap(df, LZ_F32, 2, s_l);
+  lz_tensor *tb = lz_test_wrap(db, LZ_BF16, 2, s_l), *tw = lz_test_wrap(want, LZ_BF16, 2, s_l);
+  lz_tensor *tt = lz_test_wrap(tg, LZ_I32, 1, s_t);
+  CHECK_OK(lz_cross_entropy_backward(tf, tl, tt, V, 0.125f));
+  CHECK_OK(lz_tensor_copy(tw, tf));
+  CHECK_OK(lz_cross_entropy_backward(tb, tl, tt, V, 0.125f));
+  CHECK(memcmp(db, want, sizeof(uint16_t) * R * Vp) == 0);
+  lz_tensor *alias = lz_test_wrap(logits, LZ_BF16, 2, s_l);
+  CHECK_ERR(lz_cross_entropy_backward(alias, tl, tt, V, 0.125f), LZ_ERR_INVALID,
+            "are the same memory");
+  lz_tensor *ts[] = {tl, tf, tb, tw, tt, alias};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+  free(logits), free(df), free(db), free(want);
+}
+
 LZ_TEST(cross_entropy_nan_propagates) {
   float lg[2 * 5] = {0.1f, 0.2f, NAN, 0.4f, 0.5f, 1, 2, 3, 4, 5}, loss[2], dl[2 * 5];
   int32_t tg[2] = {0, 4};

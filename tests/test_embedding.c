@@ -89,6 +89,35 @@ LZ_TEST(embedding_against_reference) {
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
 }
 
+/* bf16 tables: the lookup widens the rows it reads, so the result is bitwise
+ * the f32 lookup on the widened tables, with and without a position table;
+ * tables of two dtypes are refused. */
+LZ_TEST(embedding_bf16_tables) {
+  enum { B = 2, T = 6, C = 37, V = 11 };
+  uint16_t hte[V * C], hpe[T * C];
+  float wte[V * C], wpe[T * C], out[B * T * C], want[B * T * C];
+  int32_t tok[B * T];
+  for (int i = 0; i < V * C; i++) hte[i] = lz_f32_to_bf16(frand()), wte[i] = lz_bf16_to_f32(hte[i]);
+  for (int i = 0; i < T * C; i++) hpe[i] = lz_f32_to_bf16(frand()), wpe[i] = lz_bf16_to_f32(hpe[i]);
+  for (int i = 0; i < B * T; i++) tok[i] = (int32_t)(next_u64() % V);
+  const int64_t s_tok[2] = {B, T}, s_out[3] = {B, T, C}, s_wte[2] = {V, C}, s_wpe[2] = {T, C};
+  lz_tensor *ttok = lz_test_wrap(tok, LZ_I32, 2, s_tok), *tout = lz_test_wrap(out, LZ_F32, 3, s_out);
+  lz_tensor *twant = lz_test_wrap(want, LZ_F32, 3, s_out);
+  lz_tensor *fte = lz_test_wrap(wte, LZ_F32, 2, s_wte), *fpe = lz_test_wrap(wpe, LZ_F32, 2, s_wpe);
+  lz_tensor *bte = lz_test_wrap(hte, LZ_BF16, 2, s_wte), *bpe = lz_test_wrap(hpe, LZ_BF16, 2, s_wpe);
+  CHECK_OK(lz_embedding_forward(twant, ttok, fte, fpe));
+  CHECK_OK(lz_embedding_forward(tout, ttok, bte, bpe));
+  CHECK(memcmp(out, want, sizeof out) == 0);
+  CHECK_OK(lz_embedding_forward(twant, ttok, fte, NULL));
+  CHECK_OK(lz_embedding_forward(tout, ttok, bte, NULL));
+  CHECK(memcmp(out, want, sizeof out) == 0);
+  CHECK_ERR(lz_embedding_forward(tout, ttok, bte, fpe), LZ_ERR_INVALID,
+            "embedding_forward: wte is bf16[11,37] and wpe is f32[6,37]; both must be f32 or "
+            "both bf16");
+  lz_tensor *ts[] = {ttok, tout, twant, fte, fpe, bte, bpe};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+}
+
 /* Backward twice from the same start, on 1, 2 and 3 threads, with a tiny
  * vocabulary so every row of dwte collects many positions: the same bits. */
 LZ_TEST(embedding_backward_deterministic) {

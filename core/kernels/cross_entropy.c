@@ -99,20 +99,48 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
 
 /* --------------------------------------------------------------- backward */
 
-/* dlogits may be logits: each logit is read before its gradient overwrites
- * it, and the target's logit is saved first. */
-LZ_DISPATCH static void xent_backward_row(float *dlogits, const float *logits, int64_t vocab,
-                                          int64_t Vp, int32_t target, float dloss) {
+/* Columns [i0, i1) of one row's gradient in f32, into dl[0, i1 - i0). One
+ * out-of-line function for both output dtypes, so a bf16 dlogits holds
+ * exactly the f32 values rounded (however the compiler would fuse the
+ * arithmetic of two copies). */
+LZ_DISPATCH __attribute__((noinline)) static void xent_grad_span(
+    float *dl, const float *logits, int64_t i0, int64_t i1, int64_t vocab, int32_t target,
+    float logit_target, float m, float inv, float dloss) {
+  const int64_t end = i1 < vocab ? i1 : vocab;
+  for (int64_t i = i0; i < end; i++) dl[i - i0] = lz_exp(logits[i] - m) * inv * dloss;
+  if (target >= i0 && target < i1)
+    dl[target - i0] = (lz_exp(logit_target - m) * inv - 1.0f) * dloss;
+  for (int64_t i = end > i0 ? end : i0; i < i1; i++) dl[i - i0] = 0.0f;
+}
+
+/* Columns per bf16 span: its f32 values sit on the stack. */
+#define BF16_SPAN 1024
+
+/* dlogits may be logits: the row's statistics and the target's logit are
+ * read before the first gradient overwrites them. A bf16 dlogits (what a
+ * bf16 LM head's backward GEMM reads) gets the f32 gradients rounded span
+ * by span, as a conversion would round them, with no f32 copy of the rows. */
+LZ_DISPATCH static void xent_backward_row(void *dlogits, lz_dtype dt, const float *logits,
+                                          int64_t vocab, int64_t Vp, int32_t target, float dloss) {
+  float m = 0.0f, s = 1.0f, logit_target = 0.0f;
   if (target < 0) {
-    for (int64_t i = 0; i < Vp; i++) dlogits[i] = 0.0f;
+    vocab = 0; /* every column a zero, as for padding */
+  } else {
+    softmax_stats(logits, vocab, &m, &s);
+    logit_target = logits[target];
+  }
+  const float inv = 1.0f / s;
+  if (dt == LZ_F32) {
+    xent_grad_span(dlogits, logits, 0, Vp, vocab, target, logit_target, m, inv, dloss);
     return;
   }
-  float m, s;
-  softmax_stats(logits, vocab, &m, &s);
-  const float logit_target = logits[target], inv = 1.0f / s;
-  for (int64_t i = 0; i < vocab; i++) dlogits[i] = lz_exp(logits[i] - m) * inv * dloss;
-  dlogits[target] = (lz_exp(logit_target - m) * inv - 1.0f) * dloss;
-  for (int64_t i = vocab; i < Vp; i++) dlogits[i] = 0.0f;
+  uint16_t *dl = dlogits;
+  float span[BF16_SPAN];
+  for (int64_t i0 = 0; i0 < Vp; i0 += BF16_SPAN) {
+    const int64_t i1 = Vp - i0 < BF16_SPAN ? Vp : i0 + BF16_SPAN;
+    xent_grad_span(span, logits, i0, i1, vocab, target, logit_target, m, inv, dloss);
+    for (int64_t i = i0; i < i1; i++) dl[i] = lz_bf16_from_f32_inline(span[i - i0]);
+  }
 }
 
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
@@ -120,17 +148,25 @@ lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
   const char *op = "cross_entropy_backward";
   LZ_TRY(check_args(op, logits, targets, vocab));
   const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
-  LZ_TRY(lz_check_dtype(op, "dlogits", dlogits, LZ_F32));
+  LZ_TRY(lz_check_present(op, "dlogits", dlogits));
+  if (dlogits->dtype != LZ_F32 && dlogits->dtype != LZ_BF16) {
+    char a[96];
+    return lz_fail(LZ_ERR_INVALID, "%s: dlogits is %s, expected dtype f32 or bf16", op,
+                   lz_tensor_describe(dlogits, a, sizeof a));
+  }
   LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
+  LZ_TRY(lz_check_no_alias(op, "logits", logits, "dlogits", dlogits));
   LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_BACKWARD,
                      .t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab},
                      .f = {dloss});
 
-  float *dl = dlogits->data;
+  const lz_dtype dt = dlogits->dtype;
+  const size_t es = lz_dtype_size(dt);
+  char *dl = dlogits->data;
   const float *lg = logits->data;
   const int32_t *tg = targets->data;
 #pragma omp parallel for schedule(static) if (rows * vocab > (1 << 15))
   for (int64_t r = 0; r < rows; r++)
-    xent_backward_row(dl + r * Vp, lg + r * Vp, vocab, Vp, tg[r], dloss);
+    xent_backward_row(dl + (size_t)(r * Vp) * es, dt, lg + r * Vp, vocab, Vp, tg[r], dloss);
   return LZ_OK;
 }

@@ -52,10 +52,10 @@ static lz_status check_activation(const char *op, const char *name, const lz_ten
   return LZ_OK;
 }
 
-/* A 2-D f32 table [rows, C] whose C matches `ref_name`'s channels. */
-static lz_status check_table(const char *op, const char *name, const lz_tensor *t, int64_t C,
-                             const char *ref_name, const lz_tensor *ref) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+/* A 2-D table [rows, C] whose C matches `ref_name`'s channels (its dtype
+ * is checked by the caller). */
+static lz_status check_table_shape(const char *op, const char *name, const lz_tensor *t,
+                                   int64_t C, const char *ref_name, const lz_tensor *ref) {
   LZ_TRY(lz_check_ndim(op, name, t, 2, 2));
   if (t->shape[1] != C) {
     char a[96], b[96];
@@ -64,6 +64,13 @@ static lz_status check_table(const char *op, const char *name, const lz_tensor *
                    lz_tensor_describe(ref, b, sizeof b));
   }
   return LZ_OK;
+}
+
+/* A 2-D f32 table [rows, C] whose C matches `ref_name`'s channels. */
+static lz_status check_table(const char *op, const char *name, const lz_tensor *t, int64_t C,
+                             const char *ref_name, const lz_tensor *ref) {
+  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  return check_table_shape(op, name, t, C, ref_name, ref);
 }
 
 /* The position table must have a row for each of the T positions. */
@@ -106,14 +113,20 @@ static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor
 
 /* ---------------------------------------------------------------- forward */
 
-/* wpe_row NULL: the token row alone (Llama has no position table). */
-LZ_DISPATCH static void embedding_forward_row(float *out, const float *wte_row,
-                                              const float *wpe_row, int64_t C) {
-  if (!wpe_row) {
-    for (int64_t c = 0; c < C; c++) out[c] = wte_row[c];
-    return;
+/* wpe_row NULL: the token row alone (Llama has no position table). Rows are
+ * f32 or bf16 (both tables in one dtype): a bf16 table widens only the rows
+ * it reads, exactly, so a step never converts the whole table. */
+LZ_DISPATCH static void embedding_forward_row(float *out, const void *wte_row,
+                                              const void *wpe_row, lz_dtype dt, int64_t C) {
+  lz_row_to_f32(out, wte_row, dt, C);
+  if (!wpe_row) return;
+  if (dt == LZ_BF16) {
+    const uint16_t *pe = wpe_row;
+    for (int64_t c = 0; c < C; c++) out[c] += lz_bf16_to_f32_inline(pe[c]);
+  } else {
+    const float *pe = wpe_row;
+    for (int64_t c = 0; c < C; c++) out[c] += pe[c];
   }
-  for (int64_t c = 0; c < C; c++) out[c] = wte_row[c] + wpe_row[c];
 }
 
 lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
@@ -124,10 +137,10 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
 lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *pos,
                                    const lz_tensor *wte, const lz_tensor *wpe) {
   const char *op = "embedding_forward";
-  LZ_TRY(lz_check_dtype(op, "wte", wte, LZ_F32));
+  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"wte", wte}, {wpe ? "wpe" : NULL, wpe}, {NULL}}));
   LZ_TRY(lz_check_ndim(op, "wte", wte, 2, 2));
   const int64_t V = wte->shape[0], C = wte->shape[1];
-  if (wpe) LZ_TRY(check_table(op, "wpe", wpe, C, "wte", wte));
+  if (wpe) LZ_TRY(check_table_shape(op, "wpe", wpe, C, "wte", wte));
   LZ_TRY(check_tokens(op, tokens, V));
   const int64_t B = tokens->shape[0], T = tokens->shape[1];
   if (wpe && pos)
@@ -141,12 +154,15 @@ lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, cons
       .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe, (lz_tensor *)pos});
 
   float *o = out->data;
-  const float *te = wte->data, *pe = wpe ? wpe->data : NULL;
+  const lz_dtype dt = wte->dtype;
+  const size_t es = lz_dtype_size(dt);
+  const char *te = wte->data, *pe = wpe ? wpe->data : NULL;
   const int32_t *tok = tokens->data, *pp = pos ? pos->data : NULL;
 #pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
   for (int64_t bt = 0; bt < B * T; bt++) {
     const int64_t p = pp ? pp[bt] : bt % T;
-    embedding_forward_row(o + bt * C, te + (int64_t)tok[bt] * C, pe ? pe + p * C : NULL, C);
+    embedding_forward_row(o + bt * C, te + (size_t)tok[bt] * C * es,
+                          pe ? pe + (size_t)p * C * es : NULL, dt, C);
   }
   return LZ_OK;
 }

@@ -7,7 +7,9 @@
 
 #include <dnnl.h>    /* dnnl_sgemm, matmul primitive */
 #include <pthread.h> /* the primitive cache lock */
-#include <stdlib.h>  /* malloc, free for widened bf16 operands */
+#include <stdio.h>   /* snprintf: the bf16 path's description */
+#include <stdlib.h>  /* malloc, free for widened bf16 operands; getenv */
+#include <string.h>  /* strcmp */
 
 /* ------------------------------------------------------------ bf16 cache */
 
@@ -119,11 +121,67 @@ static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta
                           int b_shared, float alpha, const float *a, const float *b, float beta,
                           float *c);
 
-/* 0 once oneDNN said it has no bf16 matmul for this processor (no
- * AVX-512): bf16 GEMMs then widen their inputs to f32 (exact) and run the
- * f32 GEMM, accumulating in f32 as the bf16 kernels do. Slower, not
- * different in kind, and the same on every rank and stage. */
-static int bf16_native = 1;
+/* How a bf16 GEMM runs on this machine, chosen once per process:
+ *   native  oneDNN's bf16 matmul (fp32 accumulation): AVX512-BF16 parts run
+ *           it at about twice sgemm's rate;
+ *   f32     bf16 storage, fp32 compute: the inputs widened to f32 (exact)
+ *           and multiplied by sgemm, also accumulating in fp32. Where the CPU
+ *           lacks AVX512-BF16, oneDNN only emulates bf16 and its sgemm is
+ *           the faster way.
+ * LZ_BF16_MATMUL=native|f32 overrides the choice by CPU features; native
+ * falls back to f32 if oneDNN has no bf16 kernel here. Either way the
+ * result is the same on every rank and stage (the order of the sums is
+ * fixed per path, so two paths differ in rounding only). */
+typedef struct {
+  int native;
+  char why[96];
+} bf16_path;
+
+static bf16_path path;
+static pthread_once_t path_once = PTHREAD_ONCE_INIT;
+static const char *path_env_bad; /* LZ_BF16_MATMUL's value when it names no path */
+
+static void path_choose(void) {
+  const char *env = getenv("LZ_BF16_MATMUL");
+  if (env && *env) {
+    if (strcmp(env, "native") && strcmp(env, "f32")) {
+      path_env_bad = env;
+      return;
+    }
+    path.native = !strcmp(env, "native");
+    snprintf(path.why, sizeof path.why, "%s (LZ_BF16_MATMUL)", env);
+    return;
+  }
+  path.native = lz_cpu_has("avx512bf16");
+  snprintf(path.why, sizeof path.why, "%s", path.native ? "native (avx512_bf16)"
+                                                        : "f32 (no avx512_bf16: fp32 sgemm)");
+}
+
+static lz_status path_get(int *native) {
+  pthread_once(&path_once, path_choose);
+  if (path_env_bad)
+    return lz_fail(LZ_ERR_INVALID, "matmul: LZ_BF16_MATMUL is '%s'; set it to native or f32, "
+                   "or unset it to choose by the CPU", path_env_bad);
+  *native = __atomic_load_n(&path.native, __ATOMIC_ACQUIRE);
+  return LZ_OK;
+}
+
+lz_status lz_bf16_matmul_path(const char **what) {
+  int native = 0;
+  LZ_TRY(path_get(&native));
+  *what = path.why;
+  return LZ_OK;
+}
+
+/* oneDNN said it has no bf16 kernel for this processor: f32 from now on. */
+static void path_fall_back(void) {
+  pthread_mutex_lock(&cache_lock);
+  if (path.native) {
+    snprintf(path.why, sizeof path.why, "f32 (oneDNN has no bf16 kernel here: fp32 sgemm)");
+    __atomic_store_n(&path.native, 0, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&cache_lock);
+}
 
 static void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > (1 << 16))
@@ -153,7 +211,9 @@ static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t 
 static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
                            int b_shared, float alpha, const void *a, const void *b, float beta,
                            float *c, const float *bias) {
-  if (!bf16_native)
+  int native = 0;
+  LZ_TRY(path_get(&native));
+  if (!native)
     return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
   pthread_mutex_lock(&cache_lock);
   cache_entry *hit = NULL, *victim = &cache[0];
@@ -189,7 +249,7 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   }
   pthread_mutex_unlock(&cache_lock);
   if (st == LZ_ERR_UNSUPPORTED) {
-    bf16_native = 0;
+    path_fall_back();
     return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
   }
   return st;

@@ -19,6 +19,8 @@ int lz_cpu_has(const char *feature);
 lz_status lz_threads_set(int n);
 int lz_threads_get(void);
 
+lz_status lz_bf16_matmul_path(const char **what);
+
 typedef enum lz_mem_category {
   LZ_MEM_PARAMS = 0,
   LZ_MEM_GRADS = 1,

@@ -616,6 +616,13 @@ end
 
 function lz.cpu_has(feature) return C.lz_cpu_has(feature) ~= 0 end
 
+-- How bf16 GEMMs run on this machine: "native (avx512_bf16)", "f32 (...)".
+function lz.bf16_matmul()
+  local what = ffi.new("const char *[1]")
+  check(C.lz_bf16_matmul_path(what), 2)
+  return ffi.string(what[0])
+end
+
 -- The executable running this script (to start more of it: train runs,
 -- tools). A rebuild while it runs unlinks the old file: name the new one.
 function lz.executable()

@@ -178,8 +178,15 @@ function CausalLM:backward(scale)
   assert(targets, "model: backward needs a forward with targets")
   local count = self.target_count
   local dloss = count > 0 and (scale or 1) / count or 0
-  ops.cross_entropy_backward(logits, logits, targets, self.cfg.vocab, dloss)
-  self:backward_layers(logits)
+  -- Under bf16 working parameters the head's backward GEMM reads its
+  -- gradient in bf16 (the cast matmul_operands makes): cross-entropy writes
+  -- it so directly, the same bits, rather than in f32 to be converted.
+  local ctx, dlogits = self.ctx, logits
+  if ctx.cast_dtype == "bf16" and ctx.cast_arena then
+    dlogits = ctx.cast_arena:tensor(logits:sizes(), "bf16")
+  end
+  ops.cross_entropy_backward(dlogits, logits, targets, self.cfg.vocab, dloss)
+  self:backward_layers(dlogits)
 end
 
 --------------------------------------------------------- cached decoding
@@ -191,7 +198,7 @@ function CausalLM:embed_cached(tokens, cache)
   if not emb.p.wpe then return self:run_forward(emb, tokens) end
   local B, T, C = tokens:dim(1), tokens:dim(2), emb.n_embd
   local y = self.ctx.arena:tensor({ B, T, C })
-  local wte, wpe = emb:cast(emb.p.wte, "f32"), emb:cast(emb.p.wpe, "f32")
+  local wte, wpe = emb:table_operand(emb.p.wte), emb:table_operand(emb.p.wpe)
   for b = 1, B do
     local at = cache.at[b]
     ops.embedding_forward(y:view((b - 1) * T * C, { 1, T, C }),

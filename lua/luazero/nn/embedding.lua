@@ -26,7 +26,7 @@ function Embedding:forward(tokens)
   local y = self:activation({ tokens:dim(1), tokens:dim(2), self.n_embd })
   local extra = self.ctx.extra
   local pos = extra and extra.pos
-  local wte, wpe = self:cast(self.p.wte, "f32"), self:cast(self.p.wpe, "f32")
+  local wte, wpe = self:table_operand(self.p.wte), self:table_operand(self.p.wpe)
   if pos then
     ops.embedding_pos_forward(y, tokens, pos, wte, wpe)
   else
@@ -45,11 +45,11 @@ function Embedding:backward(dy)
   end
 end
 
--- Input: the i32 token ids. Casts: both tables in forward.
+-- Input: the i32 token ids. Casts: both tables in forward (none in bf16).
 function Embedding:own_memory(B, T, dtype)
   return { input = lz.arena_bytes(B * T, "i32"), activations = lz.arena_bytes(B * T * self.n_embd),
-           casts = Module.param_cast_bytes(self.vocab * self.n_embd, dtype) +
-                   Module.param_cast_bytes(self.positions * self.n_embd, dtype) }
+           casts = Module.table_cast_bytes(self.vocab * self.n_embd, dtype) +
+                   Module.table_cast_bytes(self.positions * self.n_embd, dtype) }
 end
 
 return Embedding

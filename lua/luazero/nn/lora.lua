@@ -1,12 +1,15 @@
 -- nn/lora.lua — LoRA adapters around a Linear (models/lora.lua puts them in a
 -- model): the wrapper holds the frozen Linear and, for each adapted block of
--- its weight's rows, two trainable matrices A [r, in] and B [rows, r]; the
--- Linear computes with the effective weight W + (alpha / r) B A.
---
--- The effective weight is formed in an fp32 workspace (W widened to fp32,
--- scale * B A added into each adapter's rows) and handed to the Linear's
--- forward and backward in place of its own; the gradient the Linear's GEMM
--- writes for it, into another workspace, gives A's and B's.
+-- its weight's rows, two trainable matrices A [r, in] and B [rows, r]:
+--   y = x W^T + b + scale * (x A^T) B^T     (scale = alpha / r)
+-- PEFT's own order. The Linear runs as it would unadapted (its GEMMs in the
+-- working dtype, bf16 included, and no gradient for its frozen weight); the
+-- adapters add their rank-r products in fp32 (A and B widened to fp32, the
+-- input kept in fp32): per adapter, forward y += s T Bp^T with T = x A^T,
+-- backward dx += s G A, gA += s G^T x, gB += s (dy^T T)[its rows], with G =
+-- dy Bp, where Bp is B placed in its rows of an [out, r] matrix of zeros
+-- (so every operand is one contiguous matrix; the zero rows cost r x out
+-- multiply-adds per position).
 --
 -- The Linear is added with name false: its path, and so its parameters'
 -- names, are the wrapper's; the adapters are named <prefix>lora_A.weight,
@@ -60,61 +63,63 @@ local function workspace(m, slot, n, device)
   return t
 end
 
--- The effective weight: the Linear's (any dtype) widened to fp32 with every
--- adapter added into its rows. Returns an f32 tensor in the workspace
--- (valid until the next call) and the adapters' fp32 copies
--- { [i] = {a = A32, b = B32} }.
-function LoRA:effective()
-  local base = self.base
-  local w = base:weight()
-  local dev = w:device_name()
-  local rows, n_in, r = self.n_out, self.n_in, self.r
-  local weff = workspace(self, "weff", rows * n_in, dev):view(0, { rows, n_in }):copy(w)
-  base:release(w)
-  local copies, off = {}, 0
-  local ab = workspace(self, "ab", #self.adapters * r * n_in + r * self:adapted_rows(), dev)
-  for i, ad in ipairs(self.adapters) do
-    local a = ab:view(off, { r, n_in }):copy(self.p[ad.a])
-    off = off + r * n_in
-    local b = ab:view(off, { ad.rows, r }):copy(self.p[ad.b])
-    off = off + ad.rows * r
-    ops.matmul(weff:view(ad.row0 * n_in, { ad.rows, n_in }), b, a, 0, 0, self.scale, 1)
-    copies[i] = { a = a, b = b }
-  end
-  return weff, copies
+-- Adapter i's fp32 operands: A [r, in] and Bp [out, r] (B in its rows, zeros
+-- elsewhere), in the workspace (valid until the next call).
+function LoRA:operands(ad, dev)
+  local r, n_in, n_out = self.r, self.n_in, self.n_out
+  local ab = workspace(self, "ab", r * n_in + n_out * r, dev)
+  local a = ab:view(0, { r, n_in }):copy(self.p[ad.a])
+  local bp = ab:view(r * n_in, { n_out, r })
+  if ad.rows ~= n_out then bp:fill(0) end
+  bp:view(ad.row0 * r, { ad.rows, r }):copy(self.p[ad.b])
+  return a, bp
 end
 
-function LoRA:adapted_rows()
-  local n = 0
-  for _, ad in ipairs(self.adapters) do n = n + ad.rows end
-  return n
+-- T = x A^T [rows of x, r] in the workspace.
+function LoRA:down(x, a, dev)
+  local n = x:numel() / self.n_in
+  local t = workspace(self, "t", n * self.r, dev):view(0, { n, self.r })
+  ops.matmul(t, x:view(0, { n, self.n_in }), a, 0, 1, 1, 0)
+  return t
 end
 
 function LoRA:forward(x)
-  return self:run_forward(self.base, x, (self:effective()))
+  local y = self:run_forward(self.base, x)
+  self.x = x
+  local dev = y:device_name()
+  local rows = x:numel() / self.n_in
+  local y2 = y:view(0, { rows, self.n_out })
+  for _, ad in ipairs(self.adapters) do
+    local a, bp = self:operands(ad, dev)
+    ops.matmul(y2, self:down(x, a, dev), bp, 0, 1, self.scale, 1)
+  end
+  return y
 end
 
--- From dweff (the effective weight's gradient): gB += s dW A^T, gA += s B^T dW.
 function LoRA:backward(dy)
-  local weff, copies = self:effective()
-  local n_in = self.n_in
-  local dweff = workspace(self, "dweff", self.n_out * n_in, weff:device_name())
-                :view(0, { self.n_out, n_in }):fill(0)
-  local dx = self:run_backward(self.base, dy, weff, dweff)
-  for i, ad in ipairs(self.adapters) do
-    local d = dweff:view(ad.row0 * n_in, { ad.rows, n_in })
-    ops.matmul(self.g[ad.b], d, copies[i].a, 0, 1, self.scale, 1)
-    ops.matmul(self.g[ad.a], copies[i].b, d, 1, 0, self.scale, 1)
+  local dx = self:run_backward(self.base, dy)
+  local x, dev, r = self.x, dy:device_name(), self.r
+  local rows = x:numel() / self.n_in
+  local x2, dy2 = x:view(0, { rows, self.n_in }), dy:view(0, { rows, self.n_out })
+  local dx2 = dx:view(0, { rows, self.n_in })
+  for _, ad in ipairs(self.adapters) do
+    local a, bp = self:operands(ad, dev)
+    local t = self:down(x, a, dev)
+    local g = workspace(self, "g", rows * r, dev):view(0, { rows, r })
+    ops.matmul(g, dy2, bp, 0, 0, 1, 0)                          -- G = dy Bp
+    local gbp = workspace(self, "gbp", self.n_out * r, dev):view(0, { self.n_out, r })
+    ops.matmul(gbp, dy2, t, 1, 0, 1, 0)                         -- dy^T T
+    ops.axpy(self.g[ad.b], self.scale, gbp:view(ad.row0 * r, { ad.rows, r }))
+    ops.matmul(self.g[ad.a], g, x2, 1, 0, self.scale, 1)        -- gA += s G^T x
+    ops.matmul(dx2, g, a, 0, 0, self.scale, 1)                  -- dx += s G A
   end
   return dx
 end
 
--- The wrapped Linear's report, its GEMMs on the fp32 effective weight: no
--- operand casts, only its bias's (the workspaces lie outside the arenas).
+-- The wrapped Linear's report in the working dtype (its operand casts);
+-- the adapters' operands lie in workspaces outside the arenas.
 function LoRA:memory(B, T, dtype)
-  local r = self.base:memory(B, T, "f32")
-  r.casts = self.base.has_bias and Module.param_cast_bytes(self.n_out, dtype) or 0
-  return r
+  return self.base:memory(B, T, dtype)
 end
 
 -- Frees the workspaces of a model's adapters.

@@ -281,6 +281,13 @@ function Module:cast(t, dtype)
   return c:copy(t)
 end
 
+-- A table read by rows (an embedding): a bf16 one as is, since the lookup
+-- widens only the rows it reads (exactly); any other dtype as f32.
+function Module:table_operand(t)
+  if t ~= nil and tonumber(t.dtype) == BF16 then return t end
+  return self:cast(t, "f32")
+end
+
 -- A weight and input ready for a matmul: both bf16 when the weight is bf16
 -- (oneDNN, fp32 accumulation), else both f32 (an f16 weight computes in
 -- f32: this CPU has no f16 GEMM).
@@ -327,6 +334,11 @@ function Module:own_memory() return {} end
 -- under working dtype `dtype` (none when the parameters are f32).
 function Module.param_cast_bytes(n, dtype)
   return dtype == "f32" and 0 or lz.arena_bytes(n, "f32")
+end
+
+-- Bytes of the copy table_operand(p) makes of a table of n elements.
+function Module.table_cast_bytes(n, dtype)
+  return dtype == "bf16" and 0 or Module.param_cast_bytes(n, dtype)
 end
 
 -- Bytes of the copies matmul_operands makes for an input of x elements and

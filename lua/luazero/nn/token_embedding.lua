@@ -18,7 +18,7 @@ end
 -- tokens i32 [B, T] -> [B, T, C]
 function TokenEmbedding:forward(tokens)
   local y = self:activation({ tokens:dim(1), tokens:dim(2), self.n_embd })
-  ops.embedding_forward(y, tokens, self:cast(self.p.weight, "f32"), nil)
+  ops.embedding_forward(y, tokens, self:table_operand(self.p.weight), nil)
   self.input = tokens
   return y
 end
@@ -28,10 +28,10 @@ function TokenEmbedding:backward(dy)
   ops.embedding_backward(self.g.weight, nil, dy, self.input)
 end
 
--- Input: the i32 token ids. Casts: the table in forward.
+-- Input: the i32 token ids. Casts: the table in forward (none in bf16).
 function TokenEmbedding:own_memory(B, T, dtype)
   return { input = lz.arena_bytes(B * T, "i32"), activations = lz.arena_bytes(B * T * self.n_embd),
-           casts = Module.param_cast_bytes(self.vocab * self.n_embd, dtype) }
+           casts = Module.table_cast_bytes(self.vocab * self.n_embd, dtype) }
 end
 
 return TokenEmbedding
