@@ -247,12 +247,13 @@ function T.errors_are_one_line_without_lz_debug()
   out = fails(2, "--steps 1", 2, { "LZ_MEMORY_BUDGET=xyz" },
               { env = "LZ_MEMORY_BUDGET=xyz", before_step_1 = true })
   assert(count(out, "LZ_MEMORY_BUDGET=xyz") == 1 and not out:find("^model"), out)
-  -- The engine's own checks: a parameter slice above offload_param.buffer_size.
+  -- The engine's own checks: a parameter slice above offload_param.buffer_size
+  -- (the configuration's to fix: exit 2, as bad input).
   local cfg = write_file("buffer.json", cjson.encode({
     train_micro_batch_size_per_gpu = 2,
     zero_optimization = { stage = 3, offload_param = { device = "nvme", nvme_path = tmp,
                                                        buffer_size = 10 } } }))
-  fails(1, "--steps 1 --config " .. q(cfg), 1, { "offload_param.buffer_size 10" })
+  fails(1, "--steps 1 --config " .. q(cfg), 2, { "offload_param.buffer_size 10" })
   -- With LZ_DEBUG=1 the traceback is back.
   out = train(1, "--steps 1 --config " .. q(cfg), "LZ_DEBUG=1")
   assert(out:find("traceback", 1, true), out)
