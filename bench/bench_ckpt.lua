@@ -5,7 +5,7 @@
 -- makes it, synchronous against asynchronous (--async-save), measured as
 -- ratios to a step that does not save, in one run (docs/checkpoints.md).
 --   luazero bench/bench_ckpt.lua [--model gpt2] [--dir /tmp] [--zstd-level 3]
---   luazero bench/bench_ckpt.lua --async [--dtype bf16] [--rounds 3] [--device cpu]
+--   luazero bench/bench_ckpt.lua --async [--dtype bf16] [--rounds 3] [--every 4] [--threads N] [--device cpu]
 local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
@@ -23,15 +23,19 @@ local flags = assert(args.parse(arg, {
   { "batch", "int", 4, "with --async: micro-batch" },
   { "seq-len", "int", 128, "with --async: tokens per row" },
   { "rounds", "int", 3, "with --async: rounds of sync then async (order alternating)" },
+  { "threads", "int", 0, "with --async: compute threads (0: all cores; fewer leave a core to the writer)" },
+  { "every", "int", 4, "with --async: steps from one save to the next (the window a save is charged for)" },
 }))
 
--- --async: rounds of [2 plain steps, step + save, step, step + save, step]
--- for a sync and an async engine in turn (the order alternating by round),
--- every step timed with what the loop does around it (the poll of the
--- writer, the save or its start). Each save step's cost is its time over
--- the median plain step; an async one's splits into the snapshot copy, the
--- wait for the save before it (with a save every 2 steps, the second save
--- of a round waits for the first) and the rest. Medians over the rounds.
+-- --async: rounds of [2 plain steps, then 2 windows of --every steps, each
+-- beginning with a step that saves] for a sync and an async engine in turn
+-- (the order alternating by round), every step timed with what the loop
+-- does around it (the poll of the writer, the save or its start; the last
+-- window also waits for the save still in flight). A save's cost is its
+-- window's time over --every plain steps, so an async save pays for the
+-- CPU its writer takes from the steps it runs beside, not only for its own
+-- step; an async save's own step splits into the snapshot copy, the wait
+-- for the save before it and the rest. Medians over the rounds.
 local function median(v)
   local c = { unpack(v) }
   table.sort(c)
@@ -42,7 +46,9 @@ end
 
 local function step_cost()
   local cfg = gpt2.config(flags.model)
-  local B, T = flags.batch, flags.seq_len
+  local B, T, K = flags.batch, flags.seq_len, flags.every
+  if K < 1 then error("bench_ckpt: --every must be >= 1 (got " .. K .. ")", 0) end
+  if flags.threads > 0 then lz.threads(flags.threads) end
   local engine = require("luazero.zero").initialize({
     model = gpt2.new(cfg), batch = { B, T }, seed = 1, device = flags.device,
     comm = require("luazero.comm").init("local"),
@@ -55,42 +61,40 @@ local function step_cost()
   local dir = ("%s/lz_bench_ckpt_%d"):format(flags.dir, tonumber(ffi.C.getpid()))
   local opts = { zstd_level = flags.zstd_level, keep = 1 }
   engine:train_batch(batch) -- warm-up
-  local plain, after = {}, { sync = {}, async = {} }
-  local saves = { sync = {}, async = {} } -- { step_s, copy_s, wait_s, second }
+  local plain = {}
+  local saves = { sync = {}, async = {} } -- { window_s, step_s, copy_s, wait_s }
   local total = {}
   local function finished(done, info)
     if done then total[#total + 1] = info.total_s end
   end
+  local function timed_step(mode)
+    local t0 = clock.now()
+    if mode == "async" then finished(async.poll(engine)) end
+    engine:train_batch(batch)
+    return clock.now() - t0
+  end
   local function run(mode)
     engine:train_batch(batch) -- not timed: the first step after the other mode's
-    for k = 1, 6 do
+    for _ = 1, 2 do plain[#plain + 1] = timed_step(mode) end
+    for w = 1, 2 do
+      local rec = { copy_s = 0, wait_s = 0 }
       local t0 = clock.now()
-      if mode == "async" then finished(async.poll(engine)) end
-      engine:train_batch(batch)
-      local rec
-      if k == 3 or k == 5 then
-        rec = { second = k == 5, copy_s = 0, wait_s = 0 }
-        if mode == "sync" then
-          engine:save(dir, {}, opts)
-        else
-          local w0 = clock.now()
-          finished(async.wait(engine)) -- one save at a time
-          rec.wait_s = clock.now() - w0
-          local _, copy_s = async.start(engine, dir, {}, opts)
-          rec.copy_s = copy_s
-        end
-      end
-      local dt = clock.now() - t0
-      if rec then
-        rec.step_s = dt
-        saves[mode][#saves[mode] + 1] = rec
-      elseif k <= 2 then
-        plain[#plain + 1] = dt
+      rec.step_s = timed_step(mode)
+      local s0 = clock.now()
+      if mode == "sync" then
+        engine:save(dir, {}, opts)
       else
-        after[mode][#after[mode] + 1] = dt
+        finished(async.wait(engine)) -- one save at a time
+        rec.wait_s = clock.now() - s0
+        local _, copy_s = async.start(engine, dir, {}, opts)
+        rec.copy_s = copy_s
       end
+      rec.step_s = rec.step_s + clock.now() - s0
+      for _ = 2, K do timed_step(mode) end
+      if mode == "async" and w == 2 then finished(async.wait(engine)) end
+      rec.window_s = clock.now() - t0
+      saves[mode][#saves[mode] + 1] = rec
     end
-    if mode == "async" then finished(async.wait(engine)) end
   end
   for round = 1, flags.rounds do
     local order = round % 2 == 1 and { "sync", "async" } or { "async", "sync" }
@@ -100,31 +104,29 @@ local function step_cost()
   async.release(engine)
   os.execute("rm -rf '" .. dir .. "'")
   local p = median(plain)
-  local function of(mode, field, which)
+  local function of(mode, fn)
     local v = {}
-    for _, rec in ipairs(saves[mode]) do
-      if which == nil or rec.second == which then
-        v[#v + 1] = field == "beyond" and (rec.step_s - p - rec.copy_s - rec.wait_s) / p
-                    or field == "cost" and (rec.step_s - p) / p or rec[field] / p
-      end
-    end
-    return median(v)
+    for _, rec in ipairs(saves[mode]) do v[#v + 1] = fn(rec) end
+    return median(v), v
   end
-  print(("save cost per step: %s %s, B%d T%d, %s, zstd %d, %d threads, %d rounds " ..
+  local function cost(rec) return (rec.window_s - K * p) / p end
+  print(("save cost: %s %s, B%d T%d, %s, zstd %d, %d threads, a save every %d steps, %d rounds " ..
          "(medians; ratios within this run)"):format(cfg.name, flags.dtype, B, T, flags.device,
-         flags.zstd_level, lz.threads(), flags.rounds))
+         flags.zstd_level, lz.threads(), K, flags.rounds))
   print(("plain step            %8.0f ms   1.00"):format(p * 1000))
   for _, mode in ipairs({ "sync", "async" }) do
-    local each = {}
-    for i, rec in ipairs(saves[mode]) do each[i] = ("%+.2f"):format((rec.step_s - p) / p) end
-    print(("%-5s save step: +%.2f of a step (the step after it %.2f; each save: %s)")
-          :format(mode, of(mode, "cost"), median(after[mode]) / p, table.concat(each, " ")))
+    local m, each = of(mode, cost)
+    for i, c in ipairs(each) do each[i] = ("%+.2f"):format(c) end
+    print(("%-5s save: +%.2f of a step over its window of %d (its own step +%.2f; each save: %s)")
+          :format(mode, m, K, of(mode, function(rec) return (rec.step_s - p) / p end),
+                  table.concat(each, " ")))
   end
-  print(("async: snapshot copy %.2f of a step; wait for the save before: first save of a " ..
-         "round %.2f, second %.2f; the rest %.2f of a step (target <= 0.10); a background " ..
-         "save took %.2f s from its step (a sync save %.2f s)")
-        :format(of("async", "copy_s"), of("async", "wait_s", false), of("async", "wait_s", true),
-                of("async", "beyond"), median(total), of("sync", "cost") * p))
+  local copy = of("async", function(rec) return rec.copy_s / p end)
+  print(("async: snapshot copy %.2f of a step; wait for the save before %.2f; beyond the copy " ..
+         "%+.2f of a step (target <= 0.10); a background save took %.2f s from its step, " ..
+         "a sync save %.2f s"):format(copy, of("async", function(rec) return rec.wait_s / p end),
+         of("async", function(rec) return cost(rec) - rec.copy_s / p end), median(total),
+         of("sync", function(rec) return rec.step_s - p end)))
   engine:free()
 end
 

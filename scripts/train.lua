@@ -732,6 +732,11 @@ local function plan_saves(run)
     say((flags.async_save and "--async-save" or "checkpoint.writer.decoupled") ..
         ": saving synchronously: " .. why)
     run.async = false
+  elseif run.async and flags.device == "cpu" then
+    say(("%s: the background writer compresses on the cores the steps use (%d threads); " ..
+         "on a CPU run a save then slows the steps beside it, and OMP_NUM_THREADS one below " ..
+         "the cores leaves it a core (docs/checkpoints.md)")
+        :format(flags.async_save and "--async-save" or "checkpoint.writer.decoupled", lz.threads()))
   end
 end
 
