@@ -12,7 +12,6 @@
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
-#include <stdlib.h> /* free: the host copy of device ids */
 
 /* Channels per thread task in backward: two cache lines of floats. */
 #define COL_BLOCK 32
@@ -22,19 +21,14 @@
 static lz_status check_tokens(const char *op, const lz_tensor *tokens, int64_t V) {
   LZ_TRY(lz_check_dtype(op, "tokens", tokens, LZ_I32));
   LZ_TRY(lz_check_ndim(op, "tokens", tokens, 2, 2));
-  const int32_t *tok;
-  int32_t *copy; /* device ids are checked in a host copy */
-  LZ_TRY(lz_backend_host_ids(op, tokens, &tok, &copy));
-  const int64_t n = lz_tensor_numel(tokens), T = tokens->shape[1];
-  lz_status st = LZ_OK;
-  for (int64_t i = 0; tok && i < n && st == LZ_OK; i++)
-    if (tok[i] < 0 || tok[i] >= V)
-      st = lz_fail(LZ_ERR_INVALID,
-                   "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
-                   "rows of the token embedding)",
-                   op, (long long)(i / T), (long long)(i % T), (int)tok[i], (long long)V);
-  free(copy);
-  return st;
+  int64_t i, T = tokens->shape[1];
+  int32_t id;
+  LZ_TRY(lz_ids_first_outside(op, tokens, 0, V, &i, &id));
+  if (i < 0) return LZ_OK;
+  return lz_fail(LZ_ERR_INVALID,
+                 "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
+                 "rows of the token embedding)",
+                 op, (long long)(i / T), (long long)(i % T), (int)id, (long long)V);
 }
 
 /* `name` must be f32 [B, T, C] for tokens [B, T]. */
@@ -95,20 +89,15 @@ static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor
     return lz_fail(LZ_ERR_INVALID, "%s: pos is %s but tokens is %s; they need the same shape", op,
                    lz_tensor_describe(pos, a, sizeof a), lz_tensor_describe(tokens, b, sizeof b));
   }
-  const int32_t *pp;
-  int32_t *copy; /* device positions are checked in a host copy */
-  LZ_TRY(lz_backend_host_ids(op, pos, &pp, &copy));
-  const int64_t n = lz_tensor_numel(pos), T = pos->shape[1];
-  lz_status st = LZ_OK;
-  for (int64_t i = 0; pp && i < n && st == LZ_OK; i++)
-    if (pp[i] < 0 || pp[i] >= n_rows)
-      st = lz_fail(LZ_ERR_INVALID,
-                   "%s: pos[%lld, %lld] is %d, outside the %lld positions of %s; positions "
-                   "must be in [0, %lld)",
-                   op, (long long)(i / T), (long long)(i % T), (int)pp[i], (long long)n_rows, name,
-                   (long long)n_rows);
-  free(copy);
-  return st;
+  int64_t i, T = pos->shape[1];
+  int32_t p;
+  LZ_TRY(lz_ids_first_outside(op, pos, 0, n_rows, &i, &p));
+  if (i < 0) return LZ_OK;
+  return lz_fail(LZ_ERR_INVALID,
+                 "%s: pos[%lld, %lld] is %d, outside the %lld positions of %s; positions "
+                 "must be in [0, %lld)",
+                 op, (long long)(i / T), (long long)(i % T), (int)p, (long long)n_rows, name,
+                 (long long)n_rows);
 }
 
 /* ---------------------------------------------------------------- forward */

@@ -20,7 +20,6 @@
 #include "mem/lz_internal.h"
 
 #include <math.h>   /* pow, cosf, sinf, isinf, isfinite */
-#include <stdlib.h> /* free: the host copy of device positions */
 #include <string.h> /* memcpy */
 
 /* Widest head the kernel takes: its cos and sin tables live on the stack. */
@@ -79,17 +78,12 @@ static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor
                    lz_tensor_describe(pos, a, sizeof a), (long long)x->shape[0],
                    (long long)x->shape[1], lz_tensor_describe(x, b, sizeof b));
   }
-  const int32_t *pp;
-  int32_t *copy; /* device positions are checked in a host copy */
-  LZ_TRY(lz_backend_host_ids(op, pos, &pp, &copy));
-  const int64_t n = lz_tensor_numel(pos), T = pos->shape[1];
-  lz_status st = LZ_OK;
-  for (int64_t i = 0; pp && i < n && st == LZ_OK; i++)
-    if (pp[i] < 0)
-      st = lz_fail(LZ_ERR_INVALID, "%s: pos[%lld, %lld] is %d; positions must be >= 0", op,
-                   (long long)(i / T), (long long)(i % T), (int)pp[i]);
-  free(copy);
-  return st;
+  int64_t i, T = pos->shape[1];
+  int32_t p;
+  LZ_TRY(lz_ids_first_outside(op, pos, 0, INT64_MAX, &i, &p));
+  if (i < 0) return LZ_OK;
+  return lz_fail(LZ_ERR_INVALID, "%s: pos[%lld, %lld] is %d; positions must be >= 0", op,
+                 (long long)(i / T), (long long)(i % T), (int)p);
 }
 
 /* The checks and the loop forward and backward share; `sign` as rope_row's.

@@ -4,6 +4,8 @@
 #include "mem/lz_backend.h" /* lz_device_name */
 #include "mem/lz_internal.h"
 
+#include <stdlib.h> /* free: the host copy of device ids */
+
 lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t) {
   if (!t) return lz_fail(LZ_ERR_INVALID, "%s: %s is missing (NULL)", op, name);
   return LZ_OK;
@@ -120,4 +122,24 @@ int64_t lz_cols(const lz_tensor *t) { return t->ndim ? t->shape[t->ndim - 1] : 1
 int64_t lz_rows(const lz_tensor *t) {
   int64_t c = lz_cols(t);
   return c ? lz_tensor_numel(t) / c : 0;
+}
+
+/* ids: i32 on any device (a device tensor is read through a host copy). The
+ * flat index of the first id outside [lo, hi) and that id, or -1; each caller
+ * words the refusal itself (the meaning of the range is its own). */
+lz_status lz_ids_first_outside(const char *op, const lz_tensor *ids, int64_t lo, int64_t hi,
+                               int64_t *bad, int32_t *value) {
+  const int32_t *p;
+  int32_t *copy;
+  *bad = -1;
+  LZ_TRY(lz_backend_host_ids(op, ids, &p, &copy));
+  const int64_t n = lz_tensor_numel(ids);
+  for (int64_t i = 0; p && i < n; i++)
+    if (p[i] < lo || p[i] >= hi) {
+      *bad = i;
+      *value = p[i];
+      break;
+    }
+  free(copy);
+  return LZ_OK;
 }
