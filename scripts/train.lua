@@ -385,15 +385,17 @@ local function open_log(path)
   }
 end
 
--- --log FILE is emptied at start: refused when it is (or lies inside) a file
--- or folder the run reads or saves to.
+-- --log FILE and --profile-json FILE are emptied at start: refused when one
+-- is (or lies inside) a file or folder the run reads or saves to.
 local function check_log_target(flags)
-  if not flags.log then return end
   local atomic = require("luazero.io.atomic")
-  for _, f in ipairs({ "data", "val_data", "resume", "save", "init", "tokenizer", "config",
-                       "model_config" }) do
-    if flags[f] then
-      checked(atomic.refuse_overlap, flags.log, "--log", flags[f], "--" .. f:gsub("_", "-"))
+  for _, out in ipairs({ "log", "profile_json" }) do
+    for _, f in ipairs({ "data", "val_data", "resume", "save", "init", "tokenizer", "config",
+                         "model_config" }) do
+      if flags[out] and flags[f] then
+        checked(atomic.refuse_overlap, flags[out], "--" .. out:gsub("_", "-"), flags[f],
+                "--" .. f:gsub("_", "-"))
+      end
     end
   end
 end

@@ -117,6 +117,12 @@ function T.profile_json_is_written()
   eq(st, 2, "exit status of an unwritable --profile-json")
   assert(out:find("--profile-json: cannot write", 1, true) and not out:find("step     1", 1, true),
          out)
+  -- nor may it name the run's own input, which opening it would empty
+  local before = lz.read_file(corpus)
+  out, st = train(1, "--steps 2 --profile-json " .. q(corpus))
+  eq(st, 2, "exit status of --profile-json naming --data")
+  assert(out:find("--profile-json " .. corpus .. " is", 1, true), out)
+  assert(lz.read_file(corpus) == before, "the corpus is intact")
 end
 
 return T
