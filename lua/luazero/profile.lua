@@ -293,6 +293,10 @@ function M.attach(engine, opts)
     end
   end
   visit(engine.model, "", "model")
+  -- lz.Tensor is a metatype's __index table: code the JIT compiled before
+  -- may call the methods it found there, bypassing the wrappers; flushing
+  -- the traces makes every call site look them up again.
+  jit.flush()
   -- train_batch: the step's frame; its batches' next_batch a frame of its own.
   local train_batch = engine.train_batch
   self.saved_fields[#self.saved_fields + 1] = { engine, "train_batch", rawget(engine, "train_batch") }
@@ -326,6 +330,7 @@ function Profile:detach()
   end
   self.saved_fields, self.active = {}, false
   current = nil
+  jit.flush() -- no trace keeps calling a wrapper (see attach)
 end
 
 function M.attached() return current end

@@ -79,6 +79,23 @@ function T.rows_add_up_to_the_step_measured_outside()
   engine:free(); loader:free(); data.free(c)
 end
 
+-- Steps run before attach let the JIT compile the engine's calls of tensor
+-- methods (the grad norm's sq_norm); attach must still see every call.
+function T.tensor_calls_are_counted_after_the_jit_compiled_their_callers()
+  local engine, loader, c = engine_of("gpt2-nano", "fp32")
+  for _ = 1, 60 do engine:train_batch(loader) end
+  local p = profile.attach(engine)
+  for _ = 1, 3 do engine:train_batch(loader) end
+  local rep = p:report()
+  p:detach()
+  local norm
+  for _, r in ipairs(rep.rows) do
+    if r.name == "tensor sq_norm (grad norm)" then norm = r end
+  end
+  assert(norm and norm.calls > 0, "no grad-norm row after 60 steps without the profiler")
+  engine:free(); loader:free(); data.free(c)
+end
+
 function T.detach_puts_everything_back()
   local engine, loader, c = engine_of("llama-tiny", "bf16", 3)
   local matmul, copy, train_batch = lz.ops.matmul, lz.Tensor.copy, engine.train_batch
