@@ -14,9 +14,10 @@
 -- Parameter names are Hugging Face's (transformer.h.0.attn.c_attn.weight,
 -- ...) and the parameter table lists them in that canonical order. Linear
 -- weights are [out, in] (nn.Linear); Hugging Face's Conv1D stores [in, out].
+local cjson = require("cjson")
 local nn = require("luazero.nn")
 
-local M = {}
+local M = { name = "gpt2" }
 
 ------------------------------------------------------------------ configs
 
@@ -106,11 +107,64 @@ M.description = {
     c_proj = { "attn.c_proj", "mlp.c_proj" },
     c_fc = { "mlp.c_fc" },
   },
+  -- what LoRA adapts when no targets are given (PEFT's default for gpt2)
+  lora_default = { "c_attn" },
 }
 
 local GPT = nn.CausalLM:extend("GPT")
 M.GPT = GPT
 
 function M.new(cfg) return GPT:new(M.description, cfg) end
+
+-- A sample of a model with GPT-2's BPE vocabulary starts from <|endoftext|>
+-- (models/registry.lua's sample_start; nil: the vocabulary is another).
+function M.sample_start(cfg)
+  if cfg.vocab == M.VOCAB then return M.END_OF_TEXT end
+end
+
+----------------------------------------------------------- Hugging Face
+
+-- Published GPT-2 files name GPT2Model's tensors (h.0.attn.c_attn.weight);
+-- GPT2LMHeadModel.save_pretrained writes them under "transformer.". Ours
+-- carry the prefix; an export leaves it out, and a file's names are read
+-- either way.
+local function without_prefix(name) return (name:gsub("^transformer%.", "")) end
+
+-- The config.json (GPT2LMHeadModel) of a config, loadable by transformers.
+local function config_json(cfg)
+  return {
+    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2",
+    n_layer = cfg.n_layer, n_head = cfg.n_head, n_embd = cfg.n_embd,
+    n_positions = cfg.context, n_ctx = cfg.context, vocab_size = cfg.vocab, n_inner = cjson.null,
+    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, tie_word_embeddings = true,
+  }
+end
+
+-- What Hugging Face calls this family (registry.lua and hf.lua read it; the
+-- fields as models/llama.lua's).
+M.hf = {
+  architectures = { "GPT2LMHeadModel" }, model_type = "gpt2",
+  fields = {
+    { "n_layer", "n_layer", "int" },
+    { "n_head", "n_head", "int" },
+    { "n_embd", "n_embd", "int" },
+    { "vocab", "vocab_size", "int" },
+    { "context", "n_positions", "int", default = function(_, get) return get("n_ctx") end },
+    { false, "tie_word_embeddings", "bool", default = true, allowed = { true },
+      refusal = "luazero's GPT-2 ties the LM head to wte" },
+  },
+  lr_of = "gpt2",
+  config_json = config_json,
+  to_hf = without_prefix,
+  from_hf = without_prefix,
+  -- Conv1D weights, stored [in, out] (ours are [out, in])
+  transposed = { "%.c_attn%.weight$", "%.c_proj%.weight$", "%.c_fc%.weight$" },
+  vocab_tables = { "wte.weight" },
+  -- the causal mask some files hold beside the weights
+  ignored = { "%.attn%.bias$", "%.attn%.masked_bias$" },
+  head = "lm_head.weight",
+  tied = function() return true end,
+}
 
 return M

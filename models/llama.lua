@@ -17,20 +17,12 @@
 -- lm_head.weight (absent when tied). The embedding and LM head have rows
 -- up to a multiple of 64 (the real vocab first; 32000 and 128256 need none).
 local ffi = require("ffi")
+local cjson = require("cjson")
 local nn = require("luazero.nn")
 
-local M = {}
+local M = { name = "llama" }
 
 ------------------------------------------------------------------ configs
-
--- Names as Hugging Face's config.json has them, for each field here.
-M.hf_fields = {
-  n_layer = "num_hidden_layers", n_head = "num_attention_heads",
-  n_kv_head = "num_key_value_heads", n_embd = "hidden_size", n_hidden = "intermediate_size",
-  context = "max_position_embeddings", vocab = "vocab_size", eps = "rms_norm_eps",
-  rope_theta = "rope_theta", tie = "tie_word_embeddings", std = "initializer_range",
-  head_dim = "head_dim", rope_scaling = "rope_scaling",
-}
 
 local llama3_scaling = { rope_type = "llama3", factor = 8.0, low_freq_factor = 1.0,
                          high_freq_factor = 4.0, original_max_position_embeddings = 8192 }
@@ -207,11 +199,87 @@ M.description = {
     up_proj = { "mlp.up_proj" },
     down_proj = { "mlp.down_proj" },
   },
+  -- what LoRA adapts when no targets are given (PEFT's default for llama)
+  lora_default = { "q_proj", "v_proj" },
 }
 
 local Llama = nn.CausalLM:extend("Llama")
 M.Llama = Llama
 
 function M.new(cfg) return Llama:new(M.description, cfg) end
+
+----------------------------------------------------------- Hugging Face
+
+-- rope_scaling as config.json has it: Llama 3's alone is implemented.
+local function read_scaling(s, fail)
+  local rope_type = s.rope_type ~= nil and s.rope_type or s.type
+  if rope_type ~= "llama3" then
+    fail(("field rope_scaling.rope_type is %s; only \"llama3\" is implemented")
+         :format(cjson.encode(rope_type)))
+  end
+  local out = { rope_type = "llama3" }
+  for _, k in ipairs({ "factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings" }) do
+    if type(s[k]) ~= "number" then fail(("field rope_scaling.%s is missing"):format(k)) end
+    out[k] = s[k]
+  end
+  return out
+end
+
+-- The config.json (LlamaForCausalLM) of a config, loadable by transformers.
+local function config_json(cfg)
+  local rs = cjson.null
+  if type(cfg.rope_scaling) == "table" then
+    rs = {}
+    for k, v in pairs(cfg.rope_scaling) do rs[k] = v end
+  end
+  return {
+    architectures = { "LlamaForCausalLM" }, model_type = "llama",
+    hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
+    num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
+    num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
+    rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta, rope_scaling = rs,
+    vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
+    tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
+    hidden_act = "silu", attention_bias = false, mlp_bias = false, attention_dropout = 0,
+  }
+end
+
+-- What Hugging Face calls this family (registry.lua and hf.lua read it):
+-- the config.json it reads and writes, its tensors' names (ours, as they
+-- are), the token tables (the file holds the real vocabulary's rows), and
+-- the LM head a tied model's file may hold but that is not a parameter.
+M.hf = {
+  architectures = { "LlamaForCausalLM" }, model_type = "llama",
+  -- config.json fields in the order read: { ours (false: only checked),
+  -- the file's key, kind, default (or required), allowed values }
+  fields = {
+    { "n_layer", "num_hidden_layers", "int" },
+    { "n_head", "num_attention_heads", "int" },
+    { "n_embd", "hidden_size", "int" },
+    { "n_hidden", "intermediate_size", "int" },
+    { "context", "max_position_embeddings", "int" },
+    { "vocab", "vocab_size", "int" },
+    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
+    { "eps", "rms_norm_eps", "number", default = 1e-6 },
+    { "rope_theta", "rope_theta", "number", default = 10000 },
+    { "tie", "tie_word_embeddings", "bool", default = false },
+    { "std", "initializer_range", "number", default = 0.02 },
+    { "head_dim", "head_dim", "int", optional = true },
+    { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
+    { false, "attention_bias", "bool", default = false, allowed = { false },
+      refusal = "luazero's Llama has no biases" },
+    { false, "mlp_bias", "bool", default = false, allowed = { false },
+      refusal = "luazero's Llama has no biases" },
+    { "rope_scaling", "rope_scaling", "object", optional = true, read = read_scaling },
+  },
+  -- the size whose learning rate a config.json's run trains with
+  lr_of = "llama-100m",
+  config_json = config_json,
+  vocab_tables = { "model.embed_tokens.weight", "lm_head.weight" },
+  ignored = { "%.rotary_emb%.inv_freq$" },
+  head = "lm_head.weight",
+  tied = function(cfg) return cfg.tie == true end,
+}
 
 return M

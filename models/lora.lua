@@ -8,17 +8,25 @@
 --   -- then the engine: only the adapters train, get gradients and states
 --
 -- Targets name modules as Hugging Face does. Where each name's Linears are
--- is the family's table (model.lora_targets, from models/gpt2.lua and
--- models/llama.lua): name -> { path end, ... [, part = packed part] }, e.g.
+-- is the family's table (model.lora_targets: its description's, e.g.
+-- models/llama.lua's): name -> { path end, ... [, part = packed part] }, e.g.
 --   gate_proj = { "mlp.gate_proj" }                -- every layer's mlp.gate_proj
 --   c_proj = { "attn.c_proj", "mlp.c_proj" }       -- two Linears per layer
 --   q_proj = { "self_attn", part = "q_proj" }      -- q's rows of the packed q|k|v
--- so adapting a new module is one entry there. Parameter names follow PEFT:
+-- so adapting a new module is one entry there; the description's
+-- lora_default lists the targets when none are given. Parameter names follow PEFT:
 -- <module>.lora_A.weight, <module>.lora_B.weight. A starts normal with std
 -- 1/sqrt(in), B at zero, so the adapted model starts as the base one.
 local nn = require("luazero.nn")
+local families = require("luazero.families")
 
 local M = {}
+
+-- The targets LoRA adapts in `model` when none are given: its family's.
+function M.default_targets(model)
+  local fam = families.get((model.cfg or {}).family)
+  return fam.description.lora_default or {}
+end
 
 -- Whether m is a Linear (or a subclass of it, as PackedLinear).
 local function is_linear(m)
@@ -85,7 +93,7 @@ local function known(where)
 end
 
 -- opts: r (rank), alpha (scale alpha / r; default r: scale 1), targets (list
--- of module names; default q_proj, v_proj), where (the targets' table;
+-- of module names; default the family's lora_default), where (the targets' table;
 -- default model.lora_targets). Wraps the Linears, rebuilds the model's
 -- parameter table and freezes every parameter but the adapters. Returns the
 -- number of adapted weights.
@@ -97,7 +105,8 @@ function M.apply(model, opts)
   if model.lora then error("lora: the model has adapters already; apply them once", 0) end
   local scale = (opts.alpha or r) / r
   local targets, seen = {}, {}
-  for _, t in ipairs(opts.targets or { "q_proj", "v_proj" }) do
+  local chosen = opts.targets or M.default_targets(model)
+  for _, t in ipairs(chosen) do
     if not seen[t] then seen[t] = true; targets[#targets + 1] = t end
   end
   local where = opts.where or model.lora_targets or {}
@@ -124,7 +133,7 @@ function M.apply(model, opts)
   model.param_table, model.n_params = model:parameter_table()
   model:set_context(model.ctx)
   model:freeze(function(name) return not name:find("lora_[AB]%.weight$") end)
-  model.lora = { r = r, alpha = opts.alpha or r, targets = opts.targets }
+  model.lora = { r = r, alpha = opts.alpha or r, targets = chosen }
   return n
 end
 

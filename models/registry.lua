@@ -1,28 +1,61 @@
--- models/registry.lua — every model family by name, and Hugging Face
--- config.json files: what scripts/train.lua --model / --model-config and
--- tools/estimate resolve.
+-- models/registry.lua — the model families (one file each in models/, listed
+-- once below) and what reads their declarations generically: a named size,
+-- a Hugging Face config.json read through its family's field schema, the
+-- model built. What scripts/train.lua --model / --model-config and
+-- tools/estimate resolve. The table itself is luazero/families.lua, so
+-- the layers below models/ (hf.lua, checkpoint export) read it too.
 --
 --   local models = require("models.registry")
 --   local cfg = models.config("llama-tiny", { n_layer = 4 })  -- a named size
---   local cfg = models.from_hf_config("path/config.json")      -- GPT2LMHeadModel, LlamaForCausalLM
+--   local cfg = models.from_hf_config("path/config.json")      -- any family's architectures
 --   local model = models.new(cfg)
+--   models.register(dofile("my_family.lua"))                   -- a family outside models/
 local cjson = require("cjson")
-local gpt2 = require("models.gpt2")
-local llama = require("models.llama")
+local families = require("luazero.families")
 
 local M = {}
 
-M.families = { gpt2 = gpt2, llama = llama }
-M.names = {}
-for _, f in ipairs({ gpt2, llama }) do
-  for _, n in ipairs(f.names) do M.names[#M.names + 1] = n end
+-- The families, in the order their sizes are listed: the one list.
+local FAMILIES = { require("models.gpt2"), require("models.llama") }
+
+M.families = {} -- name -> family
+M.names = {}    -- every named size, family by family
+
+local function refresh()
+  for k in pairs(M.families) do M.families[k] = nil end
+  for i = #M.names, 1, -1 do M.names[i] = nil end
+  for _, f in ipairs(families.list()) do
+    M.families[f.name] = f
+    for _, n in ipairs(f.names) do M.names[#M.names + 1] = n end
+  end
 end
+
+-- Adds a family declared outside this list (a file of the same form as
+-- models/llama.lua); its sizes and architectures are known from then on.
+function M.register(fam)
+  families.register(fam)
+  refresh()
+  return fam
+end
+
+-- Forgets the family named `name`.
+function M.unregister(name)
+  families.unregister(name)
+  refresh()
+end
+
+for _, f in ipairs(FAMILIES) do families.register(f) end
+refresh()
 
 -- The family that names `name`, or nil.
 function M.family_of(name)
-  if gpt2.configs[name] then return gpt2 end
-  if llama.configs[name] then return llama end
+  for _, f in ipairs(families.list()) do
+    if f.configs[name] then return f end
+  end
 end
+
+-- The family of a checked config (cfg.family).
+function M.family(cfg) return families.get(cfg.family) end
 
 -- A named size of any family with overrides (nil values are ignored).
 function M.config(name, overrides)
@@ -34,28 +67,87 @@ function M.config(name, overrides)
   return f.config(name, overrides)
 end
 
-function M.new(cfg)
-  return (cfg.family == "llama" and llama or gpt2).new(cfg)
-end
+function M.new(cfg) return families.get(cfg.family).new(cfg) end
 
 -- The byte-level vocabulary's newline (data.lua's 256 byte tokens).
 M.NEWLINE = 10
 
--- The token a sample starts from, by the vocabulary: GPT-2's <|endoftext|>
--- for GPT-2's BPE vocabulary, else the byte-level newline (token 0 for a
--- vocabulary too small to hold it).
+-- The token a sample starts from: the first a family's sample_start rule
+-- gives for this vocabulary (GPT-2's <|endoftext|> for GPT-2's BPE
+-- vocabulary), else the byte-level newline (token 0 for a vocabulary too
+-- small to hold it).
 function M.sample_start(cfg)
-  if cfg.vocab == gpt2.VOCAB then return gpt2.END_OF_TEXT end
+  for _, f in ipairs(families.list()) do
+    local t = f.sample_start and f.sample_start(cfg)
+    if t then return t end
+  end
   return cfg.vocab > M.NEWLINE and M.NEWLINE or 0
 end
 
 ------------------------------------------------------------ config.json
 
-local ARCHS = { GPT2LMHeadModel = "gpt2", LlamaForCausalLM = "llama" }
+local null = cjson.null
+local function present(v) return v ~= nil and v ~= null end
 
--- Reads a Hugging Face config.json. Errors are one line naming the file and
--- the field.
-function M.from_hf_config(path, overrides)
+local KIND_CHECKS = {
+  int = function(v) return type(v) == "number" and v == math.floor(v) end,
+  number = function(v) return type(v) == "number" end,
+  bool = function(v) return type(v) == "boolean" end,
+  string = function(v) return type(v) == "string" end,
+  object = function(v) return type(v) == "table" end,
+}
+local KIND_WANTS = { int = "; expected a whole number", number = "; expected a number",
+                     bool = "; expected true or false", string = "; expected a string",
+                     object = " is not an object" }
+
+-- One field of a family's schema (hf.fields: { field, key, kind, default =,
+-- optional =, allowed =, refusal =, read = }) read from config.json `j`.
+local function read_field(e, j, cfg, fail)
+  local key, kind = e[2], e[3]
+  local v = j[key]
+  if not present(v) then
+    if e.optional then return nil end
+    local d = e.default
+    if type(d) == "function" then
+      d = d(cfg, function(k) return present(j[k]) and j[k] or nil end)
+    end
+    if d == nil then fail(("field %s is missing"):format(key)) end
+    return d
+  end
+  -- A string with a list of allowed values is checked against the list alone.
+  if not (kind == "string" and e.allowed) and not KIND_CHECKS[kind](v) then
+    if kind == "object" then fail(("field %s is not an object"):format(key)) end
+    fail(("field %s is %s%s"):format(key, cjson.encode(v), KIND_WANTS[kind]))
+  end
+  if e.allowed then
+    local ok = false
+    for _, a in ipairs(e.allowed) do ok = ok or v == a end
+    if not ok then
+      local want = {}
+      for i, a in ipairs(e.allowed) do want[i] = cjson.encode(a) end
+      fail(("field %s is %s; %s"):format(key, cjson.encode(v),
+           e.refusal or ("expected " .. table.concat(want, " or "))))
+    end
+  end
+  if e.read then v = e.read(v, fail) end
+  return v
+end
+
+-- A family's config names in its config.json's words (n_head ->
+-- num_attention_heads), for messages about the file.
+local function in_file_words(fam, msg)
+  local names = {}
+  for _, e in ipairs(fam.hf.fields) do
+    if e[1] and e[1] ~= e[2] then names[e[1]] = e[2] end
+  end
+  return (msg:gsub("[%a_]+", function(w) return names[w] end))
+end
+
+-- Reads a Hugging Face config.json: its family from architectures[0] (or
+-- model_type), then that family's fields (hf.fields). Errors are one line
+-- naming the file and the field. opts.file_words: the family's own checks
+-- (finish) speak of the file's fields (num_attention_heads), not ours.
+function M.from_hf_config(path, overrides, opts)
   local f, why = io.open(path, "rb")
   if not f then error(("model config %s: cannot open it (%s)"):format(path, why), 0) end
   local text = f:read("*a")
@@ -71,75 +163,25 @@ function M.from_hf_config(path, overrides)
   elseif j.model_type ~= nil then
     arch, where = j.model_type, "model_type"
   else
-    fail("field architectures (or model_type) is missing; expected GPT2LMHeadModel or " ..
-         "LlamaForCausalLM")
+    fail("field architectures (or model_type) is missing; expected " ..
+         table.concat(families.architectures(), " or "))
   end
-  local family = ARCHS[arch] or (arch == "gpt2" or arch == "llama") and arch
-  if not family then
-    fail(("field %s is %s: unknown architecture (known: GPT2LMHeadModel, LlamaForCausalLM)")
-         :format(where, cjson.encode(arch)))
-  end
-  local null = cjson.null
-  local function field(key, kind, default)
-    local v = j[key]
-    if v == nil or v == null then
-      if default == nil then fail(("field %s is missing"):format(key)) end
-      return default
-    end
-    if kind == "int" and (type(v) ~= "number" or v ~= math.floor(v)) then
-      fail(("field %s is %s; expected a whole number"):format(key, cjson.encode(v)))
-    elseif kind == "number" and type(v) ~= "number" then
-      fail(("field %s is %s; expected a number"):format(key, cjson.encode(v)))
-    elseif kind == "bool" and type(v) ~= "boolean" then
-      fail(("field %s is %s; expected true or false"):format(key, cjson.encode(v)))
-    end
-    return v
+  local fam = families.of_architecture(arch)
+  if not fam then
+    fail(("field %s is %s: unknown architecture (known: %s)"):format(where, cjson.encode(arch),
+         table.concat(families.architectures(), ", ")))
   end
   local cfg = { name = path:match("([^/]+/[^/]+)$") or path }
-  if family == "gpt2" then
-    cfg.n_layer, cfg.n_head = field("n_layer", "int"), field("n_head", "int")
-    cfg.n_embd, cfg.vocab = field("n_embd", "int"), field("vocab_size", "int")
-    cfg.context = field("n_positions", "int", j.n_ctx ~= null and j.n_ctx or nil)
-    cfg.lr = gpt2.configs.gpt2.lr
-    if field("tie_word_embeddings", "bool", true) == false then
-      fail("field tie_word_embeddings is false; luazero's GPT-2 ties the LM head to wte")
-    end
-  else
-    local F = llama.hf_fields
-    for _, k in ipairs({ "n_layer", "n_head", "n_embd", "n_hidden", "context", "vocab" }) do
-      cfg[k] = field(F[k], "int")
-    end
-    cfg.n_kv_head = field(F.n_kv_head, "int", cfg.n_head)
-    cfg.eps = field(F.eps, "number", 1e-6)
-    cfg.rope_theta = field(F.rope_theta, "number", 10000)
-    cfg.tie = field(F.tie, "bool", false)
-    cfg.std = field(F.std, "number", 0.02)
-    if j.head_dim ~= nil and j.head_dim ~= null then cfg.head_dim = field("head_dim", "int") end
-    local act = field("hidden_act", "string", "silu")
-    if act ~= "silu" then fail(("field hidden_act is %s; expected \"silu\""):format(cjson.encode(act))) end
-    for _, k in ipairs({ "attention_bias", "mlp_bias" }) do
-      if field(k, "bool", false) then fail(("field %s is true; luazero's Llama has no biases"):format(k)) end
-    end
-    local s = j.rope_scaling
-    if s ~= nil and s ~= null then
-      if type(s) ~= "table" then fail("field rope_scaling is not an object") end
-      local rope_type = s.rope_type ~= nil and s.rope_type or s.type
-      if rope_type ~= "llama3" then
-        fail(("field rope_scaling.rope_type is %s; only \"llama3\" is implemented")
-             :format(cjson.encode(rope_type)))
-      end
-      cfg.rope_scaling = { rope_type = "llama3" }
-      for _, k in ipairs({ "factor", "low_freq_factor", "high_freq_factor",
-                           "original_max_position_embeddings" }) do
-        if type(s[k]) ~= "number" then fail(("field rope_scaling.%s is missing"):format(k)) end
-        cfg.rope_scaling[k] = s[k]
-      end
-    end
-    cfg.lr = llama.configs["llama-100m"].lr
+  for _, e in ipairs(fam.hf.fields) do
+    local v = read_field(e, j, cfg, fail)
+    if e[1] then cfg[e[1]] = v end
   end
+  cfg.lr = fam.configs[fam.hf.lr_of].lr
   for k, v in pairs(overrides or {}) do cfg[k] = v end
-  local ok_, checked = pcall(M.families[family].finish, cfg)
-  if not ok_ then fail(checked) end
+  local ok_, checked = pcall(fam.finish, cfg)
+  if not ok_ then
+    fail(opts and opts.file_words and in_file_words(fam, tostring(checked)) or checked)
+  end
   return checked
 end
 

@@ -5,23 +5,27 @@
 local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
 local atomic = require("luazero.io.atomic")
+-- The model families: an export names its tensors and writes its
+-- config.json as the checkpoint's family declares.
+local families = require("luazero.families")
+require("models.registry")
 
-local USAGE = [[
+local USAGE = ([[
 usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   inspect CKPT                 the manifest's summary, per-rank shard sizes, per-tensor norms
   consolidate CKPT OUT.bin     the fp32 master weights in canonical order (header: 256 int32,
                                magic 20240521, version 1, tensors, elements low/high 32 bits)
-  export CKPT OUT.safetensors  safetensors with Hugging Face names: GPT-2's (wte.weight,
-                               h.0.attn.c_attn.weight [in, out], ...), Llama's as they are
-                               (model.embed_tokens.weight, ...); --dtype fp32|bf16
+  export CKPT OUT.safetensors  safetensors with Hugging Face names, as the model's family
+                               (models/) maps them; --dtype fp32|bf16
   export CKPT FOLDER           the same as FOLDER/model.safetensors, with FOLDER/config.json
-                               (GPT2LMHeadModel, LlamaForCausalLM): a Hugging Face model folder
+                               (%s): a Hugging Face model folder
   A LoRA run's checkpoint (--lora-r) holds its adapters:
   export CKPT FOLDER           PEFT's adapter folder: adapter_model.safetensors, adapter_config.json
   export CKPT FOLDER --merge-lora [--base PATH]
                                the adapters folded into the base weights (PATH: the run's --init,
                                by default) as a Hugging Face model folder
-CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]
+CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]):format(
+  table.concat(families.architectures(), ", "))
 
 local function fail(msg)
   io.stderr:write("ckpt: ", tostring(msg):gsub("^checkpoint: ", ""), "\n")

@@ -20,7 +20,8 @@ local spec = {
   { "params", "string", nil, "parameter count: 1.5e9, 124M, 1.5B, 350000000" },
   { "model", "string", nil, "a model name instead: " .. table.concat(models.names, ", ") },
   { "model-config", "string", nil,
-    "a Hugging Face config.json instead (GPT2LMHeadModel or LlamaForCausalLM)" },
+    "a Hugging Face config.json instead (" ..
+    table.concat(require("luazero.families").architectures(), " or ") .. ")" },
   { "world", "int", 1, "ranks (data-parallel world size N)" },
   { "dtype", "string", "bf16", "working precision: bf16, fp16 (fp32 master + Adam) or fp32" },
   { "grads", "string", "fp32",
@@ -39,7 +40,7 @@ local spec = {
   { "seq-len", "int", nil, "with --micro-batch: tokens per sequence" },
   { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing" },
   { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen" },
-  { "lora-targets", "string", nil, "with --lora-r: modules adapted, comma-separated (q_proj,v_proj)" },
+  { "lora-targets", "string", nil, "with --lora-r: modules adapted, comma-separated (default: the model family's)" },
   { "sub-group-size", "number", nil, "zero_optimization.sub_group_size (1e9): NVMe sub-groups" },
   { "grad-accum", "int", nil, "gradient accumulation steps: NVMe reads and writes per step (1)" },
   { "config", "string", nil, "a DeepSpeed config whose sub_group_size, offload buffer counts " ..
@@ -153,11 +154,10 @@ local function main(argv)
     end)
     local m = estimate.model_params(model, flags.persistence_threshold, N)
     if flags.lora_r then
-      local targets = {}
-      for t in (flags.lora_targets or "q_proj,v_proj"):gmatch("[^,%s]+") do
-        targets[#targets + 1] = t
-      end
-      checked(require("models.lora").apply, model, { r = flags.lora_r, targets = targets })
+      local lora = require("models.lora")
+      local targets = flags.lora_targets and {} or lora.default_targets(model)
+      for t in (flags.lora_targets or ""):gmatch("[^,%s]+") do targets[#targets + 1] = t end
+      checked(lora.apply, model, { r = flags.lora_r, targets = targets })
     end
     counts = estimate.counts(model, N, flags.persistence_threshold)
     params, persistent, largest = counts.numel, counts.persistent, m.largest_layer

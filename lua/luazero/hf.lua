@@ -1,14 +1,16 @@
 -- hf.lua — Hugging Face weights and a ZeRO engine: which Hugging Face tensor
--- each of our parameters is (GPT-2's names and Conv1D layout, Llama's names
--- as they are), a model.safetensors or a Hugging Face folder loaded into an
--- engine with each rank reading only the byte ranges of its own partition,
--- and the config.json of a model. docs/models.md, "Hugging Face weights".
+-- each of our parameters is (as the model's family maps the names and
+-- layouts: its hf table, luazero/families.lua), a model.safetensors or a
+-- Hugging Face folder loaded into an engine with each rank reading only the
+-- byte ranges of its own partition, and the config.json of a model (its
+-- family's writer). Holds no family's names. docs/models.md, "Hugging Face
+-- weights".
 --
 --   local hf = require("luazero.hf")
 --   hf.check("model.safetensors", model)          -- names, shapes, sizes: errors before any work
 --   hf.load_into(engine, "model.safetensors")     -- or a folder: config.json, shards, index
 --   hf.config_path("folder")                      -- its config.json, or nil
---   hf.tensor_of(name, shape, vocab)              -- {name, shape, conv, rows}
+--   hf.tensor_of(family, name, shape, vocab)      -- {name, shape, conv, rows}
 --   hf.config_json(model_cfg, "fp32")             -- a table for cjson
 local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
@@ -17,6 +19,7 @@ local Module = require("luazero.nn.module")
 local rng = require("luazero.rng")
 local cjson = require("cjson")
 local safetensors = require("luazero.checkpoint.safetensors")
+local families = require("luazero.families")
 
 local M = {}
 
@@ -26,31 +29,36 @@ local function fail(fmt, ...) error(oneline.of("init: " .. fmt:format(...)), 0) 
 
 ------------------------------------------------------------------- names
 
--- Tables with a row per token: the file has the real vocabulary's rows
--- (GPT-2's wte; Llama's embed_tokens and untied lm_head), ours are padded.
-local VOCAB_TABLES = { ["wte.weight"] = true, ["model.embed_tokens.weight"] = true,
-                       ["lm_head.weight"] = true }
-
--- Buffers some published files hold beside the weights; nothing to load.
-local BUFFERS = { "%.attn%.bias$", "%.attn%.masked_bias$", "%.rotary_emb%.inv_freq$" }
-
--- A file's name for one of our parameters: GPT-2's without "transformer."
--- (GPT2Model's names, as the published files have them), Conv1D weights
--- stored [in, out] (ours are [out, in]); Llama's as they are.
-function M.tensor_of(name, shape, vocab)
-  local n = name:gsub("^transformer%.", "")
-  local conv = n:match("%.c_attn%.weight$") or n:match("%.c_proj%.weight$") or
-               n:match("%.c_fc%.weight$")
-  local s = { unpack(shape) }
-  local rows = s[1]
-  if VOCAB_TABLES[n] and vocab and vocab < rows then rows = vocab; s[1] = vocab end
-  if conv then s = { s[2], s[1] } end
-  return { name = n, shape = s, conv = conv ~= nil, rows = rows }
+-- A family's name mapping (its hf table, luazero/families.lua), with what
+-- a family may leave out: names as they are, nothing transposed.
+local function same(n) return n end
+local function mapping(fam)
+  local h = fam and fam.hf or {}
+  local vocab = {}
+  for _, n in ipairs(h.vocab_tables or {}) do vocab[n] = true end
+  return { to_hf = h.to_hf or same, from_hf = h.from_hf or same, transposed = h.transposed or {},
+           vocab = vocab, ignored = h.ignored or {} }
 end
 
--- A file's tensor name as ours would be named by tensor_of ("transformer."
--- dropped: GPT2LMHeadModel.save_pretrained writes it).
-local function normal_name(n) return (n:gsub("^transformer%.", "")) end
+-- The family of a model config (cfg.family), from the table of families.
+function M.family(cfg) return families.get((cfg or {}).family) end
+
+-- A file's name for one of our parameters as family `fam` maps it
+-- (fam.hf.to_hf), its shape in the file: a token table (fam.hf.vocab_tables)
+-- with the real vocabulary's rows (ours are padded), a weight the family
+-- stores transposed (fam.hf.transposed: GPT-2's Conv1D, [in, out]) with
+-- its dimensions swapped.
+function M.tensor_of(fam, name, shape, vocab)
+  local h = mapping(fam)
+  local n = h.to_hf(name)
+  local conv = false
+  for _, pat in ipairs(h.transposed) do conv = conv or n:match(pat) ~= nil end
+  local s = { unpack(shape) }
+  local rows = s[1]
+  if h.vocab[n] and vocab and vocab < rows then rows = vocab; s[1] = vocab end
+  if conv then s = { s[2], s[1] } end
+  return { name = n, shape = s, conv = conv, rows = rows }
+end
 
 ------------------------------------------------------------------ source
 
@@ -77,8 +85,11 @@ end
 -- The files of `path` opened and their headers checked: a .safetensors
 -- file, or a folder with model.safetensors.index.json (its weight_map names
 -- the shards), model.safetensors, or *.safetensors. Returns {files, by_name
--- (normal name -> {file, t}), where (what names the source in messages)}.
-function M.open(path)
+-- (a tensor's name as tensor_of gives it, through fam.hf.from_hf ->
+-- {file, t}), where (what names the source in messages)}. fam: the family
+-- whose names the files hold (nil: names as they are).
+function M.open(path, fam)
+  local normal_name = mapping(fam).from_hf
   path = path:gsub("/+$", "")
   local src = { files = {}, by_name = {}, where = path }
   local names, index = {}, nil
@@ -186,7 +197,7 @@ end
 -- For each of the model's parameters (param_table order), the tensor that
 -- fills it; every tensor of the source used once. Errors name the tensor
 -- and the file.
-local function plan(src, model)
+local function plan(src, model, fam)
   local cfg = model.cfg or {}
   local want, used = {}, {}
   local one = #src.files == 1 and src.files[1].path or src.where
@@ -195,7 +206,7 @@ local function plan(src, model)
     -- LoRA adapters are not in a base model's files: they keep their start.
     if p.name:find("lora_[AB]%.weight$") then goto next end
     i = i + 1
-    local e = M.tensor_of(p.name, p.shape, cfg.vocab)
+    local e = M.tensor_of(fam, p.name, p.shape, cfg.vocab)
     local have = src.by_name[e.name]
     if not have then
       fail("%s: tensor %s %s is missing (this model, %s, has it); give the weights of this " ..
@@ -213,12 +224,14 @@ local function plan(src, model)
     want[p.name] = e
     ::next::
   end
-  local tied = cfg.family == "gpt2" or cfg.tie
+  -- A tied model's file may hold the LM head (the token table's copy).
+  local h = mapping(fam)
+  local tied_head = fam.hf.tied(cfg) and fam.hf.head
   for _, st in ipairs(src.files) do
     for _, n in ipairs(st.names) do
-      local key = normal_name(n)
-      local skip = (tied and key == "lm_head.weight")
-      for _, pat in ipairs(BUFFERS) do skip = skip or key:match(pat) ~= nil end
+      local key = h.from_hf(n)
+      local skip = key == tied_head
+      for _, pat in ipairs(h.ignored) do skip = skip or key:match(pat) ~= nil end
       if not used[key] and not skip then
         fail("%s: tensor %s is not a parameter of this model (%s); give the --model / " ..
              "--model-config the weights were made for", st.path, n, cfg.name or "?")
@@ -291,8 +304,9 @@ end
 -- Checks that path's weights fill model (names, shapes, file sizes) without
 -- reading them: what load_into refuses, refused before anything is built.
 function M.check(path, model)
-  local src = M.open(path)
-  local ok, err = pcall(plan, src, model)
+  local fam = M.family(model.cfg)
+  local src = M.open(path, fam)
+  local ok, err = pcall(plan, src, model, fam)
   M.close(src)
   if not ok then error(err, 0) end
 end
@@ -304,9 +318,10 @@ end
 -- and gathers. Every check is made before anything is written. Returns
 -- {files, tensors}.
 function M.load_into(engine, path)
-  local src = M.open(path)
+  local fam = M.family(engine.model.cfg)
+  local src = M.open(path, fam)
   local ok, err = pcall(function()
-    local want = plan(src, engine.model)
+    local want = plan(src, engine.model, fam)
     local runs = engine:state_layout().runs
     local params = engine.ptable
     local cache = {}
@@ -363,61 +378,20 @@ end
 
 local TORCH_DTYPES = { fp32 = "float32", bf16 = "bfloat16", fp16 = "float16" }
 
--- A config.json's names for our config fields, per family.
-local FILE_FIELDS = {
-  llama = { n_layer = "num_hidden_layers", n_head = "num_attention_heads",
-            n_kv_head = "num_key_value_heads", n_embd = "hidden_size",
-            n_hidden = "intermediate_size", context = "max_position_embeddings",
-            vocab = "vocab_size", eps = "rms_norm_eps", std = "initializer_range" },
-  gpt2 = { vocab = "vocab_size", context = "n_positions" },
-}
-
 -- models.from_hf_config(path, overrides) (models: the registry, given by the
 -- caller: this layer does not reach up to models/), its errors naming the
 -- file's fields (num_attention_heads) rather than ours (n_head).
 function M.model_config(models, path, overrides)
-  local ok, cfg = pcall(models.from_hf_config, path, overrides)
-  if ok then return cfg end
-  local msg, head = tostring(cfg), ("model config %s: "):format(path)
-  if msg:sub(1, #head) ~= head then error(msg, 0) end
-  local jok, j = pcall(cjson.decode, lz.read_file(path) or "")
-  local arch = jok and type(j) == "table" and
-               (type(j.architectures) == "table" and j.architectures[1] or j.model_type)
-  local names = FILE_FIELDS[(arch == "LlamaForCausalLM" or arch == "llama") and "llama" or "gpt2"]
-  error(head .. msg:sub(#head + 1):gsub("[%a_]+", function(w) return names[w] end), 0)
+  return models.from_hf_config(path, overrides, { file_words = true })
 end
 
 -- The config.json of a model config (models/registry.lua's fields, or a
--- manifest's model.config): LlamaForCausalLM or GPT2LMHeadModel, loadable by
+-- manifest's model.config): its family's (fam.hf.config_json), loadable by
 -- transformers' AutoModelForCausalLM; dtype: the weights' (fp32, bf16).
 function M.config_json(cfg, dtype)
-  local torch_dtype = TORCH_DTYPES[dtype or "fp32"] or "float32"
-  if cfg.family == "llama" then
-    local rs = cjson.null
-    if type(cfg.rope_scaling) == "table" then
-      rs = {}
-      for k, v in pairs(cfg.rope_scaling) do rs[k] = v end
-    end
-    return {
-      architectures = { "LlamaForCausalLM" }, model_type = "llama",
-      hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
-      num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
-      num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
-      rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta, rope_scaling = rs,
-      vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
-      tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-      hidden_act = "silu", attention_bias = false, mlp_bias = false, attention_dropout = 0,
-      torch_dtype = torch_dtype,
-    }
-  end
-  return {
-    architectures = { "GPT2LMHeadModel" }, model_type = "gpt2",
-    n_layer = cfg.n_layer, n_head = cfg.n_head, n_embd = cfg.n_embd,
-    n_positions = cfg.context, n_ctx = cfg.context, vocab_size = cfg.vocab, n_inner = cjson.null,
-    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
-    resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, tie_word_embeddings = true,
-    torch_dtype = torch_dtype,
-  }
+  local j = M.family(cfg).hf.config_json(cfg)
+  j.torch_dtype = TORCH_DTYPES[dtype or "fp32"] or "float32"
+  return j
 end
 
 return M

@@ -82,17 +82,19 @@ local function write_data(w, t, dtype)
   end
 end
 
--- model.safetensors of a checkpoint at `file`: Hugging Face's names
--- (luazero/hf.lua), token tables without their padding rows, streamed from
+-- model.safetensors of a checkpoint at `file`: Hugging Face's names (as the
+-- checkpoint's family maps them, luazero/hf.lua), token tables without
+-- their padding rows, streamed from
 -- the consolidated fp32 master (a scratch file beside), one tensor in
 -- memory. Returns the tensor count and bytes.
 local function write_model(ck, file, dtype, out)
   local m = ck.manifest
-  local vocab = (m.model and m.model.config or {}).vocab
+  local mcfg = m.model and m.model.config or {}
+  local fam = hf.family(mcfg)
   local esize = dtype == "bf16" and 2 or 4
   local entries = {}
   for _, p in ipairs(m.params) do
-    local e = hf.tensor_of(p.name, p.shape, vocab)
+    local e = hf.tensor_of(fam, p.name, p.shape, mcfg.vocab)
     local n = 1
     for _, d in ipairs(e.shape) do n = n * d end
     e.p, e.numel, e.bytes = p, n, n * esize

@@ -1,0 +1,109 @@
+-- families.lua — the table of model families. Each family is one file in
+-- models/ (models/gpt2.lua, models/llama.lua) that declares everything about
+-- it: its sizes, its config.json fields, how it builds the model, its
+-- Hugging Face tensor names, its config.json writer, its tied-head rule and
+-- its LoRA targets (docs/extending.md, "Adding a model family").
+-- models/registry.lua registers the families it lists; the layers below
+-- models/ (hf.lua, checkpoint/export.lua) find a family here by the name a
+-- model config or a checkpoint's manifest carries (cfg.family), so they hold
+-- no family names and never reach up to models/.
+--
+--   local families = require("luazero.families")
+--   families.register(require("models.llama"))
+--   families.get("llama")                      -- the declaration, or an error
+--   families.of_architecture("LlamaForCausalLM") -- or a model_type ("llama"), or nil
+--   families.list()                            -- in the order registered
+local M = {}
+
+local by_name, order = {}, {}
+
+-- What every family declares (models/gpt2.lua is the smallest example).
+local REQUIRED = { "name", "names", "configs", "config", "finish", "new", "description", "hf" }
+local REQUIRED_HF = { "architectures", "model_type", "fields", "config_json", "tied", "lr_of" }
+
+local function check(fam)
+  if type(fam) ~= "table" then
+    error(("families: a family is a table (got %s); a family file returns its declaration")
+          :format(type(fam)), 0)
+  end
+  for _, k in ipairs(REQUIRED) do
+    if fam[k] == nil then
+      error(("families: family %s declares no %s; see docs/extending.md, \"Adding a model " ..
+             "family\""):format(tostring(fam.name), k), 0)
+    end
+  end
+  for _, k in ipairs(REQUIRED_HF) do
+    if fam.hf[k] == nil then
+      error(("families: family %s declares no hf.%s; see docs/extending.md, \"Adding a " ..
+             "model family\""):format(fam.name, k), 0)
+    end
+  end
+end
+
+-- Adds a family (or replaces the one of its name, in its place). Returns it.
+function M.register(fam)
+  check(fam)
+  for _, other in ipairs(order) do
+    if other.name ~= fam.name then
+      for _, n in ipairs(fam.names) do
+        if other.configs[n] then
+          error(("families: family %s names size %s, which family %s names already; " ..
+                 "rename one"):format(fam.name, n, other.name), 0)
+        end
+      end
+    end
+  end
+  if not by_name[fam.name] then order[#order + 1] = fam end
+  for i, other in ipairs(order) do
+    if other.name == fam.name then order[i] = fam end
+  end
+  by_name[fam.name] = fam
+  return fam
+end
+
+-- Removes the family named `name` (a test's toy family, after the test).
+function M.unregister(name)
+  by_name[name] = nil
+  for i, fam in ipairs(order) do
+    if fam.name == name then table.remove(order, i); break end
+  end
+end
+
+-- The registered families, in the order registered (a copy).
+function M.list()
+  local out = {}
+  for i, fam in ipairs(order) do out[i] = fam end
+  return out
+end
+
+-- The family named `name`; an error naming the known ones otherwise.
+function M.get(name)
+  local fam = by_name[name]
+  if fam then return fam end
+  local known = {}
+  for i, f in ipairs(order) do known[i] = f.name end
+  error(("model family %s is unknown (known: %s); register its file (models/registry.lua)")
+        :format(tostring(name), table.concat(known, ", ")), 0)
+end
+
+-- The family whose config.json says `arch` (one of its architectures, or
+-- its model_type), or nil.
+function M.of_architecture(arch)
+  for _, fam in ipairs(order) do
+    if arch == fam.hf.model_type then return fam end
+    for _, a in ipairs(fam.hf.architectures) do
+      if arch == a then return fam end
+    end
+  end
+end
+
+-- Every registered family's architectures, in order.
+function M.architectures()
+  local out = {}
+  for _, fam in ipairs(order) do
+    for _, a in ipairs(fam.hf.architectures) do out[#out + 1] = a end
+  end
+  return out
+end
+
+return M
