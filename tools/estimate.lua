@@ -40,7 +40,8 @@ local spec = {
   { "seq-len", "int", nil, "with --micro-batch: tokens per sequence" },
   { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing" },
   { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen" },
-  { "lora-targets", "string", nil, "with --lora-r: modules adapted, comma-separated (default: the model family's)" },
+  { "lora-targets", "string", nil,
+    "with --lora-r: modules adapted, comma-separated (default: the model family's)" },
   { "sub-group-size", "number", nil, "zero_optimization.sub_group_size (1e9): NVMe sub-groups" },
   { "grad-accum", "int", nil, "gradient accumulation steps: NVMe reads and writes per step (1)" },
   { "config", "string", nil, "a DeepSpeed config whose sub_group_size, offload buffer counts " ..

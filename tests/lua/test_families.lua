@@ -28,7 +28,9 @@ local llamax_json = {
 
 local function corpus()
   local lines = {}
-  for i = 1, 200 do lines[i] = ("line %d: it was the best of times, the worst of times."):format(i) end
+  for i = 1, 200 do
+    lines[i] = ("line %d: it was the best of times, the worst of times."):format(i)
+  end
   return write_file("corpus.txt", table.concat(lines, "\n"))
 end
 
@@ -81,6 +83,17 @@ function T.toy_family_reads_its_own_config_json_and_builds()
   support.expect_error(function() models.from_hf_config(path) end, UNKNOWN)
   support.expect_error(function() families.get("llamax") end,
                        "model family llamax is unknown (known: gpt2, llama)")
+end
+
+-- LoRA's default targets are the family's (its description's lora_default).
+function T.lora_default_targets_are_the_familys()
+  local lora = require("models.lora")
+  local g = models.new(models.config("gpt2-nano", { n_layer = 1 }))
+  eq(lora.apply(g, { r = 2 }), 1, "GPT-2 adapted weights (c_attn, one layer)")
+  eq(table.concat(g.lora.targets, ","), "c_attn", "GPT-2's default targets")
+  local l = models.new(models.config("llama-tiny"))
+  eq(lora.apply(l, { r = 2 }), 4, "Llama adapted weights (q_proj, v_proj, two layers)")
+  eq(table.concat(l.lora.targets, ","), "q_proj,v_proj", "Llama's default targets")
 end
 
 -- Trained 3 steps, saved, exported with the family's names and config.json,
