@@ -188,6 +188,48 @@ line=$(echo "$tests_out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
 if echo "$line" | grep -qE '^[1-9][0-9]* passed, 0 failed'; then ok lz_tests_in_the_sandbox "$line"
 else bad lz_tests_in_the_sandbox "${line:-no summary}: $(echo "$tests_out" | grep -m 3 '^FAIL')"; fi
 
+# The lent image has NCCL only in its Python packages (nvidia/nccl/lib): with
+# the folder that holds NCCL here hidden (a mount namespace), CUDA_HOME naming
+# a folder of the other CUDA libraries and a Python package folder holding
+# NCCL, run --check finds it there; without that package folder it names what
+# is missing. Needs unshare -m (root) and hard links to the CUDA libraries.
+nccl=$sys/libnccl.so.2
+if [ ! -f "$root/lib/libluazero_cuda.so" ] || [ ! -e "$nccl" ] ||
+   ! unshare -m true 2>/dev/null; then
+  echo "skip gpukit.nccl_from_the_python_packages: needs libluazero_cuda.so, NCCL and unshare -m"
+else
+  fake=$work/machine
+  mkdir -p "$fake/cuda/lib64" "$fake/site/nvidia/nccl/lib" "$fake/empty"
+  linked=1
+  for f in "$sys"/*; do
+    name=$(basename "$f")
+    [[ "$name" =~ $cuda_pattern ]] || continue
+    to=$fake/cuda/lib64/$name
+    [ "$name" = libnccl.so.2 ] && to=$fake/site/nvidia/nccl/lib/$name
+    ln "$(readlink -f "$f")" "$to" 2>/dev/null || linked=0
+  done
+  if [ "$linked" = 0 ]; then
+    echo "skip gpukit.nccl_from_the_python_packages: the CUDA libraries are on another file system"
+  else
+    hide=$(dirname "$(readlink -f "$nccl")")
+    in_image() { # PYTHONPATH, then run --check inside the namespace
+      unshare -m sh -c 'mount --bind "$1" "$2" && shift 2 && exec "$@"' sh "$fake/empty" "$hide" \
+        env CUDA_HOME="$fake/cuda" PYTHONPATH="$1" LZ_KIT_ROOT="$work/root-image" "$kit/run" --check 2>&1
+    }
+    with=$(in_image "$fake/site")
+    rc_with=$?
+    without=$(in_image "$fake/none")
+    rc_without=$?
+    if [ "$rc_with" = 0 ] && echo "$with" | grep -q "^library path: .*$fake/site/nvidia/nccl/lib" &&
+       [ "$rc_without" = 1 ] && echo "$without" | grep -q "^missing: libnccl.so.2 (needed by lib/libluazero_cuda.so)"; then
+      ok nccl_from_the_python_packages
+    else
+      bad nccl_from_the_python_packages "with the package: exit $rc_with, $(echo "$with" |
+        grep -m 1 '^library path'); without: exit $rc_without, $(echo "$without" | grep -m 1 '^missing')"
+    fi
+  fi
+fi
+
 # ---------------------------------------------------------------- gpu-check --kit
 tools/gpu-check --kit "$kit" --out "$work/out" > "$work/check.log" 2>&1
 rc=$?
