@@ -3,7 +3,8 @@
 # checks load beyond glibc, the C++ runtime and the CUDA libraries, so that
 # tools/gpu-check --kit runs on a machine that has only those:
 #  * the kit is built here, its size printed and kept under 48 MiB, and with
-#    the working tree (what the device tool sends) under 64 MiB;
+#    the working tree (what travels to a lent machine) under 64 MiB; its
+#    manifest records this glibc, and a machine with an older one is refused;
 #  * every program and library of the kit resolves in a sandbox that holds
 #    only the kit, glibc, the C++ runtime and the CUDA libraries: each run
 #    through the sandbox's own loader with --inhibit-cache and --library-path,
@@ -55,6 +56,18 @@ else bad kit_and_tree_under_64_mib "kit $(mib "$kit_bytes") + tree $(mib "$tree_
 glibc=$(getconf GNU_LIBC_VERSION | awk '{print $2}')
 if [ "$(field glibc)" = "$glibc" ]; then ok manifest_records_glibc "$glibc"
 else bad manifest_records_glibc "KIT says glibc '$(field glibc)', this machine has $glibc"; fi
+
+# A machine whose glibc is older than the kit's is refused in one line
+# (here: a kit that says it was built against glibc 9.99).
+newer=$work/kit-newer
+cp -al "$kit" "$newer"
+sed 's/^glibc: .*/glibc: 9.99/' "$kit/KIT" > "$work/KIT.newer" && mv "$work/KIT.newer" "$newer/KIT"
+said=$(LZ_KIT_ROOT=$work/root-newer "$newer/run" --env 2>&1)
+rc=$?
+if [ "$rc" = 1 ] && [ "$(echo "$said" | wc -l)" = 1 ] &&
+   echo "$said" | grep -q "glibc is $glibc, older than the 9.99" && [ ! -e "$work/root-newer" ]; then
+  ok an_older_glibc_is_refused
+else bad an_older_glibc_is_refused "exit $rc: $said"; fi
 
 # The kit unpacked where its run script puts it; it lies outside the
 # checkout, so its luazero is told where the checkout is.
