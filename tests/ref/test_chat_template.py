@@ -31,9 +31,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import test_tokenizer as tt  # noqa: E402  (the corpus, the venv, the SentencePiece layout)
+from refenv import LUAZERO, REPO  # noqa: E402
 
-REPO = tt.REPO
-LUAZERO = tt.LUAZERO
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "chat")
 
 BYTE_LEVEL_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",

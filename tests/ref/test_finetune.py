@@ -36,11 +36,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import test_tokenizer as tt  # noqa: E402  (the corpus, the venv)
-import test_chat_template as ct  # noqa: E402  (the trained tokenizers)
+import test_chat_template as ct  # noqa: E402  (the trained tokenizers, the fixtures)
+from refenv import LUAZERO, REPO  # noqa: E402
 
-REPO = tt.REPO
-LUAZERO = tt.LUAZERO
-FIXTURES = os.path.join(REPO, "tests", "fixtures", "chat")
+FIXTURES = ct.FIXTURES
 VOCAB = 1472  # above both tokenizers' vocabularies
 TOL = 1e-5
 
