@@ -63,25 +63,19 @@ static void check_matmul_case(lz_dtype dt, int64_t batch, int64_t m, int64_t n, 
   lz_tensor_free(c);
 }
 
-LZ_TEST(matmul_f32_matches_reference) {
+/* Both transposes of each operand, batched and not, with alpha and beta. */
+static void check_matmul_cases(lz_dtype dt) {
   for (int ta = 0; ta < 2; ta++)
     for (int tb = 0; tb < 2; tb++) {
-      check_matmul_case(LZ_F32, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_F32, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
-      check_matmul_case(LZ_F32, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_F32, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
+      check_matmul_case(dt, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(dt, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
+      check_matmul_case(dt, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(dt, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
     }
 }
 
-LZ_TEST(matmul_bf16_matches_reference) {
-  for (int ta = 0; ta < 2; ta++)
-    for (int tb = 0; tb < 2; tb++) {
-      check_matmul_case(LZ_BF16, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_BF16, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
-      check_matmul_case(LZ_BF16, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_BF16, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
-    }
-}
+LZ_TEST(matmul_f32_matches_reference) { check_matmul_cases(LZ_F32); }
+LZ_TEST(matmul_bf16_matches_reference) { check_matmul_cases(LZ_BF16); }
 
 LZ_TEST(matmul_rejects_bad_shapes) {
   int64_t s23[2] = {2, 3}, s43[2] = {4, 3}, s24[2] = {2, 4};
