@@ -85,16 +85,23 @@ static int run_memcpy(size_t max) {
   return 0;
 }
 
+/* The send and receive buffers of max bytes each, zeroed; nonzero when the
+ * ledger refuses them. */
+static int two_buffers(float **a, float **b, size_t max) {
+  if (lz_mem_alloc((void **)a, max, LZ_MEM_COMM) || lz_mem_alloc((void **)b, max, LZ_MEM_COMM))
+    return 1;
+  memset(*a, 0, max);
+  memset(*b, 0, max);
+  return 0;
+}
+
 static int run_raw_mpi(size_t max) {
   MPI_Init(NULL, NULL);
   int rank, W;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &W);
   float *a, *b;
-  if (lz_mem_alloc((void **)&a, max, LZ_MEM_COMM) || lz_mem_alloc((void **)&b, max, LZ_MEM_COMM))
-    return 1;
-  memset(a, 0, max);
-  memset(b, 0, max);
+  if (two_buffers(&a, &b, max)) return 1;
   for (size_t n = 4096; n <= max; n *= 4) {
     int count = (int)(n / 4), shard = count / W;
     for (int op = 0; op < NOPS; op++) {
@@ -133,10 +140,7 @@ static int run_luazero(size_t max) {
   }
   int rank = lz_comm_rank(c), W = lz_comm_size(c);
   float *a, *b;
-  if (lz_mem_alloc((void **)&a, max, LZ_MEM_COMM) || lz_mem_alloc((void **)&b, max, LZ_MEM_COMM))
-    return 1;
-  memset(a, 0, max);
-  memset(b, 0, max);
+  if (two_buffers(&a, &b, max)) return 1;
   for (size_t n = 4096; n <= max; n *= 4) {
     int64_t count = (int64_t)(n / 4), off, len;
     lz_comm_shard(count, W, rank, &off, &len);

@@ -43,7 +43,6 @@
 -- without GPT-2's position table; the attention term counts the whole T x T
 -- square and the query heads, C = n_head * head_dim); with LoRA 4 N + 12 L C T
 -- (the frozen weights' forward and input gradients, no weight gradients).
-local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
 local clock = require("luazero.clock")
@@ -164,13 +163,7 @@ if flags.run then
     config = { train_micro_batch_size_per_gpu = B, gradient_clipping = 1.0,
                bf16 = { enabled = dtype == "bf16" }, zero_optimization = { stage = tonumber(stage) },
                optimizer = { type = "AdamW", params = { lr = 1e-4 } } } })
-  local r = rng.new(1 + comm.rank())
-  local x, y = lz.tensor({ B, T }, "i32"), lz.tensor({ B, T }, "i32")
-  local px, py = ffi.cast("int32_t *", x.data), ffi.cast("int32_t *", y.data)
-  local batches = { next_batch = function()
-    for i = 0, B * T - 1 do px[i] = r:int(cfg.vocab); py[i] = r:int(cfg.vocab) end
-    return x, y
-  end }
+  local batches = require("luazero.data.random").new(B, T, cfg.vocab, rng.new(1 + comm.rank()))
   local prof = flags.profile and require("luazero.profile").attach(engine)
   engine:train_batch(batches) -- warm-up (the profile's too)
   local ms = {}

@@ -10,7 +10,6 @@
 -- the GEMM figure. FLOPs per token: 6 N + 12 L C T, nanoGPT's estimate (N: the
 -- parameters without the position table; the attention term counts the whole
 -- T x T square, though causal attention computes half of it).
-local ffi = require("ffi")
 local lz = require("luazero")
 local args = require("luazero.args")
 local clock = require("luazero.clock")
@@ -52,13 +51,7 @@ local engine = zero.initialize({
   model = model, seed = 1, batch = { B, T }, comm = require("luazero.comm").init("local"),
   config = { train_micro_batch_size_per_gpu = B, gradient_clipping = 1.0,
              optimizer = { type = "AdamW", params = { lr = 1e-4 } } } })
-local r = rng.new(1)
-local x, y = lz.tensor({ B, T }, "i32"), lz.tensor({ B, T }, "i32")
-local px, py = ffi.cast("int32_t *", x.data), ffi.cast("int32_t *", y.data)
-local batches = { next_batch = function()
-  for i = 0, B * T - 1 do px[i] = r:int(cfg.vocab); py[i] = r:int(cfg.vocab) end
-  return x, y
-end }
+local batches = require("luazero.data.random").new(B, T, cfg.vocab, rng.new(1))
 
 local n_params = model:count_params()
 local flops_per_token = 6 * (n_params - cfg.context * cfg.n_embd) +

@@ -72,5 +72,13 @@ lz_tensor *lz_test_wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape)
 /* Worst |a - b| / max(|b|, 1% of max|b|): relative error, floored so the
  * near-zero entries of a gradient are judged against its scale. */
 double lz_test_rel_err(const float *a, const double *b, int64_t n);
+/* Operands for the argument checks of an op: `shape` (8 elements) as f32,
+ * i32 and bf16, and f32[9], one element too many; over zeroed buffers the
+ * failing calls stop before touching. */
+typedef struct {
+  lz_tensor *f32, *i32, *bf16, *f32_9;
+} lz_test_operands;
+lz_test_operands lz_test_operands_new(int ndim, const int64_t *shape);
+void lz_test_operands_free(lz_test_operands *o);
 
 #endif /* LZ_TEST_H */

@@ -20,6 +20,20 @@ lz_tensor *lz_test_wrap(void *data, lz_dtype dt, int ndim, const int64_t *shape)
   return t;
 }
 
+lz_test_operands lz_test_operands_new(int ndim, const int64_t *shape) {
+  static float buf[16];
+  static int32_t ibuf[16];
+  const int64_t s9[1] = {9};
+  return (lz_test_operands){
+      lz_test_wrap(buf, LZ_F32, ndim, shape), lz_test_wrap(ibuf, LZ_I32, ndim, shape),
+      lz_test_wrap(buf, LZ_BF16, ndim, shape), lz_test_wrap(buf, LZ_F32, 1, s9)};
+}
+
+void lz_test_operands_free(lz_test_operands *o) {
+  lz_tensor_free(o->f32), lz_tensor_free(o->i32), lz_tensor_free(o->bf16);
+  lz_tensor_free(o->f32_9);
+}
+
 double lz_test_rel_err(const float *a, const double *b, int64_t n) {
   double scale = 0.0, worst = 0.0;
   for (int64_t i = 0; i < n; i++) scale = fabs(b[i]) > scale ? fabs(b[i]) : scale;

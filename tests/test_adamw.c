@@ -96,11 +96,9 @@ LZ_TEST(adamw_thread_independent) {
 }
 
 LZ_TEST(adamw_errors) {
-  float buf[16] = {0};
-  int32_t ibuf[16] = {0};
-  const int64_t s8[1] = {8}, s9[1] = {9};
-  lz_tensor *t = lz_test_wrap(buf, LZ_F32, 1, s8), *t9 = lz_test_wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *ti = lz_test_wrap(ibuf, LZ_I32, 1, s8), *th = lz_test_wrap(buf, LZ_BF16, 1, s8);
+  const int64_t s8[1] = {8};
+  lz_test_operands o = lz_test_operands_new(1, s8);
+  lz_tensor *t = o.f32, *t9 = o.f32_9, *ti = o.i32, *th = o.bf16;
   const lz_adamw_args good = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
                               .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 1};
   lz_adamw_args a = good;
@@ -137,7 +135,7 @@ LZ_TEST(adamw_errors) {
   CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->weight_decay is -0.5");
   a = good, a.grad_scale = INFINITY;
   CHECK_ERR(lz_adamw_step(t, t, t, t, NULL, &a), LZ_ERR_INVALID, "args->grad_scale is inf");
-  lz_tensor_free(t), lz_tensor_free(t9), lz_tensor_free(ti), lz_tensor_free(th);
+  lz_test_operands_free(&o);
 }
 
 /* The f16 working copy is converted in the update's own vectorized pass, by

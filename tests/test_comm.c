@@ -24,6 +24,15 @@ static void clear_env(void) {
   for (int i = 0; vars[i]; i++) unsetenv(vars[i]);
 }
 
+/* A communicator of `kind` outside any launcher; NULL (a failure recorded)
+ * when it cannot be made. */
+static lz_comm *fresh_comm(lz_comm_backend kind) {
+  clear_env();
+  lz_comm *c = NULL;
+  CHECK_OK(lz_comm_init(&c, kind));
+  return c;
+}
+
 static int shm_leftovers(void) {
   char prefix[64];
   snprintf(prefix, sizeof prefix, "luazero-%d-", (int)getpid());
@@ -57,9 +66,7 @@ LZ_TEST(comm_shard_covers_the_count_in_order) {
 }
 
 LZ_TEST(comm_local_ops_copy_and_count_nothing) {
-  clear_env();
-  lz_comm *c;
-  CHECK_OK(lz_comm_init(&c, LZ_COMM_AUTO));
+  lz_comm *c = fresh_comm(LZ_COMM_AUTO);
   if (!c) return;
   CHECK(!strcmp(lz_comm_backend_name(c), "local"));
   CHECK_EQ_INT(lz_comm_rank(c), 0);
@@ -84,9 +91,7 @@ LZ_TEST(comm_local_ops_copy_and_count_nothing) {
 }
 
 LZ_TEST(comm_async_work_runs_in_order) {
-  clear_env();
-  lz_comm *c;
-  CHECK_OK(lz_comm_init(&c, LZ_COMM_LOCAL));
+  lz_comm *c = fresh_comm(LZ_COMM_LOCAL);
   if (!c) return;
   enum { N = 16, LEN = 1000 };
   static float src[N][LEN], dst[N][LEN];
@@ -106,9 +111,7 @@ LZ_TEST(comm_async_work_runs_in_order) {
 }
 
 LZ_TEST(comm_bad_arguments_are_named) {
-  clear_env();
-  lz_comm *c;
-  CHECK_OK(lz_comm_init(&c, LZ_COMM_LOCAL));
+  lz_comm *c = fresh_comm(LZ_COMM_LOCAL);
   if (!c) return;
   int32_t x[4] = {0};
   float f[4] = {0};

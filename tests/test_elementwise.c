@@ -165,11 +165,9 @@ LZ_TEST(elementwise_has_inf_nan) {
 }
 
 LZ_TEST(elementwise_errors) {
-  float buf[16] = {0};
-  int32_t ibuf[16] = {0};
-  const int64_t s8[2] = {2, 4}, s9[1] = {9};
-  lz_tensor *a = lz_test_wrap(buf, LZ_F32, 2, s8), *b9 = lz_test_wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *ai = lz_test_wrap(ibuf, LZ_I32, 2, s8), *ah = lz_test_wrap(buf, LZ_BF16, 2, s8);
+  const int64_t s8[2] = {2, 4};
+  lz_test_operands o = lz_test_operands_new(2, s8);
+  lz_tensor *a = o.f32, *b9 = o.f32_9, *ai = o.i32, *ah = o.bf16;
   double d;
   int flag;
   CHECK_ERR(lz_add(a, a, b9), LZ_ERR_INVALID,
@@ -186,5 +184,5 @@ LZ_TEST(elementwise_errors) {
   CHECK_ERR(lz_sq_norm(a, NULL), LZ_ERR_INVALID, "sq_norm: out is NULL");
   CHECK_ERR(lz_has_inf_nan(ai, &flag), LZ_ERR_INVALID, "has_inf_nan: t is i32[2,4]");
   CHECK_ERR(lz_has_inf_nan(a, NULL), LZ_ERR_INVALID, "has_inf_nan: out is NULL");
-  lz_tensor_free(a), lz_tensor_free(b9), lz_tensor_free(ai), lz_tensor_free(ah);
+  lz_test_operands_free(&o);
 }

@@ -86,11 +86,9 @@ LZ_TEST(gelu_nan_inf) {
 }
 
 LZ_TEST(gelu_errors) {
-  float buf[64] = {0};
-  int32_t ibuf[64] = {0};
-  const int64_t s8[2] = {2, 4}, s9[1] = {9};
-  lz_tensor *x = lz_test_wrap(buf, LZ_F32, 2, s8), *y9 = lz_test_wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *xi = lz_test_wrap(ibuf, LZ_I32, 2, s8);
+  const int64_t s8[2] = {2, 4};
+  lz_test_operands o = lz_test_operands_new(2, s8);
+  lz_tensor *x = o.f32, *y9 = o.f32_9, *xi = o.i32;
   CHECK_ERR(lz_gelu_forward(y9, x), LZ_ERR_INVALID, "gelu_forward: out is f32[9] but x is "
                                                     "f32[2,4]");
   CHECK_ERR(lz_gelu_forward(x, xi), LZ_ERR_INVALID, "gelu_forward: x is i32[2,4], expected "
@@ -98,5 +96,5 @@ LZ_TEST(gelu_errors) {
   CHECK_ERR(lz_gelu_forward(NULL, x), LZ_ERR_INVALID, "gelu_forward: out is missing");
   CHECK_ERR(lz_gelu_backward(x, y9, x), LZ_ERR_INVALID, "gelu_backward: dy is f32[9]");
   CHECK_ERR(lz_gelu_backward(y9, x, x), LZ_ERR_INVALID, "gelu_backward: dx is f32[9]");
-  lz_tensor_free(x), lz_tensor_free(y9), lz_tensor_free(xi);
+  lz_test_operands_free(&o);
 }

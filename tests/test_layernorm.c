@@ -121,6 +121,27 @@ LZ_TEST(layernorm_small_against_reference) { check_case(2, 3, 37, 1); }
 /* Big enough for the threaded path (and C a multiple of the lane count). */
 LZ_TEST(layernorm_large_against_reference) { check_case(4, 16, 768, 97); }
 
+/* Tensors over the arrays of one layernorm of rows x C: activations and
+ * their gradients [rows, C], weights and theirs [C], statistics [rows]. */
+typedef struct {
+  lz_tensor *x, *dy, *out, *dx, *w, *b, *dw, *db, *mean, *rstd;
+} ln_tensors;
+
+static ln_tensors ln_wrap(int64_t rows, int64_t C, float *x, float *dy, float *out, float *dx,
+                          float *w, float *b, float *dw, float *db, float *mean, float *rstd) {
+  const int64_t s2[2] = {rows, C}, sc[1] = {C}, sr[1] = {rows};
+  return (ln_tensors){lz_test_wrap(x, LZ_F32, 2, s2),    lz_test_wrap(dy, LZ_F32, 2, s2),
+                      lz_test_wrap(out, LZ_F32, 2, s2),  lz_test_wrap(dx, LZ_F32, 2, s2),
+                      lz_test_wrap(w, LZ_F32, 1, sc),    lz_test_wrap(b, LZ_F32, 1, sc),
+                      lz_test_wrap(dw, LZ_F32, 1, sc),   lz_test_wrap(db, LZ_F32, 1, sc),
+                      lz_test_wrap(mean, LZ_F32, 1, sr), lz_test_wrap(rstd, LZ_F32, 1, sr)};
+}
+
+static void ln_free(ln_tensors *t) {
+  lz_tensor *ts[] = {t->x, t->dy, t->out, t->dx, t->w, t->b, t->dw, t->db, t->mean, t->rstd};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+}
+
 /* dw, db, dx do not depend on the thread count, to the bit. */
 LZ_TEST(layernorm_backward_deterministic) {
   enum { ROWS = 96, C = 520 };
@@ -128,26 +149,21 @@ LZ_TEST(layernorm_backward_deterministic) {
   static float dx[2][ROWS * C], dw[2][C], db[2][C];
   for (int i = 0; i < ROWS * C; i++) x[i] = frand(), dy[i] = frand();
   for (int i = 0; i < C; i++) w[i] = frand(), b[i] = frand();
-  const int64_t s2[2] = {ROWS, C}, sc[1] = {C}, sr[1] = {ROWS};
-  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, s2), *tdy = lz_test_wrap(dy, LZ_F32, 2, s2);
-  lz_tensor *tout = lz_test_wrap(out, LZ_F32, 2, s2), *tw = lz_test_wrap(w, LZ_F32, 1, sc);
-  lz_tensor *tb = lz_test_wrap(b, LZ_F32, 1, sc), *tmean = lz_test_wrap(mean, LZ_F32, 1, sr);
-  lz_tensor *trstd = lz_test_wrap(rstd, LZ_F32, 1, sr);
-  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
+  ln_tensors t[2];
+  for (int k = 0; k < 2; k++)
+    t[k] = ln_wrap(ROWS, C, x, dy, out, dx[k], w, b, dw[k], db[k], mean, rstd);
+  CHECK_OK(lz_layernorm_forward(t[0].out, t[0].mean, t[0].rstd, t[0].x, t[0].w, t[0].b, 1e-5f));
   const int saved = lz_threads_get();
   for (int k = 0; k < 2; k++) {
     CHECK_OK(lz_threads_set(k + 1));
-    lz_tensor *tdx = lz_test_wrap(dx[k], LZ_F32, 2, s2), *tdw = lz_test_wrap(dw[k], LZ_F32, 1, sc);
-    lz_tensor *tdb = lz_test_wrap(db[k], LZ_F32, 1, sc);
-    CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
-    lz_tensor_free(tdx), lz_tensor_free(tdw), lz_tensor_free(tdb);
+    CHECK_OK(lz_layernorm_backward(t[k].dx, t[k].dw, t[k].db, t[k].dy, t[k].x, t[k].w, t[k].mean,
+                                   t[k].rstd));
   }
   lz_threads_set(saved);
   CHECK(memcmp(dx[0], dx[1], sizeof dx[0]) == 0);
   CHECK(memcmp(dw[0], dw[1], sizeof dw[0]) == 0);
   CHECK(memcmp(db[0], db[1], sizeof db[0]) == 0);
-  lz_tensor_free(tx), lz_tensor_free(tdy), lz_tensor_free(tout), lz_tensor_free(tw);
-  lz_tensor_free(tb), lz_tensor_free(tmean), lz_tensor_free(trstd);
+  for (int k = 0; k < 2; k++) ln_free(&t[k]);
 }
 
 /* Not API: layernorm.c's widest rows for the one-pass backward; 0 forces the
@@ -168,22 +184,16 @@ static void backward_with(float *dx, float *dw, float *db, int64_t rows, int64_t
   for (int64_t i = 0; i < n; i++) x[i] = 3.0f + frand(), dy[i] = frand();
   for (int64_t i = 0; i < C; i++) w[i] = frand(), b[i] = frand(), dw[i] = frand(), db[i] = frand();
   rng = keep;
-  const int64_t s2[2] = {rows, C}, sc[1] = {C}, sr[1] = {rows};
-  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, s2), *tdy = lz_test_wrap(dy, LZ_F32, 2, s2);
-  lz_tensor *tout = lz_test_wrap(out, LZ_F32, 2, s2), *tdx = lz_test_wrap(dx, LZ_F32, 2, s2);
-  lz_tensor *tw = lz_test_wrap(w, LZ_F32, 1, sc), *tb = lz_test_wrap(b, LZ_F32, 1, sc);
-  lz_tensor *tdw = lz_test_wrap(dw, LZ_F32, 1, sc), *tdb = lz_test_wrap(db, LZ_F32, 1, sc);
-  lz_tensor *tmean = lz_test_wrap(mean, LZ_F32, 1, sr), *trstd = lz_test_wrap(rstd, LZ_F32, 1, sr);
+  ln_tensors t = ln_wrap(rows, C, x, dy, out, dx, w, b, dw, db, mean, rstd);
   const int saved_threads = lz_threads_get();
   const int64_t saved_cols = lz_layernorm_fused_max_cols;
   CHECK_OK(lz_threads_set(threads));
   if (two_pass) lz_layernorm_fused_max_cols = 0;
-  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
-  CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  CHECK_OK(lz_layernorm_forward(t.out, t.mean, t.rstd, t.x, t.w, t.b, 1e-5f));
+  CHECK_OK(lz_layernorm_backward(t.dx, t.dw, t.db, t.dy, t.x, t.w, t.mean, t.rstd));
   lz_layernorm_fused_max_cols = saved_cols;
   lz_threads_set(saved_threads);
-  lz_tensor *ts[] = {tx, tdy, tout, tdx, tw, tb, tdw, tdb, tmean, trstd};
-  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+  ln_free(&t);
   free(x), free(dy), free(out), free(w), free(b), free(mean), free(rstd);
 }
 
@@ -231,19 +241,13 @@ LZ_TEST(layernorm_backward_dx_aliases_dy) {
   float dw[C] = {0}, db[C] = {0}, mean[ROWS], rstd[ROWS];
   for (int i = 0; i < ROWS * C; i++) x[i] = frand(), dy[i] = frand();
   for (int i = 0; i < C; i++) w[i] = frand(), b[i] = frand();
-  const int64_t s2[2] = {ROWS, C}, sc[1] = {C}, sr[1] = {ROWS};
-  lz_tensor *tx = lz_test_wrap(x, LZ_F32, 2, s2), *tdy = lz_test_wrap(dy, LZ_F32, 2, s2);
-  lz_tensor *tout = lz_test_wrap(out, LZ_F32, 2, s2), *tdx = lz_test_wrap(dx, LZ_F32, 2, s2);
-  lz_tensor *tw = lz_test_wrap(w, LZ_F32, 1, sc), *tb = lz_test_wrap(b, LZ_F32, 1, sc);
-  lz_tensor *tdw = lz_test_wrap(dw, LZ_F32, 1, sc), *tdb = lz_test_wrap(db, LZ_F32, 1, sc);
-  lz_tensor *tmean = lz_test_wrap(mean, LZ_F32, 1, sr), *trstd = lz_test_wrap(rstd, LZ_F32, 1, sr);
-  CHECK_OK(lz_layernorm_forward(tout, tmean, trstd, tx, tw, tb, 1e-5f));
-  CHECK_OK(lz_layernorm_backward(tdx, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  ln_tensors t = ln_wrap(ROWS, C, x, dy, out, dx, w, b, dw, db, mean, rstd);
+  CHECK_OK(lz_layernorm_forward(t.out, t.mean, t.rstd, t.x, t.w, t.b, 1e-5f));
+  CHECK_OK(lz_layernorm_backward(t.dx, t.dw, t.db, t.dy, t.x, t.w, t.mean, t.rstd));
   memset(dw, 0, sizeof dw), memset(db, 0, sizeof db);
-  CHECK_OK(lz_layernorm_backward(tdy, tdw, tdb, tdy, tx, tw, tmean, trstd));
+  CHECK_OK(lz_layernorm_backward(t.dy, t.dw, t.db, t.dy, t.x, t.w, t.mean, t.rstd));
   CHECK(memcmp(dx, dy, sizeof dx) == 0);
-  lz_tensor *ts[] = {tx, tdy, tout, tdx, tw, tb, tdw, tdb, tmean, trstd};
-  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
+  ln_free(&t);
 }
 
 LZ_TEST(layernorm_errors) {

@@ -114,11 +114,9 @@ LZ_TEST(lion_working_bf16) { check_case(100003, 1, LZ_BF16, &typical); } /* thre
 LZ_TEST(lion_working_f16) { check_case(100003, 1, LZ_F16, &typical); }
 
 LZ_TEST(lion_errors) {
-  float buf[16] = {0};
-  int32_t ibuf[16] = {0};
   const int64_t s8[1] = {8}, s9[1] = {9};
-  lz_tensor *t = lz_test_wrap(buf, LZ_F32, 1, s8), *t9 = lz_test_wrap(buf, LZ_F32, 1, s9);
-  lz_tensor *ti = lz_test_wrap(ibuf, LZ_I32, 1, s8), *th = lz_test_wrap(buf, LZ_BF16, 1, s8);
+  lz_test_operands o = lz_test_operands_new(1, s8);
+  lz_tensor *t = o.f32, *t9 = o.f32_9, *ti = o.i32, *th = o.bf16;
   const lz_lion_args good = {
       .lr = 1e-4f, .beta1 = 0.9f, .beta2 = 0.99f, .weight_decay = 0.0f, .grad_scale = 1.0f};
   lz_lion_args a = good;
@@ -160,5 +158,5 @@ LZ_TEST(lion_errors) {
   tc->device = LZ_CPU;
   CHECK_OK(lz_lion_step(tp, tg, tm, NULL, &good));
   lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm);
-  lz_tensor_free(t), lz_tensor_free(t9), lz_tensor_free(ti), lz_tensor_free(th);
+  lz_test_operands_free(&o);
 }

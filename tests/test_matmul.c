@@ -63,25 +63,19 @@ static void check_matmul_case(lz_dtype dt, int64_t batch, int64_t m, int64_t n, 
   lz_tensor_free(c);
 }
 
-LZ_TEST(matmul_f32_matches_reference) {
+/* Both transposes of each operand, batched and not, with alpha and beta. */
+static void check_matmul_cases(lz_dtype dt) {
   for (int ta = 0; ta < 2; ta++)
     for (int tb = 0; tb < 2; tb++) {
-      check_matmul_case(LZ_F32, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_F32, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
-      check_matmul_case(LZ_F32, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_F32, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
+      check_matmul_case(dt, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(dt, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
+      check_matmul_case(dt, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
+      check_matmul_case(dt, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
     }
 }
 
-LZ_TEST(matmul_bf16_matches_reference) {
-  for (int ta = 0; ta < 2; ta++)
-    for (int tb = 0; tb < 2; tb++) {
-      check_matmul_case(LZ_BF16, 1, 17, 23, 31, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_BF16, 1, 64, 48, 96, ta, tb, 0, 0.5f, 1.0f);
-      check_matmul_case(LZ_BF16, 3, 9, 5, 13, ta, tb, 0, 1.0f, 0.0f);
-      check_matmul_case(LZ_BF16, 3, 9, 5, 13, ta, tb, 1, 2.0f, 0.5f);
-    }
-}
+LZ_TEST(matmul_f32_matches_reference) { check_matmul_cases(LZ_F32); }
+LZ_TEST(matmul_bf16_matches_reference) { check_matmul_cases(LZ_BF16); }
 
 LZ_TEST(matmul_rejects_bad_shapes) {
   int64_t s23[2] = {2, 3}, s43[2] = {4, 3}, s24[2] = {2, 4};
@@ -114,6 +108,26 @@ static double rel_err(double got, double ref) {
   return fabs(got - ref) / (fabs(ref) > 1e-2 ? fabs(ref) : 1e-2);
 }
 
+/* The worst rel_err of grad / passes against central differences of
+ * linear_loss over each of the n entries of p (one of xd, wd, bd). */
+static double worst_fd_err(const float *grad, double passes, double *p, int64_t n, double *xd,
+                           double *wd, double *bd, const double *rd, int64_t rows, int64_t in,
+                           int64_t outc) {
+  const double h = 1e-6;
+  double worst = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double keep = p[i];
+    p[i] = keep + h;
+    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    p[i] = keep - h;
+    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
+    p[i] = keep;
+    double e = rel_err(grad[i] / passes, (lp - lm) / (2 * h));
+    if (e > worst) worst = e;
+  }
+  return worst;
+}
+
 LZ_TEST(linear_forward_backward_vs_finite_differences) {
   const int64_t B = 3, T = 5, in = 12, outc = 7, rows = B * T;
   int64_t sx[3] = {B, T, in}, sw[2] = {outc, in}, sb[1] = {outc}, sy[3] = {B, T, outc};
@@ -142,38 +156,11 @@ LZ_TEST(linear_forward_backward_vs_finite_differences) {
   /* Twice: dw and db accumulate, dx is overwritten. */
   CHECK_OK(lz_linear_backward(dx, dw, db, dy, x, w));
   CHECK_OK(lz_linear_backward(dx, dw, db, dy, x, w));
-  const double h = 1e-6;
-  double worst = 0;
-  for (int64_t i = 0; i < rows * in; i++) {
-    double keep = xd[i];
-    xd[i] = keep + h;
-    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
-    xd[i] = keep - h;
-    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
-    xd[i] = keep;
-    double e = rel_err(((float *)dx->data)[i], (lp - lm) / (2 * h));
-    if (e > worst) worst = e;
-  }
-  for (int64_t i = 0; i < outc * in; i++) {
-    double keep = wd[i];
-    wd[i] = keep + h;
-    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
-    wd[i] = keep - h;
-    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
-    wd[i] = keep;
-    double e = rel_err(((float *)dw->data)[i] / 2, (lp - lm) / (2 * h));
-    if (e > worst) worst = e;
-  }
-  for (int64_t i = 0; i < outc; i++) {
-    double keep = bd[i];
-    bd[i] = keep + h;
-    double lp = linear_loss(xd, wd, bd, rd, rows, in, outc);
-    bd[i] = keep - h;
-    double lm = linear_loss(xd, wd, bd, rd, rows, in, outc);
-    bd[i] = keep;
-    double e = rel_err(((float *)db->data)[i] / 2, (lp - lm) / (2 * h));
-    if (e > worst) worst = e;
-  }
+  double worst = worst_fd_err(dx->data, 1, xd, rows * in, xd, wd, bd, rd, rows, in, outc);
+  double e = worst_fd_err(dw->data, 2, wd, outc * in, xd, wd, bd, rd, rows, in, outc);
+  if (e > worst) worst = e;
+  e = worst_fd_err(db->data, 2, bd, outc, xd, wd, bd, rd, rows, in, outc);
+  if (e > worst) worst = e;
   CHECK(worst <= 1e-3);
   if (worst > 1e-3) printf("    worst relative error %g\n", worst);
 

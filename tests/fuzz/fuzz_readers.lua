@@ -43,11 +43,7 @@ os.execute(("mkdir -p '%s'"):format(work))
 
 local function read(path) return assert(lz.read_file(path), path) end
 
-local function write(path, s)
-  local f = assert(io.open(path, "wb"))
-  f:write(s)
-  f:close()
-end
+local write = dofile(lz.root .. "/tests/lua/support.lua").write
 
 local function files_in(dir)
   local out = {}

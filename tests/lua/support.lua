@@ -14,20 +14,48 @@ end
 
 function M.quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
+-- Writes bytes to path (replacing the file); returns path.
+function M.write(path, bytes)
+  local f = assert(io.open(path, "wb"))
+  f:write(bytes)
+  f:close()
+  return path
+end
+
 -- A fresh folder; returns write(name, bytes) -> path of the written file,
 -- and the folder.
 function M.scratch()
   local dir = os.tmpname()
   os.remove(dir)
   os.execute("mkdir -p " .. M.quote(dir))
-  return function(name, bytes)
-    local path = dir .. "/" .. name
-    local f = assert(io.open(path, "wb"))
-    f:write(bytes)
-    f:close()
-    return path
-  end, dir
+  return function(name, bytes) return M.write(dir .. "/" .. name, bytes) end, dir
 end
+
+-- A scratch folder holding corpus.txt, `text` repeated `times` times:
+-- write(name, bytes) -> path, the folder, and the corpus's path.
+function M.scratch_corpus(text, times)
+  local write_file, dir = M.scratch()
+  return write_file, dir, write_file("corpus.txt", text:rep(times))
+end
+
+-- The ZeRO layout over `world` ranks of a gpt2-nano with the fields of
+-- `fields` (models.gpt2.config's), and the model.
+function M.gpt2_layout(fields, world)
+  local gpt2 = require("models.gpt2")
+  local m = gpt2.new(gpt2.config("gpt2-nano", fields))
+  return require("luazero.zero.layout").new(m.param_table, world), m
+end
+
+-- Two lines the training tests repeat into a corpus.
+M.HAMLET = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
+
+-- The tiny GPT-2s the training tests run through scripts/train.lua, seeded,
+-- without samples and with one eval batch: 1 layer of width 32 on 8-token
+-- sequences, or 2 layers of width 64 on 16-token ones.
+M.GPT2_1L = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 " ..
+            "--sample 0 --eval-batches 1 --seed 7"
+M.GPT2_2L = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
+            "--sample 0 --eval-batches 1 --seed 7"
 
 -- The records of a metrics log (JSON Lines), in order.
 function M.records(path)

@@ -40,55 +40,63 @@ local function span_texts(text, spans)
   return out
 end
 
+-- ct renders messages (with opts) as want_text, with the assistant spans
+-- want_spans; returns the spans.
+local function renders(ct, messages, opts, want_text, want_spans)
+  local text, spans = ct:render(messages, opts)
+  same(text, want_text)
+  same(span_texts(text, spans), want_spans)
+  return spans
+end
+
 function T.llama3()
   local ct = chat_template.load(FIXTURES .. "llama3")
-  local text, spans = ct:render(SHORT)
-  same(text, "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>" ..
-             "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>" ..
-             "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>")
-  same(span_texts(text, spans), { "Hello!<|eot_id|>" })
-  text, spans = ct:render(LONG, { add_generation_prompt = true })
-  same(text, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nspaced question<|eot_id|>" ..
-             "<|start_header_id|>assistant<|end_header_id|>\n\nanswer with\ttabs<|eot_id|>" ..
-             "<|start_header_id|>user<|end_header_id|>\n\nagain? 日本語 😀<|eot_id|>" ..
-             "<|start_header_id|>assistant<|end_header_id|>\n\nYes.\n\nTwo lines.<|eot_id|>" ..
-             "<|start_header_id|>assistant<|end_header_id|>\n\n")
-  same(span_texts(text, spans), { "answer with\ttabs<|eot_id|>", "Yes.\n\nTwo lines.<|eot_id|>" })
+  renders(ct, SHORT, nil,
+          "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>" ..
+          "<|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>" ..
+          "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>",
+          { "Hello!<|eot_id|>" })
+  local spans = renders(ct, LONG, { add_generation_prompt = true },
+          "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nspaced question<|eot_id|>" ..
+          "<|start_header_id|>assistant<|end_header_id|>\n\nanswer with\ttabs<|eot_id|>" ..
+          "<|start_header_id|>user<|end_header_id|>\n\nagain? 日本語 😀<|eot_id|>" ..
+          "<|start_header_id|>assistant<|end_header_id|>\n\nYes.\n\nTwo lines.<|eot_id|>" ..
+          "<|start_header_id|>assistant<|end_header_id|>\n\n",
+          { "answer with\ttabs<|eot_id|>", "Yes.\n\nTwo lines.<|eot_id|>" })
   assert(spans[1].message == 2 and spans[2].message == 4)
 end
 
 function T.zephyr_trim_and_lstrip_blocks()
   local ct = chat_template.load(FIXTURES .. "zephyr")
-  local text, spans = ct:render(SHORT)
-  same(text, "<|system|>\nYou are terse.</s>\n<|user|>\nHi there</s>\n<|assistant|>\nHello!</s>\n")
-  same(span_texts(text, spans), { "Hello!</s>" })
-  text = ct:render(LONG, { add_generation_prompt = true })
+  renders(ct, SHORT, nil,
+          "<|system|>\nYou are terse.</s>\n<|user|>\nHi there</s>\n<|assistant|>\nHello!</s>\n",
+          { "Hello!</s>" })
+  local text = ct:render(LONG, { add_generation_prompt = true })
   same(text, "<|user|>\n  spaced question \n</s>\n<|assistant|>\n answer with\ttabs  </s>\n" ..
              "<|user|>\nagain? 日本語 😀</s>\n<|assistant|>\nYes.\n\nTwo lines.</s>\n<|assistant|>\n")
 end
 
 function T.chatml()
   local ct = chat_template.load(FIXTURES .. "chatml")
-  local text, spans = ct:render(LONG)
-  same(text, "<|im_start|>user\n  spaced question \n<|im_end|>\n<|im_start|>assistant\n answer with" ..
-             "\ttabs  <|im_end|>\n<|im_start|>user\nagain? 日本語 😀<|im_end|>\n<|im_start|>assistant\n" ..
-             "Yes.\n\nTwo lines.<|im_end|>\n")
-  same(span_texts(text, spans), { " answer with\ttabs  <|im_end|>", "Yes.\n\nTwo lines.<|im_end|>" })
+  renders(ct, LONG, nil,
+          "<|im_start|>user\n  spaced question \n<|im_end|>\n<|im_start|>assistant\n answer with" ..
+          "\ttabs  <|im_end|>\n<|im_start|>user\nagain? 日本語 😀<|im_end|>\n<|im_start|>assistant\n" ..
+          "Yes.\n\nTwo lines.<|im_end|>\n",
+          { " answer with\ttabs  <|im_end|>", "Yes.\n\nTwo lines.<|im_end|>" })
   assert(ct.bos_token == nil and ct.eos_token == "<|im_end|>")
 end
 
 function T.llama2_slices_strip_and_system()
   local ct = chat_template.load(FIXTURES .. "llama2")
-  local text, spans = ct:render(SHORT)
-  same(text, "<s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHi there [/INST] Hello! </s>")
-  same(span_texts(text, spans), { " Hello! </s>" })
-  text, spans = ct:render(LONG)
-  same(text, "<s>[INST] spaced question [/INST] answer with\ttabs </s><s>[INST] again? 日本語 😀 " ..
-             "[/INST] Yes.\n\nTwo lines. </s>")
-  same(span_texts(text, spans), { " answer with\ttabs </s>", " Yes.\n\nTwo lines. </s>" })
-  text, spans = ct:render({ { role = "user", content = "" }, { role = "assistant", content = "" } })
-  same(text, "<s>[INST]  [/INST]  </s>")
-  same(span_texts(text, spans), { "  </s>" })
+  renders(ct, SHORT, nil,
+          "<s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nHi there [/INST] Hello! </s>",
+          { " Hello! </s>" })
+  renders(ct, LONG, nil,
+          "<s>[INST] spaced question [/INST] answer with\ttabs </s><s>[INST] again? 日本語 😀 " ..
+          "[/INST] Yes.\n\nTwo lines. </s>",
+          { " answer with\ttabs </s>", " Yes.\n\nTwo lines. </s>" })
+  renders(ct, { { role = "user", content = "" }, { role = "assistant", content = "" } }, nil,
+          "<s>[INST]  [/INST]  </s>", { "  </s>" })
 end
 
 function T.refused_roles_name_the_file()

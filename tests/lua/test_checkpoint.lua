@@ -11,11 +11,8 @@ local checkpoint = require("luazero.checkpoint")
 
 local T = {}
 local root, q = lz.root, support.quote
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("To be, or not to be, that is the question:\n" ..
-                                         "Whether 'tis nobler in the mind to suffer\n"):rep(40))
-local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
-              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
+local write_file, tmp, corpus = support.scratch_corpus(support.HAMLET, 40)
+local MODEL = support.GPT2_2L .. " --micro-batch 2 --data " .. q(corpus)
 
 local sh = support.sh
 local train, ok_train = support.trainer(MODEL)

@@ -9,13 +9,10 @@ local cjson = require("cjson")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
 local gpt2 = require("models.gpt2")
-local layout = require("luazero.zero.layout")
 
 local T = {}
 
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("To be, or not to be, that is the question:\n" ..
-                                         "Whether 'tis nobler in the mind to suffer\n"):rep(60))
+local write_file, tmp, corpus = support.scratch_corpus(support.HAMLET, 60)
 local MODEL = { n_layer = 2, n_embd = 64, n_head = 4, context = 32 }
 local B, SEQ, THRESHOLD = 2, 16, 128
 local model_flags = ("--model gpt2-nano --n-layer %d --n-embd %d --n-head %d --context %d " ..
@@ -177,10 +174,7 @@ local function records(n, cfg, extra)
   return recs
 end
 
-local function the_layout(world)
-  local m = gpt2.new(gpt2.config("gpt2-nano", MODEL))
-  return layout.new(m.param_table, world), m
-end
+local function the_layout(world) return support.gpt2_layout(MODEL, world) end
 
 -- Batches move as i32 tokens and targets (host to device) and the
 -- per-position losses come back (device to host), every micro-step.

@@ -14,11 +14,8 @@ local checkpoint = require("luazero.checkpoint")
 
 local T = {}
 local root, q, sh = lz.root, support.quote, support.sh
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("To be, or not to be, that is the question:\n" ..
-                                         "Whether 'tis nobler in the mind to suffer\n"):rep(40))
-local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 " ..
-              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
+local write_file, tmp, corpus = support.scratch_corpus(support.HAMLET, 40)
+local MODEL = support.GPT2_1L .. " --micro-batch 2 --data " .. q(corpus)
 
 local train, ok_train = support.trainer(MODEL)
 
@@ -46,19 +43,8 @@ local function fails(n, flags, status, needles, opts)
   return out
 end
 
-local function read(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
-
-local function put(path, bytes)
-  local f = assert(io.open(path, "wb"))
-  f:write(bytes)
-  f:close()
-end
+local function read(path) return (lz.read_file(path)) end -- nil where there is none yet
+local put = support.write
 
 local function ls(dir)
   local out = sh("ls -a " .. q(dir))

@@ -7,10 +7,9 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 local estimate = require("luazero.estimate")
 
 local T = {}
-local write_file = support.scratch()
-local corpus = write_file("corpus.txt", ("It was the best of times, it was the worst of times.\n"):rep(60))
-local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 " ..
-              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. support.quote(corpus)
+local write_file, _, corpus = support.scratch_corpus(
+  "It was the best of times, it was the worst of times.\n", 60)
+local MODEL = support.GPT2_1L .. " --micro-batch 2 --data " .. support.quote(corpus)
 local train, ok_train = support.trainer(MODEL)
 
 -- A run that stops before step 1 with exit 2 and `needle` on one line.

@@ -11,26 +11,16 @@ local gpt2 = require("models.gpt2")
 local T = {}
 local root = lz.root
 
-local exe = lz.executable
-
 local shell_quote = support.quote
 
+local train_n = support.trainer("")
 -- Runs scripts/train.lua with `flags` (a string); returns output (stdout and
 -- stderr together) and the exit status.
-local function train(flags)
-  local cmd = ("cd %s && %s scripts/train.lua %s 2>&1; echo \"EXIT:$?\"")
-              :format(shell_quote(root), shell_quote(exe()), flags)
-  local p = io.popen(cmd)
-  local out = p:read("*a")
-  p:close()
-  local status = tonumber(out:match("EXIT:(%d+)%s*$"))
-  return out:gsub("EXIT:%d+%s*$", ""), status
-end
+local function train(flags) return train_n(1, flags) end
 
 local write_file, tmp = support.scratch()
 
-local text = ("To be, or not to be, that is the question:\n" ..
-              "Whether 'tis nobler in the mind to suffer\n"):rep(40)
+local text = support.HAMLET:rep(40)
 local small = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 32 --seq-len 16 " ..
               "--micro-batch 2 --sample 0"
 

@@ -14,9 +14,8 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 local q, eq = support.quote, support.eq
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("Because I could not stop for Death, He kindly " ..
-                                         "stopped for me; "):rep(60))
+local write_file, tmp, corpus = support.scratch_corpus(
+  "Because I could not stop for Death, He kindly stopped for me; ", 60)
 local train, ok_train = support.trainer("--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 " ..
                                         "--context 32 --sample 0 --eval-batches 1 --data " ..
                                         q(corpus))
@@ -180,20 +179,14 @@ local function profile_of(name, B, T_)
                             flops_profiler = { enabled = true, profile_step = 1 } }, 1)
   local engine = zero.initialize({ model = model, config = cfg, seed = 1, batch = { B, T_ } })
   local mon = monitor.start({ engine = engine, model = model, cfg = cfg, rank = 1, B = B, T = T_ })
-  local r = require("luazero.rng").new(1)
-  local x, y = lz.tensor({ B, T_ }, "i32"), lz.tensor({ B, T_ }, "i32")
-  local px, py = ffi.cast("int32_t *", x.data), ffi.cast("int32_t *", y.data)
-  local batches = { next_batch = function()
-    for i = 0, B * T_ - 1 do px[i] = r:int(mcfg.vocab); py[i] = r:int(mcfg.vocab) end
-    return x, y
-  end }
+  local rng = require("luazero.rng")
+  local batches = require("luazero.data.random").new(B, T_, mcfg.vocab, rng.new(1))
   mon:before_step(1)
   engine:train_batch(batches)
   mon:after_step({ step = 1, step_ms = 100 })
   local n = model:count_params()
   engine:free()
-  x:free()
-  y:free()
+  batches:free()
   return assert(mon.profile, "no profile at profile_step"), n, mcfg, cfg
 end
 

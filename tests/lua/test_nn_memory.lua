@@ -107,6 +107,31 @@ local function gpt2_block(C, H)
                         mlp = { "mlp", nn.MLP.new(C, 0.01) } })
 end
 
+-- At every dtype: each of cases ({ name, new(), input width, output width }),
+-- then embedding ({ name, new() }: token ids in, no input gradient) and
+-- tied_head ({ name, new(root) }: the LM head borrowing the table of an
+-- embedding it adds to root, padded vocabulary 64).
+local function check_modules(cases, embedding, tied_head, C, B, S)
+  for _, dtype in ipairs(DTYPES) do
+    for _, c in ipairs(cases) do
+      local x = input(B, S, c[3])
+      local r = check_module(c[1], c[2](), x, "f32", c[4], dtype, B, S)
+      assert(r.activations > 0 and r.scratch > 0, c[1])
+      x:free()
+    end
+    local tokens = lz.tensor({ B, S }, "i32", "workspace")
+    for i = 0, B * S - 1 do tokens:set(i, (i * 7) % 48) end
+    check_module(embedding[1], embedding[2](), tokens, "i32", C, dtype, B, S)
+    tokens:free()
+    local root = setmetatable({}, nn.Module):init()
+    local head = tied_head[2](root)
+    local x = input(B, S, C)
+    local r = check_module(tied_head[1], head, x, "f32", 64, dtype, B, S, root)
+    assert(dtype == "f32" or r.casts > 0, tied_head[1] .. " casts")
+    x:free()
+  end
+end
+
 function T.every_module_reports_the_bytes_its_forward_and_backward_take()
   local C, H, B, S = 32, 2, 2, 5
   local cases = {
@@ -127,26 +152,11 @@ function T.every_module_reports_the_bytes_its_forward_and_backward_take()
         return nn.Sequential.new({ gpt2_block(C, H), gpt2_block(C, H) })
       end, C, C },
   }
-  for _, dtype in ipairs(DTYPES) do
-    for _, c in ipairs(cases) do
-      local x = input(B, S, c[3])
-      local r = check_module(c[1], c[2](), x, "f32", c[4], dtype, B, S)
-      assert(r.activations > 0 and r.scratch > 0, c[1])
-      x:free()
-    end
-    -- The embedding takes token ids and returns no input gradient.
-    local tokens = lz.tensor({ B, S }, "i32", "workspace")
-    for i = 0, B * S - 1 do tokens:set(i, (i * 7) % 48) end
-    check_module("Embedding", nn.Embedding.new(48, 8, C), tokens, "i32", C, dtype, B, S)
-    tokens:free()
-    -- The LM head borrows the embedding's table (padded vocabulary 64).
-    local root = setmetatable({}, nn.Module):init()
-    local head = nn.TiedHead.new(root:add(false, nn.Embedding.new(64, 8, C)), "wte", "wte", 64)
-    local x = input(B, S, C)
-    local r = check_module("LMHead", head, x, "f32", 64, dtype, B, S, root)
-    assert(dtype == "f32" or r.casts > 0, "LMHead casts")
-    x:free()
-  end
+  check_modules(cases, { "Embedding", function() return nn.Embedding.new(48, 8, C) end },
+                { "LMHead", function(root)
+                    return nn.TiedHead.new(root:add(false, nn.Embedding.new(64, 8, C)), "wte", "wte",
+                                           64)
+                  end }, C, B, S)
 end
 
 -- Llama's parts: RMSNorm, the SwiGLU MLP, grouped-query attention with its
@@ -165,25 +175,11 @@ function T.every_llama_module_reports_the_bytes_its_forward_and_backward_take()
                               mlp = { "mlp", nn.SwiGLUMLP.new(C, 48, 0.02) } })
       end, C, C },
   }
-  for _, dtype in ipairs(DTYPES) do
-    for _, c in ipairs(cases) do
-      local x = input(B, S, c[3])
-      local r = check_module(c[1], c[2](), x, "f32", c[4], dtype, B, S)
-      assert(r.activations > 0 and r.scratch > 0, c[1])
-      x:free()
-    end
-    local tokens = lz.tensor({ B, S }, "i32", "workspace")
-    for i = 0, B * S - 1 do tokens:set(i, (i * 7) % 48) end
-    check_module("TokenEmbedding", nn.TokenEmbedding.new(48, C), tokens, "i32", C, dtype, B, S)
-    tokens:free()
-    local root = setmetatable({}, nn.Module):init()
-    local head = nn.TiedHead.new(root:add("embed_tokens", nn.TokenEmbedding.new(64, C)), "weight",
-                                 "embed_tokens.weight", 64)
-    local x = input(B, S, C)
-    local r = check_module("TiedHead", head, x, "f32", 64, dtype, B, S, root)
-    assert(dtype == "f32" or r.casts > 0, "TiedHead casts")
-    x:free()
-  end
+  check_modules(cases, { "TokenEmbedding", function() return nn.TokenEmbedding.new(48, C) end },
+                { "TiedHead", function(root)
+                    return nn.TiedHead.new(root:add("embed_tokens", nn.TokenEmbedding.new(64, C)),
+                                           "weight", "embed_tokens.weight", 64)
+                  end }, C, B, S)
   rope:free()
 end
 

@@ -11,11 +11,8 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 local q, sh = support.quote, support.sh
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("To be, or not to be, that is the question:\n" ..
-                                         "Whether 'tis nobler in the mind to suffer\n"):rep(40))
-local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 " ..
-              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
+local write_file, tmp, corpus = support.scratch_corpus(support.HAMLET, 40)
+local MODEL = support.GPT2_1L .. " --micro-batch 2 --data " .. q(corpus)
 local _, ok_train = support.trainer(MODEL)
 
 -- luazero with launcher flags `launch` (and environment `env`) before the

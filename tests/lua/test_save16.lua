@@ -9,11 +9,9 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 local q = support.quote
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("Do not go gentle into that good night, Old age " ..
-                                         "should burn and rave at close of day; "):rep(40))
-local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
-              "--sample 0 --eval-batches 1 --seed 7 --data " .. q(corpus)
+local write_file, tmp, corpus = support.scratch_corpus(
+  "Do not go gentle into that good night, Old age should burn and rave at close of day; ", 40)
+local MODEL = support.GPT2_2L .. " --data " .. q(corpus)
 local _, ok_train = support.trainer(MODEL)
 
 local function read(path)

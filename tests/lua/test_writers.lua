@@ -12,9 +12,8 @@ local checkpoint = require("luazero.checkpoint")
 
 local T = {}
 local q = support.quote
-local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("It is a truth universally acknowledged, that a single " ..
-                                         "man in possession of a good fortune\n"):rep(40))
+local write_file, tmp, corpus = support.scratch_corpus(
+  "It is a truth universally acknowledged, that a single man in possession of a good fortune\n", 40)
 
 local eq, exists = support.eq, support.exists
 
@@ -106,12 +105,19 @@ function T.export_to_a_file_that_fails_leaves_the_earlier_file()
   refused(fail_at(c.scratch + 300), cmd, out, { out, "writing failed after 300 of" })
 end
 
-function T.export_to_a_folder_that_fails_leaves_the_earlier_folder()
-  local c = ck("gpt2")
-  local out = tmp .. "/export-folder/hf"
-  ok_tool(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)))
-  local model_bytes = #lz.read_file(out .. "/model.safetensors")
+-- Exports checkpoint `kind` to the folder out: the earlier folder a failed
+-- export must leave. Returns the checkpoint, the command, and the bytes of
+-- out/file.
+local function exported_folder(kind, out, file)
+  local c = ck(kind)
   local cmd = ("tools/ckpt export %s %s"):format(q(c.dir), q(out))
+  ok_tool(nil, cmd)
+  return c, cmd, #lz.read_file(out .. "/" .. file)
+end
+
+function T.export_to_a_folder_that_fails_leaves_the_earlier_folder()
+  local out = tmp .. "/export-folder/hf"
+  local c, cmd, model_bytes = exported_folder("gpt2", out, "model.safetensors")
   refused(fail_at(64), cmd, out, { out, "scratch copy" })
   refused(fail_at(c.scratch + 1000), cmd, out,
           { out .. "/model.safetensors", ("after 1000 of %d bytes"):format(model_bytes) })
@@ -123,11 +129,8 @@ function T.export_to_a_folder_that_fails_leaves_the_earlier_folder()
 end
 
 function T.peft_adapters_that_fail_leave_the_earlier_folder()
-  local c = ck("lora")
   local out = tmp .. "/peft/adapters"
-  ok_tool(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)))
-  local st_bytes = #lz.read_file(out .. "/adapter_model.safetensors")
-  local cmd = ("tools/ckpt export %s %s"):format(q(c.dir), q(out))
+  local c, cmd, st_bytes = exported_folder("lora", out, "adapter_model.safetensors")
   refused(fail_at(c.scratch + 50), cmd, out, { out .. "/adapter_model.safetensors" })
   refused(fail_at(c.scratch + st_bytes + 5), cmd, out,
           { out .. "/adapter_config.json", "writing failed after 5 of" })

@@ -1,4 +1,4 @@
--- tests/ref/hf_loss.lua — the luazero side of tests/ref/test_hf.py: a
+-- tests/ref/hf_loss.lua — the luazero side of tests/ref/test_hf.py and test_export.py: a
 -- one-rank fp32 engine with a checkpoint's weights (engine:load) or with a
 -- Hugging Face folder's (--init: luazero/hf.lua), and its loss on a fixed
 -- batch, printed as JSON with the batch's tokens.

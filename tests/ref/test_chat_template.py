@@ -21,6 +21,7 @@ failed".
 
     /usr/bin/python3 tests/ref/test_chat_template.py     # ends with "N passed, N failed"
 """
+import importlib
 import json
 import os
 import shutil
@@ -31,9 +32,8 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import test_tokenizer as tt  # noqa: E402  (the corpus, the venv, the SentencePiece layout)
+from refenv import LUAZERO, REPO  # noqa: E402
 
-REPO = tt.REPO
-LUAZERO = tt.LUAZERO
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "chat")
 
 BYTE_LEVEL_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
@@ -85,19 +85,28 @@ def sentencepiece(tokenizers):
     return Tokenizer.from_str(json.dumps(spec))
 
 
-def main():
-    check = tt.Checks("chat_template")
+def start(name, *more, pip=""):
+    """The checks of suite `name`, the exit code when it cannot run (see
+    tt.preflight; None to go on), then tokenizers, transformers and the
+    modules named in `more` (None where one is missing); pip: what more to
+    install for them."""
+    check = tt.Checks(name)
     tokenizers, why = tt.import_tokenizers()
+    modules = [None] * (1 + len(more))
     try:
         import jinja2  # noqa: F401
-        import transformers
-        from transformers import PreTrainedTokenizerFast
+        modules = [importlib.import_module(m) for m in ("transformers",) + more]
     except ImportError as e:
-        why = why or (f"cannot import {e.name} (pip install transformers==4.40.2 jinja2 into "
+        why = why or (f"cannot import {e.name} (pip install transformers==4.40.2 jinja2 {pip}into "
                       f"{tt.VENV}, or run tools/setup)")
-    code = tt.preflight(check, why)
+    return (check, tt.preflight(check, why), tokenizers, *modules)
+
+
+def main():
+    check, code, tokenizers, transformers = start("chat_template")
     if code is not None:
         return code
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
     print(f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}")
     from jinja2.exceptions import TemplateError
 

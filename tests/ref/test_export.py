@@ -4,7 +4,7 @@ Trains a small GPT-2 in luazero for 3 steps with --save, exports the
 checkpoint to safetensors (fp32, Hugging Face GPT-2 names, Conv1D weights
 [in, out]), reads the file with a plain safetensors parser, loads it into
 test_gpt2.GPT and compares the loss on a batch with luazero's loss on the
-same batch (tests/ref/export_loss.lua) to 1e-5 relative. Also checks the
+same batch (tests/ref/hf_loss.lua) to 1e-5 relative. Also checks the
 names, shapes and the bf16 export against the fp32 one.
 
     /usr/bin/python3 tests/ref/test_export.py     # ends with "N passed, N failed"
@@ -19,6 +19,7 @@ import tempfile
 import numpy as np
 import torch
 
+from checks import Checks
 from test_gpt2 import GPT, LUAZERO, REPO
 
 CFG = dict(n_layer=2, n_head=4, n_embd=64, context=32, vocab=250)
@@ -42,15 +43,7 @@ def read_safetensors(path):
 
 
 def main():
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        print(("ok   " if ok else "FAIL ") + f"export.{name} {detail}")
-        if ok:
-            passed += 1
-        else:
-            failed += 1
+    check = Checks("export")
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus.txt")
@@ -76,8 +69,8 @@ def main():
             out[dtype] = read_safetensors(path) if r.returncode == 0 else {}
         st = out["fp32"]
         if not st:
-            print(f"{passed} passed, {failed + 1} failed")
-            return 1
+            check.failed += 1
+            return check.summary()
         check("names", "wte.weight" in st and "h.1.attn.c_attn.weight" in st
               and "ln_f.bias" in st and not any(k.startswith("transformer.") for k in st))
         check("conv1d_shapes", tuple(st["h.0.attn.c_attn.weight"].shape) == (64, 192)
@@ -88,13 +81,13 @@ def main():
         check("bf16_is_rounded_fp32", worst <= 2 ** -8, f"(worst relative {worst:.3g})")
 
         # Luazero's loss on a fixed batch with the checkpoint's weights.
-        r = subprocess.run([LUAZERO, os.path.join(REPO, "tests", "ref", "export_loss.lua"), save],
+        r = subprocess.run([LUAZERO, os.path.join(REPO, "tests", "ref", "hf_loss.lua"), save],
                            capture_output=True, text=True, cwd=REPO)
         if r.returncode != 0:
             check("luazero_loss", False, r.stdout + r.stderr)
-            print(f"{passed} passed, {failed} failed")
-            return 1
+            return check.summary()
         res = json.loads(r.stdout.strip().splitlines()[-1])
+        res["loss"] = float(res["loss"])
 
     cfg = dict(CFG, padded_vocab=256)
     model = GPT(cfg)
@@ -116,8 +109,7 @@ def main():
     err = abs(loss.item() - res["loss"]) / abs(loss.item())
     check("loss_matches_luazero", err <= 1e-5,
           f"(torch {loss.item():.6f}, luazero {res['loss']:.6f}, relative {err:.2g})")
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -35,12 +35,10 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import test_tokenizer as tt  # noqa: E402  (the corpus, the venv)
-import test_chat_template as ct  # noqa: E402  (the trained tokenizers)
+import test_chat_template as ct  # noqa: E402  (the trained tokenizers, the fixtures)
+from refenv import LUAZERO, REPO  # noqa: E402
 
-REPO = tt.REPO
-LUAZERO = tt.LUAZERO
-FIXTURES = os.path.join(REPO, "tests", "fixtures", "chat")
+FIXTURES = ct.FIXTURES
 VOCAB = 1472  # above both tokenizers' vocabularies
 TOL = 1e-5
 
@@ -51,9 +49,7 @@ KINDS = {
 }
 
 EXAMPLES = [
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "What is the capital of France?"},
-     {"role": "assistant", "content": "Paris."}],
+    ct.CONVERSATIONS[0],  # with a system message
     [{"role": "user", "content": "Name two rivers."},
      {"role": "assistant", "content": "The Thames and the Nile."},
      {"role": "user", "content": "And a third?"},
@@ -166,20 +162,11 @@ def hf_loss(torch, model, ids, weights):
 
 
 def main():
-    check = tt.Checks("finetune")
-    tokenizers, why = tt.import_tokenizers()
-    try:
-        import jinja2  # noqa: F401
-        import torch
-        import transformers
-        from transformers import PreTrainedTokenizerFast
-        import peft
-    except ImportError as e:
-        why = why or (f"cannot import {e.name} (pip install transformers==4.40.2 jinja2 "
-                      f"peft==0.10.0 into {tt.VENV}, or run tools/setup)")
-    code = tt.preflight(check, why)
+    check, code, tokenizers, transformers, torch, peft = ct.start("finetune", "torch", "peft",
+                                                                  pip="peft==0.10.0 ")
     if code is not None:
         return code
+    PreTrainedTokenizerFast = transformers.PreTrainedTokenizerFast
     print(f"transformers {transformers.__version__}, peft {peft.__version__}")
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:

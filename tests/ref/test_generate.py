@@ -23,7 +23,6 @@ transformers 4.40.2 comes from build/ref-venv (tools/setup) or LZ_REF_VENV;
 without it the comparison with generate() says it skipped.
     /usr/bin/python3 tests/ref/test_generate.py     # ends with "N passed, N failed"
 """
-import glob
 import json
 import math
 import os
@@ -35,24 +34,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
-VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
+from refenv import LUAZERO, REPO, import_transformers  # noqa: E402
 
 NEW = 24
 PROMPTS = [[5, 17, 99, 3, 200, 41, 7], [1], [120, 8, 8, 31], [249, 0, 64, 12, 180, 2, 77, 150,
                                                                33, 9, 10]]
-
-
-def import_transformers():
-    for site in glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages")):
-        sys.path.insert(0, site)
-    try:
-        import transformers
-        return transformers
-    except ImportError:
-        return None
 
 
 def models(transformers):
@@ -130,9 +116,7 @@ def main():
     decode_kernel(check)
     transformers = import_transformers()
     if transformers is None:
-        print(f"skip: cannot import transformers (not in {VENV}): run tools/setup")
         return check.summary()
-    transformers.logging.set_verbosity_error()
 
     for name, cls, config in models(transformers):
         torch.manual_seed(11)

@@ -13,7 +13,6 @@ transformers 4.40.2 comes from build/ref-venv (tools/setup) or LZ_REF_VENV;
 without it this file says it skipped.
     /usr/bin/python3 tests/ref/test_hf.py     # ends with "N passed, N failed"
 """
-import glob
 import json
 import os
 import subprocess
@@ -23,9 +22,9 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
-VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+from refenv import LUAZERO, REPO, import_transformers  # noqa: E402
 
 MODELS = {
     "llama": ["--model", "llama-tiny", "--vocab", "250", "--context", "32"],
@@ -34,32 +33,11 @@ MODELS = {
 }
 
 
-def import_transformers():
-    for site in glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages")):
-        sys.path.insert(0, site)
-    try:
-        import transformers
-        return transformers
-    except ImportError:
-        return None
-
-
 def main():
+    check = Checks("hf")
     transformers = import_transformers()
     if transformers is None:
-        print(f"skip: cannot import transformers (not in {VENV}): run tools/setup")
-        print("0 passed, 0 failed")
-        return 0
-    transformers.logging.set_verbosity_error()
-    passed, failed = 0, 0
-
-    def check(name, ok, detail=""):
-        nonlocal passed, failed
-        print(("ok   " if ok else "FAIL ") + f"hf.{name} {detail}")
-        if ok:
-            passed += 1
-        else:
-            failed += 1
+        return check.summary()
 
     def run(cmd):
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -116,8 +94,7 @@ def main():
             init = json.loads(out.strip().splitlines()[-1])["loss"] if rc == 0 else out
             check(f"{family}.init_loss_bitwise", init == res["loss"],
                   f"(--init {init}, checkpoint {res['loss']})")
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

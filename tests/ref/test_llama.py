@@ -26,18 +26,15 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-try:
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-except ImportError as e:
-    print(f"test_llama: cannot import {e.name}: install python3-torch and python3-numpy "
-          "(apt-get install python3-torch python3-numpy; tools/setup does it) and run with "
-          "/usr/bin/python3")
-    print("0 passed, 1 failed")
-    sys.exit(1)
+import refenv  # noqa: E402
+
+refenv.require_torch()
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import lz  # noqa: E402
 from harness import TOL, check, check_true, randn_with, run, test, tt, zeros  # noqa: E402
+from rope_ref import default_inv_freq, llama3_inv_freq, rotate_half  # noqa: E402
 
 torch.set_num_threads(2)
 randn = randn_with(np.random.default_rng(20250101))
@@ -117,17 +114,6 @@ def inv_freq_luazero(theta, d):
                         dtype=torch.float32)
 
 
-def inv_freq_hf(theta, d):
-    """LlamaRotaryEmbedding's inv_freq."""
-    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-
-
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def llama_rope(x, n_head, head_dim, pos_offset, inv_freq):
     """x [B, T, n_head * head_dim] through LlamaRotaryEmbedding and
     apply_rotary_pos_emb (q laid out [B, n_head, T, head_dim])."""
@@ -174,7 +160,7 @@ def rope():
     # so the angles differ by at most 63 * 1.2e-7 = 7.5e-6 rad, and so the
     # outputs (relative to the largest): 1e-5 holds.
     B, Tn, NH, HD = 1, 64, 4, 128
-    hf, ours = inv_freq_hf(10000.0, HD), inv_freq_luazero(10000.0, HD)
+    hf, ours = default_inv_freq(10000.0, HD), inv_freq_luazero(10000.0, HD)
     ulps = int((hf.numpy().view(np.int32) - ours.numpy().view(np.int32)).__abs__().max())
     check_true("rope inv_freq: HF's fp32 within 1 ulp of luazero's (head_dim 128)", ulps <= 1,
                f"({ulps} ulps)")
@@ -190,25 +176,13 @@ def rope():
     check(f"rope bf16 [1,{Tn},{NH}x{HD}] backward", out, llama_rope(tt(xf), NH, HD, 0, -ours))
 
 
-def llama3_inv_freq(theta, d, factor, low_freq_factor, high_freq_factor, original_max):
-    """transformers 4.40's _compute_llama3_parameters, in torch fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    low_freq_wavelen = original_max / low_freq_factor
-    high_freq_wavelen = original_max / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
-
-
 @test
 def rope_scaled():
     # Llama 3.1's rope_scaling on head_dim 128, theta 500000: the given
     # inv_freq turns the pairs, forward and backward (its transpose).
     B, Tn, NH, HD = 2, 48, 3, 128
-    inv = llama3_inv_freq(500000.0, HD, 8.0, 1.0, 4.0, 8192)
+    inv = llama3_inv_freq(500000.0, HD, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192))
     x, dy = randn(B, Tn, NH * HD), randn(B, Tn, NH * HD)
     out, dx = zeros(B, Tn, NH * HD), zeros(B, Tn, NH * HD)
     freqs = inv.numpy().astype(np.float32)

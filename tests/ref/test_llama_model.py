@@ -35,7 +35,6 @@ the embedding); fp32 for each, bf16 for plain and llama3.
 
     /usr/bin/python3 tests/ref/test_llama_model.py     # ends with "N passed, N failed"
 """
-import json
 import math
 import os
 import subprocess
@@ -47,7 +46,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from training_ref import lr_at, rel_err
+from rope_ref import default_inv_freq, llama3_inv_freq, rotate_half
+from training_ref import ErrorChecks, load_params, read_dump, rel_err, train_adamw, worst_gradient
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
@@ -106,31 +106,6 @@ class Linear(nn.Module):
 
 
 # ------------------------------------------------------- Llama, from HF's equations
-
-
-def default_inv_freq(theta, d):
-    """_compute_default_rope_parameters."""
-    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-
-
-def llama3_inv_freq(theta, d, s):
-    """_compute_llama3_parameters."""
-    inv_freq = default_inv_freq(theta, d)
-    factor, low_freq_factor = s["factor"], s["low_freq_factor"]
-    high_freq_factor, old_context_len = s["high_freq_factor"], s["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
-
-
-def rotate_half(x):
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -242,21 +217,10 @@ TOLS = {"f32": dict(logits=1e-4, loss=1e-4, grads=1e-3, losses=1e-4, params=1e-3
 CASES = [("f32", "plain"), ("f32", "llama3"), ("f32", "tied"), ("bf16", "plain"),
          ("bf16", "llama3")]
 
-passed, failed = 0, 0
-
-
-def check(name, err, tol):
-    global passed, failed
-    ok = err <= tol
-    print(("ok  " if ok else "FAIL") + f" {name}: relative error {err:.3g} (tolerance {tol:g})")
-    if ok:
-        passed += 1
-    else:
-        failed += 1
+check = ErrorChecks()
 
 
 def run_case(dtype, variant):
-    global failed
     tag = f"llama.{dtype}.{variant}"
     tol = TOLS[dtype]
     with tempfile.TemporaryDirectory() as out:
@@ -265,21 +229,11 @@ def run_case(dtype, variant):
         if run.returncode != 0:
             print(f"FAIL {tag}.dump: luazero tests/ref/llama_dump.lua exited", run.returncode)
             print(run.stdout + run.stderr)
-            failed += 1
+            check.failed += 1
             return
-        meta = json.load(open(os.path.join(out, "meta.json")))
-
-        def load(name, dt=np.float32):
-            return np.fromfile(os.path.join(out, name), dtype=dt)
-
-        params0, logits_lz, grads_lz = load("params0.f32"), load("logits.f32"), load("grads.f32")
-        params10 = load("params10.f32")
-        tokens = load("tokens.i32", np.int32).astype(np.int64)
-
-    cfg, B, T = meta["config"], meta["B"], meta["T"]
-    accum, steps, hp = meta["accum"], meta["steps"], meta["hp"]
-    tokens = torch.from_numpy(tokens.reshape(steps * accum, 2, B, T))
-    model = LlamaForCausalLM(cfg, dtype == "bf16")
+        meta, dump = read_dump(out)
+    tokens = dump["tokens"]
+    model = LlamaForCausalLM(meta["config"], dtype == "bf16")
     ours = np.array(meta["inv_freq"], dtype=np.float32)
     theirs = model.inv_freq.numpy()
     ulps = int(np.abs(ours.view(np.int32) - theirs.view(np.int32)).max())
@@ -292,58 +246,22 @@ def run_case(dtype, variant):
     if sorted(named) != sorted(e["name"] for e in table):
         print(f"FAIL {tag}.names: parameter names differ:",
               sorted(set(named) ^ set(e["name"] for e in table)))
-        failed += 1
+        check.failed += 1
         return
-    with torch.no_grad():
-        for e in table:
-            chunk = params0[e["offset"]:e["offset"] + e["numel"]].reshape(e["shape"])
-            named[e["name"]].copy_(torch.from_numpy(chunk))
+    load_params(named, table, dump["params0"])
 
     logits, loss = model(tokens[0, 0], tokens[0, 1])
     loss.backward()
-    check(f"{tag}.logits", rel_err(logits_lz.reshape(logits.shape), logits.detach().numpy()),
+    check(f"{tag}.logits", rel_err(dump["logits"].reshape(logits.shape), logits.detach().numpy()),
           tol["logits"])
     check(f"{tag}.loss", rel_err([meta["loss0"]], [loss.item()]), tol["loss"])
-    worst, worst_name, bad = 0.0, "", []
-    for e in table:
-        g = grads_lz[e["offset"]:e["offset"] + e["numel"]].reshape(e["shape"])
-        err = rel_err(g, named[e["name"]].grad.numpy())
-        if err > worst:
-            worst, worst_name = err, e["name"]
-        if err > tol["grads"]:
-            bad.append(f"{e['name']} {err:.3g}")
-    if bad:
-        print("    gradients off:", ", ".join(bad))
-    print(f"    worst gradient: {worst_name}")
+    worst = worst_gradient(named, table, dump["grads"], tol["grads"])
     check(f"{tag}.gradients_of_{len(table)}_parameters", worst, tol["grads"])
 
-    decay = [named[e["name"]] for e in table if e["decay"]]
-    no_decay = [named[e["name"]] for e in table if not e["decay"]]
-    if any(p.dim() != 2 for p in decay) or any(p.dim() == 2 for p in no_decay):
-        print(f"FAIL {tag}.decay_groups: weight decay must apply to exactly the 2-D weights")
-        failed += 1
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp["weight_decay"]},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"])
-    losses, k = [], 0
-    for step in range(1, steps + 1):
-        opt.zero_grad(set_to_none=False)
-        total = 0.0
-        for _ in range(accum):
-            _, l = model(tokens[k, 0], tokens[k, 1])
-            (l / accum).backward()
-            total += l.item()
-            k += 1
-        torch.nn.utils.clip_grad_norm_(model.parameters(), hp["clip"])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(hp, steps, step)
-        opt.step()
-        losses.append(total / accum)
-    print("    losses  luazero:", " ".join(f"{v:.6f}" for v in meta["losses"]))
-    print("    losses  torch:  ", " ".join(f"{v:.6f}" for v in losses))
+    losses, _, _ = train_adamw(tag, model, named, table, tokens, meta, check)
     check(f"{tag}.adamw_10_step_losses", rel_err(meta["losses"], losses), tol["losses"])
     flat = np.concatenate([named[e["name"]].detach().numpy().ravel() for e in table])
-    check(f"{tag}.params_after_10_steps", rel_err(params10, flat), tol["params"])
+    check(f"{tag}.params_after_10_steps", rel_err(dump["params10"], flat), tol["params"])
 
 
 def main():
@@ -354,8 +272,7 @@ def main():
         return 1
     for dtype, variant in CASES:
         run_case(dtype, variant)
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ transformers 4.40.2 comes from build/ref-venv (tools/setup) or LZ_REF_VENV;
 without it this file says it skipped.
     /usr/bin/python3 tests/ref/test_masking.py     # ends with "N passed, N failed"
 """
-import glob
 import json
 import os
 import subprocess
@@ -33,35 +32,16 @@ import tempfile
 import numpy as np
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
-VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checks import Checks  # noqa: E402
+from refenv import LUAZERO, REPO, import_transformers  # noqa: E402
 
 B, T, VOCAB = 2, 16, 250
 DOCS = [[5, 7, 4], [3, 13]]  # document lengths in each row
 PROMPTS = [5, 9]  # labels -100 on this many first tokens of each row (prompt case)
 TOL_LOSS, TOL_GRAD = 1e-5, 1e-5
 
-passed, failed = 0, 0
-
-
-def check(name, ok, detail=""):
-    global passed, failed
-    print(("ok   " if ok else "FAIL ") + f"masking.{name} {detail}")
-    if ok:
-        passed += 1
-    else:
-        failed += 1
-
-
-def import_transformers():
-    for site in glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages")):
-        sys.path.insert(0, site)
-    try:
-        import transformers
-        return transformers
-    except ImportError:
-        return None
+check = Checks("masking")
 
 
 def tiny_model(transformers, family, folder):
@@ -225,16 +205,12 @@ def run_family(transformers, family, tmp):
 def main():
     transformers = import_transformers()
     if transformers is None:
-        print(f"skip: cannot import transformers (not in {VENV}): run tools/setup")
-        print("0 passed, 0 failed")
-        return 0
-    transformers.logging.set_verbosity_error()
+        return check.summary()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         for family in ("llama", "gpt2"):
             run_family(transformers, family, tmp)
-    print(f"{passed} passed, {failed} failed")
-    return 0 if failed == 0 else 1
+    return check.summary()
 
 
 if __name__ == "__main__":

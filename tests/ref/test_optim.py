@@ -16,15 +16,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-try:
-    import numpy as np
-    import torch
-except ImportError as e:
-    print(f"test_optim: cannot import {e.name}: install python3-torch and python3-numpy "
-          "(apt-get install python3-torch python3-numpy; tools/setup does it) and run with "
-          "/usr/bin/python3")
-    print("0 passed, 1 failed")
-    sys.exit(1)
+import refenv  # noqa: E402
+
+refenv.require_torch()
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import lz  # noqa: E402
 from harness import check_equal, check_true, run, test  # noqa: E402
 

@@ -26,21 +26,12 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
-VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
+from refenv import LUAZERO, REPO, import_from_venv  # noqa: E402
 
 
 def import_accumulator():
-    for site in glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages")):
-        sys.path.insert(0, site)
-    try:
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-        return EventAccumulator, None
-    except ImportError:
-        return None, (f"cannot import tensorboard (not in {sys.executable}'s packages nor in "
-                      f"{VENV}): pip install tensorboard, or run tools/setup")
+    module, why = import_from_venv("tensorboard.backend.event_processing.event_accumulator")
+    return (module.EventAccumulator if module else None), why
 
 
 # The log's field of each tag (None: a field of "mem" or "time").

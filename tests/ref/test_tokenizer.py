@@ -26,7 +26,6 @@ environment to take `tokenizers` from (default build/ref-venv).
 
     /usr/bin/python3 tests/ref/test_tokenizer.py     # ends with "N passed, N failed"
 """
-import glob
 import json
 import os
 import struct
@@ -38,8 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checks import Checks  # noqa: E402  (test_chat_template.py, test_finetune.py use it as tt.Checks)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
+from refenv import LUAZERO, REPO, VENV, import_from_venv  # noqa: E402,F401  (VENV: for tt.VENV)
 
 
 def find_corpus():
@@ -63,7 +61,6 @@ def find_corpus():
 CORPUS = find_corpus()
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
 
 TEXTS = {
     "special": "Hello<|endoftext|>world's  I'm\t\tcafé — naïve “quotes” 日本語 😀 ½ ٣٤ x²"
@@ -91,15 +88,7 @@ def import_tokenizers():
         import tokenizers
         return tokenizers, None
     except ImportError:
-        pass
-    for site in glob.glob(os.path.join(VENV, "lib", "python3*", "site-packages")):
-        sys.path.insert(0, site)
-    try:
-        import tokenizers
-        return tokenizers, None
-    except ImportError:
-        return None, (f"cannot import tokenizers (not in {sys.executable}'s packages nor in "
-                      f"{VENV}): pip install tokenizers, or run tools/setup")
+        return import_from_venv("tokenizers")
 
 
 def read_token_file(path):

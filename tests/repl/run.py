@@ -76,6 +76,11 @@ class Session:
         self.expect(PROMPT)
         os.write(self.fd, b"\x04")
 
+    def quit(self, timeout=30):
+        """Ctrl-D at the prompt; the exit code."""
+        self.eof()
+        return self.wait(timeout)
+
     def wait(self, timeout=30):
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -125,8 +130,7 @@ def test_plain_repl_values_multiline_history_ctrl_d():
         s.expect(r"bad thing")
         s.send("lz.mem()")
         s.expect(r"workspace\s+24 B\s+24 B")
-        s.eof()
-        code = s.wait()
+        code = s.quit()
         assert code == 0, "exit code %d" % code
         hist = open(os.path.join(SCRATCH, "history")).read().replace("\\040", " ")
         assert "x = lz.tensor({2, 3}):fill(1.5)" in hist, hist
@@ -150,8 +154,7 @@ def test_dash_i_after_a_failing_script_keeps_its_globals():
         s.expect(r"after step gather persistent")
         s.send("model")
         s.expect(r"GPT\s+117\.5K params")
-        s.eof()
-        code = s.wait()
+        code = s.quit()
         assert code == 1, "a failed script should still exit 1 after the REPL, got %d" % code
     finally:
         s.close()
@@ -209,8 +212,7 @@ def test_multi_rank_repl_rank0_leads_and_ctrl_d_ends_every_rank():
         s.expect(r"gather: no parameter 'no\.such\.weight'")
         s.send("shards(engine, 'ln_f')")  # the ranks still answer after an error
         s.expect(r"transformer\.ln_f\.weight\s+\[64\]\s+r0 \[0, 64\)")
-        s.eof()
-        code = s.wait(timeout=20)
+        code = s.quit(timeout=20)
         assert code == 0, "exit code %d:\n%s" % (code, s.text()[-2000:])
         assert "timeout" not in s.text().lower() and "waited" not in s.text(), s.text()[-2000:]
     finally:
@@ -245,8 +247,7 @@ def test_ckpt_prints_a_checkpoint_shard_table():
         s.expect(r"\b4\b")
         s.send("ckpt('/no/such/checkpoint')")
         s.expect(r"checkpoint: .*no/such/checkpoint")
-        s.eof()
-        code = s.wait(timeout=20)
+        code = s.quit(timeout=20)
         assert code == 0, "exit code %d:\n%s" % (code, s.text()[-2000:])
     finally:
         s.close()

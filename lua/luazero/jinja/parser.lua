@@ -42,17 +42,25 @@ function Parser:expression()
   return e
 end
 
-function Parser:or_expr()
-  local e = self:and_expr()
-  while self:accept("name", "or") do e = { "or", e, self:and_expr() } end
+-- operand (op operand)*, left-associative, where op is a `kind` token whose
+-- text `ops` maps to its node's tag (true: "arith" with the operator).
+function Parser:chain(kind, ops, operand)
+  local e = operand(self)
+  while self:is(kind) and ops[self:peek()[2]] do
+    local op = self:next()[2]
+    local tag = ops[op]
+    if tag == true then e = { "arith", op, e, operand(self) } else e = { tag, e, operand(self) } end
+  end
   return e
 end
 
-function Parser:and_expr()
-  local e = self:not_expr()
-  while self:accept("name", "and") do e = { "and", e, self:not_expr() } end
-  return e
-end
+local OR, AND, TILDE = { ["or"] = "or" }, { ["and"] = "and" }, { ["~"] = "tilde" }
+local ADD, MUL, POW = { ["+"] = true, ["-"] = true },
+                      { ["*"] = true, ["/"] = true, ["//"] = true, ["%"] = true }, { ["**"] = true }
+
+function Parser:or_expr() return self:chain("name", OR, Parser.and_expr) end
+
+function Parser:and_expr() return self:chain("name", AND, Parser.not_expr) end
 
 function Parser:not_expr()
   if self:accept("name", "not") then return { "not", self:not_expr() } end
@@ -78,33 +86,15 @@ function Parser:compare()
   end
 end
 
-function Parser:math1()
-  local e = self:concat_expr()
-  while self:is("op", "+") or self:is("op", "-") do
-    e = { "arith", self:next()[2], e, self:concat_expr() }
-  end
-  return e
-end
+function Parser:math1() return self:chain("op", ADD, Parser.concat_expr) end
 
-function Parser:concat_expr()
-  local e = self:math2()
-  while self:accept("op", "~") do e = { "tilde", e, self:math2() } end
-  return e
-end
+function Parser:concat_expr() return self:chain("op", TILDE, Parser.math2) end
 
-function Parser:math2()
-  local e = self:pow()
-  while self:is("op", "*") or self:is("op", "/") or self:is("op", "//") or self:is("op", "%") do
-    e = { "arith", self:next()[2], e, self:pow() }
-  end
-  return e
-end
+function Parser:math2() return self:chain("op", MUL, Parser.pow) end
 
-function Parser:pow()
-  local e = self:unary(true)
-  while self:accept("op", "**") do e = { "arith", "**", e, self:unary(true) } end
-  return e
-end
+local function filtered_unary(self) return self:unary(true) end
+
+function Parser:pow() return self:chain("op", POW, filtered_unary) end
 
 function Parser:unary(with_filter)
   local e

@@ -141,6 +141,13 @@ function B.byte_word(model, word)
   return syms, lens, lead
 end
 
+-- Appends symbol sym of len bytes after the n first; returns n + 1.
+local function push(syms, lens, n, sym, len)
+  n = n + 1
+  syms[n], lens[n] = sym, len
+  return n
+end
+
 -- The ids and byte lengths of a character-level word (UTF-8 text).
 function B.char_word(model, word)
   local vocab = model.by_text
@@ -157,12 +164,8 @@ function B.char_word(model, word)
     local c = sub(word, p, p + l - 1)
     local id = vocab[c]
     if id then
-      if pending_len then
-        n = n + 1
-        syms[n], lens[n], pending_len = unk, pending_len, nil
-      end
-      n = n + 1
-      syms[n], lens[n] = id, l
+      if pending_len then n, pending_len = push(syms, lens, n, unk, pending_len), nil end
+      n = push(syms, lens, n, id, l)
     else
       local bytes_ok = byte_token ~= nil
       if bytes_ok then
@@ -171,18 +174,12 @@ function B.char_word(model, word)
         end
       end
       if bytes_ok then -- tokenizers adds them without writing a pending unknown first
-        for q = p, p + l - 1 do
-          n = n + 1
-          syms[n], lens[n] = byte_token[byte(word, q)], 1
-        end
+        for q = p, p + l - 1 do n = push(syms, lens, n, byte_token[byte(word, q)], 1) end
       elseif unk then
         if pending_len and fuse_unk then
           pending_len = pending_len + l
         else
-          if pending_len then
-            n = n + 1
-            syms[n], lens[n] = unk, pending_len
-          end
+          if pending_len then n = push(syms, lens, n, unk, pending_len) end
           pending_len = l
         end
       elseif pending_len then -- dropped: its bytes go to the symbol before
@@ -195,10 +192,7 @@ function B.char_word(model, word)
     end
     p = p + l
   end
-  if pending_len then
-    n = n + 1
-    syms[n], lens[n] = unk, pending_len
-  end
+  if pending_len then n = push(syms, lens, n, unk, pending_len) end
   merge(model, syms, lens, n)
   return syms, lens, lead
 end

@@ -108,54 +108,62 @@ local APOSTROPHE, SPACE_BYTE = 39, 32
 local CONTRACTION1 = { [115] = true, [116] = true, [109] = true, [100] = true } -- s t m d
 local CONTRACTION2 = { ["re"] = true, ["ve"] = true, ["ll"] = true }
 
--- The byte after the run of class k that starts at byte r (r <= n + 1).
-local function run_end(s, r, n, k)
-  while r <= n do
+-- The byte after the run of class k that starts at byte r (r <= n + 1), of
+-- at most `most` code points (any number when nil).
+local function run_end(s, r, n, k, most)
+  local count = 0
+  while r <= n and count ~= most do
     local c, l = code_point(s, r)
     if class_of(c) ~= k then break end
-    r = r + l
+    r, count = r + l, count + 1
   end
   return r
 end
 
--- Calls emit(s, i, j) for each piece s:sub(i, j) of GPT-2's split of s.
-local function split_gpt2(s, emit)
+-- The byte after the contraction ('s 't 'm 'd 're 've 'll) at p, or nil;
+-- fold: any letter case, as Llama 3's (?i:...).
+local function contraction_end(s, p, fold)
+  local b1 = byte(s, p + 1)
+  if b1 and CONTRACTION1[fold and bor(b1, 32) or b1] then return p + 2 end
+  local two = sub(s, p + 1, p + 2)
+  if CONTRACTION2[fold and two:lower() or two] then return p + 3 end
+end
+
+-- Calls emit(s, i, j) for each piece s:sub(i, j) of s: a contraction first
+-- (any letter case with fold), else up to piece_end(s, p, n, c, l), the byte
+-- after the piece that starts at byte p with code point c of l bytes.
+local function each_piece(s, emit, fold, piece_end)
   local n, p = #s, 1
   while p <= n do
     local c, l = code_point(s, p)
-    local q -- first byte after the piece
-    if c == APOSTROPHE then
-      local b1 = byte(s, p + 1)
-      if b1 and CONTRACTION1[b1] then
-        q = p + 2
-      elseif CONTRACTION2[sub(s, p + 1, p + 2)] then
-        q = p + 3
-      end
-    end
-    if not q then
-      local k, r = class_of(c), p + l
-      if c == SPACE_BYTE and r <= n then -- " ?" before a run of letters, numbers or others
-        local c2, l2 = code_point(s, r)
-        local k2 = class_of(c2)
-        if k2 ~= SPACE then k, r = k2, r + l2 end
-      end
-      if k ~= SPACE then
-        r = run_end(s, r, n, k)
-        q = r
-      else -- \s+(?!\S) leaves the last blank before a non-blank to the next piece
-        local last = p
-        while r <= n do
-          local c2, l2 = code_point(s, r)
-          if class_of(c2) ~= SPACE then break end
-          last, r = r, r + l2
-        end
-        if r <= n and last > p then q = last else q = r end
-      end
-    end
+    local q = c == APOSTROPHE and contraction_end(s, p, fold) or piece_end(s, p, n, c, l)
     emit(s, p, q - 1)
     p = q
   end
 end
+
+-- GPT-2's split: the byte after the piece at p.
+local function gpt2_piece_end(s, p, n, c, l)
+  local k, r = class_of(c), p + l
+  if c == SPACE_BYTE and r <= n then -- " ?" before a run of letters, numbers or others
+    local c2, l2 = code_point(s, r)
+    local k2 = class_of(c2)
+    if k2 ~= SPACE then k, r = k2, r + l2 end
+  end
+  if k ~= SPACE then return run_end(s, r, n, k) end
+  -- \s+(?!\S) leaves the last blank before a non-blank to the next piece
+  local last = p
+  while r <= n do
+    local c2, l2 = code_point(s, r)
+    if class_of(c2) ~= SPACE then break end
+    last, r = r, r + l2
+  end
+  if r <= n and last > p then return last end
+  return r
+end
+
+-- Calls emit(s, i, j) for each piece s:sub(i, j) of GPT-2's split of s.
+local function split_gpt2(s, emit) each_piece(s, emit, false, gpt2_piece_end) end
 
 -- Llama 3's pattern, for a Split pre-tokenizer before ByteLevel:
 --   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
@@ -166,66 +174,38 @@ local CR, LF = 13, 10
 
 local function is_newline(c) return c == CR or c == LF end
 
-local function split_llama3(s, emit)
-  local n, p = #s, 1
-  while p <= n do
-    local c, l = code_point(s, p)
-    local k, r = class_of(c), p + l
-    local q
-    if c == APOSTROPHE then
-      local b1 = byte(s, p + 1)
-      if b1 and CONTRACTION1[bor(b1, 32)] then
-        q = p + 2
-      elseif CONTRACTION2[sub(s, p + 1, p + 2):lower()] then
-        q = p + 3
-      end
-    end
-    if not q and k ~= LETTER and k ~= NUMBER and not is_newline(c) and r <= n then
-      local c2, l2 = code_point(s, r) -- [^\r\n\p{L}\p{N}]?\p{L}+
-      if class_of(c2) == LETTER then k, r = LETTER, r + l2 end
-    end
-    if q then -- a contraction
-    elseif k == LETTER then
-      r = run_end(s, r, n, LETTER)
-      q = r
-    elseif k == NUMBER then
-      for _ = 2, 3 do
-        if r > n then break end
-        local c2, l2 = code_point(s, r)
-        if class_of(c2) ~= NUMBER then break end
-        r = r + l2
-      end
-      q = r
-    else
-      if c == SPACE_BYTE and r <= n then -- " ?" before a run of others
-        local c2, l2 = code_point(s, r)
-        if class_of(c2) == OTHER then k, r = OTHER, r + l2 end
-      end
-      if k == OTHER then
-        r = run_end(s, r, n, OTHER)
-        while r <= n and is_newline(byte(s, r)) do r = r + 1 end
-        q = r
-      else -- a run of blanks: up to its last newline, else as GPT-2's
-        local last, after_newline = p, is_newline(c) and r or nil
-        while r <= n do
-          local c2, l2 = code_point(s, r)
-          if class_of(c2) ~= SPACE then break end
-          last, r = r, r + l2
-          if is_newline(c2) then after_newline = r end
-        end
-        if after_newline then
-          q = after_newline
-        elseif r <= n and last > p then
-          q = last
-        else
-          q = r
-        end
-      end
-    end
-    emit(s, p, q - 1)
-    p = q
+-- Llama 3's split: the byte after the piece at p.
+local function llama3_piece_end(s, p, n, c, l)
+  local k, r = class_of(c), p + l
+  if k ~= LETTER and k ~= NUMBER and not is_newline(c) and r <= n then
+    local c2, l2 = code_point(s, r) -- [^\r\n\p{L}\p{N}]?\p{L}+
+    if class_of(c2) == LETTER then k, r = LETTER, r + l2 end
   end
+  if k == LETTER then return run_end(s, r, n, LETTER) end
+  if k == NUMBER then return run_end(s, r, n, NUMBER, 2) end -- \p{N}{1,3}
+  if c == SPACE_BYTE and r <= n then -- " ?" before a run of others
+    local c2, l2 = code_point(s, r)
+    if class_of(c2) == OTHER then k, r = OTHER, r + l2 end
+  end
+  if k == OTHER then
+    r = run_end(s, r, n, OTHER)
+    while r <= n and is_newline(byte(s, r)) do r = r + 1 end
+    return r
+  end
+  -- a run of blanks: up to its last newline, else as GPT-2's
+  local last, after_newline = p, is_newline(c) and r or nil
+  while r <= n do
+    local c2, l2 = code_point(s, r)
+    if class_of(c2) ~= SPACE then break end
+    last, r = r, r + l2
+    if is_newline(c2) then after_newline = r end
+  end
+  if after_newline then return after_newline end
+  if r <= n and last > p then return last end
+  return r
 end
+
+local function split_llama3(s, emit) each_piece(s, emit, true, llama3_piece_end) end
 
 return { code_point = code_point, utf8_char = utf8_char, unbyte = unbyte, split_gpt2 = split_gpt2,
          split_llama3 = split_llama3, LLAMA3_PATTERN = LLAMA3_PATTERN }
