@@ -202,12 +202,16 @@ function M.of_record(rec, where)
   return class
 end
 
--- A record as one line: `AdamW lr 0.003 betas (0.9, 0.95) eps 1e-08 weight_decay 0.1`.
-function M.describe(rec)
+-- A record as one line: `AdamW lr 0.003 betas (0.9, 0.95) eps 1e-08
+-- weight_decay 0.1`; from (checkpoint/manifest.lua's optimizer_of) "config"
+-- adds where it came from, no record says so.
+function M.describe(rec, from)
+  if not rec then return "not recorded (a checkpoint saved without a config)" end
   local class = M.find(rec.type)
   local params = schema.describe(type(rec.params) == "table" and rec.params or {},
                                  class and class.params)
-  return tostring(rec.type) .. (params ~= "" and (" " .. params) or "")
+  return tostring(rec.type) .. (params ~= "" and (" " .. params) or "") ..
+         (from == "config" and " (from its config)" or "")
 end
 
 return M
