@@ -26,6 +26,28 @@ function T.new_picks_the_class_by_type()
   assert(getmetatable(optim.new({})) == optim.AdamW and getmetatable(optim.new()) == optim.AdamW)
 end
 
+-- The schema's kinds check what a config gives, naming the key.
+function T.schema_kinds_name_the_key_and_the_range()
+  local schema = require("luazero.optim.schema")
+  local d = { "momentum", "number", min = 0, below = 1, default = 0.9 }
+  assert(schema.KINDS.number("optimizer.params.momentum", 0.5, d) == 0.5)
+  expect_error(function() schema.KINDS.number("optimizer.params.momentum", 1.5, d) end,
+               "config: optimizer.params.momentum must be a number in [0, 1) (got 1.5)")
+  expect_error(function() schema.KINDS.number("optimizer.params.lr", -1, { "lr", "number" }) end,
+               "config: optimizer.params.lr must be a number >= 0 (got -1)")
+  -- A declaration that is not one is refused naming its file.
+  local registry = require("luazero.optim.registry")
+  expect_error(function()
+    registry.define({ name = "Bad", step = function() end, params = {},
+                      states = { { name = "m", dtype = "bf16" } } }, "bad.lua")
+  end, "optim: bad.lua: state m has dtype bf16: the engine keeps optimizer states in f32")
+  expect_error(function()
+    registry.define({ name = "Bad", types = { "adamw" }, step = function() end, params = {},
+                      states = {} }, "bad.lua")
+  end, "optim: bad.lua: optimizer.type adamw is AdamW's already")
+  assert(registry.find("Bad") == nil and registry.by_name.Bad == nil)
+end
+
 function T.defaults_are_deepspeeds()
   local a = optim.AdamW.new({})
   assert(a.lr == 1e-3 and a.beta1 == 0.9 and a.beta2 == 0.999 and a.eps == 1e-8)
