@@ -102,11 +102,11 @@ end
 ---------------------------------------------------------------- one file
 
 local write_file, tmp = support.scratch()
-local corpus = write_file("corpus.txt", ("To be, or not to be, that is the question:\n" ..
-                                         "Whether 'tis nobler in the mind to suffer\n"):rep(40))
-local MODEL = "--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 --context 32 --seq-len 16 " ..
-              "--sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus)
-local train, ok_train = support.trainer(MODEL)
+local lines = {}
+for i = 1, 80 do lines[i] = ("line %d of the corpus: %d\n"):format(i, i * 7919 % 1000) end
+local corpus = write_file("corpus.txt", table.concat(lines))
+local train, ok_train = support.trainer("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 " ..
+  "--context 32 --seq-len 16 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus))
 local TOY = "LZ_OPTIMIZERS=" .. q(lz.root .. "/tests/fixtures/optim/sgd_toy.lua")
 
 local function manifest(dir)

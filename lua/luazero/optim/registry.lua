@@ -134,13 +134,14 @@ function M.define(spec, origin)
 end
 
 -- Adds the optimizer a file declares (a Lua file returning its
--- declaration); returns its class.
-function M.register(path)
+-- declaration); returns its class. via: where the path came from, for errors.
+function M.register(path, via)
+  local origin = via and (via .. ": " .. path) or path
   local chunk, err = loadfile(path)
-  if not chunk then bad(path, "cannot load it (%s)", tostring(err):gsub("^[^:]*:%d*:? ?", "")) end
+  if not chunk then bad(origin, "cannot load it (%s)", tostring(err):gsub("^[^:]*:%d*:? ?", "")) end
   local ok, spec = pcall(chunk)
-  if not ok then bad(path, "%s", tostring(spec)) end
-  return M.define(spec, path)
+  if not ok then bad(origin, "%s", tostring(spec)) end
+  return M.define(spec, origin)
 end
 
 for _, mod in ipairs(BUILT_IN) do M.define(require(mod), mod) end
@@ -148,7 +149,9 @@ M.default = M.list[1]
 
 -- LZ_OPTIMIZERS: optimizer files outside the tree, colon-separated; every
 -- process of a job reads it (the launcher's ranks inherit it).
-for path in (os.getenv("LZ_OPTIMIZERS") or ""):gmatch("[^:]+") do M.register(path) end
+for path in (os.getenv("LZ_OPTIMIZERS") or ""):gmatch("[^:]+") do
+  M.register(path, "LZ_OPTIMIZERS")
+end
 
 -- The class a DeepSpeed optimizer.type names (case-insensitively) and its
 -- spelling as declared; nil when none does.
