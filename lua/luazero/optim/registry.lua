@@ -39,7 +39,8 @@ local M = {}
 -- The optimizer files of this tree. The first is the default: what
 -- DeepSpeed's engine builds when a config names no optimizer. More come
 -- from LZ_OPTIMIZERS (below) and M.register.
-local BUILT_IN = { "luazero.optim.adamw", "luazero.optim.lion" }
+-- (Plain requires, so the layer check sees each arrow.)
+local BUILT_IN = { require("luazero.optim.adamw"), require("luazero.optim.lion") }
 
 M.list = {}    -- classes, in the order they were declared
 M.by_name = {} -- name -> class
@@ -144,7 +145,7 @@ function M.register(path, via)
   return M.define(spec, origin)
 end
 
-for _, mod in ipairs(BUILT_IN) do M.define(require(mod), mod) end
+for i, spec in ipairs(BUILT_IN) do M.define(spec, ("optim/registry.lua BUILT_IN[%d]"):format(i)) end
 M.default = M.list[1]
 
 -- LZ_OPTIMIZERS: optimizer files outside the tree, colon-separated; every
