@@ -9,6 +9,7 @@ local atomic = require("luazero.io.atomic")
 -- config.json as the checkpoint's family declares.
 local families = require("luazero.families")
 require("models.registry")
+local optimizers = require("luazero.optim.registry")
 
 local USAGE = ([[
 usage: tools/ckpt COMMAND CKPT [OUT] [flags]
@@ -44,6 +45,8 @@ local function inspect(ck)
   print(("  steps: %d global, %d optimizer, %d skipped; loss scale %s; created %s")
         :format(s.global_steps, s.optimizer_steps, s.skipped_steps, tostring(s.loss_scale),
                 tostring(s.created)))
+  print(("  optimizer %s; states %s"):format(optimizers.describe(s.optimizer, s.optimizer_from),
+                                             table.concat(s.states, ", ")))
   print(("  %d shard%s: %.3f GiB raw, %.3f GiB compressed (ratio %.3f)")
         :format(s.shards, s.shards == 1 and "" or "s", gib(s.raw_bytes), gib(s.compressed_bytes),
                 s.ratio))

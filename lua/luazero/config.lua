@@ -19,6 +19,8 @@ local defaults = require("luazero.config.defaults")
 local monitor = require("luazero.config.monitor")
 local checkpoint = require("luazero.config.checkpoint")
 local Placement = require("luazero.zero.plan")
+local optimizers = require("luazero.optim.registry")
+local optim_schema = require("luazero.optim.schema")
 
 local M = {}
 
@@ -29,7 +31,7 @@ local asks_for_nothing, sorted_keys = values.asks_for_nothing, values.sorted_key
 local read_json, deep_copy = values.read_json, values.deep_copy
 M.show, M.read_json = show, read_json
 
--- DeepSpeed's defaults (config/defaults.lua): M.zero_defaults, M.adam_defaults, ...
+-- DeepSpeed's defaults (config/defaults.lua): M.zero_defaults, M.fp16_defaults, ...
 for k, v in pairs(defaults) do M[k] = v end
 
 local scheduler_names = "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest"
@@ -103,75 +105,29 @@ local function batch_sizes(raw, world, cfg, notes)
   cfg.gradient_accumulation_steps = ga
 end
 
-local function betas_param(key, b)
-  if type(b) ~= "table" or #b ~= 2 or type(b[1]) ~= "number" or type(b[2]) ~= "number" or
-     b[1] < 0 or b[1] >= 1 or b[2] < 0 or b[2] >= 1 then
-    fail("%sbetas must be a list of two numbers in [0, 1), e.g. [0.9, 0.999] (got %s)", key,
-         type(b) == "table" and cjson.encode(b) or show(b))
-  end
-  return { b[1], b[2] }
-end
-
--- Lion: lr, betas, weight_decay (decoupled); anything else is reported.
-local function lion_params(p, cfg, unimpl, key)
-  local out = deep_copy(M.lion_defaults)
-  if given(p.lr) then out.lr = number_at_least(key .. "lr", p.lr, 0) end
-  if given(p.betas) then out.betas = betas_param(key, p.betas) end
-  if given(p.weight_decay) then
-    out.weight_decay = number_at_least(key .. "weight_decay", p.weight_decay, 0)
-  end
-  for _, k in ipairs(sorted_keys(p)) do
-    if out[k] == nil and p[k] ~= false then unimpl[#unimpl + 1] = key .. k end
-  end
-  cfg.optimizer = { type = "Lion", params = out, decoupled_weight_decay = true }
-end
-
+-- The optimizer block: its type from the optimizer table (DeepSpeed
+-- matches its own optimizer names case-insensitively), its params against
+-- that optimizer's schema (optim/schema.lua).
 local function optimizer_section(raw, cfg, unimpl)
   if not given(raw) then return end
   block("optimizer", raw)
   local t = raw.type
   if type(t) ~= "string" then
-    fail('optimizer.type must be "Adam", "AdamW" or "Lion" (got %s)', show(t))
+    fail("optimizer.type must be %s (got %s)", optimizers.types_text(true, "or"), show(t))
   end
-  local lt = t:lower() -- DeepSpeed matches its own optimizer names case-insensitively
-  if lt ~= "adam" and lt ~= "adamw" and lt ~= "lion" then
-    fail('optimizer.type %s is not available; luazero has "Adam", "AdamW" and "Lion"', show(t))
+  local class, spelling = optimizers.find(t)
+  if not class then
+    fail("optimizer.type %s is not available; luazero has %s", show(t),
+         optimizers.types_text(true, "and"))
   end
   for _, k in ipairs(sorted_keys(raw)) do
     if k ~= "type" and k ~= "params" then unimpl[#unimpl + 1] = "optimizer." .. k end
   end
   local p = given(raw.params) and block("optimizer.params", raw.params) or {}
-  local key = "optimizer.params."
-  if lt == "lion" then return lion_params(p, cfg, unimpl, key) end
-  local out = deep_copy(M.adam_defaults)
-  if given(p.lr) then out.lr = number_at_least(key .. "lr", p.lr, 0) end
-  if given(p.betas) then out.betas = betas_param(key, p.betas) end
-  if given(p.eps) then out.eps = number_at_least(key .. "eps", p.eps, 0) end
-  if given(p.weight_decay) then
-    out.weight_decay = number_at_least(key .. "weight_decay", p.weight_decay, 0)
-  end
-  -- "Adam" is decoupled (AdamW) unless adam_w_mode is false; "AdamW" always is.
-  local w_mode = true
-  if given(p.adam_w_mode) then w_mode = boolean(key .. "adam_w_mode", p.adam_w_mode) end
-  -- luazero's optimizer is always AdamW (decoupled weight decay): "Adam"
-  -- with adam_w_mode false (L2 in the gradient) is reported.
-  if lt == "adam" and not w_mode then unimpl[#unimpl + 1] = key .. "adam_w_mode" end
-  if p.max_grad_norm ~= nil then
-    fail("%smax_grad_norm is not an optimizer parameter in DeepSpeed; use the top-level " ..
-         "gradient_clipping", key)
-  end
-  for _, k in ipairs(sorted_keys(p)) do
-    local known = k == "lr" or k == "betas" or k == "eps" or k == "weight_decay" or
-                  k == "adam_w_mode" or k == "torch_adam"
-    local v = p[k]
-    -- false asks for nothing, except bias_correction: false (the kernel
-    -- always corrects), which is reported.
-    local default_ok = (k == "bias_correction" and v == true) or
-                       (v == false and k ~= "bias_correction")
-    if not known and not default_ok then unimpl[#unimpl + 1] = key .. k end
-  end
-  cfg.optimizer = { type = lt == "adam" and "Adam" or "AdamW", params = out,
-                    decoupled_weight_decay = lt == "adamw" or w_mode }
+  local params, extra = optim_schema.read(class, p, "optimizer.params.", spelling,
+                                          function(k) unimpl[#unimpl + 1] = k end)
+  cfg.optimizer = { type = spelling, params = params }
+  for k, v in pairs(extra) do cfg.optimizer[k] = v end
 end
 
 local function scheduler_section(raw, cfg, unimpl, ov)
@@ -754,11 +710,7 @@ function M.summary(cfg)
       cfg.world_size == 1 and "" or "s"),
     cfg.gradient_clipping > 0 and ("clipping %g"):format(cfg.gradient_clipping) or "no clipping",
   }
-  if cfg.optimizer then
-    local p = cfg.optimizer.params
-    parts[#parts + 1] = ("%s lr %g betas (%g, %g) eps %g weight_decay %g"):format(
-      cfg.optimizer.type, p.lr, p.betas[1], p.betas[2], p.eps, p.weight_decay)
-  end
+  if cfg.optimizer then parts[#parts + 1] = optimizers.describe(cfg.optimizer) end
   if cfg.scheduler then parts[#parts + 1] = cfg.scheduler.type end
   return "config " .. cfg.source .. ": " .. table.concat(parts, ", ")
 end

@@ -25,6 +25,8 @@ local lz = require("luazero")
 local config = require("luazero.config")
 local hf = require("luazero.hf")
 local zero = require("luazero.zero")
+local optimizers = require("luazero.optim.registry")
+local manifest_io = require("luazero.checkpoint.manifest")
 
 local M = {}
 
@@ -78,10 +80,24 @@ local function targets_list(t)
   return out
 end
 
--- A one-rank stage 0 engine over model, its optimizer the one whose states
--- a checkpoint holds (engine:load refuses others).
+-- The optimizer block of the run that saved m (engine:load takes a
+-- checkpoint into an engine with that optimizer only): its manifest's
+-- record, else (an older checkpoint) its config's.
+local function optimizer_of_manifest(m, path)
+  local rec = manifest_io.optimizer_of(m)
+  if not rec then
+    fail("--load %s: its manifest records no optimizer (a checkpoint saved without a config); " ..
+         "consolidate it (tools/ckpt consolidate %s OUT.bin) and --load OUT.bin with --model or " ..
+         "--model-config", path, path)
+  end
+  optimizers.of_record(rec, "--load " .. path)
+  return { type = rec.type, params = rec.params }
+end
+
+-- A one-rank stage 0 engine over model; optimizer: the block of the run
+-- that saved the checkpoint loaded into it (nil: the default).
 local function engine_for(model, dtype, batch, optimizer, seed, draw)
-  local cfg = config.load({ optimizer = { type = optimizer, params = { lr = 1e-3 } } }, 1,
+  local cfg = config.load({ optimizer = optimizer }, 1,
                           { stage = 0, dtype = dtype, micro_batch = batch[1], grad_accum = 1 })
   return zero.initialize({ model = model, config = cfg, seed = seed or 0, batch = batch,
                            lr = function() return 0 end, comm = require("luazero.comm").init(),
@@ -182,7 +198,7 @@ function M.open(opts)
          "LoRA checkpoint given to --load brings its own", opts.adapters)
   end
   local w = { dir = opts.hf }
-  local dtype, lora, init, optimizer, draw_seed = opts.dtype, nil, nil, "AdamW", nil
+  local dtype, lora, init, optimizer, draw_seed = opts.dtype, nil, nil, nil, nil
   local file = opts.load and not require("luazero.io.fs").is_dir(opts.load) and opts.load
   if file then
     if not opts.model and not opts.model_config then
@@ -197,7 +213,7 @@ function M.open(opts)
     local m = checkpoint.read_manifest(dir)
     w.manifest, w.cfg = m, config_of_manifest(models, m, opts.load)
     dtype = dtype or m.dtype
-    if #(m.states or { 1, 2, 3 }) == 2 then optimizer = "Lion" end
+    optimizer = optimizer_of_manifest(m, opts.load)
     if m.lora and not m.init then
       -- a LoRA run without --init adapted weights drawn from its seed
       lora, draw_seed = m.lora, type(m.extra) == "table" and tonumber(m.extra.seed)

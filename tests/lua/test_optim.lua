@@ -1,11 +1,17 @@
--- test_optim.lua — the optimizer interface: optim.new picks the class a
--- config names, and update() runs its kernel over a call's views with the
--- call's decay setting.
+-- test_optim.lua — the optimizer table: optim.new picks the class a config
+-- names, and update() runs its kernel over a call's views with the call's
+-- decay setting; an optimizer from one file outside the tree
+-- (tests/fixtures/optim/sgd_toy.lua through LZ_OPTIMIZERS) trains, is
+-- recorded in the manifest and resumes, and is unknown everywhere without
+-- that file; the manifest's record (or an older checkpoint's config) is
+-- what loads and resumes read.
+local cjson = require("cjson")
 local lz = require("luazero")
 local optim = require("luazero.optim")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
 local T = {}
 
-local expect_error = dofile(lz.root .. "/tests/lua/support.lua").expect_error
+local expect_error, q = support.expect_error, support.quote
 
 function T.new_picks_the_class_by_type()
   assert(getmetatable(optim.new({ type = "Adam" })) == optim.AdamW)
@@ -18,6 +24,28 @@ function T.new_picks_the_class_by_type()
   expect_error(function() optim.new({ type = 42 }) end, "(got 42)")
   -- A block without a type (a partial table from Lua) is the engine's AdamW.
   assert(getmetatable(optim.new({})) == optim.AdamW and getmetatable(optim.new()) == optim.AdamW)
+end
+
+-- The schema's kinds check what a config gives, naming the key.
+function T.schema_kinds_name_the_key_and_the_range()
+  local schema = require("luazero.optim.schema")
+  local d = { "momentum", "number", min = 0, below = 1, default = 0.9 }
+  assert(schema.KINDS.number("optimizer.params.momentum", 0.5, d) == 0.5)
+  expect_error(function() schema.KINDS.number("optimizer.params.momentum", 1.5, d) end,
+               "config: optimizer.params.momentum must be a number in [0, 1) (got 1.5)")
+  expect_error(function() schema.KINDS.number("optimizer.params.lr", -1, { "lr", "number" }) end,
+               "config: optimizer.params.lr must be a number >= 0 (got -1)")
+  -- A declaration that is not one is refused naming its file.
+  local registry = require("luazero.optim.registry")
+  expect_error(function()
+    registry.define({ name = "Bad", step = function() end, params = {},
+                      states = { { name = "m", dtype = "bf16" } } }, "bad.lua")
+  end, "optim: bad.lua: state m has dtype bf16: the engine keeps optimizer states in f32")
+  expect_error(function()
+    registry.define({ name = "Bad", types = { "adamw" }, step = function() end, params = {},
+                      states = {} }, "bad.lua")
+  end, "optim: bad.lua: optimizer.type adamw is AdamW's already")
+  assert(registry.find("Bad") == nil and registry.by_name.Bad == nil)
 end
 
 function T.defaults_are_deepspeeds()
@@ -69,6 +97,126 @@ function T.adamw_update_first_step()
   -- Decay 1 - 0.125 * 0.5 before the step.
   assert(p:get(0) < 0.875 * (1 - 0.0625) - 0.1, p:get(0))
   for _, t in ipairs({ p, g, m, v }) do t:free() end
+end
+
+---------------------------------------------------------------- one file
+
+local write_file, tmp = support.scratch()
+local lines = {}
+for i = 1, 80 do lines[i] = ("line %d of the corpus: %d\n"):format(i, i * 7919 % 1000) end
+local corpus = write_file("corpus.txt", table.concat(lines))
+local train, ok_train = support.trainer("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 " ..
+  "--context 32 --seq-len 16 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus))
+local TOY = "LZ_OPTIMIZERS=" .. q(lz.root .. "/tests/fixtures/optim/sgd_toy.lua")
+
+local function manifest(dir)
+  local f = assert(io.open(dir .. "/manifest.json", "rb"))
+  local m = cjson.decode(f:read("*a"))
+  f:close()
+  return m
+end
+
+local function script(name, flags, env)
+  return support.sh(("cd %s && %s %s scripts/%s.lua %s"):format(q(lz.root), env or "",
+                                                              q(lz.executable()), name, flags))
+end
+
+function T.a_lua_optimizer_is_one_file()
+  local cfg = write_file("toy.json", cjson.encode({
+    train_micro_batch_size_per_gpu = 2,
+    optimizer = { type = "sgdtoy", params = { lr = 0.05, momentum = 0.5 } } }))
+  local dir, log = tmp .. "/toy", tmp .. "/toy.jsonl"
+  local flags = ("--config %s --stage 2 --steps 4"):format(q(cfg))
+  local _, straight = ok_train(2, flags .. (" --save %s --save-every 2 --log %s")
+                                            :format(q(dir), q(log)), TOY)
+  local recs = support.records(log)
+  assert(recs[4].loss < recs[1].loss, ("loss %g then %g"):format(recs[1].loss, recs[4].loss))
+  -- The manifest names it as declared, with its hyperparameters and states.
+  local m = manifest(dir .. "/step-000004")
+  assert(m.optimizer.type == "SGDToy", tostring(m.optimizer.type))
+  local p = m.optimizer.params
+  assert(p.lr == 0.05 and p.momentum == 0.5 and p.weight_decay == 0, cjson.encode(p))
+  assert(table.concat(m.states, ",") == "master,momentum_buffer", table.concat(m.states, ","))
+  -- A resume continues bitwise; another optimizer is refused.
+  local _, resumed = ok_train(2, flags .. " --resume " .. q(dir .. "/step-000002"), TOY)
+  assert(resumed == straight, ("resumed %s, straight %s"):format(resumed, straight))
+  local lion = write_file("lion.json", cjson.encode({ train_micro_batch_size_per_gpu = 2,
+                                                       optimizer = { type = "Lion" } }))
+  local out, st = train(1, ("--config %s --steps 4 --resume %s"):format(q(lion), q(dir)), TOY)
+  assert(st ~= 0 and out:find("holds the states master, momentum_buffer; this run's optimizer " ..
+                              "Lion keeps master, m", 1, true), out)
+  -- Its checkpoint loads for evaluation with the file.
+  out, st = script("eval", ("--load %s --data %s --seq-len 16"):format(q(dir), q(corpus)), TOY)
+  assert(st == 0, out)
+  -- Without the file the name is unknown everywhere: the config, loading
+  -- its checkpoint; tools/ckpt still shows the record.
+  out, st = train(2, flags)
+  assert(st ~= 0 and out:find('config: optimizer.type "sgdtoy" is not available; luazero has ' ..
+                              '"Adam", "AdamW" and "Lion"', 1, true), out)
+  out, st = script("eval", ("--load %s --data %s --seq-len 16"):format(q(dir), q(corpus)))
+  assert(st ~= 0 and out:find("was saved by the optimizer SGDToy, which this luazero does not " ..
+                              "have (it has Adam, AdamW and Lion)", 1, true), out)
+  expect_error(function() optim.new({ type = "SGDToy" }) end,
+               "config: optimizer.type must be Adam, AdamW or Lion (got SGDToy)")
+  out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt inspect %s"):format(q(lz.root),
+                       q(lz.executable()), q(dir)))
+  assert(st == 0 and out:find("optimizer SGDToy lr 0.05 momentum 0.5 weight_decay 0; states " ..
+                              "master, momentum_buffer", 1, true), out)
+end
+
+-- A checkpoint saved in process (Lion), its manifest then rewritten as an
+-- older luazero or another optimizer would have left it.
+function T.loads_read_the_manifest_s_optimizer_record()
+  local gpt2 = require("models.gpt2")
+  local zero = require("luazero.zero")
+  local manifest_io = require("luazero.checkpoint.manifest")
+  local inference = require("luazero.inference")
+  local cfg = { train_micro_batch_size_per_gpu = 2,
+                optimizer = { type = "lion", params = { lr = 3e-5, betas = { 0.9, 0.99 } } } }
+  local function engine()
+    return zero.initialize{ model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 2, n_embd = 64,
+                            n_head = 4, context = 32 })), config = cfg, seed = 1, batch = { 2, 16 } }
+  end
+  local e = engine()
+  local dir = tmp .. "/lion"
+  e:save(dir, {}, { config = { optimizer = { type = "Lion", params = { lr = 3e-5 } } } })
+  e:free()
+  local step = dir .. "/step-000000"
+  local m = manifest(step)
+  assert(m.optimizer.type == "Lion" and m.optimizer.params.lr == 3e-5 and
+         m.optimizer.params.betas[2] == 0.99 and m.optimizer.params.weight_decay == 0,
+         cjson.encode(m.optimizer))
+  local function rewrite(fn)
+    local t = manifest(step)
+    t.manifest_xxh64 = nil
+    fn(t)
+    local f = assert(io.open(step .. "/manifest.json", "wb"))
+    f:write(manifest_io.encode(t))
+    f:close()
+  end
+  local models = require("models.registry")
+  local function open() return inference.open({ models = models, load = dir, seq_len = 16 }) end
+  local checkpoint = require("luazero.checkpoint")
+  -- Another optimizer's record over the same states: refused in one line.
+  rewrite(function(t) t.optimizer = { type = "Adam", params = {} } end)
+  e = engine()
+  expect_error(function() e:load(dir) end, "was saved by the optimizer Adam; this run's is Lion: " ..
+               'resume with the optimizer that saved it (optimizer.type "Adam")')
+  -- No record (saved before it existed): the config it holds says.
+  rewrite(function(t) t.optimizer = nil end)
+  e:load(dir)
+  local sm = checkpoint.open(dir):summary()
+  assert(sm.optimizer.type == "Lion" and sm.optimizer_from == "config", cjson.encode(sm.optimizer))
+  local w = open()
+  assert(getmetatable(w.engine.optimizer) == optim.Lion)
+  w.free()
+  -- Neither: resuming goes by the states, as before; loading for
+  -- inference names the fix.
+  rewrite(function(t) t.config = {} end)
+  e:load(dir)
+  e:free()
+  expect_error(open, "its manifest records no optimizer (a checkpoint saved without a config); " ..
+               "consolidate it")
 end
 
 return T

@@ -240,6 +240,8 @@ def test_ckpt_prints_a_checkpoint_shard_table():
         s.send("c")
         s.expect(r"checkpoint \S+step-000002: model gpt2-nano, world 2, stage 3, fp32")
         s.expect(r"step 2 \(global 2, skipped 0\)")
+        s.expect(r"optimizer AdamW lr \S+ betas \(0\.9, 0\.95\) eps 1e-08 weight_decay 0\.1; "
+                 r"states master, m, v")
         s.expect(r"shard-00000-of-00002\.zst\s+0\s+[\d,]+\s+\S+ \S+\s+\S+ \S+\s+\[0, \d+\)")
         s.expect(r"shard-00001-of-00002\.zst\s+1\s+[\d,]+")
         s.expect(r"transformer\.wte\.weight\s+\[256, 64\]\s+[0-9.]+")

@@ -6,6 +6,7 @@
 local ffi = require("ffi")
 local lz = require("luazero")
 local disk = require("luazero.checkpoint.disk")
+local manifest_io = require("luazero.checkpoint.manifest")
 local agree = require("luazero.checkpoint.agree").agree
 
 local fail = disk.fail
@@ -62,7 +63,8 @@ local function plan(m, runs)
 end
 
 -- The checkpoint at path fits engine: the same model, and the same
--- optimizer's states. Every rank reads the same manifest, so a refusal here
+-- optimizer's states and optimizer (the manifest's record, or an older
+-- checkpoint's config). Every rank reads the same manifest, so a refusal here
 -- is the input's, not one rank's. Returns the folder, the manifest and the
 -- saved states' names.
 function M.check(engine, path)
@@ -74,6 +76,11 @@ function M.check(engine, path)
     fail("%s holds the states %s; this run's optimizer %s keeps %s: resume with the optimizer " ..
          "that saved it", dir, table.concat(saved, ", "), engine.optimizer.name,
          table.concat(want, ", "))
+  end
+  local rec = manifest_io.optimizer_of(m)
+  if rec and not engine.optimizer:accepts(rec.type) then
+    fail("%s was saved by the optimizer %s; this run's is %s: resume with the optimizer that " ..
+         "saved it (optimizer.type %q)", dir, rec.type, engine.optimizer.type, rec.type)
   end
   return dir, m, saved
 end

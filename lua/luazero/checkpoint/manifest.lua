@@ -277,6 +277,14 @@ function M.validate(m, path)
     fail(path, "loss_scaler", "expected an object")
   end
   if m.extra ~= nil and type(m.extra) ~= "table" then fail(path, "extra", "expected an object") end
+  -- The optimizer that saved it: the type its config named and the
+  -- hyperparameters (absent in checkpoints saved before it was recorded).
+  if m.optimizer ~= nil then
+    local o = tbl(path, m, "optimizer", "optimizer")
+    str(path, o, "type", "optimizer.type")
+    local p = tbl(path, o, "params", "optimizer.params")
+    if p[1] ~= nil then fail(path, "optimizer.params", "expected an object (got a list)") end
+  end
   local pos_ = type(m.extra) == "table" and m.extra.data
   if pos_ ~= nil then
     if type(pos_) ~= "table" then fail(path, "extra.data", "expected an object") end
@@ -289,6 +297,19 @@ function M.validate(m, path)
     end
   end
   return m
+end
+
+-- The optimizer that saved m, as { type, params }, and where that came
+-- from: "record" (its optimizer field), "config" (a checkpoint from before
+-- that field: the optimizer block of the config it holds), or nil when
+-- neither says.
+function M.optimizer_of(m)
+  if type(m.optimizer) == "table" then return m.optimizer, "record" end
+  local c = type(m.config) == "table" and m.config.optimizer
+  if type(c) == "table" and type(c.type) == "string" then
+    return { type = c.type, params = type(c.params) == "table" and c.params or {} }, "config"
+  end
+  return nil
 end
 
 -- The text's checksum (version 2): the bytes before it hash to it.

@@ -5,6 +5,7 @@ local ffi = require("ffi")
 local lz = require("luazero")
 local clock = require("luazero.clock")
 local disk = require("luazero.checkpoint.disk")
+local manifest_io = require("luazero.checkpoint.manifest")
 local atomic = require("luazero.io.atomic")
 
 local fail = disk.fail
@@ -51,11 +52,14 @@ function M.open(path)
   return setmetatable({ dir = dir, manifest = m, by_name = by_name }, Checkpoint)
 end
 
--- A one-table summary: step counters, world, stage, dtypes, sizes.
+-- A one-table summary: step counters, world, stage, dtypes, sizes, the
+-- optimizer (its record { type, params }, and where it came from:
+-- checkpoint/manifest.lua's optimizer_of) and the states it saved.
 function Checkpoint:summary()
   local m = self.manifest
   local raw, comp = 0, 0
   for _, s in ipairs(m.shards) do raw, comp = raw + s.raw_bytes, comp + s.compressed_bytes end
+  local optimizer, optimizer_from = manifest_io.optimizer_of(m)
   return {
     dir = self.dir, model = m.model and m.model.name, world_size = m.world_size,
     stage = m.stage, dtype = m.dtype, params = #m.params, numel = m.numel,
@@ -63,6 +67,7 @@ function Checkpoint:summary()
     skipped_steps = m.skipped_steps, loss_scale = m.loss_scaler and m.loss_scaler.scale,
     shards = #m.shards, raw_bytes = raw, compressed_bytes = comp,
     ratio = comp > 0 and raw / comp or 0, created = m.created,
+    optimizer = optimizer, optimizer_from = optimizer_from, states = states_of(m),
   }
 end
 

@@ -281,6 +281,7 @@ function M.begin(engine, dir, extra, opts)
       model = { config = model_config(engine.model), name = (engine.model.cfg or {}).name },
       world_size = engine.world, stage = engine.stage, dtype = engine.dtype,
       master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
+      optimizer = engine.optimizer:record(),
       block_elems = disk.BLOCK, zstd_level = o.zstd_level,
       numel = engine.L.numel, params = param_table(engine),
       -- A run with frozen parameters saves what trains: LoRA's settings,

@@ -1,6 +1,10 @@
 -- config/defaults.lua — DeepSpeed's defaults for the keys luazero reads
 -- (and what scripts/train.lua uses without a config file): the one home of
--- defaults; luazero.config hands them out under the same names.
+-- defaults; luazero.config hands them out under the same names. Each
+-- optimizer's defaults are its own file's (the optimizer table,
+-- optim/registry.lua), here under the name that file gives them.
+local optimizers = require("luazero.optim.registry")
+
 local M = {}
 
 M.fp16_defaults = {
@@ -23,23 +27,24 @@ M.aio_defaults = {
   overlap_events = true,
 }
 
--- FusedAdam's defaults (what DeepSpeed builds for "Adam" and "AdamW").
-M.adam_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, eps = 1e-8, weight_decay = 0 }
--- FusedLion's (what DeepSpeed builds for "Lion").
-M.lion_defaults = { lr = 1e-3, betas = { 0.9, 0.999 }, weight_decay = 0 }
+-- adam_defaults (FusedAdam's), lion_defaults (FusedLion's), ...: the very
+-- tables the optimizers read, so a change shows in both.
+for _, class in ipairs(optimizers.list) do
+  if class.defaults_name then M[class.defaults_name] = class.defaults end
+end
 -- The optimizer DeepSpeed's engine is given when the config has none: the
--- engine's own default (scripts/train.lua brings its own, train_defaults).
-M.optimizer_default = { type = "AdamW", params = M.adam_defaults, decoupled_weight_decay = true }
+-- table's default (scripts/train.lua brings its own, train_defaults).
+M.optimizer_default = optimizers.default_block()
 M.gradient_clipping_default = 0
 
 -- What scripts/train.lua uses when no --config file is given, in place of
 -- what a DeepSpeed user's script would pass (docs/configuration.md,
--- "Without a config file"): the micro-batch, clipping, AdamW with GPT-2's
--- betas and weight decay, and a warmup (10% of the steps, at most 100) +
--- cosine schedule.
+-- "Without a config file"): the micro-batch, clipping, the default
+-- optimizer (AdamW: these params are its) with GPT-2's betas and weight
+-- decay, and a warmup (10% of the steps, at most 100) + cosine schedule.
 M.train_defaults = {
   micro_batch = 8, grad_accum = 1, gradient_clipping = 1.0,
-  optimizer = { type = "AdamW", decoupled_weight_decay = true,
+  optimizer = { type = optimizers.default.name, decoupled_weight_decay = true,
                 params = { betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 } },
   warmup_fraction = 0.1, warmup_max = 100,
 }

@@ -1,5 +1,5 @@
 -- optim/hyper.lua — an optimizer's hyperparameters: the config's
--- optimizer.params over the defaults luazero.config holds for its type.
+-- optimizer.params over the defaults its declaration gives.
 local M = {}
 
 -- A table of every key in defaults, each from params where given; betas

@@ -16,6 +16,7 @@ local cjson = require("cjson")
 local lz = require("luazero")
 local serve = require("luazero.ui.serve")
 local show = require("luazero.ui.show")
+local optimizers = require("luazero.optim.registry")
 
 local M = {}
 
@@ -387,6 +388,8 @@ function M.ckpt(dir, what)
               sm.loss_scale and (", loss scale " .. sm.loss_scale) or "", sm.shards,
               sm.shards == 1 and "" or "s", show.bytes(sm.raw_bytes),
               show.bytes(sm.compressed_bytes), sm.ratio),
+    ("optimizer %s; states %s"):format(optimizers.describe(sm.optimizer, sm.optimizer_from),
+                                       table.concat(sm.states, ", ")),
     ("%-28s %5s %14s %12s %12s  %s"):format("shard", "rank", "elements", "raw",
                                            "compressed", "canonical ranges"),
   }
