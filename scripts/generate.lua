@@ -121,14 +121,11 @@ end
 local function text_side(flags, w)
   local side = { eos = {} }
   local dir = w.dir
-  local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and
-                                       dir .. "/tokenizer.json")
-  if flags.tokenizer and exists(flags.tokenizer .. "/tokenizer.json") then
-    tok_path = flags.tokenizer .. "/tokenizer.json" -- a Hugging Face folder, as train takes
-  end
+  -- a tokenizer.json or a Hugging Face folder, as train and eval take it
+  local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and dir)
   local V = w.cfg.vocab
   if tok_path then
-    local tok = checked(require("luazero.tokenizer").load, tok_path)
+    local tok = inputs.tokenizer(ex, tok_path)
     side.encode = function(text) return tok:encode(text) end
     side.decode = function(ids) return run_text.decode(tok, ids) end
     if tok.eos_id then side.eos[tok.eos_id] = true end

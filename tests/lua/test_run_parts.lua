@@ -30,6 +30,14 @@ end
 
 function T.a_shared_flag_with_a_bad_value_is_refused_alike_by_train_eval_and_generate()
   local data = "--data " .. support.quote(corpus)
+  -- a checkpoint for generate, which opens the weights before the tokenizer
+  local ck = select(2, support.scratch())
+  local out, st = script("train", "--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 " ..
+                         "--context 16 --micro-batch 2 --steps 1 --sample 0 --eval-batches 1 " ..
+                         data .. " --save " .. support.quote(ck))
+  assert(st == 0, out)
+  local load = "--load " .. support.quote(ck)
+  local no_json = select(2, support.scratch()) -- a folder without tokenizer.json
   local cases = {
     -- flag and value, then the scripts sharing the flag with what else each needs
     { "--micro-batch 0", "--micro-batch must be >= 1 (got 0)",
@@ -43,6 +51,9 @@ function T.a_shared_flag_with_a_bad_value_is_refused_alike_by_train_eval_and_gen
     { "--tokenizer /nonexistent/tok", "tokenizer: /nonexistent/tok: cannot read it",
       { train = "--data " .. support.quote(examples),
         eval = "--hf /nonexistent/hf --data " .. support.quote(examples) } },
+    { "--tokenizer " .. support.quote(no_json), ("tokenizer: %s/tokenizer.json: cannot read it")
+      :format(no_json), { train = data, eval = load .. " --data " .. support.quote(examples),
+                          generate = load .. " --prompt a" } },
     { "--data /nonexistent/corpus.txt", "data: /nonexistent/corpus.txt: ",
       { train = "", eval = "--load /nonexistent/ck" } },
     { "--no-such-flag", "unknown flag --no-such-flag (--help lists the flags)",
