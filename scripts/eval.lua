@@ -8,17 +8,13 @@
 --   luazero scripts/eval.lua --hf base --adapters lora-out --data val.bin
 -- Flags: luazero scripts/eval.lua --help. docs/training.md, "Evaluation".
 local cjson = require("cjson")
-local args = require("luazero.args")
 local data = require("luazero.data")
 local held_out = require("luazero.held_out")
-local inference = require("luazero.inference")
+local exits = require("luazero.run.exits")
+local run_flags = require("luazero.run.flags")
+local inputs = require("luazero.run.inputs")
 
-local spec = {
-  { "load", "string", nil, "a luazero checkpoint: a step folder, a --save folder (its latest) or a consolidated file" },
-  { "model", "string", nil, "with --load FILE (tools/ckpt consolidate's): the model's named size" },
-  { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
-  { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors)" },
-  { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
+local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors"), {
   { "data", "string", nil, "the held-out file: text (bytes are tokens), a token file or instruction data (.jsonl or tools/prepare-data's), all of it" },
   { "tokenizer", "string", nil, "a .jsonl --data's Hugging Face tokenizer folder (default: the --hf folder)" },
   { "micro-batch", "int", nil, "sequences per batch (default: a checkpoint's, else 8)" },
@@ -26,51 +22,35 @@ local spec = {
   { "max-batches", "int", 0, "evaluate the first N batches only (0: the whole file)" },
   { "dtype", "string", nil, "fp32, bf16 or fp16 (default: a checkpoint's, else fp32)" },
   { "json", "flag", false, "print one JSON object instead of a line of text" },
-}
+})
 
-local function fail(msg)
-  msg = tostring(msg):gsub("^[^%s:]+%.lua:%d+: ", "")
-  io.stderr:write("eval: ", msg, "\n")
-  os.exit(2)
-end
-
-local function checked(fn, ...) return args.checked(fail, fn, ...) end
+local ex = exits.new({ script = "eval" })
+local checked = ex.checked
 
 local function main(argv)
-  local flags, usage = checked(args.parse, argv, spec)
-  if not flags then
-    print("usage: luazero scripts/eval.lua (--load DIR | --hf DIR) --data FILE [flags]\n" .. usage)
-    return
-  end
-  if not flags.data then fail("--data is required: the held-out text or token file") end
-  for _, n in ipairs({ "micro_batch", "seq_len" }) do
-    if flags[n] and flags[n] < 1 then fail(("--%s must be >= 1"):format(n:gsub("_", "-"))) end
-  end
-  if flags.max_batches < 0 then fail("--max-batches must be >= 0 (0: the whole file)") end
-  local opts
+  local flags = run_flags.parse(ex, argv, spec,
+                                "luazero scripts/eval.lua (--load DIR | --hf DIR) --data FILE [flags]")
+  if not flags then return end
+  run_flags.required(ex, flags, "data", "the held-out text or token file")
+  run_flags.at_least(ex, flags, "micro-batch", 1)
+  run_flags.at_least(ex, flags, "seq-len", 1)
+  if flags.max_batches < 0 then ex.user_error("--max-batches must be >= 0 (0: the whole file)") end
+  local jsonl
   if data.is_jsonl(flags.data) and (flags.tokenizer or flags.hf) then
     -- Instruction examples: tokenised and masked as scripts/train.lua does.
-    local tok, template = checked(require("luazero.data.instruct").open_tokenizer,
-                                  flags.tokenizer or flags.hf)
-    opts = { tokenizer = tok, template = template, max_len = flags.seq_len }
+    local tok, template = inputs.tokenizer(ex, flags.tokenizer or flags.hf)
+    jsonl = { tokenizer = tok, template = template, max_len = flags.seq_len }
   end
-  local corpus = checked(data.load, flags.data, opts)
+  local corpus = inputs.corpus(ex, flags.data, jsonl)
   -- The batch: a checkpoint's micro-batch unless given.
   local B = flags.micro_batch
   if not B and flags.load and require("luazero.io.fs").is_dir(flags.load) then
-    local checkpoint = require("luazero.checkpoint")
-    local m = checked(function()
-      return checkpoint.read_manifest(checkpoint.resolve(flags.load))
-    end)
+    local m = inputs.manifest(ex, flags.load)
     B = type(m.config) == "table" and tonumber(m.config.train_micro_batch_size_per_gpu) or nil
   end
   B = B or 8
-  local w = checked(inference.open, { models = require("models.registry"),
-                                      lora = require("models.lora"), load = flags.load,
-                                      hf = flags.hf, adapters = flags.adapters,
-                                      model = flags.model, model_config = flags.model_config,
-                                      dtype = flags.dtype, micro_batch = B,
-                                      seq_len = flags.seq_len })
+  local w = inputs.weights(ex, flags, { dtype = flags.dtype, micro_batch = B,
+                                        seq_len = flags.seq_len })
   local T = flags.seq_len or w.cfg.context
   local loader = checked(held_out.loader, corpus, { B = B, T = T, vocab = w.cfg.vocab })
   local n = loader.val_batches

@@ -5,17 +5,16 @@
 --   luazero scripts/generate.lua --hf base --adapters lora-out --chat --prompts chats.jsonl --out out.jsonl
 -- Flags: luazero scripts/generate.lua --help.
 local cjson = require("cjson")
-local args = require("luazero.args")
 local data = require("luazero.data")
 local generate = require("luazero.generate")
-local inference = require("luazero.inference")
+local exits = require("luazero.run.exits")
+local run_flags = require("luazero.run.flags")
+local inputs = require("luazero.run.inputs")
+local outputs = require("luazero.run.outputs")
+local run_text = require("luazero.run.text")
+local exists = require("luazero.io.fs").exists
 
-local spec = {
-  { "load", "string", nil, "a luazero checkpoint: a step folder, a --save folder (its latest) or a consolidated file" },
-  { "model", "string", nil, "with --load FILE (tools/ckpt consolidate's): the model's named size" },
-  { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
-  { "hf", "string", nil, "a Hugging Face model folder (config.json, *.safetensors, tokenizer.json)" },
-  { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
+local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors, tokenizer.json"), {
   { "tokenizer", "string", nil, "a tokenizer.json or the folder holding it (default: the model folder's; none: bytes are tokens)" },
   { "chat", "flag", false, "render each prompt with the folder's chat template (tokenizer_config.json)" },
   { "prompt", "string", nil, "one prompt (text; with --chat the user's message)" },
@@ -31,21 +30,10 @@ local spec = {
   { "dtype", "string", nil, "fp32 or bf16 (default: a checkpoint's, else fp32)" },
   { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory" },
   { "out", "string", nil, "write one JSON object per prompt to this file (JSON Lines)" },
-}
+})
 
-local function fail(msg)
-  msg = tostring(msg):gsub("^[^%s:]+%.lua:%d+: ", "")
-  io.stderr:write("generate: ", msg, "\n")
-  os.exit(2)
-end
-
-local function checked(fn, ...) return args.checked(fail, fn, ...) end
-
-local function exists(path)
-  local f = io.open(path, "rb")
-  if f then f:close() end
-  return f ~= nil
-end
+local ex = exits.new({ script = "generate" })
+local fail, checked = ex.user_error, ex.checked
 
 local function read_json(path)
   local f = io.open(path, "rb")
@@ -111,17 +99,14 @@ local function read_prompts(flags)
 end
 
 local function parse(argv)
-  local flags, usage = checked(args.parse, argv, spec)
-  if not flags then
-    print("usage: luazero scripts/generate.lua (--load DIR | --hf DIR) --prompt TEXT [flags]\n" ..
-          usage)
-    return nil
-  end
-  if flags.max_new_tokens < 1 then fail("--max-new-tokens must be >= 1") end
+  local flags = run_flags.parse(ex, argv, spec,
+                                "luazero scripts/generate.lua (--load DIR | --hf DIR) --prompt TEXT [flags]")
+  if not flags then return nil end
+  run_flags.at_least(ex, flags, "max-new-tokens", 1)
   if flags.temperature < 0 then fail("--temperature must be >= 0 (0: greedy)") end
   if flags.top_k < 0 then fail("--top-k must be >= 0 (0: all tokens)") end
   if flags.top_p <= 0 or flags.top_p > 1 then fail("--top-p must be in (0, 1]") end
-  if flags.batch < 1 then fail("--batch must be >= 1") end
+  run_flags.at_least(ex, flags, "batch", 1)
   if flags.kv_dtype ~= "fp32" and flags.kv_dtype ~= "bf16" then
     fail(("--kv-dtype must be fp32 or bf16 (got %s)"):format(flags.kv_dtype))
   end
@@ -136,23 +121,13 @@ end
 local function text_side(flags, w)
   local side = { eos = {} }
   local dir = w.dir
-  local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and
-                                       dir .. "/tokenizer.json")
-  if flags.tokenizer and exists(flags.tokenizer .. "/tokenizer.json") then
-    tok_path = flags.tokenizer .. "/tokenizer.json" -- a Hugging Face folder, as train takes
-  end
+  -- a tokenizer.json or a Hugging Face folder, as train and eval take it
+  local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and dir)
   local V = w.cfg.vocab
   if tok_path then
-    local tok = checked(require("luazero.tokenizer").load, tok_path)
+    local tok = inputs.tokenizer(ex, tok_path)
     side.encode = function(text) return tok:encode(text) end
-    side.decode = function(ids)
-      local size = type(tok.vocab_size) == "function" and tok:vocab_size() or tok.vocab_size
-      local parts = {}
-      for i, id in ipairs(ids) do
-        parts[i] = id < size and tok:decode({ id }) or ("<%d>"):format(id)
-      end
-      return table.concat(parts)
-    end
+    side.decode = function(ids) return run_text.decode(tok, ids) end
     if tok.eos_id then side.eos[tok.eos_id] = true end
     side.bos = tok.bos_id
   elseif V >= 256 then
@@ -216,11 +191,7 @@ local function main(argv)
   local flags = parse(argv)
   if not flags then return end
   local list = read_prompts(flags)
-  local w = checked(inference.open, { models = require("models.registry"),
-                                      lora = require("models.lora"), load = flags.load,
-                                      hf = flags.hf, adapters = flags.adapters,
-                                      model = flags.model, model_config = flags.model_config,
-                                      dtype = flags.dtype, seed = flags.seed })
+  local w = inputs.weights(ex, flags, { dtype = flags.dtype, seed = flags.seed })
   local side = text_side(flags, w)
   local prompts = prompt_ids(list, side, flags)
   -- --stop: the completion so far, decoded, holds the text.
@@ -234,12 +205,7 @@ local function main(argv)
     top_p = flags.top_p, seed = flags.seed, eos = side.eos, stop = stop, batch = flags.batch,
     kv_dtype = flags.kv_dtype == "bf16" and "bf16" or "f32",
   })
-  local log
-  if flags.out then
-    local why
-    log, why = io.open(flags.out, "wb")
-    if not log then fail(("--out %s: cannot write it (%s)"):format(flags.out, why)) end
-  end
+  local log = flags.out and outputs.open(ex, "--out", flags.out)
   for i, o in ipairs(outs) do
     local text
     if side.decode then

@@ -1,0 +1,71 @@
+-- run/checks.lua — a training run's flags checked before anything is read
+-- or built: ranges, flags that contradict one another or would be ignored,
+-- outputs that would destroy an input, a device that does not exist. Each
+-- refusal is one line naming the flag and the fix (exit 2).
+local run_flags = require("luazero.run.flags")
+local outputs = require("luazero.run.outputs")
+local M = {}
+
+-- --lora-alpha and --lora-targets shape the adapters --lora-r adds: alone
+-- they would be ignored. The targets default to q_proj,v_proj.
+local function check_lora(ex, flags)
+  for _, n in ipairs({ "lora-alpha", "lora-targets" }) do
+    local v = flags[n:gsub("-", "_")]
+    if v ~= nil and not flags.lora_r then
+      ex.user_error(("--%s %s without --lora-r does nothing: add --lora-r R (the adapters' " ..
+                     "rank) or drop --%s"):format(n, v == "" and "''" or tostring(v), n))
+    end
+  end
+  if flags.lora_alpha and flags.lora_alpha <= 0 then
+    ex.user_error(("--lora-alpha must be > 0 (got %s): the adapters' scale is alpha / r")
+                  :format(tostring(flags.lora_alpha)))
+  end
+  flags.lora_targets = flags.lora_targets or "q_proj,v_proj"
+  if flags.lora_r and not flags.lora_targets:find("[^,%s]") then
+    ex.user_error(("--lora-targets '%s' names no module: give comma-separated names, e.g. " ..
+                   "q_proj,v_proj (Llama) or c_attn (GPT-2)"):format(flags.lora_targets))
+  end
+end
+
+-- scripts/train.lua's flags (ex: a luazero.run.exits); fills in
+-- --lora-targets' default.
+function M.train(ex, flags)
+  run_flags.required(ex, flags, "data", "a text file, a token file made by tools/prepare-data, " ..
+                                        "or instruction examples (.jsonl)")
+  for _, n in ipairs({ "micro-batch", "grad-accum", "seq-len", "n-layer", "n-head",
+                       "n-embd", "context", "vocab" }) do
+    run_flags.at_least(ex, flags, n, 1)
+  end
+  run_flags.at_least(ex, flags, "steps", flags.init and 0 or 1)
+  if flags.init and flags.resume and not flags.lora_r then
+    ex.user_error(("--init %s and --resume %s: give one (--resume continues a luazero " ..
+                   "checkpoint, --init starts from Hugging Face weights; with --lora-r both: the " ..
+                   "base from --init, the adapters from --resume)"):format(flags.init, flags.resume))
+  end
+  for _, n in ipairs({ "warmup", "eval-every", "eval-batches", "sample", "save-every", "keep" }) do
+    run_flags.at_least(ex, flags, n, 0)
+  end
+  if flags.save_every_minutes < 0 then
+    ex.user_error(("--save-every-minutes must be >= 0 (got %g)"):format(flags.save_every_minutes))
+  end
+  if flags.lr and flags.lr <= 0 then ex.user_error("--lr must be > 0 (got " .. flags.lr .. ")") end
+  if flags.model and flags.model_config then
+    ex.user_error(("--model %s beside --model-config %s: the config.json defines the model; " ..
+                   "drop --model (or drop --model-config to train %s)")
+                  :format(flags.model, flags.model_config, flags.model))
+  end
+  check_lora(ex, flags)
+  -- --log FILE and --profile-json FILE are emptied at start.
+  outputs.refuse_overlap(ex, flags, { "log", "profile_json" },
+                         { "data", "val_data", "resume", "save", "init", "tokenizer", "config",
+                           "model_config" })
+  if flags.init and not require("luazero.io.fs").exists(flags.init) then
+    ex.user_error(("--init %s: no such file or folder; give a Hugging Face model folder or a " ..
+                   ".safetensors file"):format(flags.init))
+  end
+  if flags.device ~= "cpu" and flags.device ~= "sim" and flags.device ~= "cuda" then
+    ex.user_error(("--device must be cpu, sim or cuda (got %s)"):format(flags.device))
+  end
+end
+
+return M

@@ -1,0 +1,56 @@
+-- run/flags.lua — the scripts' command lines: parsed by luazero.args with
+-- the usage printed for --help, the flags they share declared once, and the
+-- checks of a flag's value with the one message each, so that train, eval
+-- and generate refuse the same bad value with the same line.
+local args = require("luazero.args")
+local M = {}
+
+-- The flags that name trained weights for luazero.inference.open (eval and
+-- generate): a checkpoint, or a Hugging Face folder (holding `hf_files`)
+-- with PEFT adapters.
+function M.weights(hf_files)
+  return {
+    { "load", "string", nil, "a luazero checkpoint: a step folder, a --save folder (its latest) or a consolidated file" },
+    { "model", "string", nil, "with --load FILE (tools/ckpt consolidate's): the model's named size" },
+    { "model-config", "string", nil, "with --load FILE: the model's Hugging Face config.json" },
+    { "hf", "string", nil, "a Hugging Face model folder (" .. hf_files .. ")" },
+    { "adapters", "string", nil, "with --hf: PEFT LoRA adapters (tools/ckpt export of a LoRA run)" },
+  }
+end
+
+-- One spec from several lists of flags, in order.
+function M.spec(...)
+  local out = {}
+  for _, list in ipairs({ ... }) do
+    for _, s in ipairs(list) do out[#out + 1] = s end
+  end
+  return out
+end
+
+-- The flags of argv, or nil after printing "usage: <usage>" and the flags
+-- for --help. ex: a luazero.run.exits.
+function M.parse(ex, argv, spec, usage)
+  local flags, text = ex.checked(args.parse, argv, spec)
+  if not flags then
+    ex.say("usage: " .. usage .. "\n" .. text)
+    return nil
+  end
+  return flags
+end
+
+local function value(flags, name) return flags[name:gsub("-", "_")] end
+
+-- --NAME, when given, must be at least min.
+function M.at_least(ex, flags, name, min)
+  local v = value(flags, name)
+  if v ~= nil and v < min then
+    ex.user_error(("--%s must be >= %d (got %s)"):format(name, min, tostring(v)))
+  end
+end
+
+-- --NAME must be given; `what` says what it names.
+function M.required(ex, flags, name, what)
+  if value(flags, name) == nil then ex.user_error(("--%s is required: %s"):format(name, what)) end
+end
+
+return M

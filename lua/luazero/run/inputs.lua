@@ -1,0 +1,37 @@
+-- run/inputs.lua — what the scripts read, opened the same way by each: a
+-- checkpoint's manifest, a tokenizer (and its chat template), a data file,
+-- trained weights for inference. Errors are the input's fault: exit 2.
+-- ex: a luazero.run.exits.
+local data = require("luazero.data")
+local M = {}
+
+-- The manifest of a checkpoint: a step folder, or a --save folder's latest.
+function M.manifest(ex, path)
+  local checkpoint = require("luazero.checkpoint")
+  return ex.checked(function() return checkpoint.read_manifest(checkpoint.resolve(path)) end)
+end
+
+-- A tokenizer.json, or a Hugging Face folder holding one: the tokenizer and
+-- a function that loads the folder's chat template.
+function M.tokenizer(ex, path)
+  return ex.checked(require("luazero.data.instruct").open_tokenizer, path)
+end
+
+-- A data file as a corpus (luazero.data.load); text: nil, or { tokenizer,
+-- template, max_len } for instruction examples (.jsonl).
+function M.corpus(ex, path, text)
+  return ex.checked(data.load, path, text)
+end
+
+-- Trained weights for evaluation or generation (luazero.inference.open):
+-- --load, --model, --model-config, --hf, --adapters from flags (run/flags.lua's
+-- weights), the rest (dtype, micro_batch, seq_len, seed) from opts.
+function M.weights(ex, flags, opts)
+  local o = { models = require("models.registry"), lora = require("models.lora"),
+              load = flags.load, hf = flags.hf, adapters = flags.adapters, model = flags.model,
+              model_config = flags.model_config }
+  for k, v in pairs(opts) do o[k] = v end
+  return ex.checked(require("luazero.inference").open, o)
+end
+
+return M

@@ -1,0 +1,117 @@
+-- run/outputs.lua — where the scripts write, checked before any work: a
+-- path a run would empty that is one of its inputs, a folder --save cannot
+-- create, write or fill, a file that cannot be opened; and the --log file,
+-- written one checked record at a time. ex: a luazero.run.exits.
+local ffi = require("ffi")
+local cjson = require("cjson")
+local lz = require("luazero")
+local M = {}
+
+local function cannot_write(flag, path, why)
+  return ("%s %s: cannot write it (%s)"):format(flag, path, why)
+end
+
+-- A file opened for writing ("wb"); a path that cannot be is the user's to fix.
+function M.open(ex, flag, path)
+  local f, why = io.open(path, "wb")
+  if not f then ex.user_error(cannot_write(flag, path, why)) end
+  return f
+end
+
+-- Files a run empties at start (outs: flag names) are refused when one is
+-- (or lies inside) a file or folder the run reads or saves to (ins).
+function M.refuse_overlap(ex, flags, outs, ins)
+  local atomic = require("luazero.io.atomic")
+  for _, out in ipairs(outs) do
+    for _, f in ipairs(ins) do
+      if flags[out] and flags[f] then
+        ex.checked(atomic.refuse_overlap, flags[out], "--" .. out:gsub("_", "-"), flags[f],
+                   "--" .. f:gsub("_", "-"))
+      end
+    end
+  end
+end
+
+-- --log FILE: one write per record, checked; a failed one is cut back to
+-- the last complete record, so the file stays JSON Lines, and stops the run
+-- (exit 1). append: a restarted run adds to the file.
+function M.open_log(ex, path, append)
+  local log, err = require("luazero.jsonl").open(path, { append = append })
+  if not log then ex.user_error(cannot_write("--log", path, err)) end
+  return {
+    write = function(rec, what)
+      local ok, werr = log:write(cjson.encode(rec) .. "\n")
+      if not ok then
+        ex.fail(("--log %s: writing %s failed (%s); the file ends at the record before it; " ..
+                 "free space there or log elsewhere"):format(path, what, werr), 1)
+      end
+    end,
+    close = function() log:close() end,
+  }
+end
+
+-- A file written at the end (--profile-json): an unwritable path fails
+-- before the steps.
+function M.check_writable(ex, flag, path)
+  local f, err = io.open(path, "w")
+  if not f then
+    ex.user_error(("%s: cannot write %s; give a path in a writable folder"):format(flag, err))
+  end
+  f:close()
+end
+
+-- --save DIR: everything a save will need, before step 1 (a run with
+-- --save-every 0 saves only at its end): the zstd level, a folder that can
+-- be created and written, free space for one checkpoint (fp32 master, Adam
+-- m and v: 12 bytes a parameter). Every rank checks, so all stop alike.
+local ZSTD_LEVELS = { 1, 19 }
+pcall(ffi.cdef, [[
+typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, f_bfree, f_bavail,
+  f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
+int statvfs(const char *path, lz_statvfs *buf);
+]])
+pcall(ffi.cdef, "int getpid(void);")
+function M.check_save_target(ex, flags, n_params)
+  local level = flags.save_zstd_level
+  if level < ZSTD_LEVELS[1] or level > ZSTD_LEVELS[2] then
+    ex.user_error(("--save-zstd-level must be %d..%d (got %d)"):format(ZSTD_LEVELS[1],
+                                                                       ZSTD_LEVELS[2], level))
+  end
+  if not flags.save then return end
+  local dir = flags.save:gsub("(.)/+$", "%1")
+  -- The folders mkdir -p makes (deepest first): removed again when the
+  -- folder is refused, so a refused --save leaves nothing behind.
+  local exists = require("luazero.io.fs").exists
+  local made_dirs, there = {}, dir
+  while not exists(there) do
+    made_dirs[#made_dirs + 1] = there
+    local up = there:match("^(.*)/[^/]*$")
+    there = up and (up == "" and "/" or up) or "."
+  end
+  local function refuse(msg)
+    for _, d in ipairs(made_dirs) do os.remove(d) end
+    ex.user_error(msg)
+  end
+  local made, why = lz.mkdir(dir)
+  if not made then refuse(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
+  local probe = ("%s/.write-check-%d-%d"):format(dir, ex.rank, tonumber(ffi.C.getpid()))
+  local f, err = io.open(probe, "wb")
+  local wrote = f and f:write("x") and f:close()
+  os.remove(probe)
+  if not wrote then
+    refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
+           tostring(err or "write failed")))
+  end
+  local st = ffi.new("lz_statvfs")
+  if ffi.C.statvfs(dir, st) == 0 then
+    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
+    local need = n_params * 12 + 2 ^ 20
+    if free < need then
+      refuse(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
+              "x 12 bytes); free space there or save elsewhere")
+             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
+    end
+  end
+end
+
+return M

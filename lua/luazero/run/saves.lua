@@ -1,0 +1,68 @@
+-- run/saves.lua — a training run's checkpoints (--save): when they are due
+-- (every --save-every steps, every --save-every-minutes, at the last step:
+-- luazero/checkpoint/due.lua), and whether they are written in the
+-- background (--async-save: luazero/checkpoint/async.lua; states on NVMe
+-- save synchronously). run: the table scripts/train.lua's steps share.
+local lz = require("luazero")
+local clock = require("luazero.clock")
+local due_saves = require("luazero.checkpoint.due")
+local async_saves = require("luazero.checkpoint.async")
+local M = {}
+
+function M.plan(run)
+  local flags, ex = run.flags, run.ex
+  if not flags.save then return end
+  run.due = due_saves.new(run.comm, flags.save_every, flags.save_every_minutes, flags.steps)
+  -- ds_config's checkpoint.writer.decoupled asks for the same.
+  run.async = flags.async_save or run.cfg.checkpoint.async
+  local why = run.async and async_saves.refusal(run.engine)
+  if why then
+    ex.say((flags.async_save and "--async-save" or "checkpoint.writer.decoupled") ..
+           ": saving synchronously: " .. why)
+    run.async = false
+  elseif run.async and flags.device == "cpu" then
+    ex.say(("%s: the background writer compresses on the cores the steps use (%d threads); " ..
+            "on a CPU run a save then slows the steps beside it, and OMP_NUM_THREADS one below " ..
+            "the cores leaves it a core (docs/checkpoints.md)")
+           :format(flags.async_save and "--async-save" or "checkpoint.writer.decoupled",
+                   lz.threads()))
+  end
+end
+
+local function say_async_saved(ex, dir, t)
+  if dir then ex.say(("saved %s in the background (%.2f s from its step)"):format(dir, t.total_s)) end
+end
+
+-- After step `step`: a background save that finished is said, and a due
+-- checkpoint written (or started).
+function M.if_due(run, step)
+  local flags, ex = run.flags, run.ex
+  if not flags.save then return end
+  if run.async then say_async_saved(ex, ex.checked_rank(async_saves.poll, run.engine)) end
+  if not run.due:check(step) then return end
+  local extra = {
+    data = run.loader:position(),
+    seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
+  }
+  extra.data.batches = step * run.accum
+  local opts = { zstd_level = flags.save_zstd_level, keep = flags.keep, config = run.cfg }
+  local t1 = clock.now()
+  if run.async then
+    say_async_saved(ex, ex.checked_rank(async_saves.wait, run.engine)) -- one save at a time
+    local dir, copy_s = ex.checked_rank(async_saves.start, run.engine, flags.save, extra, opts)
+    ex.say(("saving %s in the background (snapshot %.2f s)"):format(dir, copy_s))
+  else
+    local dir = ex.checked_rank(run.engine.save, run.engine, flags.save, extra, opts)
+    ex.say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
+  end
+  run.due:saved()
+end
+
+-- The end of the run: the save in flight finished, its buffer freed.
+function M.finish(run)
+  if not run.async then return end
+  say_async_saved(run.ex, run.ex.checked_rank(async_saves.wait, run.engine))
+  async_saves.release(run.engine)
+end
+
+return M

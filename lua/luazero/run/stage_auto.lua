@@ -1,0 +1,56 @@
+-- run/stage_auto.lua — --stage auto: the lowest ZeRO stage whose model
+-- states fit the per-rank budget; when none does, stage 3 with the
+-- optimizer states (and the parameter shard) on NVMe where that fits, in
+-- the config's nvme_path or --nvme-path. ex: a luazero.run.exits.
+local config = require("luazero.config")
+local estimate = require("luazero.estimate")
+local M = {}
+
+-- Sets cfg's stage (and NVMe placement) for model on `world` ranks; a
+-- stage given outright is kept, and --nvme-path refused beside it.
+function M.resolve(ex, cfg, model, world, flags)
+  local z = cfg.zero_optimization
+  if z.stage ~= "auto" then
+    if flags.nvme_path then
+      ex.user_error("--nvme-path is where --stage auto puts swap files when it picks NVMe; " ..
+                    "without --stage auto set zero_optimization.offload_optimizer.nvme_path")
+    end
+    return
+  end
+  local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+  local persistent = 0
+  for _, e in ipairs(model.param_table) do
+    if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
+  end
+  local device = flags.device == "cpu" and "cpu" or "cuda"
+  local settings = estimate.settings_of(cfg, device)
+  settings.overlap = nil -- stage 3's default unless the config says
+  if z.overlap_comm_given then settings.overlap = z.overlap_comm end
+  local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
+  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
+  local stage, why, _, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
+    { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
+      nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts })
+  if placement then
+    if not (z.offload_optimizer.nvme_path or z.offload_param.nvme_path) then
+      config.check_writable_dir("--nvme-path", nvme_path)
+    end
+    local pl = estimate.placement_of[placement]
+    for key, dev in pairs({ offload_optimizer = pl.opt, offload_param = pl.param }) do
+      if dev == "nvme" then
+        z[key].device = "nvme"
+        z[key].nvme_path = z[key].nvme_path or nvme_path
+      end
+    end
+    -- offload_param.buffer_size must hold the largest slice a gather reads.
+    if pl.param == "nvme" then
+      local slice = 0
+      for _, seg in ipairs(counts.segments) do slice = math.max(slice, seg.slice) end
+      z.offload_param.buffer_size = math.max(z.offload_param.buffer_size or 0, slice)
+    end
+  end
+  config.set_stage(cfg, stage)
+  ex.say(("stage auto: %s (budget from %s)"):format(why, source))
+end
+
+return M

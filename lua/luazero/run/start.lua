@@ -1,0 +1,77 @@
+-- run/start.lua — the weights a training run starts from: drawn from
+-- --seed, Hugging Face weights (--init), or a checkpoint (--resume), whose
+-- manifest is checked before anything is built and whose states, batch
+-- position and step are restored after. ex: a luazero.run.exits.
+local clock = require("luazero.clock")
+local hf = require("luazero.hf")
+local inputs = require("luazero.run.inputs")
+local M = {}
+
+-- --resume: the checkpoint's manifest, read before anything is built; a
+-- --steps below its step would run nothing; a LoRA run's flags and base
+-- must be the saved ones (without --init: the recorded --init). Returns the
+-- manifest (nil without --resume).
+function M.check_resume(ex, flags)
+  if not flags.resume then return end
+  local m = inputs.manifest(ex, flags.resume)
+  if flags.steps < m.global_steps then
+    ex.user_error(("--steps %d is below the checkpoint's step %d (%s): there is nothing to run; " ..
+                   "give --steps %d or more (the run's total, as when it was saved)")
+                  :format(flags.steps, m.global_steps, flags.resume, m.global_steps + 1))
+  end
+  local init = ex.checked(require("luazero.checkpoint.resume").check, flags, m, flags.resume)
+  if init then
+    flags.init = init
+    ex.say(("resume: the base weights from the checkpoint's --init %s%s"):format(init,
+           m.init_xxh64 and (" (xxh64 " .. m.init_xxh64 .. ", as saved)") or ""))
+  end
+  return m
+end
+
+-- A --steps other than the saved run's stretches (or shrinks) a schedule
+-- laid over --steps: said at start. m: check_resume's manifest.
+function M.note_resumed_schedule(ex, flags, cfg, m)
+  if not m then return end
+  local saved = type(m.extra) == "table" and tonumber(m.extra.steps)
+  local sch = cfg.scheduler
+  local total = sch and sch.type ~= "WarmupLR" and (sch.params or {}).total_num_steps
+  local over_steps = not flags.config and "the warmup + cosine schedule" or
+                     total == flags.steps and ("scheduler %s"):format(sch.type)
+  if saved and saved ~= flags.steps and over_steps then
+    ex.say(("resume: --steps %d, the saved run had --steps %d: %s now spans %d steps, not %d " ..
+            "(--steps %d keeps the saved run's)")
+           :format(flags.steps, saved, over_steps, flags.steps, saved, saved))
+  end
+end
+
+-- --init: Hugging Face weights into the engine, each rank reading its part.
+function M.init_from_hf(ex, run)
+  local t0 = clock.now()
+  local r = ex.checked(hf.load_into, run.engine, run.flags.init)
+  -- A LoRA run records its base's checksum: a resume must adapt the same.
+  run.engine:set_init_path(run.flags.init,
+                           run.model.lora and ex.checked(hf.checksum, run.flags.init) or nil)
+  ex.say(("initialized from %s: %d tensors from %d file%s in %.2f s"):format(run.flags.init,
+         r.tensors, r.files, r.files == 1 and "" or "s", clock.now() - t0))
+end
+
+-- --resume: the engine's states, the batch generator, the next step.
+function M.resume(ex, run)
+  -- another model or optimizer is the input's fault (exit 2); reading the shards is the rank's
+  ex.checked(require("luazero.checkpoint.load").check, run.engine, run.flags.resume)
+  local m = ex.checked_rank(run.engine.load, run.engine, run.flags.resume)
+  local pos = m.extra and m.extra.data
+  if pos then ex.checked(run.loader.set_position, run.loader, pos) end
+  run.first = m.global_steps + 1
+  ex.say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")
+         :format(m.dir, m.global_steps, m.optimizer_steps, m.world_size, m.stage))
+end
+
+-- Where the weights a run starts from came from, for messages.
+function M.describe(flags)
+  if flags.resume then return "the weights resumed from " .. flags.resume end
+  if flags.init then return "the weights loaded from --init " .. flags.init end
+  return "the weights drawn from --seed"
+end
+
+return M
