@@ -34,7 +34,8 @@ local text = require("luazero.run.text")
 
 local spec = {
   { "model", "string", nil, "model size (default gpt2-nano, or --init's config.json): " .. table.concat(models.names, ", ") },
-  { "model-config", "string", nil, "a Hugging Face config.json (GPT2LMHeadModel or LlamaForCausalLM) instead of --model" },
+  { "model-config", "string", nil, "a Hugging Face config.json (" ..
+    table.concat(require("luazero.families").architectures(), ", ") .. ") instead of --model" },
   { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
   { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it" },
   { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)" },
@@ -56,7 +57,7 @@ local spec = {
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
   { "lora-r", "int", nil, "LoRA adapters of rank r on --lora-targets; everything else frozen" },
   { "lora-alpha", "number", nil, "LoRA scale alpha / r (default: alpha = r)" },
-  { "lora-targets", "string", nil, "modules LoRA adapts, comma-separated (default q_proj,v_proj)" },
+  { "lora-targets", "string", nil, "modules LoRA adapts, comma-separated (default: the family's, e.g. q_proj,v_proj)" },
   { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
@@ -164,8 +165,8 @@ local function set_up(flags)
   -- a restarted run (luazero --restarts) appends to its log
   local log = flags.log and rank == 0 and outputs.open_log(ex, flags.log, restart.count() ~= nil)
   if flags.lora_r then
-    local targets = {}
-    for t in flags.lora_targets:gmatch("[^,%s]+") do targets[#targets + 1] = t end
+    local targets = flags.lora_targets and {} or require("models.lora").default_targets(model)
+    for t in (flags.lora_targets or ""):gmatch("[^,%s]+") do targets[#targets + 1] = t end
     local n = checked(require("models.lora").apply, model,
                       { r = flags.lora_r, alpha = flags.lora_alpha, targets = targets })
     say(("lora: rank %d, alpha %g on %d weights (%s); %d parameters train, the rest frozen")

@@ -39,6 +39,7 @@ local function check_lora(flags, lora, where)
     end
     return
   end
+  -- A manifest without targets comes from a version whose one default was q_proj,v_proj.
   local targets = table.concat(lora.targets or { "q_proj", "v_proj" }, ",")
   if not flags.lora_r then
     fail("the checkpoint %s trained LoRA adapters; resume with --lora-r %d --lora-alpha %g " ..
@@ -54,12 +55,12 @@ local function check_lora(flags, lora, where)
          "--lora-alpha %g", alpha, flags.lora_alpha and "" or " (the default: --lora-r)", where,
          lora.alpha, lora.alpha)
   end
-  if sorted_set(targets_of(flags.lora_targets)) ~= sorted_set(targets) then
+  if flags.lora_targets and sorted_set(targets_of(flags.lora_targets)) ~= sorted_set(targets) then
     fail("--lora-targets %s: the checkpoint %s was saved with --lora-targets %s; resume with " ..
          "--lora-targets %s", targets_of(flags.lora_targets), where, targets, targets)
   end
-  -- The same set in another order: the saved order, which lays the
-  -- adapters out as they were saved.
+  -- The same set in another order, or none given: the saved order, which
+  -- lays the adapters out as they were saved.
   flags.lora_targets = targets
 end
 

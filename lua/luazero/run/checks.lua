@@ -4,10 +4,21 @@
 -- refusal is one line naming the flag and the fix (exit 2).
 local run_flags = require("luazero.run.flags")
 local outputs = require("luazero.run.outputs")
+local families = require("luazero.families")
 local M = {}
 
+-- "c_attn (gpt2) or q_proj,v_proj (llama)": each family's default targets.
+local function default_targets_hint()
+  local t = {}
+  for _, fam in ipairs(families.list()) do
+    t[#t + 1] = ("%s (%s)"):format(table.concat(fam.description.lora_default or {}, ","), fam.name)
+  end
+  return table.concat(t, " or ")
+end
+
 -- --lora-alpha and --lora-targets shape the adapters --lora-r adds: alone
--- they would be ignored. The targets default to q_proj,v_proj.
+-- they would be ignored. Without --lora-targets the model's family chooses
+-- (its description's lora_default).
 local function check_lora(ex, flags)
   for _, n in ipairs({ "lora-alpha", "lora-targets" }) do
     local v = flags[n:gsub("-", "_")]
@@ -20,15 +31,13 @@ local function check_lora(ex, flags)
     ex.user_error(("--lora-alpha must be > 0 (got %s): the adapters' scale is alpha / r")
                   :format(tostring(flags.lora_alpha)))
   end
-  flags.lora_targets = flags.lora_targets or "q_proj,v_proj"
-  if flags.lora_r and not flags.lora_targets:find("[^,%s]") then
-    ex.user_error(("--lora-targets '%s' names no module: give comma-separated names, e.g. " ..
-                   "q_proj,v_proj (Llama) or c_attn (GPT-2)"):format(flags.lora_targets))
+  if flags.lora_r and flags.lora_targets and not flags.lora_targets:find("[^,%s]") then
+    ex.user_error(("--lora-targets '%s' names no module: give comma-separated names, e.g. %s")
+                  :format(flags.lora_targets, default_targets_hint()))
   end
 end
 
--- scripts/train.lua's flags (ex: a luazero.run.exits); fills in
--- --lora-targets' default.
+-- scripts/train.lua's flags (ex: a luazero.run.exits).
 function M.train(ex, flags)
   run_flags.required(ex, flags, "data", "a text file, a token file made by tools/prepare-data, " ..
                                         "or instruction examples (.jsonl)")
