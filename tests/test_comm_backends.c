@@ -9,8 +9,8 @@
 #include <stdlib.h> /* setenv, unsetenv */
 
 static void clear_env(void) {
-  const char *vars[] = {"LZ_BACKEND", "LZ_SHM_NAME", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE", "RANK",
-                        NULL};
+  const char *vars[] = {"LZ_BACKEND", "LZ_SHM_NAME", "OMPI_COMM_WORLD_SIZE",
+                        "WORLD_SIZE", "RANK",        NULL};
   for (int i = 0; vars[i]; i++) unsetenv(vars[i]);
 }
 

@@ -78,8 +78,8 @@ const lz_comm_backend_entry *lz_comm_backend_entry_of(lz_comm_backend id) {
 }
 
 /* "a, b or c": the names of the entries `keep` accepts. */
-const char *lz_comm_backend_list(char *buf, size_t len, int (*keep)(const lz_comm_backend_entry *,
-                                                                    const void *),
+const char *lz_comm_backend_list(char *buf, size_t len,
+                                 int (*keep)(const lz_comm_backend_entry *, const void *),
                                  const void *arg) {
   const lz_comm_backend_entry *picked[COUNT];
   int n = 0;
@@ -175,7 +175,8 @@ lz_status lz_comm_backend_choose(lz_comm_backend asked, const lz_comm_backend_en
     return lz_fail(LZ_ERR_UNSUPPORTED,
                    "comm: the %s backend is not in this build: it needs %s; rebuild there, or "
                    "use %s",
-                   (*out)->name, (*out)->needs, lz_comm_backend_list(names, sizeof names, built, NULL));
+                   (*out)->name, (*out)->needs,
+                   lz_comm_backend_list(names, sizeof names, built, NULL));
   return LZ_OK;
 }
 
@@ -207,6 +208,6 @@ lz_status lz_comm_backend_parse(const char *name, lz_comm_backend *out) {
   char names[256];
   if (!out) return lz_fail(LZ_ERR_INVALID, "comm_backend_parse: out is NULL");
   if (name && lookup(name, out) == LZ_OK) return LZ_OK;
-  return lz_fail(LZ_ERR_INVALID, "'%s' is not a collective backend; use auto, %s",
-                 name ? name : "", lz_comm_backend_list(names, sizeof names, NULL, NULL));
+  return lz_fail(LZ_ERR_INVALID, "'%s' is not a collective backend; use auto, %s", name ? name : "",
+                 lz_comm_backend_list(names, sizeof names, NULL, NULL));
 }

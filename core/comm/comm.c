@@ -1,10 +1,11 @@
 /* comm.c — the communicator every backend sits behind (the table of them is
- * backends.c): argument checks, the buffers a backend can move, shard ranges, byte counters, the per-communicator ordering
- * queue (blocking calls run inline when nothing is queued; asynchronous ones
- * run on a progress thread, one at a time, in submission order), work
- * handles, and the fixed-order reduction all backends share. Buffers in sim
- * device memory reach the backends that move them through their host
- * views, after the compute stream's work queued before the call. */
+ * backends.c): argument checks, the buffers a backend can move, shard
+ * ranges, byte counters, the per-communicator ordering queue (blocking calls
+ * run inline when nothing is queued; asynchronous ones run on a progress
+ * thread, one at a time, in submission order), work handles, and the
+ * fixed-order reduction all backends share. Buffers in sim device memory
+ * reach the backends that move them through their host views, after the
+ * compute stream's work queued before the call. */
 #include "comm/comm_internal.h"
 #include "devices/lz_sim.h" /* host views of sim device buffers */
 

@@ -48,11 +48,11 @@ typedef struct lz_comm_backend_entry {
   const char *name; /* LZ_BACKEND, --backend, comm.init, lz_comm_backend_name */
   lz_comm_backend id;
   const lz_comm_backend_ops *ops;
-  unsigned moves;   /* the buffers it can move: bit 1 << lz_device (cpu, cuda, sim) */
-  int available;    /* compiled into this build; else lz_comm_init refuses it */
-  const char *needs; /* what an unavailable backend lacks, for its error */
-  int max_ranks;    /* the largest world it serves; 0: any */
-  int auto_rank;    /* the automatic choice's order (lowest first); 0: never chosen by it */
+  unsigned moves;       /* the buffers it can move: bit 1 << lz_device (cpu, cuda, sim) */
+  int available;        /* compiled into this build; else lz_comm_init refuses it */
+  const char *needs;    /* what an unavailable backend lacks, for its error */
+  int max_ranks;        /* the largest world it serves; 0: any */
+  int auto_rank;        /* the automatic choice's order (lowest first); 0: never chosen by it */
   const char *auto_env; /* chosen automatically when this variable is set; NULL: always */
   const char *about;    /* one line for help texts */
 } lz_comm_backend_entry;
