@@ -71,6 +71,8 @@ workspace "luazero"
 project "luazero"
   kind "SharedLib"
   files { "core/**.c", "core/**.h" }
+  -- The nccl backend's device half is in libluazero_cuda.so (core/comm/backends.c).
+  if have_cuda then defines { "LZ_HAVE_CUDA" } end
   libdirs { mpi_lib }
   links { "dnnl", "xxhash", "zstd", "aio", "mpi", "m", "rt", "dl" }
   output_dirs("lib")

@@ -381,7 +381,20 @@ typedef enum lz_coll_kind {
 typedef struct lz_comm lz_comm;
 typedef struct lz_work lz_work;
 
-/* Rank and size from the environment (RANK/WORLD_SIZE, or OpenMPI's). */
+/* The backends this library knows, one table (core/comm/backends.c), in its
+ * order: entry i's name, a line about it, the buffers it can move (bit
+ * 1 << lz_device: cpu, cuda, sim) and whether this build has it. Past the
+ * end: NULL, NULL, 0, 0. */
+int lz_comm_backend_count(void);
+const char *lz_comm_backend_name_at(int i);
+const char *lz_comm_backend_about_at(int i);
+unsigned lz_comm_backend_moves_at(int i);
+int lz_comm_backend_available_at(int i);
+/* A name from the table, or "auto"; otherwise LZ_ERR_INVALID, naming them. */
+lz_status lz_comm_backend_parse(const char *name, lz_comm_backend *out);
+
+/* Rank and size from the environment (RANK/WORLD_SIZE, or OpenMPI's).
+ * LZ_COMM_AUTO: LZ_BACKEND names the backend, else the environment does. */
 lz_status lz_comm_init(lz_comm **out, lz_comm_backend backend);
 lz_status lz_comm_free(lz_comm *c);
 int lz_comm_rank(const lz_comm *c);

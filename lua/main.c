@@ -25,12 +25,13 @@
 #include <string.h>            /* strcmp, strerror */
 #include <unistd.h>            /* readlink, isatty */
 
-static const char *usage =
+static const char *usage_head =
     "usage: luazero [options] [script.lua [args...]]\n"
     "  -e CODE          run CODE (may be given more than once)\n"
     "  -i               enter the REPL after the script (also when it fails)\n"
     "  -n N             run N ranks of the script on this machine\n"
-    "  --backend NAME   collective backend for -n: shm (default) or mpi\n"
+    "  --backend NAME   collective backend (LZ_BACKEND); NAME is auto or one of:\n";
+static const char *usage_tail =
     "  --quiet-ranks    with -n: silence the output of ranks other than 0\n"
     "  --restarts K     with -n: run the job again (up to K times) when a rank fails;\n"
     "                   the ranks see LZ_RESTART (default: LZ_RESTARTS, else 0)\n"
@@ -39,6 +40,14 @@ static const char *usage =
     "  --version        print the version\n"
     "  --help           print this help\n"
     "With no script and no -e, starts the REPL.\n";
+
+/* The collective backends, from the library's table (core/comm/backends.c). */
+static void print_backends(void) {
+  for (int i = 0; i < lz_comm_backend_count(); i++)
+    printf("                     %-6s %s%s\n", lz_comm_backend_name_at(i),
+           lz_comm_backend_about_at(i),
+           lz_comm_backend_available_at(i) ? "" : " (not in this build)");
+}
 
 /* The repository root: two levels above build/bin/luazero, unless LUAZERO_HOME says. */
 static void find_root(char *root, size_t len) {
@@ -326,7 +335,9 @@ int main(int argc, char **argv) {
       printf("luazero %s\n", lz_version());
       return 0;
     } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      fputs(usage, stdout);
+      fputs(usage_head, stdout);
+      print_backends();
+      fputs(usage_tail, stdout);
       return 0;
     } else if (!strcmp(a, "-e")) {
       if (i + 1 >= argc || n_exec == 64) {
@@ -350,10 +361,9 @@ int main(int argc, char **argv) {
       }
       nranks = (int)n;
     } else if (!strcmp(a, "--backend")) {
-      if (i + 1 >= argc || (strcmp(argv[i + 1], "shm") && strcmp(argv[i + 1], "mpi") &&
-                            strcmp(argv[i + 1], "local"))) {
-        fprintf(stderr, "luazero: --backend takes shm, mpi or local (got '%s')\n",
-                i + 1 < argc ? argv[i + 1] : "");
+      lz_comm_backend parsed;
+      if (lz_comm_backend_parse(i + 1 < argc ? argv[i + 1] : "", &parsed) != LZ_OK) {
+        fprintf(stderr, "luazero: --backend: %s\n", lz_last_error());
         return 2;
       }
       backend = argv[++i];

@@ -1,15 +1,15 @@
-/* comm.c — the communicator every backend sits behind: choosing the backend,
- * argument checks, shard ranges, byte counters, the per-communicator ordering
- * queue (blocking calls run inline when nothing is queued; asynchronous ones
- * run on a progress thread, one at a time, in submission order), work
- * handles, and the fixed-order reduction all backends share. Buffers in sim
- * device memory reach the host backends through their host views, after
- * the compute stream's work queued before the call. */
+/* comm.c — the communicator every backend sits behind (the table of them is
+ * backends.c): argument checks, the buffers a backend can move, shard
+ * ranges, byte counters, the per-communicator ordering queue (blocking calls
+ * run inline when nothing is queued; asynchronous ones run on a progress
+ * thread, one at a time, in submission order), work handles, and the
+ * fixed-order reduction all backends share. Buffers in sim device memory
+ * reach the backends that move them through their host views, after the
+ * compute stream's work queued before the call. */
 #include "comm/comm_internal.h"
 #include "devices/lz_sim.h" /* host views of sim device buffers */
 
 #include <emmintrin.h> /* _mm_stream_si128 */
-#include <errno.h>  /* strtod errors */
 #include <stdio.h>  /* snprintf */
 #include <stdlib.h> /* getenv, calloc */
 #include <time.h>   /* clock_gettime */
@@ -186,64 +186,11 @@ void lz_copy_stream(void *dst, const void *src, size_t n) {
 
 /* ------------------------------------------------------------ communicator */
 
-static lz_status env_int(const char *name, int *out, int lo) {
-  const char *s = getenv(name);
-  if (!s) return LZ_ERR_INVALID;
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || end == s || *end || v < lo || v > 1 << 20)
-    return lz_fail(LZ_ERR_INVALID, "comm: environment variable %s=\"%s\" is not an integer >= %d",
-                   name, s, lo);
-  *out = (int)v;
-  return LZ_OK;
-}
-
-/* World size from the environment: 1 where nothing says otherwise. */
-static int env_world(void) {
-  int w = 1;
-  if (getenv("OMPI_COMM_WORLD_SIZE") && env_int("OMPI_COMM_WORLD_SIZE", &w, 1) == LZ_OK) return w;
-  if (getenv("WORLD_SIZE") && env_int("WORLD_SIZE", &w, 1) == LZ_OK) return w;
-  return 1;
-}
-
-static lz_status choose_backend(lz_comm_backend asked, lz_comm_backend *out) {
-  if (asked == LZ_COMM_AUTO) {
-    const char *b = getenv("LZ_BACKEND");
-    if (b && *b) {
-      if (!strcmp(b, "local")) asked = LZ_COMM_LOCAL;
-      else if (!strcmp(b, "shm")) asked = LZ_COMM_SHM;
-      else if (!strcmp(b, "mpi")) asked = LZ_COMM_MPI;
-      else if (!strcmp(b, "nccl")) asked = LZ_COMM_NCCL;
-      else
-        return lz_fail(LZ_ERR_INVALID,
-                       "comm: LZ_BACKEND=\"%s\" is not a backend; use local, shm, mpi or nccl", b);
-    }
-  }
-  if (asked == LZ_COMM_AUTO) {
-    if (getenv("OMPI_COMM_WORLD_SIZE")) asked = LZ_COMM_MPI;
-    else if (getenv("LZ_SHM_NAME")) asked = LZ_COMM_SHM;
-    else if (env_world() > 1)
-      return lz_fail(LZ_ERR_INVALID,
-                     "comm: WORLD_SIZE=%d but this process was not started by the luazero "
-                     "launcher (LZ_SHM_NAME is unset) nor by mpirun; run `luazero -n %d ...` "
-                     "or `mpirun -np %d ...`",
-                     env_world(), env_world(), env_world());
-    else asked = LZ_COMM_LOCAL;
-  }
-  if (asked != LZ_COMM_LOCAL && asked != LZ_COMM_SHM && asked != LZ_COMM_MPI &&
-      asked != LZ_COMM_NCCL)
-    return lz_fail(LZ_ERR_INVALID, "comm: backend %d is not one of auto, local, shm, mpi, nccl",
-                   (int)asked);
-  *out = asked;
-  return LZ_OK;
-}
-
 lz_status lz_comm_init(lz_comm **out, lz_comm_backend backend) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "comm_init: out is NULL");
   *out = NULL;
-  lz_comm_backend b;
-  LZ_TRY(choose_backend(backend, &b));
+  const lz_comm_backend_entry *b;
+  LZ_TRY(lz_comm_backend_choose(backend, &b));
   double timeout = 300.0;
   const char *ts = getenv("LZ_COMM_TIMEOUT");
   if (ts && *ts) {
@@ -256,11 +203,8 @@ lz_status lz_comm_init(lz_comm **out, lz_comm_backend backend) {
   lz_comm *c = calloc(1, sizeof *c);
   if (!c) return lz_fail(LZ_ERR_NOMEM, "comm_init: out of memory");
   c->backend = b;
+  c->ops = b->ops;
   c->timeout_s = timeout;
-  c->ops = b == LZ_COMM_SHM    ? &lz_comm_shm_ops
-           : b == LZ_COMM_MPI  ? &lz_comm_mpi_ops
-           : b == LZ_COMM_NCCL ? &lz_comm_nccl_ops
-                               : &lz_comm_local_ops;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
   lz_status st = c->ops->init(c);
@@ -291,7 +235,7 @@ lz_status lz_comm_free(lz_comm *c) {
 
 int lz_comm_rank(const lz_comm *c) { return c ? c->rank : 0; }
 int lz_comm_size(const lz_comm *c) { return c ? c->size : 1; }
-const char *lz_comm_backend_name(const lz_comm *c) { return c ? c->ops->name : "none"; }
+const char *lz_comm_backend_name(const lz_comm *c) { return c ? c->backend->name : "none"; }
 
 uint64_t lz_comm_bytes(const lz_comm *c, lz_coll_kind kind) {
   if (!c || (unsigned)kind >= LZ_COLL_COUNT) return 0;
@@ -431,27 +375,39 @@ static lz_status check_args(lz_comm *c, const lz_coll_args *a) {
   return LZ_OK;
 }
 
+/* Where a buffer lives: host memory, or the loaded device's (cuda, sim). */
+static lz_device kind_of(const void *p) { return p ? (lz_device)lz_pointer_device(p) : LZ_CPU; }
+
+static int moves_kind(const lz_comm_backend_entry *e, const void *arg) {
+  const int *want = arg; /* {kind, world} */
+  return e->available && (e->moves >> want[0] & 1u) && (!e->max_ranks || want[1] <= e->max_ranks);
+}
+
+/* The backend moves this kind of buffer, or the error names the backends
+ * that would, for this world size. */
+static lz_status check_buffers(lz_comm *c, const void *p, lz_coll_kind kind) {
+  lz_device dev = kind_of(p);
+  if (!p || (c->backend->moves >> dev & 1u)) return LZ_OK;
+  int want[2] = {(int)dev, c->size};
+  char names[256];
+  lz_comm_backend_list(names, sizeof names, moves_kind, want);
+  return lz_fail(LZ_ERR_UNSUPPORTED,
+                 "%s: the %s backend cannot move %s buffers; use %s (LZ_BACKEND=NAME)",
+                 lz_coll_name(kind), c->backend->name, lz_device_name(dev), names);
+}
+
 static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
   if (work) *work = NULL;
   LZ_TRY(check_args(c, in));
   lz_coll_args sa = *in, *a = &sa;
-  if (a->kind != LZ_COLL_BARRIER && lz_sim_ready() &&
-      ((a->send && lz_sim_host_view(a->send)) || (a->recv && lz_sim_host_view(a->recv)))) {
-    if (c->backend == LZ_COMM_NCCL)
-      return lz_fail(LZ_ERR_UNSUPPORTED,
-                     "%s: the nccl backend cannot move sim buffers; use shm, mpi or local",
-                     lz_coll_name(a->kind));
-    a->on_sim = 1;
-    LZ_TRY(lz_sim_compute_point(&a->sim_point));
+  if (a->kind != LZ_COLL_BARRIER) {
+    LZ_TRY(check_buffers(c, a->send, a->kind));
+    LZ_TRY(check_buffers(c, a->recv, a->kind));
+    if (kind_of(a->send) == LZ_SIM || kind_of(a->recv) == LZ_SIM) {
+      a->on_sim = 1;
+      LZ_TRY(lz_sim_compute_point(&a->sim_point));
+    }
   }
-  /* GPU memory is not the host's: host backends cannot read it. */
-  if (a->kind != LZ_COLL_BARRIER && c->backend != LZ_COMM_NCCL && c->backend != LZ_COMM_LOCAL &&
-      ((a->send && lz_pointer_device(a->send) == LZ_CUDA) ||
-       (a->recv && lz_pointer_device(a->recv) == LZ_CUDA)))
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: the %s backend cannot move cuda buffers; run with the nccl backend "
-                   "(LZ_BACKEND=nccl)",
-                   lz_coll_name(a->kind), lz_comm_backend_name(c));
   pthread_mutex_lock(&c->mu);
   if (c->broken) {
     lz_status st = c->broken;

@@ -1,7 +1,8 @@
 /* comm_internal.h — what the collective backends (comm_local.c, comm_shm.c,
- * comm_mpi.c, later nccl) share with comm.c: the backend vtable, the
- * communicator struct, the fixed-order reduction and the launcher's
- * shared-memory contract. Not part of the public API. */
+ * comm_mpi.c, comm_nccl.c) share with comm.c: the backend vtable, the table
+ * of backends (backends.c), the communicator struct, the fixed-order
+ * reduction and the launcher's shared-memory contract. Not part of the
+ * public API. */
 #ifndef LZ_COMM_INTERNAL_H
 #define LZ_COMM_INTERNAL_H
 
@@ -31,7 +32,6 @@ typedef struct lz_coll_args {
  * calls on one communicator never overlap and come in the same order on every
  * rank. Errors go through lz_fail and must name the operation and this rank. */
 typedef struct lz_comm_backend_ops {
-  const char *name;
   lz_status (*init)(lz_comm *c); /* sets c->rank, c->size, c->impl */
   void (*free)(lz_comm *c);
   lz_status (*run)(lz_comm *c, const lz_coll_args *a);
@@ -42,10 +42,37 @@ extern const lz_comm_backend_ops lz_comm_shm_ops;
 extern const lz_comm_backend_ops lz_comm_mpi_ops;
 extern const lz_comm_backend_ops lz_comm_nccl_ops; /* comm_nccl.c: needs lz_cuda_init */
 
-struct lz_comm {
+/* One row of the table of backends (backends.c): all a backend is besides
+ * its vtable, as data. */
+typedef struct lz_comm_backend_entry {
+  const char *name; /* LZ_BACKEND, --backend, comm.init, lz_comm_backend_name */
+  lz_comm_backend id;
   const lz_comm_backend_ops *ops;
+  unsigned moves;       /* the buffers it can move: bit 1 << lz_device (cpu, cuda, sim) */
+  int available;        /* compiled into this build; else lz_comm_init refuses it */
+  const char *needs;    /* what an unavailable backend lacks, for its error */
+  int max_ranks;        /* the largest world it serves; 0: any */
+  int auto_rank;        /* the automatic choice's order (lowest first); 0: never chosen by it */
+  const char *auto_env; /* chosen automatically when this variable is set; NULL: always */
+  const char *about;    /* one line for help texts */
+} lz_comm_backend_entry;
+
+/* Entry i of the table, or NULL past its end; the entry with that enum
+ * value, or NULL. */
+const lz_comm_backend_entry *lz_comm_backend_entry_at(int i);
+const lz_comm_backend_entry *lz_comm_backend_entry_of(lz_comm_backend id);
+/* The backend to run: `asked`, else LZ_BACKEND, else the automatic choice
+ * for the environment's world size. Errors name the table's backends. */
+lz_status lz_comm_backend_choose(lz_comm_backend asked, const lz_comm_backend_entry **out);
+/* The names of the entries keep() accepts (NULL: all) as "a, b or c", in buf. */
+const char *lz_comm_backend_list(char *buf, size_t len,
+                                 int (*keep)(const lz_comm_backend_entry *, const void *),
+                                 const void *arg);
+
+struct lz_comm {
+  const lz_comm_backend_entry *backend;
+  const lz_comm_backend_ops *ops; /* backend->ops */
   void *impl;
-  lz_comm_backend backend;
   int rank, size;
   double timeout_s; /* LZ_COMM_TIMEOUT */
   _Atomic uint64_t bytes[LZ_COLL_COUNT];

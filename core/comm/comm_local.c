@@ -27,4 +27,4 @@ static lz_status local_run(lz_comm *c, const lz_coll_args *a) {
   return LZ_OK;
 }
 
-const lz_comm_backend_ops lz_comm_local_ops = {"local", local_init, local_free, local_run};
+const lz_comm_backend_ops lz_comm_local_ops = {local_init, local_free, local_run};

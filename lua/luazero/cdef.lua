@@ -255,6 +255,14 @@ typedef enum lz_coll_kind {
 typedef struct lz_comm lz_comm;
 typedef struct lz_work lz_work;
 
+int lz_comm_backend_count(void);
+const char *lz_comm_backend_name_at(int i);
+const char *lz_comm_backend_about_at(int i);
+unsigned lz_comm_backend_moves_at(int i);
+int lz_comm_backend_available_at(int i);
+
+lz_status lz_comm_backend_parse(const char *name, lz_comm_backend *out);
+
 lz_status lz_comm_init(lz_comm **out, lz_comm_backend backend);
 lz_status lz_comm_free(lz_comm *c);
 int lz_comm_rank(const lz_comm *c);

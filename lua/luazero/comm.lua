@@ -1,7 +1,7 @@
 -- luazero.comm — collectives on tensors for scripts. One communicator per
--- process, made on first use from the environment (shm under `luazero -n N`,
--- mpi under mpirun, local otherwise; LZ_BACKEND overrides), or explicitly
--- with comm.init("shm" | "mpi" | "local").
+-- process, made on first use from the environment (the automatic choice;
+-- LZ_BACKEND overrides), or explicitly with comm.init(NAME), NAME one of
+-- comm.backends() (the C table, core/comm/backends.c) or "auto".
 --
 --   local comm = require("luazero.comm")
 --   comm.all_reduce(grads, "avg")                  -- in place, blocking
@@ -9,6 +9,7 @@
 --   comm.reduce_scatter(full, shard, "sum")        -- shard = comm.shard(numel)
 --   comm.all_gather(shard, full)
 --   comm.broadcast(t, 0); comm.barrier()
+local bit = require("bit")
 local ffi = require("ffi")
 local lz = require("luazero")
 
@@ -16,24 +17,41 @@ local C, check = lz.C, lz.check
 
 local comm = {}
 
-local backends = {
-  auto = C.LZ_COMM_AUTO, ["local"] = C.LZ_COMM_LOCAL, shm = C.LZ_COMM_SHM,
-  mpi = C.LZ_COMM_MPI, nccl = C.LZ_COMM_NCCL,
-}
 local reduce_ops = { sum = C.LZ_RED_SUM, avg = C.LZ_RED_AVG, max = C.LZ_RED_MAX }
 local kinds = { "all_reduce", "reduce_scatter", "all_gather", "broadcast", "barrier" }
 
 local handle -- lz_comm *, freed by comm.finalize() or when the Lua state closes
 
+-- The backends this build knows, in the table's order: a list of
+-- { name =, about =, available = bool, moves = { [device name] = bool } }.
+function comm.backends()
+  local t = {}
+  for i = 0, C.lz_comm_backend_count() - 1 do
+    local bits, moves = C.lz_comm_backend_moves_at(i), {}
+    for name, dev in pairs(lz.devices) do
+      moves[name] = bit.band(bits, bit.lshift(1, tonumber(dev))) ~= 0
+    end
+    t[#t + 1] = {
+      name = ffi.string(C.lz_comm_backend_name_at(i)),
+      about = ffi.string(C.lz_comm_backend_about_at(i)),
+      available = C.lz_comm_backend_available_at(i) ~= 0,
+      moves = moves,
+    }
+  end
+  return t
+end
+
 function comm.init(backend)
   if handle ~= nil then return comm end
-  local b = backends[backend or "auto"]
-  if b == nil then
-    error("comm.init: unknown backend '" .. tostring(backend) ..
-          "' (auto, local, shm, mpi, nccl)", 2)
+  if backend ~= nil and type(backend) ~= "string" then
+    error("comm.init: backend must be a name (got " .. type(backend) .. ")", 2)
+  end
+  local b = ffi.new("lz_comm_backend[1]")
+  if C.lz_comm_backend_parse(backend or "auto", b) ~= 0 then
+    error("comm.init: " .. lz.last_error(), 2)
   end
   local out = ffi.new("lz_comm *[1]")
-  check(C.lz_comm_init(out, b), 2)
+  check(C.lz_comm_init(out, b[0]), 2)
   handle = ffi.gc(out[0], C.lz_comm_free)
   return comm
 end
