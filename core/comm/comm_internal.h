@@ -55,6 +55,7 @@ typedef struct lz_comm_backend_entry {
   int auto_rank;        /* the automatic choice's order (lowest first); 0: never chosen by it */
   const char *auto_env; /* chosen automatically when this variable is set; NULL: always */
   const char *about;    /* one line for help texts */
+  int under_mpirun;     /* the launcher starts its ranks through mpirun, not by fork */
 } lz_comm_backend_entry;
 
 /* Entry i of the table, or NULL past its end; the entry with that enum

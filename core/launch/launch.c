@@ -694,11 +694,18 @@ lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int 
   signals_catch();
   job j = {.nranks = nranks, .argv = argv, .segment = -1, .failed_rank = -1, .restarts = restarts};
   lz_status st = check_args(nranks, argv, &j.mode);
+  /* LZ_BACKEND as the ranks will read it; a bad name is their one-line refusal. */
   const char *backend = getenv("LZ_BACKEND");
-  if (st == LZ_OK && backend && !strcmp(backend, "mpi")) {
+  lz_comm_backend asked;
+  const lz_comm_backend_entry *be = backend && *backend &&
+                                    lz_comm_backend_parse(backend, &asked) == LZ_OK
+                                        ? lz_comm_backend_entry_of(asked)
+                                        : NULL;
+  if (st == LZ_OK && be && be->under_mpirun) {
     if (restarts > 0)
-      st = lz_fail(LZ_ERR_INVALID, "launch: --restarts %d under --backend mpi: mpirun does not "
-                   "say which rank failed; restart under the shm backend (the default)", restarts);
+      st = lz_fail(LZ_ERR_INVALID, "launch: --restarts %d under --backend %s: mpirun does not "
+                   "say which rank failed; restart under the shm backend (the default)", restarts,
+                   be->name);
     else st = launch_mpirun(nranks, argv, exit_code);
     signals_restore();
     return st;

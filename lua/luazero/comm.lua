@@ -42,7 +42,7 @@ function comm.backends()
 end
 
 function comm.init(backend)
-  if handle ~= nil then return comm end
+  -- The name is checked even when a communicator is up: a bad one is always refused.
   if backend ~= nil and type(backend) ~= "string" then
     error("comm.init: backend must be a name (got " .. type(backend) .. ")", 2)
   end
@@ -50,6 +50,7 @@ function comm.init(backend)
   if C.lz_comm_backend_parse(backend or "auto", b) ~= 0 then
     error("comm.init: " .. lz.last_error(), 2)
   end
+  if handle ~= nil then return comm end
   local out = ffi.new("lz_comm *[1]")
   check(C.lz_comm_init(out, b[0]), 2)
   handle = ffi.gc(out[0], C.lz_comm_free)
