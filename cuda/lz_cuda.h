@@ -1,6 +1,7 @@
 // lz_cuda.h — what the files of libluazero_cuda.so share: the check macros,
 // the streams and handles of the selected device, the device scratch buffer,
-// and each file's entry points for the op switch in backend.cu.
+// and each op's kernel, one per op of core/mem/lz_ops.def, for backend.cu's
+// table.
 #ifndef LZ_CUDA_H
 #define LZ_CUDA_H
 

@@ -8,9 +8,9 @@ lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t)
   return LZ_OK;
 }
 
-/* The shape and dtype checks accept tensors on any device: each kernel ends
- * its checks with LZ_DEVICE_DISPATCH, which sends device tensors to the
- * backend and refuses a mix of devices. */
+/* The shape and dtype checks accept tensors on any device: each public op
+ * ends its checks with LZ_OP_RUN, which runs the kernel of the tensors'
+ * device and refuses a mix of devices. */
 lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
   LZ_TRY(lz_check_present(op, name, t));
   if (t->dtype != dt) {
