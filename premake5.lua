@@ -136,6 +136,19 @@ project "lz_tests"
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")
 
+-- The core built again with one more op declared (tests/toy/), to show that
+-- a line in the declaration and a kernel make an op on the cpu and sim
+-- (tests/lua/test_op_binding.lua runs it). Unoptimized: it only has to run.
+project "lz_ops_toy"
+  kind "ConsoleApp"
+  files { "core/**.c", "tests/toy/*.c", "tests/lz_test_main.c" }
+  includedirs { "tests/toy", "tests" }
+  defines { "LZ_OPS_EXTRA" }
+  buildoptions { "-O0" }
+  libdirs { mpi_lib }
+  links { "dnnl", "xxhash", "zstd", "aio", "mpi", "m", "rt", "dl" }
+  output_dirs("bin")
+
 -- The CUDA kernels against the CPU ones (tools/test cuda); skips without a GPU.
 project "lz_cuda_tests"
   kind "ConsoleApp"

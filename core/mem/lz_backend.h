@@ -19,6 +19,9 @@
 #define LZ_BACKEND_H
 
 #include "luazero.h"
+#ifdef LZ_OPS_EXTRA
+#include "lz_ops_extra.h" /* a test build's extra ops (mem/lz_ops.def) */
+#endif
 
 #ifdef __cplusplus
 extern "C" {

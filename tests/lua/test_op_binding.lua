@@ -1,7 +1,8 @@
 -- test_op_binding.lua — lz.ops against the ops' one declaration
 -- (core/mem/lz_ops.def): the binding lists exactly the declared public ops,
 -- in their order, read from C; each is declared in the header with tensor
--- parameters the declaration names.
+-- parameters the declaration names; a toy op added by one line (a test
+-- build of the core) runs on cpu and sim.
 local lz = require("luazero")
 local T = {}
 
@@ -58,6 +59,15 @@ function T.each_op_takes_the_tensors_its_declaration_names()
     end
     assert(tensors >= 1, d.name)
   end
+end
+
+-- The core built again with one more line in the declaration
+-- (tests/toy/lz_ops_extra.def) and that op's kernel: it runs on cpu and sim.
+function T.a_toy_op_declared_by_one_line_runs_on_cpu_and_sim()
+  local bin = lz.executable():gsub("luazero$", "lz_ops_toy")
+  assert(support.exists(bin), bin .. " is missing: build the lz_ops_toy project")
+  local out, st = support.sh(support.quote(bin))
+  assert(st == 0 and out:find("2 passed, 0 failed", 1, true), out)
 end
 
 return T
