@@ -19,8 +19,10 @@
 #define LZ_BACKEND_H
 
 #include "luazero.h"
-#ifdef LZ_OPS_EXTRA
-#include "lz_ops_extra.h" /* a test build's extra ops (mem/lz_ops.def) */
+#ifdef LZ_OPS_EXTRA /* a test build's extra ops declare their public functions */
+#define LZ_OPS_EXTRA_PROTOTYPES
+#include "mem/lz_ops.def"
+#undef LZ_OPS_EXTRA_PROTOTYPES
 #endif
 
 #ifdef __cplusplus
