@@ -10,9 +10,9 @@
  * from that declaration. A public op runs its argument checks, then
  * lz_op_run packs its tensors into lz_op_args and calls the kernel of the
  * backend their device names: the kernels never see a bad shape, and the
- * checks run once. libluazero_cuda.so
- * exports lz_cuda_backend(), which returns its table; the core finds it with
- * dlopen/dlsym (lz_cuda_init) and refuses a table of another ABI version.
+ * checks run once. libluazero_cuda.so exports lz_cuda_backend(), which
+ * returns its table; the core finds it with dlopen/dlsym (lz_cuda_init)
+ * and refuses a table of another ABI version.
  * core/devices/sim.c's table (lz_sim_backend) is built in. One of them is
  * the process's active accelerator (mem/backend_slot.c). */
 #ifndef LZ_BACKEND_H
@@ -74,7 +74,6 @@ lz_status lz_embedding_check_ids(lz_op op, const lz_op_args *a, const int32_t *t
                                  const int32_t *pos);
 lz_status lz_rope_check_values(lz_op op, const lz_op_args *a, const float *inv_freq,
                                const int32_t *pos);
-
 
 /* Every function returns through lz_fail with a message naming the call, the
  * file:line and the library's own error string. Work is queued on the
