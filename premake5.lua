@@ -90,7 +90,7 @@ if have_cuda then
     .. "-gencode arch=compute_%s,code=compute_%s -Werror all-warnings "
     .. "-Xcompiler -fPIC,-Wall,-Wextra,-Werror -I%s/core -I%s/cuda", arch, arch, arch, arch, root, root)
   local headers = { "cuda/lz_cuda.h", "core/mem/lz_backend.h", "core/mem/lz_internal.h",
-                    "core/mem/lz_dtype.h", "core/luazero.h" }
+                    "core/mem/lz_dtype.h", "core/mem/lz_ops.def", "core/luazero.h" }
   local cu_files = os.matchfiles("cuda/*.cu")
   local objs = {}
   local cmds = { "mkdir -p obj/cuda" }
@@ -136,6 +136,19 @@ project "lz_tests"
   includedirs { "tests" }
   links { "luazero", "m", "dl" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
+  output_dirs("bin")
+
+-- The core built again with one more op declared (tests/toy/), to show that
+-- a line in the declaration and a kernel make an op on the cpu and sim
+-- (tests/lua/test_op_binding.lua runs it). Unoptimized: it only has to run.
+project "lz_ops_toy"
+  kind "ConsoleApp"
+  files { "core/**.c", "tests/toy/*.c", "tests/lz_test_main.c" }
+  includedirs { "tests/toy", "tests" }
+  defines { "LZ_OPS_EXTRA" }
+  buildoptions { "-O0" }
+  libdirs { mpi_lib }
+  links { "dnnl", "xxhash", "zstd", "aio", "mpi", "m", "rt", "dl" }
   output_dirs("bin")
 
 -- The CUDA kernels against the CPU ones (tools/test cuda); skips without a GPU.

@@ -167,6 +167,11 @@ size_t lz_arena_capacity(const lz_arena *a);
 
 /* ------------------------------------------------------------- kernels */
 
+/* The public ops (each op's lz_<name> and its variants), as declared once
+ * in core/mem/lz_ops.def: the i-th name from 0, NULL past the last. Lua's
+ * lz.ops is built from this list. */
+const char *lz_op_entry_name(int i);
+
 /* c = alpha * op(a) @ op(b) + beta * c. a, b: f32, or both bf16 (fp32
  * accumulation); c: f32. 2-D, or 3-D batched (b may be 2-D: shared). */
 lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int trans_a,

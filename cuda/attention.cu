@@ -45,6 +45,23 @@ __device__ __forceinline__ int64_t v_col(const attn_dims &d, int g) {
   return d.C + (int64_t)(d.NKV + g) * d.HS;
 }
 
+// Keys and values k0 .. k0 + KTILE - 1 of one key/value head into shared
+// memory (zeros past T), by the block's QPB threads, between two barriers:
+// the tile before is no longer read, this one is whole when it returns.
+template <int HSM>
+__device__ __forceinline__ void load_kv_tile(float (*ks)[HSM], float (*vs)[HSM],
+                                             const float *base, int64_t k0, int64_t T,
+                                             int64_t row, int64_t kc, int64_t vc, int HS) {
+  __syncthreads();
+  for (int e = threadIdx.x; e < KTILE * HS; e += QPB) {
+    int r = e / HS, dd = e % HS;
+    int64_t kj = k0 + r;
+    ks[r][dd] = kj < T ? base[kj * row + kc + dd] : 0.0f;
+    vs[r][dd] = kj < T ? base[kj * row + vc + dd] : 0.0f;
+  }
+  __syncthreads();
+}
+
 template <int HSM>
 __global__ void attention_forward_kernel(float *out, float *lse, const float *qkv,
                                          const int32_t *seg, attn_dims d) {
@@ -66,14 +83,7 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
   int64_t kend = ((int64_t)blockIdx.x + 1) * QPB;
   if (kend > T) kend = T;
   for (int64_t k0 = 0; k0 < kend; k0 += KTILE) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < KTILE * HS; e += QPB) {
-      int r = e / HS, dd = e % HS;
-      int64_t kj = k0 + r;
-      ks[r][dd] = kj < T ? base[kj * row + kc + dd] : 0.0f;
-      vs[r][dd] = kj < T ? base[kj * row + vc + dd] : 0.0f;
-    }
-    __syncthreads();
+    load_kv_tile<HSM>(ks, vs, base, k0, T, row, kc, vc, HS);
     if (!valid || k0 > qi) continue;
     float s[KTILE];
     float tmax = -FLT_MAX;
@@ -138,14 +148,7 @@ __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout,
   int64_t kend = ((int64_t)blockIdx.x + 1) * QPB;
   if (kend > T) kend = T;
   for (int64_t k0 = 0; k0 < kend; k0 += KTILE) {
-    __syncthreads();
-    for (int e = threadIdx.x; e < KTILE * HS; e += QPB) {
-      int r = e / HS, dd = e % HS;
-      int64_t kj = k0 + r;
-      ks[r][dd] = kj < T ? base[kj * row + kc + dd] : 0.0f;
-      vs[r][dd] = kj < T ? base[kj * row + vc + dd] : 0.0f;
-    }
-    __syncthreads();
+    load_kv_tile<HSM>(ks, vs, base, k0, T, row, kc, vc, HS);
     if (!valid || k0 > qi) continue;
     for (int r = 0; r < KTILE; r++) {
       if (k0 + r > qi) break;

@@ -1,6 +1,6 @@
 // backend.cu — the cuda backend's table (lz_backend.h): device selection,
-// streams, events, memory, copies, and the one switch over ops that sends
-// each to its kernel file. The core finds the table with dlsym
+// streams, events, memory, copies, and the table of op kernels, one per op
+// of the declaration (core/mem/lz_ops.def). The core finds the table with dlsym
 // ("lz_cuda_backend") once lz_cuda_init has loaded this library.
 #include "lz_cuda.h"
 
@@ -55,107 +55,15 @@ static lz_status cu_init(int device) {
   return LZ_OK;
 }
 
-// The core's checks already pinned the dtypes and shapes to what the kernels
-// take, so support depends on the op alone: an op added to lz_backend.h is
-// refused here until it has a kernel.
-static int cu_supports(lz_op op, const lz_op_args *a) {
-  (void)a;
-  switch (op) {
-  case LZ_OP_MATMUL:
-  case LZ_OP_LINEAR_FORWARD:
-  case LZ_OP_LINEAR_BACKWARD:
-  case LZ_OP_LAYERNORM_FORWARD:
-  case LZ_OP_LAYERNORM_BACKWARD:
-  case LZ_OP_GELU_FORWARD:
-  case LZ_OP_GELU_BACKWARD:
-  case LZ_OP_ATTENTION_FORWARD:  // multi-head and grouped-query
-  case LZ_OP_ATTENTION_BACKWARD:
-  case LZ_OP_EMBEDDING_FORWARD:  // with or without a position table
-  case LZ_OP_EMBEDDING_BACKWARD:
-  case LZ_OP_CROSS_ENTROPY_FORWARD:
-  case LZ_OP_CROSS_ENTROPY_BACKWARD:
-  case LZ_OP_ADD:
-  case LZ_OP_AXPY:
-  case LZ_OP_SCALE:
-  case LZ_OP_FILL:
-  case LZ_OP_SQ_NORM:
-  case LZ_OP_HAS_INF_NAN:
-  case LZ_OP_ADAMW_STEP:
-  case LZ_OP_CONVERT:
-  case LZ_OP_LION_STEP:
-  case LZ_OP_RMSNORM_FORWARD:
-  case LZ_OP_RMSNORM_BACKWARD:
-  case LZ_OP_ROPE_FORWARD:  // theta or given inverse frequencies
-  case LZ_OP_ROPE_BACKWARD:
-  case LZ_OP_SWIGLU_FORWARD:
-  case LZ_OP_SWIGLU_BACKWARD: return 1;
-  default: return 0;
-  }
-}
-
-static lz_status cu_compute(lz_op op, const lz_op_args *a) {
-  switch (op) {
-    case LZ_OP_MATMUL:
-      return lz_cu_matmul(a);
-    case LZ_OP_LINEAR_FORWARD:
-      return lz_cu_linear_forward(a);
-    case LZ_OP_LINEAR_BACKWARD:
-      return lz_cu_linear_backward(a);
-    case LZ_OP_LAYERNORM_FORWARD:
-      return lz_cu_layernorm_forward(a);
-    case LZ_OP_LAYERNORM_BACKWARD:
-      return lz_cu_layernorm_backward(a);
-    case LZ_OP_GELU_FORWARD:
-      return lz_cu_gelu_forward(a);
-    case LZ_OP_GELU_BACKWARD:
-      return lz_cu_gelu_backward(a);
-    case LZ_OP_ATTENTION_FORWARD:
-      return lz_cu_attention_forward(a);
-    case LZ_OP_ATTENTION_BACKWARD:
-      return lz_cu_attention_backward(a);
-    case LZ_OP_EMBEDDING_FORWARD:
-      return lz_cu_embedding_forward(a);
-    case LZ_OP_EMBEDDING_BACKWARD:
-      return lz_cu_embedding_backward(a);
-    case LZ_OP_CROSS_ENTROPY_FORWARD:
-      return lz_cu_cross_entropy_forward(a);
-    case LZ_OP_CROSS_ENTROPY_BACKWARD:
-      return lz_cu_cross_entropy_backward(a);
-    case LZ_OP_ADD:
-      return lz_cu_add(a);
-    case LZ_OP_AXPY:
-      return lz_cu_axpy(a);
-    case LZ_OP_SCALE:
-      return lz_cu_scale(a);
-    case LZ_OP_FILL:
-      return lz_cu_fill(a);
-    case LZ_OP_SQ_NORM:
-      return lz_cu_sq_norm(a);
-    case LZ_OP_HAS_INF_NAN:
-      return lz_cu_has_inf_nan(a);
-    case LZ_OP_ADAMW_STEP:
-      return lz_cu_adamw_step(a);
-    case LZ_OP_CONVERT:
-      return lz_cu_convert(a);
-    case LZ_OP_LION_STEP:
-      return lz_cu_lion_step(a);
-    case LZ_OP_RMSNORM_FORWARD:
-      return lz_cu_rmsnorm_forward(a);
-    case LZ_OP_RMSNORM_BACKWARD:
-      return lz_cu_rmsnorm_backward(a);
-    case LZ_OP_ROPE_FORWARD:
-      return lz_cu_rope_forward(a);
-    case LZ_OP_ROPE_BACKWARD:
-      return lz_cu_rope_backward(a);
-    case LZ_OP_SWIGLU_FORWARD:
-      return lz_cu_swiglu_forward(a);
-    case LZ_OP_SWIGLU_BACKWARD:
-      return lz_cu_swiglu_backward(a);
-    default:
-      break;
-  }
-  return lz_fail(LZ_ERR_UNSUPPORTED, "cuda: op %d is not supported on cuda yet", (int)op);
-}
+// The kernel of each op, in the declaration's order (C++ has no designated
+// array initializers): an op declared without its lz_cu_<name> does not
+// compile. The core's checks already pinned the dtypes and shapes to what
+// the kernels take.
+static const lz_op_fn cu_ops[] = {
+#define LZ_OP(ID, name, ...) lz_cu_##name,
+#include "mem/lz_ops.def"
+};
+static_assert(sizeof cu_ops / sizeof cu_ops[0] == LZ_OP_COUNT, "one kernel per declared op");
 
 // ----------------------------------------------------------------- memory
 
@@ -211,14 +119,16 @@ static int cu_is_device_pointer(const void *p) {
 
 // --------------------------------------------------------- streams, events
 
+// A wait that covers the compute stream also reports a bad target its
+// cross-entropy kernels found.
 static lz_status cu_stream_sync(lz_stream_kind s) {
   CUDA_CHECK(cudaStreamSynchronize(lz_cu_stream[s]));
-  return LZ_OK;
+  return s == LZ_STREAM_COMPUTE ? lz_cu_xent_report() : LZ_OK;
 }
 
 static lz_status cu_sync(void) {
   CUDA_CHECK(cudaDeviceSynchronize());
-  return LZ_OK;
+  return lz_cu_xent_report();
 }
 
 static lz_status cu_event_new(void **out) {
@@ -267,8 +177,7 @@ extern "C" const lz_backend *lz_cuda_backend(void) {
   table.name = "cuda";
   table.kind = LZ_CUDA;
   table.init = cu_init;
-  table.supports = cu_supports;
-  table.compute = cu_compute;
+  table.ops = cu_ops;
   table.alloc = cu_alloc;
   table.free = cu_free;
   table.host_alloc = cu_host_alloc;

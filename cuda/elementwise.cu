@@ -100,7 +100,7 @@ lz_status lz_cu_fill(const lz_op_args *a) {
   return LZ_OK;
 }
 
-lz_status lz_cu_convert(const lz_op_args *a) {
+lz_status lz_cu_tensor_copy(const lz_op_args *a) {
   lz_tensor *dst = a->t[0], *src = a->t[1];
   int64_t n = lz_tensor_numel(src);
   if (n == 0) return LZ_OK;

@@ -1,6 +1,7 @@
 // lz_cuda.h — what the files of libluazero_cuda.so share: the check macros,
 // the streams and handles of the selected device, the device scratch buffer,
-// and each file's entry points for the op switch in backend.cu.
+// and each op's kernel, one per op of core/mem/lz_ops.def, for backend.cu's
+// table.
 #ifndef LZ_CUDA_H
 #define LZ_CUDA_H
 
@@ -52,36 +53,16 @@ static inline unsigned lz_cu_blocks(int64_t n, int threads) {
   return (unsigned)(b > 65535 * 16 ? 65535 * 16 : b);
 }
 
-// Entry points of each file, called by backend.cu's switch with the checked
-// arguments (layout in lz_backend.h).
-lz_status lz_cu_matmul(const lz_op_args *a);
-lz_status lz_cu_linear_forward(const lz_op_args *a);
-lz_status lz_cu_linear_backward(const lz_op_args *a);
-lz_status lz_cu_layernorm_forward(const lz_op_args *a);
-lz_status lz_cu_layernorm_backward(const lz_op_args *a);
-lz_status lz_cu_gelu_forward(const lz_op_args *a);
-lz_status lz_cu_gelu_backward(const lz_op_args *a);
-lz_status lz_cu_attention_forward(const lz_op_args *a);
-lz_status lz_cu_attention_backward(const lz_op_args *a);
-lz_status lz_cu_embedding_forward(const lz_op_args *a);
-lz_status lz_cu_embedding_backward(const lz_op_args *a);
-lz_status lz_cu_cross_entropy_forward(const lz_op_args *a);
-lz_status lz_cu_cross_entropy_backward(const lz_op_args *a);
-lz_status lz_cu_add(const lz_op_args *a);
-lz_status lz_cu_axpy(const lz_op_args *a);
-lz_status lz_cu_scale(const lz_op_args *a);
-lz_status lz_cu_fill(const lz_op_args *a);
-lz_status lz_cu_sq_norm(const lz_op_args *a);
-lz_status lz_cu_has_inf_nan(const lz_op_args *a);
-lz_status lz_cu_adamw_step(const lz_op_args *a);
-lz_status lz_cu_convert(const lz_op_args *a);
-lz_status lz_cu_lion_step(const lz_op_args *a);
-lz_status lz_cu_rmsnorm_forward(const lz_op_args *a);
-lz_status lz_cu_rmsnorm_backward(const lz_op_args *a);
-lz_status lz_cu_rope_forward(const lz_op_args *a);
-lz_status lz_cu_rope_backward(const lz_op_args *a);
-lz_status lz_cu_swiglu_forward(const lz_op_args *a);
-lz_status lz_cu_swiglu_backward(const lz_op_args *a);
+// Each op's kernel (core/mem/lz_ops.def: lz_cu_<name>), in the file of its
+// family; backend.cu's table holds them, called with the checked arguments
+// (layout in lz_backend.h).
+#define LZ_OP(ID, name, ...) lz_status lz_cu_##name(const lz_op_args *a);
+#include "mem/lz_ops.def"
+
+// rows.cu: cross-entropy's targets are checked on the device; a bad one is
+// reported at the next wait for the compute stream (the loss is read after
+// one), and this returns it (LZ_OK when none).
+lz_status lz_cu_xent_report(void);
 
 // NCCL (nccl.cu).
 extern const size_t lz_cu_nccl_id_bytes;

@@ -1,12 +1,14 @@
 // rows.cu — the row-wise ops on the device: LayerNorm, RMSNorm, rotary
 // position embeddings, softmax cross-entropy and the token (+ position)
 // embedding, forward and backward. Same semantics as core/kernels/layernorm.c,
-// core/kernels/rmsnorm.c, core/kernels/rope.c, core/kernels/cross_entropy.c and core/kernels/embedding.c
-// (the core has checked shapes and ids). Parameter-gradient sums run in a
-// fixed order with no atomics, so every run gives the same bits.
+// core/kernels/rmsnorm.c, core/kernels/rope.c, core/kernels/cross_entropy.c and
+// core/kernels/embedding.c (the core has checked shapes; the ids are checked
+// here). Parameter-gradient sums run in a fixed order with no atomics, so
+// every run gives the same bits.
 #include "lz_cuda.h"
 
-#include <float.h>  // FLT_MAX
+#include <float.h>   // FLT_MAX
+#include <stdlib.h>  // malloc: host copies of ids
 
 #define THREADS 256
 #define WARP 32
@@ -280,6 +282,45 @@ lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {
                                    : rmsnorm_backward<float>(a);
 }
 
+// ------------------------------------------------------------ ids on the host
+
+// A copy of t's ids (NULL: none) on the host, where the core's checks read
+// them (the same message as on the cpu); the compute stream is waited for,
+// since the kernels before may have written them. Free *out.
+static lz_status host_ids(const lz_tensor *t, int32_t **out) {
+  *out = NULL;
+  if (!t) return LZ_OK;
+  const size_t bytes = lz_tensor_bytes(t);
+  int32_t *h = (int32_t *)malloc(bytes ? bytes : 1);
+  if (!h) return lz_fail(LZ_ERR_NOMEM, "cuda: out of host memory for a copy of the ids");
+  cudaError_t e = cudaMemcpyAsync(h, t->data, bytes, cudaMemcpyDeviceToHost, LZ_CU_COMPUTE);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(LZ_CU_COMPUTE);
+  if (e != cudaSuccess) {
+    free(h);
+    CUDA_CHECK(e);
+  }
+  *out = h;
+  return LZ_OK;
+}
+
+static lz_status check_embedding_ids(lz_op op, const lz_op_args *a, const lz_tensor *tokens) {
+  int32_t *tok, *pos = NULL;
+  LZ_TRY(host_ids(tokens, &tok));
+  lz_status st = host_ids(a->t[4], &pos);
+  if (st == LZ_OK) st = lz_embedding_check_ids(op, a, tok, pos);
+  free(tok);
+  free(pos);
+  return st;
+}
+
+static lz_status check_rope_pos(lz_op op, const lz_op_args *a) {
+  int32_t *pos;
+  LZ_TRY(host_ids(a->t[3], &pos));
+  lz_status st = pos ? lz_rope_check_values(op, a, NULL, pos) : LZ_OK;
+  free(pos);
+  return st;
+}
+
 // -------------------------------------------------------------------- RoPE
 
 // The inverse frequencies of the theta form, worked out in double and
@@ -364,11 +405,13 @@ static lz_status rope(const lz_op_args *a, float sign) {
 }
 
 lz_status lz_cu_rope_forward(const lz_op_args *a) {
+  LZ_TRY(check_rope_pos(LZ_OP_ROPE_FORWARD, a));
   return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16>(a, 1.0f) : rope<float>(a, 1.0f);
 }
 
 // The rotation's transpose: the angles turned the other way.
 lz_status lz_cu_rope_backward(const lz_op_args *a) {
+  LZ_TRY(check_rope_pos(LZ_OP_ROPE_BACKWARD, a));
   return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16>(a, -1.0f) : rope<float>(a, -1.0f);
 }
 
@@ -387,11 +430,22 @@ __device__ void softmax_stats(const float *lg, int64_t vocab, float *m_out, floa
   *s_out = s;
 }
 
+// A target at or past vocab: its row is skipped (no read past the row) and
+// the first such (row, target) kept in *bad, the least row winning: row in
+// the high half, the target's bits in the low.
+__device__ __forceinline__ bool xent_bad_target(unsigned long long *bad, int64_t r, int32_t tg,
+                                                int64_t vocab) {
+  if (tg < vocab) return false;
+  if (threadIdx.x == 0)
+    atomicMin(bad, ((unsigned long long)r << 32) | (unsigned long long)(uint32_t)tg);
+  return true;
+}
+
 __global__ void xent_forward_kernel(float *losses, const float *logits, const int32_t *targets,
-                                    int64_t vocab, int64_t Vp) {
+                                    int64_t vocab, int64_t Vp, unsigned long long *bad) {
   int64_t r = blockIdx.x;
   int32_t tg = targets[r];
-  if (tg < 0) {
+  if (tg < 0 || xent_bad_target(bad, r, tg, vocab)) {
     if (threadIdx.x == 0) losses[r] = 0.0f;
     return;
   }
@@ -412,11 +466,12 @@ __device__ __forceinline__ void store_grad(__nv_bfloat16 *p, float v) {
 
 template <typename G>
 __global__ void xent_backward_kernel(G *dlogits, const float *logits, const int32_t *targets,
-                                     int64_t vocab, int64_t Vp, float dloss) {
+                                     int64_t vocab, int64_t Vp, float dloss,
+                                     unsigned long long *bad) {
   int64_t r = blockIdx.x;
   int32_t tg = targets[r];
   G *dl = dlogits + r * Vp;
-  if (tg < 0) {
+  if (tg < 0 || xent_bad_target(bad, r, tg, vocab)) {
     for (int64_t i = threadIdx.x; i < Vp; i += THREADS) store_grad(dl + i, 0.0f);
     return;
   }
@@ -432,13 +487,50 @@ __global__ void xent_backward_kernel(G *dlogits, const float *logits, const int3
   if (threadIdx.x == 0) store_grad(dl + tg, (expf(logit_target - m) * inv - 1.0f) * dloss);
 }
 
+// The device word the kernels report a bad target in (all ones: none), and
+// what the host knows of the launches since the last report: the first
+// one's op and vocab, for the message.
+static unsigned long long *xent_bad;
+static const char *xent_op;
+static int64_t xent_vocab;
+
+static lz_status xent_launch(lz_op op, int64_t vocab, unsigned long long **bad) {
+  if (!xent_bad) {
+    // Off the ledger, as cuBLASLt's workspace is: 8 bytes for the process.
+    CUDA_CHECK(cudaMalloc(&xent_bad, sizeof *xent_bad));
+    CUDA_CHECK(cudaMemsetAsync(xent_bad, 0xff, sizeof *xent_bad, LZ_CU_COMPUTE));
+  }
+  if (!xent_op) {
+    xent_op = lz_op_infos[op].name;
+    xent_vocab = vocab;
+  }
+  *bad = xent_bad;
+  return LZ_OK;
+}
+
+lz_status lz_cu_xent_report(void) {
+  if (!xent_op) return LZ_OK;  // no cross-entropy since the last report
+  unsigned long long bad;
+  CUDA_CHECK(cudaMemcpyAsync(&bad, xent_bad, sizeof bad, cudaMemcpyDeviceToHost, LZ_CU_COMPUTE));
+  CUDA_CHECK(cudaStreamSynchronize(LZ_CU_COMPUTE));
+  const char *op = xent_op;
+  xent_op = NULL;
+  if (bad == ~0ULL) return LZ_OK;
+  CUDA_CHECK(cudaMemsetAsync(xent_bad, 0xff, sizeof *xent_bad, LZ_CU_COMPUTE));
+  return lz_fail(LZ_ERR_INVALID,
+                 "%s: targets[%lld] is %d, not below vocab %lld (negative targets are ignored)",
+                 op, (long long)(bad >> 32), (int)(int32_t)(uint32_t)bad, (long long)xent_vocab);
+}
+
 lz_status lz_cu_cross_entropy_forward(const lz_op_args *a) {
   const lz_tensor *logits = a->t[1];
   int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   if (rows == 0) return LZ_OK;
+  unsigned long long *bad;
+  LZ_TRY(xent_launch(LZ_OP_CROSS_ENTROPY_FORWARD, a->i[0], &bad));
   xent_forward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
       (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
-      a->i[0], Vp);
+      a->i[0], Vp, bad);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -447,14 +539,16 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
   const lz_tensor *logits = a->t[1];
   int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   if (rows == 0) return LZ_OK;
+  unsigned long long *bad;
+  LZ_TRY(xent_launch(LZ_OP_CROSS_ENTROPY_BACKWARD, a->i[0], &bad));
   if (a->t[0]->dtype == LZ_BF16)
     xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
         (__nv_bfloat16 *)a->t[0]->data, (const float *)logits->data,
-        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0]);
+        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0], bad);
   else
     xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
         (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
-        a->i[0], Vp, a->f[0]);
+        a->i[0], Vp, a->f[0], bad);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -493,6 +587,7 @@ __global__ void embedding_backward_kernel(float *dwte, float *dwpe, const float 
 
 lz_status lz_cu_embedding_forward(const lz_op_args *a) {
   const lz_tensor *tokens = a->t[1], *wte = a->t[2];
+  LZ_TRY(check_embedding_ids(LZ_OP_EMBEDDING_FORWARD, a, tokens));
   int64_t B = tokens->shape[0], T = tokens->shape[1], C = wte->shape[1];
   if (B * T * C == 0) return LZ_OK;
   const int32_t *pos = a->t[4] ? (const int32_t *)a->t[4]->data : NULL;
@@ -512,6 +607,7 @@ lz_status lz_cu_embedding_forward(const lz_op_args *a) {
 lz_status lz_cu_embedding_backward(const lz_op_args *a) {
   lz_tensor *dwte = a->t[0], *dwpe = a->t[1];
   const lz_tensor *dout = a->t[2], *tokens = a->t[3];
+  LZ_TRY(check_embedding_ids(LZ_OP_EMBEDDING_BACKWARD, a, tokens));
   int64_t B = tokens->shape[0], T = tokens->shape[1], C = dout->shape[2];
   if ((!dwte && !dwpe) || B * T * C == 0) return LZ_OK;
   embedding_backward_kernel<<<(unsigned)((C + 63) / 64), 64, 0, LZ_CU_COMPUTE>>>(

@@ -5,16 +5,17 @@
 -- the rooms before it in this list, never the ones after it:
 --   mem      tensors, storage, the ledger, dtype conversion, errors and
 --            argument checks, the memory the job's ranks share, and the
---            backend slot (the device table, the op switch, device copies,
+--            backend slot (the device table, the op table, device copies,
 --            streams and events): tensors and the ledger allocate through
 --            the slot, so it sits here, below everything that fills it or
 --            dispatches through it.
---   kernels  the cpu ops; each ends its checks with the slot's op switch.
---   optim    AdamW, Lion and the pass they share; also through the switch.
+--   kernels  the public ops (checks, then the slot's op table) and the cpu
+--            backend's kernels (lz_cpu_<name>).
+--   optim    AdamW, Lion and the pass they share; also through the table.
 --   io       swap files, checkpoint files, hashing.
---   devices  the backends that fill the slot: lz_cuda_init (loads
---            libluazero_cuda.so) and the sim device, which runs the kernels
---            and the optimizers on its own streams.
+--   devices  the backends that fill the slot: the cpu's table, lz_cuda_init
+--            (loads libluazero_cuda.so) and the sim device, which runs the
+--            cpu kernels on its own streams.
 --   comm     the collectives and their backends (local, shm, mpi, nccl);
 --            they read sim buffers through the sim device's host view.
 --   launch   the launcher, which forks the ranks the collectives join.

@@ -11,9 +11,9 @@
  *     freed blocks of 1 MiB and more give their pages back (hole punching).
  *   - Streams (sim_streams.c): one worker thread per lz_stream_kind, each running its FIFO
  *     queue in order. An op is copied by value into its queue item (tensor
- *     headers translated to the alias, marked cpu) and the worker calls the
- *     public cpu function on them (sim_ops.c): it checks again and runs
- *     the cpu kernel.
+ *     headers translated to the alias, marked cpu) and the worker runs the
+ *     cpu backend's kernel of the op on them (sim_ops.c); the public op
+ *     checked the arguments before it was queued.
  *   - Events: per stream a count of items queued and one done; an event is
  *     (stream, queued count) at its record.
  *   - Jitter (LZ_SIM_JITTER=<seed>): each item first sleeps a pseudo-random
@@ -68,18 +68,12 @@ static lz_status sim_init(int device) {
   return lz_sim_streams_start(seed, (unsigned)us, copy_gbps);
 }
 
-static int sim_supports(lz_op op, const lz_op_args *a) {
-  (void)a;
-  return (unsigned)op < LZ_OP_COUNT;
-}
-
 static lz_backend table = {
     .abi = LZ_BACKEND_ABI,
     .name = "sim",
     .kind = LZ_SIM,
     .init = sim_init,
-    .supports = sim_supports,
-    .compute = lz_sim_compute,
+    .ops = lz_sim_ops,
     .alloc = lz_sim_mem_alloc,
     .free = lz_sim_mem_free,
     .host_alloc = lz_sim_pinned_alloc,

@@ -26,7 +26,7 @@ int lz_sim_is_device_pointer(const void *p);
 lz_status lz_sim_streams_start(uint64_t seed, unsigned jitter_us, double copy_gbps);
 lz_status lz_sim_sticky_error(void);
 void lz_sim_wait_all(void);
-lz_status lz_sim_compute(lz_op op, const lz_op_args *a);
+lz_status lz_sim_compute(lz_op op, const lz_op_args *a); /* queues op */
 lz_status lz_sim_copy(void *dst, const void *src, size_t bytes, lz_stream_kind s);
 lz_status lz_sim_stream_sync(lz_stream_kind s);
 lz_status lz_sim_sync(void);
@@ -37,8 +37,10 @@ lz_status lz_sim_stream_wait(lz_stream_kind s, void *ev);
 lz_status lz_sim_event_sync(void *ev);
 lz_status lz_sim_event_query(void *ev, int *done);
 
-/* sim_ops.c: the op's public cpu function on tensors in the alias, and the
- * op's name for messages. */
+/* sim_ops.c: the device's table (each op queued by lz_sim_compute), the
+ * cpu backend's kernel of an op on tensors in the alias (the worker's), and
+ * the op's name for messages. */
+extern const lz_op_fn lz_sim_ops[LZ_OP_COUNT];
 lz_status lz_sim_run_op(lz_op op, const lz_op_args *a);
 const char *lz_sim_op_name(lz_op op);
 

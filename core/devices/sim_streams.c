@@ -268,7 +268,7 @@ lz_status lz_sim_compute(lz_op op, const lz_op_args *a) {
   fail_next = NULL;
   pthread_mutex_unlock(&mu);
   uint64_t ticket = enqueue(LZ_STREAM_COMPUTE, it);
-  if (op == LZ_OP_SQ_NORM || op == LZ_OP_HAS_INF_NAN) { /* the host waits for the value */
+  if (lz_op_infos[op].waits) { /* the host waits for the value */
     wait_for(LZ_STREAM_COMPUTE, ticket);
     return lz_sim_sticky_error();
   }

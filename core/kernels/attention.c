@@ -533,6 +533,23 @@ static lz_status check_shape3(const char *op, const char *name, const lz_tensor 
   return LZ_OK;
 }
 
+/* The sizes of qkv's heads, for n_head and n_kv_head already checked. */
+static attn_dims dims_of(const lz_tensor *qkv, int n_head, int n_kv_head) {
+  attn_dims d;
+  const int64_t parts = n_head + 2 * (int64_t)n_kv_head; /* heads of q, k and v in a row */
+  d.B = qkv->shape[0];
+  d.T = qkv->shape[1];
+  d.HS = qkv->shape[2] / parts;
+  d.C = d.HS * n_head;
+  d.row = qkv->shape[2];
+  d.NH = n_head;
+  d.NKV = n_kv_head;
+  d.HSP = (d.HS + VL - 1) / VL * VL;
+  d.nb = (d.T + TILE - 1) / TILE;
+  d.scale = d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  return d;
+}
+
 /* Checks qkv, n_head and n_kv_head and fills d. */
 static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, int n_kv_head,
                            attn_dims *d) {
@@ -561,21 +578,12 @@ static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, int
                    "multiple of %lld",
                    op, lz_tensor_describe(qkv, b, sizeof b), (long long)parts,
                    (long long)qkv->shape[2], (long long)parts);
-  d->B = qkv->shape[0];
-  d->T = qkv->shape[1];
-  d->HS = qkv->shape[2] / parts;
-  d->C = d->HS * n_head;
-  d->row = qkv->shape[2];
-  d->NH = n_head;
-  d->NKV = n_kv_head;
+  *d = dims_of(qkv, n_head, n_kv_head);
   if (d->HS > MAX_HS)
     return lz_fail(LZ_ERR_UNSUPPORTED,
                    "%s: head size C/n_head = %lld/%d = %lld is above the supported %d; use "
                    "more heads",
                    op, (long long)d->C, n_head, (long long)d->HS, MAX_HS);
-  d->HSP = (d->HS + VL - 1) / VL * VL;
-  d->nb = (d->T + TILE - 1) / TILE;
-  d->scale = d->HS ? 1.0f / sqrtf((float)d->HS) : 0.0f;
   return LZ_OK;
 }
 
@@ -623,8 +631,14 @@ lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tens
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
   LZ_TRY(check_seg(op, seg, &d, qkv));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_FORWARD,
-                     .t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg}, .i = {n_head, n_kv_head});
+  LZ_OP_RUN(op, LZ_OP_ATTENTION_FORWARD, .t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg},
+            .i = {n_head, n_kv_head});
+}
+
+lz_status lz_cpu_attention_forward(const lz_op_args *a) {
+  lz_tensor *out = a->t[0], *lse = a->t[1];
+  const lz_tensor *qkv = a->t[2], *seg = a->t[3];
+  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1]);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *o = out->data, *l = lse->data;
@@ -653,10 +667,16 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
   LZ_TRY(check_seg(op, seg, &d, qkv));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_ATTENTION_BACKWARD,
-                     .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
-                           (lz_tensor *)lse, (lz_tensor *)seg},
-                     .i = {n_head, n_kv_head});
+  LZ_OP_RUN(op, LZ_OP_ATTENTION_BACKWARD,
+            .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out, (lz_tensor *)lse,
+                  (lz_tensor *)seg},
+            .i = {n_head, n_kv_head});
+}
+
+lz_status lz_cpu_attention_backward(const lz_op_args *a) {
+  lz_tensor *dqkv = a->t[0];
+  const lz_tensor *dout = a->t[1], *qkv = a->t[2], *out = a->t[3], *lse = a->t[4], *seg = a->t[5];
+  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1]);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *dx = dqkv->data;

@@ -1,6 +1,6 @@
 /* copy.c — lz_tensor_copy: the same dtype or a conversion between f32, bf16
  * and f16 on the cpu, and the switch to the device copies (mem/dispatch.c) when
- * a cuda tensor is on either side. */
+ * a device tensor is on either side. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
@@ -27,6 +27,14 @@ lz_status lz_tensor_copy(lz_tensor *dst, const lz_tensor *src) {
                    lz_tensor_describe(src, a, sizeof a), lz_tensor_describe(dst, b, sizeof b));
   }
   if (dst->device != LZ_CPU || src->device != LZ_CPU) return lz_tensor_copy_device(dst, src);
+  LZ_OP_RUN("tensor_copy", LZ_OP_CONVERT, .t = {dst, (lz_tensor *)src});
+}
+
+/* The cpu kernel of the op (also sim's conversions on its device). */
+lz_status lz_cpu_tensor_copy(const lz_op_args *a) {
+  lz_tensor *dst = a->t[0];
+  const lz_tensor *src = a->t[1];
+  const int64_t n = lz_tensor_numel(src);
   if (dst->dtype == src->dtype) {
     if (dst->data != src->data) memmove(dst->data, src->data, lz_tensor_bytes(src));
     return LZ_OK;

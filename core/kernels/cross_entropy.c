@@ -10,7 +10,6 @@
 #include "kernels/lz_vecmath.h" /* lz_exp */
 
 #include <math.h> /* logf */
-#include <stdlib.h> /* free: the host copy of device targets */
 
 /* Sums and maxima are kept in LANES independent partials so the loops
  * vectorize without -ffast-math. */
@@ -38,8 +37,7 @@ LZ_DISPATCH static void softmax_stats(const float *logits, int64_t V, float *max
   *sum_out = s;
 }
 
-/* Shared by forward and backward. Every target is checked before anything is
- * written, so a bad one leaves the outputs untouched. */
+/* Shared by forward and backward: everything but the targets' values. */
 static lz_status check_args(const char *op, const lz_tensor *logits, const lz_tensor *targets,
                             int64_t vocab) {
   LZ_TRY(lz_check_dtype(op, "logits", logits, LZ_F32));
@@ -53,19 +51,20 @@ static lz_status check_args(const char *op, const lz_tensor *logits, const lz_te
                    op, (long long)vocab, lz_tensor_describe(logits, a, sizeof a), (long long)Vp);
   }
   LZ_TRY(lz_check_dtype(op, "targets", targets, LZ_I32));
-  LZ_TRY(lz_check_numel(op, "targets", targets, rows, "one per row of logits"));
-  const int32_t *tg;
-  int32_t *copy; /* device targets are checked in a host copy */
-  LZ_TRY(lz_backend_host_ids(op, targets, &tg, &copy));
-  lz_status st = LZ_OK;
-  for (int64_t r = 0; tg && r < rows && st == LZ_OK; r++)
+  return lz_check_numel(op, "targets", targets, rows, "one per row of logits");
+}
+
+/* The targets' values, where the kernel runs (they may live on a device):
+ * all of them before anything is written, so a bad one leaves the outputs
+ * untouched. */
+static lz_status check_targets(const char *op, const int32_t *tg, int64_t rows, int64_t vocab) {
+  for (int64_t r = 0; r < rows; r++)
     if (tg[r] >= vocab)
-      st = lz_fail(LZ_ERR_INVALID,
-                   "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "
-                   "ignored)",
-                   op, (long long)r, (int)tg[r], (long long)vocab);
-  free(copy);
-  return st;
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: targets[%lld] is %d, not below vocab %lld (negative targets are "
+                     "ignored)",
+                     op, (long long)r, (int)tg[r], (long long)vocab);
+  return LZ_OK;
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -83,11 +82,18 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
                                    const lz_tensor *targets, int64_t vocab) {
   const char *op = "cross_entropy_forward";
   LZ_TRY(check_args(op, logits, targets, vocab));
-  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
+  const int64_t rows = lz_rows(logits);
   LZ_TRY(lz_check_dtype(op, "losses", losses, LZ_F32));
   LZ_TRY(lz_check_numel(op, "losses", losses, rows, "one per row of logits"));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_FORWARD,
+  LZ_OP_RUN(op, LZ_OP_CROSS_ENTROPY_FORWARD,
                      .t = {losses, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab});
+}
+
+lz_status lz_cpu_cross_entropy_forward(const lz_op_args *a) {
+  lz_tensor *losses = a->t[0];
+  const lz_tensor *logits = a->t[1], *targets = a->t[2];
+  const int64_t vocab = a->i[0], Vp = lz_cols(logits), rows = lz_rows(logits);
+  LZ_TRY(check_targets("cross_entropy_forward", targets->data, rows, vocab));
 
   float *loss = losses->data;
   const float *lg = logits->data;
@@ -147,7 +153,6 @@ lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss) {
   const char *op = "cross_entropy_backward";
   LZ_TRY(check_args(op, logits, targets, vocab));
-  const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   LZ_TRY(lz_check_present(op, "dlogits", dlogits));
   if (dlogits->dtype != LZ_F32 && dlogits->dtype != LZ_BF16) {
     char a[96];
@@ -156,9 +161,17 @@ lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
   }
   LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
   LZ_TRY(lz_check_no_alias(op, "logits", logits, "dlogits", dlogits));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_CROSS_ENTROPY_BACKWARD,
+  LZ_OP_RUN(op, LZ_OP_CROSS_ENTROPY_BACKWARD,
                      .t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab},
                      .f = {dloss});
+}
+
+lz_status lz_cpu_cross_entropy_backward(const lz_op_args *a) {
+  lz_tensor *dlogits = a->t[0];
+  const lz_tensor *logits = a->t[1], *targets = a->t[2];
+  const int64_t vocab = a->i[0], Vp = lz_cols(logits), rows = lz_rows(logits);
+  const float dloss = a->f[0];
+  LZ_TRY(check_targets("cross_entropy_backward", targets->data, rows, vocab));
 
   const lz_dtype dt = dlogits->dtype;
   const size_t es = lz_dtype_size(dt);

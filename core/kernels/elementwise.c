@@ -48,7 +48,13 @@ lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b) {
   LZ_TRY(lz_check_numel(op, "b", b, n, "the element count of a"));
   LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
   LZ_TRY(lz_check_numel(op, "out", out, n, "the element count of a"));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_ADD, .t = {out, (lz_tensor *)a, (lz_tensor *)b});
+  LZ_OP_RUN(op, LZ_OP_ADD, .t = {out, (lz_tensor *)a, (lz_tensor *)b});
+}
+
+lz_status lz_cpu_add(const lz_op_args *args) {
+  lz_tensor *out = args->t[0];
+  const lz_tensor *a = args->t[1], *b = args->t[2];
+  const int64_t n = lz_tensor_numel(a);
   float *o = out->data;
   const float *ap = a->data, *bp = b->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
@@ -67,7 +73,14 @@ lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x) {
   const int64_t n = lz_tensor_numel(y);
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_numel(op, "x", x, n, "the element count of y"));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_AXPY, .t = {y, (lz_tensor *)x}, .f = {alpha});
+  LZ_OP_RUN(op, LZ_OP_AXPY, .t = {y, (lz_tensor *)x}, .f = {alpha});
+}
+
+lz_status lz_cpu_axpy(const lz_op_args *a) {
+  lz_tensor *y = a->t[0];
+  const lz_tensor *x = a->t[1];
+  const float alpha = a->f[0];
+  const int64_t n = lz_tensor_numel(y);
   float *yp = y->data;
   const float *xp = x->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
@@ -93,7 +106,12 @@ static void scale_f16_block(uint16_t *t, float s, int64_t n) {
 
 lz_status lz_scale(lz_tensor *t, float s) {
   LZ_TRY(check_float_dtype("scale", "t", t));
-  LZ_DEVICE_DISPATCH("scale", LZ_OP_SCALE, .t = {t}, .f = {s});
+  LZ_OP_RUN("scale", LZ_OP_SCALE, .t = {t}, .f = {s});
+}
+
+lz_status lz_cpu_scale(const lz_op_args *a) {
+  lz_tensor *t = a->t[0];
+  const float s = a->f[0];
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   void *p = t->data;
@@ -117,7 +135,12 @@ LZ_DISPATCH static void fill_u16_block(uint16_t *t, uint16_t v, int64_t n) {
 
 lz_status lz_fill(lz_tensor *t, float v) {
   LZ_TRY(check_float_dtype("fill", "t", t));
-  LZ_DEVICE_DISPATCH("fill", LZ_OP_FILL, .t = {t}, .f = {v});
+  LZ_OP_RUN("fill", LZ_OP_FILL, .t = {t}, .f = {v});
+}
+
+lz_status lz_cpu_fill(const lz_op_args *a) {
+  lz_tensor *t = a->t[0];
+  const float v = a->f[0];
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   /* A half-precision fill writes one bit pattern, converted once. */
@@ -190,7 +213,12 @@ lz_status lz_sq_norm(const lz_tensor *t, double *out) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
   *out = 0.0;
   LZ_TRY(check_float_dtype(op, "t", t));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_SQ_NORM, .t = {(lz_tensor *)t}, .out_f64 = out);
+  LZ_OP_RUN(op, LZ_OP_SQ_NORM, .t = {(lz_tensor *)t}, .out_f64 = out);
+}
+
+lz_status lz_cpu_sq_norm(const lz_op_args *a) {
+  const lz_tensor *t = a->t[0];
+  double *out = a->out_f64;
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   const void *p = t->data;
@@ -230,7 +258,12 @@ lz_status lz_has_inf_nan(const lz_tensor *t, int *out) {
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
   *out = 0;
   LZ_TRY(check_float_dtype(op, "t", t));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_HAS_INF_NAN, .t = {(lz_tensor *)t}, .out_int = out);
+  LZ_OP_RUN(op, LZ_OP_HAS_INF_NAN, .t = {(lz_tensor *)t}, .out_int = out);
+}
+
+lz_status lz_cpu_has_inf_nan(const lz_op_args *a) {
+  const lz_tensor *t = a->t[0];
+  int *out = a->out_int;
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   const uint16_t mask = dt == LZ_BF16 ? 0x7f80u : 0x7c00u;

@@ -16,19 +16,10 @@
 /* Channels per thread task in backward: two cache lines of floats. */
 #define COL_BLOCK 32
 
-/* tokens: i32 [B, T], every id in [0, V). Checked before anything is
- * written, so a bad id leaves the outputs untouched. */
-static lz_status check_tokens(const char *op, const lz_tensor *tokens, int64_t V) {
+/* tokens: i32 [B, T]; its values are the kernel's to check (ids_check). */
+static lz_status check_tokens(const char *op, const lz_tensor *tokens) {
   LZ_TRY(lz_check_dtype(op, "tokens", tokens, LZ_I32));
-  LZ_TRY(lz_check_ndim(op, "tokens", tokens, 2, 2));
-  int64_t i, T = tokens->shape[1];
-  int32_t id;
-  LZ_TRY(lz_ids_first_outside(op, tokens, 0, V, &i, &id));
-  if (i < 0) return LZ_OK;
-  return lz_fail(LZ_ERR_INVALID,
-                 "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
-                 "rows of the token embedding)",
-                 op, (long long)(i / T), (long long)(i % T), (int)id, (long long)V);
+  return lz_check_ndim(op, "tokens", tokens, 2, 2);
 }
 
 /* `name` must be f32 [B, T, C] for tokens [B, T]. */
@@ -79,25 +70,43 @@ static lz_status check_positions(const char *op, const char *name, const lz_tens
   return LZ_OK;
 }
 
-/* pos: i32 [B, T] like tokens, every value a row of the position table
- * `name` (n_rows rows). */
-static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *tokens,
-                           const char *name, int64_t n_rows) {
+/* pos: i32 [B, T] like tokens; its values are the kernel's to check. */
+static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *tokens) {
   LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
   if (pos->ndim != 2 || pos->shape[0] != tokens->shape[0] || pos->shape[1] != tokens->shape[1]) {
     char a[96], b[96];
     return lz_fail(LZ_ERR_INVALID, "%s: pos is %s but tokens is %s; they need the same shape", op,
                    lz_tensor_describe(pos, a, sizeof a), lz_tensor_describe(tokens, b, sizeof b));
   }
-  int64_t i, T = pos->shape[1];
-  int32_t p;
-  LZ_TRY(lz_ids_first_outside(op, pos, 0, n_rows, &i, &p));
+  return LZ_OK;
+}
+
+lz_status lz_embedding_check_ids(lz_op op, const lz_op_args *a, const int32_t *tok,
+                                 const int32_t *pos) {
+  const int fwd = op == LZ_OP_EMBEDDING_FORWARD;
+  const char *name = lz_op_infos[op].name;
+  const lz_tensor *tokens = a->t[fwd ? 1 : 3], *table = a->t[fwd ? 2 : 0];
+  const lz_tensor *pe = a->t[fwd ? 3 : 1];
+  /* With no dwte there is no vocabulary to check ids against: any id >= 0
+   * is harmless since nothing is indexed by it. */
+  const int64_t V = table ? table->shape[0] : INT32_MAX, T = tokens->shape[1];
+  const int64_t n = lz_tensor_numel(tokens);
+  int32_t id;
+  int64_t i = lz_ids_first_outside(tok, n, 0, V, &id);
+  if (i >= 0)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: tokens[%lld, %lld] is %d, outside the vocabulary [0, %lld) (V, the "
+                   "rows of the token embedding)",
+                   name, (long long)(i / T), (long long)(i % T), (int)id, (long long)V);
+  if (!pos) return LZ_OK;
+  const int64_t n_rows = pe->shape[0];
+  i = lz_ids_first_outside(pos, n, 0, n_rows, &id);
   if (i < 0) return LZ_OK;
   return lz_fail(LZ_ERR_INVALID,
                  "%s: pos[%lld, %lld] is %d, outside the %lld positions of %s; positions "
                  "must be in [0, %lld)",
-                 op, (long long)(i / T), (long long)(i % T), (int)p, (long long)n_rows, name,
-                 (long long)n_rows);
+                 name, (long long)(i / T), (long long)(i % T), (int)id, (long long)n_rows,
+                 fwd ? "wpe" : "dwpe", (long long)n_rows);
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -128,19 +137,26 @@ lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, cons
   const char *op = "embedding_forward";
   LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"wte", wte}, {wpe ? "wpe" : NULL, wpe}, {NULL}}));
   LZ_TRY(lz_check_ndim(op, "wte", wte, 2, 2));
-  const int64_t V = wte->shape[0], C = wte->shape[1];
+  const int64_t C = wte->shape[1];
   if (wpe) LZ_TRY(check_table_shape(op, "wpe", wpe, C, "wte", wte));
-  LZ_TRY(check_tokens(op, tokens, V));
-  const int64_t B = tokens->shape[0], T = tokens->shape[1];
+  LZ_TRY(check_tokens(op, tokens));
+  const int64_t T = tokens->shape[1];
   if (wpe && pos)
-    LZ_TRY(check_pos(op, pos, tokens, "wpe", wpe->shape[0]));
+    LZ_TRY(check_pos(op, pos, tokens));
   else if (wpe)
     LZ_TRY(check_positions(op, "wpe", wpe, T));
   LZ_TRY(check_activation(op, "out", out, tokens, C));
   if (!wpe) pos = NULL; /* no position table: nothing to index */
-  LZ_DEVICE_DISPATCH(
+  LZ_OP_RUN(
       op, LZ_OP_EMBEDDING_FORWARD,
       .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe, (lz_tensor *)pos});
+}
+
+lz_status lz_cpu_embedding_forward(const lz_op_args *a) {
+  lz_tensor *out = a->t[0];
+  const lz_tensor *tokens = a->t[1], *wte = a->t[2], *wpe = a->t[3], *pos = a->t[4];
+  LZ_TRY(lz_embedding_check_ids(LZ_OP_EMBEDDING_FORWARD, a, tokens->data, pos ? pos->data : NULL));
+  const int64_t B = tokens->shape[0], T = tokens->shape[1], C = wte->shape[1];
 
   float *o = out->data;
   const lz_dtype dt = wte->dtype;
@@ -186,27 +202,28 @@ lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_t
   LZ_TRY(lz_check_dtype(op, "dout", dout, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "dout", dout, 3, 3));
   const int64_t C = dout->shape[2];
-  /* With no dwte there is no vocabulary to check ids against: any id >= 0 is
-   * harmless since nothing is indexed by it. */
-  int64_t V = INT32_MAX;
-  if (dwte) {
-    LZ_TRY(check_table(op, "dwte", dwte, C, "dout", dout));
-    V = dwte->shape[0];
-  }
-  LZ_TRY(check_tokens(op, tokens, V));
+  if (dwte) LZ_TRY(check_table(op, "dwte", dwte, C, "dout", dout));
+  LZ_TRY(check_tokens(op, tokens));
   LZ_TRY(check_activation(op, "dout", dout, tokens, C));
-  const int64_t B = tokens->shape[0], T = tokens->shape[1];
+  const int64_t T = tokens->shape[1];
   if (dwpe) {
     LZ_TRY(check_table(op, "dwpe", dwpe, C, "dout", dout));
     if (pos)
-      LZ_TRY(check_pos(op, pos, tokens, "dwpe", dwpe->shape[0]));
+      LZ_TRY(check_pos(op, pos, tokens));
     else
       LZ_TRY(check_positions(op, "dwpe", dwpe, T));
   } else {
     pos = NULL; /* no position table: nothing to index */
   }
-  LZ_DEVICE_DISPATCH(op, LZ_OP_EMBEDDING_BACKWARD,
+  LZ_OP_RUN(op, LZ_OP_EMBEDDING_BACKWARD,
                      .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens, (lz_tensor *)pos});
+}
+
+lz_status lz_cpu_embedding_backward(const lz_op_args *a) {
+  lz_tensor *dwte = a->t[0], *dwpe = a->t[1];
+  const lz_tensor *dout = a->t[2], *tokens = a->t[3], *pos = a->t[4];
+  LZ_TRY(lz_embedding_check_ids(LZ_OP_EMBEDDING_BACKWARD, a, tokens->data, pos ? pos->data : NULL));
+  const int64_t B = tokens->shape[0], T = tokens->shape[1], C = dout->shape[2];
   if (!dwte && !dwpe) return LZ_OK;
 
   float *te = dwte ? dwte->data : NULL, *pe = dwpe ? dwpe->data : NULL;

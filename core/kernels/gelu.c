@@ -57,10 +57,13 @@ lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x) {
   const char *op = "gelu_forward";
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_FORWARD, .t = {out, (lz_tensor *)x});
-  const int64_t n = lz_tensor_numel(x);
-  float *o = out->data;
-  const float *xp = x->data;
+  LZ_OP_RUN(op, LZ_OP_GELU_FORWARD, .t = {out, (lz_tensor *)x});
+}
+
+lz_status lz_cpu_gelu_forward(const lz_op_args *a) {
+  const int64_t n = lz_tensor_numel(a->t[1]);
+  float *o = a->t[0]->data;
+  const float *xp = a->t[1]->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
     gelu_forward_block(o + i0, xp + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
@@ -88,10 +91,13 @@ lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *
   LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
   LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_GELU_BACKWARD, .t = {dx, (lz_tensor *)dy, (lz_tensor *)x});
-  const int64_t n = lz_tensor_numel(x);
-  float *dxp = dx->data;
-  const float *dyp = dy->data, *xp = x->data;
+  LZ_OP_RUN(op, LZ_OP_GELU_BACKWARD, .t = {dx, (lz_tensor *)dy, (lz_tensor *)x});
+}
+
+lz_status lz_cpu_gelu_backward(const lz_op_args *a) {
+  const int64_t n = lz_tensor_numel(a->t[2]);
+  float *dxp = a->t[0]->data;
+  const float *dyp = a->t[1]->data, *xp = a->t[2]->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
     gelu_backward_block(dxp + i0, dyp + i0, xp + i0, n - i0 < BLOCK ? n - i0 : BLOCK);

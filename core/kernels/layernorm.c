@@ -65,13 +65,19 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
   const lz_arg like[] = {{"out", out}, {0}}, per_col[] = {{"w", w}, {"b", b}, {0}},
                per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
   LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
-  const int64_t C = lz_cols(x), rows = lz_rows(x);
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
-  LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_FORWARD,
+  LZ_OP_RUN(op, LZ_OP_LAYERNORM_FORWARD,
                      .t = {out, mean, rstd, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)b},
                      .f = {eps});
+}
+
+lz_status lz_cpu_layernorm_forward(const lz_op_args *a) {
+  lz_tensor *out = a->t[0], *mean = a->t[1], *rstd = a->t[2];
+  const lz_tensor *x = a->t[3], *w = a->t[4], *b = a->t[5];
+  const float eps = a->f[0];
+  const int64_t C = lz_cols(x), rows = lz_rows(x);
 
   float *o = out->data, *mu = mean->data, *rs = rstd->data;
   const float *xp = x->data, *wp = w->data, *bp = b->data;
@@ -185,10 +191,15 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                per_col[] = {{"w", w}, {"dw", dw}, {"db", db}, {0}},
                per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
   LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
-  const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_DEVICE_DISPATCH(op, LZ_OP_LAYERNORM_BACKWARD,
+  LZ_OP_RUN(op, LZ_OP_LAYERNORM_BACKWARD,
                      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
                            (lz_tensor *)mean, (lz_tensor *)rstd});
+}
+
+lz_status lz_cpu_layernorm_backward(const lz_op_args *a) {
+  lz_tensor *dx = a->t[0], *dw = a->t[1], *db = a->t[2];
+  const lz_tensor *dy = a->t[3], *x = a->t[4], *w = a->t[5], *mean = a->t[6], *rstd = a->t[7];
+  const int64_t C = lz_cols(x), rows = lz_rows(x);
 
   const float *dyp = dy->data, *xp = x->data, *wp = w->data;
   const float *mu = mean->data, *rs = rstd->data;

@@ -303,6 +303,25 @@ static lz_status shape_error(const char *op, const lz_tensor *a, const lz_tensor
                  lz_tensor_describe(c, bc, sizeof bc), why);
 }
 
+/* The sizes of c = op(a) @ op(b): the batch, m, n, and k of op(a) and of
+ * op(b) (kb), which the checks compare. */
+typedef struct {
+  int batched;
+  int64_t batch, m, n, k, kb;
+} mm_dims;
+
+static mm_dims matmul_dims(const lz_tensor *a, const lz_tensor *b, int trans_a, int trans_b) {
+  mm_dims d;
+  d.batched = a->ndim == 3;
+  d.batch = d.batched ? a->shape[0] : 1;
+  const int o = d.batched, ob = b->ndim == 3;
+  d.m = trans_a ? a->shape[o + 1] : a->shape[o];
+  d.k = trans_a ? a->shape[o] : a->shape[o + 1];
+  d.kb = trans_b ? b->shape[ob + 1] : b->shape[ob];
+  d.n = trans_b ? b->shape[ob] : b->shape[ob + 1];
+  return d;
+}
+
 lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int trans_a,
                     int trans_b, float alpha, float beta) {
   const char *op = "matmul";
@@ -311,25 +330,26 @@ lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int tr
   LZ_TRY(lz_check_ndim(op, "c", c, 2, 3));
   LZ_TRY(lz_check_dtype(op, "c", c, LZ_F32));
   LZ_TRY(check_input_dtypes(op, "a", a, "b", b));
-  int batched = a->ndim == 3;
-  int64_t batch = batched ? a->shape[0] : 1;
-  if (c->ndim != a->ndim || (b->ndim == 3 && !batched))
+  const mm_dims d = matmul_dims(a, b, trans_a, trans_b);
+  if (c->ndim != a->ndim || (b->ndim == 3 && !d.batched))
     return shape_error(op, a, b, c, "a and c must both be 2-D or both 3-D; b 3-D only if a is");
-  if (batched && (c->shape[0] != batch || (b->ndim == 3 && b->shape[0] != batch)))
+  if (d.batched && (c->shape[0] != d.batch || (b->ndim == 3 && b->shape[0] != d.batch)))
     return shape_error(op, a, b, c, "batch sizes differ");
-  int o = batched;
-  int64_t m = trans_a ? a->shape[o + 1] : a->shape[o];
-  int64_t k = trans_a ? a->shape[o] : a->shape[o + 1];
-  int ob = b->ndim == 3;
-  int64_t kb = trans_b ? b->shape[ob + 1] : b->shape[ob];
-  int64_t n = trans_b ? b->shape[ob] : b->shape[ob + 1];
-  if (k != kb) return shape_error(op, a, b, c, "inner dimensions of op(a) and op(b) differ");
-  if (c->shape[o] != m || c->shape[o + 1] != n)
+  const int o = d.batched;
+  if (d.k != d.kb) return shape_error(op, a, b, c, "inner dimensions of op(a) and op(b) differ");
+  if (c->shape[o] != d.m || c->shape[o + 1] != d.n)
     return shape_error(op, a, b, c, "c must be [rows of op(a), columns of op(b)]");
-  LZ_DEVICE_DISPATCH(op, LZ_OP_MATMUL, .t = {c, (lz_tensor *)a, (lz_tensor *)b},
-                     .i = {trans_a, trans_b}, .f = {alpha, beta});
-  return gemm(a->dtype, batch, m, n, k, trans_a != 0, trans_b != 0, batched && b->ndim == 2,
-              alpha, a->data, b->data, beta, c->data);
+  LZ_OP_RUN(op, LZ_OP_MATMUL, .t = {c, (lz_tensor *)a, (lz_tensor *)b}, .i = {trans_a, trans_b},
+            .f = {alpha, beta});
+}
+
+lz_status lz_cpu_matmul(const lz_op_args *args) {
+  const lz_tensor *a = args->t[1], *b = args->t[2];
+  const int trans_a = (int)args->i[0], trans_b = (int)args->i[1];
+  const mm_dims d = matmul_dims(a, b, trans_a, trans_b);
+  return gemm(a->dtype, d.batch, d.m, d.n, d.k, trans_a != 0, trans_b != 0,
+              d.batched && b->ndim == 2, args->f[0], a->data, b->data, args->f[1],
+              args->t[0]->data);
 }
 
 /* ----------------------------------------------------------------- linear */
@@ -373,8 +393,14 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
     LZ_TRY(lz_check_dtype(op, "bias", bias, LZ_F32));
     LZ_TRY(lz_check_numel(op, "bias", bias, outc, "the rows of w"));
   }
-  LZ_DEVICE_DISPATCH(op, LZ_OP_LINEAR_FORWARD,
+  LZ_OP_RUN(op, LZ_OP_LINEAR_FORWARD,
                      .t = {out, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)bias});
+}
+
+lz_status lz_cpu_linear_forward(const lz_op_args *a) {
+  lz_tensor *out = a->t[0];
+  const lz_tensor *x = a->t[1], *w = a->t[2], *bias = a->t[3];
+  const int64_t rows = lz_rows(x), in = w->shape[1], outc = w->shape[0];
   if (rows == 0 || outc == 0) return LZ_OK;
   if (x->dtype == LZ_BF16)
     return gemm_bf16(1, rows, outc, in, 0, 1, 0, 1.0f, x->data, w->data, 0.0f, out->data,
@@ -428,8 +454,14 @@ lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const 
     LZ_TRY(lz_check_dtype(op, "db", db, LZ_F32));
     LZ_TRY(lz_check_numel(op, "db", db, outc, "the rows of w"));
   }
-  LZ_DEVICE_DISPATCH(op, LZ_OP_LINEAR_BACKWARD,
+  LZ_OP_RUN(op, LZ_OP_LINEAR_BACKWARD,
                      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w});
+}
+
+lz_status lz_cpu_linear_backward(const lz_op_args *a) {
+  lz_tensor *dx = a->t[0], *dw = a->t[1], *db = a->t[2];
+  const lz_tensor *dy = a->t[3], *x = a->t[4], *w = a->t[5];
+  const int64_t rows = lz_rows(x), in = w->shape[1], outc = w->shape[0];
   lz_dtype dt = x->dtype;
   if (dx) LZ_TRY(gemm(dt, 1, rows, in, outc, 0, 0, 0, 1.0f, dy->data, w->data, 0.0f, dx->data));
   if (dw) LZ_TRY(gemm(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, 1.0f, dw->data));

@@ -90,11 +90,17 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
   const char *op = "rmsnorm_forward";
   const lz_arg none[] = {{0}}, out_like[] = {{"out", out}, {0}};
   LZ_TRY(check_args(op, x, none, w, out_like, none, rstd));
-  const int64_t C = lz_cols(x), rows = lz_rows(x);
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
-  LZ_DEVICE_DISPATCH(op, LZ_OP_RMSNORM_FORWARD, .t = {out, rstd, (lz_tensor *)x, (lz_tensor *)w},
+  LZ_OP_RUN(op, LZ_OP_RMSNORM_FORWARD, .t = {out, rstd, (lz_tensor *)x, (lz_tensor *)w},
                      .f = {eps});
+}
+
+lz_status lz_cpu_rmsnorm_forward(const lz_op_args *a) {
+  lz_tensor *out = a->t[0], *rstd = a->t[1];
+  const lz_tensor *x = a->t[2], *w = a->t[3];
+  const float eps = a->f[0];
+  const int64_t C = lz_cols(x), rows = lz_rows(x);
 
   float *o = out->data, *rs = rstd->data;
   if (x->dtype == LZ_BF16) {
@@ -208,10 +214,15 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                    "%s: dx (f32) and dy (bf16) are the same memory; only an f32 dy may be "
                    "overwritten by dx",
                    op);
-  const int64_t C = lz_cols(x), rows = lz_rows(x);
-  LZ_DEVICE_DISPATCH(
+  LZ_OP_RUN(
       op, LZ_OP_RMSNORM_BACKWARD,
       .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)rstd});
+}
+
+lz_status lz_cpu_rmsnorm_backward(const lz_op_args *a) {
+  lz_tensor *dx = a->t[0], *dw = a->t[1];
+  const lz_tensor *dy = a->t[2], *x = a->t[3], *w = a->t[4], *rstd = a->t[5];
+  const int64_t C = lz_cols(x), rows = lz_rows(x);
 
   const int bf16 = x->dtype == LZ_BF16;
   const void *dyp = dy->data, *xp = x->data, *wp = w->data;

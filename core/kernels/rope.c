@@ -68,8 +68,7 @@ LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float
   }
 }
 
-/* pos: i32 [B, T] for x [B, T, C], every value >= 0. Checked before
- * anything is written. */
+/* pos: i32 [B, T] for x [B, T, C]; its values are the kernel's to check. */
 static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *x) {
   LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
   if (pos->ndim != 2 || pos->shape[0] != x->shape[0] || pos->shape[1] != x->shape[1]) {
@@ -78,15 +77,26 @@ static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor
                    lz_tensor_describe(pos, a, sizeof a), (long long)x->shape[0],
                    (long long)x->shape[1], lz_tensor_describe(x, b, sizeof b));
   }
-  int64_t i, T = pos->shape[1];
+  return LZ_OK;
+}
+
+lz_status lz_rope_check_values(lz_op op, const lz_op_args *a, const float *inv_freq,
+                               const int32_t *pos) {
+  const char *name = lz_op_infos[op].name;
+  for (int64_t i = 0; inv_freq && i < a->i[1] / 2; i++)
+    if (!isfinite(inv_freq[i]))
+      return lz_fail(LZ_ERR_INVALID, "%s: inv_freq[%lld] is %g; it must be finite", name,
+                     (long long)i, (double)inv_freq[i]);
+  if (!pos) return LZ_OK;
+  const int64_t T = a->t[3]->shape[1];
   int32_t p;
-  LZ_TRY(lz_ids_first_outside(op, pos, 0, INT64_MAX, &i, &p));
+  const int64_t i = lz_ids_first_outside(pos, lz_tensor_numel(a->t[3]), 0, INT64_MAX, &p);
   if (i < 0) return LZ_OK;
-  return lz_fail(LZ_ERR_INVALID, "%s: pos[%lld, %lld] is %d; positions must be >= 0", op,
+  return lz_fail(LZ_ERR_INVALID, "%s: pos[%lld, %lld] is %d; positions must be >= 0", name,
                  (long long)(i / T), (long long)(i % T), (int)p);
 }
 
-/* The checks and the loop forward and backward share; `sign` as rope_row's.
+/* The checks forward and backward share, then the op.
  * pos: each row's position, or NULL for pos_offset + t.
  * inv_freq: head_dim/2 floats, or NULL to work them out from theta. With
  * freqs given, a row may hold more than the n_head heads (Llama's packed
@@ -95,7 +105,7 @@ static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor
 static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
                             const char *x_name, const lz_tensor *x, int n_head, int head_dim,
                             int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
-                            const lz_tensor *pos_t, float sign) {
+                            const lz_tensor *pos_t) {
   LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{x_name, x}, {0}}));
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
   LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
@@ -124,10 +134,22 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
     return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
                    (double)theta);
   if (pos_t) LZ_TRY(check_pos(op, pos_t, x));
-  LZ_DEVICE_DISPATCH(op, opcode,
-                     .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
-                     .i = {n_head, head_dim, pos_offset}, .f = {theta});
+  LZ_OP_RUN(op, opcode, .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
+            .i = {n_head, head_dim, pos_offset}, .f = {theta});
+}
 
+/* The kernel forward and backward share; `sign` as rope_row's. */
+static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
+  lz_tensor *out = a->t[0];
+  const lz_tensor *x = a->t[1], *inv_freq_t = a->t[2], *pos_t = a->t[3];
+  const int n_head = (int)a->i[0], head_dim = (int)a->i[1];
+  const int64_t pos_offset = a->i[2];
+  const float theta = a->f[0];
+  const int freqs = inv_freq_t != NULL;
+  LZ_TRY(lz_rope_check_values(opcode, a, freqs ? inv_freq_t->data : NULL,
+                              pos_t ? pos_t->data : NULL));
+  const int64_t C = x->shape[2];
+  const int64_t turned = (int64_t)n_head * head_dim; /* leading columns of a row */
   const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
   float inv_freq[half];
   const float *given = freqs ? inv_freq_t->data : NULL;
@@ -156,32 +178,33 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
   return LZ_OK;
 }
 
-/* The inverse frequencies of the _freqs variants: f32, head_dim/2 finite
- * values. On sim the values are checked where the op runs; cuda does not
- * check them (it would have to wait for the device). */
+/* The inverse frequencies of the _freqs variants: f32, head_dim/2 values
+ * (the kernel checks they are finite where it runs; cuda does not check
+ * them: it would have to wait for the device). */
 static lz_status check_freqs(const char *op, const lz_tensor *inv_freq, int head_dim) {
   LZ_TRY(lz_check_present(op, "inv_freq", inv_freq));
   LZ_TRY(lz_check_dtype(op, "inv_freq", inv_freq, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "inv_freq", inv_freq, head_dim / 2, "head_dim / 2"));
-  if (inv_freq->device != LZ_CPU) return LZ_OK;
-  const float *f = inv_freq->data;
-  for (int64_t i = 0; i < head_dim / 2; i++)
-    if (!isfinite(f[i]))
-      return lz_fail(LZ_ERR_INVALID, "%s: inv_freq[%lld] is %g; it must be finite", op,
-                     (long long)i, (double)f[i]);
-  return LZ_OK;
+  return lz_check_numel(op, "inv_freq", inv_freq, head_dim / 2, "head_dim / 2");
+}
+
+lz_status lz_cpu_rope_forward(const lz_op_args *a) {
+  return rope_cpu(LZ_OP_ROPE_FORWARD, a, 1.0f);
+}
+
+lz_status lz_cpu_rope_backward(const lz_op_args *a) {
+  return rope_cpu(LZ_OP_ROPE_BACKWARD, a, -1.0f);
 }
 
 lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
                           int64_t pos_offset, float theta) {
   return rope_apply("rope_forward", LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim,
-                    pos_offset, theta, NULL, NULL, 1.0f);
+                    pos_offset, theta, NULL, NULL);
 }
 
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta) {
   return rope_apply("rope_backward", LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim,
-                    pos_offset, theta, NULL, NULL, -1.0f);
+                    pos_offset, theta, NULL, NULL);
 }
 
 /* head_dim is 2 * numel(inv_freq). */
@@ -195,7 +218,7 @@ lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_ten
   const int head_dim = freqs_head_dim(inv_freq);
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
   return rope_apply(op, LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim, pos_offset, 1.0f,
-                    inv_freq, NULL, 1.0f);
+                    inv_freq, NULL);
 }
 
 lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
@@ -204,7 +227,7 @@ lz_status lz_rope_freqs_backward(lz_tensor *dx, const lz_tensor *dy, const lz_te
   const int head_dim = freqs_head_dim(inv_freq);
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
   return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, pos_offset, 1.0f,
-                    inv_freq, NULL, -1.0f);
+                    inv_freq, NULL);
 }
 
 lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
@@ -213,7 +236,7 @@ lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tenso
   const int head_dim = freqs_head_dim(inv_freq);
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
   return rope_apply(op, LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim, 0, 1.0f, inv_freq,
-                    pos, 1.0f);
+                    pos);
 }
 
 lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
@@ -222,5 +245,5 @@ lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tens
   const int head_dim = freqs_head_dim(inv_freq);
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
   return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, 0, 1.0f,
-                    inv_freq, pos, -1.0f);
+                    inv_freq, pos);
 }

@@ -85,7 +85,12 @@ static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_forward";
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {0}}, (lz_arg[]){{"out", out}, {0}}));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_FORWARD, .t = {out, (lz_tensor *)gate, (lz_tensor *)up});
+  LZ_OP_RUN(op, LZ_OP_SWIGLU_FORWARD, .t = {out, (lz_tensor *)gate, (lz_tensor *)up});
+}
+
+lz_status lz_cpu_swiglu_forward(const lz_op_args *a) {
+  lz_tensor *out = a->t[0];
+  const lz_tensor *gate = a->t[1], *up = a->t[2];
   const int64_t n = lz_tensor_numel(gate);
   float *o = out->data;
   if (gate->dtype == LZ_BF16) {
@@ -110,8 +115,13 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
-  LZ_DEVICE_DISPATCH(op, LZ_OP_SWIGLU_BACKWARD,
+  LZ_OP_RUN(op, LZ_OP_SWIGLU_BACKWARD,
                      .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up});
+}
+
+lz_status lz_cpu_swiglu_backward(const lz_op_args *a) {
+  lz_tensor *dgate = a->t[0], *dup = a->t[1];
+  const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
   const int64_t n = lz_tensor_numel(gate);
   float *dg = dgate->data, *du = dup->data;
   if (gate->dtype == LZ_BF16) {

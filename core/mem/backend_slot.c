@@ -1,6 +1,7 @@
 /* backend_slot.c — which accelerator this process uses: set once by
- * lz_cuda_init or lz_sim_init (devices/backend.c), read by the ledger, the kernels'
- * device switch, tensors and the collectives. A leaf: it calls nothing in
+ * lz_cuda_init or lz_sim_init (devices/backend.c), read by the ledger, the
+ * op table's dispatch, tensors and the collectives; and the cpu backend,
+ * set when the library loads (devices/cpu.c). A leaf: it calls nothing in
  * the core but lz_fail and the backend's own is_device_pointer. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h" /* lz_fail */
@@ -8,6 +9,7 @@
 #include <stdio.h> /* snprintf for unknown device names */
 
 static const lz_backend *active;
+static const lz_backend *cpu;
 static int active_device = -1; /* written before the table is published */
 
 const lz_backend *lz_backend_active(void) { return __atomic_load_n(&active, __ATOMIC_ACQUIRE); }
@@ -16,6 +18,10 @@ void lz_backend_active_set(const lz_backend *be, int device) {
   active_device = device;
   __atomic_store_n(&active, be, __ATOMIC_RELEASE);
 }
+
+void lz_backend_cpu_set(const lz_backend *be) { cpu = be; }
+
+const lz_backend *lz_backend_cpu(void) { return cpu; }
 
 const lz_backend *lz_backend_of(lz_device dev) {
   const lz_backend *be = lz_backend_active();

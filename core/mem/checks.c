@@ -1,19 +1,16 @@
 /* checks.c — the argument checks kernels share: each names the op, the
  * argument and, through lz_tensor_describe, its shape; and the row and
  * column counts of a tensor. Above tensor.c, which uses none of them. */
-#include "mem/lz_backend.h" /* lz_device_name */
 #include "mem/lz_internal.h"
-
-#include <stdlib.h> /* free: the host copy of device ids */
 
 lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t) {
   if (!t) return lz_fail(LZ_ERR_INVALID, "%s: %s is missing (NULL)", op, name);
   return LZ_OK;
 }
 
-/* The shape and dtype checks accept tensors on any device: each kernel ends
- * its checks with LZ_DEVICE_DISPATCH, which sends device tensors to the
- * backend and refuses a mix of devices. */
+/* The shape and dtype checks accept tensors on any device: each public op
+ * ends its checks with LZ_OP_RUN, which runs the kernel of the tensors'
+ * device and refuses a mix of devices. */
 lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
   LZ_TRY(lz_check_present(op, name, t));
   if (t->dtype != dt) {
@@ -124,22 +121,15 @@ int64_t lz_rows(const lz_tensor *t) {
   return c ? lz_tensor_numel(t) / c : 0;
 }
 
-/* ids: i32 on any device (a device tensor is read through a host copy). The
- * flat index of the first id outside [lo, hi) and that id, or -1; each caller
- * words the refusal itself (the meaning of the range is its own). */
-lz_status lz_ids_first_outside(const char *op, const lz_tensor *ids, int64_t lo, int64_t hi,
-                               int64_t *bad, int32_t *value) {
-  const int32_t *p;
-  int32_t *copy;
-  *bad = -1;
-  LZ_TRY(lz_backend_host_ids(op, ids, &p, &copy));
-  const int64_t n = lz_tensor_numel(ids);
-  for (int64_t i = 0; p && i < n; i++)
-    if (p[i] < lo || p[i] >= hi) {
-      *bad = i;
-      *value = p[i];
-      break;
+/* ids: n i32 values in host memory (a kernel checks the ids where it runs).
+ * The index of the first outside [lo, hi), or -1; its value in *value. Each
+ * caller words the refusal itself (the meaning of the range is its own). */
+int64_t lz_ids_first_outside(const int32_t *ids, int64_t n, int64_t lo, int64_t hi,
+                             int32_t *value) {
+  for (int64_t i = 0; i < n; i++)
+    if (ids[i] < lo || ids[i] >= hi) {
+      *value = ids[i];
+      return i;
     }
-  free(copy);
-  return LZ_OK;
+  return -1;
 }

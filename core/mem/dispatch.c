@@ -1,14 +1,13 @@
-/* dispatch.c — the calls that reach the active accelerator through the
- * backend slot: the op switch every kernel ends its checks with
- * (lz_backend_dispatch), ids checked on the host, cross-device copies and
- * their byte counters, and the public stream and event calls, which forward
- * to the backend's table. Below the kernels and the devices: it knows a
+/* dispatch.c — the calls that reach a backend through the backend slot:
+ * the op table every public op ends its checks with (lz_op_run), the
+ * cross-device copies and their byte counters, and the public stream and
+ * event calls, which forward to the backend's table. Below the kernels and the devices: it knows a
  * backend only by its table. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
 #include <stdatomic.h> /* the copy counters */
-#include <stdlib.h>    /* malloc */
+#include <stdlib.h>    /* calloc: events */
 
 static _Atomic uint64_t copy_bytes[2]; /* h2d, d2h */
 
@@ -45,43 +44,15 @@ static void count_copy(lz_device dst, lz_device src, size_t bytes) {
     atomic_fetch_add(&copy_bytes[1], bytes);
 }
 
-/* ------------------------------------------------------------- op switch */
-
-static const char *arg_names[LZ_OP_COUNT][LZ_OP_MAX_TENSORS] = {
-    [LZ_OP_MATMUL] = {"c", "a", "b"},
-    [LZ_OP_LINEAR_FORWARD] = {"out", "x", "w", "bias"},
-    [LZ_OP_LINEAR_BACKWARD] = {"dx", "dw", "db", "dy", "x", "w"},
-    [LZ_OP_LAYERNORM_FORWARD] = {"out", "mean", "rstd", "x", "w", "b"},
-    [LZ_OP_LAYERNORM_BACKWARD] = {"dx", "dw", "db", "dy", "x", "w", "mean", "rstd"},
-    [LZ_OP_GELU_FORWARD] = {"out", "x"},
-    [LZ_OP_GELU_BACKWARD] = {"dx", "dy", "x"},
-    [LZ_OP_ATTENTION_FORWARD] = {"out", "lse", "qkv", "seg"},
-    [LZ_OP_ATTENTION_BACKWARD] = {"dqkv", "dout", "qkv", "out", "lse", "seg"},
-    [LZ_OP_EMBEDDING_FORWARD] = {"out", "tokens", "wte", "wpe", "pos"},
-    [LZ_OP_EMBEDDING_BACKWARD] = {"dwte", "dwpe", "dout", "tokens", "pos"},
-    [LZ_OP_CROSS_ENTROPY_FORWARD] = {"losses", "logits", "targets"},
-    [LZ_OP_CROSS_ENTROPY_BACKWARD] = {"dlogits", "logits", "targets"},
-    [LZ_OP_ADD] = {"out", "a", "b"},
-    [LZ_OP_AXPY] = {"y", "x"},
-    [LZ_OP_SCALE] = {"t"},
-    [LZ_OP_FILL] = {"t"},
-    [LZ_OP_SQ_NORM] = {"t"},
-    [LZ_OP_HAS_INF_NAN] = {"t"},
-    [LZ_OP_ADAMW_STEP] = {"param", "grad", "m", "v", "working"},
-    [LZ_OP_CONVERT] = {"dst", "src"},
-    [LZ_OP_LION_STEP] = {"param", "grad", "m", "working"},
-    [LZ_OP_RMSNORM_FORWARD] = {"out", "rstd", "x", "w"},
-    [LZ_OP_RMSNORM_BACKWARD] = {"dx", "dw", "dy", "x", "w", "rstd"},
-    [LZ_OP_ROPE_FORWARD] = {"out", "x", "inv_freq", "pos"},
-    [LZ_OP_ROPE_BACKWARD] = {"dx", "dy", "inv_freq", "pos"},
-    [LZ_OP_SWIGLU_FORWARD] = {"out", "gate", "up"},
-    [LZ_OP_SWIGLU_BACKWARD] = {"dgate", "dup", "dout", "gate", "up"},
-};
+/* --------------------------------------------------------------- op table */
 
 static const char *device_name(lz_device d) { return lz_device_name(d); }
 
-lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int *handled) {
-  *handled = 0;
+static const char *arg_name(lz_op op, int i) {
+  return lz_op_infos[op].args[i] ? lz_op_infos[op].args[i] : "a tensor";
+}
+
+lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a) {
   int first = -1;
   for (int i = 0; i < LZ_OP_MAX_TENSORS; i++) {
     const lz_tensor *t = a->t[i];
@@ -89,56 +60,27 @@ lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int 
     if (t->device != LZ_CPU && t->device != LZ_CUDA && t->device != LZ_SIM)
       return lz_fail(LZ_ERR_INVALID,
                      "%s: %s has device %d; devices are cpu (0), cuda (1) and sim (2)", op_name,
-                     arg_names[op][i] ? arg_names[op][i] : "a tensor", (int)t->device);
+                     arg_name(op, i), (int)t->device);
     if (first < 0)
       first = i;
     else if (t->device != a->t[first]->device)
       return lz_fail(LZ_ERR_INVALID,
                      "%s: %s lives on %s but %s lives on %s; move them to one device "
                      "(lz_tensor_copy) first",
-                     op_name, arg_names[op][first], device_name(a->t[first]->device),
-                     arg_names[op][i], device_name(t->device));
+                     op_name, arg_name(op, first), device_name(a->t[first]->device),
+                     arg_name(op, i), device_name(t->device));
   }
-  if (first < 0 || a->t[first]->device == LZ_CPU) return LZ_OK;
-  const lz_backend *be;
-  LZ_TRY(need_device(op_name, a->t[first]->device, &be));
-  if (!be->supports(op, a)) {
+  const lz_backend *be = lz_backend_cpu();
+  if (first >= 0 && a->t[first]->device != LZ_CPU)
+    LZ_TRY(need_device(op_name, a->t[first]->device, &be));
+  const lz_op_fn fn = be->ops[op];
+  if (!fn) {
     char buf[96];
     return lz_fail(LZ_ERR_UNSUPPORTED, "%s: not supported on %s yet: %s with %s %s", op_name,
-                   be->name, op_name, arg_names[op][first],
-                   lz_tensor_describe(a->t[first], buf, sizeof buf));
+                   be->name, op_name, arg_name(op, first < 0 ? 0 : first),
+                   first < 0 ? "" : lz_tensor_describe(a->t[first], buf, sizeof buf));
   }
-  *handled = 1;
-  return be->compute(op, a);
-}
-
-lz_status lz_backend_host_ids(const char *op, const lz_tensor *t, const int32_t **ids,
-                              int32_t **copy) {
-  *copy = NULL;
-  *ids = t->data;
-  if (t->device == LZ_CPU) return LZ_OK;
-  /* The sim device runs the cpu function on its stream, which checks the
-   * ids there (a bad one is the stream's error): no copy back. */
-  if (t->device == LZ_SIM) {
-    *ids = NULL;
-    return LZ_OK;
-  }
-  const lz_backend *be;
-  LZ_TRY(need_device(op, t->device, &be));
-  size_t bytes = lz_tensor_bytes(t);
-  int32_t *h = malloc(bytes ? bytes : 1);
-  if (!h) return lz_fail(LZ_ERR_NOMEM, "%s: out of memory for a host copy of the ids", op);
-  /* On the compute stream: the ids may have been written by earlier kernels. */
-  count_copy(LZ_CPU, t->device, bytes);
-  lz_status st = be->copy(h, t->data, bytes, LZ_STREAM_COMPUTE);
-  if (st == LZ_OK) st = be->stream_sync(LZ_STREAM_COMPUTE);
-  if (st != LZ_OK) {
-    free(h);
-    return st;
-  }
-  *copy = h;
-  *ids = h;
-  return LZ_OK;
+  return fn(a);
 }
 
 /* ---------------------------------------------------------- device copies */
@@ -205,10 +147,7 @@ lz_status lz_tensor_copy_device(lz_tensor *dst, const lz_tensor *src) {
                    op, lz_tensor_describe(src, a, sizeof a), device_name(src->device),
                    lz_tensor_describe(dst, b, sizeof b), device_name(dst->device));
   }
-  int handled;
-  LZ_TRY(lz_backend_dispatch(op, LZ_OP_CONVERT, &(lz_op_args){.t = {dst, (lz_tensor *)src}},
-                             &handled));
-  return LZ_OK;
+  return lz_op_run(op, LZ_OP_CONVERT, &(lz_op_args){.t = {dst, (lz_tensor *)src}});
 }
 
 /* ------------------------------------------------------- streams and events */

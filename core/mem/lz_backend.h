@@ -4,54 +4,37 @@
  * and the ledger allocate through it; the devices fill it, the kernels
  * dispatch through it, and neither calls the other through it.
  *
- * A backend is one switch over ops, guarded by "does this backend support
- * it" (ggml's shape). The core runs every argument check, then, when the
- * op's tensors live on a device, packs them into lz_op_args and hands the op
- * to the backend: the kernels never see a bad shape. libluazero_cuda.so
- * exports lz_cuda_backend(), which returns its table; the core finds it with
- * dlopen/dlsym (lz_cuda_init) and refuses a table of another ABI version.
+ * A backend is one table over ops (ggml's shape): every op is declared once
+ * in mem/lz_ops.def, and each backend — the cpu (devices/cpu.c), sim
+ * (devices/sim_ops.c), cuda (cuda/backend.cu) — fills its table of kernels
+ * from that declaration. A public op runs its argument checks, then
+ * lz_op_run packs its tensors into lz_op_args and calls the kernel of the
+ * backend their device names: the kernels never see a bad shape, and the
+ * checks run once. libluazero_cuda.so exports lz_cuda_backend(), which
+ * returns its table; the core finds it with dlopen/dlsym (lz_cuda_init)
+ * and refuses a table of another ABI version.
  * core/devices/sim.c's table (lz_sim_backend) is built in. One of them is
  * the process's active accelerator (mem/backend_slot.c). */
 #ifndef LZ_BACKEND_H
 #define LZ_BACKEND_H
 
 #include "luazero.h"
+#ifdef LZ_OPS_EXTRA /* a test build's extra ops declare their public functions */
+#define LZ_OPS_EXTRA_PROTOTYPES
+#include "mem/lz_ops.def"
+#undef LZ_OPS_EXTRA_PROTOTYPES
+#endif
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define LZ_BACKEND_ABI 2
+#define LZ_BACKEND_ABI 3
 
+/* The ops, in the order of their declaration (mem/lz_ops.def). */
 typedef enum lz_op {
-  LZ_OP_MATMUL = 0,             /* t: c, a, b; i: trans_a, trans_b; f: alpha, beta */
-  LZ_OP_LINEAR_FORWARD,         /* t: out, x, w, bias (may be NULL) */
-  LZ_OP_LINEAR_BACKWARD,        /* t: dx, dw, db (each may be NULL), dy, x, w */
-  LZ_OP_LAYERNORM_FORWARD,      /* t: out, mean, rstd, x, w, b; f: eps */
-  LZ_OP_LAYERNORM_BACKWARD,     /* t: dx, dw, db, dy, x, w, mean, rstd */
-  LZ_OP_GELU_FORWARD,           /* t: out, x */
-  LZ_OP_GELU_BACKWARD,          /* t: dx, dy, x */
-  LZ_OP_ATTENTION_FORWARD,      /* t: out, lse, qkv, seg (may be NULL); i: n_head, n_kv_head */
-  LZ_OP_ATTENTION_BACKWARD,     /* t: dqkv, dout, qkv, out, lse, seg; i: n_head, n_kv_head */
-  LZ_OP_EMBEDDING_FORWARD,      /* t: out, tokens, wte, wpe, pos (may be NULL) */
-  LZ_OP_EMBEDDING_BACKWARD,     /* t: dwte, dwpe (either may be NULL), dout, tokens, pos */
-  LZ_OP_CROSS_ENTROPY_FORWARD,  /* t: losses, logits, targets; i: vocab */
-  LZ_OP_CROSS_ENTROPY_BACKWARD, /* t: dlogits, logits, targets; i: vocab; f: dloss */
-  LZ_OP_ADD,                    /* t: out, a, b */
-  LZ_OP_AXPY,                   /* t: y, x; f: alpha */
-  LZ_OP_SCALE,                  /* t: t; f: s */
-  LZ_OP_FILL,                   /* t: t; f: v */
-  LZ_OP_SQ_NORM,                /* t: t; out_f64 */
-  LZ_OP_HAS_INF_NAN,            /* t: t; out_int */
-  LZ_OP_ADAMW_STEP,             /* t: param, grad, m, v, working (may be NULL); adamw */
-  LZ_OP_CONVERT,                /* t: dst, src: same element count, both on the device */
-  LZ_OP_LION_STEP,              /* t: param, grad, m, working (may be NULL); lion */
-  LZ_OP_RMSNORM_FORWARD,        /* t: out, rstd, x, w; f: eps */
-  LZ_OP_RMSNORM_BACKWARD,       /* t: dx, dw, dy, x, w, rstd */
-  LZ_OP_ROPE_FORWARD,           /* t: out, x, inv_freq, pos; i: n_head, hd, pos_offset; f: theta */
-  LZ_OP_ROPE_BACKWARD,          /* t: dx, dy, inv_freq, pos; i: n_head, hd, pos_offset; f: theta */
-  LZ_OP_SWIGLU_FORWARD,         /* t: out, gate, up */
-  LZ_OP_SWIGLU_BACKWARD,        /* t: dgate, dup, dout, gate, up */
+#define LZ_OP(ID, ...) LZ_OP_##ID,
+#include "mem/lz_ops.def"
   LZ_OP_COUNT
 } lz_op;
 
@@ -67,6 +50,31 @@ typedef struct lz_op_args {
   int *out_int;
 } lz_op_args;
 
+/* One op's kernel on one device. */
+typedef lz_status (*lz_op_fn)(const lz_op_args *a);
+
+/* What the declaration says of an op (mem/ops.c, from mem/lz_ops.def). */
+typedef struct lz_op_info {
+  const char *name;                    /* lz_<name>: the public function */
+  const char *args[LZ_OP_MAX_TENSORS]; /* a->t's slots, as messages name them */
+  int waits;                           /* hands a value back to the host */
+} lz_op_info;
+
+extern const lz_op_info lz_op_infos[LZ_OP_COUNT];
+
+/* The cpu backend's kernels (core/kernels/, core/optim/): the op on host
+ * memory, its arguments already checked. */
+#define LZ_OP(ID, name, ...) lz_status lz_cpu_##name(const lz_op_args *a);
+#include "mem/lz_ops.def"
+
+/* The checks of values a kernel makes where the data is, on host memory
+ * (the cpu kernel's own tensors, or a device's host copy): each op's ids
+ * and rope's inverse frequencies (NULL: not checked). */
+lz_status lz_embedding_check_ids(lz_op op, const lz_op_args *a, const int32_t *tokens,
+                                 const int32_t *pos);
+lz_status lz_rope_check_values(lz_op op, const lz_op_args *a, const float *inv_freq,
+                               const int32_t *pos);
+
 /* Every function returns through lz_fail with a message naming the call, the
  * file:line and the library's own error string. Work is queued on the
  * backend's streams (lz_stream_kind): ops on LZ_STREAM_COMPUTE, in order;
@@ -76,8 +84,11 @@ typedef struct lz_backend {
   const char *name; /* "cuda", "sim": what messages call the device */
   lz_device kind;
   lz_status (*init)(int device); /* selects the device, creates streams and handles */
-  int (*supports)(lz_op op, const lz_op_args *a);
-  lz_status (*compute)(lz_op op, const lz_op_args *a);
+  /* The device's kernel of each op, indexed by lz_op; NULL where the device
+   * has none yet. The core ran the op's checks before: a kernel never sees a
+   * bad shape (only data the host cannot read, such as ids on the device,
+   * is the kernel's to check). */
+  const lz_op_fn *ops;
 
   /* Memory. alloc/free: device memory; host_alloc/host_free: page-locked. */
   lz_status (*alloc)(void **out, size_t bytes);
@@ -132,27 +143,21 @@ lz_status lz_backend_need_any(const char *op, const lz_backend **be);
 /* "cpu", "cuda", "sim" (or "device <n>"): for messages. */
 const char *lz_device_name(lz_device dev);
 
-/* After an op's argument checks: when its tensors (the non-NULL ones in
- * a->t) live on an accelerator, runs it there and sets *handled; when they
- * live on the cpu, leaves *handled 0 for the caller's cpu kernel. Tensors on
- * two devices are an error naming both. */
-lz_status lz_backend_dispatch(const char *op_name, lz_op op, lz_op_args *a, int *handled);
+/* The cpu backend: its table is set once, when the library loads
+ * (devices/cpu.c); lz_backend_cpu() returns it. */
+void lz_backend_cpu_set(const lz_backend *be);
+const lz_backend *lz_backend_cpu(void);
 
-/* The op's checks and then the device switch, in one line at the end of the
- * checks of each public kernel. */
-#define LZ_DEVICE_DISPATCH(op_name, opcode, ...)                                               \
-  do {                                                                                         \
-    lz_op_args lz_dd_args_ = {__VA_ARGS__};                                                    \
-    int lz_dd_handled_ = 0;                                                                    \
-    lz_status lz_dd_st_ = lz_backend_dispatch(op_name, opcode, &lz_dd_args_, &lz_dd_handled_); \
-    if (lz_dd_st_ != LZ_OK || lz_dd_handled_) return lz_dd_st_;                                \
-  } while (0)
+/* After an op's argument checks: runs op on the backend of the device its
+ * tensors (the non-NULL ones in a->t) live on — the cpu's, or the active
+ * accelerator's — through that backend's table. Tensors on two devices, or
+ * a device without the op's kernel, are an error naming op_name (the
+ * public function's name) and the arguments. */
+lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a);
 
-/* i32 ids checked on the host: returns the data of a cpu tensor, or a
- * malloc'd host copy of a cuda one in *copy (free it); NULL for a sim
- * one, whose ops check the ids where they run. */
-lz_status lz_backend_host_ids(const char *op, const lz_tensor *t, const int32_t **ids,
-                              int32_t **copy);
+/* The last line of each public op: its arguments into lz_op_args, and run. */
+#define LZ_OP_RUN(op_name, opcode, ...) \
+  return lz_op_run(op_name, opcode, &(lz_op_args){__VA_ARGS__})
 
 /* lz_tensor_copy when either side lives on a device (checks done). */
 lz_status lz_tensor_copy_device(lz_tensor *dst, const lz_tensor *src);

@@ -36,8 +36,8 @@ lz_status lz_fail(lz_status st, const char *fmt, ...) __attribute__((format(prin
 lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t);
 lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt);
 lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi);
-lz_status lz_ids_first_outside(const char *op, const lz_tensor *ids, int64_t lo, int64_t hi,
-                               int64_t *bad, int32_t *value);
+int64_t lz_ids_first_outside(const int32_t *ids, int64_t n, int64_t lo, int64_t hi,
+                             int32_t *value);
 lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
                          const char *why);
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,

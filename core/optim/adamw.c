@@ -67,9 +67,17 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
                               .working = working};
   LZ_TRY(lz_optim_check_tensors(op, &t));
   LZ_TRY(check_args(op, args));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_ADAMW_STEP, .t = {param, (lz_tensor *)grad, m, v, working},
-                     .adamw = args);
+  LZ_OP_RUN(op, LZ_OP_ADAMW_STEP, .t = {param, (lz_tensor *)grad, m, v, working},
+            .adamw = args);
+}
 
+lz_status lz_cpu_adamw_step(const lz_op_args *a) {
+  const lz_optim_tensors t = {.param = a->t[0],
+                              .grad = a->t[1],
+                              .states = {a->t[2], a->t[3]},
+                              .n_states = 2,
+                              .working = a->t[4]};
+  const lz_adamw_args *args = a->adamw;
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
   const double bc1 = 1.0 - pow(b1, (double)args->step);
   const double bc2 = 1.0 - pow(b2, (double)args->step);

@@ -60,9 +60,13 @@ lz_status lz_lion_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz
                               .working = working};
   LZ_TRY(lz_optim_check_tensors(op, &t));
   LZ_TRY(check_args(op, args));
-  LZ_DEVICE_DISPATCH(op, LZ_OP_LION_STEP, .t = {param, (lz_tensor *)grad, m, working},
-                     .lion = args);
+  LZ_OP_RUN(op, LZ_OP_LION_STEP, .t = {param, (lz_tensor *)grad, m, working}, .lion = args);
+}
 
+lz_status lz_cpu_lion_step(const lz_op_args *a) {
+  const lz_optim_tensors t = {
+      .param = a->t[0], .grad = a->t[1], .states = {a->t[2]}, .n_states = 1, .working = a->t[3]};
+  const lz_lion_args *args = a->lion;
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2;
   const lion_consts k = {
       .decay = (float)(1.0 - lr * args->weight_decay),

@@ -108,6 +108,8 @@ size_t lz_arena_used(const lz_arena *a);
 size_t lz_arena_peak(const lz_arena *a);
 size_t lz_arena_capacity(const lz_arena *a);
 
+const char *lz_op_entry_name(int i);
+
 lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int trans_a,
                     int trans_b, float alpha, float beta);
 

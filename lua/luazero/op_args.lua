@@ -6,16 +6,19 @@ local ffi = require("ffi")
 
 local M = {}
 
-M.names = {
-  "matmul", "linear_forward", "linear_backward", "layernorm_forward", "layernorm_backward",
-  "gelu_forward", "gelu_backward", "rmsnorm_forward", "rmsnorm_backward", "rope_forward",
-  "rope_backward", "swiglu_forward", "swiglu_backward", "attention_forward", "attention_backward",
-  "rope_freqs_forward", "rope_freqs_backward", "attention_gqa_forward", "attention_gqa_backward",
-  "embedding_forward", "embedding_backward", "cross_entropy_forward",
-  "cross_entropy_backward", "add", "axpy", "scale", "fill", "adamw_step", "lion_step",
-  "attention_seg_forward", "attention_seg_backward", "rope_pos_forward", "rope_pos_backward",
-  "embedding_pos_forward", "embedding_pos_backward",
-}
+-- The public ops, in the order of their one declaration (core/mem/lz_ops.def),
+-- read through lz_op_entry_name; filled by M.ops.
+M.names = {}
+
+function M.entry_names(C)
+  local names, i = {}, 0
+  while true do
+    local p = C.lz_op_entry_name(i)
+    if p == nil then return names end
+    names[#names + 1] = ffi.string(p)
+    i = i + 1
+  end
+end
 
 local tensor_ptr = ffi.typeof("lz_tensor *")
 
@@ -80,6 +83,7 @@ local test = {
 -- dead, gone: tensor_guard's registry of tensors whose header is gone.
 function M.ops(C, cdef, dead, gone)
   local ops = {}
+  M.names = M.entry_names(C)
   for _, name in ipairs(M.names) do
     local params = M.params(cdef, name)
     local function fail(i, a, extra)

@@ -309,6 +309,17 @@ static void test_cross_entropy(void) {
   /* In place: dlogits aliasing logits. */
   CHECK_OK(lz_cross_entropy_backward(d_logits, d_logits, d_tg, V, 0.25f));
   expect_close("cross_entropy_backward in place", d_logits, gl, 1e-5);
+  /* A bad target is found on the device, with no wait in the call: the
+   * next wait for the compute stream (reading the losses) reports the first
+   * one with the cpu's message, once. */
+  ((int32_t *)tg->data)[7] = (int32_t)V;
+  ((int32_t *)tg->data)[20] = (int32_t)V + 1;
+  CHECK_OK(lz_tensor_copy(d_tg, tg));
+  CHECK_OK(lz_cross_entropy_forward(d_loss, d_logits, d_tg, V));
+  lz_status st = lz_tensor_copy(loss, d_loss);
+  CHECK(st == LZ_ERR_INVALID &&
+        strstr(lz_last_error(), "cross_entropy_forward: targets[7] is 61, not below vocab 61"));
+  CHECK_OK(lz_stream_synchronize(LZ_STREAM_COMPUTE));
   FREE(logits, tg, loss, gl, d_logits, d_tg, d_loss, d_gl);
 }
 
