@@ -86,7 +86,10 @@ end
 -- block's input and replays its forward in backward, as the config's
 -- activation_checkpointing block says), device ("cpu", "sim" or "cuda":
 -- where the model computes and the plan's device tier lives; "cpu").
-function M.initialize(opts)
+-- estimator: what estimates a live engine (estimate/live.lua, above the
+-- engine: luazero.zero.initialize hands it over) for engine:estimate() and
+-- the out-of-memory error; without it that error is the allocator's own.
+function M.initialize(opts, estimator)
   local model = assert(opts.model, "initialize: model is required")
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
@@ -102,7 +105,7 @@ function M.initialize(opts)
   s.lr = optimizer.lr
   local self = setmetatable({
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
-    dev = device, seed = opts.seed or 0,
+    dev = device, seed = opts.seed or 0, estimator = estimator,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
@@ -159,8 +162,8 @@ function M.initialize(opts)
     if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   end)
   if not ok then
-    if tostring(err):find("out of device memory", 1, true) then
-      error(self:out_of_memory(opts.batch), 0)
+    if estimator and tostring(err):find("out of device memory", 1, true) then
+      error(estimator.out_of_memory(self, opts.batch), 0)
     end
     error(err, 0)
   end
@@ -170,6 +173,13 @@ end
 
 -- The placement plan: print(engine:plan()) shows what lives where.
 function Engine:plan() return self.P end
+
+-- What tools/estimate figures for this engine, beside what it holds
+-- (estimate/live.lua); print() shows it.
+function Engine:estimate(opts)
+  assert(self.estimator, "engine:estimate: make the engine with luazero.zero.initialize")
+  return self.estimator.estimate(self, opts)
+end
 
 ------------------------------------------------------------- layout, buffers
 
@@ -528,8 +538,10 @@ function Engine:free()
 end
 
 -- The engine's parts, each a file of methods.
-for _, part in ipairs({ "gather", "reduce", "states", "report", "frozen" }) do
-  for name, fn in pairs(require("luazero.zero." .. part)) do
+for _, part in ipairs({ require("luazero.zero.gather"), require("luazero.zero.reduce"),
+                        require("luazero.zero.states"), require("luazero.zero.report"),
+                        require("luazero.zero.frozen") }) do
+  for name, fn in pairs(part) do
     assert(Engine[name] == nil, "engine: two parts define " .. name)
     Engine[name] = fn
   end
