@@ -19,6 +19,7 @@ local defaults = require("luazero.config.defaults")
 local monitor = require("luazero.config.monitor")
 local checkpoint = require("luazero.config.checkpoint")
 local Placement = require("luazero.zero.plan")
+local store = require("luazero.zero.store")
 
 local M = {}
 
@@ -357,8 +358,9 @@ local function offload_block(key, raw, defaults, unimpl)
     local v = raw[k]
     if given(v) then
       if k == "device" then
-        if v ~= "none" and v ~= "cpu" and v ~= "nvme" then
-          fail('%s.device must be "none", "cpu" or "nvme" (got %s)', key, show(v))
+        -- The tiers are the store kinds' table (zero/store/).
+        if type(v) ~= "string" or not store.of_config(v) then
+          fail('%s.device must be %s (got %s)', key, store.config_names(true), show(v))
         end
       elseif k == "nvme_path" then
         if type(v) ~= "string" then fail("%s.nvme_path must be a path (got %s)", key, show(v)) end
@@ -374,8 +376,10 @@ local function offload_block(key, raw, defaults, unimpl)
       out[k] = v
     end
   end
-  if out.device == "nvme" then
-    if not out.nvme_path then fail('%s.nvme_path is required with "device": "nvme"', key) end
+  if not store.of_config(out.device).resident then
+    if not out.nvme_path then
+      fail('%s.nvme_path is required with "device": "%s"', key, out.device)
+    end
     M.check_writable_dir(key .. ".nvme_path", out.nvme_path)
   end
   -- Partial offload (ratio < 1) and a CPU cache of NVMe parameters are

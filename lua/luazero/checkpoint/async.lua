@@ -32,7 +32,7 @@ local pending = setmetatable({}, { __mode = "k" }) -- engine -> the save in flig
 -- held whole in host memory by a snapshot, which is what their tier avoids.
 function M.refusal(engine)
   local P = engine.P
-  if P.optimizer.tier == "nvme" or P.master.tier == "nvme" then
+  if P:swapped("optimizer") or P:swapped("master") then
     return "the optimizer states are on NVMe (a snapshot would hold them in host memory)"
   end
 end

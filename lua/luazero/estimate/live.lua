@@ -5,6 +5,7 @@
 -- makes (zero/engine.lua does not require it).
 local lz = require("luazero")
 local estimate = require("luazero.estimate")
+local Placement = require("luazero.zero.plan")
 
 local M = {}
 
@@ -27,8 +28,8 @@ function M.out_of_memory(engine, batch)
       layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
     return r and r.device + acts
   end
-  local offload = s.offload_opt.device ~= "none" and "cpu" or "none"
-  if s.offload_param.device ~= "none" then offload = "cpu+param" end
+  local offload = Placement.offloaded(s.offload_opt.device) and "cpu" or "none"
+  if Placement.offloaded(s.offload_param.device) then offload = "cpu+param" end
   local want = wants(engine.stage, offload)
   local cap = lz.device_capacity(engine.dev)
   local mib = function(b) return ("%.1f MiB"):format(b / 2 ^ 20) end

@@ -29,6 +29,7 @@ local Pool = require("luazero.zero.pool")
 local Scaler = require("luazero.zero.scaler")
 local offload = require("luazero.zero.offload")
 local spill = require("luazero.zero.spill")
+local store = require("luazero.zero.store")
 
 local M = {}
 local Engine = {}
@@ -222,12 +223,11 @@ function Engine:numel(extent)
   return 0
 end
 
--- A buffer of n elements for a state the plan puts on `tier`: device
--- memory under the state's ledger category, or host memory (pinned beside
--- an accelerator) under offload.
+-- A buffer of n elements for a state the plan puts on `tier`, allocated by
+-- the tier's store kind (zero/store/): device memory under the state's
+-- ledger category, host memory (pinned beside an accelerator) under offload.
 function Engine:buffer(n, dtype, name, tier)
-  if tier == "host" then return offload.host({ n }, dtype, self.dev) end
-  return lz.tensor({ n }, dtype, name, self.dev)
+  return store.get(tier).allocate({ n }, dtype, name, self.dev)
 end
 
 -- One buffer per state the plan keeps in memory: the working parameters
@@ -237,9 +237,9 @@ function Engine:allocate()
   local L, P, s = self.L, self.P, self.s
   local pp = P.params
   self:allocate_frozen() -- zero/frozen.lua
-  if pp.tier == "nvme" then
+  if P:swapped("params") then
     local op = s.offload_param
-    self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype,
+    self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype, tier = pp.tier,
                                        nvme_path = op.nvme_path, aio = s.aio,
                                        buffer_count = op.buffer_count, compute = self.dev }
     -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
@@ -272,10 +272,10 @@ function Engine:allocate()
   local oo = s.offload_opt
   self.states = offload.states{
     n = self:numel(P.optimizer.extent), master = not P.master.alias, names = self.optimizer.states,
-    device = oo.device, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
+    tier = P.optimizer.tier, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
-    compute = self.dev, grads = P.opt_grads.tier == "nvme",
+    compute = self.dev, grads = P:swapped("opt_grads"),
   }
   if P.master.alias then self.master = self.work else self.master = self.states.master end
   -- The gradients (none on the device when stages 2-3 reduce straight into
@@ -287,11 +287,12 @@ function Engine:allocate()
   end
   if OG.alias then
     self.ograds = self.grads
-  elseif OG.tier == "nvme" then
+  elseif P:swapped("opt_grads") then
     local st = self.states
     local buffers = {}
     for i, b in ipairs(st.buffers) do buffers[i] = b.grad end
-    self.spill = spill.new{ groups = st.groups, G = st.G, nvme_path = oo.nvme_path,
+    self.spill = spill.new{ groups = st.groups, G = st.G, tier = OG.tier,
+                            nvme_path = oo.nvme_path,
                             aio = offload.swap_opts(s.aio), buffers = buffers,
                             make_buffer = function() return offload.staging(st.G, "f32", self.dev) end }
     st.spill = self.spill

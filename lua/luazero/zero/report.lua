@@ -3,6 +3,8 @@
 -- model-state bytes, and the time and bytes its copies and swap files took. Methods of the engine
 -- (zero/engine.lua mixes them in).
 
+local offloaded = require("luazero.zero.plan").offloaded
+
 local M = {}
 
 -- What the estimate says of a live engine (engine:estimate(), the
@@ -33,7 +35,7 @@ function M:copy_wait_s() return self.copy_wait end
 -- (nil when nothing is on NVMe).
 function M:nvme_bytes()
   local P = self.P
-  if P.optimizer.tier ~= "nvme" and P.params.tier ~= "nvme" then return nil end
+  if not P:swapped("optimizer") and not P:swapped("params") then return nil end
   local r, w = self.states:io_bytes()
   -- (the frozen parameters' own file at stage 3)
   local ps = self.fstore and self.fstore.pshard
@@ -47,19 +49,18 @@ end
 -- Where the states live, for the start-up line: nil without offload.
 function M:offload_summary()
   local oo, op, st = self.s.offload_opt, self.s.offload_param, self.states
-  if oo.device == "none" and op.device == "none" then return nil end
+  local opt_off, par_off = offloaded(oo.device), offloaded(op.device)
+  if not opt_off and not par_off then return nil end
   local parts = {}
-  if oo.device ~= "none" then
-    parts[#parts + 1] = "optimizer states on " .. oo.device
-  end
-  if op.device ~= "none" then parts[#parts + 1] = "parameter shard on " .. op.device end
+  if opt_off then parts[#parts + 1] = "optimizer states on " .. oo.device end
+  if par_off then parts[#parts + 1] = "parameter shard on " .. op.device end
   local line = "offload: " .. table.concat(parts, ", ")
   if st.nb > 0 then
     line = line .. ("; %d sub-groups of %d elements, %d staging buffers (%.1f MiB)")
                    :format(#st.groups, st.G, st.nb, st:staging_bytes() / 2 ^ 20)
     local P = self.P
-    local sw = P.optimizer.tier == "nvme" and st.swap
-               or P.params.tier == "nvme" and self.pshard.swap
+    local sw = P:swapped("optimizer") and st.swap
+               or P:swapped("params") and self.pshard.swap
     if sw and not sw:stats().direct then line = line .. ", buffered I/O" end
   end
   return line
