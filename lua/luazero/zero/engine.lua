@@ -87,10 +87,15 @@ end
 -- block's input and replays its forward in backward, as the config's
 -- activation_checkpointing block says), device ("cpu", "sim" or "cuda":
 -- where the model computes and the plan's device tier lives; "cpu").
--- estimator: what estimates a live engine (estimate/live.lua, above the
--- engine: luazero.zero.initialize hands it over) for engine:estimate() and
--- the out-of-memory error; without it that error is the allocator's own.
-function M.initialize(opts, estimator)
+-- above: the modules above the engine that it hands itself to, which
+-- luazero.zero.initialize passes (the engine requires none of them):
+-- estimate (estimate/live.lua: engine:estimate() and the out-of-memory
+-- error; without it that error is the allocator's own) and checkpoint
+-- (luazero.checkpoint: engine:save and engine:load, through
+-- engine:state_parts()).
+function M.initialize(opts, above)
+  above = above or {}
+  local estimator = above.estimate
   local model = assert(opts.model, "initialize: model is required")
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
@@ -106,7 +111,7 @@ function M.initialize(opts, estimator)
   s.lr = optimizer.lr
   local self = setmetatable({
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
-    dev = device, seed = opts.seed or 0, estimator = estimator,
+    dev = device, seed = opts.seed or 0, above = above,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
@@ -178,8 +183,73 @@ function Engine:plan() return self.P end
 -- What tools/estimate figures for this engine, beside what it holds
 -- (estimate/live.lua); print() shows it.
 function Engine:estimate(opts)
-  assert(self.estimator, "engine:estimate: make the engine with luazero.zero.initialize")
-  return self.estimator.estimate(self, opts)
+  assert(self.above.estimate, "engine:estimate: make the engine with luazero.zero.initialize")
+  return self.above.estimate.estimate(self, opts)
+end
+
+-- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua,
+-- which reads and fills the engine through state_parts and restore_parts.
+function Engine:save(dir, extra, opts)
+  assert(self.above.checkpoint, "engine:save: make the engine with luazero.zero.initialize")
+  return self.above.checkpoint.save(self, dir, extra, opts)
+end
+function Engine:load(path)
+  assert(self.above.checkpoint, "engine:load: make the engine with luazero.zero.initialize")
+  return self.above.checkpoint.load(self, path)
+end
+
+------------------------------------------------------------- state contract
+
+-- The engine's state as a checkpoint sees it, piece by piece (checkpoint/
+-- reads an engine through this alone): who holds it, the model it trains,
+-- the shard of optimizer elements (its states in order, how to visit them
+-- and where they lie in canonical coordinates), the step counters, the
+-- learning rate, the loss scaler, where the weights came from.
+function Engine:state_parts()
+  local states = { "master" }
+  for _, name in ipairs(self.optimizer.states) do states[#states + 1] = name end
+  local P, steps = self.P, self.optimizer_steps
+  local replicated = self:states_replicated()
+  return {
+    comm = self.comm, rank = self.rank, world = self.world, stage = self.stage,
+    dtype = self.dtype, model = self.model, params = self.ptable, numel = self.L.numel,
+    optimizer = self.optimizer.name,
+    shard = {
+      states = states, numel = self:state_numel(), replicated = replicated,
+      -- (states in swap files: a snapshot would hold them whole in memory)
+      swapped = P:swapped("optimizer") or P:swapped("master"),
+      layout = function() return self:state_layout() end,
+      -- {offset, canonical, numel} runs of rank r's shard
+      runs_of = function(r)
+        if r == self.rank then return self:state_layout().runs end
+        return layout.canonical_runs(self.L, not replicated and r or nil)
+      end,
+      -- visit(writing, fn): fn(offset, master, state...) over the shard
+      visit = function(writing, fn) return self:visit_states(writing, fn) end,
+    },
+    steps = { optimizer = steps, global = self.global_steps, skipped = self.skipped_steps },
+    -- the schedule where it stands (called when a manifest is written)
+    lr = function()
+      return { optimizer_steps = steps, lr = self.lr(math.max(steps, 1)), base_lr = self.s.lr }
+    end,
+    loss_scaler = self.scaler:state(),
+    init = { path = self.init_path, xxh64 = self.init_xxh64 },
+    resumed_from = self.resumed_from,
+  }
+end
+
+-- After a checkpoint filled the shard (state_parts().shard.visit(true, ...)):
+-- the working copy from the master and the gathers after it, then the
+-- saved counters, the loss scaler (fp16 from fp16), and where the run
+-- resumed from. saved: { steps = {optimizer, global, skipped}, dtype (the
+-- saved run's), loss_scaler, resumed_from = {dir, step} }.
+function Engine:restore_parts(saved)
+  self:after_load()
+  local steps = saved.steps
+  self.optimizer_steps, self.global_steps = steps.optimizer, steps.global
+  self.skipped_steps = steps.skipped
+  if saved.dtype == "fp16" and self.dtype == "fp16" then self.scaler:restore(saved.loss_scaler) end
+  self.resumed_from = saved.resumed_from
 end
 
 ------------------------------------------------------------- layout, buffers

@@ -327,12 +327,6 @@ function M:after_load()
   self:zero_grad()
 end
 
--- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua.
-function M:save(dir, extra, opts)
-  return require("luazero.checkpoint").save(self, dir, extra, opts)
-end
-function M:load(path) return require("luazero.checkpoint").load(self, path) end
-
 ---------------------------------------------------------- checkpoints
 
 -- The full fp32 master parameters in canonical order (unpadded), as an f32
