@@ -9,11 +9,13 @@
 --
 -- This file holds the engine's making and the step's outline: gradients
 -- ready -> reduced -> the optimizer's step -> parameters gathered. The
--- parts are methods in files of their own, mixed in at the end:
--- zero/gather.lua (parameter gathers and the module hooks), zero/reduce.lua
--- (gradient reduction), zero/states.lua (initial weights, the optimizer's
--- calls, the states checkpoints read), zero/report.lua (what the engine
--- says about itself).
+-- gradient reduction is a component with its own state (zero/reduce.lua,
+-- self.reducer), as are the optimizer's states over their store
+-- (zero/offload.lua, self.states) and the loss scaler (self.scaler); the
+-- other parts are methods in files of their own, mixed in at the end:
+-- zero/gather.lua (parameter gathers and the module hooks), zero/states.lua
+-- (initial weights, the optimizer's calls, the states checkpoints read),
+-- zero/report.lua (what the engine says about itself), zero/frozen.lua.
 --
 --   local engine = zero.initialize{ model = gpt2.new(cfg), config = cfg_table,
 --                                 seed = 1337, batch = {B, T}, lr = fn(step) }
@@ -30,6 +32,7 @@ local Scaler = require("luazero.zero.scaler")
 local offload = require("luazero.zero.offload")
 local spill = require("luazero.zero.spill")
 local store = require("luazero.zero.store")
+local reduce = require("luazero.zero.reduce")
 
 local M = {}
 local Engine = {}
@@ -121,10 +124,6 @@ function M.initialize(opts, above)
     fwd_order = {}, bwd_order = {}, fwd_pass = { k = 0 }, bwd_pass = { k = 0 },
     live = 0,               -- elements of the gathered parameters held now
     recompute_segs_of = {}, -- module -> the segments its replay gathers
-    -- Reductions: in flight (and their elements), gradients being copied
-    -- off the device, the open all-reduce bucket (false: none).
-    inflight = {}, inflight_elems = 0, landing = {}, bucket = false,
-    copy_wait = 0,          -- seconds the host waited for overlapped copies
     scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
   }, Engine)
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
@@ -366,7 +365,6 @@ function Engine:allocate()
                             aio = offload.swap_opts(s.aio), buffers = buffers,
                             make_buffer = function() return offload.staging(st.G, "f32", self.dev) end }
     st.spill = self.spill
-    self.spill_sq = {}
   else
     self.ograds = self:buffer(self:numel(OG.extent), OG.dtype, "grads", OG.tier):zero()
   end
@@ -415,7 +413,26 @@ function Engine:allocate()
       layout.bind("g", seg, self.grads:view(seg.full_offset, { seg.padded }))
     end
   end
+  -- Gradient reduction: a component over these buffers (zero/reduce.lua).
+  self.reducer = reduce.new{
+    P = P, s = s, comm = self.comm, rank = self.rank, L = L, pool = self.pool,
+    hpool = self.hpool, half_grads = self.half_grads, gdt = self.gdt, grads = self.grads,
+    ograds = self.ograds, rgrads = self.rgrads, spill = self.spill, scratches = self.scratches,
+    round_scratch = self.round_scratch,
+    boundary = function() return self:is_gradient_accumulation_boundary() end,
+  }
 end
+
+-- The reducer's calls the engine's step, hooks and users make.
+function Engine:zero_grad() self.reducer:zero_grad() end
+function Engine:wait_all() self.reducer:wait_all() end
+function Engine:pull_grads() self.reducer:pull_grads() end
+function Engine:wait_copies(ev) self.reducer:wait_copies(ev) end
+
+-- Half gradients: the fp32 scratch of 2 x CHUNK elements beside a tensor
+-- (on its device, made by allocate), for the optimizer's view of the
+-- gradients.
+function Engine:scratch_by(t) return self.scratches[t:device_name()] end
 
 -- Activation arenas, plus (bf16/fp16) an arena for the casts modules make.
 function Engine:prepare(B, T)
@@ -479,7 +496,7 @@ function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
 local function inject_inf(self)
   local k = tonumber(os.getenv("LZ_INJECT_INF_STEP") or "")
   if k and k == self.global_steps + 1 and self.rank == 0 then
-    if self.spill then self.spill_sq[1] = math.huge; return end
+    if self.spill then self.reducer.spill_sq[1] = math.huge; return end
     local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
     self.grad_slices[1]:view(0, { 1 }):copy(inf)
     inf:free()
@@ -493,7 +510,8 @@ function Engine:exchange(local_loss)
   local send = ffi.cast("double *", self.meta_send.data)
   send[0] = local_loss
   if self.spill then
-    for i = 1, K - 1 do send[i] = self.spill_sq[i] or 0 end
+    local sq = self.reducer.spill_sq
+    for i = 1, K - 1 do send[i] = sq[i] or 0 end
   else
     for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
   end
@@ -609,9 +627,8 @@ function Engine:free()
 end
 
 -- The engine's parts, each a file of methods.
-for _, part in ipairs({ require("luazero.zero.gather"), require("luazero.zero.reduce"),
-                        require("luazero.zero.states"), require("luazero.zero.report"),
-                        require("luazero.zero.frozen") }) do
+for _, part in ipairs({ require("luazero.zero.gather"), require("luazero.zero.states"),
+                        require("luazero.zero.report"), require("luazero.zero.frozen") }) do
   for name, fn in pairs(part) do
     assert(Engine[name] == nil, "engine: two parts define " .. name)
     Engine[name] = fn

@@ -146,7 +146,7 @@ function M:pre_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
   if self.P.params.gather then self:gather_for(m, self.bwd_order, self.bwd_pass) end
-  self:stage_grads(segs)
+  self.reducer:stage_grads(segs)
 end
 
 function M:post_backward(m)
@@ -157,7 +157,7 @@ function M:post_backward(m)
     if not seg.frozen then seg.pending = seg.pending - 1 end
     if seg.pending == 0 then
       seg.pending = nil
-      self:grads_ready(seg)
+      self.reducer:grads_ready(seg)
     end
   end
 end

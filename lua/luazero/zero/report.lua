@@ -29,7 +29,7 @@ end
 
 -- Seconds the host has waited so far for host<->device copies queued to
 -- overlap with compute (overlap_comm): the part of their time not hidden.
-function M:copy_wait_s() return self.copy_wait end
+function M:copy_wait_s() return self.reducer.copy_wait end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far
 -- (nil when nothing is on NVMe).
