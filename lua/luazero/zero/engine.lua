@@ -9,13 +9,14 @@
 --
 -- This file holds the engine's making and the step's outline: gradients
 -- ready -> reduced -> the optimizer's step -> parameters gathered. The
--- gradient reduction is a component with its own state (zero/reduce.lua,
--- self.reducer), as are the optimizer's states over their store
+-- parameter gathers and the module hooks (zero/gather.lua, self.gatherer)
+-- and gradient reduction (zero/reduce.lua, self.reducer) are components
+-- with their own state, as are the optimizer's states over their store
 -- (zero/offload.lua, self.states) and the loss scaler (self.scaler); the
 -- other parts are methods in files of their own, mixed in at the end:
--- zero/gather.lua (parameter gathers and the module hooks), zero/states.lua
--- (initial weights, the optimizer's calls, the states checkpoints read),
--- zero/report.lua (what the engine says about itself), zero/frozen.lua.
+-- zero/states.lua (initial weights, the optimizer's calls, the states
+-- checkpoints read), zero/report.lua (what the engine says about itself),
+-- zero/frozen.lua.
 --
 --   local engine = zero.initialize{ model = gpt2.new(cfg), config = cfg_table,
 --                                 seed = 1337, batch = {B, T}, lr = fn(step) }
@@ -33,6 +34,7 @@ local offload = require("luazero.zero.offload")
 local spill = require("luazero.zero.spill")
 local store = require("luazero.zero.store")
 local reduce = require("luazero.zero.reduce")
+local gather = require("luazero.zero.gather")
 
 local M = {}
 local Engine = {}
@@ -119,11 +121,6 @@ function M.initialize(opts, above)
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
     loss_sum = 0, loss_count = 0,
-    -- Passes: the segment orders the first forward and backward recorded
-    -- (prefetching follows them), and how far the current pass is.
-    fwd_order = {}, bwd_order = {}, fwd_pass = { k = 0 }, bwd_pass = { k = 0 },
-    live = 0,               -- elements of the gathered parameters held now
-    recompute_segs_of = {}, -- module -> the segments its replay gathers
     scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
   }, Engine)
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
@@ -421,7 +418,19 @@ function Engine:allocate()
     round_scratch = self.round_scratch,
     boundary = function() return self:is_gradient_accumulation_boundary() end,
   }
+  -- Parameter gathers and the module hooks: a component over the
+  -- parameter groups (segs_of) and the working copy (zero/gather.lua).
+  self.gatherer = gather.new{
+    P = P, s = s, comm = self.comm, rank = self.rank, pool = self.pool, wdt = self.wdt, L = L,
+    LF = self.LF, work = self.work, staged = self.staged, segs_of = self.segs_of,
+    reducer = self.reducer,
+  }
 end
+
+-- The gatherer's calls the engine's step, its parts and users make.
+function Engine:gather_params() self.gatherer:gather_params() end
+function Engine:shard_slice(seg) return self.gatherer:shard_slice(seg) end
+function Engine:release_slice(stage) self.gatherer:release_slice(stage) end
 
 -- The reducer's calls the engine's step, hooks and users make.
 function Engine:zero_grad() self.reducer:zero_grad() end
@@ -451,12 +460,12 @@ local function is_boundary(self) return self.micro % self.s.accum == 0 end
 -- The model calls the engine around each module (zero/gather.lua).
 function Engine:install_hooks()
   local model = self.model
-  model:register_hook("pre_forward", function(m) self:pre_forward(m) end)
-  model:register_hook("post_forward", function(m) self:post_forward(m) end)
-  model:register_hook("pre_backward", function(m) self:pre_backward(m) end)
-  model:register_hook("post_backward", function(m) self:post_backward(m) end)
-  model:register_hook("pre_recompute", function(m) self:pre_recompute(m) end)
-  model:register_hook("post_recompute", function(m) self:post_recompute(m) end)
+  model:register_hook("pre_forward", function(m) self.gatherer:pre_forward(m) end)
+  model:register_hook("post_forward", function(m) self.gatherer:post_forward(m) end)
+  model:register_hook("pre_backward", function(m) self.gatherer:pre_backward(m) end)
+  model:register_hook("post_backward", function(m) self.gatherer:post_backward(m) end)
+  model:register_hook("pre_recompute", function(m) self.gatherer:pre_recompute(m) end)
+  model:register_hook("post_recompute", function(m) self.gatherer:post_recompute(m) end)
 end
 
 ------------------------------------------------------- forward, backward
@@ -465,10 +474,9 @@ end
 function Engine:forward(x, y, extra)
   local model = self.model
   if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
-  self.fwd_pass = { k = 0 }
+  self.gatherer:begin_pass(false)
   local loss = model:forward(x, y, extra)
-  if #self.fwd_order > 0 then self.fwd_order.done = true end
-  self:drop_prefetched()
+  self.gatherer:end_pass(false)
   return loss
 end
 
@@ -480,11 +488,10 @@ function Engine:backward(loss)
     self.loss_sum = self.loss_sum + loss
     self.loss_count = self.loss_count + 1
   end
-  self.bwd_pass = { k = 0 }
+  self.gatherer:begin_pass(true)
   if self.spill then self.spill:begin_micro((self.micro - 1) % self.s.accum == 0) end
   self.model:backward(self.scaler.scale / self.s.accum)
-  if #self.bwd_order > 0 then self.bwd_order.done = true end
-  self:drop_prefetched()
+  self.gatherer:end_pass(true)
   if self.P.reduce.buffered or is_boundary(self) then self:wait_all() end
   if self.spill then self.spill:end_micro() end
 end
@@ -627,8 +634,8 @@ function Engine:free()
 end
 
 -- The engine's parts, each a file of methods.
-for _, part in ipairs({ require("luazero.zero.gather"), require("luazero.zero.states"),
-                        require("luazero.zero.report"), require("luazero.zero.frozen") }) do
+for _, part in ipairs({ require("luazero.zero.states"), require("luazero.zero.report"),
+                        require("luazero.zero.frozen") }) do
   for name, fn in pairs(part) do
     assert(Engine[name] == nil, "engine: two parts define " .. name)
     Engine[name] = fn
