@@ -502,7 +502,7 @@ function M.set_stage(cfg, stage)
   if stage ~= "auto" then
     for _, key in ipairs({ "offload_optimizer", "offload_param" }) do
       local rule = Placement.offload_stages[key]
-      if z[key].device ~= "none" and not Placement.stage_allows(key, stage) then
+      if Placement.offloaded(z[key].device) and not Placement.stage_allows(key, stage) then
         fail("zero_optimization.%s needs %s (got stage %s); set %s or remove %s", key,
              rule.names, show(stage), rule.set, key)
       end
