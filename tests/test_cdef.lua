@@ -41,5 +41,25 @@ else
   print("FAIL tools/check-layers:\n" .. out)
   failed = failed + 1
 end
+-- The same check finds a cycle made of lazy requires (inside functions, or
+-- through pcall), and refuses a require whose name is computed.
+local function layers(files)
+  local q = io.popen("cd '" .. root .. "' && tools/check-layers --lua " .. files .. " 2>&1; echo \"exit $?\"")
+  local text = q:read("*a")
+  q:close()
+  return text
+end
+local fx = "tests/fixtures/layers/"
+local lazy = layers(fx .. "lazy_a.lua " .. fx .. "lazy_b.lua")
+local computed = layers(fx .. "computed.lua")
+local want = "tests.fixtures.layers.lazy_a -> tests.fixtures.layers.lazy_b -> tests.fixtures.layers.lazy_a"
+if lazy:find(want, 1, true) and lazy:match("exit 1%s*$")
+   and computed:find("computed.lua:4: a computed require", 1, true) and computed:match("exit 1%s*$") then
+  print("ok   tools/check-layers finds a cycle of lazy requires and refuses a computed one")
+  passed = passed + 1
+else
+  print("FAIL tools/check-layers on tests/fixtures/layers:\n" .. lazy .. computed)
+  failed = failed + 1
+end
 print(("%d passed, %d failed"):format(passed, failed))
 os.exit(failed == 0 and 0 or 1)

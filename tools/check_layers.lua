@@ -30,8 +30,11 @@
 --   core calls: where build objects exist (build/obj/release/luazero), no
 --     object calls a function defined in a higher room (the public header
 --     declares every function, so includes alone cannot show these);
---   lua requires: the require("...") graph of lua/ and models/ has no cycle
---     (a require inside a function counts too: it is still an arrow).
+--   lua requires: every require names its module in a string (a computed
+--     one hides its arrow), and the require("...") graph of lua/ and
+--     models/ has no cycle (a require inside a function, or through pcall,
+--     counts too: it is still an arrow).
+--   tools/check-layers --lua FILE...: the last two checks on these files only.
 local ORDER = { "mem", "kernels", "optim", "io", "devices", "comm", "launch" }
 
 local rank = {}
@@ -106,6 +109,85 @@ local function cycles(graph)
     if not state[n] then visit(n) end
   end
   return found
+end
+
+------------------------------------------------------------ require graph
+
+-- A module's file: luazero.x.y is lua/luazero/x/y.lua (or .../y/init.lua),
+-- models.x is models/x.lua. Modules outside the tree (ffi, cjson) are left out.
+local function module_file(name)
+  local rel = name:gsub("%.", "/")
+  for _, dir in ipairs({ "lua/", "" }) do
+    for _, candidate in ipairs({ dir .. rel .. ".lua", dir .. rel .. "/init.lua" }) do
+      if read(candidate) then return candidate end
+    end
+  end
+  return nil
+end
+
+-- The require graph of the Lua files `paths`: a module's name is its path
+-- with lua/ and .lua dropped and / as dots. Every require counts, at the top
+-- of a file or inside a function (a lazy require is still an arrow), and so
+-- does pcall(require, "name"); a require whose name is computed
+-- (require("luazero.zero." .. part), require(name)) hides its arrow, so it
+-- is a problem of its own: name the module in a string.
+-- Returns graph, number of requires, problems.
+local function require_graph(paths)
+  local module_of = {}
+  for _, path in ipairs(paths) do
+    local name = path:gsub("^lua/", ""):gsub("/init%.lua$", ""):gsub("%.lua$", ""):gsub("/", ".")
+    module_of[path] = name
+  end
+  local graph, n, computed = {}, 0, {}
+  for _, path in ipairs(paths) do
+    local from = module_of[path]
+    graph[from] = graph[from] or {}
+    local line_no = 0
+    for line in ((read(path) or "") .. "\n"):gmatch("([^\n]*)\n") do
+      line_no = line_no + 1
+      local code = line:gsub("%-%-.*$", ""):gsub('"[^"]*"', function(str)
+        -- a string's own words are not code, but a require's name is
+        return str:find("^\"[%w_%.]+\"$") and str or '""'
+      end)
+      local pos = 1
+      while true do
+        local s, e = code:find("%f[%w_]require%f[^%w_]", pos)
+        if not s then break end
+        pos = e + 1
+        local rest, before = code:sub(e + 1), code:sub(1, s - 1)
+        local name = rest:match("^%s*%(%s*[\"']([%w_%.]+)[\"']%s*%)")
+                     or rest:match("^%s*[\"']([%w_%.]+)[\"']")
+        if not name and before:match("pcall%s*%(%s*$") then
+          name = rest:match("^%s*,%s*[\"']([%w_%.]+)[\"']%s*%)")
+        end
+        if name then
+          local file = module_file(name)
+          if file and module_of[file] and module_of[file] ~= from then
+            n = n + 1
+            graph[from][module_of[file]] = true
+          end
+        else
+          computed[#computed + 1] = ("%s:%d: a computed require (%s); require each module by its name in a string")
+                                    :format(path, line_no, (line:gsub("^%s+", "")))
+        end
+      end
+    end
+  end
+  return graph, n, computed
+end
+
+-- tools/check-layers --lua FILE...: only the require graph of these files
+-- (a test shows it on modules of its own).
+if arg and arg[1] == "--lua" then
+  local paths = {}
+  for i = 2, #arg do paths[#paths + 1] = arg[i] end
+  local graph, n, computed = require_graph(paths)
+  report(#computed == 0, "lua requires: every require names its module", computed)
+  local found = cycles(graph)
+  report(#found == 0, ("lua requires: no cycle among %d modules (%d requires)"):format(#paths, n),
+         found)
+  print(("%d passed, %d failed"):format(passed, failed))
+  os.exit(failed == 0 and 0 or 1)
 end
 
 ---------------------------------------------------------------- core files
@@ -234,39 +316,9 @@ end
 
 -------------------------------------------------------------- lua requires
 
--- A module's file: luazero.x.y is lua/luazero/x/y.lua (or .../y/init.lua),
--- models.x is models/x.lua. Modules outside the tree (ffi, cjson) are left out.
-local function module_file(name)
-  local rel = name:gsub("%.", "/")
-  for _, dir in ipairs({ "lua/", "" }) do
-    for _, candidate in ipairs({ dir .. rel .. ".lua", dir .. rel .. "/init.lua" }) do
-      if read(candidate) then return candidate end
-    end
-  end
-  return nil
-end
-
 local lua_files = lines_of("find lua models -name '*.lua' 2>/dev/null | sort")
-local module_of = {}
-for _, path in ipairs(lua_files) do
-  local name = path:gsub("^lua/", ""):gsub("/init%.lua$", ""):gsub("%.lua$", ""):gsub("/", ".")
-  module_of[path] = name
-end
-local req_graph, n_requires = {}, 0
-for _, path in ipairs(lua_files) do
-  local from = module_of[path]
-  req_graph[from] = req_graph[from] or {}
-  for line in ((read(path) or "") .. "\n"):gmatch("([^\n]*)\n") do
-    local code = line:gsub("%-%-.*$", "")
-    for name in code:gmatch("require%s*%(?%s*[\"']([%w_%.]+)[\"']") do
-      local file = module_file(name)
-      if file and module_of[file] and module_of[file] ~= from then
-        n_requires = n_requires + 1
-        req_graph[from][module_of[file]] = true
-      end
-    end
-  end
-end
+local req_graph, n_requires, computed = require_graph(lua_files)
+report(#computed == 0, "lua requires: every require names its module", computed)
 local lua_cycles = cycles(req_graph)
 report(#lua_cycles == 0, ("lua requires: no cycle among %d modules (%d requires)"):format(
   #lua_files, n_requires), lua_cycles)

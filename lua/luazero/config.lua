@@ -21,6 +21,7 @@ local checkpoint = require("luazero.config.checkpoint")
 local Placement = require("luazero.zero.plan")
 local optimizers = require("luazero.optim.registry")
 local optim_schema = require("luazero.optim.schema")
+local store = require("luazero.zero.store")
 
 local M = {}
 
@@ -313,8 +314,9 @@ local function offload_block(key, raw, defaults, unimpl)
     local v = raw[k]
     if given(v) then
       if k == "device" then
-        if v ~= "none" and v ~= "cpu" and v ~= "nvme" then
-          fail('%s.device must be "none", "cpu" or "nvme" (got %s)', key, show(v))
+        -- The tiers are the store kinds' table (zero/store/).
+        if type(v) ~= "string" or not store.of_config(v) then
+          fail('%s.device must be %s (got %s)', key, store.config_names(true), show(v))
         end
       elseif k == "nvme_path" then
         if type(v) ~= "string" then fail("%s.nvme_path must be a path (got %s)", key, show(v)) end
@@ -330,8 +332,10 @@ local function offload_block(key, raw, defaults, unimpl)
       out[k] = v
     end
   end
-  if out.device == "nvme" then
-    if not out.nvme_path then fail('%s.nvme_path is required with "device": "nvme"', key) end
+  if not store.of_config(out.device).resident then
+    if not out.nvme_path then
+      fail('%s.nvme_path is required with "device": "%s"', key, out.device)
+    end
     M.check_writable_dir(key .. ".nvme_path", out.nvme_path)
   end
   -- Partial offload (ratio < 1) and a CPU cache of NVMe parameters are
@@ -454,7 +458,7 @@ function M.set_stage(cfg, stage)
   if stage ~= "auto" then
     for _, key in ipairs({ "offload_optimizer", "offload_param" }) do
       local rule = Placement.offload_stages[key]
-      if z[key].device ~= "none" and not Placement.stage_allows(key, stage) then
+      if Placement.offloaded(z[key].device) and not Placement.stage_allows(key, stage) then
         fail("zero_optimization.%s needs %s (got stage %s); set %s or remove %s", key,
              rule.names, show(stage), rule.set, key)
       end

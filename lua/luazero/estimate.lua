@@ -132,8 +132,8 @@ function M.model_states(params, world, stage, opts)
   if not pl then
     error(("estimate: offload must be %s (got %s)"):format(M.placement_list(), tostring(offload)), 0)
   end
-  if (pl.opt ~= "none" and not Placement.stage_allows("offload_optimizer", stage)) or
-     (pl.param ~= "none" and not Placement.stage_allows("offload_param", stage)) then
+  if (Placement.offloaded(pl.opt) and not Placement.stage_allows("offload_optimizer", stage)) or
+     (Placement.offloaded(pl.param) and not Placement.stage_allows("offload_param", stage)) then
     return nil
   end
   local full, shard = params, math.ceil(params / world)

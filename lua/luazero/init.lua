@@ -1,6 +1,7 @@
 -- luazero — the Lua package: the FFI binding of core/luazero.h, tensors,
 -- the ledger, the arena, and the kernels as Lua functions. Submodules
--- (nn, optim, comm, ...) load on first use: lz.nn, lz.comm, ...
+-- (nn, optim, comm, ...) are required by name: require("luazero.nn"); the
+-- binding sits below them all and loads none of them.
 local ffi = require("ffi")
 
 local lz = {}
@@ -771,17 +772,4 @@ lz.ops = require("luazero.op_args").ops(C, require("luazero.cdef"), dead, gone)
 function lz.adamw_args(t) return ffi.new("lz_adamw_args", t) end
 function lz.lion_args(t) return ffi.new("lz_lion_args", t) end
 
--- Submodules on first use.
-return setmetatable(lz, {
-  __index = function(t, k)
-    local ok, mod = pcall(require, "luazero." .. k)
-    if not ok then
-      if tostring(mod):find("module 'luazero." .. k .. "' not found", 1, true) then
-        return nil
-      end
-      error(mod, 2)
-    end
-    rawset(t, k, mod)
-    return mod
-  end,
-})
+return lz

@@ -37,8 +37,9 @@ local M = {}
 
 local now = clock.now
 
--- Engine methods and the row their own time goes to (zero/engine.lua,
--- reduce.lua, gather.lua).
+-- Engine methods and the row their own time goes to (zero/engine.lua;
+-- those the engine has not are its gatherer's, zero/gather.lua, or its
+-- reducer's, zero/reduce.lua).
 M.phases = {
   forward = "Lua glue (forward)", backward = "Lua glue (backward)",
   step = "optimizer step (rest)",
@@ -280,7 +281,11 @@ function M.attach(engine, opts)
   wrap_ops(self, lz.ops)
   wrap_tensor(self)
   for name, key in pairs(M.phases) do
-    wrap_method(self, engine, name, key, context_of[name] or key)
+    local owner = engine
+    if owner[name] == nil then
+      owner = engine.gatherer and engine.gatherer[name] and engine.gatherer or engine.reducer
+    end
+    wrap_method(self, owner, name, key, context_of[name] or key)
   end
   -- each module labels the GEMMs it runs; a child without a name of its
   -- own (the packed q/k/v projection, a LoRA wrapper's base) by its class

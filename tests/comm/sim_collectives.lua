@@ -7,7 +7,7 @@
 -- or FAIL lines and exits 1.
 local lz = require("luazero")
 local ffi = require("ffi")
-local comm = lz.comm
+local comm = require("luazero.comm")
 
 lz.device_init("sim")
 comm.init()

@@ -268,4 +268,69 @@ function T.bad_offload_settings_name_the_key()
   assert(r.out:find("aio.block_size must be a multiple of 4096 (got 5000)", 1, true), r.out)
 end
 
+-- A tier is one store kind (zero/store/): a kind of the test's own, one
+-- file (tests/fixtures/stores/toy_host.lua: host memory that counts the
+-- sub-groups read and written through it), registered, trains as the
+-- optimizer's tier to the host tier's checksum, reads and writes each
+-- sub-group once a step, and the estimate places it; unregistered, its
+-- name is unknown to the config, the estimate and the engine alike.
+function T.a_store_kind_from_one_file_is_a_tier()
+  local zero = require("luazero.zero")
+  local config = require("luazero.config")
+  local estimate = require("luazero.estimate")
+  local store = require("luazero.zero.store")
+  local gpt2 = require("models.gpt2")
+  local data = require("luazero.data")
+  local comm = require("luazero.comm").init("local")
+  local cfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+  local function ds(device)
+    return { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
+             zero_optimization = { stage = 2, offload_optimizer = { device = device } } }
+  end
+  local steps = 3
+  local function run(device)
+    local engine = zero.initialize({ model = gpt2.new(cfg), seed = 3, batch = { 2, 16 },
+                                     comm = comm, config = config.load(ds(device), 1) })
+    local loader = data.loader(data.load(corpus), { B = 2, T = 16, seed = 1, vocab = cfg.vocab })
+    for _ = 1, steps do engine:train_batch(loader) end
+    local sum, tier = engine:params_checksum(), engine:plan().optimizer.tier
+    engine:free()
+    return sum, tier
+  end
+  local counts = estimate.counts_of_params(100000, 1)
+  local toy = dofile(root .. "/tests/fixtures/stores/toy_host.lua")
+  store.register(toy)
+  local ok, err = pcall(function()
+    local want = run("cpu")
+    local got, tier = run("toy_host")
+    assert(tier == "toy_host", "the plan put the optimizer on " .. tostring(tier))
+    assert(got == want, ("toy_host tier: checksum %s != %s on the host tier"):format(got, want))
+    assert(toy.allocated > 0, "the toy store allocated nothing")
+    assert(toy.reads == steps and toy.writes == steps,
+           ("toy store: %d reads, %d writes in %d steps (one sub-group)"):format(toy.reads,
+                                                                                 toy.writes, steps))
+    local function placed(opt)
+      return estimate.rank(counts, { stage = 2, opt = opt, param = "none", device = "cuda" })
+    end
+    local r, host = placed("toy_host"), placed("cpu")
+    assert(r.host.total == host.host.total and r.device.total == host.device.total,
+           "the estimate places the toy tier elsewhere than the host tier")
+  end)
+  store.unregister("toy_host")
+  if not ok then error(err, 0) end
+  local function refused(what, fn)
+    local fine, msg = pcall(fn)
+    assert(not fine and tostring(msg):find("toy_host", 1, true),
+           what .. " accepted the unregistered tier: " .. tostring(msg))
+  end
+  refused("config", function() config.load(ds("toy_host"), 1) end)
+  refused("estimate", function()
+    estimate.rank(counts, { stage = 2, opt = "toy_host", param = "none", device = "cuda" })
+  end)
+  refused("engine", function()
+    zero.initialize({ model = gpt2.new(cfg), seed = 3, batch = { 2, 16 }, comm = comm,
+                      config = ds("toy_host") })
+  end)
+end
+
 return T

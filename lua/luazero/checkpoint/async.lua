@@ -31,8 +31,7 @@ local pending = setmetatable({}, { __mode = "k" }) -- engine -> the save in flig
 -- Why engine saves synchronously instead, or nil: states on NVMe would be
 -- held whole in host memory by a snapshot, which is what their tier avoids.
 function M.refusal(engine)
-  local P = engine.P
-  if P.optimizer.tier == "nvme" or P.master.tier == "nvme" then
+  if engine:state_parts().shard.swapped then
     return "the optimizer states are on NVMe (a snapshot would hold them in host memory)"
   end
 end
@@ -57,15 +56,16 @@ function M.start(engine, dir, extra, opts)
   M.wait(engine)
   local ctx = save.begin(engine, dir, extra, opts)
   local p = { ctx = ctx, t0 = clock.now() }
-  if engine.rank < ctx.writers then
+  local parts = ctx.parts
+  if parts.rank < ctx.writers then
     local ok, err = pcall(function()
-      local n = engine:state_numel()
-      local bytes = n * #disk.engine_states(engine) * disk.SB
+      local n = parts.shard.numel
+      local bytes = n * #parts.shard.states * disk.SB
       local buf = buffer(engine, bytes)
-      local got = save.snapshot(engine, ffi.cast("char *", buf.data))
+      local got = save.snapshot(parts, ffi.cast("char *", buf.data))
       assert(got == bytes, "checkpoint: the snapshot did not cover the engine's states")
       local out = ffi.new("lz_shard_job *[1]")
-      local path = ctx.tmp .. "/" .. disk.shard_name(engine.rank, ctx.writers)
+      local path = ctx.tmp .. "/" .. disk.shard_name(parts.rank, ctx.writers)
       check(C.lz_shard_job_start(out, path, buf.data, bytes, disk.BLOCK * disk.SB,
                                  ctx.o.zstd_level, ctx.o.workers))
       p.job, p.elems = out[0], n
@@ -129,7 +129,7 @@ function M.wait(engine) return M.poll(engine, true) end
 function M.at_exit()
   local lines = {}
   for engine, p in pairs(pending) do
-    if engine.world == 1 then
+    if p.ctx.parts.world == 1 then
       local ok, final = pcall(M.wait, engine)
       lines[#lines + 1] = ok and ("saved %s (the save in flight, finished before exiting)")
                              :format(final)

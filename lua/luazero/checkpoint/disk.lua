@@ -26,13 +26,6 @@ local SHARD_HEADER = M.SHARD_HEADER
 -- The states a manifest's shards interleave (version 1: master, m, v).
 function M.states_of(m) return m.states or manifest_io.STATES end
 
--- The states an engine saves: the master, then its optimizer's.
-function M.engine_states(engine)
-  local out = { "master" }
-  for _, name in ipairs(engine.optimizer.states) do out[#out + 1] = name end
-  return out
-end
-
 function M.fail(fmt, ...) error("checkpoint: " .. fmt:format(...), 0) end
 local fail = M.fail
 

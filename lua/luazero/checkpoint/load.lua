@@ -1,8 +1,8 @@
 -- checkpoint/load.lua — loading a checkpoint into a ZeRO engine at any world
 -- size and stage: each rank finds where its own optimizer elements lie in
 -- the saved shards (the manifest's runs), reads those shards forward once,
--- verifies them and fills its states through engine:visit_states, then
--- engine:after_load.
+-- verifies them and fills its states through the engine's state contract
+-- (engine:state_parts().shard.visit), then engine:restore_parts.
 local ffi = require("ffi")
 local lz = require("luazero")
 local disk = require("luazero.checkpoint.disk")
@@ -11,13 +11,13 @@ local agree = require("luazero.checkpoint.agree").agree
 
 local fail = disk.fail
 local SB = disk.SB
-local states_of, engine_states = disk.states_of, disk.engine_states
+local states_of = disk.states_of
 
 local M = {}
 
 -- The first tensor where the checkpoint's model and this one differ.
-local function check_model(m, engine, dir)
-  local here = engine.ptable
+local function check_model(m, parts, dir)
+  local here = parts.params
   local function shape(s) return "[" .. table.concat(s, ", ") .. "]" end
   for i = 1, math.max(#here, #m.params) do
     local a, b = m.params[i], here[i]
@@ -70,29 +70,30 @@ end
 function M.check(engine, path)
   local dir = disk.resolve(path)
   local m = disk.read_manifest(dir)
-  check_model(m, engine, dir)
-  local saved, want = states_of(m), engine_states(engine)
+  local parts = engine:state_parts()
+  check_model(m, parts, dir)
+  local saved, want = states_of(m), parts.shard.states
   if table.concat(saved, ",") ~= table.concat(want, ",") then
     fail("%s holds the states %s; this run's optimizer %s keeps %s: resume with the optimizer " ..
-         "that saved it", dir, table.concat(saved, ", "), engine.optimizer.name,
+         "that saved it", dir, table.concat(saved, ", "), parts.optimizer,
          table.concat(want, ", "))
   end
   local rec = manifest_io.optimizer_of(m)
-  if rec and not engine.optimizer:accepts(rec.type) then
+  if rec and not parts.optimizer_accepts(rec.type) then
     fail("%s was saved by the optimizer %s; this run's is %s: resume with the optimizer that " ..
-         "saved it (optimizer.type %q)", dir, rec.type, engine.optimizer.type, rec.type)
+         "saved it (optimizer.type %q)", dir, rec.type, parts.optimizer_record.type, rec.type)
   end
-  return dir, m, saved
+  return dir, m, saved, parts
 end
 
 -- Loads a checkpoint (a step folder, or a --save folder through latest) into
 -- engine, whatever world size and stage it was saved at. Returns the
 -- manifest (its `extra` holds what the trainer saved).
 function M.load(engine, path)
-  local dir, m, saved = M.check(engine, path)
+  local dir, m, saved, parts = M.check(engine, path)
   local NSTATES = #saved
   local B = m.block_elems
-  local layout = engine:state_layout()
+  local layout = parts.shard.layout()
   local pieces = plan(m, layout.runs)
   -- Each needed shard: opened on first use, read forward once, verified
   -- and closed after its last piece.
@@ -101,7 +102,7 @@ function M.load(engine, path)
   local open, bufs = {}, {}
   local pi = 1
   local ok, err = pcall(function()
-    engine:visit_states(true, function(off, ...)
+    parts.shard.visit(true, function(off, ...)
       local views = { ... }
       local len = views[1]:numel()
       local dst = {}
@@ -150,18 +151,13 @@ function M.load(engine, path)
     if sh then pcall(sh.close, sh, false) end
     if bufs[i] then bufs[i]:free() end
   end
-  agree(engine.comm, ok, err, "load of " .. dir)
-  engine:after_load()
-  engine.optimizer_steps = m.optimizer_steps
-  engine.global_steps = m.global_steps
-  engine.skipped_steps = m.skipped_steps
-  if engine.scaler.dynamic and m.dtype == "fp16" and engine.dtype == "fp16" then
-    for k, v in pairs(m.loss_scaler or {}) do
-      if type(engine.scaler[k]) == type(v) then engine.scaler[k] = v end
-    end
-  end
+  agree(parts.comm, ok, err, "load of " .. dir)
+  engine:restore_parts{
+    steps = { optimizer = m.optimizer_steps, global = m.global_steps, skipped = m.skipped_steps },
+    dtype = m.dtype, loss_scaler = m.loss_scaler,
+    resumed_from = { dir = dir, step = m.global_steps },
+  }
   m.dir = dir
-  engine.resumed_from = { dir = dir, step = m.global_steps }
   return m
 end
 

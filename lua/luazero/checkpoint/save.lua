@@ -2,8 +2,8 @@
 -- its shard (zstd, checksummed) into a temporary step folder, rank 0 writes
 -- the manifest, fsyncs, renames the folder into place, points `latest` at it
 -- and prunes; a failed save leaves nothing but the previous checkpoints.
--- The engine's states are reached only through engine:visit_states and
--- engine:state_layout.
+-- The engine is read only through engine:state_parts() (zero/engine.lua's
+-- state contract): its shard, counters, scaler and metadata.
 local ffi = require("ffi")
 local bit = require("bit")
 local lz = require("luazero")
@@ -15,7 +15,6 @@ local C = lz.C
 local check, fail, hex, exists = disk.check, disk.fail, disk.hex, disk.exists
 local read_file = lz.read_file
 local SB = disk.SB
-local engine_states = disk.engine_states
 
 pcall(ffi.cdef, "int getpid(void);")
 
@@ -60,15 +59,16 @@ local function block_writer(put, n, B, NSTATES)
   end
 end
 
-local function write_shard(engine, path, opts)
-  local n = engine:state_numel()
+local function write_shard(parts, path, opts)
+  local shard = parts.shard
+  local n = shard.numel
   local out = ffi.new("lz_shard_writer *[1]")
   check(C.lz_shard_writer_open(out, path, opts.zstd_level, opts.workers))
   local w = out[0]
   local ok, err = pcall(function()
     local function put(ptr, bytes) check(C.lz_shard_writer_write(w, ptr, bytes)) end
-    local feed, done = block_writer(put, n, disk.BLOCK, #engine_states(engine))
-    engine:visit_states(false, feed)
+    local feed, done = block_writer(put, n, disk.BLOCK, #shard.states)
+    shard.visit(false, feed)
     done()
   end)
   if not ok then
@@ -81,33 +81,24 @@ local function write_shard(engine, path, opts)
 end
 
 -- This rank's states as its shard's raw bytes, copied into dst (char *,
--- state_numel() x #states x 4 bytes): the snapshot an asynchronous save
--- writes from. Returns the bytes copied.
-function M.snapshot(engine, dst)
+-- shard.numel x #shard.states x 4 bytes; parts: engine:state_parts()): the
+-- snapshot an asynchronous save writes from. Returns the bytes copied.
+function M.snapshot(parts, dst)
   local at = 0
   local function put(ptr, bytes)
     ffi.copy(dst + at, ptr, bytes)
     at = at + bytes
   end
-  local feed, done = block_writer(put, engine:state_numel(), disk.BLOCK,
-                                  #engine_states(engine))
-  engine:visit_states(false, feed)
+  local feed, done = block_writer(put, parts.shard.numel, disk.BLOCK, #parts.shard.states)
+  parts.shard.visit(false, feed)
   done()
   return at
 end
 
-local function scaler_state(sc)
-  local t = {}
-  for k, v in pairs(sc) do
-    if type(v) == "number" or type(v) == "boolean" then t[k] = v end
-  end
-  return t
-end
-
 -- The parameters an engine trains (frozen ones are not saved).
-local function param_table(engine)
+local function param_table(parts)
   local t = {}
-  for i, e in ipairs(engine.ptable) do
+  for i, e in ipairs(parts.params) do
     t[i] = { name = e.name, shape = e.shape, offset = e.offset, numel = e.numel,
              decay = e.decay or false }
   end
@@ -253,13 +244,14 @@ end
 -- learns its name; the manifest is drawn now (the engine moves on during an
 -- asynchronous save), its shards filled in by M.finish. Collective.
 -- Returns the save's context: { dir, name, step, tmp, final, writers, o,
--- pid, manifest }.
+-- pid, manifest, parts (engine:state_parts()) }.
 function M.begin(engine, dir, extra, opts)
   opts = opts or {}
   local o = { zstd_level = opts.zstd_level or 3, workers = opts.workers or lz.threads(),
               keep = opts.keep or 0, config = opts.config }
-  local comm, rank = engine.comm, engine.rank
-  local step = engine.global_steps
+  local parts = engine:state_parts()
+  local comm, rank = parts.comm, parts.rank
+  local step = parts.steps.global
   local name = disk.step_name(step)
 
   local ok, err, pid = true, nil, 0
@@ -273,33 +265,32 @@ function M.begin(engine, dir, extra, opts)
   end
   local all = agree(comm, ok, err, "save of " .. name, { pid })
   pid = all[1][2]
-  local s = engine.s
   local m
   if rank == 0 then
+    local model = parts.model
     m = {
       format = manifest_io.FORMAT, version = manifest_io.VERSION,
-      model = { config = model_config(engine.model), name = (engine.model.cfg or {}).name },
-      world_size = engine.world, stage = engine.stage, dtype = engine.dtype,
-      master_dtype = "fp32", states = engine_states(engine), state_dtype = "f32",
-      optimizer = engine.optimizer:record(),
+      model = { config = model_config(model), name = (model.cfg or {}).name },
+      world_size = parts.world, stage = parts.stage, dtype = parts.dtype,
+      master_dtype = "fp32", states = parts.shard.states, state_dtype = "f32",
+      optimizer = parts.optimizer_record,
       block_elems = disk.BLOCK, zstd_level = o.zstd_level,
-      numel = engine.L.numel, params = param_table(engine),
+      numel = parts.numel, params = param_table(parts),
       -- A run with frozen parameters saves what trains: LoRA's settings,
       -- and where the frozen weights came from (--init), for the export.
-      lora = engine.model.lora, init = engine.init_path, init_xxh64 = engine.init_xxh64,
-      optimizer_steps = engine.optimizer_steps, global_steps = engine.global_steps,
-      skipped_steps = engine.skipped_steps,
-      lr_schedule = { optimizer_steps = engine.optimizer_steps,
-                      lr = engine.lr(math.max(engine.optimizer_steps, 1)),
-                      base_lr = s.lr },
-      loss_scaler = scaler_state(engine.scaler),
+      lora = model.lora, init = parts.init.path, init_xxh64 = parts.init.xxh64,
+      optimizer_steps = parts.steps.optimizer, global_steps = parts.steps.global,
+      skipped_steps = parts.steps.skipped,
+      lr_schedule = parts.lr(),
+      loss_scaler = parts.loss_scaler,
       extra = extra or {}, config = opts.config or {},
       created = os.date("!%Y-%m-%dT%H:%M:%SZ"),
     }
   end
   return { dir = dir, name = name, step = step, final = dir .. "/" .. name,
            tmp = ("%s/.%s.tmp-%d"):format(dir, name, pid), pid = pid,
-           writers = engine:states_replicated() and 1 or engine.world, o = o, manifest = m }
+           writers = parts.shard.replicated and 1 or parts.world, o = o, manifest = m,
+           parts = parts }
 end
 
 -- What a rank tells the others of its shard (agree's numbers after the ok
@@ -319,7 +310,8 @@ end
 -- aside a rewound history, renames the folder into place, then `latest`,
 -- then prunes. Collective; returns the step folder.
 function M.finish(engine, ctx, all)
-  local comm, rank = engine.comm, engine.rank
+  local parts = ctx.parts
+  local comm, rank = parts.comm, parts.rank
   local step, name, tmp, final, writers, o = ctx.step, ctx.name, ctx.tmp, ctx.final,
                                              ctx.writers, ctx.o
   local dir = ctx.dir
@@ -336,7 +328,7 @@ function M.finish(engine, ctx, all)
           compressed_bytes = v[3], xxh64_compressed = u(v[4], v[5]), xxh64_raw = u(v[6], v[7]),
           runs = {},
         }
-        for _, run in ipairs(M.runs_of(engine, r)) do
+        for _, run in ipairs(parts.shard.runs_of(r)) do
           local t = shards[r + 1].runs
           t[#t + 1] = { run.offset, run.canonical, run.numel }
         end
@@ -351,7 +343,7 @@ function M.finish(engine, ctx, all)
       local real = real_path(dir)
       -- After the first save, only a folder of this very step is set aside
       -- (engine:save called twice at one step).
-      local from = engine.resumed_from
+      local from = parts.resumed_from
       local since = seen[real] and math.huge or (from and from.step or 0)
       note = set_aside_abandoned(dir, since, step, ctx.pid)
       seen[real] = true
@@ -387,9 +379,9 @@ end
 -- Whether every rank's shard is written (all[r + 1] from agree); raises
 -- on every rank otherwise, the temporary folder removed.
 function M.agree_shards(engine, ctx, ok, err, vals)
-  local ok_all, all = pcall(agree, engine.comm, ok, err, "save of " .. ctx.name, vals)
+  local ok_all, all = pcall(agree, ctx.parts.comm, ok, err, "save of " .. ctx.name, vals)
   if not ok_all then
-    if engine.rank == 0 then C.lz_ckpt_remove_tree(ctx.tmp) end
+    if ctx.parts.rank == 0 then C.lz_ckpt_remove_tree(ctx.tmp) end
     error(all, 0)
   end
   return all
@@ -408,10 +400,11 @@ function M.save(engine, dir, extra, opts)
   -- Shards: every rank at stages 1-3; rank 0 alone at stage 0 (replicated).
   local info, elems
   local ok, err = true, nil
-  if engine.rank < ctx.writers then
+  local rank = ctx.parts.rank
+  if rank < ctx.writers then
     ok, err = pcall(function()
-      info, elems = write_shard(engine, ctx.tmp .. "/" .. disk.shard_name(engine.rank,
-                                ctx.writers), ctx.o)
+      info, elems = write_shard(ctx.parts, ctx.tmp .. "/" .. disk.shard_name(rank, ctx.writers),
+                                ctx.o)
     end)
   end
   local all = M.agree_shards(engine, ctx, ok, err, M.shard_vals(ok and info, elems))
@@ -419,10 +412,6 @@ function M.save(engine, dir, extra, opts)
 end
 
 -- Runs {offset, canonical, numel} of rank r's shard in engine's layout.
-function M.runs_of(engine, r)
-  local layout = require("luazero.zero.layout")
-  if r == engine.rank then return engine:state_layout().runs end
-  return layout.canonical_runs(engine.L, not engine:states_replicated() and r or nil)
-end
+function M.runs_of(engine, r) return engine:state_parts().shard.runs_of(r) end
 
 return M

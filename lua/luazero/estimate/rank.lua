@@ -9,6 +9,7 @@
 --   local r = estimate.rank(estimate.counts(model, world), { stage = 3, offload = "nvme" })
 --   r.device.total, r.host.total, r.nvme.total, r.traffic.read, r.disk_s
 local Placement = require("luazero.zero.plan")
+local store = require("luazero.zero.store")
 
 local M = {}
 
@@ -225,8 +226,8 @@ function M.rank(counts, opts)
     opt, param = pl.opt, pl.param
   end
   opt, param = opt or "none", param or "none"
-  if (opt ~= "none" and not Placement.stage_allows("offload_optimizer", stage)) or
-     (param ~= "none" and not Placement.stage_allows("offload_param", stage)) then
+  if (Placement.offloaded(opt) and not Placement.stage_allows("offload_optimizer", stage)) or
+     (Placement.offloaded(param) and not Placement.stage_allows("offload_param", stage)) then
     return nil
   end
   local device = opts.device or "cuda"
@@ -275,18 +276,21 @@ function M.rank(counts, opts)
   local frozen_n = F.extent == "shard" and fc.shard or fc.numel
   if F.extent == "none" or fc.numel == 0 then frozen_n = 0 end
   local frozen_bytes = frozen_n * esize[F.dtype]
-  if F.tier ~= "nvme" then add(mem[F.tier], "frozen", frozen_bytes) end
+  local frozen_kind = store.get(F.tier)
+  if frozen_kind.resident then add(mem[frozen_kind.memory], "frozen", frozen_bytes) end
   -- Sharded frozen parameters whose small modules the plan keeps whole.
   if F.extent == "shard" and F.persistent then
-    add(mem[F.persistent.tier or "device"], "frozen", (fc.persistent or 0) * esize[F.dtype])
+    add(mem[store.get(F.persistent.tier or "device").memory], "frozen",
+        (fc.persistent or 0) * esize[F.dtype])
   end
 
   -- The optimizer's sub-groups: one group of every element unless a state
   -- lives on NVMe (then sub_group_size, in multiples of 2048 elements).
-  local on_disk = P.optimizer.tier == "nvme"
-  local grads_on_disk = P.opt_grads.tier == "nvme" and not P.opt_grads.alias
+  local on_disk = P:swapped("optimizer")
+  local grads_on_disk = P:swapped("opt_grads") and not P.opt_grads.alias
+  local params_on_disk = P:swapped("params")
   local G, groups = n_opt, 1
-  if on_disk or P.params.tier == "nvme" or grads_on_disk then
+  if on_disk or params_on_disk or grads_on_disk then
     G = round_up(math.max(1, math.min(sub_group, n_opt)), GRAIN)
     groups = math.ceil(n_opt / G)
   end
@@ -294,14 +298,14 @@ function M.rank(counts, opts)
   local parts = (P.master.alias and 0 or 1) + #P.optimizer.states
   -- The ring of staging buffers (offload.lua's States).
   local nb = math.min(math.max(2, opt_nb), groups)
-  if on_disk or P.params.tier == "nvme" then
+  if on_disk or params_on_disk then
     if on_disk then add(r.host, "optimizer staging", nb * staging_bytes(parts * G, "f32")) end
-    if P.params.tier == "nvme" then add(r.host, "update staging", nb * staging_bytes(G, wdt)) end
+    if params_on_disk then add(r.host, "update staging", nb * staging_bytes(G, wdt)) end
   end
   if on_disk then
     local region = parts * G * 4
     add(r.nvme, "optimizer", round_up(math.max(PAGE, groups * region), PAGE))
-    io("optimizer states", groups * region, groups * region)
+    io("optimizer states", P:store("optimizer").bytes_per_step(groups * region))
   end
   -- The fp32 gradient shard on NVMe (zero/spill.lua): added per sub-group
   -- in the ring's gradient buffers (a sub-group each), written in shard
@@ -318,7 +322,7 @@ function M.rank(counts, opts)
   -- order, read slice by slice for each module's gather (forward and
   -- backward of every micro-step; the persistent modules' after the step),
   -- each slice into a staging buffer of whole pages; written once a step.
-  if P.params.tier == "nvme" then
+  if params_on_disk then
     add(r.nvme, "params", round_up(round_up(counts.shard * wb, PAGE) + PAGE, PAGE))
     local written = 0
     for k = 1, groups do
@@ -337,7 +341,7 @@ function M.rank(counts, opts)
   end
   -- Frozen parameters on NVMe (stage 3): a file of their own, read per
   -- gather through staging of their own, never written.
-  if F.tier == "nvme" and fc.numel > 0 then
+  if not frozen_kind.resident and fc.numel > 0 then
     add(r.nvme, "frozen", round_up(round_up(frozen_bytes, PAGE) + PAGE, PAGE))
     local read, stage_bytes
     if fc.segments then
@@ -381,7 +385,7 @@ function M.rank(counts, opts)
     -- Gathered modules (trained and frozen), slices read from host memory
     -- or NVMe on their way to the device, and the gradients reduced.
     local gsizes, usizes, rsizes = {}, {}, {}
-    local frozen_up = F.extent == "shard" and F.tier ~= "device" and device ~= "cpu"
+    local frozen_up = F.extent == "shard" and not frozen_kind.on_device and device ~= "cpu"
     for _, seg in ipairs(counts.segments) do
       if P.params.gather and not seg.persistent then gsizes[seg.padded] = true end
       if P.params.upload then usizes[seg.slice] = true end

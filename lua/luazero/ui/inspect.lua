@@ -171,8 +171,9 @@ local function my_norms(engine)
   if not P.opt_grads.alias and engine.ograds then buf("grads (host, f32)", engine.ograds) end
   local opt, st = engine.optimizer, engine.states
   for i, name in ipairs(opt.states) do buf(opt.name .. " " .. name, st.s[i]) end
-  if not st.s[1] then
-    -- The optimizer states are on NVMe: one pass over their sub-groups.
+  if P:swapped("optimizer") then
+    -- The optimizer states are in swap files: one pass over their sub-groups.
+    local tier = P.optimizer.tier
     local sq, n = {}, 0
     engine:visit_states(false, function(_, p, ...)
       local views = { p, ... }
@@ -180,10 +181,10 @@ local function my_norms(engine)
       n = n + p:numel()
     end)
     if st.has_master then
-      out.buffers[#out.buffers + 1] = { "master (fp32, nvme)", "f32", n, math.sqrt(sq[1]) }
+      out.buffers[#out.buffers + 1] = { "master (fp32, " .. tier .. ")", "f32", n, math.sqrt(sq[1]) }
     end
     for i, name in ipairs(opt.states) do
-      out.buffers[#out.buffers + 1] = { opt.name .. " " .. name .. " (nvme)", "f32", n,
+      out.buffers[#out.buffers + 1] = { opt.name .. " " .. name .. " (" .. tier .. ")", "f32", n,
                                         math.sqrt(sq[i + 1]) }
     end
   end

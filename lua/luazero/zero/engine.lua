@@ -9,11 +9,14 @@
 --
 -- This file holds the engine's making and the step's outline: gradients
 -- ready -> reduced -> the optimizer's step -> parameters gathered. The
--- parts are methods in files of their own, mixed in at the end:
--- zero/gather.lua (parameter gathers and the module hooks), zero/reduce.lua
--- (gradient reduction), zero/states.lua (initial weights, the optimizer's
--- calls, the states checkpoints read), zero/report.lua (what the engine
--- says about itself).
+-- parameter gathers and the module hooks (zero/gather.lua, self.gatherer)
+-- and gradient reduction (zero/reduce.lua, self.reducer) are components
+-- with their own state, as are the optimizer's states over their store
+-- (zero/offload.lua, self.states) and the loss scaler (self.scaler); the
+-- other parts are methods in files of their own, mixed in at the end:
+-- zero/states.lua (initial weights, the optimizer's calls, the states
+-- checkpoints read), zero/report.lua (what the engine says about itself),
+-- zero/frozen.lua.
 --
 --   local engine = zero.initialize{ model = gpt2.new(cfg), config = cfg_table,
 --                                 seed = 1337, batch = {B, T}, lr = fn(step) }
@@ -29,6 +32,9 @@ local Pool = require("luazero.zero.pool")
 local Scaler = require("luazero.zero.scaler")
 local offload = require("luazero.zero.offload")
 local spill = require("luazero.zero.spill")
+local store = require("luazero.zero.store")
+local reduce = require("luazero.zero.reduce")
+local gather = require("luazero.zero.gather")
 
 local M = {}
 local Engine = {}
@@ -86,7 +92,15 @@ end
 -- block's input and replays its forward in backward, as the config's
 -- activation_checkpointing block says), device ("cpu", "sim" or "cuda":
 -- where the model computes and the plan's device tier lives; "cpu").
-function M.initialize(opts)
+-- above: the modules above the engine that it hands itself to, which
+-- luazero.zero.initialize passes (the engine requires none of them):
+-- estimate (estimate/live.lua: engine:estimate() and the out-of-memory
+-- error; without it that error is the allocator's own) and checkpoint
+-- (luazero.checkpoint: engine:save and engine:load, through
+-- engine:state_parts()).
+function M.initialize(opts, above)
+  above = above or {}
+  local estimator = above.estimate
   local model = assert(opts.model, "initialize: model is required")
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
@@ -102,20 +116,11 @@ function M.initialize(opts)
   s.lr = optimizer.lr
   local self = setmetatable({
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
-    dev = device, seed = opts.seed or 0,
+    dev = device, seed = opts.seed or 0, above = above,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
     micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
     loss_sum = 0, loss_count = 0,
-    -- Passes: the segment orders the first forward and backward recorded
-    -- (prefetching follows them), and how far the current pass is.
-    fwd_order = {}, bwd_order = {}, fwd_pass = { k = 0 }, bwd_pass = { k = 0 },
-    live = 0,               -- elements of the gathered parameters held now
-    recompute_segs_of = {}, -- module -> the segments its replay gathers
-    -- Reductions: in flight (and their elements), gradients being copied
-    -- off the device, the open all-reduce bucket (false: none).
-    inflight = {}, inflight_elems = 0, landing = {}, bucket = false,
-    copy_wait = 0,          -- seconds the host waited for overlapped copies
     scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
   }, Engine)
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
@@ -159,8 +164,8 @@ function M.initialize(opts)
     if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   end)
   if not ok then
-    if tostring(err):find("out of device memory", 1, true) then
-      error(self:out_of_memory(opts.batch), 0)
+    if estimator and tostring(err):find("out of device memory", 1, true) then
+      error(estimator.out_of_memory(self, opts.batch), 0)
     end
     error(err, 0)
   end
@@ -170,6 +175,82 @@ end
 
 -- The placement plan: print(engine:plan()) shows what lives where.
 function Engine:plan() return self.P end
+
+-- What tools/estimate figures for this engine, beside what it holds
+-- (estimate/live.lua); print() shows it.
+function Engine:estimate(opts)
+  assert(self.above.estimate, "engine:estimate: make the engine with luazero.zero.initialize")
+  return self.above.estimate.estimate(self, opts)
+end
+
+-- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua,
+-- which reads and fills the engine through state_parts and restore_parts.
+function Engine:save(dir, extra, opts)
+  assert(self.above.checkpoint, "engine:save: make the engine with luazero.zero.initialize")
+  return self.above.checkpoint.save(self, dir, extra, opts)
+end
+function Engine:load(path)
+  assert(self.above.checkpoint, "engine:load: make the engine with luazero.zero.initialize")
+  return self.above.checkpoint.load(self, path)
+end
+
+------------------------------------------------------------- state contract
+
+-- The engine's state as a checkpoint sees it, piece by piece (checkpoint/
+-- reads an engine through this alone): who holds it, the model it trains,
+-- the shard of optimizer elements (its states in order, how to visit them
+-- and where they lie in canonical coordinates), the step counters, the
+-- learning rate, the loss scaler, where the weights came from.
+function Engine:state_parts()
+  local states = { "master" }
+  for _, name in ipairs(self.optimizer.states) do states[#states + 1] = name end
+  local P, steps = self.P, self.optimizer_steps
+  local replicated = self:states_replicated()
+  return {
+    comm = self.comm, rank = self.rank, world = self.world, stage = self.stage,
+    dtype = self.dtype, model = self.model, params = self.ptable, numel = self.L.numel,
+    optimizer = self.optimizer.name,
+    -- the manifest's record of the optimizer (type, hyperparameters), and
+    -- whether a recorded type names this run's optimizer
+    optimizer_record = self.optimizer:record(),
+    optimizer_accepts = function(type_name) return self.optimizer:accepts(type_name) end,
+    shard = {
+      states = states, numel = self:state_numel(), replicated = replicated,
+      -- (states in swap files: a snapshot would hold them whole in memory)
+      swapped = P:swapped("optimizer") or P:swapped("master"),
+      layout = function() return self:state_layout() end,
+      -- {offset, canonical, numel} runs of rank r's shard
+      runs_of = function(r)
+        if r == self.rank then return self:state_layout().runs end
+        return layout.canonical_runs(self.L, not replicated and r or nil)
+      end,
+      -- visit(writing, fn): fn(offset, master, state...) over the shard
+      visit = function(writing, fn) return self:visit_states(writing, fn) end,
+    },
+    steps = { optimizer = steps, global = self.global_steps, skipped = self.skipped_steps },
+    -- the schedule where it stands (called when a manifest is written)
+    lr = function()
+      return { optimizer_steps = steps, lr = self.lr(math.max(steps, 1)), base_lr = self.s.lr }
+    end,
+    loss_scaler = self.scaler:state(),
+    init = { path = self.init_path, xxh64 = self.init_xxh64 },
+    resumed_from = self.resumed_from,
+  }
+end
+
+-- After a checkpoint filled the shard (state_parts().shard.visit(true, ...)):
+-- the working copy from the master and the gathers after it, then the
+-- saved counters, the loss scaler (fp16 from fp16), and where the run
+-- resumed from. saved: { steps = {optimizer, global, skipped}, dtype (the
+-- saved run's), loss_scaler, resumed_from = {dir, step} }.
+function Engine:restore_parts(saved)
+  self:after_load()
+  local steps = saved.steps
+  self.optimizer_steps, self.global_steps = steps.optimizer, steps.global
+  self.skipped_steps = steps.skipped
+  if saved.dtype == "fp16" and self.dtype == "fp16" then self.scaler:restore(saved.loss_scaler) end
+  self.resumed_from = saved.resumed_from
+end
 
 ------------------------------------------------------------- layout, buffers
 
@@ -212,12 +293,11 @@ function Engine:numel(extent)
   return 0
 end
 
--- A buffer of n elements for a state the plan puts on `tier`: device
--- memory under the state's ledger category, or host memory (pinned beside
--- an accelerator) under offload.
+-- A buffer of n elements for a state the plan puts on `tier`, allocated by
+-- the tier's store kind (zero/store/): device memory under the state's
+-- ledger category, host memory (pinned beside an accelerator) under offload.
 function Engine:buffer(n, dtype, name, tier)
-  if tier == "host" then return offload.host({ n }, dtype, self.dev) end
-  return lz.tensor({ n }, dtype, name, self.dev)
+  return store.get(tier).allocate({ n }, dtype, name, self.dev)
 end
 
 -- One buffer per state the plan keeps in memory: the working parameters
@@ -227,9 +307,9 @@ function Engine:allocate()
   local L, P, s = self.L, self.P, self.s
   local pp = P.params
   self:allocate_frozen() -- zero/frozen.lua
-  if pp.tier == "nvme" then
+  if P:swapped("params") then
     local op = s.offload_param
-    self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype,
+    self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype, tier = pp.tier,
                                        nvme_path = op.nvme_path, aio = s.aio,
                                        buffer_count = op.buffer_count, compute = self.dev }
     -- DeepSpeed's offload_param.buffer_size: the largest parameter slice
@@ -262,10 +342,10 @@ function Engine:allocate()
   local oo = s.offload_opt
   self.states = offload.states{
     n = self:numel(P.optimizer.extent), master = not P.master.alias, names = self.optimizer.states,
-    device = oo.device, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
+    tier = P.optimizer.tier, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
-    compute = self.dev, grads = P.opt_grads.tier == "nvme",
+    compute = self.dev, grads = P:swapped("opt_grads"),
   }
   if P.master.alias then self.master = self.work else self.master = self.states.master end
   -- The gradients (none on the device when stages 2-3 reduce straight into
@@ -277,15 +357,15 @@ function Engine:allocate()
   end
   if OG.alias then
     self.ograds = self.grads
-  elseif OG.tier == "nvme" then
+  elseif P:swapped("opt_grads") then
     local st = self.states
     local buffers = {}
     for i, b in ipairs(st.buffers) do buffers[i] = b.grad end
-    self.spill = spill.new{ groups = st.groups, G = st.G, nvme_path = oo.nvme_path,
+    self.spill = spill.new{ groups = st.groups, G = st.G, tier = OG.tier,
+                            nvme_path = oo.nvme_path,
                             aio = offload.swap_opts(s.aio), buffers = buffers,
                             make_buffer = function() return offload.staging(st.G, "f32", self.dev) end }
     st.spill = self.spill
-    self.spill_sq = {}
   else
     self.ograds = self:buffer(self:numel(OG.extent), OG.dtype, "grads", OG.tier):zero()
   end
@@ -334,7 +414,38 @@ function Engine:allocate()
       layout.bind("g", seg, self.grads:view(seg.full_offset, { seg.padded }))
     end
   end
+  -- Gradient reduction: a component over these buffers (zero/reduce.lua).
+  self.reducer = reduce.new{
+    P = P, s = s, comm = self.comm, rank = self.rank, L = L, pool = self.pool,
+    hpool = self.hpool, half_grads = self.half_grads, gdt = self.gdt, grads = self.grads,
+    ograds = self.ograds, rgrads = self.rgrads, spill = self.spill, scratches = self.scratches,
+    round_scratch = self.round_scratch,
+    boundary = function() return self:is_gradient_accumulation_boundary() end,
+  }
+  -- Parameter gathers and the module hooks: a component over the
+  -- parameter groups (segs_of) and the working copy (zero/gather.lua).
+  self.gatherer = gather.new{
+    P = P, s = s, comm = self.comm, rank = self.rank, pool = self.pool, wdt = self.wdt, L = L,
+    LF = self.LF, work = self.work, staged = self.staged, segs_of = self.segs_of,
+    reducer = self.reducer,
+  }
 end
+
+-- The gatherer's calls the engine's step, its parts and users make.
+function Engine:gather_params() self.gatherer:gather_params() end
+function Engine:shard_slice(seg) return self.gatherer:shard_slice(seg) end
+function Engine:release_slice(stage) self.gatherer:release_slice(stage) end
+
+-- The reducer's calls the engine's step, hooks and users make.
+function Engine:zero_grad() self.reducer:zero_grad() end
+function Engine:wait_all() self.reducer:wait_all() end
+function Engine:pull_grads() self.reducer:pull_grads() end
+function Engine:wait_copies(ev) self.reducer:wait_copies(ev) end
+
+-- Half gradients: the fp32 scratch of 2 x CHUNK elements beside a tensor
+-- (on its device, made by allocate), for the optimizer's view of the
+-- gradients.
+function Engine:scratch_by(t) return self.scratches[t:device_name()] end
 
 -- Activation arenas, plus (bf16/fp16) an arena for the casts modules make.
 function Engine:prepare(B, T)
@@ -353,12 +464,12 @@ local function is_boundary(self) return self.micro % self.s.accum == 0 end
 -- The model calls the engine around each module (zero/gather.lua).
 function Engine:install_hooks()
   local model = self.model
-  model:register_hook("pre_forward", function(m) self:pre_forward(m) end)
-  model:register_hook("post_forward", function(m) self:post_forward(m) end)
-  model:register_hook("pre_backward", function(m) self:pre_backward(m) end)
-  model:register_hook("post_backward", function(m) self:post_backward(m) end)
-  model:register_hook("pre_recompute", function(m) self:pre_recompute(m) end)
-  model:register_hook("post_recompute", function(m) self:post_recompute(m) end)
+  model:register_hook("pre_forward", function(m) self.gatherer:pre_forward(m) end)
+  model:register_hook("post_forward", function(m) self.gatherer:post_forward(m) end)
+  model:register_hook("pre_backward", function(m) self.gatherer:pre_backward(m) end)
+  model:register_hook("post_backward", function(m) self.gatherer:post_backward(m) end)
+  model:register_hook("pre_recompute", function(m) self.gatherer:pre_recompute(m) end)
+  model:register_hook("post_recompute", function(m) self.gatherer:post_recompute(m) end)
 end
 
 ------------------------------------------------------- forward, backward
@@ -367,10 +478,9 @@ end
 function Engine:forward(x, y, extra)
   local model = self.model
   if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
-  self.fwd_pass = { k = 0 }
+  self.gatherer:begin_pass(false)
   local loss = model:forward(x, y, extra)
-  if #self.fwd_order > 0 then self.fwd_order.done = true end
-  self:drop_prefetched()
+  self.gatherer:end_pass(false)
   return loss
 end
 
@@ -382,11 +492,10 @@ function Engine:backward(loss)
     self.loss_sum = self.loss_sum + loss
     self.loss_count = self.loss_count + 1
   end
-  self.bwd_pass = { k = 0 }
+  self.gatherer:begin_pass(true)
   if self.spill then self.spill:begin_micro((self.micro - 1) % self.s.accum == 0) end
   self.model:backward(self.scaler.scale / self.s.accum)
-  if #self.bwd_order > 0 then self.bwd_order.done = true end
-  self:drop_prefetched()
+  self.gatherer:end_pass(true)
   if self.P.reduce.buffered or is_boundary(self) then self:wait_all() end
   if self.spill then self.spill:end_micro() end
 end
@@ -398,7 +507,7 @@ function Engine:is_gradient_accumulation_boundary() return is_boundary(self) end
 local function inject_inf(self)
   local k = tonumber(os.getenv("LZ_INJECT_INF_STEP") or "")
   if k and k == self.global_steps + 1 and self.rank == 0 then
-    if self.spill then self.spill_sq[1] = math.huge; return end
+    if self.spill then self.reducer.spill_sq[1] = math.huge; return end
     local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
     self.grad_slices[1]:view(0, { 1 }):copy(inf)
     inf:free()
@@ -412,7 +521,8 @@ function Engine:exchange(local_loss)
   local send = ffi.cast("double *", self.meta_send.data)
   send[0] = local_loss
   if self.spill then
-    for i = 1, K - 1 do send[i] = self.spill_sq[i] or 0 end
+    local sq = self.reducer.spill_sq
+    for i = 1, K - 1 do send[i] = sq[i] or 0 end
   else
     for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
   end
@@ -528,8 +638,9 @@ function Engine:free()
 end
 
 -- The engine's parts, each a file of methods.
-for _, part in ipairs({ "gather", "reduce", "states", "report", "frozen" }) do
-  for name, fn in pairs(require("luazero.zero." .. part)) do
+for _, part in ipairs({ require("luazero.zero.states"), require("luazero.zero.report"),
+                        require("luazero.zero.frozen") }) do
+  for name, fn in pairs(part) do
     assert(Engine[name] == nil, "engine: two parts define " .. name)
     Engine[name] = fn
   end

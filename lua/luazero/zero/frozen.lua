@@ -44,10 +44,11 @@ function M:allocate_frozen()
   local s = self.s
   local LF = layout.new(entries, self.world)
   self.LF = LF
-  local store = { upload = F.tier ~= "device" and self.dev ~= "cpu" }
-  if F.tier == "nvme" then
+  local store = { upload = not self.P:store("frozen").on_device and self.dev ~= "cpu" }
+  if self.P:swapped("frozen") then
     local op = s.offload_param
-    store.pshard = offload.param_shard{ n = LF.shard_numel, dtype = wdt, nvme_path = op.nvme_path,
+    store.pshard = offload.param_shard{ n = LF.shard_numel, dtype = wdt, tier = F.tier,
+                                        nvme_path = op.nvme_path,
                                         aio = s.aio, buffer_count = op.buffer_count,
                                         compute = self.dev }
   else

@@ -2,16 +2,58 @@
 -- the working parameters (stage 3), each module's segments are all-gathered
 -- into pooled buffers before it runs and released after, prefetched along
 -- the order the first pass recorded; and what the plan gathers after each
--- optimizer step. Methods of the engine (zero/engine.lua mixes them in).
+-- optimizer step. A component of the engine (engine.gatherer), with its
+-- own state — the elements gathered now, the orders the first passes
+-- recorded and how far the current ones are, the segments each replay
+-- gathers — and the engine's parameter groups, buffers and settings it was
+-- made with.
+--
+--   local gatherer = gather.new{ P = P, s = s, comm = comm, ... }
+--   gatherer:pre_forward(m); gatherer:post_forward(m); gatherer:gather_params()
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 
 local M = {}
+local Gatherer = {}
+Gatherer.__index = Gatherer
+
+-- parts: P (the plan), s (the engine's settings), comm, rank, pool, wdt,
+-- L, LF (the trained and frozen layouts; LF nil without frozen segments),
+-- work (the full working copy, below stage 3), staged (the event uploads
+-- record, or nil), segs_of (module -> the segments it uses: the parameter
+-- groups), reducer (whose grads hooks the backward hooks call).
+function M.new(parts)
+  local self = setmetatable({
+    live = 0,               -- elements of the gathered parameters held now
+    -- Passes: the segment orders the first forward and backward recorded
+    -- (prefetching follows them), and how far the current pass is.
+    fwd_order = {}, bwd_order = {}, fwd_pass = { k = 0 }, bwd_pass = { k = 0 },
+    recompute_segs_of = {}, -- module -> the segments its replay gathers
+  }, Gatherer)
+  for _, k in ipairs({ "P", "s", "comm", "rank", "pool", "wdt", "L", "LF", "work", "staged",
+                       "segs_of", "reducer" }) do
+    self[k] = parts[k]
+  end
+  return self
+end
+
+-- A forward (or backward) pass begins: its position goes back to the start.
+function Gatherer:begin_pass(backward)
+  if backward then self.bwd_pass = { k = 0 } else self.fwd_pass = { k = 0 } end
+end
+
+-- A pass has ended: its order is recorded (once), and gathers prefetched
+-- but not used are dropped.
+function Gatherer:end_pass(backward)
+  local order = backward and self.bwd_order or self.fwd_order
+  if #order > 0 then order.done = true end
+  self:drop_prefetched()
+end
 
 local function bind_params(seg, buf) layout.bind("p", seg, buf) end
 
 -- Parameters gathered per module: a segment's, into a pooled buffer.
-function M:gather(seg, async)
+function Gatherer:gather(seg, async)
   if seg.persistent or seg.pbuf then return end
   seg.pbuf = self.pool:get(seg.padded, self.wdt)
   self.live = self.live + seg.padded
@@ -25,7 +67,7 @@ end
 -- the gather reads it: a view of the shard, or, read from the NVMe
 -- parameter file or copied from host memory to the device, a staging
 -- buffer (returned second, for release_slice once the gather has read it).
-function M:shard_slice(seg)
+function Gatherer:shard_slice(seg)
   local v, stage
   local store = seg.store
   if store.pshard then
@@ -47,7 +89,7 @@ function M:shard_slice(seg)
   return d, { pooled = d, read = stage }
 end
 
-function M:release_slice(stage)
+function Gatherer:release_slice(stage)
   if not stage then return end
   if stage.pooled then
     self.pool:put(stage.pooled)
@@ -57,13 +99,13 @@ function M:release_slice(stage)
 end
 
 -- A gather of seg has completed: its staging can go.
-function M:gathered(seg)
+function Gatherer:gathered(seg)
   if seg.pwork then seg.pwork:wait() end
   seg.pwork = nil
   if seg.pslot then self:release_slice(seg.pslot); seg.pslot = nil end
 end
 
-function M:ensure(seg)
+function Gatherer:ensure(seg)
   if seg.persistent then return end
   if not seg.pbuf then self:gather(seg, false) end
   if seg.pwork then self:gathered(seg) end
@@ -71,7 +113,7 @@ function M:ensure(seg)
   if seg.in_use == 1 then bind_params(seg, seg.pbuf) end
 end
 
-function M:release(seg)
+function Gatherer:release(seg)
   if seg.persistent then return end
   seg.in_use = seg.in_use - 1
   if seg.in_use > 0 then return end
@@ -84,7 +126,7 @@ end
 -- Prefetch along the order recorded on the first pass: segments of the
 -- next modules, up to stage3_prefetch_bucket_size elements ahead and
 -- stage3_max_live_parameters gathered at once.
-function M:prefetch(order, k)
+function Gatherer:prefetch(order, k)
   if not (self.s.overlap and order.done) then return end
   local budget, s = self.s.prefetch, self.s
   for i = k + 1, #order do
@@ -107,7 +149,7 @@ end
 
 -- Gathers a module's segments before it runs (forward or backward),
 -- recording the order and prefetching along the recorded one.
-function M:gather_for(m, order, pass)
+function Gatherer:gather_for(m, order, pass)
   for _, seg in ipairs(self.segs_of[m]) do
     local k = record(order, seg, pass)
     self:ensure(seg)
@@ -116,7 +158,7 @@ function M:gather_for(m, order, pass)
 end
 
 -- Gathers that were prefetched but not used (a pass that ended early).
-function M:drop_prefetched()
+function Gatherer:drop_prefetched()
   if not self.P.params.gather then return end
   for _, L in ipairs({ self.L, self.LF }) do
     for _, seg in ipairs(L.segments) do
@@ -131,25 +173,25 @@ end
 
 ------------------------------------------------------------------- hooks
 
-function M:pre_forward(m)
+function Gatherer:pre_forward(m)
   if not self.segs_of[m] or not self.P.params.gather then return end
   self:gather_for(m, self.fwd_order, self.fwd_pass)
 end
 
-function M:post_forward(m)
+function Gatherer:post_forward(m)
   local segs = self.segs_of[m]
   if not segs or not self.P.params.gather then return end
   for _, seg in ipairs(segs) do self:release(seg) end
 end
 
-function M:pre_backward(m)
+function Gatherer:pre_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
   if self.P.params.gather then self:gather_for(m, self.bwd_order, self.bwd_pass) end
-  self:stage_grads(segs)
+  self.reducer:stage_grads(segs)
 end
 
-function M:post_backward(m)
+function Gatherer:post_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
   for _, seg in ipairs(segs) do
@@ -157,7 +199,7 @@ function M:post_backward(m)
     if not seg.frozen then seg.pending = seg.pending - 1 end
     if seg.pending == 0 then
       seg.pending = nil
-      self:grads_ready(seg)
+      self.reducer:grads_ready(seg)
     end
   end
 end
@@ -168,7 +210,7 @@ end
 -- so one gather serves both. The replay runs no forward hooks: the
 -- recorded prefetch orders and the gradient reductions see only the real
 -- forward and backward.
-function M:recompute_segs(m)
+function Gatherer:recompute_segs(m)
   local list = self.recompute_segs_of[m]
   if list then return list end
   list = {}
@@ -184,12 +226,12 @@ function M:recompute_segs(m)
   return list
 end
 
-function M:pre_recompute(m)
+function Gatherer:pre_recompute(m)
   if not self.P.params.gather then return end
   for _, seg in ipairs(self:recompute_segs(m)) do self:ensure(seg) end
 end
 
-function M:post_recompute(m)
+function Gatherer:post_recompute(m)
   if not self.P.params.gather then return end
   for _, seg in ipairs(self:recompute_segs(m)) do self:release(seg) end
 end
@@ -198,7 +240,7 @@ end
 
 -- What the plan gathers after the step: every rank's updated slices into
 -- every rank's full working copy, or the persistent parameters.
-function M:gather_params()
+function Gatherer:gather_params()
   local after, comm = self.P.after_step, self.comm
   if after == "none" then return end
   local async, works, slots = self.s.overlap, {}, {}

@@ -2,9 +2,13 @@
 -- placement plan it reads (zero/plan.lua).
 --   local zero = require("luazero.zero")
 --   local engine = zero.initialize{ model = model, config = cfg, seed = 1337, batch = {B, T} }
+-- The engine is made here with the modules above it that it hands itself
+-- to: what estimates it (estimate/live.lua) and the checkpoints.
 local engine = require("luazero.zero.engine")
+local above = { estimate = require("luazero.estimate.live"),
+                checkpoint = require("luazero.checkpoint") }
 return {
-  initialize = engine.initialize,
+  initialize = function(opts) return engine.initialize(opts, above) end,
   plan = require("luazero.zero.plan"),
   settings = engine.settings,
   plan_of = engine.plan_of,

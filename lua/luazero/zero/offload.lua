@@ -3,6 +3,10 @@
 -- on the compute device ("none"), in host memory ("cpu"), or in swap files
 -- on NVMe ("nvme", libaio with O_DIRECT through lz.swap).
 --
+-- Where the bytes live is a store kind (zero/store/): this file asks the
+-- kind whether they are memory to update in place or a file to stage
+-- through, and lets it allocate, open, read and write.
+--
 -- The optimizer elements of a rank, [0, n), are cut into sub-groups of
 -- zero_optimization.sub_group_size elements. The optimizer step visits them
 -- in order through a ring of buffer_count staging buffers: on NVMe, the next
@@ -16,11 +20,12 @@
 -- accelerator (sim, cuda) puts the same buffers in pinned host memory, and
 -- "none" puts the states in device memory.
 --
---   local st = offload.states{ n = n, master = true, device = "nvme", ... }
+--   local st = offload.states{ n = n, master = true, tier = "nvme", ... }
 --   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.s (the states), v.work end [, fresh])
 --   local ps = offload.param_shard{ n = shard_numel, dtype = "bf16", device = "nvme", ... }
 --   local view, stage = ps:slice(offset, len) ... ps:release(stage)
 local lz = require("luazero")
+local store = require("luazero.zero.store")
 
 local M = {}
 
@@ -41,10 +46,8 @@ end
 local staging = M.staging
 
 -- A host buffer counted as offload: pinned beside an accelerator.
-function M.host(shape, dtype, compute)
-  if compute and compute ~= "cpu" then return lz.pinned(shape, dtype) end
-  return lz.tensor(shape, dtype, "offload")
-end
+local host = store.get("host")
+function M.host(shape, dtype, compute) return host.allocate(shape, dtype, "offload", compute) end
 
 function M.swap_opts(aio)
   aio = aio or {}
@@ -62,7 +65,8 @@ States.__index = States
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
 -- master copy here; false: the working copy is the fp32 master), names
 -- (the optimizer's per-element fp32 states, in order; { "m", "v" }),
--- device ("none"|"cpu"|"nvme"), nvme_path, aio (the config's aio block),
+-- tier (the plan's tier of the states: a store kind's name), nvme_path
+-- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
 -- params (a param_shard on NVMe whose working copy the groups write back),
 -- work_dtype (the working copy's dtype when params is given), compute
@@ -70,14 +74,14 @@ States.__index = States
 -- in its memory), grads (true: each staging buffer also holds a group's
 -- gradients, read from the gradient file, zero/spill.lua, set as .spill).
 function M.states(opts)
-  local n, dev = opts.n, opts.device or "none"
+  local n, kind = opts.n, store.get(opts.tier or "device")
   local names = opts.names or { "m", "v" }
-  local self = setmetatable({ n = n, device = dev, has_master = opts.master, names = names,
+  local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
                               pipeline_write = opts.pipeline_write }, States)
-  local on_disk = dev == "nvme"
+  local on_disk = not kind.resident
   local G = n
   if on_disk or opts.params then
     G = round_up(math.max(1, math.min(opts.sub_group_size or n, n)), M.GRAIN)
@@ -91,10 +95,7 @@ function M.states(opts)
   self.parts = (opts.master and 1 or 0) + #names -- master?, then the states
   self.s = {}
   if not on_disk then
-    local function new()
-      if dev == "cpu" then return M.host({ n }, "f32", self.compute) end
-      return lz.tensor({ n }, "f32", "optimizer", self.compute)
-    end
+    local function new() return kind.allocate({ n }, "f32", "optimizer", self.compute) end
     if opts.master then self.master = new() end
     for i = 1, #names do self.s[i] = new():zero() end
   end
@@ -113,8 +114,8 @@ function M.states(opts)
     end
   end
   if on_disk then
-    self.swap = lz.swap(opts.nvme_path, math.max(PAGE, #self.groups * self.region),
-                        "optimizer", swap_opts(opts.aio))
+    self.swap = kind.open(opts.nvme_path, math.max(PAGE, #self.groups * self.region),
+                          "optimizer", swap_opts(opts.aio))
   end
   self.views = {}
   for k, g in ipairs(self.groups) do self.views[k] = self:make_views(k, g) end
@@ -145,25 +146,29 @@ end
 
 local function wait(req) if req then req:wait() end end
 
--- Calls fn(k, lo, len, views) for every group in order. On NVMe the group's
--- states are read before fn (unless fresh: fn writes all of them) and
--- (write_back) written after it; with an NVMe parameter shard, views.work is
--- written to it after fn when write_back. with_grads: views.g holds the
--- group's gradients, read from the gradient file.
+-- Calls fn(k, lo, len, views) for every group in order. The store kind
+-- reads the group's states before fn (unless fresh: fn writes all of them)
+-- and (write_back) writes them after it: nothing to move for a resident
+-- kind, a region of the swap file for NVMe; with an NVMe parameter shard,
+-- views.work is written to it after fn when write_back. with_grads: views.g
+-- holds the group's gradients, read from the gradient file.
 function States:each_group(write_back, fn, fresh, with_grads)
-  local groups, swap = self.groups, self.swap
+  local groups, kind = self.groups, self.kind
   if self.nb == 0 then
-    for k, g in ipairs(groups) do fn(k, g.lo, g.n, self.views[k]) end
+    local read, write = kind.read_group, kind.write_group
+    for k, g in ipairs(groups) do
+      if not fresh then read(self, k) end
+      fn(k, g.lo, g.n, self.views[k])
+      if write_back then write(self, k) end
+    end
     return
   end
-  local ahead = (swap and self.pipeline_read) and self.nb - 1 or 1
+  local ahead = (self.swap and self.pipeline_read) and self.nb - 1 or 1
   local function issue_read(j)
     local b = self:buffer(j)
     wait(b.write_state); wait(b.write_work)
     b.write_state, b.write_work = nil, nil
-    if swap and not fresh then
-      b.read = swap:read((j - 1) * self.region, b.state, self.region, true)
-    end
+    if not fresh then b.read = kind.read_group(self, j, b.state) end
     if with_grads and self.spill then b.gread = self.spill:read(j, b.grad) end
   end
   local ok, err = pcall(function()
@@ -174,9 +179,7 @@ function States:each_group(write_back, fn, fresh, with_grads)
       b.read, b.gread = nil, nil
       fn(k, g.lo, g.n, self.views[k])
       if write_back then
-        if swap then
-          b.write_state = swap:write((k - 1) * self.region, b.state, self.region, true)
-        end
+        b.write_state = kind.write_group(self, k, b.state)
         if self.params then b.write_work = self.params:write_group(g.lo, b.work, g.n) end
         if not self.pipeline_write then
           wait(b.write_state); wait(b.write_work)
@@ -245,16 +248,18 @@ end
 local Params = {}
 Params.__index = Params
 
--- The stage-3 working shard of n elements of dtype, on NVMe: a swap file in
--- shard order. opts: n, dtype, nvme_path, aio, buffer_count (slices staged
--- at once ahead of use: stage-3 prefetching stops there).
+-- The stage-3 working shard of n elements of dtype in a store kind that is
+-- not resident (NVMe): a file in shard order. opts: n, dtype, tier (the
+-- kind's name; "nvme"), nvme_path, aio, buffer_count (slices staged at once
+-- ahead of use: stage-3 prefetching stops there).
 function M.param_shard(opts)
   local self = setmetatable({ n = opts.n, dtype = opts.dtype, es = esize[opts.dtype],
                               compute = opts.compute or "cpu",
                               buffer_count = opts.buffer_count or 5, outstanding = 0,
                               free_stages = {}, all_stages = {} }, Params)
-  self.swap = lz.swap(opts.nvme_path, round_up(self.n * self.es, PAGE) + PAGE, "params",
-                      swap_opts(opts.aio))
+  self.swap = store.get(opts.tier).open(opts.nvme_path,
+                                                  round_up(self.n * self.es, PAGE) + PAGE,
+                                                  "params", swap_opts(opts.aio))
   return self
 end
 

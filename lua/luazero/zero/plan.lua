@@ -17,11 +17,14 @@
 --
 -- Extents: "full" (every element, padded), "shard" (this rank's slices),
 -- "persistent" (stage 3: the small modules kept whole beside the shard;
--- the others are gathered per module), "none". Tiers: "device" (the compute
--- device's memory), "host" (host memory; pinned on an accelerator), "nvme"
--- (swap files). On a "cpu" device the device is the host: a host-tier state
+-- the others are gathered per module), "none". Tiers are store kinds
+-- (zero/store/, one table; the plan asks a kind, never a tier's name):
+-- "device" (the compute device's memory), "host" (host memory; pinned on an
+-- accelerator), "nvme" (swap files). On a "cpu" device the device is the host: a host-tier state
 -- is counted under the ledger's offload category, and the optimizer reads
 -- the gradients and updates the fp32 parameters where they already are.
+local store = require("luazero.zero.store")
+
 local M = {}
 
 local Plan = {}
@@ -33,7 +36,6 @@ M.dtypes = dtypes
 -- Bytes per element of each dtype: the one table every size is computed from.
 local esize = { f32 = 4, bf16 = 2, f16 = 2 }
 M.esize = esize
-local tiers = { none = "device", cpu = "host", nvme = "nvme" }
 
 -- Which stages each offload works at (DeepSpeed's rule, as data): the
 -- least stage, and how errors name the stages.
@@ -50,8 +52,15 @@ function M.stage_allows(key, stage) return stage >= M.offload_stages[key].least 
 -- together on `device`: on an accelerator the parameter shard leaves the
 -- device only with the optimizer (which updates it where it lives).
 function M.placement_allowed(device, offload_optimizer, offload_param)
-  return (device or "cpu") == "cpu" or (offload_param or "none") == "none" or
-         (offload_optimizer or "none") ~= "none"
+  return (device or "cpu") == "cpu" or not M.offloaded(offload_param) or
+         M.offloaded(offload_optimizer)
+end
+
+-- Whether an offload_*.device value (none|cpu|nvme; nil: none) moves states
+-- off the compute device's memory.
+function M.offloaded(device)
+  local kind = store.of_config(device or "none")
+  return kind ~= nil and not kind.on_device
 end
 
 -- The states a plan places, in the order it prints them.
@@ -61,12 +70,13 @@ M.states = { "params", "grads", "opt_grads", "master" }
 local categories = { params = "params", grads = "grads", opt_grads = "grads", master = "optimizer",
                      optimizer = "optimizer", frozen = "params" }
 
+-- The tier an offload_*.device value selects (a store kind's name).
 local function tier_of(key, device)
-  local t = tiers[device or "none"]
-  if not t then
-    error(("plan: %s must be none, cpu or nvme (got %s)"):format(key, tostring(device)), 0)
+  local kind = store.of_config(device or "none")
+  if not kind then
+    error(("plan: %s must be %s (got %s)"):format(key, store.config_names(), tostring(device)), 0)
   end
-  return t
+  return kind.name
 end
 
 -- opts: stage (0..3), dtype (working: fp32|bf16|fp16), grad_dtype (the
@@ -90,7 +100,7 @@ function M.new(opts)
   local par_tier = tier_of("offload_param", opts.offload_param)
   for _, kt in ipairs({ { "offload_optimizer", opt_tier }, { "offload_param", par_tier } }) do
     local key, tier = kt[1], kt[2]
-    if tier ~= "device" and not M.stage_allows(key, stage) then
+    if not store.get(tier).on_device and not M.stage_allows(key, stage) then
       error(("plan: %s needs %s"):format(key, M.offload_stages[key].names), 0)
     end
   end
@@ -102,8 +112,12 @@ function M.new(opts)
   -- Where the optimizer computes: on the device, or on the host (its states
   -- in host memory or staged there from NVMe). It updates in place what is
   -- in that memory; on a cpu device, host and device are one memory.
-  local opt_at = opt_tier == "device" and "device" or "host"
-  local function reachable(tier) return tier ~= "nvme" and (tier == opt_at or device == "cpu") end
+  local opt_kind = store.get(opt_tier)
+  local opt_at = opt_kind.on_device and "device" or "host"
+  local function reachable(tier)
+    local kind = store.get(tier)
+    return kind.resident and (kind.on_device == opt_kind.on_device or device == "cpu")
+  end
 
   local p = setmetatable({ stage = stage, device = device, dtype = wdt, grad_dtype = gdt,
                            accum = opts.accum or 1 }, Plan)
@@ -150,11 +164,12 @@ function M.new(opts)
     -- Stages 2-3 reduce straight into it: no gradient shard on the device.
     if stage >= 2 then p.grads = { extent = "none", dtype = gdt, tier = "device" } end
   end
-  -- Optimizer states on NVMe from stage 2: the reduced gradients go to a
-  -- swap file sub-group by sub-group (zero/spill.lua) and the optimizer
-  -- reads them back with its states; no gradient shard stays in memory.
-  if opt_tier == "nvme" and stage >= 2 then
-    p.opt_grads = { extent = "shard", dtype = "f32", tier = "nvme" }
+  -- Optimizer states on NVMe (a kind that is not resident) from stage 2:
+  -- the reduced gradients go to a swap file sub-group by sub-group
+  -- (zero/spill.lua) and the optimizer reads them back with its states; no
+  -- gradient shard stays in memory.
+  if not opt_kind.resident and stage >= 2 then
+    p.opt_grads = { extent = "shard", dtype = "f32", tier = opt_tier }
     p.grads = { extent = "none", dtype = gdt, tier = "device" }
   end
   -- How gradients are reduced. Buffered: each module's gradients go to a
@@ -171,14 +186,15 @@ function M.new(opts)
   -- the optimizer's; on an accelerator with that in host memory, each
   -- reduced slice is copied off the device first.
   p.reduce.dst = p.grads.extent == "none" and "opt_grads" or "grads"
-  p.reduce.to_host = device ~= "cpu" and p[p.reduce.dst].tier ~= "device"
+  p.reduce.to_host = device ~= "cpu" and not store.get(p[p.reduce.dst].tier).on_device
   -- A sharded working copy outside device memory on an accelerator: each
   -- slice a gather reads is copied to the device first.
-  p.params.upload = p.params.extent == "shard" and p.params.tier ~= "device" and device ~= "cpu"
+  p.params.upload = p.params.extent == "shard" and not store.get(p.params.tier).on_device and
+                    device ~= "cpu"
   -- A host optimizer beside device-resident working parameters: the
   -- updated working shard goes from host staging to the device after each
   -- optimizer sub-group (overlapping the next group's update).
-  p.push_params = device ~= "cpu" and opt_at == "host" and p.params.tier == "device"
+  p.push_params = device ~= "cpu" and not opt_kind.on_device and store.get(p.params.tier).on_device
   -- What the step's end gathers: the updated slices into every rank's full
   -- working copy (stages 1-2), the persistent parameters (stage 3).
   p.after_step = (stage == 1 or stage == 2) and "gather_full"
@@ -204,8 +220,9 @@ function Plan:bytes(counts)
     if not s or s.alias then return end
     local b = n[s.extent] * esize[s.dtype]
     local cat = categories[name]
-    out[s.tier][cat] = out[s.tier][cat] + b
-    out[s.tier].total = out[s.tier].total + b
+    local mem = out[store.get(s.tier).memory]
+    mem[cat] = mem[cat] + b
+    mem.total = mem.total + b
     out.states[name] = (out.states[name] or 0) + b
   end
   for _, name in ipairs(M.states) do add(name, self[name]) end
@@ -254,8 +271,16 @@ function Plan:__tostring() return table.concat(self:lines(), "\n") end
 -- device memory apart from the host's (an accelerator's device tier): the
 -- host reads it through a copy.
 function Plan:on_device(name)
-  return self[name].tier == "device" and self.device ~= "cpu"
+  return store.get(self[name].tier).on_device and self.device ~= "cpu"
 end
+
+-- The store kind (zero/store/) a state (params, grads, opt_grads, master,
+-- optimizer, frozen) lives in.
+function Plan:store(name) return store.get(self[name].tier) end
+
+-- Whether a state lives in a kind the engine stages through (a swap file)
+-- rather than memory it addresses.
+function Plan:swapped(name) return not store.get(self[name].tier).resident end
 
 -- Offset of a run (layout.shard_runs: full_offset, shard_offset) in a
 -- buffer of this extent.

@@ -4,7 +4,13 @@
 -- micro-step (buffered), or the full gradient buffer reduced once per step
 -- in buckets; the reduced gradients copied off the device where the
 -- optimizer reads them from host memory; half gradients added through an
--- fp32 scratch. Methods of the engine (zero/engine.lua mixes them in).
+-- fp32 scratch. A component of the engine (engine.reducer), with its own
+-- state — the reductions in flight, the copies landing, the open bucket,
+-- the host's wait for copies, the gradient file's norm partials — and the
+-- engine's buffers and settings it was made with.
+--
+--   local reducer = reduce.new{ P = P, s = s, comm = comm, ... }
+--   reducer:stage_grads(segs); reducer:grads_ready(seg); reducer:wait_all()
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
@@ -15,13 +21,37 @@ local at = Placement.offset
 local CHUNK = layout.CHUNK
 
 local M = {}
+local Reducer = {}
+Reducer.__index = Reducer
+
+-- parts: P (the plan), s (the engine's settings), comm, rank, L (the
+-- layout), pool (device comm buffers), hpool (host staging), half_grads,
+-- gdt, grads, ograds, rgrads (the buffers: the gradients, the optimizer's,
+-- the one reductions add into), spill (the gradient file, or nil),
+-- scratches (device -> fp32 scratch), round_scratch, boundary (a function:
+-- whether this micro-step ends the accumulation).
+function M.new(parts)
+  local self = setmetatable({
+    inflight = {}, inflight_elems = 0, -- reductions in flight, and their elements
+    landing = {},                      -- gradients being copied off the device
+    bucket = false,                    -- the open all-reduce bucket (false: none)
+    copy_wait = 0,                     -- seconds the host waited for overlapped copies
+    spill_sq = {},                     -- segment -> its slice's squared norm (spill)
+  }, Reducer)
+  for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
+                       "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
+                       "boundary" }) do
+    self[k] = parts[k]
+  end
+  return self
+end
 
 local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
 
 -- A module's backward is about to run: its segments' gradients get a
 -- staging buffer (buffered), and every segment counts the modules still to
 -- write into it.
-function M:stage_grads(segs)
+function Reducer:stage_grads(segs)
   local buffered = self.P.reduce.buffered
   for _, seg in ipairs(segs) do
     if seg.frozen then -- (no gradients)
@@ -38,7 +68,7 @@ end
 
 -- A segment's gradients are complete for this micro-step: reduced as the
 -- plan says (P.reduce).
-function M:grads_ready(seg)
+function Reducer:grads_ready(seg)
   local comm, async, R = self.comm, self.s.overlap, self.P.reduce
   if R.buffered then
     -- Reduce the staging buffer: all-reduce of all of it (added into the
@@ -76,7 +106,7 @@ function M:grads_ready(seg)
     bind_grads(seg, nil)
     return
   end
-  if not self:is_gradient_accumulation_boundary() then return end
+  if not self.boundary() then return end
   if R.op == "reduce_scatter" then
     -- In place, in the full gradient buffer: this rank's slice is reduced.
     local full = self.grads:view(seg.full_offset, { seg.padded })
@@ -98,7 +128,7 @@ function M:grads_ready(seg)
   if b.hi - b.lo >= self.s.reduce_bucket then self:flush_bucket() end
 end
 
-function M:flush_bucket()
+function Reducer:flush_bucket()
   local b = self.bucket
   if not b then return end
   self.bucket = false
@@ -108,7 +138,7 @@ end
 
 -- Staged gradients: adds a reduced staging buffer (all-reduce) or slice
 -- (reduce-scatter) into the gradients the optimizer reads.
-function M:finish_reduce(item)
+function Reducer:finish_reduce(item)
   if item.work then item.work:wait() end
   local seg = item.seg
   if seg then
@@ -140,11 +170,11 @@ end
 -- A reduced slice src (where the add runs) into the gradients the optimizer
 -- reads: item.dst, or the gradient file's staging (zero/spill.lua), taking
 -- the norm's partial of the slice on the last micro-step.
-function M:add_reduced(item, src)
+function Reducer:add_reduced(item, src)
   if not self.spill then return self:accumulate(item.dst, src) end
   local seg, sp = item.seg, self.spill
   local add = function(d, s) self:accumulate(d, s) end
-  if not self:is_gradient_accumulation_boundary() then
+  if not self.boundary() then
     return sp:add(seg.shard_offset, src, add)
   end
   -- The norm's partial over the slice's final values. Without
@@ -170,13 +200,13 @@ function M:add_reduced(item, src)
 end
 
 -- dst += a reduced micro-step gradient src (both where the add runs).
-function M:accumulate(dst, src)
+function Reducer:accumulate(dst, src)
   if self.half_grads then self:add_half(dst, src) else ops.axpy(dst, 1.0, src) end
 end
 
 -- A reduced gradient copied off the device is added into the host's
 -- gradients once its copy has landed; its buffers go back to their pools.
-function M:land(item)
+function Reducer:land(item)
   if item.landed then
     self:wait_copies(item.landed)
     item.landed:free()
@@ -188,14 +218,14 @@ end
 
 -- Waits for copies queued to overlap (up to event ev), counting the host's
 -- wait: the part of their time that was not hidden (copy_wait_s).
-function M:wait_copies(ev)
+function Reducer:wait_copies(ev)
   local t0 = clock.now()
   ev:synchronize()
   self.copy_wait = self.copy_wait + (clock.now() - t0)
 end
 
 -- Lands the copies in flight, in order (all, or those already done).
-function M:land_all(done_only)
+function Reducer:land_all(done_only)
   local landing = self.landing
   while #landing > 0 and (not done_only or landing[1].landed:query()) do
     self:land(table.remove(landing, 1))
@@ -205,7 +235,7 @@ end
 -- Half gradients: the fp32 scratch of 2 x CHUNK elements beside a tensor
 -- (on its device, made by allocate), for the optimizer's view of the
 -- gradients and for accumulating into them.
-function M:scratch_by(t) return self.scratches[t:device_name()] end
+function Reducer:scratch_by(t) return self.scratches[t:device_name()] end
 
 -- dst += src for gdt tensors: both converted to fp32, added, dst rounded
 -- back (nearest even), CHUNK elements at a time. Elementwise, so every
@@ -214,7 +244,7 @@ function M:scratch_by(t) return self.scratches[t:device_name()] end
 -- An fp32 dst (the optimizer's host gradients) holds gdt values: the sum
 -- is rounded to gdt and widened back (through round_scratch), the same
 -- numbers a gdt dst holds.
-function M:add_half(dst, src)
+function Reducer:add_half(dst, src)
   local n, scratch = dst:numel(), self:scratch_by(dst)
   local round = dst.dtype ~= src.dtype
   for off = 0, n - 1, CHUNK do
@@ -236,7 +266,7 @@ function M:add_half(dst, src)
 end
 
 -- Keeps the gradient buckets in flight under reduce_bucket_size elements.
-function M:make_room(n)
+function Reducer:make_room(n)
   self:land_all(true)
   while #self.inflight > 0 and self.inflight_elems + n > self.s.reduce_bucket do
     self:finish_reduce(table.remove(self.inflight, 1))
@@ -248,13 +278,13 @@ function M:make_room(n)
   end
 end
 
-function M:landing_elems()
+function Reducer:landing_elems()
   local n = 0
   for _, item in ipairs(self.landing) do n = n + item.elems end
   return n
 end
 
-function M:wait_all()
+function Reducer:wait_all()
   self:flush_bucket()
   while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
   self.inflight_elems = 0
@@ -264,7 +294,7 @@ end
 -- A host optimizer's gradients when the device keeps whole ones (stage 1,
 -- or accumulation before stage 2): this rank's slices, copied off the
 -- device once per step.
-function M:pull_grads()
+function Reducer:pull_grads()
   local P = self.P
   if P.opt_grads.alias or P.grads.extent == "none" then return end
   for _, seg in ipairs(self.L.segments) do
@@ -273,7 +303,7 @@ function M:pull_grads()
   end
 end
 
-function M:zero_grad()
+function Reducer:zero_grad()
   local P = self.P
   if P.grads.extent ~= "none" then self.grads:zero() end
   if self.spill then self.spill_sq = {}

@@ -39,4 +39,22 @@ function Scaler:update(overflow)
   self.iter = self.iter + 1
 end
 
+-- Its state for a checkpoint: every number and flag.
+function Scaler:state()
+  local t = {}
+  for k, v in pairs(self) do
+    if type(v) == "number" or type(v) == "boolean" then t[k] = v end
+  end
+  return t
+end
+
+-- Takes a saved state back (a dynamic scaler only: a static scale is the
+-- config's).
+function Scaler:restore(t)
+  if not self.dynamic then return end
+  for k, v in pairs(t or {}) do
+    if type(self[k]) == type(v) then self[k] = v end
+  end
+end
+
 return Scaler

@@ -20,7 +20,7 @@
 --   sp:add(shard_lo, src, add [, collect])  -- add(dst_view, src_view) adds a reduced slice
 --   sp:end_micro()               -- after it: every sub-group written
 --   sp:finish()                  -- before the optimizer reads the file
-local lz = require("luazero")
+local store = require("luazero.zero.store")
 
 local M = {}
 
@@ -31,7 +31,8 @@ local Spill = {}
 Spill.__index = Spill
 
 -- opts: groups ({lo, n} in order), G (elements per group, a multiple of
--- 1024), nvme_path, aio (swap options), buffers (host f32 tensors of at
+-- 1024), tier (the store kind of the gradient file, zero/store/: "nvme"),
+-- nvme_path, aio (swap options), buffers (host f32 tensors of at
 -- least G elements to reuse: the optimizer ring's gradient staging),
 -- make_buffer (a function returning another one when those are busy).
 function M.new(opts)
@@ -40,8 +41,9 @@ function M.new(opts)
                               open = {}, filled = {}, writing = {}, touched = {},
                               first = true }, Spill)
   for _, b in ipairs(opts.buffers or {}) do self.idle[#self.idle + 1] = b end
-  self.swap = lz.swap(opts.nvme_path, math.max(PAGE, #self.groups * self.region), "grads",
-                      opts.aio)
+  self.swap = store.get(opts.tier).open(opts.nvme_path,
+                                                  math.max(PAGE, #self.groups * self.region),
+                                                  "grads", opts.aio)
   return self
 end
 

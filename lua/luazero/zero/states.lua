@@ -32,7 +32,7 @@ function M:init_weights(seed)
   end
   local st = self.states
   local grouped = st.nb > 0
-  local own_master = not P.master.alias and P.master.tier ~= "nvme"
+  local own_master = not P.master.alias and not P:swapped("master")
   local full_of, drawing = {}, {}
   local frontier = 0 -- shard elements [0, frontier) drawn and placed
   -- A state's part of segment seg from its drawn fp32 values: the whole
@@ -52,7 +52,7 @@ function M:init_weights(seed)
     end
   end
   local function placed(seg, full)
-    if P.params.tier ~= "nvme" then place(self.work, P.params.extent, seg, full) end
+    if not P:swapped("params") then place(self.work, P.params.extent, seg, full) end
     if seg.persistent then seg.persistent:convert(full) end
     if own_master then place(self.master, P.master.extent, seg, full) end
     frontier = seg.shard_offset + seg.slice
@@ -93,7 +93,7 @@ function M:init_weights(seed)
   if grouped then
     st:each_group(true, function(_, lo, n, v)
       while frontier < lo + n and pump() do end
-      if P.optimizer.tier == "nvme" then
+      if P:swapped("optimizer") then
         if not P.master.alias then
           self:shard_pieces(lo, n, function(seg, a, len)
             local from = self.rank * seg.slice + (a - seg.shard_offset)
@@ -102,7 +102,7 @@ function M:init_weights(seed)
         end
         for _, t in ipairs(v.s) do t:zero() end
       end
-      if P.params.tier == "nvme" then v.work:copy(v.master) end
+      if P:swapped("params") then v.work:copy(v.master) end
       for seg, full in pairs(full_of) do
         if seg.shard_offset + seg.slice <= lo + n then full:free(); full_of[seg] = nil end
       end
@@ -117,8 +117,8 @@ end
 -- Zero weights everywhere the plan keeps them (the loader fills them next).
 function M:zero_weights()
   local P = self.P
-  if P.params.tier ~= "nvme" then self.work:zero() end
-  if not P.master.alias and P.master.tier ~= "nvme" then self.master:zero() end
+  if not P:swapped("params") then self.work:zero() end
+  if not P.master.alias and not P:swapped("master") then self.master:zero() end
   for _, seg in ipairs(self.L.segments) do
     if seg.persistent then seg.persistent:zero() end
   end
@@ -127,7 +127,7 @@ function M:zero_weights()
     st:each_group(true, function(_, _, _, v)
       if not P.master.alias then v.master:zero() end
       for _, t in ipairs(v.s) do t:zero() end
-      if P.params.tier == "nvme" then v.work:zero() end
+      if P:swapped("params") then v.work:zero() end
     end, true)
   end
 end
@@ -162,7 +162,7 @@ function M:build_calls()
   end
   -- The working copy the update rounds into (none when it is the master
   -- itself, or on NVMe: each sub-group's staging then).
-  local rounds = P.dtype ~= "f32" and P.params.tier ~= "nvme"
+  local rounds = P.dtype ~= "f32" and not P:swapped("params")
   local runs = {}
   for _, r in ipairs(ranks) do
     for _, run in ipairs(layout.shard_runs(L, r)) do
@@ -183,7 +183,7 @@ function M:build_calls()
     end
   end
   local grouped_master = not P.master.alias
-  local grouped_work = P.params.tier == "nvme"
+  local grouped_work = P:swapped("params")
   self.calls = {}
   for k, g in ipairs(self.states.groups) do
     local gv, calls = self.states.views[k], {}
@@ -266,7 +266,7 @@ function M:visit_states(write_back, fn)
   self.states:each_group(write_back, function(_, lo, n, v)
     if not P.master.alias then
       fn(lo, v.master, unpack(v.s))
-      if write_back and P.params.tier == "nvme" then v.work:copy(v.master) end
+      if write_back and P:swapped("params") then v.work:copy(v.master) end
     elseif P.master.extent == P.optimizer.extent then
       fn(lo, self.master:view(lo, { n }), unpack(v.s))
     else
@@ -299,8 +299,8 @@ function M:after_load()
   local L, P = self.L, self.P
   -- (an NVMe shard got it in visit_states; a host master beside a device
   -- working copy is never the working copy itself)
-  local resident = P.master.tier ~= "nvme"
-  if (P.dtype ~= "f32" or P.push_params) and P.params.tier ~= "nvme" then
+  local resident = not P:swapped("master")
+  if (P.dtype ~= "f32" or P.push_params) and not P:swapped("params") then
     local work = self.work
     if resident and P.params.extent == P.master.extent then
       work:convert(self.master)
@@ -327,12 +327,6 @@ function M:after_load()
   self:zero_grad()
 end
 
--- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua.
-function M:save(dir, extra, opts)
-  return require("luazero.checkpoint").save(self, dir, extra, opts)
-end
-function M:load(path) return require("luazero.checkpoint").load(self, path) end
-
 ---------------------------------------------------------- checkpoints
 
 -- The full fp32 master parameters in canonical order (unpadded), as an f32
@@ -352,7 +346,7 @@ end
 function M:full_master_segments(fn)
   local P = self.P
   local on_device = P:on_device("master")
-  if P.master.tier ~= "nvme" and P.master.extent == "full" then
+  if not P:swapped("master") and P.master.extent == "full" then
     for _, seg in ipairs(self.L.segments) do
       local full = self.master:view(seg.full_offset, { seg.padded })
       if on_device then
@@ -380,7 +374,7 @@ end
 -- assembled from the sub-groups read from NVMe.
 function M:master_slices(fn)
   local segs = self.L.segments
-  if self.P.master.tier ~= "nvme" then
+  if not self.P:swapped("master") then
     for _, seg in ipairs(segs) do fn(seg, self.master:view(seg.shard_offset, { seg.slice })) end
     return
   end
