@@ -13,6 +13,7 @@
 local M = {}
 
 local Placement = require("luazero.zero.plan")
+local store = require("luazero.zero.store")
 
 local esize = Placement.esize
 
@@ -25,26 +26,45 @@ for _, name in ipairs({ "fp32", "bf16", "fp16" }) do
 end
 M.dtype_bytes = dtype_bytes
 
--- The model-state table's rows (the ZeRO paper's placements).
-M.offloads = { "none", "cpu", "cpu+param" }
-
 -- Every placement the engine has: where offload_optimizer (opt) and
--- offload_param (param) put their states. "nvme": the optimizer's states
--- in swap files; "nvme+param": the parameter shard there too;
--- "cpu+nvme-param": the optimizer in host memory, the parameter shard on
--- NVMe; "nvme+cpu-param" the other way round; "cpu-param", "nvme-param":
--- the parameter shard alone off the device.
-M.placements = {
-  { name = "none", opt = "none", param = "none" },
-  { name = "cpu", opt = "cpu", param = "none" },
-  { name = "cpu+param", opt = "cpu", param = "cpu" },
-  { name = "nvme", opt = "nvme", param = "none" },
-  { name = "nvme+param", opt = "nvme", param = "nvme" },
-  { name = "cpu+nvme-param", opt = "cpu", param = "nvme" },
-  { name = "nvme+cpu-param", opt = "nvme", param = "cpu" },
-  { name = "cpu-param", opt = "none", param = "cpu" },
-  { name = "nvme-param", opt = "none", param = "nvme" },
-}
+-- offload_param (param) put their states, one pair of the store table's
+-- config names (zero/store/), named from them: "cpu", "nvme" (the
+-- optimizer's states off the device), "cpu+param", "nvme+param" (the
+-- parameter shard with them), "cpu+nvme-param", "nvme+cpu-param" (the two
+-- apart), "cpu-param", "nvme-param" (the parameter shard alone off the
+-- device); "none" keeps everything on the device.
+local function placements()
+  local none, off = nil, {}
+  for _, kind in ipairs(store.kinds()) do
+    if kind.on_device then none = none or kind.config else off[#off + 1] = kind.config end
+  end
+  local list = { { name = none, opt = none, param = none } }
+  local function add(name, opt, param) list[#list + 1] = { name = name, opt = opt, param = param } end
+  for _, c in ipairs(off) do
+    add(c, c, none)
+    add(c .. "+param", c, c)
+  end
+  for _, a in ipairs(off) do
+    for _, b in ipairs(off) do
+      if a ~= b then add(a .. "+" .. b .. "-param", a, b) end
+    end
+  end
+  for _, c in ipairs(off) do add(c .. "-param", none, c) end
+  return list
+end
+M.placements = placements()
+
+-- The model-state table's rows (the ZeRO paper's placements): the states
+-- in memory the engine addresses, the parameter shard only beside the
+-- optimizer's states: "none", "cpu", "cpu+param".
+M.offloads = {}
+for _, pl in ipairs(M.placements) do
+  local opt, param = store.of_config(pl.opt), store.of_config(pl.param)
+  if opt.resident and param.resident and (param.on_device or pl.param == pl.opt) then
+    M.offloads[#M.offloads + 1] = pl.name
+  end
+end
+
 local placement_of = {}
 for _, pl in ipairs(M.placements) do placement_of[pl.name] = pl end
 M.placement_of = placement_of

@@ -347,25 +347,26 @@ function M.load_into(engine, path)
       end
     end)
     -- Frozen parameters, in the working dtype: the parts this rank keeps
-    -- (engine:frozen_ranges: all of them below stage 3), read in chunks.
+    -- (engine.frozen:ranges: all of them below stage 3), read in chunks.
     local chunk = 2 ^ 22
     local tmp = lz.tensor({ chunk }, "f32", "workspace")
-    for _, p in ipairs(engine.frozen_entries or {}) do
+    local frozen = engine.frozen
+    for _, p in ipairs(frozen.entries) do
       local e = want[p.name]
       if e then
-        for _, r in ipairs(engine:frozen_ranges(p)) do
+        for _, r in ipairs(frozen:ranges(p)) do
           for a = r[1], r[1] + r[2] - 1, chunk do
             local k = math.min(chunk, r[1] + r[2] - a)
             read_param(e, a, k, ffi.cast("float *", tmp.data))
             local v = tmp:view(0, { k })
-            engine:frozen_write(p, a, v)
+            frozen:write(p, a, v)
             v:free()
           end
         end
       end
     end
     tmp:free()
-    engine:frozen_done()
+    frozen:done()
     return #want
   end)
   M.close(src)

@@ -105,7 +105,7 @@ function T.frozen_weights_are_partitioned_and_offloaded_at_stage_3()
     assert(r.unchanged, what .. ": a frozen weight changed")
     assert(r.engine:frozen_checksum() == base, what .. ": a different frozen base")
     assert(r.checksum == want, ("%s: %s, stage 0: %s"):format(what, r.checksum, want))
-    assert(r.engine.LF and not r.engine.frozen, what .. ": frozen weights not partitioned")
+    assert(r.engine.frozen.LF and not r.engine.frozen.whole, what .. ": frozen weights not partitioned")
     local held = r.engine:frozen_bytes()
     if c[1] == "nvme" then
       assert(held < whole / 4, ("%s: %d of %d frozen bytes in memory"):format(what, held, whole))

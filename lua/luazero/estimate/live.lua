@@ -72,7 +72,7 @@ function M.estimate(engine, opts)
     for _, t in ipairs(engine.pshard.all_stages) do staging = staging + t:bytes() end
     nvme = nvme + engine.pshard.swap:stats().size
   end
-  local fps = engine.fstore and engine.fstore.pshard -- frozen parameters on NVMe
+  local fps = engine.frozen:pshard() -- frozen parameters on NVMe
   if fps then
     for _, t in ipairs(fps.all_stages) do staging = staging + t:bytes() end
     nvme = nvme + fps.swap:stats().size

@@ -614,10 +614,19 @@ function M.pick_nvme(params, world, budget_bytes, dtype, opts)
     if opts.layout then counts.full, counts.shard = opts.layout.full, opts.layout.shard end
   end
   local device = opts.device or "cuda"
-  local what = { nvme = "the optimizer states on NVMe",
-                 ["nvme+param"] = "the optimizer states and the parameter shard on NVMe" }
+  -- The placements with the optimizer's states in swap files, alone and
+  -- with the parameter shard beside them.
+  local tries, what = {}, {}
+  for _, p in ipairs(E.placements) do
+    local opt = store.of_config(p.opt)
+    if not opt.resident and (p.param == p.opt or store.of_config(p.param).on_device) then
+      tries[#tries + 1] = p.name
+      what[p.name] = p.param == p.opt and "the optimizer states and the parameter shard on NVMe"
+                     or "the optimizer states on NVMe"
+    end
+  end
   local need, name
-  for _, pl in ipairs({ "nvme", "nvme+param" }) do
+  for _, pl in ipairs(tries) do
     local o = {}
     for k, v in pairs(opts.settings or {}) do o[k] = v end
     o.stage, o.offload, o.opt, o.param = 3, pl, nil, nil

@@ -4,6 +4,7 @@
 -- the config's nvme_path or --nvme-path. ex: a luazero.run.exits.
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
+local store = require("luazero.zero.store")
 local M = {}
 
 -- Sets cfg's stage (and NVMe placement) for model on `world` ranks; a
@@ -22,7 +23,8 @@ function M.resolve(ex, cfg, model, world, flags)
   for _, e in ipairs(model.param_table) do
     if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
   end
-  local device = flags.device == "cpu" and "cpu" or "cuda"
+  -- (the estimate reads any device but cpu as an accelerator's memory apart)
+  local device = flags.device
   local settings = estimate.settings_of(cfg, device)
   settings.overlap = nil -- stage 3's default unless the config says
   if z.overlap_comm_given then settings.overlap = z.overlap_comm end
@@ -36,14 +38,16 @@ function M.resolve(ex, cfg, model, world, flags)
       config.check_writable_dir("--nvme-path", nvme_path)
     end
     local pl = estimate.placement_of[placement]
+    -- (the placements pick_stage tries put states in swap files: a store
+    -- kind that is not resident)
     for key, dev in pairs({ offload_optimizer = pl.opt, offload_param = pl.param }) do
-      if dev == "nvme" then
-        z[key].device = "nvme"
+      if not store.of_config(dev).resident then
+        z[key].device = dev
         z[key].nvme_path = z[key].nvme_path or nvme_path
       end
     end
     -- offload_param.buffer_size must hold the largest slice a gather reads.
-    if pl.param == "nvme" then
+    if not store.of_config(pl.param).resident then
       local slice = 0
       for _, seg in ipairs(counts.segments) do slice = math.max(slice, seg.slice) end
       z.offload_param.buffer_size = math.max(z.offload_param.buffer_size or 0, slice)

@@ -12,11 +12,12 @@
 -- parameter gathers and the module hooks (zero/gather.lua, self.gatherer)
 -- and gradient reduction (zero/reduce.lua, self.reducer) are components
 -- with their own state, as are the optimizer's states over their store
--- (zero/offload.lua, self.states) and the loss scaler (self.scaler); the
--- other parts are methods in files of their own, mixed in at the end:
--- zero/states.lua (initial weights, the optimizer's calls, the states
--- checkpoints read), zero/report.lua (what the engine says about itself),
--- zero/frozen.lua.
+-- (zero/offload.lua, self.states), the model states as numbers over them
+-- (zero/states.lua, self.model_states: initial weights, the optimizer's
+-- calls and update, what checkpoints and checksums read), the frozen
+-- parameters (zero/frozen.lua, self.frozen) and the loss scaler
+-- (self.scaler). What the engine says about itself (zero/report.lua) sits
+-- above it, handed in by luazero.zero.initialize.
 --
 --   local engine = zero.initialize{ model = gpt2.new(cfg), config = cfg_table,
 --                                 seed = 1337, batch = {B, T}, lr = fn(step) }
@@ -35,6 +36,8 @@ local spill = require("luazero.zero.spill")
 local store = require("luazero.zero.store")
 local reduce = require("luazero.zero.reduce")
 local gather = require("luazero.zero.gather")
+local Frozen = require("luazero.zero.frozen")
+local States = require("luazero.zero.states")
 
 local M = {}
 local Engine = {}
@@ -97,7 +100,8 @@ end
 -- estimate (estimate/live.lua: engine:estimate() and the out-of-memory
 -- error; without it that error is the allocator's own) and checkpoint
 -- (luazero.checkpoint: engine:save and engine:load, through
--- engine:state_parts()).
+-- engine:state_parts()), report (zero/report.lua: engine:describe(),
+-- offload_summary, nvme_bytes, state_bytes).
 function M.initialize(opts, above)
   above = above or {}
   local estimator = above.estimate
@@ -134,9 +138,9 @@ function M.initialize(opts, above)
   -- Frozen parameters (model:freeze) are not laid out: the engine keeps
   -- them whole in the working dtype, with no gradients and no states.
   self.ptable = model:trainable_table()
-  self.frozen_entries = {}
+  local frozen_entries = {}
   for _, e in ipairs(model.param_table) do
-    if e.frozen then self.frozen_entries[#self.frozen_entries + 1] = e end
+    if e.frozen then frozen_entries[#frozen_entries + 1] = e end
   end
   if #self.ptable == 0 then
     error("initialize: every parameter is frozen (model:freeze); leave some to train", 0)
@@ -148,15 +152,16 @@ function M.initialize(opts, above)
   self.scaler = Scaler.new(s.dtype == "fp16" and s.fp16 or nil)
   self:find_users()
   local ok, err = pcall(function()
-    self:allocate()
+    self:allocate(frozen_entries)
     -- draw_weights false: the weights are loaded next (--init): nothing is
     -- drawn, and no whole-model buffer is made.
     if opts.draw_weights == false then
-      self:zero_weights()
+      self.model_states:zero_weights()
     else
-      self:init_weights(opts.seed or 0)
+      self.model_states:init_weights(opts.seed or 0)
     end
-    self:build_calls()
+    self.model_states:build_calls()
+    self:norm_parts()
     self:install_hooks()
     if opts.checkpoint_activations then
       model:checkpoint_activations((opts.config or {}).activation_checkpointing or true)
@@ -183,6 +188,25 @@ function Engine:estimate(opts)
   return self.above.estimate.estimate(self, opts)
 end
 
+-- What the engine says about itself (zero/report.lua): the start-up lines,
+-- the bytes its swap files moved, its own model-state bytes.
+local function report(self, what)
+  assert(self.above.report, "engine:" .. what .. ": make the engine with luazero.zero.initialize")
+  return self.above.report[what](self)
+end
+function Engine:describe() return report(self, "describe") end
+function Engine:offload_summary() return report(self, "offload_summary") end
+function Engine:nvme_bytes() return report(self, "nvme_bytes") end
+function Engine:state_bytes() return report(self, "state_bytes") end
+
+-- Where the weights were loaded from (--init), kept for the checkpoint's
+-- manifest: an absolute path (a relative one is taken from $PWD), and the
+-- xxh64 of its files where a resume must find the same base (LoRA).
+function Engine:set_init_path(path, xxh64)
+  self.init_path = path:sub(1, 1) == "/" and path or ((os.getenv("PWD") or ".") .. "/" .. path)
+  self.init_xxh64 = xxh64
+end
+
 -- engine:save(dir, extra, opts) and engine:load(path): luazero/checkpoint.lua,
 -- which reads and fills the engine through state_parts and restore_parts.
 function Engine:save(dir, extra, opts)
@@ -204,8 +228,8 @@ end
 function Engine:state_parts()
   local states = { "master" }
   for _, name in ipairs(self.optimizer.states) do states[#states + 1] = name end
-  local P, steps = self.P, self.optimizer_steps
-  local replicated = self:states_replicated()
+  local P, steps, ms = self.P, self.optimizer_steps, self.model_states
+  local replicated = ms:replicated()
   return {
     comm = self.comm, rank = self.rank, world = self.world, stage = self.stage,
     dtype = self.dtype, model = self.model, params = self.ptable, numel = self.L.numel,
@@ -215,17 +239,17 @@ function Engine:state_parts()
     optimizer_record = self.optimizer:record(),
     optimizer_accepts = function(type_name) return self.optimizer:accepts(type_name) end,
     shard = {
-      states = states, numel = self:state_numel(), replicated = replicated,
+      states = states, numel = ms:numel(), replicated = replicated,
       -- (states in swap files: a snapshot would hold them whole in memory)
       swapped = P:swapped("optimizer") or P:swapped("master"),
-      layout = function() return self:state_layout() end,
+      layout = function() return ms:layout() end,
       -- {offset, canonical, numel} runs of rank r's shard
       runs_of = function(r)
-        if r == self.rank then return self:state_layout().runs end
+        if r == self.rank then return ms:layout().runs end
         return layout.canonical_runs(self.L, not replicated and r or nil)
       end,
       -- visit(writing, fn): fn(offset, master, state...) over the shard
-      visit = function(writing, fn) return self:visit_states(writing, fn) end,
+      visit = function(writing, fn) return ms:visit(writing, fn) end,
     },
     steps = { optimizer = steps, global = self.global_steps, skipped = self.skipped_steps },
     -- the schedule where it stands (called when a manifest is written)
@@ -250,6 +274,23 @@ function Engine:restore_parts(saved)
   self.skipped_steps = steps.skipped
   if saved.dtype == "fp16" and self.dtype == "fp16" then self.scaler:restore(saved.loss_scaler) end
   self.resumed_from = saved.resumed_from
+end
+
+-- The model states' calls the engine's users make (zero/states.lua):
+-- this rank's optimizer elements, visited in order (checkpoints, the HF
+-- loader, inference, the REPL), and the fp32 master whole or as a checksum.
+function Engine:state_numel() return self.model_states:numel() end
+function Engine:state_layout() return self.model_states:layout() end
+function Engine:visit_states(write_back, fn) return self.model_states:visit(write_back, fn) end
+function Engine:master_params() return self.model_states:master_params() end
+function Engine:params_checksum() return self.model_states:checksum() end
+
+-- After the master was written (a load): the working copy from it, then
+-- what the plan gathers after a step, and no gradients.
+function Engine:after_load()
+  self.model_states:after_load()
+  self:gather_params()
+  self:zero_grad()
 end
 
 ------------------------------------------------------------- layout, buffers
@@ -303,10 +344,15 @@ end
 -- One buffer per state the plan keeps in memory: the working parameters
 -- (self.work), the gradients (self.grads), the optimizer's fp32 master and
 -- states (self.states: zero/offload.lua, resident or swapped to NVMe).
-function Engine:allocate()
+function Engine:allocate(frozen_entries)
   local L, P, s = self.L, self.P, self.s
   local pp = P.params
-  self:allocate_frozen() -- zero/frozen.lua
+  -- Frozen parameters: a component of their own (zero/frozen.lua), whose
+  -- stage-3 segments join the parameter groups.
+  self.frozen = Frozen.new{ entries = frozen_entries, P = P, s = s, world = self.world,
+                            rank = self.rank, dev = self.dev, model = self.model,
+                            segs_of = self.segs_of }
+  self.LF = self.frozen.LF
   if P:swapped("params") then
     local op = s.offload_param
     self.pshard = offload.param_shard{ n = self:numel(pp.extent), dtype = pp.dtype, tier = pp.tier,
@@ -414,6 +460,14 @@ function Engine:allocate()
       layout.bind("g", seg, self.grads:view(seg.full_offset, { seg.padded }))
     end
   end
+  -- The model states as numbers: weights, the optimizer's calls, what
+  -- checkpoints visit (zero/states.lua).
+  self.model_states = States.new{
+    P = P, L = L, rank = self.rank, world = self.world, comm = self.comm, model = self.model,
+    ring = self.states, master = self.master, work = self.work, wstage = self.wstage,
+    ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
+    frozen = self.frozen, overlap = s.overlap,
+  }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{
     P = P, s = s, comm = self.comm, rank = self.rank, L = L, pool = self.pool,
@@ -441,11 +495,30 @@ function Engine:zero_grad() self.reducer:zero_grad() end
 function Engine:wait_all() self.reducer:wait_all() end
 function Engine:pull_grads() self.reducer:pull_grads() end
 function Engine:wait_copies(ev) self.reducer:wait_copies(ev) end
+-- Seconds the host has waited so far for host<->device copies queued to
+-- overlap with compute (overlap_comm): the part of their time not hidden.
+function Engine:copy_wait_s() return self.reducer.copy_wait end
 
--- Half gradients: the fp32 scratch of 2 x CHUNK elements beside a tensor
--- (on its device, made by allocate), for the optimizer's view of the
--- gradients.
-function Engine:scratch_by(t) return self.scratches[t:device_name()] end
+-- The frozen parameters' checksum and bytes in memory (tests, LoRA runs).
+function Engine:frozen_checksum() return self.frozen:checksum(self.gatherer, self.comm) end
+function Engine:frozen_bytes() return self.frozen:bytes() end
+
+-- The norm's canonical partials: this rank's gradient slices, and the
+-- buffers one all-gather exchanges them (and the loss) through.
+function Engine:norm_parts()
+  local L, P = self.L, self.P
+  self.grad_slices = {}
+  for i, seg in ipairs(L.segments) do
+    if self.ograds then
+      self.grad_slices[i] = self.ograds:view(Placement.offset(P.opt_grads.extent, seg.mine),
+                                             { seg.slice })
+    end
+  end
+  local K = #L.segments + 1 -- the loss, then one partial per segment
+  self.meta_k = K
+  self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
+  self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
+end
 
 -- Activation arenas, plus (bf16/fp16) an arena for the casts modules make.
 function Engine:prepare(B, T)
@@ -571,19 +644,8 @@ function Engine:step()
     local c = s.clip / (norm + 1e-6)
     if c < 1 then scale = scale * c end
   end
-  local opt, t = self.optimizer, self.optimizer_steps
   if self.P.push_params then self:wait_copies(self.pushed) end -- the last step's copies
-  self.states:each_group(true, function(k)
-    for _, c in ipairs(self.calls[k]) do
-      if c.half_g then c.g:copy(c.half_g) end
-      opt:update(c, t, lr, scale)
-    end
-    if self.P.push_params then
-      for _, c in ipairs(self.calls[k]) do
-        if s.overlap then lz.copy_async(c.wdev, c.w, "copy") else c.wdev:copy(c.w) end
-      end
-    end
-  end, nil, true)
+  self.model_states:update(self.optimizer, self.optimizer_steps, lr, scale)
   if self.P.push_params then
     -- The device's kernels and collectives run after the new parameters landed.
     self.pushed:record("copy")
@@ -631,19 +693,10 @@ function Engine:free()
   f(self.work)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end
   f(self.meta_send); f(self.meta_recv); f(self.round_scratch)
-  self:free_frozen()
+  self.frozen:free()
   local ctx = self.model.ctx
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()
-end
-
--- The engine's parts, each a file of methods.
-for _, part in ipairs({ require("luazero.zero.states"), require("luazero.zero.report"),
-                        require("luazero.zero.frozen") }) do
-  for name, fn in pairs(part) do
-    assert(Engine[name] == nil, "engine: two parts define " .. name)
-    Engine[name] = fn
-  end
 end
 
 M.Engine = Engine

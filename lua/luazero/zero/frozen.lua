@@ -7,16 +7,26 @@
 -- shard (device, host or NVMe), gathered per module before it runs and
 -- released after; small modules are kept whole (persistent). A frozen
 -- weight a LoRA wrapper adapts is gathered with the wrapper, which reads it
--- before its Linear runs. Methods of the engine (zero/engine.lua mixes them in).
+-- before its Linear runs. A component of the engine (engine.frozen), with
+-- its own state — the whole buffer (below stage 3) or the frozen layout,
+-- its store and where each weight lies in it, the staging window that
+-- streams weights to NVMe — made from the entries, the plan and the
+-- settings it is handed.
 --
--- Weights arrive in canonical order (a draw, or --init) through
--- frozen_write, each rank keeping its part; frozen_done ends the stream.
+-- Weights arrive in canonical order (a draw, or --init) through write,
+-- each rank keeping its part; done ends the stream.
+--
+--   local frozen = Frozen.new{ entries = es, P = P, s = s, ... }
+--   frozen:write(e, a, t); frozen:done(); frozen:checksum(gatherer, comm)
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local offload = require("luazero.zero.offload")
 local esize = require("luazero.zero.plan").esize
+local store = require("luazero.zero.store")
 
 local M = {}
+local Frozen = {}
+Frozen.__index = Frozen
 
 local PAGE = 4096
 -- Elements of the staging that streams weights into an NVMe frozen shard.
@@ -24,46 +34,54 @@ local WINDOW = 2 ^ 23
 
 local function round_up(n, m) return math.ceil(n / m) * m end
 
-function M:allocate_frozen()
-  local entries, F = self.frozen_entries, self.P.frozen
-  if #entries == 0 then return end
+-- parts: entries (the model's frozen parameter entries, in canonical
+-- order), P (the plan), s (the engine's settings), world, rank, dev (the
+-- compute device), model, segs_of (module -> the segments its hooks
+-- gather: the frozen segments are added to it at stage 3).
+-- Fields others read: entries, LF (the frozen layout at stage 3, else nil).
+function M.new(parts)
+  local self = setmetatable({ entries = parts.entries, P = parts.P, s = parts.s,
+                              world = parts.world, rank = parts.rank, dev = parts.dev },
+                            Frozen)
+  local entries, F = self.entries, self.P.frozen
+  if #entries == 0 then return self end
   local wdt = F.dtype
   if F.extent == "full" then
     local nf = 0
     for _, e in ipairs(entries) do nf = nf + e.numel end
-    self.frozen = lz.tensor({ nf }, wdt, "params", self.dev)
+    self.whole = lz.tensor({ nf }, wdt, "params", self.dev)
     local off = 0
     for _, e in ipairs(entries) do
       e.frozen_offset = off
-      e.module.p[e.key] = self.frozen:view(off, e.shape)
+      e.module.p[e.key] = self.whole:view(off, e.shape)
       e.module.g[e.key] = nil
       off = off + e.numel
     end
-    return
+    return self
   end
   local s = self.s
   local LF = layout.new(entries, self.world)
   self.LF = LF
-  local store = { upload = not self.P:store("frozen").on_device and self.dev ~= "cpu" }
+  local fstore = { upload = not self.P:store("frozen").on_device and self.dev ~= "cpu" }
   if self.P:swapped("frozen") then
     local op = s.offload_param
-    store.pshard = offload.param_shard{ n = LF.shard_numel, dtype = wdt, tier = F.tier,
-                                        nvme_path = op.nvme_path,
-                                        aio = s.aio, buffer_count = op.buffer_count,
-                                        compute = self.dev }
+    fstore.pshard = offload.param_shard{ n = LF.shard_numel, dtype = wdt, tier = F.tier,
+                                         nvme_path = op.nvme_path,
+                                         aio = s.aio, buffer_count = op.buffer_count,
+                                         compute = self.dev }
   else
-    store.work = self:buffer(LF.shard_numel, wdt, "params", F.tier)
+    fstore.work = store.get(F.tier).allocate({ LF.shard_numel }, wdt, "params", self.dev)
   end
-  self.fstore = store
-  self.fwhere = {}
+  self.store = fstore
+  self.where = {}
   for _, seg in ipairs(LF.segments) do
-    seg.frozen, seg.store, seg.in_use = true, store, 0
+    seg.frozen, seg.store, seg.in_use = true, fstore, 0
     seg.mine = { full_offset = seg.full_offset + self.rank * seg.slice,
                  shard_offset = seg.shard_offset, numel = seg.slice }
     for _, se in ipairs(seg.entries) do
       se.entry.module.g[se.entry.key] = nil
       se.entry.module.p[se.entry.key] = nil
-      self.fwhere[se.entry.name] = { seg = seg, at = se.seg_offset }
+      self.where[se.entry.name] = { seg = seg, at = se.seg_offset }
     end
     if seg.numel <= s.persistence then
       seg.persistent = lz.tensor({ seg.padded }, wdt, "params", self.dev):zero()
@@ -72,30 +90,31 @@ function M:allocate_frozen()
   end
   -- Which module's hooks gather each segment: its own, or the LoRA
   -- wrapper's around it; and tied modules that read a frozen table.
-  local holder = {}
-  self.model:walk(function(m)
+  local model, segs_of, holder = parts.model, parts.segs_of, {}
+  model:walk(function(m)
     if m.base and LF.by_module[m.base] then holder[m.base] = m end
   end)
   local function attach(m, seg)
-    local list = self.segs_of[m] or {}
-    self.segs_of[m] = list
+    local list = segs_of[m] or {}
+    segs_of[m] = list
     list[#list + 1] = seg
   end
   for _, seg in ipairs(LF.segments) do attach(holder[seg.module] or seg.module, seg) end
-  self.model:walk(function(m)
+  model:walk(function(m)
     if m.tied then
       for _, name in pairs(m.tied) do
-        local w = self.fwhere[name]
+        local w = self.where[name]
         if w then attach(m, w.seg) end
       end
     end
   end)
+  return self
 end
 
 -- The parts of frozen parameter e this rank keeps, as element ranges
 -- { {a, n}, ... } (a reader fetches only these).
-function M:frozen_ranges(e)
-  local w = self.fwhere and self.fwhere[e.name]
+function Frozen:ranges(e)
+  local w = self.where and self.where[e.name]
   if not w or w.seg.persistent then return { { 0, e.numel } } end
   local seg = w.seg
   local lo = math.max(0, self.rank * seg.slice - w.at)
@@ -113,10 +132,10 @@ end
 
 -- Elements [a, a + n) of frozen parameter e in fp32 (host tensor t) into
 -- this rank's part of the frozen store, in the working dtype.
-function M:frozen_write(e, a, t)
+function Frozen:write(e, a, t)
   local n = t:numel()
-  if self.frozen then return put(self.frozen:view(e.frozen_offset + a, { n }), t:view(0, { n })) end
-  local w = self.fwhere[e.name]
+  if self.whole then return put(self.whole:view(e.frozen_offset + a, { n }), t:view(0, { n })) end
+  local w = self.where[e.name]
   local seg, p0 = w.seg, w.at + a -- padded-segment position of t[0]
   if seg.persistent then put(seg.persistent:view(p0, { n }), t:view(0, { n })) end
   local lo = math.max(p0, self.rank * seg.slice)
@@ -124,24 +143,23 @@ function M:frozen_write(e, a, t)
   if hi <= lo then return end
   local at = seg.shard_offset + lo - self.rank * seg.slice -- shard position
   local src = t:view(lo - p0, { hi - lo })
-  local store = self.fstore
-  if store.work then return put(store.work:view(at, { hi - lo }), src) end
-  self:frozen_stream(at, src)
+  if self.store.work then return put(self.store.work:view(at, { hi - lo }), src) end
+  self:stream(at, src)
 end
 
 -- NVMe: weights arrive in shard order; a window of staging collects them
 -- and is written whole when the next ones fall past it (padding stays zero).
-function M:frozen_stream(at, src)
-  local ps, n = self.fstore.pshard, src:numel()
-  local wd = self.fwindow
+function Frozen:stream(at, src)
+  local ps, n = self.store.pshard, src:numel()
+  local wd = self.window
   if not wd then
     wd = { buf = offload.staging(WINDOW, ps.dtype, self.dev), lo = nil }
-    self.fwindow = wd
+    self.window = wd
   end
   local off = 0
   while off < n do
     local pos = at + off
-    if wd.lo and (pos < wd.lo or pos >= wd.lo + WINDOW) then self:frozen_flush() end
+    if wd.lo and (pos < wd.lo or pos >= wd.lo + WINDOW) then self:flush() end
     if not wd.lo then
       wd.lo = math.floor(pos / offload.GRAIN) * offload.GRAIN
       wd.hi = wd.lo
@@ -155,44 +173,45 @@ function M:frozen_stream(at, src)
   src:free()
 end
 
-function M:frozen_flush()
-  local wd = self.fwindow
+function Frozen:flush()
+  local wd = self.window
   if not wd or not wd.lo then return end
-  local ps = self.fstore.pshard
+  local ps = self.store.pshard
   local bytes = round_up((wd.hi - wd.lo) * ps.es, PAGE)
   ps.swap:write(wd.lo * ps.es, wd.buf, bytes, false)
   wd.lo = nil
 end
 
 -- Every frozen weight has been written: the staging goes.
-function M:frozen_done()
-  if not self.fwindow then return end
-  self:frozen_flush()
-  self.fwindow.buf:free()
-  self.fwindow = nil
+function Frozen:done()
+  if not self.window then return end
+  self:flush()
+  self.window.buf:free()
+  self.window = nil
 end
 
 -- xxh64 (hex) of the frozen parameters' values in canonical order, in the
 -- working dtype: the same on every rank, stage and world size holding the
--- same numbers. At stage 3 each module's slices are gathered in turn.
-function M:frozen_checksum()
+-- same numbers. At stage 3 each module's slices are gathered in turn
+-- (gatherer: where a gather reads this rank's slices; comm: the ranks').
+function Frozen:checksum(gatherer, comm)
   local h = lz.hasher(0)
   local function hash(t, n)
     local host = t:device_name() ~= "cpu" and t:to("cpu")
     h:update((host or t).data, n * esize[t:dtype_name()])
     if host then host:free() end
   end
-  if self.frozen then
-    hash(self.frozen, self.frozen:numel())
+  if self.whole then
+    hash(self.whole, self.whole:numel())
   elseif self.LF then
     for _, seg in ipairs(self.LF.segments) do
       if seg.persistent then
         hash(seg.persistent, seg.numel)
       else
         local full = lz.tensor({ seg.padded }, self.P.frozen.dtype, "workspace", self.dev)
-        local send, stage = self:shard_slice(seg)
-        self.comm.all_gather(send, full)
-        self:release_slice(stage)
+        local send, stage = gatherer:shard_slice(seg)
+        comm.all_gather(send, full)
+        gatherer:release_slice(stage)
         hash(full, seg.numel)
         full:free()
       end
@@ -203,28 +222,32 @@ function M:frozen_checksum()
   return hex
 end
 
+-- The frozen parameters' NVMe parameter file (an offload.param_shard), or
+-- nil where they are in memory.
+function Frozen:pshard() return self.store and self.store.pshard end
+
 -- Bytes of frozen parameters this rank holds in memory (device or host).
-function M:frozen_bytes()
-  if self.frozen then return self.frozen:bytes() end
+function Frozen:bytes()
+  if self.whole then return self.whole:bytes() end
   if not self.LF then return 0 end
-  local n = self.fstore.work and self.fstore.work:bytes() or 0
+  local n = self.store.work and self.store.work:bytes() or 0
   for _, seg in ipairs(self.LF.segments) do
     if seg.persistent then n = n + seg.persistent:bytes() end
   end
   return n
 end
 
-function M:free_frozen()
-  if self.frozen then self.frozen:free(); self.frozen = nil end
-  if self.fwindow then self.fwindow.buf:free(); self.fwindow = nil end
-  local store = self.fstore
-  if not store then return end
-  if store.work then store.work:free() end
-  if store.pshard then store.pshard:free() end
+function Frozen:free()
+  if self.whole then self.whole:free(); self.whole = nil end
+  if self.window then self.window.buf:free(); self.window = nil end
+  local fstore = self.store
+  if not fstore then return end
+  if fstore.work then fstore.work:free() end
+  if fstore.pshard then fstore.pshard:free() end
   for _, seg in ipairs(self.LF.segments) do
     if seg.persistent then seg.persistent:free(); seg.persistent = nil end
   end
-  self.fstore = nil
+  self.store = nil
 end
 
 return M

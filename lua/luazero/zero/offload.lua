@@ -26,6 +26,7 @@
 --   local view, stage = ps:slice(offset, len) ... ps:release(stage)
 local lz = require("luazero")
 local store = require("luazero.zero.store")
+local optimizers = require("luazero.optim.registry")
 
 local M = {}
 
@@ -64,7 +65,8 @@ States.__index = States
 
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
 -- master copy here; false: the working copy is the fp32 master), names
--- (the optimizer's per-element fp32 states, in order; { "m", "v" }),
+-- (the optimizer's per-element fp32 states, in order; the default
+-- optimizer's: AdamW's m, v),
 -- tier (the plan's tier of the states: a store kind's name), nvme_path
 -- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
@@ -75,7 +77,7 @@ States.__index = States
 -- gradients, read from the gradient file, zero/spill.lua, set as .spill).
 function M.states(opts)
   local n, kind = opts.n, store.get(opts.tier or "device")
-  local names = opts.names or { "m", "v" }
+  local names = opts.names or optimizers.default.states
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",

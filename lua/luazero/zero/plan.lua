@@ -24,6 +24,7 @@
 -- is counted under the ledger's offload category, and the optimizer reads
 -- the gradients and updates the fp32 parameters where they already are.
 local store = require("luazero.zero.store")
+local optimizers = require("luazero.optim.registry")
 
 local M = {}
 
@@ -83,7 +84,7 @@ end
 -- gradients': fp32 or the working dtype; fp32), offload_optimizer and
 -- offload_param (none|cpu|nvme), device (cpu|sim|cuda; cpu), accum
 -- (gradient accumulation steps; 1), optimizer_states (the optimizer
--- class's per-element states; { "m", "v" }).
+-- class's per-element states; the default optimizer's: AdamW's m, v).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -147,7 +148,7 @@ function M.new(opts)
   -- v; Lion m), fp32, beside the master.
   p.optimizer = { extent = opt_extent, dtype = "f32", tier = opt_tier,
                   ranks = stage == 0 and "all" or "own",
-                  states = opts.optimizer_states or { "m", "v" } }
+                  states = opts.optimizer_states or optimizers.default.states }
   -- fp32 master: the working parameters themselves when they are fp32 and
   -- in memory the optimizer can update; else its own copy beside m and v.
   if wdt == "f32" and reachable(p.params.tier) then

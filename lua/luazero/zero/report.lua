@@ -1,44 +1,35 @@
--- zero/report.lua — what the engine says about itself: its start-up lines
--- (the run's settings, where offload put the states), its own
--- model-state bytes, and the time and bytes its copies and swap files took. Methods of the engine
--- (zero/engine.lua mixes them in).
-
+-- zero/report.lua — what an engine says about itself: its start-up lines
+-- (the run's settings, where offload put the states), its own model-state
+-- bytes, and the bytes its swap files moved. Functions of an engine, above
+-- it: they read what its plan, layout and components hold and change
+-- nothing. luazero.zero.initialize hands this module to the engine
+-- (above.report), whose describe, offload_summary, nvme_bytes and
+-- state_bytes methods call it; what the estimate says of a live engine
+-- (engine:estimate(), the out-of-memory advice) is estimate/live.lua.
+--
+--   local report = require("luazero.zero.report")
+--   print(report.describe(engine)); print(report.state_bytes(engine).total)
 local offloaded = require("luazero.zero.plan").offloaded
 
 local M = {}
 
--- What the estimate says of a live engine (engine:estimate(), the
--- out-of-memory advice) sits above the engine, in estimate/live.lua.
-
 -- The start-up line of the run's settings: "zero stage 2, bf16 (grads
 -- bf16), AdamW, 2 ranks, overlap_comm".
-function M:describe()
-  local W = self.world
-  return ("zero stage %d, %s, %s, %d rank%s%s"):format(self.stage,
-    self.dtype .. (self.half_grads and (" (grads " .. self.s.grad_dtype .. ")") or ""),
-    self.optimizer.name, W, W == 1 and "" or "s", self.s.overlap and ", overlap_comm" or "")
+function M.describe(engine)
+  local W, s = engine.world, engine.s
+  return ("zero stage %d, %s, %s, %d rank%s%s"):format(engine.stage,
+    engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
+    engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "")
 end
-
--- Where the weights were loaded from (--init), kept for the checkpoint's
--- manifest: an absolute path (a relative one is taken from $PWD), and the
--- xxh64 of its files where a resume must find the same base (LoRA).
-function M:set_init_path(path, xxh64)
-  self.init_path = path:sub(1, 1) == "/" and path or ((os.getenv("PWD") or ".") .. "/" .. path)
-  self.init_xxh64 = xxh64
-end
-
--- Seconds the host has waited so far for host<->device copies queued to
--- overlap with compute (overlap_comm): the part of their time not hidden.
-function M:copy_wait_s() return self.reducer.copy_wait end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far
 -- (nil when nothing is on NVMe).
-function M:nvme_bytes()
-  local P = self.P
+function M.nvme_bytes(engine)
+  local P = engine.P
   if not P:swapped("optimizer") and not P:swapped("params") then return nil end
-  local r, w = self.states:io_bytes()
+  local r, w = engine.states:io_bytes()
   -- (the frozen parameters' own file at stage 3)
-  local ps = self.fstore and self.fstore.pshard
+  local ps = engine.frozen:pshard()
   if ps then
     local s = ps.swap:stats()
     r, w = r + s.bytes_read, w + s.bytes_written
@@ -47,8 +38,8 @@ function M:nvme_bytes()
 end
 
 -- Where the states live, for the start-up line: nil without offload.
-function M:offload_summary()
-  local oo, op, st = self.s.offload_opt, self.s.offload_param, self.states
+function M.offload_summary(engine)
+  local oo, op, st = engine.s.offload_opt, engine.s.offload_param, engine.states
   local opt_off, par_off = offloaded(oo.device), offloaded(op.device)
   if not opt_off and not par_off then return nil end
   local parts = {}
@@ -58,34 +49,32 @@ function M:offload_summary()
   if st.nb > 0 then
     line = line .. ("; %d sub-groups of %d elements, %d staging buffers (%.1f MiB)")
                    :format(#st.groups, st.G, st.nb, st:staging_bytes() / 2 ^ 20)
-    local P = self.P
+    local P = engine.P
     local sw = P:swapped("optimizer") and st.swap
-               or P:swapped("params") and self.pshard.swap
+               or P:swapped("params") and engine.pshard.swap
     if sw and not sw:stats().direct then line = line .. ", buffered I/O" end
   end
   return line
 end
 
--- This engine's own model-state bytes on this rank, from its plan and
+-- The engine's own model-state bytes on this rank, from its plan and
 -- layout (never the process-wide ledger, which also counts every other live
 -- engine and tensor): { params, grads, optimizer, total } over the device
 -- and host tiers, frozen parameters under params; nvme = bytes in swap files.
-function M:state_bytes()
+function M.state_bytes(engine)
+  local L = engine.L
   local persistent = 0
-  for _, seg in ipairs(self.L.segments) do
+  for _, seg in ipairs(L.segments) do
     if seg.persistent then persistent = persistent + seg.padded end
   end
-  local by = self.P:bytes{ full = self.L.full_numel, shard = self.L.shard_numel,
-                           persistent = persistent }
+  local by = engine.P:bytes{ full = L.full_numel, shard = L.shard_numel, persistent = persistent }
   local out = { nvme = by.nvme.total }
   for _, cat in ipairs({ "params", "grads", "optimizer" }) do
     out[cat] = by.device[cat] + by.host[cat]
   end
-  out.params = out.params + self:frozen_bytes()
+  out.params = out.params + engine.frozen:bytes()
   out.total = out.params + out.grads + out.optimizer
   return out
 end
-
-function M:model_state_bytes() return self:state_bytes().total end
 
 return M

@@ -1,9 +1,15 @@
 -- zero/states.lua — the engine's model states as numbers: the initial
 -- weights placed where the plan keeps them, the optimizer's calls over its
--- master and states (sub-group by sub-group, resident or on NVMe), and the
--- interface checkpoints and checksums read them through (visit_states,
--- state_layout, after_load, master_params, params_checksum). Methods of
--- the engine (zero/engine.lua mixes them in).
+-- master and states (sub-group by sub-group through the store's ring,
+-- resident or on NVMe) and the update that runs them, and what checkpoints
+-- and checksums read them through (visit, layout, after_load,
+-- master_params, checksum). A component of the engine
+-- (engine.model_states), with its own state — the optimizer's calls per
+-- sub-group — and the plan, layout and buffers it was made with.
+--
+--   local ms = States.new{ P = P, L = L, ring = engine.states, master = m, ... }
+--   ms:init_weights(seed); ms:build_calls(); ms:update(opt, t, lr, scale)
+--   ms:visit(false, function(off, master, m, v) ... end); ms:checksum()
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
@@ -12,8 +18,35 @@ local at = Placement.offset
 local CHUNK = layout.CHUNK
 
 local M = {}
+local States = {}
+States.__index = States
 
-local function bind_params(seg, buf) layout.bind("p", seg, buf) end
+-- parts: P (the plan), L (the trained layout), rank, world, comm, model,
+-- ring (the optimizer's states over their store: zero/offload.lua's
+-- states, the engine's `states`), master (the fp32 master: the working
+-- buffer where the plan aliases it, else the ring's), work (the working
+-- copy; nil when it lives in an NVMe file), wstage (host staging of the
+-- working shard where the plan pushes parameters, else nil), ograds (the
+-- gradients the optimizer reads; nil when they are read from the gradient
+-- file), half_grads and scratches (device -> fp32 scratch: the optimizer
+-- reads half gradients through it), frozen (zero/frozen.lua: frozen weights
+-- in a draw go there), overlap (overlap_comm: pushed parameters are
+-- copied on the copy stream).
+function M.new(parts)
+  local self = setmetatable({}, States)
+  for _, k in ipairs({ "P", "L", "rank", "world", "comm", "model", "ring", "master", "work",
+                       "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap" }) do
+    self[k] = parts[k]
+  end
+  return self
+end
+
+-- Elements of a buffer of this extent on this rank.
+local function numel(self, extent)
+  if extent == "full" then return self.L.full_numel end
+  if extent == "shard" then return self.L.shard_numel end
+  return 0
+end
 
 ------------------------------------------------------------ initial weights
 
@@ -24,13 +57,13 @@ local function bind_params(seg, buf) layout.bind("p", seg, buf) end
 -- until the sub-groups it falls in are written. Frozen parameters go
 -- straight to their own store. So start-up holds a segment or two, not the
 -- model.
-function M:init_weights(seed)
+function States:init_weights(seed)
   local L, model, P = self.L, self.model, self.P
   local where = {}
   for _, seg in ipairs(L.segments) do
     for _, se in ipairs(seg.entries) do where[se.entry.name] = { seg = seg, at = se.seg_offset } end
   end
-  local st = self.states
+  local st = self.ring
   local grouped = st.nb > 0
   local own_master = not P.master.alias and not P:swapped("master")
   local full_of, drawing = {}, {}
@@ -59,7 +92,7 @@ function M:init_weights(seed)
     if grouped then full_of[seg] = full else full:free() end
   end
   local function sink(e, a, t)
-    if e.frozen then return self:frozen_write(e, a, t) end
+    if e.frozen then return self.frozen:write(e, a, t) end
     local w = where[e.name]
     local seg = w.seg
     local d = drawing[seg]
@@ -110,19 +143,19 @@ function M:init_weights(seed)
   end
   while pump() do end
   for _, full in pairs(full_of) do full:free() end
-  self:frozen_done()
+  self.frozen:done()
 end
 
 
 -- Zero weights everywhere the plan keeps them (the loader fills them next).
-function M:zero_weights()
+function States:zero_weights()
   local P = self.P
   if not P:swapped("params") then self.work:zero() end
   if not P.master.alias and not P:swapped("master") then self.master:zero() end
   for _, seg in ipairs(self.L.segments) do
     if seg.persistent then seg.persistent:zero() end
   end
-  local st = self.states
+  local st = self.ring
   if st.nb > 0 then
     st:each_group(true, function(_, _, _, v)
       if not P.master.alias then v.master:zero() end
@@ -134,7 +167,7 @@ end
 
 -- Calls fn(seg, a, len) for the pieces of shard elements [lo, lo + n) that
 -- fall in each segment's slice (a: the piece's shard offset), in order.
-function M:shard_pieces(lo, n, fn)
+function States:shard_pieces(lo, n, fn)
   local hi = lo + n
   for _, seg in ipairs(self.L.segments) do
     local a = math.max(lo, seg.shard_offset)
@@ -152,7 +185,7 @@ end
 -- (zero/offload.lua) become that group's calls, with views into the
 -- group's master and states (resident or read from NVMe), the gradients and (bf16/
 -- fp16, or an NVMe parameter shard) the working copy.
-function M:build_calls()
+function States:build_calls()
   local L, P = self.L, self.P
   local ranks = {}
   if P.optimizer.ranks == "all" then
@@ -185,8 +218,8 @@ function M:build_calls()
   local grouped_master = not P.master.alias
   local grouped_work = P:swapped("params")
   self.calls = {}
-  for k, g in ipairs(self.states.groups) do
-    local gv, calls = self.states.views[k], {}
+  for k, g in ipairs(self.ring.groups) do
+    local gv, calls = self.ring.views[k], {}
     for _, run in ipairs(runs) do
       local a = math.max(run.opt_off, g.lo)
       local b = math.min(run.opt_off + run.numel, g.lo + g.n)
@@ -210,7 +243,7 @@ function M:build_calls()
           -- (half) are converted into the scratch just before its update.
           for off = 0, len - 1, CHUNK do
             local c = piece(off, math.min(CHUNK, len - off))
-            c.half_g, c.g = c.g, self:scratch_by(c.g):view(0, { c.p:numel() })
+            c.half_g, c.g = c.g, self.scratches[c.g:device_name()]:view(0, { c.p:numel() })
             calls[#calls + 1] = c
           end
         else
@@ -220,17 +253,25 @@ function M:build_calls()
     end
     self.calls[k] = calls
   end
-  -- This rank's gradient slices, for the norm's canonical partials.
-  self.grad_slices = {}
-  for i, seg in ipairs(L.segments) do
-    if self.ograds then
-      self.grad_slices[i] = self.ograds:view(at(P.opt_grads.extent, seg.mine), { seg.slice })
+end
+
+-- The optimizer's step over every sub-group (t: the 1-based optimizer
+-- step; scale: the loss scale's undo and clipping folded together); a host
+-- optimizer beside a device working copy copies each group's new working
+-- shard to the device after it (on the copy stream under overlap_comm).
+function States:update(opt, t, lr, scale)
+  local calls, push, overlap = self.calls, self.P.push_params, self.overlap
+  self.ring:each_group(true, function(k)
+    for _, c in ipairs(calls[k]) do
+      if c.half_g then c.g:copy(c.half_g) end
+      opt:update(c, t, lr, scale)
     end
-  end
-  local K = #L.segments + 1 -- the loss, then one partial per segment
-  self.meta_k = K
-  self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
-  self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
+    if push then
+      for _, c in ipairs(calls[k]) do
+        if overlap then lz.copy_async(c.wdev, c.w, "copy") else c.wdev:copy(c.w) end
+      end
+    end
+  end, nil, true)
 end
 
 -------------------------------------------- optimizer states (checkpoints)
@@ -239,7 +280,7 @@ end
 
 -- This rank's optimizer elements: the full padded layout where the plan
 -- replicates the optimizer, its shard otherwise.
-function M:state_numel() return self:numel(self.P.optimizer.extent) end
+function States:numel() return numel(self, self.P.optimizer.extent) end
 
 -- Calls fn(offset, master, state1, state2, ...) for chunks covering this
 -- rank's optimizer elements [0, state_numel()) in order, with f32 views of
@@ -248,7 +289,7 @@ function M:state_numel() return self:numel(self.P.optimizer.extent) end
 -- where they live there. write_back: fn modifies them (a load); on NVMe
 -- they are written back, and an NVMe parameter shard gets the rounded
 -- master with them.
-function M:visit_states(write_back, fn)
+function States:visit(write_back, fn)
   local P = self.P
   if P:on_device("optimizer") then
     -- Host copies of the device's chunks (copied back when written).
@@ -263,7 +304,7 @@ function M:visit_states(write_back, fn)
       end
     end
   end
-  self.states:each_group(write_back, function(_, lo, n, v)
+  self.ring:each_group(write_back, function(_, lo, n, v)
     if not P.master.alias then
       fn(lo, v.master, unpack(v.s))
       if write_back and P:swapped("params") then v.work:copy(v.master) end
@@ -284,18 +325,18 @@ end
 
 -- How optimizer-element offsets map to canonical parameter coordinates:
 -- { numel = state_numel(), runs = { {offset, canonical, numel}, ... } }.
-function M:state_layout()
-  return { numel = self:state_numel(),
+function States:layout()
+  return { numel = self:numel(),
            runs = layout.canonical_runs(self.L, self.P.optimizer.extent == "shard" and self.rank or nil) }
 end
 
 -- Whether every rank holds the same optimizer states (one writer is enough).
-function M:states_replicated() return self.P.optimizer.extent == "full" end
+function States:replicated() return self.P.optimizer.extent == "full" end
 
 -- After the master was written (a load): the working copy is its rounding
 -- (the update writes round(master); init rounds the same way), then what
--- the plan gathers after a step is gathered again.
-function M:after_load()
+-- the plan gathers after a step is gathered again (the engine's part).
+function States:after_load()
   local L, P = self.L, self.P
   -- (an NVMe shard got it in visit_states; a host master beside a device
   -- working copy is never the working copy itself)
@@ -311,7 +352,7 @@ function M:after_load()
       end
     else
       -- The master is on NVMe: one pass over its sub-groups.
-      self.states:each_group(false, function(_, lo, n, v)
+      self.ring:each_group(false, function(_, lo, n, v)
         if P.params.extent == "shard" then
           work:view(lo, { n }):convert(v.master)
         else
@@ -323,15 +364,13 @@ function M:after_load()
       end)
     end
   end
-  self:gather_params()
-  self:zero_grad()
 end
 
 ---------------------------------------------------------- checkpoints
 
 -- The full fp32 master parameters in canonical order (unpadded), as an f32
 -- tensor (category workspace) on every rank.
-function M:master_params()
+function States:master_params()
   local out = lz.tensor({ self.L.numel }, "f32", "workspace")
   self:full_master_segments(function(seg, full)
     out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
@@ -343,7 +382,7 @@ end
 -- master (padded), the same on every rank: a view of a resident full
 -- master, or this rank's slices gathered into a temporary one segment at
 -- a time.
-function M:full_master_segments(fn)
+function States:full_master_segments(fn)
   local P = self.P
   local on_device = P:on_device("master")
   if not P:swapped("master") and P.master.extent == "full" then
@@ -372,14 +411,14 @@ end
 -- Calls fn(seg, slice) for every segment in order with this rank's fp32
 -- master slice of it (a sharded master): a view of the resident master, or
 -- assembled from the sub-groups read from NVMe.
-function M:master_slices(fn)
+function States:master_slices(fn)
   local segs = self.L.segments
   if not self.P:swapped("master") then
     for _, seg in ipairs(segs) do fn(seg, self.master:view(seg.shard_offset, { seg.slice })) end
     return
   end
   local i, part = 1, nil
-  self.states:each_group(false, function(_, lo, n, v)
+  self.ring:each_group(false, function(_, lo, n, v)
     local hi = lo + n
     while i <= #segs do
       local seg = segs[i]
@@ -404,7 +443,7 @@ end
 
 -- xxh64 of the full fp32 master parameters in canonical order (hex),
 -- streamed one segment at a time: memory of one gathered segment.
-function M:params_checksum()
+function States:checksum()
   local h = lz.hasher(0)
   local es = Placement.esize.f32
   self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * es) end)
