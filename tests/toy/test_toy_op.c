@@ -34,7 +34,7 @@ static void check_result(const lz_tensor *y) {
 LZ_TEST(toy_op_is_declared_everywhere_by_one_line) {
   CHECK_EQ_INT(LZ_OP_TOY_AXPBY, LZ_OP_COUNT - 1);
   CHECK(strcmp(lz_op_infos[LZ_OP_TOY_AXPBY].name, "toy_axpby") == 0);
-  CHECK(strcmp(lz_op_infos[LZ_OP_TOY_AXPBY].args[1], "x") == 0);
+  CHECK(strcmp(lz_op_infos[LZ_OP_TOY_AXPBY].args[1].name, "x") == 0);
   CHECK(lz_backend_cpu()->ops[LZ_OP_TOY_AXPBY] == lz_cpu_toy_axpby);
   CHECK(lz_sim_backend()->ops[LZ_OP_TOY_AXPBY] != NULL);
   int last = 0;
