@@ -67,22 +67,15 @@ lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t
   return lz_check_same_shape(op, name, t, like_name, like);
 }
 
-static lz_status check_f32_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
-                                 const char *why) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
-  return lz_check_numel(op, name, t, n, why);
-}
-
 lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
                            const lz_arg *per_col, const lz_arg *per_row) {
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  for (; like->name; like++) LZ_TRY(lz_check_f32_like(op, like->name, like->t, "x", x));
+  for (; like->name; like++) LZ_TRY(lz_check_same_shape(op, like->name, like->t, "x", x));
   for (; per_col->name; per_col++)
-    LZ_TRY(check_f32_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
+    LZ_TRY(lz_check_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
   for (; per_row->name; per_row++)
-    LZ_TRY(check_f32_numel(op, per_row->name, per_row->t, rows, "one per row of x"));
+    LZ_TRY(lz_check_numel(op, per_row->name, per_row->t, rows, "one per row of x"));
   return LZ_OK;
 }
 

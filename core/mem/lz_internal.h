@@ -50,9 +50,10 @@ typedef struct lz_arg {
   const char *name;
   const lz_tensor *t;
 } lz_arg;
-/* A row-wise op's arguments, all f32: x of 1 to LZ_MAX_DIMS dimensions, the
- * `like` tensors shaped as x, the `per_col` ones holding one value per column
- * of x (its last dimension), the `per_row` ones one per row. */
+/* A row-wise op's shapes (its dtypes are the declaration's): x of 1 to
+ * LZ_MAX_DIMS dimensions, the `like` tensors shaped as x, the `per_col` ones
+ * holding one value per column of x (its last dimension), the `per_row` ones
+ * one per row. */
 lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
                            const lz_arg *per_col, const lz_arg *per_row);
 /* The inputs of a kernel that takes f32 or bf16 (fp32 arithmetic either
