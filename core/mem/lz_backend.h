@@ -165,14 +165,17 @@ const char *lz_device_name(lz_device dev);
 void lz_backend_cpu_set(const lz_backend *be);
 const lz_backend *lz_backend_cpu(void);
 
-/* After an op's argument checks: runs op on the backend of the device its
- * tensors (the non-NULL ones in a->t) live on — the cpu's, or the active
- * accelerator's — through that backend's table. Tensors on two devices, or
- * a device without the op's kernel, are an error naming op_name (the
- * public function's name) and the arguments. */
+/* After an op's argument checks: checks the tensors' dtypes against the
+ * declaration (lz_op_check_dtypes), then runs op on the backend of the
+ * device its tensors (the non-NULL ones in a->t) live on — the cpu's, or the
+ * active accelerator's — through that backend's table. Tensors on two
+ * devices, or a device without the op's kernel, are an error naming op_name
+ * (the public function's name) and the arguments. */
 lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a);
 
-/* The last line of each public op: its arguments into lz_op_args, and run. */
+/* The last line of a public op that checks no dtype itself: its arguments
+ * into lz_op_args, and run. One whose checks need the dtypes first packs
+ * its lz_op_args, runs lz_op_check_dtypes, and ends in lz_op_run. */
 #define LZ_OP_RUN(op_name, opcode, ...) \
   return lz_op_run(op_name, opcode, &(lz_op_args){__VA_ARGS__})
 
