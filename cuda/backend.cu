@@ -59,10 +59,14 @@ static lz_status cu_init(int device) {
 // array initializers): an op declared without its lz_cu_<name> does not
 // compile. The core's checks already pinned the dtypes and shapes to what
 // the kernels take.
+// An op without a cuda kernel yet holds NULL: lz_op_run refuses it as "not
+// supported on cuda yet", naming the op and its first tensor.
+#define lz_cu_attention_decode nullptr
 static const lz_op_fn cu_ops[] = {
 #define LZ_OP(ID, name, ...) lz_cu_##name,
 #include "mem/lz_ops.def"
 };
+#undef lz_cu_attention_decode
 static_assert(sizeof cu_ops / sizeof cu_ops[0] == LZ_OP_COUNT, "one kernel per declared op");
 
 // ----------------------------------------------------------------- memory

@@ -210,7 +210,9 @@ LZ_TEST(rmsnorm_errors) {
             "rmsnorm_forward: out is f32[2,4,64] but x is f32[2,4,128]");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, x, wi, 1e-5f), LZ_ERR_INVALID,
             "rmsnorm_forward: x is f32[2,4,128] and w is i32[128]; both must be f32 or both bf16");
-  CHECK_ERR(lz_rmsnorm_forward(out, r8, xb, w, 1e-5f), LZ_ERR_INVALID,
+  /* x and w of one dtype (bf16 both): the aliasing is the only fault. */
+  lz_tensor *wb = lz_test_wrap(buf, LZ_BF16, 1, s128);
+  CHECK_ERR(lz_rmsnorm_forward(out, r8, xb, wb, 1e-5f), LZ_ERR_INVALID,
             "rmsnorm_forward: out (f32) and x (bf16) are the same memory");
   CHECK_ERR(lz_rmsnorm_forward(out, r8, wi, w, 1e-5f), LZ_ERR_INVALID,
             "rmsnorm_forward: x is i32[128], expected dtype f32 or bf16");
@@ -230,7 +232,7 @@ LZ_TEST(rmsnorm_errors) {
             "rmsnorm_backward: rstd is f32[7]");
   CHECK_ERR(lz_rmsnorm_backward(out, w, xc, x, w, r8), LZ_ERR_INVALID,
             "rmsnorm_backward: dx lives on cpu but dy lives on cuda");
-  lz_tensor *ts[] = {x, out, w, w64, r8, r7, wi, xb, bad, xc};
+  lz_tensor *ts[] = {x, out, w, w64, r8, r7, wi, xb, wb, bad, xc};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) lz_tensor_free(ts[i]);
 }
 

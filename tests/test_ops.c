@@ -31,7 +31,7 @@ LZ_TEST(ops_every_declared_op_has_its_names_and_a_cpu_and_sim_kernel) {
   if (!cpu || !sim) return;
   for (int op = 0; op < LZ_OP_COUNT; op++) {
     CHECK(lz_op_infos[op].name != NULL);
-    CHECK(lz_op_infos[op].args[0] != NULL);
+    CHECK(lz_op_infos[op].args[0].name != NULL);
     CHECK(cpu->ops[op] != NULL);
     CHECK(sim->ops[op] != NULL);
   }
@@ -98,6 +98,14 @@ LZ_TEST(ops_public_op_checks_once_then_runs_the_devices_kernel) {
   /* A call the checks refuse never reaches a kernel. */
   CHECK_ERR(lz_gelu_forward(short_y, x), LZ_ERR_INVALID, "gelu_forward: out is f32[7]");
   CHECK_EQ_INT(gelu_calls, 1);
+  /* Nor does one whose dtypes the declaration refuses (gelu_forward checks
+   * shapes only; lz_op_run reads x's dtypes from mem/lz_ops.def). */
+  lz_tensor *xi = NULL;
+  CHECK_OK(lz_tensor_new(&xi, LZ_I32, 1, (int64_t[]){8}, LZ_MEM_WORKSPACE));
+  CHECK_ERR(lz_gelu_forward(y, xi), LZ_ERR_INVALID,
+            "gelu_forward: x is i32[8], expected dtype f32");
+  CHECK_EQ_INT(gelu_calls, 1);
+  lz_tensor_free(xi);
 
   /* Sim queues the op and its worker runs the cpu backend's kernel, once,
    * on its own copy of the tensor headers (in the device memory's alias). */
@@ -114,4 +122,55 @@ LZ_TEST(ops_public_op_checks_once_then_runs_the_devices_kernel) {
   }
   lz_backend_cpu_set(real_cpu);
   lz_tensor_free(x), lz_tensor_free(y), lz_tensor_free(short_y);
+}
+
+/* Every tensor argument declares the dtypes it takes: a mask, or SAME(i)
+ * naming another declared slot that has a mask of its own. */
+LZ_TEST(ops_every_argument_declares_its_dtypes) {
+  for (int op = 0; op < LZ_OP_COUNT; op++) {
+    const lz_op_arg *args = lz_op_infos[op].args;
+    int n = 0;
+    while (n < LZ_OP_MAX_TENSORS && args[n].name) n++;
+    for (int i = 0; i < n; i++) {
+      const lz_op_dtypes d = args[i].dtypes;
+      CHECK(d != 0);
+      if (!(d & LZ_DT_SAME)) continue;
+      const int r = d & 0xff;
+      CHECK(r < n && r != i);
+      if (r < n) CHECK(!(args[r].dtypes & LZ_DT_SAME) && args[r].dtypes != 0);
+    }
+  }
+}
+
+static lz_tensor *of(lz_dtype dt, int64_t n) {
+  lz_tensor *t = NULL;
+  CHECK_OK(lz_tensor_new(&t, dt, 1, &n, LZ_MEM_WORKSPACE));
+  return t;
+}
+
+/* The one dtype check and its three refusals, worded from the declaration. */
+LZ_TEST(ops_dtype_check_words_what_the_declaration_takes) {
+  lz_tensor *f = of(LZ_F32, 4), *b = of(LZ_BF16, 4), *h = of(LZ_F16, 4), *i = of(LZ_I32, 4);
+  lz_tensor *c = of(LZ_F32, 16);
+  CHECK_OK(lz_op_check_dtypes("scale", LZ_OP_SCALE, &(lz_op_args){.t = {h}}));
+  CHECK_ERR(lz_op_check_dtypes("scale", LZ_OP_SCALE, &(lz_op_args){.t = {i}}), LZ_ERR_INVALID,
+            "scale: t is i32[4], expected dtype f32, bf16 or f16");
+  /* matmul: c f32; a f32 or bf16; b as a. */
+  CHECK_OK(lz_op_check_dtypes("matmul", LZ_OP_MATMUL, &(lz_op_args){.t = {c, b, b}}));
+  CHECK_ERR(lz_op_check_dtypes("matmul", LZ_OP_MATMUL, &(lz_op_args){.t = {c, b, f}}),
+            LZ_ERR_INVALID, "matmul: a is bf16[4] and b is f32[4]; both must be f32 or both bf16");
+  CHECK_ERR(lz_op_check_dtypes("matmul", LZ_OP_MATMUL, &(lz_op_args){.t = {c, i, i}}),
+            LZ_ERR_INVALID, "matmul: a is i32[4], expected dtype f32 or bf16");
+  CHECK_ERR(lz_op_check_dtypes("matmul", LZ_OP_MATMUL, &(lz_op_args){.t = {b, f, f}}),
+            LZ_ERR_INVALID, "matmul: c is bf16[4], expected dtype f32");
+  /* A slot that follows another's dtype names that one's own refusal
+   * first: rmsnorm_backward's dy (slot 2) follows x (slot 3). */
+  CHECK_ERR(lz_op_check_dtypes("rmsnorm_backward", LZ_OP_RMSNORM_BACKWARD,
+                               &(lz_op_args){.t = {f, f, i, h, f, f}}),
+            LZ_ERR_INVALID, "rmsnorm_backward: x is f16[4], expected dtype f32 or bf16");
+  /* NULL slots are the public op's to allow: nothing to check. */
+  CHECK_OK(lz_op_check_dtypes("linear_forward", LZ_OP_LINEAR_FORWARD,
+                              &(lz_op_args){.t = {c, f, f, NULL}}));
+  lz_tensor *ts[] = {f, b, h, i, c};
+  for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) lz_tensor_free(ts[k]);
 }

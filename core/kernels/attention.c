@@ -523,7 +523,7 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
 
 static lz_status check_shape3(const char *op, const char *name, const lz_tensor *t, int64_t d0,
                               int64_t d1, int64_t d2, const char *what, const lz_tensor *qkv) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  LZ_TRY(lz_check_present(op, name, t));
   if (t->ndim != 3 || t->shape[0] != d0 || t->shape[1] != d1 || t->shape[2] != d2) {
     char bt[96], bq[96];
     return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected f32[%lld,%lld,%lld] (%s, from qkv %s)",
@@ -550,10 +550,9 @@ static attn_dims dims_of(const lz_tensor *qkv, int n_head, int n_kv_head) {
   return d;
 }
 
-/* Checks qkv, n_head and n_kv_head and fills d. */
+/* Checks qkv's shape, n_head and n_kv_head and fills d. */
 static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, int n_kv_head,
                            attn_dims *d) {
-  LZ_TRY(lz_check_dtype(op, "qkv", qkv, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "qkv", qkv, 3, 3));
   char b[96];
   if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
@@ -613,7 +612,6 @@ lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
 static lz_status check_seg(const char *op, const lz_tensor *seg, const attn_dims *d,
                            const lz_tensor *qkv) {
   if (!seg) return LZ_OK;
-  LZ_TRY(lz_check_dtype(op, "seg", seg, LZ_I32));
   if (seg->ndim != 2 || seg->shape[0] != d->B || seg->shape[1] != d->T) {
     char a[96], b[96];
     return lz_fail(LZ_ERR_INVALID, "%s: seg is %s, expected i32[%lld,%lld] (from qkv %s)", op,
@@ -626,13 +624,15 @@ static lz_status check_seg(const char *op, const lz_tensor *seg, const attn_dims
 lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
                                    const lz_tensor *seg, int n_head, int n_kv_head) {
   const char *op = "attention_forward";
+  const lz_op_args args = {.t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg},
+                           .i = {n_head, n_kv_head}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_FORWARD, &args));
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
   LZ_TRY(check_seg(op, seg, &d, qkv));
-  LZ_OP_RUN(op, LZ_OP_ATTENTION_FORWARD, .t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg},
-            .i = {n_head, n_kv_head});
+  return lz_op_run(op, LZ_OP_ATTENTION_FORWARD, &args);
 }
 
 lz_status lz_cpu_attention_forward(const lz_op_args *a) {
@@ -659,18 +659,18 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
                                     const lz_tensor *out, const lz_tensor *lse,
                                     const lz_tensor *seg, int n_head, int n_kv_head) {
   const char *op = "attention_backward";
+  const lz_op_args args = {.t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
+                                 (lz_tensor *)lse, (lz_tensor *)seg},
+                           .i = {n_head, n_kv_head}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_BACKWARD, &args));
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
-  LZ_TRY(lz_check_dtype(op, "dqkv", dqkv, LZ_F32));
   LZ_TRY(lz_check_same_shape(op, "dqkv", dqkv, "qkv", qkv));
   LZ_TRY(check_shape3(op, "dout", dout, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
   LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
   LZ_TRY(check_seg(op, seg, &d, qkv));
-  LZ_OP_RUN(op, LZ_OP_ATTENTION_BACKWARD,
-            .t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out, (lz_tensor *)lse,
-                  (lz_tensor *)seg},
-            .i = {n_head, n_kv_head});
+  return lz_op_run(op, LZ_OP_ATTENTION_BACKWARD, &args);
 }
 
 lz_status lz_cpu_attention_backward(const lz_op_args *a) {

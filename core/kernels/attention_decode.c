@@ -10,7 +10,7 @@
  * query row is one task: its scores in a buffer of the thread's, a softmax
  * over them, then the weighted sum of the values, in key order, so results
  * do not depend on the thread count. */
-#include "mem/lz_backend.h" /* lz_device_name */
+#include "mem/lz_backend.h" /* LZ_OP_RUN */
 #include "mem/lz_internal.h"
 
 #include <math.h>   /* expf, sqrtf, INFINITY */
@@ -82,12 +82,21 @@ LZ_DISPATCH static void decode_query(float *out, const float *qkv, const void *k
   }
 }
 
-static lz_status on_cpu(const char *op, const char *name, const lz_tensor *t) {
-  if (t->device == LZ_CPU) return LZ_OK;
-  return lz_fail(LZ_ERR_UNSUPPORTED,
-                 "%s: %s lives on %s; decoding with a key/value cache runs on the cpu: load "
-                 "the model there",
-                 op, name, lz_device_name(t->device));
+/* The sizes of a checked call: qkv [B, T, (NH + 2 NKV) HS], caches
+ * [B, S, NKV HS]. */
+static decode_dims dims_of(const lz_tensor *qkv, const lz_tensor *k_cache, int n_head,
+                           int n_kv_head) {
+  decode_dims d;
+  d.B = qkv->shape[0];
+  d.T = qkv->shape[1];
+  d.NH = n_head;
+  d.NKV = n_kv_head;
+  d.HS = qkv->shape[2] / (n_head + 2 * (int64_t)n_kv_head);
+  d.row = qkv->shape[2];
+  d.kv = d.NKV * d.HS;
+  d.S = k_cache->shape[1];
+  d.scale = d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  return d;
 }
 
 lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
@@ -99,42 +108,21 @@ lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k
   LZ_TRY(lz_check_present(op, "k_cache", k_cache));
   LZ_TRY(lz_check_present(op, "v_cache", v_cache));
   LZ_TRY(lz_check_present(op, "pos", pos));
-  LZ_TRY(on_cpu(op, "out", out));
-  LZ_TRY(on_cpu(op, "qkv", qkv));
-  LZ_TRY(on_cpu(op, "k_cache", k_cache));
-  LZ_TRY(on_cpu(op, "v_cache", v_cache));
-  LZ_TRY(on_cpu(op, "pos", pos));
-  LZ_TRY(lz_check_dtype(op, "qkv", qkv, LZ_F32));
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
   LZ_TRY(lz_check_ndim(op, "qkv", qkv, 3, 3));
   LZ_TRY(lz_check_ndim(op, "k_cache", k_cache, 3, 3));
-  if (k_cache->dtype != LZ_F32 && k_cache->dtype != LZ_BF16)
-    return lz_fail(LZ_ERR_INVALID, "%s: k_cache is %s; the cache holds f32 or bf16", op,
-                   lz_tensor_describe(k_cache, b1, sizeof b1));
   LZ_TRY(lz_check_same_shape(op, "v_cache", v_cache, "k_cache", k_cache));
-  LZ_TRY(lz_check_dtype(op, "v_cache", v_cache, k_cache->dtype));
   if (n_head < 1 || n_kv_head < 1 || n_head % n_kv_head != 0)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: n_head %d, n_kv_head %d; both must be >= 1 and n_kv_head must divide "
                    "n_head",
                    op, n_head, n_kv_head);
-  decode_dims d;
-  d.B = qkv->shape[0];
-  d.T = qkv->shape[1];
-  d.NH = n_head;
-  d.NKV = n_kv_head;
   const int64_t parts = n_head + 2 * (int64_t)n_kv_head;
   if (qkv->shape[2] % parts != 0)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: qkv is %s; its last dimension must be (n_head + 2 n_kv_head) * "
                    "head_dim = %lld * head_dim",
                    op, lz_tensor_describe(qkv, b1, sizeof b1), (long long)parts);
-  d.HS = qkv->shape[2] / parts;
-  d.row = qkv->shape[2];
-  d.kv = d.NKV * d.HS;
-  d.S = k_cache->shape[1];
-  d.scale = d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  const decode_dims d = dims_of(qkv, k_cache, n_head, n_kv_head);
   if (k_cache->shape[0] != d.B || k_cache->shape[2] != d.kv)
     return lz_fail(LZ_ERR_INVALID, "%s: k_cache is %s; expected [%lld, S, %lld] for qkv %s", op,
                    lz_tensor_describe(k_cache, b1, sizeof b1), (long long)d.B, (long long)d.kv,
@@ -145,6 +133,18 @@ lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k
     return lz_fail(LZ_ERR_INVALID, "%s: out is %s; expected f32[%lld, %lld, %lld] for qkv %s", op,
                    lz_tensor_describe(out, b1, sizeof b1), (long long)d.B, (long long)d.T,
                    (long long)(d.NH * d.HS), lz_tensor_describe(qkv, b2, sizeof b2));
+  LZ_OP_RUN(op, LZ_OP_ATTENTION_DECODE,
+            .t = {out, (lz_tensor *)qkv, k_cache, v_cache, (lz_tensor *)pos},
+            .i = {n_head, n_kv_head});
+}
+
+/* Checked by lz_attention_decode but pos's values, read here (where the
+ * cache lives): each row's cached length leaves room for the T new ones. */
+lz_status lz_cpu_attention_decode(const lz_op_args *a) {
+  const char *op = "attention_decode";
+  lz_tensor *out = a->t[0], *k_cache = a->t[2], *v_cache = a->t[3];
+  const lz_tensor *qkv = a->t[1], *pos = a->t[4];
+  const decode_dims d = dims_of(qkv, k_cache, (int)a->i[0], (int)a->i[1]);
   const int32_t *p = pos->data;
   for (int64_t b = 0; b < d.B; b++) {
     if (p[b] < 0 || p[b] + d.T > d.S)

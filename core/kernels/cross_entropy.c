@@ -37,10 +37,10 @@ LZ_DISPATCH static void softmax_stats(const float *logits, int64_t V, float *max
   *sum_out = s;
 }
 
-/* Shared by forward and backward: everything but the targets' values. */
+/* Shared by forward and backward, the dtypes checked: everything but the
+ * targets' values. */
 static lz_status check_args(const char *op, const lz_tensor *logits, const lz_tensor *targets,
                             int64_t vocab) {
-  LZ_TRY(lz_check_dtype(op, "logits", logits, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "logits", logits, 2, LZ_MAX_DIMS));
   const int64_t Vp = lz_cols(logits), rows = lz_rows(logits);
   if (vocab < 1 || vocab > Vp) {
@@ -50,7 +50,6 @@ static lz_status check_args(const char *op, const lz_tensor *logits, const lz_te
                    "dimension of logits)",
                    op, (long long)vocab, lz_tensor_describe(logits, a, sizeof a), (long long)Vp);
   }
-  LZ_TRY(lz_check_dtype(op, "targets", targets, LZ_I32));
   return lz_check_numel(op, "targets", targets, rows, "one per row of logits");
 }
 
@@ -81,12 +80,12 @@ static float row_loss(const float *logits, int64_t vocab, int32_t target) {
 lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
                                    const lz_tensor *targets, int64_t vocab) {
   const char *op = "cross_entropy_forward";
+  const lz_op_args args = {.t = {losses, (lz_tensor *)logits, (lz_tensor *)targets},
+                           .i = {vocab}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_CROSS_ENTROPY_FORWARD, &args));
   LZ_TRY(check_args(op, logits, targets, vocab));
-  const int64_t rows = lz_rows(logits);
-  LZ_TRY(lz_check_dtype(op, "losses", losses, LZ_F32));
-  LZ_TRY(lz_check_numel(op, "losses", losses, rows, "one per row of logits"));
-  LZ_OP_RUN(op, LZ_OP_CROSS_ENTROPY_FORWARD,
-                     .t = {losses, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab});
+  LZ_TRY(lz_check_numel(op, "losses", losses, lz_rows(logits), "one per row of logits"));
+  return lz_op_run(op, LZ_OP_CROSS_ENTROPY_FORWARD, &args);
 }
 
 lz_status lz_cpu_cross_entropy_forward(const lz_op_args *a) {
@@ -152,18 +151,13 @@ LZ_DISPATCH static void xent_backward_row(void *dlogits, lz_dtype dt, const floa
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss) {
   const char *op = "cross_entropy_backward";
+  const lz_op_args args = {.t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets},
+                           .i = {vocab}, .f = {dloss}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_CROSS_ENTROPY_BACKWARD, &args));
   LZ_TRY(check_args(op, logits, targets, vocab));
-  LZ_TRY(lz_check_present(op, "dlogits", dlogits));
-  if (dlogits->dtype != LZ_F32 && dlogits->dtype != LZ_BF16) {
-    char a[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: dlogits is %s, expected dtype f32 or bf16", op,
-                   lz_tensor_describe(dlogits, a, sizeof a));
-  }
   LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
   LZ_TRY(lz_check_no_alias(op, "logits", logits, "dlogits", dlogits));
-  LZ_OP_RUN(op, LZ_OP_CROSS_ENTROPY_BACKWARD,
-                     .t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets}, .i = {vocab},
-                     .f = {dloss});
+  return lz_op_run(op, LZ_OP_CROSS_ENTROPY_BACKWARD, &args);
 }
 
 lz_status lz_cpu_cross_entropy_backward(const lz_op_args *a) {

@@ -18,14 +18,13 @@
 
 /* tokens: i32 [B, T]; its values are the kernel's to check (ids_check). */
 static lz_status check_tokens(const char *op, const lz_tensor *tokens) {
-  LZ_TRY(lz_check_dtype(op, "tokens", tokens, LZ_I32));
   return lz_check_ndim(op, "tokens", tokens, 2, 2);
 }
 
-/* `name` must be f32 [B, T, C] for tokens [B, T]. */
+/* `name` must be [B, T, C] (f32) for tokens [B, T]. */
 static lz_status check_activation(const char *op, const char *name, const lz_tensor *t,
                                   const lz_tensor *tokens, int64_t C) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
+  LZ_TRY(lz_check_present(op, name, t));
   if (t->ndim != 3 || t->shape[0] != tokens->shape[0] || t->shape[1] != tokens->shape[1] ||
       t->shape[2] != C) {
     char a[96], b[96];
@@ -37,8 +36,7 @@ static lz_status check_activation(const char *op, const char *name, const lz_ten
   return LZ_OK;
 }
 
-/* A 2-D table [rows, C] whose C matches `ref_name`'s channels (its dtype
- * is checked by the caller). */
+/* A 2-D table [rows, C] whose C matches `ref_name`'s channels. */
 static lz_status check_table_shape(const char *op, const char *name, const lz_tensor *t,
                                    int64_t C, const char *ref_name, const lz_tensor *ref) {
   LZ_TRY(lz_check_ndim(op, name, t, 2, 2));
@@ -49,13 +47,6 @@ static lz_status check_table_shape(const char *op, const char *name, const lz_te
                    lz_tensor_describe(ref, b, sizeof b));
   }
   return LZ_OK;
-}
-
-/* A 2-D f32 table [rows, C] whose C matches `ref_name`'s channels. */
-static lz_status check_table(const char *op, const char *name, const lz_tensor *t, int64_t C,
-                             const char *ref_name, const lz_tensor *ref) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
-  return check_table_shape(op, name, t, C, ref_name, ref);
 }
 
 /* The position table must have a row for each of the T positions. */
@@ -72,7 +63,6 @@ static lz_status check_positions(const char *op, const char *name, const lz_tens
 
 /* pos: i32 [B, T] like tokens; its values are the kernel's to check. */
 static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *tokens) {
-  LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
   if (pos->ndim != 2 || pos->shape[0] != tokens->shape[0] || pos->shape[1] != tokens->shape[1]) {
     char a[96], b[96];
     return lz_fail(LZ_ERR_INVALID, "%s: pos is %s but tokens is %s; they need the same shape", op,
@@ -135,7 +125,10 @@ lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz
 lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *pos,
                                    const lz_tensor *wte, const lz_tensor *wpe) {
   const char *op = "embedding_forward";
-  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"wte", wte}, {wpe ? "wpe" : NULL, wpe}, {NULL}}));
+  if (!wpe) pos = NULL; /* no position table: nothing to index */
+  const lz_op_args args = {
+      .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe, (lz_tensor *)pos}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_EMBEDDING_FORWARD, &args));
   LZ_TRY(lz_check_ndim(op, "wte", wte, 2, 2));
   const int64_t C = wte->shape[1];
   if (wpe) LZ_TRY(check_table_shape(op, "wpe", wpe, C, "wte", wte));
@@ -146,10 +139,7 @@ lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, cons
   else if (wpe)
     LZ_TRY(check_positions(op, "wpe", wpe, T));
   LZ_TRY(check_activation(op, "out", out, tokens, C));
-  if (!wpe) pos = NULL; /* no position table: nothing to index */
-  LZ_OP_RUN(
-      op, LZ_OP_EMBEDDING_FORWARD,
-      .t = {out, (lz_tensor *)tokens, (lz_tensor *)wte, (lz_tensor *)wpe, (lz_tensor *)pos});
+  return lz_op_run(op, LZ_OP_EMBEDDING_FORWARD, &args);
 }
 
 lz_status lz_cpu_embedding_forward(const lz_op_args *a) {
@@ -199,24 +189,24 @@ lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tenso
 lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                     const lz_tensor *tokens, const lz_tensor *pos) {
   const char *op = "embedding_backward";
-  LZ_TRY(lz_check_dtype(op, "dout", dout, LZ_F32));
+  if (!dwpe) pos = NULL; /* no position table: nothing to index */
+  const lz_op_args args = {
+      .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens, (lz_tensor *)pos}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_EMBEDDING_BACKWARD, &args));
   LZ_TRY(lz_check_ndim(op, "dout", dout, 3, 3));
   const int64_t C = dout->shape[2];
-  if (dwte) LZ_TRY(check_table(op, "dwte", dwte, C, "dout", dout));
+  if (dwte) LZ_TRY(check_table_shape(op, "dwte", dwte, C, "dout", dout));
   LZ_TRY(check_tokens(op, tokens));
   LZ_TRY(check_activation(op, "dout", dout, tokens, C));
   const int64_t T = tokens->shape[1];
   if (dwpe) {
-    LZ_TRY(check_table(op, "dwpe", dwpe, C, "dout", dout));
+    LZ_TRY(check_table_shape(op, "dwpe", dwpe, C, "dout", dout));
     if (pos)
       LZ_TRY(check_pos(op, pos, tokens));
     else
       LZ_TRY(check_positions(op, "dwpe", dwpe, T));
-  } else {
-    pos = NULL; /* no position table: nothing to index */
   }
-  LZ_OP_RUN(op, LZ_OP_EMBEDDING_BACKWARD,
-                     .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens, (lz_tensor *)pos});
+  return lz_op_run(op, LZ_OP_EMBEDDING_BACKWARD, &args);
 }
 
 lz_status lz_cpu_embedding_backward(const lz_op_args *a) {

@@ -55,8 +55,7 @@ LZ_DISPATCH static void gelu_forward_block(float *out, const float *x, int64_t n
 
 lz_status lz_gelu_forward(lz_tensor *out, const lz_tensor *x) {
   const char *op = "gelu_forward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_f32_like(op, "out", out, "x", x));
+  LZ_TRY(lz_check_same_shape(op, "out", out, "x", x));
   LZ_OP_RUN(op, LZ_OP_GELU_FORWARD, .t = {out, (lz_tensor *)x});
 }
 
@@ -88,9 +87,9 @@ LZ_DISPATCH static void gelu_backward_block(float *dx, const float *dy, const fl
 
 lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *x) {
   const char *op = "gelu_backward";
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
-  LZ_TRY(lz_check_f32_like(op, "dy", dy, "x", x));
-  LZ_TRY(lz_check_f32_like(op, "dx", dx, "x", x));
+  LZ_TRY(lz_check_present(op, "x", x));
+  LZ_TRY(lz_check_same_shape(op, "dy", dy, "x", x));
+  LZ_TRY(lz_check_same_shape(op, "dx", dx, "x", x));
   LZ_OP_RUN(op, LZ_OP_GELU_BACKWARD, .t = {dx, (lz_tensor *)dy, (lz_tensor *)x});
 }
 

@@ -64,13 +64,14 @@ lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
   const char *op = "layernorm_forward";
   const lz_arg like[] = {{"out", out}, {0}}, per_col[] = {{"w", w}, {"b", b}, {0}},
                per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
+  const lz_op_args args = {
+      .t = {out, mean, rstd, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)b}, .f = {eps}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LAYERNORM_FORWARD, &args));
   LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op,
                    (double)eps);
-  LZ_OP_RUN(op, LZ_OP_LAYERNORM_FORWARD,
-                     .t = {out, mean, rstd, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)b},
-                     .f = {eps});
+  return lz_op_run(op, LZ_OP_LAYERNORM_FORWARD, &args);
 }
 
 lz_status lz_cpu_layernorm_forward(const lz_op_args *a) {
@@ -190,10 +191,11 @@ lz_status lz_layernorm_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
   const lz_arg like[] = {{"dy", dy}, {"dx", dx}, {0}},
                per_col[] = {{"w", w}, {"dw", dw}, {"db", db}, {0}},
                per_row[] = {{"mean", mean}, {"rstd", rstd}, {0}};
+  const lz_op_args args = {.t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
+                                 (lz_tensor *)mean, (lz_tensor *)rstd}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LAYERNORM_BACKWARD, &args));
   LZ_TRY(lz_check_rowwise(op, x, like, per_col, per_row));
-  LZ_OP_RUN(op, LZ_OP_LAYERNORM_BACKWARD,
-                     .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
-                           (lz_tensor *)mean, (lz_tensor *)rstd});
+  return lz_op_run(op, LZ_OP_LAYERNORM_BACKWARD, &args);
 }
 
 lz_status lz_cpu_layernorm_backward(const lz_op_args *a) {

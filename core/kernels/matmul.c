@@ -284,17 +284,6 @@ static lz_status gemm(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t 
 
 /* ----------------------------------------------------------------- matmul */
 
-static lz_status check_input_dtypes(const char *op, const char *na, const lz_tensor *a,
-                                    const char *nb, const lz_tensor *b) {
-  if ((a->dtype != LZ_F32 && a->dtype != LZ_BF16) || a->dtype != b->dtype) {
-    char ba[96], bb[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s and %s is %s; both must be f32 or both bf16",
-                   op, na, lz_tensor_describe(a, ba, sizeof ba), nb,
-                   lz_tensor_describe(b, bb, sizeof bb));
-  }
-  return LZ_OK;
-}
-
 static lz_status shape_error(const char *op, const lz_tensor *a, const lz_tensor *b,
                              const lz_tensor *c, const char *why) {
   char ba[96], bb[96], bc[96];
@@ -325,11 +314,12 @@ static mm_dims matmul_dims(const lz_tensor *a, const lz_tensor *b, int trans_a, 
 lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int trans_a,
                     int trans_b, float alpha, float beta) {
   const char *op = "matmul";
+  const lz_op_args args = {.t = {c, (lz_tensor *)a, (lz_tensor *)b},
+                           .i = {trans_a, trans_b}, .f = {alpha, beta}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_MATMUL, &args));
   LZ_TRY(lz_check_ndim(op, "a", a, 2, 3));
   LZ_TRY(lz_check_ndim(op, "b", b, 2, 3));
   LZ_TRY(lz_check_ndim(op, "c", c, 2, 3));
-  LZ_TRY(lz_check_dtype(op, "c", c, LZ_F32));
-  LZ_TRY(check_input_dtypes(op, "a", a, "b", b));
   const mm_dims d = matmul_dims(a, b, trans_a, trans_b);
   if (c->ndim != a->ndim || (b->ndim == 3 && !d.batched))
     return shape_error(op, a, b, c, "a and c must both be 2-D or both 3-D; b 3-D only if a is");
@@ -339,8 +329,7 @@ lz_status lz_matmul(lz_tensor *c, const lz_tensor *a, const lz_tensor *b, int tr
   if (d.k != d.kb) return shape_error(op, a, b, c, "inner dimensions of op(a) and op(b) differ");
   if (c->shape[o] != d.m || c->shape[o + 1] != d.n)
     return shape_error(op, a, b, c, "c must be [rows of op(a), columns of op(b)]");
-  LZ_OP_RUN(op, LZ_OP_MATMUL, .t = {c, (lz_tensor *)a, (lz_tensor *)b}, .i = {trans_a, trans_b},
-            .f = {alpha, beta});
+  return lz_op_run(op, LZ_OP_MATMUL, &args);
 }
 
 lz_status lz_cpu_matmul(const lz_op_args *args) {
@@ -386,15 +375,11 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
                             const lz_tensor *bias) {
   const char *op = "linear_forward";
   int64_t rows, in, outc;
+  const lz_op_args args = {.t = {out, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)bias}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LINEAR_FORWARD, &args));
   LZ_TRY(linear_shapes(op, x, w, out, "out", &rows, &in, &outc));
-  LZ_TRY(check_input_dtypes(op, "x", x, "w", w));
-  LZ_TRY(lz_check_dtype(op, "out", out, LZ_F32));
-  if (bias) {
-    LZ_TRY(lz_check_dtype(op, "bias", bias, LZ_F32));
-    LZ_TRY(lz_check_numel(op, "bias", bias, outc, "the rows of w"));
-  }
-  LZ_OP_RUN(op, LZ_OP_LINEAR_FORWARD,
-                     .t = {out, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)bias});
+  if (bias) LZ_TRY(lz_check_numel(op, "bias", bias, outc, "the rows of w"));
+  return lz_op_run(op, LZ_OP_LINEAR_FORWARD, &args);
 }
 
 lz_status lz_cpu_linear_forward(const lz_op_args *a) {
@@ -435,27 +420,14 @@ lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const 
                              const lz_tensor *x, const lz_tensor *w) {
   const char *op = "linear_backward";
   int64_t rows, in, outc;
+  const lz_op_args args = {
+      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LINEAR_BACKWARD, &args)); /* dy, x and w: one dtype */
   LZ_TRY(linear_shapes(op, x, w, dy, "dy", &rows, &in, &outc));
-  LZ_TRY(check_input_dtypes(op, "x", x, "w", w));
-  if (dy->dtype != x->dtype) {
-    char b1[96], b2[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: dy is %s but x is %s; dy, x and w share one dtype", op,
-                   lz_tensor_describe(dy, b1, sizeof b1), lz_tensor_describe(x, b2, sizeof b2));
-  }
-  if (dx) {
-    LZ_TRY(lz_check_dtype(op, "dx", dx, LZ_F32));
-    LZ_TRY(lz_check_numel(op, "dx", dx, rows * in, "the shape of x"));
-  }
-  if (dw) {
-    LZ_TRY(lz_check_dtype(op, "dw", dw, LZ_F32));
-    LZ_TRY(lz_check_numel(op, "dw", dw, outc * in, "the shape of w"));
-  }
-  if (db) {
-    LZ_TRY(lz_check_dtype(op, "db", db, LZ_F32));
-    LZ_TRY(lz_check_numel(op, "db", db, outc, "the rows of w"));
-  }
-  LZ_OP_RUN(op, LZ_OP_LINEAR_BACKWARD,
-                     .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w});
+  if (dx) LZ_TRY(lz_check_numel(op, "dx", dx, rows * in, "the shape of x"));
+  if (dw) LZ_TRY(lz_check_numel(op, "dw", dw, outc * in, "the shape of w"));
+  if (db) LZ_TRY(lz_check_numel(op, "db", db, outc, "the rows of w"));
+  return lz_op_run(op, LZ_OP_LINEAR_BACKWARD, &args);
 }
 
 lz_status lz_cpu_linear_backward(const lz_op_args *a) {

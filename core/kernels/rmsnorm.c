@@ -53,30 +53,22 @@ LZ_DISPATCH static void rmsnorm_forward_row_bf16(float *out, float *rstd_out, co
   rmsnorm_forward_row(out, rstd_out, xf, wf, C, eps);
 }
 
-/* The checks forward and backward share: x (and `like`, shaped as x) of
- * x's dtype, f32 or bf16; w of that dtype with C elements; `out_like` f32
- * shaped as x; `per_col` f32 of C elements; rstd f32, one per row. */
+/* The shapes forward and backward share, their dtypes checked: x (and
+ * `like`) of 1 to LZ_MAX_DIMS dimensions, w and `per_col` of C elements,
+ * `out_like` shaped as x and overwriting no bf16 x, rstd one per row. */
 static lz_status check_args(const char *op, const lz_tensor *x, const lz_arg *like,
                             const lz_tensor *w, const lz_arg *out_like, const lz_arg *per_col,
                             const lz_tensor *rstd) {
-  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"x", x}, {0}}));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  for (; like->name; like++) {
-    LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"x", x}, {like->name, like->t}, {0}}));
-    LZ_TRY(lz_check_same_shape(op, like->name, like->t, "x", x));
-  }
+  for (; like->name; like++) LZ_TRY(lz_check_same_shape(op, like->name, like->t, "x", x));
   for (; out_like->name; out_like++) {
-    LZ_TRY(lz_check_f32_like(op, out_like->name, out_like->t, "x", x));
+    LZ_TRY(lz_check_same_shape(op, out_like->name, out_like->t, "x", x));
     LZ_TRY(lz_check_no_alias(op, out_like->name, out_like->t, "x", x));
   }
-  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"x", x}, {"w", w}, {0}}));
   LZ_TRY(lz_check_numel(op, "w", w, C, "the last dimension of x"));
-  for (; per_col->name; per_col++) {
-    LZ_TRY(lz_check_dtype(op, per_col->name, per_col->t, LZ_F32));
+  for (; per_col->name; per_col++)
     LZ_TRY(lz_check_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
-  }
-  LZ_TRY(lz_check_dtype(op, "rstd", rstd, LZ_F32));
   LZ_TRY(lz_check_numel(op, "rstd", rstd, rows, "one per row of x"));
   if (x->dtype == LZ_BF16 && C > BF16_MAX_COLS)
     return lz_fail(LZ_ERR_UNSUPPORTED,
@@ -89,11 +81,12 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
                              const lz_tensor *w, float eps) {
   const char *op = "rmsnorm_forward";
   const lz_arg none[] = {{0}}, out_like[] = {{"out", out}, {0}};
+  const lz_op_args args = {.t = {out, rstd, (lz_tensor *)x, (lz_tensor *)w}, .f = {eps}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_RMSNORM_FORWARD, &args)); /* check_args reads them */
   LZ_TRY(check_args(op, x, none, w, out_like, none, rstd));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
-  LZ_OP_RUN(op, LZ_OP_RMSNORM_FORWARD, .t = {out, rstd, (lz_tensor *)x, (lz_tensor *)w},
-                     .f = {eps});
+  return lz_op_run(op, LZ_OP_RMSNORM_FORWARD, &args);
 }
 
 lz_status lz_cpu_rmsnorm_forward(const lz_op_args *a) {
@@ -208,15 +201,16 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
   const char *op = "rmsnorm_backward";
   const lz_arg like[] = {{"dy", dy}, {0}}, out_like[] = {{"dx", dx}, {0}},
                per_col[] = {{"dw", dw}, {0}};
+  const lz_op_args args = {
+      .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)rstd}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_RMSNORM_BACKWARD, &args));
   LZ_TRY(check_args(op, x, like, w, out_like, per_col, rstd));
   if (dy->dtype != LZ_F32 && dx->data == dy->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dx (f32) and dy (bf16) are the same memory; only an f32 dy may be "
                    "overwritten by dx",
                    op);
-  LZ_OP_RUN(
-      op, LZ_OP_RMSNORM_BACKWARD,
-      .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)rstd});
+  return lz_op_run(op, LZ_OP_RMSNORM_BACKWARD, &args);
 }
 
 lz_status lz_cpu_rmsnorm_backward(const lz_op_args *a) {

@@ -70,7 +70,6 @@ LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float
 
 /* pos: i32 [B, T] for x [B, T, C]; its values are the kernel's to check. */
 static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor *x) {
-  LZ_TRY(lz_check_dtype(op, "pos", pos, LZ_I32));
   if (pos->ndim != 2 || pos->shape[0] != x->shape[0] || pos->shape[1] != x->shape[1]) {
     char a[96], b[96];
     return lz_fail(LZ_ERR_INVALID, "%s: pos is %s, expected i32[%lld,%lld] (one per row of %s)", op,
@@ -106,9 +105,12 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
                             const char *x_name, const lz_tensor *x, int n_head, int head_dim,
                             int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
                             const lz_tensor *pos_t) {
-  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{x_name, x}, {0}}));
+  const lz_op_args args = {
+      .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
+      .i = {n_head, head_dim, pos_offset}, .f = {theta}};
+  LZ_TRY(lz_op_check_dtypes(op, opcode, &args)); /* the alias check reads them */
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
-  LZ_TRY(lz_check_f32_like(op, out_name, out, x_name, x));
+  LZ_TRY(lz_check_same_shape(op, out_name, out, x_name, x));
   LZ_TRY(lz_check_no_alias(op, out_name, out, x_name, x));
   const int freqs = inv_freq_t != NULL;
   if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
@@ -134,8 +136,7 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
     return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
                    (double)theta);
   if (pos_t) LZ_TRY(check_pos(op, pos_t, x));
-  LZ_OP_RUN(op, opcode, .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
-            .i = {n_head, head_dim, pos_offset}, .f = {theta});
+  return lz_op_run(op, opcode, &args);
 }
 
 /* The kernel forward and backward share; `sign` as rope_row's. */
@@ -178,12 +179,11 @@ static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
   return LZ_OK;
 }
 
-/* The inverse frequencies of the _freqs variants: f32, head_dim/2 values
+/* The inverse frequencies of the _freqs variants: head_dim/2 values
  * (the kernel checks they are finite where it runs; cuda does not check
  * them: it would have to wait for the device). */
 static lz_status check_freqs(const char *op, const lz_tensor *inv_freq, int head_dim) {
   LZ_TRY(lz_check_present(op, "inv_freq", inv_freq));
-  LZ_TRY(lz_check_dtype(op, "inv_freq", inv_freq, LZ_F32));
   return lz_check_numel(op, "inv_freq", inv_freq, head_dim / 2, "head_dim / 2");
 }
 

@@ -64,17 +64,15 @@ LZ_DISPATCH static void swiglu_backward_block_bf16(float *dgate, float *dup, con
   }
 }
 
-/* Checks that the inputs share gate's dtype (f32 or bf16) and shape, and
- * that the outputs are f32 shaped as gate and overwrite no bf16 input. */
+/* The shapes of a call whose dtypes are checked: the inputs shaped as gate,
+ * the (f32) outputs too, overwriting no bf16 input. */
 static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *inputs,
                                  const lz_arg *outputs) {
-  LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"gate", gate}, {0}}));
-  for (const lz_arg *a = inputs; a->name; a++) {
-    LZ_TRY(lz_check_f32_or_bf16(op, (lz_arg[]){{"gate", gate}, {a->name, a->t}, {0}}));
+  LZ_TRY(lz_check_present(op, "gate", gate));
+  for (const lz_arg *a = inputs; a->name; a++)
     LZ_TRY(lz_check_same_shape(op, a->name, a->t, "gate", gate));
-  }
   for (const lz_arg *a = outputs; a->name; a++) {
-    LZ_TRY(lz_check_f32_like(op, a->name, a->t, "gate", gate));
+    LZ_TRY(lz_check_same_shape(op, a->name, a->t, "gate", gate));
     LZ_TRY(lz_check_no_alias(op, a->name, a->t, "gate", gate));
     for (const lz_arg *in = inputs; in->name; in++)
       LZ_TRY(lz_check_no_alias(op, a->name, a->t, in->name, in->t));
@@ -84,8 +82,10 @@ static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz
 
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_forward";
+  const lz_op_args args = {.t = {out, (lz_tensor *)gate, (lz_tensor *)up}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_FORWARD, &args)); /* the alias check reads them */
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {0}}, (lz_arg[]){{"out", out}, {0}}));
-  LZ_OP_RUN(op, LZ_OP_SWIGLU_FORWARD, .t = {out, (lz_tensor *)gate, (lz_tensor *)up});
+  return lz_op_run(op, LZ_OP_SWIGLU_FORWARD, &args);
 }
 
 lz_status lz_cpu_swiglu_forward(const lz_op_args *a) {
@@ -110,13 +110,15 @@ lz_status lz_cpu_swiglu_forward(const lz_op_args *a) {
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up) {
   const char *op = "swiglu_backward";
+  const lz_op_args args = {
+      .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_BACKWARD, &args));
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"dout", dout}, {0}},
                          (lz_arg[]){{"dgate", dgate}, {"dup", dup}, {0}}));
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
-  LZ_OP_RUN(op, LZ_OP_SWIGLU_BACKWARD,
-                     .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up});
+  return lz_op_run(op, LZ_OP_SWIGLU_BACKWARD, &args);
 }
 
 lz_status lz_cpu_swiglu_backward(const lz_op_args *a) {

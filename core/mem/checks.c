@@ -8,19 +8,9 @@ lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t)
   return LZ_OK;
 }
 
-/* The shape and dtype checks accept tensors on any device: each public op
- * ends its checks with LZ_OP_RUN, which runs the kernel of the tensors'
- * device and refuses a mix of devices. */
-lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt) {
-  LZ_TRY(lz_check_present(op, name, t));
-  if (t->dtype != dt) {
-    char buf[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype %s", op, name,
-                   lz_tensor_describe(t, buf, sizeof buf), lz_dtype_name(dt));
-  }
-  return LZ_OK;
-}
-
+/* The shape checks accept tensors on any device: each public op ends its
+ * checks with lz_op_run, which checks the declared dtypes, runs the kernel
+ * of the tensors' device and refuses a mix of devices. */
 lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi) {
   LZ_TRY(lz_check_present(op, name, t));
   if (t->ndim < lo || t->ndim > hi) {
@@ -61,46 +51,15 @@ lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tenso
   return LZ_OK;
 }
 
-lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
-                            const char *like_name, const lz_tensor *like) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
-  return lz_check_same_shape(op, name, t, like_name, like);
-}
-
-static lz_status check_f32_numel(const char *op, const char *name, const lz_tensor *t, int64_t n,
-                                 const char *why) {
-  LZ_TRY(lz_check_dtype(op, name, t, LZ_F32));
-  return lz_check_numel(op, name, t, n, why);
-}
-
 lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
                            const lz_arg *per_col, const lz_arg *per_row) {
-  LZ_TRY(lz_check_dtype(op, "x", x, LZ_F32));
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
   const int64_t C = lz_cols(x), rows = lz_rows(x);
-  for (; like->name; like++) LZ_TRY(lz_check_f32_like(op, like->name, like->t, "x", x));
+  for (; like->name; like++) LZ_TRY(lz_check_same_shape(op, like->name, like->t, "x", x));
   for (; per_col->name; per_col++)
-    LZ_TRY(check_f32_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
+    LZ_TRY(lz_check_numel(op, per_col->name, per_col->t, C, "the last dimension of x"));
   for (; per_row->name; per_row++)
-    LZ_TRY(check_f32_numel(op, per_row->name, per_row->t, rows, "one per row of x"));
-  return LZ_OK;
-}
-
-lz_status lz_check_f32_or_bf16(const char *op, const lz_arg *args) {
-  const lz_arg *first = args;
-  for (; args->name; args++) {
-    LZ_TRY(lz_check_present(op, args->name, args->t));
-    if ((args->t->dtype != LZ_F32 && args->t->dtype != LZ_BF16) ||
-        args->t->dtype != first->t->dtype) {
-      char b[96], bf[96];
-      if (args == first)
-        return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected dtype f32 or bf16", op, args->name,
-                       lz_tensor_describe(args->t, b, sizeof b));
-      return lz_fail(LZ_ERR_INVALID, "%s: %s is %s and %s is %s; both must be f32 or both bf16", op,
-                     first->name, lz_tensor_describe(first->t, bf, sizeof bf), args->name,
-                     lz_tensor_describe(args->t, b, sizeof b));
-    }
-  }
+    LZ_TRY(lz_check_numel(op, per_row->name, per_row->t, rows, "one per row of x"));
   return LZ_OK;
 }
 

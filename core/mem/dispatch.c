@@ -49,7 +49,7 @@ static void count_copy(lz_device dst, lz_device src, size_t bytes) {
 static const char *device_name(lz_device d) { return lz_device_name(d); }
 
 static const char *arg_name(lz_op op, int i) {
-  return lz_op_infos[op].args[i] ? lz_op_infos[op].args[i] : "a tensor";
+  return lz_op_infos[op].args[i].name ? lz_op_infos[op].args[i].name : "a tensor";
 }
 
 lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a) {
@@ -70,6 +70,7 @@ lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a) {
                      op_name, arg_name(op, first), device_name(a->t[first]->device),
                      arg_name(op, i), device_name(t->device));
   }
+  LZ_TRY(lz_op_check_dtypes(op_name, op, a));
   const lz_backend *be = lz_backend_cpu();
   if (first >= 0 && a->t[first]->device != LZ_CPU)
     LZ_TRY(need_device(op_name, a->t[first]->device, &be));

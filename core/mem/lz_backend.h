@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LZ_BACKEND_ABI 3
+#define LZ_BACKEND_ABI 4
 
 /* The ops, in the order of their declaration (mem/lz_ops.def). */
 typedef enum lz_op {
@@ -53,14 +53,31 @@ typedef struct lz_op_args {
 /* One op's kernel on one device. */
 typedef lz_status (*lz_op_fn)(const lz_op_args *a);
 
+/* The dtypes one tensor argument accepts (mem/lz_ops.def's ARG): a mask of
+ * 1 << lz_dtype, or LZ_DT_SAME | i: slot i's dtype, checked against slot
+ * i's own mask. */
+typedef uint16_t lz_op_dtypes;
+#define LZ_DT_SAME 0x8000u
+#define LZ_DT_ANY 0x7fffu
+
+typedef struct lz_op_arg {
+  const char *name; /* as messages name the slot; NULL past the last */
+  lz_op_dtypes dtypes;
+} lz_op_arg;
+
 /* What the declaration says of an op (mem/ops.c, from mem/lz_ops.def). */
 typedef struct lz_op_info {
   const char *name;                    /* lz_<name>: the public function */
-  const char *args[LZ_OP_MAX_TENSORS]; /* a->t's slots, as messages name them */
+  lz_op_arg args[LZ_OP_MAX_TENSORS];   /* a->t's slots */
   int waits;                           /* hands a value back to the host */
 } lz_op_info;
 
 extern const lz_op_info lz_op_infos[LZ_OP_COUNT];
+
+/* Each non-NULL tensor of a against the dtypes its slot accepts; the first
+ * that does not fit is an error naming op_name, the slot and what it takes.
+ * lz_op_run runs it first; a mask test per tensor when all fit. */
+lz_status lz_op_check_dtypes(const char *op_name, lz_op op, const lz_op_args *a);
 
 /* The cpu backend's kernels (core/kernels/, core/optim/): the op on host
  * memory, its arguments already checked. */
@@ -148,14 +165,17 @@ const char *lz_device_name(lz_device dev);
 void lz_backend_cpu_set(const lz_backend *be);
 const lz_backend *lz_backend_cpu(void);
 
-/* After an op's argument checks: runs op on the backend of the device its
- * tensors (the non-NULL ones in a->t) live on — the cpu's, or the active
- * accelerator's — through that backend's table. Tensors on two devices, or
- * a device without the op's kernel, are an error naming op_name (the
- * public function's name) and the arguments. */
+/* After an op's argument checks: checks the tensors' dtypes against the
+ * declaration (lz_op_check_dtypes), then runs op on the backend of the
+ * device its tensors (the non-NULL ones in a->t) live on — the cpu's, or the
+ * active accelerator's — through that backend's table. Tensors on two
+ * devices, or a device without the op's kernel, are an error naming op_name
+ * (the public function's name) and the arguments. */
 lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a);
 
-/* The last line of each public op: its arguments into lz_op_args, and run. */
+/* The last line of a public op that checks no dtype itself: its arguments
+ * into lz_op_args, and run. One whose checks need the dtypes first packs
+ * its lz_op_args, runs lz_op_check_dtypes, and ends in lz_op_run. */
 #define LZ_OP_RUN(op_name, opcode, ...) \
   return lz_op_run(op_name, opcode, &(lz_op_args){__VA_ARGS__})
 

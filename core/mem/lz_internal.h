@@ -32,9 +32,9 @@ lz_status lz_fail(lz_status st, const char *fmt, ...) __attribute__((format(prin
 
 /* Argument checks for kernels: each sets an error naming the op, the
  * argument and its shape, e.g.
- * "layernorm_forward: w is f32[64], expected f32[128] (the last dimension of x)". */
+ * "layernorm_forward: w is f32[64], expected f32[128] (the last dimension of x)".
+ * Dtypes are the op declaration's (mem/lz_ops.def, lz_op_check_dtypes). */
 lz_status lz_check_present(const char *op, const char *name, const lz_tensor *t);
-lz_status lz_check_dtype(const char *op, const char *name, const lz_tensor *t, lz_dtype dt);
 lz_status lz_check_ndim(const char *op, const char *name, const lz_tensor *t, int lo, int hi);
 int64_t lz_ids_first_outside(const int32_t *ids, int64_t n, int64_t lo, int64_t hi,
                              int32_t *value);
@@ -42,22 +42,17 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
                          const char *why);
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
                               const char *name_b, const lz_tensor *b);
-/* f32 and shaped as `like`. */
-lz_status lz_check_f32_like(const char *op, const char *name, const lz_tensor *t,
-                            const char *like_name, const lz_tensor *like);
 /* A named argument, for the checks that take lists (ended by {NULL}). */
 typedef struct lz_arg {
   const char *name;
   const lz_tensor *t;
 } lz_arg;
-/* A row-wise op's arguments, all f32: x of 1 to LZ_MAX_DIMS dimensions, the
- * `like` tensors shaped as x, the `per_col` ones holding one value per column
- * of x (its last dimension), the `per_row` ones one per row. */
+/* A row-wise op's shapes (its dtypes are the declaration's): x of 1 to
+ * LZ_MAX_DIMS dimensions, the `like` tensors shaped as x, the `per_col` ones
+ * holding one value per column of x (its last dimension), the `per_row` ones
+ * one per row. */
 lz_status lz_check_rowwise(const char *op, const lz_tensor *x, const lz_arg *like,
                            const lz_arg *per_col, const lz_arg *per_row);
-/* The inputs of a kernel that takes f32 or bf16 (fp32 arithmetic either
- * way): every tensor of the list has the first one's dtype, f32 or bf16. */
-lz_status lz_check_f32_or_bf16(const char *op, const lz_arg *args);
 /* An f32 output that must not share memory with a bf16 input (it could
  * alias an f32 one): names both when it does. */
 lz_status lz_check_no_alias(const char *op, const char *out_name, const lz_tensor *out,

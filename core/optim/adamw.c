@@ -65,10 +65,11 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
                               .state_names = {"m", "v"},
                               .n_states = 2,
                               .working = working};
+  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, working}, .adamw = args};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ADAMW_STEP, &a));
   LZ_TRY(lz_optim_check_tensors(op, &t));
   LZ_TRY(check_args(op, args));
-  LZ_OP_RUN(op, LZ_OP_ADAMW_STEP, .t = {param, (lz_tensor *)grad, m, v, working},
-            .adamw = args);
+  return lz_op_run(op, LZ_OP_ADAMW_STEP, &a);
 }
 
 lz_status lz_cpu_adamw_step(const lz_op_args *a) {

@@ -58,9 +58,11 @@ lz_status lz_lion_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz
                               .state_names = {"m"},
                               .n_states = 1,
                               .working = working};
+  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, working}, .lion = args};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LION_STEP, &a));
   LZ_TRY(lz_optim_check_tensors(op, &t));
   LZ_TRY(check_args(op, args));
-  LZ_OP_RUN(op, LZ_OP_LION_STEP, .t = {param, (lz_tensor *)grad, m, working}, .lion = args);
+  return lz_op_run(op, LZ_OP_LION_STEP, &a);
 }
 
 lz_status lz_cpu_lion_step(const lz_op_args *a) {

@@ -33,7 +33,8 @@ typedef struct lz_optim_tensors {
   lz_tensor *working;
 } lz_optim_tensors;
 
-/* The dtype and element-count checks, each error naming op and the tensor,
+/* The element-count checks (the dtypes are the declaration's, checked
+ * first by the step's public op), each error naming op and the tensor,
  * e.g. "adamw_step: grad is f32[9] (9 elements), expected 8 elements (the
  * element count of param)". */
 lz_status lz_optim_check_tensors(const char *op, const lz_optim_tensors *t);

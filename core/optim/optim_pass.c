@@ -18,24 +18,12 @@
 
 lz_status lz_optim_check_tensors(const char *op, const lz_optim_tensors *t) {
   const char *why = "the element count of param";
-  LZ_TRY(lz_check_dtype(op, "param", t->param, LZ_F32));
+  LZ_TRY(lz_check_present(op, "param", t->param));
   const int64_t n = lz_tensor_numel(t->param);
-  LZ_TRY(lz_check_dtype(op, "grad", t->grad, LZ_F32));
   LZ_TRY(lz_check_numel(op, "grad", t->grad, n, why));
-  for (int s = 0; s < t->n_states; s++) {
-    LZ_TRY(lz_check_dtype(op, t->state_names[s], t->states[s], LZ_F32));
+  for (int s = 0; s < t->n_states; s++)
     LZ_TRY(lz_check_numel(op, t->state_names[s], t->states[s], n, why));
-  }
-  lz_tensor *w = t->working;
-  if (w) {
-    LZ_TRY(lz_check_present(op, "working", w));
-    if (w->dtype != LZ_F32 && w->dtype != LZ_BF16 && w->dtype != LZ_F16) {
-      char buf[96];
-      return lz_fail(LZ_ERR_INVALID, "%s: working is %s, expected dtype f32, bf16 or f16", op,
-                     lz_tensor_describe(w, buf, sizeof buf));
-    }
-    LZ_TRY(lz_check_numel(op, "working", w, n, why));
-  }
+  if (t->working) LZ_TRY(lz_check_numel(op, "working", t->working, n, why));
   return LZ_OK;
 }
 

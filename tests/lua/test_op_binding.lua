@@ -15,14 +15,15 @@ local cdef = require("luazero.cdef")
 -- an alias carries its op's arguments.
 local function declared()
   local f = assert(io.open(lz.root .. "/core/mem/lz_ops.def"))
-  local text = f:read("*a"):gsub("/%*.-%*/", "")
+  -- an op's ARG(name, dtypes) list may go on over indented lines
+  local text = f:read("*a"):gsub("/%*.-%*/", ""):gsub(",%s*\n%s+", ", ")
   f:close()
   local out, by_id = {}, {}
   for line in text:gmatch("[^\n]+") do
     local id, name, rest = line:match("^LZ_OP%((%u[%u%d_]*), ([%w_]+), %d, (.*)%)%s*$")
     if id then
       local args = {}
-      for a in rest:gmatch('"([%w_]+)"') do args[#args + 1] = a end
+      for a in rest:gmatch("ARG%(([%w_]+),") do args[#args + 1] = a end
       by_id[id] = args
       out[#out + 1] = { name = name, op = id, args = args }
     end

@@ -34,7 +34,7 @@ static void check_result(const lz_tensor *y) {
 LZ_TEST(toy_op_is_declared_everywhere_by_one_line) {
   CHECK_EQ_INT(LZ_OP_TOY_AXPBY, LZ_OP_COUNT - 1);
   CHECK(strcmp(lz_op_infos[LZ_OP_TOY_AXPBY].name, "toy_axpby") == 0);
-  CHECK(strcmp(lz_op_infos[LZ_OP_TOY_AXPBY].args[1], "x") == 0);
+  CHECK(strcmp(lz_op_infos[LZ_OP_TOY_AXPBY].args[1].name, "x") == 0);
   CHECK(lz_backend_cpu()->ops[LZ_OP_TOY_AXPBY] == lz_cpu_toy_axpby);
   CHECK(lz_sim_backend()->ops[LZ_OP_TOY_AXPBY] != NULL);
   int last = 0;
@@ -53,5 +53,11 @@ LZ_TEST(toy_op_runs_on_cpu_and_sim) {
   /* The declared argument names reach the dispatch's messages. */
   CHECK_ERR(lz_toy_axpby(y, dx, 2, 3), LZ_ERR_INVALID,
             "toy_axpby: y lives on cpu but x lives on sim");
+  /* And its declared dtypes: the op checks shapes only. */
+  lz_tensor *xi = NULL;
+  CHECK_OK(lz_tensor_new(&xi, LZ_I32, 1, (int64_t[]){5}, LZ_MEM_WORKSPACE));
+  CHECK_ERR(lz_toy_axpby(y, xi, 2, 3), LZ_ERR_INVALID,
+            "toy_axpby: x is i32[5], expected dtype f32");
+  lz_tensor_free(xi);
   lz_tensor_free(x), lz_tensor_free(y), lz_tensor_free(dx), lz_tensor_free(dy);
 }

@@ -6,8 +6,7 @@
 
 lz_status lz_toy_axpby(lz_tensor *y, const lz_tensor *x, float alpha, float beta) {
   const char *op = "toy_axpby";
-  LZ_TRY(lz_check_dtype(op, "y", y, LZ_F32));
-  LZ_TRY(lz_check_f32_like(op, "x", x, "y", y));
+  LZ_TRY(lz_check_same_shape(op, "x", x, "y", y)); /* dtypes: the declaration's */
   LZ_OP_RUN(op, LZ_OP_TOY_AXPBY, .t = {y, (lz_tensor *)x}, .f = {alpha, beta});
 }
 
