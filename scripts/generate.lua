@@ -113,6 +113,14 @@ local function parse(argv)
   if flags.dtype and flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
     fail(("--dtype must be fp32 or bf16 (got %s)"):format(flags.dtype))
   end
+  -- An empty --stop is found at once: every completion would be cut to nothing.
+  if flags.stop == "" then
+    fail("--stop '' matches at every position and would cut every completion to nothing: " ..
+         "give the text to stop at, or drop --stop")
+  end
+  -- --out FILE is emptied at start: it must not be one of the run's inputs.
+  outputs.refuse_overlap(ex, flags, { "out" },
+                         { "prompts", "load", "hf", "adapters", "tokenizer" })
   return flags
 end
 

@@ -28,6 +28,14 @@ function T.model_beside_model_config_is_refused_naming_the_one_to_drop()
           "--model-config to train gpt2-nano)")
 end
 
+function T.checkpoint_flags_without_save_are_refused()
+  for _, f in ipairs({ "--save-every 5", "--save-every-minutes 1", "--keep 2", "--async-save" }) do
+    local name = f:match("^(%S+)")
+    refused(f, ("train: %s without --save does nothing: add --save DIR (the checkpoint " ..
+                "folder) or drop %s"):format(name, name))
+  end
+end
+
 function T.lora_flags_without_lora_r_or_out_of_range_are_refused()
   refused("--lora-alpha 8", "train: --lora-alpha 8 without --lora-r does nothing: add --lora-r R " ..
           "(the adapters' rank) or drop --lora-alpha")

@@ -317,6 +317,15 @@ function T.generate_continues_prompts_from_a_checkpoint()
   assert(st == 2 and out:find("no prompt: give --prompt TEXT", 1, true), out)
   out, st = script("generate", ("--load %s/ck --prompt x --chat"):format(dir))
   assert(st == 2 and out:find("--chat needs the model's Hugging Face folder", 1, true), out)
+  -- An empty --stop would cut every completion to nothing.
+  out, st = script("generate", ("--load %s/ck --prompt hi --stop ''"):format(dir))
+  assert(st == 2 and out:find("generate: --stop '' matches at every position", 1, true), out)
+  -- --out naming the --prompts file would empty it: refused, the prompts intact.
+  local prompts = dir .. "/prompts.txt"
+  local f = assert(io.open(prompts, "wb")); f:write("line 7\n"); f:close()
+  out, st = script("generate", ("--load %s/ck --prompts %s --out %s"):format(dir, prompts, prompts))
+  assert(st == 2 and out:find("--out", 1, true) and out:find("--prompts", 1, true), out)
+  f = assert(io.open(prompts, "rb")); eq(f:read("*a"), "line 7\n", "the prompts stay whole"); f:close()
 end
 
 -- A consolidated file (with the model's config.json) and a LoRA run's

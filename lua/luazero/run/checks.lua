@@ -64,6 +64,16 @@ function M.train(ex, flags)
                   :format(flags.model, flags.model_config, flags.model))
   end
   check_lora(ex, flags)
+  -- The checkpoint flags shape the saves --save makes: alone they would be ignored.
+  if not flags.save then
+    for _, n in ipairs({ "save-every", "save-every-minutes", "keep", "async-save" }) do
+      local v = flags[n:gsub("-", "_")]
+      if v ~= nil and v ~= 0 and v ~= false then
+        ex.user_error(("--%s without --save does nothing: add --save DIR (the checkpoint " ..
+                       "folder) or drop --%s"):format(n, n))
+      end
+    end
+  end
   -- --log FILE and --profile-json FILE are emptied at start.
   outputs.refuse_overlap(ex, flags, { "log", "profile_json" },
                          { "data", "val_data", "resume", "save", "init", "tokenizer", "config",
