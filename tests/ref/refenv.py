@@ -11,6 +11,24 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LUAZERO = os.environ.get("LUAZERO") or os.path.join(REPO, "build", "bin", "luazero")
 VENV = os.environ.get("LZ_REF_VENV") or os.path.join(REPO, "build", "ref-venv")
+# The second environment (torch 2.15, transformers 5.23, peft 0.21.2,
+# bitsandbytes 0.50.2), for Gemma 2/3, Qwen3, Mistral's window as 5.x masks
+# it, the MoE families: a plain venv, its own torch, kept outside the
+# checkout so every clone and CI run shares it. test5_*.py run with its python.
+VENV5 = os.environ.get("LZ_REF5_VENV") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+    "luazero", "ref5-venv")
+VERSIONS5 = {"torch": "2.15.0", "transformers": "5.23.0", "peft": "0.21.2",
+             "bitsandbytes": "0.50.2"}
+
+
+def python5():
+    """(the second environment's python, None), or (None, why it is absent)."""
+    python = os.path.join(VENV5, "bin", "python")
+    if not os.access(python, os.X_OK):
+        return None, (f"no reference environment 5 at {VENV5} (torch 2.15, transformers 5.23): "
+                      "run tools/setup, or set LZ_REF5_VENV")
+    return python, None
 
 
 def import_from_venv(module):

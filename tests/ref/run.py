@@ -1,7 +1,11 @@
 """run.py — runs every tests/ref/test_*.py (the PyTorch reference tests).
 
-Each file runs as its own process with this interpreter and ends with an
-"N passed, N failed" line; this prints each file's output, then the sums. A
+Each file runs as its own process and ends with an "N passed, N failed"
+line. test_*.py files run with this interpreter (Debian's PyTorch 1.13 and
+build/ref-venv's transformers 4.40); test5_*.py files, for what 4.40 lacks,
+with the second reference environment's own python (torch 2.15,
+transformers 5.23: refenv.VENV5, which tools/setup fills), each skipping with
+one line where it is absent; this prints each file's output, then the sums. A
 file that exits non-zero without failures, or prints no summary, counts as one
 failure. Run with Debian's /usr/bin/python3 (python3-torch):
     /usr/bin/python3 tests/ref/run.py [test_x.py ...]
@@ -27,13 +31,21 @@ def main(argv):
               "and run with /usr/bin/python3")
         print("0 passed, 1 failed")
         return 1
+    sys.path.insert(0, HERE)
+    import refenv
     files = [os.path.join(HERE, f) for f in argv] if argv else sorted(
-        glob.glob(os.path.join(HERE, "test_*.py")))
+        glob.glob(os.path.join(HERE, "test_*.py")) + glob.glob(os.path.join(HERE, "test5_*.py")))
     total_pass = total_fail = 0
     for path in files:
         name = os.path.basename(path)
         print(f"== {name}", flush=True)
-        proc = subprocess.run([sys.executable, path], stdout=subprocess.PIPE,
+        python = sys.executable
+        if name.startswith("test5_"):
+            python, why = refenv.python5()
+            if python is None:
+                print(f"skip: {name}: {why}")
+                continue
+        proc = subprocess.run([python, path], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=HERE)
         sys.stdout.write(proc.stdout)
         found = SUMMARY.findall(proc.stdout)

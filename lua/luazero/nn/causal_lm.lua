@@ -11,7 +11,8 @@
 --   shared(cfg)         what every block shares (each with a free method), or nil
 --   embedding(cfg)      the embedding; its token_key names the token table
 --   norm(cfg)           the norm before each branch and after the blocks
---   attention(cfg, shared), mlp(cfg)   a block's branches
+--   attention(cfg, shared, i), mlp(cfg, i)   the branches of block i (1-based):
+--               a family whose layers differ (a window on some) reads i
 --   head(cfg)           an untied LM head (a Linear), or nil: tied to the token table
 --   lora_targets        where LoRA adapters may go (models/lora.lua)
 --
@@ -50,9 +51,9 @@ function CausalLM.new(cls, desc, cfg)
   local blocks, bn = {}, names.block
   for i = 1, cfg.n_layer do
     blocks[i] = Block.new({ attn_norm = { bn.attn_norm, desc.norm(cfg) },
-                            attn = { bn.attn, desc.attention(cfg, self.shared) },
+                            attn = { bn.attn, desc.attention(cfg, self.shared, i) },
                             mlp_norm = { bn.mlp_norm, desc.norm(cfg) },
-                            mlp = { bn.mlp, desc.mlp(cfg) } })
+                            mlp = { bn.mlp, desc.mlp(cfg, i) } })
   end
   body:add(names.blocks, Sequential.new(blocks))
   local norm = body:add(names.norm, desc.norm(cfg))

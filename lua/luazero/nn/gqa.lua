@@ -18,14 +18,16 @@ local ops = lz.ops
 local GQA = Module:extend("GroupedQueryAttention")
 
 -- rope: { inv_freq = f32 tensor [head_dim / 2] } (nn/rope.lua), shared by
--- every layer. std: the init std of the four projections.
-function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std)
+-- every layer. std: the init std of the four projections. opts: what a
+-- family changes of Llama's attention (nil: none).
+function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   assert(n_head % n_kv_head == 0, "attention: n_head must be a multiple of n_kv_head")
   local self = setmetatable({}, GQA):init()
   self.n_embd, self.n_head, self.n_kv_head, self.head_dim = n_embd, n_head, n_kv_head, head_dim
   self.q_width, self.kv_width = n_head * head_dim, n_kv_head * head_dim
   self.width = self.q_width + 2 * self.kv_width
   self.rope = rope
+  self.opts = opts or {}
   self.qkv_proj = self:add(false, PackedLinear.new(n_embd, { { "q_proj", self.q_width },
                                                              { "k_proj", self.kv_width },
                                                              { "v_proj", self.kv_width } }, std))
