@@ -236,6 +236,18 @@ lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tenso
                               const lz_tensor *pos, int n_head);
 lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
                                const lz_tensor *pos, int n_head);
+/* The freqs variants for heads that turn in part, with cos and sin scaled
+ * (Phi-3's partial_rotary_factor and LongRoPE's attention factor): in each
+ * head of head_dim values the first rotary_dim = 2 * numel(inv_freq) turn
+ * (element i pairs with i + rotary_dim/2) and the rest pass; cos and sin are
+ * each multiplied by scale in fp32 (0: not multiplied). pos may be NULL
+ * (pos_offset + t), else as the pos variants' (pos_offset then 0). */
+lz_status lz_rope_ext_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                              const lz_tensor *pos, int n_head, int head_dim, int64_t pos_offset,
+                              float scale);
+lz_status lz_rope_ext_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                               const lz_tensor *pos, int n_head, int head_dim, int64_t pos_offset,
+                               float scale);
 
 /* out = silu(gate) * up, all one shape; out may alias gate or up. Backward
  * writes dgate and dup (two buffers; each may alias dout, gate or up).
@@ -243,6 +255,13 @@ lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tens
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
+/* The same with gate and up in one tensor, gate [..., 2H]: each row's H
+ * gate values, then its H up values (Phi-3's gate_up_proj); out, dout
+ * [..., H]. dgate (shaped as gate) gets the gradients of both halves in
+ * each row; it may be gate when that is f32. */
+lz_status lz_swiglu_packed_forward(lz_tensor *out, const lz_tensor *gate);
+lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
+                                    const lz_tensor *gate);
 
 /* Causal multi-head self-attention. qkv [B, T, 3C] (q, k, v each [B, T, NH, C/NH]),
  * out [B, T, C], lse [B, NH, T] (row log-sum-exp, saved for backward).

@@ -182,8 +182,57 @@ __global__ void swiglu_backward_kernel(float *dgate, float *dup, const T *dout, 
   }
 }
 
+// The packed form (lz_swiglu_packed_*): element i of out is row i / H's
+// gate at 2H (i / H) + i % H, its up H further; dgate likewise.
+template <typename T>
+__global__ void swiglu_packed_forward_kernel(float *out, const T *gu, int64_t H, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const int64_t at = 2 * H * (i / H) + i % H;
+    const float g = widen(gu[at]);
+    out[i] = g / (1.0f + expf(-g)) * widen(gu[at + H]);
+  }
+}
+
+template <typename T>
+__global__ void swiglu_packed_backward_kernel(float *dgu, const T *dout, const T *gu, int64_t H,
+                                              int64_t n) {
+  GRID_STRIDE(i, n) {
+    const int64_t at = 2 * H * (i / H) + i % H;
+    const float g = widen(gu[at]), u = widen(gu[at + H]), d = widen(dout[i]);
+    const float s = 1.0f / (1.0f + expf(-g));
+    dgu[at] = d * u * (s * (1.0f + g * (1.0f - s)));
+    dgu[at + H] = d * (g * s);
+  }
+}
+
+static lz_status swiglu_packed(const lz_op_args *a, bool backward) {
+  const lz_tensor *gu = backward ? a->t[3] : a->t[1];
+  const int64_t H = a->i[0], n = H ? lz_tensor_numel(gu) / 2 : 0;
+  if (n == 0) return LZ_OK;
+  const unsigned blocks = lz_cu_blocks(n, THREADS);
+  float *o = (float *)a->t[0]->data;
+  if (gu->dtype == LZ_BF16) {
+    const __nv_bfloat16 *g = (const __nv_bfloat16 *)gu->data;
+    if (backward)
+      swiglu_packed_backward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(
+          o, (const __nv_bfloat16 *)a->t[2]->data, g, H, n);
+    else
+      swiglu_packed_forward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(o, g, H, n);
+  } else {
+    const float *g = (const float *)gu->data;
+    if (backward)
+      swiglu_packed_backward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(
+          o, (const float *)a->t[2]->data, g, H, n);
+    else
+      swiglu_packed_forward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(o, g, H, n);
+  }
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
 lz_status lz_cu_swiglu_forward(const lz_op_args *a) {
   const lz_tensor *gate = a->t[1], *up = a->t[2];
+  if (!up) return swiglu_packed(a, false);
   int64_t n = lz_tensor_numel(gate);
   if (n == 0) return LZ_OK;
   float *out = (float *)a->t[0]->data;
@@ -199,6 +248,7 @@ lz_status lz_cu_swiglu_forward(const lz_op_args *a) {
 
 lz_status lz_cu_swiglu_backward(const lz_op_args *a) {
   const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
+  if (!up) return swiglu_packed(a, true);
   int64_t n = lz_tensor_numel(gate);
   if (n == 0) return LZ_OK;
   float *dg = (float *)a->t[0]->data, *du = (float *)a->t[1]->data;

@@ -330,15 +330,16 @@ __global__ void rope_inv_freq_kernel(float *inv_freq, double theta, int64_t half
   if (i < half) inv_freq[i] = (float)pow(theta, -2.0 * (double)i / (double)head_dim);
 }
 
-// One thread per pair (element i and i + half of a head) of the first n_head
-// heads of each row: the pair turns by sign * pos * inv_freq[i], the angle
-// an fp32 product. out may be x (f32): a thread reads its pair before it
+// One thread per pair (element i and i + half of a head of `stride` values)
+// of the first n_head heads of each row: the pair turns by sign * pos *
+// inv_freq[i], the angle an fp32 product; cos and sin multiplied by scale
+// unless it is 0. out may be x (f32): a thread reads its pair before it
 // writes it.
 // pos (NULL: pos_offset + t): each row's position, as lz_rope_pos_*.
 template <typename T>
 __global__ void rope_kernel(float *out, const T *x, const float *inv_freq, const int32_t *pos,
                             int64_t rows, int64_t seq, int64_t C, int64_t n_head, int64_t half,
-                            int64_t pos_offset, float sign) {
+                            int64_t stride, int64_t pos_offset, float sign, float scale) {
   const int64_t n = rows * n_head * half;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (int64_t)gridDim.x * blockDim.x) {
@@ -347,11 +348,26 @@ __global__ void rope_kernel(float *out, const T *x, const float *inv_freq, const
     const float angle = p * inv_freq[i];
     float sn, cs;
     sincosf(angle, &sn, &cs);
+    if (scale != 0.0f) cs *= scale, sn *= scale;
     sn *= sign;
-    const int64_t at = r * C + h * 2 * half + i;
+    const int64_t at = r * C + h * stride + i;
     const float x1 = widen(x[at]), x2 = widen(x[at + half]);
     out[at] = x1 * cs - x2 * sn;
     out[at + half] = x2 * cs + x1 * sn;
+  }
+}
+
+// The values of the first n_head heads that do not turn (from 2 * half to
+// stride in each): copied (widened) from x to out.
+template <typename T>
+__global__ void rope_copy_pass_kernel(float *out, const T *x, int64_t rows, int64_t C,
+                                      int64_t n_head, int64_t half, int64_t stride) {
+  const int64_t w = stride - 2 * half, n = rows * n_head * w;
+  for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t j = e % w, rh = e / w, h = rh % n_head, r = rh / n_head;
+    const int64_t at = r * C + h * stride + 2 * half + j;
+    out[at] = widen(x[at]);
   }
 }
 
@@ -368,14 +384,16 @@ __global__ void rope_copy_rest_kernel(float *out, const T *x, int64_t rows, int6
 }
 
 // t: out, x, inv_freq (NULL: from theta), pos (NULL: pos_offset + t); i:
-// n_head, head_dim, pos_offset; f: theta. With inv_freq given a row may hold
+// n_head, head_dim, pos_offset, rotary_dim (0: head_dim); f: theta, scale
+// (0: none). With inv_freq given a row may hold
 // more than the n_head heads: the rest is copied to out (left alone when out
 // is x).
 template <typename T>
 static lz_status rope(const lz_op_args *a, float sign) {
   lz_tensor *out = a->t[0];
   const lz_tensor *x = a->t[1], *freqs = a->t[2];
-  const int64_t n_head = a->i[0], head_dim = a->i[1], half = head_dim / 2, pos_offset = a->i[2];
+  const int64_t n_head = a->i[0], head_dim = a->i[1], pos_offset = a->i[2];
+  const int64_t half = (a->i[3] ? a->i[3] : head_dim) / 2;
   const int64_t seq = x->shape[1], rows = x->shape[0] * seq, C = x->shape[2];
   const int64_t turned = n_head * head_dim;
   if (rows == 0) return LZ_OK;
@@ -392,9 +410,16 @@ static lz_status rope(const lz_op_args *a, float sign) {
   }
   rope_kernel<T><<<lz_cu_blocks(rows * n_head * half, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
       (float *)out->data, (const T *)x->data, inv_freq,
-      a->t[3] ? (const int32_t *)a->t[3]->data : NULL, rows, seq, C, n_head, half, pos_offset,
-      sign);
+      a->t[3] ? (const int32_t *)a->t[3]->data : NULL, rows, seq, C, n_head, half, head_dim,
+      pos_offset, sign, a->f[1]);
   CUDA_LAUNCH_CHECK();
+  if (2 * half < head_dim && out->data != x->data) {
+    rope_copy_pass_kernel<T><<<lz_cu_blocks(rows * n_head * (head_dim - 2 * half), THREADS),
+                               THREADS, 0, LZ_CU_COMPUTE>>>((float *)out->data,
+                                                            (const T *)x->data, rows, C, n_head,
+                                                            half, head_dim);
+    CUDA_LAUNCH_CHECK();
+  }
   if (C > turned && out->data != x->data) {
     rope_copy_rest_kernel<T><<<lz_cu_blocks(rows * (C - turned), THREADS), THREADS, 0,
                                LZ_CU_COMPUTE>>>((float *)out->data, (const T *)x->data, rows, C,

@@ -26,46 +26,42 @@
 #define ROPE_MAX_HEAD_DIM 4096
 
 /* Turns every head of one row by `sign` times its angles: sign 1 is forward,
- * -1 the backward (the rotation's transpose). out may be x: each pair is
- * read before it is written. */
+ * -1 the backward (the rotation's transpose). In each head of `stride`
+ * values the first 2 * half turn, the rest pass. cos and sin are multiplied
+ * by `scale` (LongRoPE's attention factor) in fp32, as transformers does,
+ * unless scale is 0 (none: Llama's numbers untouched). out may be x: each
+ * pair is read before it is written. */
 LZ_DISPATCH static void rope_row(float *out, const float *x, const float *inv_freq, float pos,
-                                 float sign, int64_t n_head, int64_t half) {
+                                 float sign, int64_t n_head, int64_t half, int64_t stride,
+                                 float scale) {
   float cos_t[half], sin_t[half];
   for (int64_t i = 0; i < half; i++) {
     const float angle = pos * inv_freq[i];
-    cos_t[i] = cosf(angle);
-    sin_t[i] = sign * sinf(angle);
+    float c = cosf(angle), s = sinf(angle);
+    if (scale != 0.0f) c *= scale, s *= scale;
+    cos_t[i] = c;
+    sin_t[i] = sign * s;
   }
   for (int64_t h = 0; h < n_head; h++) {
-    const float *xh = x + 2 * half * h;
-    float *oh = out + 2 * half * h;
+    const float *xh = x + stride * h;
+    float *oh = out + stride * h;
     for (int64_t i = 0; i < half; i++) {
       const float x1 = xh[i], x2 = xh[i + half];
       oh[i] = x1 * cos_t[i] - x2 * sin_t[i];
       oh[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
     }
+    if (oh != xh)
+      for (int64_t i = 2 * half; i < stride; i++) oh[i] = xh[i];
   }
 }
 
 /* rope_row for a bf16 row: each head widened, then turned. */
 LZ_DISPATCH static void rope_row_bf16(float *out, const uint16_t *x, const float *inv_freq,
-                                      float pos, float sign, int64_t n_head, int64_t half) {
-  float cos_t[half], sin_t[half];
-  for (int64_t i = 0; i < half; i++) {
-    const float angle = pos * inv_freq[i];
-    cos_t[i] = cosf(angle);
-    sin_t[i] = sign * sinf(angle);
-  }
-  float xh[2 * half];
-  for (int64_t h = 0; h < n_head; h++) {
-    lz_row_to_f32(xh, x + 2 * half * h, LZ_BF16, 2 * half);
-    float *oh = out + 2 * half * h;
-    for (int64_t i = 0; i < half; i++) {
-      const float x1 = xh[i], x2 = xh[i + half];
-      oh[i] = x1 * cos_t[i] - x2 * sin_t[i];
-      oh[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
-    }
-  }
+                                      float pos, float sign, int64_t n_head, int64_t half,
+                                      int64_t stride, float scale) {
+  for (int64_t h = 0; h < n_head; h++)
+    lz_row_to_f32(out + stride * h, x + stride * h, LZ_BF16, stride);
+  rope_row(out, out, inv_freq, pos, sign, n_head, half, stride, scale);
 }
 
 /* pos: i32 [B, T] for x [B, T, C]; its values are the kernel's to check. */
@@ -82,7 +78,8 @@ static lz_status check_pos(const char *op, const lz_tensor *pos, const lz_tensor
 lz_status lz_rope_check_values(lz_op op, const lz_op_args *a, const float *inv_freq,
                                const int32_t *pos) {
   const char *name = lz_op_infos[op].name;
-  for (int64_t i = 0; inv_freq && i < a->i[1] / 2; i++)
+  const int64_t rotary = a->i[3] ? a->i[3] : a->i[1];
+  for (int64_t i = 0; inv_freq && i < rotary / 2; i++)
     if (!isfinite(inv_freq[i]))
       return lz_fail(LZ_ERR_INVALID, "%s: inv_freq[%lld] is %g; it must be finite", name,
                      (long long)i, (double)inv_freq[i]);
@@ -97,17 +94,19 @@ lz_status lz_rope_check_values(lz_op op, const lz_op_args *a, const float *inv_f
 
 /* The checks forward and backward share, then the op.
  * pos: each row's position, or NULL for pos_offset + t.
- * inv_freq: head_dim/2 floats, or NULL to work them out from theta. With
+ * inv_freq: rotary_dim/2 floats, or NULL to work them out from theta. With
  * freqs given, a row may hold more than the n_head heads (Llama's packed
  * q|k|v rows: q and k turn, v does not): the rest is copied to out (left
- * alone when out is x). */
-static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
-                            const char *x_name, const lz_tensor *x, int n_head, int head_dim,
-                            int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
-                            const lz_tensor *pos_t) {
+ * alone when out is x).
+ * rotary_dim: the leading values of each head that turn (0: all head_dim);
+ * scale: what cos and sin are multiplied by (0: nothing). */
+static lz_status rope_apply_ext(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
+                                const char *x_name, const lz_tensor *x, int n_head, int head_dim,
+                                int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
+                                const lz_tensor *pos_t, int rotary_dim, float scale) {
   const lz_op_args args = {
       .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
-      .i = {n_head, head_dim, pos_offset}, .f = {theta}};
+      .i = {n_head, head_dim, pos_offset, rotary_dim}, .f = {theta, scale}};
   LZ_TRY(lz_op_check_dtypes(op, opcode, &args)); /* the alias check reads them */
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
   LZ_TRY(lz_check_same_shape(op, out_name, out, x_name, x));
@@ -135,8 +134,29 @@ static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, 
   if (!freqs && (!(theta > 0.0f) || isinf(theta)))
     return lz_fail(LZ_ERR_INVALID, "%s: theta is %g; it must be finite and > 0 (Llama: 10000)", op,
                    (double)theta);
+  if (rotary_dim && (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > head_dim))
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: rotary_dim is %d; it must be even, from 2 to head_dim %d (2 * numel of "
+                   "inv_freq)",
+                   op, rotary_dim, head_dim);
+  if (!isfinite(scale) || scale < 0.0f)
+    return lz_fail(LZ_ERR_INVALID, "%s: scale is %g; it must be finite and > 0 (0: none)", op,
+                   (double)scale);
+  if (pos_t && pos_offset)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: pos_offset is %lld with pos given; pass 0 (pos holds the positions)", op,
+                   (long long)pos_offset);
   if (pos_t) LZ_TRY(check_pos(op, pos_t, x));
   return lz_op_run(op, opcode, &args);
+}
+
+/* rope_apply_ext with every value of each head turned and no scale. */
+static lz_status rope_apply(const char *op, lz_op opcode, const char *out_name, lz_tensor *out,
+                            const char *x_name, const lz_tensor *x, int n_head, int head_dim,
+                            int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
+                            const lz_tensor *pos_t) {
+  return rope_apply_ext(op, opcode, out_name, out, x_name, x, n_head, head_dim, pos_offset, theta,
+                        inv_freq_t, pos_t, 0, 0.0f);
 }
 
 /* The kernel forward and backward share; `sign` as rope_row's. */
@@ -151,7 +171,9 @@ static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
                               pos_t ? pos_t->data : NULL));
   const int64_t C = x->shape[2];
   const int64_t turned = (int64_t)n_head * head_dim; /* leading columns of a row */
-  const int64_t half = head_dim / 2, T = x->shape[1], rows = x->shape[0] * T;
+  const int64_t rotary = a->i[3] ? a->i[3] : head_dim;
+  const float scale = a->f[1];
+  const int64_t half = rotary / 2, T = x->shape[1], rows = x->shape[0] * T;
   float inv_freq[half];
   const float *given = freqs ? inv_freq_t->data : NULL;
   for (int64_t i = 0; i < half; i++)
@@ -163,7 +185,8 @@ static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
     const uint16_t *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
     for (int64_t r = 0; r < rows; r++) {
-      rope_row_bf16(o + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half);
+      rope_row_bf16(o + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half, head_dim,
+                    scale);
       lz_row_to_f32(o + r * C + turned, xp + r * C + turned, LZ_BF16, C - turned);
     }
     return LZ_OK;
@@ -171,7 +194,7 @@ static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
   const float *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
   for (int64_t r = 0; r < rows; r++) {
-    rope_row(o + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half);
+    rope_row(o + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half, head_dim, scale);
     if (o != xp && C > turned)
       memcpy(o + r * C + turned, xp + r * C + turned, (size_t)(C - turned) * sizeof(float));
   }
@@ -246,4 +269,25 @@ lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tens
   LZ_TRY(check_freqs(op, inv_freq, head_dim));
   return rope_apply(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, 0, 1.0f,
                     inv_freq, pos);
+}
+
+/* rotary_dim is 2 * numel(inv_freq), at most head_dim. */
+lz_status lz_rope_ext_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                              const lz_tensor *pos, int n_head, int head_dim, int64_t pos_offset,
+                              float scale) {
+  const char *op = "rope_forward";
+  const int rotary_dim = freqs_head_dim(inv_freq);
+  LZ_TRY(check_freqs(op, inv_freq, rotary_dim));
+  return rope_apply_ext(op, LZ_OP_ROPE_FORWARD, "out", out, "x", x, n_head, head_dim, pos_offset,
+                        1.0f, inv_freq, pos, rotary_dim, scale);
+}
+
+lz_status lz_rope_ext_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                               const lz_tensor *pos, int n_head, int head_dim, int64_t pos_offset,
+                               float scale) {
+  const char *op = "rope_backward";
+  const int rotary_dim = freqs_head_dim(inv_freq);
+  LZ_TRY(check_freqs(op, inv_freq, rotary_dim));
+  return rope_apply_ext(op, LZ_OP_ROPE_BACKWARD, "dx", dx, "dy", dy, n_head, head_dim, pos_offset,
+                        1.0f, inv_freq, pos, rotary_dim, scale);
 }

@@ -8,7 +8,11 @@
  *
  * gate and up (and dout) are f32 or all bf16; out, dgate and dup are f32. bf16
  * inputs are widened in chunks on the stack and go through the f32 code, so
- * the result is bitwise the f32 one on the widened inputs. */
+ * the result is bitwise the f32 one on the widened inputs.
+ *
+ * lz_swiglu_packed_* read gate and up from one tensor, each row gate's H
+ * values then up's (Phi-3's gate_up_proj, chunked in two as Phi3MLP does):
+ * the same kernel with up NULL and i[0] = H. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_vecmath.h" /* lz_exp */
@@ -88,9 +92,46 @@ lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tens
   return lz_op_run(op, LZ_OP_SWIGLU_FORWARD, &args);
 }
 
+/* The packed form: row r's gate at gate + 2H r, its up H further. */
+static lz_status swiglu_packed_forward_cpu(float *o, const lz_tensor *gate, int64_t H) {
+  const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
+  if (gate->dtype == LZ_BF16) {
+    const uint16_t *g = gate->data;
+#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
+    for (int64_t r = 0; r < rows; r++)
+      swiglu_forward_block_bf16(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H);
+    return LZ_OK;
+  }
+  const float *g = gate->data;
+#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
+  for (int64_t r = 0; r < rows; r++)
+    swiglu_forward_block(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H);
+  return LZ_OK;
+}
+
+static lz_status swiglu_packed_backward_cpu(float *dg, const lz_tensor *dout,
+                                            const lz_tensor *gate, int64_t H) {
+  const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
+  if (gate->dtype == LZ_BF16) {
+    const uint16_t *g = gate->data, *d = dout->data;
+#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
+    for (int64_t r = 0; r < rows; r++)
+      swiglu_backward_block_bf16(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
+                                 g + 2 * H * r + H, H);
+    return LZ_OK;
+  }
+  const float *g = gate->data, *d = dout->data;
+#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
+  for (int64_t r = 0; r < rows; r++)
+    swiglu_backward_block(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
+                          g + 2 * H * r + H, H);
+  return LZ_OK;
+}
+
 lz_status lz_cpu_swiglu_forward(const lz_op_args *a) {
   lz_tensor *out = a->t[0];
   const lz_tensor *gate = a->t[1], *up = a->t[2];
+  if (!up) return swiglu_packed_forward_cpu(out->data, gate, a->i[0]);
   const int64_t n = lz_tensor_numel(gate);
   float *o = out->data;
   if (gate->dtype == LZ_BF16) {
@@ -124,6 +165,7 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
 lz_status lz_cpu_swiglu_backward(const lz_op_args *a) {
   lz_tensor *dgate = a->t[0], *dup = a->t[1];
   const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
+  if (!up) return swiglu_packed_backward_cpu(dgate->data, dout, gate, a->i[0]);
   const int64_t n = lz_tensor_numel(gate);
   float *dg = dgate->data, *du = dup->data;
   if (gate->dtype == LZ_BF16) {
@@ -140,4 +182,57 @@ lz_status lz_cpu_swiglu_backward(const lz_op_args *a) {
     swiglu_backward_block(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
                           n - i0 < BLOCK ? n - i0 : BLOCK);
   return LZ_OK;
+}
+
+/* gate [..., 2H]; out, dout [..., H] with the same leading dimensions. */
+static lz_status check_packed(const char *op, const char *half_name, const lz_tensor *half,
+                              const lz_tensor *gate) {
+  LZ_TRY(lz_check_present(op, "gate", gate));
+  LZ_TRY(lz_check_present(op, half_name, half));
+  const int nd = gate->ndim;
+  int ok = half->ndim == nd && nd >= 1 && gate->shape[nd - 1] % 2 == 0 &&
+           half->shape[nd - 1] * 2 == gate->shape[nd - 1];
+  for (int d = 0; ok && d < nd - 1; d++) ok = half->shape[d] == gate->shape[d];
+  if (!ok) {
+    char a[96], b[96];
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: %s is %s but gate is %s; gate's last dimension must be twice %s's "
+                   "(gate then up), the others the same",
+                   op, half_name, lz_tensor_describe(half, a, sizeof a),
+                   lz_tensor_describe(gate, b, sizeof b), half_name);
+  }
+  return LZ_OK;
+}
+
+lz_status lz_swiglu_packed_forward(lz_tensor *out, const lz_tensor *gate) {
+  const char *op = "swiglu_forward";
+  LZ_TRY(check_packed(op, "out", out, gate));
+  const lz_op_args args = {.t = {out, (lz_tensor *)gate, NULL},
+                           .i = {out->ndim ? out->shape[out->ndim - 1] : 0}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_FORWARD, &args));
+  if (out->data == gate->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: out and gate are the same memory; rows of different widths cannot "
+                   "share it, give out its own buffer",
+                   op);
+  return lz_op_run(op, LZ_OP_SWIGLU_FORWARD, &args);
+}
+
+lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
+                                    const lz_tensor *gate) {
+  const char *op = "swiglu_backward";
+  LZ_TRY(check_packed(op, "dout", dout, gate));
+  LZ_TRY(lz_check_present(op, "dgate", dgate));
+  LZ_TRY(lz_check_same_shape(op, "dgate", dgate, "gate", gate));
+  const lz_op_args args = {
+      .t = {dgate, NULL, (lz_tensor *)dout, (lz_tensor *)gate, NULL},
+      .i = {dout->shape[dout->ndim - 1]}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_BACKWARD, &args));
+  if (dgate->data == dout->data)
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: dgate and dout are the same memory; rows of different widths cannot "
+                   "share it, give dgate its own buffer",
+                   op);
+  LZ_TRY(lz_check_no_alias(op, "dgate", dgate, "gate", gate));
+  return lz_op_run(op, LZ_OP_SWIGLU_BACKWARD, &args);
 }

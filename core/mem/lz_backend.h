@@ -42,7 +42,7 @@ typedef enum lz_op {
 
 typedef struct lz_op_args {
   lz_tensor *t[LZ_OP_MAX_TENSORS]; /* in the public function's argument order */
-  int64_t i[3];
+  int64_t i[4];
   float f[2];
   const lz_adamw_args *adamw;
   const lz_lion_args *lion;

@@ -150,9 +150,20 @@ lz_status lz_rope_pos_forward(lz_tensor *out, const lz_tensor *x, const lz_tenso
 lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
                                const lz_tensor *pos, int n_head);
 
+lz_status lz_rope_ext_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
+                              const lz_tensor *pos, int n_head, int head_dim, int64_t pos_offset,
+                              float scale);
+lz_status lz_rope_ext_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *inv_freq,
+                               const lz_tensor *pos, int n_head, int head_dim, int64_t pos_offset,
+                               float scale);
+
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
+
+lz_status lz_swiglu_packed_forward(lz_tensor *out, const lz_tensor *gate);
+lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
+                                    const lz_tensor *gate);
 
 lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
                                int n_head);

@@ -195,7 +195,13 @@ function M.run(model, prompts, opts)
       longest = math.max(longest, n)
     end
     local S = math.min(cfg.context, longest + max_new)
-    local need = math.max(longest, B)
+    -- A family whose cached keys go stale at a length (model.cache_refill_at:
+    -- Phi-3, whose LongRoPE switches frequencies there) has a row that
+    -- reaches it forward all its tokens again, as transformers drops its
+    -- cache there.
+    local refill_at = model.cache_refill_at
+    if refill_at and refill_at >= S then refill_at = nil end
+    local need = math.max(longest, B, refill_at and refill_at + 1 or 0)
     if need <= cfg.context then model:prepare(1, need) else model:prepare(B, 1) end
     local cache = Cache.new(model, B, S, opts.kv_dtype)
     local next_ids, done = {}, {}
@@ -225,16 +231,31 @@ function M.run(model, prompts, opts)
       if not live then break end
       -- Finished rows ride along, rewriting their last position each step;
       -- what they compute is dropped.
-      local lists = {}
+      local lists, refilled = {}, {}
       for b = 1, B do
         lists[b] = { next_ids[b] }
-        if done[b] then cache:set(b, cache.at[b] - 1) end
+        if not done[b] and cache.at[b] == refill_at then
+          -- the row afresh, up to and with its new id; it rides along
+          -- below, rewriting its last position with the token there
+          local i, all = rows[b], {}
+          for _, id in ipairs(prompts[i]) do all[#all + 1] = id end
+          for _, id in ipairs(out[i].ids) do all[#all + 1] = id end
+          cache:set(b, 0)
+          local tokens = tokens_of({ all }, #all)
+          local logits = model:forward_cached(tokens, cache:row(b))
+          tokens:free()
+          next_ids[b] = M.pick(logits_row(logits, 1, #all - 1), cfg.vocab, opts, r)
+          refilled[b], lists[b] = true, { all[#all] }
+        end
+        if done[b] or refilled[b] then cache:set(b, cache.at[b] - 1) end
       end
       local tokens = tokens_of(lists, 1)
       local logits = model:forward_cached(tokens, cache)
       tokens:free()
       for b = 1, B do
-        if not done[b] then
+        if refilled[b] then
+          take(b, next_ids[b])
+        elseif not done[b] then
           next_ids[b] = M.pick(logits_row(logits, b, 0), cfg.vocab, opts, r)
           take(b, next_ids[b])
         end

@@ -1,30 +1,44 @@
--- tests/ref/hf_loss.lua — the luazero side of tests/ref/test_hf.py and test_export.py: a
--- one-rank fp32 engine with a checkpoint's weights (engine:load) or with a
--- Hugging Face folder's (--init: luazero/hf.lua), and its loss on a fixed
--- batch, printed as JSON with the batch's tokens.
+-- tests/ref/hf_loss.lua — the luazero side of tests/ref/test_hf.py, test_export.py and
+-- test5_phi3.py: a one-rank fp32 engine with a checkpoint's weights (engine:load) or
+-- with a Hugging Face folder's (--init: luazero/hf.lua), and its loss on a fixed batch,
+-- printed as JSON with the batch's tokens. After the path:
+--   --grads FILE    the gradients of that loss too: FILE holds them as raw f32 in the
+--                   parameter table's order, the JSON names each (name, shape, offset)
+--   --adapters DIR  with --init: PEFT adapters on the folder's weights (as
+--                   scripts/eval.lua --hf FOLDER --adapters DIR reads them)
 --   luazero tests/ref/hf_loss.lua CKPT
---   luazero tests/ref/hf_loss.lua --init FOLDER
+--   luazero tests/ref/hf_loss.lua --init FOLDER [--grads FILE] [--adapters DIR]
 local cjson = require("cjson")
+local ffi = require("ffi")
 local lz = require("luazero")
 local rng = require("luazero.rng")
 local models = require("models.registry")
 
 local init = arg[1] == "--init"
 local path = assert(init and arg[2] or arg[1], "usage: luazero tests/ref/hf_loss.lua [--init] PATH")
-local cfg
-if init then
-  cfg = models.from_hf_config(path .. "/config.json")
-else
-  local saved = require("luazero.checkpoint").open(path).manifest.model.config
-  cfg = {}
-  for k, v in pairs(saved) do cfg[k] = v end
-  cfg = models.families[cfg.family].finish(cfg)
-end
+local opts = {}
+for i = init and 3 or 2, #arg, 2 do opts[assert(arg[i]:match("^%-%-(.+)$"), arg[i])] = arg[i + 1] end
 local B, T = 2, 16
-local engine = require("luazero.zero").initialize({ model = models.new(cfg), batch = { B, T },
-                               comm = require("luazero.comm").init("local"),
-                               config = { train_micro_batch_size_per_gpu = B } })
-if init then require("luazero.hf").load_into(engine, path) else engine:load(path) end
+local cfg, engine
+if opts.adapters then
+  local w = require("luazero.inference").open({ models = models, lora = require("models.lora"),
+                                                hf = path, adapters = opts.adapters,
+                                                micro_batch = B, seq_len = T })
+  cfg, engine = w.cfg, w.engine
+else
+  if init then
+    cfg = models.from_hf_config(path .. "/config.json")
+  else
+    local saved = require("luazero.checkpoint").open(path).manifest.model.config
+    cfg = {}
+    for k, v in pairs(saved) do cfg[k] = v end
+    cfg = models.families[cfg.family].finish(cfg)
+  end
+  engine = require("luazero.zero").initialize({ model = models.new(cfg), batch = { B, T },
+                                 comm = require("luazero.comm").init("local"),
+                                 config = { train_micro_batch_size_per_gpu = B } })
+  if init then require("luazero.hf").load_into(engine, path) else engine:load(path) end
+end
 local x = lz.tensor({ B, T }, "i32")
 local y = lz.tensor({ B, T }, "i32")
 local r, tokens = rng.new(5), {}
@@ -33,4 +47,21 @@ for i = 0, B * T - 1 do y:set(i, r:int(cfg.vocab)) end
 for i = 0, B * T - 1 do tokens[#tokens + 1] = x:get(i) end
 for i = 0, B * T - 1 do tokens[#tokens + 1] = y:get(i) end
 local loss = engine:forward(x, y)
-print(cjson.encode({ loss = ("%.17g"):format(loss), tokens = tokens }))
+local params
+if opts.grads then
+  engine:backward(loss)
+  local g = lz.tensor({ engine.L.numel }, "f32", "workspace")
+  for _, seg in ipairs(engine.L.segments) do
+    g:view(seg.entries[1].offset, { seg.numel })
+     :copy(engine.grads:view(seg.full_offset, { seg.numel }))
+  end
+  local f = assert(io.open(opts.grads, "wb"))
+  f:write(ffi.string(g.data, g:bytes()))
+  f:close()
+  g:free()
+  params = {}
+  for i, p in ipairs(engine.model.param_table) do
+    params[i] = { name = p.name, shape = p.shape, offset = p.offset }
+  end
+end
+print(cjson.encode({ loss = ("%.17g"):format(loss), tokens = tokens, params = params }))

@@ -15,6 +15,8 @@
 --               a family whose layers differ (a window on some) reads i
 --   head(cfg)           an untied LM head (a Linear), or nil: tied to the token table
 --   lora_targets        where LoRA adapters may go (models/lora.lua)
+--   cache_refill_at(cfg)  a length at which generation recomputes a row's
+--               cached keys and values in full (lua/luazero/generate.lua), or nil
 --
 -- cfg: the family's checked config (n_layer, n_embd, context, vocab,
 -- padded_vocab: the token rows, up to a multiple of 64; the real ones first).
@@ -43,6 +45,7 @@ end
 function CausalLM.new(cls, desc, cfg)
   local self = setmetatable({}, cls):init()
   self.cfg, self.lora_targets = cfg, desc.lora_targets
+  self.cache_refill_at = desc.cache_refill_at and desc.cache_refill_at(cfg)
   local names = desc.names
   self.shared = desc.shared and desc.shared(cfg) or {}
   local body = self:add(names.body, setmetatable({}, Module):init())

@@ -8,7 +8,13 @@
 -- q_proj, k_proj and v_proj are one PackedLinear (nn/packed_linear.lua),
 -- added with name false so their weights keep Hugging Face's names
 -- (self_attn.q_proj.weight, ...): one GEMM writes the packed q|k|v rows the
--- attention kernel reads.
+-- attention kernel reads. A family whose file holds them as one tensor
+-- (Phi-3's self_attn.qkv_proj.weight) names it in opts.qkv_name.
+--
+-- opts.rotary_dim (Phi-3's partial_rotary_factor): only the first
+-- rotary_dim values of each head turn; with it, or a rope whose cos and sin
+-- scale (nn/rope.lua), q and k turn through the rope_ext kernel.
+local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
@@ -28,32 +34,76 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   self.width = self.q_width + 2 * self.kv_width
   self.rope = rope
   self.opts = opts or {}
-  self.qkv_proj = self:add(false, PackedLinear.new(n_embd, { { "q_proj", self.q_width },
-                                                             { "k_proj", self.kv_width },
-                                                             { "v_proj", self.kv_width } }, std))
+  local parts = { { "q_proj", self.q_width }, { "k_proj", self.kv_width },
+                  { "v_proj", self.kv_width } }
+  if self.opts.qkv_name then parts = { { self.opts.qkv_name, self.width } } end
+  self.qkv_proj = self:add(false, PackedLinear.new(n_embd, parts, std))
   self:add("o_proj", Linear.new(self.q_width, n_embd, { bias = false, std = std }))
   return self
 end
 
--- The shared inverse frequencies where t lives (a copy made once for a device).
-function GQA:freqs_for(t)
+-- The shared inverse frequencies where t lives (a copy made once for a
+-- device): the set for a largest position + 1 of seq_len (nn/rope.lua).
+function GQA:freqs_for(t, seq_len)
   local rope = self.rope
+  if rope.set_for then rope = rope:set_for(seq_len) end
   if t.device == rope.inv_freq.device then return rope.inv_freq end
   if not rope.on_device then rope.on_device = rope.inv_freq:to(t:device_name()) end
   return rope.on_device
 end
 
+-- The largest of pos (i32 [B, T]) + 1: how transformers picks LongRoPE's set.
+local function span_of(pos)
+  local host = pos:device_name() ~= "cpu" and pos:to("cpu")
+  local t = host or pos
+  local p, top = ffi.cast("const int32_t *", t.data), -1
+  for i = 0, t:numel() - 1 do
+    if p[i] > top then top = p[i] end
+  end
+  if host then host:free() end
+  return top + 1
+end
+
+-- Turns the q and k heads of t (in place; v passes) forward or back (sign
+-- 1 or -1), row positions from pos or offset + t; seq_len: the largest
+-- position + 1 (which frequencies a LongRoPE model uses).
+function GQA:turn(t, sign, pos, offset, seq_len)
+  local heads, rope = self.n_head + self.n_kv_head, self.rope
+  local freqs = self:freqs_for(t, seq_len)
+  if self.opts.rotary_dim or rope.scale then
+    local f = sign > 0 and ops.rope_ext_forward or ops.rope_ext_backward
+    f(t, t, freqs, pos, heads, self.head_dim, pos and 0 or offset, rope.scale or 0)
+  elseif pos then
+    local f = sign > 0 and ops.rope_pos_forward or ops.rope_pos_backward
+    f(t, t, freqs, pos, heads)
+  else
+    local f = sign > 0 and ops.rope_freqs_forward or ops.rope_freqs_backward
+    f(t, t, freqs, heads, offset)
+  end
+end
+
+-- The largest position + 1 of this forward (only LongRoPE asks).
+function GQA:span(T, pos)
+  if not (self.rope.long and pos) then return T end
+  return span_of(pos)
+end
+
+-- No attention window yet: refused where it would hide keys.
+local function no_window(self, n)
+  local w = self.opts.window
+  if w and n > w then
+    error(("attention: a window of %d keys under %d positions is not implemented"):format(w, n), 0)
+  end
+end
+
 function GQA:forward(x)
   local B, T = x:dim(1), x:dim(2)
+  no_window(self, T)
   local qkv = self:run_forward(self.qkv_proj, x)
   local extra = self.ctx.extra
   local pos, seg = extra and extra.pos, extra and extra.seg
-  -- q and k turn in place; v passes.
-  if pos then
-    ops.rope_pos_forward(qkv, qkv, self:freqs_for(qkv), pos, self.n_head + self.n_kv_head)
-  else
-    ops.rope_freqs_forward(qkv, qkv, self:freqs_for(qkv), self.n_head + self.n_kv_head, 0)
-  end
+  local span = self:span(T, pos)
+  self:turn(qkv, 1, pos, 0, span) -- q and k turn in place; v passes
   local y = self:activation({ B, T, self.q_width })
   local lse = self:activation({ B, self.n_head, T })
   if seg then
@@ -61,7 +111,7 @@ function GQA:forward(x)
   else
     ops.attention_gqa_forward(y, lse, qkv, self.n_head, self.n_kv_head)
   end
-  self.qkv, self.att_out, self.lse, self.pos, self.seg = qkv, y, lse, pos, seg
+  self.qkv, self.att_out, self.lse, self.pos, self.seg, self.seq_span = qkv, y, lse, pos, seg, span
   return self:run_forward(self.o_proj, y)
 end
 
@@ -76,12 +126,7 @@ function GQA:backward(dy)
     ops.attention_gqa_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head,
                                self.n_kv_head)
   end
-  -- the gradients of q and k before their turn
-  if self.pos then
-    ops.rope_pos_backward(dqkv, dqkv, self:freqs_for(dqkv), self.pos, self.n_head + self.n_kv_head)
-  else
-    ops.rope_freqs_backward(dqkv, dqkv, self:freqs_for(dqkv), self.n_head + self.n_kv_head, 0)
-  end
+  self:turn(dqkv, -1, self.pos, 0, self.seq_span) -- the gradients of q and k before their turn
   return self:run_backward(self.qkv_proj, dqkv)
 end
 
@@ -92,16 +137,17 @@ end
 -- position up to its own. No backward.
 function GQA:forward_cached(x, kv)
   local B, T = x:dim(1), x:dim(2)
+  for b = 1, B do no_window(self, kv.at[b] + T) end
   local qkv = self:run_forward(self.qkv_proj, x)
-  local freqs, heads, at = self:freqs_for(qkv), self.n_head + self.n_kv_head, kv.at
-  local same = true
+  -- A row's largest position + 1 is at[b] + T: a LongRoPE row turns as
+  -- transformers turns that prompt alone.
+  local at, same = kv.at, true
   for b = 2, B do same = same and at[b] == at[1] end
   if same then
-    ops.rope_freqs_forward(qkv, qkv, freqs, heads, at[1])
+    self:turn(qkv, 1, nil, at[1], at[1] + T)
   else
     for b = 1, B do
-      local row = qkv:view((b - 1) * T * self.width, { 1, T, self.width })
-      ops.rope_freqs_forward(row, row, freqs, heads, at[b])
+      self:turn(qkv:view((b - 1) * T * self.width, { 1, T, self.width }), 1, nil, at[b], at[b] + T)
     end
   end
   local y = self:activation({ B, T, self.q_width })

@@ -1,5 +1,7 @@
 -- nn/swiglu_mlp.lua — Llama's feed-forward (Hugging Face's LlamaMLP):
--- down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+-- down_proj(silu(gate_proj(x)) * up_proj(x)), no biases. opts.fused names
+-- one Linear writing gate's rows then up's (Phi-3's gate_up_proj, which
+-- Phi3MLP chunks in two), read by the packed SwiGLU kernel.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
@@ -8,17 +10,30 @@ local ops = lz.ops
 local SwiGLUMLP = Module:extend("SwiGLUMLP")
 
 -- n_hidden: intermediate_size. std: the init std of all three projections.
-function SwiGLUMLP.new(n_embd, n_hidden, std)
+-- opts: what a family changes (nil: none).
+function SwiGLUMLP.new(n_embd, n_hidden, std, opts)
   local self = setmetatable({}, SwiGLUMLP):init()
   self.n_embd, self.n_hidden = n_embd, n_hidden
-  local opts = { bias = false, std = std }
-  self:add("gate_proj", Linear.new(n_embd, n_hidden, opts))
-  self:add("up_proj", Linear.new(n_embd, n_hidden, opts))
-  self:add("down_proj", Linear.new(n_hidden, n_embd, opts))
+  self.opts = opts or {}
+  local lin = { bias = false, std = std }
+  if self.opts.fused then
+    self.gate_up = self:add(self.opts.fused, Linear.new(n_embd, 2 * n_hidden, lin))
+  else
+    self:add("gate_proj", Linear.new(n_embd, n_hidden, lin))
+    self:add("up_proj", Linear.new(n_embd, n_hidden, lin))
+  end
+  self:add("down_proj", Linear.new(n_hidden, n_embd, lin))
   return self
 end
 
 function SwiGLUMLP:forward(x)
+  if self.gate_up then
+    local gu = self:run_forward(self.gate_up, x)
+    local h = self:activation({ gu:dim(1), gu:dim(2), self.n_hidden })
+    ops.swiglu_packed_forward(h, gu)
+    self.gu = gu
+    return self:run_forward(self.down_proj, h)
+  end
   local gate = self:run_forward(self.gate_proj, x)
   local up = self:run_forward(self.up_proj, x)
   local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
@@ -30,6 +45,11 @@ end
 -- The two projections read the same x: their input gradients add.
 function SwiGLUMLP:backward(dy)
   local dh = self:run_backward(self.down_proj, dy)
+  if self.gate_up then
+    local dgu = self:scratch({ dh:dim(1), dh:dim(2), 2 * self.n_hidden })
+    ops.swiglu_packed_backward(dgu, dh, self.gu)
+    return self:run_backward(self.gate_up, dgu)
+  end
   local dup = self:scratch({ dh:dim(1), dh:dim(2), self.n_hidden })
   ops.swiglu_backward(dh, dup, dh, self.gate, self.up) -- dgate over dh
   local dx = self:run_backward(self.gate_proj, dh)
@@ -41,6 +61,7 @@ end
 -- Besides the projections: silu(gate) * up; dup.
 function SwiGLUMLP:own_memory(B, T)
   local h = lz.arena_bytes(B * T * self.n_hidden)
+  if self.gate_up then return { activations = h, scratch = lz.arena_bytes(2 * B * T * self.n_hidden) } end
   return { activations = h, scratch = h }
 end
 
