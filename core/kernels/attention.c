@@ -34,7 +34,7 @@
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
-#include <math.h> /* exp2f, log2f, sqrtf, INFINITY */
+#include <math.h> /* log2f, sqrtf, isinf, INFINITY */
 
 #define TILE 64    /* queries and keys per tile */
 #define VL 16      /* floats per vector (a 64-byte vector; two halves on AVX2) */
@@ -295,9 +295,38 @@ static int window_cuts(const attn_dims *d, int64_t i0, int64_t nq, int64_t j0) {
   return d->W && i0 + nq - 1 - j0 >= d->W;
 }
 
-/* s -> cap tanh(s / cap) on n scores, then times mul. */
-static void soft_cap(float *s, int64_t n, float cap, float mul) {
-  for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap) * mul;
+/* tanh(x), within a few fp32 ulps: Cephes' tanhf, an odd polynomial
+ * below |x| = 0.625 and 1 - 2 / (e^2|x| + 1) above, with the sign. */
+INLINE void v_tanh(vf *y, const vf *xp) {
+  const vf x = *xp;
+  vf zero, z, e, big, small;
+  v_splat(&zero, 0.0f);
+  const vi neg = x < zero;
+  z = (vf)(((vi)-x & neg) | ((vi)x & ~neg)); /* |x| */
+  vf t = z * (2.0f * LOG2E);
+  v_exp2(&e, &t);
+  big = 1.0f - 2.0f / (e + 1.0f);
+  const vf s = z * z;
+  vf p = s * -5.70498872745e-3f + 2.06390887954e-2f;
+  p = p * s - 5.37397155531e-2f;
+  p = p * s + 1.33314422036e-1f;
+  p = p * s - 3.33332819422e-1f;
+  small = p * s * z + z;
+  const vi low = z <= 0.625f;
+  z = (vf)(((vi)small & low) | ((vi)big & ~low));
+  *y = (vf)(((vi)-z & neg) | ((vi)z & ~neg));
+}
+
+/* s -> cap tanh(s / cap) * mul over n floats (a multiple of VL, s aligned);
+ * tn, when given, takes the tanh values. */
+INLINE void soft_cap(float *s, float *tn, int64_t n, float cap, float mul) {
+  const float inv = 1.0f / cap, cm = cap * mul;
+  for (int64_t i = 0; i < n; i += VL) {
+    vf x = *(vf *)(s + i) * inv, t;
+    v_tanh(&t, &x);
+    if (tn) *(vf *)(tn + i) = t;
+    *(vf *)(s + i) = t * cm;
+  }
 }
 
 /* ---------------------------------------------------------------- forward */
@@ -356,7 +385,7 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
       const int v0 = diag ? (int)(r0 / VL) : 0;
       tile_nt_cols(st + r0 * TILE, k + r0 * HSP, HSP, qt, HS, v0);
     }
-    if (d.cap) soft_cap(st, nk * TILE, d.cap, LOG2E);
+    if (d.cap) soft_cap(st, NULL, nk * TILE, d.cap, LOG2E);
     if (cut) /* keys W or more behind the query */
       for (int64_t j = 0; j < nk; j++)
         for (int64_t i = 0; i < nq; i++)
@@ -513,11 +542,7 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
           v_splat(&ls, lse2[i]);
           v_splat(&dd, D[i]);
           float tn[TILE] __attribute__((aligned(64))); /* tanh of the capped scores */
-          if (d.cap)
-            for (int64_t j = 0; j < nv * VL; j++) {
-              tn[j] = tanhf(pi[j] / d.cap);
-              pi[j] = d.cap * tn[j] * LOG2E;
-            }
+          if (d.cap) soft_cap(pi, tn, nv * VL, d.cap, LOG2E);
           for (int64_t vv = 0; vv < nv; vv++) {
             vf x = ((vf *)pi)[vv] - ls;
             v_exp2((vf *)pi + vv, &x);
