@@ -194,7 +194,9 @@ M.description = {
   norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps) end,
   attention = function(cfg, shared)
     return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                      { qkv_name = "qkv_proj", window = cfg.window,
+                      -- a window past the context hides nothing (the 128k files' 262144)
+                      { qkv_name = "qkv_proj",
+                        window = cfg.window and cfg.window < cfg.context and cfg.window or nil,
                         rotary_dim = cfg.rotary_dim < cfg.head_dim and cfg.rotary_dim or nil })
   end,
   mlp = function(cfg)

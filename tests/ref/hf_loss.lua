@@ -1,13 +1,13 @@
 -- tests/ref/hf_loss.lua — the luazero side of tests/ref/test_hf.py, test_export.py and
--- test5_phi3.py: a one-rank fp32 engine with a checkpoint's weights (engine:load) or
+-- the test5_ family tests: a one-rank fp32 engine with a checkpoint's weights (engine:load) or
 -- with a Hugging Face folder's (--init: luazero/hf.lua), and its loss on a fixed batch,
 -- printed as JSON with the batch's tokens. After the path:
---   --grads FILE    the gradients of that loss too: FILE holds them as raw f32 in the
---                   parameter table's order, the JSON names each (name, shape, offset)
+--   --grads DIR     then a backward: DIR/grads.f32 (the gradients in the parameter
+--                   table's order, fp32) and DIR/params.json (that table)
 --   --adapters DIR  with --init: PEFT adapters on the folder's weights (as
 --                   scripts/eval.lua --hf FOLDER --adapters DIR reads them)
 --   luazero tests/ref/hf_loss.lua CKPT
---   luazero tests/ref/hf_loss.lua --init FOLDER [--grads FILE] [--adapters DIR]
+--   luazero tests/ref/hf_loss.lua --init FOLDER [--grads DIR] [--adapters DIR]
 local cjson = require("cjson")
 local ffi = require("ffi")
 local lz = require("luazero")
@@ -47,21 +47,22 @@ for i = 0, B * T - 1 do y:set(i, r:int(cfg.vocab)) end
 for i = 0, B * T - 1 do tokens[#tokens + 1] = x:get(i) end
 for i = 0, B * T - 1 do tokens[#tokens + 1] = y:get(i) end
 local loss = engine:forward(x, y)
-local params
 if opts.grads then
   engine:backward(loss)
   local g = lz.tensor({ engine.L.numel }, "f32", "workspace")
   for _, seg in ipairs(engine.L.segments) do
-    g:view(seg.entries[1].offset, { seg.numel })
-     :copy(engine.grads:view(seg.full_offset, { seg.numel }))
+    g:view(seg.entries[1].offset, { seg.numel }):copy(engine.grads:view(seg.full_offset,
+                                                                         { seg.numel }))
   end
-  local f = assert(io.open(opts.grads, "wb"))
+  local f = assert(io.open(opts.grads .. "/grads.f32", "wb"))
   f:write(ffi.string(g.data, g:bytes()))
   f:close()
-  g:free()
-  params = {}
-  for i, p in ipairs(engine.model.param_table) do
-    params[i] = { name = p.name, shape = p.shape, offset = p.offset }
+  local params = {}
+  for i, e in ipairs(engine.model.param_table) do
+    params[i] = { name = e.name, shape = e.shape, offset = e.offset, numel = e.numel }
   end
+  f = assert(io.open(opts.grads .. "/params.json", "w"))
+  f:write(cjson.encode(params))
+  f:close()
 end
-print(cjson.encode({ loss = ("%.17g"):format(loss), tokens = tokens, params = params }))
+print(cjson.encode({ loss = ("%.17g"):format(loss), tokens = tokens }))

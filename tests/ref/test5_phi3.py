@@ -55,7 +55,7 @@ def configs(transformers):
                          "partial_rotary_factor": 0.5,
                          "short_factor": [1.0, 1.25, 1.5, 2.0],
                          "long_factor": [2.0, 3.5, 5.0, 9.0]}, **common)
-    return [("longrope", longrope)]
+    return [("window", window), ("longrope", longrope)]
 
 
 def lz(*argv):
@@ -75,8 +75,9 @@ def batch_loss(torch, model, tokens):
 
 
 def init_case(check, torch, name, model, folder, tmp):
-    gfile = os.path.join(tmp, name + ".grads")
-    st, out = lz("tests/ref/hf_loss.lua", "--init", folder, "--grads", gfile)
+    gdir = os.path.join(tmp, name + "-grads")
+    os.makedirs(gdir)
+    st, out = lz("tests/ref/hf_loss.lua", "--init", folder, "--grads", gdir)
     if st != 0:
         check(f"{name}.init", False, out[-2000:])
         return
@@ -90,10 +91,12 @@ def init_case(check, torch, name, model, folder, tmp):
     check(f"{name}.init_loss", err <= TOL,
           f"(luazero {ours:.8f}, transformers {loss.item():.8f}, relative {err:.2g})")
     import numpy as np
-    grads = np.fromfile(gfile, dtype=np.float32)
+    grads = np.fromfile(os.path.join(gdir, "grads.f32"), dtype=np.float32)
+    with open(os.path.join(gdir, "params.json")) as f:
+        params = json.load(f)
     theirs = dict(model.named_parameters())
     worst, where, missing = 0.0, "", []
-    for p in res["params"]:
+    for p in params:
         ref = theirs.get(p["name"])
         if ref is None:
             missing.append(p["name"])
