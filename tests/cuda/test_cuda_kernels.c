@@ -512,7 +512,37 @@ static void rope_freqs_case(lz_dtype dt, int64_t B, int64_t T, int head_dim, int
   FREE(x, y, g, f, d_x, d_y, d_y2, d_g, d_f);
 }
 
+/* lz_rope_ext_* (Phi-3): the first rotary values of each head of n_turn of
+ * n_all turn, cos and sin scaled; with per-token positions or an offset. */
+static void rope_ext_case(lz_dtype dt, int64_t B, int64_t T, int head_dim, int rotary, int n_turn,
+                          int n_all, int64_t pos_offset, float scale, int with_pos) {
+  int64_t xs[3] = {B, T, (int64_t)n_all * head_dim}, fs[1] = {rotary / 2}, ps[2] = {B, T};
+  lz_tensor *x = host_rand(dt, 3, xs, 1), *y = host(LZ_F32, 3, xs), *g = host(LZ_F32, 3, xs);
+  lz_tensor *f = host(LZ_F32, 1, fs), *p = host(LZ_I32, 2, ps);
+  for (int i = 0; i < rotary / 2; i++) ((float *)f->data)[i] = (float)pow(10000.0, -2.0 * i / rotary);
+  for (int64_t i = 0; i < B * T; i++) ((int32_t *)p->data)[i] = (int32_t)((i * 5) % 19);
+  lz_tensor *d_x = dev(x), *d_y = dev(y), *d_y2 = dev(y), *d_g = dev(g), *d_f = dev(f);
+  lz_tensor *d_p = dev(p), *hp = with_pos ? p : NULL, *dp = with_pos ? d_p : NULL;
+  const int64_t off = with_pos ? 0 : pos_offset;
+  CHECK_OK(lz_rope_ext_forward(y, x, f, hp, n_turn, head_dim, off, scale));
+  CHECK_OK(lz_rope_ext_forward(d_y, d_x, d_f, dp, n_turn, head_dim, off, scale));
+  CHECK_OK(lz_rope_ext_forward(d_y2, d_x, d_f, dp, n_turn, head_dim, off, scale));
+  expect_close("rope_ext_forward", d_y, y, 1e-5);
+  expect_same_bits("rope_ext_forward", d_y, d_y2);
+  CHECK_OK(lz_rope_ext_backward(g, x, f, hp, n_turn, head_dim, off, scale));
+  CHECK_OK(lz_rope_ext_backward(d_g, d_x, d_f, dp, n_turn, head_dim, off, scale));
+  expect_close("rope_ext_backward", d_g, g, 1e-5);
+  if (dt == LZ_F32) {
+    CHECK_OK(lz_rope_ext_forward(d_x, d_x, d_f, dp, n_turn, head_dim, off, scale));
+    expect_same_bits("rope_ext_forward in place", d_x, d_y);
+  }
+  FREE(x, y, g, f, p, d_x, d_y, d_y2, d_g, d_f, d_p);
+}
+
 static void test_rope(void) {
+  rope_ext_case(LZ_F32, 2, 9, 16, 8, 3, 5, 4, 1.19f, 0); /* half of each head, scaled */
+  rope_ext_case(LZ_F32, 2, 9, 96, 32, 6, 8, 0, 0.0f, 1); /* per-token positions */
+  rope_ext_case(LZ_BF16, 1, 33, 96, 96, 4, 4, 7, 1.3f, 0);
   rope_case(LZ_F32, 2, 5, 3, 8, 0, 10000.0f);
   rope_case(LZ_F32, 1, 7, 2, 12, 1000, 500000.0f);
   rope_case(LZ_F32, 2, 64, 8, 128, 3, 10000.0f);
@@ -554,7 +584,26 @@ static void swiglu_case(lz_dtype dt, int64_t n) {
   FREE(gt, up, go, y, dg, du, d_gt, d_up, d_go, d_y, d_y2, d_dg, d_du, d_dg2, d_du2);
 }
 
+/* lz_swiglu_packed_* (Phi-3's gate_up_proj): each row's gate then up. */
+static void swiglu_packed_case(lz_dtype dt, int64_t rows, int64_t H) {
+  int64_t gs[2] = {rows, 2 * H}, hs[2] = {rows, H};
+  lz_tensor *gu = host_rand(dt, 2, gs, 4), *go = host_rand(dt, 2, hs, 1);
+  lz_tensor *y = host(LZ_F32, 2, hs), *dgu = host(LZ_F32, 2, gs);
+  lz_tensor *d_gu = dev(gu), *d_go = dev(go), *d_y = dev(y), *d_y2 = dev(y), *d_dgu = dev(dgu);
+  CHECK_OK(lz_swiglu_packed_forward(y, gu));
+  CHECK_OK(lz_swiglu_packed_forward(d_y, d_gu));
+  CHECK_OK(lz_swiglu_packed_forward(d_y2, d_gu));
+  expect_close("swiglu_packed_forward", d_y, y, 1e-5);
+  expect_same_bits("swiglu_packed_forward", d_y, d_y2);
+  CHECK_OK(lz_swiglu_packed_backward(dgu, go, gu));
+  CHECK_OK(lz_swiglu_packed_backward(d_dgu, d_go, d_gu));
+  expect_close("swiglu_packed_backward", d_dgu, dgu, 1e-5);
+  FREE(gu, go, y, dgu, d_gu, d_go, d_y, d_y2, d_dgu);
+}
+
 static void test_swiglu(void) {
+  swiglu_packed_case(LZ_F32, 37, 96);
+  swiglu_packed_case(LZ_BF16, 300, 640);
   swiglu_case(LZ_F32, 8 * 37);
   swiglu_case(LZ_F32, 8 * 50001);
   swiglu_case(LZ_BF16, 8 * 37);
