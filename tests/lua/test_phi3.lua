@@ -2,7 +2,8 @@
 -- config.json files (tests/fixtures/phi3/: a 4k one and a 128k LongRoPE one
 -- as transformers 4.x writes them) and one as 5.x writes it
 -- (rope_parameters), LongRoPE's frequencies and attention factor, the
--- refusals; the fused tensors' names and LoRA's default target.
+-- refusals; the fused tensors' names and LoRA's default target; stages 0
+-- and 3 agree with a window and with LongRoPE.
 local cjson = require("cjson")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
@@ -110,6 +111,43 @@ function T.fused_tensors_and_lora_default()
   local lora = require("models.lora")
   eq(lora.apply(model, { r = 2 }), 2, "adapted weights (qkv_proj, two layers)")
   eq(table.concat(model.lora.targets, ","), "qkv_proj", "default targets")
+end
+
+-- flags: the model's and the stage; two steps at world 2.
+local function checksum(flags)
+  local corpus = write_file("corpus.txt", ("a line of the corpus, %d words and more\n"):rep(60))
+  local cmd = ("%s -n 2 %s --seq-len 16 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 " ..
+               "--steps 2 --lr 3e-3 --data %s %s 2>&1")
+              :format(support.quote(lz.root .. "/build/bin/luazero"),
+                      support.quote(lz.root .. "/scripts/train.lua"), support.quote(corpus), flags)
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  return assert(out:match("params_checksum (%x+)"), out)
+end
+
+-- A windowed, partly turning phi3-tiny (window 8 under 16 positions), then
+-- with LongRoPE past original_max 8: ZeRO stages 0 and 3 end with one
+-- checksum, and each option changes it.
+function T.runs_agree_across_stages_and_the_options_change_them()
+  local j = {
+    architectures = { "Phi3ForCausalLM" }, hidden_size = 64, intermediate_size = 96,
+    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
+    max_position_embeddings = 256, vocab_size = 256, rms_norm_eps = 1e-5,
+    partial_rotary_factor = 0.5, sliding_window = 8, original_max_position_embeddings = 256,
+  }
+  local function run(stage) return checksum(("--model-config %s --stage %d")
+                                            :format(support.quote(write_file("p.json",
+                                                    cjson.encode(j))), stage)) end
+  local windowed = run(0)
+  eq(run(3), windowed, "window: stage 3 against stage 0")
+  j.original_max_position_embeddings = 8
+  j.rope_scaling = { type = "longrope", short_factor = { 1, 1.5, 2, 3 }, long_factor = { 2, 4, 6, 8 } }
+  local longrope = run(0)
+  eq(run(3), longrope, "LongRoPE: stage 3 against stage 0")
+  assert(longrope ~= windowed, "LongRoPE changes nothing: " .. longrope)
+  j.sliding_window, j.rope_scaling = cjson.null, nil
+  assert(run(3) ~= windowed, "the window changes nothing at seq-len 16")
 end
 
 return T
