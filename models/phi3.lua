@@ -111,7 +111,7 @@ function M.finish(cfg)
     end
   end
   -- transformers: int(head_dim * partial_rotary_factor)
-  cfg.rotary_dim = math.floor(cfg.head_dim * cfg.partial_rotary_factor + 1e-9)
+  cfg.rotary_dim = math.floor(cfg.head_dim * cfg.partial_rotary_factor)
   if cfg.rotary_dim < 2 or cfg.rotary_dim % 2 ~= 0 or cfg.rotary_dim > cfg.head_dim then
     error(("partial_rotary_factor %g gives %d turning values of a %d-value head; it must give " ..
            "an even number from 2 to head_dim"):format(cfg.partial_rotary_factor, cfg.rotary_dim,
