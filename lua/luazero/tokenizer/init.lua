@@ -119,6 +119,15 @@ local function encode_normalized(self, norm, map, a, b, out, starts, start)
     for k = a, b do piece_map[k - a + 1] = map[k] end
     start = map[a]
   end
+  if self.byte_level then
+    if self.add_prefix_space and byte(piece, 1) ~= SPACE_BYTE then
+      piece = " " .. piece
+      if piece_map then table.insert(piece_map, 1, piece_map[1]) end
+    end
+    if not self.split then return emit_word(self, piece, 1, #piece, out, starts, piece_map, start, 0) end
+    self.split(piece, function(_, i, j) emit_word(self, piece, i, j, out, starts, piece_map, start, 0) end)
+    return
+  end
   local s, smap, words = sp.pre_tokenize(self, piece, piece_map, start)
   for _, w in ipairs(words) do emit_word(self, s, w[1], w[2], out, starts, smap, start, 0) end
 end
@@ -128,7 +137,7 @@ end
 local function encode_plain(self, text, p, q, out, starts)
   if q < p then return end
   local s, start = sub(text, p, q), p - 1
-  if self.byte_level then
+  if self.byte_level and not self.normalizers then
     local shift = 0
     if self.add_prefix_space and byte(s, 1) ~= SPACE_BYTE then s, shift = " " .. s, 1 end
     if not self.split then return emit_word(self, s, 1, #s, out, starts, nil, start, shift) end
@@ -222,18 +231,21 @@ local function pre_tokenizer(path, pre)
     end
     local sp1, bl = list[1], list[2]
     local pattern = type(sp1) == "table" and type(sp1.pattern) == "table" and sp1.pattern.Regex
-    if not (#list == 2 and sp1.type == "Split" and pattern == split.LLAMA3_PATTERN and
+    local how = pattern and split.SPLIT_PATTERNS[pattern]
+    if not (#list == 2 and sp1.type == "Split" and how and
             sp1.behavior == "Isolated" and sp1.invert ~= true and type(bl) == "table" and
             bl.type == "ByteLevel" and bl.use_regex == false) then
-      fail(path, "pre_tokenizer is a Sequence other than Llama 3's; supported: \"ByteLevel\", " ..
-                 "\"Metaspace\", or Sequence [Split (Llama 3's pattern, Isolated), ByteLevel " ..
+      fail(path, "pre_tokenizer is a Sequence other than Llama 3's or Qwen2's; supported: " ..
+                 "\"ByteLevel\", \"Metaspace\", Split (a string, MergedWithPrevious), or " ..
+                 "Sequence [Split (Llama 3's or Qwen2's pattern, Isolated), ByteLevel " ..
                  "(use_regex false)]")
     end
-    return "byte_level", split_llama3, bl
+    return "byte_level", how, bl
   end
-  local t = check_type(path, "pre_tokenizer", pre, { "ByteLevel", "Metaspace" }, true)
+  local t = check_type(path, "pre_tokenizer", pre, { "ByteLevel", "Metaspace", "Split" }, true)
   if t == "ByteLevel" then return "byte_level", pre.use_regex ~= false and split_gpt2 or nil, pre end
   if t == "Metaspace" then return "metaspace", sp.metaspace(path, "pre_tokenizer", pre) end
+  if t == "Split" then return "split", sp.split_string(path, "pre_tokenizer", pre) end
   return nil
 end
 
@@ -265,8 +277,8 @@ local function special_ids(self, path, j)
   local function named(names)
     for _, n in ipairs(names) do if self.added_id[n] then return n end end
   end
-  if bos == nil then bos = named({ "<s>", "<|begin_of_text|>", "<|endoftext|>" }) end
-  if eos == nil then eos = named({ "</s>", "<|end_of_text|>", "<|endoftext|>" }) end
+  if bos == nil then bos = named({ "<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>" }) end
+  if eos == nil then eos = named({ "</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>" }) end
   self.bos_id = bos and self:token_id(bos) or nil
   self.eos_id = eos and self:token_id(eos) or nil
 end
@@ -292,9 +304,6 @@ function M.load(path)
   end
   local kind, how, pre = pre_tokenizer(path, j.pre_tokenizer)
   local normalizers = sp.normalizer(path, j.normalizer)
-  if kind == "byte_level" and normalizers then
-    fail(path, "normalizer is set beside a ByteLevel pre-tokenizer; supported: null there")
-  end
   -- Post-processors add nothing here: encode is the text's ids alone
   -- (tokenizers' encode(text, add_special_tokens=False)).
   local post = j.post_processor
@@ -312,6 +321,7 @@ function M.load(path)
     add_prefix_space = kind == "byte_level" and pre.add_prefix_space == true,
     split = kind == "byte_level" and how or nil,
     metaspace = kind == "metaspace" and how or nil,
+    split_string = kind == "split" and how or nil,
     normalizers = normalizers,
     ignore_merges = model.ignore_merges == true,
     fuse_unk = model.fuse_unk == true,
@@ -410,7 +420,7 @@ function M.load(path)
   return self
 end
 
-M.split_gpt2, M.split_llama3 = split_gpt2, split_llama3 -- for tests
+M.split_gpt2, M.split_llama3, M.split_qwen2 = split_gpt2, split_llama3, split.split_qwen2 -- for tests
 
 return M
 
