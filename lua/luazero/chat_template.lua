@@ -19,7 +19,8 @@
 -- .strip()), with the spaces and tabs the template writes just before it
 -- (Llama 2's "[/INST] " + content: tokenizers glue them to the first word),
 -- and the end-of-turn text right after it: the eos token or another special
--- token of added_tokens_decoder (<|eot_id|>, <|im_end|>), with the blanks
+-- token of added_tokens_decoder (<|eot_id|>, <|im_end|>; transformers 5
+-- folders keep them in tokenizer.json's added_tokens), with the blanks
 -- before it (Llama 2 writes " </s>"). It is found by
 -- rendering again with that message's content replaced by a marker, so a
 -- template whose other text depends on the content is refused by name.
@@ -125,6 +126,21 @@ function M.load(folder)
       local t = j.added_tokens_decoder[tostring(id)]
       if type(t) == "table" and t.special == true and type(t.content) == "string" then
         opts.special_tokens[#opts.special_tokens + 1] = t.content
+      end
+    end
+  else -- transformers 5 keeps them in tokenizer.json only
+    local dir = path:match("^(.*)/[^/]*$") or "."
+    local g = io.open(dir .. "/tokenizer.json", "rb")
+    local tok_ok, tj = false, nil
+    if g then
+      tok_ok, tj = pcall(cjson.decode, g:read("*a"))
+      g:close()
+    end
+    if tok_ok and type(tj) == "table" and type(tj.added_tokens) == "table" then
+      for _, t in ipairs(tj.added_tokens) do
+        if type(t) == "table" and t.special == true and type(t.content) == "string" then
+          opts.special_tokens[#opts.special_tokens + 1] = t.content
+        end
       end
     end
   end

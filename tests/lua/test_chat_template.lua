@@ -1,6 +1,7 @@
 -- test_chat_template.lua — lua/luazero/chat_template.lua and luazero.jinja
 -- without Python: the chat templates of Llama 3, Zephyr/TinyLlama, ChatML,
--- Llama 2 and Mistral (tests/fixtures/chat/*/tokenizer_config.json) against
+-- Llama 2, Mistral, Qwen2.5, Qwen3, Gemma 2/3 and Phi-3
+-- (tests/fixtures/chat/*/tokenizer_config.json) against
 -- the strings jinja2 renders for transformers' apply_chat_template (copied
 -- here; tests/ref/test_chat_template.py compares with transformers itself),
 -- the assistant spans, whitespace control, and the one-line refusals.
@@ -118,6 +119,7 @@ function T.unsupported_constructs_are_named()
     { "{% for m in messages %}", "{% endfor %} is missing" },
     { "{{ 'a' ", "not closed with }}" },
     { "{% set x %}y{% endset %}", "(a block set) is not supported" },
+    { "{% if true %}{% break %}{% endif %}", "{% break %} outside a {% for %}" },
   }
   for _, c in ipairs(cases) do
     local ok, err = pcall(function()
@@ -190,6 +192,52 @@ function T.token_mask_is_overlap()
   same(chat_template.token_mask({}, { 0, 1 }, 2), { 0, 0 })
 end
 
+-- The templates of Qwen2.5 (tools), Qwen3 (thinking), Gemma 3 and Phi-3,
+-- against transformers 5.23's renderings (tests/ref/test5_chat_template.py
+-- compares with it over many more conversations). Messages and tools are read
+-- as JSON keeping their key order, which tojson writes.
+function T.qwen_gemma_phi3()
+  local json = require("luazero.jinja.json")
+  local tools = json.decode('[{"type": "function", "function": {"name": "now", "description": ' ..
+                            '"The time.", "parameters": {"type": "object", "properties": {}, ' ..
+                            '"required": []}}}]')
+  local calls = json.decode('[{"role": "user", "content": "Time?"}, {"role": "assistant", ' ..
+                            '"content": "", "tool_calls": [{"type": "function", "function": ' ..
+                            '{"name": "now", "arguments": {"tz": "UTC", "fmt": "%H"}}}]}, ' ..
+                            '{"role": "tool", "content": "12"}, {"role": "assistant", "content": "Noon."}]')
+  local qwen25 = chat_template.load(FIXTURES .. "qwen2.5")
+  same(qwen25:render(calls, { vars = { tools = tools }, spans = false }),
+       "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n" ..
+       "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are " ..
+       "provided with function signatures within <tools></tools> XML tags:\n<tools>\n" ..
+       '{"type": "function", "function": {"name": "now", "description": "The time.", "parameters": ' ..
+       '{"type": "object", "properties": {}, "required": []}}}\n</tools>\n\nFor each function call, ' ..
+       "return a json object with function name and arguments within <tool_call></tool_call> XML " ..
+       'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n' ..
+       "</tool_call><|im_end|>\n<|im_start|>user\nTime?<|im_end|>\n<|im_start|>assistant\n" ..
+       '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC", "fmt": "%H"}}\n</tool_call>' ..
+       "<|im_end|>\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n" ..
+       "<|im_start|>assistant\nNoon.<|im_end|>\n")
+  local qwen3 = chat_template.load(FIXTURES .. "qwen3")
+  same(qwen3:render({ SHORT[2] }, { add_generation_prompt = true,
+                                    vars = { enable_thinking = false } }),
+       "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  same(qwen3:render({ SHORT[2], { role = "assistant", content = "<think>\nhm\n</think>\n\nHello!" } },
+                    { spans = false }),
+       "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\nhm\n</think>\n\n" ..
+       "Hello!<|im_end|>\n")
+  renders(chat_template.load(FIXTURES .. "gemma3"), SHORT, { add_generation_prompt = true },
+          "<bos><start_of_turn>user\nYou are terse.\n\nHi there<end_of_turn>\n<start_of_turn>model\n" ..
+          "Hello!<end_of_turn>\n<start_of_turn>model\n", { "Hello!<end_of_turn>" })
+  renders(chat_template.load(FIXTURES .. "phi3"), SHORT, nil,
+          "<|system|>\nYou are terse.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\nHello!" ..
+          "<|end|>\n<|endoftext|>", { "Hello!<|end|>" })
+  local ok, err = pcall(chat_template.load(FIXTURES .. "gemma2").render,
+                        chat_template.load(FIXTURES .. "gemma2"), SHORT)
+  assert(not ok and err:find("the template refuses these messages (System role not supported)",
+                             1, true) and not err:find("\n"), err)
+end
+
 local function render(src, vars) return jinja.render(jinja.compile(src), vars or {}) end
 
 function T.jinja_expressions()
@@ -202,8 +250,20 @@ function T.jinja_expressions()
   same(render("{{ x is defined }}{{ y is not defined }}{{ none is none }}{{ m.role }}{{ m['role'] }}",
               { x = 1, m = { role = "user" } }), "TrueTrueTrueuseruser")
   same(render("{{ 'a\\u00e9\\x41\\n' }}{{ \"q'\" }}{{ '\\u3000x\\u3000'.strip() }}"), "aéA\nq'x")
-  same(render("{{ {'b': 1, 'a': [true, none, \"<é😀'&>\"]} | tojson }}"),
-       '{"a": [true, null, "\\u003c\\u00e9\\ud83d\\ude00\\u0027\\u0026\\u003e"], "b": 1}')
+  -- tojson is transformers' (4.43 and later): json.dumps without ensure_ascii,
+  -- keys in their written order, no HTML escapes; its keyword arguments too.
+  same(render("{{ {'b': 1, 'a': [true, none, \"<é😀'&>\\n\"], 'c': {}} | tojson }}"),
+       '{"b": 1, "a": [true, null, "<é😀\'&>\\n"], "c": {}}')
+  same(render("{{ {'b': 1.5, 'a': 'é'} | tojson(indent=2, sort_keys=true, ensure_ascii=true) }}"),
+       '{\n  "a": "\\u00e9",\n  "b": 1.5\n}')
+  same(render("{{ {'b': [], 'a': 0.1} | tojson(separators=(',', ':')) }}"), '{"b":[],"a":0.1}')
+  local json = require("luazero.jinja.json")
+  local tools = json.decode('[{"type": "function", "function": {"name": "f", "parameters": ' ..
+                            '{"type": "object", "properties": {}, "required": []}}}]')
+  same(render("{{ tools[0] | tojson }}|{% for k in tools[0] %}{{ k }}{% endfor %}|" ..
+              "{{ tools[0].function.parameters.items() | list | length }}", { tools = tools }),
+       '{"type": "function", "function": {"name": "f", "parameters": {"type": "object", ' ..
+       '"properties": {}, "required": []}}}|typefunction|3')
   same(render("{{ x | default('d') }}{{ '' | default('e', true) }}{{ [3, 4] | join('-') }}"), "de3-4")
   local ms = { { role = "user", content = "A" }, { role = "assistant", content = "B", tool = true },
                { role = "user", content = "C" } }
@@ -219,6 +279,10 @@ function T.jinja_statements_and_whitespace()
   same(render("{% for x in xs if x > 1 %}{{ loop.index0 }}{{ x }}{% if loop.last %}.{% endif %}" ..
               "{% else %}none{% endfor %}", { xs = { 1, 2, 3 } }), "0213.")
   same(render("{% for x in xs %}{% else %}none{% endfor %}", { xs = {} }), "none")
+  -- loopcontrols, which transformers' renderer loads
+  same(render("{% for x in xs %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}" ..
+              "{% if x == 3 %}{% break %}{% endif %}{% endfor %}", { xs = { 1, 2, 3, 4 } }), "13")
+  same(render("{{ strftime_now('%Y') | length }}"), "4")
   same(render("{% set ns = namespace(n=0) %}{% for x in [1, 2] %}{% set ns.n = ns.n + x %}" ..
               "{% set local = 5 %}{% endfor %}{{ ns.n }}{{ local }}"), "3")
   same(render("{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}", { d = { b = 2, a = 1 } }),
