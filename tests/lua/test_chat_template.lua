@@ -161,16 +161,33 @@ function T.template_lists_and_jinja_files()
   assert(not ok and err:find('has no "chat_template" string', 1, true), err)
 end
 
-function T.spans_need_text_that_does_not_depend_on_the_content()
+-- A span is where the text differs from the rendering with the content
+-- replaced: what the template writes from the content goes with it; a
+-- template that writes the content twice has no span.
+function T.spans_are_where_the_content_changes_the_text()
   local ct = chat_template.new("{% for m in messages %}{{ m.content }}{% if m.content | length > 3 %}" ..
                                " (long){% endif %}{{ eos_token }}{% endfor %}",
                                { name = "t.json", eos_token = "</s>" })
   local msgs = { { role = "user", content = "hello" }, { role = "assistant", content = "hi" } }
-  local ok, err = pcall(ct.render, ct, msgs)
-  assert(not ok and err:find("chat_template: t.json: the text around assistant message 2 depends " ..
-                             "on its content", 1, true), err)
+  renders(ct, msgs, nil, "hello (long)</s>hi</s>", { "hi</s>" })
+  renders(ct, { msgs[1], { role = "assistant", content = "well" } }, nil,
+          "hello (long)</s>well (long)</s>", { "well" }) -- the marker is long too
   local text, spans = ct:render(msgs, { spans = false })
   same({ text, spans }, { "hello (long)</s>hi</s>", {} })
+  local twice = chat_template.new("{% for m in messages %}{{ m.content }}{{ m.content }}{% endfor %}",
+                                  { name = "t.json" })
+  local ok, err = pcall(twice.render, twice, msgs)
+  assert(not ok and err:find("chat_template: t.json: assistant message 2 is not written once", 1, true) and
+         not err:find("\n"), err)
+  -- Qwen3: the reasoning of the last turn is part of its span, older ones are dropped
+  local qwen3 = chat_template.load(FIXTURES .. "qwen3")
+  renders(qwen3, { { role = "user", content = "1?" },
+                   { role = "assistant", content = "<think>\nr1\n</think>\n\nA1" },
+                   { role = "user", content = "2?" },
+                   { role = "assistant", content = "<think>\nr2\n</think>\n\nA2" } }, nil,
+          "<|im_start|>user\n1?<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\n" ..
+          "2?<|im_end|>\n<|im_start|>assistant\n<think>\nr2\n</think>\n\nA2<|im_end|>\n",
+          { "A1<|im_end|>", "r2\n</think>\n\nA2<|im_end|>" })
 end
 
 function T.extra_variables_as_keyword_arguments()
