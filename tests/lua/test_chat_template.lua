@@ -1,6 +1,6 @@
 -- test_chat_template.lua — lua/luazero/chat_template.lua and luazero.jinja
 -- without Python: the chat templates of Llama 3, Zephyr/TinyLlama, ChatML,
--- Llama 2, Mistral, Qwen2.5, Qwen3, Gemma 2/3 and Phi-3
+-- Llama 2, Mistral, Qwen2.5, Qwen3, Gemma 2/3, Phi-3 and Mistral v0.3
 -- (tests/fixtures/chat/*/tokenizer_config.json) against
 -- the strings jinja2 renders for transformers' apply_chat_template (copied
 -- here; tests/ref/test_chat_template.py compares with transformers itself),
@@ -209,11 +209,12 @@ function T.token_mask_is_overlap()
   same(chat_template.token_mask({}, { 0, 1 }, 2), { 0, 0 })
 end
 
--- The templates of Qwen2.5 (tools), Qwen3 (thinking), Gemma 3 and Phi-3,
+-- The templates of Qwen2.5 (tools), Qwen3 (thinking), Gemma 3, Phi-3 and
+-- Mistral v0.3 (tools),
 -- against transformers 5.23's renderings (tests/ref/test5_chat_template.py
 -- compares with it over many more conversations). Messages and tools are read
 -- as JSON keeping their key order, which tojson writes.
-function T.qwen_gemma_phi3()
+function T.qwen_gemma_phi3_mistral3()
   local json = require("luazero.jinja.json")
   local tools = json.decode('[{"type": "function", "function": {"name": "now", "description": ' ..
                             '"The time.", "parameters": {"type": "object", "properties": {}, ' ..
@@ -249,6 +250,20 @@ function T.qwen_gemma_phi3()
   renders(chat_template.load(FIXTURES .. "phi3"), SHORT, nil,
           "<|system|>\nYou are terse.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\nHello!" ..
           "<|end|>\n<|endoftext|>", { "Hello!<|end|>" })
+  local mistral = chat_template.load(FIXTURES .. "mistral-v0.3")
+  local turns = json.decode('[{"role": "system", "content": "Be brief."}, {"role": "user", ' ..
+                            '"content": "Time?"}, {"role": "assistant", "tool_calls": [{"id": ' ..
+                            '"call00001", "type": "function", "function": {"name": "now", ' ..
+                            '"arguments": {"tz": "UTC"}}}]}, {"role": "tool", "tool_call_id": ' ..
+                            '"call00001", "content": "12"}, {"role": "assistant", "content": ' ..
+                            '" Noon. "}, {"role": "user", "content": "Thanks"}]')
+  local text, spans = mistral:render(turns, { vars = { tools = tools } })
+  same(text, '<s>[INST] Time?[/INST][TOOL_CALLS] [{"name": "now", "arguments": {"tz": "UTC"}, ' ..
+             '"id": "call00001"}]</s>[TOOL_RESULTS] {"content": 12, "call_id": "call00001"}' ..
+             '[/TOOL_RESULTS] Noon.</s>[AVAILABLE_TOOLS] [{"type": "function", "function": ' ..
+             '{"name": "now", "description": "The time.", "parameters": {"type": "object", ' ..
+             '"properties": {}, "required": []}}}][/AVAILABLE_TOOLS][INST] Be brief.\n\nThanks[/INST]')
+  same(span_texts(text, spans), { " Noon.</s>" })
   local ok, err = pcall(chat_template.load(FIXTURES .. "gemma2").render,
                         chat_template.load(FIXTURES .. "gemma2"), SHORT)
   assert(not ok and err:find("the template refuses these messages (System role not supported)",

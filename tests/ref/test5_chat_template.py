@@ -1,5 +1,5 @@
 """test5_chat_template.py — the chat templates of Qwen2.5, Qwen3, Gemma 2,
-Gemma 3 and Phi-3 against transformers 5.23's apply_chat_template.
+Gemma 3, Phi-3 and Mistral v0.3 against transformers 5.23's apply_chat_template.
 
 The templates are the published ones, committed under tests/fixtures/chat/
 (each folder's PROVENANCE names the model and file). For each, this saves a
@@ -7,9 +7,10 @@ Hugging Face tokenizer folder with transformers 5.23 (its renderer is the
 judge: tojson as transformers writes it, keys in their order, UTF-8 kept) over
 a tokenizer of the family's kind trained here with `tokenizers` (Qwen2's
 byte-level BPE with NFC and its split; Gemma's 256k-shaped SentencePiece BPE;
-Phi-3's Llama 2 layout), renders conversations with system, user and
+Llama 2's layout for Phi-3 and Mistral), renders conversations with system, user and
 assistant turns (multi-turn, Unicode and odd whitespace), tools and tool calls
-and tool results where the template has them (Qwen2.5, Qwen3), thinking on and
+and tool results where the template has them (Qwen2.5, Qwen3, Mistral v0.3:
+its 9-character call ids, refused when shorter), thinking on and
 off (Qwen3: enable_thinking, reasoning_content, a <think> block in the
 content), list contents (Gemma 3), each with add_generation_prompt off and on,
 through transformers and through luazero (tests/ref/chat_render.lua), and
@@ -40,6 +41,8 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures", "chat")
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                  "<think>", "</think>"]
 PHI_SPECIALS = ["<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>"]
+MISTRAL_SPECIALS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
 CONVERSATIONS = [
     [{"role": "system", "content": "You are a terse assistant."},
@@ -94,6 +97,18 @@ def tool_cases(arguments_as_text=False):
             case(turns[1:2], tools=TOOLS)]
 
 
+# Mistral's tool calls carry 9-character ids; its tool results name them.
+MISTRAL_TOOL_TURNS = [
+    {"role": "system", "content": "Use the tools."},
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "tool_calls": [
+        {"id": "call00001", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"unit": "celsius", "city": "Zürich"}}}]},
+    {"role": "tool", "tool_call_id": "call00001", "content": "{\"temp\": 21}"},
+    {"role": "assistant", "content": "21 °C."},
+    {"role": "user", "content": "Thanks!"},
+]
+
 THINK = [{"role": "user", "content": "2 + 2?"},
          {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4."},
          {"role": "user", "content": "And 3 + 3?"},
@@ -115,6 +130,13 @@ FAMILIES = {
                                            {"type": "text", "text": "there"}]},
               {"role": "assistant", "content": "Hello."}])]),
     "phi3": ("phi", "<|end|>", []),
+    "mistral-v0.3": ("mistral", "</s>", [
+        case(MISTRAL_TOOL_TURNS, tools=TOOLS), case(MISTRAL_TOOL_TURNS[:2], tools=TOOLS),
+        case(MISTRAL_TOOL_TURNS[1:], tools=TOOLS),
+        case([{"role": "user", "content": "Same"}, {"role": "assistant", "content": "A"},
+              {"role": "user", "content": "Same"}], tools=TOOLS),
+        case(MISTRAL_TOOL_TURNS[1:3] + [{"role": "tool", "tool_call_id": "short", "content": "x"}],
+             tools=TOOLS)]),
 }
 
 
@@ -139,13 +161,14 @@ def gemma_tokenizer(tokenizers):
     return Tokenizer.from_str(json.dumps(tt.gemma_spec(tokenizers)))
 
 
-def phi_tokenizer(tokenizers):
+def llama2_layout_tokenizer(tokenizers, specials):
+    """Llama 2's layout (Phi-3's and Mistral's kind) with the template's control tokens."""
     from tokenizers import AddedToken, Tokenizer
     spec = tt.sentencepiece_spec(tokenizers)
     spec.update(normalizer=tt.LLAMA2_NORMALIZER, decoder=tt.LLAMA2_DECODER,
                 post_processor=tt.LLAMA2_POST)
     tok = Tokenizer.from_str(json.dumps(spec))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in PHI_SPECIALS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tok
 
 
@@ -187,7 +210,8 @@ def main():
     from jinja2.exceptions import TemplateError
     print(f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}")
     backends = {"qwen": qwen_tokenizer(), "gemma": gemma_tokenizer(tokenizers),
-                "phi": phi_tokenizer(tokenizers)}
+                "phi": llama2_layout_tokenizer(tokenizers, PHI_SPECIALS),
+                "mistral": llama2_layout_tokenizer(tokenizers, MISTRAL_SPECIALS)}
 
     with tempfile.TemporaryDirectory() as tmp:
         for name, (kind, ender, extra) in FAMILIES.items():

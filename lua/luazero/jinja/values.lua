@@ -257,11 +257,21 @@ end
 local function equal(a, b)
   if a == b then return true end
   if (a == NONE or a == cjson.null) and (b == NONE or b == cjson.null) then return true end
-  if type(a) == "table" and type(b) == "table" and is_list(a) and is_list(b) and #a == #b then
+  if type(a) ~= "table" or type(b) ~= "table" or a == NONE or b == NONE or a == UNDEF or
+     b == UNDEF then
+    return false
+  end
+  local la, lb = is_list(a), is_list(b)
+  if la and lb and #a == #b then
     for i = 1, #a do if not equal(a[i], b[i]) then return false end end
     return true
   end
-  return false
+  if la or lb then return false end
+  -- dicts, as Python compares them: the same keys, equal values (Mistral's
+  -- template finds the last user message by ==)
+  for k, v in pairs(a) do if b[k] == nil or not equal(v, b[k]) then return false end end
+  for k in pairs(b) do if a[k] == nil then return false end end
+  return true
 end
 
 local function contains(container, item)
