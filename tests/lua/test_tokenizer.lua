@@ -98,6 +98,18 @@ function T.byte_level_offsets()
   same(tok:decode(ids, { skip_special_tokens = true }), "ab abcc ab")
 end
 
+-- An added token with rstrip (Phi-3's <|end|>) takes the blanks after it
+-- along, one with lstrip those before it; they give no token.
+function T.added_tokens_strip_blanks()
+  local tok = tokenizer.load(tiny(function(j)
+    j.added_tokens = { { id = 6, content = "<|eot|>", special = true, rstrip = true },
+                       { id = 7, content = "<|sys|>", special = true, lstrip = true } }
+  end))
+  local ids, starts = tok:encode("ab<|eot|>  c  <|sys|>ab", { offsets = true })
+  same({ ids, starts }, { { 4, 6, 2, 7, 4 }, { 0, 2, 11, 12, 21 } })
+  same(tok:encode("<|eot|> <|sys|>"), { 6, 7 })
+end
+
 -- Llama 2's layout: <unk> <s> </s>, the 256 byte tokens <0x00>..<0xFF>, then
 -- pieces; Llama 2's normalizer and decoder unless edit changes them.
 local function sentencepiece(edit)

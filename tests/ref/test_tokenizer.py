@@ -7,17 +7,22 @@ special tokens, Unicode and odd whitespace with both `tokenizers` and luazero
 (tests/ref/tokenize.lua); the same for a Llama 3 kind of tokenizer.json (Split
 with Llama 3's pattern, ByteLevel without a regex, ignore_merges,
 TemplateProcessing); and for SentencePiece-style ones (Llama 2, Mistral,
-TinyLlama: a BPE with byte_fallback trained here, <0xNN> byte tokens added
-at ids 3..258 as in Llama 2's vocabulary) in eight layouts: Llama 2's
+TinyLlama, Phi-3: a BPE with byte_fallback trained here, <0xNN> byte tokens
+added at ids 3..258 as in Llama 2's vocabulary) in nine layouts: Llama 2's
 Prepend/Replace normalizer with its Replace/ByteFallback/Fuse/Strip decoder,
 Metaspace (first, always, never; split or not) with either decoder or none,
-unknown tokens fused or not without byte_fallback, normalized added tokens.
+unknown tokens fused or not without byte_fallback, normalized added tokens,
+Phi-3's added tokens that take the blanks beside them (lstrip, rstrip); then
+Qwen2's kind (an NFC normalizer, Split with Qwen2's pattern, ByteLevel) and
+Gemma's (its Replace normalizer and Split on " ", byte fallback, 256,000 ids)
+trained on the corpus and tests/fixtures/tokenizer/unicode_corpus.txt.
 Checks: identical ids, identical offsets (luazero's byte offsets read as the
 character tokenizers counts), decode round-trips and decode as tokenizers
 does with and without special tokens, bos and eos ids, the same ids from
 "a b" string merges as from [a, b] list merges, tools/prepare-data
---tokenizer writes the same ids, and an unsupported tokenizer.json or a
-vocabulary over 65536 is refused naming the field. Prints encoding MB/s of both.
+--tokenizer writes the same ids, and an unsupported tokenizer.json is refused
+naming the field; a vocabulary over 65536 writes token file version 2.
+Prints encoding MB/s of both.
 
 Without `tokenizers` (pip install tokenizers; tools/setup makes build/ref-venv)
 or without the corpus, prints a skip line and "0 passed, 0 failed": a skipped
@@ -86,6 +91,8 @@ TEXTS = {
     "lone_space": " ",
     "newlines_only": "\n\n\n",
     "metaspace_in_text": "a\u2581b \u2581 c\u2581\u2581 <s>\u2581</s>\u2581",
+    "phi3_turns": "<|system|>\nBe brief.<|end|>\n<|user|>\n  Hi\tthere <|end|>\n<|assistant|>\n"
+                  "Hello!<|end|>\n<|endoftext|>  x  <|system|> y\u3000<|end|>\u3000\n z<|user|>",
     "gemma_turns": "<bos><start_of_turn>user\nHi  there<end_of_turn>\n<start_of_turn>model\n"
                    "日本 😀<end_of_turn>\n<eos>",
 }
@@ -174,8 +181,18 @@ def check_sentencepiece(check, tk, tmp, texts, run_lua):
     def legacy(v):  # Llama 2, TinyLlama, Mistral v0.1: Prepend + Replace, no pre-tokenizer
         v.update(normalizer=LLAMA2_NORMALIZER, decoder=LLAMA2_DECODER, post_processor=LLAMA2_POST)
 
+    def phi3(v):  # Phi-3's control tokens take the blanks after them (rstrip); one, before too
+        legacy(v)
+        n = max(v["model"]["vocab"].values()) + 1
+        for k, (t, left, right) in enumerate([
+                ("<|endoftext|>", False, False), ("<|assistant|>", False, True), ("<|end|>", False, True),
+                ("<|user|>", False, True), ("<|system|>", True, True)]):
+            v["added_tokens"].append({"id": n + k, "content": t, "single_word": False, "lstrip": left,
+                                      "rstrip": right, "normalized": False, "special": True})
+
     variants = {
         "legacy": variant(legacy),
+        "phi3_strip": variant(phi3),
         "metaspace_first": variant(lambda v: v.update(pre_tokenizer=metaspace("first", False),
                                                       decoder=metaspace("first", False))),
         "metaspace_always_split": variant(lambda v: v.update(pre_tokenizer=metaspace("always", True),

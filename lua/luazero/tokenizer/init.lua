@@ -22,7 +22,8 @@
 --    decoded by Replace/ByteFallback/Fuse/Strip or Metaspace
 --    (tokenizer/sentencepiece.lua).
 -- added_tokens are matched in the text before anything else (leftmost, then
--- longest) and are one id each. A post-processor (ByteLevel,
+-- longest) and are one id each; one with lstrip or rstrip (Phi-3's <|end|>)
+-- takes the blanks before or after it along. A post-processor (ByteLevel,
 -- TemplateProcessing) adds nothing: encode gives the text's ids alone, as
 -- tokenizers' encode(text, add_special_tokens=False). Anything else is
 -- refused naming the field.
@@ -88,8 +89,38 @@ local function emit_word(self, s, i, j, out, starts, map, start, shift)
   end
 end
 
+-- Unicode White_Space (Rust's char::is_whitespace, which lstrip and rstrip
+-- use), by code point.
+local WHITE = { [9] = true, [10] = true, [11] = true, [12] = true, [13] = true, [32] = true,
+                [0x85] = true, [0xA0] = true, [0x1680] = true, [0x2028] = true, [0x2029] = true,
+                [0x202F] = true, [0x205F] = true, [0x3000] = true }
+for cp = 0x2000, 0x200A do WHITE[cp] = true end
+
+-- The byte after the blanks of text from byte p on.
+local function blanks_after(text, p)
+  while p <= #text do
+    local cp, l = split.code_point(text, p)
+    if not WHITE[cp] then break end
+    p = p + l
+  end
+  return p
+end
+
+-- The first byte of the blanks of text that end just before byte p.
+local function blanks_before(text, p)
+  while p > 1 do
+    local q = p - 1
+    while q > 1 and byte(text, q) >= 0x80 and byte(text, q) < 0xC0 do q = q - 1 end
+    if not WHITE[(split.code_point(text, q))] then break end
+    p = q
+  end
+  return p
+end
+
 -- Where the added tokens of by_prefix occur in text: leftmost first, the
--- longest at a place.
+-- longest at a place. A hit is { first byte, length, id, first byte of the
+-- token itself }: a token with lstrip or rstrip takes the blanks before or
+-- after it along (they give no token), as tokenizers' AddedVocabulary does.
 local function find_added(by_prefix, text)
   local hits = {}
   for prefix, group in pairs(by_prefix) do
@@ -99,14 +130,17 @@ local function find_added(by_prefix, text)
       if not p then break end
       for _, a in ipairs(group) do -- longest first
         if sub(text, p, p + #a.content - 1) == a.content then
-          hits[#hits + 1] = { p, #a.content, a.id }
+          local first, after = p, p + #a.content
+          if a.lstrip then first = blanks_before(text, p) end
+          if a.rstrip then after = blanks_after(text, after) end
+          hits[#hits + 1] = { first, after - first, a.id, p, #a.content }
           break
         end
       end
       init = p + 1
     end
   end
-  table.sort(hits, function(x, y) return x[1] < y[1] or (x[1] == y[1] and x[2] > y[2]) end)
+  table.sort(hits, function(x, y) return x[4] < y[4] or (x[4] == y[4] and x[5] > y[5]) end)
   return hits
 end
 
@@ -148,10 +182,11 @@ local function encode_plain(self, text, p, q, out, starts)
   local at = 1
   if self.added_normalized then -- added tokens matched on the normalized text
     for _, h in ipairs(find_added(self.added_normalized, norm)) do
-      if h[1] >= at then
-        encode_normalized(self, norm, map, at, h[1] - 1, out, starts, start)
+      if h[4] >= at then
+        local first = math.max(h[1], at) -- blanks a token before it took are not taken again
+        encode_normalized(self, norm, map, at, first - 1, out, starts, start)
         out[#out + 1] = h[3]
-        if starts then starts[#out] = map[h[1]] end
+        if starts then starts[#out] = map[first] end
         at = h[1] + h[2]
       end
     end
@@ -167,10 +202,11 @@ function Tokenizer:encode(text, opts)
   local out, p = {}, 1
   if self.added_by_prefix then
     for _, h in ipairs(find_added(self.added_by_prefix, text)) do
-      if h[1] >= p then
-        encode_plain(self, text, p, h[1] - 1, out, starts)
+      if h[4] >= p then
+        local first = math.max(h[1], p) -- blanks a token before it took are not taken again
+        encode_plain(self, text, p, first - 1, out, starts)
         out[#out + 1] = h[3]
-        if starts then starts[#out] = h[1] - 1 end
+        if starts then starts[#out] = first - 1 end
         p = h[1] + h[2]
       end
     end
@@ -389,11 +425,9 @@ function M.load(path)
         fail(path, ("added_tokens[%d] (%s) has id %s; ids are integers 0..%d")
                    :format(i, a.content, tostring(a.id), PAIR - 1))
       end
-      for _, field in ipairs({ "single_word", "lstrip", "rstrip" }) do
-        if a[field] == true then
-          fail(path, ("added_tokens[%d] (%s) has %s true; supported: false")
-                     :format(i, a.content, field))
-        end
+      if a.single_word == true then
+        fail(path, ("added_tokens[%d] (%s) has single_word true; supported: false")
+                   :format(i, a.content))
       end
       if a.special == true then self.special[a.id] = true end
       -- With a normalizer, a normalized token is matched on the normalized
@@ -404,7 +438,8 @@ function M.load(path)
       end
       local prefix = sub(content, 1, 2)
       group[prefix] = group[prefix] or {}
-      table.insert(group[prefix], { content = content, id = a.id })
+      table.insert(group[prefix], { content = content, id = a.id, lstrip = a.lstrip == true,
+                                    rstrip = a.rstrip == true })
       self.added_id[a.content], self.bytes_of[a.id] = a.id, a.content
       if a.id + 1 > self.size then self.size = a.id + 1 end
     end
