@@ -161,14 +161,16 @@ def gemma_tokenizer(tokenizers):
     return Tokenizer.from_str(json.dumps(tt.gemma_spec(tokenizers)))
 
 
-def llama2_layout_tokenizer(tokenizers, specials):
-    """Llama 2's layout (Phi-3's and Mistral's kind) with the template's control tokens."""
+def llama2_layout_tokenizer(tokenizers, specials, rstrip=()):
+    """Llama 2's layout (Phi-3's and Mistral's kind) with the template's control
+    tokens; those in rstrip take the blanks after them (Phi-3's turn tokens)."""
     from tokenizers import AddedToken, Tokenizer
     spec = tt.sentencepiece_spec(tokenizers)
     spec.update(normalizer=tt.LLAMA2_NORMALIZER, decoder=tt.LLAMA2_DECODER,
                 post_processor=tt.LLAMA2_POST)
     tok = Tokenizer.from_str(json.dumps(spec))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=t in rstrip)
+                            for t in specials])
     return tok
 
 
@@ -210,7 +212,7 @@ def main():
     from jinja2.exceptions import TemplateError
     print(f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}")
     backends = {"qwen": qwen_tokenizer(), "gemma": gemma_tokenizer(tokenizers),
-                "phi": llama2_layout_tokenizer(tokenizers, PHI_SPECIALS),
+                "phi": llama2_layout_tokenizer(tokenizers, PHI_SPECIALS, rstrip=PHI_SPECIALS[1:]),
                 "mistral": llama2_layout_tokenizer(tokenizers, MISTRAL_SPECIALS)}
 
     with tempfile.TemporaryDirectory() as tmp:
