@@ -315,6 +315,9 @@ function T.jinja_statements_and_whitespace()
   same(render("{% for x in xs %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}" ..
               "{% if x == 3 %}{% break %}{% endif %}{% endfor %}", { xs = { 1, 2, 3, 4 } }), "13")
   same(render("{{ strftime_now('%Y') | length }}"), "4")
+  -- transformers' {% generation %} (its assistant mask): the body as it is
+  same(render("{% for x in xs %}<{% generation %}{{ x }}{% if x == 2 %}{% break %}{% endif %}" ..
+              "{% endgeneration %}>{% endfor %}", { xs = { 1, 2, 3 } }), "<1><2")
   same(render("{% set ns = namespace(n=0) %}{% for x in [1, 2] %}{% set ns.n = ns.n + x %}" ..
               "{% set local = 5 %}{% endfor %}{{ ns.n }}{{ local }}"), "3")
   same(render("{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}", { d = { b = 2, a = 1 } }),

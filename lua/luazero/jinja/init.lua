@@ -9,7 +9,8 @@
 --   local text = jinja.render(t, { messages = {...}, bos_token = "<s>" })
 --
 -- Statements: for (with else, a loop filter "if", tuple targets, break and
--- continue), if / elif / else, set (a name or namespace.attr). Expressions:
+-- continue), if / elif / else, set (a name or namespace.attr), generation
+-- (transformers' assistant-mask block: its body as it is). Expressions:
 -- literals (strings with Python escapes, numbers, true/false/none, lists,
 -- dicts), names, .attr, [index], [a:b:c] slices, calls, filters, tests (is
 -- [not] defined/none/...), not/and/or, comparisons, in / not in,
@@ -169,6 +170,9 @@ function exec(list, scope, out)
     local k = s[1]
     if k == "break" or k == "continue" then
       return k
+    elseif k == "block" then
+      local signal = exec(s[2], scope, out)
+      if signal then return signal end
     elseif k == "text" then
       out[#out + 1] = s[2]
     elseif k == "out" then

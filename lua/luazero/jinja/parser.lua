@@ -239,7 +239,7 @@ end
 
 local UNSUPPORTED = { macro = true, call = true, filter = true, raw = true, include = true,
                       import = true, from = true, extends = true, block = true, with = true,
-                      generation = true, autoescape = true, ["do"] = true }
+                      autoescape = true, ["do"] = true }
 
 -- Parses the pieces from lex into a tree of statements.
 local function parse(pieces)
@@ -311,6 +311,13 @@ local function parse(pieces)
             otherwise = body({ "endfor" })
           end
           list[#list + 1] = { "for", target, iter, filter, stmts, otherwise }
+        elseif kw == "generation" then
+          -- transformers' AssistantTracker: the body renders as it is (the
+          -- assistant mask transformers records from it, spans do here)
+          p:done()
+          local stmts, _, q = body({ "endgeneration" })
+          q:done()
+          list[#list + 1] = { "block", stmts }
         elseif kw == "set" then
           local target = p:target()
           if not p:accept("op", "=") then
