@@ -162,6 +162,7 @@ local function copy_messages(messages)
   for i, m in ipairs(messages) do
     local c = {}
     for k, v in pairs(m) do c[k] = v end
+    jinja.ORDER[c] = jinja.ORDER[m] -- the same key order, were a template to write it
     out[i] = c
   end
   return out

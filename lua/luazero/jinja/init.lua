@@ -35,7 +35,7 @@ local TESTS, FILTERS, SEQ_FILTERS, GLOBALS = values.TESTS, values.FILTERS, value
                                              values.GLOBALS
 local DICT_METHODS = values.DICT_METHODS
 local concat = table.concat
-M.NONE, M.UNDEF = NONE, UNDEF
+M.NONE, M.UNDEF, M.ORDER = NONE, UNDEF, values.ORDER
 
 function M.compile(src)
   if type(src) ~= "string" then fail("the template is not a string") end
