@@ -12,15 +12,15 @@
 --
 -- Two kinds of BPE (model.type "BPE": vocab, merges as "a b" strings or
 -- [a, b] lists, ignore_merges, unk_token, fuse_unk, byte_fallback):
---  * byte-level (GPT-2, Llama 3): no normalizer, the ByteLevel pre-tokenizer
---    (GPT-2's split, add_prefix_space, use_regex) or Llama 3's Sequence
---    [Split (its pattern), ByteLevel]; a ByteLevel or absent decoder
---    (tokenizer/split.lua);
---  * SentencePiece-style (Llama 2, Mistral, TinyLlama): "▁" for spaces by a
---    Prepend/Replace normalizer or a Metaspace pre-tokenizer, characters
---    missing from the vocabulary as <0xNN> byte tokens or the unknown token,
---    decoded by Replace/ByteFallback/Fuse/Strip or Metaspace
---    (tokenizer/sentencepiece.lua).
+--  * byte-level (GPT-2, Llama 3, Qwen2/2.5/3): no normalizer or NFC (Qwen2's,
+--    tokenizer/nfc.lua), the ByteLevel pre-tokenizer (GPT-2's split,
+--    add_prefix_space, use_regex) or a Sequence [Split (Llama 3's or Qwen2's
+--    pattern), ByteLevel]; a ByteLevel or absent decoder (tokenizer/split.lua);
+--  * SentencePiece-style (Llama 2, Mistral, TinyLlama, Phi-3, Gemma): "▁" for
+--    spaces by a Prepend/Replace normalizer (with Gemma's Split on " "), or a
+--    Metaspace pre-tokenizer, characters missing from the vocabulary as
+--    <0xNN> byte tokens or the unknown token, decoded by
+--    Replace/ByteFallback/Fuse/Strip or Metaspace (tokenizer/sentencepiece.lua).
 -- added_tokens are matched in the text before anything else (leftmost, then
 -- longest) and are one id each; one with lstrip or rstrip (Phi-3's <|end|>)
 -- takes the blanks before or after it along. A post-processor (ByteLevel,

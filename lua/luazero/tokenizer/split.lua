@@ -1,8 +1,8 @@
 -- tokenizer/split.lua — the characters under a tokenizer.json: UTF-8 code
--- points, GPT-2's bytes-to-unicode mapping, and the two pre-tokenizer splits
--- of byte-level BPE, GPT-2's pattern
+-- points, GPT-2's bytes-to-unicode mapping, and the pre-tokenizer splits of
+-- byte-level BPE, GPT-2's pattern
 --   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
--- and Llama 3's (below), done by hand over code points. \p{L} and \p{N} come
+-- and Llama 3's and Qwen2's (below), done by hand over code points. \p{L} and \p{N} come
 -- from Unicode's general categories (luazero.unicode_classes), \s is
 -- Unicode's White_Space.
 local bit = require("bit")
