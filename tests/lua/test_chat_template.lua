@@ -270,6 +270,22 @@ function T.qwen_gemma_phi3_mistral3()
                              1, true) and not err:find("\n"), err)
 end
 
+-- JSON as Python's json.loads reads it: key order, {} apart from [], null as
+-- None, escapes and surrogate pairs; an error is one line with its line number.
+function T.json_keeps_order()
+  local json = require("luazero.jinja.json")
+  local v = json.decode(' {"z": 1, "a": [true, null, {}], "m": "\\u00e9\\ud83d\\ude00\\n\\"", "e": -2.5e-1}')
+  same(jinja.render(jinja.compile("{{ v | tojson }}|{{ v.keys() | list }}|{{ v.a[1] is none }}"),
+                    { v = v }),
+       '{"z": 1, "a": [true, null, {}], "m": "é😀\\n\\"", "e": -0.25}|[\'z\', \'a\', \'m\', \'e\']|True')
+  for _, bad in ipairs({ '{"a": 1,\n "b" 2}', '[1, 2', '{"a": 1} x', '"\\q"' }) do
+    local ok, err = pcall(json.decode, bad)
+    assert(not ok and err:find("^json: line %d+: ") and not err:find("\n"), tostring(err))
+  end
+  local ok, err = pcall(json.decode, '{"a": 1,\n "b" 2}')
+  assert(not ok and err:find("json: line 2: expected : after an object key", 1, true), err)
+end
+
 local function render(src, vars) return jinja.render(jinja.compile(src), vars or {}) end
 
 function T.jinja_expressions()
