@@ -139,6 +139,8 @@ local function set_up(flags)
   -- The device before any data is read: no GPU is an error at start.
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(run_config.load, flags, world, mcfg)
+  -- the configuration's outputs (monitors, profiler, NVMe) beside the flags'
+  checked(function() checks.train_paths(flags, cfg):check() end)
   run_config.check_memory_budget_env(ex, cfg)
   start.note_resumed_schedule(ex, flags, cfg, resumed)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
@@ -245,7 +247,7 @@ local function finish(run)
   if run.profile then
     say(run.profile:format())
     if run.flags.profile_json and run.rank == 0 then
-      checked(run.profile.write_json, run.profile, run.flags.profile_json)
+      ex.checked_write(run.profile.write_json, run.profile, run.flags.profile_json)
     end
     run.profile:detach()
   end

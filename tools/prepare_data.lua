@@ -9,7 +9,8 @@
 -- Several text inputs are concatenated in order.
 local data = require("luazero.data")
 local instruct = require("luazero.data.instruct")
-local atomic = require("luazero.io.atomic")
+local paths = require("luazero.io.paths")
+local fs = require("luazero.io.fs")
 
 local UINT16_TOKENS = 65536
 
@@ -79,14 +80,13 @@ if format == "jsonl" and #args ~= 2 then
         ".jsonl files first"):format(#args - 1))
 end
 
-for i = 1, #args - 1 do
-  local ok, err = pcall(atomic.refuse_overlap, out, "the output", args[i], "the input")
-  if not ok then fail(err) end
-end
-if opt.tokenizer then
-  local ok, err = pcall(atomic.refuse_overlap, out, "the output", opt.tokenizer, "--tokenizer")
-  if not ok then fail(err) end
-end
+-- Every file it touches (io/paths.lua): the output must not be an input.
+local touches = paths.new()
+for i = 1, #args - 1 do touches:read("the input", args[i]) end
+touches:read("--tokenizer", opt.tokenizer, { whole = opt.tokenizer and fs.is_dir(opt.tokenizer) })
+touches:write("the output", out)
+local checked_ok, overlap = pcall(touches.check, touches)
+if not checked_ok then fail(overlap) end
 
 local tok, template
 if opt.tokenizer then

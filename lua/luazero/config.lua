@@ -348,14 +348,12 @@ end
 -- A directory this process can create files in; else an error naming key.
 function M.check_writable_dir(key, path)
   local probe = ("%s/.luazero-probe-%d"):format(path, math.random(1, 2 ^ 30))
-  local f, err = io.open(probe, "w")
-  if not f then
-    local why = (err or ""):match(": ([^:]+)$") or tostring(err)
+  local ok, err = pcall(function() require("luazero.io.atomic").open(probe):abort() end)
+  if not ok then
+    local why = tostring(err):match("%((.-)%)") or tostring(err)
     fail("%s: cannot create a file in %s (%s); point it at an existing, writable directory",
          key, path, why)
   end
-  f:close()
-  os.remove(probe)
 end
 
 local function aio_section(raw, cfg, unimpl)

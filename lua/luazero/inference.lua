@@ -63,10 +63,10 @@ local function config_of_manifest(models, m, dir)
                                        vocab = saved.vocab })
   end
   local tmp = os.tmpname()
-  local f = assert(io.open(tmp, "wb"))
-  f:write(cjson.encode(hf.config_json(saved, "fp32")))
-  f:close()
-  local ok, cfg = pcall(hf.model_config, models, tmp, {})
+  local ok, cfg = pcall(function()
+    require("luazero.io.atomic").write(tmp, cjson.encode(hf.config_json(saved, "fp32")))
+    return hf.model_config(models, tmp, {})
+  end)
   os.remove(tmp)
   if not ok then error(cfg, 0) end
   cfg.name = saved.name or cfg.name

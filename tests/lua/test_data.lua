@@ -416,6 +416,13 @@ function T.instruction_file_round_trip_and_refusals()
   expect_error(function()
     data.load(write("w.bin", bytes:sub(1, at - 1) .. "\7" .. bytes:sub(at + 1)))
   end, "w.bin: token 0's weight is 7, not 0 or 1; re-create it")
+  -- an example whose weights are all 0 trains nothing: refused as its .jsonl line is
+  local w3 = at + 10 -- example 3: tokens 10..14
+  expect_error(function()
+    data.load(write("z.bin", bytes:sub(1, w3 - 1) .. ("\0"):rep(5) .. bytes:sub(w3 + 5)))
+  end, "z.bin: example 3 (line 3 of its .jsonl): no token is trained (5 tokens, all of " ..
+       "weight 0); give it a completion there or drop the line; re-create it with " ..
+       "tools/prepare-data --format jsonl")
   -- an example longer than --seq-len names its line; an id over the vocabulary
   expect_error(function() data.loader(r, { B = 1, T = 4, vocab = 256 }) end,
                "data: " .. path .. ": the example from line 1 is 5 tokens, longer than the " ..

@@ -338,6 +338,18 @@ function M.read(path, f, size, head)
   for i = 0, n - 1 do
     if not bad and c.w[i] > 1 then bad = ("token %d's weight is %d, not 0 or 1"):format(i, c.w[i]) end
   end
+  -- as a .jsonl is read: an example none of whose targets is trained (its
+  -- first token is no target) is refused
+  for i = 1, d do
+    if bad then break end
+    local trained = 0
+    for t = c.st[i - 1] + 1, c.st[i] - 1 do trained = trained + c.w[t] end
+    if trained == 0 then
+      bad = ("example %d (line %d of its .jsonl): no token is trained (%d tokens, all of " ..
+             "weight 0); give it a completion there or drop the line"):format(i, c.ln[i - 1],
+             c.st[i] - c.st[i - 1])
+    end
+  end
   if bad then
     M.free(c)
     fail(path, bad .. "; re-create it with tools/prepare-data --format jsonl")

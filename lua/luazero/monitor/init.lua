@@ -53,6 +53,28 @@ function M.folder(block)
   return (block.output_path:gsub("/+$", "")) .. "/" .. block.job_name
 end
 
+-- The files the monitors of cfg write, for io/paths.lua: { what, path,
+-- names (a folder: the names made in it) }.
+function M.files(cfg)
+  local out = {}
+  local tb, csv_block = cfg.monitor.tensorboard, cfg.monitor.csv_monitor
+  if tb.enabled then
+    out[#out + 1] = { what = "tensorboard", path = M.folder(tb),
+                      names = { "^events%.out%.tfevents%." } }
+  end
+  if csv_block.enabled then
+    local names = {}
+    for _, t in ipairs(M.tags) do
+      names[#names + 1] = "^" .. M.csv.file_name(t[1]):gsub("%p", "%%%0") .. "$"
+    end
+    out[#out + 1] = { what = "csv_monitor", path = M.folder(csv_block), names = names }
+  end
+  if cfg.flops_profiler.enabled and cfg.flops_profiler.output_file then
+    out[#out + 1] = { what = "flops_profiler.output_file", path = cfg.flops_profiler.output_file }
+  end
+  return out
+end
+
 local Monitor = {}
 Monitor.__index = Monitor
 

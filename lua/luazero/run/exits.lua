@@ -60,6 +60,14 @@ function M.new(opts)
   -- Runs fn, turning any error it raises into a user error.
   function ex.checked(fn, ...) return args.checked(ex.user_error, fn, ...) end
 
+  -- Runs fn, a write of an output: its failure (a full disk) is the run's,
+  -- not the input's, so exit status 1.
+  function ex.checked_write(fn, ...)
+    local res = { pcall(fn, ...) }
+    if not res[1] then ex.fail(res[2], 1) end
+    return unpack(res, 2, table.maxn(res))
+  end
+
   -- Runs fn, whose errors may be one rank's alone: exit status 1; with
   -- LZ_DEBUG=1, with their traceback.
   local debug_on = (os.getenv("LZ_DEBUG") or "0") ~= "0" and os.getenv("LZ_DEBUG") ~= ""
