@@ -151,6 +151,8 @@ local function set_up(flags)
   local schedule, sched, warmup = run_config.schedule(cfg, flags)
   local jsonl = { tokenizer = tok, template = template, max_len = T }
   local corpus = inputs.corpus(ex, flags.data, jsonl)
+  -- which data the checkpoints' position belongs to (checked on resume)
+  local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world,
                                                 packing = flags.packing,
@@ -200,6 +202,7 @@ local function set_up(flags)
     sched = sched, warmup = warmup, corpus = corpus, loader = loader, log = log or nil,
     model = model, engine = engine, n_val = math.min(flags.eval_batches, val_loader.val_batches),
     first = 1, tok = tok, mon = mon, val_loader = val_loader, val_corpus = val_corpus,
+    data_fingerprint = fingerprint or nil,
   }
 end
 

@@ -615,6 +615,28 @@ function T.train_on_jsonl_resumes_bitwise()
   local out, st = train(1, ("--steps 6 --packing pad --resume %s"):format(q(dir ..
                         "pack/step-000003")))
   assert(st == 2 and out:find("the checkpoint's data position (--packing pack", 1, true), out)
+  -- other examples, as many of them: the checkpoint's fingerprint of its
+  -- data refuses them (the position would pick other examples); the same
+  -- bytes under another name resume bitwise
+  local other = {}
+  for i = 1, 60 do
+    other[i] = { prompt = ("Q: %d minus %d?\n"):format(i + 9, i), completion = ("A: %d."):format(9) }
+  end
+  local other_path = jsonl("other.jsonl", other)
+  out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 2 --n-embd 64 " ..
+    "--n-head 4 --context 64 --seq-len 32 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 " ..
+    "--steps 6 --packing pack --data %s --resume %s"):format(q(lz.root), q(lz.executable()),
+    q(other_path), q(dir .. "pack/step-000003")))
+  eq(st, 2, "another --data of as many examples: " .. out)
+  assert(out:find("train: --resume " .. dir .. "pack/step-000003: the checkpoint trained on " ..
+                  path .. " (size:xxh64 ", 1, true) and
+         out:find("--data " .. other_path .. " is other data", 1, true), out)
+  local copy = write("copy.jsonl", lz.read_file(path))
+  out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 2 --n-embd 64 " ..
+    "--n-head 4 --context 64 --seq-len 32 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 " ..
+    "--steps 6 --packing pack --data %s --resume %s"):format(q(lz.root), q(lz.executable()),
+    q(copy), q(dir .. "pack/step-000003")))
+  assert(st == 0, out)
   out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 1 " ..
     "--steps 1 --seq-len 8 --data %s"):format(q(lz.root), q(lz.executable()), q(path)))
   assert(st == 2 and out:find("train: data: " .. path .. ":1: the example is 18 tokens, " ..
