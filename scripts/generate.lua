@@ -59,11 +59,12 @@ local function read_prompts(flags)
   if flags.prompt then list[#list + 1] = { text = flags.prompt } end
   if flags.prompt_ids then
     local ids = {}
-    for n in flags.prompt_ids:gmatch("[^,%s]+") do
+    -- every comma separates two ids: "1,,2" is a slip, not 1,2
+    for n in (flags.prompt_ids .. ","):gmatch("([^,]*),") do
       local v = tonumber(n)
       if not v or v ~= math.floor(v) or v < 0 then
         fail(("--prompt-ids %s: %s is not a token id; give whole numbers, comma-separated")
-             :format(flags.prompt_ids, n))
+             :format(flags.prompt_ids, n:find("%S") and ("'" .. n .. "'") or "an empty entry"))
       end
       ids[#ids + 1] = v
     end

@@ -136,11 +136,12 @@ local function set_up(flags)
   end
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
+  checked(restart.check_fault, world) -- the test hook's rank and step, before any step
   -- The device before any data is read: no GPU is an error at start.
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(run_config.load, flags, world, mcfg)
   -- the configuration's outputs (monitors, profiler, NVMe) beside the flags'
-  checked(function() checks.train_paths(flags, cfg):check() end)
+  checks.train_config(ex, flags, cfg)
   run_config.check_memory_budget_env(ex, cfg)
   start.note_resumed_schedule(ex, flags, cfg, resumed)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
@@ -195,7 +196,7 @@ local function set_up(flags)
   optim.schedule.drive_betas(engine, cfg) -- OneCycle's cycle_momentum
   -- tensorboard, csv_monitor, wall_clock_breakdown, flops_profiler
   local mon = checked(monitor.start, { engine = engine, model = model, cfg = cfg, rank = rank,
-                                       B = B, T = T })
+                                       B = B, T = T, resumed = flags.resume ~= nil })
   return {
     ex = ex, flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg,
     B = B, T = T, accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr,

@@ -29,9 +29,11 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]):format(
   table.concat(families.architectures(), ", "))
 
+-- Exit status 2 for bad input, 1 when writing the output failed (a full
+-- disk), as docs/training.md's table says.
 local function fail(msg)
   io.stderr:write("ckpt: ", tostring(msg):gsub("^checkpoint: ", ""), "\n")
-  os.exit(2)
+  os.exit(require("luazero.io.atomic").write_failed and 1 or 2)
 end
 
 local function checked(fn, ...) return args.checked(fail, fn, ...) end

@@ -14,9 +14,11 @@ local fs = require("luazero.io.fs")
 
 local UINT16_TOKENS = 65536
 
+-- Exit status 2 for bad input, 1 when writing the output failed (a full
+-- disk), as docs/training.md's table says.
 local function fail(msg)
   io.stderr:write("prepare-data: ", msg, "\n")
-  os.exit(2)
+  os.exit(require("luazero.io.atomic").write_failed and 1 or 2)
 end
 
 local USAGE = [[

@@ -320,10 +320,16 @@ local function offload_block(key, raw, defaults, unimpl)
         end
       elseif k == "nvme_path" then
         if type(v) ~= "string" then fail("%s.nvme_path must be a path (got %s)", key, show(v)) end
+        if v == "" then
+          fail('%s.nvme_path is "" (no folder); give the folder the swap files go to', key)
+        end
       elseif k == "ratio" then
         if type(v) ~= "number" or v < 0 or v > 1 then
           fail("%s.ratio must be a number in [0, 1] (got %s)", key, show(v))
         end
+      elseif k == "buffer_count" or k == "buffer_size" then
+        -- no buffer (or an empty one) would stage nothing: DeepSpeed's asserts too
+        whole_at_least(key .. "." .. k, v, 1)
       elseif type(defaults[k]) == "number" then
         whole_at_least(key .. "." .. k, v, 0)
       elseif type(defaults[k]) == "boolean" then

@@ -189,6 +189,10 @@ function M.open(opts)
   end
   local w = { dir = opts.hf }
   local dtype, lora, init, optimizer, draw_seed = opts.dtype, nil, nil, nil, nil
+  if opts.load and not exists(opts.load) then
+    fail("--load %s: no such file or folder; give a checkpoint (a --save folder, one of its " ..
+         "step-NNNNNN folders) or a file from tools/ckpt consolidate", opts.load)
+  end
   local file = opts.load and not require("luazero.io.fs").is_dir(opts.load) and opts.load
   if file then
     if not opts.model and not opts.model_config then

@@ -109,6 +109,14 @@ function T.token_file_refusals_name_the_file_and_fix()
                "data: " .. path .. ": token id 128255 is not below the model's vocabulary " ..
                "32000; use --vocab 128256 or larger")
   data.free(c)
+  -- an id no --vocab can take is not answered with a --vocab it cannot take
+  ids[50] = 4294967295
+  data.write_token_file(path, ids)
+  c = data.load(path)
+  expect_error(function() data.loader(c, { B = 1, T = 8, vocab = 32000 }) end,
+               "data: " .. path .. ": token id 4294967295 is larger than any vocabulary (--vocab " ..
+               "takes at most 2147483647): the file is damaged")
+  data.free(c)
 end
 
 -- prepare-data writes version 1 for a vocabulary that fits uint16 and
@@ -367,6 +375,10 @@ function T.every_bad_line_is_one_line_with_file_line_and_fix()
     { '{"prompt": "aaaa", "completion": "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"}',
       ":1: the example is 35 tokens, longer than the sequence length 32; raise --seq-len to " ..
       "35 or drop the line" },
+    -- JSON is UTF-8: a Latin-1 byte inside a string is named, not passed on
+    { '{"prompt": "caf\233", "completion": "b"}', ":1: byte 16 (0xE9) is not UTF-8; save the " ..
+      "file as UTF-8" },
+    { '{"prompt": "\237\160\128", "completion": "b"}', ":1: byte 13 (0xED) is not UTF-8" },
   }
   for i, case in ipairs(cases) do
     local path = write(("bad%d.jsonl"):format(i), '{"prompt": "p", "completion": "c"}\n\n' ..
@@ -379,6 +391,10 @@ function T.every_bad_line_is_one_line_with_file_line_and_fix()
     assert(err:sub(1, #want) == want, ("\n  got: %s\n want: %s..."):format(err, want))
     for k = 3, #case do assert(err:find(case[k], 1, true), err .. "\n lacks " .. case[k]) end
   end
+  -- a byte order mark is named
+  local bom = write("bom.jsonl", '\239\187\191{"prompt": "p", "completion": "c"}\n')
+  expect_error(function() data.load(bom, { template = stub_template() }) end,
+               "data: " .. bom .. ":1: starts with a UTF-8 byte order mark (EF BB BF)")
   -- messages with no template at all: where to get one
   expect_error(function()
     data.load(jsonl("nt.jsonl", { { messages = { { role = "user", content = "a" } } } }))

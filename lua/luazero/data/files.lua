@@ -99,6 +99,20 @@ function M.fingerprint(path)
   return ("%d:%s"):format(size, sum)
 end
 
+-- Refuses data whose largest id `max_id` the model's vocabulary `vocab`
+-- cannot embed, suggesting the --vocab that can (or, past what --vocab
+-- takes, naming the file as not this tokenizer's); `more`: a further fix.
+function M.check_vocab(path, max_id, vocab, more)
+  if max_id < vocab then return end
+  if max_id + 1 > require("luazero.args").INT_MAX then
+    fail(path, ("token id %d is larger than any vocabulary (--vocab takes at most %d): the file " ..
+                "is damaged or not made with a tokenizer; re-create it with tools/prepare-data")
+               :format(max_id, require("luazero.args").INT_MAX))
+  end
+  fail(path, ("token id %d is not below the model's vocabulary %d; use --vocab %d or larger%s")
+             :format(max_id, vocab, max_id + 1, more or ""))
+end
+
 function M.looks_like_token_file(path, head)
   if path:match("%.bin$") or path:match("%.tok$") then return true end
   return head:find("\0", 1, true) ~= nil

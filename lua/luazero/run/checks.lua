@@ -70,6 +70,19 @@ function M.train_paths(flags, cfg)
   return p
 end
 
+-- scripts/train.lua's configuration (cfg, normalised) beside its flags:
+-- every file it names declared and checked, and a flops_profiler
+-- profile_step the run never reaches refused (it would profile nothing).
+function M.train_config(ex, flags, cfg)
+  ex.checked(function() M.train_paths(flags, cfg):check() end)
+  local fp = cfg.flops_profiler
+  if fp.enabled and fp.profile_step > flags.steps then
+    ex.user_error(("config: flops_profiler.profile_step %d is past the run's last step " ..
+                   "(--steps %d), so nothing would be profiled; give a profile_step of at most " ..
+                   "%d, or more --steps"):format(fp.profile_step, flags.steps, flags.steps))
+  end
+end
+
 -- scripts/train.lua's flags (ex: a luazero.run.exits).
 function M.train(ex, flags)
   run_flags.required(ex, flags, "data", "a text file, a token file made by tools/prepare-data, " ..

@@ -26,6 +26,8 @@ function M.new(opts)
   -- a hint where one applies.
   local function one_line(msg)
     msg = tostring(msg):gsub("^[^%s:]+%.lua:%d+: ", "")
+    -- a library's message that names the script already: "generate: generate: ..." once
+    if msg:sub(1, #opts.script + 2) == opts.script .. ": " then msg = msg:sub(#opts.script + 3) end
     for _, h in ipairs(hints) do
       if msg:find(h[1], 1, true) then msg = msg .. "; " .. h[2] end
     end
