@@ -99,6 +99,17 @@ function T.flops_profiler_output_file_naming_the_data_is_refused()
   assert(out:find("is the folder holding --data " .. csv_data, 1, true), out)
 end
 
+-- scripts/sweep.lua declares its sweep file and the names it makes in --out.
+function T.a_sweep_out_folder_that_would_write_over_the_sweep_file_is_refused()
+  local write, dir = support.scratch()
+  local file = write("results.md", lz.read_file(lz.root .. "/sweeps/example.lua"))
+  local out, st = script("sweep", ("%s --out %s"):format(q(file), q(dir)))
+  eq(st, 2, out)
+  assert(out:find("sweep: --out " .. dir .. " is the folder holding the sweep file " .. file, 1, true),
+         out)
+  eq(lz.read_file(file), lz.read_file(lz.root .. "/sweeps/example.lua"), "the sweep file")
+end
+
 -- A full disk as LZ_WRITE_FAIL_AFTER_BYTES makes one (io/atomic.lua).
 local FULL = "LZ_WRITE_FAIL_AFTER_BYTES=0"
 
