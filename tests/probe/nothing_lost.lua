@@ -221,6 +221,23 @@ case("d9_fault_hook_outside_the_world", function()
   end
 end)
 
+case("d9_stage_auto_on_a_budget_the_run_cannot_hold", function()
+  for _, b in ipairs({ "100KiB", "1MiB" }) do
+    local o, s = run(nil, "scripts/train.lua", TINY .. ("--data %s --stage auto --memory-budget %s")
+                                                     :format(q(corpus), b))
+    expect(o, s, 2, "stage auto: ", "the run would stop at its first step")
+    assert(not o:find("step     1", 1, true), "refused before the first step: " .. o)
+  end
+end)
+
+case("d9_eval_batch_too_large_names_the_flag", function()
+  local big = write("big.txt", original:rep(300))
+  local o, s = sh(("cd %s && sh -c %s"):format(q(lz.root), q(("ulimit -v 1000000; exec %s " ..
+                  "scripts/eval.lua --load %s --data %s --micro-batch 40000")
+                  :format(LZ, q(path("ck")), q(big)))))
+  expect(o, s, 2, "for activations failed", "lower --micro-batch or --seq-len")
+end)
+
 case("d9_csv_monitor_appending_to_an_earlier_run_says_so", function()
   local cfg = write("csv.json", cjson.encode({ csv_monitor = { enabled = true, output_path = dir,
                                                                job_name = "csv" } }))
