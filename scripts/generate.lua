@@ -76,6 +76,10 @@ local function read_prompts(flags)
     local n = 0
     for line in f:lines() do
       n = n + 1
+      if n == 1 and line:sub(1, 3) == "\239\187\191" then
+        fail(("--prompts %s: starts with a UTF-8 byte order mark (EF BB BF), which would be " ..
+              "part of the first prompt; save the file as UTF-8 without it"):format(flags.prompts))
+      end
       if line:find("%S") then
         if line:match("^%s*{") then
           local ok, j = pcall(cjson.decode, line)
