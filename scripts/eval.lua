@@ -24,7 +24,10 @@ local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors"), {
   { "json", "flag", false, "print one JSON object instead of a line of text" },
 })
 
-local ex = exits.new({ script = "eval" })
+-- What a message gains on the user's terminal: the flag that lowers it.
+local ex = exits.new({ script = "eval", hints = {
+  { "for activations failed", "the activations do not fit: lower --micro-batch or --seq-len" },
+} })
 local checked = ex.checked
 
 local function main(argv)

@@ -136,9 +136,12 @@ local function set_up(flags)
   end
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
+  checked(restart.check_fault, world) -- the test hook's rank and step, before any step
   -- The device before any data is read: no GPU is an error at start.
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(run_config.load, flags, world, mcfg)
+  -- the configuration's outputs (monitors, profiler, NVMe) beside the flags'
+  checks.train_config(ex, flags, cfg)
   run_config.check_memory_budget_env(ex, cfg)
   start.note_resumed_schedule(ex, flags, cfg, resumed)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
@@ -149,6 +152,8 @@ local function set_up(flags)
   local schedule, sched, warmup = run_config.schedule(cfg, flags)
   local jsonl = { tokenizer = tok, template = template, max_len = T }
   local corpus = inputs.corpus(ex, flags.data, jsonl)
+  -- which data the checkpoints' position belongs to (checked on resume)
+  local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world,
                                                 packing = flags.packing,
@@ -191,13 +196,14 @@ local function set_up(flags)
   optim.schedule.drive_betas(engine, cfg) -- OneCycle's cycle_momentum
   -- tensorboard, csv_monitor, wall_clock_breakdown, flops_profiler
   local mon = checked(monitor.start, { engine = engine, model = model, cfg = cfg, rank = rank,
-                                       B = B, T = T })
+                                       B = B, T = T, resumed = flags.resume ~= nil })
   return {
     ex = ex, flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg,
     B = B, T = T, accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr,
     sched = sched, warmup = warmup, corpus = corpus, loader = loader, log = log or nil,
     model = model, engine = engine, n_val = math.min(flags.eval_batches, val_loader.val_batches),
     first = 1, tok = tok, mon = mon, val_loader = val_loader, val_corpus = val_corpus,
+    data_fingerprint = fingerprint or nil,
   }
 end
 
@@ -245,7 +251,7 @@ local function finish(run)
   if run.profile then
     say(run.profile:format())
     if run.flags.profile_json and run.rank == 0 then
-      checked(run.profile.write_json, run.profile, run.flags.profile_json)
+      ex.checked_write(run.profile.write_json, run.profile, run.flags.profile_json)
     end
     run.profile:detach()
   end

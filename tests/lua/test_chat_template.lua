@@ -120,6 +120,10 @@ function T.unsupported_constructs_are_named()
     { "{{ 'a' ", "not closed with }}" },
     { "{% set x %}y{% endset %}", "(a block set) is not supported" },
     { "{% if true %}{% break %}{% endif %}", "{% break %} outside a {% for %}" },
+    -- jinja2's sandbox (transformers') caps ranges at 100000 items: refused, not built
+    { "{% for i in range(100000000) %}{% endfor %}", "range(0, 100000000, 1) would make " ..
+      "100000000 items, more than the 100000 jinja2's sandbox allows" },
+    { "{% for i in range(1, 5, 0) %}{% endfor %}", "range() step must not be zero" },
   }
   for _, c in ipairs(cases) do
     local ok, err = pcall(function()

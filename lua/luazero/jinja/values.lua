@@ -535,10 +535,21 @@ local SEQ_FILTERS = {
   end,
 }
 
+local MAX_RANGE = 100000 -- jinja2.sandbox.MAX_RANGE
+
 local GLOBALS = {
   range = { __callable = function(args)
     local a, b, c = args[1], args[2], args[3] or 1
     if b == nil then a, b = 0, a end
+    if c == 0 then fail("range() step must not be zero") end
+    -- jinja2's sandbox, which transformers renders templates in, caps a
+    -- range at MAX_RANGE items: the same template fails there too
+    local n = math.max(0, math.ceil((b - a) / c))
+    if n > MAX_RANGE then
+      fail(("range(%s, %s, %s) would make %d items, more than the %d jinja2's sandbox allows " ..
+            "a template; make the template's range smaller"):format(str(a), str(b), str(c), n,
+            MAX_RANGE))
+    end
     local out, i = {}, a
     while (c > 0 and i < b) or (c < 0 and i > b) do out[#out + 1] = i; i = i + c end
     return out

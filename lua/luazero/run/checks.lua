@@ -3,7 +3,7 @@
 -- outputs that would destroy an input, a device that does not exist. Each
 -- refusal is one line naming the flag and the fix (exit 2).
 local run_flags = require("luazero.run.flags")
-local outputs = require("luazero.run.outputs")
+local paths = require("luazero.io.paths")
 local families = require("luazero.families")
 local M = {}
 
@@ -34,6 +34,52 @@ local function check_lora(ex, flags)
   if flags.lora_r and flags.lora_targets and not flags.lora_targets:find("[^,%s]") then
     ex.user_error(("--lora-targets '%s' names no module: give comma-separated names, e.g. %s")
                   :format(flags.lora_targets, default_targets_hint()))
+  end
+end
+
+-- The folders a training run writes in, and the names it makes there.
+local SAVE_NAMES = { "^step%-%d+$", "^latest$", "^%.step%-%d+%.", "^%.write%-check%-" }
+local SWAP_NAMES = { "^luazero%-swap%-" }
+
+-- Every file a training run touches (io/paths.lua): the flags' and, once
+-- the configuration is read (cfg), its monitors', profiler's and NVMe
+-- tier's.
+function M.train_paths(flags, cfg)
+  local fs = require("luazero.io.fs")
+  local p = paths.new()
+  p:read("--data", flags.data):read("--val-data", flags.val_data)
+  p:read("--resume", flags.resume):read("--config", flags.config)
+  p:read("--model-config", flags.model_config)
+  for _, n in ipairs({ "init", "tokenizer" }) do
+    local v = flags[n]
+    p:read("--" .. n, v, { whole = v and fs.is_dir(v) })
+  end
+  p:write("--log", flags.log):write("--profile-json", flags.profile_json)
+  p:write_in("--save", flags.save, SAVE_NAMES, { ["--resume"] = true })
+  p:write_in("--nvme-path", flags.nvme_path, SWAP_NAMES)
+  if cfg then
+    local monitor = require("luazero.monitor")
+    for _, m in ipairs(monitor.files(cfg)) do
+      if m.names then p:write_in(m.what, m.path, m.names) else p:write(m.what, m.path) end
+    end
+    local z = cfg.zero_optimization
+    for _, k in ipairs({ "offload_optimizer", "offload_param" }) do
+      p:write_in(("zero_optimization.%s.nvme_path"):format(k), z[k].nvme_path, SWAP_NAMES)
+    end
+  end
+  return p
+end
+
+-- scripts/train.lua's configuration (cfg, normalised) beside its flags:
+-- every file it names declared and checked, and a flops_profiler
+-- profile_step the run never reaches refused (it would profile nothing).
+function M.train_config(ex, flags, cfg)
+  ex.checked(function() M.train_paths(flags, cfg):check() end)
+  local fp = cfg.flops_profiler
+  if fp.enabled and fp.profile_step > flags.steps then
+    ex.user_error(("config: flops_profiler.profile_step %d is past the run's last step " ..
+                   "(--steps %d), so nothing would be profiled; give a profile_step of at most " ..
+                   "%d, or more --steps"):format(fp.profile_step, flags.steps, flags.steps))
   end
 end
 
@@ -74,10 +120,9 @@ function M.train(ex, flags)
       end
     end
   end
-  -- --log FILE and --profile-json FILE are emptied at start.
-  outputs.refuse_overlap(ex, flags, { "log", "profile_json" },
-                         { "data", "val_data", "resume", "save", "init", "tokenizer", "config",
-                           "model_config" })
+  -- What the flags alone say it writes (the configuration's keys join
+  -- them once it is read: M.train_paths again).
+  ex.checked(function() M.train_paths(flags):check() end)
   if flags.init and not require("luazero.io.fs").exists(flags.init) then
     ex.user_error(("--init %s: no such file or folder; give a Hugging Face model folder or a " ..
                    ".safetensors file"):format(flags.init))

@@ -18,6 +18,17 @@ function M.weights(hf_files)
   }
 end
 
+-- The inputs the weights flags name, declared in `p` (io/paths.lua).
+function M.weights_paths(p, flags)
+  local is_dir = require("luazero.io.fs").is_dir
+  p:read("--load", flags.load):read("--model-config", flags.model_config)
+  for _, n in ipairs({ "hf", "adapters" }) do
+    local v = flags[n]
+    p:read("--" .. n, v, { whole = v and is_dir(v) })
+  end
+  return p
+end
+
 -- One spec from several lists of flags, in order.
 function M.spec(...)
   local out = {}
