@@ -88,6 +88,30 @@ function M.plan_of(s, device, states)
                         accum = s.accum, optimizer_states = states }
 end
 
+-- What the engine cannot train, refused before anything is allocated: a
+-- module that runs forward but has no backward, and a parameter the engine
+-- did not lay out (a tensor put in module.p by hand).
+local function check_modules(model)
+  model:walk(function(m, path)
+    local where = ("module %s (%s)"):format(path == "" and "(the model)" or path,
+                                            m.__name or "Module")
+    if type(m.forward) == "function" and type(m.backward) ~= "function" then
+      error(("initialize: %s has a forward but no backward; give it backward(dy), which " ..
+             "adds its parameters' gradients into self.g and returns dx (docs/api.md)")
+            :format(where), 0)
+    end
+    local declared = {}
+    for _, spec in ipairs(m.params) do declared[spec.key] = true end
+    for key in pairs(m.p) do
+      if not declared[key] then
+        error(("initialize: %s holds p.%s, a tensor made outside the engine; declare it in " ..
+               "the constructor with self:param(%q, shape, init) and the engine allocates it")
+              :format(where, key, key), 0)
+      end
+    end
+  end)
+end
+
 -- opts: model (not allocated), config (normalised DeepSpeed table), seed,
 -- batch {B, T} (sizes the activation arenas), lr (function of the 1-based
 -- optimizer step; default: the config's constant lr), comm (default
@@ -106,6 +130,7 @@ function M.initialize(opts, above)
   above = above or {}
   local estimator = above.estimate
   local model = assert(opts.model, "initialize: model is required")
+  check_modules(model)
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
   local W, rank = comm.size(), comm.rank()
@@ -548,16 +573,17 @@ end
 ------------------------------------------------------- forward, backward
 
 -- extra: a batch's packed documents ({ pos =, seg = }), or nil. Returns
--- what the model's forward returns (a CausalLM: the loss and the logits).
+-- the first thing the model's forward returns (a CausalLM: the loss; its
+-- logits are engine.model.logits): engine:backward(engine:forward(x, y)).
 function Engine:forward(x, y, extra)
   local model = self.model
   if model.check_batch then model:check_batch(x, y) end
   if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
   self.gatherer:begin_pass(false)
-  local loss, out = model:forward(x, y, extra)
+  local loss = model:forward(x, y, extra)
   self.gatherer:end_pass(false)
   self.forwarded = true
-  return loss, out
+  return loss
 end
 
 -- Backward of the last forward; the loss is scaled by 1/accumulation steps
