@@ -36,7 +36,8 @@ local function z_loss(dlogits, logits, dloss)
     for j = 0, mcfg.vocab - 1 do sum = sum + math.exp(l[o + j] - max) end
     local z = max + math.log(sum)
     z_sum = z_sum + lambda * z * z * dloss * accum -- the term's mean over the step
-    for j = 0, mcfg.vocab - 1 do d[o + j] = d[o + j] + dloss * 2 * lambda * z * math.exp(l[o + j] - z) end
+    local k = dloss * 2 * lambda * z
+    for j = 0, mcfg.vocab - 1 do d[o + j] = d[o + j] + k * math.exp(l[o + j] - z) end
   end
 end
 

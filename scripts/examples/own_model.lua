@@ -15,7 +15,8 @@ local rank, world = comm.rank(), comm.size()
 
 -- A 2-layer byte-level transformer: what each block is made of, by name.
 -- The names become the parameter names in checkpoints.
-local cfg = { name = "mine", n_layer = 2, n_embd = 64, context = 64, vocab = 256, padded_vocab = 256 }
+local cfg = { name = "mine", n_layer = 2, n_embd = 64, context = 64, vocab = 256,
+              padded_vocab = 256 } -- token rows: vocab rounded up (here already a multiple of 64)
 local description = {
   names = { body = "body", embedding = "embed", blocks = "blocks", norm = "norm", head = "head",
             block = { attn_norm = "norm1", attn = "attn", mlp_norm = "norm2", mlp = "mlp" } },

@@ -58,7 +58,8 @@ function T.custom_loop_resumed_ends_as_the_uninterrupted_run()
   assert(not resumed:find("step 3 loss"), "the resumed run began at step 4")
   local l = losses(whole)
   assert(l[6] < l[1], "the loss did not fall: " .. table.concat(l, " "))
-  local z1, z6 = whole:match("step 1 loss %S+ z_loss (%S+)"), whole:match("step 6 loss %S+ z_loss (%S+)")
+  local z1 = whole:match("step 1 loss %S+ z_loss (%S+)")
+  local z6 = whole:match("step 6 loss %S+ z_loss (%S+)")
   assert(tonumber(z6) < tonumber(z1), ("the z-loss term did not fall: %s -> %s"):format(z1, z6))
 end
 

@@ -13,8 +13,8 @@ local B, S = 2, 8
 
 local function engine_and_batch()
   local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
-  local engine = zero.initialize{ model = models.new(cfg), config = { train_micro_batch_size_per_gpu = B },
-                                  seed = 1, batch = { B, S } }
+  local engine = zero.initialize{ model = models.new(cfg), seed = 1, batch = { B, S },
+                                  config = { train_micro_batch_size_per_gpu = B } }
   local x, y = lz.tensor({ B, S }, "i32"), lz.tensor({ B, S }, "i32")
   for i = 0, B * S - 1 do x:set(i, i % 50); y:set(i, (i + 1) % 50) end
   return engine, x, y
@@ -34,7 +34,8 @@ end
 
 function T.step_before_backward()
   local engine, x, y = engine_and_batch()
-  one_line(function() engine:step() end, "engine: step before backward", "engine:backward(loss) first")
+  one_line(function() engine:step() end, "engine: step before backward",
+           "engine:backward(loss) first")
   engine:backward(engine:forward(x, y))
   local r = engine:step()
   assert(r.loss > 0, "the step after a backward runs")
@@ -46,7 +47,8 @@ function T.backward_twice()
   local engine, x, y = engine_and_batch()
   local loss = engine:forward(x, y)
   engine:backward(loss)
-  one_line(function() engine:backward(loss) end, "backward twice", "engine:forward(x, y) before each")
+  one_line(function() engine:backward(loss) end, "backward twice",
+           "engine:forward(x, y) before each")
   engine:step()
   engine:free()
 end
@@ -103,8 +105,9 @@ engine:step()
 ]])
   local out, st = support.sh(support.quote(lz.executable()) .. " " .. support.quote(script))
   support.eq(st, 1, "exit status")
-  support.eq(out, "luazero: engine: step before backward: no gradients since the last step; call " ..
-             "engine:forward(x, y) and engine:backward(loss) first (or engine:train_batch)\n", "output")
+  support.eq(out, "luazero: engine: step before backward: no gradients since the last step; " ..
+             "call engine:forward(x, y) and engine:backward(loss) first (or " ..
+             "engine:train_batch)\n", "output")
 end
 
 return T

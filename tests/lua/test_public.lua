@@ -89,7 +89,8 @@ function T.every_lua_block_of_the_page_runs()
     local write, dir = support.scratch_corpus(support.HAMLET, 40)
     local script = write("block.lua", code)
     local out, st = support.sh(("cd %s && %s %s"):format(q(dir), q(lz.executable()), q(script)))
-    assert(st == 0, ("docs/api.md's lua block %d failed:\n%s\n--- output:\n%s"):format(i, code, out))
+    assert(st == 0, ("docs/api.md's lua block %d failed:\n%s\n--- output:\n%s")
+                    :format(i, code, out))
     os.execute("rm -rf " .. q(dir))
   end
 end
