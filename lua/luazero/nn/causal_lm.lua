@@ -112,6 +112,7 @@ end
 
 function CausalLM:free()
   Model.free(self)
+  if self.kept_logits then self.kept_logits:free(); self.kept_logits = nil end
   LoRA.free_workspaces(self)
   for _, s in pairs(self.shared) do s:free() end
 end
@@ -174,7 +175,10 @@ end
 -- Accumulates d(scale * mean loss)/d(params) into the flat gradient buffer.
 -- With gradient accumulation over n micro-steps, scale is 1/n. The mean is
 -- over the micro-batch's counted targets: a micro-batch with none adds 0.
-function CausalLM:backward(scale)
+-- extra_term(dlogits, logits, dloss), when given, adds a script's own loss
+-- term's gradient (times dloss, the cross-entropy's per-position factor);
+-- it sees a copy of the logits, since their gradient overwrites them.
+function CausalLM:backward(scale, extra_term)
   local logits, targets = self.logits, self.targets
   assert(targets, "model: backward needs a forward with targets")
   local count = self.target_count
@@ -186,7 +190,17 @@ function CausalLM:backward(scale)
   if ctx.cast_dtype == "bf16" and ctx.cast_arena then
     dlogits = ctx.cast_arena:tensor(logits:sizes(), "bf16")
   end
+  local kept
+  if extra_term then
+    if self.kept_logits and self.kept_logits:numel() < logits:numel() then
+      self.kept_logits:free(); self.kept_logits = nil
+    end
+    self.kept_logits = self.kept_logits or lz.tensor(logits:sizes(), "f32", "workspace",
+                                                     logits:device_name())
+    kept = self.kept_logits:view(0, logits:sizes()):copy(logits)
+  end
   ops.cross_entropy_backward(dlogits, logits, targets, self.cfg.vocab, dloss)
+  if kept then extra_term(dlogits, kept, dloss) end
   self:backward_layers(dlogits)
 end
 
