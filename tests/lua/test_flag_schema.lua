@@ -10,6 +10,9 @@ local args = require("luazero.args")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
+local write_file = support.scratch()
+local corpus = write_file("corpus.txt", ("It was the best of times.\n"):rep(40))
+local constant = write_file("constant.json", '{"train_micro_batch_size_per_gpu": 2}')
 
 local SCRIPTS = {
   { "scripts/train.lua", { "--help" } },
@@ -186,6 +189,11 @@ function T.the_scripts_and_tools_refuse_with_exit_2_and_one_line()
     { "tools/ckpt.lua export nope out --base b", "ckpt: --base b without --merge-lora does nothing" },
     { "tools/estimate.lua --model gpt2 --checkpoint-activations 1", "estimate: " ..
       "--checkpoint-activations counts the activation arenas of --micro-batch B --seq-len L" },
+    -- what a flag needs from the configuration, once it is read
+    { ("scripts/train.lua --model gpt2-nano --n-layer 1 --steps 1 --data %s --config %s " ..
+       "--warmup 5"):format(support.quote(corpus), support.quote(constant)),
+      ("train: --warmup 5: --config %s has no scheduler, so the lr is constant and nothing " ..
+       "warms up"):format(constant) },
   }) do
     local out, st = support.sh(("cd %s && %s %s"):format(support.quote(lz.root),
                                                          support.quote(lz.executable()), c[1]))

@@ -59,10 +59,18 @@ function M.train_paths(flags, cfg)
 end
 
 -- scripts/train.lua's configuration (cfg, normalised) beside its flags:
--- every file it names declared and checked, and a flops_profiler
--- profile_step the run never reaches refused (it would profile nothing).
+-- every file it names declared and checked, a --warmup without a scheduler
+-- to warm up and a flops_profiler profile_step the run never reaches
+-- refused (each would do nothing).
 function M.train_config(ex, flags, cfg)
   ex.checked(function() M.train_paths(flags, cfg):check() end)
+  -- a --config without a scheduler trains at a constant lr (as DeepSpeed)
+  if flags.warmup and flags.config and not cfg.scheduler then
+    ex.user_error(("--warmup %d: --config %s has no scheduler, so the lr is constant and " ..
+                   "nothing warms up; add a scheduler that takes warmup_num_steps to the " ..
+                   "config, or drop --warmup")
+                  :format(flags.warmup, flags.config))
+  end
   local fp = cfg.flops_profiler
   if fp.enabled and fp.profile_step > flags.steps then
     ex.user_error(("config: flops_profiler.profile_step %d is past the run's last step " ..
