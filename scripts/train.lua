@@ -72,7 +72,10 @@ local spec = {
     needs = "lora-r" },
   { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
   { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)",
-    min = 0 },
+    min = 0, needs = { ok = function(f) return f.eval_batches > 0 end,
+                       alone = { "--eval-batches", "0" }, with = { "--eval-batches", "5" },
+                       says = "does nothing with --eval-batches 0 (no validation): give " ..
+                              "--eval-batches N or drop it" } },
   { "eval-batches", "int", 20, "validation batches per evaluation (at most)",
     min = 0 },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },

@@ -26,8 +26,10 @@
 --                                  nothing: add --f ARG or drop --name"),
 --                                  or a function(flags) of the whole line;
 --                                  `with` = { "--flag", "value", ... }:
---                                  flags that meet an `ok` (its example,
---                                  which tests/lua/test_flag_schema.lua runs)
+--                                  flags that meet an `ok`, `alone` flags
+--                                  that fail it where the defaults meet it
+--                                  (examples tests/lua/test_flag_schema.lua
+--                                  runs)
 -- A `needs` holds only when the flag's value differs from its default:
 -- the default is what it does when not given.
 local M = {}

@@ -98,6 +98,7 @@ function T.every_flag_that_needs_another_is_refused_alone_and_accepted_with_it()
         if type(n) == "string" then n = { flag = n } end
         local alone = fillers(spec)
         alone[#alone + 1] = { "--" .. s[1], a_value(s) }
+        for i = 1, #(n.alone or {}), 2 do alone[#alone + 1] = { n.alone[i], n.alone[i + 1] } end
         local ok, why = pcall(args.parse, argv_of(alone), spec)
         local what = ("%s --%s"):format(sc[1], s[1])
         assert(not ok, what .. " alone is accepted")
