@@ -16,21 +16,32 @@ local run_text = require("luazero.run.text")
 local fs = require("luazero.io.fs")
 local exists, is_dir = fs.exists, fs.is_dir
 
+-- The sampling flags: greedy decoding (--temperature 0) takes the likeliest
+-- token, which none of them changes.
+local SAMPLING = { ok = function(f) return f.temperature > 0 end, with = { "--temperature", "0.8" },
+                   says = "does nothing with greedy decoding (--temperature 0): add " ..
+                          "--temperature T (above 0) to sample, or drop it" }
+
 local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors, tokenizer.json"), {
   { "tokenizer", "string", nil, "a tokenizer.json or the folder holding it (default: the model folder's; none: bytes are tokens)" },
   { "chat", "flag", false, "render each prompt with the folder's chat template (tokenizer_config.json)" },
   { "prompt", "string", nil, "one prompt (text; with --chat the user's message)" },
   { "prompts", "string", nil, "a file of prompts: one per line, or JSON Lines ({\"prompt\": ...}, {\"prompt_ids\": [...]} or, with --chat, {\"messages\": [...]})" },
   { "prompt-ids", "string", nil, "one prompt as token ids, comma-separated" },
-  { "max-new-tokens", "int", 64, "new tokens per prompt (at most)" },
-  { "temperature", "number", 0, "0: greedy (the likeliest token); above 0: sample at that temperature" },
-  { "top-k", "int", 0, "sample among the k likeliest tokens (0: all)" },
-  { "top-p", "number", 1, "sample among the likeliest tokens whose probabilities reach p (1: all)" },
-  { "seed", "int", 1337, "seed of the sampling" },
+  { "max-new-tokens", "int", 64, "new tokens per prompt (at most)", min = 1 },
+  { "temperature", "number", 0, "0: greedy (the likeliest token); above 0: sample at that temperature",
+    min = 0, why = "0 is greedy" },
+  { "top-k", "int", 0, "with --temperature: sample among the k likeliest tokens (0: all)",
+    min = 0, why = "0 keeps all tokens", needs = SAMPLING },
+  { "top-p", "number", 1, "with --temperature: sample among the likeliest tokens whose probabilities reach p (1: all)",
+    over = 0, max = 1, needs = SAMPLING },
+  { "seed", "int", 1337, "with --temperature: seed of the sampling", needs = SAMPLING },
   { "stop", "string", nil, "end a completion where this text appears (the text is cut off)" },
-  { "batch", "int", 8, "prompts decoded together" },
-  { "dtype", "string", nil, "fp32 or bf16 (default: a checkpoint's, else fp32)" },
-  { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory" },
+  { "batch", "int", 8, "prompts decoded together", min = 1 },
+  { "dtype", "string", nil, "fp32 or bf16 (default: a checkpoint's, else fp32)",
+    choices = { "fp32", "bf16" } },
+  { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory",
+    choices = { "fp32", "bf16" } },
   { "out", "string", nil, "write one JSON object per prompt to this file (JSON Lines)" },
 })
 
@@ -117,17 +128,6 @@ local function parse(argv)
   local flags = run_flags.parse(ex, argv, spec,
                                 "luazero scripts/generate.lua (--load DIR | --hf DIR) --prompt TEXT [flags]")
   if not flags then return nil end
-  run_flags.at_least(ex, flags, "max-new-tokens", 1)
-  if flags.temperature < 0 then fail("--temperature must be >= 0 (0: greedy)") end
-  if flags.top_k < 0 then fail("--top-k must be >= 0 (0: all tokens)") end
-  if flags.top_p <= 0 or flags.top_p > 1 then fail("--top-p must be in (0, 1]") end
-  run_flags.at_least(ex, flags, "batch", 1)
-  if flags.kv_dtype ~= "fp32" and flags.kv_dtype ~= "bf16" then
-    fail(("--kv-dtype must be fp32 or bf16 (got %s)"):format(flags.kv_dtype))
-  end
-  if flags.dtype and flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
-    fail(("--dtype must be fp32 or bf16 (got %s)"):format(flags.dtype))
-  end
   -- An empty --stop is found at once: every completion would be cut to nothing.
   if flags.stop == "" then
     fail("--stop '' matches at every position and would cut every completion to nothing: " ..

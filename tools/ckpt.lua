@@ -78,10 +78,17 @@ local function main(argv)
   end
   local rest = {}
   for i = (cmd == "inspect" and 3 or 4), #argv do rest[#rest + 1] = argv[i] end
+  -- the flags shape what export writes: beside another command they would be ignored
+  local export_only = { ok = function() return cmd == "export" end,
+                        says = ("goes with export (the weights it writes); %s does not read it: " ..
+                                "drop it"):format(cmd) }
   local flags = checked(args.parse, rest, {
-    { "dtype", "string", "fp32", "export: fp32 or bf16" },
-    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base" },
-    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)" },
+    { "dtype", "string", "fp32", "export: fp32 or bf16", choices = { "fp32", "bf16" },
+      needs = export_only },
+    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base",
+      needs = export_only },
+    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
+      needs = "merge-lora" },
   })
   if not ck_path then fail("missing CKPT\n" .. USAGE) end
   -- Every file it touches (io/paths.lua): OUT must not be an input. (An
@@ -100,16 +107,10 @@ local function main(argv)
   elseif cmd == "export" then
     if not out then fail("export needs OUT.safetensors or a FOLDER") end
     if ck.manifest.lora then
-      if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
-        fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
-      end
       print(checked(export.export_lora, ck, out, flags.dtype, flags.merge_lora, flags.base))
     elseif flags.merge_lora then
       fail(("export --merge-lora: %s is not a LoRA run's checkpoint (no adapters)"):format(ck_path))
     else
-      if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
-        fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
-      end
       print(checked(export.export, ck, out, flags.dtype))
     end
   else

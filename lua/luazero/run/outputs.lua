@@ -48,10 +48,10 @@ function M.check_writable(ex, flag, path)
 end
 
 -- --save DIR: everything a save will need, before step 1 (a run with
--- --save-every 0 saves only at its end): the zstd level, a folder that can
--- be created and written, free space for one checkpoint (fp32 master, Adam
--- m and v: 12 bytes a parameter). Every rank checks, so all stop alike.
-local ZSTD_LEVELS = { 1, 19 }
+-- --save-every 0 saves only at its end): a folder that can be created and
+-- written, free space for one checkpoint (fp32 master, Adam m and v: 12
+-- bytes a parameter). Every rank checks, so all stop alike. (The zstd
+-- level's range is declared with its flag.)
 pcall(ffi.cdef, [[
 typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, f_bfree, f_bavail,
   f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
@@ -59,11 +59,6 @@ int statvfs(const char *path, lz_statvfs *buf);
 ]])
 pcall(ffi.cdef, "int getpid(void);")
 function M.check_save_target(ex, flags, n_params)
-  local level = flags.save_zstd_level
-  if level < ZSTD_LEVELS[1] or level > ZSTD_LEVELS[2] then
-    ex.user_error(("--save-zstd-level must be %d..%d (got %d)"):format(ZSTD_LEVELS[1],
-                                                                       ZSTD_LEVELS[2], level))
-  end
   if not flags.save then return end
   local dir = flags.save:gsub("(.)/+$", "%1")
   -- The folders mkdir -p makes (deepest first): removed again when the
