@@ -11,9 +11,13 @@
 -- Parameter names are Hugging Face's: Llama's, plus
 -- model.layers.N.self_attn.{q,k,v}_proj.bias. A config.json is read as
 -- transformers 4.x writes it (rope_theta, torch_dtype) and as 5.x does
--- (rope_parameters, dtype, layer_types). Sliding windows
--- (use_sliding_window, or a "sliding_attention" entry of layer_types) are
--- refused: the attention here sees every earlier position.
+-- (rope_parameters, dtype, layer_types).
+--
+-- Sliding windows as transformers 5.x's Qwen2 applies them: with
+-- use_sliding_window, the layers layer_types names "sliding_attention" (or,
+-- without layer_types, layer i >= max_window_layers, from 0) attend to their
+-- sliding_window latest keys (their own included); every other layer, and
+-- every layer without use_sliding_window, to all earlier positions.
 local cjson = require("cjson")
 local nn = require("luazero.nn")
 local llama = require("models.llama")
@@ -47,12 +51,52 @@ M.configs = {
 }
 M.names = { "qwen2-tiny", "qwen2-100m", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b" }
 
--- A complete config: Llama's checks and derived sizes, this family's name.
+-- The window checks both Qwen families share: sliding_window (a whole
+-- number >= 0, 0 for none), max_window_layers, layer_types (one
+-- "full_attention" or "sliding_attention" per layer).
+function M.check_windows(cfg)
+  cfg.use_sliding_window = cfg.use_sliding_window == true
+  cfg.max_window_layers = cfg.max_window_layers or cfg.n_layer
+  cfg.sliding_window = cfg.sliding_window or 0
+  local w = cfg.sliding_window
+  if type(w) ~= "number" or w < 0 or w ~= math.floor(w) then
+    error(("sliding_window must be a whole number >= 0, 0 for none (got %s)"):format(tostring(w)),
+          0)
+  end
+  if cfg.layer_types then
+    if #cfg.layer_types ~= cfg.n_layer then
+      error(("layer_types has %d entries; it must have one per layer (n_layer %d)")
+            :format(#cfg.layer_types, cfg.n_layer), 0)
+    end
+    for i, t in ipairs(cfg.layer_types) do
+      if t ~= "full_attention" and t ~= "sliding_attention" then
+        error(("layer_types[%d] is %s; expected \"full_attention\" or \"sliding_attention\"")
+              :format(i - 1, tostring(t)), 0)
+      end
+    end
+  end
+end
+
+-- The window of layer i (1-based), or nil for none.
+function M.window_of(cfg, i)
+  if not cfg.use_sliding_window or cfg.sliding_window == 0 then return nil end
+  local sliding
+  if cfg.layer_types then
+    sliding = cfg.layer_types[i] == "sliding_attention"
+  else
+    sliding = i - 1 >= cfg.max_window_layers
+  end
+  return sliding and cfg.sliding_window or nil
+end
+
+-- A complete config: Llama's checks and derived sizes, the windows, this
+-- family's name.
 function M.finish(cfg)
   if cfg.rope_scaling then
     error("rope_scaling is not implemented for qwen2; only the default rotary embedding is", 0)
   end
   llama.finish(cfg)
+  M.check_windows(cfg)
   cfg.family = "qwen2"
   return cfg
 end
@@ -72,12 +116,13 @@ end
 
 -------------------------------------------------------------------- model
 
--- Llama's description with a bias on the q|k|v projection.
+-- Llama's description with a bias on the q|k|v projection and the layer's
+-- window.
 M.description = {}
 for k, v in pairs(llama.description) do M.description[k] = v end
-M.description.attention = function(cfg, shared)
+M.description.attention = function(cfg, shared, i)
   return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                    { bias = true })
+                    { bias = true, window = M.window_of(cfg, i) })
 end
 
 local Qwen2 = nn.CausalLM:extend("Qwen2")
@@ -88,13 +133,9 @@ function M.new(cfg) return Qwen2:new(M.description, cfg) end
 ----------------------------------------------------------- Hugging Face
 
 -- config.json's fields both Qwen families read (each adds its own after):
--- transformers 4.x's rope_theta or 5.x's rope_parameters.rope_theta, and no
--- sliding window on any layer. `family`: the name the refusals give.
+-- transformers 4.x's rope_theta or 5.x's rope_parameters.rope_theta, and
+-- the windows. `family`: the name the refusals give.
 function M.common_fields(family)
-  local function refuse_window(what)
-    return ("%s; sliding windows are not implemented for %s (every layer attends to all " ..
-            "earlier positions)"):format(what, family)
-  end
   return {
     { "n_layer", "num_hidden_layers", "int" },
     { "n_head", "num_attention_heads", "int" },
@@ -126,16 +167,22 @@ function M.common_fields(family)
     { "tie", "tie_word_embeddings", "bool", default = false },
     { "std", "initializer_range", "number", default = 0.02 },
     { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
-    { false, "use_sliding_window", "bool", default = false, allowed = { false },
-      refusal = refuse_window("expected false") },
-    { false, "layer_types", "object", optional = true,
+    { "use_sliding_window", "use_sliding_window", "bool", default = false },
+    -- Qwen2Config's default when absent; null: no window
+    { "sliding_window", "sliding_window", "int", default = 4096, if_null = 0 },
+    -- Qwen2Config's default
+    { "max_window_layers", "max_window_layers", "int", default = 28 },
+    { "layer_types", "layer_types", "object", optional = true,
       read = function(types, fail)
+        local out = {}
         for i, t in ipairs(types) do
-          if t ~= "full_attention" then
-            fail(refuse_window(("field layer_types[%d] is %s"):format(i - 1, cjson.encode(t))))
+          if t ~= "full_attention" and t ~= "sliding_attention" then
+            fail(("field layer_types[%d] is %s; expected \"full_attention\" or " ..
+                  "\"sliding_attention\""):format(i - 1, cjson.encode(t)))
           end
+          out[i] = t
         end
-        return types
+        return out
       end },
   }
 end
@@ -159,8 +206,11 @@ local function config_json(cfg)
     rope_theta = cfg.rope_theta,
     vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
     tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_act = "silu", attention_dropout = 0, use_sliding_window = false,
-    sliding_window = cjson.null, max_window_layers = cfg.n_layer,
+    hidden_act = "silu", attention_dropout = 0,
+    use_sliding_window = cfg.use_sliding_window == true,
+    sliding_window = cfg.sliding_window > 0 and cfg.sliding_window or cjson.null,
+    max_window_layers = cfg.max_window_layers or cfg.n_layer,
+    layer_types = cfg.layer_types or cjson.null,
   }
 end
 

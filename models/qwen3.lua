@@ -11,8 +11,8 @@
 --
 -- Parameter names are Hugging Face's: Llama's, plus
 -- model.layers.N.self_attn.q_norm.weight and k_norm.weight [head_dim].
--- config.json as transformers 4.x and 5.x write it (models/qwen2.lua's
--- fields); sliding windows are refused as there.
+-- config.json as transformers 4.x and 5.x write it, sliding windows as
+-- there (models/qwen2.lua).
 local nn = require("luazero.nn")
 local llama = require("models.llama")
 local qwen2 = require("models.qwen2")
@@ -48,6 +48,7 @@ function M.finish(cfg)
     error("rope_scaling is not implemented for qwen3; only the default rotary embedding is", 0)
   end
   llama.finish(cfg)
+  qwen2.check_windows(cfg)
   cfg.family = "qwen3"
   return cfg
 end
@@ -67,13 +68,14 @@ end
 
 -------------------------------------------------------------------- model
 
--- Llama's description with QK-norm in the attention: Qwen3RMSNorm over
--- head_dim with the model's rms_norm_eps, the weight used as is (offset 0).
+-- Llama's description with QK-norm in the attention (Qwen3RMSNorm over
+-- head_dim with the model's rms_norm_eps, the weight used as is: offset 0)
+-- and the layer's window.
 M.description = {}
 for k, v in pairs(llama.description) do M.description[k] = v end
-M.description.attention = function(cfg, shared)
+M.description.attention = function(cfg, shared, i)
   return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                    { qk_norm = { eps = cfg.eps, offset = 0 } })
+                    { qk_norm = { eps = cfg.eps, offset = 0 }, window = qwen2.window_of(cfg, i) })
 end
 
 local Qwen3 = nn.CausalLM:extend("Qwen3")

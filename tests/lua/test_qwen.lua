@@ -1,10 +1,11 @@
 -- test_qwen.lua — models/qwen2.lua and models/qwen3.lua: the named sizes'
 -- parameter counts (Hugging Face's), config.json as transformers 4.x and 5.x
--- write it, the one-line refusals (sliding windows, other rotary scalings,
--- Qwen3's attention biases), the parameter names; then qwen2-tiny (q, k, v
--- biases) and qwen3-tiny (QK-norm, head_dim apart from hidden / heads) end to
--- end at world 2: ZeRO stages 0 and 3 end with one params_checksum, fp32 and
--- bf16. (tests/ref/test_qwen2.py and test5_qwen3.py hold them to transformers.)
+-- write it, which layers get a sliding window, the one-line refusals (other
+-- rotary scalings, Qwen3's attention biases, unknown layer types), the
+-- parameter names; then qwen2-tiny (q, k, v biases), qwen3-tiny (QK-norm,
+-- head_dim apart from hidden / heads) and a windowed Qwen2 end to end at world
+-- 2: ZeRO stages 0 and 3 end with one params_checksum, fp32 and bf16.
+-- (tests/ref/test_qwen2.py and test5_qwen3.py hold them to transformers.)
 local cjson = require("cjson")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
@@ -109,16 +110,39 @@ function T.config_json_of_transformers_4_and_5_gives_the_named_shape()
   eq(cfg.head_dim, 128, "qwen3 head_dim default")
 end
 
+-- Transformers 5.x's layers: with use_sliding_window, those layer_types names
+-- sliding_attention, else those from max_window_layers (0-based) on.
+function T.sliding_windows_fall_on_the_layers_transformers_gives_them()
+  local qwen2 = require("models.qwen2")
+  local function windows(j)
+    local cfg = models.from_hf_config(write_file("w.json", cjson.encode(j)))
+    local out = {}
+    for i = 1, cfg.n_layer do out[i] = tostring(qwen2.window_of(cfg, i) or 0) end
+    return table.concat(out, ",")
+  end
+  local small = copy(qwen25_json, { num_hidden_layers = 4, sliding_window = 8 })
+  eq(windows(small), "0,0,0,0", "use_sliding_window false")
+  eq(windows(copy(small, { use_sliding_window = true, max_window_layers = 1 })), "0,8,8,8",
+     "max_window_layers 1")
+  eq(windows(copy(small, { use_sliding_window = true, max_window_layers = 1,
+                           layer_types = { "sliding_attention", "full_attention",
+                                           "sliding_attention", "full_attention" } })),
+     "8,0,8,0", "layer_types")
+  eq(windows(copy(small, { use_sliding_window = true, sliding_window = cjson.null })),
+     "0,0,0,0", "sliding_window null")
+  local q3 = copy(qwen3_json, { num_hidden_layers = 2, use_sliding_window = true,
+                                sliding_window = 5, max_window_layers = 0 })
+  local cfg = models.from_hf_config(write_file("q3w.json", cjson.encode(q3)))
+  eq(models.new(cfg).layers.blocks[2].attn.window, 5, "qwen3's second layer's window")
+end
+
 function T.what_is_not_implemented_is_refused_in_one_line_exit_2()
   local types = {}
-  for i = 1, 24 do types[i] = i > 21 and "sliding_attention" or "full_attention" end
+  for i = 1, 24 do types[i] = i == 4 and "linear_attention" or "full_attention" end
   local cases = {
-    { copy(qwen25_json, { use_sliding_window = true }),
-      "field use_sliding_window is true; expected false; sliding windows are not implemented " ..
-      "for qwen2" },
     { copy(as_5x(qwen25_json), { layer_types = types }),
-      "field layer_types[21] is \"sliding_attention\"; sliding windows are not implemented " ..
-      "for qwen2" },
+      "field layer_types[3] is \"linear_attention\"; expected \"full_attention\" or " ..
+      "\"sliding_attention\"" },
     { copy(as_5x(qwen3_json), { rope_parameters = { rope_type = "yarn", factor = 4,
                                                     rope_theta = 1e6 } }),
       "field rope_parameters.rope_type is \"yarn\"; only \"default\" is implemented for qwen3" },
@@ -150,11 +174,21 @@ local plain = write_file("zero.json", cjson.encode({
                         stage3_prefetch_bucket_size = 20000 },
 }))
 
+-- qwen2-tiny's shape with a window of 5 on its second layer
+local windowed = write_file("windowed.json", cjson.encode({
+  architectures = { "Qwen2ForCausalLM" }, hidden_size = 64, intermediate_size = 176,
+  num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
+  max_position_embeddings = 32, vocab_size = 256, rope_theta = 1000000, tie_word_embeddings = true,
+  use_sliding_window = true, sliding_window = 5, max_window_layers = 1,
+}))
+
 function T.stages_0_and_3_agree_bitwise_at_world_2()
-  for _, name in ipairs({ "qwen2-tiny", "qwen3-tiny" }) do
-    local _, ok_train = support.trainer("--model " .. name .. " --context 32 --seq-len 16 " ..
-                                        "--sample 0 --eval-batches 1 --seed 5 --data " ..
-                                        q(corpus))
+  local runs = { "--model qwen2-tiny --context 32", "--model qwen3-tiny --context 32",
+                 "--model-config " .. q(windowed) }
+  local plain_fp32
+  for _, name in ipairs(runs) do
+    local _, ok_train = support.trainer(name .. " --seq-len 16 --sample 0 --eval-batches 1 " ..
+                                        "--seed 5 --data " .. q(corpus))
     for _, dtype in ipairs({ "fp32", "bf16" }) do
       local sums = {}
       for _, stage in ipairs({ 0, 3 }) do
@@ -164,6 +198,10 @@ function T.stages_0_and_3_agree_bitwise_at_world_2()
       end
       print(("    %s world 2 %s stages 0, 3: %s"):format(name, dtype, table.concat(sums, " ")))
       eq(sums[2], sums[1], name .. " " .. dtype .. " stage 3")
+      if dtype == "fp32" and name == runs[1] then plain_fp32 = sums[1] end
+      if dtype == "fp32" and name == runs[3] then
+        assert(sums[1] ~= plain_fp32, "the window changes the run")
+      end
     end
   end
 end

@@ -1,7 +1,10 @@
 """test5_qwen3.py — luazero's Qwen3 (models/qwen3.lua: QK-norm, no biases,
 head_dim 32 where hidden / heads is 16) against transformers 5.23's
 Qwen3ForCausalLM, and its Qwen2 against 5.23's Qwen2ForCausalLM (a config.json
-as 5.x writes it: rope_parameters, dtype, layer_types): tiny random models (2
+as 5.x writes it: rope_parameters, dtype, layer_types), plain and with a
+sliding window of 6 on its second layer (use_sliding_window,
+max_window_layers 1; the batches are 16 long, the longest prompt 13, so the
+window bites; 4.40 masks windows differently, hence here): tiny random models (2
 layers, hidden 64, 4 query heads, 2 key/value heads, vocabulary 256, eager
 attention) saved with save_pretrained, then tests/ref/family_ref.py's checks —
 --init loss (1e-5), one step's gradients (1e-4), greedy generate.lua over 64
@@ -41,6 +44,13 @@ def main():
     run_family(check, "qwen3", transformers, torch, peft, transformers.Qwen3ForCausalLM, qwen3)
     qwen2 = transformers.Qwen2Config(tie_word_embeddings=True, **shape)
     run_family(check, "qwen2", transformers, torch, peft, transformers.Qwen2ForCausalLM, qwen2)
+    windowed = transformers.Qwen2Config(tie_word_embeddings=False, use_sliding_window=True,
+                                        sliding_window=6, max_window_layers=1, **shape)
+    check("qwen2_window.layer_types", windowed.layer_types == ["full_attention",
+                                                               "sliding_attention"],
+          str(windowed.layer_types))
+    run_family(check, "qwen2_window", transformers, torch, peft, transformers.Qwen2ForCausalLM,
+               windowed)
     return check.summary()
 
 
