@@ -5,6 +5,7 @@
 --   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--micro-batch 4]
 --                                 [--seq-len 64] [--steps 3] [--torch-steps 2] [--hf-steps 2]
 --                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1] [--profile]
+--                                 [--beside qwen2-100m,qwen3-100m]
 --   luazero bench/bench_llama.lua --lora [--model tinyllama-1.1b] [--lora-r 8]
 --                                 [--micro-batch 2] [--seq-len 128] [--profile]
 -- In one run, on the same machine, threads, batch and sequence length:
@@ -23,7 +24,9 @@
 --   4. transformers 4.40.2 (the reference venv's python, build/ref-venv, made
 --      by tools/setup; skipped when it cannot import transformers):
 --      LlamaForCausalLM of the same config, eager attention, AdamW, fp32 and
---      bf16 under torch.autocast (bench/bench_llama_hf.py).
+--      bf16 under torch.autocast (bench/bench_llama_hf.py);
+--   5. --beside: sizes of other families (qwen2-100m, qwen3-100m, ...) on one
+--      rank, each dtype, with the ratio of their MFU to the Llama's.
 -- --lora: the model (default tinyllama-1.1b, random weights) with LoRA
 -- adapters of rank --lora-r (alpha = r) on q_proj and v_proj, everything
 -- else frozen, bf16, one rank, batch 2 x 128 by default; beside it PEFT 0.10
@@ -65,6 +68,7 @@ local spec = {
   { "dtypes", "string", "fp32,bf16", "precisions, comma-separated (fp32, bf16)" },
   { "rounds", "int", 1, "times to repeat every run; figures are medians over the rounds" },
   { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMMs" },
+  { "beside", "string", nil, "sizes of other families to run beside the Llama on one rank, comma-separated (e.g. qwen2-100m,qwen3-100m)" },
   -- internal: one run, in its own process (and ranks)
   { "run", "string", nil, "(internal) run one model in this process: MODEL:DTYPE:STAGE[:LORA_R]" },
   { "peak", "string", nil, "(internal) the yardsticks for --profile: F32,BF16 GFLOP/s" },
@@ -130,7 +134,7 @@ end
 
 -- FLOPs per token of a config (see the header); lora: adapters train.
 local function flops_per_token(cfg, n_params, lora)
-  local n = n_params - (cfg.family == "llama" and 0 or cfg.context * cfg.n_embd)
+  local n = n_params - (cfg.family == "gpt2" and cfg.context * cfg.n_embd or 0) -- its wpe
   local attn = cfg.n_head * (cfg.head_dim or cfg.n_embd / cfg.n_head)
   return (lora and 4 or 6) * n + 12 * cfg.n_layer * attn * T
 end
@@ -192,6 +196,15 @@ end
 
 local llama_cfg = model_config(flags.model, "llama", "model")
 local gpt2_cfg = flags.gpt2 ~= "none" and model_config(flags.gpt2, "gpt2", "gpt2") or nil
+local beside = {}
+for name in (flags.beside or ""):gmatch("[^,%s]+") do
+  local ok_, cfg = pcall(models.config, name)
+  if not ok_ then fail("--beside: " .. cfg) end
+  if T > cfg.context then
+    fail(("--seq-len %d is beyond %s's context of %d"):format(T, name, cfg.context))
+  end
+  beside[#beside + 1] = cfg
+end
 local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local threads = flags.threads
@@ -290,6 +303,10 @@ for _, d in ipairs(dtypes) do
     add(("luazero %s %s, 1 rank"):format(gpt2_cfg.name, d),
         function() return luazero_run(gpt2_cfg, d, 1, 0) end, gpt2_cfg, d, 1)
   end
+  for _, cfg in ipairs(beside) do
+    add(("luazero %s %s, 1 rank"):format(cfg.name, d),
+        function() return luazero_run(cfg, d, 1, 0) end, cfg, d, 1)
+  end
   if flags.torch_steps > 0 then
     add(("pytorch %s %s, 1 rank"):format(llama_cfg.name, d),
         function() return torch_run(llama_cfg, d) end, llama_cfg, d, 1)
@@ -338,7 +355,10 @@ for _, d in ipairs(dtypes) do
         :format(flags.gemm, flags.gemm, flags.gemm, d == "bf16" and "bf16 -> fp32" or "sgemm",
                 threads, peak[d]))
 end
-for _, cfg in ipairs({ llama_cfg, gpt2_cfg }) do
+local listed = { llama_cfg }
+if gpt2_cfg then listed[2] = gpt2_cfg end
+for _, cfg in ipairs(beside) do listed[#listed + 1] = cfg end
+for _, cfg in ipairs(listed) do
   if n_params[cfg] then
     print(("model %s: %.1fM parameters, %.2f GFLOP per token%s")
           :format(cfg.name, n_params[cfg] / 1e6,
@@ -352,11 +372,13 @@ local function find(label)
   for _, row in ipairs(rows) do if row.label == label then return row end end
 end
 print(("%-44s %10s %8s"):format("run", "tokens/s", "MFU"))
+local function mfu_of(row, tps)
+  local n = n_params[row.cfg] or n_params[llama_cfg]
+  return tps * flops_per_token(row.cfg, n, flags.lora) / (peak[row.dtype] * 1e9)
+end
 for _, row in ipairs(rows) do
   local tps = median(row.tps)
-  local n = n_params[row.cfg] or n_params[llama_cfg]
-  local mfu = tps * flops_per_token(row.cfg, n, flags.lora) / (peak[row.dtype] * 1e9)
-  print(("%-44s %10.1f %7.1f%%"):format(row.label, tps, mfu * 100))
+  print(("%-44s %10.1f %7.1f%%"):format(row.label, tps, mfu_of(row, tps) * 100))
 end
 local function ratio(label, a, b)
   local ra, rb = find(a), find(b)
@@ -367,6 +389,15 @@ local function ratio(label, a, b)
 end
 local L, G = llama_cfg.name, gpt2_cfg and gpt2_cfg.name
 for _, d in ipairs(dtypes) do
+  -- MFU, not tokens/s: the sizes beside differ a little in FLOPs per token
+  local base = find(("luazero %s %s, 1 rank"):format(L, d))
+  for _, cfg in ipairs(beside) do
+    local row = find(("luazero %s %s, 1 rank"):format(cfg.name, d))
+    local rs = {}
+    for i = 1, flags.rounds do rs[i] = mfu_of(row, row.tps[i]) / mfu_of(base, base.tps[i]) end
+    print(("ratio %-58s %6.2fx"):format(("MFU %s / %s, luazero %s"):format(cfg.name, L, d),
+                                        median(rs)))
+  end
   ratio(("luazero / pytorch, %s %s"):format(L, d), ("luazero %s %s, 1 rank"):format(L, d),
         ("pytorch %s %s, 1 rank"):format(L, d))
   ratio(("luazero / %s, %s %s"):format(HF, L, d), ("luazero %s %s, 1 rank"):format(L, d),

@@ -16,7 +16,8 @@ local families = require("luazero.families")
 local M = {}
 
 -- The families, in the order their sizes are listed: the one list.
-local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.mistral") }
+local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.mistral"),
+                   require("models.qwen2"), require("models.qwen3") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family
