@@ -16,7 +16,7 @@ local families = require("luazero.families")
 local M = {}
 
 -- The families, in the order their sizes are listed: the one list.
-local FAMILIES = { require("models.gpt2"), require("models.llama") }
+local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.gemma") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family

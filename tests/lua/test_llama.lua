@@ -93,7 +93,7 @@ function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
   local cases = {
     { { architectures = { "MistralForCausalLM" } },
       "field architectures[0] is \"MistralForCausalLM\": unknown architecture (known: " ..
-      "GPT2LMHeadModel, LlamaForCausalLM)" },
+      "GPT2LMHeadModel, LlamaForCausalLM" },
     { { model_type = "llama", hidden_size = 64 }, "field num_hidden_layers is missing" },
     { { hidden_size = 64 }, "field architectures (or model_type) is missing" },
     { (function()
