@@ -16,7 +16,8 @@ local families = require("luazero.families")
 local M = {}
 
 -- The families, in the order their sizes are listed: the one list.
-local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.gemma") }
+local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.gemma"),
+                   require("models.gemma2") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family

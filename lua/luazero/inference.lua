@@ -64,7 +64,7 @@ local function config_of_manifest(models, m, dir)
   end
   local tmp = os.tmpname()
   local f = assert(io.open(tmp, "wb"))
-  f:write(cjson.encode(hf.config_json(saved, "fp32")))
+  f:write(hf.config_json_text(saved, "fp32"))
   f:close()
   local ok, cfg = pcall(hf.model_config, models, tmp, {})
   os.remove(tmp)

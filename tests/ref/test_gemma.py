@@ -112,7 +112,7 @@ def check_init(check, model, base, tmp):
           f"({n} of {len(theirs)} tensors; worst {worst:.2g} at {where})")
 
 
-def check_export(check, transformers, base, tmp):
+def check_export(check, transformers, base, tmp, arch="GemmaForCausalLM"):
     corpus = os.path.join(tmp, "corpus.txt")
     with open(corpus, "w") as f:
         f.write(TEXT * 40)
@@ -138,7 +138,7 @@ def check_export(check, transformers, base, tmp):
     model, info = transformers.AutoModelForCausalLM.from_pretrained(folder,
                                                                     output_loading_info=True)
     bad = {k: v for k, v in info.items() if v}
-    check("export.from_pretrained", not bad and type(model).__name__ == "GemmaForCausalLM",
+    check("export.from_pretrained", not bad and type(model).__name__ == arch,
           f"({type(model).__name__}) {bad if bad else ''}")
     with torch.no_grad():
         loss = loss_of(model.float().eval(), tokens[0], tokens[1]).item()
@@ -172,11 +172,7 @@ def check_generate(check, model, base, tmp):
                                      else "") + ")")
 
 
-def check_lora(check, model, base, tmp):
-    peft, why = import_from_venv("peft")
-    if peft is None:
-        print(f"  skip lora: {why}")
-        return
+def check_lora(check, model, base, tmp, peft):
     corpus = os.path.join(tmp, "corpus.txt")
     ck, adapters = os.path.join(tmp, "lora-ck"), os.path.join(tmp, "lora-peft")
     st, out = lz("scripts/train.lua", "--init", base, "--data", corpus, "--steps", "6",
@@ -221,7 +217,11 @@ def main():
         check_init(check, model, base, tmp)
         check_export(check, transformers, base, tmp)
         check_generate(check, model, base, tmp)
-        check_lora(check, model, base, tmp)
+        peft, why = import_from_venv("peft")
+        if peft is None:
+            print(f"  skip lora: {why}")
+        else:
+            check_lora(check, model, base, tmp, peft)
     return check.summary()
 
 
