@@ -16,8 +16,8 @@ local families = require("luazero.families")
 local M = {}
 
 -- The families, in the order their sizes are listed: the one list.
-local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.gemma"),
-                   require("models.gemma2") }
+local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.qwen2"),
+                   require("models.qwen3"), require("models.gemma"), require("models.gemma2") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family

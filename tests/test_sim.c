@@ -307,6 +307,14 @@ static lz_status attention_decode(lz_tensor **t) {
   return lz_attention_decode(t[0], t[1], t[2], t[3], t[4], 2, 1);
 }
 
+/* q|k|v rows of 2 q heads, 1 k head, 1 v head of 4; Gemma 3's offset. */
+static lz_status qk_norm_fwd(lz_tensor **t) {
+  return lz_qk_norm_forward(t[0], t[1], t[2], t[3], t[4], 2, 1, 1e-6f, 1.0f);
+}
+static lz_status qk_norm_bwd(lz_tensor **t) {
+  return lz_qk_norm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], 2, 1, 1.0f);
+}
+
 /* The host-returning ops: the value itself is compared. */
 static void check_reductions(lz_dtype dt) {
   const int64_t n = 5000;
@@ -334,7 +342,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 32);
+  CHECK_EQ_INT(LZ_OP_COUNT, 34);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));
@@ -381,6 +389,9 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   /* two new positions after 0 to 4 cached ones, in caches of 6 */
   CHECK_OP(attention_decode, F32(2, 2, 8), F32(2, 2, 16), F32(2, 6, 4), F32(2, 6, 4), IDS(5, 2));
   CHECK_OP(attention_decode, F32(2, 2, 8), F32(2, 2, 16), BF16(2, 6, 4), BF16(2, 6, 4), IDS(5, 2));
+  CHECK_OP(qk_norm_fwd, F32(2, 3, 16), F32(18), F32(2, 3, 16), F32(4), F32(4));
+  CHECK_OP(qk_norm_bwd, F32(2, 3, 16), F32(4), F32(4), F32(2, 3, 16), F32(2, 3, 16), F32(4),
+           F32(4), F32P(18));
   check_reductions(LZ_F32);
   check_reductions(LZ_BF16);
   check_reductions(LZ_F16);

@@ -251,10 +251,11 @@ function M.open(opts)
   if opts.hf and not lora then
     -- Nothing trains here: frozen weights take no optimizer states (a
     -- quarter of the memory in fp32). The engine wants one parameter that
-    -- trains: the smallest keeps that role (it never takes a step).
-    local keep = model.param_table[1]
+    -- trains: the smallest keeps that role (it never takes a step), one
+    -- of a module whose parameters may freeze apart (not a packed q|k|v).
+    local keep
     for _, e in ipairs(model.param_table) do
-      if e.numel < keep.numel then keep = e end
+      if not e.module.freeze_as_one and (not keep or e.numel < keep.numel) then keep = e end
     end
     model:freeze(function(name) return name ~= keep.name end)
   end

@@ -9,10 +9,16 @@
 -- added with name false so their weights keep Hugging Face's names
 -- (self_attn.q_proj.weight, ...): one GEMM writes the packed q|k|v rows the
 -- attention kernel reads.
+--
+-- A family's options (opts, absent = Llama's behaviour):
+--   bias     a bias on q_proj, k_proj and v_proj, none on o_proj (Qwen2)
+--   qk_norm  { eps =, offset = }: an RMSNorm over each q and k head before
+--            the rotary turn (nn/qk_norm.lua; Qwen3 offset 0, Gemma 3 1)
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
 local PackedLinear = require("luazero.nn.packed_linear")
+local QKNorm = require("luazero.nn.qk_norm")
 
 local ops = lz.ops
 local GQA = Module:extend("GroupedQueryAttention")
@@ -30,9 +36,21 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   self.opts = opts or {}
   self.qkv_proj = self:add(false, PackedLinear.new(n_embd, { { "q_proj", self.q_width },
                                                              { "k_proj", self.kv_width },
-                                                             { "v_proj", self.kv_width } }, std))
+                                                             { "v_proj", self.kv_width } }, std,
+                                                   { bias = self.opts.bias }))
   self:add("o_proj", Linear.new(self.q_width, n_embd, { bias = false, std = std }))
+  local qk = self.opts.qk_norm
+  if qk then
+    self.qk_norm = self:add(false, QKNorm.new(n_head, n_kv_head, head_dim, qk.eps, qk.offset))
+  end
   return self
+end
+
+-- The q|k|v projection of x, its q and k heads normed when the family says so.
+function GQA:project(x)
+  local qkv = self:run_forward(self.qkv_proj, x)
+  if self.qk_norm then qkv = self:run_forward(self.qk_norm, qkv) end
+  return qkv
 end
 
 -- The shared inverse frequencies where t lives (a copy made once for a device).
@@ -45,7 +63,7 @@ end
 
 function GQA:forward(x)
   local B, T = x:dim(1), x:dim(2)
-  local qkv = self:run_forward(self.qkv_proj, x)
+  local qkv = self:project(x)
   local extra = self.ctx.extra
   local pos, seg = extra and extra.pos, extra and extra.seg
   -- q and k turn in place; v passes.
@@ -82,6 +100,7 @@ function GQA:backward(dy)
   else
     ops.rope_freqs_backward(dqkv, dqkv, self:freqs_for(dqkv), self.n_head + self.n_kv_head, 0)
   end
+  if self.qk_norm then dqkv = self:run_backward(self.qk_norm, dqkv) end
   return self:run_backward(self.qkv_proj, dqkv)
 end
 
@@ -92,7 +111,7 @@ end
 -- position up to its own. No backward.
 function GQA:forward_cached(x, kv)
   local B, T = x:dim(1), x:dim(2)
-  local qkv = self:run_forward(self.qkv_proj, x)
+  local qkv = self:project(x)
   local freqs, heads, at = self:freqs_for(qkv), self.n_head + self.n_kv_head, kv.at
   local same = true
   for b = 2, B do same = same and at[b] == at[1] end
