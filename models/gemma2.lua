@@ -51,10 +51,11 @@ local function positive(cfg, k)
   end
 end
 
-function M.finish(cfg)
+-- family: the family finishing (Gemma 3 finishes its configs here too).
+function M.finish(cfg, family)
   if cfg.tie == nil then cfg.tie = true end
   cfg = llama.finish(cfg)
-  cfg.family = "gemma2"
+  cfg.family = family or "gemma2"
   cfg.query_pre_attn_scalar = cfg.query_pre_attn_scalar or cfg.head_dim
   for _, k in ipairs({ "query_pre_attn_scalar", "window", "attn_softcap", "final_softcap" }) do
     positive(cfg, k)
@@ -64,8 +65,10 @@ function M.finish(cfg)
   end
   local types = cfg.layer_types
   if types == nil then
+    -- every pattern-th layer full, the others sliding (Gemma 2: 2)
+    local pattern = cfg.sliding_window_pattern or 2
     types = {}
-    for i = 1, cfg.n_layer do types[i] = i % 2 == 1 and SLIDING or FULL end
+    for i = 1, cfg.n_layer do types[i] = i % pattern == 0 and FULL or SLIDING end
     cfg.layer_types = types
   end
   if #types ~= cfg.n_layer then
@@ -114,17 +117,23 @@ desc.names = { body = "model", embedding = "embed_tokens", blocks = "layers", no
                          attn_post_norm = "post_attention_layernorm",
                          mlp_norm = "pre_feedforward_layernorm", mlp = "mlp",
                          mlp_post_norm = "post_feedforward_layernorm" } }
-desc.attention = function(cfg, shared, i)
+-- Layer i's attention with its options (and `more` of a family's own, as
+-- Gemma 3's QK-norm), turning by `rope`.
+function M.attention(cfg, rope, i, more)
   local opts = M.attention_opts(cfg, i)
-  local attn = nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope,
-                          cfg.std, opts)
+  local needs = next(opts) ~= nil
+  for k, v in pairs(more or {}) do opts[k] = v end
+  local attn = nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, rope, cfg.std, opts)
   -- An attention without these options would silently compute Llama's.
-  if next(opts) and attn.window == nil then
-    error("gemma2: nn/gqa.lua here has no window, softcap or scale options; this config " ..
-          "needs them (attn_logit_softcapping, sliding_window, query_pre_attn_scalar)", 0)
+  if needs and attn.window == nil then
+    error(("%s: nn/gqa.lua here has no window, softcap or scale options; this config needs " ..
+           "them (attn_logit_softcapping, sliding_window, query_pre_attn_scalar)")
+          :format(cfg.family), 0)
   end
   return attn
 end
+
+desc.attention = function(cfg, shared, i) return M.attention(cfg, shared.rope, i) end
 desc.final_softcap = function(cfg) return cfg.final_softcap end
 M.description = desc
 
@@ -153,7 +162,7 @@ local function config_json(cfg)
   }
 end
 
-local function read_layer_types(v, fail)
+function M.read_layer_types(v, fail)
   for i, t in ipairs(v) do
     if t ~= SLIDING and t ~= FULL then
       fail(("field layer_types[%d] is %s; expected \"%s\" or \"%s\"")
@@ -185,7 +194,7 @@ M.hf = {
     { "window", "sliding_window", "int", optional = true },
     { "attn_softcap", "attn_logit_softcapping", "number", optional = true },
     { "final_softcap", "final_logit_softcapping", "number", optional = true },
-    { "layer_types", "layer_types", "object", optional = true, read = read_layer_types },
+    { "layer_types", "layer_types", "object", optional = true, read = M.read_layer_types },
     { false, "hidden_activation", "string", default = "gelu_pytorch_tanh",
       allowed = { "gelu_pytorch_tanh" }, refusal = "luazero's Gemma 2 has the tanh GELU" },
     { false, "attention_bias", "bool", default = false, allowed = { false },

@@ -96,6 +96,43 @@ function T.config_json_fields_and_refusals()
                        "field layer_types[1] is \"chunked_attention\"")
 end
 
+-- Gemma 3's config.json as transformers 4.x writes it (rope_theta,
+-- rope_local_base_freq, sliding_window_pattern) and as 5.x does (layer_types,
+-- rope_parameters per layer type) give one config; the local layers turn by
+-- their own base; the QK-norm's weights act as 1 + w.
+function T.gemma3_reads_4x_and_5x_configs()
+  local common = { hidden_size = 64, intermediate_size = 128, num_hidden_layers = 6,
+                   num_attention_heads = 4, num_key_value_heads = 1, head_dim = 32,
+                   max_position_embeddings = 64, vocab_size = 256, query_pre_attn_scalar = 32,
+                   sliding_window = 512 }
+  local j4 = { architectures = { "Gemma3ForCausalLM" }, rope_theta = 500000,
+               rope_local_base_freq = 20000, sliding_window_pattern = 3 }
+  local j5 = { architectures = { "Gemma3ForCausalLM" },
+               layer_types = { "sliding_attention", "sliding_attention", "full_attention",
+                               "sliding_attention", "sliding_attention", "full_attention" },
+               rope_parameters = {
+                 full_attention = { rope_type = "default", rope_theta = 500000 },
+                 sliding_attention = { rope_type = "default", rope_theta = 20000 } } }
+  local cfgs = {}
+  for i, j in ipairs({ j4, j5 }) do
+    for k, v in pairs(common) do j[k] = v end
+    cfgs[i] = models.from_hf_config(write_file(("g3_%d.json"):format(i), cjson.encode(j)))
+    eq(cfgs[i].family, "gemma3", "family")
+    eq(cfgs[i].rope_theta, 500000, "global base")
+    eq(cfgs[i].rope_local, 20000, "local base")
+  end
+  eq(table.concat(cfgs[1].layer_types, ","), table.concat(j5.layer_types, ","), "layer types")
+  local m = models.new(cfgs[2])
+  local blocks = m.layers.blocks
+  assert(blocks[1].attn.rope == m.shared.rope_local and blocks[3].attn.rope == m.shared.rope,
+         "local layers turn by the local base")
+  eq(blocks[1].attn.qk_norm.offset, 1, "QK-norm scales by 1 + w")
+  j5.rope_parameters.full_attention.rope_type = "linear"
+  local path = write_file("g3bad.json", cjson.encode(j5))
+  support.expect_error(function() models.from_hf_config(path) end,
+                       "rope_parameters.full_attention.rope_type is \"linear\"")
+end
+
 ---------------------------------------------------------- end to end
 
 local corpus = write_file("corpus.txt", ("Shall I compare thee to a summer's day?\n" ..
