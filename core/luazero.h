@@ -295,6 +295,23 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                     const lz_tensor *qkv, const lz_tensor *out,
                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
                                     int n_kv_head);
+/* The attention above with a family's options, each 0 for off (then the
+ * results are the plain ones, bitwise):
+ *   window   a query at t sees keys s with t - window < s <= t (window keys,
+ *            its own included; Mistral's sliding_window, as transformers 5.x
+ *            masks it); key tiles wholly outside are skipped.
+ *   softcap  each scaled score s becomes softcap * tanh(s / softcap)
+ *            (Gemma 2's attn_logit_softcapping).
+ *   scale    the scores' factor instead of 1/sqrt(head_dim) (Gemma's
+ *            query_pre_attn_scalar ** -0.5).
+ * Backward takes the options forward ran with. */
+lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale);
+lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                     const lz_tensor *qkv, const lz_tensor *out,
+                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
+                                     int n_kv_head, int window, float softcap, float scale);
 /* Attention against a key/value cache (generation). qkv f32 [B, T, W]: the
  * packed q|k|v rows above for T new positions. k_cache, v_cache [B, S,
  * n_kv_head * hd], f32 or bf16, row b holding pos[b] positions (pos: i32
@@ -305,6 +322,15 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout,
 lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
                               lz_tensor *v_cache, const lz_tensor *pos, int n_head,
                               int n_kv_head);
+/* lz_attention_decode with lz_attention_opts_forward's options. With a
+ * window, the caches are rings: position s lives at s % S, so S >= window
+ * slots hold all a query sees, however long the context (pos[b] + T may
+ * pass S; a shorter cache must hold every position); the T new positions'
+ * keys are read from qkv, and the last S of them are written once every
+ * query has run. */
+lz_status lz_attention_opts_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
+                                   lz_tensor *v_cache, const lz_tensor *pos, int n_head,
+                                   int n_kv_head, int window, float softcap, float scale);
 
 /* out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]. tokens i32 [B, T]. wpe
  * may be NULL: the token rows alone (Llama's embed_tokens). */

@@ -22,6 +22,11 @@
 // only when both are in one document (lz_attention_seg_*). Keys of another
 // document are skipped outright, so a query whose tile holds none of its
 // own keys adds nothing.
+//
+// Options (lz_attention_opts_*, each 0 for off): a window W (a query sees
+// its W latest keys; tiles before them are not loaded), soft-capping of the
+// scaled scores (s -> cap tanh(s / cap), with the factor 1 - tanh^2 in
+// backward) and the scores' scale.
 #include "lz_cuda.h"
 
 #include <float.h>  // FLT_MAX
@@ -34,8 +39,21 @@ struct attn_dims {
   int64_t B, T, C;  // C = NH * HS: the width of out and of q
   int64_t row;      // floats per qkv row: (NH + 2 NKV) * HS
   int NH, NKV, HS;
+  int64_t W;  // window; 0 = none
   float scale;
+  float cap;  // soft-capping; 0 = none
 };
+
+// Whether query qi sees key kj by the causal mask and the window.
+__device__ __forceinline__ bool in_window(const attn_dims &d, int64_t qi, int64_t kj) {
+  return kj <= qi && (!d.W || qi - kj < d.W);
+}
+
+// The first key a block of queries from q0 on reaches, down to a whole tile.
+__device__ __forceinline__ int64_t first_key(const attn_dims &d, int64_t q0) {
+  const int64_t k = d.W && q0 - d.W + 1 > 0 ? q0 - d.W + 1 : 0;
+  return k / KTILE * KTILE;
+}
 
 // Columns of key/value head g within a qkv row.
 __device__ __forceinline__ int64_t k_col(const attn_dims &d, int g) {
@@ -82,7 +100,7 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
   float m = -FLT_MAX, l = 0.0f;
   int64_t kend = ((int64_t)blockIdx.x + 1) * QPB;
   if (kend > T) kend = T;
-  for (int64_t k0 = 0; k0 < kend; k0 += KTILE) {
+  for (int64_t k0 = first_key(d, (int64_t)blockIdx.x * QPB); k0 < kend; k0 += KTILE) {
     load_kv_tile<HSM>(ks, vs, base, k0, T, row, kc, vc, HS);
     if (!valid || k0 > qi) continue;
     float s[KTILE];
@@ -93,7 +111,8 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
 #pragma unroll
       for (int dd = 0; dd < HSM; dd++)
         if (dd < HS) dot += q[dd] * ks[r][dd];
-      s[r] = (k0 + r <= qi && (!sg || sg[k0 + r] == mine)) ? dot : -FLT_MAX;
+      if (d.cap) dot = d.cap * tanhf(dot / d.cap);
+      s[r] = (in_window(d, qi, k0 + r) && (!sg || sg[k0 + r] == mine)) ? dot : -FLT_MAX;
       tmax = fmaxf(tmax, s[r]);
     }
     const float m_new = fmaxf(m, tmax), corr = expf(m - m_new);
@@ -103,6 +122,7 @@ __global__ void attention_forward_kernel(float *out, float *lse, const float *qk
 #pragma unroll
     for (int r = 0; r < KTILE; r++) {
       if (k0 + r > qi) break;
+      if (!in_window(d, qi, k0 + r)) continue;
       if (sg && sg[k0 + r] != mine) continue;
       float p = expf(s[r] - m_new);
       l += p;
@@ -147,11 +167,12 @@ __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout,
   const int32_t mine = sg && valid ? sg[qi] : 0;
   int64_t kend = ((int64_t)blockIdx.x + 1) * QPB;
   if (kend > T) kend = T;
-  for (int64_t k0 = 0; k0 < kend; k0 += KTILE) {
+  for (int64_t k0 = first_key(d, (int64_t)blockIdx.x * QPB); k0 < kend; k0 += KTILE) {
     load_kv_tile<HSM>(ks, vs, base, k0, T, row, kc, vc, HS);
     if (!valid || k0 > qi) continue;
     for (int r = 0; r < KTILE; r++) {
       if (k0 + r > qi) break;
+      if (!in_window(d, qi, k0 + r)) continue;
       if (sg && sg[k0 + r] != mine) continue;
       float s = 0.0f, dp = 0.0f;
 #pragma unroll
@@ -160,7 +181,15 @@ __global__ void attention_dq_kernel(float *dqkv, float *dsum, const float *dout,
           s += q[dd] * ks[r][dd];
           dp += gr[dd] * vs[r][dd];
         }
-      const float p = expf(s * d.scale - L), ds = p * (dp - D) * d.scale;
+      float p, ds;
+      if (d.cap) {
+        const float t = tanhf(s * d.scale / d.cap);
+        p = expf(d.cap * t - L);
+        ds = p * (dp - D) * (1.0f - t * t) * d.scale;
+      } else {
+        p = expf(s * d.scale - L);
+        ds = p * (dp - D) * d.scale;
+      }
 #pragma unroll
       for (int dd = 0; dd < HSM; dd++)
         if (dd < HS) dq[dd] += ds * ks[r][dd];
@@ -200,7 +229,10 @@ __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float
   }
   for (int h = g * group; h < (g + 1) * group; h++) {
     const float *lse_bh = lse + (b * d.NH + h) * T, *dsum_bh = dsum + (b * d.NH + h) * T;
-    for (int64_t q0 = (int64_t)blockIdx.x * QPB; q0 < T; q0 += KTILE) {
+    // With a window, the block's last key is seen by queries up to W - 1 after it.
+    const int64_t last = ((int64_t)blockIdx.x + 1) * QPB - 1 + d.W;
+    const int64_t qend = d.W && last < T ? last : T;
+    for (int64_t q0 = (int64_t)blockIdx.x * QPB; q0 < qend; q0 += KTILE) {
       __syncthreads();
       for (int e = threadIdx.x; e < KTILE * HS; e += QPB) {
         int r = e / HS, dd = e % HS;
@@ -217,7 +249,7 @@ __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float
       if (!valid) continue;
       for (int r = 0; r < KTILE; r++) {
         int64_t qi = q0 + r;
-        if (qi < kj || qi >= T) continue;
+        if (qi < kj || qi >= T || !in_window(d, qi, kj)) continue;
         if (sg && sg[qi] != mine) continue;
         float s = 0.0f, dp = 0.0f;
 #pragma unroll
@@ -226,7 +258,15 @@ __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float
             s += qs[r][dd] * k[dd];
             dp += gs[r][dd] * v[dd];
           }
-        const float p = expf(s * d.scale - ls[r]), ds = p * (dp - ds_[r]) * d.scale;
+        float p, ds;
+        if (d.cap) {
+          const float t = tanhf(s * d.scale / d.cap);
+          p = expf(d.cap * t - ls[r]);
+          ds = p * (dp - ds_[r]) * (1.0f - t * t) * d.scale;
+        } else {
+          p = expf(s * d.scale - ls[r]);
+          ds = p * (dp - ds_[r]) * d.scale;
+        }
 #pragma unroll
         for (int dd = 0; dd < HSM; dd++)
           if (dd < HS) {
@@ -246,7 +286,8 @@ __global__ void attention_dkv_kernel(float *dqkv, const float *dsum, const float
     }
 }
 
-// i[0] n_head, i[1] n_kv_head (0: n_head), as the core checked them.
+// i[0] n_head, i[1] n_kv_head (0: n_head), i[2] window; f[0] softcap, f[1]
+// scale (0: 1/sqrt(HS)), as the core checked them.
 static attn_dims dims_of(const lz_tensor *qkv, const lz_op_args *a) {
   attn_dims d;
   d.NH = (int)a->i[0];
@@ -256,7 +297,9 @@ static attn_dims dims_of(const lz_tensor *qkv, const lz_op_args *a) {
   d.row = qkv->shape[2];
   d.HS = (int)(d.row / (d.NH + 2 * (int64_t)d.NKV));
   d.C = (int64_t)d.HS * d.NH;
-  d.scale = d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  d.scale = a->f[1] ? a->f[1] : d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  d.W = a->i[2];
+  d.cap = a->f[0];
   return d;
 }
 

@@ -98,7 +98,8 @@ end
 -------------------------------------------------------------------- model
 
 -- The attention options of layer i (nn/gqa.lua's opts): each absent where it
--- changes nothing (a window the context fits in, the default scale).
+-- changes nothing (a window the context fits in, the default scale), so such
+-- a layer runs the plain attention kernels.
 function M.attention_opts(cfg, i)
   local o = {}
   if cfg.layer_types[i] == SLIDING and cfg.window and cfg.window < cfg.context then
@@ -121,16 +122,8 @@ desc.names = { body = "model", embedding = "embed_tokens", blocks = "layers", no
 -- Gemma 3's QK-norm), turning by `rope`.
 function M.attention(cfg, rope, i, more)
   local opts = M.attention_opts(cfg, i)
-  local needs = next(opts) ~= nil
   for k, v in pairs(more or {}) do opts[k] = v end
-  local attn = nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, rope, cfg.std, opts)
-  -- An attention without these options would silently compute Llama's.
-  if needs and attn.window == nil then
-    error(("%s: nn/gqa.lua here has no window, softcap or scale options; this config needs " ..
-           "them (attn_logit_softcapping, sliding_window, query_pre_attn_scalar)")
-          :format(cfg.family), 0)
-  end
-  return attn
+  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, rope, cfg.std, opts)
 end
 
 desc.attention = function(cfg, shared, i) return M.attention(cfg, shared.rope, i) end

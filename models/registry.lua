@@ -17,8 +17,8 @@ local M = {}
 
 -- The families, in the order their sizes are listed: the one list.
 local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.qwen2"),
-                   require("models.qwen3"), require("models.gemma"), require("models.gemma2"),
-                   require("models.gemma3") }
+                   require("models.qwen3"), require("models.mistral"), require("models.gemma"),
+                   require("models.gemma2"), require("models.gemma3") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family
@@ -103,10 +103,13 @@ local KIND_WANTS = { int = "; expected a whole number", number = "; expected a n
                      object = " is not an object" }
 
 -- One field of a family's schema (hf.fields: { field, key, kind, default =,
--- optional =, allowed =, refusal =, read = }) read from config.json `j`.
+-- optional =, allowed =, refusal =, read =, if_null = }) read from
+-- config.json `j`. if_null: the value of an explicit null, where null and
+-- absent differ (Mistral's sliding_window: null is none, absent 4096).
 local function read_field(e, j, cfg, fail)
   local key, kind = e[2], e[3]
   local v = j[key]
+  if v == null and e.if_null ~= nil then return e.if_null end
   if not present(v) then
     if e.optional then return nil end
     local d = e.default

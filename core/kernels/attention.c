@@ -34,7 +34,7 @@
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
-#include <math.h> /* exp2f, log2f, sqrtf, INFINITY */
+#include <math.h> /* log2f, sqrtf, isinf, INFINITY */
 
 #define TILE 64    /* queries and keys per tile */
 #define VL 16      /* floats per vector (a 64-byte vector; two halves on AVX2) */
@@ -59,7 +59,9 @@ typedef struct {
   int64_t row;             /* floats per qkv row: (NH + 2 NKV) * HS */
   int64_t HSP;             /* HS rounded up to whole vectors: the row length of tiles */
   int64_t nb;              /* tiles along T */
-  float scale;             /* 1/sqrt(HS) */
+  int64_t W;               /* window: a query sees its W latest keys; 0 = all */
+  float scale;             /* scores' factor, 1/sqrt(HS) unless set */
+  float cap;               /* soft-capping of the scaled scores; 0 = none */
 } attn_dims;
 
 /* ------------------------------------------------------------ vector math */
@@ -273,6 +275,60 @@ static int tiles_meet(const int32_t *sg, int64_t i0, int64_t nq, int64_t j0, int
   return MEET_NONE;
 }
 
+/* ----------------------------------------------------------- window masks */
+
+/* The first key tile a query tile starting at i0 reaches. */
+static int64_t first_key_tile(const attn_dims *d, int64_t i0) {
+  return d->W && i0 - d->W + 1 > 0 ? (i0 - d->W + 1) / TILE : 0;
+}
+
+/* The last query tile a key tile [j0, j0+nk) reaches. */
+static int64_t last_query_tile(const attn_dims *d, int64_t j0, int64_t nk) {
+  if (!d->W) return d->nb - 1;
+  const int64_t last = j0 + nk - 1 + d->W - 1;
+  return last < d->T ? last / TILE : d->nb - 1;
+}
+
+/* Whether some query of [i0, i0+nq) is W or more past some key from j0 on:
+ * the pair's scores need the window's mask. */
+static int window_cuts(const attn_dims *d, int64_t i0, int64_t nq, int64_t j0) {
+  return d->W && i0 + nq - 1 - j0 >= d->W;
+}
+
+/* tanh(x), within a few fp32 ulps: Cephes' tanhf, an odd polynomial
+ * below |x| = 0.625 and 1 - 2 / (e^2|x| + 1) above, with the sign. */
+INLINE void v_tanh(vf *y, const vf *xp) {
+  const vf x = *xp;
+  vf zero, z, e, big, small;
+  v_splat(&zero, 0.0f);
+  const vi neg = x < zero;
+  z = (vf)(((vi)-x & neg) | ((vi)x & ~neg)); /* |x| */
+  vf t = z * (2.0f * LOG2E);
+  v_exp2(&e, &t);
+  big = 1.0f - 2.0f / (e + 1.0f);
+  const vf s = z * z;
+  vf p = s * -5.70498872745e-3f + 2.06390887954e-2f;
+  p = p * s - 5.37397155531e-2f;
+  p = p * s + 1.33314422036e-1f;
+  p = p * s - 3.33332819422e-1f;
+  small = p * s * z + z;
+  const vi low = z <= 0.625f;
+  z = (vf)(((vi)small & low) | ((vi)big & ~low));
+  *y = (vf)(((vi)-z & neg) | ((vi)z & ~neg));
+}
+
+/* s -> cap tanh(s / cap) * mul over n floats (a multiple of VL, s aligned);
+ * tn, when given, takes the tanh values. */
+INLINE void soft_cap(float *s, float *tn, int64_t n, float cap, float mul) {
+  const float inv = 1.0f / cap, cm = cap * mul;
+  for (int64_t i = 0; i < n; i += VL) {
+    vf x = *(vf *)(s + i) * inv, t;
+    v_tanh(&t, &x);
+    if (tn) *(vf *)(tn + i) = t;
+    *(vf *)(s + i) = t * cm;
+  }
+}
+
 /* ---------------------------------------------------------------- forward */
 
 /* One query tile of one (batch, head): out rows [qb*TILE, +TILE) and their lse.
@@ -302,18 +358,20 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
 
   prefetch_rows(kbase, row, T < TILE ? T : TILE, HS);
   prefetch_rows(vbase, row, T < TILE ? T : TILE, HS);
-  load_transposed(qt, qbase + i0 * row, row, nq, HS, d.scale * LOG2E);
+  /* Capped scores take log2(e) after the cap. */
+  load_transposed(qt, qbase + i0 * row, row, nq, HS, d.cap ? d.scale : d.scale * LOG2E);
   for (int64_t i = 0; i < TILE * HSP; i++) o[i] = 0.0f;
   for (int vq = 0; vq < nvq; vq++) {
     v_splat(&mv[vq], -INFINITY);
     v_splat(&lv[vq], 0.0f);
   }
 
-  for (int64_t kb = 0; kb <= qb; kb++) {
+  for (int64_t kb = first_key_tile(&d, i0); kb <= qb; kb++) {
     const int64_t j0 = kb * TILE, nk = T - j0 < TILE ? T - j0 : TILE;
     const int64_t nkr = (nk + ROWS - 1) / ROWS * ROWS;
     const int diag = kb == qb;
     const int meet = tiles_meet(sg, i0, nq, j0, nk);
+    const int cut = window_cuts(&d, i0, nq, j0);
     if (meet == MEET_NONE) continue;
     if (kb < qb) {
       const int64_t n_next = T - j0 - TILE < TILE ? T - j0 - TILE : TILE;
@@ -327,6 +385,11 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
       const int v0 = diag ? (int)(r0 / VL) : 0;
       tile_nt_cols(st + r0 * TILE, k + r0 * HSP, HSP, qt, HS, v0);
     }
+    if (d.cap) soft_cap(st, NULL, nk * TILE, d.cap, LOG2E);
+    if (cut) /* keys W or more behind the query */
+      for (int64_t j = 0; j < nk; j++)
+        for (int64_t i = 0; i < nq; i++)
+          if (i0 + i - (j0 + j) >= d.W) st[j * TILE + i] = -INFINITY;
 
     if (meet == MEET_SOME) /* keys of another document */
       for (int64_t j = 0; j < nk; j++)
@@ -343,7 +406,7 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
       vf mx = mv[vq];
       for (int64_t j = 0; j < jend; j++) v_max(&mx, &mx, (const vf *)(st + j * TILE) + vq);
       vf ms = mx; /* what the exponentials subtract */
-      if (meet == MEET_SOME) {
+      if (meet == MEET_SOME || cut) {
         vf ninf;
         v_splat(&ninf, -INFINITY);
         vi none = ms == ninf; /* rows that saw no key yet subtract 0 */
@@ -405,7 +468,7 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
   float *dp = p + TILE * TILE; /* [TILE][TILE] */
   float lse2[TILE], D[TILE], ones[ROWS];
   for (int r = 0; r < ROWS; r++) ones[r] = 1.0f;
-  const float c = d.scale * LOG2E;
+  const float c = d.cap ? d.scale : d.scale * LOG2E; /* capped scores take log2(e) after */
   const int32_t *sg = seg ? seg + b * T : NULL; /* this sequence's documents */
 
   for (int64_t kb = 0; kb < d.nb; kb++) {
@@ -422,27 +485,30 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
       float *dqbase = dqkv + qoff;
       const float *obase = out + b * T * C + h * HS, *dobase = dout + b * T * C + h * HS;
       const float *lse_bh = lse + (b * d.NH + h) * T;
-      for (int64_t qb = kb; qb < d.nb; qb++) {
+      const int64_t qb_end = last_query_tile(&d, j0, nk) + 1;
+      for (int64_t qb = kb; qb < qb_end; qb++) {
         const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
         const int64_t nqr = (nq + ROWS - 1) / ROWS * ROWS;
         const int diag = kb == qb;
         const int meet = tiles_meet(sg, i0, nq, j0, nk);
+        const int cut = window_cuts(&d, i0, nq, j0);
+        const int first = kb == first_key_tile(&d, i0); /* writes dq; later key tiles add */
         if (meet == MEET_NONE) { /* no key here reaches these queries */
-          if (kb == 0)
+          if (first)
             for (int64_t i = 0; i < nq; i++)
               for (int64_t cc = 0; cc < HS; cc++) dqbase[(i0 + i) * row + cc] = 0.0f;
           continue;
         }
         /* Fetch ahead what the next step reads: the next query tile, or at the
          * end of this key tile the next key tile and its first query tile. */
-        const int64_t nqb = qb + 1 < d.nb ? qb + 1 : kb + 1;
+        const int64_t nqb = qb + 1 < qb_end ? qb + 1 : kb + 1;
         if (nqb < d.nb) {
           const int64_t n_next = T - nqb * TILE < TILE ? T - nqb * TILE : TILE;
           prefetch_rows(qbase + nqb * TILE * row, row, n_next, HS);
           prefetch_rows(dobase + nqb * TILE * C, C, n_next, HS);
           prefetch_rows(obase + nqb * TILE * C, C, n_next, HS);
           prefetch_rows(dqbase + nqb * TILE * row, row, n_next, HS);
-          if (qb + 1 == d.nb && h + 1 == (g + 1) * group) {
+          if (qb + 1 == qb_end && h + 1 == (g + 1) * group) {
             prefetch_rows(kbase + nqb * TILE * row, row, n_next, HS);
             prefetch_rows(vbase + nqb * TILE * row, row, n_next, HS);
           }
@@ -475,6 +541,8 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
           vf ls, dd;
           v_splat(&ls, lse2[i]);
           v_splat(&dd, D[i]);
+          float tn[TILE] __attribute__((aligned(64))); /* tanh of the capped scores */
+          if (d.cap) soft_cap(pi, tn, nv * VL, d.cap, LOG2E);
           for (int64_t vv = 0; vv < nv; vv++) {
             vf x = ((vf *)pi)[vv] - ls;
             v_exp2((vf *)pi + vv, &x);
@@ -483,8 +551,12 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
           if (meet == MEET_SOME) /* keys of another document */
             for (int64_t j = 0; j < n; j++)
               if (sg[j0 + j] != sg[i0 + i]) pi[j] = 0.0f;
+          if (cut) /* keys W or more behind the query */
+            for (int64_t j = 0; j < n && i0 + i - (j0 + j) >= d.W; j++) pi[j] = 0.0f;
           for (int64_t vv = 0; vv < nv; vv++)
             ((vf *)dpi)[vv] = ((vf *)pi)[vv] * (((vf *)dpi)[vv] - dd);
+          if (d.cap) /* through the cap: d(cap tanh(s/cap))/ds = 1 - tanh^2 */
+            for (int64_t j = 0; j < nv * VL; j++) dpi[j] *= 1.0f - tn[j] * tn[j];
         }
 
         /* dv, dk rows are keys: query i reaches key j only from i = j on. */
@@ -497,11 +569,11 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
           const int64_t k1 = diag ? (r0 + ROWS < nk ? r0 + ROWS : nk) : nk;
           rows_nn(dq + r0 * HSP, HSP, dp + r0 * TILE, TILE, 1, k, HSP, 0, k1, NULL, HSP);
         }
-        /* Key tile 0 is the first to reach every query row: it writes, later ones add. */
+        /* The first key tile to reach a query row writes, later ones add. */
         for (int64_t i = 0; i < nq; i++) {
           float *dst = dqbase + (i0 + i) * row;
           const float *src = dq + i * HSP;
-          if (kb == 0)
+          if (first)
             for (int64_t cc = 0; cc < HS; cc++) dst[cc] = src[cc] * d.scale;
           else
             for (int64_t cc = 0; cc < HS; cc++) dst[cc] += src[cc] * d.scale;
@@ -533,8 +605,10 @@ static lz_status check_shape3(const char *op, const char *name, const lz_tensor 
   return LZ_OK;
 }
 
-/* The sizes of qkv's heads, for n_head and n_kv_head already checked. */
-static attn_dims dims_of(const lz_tensor *qkv, int n_head, int n_kv_head) {
+/* The sizes of qkv's heads, for n_head and n_kv_head already checked, and
+ * the options window, softcap, scale (0: off, 1/sqrt(HS)). */
+static attn_dims dims_of(const lz_tensor *qkv, int n_head, int n_kv_head, int64_t window,
+                         float softcap, float scale) {
   attn_dims d;
   const int64_t parts = n_head + 2 * (int64_t)n_kv_head; /* heads of q, k and v in a row */
   d.B = qkv->shape[0];
@@ -546,7 +620,9 @@ static attn_dims dims_of(const lz_tensor *qkv, int n_head, int n_kv_head) {
   d.NKV = n_kv_head;
   d.HSP = (d.HS + VL - 1) / VL * VL;
   d.nb = (d.T + TILE - 1) / TILE;
-  d.scale = d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  d.scale = scale ? scale : d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
+  d.W = window;
+  d.cap = softcap;
   return d;
 }
 
@@ -577,7 +653,7 @@ static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, int
                    "multiple of %lld",
                    op, lz_tensor_describe(qkv, b, sizeof b), (long long)parts,
                    (long long)qkv->shape[2], (long long)parts);
-  *d = dims_of(qkv, n_head, n_kv_head);
+  *d = dims_of(qkv, n_head, n_kv_head, 0, 0.0f, 0.0f);
   if (d->HS > MAX_HS)
     return lz_fail(LZ_ERR_UNSUPPORTED,
                    "%s: head size C/n_head = %lld/%d = %lld is above the supported %d; use "
@@ -608,6 +684,20 @@ lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
   return lz_attention_seg_backward(dqkv, dout, qkv, out, lse, NULL, n_head, n_kv_head);
 }
 
+/* The options of lz_attention_opts_*: each 0 (off) or a finite positive number. */
+lz_status lz_attention_check_options(const char *op, int window, float softcap, float scale) {
+  if (window < 0)
+    return lz_fail(LZ_ERR_INVALID, "%s: window is %d; it must be >= 1 (keys a query sees, its "
+                   "own included), or 0 for none", op, window);
+  if (!(softcap >= 0.0f) || isinf(softcap))
+    return lz_fail(LZ_ERR_INVALID, "%s: softcap is %g; it must be a finite number > 0, or 0 for "
+                   "none", op, (double)softcap);
+  if (!(scale >= 0.0f) || isinf(scale))
+    return lz_fail(LZ_ERR_INVALID, "%s: scale is %g; it must be a finite number > 0, or 0 for "
+                   "1/sqrt(head_dim)", op, (double)scale);
+  return LZ_OK;
+}
+
 /* seg, when given: i32 [B, T]. Any ids: only equality matters. */
 static lz_status check_seg(const char *op, const lz_tensor *seg, const attn_dims *d,
                            const lz_tensor *qkv) {
@@ -623,10 +713,18 @@ static lz_status check_seg(const char *op, const lz_tensor *seg, const attn_dims
 
 lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
                                    const lz_tensor *seg, int n_head, int n_kv_head) {
+  return lz_attention_opts_forward(out, lse, qkv, seg, n_head, n_kv_head, 0, 0.0f, 0.0f);
+}
+
+lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale) {
   const char *op = "attention_forward";
   const lz_op_args args = {.t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg},
-                           .i = {n_head, n_kv_head}};
+                           .i = {n_head, n_kv_head, window},
+                           .f = {softcap, scale}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_FORWARD, &args));
+  LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
@@ -638,7 +736,7 @@ lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tens
 lz_status lz_cpu_attention_forward(const lz_op_args *a) {
   lz_tensor *out = a->t[0], *lse = a->t[1];
   const lz_tensor *qkv = a->t[2], *seg = a->t[3];
-  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1]);
+  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *o = out->data, *l = lse->data;
@@ -658,11 +756,21 @@ lz_status lz_cpu_attention_forward(const lz_op_args *a) {
 lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
                                     const lz_tensor *out, const lz_tensor *lse,
                                     const lz_tensor *seg, int n_head, int n_kv_head) {
+  return lz_attention_opts_backward(dqkv, dout, qkv, out, lse, seg, n_head, n_kv_head, 0, 0.0f,
+                                    0.0f);
+}
+
+lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                     const lz_tensor *out, const lz_tensor *lse,
+                                     const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                     float softcap, float scale) {
   const char *op = "attention_backward";
   const lz_op_args args = {.t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
                                  (lz_tensor *)lse, (lz_tensor *)seg},
-                           .i = {n_head, n_kv_head}};
+                           .i = {n_head, n_kv_head, window},
+                           .f = {softcap, scale}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_BACKWARD, &args));
+  LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(lz_check_same_shape(op, "dqkv", dqkv, "qkv", qkv));
@@ -676,7 +784,7 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
 lz_status lz_cpu_attention_backward(const lz_op_args *a) {
   lz_tensor *dqkv = a->t[0];
   const lz_tensor *dout = a->t[1], *qkv = a->t[2], *out = a->t[3], *lse = a->t[4], *seg = a->t[5];
-  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1]);
+  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *dx = dqkv->data;

@@ -42,6 +42,8 @@ lz_status lz_check_numel(const char *op, const char *name, const lz_tensor *t, i
                          const char *why);
 lz_status lz_check_same_shape(const char *op, const char *name_a, const lz_tensor *a,
                               const char *name_b, const lz_tensor *b);
+/* The attention options (window, softcap, scale): 0 or in range. */
+lz_status lz_attention_check_options(const char *op, int window, float softcap, float scale);
 /* A named argument, for the checks that take lists (ended by {NULL}). */
 typedef struct lz_arg {
   const char *name;

@@ -184,9 +184,21 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
                                     int n_kv_head);
 
+lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale);
+lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                     const lz_tensor *qkv, const lz_tensor *out,
+                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
+                                     int n_kv_head, int window, float softcap, float scale);
+
 lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
                               lz_tensor *v_cache, const lz_tensor *pos, int n_head,
                               int n_kv_head);
+
+lz_status lz_attention_opts_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
+                                   lz_tensor *v_cache, const lz_tensor *pos, int n_head,
+                                   int n_kv_head, int window, float softcap, float scale);
 
 lz_status lz_embedding_forward(lz_tensor *out, const lz_tensor *tokens, const lz_tensor *wte,
                                const lz_tensor *wpe);

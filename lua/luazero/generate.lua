@@ -23,7 +23,9 @@ Cache.__index = Cache
 M.Cache = Cache
 
 -- Room for S positions of B rows, keys and values in `dtype` ("f32", or
--- "bf16" for half the memory; each value rounded once when written).
+-- "bf16" for half the memory; each value rounded once when written). A
+-- layer whose attention has a window keeps only that many positions, a
+-- ring the kernel writes round (memory O(window), not O(context)).
 function Cache.new(model, B, S, dtype)
   local self = setmetatable({ B = B, S = S, at = {}, layers = {}, owned = true }, Cache)
   self.pos = lz.tensor({ B }, "i32", "workspace")
@@ -32,10 +34,11 @@ function Cache.new(model, B, S, dtype)
   for i, blk in ipairs(model.layers.blocks) do
     local a = blk.attn
     local width = a.kv_width or a.n_embd
+    local n = (a.window or 0) > 0 and math.min(S, a.window) or S
     self.layers[i] = {
-      width = width, pos = self.pos, at = self.at,
-      k = lz.tensor({ B, S, width }, dtype or "f32", "activations"),
-      v = lz.tensor({ B, S, width }, dtype or "f32", "activations"),
+      width = width, S = n, pos = self.pos, at = self.at,
+      k = lz.tensor({ B, n, width }, dtype or "f32", "activations"),
+      v = lz.tensor({ B, n, width }, dtype or "f32", "activations"),
     }
   end
   return self
@@ -49,10 +52,10 @@ function Cache:row(b)
   r.pos = self.pos:view(b - 1, { 1 })
   r.pos_ptr = ffi.cast("int32_t *", r.pos.data)
   for i, l in ipairs(self.layers) do
-    local n = self.S * l.width
-    r.layers[i] = { width = l.width, pos = r.pos, at = r.at,
-                    k = l.k:view((b - 1) * n, { 1, self.S, l.width }),
-                    v = l.v:view((b - 1) * n, { 1, self.S, l.width }) }
+    local n = l.S * l.width
+    r.layers[i] = { width = l.width, S = l.S, pos = r.pos, at = r.at,
+                    k = l.k:view((b - 1) * n, { 1, l.S, l.width }),
+                    v = l.v:view((b - 1) * n, { 1, l.S, l.width }) }
   end
   return r
 end

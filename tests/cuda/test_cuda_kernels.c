@@ -725,6 +725,42 @@ static void test_attention_gqa(void) {
   gqa_case(1, 40, 4, 2, 128); /* Llama's head size */
 }
 
+/* The attention options (window, soft-capping, scale), with and without
+ * documents, forward and backward against the cpu. */
+static void opts_case(int64_t T, int NH, int NKV, int64_t HS, int window, float cap, float scale,
+                      int docs) {
+  const int64_t B = 2, row = (NH + 2 * (int64_t)NKV) * HS, C = NH * HS;
+  int64_t qs[3] = {B, T, row}, os[3] = {B, T, C}, ls[3] = {B, NH, T}, ss[2] = {B, T};
+  lz_tensor *qkv = host_rand(LZ_F32, 3, qs, 2.0f), *o = host(LZ_F32, 3, os);
+  lz_tensor *l = host(LZ_F32, 3, ls), *seg = NULL, *d_seg = NULL;
+  if (docs) {
+    seg = host(LZ_I32, 2, ss);
+    for (int64_t i = 0; i < B * T; i++) ((int32_t *)seg->data)[i] = (int32_t)((i % T) * docs / T);
+    d_seg = dev(seg);
+  }
+  lz_tensor *d_qkv = dev(qkv), *d_o = dev(o), *d_l = dev(l);
+  CHECK_OK(lz_attention_opts_forward(o, l, qkv, seg, NH, NKV, window, cap, scale));
+  CHECK_OK(lz_attention_opts_forward(d_o, d_l, d_qkv, d_seg, NH, NKV, window, cap, scale));
+  expect_close("attention_opts_forward out", d_o, o, 1e-5);
+  expect_close("attention_opts_forward lse", d_l, l, 1e-5);
+  lz_tensor *go = host_rand(LZ_F32, 3, os, 1), *gq = host(LZ_F32, 3, qs);
+  lz_tensor *d_go = dev(go), *d_gq = dev(gq);
+  CHECK_OK(lz_attention_opts_backward(gq, go, qkv, o, l, seg, NH, NKV, window, cap, scale));
+  CHECK_OK(lz_attention_opts_backward(d_gq, d_go, d_qkv, d_o, d_l, d_seg, NH, NKV, window, cap,
+                                      scale));
+  expect_close("attention_opts_backward dqkv", d_gq, gq, 1e-5);
+  FREE(qkv, o, l, d_qkv, d_o, d_l, go, gq, d_go, d_gq);
+  if (docs) FREE(seg, d_seg);
+}
+
+static void test_attention_options(void) {
+  opts_case(150, 4, 2, 16, 5, 0, 0, 0);        /* window under a key tile */
+  opts_case(200, 4, 1, 32, 70, 0, 0, 0);       /* window across query blocks */
+  opts_case(130, 4, 2, 16, 0, 5.0f, 0, 0);     /* soft-capping */
+  opts_case(100, 2, 2, 64, 0, 0, 0.0625f, 0);  /* scale */
+  opts_case(180, 8, 2, 128, 33, 3.0f, 0.2f, 3); /* all, with documents */
+}
+
 /* Token-only embedding (no position table), as Llama's. */
 static void test_embedding_tokens_only(void) {
   int64_t V = 50, C = 40, B = 3, T = 12;
@@ -883,6 +919,7 @@ static const struct {
     {"cuda_softcap", test_softcap},
     {"cuda_lion", test_lion},
     {"cuda_attention_gqa", test_attention_gqa},
+    {"cuda_attention_options", test_attention_options},
     {"cuda_embedding_tokens_only", test_embedding_tokens_only},
     {"cuda_ledger_and_streams", test_ledger_and_streams},
     {"cuda_masking", test_masking},

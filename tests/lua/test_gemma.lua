@@ -14,9 +14,12 @@ local q = support.quote
 local write_file = support.scratch()
 local eq = support.eq
 
--- Hugging Face's counts: gemma-2b 2,506,172,416; gemma-7b 8,537,680,896.
+-- Hugging Face's counts: gemma-2b 2,506,172,416; gemma-7b 8,537,680,896;
+-- gemma-2-2b 2,614,341,888; gemma-2-9b 9,241,705,984; gemma-3-1b 999,885,952.
 function T.named_sizes_have_hugging_faces_parameter_counts()
-  for name, n in pairs({ ["gemma-2b"] = 2506172416, ["gemma-7b"] = 8537680896 }) do
+  for name, n in pairs({ ["gemma-2b"] = 2506172416, ["gemma-7b"] = 8537680896,
+                         ["gemma-2-2b"] = 2614341888, ["gemma-2-9b"] = 9241705984,
+                         ["gemma-3-1b"] = 999885952 }) do
     local m = models.new(models.config(name))
     eq(m:count_params(), n, name)
     m:free()
@@ -143,12 +146,17 @@ local g2 = write_file("gemma2.json", cjson.encode({
   max_position_embeddings = 32, vocab_size = 256, query_pre_attn_scalar = 32,
   sliding_window = cjson.null, attn_logit_softcapping = cjson.null,
   final_logit_softcapping = 2.0 }))
-local _, ok_train = support.trainer(("--model-config %s --seq-len 16 --sample 0 " ..
-                                     "--eval-batches 1 --seed 5 --data %s"):format(q(g2),
-                                                                                  q(corpus)))
+local RUN = "--seq-len 16 --sample 0 --eval-batches 1 --seed 5 --data " .. q(corpus)
+local _, capped_train = support.trainer(("--model-config %s %s"):format(q(g2), RUN))
+-- gemma2-tiny: attention scores capped at 20, logits at 10, a window of 8 on
+-- the first layer, query_pre_attn_scalar 24
+local _, tiny_train = support.trainer("--model gemma2-tiny " .. RUN)
 
 function T.soft_capped_gemma2_stages_0_to_3_agree_bitwise_at_world_2()
-  for _, dtype in ipairs({ "fp32", "bf16" }) do
+  local runs = { { "final cap", capped_train, "fp32" }, { "final cap", capped_train, "bf16" },
+                 { "gemma2-tiny", tiny_train, "fp32" } }
+  for _, run in ipairs(runs) do
+    local what, ok_train, dtype = run[1], run[2], run[3]
     local sums = {}
     for stage = 0, 3 do
       local _, sum = ok_train(2, ("--steps 4 --stage %d --dtype %s --micro-batch 2")
@@ -158,7 +166,7 @@ function T.soft_capped_gemma2_stages_0_to_3_agree_bitwise_at_world_2()
     local _, ck = ok_train(2, ("--steps 4 --stage 3 --dtype %s --micro-batch 2 " ..
                                "--checkpoint-activations"):format(dtype))
     sums[#sums + 1] = ck
-    print(("    gemma2 world 2 %s stages 0-3, checkpointing: %s"):format(dtype,
+    print(("    gemma2 (%s) world 2 %s stages 0-3, checkpointing: %s"):format(what, dtype,
           table.concat(sums, " ")))
     for i = 2, #sums do eq(sums[i], sums[1], dtype .. " run " .. i) end
   end

@@ -92,6 +92,17 @@ function T.llama_cached_logits_equal_the_full_forward()
   m:free()
 end
 
+-- A windowed model keeps a ring of W positions a layer, and a prompt
+-- longer than the ring still matches the full (windowed) forward.
+function T.windowed_cache_is_a_ring_of_the_window()
+  local m = model_of("mistral-tiny", { context = 32, window = 3 })
+  local cache = generate.Cache.new(m, 2, 12, "f32")
+  eq(cache.layers[1].k:dim(2), 3, "ring positions")
+  cache:free()
+  check_cached_equals_full(m, "f32", 1e-5)
+  m:free()
+end
+
 -- A bf16 cache rounds keys and values once: close, not the same.
 function T.bf16_cache_is_close_to_the_full_forward()
   local m = model_of("llama-tiny", { context = 32 })

@@ -10,9 +10,9 @@ second global (RoPE base 1000000, rope_parameters per layer type as 5.x
 writes them), saved with save_pretrained; the checks are test_gemma.py's:
 --init loss (1e-5) and gradients (1e-4), 20 steps then tools/ckpt export
 loaded back with the same loss, greedy generate of 64 tokens, LoRA adapters
-in PEFT. Its attention is the plain one (a window the sequences fit in,
-query_pre_attn_scalar = head_dim, no soft-caps): those options are the
-attention kernel's.
+in PEFT. The local layer's window is 4 (T = 16; prompts of up to 11 tokens
+and 64 new ones) and query_pre_attn_scalar 24 (not head_dim 32); no
+soft-caps, as Gemma 3 has none by default.
 
     /root/.cache/luazero/ref5-venv/bin/python tests/ref/test5_gemma3.py
     /usr/bin/python3 tests/ref/run.py test5_gemma3.py    # ends with "N passed, N failed"
@@ -41,7 +41,7 @@ def main():
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
         rms_norm_eps=1e-6, initializer_range=0.2, hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=32, sliding_window=128,
+        query_pre_attn_scalar=24, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
@@ -60,6 +60,11 @@ def main():
         g.check_export(check, transformers, base, tmp, arch="Gemma3ForCausalLM")
         g.check_generate(check, model, base, tmp)
         g.check_lora(check, model, base, tmp, peft)
+    g.check_bites(check, transformers.Gemma3ForCausalLM, model,
+                  {"sliding_window": 4096, "query_pre_attn_scalar": 32,
+                   "rope_parameters": {
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}})
     return check.summary()
 
 

@@ -147,6 +147,24 @@ def check_export(check, transformers, base, tmp, arch="GemmaForCausalLM"):
           f"(transformers {loss:.7f}, luazero {ours:.7f}, relative {err:.2g})")
 
 
+def check_bites(check, cls, model, changes):
+    """Each option of `changes` (name -> the value that turns it off) moves
+    the loss on a batch by more than 1e-4 relative: the test exercises it."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    y = torch.randint(0, model.config.vocab_size, (B, T), generator=g)
+    with torch.no_grad():
+        ref = loss_of(model, x, y).item()
+        for name, off in changes.items():
+            config = type(model.config).from_dict(model.config.to_dict())
+            setattr(config, name, off)
+            other = cls(config).eval()
+            other.load_state_dict(model.state_dict())
+            loss = loss_of(other, x, y).item()
+            err = abs(loss - ref) / abs(ref)
+            check(f"bites.{name}", err > 1e-4, f"(with {ref:.6f}, without {loss:.6f})")
+
+
 def check_generate(check, model, base, tmp):
     prompts = os.path.join(tmp, "prompts.jsonl")
     with open(prompts, "w") as f:

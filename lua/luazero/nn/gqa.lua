@@ -4,6 +4,9 @@
 -- n_head / n_kv_head query heads), o_proj. When a batch packs documents
 -- (the model's ctx.extra), q and k turn by each token's position within its
 -- document (extra.pos) and a token attends within its own (extra.seg).
+-- A family's options (opts) may set the kernel's window (a query sees its
+-- `window` latest keys), softcap (scores s -> softcap * tanh(s / softcap))
+-- and scale (instead of 1/sqrt(head_dim)); absent, Llama's attention.
 --
 -- q_proj, k_proj and v_proj are one PackedLinear (nn/packed_linear.lua),
 -- added with name false so their weights keep Hugging Face's names
@@ -34,6 +37,10 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   self.width = self.q_width + 2 * self.kv_width
   self.rope = rope
   self.opts = opts or {}
+  local o = self.opts
+  -- the kernel's options; all 0 runs the plain entries
+  self.window, self.softcap, self.scale = o.window or 0, o.softcap or 0, o.scale or 0
+  self.plain = self.window == 0 and self.softcap == 0 and self.scale == 0
   self.qkv_proj = self:add(false, PackedLinear.new(n_embd, { { "q_proj", self.q_width },
                                                              { "k_proj", self.kv_width },
                                                              { "v_proj", self.kv_width } }, std,
@@ -74,7 +81,10 @@ function GQA:forward(x)
   end
   local y = self:activation({ B, T, self.q_width })
   local lse = self:activation({ B, self.n_head, T })
-  if seg then
+  if not self.plain then
+    ops.attention_opts_forward(y, lse, qkv, seg, self.n_head, self.n_kv_head, self.window,
+                               self.softcap, self.scale)
+  elseif seg then
     ops.attention_seg_forward(y, lse, qkv, seg, self.n_head, self.n_kv_head)
   else
     ops.attention_gqa_forward(y, lse, qkv, self.n_head, self.n_kv_head)
@@ -87,7 +97,10 @@ function GQA:backward(dy)
   local dy_att = self:run_backward(self.o_proj, dy)
   local qkv = self.qkv
   local dqkv = self:scratch({ qkv:dim(1), qkv:dim(2), self.width })
-  if self.seg then
+  if not self.plain then
+    ops.attention_opts_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
+                                self.n_kv_head, self.window, self.softcap, self.scale)
+  elseif self.seg then
     ops.attention_seg_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
                                self.n_kv_head)
   else
@@ -108,7 +121,8 @@ end
 -- starting at position kv.at[b]: q and k turn by those positions, then the
 -- keys and values join the cache kv = { k, v, pos, at }
 -- (lua/luazero/generate.lua) and each query attends to every cached
--- position up to its own. No backward.
+-- position up to its own (with a window, its `window` latest: kv.k and
+-- kv.v may then be rings of window positions). No backward.
 function GQA:forward_cached(x, kv)
   local B, T = x:dim(1), x:dim(2)
   local qkv = self:project(x)
@@ -124,7 +138,8 @@ function GQA:forward_cached(x, kv)
     end
   end
   local y = self:activation({ B, T, self.q_width })
-  lz.check(lz.C.lz_attention_decode(y, qkv, kv.k, kv.v, kv.pos, self.n_head, self.n_kv_head))
+  lz.check(lz.C.lz_attention_opts_decode(y, qkv, kv.k, kv.v, kv.pos, self.n_head, self.n_kv_head,
+                                         self.window, self.softcap, self.scale))
   return self:run_forward(self.o_proj, y)
 end
 
