@@ -49,6 +49,10 @@ def main():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
+    # before PEFT wraps the model's projections in place
+    g.check_bites(check, transformers.Gemma2ForCausalLM, model,
+                  {"attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "sliding_window": 4096, "query_pre_attn_scalar": 32})
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         model.save_pretrained(base, safe_serialization=True)
@@ -56,9 +60,6 @@ def main():
         g.check_export(check, transformers, base, tmp, arch="Gemma2ForCausalLM")
         g.check_generate(check, model, base, tmp)
         g.check_lora(check, model, base, tmp, peft)
-    g.check_bites(check, transformers.Gemma2ForCausalLM, model,
-                  {"attn_logit_softcapping": None, "final_logit_softcapping": None,
-                   "sliding_window": 4096, "query_pre_attn_scalar": 32})
     return check.summary()
 
 

@@ -53,6 +53,12 @@ def main():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.normal_(0.0, 0.3)
+    # before PEFT wraps the model's projections in place
+    g.check_bites(check, transformers.Gemma3ForCausalLM, model,
+                  {"sliding_window": 4096, "query_pre_attn_scalar": 32,
+                   "rope_parameters": {
+                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}})
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         model.save_pretrained(base, safe_serialization=True)
@@ -60,11 +66,6 @@ def main():
         g.check_export(check, transformers, base, tmp, arch="Gemma3ForCausalLM")
         g.check_generate(check, model, base, tmp)
         g.check_lora(check, model, base, tmp, peft)
-    g.check_bites(check, transformers.Gemma3ForCausalLM, model,
-                  {"sliding_window": 4096, "query_pre_attn_scalar": 32,
-                   "rope_parameters": {
-                       "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                       "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}})
     return check.summary()
 
 
