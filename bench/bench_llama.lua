@@ -2,10 +2,10 @@
 -- and bf16, on one rank and on two, beside GPT-2 of the same depth and width
 -- and beside PyTorch and Hugging Face transformers on the same shapes; or
 -- (--lora) LoRA fine-tuning of a TinyLlama-1.1B shape beside PEFT.
---   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--micro-batch 4]
+--   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--beside gemma-100m]
+--                                 [--micro-batch 4]
 --                                 [--seq-len 64] [--steps 3] [--torch-steps 2] [--hf-steps 2]
 --                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1] [--profile]
---                                 [--beside qwen2-100m,qwen3-100m]
 --   luazero bench/bench_llama.lua --lora [--model tinyllama-1.1b] [--lora-r 8]
 --                                 [--micro-batch 2] [--seq-len 128] [--profile]
 -- In one run, on the same machine, threads, batch and sequence length:
@@ -42,8 +42,10 @@
 -- more to other jobs than two ranks of one thread each: use a quiet machine
 -- for figures to compare (docs/models.md, "Speed").
 -- Model FLOP utilisation (MFU) is against the GEMM figure of the run's dtype.
+-- --beside lists more sizes (other families' 100M shapes: gemma-100m) run
+-- on one rank as the Llama one is, with their MFU ratio to it.
 -- FLOPs per token: 6 N + 12 L C T (nanoGPT's estimate; N: the parameters,
--- without GPT-2's position table; the attention term counts the whole T x T
+-- without a position table (GPT-2's); the attention term counts the whole T x T
 -- square and the query heads, C = n_head * head_dim); with LoRA 4 N + 12 L C T
 -- (the frozen weights' forward and input gradients, no weight gradients).
 local lz = require("luazero")
@@ -54,6 +56,7 @@ local models = require("models.registry")
 local spec = {
   { "model", "string", nil, "the Llama size (models/registry.lua; default llama-100m, with --lora tinyllama-1.1b)" },
   { "gpt2", "string", "gpt2", "the GPT-2 size beside it (\"none\" skips GPT-2)" },
+  { "beside", "string", "none", "more sizes of position-table-free families run as the Llama one is on 1 rank, comma-separated (e.g. gemma-100m; \"none\": no more)" },
   { "micro-batch", "int", nil, "sequences per step (per rank; default 4, with --lora 2)" },
   { "seq-len", "int", nil, "tokens per sequence (default 64, with --lora 128)" },
   { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
@@ -133,8 +136,7 @@ local function model_config(name, family, flag)
 end
 
 -- FLOPs per token of a config (see the header); lora: adapters train.
-local function flops_per_token(cfg, n_params, lora)
-  local n = n_params - (cfg.family == "gpt2" and cfg.context * cfg.n_embd or 0) -- its wpe
+local function flops_per_token(cfg, n, lora)
   local attn = cfg.n_head * (cfg.head_dim or cfg.n_embd / cfg.n_head)
   return (lora and 4 or 6) * n + 12 * cfg.n_layer * attn * T
 end
@@ -157,7 +159,9 @@ if flags.run then
   local rng = require("luazero.rng")
   local zero = require("luazero.zero")
   local model = models.new(cfg)
-  local n_params = model:count_params()
+  -- a position table is looked up, not multiplied: no FLOPs of its own
+  local wpe = model.embedding.p.wpe
+  local n_params = model:count_params() - (wpe and wpe:numel() or 0)
   if lora_r ~= "" then
     local r = tonumber(lora_r)
     require("models.lora").apply(model, { r = r, alpha = r, targets = { "q_proj", "v_proj" } })
@@ -197,13 +201,15 @@ end
 local llama_cfg = model_config(flags.model, "llama", "model")
 local gpt2_cfg = flags.gpt2 ~= "none" and model_config(flags.gpt2, "gpt2", "gpt2") or nil
 local beside = {}
-for name in (flags.beside or ""):gmatch("[^,%s]+") do
-  local ok_, cfg = pcall(models.config, name)
-  if not ok_ then fail("--beside: " .. cfg) end
-  if T > cfg.context then
-    fail(("--seq-len %d is beyond %s's context of %d"):format(T, name, cfg.context))
+for name in (flags.beside .. ","):gmatch("([^,]*),") do
+  if name ~= "none" and name ~= "" then
+    local ok_, cfg = pcall(models.config, name)
+    if not ok_ then fail("--beside: " .. cfg) end
+    if T > cfg.context then
+      fail(("--seq-len %d is beyond %s's context of %d"):format(T, name, cfg.context))
+    end
+    beside[#beside + 1] = cfg
   end
-  beside[#beside + 1] = cfg
 end
 local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
@@ -355,12 +361,11 @@ for _, d in ipairs(dtypes) do
         :format(flags.gemm, flags.gemm, flags.gemm, d == "bf16" and "bf16 -> fp32" or "sgemm",
                 threads, peak[d]))
 end
-local listed = { llama_cfg }
-if gpt2_cfg then listed[2] = gpt2_cfg end
-for _, cfg in ipairs(beside) do listed[#listed + 1] = cfg end
-for _, cfg in ipairs(listed) do
-  if n_params[cfg] then
-    print(("model %s: %.1fM parameters, %.2f GFLOP per token%s")
+local all_cfgs = { llama_cfg, gpt2_cfg or false }
+for _, cfg in ipairs(beside) do all_cfgs[#all_cfgs + 1] = cfg end
+for _, cfg in ipairs(all_cfgs) do
+  if cfg and n_params[cfg] then
+    print(("model %s: %.1fM parameters (no position table), %.2f GFLOP per token%s")
           :format(cfg.name, n_params[cfg] / 1e6,
                   flops_per_token(cfg, n_params[cfg], flags.lora) / 1e9,
                   flags.lora and " (LoRA: 4 N + attention)" or ""))
@@ -388,16 +393,19 @@ local function ratio(label, a, b)
   print(("ratio %-58s %6.2fx"):format(label, median(rs)))
 end
 local L, G = llama_cfg.name, gpt2_cfg and gpt2_cfg.name
+-- The median over the rounds of a row's MFU over the Llama row's.
+local function mfu_ratio(cfg, d)
+  local ra = find(("luazero %s %s, 1 rank"):format(cfg.name, d))
+  local rb = find(("luazero %s %s, 1 rank"):format(L, d))
+  local fa = flops_per_token(cfg, n_params[cfg], flags.lora)
+  local fb = flops_per_token(llama_cfg, n_params[llama_cfg], flags.lora)
+  local rs = {}
+  for i = 1, flags.rounds do rs[i] = ra.tps[i] * fa / (rb.tps[i] * fb) end
+  print(("ratio %-58s %6.2fx"):format(("MFU %s / %s, luazero %s"):format(cfg.name, L, d),
+        median(rs)))
+end
 for _, d in ipairs(dtypes) do
-  -- MFU, not tokens/s: the sizes beside differ a little in FLOPs per token
-  local base = find(("luazero %s %s, 1 rank"):format(L, d))
-  for _, cfg in ipairs(beside) do
-    local row = find(("luazero %s %s, 1 rank"):format(cfg.name, d))
-    local rs = {}
-    for i = 1, flags.rounds do rs[i] = mfu_of(row, row.tps[i]) / mfu_of(base, base.tps[i]) end
-    print(("ratio %-58s %6.2fx"):format(("MFU %s / %s, luazero %s"):format(cfg.name, L, d),
-                                        median(rs)))
-  end
+  for _, cfg in ipairs(beside) do mfu_ratio(cfg, d) end
   ratio(("luazero / pytorch, %s %s"):format(L, d), ("luazero %s %s, 1 rank"):format(L, d),
         ("pytorch %s %s, 1 rank"):format(L, d))
   ratio(("luazero / %s, %s %s"):format(HF, L, d), ("luazero %s %s, 1 rank"):format(L, d),

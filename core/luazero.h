@@ -261,6 +261,12 @@ lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tens
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
 
+/* out = gelu_tanh(gate) * up (Gemma's GeGLU; gelu as lz_gelu_forward's);
+ * shapes, dtypes and aliasing as lz_swiglu_forward and lz_swiglu_backward. */
+lz_status lz_geglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
+lz_status lz_geglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                            const lz_tensor *gate, const lz_tensor *up);
+
 /* Causal multi-head self-attention. qkv [B, T, 3C] (q, k, v each [B, T, NH, C/NH]),
  * out [B, T, C], lse [B, NH, T] (row log-sum-exp, saved for backward).
  * Scale 1/sqrt(C/NH). */
@@ -350,6 +356,15 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
  * dlogits may alias logits. */
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss);
+/* As lz_cross_entropy_backward, through a soft-cap: logits are the capped
+ * y = cap * tanh(x / cap) (lz_softcap_forward) and dlogits is the gradient
+ * of x, each one times 1 - (y / cap)^2. cap > 0. */
+lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                            const lz_tensor *targets, int64_t vocab, float dloss,
+                                            float cap);
+/* out = cap * tanh(x / cap) (Gemma 2's final-logit soft-capping), f32, the
+ * same element count; out may alias x. cap > 0. */
+lz_status lz_softcap_forward(lz_tensor *out, const lz_tensor *x, float cap);
 
 /* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);

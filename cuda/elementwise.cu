@@ -2,7 +2,7 @@
 // scale, fill, dtype conversion, GELU, SwiGLU, the fused AdamW and Lion
 // steps, and the two reductions the engine runs over gradients (squared
 // norm, inf/NaN). Same semantics as core/kernels/elementwise.c, core/kernels/gelu.c,
-// core/kernels/swiglu.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
+// core/kernels/swiglu.c, core/kernels/softcap.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
 // element counts must agree, as the core checked).
 #include "lz_cuda.h"
 
@@ -209,6 +209,84 @@ lz_status lz_cu_swiglu_backward(const lz_op_args *a) {
   else
     swiglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
         dg, du, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ------------------------------------------------------------------- GeGLU
+
+// Gemma's gated activation: out = gelu(gate) * up, GELU with tanh as
+// gelu_forward_kernel computes it; shapes and aliasing as SwiGLU's.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  float u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  float u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
+  float t = tanhf(u);
+  float du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * x * x);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+}
+
+template <typename T>
+__global__ void geglu_forward_kernel(float *out, const T *gate, const T *up, int64_t n) {
+  GRID_STRIDE(i, n) { out[i] = gelu_tanh(widen(gate[i])) * widen(up[i]); }
+}
+
+template <typename T>
+__global__ void geglu_backward_kernel(float *dgate, float *dup, const T *dout, const T *gate,
+                                      const T *up, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = widen(gate[i]), u = widen(up[i]), d = widen(dout[i]);
+    dgate[i] = d * u * gelu_tanh_grad(g);
+    dup[i] = d * gelu_tanh(g);
+  }
+}
+
+lz_status lz_cu_geglu_forward(const lz_op_args *a) {
+  const lz_tensor *gate = a->t[1], *up = a->t[2];
+  int64_t n = lz_tensor_numel(gate);
+  if (n == 0) return LZ_OK;
+  float *out = (float *)a->t[0]->data;
+  if (gate->dtype == LZ_BF16)
+    geglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        out, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
+  else
+    geglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        out, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_geglu_backward(const lz_op_args *a) {
+  const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
+  int64_t n = lz_tensor_numel(gate);
+  if (n == 0) return LZ_OK;
+  float *dg = (float *)a->t[0]->data, *du = (float *)a->t[1]->data;
+  if (gate->dtype == LZ_BF16)
+    geglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        dg, du, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
+        (const __nv_bfloat16 *)up->data, n);
+  else
+    geglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        dg, du, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ----------------------------------------------------------------- soft-cap
+
+// out = cap * tanh(x / cap), as core/kernels/softcap.c; out may be x.
+__global__ void softcap_forward_kernel(float *out, const float *x, int64_t n, float cap) {
+  GRID_STRIDE(i, n) { out[i] = tanhf(x[i] / cap) * cap; }
+}
+
+lz_status lz_cu_softcap_forward(const lz_op_args *a) {
+  int64_t n = lz_tensor_numel(a->t[1]);
+  if (n == 0) return LZ_OK;
+  softcap_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, n, a->f[0]);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

@@ -593,9 +593,17 @@ __device__ __forceinline__ void store_grad(__nv_bfloat16 *p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
+// cap > 0: the logits are soft-capped (y = cap tanh(x / cap)) and each
+// gradient is carried to x by 1 - (y / cap)^2, as core/kernels/cross_entropy.c.
+__device__ __forceinline__ float through_cap(float g, float y, float cap) {
+  if (cap == 0.0f) return g;
+  const float t = y / cap;
+  return g * (1.0f - t * t);
+}
+
 template <typename G>
 __global__ void xent_backward_kernel(G *dlogits, const float *logits, const int32_t *targets,
-                                     int64_t vocab, int64_t Vp, float dloss,
+                                     int64_t vocab, int64_t Vp, float dloss, float cap,
                                      unsigned long long *bad) {
   int64_t r = blockIdx.x;
   int32_t tg = targets[r];
@@ -610,10 +618,12 @@ __global__ void xent_backward_kernel(G *dlogits, const float *logits, const int3
   const float logit_target = lg[tg], inv = 1.0f / s;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < vocab; i += THREADS)
-    store_grad(dl + i, expf(lg[i] - m) * inv * dloss);
+    store_grad(dl + i, through_cap(expf(lg[i] - m) * inv * dloss, lg[i], cap));
   for (int64_t i = vocab + threadIdx.x; i < Vp; i += THREADS) store_grad(dl + i, 0.0f);
   __syncthreads();
-  if (threadIdx.x == 0) store_grad(dl + tg, (expf(logit_target - m) * inv - 1.0f) * dloss);
+  if (threadIdx.x == 0)
+    store_grad(dl + tg, through_cap((expf(logit_target - m) * inv - 1.0f) * dloss, logit_target,
+                                    cap));
 }
 
 // The device word the kernels report a bad target in (all ones: none), and
@@ -673,11 +683,11 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
   if (a->t[0]->dtype == LZ_BF16)
     xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
         (__nv_bfloat16 *)a->t[0]->data, (const float *)logits->data,
-        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0], bad);
+        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0], a->f[1], bad);
   else
     xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
         (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
-        a->i[0], Vp, a->f[0], bad);
+        a->i[0], Vp, a->f[0], a->f[1], bad);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

@@ -294,6 +294,15 @@ static lz_status swiglu_bwd(lz_tensor **t) {
   return lz_swiglu_backward(t[0], t[1], t[2], t[3], t[4]);
 }
 
+static lz_status geglu_fwd(lz_tensor **t) { return lz_geglu_forward(t[0], t[1], t[2]); }
+static lz_status geglu_bwd(lz_tensor **t) {
+  return lz_geglu_backward(t[0], t[1], t[2], t[3], t[4]);
+}
+static lz_status softcap_fwd(lz_tensor **t) { return lz_softcap_forward(t[0], t[1], 2.5f); }
+static lz_status cross_entropy_softcap_bwd(lz_tensor **t) {
+  return lz_cross_entropy_softcap_backward(t[0], t[1], t[2], 7, 0.25f, 3.0f);
+}
+
 static lz_status attention_decode(lz_tensor **t) {
   return lz_attention_decode(t[0], t[1], t[2], t[3], t[4], 2, 1);
 }
@@ -333,7 +342,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 31);
+  CHECK_EQ_INT(LZ_OP_COUNT, 34);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));
@@ -371,6 +380,12 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   CHECK_OP(rope_bwd, F32(2, 4, 8), F32(2, 4, 8));
   CHECK_OP(swiglu_fwd, F32(100), F32(100), F32(100));
   CHECK_OP(swiglu_bwd, F32(100), F32(100), F32(100), F32(100), F32(100));
+  CHECK_OP(geglu_fwd, F32(100), F32(100), F32(100));
+  CHECK_OP(geglu_fwd, F32(100), BF16(100), BF16(100));
+  CHECK_OP(geglu_bwd, F32(100), F32(100), F32(100), F32(100), F32(100));
+  CHECK_OP(softcap_fwd, F32(257), F32(257));
+  CHECK_OP(cross_entropy_softcap_bwd, F32(2, 3, 8), F32(2, 3, 8), IDS(6, 2, 3));
+  CHECK_OP(cross_entropy_softcap_bwd, BF16(2, 3, 8), F32(2, 3, 8), IDS(6, 2, 3));
   /* two new positions after 0 to 4 cached ones, in caches of 6 */
   CHECK_OP(attention_decode, F32(2, 2, 8), F32(2, 2, 16), F32(2, 6, 4), F32(2, 6, 4), IDS(5, 2));
   CHECK_OP(attention_decode, F32(2, 2, 8), F32(2, 2, 16), BF16(2, 6, 4), BF16(2, 6, 4), IDS(5, 2));

@@ -54,7 +54,7 @@ local function config_of_manifest(models, m, dir)
   end
   local tmp = os.tmpname()
   local ok, cfg = pcall(function()
-    require("luazero.io.atomic").write(tmp, cjson.encode(hf.config_json(saved, "fp32")))
+    require("luazero.io.atomic").write(tmp, hf.config_json_text(saved, "fp32"))
     return hf.model_config(models, tmp, {})
   end)
   os.remove(tmp)

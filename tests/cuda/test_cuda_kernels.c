@@ -603,6 +603,60 @@ static void test_swiglu(void) {
   swiglu_case(LZ_BF16, 8 * 50001);
 }
 
+/* GeGLU as SwiGLU: the device's tanhf against the cpu's lz_tanh, a few ulps. */
+static void geglu_case(lz_dtype dt, int64_t n) {
+  int64_t s[2] = {n / 8, 8};
+  lz_tensor *gt = host_rand(dt, 2, s, 6), *up = host_rand(dt, 2, s, 2);
+  lz_tensor *go = host_rand(dt, 2, s, 1);
+  lz_tensor *y = host(LZ_F32, 2, s), *dg = host(LZ_F32, 2, s), *du = host(LZ_F32, 2, s);
+  lz_tensor *d_gt = dev(gt), *d_up = dev(up), *d_go = dev(go), *d_y = dev(y), *d_y2 = dev(y);
+  lz_tensor *d_dg = dev(dg), *d_du = dev(du), *d_dg2 = dev(dg), *d_du2 = dev(du);
+  CHECK_OK(lz_geglu_forward(y, gt, up));
+  CHECK_OK(lz_geglu_forward(d_y, d_gt, d_up));
+  CHECK_OK(lz_geglu_forward(d_y2, d_gt, d_up));
+  expect_close("geglu_forward", d_y, y, 1e-5);
+  expect_same_bits("geglu_forward", d_y, d_y2);
+  CHECK_OK(lz_geglu_backward(dg, du, go, gt, up));
+  CHECK_OK(lz_geglu_backward(d_dg, d_du, d_go, d_gt, d_up));
+  CHECK_OK(lz_geglu_backward(d_dg2, d_du2, d_go, d_gt, d_up));
+  expect_close("geglu_backward dgate", d_dg, dg, 1e-5);
+  expect_close("geglu_backward dup", d_du, du, 1e-5);
+  expect_same_bits("geglu_backward dgate", d_dg, d_dg2);
+  expect_same_bits("geglu_backward dup", d_du, d_du2);
+  FREE(gt, up, go, y, dg, du, d_gt, d_up, d_go, d_y, d_y2, d_dg, d_du, d_dg2, d_du2);
+}
+
+static void test_geglu(void) {
+  geglu_case(LZ_F32, 8 * 37);
+  geglu_case(LZ_F32, 8 * 50001);
+  geglu_case(LZ_BF16, 8 * 50001);
+}
+
+/* Soft-capped logits and the cross-entropy backward through the cap, f32
+ * and bf16 dlogits, and in place, against the cpu. */
+static void test_softcap(void) {
+  int64_t B = 4, T = 9, V = 1500, Vp = 1536;
+  int64_t ls[3] = {B, T, Vp}, ts[2] = {B, T};
+  lz_tensor *x = host_rand(LZ_F32, 3, ls, 60), *tg = host(LZ_I32, 2, ts);
+  for (int64_t i = 0; i < B * T; i++)
+    ((int32_t *)tg->data)[i] = i == 3 ? -1 : (int32_t)(i * 131 % V);
+  lz_tensor *y = host(LZ_F32, 3, ls), *gl = host(LZ_F32, 3, ls), *gb = host(LZ_BF16, 3, ls);
+  lz_tensor *d_x = dev(x), *d_tg = dev(tg), *d_y = dev(y), *d_gl = dev(gl), *d_gb = dev(gb);
+  CHECK_OK(lz_softcap_forward(y, x, 30.0f));
+  CHECK_OK(lz_softcap_forward(d_y, d_x, 30.0f));
+  expect_close("softcap_forward", d_y, y, 1e-5);
+  CHECK_OK(lz_tensor_copy(d_y, y)); /* the same capped logits on both sides */
+  CHECK_OK(lz_cross_entropy_softcap_backward(gl, y, tg, V, 0.25f, 30.0f));
+  CHECK_OK(lz_cross_entropy_softcap_backward(d_gl, d_y, d_tg, V, 0.25f, 30.0f));
+  expect_close("cross_entropy_softcap_backward", d_gl, gl, 1e-5);
+  CHECK_OK(lz_cross_entropy_softcap_backward(gb, y, tg, V, 0.25f, 30.0f));
+  CHECK_OK(lz_cross_entropy_softcap_backward(d_gb, d_y, d_tg, V, 0.25f, 30.0f));
+  expect_close("cross_entropy_softcap_backward bf16", d_gb, gb, 1e-2);
+  CHECK_OK(lz_cross_entropy_softcap_backward(d_y, d_y, d_tg, V, 0.25f, 30.0f));
+  expect_close("cross_entropy_softcap_backward in place", d_y, gl, 1e-5);
+  FREE(x, tg, y, gl, gb, d_x, d_tg, d_y, d_gl, d_gb);
+}
+
 /* Five Lion steps with mixed gradients (some zero) on the cpu and, twice,
  * on the device: param, m and the working copy bitwise the cpu's. */
 static void lion_case(int64_t n, int with_working, lz_dtype wdt, const lz_lion_args *args) {
@@ -861,6 +915,8 @@ static const struct {
     {"cuda_qk_norm", test_qk_norm},
     {"cuda_rope", test_rope},
     {"cuda_swiglu", test_swiglu},
+    {"cuda_geglu", test_geglu},
+    {"cuda_softcap", test_softcap},
     {"cuda_lion", test_lion},
     {"cuda_attention_gqa", test_attention_gqa},
     {"cuda_attention_options", test_attention_options},

@@ -71,6 +71,7 @@ function T.toy_family_reads_its_own_config_json_and_builds()
     eq(model:count_params(), models.new(models.config("llamax-tiny")):count_params(),
        "parameters of the config.json's model and of the named size")
     assert(models.family_of("llamax-tiny"), "llamax-tiny is a known size")
+    -- a registered family's architecture comes after those of models/registry.lua's list
     local known = table.concat(families.architectures(), ", ")
     eq(known, KNOWN .. ", LlamaXForCausalLM", "architectures")
     -- Llama's field name is not this family's: the renamed field is the one read.

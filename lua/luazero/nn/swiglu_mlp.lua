@@ -1,5 +1,6 @@
--- nn/swiglu_mlp.lua — Llama's feed-forward (Hugging Face's LlamaMLP):
--- down_proj(silu(gate_proj(x)) * up_proj(x)), no biases.
+-- nn/swiglu_mlp.lua — a gated feed-forward: Llama's (Hugging Face's
+-- LlamaMLP), down_proj(silu(gate_proj(x)) * up_proj(x)), no biases; with act
+-- "gelu_tanh" Gemma's GeGLU (GemmaMLP), the gate through the tanh GELU.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
@@ -7,10 +8,22 @@ local Linear = require("luazero.nn.linear")
 local ops = lz.ops
 local SwiGLUMLP = Module:extend("SwiGLUMLP")
 
+-- The gate's activation -> the forward and backward ops.
+local ACTS = {
+  silu = { "swiglu_forward", "swiglu_backward" },
+  gelu_tanh = { "geglu_forward", "geglu_backward" },
+}
+
 -- n_hidden: intermediate_size. std: the init std of all three projections.
-function SwiGLUMLP.new(n_embd, n_hidden, std)
+-- act: "silu" (default) or "gelu_tanh".
+function SwiGLUMLP.new(n_embd, n_hidden, std, act)
   local self = setmetatable({}, SwiGLUMLP):init()
   self.n_embd, self.n_hidden = n_embd, n_hidden
+  local pair = ACTS[act or "silu"]
+  if not pair then
+    error(("mlp: activation %s is not a gated one here (silu, gelu_tanh)"):format(tostring(act)), 0)
+  end
+  self.forward_op, self.backward_op = ops[pair[1]], ops[pair[2]]
   local opts = { bias = false, std = std }
   self:add("gate_proj", Linear.new(n_embd, n_hidden, opts))
   self:add("up_proj", Linear.new(n_embd, n_hidden, opts))
@@ -22,7 +35,7 @@ function SwiGLUMLP:forward(x)
   local gate = self:run_forward(self.gate_proj, x)
   local up = self:run_forward(self.up_proj, x)
   local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
-  ops.swiglu_forward(h, gate, up)
+  self.forward_op(h, gate, up)
   self.gate, self.up = gate, up
   return self:run_forward(self.down_proj, h)
 end
@@ -31,14 +44,14 @@ end
 function SwiGLUMLP:backward(dy)
   local dh = self:run_backward(self.down_proj, dy)
   local dup = self:scratch({ dh:dim(1), dh:dim(2), self.n_hidden })
-  ops.swiglu_backward(dh, dup, dh, self.gate, self.up) -- dgate over dh
+  self.backward_op(dh, dup, dh, self.gate, self.up) -- dgate over dh
   local dx = self:run_backward(self.gate_proj, dh)
   local dx_up = self:run_backward(self.up_proj, dup)
   ops.add(dx, dx, dx_up)
   return dx
 end
 
--- Besides the projections: silu(gate) * up; dup.
+-- Besides the projections: act(gate) * up; dup.
 function SwiGLUMLP:own_memory(B, T)
   local h = lz.arena_bytes(B * T * self.n_hidden)
   return { activations = h, scratch = h }
