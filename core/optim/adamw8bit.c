@@ -7,8 +7,8 @@
  * index). bitsandbytes 0.50.2's CPU quantiser picks from a table over 2^16
  * equal cells of [-1, 1] instead, so a few percent of the indices differ
  * (where a cell holds a midpoint, and below 2^-15); the update itself and
- * the absmaxes are its bits (tests/ref/test5_adam8bit.py). bitsandbytes keeps tensors under its min_8bit_size in fp32; the
- * same op with f32 m, v runs that update (a different arrangement of the
+ * the absmaxes are its bits (tests/ref/test5_adam8bit.py). bitsandbytes keeps tensors under its
+ * min_8bit_size in fp32; the same op with f32 m, v runs that update (a different arrangement of the
  * AdamW formula from adamw.c's, hence its own path).
  *
  * The arithmetic is bitsandbytes' CPU update op for op, in torch's
@@ -21,7 +21,8 @@
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 
-#include <math.h> /* fmaf, sqrtf, fabsf, fmaxf, pow, sqrt */
+#include <immintrin.h> /* the gathers of the vector quantisers */
+#include <math.h>      /* fmaf, sqrtf, fabsf, pow, sqrt */
 
 /* bitsandbytes' create_dynamic_map(signed=True) and (signed=False): the
  * values it builds in fp32, sorted. */
@@ -157,13 +158,71 @@ static inline __attribute__((always_inline)) uint8_t nearest(const float *map, f
   return (uint8_t)i;
 }
 
+/* q[i] = the map's nearest entry to x[i] / absmax, for n <= one block. */
+typedef void (*quantize_fn)(const float *map, const float *x, float absmax, uint8_t *q, int64_t n);
+
+static void quantize_scalar(const float *map, const float *x, float absmax, uint8_t *q, int64_t n) {
+  for (int64_t i = 0; i < n; i++) q[i] = nearest(map, x[i] / absmax);
+}
+
+/* The same search, 16 lanes at a time: each halving step gathers the
+ * candidate entries (a NaN lane never moves, as in nearest()). */
+__attribute__((target("avx512f"))) static void quantize_avx512(const float *map, const float *x,
+                                                               float absmax, uint8_t *q,
+                                                               int64_t n) {
+  const __m512 vmax = _mm512_set1_ps(absmax);
+  const __m512i last = _mm512_set1_epi32(255), one = _mm512_set1_epi32(1);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 z = _mm512_div_ps(_mm512_loadu_ps(x + i), vmax);
+    __m512i idx = _mm512_setzero_si512();
+    for (int s = 128; s; s >>= 1) {
+      const __m512i cand = _mm512_add_epi32(idx, _mm512_set1_epi32(s));
+      const __m512 c = _mm512_i32gather_ps(cand, map, 4);
+      idx = _mm512_mask_mov_epi32(idx, _mm512_cmp_ps_mask(c, z, _CMP_LE_OQ), cand);
+    }
+    const __m512i up = _mm512_min_epi32(_mm512_add_epi32(idx, one), last);
+    const __m512 dl = _mm512_abs_ps(_mm512_sub_ps(z, _mm512_i32gather_ps(idx, map, 4)));
+    const __m512 dr = _mm512_abs_ps(_mm512_sub_ps(z, _mm512_i32gather_ps(up, map, 4)));
+    idx = _mm512_mask_mov_epi32(idx, _mm512_cmp_ps_mask(dr, dl, _CMP_LT_OQ), up);
+    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(idx));
+  }
+  quantize_scalar(map, x + i, absmax, q + i, n - i);
+}
+
+__attribute__((target("avx2"))) static void quantize_avx2(const float *map, const float *x,
+                                                          float absmax, uint8_t *q, int64_t n) {
+  const __m256 vmax = _mm256_set1_ps(absmax);
+  const __m256i last = _mm256_set1_epi32(255), one = _mm256_set1_epi32(1);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), vmax);
+    __m256i idx = _mm256_setzero_si256();
+    for (int s = 128; s; s >>= 1) {
+      const __m256i cand = _mm256_add_epi32(idx, _mm256_set1_epi32(s));
+      const __m256 le = _mm256_cmp_ps(_mm256_i32gather_ps(map, cand, 4), z, _CMP_LE_OQ);
+      idx = _mm256_blendv_epi8(idx, cand, _mm256_castps_si256(le));
+    }
+    const __m256i up = _mm256_min_epi32(_mm256_add_epi32(idx, one), last);
+    const __m256 dl = _mm256_andnot_ps(sign, _mm256_sub_ps(z, _mm256_i32gather_ps(map, idx, 4)));
+    const __m256 dr = _mm256_andnot_ps(sign, _mm256_sub_ps(z, _mm256_i32gather_ps(map, up, 4)));
+    idx = _mm256_blendv_epi8(idx, up, _mm256_castps_si256(_mm256_cmp_ps(dr, dl, _CMP_LT_OQ)));
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, idx);
+    for (int j = 0; j < 8; j++) q[i + j] = (uint8_t)lanes[j];
+  }
+  quantize_scalar(map, x + i, absmax, q + i, n - i);
+}
+
 /* One block (n <= LZ_ADAMW8BIT_BLOCK) of the 8-bit update: dequantise,
- * update, then requantise against the block's new absmax (from 0, fmaxf
- * skipping NaN: a block of NaN keeps absmax 0, as bitsandbytes' does). fmaf is the one
+ * update, then requantise against the block's new absmax (from 0, skipping
+ * NaN as fmaxf does: a block of NaN keeps absmax 0, as bitsandbytes' does). fmaf is the one
  * contraction allowed: the rest is rounded op by op, as torch's is. */
 static inline __attribute__((always_inline)) void block8_body(
     float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,
-    float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t n) {
+    float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t n,
+    quantize_fn quantize) {
   float m[LZ_ADAMW8BIT_BLOCK], v[LZ_ADAMW8BIT_BLOCK];
   const float am = *absmax_m, av = *absmax_v;
   float max_m = 0.0f, max_v = 0.0f;
@@ -174,11 +233,14 @@ static inline __attribute__((always_inline)) void block8_body(
     const float denom = sqrtf(vi) / k->c2 + k->eps;
     p[i] = p[i] * k->decay + k->neg_step * mi / denom;
     m[i] = mi, v[i] = vi;
-    max_m = fmaxf(max_m, fabsf(mi)), max_v = fmaxf(max_v, fabsf(vi));
+    /* fmaxf's NaN rule (the other operand) without its libm call: max_m
+     * starts at 0 and is never NaN, and a NaN |mi| compares false. */
+    const float am_i = fabsf(mi), av_i = fabsf(vi);
+    max_m = am_i > max_m ? am_i : max_m, max_v = av_i > max_v ? av_i : max_v;
   }
   *absmax_m = max_m, *absmax_v = max_v;
-  for (int64_t i = 0; i < n; i++) qm[i] = nearest(signed_map, m[i] / max_m);
-  for (int64_t i = 0; i < n; i++) qv[i] = nearest(unsigned_map, v[i] / max_v);
+  quantize(signed_map, m, max_m, qm, n);
+  quantize(unsigned_map, v, max_v, qv, n);
 }
 
 static inline __attribute__((always_inline)) void block32_body(float *restrict p,
@@ -196,16 +258,16 @@ static inline __attribute__((always_inline)) void block32_body(float *restrict p
 
 /* fmaf is one instruction only where FMA is enabled, which target_clones'
  * "avx2" does not imply: hence clones of our own, picked once. */
-#define A8_CLONES(X)                                                             \
-  X(avx512, __attribute__((target("avx512f,fma"), optimize("fp-contract=off")))) \
-  X(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=off"))))      \
-  X(base, __attribute__((optimize("fp-contract=off"))))
+#define A8_CLONES(X)                                                                              \
+  X(avx512, __attribute__((target("avx512f,fma"), optimize("fp-contract=off"))), quantize_avx512) \
+  X(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=off"))), quantize_avx2)        \
+  X(base, __attribute__((optimize("fp-contract=off"))), quantize_scalar)
 
-#define A8_DEFINE(suffix, attrs)                                                                 \
+#define A8_DEFINE(suffix, attrs, quantize)                                                       \
   attrs static void block8_##suffix(                                                             \
       float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv, \
       float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t n) {       \
-    block8_body(p, grad, qm, qv, absmax_m, absmax_v, k, n);                                      \
+    block8_body(p, grad, qm, qv, absmax_m, absmax_v, k, n, quantize);                            \
   }                                                                                              \
   attrs static void block32_##suffix(float *restrict p, const float *restrict grad,              \
                                      float *restrict m, float *restrict v, const a8_consts *k,   \
