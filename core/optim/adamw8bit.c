@@ -172,11 +172,17 @@ __attribute__((target("avx512f"))) static void quantize_avx512(const float *map,
                                                                int64_t n) {
   const __m512 vmax = _mm512_set1_ps(absmax);
   const __m512i last = _mm512_set1_epi32(255), one = _mm512_set1_epi32(1);
+  const __m512i sixteen = _mm512_set1_epi32(16);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m512 z = _mm512_div_ps(_mm512_loadu_ps(x + i), vmax);
+    /* The first four halvings land on a multiple of 16: count the
+     * entries 16, 32, ..., 240 at or below z (broadcasts, no gather). */
     __m512i idx = _mm512_setzero_si512();
-    for (int s = 128; s; s >>= 1) {
+    for (int e = 16; e < 256; e += 16)
+      idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(_mm512_set1_ps(map[e]), z, _CMP_LE_OQ),
+                                  idx, sixteen);
+    for (int s = 8; s; s >>= 1) {
       const __m512i cand = _mm512_add_epi32(idx, _mm512_set1_epi32(s));
       const __m512 c = _mm512_i32gather_ps(cand, map, 4);
       idx = _mm512_mask_mov_epi32(idx, _mm512_cmp_ps_mask(c, z, _CMP_LE_OQ), cand);
@@ -194,12 +200,17 @@ __attribute__((target("avx2"))) static void quantize_avx2(const float *map, cons
                                                           float absmax, uint8_t *q, int64_t n) {
   const __m256 vmax = _mm256_set1_ps(absmax);
   const __m256i last = _mm256_set1_epi32(255), one = _mm256_set1_epi32(1);
+  const __m256i sixteen = _mm256_set1_epi32(16);
   const __m256 sign = _mm256_set1_ps(-0.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), vmax);
     __m256i idx = _mm256_setzero_si256();
-    for (int s = 128; s; s >>= 1) {
+    for (int e = 16; e < 256; e += 16) {
+      const __m256 le = _mm256_cmp_ps(_mm256_set1_ps(map[e]), z, _CMP_LE_OQ);
+      idx = _mm256_add_epi32(idx, _mm256_and_si256(_mm256_castps_si256(le), sixteen));
+    }
+    for (int s = 8; s; s >>= 1) {
       const __m256i cand = _mm256_add_epi32(idx, _mm256_set1_epi32(s));
       const __m256 le = _mm256_cmp_ps(_mm256_i32gather_ps(map, cand, 4), z, _CMP_LE_OQ);
       idx = _mm256_blendv_epi8(idx, cand, _mm256_castps_si256(le));
