@@ -23,6 +23,8 @@ extern "C" {
 
 #define LZ_VERSION_STRING "0.1.0"
 #define LZ_MAX_DIMS 4
+/* Elements per absmax of the 8-bit AdamW states (lz_adamw8bit_step). */
+#define LZ_ADAMW8BIT_BLOCK 256
 
 /* LZ_CDEF_BEGIN */
 
@@ -95,7 +97,8 @@ typedef enum lz_dtype {
   LZ_F16 = 2,
   LZ_I32 = 3,
   LZ_U16 = 4,
-  LZ_DTYPE_COUNT = 5
+  LZ_U8 = 5, /* 8-bit optimizer states */
+  LZ_DTYPE_COUNT = 6
 } lz_dtype;
 
 /* One accelerator per process: cuda (a GPU) or sim (docs/devices.md: the
@@ -393,6 +396,21 @@ typedef struct lz_adamw_args {
  * (f32, bf16 or f16). All tensors the same element count. */
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                         lz_tensor *working, const lz_adamw_args *args);
+
+/* One fused step of bitsandbytes' 8-bit AdamW (AdamW8bit; docs/optimizers.md)
+ * over fp32 master `param` with fp32 `grad`. m, v u8: indices into the signed
+ * and the unsigned dynamic map, times absmax_m, absmax_v (f32, one per
+ * LZ_ADAMW8BIT_BLOCK elements: lz_adamw8bit_blocks(n)); zeros are a fresh
+ * state. m, v f32 (absmax_* may be NULL): bitsandbytes' fp32 update, what it
+ * keeps for tensors under min_8bit_size. args as lz_adamw_step's, weight
+ * decay decoupled. `working` (may be NULL) receives the updated parameters. */
+lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
+                            const lz_adamw_args *args);
+/* Absmax entries for n elements: ceil(n / LZ_ADAMW8BIT_BLOCK). */
+int64_t lz_adamw8bit_blocks(int64_t n);
+/* The 256 fp32 entries of the signed (m) or unsigned (v) map. */
+const float *lz_adamw8bit_map(int is_signed);
 
 typedef struct lz_lion_args {
   float lr;

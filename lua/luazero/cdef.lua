@@ -52,7 +52,8 @@ typedef enum lz_dtype {
   LZ_F16 = 2,
   LZ_I32 = 3,
   LZ_U16 = 4,
-  LZ_DTYPE_COUNT = 5
+  LZ_U8 = 5,
+  LZ_DTYPE_COUNT = 6
 } lz_dtype;
 
 typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1, LZ_SIM = 2 } lz_device;
@@ -242,6 +243,14 @@ typedef struct lz_adamw_args {
 
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                         lz_tensor *working, const lz_adamw_args *args);
+
+lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
+                            const lz_adamw_args *args);
+
+int64_t lz_adamw8bit_blocks(int64_t n);
+
+const float *lz_adamw8bit_map(int is_signed);
 
 typedef struct lz_lion_args {
   float lr;
