@@ -162,6 +162,7 @@ lz_status lz_rope_pos_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tens
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);
+
 lz_status lz_geglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_geglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                             const lz_tensor *gate, const lz_tensor *up);
@@ -217,9 +218,11 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
 
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss);
+
 lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                             const lz_tensor *targets, int64_t vocab, float dloss,
                                             float cap);
+
 lz_status lz_softcap_forward(lz_tensor *out, const lz_tensor *x, float cap);
 
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
