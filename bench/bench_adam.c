@@ -1,8 +1,10 @@
 /* bench_adam.c — the C side of bench/bench-adam: lz_adamw_step over N fp32
- * parameters (working copy none, f32, bf16, f16) and a STREAM-like copy and
+ * parameters (working copy none, f32, bf16, f16), the fused 8-bit step
+ * (lz_adamw8bit_step, u8 m and v, working none and bf16), and a STREAM-like copy and
  * triad on the same kind of memory (2 MiB-aligned, huge pages), on the
  * threads OMP_NUM_THREADS gives. One line per figure, medians of --reps:
  *   R adam <working> <params per second>
+ *   R adam8bit <working> <params per second>
  *   R stream <copy|triad> <bytes/s as STREAM counts> <bytes/s moved>
  * STREAM counts copy 8 B and triad 12 B per element; the memory moves one
  * more 4 B per element (the line written is read first: write-allocate), as
@@ -119,6 +121,37 @@ int main(int argc, char **argv) {
     }
     printf("R adam %s %.6e\n", variants[k].name, (double)n / median(t, reps));
   }
+  /* The 8-bit step over the same parameters and gradients; the fp32 m, v
+   * buffers hold its u8 states and absmaxes. */
+  const int64_t blocks = lz_adamw8bit_blocks(n), bshape[1] = {blocks};
+  uint8_t *m8 = (uint8_t *)m, *v8 = (uint8_t *)v;
+  float *am = v + n / 2, *av = am + blocks;
+  for (int64_t i = 0; i < n; i++) m8[i] = v8[i] = 0;
+  for (int64_t i = 0; i < blocks; i++) am[i] = av[i] = 0.0f;
+  lz_tensor *tm8, *tv8, *tam, *tav;
+  if (lz_tensor_wrap(&tm8, m8, LZ_U8, 1, shape) || lz_tensor_wrap(&tv8, v8, LZ_U8, 1, shape) ||
+      lz_tensor_wrap(&tam, am, LZ_F32, 1, bshape) || lz_tensor_wrap(&tav, av, LZ_F32, 1, bshape)) {
+    fprintf(stderr, "bench_adam: %s\n", lz_last_error());
+    return 1;
+  }
+  const int eight_variants[2] = {0, 2};
+  args.step = 1;
+  for (int e = 0; e < 2; e++) {
+    lz_tensor *w = variants[eight_variants[e]].w;
+    if (lz_adamw8bit_step(tp, tg, tm8, tv8, tam, tav, w, &args) != LZ_OK) {
+      fprintf(stderr, "bench_adam: %s\n", lz_last_error());
+      return 1;
+    }
+    args.step++;
+    for (int r = 0; r < reps; r++) {
+      double t0 = now_s();
+      lz_adamw8bit_step(tp, tg, tm8, tv8, tam, tav, w, &args);
+      t[r] = now_s() - t0;
+      args.step++;
+    }
+    printf("R adam8bit %s %.6e\n", variants[eight_variants[e]].name, (double)n / median(t, reps));
+  }
+  lz_tensor_free(tm8), lz_tensor_free(tv8), lz_tensor_free(tam), lz_tensor_free(tav);
   lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
   lz_tensor_free(tw32), lz_tensor_free(twbf), lz_tensor_free(twh);
   lz_mem_free(p), lz_mem_free(g), lz_mem_free(m), lz_mem_free(v), lz_mem_free(wf);

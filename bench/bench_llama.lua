@@ -2,7 +2,8 @@
 -- and bf16, on one rank and on two, beside GPT-2 of the same depth and width
 -- and beside PyTorch and Hugging Face transformers on the same shapes; or
 -- (--lora) LoRA fine-tuning of a TinyLlama-1.1B shape beside PEFT.
---   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--micro-batch 4]
+--   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--beside gemma-100m]
+--                                 [--micro-batch 4]
 --                                 [--seq-len 64] [--steps 3] [--torch-steps 2] [--hf-steps 2]
 --                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1] [--profile]
 --   luazero bench/bench_llama.lua --lora [--model tinyllama-1.1b] [--lora-r 8]
@@ -23,7 +24,9 @@
 --   4. transformers 4.40.2 (the reference venv's python, build/ref-venv, made
 --      by tools/setup; skipped when it cannot import transformers):
 --      LlamaForCausalLM of the same config, eager attention, AdamW, fp32 and
---      bf16 under torch.autocast (bench/bench_llama_hf.py).
+--      bf16 under torch.autocast (bench/bench_llama_hf.py);
+--   5. --beside: sizes of other families (qwen2-100m, qwen3-100m, ...) on one
+--      rank, each dtype, with the ratio of their MFU to the Llama's.
 -- --lora: the model (default tinyllama-1.1b, random weights) with LoRA
 -- adapters of rank --lora-r (alpha = r) on q_proj and v_proj, everything
 -- else frozen, bf16, one rank, batch 2 x 128 by default; beside it PEFT 0.10
@@ -39,8 +42,10 @@
 -- more to other jobs than two ranks of one thread each: use a quiet machine
 -- for figures to compare (docs/models.md, "Speed").
 -- Model FLOP utilisation (MFU) is against the GEMM figure of the run's dtype.
+-- --beside lists more sizes (other families' 100M shapes: gemma-100m) run
+-- on one rank as the Llama one is, with their MFU ratio to it.
 -- FLOPs per token: 6 N + 12 L C T (nanoGPT's estimate; N: the parameters,
--- without GPT-2's position table; the attention term counts the whole T x T
+-- without a position table (GPT-2's); the attention term counts the whole T x T
 -- square and the query heads, C = n_head * head_dim); with LoRA 4 N + 12 L C T
 -- (the frozen weights' forward and input gradients, no weight gradients).
 local lz = require("luazero")
@@ -51,6 +56,7 @@ local models = require("models.registry")
 local spec = {
   { "model", "string", nil, "the Llama size (models/registry.lua; default llama-100m, with --lora tinyllama-1.1b)" },
   { "gpt2", "string", "gpt2", "the GPT-2 size beside it (\"none\" skips GPT-2)" },
+  { "beside", "string", "none", "more sizes of position-table-free families run as the Llama one is on 1 rank, comma-separated (e.g. gemma-100m; \"none\": no more)" },
   { "micro-batch", "int", nil, "sequences per step (per rank; default 4, with --lora 2)" },
   { "seq-len", "int", nil, "tokens per sequence (default 64, with --lora 128)" },
   { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
@@ -65,6 +71,7 @@ local spec = {
   { "dtypes", "string", "fp32,bf16", "precisions, comma-separated (fp32, bf16)" },
   { "rounds", "int", 1, "times to repeat every run; figures are medians over the rounds" },
   { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMMs" },
+  { "beside", "string", nil, "sizes of other families to run beside the Llama on one rank, comma-separated (e.g. qwen2-100m,qwen3-100m)" },
   -- internal: one run, in its own process (and ranks)
   { "run", "string", nil, "(internal) run one model in this process: MODEL:DTYPE:STAGE[:LORA_R]" },
   { "peak", "string", nil, "(internal) the yardsticks for --profile: F32,BF16 GFLOP/s" },
@@ -129,8 +136,7 @@ local function model_config(name, family, flag)
 end
 
 -- FLOPs per token of a config (see the header); lora: adapters train.
-local function flops_per_token(cfg, n_params, lora)
-  local n = n_params - (cfg.family == "llama" and 0 or cfg.context * cfg.n_embd)
+local function flops_per_token(cfg, n, lora)
   local attn = cfg.n_head * (cfg.head_dim or cfg.n_embd / cfg.n_head)
   return (lora and 4 or 6) * n + 12 * cfg.n_layer * attn * T
 end
@@ -153,7 +159,9 @@ if flags.run then
   local rng = require("luazero.rng")
   local zero = require("luazero.zero")
   local model = models.new(cfg)
-  local n_params = model:count_params()
+  -- a position table is looked up, not multiplied: no FLOPs of its own
+  local wpe = model.embedding.p.wpe
+  local n_params = model:count_params() - (wpe and wpe:numel() or 0)
   if lora_r ~= "" then
     local r = tonumber(lora_r)
     require("models.lora").apply(model, { r = r, alpha = r, targets = { "q_proj", "v_proj" } })
@@ -192,6 +200,17 @@ end
 
 local llama_cfg = model_config(flags.model, "llama", "model")
 local gpt2_cfg = flags.gpt2 ~= "none" and model_config(flags.gpt2, "gpt2", "gpt2") or nil
+local beside = {}
+for name in (flags.beside .. ","):gmatch("([^,]*),") do
+  if name ~= "none" and name ~= "" then
+    local ok_, cfg = pcall(models.config, name)
+    if not ok_ then fail("--beside: " .. cfg) end
+    if T > cfg.context then
+      fail(("--seq-len %d is beyond %s's context of %d"):format(T, name, cfg.context))
+    end
+    beside[#beside + 1] = cfg
+  end
+end
 local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local threads = flags.threads
@@ -290,6 +309,10 @@ for _, d in ipairs(dtypes) do
     add(("luazero %s %s, 1 rank"):format(gpt2_cfg.name, d),
         function() return luazero_run(gpt2_cfg, d, 1, 0) end, gpt2_cfg, d, 1)
   end
+  for _, cfg in ipairs(beside) do
+    add(("luazero %s %s, 1 rank"):format(cfg.name, d),
+        function() return luazero_run(cfg, d, 1, 0) end, cfg, d, 1)
+  end
   if flags.torch_steps > 0 then
     add(("pytorch %s %s, 1 rank"):format(llama_cfg.name, d),
         function() return torch_run(llama_cfg, d) end, llama_cfg, d, 1)
@@ -338,9 +361,11 @@ for _, d in ipairs(dtypes) do
         :format(flags.gemm, flags.gemm, flags.gemm, d == "bf16" and "bf16 -> fp32" or "sgemm",
                 threads, peak[d]))
 end
-for _, cfg in ipairs({ llama_cfg, gpt2_cfg }) do
-  if n_params[cfg] then
-    print(("model %s: %.1fM parameters, %.2f GFLOP per token%s")
+local all_cfgs = { llama_cfg, gpt2_cfg or false }
+for _, cfg in ipairs(beside) do all_cfgs[#all_cfgs + 1] = cfg end
+for _, cfg in ipairs(all_cfgs) do
+  if cfg and n_params[cfg] then
+    print(("model %s: %.1fM parameters (no position table), %.2f GFLOP per token%s")
           :format(cfg.name, n_params[cfg] / 1e6,
                   flops_per_token(cfg, n_params[cfg], flags.lora) / 1e9,
                   flags.lora and " (LoRA: 4 N + attention)" or ""))
@@ -352,11 +377,13 @@ local function find(label)
   for _, row in ipairs(rows) do if row.label == label then return row end end
 end
 print(("%-44s %10s %8s"):format("run", "tokens/s", "MFU"))
+local function mfu_of(row, tps)
+  local n = n_params[row.cfg] or n_params[llama_cfg]
+  return tps * flops_per_token(row.cfg, n, flags.lora) / (peak[row.dtype] * 1e9)
+end
 for _, row in ipairs(rows) do
   local tps = median(row.tps)
-  local n = n_params[row.cfg] or n_params[llama_cfg]
-  local mfu = tps * flops_per_token(row.cfg, n, flags.lora) / (peak[row.dtype] * 1e9)
-  print(("%-44s %10.1f %7.1f%%"):format(row.label, tps, mfu * 100))
+  print(("%-44s %10.1f %7.1f%%"):format(row.label, tps, mfu_of(row, tps) * 100))
 end
 local function ratio(label, a, b)
   local ra, rb = find(a), find(b)
@@ -366,7 +393,19 @@ local function ratio(label, a, b)
   print(("ratio %-58s %6.2fx"):format(label, median(rs)))
 end
 local L, G = llama_cfg.name, gpt2_cfg and gpt2_cfg.name
+-- The median over the rounds of a row's MFU over the Llama row's.
+local function mfu_ratio(cfg, d)
+  local ra = find(("luazero %s %s, 1 rank"):format(cfg.name, d))
+  local rb = find(("luazero %s %s, 1 rank"):format(L, d))
+  local fa = flops_per_token(cfg, n_params[cfg], flags.lora)
+  local fb = flops_per_token(llama_cfg, n_params[llama_cfg], flags.lora)
+  local rs = {}
+  for i = 1, flags.rounds do rs[i] = ra.tps[i] * fa / (rb.tps[i] * fb) end
+  print(("ratio %-58s %6.2fx"):format(("MFU %s / %s, luazero %s"):format(cfg.name, L, d),
+        median(rs)))
+end
 for _, d in ipairs(dtypes) do
+  for _, cfg in ipairs(beside) do mfu_ratio(cfg, d) end
   ratio(("luazero / pytorch, %s %s"):format(L, d), ("luazero %s %s, 1 rank"):format(L, d),
         ("pytorch %s %s, 1 rank"):format(L, d))
   ratio(("luazero / %s, %s %s"):format(HF, L, d), ("luazero %s %s, 1 rank"):format(L, d),

@@ -23,6 +23,8 @@ extern "C" {
 
 #define LZ_VERSION_STRING "0.1.0"
 #define LZ_MAX_DIMS 4
+/* Elements per absmax of the 8-bit AdamW states (lz_adamw8bit_step). */
+#define LZ_ADAMW8BIT_BLOCK 256
 
 /* LZ_CDEF_BEGIN */
 
@@ -95,7 +97,8 @@ typedef enum lz_dtype {
   LZ_F16 = 2,
   LZ_I32 = 3,
   LZ_U16 = 4,
-  LZ_DTYPE_COUNT = 5
+  LZ_U8 = 5, /* 8-bit optimizer states */
+  LZ_DTYPE_COUNT = 6
 } lz_dtype;
 
 /* One accelerator per process: cuda (a GPU) or sim (docs/devices.md: the
@@ -213,6 +216,23 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
 lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *rstd);
 
+/* QK-norm (Qwen3's q_norm and k_norm, Gemma 3's): RMSNorm over each head of
+ * q and of k inside packed q|k|v rows, qkv [..., C] f32, C >= (n_head +
+ * n_kv_head) * head_dim: out = (offset + w) * (x / sqrt(mean(x^2) + eps)) per
+ * head, q_w for the n_head q heads, k_w for the n_kv_head k heads that
+ * follow (head_dim = numel(q_w) = numel(k_w)); the columns after them are
+ * copied (offset 0: Qwen3, 1: Gemma 3's x * (1 + w)). rstd: one 1/rms per
+ * q and k head of each row. out may alias qkv. All f32. */
+lz_status lz_qk_norm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *qkv,
+                             const lz_tensor *q_w, const lz_tensor *k_w, int n_head, int n_kv_head,
+                             float eps, float offset);
+/* dx written (may alias dy; the columns after the k heads are dy's);
+ * dq_w, dk_w += sums over rows and heads of dy * x * rstd. qkv: forward's
+ * input. */
+lz_status lz_qk_norm_backward(lz_tensor *dx, lz_tensor *dq_w, lz_tensor *dk_w, const lz_tensor *dy,
+                              const lz_tensor *qkv, const lz_tensor *q_w, const lz_tensor *k_w,
+                              const lz_tensor *rstd, int n_head, int n_kv_head, float offset);
+
 /* Rotary embeddings, rotate_half convention: x [B, T, n_head * head_dim]; in
  * each head, element i pairs with i + head_dim/2 and turns by the angle
  * (pos_offset + t) * theta^(-2i/head_dim). out may alias x. Backward turns dy
@@ -262,6 +282,12 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
 lz_status lz_swiglu_packed_forward(lz_tensor *out, const lz_tensor *gate);
 lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
                                     const lz_tensor *gate);
+
+/* out = gelu_tanh(gate) * up (Gemma's GeGLU; gelu as lz_gelu_forward's);
+ * shapes, dtypes and aliasing as lz_swiglu_forward and lz_swiglu_backward. */
+lz_status lz_geglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
+lz_status lz_geglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                            const lz_tensor *gate, const lz_tensor *up);
 
 /* Causal multi-head self-attention. qkv [B, T, 3C] (q, k, v each [B, T, NH, C/NH]),
  * out [B, T, C], lse [B, NH, T] (row log-sum-exp, saved for backward).
@@ -352,6 +378,15 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
  * dlogits may alias logits. */
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss);
+/* As lz_cross_entropy_backward, through a soft-cap: logits are the capped
+ * y = cap * tanh(x / cap) (lz_softcap_forward) and dlogits is the gradient
+ * of x, each one times 1 - (y / cap)^2. cap > 0. */
+lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                            const lz_tensor *targets, int64_t vocab, float dloss,
+                                            float cap);
+/* out = cap * tanh(x / cap) (Gemma 2's final-logit soft-capping), f32, the
+ * same element count; out may alias x. cap > 0. */
+lz_status lz_softcap_forward(lz_tensor *out, const lz_tensor *x, float cap);
 
 /* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
@@ -380,6 +415,21 @@ typedef struct lz_adamw_args {
  * (f32, bf16 or f16). All tensors the same element count. */
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                         lz_tensor *working, const lz_adamw_args *args);
+
+/* One fused step of bitsandbytes' 8-bit AdamW (AdamW8bit; docs/optimizers.md)
+ * over fp32 master `param` with fp32 `grad`. m, v u8: indices into the signed
+ * and the unsigned dynamic map, times absmax_m, absmax_v (f32, one per
+ * LZ_ADAMW8BIT_BLOCK elements: lz_adamw8bit_blocks(n)); zeros are a fresh
+ * state. m, v f32 (absmax_* may be NULL): bitsandbytes' fp32 update, what it
+ * keeps for tensors under min_8bit_size. args as lz_adamw_step's, weight
+ * decay decoupled. `working` (may be NULL) receives the updated parameters. */
+lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
+                            const lz_adamw_args *args);
+/* Absmax entries for n elements: ceil(n / LZ_ADAMW8BIT_BLOCK). */
+int64_t lz_adamw8bit_blocks(int64_t n);
+/* The 256 fp32 entries of the signed (m) or unsigned (v) map. */
+const float *lz_adamw8bit_map(int is_signed);
 
 typedef struct lz_lion_args {
   float lr;

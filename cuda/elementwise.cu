@@ -1,12 +1,13 @@
 // elementwise.cu — flat ops over whole tensors on the device: add, axpy,
 // scale, fill, dtype conversion, GELU, SwiGLU, the fused AdamW and Lion
-// steps, and the two reductions the engine runs over gradients (squared
+// steps (and the 8-bit one), and the two reductions the engine runs over gradients (squared
 // norm, inf/NaN). Same semantics as core/kernels/elementwise.c, core/kernels/gelu.c,
-// core/kernels/swiglu.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
+// core/kernels/swiglu.c, core/kernels/softcap.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
 // element counts must agree, as the core checked).
 #include "lz_cuda.h"
 
-#include <math.h>  // pow, sqrt for AdamW's per-step constants
+#include <math.h>    // pow, sqrt for AdamW's per-step constants
+#include <string.h>  // memcpy of the 8-bit maps
 
 #define THREADS 256
 
@@ -263,6 +264,84 @@ lz_status lz_cu_swiglu_backward(const lz_op_args *a) {
   return LZ_OK;
 }
 
+// ------------------------------------------------------------------- GeGLU
+
+// Gemma's gated activation: out = gelu(gate) * up, GELU with tanh as
+// gelu_forward_kernel computes it; shapes and aliasing as SwiGLU's.
+__device__ __forceinline__ float gelu_tanh(float x) {
+  float u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  float u = GELU_SCALE * (x + GELU_CUBIC * x * x * x);
+  float t = tanhf(u);
+  float du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBIC * x * x);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+}
+
+template <typename T>
+__global__ void geglu_forward_kernel(float *out, const T *gate, const T *up, int64_t n) {
+  GRID_STRIDE(i, n) { out[i] = gelu_tanh(widen(gate[i])) * widen(up[i]); }
+}
+
+template <typename T>
+__global__ void geglu_backward_kernel(float *dgate, float *dup, const T *dout, const T *gate,
+                                      const T *up, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = widen(gate[i]), u = widen(up[i]), d = widen(dout[i]);
+    dgate[i] = d * u * gelu_tanh_grad(g);
+    dup[i] = d * gelu_tanh(g);
+  }
+}
+
+lz_status lz_cu_geglu_forward(const lz_op_args *a) {
+  const lz_tensor *gate = a->t[1], *up = a->t[2];
+  int64_t n = lz_tensor_numel(gate);
+  if (n == 0) return LZ_OK;
+  float *out = (float *)a->t[0]->data;
+  if (gate->dtype == LZ_BF16)
+    geglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        out, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
+  else
+    geglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        out, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_geglu_backward(const lz_op_args *a) {
+  const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
+  int64_t n = lz_tensor_numel(gate);
+  if (n == 0) return LZ_OK;
+  float *dg = (float *)a->t[0]->data, *du = (float *)a->t[1]->data;
+  if (gate->dtype == LZ_BF16)
+    geglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        dg, du, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
+        (const __nv_bfloat16 *)up->data, n);
+  else
+    geglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        dg, du, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ----------------------------------------------------------------- soft-cap
+
+// out = cap * tanh(x / cap), as core/kernels/softcap.c; out may be x.
+__global__ void softcap_forward_kernel(float *out, const float *x, int64_t n, float cap) {
+  GRID_STRIDE(i, n) { out[i] = tanhf(x[i] / cap) * cap; }
+}
+
+lz_status lz_cu_softcap_forward(const lz_op_args *a) {
+  int64_t n = lz_tensor_numel(a->t[1]);
+  if (n == 0) return LZ_OK;
+  softcap_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, n, a->f[0]);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
 // ------------------------------------------------------------------- AdamW
 
 struct adamw_consts {
@@ -352,6 +431,120 @@ lz_status lz_cu_lion_step(const lz_op_args *a) {
   lion_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
       (float *)a->t[0]->data, (const float *)a->t[1]->data, (float *)a->t[2]->data,
       w ? w->data : NULL, w ? w->dtype : LZ_F32, k, n);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+// ------------------------------------------------------------- 8-bit AdamW
+
+// As core/optim/adamw8bit.c, op for op in the _rn intrinsics (never
+// contracted, so the bits are the cpu's): one thread block of
+// LZ_ADAMW8BIT_BLOCK threads per block of elements, which dequantises,
+// updates, takes the new absmax (from 0; fmaxf skips NaN, as the cpu's does) and
+// requantises against the maps, copied from the cpu's at each call.
+struct a8_consts {
+  float beta1, beta2, one_minus_beta1, one_minus_beta2, decay, neg_step, c2, eps, grad_scale;
+};
+
+__constant__ float a8_maps[2][256];  // [0] signed (m), [1] unsigned (v)
+
+__device__ __forceinline__ unsigned char a8_nearest(const float *map, float z) {
+  unsigned i = 0;
+  for (unsigned s = 128; s; s >>= 1) i += map[i + s] <= z ? s : 0;
+  if (i < 255 && fabsf(__fsub_rn(z, map[i + 1])) < fabsf(__fsub_rn(z, map[i]))) i++;
+  return (unsigned char)i;
+}
+
+__global__ void adamw8bit_kernel(float *p, const float *grad, unsigned char *qm, unsigned char *qv,
+                                 float *absmax_m, float *absmax_v, void *working, lz_dtype wdt,
+                                 a8_consts k, int64_t n) {
+  __shared__ float red_m[LZ_ADAMW8BIT_BLOCK], red_v[LZ_ADAMW8BIT_BLOCK];
+  const int64_t b = blockIdx.x, i = b * LZ_ADAMW8BIT_BLOCK + threadIdx.x;
+  float mi = 0.0f, vi = 0.0f;
+  const bool in = i < n;
+  if (in) {
+    const float g = __fmul_rn(grad[i], k.grad_scale);
+    const float m0 = __fmul_rn(__fmul_rn(a8_maps[0][qm[i]], absmax_m[b]), k.beta1);
+    const float v0 = __fmul_rn(__fmul_rn(a8_maps[1][qv[i]], absmax_v[b]), k.beta2);
+    mi = __fmaf_rn(g, k.one_minus_beta1, m0);
+    vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, v0);
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vi), k.c2), k.eps);
+    const float pi =
+        __fadd_rn(__fmul_rn(p[i], k.decay), __fdiv_rn(__fmul_rn(k.neg_step, mi), denom));
+    p[i] = pi;
+    if (working) store_from_f32(working, wdt, i, pi);
+  }
+  red_m[threadIdx.x] = in ? fabsf(mi) : 0.0f;
+  red_v[threadIdx.x] = in ? fabsf(vi) : 0.0f;
+  __syncthreads();
+  for (int w = LZ_ADAMW8BIT_BLOCK / 2; w > 0; w >>= 1) {
+    if ((int)threadIdx.x < w) {
+      red_m[threadIdx.x] = fmaxf(red_m[threadIdx.x], red_m[threadIdx.x + w]);
+      red_v[threadIdx.x] = fmaxf(red_v[threadIdx.x], red_v[threadIdx.x + w]);
+    }
+    __syncthreads();
+  }
+  const float am = red_m[0], av = red_v[0];
+  if (threadIdx.x == 0) absmax_m[b] = am, absmax_v[b] = av;
+  if (in) {
+    qm[i] = a8_nearest(a8_maps[0], __fdiv_rn(mi, am));
+    qv[i] = a8_nearest(a8_maps[1], __fdiv_rn(vi, av));
+  }
+}
+
+__global__ void adamw8bit_f32_kernel(float *p, const float *grad, float *m, float *v,
+                                     void *working, lz_dtype wdt, a8_consts k, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = __fmul_rn(grad[i], k.grad_scale);
+    const float mi = __fmaf_rn(g, k.one_minus_beta1, __fmul_rn(m[i], k.beta1));
+    const float vi = __fmaf_rn(__fmul_rn(k.one_minus_beta2, g), g, __fmul_rn(v[i], k.beta2));
+    const float u = __fdiv_rn(mi, __fadd_rn(__fsqrt_rn(vi), k.eps));
+    const float pi = __fmaf_rn(u, k.neg_step, __fmul_rn(p[i], k.decay));
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi;
+    if (working) store_from_f32(working, wdt, i, pi);
+  }
+}
+
+lz_status lz_cu_adamw8bit_step(const lz_op_args *a) {
+  const lz_adamw_args *args = a->adamw;
+  const int64_t n = lz_tensor_numel(a->t[0]);
+  if (n == 0) return LZ_OK;
+  const bool eight = a->t[2]->dtype == LZ_U8;
+  // The per-step constants exactly as core/optim/adamw8bit.c works them out.
+  const double lr = args->lr, b1 = args->beta1, b2 = args->beta2, wd = args->weight_decay;
+  const double c1 = 1.0 - pow(b1, (double)args->step);
+  const double c2 = sqrt(1.0 - pow(b2, (double)args->step));
+  a8_consts k;
+  k.beta1 = args->beta1;
+  k.beta2 = args->beta2;
+  k.one_minus_beta1 = (float)(1.0 - b1);
+  k.one_minus_beta2 = (float)(1.0 - b2);
+  k.decay = wd > 0.0 ? (float)(1.0 - lr * wd) : 1.0f;
+  k.neg_step = eight ? (float)(-lr / c1) : (float)(-lr * c2 / c1);
+  k.c2 = (float)c2;
+  k.eps = eight ? args->eps : (float)((double)args->eps * c2);
+  k.grad_scale = args->grad_scale;
+  lz_tensor *w = a->t[6];
+  void *wd_ = w ? w->data : NULL;
+  const lz_dtype wdt = w ? w->dtype : LZ_F32;
+  float *p = (float *)a->t[0]->data;
+  const float *g = (const float *)a->t[1]->data;
+  if (eight) {
+    float maps[2][256];
+    memcpy(maps[0], lz_adamw8bit_map(1), sizeof maps[0]);
+    memcpy(maps[1], lz_adamw8bit_map(0), sizeof maps[1]);
+    CUDA_CHECK(cudaMemcpyToSymbolAsync(a8_maps, maps, sizeof maps, 0, cudaMemcpyHostToDevice,
+                                       LZ_CU_COMPUTE));
+    const unsigned blocks = (unsigned)lz_adamw8bit_blocks(n);
+    adamw8bit_kernel<<<blocks, LZ_ADAMW8BIT_BLOCK, 0, LZ_CU_COMPUTE>>>(
+        p, g, (unsigned char *)a->t[2]->data, (unsigned char *)a->t[3]->data,
+        (float *)a->t[4]->data, (float *)a->t[5]->data, wd_, wdt, k, n);
+  } else {
+    adamw8bit_f32_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        p, g, (float *)a->t[2]->data, (float *)a->t[3]->data, wd_, wdt, k, n);
+  }
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

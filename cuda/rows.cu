@@ -1,7 +1,8 @@
-// rows.cu — the row-wise ops on the device: LayerNorm, RMSNorm, rotary
-// position embeddings, softmax cross-entropy and the token (+ position)
-// embedding, forward and backward. Same semantics as core/kernels/layernorm.c,
-// core/kernels/rmsnorm.c, core/kernels/rope.c, core/kernels/cross_entropy.c and
+// rows.cu — the row-wise ops on the device: LayerNorm, RMSNorm, QK-norm,
+// rotary position embeddings, softmax cross-entropy and the token (+
+// position) embedding, forward and backward. Same semantics as
+// core/kernels/layernorm.c, core/kernels/rmsnorm.c, core/kernels/qk_norm.c,
+// core/kernels/rope.c, core/kernels/cross_entropy.c and
 // core/kernels/embedding.c (the core has checked shapes; the ids are checked
 // here). Parameter-gradient sums run in a fixed order with no atomics, so
 // every run gives the same bits.
@@ -282,6 +283,134 @@ lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {
                                    : rmsnorm_backward<float>(a);
 }
 
+// ---------------------------------------------------------------- QK-norm
+
+// One warp per (row, head) of the q and k heads (core/kernels/qk_norm.c):
+// y = (offset + w) * (x * s); warp `heads` of a row copies the columns after
+// the k heads when out is not x.
+__global__ void qk_norm_forward_kernel(float *out, float *rstd, const float *x, const float *qw,
+                                       const float *kw, int64_t rows, int64_t C, int64_t D,
+                                       int n_q, int heads, float eps, float offset) {
+  int64_t warp = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int lane = threadIdx.x % WARP;
+  int64_t row = warp / (heads + 1);
+  int h = (int)(warp % (heads + 1));
+  if (row >= rows) return;
+  if (h == heads) {
+    if (out != x)
+      for (int64_t i = (int64_t)heads * D + lane; i < C; i += WARP) out[row * C + i] = x[row * C + i];
+    return;
+  }
+  const float *xr = x + row * C + h * D, *w = h < n_q ? qw : kw;
+  float s2 = 0.0f;
+  for (int64_t i = lane; i < D; i += WARP) s2 += xr[i] * xr[i];
+  const float s = 1.0f / sqrtf(warp_sum(s2) / (float)D + eps);
+  __syncwarp();  // every lane has read its x before out (which may be x) is written
+  float *o = out + row * C + h * D;
+  for (int64_t i = lane; i < D; i += WARP) o[i] = (offset + w[i]) * (xr[i] * s);
+  if (lane == 0) rstd[row * heads + h] = s;
+}
+
+// dw partials: column c of [q | k] (2D of them) summed over a fixed range of
+// rows per blockIdx.y, heads in order within a row.
+__global__ void qk_norm_dw_kernel(float *partials, const float *dy, const float *x,
+                                  const float *rstd, int64_t rows, int64_t C, int64_t D, int n_q,
+                                  int heads) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 2 * D) return;
+  int64_t per = (rows + RMS_ROW_CHUNKS - 1) / RMS_ROW_CHUNKS;
+  int64_t r0 = blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
+  int h0 = c < D ? 0 : n_q, h1 = c < D ? n_q : heads;
+  int64_t col = c < D ? c : c - D;
+  float sw = 0.0f;
+  for (int64_t r = r0; r < r1; r++)
+    for (int h = h0; h < h1; h++) {
+      int64_t at = r * C + h * D + col;
+      sw += dy[at] * (x[at] * rstd[r * heads + h]);
+    }
+  partials[(int64_t)blockIdx.y * 2 * D + c] = sw;
+}
+
+__global__ void qk_norm_dw_sum_kernel(float *dqw, float *dkw, const float *partials, int64_t D) {
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= 2 * D) return;
+  float t = 0.0f;
+  for (int k = 0; k < RMS_ROW_CHUNKS; k++) t += partials[k * 2 * D + c];
+  if (c < D)
+    dqw[c] += t;
+  else
+    dkw[c - D] += t;
+}
+
+// dx per (row, head) as qk_norm_forward_kernel's warps; dx may be dy.
+__global__ void qk_norm_dx_kernel(float *dx, const float *dy, const float *x, const float *qw,
+                                  const float *kw, const float *rstd, int64_t rows, int64_t C,
+                                  int64_t D, int n_q, int heads, float offset) {
+  int64_t warp = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+  int lane = threadIdx.x % WARP;
+  int64_t row = warp / (heads + 1);
+  int h = (int)(warp % (heads + 1));
+  if (row >= rows) return;
+  if (h == heads) {
+    if (dx != dy)
+      for (int64_t i = (int64_t)heads * D + lane; i < C; i += WARP) dx[row * C + i] = dy[row * C + i];
+    return;
+  }
+  const int64_t at = row * C + h * D;
+  const float *dyr = dy + at, *xr = x + at, *w = h < n_q ? qw : kw;
+  const float s = rstd[row * heads + h];
+  float sgn = 0.0f;
+  for (int64_t i = lane; i < D; i += WARP) sgn += ((offset + w[i]) * dyr[i]) * (xr[i] * s);
+  const float mean_gn = warp_sum(sgn) / (float)D;
+  __syncwarp();
+  float *dxr = dx + at;
+  for (int64_t i = lane; i < D; i += WARP)
+    dxr[i] = ((offset + w[i]) * dyr[i] - xr[i] * s * mean_gn) * s;
+}
+
+lz_status lz_cu_qk_norm_forward(const lz_op_args *a) {
+  const lz_tensor *x = a->t[2];
+  const int n_q = (int)a->i[0], heads = (int)(a->i[0] + a->i[1]);
+  const int64_t C = lz_cols(x), rows = lz_rows(x), D = lz_tensor_numel(a->t[3]);
+  if (rows == 0) return LZ_OK;
+  const int64_t warps = rows * (heads + 1), per_block = THREADS / WARP;
+  qk_norm_forward_kernel<<<(unsigned)((warps + per_block - 1) / per_block), THREADS, 0,
+                           LZ_CU_COMPUTE>>>(
+      (float *)a->t[0]->data, (float *)a->t[1]->data, (const float *)x->data,
+      (const float *)a->t[3]->data, (const float *)a->t[4]->data, rows, C, D, n_q, heads,
+      a->f[0], a->f[1]);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
+lz_status lz_cu_qk_norm_backward(const lz_op_args *a) {
+  lz_tensor *dx = a->t[0], *dqw = a->t[1], *dkw = a->t[2];
+  const lz_tensor *dy = a->t[3], *x = a->t[4], *qw = a->t[5], *kw = a->t[6], *rstd = a->t[7];
+  const int n_q = (int)a->i[0], heads = (int)(a->i[0] + a->i[1]);
+  const int64_t C = lz_cols(x), rows = lz_rows(x), D = lz_tensor_numel(qw);
+  if (rows == 0) return LZ_OK;
+  void *ws;
+  LZ_TRY(lz_cu_scratch(&ws, (size_t)RMS_ROW_CHUNKS * 2 * (size_t)D * sizeof(float)));
+  // dw first: dx may share memory with dy.
+  dim3 grid((unsigned)((2 * D + THREADS - 1) / THREADS), RMS_ROW_CHUNKS);
+  qk_norm_dw_kernel<<<grid, THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)ws, (const float *)dy->data, (const float *)x->data, (const float *)rstd->data,
+      rows, C, D, n_q, heads);
+  CUDA_LAUNCH_CHECK();
+  qk_norm_dw_sum_kernel<<<(unsigned)((2 * D + THREADS - 1) / THREADS), THREADS, 0,
+                          LZ_CU_COMPUTE>>>((float *)dqw->data, (float *)dkw->data,
+                                           (const float *)ws, D);
+  CUDA_LAUNCH_CHECK();
+  const int64_t warps = rows * (heads + 1), per_block = THREADS / WARP;
+  qk_norm_dx_kernel<<<(unsigned)((warps + per_block - 1) / per_block), THREADS, 0,
+                      LZ_CU_COMPUTE>>>((float *)dx->data, (const float *)dy->data,
+                                       (const float *)x->data, (const float *)qw->data,
+                                       (const float *)kw->data, (const float *)rstd->data, rows,
+                                       C, D, n_q, heads, a->f[0]);
+  CUDA_LAUNCH_CHECK();
+  return LZ_OK;
+}
+
 // ------------------------------------------------------------ ids on the host
 
 // A copy of t's ids (NULL: none) on the host, where the core's checks read
@@ -489,9 +618,17 @@ __device__ __forceinline__ void store_grad(__nv_bfloat16 *p, float v) {
   *p = __float2bfloat16_rn(v);
 }
 
+// cap > 0: the logits are soft-capped (y = cap tanh(x / cap)) and each
+// gradient is carried to x by 1 - (y / cap)^2, as core/kernels/cross_entropy.c.
+__device__ __forceinline__ float through_cap(float g, float y, float cap) {
+  if (cap == 0.0f) return g;
+  const float t = y / cap;
+  return g * (1.0f - t * t);
+}
+
 template <typename G>
 __global__ void xent_backward_kernel(G *dlogits, const float *logits, const int32_t *targets,
-                                     int64_t vocab, int64_t Vp, float dloss,
+                                     int64_t vocab, int64_t Vp, float dloss, float cap,
                                      unsigned long long *bad) {
   int64_t r = blockIdx.x;
   int32_t tg = targets[r];
@@ -506,10 +643,12 @@ __global__ void xent_backward_kernel(G *dlogits, const float *logits, const int3
   const float logit_target = lg[tg], inv = 1.0f / s;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < vocab; i += THREADS)
-    store_grad(dl + i, expf(lg[i] - m) * inv * dloss);
+    store_grad(dl + i, through_cap(expf(lg[i] - m) * inv * dloss, lg[i], cap));
   for (int64_t i = vocab + threadIdx.x; i < Vp; i += THREADS) store_grad(dl + i, 0.0f);
   __syncthreads();
-  if (threadIdx.x == 0) store_grad(dl + tg, (expf(logit_target - m) * inv - 1.0f) * dloss);
+  if (threadIdx.x == 0)
+    store_grad(dl + tg, through_cap((expf(logit_target - m) * inv - 1.0f) * dloss, logit_target,
+                                    cap));
 }
 
 // The device word the kernels report a bad target in (all ones: none), and
@@ -569,11 +708,11 @@ lz_status lz_cu_cross_entropy_backward(const lz_op_args *a) {
   if (a->t[0]->dtype == LZ_BF16)
     xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
         (__nv_bfloat16 *)a->t[0]->data, (const float *)logits->data,
-        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0], bad);
+        (const int32_t *)a->t[2]->data, a->i[0], Vp, a->f[0], a->f[1], bad);
   else
     xent_backward_kernel<<<(unsigned)rows, THREADS, 0, LZ_CU_COMPUTE>>>(
         (float *)a->t[0]->data, (const float *)logits->data, (const int32_t *)a->t[2]->data,
-        a->i[0], Vp, a->f[0], bad);
+        a->i[0], Vp, a->f[0], a->f[1], bad);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

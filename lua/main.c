@@ -28,6 +28,8 @@
 static const char *usage_head =
     "usage: luazero [options] [script.lua [args...]]\n"
     "  -e CODE          run CODE (may be given more than once)\n"
+    "  -m NAME          run the bundled script NAME (train, eval, generate, sweep,\n"
+    "                   examples/own_model, ...: scripts/NAME.lua of the install)\n"
     "  -i               enter the REPL after the script (also when it fails)\n"
     "  -n N             run N ranks of the script on this machine\n"
     "  --backend NAME   collective backend (LZ_BACKEND); NAME is auto or one of:\n";
@@ -325,7 +327,7 @@ static void adopt_mpirun_ranks(void) {
 }
 
 int main(int argc, char **argv) {
-  int interactive = 0, nranks = 0, quiet = 0, first_script = 0;
+  int interactive = 0, nranks = 0, quiet = 0, first_script = 0, by_name = 0;
   const char *backend = NULL, *restarts_flag = NULL, *min_ranks_flag = NULL;
   int n_exec = 0;
   const char *exec_chunks[64];
@@ -345,6 +347,14 @@ int main(int argc, char **argv) {
         return 2;
       }
       exec_chunks[n_exec++] = argv[++i];
+    } else if (!strcmp(a, "-m")) {
+      if (i + 1 >= argc || !argv[i + 1][0]) {
+        fprintf(stderr, "luazero: -m needs a bundled script's name (luazero -m train --help)\n");
+        return 2;
+      }
+      by_name = 1;
+      first_script = i + 1;
+      break;
     } else if (!strcmp(a, "-i")) {
       interactive = 1;
       with_traceback = 1;
@@ -424,6 +434,7 @@ int main(int argc, char **argv) {
       child[c++] = (char *)exec_chunks[k];
     }
     if (interactive) child[c++] = "-i";
+    if (by_name) child[c++] = "-m";
     for (int k = first_script; first_script && k < argc && c < 511; k++) child[c++] = argv[k];
     child[c] = NULL;
     char exe[PATH_MAX];
@@ -485,6 +496,18 @@ int main(int argc, char **argv) {
   }
   if (status == 0 && first_script) {
     const char *script = argv[first_script];
+    char bundled[PATH_MAX + 64];
+    if (by_name) {
+      snprintf(bundled, sizeof bundled, "%s/scripts/%s.lua", root, script);
+      if (strstr(script, "..") || access(bundled, R_OK) != 0) {
+        fprintf(stderr, "luazero: -m %s: no bundled script %s; the bundled scripts are the .lua "
+                "files under %s/scripts (luazero -m train, -m examples/own_model)\n", script,
+                bundled, root);
+        fflush(NULL);
+        _exit(2);
+      }
+      script = bundled;
+    }
     if (luaL_loadfile(L, strcmp(script, "-") ? script : NULL) != 0) {
       const char *msg = lua_tostring(L, -1);
       if (strstr(msg, "cannot open"))

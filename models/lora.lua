@@ -67,7 +67,7 @@ local function plan(model, targets, where)
               end
               if ad then
                 if not by_linear[child] then
-                  by_linear[child] = { parent = m, adapters = {} }
+                  by_linear[child] = { parent = m, adapters = {}, path = cpath }
                   order[#order + 1] = child
                 end
                 local list = by_linear[child].adapters
@@ -94,16 +94,22 @@ end
 
 -- opts: r (rank), alpha (scale alpha / r; default r: scale 1), targets (list
 -- of module names; default the family's lora_default), where (the targets' table;
--- default model.lora_targets). Wraps the Linears, rebuilds the model's
--- parameter table and freezes every parameter but the adapters. Returns the
--- number of adapted weights.
+-- default model.lora_targets), rslora (scale alpha / sqrt(r), PEFT's
+-- use_rslora), rank_of / alpha_of (functions of an adapted module's full
+-- name, e.g. model.layers.0.self_attn.q_proj, giving its own r or alpha or
+-- nil: PEFT's rank_pattern and alpha_pattern). Wraps the Linears, rebuilds
+-- the model's parameter table and freezes every parameter but the
+-- adapters. Returns the number of adapted weights.
 function M.apply(model, opts)
   local r = assert(opts.r, "lora: r is required")
   if r < 1 or r ~= math.floor(r) then
     error(("lora: r must be a whole number >= 1 (got %s)"):format(r), 0)
   end
   if model.lora then error("lora: the model has adapters already; apply them once", 0) end
-  local scale = (opts.alpha or r) / r
+  local function scale_of(ar, alpha)
+    return alpha / (opts.rslora and math.sqrt(ar) or ar)
+  end
+  local scale = scale_of(r, opts.alpha or r)
   local targets, seen = {}, {}
   local chosen = opts.targets or M.default_targets(model)
   for _, t in ipairs(chosen) do
@@ -127,6 +133,13 @@ function M.apply(model, opts)
   for _, linear in ipairs(order) do
     local p = by_linear[linear]
     table.sort(p.adapters, function(a, b) return a[2] < b[2] end)
+    if opts.rank_of or opts.alpha_of then
+      for _, ad in ipairs(p.adapters) do
+        local name = ad[1] == "" and p.path or (p.path .. "." .. ad[1])
+        local ar = opts.rank_of and opts.rank_of(name) or r
+        ad[4], ad[5] = ar, scale_of(ar, opts.alpha_of and opts.alpha_of(name) or opts.alpha or r)
+      end
+    end
     p.parent:replace(linear, nn.LoRA.new(linear, p.adapters, r, scale))
     n = n + #p.adapters
   end

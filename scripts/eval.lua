@@ -15,26 +15,32 @@ local run_flags = require("luazero.run.flags")
 local inputs = require("luazero.run.inputs")
 
 local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors"), {
-  { "data", "string", nil, "the held-out file: text (bytes are tokens), a token file or instruction data (.jsonl or tools/prepare-data's), all of it" },
-  { "tokenizer", "string", nil, "a .jsonl --data's Hugging Face tokenizer folder (default: the --hf folder)" },
-  { "micro-batch", "int", nil, "sequences per batch (default: a checkpoint's, else 8)" },
-  { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
-  { "max-batches", "int", 0, "evaluate the first N batches only (0: the whole file)" },
-  { "dtype", "string", nil, "fp32, bf16 or fp16 (default: a checkpoint's, else fp32)" },
+  { "data", "string", nil, "the held-out file: text (bytes are tokens), a token file or instruction data (.jsonl or tools/prepare-data's), all of it",
+    required = "the held-out text or token file" },
+  { "tokenizer", "string", nil, "a .jsonl --data's Hugging Face tokenizer folder (default: the --hf folder)",
+    needs = { ok = function(f) return f.data ~= nil and data.is_jsonl(f.data) end,
+              with = { "--data", "val.jsonl" },
+              says = "tokenises instruction examples (a .jsonl --data) only; --data is not " ..
+                     "one: drop it" } },
+  { "micro-batch", "int", nil, "sequences per batch (default: a checkpoint's, else 8)", min = 1 },
+  { "seq-len", "int", nil, "tokens per sequence (default: the model's context)", min = 1 },
+  { "max-batches", "int", 0, "evaluate the first N batches only (0: the whole file)",
+    min = 0, why = "0 evaluates the whole file" },
+  { "dtype", "string", nil, "fp32, bf16 or fp16 (default: a checkpoint's, else fp32)",
+    choices = { "fp32", "bf16", "fp16" } },
   { "json", "flag", false, "print one JSON object instead of a line of text" },
 })
 
-local ex = exits.new({ script = "eval" })
+-- What a message gains on the user's terminal: the flag that lowers it.
+local ex = exits.new({ script = "eval", hints = {
+  { "for activations failed", "the activations do not fit: lower --micro-batch or --seq-len" },
+} })
 local checked = ex.checked
 
 local function main(argv)
   local flags = run_flags.parse(ex, argv, spec,
                                 "luazero scripts/eval.lua (--load DIR | --hf DIR) --data FILE [flags]")
   if not flags then return end
-  run_flags.required(ex, flags, "data", "the held-out text or token file")
-  run_flags.at_least(ex, flags, "micro-batch", 1)
-  run_flags.at_least(ex, flags, "seq-len", 1)
-  if flags.max_batches < 0 then ex.user_error("--max-batches must be >= 0 (0: the whole file)") end
   local jsonl
   if data.is_jsonl(flags.data) and (flags.tokenizer or flags.hf) then
     -- Instruction examples: tokenised and masked as scripts/train.lua does.

@@ -10,9 +10,17 @@ local generate = require("luazero.generate")
 local exits = require("luazero.run.exits")
 local run_flags = require("luazero.run.flags")
 local inputs = require("luazero.run.inputs")
-local outputs = require("luazero.run.outputs")
+local atomic = require("luazero.io.atomic")
+local paths = require("luazero.io.paths")
 local run_text = require("luazero.run.text")
-local exists = require("luazero.io.fs").exists
+local fs = require("luazero.io.fs")
+local exists, is_dir = fs.exists, fs.is_dir
+
+-- The sampling flags: greedy decoding (--temperature 0) takes the likeliest
+-- token, which none of them changes.
+local SAMPLING = { ok = function(f) return f.temperature > 0 end, with = { "--temperature", "0.8" },
+                   says = "does nothing with greedy decoding (--temperature 0): add " ..
+                          "--temperature T (above 0) to sample, or drop it" }
 
 local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors, tokenizer.json"), {
   { "tokenizer", "string", nil, "a tokenizer.json or the folder holding it (default: the model folder's; none: bytes are tokens)" },
@@ -20,15 +28,20 @@ local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors, token
   { "prompt", "string", nil, "one prompt (text; with --chat the user's message)" },
   { "prompts", "string", nil, "a file of prompts: one per line, or JSON Lines ({\"prompt\": ...}, {\"prompt_ids\": [...]} or, with --chat, {\"messages\": [...]})" },
   { "prompt-ids", "string", nil, "one prompt as token ids, comma-separated" },
-  { "max-new-tokens", "int", 64, "new tokens per prompt (at most)" },
-  { "temperature", "number", 0, "0: greedy (the likeliest token); above 0: sample at that temperature" },
-  { "top-k", "int", 0, "sample among the k likeliest tokens (0: all)" },
-  { "top-p", "number", 1, "sample among the likeliest tokens whose probabilities reach p (1: all)" },
-  { "seed", "int", 1337, "seed of the sampling" },
+  { "max-new-tokens", "int", 64, "new tokens per prompt (at most)", min = 1 },
+  { "temperature", "number", 0, "0: greedy (the likeliest token); above 0: sample at that temperature",
+    min = 0, why = "0 is greedy" },
+  { "top-k", "int", 0, "with --temperature: sample among the k likeliest tokens (0: all)",
+    min = 0, why = "0 keeps all tokens", needs = SAMPLING },
+  { "top-p", "number", 1, "with --temperature: sample among the likeliest tokens whose probabilities reach p (1: all)",
+    over = 0, max = 1, needs = SAMPLING },
+  { "seed", "int", 1337, "with --temperature: seed of the sampling", needs = SAMPLING },
   { "stop", "string", nil, "end a completion where this text appears (the text is cut off)" },
-  { "batch", "int", 8, "prompts decoded together" },
-  { "dtype", "string", nil, "fp32 or bf16 (default: a checkpoint's, else fp32)" },
-  { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory" },
+  { "batch", "int", 8, "prompts decoded together", min = 1 },
+  { "dtype", "string", nil, "fp32 or bf16 (default: a checkpoint's, else fp32)",
+    choices = { "fp32", "bf16" } },
+  { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory",
+    choices = { "fp32", "bf16" } },
   { "out", "string", nil, "write one JSON object per prompt to this file (JSON Lines)" },
 })
 
@@ -57,11 +70,12 @@ local function read_prompts(flags)
   if flags.prompt then list[#list + 1] = { text = flags.prompt } end
   if flags.prompt_ids then
     local ids = {}
-    for n in flags.prompt_ids:gmatch("[^,%s]+") do
+    -- every comma separates two ids: "1,,2" is a slip, not 1,2
+    for n in (flags.prompt_ids .. ","):gmatch("([^,]*),") do
       local v = tonumber(n)
       if not v or v ~= math.floor(v) or v < 0 then
         fail(("--prompt-ids %s: %s is not a token id; give whole numbers, comma-separated")
-             :format(flags.prompt_ids, n))
+             :format(flags.prompt_ids, n:find("%S") and ("'" .. n .. "'") or "an empty entry"))
       end
       ids[#ids + 1] = v
     end
@@ -73,6 +87,10 @@ local function read_prompts(flags)
     local n = 0
     for line in f:lines() do
       n = n + 1
+      if n == 1 and line:sub(1, 3) == "\239\187\191" then
+        fail(("--prompts %s: starts with a UTF-8 byte order mark (EF BB BF), which would be " ..
+              "part of the first prompt; save the file as UTF-8 without it"):format(flags.prompts))
+      end
       if line:find("%S") then
         if line:match("^%s*{") then
           local ok, j = pcall(cjson.decode, line)
@@ -98,29 +116,24 @@ local function read_prompts(flags)
   return list
 end
 
+-- Every file the run touches (io/paths.lua): --out must not be an input.
+local function touches(flags)
+  local p = run_flags.weights_paths(paths.new(), flags)
+  p:read("--prompts", flags.prompts)
+  p:read("--tokenizer", flags.tokenizer, { whole = flags.tokenizer and is_dir(flags.tokenizer) })
+  return p:write("--out", flags.out)
+end
+
 local function parse(argv)
   local flags = run_flags.parse(ex, argv, spec,
                                 "luazero scripts/generate.lua (--load DIR | --hf DIR) --prompt TEXT [flags]")
   if not flags then return nil end
-  run_flags.at_least(ex, flags, "max-new-tokens", 1)
-  if flags.temperature < 0 then fail("--temperature must be >= 0 (0: greedy)") end
-  if flags.top_k < 0 then fail("--top-k must be >= 0 (0: all tokens)") end
-  if flags.top_p <= 0 or flags.top_p > 1 then fail("--top-p must be in (0, 1]") end
-  run_flags.at_least(ex, flags, "batch", 1)
-  if flags.kv_dtype ~= "fp32" and flags.kv_dtype ~= "bf16" then
-    fail(("--kv-dtype must be fp32 or bf16 (got %s)"):format(flags.kv_dtype))
-  end
-  if flags.dtype and flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
-    fail(("--dtype must be fp32 or bf16 (got %s)"):format(flags.dtype))
-  end
   -- An empty --stop is found at once: every completion would be cut to nothing.
   if flags.stop == "" then
     fail("--stop '' matches at every position and would cut every completion to nothing: " ..
          "give the text to stop at, or drop --stop")
   end
-  -- --out FILE is emptied at start: it must not be one of the run's inputs.
-  outputs.refuse_overlap(ex, flags, { "out" },
-                         { "prompts", "load", "hf", "adapters", "tokenizer" })
+  checked(function() touches(flags):check() end)
   return flags
 end
 
@@ -213,7 +226,8 @@ local function main(argv)
     top_p = flags.top_p, seed = flags.seed, eos = side.eos, stop = stop, batch = flags.batch,
     kv_dtype = flags.kv_dtype == "bf16" and "bf16" or "f32",
   })
-  local log = flags.out and outputs.open(ex, "--out", flags.out)
+  -- --out: whole or not at all, written once every completion is known
+  local log = flags.out and {}
   for i, o in ipairs(outs) do
     local text
     if side.decode then
@@ -223,12 +237,12 @@ local function main(argv)
     if #outs > 1 then print(("--- %d (%s)"):format(i, o.reason)) end
     print(text or table.concat(o.ids, " "))
     if log then
-      log:write(cjson.encode({ prompt = list[i].text, messages = list[i].messages,
-                               prompt_ids = prompts[i], ids = o.ids, completion = text,
-                               finish = o.reason }), "\n")
+      log[#log + 1] = cjson.encode({ prompt = list[i].text, messages = list[i].messages,
+                                     prompt_ids = prompts[i], ids = o.ids, completion = text,
+                                     finish = o.reason }) .. "\n"
     end
   end
-  if log then log:close() end
+  if log then ex.checked_write(atomic.write, flags.out, table.concat(log)) end
   w.free()
 end
 

@@ -54,7 +54,7 @@ local function main(argv)
   if not file then user_error("give a sweep file (luazero scripts/sweep.lua sweeps/example.lua)") end
   local ok, spec = pcall(sweep.load, file)
   if not ok then user_error(tostring(spec):gsub("^sweep: ", "")) end
-  local runs, swept
+  local runs, swept, why
   ok, runs, swept = pcall(sweep.expand, spec)
   if not ok then user_error(tostring(runs):gsub("^sweep: ", "")) end
   if opts.list then
@@ -62,6 +62,11 @@ local function main(argv)
     return
   end
   opts.out = opts.out or ("sweeps-out/" .. spec.name)
+  -- Every file it touches (io/paths.lua): --out must not write over the sweep file.
+  local p = require("luazero.io.paths").new():read("the sweep file", file)
+  p:write_in("--out", opts.out, sweep.OUT_NAMES)
+  ok, why = pcall(p.check, p)
+  if not ok then user_error(why) end
   print(("sweep %s: %d runs, %d at once, into %s"):format(spec.name, #runs, opts.jobs, opts.out))
   io.stdout:flush()
   opts.say = function(line)

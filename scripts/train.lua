@@ -38,45 +38,74 @@ local spec = {
     table.concat(require("luazero.families").architectures(), ", ") .. ") instead of --model" },
   { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
   { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it" },
-  { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)" },
-  { "packing", "string", nil, "instruction data: pack (several examples per row, the default) or pad (one per row)" },
+  { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)",
+    required = "a text file, a token file made by tools/prepare-data, or instruction examples (.jsonl)" },
+  { "packing", "string", nil, "instruction data: pack (several examples per row, the default) or pad (one per row)",
+    choices = { "pack", "pad" } },
   { "val-data", "string", nil, "validation from this file (text, token file or instruction data), all of --data trains (default: the last 10% of --data)" },
-  { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)" },
-  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else the model size's, else 8)" },
-  { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)" },
-  { "seq-len", "int", nil, "tokens per sequence (default: the model's context)" },
-  { "lr", "number", nil, "peak learning rate (default: the model size's)" },
-  { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100)" },
+  { "steps", "int", 100, "optimizer steps (0 with --init: the validation loss of the weights only)",
+    min = function(f) return f.init and 0 or 1 end },
+  { "micro-batch", "int", nil, "sequences per micro-batch per rank (default: the config's, else the model size's, else 8)",
+    min = 1 },
+  { "grad-accum", "int", nil, "micro-batches per optimizer step (default: the config's, else 1)",
+    min = 1 },
+  { "seq-len", "int", nil, "tokens per sequence (default: the model's context)",
+    min = 1 },
+  { "lr", "number", nil, "peak learning rate (default: the model size's)",
+    over = 0 },
+  { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100)",
+    min = 1 },
   { "seed", "int", 1337, "seed of the initial weights, the batches and the sample" },
   { "dtype", "string", nil, "training precision: fp32, bf16 or fp16 (default: the config's, else fp32)" },
   { "device", "string", "cpu", "cpu, sim (a device the host cannot touch, for tests) or cuda " ..
-                              "(one GPU per rank, LOCAL_RANK's)" },
+                              "(one GPU per rank, LOCAL_RANK's)",
+    choices = { "cpu", "sim", "cuda" } },
   { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "nvme-path", "string", nil, "--stage auto: where the swap files go when only an NVMe placement fits (default: the config's nvme_path)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },
-  { "lora-r", "int", nil, "LoRA adapters of rank r on --lora-targets; everything else frozen" },
-  { "lora-alpha", "number", nil, "LoRA scale alpha / r (default: alpha = r)" },
-  { "lora-targets", "string", nil, "modules LoRA adapts, comma-separated (default: the family's, e.g. q_proj,v_proj)" },
+  { "lora-r", "int", nil, "LoRA adapters of rank r on --lora-targets; everything else frozen",
+    arg = "R (the adapters' rank)" }, -- (its range: models/lora.lua's, "lora: r must be ...")
+  { "lora-alpha", "number", nil, "LoRA scale alpha / r (default: alpha = r)",
+    over = 0, why = "the adapters' scale is alpha / r", needs = "lora-r" },
+  { "lora-targets", "string", nil, "modules LoRA adapts, comma-separated (default: the family's, e.g. q_proj,v_proj)",
+    needs = "lora-r" },
   { "checkpoint-activations", "flag", false, "keep only each block's input; recompute its forward in backward (the config's activation_checkpointing says how)" },
-  { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)" },
-  { "eval-batches", "int", 20, "validation batches per evaluation (at most)" },
+  { "eval-every", "int", 0, "validation loss every N steps (0: at the end only)",
+    min = 0, needs = { ok = function(f) return f.eval_batches > 0 end,
+                       alone = { "--eval-batches", "0" }, with = { "--eval-batches", "5" },
+                       says = "does nothing with --eval-batches 0 (no validation): give " ..
+                              "--eval-batches N or drop it" } },
+  { "eval-batches", "int", 20, "validation batches per evaluation (at most)",
+    min = 0 },
   { "log", "string", nil, "write one JSON object per step to this file (JSON Lines)" },
   { "profile", "flag", false, "print where the steps after the first spent their time, per kernel and engine phase (luazero.profile)" },
   { "profile-json", "string", nil, "--profile, also written to this file as JSON" },
-  { "sample", "int", 200, "tokens to generate at the end (0: none)" },
-  { "save", "string", nil, "save checkpoints into this folder (DIR/step-NNNNNN, DIR/latest)" },
-  { "save-every", "int", 0, "with --save: a checkpoint every N steps (0: at the end only)" },
-  { "save-every-minutes", "number", 0, "with --save: also a checkpoint every M minutes of wall clock (rank 0's clock decides for all)" },
-  { "async-save", "flag", false, "with --save: shards written by a background thread while training goes on (docs/checkpoints.md)" },
-  { "keep", "int", 0, "with --save: keep the newest N checkpoints (0: all)" },
-  { "save-zstd-level", "int", 3, "zstd level of checkpoint shards (1..19; higher: smaller, slower)" },
+  { "sample", "int", 200, "tokens to generate at the end (0: none)",
+    min = 0 },
+  { "save", "string", nil, "save checkpoints into this folder (DIR/step-NNNNNN, DIR/latest)",
+    arg = "DIR (the checkpoint folder)" },
+  { "save-every", "int", 0, "with --save: a checkpoint every N steps (0: at the end only)",
+    min = 0, needs = "save" },
+  { "save-every-minutes", "number", 0, "with --save: also a checkpoint every M minutes of wall clock (rank 0's clock decides for all)",
+    min = 0, needs = "save" },
+  { "async-save", "flag", false, "with --save: shards written by a background thread while training goes on (docs/checkpoints.md)",
+    needs = "save" },
+  { "keep", "int", 0, "with --save: keep the newest N checkpoints (0: all)",
+    min = 0, needs = "save" },
+  { "save-zstd-level", "int", 3, "zstd level of checkpoint shards (1..19; higher: smaller, slower)",
+    min = 1, max = 19, needs = "save" },
   { "resume", "string", nil, "resume from a checkpoint: a step folder, or a --save folder (its latest)" },
-  { "n-layer", "int", nil, "override: transformer blocks" },
-  { "n-head", "int", nil, "override: attention heads" },
-  { "n-embd", "int", nil, "override: embedding width" },
-  { "context", "int", nil, "override: the model's number of positions" },
-  { "vocab", "int", nil, "override: vocabulary size" },
+  { "n-layer", "int", nil, "override: transformer blocks",
+    min = 1 },
+  { "n-head", "int", nil, "override: attention heads",
+    min = 1 },
+  { "n-embd", "int", nil, "override: embedding width",
+    min = 1 },
+  { "context", "int", nil, "override: the model's number of positions",
+    min = 1 },
+  { "vocab", "int", nil, "override: vocabulary size",
+    min = 1 },
 }
 
 -- What a message gains on the user's terminal: the flag that lowers it.
@@ -136,9 +165,12 @@ local function set_up(flags)
   end
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
+  checked(restart.check_fault, world) -- the test hook's rank and step, before any step
   -- The device before any data is read: no GPU is an error at start.
   if flags.device ~= "cpu" then checked(lz.device_init, flags.device) end
   local cfg = checked(run_config.load, flags, world, mcfg)
+  -- the configuration's outputs (monitors, profiler, NVMe) beside the flags'
+  checks.train_config(ex, flags, cfg)
   run_config.check_memory_budget_env(ex, cfg)
   start.note_resumed_schedule(ex, flags, cfg, resumed)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
@@ -149,6 +181,8 @@ local function set_up(flags)
   local schedule, sched, warmup = run_config.schedule(cfg, flags)
   local jsonl = { tokenizer = tok, template = template, max_len = T }
   local corpus = inputs.corpus(ex, flags.data, jsonl)
+  -- which data the checkpoints' position belongs to (checked on resume)
+  local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
                                                 vocab = mcfg.vocab, rank = rank, world = world,
                                                 packing = flags.packing,
@@ -191,13 +225,14 @@ local function set_up(flags)
   optim.schedule.drive_betas(engine, cfg) -- OneCycle's cycle_momentum
   -- tensorboard, csv_monitor, wall_clock_breakdown, flops_profiler
   local mon = checked(monitor.start, { engine = engine, model = model, cfg = cfg, rank = rank,
-                                       B = B, T = T })
+                                       B = B, T = T, resumed = flags.resume ~= nil })
   return {
     ex = ex, flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg,
     B = B, T = T, accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr,
     sched = sched, warmup = warmup, corpus = corpus, loader = loader, log = log or nil,
     model = model, engine = engine, n_val = math.min(flags.eval_batches, val_loader.val_batches),
     first = 1, tok = tok, mon = mon, val_loader = val_loader, val_corpus = val_corpus,
+    data_fingerprint = fingerprint or nil,
   }
 end
 
@@ -245,7 +280,7 @@ local function finish(run)
   if run.profile then
     say(run.profile:format())
     if run.flags.profile_json and run.rank == 0 then
-      checked(run.profile.write_json, run.profile, run.flags.profile_json)
+      ex.checked_write(run.profile.write_json, run.profile, run.flags.profile_json)
     end
     run.profile:detach()
   end

@@ -60,6 +60,10 @@ static void fill_random(lz_tensor *t, const spec *s, uint64_t *rng) {
       ((int32_t *)t->data)[i] = (int32_t)(lz_test_xorshift(rng) % (uint64_t)s->ids);
       continue;
     }
+    if (t->dtype == LZ_U8) {
+      ((uint8_t *)t->data)[i] = (uint8_t)lz_test_xorshift(rng);
+      continue;
+    }
     float v = lz_test_uniform(rng);
     if (s->pos) v = fabsf(v) + 0.1f;
     if (t->dtype == LZ_F32)
@@ -105,6 +109,8 @@ static void check_op(const char *name, op_fn fn, int n, const spec *specs) {
   { LZ_BF16, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, 0, 0 }
 #define F16(...) \
   { LZ_F16, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, 0, 0 }
+#define U8(...) \
+  { LZ_U8, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, 0, 0 }
 #define IDS(range, ...) \
   { LZ_I32, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, range, 0 }
 #define CHECK_OP(name, ...) \
@@ -281,6 +287,14 @@ static lz_status lion(lz_tensor **t) {
   const lz_lion_args a = {1e-3f, 0.9f, 0.99f, 0.1f, 0.5f};
   return lz_lion_step(t[0], t[1], t[2], t[3], &a);
 }
+static lz_status adamw8bit(lz_tensor **t) {
+  const lz_adamw_args a = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 3};
+  return lz_adamw8bit_step(t[0], t[1], t[2], t[3], t[4], t[5], t[6], &a);
+}
+static lz_status adamw8bit_f32(lz_tensor **t) {
+  const lz_adamw_args a = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 3};
+  return lz_adamw8bit_step(t[0], t[1], t[2], t[3], NULL, NULL, t[4], &a);
+}
 static lz_status rmsnorm_fwd(lz_tensor **t) {
   return lz_rmsnorm_forward(t[0], t[1], t[2], t[3], 1e-6f);
 }
@@ -294,8 +308,25 @@ static lz_status swiglu_bwd(lz_tensor **t) {
   return lz_swiglu_backward(t[0], t[1], t[2], t[3], t[4]);
 }
 
+static lz_status geglu_fwd(lz_tensor **t) { return lz_geglu_forward(t[0], t[1], t[2]); }
+static lz_status geglu_bwd(lz_tensor **t) {
+  return lz_geglu_backward(t[0], t[1], t[2], t[3], t[4]);
+}
+static lz_status softcap_fwd(lz_tensor **t) { return lz_softcap_forward(t[0], t[1], 2.5f); }
+static lz_status cross_entropy_softcap_bwd(lz_tensor **t) {
+  return lz_cross_entropy_softcap_backward(t[0], t[1], t[2], 7, 0.25f, 3.0f);
+}
+
 static lz_status attention_decode(lz_tensor **t) {
   return lz_attention_decode(t[0], t[1], t[2], t[3], t[4], 2, 1);
+}
+
+/* q|k|v rows of 2 q heads, 1 k head, 1 v head of 4; Gemma 3's offset. */
+static lz_status qk_norm_fwd(lz_tensor **t) {
+  return lz_qk_norm_forward(t[0], t[1], t[2], t[3], t[4], 2, 1, 1e-6f, 1.0f);
+}
+static lz_status qk_norm_bwd(lz_tensor **t) {
+  return lz_qk_norm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], 2, 1, 1.0f);
 }
 
 /* The host-returning ops: the value itself is compared. */
@@ -325,7 +356,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 29);
+  CHECK_EQ_INT(LZ_OP_COUNT, 35);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));
@@ -363,9 +394,21 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   CHECK_OP(rope_bwd, F32(2, 4, 8), F32(2, 4, 8));
   CHECK_OP(swiglu_fwd, F32(100), F32(100), F32(100));
   CHECK_OP(swiglu_bwd, F32(100), F32(100), F32(100), F32(100), F32(100));
+  CHECK_OP(geglu_fwd, F32(100), F32(100), F32(100));
+  CHECK_OP(geglu_fwd, F32(100), BF16(100), BF16(100));
+  CHECK_OP(geglu_bwd, F32(100), F32(100), F32(100), F32(100), F32(100));
+  CHECK_OP(softcap_fwd, F32(257), F32(257));
+  CHECK_OP(cross_entropy_softcap_bwd, F32(2, 3, 8), F32(2, 3, 8), IDS(6, 2, 3));
+  CHECK_OP(cross_entropy_softcap_bwd, BF16(2, 3, 8), F32(2, 3, 8), IDS(6, 2, 3));
   /* two new positions after 0 to 4 cached ones, in caches of 6 */
   CHECK_OP(attention_decode, F32(2, 2, 8), F32(2, 2, 16), F32(2, 6, 4), F32(2, 6, 4), IDS(5, 2));
   CHECK_OP(attention_decode, F32(2, 2, 8), F32(2, 2, 16), BF16(2, 6, 4), BF16(2, 6, 4), IDS(5, 2));
+  CHECK_OP(qk_norm_fwd, F32(2, 3, 16), F32(18), F32(2, 3, 16), F32(4), F32(4));
+  CHECK_OP(qk_norm_bwd, F32(2, 3, 16), F32(4), F32(4), F32(2, 3, 16), F32(2, 3, 16), F32(4),
+           F32(4), F32P(18));
+  /* three blocks of 256, the last partial */
+  CHECK_OP(adamw8bit, F32(600), F32(600), U8(600), U8(600), F32P(3), F32P(3), BF16(600));
+  CHECK_OP(adamw8bit_f32, F32(300), F32(300), F32(300), F32P(300), F32(300));
   check_reductions(LZ_F32);
   check_reductions(LZ_BF16);
   check_reductions(LZ_F16);

@@ -4,7 +4,8 @@
 --   luazero tools/ckpt.lua export CKPT OUT.safetensors|FOLDER [--dtype fp32|bf16]
 local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
-local atomic = require("luazero.io.atomic")
+local paths = require("luazero.io.paths")
+local fs = require("luazero.io.fs")
 -- The model families: an export names its tensors and writes its
 -- config.json as the checkpoint's family declares.
 local families = require("luazero.families")
@@ -28,9 +29,11 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]):format(
   table.concat(families.architectures(), ", "))
 
+-- Exit status 2 for bad input, 1 when writing the output failed (a full
+-- disk), as docs/training.md's table says.
 local function fail(msg)
   io.stderr:write("ckpt: ", tostring(msg):gsub("^checkpoint: ", ""), "\n")
-  os.exit(2)
+  os.exit(require("luazero.io.atomic").write_failed and 1 or 2)
 end
 
 local function checked(fn, ...) return args.checked(fail, fn, ...) end
@@ -75,34 +78,39 @@ local function main(argv)
   end
   local rest = {}
   for i = (cmd == "inspect" and 3 or 4), #argv do rest[#rest + 1] = argv[i] end
+  -- the flags shape what export writes: beside another command they would be ignored
+  local export_only = { ok = function() return cmd == "export" end,
+                        says = ("goes with export (the weights it writes); %s does not read it: " ..
+                                "drop it"):format(cmd) }
   local flags = checked(args.parse, rest, {
-    { "dtype", "string", "fp32", "export: fp32 or bf16" },
-    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base" },
-    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)" },
+    { "dtype", "string", "fp32", "export: fp32 or bf16", choices = { "fp32", "bf16" },
+      needs = export_only },
+    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base",
+      needs = export_only },
+    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
+      needs = "merge-lora" },
   })
   if not ck_path then fail("missing CKPT\n" .. USAGE) end
+  -- Every file it touches (io/paths.lua): OUT must not be an input. (An
+  -- export's base from the run's --init is checked where it is read.)
+  local p = paths.new():read("the checkpoint", ck_path)
+  p:read("--base", flags.base, { whole = flags.base and fs.is_dir(flags.base) })
+  if cmd ~= "inspect" then p:write("OUT", out) end
+  checked(p.check, p)
   local ck = checked(checkpoint.open, ck_path)
   if cmd == "inspect" then
     checked(inspect, ck)
   elseif cmd == "consolidate" then
     if not out then fail("consolidate needs OUT.bin") end
-    checked(atomic.refuse_overlap, out, "OUT", ck_path, "the checkpoint")
     local n = checked(ck.consolidate, ck, out)
     print(("consolidated %d fp32 elements (%d tensors) to %s"):format(n, #ck.manifest.params, out))
   elseif cmd == "export" then
     if not out then fail("export needs OUT.safetensors or a FOLDER") end
-    checked(atomic.refuse_overlap, out, "OUT", ck_path, "the checkpoint")
     if ck.manifest.lora then
-      if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
-        fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
-      end
       print(checked(export.export_lora, ck, out, flags.dtype, flags.merge_lora, flags.base))
     elseif flags.merge_lora then
       fail(("export --merge-lora: %s is not a LoRA run's checkpoint (no adapters)"):format(ck_path))
     else
-      if flags.dtype ~= "fp32" and flags.dtype ~= "bf16" then
-        fail(("--dtype %s: expected fp32 or bf16"):format(tostring(flags.dtype)))
-      end
       print(checked(export.export, ck, out, flags.dtype))
     end
   else

@@ -16,42 +16,68 @@ local config = require("luazero.config")
 local estimate = require("luazero.estimate")
 local models = require("models.registry")
 
+local function a_model(f) return f.model ~= nil or f.model_config ~= nil end
+-- The activation arenas: a batch of a model's sequences.
+local ACTIVATIONS = { ok = function(f) return f.micro_batch and f.seq_len and a_model(f) end,
+                      with = { "--micro-batch", "2", "--seq-len", "8", "--model", "gpt2" },
+                      says = function() return "--micro-batch and --seq-len go together, with --model" end }
+
 local spec = {
   { "params", "string", nil, "parameter count: 1.5e9, 124M, 1.5B, 350000000" },
   { "model", "string", nil, "a model name instead: " .. table.concat(models.names, ", ") },
   { "model-config", "string", nil,
     "a Hugging Face config.json instead (" ..
     table.concat(require("luazero.families").architectures(), " or ") .. ")" },
-  { "world", "int", 1, "ranks (data-parallel world size N)" },
-  { "dtype", "string", "bf16", "working precision: bf16, fp16 (fp32 master + Adam) or fp32" },
+  { "world", "int", 1, "ranks (data-parallel world size N)", min = 1 },
+  { "dtype", "string", "bf16", "working precision: bf16, fp16 (fp32 master + Adam) or fp32",
+    choices = { "bf16", "fp16", "fp32" } },
   { "grads", "string", "fp32",
-    "gradient dtype: fp32 (luazero) or working (the ZeRO paper's and DeepSpeed's)" },
+    "gradient dtype: fp32 (luazero) or working (the ZeRO paper's and DeepSpeed's)",
+    choices = { "fp32", "working" } },
   { "device", "string", "cuda",
-    "cuda (or sim): device and host memory apart; cpu: a CPU run, one memory (its ledger's view)" },
+    "cuda (or sim): device and host memory apart; cpu: a CPU run, one memory (its ledger's view)",
+    choices = { "cuda", "sim", "cpu" } },
   { "persistence-threshold", "number", 100000,
-    "with --model: modules of at most this many elements stay whole at stage 3" },
-  { "persistent", "number", nil, "with --params: parameters kept whole at stage 3 (P; 0)" },
+    "with --model: modules of at most this many elements stay whole at stage 3",
+    needs = { ok = a_model, with = { "--model", "gpt2" },
+              says = "goes with --model or --model-config; with --params, " ..
+                                   "--persistent gives the count kept whole" } },
+  { "persistent", "number", nil, "with --params: parameters kept whole at stage 3 (P; 0)",
+    needs = { flag = "params", says = "goes with --params; --model counts it" } },
   { "budget", "string", nil,
     "memory per rank for stage \"auto\": 12GiB, 16GB, bytes (default LZ_MEMORY_BUDGET, " ..
     "else MemAvailable / world)" },
-  { "deepspeed", "int", 0, "1: also print DeepSpeed's own estimator functions' figures" },
+  { "deepspeed", "int", 0, "1: also print DeepSpeed's own estimator functions' figures",
+    choices = { 0, 1 } },
   { "micro-batch", "int", nil,
-    "with --model and --seq-len: also the activation arenas for this many sequences" },
-  { "seq-len", "int", nil, "with --micro-batch: tokens per sequence" },
-  { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing" },
-  { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen" },
+    "with --model and --seq-len: also the activation arenas for this many sequences",
+    min = 1, needs = ACTIVATIONS },
+  { "seq-len", "int", nil, "with --micro-batch: tokens per sequence", min = 1, needs = ACTIVATIONS },
+  { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing",
+    choices = { 0, 1 }, needs = { ok = ACTIVATIONS.ok, with = ACTIVATIONS.with,
+                                  says = "counts the activation arenas of --micro-batch B " ..
+                                         "--seq-len L with --model: add them, or drop it" } },
+  { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen",
+    arg = "R (the adapters' rank)", needs = { ok = a_model, with = { "--model", "gpt2" },
+                                              says = function()
+      return "--lora-r and --lora-targets go with --model or --model-config"
+    end } },
   { "lora-targets", "string", nil,
-    "with --lora-r: modules adapted, comma-separated (default: the model family's)" },
+    "with --lora-r: modules adapted, comma-separated (default: the model family's)",
+    needs = "lora-r" },
   { "sub-group-size", "number", nil, "zero_optimization.sub_group_size (1e9): NVMe sub-groups" },
-  { "grad-accum", "int", nil, "gradient accumulation steps: NVMe reads and writes per step (1)" },
+  { "grad-accum", "int", nil, "gradient accumulation steps: NVMe reads and writes per step (1)",
+    min = 1 },
   { "config", "string", nil, "a DeepSpeed config whose sub_group_size, offload buffer counts " ..
     "and sizes, buckets, overlap_comm, accumulation and optimizer the per-rank table uses" },
   { "read-gbps", "number", nil, "the disk's read speed in GB/s for the step time NVMe allows " ..
-    "(1.9, assumed: measure with bench/bench-aio)" },
-  { "write-gbps", "number", nil, "the disk's write speed in GB/s (1.1, assumed)" },
+    "(1.9, assumed: measure with bench/bench-aio)", over = 0, why = "a speed in GB/s" },
+  { "write-gbps", "number", nil, "the disk's write speed in GB/s (1.1, assumed)",
+    over = 0, why = "a speed in GB/s" },
   { "measure-disk", "string", nil, "a directory on the disk the swap files would use: measure " ..
     "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
-  { "json", "int", 0, "1: print the figures as one JSON object instead of tables" },
+  { "json", "int", 0, "1: print the figures as one JSON object instead of tables",
+    choices = { 0, 1 } },
 }
 
 local function fail(msg)
@@ -97,19 +123,8 @@ local function main(argv)
          table.concat(models.names, ", ") .. ") or --model-config config.json; --help lists " ..
          "the flags")
   end
-  if not estimate.dtype_bytes[flags.dtype] then
-    fail(("--dtype must be bf16, fp16 or fp32 (got %s)"):format(flags.dtype))
-  end
-  if flags.grads ~= "fp32" and flags.grads ~= "working" then
-    fail(("--grads must be fp32 or working (got %s)"):format(flags.grads))
-  end
   -- sim keeps its memory apart from the host's, as cuda does.
   if flags.device == "sim" then flags.device = "cuda" end
-  if flags.device ~= "cuda" and flags.device ~= "cpu" then
-    fail(("--device must be cuda, sim or cpu (got %s)"):format(flags.device))
-  end
-  if flags.world < 1 then fail(("--world must be >= 1 (got %d)"):format(flags.world)) end
-  if flags.deepspeed ~= 0 and flags.deepspeed ~= 1 then fail("--deepspeed takes 0 or 1") end
   local pt = flags.persistence_threshold
   if pt < 0 or pt ~= math.floor(pt) or pt > 2 ^ 53 then
     fail(("--persistence-threshold must be a whole number of elements >= 0 (got %s)"):format(pt))
@@ -125,30 +140,13 @@ local function main(argv)
     budget, source = checked(config.memory_budget, { world_size = N })
   end
 
-  if (flags.lora_r or flags.lora_targets) and not (flags.model or flags.model_config) then
-    fail("--lora-r and --lora-targets go with --model or --model-config")
-  end
-  if flags.lora_targets and not flags.lora_r then
-    fail("--lora-targets without --lora-r does nothing: add --lora-r R (the adapters' rank)")
-  end
-  for _, f in ipairs({ "read_gbps", "write_gbps" }) do
-    local v = flags[f]
-    if v ~= nil and not (v > 0 and v < math.huge) then
-      fail(("--%s must be a positive number of GB/s (got %s)"):format(f:gsub("_", "-"), v))
-    end
-  end
   if flags.sub_group_size and not (flags.sub_group_size >= 1 and
                                    flags.sub_group_size == math.floor(flags.sub_group_size)) then
     fail(("--sub-group-size must be a whole number >= 1 (got %s)"):format(flags.sub_group_size))
   end
-  if flags.grad_accum and flags.grad_accum < 1 then
-    fail(("--grad-accum must be >= 1 (got %d)"):format(flags.grad_accum))
-  end
-  if flags.json ~= 0 and flags.json ~= 1 then fail("--json takes 0 or 1") end
 
   local params, persistent, largest, layout, what, model, counts
   if flags.model or flags.model_config then
-    if flags.persistent then fail("--persistent goes with --params; --model counts it") end
     model = checked(function()
       return models.new(flags.model and models.config(flags.model) or
                         models.from_hf_config(flags.model_config))
@@ -186,15 +184,7 @@ local function main(argv)
                                             estimate.thousands(persistent))
     counts = estimate.counts_of_params(params, N, persistent)
   end
-  if (flags.micro_batch == nil) ~= (flags.seq_len == nil) or (flags.micro_batch and not model) then
-    fail("--micro-batch and --seq-len go together, with --model")
-  end
   if flags.micro_batch then
-    for _, f in ipairs({ "micro_batch", "seq_len" }) do
-      if flags[f] < 1 then
-        fail(("--%s must be >= 1 (got %d)"):format(f:gsub("_", "-"), flags[f]))
-      end
-    end
     if flags.seq_len > model.cfg.context then
       fail(("--seq-len %d is longer than the model's context %d"):format(flags.seq_len,
            model.cfg.context))

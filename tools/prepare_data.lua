@@ -9,13 +9,16 @@
 -- Several text inputs are concatenated in order.
 local data = require("luazero.data")
 local instruct = require("luazero.data.instruct")
-local atomic = require("luazero.io.atomic")
+local paths = require("luazero.io.paths")
+local fs = require("luazero.io.fs")
 
 local UINT16_TOKENS = 65536
 
+-- Exit status 2 for bad input, 1 when writing the output failed (a full
+-- disk), as docs/training.md's table says.
 local function fail(msg)
   io.stderr:write("prepare-data: ", msg, "\n")
-  os.exit(2)
+  os.exit(require("luazero.io.atomic").write_failed and 1 or 2)
 end
 
 local USAGE = [[
@@ -79,14 +82,13 @@ if format == "jsonl" and #args ~= 2 then
         ".jsonl files first"):format(#args - 1))
 end
 
-for i = 1, #args - 1 do
-  local ok, err = pcall(atomic.refuse_overlap, out, "the output", args[i], "the input")
-  if not ok then fail(err) end
-end
-if opt.tokenizer then
-  local ok, err = pcall(atomic.refuse_overlap, out, "the output", opt.tokenizer, "--tokenizer")
-  if not ok then fail(err) end
-end
+-- Every file it touches (io/paths.lua): the output must not be an input.
+local touches = paths.new()
+for i = 1, #args - 1 do touches:read("the input", args[i]) end
+touches:read("--tokenizer", opt.tokenizer, { whole = opt.tokenizer and fs.is_dir(opt.tokenizer) })
+touches:write("the output", out)
+local checked_ok, overlap = pcall(touches.check, touches)
+if not checked_ok then fail(overlap) end
 
 local tok, template
 if opt.tokenizer then

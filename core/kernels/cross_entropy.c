@@ -4,7 +4,11 @@
  * The last dimension Vp may be padded past the real vocabulary (llm.c pads
  * 50257 to 50304 for aligned GEMMs); padded columns take no part in the
  * softmax and get a zero gradient. A negative target marks a position to
- * ignore (padding in a batch): loss 0, gradient 0. */
+ * ignore (padding in a batch): loss 0, gradient 0.
+ *
+ * cross_entropy_softcap_backward is the backward through a soft-cap too
+ * (softcap.c): the logits it reads are the capped ones, y = cap tanh(x /
+ * cap), and each gradient is carried to x by dy/dx = 1 - (y / cap)^2. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_vecmath.h" /* lz_exp */
@@ -121,12 +125,24 @@ LZ_DISPATCH __attribute__((noinline)) static void xent_grad_span(
 /* Columns per bf16 span: its f32 values sit on the stack. */
 #define BF16_SPAN 1024
 
+/* Through the soft-cap: each gradient of span times 1 - (y / cap)^2, y the
+ * capped logit (torch's tanh backward, 1 - t^2 with t = y / cap). */
+LZ_DISPATCH static void softcap_chain(float *span, const float *y, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; i++) {
+    const float t = y[i] / cap;
+    span[i] = span[i] * (1.0f - t * t);
+  }
+}
+
 /* dlogits may be logits: the row's statistics and the target's logit are
- * read before the first gradient overwrites them. A bf16 dlogits (what a
- * bf16 LM head's backward GEMM reads) gets the f32 gradients rounded span
- * by span, as a conversion would round them, with no f32 copy of the rows. */
+ * read before the first gradient overwrites them, and a capped row goes
+ * span by span through the stack, each span's logits read before it is
+ * written. A bf16 dlogits (what a bf16 LM head's backward GEMM reads) gets
+ * the f32 gradients rounded span by span, as a conversion would round them,
+ * with no f32 copy of the rows. cap 0: no soft-cap. */
 LZ_DISPATCH static void xent_backward_row(void *dlogits, lz_dtype dt, const float *logits,
-                                          int64_t vocab, int64_t Vp, int32_t target, float dloss) {
+                                          int64_t vocab, int64_t Vp, int32_t target, float dloss,
+                                          float cap) {
   float m = 0.0f, s = 1.0f, logit_target = 0.0f;
   if (target < 0) {
     vocab = 0; /* every column a zero, as for padding */
@@ -135,24 +151,28 @@ LZ_DISPATCH static void xent_backward_row(void *dlogits, lz_dtype dt, const floa
     logit_target = logits[target];
   }
   const float inv = 1.0f / s;
-  if (dt == LZ_F32) {
+  if (dt == LZ_F32 && cap == 0.0f) {
     xent_grad_span(dlogits, logits, 0, Vp, vocab, target, logit_target, m, inv, dloss);
     return;
   }
   uint16_t *dl = dlogits;
+  float *dl32 = dlogits;
   float span[BF16_SPAN];
   for (int64_t i0 = 0; i0 < Vp; i0 += BF16_SPAN) {
     const int64_t i1 = Vp - i0 < BF16_SPAN ? Vp : i0 + BF16_SPAN;
     xent_grad_span(span, logits, i0, i1, vocab, target, logit_target, m, inv, dloss);
-    for (int64_t i = i0; i < i1; i++) dl[i] = lz_bf16_from_f32_inline(span[i - i0]);
+    if (cap != 0.0f) softcap_chain(span, logits + i0, i1 - i0, cap);
+    if (dt == LZ_F32)
+      for (int64_t i = i0; i < i1; i++) dl32[i] = span[i - i0];
+    else
+      for (int64_t i = i0; i < i1; i++) dl[i] = lz_bf16_from_f32_inline(span[i - i0]);
   }
 }
 
-lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
-                                    const lz_tensor *targets, int64_t vocab, float dloss) {
-  const char *op = "cross_entropy_backward";
+static lz_status xent_backward(const char *op, lz_tensor *dlogits, const lz_tensor *logits,
+                               const lz_tensor *targets, int64_t vocab, float dloss, float cap) {
   const lz_op_args args = {.t = {dlogits, (lz_tensor *)logits, (lz_tensor *)targets},
-                           .i = {vocab}, .f = {dloss}};
+                           .i = {vocab}, .f = {dloss, cap}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_CROSS_ENTROPY_BACKWARD, &args));
   LZ_TRY(check_args(op, logits, targets, vocab));
   LZ_TRY(lz_check_same_shape(op, "dlogits", dlogits, "logits", logits));
@@ -160,11 +180,25 @@ lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
   return lz_op_run(op, LZ_OP_CROSS_ENTROPY_BACKWARD, &args);
 }
 
+lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                    const lz_tensor *targets, int64_t vocab, float dloss) {
+  return xent_backward("cross_entropy_backward", dlogits, logits, targets, vocab, dloss, 0.0f);
+}
+
+lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                            const lz_tensor *targets, int64_t vocab, float dloss,
+                                            float cap) {
+  const char *op = "cross_entropy_softcap_backward";
+  if (!(cap > 0))
+    return lz_fail(LZ_ERR_INVALID, "%s: cap is %g; it must be a number > 0", op, (double)cap);
+  return xent_backward(op, dlogits, logits, targets, vocab, dloss, cap);
+}
+
 lz_status lz_cpu_cross_entropy_backward(const lz_op_args *a) {
   lz_tensor *dlogits = a->t[0];
   const lz_tensor *logits = a->t[1], *targets = a->t[2];
   const int64_t vocab = a->i[0], Vp = lz_cols(logits), rows = lz_rows(logits);
-  const float dloss = a->f[0];
+  const float dloss = a->f[0], cap = a->f[1];
   LZ_TRY(check_targets("cross_entropy_backward", targets->data, rows, vocab));
 
   const lz_dtype dt = dlogits->dtype;
@@ -174,6 +208,7 @@ lz_status lz_cpu_cross_entropy_backward(const lz_op_args *a) {
   const int32_t *tg = targets->data;
 #pragma omp parallel for schedule(static) if (rows * vocab > (1 << 15))
   for (int64_t r = 0; r < rows; r++)
-    xent_backward_row(dl + (size_t)(r * Vp) * es, dt, lg + r * Vp, vocab, Vp, tg[r], dloss);
+    xent_backward_row(dl + (size_t)(r * Vp) * es, dt, lg + r * Vp, vocab, Vp, tg[r], dloss,
+                      cap);
   return LZ_OK;
 }

@@ -1,10 +1,12 @@
-/* swiglu.c — the gated activation of Llama's MLP, as Hugging Face's LlamaMLP
- * computes it: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)). A cpu kernel
- * (sim runs it too).
+/* swiglu.c — the gated activations of a gated MLP: Llama's, as Hugging
+ * Face's LlamaMLP computes it: out = silu(gate) * up, silu(g) = g / (1 +
+ * exp(-g)); and Gemma's GeGLU: out = gelu(gate) * up with the tanh GELU
+ * (gelu_pytorch_tanh). cpu kernels (sim runs them too).
  *
- * libm's expf is a function call per element that no compiler vectorizes
- * without -ffast-math, which made this memory-bound op compute bound; e^x
- * here is lz_exp, plain arithmetic that vectorizes.
+ * libm's expf and tanhf are function calls per element that no compiler
+ * vectorizes without -ffast-math, which made these memory-bound ops compute
+ * bound; e^x and tanh here are lz_exp and lz_tanh, plain arithmetic that
+ * vectorizes.
  *
  * gate and up (and dout) are f32 or all bf16; out, dgate and dup are f32. bf16
  * inputs are widened in chunks on the stack and go through the f32 code, so
@@ -15,14 +17,21 @@
  * the same kernel with up NULL and i[0] = H. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
-#include "kernels/lz_vecmath.h" /* lz_exp */
+#include "kernels/lz_vecmath.h" /* lz_exp, lz_gelu, lz_gelu_grad */
 
 /* Elements per thread task. */
 #define BLOCK (1 << 14)
 
+/* The gate's activation. */
+typedef enum { SILU, GELU_TANH } gate_act;
+
 /* out may be gate or up: each element is read before it is written. */
 LZ_DISPATCH static void swiglu_forward_block(float *out, const float *gate, const float *up,
-                                             int64_t n) {
+                                             int64_t n, gate_act act) {
+  if (act == GELU_TANH) {
+    for (int64_t i = 0; i < n; i++) out[i] = lz_gelu(gate[i]) * up[i];
+    return;
+  }
   for (int64_t i = 0; i < n; i++) {
     const float g = gate[i];
     out[i] = g / (1.0f + lz_exp(-g)) * up[i];
@@ -30,9 +39,19 @@ LZ_DISPATCH static void swiglu_forward_block(float *out, const float *gate, cons
 }
 
 /* With s = sigmoid(g): d silu / dg = s (1 + g (1 - s)), as torch's silu
- * backward. dgate and dup may each be dout, gate or up. */
+ * backward; torch's gelu backward is d gelu / dg times the incoming d * up.
+ * dgate and dup may each be dout, gate or up. */
 LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const float *dout,
-                                              const float *gate, const float *up, int64_t n) {
+                                              const float *gate, const float *up, int64_t n,
+                                              gate_act act) {
+  if (act == GELU_TANH) {
+    for (int64_t i = 0; i < n; i++) {
+      const float g = gate[i], u = up[i], d = dout[i];
+      dgate[i] = d * u * lz_gelu_grad(g);
+      dup[i] = d * lz_gelu(g);
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; i++) {
     const float g = gate[i], u = up[i], d = dout[i];
     const float s = 1.0f / (1.0f + lz_exp(-g));
@@ -45,26 +64,26 @@ LZ_DISPATCH static void swiglu_backward_block(float *dgate, float *dup, const fl
 #define CHUNK 1024
 
 LZ_DISPATCH static void swiglu_forward_block_bf16(float *out, const uint16_t *gate,
-                                                  const uint16_t *up, int64_t n) {
+                                                  const uint16_t *up, int64_t n, gate_act act) {
   float g[CHUNK], u[CHUNK];
   for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
     const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
     lz_row_to_f32(g, gate + i0, LZ_BF16, m);
     lz_row_to_f32(u, up + i0, LZ_BF16, m);
-    swiglu_forward_block(out + i0, g, u, m);
+    swiglu_forward_block(out + i0, g, u, m, act);
   }
 }
 
 LZ_DISPATCH static void swiglu_backward_block_bf16(float *dgate, float *dup, const uint16_t *dout,
                                                    const uint16_t *gate, const uint16_t *up,
-                                                   int64_t n) {
+                                                   int64_t n, gate_act act) {
   float d[CHUNK], g[CHUNK], u[CHUNK];
   for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
     const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
     lz_row_to_f32(d, dout + i0, LZ_BF16, m);
     lz_row_to_f32(g, gate + i0, LZ_BF16, m);
     lz_row_to_f32(u, up + i0, LZ_BF16, m);
-    swiglu_backward_block(dgate + i0, dup + i0, d, g, u, m);
+    swiglu_backward_block(dgate + i0, dup + i0, d, g, u, m, act);
   }
 }
 
@@ -84,88 +103,89 @@ static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz
   return LZ_OK;
 }
 
-lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
-  const char *op = "swiglu_forward";
+static lz_status gated_forward(const char *op, lz_op id, lz_tensor *out, const lz_tensor *gate,
+                               const lz_tensor *up) {
   const lz_op_args args = {.t = {out, (lz_tensor *)gate, (lz_tensor *)up}};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_FORWARD, &args)); /* the alias check reads them */
+  LZ_TRY(lz_op_check_dtypes(op, id, &args)); /* the alias check reads them */
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {0}}, (lz_arg[]){{"out", out}, {0}}));
-  return lz_op_run(op, LZ_OP_SWIGLU_FORWARD, &args);
+  return lz_op_run(op, id, &args);
 }
 
 /* The packed form: row r's gate at gate + 2H r, its up H further. */
-static lz_status swiglu_packed_forward_cpu(float *o, const lz_tensor *gate, int64_t H) {
+static lz_status swiglu_packed_forward_cpu(float *o, const lz_tensor *gate, int64_t H,
+                                           gate_act act) {
   const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
   if (gate->dtype == LZ_BF16) {
     const uint16_t *g = gate->data;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
     for (int64_t r = 0; r < rows; r++)
-      swiglu_forward_block_bf16(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H);
+      swiglu_forward_block_bf16(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H, act);
     return LZ_OK;
   }
   const float *g = gate->data;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
   for (int64_t r = 0; r < rows; r++)
-    swiglu_forward_block(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H);
+    swiglu_forward_block(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H, act);
   return LZ_OK;
 }
 
 static lz_status swiglu_packed_backward_cpu(float *dg, const lz_tensor *dout,
-                                            const lz_tensor *gate, int64_t H) {
+                                            const lz_tensor *gate, int64_t H, gate_act act) {
   const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
   if (gate->dtype == LZ_BF16) {
     const uint16_t *g = gate->data, *d = dout->data;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
     for (int64_t r = 0; r < rows; r++)
       swiglu_backward_block_bf16(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
-                                 g + 2 * H * r + H, H);
+                                 g + 2 * H * r + H, H, act);
     return LZ_OK;
   }
   const float *g = gate->data, *d = dout->data;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
   for (int64_t r = 0; r < rows; r++)
     swiglu_backward_block(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
-                          g + 2 * H * r + H, H);
+                          g + 2 * H * r + H, H, act);
   return LZ_OK;
 }
 
-lz_status lz_cpu_swiglu_forward(const lz_op_args *a) {
+static lz_status cpu_gated_forward(const lz_op_args *a, gate_act act) {
   lz_tensor *out = a->t[0];
   const lz_tensor *gate = a->t[1], *up = a->t[2];
-  if (!up) return swiglu_packed_forward_cpu(out->data, gate, a->i[0]);
+  if (!up) return swiglu_packed_forward_cpu(out->data, gate, a->i[0], act);
   const int64_t n = lz_tensor_numel(gate);
   float *o = out->data;
   if (gate->dtype == LZ_BF16) {
     const uint16_t *gp = gate->data, *up_ = up->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
     for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-      swiglu_forward_block_bf16(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
+      swiglu_forward_block_bf16(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK, act);
     return LZ_OK;
   }
   const float *gp = gate->data, *up_ = up->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-    swiglu_forward_block(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK);
+    swiglu_forward_block(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK, act);
   return LZ_OK;
 }
 
-lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
-                             const lz_tensor *gate, const lz_tensor *up) {
-  const char *op = "swiglu_backward";
+static lz_status gated_backward(const char *op, lz_op id, lz_tensor *dgate, lz_tensor *dup,
+                                const lz_tensor *dout, const lz_tensor *gate,
+                                const lz_tensor *up) {
   const lz_op_args args = {
       .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up}};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_BACKWARD, &args));
+  LZ_TRY(lz_op_check_dtypes(op, id, &args));
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {"dout", dout}, {0}},
                          (lz_arg[]){{"dgate", dgate}, {"dup", dup}, {0}}));
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
-  return lz_op_run(op, LZ_OP_SWIGLU_BACKWARD, &args);
+  return lz_op_run(op, id, &args);
 }
 
-lz_status lz_cpu_swiglu_backward(const lz_op_args *a) {
+static lz_status cpu_gated_backward(const lz_op_args *a, gate_act act) {
   lz_tensor *dgate = a->t[0], *dup = a->t[1];
   const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
-  if (!up) return swiglu_packed_backward_cpu(dgate->data, dout, gate, a->i[0]);
+  if (!up) return swiglu_packed_backward_cpu(dgate->data, dout, gate, a->i[0], act);
   const int64_t n = lz_tensor_numel(gate);
   float *dg = dgate->data, *du = dup->data;
   if (gate->dtype == LZ_BF16) {
@@ -173,16 +193,42 @@ lz_status lz_cpu_swiglu_backward(const lz_op_args *a) {
 #pragma omp parallel for schedule(static) if (n > BLOCK)
     for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
       swiglu_backward_block_bf16(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
-                                 n - i0 < BLOCK ? n - i0 : BLOCK);
+                                 n - i0 < BLOCK ? n - i0 : BLOCK, act);
     return LZ_OK;
   }
   const float *dop = dout->data, *gp = gate->data, *up_ = up->data;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
     swiglu_backward_block(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
-                          n - i0 < BLOCK ? n - i0 : BLOCK);
+                          n - i0 < BLOCK ? n - i0 : BLOCK, act);
   return LZ_OK;
 }
+
+lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
+  return gated_forward("swiglu_forward", LZ_OP_SWIGLU_FORWARD, out, gate, up);
+}
+
+lz_status lz_cpu_swiglu_forward(const lz_op_args *a) { return cpu_gated_forward(a, SILU); }
+
+lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                             const lz_tensor *gate, const lz_tensor *up) {
+  return gated_backward("swiglu_backward", LZ_OP_SWIGLU_BACKWARD, dgate, dup, dout, gate, up);
+}
+
+lz_status lz_cpu_swiglu_backward(const lz_op_args *a) { return cpu_gated_backward(a, SILU); }
+
+lz_status lz_geglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up) {
+  return gated_forward("geglu_forward", LZ_OP_GEGLU_FORWARD, out, gate, up);
+}
+
+lz_status lz_cpu_geglu_forward(const lz_op_args *a) { return cpu_gated_forward(a, GELU_TANH); }
+
+lz_status lz_geglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                            const lz_tensor *gate, const lz_tensor *up) {
+  return gated_backward("geglu_backward", LZ_OP_GEGLU_BACKWARD, dgate, dup, dout, gate, up);
+}
+
+lz_status lz_cpu_geglu_backward(const lz_op_args *a) { return cpu_gated_backward(a, GELU_TANH); }
 
 /* gate [..., 2H]; out, dout [..., H] with the same leading dimensions. */
 static lz_status check_packed(const char *op, const char *half_name, const lz_tensor *half,

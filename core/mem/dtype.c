@@ -2,8 +2,8 @@
  * public API offers, all from mem/lz_dtype.h's one implementation. */
 #include "mem/lz_internal.h"
 
-static const size_t dtype_sizes[LZ_DTYPE_COUNT] = {4, 2, 2, 4, 2};
-static const char *dtype_names[LZ_DTYPE_COUNT] = {"f32", "bf16", "f16", "i32", "u16"};
+static const size_t dtype_sizes[LZ_DTYPE_COUNT] = {4, 2, 2, 4, 2, 1};
+static const char *dtype_names[LZ_DTYPE_COUNT] = {"f32", "bf16", "f16", "i32", "u16", "u8"};
 
 size_t lz_dtype_size(lz_dtype dt) { return (unsigned)dt < LZ_DTYPE_COUNT ? dtype_sizes[dt] : 0; }
 const char *lz_dtype_name(lz_dtype dt) {
@@ -27,6 +27,8 @@ float lz_load_float(const void *data, lz_dtype dt, int64_t i) {
       return (float)((const int32_t *)data)[i];
     case LZ_U16:
       return (float)((const uint16_t *)data)[i];
+    case LZ_U8:
+      return (float)((const uint8_t *)data)[i];
     default:
       return 0.0f;
   }

@@ -45,6 +45,11 @@ lz_status lz_optim_check_tensors(const char *op, const lz_optim_tensors *t);
 typedef enum lz_optim_range { LZ_OPTIM_NONNEG, LZ_OPTIM_UNIT, LZ_OPTIM_FINITE } lz_optim_range;
 lz_status lz_optim_check_arg(const char *op, const char *name, float value, lz_optim_range range);
 
+/* Writes n updated parameters into a working copy of dtype dt (f32, bf16,
+ * f16), the fastest way this machine has. */
+typedef void (*lz_optim_store_fn)(void *restrict w, const float *restrict p, int64_t n);
+lz_optim_store_fn lz_optim_working_store(lz_dtype dt);
+
 /* The pass, checks done and the tensors on the cpu: chunks of the element
  * range, spread over threads in contiguous static ranges, each updated by
  * `update` and then, where working is given, converted into it. */

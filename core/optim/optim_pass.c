@@ -48,8 +48,6 @@ lz_status lz_optim_check_arg(const char *op, const char *name, float value, lz_o
 
 /* ------------------------------------------------------------ working copy */
 
-typedef void (*store_fn)(void *restrict w, const float *restrict p, int64_t n);
-
 static void store_f32(void *restrict w, const float *restrict p, int64_t n) {
   memcpy(w, p, sizeof(float) * (size_t)n);
 }
@@ -93,7 +91,7 @@ __attribute__((target("avx2,f16c"))) static void store_f16_avx2(void *restrict w
   for (; i < n; i++) h[i] = lz_f16_from_f32_inline(p[i]);
 }
 
-static store_fn working_store(lz_dtype dt) {
+lz_optim_store_fn lz_optim_working_store(lz_dtype dt) {
   if (dt == LZ_F32) return store_f32;
   if (dt == LZ_BF16) return store_bf16;
   __builtin_cpu_init();
@@ -110,7 +108,7 @@ void lz_optim_run(const lz_optim_tensors *t, lz_optim_update_fn update, const vo
   float *s1 = t->n_states > 1 ? t->states[1]->data : NULL;
   const float *g = t->grad->data;
   char *w = t->working ? t->working->data : NULL;
-  const store_fn store = w ? working_store(t->working->dtype) : NULL;
+  const lz_optim_store_fn store = w ? lz_optim_working_store(t->working->dtype) : NULL;
   const size_t wsize = w ? lz_dtype_size(t->working->dtype) : 0;
 #pragma omp parallel for schedule(static) if (n > SERIAL_MAX)
   for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {

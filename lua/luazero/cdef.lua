@@ -52,7 +52,8 @@ typedef enum lz_dtype {
   LZ_F16 = 2,
   LZ_I32 = 3,
   LZ_U16 = 4,
-  LZ_DTYPE_COUNT = 5
+  LZ_U8 = 5,
+  LZ_DTYPE_COUNT = 6
 } lz_dtype;
 
 typedef enum lz_device { LZ_CPU = 0, LZ_CUDA = 1, LZ_SIM = 2 } lz_device;
@@ -135,6 +136,14 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
 lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *rstd);
 
+lz_status lz_qk_norm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *qkv,
+                             const lz_tensor *q_w, const lz_tensor *k_w, int n_head, int n_kv_head,
+                             float eps, float offset);
+
+lz_status lz_qk_norm_backward(lz_tensor *dx, lz_tensor *dq_w, lz_tensor *dk_w, const lz_tensor *dy,
+                              const lz_tensor *qkv, const lz_tensor *q_w, const lz_tensor *k_w,
+                              const lz_tensor *rstd, int n_head, int n_kv_head, float offset);
+
 lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
                           int64_t pos_offset, float theta);
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
@@ -164,6 +173,10 @@ lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *
 lz_status lz_swiglu_packed_forward(lz_tensor *out, const lz_tensor *gate);
 lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
                                     const lz_tensor *gate);
+
+lz_status lz_geglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
+lz_status lz_geglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                            const lz_tensor *gate, const lz_tensor *up);
 
 lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
                                int n_head);
@@ -217,6 +230,12 @@ lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
 lz_status lz_cross_entropy_backward(lz_tensor *dlogits, const lz_tensor *logits,
                                     const lz_tensor *targets, int64_t vocab, float dloss);
 
+lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor *logits,
+                                            const lz_tensor *targets, int64_t vocab, float dloss,
+                                            float cap);
+
+lz_status lz_softcap_forward(lz_tensor *out, const lz_tensor *x, float cap);
+
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
 lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x);
 lz_status lz_scale(lz_tensor *t, float s);
@@ -238,6 +257,14 @@ typedef struct lz_adamw_args {
 
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                         lz_tensor *working, const lz_adamw_args *args);
+
+lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
+                            const lz_adamw_args *args);
+
+int64_t lz_adamw8bit_blocks(int64_t n);
+
+const float *lz_adamw8bit_map(int is_signed);
 
 typedef struct lz_lion_args {
   float lr;

@@ -19,10 +19,13 @@
 -- .strip()), with the spaces and tabs the template writes just before it
 -- (Llama 2's "[/INST] " + content: tokenizers glue them to the first word),
 -- and the end-of-turn text right after it: the eos token or another special
--- token of added_tokens_decoder (<|eot_id|>, <|im_end|>), with the blanks
--- before it (Llama 2 writes " </s>"). It is found by
--- rendering again with that message's content replaced by a marker, so a
--- template whose other text depends on the content is refused by name.
+-- token of added_tokens_decoder (<|eot_id|>, <|im_end|>; transformers 5
+-- folders keep them in tokenizer.json's added_tokens), with the blanks
+-- before it (Llama 2 writes " </s>"). It is found by rendering again with
+-- that message's content replaced by a marker: the span is where the two
+-- texts differ, so it also holds what the template writes from the content
+-- (Qwen3's <think> block of a content that holds one); a template that does
+-- not write the content exactly once is refused by name.
 local cjson = require("cjson")
 local jinja = require("luazero.jinja")
 
@@ -127,6 +130,21 @@ function M.load(folder)
         opts.special_tokens[#opts.special_tokens + 1] = t.content
       end
     end
+  else -- transformers 5 keeps them in tokenizer.json only
+    local dir = path:match("^(.*)/[^/]*$") or "."
+    local g = io.open(dir .. "/tokenizer.json", "rb")
+    local tok_ok, tj = false, nil
+    if g then
+      tok_ok, tj = pcall(cjson.decode, g:read("*a"))
+      g:close()
+    end
+    if tok_ok and type(tj) == "table" and type(tj.added_tokens) == "table" then
+      for _, t in ipairs(tj.added_tokens) do
+        if type(t) == "table" and t.special == true and type(t.content) == "string" then
+          opts.special_tokens[#opts.special_tokens + 1] = t.content
+        end
+      end
+    end
   end
   return M.new(source, opts)
 end
@@ -144,12 +162,31 @@ local function copy_messages(messages)
   for i, m in ipairs(messages) do
     local c = {}
     for k, v in pairs(m) do c[k] = v end
+    jinja.ORDER[c] = jinja.ORDER[m] -- the same key order, were a template to write it
     out[i] = c
   end
   return out
 end
 
 local function fail(self, msg) error(("chat_template: %s: %s"):format(self.name, msg), 0) end
+
+local byte = string.byte
+
+-- How many bytes a and b share at their start, and at their end.
+local function common_prefix(a, b)
+  local n = math.min(#a, #b)
+  local lo, hi = 0, n -- whole 64-byte blocks first, then byte by byte
+  while lo + 64 <= hi and a:sub(lo + 1, lo + 64) == b:sub(lo + 1, lo + 64) do lo = lo + 64 end
+  while lo < n and byte(a, lo + 1) == byte(b, lo + 1) do lo = lo + 1 end
+  return lo
+end
+
+local function common_suffix(a, b)
+  local n, k = math.min(#a, #b), 0
+  while k + 64 <= n and a:sub(#a - k - 63, #a - k) == b:sub(#b - k - 63, #b - k) do k = k + 64 end
+  while k < n and byte(a, #a - k) == byte(b, #b - k) do k = k + 1 end
+  return k
+end
 
 -- The exact text of the conversation, and the assistant spans in it;
 -- opts: add_generation_prompt, spans (false: no spans, and no rendering
@@ -185,16 +222,15 @@ function ChatTemplate:render(messages, opts)
         fail(self, ("assistant message %d is not written once, unchanged, by the template; " ..
                     "spans need a template that writes each assistant content once"):format(i))
       end
-      local before, after = marked:sub(1, at - 1), marked:sub(at + #marker)
-      if #before + #after > #text or text:sub(1, #before) ~= before or
-         (#after > 0 and text:sub(-#after) ~= after) then
-        fail(self, ("the text around assistant message %d depends on its content; spans need " ..
-                    "a template whose other text does not"):format(i))
-      end
-      local first, last = #before, #text - #after
+      -- The span is where the text differs from the rendering with the marker
+      -- (whose first and last bytes no text holds): the content as written,
+      -- and whatever the template writes from it (Qwen3's <think> block out
+      -- of a content that holds one).
+      local first = common_prefix(text, marked)
+      local last = #text - math.min(common_suffix(text, marked), #text - first)
       -- The blanks the template writes just before the content go with it:
       -- tokenizers glue them to its first word ("▁Paris", "ĠParis").
-      first = first - #(before:match("[ \t]*$"))
+      first = first - #(text:sub(1, first):match("[ \t]*$"))
       local rest = text:sub(last + 1)
       local blank = rest:match("^%s*")
       for _, e in ipairs(self.enders) do

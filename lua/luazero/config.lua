@@ -320,10 +320,16 @@ local function offload_block(key, raw, defaults, unimpl)
         end
       elseif k == "nvme_path" then
         if type(v) ~= "string" then fail("%s.nvme_path must be a path (got %s)", key, show(v)) end
+        if v == "" then
+          fail('%s.nvme_path is "" (no folder); give the folder the swap files go to', key)
+        end
       elseif k == "ratio" then
         if type(v) ~= "number" or v < 0 or v > 1 then
           fail("%s.ratio must be a number in [0, 1] (got %s)", key, show(v))
         end
+      elseif k == "buffer_count" or k == "buffer_size" then
+        -- no buffer (or an empty one) would stage nothing: DeepSpeed's asserts too
+        whole_at_least(key .. "." .. k, v, 1)
       elseif type(defaults[k]) == "number" then
         whole_at_least(key .. "." .. k, v, 0)
       elseif type(defaults[k]) == "boolean" then
@@ -348,14 +354,12 @@ end
 -- A directory this process can create files in; else an error naming key.
 function M.check_writable_dir(key, path)
   local probe = ("%s/.luazero-probe-%d"):format(path, math.random(1, 2 ^ 30))
-  local f, err = io.open(probe, "w")
-  if not f then
-    local why = (err or ""):match(": ([^:]+)$") or tostring(err)
+  local ok, err = pcall(function() require("luazero.io.atomic").open(probe):abort() end)
+  if not ok then
+    local why = tostring(err):match("%((.-)%)") or tostring(err)
     fail("%s: cannot create a file in %s (%s); point it at an existing, writable directory",
          key, path, why)
   end
-  f:close()
-  os.remove(probe)
 end
 
 local function aio_section(raw, cfg, unimpl)

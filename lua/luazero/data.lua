@@ -78,6 +78,7 @@ end
 -- needs version 2 (uint32) or opts.version says. Returns the count and the
 -- version.
 M.write_token_file = files.write_token_file
+M.fingerprint = files.fingerprint -- a checkpoint's record of which data it trained on
 M.write_instruction_file = instruct.write
 
 -- Batches (data/stream.lua, data/packed.lua): opts B, T, seed, vocab,

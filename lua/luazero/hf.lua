@@ -395,4 +395,20 @@ function M.config_json(cfg, dtype)
   return j
 end
 
+-- config_json as the text of the file. cjson writes a whole number without
+-- a decimal point, and transformers 5.x refuses an int where its config
+-- declares a float: the keys a family lists in hf.float_keys are written
+-- with one (2 -> 2.0).
+function M.config_json_text(cfg, dtype)
+  local j = M.config_json(cfg, dtype)
+  local text = cjson.encode(j)
+  for _, k in ipairs(M.family(cfg).hf.float_keys or {}) do
+    local v = j[k]
+    if type(v) == "number" and v == math.floor(v) and math.abs(v) < 2 ^ 53 then
+      text = text:gsub('("' .. k .. '":)(%-?%d+)([,}])', "%1%2.0%3")
+    end
+  end
+  return text
+end
+
 return M

@@ -38,16 +38,6 @@ local function exists(path)
   return f ~= nil
 end
 
-local function read_json(path, what)
-  local f = io.open(path, "rb")
-  if not f then fail("%s: %s is not there", what, path) end
-  local text = f:read("*a")
-  f:close()
-  local ok, j = pcall(cjson.decode, text)
-  if not ok or type(j) ~= "table" then fail("%s: %s is not a JSON object", what, path) end
-  return j
-end
-
 -- The model config a checkpoint was saved with: a named size with the
 -- overrides scripts/train.lua takes, else (a --model-config or --init
 -- run's) its config.json form read back.
@@ -63,10 +53,10 @@ local function config_of_manifest(models, m, dir)
                                        vocab = saved.vocab })
   end
   local tmp = os.tmpname()
-  local f = assert(io.open(tmp, "wb"))
-  f:write(cjson.encode(hf.config_json(saved, "fp32")))
-  f:close()
-  local ok, cfg = pcall(hf.model_config, models, tmp, {})
+  local ok, cfg = pcall(function()
+    require("luazero.io.atomic").write(tmp, hf.config_json_text(saved, "fp32"))
+    return hf.model_config(models, tmp, {})
+  end)
   os.remove(tmp)
   if not ok then error(cfg, 0) end
   cfg.name = saved.name or cfg.name
@@ -199,6 +189,10 @@ function M.open(opts)
   end
   local w = { dir = opts.hf }
   local dtype, lora, init, optimizer, draw_seed = opts.dtype, nil, nil, nil, nil
+  if opts.load and not exists(opts.load) then
+    fail("--load %s: no such file or folder; give a checkpoint (a --save folder, one of its " ..
+         "step-NNNNNN folders) or a file from tools/ckpt consolidate", opts.load)
+  end
   local file = opts.load and not require("luazero.io.fs").is_dir(opts.load) and opts.load
   if file then
     if not opts.model and not opts.model_config then
@@ -238,23 +232,28 @@ function M.open(opts)
     w.cfg = hf.model_config(models, cfg_path, {})
     init = opts.hf
     if opts.adapters then
-      local a = read_json(opts.adapters .. "/adapter_config.json", "--adapters")
-      lora = { r = a.r, alpha = a.lora_alpha, targets = a.target_modules }
+      local ok, a = pcall(require("luazero.adapter_config").read,
+                          opts.adapters .. "/adapter_config.json")
+      if not ok then fail("--adapters %s", tostring(a)) end
+      lora = a
     end
   end
   dtype = dtype or "fp32"
   local model = models.new(w.cfg)
   if lora then
     assert(opts.lora, "inference.open: opts.lora (models.lora) is required for adapters")
-    opts.lora.apply(model, { r = lora.r, alpha = lora.alpha, targets = targets_list(lora.targets) })
+    opts.lora.apply(model, { r = lora.r, alpha = lora.alpha, targets = targets_list(lora.targets),
+                             rslora = lora.rslora, rank_of = lora.rank_of,
+                             alpha_of = lora.alpha_of })
   end
   if opts.hf and not lora then
     -- Nothing trains here: frozen weights take no optimizer states (a
     -- quarter of the memory in fp32). The engine wants one parameter that
-    -- trains: the smallest keeps that role (it never takes a step).
-    local keep = model.param_table[1]
+    -- trains: the smallest keeps that role (it never takes a step), one
+    -- of a module whose parameters may freeze apart (not a packed q|k|v).
+    local keep
     for _, e in ipairs(model.param_table) do
-      if e.numel < keep.numel then keep = e end
+      if not e.module.freeze_as_one and (not keep or e.numel < keep.numel) then keep = e end
     end
     model:freeze(function(name) return name ~= keep.name end)
   end

@@ -44,7 +44,8 @@ function lz.last_error() return ffi.string(C.lz_last_error()) end
 
 -------------------------------------------------------------------- dtypes
 
-local dtypes = { f32 = C.LZ_F32, bf16 = C.LZ_BF16, f16 = C.LZ_F16, i32 = C.LZ_I32, u16 = C.LZ_U16 }
+local dtypes = { f32 = C.LZ_F32, bf16 = C.LZ_BF16, f16 = C.LZ_F16, i32 = C.LZ_I32, u16 = C.LZ_U16,
+                 u8 = C.LZ_U8 }
 local dtype_names = {}
 for k, v in pairs(dtypes) do dtype_names[tonumber(v)] = k end
 lz.dtypes = dtypes
@@ -62,7 +63,7 @@ local function dtype_of(d)
   if d == nil then return C.LZ_F32 end
   local v = dtypes[d]
   if v == nil then
-    error("luazero: unknown dtype '" .. tostring(d) .. "' (f32, bf16, f16, i32, u16)", 3)
+    error("luazero: unknown dtype '" .. tostring(d) .. "' (f32, bf16, f16, i32, u16, u8)", 3)
   end
   return v
 end
@@ -222,12 +223,14 @@ function Tensor:get(i)
   elseif dt == C.LZ_BF16 then return C.lz_bf16_to_f32(ffi.cast("uint16_t *", self.data)[i])
   elseif dt == C.LZ_F16 then return C.lz_f16_to_f32(ffi.cast("uint16_t *", self.data)[i])
   elseif dt == C.LZ_I32 then return ffi.cast("int32_t *", self.data)[i]
+  elseif dt == C.LZ_U8 then return ffi.cast("uint8_t *", self.data)[i]
   else return ffi.cast("uint16_t *", self.data)[i] end
 end
 
 -- The values integer dtypes hold; others take any number.
 local int_range = { [tonumber(C.LZ_I32)] = { -2 ^ 31, 2 ^ 31 - 1 },
-                    [tonumber(C.LZ_U16)] = { 0, 65535 } }
+                    [tonumber(C.LZ_U16)] = { 0, 65535 },
+                    [tonumber(C.LZ_U8)] = { 0, 255 } }
 
 -- Writes v at index i (in range) of host tensor t; a v the dtype cannot
 -- hold is an error at the caller of t's method (or of from_table).
@@ -242,6 +245,7 @@ function store(t, i, v, what)
   elseif dt == C.LZ_BF16 then ffi.cast("uint16_t *", t.data)[i] = C.lz_f32_to_bf16(v)
   elseif dt == C.LZ_F16 then ffi.cast("uint16_t *", t.data)[i] = C.lz_f32_to_f16(v)
   elseif dt == C.LZ_I32 then ffi.cast("int32_t *", t.data)[i] = v
+  elseif dt == C.LZ_U8 then ffi.cast("uint8_t *", t.data)[i] = v
   else ffi.cast("uint16_t *", t.data)[i] = v end
 end
 

@@ -8,7 +8,7 @@
 --   local log = assert(jsonl.open("run.jsonl"))
 --   local f = assert(jsonl.open("run/Train_Samples_lr.csv", { append = true }))
 --   local ok, err = log:write(line)   -- line ends with "\n"
---   log:close()
+--   log:close()        -- or log:discard(): a file this open made, still empty, removed
 local ffi = require("ffi")
 
 for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
@@ -19,7 +19,8 @@ for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
   pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
 end
 
-local O_WRONLY, O_CREAT, O_TRUNC, O_APPEND, O_CLOEXEC = 1, 64, 512, 1024, 524288
+local O_WRONLY, O_CREAT, O_EXCL, O_TRUNC, O_APPEND, O_CLOEXEC = 1, 64, 128, 512, 1024, 524288
+local EEXIST = 17
 local SEEK_END = 2
 
 local M = {}
@@ -32,11 +33,13 @@ local function why() return ffi.string(ffi.C.strerror(ffi.errno())) end
 -- missing); nil and the reason when it cannot be opened.
 function M.open(path, opts)
   local append = opts and opts.append
-  local fd = ffi.C.open(path, O_WRONLY + O_CREAT + O_CLOEXEC + (append and O_APPEND or O_TRUNC),
-                        420) -- 0644
+  local flags = O_WRONLY + O_CLOEXEC + (append and O_APPEND or O_TRUNC)
+  -- made here (O_EXCL), so that discard() may remove it again
+  local fd, made = ffi.C.open(path, flags + O_CREAT + O_EXCL, 420), true -- 0644
+  if fd < 0 and ffi.errno() == EEXIST then fd, made = ffi.C.open(path, flags, 420), false end
   if fd < 0 then return nil, why() end
   local size = append and tonumber(ffi.C.lseek(fd, 0, SEEK_END)) or 0
-  return setmetatable({ fd = fd, size = size, path = path }, File)
+  return setmetatable({ fd = fd, size = size, path = path, made = made }, File)
 end
 
 -- Appends `text`; true, or nil and the reason (the file then ends at the
@@ -56,6 +59,13 @@ function File:write(text)
     ffi.C.ftruncate(self.fd, self.size)
   end
   return nil, err
+end
+
+-- Closes the file, and removes it when this open made it and nothing was
+-- written whole (a first write that failed): no empty file left behind.
+function File:discard()
+  self:close()
+  if self.made and self.size == 0 then os.remove(self.path) end
 end
 
 function File:close()

@@ -423,14 +423,10 @@ function Profile:format(opts)
   return table.concat(lines, "\n")
 end
 
--- The report as JSON, written to path; an error naming the path when it
--- cannot be.
+-- The report as JSON, written to path whole or not at all (io/atomic.lua);
+-- an error naming the path when it cannot be.
 function Profile:write_json(path)
-  local text = require("cjson").encode(self:report())
-  local f, err = io.open(path, "w")
-  if not f then error(("profile: cannot write %s (%s); pick a writable path"):format(path, err), 2) end
-  f:write(text, "\n")
-  f:close()
+  require("luazero.io.atomic").write(path, require("cjson").encode(self:report()) .. "\n")
 end
 
 M.Profile = Profile

@@ -462,6 +462,48 @@ static void test_rmsnorm(void) {
   rmsnorm_case(LZ_BF16, 5, 5000, 1e-5); /* the cpu's two-pass backward */
 }
 
+/* QK-norm on packed q|k|v rows [rows, (nq + 2 nkv) hd] (offset 0 and 1),
+ * forward and backward (dw accumulates onto nonzero values; dx also over
+ * dy), twice on the device; the v columns pass unchanged. */
+static void qk_norm_case(int64_t rows, int nq, int nkv, int64_t hd, float offset) {
+  int64_t xs[2] = {rows, (nq + 2 * nkv) * hd}, ds[1] = {hd}, rs[1] = {rows * (nq + nkv)};
+  lz_tensor *x = host_rand(LZ_F32, 2, xs, 2), *qw = host_rand(LZ_F32, 1, ds, 1.5f);
+  lz_tensor *kw = host_rand(LZ_F32, 1, ds, 1.5f);
+  lz_tensor *y = host(LZ_F32, 2, xs), *r = host(LZ_F32, 1, rs);
+  lz_tensor *d_x = dev(x), *d_qw = dev(qw), *d_kw = dev(kw), *d_y = dev(y), *d_r = dev(r),
+            *d_y2 = dev(y), *d_r2 = dev(r);
+  CHECK_OK(lz_qk_norm_forward(y, r, x, qw, kw, nq, nkv, 1e-6f, offset));
+  CHECK_OK(lz_qk_norm_forward(d_y, d_r, d_x, d_qw, d_kw, nq, nkv, 1e-6f, offset));
+  CHECK_OK(lz_qk_norm_forward(d_y2, d_r2, d_x, d_qw, d_kw, nq, nkv, 1e-6f, offset));
+  expect_close("qk_norm_forward out", d_y, y, 1e-5);
+  expect_close("qk_norm_forward rstd", d_r, r, 1e-5);
+  expect_same_bits("qk_norm_forward out", d_y, d_y2);
+
+  lz_tensor *gy = host_rand(LZ_F32, 2, xs, 1), *gx = host(LZ_F32, 2, xs);
+  lz_tensor *gq = host_rand(LZ_F32, 1, ds, 1), *gk = host_rand(LZ_F32, 1, ds, 1);
+  lz_tensor *d_gy = dev(gy), *d_gx = dev(gx), *d_gx2 = dev(gx), *d_gq = dev(gq), *d_gk = dev(gk),
+            *d_gq2 = dev(gq), *d_gk2 = dev(gk);
+  CHECK_OK(lz_qk_norm_backward(gx, gq, gk, gy, x, qw, kw, r, nq, nkv, offset));
+  CHECK_OK(lz_qk_norm_backward(d_gx, d_gq, d_gk, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset));
+  CHECK_OK(lz_qk_norm_backward(d_gx2, d_gq2, d_gk2, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset));
+  expect_close("qk_norm_backward dx", d_gx, gx, 1e-5);
+  expect_close("qk_norm_backward dq_w", d_gq, gq, 1e-4);
+  expect_close("qk_norm_backward dk_w", d_gk, gk, 1e-4);
+  expect_same_bits("qk_norm_backward dx", d_gx, d_gx2);
+  expect_same_bits("qk_norm_backward dq_w", d_gq, d_gq2);
+  lz_tensor *d_gq3 = dev(gq), *d_gk3 = dev(gk);
+  CHECK_OK(lz_qk_norm_backward(d_gy, d_gq3, d_gk3, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset));
+  expect_same_bits("qk_norm_backward dx over dy", d_gy, d_gx);
+  FREE(x, qw, kw, y, r, d_x, d_qw, d_kw, d_y, d_r, d_y2, d_r2, gy, gx, gq, gk, d_gy, d_gx, d_gx2,
+       d_gq, d_gk, d_gq2, d_gk2, d_gq3, d_gk3);
+}
+
+static void test_qk_norm(void) {
+  qk_norm_case(2 * 3, 4, 2, 8, 0.0f);
+  qk_norm_case(1000, 16, 8, 128, 0.0f); /* Qwen3-0.6B's heads, uneven row chunks */
+  qk_norm_case(64, 4, 1, 256, 1.0f);    /* Gemma 3's offset */
+}
+
 /* RoPE with theta on x of `dt` [B, T, n_head * head_dim], forward and
  * backward, twice on the device; f32 also in place. Angles reach
  * (pos_offset + T) radians: cosf and sinf agree with the cpu's to a few ulps. */
@@ -608,6 +650,60 @@ static void test_swiglu(void) {
   swiglu_case(LZ_F32, 8 * 50001);
   swiglu_case(LZ_BF16, 8 * 37);
   swiglu_case(LZ_BF16, 8 * 50001);
+}
+
+/* GeGLU as SwiGLU: the device's tanhf against the cpu's lz_tanh, a few ulps. */
+static void geglu_case(lz_dtype dt, int64_t n) {
+  int64_t s[2] = {n / 8, 8};
+  lz_tensor *gt = host_rand(dt, 2, s, 6), *up = host_rand(dt, 2, s, 2);
+  lz_tensor *go = host_rand(dt, 2, s, 1);
+  lz_tensor *y = host(LZ_F32, 2, s), *dg = host(LZ_F32, 2, s), *du = host(LZ_F32, 2, s);
+  lz_tensor *d_gt = dev(gt), *d_up = dev(up), *d_go = dev(go), *d_y = dev(y), *d_y2 = dev(y);
+  lz_tensor *d_dg = dev(dg), *d_du = dev(du), *d_dg2 = dev(dg), *d_du2 = dev(du);
+  CHECK_OK(lz_geglu_forward(y, gt, up));
+  CHECK_OK(lz_geglu_forward(d_y, d_gt, d_up));
+  CHECK_OK(lz_geglu_forward(d_y2, d_gt, d_up));
+  expect_close("geglu_forward", d_y, y, 1e-5);
+  expect_same_bits("geglu_forward", d_y, d_y2);
+  CHECK_OK(lz_geglu_backward(dg, du, go, gt, up));
+  CHECK_OK(lz_geglu_backward(d_dg, d_du, d_go, d_gt, d_up));
+  CHECK_OK(lz_geglu_backward(d_dg2, d_du2, d_go, d_gt, d_up));
+  expect_close("geglu_backward dgate", d_dg, dg, 1e-5);
+  expect_close("geglu_backward dup", d_du, du, 1e-5);
+  expect_same_bits("geglu_backward dgate", d_dg, d_dg2);
+  expect_same_bits("geglu_backward dup", d_du, d_du2);
+  FREE(gt, up, go, y, dg, du, d_gt, d_up, d_go, d_y, d_y2, d_dg, d_du, d_dg2, d_du2);
+}
+
+static void test_geglu(void) {
+  geglu_case(LZ_F32, 8 * 37);
+  geglu_case(LZ_F32, 8 * 50001);
+  geglu_case(LZ_BF16, 8 * 50001);
+}
+
+/* Soft-capped logits and the cross-entropy backward through the cap, f32
+ * and bf16 dlogits, and in place, against the cpu. */
+static void test_softcap(void) {
+  int64_t B = 4, T = 9, V = 1500, Vp = 1536;
+  int64_t ls[3] = {B, T, Vp}, ts[2] = {B, T};
+  lz_tensor *x = host_rand(LZ_F32, 3, ls, 60), *tg = host(LZ_I32, 2, ts);
+  for (int64_t i = 0; i < B * T; i++)
+    ((int32_t *)tg->data)[i] = i == 3 ? -1 : (int32_t)(i * 131 % V);
+  lz_tensor *y = host(LZ_F32, 3, ls), *gl = host(LZ_F32, 3, ls), *gb = host(LZ_BF16, 3, ls);
+  lz_tensor *d_x = dev(x), *d_tg = dev(tg), *d_y = dev(y), *d_gl = dev(gl), *d_gb = dev(gb);
+  CHECK_OK(lz_softcap_forward(y, x, 30.0f));
+  CHECK_OK(lz_softcap_forward(d_y, d_x, 30.0f));
+  expect_close("softcap_forward", d_y, y, 1e-5);
+  CHECK_OK(lz_tensor_copy(d_y, y)); /* the same capped logits on both sides */
+  CHECK_OK(lz_cross_entropy_softcap_backward(gl, y, tg, V, 0.25f, 30.0f));
+  CHECK_OK(lz_cross_entropy_softcap_backward(d_gl, d_y, d_tg, V, 0.25f, 30.0f));
+  expect_close("cross_entropy_softcap_backward", d_gl, gl, 1e-5);
+  CHECK_OK(lz_cross_entropy_softcap_backward(gb, y, tg, V, 0.25f, 30.0f));
+  CHECK_OK(lz_cross_entropy_softcap_backward(d_gb, d_y, d_tg, V, 0.25f, 30.0f));
+  expect_close("cross_entropy_softcap_backward bf16", d_gb, gb, 1e-2);
+  CHECK_OK(lz_cross_entropy_softcap_backward(d_y, d_y, d_tg, V, 0.25f, 30.0f));
+  expect_close("cross_entropy_softcap_backward in place", d_y, gl, 1e-5);
+  FREE(x, tg, y, gl, gb, d_x, d_tg, d_y, d_gl, d_gb);
 }
 
 /* Five Lion steps with mixed gradients (some zero) on the cpu and, twice,
@@ -865,8 +961,11 @@ static const struct {
     {"cuda_convert", test_convert},
     {"cuda_adamw", test_adamw},
     {"cuda_rmsnorm", test_rmsnorm},
+    {"cuda_qk_norm", test_qk_norm},
     {"cuda_rope", test_rope},
     {"cuda_swiglu", test_swiglu},
+    {"cuda_geglu", test_geglu},
+    {"cuda_softcap", test_softcap},
     {"cuda_lion", test_lion},
     {"cuda_attention_gqa", test_attention_gqa},
     {"cuda_attention_options", test_attention_options},

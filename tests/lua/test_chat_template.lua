@@ -1,6 +1,7 @@
 -- test_chat_template.lua — lua/luazero/chat_template.lua and luazero.jinja
 -- without Python: the chat templates of Llama 3, Zephyr/TinyLlama, ChatML,
--- Llama 2 and Mistral (tests/fixtures/chat/*/tokenizer_config.json) against
+-- Llama 2, Mistral, Qwen2.5, Qwen3, Gemma 2/3, Phi-3 and Mistral v0.3
+-- (tests/fixtures/chat/*/tokenizer_config.json) against
 -- the strings jinja2 renders for transformers' apply_chat_template (copied
 -- here; tests/ref/test_chat_template.py compares with transformers itself),
 -- the assistant spans, whitespace control, and the one-line refusals.
@@ -118,6 +119,11 @@ function T.unsupported_constructs_are_named()
     { "{% for m in messages %}", "{% endfor %} is missing" },
     { "{{ 'a' ", "not closed with }}" },
     { "{% set x %}y{% endset %}", "(a block set) is not supported" },
+    { "{% if true %}{% break %}{% endif %}", "{% break %} outside a {% for %}" },
+    -- jinja2's sandbox (transformers') caps ranges at 100000 items: refused, not built
+    { "{% for i in range(100000000) %}{% endfor %}", "range(0, 100000000, 1) would make " ..
+      "100000000 items, more than the 100000 jinja2's sandbox allows" },
+    { "{% for i in range(1, 5, 0) %}{% endfor %}", "range() step must not be zero" },
   }
   for _, c in ipairs(cases) do
     local ok, err = pcall(function()
@@ -159,16 +165,33 @@ function T.template_lists_and_jinja_files()
   assert(not ok and err:find('has no "chat_template" string', 1, true), err)
 end
 
-function T.spans_need_text_that_does_not_depend_on_the_content()
+-- A span is where the text differs from the rendering with the content
+-- replaced: what the template writes from the content goes with it; a
+-- template that writes the content twice has no span.
+function T.spans_are_where_the_content_changes_the_text()
   local ct = chat_template.new("{% for m in messages %}{{ m.content }}{% if m.content | length > 3 %}" ..
                                " (long){% endif %}{{ eos_token }}{% endfor %}",
                                { name = "t.json", eos_token = "</s>" })
   local msgs = { { role = "user", content = "hello" }, { role = "assistant", content = "hi" } }
-  local ok, err = pcall(ct.render, ct, msgs)
-  assert(not ok and err:find("chat_template: t.json: the text around assistant message 2 depends " ..
-                             "on its content", 1, true), err)
+  renders(ct, msgs, nil, "hello (long)</s>hi</s>", { "hi</s>" })
+  renders(ct, { msgs[1], { role = "assistant", content = "well" } }, nil,
+          "hello (long)</s>well (long)</s>", { "well" }) -- the marker is long too
   local text, spans = ct:render(msgs, { spans = false })
   same({ text, spans }, { "hello (long)</s>hi</s>", {} })
+  local twice = chat_template.new("{% for m in messages %}{{ m.content }}{{ m.content }}{% endfor %}",
+                                  { name = "t.json" })
+  local ok, err = pcall(twice.render, twice, msgs)
+  assert(not ok and err:find("chat_template: t.json: assistant message 2 is not written once", 1, true) and
+         not err:find("\n"), err)
+  -- Qwen3: the reasoning of the last turn is part of its span, older ones are dropped
+  local qwen3 = chat_template.load(FIXTURES .. "qwen3")
+  renders(qwen3, { { role = "user", content = "1?" },
+                   { role = "assistant", content = "<think>\nr1\n</think>\n\nA1" },
+                   { role = "user", content = "2?" },
+                   { role = "assistant", content = "<think>\nr2\n</think>\n\nA2" } }, nil,
+          "<|im_start|>user\n1?<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\n" ..
+          "2?<|im_end|>\n<|im_start|>assistant\n<think>\nr2\n</think>\n\nA2<|im_end|>\n",
+          { "A1<|im_end|>", "r2\n</think>\n\nA2<|im_end|>" })
 end
 
 function T.extra_variables_as_keyword_arguments()
@@ -190,6 +213,83 @@ function T.token_mask_is_overlap()
   same(chat_template.token_mask({}, { 0, 1 }, 2), { 0, 0 })
 end
 
+-- The templates of Qwen2.5 (tools), Qwen3 (thinking), Gemma 3, Phi-3 and
+-- Mistral v0.3 (tools),
+-- against transformers 5.23's renderings (tests/ref/test5_chat_template.py
+-- compares with it over many more conversations). Messages and tools are read
+-- as JSON keeping their key order, which tojson writes.
+function T.qwen_gemma_phi3_mistral3()
+  local json = require("luazero.jinja.json")
+  local tools = json.decode('[{"type": "function", "function": {"name": "now", "description": ' ..
+                            '"The time.", "parameters": {"type": "object", "properties": {}, ' ..
+                            '"required": []}}}]')
+  local calls = json.decode('[{"role": "user", "content": "Time?"}, {"role": "assistant", ' ..
+                            '"content": "", "tool_calls": [{"type": "function", "function": ' ..
+                            '{"name": "now", "arguments": {"tz": "UTC", "fmt": "%H"}}}]}, ' ..
+                            '{"role": "tool", "content": "12"}, {"role": "assistant", "content": "Noon."}]')
+  local qwen25 = chat_template.load(FIXTURES .. "qwen2.5")
+  same(qwen25:render(calls, { vars = { tools = tools }, spans = false }),
+       "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n" ..
+       "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are " ..
+       "provided with function signatures within <tools></tools> XML tags:\n<tools>\n" ..
+       '{"type": "function", "function": {"name": "now", "description": "The time.", "parameters": ' ..
+       '{"type": "object", "properties": {}, "required": []}}}\n</tools>\n\nFor each function call, ' ..
+       "return a json object with function name and arguments within <tool_call></tool_call> XML " ..
+       'tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n' ..
+       "</tool_call><|im_end|>\n<|im_start|>user\nTime?<|im_end|>\n<|im_start|>assistant\n" ..
+       '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC", "fmt": "%H"}}\n</tool_call>' ..
+       "<|im_end|>\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n" ..
+       "<|im_start|>assistant\nNoon.<|im_end|>\n")
+  local qwen3 = chat_template.load(FIXTURES .. "qwen3")
+  same(qwen3:render({ SHORT[2] }, { add_generation_prompt = true,
+                                    vars = { enable_thinking = false } }),
+       "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  same(qwen3:render({ SHORT[2], { role = "assistant", content = "<think>\nhm\n</think>\n\nHello!" } },
+                    { spans = false }),
+       "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n<think>\nhm\n</think>\n\n" ..
+       "Hello!<|im_end|>\n")
+  renders(chat_template.load(FIXTURES .. "gemma3"), SHORT, { add_generation_prompt = true },
+          "<bos><start_of_turn>user\nYou are terse.\n\nHi there<end_of_turn>\n<start_of_turn>model\n" ..
+          "Hello!<end_of_turn>\n<start_of_turn>model\n", { "Hello!<end_of_turn>" })
+  renders(chat_template.load(FIXTURES .. "phi3"), SHORT, nil,
+          "<|system|>\nYou are terse.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\nHello!" ..
+          "<|end|>\n<|endoftext|>", { "Hello!<|end|>" })
+  local mistral = chat_template.load(FIXTURES .. "mistral-v0.3")
+  local turns = json.decode('[{"role": "system", "content": "Be brief."}, {"role": "user", ' ..
+                            '"content": "Time?"}, {"role": "assistant", "tool_calls": [{"id": ' ..
+                            '"call00001", "type": "function", "function": {"name": "now", ' ..
+                            '"arguments": {"tz": "UTC"}}}]}, {"role": "tool", "tool_call_id": ' ..
+                            '"call00001", "content": "12"}, {"role": "assistant", "content": ' ..
+                            '" Noon. "}, {"role": "user", "content": "Thanks"}]')
+  local text, spans = mistral:render(turns, { vars = { tools = tools } })
+  same(text, '<s>[INST] Time?[/INST][TOOL_CALLS] [{"name": "now", "arguments": {"tz": "UTC"}, ' ..
+             '"id": "call00001"}]</s>[TOOL_RESULTS] {"content": 12, "call_id": "call00001"}' ..
+             '[/TOOL_RESULTS] Noon.</s>[AVAILABLE_TOOLS] [{"type": "function", "function": ' ..
+             '{"name": "now", "description": "The time.", "parameters": {"type": "object", ' ..
+             '"properties": {}, "required": []}}}][/AVAILABLE_TOOLS][INST] Be brief.\n\nThanks[/INST]')
+  same(span_texts(text, spans), { " Noon.</s>" })
+  local ok, err = pcall(chat_template.load(FIXTURES .. "gemma2").render,
+                        chat_template.load(FIXTURES .. "gemma2"), SHORT)
+  assert(not ok and err:find("the template refuses these messages (System role not supported)",
+                             1, true) and not err:find("\n"), err)
+end
+
+-- JSON as Python's json.loads reads it: key order, {} apart from [], null as
+-- None, escapes and surrogate pairs; an error is one line with its line number.
+function T.json_keeps_order()
+  local json = require("luazero.jinja.json")
+  local v = json.decode(' {"z": 1, "a": [true, null, {}], "m": "\\u00e9\\ud83d\\ude00\\n\\"", "e": -2.5e-1}')
+  same(jinja.render(jinja.compile("{{ v | tojson }}|{{ v.keys() | list }}|{{ v.a[1] is none }}"),
+                    { v = v }),
+       '{"z": 1, "a": [true, null, {}], "m": "é😀\\n\\"", "e": -0.25}|[\'z\', \'a\', \'m\', \'e\']|True')
+  for _, bad in ipairs({ '{"a": 1,\n "b" 2}', '[1, 2', '{"a": 1} x', '"\\q"' }) do
+    local ok, err = pcall(json.decode, bad)
+    assert(not ok and err:find("^json: line %d+: ") and not err:find("\n"), tostring(err))
+  end
+  local ok, err = pcall(json.decode, '{"a": 1,\n "b" 2}')
+  assert(not ok and err:find("json: line 2: expected : after an object key", 1, true), err)
+end
+
 local function render(src, vars) return jinja.render(jinja.compile(src), vars or {}) end
 
 function T.jinja_expressions()
@@ -202,8 +302,20 @@ function T.jinja_expressions()
   same(render("{{ x is defined }}{{ y is not defined }}{{ none is none }}{{ m.role }}{{ m['role'] }}",
               { x = 1, m = { role = "user" } }), "TrueTrueTrueuseruser")
   same(render("{{ 'a\\u00e9\\x41\\n' }}{{ \"q'\" }}{{ '\\u3000x\\u3000'.strip() }}"), "aéA\nq'x")
-  same(render("{{ {'b': 1, 'a': [true, none, \"<é😀'&>\"]} | tojson }}"),
-       '{"a": [true, null, "\\u003c\\u00e9\\ud83d\\ude00\\u0027\\u0026\\u003e"], "b": 1}')
+  -- tojson is transformers' (4.43 and later): json.dumps without ensure_ascii,
+  -- keys in their written order, no HTML escapes; its keyword arguments too.
+  same(render("{{ {'b': 1, 'a': [true, none, \"<é😀'&>\\n\"], 'c': {}} | tojson }}"),
+       '{"b": 1, "a": [true, null, "<é😀\'&>\\n"], "c": {}}')
+  same(render("{{ {'b': 1.5, 'a': 'é'} | tojson(indent=2, sort_keys=true, ensure_ascii=true) }}"),
+       '{\n  "a": "\\u00e9",\n  "b": 1.5\n}')
+  same(render("{{ {'b': [], 'a': 0.1} | tojson(separators=(',', ':')) }}"), '{"b":[],"a":0.1}')
+  local json = require("luazero.jinja.json")
+  local tools = json.decode('[{"type": "function", "function": {"name": "f", "parameters": ' ..
+                            '{"type": "object", "properties": {}, "required": []}}}]')
+  same(render("{{ tools[0] | tojson }}|{% for k in tools[0] %}{{ k }}{% endfor %}|" ..
+              "{{ tools[0].function.parameters.items() | list | length }}", { tools = tools }),
+       '{"type": "function", "function": {"name": "f", "parameters": {"type": "object", ' ..
+       '"properties": {}, "required": []}}}|typefunction|3')
   same(render("{{ x | default('d') }}{{ '' | default('e', true) }}{{ [3, 4] | join('-') }}"), "de3-4")
   local ms = { { role = "user", content = "A" }, { role = "assistant", content = "B", tool = true },
                { role = "user", content = "C" } }
@@ -219,6 +331,13 @@ function T.jinja_statements_and_whitespace()
   same(render("{% for x in xs if x > 1 %}{{ loop.index0 }}{{ x }}{% if loop.last %}.{% endif %}" ..
               "{% else %}none{% endfor %}", { xs = { 1, 2, 3 } }), "0213.")
   same(render("{% for x in xs %}{% else %}none{% endfor %}", { xs = {} }), "none")
+  -- loopcontrols, which transformers' renderer loads
+  same(render("{% for x in xs %}{% if x == 2 %}{% continue %}{% endif %}{{ x }}" ..
+              "{% if x == 3 %}{% break %}{% endif %}{% endfor %}", { xs = { 1, 2, 3, 4 } }), "13")
+  same(render("{{ strftime_now('%Y') | length }}"), "4")
+  -- transformers' {% generation %} (its assistant mask): the body as it is
+  same(render("{% for x in xs %}<{% generation %}{{ x }}{% if x == 2 %}{% break %}{% endif %}" ..
+              "{% endgeneration %}>{% endfor %}", { xs = { 1, 2, 3 } }), "<1><2")
   same(render("{% set ns = namespace(n=0) %}{% for x in [1, 2] %}{% set ns.n = ns.n + x %}" ..
               "{% set local = 5 %}{% endfor %}{{ ns.n }}{{ local }}"), "3")
   same(render("{% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}", { d = { b = 2, a = 1 } }),

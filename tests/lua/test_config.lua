@@ -154,6 +154,9 @@ function T.bad_configs_of_issue_5_name_the_key_or_file()
   local err = load_error(bad, 1)
   assert(err:find("config: " .. bad .. ": not valid JSON (", 1, true) and err:sub(-1) == ")", err)
   assert(not err:find("\n"), "one line")
+  local bom = write_file("bom.json", '\239\187\191{ "train_batch_size": 8 }')
+  expect_error(bom, 1, "config: " .. bom .. ": starts with a UTF-8 byte order mark (EF BB BF), " ..
+                       "which JSON does not allow; save the file as UTF-8 without it")
   local missing = tmp .. "/missing.json"
   expect_error(missing, 1, "config: " .. missing .. ": cannot read it (No such file or directory)")
   local list = write_file("list.json", "[1, 2]")

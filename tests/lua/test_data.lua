@@ -109,6 +109,14 @@ function T.token_file_refusals_name_the_file_and_fix()
                "data: " .. path .. ": token id 128255 is not below the model's vocabulary " ..
                "32000; use --vocab 128256 or larger")
   data.free(c)
+  -- an id no --vocab can take is not answered with a --vocab it cannot take
+  ids[50] = 4294967295
+  data.write_token_file(path, ids)
+  c = data.load(path)
+  expect_error(function() data.loader(c, { B = 1, T = 8, vocab = 32000 }) end,
+               "data: " .. path .. ": token id 4294967295 is larger than any vocabulary (--vocab " ..
+               "takes at most 2147483647): the file is damaged")
+  data.free(c)
 end
 
 -- prepare-data writes version 1 for a vocabulary that fits uint16 and
@@ -367,6 +375,10 @@ function T.every_bad_line_is_one_line_with_file_line_and_fix()
     { '{"prompt": "aaaa", "completion": "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb"}',
       ":1: the example is 35 tokens, longer than the sequence length 32; raise --seq-len to " ..
       "35 or drop the line" },
+    -- JSON is UTF-8: a Latin-1 byte inside a string is named, not passed on
+    { '{"prompt": "caf\233", "completion": "b"}', ":1: byte 16 (0xE9) is not UTF-8; save the " ..
+      "file as UTF-8" },
+    { '{"prompt": "\237\160\128", "completion": "b"}', ":1: byte 13 (0xED) is not UTF-8" },
   }
   for i, case in ipairs(cases) do
     local path = write(("bad%d.jsonl"):format(i), '{"prompt": "p", "completion": "c"}\n\n' ..
@@ -379,6 +391,10 @@ function T.every_bad_line_is_one_line_with_file_line_and_fix()
     assert(err:sub(1, #want) == want, ("\n  got: %s\n want: %s..."):format(err, want))
     for k = 3, #case do assert(err:find(case[k], 1, true), err .. "\n lacks " .. case[k]) end
   end
+  -- a byte order mark is named
+  local bom = write("bom.jsonl", '\239\187\191{"prompt": "p", "completion": "c"}\n')
+  expect_error(function() data.load(bom, { template = stub_template() }) end,
+               "data: " .. bom .. ":1: starts with a UTF-8 byte order mark (EF BB BF)")
   -- messages with no template at all: where to get one
   expect_error(function()
     data.load(jsonl("nt.jsonl", { { messages = { { role = "user", content = "a" } } } }))
@@ -416,6 +432,13 @@ function T.instruction_file_round_trip_and_refusals()
   expect_error(function()
     data.load(write("w.bin", bytes:sub(1, at - 1) .. "\7" .. bytes:sub(at + 1)))
   end, "w.bin: token 0's weight is 7, not 0 or 1; re-create it")
+  -- an example whose weights are all 0 trains nothing: refused as its .jsonl line is
+  local w3 = at + 10 -- example 3: tokens 10..14
+  expect_error(function()
+    data.load(write("z.bin", bytes:sub(1, w3 - 1) .. ("\0"):rep(5) .. bytes:sub(w3 + 5)))
+  end, "z.bin: example 3 (line 3 of its .jsonl): no token is trained (5 tokens, all of " ..
+       "weight 0); give it a completion there or drop the line; re-create it with " ..
+       "tools/prepare-data --format jsonl")
   -- an example longer than --seq-len names its line; an id over the vocabulary
   expect_error(function() data.loader(r, { B = 1, T = 4, vocab = 256 }) end,
                "data: " .. path .. ": the example from line 1 is 5 tokens, longer than the " ..
@@ -608,6 +631,28 @@ function T.train_on_jsonl_resumes_bitwise()
   local out, st = train(1, ("--steps 6 --packing pad --resume %s"):format(q(dir ..
                         "pack/step-000003")))
   assert(st == 2 and out:find("the checkpoint's data position (--packing pack", 1, true), out)
+  -- other examples, as many of them: the checkpoint's fingerprint of its
+  -- data refuses them (the position would pick other examples); the same
+  -- bytes under another name resume bitwise
+  local other = {}
+  for i = 1, 60 do
+    other[i] = { prompt = ("Q: %d minus %d?\n"):format(i + 9, i), completion = ("A: %d."):format(9) }
+  end
+  local other_path = jsonl("other.jsonl", other)
+  out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 2 --n-embd 64 " ..
+    "--n-head 4 --context 64 --seq-len 32 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 " ..
+    "--steps 6 --packing pack --data %s --resume %s"):format(q(lz.root), q(lz.executable()),
+    q(other_path), q(dir .. "pack/step-000003")))
+  eq(st, 2, "another --data of as many examples: " .. out)
+  assert(out:find("train: --resume " .. dir .. "pack/step-000003: the checkpoint trained on " ..
+                  path .. " (size:xxh64 ", 1, true) and
+         out:find("--data " .. other_path .. " is other data", 1, true), out)
+  local copy = write("copy.jsonl", lz.read_file(path))
+  out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 2 --n-embd 64 " ..
+    "--n-head 4 --context 64 --seq-len 32 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 " ..
+    "--steps 6 --packing pack --data %s --resume %s"):format(q(lz.root), q(lz.executable()),
+    q(copy), q(dir .. "pack/step-000003")))
+  assert(st == 0, out)
   out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 1 " ..
     "--steps 1 --seq-len 8 --data %s"):format(q(lz.root), q(lz.executable()), q(path)))
   assert(st == 2 and out:find("train: data: " .. path .. ":1: the example is 18 tokens, " ..

@@ -510,7 +510,7 @@ function T.tools_estimate_refuses_out_of_range_numbers_with_one_line()
     { "--params 1e19", "--params '1e19' is more than 2^53" },
     { "--model gpt2 --micro-batch -4 --seq-len 8", "--micro-batch must be >= 1 (got -4)" },
     { "--model gpt2 --micro-batch 4 --seq-len 0", "--seq-len must be >= 1 (got 0)" },
-    { "--params 1e9 --persistence-threshold -1", "--persistence-threshold must be a whole number" },
+    { "--model gpt2 --persistence-threshold -1", "--persistence-threshold must be a whole number" },
     { "--params 1e9 --persistent 2e9", "--persistent must be a whole number from 0" },
     { "--model gpt2 --micro-batch 4", "--micro-batch and --seq-len go together" },
     { "--model gpt2 --micro-batch 4 --seq-len 99999", "--seq-len 99999 is longer than" },

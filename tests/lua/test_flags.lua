@@ -73,10 +73,19 @@ function T.stage_auto_says_which_stage_needs_the_least_when_none_fits()
   assert(not why:find("the smallest", 1, true), why)
   _, why = estimate.pick_stage(1e6, 2, 1e6, "bf16")
   assert(why:find("no stage fits (stage 3 needs the least, 8.6 MiB); picked stage 3", 1, true), why)
-  -- (the run then stops at step 1: the budget held is passed)
-  local out = train(1, "--steps 1 --stage auto --memory-budget 100KiB")
-  assert(out:find("budget 100.0 KiB: no stage fits (stage 0 needs the least, ", 1, true), out)
-  assert(out:find("zero stage 3,", 1, true), out)
+  -- a budget the run holds that nothing meets is refused before the first
+  -- step (it would stop the run there), and so is one the process fills
+  local out, st = train(1, "--steps 1 --stage auto --memory-budget 100KiB")
+  assert(st == 2, out)
+  assert(out:find("train: stage auto: stage 0 needs ", 1, true) and
+         out:find("budget 100.0 KiB: no stage fits (stage 0 needs the least, ", 1, true) and
+         out:find("the run would stop at its first step over the budget it holds: raise " ..
+                  "--memory-budget", 1, true), out)
+  assert(not out:find("step     1", 1, true), out)
+  out, st = train(1, "--steps 1 --stage auto --memory-budget 1MiB")
+  assert(st == 2, out)
+  assert(out:find("budget 1.0 MiB: picked stage 0, but this process holds ", 1, true) and
+         not out:find("step     1", 1, true), out)
 end
 
 function T.a_resume_with_other_steps_says_the_schedule_changes()

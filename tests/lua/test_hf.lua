@@ -454,12 +454,13 @@ end
 
 function T.unknown_architecture_in_config_json_is_refused()
   local c = get("llama", LLAMA)
-  local dir = tmp .. "/nosuch"
+  local dir = tmp .. "/unknown"
   os.execute(("rm -rf %s && cp -r %s %s"):format(q(dir), q(c.out), q(dir)))
   local j = cjson.decode(assert(lz.read_file(dir .. "/config.json")))
-  j.architectures = { "NoSuchForCausalLM" }
-  write_file("nosuch/config.json", cjson.encode(j))
-  refused("--init " .. q(dir), { dir .. "/config.json", "architectures[0]", "NoSuchForCausalLM" })
+  j.architectures = { "NoSuchModelForCausalLM" }
+  write_file("unknown/config.json", cjson.encode(j))
+  refused("--init " .. q(dir), { dir .. "/config.json", "architectures[0]",
+                                 "NoSuchModelForCausalLM" })
 end
 
 -- --init of a folder without config.json names the flags that say the

@@ -91,8 +91,8 @@ end
 
 function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
   local cases = {
-    { { architectures = { "NoSuchForCausalLM" } },
-      "field architectures[0] is \"NoSuchForCausalLM\": unknown architecture (known: " ..
+    { { architectures = { "FalconForCausalLM" } },
+      "field architectures[0] is \"FalconForCausalLM\": unknown architecture (known: " ..
       table.concat(require("luazero.families").architectures(), ", ") .. ")" },
     { { model_type = "llama", hidden_size = 64 }, "field num_hidden_layers is missing" },
     { { hidden_size = 64 }, "field architectures (or model_type) is missing" },

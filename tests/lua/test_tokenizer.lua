@@ -1,5 +1,5 @@
 -- test_tokenizer.lua — lua/luazero/tokenizer/ without Hugging Face's
--- tokenizers: the GPT-2 and Llama 3 splits against pieces worked out by hand
+-- tokenizers: the GPT-2, Llama 3 and Qwen2 splits against pieces worked out by hand
 -- from their patterns, BPE merges on tiny tokenizer.json files (byte-level,
 -- and SentencePiece-style with byte fallback, unknown tokens, Metaspace),
 -- offsets, added tokens, decode and the refusals. The expected ids are
@@ -35,6 +35,28 @@ function T.llama3_split()
   local split = tokenizer.split_llama3
   same(pieces(split, "'T 12345678 \"Hi x.\n\n  \n\tfoo  bar"),
        { "'T", " ", "123", "456", "78", " \"", "Hi", " x", ".\n\n", "  \n", "\tfoo", " ", " bar" })
+end
+
+function T.qwen2_split()
+  local split = tokenizer.split_qwen2
+  same(pieces(split, "'T 12345 \"Hi x.\n\n  \n\tfoo  bar"),
+       { "'T", " ", "1", "2", "3", "4", "5", " \"", "Hi", " x", ".\n\n", "  \n", "\tfoo", " ", " bar" })
+end
+
+-- NFC against Python's unicodedata.normalize("NFC", ...), and the offsets
+-- tokenizers' alignments give: positional, so marks put into canonical order
+-- take the places they move to, a composite the place of its first part.
+function T.nfc()
+  local nfc = require("luazero.tokenizer.nfc")
+  local function norm(s) return (nfc.normalize(s, 0, false)) end
+  same(norm("Cafe\u{301} A\u{30A} \u{2126} \u{1100}\u{1161}\u{11A8} \u{AC00}\u{11A8}"),
+       "Caf\u{E9} \u{C5} \u{3A9} \u{AC01} \u{AC01}")
+  same(norm("q\u{307}\u{323} \u{1E0B}\u{323} \u{958} \u{344} e\u{301}\u{301}"),
+       "q\u{323}\u{307} \u{1E0D}\u{307} \u{915}\u{93C} \u{308}\u{301} \u{E9}\u{301}")
+  same(norm("plain ASCII"), "plain ASCII")
+  local s, map = nfc.normalize("xe\u{301}q\u{307}\u{323}", 10, true)
+  same(s, "x\u{E9}q\u{323}\u{307}")
+  same(map, { 10, 11, 11, 14, 15, 15, 17, 17 })
 end
 
 local function write(text)
@@ -74,6 +96,18 @@ function T.byte_level_offsets()
   same(starts, { 0, 2, 5, 6, 13, 14 })
   assert(tok.bos_id == nil and tok.eos_id == nil)
   same(tok:decode(ids, { skip_special_tokens = true }), "ab abcc ab")
+end
+
+-- An added token with rstrip (Phi-3's <|end|>) takes the blanks after it
+-- along, one with lstrip those before it; they give no token.
+function T.added_tokens_strip_blanks()
+  local tok = tokenizer.load(tiny(function(j)
+    j.added_tokens = { { id = 6, content = "<|eot|>", special = true, rstrip = true },
+                       { id = 7, content = "<|sys|>", special = true, lstrip = true } }
+  end))
+  local ids, starts = tok:encode("ab<|eot|>  c  <|sys|>ab", { offsets = true })
+  same({ ids, starts }, { { 4, 6, 2, 7, 4 }, { 0, 2, 11, 12, 21 } })
+  same(tok:encode("<|eot|> <|sys|>"), { 6, 7 })
 end
 
 -- Llama 2's layout: <unk> <s> </s>, the 256 byte tokens <0x00>..<0xFF>, then

@@ -15,9 +15,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LIB_PATH = os.environ.get("LZ_LIB") or os.path.join(REPO, "build", "lib", "libluazero.so")
 
 # enum lz_dtype
-F32, BF16, F16, I32, U16 = 0, 1, 2, 3, 4
-_NP_OF = {F32: np.float32, BF16: np.uint16, F16: np.float16, I32: np.int32, U16: np.uint16}
-_LZ_OF = {np.dtype(np.float32): F32, np.dtype(np.float16): F16, np.dtype(np.int32): I32}
+F32, BF16, F16, I32, U16, U8 = 0, 1, 2, 3, 4, 5
+_NP_OF = {F32: np.float32, BF16: np.uint16, F16: np.float16, I32: np.int32, U16: np.uint16,
+          U8: np.uint8}
+_LZ_OF = {np.dtype(np.float32): F32, np.dtype(np.float16): F16, np.dtype(np.int32): I32,
+          np.dtype(np.uint8): U8}
 UNSUPPORTED = 4  # LZ_ERR_UNSUPPORTED
 
 
@@ -102,6 +104,7 @@ _SIGS = {
     "lz_sq_norm": [T, ctypes.POINTER(_d)],
     "lz_adamw_step": [T, T, T, T, T, ctypes.POINTER(AdamwArgs)],
     "lz_lion_step": [T, T, T, T, ctypes.POINTER(LionArgs)],
+    "lz_adamw8bit_step": [T, T, T, T, T, T, T, ctypes.POINTER(AdamwArgs)],
 }
 
 try:

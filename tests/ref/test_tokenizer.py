@@ -7,17 +7,22 @@ special tokens, Unicode and odd whitespace with both `tokenizers` and luazero
 (tests/ref/tokenize.lua); the same for a Llama 3 kind of tokenizer.json (Split
 with Llama 3's pattern, ByteLevel without a regex, ignore_merges,
 TemplateProcessing); and for SentencePiece-style ones (Llama 2, Mistral,
-TinyLlama: a BPE with byte_fallback trained here, <0xNN> byte tokens added
-at ids 3..258 as in Llama 2's vocabulary) in eight layouts: Llama 2's
+TinyLlama, Phi-3: a BPE with byte_fallback trained here, <0xNN> byte tokens
+added at ids 3..258 as in Llama 2's vocabulary) in nine layouts: Llama 2's
 Prepend/Replace normalizer with its Replace/ByteFallback/Fuse/Strip decoder,
 Metaspace (first, always, never; split or not) with either decoder or none,
-unknown tokens fused or not without byte_fallback, normalized added tokens.
+unknown tokens fused or not without byte_fallback, normalized added tokens,
+Phi-3's added tokens that take the blanks beside them (lstrip, rstrip); then
+Qwen2's kind (an NFC normalizer, Split with Qwen2's pattern, ByteLevel) and
+Gemma's (its Replace normalizer and Split on " ", byte fallback, 256,000 ids)
+trained on the corpus and tests/fixtures/tokenizer/unicode_corpus.txt.
 Checks: identical ids, identical offsets (luazero's byte offsets read as the
 character tokenizers counts), decode round-trips and decode as tokenizers
 does with and without special tokens, bos and eos ids, the same ids from
 "a b" string merges as from [a, b] list merges, tools/prepare-data
---tokenizer writes the same ids, and an unsupported tokenizer.json or a
-vocabulary over 65536 is refused naming the field. Prints encoding MB/s of both.
+--tokenizer writes the same ids, and an unsupported tokenizer.json is refused
+naming the field; a vocabulary over 65536 writes token file version 2.
+Prints encoding MB/s of both.
 
 Without `tokenizers` (pip install tokenizers; tools/setup makes build/ref-venv)
 or without the corpus, prints a skip line and "0 passed, 0 failed": a skipped
@@ -59,6 +64,12 @@ def find_corpus():
 
 
 CORPUS = find_corpus()
+# Committed: NFD input, marks out of canonical order, singletons and
+# composition exclusions, Hangul (composed and as jamo), CJK, emoji (ZWJ,
+# flags, skin tones), whitespace runs, digits of several scripts.
+UNICODE = os.path.join(REPO, "tests", "fixtures", "tokenizer", "unicode_corpus.txt")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
@@ -80,6 +91,10 @@ TEXTS = {
     "lone_space": " ",
     "newlines_only": "\n\n\n",
     "metaspace_in_text": "a\u2581b \u2581 c\u2581\u2581 <s>\u2581</s>\u2581",
+    "phi3_turns": "<|system|>\nBe brief.<|end|>\n<|user|>\n  Hi\tthere <|end|>\n<|assistant|>\n"
+                  "Hello!<|end|>\n<|endoftext|>  x  <|system|> y\u3000<|end|>\u3000\n z<|user|>",
+    "gemma_turns": "<bos><start_of_turn>user\nHi  there<end_of_turn>\n<start_of_turn>model\n"
+                   "日本 😀<end_of_turn>\n<eos>",
 }
 
 
@@ -166,8 +181,18 @@ def check_sentencepiece(check, tk, tmp, texts, run_lua):
     def legacy(v):  # Llama 2, TinyLlama, Mistral v0.1: Prepend + Replace, no pre-tokenizer
         v.update(normalizer=LLAMA2_NORMALIZER, decoder=LLAMA2_DECODER, post_processor=LLAMA2_POST)
 
+    def phi3(v):  # Phi-3's control tokens take the blanks after them (rstrip); one, before too
+        legacy(v)
+        n = max(v["model"]["vocab"].values()) + 1
+        for k, (t, left, right) in enumerate([
+                ("<|endoftext|>", False, False), ("<|assistant|>", False, True), ("<|end|>", False, True),
+                ("<|user|>", False, True), ("<|system|>", True, True)]):
+            v["added_tokens"].append({"id": n + k, "content": t, "single_word": False, "lstrip": left,
+                                      "rstrip": right, "normalized": False, "special": True})
+
     variants = {
         "legacy": variant(legacy),
+        "phi3_strip": variant(phi3),
         "metaspace_first": variant(lambda v: v.update(pre_tokenizer=metaspace("first", False),
                                                       decoder=metaspace("first", False))),
         "metaspace_always_split": variant(lambda v: v.update(pre_tokenizer=metaspace("always", True),
@@ -223,6 +248,129 @@ def check_sentencepiece(check, tk, tmp, texts, run_lua):
                   f"in {lua['corpus'][2]['seconds']:.2f} s (one word: no pre-tokenizer)")
 
 
+def compare(check, prefix, hf, path, texts, run_lua, round_trip):
+    """ids, offsets and decoding (with and without special tokens) of luazero
+    against tokenizers for every text; round_trip: decoding gives the text back."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(path) if hf is None else hf
+    lua, err = run_lua(path, list(texts))
+    check(f"{prefix}.runs", lua is not None, err.strip()[-2000:])
+    if lua is None:
+        return None
+    for n, text in texts.items():
+        enc = tok.encode(text, add_special_tokens=False)
+        ids, decoded, _, starts, decoded_skip = lua[n]
+        detail = f"{len(ids)} tokens"
+        if ids != enc.ids:
+            k = next((i for i, (a, b) in enumerate(zip(ids, enc.ids)) if a != b),
+                     min(len(ids), len(enc.ids)))
+            detail = (f"first difference at token {k}: luazero {ids[k:k + 6]} tokenizers "
+                      f"{enc.ids[k:k + 6]} {enc.tokens[k:k + 6]}")
+        check(f"{prefix}.same_ids.{n}", ids == enc.ids, detail)
+        got = char_starts(text, starts)
+        want = [o[0] for o in enc.offsets]
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        check(f"{prefix}.offsets.{n}", got == want,
+              "" if k is None else f"token {k} {enc.tokens[k]!r}: luazero {got[k]} tokenizers {want[k]}")
+        want_dec = tok.decode(enc.ids, skip_special_tokens=False)
+        want_skip = tok.decode(enc.ids, skip_special_tokens=True)
+        check(f"{prefix}.decode.{n}", decoded == want_dec and decoded_skip == want_skip and
+              (not round_trip or decoded == text),
+              f"luazero {decoded[:50]!r} / {decoded_skip[:50]!r} tokenizers {want_dec[:50]!r} / "
+              f"{want_skip[:50]!r}")
+    return lua
+
+
+def check_qwen2(check, tmp, texts, run_lua):
+    """Qwen2's kind (Qwen2, Qwen2.5, Qwen3): an NFC normalizer, Split with
+    Qwen2's pattern then ByteLevel without a regex, a ByteLevel decoder and
+    post-processor, <|endoftext|> <|im_start|> <|im_end|>; trained here on the
+    corpus and the Unicode corpus, so merges cover composed characters."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
+    q = Tokenizer(models.BPE())
+    q.normalizer = normalizers.NFC()
+    q.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    q.decoder = decoders.ByteLevel()
+    q.post_processor = processors.ByteLevel(trim_offsets=False)
+    q.train([CORPUS, UNICODE], trainers.BpeTrainer(
+        vocab_size=1200, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    path = os.path.join(tmp, "tokenizer-qwen2.json")
+    q.save(path)
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    check("qwen2.layout", spec["normalizer"] == {"type": "NFC"} and
+          spec["pre_tokenizer"]["pretokenizers"][0]["pattern"] == {"Regex": QWEN2_PATTERN},
+          json.dumps(spec["pre_tokenizer"])[:300])
+    nfd = "e\u0301 A\u030a \u1100\u1161\u11a8"
+    check("qwen2.normalizes", q.encode(nfd).ids == q.encode("\u00e9 \u00c5 \uac01").ids,
+          "tokenizers does not compose NFD input: the test would prove nothing")
+    compare(check, "qwen2", q, path, texts, run_lua, round_trip=False)
+
+
+def gemma_spec(tk):
+    """Gemma's layout, 256k-shaped: <pad> <eos> <bos> <unk> <mask> at 0..4,
+    <start_of_turn> <end_of_turn> at 106 and 107 among <unusedN>, the 256
+    <0xNN> byte tokens at 217..472, and the pieces trained here at the top of
+    256,000 ids (past uint16); Gemma's normalizer (" " to "▁"), pre-tokenizer
+    (Split " ", MergedWithPrevious), decoder and post-processor."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    base = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never",
+                                                  split=True)
+    base.train([CORPUS, UNICODE], trainers.BpeTrainer(vocab_size=1500, special_tokens=["<unk>"],
+                                                      show_progress=False))
+    spec = json.loads(base.to_str())
+    learned = sorted(((t, i) for t, i in spec["model"]["vocab"].items() if t != "<unk>"),
+                     key=lambda kv: kv[1])
+    named = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>", 106: "<start_of_turn>",
+             107: "<end_of_turn>"}
+    vocab = {named.get(i, f"<unused{i}>"): i for i in range(217)}
+    vocab.update({f"<0x{b:02X}>": 217 + b for b in range(256)})
+    top = 256000 - len(learned)
+    vocab.update({f"<unused{i}>": i for i in range(473, top)})
+    vocab.update({t: top + k for k, (t, _) in enumerate(learned)})
+    spec["model"]["vocab"] = vocab
+    spec["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False,
+                             "rstrip": False, "normalized": False, "special": True}
+                            for i, t in sorted(named.items())]
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    spec["pre_tokenizer"] = {"type": "Split", "pattern": {"String": " "},
+                             "behavior": "MergedWithPrevious", "invert": False}
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": "<bos>", "type_id": 0}},
+                 {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": "<bos>", "type_id": 1}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [2], "tokens": ["<bos>"]}}}
+    return spec
+
+
+def check_gemma(check, tk, tmp, texts, run_lua):
+    """Gemma's kind (Gemma 1/2/3; Mistral's is the SentencePiece layout above)."""
+    spec = gemma_spec(tk)
+    path = os.path.join(tmp, "tokenizer-gemma.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    check("gemma.layout", len(spec["model"]["vocab"]) == 256000 and
+          max(spec["model"]["vocab"].values()) == 255999, f"{len(spec['model']['vocab'])} entries")
+    lua = compare(check, "gemma", None, path, texts, run_lua, round_trip=False)
+    if lua is not None:
+        ids = lua["unicode"][0]
+        stats = lua["gemma_turns"][2]
+        check("gemma.ids_past_uint16", max(ids) > 65535 and (stats["bos_id"], stats["eos_id"]) == (2, 1),
+              f"largest id {max(ids)}, bos_id {stats['bos_id']} eos_id {stats['eos_id']}")
+
+
 def preflight(check, why):
     """The start the suites that need the venv, the corpus and luazero share:
     a skip (exit code 0, counted as neither passed nor failed) when a package
@@ -253,7 +401,9 @@ def main():
 
     with open(CORPUS, encoding="utf-8") as f:
         corpus = f.read()
-    texts = dict(TEXTS, corpus=corpus)
+    with open(UNICODE, encoding="utf-8", newline="") as f:
+        unicode_corpus = f.read()
+    texts = dict(TEXTS, corpus=corpus, unicode=unicode_corpus)
 
     with tempfile.TemporaryDirectory() as tmp:
         hf = Tokenizer(models.BPE())
@@ -366,8 +516,8 @@ def main():
 
         refused("wordpiece", lambda j: j["model"].update(type="WordPiece"),
                 ["model.type", '"WordPiece"', '"BPE"'])
-        refused("normalizer", lambda j: j.update(normalizer={"type": "NFC"}),
-                ["normalizer", '"NFC"', "supported: null"])
+        refused("normalizer", lambda j: j.update(normalizer={"type": "NFKC"}),
+                ["normalizer", '"NFKC"', "supported: null", '"NFC"'])
         refused("pre_tokenizer", lambda j: j.update(pre_tokenizer={"type": "Whitespace"}),
                 ["pre_tokenizer", '"Whitespace"', '"ByteLevel"'])
         # A vocabulary past uint16 is no refusal: the token file is version 2
@@ -421,6 +571,8 @@ def main():
             for n, t in texts.items()))
 
         check_sentencepiece(check, tk, tmp, texts, run_lua)
+        check_qwen2(check, tmp, texts, run_lua)
+        check_gemma(check, tk, tmp, texts, run_lua)
 
         # Speed on the whole corpus: one encode call each (luazero: one thread;
         # tokenizers: encode of the whole string, and encode_batch of its lines on

@@ -148,7 +148,7 @@ function M.export(ck, out, dtype)
     out = out:gsub("/+$", "")
     local r = atomic.build_folder(out, FOLDER_FILES, function(f)
       local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
-      write_json(f.tmp .. "/config.json", hf.config_json(mcfg, dtype))
+      atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
       return { n, total }
     end)
     return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json")
@@ -274,7 +274,7 @@ function M.export_lora(ck, out, dtype, merge, base)
     end
     local out_list = merged(m, adapters, base)
     write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)
-    write_json(f.tmp .. "/config.json", hf.config_json(mcfg, dtype))
+    atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
     return #out_list
   end)
   if not merge then

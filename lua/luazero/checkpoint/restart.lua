@@ -83,6 +83,23 @@ end
 -- after optimizer step STEP (its metrics record written, before that step's
 -- save), on a first run only (LZ_RESTART unset): the restarted run goes on.
 local fault = os.getenv("LZ_FAULT_KILL")
+
+-- The hook's value checked at start-up against the job's `world` ranks: a
+-- malformed value, or a rank no process has, would never fire. (A restart,
+-- on fewer ranks perhaps, never fires it.)
+function M.check_fault(world)
+  if not fault or fault == "" or M.count() then return end
+  local r, s = fault:match("^(%d+):(%d+)$")
+  if not r then error(("LZ_FAULT_KILL=%s: must be RANK:STEP (e.g. 2:5)"):format(fault), 0) end
+  if tonumber(r) >= world then
+    error(("LZ_FAULT_KILL=%s: rank %s is outside this job's %d rank%s (0..%d); give a rank " ..
+           "below %d"):format(fault, r, world, world == 1 and "" or "s", world - 1, world), 0)
+  end
+  if tonumber(s) < 1 then
+    error(("LZ_FAULT_KILL=%s: step %s never ends; give a step of 1 or more"):format(fault, s), 0)
+  end
+end
+
 function M.fault_hook(rank, step)
   if not fault or fault == "" or M.count() then return end
   local r, s = fault:match("^(%d+):(%d+)$")

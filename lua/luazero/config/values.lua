@@ -85,6 +85,10 @@ local function read_json(path)
   local text, rerr = f:read("*a")
   f:close()
   if not text then fail("%s: cannot read it (%s)", path, tostring(rerr)) end
+  if text:sub(1, 3) == "\239\187\191" then
+    fail("%s: starts with a UTF-8 byte order mark (EF BB BF), which JSON does not allow; save " ..
+         "the file as UTF-8 without it", path)
+  end
   local ok, decoded = pcall(cjson.decode, text)
   if not ok then
     fail("%s: not valid JSON (%s)", path, tostring(decoded):gsub("^.-:%d+: ", ""))

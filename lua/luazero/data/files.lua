@@ -70,6 +70,49 @@ function M.open(path)
   return f, size
 end
 
+-- A data file's identity, for a checkpoint's data position: its size and
+-- the xxh64 of all of it when it holds at most WHOLE bytes, else of its
+-- first BLOCK and of SAMPLES blocks spread evenly to its end (a resume
+-- reads a long corpus in a moment, and an edit anywhere but between the
+-- samples is seen). "<size>:<hex>".
+local WHOLE, BLOCK, SAMPLES = 2 ^ 26, 2 ^ 16, 64
+function M.fingerprint(path)
+  local f, size = M.open(path)
+  local h = lz.hasher(0)
+  local ok, err = pcall(function()
+    local function take(at, n)
+      f:seek("set", at)
+      local bytes = f:read(n) or ""
+      h:update(bytes, #bytes)
+    end
+    if size <= WHOLE then
+      for at = 0, size - 1, CHUNK do take(at, CHUNK) end
+    else
+      take(0, BLOCK)
+      for i = 1, SAMPLES do take(math.floor((size - BLOCK) * i / SAMPLES), BLOCK) end
+    end
+  end)
+  f:close()
+  local sum = ok and require("bit").tohex(h:digest(), 16)
+  h:free()
+  if not ok then error(err, 0) end
+  return ("%d:%s"):format(size, sum)
+end
+
+-- Refuses data whose largest id `max_id` the model's vocabulary `vocab`
+-- cannot embed, suggesting the --vocab that can (or, past what --vocab
+-- takes, naming the file as not this tokenizer's); `more`: a further fix.
+function M.check_vocab(path, max_id, vocab, more)
+  if max_id < vocab then return end
+  if max_id + 1 > require("luazero.args").INT_MAX then
+    fail(path, ("token id %d is larger than any vocabulary (--vocab takes at most %d): the file " ..
+                "is damaged or not made with a tokenizer; re-create it with tools/prepare-data")
+               :format(max_id, require("luazero.args").INT_MAX))
+  end
+  fail(path, ("token id %d is not below the model's vocabulary %d; use --vocab %d or larger%s")
+             :format(max_id, vocab, max_id + 1, more or ""))
+end
+
 function M.looks_like_token_file(path, head)
   if path:match("%.bin$") or path:match("%.tok$") then return true end
   return head:find("\0", 1, true) ~= nil

@@ -29,6 +29,30 @@ local fail = files.fail
 -- A bad line: "data: FILE:LINE: what; fix".
 local function line_fail(path, line, msg) error(("data: %s:%d: %s"):format(path, line, msg), 0) end
 
+-- The byte where `text` stops being UTF-8 (1-based), or nil when it is
+-- (JSON text is UTF-8; Python's json and Hugging Face's datasets refuse
+-- what is not, where cjson would pass it through).
+local function bad_utf8_at(text)
+  if not text:find("[\128-\255]") then return nil end
+  local i, n = 1, #text
+  while i <= n do
+    local c = text:byte(i)
+    local len = c < 0x80 and 1 or (c >= 0xC2 and c <= 0xDF) and 2 or
+                (c >= 0xE0 and c <= 0xEF) and 3 or (c >= 0xF0 and c <= 0xF4) and 4 or nil
+    if not len or i + len - 1 > n then return i end
+    for k = i + 1, i + len - 1 do
+      local d = text:byte(k)
+      if d < 0x80 or d > 0xBF then return i end
+    end
+    local d = text:byte(i + 1)
+    if (c == 0xE0 and d < 0xA0) or (c == 0xED and d > 0x9F) or (c == 0xF0 and d < 0x90) or
+       (c == 0xF4 and d > 0x8F) then
+      return i -- overlong, a surrogate, or past U+10FFFF
+    end
+    i = i + len
+  end
+end
+
 --------------------------------------------------------------- growing C arrays
 
 pcall(ffi.cdef, "void *realloc(void *p, size_t n); void free(void *p);")
@@ -191,6 +215,15 @@ function M.tokenize_jsonl(path, opts)
   local ok, err = pcall(function()
     for text in f:lines() do
       line = line + 1
+      if line == 1 and text:sub(1, 3) == "\239\187\191" then
+        line_fail(path, 1, "starts with a UTF-8 byte order mark (EF BB BF), which JSON Lines " ..
+                  "does not allow; save the file as UTF-8 without it")
+      end
+      local bad = bad_utf8_at(text)
+      if bad then
+        line_fail(path, line, ("byte %d (0x%02X) is not UTF-8; save the file as UTF-8 or fix " ..
+                  "that line"):format(bad, text:byte(bad)))
+      end
       if text:find("%S") then
         local dok, obj = pcall(cjson.decode, text)
         if not dok then
@@ -337,6 +370,18 @@ function M.read(path, f, size, head)
   end
   for i = 0, n - 1 do
     if not bad and c.w[i] > 1 then bad = ("token %d's weight is %d, not 0 or 1"):format(i, c.w[i]) end
+  end
+  -- as a .jsonl is read: an example none of whose targets is trained (its
+  -- first token is no target) is refused
+  for i = 1, d do
+    if bad then break end
+    local trained = 0
+    for t = c.st[i - 1] + 1, c.st[i] - 1 do trained = trained + c.w[t] end
+    if trained == 0 then
+      bad = ("example %d (line %d of its .jsonl): no token is trained (%d tokens, all of " ..
+             "weight 0); give it a completion there or drop the line"):format(i, c.ln[i - 1],
+             c.st[i] - c.st[i - 1])
+    end
   end
   if bad then
     M.free(c)

@@ -45,11 +45,8 @@ end
 
 local function check(c, opts)
   local path, T = c.path, opts.T
-  if c.max_id >= opts.vocab then
-    fail(path, ("token id %d is not below the model's vocabulary %d; use --vocab %d or " ..
-                "larger, or prepare the data with the model's tokenizer")
-         :format(c.max_id, opts.vocab, c.max_id + 1))
-  end
+  require("luazero.data.files").check_vocab(path, c.max_id, opts.vocab,
+                                            ", or prepare the data with the model's tokenizer")
   for d = 0, c.docs - 1 do
     local len = c.st[d + 1] - c.st[d]
     if len > T then

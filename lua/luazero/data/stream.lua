@@ -29,10 +29,7 @@ end
 function M.loader(data, opts)
   local B, T = opts.B, opts.T
   local path = data.path
-  if data.max_id >= opts.vocab then
-    fail(path, ("token id %d is not below the model's vocabulary %d; use --vocab %d or " ..
-                "larger"):format(data.max_id, opts.vocab, data.max_id + 1))
-  end
+  require("luazero.data.files").check_vocab(path, data.max_id, opts.vocab)
   local n = data.count
   local n_val = math.floor(n * (opts.val_fraction or 0.1))
   local n_train = n - n_val

@@ -149,8 +149,13 @@ function M.open(path, total)
                         high = 0 }, Writer)
 end
 
+-- Set once a write of an output failed (a full disk, a quota): a tool's
+-- error is then the run's failure, exit status 1, not its input's.
+M.write_failed = false
+
 function Writer:fail(errno)
   local path, written, total = self.path, self.high, self.total
+  M.write_failed = true
   self:abort()
   error(("%s: writing failed after %d%s bytes (%s); nothing was written there: free space " ..
          "or write elsewhere"):format(path, written, total and (" of " .. total) or "",
@@ -182,6 +187,7 @@ function Writer:commit()
   if C.close(fd) ~= 0 and not err then err = ffi.errno() end
   if err then
     self.fd = -1
+    M.write_failed = true
     C.unlink(self.tmp)
     error(("%s: writing failed after %d%s bytes (%s); nothing was written there: free space " ..
            "or write elsewhere"):format(self.path, self.high,

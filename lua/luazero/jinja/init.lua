@@ -8,14 +8,18 @@
 --   local t = jinja.compile(source)            -- errors name the construct
 --   local text = jinja.render(t, { messages = {...}, bos_token = "<s>" })
 --
--- Statements: for (with else, a loop filter "if", tuple targets), if / elif /
--- else, set (a name or namespace.attr). Expressions: literals (strings with
--- Python escapes, numbers, true/false/none, lists, dicts), names, .attr,
--- [index], [a:b:c] slices, calls, filters, tests (is [not] defined/none/...),
--- not/and/or, comparisons, in / not in, + - * / // % ~, x if c else y.
--- Values: Lua strings, numbers, booleans, tables (a list when t[1] ~= nil or
--- empty, else a dict); jinja.NONE is Python's None, a missing value renders
--- as "". Errors are strings without a prefix; the caller names the file.
+-- Statements: for (with else, a loop filter "if", tuple targets, break and
+-- continue), if / elif / else, set (a name or namespace.attr), generation
+-- (transformers' assistant-mask block: its body as it is). Expressions:
+-- literals (strings with Python escapes, numbers, true/false/none, lists,
+-- dicts), names, .attr, [index], [a:b:c] slices, calls, filters, tests (is
+-- [not] defined/none/...), not/and/or, comparisons, in / not in,
+-- + - * / // % ~, x if c else y. Globals: range, namespace, raise_exception,
+-- strftime_now. Values: Lua strings, numbers, booleans, tables (a list when
+-- t[1] ~= nil or empty, else a dict; a dict in values.ORDER keeps its key
+-- order, as jinja/json.lua reads JSON); jinja.NONE is Python's None, a
+-- missing value renders as "". Errors are strings without a prefix; the
+-- caller names the file.
 local values = require("luazero.jinja.values")
 local lex = require("luazero.jinja.lexer").lex
 local parse = require("luazero.jinja.parser").parse
@@ -31,7 +35,7 @@ local TESTS, FILTERS, SEQ_FILTERS, GLOBALS = values.TESTS, values.FILTERS, value
                                              values.GLOBALS
 local DICT_METHODS = values.DICT_METHODS
 local concat = table.concat
-M.NONE, M.UNDEF = NONE, UNDEF
+M.NONE, M.UNDEF, M.ORDER = NONE, UNDEF, values.ORDER
 
 function M.compile(src)
   if type(src) ~= "string" then fail("the template is not a string") end
@@ -99,11 +103,11 @@ function eval(e, scope)
     if SEQ_FILTERS[e[2]] then
       return SEQ_FILTERS[e[2]](eval(e[3], scope), eval_args(e[4], scope), eval_kwargs(e[5], scope))
     end
-    local f = FILTERS[e[2]]
-    if not f then fail(("the filter |%s is not supported"):format(e[2])) end
     local args = eval_args(e[4], scope)
     local kw = eval_kwargs(e[5], scope)
-    if e[2] == "tojson" and kw.indent then args[1] = kw.indent end
+    if e[2] == "tojson" then return values.tojson(eval(e[3], scope), args, kw) end
+    local f = FILTERS[e[2]]
+    if not f then fail(("the filter |%s is not supported"):format(e[2])) end
     if (e[2] == "default" or e[2] == "d") and kw.boolean ~= nil then args[2] = kw.boolean end
     return f(eval(e[3], scope), unpack(args))
   elseif k == "test" then
@@ -129,8 +133,13 @@ function eval(e, scope)
   elseif k == "neg" then return -number(eval(e[2], scope), "'-'")
   elseif k == "list" then return eval_args(e[2], scope)
   elseif k == "dict" then
-    local out = {}
-    for i, ke in ipairs(e[2]) do out[eval(ke, scope)] = eval(e[3][i], scope) end
+    local out, keys = {}, {}
+    for i, ke in ipairs(e[2]) do
+      local key = eval(ke, scope)
+      if out[key] == nil then keys[#keys + 1] = key end
+      out[key] = eval(e[3][i], scope)
+    end
+    values.ORDER[out] = keys -- Python's dicts keep the order they were written in
     return out
   end
   error("jinja: unknown node " .. tostring(k))
@@ -155,17 +164,24 @@ local function assign(target, value, scope)
   end
 end
 
+-- Runs statements; returns "break" or "continue" when one of them is met.
 function exec(list, scope, out)
   for _, s in ipairs(list) do
     local k = s[1]
-    if k == "text" then
+    if k == "break" or k == "continue" then
+      return k
+    elseif k == "block" then
+      local signal = exec(s[2], scope, out)
+      if signal then return signal end
+    elseif k == "text" then
       out[#out + 1] = s[2]
     elseif k == "out" then
       out[#out + 1] = str(eval(s[2], scope))
     elseif k == "if" then
       for _, branch in ipairs(s[2]) do
         if truthy(eval(branch[1], scope)) then
-          exec(branch[2], scope, out)
+          local signal = exec(branch[2], scope, out)
+          if signal then return signal end
           break
         end
       end
@@ -199,7 +215,7 @@ function exec(list, scope, out)
                             first = i == 1, last = i == n, length = n,
                             previtem = i > 1 and items[i - 1] or UNDEF,
                             nextitem = i < n and items[i + 1] or UNDEF }
-        exec(s[5], inner, out)
+        if exec(s[5], inner, out) == "break" then break end
       end
       if n == 0 and s[6] then exec(s[6], scope, out) end
     end
@@ -212,6 +228,11 @@ function M.render(template, vars)
   for k, v in pairs(GLOBALS) do globals.vars[k] = v end
   globals.vars.raise_exception = { __callable = function(args)
     fail("raise_exception: " .. str(args[1]))
+  end }
+  -- transformers' strftime_now(format): the local time now (Llama 3.1's date)
+  globals.vars.strftime_now = { __callable = function(args)
+    if type(args[1]) ~= "string" then fail("strftime_now(format) needs a format string") end
+    return os.date(args[1])
   end }
   local scope = { vars = {}, parent = globals }
   for k, v in pairs(vars or {}) do scope.vars[k] = v end

@@ -239,8 +239,7 @@ end
 
 local UNSUPPORTED = { macro = true, call = true, filter = true, raw = true, include = true,
                       import = true, from = true, extends = true, block = true, with = true,
-                      generation = true, autoescape = true, ["do"] = true, ["break"] = true,
-                      continue = true }
+                      autoescape = true, ["do"] = true }
 
 -- Parses the pieces from lex into a tree of statements.
 local function parse(pieces)
@@ -249,6 +248,7 @@ local function parse(pieces)
     return setmetatable({ toks = piece[2], i = 1, where = "a tag" }, Parser)
   end
   local body
+  local loops = 0 -- how many {% for %} bodies enclose the statement being parsed
   -- Statements until one of the keywords in stop; returns the list and the keyword.
   function body(stop)
     local list = {}
@@ -302,13 +302,22 @@ local function parse(pieces)
           if p:accept("name", "if") then filter = p:expression() end
           if p:accept("name", "recursive") then fail("{% for ... recursive %} is not supported") end
           p:done()
+          loops = loops + 1
           local stmts, ended, q = body({ "endfor", "else" })
+          loops = loops - 1
           q:done()
           local otherwise
           if ended == "else" then
             otherwise = body({ "endfor" })
           end
           list[#list + 1] = { "for", target, iter, filter, stmts, otherwise }
+        elseif kw == "generation" then
+          -- transformers' AssistantTracker: the body renders as it is (the
+          -- assistant mask transformers records from it, spans do here)
+          p:done()
+          local stmts, _, q = body({ "endgeneration" })
+          q:done()
+          list[#list + 1] = { "block", stmts }
         elseif kw == "set" then
           local target = p:target()
           if not p:accept("op", "=") then
@@ -317,6 +326,10 @@ local function parse(pieces)
           local e = p:expression()
           p:done()
           list[#list + 1] = { "set", target, e }
+        elseif kw == "break" or kw == "continue" then -- transformers loads loopcontrols
+          if loops == 0 then fail(("{%% %s %%} outside a {%% for %%}"):format(kw)) end
+          p:done()
+          list[#list + 1] = { kw }
         elseif UNSUPPORTED[kw] then
           fail(("{%% %s %%} is not supported"):format(kw))
         else

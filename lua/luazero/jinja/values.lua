@@ -8,6 +8,10 @@ local V = {}
 
 local NONE = setmetatable({}, { __tostring = function() return "None" end })
 local UNDEF = setmetatable({}, { __tostring = function() return "" end })
+-- ORDER[t]: the keys of a dict in the order they were written (jinja/json.lua
+-- records it; a dict without one iterates in sorted key order). A table in
+-- ORDER is a dict even when empty.
+local ORDER = setmetatable({}, { __mode = "k" })
 
 local function fail(msg) error(msg, 0) end
 
@@ -57,7 +61,26 @@ local function strip(s, set, left, right)
   return concat(cs, "", i, j)
 end
 
-local function is_list(t) return type(t) == "table" and (t[1] ~= nil or next(t) == nil) end
+local function is_list(t)
+  return type(t) == "table" and not ORDER[t] and (t[1] ~= nil or next(t) == nil)
+end
+
+local function by_name(a, b) return tostring(a) < tostring(b) end
+
+-- The keys of dict d: in their written order, then any others sorted.
+local function keys_of(d)
+  local out, seen = {}, {}
+  for _, k in ipairs(ORDER[d] or {}) do
+    if d[k] ~= nil and not seen[k] then out[#out + 1], seen[k] = k, true end
+  end
+  local rest = {}
+  for k in pairs(d) do
+    if not seen[k] and k ~= "__namespace" then rest[#rest + 1] = k end
+  end
+  table.sort(rest, by_name)
+  for _, k in ipairs(rest) do out[#out + 1] = k end
+  return out
+end
 
 local repr
 
@@ -85,10 +108,7 @@ function repr(v)
     for i = 1, #v do parts[i] = repr(v[i]) end
     return "[" .. concat(parts, ", ") .. "]"
   end
-  local keys = {}
-  for k in pairs(v) do keys[#keys + 1] = k end
-  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
-  for i, k in ipairs(keys) do parts[i] = repr(k) .. ": " .. repr(v[k]) end
+  for i, k in ipairs(keys_of(v)) do parts[i] = repr(k) .. ": " .. repr(v[k]) end
   return "{" .. concat(parts, ", ") .. "}"
 end
 
@@ -198,26 +218,14 @@ local STRING_METHODS = {
 
 local DICT_METHODS = {
   items = function(d)
-    local keys, out = {}, {}
-    for k in pairs(d) do keys[#keys + 1] = k end
-    table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
-    for i, k in ipairs(keys) do out[i] = { k, d[k] } end
-    return out
-  end,
-  keys = function(d)
     local out = {}
-    for k in pairs(d) do out[#out + 1] = k end
-    table.sort(out, function(a, b) return tostring(a) < tostring(b) end)
+    for i, k in ipairs(keys_of(d)) do out[i] = { k, d[k] } end
     return out
   end,
+  keys = function(d) return keys_of(d) end,
   values = function(d)
     local out = {}
-    for _, kv in ipairs((function()
-      local keys = {}
-      for k in pairs(d) do keys[#keys + 1] = k end
-      table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
-      return keys
-    end)()) do out[#out + 1] = d[kv] end
+    for i, k in ipairs(keys_of(d)) do out[i] = d[k] end
     return out
   end,
   get = function(d, k, default)
@@ -249,11 +257,21 @@ end
 local function equal(a, b)
   if a == b then return true end
   if (a == NONE or a == cjson.null) and (b == NONE or b == cjson.null) then return true end
-  if type(a) == "table" and type(b) == "table" and is_list(a) and is_list(b) and #a == #b then
+  if type(a) ~= "table" or type(b) ~= "table" or a == NONE or b == NONE or a == UNDEF or
+     b == UNDEF then
+    return false
+  end
+  local la, lb = is_list(a), is_list(b)
+  if la and lb and #a == #b then
     for i = 1, #a do if not equal(a[i], b[i]) then return false end end
     return true
   end
-  return false
+  if la or lb then return false end
+  -- dicts, as Python compares them: the same keys, equal values (Mistral's
+  -- template finds the last user message by ==)
+  for k, v in pairs(a) do if b[k] == nil or not equal(v, b[k]) then return false end end
+  for k in pairs(b) do if a[k] == nil then return false end end
+  return true
 end
 
 local function contains(container, item)
@@ -333,43 +351,95 @@ local TESTS = {
   le = function(a, b) return compare("<=", a, b) end, ge = function(a, b) return compare(">=", a, b) end,
 }
 
--- A string as jinja2's tojson writes it: json.dumps (ASCII only, \uXXXX and
--- surrogate pairs beyond) with <, >, & and ' escaped for HTML.
+-- A string as Python's json.dumps writes it: with ensure_ascii (jinja2's
+-- own tojson) every non-ASCII character as \uXXXX (surrogate pairs beyond),
+-- without it (transformers' tojson) as UTF-8; html: jinja2's <, >, & and '
+-- escapes.
+local JSON_ESC = { ['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t",
+                   ["\b"] = "\\b", ["\f"] = "\\f" }
 local HTML_SAFE = { ["<"] = "\\u003c", [">"] = "\\u003e", ["&"] = "\\u0026", ["'"] = "\\u0027" }
-local function json_string(v)
-  local s = cjson.encode(v):gsub("\\/", "/"):gsub("[<>&']", HTML_SAFE)
-  return (s:gsub("[\xC0-\xF7][\x80-\xBF]*", function(c)
-    local b, cp = byte(c), 0
-    local l = char_len(b)
-    cp = b % (l == 2 and 32 or l == 3 and 16 or 8)
-    for i = 2, #c do cp = cp * 64 + byte(c, i) % 64 end
-    if cp < 0x10000 then return ("\\u%04x"):format(cp) end
-    cp = cp - 0x10000
-    return ("\\u%04x\\u%04x"):format(0xD800 + math.floor(cp / 1024), 0xDC00 + cp % 1024)
-  end))
+local function json_string(v, ascii, html)
+  local s = v:gsub('[%z\1-\31"\\]', function(c) return JSON_ESC[c] or ("\\u%04x"):format(byte(c)) end)
+  if html then s = s:gsub("[<>&']", HTML_SAFE) end
+  if ascii then
+    s = s:gsub("[\xC0-\xF7][\x80-\xBF]*", function(c)
+      local b, cp = byte(c), 0
+      local l = char_len(b)
+      cp = b % (l == 2 and 32 or l == 3 and 16 or 8)
+      for i = 2, #c do cp = cp * 64 + byte(c, i) % 64 end
+      if cp < 0x10000 then return ("\\u%04x"):format(cp) end
+      cp = cp - 0x10000
+      return ("\\u%04x\\u%04x"):format(0xD800 + math.floor(cp / 1024), 0xDC00 + cp % 1024)
+    end)
+  end
+  return '"' .. s .. '"'
 end
 
-local function to_json(v, indent, level)
+-- A number as Python writes it: an integer without a point, else the
+-- shortest text that reads back the same.
+local function json_number(v)
+  if v ~= v then return "NaN" end
+  if v == math.huge then return "Infinity" elseif v == -math.huge then return "-Infinity" end
+  if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
+  for digits = 15, 17 do
+    local t = ("%." .. digits .. "g"):format(v)
+    if tonumber(t) == v then return t end
+  end
+end
+
+-- json.dumps(v, ensure_ascii, indent, separators, sort_keys) as Python
+-- writes it (opts: ascii, html, indent, item_sep, key_sep, sort).
+local function to_json(v, opts, level)
   level = level or 0
   if v == NONE or v == UNDEF or v == nil or v == cjson.null then return "null" end
-  if type(v) ~= "table" then
-    if type(v) == "string" then return json_string(v) end
-    return cjson.encode(v)
-  end
+  if type(v) == "boolean" then return v and "true" or "false" end
+  if type(v) == "number" then return json_number(v) end
+  if type(v) == "string" then return json_string(v, opts.ascii, opts.html) end
+  if type(v) ~= "table" then fail(("tojson: %s is not JSON"):format(repr(v))) end
+  local indent = opts.indent
   local pad = indent and ("\n" .. (" "):rep(indent * (level + 1))) or ""
   local close = indent and ("\n" .. (" "):rep(indent * level)) or ""
-  local sep = indent and "," or ", "
   local parts = {}
   if is_list(v) then
     if #v == 0 then return "[]" end
-    for i = 1, #v do parts[i] = pad .. to_json(v[i], indent, level + 1) end
-    return "[" .. concat(parts, sep) .. close .. "]"
+    for i = 1, #v do parts[i] = pad .. to_json(v[i], opts, level + 1) end
+    return "[" .. concat(parts, opts.item_sep) .. close .. "]"
   end
-  local keys = {}
-  for k in pairs(v) do keys[#keys + 1] = k end
-  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
-  for i, k in ipairs(keys) do parts[i] = pad .. to_json(tostring(k)) .. ": " .. to_json(v[k], indent, level + 1) end
-  return "{" .. concat(parts, sep) .. close .. "}"
+  local keys = keys_of(v)
+  if #keys == 0 then return "{}" end
+  if opts.sort then table.sort(keys, by_name) end
+  for i, k in ipairs(keys) do
+    parts[i] = pad .. json_string(tostring(k), opts.ascii, opts.html) .. opts.key_sep ..
+               to_json(v[k], opts, level + 1)
+  end
+  return "{" .. concat(parts, opts.item_sep) .. close .. "}"
+end
+
+-- The tojson filter of transformers' renderer (4.43 and later, 5.x):
+-- json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+-- sort_keys=False): keys in their written order, UTF-8 kept, no HTML escapes.
+local function tojson(v, args, kw)
+  local indent = kw.indent
+  if indent == nil then indent = args[1] end
+  if indent == NONE then indent = nil end
+  if indent ~= nil and type(indent) ~= "number" then
+    fail(("tojson: indent %s is not supported; give a number"):format(repr(indent)))
+  end
+  local ascii = kw.ensure_ascii
+  if ascii == nil then ascii = args[2] end
+  local seps = kw.separators
+  if seps == nil then seps = args[3] end
+  local sort = kw.sort_keys
+  if sort == nil then sort = args[4] end
+  local opts = { ascii = truthy(ascii), indent = indent, sort = truthy(sort),
+                 item_sep = indent and "," or ", ", key_sep = ": " }
+  if seps ~= nil and seps ~= NONE then
+    if type(seps) ~= "table" or #seps ~= 2 or type(seps[1]) ~= "string" or type(seps[2]) ~= "string" then
+      fail(("tojson: separators %s must be two strings"):format(repr(seps)))
+    end
+    opts.item_sep, opts.key_sep = seps[1], seps[2]
+  end
+  return to_json(v, opts)
 end
 
 local FILTERS = {
@@ -403,7 +473,6 @@ local FILTERS = {
     return concat(parts, sep or "")
   end,
   replace = function(v, a, b) return STRING_METHODS.replace(str(v), a, b) end,
-  tojson = function(v, indent) return to_json(v, type(indent) == "number" and indent or nil) end,
   items = function(v) return DICT_METHODS.items(v) end,
 }
 FILTERS.d = FILTERS.default
@@ -466,10 +535,21 @@ local SEQ_FILTERS = {
   end,
 }
 
+local MAX_RANGE = 100000 -- jinja2.sandbox.MAX_RANGE
+
 local GLOBALS = {
   range = { __callable = function(args)
     local a, b, c = args[1], args[2], args[3] or 1
     if b == nil then a, b = 0, a end
+    if c == 0 then fail("range() step must not be zero") end
+    -- jinja2's sandbox, which transformers renders templates in, caps a
+    -- range at MAX_RANGE items: the same template fails there too
+    local n = math.max(0, math.ceil((b - a) / c))
+    if n > MAX_RANGE then
+      fail(("range(%s, %s, %s) would make %d items, more than the %d jinja2's sandbox allows " ..
+            "a template; make the template's range smaller"):format(str(a), str(b), str(c), n,
+            MAX_RANGE))
+    end
     local out, i = {}, a
     while (c > 0 and i < b) or (c < 0 and i > b) do out[#out + 1] = i; i = i + c end
     return out
@@ -481,7 +561,7 @@ local GLOBALS = {
   end },
 }
 
-V.NONE, V.UNDEF, V.fail = NONE, UNDEF, fail
+V.NONE, V.UNDEF, V.ORDER, V.fail, V.keys_of, V.tojson = NONE, UNDEF, ORDER, fail, keys_of, tojson
 V.chars, V.strip, V.str, V.repr, V.truthy, V.length, V.is_list = chars, strip, str, repr, truthy, length, is_list
 V.python_slice, V.getitem, V.getattr, V.arith, V.compare, V.contains, V.number =
   python_slice, getitem, getattr, arith, compare, contains, number

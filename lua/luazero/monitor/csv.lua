@@ -39,7 +39,10 @@ function Csv:file(tag)
   if not f then return nil, ("%s: %s"):format(path, err) end
   if f.size == 0 then
     local ok, werr = f:write(("step,%s\n"):format(tag:match("([^/]*)$")))
-    if not ok then return nil, ("%s: %s"):format(path, werr) end
+    if not ok then
+      f:discard()
+      return nil, ("%s: %s"):format(path, werr)
+    end
   end
   self.files[tag] = f
   return f

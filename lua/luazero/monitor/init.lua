@@ -11,6 +11,7 @@
 --   mon:close()
 local lz = require("luazero")
 local atomic = require("luazero.io.atomic")
+local fs = require("luazero.io.fs")
 
 local M = {
   tensorboard = require("luazero.monitor.tensorboard"),
@@ -53,6 +54,28 @@ function M.folder(block)
   return (block.output_path:gsub("/+$", "")) .. "/" .. block.job_name
 end
 
+-- The files the monitors of cfg write, for io/paths.lua: { what, path,
+-- names (a folder: the names made in it) }.
+function M.files(cfg)
+  local out = {}
+  local tb, csv_block = cfg.monitor.tensorboard, cfg.monitor.csv_monitor
+  if tb.enabled then
+    out[#out + 1] = { what = "tensorboard", path = M.folder(tb),
+                      names = { "^events%.out%.tfevents%." } }
+  end
+  if csv_block.enabled then
+    local names = {}
+    for _, t in ipairs(M.tags) do
+      names[#names + 1] = "^" .. M.csv.file_name(t[1]):gsub("%p", "%%%0") .. "$"
+    end
+    out[#out + 1] = { what = "csv_monitor", path = M.folder(csv_block), names = names }
+  end
+  if cfg.flops_profiler.enabled and cfg.flops_profiler.output_file then
+    out[#out + 1] = { what = "flops_profiler.output_file", path = cfg.flops_profiler.output_file }
+  end
+  return out
+end
+
 local Monitor = {}
 Monitor.__index = Monitor
 
@@ -71,6 +94,17 @@ local function open_writers(self, cfg)
         w, err = M.tensorboard.open(dir)
       else
         w = M.csv.open(dir)
+        -- a resumed run continues its files; a new one says whose rows it joins
+        local there = {}
+        for _, t in ipairs(M.tags) do
+          local name = M.csv.file_name(t[1])
+          if not self.resumed and fs.exists(dir .. "/" .. name) then there[#there + 1] = name end
+        end
+        if #there > 0 then
+          print(("csv_monitor: %s holds an earlier run's files (%s%s); this run appends its rows " ..
+                 "to them: give csv_monitor another job_name to keep the runs apart")
+                :format(dir, there[1], #there > 1 and (" and " .. (#there - 1) .. " more") or ""))
+        end
       end
       if not w then error(("%s: %s; point %s.output_path at a writable folder")
                           :format(kind, err, kind), 0) end
@@ -80,11 +114,12 @@ local function open_writers(self, cfg)
 end
 
 -- o: engine, model, cfg (the normalised config), rank, B, T (the
--- micro-batch). Only rank 0 writes files and prints the profile.
+-- micro-batch), resumed (a run that continues its monitors' files). Only
+-- rank 0 writes files and prints the profile.
 function M.start(o)
   local cfg = o.cfg
   local self = setmetatable({ rank = o.rank or 0, samples = cfg.train_batch_size, writers = {},
-                              fp = cfg.flops_profiler }, Monitor)
+                              fp = cfg.flops_profiler, resumed = o.resumed }, Monitor)
   if cfg.wall_clock_breakdown then self.breakdown = M.breakdown.attach(o.engine) end
   if self.fp.enabled then
     self.flops = M.flops.attach(o.model, self.fp, { B = o.B, T = o.T,

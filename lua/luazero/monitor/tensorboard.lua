@@ -118,15 +118,22 @@ function M.open(dir, wall_time)
                                                            hostname(), tonumber(ffi.C.getpid()))
   local f, err = jsonl.open(path, { append = true })
   if not f then return nil, ("%s: %s"):format(path, err) end
-  local self = setmetatable({ f = f, path = path }, Writer)
-  local ok, werr = self:put(M.event(wall_time, 0, { file_version = "brain.Event:2" }))
-  if not ok then return nil, werr end
-  return self
+  -- The file_version event goes out with the first scalars: a full disk
+  -- then fails the step like --log does (exit 1), not the start.
+  return setmetatable({ f = f, path = path,
+                        head = M.record(M.event(wall_time, 0, { file_version = "brain.Event:2" })) },
+                      Writer)
 end
 
+-- A failed first write removes the file this writer made: no empty
+-- events file is left behind.
 function Writer:put(data)
-  local ok, err = self.f:write(M.record(data))
-  if not ok then return nil, ("%s: %s"):format(self.path, err) end
+  local ok, err = self.f:write((self.head or "") .. M.record(data))
+  if not ok then
+    if self.f.size == 0 then self.f:discard() end
+    return nil, ("%s: %s"):format(self.path, err)
+  end
+  self.head = nil
   return true
 end
 
@@ -135,6 +142,10 @@ function Writer:scalars(step, scalars, wall_time)
   return self:put(M.event(wall_time or M.wall_time(), step, { scalars = scalars }))
 end
 
-function Writer:close() self.f:close() end
+-- A run without a step still leaves a valid events file (its header).
+function Writer:close()
+  if self.head and self.f:write(self.head) then self.head = nil end
+  if self.head then self.f:discard() else self.f:close() end
+end
 
 return M

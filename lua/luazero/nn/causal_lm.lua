@@ -7,13 +7,17 @@
 --   names       Hugging Face's module names: body (the module holding the
 --               embedding, blocks and norm), embedding (false: its tables
 --               sit in the body's namespace), blocks, norm, head, and
---               block = { attn_norm, attn, mlp_norm, mlp } (nn/block.lua)
+--               block = { attn_norm, attn, mlp_norm, mlp } (nn/block.lua), and
+--               attn_post_norm, mlp_post_norm where a block norms its branches'
+--               outputs too (each a desc.norm)
 --   shared(cfg)         what every block shares (each with a free method), or nil
 --   embedding(cfg)      the embedding; its token_key names the token table
 --   norm(cfg)           the norm before each branch and after the blocks
 --   attention(cfg, shared, i), mlp(cfg, i)   the branches of block i (1-based):
 --               a family whose layers differ (a window on some) reads i
 --   head(cfg)           an untied LM head (a Linear), or nil: tied to the token table
+--   final_softcap(cfg)  the cap c of soft-capped logits, c tanh(logits / c), in
+--               the loss and in generation, or nil: none (optional)
 --   lora_targets        where LoRA adapters may go (models/lora.lua)
 --   cache_refill_at(cfg)  a length at which generation recomputes a row's
 --               cached keys and values in full (lua/luazero/generate.lua), or nil
@@ -45,6 +49,7 @@ end
 function CausalLM.new(cls, desc, cfg)
   local self = setmetatable({}, cls):init()
   self.cfg, self.lora_targets = cfg, desc.lora_targets
+  self.final_softcap = desc.final_softcap and desc.final_softcap(cfg)
   self.cache_refill_at = desc.cache_refill_at and desc.cache_refill_at(cfg)
   local names = desc.names
   self.shared = desc.shared and desc.shared(cfg) or {}
@@ -55,8 +60,12 @@ function CausalLM.new(cls, desc, cfg)
   for i = 1, cfg.n_layer do
     blocks[i] = Block.new({ attn_norm = { bn.attn_norm, desc.norm(cfg) },
                             attn = { bn.attn, desc.attention(cfg, self.shared, i) },
+                            attn_post_norm = bn.attn_post_norm and
+                                             { bn.attn_post_norm, desc.norm(cfg) },
                             mlp_norm = { bn.mlp_norm, desc.norm(cfg) },
-                            mlp = { bn.mlp, desc.mlp(cfg, i) } })
+                            mlp = { bn.mlp, desc.mlp(cfg, i) },
+                            mlp_post_norm = bn.mlp_post_norm and
+                                            { bn.mlp_post_norm, desc.norm(cfg) } })
   end
   body:add(names.blocks, Sequential.new(blocks))
   local norm = body:add(names.norm, desc.norm(cfg))
@@ -115,6 +124,7 @@ end
 
 function CausalLM:free()
   Model.free(self)
+  if self.kept_logits then self.kept_logits:free(); self.kept_logits = nil end
   LoRA.free_workspaces(self)
   for _, s in pairs(self.shared) do s:free() end
 end
@@ -165,7 +175,7 @@ function CausalLM:forward(tokens, targets, extra)
   -- What the embedding and attention layers read, in forward and in the
   -- replays of activation checkpointing; valid until the next forward.
   self.ctx.extra = extra
-  local logits = self:forward_layers(tokens)
+  local logits = self:capped(self:forward_layers(tokens))
   self.logits, self.targets, self.target_count = logits, targets, count
   if not targets then return nil, logits end
   local losses = self.ctx.arena:tensor({ B, T })
@@ -174,10 +184,20 @@ function CausalLM:forward(tokens, targets, extra)
   return self:host_sum(losses) / count, logits
 end
 
+-- The head's logits soft-capped in place where the family caps them:
+-- backward's cross-entropy carries its gradient through the cap.
+function CausalLM:capped(logits)
+  if self.final_softcap then ops.softcap_forward(logits, logits, self.final_softcap) end
+  return logits
+end
+
 -- Accumulates d(scale * mean loss)/d(params) into the flat gradient buffer.
 -- With gradient accumulation over n micro-steps, scale is 1/n. The mean is
 -- over the micro-batch's counted targets: a micro-batch with none adds 0.
-function CausalLM:backward(scale)
+-- extra_term(dlogits, logits, dloss), when given, adds a script's own loss
+-- term's gradient (times dloss, the cross-entropy's per-position factor);
+-- it sees a copy of the logits, since their gradient overwrites them.
+function CausalLM:backward(scale, extra_term)
   local logits, targets = self.logits, self.targets
   assert(targets, "model: backward needs a forward with targets")
   local count = self.target_count
@@ -189,7 +209,26 @@ function CausalLM:backward(scale)
   if ctx.cast_dtype == "bf16" and ctx.cast_arena then
     dlogits = ctx.cast_arena:tensor(logits:sizes(), "bf16")
   end
-  ops.cross_entropy_backward(dlogits, logits, targets, self.cfg.vocab, dloss)
+  local kept
+  if extra_term then
+    if self.final_softcap then
+      error("backward: a loss term of the script's own on a model whose logits are " ..
+            "soft-capped (final_logit_softcapping) is not supported; drop the term or the cap", 0)
+    end
+    if self.kept_logits and self.kept_logits:numel() < logits:numel() then
+      self.kept_logits:free(); self.kept_logits = nil
+    end
+    self.kept_logits = self.kept_logits or lz.tensor(logits:sizes(), "f32", "workspace",
+                                                     logits:device_name())
+    kept = self.kept_logits:view(0, logits:sizes()):copy(logits)
+  end
+  if self.final_softcap then
+    ops.cross_entropy_softcap_backward(dlogits, logits, targets, self.cfg.vocab, dloss,
+                                       self.final_softcap)
+  else
+    ops.cross_entropy_backward(dlogits, logits, targets, self.cfg.vocab, dloss)
+  end
+  if kept then extra_term(dlogits, kept, dloss) end
   self:backward_layers(dlogits)
 end
 
@@ -229,15 +268,9 @@ function CausalLM:forward_cached(tokens, cache)
   end
   self:begin_forward(B, T)
   local x = self:embed_cached(tokens, cache)
-  for i, blk in ipairs(self.layers.blocks) do
-    local a = blk.attn:forward_cached(blk:run_forward(blk.attn_norm, x), cache.layers[i])
-    ops.add(a, a, x)
-    local m = blk:run_forward(blk.mlp, blk:run_forward(blk.mlp_norm, a))
-    ops.add(m, m, a)
-    x = m
-  end
+  for i, blk in ipairs(self.layers.blocks) do x = blk:forward_cached(x, cache.layers[i]) end
   for _, m in ipairs(self.layers.top) do x = self:run_forward(m, x) end
-  local logits = self:run_forward(self.layers.output, x)
+  local logits = self:capped(self:run_forward(self.layers.output, x))
   cache:advance(T)
   return logits
 end

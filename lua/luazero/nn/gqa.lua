@@ -4,9 +4,6 @@
 -- n_head / n_kv_head query heads), o_proj. When a batch packs documents
 -- (the model's ctx.extra), q and k turn by each token's position within its
 -- document (extra.pos) and a token attends within its own (extra.seg).
--- A family's options (opts) may set the kernel's window (a query sees its
--- `window` latest keys), softcap (scores s -> softcap * tanh(s / softcap))
--- and scale (instead of 1/sqrt(head_dim)); absent, Llama's attention.
 --
 -- q_proj, k_proj and v_proj are one PackedLinear (nn/packed_linear.lua),
 -- added with name false so their weights keep Hugging Face's names
@@ -14,14 +11,23 @@
 -- attention kernel reads. A family whose file holds them as one tensor
 -- (Phi-3's self_attn.qkv_proj.weight) names it in opts.qkv_name.
 --
--- opts.rotary_dim (Phi-3's partial_rotary_factor): only the first
--- rotary_dim values of each head turn; with it, or a rope whose cos and sin
--- scale (nn/rope.lua), q and k turn through the rope_ext kernel.
+-- A family's options (opts, absent = Llama's behaviour):
+--   window   a query sees its `window` latest keys (the kernel's option)
+--   softcap  scores s -> softcap * tanh(s / softcap)
+--   scale    the scores' factor instead of 1/sqrt(head_dim)
+--   bias     a bias on q_proj, k_proj and v_proj, none on o_proj (Qwen2)
+--   qk_norm  { eps =, offset = }: an RMSNorm over each q and k head before
+--            the rotary turn (nn/qk_norm.lua; Qwen3 offset 0, Gemma 3 1)
+--   qkv_name the one tensor's name of a fused q|k|v projection (Phi-3)
+--   rotary_dim (Phi-3's partial_rotary_factor): only the first rotary_dim
+--            values of each head turn; with it, or a rope whose cos and sin
+--            scale (nn/rope.lua), q and k turn through the rope_ext kernel.
 local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
 local PackedLinear = require("luazero.nn.packed_linear")
+local QKNorm = require("luazero.nn.qk_norm")
 
 local ops = lz.ops
 local GQA = Module:extend("GroupedQueryAttention")
@@ -44,9 +50,20 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   local parts = { { "q_proj", self.q_width }, { "k_proj", self.kv_width },
                   { "v_proj", self.kv_width } }
   if o.qkv_name then parts = { { o.qkv_name, self.width } } end
-  self.qkv_proj = self:add(false, PackedLinear.new(n_embd, parts, std))
+  self.qkv_proj = self:add(false, PackedLinear.new(n_embd, parts, std, { bias = o.bias }))
   self:add("o_proj", Linear.new(self.q_width, n_embd, { bias = false, std = std }))
+  local qk = self.opts.qk_norm
+  if qk then
+    self.qk_norm = self:add(false, QKNorm.new(n_head, n_kv_head, head_dim, qk.eps, qk.offset))
+  end
   return self
+end
+
+-- The q|k|v projection of x, its q and k heads normed when the family says so.
+function GQA:project(x)
+  local qkv = self:run_forward(self.qkv_proj, x)
+  if self.qk_norm then qkv = self:run_forward(self.qk_norm, qkv) end
+  return qkv
 end
 
 -- The shared inverse frequencies where t lives (a copy made once for a
@@ -97,7 +114,7 @@ end
 
 function GQA:forward(x)
   local B, T = x:dim(1), x:dim(2)
-  local qkv = self:run_forward(self.qkv_proj, x)
+  local qkv = self:project(x)
   local extra = self.ctx.extra
   local pos, seg = extra and extra.pos, extra and extra.seg
   local span = self:span(T, pos)
@@ -131,6 +148,7 @@ function GQA:backward(dy)
                                self.n_kv_head)
   end
   self:turn(dqkv, -1, self.pos, 0, self.seq_span) -- the gradients of q and k before their turn
+  if self.qk_norm then dqkv = self:run_backward(self.qk_norm, dqkv) end
   return self:run_backward(self.qkv_proj, dqkv)
 end
 
@@ -142,7 +160,7 @@ end
 -- kv.v may then be rings of window positions). No backward.
 function GQA:forward_cached(x, kv)
   local B, T = x:dim(1), x:dim(2)
-  local qkv = self:run_forward(self.qkv_proj, x)
+  local qkv = self:project(x)
   -- A row's largest position + 1 is at[b] + T: a LongRoPE row turns as
   -- transformers turns that prompt alone.
   local at, same = kv.at, true

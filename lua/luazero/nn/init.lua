@@ -1,7 +1,7 @@
 -- nn — modules that own their forward and backward (Torch7 style): the Module
 -- base, layers (Linear, PackedLinear, LayerNorm, RMSNorm, Embedding,
 -- TokenEmbedding), attention (GPT-2's CausalSelfAttention; Llama's GQA with
--- its shared Rope), MLPs (GELU, SwiGLU), the pre-norm Block made of those
+-- its shared Rope and QK-norm), MLPs (GELU, SwiGLU), the pre-norm Block made of those
 -- parts, LoRA adapters around a Linear, an LM head tied to the embedding
 -- (TiedHead), the Sequential container, the Model base (arenas sized from
 -- the modules' memory reports) and the CausalLM a model family fills in.
@@ -17,6 +17,7 @@ return {
   RMSNorm = require("luazero.nn.rmsnorm"),
   TokenEmbedding = require("luazero.nn.token_embedding"),
   Rope = require("luazero.nn.rope"),
+  QKNorm = require("luazero.nn.qk_norm"),
   GQA = require("luazero.nn.gqa"),
   SwiGLUMLP = require("luazero.nn.swiglu_mlp"),
   LoRA = require("luazero.nn.lora"),

@@ -21,11 +21,14 @@ function Linear.new(n_in, n_out, opts)
   return self
 end
 
--- The [out, in] weight and its gradient (nil when frozen). A subclass whose
--- weight is several parameters (nn/packed_linear.lua) lends a tensor over
--- them, given back through release.
+-- The [out, in] weight, the [out] bias (nil without one) and their
+-- gradients (nil when frozen). A subclass whose weight is several
+-- parameters (nn/packed_linear.lua) lends tensors over them, given back
+-- through release.
 function Linear:weight() return self.p.weight end
 function Linear:weight_grad() return self.g.weight end
+function Linear:bias() return self.p.bias end
+function Linear:bias_grad() return self.g.bias end
 function Linear:release() end
 
 -- x [B, T, in] -> [B, T, out]
@@ -35,8 +38,10 @@ function Linear:forward(x, w)
   local y = self:activation({ x:dim(1), x:dim(2), self.n_out })
   local own = not w and self:weight()
   local xw, ww = self:matmul_operands(x, w or own)
-  ops.linear_forward(y, xw, ww, self:cast(self.p.bias, "f32"))
+  local b = self.has_bias and self:bias()
+  ops.linear_forward(y, xw, ww, b and self:cast(b, "f32") or nil)
   if own then self:release(own) end
+  if b then self:release(b) end
   self.input = xw
   return y
 end
@@ -51,8 +56,10 @@ function Linear:backward(dy, w, dw)
     w, dw = own, gown
   end
   local dyw, ww = self:matmul_operands(dy, w)
-  ops.linear_backward(dx, dw, self.g.bias, dyw, x, ww)
+  local gb = self.has_bias and self:bias_grad()
+  ops.linear_backward(dx, dw, gb or nil, dyw, x, ww)
   if own then self:release(own, gown) end
+  if gb then self:release(gb) end
   return dx
 end
 

@@ -22,9 +22,11 @@ local Module = require("luazero.nn.module")
 local ops = lz.ops
 local LoRA = Module:extend("LoRA")
 
--- linear: the Linear to wrap; adapters: { {name, row0, rows}, ... } in row
--- order (name: the adapted module's name for a part of a packed weight,
--- "" for the whole weight); r: the rank; scale: alpha / r.
+-- linear: the Linear to wrap; adapters: { {name, row0, rows [, r, scale]},
+-- ... } in row order (name: the adapted module's name for a part of a
+-- packed weight, "" for the whole weight; r and scale: that adapter's own,
+-- as PEFT's rank_pattern and alpha_pattern give them); r: the rank; scale:
+-- alpha / r (or alpha / sqrt(r): rsLoRA).
 function LoRA.new(linear, adapters, r, scale)
   local self = setmetatable({}, LoRA):init()
   self.base, self.n_in, self.n_out, self.r, self.scale = linear, linear.n_in, linear.n_out, r, scale
@@ -34,10 +36,13 @@ function LoRA.new(linear, adapters, r, scale)
   for i, ad in ipairs(adapters) do
     local prefix = ad[1] == "" and "" or (ad[1] .. ".")
     local a_key, b_key = "lora_A_" .. i, "lora_B_" .. i
-    self:param(a_key, { r, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in) }, false,
+    local ar = ad[4] or r
+    self.r = math.max(self.r, ar) -- the workspaces' width
+    self:param(a_key, { ar, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in) }, false,
                prefix .. "lora_A.weight")
-    self:param(b_key, { ad[3], r }, { kind = "zeros" }, false, prefix .. "lora_B.weight")
-    self.adapters[i] = { a = a_key, b = b_key, row0 = ad[2], rows = ad[3] }
+    self:param(b_key, { ad[3], ar }, { kind = "zeros" }, false, prefix .. "lora_B.weight")
+    self.adapters[i] = { a = a_key, b = b_key, row0 = ad[2], rows = ad[3], r = ar,
+                         scale = ad[5] or scale }
   end
   return self
 end
@@ -66,7 +71,7 @@ end
 -- Adapter i's fp32 operands: A [r, in] and Bp [out, r] (B in its rows, zeros
 -- elsewhere), in the workspace (valid until the next call).
 function LoRA:operands(ad, dev)
-  local r, n_in, n_out = self.r, self.n_in, self.n_out
+  local r, n_in, n_out = ad.r, self.n_in, self.n_out
   local ab = workspace(self, "ab", r * n_in + n_out * r, dev)
   local a = ab:view(0, { r, n_in }):copy(self.p[ad.a])
   local bp = ab:view(r * n_in, { n_out, r })
@@ -75,10 +80,10 @@ function LoRA:operands(ad, dev)
   return a, bp
 end
 
--- T = x A^T [rows of x, r] in the workspace.
-function LoRA:down(x, a, dev)
+-- T = x A^T [rows of x, r] in the workspace (r: the adapter's).
+function LoRA:down(x, a, dev, r)
   local n = x:numel() / self.n_in
-  local t = workspace(self, "t", n * self.r, dev):view(0, { n, self.r })
+  local t = workspace(self, "t", n * r, dev):view(0, { n, r })
   ops.matmul(t, x:view(0, { n, self.n_in }), a, 0, 1, 1, 0)
   return t
 end
@@ -91,27 +96,28 @@ function LoRA:forward(x)
   local y2 = y:view(0, { rows, self.n_out })
   for _, ad in ipairs(self.adapters) do
     local a, bp = self:operands(ad, dev)
-    ops.matmul(y2, self:down(x, a, dev), bp, 0, 1, self.scale, 1)
+    ops.matmul(y2, self:down(x, a, dev, ad.r), bp, 0, 1, ad.scale, 1)
   end
   return y
 end
 
 function LoRA:backward(dy)
   local dx = self:run_backward(self.base, dy)
-  local x, dev, r = self.x, dy:device_name(), self.r
+  local x, dev = self.x, dy:device_name()
   local rows = x:numel() / self.n_in
   local x2, dy2 = x:view(0, { rows, self.n_in }), dy:view(0, { rows, self.n_out })
   local dx2 = dx:view(0, { rows, self.n_in })
   for _, ad in ipairs(self.adapters) do
+    local r, s = ad.r, ad.scale
     local a, bp = self:operands(ad, dev)
-    local t = self:down(x, a, dev)
+    local t = self:down(x, a, dev, r)
     local g = workspace(self, "g", rows * r, dev):view(0, { rows, r })
     ops.matmul(g, dy2, bp, 0, 0, 1, 0)                          -- G = dy Bp
     local gbp = workspace(self, "gbp", self.n_out * r, dev):view(0, { self.n_out, r })
     ops.matmul(gbp, dy2, t, 1, 0, 1, 0)                         -- dy^T T
-    ops.axpy(self.g[ad.b], self.scale, gbp:view(ad.row0 * r, { ad.rows, r }))
-    ops.matmul(self.g[ad.a], g, x2, 1, 0, self.scale, 1)        -- gA += s G^T x
-    ops.matmul(dx2, g, a, 0, 0, self.scale, 1)                  -- dx += s G A
+    ops.axpy(self.g[ad.b], s, gbp:view(ad.row0 * r, { ad.rows, r }))
+    ops.matmul(self.g[ad.a], g, x2, 1, 0, s, 1)                 -- gA += s G^T x
+    ops.matmul(dx2, g, a, 0, 0, s, 1)                           -- dx += s G A
   end
   return dx
 end

@@ -283,6 +283,21 @@ function Model:begin_forward(B, T)
   if ctx.cast_arena then ctx.cast_arena:reset() end
 end
 
+-- A batch for a token model, checked before anything runs: tokens i32
+-- [B, T], targets nil or the same. A model fed something else overrides it.
+function Model:check_batch(tokens, targets)
+  local ok = lz.is_tensor(tokens) and tokens.ndim == 2 and tokens:dtype_name() == "i32"
+  if ok and targets ~= nil then
+    ok = lz.is_tensor(targets) and targets.ndim == 2 and targets:dtype_name() == "i32" and
+         targets:dim(1) == tokens:dim(1) and targets:dim(2) == tokens:dim(2)
+  end
+  if not ok then
+    error(("model: a batch must be tokens and targets, i32 tensors of the same shape [B, T] " ..
+           "(got %s and %s); reshape them with t:view(0, {B, T})")
+          :format(tostring(tokens), tostring(targets)), 0)
+  end
+end
+
 -- extra.pos and extra.seg (packed documents: a position and a document id
 -- per token) must be i32 tensors shaped as the tokens.
 local function check_extra(tokens, extra)

@@ -1,7 +1,8 @@
--- nn/swiglu_mlp.lua — Llama's feed-forward (Hugging Face's LlamaMLP):
--- down_proj(silu(gate_proj(x)) * up_proj(x)), no biases. opts.fused names
--- one Linear writing gate's rows then up's (Phi-3's gate_up_proj, which
--- Phi3MLP chunks in two), read by the packed SwiGLU kernel.
+-- nn/swiglu_mlp.lua — a gated feed-forward: Llama's (Hugging Face's
+-- LlamaMLP), down_proj(silu(gate_proj(x)) * up_proj(x)), no biases; with
+-- opts.act "gelu_tanh" Gemma's GeGLU (GemmaMLP), the gate through the tanh
+-- GELU. opts.fused names one Linear writing gate's rows then up's (Phi-3's
+-- gate_up_proj, which Phi3MLP chunks in two), read by the packed SwiGLU kernel.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
@@ -9,12 +10,28 @@ local Linear = require("luazero.nn.linear")
 local ops = lz.ops
 local SwiGLUMLP = Module:extend("SwiGLUMLP")
 
+-- The gate's activation -> the forward and backward ops.
+local ACTS = {
+  silu = { "swiglu_forward", "swiglu_backward" },
+  gelu_tanh = { "geglu_forward", "geglu_backward" },
+}
+
 -- n_hidden: intermediate_size. std: the init std of all three projections.
--- opts: what a family changes (nil: none).
+-- opts: what a family changes (nil: none): act, "silu" (default) or
+-- "gelu_tanh"; fused, the name of one gate|up Linear (SwiGLU only).
 function SwiGLUMLP.new(n_embd, n_hidden, std, opts)
   local self = setmetatable({}, SwiGLUMLP):init()
   self.n_embd, self.n_hidden = n_embd, n_hidden
   self.opts = opts or {}
+  local act = self.opts.act or "silu"
+  local pair = ACTS[act]
+  if not pair then
+    error(("mlp: activation %s is not a gated one here (silu, gelu_tanh)"):format(tostring(act)), 0)
+  end
+  if self.opts.fused and act ~= "silu" then
+    error(("mlp: a fused gate|up projection takes silu only (got %s)"):format(act), 0)
+  end
+  self.forward_op, self.backward_op = ops[pair[1]], ops[pair[2]]
   local lin = { bias = false, std = std }
   if self.opts.fused then
     self.gate_up = self:add(self.opts.fused, Linear.new(n_embd, 2 * n_hidden, lin))
@@ -37,7 +54,7 @@ function SwiGLUMLP:forward(x)
   local gate = self:run_forward(self.gate_proj, x)
   local up = self:run_forward(self.up_proj, x)
   local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
-  ops.swiglu_forward(h, gate, up)
+  self.forward_op(h, gate, up)
   self.gate, self.up = gate, up
   return self:run_forward(self.down_proj, h)
 end
@@ -51,14 +68,14 @@ function SwiGLUMLP:backward(dy)
     return self:run_backward(self.gate_up, dgu)
   end
   local dup = self:scratch({ dh:dim(1), dh:dim(2), self.n_hidden })
-  ops.swiglu_backward(dh, dup, dh, self.gate, self.up) -- dgate over dh
+  self.backward_op(dh, dup, dh, self.gate, self.up) -- dgate over dh
   local dx = self:run_backward(self.gate_proj, dh)
   local dx_up = self:run_backward(self.up_proj, dup)
   ops.add(dx, dx, dx_up)
   return dx
 end
 
--- Besides the projections: silu(gate) * up; dup.
+-- Besides the projections: act(gate) * up; dup.
 function SwiGLUMLP:own_memory(B, T)
   local h = lz.arena_bytes(B * T * self.n_hidden)
   if self.gate_up then return { activations = h, scratch = lz.arena_bytes(2 * B * T * self.n_hidden) } end

@@ -26,6 +26,8 @@ function M.new(opts)
   -- a hint where one applies.
   local function one_line(msg)
     msg = tostring(msg):gsub("^[^%s:]+%.lua:%d+: ", "")
+    -- a library's message that names the script already: "generate: generate: ..." once
+    if msg:sub(1, #opts.script + 2) == opts.script .. ": " then msg = msg:sub(#opts.script + 3) end
     for _, h in ipairs(hints) do
       if msg:find(h[1], 1, true) then msg = msg .. "; " .. h[2] end
     end
@@ -59,6 +61,14 @@ function M.new(opts)
 
   -- Runs fn, turning any error it raises into a user error.
   function ex.checked(fn, ...) return args.checked(ex.user_error, fn, ...) end
+
+  -- Runs fn, a write of an output: its failure (a full disk) is the run's,
+  -- not the input's, so exit status 1.
+  function ex.checked_write(fn, ...)
+    local res = { pcall(fn, ...) }
+    if not res[1] then ex.fail(res[2], 1) end
+    return unpack(res, 2, table.maxn(res))
+  end
 
   -- Runs fn, whose errors may be one rank's alone: exit status 1; with
   -- LZ_DEBUG=1, with their traceback.

@@ -11,25 +11,12 @@ local function cannot_write(flag, path, why)
   return ("%s %s: cannot write it (%s)"):format(flag, path, why)
 end
 
--- A file opened for writing ("wb"); a path that cannot be is the user's to fix.
-function M.open(ex, flag, path)
-  local f, why = io.open(path, "wb")
-  if not f then ex.user_error(cannot_write(flag, path, why)) end
-  return f
-end
-
--- Files a run empties at start (outs: flag names) are refused when one is
--- (or lies inside) a file or folder the run reads or saves to (ins).
-function M.refuse_overlap(ex, flags, outs, ins)
-  local atomic = require("luazero.io.atomic")
-  for _, out in ipairs(outs) do
-    for _, f in ipairs(ins) do
-      if flags[out] and flags[f] then
-        ex.checked(atomic.refuse_overlap, flags[out], "--" .. out:gsub("_", "-"), flags[f],
-                   "--" .. f:gsub("_", "-"))
-      end
-    end
-  end
+-- Whether `path` could be written (io/atomic.lua's temporary beside it made
+-- and removed; the file itself untouched); nil and the reason when not.
+function M.writable(path)
+  local ok, err = pcall(function() require("luazero.io.atomic").open(path):abort() end)
+  if ok then return true end
+  return nil, tostring(err):match("%((.-)%)") or tostring(err)
 end
 
 -- --log FILE: one write per record, checked; a failed one is cut back to
@@ -51,20 +38,20 @@ function M.open_log(ex, path, append)
 end
 
 -- A file written at the end (--profile-json): an unwritable path fails
--- before the steps.
+-- before the steps; an earlier file stays as it is until then.
 function M.check_writable(ex, flag, path)
-  local f, err = io.open(path, "w")
-  if not f then
-    ex.user_error(("%s: cannot write %s; give a path in a writable folder"):format(flag, err))
+  local ok, err = M.writable(path)
+  if not ok then
+    ex.user_error(("%s: cannot write %s (%s); give a path in a writable folder")
+                  :format(flag, path, err))
   end
-  f:close()
 end
 
 -- --save DIR: everything a save will need, before step 1 (a run with
--- --save-every 0 saves only at its end): the zstd level, a folder that can
--- be created and written, free space for one checkpoint (fp32 master, Adam
--- m and v: 12 bytes a parameter). Every rank checks, so all stop alike.
-local ZSTD_LEVELS = { 1, 19 }
+-- --save-every 0 saves only at its end): a folder that can be created and
+-- written, free space for one checkpoint (fp32 master, Adam m and v: 12
+-- bytes a parameter). Every rank checks, so all stop alike. (The zstd
+-- level's range is declared with its flag.)
 pcall(ffi.cdef, [[
 typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, f_bfree, f_bavail,
   f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
@@ -72,11 +59,6 @@ int statvfs(const char *path, lz_statvfs *buf);
 ]])
 pcall(ffi.cdef, "int getpid(void);")
 function M.check_save_target(ex, flags, n_params)
-  local level = flags.save_zstd_level
-  if level < ZSTD_LEVELS[1] or level > ZSTD_LEVELS[2] then
-    ex.user_error(("--save-zstd-level must be %d..%d (got %d)"):format(ZSTD_LEVELS[1],
-                                                                       ZSTD_LEVELS[2], level))
-  end
   if not flags.save then return end
   local dir = flags.save:gsub("(.)/+$", "%1")
   -- The folders mkdir -p makes (deepest first): removed again when the
@@ -95,12 +77,10 @@ function M.check_save_target(ex, flags, n_params)
   local made, why = lz.mkdir(dir)
   if not made then refuse(("--save %s: %s"):format(dir, (why:gsub("^checkpoint: ", "")))) end
   local probe = ("%s/.write-check-%d-%d"):format(dir, ex.rank, tonumber(ffi.C.getpid()))
-  local f, err = io.open(probe, "wb")
-  local wrote = f and f:write("x") and f:close()
-  os.remove(probe)
+  local wrote, err = M.writable(probe)
   if not wrote then
     refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
-           tostring(err or "write failed")))
+           err))
   end
   local st = ffi.new("lz_statvfs")
   if ffi.C.statvfs(dir, st) == 0 then

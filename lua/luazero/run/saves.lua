@@ -45,6 +45,7 @@ function M.if_due(run, step)
     seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
   }
   extra.data.batches = step * run.accum
+  extra.data.fingerprint, extra.data.file = run.data_fingerprint, flags.data
   local opts = { zstd_level = flags.save_zstd_level, keep = flags.keep, config = run.cfg }
   local t1 = clock.now()
   if run.async then

@@ -30,9 +30,27 @@ function M.resolve(ex, cfg, model, world, flags)
   if z.overlap_comm_given then settings.overlap = z.overlap_comm end
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
   local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
-  local stage, why, _, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
+  local stage, why, fits, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
     { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
       nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts })
+  -- A budget the run holds (--memory-budget, luazero.memory_budget,
+  -- LZ_MEMORY_BUDGET; run/loop.lua checks each step) that no placement
+  -- meets, or that this process's own memory fills before any model state,
+  -- would stop the run after its first step: refused now.
+  if require("luazero.run.config").held_budget(cfg) then
+    local fix = ("raise %s, add ranks, or offload (zero_optimization.offload_optimizer / " ..
+                 "offload_param with nvme_path)"):format(source)
+    if not fits then
+      ex.user_error(("stage auto: %s; the run would stop at its first step over the budget " ..
+                     "it holds: %s"):format((why:gsub("; picked stage 3.*$", "")), fix))
+    end
+    local rss = require("luazero").peak_rss()
+    if rss >= budget then
+      ex.user_error(("stage auto: %s, but this process holds %s already, before any model " ..
+                     "state: the run would stop at its first step over the budget; raise %s")
+                    :format(why, estimate.format_bytes(rss), source))
+    end
+  end
   if placement then
     if not (z.offload_optimizer.nvme_path or z.offload_param.nvme_path) then
       config.check_writable_dir("--nvme-path", nvme_path)

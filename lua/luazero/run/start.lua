@@ -61,6 +61,15 @@ function M.resume(ex, run)
   ex.checked(require("luazero.checkpoint.load").check, run.engine, run.flags.resume)
   local m = ex.checked_rank(run.engine.load, run.engine, run.flags.resume)
   local pos = m.extra and m.extra.data
+  -- The position counts batches of the data it was saved with: other data
+  -- (even with as many examples) would be read from the wrong place.
+  if pos and pos.fingerprint and run.data_fingerprint and pos.fingerprint ~= run.data_fingerprint then
+    ex.user_error(("--resume %s: the checkpoint trained on %s (size:xxh64 %s), --data %s is " ..
+                   "other data (%s); its data position would pick other examples: resume with " ..
+                   "the same --data, or start a new run (--init, or no --resume)")
+                  :format(run.flags.resume, tostring(pos.file), pos.fingerprint, run.flags.data,
+                          run.data_fingerprint))
+  end
   if pos then ex.checked(run.loader.set_position, run.loader, pos) end
   run.first = m.global_steps + 1
   ex.say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")

@@ -12,17 +12,18 @@
 --
 -- Two kinds of BPE (model.type "BPE": vocab, merges as "a b" strings or
 -- [a, b] lists, ignore_merges, unk_token, fuse_unk, byte_fallback):
---  * byte-level (GPT-2, Llama 3): no normalizer, the ByteLevel pre-tokenizer
---    (GPT-2's split, add_prefix_space, use_regex) or Llama 3's Sequence
---    [Split (its pattern), ByteLevel]; a ByteLevel or absent decoder
---    (tokenizer/split.lua);
---  * SentencePiece-style (Llama 2, Mistral, TinyLlama): "▁" for spaces by a
---    Prepend/Replace normalizer or a Metaspace pre-tokenizer, characters
---    missing from the vocabulary as <0xNN> byte tokens or the unknown token,
---    decoded by Replace/ByteFallback/Fuse/Strip or Metaspace
---    (tokenizer/sentencepiece.lua).
+--  * byte-level (GPT-2, Llama 3, Qwen2/2.5/3): no normalizer or NFC (Qwen2's,
+--    tokenizer/nfc.lua), the ByteLevel pre-tokenizer (GPT-2's split,
+--    add_prefix_space, use_regex) or a Sequence [Split (Llama 3's or Qwen2's
+--    pattern), ByteLevel]; a ByteLevel or absent decoder (tokenizer/split.lua);
+--  * SentencePiece-style (Llama 2, Mistral, TinyLlama, Phi-3, Gemma): "▁" for
+--    spaces by a Prepend/Replace normalizer (with Gemma's Split on " "), or a
+--    Metaspace pre-tokenizer, characters missing from the vocabulary as
+--    <0xNN> byte tokens or the unknown token, decoded by
+--    Replace/ByteFallback/Fuse/Strip or Metaspace (tokenizer/sentencepiece.lua).
 -- added_tokens are matched in the text before anything else (leftmost, then
--- longest) and are one id each. A post-processor (ByteLevel,
+-- longest) and are one id each; one with lstrip or rstrip (Phi-3's <|end|>)
+-- takes the blanks before or after it along. A post-processor (ByteLevel,
 -- TemplateProcessing) adds nothing: encode gives the text's ids alone, as
 -- tokenizers' encode(text, add_special_tokens=False). Anything else is
 -- refused naming the field.
@@ -88,8 +89,38 @@ local function emit_word(self, s, i, j, out, starts, map, start, shift)
   end
 end
 
+-- Unicode White_Space (Rust's char::is_whitespace, which lstrip and rstrip
+-- use), by code point.
+local WHITE = { [9] = true, [10] = true, [11] = true, [12] = true, [13] = true, [32] = true,
+                [0x85] = true, [0xA0] = true, [0x1680] = true, [0x2028] = true, [0x2029] = true,
+                [0x202F] = true, [0x205F] = true, [0x3000] = true }
+for cp = 0x2000, 0x200A do WHITE[cp] = true end
+
+-- The byte after the blanks of text from byte p on.
+local function blanks_after(text, p)
+  while p <= #text do
+    local cp, l = split.code_point(text, p)
+    if not WHITE[cp] then break end
+    p = p + l
+  end
+  return p
+end
+
+-- The first byte of the blanks of text that end just before byte p.
+local function blanks_before(text, p)
+  while p > 1 do
+    local q = p - 1
+    while q > 1 and byte(text, q) >= 0x80 and byte(text, q) < 0xC0 do q = q - 1 end
+    if not WHITE[(split.code_point(text, q))] then break end
+    p = q
+  end
+  return p
+end
+
 -- Where the added tokens of by_prefix occur in text: leftmost first, the
--- longest at a place.
+-- longest at a place. A hit is { first byte, length, id, first byte of the
+-- token itself }: a token with lstrip or rstrip takes the blanks before or
+-- after it along (they give no token), as tokenizers' AddedVocabulary does.
 local function find_added(by_prefix, text)
   local hits = {}
   for prefix, group in pairs(by_prefix) do
@@ -99,14 +130,17 @@ local function find_added(by_prefix, text)
       if not p then break end
       for _, a in ipairs(group) do -- longest first
         if sub(text, p, p + #a.content - 1) == a.content then
-          hits[#hits + 1] = { p, #a.content, a.id }
+          local first, after = p, p + #a.content
+          if a.lstrip then first = blanks_before(text, p) end
+          if a.rstrip then after = blanks_after(text, after) end
+          hits[#hits + 1] = { first, after - first, a.id, p, #a.content }
           break
         end
       end
       init = p + 1
     end
   end
-  table.sort(hits, function(x, y) return x[1] < y[1] or (x[1] == y[1] and x[2] > y[2]) end)
+  table.sort(hits, function(x, y) return x[4] < y[4] or (x[4] == y[4] and x[5] > y[5]) end)
   return hits
 end
 
@@ -119,6 +153,15 @@ local function encode_normalized(self, norm, map, a, b, out, starts, start)
     for k = a, b do piece_map[k - a + 1] = map[k] end
     start = map[a]
   end
+  if self.byte_level then
+    if self.add_prefix_space and byte(piece, 1) ~= SPACE_BYTE then
+      piece = " " .. piece
+      if piece_map then table.insert(piece_map, 1, piece_map[1]) end
+    end
+    if not self.split then return emit_word(self, piece, 1, #piece, out, starts, piece_map, start, 0) end
+    self.split(piece, function(_, i, j) emit_word(self, piece, i, j, out, starts, piece_map, start, 0) end)
+    return
+  end
   local s, smap, words = sp.pre_tokenize(self, piece, piece_map, start)
   for _, w in ipairs(words) do emit_word(self, s, w[1], w[2], out, starts, smap, start, 0) end
 end
@@ -128,7 +171,7 @@ end
 local function encode_plain(self, text, p, q, out, starts)
   if q < p then return end
   local s, start = sub(text, p, q), p - 1
-  if self.byte_level then
+  if self.byte_level and not self.normalizers then
     local shift = 0
     if self.add_prefix_space and byte(s, 1) ~= SPACE_BYTE then s, shift = " " .. s, 1 end
     if not self.split then return emit_word(self, s, 1, #s, out, starts, nil, start, shift) end
@@ -139,10 +182,11 @@ local function encode_plain(self, text, p, q, out, starts)
   local at = 1
   if self.added_normalized then -- added tokens matched on the normalized text
     for _, h in ipairs(find_added(self.added_normalized, norm)) do
-      if h[1] >= at then
-        encode_normalized(self, norm, map, at, h[1] - 1, out, starts, start)
+      if h[4] >= at then
+        local first = math.max(h[1], at) -- blanks a token before it took are not taken again
+        encode_normalized(self, norm, map, at, first - 1, out, starts, start)
         out[#out + 1] = h[3]
-        if starts then starts[#out] = map[h[1]] end
+        if starts then starts[#out] = map[first] end
         at = h[1] + h[2]
       end
     end
@@ -158,10 +202,11 @@ function Tokenizer:encode(text, opts)
   local out, p = {}, 1
   if self.added_by_prefix then
     for _, h in ipairs(find_added(self.added_by_prefix, text)) do
-      if h[1] >= p then
-        encode_plain(self, text, p, h[1] - 1, out, starts)
+      if h[4] >= p then
+        local first = math.max(h[1], p) -- blanks a token before it took are not taken again
+        encode_plain(self, text, p, first - 1, out, starts)
         out[#out + 1] = h[3]
-        if starts then starts[#out] = h[1] - 1 end
+        if starts then starts[#out] = first - 1 end
         p = h[1] + h[2]
       end
     end
@@ -222,18 +267,21 @@ local function pre_tokenizer(path, pre)
     end
     local sp1, bl = list[1], list[2]
     local pattern = type(sp1) == "table" and type(sp1.pattern) == "table" and sp1.pattern.Regex
-    if not (#list == 2 and sp1.type == "Split" and pattern == split.LLAMA3_PATTERN and
+    local how = pattern and split.SPLIT_PATTERNS[pattern]
+    if not (#list == 2 and sp1.type == "Split" and how and
             sp1.behavior == "Isolated" and sp1.invert ~= true and type(bl) == "table" and
             bl.type == "ByteLevel" and bl.use_regex == false) then
-      fail(path, "pre_tokenizer is a Sequence other than Llama 3's; supported: \"ByteLevel\", " ..
-                 "\"Metaspace\", or Sequence [Split (Llama 3's pattern, Isolated), ByteLevel " ..
+      fail(path, "pre_tokenizer is a Sequence other than Llama 3's or Qwen2's; supported: " ..
+                 "\"ByteLevel\", \"Metaspace\", Split (a string, MergedWithPrevious), or " ..
+                 "Sequence [Split (Llama 3's or Qwen2's pattern, Isolated), ByteLevel " ..
                  "(use_regex false)]")
     end
-    return "byte_level", split_llama3, bl
+    return "byte_level", how, bl
   end
-  local t = check_type(path, "pre_tokenizer", pre, { "ByteLevel", "Metaspace" }, true)
+  local t = check_type(path, "pre_tokenizer", pre, { "ByteLevel", "Metaspace", "Split" }, true)
   if t == "ByteLevel" then return "byte_level", pre.use_regex ~= false and split_gpt2 or nil, pre end
   if t == "Metaspace" then return "metaspace", sp.metaspace(path, "pre_tokenizer", pre) end
+  if t == "Split" then return "split", sp.split_string(path, "pre_tokenizer", pre) end
   return nil
 end
 
@@ -265,8 +313,8 @@ local function special_ids(self, path, j)
   local function named(names)
     for _, n in ipairs(names) do if self.added_id[n] then return n end end
   end
-  if bos == nil then bos = named({ "<s>", "<|begin_of_text|>", "<|endoftext|>" }) end
-  if eos == nil then eos = named({ "</s>", "<|end_of_text|>", "<|endoftext|>" }) end
+  if bos == nil then bos = named({ "<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>" }) end
+  if eos == nil then eos = named({ "</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>" }) end
   self.bos_id = bos and self:token_id(bos) or nil
   self.eos_id = eos and self:token_id(eos) or nil
 end
@@ -292,9 +340,6 @@ function M.load(path)
   end
   local kind, how, pre = pre_tokenizer(path, j.pre_tokenizer)
   local normalizers = sp.normalizer(path, j.normalizer)
-  if kind == "byte_level" and normalizers then
-    fail(path, "normalizer is set beside a ByteLevel pre-tokenizer; supported: null there")
-  end
   -- Post-processors add nothing here: encode is the text's ids alone
   -- (tokenizers' encode(text, add_special_tokens=False)).
   local post = j.post_processor
@@ -312,6 +357,7 @@ function M.load(path)
     add_prefix_space = kind == "byte_level" and pre.add_prefix_space == true,
     split = kind == "byte_level" and how or nil,
     metaspace = kind == "metaspace" and how or nil,
+    split_string = kind == "split" and how or nil,
     normalizers = normalizers,
     ignore_merges = model.ignore_merges == true,
     fuse_unk = model.fuse_unk == true,
@@ -379,11 +425,9 @@ function M.load(path)
         fail(path, ("added_tokens[%d] (%s) has id %s; ids are integers 0..%d")
                    :format(i, a.content, tostring(a.id), PAIR - 1))
       end
-      for _, field in ipairs({ "single_word", "lstrip", "rstrip" }) do
-        if a[field] == true then
-          fail(path, ("added_tokens[%d] (%s) has %s true; supported: false")
-                     :format(i, a.content, field))
-        end
+      if a.single_word == true then
+        fail(path, ("added_tokens[%d] (%s) has single_word true; supported: false")
+                   :format(i, a.content))
       end
       if a.special == true then self.special[a.id] = true end
       -- With a normalizer, a normalized token is matched on the normalized
@@ -394,7 +438,8 @@ function M.load(path)
       end
       local prefix = sub(content, 1, 2)
       group[prefix] = group[prefix] or {}
-      table.insert(group[prefix], { content = content, id = a.id })
+      table.insert(group[prefix], { content = content, id = a.id, lstrip = a.lstrip == true,
+                                    rstrip = a.rstrip == true })
       self.added_id[a.content], self.bytes_of[a.id] = a.id, a.content
       if a.id + 1 > self.size then self.size = a.id + 1 end
     end
@@ -410,7 +455,7 @@ function M.load(path)
   return self
 end
 
-M.split_gpt2, M.split_llama3 = split_gpt2, split_llama3 -- for tests
+M.split_gpt2, M.split_llama3, M.split_qwen2 = split_gpt2, split_llama3, split.split_qwen2 -- for tests
 
 return M
 

@@ -1,13 +1,15 @@
 -- tokenizer/sentencepiece.lua — the text around a SentencePiece-style BPE
--- (Llama 2, Mistral, TinyLlama) in a tokenizer.json: the normalizer (Prepend,
--- Replace, a Sequence of them), the Metaspace pre-tokenizer (" " to "▁",
--- prepend_scheme first / always / never, split at "▁"), and the decoders
+-- (Llama 2, Mistral, TinyLlama, Gemma) in a tokenizer.json: the normalizer
+-- (Prepend, Replace, NFC — Qwen2's, before its byte-level BPE — a Sequence of
+-- them), the Metaspace pre-tokenizer (" " to "▁", prepend_scheme first /
+-- always / never, split at "▁"), Gemma's Split on a string, and the decoders
 -- (Replace, ByteFallback, Fuse, Strip, Metaspace, a Sequence of them), as
 -- tokenizers 0.19 runs them.
 --
 -- Normalizing keeps, when asked, where each byte of the result came from in
 -- the original text (0-based), so encode can give each token's offset.
 local cjson = require("cjson")
+local nfc = require("luazero.tokenizer.nfc")
 
 local S = {}
 
@@ -42,9 +44,11 @@ function S.normalizer(path, spec)
       steps[#steps + 1] = { kind = "prepend", text = n.prepend }
     elseif n.type == "Replace" then
       steps[#steps + 1] = { kind = "replace", from = pattern_string(path, field, n), to = n.content }
+    elseif n.type == "NFC" then
+      steps[#steps + 1] = { kind = "nfc" }
     else
-      fail(path, ("%s is %s; supported: null, \"Prepend\", \"Replace\" (a string) or a " ..
-                  "\"Sequence\" of them"):format(field, typename(n)))
+      fail(path, ("%s is %s; supported: null, \"NFC\", \"Prepend\", \"Replace\" (a string) " ..
+                  "or a \"Sequence\" of them"):format(field, typename(n)))
     end
   end
   add("normalizer", spec)
@@ -107,7 +111,15 @@ function S.normalize(tok, s, start, want_map)
     for k = 1, #s do map[k] = start + k - 1 end
   end
   for _, step in ipairs(tok.normalizers or {}) do
-    if step.kind == "prepend" then
+    if step.kind == "nfc" then
+      if map then
+        local norm, nmap = nfc.normalize(s, 0, true)
+        for k = 1, #nmap do nmap[k] = map[nmap[k] + 1] end
+        s, map = norm, nmap
+      else
+        s = nfc.normalize(s, 0, false)
+      end
+    elseif step.kind == "prepend" then
       if #s > 0 then s, map = prepend(s, map, step.text) end
     else
       s, map = replace(s, map, step.from, step.to)
@@ -116,9 +128,34 @@ function S.normalize(tok, s, start, want_map)
   return s, map
 end
 
+-- A Split pre-tokenizer on a string, each piece ending with it (Gemma's
+-- " ", MergedWithPrevious: after its Replace normalizer no " " is left, so
+-- the text is one word, but the split is honoured as written).
+function S.split_string(path, field, spec)
+  local pat = type(spec.pattern) == "table" and spec.pattern.String
+  if type(pat) ~= "string" or pat == "" or spec.behavior ~= "MergedWithPrevious" or
+     spec.invert == true then
+    fail(path, ("%s is a Split of %s, %s; supported: a {\"String\": ...} pattern, " ..
+                "MergedWithPrevious, invert false"):format(field,
+                cjson.encode(spec.pattern or cjson.null), cjson.encode(spec.behavior or cjson.null)))
+  end
+  return pat
+end
+
 -- Normalized text (from byte start of the original) pre-tokenized: the text
 -- as the model sees it, its byte map, and the words as { i, j } ranges.
 function S.pre_tokenize(tok, s, map, start)
+  local sep = tok.split_string
+  if sep then
+    local words, i = {}, 1
+    while i <= #s do
+      local p = s:find(sep, i, true)
+      local j = p and p + #sep - 1 or #s
+      words[#words + 1] = { i, j }
+      i = j + 1
+    end
+    return s, map, words
+  end
   local ms = tok.metaspace
   if not ms then return s, map, { { 1, #s } } end
   local rep = ms.replacement

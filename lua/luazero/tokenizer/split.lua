@@ -1,8 +1,8 @@
 -- tokenizer/split.lua — the characters under a tokenizer.json: UTF-8 code
--- points, GPT-2's bytes-to-unicode mapping, and the two pre-tokenizer splits
--- of byte-level BPE, GPT-2's pattern
+-- points, GPT-2's bytes-to-unicode mapping, and the pre-tokenizer splits of
+-- byte-level BPE, GPT-2's pattern
 --   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
--- and Llama 3's (below), done by hand over code points. \p{L} and \p{N} come
+-- and Llama 3's and Qwen2's (below), done by hand over code points. \p{L} and \p{N} come
 -- from Unicode's general categories (luazero.unicode_classes), \s is
 -- Unicode's White_Space.
 local bit = require("bit")
@@ -72,7 +72,11 @@ end
 local function utf8_char(cp)
   if cp < 0x80 then return char(cp) end
   if cp < 0x800 then return char(0xC0 + math.floor(cp / 64), 0x80 + cp % 64) end
-  return char(0xE0 + math.floor(cp / 4096), 0x80 + math.floor(cp / 64) % 64, 0x80 + cp % 64)
+  if cp < 0x10000 then
+    return char(0xE0 + math.floor(cp / 4096), 0x80 + math.floor(cp / 64) % 64, 0x80 + cp % 64)
+  end
+  return char(0xF0 + math.floor(cp / 262144), 0x80 + math.floor(cp / 4096) % 64,
+              0x80 + math.floor(cp / 64) % 64, 0x80 + cp % 64)
 end
 
 -- GPT-2's bytes-to-unicode: printable bytes stand for themselves, the others
@@ -174,15 +178,16 @@ local CR, LF = 13, 10
 
 local function is_newline(c) return c == CR or c == LF end
 
--- Llama 3's split: the byte after the piece at p.
-local function llama3_piece_end(s, p, n, c, l)
+-- Llama 3's split (numbers in runs of up to 3, or of 1 with Qwen2's
+-- \p{N}): the byte after the piece at p.
+local function llama3_piece_end(s, p, n, c, l, more_digits)
   local k, r = class_of(c), p + l
   if k ~= LETTER and k ~= NUMBER and not is_newline(c) and r <= n then
     local c2, l2 = code_point(s, r) -- [^\r\n\p{L}\p{N}]?\p{L}+
     if class_of(c2) == LETTER then k, r = LETTER, r + l2 end
   end
   if k == LETTER then return run_end(s, r, n, LETTER) end
-  if k == NUMBER then return run_end(s, r, n, NUMBER, 2) end -- \p{N}{1,3}
+  if k == NUMBER then return run_end(s, r, n, NUMBER, more_digits or 2) end -- \p{N}{1,3}
   if c == SPACE_BYTE and r <= n then -- " ?" before a run of others
     local c2, l2 = code_point(s, r)
     if class_of(c2) == OTHER then k, r = OTHER, r + l2 end
@@ -207,5 +212,18 @@ end
 
 local function split_llama3(s, emit) each_piece(s, emit, true, llama3_piece_end) end
 
+-- Qwen2's pattern (Qwen2, Qwen2.5, Qwen3): Llama 3's with one digit a piece.
+local QWEN2_PATTERN = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|" ..
+  "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+
+local function qwen2_piece_end(s, p, n, c, l) return llama3_piece_end(s, p, n, c, l, 0) end
+
+local function split_qwen2(s, emit) each_piece(s, emit, true, qwen2_piece_end) end
+
+-- The Split patterns (before a ByteLevel without its own regex) done here,
+-- by their exact text in tokenizer.json.
+local SPLIT_PATTERNS = { [LLAMA3_PATTERN] = split_llama3, [QWEN2_PATTERN] = split_qwen2 }
+
 return { code_point = code_point, utf8_char = utf8_char, unbyte = unbyte, split_gpt2 = split_gpt2,
-         split_llama3 = split_llama3, LLAMA3_PATTERN = LLAMA3_PATTERN }
+         split_llama3 = split_llama3, split_qwen2 = split_qwen2, LLAMA3_PATTERN = LLAMA3_PATTERN,
+         QWEN2_PATTERN = QWEN2_PATTERN, SPLIT_PATTERNS = SPLIT_PATTERNS }

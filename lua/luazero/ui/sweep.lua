@@ -18,6 +18,11 @@ local M = {}
 
 M.PLOT = { width = 900, height = 560 }
 
+-- The names a sweep makes in its --out folder (io/paths.lua): runs/<id>/
+-- (command.txt, status.json, metrics.jsonl, stdout.log, loss.dat), the
+-- results and the plot.
+M.OUT_NAMES = { "^runs$", "^results%.csv$", "^results%.md$", "^loss%.gp$", "^loss%.png$" }
+
 pcall(ffi.cdef, [[
 int posix_spawnp(int *pid, const char *file, const void *file_actions, const void *attrp,
                  char *const argv[], char *const envp[]);

@@ -88,6 +88,30 @@ function M.plan_of(s, device, states)
                         accum = s.accum, optimizer_states = states }
 end
 
+-- What the engine cannot train, refused before anything is allocated: a
+-- module that runs forward but has no backward, and a parameter the engine
+-- did not lay out (a tensor put in module.p by hand).
+local function check_modules(model)
+  model:walk(function(m, path)
+    local where = ("module %s (%s)"):format(path == "" and "(the model)" or path,
+                                            m.__name or "Module")
+    if type(m.forward) == "function" and type(m.backward) ~= "function" then
+      error(("initialize: %s has a forward but no backward; give it backward(dy), which " ..
+             "adds its parameters' gradients into self.g and returns dx (docs/api.md)")
+            :format(where), 0)
+    end
+    local declared = {}
+    for _, spec in ipairs(m.params) do declared[spec.key] = true end
+    for key in pairs(m.p) do
+      if not declared[key] then
+        error(("initialize: %s holds p.%s, a tensor made outside the engine; declare it in " ..
+               "the constructor with self:param(%q, shape, init) and the engine allocates it")
+              :format(where, key, key), 0)
+      end
+    end
+  end)
+end
+
 -- opts: model (not allocated), config (normalised DeepSpeed table), seed,
 -- batch {B, T} (sizes the activation arenas), lr (function of the 1-based
 -- optimizer step; default: the config's constant lr), comm (default
@@ -106,6 +130,7 @@ function M.initialize(opts, above)
   above = above or {}
   local estimator = above.estimate
   local model = assert(opts.model, "initialize: model is required")
+  check_modules(model)
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
   local W, rank = comm.size(), comm.rank()
@@ -123,7 +148,7 @@ function M.initialize(opts, above)
     dev = device, seed = opts.seed or 0, above = above,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
     lr = opts.lr or function() return s.lr end,
-    micro = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
+    micro = 0, stepped_at = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
     loss_sum = 0, loss_count = 0,
     scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
   }, Engine)
@@ -547,19 +572,30 @@ end
 
 ------------------------------------------------------- forward, backward
 
--- extra: a batch's packed documents ({ pos =, seg = }), or nil.
+-- extra: a batch's packed documents ({ pos =, seg = }), or nil. Returns
+-- the first thing the model's forward returns (a CausalLM: the loss; its
+-- logits are engine.model.logits): engine:backward(engine:forward(x, y)).
 function Engine:forward(x, y, extra)
   local model = self.model
+  if model.check_batch then model:check_batch(x, y) end
   if model.ctx.cast_arena then model.ctx.cast_arena:reset() end
   self.gatherer:begin_pass(false)
   local loss = model:forward(x, y, extra)
   self.gatherer:end_pass(false)
+  self.forwarded = true
   return loss
 end
 
 -- Backward of the last forward; the loss is scaled by 1/accumulation steps
--- and by the fp16 loss scale.
-function Engine:backward(loss)
+-- and by the fp16 loss scale. What follows the loss goes to the model's
+-- backward after that scale (a model of one's own: the gradient of its
+-- output, say).
+function Engine:backward(loss, ...)
+  if not self.forwarded then
+    error("engine: backward without a forward before it (backward twice?): call " ..
+          "engine:forward(x, y) before each engine:backward(loss)", 2)
+  end
+  self.forwarded = false
   self.micro = self.micro + 1
   if loss then
     self.loss_sum = self.loss_sum + loss
@@ -567,7 +603,7 @@ function Engine:backward(loss)
   end
   self.gatherer:begin_pass(true)
   if self.spill then self.spill:begin_micro((self.micro - 1) % self.s.accum == 0) end
-  self.model:backward(self.scaler.scale / self.s.accum)
+  self.model:backward(self.scaler.scale / self.s.accum, ...)
   self.gatherer:end_pass(true)
   if self.P.reduce.buffered or is_boundary(self) then self:wait_all() end
   if self.spill then self.spill:end_micro() end
@@ -615,6 +651,11 @@ end
 -- clipping, unscaled), loss_scale (used for this step), skipped.
 function Engine:step()
   local s = self.s
+  if self.micro == self.stepped_at then
+    error("engine: step before backward: no gradients since the last step; call " ..
+          "engine:forward(x, y) and engine:backward(loss) first (or engine:train_batch)", 2)
+  end
+  self.stepped_at = self.micro
   if self.spill then self.spill:finish() end
   self:pull_grads()
   inject_inf(self)
@@ -672,6 +713,7 @@ function Engine:evaluate(loader, n)
   model:evaluate()
   for i = 1, n do sum = sum + self:forward(loader:val_batch(i)) end
   model:train()
+  self.forwarded = false -- nothing to run backward on
   return sum / n
 end
 

@@ -9,8 +9,21 @@ local engine = require("luazero.zero.engine")
 local above = { estimate = require("luazero.estimate.live"),
                 report = require("luazero.zero.report"),
                 checkpoint = require("luazero.checkpoint") }
+-- opts.config may be a ds_config.json path: read as luazero.config.load
+-- reads it, for the ranks of opts.comm (default luazero.comm).
+local function initialize(opts)
+  if type(opts.config) == "string" then
+    local o = {}
+    for k, v in pairs(opts) do o[k] = v end
+    o.config = require("luazero.config").load(opts.config,
+                                              (opts.comm or require("luazero.comm")).size())
+    opts = o
+  end
+  return engine.initialize(opts, above)
+end
+
 return {
-  initialize = function(opts) return engine.initialize(opts, above) end,
+  initialize = initialize,
   plan = require("luazero.zero.plan"),
   settings = engine.settings,
   plan_of = engine.plan_of,

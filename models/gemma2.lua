@@ -1,0 +1,206 @@
+-- models/gemma2.lua — the Gemma 2 family as Hugging Face's Gemma2ForCausalLM
+-- defines it: Gemma's parts (models/gemma.lua: GeGLU, 1 + weight norms,
+-- scaled embeddings, a tied head) in a layer of four norms —
+--   h = x + post_attention_layernorm(attn(input_layernorm(x)))
+--   y = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))
+-- — attention scaled by query_pre_attn_scalar^-1/2 with its scores
+-- soft-capped (attn_logit_softcapping: s -> c tanh(s / c)), a sliding
+-- window on the layers layer_types names "sliding_attention" (every other
+-- one from the first, by default), and the final logits soft-capped
+-- (final_logit_softcapping) in the loss and in generation.
+--
+-- Parameter names are Hugging Face's: model.embed_tokens.weight,
+-- model.layers.N.{input_layernorm,post_attention_layernorm,
+-- pre_feedforward_layernorm,post_feedforward_layernorm}.weight,
+-- model.layers.N.self_attn.{q,k,v,o}_proj.weight,
+-- model.layers.N.mlp.{gate,up,down}_proj.weight, model.norm.weight.
+local cjson = require("cjson")
+local nn = require("luazero.nn")
+local llama = require("models.llama")
+local gemma = require("models.gemma")
+
+local M = { name = "gemma2" }
+
+local SLIDING, FULL = "sliding_attention", "full_attention"
+
+------------------------------------------------------------------ configs
+
+M.configs = {
+  -- for tests: a window and caps that bite at short lengths
+  ["gemma2-tiny"] = { n_layer = 2, n_head = 4, n_kv_head = 2, n_embd = 64, head_dim = 32,
+                      n_hidden = 192, context = 256, vocab = 256, eps = 1e-6,
+                      rope_theta = 10000, tie = true, query_pre_attn_scalar = 24, window = 8,
+                      attn_softcap = 20, final_softcap = 10, lr = 3e-3 },
+  -- google/gemma-2-2b's config.json
+  ["gemma-2-2b"] = { n_layer = 26, n_head = 8, n_kv_head = 4, n_embd = 2304, head_dim = 256,
+                     n_hidden = 9216, context = 8192, vocab = 256000, eps = 1e-6,
+                     rope_theta = 10000, tie = true, query_pre_attn_scalar = 256, window = 4096,
+                     attn_softcap = 50, final_softcap = 30, lr = 3e-4 },
+  -- google/gemma-2-9b's config.json
+  ["gemma-2-9b"] = { n_layer = 42, n_head = 16, n_kv_head = 8, n_embd = 3584, head_dim = 256,
+                     n_hidden = 14336, context = 8192, vocab = 256000, eps = 1e-6,
+                     rope_theta = 10000, tie = true, query_pre_attn_scalar = 256, window = 4096,
+                     attn_softcap = 50, final_softcap = 30, lr = 3e-4 },
+}
+M.names = { "gemma2-tiny", "gemma-2-2b", "gemma-2-9b" }
+
+local function positive(cfg, k)
+  local v = cfg[k]
+  if v ~= nil and (type(v) ~= "number" or not (v > 0)) then
+    error(("%s must be a number > 0 or absent (got %s)"):format(k, tostring(v)), 0)
+  end
+end
+
+-- family: the family finishing (Gemma 3 finishes its configs here too).
+function M.finish(cfg, family)
+  if cfg.tie == nil then cfg.tie = true end
+  cfg = llama.finish(cfg)
+  cfg.family = family or "gemma2"
+  cfg.query_pre_attn_scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+  for _, k in ipairs({ "query_pre_attn_scalar", "window", "attn_softcap", "final_softcap" }) do
+    positive(cfg, k)
+  end
+  if cfg.window and cfg.window ~= math.floor(cfg.window) then
+    error(("window must be a whole number (got %s)"):format(tostring(cfg.window)), 0)
+  end
+  local types = cfg.layer_types
+  if types == nil then
+    -- every pattern-th layer full, the others sliding (Gemma 2: 2)
+    local pattern = cfg.sliding_window_pattern or 2
+    types = {}
+    for i = 1, cfg.n_layer do types[i] = i % pattern == 0 and FULL or SLIDING end
+    cfg.layer_types = types
+  end
+  if #types ~= cfg.n_layer then
+    error(("layer_types has %d entries for %d layers"):format(#types, cfg.n_layer), 0)
+  end
+  for i, t in ipairs(types) do
+    if t ~= SLIDING and t ~= FULL then
+      error(("layer_types[%d] is %s; expected \"%s\" or \"%s\"")
+            :format(i - 1, cjson.encode(t), SLIDING, FULL), 0)
+    end
+  end
+  return cfg
+end
+
+function M.config(name, overrides)
+  local base = M.configs[name]
+  if not base then
+    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
+          0)
+  end
+  local cfg = { name = name }
+  for k, v in pairs(base) do cfg[k] = v end
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  return M.finish(cfg)
+end
+
+-------------------------------------------------------------------- model
+
+-- The attention options of layer i (nn/gqa.lua's opts): each absent where it
+-- changes nothing (a window the context fits in, the default scale), so such
+-- a layer runs the plain attention kernels.
+function M.attention_opts(cfg, i)
+  local o = {}
+  if cfg.layer_types[i] == SLIDING and cfg.window and cfg.window < cfg.context then
+    o.window = cfg.window
+  end
+  o.softcap = cfg.attn_softcap
+  if cfg.query_pre_attn_scalar ~= cfg.head_dim then o.scale = cfg.query_pre_attn_scalar ^ -0.5 end
+  return o
+end
+
+local desc = {}
+for k, v in pairs(gemma.description) do desc[k] = v end
+desc.names = { body = "model", embedding = "embed_tokens", blocks = "layers", norm = "norm",
+               head = "lm_head",
+               block = { attn_norm = "input_layernorm", attn = "self_attn",
+                         attn_post_norm = "post_attention_layernorm",
+                         mlp_norm = "pre_feedforward_layernorm", mlp = "mlp",
+                         mlp_post_norm = "post_feedforward_layernorm" } }
+-- Layer i's attention with its options (and `more` of a family's own, as
+-- Gemma 3's QK-norm), turning by `rope`.
+function M.attention(cfg, rope, i, more)
+  local opts = M.attention_opts(cfg, i)
+  for k, v in pairs(more or {}) do opts[k] = v end
+  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, rope, cfg.std, opts)
+end
+
+desc.attention = function(cfg, shared, i) return M.attention(cfg, shared.rope, i) end
+desc.final_softcap = function(cfg) return cfg.final_softcap end
+M.description = desc
+
+local Gemma2 = nn.CausalLM:extend("Gemma2")
+M.Gemma2 = Gemma2
+
+function M.new(cfg) return Gemma2:new(M.description, cfg) end
+
+----------------------------------------------------------- Hugging Face
+
+local function config_json(cfg)
+  return {
+    architectures = { "Gemma2ForCausalLM" }, model_type = "gemma2",
+    hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
+    num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
+    num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
+    rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
+    vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
+    tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
+    hidden_activation = "gelu_pytorch_tanh", attention_bias = false, attention_dropout = 0,
+    query_pre_attn_scalar = cfg.query_pre_attn_scalar,
+    sliding_window = cfg.window or cjson.null,
+    attn_logit_softcapping = cfg.attn_softcap or cjson.null,
+    final_logit_softcapping = cfg.final_softcap or cjson.null,
+    layer_types = cfg.layer_types,
+  }
+end
+
+function M.read_layer_types(v, fail)
+  for i, t in ipairs(v) do
+    if t ~= SLIDING and t ~= FULL then
+      fail(("field layer_types[%d] is %s; expected \"%s\" or \"%s\"")
+           :format(i - 1, cjson.encode(t), SLIDING, FULL))
+    end
+  end
+  return v
+end
+
+M.hf = {
+  architectures = { "Gemma2ForCausalLM" }, model_type = "gemma2",
+  fields = {
+    { "n_layer", "num_hidden_layers", "int" },
+    { "n_head", "num_attention_heads", "int" },
+    { "n_embd", "hidden_size", "int" },
+    { "n_hidden", "intermediate_size", "int" },
+    { "context", "max_position_embeddings", "int" },
+    { "vocab", "vocab_size", "int" },
+    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
+    { "head_dim", "head_dim", "int", default = 256 },
+    { "eps", "rms_norm_eps", "number", default = 1e-6 },
+    { "rope_theta", "rope_theta", "number", default = function(_, get)
+        local rp = get("rope_parameters")
+        return type(rp) == "table" and type(rp.rope_theta) == "number" and rp.rope_theta or 10000
+      end },
+    { "tie", "tie_word_embeddings", "bool", default = true },
+    { "std", "initializer_range", "number", default = 0.02 },
+    { "query_pre_attn_scalar", "query_pre_attn_scalar", "number", default = 256 },
+    { "window", "sliding_window", "int", optional = true },
+    { "attn_softcap", "attn_logit_softcapping", "number", optional = true },
+    { "final_softcap", "final_logit_softcapping", "number", optional = true },
+    { "layer_types", "layer_types", "object", optional = true, read = M.read_layer_types },
+    { false, "hidden_activation", "string", default = "gelu_pytorch_tanh",
+      allowed = { "gelu_pytorch_tanh" }, refusal = "luazero's Gemma 2 has the tanh GELU" },
+    { false, "attention_bias", "bool", default = false, allowed = { false },
+      refusal = "luazero's Gemma 2 has no biases" },
+  },
+  lr_of = "gemma-2-2b",
+  config_json = config_json,
+  float_keys = { "rms_norm_eps", "rope_theta", "initializer_range", "attn_logit_softcapping",
+                 "final_logit_softcapping" },
+  vocab_tables = { "model.embed_tokens.weight", "lm_head.weight" },
+  ignored = { "%.rotary_emb%.inv_freq$" },
+  head = "lm_head.weight",
+  tied = function(cfg) return cfg.tie == true end,
+}
+
+return M

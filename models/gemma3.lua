@@ -1,0 +1,139 @@
+-- models/gemma3.lua — Gemma 3's text model as Hugging Face's Gemma3ForCausalLM
+-- defines it: Gemma 2's layer (models/gemma2.lua: four norms, GeGLU, 1 + weight
+-- norms, scaled embeddings, query_pre_attn_scalar, a tied head) with an
+-- RMSNorm over each q and k head before the rotary turn (QK-norm, 1 + weight,
+-- nn/qk_norm.lua), and local and global layers: the sliding ones turn by
+-- their own RoPE base (rope_local_base_freq, 10000), the full ones by
+-- rope_theta (1000000). Soft-capping is off unless a config sets it.
+--
+-- A config.json is read as transformers 4.x writes it (rope_theta,
+-- rope_local_base_freq, sliding_window_pattern: every pattern-th layer full)
+-- and as 5.x does (layer_types; rope_parameters per layer type).
+--
+-- Parameter names: Gemma 2's, plus model.layers.N.self_attn.{q,k}_norm.weight.
+local cjson = require("cjson")
+local nn = require("luazero.nn")
+local llama = require("models.llama")
+local gemma2 = require("models.gemma2")
+
+local M = { name = "gemma3" }
+
+------------------------------------------------------------------ configs
+
+M.configs = {
+  -- for tests: a window that bites at short lengths, two RoPE bases
+  ["gemma3-tiny"] = { n_layer = 2, n_head = 4, n_kv_head = 2, n_embd = 64, head_dim = 32,
+                      n_hidden = 192, context = 256, vocab = 256, eps = 1e-6,
+                      rope_theta = 1000000, rope_local = 10000, tie = true,
+                      query_pre_attn_scalar = 32, window = 8, sliding_window_pattern = 2,
+                      lr = 3e-3 },
+  -- google/gemma-3-1b-pt's config.json
+  ["gemma-3-1b"] = { n_layer = 26, n_head = 4, n_kv_head = 1, n_embd = 1152, head_dim = 256,
+                     n_hidden = 6912, context = 32768, vocab = 262144, eps = 1e-6,
+                     rope_theta = 1000000, rope_local = 10000, tie = true,
+                     query_pre_attn_scalar = 256, window = 512, sliding_window_pattern = 6,
+                     lr = 3e-4 },
+}
+M.names = { "gemma3-tiny", "gemma-3-1b" }
+
+function M.finish(cfg)
+  cfg.rope_local = cfg.rope_local or 10000
+  if type(cfg.rope_local) ~= "number" or not (cfg.rope_local > 0) then
+    error(("rope_local must be a number > 0 (got %s)"):format(tostring(cfg.rope_local)), 0)
+  end
+  cfg.sliding_window_pattern = cfg.sliding_window_pattern or 6
+  return gemma2.finish(cfg, "gemma3")
+end
+
+function M.config(name, overrides)
+  local base = M.configs[name]
+  if not base then
+    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
+          0)
+  end
+  local cfg = { name = name }
+  for k, v in pairs(base) do cfg[k] = v end
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  return M.finish(cfg)
+end
+
+-------------------------------------------------------------------- model
+
+local desc = {}
+for k, v in pairs(gemma2.description) do desc[k] = v end
+-- The global layers' frequencies and the local ones'.
+desc.shared = function(cfg)
+  return { rope = nn.Rope.new(llama.inv_freq(cfg)),
+           rope_local = nn.Rope.new(llama.inv_freq({ head_dim = cfg.head_dim,
+                                                     rope_theta = cfg.rope_local })) }
+end
+desc.attention = function(cfg, shared, i)
+  local rope = cfg.layer_types[i] == "sliding_attention" and shared.rope_local or shared.rope
+  return gemma2.attention(cfg, rope, i, { qk_norm = { eps = cfg.eps, offset = 1 } })
+end
+M.description = desc
+
+local Gemma3 = nn.CausalLM:extend("Gemma3")
+M.Gemma3 = Gemma3
+
+function M.new(cfg) return Gemma3:new(M.description, cfg) end
+
+----------------------------------------------------------- Hugging Face
+
+local function config_json(cfg)
+  local j = gemma2.hf.config_json(cfg)
+  j.architectures, j.model_type = { "Gemma3ForCausalLM" }, "gemma3_text"
+  j.rope_theta = nil
+  j.rope_parameters = {
+    full_attention = { rope_type = "default", rope_theta = cfg.rope_theta },
+    sliding_attention = { rope_type = "default", rope_theta = cfg.rope_local },
+  }
+  return j
+end
+
+-- rope_parameters (5.x) of one layer type: its rope_theta; only the default
+-- rotary embedding is implemented.
+local function theta_of(get, kind, legacy, default)
+  local rp = get("rope_parameters")
+  local p = type(rp) == "table" and rp[kind]
+  if type(p) == "table" then
+    local t = p.rope_type or p.type or "default"
+    if t ~= "default" then
+      error(("field rope_parameters.%s.rope_type is %s; only \"default\" is implemented")
+            :format(kind, cjson.encode(t)), 0)
+    end
+    if type(p.rope_theta) == "number" then return p.rope_theta end
+  end
+  return get(legacy) or default
+end
+
+local fields = {}
+for _, e in ipairs(gemma2.hf.fields) do
+  if e[1] ~= "rope_theta" then fields[#fields + 1] = e end
+end
+local more = {
+  { "rope_theta", "rope_theta", "number", default = function(_, get)
+      return theta_of(get, "full_attention", "rope_theta", 1000000)
+    end },
+  { "rope_local", "rope_local_base_freq", "number", default = function(_, get)
+      return theta_of(get, "sliding_attention", "rope_local_base_freq", 10000)
+    end },
+  { "sliding_window_pattern", "sliding_window_pattern", "int", default = 6 },
+  { false, "rope_scaling", "object", optional = true, allowed = {},
+    refusal = "luazero's Gemma 3 has no rotary scaling" },
+}
+for _, e in ipairs(more) do fields[#fields + 1] = e end
+
+M.hf = {
+  architectures = { "Gemma3ForCausalLM" }, model_type = "gemma3_text",
+  fields = fields,
+  lr_of = "gemma-3-1b",
+  config_json = config_json,
+  float_keys = gemma2.hf.float_keys,
+  vocab_tables = gemma2.hf.vocab_tables,
+  ignored = gemma2.hf.ignored,
+  head = gemma2.hf.head,
+  tied = gemma2.hf.tied,
+}
+
+return M

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# tests/install/run.sh — tools/install into a temporary prefix, then, from a
+# folder that is not the checkout, with only the prefix's bin on PATH:
+# `luazero --version`, a script of one's own (`luazero my_train.lua`), a
+# bundled script by name (`luazero -m train`, `luazero -n 2 -m
+# examples/own_model`), an example's loss falling; then the documented
+# uninstall leaves nothing behind. Ends with "N passed, N failed".
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$(pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+pass=0
+fail=0
+check() { # name, condition (a command), detail
+  local name=$1 detail=$3
+  if eval "$2"; then pass=$((pass + 1)); echo "ok   install.$name"
+  else fail=$((fail + 1)); echo "FAIL install.$name"; echo "$detail" | tail -n 20 | sed 's/^/     /'; fi
+}
+
+prefix="$work/prefix"
+out=$(tools/install --prefix "$prefix" 2>&1)
+check installs '[ -x "$prefix/bin/luazero" ] && [ -d "$prefix/lib/luazero/lua" ]' "$out"
+
+elsewhere="$work/elsewhere"
+mkdir -p "$elsewhere"
+cd "$elsewhere"
+export PATH="$prefix/bin:/usr/bin:/bin"
+unset LUAZERO_HOME
+awk 'BEGIN { for (i = 0; i < 400; i++) printf "line %d of the corpus: %d %s\n", i, (i * 7919) % 1000, (i % 3 ? "alpha" : "beta") }' > corpus.txt
+
+out=$(luazero --version 2>&1)
+check version '[[ "$out" =~ ^luazero\ [0-9]+\.[0-9]+ ]]' "$out"
+
+out=$(luazero -e 'print(require("luazero").root)' 2>&1)
+check root_is_the_install '[ "$out" = "$prefix/lib/luazero" ]' "$out"
+
+cat > my_train.lua <<'LUA'
+local config, data = require("luazero.config"), require("luazero.data")
+local zero, models = require("luazero.zero"), require("models.registry")
+local mcfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+local engine = zero.initialize{ model = models.new(mcfg), seed = 1, batch = { 4, 16 },
+                                config = config.load({ train_micro_batch_size_per_gpu = 4 }) }
+local corpus = data.load(arg[1])
+local loader = data.loader(corpus, { B = 4, T = 16, seed = 1, vocab = mcfg.vocab })
+for step = 1, 6 do print(("step %d loss %.4f"):format(step, engine:train_batch(loader).loss)) end
+LUA
+out=$(luazero my_train.lua corpus.txt 2>&1)
+first=$(echo "$out" | awk '/^step 1 /{print $4}')
+last=$(echo "$out" | awk '/^step 6 /{print $4}')
+check my_train_runs '[ -n "$first" ] && [ -n "$last" ] && awk "BEGIN{exit !($last < $first)}"' "$out"
+
+out=$(luazero -m train --data corpus.txt --model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 \
+      --context 16 --seq-len 8 --micro-batch 2 --steps 3 --sample 0 --eval-batches 1 2>&1)
+check bundled_train_by_name 'echo "$out" | grep -q "^params_checksum [0-9a-f]"' "$out"
+
+out=$(luazero -n 2 -m examples/own_model corpus.txt 4 2>&1)
+check bundled_example_on_2_ranks 'echo "$out" | grep -q "^params_checksum [0-9a-f]" && [ "$(echo "$out" | grep -c "^step ")" = 4 ]' "$out"
+
+out=$(luazero -m nothing-here 2>&1); st=$?
+check unknown_name_is_one_line '[ $st = 2 ] && [ "$(echo "$out" | wc -l)" = 1 ] && echo "$out" | grep -q "no bundled script"' "$out"
+
+left=$(ls -A "$elsewhere" | grep -v -e '^corpus.txt$' -e '^my_train.lua$')
+check writes_nothing_beside_the_script '[ -z "$left" ]' "$left"
+
+cd "$root"
+out=$(tools/install --uninstall --prefix "$prefix" 2>&1)
+check uninstall_leaves_nothing '[ ! -e "$prefix/bin/luazero" ] && [ ! -e "$prefix/lib/luazero" ]' "$out"
+
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]

@@ -1,0 +1,113 @@
+-- test_misuse.lua — what a script of one's own can get wrong gets one line
+-- that names the fix: step before backward, backward twice, a module with a
+-- forward and no backward, a parameter made outside the engine, a batch of
+-- the wrong shape; and through `luazero script.lua` the line is all there is.
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local nn = require("luazero.nn")
+local zero = require("luazero.zero")
+local models = require("models.registry")
+
+local T = {}
+local B, S = 2, 8
+
+local function engine_and_batch()
+  local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+  local engine = zero.initialize{ model = models.new(cfg), seed = 1, batch = { B, S },
+                                  config = { train_micro_batch_size_per_gpu = B } }
+  local x, y = lz.tensor({ B, S }, "i32"), lz.tensor({ B, S }, "i32")
+  for i = 0, B * S - 1 do x:set(i, i % 50); y:set(i, (i + 1) % 50) end
+  return engine, x, y
+end
+
+-- err must be one line holding each needle.
+local function one_line(fn, ...)
+  local ok, err = pcall(fn)
+  assert(not ok, "expected an error")
+  err = tostring(err)
+  assert(not err:find("\n"), "more than one line: " .. err)
+  for _, needle in ipairs({ ... }) do
+    assert(err:find(needle, 1, true), ("%q does not say %q"):format(err, needle))
+  end
+  return err
+end
+
+function T.step_before_backward()
+  local engine, x, y = engine_and_batch()
+  one_line(function() engine:step() end, "engine: step before backward",
+           "engine:backward(loss) first")
+  engine:backward(engine:forward(x, y))
+  local r = engine:step()
+  assert(r.loss > 0, "the step after a backward runs")
+  one_line(function() engine:step() end, "step before backward") -- again, without a new backward
+  engine:free()
+end
+
+function T.backward_twice()
+  local engine, x, y = engine_and_batch()
+  local loss = engine:forward(x, y)
+  engine:backward(loss)
+  one_line(function() engine:backward(loss) end, "backward twice",
+           "engine:forward(x, y) before each")
+  engine:step()
+  engine:free()
+end
+
+function T.a_batch_of_the_wrong_shape()
+  local engine, x, y = engine_and_batch()
+  local flat = lz.tensor({ B * S }, "i32")
+  one_line(function() engine:forward(flat, y) end, "a batch must be", "[B, T]", "t:view(0, {B, T})")
+  local other = lz.tensor({ B, S - 1 }, "i32")
+  one_line(function() engine:forward(x, other) end, "the same shape")
+  one_line(function() engine:forward(lz.tensor({ B, S }, "f32"), y) end, "i32")
+  engine:backward(engine:forward(x, y)) -- the refused batches left nothing half done
+  engine:step()
+  engine:free()
+end
+
+-- A model of one's own with a module the engine cannot train.
+local function model_with(child)
+  local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+  local model = models.new(cfg)
+  local body = model.children[1].module
+  body:add("extra", child)
+  return model
+end
+
+function T.a_module_without_backward()
+  local Half = nn.Module:extend("Half")
+  function Half.new() return setmetatable({}, Half):init() end
+  function Half:forward(x) return x end
+  one_line(function() zero.initialize{ model = model_with(Half.new()), config = {} } end,
+           "module transformer.extra (Half) has a forward but no backward", "give it backward(dy)")
+end
+
+function T.a_parameter_made_outside_the_engine()
+  local Scale = nn.Module:extend("Scale")
+  function Scale.new()
+    local self = setmetatable({}, Scale):init()
+    self.p.gain = lz.tensor({ 4 }) -- should have been self:param("gain", {4}, ...)
+    return self
+  end
+  function Scale:forward(x) return x end
+  function Scale:backward(dy) return dy end
+  one_line(function() zero.initialize{ model = model_with(Scale.new()), config = {} } end,
+           "transformer.extra (Scale) holds p.gain", 'self:param("gain", shape, init)')
+end
+
+function T.through_luazero_the_error_is_one_line()
+  local write = support.scratch()
+  local script = write("misuse.lua", [[
+local zero, models = require("luazero.zero"), require("models.registry")
+local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+local engine = zero.initialize{ model = models.new(cfg), config = {}, batch = { 2, 8 } }
+engine:step()
+]])
+  local out, st = support.sh(support.quote(lz.executable()) .. " " .. support.quote(script))
+  support.eq(st, 1, "exit status")
+  support.eq(out, "luazero: engine: step before backward: no gradients since the last step; " ..
+             "call engine:forward(x, y) and engine:backward(loss) first (or " ..
+             "engine:train_batch)\n", "output")
+end
+
+return T
