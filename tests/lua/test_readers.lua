@@ -57,6 +57,23 @@ function T.config_and_manifest_refusals_stay_one_line_whatever_the_file_holds()
   refused("tokenizer: " .. p .. ": ", { "model.vocab[" }, tokenizer.load, p)
 end
 
+-- A header number beyond a double (1e999: inf) or NaN in data_offsets or a
+-- shape raised cjson's "Cannot serialise number" while the refusal quoted it.
+function T.safetensors_header_with_nan_or_inf_is_refused_quoting_it()
+  local safetensors = require("luazero.checkpoint.safetensors")
+  for _, case in ipairs({
+    { '"shape": [2], "data_offsets": [0, NaN]', "data_offsets [0,nan]" },
+    { '"shape": [2], "data_offsets": [0, 1e999]', "data_offsets span inf bytes" },
+    { '"shape": [-1e999], "data_offsets": [0, 8]', "shape [-inf]" },
+    { '"shape": [NaN], "data_offsets": [0, 8]', "shape [nan]" },
+  }) do
+    local header = '{"w": {"dtype": "F32", ' .. case[1] .. '}}'
+    local bytes = string.char(#header, 0, 0, 0, 0, 0, 0, 0) .. header .. string.rep("\0", 8)
+    local p = write_file("nan.safetensors", bytes)
+    refused("safetensors " .. p .. ": ", { case[2] }, safetensors.open, p)
+  end
+end
+
 -- A folder given as a safetensors file raised pread's "Is a directory"
 -- from an assert; an index whose weight_map names "", "." or ".." opened
 -- the folder itself; a name with a newline made a refusal of two lines.

@@ -11,6 +11,10 @@
 local oneline = require("luazero.io.oneline")
 local ffi = require("ffi")
 local cjson = require("cjson")
+-- What a refusal quotes of a header: JSON, but NaN and infinities (which a
+-- damaged header may decode to) written as nan and inf instead of raising.
+local quoted = cjson.new()
+quoted.encode_invalid_numbers(true)
 
 for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                        "int64_t pread(int fd, void *buf, size_t n, int64_t offset);",
@@ -128,7 +132,7 @@ function M.open(path)
       end
       if bad then
         fail(path, ("__metadata__: %s is not an object of strings; the file is damaged or not " ..
-                    "safetensors"):format(cjson.encode(meta)))
+                    "safetensors"):format(quoted.encode(meta)))
       end
     end
     self.metadata = type(meta) == "table" and meta or {}
@@ -151,34 +155,34 @@ function File:add(name, e)
     fail(path, ("tensor %s: " .. fmt .. "; the file is damaged or not safetensors")
                :format(name, ...))
   end
-  if type(e) ~= "table" then refuse("header entry %s is not an object", cjson.encode(e)) end
+  if type(e) ~= "table" then refuse("header entry %s is not an object", quoted.encode(e)) end
   local es = M.DTYPES[e.dtype]
   if not es then
     fail(path, ("tensor %s: dtype %s is not one luazero reads; convert the file to F32, BF16 " ..
-                "or F16"):format(name, cjson.encode(e.dtype == nil and cjson.null or e.dtype)))
+                "or F16"):format(name, quoted.encode(e.dtype == nil and cjson.null or e.dtype)))
   end
   if type(e.shape) ~= "table" or not is_array(e.shape) then
-    refuse("shape %s is not a list", cjson.encode(e.shape == nil and cjson.null or e.shape))
+    refuse("shape %s is not a list", quoted.encode(e.shape == nil and cjson.null or e.shape))
   end
   -- As the format's own reader: every dimension, their product and its
   -- bytes fit in 64 bits.
   local numel = 1
   for _, d in ipairs(e.shape) do
     if type(d) ~= "number" or d < 0 or d ~= math.floor(d) or d >= 2 ^ 64 then
-      refuse("shape %s is not a list of whole numbers from 0", cjson.encode(e.shape))
+      refuse("shape %s is not a list of whole numbers from 0", quoted.encode(e.shape))
     end
     numel = numel * d
-    if numel >= 2 ^ 64 then refuse("shape %s overflows 64 bits", cjson.encode(e.shape)) end
+    if numel >= 2 ^ 64 then refuse("shape %s overflows 64 bits", quoted.encode(e.shape)) end
   end
   if numel * es >= 2 ^ 64 then
-    refuse("shape %s of %s overflows 64 bits of bytes", cjson.encode(e.shape), e.dtype)
+    refuse("shape %s of %s overflows 64 bits of bytes", quoted.encode(e.shape), e.dtype)
   end
   local o = e.data_offsets
   if type(o) ~= "table" or not is_array(o) or #o ~= 2 or type(o[1]) ~= "number" or
      type(o[2]) ~= "number" or o[2] < o[1] or o[1] ~= math.floor(o[1]) or
      o[2] ~= math.floor(o[2]) then
     refuse("data_offsets %s is not [begin, end] (whole numbers, begin <= end)",
-           cjson.encode(o == nil and cjson.null or o))
+           quoted.encode(o == nil and cjson.null or o))
   end
   if o[1] < 0 then
     refuse("data_offsets [%.0f, %.0f] begin before the data (offsets count from the end of the " ..
