@@ -222,6 +222,15 @@ local function fp16_section(raw, cfg, unimpl)
       end
     end
   end
+  if not out.enabled and given(raw) then
+    for _, name in ipairs({ "loss_scale", "initial_scale_power", "loss_scale_window",
+                            "hysteresis", "min_loss_scale" }) do
+      if given(raw[name]) then
+        cfg.no_effect[#cfg.no_effect + 1] = ("fp16.%s (the loss scaler runs only with " ..
+                                             "fp16.enabled true)"):format(name)
+      end
+    end
+  end
   -- The loss scaler always resets hysteresis after an overflow-free step.
   if out.consecutive_hysteresis then unimpl[#unimpl + 1] = "fp16.consecutive_hysteresis" end
   cfg.fp16 = out
@@ -306,7 +315,10 @@ local function activation_checkpointing_section(raw, cfg, unimpl)
   end
 end
 
-local function offload_block(key, raw, defaults, unimpl)
+-- Offload keys that configure only the NVMe swap files.
+local nvme_only = { "nvme_path", "buffer_count", "buffer_size", "pipeline_read", "pipeline_write" }
+
+local function offload_block(key, raw, defaults, unimpl, notes)
   local out = deep_copy(defaults)
   if not given(raw) then return out end
   block(key, raw)
@@ -343,6 +355,19 @@ local function offload_block(key, raw, defaults, unimpl)
       fail('%s.nvme_path is required with "device": "%s"', key, out.device)
     end
     M.check_writable_dir(key .. ".nvme_path", out.nvme_path)
+  elseif out.device == "none" then
+    for _, k in ipairs(sorted_keys(raw)) do
+      if k ~= "device" and given(raw[k]) then
+        notes[#notes + 1] = ('%s.%s (nothing is offloaded: "device" is "none")'):format(key, k)
+      end
+    end
+  else
+    for _, k in ipairs(nvme_only) do
+      if given(raw[k]) then
+        notes[#notes + 1] = ('%s.%s (it configures the NVMe swap files; "device" is "%s")')
+                            :format(key, k, out.device)
+      end
+    end
   end
   -- Partial offload (ratio < 1) and a CPU cache of NVMe parameters are
   -- read but not acted on.
@@ -386,6 +411,10 @@ local function aio_section(raw, cfg, unimpl)
          "4 KiB blocks", show(out.block_size))
   end
 end
+
+-- Keys that tune stage 3's parameter gathers only.
+local stage3_tuning = { "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                        "stage3_max_live_parameters", "stage3_max_reuse_distance" }
 
 local function zero_section(raw, cfg, unimpl)
   local out = {}
@@ -432,9 +461,14 @@ local function zero_section(raw, cfg, unimpl)
   local param_raw = raw.offload_param
   if raw.cpu_offload_param == true and not given(param_raw) then param_raw = { device = "cpu" } end
   out.offload_optimizer = offload_block(z .. "offload_optimizer", opt_raw,
-                                        M.offload_optimizer_defaults, unimpl)
+                                        M.offload_optimizer_defaults, unimpl, cfg.no_effect)
   out.offload_param = offload_block(z .. "offload_param", param_raw, M.offload_param_defaults,
-                                    unimpl)
+                                    unimpl, cfg.no_effect)
+  -- The stage-3 tuning keys given, noted once the stage is known (set_stage).
+  out.stage3_given = {}
+  for _, k in ipairs(stage3_tuning) do
+    if given(raw[k]) then out.stage3_given[#out.stage3_given + 1] = k end
+  end
   local handled = { stage = true, offload_optimizer = true, offload_param = true,
                     cpu_offload = true, cpu_offload_param = true, overlap_comm = true,
                     contiguous_gradients = true, reduce_scatter = true,
@@ -459,6 +493,13 @@ end
 function M.set_stage(cfg, stage)
   local z = cfg.zero_optimization
   z.stage = stage
+  if stage ~= "auto" and stage < 3 and z.stage3_given then
+    for _, k in ipairs(z.stage3_given) do
+      cfg.no_effect[#cfg.no_effect + 1] = ("zero_optimization.%s (it tunes stage 3's " ..
+        "parameter gathers; the stage is %d)"):format(k, stage)
+    end
+    z.stage3_given = nil
+  end
   if stage ~= "auto" then
     for _, key in ipairs({ "offload_optimizer", "offload_param" }) do
       local rule = Placement.offload_stages[key]

@@ -578,4 +578,38 @@ function T.data_types_grad_accum_dtype_is_fp32_or_the_working_dtype()
   assert(load_error({ train_batch_size = 8, data_types = 3 }, 1):find("data_types", 1, true))
 end
 
+function T.settings_without_effect_are_named()
+  local cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 2,
+    stage3_max_live_parameters = 1000, stage3_prefetch_bucket_size = 100,
+    offload_optimizer = { device = "cpu", buffer_count = 8, pin_memory = true },
+    offload_param = { device = "none", nvme_path = "/tmp" } },
+    fp16 = { enabled = false, loss_scale = 0, initial_scale_power = 12 } }, 1)
+  local msg = config.no_effect_message(cfg)
+  for _, want in ipairs({
+    'zero_optimization.offload_optimizer.buffer_count (it configures the NVMe swap files; ' ..
+      '"device" is "cpu")',
+    'zero_optimization.offload_param.nvme_path (nothing is offloaded: "device" is "none")',
+    "zero_optimization.stage3_max_live_parameters (it tunes stage 3's parameter gathers; " ..
+      "the stage is 2)",
+    "zero_optimization.stage3_prefetch_bucket_size (it tunes",
+    "fp16.loss_scale (the loss scaler runs only with fp16.enabled true)",
+    "fp16.initial_scale_power (the loss scaler",
+  }) do
+    assert(msg and msg:find(want, 1, true), ("missing %q in %s"):format(want, tostring(msg)))
+  end
+  assert(not msg:find("pin_memory", 1, true), msg)
+  -- The same keys where they act: no note.
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 3,
+    stage3_max_live_parameters = 1000 }, fp16 = { enabled = true, loss_scale = 0 } }, 1)
+  assert(config.no_effect_message(cfg) == nil, config.no_effect_message(cfg))
+  -- "auto" is noted once, when the stage is chosen.
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = "auto",
+    stage3_max_reuse_distance = 10 } }, 1)
+  assert(config.no_effect_message(cfg) == nil)
+  config.set_stage(cfg, 1)
+  config.set_stage(cfg, 1)
+  local _, n = config.no_effect_message(cfg):gsub("stage3_max_reuse_distance", "")
+  assert(n == 1, config.no_effect_message(cfg))
+end
+
 return T
