@@ -14,6 +14,7 @@ local atomic = require("luazero.io.atomic")
 local paths = require("luazero.io.paths")
 local run_text = require("luazero.run.text")
 local fs = require("luazero.io.fs")
+local valid_utf8 = require("luazero.tokenizer.sentencepiece").valid_utf8
 local exists, is_dir = fs.exists, fs.is_dir
 
 -- The sampling flags: greedy decoding (--temperature 0) takes the likeliest
@@ -90,6 +91,11 @@ local function read_prompts(flags)
       if n == 1 and line:sub(1, 3) == "\239\187\191" then
         fail(("--prompts %s: starts with a UTF-8 byte order mark (EF BB BF), which would be " ..
               "part of the first prompt; save the file as UTF-8 without it"):format(flags.prompts))
+      end
+      local utf8_ok, at = valid_utf8(line)
+      if not utf8_ok then
+        fail(("--prompts %s: line %d is not UTF-8 (byte %d of the line is 0x%02X); save the " ..
+              "file as UTF-8"):format(flags.prompts, n, at, line:byte(at)))
       end
       if line:find("%S") then
         if line:match("^%s*{") then

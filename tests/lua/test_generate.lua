@@ -337,6 +337,11 @@ function T.generate_continues_prompts_from_a_checkpoint()
   out, st = script("generate", ("--load %s/ck --prompts %s --out %s"):format(dir, prompts, prompts))
   assert(st == 2 and out:find("--out", 1, true) and out:find("--prompts", 1, true), out)
   f = assert(io.open(prompts, "rb")); eq(f:read("*a"), "line 7\n", "the prompts stay whole"); f:close()
+  -- A prompts file that is not UTF-8 (here Latin-1 "caf\xE9") is named with line and byte.
+  f = assert(io.open(prompts, "wb")); f:write("ok\n{\"prompt\": \"caf\233\"}\n"); f:close()
+  out, st = script("generate", ("--load %s/ck --prompts %s"):format(dir, prompts))
+  assert(st == 2 and out:find(("--prompts %s: line 2 is not UTF-8 (byte 16 of the line is 0xE9); " ..
+                               "save the file as UTF-8"):format(prompts), 1, true), out)
 end
 
 -- A consolidated file (with the model's config.json) and a LoRA run's

@@ -185,24 +185,25 @@ end
 
 local REPLACEMENT_CHAR = "\239\191\189" -- U+FFFD
 
--- Valid UTF-8 (what Rust's String::from_utf8 accepts).
+-- Valid UTF-8 (what Rust's String::from_utf8 accepts): true, or false and
+-- the position of the first byte of the first invalid sequence.
 local function valid_utf8(s)
   local i, n = 1, #s
   while i <= n do
     local b = byte(s, i)
     local l, lo = 1, 0
-    if b >= 0xF5 or (b >= 0x80 and b < 0xC2) then return false end
+    if b >= 0xF5 or (b >= 0x80 and b < 0xC2) then return false, i end
     if b >= 0xF0 then l, lo = 4, 0x10000 elseif b >= 0xE0 then l, lo = 3, 0x800
     elseif b >= 0xC2 then l, lo = 2, 0x80 end
     if l > 1 then
-      if i + l - 1 > n then return false end
+      if i + l - 1 > n then return false, i end
       local cp = b % (l == 2 and 32 or l == 3 and 16 or 8)
       for k = i + 1, i + l - 1 do
         local c = byte(s, k)
-        if c < 0x80 or c > 0xBF then return false end
+        if c < 0x80 or c > 0xBF then return false, i end
         cp = cp * 64 + c % 64
       end
-      if cp < lo or cp > 0x10FFFF or (cp >= 0xD800 and cp <= 0xDFFF) then return false end
+      if cp < lo or cp > 0x10FFFF or (cp >= 0xD800 and cp <= 0xDFFF) then return false, i end
     end
     i = i + l
   end
