@@ -208,14 +208,18 @@ local function set_up(flags)
                 select(2, model:trainable_table())))
   end
   outputs.check_save_target(ex, flags, model.n_params)
-  checked(stage_auto.resolve, ex, cfg, model, world, flags)
+  -- (before --stage auto, which counts the activations it leaves)
+  if flags.checkpoint_activations then
+    checked(model.checkpoint_activations, model, cfg.activation_checkpointing)
+  end
+  checked(stage_auto.resolve, ex, cfg, model, world, flags, { B, T })
   local note = config.unimplemented_message(cfg)
   if note then say(note) end
-  if flags.checkpoint_activations then
-    note = config.no_effect_message(cfg)
-    if note then say(note) end
-    checked(model.checkpoint_activations, model, cfg.activation_checkpointing)
-  elseif cfg.activation_checkpointing_given then
+  -- Without --checkpoint-activations one line covers the whole block.
+  note = config.no_effect_message(cfg, not flags.checkpoint_activations and
+                                       "activation_checkpointing." or nil)
+  if note then say(note) end
+  if not flags.checkpoint_activations and cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
   local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,

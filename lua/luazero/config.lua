@@ -742,10 +742,15 @@ function M.unimplemented_message(cfg)
 end
 
 -- The start-up line for settings that are read and valid but cannot act
--- on this machine or model, each with the reason; nil if none.
-function M.no_effect_message(cfg)
-  if #cfg.no_effect == 0 then return nil end
-  return "config: no effect here: " .. table.concat(cfg.no_effect, "; ")
+-- on this machine or model, each with the reason; nil if none. skip: a
+-- key prefix whose notes another line covers.
+function M.no_effect_message(cfg, skip)
+  local list = {}
+  for _, note in ipairs(cfg.no_effect) do
+    if not (skip and note:sub(1, #skip) == skip) then list[#list + 1] = note end
+  end
+  if #list == 0 then return nil end
+  return "config: no effect here: " .. table.concat(list, "; ")
 end
 
 -- One line saying what the configuration asks for.

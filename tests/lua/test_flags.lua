@@ -75,16 +75,25 @@ function T.stage_auto_says_which_stage_needs_the_least_when_none_fits()
   assert(why:find("no stage fits (stage 3 needs the least, 8.6 MiB); picked stage 3", 1, true), why)
   -- a budget the run holds that nothing meets is refused before the first
   -- step (it would stop the run there), and so is one the process fills
+  -- The activations of one micro-batch come off the budget first.
   local out, st = train(1, "--steps 1 --stage auto --memory-budget 100KiB")
+  assert(st == 2 and out:find("train: stage auto: the activations of a 2 x 8 micro-batch need " ..
+                              "100.6 KiB per rank, more than the whole budget 100.0 KiB " ..
+                              "(--memory-budget); the run would stop at its first step: lower " ..
+                              "--micro-batch or --seq-len, add " ..
+                              "--checkpoint-activations, or raise --memory-budget", 1, true), out)
+  out, st = train(1, "--steps 1 --stage auto --memory-budget 150KiB")
   assert(st == 2, out)
   assert(out:find("train: stage auto: stage 0 needs ", 1, true) and
-         out:find("budget 100.0 KiB: no stage fits (stage 0 needs the least, ", 1, true) and
+         out:find("budget 49.4 KiB (what is left after 100.6 KiB of activations for a 2 x 8 " ..
+                  "micro-batch): no stage fits (stage 0 needs the least, ", 1, true) and
          out:find("the run would stop at its first step over the budget it holds: raise " ..
                   "--memory-budget", 1, true), out)
   assert(not out:find("step     1", 1, true), out)
   out, st = train(1, "--steps 1 --stage auto --memory-budget 1MiB")
   assert(st == 2, out)
-  assert(out:find("budget 1.0 MiB: picked stage 0, but this process holds ", 1, true) and
+  assert(out:find("budget 923.4 KiB (what is left after 100.6 KiB of activations for a 2 x 8 " ..
+                  "micro-batch): picked stage 0, but this process holds ", 1, true) and
          not out:find("step     1", 1, true), out)
 end
 

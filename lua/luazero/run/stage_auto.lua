@@ -1,15 +1,17 @@
 -- run/stage_auto.lua — --stage auto: the lowest ZeRO stage whose model
 -- states fit the per-rank budget; when none does, stage 3 with the
 -- optimizer states (and the parameter shard) on NVMe where that fits, in
--- the config's nvme_path or --nvme-path. ex: a luazero.run.exits.
+-- the config's nvme_path or --nvme-path; the activations of one
+-- micro-batch come off the budget first. ex: a luazero.run.exits.
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
 local store = require("luazero.zero.store")
 local M = {}
 
--- Sets cfg's stage (and NVMe placement) for model on `world` ranks; a
--- stage given outright is kept, and --nvme-path refused beside it.
-function M.resolve(ex, cfg, model, world, flags)
+-- Sets cfg's stage (and NVMe placement) for model on `world` ranks
+-- training micro-batches of batch = { B, T } (nil: activations not
+-- counted); a stage given outright is kept, and --nvme-path refused beside it.
+function M.resolve(ex, cfg, model, world, flags, batch)
   local z = cfg.zero_optimization
   if z.stage ~= "auto" then
     if flags.nvme_path then
@@ -19,6 +21,24 @@ function M.resolve(ex, cfg, model, world, flags)
     return
   end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+  local act_note = ""
+  if batch then
+    -- (what the model's arenas hold for one micro-batch, with the
+    -- activation checkpointing it is set to)
+    local act = estimate.activations(model, batch[1], batch[2], cfg.dtype).device
+    local what = ("the activations of a %d x %d micro-batch need %s"):format(batch[1], batch[2],
+                                                                         estimate.format_bytes(act))
+    if act >= budget then
+      local held = require("luazero.run.config").held_budget(cfg)
+      ex.user_error(("stage auto: %s per rank, more than the whole budget %s (%s)%s: lower " ..
+                     "--micro-batch or --seq-len, add --checkpoint-activations, or raise %s")
+                    :format(what, estimate.format_bytes(budget), source,
+                            held and "; the run would stop at its first step" or "", source))
+    end
+    budget = budget - act
+    act_note = (" (what is left after %s of activations for a %d x %d micro-batch)")
+               :format(estimate.format_bytes(act), batch[1], batch[2])
+  end
   local persistent = 0
   for _, e in ipairs(model.param_table) do
     if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
@@ -33,6 +53,7 @@ function M.resolve(ex, cfg, model, world, flags)
   local stage, why, fits, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
     { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
       nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts })
+  why = why:gsub("budget [%d.]+ %a+", function(b) return b .. act_note end, 1)
   -- A budget the run holds (--memory-budget, luazero.memory_budget,
   -- LZ_MEMORY_BUDGET; run/loop.lua checks each step) that no placement
   -- meets, or that this process's own memory fills before any model state,
