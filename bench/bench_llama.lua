@@ -338,6 +338,7 @@ print(("llama %s%s and gpt2 %s, batch %d x %d per rank, %d threads in all, %d ro
               flags.lora and (" LoRA r%d on q_proj, v_proj"):format(flags.lora_r) or "",
               gpt2_cfg and gpt2_cfg.name or "(none)", B, T, threads,
               flags.rounds, flags.rounds == 1 and "" or "s"))
+print(bench.machine())
 if hf_missing then print(hf_missing) end
 io.stdout:flush()
 local n_params = {}

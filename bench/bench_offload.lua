@@ -55,6 +55,7 @@ local nvme = flags.nvme or (root .. "/build")
 
 local tmp = bench.scratch()
 local data = bench.corpus(tmp, flags.data)
+print(bench.machine())
 
 local function mib(b) return b / 2 ^ 20 end
 

@@ -1,6 +1,7 @@
 -- bench_support.lua — what the Lua benchmarks share (not a benchmark itself):
 -- shell quoting and commands, a scratch folder, the corpus they train on,
--- medians and the GEMM yardstick.
+-- medians, the GEMM yardstick and the machine line every figure is read
+-- beside.
 --   local bench = dofile(lz.root .. "/bench/bench_support.lua")
 --   local q, tmp = bench.quote, bench.scratch()
 --   local data = bench.corpus(tmp, flags.data)   -- the given file, or a generated text
@@ -66,6 +67,29 @@ function M.gemm_gflops(n, dtype)
   end
   a:free(); b:free(); c:free()
   return 2 * n ^ 3 / best / 1e9
+end
+
+-- One line naming the machine a figure comes from: the CPU, the threads,
+-- its vector and matrix units (AMX tiles, AVX-512 BF16, AVX-512, AVX2) and
+-- how bf16 GEMMs run on it.
+function M.machine()
+  local model, flags = "unknown CPU", ""
+  local f = io.open("/proc/cpuinfo", "r")
+  if f then
+    for line in f:lines() do
+      local k, v = line:match("^(%w[%w ]-)%s*:%s*(.*)$")
+      if k == "model name" and model == "unknown CPU" then model = v end
+      if k == "flags" and flags == "" then flags = " " .. v .. " " end
+    end
+    f:close()
+  end
+  local units = {}
+  for _, u in ipairs({ { "amx_tile", "AMX" }, { "avx512_bf16", "AVX-512 BF16" },
+                       { "avx512f", "AVX-512" }, { "avx2", "AVX2" } }) do
+    if flags:find(" " .. u[1] .. " ", 1, true) then units[#units + 1] = u[2] end
+  end
+  return ("machine: %s, %d threads; %s; bf16 GEMMs %s"):format(model, lz.threads(),
+    #units > 0 and table.concat(units, ", ") or "no AVX2", lz.bf16_matmul())
 end
 
 return M

@@ -37,7 +37,8 @@ lz.threads(threads)
 
 ------------------------------------------------------------- GEMM peak
 
-local gemm_gflops = dofile(lz.root .. "/bench/bench_support.lua").gemm_gflops
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local gemm_gflops = bench.gemm_gflops
 
 -- Measured before and after the training runs; the better figure counts, so
 -- a burst of load from elsewhere does not pass for the machine's peak.
@@ -56,6 +57,7 @@ local batches = require("luazero.data.random").new(B, T, cfg.vocab, rng.new(1))
 local n_params = model:count_params()
 local flops_per_token = 6 * (n_params - cfg.context * cfg.n_embd) +
                         12 * cfg.n_layer * cfg.n_embd * T
+print(bench.machine())
 print(("model %s: %.1fM parameters, batch %d x %d, fp32; %.2f GFLOP per token")
       :format(cfg.name, n_params / 1e6, B, T, flops_per_token / 1e9))
 

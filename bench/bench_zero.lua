@@ -54,6 +54,7 @@ local function torch_line(out, key)
 end
 
 if flags.part == 0 or flags.part == 1 then
+  print(bench.machine())
   print(("1. gpt2 124M, one rank, batch %d x %d, %d threads"):format(flags.micro_batch,
         flags.seq_len, lz.threads()))
   local m = "--model gpt2"
