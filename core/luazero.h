@@ -403,7 +403,9 @@ lz_status lz_moe_route_backward(lz_tensor *dlogits, const lz_tensor *dweights,
                                 const lz_tensor *idx, int norm);
 /* The expert order of idx's slots (slot s = token * K + j): slot_of_row [R],
  * its inverse row_of_slot [N, K], and offsets [E + 1], expert e's rows being
- * offsets[e] .. offsets[e + 1], by token then slot: the same for the same idx. */
+ * offsets[e] .. offsets[e + 1], by token then slot: the same for the same idx.
+ * The ops below take row_of_slot as this makes it: a permutation of the
+ * rows, so that no two slots write one row. */
 lz_status lz_moe_sort(lz_tensor *row_of_slot, lz_tensor *slot_of_row, lz_tensor *offsets,
                       const lz_tensor *idx);
 /* out [R, H] row r = x [N, H] row slot_of_row[r] / K (f32 or bf16 each: the

@@ -28,8 +28,23 @@ static void round_bf16(float *p, int64_t n) {
   for (int64_t i = 0; i < n; i++) p[i] = lz_bf16_to_f32(lz_f32_to_bf16(p[i]));
 }
 
+/* Borrowed tensors over test buffers, freed together by unwrap_all. */
+static lz_tensor *wraps[512];
+static int n_wraps;
+
+static lz_tensor *wrap(void *data, lz_dtype dt, int nd, const int64_t *shape) {
+  lz_tensor *t = lz_test_wrap(data, dt, nd, shape);
+  if (n_wraps < 512) wraps[n_wraps++] = t;
+  else CHECK(!"test_moe: more than 512 wrapped tensors in one case");
+  return t;
+}
+
+static void unwrap_all(void) {
+  while (n_wraps > 0) lz_tensor_free(wraps[--n_wraps]);
+}
+
 #define T(data, dt, ...) \
-  lz_test_wrap((data), (dt), sizeof((int64_t[]){__VA_ARGS__}) / 8, (int64_t[]){__VA_ARGS__})
+  wrap((data), (dt), sizeof((int64_t[]){__VA_ARGS__}) / 8, (int64_t[]){__VA_ARGS__})
 
 /* ------------------------------------------------------------------ route */
 
@@ -77,6 +92,7 @@ static void route_case(int64_t N, int64_t E, int64_t K, int norm, lz_dtype dt) {
     }
   }
   free(l), free(lb), free(w), free(p), free(id);
+  unwrap_all();
 }
 
 LZ_TEST(moe_route_forward_matches_naive) {
@@ -104,6 +120,7 @@ LZ_TEST(moe_route_ties_go_to_the_lower_expert) {
   const int32_t all[12] = {0, 1, 2, 3, 1, 3, 0, 2, 0, 1, 2, 3};
   for (int i = 0; i < 12; i++) CHECK_EQ_INT(id[i], all[i]);
   CHECK(w[0] == 0.25f && w[3] == 0.25f);
+  unwrap_all();
 }
 
 /* L = dw . weights + dp . probs with the experts fixed (top-k picks are
@@ -154,6 +171,7 @@ static void route_backward_case(int64_t N, int64_t E, int64_t K, int norm, int w
   for (int64_t i = 0; i < N * E; i++) CHECK(dlb[i] == lz_f32_to_bf16(dl[i]));
   free(l), free(dwf), free(dpf), free(w), free(p), free(dl), free(id), free(dlb);
   free(ld), free(dw), free(dp), free(g);
+  unwrap_all();
 }
 
 LZ_TEST(moe_route_backward_matches_differences) {
@@ -177,6 +195,7 @@ LZ_TEST(moe_sort_orders_by_expert_token_slot) {
   for (int i = 0; i < 6; i++) CHECK_EQ_INT(off[i], want_off[i]);
   for (int i = 0; i < 10; i++) CHECK_EQ_INT(sor[i], want_sor[i]);
   for (int s = 0; s < 10; s++) CHECK_EQ_INT(sor[ros[s]], s);
+  unwrap_all();
 }
 
 /* -------------------------------------------------------- permute, combine */
@@ -269,6 +288,7 @@ LZ_TEST(moe_permute_and_combine_match_naive) {
   free(x), free(y), free(wt), free(dout), free(xp), free(dx), free(out), free(dy), free(dw);
   free(xpb), free(dyb);
   routing_free(&rt);
+  unwrap_all();
 }
 
 /* ------------------------------------------------------------ grouped GEMM */
@@ -308,18 +328,22 @@ static void gemm_case(int64_t N, int64_t E, int64_t K, int64_t C, int64_t D, lz_
       }
     }
   for (int64_t i = 0; i < E * D * C; i++) dwd[i] = dw[i] - dw0[i];
-  CHECK(lz_test_rel_err(dwd, ref, E * D * C) < tol);
+  /* sums over up to 200 rows, then less the starting dw */
+  CHECK(lz_test_rel_err(dwd, ref, E * D * C) < 5 * tol);
   /* The expert with no rows keeps its dw. */
   CHECK(memcmp(dw + (E - 1) * D * C, dw0 + (E - 1) * D * C, 4 * (size_t)(D * C)) == 0);
   free(x), free(w), free(dy), free(dw0), free(xb), free(wb), free(dyb), free(y), free(dx);
   free(dw), free(ref), free(dwd);
   routing_free(&rt);
+  unwrap_all();
 }
 
 LZ_TEST(moe_gemm_matches_naive) {
   gemm_case(21, 5, 2, 24, 40, LZ_F32, 1e-5);
   gemm_case(64, 8, 2, 64, 48, LZ_F32, 1e-5);
-  gemm_case(21, 5, 2, 24, 40, LZ_BF16, 1e-5); /* bf16 inputs, fp32 sums */
+  gemm_case(200, 3, 2, 24, 300, LZ_F32, 1e-5); /* blocks of 128 rows, of 128 dw rows */
+  gemm_case(21, 5, 2, 24, 40, LZ_BF16, 1e-5);   /* bf16 inputs, fp32 sums */
+  gemm_case(200, 3, 2, 24, 300, LZ_BF16, 1e-5);
 }
 
 /* ------------------------------------------------------------ whole layer */
@@ -363,6 +387,7 @@ static layer_out layer_run(const float *x, const float *logits, const float *w,
                                  T(p, LZ_F32, N, E), T(id, LZ_I32, N, K), 1));
   free(wt), free(p), free(id), free(ros), free(sor), free(off), free(xp), free(y), free(dy);
   free(dxp), free(dwt);
+  unwrap_all();
   return o;
 }
 
@@ -427,4 +452,5 @@ LZ_TEST(moe_errors_name_the_argument) {
             LZ_ERR_INVALID, "1 <= K <= E");
   CHECK_ERR(lz_moe_permute_forward(T(y, LZ_F32, 5, 4), T(x, LZ_F32, 2, 4), T(sor, LZ_I32, 5)),
             LZ_ERR_INVALID, "a whole number K of slots");
+  unwrap_all();
 }

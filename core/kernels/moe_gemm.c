@@ -1,14 +1,15 @@
 /* moe_gemm.c — the experts' grouped GEMM: rows sorted by expert (moe.c's
  * moe_sort), expert e's rows offsets[e] .. offsets[e + 1] multiplied by its
  * own weight w[e] [D, C] (nn.Linear's layout, experts stacked as
- * transformers 5.x stacks them), forward and backward. Each expert's product
- * is one GEMM of matmul.c's (lz_gemm), so an expert's rows come out bitwise
- * as a plain linear layer over those rows would give them. */
+ * transformers 5.x stacks them), forward and backward, through matmul.c's
+ * GEMMs (lz_gemm). An expert with no rows costs nothing and leaves its dw
+ * as it was. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_gemm.h" /* lz_gemm */
 
 #include <dnnl.h>   /* dnnl_sgemm: a dw block, its rows strided */
+#include <stdio.h>  /* snprintf: a worker thread's error message */
 #include <stdlib.h> /* malloc, free */
 
 static lz_status gemm_shapes(const char *op, const lz_tensor *x, const lz_tensor *w,
@@ -91,11 +92,13 @@ static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off,
   return LZ_OK;
 }
 
-/* Runs every task's GEMM; the first failure's status is returned. */
+/* Runs every task's GEMM; the first failure is returned, its message
+ * carried over from the worker thread (messages are thread-local). */
 typedef lz_status (*task_fn)(const lz_op_args *a, const gemm_task *t);
 
 static lz_status tasks_run(const lz_op_args *a, const gemm_task *t, int64_t n, task_fn fn) {
   lz_status st = LZ_OK;
+  char why[256] = "";
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < n; i++) {
     lz_status s;
@@ -105,10 +108,14 @@ static lz_status tasks_run(const lz_op_args *a, const gemm_task *t, int64_t n, t
     s = fn(a, &t[i]);
     if (s != LZ_OK) {
 #pragma omp critical(moe_gemm_status)
-      if (st == LZ_OK) st = s;
+      if (st == LZ_OK) {
+        snprintf(why, sizeof why, "%s", lz_last_error());
+#pragma omp atomic write
+        st = s;
+      }
     }
   }
-  return st;
+  return st == LZ_OK ? LZ_OK : lz_fail(st, "%s", why);
 }
 
 /* bf16 runs its experts one after another, each GEMM on every thread:
