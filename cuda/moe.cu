@@ -296,20 +296,22 @@ __global__ void combine_dy_kernel(T *dy, const float *dout, const float *w, cons
   }
 }
 
-// One warp per slot: dout row . y row, lanes striding the columns, then a
-// fixed butterfly.
+// One warp per slot (grid-stride): dout row . y row, lanes striding the
+// columns, then a fixed butterfly.
 template <typename T>
 __global__ void combine_dw_kernel(float *dw, const float *dout, const T *y, const int32_t *rows,
                                   int64_t N, int64_t K, int64_t H) {
-  const int64_t s = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
   const int lane = threadIdx.x % WARP;
-  if (s >= N * K) return;
-  const float *d = dout + s / K * H;
-  const int64_t r = rows[s];
-  float acc = 0.0f;
-  for (int64_t c = lane; c < H; c += WARP) acc += d[c] * load(y, r * H + c);
-  for (int o = WARP / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (lane == 0) dw[s] = acc;
+  const int64_t warps = (int64_t)gridDim.x * blockDim.x / WARP;
+  for (int64_t s = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / WARP; s < N * K;
+       s += warps) {
+    const float *d = dout + s / K * H;
+    const int64_t r = rows[s];
+    float acc = 0.0f;
+    for (int64_t c = lane; c < H; c += WARP) acc += d[c] * load(y, r * H + c);
+    for (int o = WARP / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) dw[s] = acc;
+  }
 }
 
 lz_status lz_cu_moe_combine_backward(const lz_op_args *a) {
