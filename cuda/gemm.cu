@@ -120,6 +120,11 @@ static lz_status gemm_or_scale(lz_dtype dt, int64_t batch, int64_t m, int64_t n,
   return LZ_OK;
 }
 
+lz_status lz_cu_gemm(lz_dtype dt, int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha,
+                     const void *a, const void *b, float beta, float *c) {
+  return gemm_or_scale(dt, 1, m, n, k, ta, tb, 0, alpha, a, b, beta, c, NULL);
+}
+
 lz_status lz_cu_matmul(const lz_op_args *args) {
   lz_tensor *c = args->t[0];
   const lz_tensor *a = args->t[1], *b = args->t[2];

@@ -53,6 +53,12 @@ static inline unsigned lz_cu_blocks(int64_t n, int threads) {
   return (unsigned)(b > 65535 * 16 ? 65535 * 16 : b);
 }
 
+// gemm.cu: one GEMM on the compute stream, row-major c[m, n] = alpha op(a)
+// op(b) + beta c, a and b both f32 or both bf16, c f32 (the experts' grouped
+// GEMM in moe.cu runs one per expert).
+lz_status lz_cu_gemm(lz_dtype dt, int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha,
+                     const void *a, const void *b, float beta, float *c);
+
 // Each op's kernel (core/mem/lz_ops.def: lz_cu_<name>), in the file of its
 // family; backend.cu's table holds them, called with the checked arguments
 // (layout in lz_backend.h).

@@ -681,6 +681,63 @@ static void test_geglu(void) {
   geglu_case(LZ_BF16, 8 * 50001);
 }
 
+/* A whole MoE layer (route, sort, permute, grouped GEMM, combine, and back)
+ * on the device against the cpu, twice on the device for the same bits;
+ * the last expert gets no token. */
+static void moe_case(lz_dtype dt, int64_t N, int64_t E, int64_t K, int64_t C, int64_t D) {
+  const int64_t R = N * K;
+  int64_t sl[2] = {N, E}, sk[2] = {N, K}, sr[1] = {R}, so[1] = {E + 1}, sx[2] = {N, C};
+  int64_t sxp[2] = {R, C}, sy[2] = {R, D}, sw[3] = {E, D, C};
+  lz_tensor *lg = host_rand(LZ_F32, 2, sl, 3), *x = host_rand(LZ_F32, 2, sx, 1);
+  lz_tensor *w = host_rand(dt, 3, sw, 0.3f), *gy = host_rand(LZ_F32, 2, (int64_t[]){N, D}, 1);
+  for (int64_t t = 0; t < N; t++) ((float *)lg->data)[t * E + E - 1] = -30.0f;
+  lz_tensor *h[16], *d[16], *d2[16];
+  /* 0 weights, 1 idx, 2 probs, 3 ros, 4 sor, 5 off, 6 xp, 7 y, 8 out, 9 dy, 10 dwt,
+   * 11 dxp, 12 dw, 13 dx, 14 dl */
+  const struct { lz_dtype dt; int nd; int64_t *s; } sp[15] = {
+      {LZ_F32, 2, sk}, {LZ_I32, 2, sk}, {LZ_F32, 2, sl}, {LZ_I32, 2, sk}, {LZ_I32, 1, sr},
+      {LZ_I32, 1, so}, {dt, 2, sxp}, {LZ_F32, 2, sy}, {LZ_F32, 2, (int64_t[]){N, D}},
+      {dt, 2, sy}, {LZ_F32, 2, sk}, {LZ_F32, 2, sxp}, {LZ_F32, 3, sw}, {LZ_F32, 2, sx},
+      {LZ_F32, 2, sl}};
+  for (int i = 0; i < 15; i++) {
+    h[i] = host_rand(sp[i].dt, sp[i].nd, sp[i].s, 0.0f);
+    d[i] = dev(h[i]);
+    d2[i] = dev(h[i]);
+  }
+  lz_tensor *dlg = dev(lg), *dx_ = dev(x), *dw_ = dev(w), *dgy = dev(gy);
+  for (int run = 0; run < 3; run++) {
+    lz_tensor **t = run == 0 ? h : run == 1 ? d : d2;
+    lz_tensor *l = run ? dlg : lg, *xx = run ? dx_ : x, *ww = run ? dw_ : w, *g = run ? dgy : gy;
+    CHECK_OK(lz_moe_route_forward(t[0], t[1], t[2], l, 1));
+    CHECK_OK(lz_moe_sort(t[3], t[4], t[5], t[1]));
+    CHECK_OK(lz_moe_permute_forward(t[6], xx, t[4]));
+    CHECK_OK(lz_moe_gemm_forward(t[7], t[6], ww, t[5]));
+    CHECK_OK(lz_moe_combine_forward(t[8], t[7], t[0], t[3]));
+    CHECK_OK(lz_moe_combine_backward(t[9], t[10], g, t[7], t[0], t[3]));
+    CHECK_OK(lz_moe_gemm_backward(t[11], t[12], t[9], t[6], ww, t[5]));
+    CHECK_OK(lz_moe_permute_backward(t[13], t[11], t[3]));
+    CHECK_OK(lz_moe_route_backward(t[14], t[10], NULL, t[2], t[1], 1));
+  }
+  static const char *names[15] = {"moe weights", "moe idx", "moe probs", "moe row_of_slot",
+                                  "moe slot_of_row", "moe offsets", "moe permuted x", "moe y",
+                                  "moe out", "moe dy", "moe dweights", "moe dx rows", "moe dw",
+                                  "moe dx", "moe dlogits"};
+  const double tol = dt == LZ_BF16 ? 2e-2 : 1e-4;
+  for (int i = 0; i < 15; i++) {
+    expect_close(names[i], d[i], h[i], i == 1 || i == 3 || i == 4 || i == 5 ? 0.0 : tol);
+    expect_same_bits(names[i], d[i], d2[i]);
+  }
+  if (K < E) CHECK(((int32_t *)h[5]->data)[E] == ((int32_t *)h[5]->data)[E - 1]);
+  for (int i = 0; i < 15; i++) lz_tensor_free(h[i]), lz_tensor_free(d[i]), lz_tensor_free(d2[i]);
+  FREE(lg, x, w, gy, dlg, dx_, dw_, dgy);
+}
+
+static void test_moe(void) {
+  moe_case(LZ_F32, 300, 8, 2, 64, 96);
+  moe_case(LZ_F32, 50, 6, 6, 32, 16); /* k = E */
+  moe_case(LZ_BF16, 300, 8, 2, 64, 96);
+}
+
 /* Soft-capped logits and the cross-entropy backward through the cap, f32
  * and bf16 dlogits, and in place, against the cpu. */
 static void test_softcap(void) {
@@ -966,6 +1023,7 @@ static const struct {
     {"cuda_swiglu", test_swiglu},
     {"cuda_geglu", test_geglu},
     {"cuda_softcap", test_softcap},
+    {"cuda_moe", test_moe},
     {"cuda_lion", test_lion},
     {"cuda_attention_gqa", test_attention_gqa},
     {"cuda_attention_options", test_attention_options},
