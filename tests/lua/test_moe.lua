@@ -1,0 +1,173 @@
+-- test_moe.lua — the MoE block (nn/moe.lua, nn/moe_experts.lua) and its
+-- families (models/mixtral.lua, qwen2_moe.lua, qwen3_moe.lua): the named
+-- shapes' parameter counts (transformers' own), the checkpoint's names,
+-- which layers are sparse, config.json's routing fields and refusals, an
+-- expert no token reached gets exactly zero gradient, the jitter is seeded,
+-- the load-balancing loss joins the loss only where output_router_logits
+-- says; and no hang by construction: under the launcher at world 1-4 with
+-- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
+-- its own expert, most experts routed nowhere) every ZeRO stage finishes on
+-- the stage-0 checksum. (tests/ref/test5_moe.py holds them to transformers.)
+local cjson = require("cjson")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local models = require("models.registry")
+
+local T = {}
+local q, eq = support.quote, support.eq
+local write_file = support.scratch()
+
+-- transformers 5.23's counts of the same configs (built on the meta device).
+function T.named_shapes_have_transformers_parameter_counts()
+  local want = { ["mixtral-8x7b"] = 46702792704, ["qwen1.5-moe-a2.7b"] = 14315784192,
+                 ["qwen3-30b-a3b"] = 30532122624 }
+  for name, n in pairs(want) do eq(models.new(models.config(name)):count_params(), n, name) end
+end
+
+local function names_of(name, overrides)
+  local out = {}
+  for _, e in ipairs(models.new(models.config(name, overrides)).param_table) do
+    out[e.name] = table.concat(e.shape, "x")
+  end
+  return out
+end
+
+function T.parameter_names_are_the_checkpoints()
+  local m = names_of("mixtral-tiny")
+  eq(m["model.layers.0.block_sparse_moe.gate.weight"], "8x64", "mixtral router")
+  eq(m["model.layers.1.block_sparse_moe.experts.7.w1.weight"], "48x64", "mixtral w1")
+  eq(m["model.layers.1.block_sparse_moe.experts.7.w3.weight"], "48x64", "mixtral w3")
+  eq(m["model.layers.1.block_sparse_moe.experts.7.w2.weight"], "64x48", "mixtral w2")
+  local q2 = names_of("qwen2-moe-tiny")
+  eq(q2["model.layers.0.mlp.experts.3.gate_proj.weight"], "32x64", "qwen2_moe expert")
+  eq(q2["model.layers.0.mlp.shared_expert.down_proj.weight"], "64x64", "shared expert")
+  eq(q2["model.layers.0.mlp.shared_expert_gate.weight"], "1x64", "shared expert gate")
+  eq(q2["model.layers.0.self_attn.q_proj.bias"], "64", "qkv bias")
+  -- mlp_only_layers {1}: layer 1 is dense, of intermediate_size
+  eq(q2["model.layers.1.mlp.gate_proj.weight"], "176x64", "dense layer")
+  eq(q2["model.layers.1.mlp.gate.weight"], nil, "no router on a dense layer")
+  local q3 = names_of("qwen3-moe-tiny", { sparse_step = 2 })
+  eq(q3["model.layers.0.mlp.gate_proj.weight"], "176x64", "decoder_sparse_step 2: layer 0 dense")
+  eq(q3["model.layers.1.mlp.experts.0.up_proj.weight"], "32x64", "layer 1 sparse")
+  eq(q3["model.layers.1.self_attn.q_norm.weight"], "32", "QK-norm")
+end
+
+local function folder_with(j)
+  local dir = write_file("x", "")
+  dir = dir:gsub("/x$", "") .. "/" .. tostring(math.random(1e9))
+  os.execute("mkdir -p " .. q(dir))
+  support.write(dir .. "/config.json", cjson.encode(j))
+  return dir .. "/config.json"
+end
+
+function T.config_json_routing_fields_are_read_not_assumed()
+  local base = { architectures = { "Qwen3MoeForCausalLM" }, hidden_size = 64,
+                 intermediate_size = 96, num_hidden_layers = 2, num_attention_heads = 4,
+                 num_key_value_heads = 2, head_dim = 16, vocab_size = 256,
+                 max_position_embeddings = 64, moe_intermediate_size = 32,
+                 num_experts_per_tok = 2, num_local_experts = 6 }
+  local cfg = models.from_hf_config(folder_with(base))
+  eq(cfg.n_experts, 6, "transformers 5.x's num_local_experts")
+  eq(cfg.norm_topk_prob, false, "norm_topk_prob defaults to transformers' false")
+  eq(cfg.router_logits, false, "output_router_logits defaults to false")
+  base.num_experts, base.norm_topk_prob, base.output_router_logits = 4, true, true
+  base.router_aux_loss_coef, base.mlp_only_layers = 0.25, { 0 }
+  cfg = models.from_hf_config(folder_with(base))
+  eq(cfg.n_experts, 4, "num_experts first")
+  eq(cfg.norm_topk_prob, true, "norm_topk_prob")
+  eq(cfg.aux_coef, 0.25, "router_aux_loss_coef")
+  eq(cfg.mlp_only_layers[1], 0, "mlp_only_layers")
+  base.num_experts_per_tok = 5
+  support.expect_error(function() models.from_hf_config(folder_with(base)) end,
+                       "is more than the 4 experts")
+  base.num_experts_per_tok, base.use_sliding_window = 2, true
+  support.expect_error(function() models.from_hf_config(folder_with(base)) end,
+                       "use_sliding_window is not implemented for qwen3_moe")
+end
+
+-- A model on one batch: its loss, the model.
+-- before(model), when given, runs before the forward.
+local function one_batch(name, overrides, seed, before)
+  local model = models.new(models.config(name, overrides))
+  model:allocate():init_weights(seed or 1):prepare(2, 16)
+  if before then before(model) end
+  local x, y = lz.tensor({ 2, 16 }, "i32", "workspace"), lz.tensor({ 2, 16 }, "i32", "workspace")
+  for i = 0, 31 do x:set(i, (i * 37) % 256); y:set(i, (i * 37 + 11) % 256) end
+  local loss = model:forward(x, y)
+  model:zero_grad()
+  model:backward(1)
+  x:free(); y:free()
+  return loss, model
+end
+
+-- Every expert's gradient: zero exactly where the expert got no row.
+function T.an_unrouted_expert_gets_zero_gradient()
+  -- the first block's router all zeros: every token's probabilities tie,
+  -- and top-2 picks experts 0 and 1 for all of them
+  local _, model = one_batch("mixtral-tiny", nil, 1,
+                             function(m) m.routers[1].gate.p.weight:fill(0) end)
+  local block = model.routers[1]
+  local idle, busy = 0, 0
+  for e = 0, block.n_experts - 1 do
+    local g = block.experts.g[block.experts.keys[e + 1][1]]
+    local norm = g:sq_norm()
+    if block.routing.count[e] == 0 then
+      idle = idle + 1
+      eq(norm, 0, "expert " .. e .. " (no rows) gradient")
+    else
+      busy = busy + 1
+      assert(e < 2, "expert " .. e .. " got rows")
+      assert(norm > 0, "expert " .. e .. " got rows but no gradient")
+    end
+  end
+  eq(idle, 6, "experts without rows")
+  model:free()
+end
+
+function T.the_aux_loss_joins_only_with_output_router_logits()
+  local with, m1 = one_batch("mixtral-tiny", { aux_coef = 0.5 })
+  local without, m2 = one_batch("mixtral-tiny", { router_logits = false })
+  local aux = m1.aux.loss
+  assert(aux >= 1 and aux <= 8, "aux loss " .. aux .. " outside [1, E]")
+  assert(math.abs(with - (without + 0.5 * aux)) < 1e-9 * with,
+         ("loss %.12g is not %.12g + 0.5 * %.12g"):format(with, without, aux))
+  eq(m2:router_metrics().aux_loss, nil, "no aux_loss logged without output_router_logits")
+  m1:free(); m2:free()
+end
+
+function T.router_jitter_is_seeded_and_off_in_evaluation()
+  local a, m1 = one_batch("mixtral-tiny", { jitter = 0.2 })
+  local b, m2 = one_batch("mixtral-tiny", { jitter = 0.2 })
+  local c, m3 = one_batch("mixtral-tiny", { jitter = 0 })
+  eq(a, b, "the same seed, the same jitter")
+  assert(a ~= c, "jitter 0.2 left the loss as it was")
+  m1:free(); m2:free(); m3:free()
+end
+
+-- No hang by construction: stages 0-3 at each world size end on one checksum.
+local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
+                                         "summer by this sun of York.\n"):rep(60))
+local function adversarial(n)
+  local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus))
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  assert(out:find("\ndone", 1, true), out)
+  local sums = {}
+  for stage, sum, rows in out:gmatch("stage (%d) (%x+) ([%d,]+)") do
+    sums[#sums + 1] = sum
+    eq(rows, "32,0,0,0,0,0,0,0", "rank 0's tokens all at expert 0 (stage " .. stage .. ")")
+  end
+  eq(#sums, 4, "stages run")
+  for i = 2, 4 do eq(sums[i], sums[1], "stage " .. (i - 1) .. " checksum") end
+  assert(out:find("moe gather: whole block (2 blocks of 8 experts)", 1, true), out)
+  print(("    world %d: stages 0-3 end on %s"):format(n, sums[1]))
+end
+
+for n = 1, 4 do
+  T[("adversarial_routing_finishes_on_one_checksum_at_world_%d"):format(n)] =
+    function() adversarial(n) end
+end
+
+return T
