@@ -20,7 +20,7 @@ local FAMILIES = { require("models.gpt2"), require("models.llama"), require("mod
                    require("models.qwen3"), require("models.mistral"), require("models.gemma"),
                    require("models.gemma2"), require("models.gemma3"), require("models.phi3"),
                    require("models.mixtral"), require("models.qwen2_moe"),
-                   require("models.qwen3_moe") }
+                   require("models.qwen3_moe"), require("models.olmoe") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family

@@ -1,5 +1,5 @@
 -- test_moe.lua — the MoE block (nn/moe.lua, nn/moe_experts.lua) and its
--- families (models/mixtral.lua, qwen2_moe.lua, qwen3_moe.lua): the named
+-- families (models/mixtral.lua, qwen2_moe.lua, qwen3_moe.lua, olmoe.lua): the named
 -- shapes' parameter counts (transformers' own), the checkpoint's names,
 -- which layers are sparse, config.json's routing fields and refusals, an
 -- expert no token reached gets exactly zero gradient, the jitter is seeded,
@@ -20,7 +20,7 @@ local write_file = support.scratch()
 -- transformers 5.23's counts of the same configs (built on the meta device).
 function T.named_shapes_have_transformers_parameter_counts()
   local want = { ["mixtral-8x7b"] = 46702792704, ["qwen1.5-moe-a2.7b"] = 14315784192,
-                 ["qwen3-30b-a3b"] = 30532122624 }
+                 ["qwen3-30b-a3b"] = 30532122624, ["olmoe-1b-7b"] = 6919161856 }
   for name, n in pairs(want) do eq(models.new(models.config(name)):count_params(), n, name) end
 end
 
@@ -50,6 +50,10 @@ function T.parameter_names_are_the_checkpoints()
   eq(q3["model.layers.0.mlp.gate_proj.weight"], "176x64", "decoder_sparse_step 2: layer 0 dense")
   eq(q3["model.layers.1.mlp.experts.0.up_proj.weight"], "32x64", "layer 1 sparse")
   eq(q3["model.layers.1.self_attn.q_norm.weight"], "32", "QK-norm")
+  local o = names_of("olmoe-tiny", { n_kv_head = 2 })
+  eq(o["model.layers.0.self_attn.q_norm.weight"], "64", "OLMoE's q_norm spans the projection")
+  eq(o["model.layers.0.self_attn.k_norm.weight"], "32", "OLMoE's k_norm spans the projection")
+  eq(o["model.layers.1.mlp.experts.7.down_proj.weight"], "64x32", "OLMoE expert")
 end
 
 local function folder_with(j)

@@ -1,6 +1,7 @@
 """test5_moe.py — the MoE families (models/mixtral.lua, models/qwen2_moe.lua,
-models/qwen3_moe.lua) against transformers 5.x's MixtralForCausalLM,
-Qwen2MoeForCausalLM and Qwen3MoeForCausalLM.
+models/qwen3_moe.lua, models/olmoe.lua) against transformers 5.x's
+MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and
+OlmoeForCausalLM (clip_qkv set).
 
 Each a tiny random model with enough experts and top-k that the test's batch
 routes unevenly (8 experts, top-2 or top-3; some experts get few rows), and
@@ -13,6 +14,7 @@ into gate_up_proj / down_proj at load time only).
   init_loss   the loss (cross-entropy + coef * aux) of a fixed batch within
               1e-5 relative (fp32), tests/ref/family_run.lua --init
   aux         luazero's load-balancing loss alone equals transformers' aux_loss
+  clip        (OLMoE) the same weights without clip_qkv give another loss
   grads       every parameter's gradient within 1e-4 relative (per tensor,
               max |ours - theirs| / max |theirs|), transformers' fused expert
               tensors split back into the checkpoint's per-expert ones
@@ -36,6 +38,7 @@ from refenv import VERSIONS5  # noqa: E402
 import family_ref  # noqa: E402
 
 COEF = 0.05
+CLIP = 1.5  # OLMoE's clip_qkv: low enough that the clamp bites at the test's weights
 
 
 def moe_loss(torch, model, tokens):
@@ -102,6 +105,14 @@ def init_and_grads(check, name, torch, model, folder, tmp):
             worst, where = e, p["name"]
     check(f"{name}.grads", worst <= family_ref.GRAD_TOL and seen == len(res["params"]),
           f"({seen} tensors, worst {worst:.1e} at {where})")
+    if getattr(model.config, "clip_qkv", None):
+        # the clamp bites: the same weights without it give another loss
+        free = type(model)(type(model.config)(**{**model.config.to_dict(), "clip_qkv": None}))
+        free.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            unclipped = moe_loss(torch, free.float().eval(), res["tokens"]).item()
+        check(f"{name}.clip_qkv_bites", family_ref.rel(unclipped, loss.item()) > 1e-4,
+              f"(without clip_qkv {unclipped:.9f})")
     counts = res.get("expert_tokens") or []
     check(f"{name}.uneven_routing", any(min(c) < max(c) for c in counts), str(counts))
 
@@ -123,6 +134,10 @@ def models_of(transformers):
         "qwen3_moe": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             **common, head_dim=32, intermediate_size=96, moe_intermediate_size=32,
             num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, rms_norm_eps=1e-6)),
+        "olmoe": (transformers.OlmoeForCausalLM, transformers.OlmoeConfig(
+            **{**common, "num_key_value_heads": 4}, intermediate_size=32, num_experts=8,
+            num_experts_per_tok=3, norm_topk_prob=False, clip_qkv=CLIP, rms_norm_eps=1e-5,
+            pad_token_id=None, eos_token_id=None)),
     }
 
 
