@@ -15,7 +15,10 @@
  * lines "OP <op> <shape> <ms>" that bench/bench-kernels joins with the same
  * ops timed in PyTorch (bench/bench_kernels_torch.py).
  *
- *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops]
+ * Then the experts' grouped GEMM against one dense GEMM of the same FLOPs,
+ * as lines "MOE ... ratio <grouped / dense>".
+ *
+ *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops] [--no-moe]
  * Threads: OMP_NUM_THREADS for ours and oneDNN, OPENBLAS_NUM_THREADS for OpenBLAS
  * (bench/bench-kernels sets both). */
 #include "luazero.h"
@@ -452,9 +455,80 @@ static void bench_ops(void) {
   }
 }
 
+/* ------------------------------------------------------ MoE grouped GEMM */
+
+/* The experts' grouped GEMM (lz_moe_gemm_*) against one dense GEMM
+ * (lz_linear_*) of the same rows and so the same FLOPs: R rows of C in, D
+ * out, split evenly over E experts (each expert's own [D, C] weight). The
+ * two take turns within each repetition; the ratio is the median of the
+ * paired time ratios. */
+typedef struct {
+  lz_tensor *x, *w, *we, *y, *dy, *dx, *dw, *dwe, *off;
+} moe_bufs;
+
+static void moe_run(moe_bufs *b, int grouped, int dir) {
+  if (dir == 0) {
+    CHECK_LZ(grouped ? lz_moe_gemm_forward(b->y, b->x, b->we, b->off)
+                     : lz_linear_forward(b->y, b->x, b->w, NULL));
+  } else {
+    lz_tensor *dx = dir == 1 ? b->dx : NULL;
+    CHECK_LZ(grouped ? lz_moe_gemm_backward(dx, dir == 2 ? b->dwe : NULL, b->dy, b->x, b->we, b->off)
+                     : lz_linear_backward(dx, dir == 2 ? b->dw : NULL, NULL, b->dy, b->x, b->w));
+  }
+}
+
+static void bench_moe_case(int64_t E, int64_t per, int64_t C, int64_t D, lz_dtype dt) {
+  const int64_t R = E * per;
+  moe_bufs b = {random_f32(2, R, C, 0, 1.0f), random_f32(2, D, C, 0, 0.1f),
+                random_f32(3, E, D, C, 0.1f), tensor(LZ_F32, 2, R, D, 0),
+                random_f32(2, R, D, 0, 1.0f), tensor(LZ_F32, 2, R, C, 0),
+                random_f32(2, D, C, 0, 0.0f), random_f32(3, E, D, C, 0.0f),
+                tensor(LZ_I32, 1, E + 1, 0, 0)};
+  if (dt == LZ_BF16) {
+    lz_tensor *keep[4] = {b.x, b.w, b.we, b.dy};
+    b.x = to_bf16(keep[0]), b.w = to_bf16(keep[1]), b.we = to_bf16(keep[2]), b.dy = to_bf16(keep[3]);
+    free_all(keep, 4);
+  }
+  int32_t *off = b.off->data;
+  for (int64_t e = 0; e <= E; e++) off[e] = (int32_t)(e * per);
+  const double flops = 2.0 * (double)R * (double)C * (double)D;
+  for (int dir = 0; dir < 3; dir++) {
+    moe_run(&b, 1, dir), moe_run(&b, 0, dir); /* warm-up: oneDNN's caches */
+    double t0 = now_s();
+    moe_run(&b, 0, dir);
+    const int reps = reps_for(now_s() - t0, 5, 1.0);
+    double tg[50], td[50];
+    for (int r = 0; r < reps; r++) {
+      double s = now_s();
+      moe_run(&b, 1, dir);
+      tg[r] = now_s() - s;
+      s = now_s();
+      moe_run(&b, 0, dir);
+      td[r] = now_s() - s;
+    }
+    const double gg = flops / median(tg, reps) / 1e9, gd = flops / median(td, reps) / 1e9;
+    printf("MOE %s E=%lld rows/expert=%lld C=%lld D=%lld %-6s | grouped %7.1f dense %7.1f "
+           "GFLOP/s | ratio %.3f\n",
+           lz_dtype_name(dt), (long long)E, (long long)per, (long long)C, (long long)D,
+           dir_name[dir], gg, gd, paired_ratio(tg, td, reps));
+    fflush(stdout);
+  }
+  free_all((lz_tensor *[]){b.x, b.w, b.we, b.y, b.dy, b.dx, b.dw, b.dwe, b.off}, 9);
+}
+
+static void bench_moe(int bf16) {
+  printf("# MoE grouped GEMM vs one dense GEMM of the same FLOPs, %d threads "
+         "(ratio: grouped / dense GFLOP/s)\n", lz_threads_get());
+  const int64_t per[3] = {64, 128, 512};
+  for (int i = 0; i < 3; i++) bench_moe_case(8, per[i], 768, 2048, LZ_F32);
+  bench_moe_case(64, 64, 1024, 512, LZ_F32); /* OLMoE-like: many narrow experts */
+  if (bf16)
+    for (int i = 0; i < 2; i++) bench_moe_case(8, per[i], 768, 2048, LZ_BF16);
+}
+
 int main(int argc, char **argv) {
   int64_t rows[16] = {256, 1024};
-  int nrows = 2, gemms = 1, ops = 1;
+  int nrows = 2, gemms = 1, ops = 1, moe = 1;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--rows") && i + 1 < argc) {
       nrows = 0;
@@ -468,8 +542,11 @@ int main(int argc, char **argv) {
       gemms = 0;
     } else if (!strcmp(argv[i], "--no-ops")) {
       ops = 0;
+    } else if (!strcmp(argv[i], "--no-moe")) {
+      moe = 0;
     } else {
-      fprintf(stderr, "usage: bench_kernels [--rows \"256 1024\"] [--no-gemm] [--no-ops]\n");
+      fprintf(stderr, "usage: bench_kernels [--rows \"256 1024\"] [--no-gemm] [--no-ops] "
+                      "[--no-moe]\n");
       return 2;
     }
   }
@@ -481,5 +558,6 @@ int main(int argc, char **argv) {
          dnnl_version()->patch, bf16 ? "" : "; no AVX512-BF16: bf16 columns skipped");
   if (gemms) bench_gemms(rows, nrows, bf16);
   if (ops) bench_ops();
+  if (moe) bench_moe(bf16);
   return 0;
 }

@@ -388,6 +388,51 @@ lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor 
  * same element count; out may alias x. cap > 0. */
 lz_status lz_softcap_forward(lz_tensor *out, const lz_tensor *x, float cap);
 
+/* Mixture of experts. N tokens, E experts, K slots per token (top-k), R = N * K
+ * rows sorted by expert; indices i32, weights and probabilities f32.
+ * Route, as transformers' routers: probs [N, E] = softmax(logits) in fp32
+ * (logits f32 or bf16); idx [N, K] the K most probable experts, descending,
+ * a tie going to the lower expert (torch.topk's order); weights [N, K] their
+ * probabilities, divided by their sum when norm (norm_topk_prob). Backward:
+ * dlogits (f32 or bf16) from dweights and, when not NULL, dprobs (the
+ * gradient reaching probs from the auxiliary loss). */
+lz_status lz_moe_route_forward(lz_tensor *weights, lz_tensor *idx, lz_tensor *probs,
+                               const lz_tensor *logits, int norm);
+lz_status lz_moe_route_backward(lz_tensor *dlogits, const lz_tensor *dweights,
+                                const lz_tensor *dprobs, const lz_tensor *probs,
+                                const lz_tensor *idx, int norm);
+/* The expert order of idx's slots (slot s = token * K + j): slot_of_row [R],
+ * its inverse row_of_slot [N, K], and offsets [E + 1], expert e's rows being
+ * offsets[e] .. offsets[e + 1], by token then slot: the same for the same idx. */
+lz_status lz_moe_sort(lz_tensor *row_of_slot, lz_tensor *slot_of_row, lz_tensor *offsets,
+                      const lz_tensor *idx);
+/* out [R, H] row r = x [N, H] row slot_of_row[r] / K (f32 or bf16 each: the
+ * gather converts). Backward: dx [N, H] row t = the sum of dout [R, H]'s rows
+ * row_of_slot[t, :] taken in row order (no atomics: bitwise reproducible). */
+lz_status lz_moe_permute_forward(lz_tensor *out, const lz_tensor *x,
+                                 const lz_tensor *slot_of_row);
+lz_status lz_moe_permute_backward(lz_tensor *dx, const lz_tensor *dout,
+                                  const lz_tensor *row_of_slot);
+/* out [N, H] (f32) row t = the sum, in row (= expert) order as transformers'
+ * index_add_ loop, of weights[t, j] * y [R, H] row row_of_slot[t, j]. Backward:
+ * dy row row_of_slot[t, j] = weights[t, j] * dout row t (f32 or bf16);
+ * dweights[t, j] = dout row t . that row of y; either may be NULL. */
+lz_status lz_moe_combine_forward(lz_tensor *out, const lz_tensor *y, const lz_tensor *weights,
+                                 const lz_tensor *row_of_slot);
+lz_status lz_moe_combine_backward(lz_tensor *dy, lz_tensor *dweights, const lz_tensor *dout,
+                                  const lz_tensor *y, const lz_tensor *weights,
+                                  const lz_tensor *row_of_slot);
+/* Grouped GEMM: for each expert e, y [R, D] rows offsets[e] .. offsets[e + 1]
+ * = x [R, C]'s rows @ w[e]^T, w [E, D, C] (each expert as nn.Linear's [out,
+ * in]); rows outside offsets[0] .. offsets[E] are not touched; an expert with
+ * no rows is skipped. x and w f32, or both bf16 (fp32 accumulation); y f32.
+ * Backward: dx = dy @ w[e] (written), dw[e] += dy^T @ x; either may be NULL;
+ * dy has x's dtype. */
+lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor *w,
+                              const lz_tensor *offsets);
+lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets);
+
 /* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
 lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x); /* y += alpha*x */

@@ -62,11 +62,29 @@ static lz_status cu_init(int device) {
 // An op without a cuda kernel yet holds NULL: lz_op_run refuses it as "not
 // supported on cuda yet", naming the op and its first tensor.
 #define lz_cu_attention_decode nullptr
+#define lz_cu_moe_route_forward nullptr
+#define lz_cu_moe_route_backward nullptr
+#define lz_cu_moe_sort nullptr
+#define lz_cu_moe_permute_forward nullptr
+#define lz_cu_moe_permute_backward nullptr
+#define lz_cu_moe_combine_forward nullptr
+#define lz_cu_moe_combine_backward nullptr
+#define lz_cu_moe_gemm_forward nullptr
+#define lz_cu_moe_gemm_backward nullptr
 static const lz_op_fn cu_ops[] = {
 #define LZ_OP(ID, name, ...) lz_cu_##name,
 #include "mem/lz_ops.def"
 };
 #undef lz_cu_attention_decode
+#undef lz_cu_moe_route_forward
+#undef lz_cu_moe_route_backward
+#undef lz_cu_moe_sort
+#undef lz_cu_moe_permute_forward
+#undef lz_cu_moe_permute_backward
+#undef lz_cu_moe_combine_forward
+#undef lz_cu_moe_combine_backward
+#undef lz_cu_moe_gemm_forward
+#undef lz_cu_moe_gemm_backward
 static_assert(sizeof cu_ops / sizeof cu_ops[0] == LZ_OP_COUNT, "one kernel per declared op");
 
 // ----------------------------------------------------------------- memory

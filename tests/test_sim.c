@@ -329,6 +329,40 @@ static lz_status qk_norm_bwd(lz_tensor **t) {
   return lz_qk_norm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], 2, 1, 1.0f);
 }
 
+/* MoE: 6 tokens, K = 2, E = 4 experts (R = 12 rows). */
+static lz_status moe_route_fwd(lz_tensor **t) {
+  return lz_moe_route_forward(t[0], t[1], t[2], t[3], 1);
+}
+static lz_status moe_route_bwd(lz_tensor **t) {
+  return lz_moe_route_backward(t[0], t[1], t[2], t[3], t[4], 1);
+}
+static lz_status moe_sort(lz_tensor **t) { return lz_moe_sort(t[0], t[1], t[2], t[3]); }
+static lz_status moe_permute_fwd(lz_tensor **t) {
+  return lz_moe_permute_forward(t[0], t[1], t[2]);
+}
+static lz_status moe_permute_bwd(lz_tensor **t) {
+  return lz_moe_permute_backward(t[0], t[1], t[2]);
+}
+static lz_status moe_combine_fwd(lz_tensor **t) {
+  return lz_moe_combine_forward(t[0], t[1], t[2], t[3]);
+}
+static lz_status moe_combine_bwd(lz_tensor **t) {
+  return lz_moe_combine_backward(t[0], t[1], t[2], t[3], t[4], t[5]);
+}
+/* The offsets come from sorting random experts first (t[0..3]). */
+static lz_status moe_gemm_fwd(lz_tensor **t) {
+  lz_status st = lz_moe_sort(t[0], t[1], t[2], t[3]);
+  return st != LZ_OK ? st : lz_moe_gemm_forward(t[4], t[5], t[6], t[2]);
+}
+static lz_status moe_gemm_bwd_dx(lz_tensor **t) {
+  lz_status st = lz_moe_sort(t[0], t[1], t[2], t[3]);
+  return st != LZ_OK ? st : lz_moe_gemm_backward(t[4], NULL, t[5], t[6], t[7], t[2]);
+}
+static lz_status moe_gemm_bwd_dw(lz_tensor **t) {
+  lz_status st = lz_moe_sort(t[0], t[1], t[2], t[3]);
+  return st != LZ_OK ? st : lz_moe_gemm_backward(NULL, t[4], t[5], t[6], t[7], t[2]);
+}
+
 /* The host-returning ops: the value itself is compared. */
 static void check_reductions(lz_dtype dt) {
   const int64_t n = 5000;
@@ -356,7 +390,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 35);
+  CHECK_EQ_INT(LZ_OP_COUNT, 44);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));
@@ -409,6 +443,22 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   /* three blocks of 256, the last partial */
   CHECK_OP(adamw8bit, F32(600), F32(600), U8(600), U8(600), F32P(3), F32P(3), BF16(600));
   CHECK_OP(adamw8bit_f32, F32(300), F32(300), F32(300), F32P(300), F32(300));
+  CHECK_OP(moe_route_fwd, F32(6, 2), IDS(1, 6, 2), F32(6, 4), F32(6, 4));
+  CHECK_OP(moe_route_fwd, F32(6, 2), IDS(1, 6, 2), F32(6, 4), BF16(6, 4));
+  CHECK_OP(moe_route_bwd, F32(6, 4), F32(6, 2), F32(6, 4), F32P(6, 4), IDS(4, 6, 2));
+  CHECK_OP(moe_route_bwd, BF16(6, 4), F32(6, 2), F32(6, 4), F32P(6, 4), IDS(4, 6, 2));
+  CHECK_OP(moe_sort, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2));
+  CHECK_OP(moe_permute_fwd, BF16(12, 8), F32(6, 8), IDS(12, 12));
+  CHECK_OP(moe_permute_bwd, F32(6, 8), BF16(12, 8), IDS(12, 6, 2));
+  CHECK_OP(moe_combine_fwd, F32(6, 8), BF16(12, 8), F32(6, 2), IDS(12, 6, 2));
+  CHECK_OP(moe_combine_bwd, F32(12, 8), F32(6, 2), F32(6, 8), F32(12, 8), F32(6, 2),
+           IDS(12, 6, 2));
+  CHECK_OP(moe_gemm_fwd, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2), F32(12, 5),
+           BF16(12, 8), BF16(4, 5, 8));
+  CHECK_OP(moe_gemm_bwd_dx, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2), F32(12, 8),
+           F32(12, 5), F32(12, 8), F32(4, 5, 8));
+  CHECK_OP(moe_gemm_bwd_dw, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2), F32(4, 5, 8),
+           BF16(12, 5), BF16(12, 8), BF16(4, 5, 8));
   check_reductions(LZ_F32);
   check_reductions(LZ_BF16);
   check_reductions(LZ_F16);

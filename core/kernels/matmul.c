@@ -4,6 +4,7 @@
  * layer's forward and backward on top. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
+#include "kernels/lz_gemm.h"
 
 #include <dnnl.h>    /* dnnl_sgemm, matmul primitive */
 #include <pthread.h> /* the primitive cache lock */
@@ -280,6 +281,11 @@ static lz_status gemm(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t 
   }
   if (dt == LZ_BF16) return gemm_bf16(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, NULL);
   return gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c);
+}
+
+lz_status lz_gemm(lz_dtype dt, int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha,
+                  const void *a, const void *b, float beta, float *c) {
+  return gemm(dt, 1, m, n, k, ta, tb, 0, alpha, a, b, beta, c);
 }
 
 /* ----------------------------------------------------------------- matmul */

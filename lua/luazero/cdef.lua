@@ -236,6 +236,31 @@ lz_status lz_cross_entropy_softcap_backward(lz_tensor *dlogits, const lz_tensor 
 
 lz_status lz_softcap_forward(lz_tensor *out, const lz_tensor *x, float cap);
 
+lz_status lz_moe_route_forward(lz_tensor *weights, lz_tensor *idx, lz_tensor *probs,
+                               const lz_tensor *logits, int norm);
+lz_status lz_moe_route_backward(lz_tensor *dlogits, const lz_tensor *dweights,
+                                const lz_tensor *dprobs, const lz_tensor *probs,
+                                const lz_tensor *idx, int norm);
+
+lz_status lz_moe_sort(lz_tensor *row_of_slot, lz_tensor *slot_of_row, lz_tensor *offsets,
+                      const lz_tensor *idx);
+
+lz_status lz_moe_permute_forward(lz_tensor *out, const lz_tensor *x,
+                                 const lz_tensor *slot_of_row);
+lz_status lz_moe_permute_backward(lz_tensor *dx, const lz_tensor *dout,
+                                  const lz_tensor *row_of_slot);
+
+lz_status lz_moe_combine_forward(lz_tensor *out, const lz_tensor *y, const lz_tensor *weights,
+                                 const lz_tensor *row_of_slot);
+lz_status lz_moe_combine_backward(lz_tensor *dy, lz_tensor *dweights, const lz_tensor *dout,
+                                  const lz_tensor *y, const lz_tensor *weights,
+                                  const lz_tensor *row_of_slot);
+
+lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor *w,
+                              const lz_tensor *offsets);
+lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets);
+
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
 lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x);
 lz_status lz_scale(lz_tensor *t, float s);

@@ -1,0 +1,204 @@
+/* moe_gemm.c — the experts' grouped GEMM: rows sorted by expert (moe.c's
+ * moe_sort), expert e's rows offsets[e] .. offsets[e + 1] multiplied by its
+ * own weight w[e] [D, C] (nn.Linear's layout, experts stacked as
+ * transformers 5.x stacks them), forward and backward. Each expert's product
+ * is one GEMM of matmul.c's (lz_gemm), so an expert's rows come out bitwise
+ * as a plain linear layer over those rows would give them. */
+#include "mem/lz_backend.h"
+#include "mem/lz_internal.h"
+#include "kernels/lz_gemm.h" /* lz_gemm */
+
+#include <dnnl.h>   /* dnnl_sgemm: a dw block, its rows strided */
+#include <stdlib.h> /* malloc, free */
+
+static lz_status gemm_shapes(const char *op, const lz_tensor *x, const lz_tensor *w,
+                             const lz_tensor *y, const char *yname, const lz_tensor *offsets) {
+  LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
+  LZ_TRY(lz_check_ndim(op, "w", w, 3, 3));
+  LZ_TRY(lz_check_ndim(op, "offsets", offsets, 1, 1));
+  LZ_TRY(lz_check_ndim(op, yname, y, 1, LZ_MAX_DIMS));
+  const int64_t E = w->shape[0], D = w->shape[1], C = w->shape[2], R = lz_rows(x);
+  char bx[96], bw[96], by[96];
+  if (lz_cols(x) != C)
+    return lz_fail(LZ_ERR_INVALID, "%s: x is %s but w is %s; x's last dimension must be %lld",
+                   op, lz_tensor_describe(x, bx, sizeof bx), lz_tensor_describe(w, bw, sizeof bw),
+                   (long long)C);
+  if (lz_rows(y) != R || lz_cols(y) != D)
+    return lz_fail(LZ_ERR_INVALID, "%s: x is %s and w is %s, so %s must be [%lld, %lld] (got %s)",
+                   op, lz_tensor_describe(x, bx, sizeof bx), lz_tensor_describe(w, bw, sizeof bw),
+                   yname, (long long)R, (long long)D, lz_tensor_describe(y, by, sizeof by));
+  return lz_check_numel(op, "offsets", offsets, E + 1, "E + 1: one more than w's experts");
+}
+
+/* The offsets' values, where they are: nondecreasing within [0, R]. */
+static lz_status check_offsets(lz_op op, const int32_t *off, int64_t E, int64_t R) {
+  for (int64_t e = 0; e <= E; e++) {
+    const int64_t lo = e ? off[e - 1] : 0;
+    if (off[e] < lo || off[e] > R)
+      return lz_fail(LZ_ERR_INVALID,
+                     "%s: offsets[%lld] is %d; offsets must rise from 0 or more to at most "
+                     "%lld (the rows of x)",
+                     lz_op_infos[op].name, (long long)e, (int)off[e], (long long)R);
+  }
+  return LZ_OK;
+}
+
+lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor *w,
+                              const lz_tensor *offsets) {
+  const char *op = "moe_gemm_forward";
+  LZ_TRY(gemm_shapes(op, x, w, y, "y", offsets));
+  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_FORWARD,
+            .t = {y, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)offsets});
+}
+
+/* The work as tasks that depend on the shapes only, never on the thread
+ * count: a block of one expert's rows (forward, dx) or of its weight's
+ * output rows (dw, whose sum runs over the expert's rows). The tasks run in
+ * parallel, each GEMM on one thread (oneDNN runs single-threaded inside a
+ * parallel region): small experts keep every thread busy, instead of each
+ * one's GEMM being split thinly over all of them, and every element is the
+ * same sum whatever the number of threads. */
+#define TASK_ROWS 128
+
+typedef struct {
+  int32_t e, r0, n; /* expert; first row and rows of the block */
+} gemm_task;
+
+/* Row blocks of each expert's offsets[e] .. offsets[e + 1] (by_rows), or of
+ * the D output rows of each expert that has rows. Returns the count; *out
+ * is malloc'd (NULL with 0 tasks). */
+static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off, int64_t E,
+                            int64_t D, int by_rows) {
+  int64_t n = 0;
+  for (int64_t e = 0; e < E; e++) {
+    const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
+    n += (len + TASK_ROWS - 1) / TASK_ROWS;
+  }
+  *count = n;
+  *out = NULL;
+  if (n == 0) return LZ_OK;
+  gemm_task *t = malloc((size_t)n * sizeof *t);
+  if (!t) return lz_fail(LZ_ERR_NOMEM, "moe_gemm: out of memory for %lld tasks", (long long)n);
+  int64_t k = 0;
+  for (int64_t e = 0; e < E; e++) {
+    const int64_t base = by_rows ? off[e] : 0;
+    const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
+    for (int64_t r = 0; r < len; r += TASK_ROWS)
+      t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r),
+                           (int32_t)(len - r < TASK_ROWS ? len - r : TASK_ROWS)};
+  }
+  *out = t;
+  return LZ_OK;
+}
+
+/* Runs every task's GEMM; the first failure's status is returned. */
+typedef lz_status (*task_fn)(const lz_op_args *a, const gemm_task *t);
+
+static lz_status tasks_run(const lz_op_args *a, const gemm_task *t, int64_t n, task_fn fn) {
+  lz_status st = LZ_OK;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; i++) {
+    lz_status s;
+#pragma omp atomic read
+    s = st;
+    if (s != LZ_OK) continue;
+    s = fn(a, &t[i]);
+    if (s != LZ_OK) {
+#pragma omp critical(moe_gemm_status)
+      if (st == LZ_OK) st = s;
+    }
+  }
+  return st;
+}
+
+/* bf16 runs its experts one after another, each GEMM on every thread:
+ * matmul.c's bf16 primitives are cached per shape behind one lock. */
+static lz_status tasks_for(const lz_op_args *a, lz_dtype dt, const int32_t *off, int64_t E,
+                           int64_t D, int by_rows, task_fn fn) {
+  gemm_task *t = NULL;
+  int64_t n = 0;
+  if (dt == LZ_BF16) {
+    for (int64_t e = 0; e < E; e++)
+      if (off[e + 1] > off[e]) {
+        const gemm_task whole = {(int32_t)e, by_rows ? off[e] : 0,
+                                 by_rows ? off[e + 1] - off[e] : (int32_t)D};
+        LZ_TRY(fn(a, &whole));
+      }
+    return LZ_OK;
+  }
+  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows));
+  lz_status st = tasks_run(a, t, n, fn);
+  free(t);
+  return st;
+}
+
+/* y rows r0 .. r0 + n = x rows @ w[e]^T */
+static lz_status forward_task(const lz_op_args *a, const gemm_task *t) {
+  const lz_tensor *y = a->t[0], *x = a->t[1], *w = a->t[2];
+  const int64_t D = w->shape[1], C = w->shape[2];
+  const size_t es = lz_dtype_size(x->dtype);
+  return lz_gemm(x->dtype, t->n, D, C, 0, 1, 1.0f, (const char *)x->data + (size_t)t->r0 * C * es,
+                 (const char *)w->data + (size_t)t->e * D * C * es, 0.0f,
+                 (float *)y->data + (size_t)t->r0 * D);
+}
+
+lz_status lz_cpu_moe_gemm_forward(const lz_op_args *a) {
+  const lz_tensor *x = a->t[1], *w = a->t[2];
+  const int64_t E = w->shape[0], R = lz_rows(x);
+  const int32_t *off = a->t[3]->data;
+  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_FORWARD, off, E, R));
+  return tasks_for(a, x->dtype, off, E, w->shape[1], 1, forward_task);
+}
+
+lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets) {
+  const char *op = "moe_gemm_backward";
+  LZ_TRY(gemm_shapes(op, x, w, dy, "dy", offsets));
+  if (dx) LZ_TRY(lz_check_numel(op, "dx", dx, lz_tensor_numel(x), "the shape of x"));
+  if (dw) LZ_TRY(lz_check_numel(op, "dw", dw, lz_tensor_numel(w), "the shape of w"));
+  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
+            .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
+                  (lz_tensor *)offsets});
+}
+
+/* dx rows r0 .. r0 + n = dy rows @ w[e] */
+static lz_status dx_task(const lz_op_args *a, const gemm_task *t) {
+  const lz_tensor *dx = a->t[0], *dy = a->t[2], *w = a->t[4];
+  const int64_t D = w->shape[1], C = w->shape[2];
+  const size_t es = lz_dtype_size(w->dtype);
+  return lz_gemm(w->dtype, t->n, C, D, 0, 0, 1.0f,
+                 (const char *)dy->data + (size_t)t->r0 * D * es,
+                 (const char *)w->data + (size_t)t->e * D * C * es, 0.0f,
+                 (float *)dx->data + (size_t)t->r0 * C);
+}
+
+/* dw[e] rows r0 .. r0 + n += (the expert's dy columns r0 .. r0 + n)^T @ its
+ * x rows: a GEMM over a column block of dy, whose rows are D apart. */
+static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
+  const lz_tensor *dw = a->t[1], *dy = a->t[2], *x = a->t[3], *w = a->t[4];
+  const int64_t D = w->shape[1], C = w->shape[2];
+  const int32_t *off = a->t[5]->data;
+  const int64_t rows = off[t->e + 1] - off[t->e];
+  const size_t es = lz_dtype_size(x->dtype);
+  const char *dyp = (const char *)dy->data + ((size_t)off[t->e] * D + (size_t)t->r0) * es;
+  float *c = (float *)dw->data + ((size_t)t->e * D + (size_t)t->r0) * C;
+  if (t->n == D)
+    return lz_gemm(x->dtype, D, C, rows, 1, 0, 1.0f, dyp,
+                   (const char *)x->data + (size_t)off[t->e] * C * es, 1.0f, c);
+  /* f32 only: bf16 runs whole experts (tasks_for) */
+  const dnnl_status_t s = dnnl_sgemm('T', 'N', t->n, C, rows, 1.0f, (const float *)dyp, D,
+                                     (const float *)x->data + (size_t)off[t->e] * C, C, 1.0f, c, C);
+  if (s == dnnl_success) return LZ_OK;
+  return lz_fail(LZ_ERR_INTERNAL, "moe_gemm_backward: dnnl_sgemm(%d x %lld x %lld) failed: status %d",
+                 (int)t->n, (long long)C, (long long)rows, (int)s);
+}
+
+lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
+  const lz_tensor *dx = a->t[0], *dw = a->t[1], *x = a->t[3], *w = a->t[4];
+  const int64_t E = w->shape[0], D = w->shape[1], R = lz_rows(x);
+  const int32_t *off = a->t[5]->data;
+  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_BACKWARD, off, E, R));
+  if (dx) LZ_TRY(tasks_for(a, x->dtype, off, E, D, 1, dx_task));
+  if (dw) LZ_TRY(tasks_for(a, x->dtype, off, E, D, 0, dw_task));
+  return LZ_OK;
+}

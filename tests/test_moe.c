@@ -1,0 +1,430 @@
+/* test_moe.c — the mixture-of-experts kernels (core/kernels/moe.c,
+ * moe_gemm.c) against naive double references: route (softmax, top-k with
+ * ties to the lower expert, k = E, renormalised or not) and its backward
+ * against central differences; sort with experts that get no token; permute,
+ * combine and the grouped GEMM (f32, bf16, counts of 0) forward and
+ * backward; a whole MoE layer against a per-token loop; the same bits at 1
+ * and 2 threads; argument and value errors. */
+#include "lz_test.h"
+
+#include <math.h>   /* exp, fabs */
+#include <stdlib.h> /* malloc, calloc, free */
+#include <string.h> /* memcmp, memcpy */
+
+static float *rand_f32(int64_t n, uint64_t *rng, float scale) {
+  float *p = malloc(sizeof(float) * (size_t)n);
+  for (int64_t i = 0; i < n; i++) p[i] = scale * lz_test_uniform(rng);
+  return p;
+}
+
+static uint16_t *to_bf16(const float *p, int64_t n) {
+  uint16_t *h = malloc(sizeof(uint16_t) * (size_t)n);
+  for (int64_t i = 0; i < n; i++) h[i] = lz_f32_to_bf16(p[i]);
+  return h;
+}
+
+/* p rounded through bf16, in place: the values a bf16 operand holds. */
+static void round_bf16(float *p, int64_t n) {
+  for (int64_t i = 0; i < n; i++) p[i] = lz_bf16_to_f32(lz_f32_to_bf16(p[i]));
+}
+
+#define T(data, dt, ...) \
+  lz_test_wrap((data), (dt), sizeof((int64_t[]){__VA_ARGS__}) / 8, (int64_t[]){__VA_ARGS__})
+
+/* ------------------------------------------------------------------ route */
+
+/* The naive router in double: probabilities, then K picks of the largest
+ * (the first of equal ones), then the optional renormalisation. */
+static void route_ref(double *w, int32_t *id, double *p, const double *l, int64_t E, int64_t K,
+                      int norm, const int32_t *fixed) {
+  double m = l[0], s = 0.0;
+  for (int64_t e = 1; e < E; e++) m = l[e] > m ? l[e] : m;
+  for (int64_t e = 0; e < E; e++) s += (p[e] = exp(l[e] - m));
+  for (int64_t e = 0; e < E; e++) p[e] /= s;
+  for (int64_t j = 0; j < K; j++) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E && !fixed; e++) {
+      int taken = 0;
+      for (int64_t q = 0; q < j; q++) taken |= id[q] == e;
+      if (!taken && (best < 0 || p[e] > p[best])) best = e;
+    }
+    id[j] = fixed ? fixed[j] : (int32_t)best;
+    w[j] = p[id[j]];
+  }
+  double sum = 0.0;
+  for (int64_t j = 0; j < K; j++) sum += w[j];
+  for (int64_t j = 0; j < K && norm; j++) w[j] /= sum;
+}
+
+static void route_case(int64_t N, int64_t E, int64_t K, int norm, lz_dtype dt) {
+  uint64_t rng = 0x40e + (uint64_t)(N * 131 + E * 7 + K + norm);
+  float *l = rand_f32(N * E, &rng, 3.0f);
+  if (dt == LZ_BF16) round_bf16(l, N * E);
+  uint16_t *lb = to_bf16(l, N * E);
+  float *w = calloc((size_t)(N * K), sizeof(float)), *p = calloc((size_t)(N * E), sizeof(float));
+  int32_t *id = calloc((size_t)(N * K), sizeof(int32_t));
+  CHECK_OK(lz_moe_route_forward(T(w, LZ_F32, N, K), T(id, LZ_I32, N, K), T(p, LZ_F32, N, E),
+                                T(dt == LZ_BF16 ? (void *)lb : l, dt, N, E), norm));
+  double ld[64], pd[64], wd[64];
+  int32_t idr[64];
+  for (int64_t t = 0; t < N; t++) {
+    for (int64_t e = 0; e < E; e++) ld[e] = l[t * E + e];
+    route_ref(wd, idr, pd, ld, E, K, norm, NULL);
+    for (int64_t e = 0; e < E; e++) CHECK_NEAR(p[t * E + e], pd[e], 1e-6);
+    for (int64_t j = 0; j < K; j++) {
+      CHECK_EQ_INT(id[t * K + j], idr[j]);
+      CHECK_NEAR(w[t * K + j], wd[j], 1e-6);
+    }
+  }
+  free(l), free(lb), free(w), free(p), free(id);
+}
+
+LZ_TEST(moe_route_forward_matches_naive) {
+  route_case(37, 8, 2, 0, LZ_F32);
+  route_case(37, 8, 2, 1, LZ_F32);
+  route_case(19, 64, 8, 1, LZ_F32); /* OLMoE's 64 experts, top-8 */
+  route_case(11, 4, 4, 0, LZ_F32);  /* k = E */
+  route_case(11, 4, 4, 1, LZ_F32);
+  route_case(23, 8, 2, 1, LZ_BF16);
+}
+
+LZ_TEST(moe_route_ties_go_to_the_lower_expert) {
+  /* Row 0: all equal; row 1: experts 1 and 3 tie for the top, 0 and 2 for
+   * the next; row 2: k = E of a tie. */
+  float l[12] = {0.5f, 0.5f, 0.5f, 0.5f, 1, 2, 1, 2, -1, -1, -1, -1};
+  float w[12], p[12];
+  int32_t id[12];
+  CHECK_OK(lz_moe_route_forward(T(w, LZ_F32, 3, 2), T(id, LZ_I32, 3, 2), T(p, LZ_F32, 3, 4),
+                                T(l, LZ_F32, 3, 4), 1));
+  const int32_t want[6] = {0, 1, 1, 3, 0, 1};
+  for (int i = 0; i < 6; i++) CHECK_EQ_INT(id[i], want[i]);
+  CHECK(w[0] == 0.5f && w[1] == 0.5f);
+  CHECK_OK(lz_moe_route_forward(T(w, LZ_F32, 3, 4), T(id, LZ_I32, 3, 4), T(p, LZ_F32, 3, 4),
+                                T(l, LZ_F32, 3, 4), 0));
+  const int32_t all[12] = {0, 1, 2, 3, 1, 3, 0, 2, 0, 1, 2, 3};
+  for (int i = 0; i < 12; i++) CHECK_EQ_INT(id[i], all[i]);
+  CHECK(w[0] == 0.25f && w[3] == 0.25f);
+}
+
+/* L = dw . weights + dp . probs with the experts fixed (top-k picks are
+ * piecewise constant): the backward against central differences. */
+static double route_loss(const double *l, const double *dw, const double *dp, const int32_t *id,
+                         int64_t N, int64_t E, int64_t K, int norm) {
+  double loss = 0.0, w[64], p[64];
+  int32_t got[64];
+  for (int64_t t = 0; t < N; t++) {
+    route_ref(w, got, p, l + t * E, E, K, norm, id + t * K);
+    for (int64_t j = 0; j < K; j++) loss += dw[t * K + j] * w[j];
+    for (int64_t e = 0; e < E && dp; e++) loss += dp[t * E + e] * p[e];
+  }
+  return loss;
+}
+
+static void route_backward_case(int64_t N, int64_t E, int64_t K, int norm, int with_dp) {
+  uint64_t rng = 0xbac + (uint64_t)(N + E * 3 + K * 5 + norm * 7 + with_dp);
+  float *l = rand_f32(N * E, &rng, 2.0f), *dwf = rand_f32(N * K, &rng, 1.0f);
+  float *dpf = rand_f32(N * E, &rng, 1.0f);
+  float *w = calloc((size_t)(N * K), 4), *p = calloc((size_t)(N * E), 4);
+  float *dl = calloc((size_t)(N * E), 4);
+  int32_t *id = calloc((size_t)(N * K), 4);
+  CHECK_OK(lz_moe_route_forward(T(w, LZ_F32, N, K), T(id, LZ_I32, N, K), T(p, LZ_F32, N, E),
+                                T(l, LZ_F32, N, E), norm));
+  CHECK_OK(lz_moe_route_backward(T(dl, LZ_F32, N, E), T(dwf, LZ_F32, N, K),
+                                 with_dp ? T(dpf, LZ_F32, N, E) : NULL, T(p, LZ_F32, N, E),
+                                 T(id, LZ_I32, N, K), norm));
+  double *ld = malloc(sizeof(double) * (size_t)(N * E)), *dw = malloc(sizeof(double) * (size_t)(N * K));
+  double *dp = malloc(sizeof(double) * (size_t)(N * E)), *g = malloc(sizeof(double) * (size_t)(N * E));
+  for (int64_t i = 0; i < N * E; i++) ld[i] = l[i], dp[i] = dpf[i];
+  for (int64_t i = 0; i < N * K; i++) dw[i] = dwf[i];
+  for (int64_t i = 0; i < N * E; i++) {
+    const double h = 1e-6, keep = ld[i];
+    ld[i] = keep + h;
+    const double up = route_loss(ld, dw, with_dp ? dp : NULL, id, N, E, K, norm);
+    ld[i] = keep - h;
+    const double down = route_loss(ld, dw, with_dp ? dp : NULL, id, N, E, K, norm);
+    ld[i] = keep;
+    g[i] = (up - down) / (2 * h);
+  }
+  CHECK(lz_test_rel_err(dl, g, N * E) < 1e-4);
+  /* bf16 dlogits: the f32 ones rounded */
+  uint16_t *dlb = calloc((size_t)(N * E), 2);
+  CHECK_OK(lz_moe_route_backward(T(dlb, LZ_BF16, N, E), T(dwf, LZ_F32, N, K),
+                                 with_dp ? T(dpf, LZ_F32, N, E) : NULL, T(p, LZ_F32, N, E),
+                                 T(id, LZ_I32, N, K), norm));
+  for (int64_t i = 0; i < N * E; i++) CHECK(dlb[i] == lz_f32_to_bf16(dl[i]));
+  free(l), free(dwf), free(dpf), free(w), free(p), free(dl), free(id), free(dlb);
+  free(ld), free(dw), free(dp), free(g);
+}
+
+LZ_TEST(moe_route_backward_matches_differences) {
+  route_backward_case(9, 8, 2, 0, 0);
+  route_backward_case(9, 8, 2, 1, 0);
+  route_backward_case(9, 8, 2, 1, 1);
+  route_backward_case(5, 6, 6, 1, 1); /* k = E: the renormalised weights are the probs */
+  route_backward_case(7, 16, 4, 0, 1);
+}
+
+/* ------------------------------------------------------------------- sort */
+
+LZ_TEST(moe_sort_orders_by_expert_token_slot) {
+  /* 5 tokens, K = 2, E = 5: expert 2 gets no token, expert 4 the most. */
+  const int32_t idx[10] = {4, 0, 1, 4, 4, 3, 0, 4, 1, 3};
+  int32_t ros[10], sor[10], off[6];
+  CHECK_OK(lz_moe_sort(T(ros, LZ_I32, 5, 2), T(sor, LZ_I32, 10), T(off, LZ_I32, 6),
+                       T((void *)idx, LZ_I32, 5, 2)));
+  const int32_t want_off[6] = {0, 2, 4, 4, 6, 10};
+  const int32_t want_sor[10] = {1, 6, 2, 8, 5, 9, 0, 3, 4, 7};
+  for (int i = 0; i < 6; i++) CHECK_EQ_INT(off[i], want_off[i]);
+  for (int i = 0; i < 10; i++) CHECK_EQ_INT(sor[i], want_sor[i]);
+  for (int s = 0; s < 10; s++) CHECK_EQ_INT(sor[ros[s]], s);
+}
+
+/* -------------------------------------------------------- permute, combine */
+
+/* Random routing of N tokens to E experts, K distinct each, then sorted. */
+typedef struct {
+  int64_t N, E, K;
+  int32_t *idx, *ros, *sor, *off;
+} routing;
+
+static routing routing_new(int64_t N, int64_t E, int64_t K, uint64_t seed, int skip_last) {
+  routing r = {N, E, K, malloc(4 * (size_t)(N * K)), malloc(4 * (size_t)(N * K)),
+               malloc(4 * (size_t)(N * K)), malloc(4 * (size_t)(E + 1))};
+  uint64_t rng = seed;
+  const int64_t pool = skip_last ? E - 1 : E; /* the last expert gets no token */
+  for (int64_t t = 0; t < N; t++)
+    for (int64_t j = 0; j < K; j++) {
+      int32_t e, dup;
+      do {
+        e = (int32_t)(lz_test_xorshift(&rng) % (uint64_t)pool);
+        dup = 0;
+        for (int64_t q = 0; q < j; q++) dup |= r.idx[t * K + q] == e;
+      } while (dup);
+      r.idx[t * K + j] = e;
+    }
+  CHECK_OK(lz_moe_sort(T(r.ros, LZ_I32, N, K), T(r.sor, LZ_I32, N * K), T(r.off, LZ_I32, E + 1),
+                       T(r.idx, LZ_I32, N, K)));
+  return r;
+}
+
+static void routing_free(routing *r) { free(r->idx), free(r->ros), free(r->sor), free(r->off); }
+
+LZ_TEST(moe_permute_and_combine_match_naive) {
+  const int64_t N = 13, E = 6, K = 3, H = 40, R = N * K;
+  routing rt = routing_new(N, E, K, 77, 1);
+  CHECK_EQ_INT(rt.off[E] - rt.off[E - 1], 0);
+  uint64_t rng = 5;
+  float *x = rand_f32(N * H, &rng, 1.0f), *y = rand_f32(R * H, &rng, 1.0f);
+  float *wt = rand_f32(N * K, &rng, 1.0f), *dout = rand_f32(N * H, &rng, 1.0f);
+  float *xp = calloc((size_t)(R * H), 4), *dx = calloc((size_t)(N * H), 4);
+  float *out = calloc((size_t)(N * H), 4), *dy = calloc((size_t)(R * H), 4);
+  float *dw = calloc((size_t)(N * K), 4);
+  uint16_t *xpb = calloc((size_t)(R * H), 2), *dyb = calloc((size_t)(R * H), 2);
+  CHECK_OK(lz_moe_permute_forward(T(xp, LZ_F32, R, H), T(x, LZ_F32, N, H), T(rt.sor, LZ_I32, R)));
+  CHECK_OK(lz_moe_permute_forward(T(xpb, LZ_BF16, R, H), T(x, LZ_F32, N, H),
+                                  T(rt.sor, LZ_I32, R)));
+  for (int64_t s = 0; s < R; s++)
+    for (int64_t c = 0; c < H; c++) {
+      CHECK(xp[rt.ros[s] * H + c] == x[s / K * H + c]);
+      CHECK(xpb[rt.ros[s] * H + c] == lz_f32_to_bf16(x[s / K * H + c]));
+    }
+  CHECK_OK(lz_moe_permute_backward(T(dx, LZ_F32, N, H), T(y, LZ_F32, R, H),
+                                   T(rt.ros, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_combine_forward(T(out, LZ_F32, N, H), T(y, LZ_F32, R, H), T(wt, LZ_F32, N, K),
+                                  T(rt.ros, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_combine_backward(T(dy, LZ_F32, R, H), T(dw, LZ_F32, N, K),
+                                   T(dout, LZ_F32, N, H), T(y, LZ_F32, R, H),
+                                   T(wt, LZ_F32, N, K), T(rt.ros, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_combine_backward(T(dyb, LZ_BF16, R, H), NULL, T(dout, LZ_F32, N, H),
+                                   T(y, LZ_F32, R, H), T(wt, LZ_F32, N, K),
+                                   T(rt.ros, LZ_I32, N, K)));
+  for (int64_t t = 0; t < N; t++) {
+    for (int64_t c = 0; c < H; c++) {
+      double sx = 0, so = 0;
+      for (int64_t j = 0; j < K; j++) {
+        const int64_t r = rt.ros[t * K + j];
+        sx += y[r * H + c];
+        so += (double)wt[t * K + j] * y[r * H + c];
+        CHECK(dy[r * H + c] == wt[t * K + j] * dout[t * H + c]);
+        CHECK(dyb[r * H + c] == lz_f32_to_bf16(dy[r * H + c]));
+      }
+      CHECK_NEAR(dx[t * H + c], sx, 1e-6);
+      CHECK_NEAR(out[t * H + c], so, 1e-6);
+    }
+    for (int64_t j = 0; j < K; j++) {
+      double d = 0;
+      for (int64_t c = 0; c < H; c++) d += (double)dout[t * H + c] * y[rt.ros[t * K + j] * H + c];
+      CHECK_NEAR(dw[t * K + j], d, 1e-5);
+    }
+  }
+  /* The sum runs in expert order whatever the slot order: token 0's two
+   * rows swapped between slots give the same bits. */
+  float before = out[0];
+  int32_t keep = rt.ros[0];
+  float wk = wt[0];
+  rt.ros[0] = rt.ros[1], rt.ros[1] = keep, wt[0] = wt[1], wt[1] = wk;
+  CHECK_OK(lz_moe_combine_forward(T(out, LZ_F32, N, H), T(y, LZ_F32, R, H), T(wt, LZ_F32, N, K),
+                                  T(rt.ros, LZ_I32, N, K)));
+  CHECK(memcmp(&before, &out[0], 4) == 0);
+  free(x), free(y), free(wt), free(dout), free(xp), free(dx), free(out), free(dy), free(dw);
+  free(xpb), free(dyb);
+  routing_free(&rt);
+}
+
+/* ------------------------------------------------------------ grouped GEMM */
+
+static void gemm_case(int64_t N, int64_t E, int64_t K, int64_t C, int64_t D, lz_dtype dt,
+                      double tol) {
+  const int64_t R = N * K;
+  routing rt = routing_new(N, E, K, 1000 + (uint64_t)(N + E + C + dt), 1);
+  uint64_t rng = 9 + (uint64_t)dt;
+  float *x = rand_f32(R * C, &rng, 1.0f), *w = rand_f32(E * D * C, &rng, 0.5f);
+  float *dy = rand_f32(R * D, &rng, 1.0f), *dw0 = rand_f32(E * D * C, &rng, 1.0f);
+  if (dt == LZ_BF16) round_bf16(x, R * C), round_bf16(w, E * D * C), round_bf16(dy, R * D);
+  uint16_t *xb = to_bf16(x, R * C), *wb = to_bf16(w, E * D * C), *dyb = to_bf16(dy, R * D);
+  float *y = calloc((size_t)(R * D), 4), *dx = calloc((size_t)(R * C), 4);
+  float *dw = malloc(4 * (size_t)(E * D * C));
+  memcpy(dw, dw0, 4 * (size_t)(E * D * C));
+  const int bf = dt == LZ_BF16;
+  lz_tensor *tx = T(bf ? (void *)xb : x, dt, R, C), *tw = T(bf ? (void *)wb : w, dt, E, D, C);
+  lz_tensor *tdy = T(bf ? (void *)dyb : dy, dt, R, D), *toff = T(rt.off, LZ_I32, E + 1);
+  CHECK_OK(lz_moe_gemm_forward(T(y, LZ_F32, R, D), tx, tw, toff));
+  CHECK_OK(lz_moe_gemm_backward(T(dx, LZ_F32, R, C), T(dw, LZ_F32, E, D, C), tdy, tx, tw, toff));
+  double *ref = calloc((size_t)(E * D * C), sizeof(double));
+  float *dwd = malloc(4 * (size_t)(E * D * C));
+  for (int64_t e = 0; e < E; e++)
+    for (int64_t r = rt.off[e]; r < rt.off[e + 1]; r++) {
+      for (int64_t d = 0; d < D; d++) {
+        double s = 0;
+        for (int64_t c = 0; c < C; c++) s += (double)x[r * C + c] * w[(e * D + d) * C + c];
+        CHECK_NEAR(y[r * D + d], s, tol);
+      }
+      for (int64_t c = 0; c < C; c++) {
+        double s = 0;
+        for (int64_t d = 0; d < D; d++) s += (double)dy[r * D + d] * w[(e * D + d) * C + c];
+        CHECK_NEAR(dx[r * C + c], s, tol);
+        for (int64_t d = 0; d < D; d++)
+          ref[(e * D + d) * C + c] += (double)dy[r * D + d] * x[r * C + c];
+      }
+    }
+  for (int64_t i = 0; i < E * D * C; i++) dwd[i] = dw[i] - dw0[i];
+  CHECK(lz_test_rel_err(dwd, ref, E * D * C) < tol);
+  /* The expert with no rows keeps its dw. */
+  CHECK(memcmp(dw + (E - 1) * D * C, dw0 + (E - 1) * D * C, 4 * (size_t)(D * C)) == 0);
+  free(x), free(w), free(dy), free(dw0), free(xb), free(wb), free(dyb), free(y), free(dx);
+  free(dw), free(ref), free(dwd);
+  routing_free(&rt);
+}
+
+LZ_TEST(moe_gemm_matches_naive) {
+  gemm_case(21, 5, 2, 24, 40, LZ_F32, 1e-5);
+  gemm_case(64, 8, 2, 64, 48, LZ_F32, 1e-5);
+  gemm_case(21, 5, 2, 24, 40, LZ_BF16, 1e-5); /* bf16 inputs, fp32 sums */
+}
+
+/* ------------------------------------------------------------ whole layer */
+
+/* route, sort, permute, grouped GEMM, combine: out[t] = sum over the K
+ * chosen experts of weight * (x[t] @ w[e]^T), and back to dx and dlogits. */
+typedef struct {
+  float *out, *dx, *dl, *dw;
+} layer_out;
+
+static layer_out layer_run(const float *x, const float *logits, const float *w,
+                           const float *dout, int64_t N, int64_t E, int64_t K, int64_t C) {
+  const int64_t R = N * K;
+  float *wt = calloc((size_t)(N * K), 4), *p = calloc((size_t)(N * E), 4);
+  int32_t *id = calloc((size_t)R, 4), *ros = calloc((size_t)R, 4), *sor = calloc((size_t)R, 4);
+  int32_t *off = calloc((size_t)E + 1, 4);
+  float *xp = calloc((size_t)(R * C), 4), *y = calloc((size_t)(R * C), 4);
+  float *dy = calloc((size_t)(R * C), 4), *dxp = calloc((size_t)(R * C), 4);
+  float *dwt = calloc((size_t)(N * K), 4);
+  layer_out o = {calloc((size_t)(N * C), 4), calloc((size_t)(N * C), 4),
+                 calloc((size_t)(N * E), 4), calloc((size_t)(E * C * C), 4)};
+  CHECK_OK(lz_moe_route_forward(T(wt, LZ_F32, N, K), T(id, LZ_I32, N, K), T(p, LZ_F32, N, E),
+                                T((void *)logits, LZ_F32, N, E), 1));
+  CHECK_OK(lz_moe_sort(T(ros, LZ_I32, N, K), T(sor, LZ_I32, R), T(off, LZ_I32, E + 1),
+                       T(id, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_permute_forward(T(xp, LZ_F32, R, C), T((void *)x, LZ_F32, N, C),
+                                  T(sor, LZ_I32, R)));
+  CHECK_OK(lz_moe_gemm_forward(T(y, LZ_F32, R, C), T(xp, LZ_F32, R, C),
+                               T((void *)w, LZ_F32, E, C, C), T(off, LZ_I32, E + 1)));
+  CHECK_OK(lz_moe_combine_forward(T(o.out, LZ_F32, N, C), T(y, LZ_F32, R, C),
+                                  T(wt, LZ_F32, N, K), T(ros, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_combine_backward(T(dy, LZ_F32, R, C), T(dwt, LZ_F32, N, K),
+                                   T((void *)dout, LZ_F32, N, C), T(y, LZ_F32, R, C),
+                                   T(wt, LZ_F32, N, K), T(ros, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_gemm_backward(T(dxp, LZ_F32, R, C), T(o.dw, LZ_F32, E, C, C),
+                                T(dy, LZ_F32, R, C), T(xp, LZ_F32, R, C),
+                                T((void *)w, LZ_F32, E, C, C), T(off, LZ_I32, E + 1)));
+  CHECK_OK(lz_moe_permute_backward(T(o.dx, LZ_F32, N, C), T(dxp, LZ_F32, R, C),
+                                   T(ros, LZ_I32, N, K)));
+  CHECK_OK(lz_moe_route_backward(T(o.dl, LZ_F32, N, E), T(dwt, LZ_F32, N, K), NULL,
+                                 T(p, LZ_F32, N, E), T(id, LZ_I32, N, K), 1));
+  free(wt), free(p), free(id), free(ros), free(sor), free(off), free(xp), free(y), free(dy);
+  free(dxp), free(dwt);
+  return o;
+}
+
+static void layer_free(layer_out *o) { free(o->out), free(o->dx), free(o->dl), free(o->dw); }
+
+LZ_TEST(moe_layer_matches_per_token_loop_and_threads) {
+  const int64_t N = 300, E = 8, K = 2, C = 32;
+  uint64_t rng = 31;
+  float *x = rand_f32(N * C, &rng, 1.0f), *l = rand_f32(N * E, &rng, 2.0f);
+  float *w = rand_f32(E * C * C, &rng, 0.3f), *dout = rand_f32(N * C, &rng, 1.0f);
+  const int saved = lz_threads_get();
+  CHECK_OK(lz_threads_set(1));
+  layer_out one = layer_run(x, l, w, dout, N, E, K, C);
+  CHECK_OK(lz_threads_set(2));
+  layer_out two = layer_run(x, l, w, dout, N, E, K, C);
+  lz_threads_set(saved);
+  CHECK(memcmp(one.out, two.out, 4 * (size_t)(N * C)) == 0);
+  CHECK(memcmp(one.dx, two.dx, 4 * (size_t)(N * C)) == 0);
+  CHECK(memcmp(one.dl, two.dl, 4 * (size_t)(N * E)) == 0);
+  CHECK(memcmp(one.dw, two.dw, 4 * (size_t)(E * C * C)) == 0);
+  /* the layer as a loop over tokens and their experts */
+  for (int64_t t = 0; t < N; t++) {
+    double ld[8], pd[8], wd[8];
+    int32_t id[8];
+    for (int64_t e = 0; e < E; e++) ld[e] = l[t * E + e];
+    route_ref(wd, id, pd, ld, E, K, 1, NULL);
+    for (int64_t d = 0; d < C; d++) {
+      double s = 0;
+      for (int64_t j = 0; j < K; j++) {
+        double yv = 0;
+        for (int64_t c = 0; c < C; c++) yv += (double)x[t * C + c] * w[(id[j] * C + d) * C + c];
+        s += wd[j] * yv;
+      }
+      CHECK_NEAR(one.out[t * C + d], s, 1e-5);
+    }
+  }
+  layer_free(&one), layer_free(&two);
+  free(x), free(l), free(w), free(dout);
+}
+
+/* ----------------------------------------------------------------- errors */
+
+LZ_TEST(moe_errors_name_the_argument) {
+  int32_t idx[4] = {0, 5, 1, 2}, ros[4], sor[4], off[5];
+  CHECK_ERR(lz_moe_sort(T(ros, LZ_I32, 2, 2), T(sor, LZ_I32, 4), T(off, LZ_I32, 5),
+                        T(idx, LZ_I32, 2, 2)),
+            LZ_ERR_INVALID, "moe_sort: idx[1] is 5, outside [0, 4)");
+  CHECK_ERR(lz_moe_sort(T(ros, LZ_I32, 2, 2), T(sor, LZ_I32, 3), T(off, LZ_I32, 5),
+                        T(idx, LZ_I32, 2, 2)),
+            LZ_ERR_INVALID, "slot_of_row");
+  float x[64] = {0}, w[64] = {0}, y[64];
+  int32_t bad[3] = {0, 3, 2};
+  CHECK_ERR(lz_moe_gemm_forward(T(y, LZ_F32, 4, 4), T(x, LZ_F32, 4, 4), T(w, LZ_F32, 2, 4, 4),
+                                T(bad, LZ_I32, 3)),
+            LZ_ERR_INVALID, "moe_gemm_forward: offsets[2] is 2; offsets must rise");
+  CHECK_ERR(lz_moe_gemm_forward(T(y, LZ_F32, 4, 4), T(x, LZ_F32, 4, 3), T(w, LZ_F32, 2, 4, 4),
+                                T(bad, LZ_I32, 3)),
+            LZ_ERR_INVALID, "x's last dimension must be 4");
+  float wt[4], p[8];
+  CHECK_ERR(lz_moe_route_forward(T(wt, LZ_F32, 1, 4), T(idx, LZ_I32, 1, 4), T(p, LZ_F32, 1, 2),
+                                 T(x, LZ_F32, 1, 2), 1),
+            LZ_ERR_INVALID, "1 <= K <= E");
+  CHECK_ERR(lz_moe_permute_forward(T(y, LZ_F32, 5, 4), T(x, LZ_F32, 2, 4), T(sor, LZ_I32, 5)),
+            LZ_ERR_INVALID, "a whole number K of slots");
+}
