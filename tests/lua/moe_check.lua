@@ -6,6 +6,7 @@
 -- <expert rows of step 1, block 1>" per stage, then "done". A stage whose
 -- collectives depended on the routing would hang here, not finish.
 --   luazero [-n N] tests/lua/moe_check.lua CORPUS
+local ffi = require("ffi")
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -16,15 +17,13 @@ local comm = require("luazero.comm").init()
 local rank, world = comm.rank(), comm.size()
 local corpus = data.load(arg[1])
 
--- The router's choice, then every token of this rank sent to expert `rank`.
+-- The router's choice, then every token of this rank sent to expert `rank`
+-- (top-1, renormalised: weight 1).
 local choose = MoE.choose
-function MoE:choose(pl, N)
-  local c = choose(self, pl, N)
-  for i = 0, N * self.top_k - 1 do
-    c.sel[i] = rank
-    c.w[i] = c.probs[math.floor(i / self.top_k) * self.n_experts + rank]
-  end
-  for n = 0, N - 1 do self:weigh(c.w + n * self.top_k) end
+function MoE:choose(logits, N)
+  local c = choose(self, logits, N)
+  local idx, w = ffi.cast("int32_t *", c.idx.data), ffi.cast("float *", c.weights.data)
+  for i = 0, N * self.top_k - 1 do idx[i], w[i] = rank, 1 end
   return c
 end
 

@@ -24,7 +24,16 @@ local Experts = require("luazero.nn.moe_experts")
 local rng = require("luazero.rng")
 
 local ops = lz.ops
-local floats = Experts.floats
+
+-- Host pointers of cpu tensors: the jitter and the shared expert's gate
+-- run there.
+local function floats(t)
+  if t:device_name() ~= "cpu" then
+    error(("moe: the router jitter and the shared expert's gate run on the cpu for now (got " ..
+           "a tensor on %s); use --device cpu"):format(t:device_name()), 0)
+  end
+  return ffi.cast("float *", t.data)
+end
 local MoE = Module:extend("SparseMoE")
 
 function MoE.new(n_embd, opts)
@@ -49,74 +58,45 @@ function MoE.new(n_embd, opts)
   return self
 end
 
--- Each token's choice from its router logits (N x E host floats): probs
--- [N, E] (kept for backward, and summed per expert for the load-balancing
--- loss), its k experts (sel [N, k]) and their weights (w [N, k]).
-function MoE:choose(pl, N)
+-- A small tensor's elements where the host reads them: a pointer of
+-- ctype, and the host copy to free after (nil on the cpu).
+local function on_host(t, ctype)
+  if t:device_name() == "cpu" then return ffi.cast(ctype, t.data), nil end
+  local h = t:to("cpu")
+  return ffi.cast(ctype, h.data), h
+end
+
+-- Each token's choice from its router logits [N, E] (the moe_route_forward
+-- op: softmax in fp32, the top k, ties to the lower expert, renormalised
+-- where norm_topk_prob says): probs [N, E], idx [N, k], weights [N, k].
+function MoE:choose(logits, N)
   local E, k = self.n_experts, self.top_k
-  local probs = ffi.new("float[?]", N * E)
-  local sel, w = ffi.new("int32_t[?]", N * k), ffi.new("float[?]", N * k)
-  local probsum = ffi.new("double[?]", E)
-  local taken = {}
-  for n = 0, N - 1 do
-    local row, p = pl + n * E, probs + n * E
-    local m = -math.huge
-    for e = 0, E - 1 do if row[e] > m then m = row[e] end end
-    local s = 0
-    for e = 0, E - 1 do
-      p[e] = math.exp(row[e] - m)
-      s = s + p[e]
-    end
-    for e = 0, E - 1 do
-      p[e] = p[e] / s
-      probsum[e] = probsum[e] + p[e]
-      taken[e] = false
-    end
-    for j = 0, k - 1 do
-      local best = -1
-      for e = 0, E - 1 do
-        if not taken[e] and (best < 0 or p[e] > p[best]) then best = e end
-      end
-      taken[best] = true
-      sel[n * k + j], w[n * k + j] = best, p[best]
-    end
-    self:weigh(w + n * k)
-  end
-  return { n = N, probs = probs, probsum = probsum, sel = sel, w = w }
+  local c = { n = N, weights = self:activation({ N, k }), idx = self:activation({ N, k }, "i32"),
+              probs = self:activation({ N, E }) }
+  ops.moe_route_forward(c.weights, c.idx, c.probs, logits, self.norm_topk_prob and 1 or 0)
+  return c
 end
 
--- A token's k weights (its experts' probabilities) renormalised in place
--- where norm_topk_prob says so.
-function MoE:weigh(w)
-  if not self.norm_topk_prob then return end
-  local total = 0
-  for j = 0, self.top_k - 1 do total = total + w[j] end
-  for j = 0, self.top_k - 1 do w[j] = w[j] / total end
-end
-
--- The rows of a choice in expert order (nn/moe_experts.lua's route): each
--- expert's count and first row, each row's token and weight, and the row of
--- each (token, slot).
+-- The rows of a choice in expert order (the moe_sort op; nn/moe_experts.lua's
+-- route), each expert's row count and first row on the host, and its summed
+-- probability (the load-balancing loss's).
 function MoE:rows(c)
   local E, k, N = self.n_experts, self.top_k, c.n
   local R = N * k
-  local count, first = ffi.new("int32_t[?]", E), ffi.new("int32_t[?]", E)
-  for i = 0, R - 1 do count[c.sel[i]] = count[c.sel[i]] + 1 end
-  local at = 0
-  for e = 0, E - 1 do first[e], at = at, at + count[e] end
-  local tok, wt, row_of = ffi.new("int32_t[?]", R), ffi.new("float[?]", R),
-                          ffi.new("int32_t[?]", R)
-  local next_ = ffi.new("int32_t[?]", E)
-  ffi.copy(next_, first, 4 * E)
+  c.rows = R
+  c.row_of_slot, c.slot_of_row = self:activation({ N, k }, "i32"), self:activation({ R }, "i32")
+  c.offsets = self:activation({ E + 1 }, "i32")
+  ops.moe_sort(c.row_of_slot, c.slot_of_row, c.offsets, c.idx)
+  local off, held = on_host(c.offsets, "int32_t *")
+  c.count, c.first = ffi.new("int32_t[?]", E), ffi.new("int32_t[?]", E)
+  for e = 0, E - 1 do c.first[e], c.count[e] = off[e], off[e + 1] - off[e] end
+  if held then held:free() end
+  local p, held_p = on_host(c.probs, "float *")
+  c.probsum = ffi.new("double[?]", E)
   for n = 0, N - 1 do
-    for j = 0, k - 1 do
-      local e = c.sel[n * k + j]
-      local r = next_[e]
-      next_[e] = r + 1
-      tok[r], wt[r], row_of[n * k + j] = n, c.w[n * k + j], r
-    end
+    for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
   end
-  c.rows, c.count, c.first, c.tok, c.wt, c.row_of = R, count, first, tok, wt, row_of
+  if held_p then held_p:free() end
   return c
 end
 
@@ -146,7 +126,7 @@ function MoE:forward(x)
   local N = B * T
   x = self:jittered(x)
   local logits = self:run_forward(self.gate, x)
-  local route = self:rows(self:choose(floats(logits), N))
+  local route = self:rows(self:choose(logits:view(0, { N, self.n_experts }), N))
   self.routing = route
   local y = self:run_forward(self.experts, x, route)
   if self.shared_expert then
@@ -170,35 +150,23 @@ function MoE:forward(x)
 end
 
 -- dlogits [B, T, E] from the experts' weight gradients (through the
--- renormalisation and the softmax) and the load-balancing loss's.
+-- renormalisation and the softmax: the moe_route_backward op) and the
+-- load-balancing loss's, the same for every token: scale * grad[e].
 function MoE:router_grad(dlogits)
-  local r, dwt = self.routing, self.experts.dwt
-  local E, k, N = self.n_experts, self.top_k, r.n
+  local r, E, N = self.routing, self.n_experts, self.routing.n
   local aux = self.ctx.router_aux
-  local pd = floats(dlogits)
-  local dp = ffi.new("double[?]", E)
-  for n = 0, N - 1 do
-    local p = r.probs + n * E
-    for e = 0, E - 1 do dp[e] = aux and aux.scale * aux.grad[e] or 0 end
-    local base = n * k
-    if self.norm_topk_prob then
-      local total, dot = 0, 0
-      for j = 0, k - 1 do total = total + p[r.sel[base + j]] end
-      for j = 0, k - 1 do dot = dot + dwt[r.row_of[base + j]] * r.w[base + j] end
-      for j = 0, k - 1 do
-        local e = r.sel[base + j]
-        dp[e] = dp[e] + (dwt[r.row_of[base + j]] - dot) / total
-      end
-    else
-      for j = 0, k - 1 do
-        local e = r.sel[base + j]
-        dp[e] = dp[e] + dwt[r.row_of[base + j]]
-      end
+  local dprobs
+  if aux then
+    dprobs = self:scratch({ N, E })
+    local host = dprobs:device_name() ~= "cpu" and lz.tensor({ N, E }, "f32", "workspace")
+    local p = ffi.cast("float *", (host or dprobs).data)
+    for n = 0, N - 1 do
+      for e = 0, E - 1 do p[n * E + e] = aux.scale * aux.grad[e] end
     end
-    local dot = 0
-    for e = 0, E - 1 do dot = dot + p[e] * dp[e] end
-    for e = 0, E - 1 do pd[n * E + e] = p[e] * (dp[e] - dot) end
+    if host then dprobs:copy(host); host:free() end
   end
+  ops.moe_route_backward(dlogits:view(0, { N, E }), self.experts.dweights, dprobs, r.probs, r.idx,
+                         self.norm_topk_prob and 1 or 0)
 end
 
 function MoE:backward(dy)
@@ -236,8 +204,10 @@ end
 function MoE:own_memory(B, T)
   local N, C = B * T, self.n_embd
   return {
-    activations = self.jitter > 0 and lz.arena_bytes(N * C) or 0,
-    scratch = lz.arena_bytes(N * self.n_experts) +
+    activations = (self.jitter > 0 and lz.arena_bytes(N * C) or 0) +
+                  2 * lz.arena_bytes(N * self.top_k) + 2 * lz.arena_bytes(N * self.top_k, "i32") +
+                  lz.arena_bytes(N * self.n_experts) + lz.arena_bytes(self.n_experts + 1, "i32"),
+    scratch = 2 * lz.arena_bytes(N * self.n_experts) +
               (self.shared_expert and lz.arena_bytes(N * C) + lz.arena_bytes(N) or 0),
   }
 end

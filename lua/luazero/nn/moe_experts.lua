@@ -10,10 +10,10 @@
 -- no token reached computes nothing and its gradient stays zero; the
 -- collectives never depend on the routing.
 --
--- The routing a forward takes (nn/moe.lua's route): rows = N * k token rows
--- in expert order (expert, then token, then slot); tok[r] the token of row
--- r, wt[r] its weight, count[e] and first[e] each expert's rows.
-local ffi = require("ffi")
+-- The routing a forward takes (nn/moe.lua's routing): R = N * k rows in
+-- expert order (expert, then token, then slot; the moe_sort op):
+-- weights [N, k], slot_of_row [R], row_of_slot [N, k] (i32 tensors beside
+-- the activations), and on the host count[e] and first[e], each expert's rows.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 
@@ -36,23 +36,14 @@ function Experts.new(n_embd, n_hidden, n_experts, std, names)
   return self
 end
 
--- Host pointers of cpu tensors: the routing's gathers and sums run there.
-local function floats(t)
-  if t:device_name() ~= "cpu" then
-    error(("moe: the MoE block runs on the cpu for now (got a tensor on %s); " ..
-           "use --device cpu"):format(t:device_name()), 0)
-  end
-  return ffi.cast("float *", t.data)
-end
-Experts.floats = floats
-
 -- x [B, T, C] (the block's input), route: as the header says. Returns
--- y [B, T, C]: each token's sum over its k rows of wt * expert(x).
+-- y [B, T, C]: each token's sum over its k rows of weight * expert(x), in
+-- expert order as transformers' index_add_ loop sums them.
 function Experts:forward(x, route)
   local C, H, R = self.n_embd, self.n_hidden, route.rows
+  local N = x:numel() / C
   local xp = self:activation({ 1, R, C })
-  local px, pxp = floats(x), floats(xp)
-  for r = 0, R - 1 do ffi.copy(pxp + r * C, px + route.tok[r] * C, 4 * C) end
+  ops.moe_permute_forward(xp:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
   local gate, up = self:activation({ 1, R, H }), self:activation({ 1, R, H })
   local h, yp = self:activation({ 1, R, H }), self:activation({ 1, R, C })
   for e = 1, self.n_experts do
@@ -72,34 +63,22 @@ function Experts:forward(x, route)
     end
   end
   local y = self:activation(x:sizes())
-  y:fill(0)
-  local py, pyp = floats(y), floats(yp)
-  -- In expert order, as transformers' index_add_ runs.
-  for r = 0, R - 1 do
-    local dst, src, w = py + route.tok[r] * C, pyp + r * C, route.wt[r]
-    for c = 0, C - 1 do dst[c] = dst[c] + w * src[c] end
-  end
+  ops.moe_combine_forward(y:view(0, { N, C }), yp:view(0, { R, C }), route.weights,
+                          route.row_of_slot)
   self.xp, self.gate, self.up, self.h, self.yp, self.route = xp, gate, up, h, yp, route
   return y
 end
 
 -- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate;
--- self.dwt[r]: d(loss)/d(wt[r]), for the router's backward.
+-- self.dweights [N, k]: d(loss)/d(weights), for the router's backward.
 function Experts:backward(dy)
   local C, H, route = self.n_embd, self.n_hidden, self.route
   local R = route.rows
+  local N = dy:numel() / C
   local dyp = self:scratch({ 1, R, C })
-  local pdy, pdyp, pyp = floats(dy), floats(dyp), floats(self.yp)
-  local dwt = ffi.new("double[?]", R)
-  for r = 0, R - 1 do
-    local src, dst, yr, w = pdy + route.tok[r] * C, pdyp + r * C, pyp + r * C, route.wt[r]
-    local s = 0
-    for c = 0, C - 1 do
-      dst[c] = w * src[c]
-      s = s + src[c] * yr[c]
-    end
-    dwt[r] = s
-  end
+  local dweights = self:scratch(route.weights:sizes())
+  ops.moe_combine_backward(dyp:view(0, { R, C }), dweights, dy:view(0, { N, C }),
+                           self.yp:view(0, { R, C }), route.weights, route.row_of_slot)
   local dh, dup = self:scratch({ 1, R, H }), self:scratch({ 1, R, H })
   local dxp, dxu = self:scratch({ 1, R, C }), self:scratch({ 1, R, C })
   for e = 1, self.n_experts do
@@ -118,16 +97,13 @@ function Experts:backward(dy)
       ops.linear_backward(dxp:view(at * C, { 1, n, C }), self.g[k[1]], nil, dge, xw, w1)
       local due_, w3 = self:matmul_operands(due, self.p[k[2]])
       ops.linear_backward(dxu:view(at * C, { 1, n, C }), self.g[k[2]], nil, due_, xw, w3)
+      ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
+              dxu:view(at * C, { 1, n, C }))
     end
   end
   local dx = self:scratch(dy:sizes())
-  dx:fill(0)
-  local pdx, pa, pb = floats(dx), floats(dxp), floats(dxu)
-  for r = 0, R - 1 do
-    local dst, a, b = pdx + route.tok[r] * C, pa + r * C, pb + r * C
-    for c = 0, C - 1 do dst[c] = dst[c] + (a[c] + b[c]) end
-  end
-  self.dwt = dwt
+  ops.moe_permute_backward(dx:view(0, { N, C }), dxp:view(0, { R, C }), route.row_of_slot)
+  self.dweights = dweights
   return dx
 end
 
@@ -140,7 +116,8 @@ function Experts:own_memory(B, T, dtype)
   return {
     input = lz.arena_bytes(N * C),
     activations = 2 * lz.arena_bytes(R * C) + 3 * lz.arena_bytes(R * H) + lz.arena_bytes(N * C),
-    scratch = 3 * lz.arena_bytes(R * C) + 2 * lz.arena_bytes(R * H) + lz.arena_bytes(N * C),
+    scratch = 3 * lz.arena_bytes(R * C) + 2 * lz.arena_bytes(R * H) + lz.arena_bytes(N * C) +
+              lz.arena_bytes(R),
     casts = 3 * self.n_experts * (Module.matmul_cast_bytes(R * C, w, dtype)
                                   + Module.matmul_cast_bytes(R * H, w, dtype)),
   }
