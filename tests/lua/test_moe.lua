@@ -24,6 +24,16 @@ function T.named_shapes_have_transformers_parameter_counts()
   for name, n in pairs(want) do eq(models.new(models.config(name)):count_params(), n, name) end
 end
 
+-- moe-100m: llama-100m with 8 experts of its MLP's width a layer, 2 a token.
+function T.active_parameters_count_top_k_experts()
+  local moe, llama = models.new(models.config("moe-100m")), models.new(models.config("llama-100m"))
+  local mlp = 12 * 3 * 768 * 2048
+  eq(moe:count_params(), llama:count_params() - mlp + 8 * mlp + 12 * 8 * 768, "moe-100m")
+  eq(moe:count_active_params(), llama:count_params() - mlp + 2 * mlp + 12 * 8 * 768,
+     "moe-100m active")
+  eq(llama:count_active_params(), llama:count_params(), "a dense model's active parameters")
+end
+
 local function names_of(name, overrides)
   local out = {}
   for _, e in ipairs(models.new(models.config(name, overrides)).param_table) do

@@ -98,6 +98,14 @@ function CausalLM:count_params()
   return self.n_params - pad * (self.untied_head and 2 or 1)
 end
 
+-- The parameters a token runs through (count_params but, in each MoE block,
+-- only top_k of its experts): what the FLOPs of a step count.
+function CausalLM:count_active_params()
+  local n = self:count_params()
+  for _, b in ipairs(self.routers) do n = n - b:idle_params() end
+  return n
+end
+
 -- Deterministic for a seed: one generator walks the table in canonical
 -- order, each parameter as its init spec says (the family's: GPT-2's
 -- N(0, 0.02) with residual projections scaled, Llama's N(0,

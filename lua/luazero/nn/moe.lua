@@ -212,6 +212,13 @@ function MoE:own_memory(B, T)
   }
 end
 
+-- The expert parameters a token does not run through: E - top_k experts'.
+function MoE:idle_params()
+  local per = 0
+  for _, spec in ipairs(self.experts.params) do per = per + spec.numel end
+  return per / self.n_experts * (self.n_experts - self.top_k)
+end
+
 -- Tokens per expert that the blocks' forwards counted since the last call
 -- (a list per block, training forwards only); the tallies start again.
 function MoE.take_tallies(blocks)
