@@ -31,7 +31,8 @@ M.moe = moe
 -- expert's width), n_shared_hidden (0: no shared expert), norm_topk_prob,
 -- sparse_step, mlp_only_layers (0-based, as the file has them),
 -- router_logits (output_router_logits: the load-balancing loss joins the
--- loss), aux_coef, jitter.
+-- loss), aux_coef, jitter; moe_gather, how ZeRO-3 gathers the experts:
+-- "block" (default) or "expert" (nn/moe_experts.lua).
 function moe.check(cfg)
   for _, k in ipairs({ "n_experts", "top_k", "n_expert_hidden", "sparse_step" }) do
     local v = cfg[k]
@@ -51,6 +52,11 @@ function moe.check(cfg)
   cfg.jitter = cfg.jitter or 0
   if not (cfg.jitter >= 0 and cfg.jitter < 1) then
     error(("jitter (router_jitter_noise) must be in [0, 1) (got %s)"):format(tostring(cfg.jitter)),
+          0)
+  end
+  cfg.moe_gather = cfg.moe_gather or "block"
+  if cfg.moe_gather ~= "block" and cfg.moe_gather ~= "expert" then
+    error(("moe_gather must be \"block\" or \"expert\" (got %s)"):format(tostring(cfg.moe_gather)),
           0)
   end
   if cfg.use_sliding_window then
@@ -74,6 +80,7 @@ function moe.mlp(cfg, i, names)
     n_experts = cfg.n_experts, top_k = cfg.top_k, n_hidden = cfg.n_expert_hidden, std = cfg.std,
     norm_topk_prob = cfg.norm_topk_prob, expert_names = names, jitter = cfg.jitter, seed = i,
     shared = cfg.n_shared_hidden > 0 and { n_hidden = cfg.n_shared_hidden } or nil,
+    gather = cfg.moe_gather,
   })
 end
 

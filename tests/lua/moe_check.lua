@@ -5,7 +5,8 @@
 -- token anywhere. Prints, on rank 0, "stage S <params checksum>
 -- <expert rows of step 1, block 1>" per stage, then "done". A stage whose
 -- collectives depended on the routing would hang here, not finish.
---   luazero [-n N] tests/lua/moe_check.lua CORPUS
+-- GATHER: the experts' gather granularity, block (default) or expert.
+--   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER]
 local ffi = require("ffi")
 local lz = require("luazero")
 local zero = require("luazero.zero")
@@ -27,8 +28,9 @@ function MoE:choose(logits, N)
   return c
 end
 
+local gather = arg[2] or "block"
 for stage = 0, 3 do
-  local mcfg = mixtral.config("mixtral-tiny", { top_k = 1 })
+  local mcfg = mixtral.config("mixtral-tiny", { top_k = 1, moe_gather = gather })
   local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                       reduce_bucket_size = 5000,

@@ -6,8 +6,8 @@
 -- the load-balancing loss joins the loss only where output_router_logits
 -- says; and no hang by construction: under the launcher at world 1-4 with
 -- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
--- its own expert, most experts routed nowhere) every ZeRO stage finishes on
--- the stage-0 checksum. (tests/ref/test5_moe.py holds them to transformers.)
+-- its own expert, most experts routed nowhere), the experts gathered whole
+-- per block and one by one, every ZeRO stage finishes on the stage-0 checksum. (tests/ref/test5_moe.py holds them to transformers.)
 local cjson = require("cjson")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
@@ -123,7 +123,8 @@ function T.an_unrouted_expert_gets_zero_gradient()
   local block = model.routers[1]
   local idle, busy = 0, 0
   for e = 0, block.n_experts - 1 do
-    local g = block.experts.g[block.experts.keys[e + 1][1]]
+    local u = block.experts.units[e + 1]
+    local g = u.module.g[u.keys[1]]
     local norm = g:sq_norm()
     if block.routing.count[e] == 0 then
       idle = idle + 1
@@ -158,25 +159,33 @@ function T.router_jitter_is_seeded_and_off_in_evaluation()
   m1:free(); m2:free(); m3:free()
 end
 
--- No hang by construction: stages 0-3 at each world size end on one checksum.
+-- No hang by construction: stages 0-3 at each world size, the experts
+-- gathered whole per block and one by one, end on one checksum.
 local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
                                          "summer by this sun of York.\n"):rep(60))
 local function adversarial(n)
-  local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s 2>&1")
-              :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus))
-  local p = io.popen(cmd)
-  local out = p:read("*a")
-  p:close()
-  assert(out:find("\ndone", 1, true), out)
   local sums = {}
-  for stage, sum, rows in out:gmatch("stage (%d) (%x+) ([%d,]+)") do
-    sums[#sums + 1] = sum
-    eq(rows, "32,0,0,0,0,0,0,0", "rank 0's tokens all at expert 0 (stage " .. stage .. ")")
+  for _, gather in ipairs({ "block", "expert" }) do
+    local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s %s 2>&1")
+                :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
+                        gather)
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    assert(out:find("\ndone", 1, true), out)
+    local runs = 0
+    for stage, sum, rows in out:gmatch("stage (%d) (%x+) ([%d,]+)") do
+      runs = runs + 1
+      sums[#sums + 1] = sum
+      eq(rows, "32,0,0,0,0,0,0,0", ("rank 0's tokens all at expert 0 (stage %s, %s)")
+                                   :format(stage, gather))
+    end
+    eq(runs, 4, "stages run (" .. gather .. ")")
+    local line = gather == "block" and "whole block" or "per expert"
+    assert(out:find("moe gather: " .. line .. " (2 blocks of 8 experts)", 1, true), out)
   end
-  eq(#sums, 4, "stages run")
-  for i = 2, 4 do eq(sums[i], sums[1], "stage " .. (i - 1) .. " checksum") end
-  assert(out:find("moe gather: whole block (2 blocks of 8 experts)", 1, true), out)
-  print(("    world %d: stages 0-3 end on %s"):format(n, sums[1]))
+  for i = 2, #sums do eq(sums[i], sums[1], "run " .. i .. " checksum") end
+  print(("    world %d: stages 0-3, gathered whole and per expert, end on %s"):format(n, sums[1]))
 end
 
 for n = 1, 4 do

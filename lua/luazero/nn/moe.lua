@@ -10,7 +10,9 @@
 --
 --   MoE.new(n_embd, { n_experts =, top_k =, n_hidden =, std =, norm_topk_prob =,
 --                     expert_names = { "w1", "w3", "w2" }, shared = { n_hidden = } or nil,
---                     jitter = 0, seed = 0 })
+--                     jitter = 0, seed = 0, gather = "block" })
+-- gather: how ZeRO-3 gathers the experts, "block" (one unit) or "expert"
+-- (one at a time, every one each pass; nn/moe_experts.lua).
 --
 -- The router's load-balancing loss (transformers' load_balancing_loss_func)
 -- pools the blocks of a model: MoE.aux_loss(blocks) after the forward, and
@@ -49,7 +51,9 @@ function MoE.new(n_embd, opts)
   self.is_router_block = true
   self:add("gate", Linear.new(n_embd, E, { bias = false, std = opts.std }))
   self:add("experts", Experts.new(n_embd, opts.n_hidden, E, opts.std,
-                                  opts.expert_names or { "gate_proj", "up_proj", "down_proj" }))
+                                  opts.expert_names or { "gate_proj", "up_proj", "down_proj" },
+                                  opts.gather))
+  self.gather = self.experts.gather
   self.experts.top_k = k
   if opts.shared then
     self:add("shared_expert", SwiGLUMLP.new(n_embd, opts.shared.n_hidden, opts.std))
@@ -214,9 +218,8 @@ end
 
 -- The expert parameters a token does not run through: E - top_k experts'.
 function MoE:idle_params()
-  local per = 0
-  for _, spec in ipairs(self.experts.params) do per = per + spec.numel end
-  return per / self.n_experts * (self.n_experts - self.top_k)
+  local per = 3 * self.n_embd * self.experts.n_hidden
+  return per * (self.n_experts - self.top_k)
 end
 
 -- Tokens per expert that the blocks' forwards counted since the last call

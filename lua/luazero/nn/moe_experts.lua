@@ -1,14 +1,17 @@
 -- nn/moe_experts.lua — the experts of a sparse MoE block: E SwiGLU MLPs,
 -- down(silu(gate(x)) * up(x)), each token row sent to the experts its
 -- router picked, each expert's output weighted and summed back per token.
+-- Their weights are named as the checkpoints on the Hub hold them
+-- (Mixtral's experts.N.w1/w3/w2, Qwen-MoE's and OLMoE's
+-- experts.N.gate_proj/up_proj/down_proj).
 --
--- One module owns every expert's weights, named as the checkpoints on the
--- Hub hold them (Mixtral's experts.N.w1/w3/w2, Qwen-MoE's and OLMoE's
--- experts.N.gate_proj/up_proj/down_proj): the experts are one parameter
--- segment, so under ZeRO-3 they are gathered, and their gradients reduced,
--- as one unit each time the block runs, whatever the tokens did. An expert
--- no token reached computes nothing and its gradient stays zero; the
--- collectives never depend on the routing.
+-- How ZeRO-3 gathers them (gather): "block" (the default), one module owns
+-- every expert's weights, so they are one parameter segment, gathered and
+-- reduced as one unit each time the block runs; "expert", each expert is a
+-- module of its own (one segment each), and every expert runs through the
+-- hooks in order each time the block runs, its rows or none. Either way
+-- the collectives never depend on the routing: an expert no token reached
+-- computes nothing and its gradient stays zero, yet takes part.
 --
 -- The routing a forward takes (nn/moe.lua's routing): R = N * k rows in
 -- expert order (expert, then token, then slot; the moe_sort op):
@@ -20,20 +23,56 @@ local Module = require("luazero.nn.module")
 local ops = lz.ops
 local Experts = Module:extend("MoEExperts")
 
--- names: the three projections' names in the checkpoint, { gate, up, down }.
-function Experts.new(n_embd, n_hidden, n_experts, std, names)
+-- One expert's weights, gathered on its own (gather "expert"): its forward
+-- and backward run the work the Experts module hands them.
+local Expert = Module:extend("MoEExpert")
+
+function Expert.new(n_embd, n_hidden, std, names)
+  local self = setmetatable({}, Expert):init()
+  local init = { kind = "normal", std = std }
+  self:param("gate", { n_hidden, n_embd }, init, true, names[1] .. ".weight")
+  self:param("up", { n_hidden, n_embd }, init, true, names[2] .. ".weight")
+  self:param("down", { n_embd, n_hidden }, init, true, names[3] .. ".weight")
+  return self
+end
+
+function Expert:forward(work) return work() end
+function Expert:backward(_, work) return work() end
+
+-- names: the three projections' names in the checkpoint, { gate, up, down };
+-- gather: "block" or "expert" (the header).
+function Experts.new(n_embd, n_hidden, n_experts, std, names, gather)
   local self = setmetatable({}, Experts):init()
   self.n_embd, self.n_hidden, self.n_experts = n_embd, n_hidden, n_experts
-  self.keys = {}
+  self.gather = gather or "block"
+  if self.gather ~= "block" and self.gather ~= "expert" then
+    error(("moe: gather must be \"block\" or \"expert\" (got %s)"):format(tostring(gather)), 0)
+  end
+  -- units[e]: the module holding expert e's weights, and their keys there
+  self.units = {}
   local init = { kind = "normal", std = std }
   for e = 0, n_experts - 1 do
-    local k = { "gate" .. e, "up" .. e, "down" .. e }
-    self.keys[e + 1] = k
-    self:param(k[1], { n_hidden, n_embd }, init, true, ("%d.%s.weight"):format(e, names[1]))
-    self:param(k[2], { n_hidden, n_embd }, init, true, ("%d.%s.weight"):format(e, names[2]))
-    self:param(k[3], { n_embd, n_hidden }, init, true, ("%d.%s.weight"):format(e, names[3]))
+    if self.gather == "expert" then
+      local m = self:add(tostring(e), Expert.new(n_embd, n_hidden, std, names))
+      self.units[e + 1] = { module = m, keys = { "gate", "up", "down" } }
+    else
+      local k = { "gate" .. e, "up" .. e, "down" .. e }
+      self.units[e + 1] = { module = self, keys = k }
+      self:param(k[1], { n_hidden, n_embd }, init, true, ("%d.%s.weight"):format(e, names[1]))
+      self:param(k[2], { n_hidden, n_embd }, init, true, ("%d.%s.weight"):format(e, names[2]))
+      self:param(k[3], { n_embd, n_hidden }, init, true, ("%d.%s.weight"):format(e, names[3]))
+    end
   end
   return self
+end
+
+-- Runs work() for expert e: inside its own hooks where it is a module of
+-- its own, else directly (the block's weights are gathered already).
+function Experts:run_unit(e, backward, work)
+  local m = self.units[e].module
+  if m == self then return work() end
+  if backward then return self:run_backward(m, nil, work) end
+  return self:run_forward(m, work)
 end
 
 -- x [B, T, C] (the block's input), route: as the header says. Returns
@@ -48,19 +87,21 @@ function Experts:forward(x, route)
   local h, yp = self:activation({ 1, R, H }), self:activation({ 1, R, C })
   for e = 1, self.n_experts do
     local n, at = route.count[e - 1], route.first[e - 1]
-    if n > 0 then
-      local k = self.keys[e]
+    self:run_unit(e, false, function()
+      if n == 0 then return end
+      local u = self.units[e]
+      local k, p = u.keys, u.module.p
       local xe = xp:view(at * C, { 1, n, C })
       local ge, ue = gate:view(at * H, { 1, n, H }), up:view(at * H, { 1, n, H })
       local he = h:view(at * H, { 1, n, H })
-      local xw, w1 = self:matmul_operands(xe, self.p[k[1]])
+      local xw, w1 = self:matmul_operands(xe, p[k[1]])
       ops.linear_forward(ge, xw, w1, nil)
-      local xw3, w3 = self:matmul_operands(xe, self.p[k[2]])
+      local xw3, w3 = self:matmul_operands(xe, p[k[2]])
       ops.linear_forward(ue, xw3, w3, nil)
       ops.swiglu_forward(he, ge, ue)
-      local hw, w2 = self:matmul_operands(he, self.p[k[3]])
+      local hw, w2 = self:matmul_operands(he, p[k[3]])
       ops.linear_forward(yp:view(at * C, { 1, n, C }), hw, w2, nil)
-    end
+    end)
   end
   local y = self:activation(x:sizes())
   ops.moe_combine_forward(y:view(0, { N, C }), yp:view(0, { R, C }), route.weights,
@@ -83,23 +124,25 @@ function Experts:backward(dy)
   local dxp, dxu = self:scratch({ 1, R, C }), self:scratch({ 1, R, C })
   for e = 1, self.n_experts do
     local n, at = route.count[e - 1], route.first[e - 1]
-    if n > 0 then
-      local k = self.keys[e]
+    self:run_unit(e, true, function()
+      if n == 0 then return end
+      local u = self.units[e]
+      local k, p, g = u.keys, u.module.p, u.module.g
       local dhe, due = dh:view(at * H, { 1, n, H }), dup:view(at * H, { 1, n, H })
-      local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), self.p[k[3]])
+      local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), p[k[3]])
       local hw = self:matmul_operands(self.h:view(at * H, { 1, n, H }), w2)
-      ops.linear_backward(dhe, self.g[k[3]], nil, dye, hw, w2)
+      ops.linear_backward(dhe, g[k[3]], nil, dye, hw, w2)
       ops.swiglu_backward(dhe, due, dhe, self.gate:view(at * H, { 1, n, H }),
                           self.up:view(at * H, { 1, n, H }))
       local xe = self.xp:view(at * C, { 1, n, C })
-      local dge, w1 = self:matmul_operands(dhe, self.p[k[1]])
+      local dge, w1 = self:matmul_operands(dhe, p[k[1]])
       local xw = self:matmul_operands(xe, w1)
-      ops.linear_backward(dxp:view(at * C, { 1, n, C }), self.g[k[1]], nil, dge, xw, w1)
-      local due_, w3 = self:matmul_operands(due, self.p[k[2]])
-      ops.linear_backward(dxu:view(at * C, { 1, n, C }), self.g[k[2]], nil, due_, xw, w3)
+      ops.linear_backward(dxp:view(at * C, { 1, n, C }), g[k[1]], nil, dge, xw, w1)
+      local due_, w3 = self:matmul_operands(due, p[k[2]])
+      ops.linear_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], nil, due_, xw, w3)
       ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
               dxu:view(at * C, { 1, n, C }))
-    end
+    end)
   end
   local dx = self:scratch(dy:sizes())
   ops.moe_permute_backward(dx:view(0, { N, C }), dxp:view(0, { R, C }), route.row_of_slot)
