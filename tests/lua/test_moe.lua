@@ -7,7 +7,8 @@
 -- says; and no hang by construction: under the launcher at world 1-4 with
 -- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
 -- its own expert, most experts routed nowhere), the experts gathered whole
--- per block and one by one, every ZeRO stage finishes on the stage-0 checksum. (tests/ref/test5_moe.py holds them to transformers.)
+-- per block and one by one, every ZeRO stage finishes on the stage-0
+-- checksum. (tests/ref/test5_moe.py holds them to transformers.)
 local cjson = require("cjson")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
