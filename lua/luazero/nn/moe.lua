@@ -36,6 +36,7 @@ local function floats(t)
   end
   return ffi.cast("float *", t.data)
 end
+
 local MoE = Module:extend("SparseMoE")
 
 function MoE.new(n_embd, opts)
