@@ -160,10 +160,36 @@ function T.router_jitter_is_seeded_and_off_in_evaluation()
   m1:free(); m2:free(); m3:free()
 end
 
--- No hang by construction: stages 0-3 at each world size, the experts
--- gathered whole per block and one by one, end on one checksum.
 local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
                                          "summer by this sun of York.\n"):rep(60))
+
+-- The metrics log: aux_loss beside the loss, the rows each expert got per
+-- block (B x T x top-k a micro-step, over the step's micro-steps).
+function T.the_metrics_log_has_aux_loss_and_tokens_per_expert()
+  local log = write_file("moe.jsonl", "")
+  local cmd = ("cd %s && %s scripts/train.lua --model mixtral-tiny --seq-len 16 --micro-batch 2 " ..
+               "--grad-accum 2 --steps 2 --sample 0 --eval-batches 1 --data %s --log %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), q(corpus), q(log))
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local recs = support.records(log)
+  assert(#recs >= 2, out)
+  for step = 1, 2 do
+    local r = recs[step]
+    assert(type(r.aux_loss) == "number" and r.aux_loss >= 1 and r.aux_loss <= 8,
+           "aux_loss " .. tostring(r.aux_loss))
+    eq(#r.expert_tokens, 2, "one list per MoE block")
+    for _, counts in ipairs(r.expert_tokens) do
+      local sum = 0
+      for _, c in ipairs(counts) do sum = sum + c end
+      eq(sum, 2 * 16 * 2 * 2, "rows of a step (B x T x top-k x micro-steps)")
+    end
+  end
+end
+
+-- No hang by construction: stages 0-3 at each world size, the experts
+-- gathered whole per block and one by one, end on one checksum.
 local function adversarial(n)
   local sums = {}
   for _, gather in ipairs({ "block", "expert" }) do
