@@ -8,7 +8,6 @@
 -- GATHER: the experts' gather granularity, block (default) or expert.
 --   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER]
 local ffi = require("ffi")
-local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
 local MoE = require("luazero.nn.moe")
