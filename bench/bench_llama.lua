@@ -159,9 +159,10 @@ if flags.run then
   local rng = require("luazero.rng")
   local zero = require("luazero.zero")
   local model = models.new(cfg)
-  -- a position table is looked up, not multiplied: no FLOPs of its own
+  -- a position table is looked up, not multiplied: no FLOPs of its own; an
+  -- MoE model counts the experts a token runs through (top-k of each block)
   local wpe = model.embedding.p.wpe
-  local n_params = model:count_params() - (wpe and wpe:numel() or 0)
+  local n_params = model:count_active_params() - (wpe and wpe:numel() or 0)
   if lora_r ~= "" then
     local r = tonumber(lora_r)
     require("models.lora").apply(model, { r = r, alpha = r, targets = { "q_proj", "v_proj" } })
@@ -366,7 +367,8 @@ local all_cfgs = { llama_cfg, gpt2_cfg or false }
 for _, cfg in ipairs(beside) do all_cfgs[#all_cfgs + 1] = cfg end
 for _, cfg in ipairs(all_cfgs) do
   if cfg and n_params[cfg] then
-    print(("model %s: %.1fM parameters (no position table), %.2f GFLOP per token%s")
+    print(("model %s: %.1fM parameters (no position table; of MoE experts the top-k), " ..
+         "%.2f GFLOP per token%s")
           :format(cfg.name, n_params[cfg] / 1e6,
                   flops_per_token(cfg, n_params[cfg], flags.lora) / 1e9,
                   flags.lora and " (LoRA: 4 N + attention)" or ""))

@@ -18,7 +18,9 @@ local M = {}
 -- The families, in the order their sizes are listed: the one list.
 local FAMILIES = { require("models.gpt2"), require("models.llama"), require("models.qwen2"),
                    require("models.qwen3"), require("models.mistral"), require("models.gemma"),
-                   require("models.gemma2"), require("models.gemma3"), require("models.phi3") }
+                   require("models.gemma2"), require("models.gemma3"), require("models.phi3"),
+                   require("models.mixtral"), require("models.qwen2_moe"),
+                   require("models.qwen3_moe"), require("models.olmoe") }
 
 M.families = {} -- name -> family
 M.names = {}    -- every named size, family by family

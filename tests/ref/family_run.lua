@@ -45,6 +45,12 @@ for k = 0, B * T - 1 do tokens[#tokens + 1] = y:get(k) end
 local loss = engine:forward(x, y)
 local out = { loss = ("%.17g"):format(loss), tokens = tokens, vocab = cfg.vocab,
               padded_vocab = cfg.padded_vocab }
+-- An MoE model's load-balancing loss (without its coefficient) and tokens per expert.
+local routed = engine.model.router_metrics and engine.model:router_metrics()
+if routed then
+  out.aux_loss = engine.model.aux and ("%.17g"):format(engine.model.aux.loss)
+  out.expert_tokens = routed.expert_tokens
+end
 
 if opts.grads then
   engine:backward(loss)

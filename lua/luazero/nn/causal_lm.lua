@@ -21,6 +21,8 @@
 --   lora_targets        where LoRA adapters may go (models/lora.lua)
 --   cache_refill_at(cfg)  a length at which generation recomputes a row's
 --               cached keys and values in full (lua/luazero/generate.lua), or nil
+--   router_aux(cfg)  the coefficient of the MoE routers' load-balancing loss
+--               (nn/moe.lua) added to the loss, or nil: none (optional)
 --
 -- cfg: the family's checked config (n_layer, n_embd, context, vocab,
 -- padded_vocab: the token rows, up to a multiple of 64; the real ones first).
@@ -32,6 +34,7 @@ local Block = require("luazero.nn.block")
 local Sequential = require("luazero.nn.sequential")
 local TiedHead = require("luazero.nn.tied_head")
 local LoRA = require("luazero.nn.lora")
+local MoE = require("luazero.nn.moe")
 local rng = require("luazero.rng")
 
 local ops = lz.ops
@@ -80,6 +83,10 @@ function CausalLM.new(cls, desc, cfg)
   self.layers = { stem = { embedding }, blocks = blocks, top = { norm }, output = head }
   self.param_table, self.n_params = self:parameter_table()
   self:set_context({})
+  -- The MoE blocks, whose routers' load-balancing loss pools over all of them.
+  self.routers = {}
+  self:walk(function(m) if m.is_router_block then self.routers[#self.routers + 1] = m end end)
+  self.router_aux_coef = #self.routers > 0 and desc.router_aux and desc.router_aux(cfg) or nil
   return self
 end
 
@@ -89,6 +96,14 @@ function CausalLM:count_params()
   local cfg = self.cfg
   local pad = (cfg.padded_vocab - cfg.vocab) * cfg.n_embd
   return self.n_params - pad * (self.untied_head and 2 or 1)
+end
+
+-- The parameters a token runs through (count_params but, in each MoE block,
+-- only top_k of its experts): what the FLOPs of a step count.
+function CausalLM:count_active_params()
+  local n = self:count_params()
+  for _, b in ipairs(self.routers) do n = n - b:idle_params() end
+  return n
 end
 
 -- Deterministic for a seed: one generator walks the table in canonical
@@ -180,8 +195,34 @@ function CausalLM:forward(tokens, targets, extra)
   if not targets then return nil, logits end
   local losses = self.ctx.arena:tensor({ B, T })
   ops.cross_entropy_forward(losses, logits, targets, self.cfg.vocab)
-  if count == 0 then return 0, logits end
-  return self:host_sum(losses) / count, logits
+  local loss = count == 0 and 0 or self:host_sum(losses) / count
+  return loss + self:router_loss(), logits
+end
+
+-- The routers' load-balancing loss times its coefficient (0 without), as
+-- transformers adds it to the language-model loss; kept for backward and
+-- for the metrics.
+function CausalLM:router_loss()
+  local coef = self.router_aux_coef
+  if not coef then return 0 end
+  local aux, grad = MoE.aux_loss(self.routers)
+  self.aux = { loss = aux, grad = grad }
+  if self.training then
+    self.aux_sum, self.aux_n = (self.aux_sum or 0) + aux, (self.aux_n or 0) + 1
+  end
+  return coef * aux
+end
+
+-- What the MoE blocks did since the last call, for the metrics log:
+-- aux_loss (the mean load-balancing loss of the training forwards, without
+-- its coefficient) and expert_tokens (per MoE block, the token rows each
+-- expert got); nil for a model without MoE blocks.
+function CausalLM:router_metrics()
+  if #self.routers == 0 then return nil end
+  local out = { expert_tokens = MoE.take_tallies(self.routers) }
+  if self.aux_n and self.aux_n > 0 then out.aux_loss = self.aux_sum / self.aux_n end
+  self.aux_sum, self.aux_n = nil, nil
+  return out
 end
 
 -- The head's logits soft-capped in place where the family caps them:
@@ -229,6 +270,8 @@ function CausalLM:backward(scale, extra_term)
     ops.cross_entropy_backward(dlogits, logits, targets, self.cfg.vocab, dloss)
   end
   if kept then extra_term(dlogits, kept, dloss) end
+  ctx.router_aux = self.router_aux_coef and
+                   { grad = self.aux.grad, scale = (scale or 1) * self.router_aux_coef } or nil
   self:backward_layers(dlogits)
 end
 

@@ -18,6 +18,9 @@
 --   bias     a bias on q_proj, k_proj and v_proj, none on o_proj (Qwen2)
 --   qk_norm  { eps =, offset = }: an RMSNorm over each q and k head before
 --            the rotary turn (nn/qk_norm.lua; Qwen3 offset 0, Gemma 3 1)
+--   qk_norm_full { eps =, clip = }: an RMSNorm over the whole q and the whole
+--            k projection, then q, k, v clamped to [-clip, clip] where clip
+--            is set (OLMoE; nn/qk_norm_full.lua)
 --   qkv_name the one tensor's name of a fused q|k|v projection (Phi-3)
 --   rotary_dim (Phi-3's partial_rotary_factor): only the first rotary_dim
 --            values of each head turn; with it, or a rope whose cos and sin
@@ -28,6 +31,7 @@ local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
 local PackedLinear = require("luazero.nn.packed_linear")
 local QKNorm = require("luazero.nn.qk_norm")
+local QKNormFull = require("luazero.nn.qk_norm_full")
 
 local ops = lz.ops
 local GQA = Module:extend("GroupedQueryAttention")
@@ -55,6 +59,10 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   local qk = self.opts.qk_norm
   if qk then
     self.qk_norm = self:add(false, QKNorm.new(n_head, n_kv_head, head_dim, qk.eps, qk.offset))
+  end
+  local full = self.opts.qk_norm_full
+  if full then
+    self.qk_norm = self:add(false, QKNormFull.new(self.q_width, self.kv_width, full.eps, full.clip))
   end
   return self
 end

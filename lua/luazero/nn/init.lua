@@ -21,6 +21,7 @@ return {
   GQA = require("luazero.nn.gqa"),
   SwiGLUMLP = require("luazero.nn.swiglu_mlp"),
   LoRA = require("luazero.nn.lora"),
+  MoE = require("luazero.nn.moe"),
   TiedHead = require("luazero.nn.tied_head"),
   Sequential = require("luazero.nn.sequential"),
   Model = require("luazero.nn.model"),

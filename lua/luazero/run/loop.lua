@@ -68,6 +68,9 @@ local function train_step(run, step)
   if read1 then rec.nvme_read, rec.nvme_written = read1 - read0, written1 - written0 end
   local prof = run.model:checkpoint_profile(true)
   if prof then rec.checkpoint_ms = prof end
+  -- An MoE model's load-balancing loss and tokens per expert.
+  local routed = run.model.router_metrics and run.model:router_metrics()
+  if routed then rec.aux_loss, rec.expert_tokens = routed.aux_loss, routed.expert_tokens end
   if run.n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or
                         step == flags.steps) then
     rec.val_loss = ex.checked_rank(engine.evaluate, engine, run.val_loader, run.n_val)

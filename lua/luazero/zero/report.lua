@@ -15,11 +15,18 @@ local M = {}
 
 -- The start-up line of the run's settings: "zero stage 2, bf16 (grads
 -- bf16), AdamW, 2 ranks, overlap_comm".
+-- An MoE model adds how its experts are gathered: whole blocks (each
+-- block's experts one segment) or expert by expert (every expert each
+-- pass), whatever the tokens did (nn/moe_experts.lua).
 function M.describe(engine)
   local W, s = engine.world, engine.s
-  return ("zero stage %d, %s, %s, %d rank%s%s"):format(engine.stage,
+  local routers = engine.model and engine.model.routers or {}
+  return ("zero stage %d, %s, %s, %d rank%s%s%s"):format(engine.stage,
     engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
-    engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "")
+    engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "",
+    #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
+                     :format(routers[1].gather == "expert" and "per expert" or "whole block",
+                             #routers, routers[1].n_experts) or "")
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far

@@ -1,0 +1,265 @@
+-- nn/moe.lua — a sparse mixture-of-experts block as Hugging Face defines
+-- it (MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock,
+-- OlmoeSparseMoeBlock): a router Linear (gate, E logits a token), softmax in
+-- fp32, the top k experts of each token (ties to the lower index), their
+-- probabilities renormalised to sum 1 where norm_topk_prob says so, the
+-- experts (nn/moe_experts.lua) weighted by them and summed; Qwen2-MoE adds
+-- a shared expert every token goes through, scaled by sigmoid of its own
+-- one-output gate. Mixtral's router_jitter_noise multiplies the input by
+-- uniform(1 - j, 1 + j) noise in training, before router and experts.
+--
+--   MoE.new(n_embd, { n_experts =, top_k =, n_hidden =, std =, norm_topk_prob =,
+--                     expert_names = { "w1", "w3", "w2" }, shared = { n_hidden = } or nil,
+--                     jitter = 0, seed = 0, gather = "block" })
+-- gather: how ZeRO-3 gathers the experts, "block" (one unit) or "expert"
+-- (one at a time, every one each pass; nn/moe_experts.lua).
+--
+-- The router's load-balancing loss (transformers' load_balancing_loss_func)
+-- pools the blocks of a model: MoE.aux_loss(blocks) after the forward, and
+-- ctx.router_aux = { grad =, scale = } for the blocks' backward.
+local ffi = require("ffi")
+local lz = require("luazero")
+local Module = require("luazero.nn.module")
+local Linear = require("luazero.nn.linear")
+local SwiGLUMLP = require("luazero.nn.swiglu_mlp")
+local Experts = require("luazero.nn.moe_experts")
+local rng = require("luazero.rng")
+
+local ops = lz.ops
+
+-- Host pointers of cpu tensors: the jitter and the shared expert's gate
+-- run there.
+local function floats(t)
+  if t:device_name() ~= "cpu" then
+    error(("moe: the router jitter and the shared expert's gate run on the cpu for now (got " ..
+           "a tensor on %s); use --device cpu"):format(t:device_name()), 0)
+  end
+  return ffi.cast("float *", t.data)
+end
+
+local MoE = Module:extend("SparseMoE")
+
+function MoE.new(n_embd, opts)
+  local self = setmetatable({}, MoE):init()
+  local E, k = opts.n_experts, opts.top_k
+  if not (E >= 1 and k >= 1 and k <= E) then
+    error(("moe: num_experts_per_tok %s must be between 1 and the number of experts %s")
+          :format(tostring(k), tostring(E)), 0)
+  end
+  self.n_embd, self.n_experts, self.top_k = n_embd, E, k
+  self.norm_topk_prob = opts.norm_topk_prob == true
+  self.jitter, self.seed = opts.jitter or 0, opts.seed or 0
+  self.is_router_block = true
+  self:add("gate", Linear.new(n_embd, E, { bias = false, std = opts.std }))
+  self:add("experts", Experts.new(n_embd, opts.n_hidden, E, opts.std,
+                                  opts.expert_names or { "gate_proj", "up_proj", "down_proj" },
+                                  opts.gather))
+  self.gather = self.experts.gather
+  self.experts.top_k = k
+  if opts.shared then
+    self:add("shared_expert", SwiGLUMLP.new(n_embd, opts.shared.n_hidden, opts.std))
+    self:add("shared_expert_gate", Linear.new(n_embd, 1, { bias = false, std = opts.std }))
+  end
+  return self
+end
+
+-- A small tensor's elements where the host reads them: a pointer of
+-- ctype, and the host copy to free after (nil on the cpu).
+local function on_host(t, ctype)
+  if t:device_name() == "cpu" then return ffi.cast(ctype, t.data), nil end
+  local h = t:to("cpu")
+  return ffi.cast(ctype, h.data), h
+end
+
+-- Each token's choice from its router logits [N, E] (the moe_route_forward
+-- op: softmax in fp32, the top k, ties to the lower expert, renormalised
+-- where norm_topk_prob says): probs [N, E], idx [N, k], weights [N, k].
+function MoE:choose(logits, N)
+  local E, k = self.n_experts, self.top_k
+  local c = { n = N, weights = self:activation({ N, k }), idx = self:activation({ N, k }, "i32"),
+              probs = self:activation({ N, E }) }
+  ops.moe_route_forward(c.weights, c.idx, c.probs, logits, self.norm_topk_prob and 1 or 0)
+  return c
+end
+
+-- The rows of a choice in expert order (the moe_sort op; nn/moe_experts.lua's
+-- route), each expert's row count and first row on the host, and its summed
+-- probability (the load-balancing loss's).
+function MoE:rows(c)
+  local E, k, N = self.n_experts, self.top_k, c.n
+  local R = N * k
+  c.rows = R
+  c.row_of_slot, c.slot_of_row = self:activation({ N, k }, "i32"), self:activation({ R }, "i32")
+  c.offsets = self:activation({ E + 1 }, "i32")
+  ops.moe_sort(c.row_of_slot, c.slot_of_row, c.offsets, c.idx)
+  local off, held = on_host(c.offsets, "int32_t *")
+  c.count, c.first = ffi.new("int32_t[?]", E), ffi.new("int32_t[?]", E)
+  for e = 0, E - 1 do c.first[e], c.count[e] = off[e], off[e + 1] - off[e] end
+  if held then held:free() end
+  local p, held_p = on_host(c.probs, "float *")
+  c.probsum = ffi.new("double[?]", E)
+  for n = 0, N - 1 do
+    for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
+  end
+  if held_p then held_p:free() end
+  return c
+end
+
+-- Mixtral's jitter: x times uniform(1 - j, 1 + j) noise, drawn in training
+-- (a replay of activation checkpointing reuses the forward's draw).
+function MoE:jittered(x)
+  if not (self.jitter > 0 and self.training) then
+    self.noise = nil
+    return x
+  end
+  local n = x:numel()
+  if not self.ctx.recomputing then
+    self.jitter_rng = self.jitter_rng or rng.new(self.seed, 11)
+    local noise = ffi.new("float[?]", n)
+    local j = self.jitter
+    for i = 0, n - 1 do noise[i] = 1 - j + 2 * j * self.jitter_rng:uniform() end
+    self.noise = noise
+  end
+  local y = self:activation(x:sizes())
+  local px, py, noise = floats(x), floats(y), self.noise
+  for i = 0, n - 1 do py[i] = px[i] * noise[i] end
+  return y
+end
+
+function MoE:forward(x)
+  local B, T, C = x:dim(1), x:dim(2), x:dim(3)
+  local N = B * T
+  x = self:jittered(x)
+  local logits = self:run_forward(self.gate, x)
+  local route = self:rows(self:choose(logits:view(0, { N, self.n_experts }), N))
+  self.routing = route
+  local y = self:run_forward(self.experts, x, route)
+  if self.shared_expert then
+    local s = self:run_forward(self.shared_expert, x)
+    local g = self:run_forward(self.shared_expert_gate, x)
+    local ps, pg, py = floats(s), floats(g), floats(y)
+    local sig = ffi.new("float[?]", N)
+    for n = 0, N - 1 do
+      sig[n] = 1 / (1 + math.exp(-pg[n]))
+      local a, b = py + n * C, ps + n * C
+      for c = 0, C - 1 do a[c] = a[c] + sig[n] * b[c] end
+    end
+    self.sig, self.shared_out = sig, s
+  end
+  if not self.ctx.recomputing and self.training then
+    local tally = self.tally or ffi.new("double[?]", self.n_experts)
+    for e = 0, self.n_experts - 1 do tally[e] = tally[e] + route.count[e] end
+    self.tally = tally
+  end
+  return y
+end
+
+-- dlogits [B, T, E] from the experts' weight gradients (through the
+-- renormalisation and the softmax: the moe_route_backward op) and the
+-- load-balancing loss's, the same for every token: scale * grad[e].
+function MoE:router_grad(dlogits)
+  local r, E, N = self.routing, self.n_experts, self.routing.n
+  local aux = self.ctx.router_aux
+  local dprobs
+  if aux then
+    dprobs = self:scratch({ N, E })
+    local host = dprobs:device_name() ~= "cpu" and lz.tensor({ N, E }, "f32", "workspace")
+    local p = ffi.cast("float *", (host or dprobs).data)
+    for n = 0, N - 1 do
+      for e = 0, E - 1 do p[n * E + e] = aux.scale * aux.grad[e] end
+    end
+    if host then dprobs:copy(host); host:free() end
+  end
+  ops.moe_route_backward(dlogits:view(0, { N, E }), self.experts.dweights, dprobs, r.probs, r.idx,
+                         self.norm_topk_prob and 1 or 0)
+end
+
+function MoE:backward(dy)
+  local C = self.n_embd
+  local dx = self:run_backward(self.experts, dy)
+  local dlogits = self:scratch({ dy:dim(1), dy:dim(2), self.n_experts })
+  self:router_grad(dlogits)
+  ops.add(dx, dx, self:run_backward(self.gate, dlogits))
+  if self.shared_expert then
+    local N = self.routing.n
+    local ds = self:scratch(dy:sizes())
+    local dg = self:scratch({ dy:dim(1), dy:dim(2), 1 })
+    local pdy, pds, pdg, ps = floats(dy), floats(ds), floats(dg), floats(self.shared_out)
+    local sig = self.sig
+    for n = 0, N - 1 do
+      local a, b, d = pdy + n * C, ps + n * C, pds + n * C
+      local dot = 0
+      for c = 0, C - 1 do
+        d[c] = sig[n] * a[c]
+        dot = dot + a[c] * b[c]
+      end
+      pdg[n] = sig[n] * (1 - sig[n]) * dot
+    end
+    ops.add(dx, dx, self:run_backward(self.shared_expert, ds))
+    ops.add(dx, dx, self:run_backward(self.shared_expert_gate, dg))
+  end
+  if self.noise then
+    local pdx, noise = floats(dx), self.noise
+    for i = 0, dx:numel() - 1 do pdx[i] = pdx[i] * noise[i] end
+  end
+  return dx
+end
+
+-- The jittered input; the router's and the shared expert's gradients.
+function MoE:own_memory(B, T)
+  local N, C = B * T, self.n_embd
+  return {
+    activations = (self.jitter > 0 and lz.arena_bytes(N * C) or 0) +
+                  2 * lz.arena_bytes(N * self.top_k) + 2 * lz.arena_bytes(N * self.top_k, "i32") +
+                  lz.arena_bytes(N * self.n_experts) + lz.arena_bytes(self.n_experts + 1, "i32"),
+    scratch = 2 * lz.arena_bytes(N * self.n_experts) +
+              (self.shared_expert and lz.arena_bytes(N * C) + lz.arena_bytes(N) or 0),
+  }
+end
+
+-- The expert parameters a token does not run through: E - top_k experts'.
+function MoE:idle_params()
+  local per = 3 * self.n_embd * self.experts.n_hidden
+  return per * (self.n_experts - self.top_k)
+end
+
+-- Tokens per expert that the blocks' forwards counted since the last call
+-- (a list per block, training forwards only); the tallies start again.
+function MoE.take_tallies(blocks)
+  local out = {}
+  for i, b in ipairs(blocks) do
+    local t = {}
+    for e = 0, b.n_experts - 1 do t[e + 1] = b.tally and b.tally[e] or 0 end
+    out[i] = t
+    b.tally = nil
+  end
+  return out
+end
+
+-- transformers' load_balancing_loss_func over the blocks' last forwards
+-- (no attention mask): the top-k assignment counts and the router
+-- probabilities summed over every block's tokens, each over the rows of all
+-- blocks, their products summed, times E. Returns the loss and its
+-- gradient with respect to each router probability (the same for every
+-- token and block: E * count_e / rows^2).
+function MoE.aux_loss(blocks)
+  local E = blocks[1].n_experts
+  local count, psum, rows = {}, {}, 0
+  for e = 0, E - 1 do count[e], psum[e] = 0, 0 end
+  for _, b in ipairs(blocks) do
+    local r = b.routing
+    for e = 0, E - 1 do
+      count[e] = count[e] + r.count[e]
+      psum[e] = psum[e] + r.probsum[e]
+    end
+    rows = rows + r.n
+  end
+  local loss, grad = 0, {}
+  for e = 0, E - 1 do
+    loss = loss + (count[e] / rows) * (psum[e] / rows)
+    grad[e] = E * count[e] / (rows * rows)
+  end
+  return loss * E, grad
+end
+
+return MoE

@@ -1,0 +1,126 @@
+-- models/mixtral.lua — the Mixtral family as Hugging Face's
+-- MixtralForCausalLM defines it: Mistral's layer (models/mistral.lua: Llama's
+-- with sliding-window attention where sliding_window is set) whose MLP is a
+-- sparse MoE block (nn/moe.lua) on every layer: num_local_experts SwiGLU
+-- experts of intermediate_size, num_experts_per_tok a token, their weights
+-- always renormalised (MixtralTopKRouter), router_jitter_noise in training.
+--
+-- Parameter names as the Hub's checkpoints (and save_pretrained) hold them:
+-- Llama's, with model.layers.N.block_sparse_moe.gate.weight [E, hidden] and
+-- block_sparse_moe.experts.M.w1 (gate), w3 (up), w2 (down) .weight.
+local nn = require("luazero.nn")
+local llama = require("models.llama")
+local mistral = require("models.mistral")
+local qwen2 = require("models.qwen2")
+local qwen2_moe = require("models.qwen2_moe")
+
+local moe = qwen2_moe.moe
+local M = { name = "mixtral" }
+
+------------------------------------------------------------------ configs
+
+-- lr: a learning rate that trains the size well, used when --lr is not given.
+M.configs = {
+  -- for tests: 8 experts, 2 a token
+  ["mixtral-tiny"] = { n_layer = 2, n_head = 4, n_kv_head = 2, n_embd = 64, n_hidden = 48,
+                       context = 256, vocab = 256, eps = 1e-5, rope_theta = 1000000,
+                       tie = false, window = 0, n_experts = 8, top_k = 2,
+                       router_logits = true, aux_coef = 0.02, lr = 3e-3 },
+  -- llama-100m with its MLP replaced by 8 experts of the same width, 2 a token
+  ["moe-100m"] = { n_layer = 12, n_head = 12, n_kv_head = 4, n_embd = 768, n_hidden = 2048,
+                   context = 1024, vocab = 32000, eps = 1e-5, rope_theta = 10000, tie = true,
+                   window = 0, n_experts = 8, top_k = 2, router_logits = true,
+                   aux_coef = 0.02, lr = 6e-4 },
+  -- mistralai/Mixtral-8x7B-v0.1's config.json
+  ["mixtral-8x7b"] = { n_layer = 32, n_head = 32, n_kv_head = 8, n_embd = 4096, n_hidden = 14336,
+                       context = 32768, vocab = 32000, eps = 1e-5, rope_theta = 1000000,
+                       tie = false, window = 0, n_experts = 8, top_k = 2,
+                       router_logits = false, aux_coef = 0.02, lr = 3e-4 },
+}
+M.names = { "mixtral-tiny", "moe-100m", "mixtral-8x7b" }
+
+function M.finish(cfg)
+  mistral.finish(cfg)
+  cfg.family = M.name
+  -- Mixtral's experts are intermediate_size wide, on every layer.
+  cfg.n_expert_hidden, cfg.sparse_step, cfg.mlp_only_layers = cfg.n_hidden, 1, {}
+  cfg.norm_topk_prob = true
+  moe.check(cfg)
+  return cfg
+end
+
+function M.config(name, overrides)
+  local base = M.configs[name]
+  if not base then
+    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
+          0)
+  end
+  local cfg = { name = name }
+  for k, v in pairs(base) do cfg[k] = v end
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  return M.finish(cfg)
+end
+
+-------------------------------------------------------------------- model
+
+M.description = {}
+for k, v in pairs(mistral.description) do M.description[k] = v end
+M.description.names = {}
+for k, v in pairs(mistral.description.names) do M.description.names[k] = v end
+M.description.names.block = {}
+for k, v in pairs(mistral.description.names.block) do M.description.names.block[k] = v end
+M.description.names.block.mlp = "block_sparse_moe"
+M.description.mlp = function(cfg, i) return moe.mlp(cfg, i, { "w1", "w3", "w2" }) end
+M.description.router_aux = moe.router_aux
+-- LoRA on the attention projections (PEFT 0.21.2's default for mixtral:
+-- q_proj, v_proj); the router and experts stay frozen.
+M.description.lora_targets = {
+  q_proj = { "self_attn", part = "q_proj" },
+  k_proj = { "self_attn", part = "k_proj" },
+  v_proj = { "self_attn", part = "v_proj" },
+  o_proj = { "self_attn.o_proj" },
+}
+M.description.lora_default = { "q_proj", "v_proj" }
+
+local Mixtral = nn.CausalLM:extend("Mixtral")
+M.Mixtral = Mixtral
+
+function M.new(cfg) return Mixtral:new(M.description, cfg) end
+
+----------------------------------------------------------- Hugging Face
+
+local function config_json(cfg)
+  local j = mistral.hf.config_json(cfg)
+  j.architectures, j.model_type = { "MixtralForCausalLM" }, "mixtral"
+  j.num_local_experts, j.num_experts_per_tok = cfg.n_experts, cfg.top_k
+  j.output_router_logits, j.router_aux_loss_coef = cfg.router_logits, cfg.aux_coef
+  j.router_jitter_noise = cfg.jitter
+  return j
+end
+
+-- Mistral's fields, but MixtralConfig's sliding_window defaults to none.
+local fields_but_window = {}
+for _, e in ipairs(mistral.hf.fields) do
+  if e[2] == "sliding_window" then
+    e = { "window", "sliding_window", "int", default = 0, if_null = 0 }
+  end
+  fields_but_window[#fields_but_window + 1] = e
+end
+
+M.hf = {
+  architectures = { "MixtralForCausalLM" }, model_type = "mixtral",
+  fields = qwen2.with_fields(fields_but_window, qwen2.with_fields(moe.fields, {
+    { "n_experts", "num_local_experts", "int", default = 8 },
+    { "jitter", "router_jitter_noise", "number", default = 0 },
+  })),
+  lr_of = "mixtral-8x7b",
+  -- written as floats (MixtralConfig checks their type)
+  float_keys = { "router_jitter_noise", "router_aux_loss_coef" },
+  config_json = config_json,
+  vocab_tables = llama.hf.vocab_tables,
+  ignored = llama.hf.ignored,
+  head = llama.hf.head,
+  tied = llama.hf.tied,
+}
+
+return M

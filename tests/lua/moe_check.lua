@@ -1,0 +1,55 @@
+-- moe_check.lua — run by test_moe.lua (one rank or several, under the
+-- launcher): a tiny Mixtral trained 3 steps at ZeRO stages 0-3 with
+-- adversarial routing, rank r's tokens all sent to expert r alone (top-1),
+-- so the ranks route differently and the experts past the world size get no
+-- token anywhere. Prints, on rank 0, "stage S <params checksum>
+-- <expert rows of step 1, block 1>" per stage, then "done". A stage whose
+-- collectives depended on the routing would hang here, not finish.
+-- GATHER: the experts' gather granularity, block (default) or expert.
+--   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER]
+local ffi = require("ffi")
+local zero = require("luazero.zero")
+local data = require("luazero.data")
+local MoE = require("luazero.nn.moe")
+local mixtral = require("models.mixtral")
+
+local comm = require("luazero.comm").init()
+local rank, world = comm.rank(), comm.size()
+local corpus = data.load(arg[1])
+
+-- The router's choice, then every token of this rank sent to expert `rank`
+-- (top-1, renormalised: weight 1).
+local choose = MoE.choose
+function MoE:choose(logits, N)
+  local c = choose(self, logits, N)
+  local idx, w = ffi.cast("int32_t *", c.idx.data), ffi.cast("float *", c.weights.data)
+  for i = 0, N * self.top_k - 1 do idx[i], w[i] = rank, 1 end
+  return c
+end
+
+local gather = arg[2] or "block"
+for stage = 0, 3 do
+  local mcfg = mixtral.config("mixtral-tiny", { top_k = 1, moe_gather = gather })
+  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
+                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
+                                      reduce_bucket_size = 5000,
+                                      stage3_prefetch_bucket_size = 5000 },
+                optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
+  local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
+                                   batch = { 2, 16 }, comm = comm })
+  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
+                                       rank = rank, world = world })
+  local rows
+  for step = 1, 3 do
+    engine:train_batch(loader)
+    local m = engine.model:router_metrics()
+    if step == 1 then rows = table.concat(m.expert_tokens[1], ",") end
+  end
+  local sum = engine:params_checksum()
+  if rank == 0 then print(("stage %d %s %s"):format(stage, sum, rows)) end
+  if stage == 0 and rank == 0 then print("describe " .. engine:describe()) end
+  engine:free()
+  loader:free()
+end
+corpus.tokens:free()
+if rank == 0 then print("done") end

@@ -1,0 +1,223 @@
+-- test_moe.lua — the MoE block (nn/moe.lua, nn/moe_experts.lua) and its
+-- families (models/mixtral.lua, qwen2_moe.lua, qwen3_moe.lua, olmoe.lua): the named
+-- shapes' parameter counts (transformers' own), the checkpoint's names,
+-- which layers are sparse, config.json's routing fields and refusals, an
+-- expert no token reached gets exactly zero gradient, the jitter is seeded,
+-- the load-balancing loss joins the loss only where output_router_logits
+-- says; and no hang by construction: under the launcher at world 1-4 with
+-- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
+-- its own expert, most experts routed nowhere), the experts gathered whole
+-- per block and one by one, every ZeRO stage finishes on the stage-0
+-- checksum. (tests/ref/test5_moe.py holds them to transformers.)
+local cjson = require("cjson")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local models = require("models.registry")
+
+local T = {}
+local q, eq = support.quote, support.eq
+local write_file = support.scratch()
+
+-- transformers 5.23's counts of the same configs (built on the meta device).
+function T.named_shapes_have_transformers_parameter_counts()
+  local want = { ["mixtral-8x7b"] = 46702792704, ["qwen1.5-moe-a2.7b"] = 14315784192,
+                 ["qwen3-30b-a3b"] = 30532122624, ["olmoe-1b-7b"] = 6919161856 }
+  for name, n in pairs(want) do eq(models.new(models.config(name)):count_params(), n, name) end
+end
+
+-- moe-100m: llama-100m with 8 experts of its MLP's width a layer, 2 a token.
+function T.active_parameters_count_top_k_experts()
+  local moe, llama = models.new(models.config("moe-100m")), models.new(models.config("llama-100m"))
+  local mlp = 12 * 3 * 768 * 2048
+  eq(moe:count_params(), llama:count_params() - mlp + 8 * mlp + 12 * 8 * 768, "moe-100m")
+  eq(moe:count_active_params(), llama:count_params() - mlp + 2 * mlp + 12 * 8 * 768,
+     "moe-100m active")
+  eq(llama:count_active_params(), llama:count_params(), "a dense model's active parameters")
+end
+
+local function names_of(name, overrides)
+  local out = {}
+  for _, e in ipairs(models.new(models.config(name, overrides)).param_table) do
+    out[e.name] = table.concat(e.shape, "x")
+  end
+  return out
+end
+
+function T.parameter_names_are_the_checkpoints()
+  local m = names_of("mixtral-tiny")
+  eq(m["model.layers.0.block_sparse_moe.gate.weight"], "8x64", "mixtral router")
+  eq(m["model.layers.1.block_sparse_moe.experts.7.w1.weight"], "48x64", "mixtral w1")
+  eq(m["model.layers.1.block_sparse_moe.experts.7.w3.weight"], "48x64", "mixtral w3")
+  eq(m["model.layers.1.block_sparse_moe.experts.7.w2.weight"], "64x48", "mixtral w2")
+  local q2 = names_of("qwen2-moe-tiny")
+  eq(q2["model.layers.0.mlp.experts.3.gate_proj.weight"], "32x64", "qwen2_moe expert")
+  eq(q2["model.layers.0.mlp.shared_expert.down_proj.weight"], "64x64", "shared expert")
+  eq(q2["model.layers.0.mlp.shared_expert_gate.weight"], "1x64", "shared expert gate")
+  eq(q2["model.layers.0.self_attn.q_proj.bias"], "64", "qkv bias")
+  -- mlp_only_layers {1}: layer 1 is dense, of intermediate_size
+  eq(q2["model.layers.1.mlp.gate_proj.weight"], "176x64", "dense layer")
+  eq(q2["model.layers.1.mlp.gate.weight"], nil, "no router on a dense layer")
+  local q3 = names_of("qwen3-moe-tiny", { sparse_step = 2 })
+  eq(q3["model.layers.0.mlp.gate_proj.weight"], "176x64", "decoder_sparse_step 2: layer 0 dense")
+  eq(q3["model.layers.1.mlp.experts.0.up_proj.weight"], "32x64", "layer 1 sparse")
+  eq(q3["model.layers.1.self_attn.q_norm.weight"], "32", "QK-norm")
+  local o = names_of("olmoe-tiny", { n_kv_head = 2 })
+  eq(o["model.layers.0.self_attn.q_norm.weight"], "64", "OLMoE's q_norm spans the projection")
+  eq(o["model.layers.0.self_attn.k_norm.weight"], "32", "OLMoE's k_norm spans the projection")
+  eq(o["model.layers.1.mlp.experts.7.down_proj.weight"], "64x32", "OLMoE expert")
+end
+
+local function folder_with(j)
+  local dir = write_file("x", "")
+  dir = dir:gsub("/x$", "") .. "/" .. tostring(math.random(1e9))
+  os.execute("mkdir -p " .. q(dir))
+  support.write(dir .. "/config.json", cjson.encode(j))
+  return dir .. "/config.json"
+end
+
+function T.config_json_routing_fields_are_read_not_assumed()
+  local base = { architectures = { "Qwen3MoeForCausalLM" }, hidden_size = 64,
+                 intermediate_size = 96, num_hidden_layers = 2, num_attention_heads = 4,
+                 num_key_value_heads = 2, head_dim = 16, vocab_size = 256,
+                 max_position_embeddings = 64, moe_intermediate_size = 32,
+                 num_experts_per_tok = 2, num_local_experts = 6 }
+  local cfg = models.from_hf_config(folder_with(base))
+  eq(cfg.n_experts, 6, "transformers 5.x's num_local_experts")
+  eq(cfg.norm_topk_prob, false, "norm_topk_prob defaults to transformers' false")
+  eq(cfg.router_logits, false, "output_router_logits defaults to false")
+  base.num_experts, base.norm_topk_prob, base.output_router_logits = 4, true, true
+  base.router_aux_loss_coef, base.mlp_only_layers = 0.25, { 0 }
+  cfg = models.from_hf_config(folder_with(base))
+  eq(cfg.n_experts, 4, "num_experts first")
+  eq(cfg.norm_topk_prob, true, "norm_topk_prob")
+  eq(cfg.aux_coef, 0.25, "router_aux_loss_coef")
+  eq(cfg.mlp_only_layers[1], 0, "mlp_only_layers")
+  base.num_experts_per_tok = 5
+  support.expect_error(function() models.from_hf_config(folder_with(base)) end,
+                       "is more than the 4 experts")
+  base.num_experts_per_tok, base.use_sliding_window = 2, true
+  support.expect_error(function() models.from_hf_config(folder_with(base)) end,
+                       "use_sliding_window is not implemented for qwen3_moe")
+end
+
+-- A model on one batch: its loss, the model.
+-- before(model), when given, runs before the forward.
+local function one_batch(name, overrides, seed, before)
+  local model = models.new(models.config(name, overrides))
+  model:allocate():init_weights(seed or 1):prepare(2, 16)
+  if before then before(model) end
+  local x, y = lz.tensor({ 2, 16 }, "i32", "workspace"), lz.tensor({ 2, 16 }, "i32", "workspace")
+  for i = 0, 31 do x:set(i, (i * 37) % 256); y:set(i, (i * 37 + 11) % 256) end
+  local loss = model:forward(x, y)
+  model:zero_grad()
+  model:backward(1)
+  x:free(); y:free()
+  return loss, model
+end
+
+-- Every expert's gradient: zero exactly where the expert got no row.
+function T.an_unrouted_expert_gets_zero_gradient()
+  -- the first block's router all zeros: every token's probabilities tie,
+  -- and top-2 picks experts 0 and 1 for all of them
+  local _, model = one_batch("mixtral-tiny", nil, 1,
+                             function(m) m.routers[1].gate.p.weight:fill(0) end)
+  local block = model.routers[1]
+  local idle, busy = 0, 0
+  for e = 0, block.n_experts - 1 do
+    local u = block.experts.units[e + 1]
+    local g = u.module.g[u.keys[1]]
+    local norm = g:sq_norm()
+    if block.routing.count[e] == 0 then
+      idle = idle + 1
+      eq(norm, 0, "expert " .. e .. " (no rows) gradient")
+    else
+      busy = busy + 1
+      assert(e < 2, "expert " .. e .. " got rows")
+      assert(norm > 0, "expert " .. e .. " got rows but no gradient")
+    end
+  end
+  eq(idle, 6, "experts without rows")
+  model:free()
+end
+
+function T.the_aux_loss_joins_only_with_output_router_logits()
+  local with, m1 = one_batch("mixtral-tiny", { aux_coef = 0.5 })
+  local without, m2 = one_batch("mixtral-tiny", { router_logits = false })
+  local aux = m1.aux.loss
+  assert(aux >= 1 and aux <= 8, "aux loss " .. aux .. " outside [1, E]")
+  assert(math.abs(with - (without + 0.5 * aux)) < 1e-9 * with,
+         ("loss %.12g is not %.12g + 0.5 * %.12g"):format(with, without, aux))
+  eq(m2:router_metrics().aux_loss, nil, "no aux_loss logged without output_router_logits")
+  m1:free(); m2:free()
+end
+
+function T.router_jitter_is_seeded_and_off_in_evaluation()
+  local a, m1 = one_batch("mixtral-tiny", { jitter = 0.2 })
+  local b, m2 = one_batch("mixtral-tiny", { jitter = 0.2 })
+  local c, m3 = one_batch("mixtral-tiny", { jitter = 0 })
+  eq(a, b, "the same seed, the same jitter")
+  assert(a ~= c, "jitter 0.2 left the loss as it was")
+  m1:free(); m2:free(); m3:free()
+end
+
+local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
+                                         "summer by this sun of York.\n"):rep(60))
+
+-- The metrics log: aux_loss beside the loss, the rows each expert got per
+-- block (B x T x top-k a micro-step, over the step's micro-steps).
+function T.the_metrics_log_has_aux_loss_and_tokens_per_expert()
+  local log = write_file("moe.jsonl", "")
+  local cmd = ("cd %s && %s scripts/train.lua --model mixtral-tiny --seq-len 16 --micro-batch 2 " ..
+               "--grad-accum 2 --steps 2 --sample 0 --eval-batches 1 --data %s --log %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), q(corpus), q(log))
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local recs = support.records(log)
+  assert(#recs >= 2, out)
+  for step = 1, 2 do
+    local r = recs[step]
+    assert(type(r.aux_loss) == "number" and r.aux_loss >= 1 and r.aux_loss <= 8,
+           "aux_loss " .. tostring(r.aux_loss))
+    eq(#r.expert_tokens, 2, "one list per MoE block")
+    for _, counts in ipairs(r.expert_tokens) do
+      local sum = 0
+      for _, c in ipairs(counts) do sum = sum + c end
+      eq(sum, 2 * 16 * 2 * 2, "rows of a step (B x T x top-k x micro-steps)")
+    end
+  end
+end
+
+-- No hang by construction: stages 0-3 at each world size, the experts
+-- gathered whole per block and one by one, end on one checksum.
+local function adversarial(n)
+  local sums = {}
+  for _, gather in ipairs({ "block", "expert" }) do
+    local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s %s 2>&1")
+                :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
+                        gather)
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    assert(out:find("\ndone", 1, true), out)
+    local runs = 0
+    for stage, sum, rows in out:gmatch("stage (%d) (%x+) ([%d,]+)") do
+      runs = runs + 1
+      sums[#sums + 1] = sum
+      eq(rows, "32,0,0,0,0,0,0,0", ("rank 0's tokens all at expert 0 (stage %s, %s)")
+                                   :format(stage, gather))
+    end
+    eq(runs, 4, "stages run (" .. gather .. ")")
+    local line = gather == "block" and "whole block" or "per expert"
+    assert(out:find("moe gather: " .. line .. " (2 blocks of 8 experts)", 1, true), out)
+  end
+  for i = 2, #sums do eq(sums[i], sums[1], "run " .. i .. " checksum") end
+  print(("    world %d: stages 0-3, gathered whole and per expert, end on %s"):format(n, sums[1]))
+end
+
+for n = 1, 4 do
+  T[("adversarial_routing_finishes_on_one_checksum_at_world_%d"):format(n)] =
+    function() adversarial(n) end
+end
+
+return T
