@@ -413,6 +413,8 @@ lz_status lz_cpu_attention_forward(const lz_op_args *a) {
   float *o = out->data, *l = lse->data;
   const float *x = qkv->data;
   const int32_t *sg = seg ? seg->data : NULL;
+  if (a->i[3] && lz_attention_bf16_native()) /* bf16 tile products asked for, and here */
+    return lz_attention_bf16_forward_run(o, l, x, sg, d);
   const int64_t BH = d.B * d.NH, n_tasks = BH * d.nb;
   /* Head by head, so the threads share its keys and values in cache; within
    * a head the longest tasks (last query tiles) first, for balance. */
@@ -433,6 +435,8 @@ lz_status lz_cpu_attention_backward(const lz_op_args *a) {
   float *dx = dqkv->data;
   const float *dy = dout->data, *x = qkv->data, *y = out->data, *l = lse->data;
   const int32_t *sg = seg ? seg->data : NULL;
+  if (a->i[3] && lz_attention_bf16_native())
+    return lz_attention_bf16_backward_run(dx, dy, x, y, l, sg, d);
   /* One task per key/value head: it alone writes its dk and dv. */
   const int64_t BG = d.B * d.NKV;
 #pragma omp parallel for schedule(dynamic, 1) if (BG > 1)

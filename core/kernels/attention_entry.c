@@ -129,12 +129,13 @@ lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tens
   return lz_attention_opts_forward(out, lse, qkv, seg, n_head, n_kv_head, 0, 0.0f, 0.0f);
 }
 
-lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
-                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
-                                    float softcap, float scale) {
+/* The forward op; bf16: its tile products in bf16 (i[3]), where the CPU can. */
+static lz_status forward_op(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                            const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                            float softcap, float scale, int bf16) {
   const char *op = "attention_forward";
   const lz_op_args args = {.t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg},
-                           .i = {n_head, n_kv_head, window},
+                           .i = {n_head, n_kv_head, window, bf16},
                            .f = {softcap, scale}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_FORWARD, &args));
   LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
@@ -146,6 +147,18 @@ lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_ten
   return lz_op_run(op, LZ_OP_ATTENTION_FORWARD, &args);
 }
 
+lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale) {
+  return forward_op(out, lse, qkv, seg, n_head, n_kv_head, window, softcap, scale, 0);
+}
+
+lz_status lz_attention_bf16_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale) {
+  return forward_op(out, lse, qkv, seg, n_head, n_kv_head, window, softcap, scale, 1);
+}
+
 lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
                                     const lz_tensor *out, const lz_tensor *lse,
                                     const lz_tensor *seg, int n_head, int n_kv_head) {
@@ -153,14 +166,14 @@ lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, cons
                                     0.0f);
 }
 
-lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                     const lz_tensor *out, const lz_tensor *lse,
-                                     const lz_tensor *seg, int n_head, int n_kv_head, int window,
-                                     float softcap, float scale) {
+static lz_status backward_op(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                             const lz_tensor *out, const lz_tensor *lse, const lz_tensor *seg,
+                             int n_head, int n_kv_head, int window, float softcap, float scale,
+                             int bf16) {
   const char *op = "attention_backward";
   const lz_op_args args = {.t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
                                  (lz_tensor *)lse, (lz_tensor *)seg},
-                           .i = {n_head, n_kv_head, window},
+                           .i = {n_head, n_kv_head, window, bf16},
                            .f = {softcap, scale}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_BACKWARD, &args));
   LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
@@ -174,3 +187,16 @@ lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout, con
   return lz_op_run(op, LZ_OP_ATTENTION_BACKWARD, &args);
 }
 
+lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                     const lz_tensor *out, const lz_tensor *lse,
+                                     const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                     float softcap, float scale) {
+  return backward_op(dqkv, dout, qkv, out, lse, seg, n_head, n_kv_head, window, softcap, scale, 0);
+}
+
+lz_status lz_attention_bf16_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
+                                     const lz_tensor *out, const lz_tensor *lse,
+                                     const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                     float softcap, float scale) {
+  return backward_op(dqkv, dout, qkv, out, lse, seg, n_head, n_kv_head, window, softcap, scale, 1);
+}

@@ -60,6 +60,15 @@ typedef struct {
 attn_dims lz_attention_dims(const lz_tensor *qkv, int n_head, int n_kv_head, int64_t window,
                             float softcap, float scale);
 
+/* attention_bf16.c: whether its kernel runs here (lz_bf16_attention_path),
+ * and the kernel, over every head and tile. */
+int lz_attention_bf16_native(void);
+lz_status lz_attention_bf16_forward_run(float *out, float *lse, const float *qkv,
+                                        const int32_t *seg, attn_dims d);
+lz_status lz_attention_bf16_backward_run(float *dqkv, const float *dout, const float *qkv,
+                                         const float *out, const float *lse, const int32_t *seg,
+                                         attn_dims d);
+
 /* ------------------------------------------------------------ vector math */
 
 INLINE void v_splat(vf *y, float x) {
