@@ -133,7 +133,8 @@ BINLINE void transpose_words(uint32_t *restrict dst, int64_t ldd, const uint32_t
 
 /* ------------------------------------------------------------ tile GEMMs */
 
-/* c[r][0 : nv*16] (= or +=, scaled by alpha[r] when given) sum_p a[r][p] . b[p][..], r < mr:
+/* c[r][0 : nv*16] (= or +=, its columns scaled by alpha[0 : nv*16] when given)
+ * sum_p a[r][p] . b[p][..], r < mr:
  * a in rows layout (one word = two bf16 broadcast), b paired. */
 BINLINE void block(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const uint32_t *b,
                    int64_t ldb, int64_t np, const float *alpha, int add, const int mr,
@@ -144,7 +145,8 @@ BINLINE void block(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const 
       if (!add)
         acc[r][v] = _mm512_setzero_ps();
       else if (alpha)
-        acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(c + r * ldc + v * 16), _mm512_set1_ps(alpha[r]));
+        acc[r][v] =
+            _mm512_mul_ps(_mm512_loadu_ps(c + r * ldc + v * 16), _mm512_loadu_ps(alpha + v * 16));
       else
         acc[r][v] = _mm512_loadu_ps(c + r * ldc + v * 16);
     }
@@ -167,18 +169,19 @@ BINLINE void block_row(float *c, int64_t ldc, const uint32_t *a, int64_t lda, co
   for (int64_t c0 = 0; c0 < n; c0 += MV * 16) {
     float *cc = c + c0;
     const uint32_t *bc = b + c0;
+    const float *al = alpha ? alpha + c0 : NULL;
     switch ((n - c0) / 16) {
       case 1:
-        block(cc, ldc, a, lda, bc, ldb, np, alpha, add, mr, 1);
+        block(cc, ldc, a, lda, bc, ldb, np, al, add, mr, 1);
         break;
       case 2:
-        block(cc, ldc, a, lda, bc, ldb, np, alpha, add, mr, 2);
+        block(cc, ldc, a, lda, bc, ldb, np, al, add, mr, 2);
         break;
       case 3:
-        block(cc, ldc, a, lda, bc, ldb, np, alpha, add, mr, 3);
+        block(cc, ldc, a, lda, bc, ldb, np, al, add, mr, 3);
         break;
       default:
-        block(cc, ldc, a, lda, bc, ldb, np, alpha, add, mr, 4);
+        block(cc, ldc, a, lda, bc, ldb, np, al, add, mr, 4);
         break;
     }
   }
@@ -190,14 +193,11 @@ BINLINE void gemm(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const u
                   int64_t ldb, int64_t m, int64_t n, int64_t np, const float *alpha, int add) {
   int64_t r0 = 0;
   for (; r0 + MR <= m; r0 += MR)
-    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha ? alpha + r0 : NULL, add,
-              MR);
+    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha, add, MR);
   if (m - r0 == 4)
-    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha ? alpha + r0 : NULL, add,
-              4);
+    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha, add, 4);
   else if (m - r0 == 2)
-    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha ? alpha + r0 : NULL, add,
-              2);
+    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha, add, 2);
 }
 
 /* ------------------------------------------------------------------ masks */
@@ -221,107 +221,126 @@ BINLINE void mask_row(float *s, int64_t i, int64_t i0, int64_t j0, int64_t nk, i
 /* Head size padded, in floats (HP) and words (HW); words of one packed tile. */
 #define HP_OF(d) (((d).HS + BF_HS - 1) / BF_HS * BF_HS)
 
-/* Key tile kb of key/value head g of sequence b, packed for its products:
- * kt [HW][TILE] (K^T, times mul, for S = Q K^T), vt [HW][TILE] when given
- * (V^T, for dP = dO V^T), vp [TILE/2][HP] when given (V paired, for O += P V),
- * kp [TILE/2][HP] when given (K paired, for dQ = dS K). */
-BINLINE void pack_keys(uint32_t *kt, uint32_t *vt, uint32_t *vp, uint32_t *kp, const float *qkv,
-                       const attn_dims *d, int64_t b, int64_t g, int64_t kb, float mul) {
+/* Key tile kb of key/value head g of sequence b, packed for its products.
+ * Forward: kr [TILE][HW] (K in rows, for S^T = K Q^T), vt [HP][TILE/2] (V^T
+ * in rows along the keys, for O^T += V^T P^T). Backward: kt [HW][TILE] (K^T,
+ * times mul, for S = Q K^T), vt [HW][TILE] (V^T, for dP = dO V^T), kp
+ * [TILE/2][HP] (K paired, for dQ = dS K). Absent ones are skipped. */
+BINLINE void pack_keys(uint32_t *kr, uint32_t *kt, uint32_t *vt_fwd, uint32_t *vt, uint32_t *kp,
+                       const float *qkv, const attn_dims *d, int64_t b, int64_t g, int64_t kb,
+                       float mul) {
   const int64_t T = d->T, HS = d->HS, row = d->row, HP = HP_OF(*d), HW = HP / 2;
   const int64_t j0 = kb * TILE, nk = T - j0 < TILE ? T - j0 : TILE;
   const float *kbase = qkv + b * T * row + d->C + g * HS + j0 * row;
   const float *vbase = kbase + d->NKV * HS;
   uint32_t tmp[TILE * HW];
-  to_rows(tmp, HW, kbase, row, nk, TILE, HS, HP, mul);
-  transpose_words(kt, TILE, tmp, HW, TILE, HW);
+  if (kr) to_rows(kr, HW, kbase, row, nk, TILE, HS, HP, mul);
+  if (kt) {
+    to_rows(tmp, HW, kbase, row, nk, TILE, HS, HP, mul);
+    transpose_words(kt, TILE, tmp, HW, TILE, HW);
+  }
+  if (vt_fwd) {
+    to_paired(tmp, HP, vbase, row, nk, TILE, HS, HP, 1.0f);
+    transpose_words(vt_fwd, TILE / 2, tmp, HP, TILE / 2, HP);
+  }
   if (vt) {
     to_rows(tmp, HW, vbase, row, nk, TILE, HS, HP, 1.0f);
     transpose_words(vt, TILE, tmp, HW, TILE, HW);
   }
-  if (vp) to_paired(vp, HP, vbase, row, nk, TILE, HS, HP, 1.0f);
   if (kp) to_paired(kp, HP, kbase, row, nk, TILE, HS, HP, 1.0f);
 }
 
 /* ---------------------------------------------------------------- forward */
 
 /* One query tile of one (batch, head): out rows [qb*TILE, +TILE) and their
- * lse. kt, vp: its key/value head's tiles, packed. */
+ * lse. kr_all, vt_all: its key/value head's tiles, packed. Scores are held
+ * transposed, st[key][query], as attention.c holds them, so the online
+ * softmax runs down the keys with 16 queries a vector and no reduction
+ * across lanes; the output builds up transposed too, o^T[c][query]. */
 BF static void forward_tile(float *out, float *lse, const float *qkv, const int32_t *seg,
-                            const uint32_t *kt_all, const uint32_t *vp_all, attn_dims d, int64_t b,
+                            const uint32_t *kr_all, const uint32_t *vt_all, attn_dims d, int64_t b,
                             int64_t h, int64_t qb) {
   const int64_t T = d.T, C = d.C, HS = d.HS, row = d.row, HP = HP_OF(d), HW = HP / 2;
   const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
-  const int64_t nqr = (nq + 3) / 4 * 4; /* rows the products run: whole register blocks */
   const float *qbase = qkv + b * T * row + h * HS;
   const int32_t *sg = seg ? seg + b * T : NULL;
+  const int nvq = TILE / VL;
 
-  uint32_t qa[TILE * HW], pa[TILE * TILE / 2];
-  float o[TILE * HP];
-  float s[TILE * TILE] __attribute__((aligned(64))); /* scores, then probabilities */
-  float m[TILE], l[TILE], alpha[TILE];
-
-  to_rows(qa, HW, qbase + i0 * row, row, nq, nqr, HS, HP, d.cap ? d.scale : d.scale * LOG2E);
-  for (int64_t i = 0; i < TILE; i++) {
-    m[i] = -INFINITY;
-    l[i] = 0.0f;
+  uint32_t qt[HW * TILE], pp[TILE / 2 * TILE];
+  float ot[HP * TILE];
+  float st[TILE * TILE] __attribute__((aligned(64))); /* scores, then probabilities */
+  float m[TILE] __attribute__((aligned(64))), l[TILE] __attribute__((aligned(64)));
+  float alpha[TILE] __attribute__((aligned(64)));
+  vf *mv = (vf *)m, *lv = (vf *)l, *av = (vf *)alpha;
+  {
+    uint32_t qa[TILE * HW];
+    to_rows(qa, HW, qbase + i0 * row, row, nq, TILE, HS, HP, d.cap ? d.scale : d.scale * LOG2E);
+    transpose_words(qt, TILE, qa, HW, TILE, HW);
   }
-  for (int64_t i = 0; i < nqr * HP; i++) o[i] = 0.0f;
+  for (int vq = 0; vq < nvq; vq++) {
+    v_splat(&mv[vq], -INFINITY);
+    v_splat(&lv[vq], 0.0f);
+  }
+  for (int64_t i = 0; i < HP * TILE; i++) ot[i] = 0.0f;
 
   for (int64_t kb = first_key_tile(&d, i0); kb <= qb; kb++) {
     const int64_t j0 = kb * TILE, nk = T - j0 < TILE ? T - j0 : TILE;
+    const int64_t nkr = (nk + 3) / 4 * 4;
     const int diag = kb == qb;
     const int meet = tiles_meet(sg, i0, nq, j0, nk);
     const int cut = window_cuts(&d, i0, nq, j0);
     if (meet == MEET_NONE) continue;
-    gemm(s, TILE, qa, HW, kt_all + kb * TILE * HW, TILE, nqr, TILE, HW, NULL, 0);
+    gemm(st, TILE, kr_all + kb * TILE * HW, HW, qt, TILE, nkr, TILE, HW, NULL, 0);
+    if (d.cap) soft_cap(st, NULL, nk * TILE, d.cap, LOG2E);
+    for (int64_t j = nk; j < TILE; j++) /* keys past T: probability 0 */
+      for (int64_t i = 0; i < TILE; i++) st[j * TILE + i] = -INFINITY;
+    if (cut)
+      for (int64_t j = 0; j < nk; j++)
+        for (int64_t i = 0; i < nq; i++)
+          if (i0 + i - (j0 + j) >= d.W) st[j * TILE + i] = -INFINITY;
+    if (meet == MEET_SOME)
+      for (int64_t j = 0; j < nk; j++)
+        for (int64_t i = 0; i < nq; i++)
+          if (sg[j0 + j] != sg[i0 + i]) st[j * TILE + i] = -INFINITY;
+    if (diag) /* key j after query i */
+      for (int64_t j = 1; j < nk; j++)
+        for (int64_t i = 0; i < j; i++) st[j * TILE + i] = -INFINITY;
 
-    for (int64_t i = 0; i < nqr; i++) {
-      float *si = s + i * TILE;
-      if (i >= nq) {
-        for (int64_t j = 0; j < TILE; j++) si[j] = 0.0f;
-        alpha[i] = 0.0f;
-        continue;
-      }
-      if (d.cap) soft_cap(si, NULL, TILE, d.cap, LOG2E);
-      mask_row(si, i, i0, j0, nk, diag, meet, cut, sg, &d, -INFINITY);
-      vf mx4;
-      v_splat(&mx4, m[i]);
-      for (int v = 0; v < TILE / VL; v++) v_max(&mx4, &mx4, (const vf *)si + v);
-      float mx = mx4[0];
-      for (int ll = 1; ll < VL; ll++) mx = mx4[ll] > mx ? mx4[ll] : mx;
-      const float ms = mx == -INFINITY ? 0.0f : mx; /* rows that saw no key yet subtract 0 */
-      vf x, e, sum, msv;
-      v_splat(&msv, ms);
-      v_splat(&x, m[i] - ms);
-      v_exp2(&e, &x);
-      alpha[i] = e[0];
+    /* Padded queries (past nq) see key 0 with score 0: finite, unused. */
+    for (int vq = 0; vq < nvq; vq++) {
+      vf mx = mv[vq];
+      for (int64_t j = 0; j < TILE; j++) v_max(&mx, &mx, (const vf *)(st + j * TILE) + vq);
+      vf ms = mx, ninf, x, sum;
+      v_splat(&ninf, -INFINITY);
+      vi none = ms == ninf; /* queries that saw no key yet subtract 0 */
+      ms = (vf)((vi)ms & ~none);
+      x = mv[vq] - ms;
+      v_exp2(&av[vq], &x);
       v_splat(&sum, 0.0f);
-      for (int v = 0; v < TILE / VL; v++) {
-        vf *pv = (vf *)si + v;
-        x = *pv - msv;
-        v_exp2(pv, &x);
-        sum += *pv;
+      for (int64_t j = 0; j < TILE; j++) {
+        vf *p = (vf *)(st + j * TILE) + vq;
+        x = *p - ms;
+        v_exp2(p, &x);
+        sum += *p;
       }
-      float total = 0.0f;
-      for (int ll = 0; ll < VL; ll++) total += sum[ll];
-      l[i] = l[i] * alpha[i] + total;
-      m[i] = mx;
+      lv[vq] = lv[vq] * av[vq] + sum;
+      mv[vq] = mx;
     }
-    to_rows(pa, TILE / 2, s, TILE, nqr, nqr, TILE, TILE, 1.0f);
-    gemm(o, HP, pa, TILE / 2, vp_all + kb * TILE * HW, HP, nqr, HP, TILE / 2, alpha, 1);
+    to_paired(pp, TILE, st, TILE, TILE, TILE, TILE, TILE, 1.0f);
+    gemm(ot, TILE, vt_all + kb * TILE * HW, TILE / 2, pp, TILE, HP, TILE, TILE / 2, alpha, 1);
   }
 
   for (int64_t i = 0; i < nq; i++) {
     const float inv = 1.0f / l[i];
     float *dst = out + (b * T + i0 + i) * C + h * HS;
-    for (int64_t cc = 0; cc < HS; cc++) dst[cc] = o[i * HP + cc] * inv;
+    for (int64_t cc = 0; cc < HS; cc++) dst[cc] = ot[cc * TILE + i] * inv;
     lse[(b * d.NH + h) * T + i0 + i] = (m[i] + log2f(l[i])) * LN2;
   }
 }
 
-BF static void pack_forward_keys(uint32_t *kt, uint32_t *vp, const float *qkv, const attn_dims *d,
+BF static void pack_forward_keys(uint32_t *kr, uint32_t *vt, const float *qkv, const attn_dims *d,
                                  int64_t b, int64_t g, int64_t kb) {
-  pack_keys(kt, NULL, vp, NULL, qkv, d, b, g, kb, 1.0f);
+  pack_keys(kr, NULL, vt, NULL, NULL, qkv, d, b, g, kb, 1.0f);
 }
 
 lz_status lz_attention_bf16_forward_run(float *out, float *lse, const float *qkv,
@@ -332,17 +351,17 @@ lz_status lz_attention_bf16_forward_run(float *out, float *lse, const float *qkv
   if (!packed)
     return lz_fail(LZ_ERR_NOMEM, "attention_forward: out of memory for %lld packed key tiles",
                    (long long)n_kt);
-  uint32_t *kt = packed, *vp = packed + n_kt * tile_words;
+  uint32_t *kr = packed, *vt = packed + n_kt * tile_words;
 #pragma omp parallel for schedule(static) if (n_kt > 1)
   for (int64_t t = 0; t < n_kt; t++)
-    pack_forward_keys(kt + t * tile_words, vp + t * tile_words, qkv, &d, t / d.nb / d.NKV,
+    pack_forward_keys(kr + t * tile_words, vt + t * tile_words, qkv, &d, t / d.nb / d.NKV,
                       t / d.nb % d.NKV, t % d.nb);
   const int64_t BH = d.B * d.NH, n_tasks = BH * d.nb, group = d.NH / d.NKV;
 #pragma omp parallel for schedule(dynamic, 1) if (n_tasks > 1)
   for (int64_t t = 0; t < n_tasks; t++) {
     const int64_t bh = t / d.nb, qb = d.nb - 1 - t % d.nb, b = bh / d.NH, h = bh % d.NH;
     const int64_t first = (b * d.NKV + h / group) * d.nb * tile_words;
-    forward_tile(out, lse, qkv, seg, kt + first, vp + first, d, b, h, qb);
+    forward_tile(out, lse, qkv, seg, kr + first, vt + first, d, b, h, qb);
   }
   free(packed);
   return LZ_OK;
@@ -410,7 +429,7 @@ BF static void backward_group(float *dqkv, const uint32_t *qtiles, const int32_t
 
   for (int64_t kb = 0; kb < d.nb; kb++) {
     const int64_t j0 = kb * TILE, nk = T - j0 < TILE ? T - j0 : TILE;
-    pack_keys(w.kt, w.vt, NULL, w.kp, qkv, &d, b, g, kb, c);
+    pack_keys(NULL, w.kt, NULL, w.vt, w.kp, qkv, &d, b, g, kb, c);
     for (int64_t i = 0; i < TILE * HP; i++) w.dkt[i] = w.dvt[i] = 0.0f;
 
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
