@@ -337,8 +337,8 @@ lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout,
 /* lz_attention_opts_* for bf16 training: the tile products (Q K^T, P V and
  * backward's four) take their operands rounded to bf16 and accumulate in
  * fp32, on the CPU's bf16 dot-product unit; the softmax and masks stay fp32.
- * Where the CPU has none (lz_bf16_attention_path) these are the fp32
- * entries, bitwise. */
+ * Where the CPU has none (lz_bf16_attention_path), and on a device backend
+ * (its attention computes in fp32), these are the fp32 entries. */
 lz_status lz_attention_bf16_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
                                     const lz_tensor *seg, int n_head, int n_kv_head, int window,
                                     float softcap, float scale);
