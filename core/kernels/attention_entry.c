@@ -139,6 +139,8 @@ static lz_status forward_op(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv
                            .f = {softcap, scale}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_FORWARD, &args));
   LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
+  const char *path;
+  if (bf16) LZ_TRY(lz_bf16_attention_path(&path)); /* refuses a bad LZ_BF16_ATTENTION */
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
@@ -177,6 +179,8 @@ static lz_status backward_op(lz_tensor *dqkv, const lz_tensor *dout, const lz_te
                            .f = {softcap, scale}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_BACKWARD, &args));
   LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
+  const char *path;
+  if (bf16) LZ_TRY(lz_bf16_attention_path(&path));
   attn_dims d;
   LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
   LZ_TRY(lz_check_same_shape(op, "dqkv", dqkv, "qkv", qkv));

@@ -11,6 +11,7 @@ reference cannot pass both). Run with /usr/bin/python3 (Debian's python3-torch).
 """
 import math
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +21,7 @@ refenv.require_torch()
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import lz  # noqa: E402
-from harness import TOL, check, randn_with, run, test, tt, zeros  # noqa: E402
+from harness import TOL, check, check_true, randn_with, run, test, tt, zeros  # noqa: E402
 
 torch.set_num_threads(2)
 rng = np.random.default_rng(20251205)
@@ -89,5 +90,51 @@ def attention_bf16_options():
             check(f"{entry} {tag} dqkv", dqkv, qt.grad, tol)
 
 
+def override_child():
+    """Under LZ_BF16_ATTENTION (set by the parent): the bf16 entries' bytes
+    against the fp32 entries' on one case, or the refusal of a bad value."""
+    B, Tn, NH, NKV, HS = 1, 150, 4, 2, 32
+    row = (NH + 2 * NKV) * HS
+    qkv, dout = randn(B, Tn, row), randn(B, Tn, NH * HS)
+    got = {}
+    for entry in ("bf16", "opts"):
+        out, lse, dqkv = zeros(B, Tn, NH * HS), zeros(B, NH, Tn), zeros(B, Tn, row)
+        try:
+            lz.call(f"lz_attention_{entry}_forward", W(out), W(lse), W(qkv), None, NH, NKV, 0,
+                    0.0, 0.0)
+            lz.call(f"lz_attention_{entry}_backward", W(dqkv), W(dout), W(qkv), W(out), W(lse),
+                    None, NH, NKV, 0, 0.0, 0.0)
+        except Exception as e:  # noqa: BLE001 - the refusal is what is printed
+            print(f"refused: {e}")
+            return 0
+        got[entry] = out.tobytes() + lse.tobytes() + dqkv.tobytes()
+    print("bitwise" if got["bf16"] == got["opts"] else "differ")
+    return 0
+
+
+def with_override(value):
+    env = dict(os.environ, LZ_BF16_ATTENTION=value)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--override-child"], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr
+
+
+@test
+def attention_bf16_override():
+    """LZ_BF16_ATTENTION=f32 makes the bf16 entries the fp32 ones, bit for
+    bit; native rounds (where the CPU has AVX512-BF16); a bad value is
+    refused naming the variable."""
+    check_true("LZ_BF16_ATTENTION=f32: bf16 entries are the fp32 ones",
+               with_override("f32") == "bitwise")
+    if lz.lib.lz_cpu_has(b"avx512bf16"):
+        check_true("LZ_BF16_ATTENTION=native: bf16 entries round",
+                   with_override("native") == "differ")
+    said = with_override("fast")
+    check_true(f"LZ_BF16_ATTENTION=fast is refused ({said[:90]})",
+               said.startswith("refused") and "LZ_BF16_ATTENTION is 'fast'" in said)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--override-child"]:
+        sys.exit(override_child())
     sys.exit(run(f"test_attention_bf16: {lz.LIB_PATH}, torch {torch.__version__}"))
