@@ -172,6 +172,7 @@ LZ_TEST(attention_bf16_matches_reference_every_option) {
   check_case((shape){2, 170, 4, 2, 16, 0, 0, 0, 3});        /* documents */
   check_case((shape){1, 150, 4, 2, 16, 33, 2.5f, 0.4f, 3}); /* all together */
   check_case((shape){1, 70, 2, 2, 128, 0, 0, 0, 0});        /* a wide head */
+  check_case((shape){1, 70, 2, 1, 256, 0, 0, 0, 0});        /* the widest head accepted */
 }
 
 static char *run_bf16(const shape *s, lz_tensor *qkv, lz_tensor *dout, size_t *bytes) {
