@@ -450,6 +450,9 @@ BF static void backward_group(float *dqkv, const uint32_t *qtiles, const int32_t
         }
         const query_tile q =
             query_tile_at((uint32_t *)qtiles + ((b * d.NH + h) * d.nb + qb) * qw, HP);
+        if (qb + 1 < qb_end) /* the next tile's dq rows, a qkv row apart: no prefetcher follows */
+          prefetch_rows(dqbase + (i0 + TILE) * row, row,
+                        T - i0 - TILE < TILE ? T - i0 - TILE : TILE, HS);
         gemm(w.s, TILE, q.qa, HW, w.kt, TILE, nqr, TILE, HW, NULL, 0);
         gemm(w.dps, TILE, q.da, HW, w.vt, TILE, nqr, TILE, HW, NULL, 0);
         for (int64_t i = 0; i < TILE; i++) {
@@ -490,13 +493,12 @@ BF static void backward_group(float *dqkv, const uint32_t *qtiles, const int32_t
         }
       }
     }
-    for (int64_t j = 0; j < nk; j++) {
-      float *dkd = dkbase + (j0 + j) * row, *dvd = dvbase + (j0 + j) * row;
-      for (int64_t cc = 0; cc < HS; cc++) {
-        dkd[cc] = w.dkt[cc * TILE + j] * d.scale;
-        dvd[cc] = w.dvt[cc * TILE + j];
+    /* Reading dK^T and dV^T along their rows; the writes are a qkv row apart. */
+    for (int64_t cc = 0; cc < HS; cc++)
+      for (int64_t j = 0; j < nk; j++) {
+        dkbase[(j0 + j) * row + cc] = w.dkt[cc * TILE + j] * d.scale;
+        dvbase[(j0 + j) * row + cc] = w.dvt[cc * TILE + j];
       }
-    }
   }
 }
 
