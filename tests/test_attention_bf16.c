@@ -173,6 +173,8 @@ LZ_TEST(attention_bf16_matches_reference_every_option) {
   check_case((shape){1, 150, 4, 2, 16, 33, 2.5f, 0.4f, 3}); /* all together */
   check_case((shape){1, 70, 2, 2, 128, 0, 0, 0, 0});        /* a wide head */
   check_case((shape){1, 70, 2, 1, 256, 0, 0, 0, 0});        /* the widest head accepted */
+  check_case((shape){3, 1, 2, 1, 16, 0, 0, 0, 0});          /* one token */
+  check_case((shape){2, 3, 4, 2, 8, 2, 1.5f, 0, 1});        /* three tokens, every option */
 }
 
 static char *run_bf16(const shape *s, lz_tensor *qkv, lz_tensor *dout, size_t *bytes) {
