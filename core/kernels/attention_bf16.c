@@ -4,9 +4,12 @@
  * GEMMs around attention already round their inputs to bf16.
  *
  * Per pair of tiles (TILE queries x TILE keys) forward runs two small GEMMs,
- * S = Q K^T and O += P V; backward recomputes S and runs dP = dO V^T,
- * dV += P^T dO, dK += dS^T Q, dQ = dS K. Operands are rounded to bf16 (round
- * to nearest even) as they are copied into tiles; the softmax, its maxima,
+ * S^T = K Q^T and O^T += V^T P^T (transposed, so the online softmax runs 16
+ * queries a vector); backward recomputes S = Q K^T and runs dP = dO V^T,
+ * dV^T += dO^T P, dK^T += Q^T dS, dQ = dS K. Each key and query tile is
+ * packed once per call into the layouts its products read (O(T) memory
+ * beside the output). Operands are rounded to bf16 (round to nearest even)
+ * as they are packed; the softmax, its maxima,
  * sums and log-sum-exp, the masks and every accumulator stay fp32. The
  * order of the work is attention.c's (forward: one task per query tile;
  * backward: one task per key/value head, key tiles outermost), so results
@@ -222,8 +225,8 @@ BINLINE void mask_row(float *s, int64_t i, int64_t i0, int64_t j0, int64_t nk, i
 #define HP_OF(d) (((d).HS + BF_HS - 1) / BF_HS * BF_HS)
 
 /* Key tile kb of key/value head g of sequence b, packed for its products.
- * Forward: kr [TILE][HW] (K in rows, for S^T = K Q^T), vt [HP][TILE/2] (V^T
- * in rows along the keys, for O^T += V^T P^T). Backward: kt [HW][TILE] (K^T,
+ * Forward: kr [TILE][HW] (K in rows, for S^T = K Q^T), vt_fwd [HP][TILE/2]
+ * (V^T in rows along the keys, for O^T += V^T P^T). Backward: kt [HW][TILE] (K^T,
  * times mul, for S = Q K^T), vt [HW][TILE] (V^T, for dP = dO V^T), kp
  * [TILE/2][HP] (K paired, for dQ = dS K). Absent ones are skipped. */
 BINLINE void pack_keys(uint32_t *kr, uint32_t *kt, uint32_t *vt_fwd, uint32_t *vt, uint32_t *kp,
