@@ -165,11 +165,11 @@ BINLINE void block(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const 
     for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * ldc + v * 16, acc[r][v]);
 }
 
-/* Rows [r0, r0 + mr) of c against all its columns, MV vectors at a time. */
+/* Rows [r0, r0 + mr) of c against its columns [c_begin, n), MV vectors at a time. */
 BINLINE void block_row(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const uint32_t *b,
-                       int64_t ldb, int64_t n, int64_t np, const float *alpha, int add,
-                       const int mr) {
-  for (int64_t c0 = 0; c0 < n; c0 += MV * 16) {
+                       int64_t ldb, int64_t c_begin, int64_t n, int64_t np, const float *alpha,
+                       int add, const int mr) {
+  for (int64_t c0 = c_begin; c0 < n; c0 += MV * 16) {
     float *cc = c + c0;
     const uint32_t *bc = b + c0;
     const float *al = alpha ? alpha + c0 : NULL;
@@ -190,17 +190,36 @@ BINLINE void block_row(float *c, int64_t ldc, const uint32_t *a, int64_t lda, co
   }
 }
 
-/* c [m][n] (= or +=) a [m][np words] x b [np][n]; m a multiple of 2, n of 16.
- * Six rows a block (24 accumulators of the 32 registers), then what is left. */
+/* On a diagonal tile, the part of a product a row block needs (the rest is
+ * masked, or multiplies zeros): all of it; the columns from the block's first
+ * row on (S^T: keys are rows, a key is seen from its own query on); the
+ * columns up to its last row (S, dP: queries are rows, each sees keys up to
+ * itself); the reduction's words up to its last row (dQ: over keys). */
+enum { TRI_NONE, TRI_COLS_FROM, TRI_COLS_TO, TRI_SUM_TO };
+
+BINLINE void gemm_rows(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const uint32_t *b,
+                       int64_t ldb, int64_t r0, int64_t n, int64_t np, const float *alpha, int add,
+                       int tri, const int mr) {
+  int64_t c_begin = 0, c_end = n, p_end = np;
+  if (tri == TRI_COLS_FROM) c_begin = r0 / 16 * 16;
+  if (tri == TRI_COLS_TO && ((r0 + mr - 1) / 16 + 1) * 16 < n)
+    c_end = ((r0 + mr - 1) / 16 + 1) * 16;
+  if (tri == TRI_SUM_TO && (r0 + mr + 1) / 2 < np) p_end = (r0 + mr + 1) / 2;
+  block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, c_begin, c_end, p_end, alpha, add, mr);
+}
+
+/* c [m][n] (= or +=) a [m][np words] x b [np][n]; m a multiple of 2, n of 16;
+ * on a diagonal tile only the part `tri` says. Six rows a block (24
+ * accumulators of the 32 registers), then what is left. */
 BINLINE void gemm(float *c, int64_t ldc, const uint32_t *a, int64_t lda, const uint32_t *b,
-                  int64_t ldb, int64_t m, int64_t n, int64_t np, const float *alpha, int add) {
+                  int64_t ldb, int64_t m, int64_t n, int64_t np, const float *alpha, int add,
+                  int tri) {
   int64_t r0 = 0;
-  for (; r0 + MR <= m; r0 += MR)
-    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha, add, MR);
+  for (; r0 + MR <= m; r0 += MR) gemm_rows(c, ldc, a, lda, b, ldb, r0, n, np, alpha, add, tri, MR);
   if (m - r0 == 4)
-    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha, add, 4);
+    gemm_rows(c, ldc, a, lda, b, ldb, r0, n, np, alpha, add, tri, 4);
   else if (m - r0 == 2)
-    block_row(c + r0 * ldc, ldc, a + r0 * lda, lda, b, ldb, n, np, alpha, add, 2);
+    gemm_rows(c, ldc, a, lda, b, ldb, r0, n, np, alpha, add, tri, 2);
 }
 
 /* ------------------------------------------------------------------ masks */
@@ -293,7 +312,8 @@ BF static void forward_tile(float *out, float *lse, const float *qkv, const int3
     const int meet = tiles_meet(sg, i0, nq, j0, nk);
     const int cut = window_cuts(&d, i0, nq, j0);
     if (meet == MEET_NONE) continue;
-    gemm(st, TILE, kr_all + kb * TILE * HW, HW, qt, TILE, nkr, TILE, HW, NULL, 0);
+    gemm(st, TILE, kr_all + kb * TILE * HW, HW, qt, TILE, nkr, TILE, HW, NULL, 0,
+         diag ? TRI_COLS_FROM : TRI_NONE);
     if (d.cap) soft_cap(st, NULL, nk * TILE, d.cap, LOG2E);
     for (int64_t j = nk; j < TILE; j++) /* keys past T: probability 0 */
       for (int64_t i = 0; i < TILE; i++) st[j * TILE + i] = -INFINITY;
@@ -330,7 +350,8 @@ BF static void forward_tile(float *out, float *lse, const float *qkv, const int3
       mv[vq] = mx;
     }
     to_paired(pp, TILE, st, TILE, TILE, TILE, TILE, TILE, 1.0f);
-    gemm(ot, TILE, vt_all + kb * TILE * HW, TILE / 2, pp, TILE, HP, TILE, TILE / 2, alpha, 1);
+    gemm(ot, TILE, vt_all + kb * TILE * HW, TILE / 2, pp, TILE, HP, TILE, TILE / 2, alpha, 1,
+         TRI_NONE);
   }
 
   for (int64_t i = 0; i < nq; i++) {
@@ -456,14 +477,17 @@ BF static void backward_group(float *dqkv, const uint32_t *qtiles, const int32_t
         if (qb + 1 < qb_end) /* the next tile's dq rows, a qkv row apart: no prefetcher follows */
           prefetch_rows(dqbase + (i0 + TILE) * row, row,
                         T - i0 - TILE < TILE ? T - i0 - TILE : TILE, HS);
-        gemm(w.s, TILE, q.qa, HW, w.kt, TILE, nqr, TILE, HW, NULL, 0);
-        gemm(w.dps, TILE, q.da, HW, w.vt, TILE, nqr, TILE, HW, NULL, 0);
+        const int tri = diag ? TRI_COLS_TO : TRI_NONE;
+        gemm(w.s, TILE, q.qa, HW, w.kt, TILE, nqr, TILE, HW, NULL, 0, tri);
+        gemm(w.dps, TILE, q.da, HW, w.vt, TILE, nqr, TILE, HW, NULL, 0, tri);
         for (int64_t i = 0; i < TILE; i++) {
           float *pi = w.s + i * TILE, *dpi = w.dps + i * TILE;
           if (i >= nq) {
             for (int64_t j = 0; j < TILE; j++) pi[j] = dpi[j] = 0.0f;
             continue;
           }
+          if (diag) /* keys after the query: products skipped, finite zeros instead */
+            for (int64_t j = i + 1; j < TILE; j++) pi[j] = dpi[j] = 0.0f;
           float tn[TILE] __attribute__((aligned(64)));
           if (d.cap) soft_cap(pi, tn, TILE, d.cap, LOG2E);
           vf ls, dd, x;
@@ -483,9 +507,10 @@ BF static void backward_group(float *dqkv, const uint32_t *qtiles, const int32_t
         to_paired(w.pp, TILE, w.s, TILE, TILE, TILE, TILE, TILE, 1.0f);
         to_paired(w.dsp, TILE, w.dps, TILE, TILE, TILE, TILE, TILE, 1.0f);
         to_rows(w.dsa, TILE / 2, w.dps, TILE, nqr, nqr, TILE, TILE, 1.0f);
-        gemm(w.dvt, TILE, q.dt, TILE / 2, w.pp, TILE, HP, TILE, TILE / 2, NULL, 1);
-        gemm(w.dkt, TILE, q.qt, TILE / 2, w.dsp, TILE, HP, TILE, TILE / 2, NULL, 1);
-        gemm(w.dq, HP, w.dsa, TILE / 2, w.kp, HP, nqr, HP, TILE / 2, NULL, 0);
+        gemm(w.dvt, TILE, q.dt, TILE / 2, w.pp, TILE, HP, TILE, TILE / 2, NULL, 1, TRI_NONE);
+        gemm(w.dkt, TILE, q.qt, TILE / 2, w.dsp, TILE, HP, TILE, TILE / 2, NULL, 1, TRI_NONE);
+        gemm(w.dq, HP, w.dsa, TILE / 2, w.kp, HP, nqr, HP, TILE / 2, NULL, 0,
+             diag ? TRI_SUM_TO : TRI_NONE);
         for (int64_t i = 0; i < nq; i++) {
           float *dqd = dqbase + (i0 + i) * row;
           const float *src = w.dq + i * HP;
