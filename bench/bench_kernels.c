@@ -18,7 +18,12 @@
  * Then the experts' grouped GEMM against one dense GEMM of the same FLOPs,
  * as lines "MOE ... ratio <grouped / dense>".
  *
- *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops] [--no-moe]
+ * Then the tiled attention at T 2048 (B1, 12 heads of 64, causal), fp32 and
+ * bf16 entries, forward + backward in GFLOP/s counting per head 4 T^2 d
+ * forward and 10 T^2 d backward (recomputation), halved for the mask,
+ * beside the same run's oneDNN bf16 2048^3 GEMM: one line "FLASH ...".
+ *
+ *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops] [--no-moe] [--no-flash]
  * Threads: OMP_NUM_THREADS for ours and oneDNN, OPENBLAS_NUM_THREADS for OpenBLAS
  * (bench/bench-kernels sets both). */
 #include "luazero.h"
@@ -395,6 +400,63 @@ static void ce_step(void *p) {
   CHECK_LZ(lz_cross_entropy_backward(c->dlogits, c->logits, c->targets, c->vocab, c->dloss));
 }
 
+typedef struct {
+  int nh;
+  lz_tensor *qkv, *out, *lse, *dout, *dqkv;
+} flash_ctx;
+static void flash_f32_step(void *p) {
+  flash_ctx *c = p;
+  CHECK_LZ(lz_attention_opts_forward(c->out, c->lse, c->qkv, NULL, c->nh, c->nh, 0, 0, 0));
+  CHECK_LZ(lz_attention_opts_backward(c->dqkv, c->dout, c->qkv, c->out, c->lse, NULL, c->nh,
+                                      c->nh, 0, 0, 0));
+}
+static void flash_bf16_step(void *p) {
+  flash_ctx *c = p;
+  CHECK_LZ(lz_attention_bf16_forward(c->out, c->lse, c->qkv, NULL, c->nh, c->nh, 0, 0, 0));
+  CHECK_LZ(lz_attention_bf16_backward(c->dqkv, c->dout, c->qkv, c->out, c->lse, NULL, c->nh,
+                                      c->nh, 0, 0, 0));
+}
+
+typedef struct {
+  raw_bf16 r;
+  lz_tensor *a, *b, *c;
+} yard_ctx;
+static void yard_step(void *p) {
+  yard_ctx *y = p;
+  raw_bf16_run(&y->r, y->a->data, y->b->data, y->c->data);
+}
+
+static void free_all(lz_tensor **t, int n);
+
+static void bench_flash(int bf16) {
+  const int64_t T = 2048, NH = 12, HS = 64, C = NH * HS, N = 2048;
+  flash_ctx c = {(int)NH, random_f32(3, 1, T, 3 * C, 1.0f), tensor(LZ_F32, 3, 1, T, C),
+                 tensor(LZ_F32, 3, 1, NH, T), random_f32(3, 1, T, C, 1.0f),
+                 tensor(LZ_F32, 3, 1, T, 3 * C)};
+  const double flops = (double)NH * 14.0 * (double)T * (double)T * (double)HS / 2.0;
+  const double f32_ms = time_ms(flash_f32_step, &c, 3), bf16_ms = time_ms(flash_bf16_step, &c, 3);
+  double yard = 0;
+  if (bf16) {
+    yard_ctx y = {raw_bf16_new(N, N, N, 0, 0, 0.0f), NULL, NULL, tensor(LZ_F32, 2, N, N, 0)};
+    lz_tensor *fa = random_f32(2, N, N, 0, 1.0f);
+    y.a = to_bf16(fa);
+    y.b = to_bf16(fa);
+    yard = 2.0 * N * N * N / (time_ms(yard_step, &y, 3) * 1e-3) * 1e-9;
+    raw_bf16_free(&y.r);
+    free_all((lz_tensor *[]){fa, y.a, y.b, y.c}, 4);
+  }
+  const char *path = "?";
+  CHECK_LZ(lz_bf16_attention_path(&path));
+  const double g32 = flops / (f32_ms * 1e-3) * 1e-9, g16 = flops / (bf16_ms * 1e-3) * 1e-9;
+  printf("FLASH attention B=1,T=%lld,NH=%lld,HS=%lld causal fwd+bwd: f32 %.1f ms %.1f GFLOP/s; "
+         "bf16 [%s] %.1f ms %.1f GFLOP/s (%.2fx f32); oneDNN bf16 %lld^3 %.1f GFLOP/s: bf16 at "
+         "%.0f%%\n",
+         (long long)T, (long long)NH, (long long)HS, f32_ms, g32, path, bf16_ms, g16,
+         g16 / g32, (long long)N, yard, yard > 0 ? 100.0 * g16 / yard : 0.0);
+  fflush(stdout);
+  free_all((lz_tensor *[]){c.qkv, c.out, c.lse, c.dout, c.dqkv}, 5);
+}
+
 static void free_all(lz_tensor **t, int n) {
   for (int i = 0; i < n; i++) lz_tensor_free(t[i]);
 }
@@ -528,7 +590,7 @@ static void bench_moe(int bf16) {
 
 int main(int argc, char **argv) {
   int64_t rows[16] = {256, 1024};
-  int nrows = 2, gemms = 1, ops = 1, moe = 1;
+  int nrows = 2, gemms = 1, ops = 1, moe = 1, flash = 1;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--rows") && i + 1 < argc) {
       nrows = 0;
@@ -544,9 +606,11 @@ int main(int argc, char **argv) {
       ops = 0;
     } else if (!strcmp(argv[i], "--no-moe")) {
       moe = 0;
+    } else if (!strcmp(argv[i], "--no-flash")) {
+      flash = 0;
     } else {
       fprintf(stderr, "usage: bench_kernels [--rows \"256 1024\"] [--no-gemm] [--no-ops] "
-                      "[--no-moe]\n");
+                      "[--no-moe] [--no-flash]\n");
       return 2;
     }
   }
@@ -559,5 +623,6 @@ int main(int argc, char **argv) {
   if (gemms) bench_gemms(rows, nrows, bf16);
   if (ops) bench_ops();
   if (moe) bench_moe(bf16);
+  if (flash) bench_flash(bf16);
   return 0;
 }

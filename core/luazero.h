@@ -334,6 +334,21 @@ lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                      const lz_tensor *qkv, const lz_tensor *out,
                                      const lz_tensor *lse, const lz_tensor *seg, int n_head,
                                      int n_kv_head, int window, float softcap, float scale);
+/* lz_attention_opts_* for bf16 training: the tile products (Q K^T, P V and
+ * backward's four) take their operands rounded to bf16 and accumulate in
+ * fp32, on the CPU's bf16 dot-product unit; the softmax and masks stay fp32.
+ * Where the CPU has none (lz_bf16_attention_path), and on a device backend
+ * (its attention computes in fp32), these are the fp32 entries. */
+lz_status lz_attention_bf16_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale);
+lz_status lz_attention_bf16_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                     const lz_tensor *qkv, const lz_tensor *out,
+                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
+                                     int n_kv_head, int window, float softcap, float scale);
+/* How lz_attention_bf16_* run here: "native avx512_bf16 tiles" or "f32 tiles
+ * (...)"; LZ_BF16_ATTENTION=native|f32 overrides the choice by CPU. */
+lz_status lz_bf16_attention_path(const char **what);
 /* Attention against a key/value cache (generation). qkv f32 [B, T, W]: the
  * packed q|k|v rows above for T new positions. k_cache, v_cache [B, S,
  * n_kv_head * hd], f32 or bf16, row b holding pos[b] positions (pos: i32

@@ -262,7 +262,9 @@ local function say_start(run)
         ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
   end
   say(engine:describe())
-  if engine.wdt == "bf16" and engine.dev == "cpu" then say("bf16 matmul: " .. lz.bf16_matmul()) end
+  if engine.wdt == "bf16" and engine.dev == "cpu" then
+    say("bf16 matmul: " .. lz.bf16_matmul() .. "; bf16 attention: " .. lz.bf16_attention())
+  end
   local where = engine:offload_summary()
   if where then say(where) end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..

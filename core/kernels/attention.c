@@ -1,7 +1,9 @@
 /* attention.c — causal self-attention, multi-head (GPT-2) and grouped-query
  * (Llama: n_kv_head key/value heads, each shared by n_head/n_kv_head query
- * heads), forward and backward, computed in tiles of TILE queries x TILE keys (flash-attention
- * style) so no T x T matrix is ever stored.
+ * heads), forward and backward in fp32, computed in tiles of TILE queries x
+ * TILE keys (flash-attention style) so no T x T matrix is ever stored. Its
+ * results define the fp32 runs' checksums. The pieces it shares with the
+ * bf16 kernel (attention_bf16.c) are in attention_tiles.h.
  *
  * Forward keeps, per query row, a running maximum and sum of the softmax and
  * rescales its output accumulator when the maximum grows; it saves the row's
@@ -9,10 +11,6 @@
  * Backward walks key tiles outermost: dK and dV of a key tile build up in
  * scratch over the query heads of its group, in head order, and their query
  * tiles; dQ builds up in the output itself.
- *
- * Scores are kept in base-2 units: (1/sqrt(HS)) * log2(e) is folded into the
- * tile copy of one operand (Q in forward, K in backward), so a probability is
- * a plain exp2 of a difference, computed by a polynomial that vectorizes.
  *
  * The tile products are register-blocked with GCC vector types (16 floats:
  * one AVX-512 register, two AVX2 ones) and compiled per instruction set by
@@ -22,82 +20,10 @@
  * bitwise the same on every run and for every thread count. All scratch is on
  * the stack of the thread that uses it, at most (8 * TILE * HS' + 2 * TILE^2)
  * floats (HS' = HS rounded up to 16): 160 KiB at HS = 64, 544 KiB at the
- * largest head size accepted, MAX_HS.
- *
- * Document masking (the _seg entries): seg gives each token a document id,
- * and query i sees key j only when j <= i and seg[j] == seg[i]. A pair of
- * tiles whose tokens are all in one document runs as without seg; a pair
- * with no visible key is skipped; the others mask their scores one by one.
- * A query row may then see no key of a tile, so its running maximum may
- * stay -inf: the exponentials subtract 0 instead (every row sees itself, so
- * its final sum is never 0). */
-#include "mem/lz_backend.h"
-#include "mem/lz_internal.h"
+ * largest head size accepted, MAX_HS. */
+#include "kernels/attention_tiles.h"
 
-#include <math.h> /* log2f, sqrtf, isinf, INFINITY */
-
-#define TILE 64    /* queries and keys per tile */
-#define VL 16      /* floats per vector (a 64-byte vector; two halves on AVX2) */
-#define ROWS 4     /* rows of a register block */
-#define MAX_NV 4   /* vectors of a register block along the head dimension */
-#define MAX_HS 256 /* bounds the stack scratch */
-
-#define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
-
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-
-/* Helpers are always inlined: a function without LZ_DISPATCH would be
- * compiled for plain x86-64 only. They take vectors by pointer, since passing
- * 64-byte vectors by value changes the ABI between the clones. */
-#define INLINE static inline __attribute__((always_inline))
-
-typedef struct {
-  int64_t B, T, C, NH, HS; /* C = NH * HS: the width of out (and of q) */
-  int64_t NKV;             /* key/value heads; NH is a multiple */
-  int64_t row;             /* floats per qkv row: (NH + 2 NKV) * HS */
-  int64_t HSP;             /* HS rounded up to whole vectors: the row length of tiles */
-  int64_t nb;              /* tiles along T */
-  int64_t W;               /* window: a query sees its W latest keys; 0 = all */
-  float scale;             /* scores' factor, 1/sqrt(HS) unless set */
-  float cap;               /* soft-capping of the scaled scores; 0 = none */
-} attn_dims;
-
-/* ------------------------------------------------------------ vector math */
-
-INLINE void v_splat(vf *y, float x) {
-  vf z = {0};
-  *y = z + x;
-}
-
-INLINE void v_max(vf *y, const vf *a, const vf *b) {
-  vi gt = *a > *b;
-  *y = (vf)(((vi)*a & gt) | ((vi)*b & ~gt));
-}
-
-/* 2^x, relative error about 2e-7; 0 for x <= -127 (and for -inf). Cephes'
- * exp2f polynomial on the fraction in [-0.5, 0.5]. */
-INLINE void v_exp2(vf *y, const vf *xp) {
-  vf lo, hi, x = *xp;
-  v_splat(&lo, -127.0f);
-  v_splat(&hi, 127.0f);
-  vi m = x < lo;
-  x = (vf)(((vi)x & ~m) | ((vi)lo & m));
-  m = x > hi;
-  x = (vf)(((vi)x & ~m) | ((vi)hi & m));
-  vf r = x + 12582912.0f; /* 1.5 * 2^23: rounds x to an integer in the low bits */
-  vf n = r - 12582912.0f;
-  vf f = x - n;
-  vi ni = (vi)r - 0x4B400000;
-  vf pow2n = (vf)((ni + 127) << 23); /* 0.0 when n = -127 */
-  vf p = f * 1.535336188319500e-4f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  *y = (p * f + 1.0f) * pow2n;
-}
+#include <math.h> /* log2f */
 
 /* ----------------------------------------------------------- tile kernels */
 
@@ -211,121 +137,6 @@ INLINE void rows_nn(float *restrict out, int64_t ldo, const float *restrict coef
         block_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 4);
         break;
     }
-  }
-}
-
-/* ------------------------------------------------------------ tile copies */
-
-/* dst[i][0:hsp] = src[i*stride + 0:hs] * mul for i < n, zero beyond (columns
- * hs..hsp and rows n..TILE). */
-INLINE void load_rows(float *restrict dst, int64_t hsp, const float *restrict src, int64_t stride,
-                      int64_t n, int64_t hs, float mul) {
-  for (int64_t i = 0; i < TILE; i++) {
-    float *d = dst + i * hsp;
-    if (i < n) {
-      const float *s = src + i * stride;
-      for (int64_t c = 0; c < hs; c++) d[c] = s[c] * mul;
-      for (int64_t c = hs; c < hsp; c++) d[c] = 0.0f;
-    } else {
-      for (int64_t c = 0; c < hsp; c++) d[c] = 0.0f;
-    }
-  }
-}
-
-/* dst[c][j] = src[j*stride + c] * mul for c < hs, j < n; columns n..TILE zero. */
-INLINE void load_transposed(float *restrict dst, const float *restrict src, int64_t stride,
-                            int64_t n, int64_t hs, float mul) {
-  for (int64_t j = 0; j < n; j++) {
-    const float *s = src + j * stride;
-    for (int64_t c = 0; c < hs; c++) dst[c * TILE + j] = s[c] * mul;
-  }
-  if (n < TILE)
-    for (int64_t c = 0; c < hs; c++)
-      for (int64_t j = n; j < TILE; j++) dst[c * TILE + j] = 0.0f;
-}
-
-/* Asks for n rows of hs floats, `stride` apart, ahead of use: rows of a head
- * sit 3C floats apart, each on its own page, which the hardware prefetcher
- * does not follow. */
-INLINE void prefetch_rows(const float *src, int64_t stride, int64_t n, int64_t hs) {
-  for (int64_t j = 0; j < n; j++) {
-    const char *p = (const char *)(src + j * stride);
-    for (int64_t off = 0; off < hs * 4; off += 64) __builtin_prefetch(p + off, 0, 3);
-    __builtin_prefetch(p + hs * 4 - 1, 0, 3);
-  }
-}
-
-static float *align64(float *p) { return (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63); }
-
-/* ---------------------------------------------------------- document masks */
-
-/* How queries [i0, i0+nq) meet keys [j0, j0+nk) of one sequence. */
-enum { MEET_ALL, MEET_SOME, MEET_NONE };
-
-static int tiles_meet(const int32_t *sg, int64_t i0, int64_t nq, int64_t j0, int64_t nk) {
-  if (!sg) return MEET_ALL;
-  const int32_t first = sg[j0];
-  int one = 1;
-  for (int64_t j = j0; j < j0 + nk && one; j++) one = sg[j] == first;
-  for (int64_t i = i0; i < i0 + nq && one; i++) one = sg[i] == first;
-  if (one) return MEET_ALL;
-  for (int64_t i = i0; i < i0 + nq; i++)
-    for (int64_t j = j0; j < j0 + nk && j <= i; j++)
-      if (sg[j] == sg[i]) return MEET_SOME;
-  return MEET_NONE;
-}
-
-/* ----------------------------------------------------------- window masks */
-
-/* The first key tile a query tile starting at i0 reaches. */
-static int64_t first_key_tile(const attn_dims *d, int64_t i0) {
-  return d->W && i0 - d->W + 1 > 0 ? (i0 - d->W + 1) / TILE : 0;
-}
-
-/* The last query tile a key tile [j0, j0+nk) reaches. */
-static int64_t last_query_tile(const attn_dims *d, int64_t j0, int64_t nk) {
-  if (!d->W) return d->nb - 1;
-  const int64_t last = j0 + nk - 1 + d->W - 1;
-  return last < d->T ? last / TILE : d->nb - 1;
-}
-
-/* Whether some query of [i0, i0+nq) is W or more past some key from j0 on:
- * the pair's scores need the window's mask. */
-static int window_cuts(const attn_dims *d, int64_t i0, int64_t nq, int64_t j0) {
-  return d->W && i0 + nq - 1 - j0 >= d->W;
-}
-
-/* tanh(x), within a few fp32 ulps: Cephes' tanhf, an odd polynomial
- * below |x| = 0.625 and 1 - 2 / (e^2|x| + 1) above, with the sign. */
-INLINE void v_tanh(vf *y, const vf *xp) {
-  const vf x = *xp;
-  vf zero, z, e, big, small;
-  v_splat(&zero, 0.0f);
-  const vi neg = x < zero;
-  z = (vf)(((vi)-x & neg) | ((vi)x & ~neg)); /* |x| */
-  vf t = z * (2.0f * LOG2E);
-  v_exp2(&e, &t);
-  big = 1.0f - 2.0f / (e + 1.0f);
-  const vf s = z * z;
-  vf p = s * -5.70498872745e-3f + 2.06390887954e-2f;
-  p = p * s - 5.37397155531e-2f;
-  p = p * s + 1.33314422036e-1f;
-  p = p * s - 3.33332819422e-1f;
-  small = p * s * z + z;
-  const vi low = z <= 0.625f;
-  z = (vf)(((vi)small & low) | ((vi)big & ~low));
-  *y = (vf)(((vi)-z & neg) | ((vi)z & ~neg));
-}
-
-/* s -> cap tanh(s / cap) * mul over n floats (a multiple of VL, s aligned);
- * tn, when given, takes the tanh values. */
-INLINE void soft_cap(float *s, float *tn, int64_t n, float cap, float mul) {
-  const float inv = 1.0f / cap, cm = cap * mul;
-  for (int64_t i = 0; i < n; i += VL) {
-    vf x = *(vf *)(s + i) * inv, t;
-    v_tanh(&t, &x);
-    if (tn) *(vf *)(tn + i) = t;
-    *(vf *)(s + i) = t * cm;
   }
 }
 
@@ -591,157 +402,19 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
   }
 }
 
-/* ------------------------------------------------------------------ checks */
-
-static lz_status check_shape3(const char *op, const char *name, const lz_tensor *t, int64_t d0,
-                              int64_t d1, int64_t d2, const char *what, const lz_tensor *qkv) {
-  LZ_TRY(lz_check_present(op, name, t));
-  if (t->ndim != 3 || t->shape[0] != d0 || t->shape[1] != d1 || t->shape[2] != d2) {
-    char bt[96], bq[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: %s is %s, expected f32[%lld,%lld,%lld] (%s, from qkv %s)",
-                   op, name, lz_tensor_describe(t, bt, sizeof bt), (long long)d0, (long long)d1,
-                   (long long)d2, what, lz_tensor_describe(qkv, bq, sizeof bq));
-  }
-  return LZ_OK;
-}
-
-/* The sizes of qkv's heads, for n_head and n_kv_head already checked, and
- * the options window, softcap, scale (0: off, 1/sqrt(HS)). */
-static attn_dims dims_of(const lz_tensor *qkv, int n_head, int n_kv_head, int64_t window,
-                         float softcap, float scale) {
-  attn_dims d;
-  const int64_t parts = n_head + 2 * (int64_t)n_kv_head; /* heads of q, k and v in a row */
-  d.B = qkv->shape[0];
-  d.T = qkv->shape[1];
-  d.HS = qkv->shape[2] / parts;
-  d.C = d.HS * n_head;
-  d.row = qkv->shape[2];
-  d.NH = n_head;
-  d.NKV = n_kv_head;
-  d.HSP = (d.HS + VL - 1) / VL * VL;
-  d.nb = (d.T + TILE - 1) / TILE;
-  d.scale = scale ? scale : d.HS ? 1.0f / sqrtf((float)d.HS) : 0.0f;
-  d.W = window;
-  d.cap = softcap;
-  return d;
-}
-
-/* Checks qkv's shape, n_head and n_kv_head and fills d. */
-static lz_status check_qkv(const char *op, const lz_tensor *qkv, int n_head, int n_kv_head,
-                           attn_dims *d) {
-  LZ_TRY(lz_check_ndim(op, "qkv", qkv, 3, 3));
-  char b[96];
-  if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
-  if (n_kv_head < 1 || n_head % n_kv_head != 0)
-    return lz_fail(LZ_ERR_INVALID,
-                   "%s: n_kv_head is %d; it must be >= 1 and divide n_head = %d (each key/value "
-                   "head serves n_head/n_kv_head query heads)",
-                   op, n_kv_head, n_head);
-  const int64_t parts = n_head + 2 * (int64_t)n_kv_head; /* heads of q, k and v in a row */
-  if (n_kv_head == n_head && qkv->shape[2] % 3 != 0)
-    return lz_fail(LZ_ERR_INVALID,
-                   "%s: qkv is %s; its last dimension must be 3C (q, k and v side by side), "
-                   "and %lld is not a multiple of 3",
-                   op, lz_tensor_describe(qkv, b, sizeof b), (long long)qkv->shape[2]);
-  if (n_kv_head == n_head && (qkv->shape[2] / 3) % n_head != 0)
-    return lz_fail(LZ_ERR_INVALID, "%s: C = %lld (qkv %s) is not divisible by n_head = %d", op,
-                   (long long)(qkv->shape[2] / 3), lz_tensor_describe(qkv, b, sizeof b), n_head);
-  if (qkv->shape[2] % parts != 0)
-    return lz_fail(LZ_ERR_INVALID,
-                   "%s: qkv is %s; its last dimension must be (n_head + 2 n_kv_head) * head_dim "
-                   "= %lld * head_dim (q, then k and v of n_kv_head heads), and %lld is not a "
-                   "multiple of %lld",
-                   op, lz_tensor_describe(qkv, b, sizeof b), (long long)parts,
-                   (long long)qkv->shape[2], (long long)parts);
-  *d = dims_of(qkv, n_head, n_kv_head, 0, 0.0f, 0.0f);
-  if (d->HS > MAX_HS)
-    return lz_fail(LZ_ERR_UNSUPPORTED,
-                   "%s: head size C/n_head = %lld/%d = %lld is above the supported %d; use "
-                   "more heads",
-                   op, (long long)d->C, n_head, (long long)d->HS, MAX_HS);
-  return LZ_OK;
-}
-
-/* ------------------------------------------------------------------ entry */
-
-lz_status lz_attention_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv, int n_head) {
-  return lz_attention_gqa_forward(out, lse, qkv, n_head, n_head);
-}
-
-lz_status lz_attention_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                const lz_tensor *out, const lz_tensor *lse, int n_head) {
-  return lz_attention_gqa_backward(dqkv, dout, qkv, out, lse, n_head, n_head);
-}
-
-lz_status lz_attention_gqa_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv, int n_head,
-                                   int n_kv_head) {
-  return lz_attention_seg_forward(out, lse, qkv, NULL, n_head, n_kv_head);
-}
-
-lz_status lz_attention_gqa_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                    const lz_tensor *out, const lz_tensor *lse, int n_head,
-                                    int n_kv_head) {
-  return lz_attention_seg_backward(dqkv, dout, qkv, out, lse, NULL, n_head, n_kv_head);
-}
-
-/* The options of lz_attention_opts_*: each 0 (off) or a finite positive number. */
-lz_status lz_attention_check_options(const char *op, int window, float softcap, float scale) {
-  if (window < 0)
-    return lz_fail(LZ_ERR_INVALID, "%s: window is %d; it must be >= 1 (keys a query sees, its "
-                   "own included), or 0 for none", op, window);
-  if (!(softcap >= 0.0f) || isinf(softcap))
-    return lz_fail(LZ_ERR_INVALID, "%s: softcap is %g; it must be a finite number > 0, or 0 for "
-                   "none", op, (double)softcap);
-  if (!(scale >= 0.0f) || isinf(scale))
-    return lz_fail(LZ_ERR_INVALID, "%s: scale is %g; it must be a finite number > 0, or 0 for "
-                   "1/sqrt(head_dim)", op, (double)scale);
-  return LZ_OK;
-}
-
-/* seg, when given: i32 [B, T]. Any ids: only equality matters. */
-static lz_status check_seg(const char *op, const lz_tensor *seg, const attn_dims *d,
-                           const lz_tensor *qkv) {
-  if (!seg) return LZ_OK;
-  if (seg->ndim != 2 || seg->shape[0] != d->B || seg->shape[1] != d->T) {
-    char a[96], b[96];
-    return lz_fail(LZ_ERR_INVALID, "%s: seg is %s, expected i32[%lld,%lld] (from qkv %s)", op,
-                   lz_tensor_describe(seg, a, sizeof a), (long long)d->B, (long long)d->T,
-                   lz_tensor_describe(qkv, b, sizeof b));
-  }
-  return LZ_OK;
-}
-
-lz_status lz_attention_seg_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
-                                   const lz_tensor *seg, int n_head, int n_kv_head) {
-  return lz_attention_opts_forward(out, lse, qkv, seg, n_head, n_kv_head, 0, 0.0f, 0.0f);
-}
-
-lz_status lz_attention_opts_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
-                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
-                                    float softcap, float scale) {
-  const char *op = "attention_forward";
-  const lz_op_args args = {.t = {out, lse, (lz_tensor *)qkv, (lz_tensor *)seg},
-                           .i = {n_head, n_kv_head, window},
-                           .f = {softcap, scale}};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_FORWARD, &args));
-  LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
-  attn_dims d;
-  LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
-  LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
-  LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
-  LZ_TRY(check_seg(op, seg, &d, qkv));
-  return lz_op_run(op, LZ_OP_ATTENTION_FORWARD, &args);
-}
+/* ------------------------------------------------------------------ runners */
 
 lz_status lz_cpu_attention_forward(const lz_op_args *a) {
   lz_tensor *out = a->t[0], *lse = a->t[1];
   const lz_tensor *qkv = a->t[2], *seg = a->t[3];
-  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
+  const attn_dims d = lz_attention_dims(qkv, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *o = out->data, *l = lse->data;
   const float *x = qkv->data;
   const int32_t *sg = seg ? seg->data : NULL;
+  if (a->i[3] && lz_attention_bf16_native()) /* bf16 tile products asked for, and here */
+    return lz_attention_bf16_forward_run(o, l, x, sg, d);
   const int64_t BH = d.B * d.NH, n_tasks = BH * d.nb;
   /* Head by head, so the threads share its keys and values in cache; within
    * a head the longest tasks (last query tiles) first, for balance. */
@@ -753,43 +426,17 @@ lz_status lz_cpu_attention_forward(const lz_op_args *a) {
   return LZ_OK;
 }
 
-lz_status lz_attention_seg_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                    const lz_tensor *out, const lz_tensor *lse,
-                                    const lz_tensor *seg, int n_head, int n_kv_head) {
-  return lz_attention_opts_backward(dqkv, dout, qkv, out, lse, seg, n_head, n_kv_head, 0, 0.0f,
-                                    0.0f);
-}
-
-lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout, const lz_tensor *qkv,
-                                     const lz_tensor *out, const lz_tensor *lse,
-                                     const lz_tensor *seg, int n_head, int n_kv_head, int window,
-                                     float softcap, float scale) {
-  const char *op = "attention_backward";
-  const lz_op_args args = {.t = {dqkv, (lz_tensor *)dout, (lz_tensor *)qkv, (lz_tensor *)out,
-                                 (lz_tensor *)lse, (lz_tensor *)seg},
-                           .i = {n_head, n_kv_head, window},
-                           .f = {softcap, scale}};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ATTENTION_BACKWARD, &args));
-  LZ_TRY(lz_attention_check_options(op, window, softcap, scale));
-  attn_dims d;
-  LZ_TRY(check_qkv(op, qkv, n_head, n_kv_head, &d));
-  LZ_TRY(lz_check_same_shape(op, "dqkv", dqkv, "qkv", qkv));
-  LZ_TRY(check_shape3(op, "dout", dout, d.B, d.T, d.C, "[B, T, C]", qkv));
-  LZ_TRY(check_shape3(op, "out", out, d.B, d.T, d.C, "[B, T, C]", qkv));
-  LZ_TRY(check_shape3(op, "lse", lse, d.B, d.NH, d.T, "[B, n_head, T]", qkv));
-  LZ_TRY(check_seg(op, seg, &d, qkv));
-  return lz_op_run(op, LZ_OP_ATTENTION_BACKWARD, &args);
-}
-
 lz_status lz_cpu_attention_backward(const lz_op_args *a) {
   lz_tensor *dqkv = a->t[0];
   const lz_tensor *dout = a->t[1], *qkv = a->t[2], *out = a->t[3], *lse = a->t[4], *seg = a->t[5];
-  const attn_dims d = dims_of(qkv, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
+  const attn_dims d = lz_attention_dims(qkv, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
   if (d.B == 0 || d.T == 0 || d.C == 0) return LZ_OK;
 
   float *dx = dqkv->data;
   const float *dy = dout->data, *x = qkv->data, *y = out->data, *l = lse->data;
   const int32_t *sg = seg ? seg->data : NULL;
+  if (a->i[3] && lz_attention_bf16_native())
+    return lz_attention_bf16_backward_run(dx, dy, x, y, l, sg, d);
   /* One task per key/value head: it alone writes its dk and dv. */
   const int64_t BG = d.B * d.NKV;
 #pragma omp parallel for schedule(dynamic, 1) if (BG > 1)

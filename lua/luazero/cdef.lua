@@ -205,6 +205,16 @@ lz_status lz_attention_opts_backward(lz_tensor *dqkv, const lz_tensor *dout,
                                      const lz_tensor *lse, const lz_tensor *seg, int n_head,
                                      int n_kv_head, int window, float softcap, float scale);
 
+lz_status lz_attention_bf16_forward(lz_tensor *out, lz_tensor *lse, const lz_tensor *qkv,
+                                    const lz_tensor *seg, int n_head, int n_kv_head, int window,
+                                    float softcap, float scale);
+lz_status lz_attention_bf16_backward(lz_tensor *dqkv, const lz_tensor *dout,
+                                     const lz_tensor *qkv, const lz_tensor *out,
+                                     const lz_tensor *lse, const lz_tensor *seg, int n_head,
+                                     int n_kv_head, int window, float softcap, float scale);
+
+lz_status lz_bf16_attention_path(const char **what);
+
 lz_status lz_attention_decode(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
                               lz_tensor *v_cache, const lz_tensor *pos, int n_head,
                               int n_kv_head);

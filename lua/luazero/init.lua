@@ -628,6 +628,14 @@ function lz.bf16_matmul()
   return ffi.string(what[0])
 end
 
+-- How bf16 training's attention runs here: "native avx512_bf16 tiles",
+-- "f32 tiles (...)" (LZ_BF16_ATTENTION overrides).
+function lz.bf16_attention()
+  local what = ffi.new("const char *[1]")
+  check(C.lz_bf16_attention_path(what), 2)
+  return ffi.string(what[0])
+end
+
 -- The executable running this script (to start more of it: train runs,
 -- tools). A rebuild while it runs unlinks the old file: name the new one.
 function lz.executable()

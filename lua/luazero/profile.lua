@@ -420,6 +420,16 @@ function Profile:format(opts)
     parts[i] = ("%s %.1f%% at %.1f"):format(pt.part, pt.pct, pt.gflops)
   end
   lines[#lines + 1] = "GEMMs by part (% of the step at GFLOP/s): " .. table.concat(parts, ", ")
+  -- Which kernels ran the bf16 work on this machine (the start-up line's words).
+  local bf16_gemm, bf16_attention = false, false
+  for _, r in ipairs(rep.rows) do
+    bf16_gemm = bf16_gemm or r.name:find("^GEMM %S+ %S+ bf16 ") ~= nil
+    bf16_attention = bf16_attention or r.name:find("^attention_bf16_") ~= nil
+  end
+  local chosen = {}
+  if bf16_gemm then chosen[#chosen + 1] = "matmul " .. lz.bf16_matmul() end
+  if bf16_attention then chosen[#chosen + 1] = "attention " .. lz.bf16_attention() end
+  if #chosen > 0 then lines[#lines + 1] = "bf16 kernels: " .. table.concat(chosen, "; ") end
   return table.concat(lines, "\n")
 end
 

@@ -1,7 +1,8 @@
 -- test_profile.lua — luazero.profile and train.lua --profile: a profiled run
 -- ends with the same parameters bit for bit (fp32 and bf16, LoRA, ZeRO-3 on
 -- two ranks, the sim device); the rows add up to the step's time measured outside; the
--- GEMM rows carry their module, part, dtype, shape and GFLOP/s; detach puts
+-- GEMM rows carry their module, part, dtype, shape and GFLOP/s; a bf16 run
+-- names the kernels of its GEMMs and attention; detach puts
 -- every wrapped function back; --profile-json writes the report.
 local cjson = require("cjson")
 local lz = require("luazero")
@@ -43,6 +44,10 @@ function T.train_gives_the_same_checksum_with_and_without_profile()
     assert(out:find("GEMMs [%d.]+%% of the step at [%d.]+ GFLOP/s, everything else [%d.]+%%"),
            "no summary line in:\n" .. out)
     assert(out:find("profile: 2 steps after the warm-up", 1, true), out)
+    -- a bf16 run names the kernels its GEMMs and attention ran on
+    local bf16 = c[2]:find("--dtype bf16", 1, true) ~= nil
+    eq(out:find("bf16 kernels: matmul " .. lz.bf16_matmul() .. "; attention "
+                .. lz.bf16_attention(), 1, true) ~= nil, bf16, c[1] .. " " .. c[2] .. " kernels line")
   end
 end
 

@@ -24,7 +24,10 @@ function CausalSelfAttention:forward(x)
   local lse = self:activation({ B, self.n_head, T })
   local extra = self.ctx.extra
   local seg = extra and extra.seg
-  if seg then
+  self.bf16 = self.ctx.cast_dtype == "bf16" -- bf16 training: the tile products in bf16 too
+  if self.bf16 then
+    ops.attention_bf16_forward(y, lse, qkv, seg, self.n_head, self.n_head, 0, 0, 0)
+  elseif seg then
     ops.attention_seg_forward(y, lse, qkv, seg, self.n_head, self.n_head)
   else
     ops.attention_forward(y, lse, qkv, self.n_head)
@@ -37,7 +40,10 @@ function CausalSelfAttention:backward(dy)
   local dy_att = self:run_backward(self.c_proj, dy)
   local qkv = self.qkv
   local dqkv = self:scratch({ qkv:dim(1), qkv:dim(2), qkv:dim(3) })
-  if self.seg then
+  if self.bf16 then
+    ops.attention_bf16_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
+                                self.n_head, 0, 0, 0)
+  elseif self.seg then
     ops.attention_seg_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
                                self.n_head)
   else

@@ -129,7 +129,11 @@ function GQA:forward(x)
   self:turn(qkv, 1, pos, 0, span) -- q and k turn in place; v passes
   local y = self:activation({ B, T, self.q_width })
   local lse = self:activation({ B, self.n_head, T })
-  if not self.plain then
+  self.bf16 = self.ctx.cast_dtype == "bf16" -- bf16 training: the tile products in bf16 too
+  if self.bf16 then
+    ops.attention_bf16_forward(y, lse, qkv, seg, self.n_head, self.n_kv_head, self.window,
+                               self.softcap, self.scale)
+  elseif not self.plain then
     ops.attention_opts_forward(y, lse, qkv, seg, self.n_head, self.n_kv_head, self.window,
                                self.softcap, self.scale)
   elseif seg then
@@ -145,7 +149,10 @@ function GQA:backward(dy)
   local dy_att = self:run_backward(self.o_proj, dy)
   local qkv = self.qkv
   local dqkv = self:scratch({ qkv:dim(1), qkv:dim(2), self.width })
-  if not self.plain then
+  if self.bf16 then
+    ops.attention_bf16_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
+                                self.n_kv_head, self.window, self.softcap, self.scale)
+  elseif not self.plain then
     ops.attention_opts_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.seg, self.n_head,
                                 self.n_kv_head, self.window, self.softcap, self.scale)
   elseif self.seg then
