@@ -61,6 +61,7 @@ local function whole(cfg, k, lo)
     error(("%s must be a whole number >= %d (got %s)"):format(k, lo, tostring(v)), 0)
   end
 end
+M.whole = whole
 
 -- Checks a Llama 3 rope_scaling table; errors name the key.
 local function check_scaling(s)
@@ -252,14 +253,14 @@ function M.rope_fields(family, scalings, theta)
   local known = {}
   for k in pairs(scalings) do known[#known + 1] = cjson.encode(k) end
   table.sort(known)
-  known[#known + 1] = '"default"'
+  local listed = #known == 0 and '"default"' or table.concat(known, ", ") .. ' or "default"'
   local function reader(key)
     return function(s, fail)
       local kind = rope_kind(s)
       if kind == nil or kind == "default" then return false end
       if not scalings[kind] then
         fail(("field %s.rope_type is %s; only %s is implemented for %s")
-             :format(key, cjson.encode(kind), table.concat(known, " or "), family))
+             :format(key, cjson.encode(kind), listed, family))
       end
       return scalings[kind](s, fail, key)
     end

@@ -23,10 +23,17 @@ every 1-D parameter (norm weights, biases) is moved off its start so each
 one matters. The config sets no eos_token_id: generation runs all 64 tokens.
 
     run_family(check, name, transformers, torch, peft, model_class, config)
+
+The Gemma families keep test_gemma.py's checks (the same five, there on
+transformers 4.40) with every norm weight drawn, after check_bites has shown
+that each window, cap and scale of the config moves the loss:
+
+    run_gemma(check, transformers, peft, model_class, config, bites, arch)
 """
 import json
 import os
 import subprocess
+import sys
 import tempfile
 
 from refenv import LUAZERO, REPO
@@ -193,3 +200,43 @@ def run_family(check, name, transformers, torch, peft, model_class, config):
         export(check, name, transformers, torch, folder, corpus, tmp)
         if peft is not None:
             lora(check, name, transformers, torch, peft, folder, corpus, tmp)
+
+
+def import5(test):
+    """(transformers, torch, peft) of the second reference environment, or
+    None after a line saying the test skipped."""
+    try:
+        import peft
+        import torch
+        import transformers
+    except ImportError as e:
+        print(f"skip: {e}; run with the python of the second reference environment "
+              f"(tests/ref/run.py {test})")
+        return None
+    transformers.logging.set_verbosity_error()
+    return transformers, torch, peft
+
+
+def run_gemma(check, transformers, peft, model_class, config, bites, arch):
+    """test_gemma.py's checks of a tiny model_class(config) whose norm
+    weights are drawn (N(0, 0.3): 1 + weight is tested); `bites`: each
+    option's value that turns it off (test_gemma.check_bites), before PEFT
+    wraps the model's projections in place."""
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import test_gemma as g
+    torch.manual_seed(3)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    if bites:
+        g.check_bites(check, model_class, model, bites)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        model.save_pretrained(base, safe_serialization=True)
+        g.check_init(check, model, base, tmp)
+        g.check_export(check, transformers, base, tmp, arch=arch)
+        g.check_generate(check, model, base, tmp)
+        g.check_lora(check, model, base, tmp, peft)
