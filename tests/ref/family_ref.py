@@ -29,12 +29,14 @@ transformers 4.40) with every norm weight drawn, after check_bites has shown
 that each window, cap and scale of the config moves the loss:
 
     run_gemma(check, transformers, peft, model_class, config, bites, arch)
+    sys.exit(gemma_main(name, test, build))   # a whole test5_gemma*.py
 """
 import json
 import os
 import subprocess
-import sys
 import tempfile
+
+from checks import Checks
 
 from refenv import LUAZERO, REPO
 
@@ -223,7 +225,6 @@ def run_gemma(check, transformers, peft, model_class, config, bites, arch):
     option's value that turns it off (test_gemma.check_bites), before PEFT
     wraps the model's projections in place."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import test_gemma as g
     torch.manual_seed(3)
     model = model_class(config).eval()
@@ -240,3 +241,16 @@ def run_gemma(check, transformers, peft, model_class, config, bites, arch):
         g.check_export(check, transformers, base, tmp, arch=arch)
         g.check_generate(check, model, base, tmp)
         g.check_lora(check, model, base, tmp, peft)
+
+
+def gemma_main(name, test, build):
+    """A Gemma test's main in the second reference environment: build(transformers)
+    gives (model_class, config, bites) for run_gemma; the summary's exit status."""
+    check = Checks(name)
+    libs = import5(test)
+    if libs is None:
+        return check.summary()
+    transformers, _, peft = libs
+    model_class, config, bites = build(transformers)
+    run_gemma(check, transformers, peft, model_class, config, bites, model_class.__name__)
+    return check.summary()

@@ -19,16 +19,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import Checks  # noqa: E402
-from family_ref import import5, run_gemma  # noqa: E402
+from family_ref import gemma_main  # noqa: E402
 
 
-def main():
-    check = Checks("gemma2")
-    libs = import5("test5_gemma2.py")
-    if libs is None:
-        return check.summary()
-    transformers, _, peft = libs
+def build(transformers):
+    """The tiny model's class, its config and the options that must bite."""
     config = transformers.Gemma2Config(
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
@@ -37,11 +32,10 @@ def main():
         sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
         bos_token_id=2, eos_token_id=1, pad_token_id=None, tie_word_embeddings=True,
         attn_implementation="eager")
-    run_gemma(check, transformers, peft, transformers.Gemma2ForCausalLM, config,
-              {"attn_logit_softcapping": None, "final_logit_softcapping": None,
-               "sliding_window": 4096, "query_pre_attn_scalar": 32}, "Gemma2ForCausalLM")
-    return check.summary()
+    return transformers.Gemma2ForCausalLM, config, {
+        "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        "sliding_window": 4096, "query_pre_attn_scalar": 32}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gemma_main("gemma2", "test5_gemma2.py", build))

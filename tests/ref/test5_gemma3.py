@@ -21,16 +21,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import Checks  # noqa: E402
-from family_ref import import5, run_gemma  # noqa: E402
+from family_ref import gemma_main  # noqa: E402
 
 
-def main():
-    check = Checks("gemma3")
-    libs = import5("test5_gemma3.py")
-    if libs is None:
-        return check.summary()
-    transformers, _, peft = libs
+def build(transformers):
+    """The tiny model's class, its config and the options that must bite."""
     config = transformers.Gemma3TextConfig(
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
@@ -41,14 +36,12 @@ def main():
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
         bos_token_id=2, eos_token_id=1, pad_token_id=None, tie_word_embeddings=True,
         attn_implementation="eager")
-    run_gemma(check, transformers, peft, transformers.Gemma3ForCausalLM, config,
-              {"sliding_window": 4096, "query_pre_attn_scalar": 32,
-               "rope_parameters": {
-                   "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                   "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}},
-              "Gemma3ForCausalLM")
-    return check.summary()
+    return transformers.Gemma3ForCausalLM, config, {
+        "sliding_window": 4096, "query_pre_attn_scalar": 32,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gemma_main("gemma3", "test5_gemma3.py", build))
