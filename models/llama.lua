@@ -19,6 +19,7 @@
 local ffi = require("ffi")
 local cjson = require("cjson")
 local nn = require("luazero.nn")
+local families = require("luazero.families")
 
 local M = { name = "llama" }
 
@@ -129,21 +130,8 @@ function M.finish(cfg, family)
   return cfg
 end
 
--- The config(name, overrides) of a family `fam` (its configs, names and
--- finish): a named size with overrides (any field of its sizes).
-function M.sizes(fam)
-  return function(name, overrides)
-    local base = fam.configs[name]
-    if not base then
-      error(("unknown model '%s' (known: %s)"):format(tostring(name),
-            table.concat(fam.names, ", ")), 0)
-    end
-    local cfg = { name = name }
-    for k, v in pairs(base) do cfg[k] = v end
-    for k, v in pairs(overrides or {}) do cfg[k] = v end
-    return fam.finish(cfg)
-  end
-end
+-- The config(name, overrides) of a family `fam` (luazero/families.lua's).
+M.sizes = families.sizes
 
 M.config = M.sizes(M)
 
