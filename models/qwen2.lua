@@ -149,8 +149,20 @@ function M.hf_fields(family, head_dim, more)
         return out
       end },
   })
-  for _, e in ipairs(more or {}) do list[#list + 1] = e end
-  return list
+  return M.with_fields(list, more or {})
+end
+
+-- The Qwen fields alone (head_dim optional), for families that build on
+-- them (the MoE ones): hf_fields(family).
+function M.common_fields(family) return M.hf_fields(family) end
+
+-- list with more entries appended (a new table); a later entry of the same
+-- field wins.
+function M.with_fields(list, more)
+  local out = {}
+  for _, e in ipairs(list) do out[#out + 1] = e end
+  for _, e in ipairs(more) do out[#out + 1] = e end
+  return out
 end
 
 -- The config.json (Qwen2ForCausalLM) of a config, loadable by transformers
