@@ -22,7 +22,7 @@ clear of the next, so greedy decoding compares decisions, not rounding), and
 every 1-D parameter (norm weights, biases) is moved off its start so each
 one matters. The config sets no eos_token_id: generation runs all 64 tokens.
 
-    run_family(check, name, transformers, torch, peft, model_class, config)
+    run_family(check, name, transformers, torch, peft, model_class, config, targets=None)
 
 The Gemma families keep test_gemma.py's checks (the same five, there on
 transformers 4.40) with every norm weight drawn, after check_bites has shown
@@ -158,7 +158,7 @@ def export(check, name, transformers, torch, folder, corpus, tmp):
           f"(after 20 steps: luazero {ours:.9f}, transformers {loss:.9f}, relative {err:.1e})")
 
 
-def lora(check, name, transformers, torch, peft, folder, corpus, tmp):
+def lora(check, name, transformers, torch, peft, folder, corpus, tmp, want_targets=None):
     ck, peft_dir = os.path.join(tmp, "lora-ck"), os.path.join(tmp, "lora-peft")
     rc, out = lz("scripts/train.lua", "--init", folder, "--data", corpus, "--steps", "6",
                  "--seq-len", "16", "--micro-batch", "2", "--sample", "0", "--lora-r", "4",
@@ -180,9 +180,13 @@ def lora(check, name, transformers, torch, peft, folder, corpus, tmp):
     err = rel(ours, loss)
     check(f"{name}.lora_loss", err <= TOL,
           f"(targets {targets}: luazero {ours:.9f}, peft {loss:.9f}, relative {err:.1e})")
+    if want_targets is not None:
+        check(f"{name}.lora_targets", targets == sorted(want_targets), str(targets))
 
 
-def run_family(check, name, transformers, torch, peft, model_class, config):
+def run_family(check, name, transformers, torch, peft, model_class, config, targets=None):
+    """The checks above on a tiny model_class(config); targets: the LoRA
+    targets the family's default must be (checked where given)."""
     torch.manual_seed(7)
     torch.set_num_threads(2)
     model = model_class(config)
@@ -201,7 +205,7 @@ def run_family(check, name, transformers, torch, peft, model_class, config):
         generate(check, name, torch, model, folder, tmp)
         export(check, name, transformers, torch, folder, corpus, tmp)
         if peft is not None:
-            lora(check, name, transformers, torch, peft, folder, corpus, tmp)
+            lora(check, name, transformers, torch, peft, folder, corpus, tmp, targets)
 
 
 def import5(test):
