@@ -83,6 +83,9 @@ function T.profile_runs_for_each_family()
     assert(out:find("profile: 2 steps after the warm-up", 1, true), name .. ":\n" .. out)
     assert(out:find("\nGEMM ", 1, true) and out:find("attention", 1, true) and
            out:find("sum of the rows", 1, true), name .. ": the profile's rows\n" .. out)
+    -- the MLP's activation has rows of its own, not Lua glue's time
+    assert(out:find("\n[%a_]*gelu_forward ") or out:find("\n[%a_]*glu[%a_]*_forward "),
+           name .. ": no activation row\n" .. out)
   end
 end
 
