@@ -46,37 +46,24 @@ M.names = { "gemma-tiny", "gemma-100m", "gemma-2b", "gemma-7b" }
 -- Llama's checks and derived sizes; Gemma ties its head unless told not to.
 function M.finish(cfg)
   if cfg.tie == nil then cfg.tie = true end
-  cfg = llama.finish(cfg)
-  cfg.family = "gemma"
-  return cfg
+  return llama.finish(cfg, "gemma")
 end
 
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
 -- Llama's description with Gemma's parts. Linears and the embedding start
 -- N(0, initializer_range), norm weights 0 (a factor of 1).
-local desc = {}
-for k, v in pairs(llama.description) do desc[k] = v end
-desc.embedding = function(cfg)
-  return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std, math.sqrt(cfg.n_embd))
-end
-desc.norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps, 1) end
-desc.mlp = function(cfg)
-  return nn.SwiGLUMLP.new(cfg.n_embd, cfg.n_hidden, cfg.std, { act = "gelu_tanh" })
-end
-M.description = desc
+M.description = llama.derive(llama.description, {
+  embedding = function(cfg)
+    return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std, math.sqrt(cfg.n_embd))
+  end,
+  norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps, 1) end,
+  mlp = function(cfg)
+    return nn.SwiGLUMLP.new(cfg.n_embd, cfg.n_hidden, cfg.std, { act = "gelu_tanh" })
+  end,
+})
 
 local Gemma = nn.CausalLM:extend("Gemma")
 M.Gemma = Gemma
@@ -87,57 +74,30 @@ function M.new(cfg) return Gemma:new(M.description, cfg) end
 
 -- The config.json (GemmaForCausalLM) of a config, loadable by transformers.
 local function config_json(cfg)
-  return {
-    architectures = { "GemmaForCausalLM" }, model_type = "gemma",
-    hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
-    num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
-    num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
-    rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
-    vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
-    tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_act = "gelu_pytorch_tanh", hidden_activation = "gelu_pytorch_tanh",
-    attention_bias = false, attention_dropout = 0,
-  }
+  local j = llama.config_json_of(cfg, "GemmaForCausalLM", "gemma")
+  j.hidden_act, j.hidden_activation = "gelu_pytorch_tanh", "gelu_pytorch_tanh"
+  j.attention_bias = false
+  return j
 end
 
 -- transformers reads hidden_act "gelu" as the tanh GELU when
 -- hidden_activation is absent (GemmaMLP); an explicit one is what it runs.
 local TANH = "luazero's Gemma has the tanh GELU (gelu_pytorch_tanh)"
 
-M.hf = {
+-- Llama's fields with Gemma's defaults (head_dim 256, a tied head), no
+-- rotary scaling, the tanh GELU.
+M.hf = llama.hf_of({
   architectures = { "GemmaForCausalLM" }, model_type = "gemma",
-  fields = {
-    { "n_layer", "num_hidden_layers", "int" },
-    { "n_head", "num_attention_heads", "int" },
-    { "n_embd", "hidden_size", "int" },
-    { "n_hidden", "intermediate_size", "int" },
-    { "context", "max_position_embeddings", "int" },
-    { "vocab", "vocab_size", "int" },
-    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
-    { "head_dim", "head_dim", "int", default = 256 },
-    { "eps", "rms_norm_eps", "number", default = 1e-6 },
-    -- transformers 5.x writes rope_parameters.rope_theta
-    { "rope_theta", "rope_theta", "number", default = function(_, get)
-        local rp = get("rope_parameters")
-        return type(rp) == "table" and type(rp.rope_theta) == "number" and rp.rope_theta or 10000
-      end },
-    { "tie", "tie_word_embeddings", "bool", default = true },
-    { "std", "initializer_range", "number", default = 0.02 },
+  fields = llama.hf_fields("gemma", { head_dim = 256, tie = true }, {
     { false, "hidden_act", "string", default = "gelu_pytorch_tanh",
       allowed = { "gelu", "gelu_pytorch_tanh" }, refusal = TANH },
     { false, "hidden_activation", "string", optional = true, allowed = { "gelu_pytorch_tanh" },
       refusal = TANH },
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's Gemma has no biases" },
-    { false, "rope_scaling", "object", optional = true, allowed = {},
-      refusal = "luazero's Gemma has no rotary scaling" },
-  },
+  }),
   lr_of = "gemma-2b",
   config_json = config_json,
-  vocab_tables = { "model.embed_tokens.weight", "lm_head.weight" },
-  ignored = { "%.rotary_emb%.inv_freq$" },
-  head = "lm_head.weight",
-  tied = function(cfg) return cfg.tie == true end,
-}
+})
 
 return M

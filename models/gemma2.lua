@@ -54,8 +54,7 @@ end
 -- family: the family finishing (Gemma 3 finishes its configs here too).
 function M.finish(cfg, family)
   if cfg.tie == nil then cfg.tie = true end
-  cfg = llama.finish(cfg)
-  cfg.family = family or "gemma2"
+  cfg = llama.finish(cfg, family or "gemma2")
   cfg.query_pre_attn_scalar = cfg.query_pre_attn_scalar or cfg.head_dim
   for _, k in ipairs({ "query_pre_attn_scalar", "window", "attn_softcap", "final_softcap" }) do
     positive(cfg, k)
@@ -83,17 +82,7 @@ function M.finish(cfg, family)
   return cfg
 end
 
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
@@ -110,14 +99,15 @@ function M.attention_opts(cfg, i)
   return o
 end
 
-local desc = {}
-for k, v in pairs(gemma.description) do desc[k] = v end
-desc.names = { body = "model", embedding = "embed_tokens", blocks = "layers", norm = "norm",
-               head = "lm_head",
-               block = { attn_norm = "input_layernorm", attn = "self_attn",
-                         attn_post_norm = "post_attention_layernorm",
-                         mlp_norm = "pre_feedforward_layernorm", mlp = "mlp",
-                         mlp_post_norm = "post_feedforward_layernorm" } }
+local desc = llama.derive(gemma.description, {
+  names = { body = "model", embedding = "embed_tokens", blocks = "layers", norm = "norm",
+            head = "lm_head",
+            block = { attn_norm = "input_layernorm", attn = "self_attn",
+                      attn_post_norm = "post_attention_layernorm",
+                      mlp_norm = "pre_feedforward_layernorm", mlp = "mlp",
+                      mlp_post_norm = "post_feedforward_layernorm" } },
+  final_softcap = function(cfg) return cfg.final_softcap end,
+})
 -- Layer i's attention with its options (and `more` of a family's own, as
 -- Gemma 3's QK-norm), turning by `rope`.
 function M.attention(cfg, rope, i, more)
@@ -127,7 +117,6 @@ function M.attention(cfg, rope, i, more)
 end
 
 desc.attention = function(cfg, shared, i) return M.attention(cfg, shared.rope, i) end
-desc.final_softcap = function(cfg) return cfg.final_softcap end
 M.description = desc
 
 local Gemma2 = nn.CausalLM:extend("Gemma2")
@@ -138,21 +127,14 @@ function M.new(cfg) return Gemma2:new(M.description, cfg) end
 ----------------------------------------------------------- Hugging Face
 
 local function config_json(cfg)
-  return {
-    architectures = { "Gemma2ForCausalLM" }, model_type = "gemma2",
-    hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
-    num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
-    num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
-    rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
-    vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
-    tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_activation = "gelu_pytorch_tanh", attention_bias = false, attention_dropout = 0,
-    query_pre_attn_scalar = cfg.query_pre_attn_scalar,
-    sliding_window = cfg.window or cjson.null,
-    attn_logit_softcapping = cfg.attn_softcap or cjson.null,
-    final_logit_softcapping = cfg.final_softcap or cjson.null,
-    layer_types = cfg.layer_types,
-  }
+  local j = gemma.hf.config_json(cfg)
+  j.architectures, j.model_type = { "Gemma2ForCausalLM" }, "gemma2"
+  j.query_pre_attn_scalar = cfg.query_pre_attn_scalar
+  j.sliding_window = cfg.window or cjson.null
+  j.attn_logit_softcapping = cfg.attn_softcap or cjson.null
+  j.final_logit_softcapping = cfg.final_softcap or cjson.null
+  j.layer_types = cfg.layer_types
+  return j
 end
 
 function M.read_layer_types(v, fail)
@@ -165,24 +147,10 @@ function M.read_layer_types(v, fail)
   return v
 end
 
-M.hf = {
-  architectures = { "Gemma2ForCausalLM" }, model_type = "gemma2",
-  fields = {
-    { "n_layer", "num_hidden_layers", "int" },
-    { "n_head", "num_attention_heads", "int" },
-    { "n_embd", "hidden_size", "int" },
-    { "n_hidden", "intermediate_size", "int" },
-    { "context", "max_position_embeddings", "int" },
-    { "vocab", "vocab_size", "int" },
-    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
-    { "head_dim", "head_dim", "int", default = 256 },
-    { "eps", "rms_norm_eps", "number", default = 1e-6 },
-    { "rope_theta", "rope_theta", "number", default = function(_, get)
-        local rp = get("rope_parameters")
-        return type(rp) == "table" and type(rp.rope_theta) == "number" and rp.rope_theta or 10000
-      end },
-    { "tie", "tie_word_embeddings", "bool", default = true },
-    { "std", "initializer_range", "number", default = 0.02 },
+-- config.json's fields of Gemma 2 and of Gemma 3 (`family`, with `more`
+-- of its own): Llama's with Gemma's defaults, no rotary scaling.
+function M.hf_fields(family, more)
+  local list = llama.hf_fields(family, { head_dim = 256, tie = true }, {
     { "query_pre_attn_scalar", "query_pre_attn_scalar", "number", default = 256 },
     { "window", "sliding_window", "int", optional = true },
     { "attn_softcap", "attn_logit_softcapping", "number", optional = true },
@@ -192,15 +160,18 @@ M.hf = {
       allowed = { "gelu_pytorch_tanh" }, refusal = "luazero's Gemma 2 has the tanh GELU" },
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's Gemma 2 has no biases" },
-  },
+  })
+  for _, e in ipairs(more or {}) do list[#list + 1] = e end
+  return list
+end
+
+M.hf = llama.hf_of({
+  architectures = { "Gemma2ForCausalLM" }, model_type = "gemma2",
+  fields = M.hf_fields("gemma2"),
   lr_of = "gemma-2-2b",
   config_json = config_json,
   float_keys = { "rms_norm_eps", "rope_theta", "initializer_range", "attn_logit_softcapping",
                  "final_logit_softcapping" },
-  vocab_tables = { "model.embed_tokens.weight", "lm_head.weight" },
-  ignored = { "%.rotary_emb%.inv_freq$" },
-  head = "lm_head.weight",
-  tied = function(cfg) return cfg.tie == true end,
-}
+})
 
 return M

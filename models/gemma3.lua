@@ -45,33 +45,22 @@ function M.finish(cfg)
   return gemma2.finish(cfg, "gemma3")
 end
 
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
-local desc = {}
-for k, v in pairs(gemma2.description) do desc[k] = v end
--- The global layers' frequencies and the local ones'.
-desc.shared = function(cfg)
-  return { rope = nn.Rope.new(llama.inv_freq(cfg)),
-           rope_local = nn.Rope.new(llama.inv_freq({ head_dim = cfg.head_dim,
-                                                     rope_theta = cfg.rope_local })) }
-end
-desc.attention = function(cfg, shared, i)
-  local rope = cfg.layer_types[i] == "sliding_attention" and shared.rope_local or shared.rope
-  return gemma2.attention(cfg, rope, i, { qk_norm = { eps = cfg.eps, offset = 1 } })
-end
-M.description = desc
+M.description = llama.derive(gemma2.description, {
+  -- The global layers' frequencies and the local ones'.
+  shared = function(cfg)
+    return { rope = nn.Rope.new(llama.inv_freq(cfg)),
+             rope_local = nn.Rope.new(llama.inv_freq({ head_dim = cfg.head_dim,
+                                                       rope_theta = cfg.rope_local })) }
+  end,
+  attention = function(cfg, shared, i)
+    local rope = cfg.layer_types[i] == "sliding_attention" and shared.rope_local or shared.rope
+    return gemma2.attention(cfg, rope, i, { qk_norm = { eps = cfg.eps, offset = 1 } })
+  end,
+})
 
 local Gemma3 = nn.CausalLM:extend("Gemma3")
 M.Gemma3 = Gemma3
@@ -107,33 +96,28 @@ local function theta_of(get, kind, legacy, default)
   return get(legacy) or default
 end
 
+-- Gemma 2's fields, the two RoPE bases read per layer type.
 local fields = {}
-for _, e in ipairs(gemma2.hf.fields) do
-  if e[1] ~= "rope_theta" then fields[#fields + 1] = e end
-end
-local more = {
-  { "rope_theta", "rope_theta", "number", default = function(_, get)
-      return theta_of(get, "full_attention", "rope_theta", 1000000)
-    end },
+for _, e in ipairs(gemma2.hf_fields("gemma3", {
   { "rope_local", "rope_local_base_freq", "number", default = function(_, get)
       return theta_of(get, "sliding_attention", "rope_local_base_freq", 10000)
     end },
   { "sliding_window_pattern", "sliding_window_pattern", "int", default = 6 },
-  { false, "rope_scaling", "object", optional = true, allowed = {},
-    refusal = "luazero's Gemma 3 has no rotary scaling" },
-}
-for _, e in ipairs(more) do fields[#fields + 1] = e end
+})) do
+  if e[1] == "rope_theta" then
+    e = { "rope_theta", "rope_theta", "number", default = function(_, get)
+            return theta_of(get, "full_attention", "rope_theta", 1000000)
+          end }
+  end
+  fields[#fields + 1] = e
+end
 
-M.hf = {
+M.hf = llama.hf_of({
   architectures = { "Gemma3ForCausalLM" }, model_type = "gemma3_text",
   fields = fields,
   lr_of = "gemma-3-1b",
   config_json = config_json,
   float_keys = gemma2.hf.float_keys,
-  vocab_tables = gemma2.hf.vocab_tables,
-  ignored = gemma2.hf.ignored,
-  head = gemma2.hf.head,
-  tied = gemma2.hf.tied,
-}
+})
 
 return M

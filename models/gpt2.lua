@@ -16,6 +16,7 @@
 -- weights are [out, in] (nn.Linear); Hugging Face's Conv1D stores [in, out].
 local cjson = require("cjson")
 local nn = require("luazero.nn")
+local families = require("luazero.families")
 
 local M = { name = "gpt2" }
 
@@ -46,20 +47,6 @@ M.names = { "gpt2-nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl" }
 -- the LM-head GEMM runs on friendly shapes; the loss uses the real vocab.
 local function padded(vocab) return math.ceil(vocab / 64) * 64 end
 
--- A named size with overrides (n_layer, n_head, n_embd, context, vocab).
--- Errors are plain strings naming the thing and the fix.
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name),
-          table.concat(M.names, ", ")), 0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
-
 -- A complete config from a table of fields (a named size's, or one read
 -- from a config.json): checked, with the derived sizes.
 function M.finish(cfg)
@@ -80,6 +67,9 @@ function M.finish(cfg)
   cfg.padded_vocab = padded(cfg.vocab)
   return cfg
 end
+
+-- A named size with overrides (n_layer, n_head, n_embd, context, vocab).
+M.config = families.sizes(M)
 
 -------------------------------------------------------------------- model
 

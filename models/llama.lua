@@ -19,6 +19,7 @@
 local ffi = require("ffi")
 local cjson = require("cjson")
 local nn = require("luazero.nn")
+local families = require("luazero.families")
 
 local M = { name = "llama" }
 
@@ -53,6 +54,7 @@ M.configs = {
 M.names = { "llama-tiny", "llama-100m", "tinyllama-1.1b", "llama3-8b", "llama3.1-8b" }
 
 local function padded(vocab) return math.ceil(vocab / 64) * 64 end
+M.padded = padded
 
 local function whole(cfg, k, lo)
   local v = cfg[k]
@@ -60,6 +62,7 @@ local function whole(cfg, k, lo)
     error(("%s must be a whole number >= %d (got %s)"):format(k, lo, tostring(v)), 0)
   end
 end
+M.whole = whole
 
 -- Checks a Llama 3 rope_scaling table; errors name the key.
 local function check_scaling(s)
@@ -79,9 +82,12 @@ local function check_scaling(s)
   end
 end
 
--- A complete config from a table of fields (a named size's, or one read
--- from a config.json): checked, with the derived sizes.
-function M.finish(cfg)
+-- The checks and derived sizes of every family built on Llama's layer: the
+-- whole sizes, n_kv_head (default n_head) dividing n_head, head_dim
+-- (default n_embd / n_head), eps (default `eps`, else 1e-6), rope_theta,
+-- std, tie, the padded vocabulary. rope_scaling false (a config.json's
+-- default rope) is none.
+function M.shape(cfg, eps)
   for _, k in ipairs({ "n_layer", "n_head", "n_embd", "n_hidden", "context", "vocab" }) do
     whole(cfg, k, 1)
   end
@@ -97,10 +103,7 @@ function M.finish(cfg)
     cfg.head_dim = math.floor(cfg.n_embd / cfg.n_head)
   end
   whole(cfg, "head_dim", 2)
-  if cfg.head_dim % 2 ~= 0 then
-    error(("head_dim %d must be even (rotary embeddings turn pairs)"):format(cfg.head_dim), 0)
-  end
-  cfg.eps = cfg.eps or 1e-6
+  cfg.eps = cfg.eps or eps or 1e-6
   cfg.rope_theta = cfg.rope_theta or 10000
   cfg.std = cfg.std or 0.02
   if cfg.tie == nil then cfg.tie = false end
@@ -109,24 +112,28 @@ function M.finish(cfg)
       error(("%s must be a number > 0 (got %s)"):format(k, tostring(cfg[k])), 0)
     end
   end
-  if cfg.rope_scaling then check_scaling(cfg.rope_scaling) end
-  cfg.family = "llama"
+  if cfg.rope_scaling == false then cfg.rope_scaling = nil end
   cfg.padded_vocab = padded(cfg.vocab)
   return cfg
 end
 
--- A named size with overrides (any field above).
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
+-- A complete config from a table of fields (a named size's, or one read
+-- from a config.json): checked, with the derived sizes. `family`: the
+-- family finishing (the ones built on Llama's layer finish here).
+function M.finish(cfg, family)
+  M.shape(cfg)
+  if cfg.head_dim % 2 ~= 0 then
+    error(("head_dim %d must be even (rotary embeddings turn pairs)"):format(cfg.head_dim), 0)
   end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
+  if cfg.rope_scaling then check_scaling(cfg.rope_scaling) end
+  cfg.family = family or "llama"
+  return cfg
 end
+
+-- The config(name, overrides) of a family `fam` (luazero/families.lua's).
+M.sizes = families.sizes
+
+M.config = M.sizes(M)
 
 ------------------------------------------------------- rotary frequencies
 
@@ -203,6 +210,14 @@ M.description = {
   lora_default = { "q_proj", "v_proj" },
 }
 
+-- A family's description: `base`'s parts with `changes` in their place.
+function M.derive(base, changes)
+  local d = {}
+  for k, v in pairs(base) do d[k] = v end
+  for k, v in pairs(changes) do d[k] = v end
+  return d
+end
+
 local Llama = nn.CausalLM:extend("Llama")
 M.Llama = Llama
 
@@ -210,40 +225,124 @@ function M.new(cfg) return Llama:new(M.description, cfg) end
 
 ----------------------------------------------------------- Hugging Face
 
--- rope_scaling as config.json has it: Llama 3's alone is implemented.
-local function read_scaling(s, fail)
-  local rope_type = s.rope_type ~= nil and s.rope_type or s.type
-  if rope_type ~= "llama3" then
-    fail(("field rope_scaling.rope_type is %s; only \"llama3\" is implemented")
-         :format(cjson.encode(rope_type)))
+-- The rope of a config.json as transformers 4.x writes it (rope_theta and
+-- rope_scaling at the top) and as 5.x does (rope_parameters: rope_type,
+-- rope_theta and the scaling's fields in one table). `scalings`: rope_type
+-- -> read(table, fail, key), the scalings the family implements, each
+-- giving cfg.rope_scaling; "default" is none (rope_scaling false). Fields
+-- of hf.fields: rope_theta, rope_scaling; `theta`: rope_theta's default.
+local function rope_kind(s)
+  if s.rope_type ~= nil then return s.rope_type end
+  return s.type
+end
+
+function M.rope_fields(family, scalings, theta)
+  scalings = scalings or {}
+  local known = {}
+  for k in pairs(scalings) do known[#known + 1] = cjson.encode(k) end
+  table.sort(known)
+  local listed = #known == 0 and '"default"' or table.concat(known, ", ") .. ' or "default"'
+  local function reader(key)
+    return function(s, fail)
+      local kind = rope_kind(s)
+      if kind == nil or kind == "default" then return false end
+      if not scalings[kind] then
+        fail(("field %s.rope_type is %s; only %s is implemented for %s")
+             :format(key, cjson.encode(kind), listed, family))
+      end
+      return scalings[kind](s, fail, key)
+    end
   end
+  local from_parameters = reader("rope_parameters")
+  local function parameters(get)
+    local rp = get("rope_parameters")
+    return type(rp) == "table" and rp or nil
+  end
+  return {
+    { false, "rope_parameters", "object", optional = true, read = from_parameters },
+    { "rope_theta", "rope_theta", "number", default = function(_, get)
+        local rp = parameters(get)
+        return rp and type(rp.rope_theta) == "number" and rp.rope_theta or theta or 10000
+      end },
+    { "rope_scaling", "rope_scaling", "object", read = reader("rope_scaling"),
+      default = function(_, get)
+        local rp = parameters(get)
+        return rp and from_parameters(rp, function(msg) error(msg, 0) end) or false
+      end },
+  }
+end
+
+-- Llama 3's scaling, from rope_scaling or rope_parameters.
+local function read_llama3(s, fail, key)
   local out = { rope_type = "llama3" }
   for _, k in ipairs({ "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings" }) do
-    if type(s[k]) ~= "number" then fail(("field rope_scaling.%s is missing"):format(k)) end
+    if type(s[k]) ~= "number" then fail(("field %s.%s is missing"):format(key, k)) end
     out[k] = s[k]
   end
   return out
 end
 
--- The config.json (LlamaForCausalLM) of a config, loadable by transformers.
-local function config_json(cfg)
-  local rs = cjson.null
-  if type(cfg.rope_scaling) == "table" then
-    rs = {}
-    for k, v in pairs(cfg.rope_scaling) do rs[k] = v end
-  end
+-- hf.fields every family built on Llama's layer reads (as llama.hf.fields
+-- below), then `more`: opts.eps, opts.tie, opts.theta the defaults of
+-- rms_norm_eps, tie_word_embeddings and rope_theta, opts.head_dim
+-- head_dim's (nil: optional), opts.scalings as rope_fields'.
+function M.hf_fields(family, opts, more)
+  local list = {
+    { "n_layer", "num_hidden_layers", "int" },
+    { "n_head", "num_attention_heads", "int" },
+    { "n_embd", "hidden_size", "int" },
+    { "n_hidden", "intermediate_size", "int" },
+    { "context", "max_position_embeddings", "int" },
+    { "vocab", "vocab_size", "int" },
+    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
+    { "head_dim", "head_dim", "int", default = opts.head_dim, optional = opts.head_dim == nil },
+    { "eps", "rms_norm_eps", "number", default = opts.eps or 1e-6 },
+    { "tie", "tie_word_embeddings", "bool", default = opts.tie or false },
+    { "std", "initializer_range", "number", default = 0.02 },
+  }
+  for _, e in ipairs(M.rope_fields(family, opts.scalings, opts.theta)) do list[#list + 1] = e end
+  for _, e in ipairs(more or {}) do list[#list + 1] = e end
+  return list
+end
+
+-- The config.json keys every family built on Llama's layer writes, under
+-- the family's architecture and model_type; the family adds its own.
+function M.config_json_of(cfg, architecture, model_type)
   return {
-    architectures = { "LlamaForCausalLM" }, model_type = "llama",
+    architectures = { architecture }, model_type = model_type,
     hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
     num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
     num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim,
-    rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta, rope_scaling = rs,
+    rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
     vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
     tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_act = "silu", attention_bias = false, mlp_bias = false, attention_dropout = 0,
+    hidden_act = "silu", attention_dropout = 0,
   }
 end
+
+-- The config.json (LlamaForCausalLM) of a config, loadable by transformers.
+local function config_json(cfg)
+  local j = M.config_json_of(cfg, "LlamaForCausalLM", "llama")
+  j.rope_scaling = cjson.null
+  if type(cfg.rope_scaling) == "table" then
+    j.rope_scaling = {}
+    for k, v in pairs(cfg.rope_scaling) do j.rope_scaling[k] = v end
+  end
+  j.attention_bias, j.mlp_bias = false, false
+  return j
+end
+
+-- A family's hf table (as llama.hf below): `t` with the token tables, the
+-- ignored names, the head and its tying of Llama's layout where t has none.
+function M.hf_of(t)
+  for _, k in ipairs({ "vocab_tables", "ignored", "head", "tied" }) do
+    if t[k] == nil then t[k] = M.hf[k] end
+  end
+  return t
+end
+
+local NO_BIAS = "luazero's Llama has no biases"
 
 -- What Hugging Face calls this family (registry.lua and hf.lua read it):
 -- the config.json it reads and writes, its tensors' names (ours, as they
@@ -253,26 +352,11 @@ M.hf = {
   architectures = { "LlamaForCausalLM" }, model_type = "llama",
   -- config.json fields in the order read: { ours (false: only checked),
   -- the file's key, kind, default (or required), allowed values }
-  fields = {
-    { "n_layer", "num_hidden_layers", "int" },
-    { "n_head", "num_attention_heads", "int" },
-    { "n_embd", "hidden_size", "int" },
-    { "n_hidden", "intermediate_size", "int" },
-    { "context", "max_position_embeddings", "int" },
-    { "vocab", "vocab_size", "int" },
-    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
-    { "eps", "rms_norm_eps", "number", default = 1e-6 },
-    { "rope_theta", "rope_theta", "number", default = 10000 },
-    { "tie", "tie_word_embeddings", "bool", default = false },
-    { "std", "initializer_range", "number", default = 0.02 },
-    { "head_dim", "head_dim", "int", optional = true },
+  fields = M.hf_fields("llama", { scalings = { llama3 = read_llama3 } }, {
     { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
-    { false, "attention_bias", "bool", default = false, allowed = { false },
-      refusal = "luazero's Llama has no biases" },
-    { false, "mlp_bias", "bool", default = false, allowed = { false },
-      refusal = "luazero's Llama has no biases" },
-    { "rope_scaling", "rope_scaling", "object", optional = true, read = read_scaling },
-  },
+    { false, "attention_bias", "bool", default = false, allowed = { false }, refusal = NO_BIAS },
+    { false, "mlp_bias", "bool", default = false, allowed = { false }, refusal = NO_BIAS },
+  }),
   -- the size whose learning rate a config.json's run trains with
   lr_of = "llama-100m",
   config_json = config_json,

@@ -23,6 +23,7 @@
 local ffi = require("ffi")
 local cjson = require("cjson")
 local nn = require("luazero.nn")
+local llama = require("models.llama")
 
 local M = { name = "phi3" }
 
@@ -40,14 +41,7 @@ M.configs = {
 }
 M.names = { "phi3-tiny", "phi-3-mini" }
 
-local function padded(vocab) return math.ceil(vocab / 64) * 64 end
-
-local function whole(cfg, k, lo)
-  local v = cfg[k]
-  if type(v) ~= "number" or v < lo or v ~= math.floor(v) then
-    error(("%s must be a whole number >= %d (got %s)"):format(k, lo, tostring(v)), 0)
-  end
-end
+local whole = llama.whole
 
 -- A LongRoPE table: its factors, one per turning pair; errors name the key.
 local function check_longrope(s, pairs_n)
@@ -72,43 +66,19 @@ local function check_longrope(s, pairs_n)
 end
 
 -- A complete config from a table of fields (a named size's, or one read
--- from a config.json): checked, with the derived sizes. 4.x's rope_scaling
--- and 5.x's rope_parameters say the same: the rope is the one that is
--- LongRoPE (false: the default rope).
+-- from a config.json): Llama's checks and derived sizes (head_dim need not
+-- be even: only rotary_dim turns), then the rotary part and the window.
 function M.finish(cfg)
-  local rp = cfg.rope_parameters
-  cfg.rope_parameters = nil
-  if cfg.rope_scaling == false then cfg.rope_scaling = nil end
-  if rp then cfg.rope_scaling = rp end
   local s = cfg.rope_scaling
   if s and s.original_max_position_embeddings then
     cfg.original_max = cfg.original_max or s.original_max_position_embeddings
     s.original_max_position_embeddings = nil
   end
-  for _, k in ipairs({ "n_layer", "n_head", "n_embd", "n_hidden", "context", "vocab" }) do
-    whole(cfg, k, 1)
-  end
-  cfg.n_kv_head = cfg.n_kv_head or cfg.n_head
-  whole(cfg, "n_kv_head", 1)
-  if cfg.n_head % cfg.n_kv_head ~= 0 then
-    error(("n_head %d is not a multiple of n_kv_head %d"):format(cfg.n_head, cfg.n_kv_head), 0)
-  end
-  if not cfg.head_dim then
-    if cfg.n_embd % cfg.n_head ~= 0 then
-      error(("n_embd %d is not a multiple of n_head %d"):format(cfg.n_embd, cfg.n_head), 0)
-    end
-    cfg.head_dim = math.floor(cfg.n_embd / cfg.n_head)
-  end
-  whole(cfg, "head_dim", 2)
-  cfg.eps = cfg.eps or 1e-5
-  cfg.rope_theta = cfg.rope_theta or 10000
-  cfg.std = cfg.std or 0.02
+  llama.shape(cfg, 1e-5)
   cfg.partial_rotary_factor = cfg.partial_rotary_factor or 1
-  if cfg.tie == nil then cfg.tie = false end
-  for _, k in ipairs({ "eps", "rope_theta", "std", "partial_rotary_factor" }) do
-    if type(cfg[k]) ~= "number" or not (cfg[k] > 0) then
-      error(("%s must be a number > 0 (got %s)"):format(k, tostring(cfg[k])), 0)
-    end
+  local prf = cfg.partial_rotary_factor
+  if type(prf) ~= "number" or not (prf > 0) then
+    error(("partial_rotary_factor must be a number > 0 (got %s)"):format(tostring(prf)), 0)
   end
   -- transformers: int(head_dim * partial_rotary_factor)
   cfg.rotary_dim = math.floor(cfg.head_dim * cfg.partial_rotary_factor)
@@ -123,22 +93,10 @@ function M.finish(cfg)
   whole(cfg, "original_max", 1)
   if cfg.rope_scaling then check_longrope(cfg.rope_scaling, cfg.rotary_dim / 2) end
   cfg.family = "phi3"
-  cfg.padded_vocab = padded(cfg.vocab)
   return cfg
 end
 
--- A named size with overrides (any field above).
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 ------------------------------------------------------- rotary frequencies
 
@@ -181,17 +139,11 @@ end
 -- The model as nn.CausalLM builds it, with Hugging Face's names (see the
 -- header). Every Linear and the embedding start N(0, initializer_range),
 -- RMSNorm weights 1.
-M.description = {
-  names = { body = "model", embedding = "embed_tokens", blocks = "layers", norm = "norm",
-            head = "lm_head",
-            block = { attn_norm = "input_layernorm", attn = "self_attn",
-                      mlp_norm = "post_attention_layernorm", mlp = "mlp" } },
+M.description = llama.derive(llama.description, {
   shared = function(cfg)
     local r = M.rope(cfg)
     return { rope = nn.Rope.new(r.freqs, r) }
   end,
-  embedding = function(cfg) return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std) end,
-  norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps) end,
   attention = function(cfg, shared)
     return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
                       -- a window past the context hides nothing (the 128k files' 262144)
@@ -201,10 +153,6 @@ M.description = {
   end,
   mlp = function(cfg)
     return nn.SwiGLUMLP.new(cfg.n_embd, cfg.n_hidden, cfg.std, { fused = "gate_up_proj" })
-  end,
-  head = function(cfg)
-    if cfg.tie then return nil end
-    return nn.Linear.new(cfg.n_embd, cfg.padded_vocab, { bias = false, std = cfg.std })
   end,
   -- LoRA targets (models/lora.lua): Hugging Face's module names.
   lora_targets = {
@@ -219,7 +167,7 @@ M.description = {
   -- passes original_max_position_embeddings (LongRoPE's switch to the long
   -- factors) and recomputes the sequence with them
   cache_refill_at = function(cfg) return cfg.original_max end,
-}
+})
 
 local Phi3 = nn.CausalLM:extend("Phi3")
 M.Phi3 = Phi3
@@ -228,31 +176,21 @@ function M.new(cfg) return Phi3:new(M.description, cfg) end
 
 ----------------------------------------------------------- Hugging Face
 
-local LONGROPE = { longrope = true, su = true, yarn = true }
-
--- A rope table of config.json (4.x's rope_scaling, 5.x's rope_parameters):
--- LongRoPE's fields, or nil for the default rope; other types are refused.
-local function read_rope(key)
-  return function(s, fail)
-    local kind = s.rope_type ~= nil and s.rope_type or s.type
-    if kind == nil or kind == "default" then return false end
-    if not LONGROPE[kind] then
-      fail(("field %s.rope_type is %s; Phi-3 reads \"longrope\" (or \"su\", \"yarn\") and " ..
-            "\"default\""):format(key, cjson.encode(kind)))
-    end
-    local out = {}
-    for _, k in ipairs({ "short_factor", "long_factor" }) do
-      if type(s[k]) ~= "table" then fail(("field %s.%s is missing"):format(key, k)) end
+-- LongRoPE's fields of a rope table of config.json (4.x's rope_scaling,
+-- 5.x's rope_parameters).
+local function read_longrope(s, fail, key)
+  local out = {}
+  for _, k in ipairs({ "short_factor", "long_factor" }) do
+    if type(s[k]) ~= "table" then fail(("field %s.%s is missing"):format(key, k)) end
+    out[k] = s[k]
+  end
+  for _, k in ipairs({ "factor", "attention_factor", "original_max_position_embeddings" }) do
+    if s[k] ~= nil and s[k] ~= cjson.null then
+      if type(s[k]) ~= "number" then fail(("field %s.%s is not a number"):format(key, k)) end
       out[k] = s[k]
     end
-    for _, k in ipairs({ "factor", "attention_factor", "original_max_position_embeddings" }) do
-      if s[k] ~= nil and s[k] ~= cjson.null then
-        if type(s[k]) ~= "number" then fail(("field %s.%s is not a number"):format(key, k)) end
-        out[k] = s[k]
-      end
-    end
-    return out
   end
+  return out
 end
 
 -- A value 5.x writes inside rope_parameters and 4.x at the top.
@@ -267,64 +205,42 @@ end
 -- The config.json (Phi3ForCausalLM) of a config, loadable by transformers
 -- 4.x and 5.x (rope_scaling; 5.x reads it into rope_parameters).
 local function config_json(cfg)
-  local rs = cjson.null
+  local j = llama.config_json_of(cfg, "Phi3ForCausalLM", "phi3")
+  j.head_dim = nil
+  j.rope_scaling = cjson.null
   if cfg.rope_scaling then
-    rs = { type = "longrope", rope_type = "longrope" }
-    for k, v in pairs(cfg.rope_scaling) do rs[k] = v end
+    j.rope_scaling = { type = "longrope", rope_type = "longrope" }
+    for k, v in pairs(cfg.rope_scaling) do j.rope_scaling[k] = v end
   end
-  return {
-    architectures = { "Phi3ForCausalLM" }, model_type = "phi3",
-    hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
-    num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
-    num_hidden_layers = cfg.n_layer, rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
-    partial_rotary_factor = cfg.partial_rotary_factor, rope_scaling = rs,
-    vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
-    original_max_position_embeddings = cfg.original_max,
-    sliding_window = cfg.window or cjson.null,
-    tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_act = "silu", attention_bias = false, attention_dropout = 0, resid_pdrop = 0,
-    embd_pdrop = 0,
-    -- Phi3Config's default (32000) is past a small vocabulary's rows
-    pad_token_id = cfg.pad_id or cjson.null,
-  }
+  j.partial_rotary_factor = cfg.partial_rotary_factor
+  j.original_max_position_embeddings = cfg.original_max
+  j.sliding_window = cfg.window or cjson.null
+  j.attention_bias, j.resid_pdrop, j.embd_pdrop = false, 0, 0
+  -- Phi3Config's default (32000) is past a small vocabulary's rows
+  j.pad_token_id = cfg.pad_id or cjson.null
+  return j
 end
 
-M.hf = {
+-- Llama's fields with Phi-3's: LongRoPE (transformers also reads "su" and
+-- "yarn" as it), the rotary part, the window.
+M.hf = llama.hf_of({
   architectures = { "Phi3ForCausalLM" }, model_type = "phi3",
-  fields = {
-    { "n_layer", "num_hidden_layers", "int" },
-    { "n_head", "num_attention_heads", "int" },
-    { "n_embd", "hidden_size", "int" },
-    { "n_hidden", "intermediate_size", "int" },
-    { "context", "max_position_embeddings", "int" },
-    { "vocab", "vocab_size", "int" },
-    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
-    { "eps", "rms_norm_eps", "number", default = 1e-5 },
-    { "rope_theta", "rope_theta", "number", default = in_rope_parameters("rope_theta", 10000) },
+  fields = llama.hf_fields("phi3", {
+    eps = 1e-5, scalings = { longrope = read_longrope, su = read_longrope, yarn = read_longrope },
+  }, {
     { "partial_rotary_factor", "partial_rotary_factor", "number",
       default = in_rope_parameters("partial_rotary_factor", 1) },
     { "original_max", "original_max_position_embeddings", "int",
       default = in_rope_parameters("original_max_position_embeddings", 4096) },
-    { "tie", "tie_word_embeddings", "bool", default = false },
-    { "std", "initializer_range", "number", default = 0.02 },
-    { "head_dim", "head_dim", "int", optional = true },
     { "window", "sliding_window", "int", optional = true },
     { "pad_id", "pad_token_id", "int", optional = true },
     { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's Phi-3 has no biases" },
-    { "rope_scaling", "rope_scaling", "object", optional = true,
-      read = read_rope("rope_scaling") },
-    { "rope_parameters", "rope_parameters", "object", optional = true,
-      read = read_rope("rope_parameters") },
-  },
+  }),
   -- the size whose learning rate a config.json's run trains with
   lr_of = "phi-3-mini",
   config_json = config_json,
-  vocab_tables = { "model.embed_tokens.weight", "lm_head.weight" },
-  ignored = { "%.rotary_emb%.inv_freq$" },
-  head = "lm_head.weight",
-  tied = function(cfg) return cfg.tie == true end,
-}
+})
 
 return M

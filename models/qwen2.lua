@@ -89,41 +89,35 @@ function M.window_of(cfg, i)
   return sliding and cfg.sliding_window or nil
 end
 
--- A complete config: Llama's checks and derived sizes, the windows, this
--- family's name.
-function M.finish(cfg)
+-- A complete config: Llama's checks and derived sizes, the windows, the
+-- family's name (`family`: Qwen3 finishes here too).
+function M.finish(cfg, family)
+  family = family or "qwen2"
   if cfg.rope_scaling then
-    error("rope_scaling is not implemented for qwen2; only the default rotary embedding is", 0)
+    error(("rope_scaling is not implemented for %s; only the default rotary embedding is")
+          :format(family), 0)
   end
-  llama.finish(cfg)
+  llama.finish(cfg, family)
   M.check_windows(cfg)
-  cfg.family = "qwen2"
   return cfg
 end
 
--- A named size with overrides (any field above).
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
+-- Layer i's attention with its window and `opts`, a Qwen family's own.
+function M.attention(cfg, shared, i, opts)
+  opts.window = M.window_of(cfg, i)
+  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
+                    opts)
+end
+
 -- Llama's description with a bias on the q|k|v projection and the layer's
 -- window.
-M.description = {}
-for k, v in pairs(llama.description) do M.description[k] = v end
-M.description.attention = function(cfg, shared, i)
-  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                    { bias = true, window = M.window_of(cfg, i) })
-end
+M.description = llama.derive(llama.description, {
+  attention = function(cfg, shared, i) return M.attention(cfg, shared, i, { bias = true }) end,
+})
 
 local Qwen2 = nn.CausalLM:extend("Qwen2")
 M.Qwen2 = Qwen2
@@ -132,40 +126,10 @@ function M.new(cfg) return Qwen2:new(M.description, cfg) end
 
 ----------------------------------------------------------- Hugging Face
 
--- config.json's fields both Qwen families read (each adds its own after):
--- transformers 4.x's rope_theta or 5.x's rope_parameters.rope_theta, and
--- the windows. `family`: the name the refusals give.
-function M.common_fields(family)
-  return {
-    { "n_layer", "num_hidden_layers", "int" },
-    { "n_head", "num_attention_heads", "int" },
-    { "n_embd", "hidden_size", "int" },
-    { "n_hidden", "intermediate_size", "int" },
-    { "context", "max_position_embeddings", "int" },
-    { "vocab", "vocab_size", "int" },
-    { "n_kv_head", "num_key_value_heads", "int", default = function(cfg) return cfg.n_head end },
-    { "eps", "rms_norm_eps", "number", default = 1e-6 },
-    { false, "rope_parameters", "object", optional = true,
-      read = function(rp, fail)
-        local t = rp.rope_type ~= nil and rp.rope_type or rp.type
-        if t ~= nil and t ~= "default" then
-          fail(("field rope_parameters.rope_type is %s; only \"default\" is implemented for %s")
-               :format(cjson.encode(t), family))
-        end
-        return rp
-      end },
-    { "rope_theta", "rope_theta", "number",
-      default = function(_, get)
-        local rp = get("rope_parameters")
-        return type(rp) == "table" and type(rp.rope_theta) == "number" and rp.rope_theta or 10000
-      end },
-    { false, "rope_scaling", "object", optional = true,
-      read = function(_, fail)
-        fail(("field rope_scaling is set; only the default rotary embedding is implemented " ..
-              "for %s"):format(family))
-      end },
-    { "tie", "tie_word_embeddings", "bool", default = false },
-    { "std", "initializer_range", "number", default = 0.02 },
+-- config.json's fields both Qwen families read (Llama's, only the default
+-- rope, and the windows), then `more`, each family's own.
+function M.hf_fields(family, head_dim, more)
+  local list = llama.hf_fields(family, { head_dim = head_dim }, {
     { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
     { "use_sliding_window", "use_sliding_window", "bool", default = false },
     -- Qwen2Config's default when absent; null: no window
@@ -184,10 +148,16 @@ function M.common_fields(family)
         end
         return out
       end },
-  }
+  })
+  return M.with_fields(list, more or {})
 end
 
--- list with more entries appended (a new table).
+-- The Qwen fields alone (head_dim optional), for families that build on
+-- them (the MoE ones): hf_fields(family).
+function M.common_fields(family) return M.hf_fields(family) end
+
+-- list with more entries appended (a new table); a later entry of the same
+-- field wins.
 function M.with_fields(list, more)
   local out = {}
   for _, e in ipairs(list) do out[#out + 1] = e end
@@ -198,35 +168,21 @@ end
 -- The config.json (Qwen2ForCausalLM) of a config, loadable by transformers
 -- 4.x and 5.x.
 local function config_json(cfg)
-  return {
-    architectures = { "Qwen2ForCausalLM" }, model_type = "qwen2",
-    hidden_size = cfg.n_embd, intermediate_size = cfg.n_hidden,
-    num_attention_heads = cfg.n_head, num_key_value_heads = cfg.n_kv_head or cfg.n_head,
-    num_hidden_layers = cfg.n_layer, head_dim = cfg.head_dim, rms_norm_eps = cfg.eps,
-    rope_theta = cfg.rope_theta,
-    vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
-    tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_act = "silu", attention_dropout = 0,
-    use_sliding_window = cfg.use_sliding_window == true,
-    sliding_window = cfg.sliding_window > 0 and cfg.sliding_window or cjson.null,
-    max_window_layers = cfg.max_window_layers or cfg.n_layer,
-    layer_types = cfg.layer_types or cjson.null,
-  }
+  local j = llama.config_json_of(cfg, "Qwen2ForCausalLM", "qwen2")
+  j.use_sliding_window = cfg.use_sliding_window == true
+  j.sliding_window = cfg.sliding_window > 0 and cfg.sliding_window or cjson.null
+  j.max_window_layers = cfg.max_window_layers or cfg.n_layer
+  j.layer_types = cfg.layer_types or cjson.null
+  return j
 end
 
--- As models/llama.lua's hf, for Qwen2ForCausalLM.
-M.hf = {
+-- As models/llama.lua's hf, for Qwen2ForCausalLM (Qwen2Attention reads
+-- head_dim where a config has one).
+M.hf = llama.hf_of({
   architectures = { "Qwen2ForCausalLM" }, model_type = "qwen2",
-  fields = M.with_fields(M.common_fields("qwen2"), {
-    -- Qwen2Attention reads head_dim where a config has one
-    { "head_dim", "head_dim", "int", optional = true },
-  }),
+  fields = M.hf_fields("qwen2"),
   lr_of = "qwen2-100m",
   config_json = config_json,
-  vocab_tables = llama.hf.vocab_tables,
-  ignored = llama.hf.ignored,
-  head = llama.hf.head,
-  tied = llama.hf.tied,
-}
+})
 
 return M

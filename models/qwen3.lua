@@ -42,41 +42,21 @@ M.configs = {
 }
 M.names = { "qwen3-tiny", "qwen3-100m", "qwen3-0.6b", "qwen3-8b" }
 
--- A complete config: Llama's checks and derived sizes, this family's name.
-function M.finish(cfg)
-  if cfg.rope_scaling then
-    error("rope_scaling is not implemented for qwen3; only the default rotary embedding is", 0)
-  end
-  llama.finish(cfg)
-  qwen2.check_windows(cfg)
-  cfg.family = "qwen3"
-  return cfg
-end
+-- A complete config: Qwen2's checks, this family's name.
+function M.finish(cfg) return qwen2.finish(cfg, "qwen3") end
 
--- A named size with overrides (any field above).
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
 -- Llama's description with QK-norm in the attention (Qwen3RMSNorm over
 -- head_dim with the model's rms_norm_eps, the weight used as is: offset 0)
 -- and the layer's window.
-M.description = {}
-for k, v in pairs(llama.description) do M.description[k] = v end
-M.description.attention = function(cfg, shared, i)
-  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                    { qk_norm = { eps = cfg.eps, offset = 0 }, window = qwen2.window_of(cfg, i) })
-end
+M.description = llama.derive(llama.description, {
+  attention = function(cfg, shared, i)
+    return qwen2.attention(cfg, shared, i, { qk_norm = { eps = cfg.eps, offset = 0 } })
+  end,
+})
 
 local Qwen3 = nn.CausalLM:extend("Qwen3")
 M.Qwen3 = Qwen3
@@ -93,21 +73,16 @@ local function config_json(cfg)
   return j
 end
 
--- As models/llama.lua's hf, for Qwen3ForCausalLM.
-M.hf = {
+-- As models/llama.lua's hf, for Qwen3ForCausalLM (Qwen3Config's head_dim
+-- default when a file has none: 128).
+M.hf = llama.hf_of({
   architectures = { "Qwen3ForCausalLM" }, model_type = "qwen3",
-  fields = qwen2.with_fields(qwen2.common_fields("qwen3"), {
-    -- Qwen3Config's default when a file has none
-    { "head_dim", "head_dim", "int", default = 128 },
+  fields = qwen2.hf_fields("qwen3", 128, {
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's Qwen3 has no attention biases" },
   }),
   lr_of = "qwen3-100m",
   config_json = config_json,
-  vocab_tables = llama.hf.vocab_tables,
-  ignored = llama.hf.ignored,
-  head = llama.hf.head,
-  tied = llama.hf.tied,
-}
+})
 
 return M

@@ -26,6 +26,8 @@ local SAMPLING = { ok = function(f) return f.temperature > 0 end, with = { "--te
 local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors, tokenizer.json"), {
   { "tokenizer", "string", nil, "a tokenizer.json or the folder holding it (default: the model folder's; none: bytes are tokens)" },
   { "chat", "flag", false, "render each prompt with the folder's chat template (tokenizer_config.json)" },
+  { "chat-kwargs", "string", nil, "with --chat: more variables of the chat template, a JSON object as apply_chat_template's keyword arguments (e.g. '{\"enable_thinking\": false}')",
+    needs = "chat" },
   { "prompt", "string", nil, "one prompt (text; with --chat the user's message)" },
   { "prompts", "string", nil, "a file of prompts: one per line, or JSON Lines ({\"prompt\": ...}, {\"prompt_ids\": [...]} or, with --chat, {\"messages\": [...]})" },
   { "prompt-ids", "string", nil, "one prompt as token ids, comma-separated" },
@@ -183,6 +185,7 @@ local function text_side(flags, w)
            "give them as text")
     end
     side.template = checked(ct.load, dir)
+    side.chat_vars = flags.chat_kwargs and checked(ct.kwargs, flags.chat_kwargs, "--chat-kwargs")
   end
   return side
 end
@@ -202,7 +205,7 @@ local function prompt_ids(list, side, flags)
       if flags.chat then
         local messages = p.messages or { { role = "user", content = p.text } }
         text = checked(side.template.render, side.template, messages,
-                       { add_generation_prompt = true })
+                       { add_generation_prompt = true, vars = side.chat_vars })
       end
       out[i] = side.encode(text)
       if not flags.chat and side.add_bos and side.bos and out[i][1] ~= side.bos then

@@ -38,6 +38,7 @@ local spec = {
     table.concat(require("luazero.families").architectures(), ", ") .. ") instead of --model" },
   { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
   { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it" },
+  { "chat-kwargs", "string", nil, "more variables of the --tokenizer folder's chat template for a .jsonl --data's messages: a JSON object, as apply_chat_template's keyword arguments (e.g. '{\"enable_thinking\": false}')" },
   { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)",
     required = "a text file, a token file made by tools/prepare-data, or instruction examples (.jsonl)" },
   { "packing", "string", nil, "instruction data: pack (several examples per row, the default) or pad (one per row)",
@@ -179,7 +180,10 @@ local function set_up(flags)
                 "or less, or --context %d"):format(T, mcfg.context, mcfg.name, mcfg.context, T))
   end
   local schedule, sched, warmup = run_config.schedule(cfg, flags)
-  local jsonl = { tokenizer = tok, template = template, max_len = T }
+  local jsonl = { tokenizer = tok, template = template, max_len = T,
+                  chat_vars = flags.chat_kwargs and
+                              checked(require("luazero.chat_template").kwargs, flags.chat_kwargs,
+                                      "--chat-kwargs") }
   local corpus = inputs.corpus(ex, flags.data, jsonl)
   -- which data the checkpoints' position belongs to (checked on resume)
   local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)

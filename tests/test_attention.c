@@ -1,6 +1,7 @@
 /* test_attention.c — causal self-attention against a naive double-precision
  * reference (full T x T softmax) and its gradient against central finite
  * differences taken in double through that reference. */
+#include "attention_ref.h"
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
@@ -26,62 +27,21 @@ static lz_tensor *rand3(int64_t a, int64_t b, int64_t c, float amp) {
   return t;
 }
 
-/* Reference forward of one (b, h) in double: out rows [T][HS] (stride C in
- * the caller's layout) and lse[T]. x is the full qkv in double. */
-static void ref_head(double *out, double *lse, const double *x, int64_t T, int64_t C, int64_t NH,
-                     int64_t b, int64_t h) {
-  const int64_t HS = C / NH, row = 3 * C;
-  const double scale = 1.0 / sqrt((double)HS);
-  const double *q = x + b * T * row + h * HS, *k = q + C, *v = q + 2 * C;
-  double *s = malloc(sizeof(double) * (size_t)T);
-  for (int64_t i = 0; i < T; i++) {
-    double mx = -INFINITY;
-    for (int64_t j = 0; j < T; j++) {
-      if (j > i) {
-        s[j] = -INFINITY; /* the causal mask, as a full row */
-        continue;
-      }
-      double dot = 0;
-      for (int64_t c = 0; c < HS; c++) dot += q[i * row + c] * k[j * row + c];
-      s[j] = dot * scale;
-      if (s[j] > mx) mx = s[j];
-    }
-    double sum = 0;
-    for (int64_t j = 0; j < T; j++) sum += s[j] = exp(s[j] - mx);
-    if (lse) lse[i] = mx + log(sum);
-    for (int64_t c = 0; c < HS; c++) out[i * C + c] = 0;
-    for (int64_t j = 0; j <= i; j++)
-      for (int64_t c = 0; c < HS; c++) out[i * C + c] += s[j] / sum * v[j * row + c];
-  }
-  free(s);
-}
-
-static double *to_double(const lz_tensor *t) {
-  int64_t n = lz_tensor_numel(t);
-  double *d = malloc(sizeof(double) * (size_t)n);
-  for (int64_t i = 0; i < n; i++) d[i] = ((const float *)t->data)[i];
-  return d;
+/* Multi-head attention as attention_ref.h's shape. */
+static attn_shape mha(int64_t B, int64_t T, int64_t C, int NH) {
+  return (attn_shape){B, T, NH, NH, (int)(C / NH), 0, 0, 0, 0};
 }
 
 static void check_forward(int64_t B, int64_t T, int64_t C, int NH, float amp) {
   lz_tensor *qkv = rand3(B, T, 3 * C, amp), *out = new3(B, T, C), *lse = new3(B, NH, T);
   CHECK_OK(lz_attention_forward(out, lse, qkv, NH));
-  double *x = to_double(qkv);
+  const attn_shape s = mha(B, T, C, NH);
+  double *x = attn_to_double(qkv);
   double *ro = malloc(sizeof(double) * (size_t)(B * T * C));
   double *rl = malloc(sizeof(double) * (size_t)(B * NH * T));
-  const int64_t HS = C / NH;
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < NH; h++)
-      ref_head(ro + b * T * C + h * HS, rl + (b * NH + h) * T, x, T, C, NH, b, h);
-  double err_o = 0, err_l = 0;
-  for (int64_t i = 0; i < B * T * C; i++) {
-    double e = fabs(((float *)out->data)[i] - ro[i]) / (fabs(ro[i]) > 1 ? fabs(ro[i]) : 1);
-    if (!(e <= err_o)) err_o = e; /* NaN sticks */
-  }
-  for (int64_t i = 0; i < B * NH * T; i++) {
-    double e = fabs(((float *)lse->data)[i] - rl[i]) / (fabs(rl[i]) > 1 ? fabs(rl[i]) : 1);
-    if (!(e <= err_l)) err_l = e;
-  }
+  attn_ref_forward(ro, rl, x, NULL, &s);
+  double err_o = attn_max_error(out->data, ro, B * T * C);
+  double err_l = attn_max_error(lse->data, rl, B * NH * T);
   const double tol = 5e-6 * (amp > 1 ? amp * amp : 1); /* scores grow as amp^2 */
   if (!(err_o <= tol) || !(err_l <= tol))
     lz_test_fail(__FILE__, __LINE__,
@@ -107,17 +67,6 @@ LZ_TEST(attention_forward_matches_reference) {
   check_forward(2, 200, 96, 2, 4.0f);  /* sharp softmax: large scores */
 }
 
-/* Loss sum(out * w) over head h of batch b, through the double reference. */
-static double ref_loss(const double *x, const float *w, int64_t T, int64_t C, int64_t NH, int64_t b,
-                       int64_t h, double *scratch) {
-  const int64_t HS = C / NH;
-  ref_head(scratch, NULL, x, T, C, NH, b, h);
-  double L = 0;
-  for (int64_t i = 0; i < T; i++)
-    for (int64_t c = 0; c < HS; c++) L += scratch[i * C + c] * w[(b * T + i) * C + h * HS + c];
-  return L;
-}
-
 /* Analytic dqkv (fp32) against central differences in double on up to
  * max_checks elements spread over qkv. */
 static void check_backward(int64_t B, int64_t T, int64_t C, int NH, int max_checks) {
@@ -125,47 +74,15 @@ static void check_backward(int64_t B, int64_t T, int64_t C, int NH, int max_chec
   lz_tensor *dout = rand3(B, T, C, 1.0f), *dqkv = rand3(B, T, 3 * C, 100.0f);
   CHECK_OK(lz_attention_forward(out, lse, qkv, NH));
   CHECK_OK(lz_attention_backward(dqkv, dout, qkv, out, lse, NH));
-  const int64_t n = B * T * 3 * C, HS = C / NH;
-  double *x = to_double(qkv);
-  double *scratch = malloc(sizeof(double) * (size_t)(T * C));
-  double *fd = malloc(sizeof(double) * (size_t)n);
-  int64_t *idx = malloc(sizeof(int64_t) * (size_t)n);
-  int64_t m = 0;
-  const int64_t step = n <= max_checks ? 1 : n / max_checks + 1;
-  for (int64_t i = (step > 1 ? 7 % step : 0); i < n; i += step) idx[m++] = i;
-  const double eps = 1e-5;
-  double gmax = 0;
-  for (int64_t t = 0; t < m; t++) {
-    int64_t i = idx[t], b = i / (T * 3 * C), col = i % (3 * C), h = (col % C) / HS;
-    double x0 = x[i];
-    x[i] = x0 + eps;
-    double lp = ref_loss(x, dout->data, T, C, NH, b, h, scratch);
-    x[i] = x0 - eps;
-    double lm = ref_loss(x, dout->data, T, C, NH, b, h, scratch);
-    x[i] = x0;
-    fd[t] = (lp - lm) / (2 * eps);
-    if (fabs(fd[t]) > gmax) gmax = fabs(fd[t]);
-  }
-  double worst = 0;
-  int64_t worst_i = 0;
-  for (int64_t t = 0; t < m; t++) {
-    double got = ((float *)dqkv->data)[idx[t]];
-    double e = fabs(got - fd[t]) / (fabs(fd[t]) + 1e-2 * gmax + 1e-12);
-    if (!(e <= worst)) {
-      worst = e;
-      worst_i = t;
-    }
-  }
+  const attn_shape s = mha(B, T, C, NH);
+  int64_t at;
+  double got, fd;
+  double worst = attn_grad_error(qkv, dqkv, dout->data, NULL, &s, max_checks, 7, &at, &got, &fd);
   if (!(worst <= 1e-3))
     lz_test_fail(__FILE__, __LINE__,
                  "backward B%lld T%lld C%lld NH%d: relative error %g at element %lld "
                  "(analytic %.9g, finite difference %.9g)",
-                 (long long)B, (long long)T, (long long)C, NH, worst, (long long)idx[worst_i],
-                 ((float *)dqkv->data)[idx[worst_i]], fd[worst_i]);
-  free(x);
-  free(scratch);
-  free(fd);
-  free(idx);
+                 (long long)B, (long long)T, (long long)C, NH, worst, (long long)at, got, fd);
   lz_tensor_free(qkv);
   lz_tensor_free(out);
   lz_tensor_free(lse);

@@ -3,6 +3,7 @@
  * with document masking (seg); gradients against central finite
  * differences through that reference; the decode kernel's ring cache
  * against forward. */
+#include "attention_ref.h"
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
@@ -28,15 +29,7 @@ static lz_tensor *rand3(int64_t a, int64_t b, int64_t c, float amp) {
   return t;
 }
 
-typedef struct {
-  int64_t B, T;
-  int NH, NKV, HS;
-  int window;
-  float cap, scale;
-  int docs; /* documents per row (seg), 0: no seg */
-} shape;
-
-static int64_t row_of(const shape *s) { return (int64_t)(s->NH + 2 * s->NKV) * s->HS; }
+typedef attn_shape shape;
 
 /* Document ids: `docs` runs of uneven length. */
 static lz_tensor *make_seg(const shape *s) {
@@ -48,47 +41,6 @@ static lz_tensor *make_seg(const shape *s) {
   return seg;
 }
 
-/* Reference of one (b, h) in double: out[T][HS] (stride C), lse[T]. */
-static void ref_head(double *out, double *lse, const double *x, const int32_t *seg, const shape *s,
-                     int64_t b, int64_t h) {
-  const int64_t T = s->T, HS = s->HS, row = row_of(s), C = (int64_t)s->NH * HS;
-  const int64_t g = h / (s->NH / s->NKV);
-  const double scale = s->scale ? s->scale : 1.0 / sqrt((double)HS);
-  const double *q = x + b * T * row + h * HS, *k = x + b * T * row + C + g * HS;
-  const double *v = k + (int64_t)s->NKV * HS;
-  const int32_t *sg = seg ? seg + b * T : NULL;
-  double *sc = malloc(sizeof(double) * (size_t)T);
-  for (int64_t i = 0; i < T; i++) {
-    double mx = -INFINITY;
-    for (int64_t j = 0; j < T; j++) {
-      int seen = j <= i && (!s->window || i - j < s->window) && (!sg || sg[i] == sg[j]);
-      if (!seen) {
-        sc[j] = -INFINITY;
-        continue;
-      }
-      double dot = 0;
-      for (int64_t c = 0; c < HS; c++) dot += q[i * row + c] * k[j * row + c];
-      sc[j] = dot * scale;
-      if (s->cap) sc[j] = s->cap * tanh(sc[j] / s->cap);
-      if (sc[j] > mx) mx = sc[j];
-    }
-    double sum = 0;
-    for (int64_t j = 0; j < T; j++) sum += sc[j] = exp(sc[j] - mx);
-    if (lse) lse[i] = mx + log(sum);
-    for (int64_t c = 0; c < HS; c++) out[i * C + c] = 0;
-    for (int64_t j = 0; j <= i; j++)
-      for (int64_t c = 0; c < HS; c++) out[i * C + c] += sc[j] / sum * v[j * row + c];
-  }
-  free(sc);
-}
-
-static double *to_double(const lz_tensor *t) {
-  int64_t n = lz_tensor_numel(t);
-  double *d = malloc(sizeof(double) * (size_t)n);
-  for (int64_t i = 0; i < n; i++) d[i] = ((const float *)t->data)[i];
-  return d;
-}
-
 static void describe(char *buf, size_t n, const shape *s) {
   snprintf(buf, n, "B%lld T%lld NH%d NKV%d HS%d window %d cap %g scale %g docs %d",
            (long long)s->B, (long long)s->T, s->NH, s->NKV, s->HS, s->window, (double)s->cap,
@@ -97,25 +49,15 @@ static void describe(char *buf, size_t n, const shape *s) {
 
 static void check_forward(shape s, float amp) {
   const int64_t C = (int64_t)s.NH * s.HS;
-  lz_tensor *qkv = rand3(s.B, s.T, row_of(&s), amp), *out = rand3(s.B, s.T, C, 9.0f);
+  lz_tensor *qkv = rand3(s.B, s.T, attn_row(&s), amp), *out = rand3(s.B, s.T, C, 9.0f);
   lz_tensor *lse = rand3(s.B, s.NH, s.T, 9.0f), *seg = make_seg(&s);
   CHECK_OK(lz_attention_opts_forward(out, lse, qkv, seg, s.NH, s.NKV, s.window, s.cap, s.scale));
-  double *x = to_double(qkv);
+  double *x = attn_to_double(qkv);
   double *ro = malloc(sizeof(double) * (size_t)(s.B * s.T * C));
   double *rl = malloc(sizeof(double) * (size_t)(s.B * s.NH * s.T));
-  for (int64_t b = 0; b < s.B; b++)
-    for (int64_t h = 0; h < s.NH; h++)
-      ref_head(ro + b * s.T * C + h * s.HS, rl + (b * s.NH + h) * s.T, x,
-               seg ? seg->data : NULL, &s, b, h);
-  double err_o = 0, err_l = 0;
-  for (int64_t i = 0; i < s.B * s.T * C; i++) {
-    double e = fabs(((float *)out->data)[i] - ro[i]) / (fabs(ro[i]) > 1 ? fabs(ro[i]) : 1);
-    if (!(e <= err_o)) err_o = e;
-  }
-  for (int64_t i = 0; i < s.B * s.NH * s.T; i++) {
-    double e = fabs(((float *)lse->data)[i] - rl[i]) / (fabs(rl[i]) > 1 ? fabs(rl[i]) : 1);
-    if (!(e <= err_l)) err_l = e;
-  }
+  attn_ref_forward(ro, rl, x, seg ? seg->data : NULL, &s);
+  double err_o = attn_max_error(out->data, ro, s.B * s.T * C);
+  double err_l = attn_max_error(lse->data, rl, s.B * s.NH * s.T);
   const double tol = 5e-6 * (amp > 1 ? amp * amp : 1);
   if (!(err_o <= tol) || !(err_l <= tol)) {
     char d[160];
@@ -150,83 +92,26 @@ LZ_TEST(attention_options_forward_match_reference) {
   check_forward((shape){1, 260, 4, 4, 8, 70, 4.0f, 0.2f, 4}, 2.0f);
 }
 
-/* Loss sum(out * w) over head h of batch b, through the double reference. */
-static double ref_loss(const double *x, const int32_t *seg, const float *w, const shape *s,
-                       int64_t b, int64_t h, double *scratch) {
-  const int64_t C = (int64_t)s->NH * s->HS;
-  ref_head(scratch, NULL, x, seg, s, b, h);
-  double L = 0;
-  for (int64_t i = 0; i < s->T; i++)
-    for (int64_t c = 0; c < s->HS; c++)
-      L += scratch[i * C + c] * w[(b * s->T + i) * C + h * s->HS + c];
-  return L;
-}
-
-/* The loss through every query head of batch b that column col of a qkv
- * row feeds: its own query head, or the group of a key/value head. */
-static double ref_loss_col(const double *x, const int32_t *seg, const float *w, const shape *s,
-                           int64_t b, int64_t col, double *scratch) {
-  const int64_t qw = (int64_t)s->NH * s->HS, kvw = (int64_t)s->NKV * s->HS;
-  if (col < qw) return ref_loss(x, seg, w, s, b, col / s->HS, scratch);
-  const int64_t g = ((col - qw) % kvw) / s->HS, group = s->NH / s->NKV;
-  double L = 0;
-  for (int64_t h = g * group; h < (g + 1) * group; h++) L += ref_loss(x, seg, w, s, b, h, scratch);
-  return L;
-}
-
 static void check_backward(shape s, int max_checks) {
-  const int64_t C = (int64_t)s.NH * s.HS, row = row_of(&s);
+  const int64_t C = (int64_t)s.NH * s.HS, row = attn_row(&s);
   lz_tensor *qkv = rand3(s.B, s.T, row, 1.5f), *out = rand3(s.B, s.T, C, 1.0f);
   lz_tensor *lse = rand3(s.B, s.NH, s.T, 1.0f), *seg = make_seg(&s);
   lz_tensor *dout = rand3(s.B, s.T, C, 1.0f), *dqkv = rand3(s.B, s.T, row, 100.0f);
   CHECK_OK(lz_attention_opts_forward(out, lse, qkv, seg, s.NH, s.NKV, s.window, s.cap, s.scale));
   CHECK_OK(lz_attention_opts_backward(dqkv, dout, qkv, out, lse, seg, s.NH, s.NKV, s.window, s.cap,
                                       s.scale));
-  const int32_t *sg = seg ? seg->data : NULL;
-  const int64_t n = s.B * s.T * row;
-  double *x = to_double(qkv);
-  double *scratch = malloc(sizeof(double) * (size_t)(s.T * C));
-  double *fd = malloc(sizeof(double) * (size_t)n);
-  int64_t *idx = malloc(sizeof(int64_t) * (size_t)n);
-  int64_t m = 0;
-  const int64_t step = n <= max_checks ? 1 : n / max_checks + 1;
-  for (int64_t i = (step > 1 ? 5 % step : 0); i < n; i += step) idx[m++] = i;
-  const double eps = 1e-5;
-  double gmax = 0;
-  for (int64_t t = 0; t < m; t++) {
-    int64_t i = idx[t], b = i / (s.T * row), col = i % row;
-    double x0 = x[i];
-    x[i] = x0 + eps;
-    double lp = ref_loss_col(x, sg, dout->data, &s, b, col, scratch);
-    x[i] = x0 - eps;
-    double lm = ref_loss_col(x, sg, dout->data, &s, b, col, scratch);
-    x[i] = x0;
-    fd[t] = (lp - lm) / (2 * eps);
-    if (fabs(fd[t]) > gmax) gmax = fabs(fd[t]);
-  }
-  double worst = 0;
-  int64_t worst_i = 0;
-  for (int64_t t = 0; t < m; t++) {
-    double got = ((float *)dqkv->data)[idx[t]];
-    double e = fabs(got - fd[t]) / (fabs(fd[t]) + 1e-2 * gmax + 1e-12);
-    if (!(e <= worst)) {
-      worst = e;
-      worst_i = t;
-    }
-  }
+  int64_t at;
+  double got, fd;
+  double worst = attn_grad_error(qkv, dqkv, dout->data, seg ? seg->data : NULL, &s, max_checks,
+                                 5, &at, &got, &fd);
   if (!(worst <= 1e-3)) {
     char d[160];
     describe(d, sizeof d, &s);
     lz_test_fail(__FILE__, __LINE__,
                  "backward %s: relative error %g at element %lld (analytic %.9g, finite "
                  "difference %.9g)",
-                 d, worst, (long long)idx[worst_i], ((float *)dqkv->data)[idx[worst_i]],
-                 fd[worst_i]);
+                 d, worst, (long long)at, got, fd);
   }
-  free(x);
-  free(scratch);
-  free(fd);
-  free(idx);
   lz_tensor_free(qkv);
   lz_tensor_free(out);
   lz_tensor_free(lse);
@@ -249,7 +134,7 @@ static char *run_all(const shape *s, lz_tensor *qkv, lz_tensor *dout, int with_o
                      size_t *bytes) {
   const int64_t C = (int64_t)s->NH * s->HS;
   lz_tensor *out = rand3(s->B, s->T, C, 1), *lse = rand3(s->B, s->NH, s->T, 1);
-  lz_tensor *dqkv = rand3(s->B, s->T, row_of(s), 1);
+  lz_tensor *dqkv = rand3(s->B, s->T, attn_row(s), 1);
   if (with_opts) {
     CHECK_OK(lz_attention_opts_forward(out, lse, qkv, NULL, s->NH, s->NKV, s->window, s->cap,
                                        s->scale));
@@ -275,7 +160,7 @@ static char *run_all(const shape *s, lz_tensor *qkv, lz_tensor *dout, int with_o
  * scale written out) give the plain results bit for bit. */
 LZ_TEST(attention_options_off_are_bitwise_plain) {
   shape s = {2, 200, 4, 2, 16, 0, 0, 0, 0};
-  lz_tensor *qkv = rand3(s.B, s.T, row_of(&s), 1.5f), *dout = rand3(s.B, s.T, 64, 1.0f);
+  lz_tensor *qkv = rand3(s.B, s.T, attn_row(&s), 1.5f), *dout = rand3(s.B, s.T, 64, 1.0f);
   size_t n0, n1;
   char *plain = run_all(&s, qkv, dout, 0, &n0);
   const shape same[] = {s, {2, 200, 4, 2, 16, 200, 0, 0, 0}, {2, 200, 4, 2, 16, 4096, 0, 0, 0},
@@ -323,7 +208,7 @@ LZ_TEST(attention_options_reject_bad_values) {
 /* A prompt of P positions then one position a call through a ring cache of
  * S slots (S < P + n), against forward over the whole sequence. */
 static void check_decode_ring(shape s, int64_t P, int64_t S, lz_dtype cache_dt) {
-  const int64_t row = row_of(&s), C = (int64_t)s.NH * s.HS, kvw = (int64_t)s.NKV * s.HS;
+  const int64_t row = attn_row(&s), C = (int64_t)s.NH * s.HS, kvw = (int64_t)s.NKV * s.HS;
   lz_tensor *qkv = rand3(s.B, s.T, row, 1.5f), *out = rand3(s.B, s.T, C, 1);
   lz_tensor *lse = rand3(s.B, s.NH, s.T, 1);
   if (cache_dt == LZ_BF16) { /* forward sees what the cache holds */

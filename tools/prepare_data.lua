@@ -5,7 +5,8 @@
 -- --format jsonl, JSON Lines of instruction examples into an instruction
 -- file (docs/formats.md). Run by tools/prepare-data.
 --   luazero tools/prepare_data.lua [--tokenizer T] INPUT... OUTPUT.bin
---   luazero tools/prepare_data.lua --format jsonl [--tokenizer T] [--seq-len N] IN.jsonl OUT.bin
+--   luazero tools/prepare_data.lua --format jsonl [--tokenizer T] [--seq-len N]
+--                                  [--chat-kwargs JSON] IN.jsonl OUT.bin
 -- Several text inputs are concatenated in order.
 local data = require("luazero.data")
 local instruct = require("luazero.data.instruct")
@@ -23,7 +24,8 @@ end
 
 local USAGE = [[
 usage: tools/prepare-data [--tokenizer TOKENIZER] INPUT.txt... OUTPUT.bin
-       tools/prepare-data --format jsonl [--tokenizer TOKENIZER] [--seq-len N] IN.jsonl OUTPUT.bin
+       tools/prepare-data --format jsonl [--tokenizer TOKENIZER] [--seq-len N] [--chat-kwargs JSON]
+                          IN.jsonl OUTPUT.bin
 Text: writes a token file: 256 int32 header (magic 20240520, version, token count),
 then one token per byte of the inputs, or with --tokenizer the ids of a Hugging Face
 tokenizer (a tokenizer.json, or a folder holding one): uint16 ids (version 1), or
@@ -32,11 +34,14 @@ uint32 (version 2) when the vocabulary is over 65536.
 or {"messages": [{"role": ..., "content": ...}, ...]} (rendered with the chat template
 of the --tokenizer folder's tokenizer_config.json) into an instruction file: the ids,
 a loss weight per token (1 on completions and assistant turns) and where each example
-starts. --seq-len N refuses examples longer than N tokens now rather than at training.]]
+starts. --seq-len N refuses examples longer than N tokens now rather than at training.
+--chat-kwargs JSON: more variables of the chat template, a JSON object as
+apply_chat_template's keyword arguments (e.g. '{"enable_thinking": false}').]]
 
 local args, opt = {}, {}
 do
-  local takes = { ["--tokenizer"] = "tokenizer", ["--format"] = "format", ["--seq-len"] = "seq_len" }
+  local takes = { ["--tokenizer"] = "tokenizer", ["--format"] = "format", ["--seq-len"] = "seq_len",
+                  ["--chat-kwargs"] = "chat_kwargs" }
   local i = 1
   while i <= #arg do
     local a = arg[i]
@@ -103,8 +108,13 @@ end
 
 if format == "jsonl" then
   local t0 = os.clock()
+  local vok, vars = pcall(function()
+    return opt.chat_kwargs and require("luazero.chat_template").kwargs(opt.chat_kwargs,
+                                                                       "--chat-kwargs")
+  end)
+  if not vok then fail(tostring(vars)) end
   local ok, c = pcall(data.load, args[1], { tokenizer = tok, template = template,
-                                           max_len = seq_len })
+                                           max_len = seq_len, chat_vars = vars or nil })
   if not ok then fail(tostring(c)) end
   local wok, err = pcall(data.write_instruction_file, out, c)
   if not wok then fail(tostring(err)) end

@@ -245,6 +245,20 @@ function ChatTemplate:render(messages, opts)
   return text, spans
 end
 
+-- The template variables of a --chat-kwargs flag: a JSON object, as
+-- apply_chat_template's keyword arguments ({"enable_thinking": false}), its
+-- keys' order kept as json.loads keeps it (tojson writes tools in it).
+-- `flag` names it in the error.
+function M.kwargs(text, flag)
+  local ok, v = pcall(require("luazero.jinja.json").decode, tostring(text))
+  if not ok or type(v) ~= "table" or not tostring(text):match("^%s*{") then
+    error(("%s: %s is not a JSON object of template variables (%s); give e.g. " ..
+           "'{\"enable_thinking\": false}'"):format(flag, tostring(text):sub(1, 60),
+                                                     ok and "not an object" or tostring(v)), 0)
+  end
+  return v
+end
+
 -- Which tokens an assistant span holds: mask[i] = 1 when the bytes token i
 -- covers overlap a span, else 0. A token covers starts[i] up to starts[i + 1]
 -- (nbytes = #text for the last; at least one byte). Overlap, not "starts

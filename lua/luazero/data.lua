@@ -35,7 +35,7 @@ function M.is_jsonl(path) return path:match("%.jsonl$") ~= nil end
 -- uint16_t* or uint32_t* over it), count, max_id, kind = "tokens"|"text"|
 -- "instruct", path, version (a token file's) }; instruction data adds
 -- weights, starts, lines, docs (data/instruct.lua). opts for a .jsonl
--- (data/instruct.lua's tokenize_jsonl): tokenizer, template, max_len.
+-- (data/instruct.lua's tokenize_jsonl): tokenizer, template, max_len, chat_vars.
 function M.load(path, opts)
   if M.is_jsonl(path) then return instruct.tokenize_jsonl(path, opts) end
   local f, size = files.open(path)

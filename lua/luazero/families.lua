@@ -17,6 +17,22 @@ local M = {}
 
 local by_name, order = {}, {}
 
+-- The config(name, overrides) a family declares, over its configs, names
+-- and finish: a named size with overrides (any field of its sizes).
+function M.sizes(fam)
+  return function(name, overrides)
+    local base = fam.configs[name]
+    if not base then
+      error(("unknown model '%s' (known: %s)"):format(tostring(name),
+            table.concat(fam.names, ", ")), 0)
+    end
+    local cfg = { name = name }
+    for k, v in pairs(base) do cfg[k] = v end
+    for k, v in pairs(overrides or {}) do cfg[k] = v end
+    return fam.finish(cfg)
+  end
+end
+
 -- What every family declares (models/gpt2.lua is the smallest example).
 local REQUIRED = { "name", "names", "configs", "config", "finish", "new", "description", "hf" }
 local REQUIRED_HF = { "architectures", "model_type", "fields", "config_json", "tied", "lr_of" }

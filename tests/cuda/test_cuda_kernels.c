@@ -596,32 +596,50 @@ static void test_rope(void) {
   rope_freqs_case(LZ_BF16, 1, 64, 128, 8, 8, 0); /* no rest */
 }
 
-/* SwiGLU on gate, up (and dout) of `dt`, twice on the device; f32 also with
- * the outputs over the inputs. The cpu's e^x is its own polynomial, the
- * device's expf: they agree to a few ulps. */
-static void swiglu_case(lz_dtype dt, int64_t n) {
+/* A gated unit's forward and backward (SwiGLU's, GeGLU's). */
+typedef struct {
+  const char *name;
+  lz_status (*forward)(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
+  lz_status (*backward)(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
+                        const lz_tensor *gate, const lz_tensor *up);
+} glu_ops;
+
+static const glu_ops SWIGLU = {"swiglu", lz_swiglu_forward, lz_swiglu_backward};
+static const glu_ops GEGLU = {"geglu", lz_geglu_forward, lz_geglu_backward};
+
+/* A gated unit on gate, up (and dout) of `dt`, twice on the device; with
+ * in_place also with the outputs over the inputs. The cpu's e^x and tanh
+ * are its own polynomials, the device's expf and tanhf: they agree to a few
+ * ulps. */
+static void glu_case(const glu_ops *op, lz_dtype dt, int64_t n, int in_place) {
+  char what[64];
   int64_t s[2] = {n / 8, 8};
   lz_tensor *gt = host_rand(dt, 2, s, 6), *up = host_rand(dt, 2, s, 2);
   lz_tensor *go = host_rand(dt, 2, s, 1);
   lz_tensor *y = host(LZ_F32, 2, s), *dg = host(LZ_F32, 2, s), *du = host(LZ_F32, 2, s);
   lz_tensor *d_gt = dev(gt), *d_up = dev(up), *d_go = dev(go), *d_y = dev(y), *d_y2 = dev(y);
   lz_tensor *d_dg = dev(dg), *d_du = dev(du), *d_dg2 = dev(dg), *d_du2 = dev(du);
-  CHECK_OK(lz_swiglu_forward(y, gt, up));
-  CHECK_OK(lz_swiglu_forward(d_y, d_gt, d_up));
-  CHECK_OK(lz_swiglu_forward(d_y2, d_gt, d_up));
-  expect_close("swiglu_forward", d_y, y, 1e-5);
-  expect_same_bits("swiglu_forward", d_y, d_y2);
-  CHECK_OK(lz_swiglu_backward(dg, du, go, gt, up));
-  CHECK_OK(lz_swiglu_backward(d_dg, d_du, d_go, d_gt, d_up));
-  CHECK_OK(lz_swiglu_backward(d_dg2, d_du2, d_go, d_gt, d_up));
-  expect_close("swiglu_backward dgate", d_dg, dg, 1e-5);
-  expect_close("swiglu_backward dup", d_du, du, 1e-5);
-  expect_same_bits("swiglu_backward dgate", d_dg, d_dg2);
-  expect_same_bits("swiglu_backward dup", d_du, d_du2);
-  if (dt == LZ_F32) { /* dgate over gate, dup over up */
-    CHECK_OK(lz_swiglu_backward(d_gt, d_up, d_go, d_gt, d_up));
-    expect_same_bits("swiglu_backward in place dgate", d_gt, d_dg);
-    expect_same_bits("swiglu_backward in place dup", d_up, d_du);
+  CHECK_OK(op->forward(y, gt, up));
+  CHECK_OK(op->forward(d_y, d_gt, d_up));
+  CHECK_OK(op->forward(d_y2, d_gt, d_up));
+  snprintf(what, sizeof what, "%s_forward", op->name);
+  expect_close(what, d_y, y, 1e-5);
+  expect_same_bits(what, d_y, d_y2);
+  CHECK_OK(op->backward(dg, du, go, gt, up));
+  CHECK_OK(op->backward(d_dg, d_du, d_go, d_gt, d_up));
+  CHECK_OK(op->backward(d_dg2, d_du2, d_go, d_gt, d_up));
+  snprintf(what, sizeof what, "%s_backward dgate", op->name);
+  expect_close(what, d_dg, dg, 1e-5);
+  expect_same_bits(what, d_dg, d_dg2);
+  snprintf(what, sizeof what, "%s_backward dup", op->name);
+  expect_close(what, d_du, du, 1e-5);
+  expect_same_bits(what, d_du, d_du2);
+  if (in_place) { /* dgate over gate, dup over up */
+    CHECK_OK(op->backward(d_gt, d_up, d_go, d_gt, d_up));
+    snprintf(what, sizeof what, "%s_backward in place dgate", op->name);
+    expect_same_bits(what, d_gt, d_dg);
+    snprintf(what, sizeof what, "%s_backward in place dup", op->name);
+    expect_same_bits(what, d_up, d_du);
   }
   FREE(gt, up, go, y, dg, du, d_gt, d_up, d_go, d_y, d_y2, d_dg, d_du, d_dg2, d_du2);
 }
@@ -646,39 +664,16 @@ static void swiglu_packed_case(lz_dtype dt, int64_t rows, int64_t H) {
 static void test_swiglu(void) {
   swiglu_packed_case(LZ_F32, 37, 96);
   swiglu_packed_case(LZ_BF16, 300, 640);
-  swiglu_case(LZ_F32, 8 * 37);
-  swiglu_case(LZ_F32, 8 * 50001);
-  swiglu_case(LZ_BF16, 8 * 37);
-  swiglu_case(LZ_BF16, 8 * 50001);
-}
-
-/* GeGLU as SwiGLU: the device's tanhf against the cpu's lz_tanh, a few ulps. */
-static void geglu_case(lz_dtype dt, int64_t n) {
-  int64_t s[2] = {n / 8, 8};
-  lz_tensor *gt = host_rand(dt, 2, s, 6), *up = host_rand(dt, 2, s, 2);
-  lz_tensor *go = host_rand(dt, 2, s, 1);
-  lz_tensor *y = host(LZ_F32, 2, s), *dg = host(LZ_F32, 2, s), *du = host(LZ_F32, 2, s);
-  lz_tensor *d_gt = dev(gt), *d_up = dev(up), *d_go = dev(go), *d_y = dev(y), *d_y2 = dev(y);
-  lz_tensor *d_dg = dev(dg), *d_du = dev(du), *d_dg2 = dev(dg), *d_du2 = dev(du);
-  CHECK_OK(lz_geglu_forward(y, gt, up));
-  CHECK_OK(lz_geglu_forward(d_y, d_gt, d_up));
-  CHECK_OK(lz_geglu_forward(d_y2, d_gt, d_up));
-  expect_close("geglu_forward", d_y, y, 1e-5);
-  expect_same_bits("geglu_forward", d_y, d_y2);
-  CHECK_OK(lz_geglu_backward(dg, du, go, gt, up));
-  CHECK_OK(lz_geglu_backward(d_dg, d_du, d_go, d_gt, d_up));
-  CHECK_OK(lz_geglu_backward(d_dg2, d_du2, d_go, d_gt, d_up));
-  expect_close("geglu_backward dgate", d_dg, dg, 1e-5);
-  expect_close("geglu_backward dup", d_du, du, 1e-5);
-  expect_same_bits("geglu_backward dgate", d_dg, d_dg2);
-  expect_same_bits("geglu_backward dup", d_du, d_du2);
-  FREE(gt, up, go, y, dg, du, d_gt, d_up, d_go, d_y, d_y2, d_dg, d_du, d_dg2, d_du2);
+  glu_case(&SWIGLU, LZ_F32, 8 * 37, 1);
+  glu_case(&SWIGLU, LZ_F32, 8 * 50001, 1);
+  glu_case(&SWIGLU, LZ_BF16, 8 * 37, 0);
+  glu_case(&SWIGLU, LZ_BF16, 8 * 50001, 0);
 }
 
 static void test_geglu(void) {
-  geglu_case(LZ_F32, 8 * 37);
-  geglu_case(LZ_F32, 8 * 50001);
-  geglu_case(LZ_BF16, 8 * 50001);
+  glu_case(&GEGLU, LZ_F32, 8 * 37, 0);
+  glu_case(&GEGLU, LZ_F32, 8 * 50001, 0);
+  glu_case(&GEGLU, LZ_BF16, 8 * 50001, 0);
 }
 
 /* A whole MoE layer (route, sort, permute, grouped GEMM, combine, and back)

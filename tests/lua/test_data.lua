@@ -464,6 +464,89 @@ function T.prepare_data_jsonl_writes_an_instruction_file()
   assert(not support.exists(tmp .. "/prep2.bin"), "a refused run left its output")
 end
 
+-- A Hugging Face folder of a fixture's chat template and a byte-level
+-- tokenizer with ChatML's two special tokens.
+local function chatml_folder(name, fixture)
+  local dir = tmp .. "/" .. name
+  os.execute("mkdir -p " .. q(dir))
+  os.execute(("cp %s/tests/fixtures/chat/%s/tokenizer_config.json %s/"):format(q(lz.root),
+             fixture, q(dir)))
+  os.rename(byte_tokenizer(name .. ".json", { ["<|im_start|>"] = 256, ["<|im_end|>"] = 257 }),
+            dir .. "/tokenizer.json")
+  return dir
+end
+
+-- --chat-kwargs (apply_chat_template's keyword arguments) reach the
+-- template: Qwen2.5's tools in the data (prepare-data as data.load),
+-- Qwen3's enable_thinking in generate's prompt; a value that is not a JSON
+-- object is one line naming the flag.
+function T.chat_kwargs_reach_the_template()
+  local dir = chatml_folder("qwen25", "qwen2.5")
+  local tok, template = instruct.open_tokenizer(dir)
+  local path = jsonl("tools.jsonl", { { messages = {
+    { role = "user", content = "Hi" }, { role = "assistant", content = "Yo" } } } })
+  local tools = { { type = "function", ["function"] = { name = "get_weather",
+                                                     description = "The weather" } } }
+  -- as JSON, keys in the order a Lua table is written (sorted)
+  local tools_json = '{"tools": [{"function": {"description": "The weather", ' ..
+                     '"name": "get_weather"}, "type": "function"}]}'
+  local plain = data.load(path, { tokenizer = tok, template = template })
+  local with = data.load(path, { tokenizer = tok, template = template,
+                                 chat_vars = { tools = tools } })
+  local ids0, w0 = doc(plain, 0)
+  local ids1, w1 = doc(with, 0)
+  local text = {}
+  for i, id in ipairs(ids1) do text[i] = id < 256 and string.char(id) or "" end
+  text = table.concat(text)
+  assert(text:find("# Tools", 1, true) and text:find('"name": "get_weather"', 1, true), text)
+  assert(#ids1 > #ids0, "the tools are in the rendered text")
+  local function trained(w) local n = 0 for _, v in ipairs(w) do n = n + v end return n end
+  eq(trained(w1), trained(w0), "the assistant's tokens alone weigh")
+  data.free(plain); data.free(with)
+  -- prepare-data writes the same ids with --chat-kwargs
+  local out, st = tool(("tools/prepare-data --tokenizer %s --chat-kwargs %s %s %s")
+                       :format(q(dir), q(tools_json), q(path),
+                               q(tmp .. "/tools.bin")))
+  assert(st == 0, out)
+  local c = data.load(tmp .. "/tools.bin")
+  same(list(c.ids, c.count), ids1, "prepare-data's ids")
+  data.free(c)
+  out, st = tool(("tools/prepare-data --tokenizer %s --chat-kwargs '[1]' %s %s")
+                 :format(q(dir), q(path), q(tmp .. "/bad.bin")))
+  assert(st == 2 and out:find("prepare-data: --chat-kwargs: [1] is not a JSON object of " ..
+                              "template variables", 1, true), out)
+  -- train.lua renders its data with them: the example's length says so
+  local lzx = q(lz.executable())
+  local train = ("cd %s && %s scripts/train.lua --model llama-tiny --vocab 320 --context 64 " ..
+                 "--seq-len 16 --micro-batch 2 --steps 1 --sample 0 "):format(q(lz.root), lzx)
+  out, st = support.sh(train .. ("--tokenizer %s --data %s --chat-kwargs %s")
+                       :format(q(dir), q(path), q(tools_json)))
+  assert(st == 2 and out:find(("the example is %d tokens, longer than the sequence length 16")
+                              :format(#ids1), 1, true), out)
+  -- generate --chat: Qwen3's prompt without thinking ends with an empty <think> block
+  local q3 = chatml_folder("qwen3", "qwen3")
+  local text_file = write("t.txt", ("some text to train on\n"):rep(40))
+  out, st = support.sh(train .. ("--data %s --save %s/ck && %s tools/ckpt.lua export %s/ck " ..
+                                 "%s/hf && cp %s/tokenizer.json %s/tokenizer_config.json %s/hf/")
+                       :format(q(text_file), q(tmp), lzx, q(tmp), q(tmp), q(q3), q(q3), q(tmp)))
+  assert(st == 0, out)
+  local prompts = {}
+  for i, kw in ipairs({ "", " --chat-kwargs '{\"enable_thinking\": false}'" }) do
+    out, st = support.sh(("cd %s && %s scripts/generate.lua --hf %s/hf --chat --prompt Hi " ..
+                          "--max-new-tokens 1 --out %s/g%d.jsonl%s")
+                         :format(q(lz.root), lzx, q(tmp), q(tmp), i, kw))
+    assert(st == 0, out)
+    prompts[i] = support.records(("%s/g%d.jsonl"):format(tmp, i))[1].prompt_ids
+  end
+  local want = {}
+  for _, id in ipairs(prompts[1]) do want[#want + 1] = id end
+  for _, b in ipairs(bytes_of("<think>\n\n</think>\n\n")) do want[#want + 1] = b end
+  same(prompts[2], want, "enable_thinking false: the empty <think> block after the prompt")
+  out, st = support.sh(("cd %s && %s scripts/generate.lua --hf %s/hf --prompt Hi " ..
+                        "--chat-kwargs '{}'"):format(q(lz.root), lzx, q(tmp)))
+  assert(st == 2 and out:find("--chat-kwargs", 1, true) and out:find("--chat", 1, true), out)
+end
+
 ------------------------------------------------------------ batches
 
 local function ints(t, n) return list(ffi.cast("int32_t *", t.data), n) end

@@ -39,7 +39,7 @@ function T.the_parts_are_gemmas()
   eq(norm.params[1].init.kind, "zeros", "norm weight starts at 0")
   eq(m.embedding.scale, 8, "embedding scale sqrt(64)")
   assert(not m.untied_head, "gemma ties its head")
-  eq(m.layers.blocks[1].mlp.forward_op, lz.ops.geglu_forward, "GeGLU")
+  eq(m.layers.blocks[1].mlp.forward_op, "geglu_forward", "GeGLU")
   local path = write_file("g2.json", cjson.encode({
     architectures = { "Gemma2ForCausalLM" }, hidden_size = 64, intermediate_size = 128,
     num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, head_dim = 32,

@@ -89,6 +89,34 @@ function T.hugging_face_config_json_gives_the_named_shape()
   end
 end
 
+-- transformers 5.x writes the rope into rope_parameters (rope_theta and
+-- Llama 3's scaling alike) and dtype for torch_dtype: the same configs.
+function T.a_5x_config_json_reads_its_rope_parameters()
+  local function as_5x(rope)
+    local j = {}
+    for k, v in pairs(tinyllama_json) do j[k] = v end
+    j.rope_scaling, j.rope_theta, j.torch_dtype, j.dtype = nil, nil, nil, "float32"
+    j.rope_parameters = rope
+    return j
+  end
+  local plain = models.from_hf_config(write_file("l5.json", cjson.encode(as_5x(
+    { rope_type = "default", rope_theta = 250000.0 }))))
+  eq(plain.rope_theta, 250000, "rope_theta from rope_parameters")
+  eq(plain.rope_scaling, nil, "the default rope: no scaling")
+  local j31 = as_5x({ rope_type = "llama3", rope_theta = 500000.0, factor = 8.0,
+                      low_freq_factor = 1.0, high_freq_factor = 4.0,
+                      original_max_position_embeddings = 8192 })
+  j31.hidden_size = 4096 -- Llama 3.1's head_dim of 128
+  local l31 = models.from_hf_config(write_file("l31_5.json", cjson.encode(j31)))
+  eq(l31.rope_theta, 500000, "Llama 3.1's rope_theta")
+  local want, got = llama.inv_freq(models.config("llama3.1-8b")), llama.inv_freq(l31)
+  eq(#got, #want, "frequencies")
+  for i = 1, #want do eq(got[i], want[i], "scaled frequency " .. i) end
+  local ok, why = pcall(models.from_hf_config, write_file("l5bad.json", cjson.encode(as_5x(
+    { rope_type = "llama3", rope_theta = 500000.0, factor = 8.0 }))))
+  assert(not ok and why:find("field rope_parameters.low_freq_factor is missing", 1, true), why)
+end
+
 function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
   local cases = {
     { { architectures = { "FalconForCausalLM" } },
@@ -107,7 +135,8 @@ function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
         for k, v in pairs(tinyllama_json) do j[k] = v end
         j.rope_scaling = { rope_type = "yarn", factor = 4 }
         return j
-      end)(), "field rope_scaling.rope_type is \"yarn\"; only \"llama3\" is implemented" },
+      end)(), "field rope_scaling.rope_type is \"yarn\"; only \"llama3\" or \"default\" is " ..
+      "implemented for llama" },
   }
   local corpus = write_file("c.txt", ("abc "):rep(100))
   for i, c in ipairs(cases) do

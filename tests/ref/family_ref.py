@@ -22,12 +22,21 @@ clear of the next, so greedy decoding compares decisions, not rounding), and
 every 1-D parameter (norm weights, biases) is moved off its start so each
 one matters. The config sets no eos_token_id: generation runs all 64 tokens.
 
-    run_family(check, name, transformers, torch, peft, model_class, config)
+    run_family(check, name, transformers, torch, peft, model_class, config, targets=None)
+
+The Gemma families keep test_gemma.py's checks (the same five, there on
+transformers 4.40) with every norm weight drawn, after check_bites has shown
+that each window, cap and scale of the config moves the loss:
+
+    run_gemma(check, transformers, peft, model_class, config, bites, arch)
+    sys.exit(gemma_main(name, test, build))   # a whole test5_gemma*.py
 """
 import json
 import os
 import subprocess
 import tempfile
+
+from checks import Checks
 
 from refenv import LUAZERO, REPO
 
@@ -149,7 +158,7 @@ def export(check, name, transformers, torch, folder, corpus, tmp):
           f"(after 20 steps: luazero {ours:.9f}, transformers {loss:.9f}, relative {err:.1e})")
 
 
-def lora(check, name, transformers, torch, peft, folder, corpus, tmp):
+def lora(check, name, transformers, torch, peft, folder, corpus, tmp, want_targets=None):
     ck, peft_dir = os.path.join(tmp, "lora-ck"), os.path.join(tmp, "lora-peft")
     rc, out = lz("scripts/train.lua", "--init", folder, "--data", corpus, "--steps", "6",
                  "--seq-len", "16", "--micro-batch", "2", "--sample", "0", "--lora-r", "4",
@@ -171,9 +180,13 @@ def lora(check, name, transformers, torch, peft, folder, corpus, tmp):
     err = rel(ours, loss)
     check(f"{name}.lora_loss", err <= TOL,
           f"(targets {targets}: luazero {ours:.9f}, peft {loss:.9f}, relative {err:.1e})")
+    if want_targets is not None:
+        check(f"{name}.lora_targets", targets == sorted(want_targets), str(targets))
 
 
-def run_family(check, name, transformers, torch, peft, model_class, config):
+def run_family(check, name, transformers, torch, peft, model_class, config, targets=None):
+    """The checks above on a tiny model_class(config); targets: the LoRA
+    targets the family's default must be (checked where given)."""
     torch.manual_seed(7)
     torch.set_num_threads(2)
     model = model_class(config)
@@ -192,4 +205,56 @@ def run_family(check, name, transformers, torch, peft, model_class, config):
         generate(check, name, torch, model, folder, tmp)
         export(check, name, transformers, torch, folder, corpus, tmp)
         if peft is not None:
-            lora(check, name, transformers, torch, peft, folder, corpus, tmp)
+            lora(check, name, transformers, torch, peft, folder, corpus, tmp, targets)
+
+
+def import5(test):
+    """(transformers, torch, peft) of the second reference environment, or
+    None after a line saying the test skipped."""
+    try:
+        import peft
+        import torch
+        import transformers
+    except ImportError as e:
+        print(f"skip: {e}; run with the python of the second reference environment "
+              f"(tests/ref/run.py {test})")
+        return None
+    transformers.logging.set_verbosity_error()
+    return transformers, torch, peft
+
+
+def run_gemma(check, transformers, peft, model_class, config, bites, arch):
+    """test_gemma.py's checks of a tiny model_class(config) whose norm
+    weights are drawn (N(0, 0.3): 1 + weight is tested); `bites`: each
+    option's value that turns it off (test_gemma.check_bites), before PEFT
+    wraps the model's projections in place."""
+    import torch
+    import test_gemma as g
+    torch.manual_seed(3)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    if bites:
+        g.check_bites(check, model_class, model, bites)
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        model.save_pretrained(base, safe_serialization=True)
+        g.check_init(check, model, base, tmp)
+        g.check_export(check, transformers, base, tmp, arch=arch)
+        g.check_generate(check, model, base, tmp)
+        g.check_lora(check, model, base, tmp, peft)
+
+
+def gemma_main(name, test, build):
+    """A Gemma test's main in the second reference environment: build(transformers)
+    gives (model_class, config, bites) for run_gemma; the summary's exit status."""
+    check = Checks(name)
+    libs = import5(test)
+    if libs is None:
+        return check.summary()
+    transformers, _, peft = libs
+    model_class, config, bites = build(transformers)
+    run_gemma(check, transformers, peft, model_class, config, bites, model_class.__name__)
+    return check.summary()

@@ -17,24 +17,13 @@ loss, greedy generate of 64 tokens, LoRA adapters in PEFT.
 """
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checks import Checks  # noqa: E402
+from family_ref import gemma_main  # noqa: E402
 
 
-def main():
-    check = Checks("gemma2")
-    try:
-        import peft
-        import torch
-        import transformers
-    except ImportError as e:
-        print(f"skip: {e}; run with the python of the second reference environment "
-              "(tests/ref/run.py test5_gemma2.py)")
-        return check.summary()
-    import test_gemma as g
-    transformers.logging.set_verbosity_error()
+def build(transformers):
+    """The tiny model's class, its config and the options that must bite."""
     config = transformers.Gemma2Config(
         vocab_size=250, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
@@ -43,25 +32,10 @@ def main():
         sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=2.0,
         bos_token_id=2, eos_token_id=1, pad_token_id=None, tie_word_embeddings=True,
         attn_implementation="eager")
-    torch.manual_seed(3)
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-    # before PEFT wraps the model's projections in place
-    g.check_bites(check, transformers.Gemma2ForCausalLM, model,
-                  {"attn_logit_softcapping": None, "final_logit_softcapping": None,
-                   "sliding_window": 4096, "query_pre_attn_scalar": 32})
-    with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "base")
-        model.save_pretrained(base, safe_serialization=True)
-        g.check_init(check, model, base, tmp)
-        g.check_export(check, transformers, base, tmp, arch="Gemma2ForCausalLM")
-        g.check_generate(check, model, base, tmp)
-        g.check_lora(check, model, base, tmp, peft)
-    return check.summary()
+    return transformers.Gemma2ForCausalLM, config, {
+        "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        "sliding_window": 4096, "query_pre_attn_scalar": 32}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gemma_main("gemma2", "test5_gemma2.py", build))

@@ -158,7 +158,7 @@ local function prompt_completion(tok, obj, path, line)
   return ids, w
 end
 
-local function messages(tok, template, obj, path, line)
+local function messages(tok, template, obj, path, line, vars)
   local msgs = obj.messages
   if type(msgs) ~= "table" or #msgs == 0 then
     line_fail(path, line, '"messages" is not a list of messages; give [{"role": "user", ' ..
@@ -171,7 +171,8 @@ local function messages(tok, template, obj, path, line)
   end
   local tok_ok, ct = pcall(template)
   if not tok_ok then line_fail(path, line, (tostring(ct):gsub("^data: ", ""))) end
-  local ok, text, spans = pcall(ct.render, ct, msgs, { add_generation_prompt = false })
+  local ok, text, spans = pcall(ct.render, ct, msgs, { add_generation_prompt = false,
+                                                     vars = vars })
   if not ok then line_fail(path, line, tostring(text):gsub("^data: ", "")) end
   local ids, starts = encode_with_offsets(tok, text)
   table.sort(spans, function(a, b) return a.first < b.first end)
@@ -192,7 +193,8 @@ end
 -- level), template (a function returning the chat template, called at the
 -- first "messages" line; nil: messages are refused), max_len (examples
 -- longer are refused; nil: no limit), seq_flag (the flag that sets it, for
--- the message). Returns a corpus (kind "instruct", see M.corpus).
+-- the message), chat_vars (more variables of the chat template, as
+-- apply_chat_template's keyword arguments). Returns a corpus (kind "instruct", see M.corpus).
 function M.tokenize_jsonl(path, opts)
   opts = opts or {}
   local tok = opts.tokenizer or bytes
@@ -239,7 +241,7 @@ function M.tokenize_jsonl(path, opts)
           if obj.prompt ~= nil or obj.completion ~= nil then
             line_fail(path, line, 'has both "messages" and "prompt"/"completion"; give one form')
           end
-          x, w = messages(tok, template, obj, path, line)
+          x, w = messages(tok, template, obj, path, line, opts.chat_vars)
         elseif obj.prompt ~= nil or obj.completion ~= nil then
           x, w = prompt_completion(tok, obj, path, line)
         else

@@ -31,7 +31,8 @@ function SwiGLUMLP.new(n_embd, n_hidden, std, opts)
   if self.opts.fused and act ~= "silu" then
     error(("mlp: a fused gate|up projection takes silu only (got %s)"):format(act), 0)
   end
-  self.forward_op, self.backward_op = ops[pair[1]], ops[pair[2]]
+  -- looked up per call, so a profiler's wrapping of the op table sees them
+  self.forward_op, self.backward_op = pair[1], pair[2]
   local lin = { bias = false, std = std }
   if self.opts.fused then
     self.gate_up = self:add(self.opts.fused, Linear.new(n_embd, 2 * n_hidden, lin))
@@ -54,7 +55,7 @@ function SwiGLUMLP:forward(x)
   local gate = self:run_forward(self.gate_proj, x)
   local up = self:run_forward(self.up_proj, x)
   local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
-  self.forward_op(h, gate, up)
+  ops[self.forward_op](h, gate, up)
   self.gate, self.up = gate, up
   return self:run_forward(self.down_proj, h)
 end
@@ -68,7 +69,7 @@ function SwiGLUMLP:backward(dy)
     return self:run_backward(self.gate_up, dgu)
   end
   local dup = self:scratch({ dh:dim(1), dh:dim(2), self.n_hidden })
-  self.backward_op(dh, dup, dh, self.gate, self.up) -- dgate over dh
+  ops[self.backward_op](dh, dup, dh, self.gate, self.up) -- dgate over dh
   local dx = self:run_backward(self.gate_proj, dh)
   local dx_up = self:run_backward(self.up_proj, dup)
   ops.add(dx, dx, dx_up)
