@@ -56,7 +56,7 @@ local models = require("models.registry")
 local spec = {
   { "model", "string", nil, "the Llama size (models/registry.lua; default llama-100m, with --lora tinyllama-1.1b)" },
   { "gpt2", "string", "gpt2", "the GPT-2 size beside it (\"none\" skips GPT-2)" },
-  { "beside", "string", "none", "more sizes of position-table-free families run as the Llama one is on 1 rank, comma-separated (e.g. gemma-100m; \"none\": no more)" },
+  { "beside", "string", "none", "sizes of other families run beside the Llama on one rank, comma-separated (e.g. qwen2-100m,qwen3-100m,gemma-100m; \"none\": no more)" },
   { "micro-batch", "int", nil, "sequences per step (per rank; default 4, with --lora 2)" },
   { "seq-len", "int", nil, "tokens per sequence (default 64, with --lora 128)" },
   { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
@@ -71,7 +71,6 @@ local spec = {
   { "dtypes", "string", "fp32,bf16", "precisions, comma-separated (fp32, bf16)" },
   { "rounds", "int", 1, "times to repeat every run; figures are medians over the rounds" },
   { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMMs" },
-  { "beside", "string", nil, "sizes of other families to run beside the Llama on one rank, comma-separated (e.g. qwen2-100m,qwen3-100m)" },
   -- internal: one run, in its own process (and ranks)
   { "run", "string", nil, "(internal) run one model in this process: MODEL:DTYPE:STAGE[:LORA_R]" },
   { "peak", "string", nil, "(internal) the yardsticks for --profile: F32,BF16 GFLOP/s" },

@@ -69,6 +69,8 @@ function M.parse(argv, spec)
   local by_name, out, seen = {}, {}, {}
   for _, s in ipairs(spec) do
     assert(kinds[s[2]], "args: kind of --" .. s[1] .. " must be int, number, string or flag")
+    -- (a second declaration would silently replace the first's default)
+    assert(not by_name[s[1]], "args: --" .. s[1] .. " is declared twice")
     by_name[s[1]] = s
     out[s[1]:gsub("-", "_")] = s[3]
   end

@@ -164,7 +164,8 @@ end
 function T.a_declaration_that_names_no_flag_or_no_field_is_the_programs_error()
   for _, spec in ipairs({ { { "a", "int", 0, "", needs = "b" } },
                           { { "a", "int", 0, "", minimum = 1 } },
-                          { { "a", "int", 0, "", needs = { says = "x" } } } }) do
+                          { { "a", "int", 0, "", needs = { says = "x" } } },
+                          { { "a", "int", 0, "" }, { "a", "string", nil, "" } } }) do
     local ok, why = pcall(args.parse, {}, spec)
     assert(not ok and tostring(why):find("args: --a", 1, true), tostring(why))
   end
