@@ -112,7 +112,7 @@ function M.plan(stage, dtype, offload, grads, device, extra)
   return Placement.new{
     stage = stage, dtype = dtype, grad_dtype = grads == "working" and dtype or "fp32",
     offload_optimizer = pl.opt, offload_param = pl.param, device = device or "cuda",
-    accum = extra.accum, optimizer_states = extra.states,
+    accum = extra.accum, optimizer_states = extra.states, optimizer_formats = extra.formats,
   }
 end
 

@@ -39,8 +39,8 @@ function T.schema_kinds_name_the_key_and_the_range()
   local registry = require("luazero.optim.registry")
   expect_error(function()
     registry.define({ name = "Bad", step = function() end, params = {},
-                      states = { { name = "m", dtype = "bf16" } } }, "bad.lua")
-  end, "optim: bad.lua: state m has dtype bf16: the engine keeps optimizer states in f32")
+                      states = { { name = "m", format = "f16" } } }, "bad.lua")
+  end, "optim: bad.lua: state m has format f16: a state is kept in f32, bf16, u8")
   expect_error(function()
     registry.define({ name = "Bad", types = { "adamw" }, step = function() end, params = {},
                       states = {} }, "bad.lua")

@@ -15,7 +15,9 @@
 --   params        its config schema: { key, kind, default = ..., min, below }
 --                 (kinds: optim/schema.lua)
 --   states        its per-element states, in the order update's call.s holds
---                 them: { { name = "m", dtype = "f32" }, ... }
+--                 them: { { name = "m", format = "f32" }, ... }; a format is
+--                 one of optim/formats.lua's (f32 when absent; `dtype` is
+--                 its older spelling)
 --   step          step(self, call, step, lr, grad_scale): one update over a
 --                 call's views (the engine's interface, optim/adamw.lua)
 --   init          optional init(self): what new() adds (kernel arguments)
@@ -31,6 +33,7 @@
 --   local opt = optimizers.new({ type = "Lion", params = { lr = 1e-4 } })
 --   opt:record()                                       -- { type = "Lion", params = {...} }
 local schema = require("luazero.optim.schema")
+local formats = require("luazero.optim.formats")
 local hyper = require("luazero.optim.hyper")
 local values = require("luazero.config.values")
 
@@ -56,7 +59,17 @@ local Base = {}
 -- hyperparameters it was made with (the config's, not a schedule's
 -- current betas).
 function Base:record()
-  return { type = self.type, params = values.deep_copy(self.configured) }
+  return { type = self.type, params = values.deep_copy(self.configured),
+           state_formats = values.deep_copy(self.state_formats) }
+end
+
+-- A record's state formats (name -> format); a record saved before they
+-- were recorded held f32 states.
+function M.formats_of(rec, names)
+  local out = {}
+  local saved = type(rec) == "table" and type(rec.state_formats) == "table" and rec.state_formats
+  for _, n in ipairs(names) do out[n] = saved and saved[n] or formats.default end
+  return out
 end
 
 -- True when type_name (a config's or a record's optimizer.type) names this
@@ -68,21 +81,22 @@ end
 
 local function check_states(states, origin)
   if type(states) ~= "table" or #states > 7 then
-    bad(origin, "states must be a list of up to 7 { name = ..., dtype = \"f32\" }")
+    bad(origin, "states must be a list of up to 7 { name = ..., format = \"f32\" }")
   end
-  local names, dtypes = {}, {}
+  local names, fmts = {}, {}
   for i, s in ipairs(states) do
-    if type(s) ~= "table" or type(s.name) ~= "string" or s.name == "master" or dtypes[s.name] then
-      bad(origin, "states[%d] must be { name = ..., dtype = \"f32\" } with a name of its own " ..
+    if type(s) ~= "table" or type(s.name) ~= "string" or s.name == "master" or fmts[s.name] then
+      bad(origin, "states[%d] must be { name = ..., format = \"f32\" } with a name of its own " ..
           "(not \"master\")", i)
     end
-    if s.dtype ~= "f32" then
-      bad(origin, "state %s has dtype %s: the engine keeps optimizer states in f32; declare " ..
-          "dtype = \"f32\"", s.name, tostring(s.dtype))
+    local f = s.format or s.dtype or formats.default
+    if not formats.by_name[f] then
+      bad(origin, "state %s has format %s: a state is kept in %s", s.name, tostring(f),
+          table.concat(formats.names, ", "))
     end
-    names[i], dtypes[s.name] = s.name, s.dtype
+    names[i], fmts[s.name] = s.name, f
   end
-  return names, dtypes
+  return names, fmts
 end
 
 -- Adds an optimizer from its declaration (origin: where it came from, for
@@ -105,10 +119,10 @@ function M.define(spec, origin)
     end
   end
   local defaults = schema.check(spec.params, origin)
-  local names, dtypes = check_states(spec.states, origin)
+  local names, fmts = check_states(spec.states, origin)
   local class = {
     name = spec.name, types = types, params = spec.params, defaults = defaults,
-    states = names, state_dtypes = dtypes, origin = origin, update = spec.step,
+    states = names, state_formats = fmts, origin = origin, update = spec.step,
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
     defaults_name = spec.defaults_name,
   }

@@ -65,8 +65,9 @@ States.__index = States
 
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
 -- master copy here; false: the working copy is the fp32 master), names
--- (the optimizer's per-element fp32 states, in order; the default
--- optimizer's: AdamW's m, v),
+-- (the optimizer's per-element states, in order; the default
+-- optimizer's: AdamW's m, v), formats (name -> format: f32, the one these
+-- stores place so far),
 -- tier (the plan's tier of the states: a store kind's name), nvme_path
 -- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
@@ -78,6 +79,13 @@ States.__index = States
 function M.states(opts)
   local n, kind = opts.n, store.get(opts.tier or "device")
   local names = opts.names or optimizers.default.states
+  for _, name in ipairs(names) do
+    local f = (opts.formats or {})[name] or "f32"
+    if f ~= "f32" then
+      error(("initialize: the optimizer keeps its state %s in %s; the engine's tiers place f32 " ..
+             "states only: use an optimizer with f32 states (AdamW)"):format(name, f), 0)
+    end
+  end
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
