@@ -129,12 +129,19 @@ function M.define(spec, origin)
   class.__index = class
   setmetatable(class, { __index = Base })
   -- params: the config's optimizer.params (what is absent takes the
-  -- declared defaults); type_name: the type the config spelled.
-  function class.new(params, type_name)
+  -- declared defaults); type_name: the type the config spelled;
+  -- state_formats: name -> format for the states a config keeps in another
+  -- format than the declaration's (its read_config's extra field).
+  function class.new(params, type_name, state_formats)
     local self = hyper.read(params, class.defaults)
     self.type = type_name or class.name
     self.configured = {}
     for k in pairs(class.defaults) do self.configured[k] = values.deep_copy(self[k]) end
+    self.state_formats = {}
+    for _, n in ipairs(names) do
+      local f = state_formats and state_formats[n] or fmts[n]
+      self.state_formats[n] = formats.get(f).name
+    end
     setmetatable(self, class)
     if spec.init then spec.init(self) end
     return self
@@ -195,7 +202,14 @@ function M.new(block)
     error(("config: optimizer.type must be %s (got %s)"):format(M.types_text(false, "or"),
                                                                tostring(t)), 2)
   end
-  return class.new(block.params or {}, spelling)
+  -- The formats config.lua read from the params; a block made in Lua
+  -- (never through config.lua) has them read here.
+  local fmts = block.state_formats
+  if fmts == nil and class.read_config then
+    fmts = (class.read_config(block.params or {}, "optimizer.params.", spelling,
+                              function() end) or {}).state_formats
+  end
+  return class.new(block.params or {}, spelling, fmts)
 end
 
 -- The block DeepSpeed's engine uses when a config names no optimizer: the
