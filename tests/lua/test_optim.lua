@@ -256,7 +256,8 @@ end
 -- bf16 moments in the engine: the states are bf16 tensors, the NVMe region
 -- of a sub-group holds 2 bytes an element for each moment, stages 0 and 3 (and
 -- the NVMe tier) end with the same parameters, a checkpoint's f32 copy of
--- the moments resumes exactly, and a resume into f32 moments is refused.
+-- the moments resumes exactly, a resume into f32 moments is refused, and
+-- tools/ckpt convert-states changes the formats a checkpoint records.
 function T.bf16_moments_train_on_every_tier_and_resume()
   local gpt2 = require("models.gpt2")
   local zero = require("luazero.zero")
@@ -297,8 +298,21 @@ function T.bf16_moments_train_on_every_tier_and_resume()
     n_embd = 32, n_head = 2, context = 16 })), config = { train_micro_batch_size_per_gpu = 2 },
     seed = 3, batch = { 2, 8 } }
   expect_error(function() f32:load(dir .. "/step-000001") end,
-               "keeps the optimizer state m in bf16; this run keeps it in f32")
+               "keeps the optimizer state m in bf16; this run keeps it in f32: convert it " ..
+               "first (tools/ckpt convert-states")
+  -- tools/ckpt convert-states: to f32 the run with f32 moments loads it;
+  -- back to bf16 it resumes exactly as the original.
+  local convert = require("luazero.checkpoint.convert")
+  convert.states(dir .. "/step-000001", tmp .. "/c32/step-000001", "f32")
+  f32:load(tmp .. "/c32/step-000001")
   f32:free()
+  convert.states(tmp .. "/c32/step-000001", tmp .. "/c16/step-000001", "bf16")
+  local r2 = engine({ stage = 1 })
+  r2:load(tmp .. "/c16/step-000001")
+  assert(train(r2, 2) == sum0)
+  r2:free()
+  expect_error(function() convert.states(dir .. "/step-000001", tmp .. "/c8/s", "u8") end,
+               "convert-states: u8 states are block-scaled, which the engine does not place")
   e0:free()
 end
 

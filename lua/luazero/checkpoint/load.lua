@@ -90,8 +90,9 @@ function M.check(engine, path)
   for _, name in ipairs(want) do
     local a, b = theirs[name] or "f32", ours[name] or "f32"
     if a ~= b then
-      fail("%s keeps the optimizer state %s in %s; this run keeps it in %s: resume with the " ..
-           "optimizer and formats that saved it", dir, name, a, b)
+      fail("%s keeps the optimizer state %s in %s; this run keeps it in %s: convert it first " ..
+           "(tools/ckpt convert-states %s OUT --to %s) or resume with the formats that saved it",
+           dir, name, a, b, dir, b)
     end
   end
   return dir, m, saved, parts
