@@ -63,14 +63,6 @@ function Base:record()
            state_formats = values.deep_copy(self.state_formats) }
 end
 
--- A record's state formats (name -> format); a record saved before they
--- were recorded held f32 states.
-function M.formats_of(rec, names)
-  local out = {}
-  local saved = type(rec) == "table" and type(rec.state_formats) == "table" and rec.state_formats
-  for _, n in ipairs(names) do out[n] = saved and saved[n] or formats.default end
-  return out
-end
 
 -- True when type_name (a config's or a record's optimizer.type) names this
 -- optimizer.

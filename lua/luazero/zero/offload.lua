@@ -37,7 +37,6 @@ M.GRAIN = 2048
 local PAGE = 4096
 
 local function round_up(n, m) return math.ceil(n / m) * m end
-local typed_view
 local esize = require("luazero.zero.plan").esize
 
 -- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
@@ -68,8 +67,8 @@ States.__index = States
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
 -- master copy here; false: the working copy is the fp32 master), names
 -- (the optimizer's per-element states, in order; the default
--- optimizer's: AdamW's m, v), formats (name -> format: f32, the one these
--- stores place so far),
+-- optimizer's: AdamW's m, v), formats (name -> format: f32 or bf16;
+-- block-scaled formats are refused; f32 when absent),
 -- tier (the plan's tier of the states: a store kind's name), nvme_path
 -- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
@@ -110,7 +109,6 @@ function M.states(opts)
     self.groups[#self.groups + 1] = { lo = lo, n = math.min(G, n - lo) }
   end
   if n == 0 then self.groups = {} end
-  self.parts = (opts.master and 1 or 0) + #names -- master?, then the states
   self.s = {}
   if not on_disk then
     local function new(dt) return kind.allocate({ n }, dt, "optimizer", self.compute) end
@@ -150,7 +148,7 @@ function States:buffer(k) return self.buffers[(k - 1) % self.nb + 1] end
 
 -- n elements of dtype at byte offset `at` of an f32 staging buffer (a bf16
 -- state beside the f32 master in one region).
-typed_view = function(st, at, dtype, n)
+local function typed_view(st, at, dtype, n)
   if dtype == "f32" then return st:view(at / esize.f32, { n }) end
   return st:view_bytes(at, dtype, { n })
 end
