@@ -313,6 +313,15 @@ function T.bf16_moments_train_on_every_tier_and_resume()
   r2:free()
   expect_error(function() convert.states(dir .. "/step-000001", tmp .. "/c8/s", "u8") end,
                "convert-states: u8 states are block-scaled, which the engine does not place")
+  -- The command line: one line saying what it wrote; --to beside another
+  -- command is refused.
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt convert-states %s %s --to f32"):format(
+    q(lz.root), q(lz.executable()), q(dir .. "/step-000001"), q(tmp .. "/cli/step-000001")))
+  assert(st == 0 and out:find("the optimizer states (m bf16, v bf16) now in f32", 1, true), out)
+  assert(manifest(tmp .. "/cli/step-000001").optimizer.state_formats.v == "f32")
+  out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt inspect %s --to f32"):format(
+    q(lz.root), q(lz.executable()), q(dir .. "/step-000001")))
+  assert(st == 2 and out:find("goes with convert-states", 1, true), out)
   e0:free()
 end
 
