@@ -20,8 +20,9 @@ static float from_bits(uint32_t u) {
  * cquantize_blockwise_cpu_fp32 with absmax 1). */
 LZ_TEST(quant8_bitsandbytes_choices) {
   const lz_q8_map *s = lz_q8_map_get(1), *u = lz_q8_map_get(0);
-  const float z[] = {1.0f,  0.0f,    -0.0f,   1e-30f,  0.5f,   -0.5f,  1e-7f,   3e-5f,   -3e-5f, 1e-3f,
-                     -1e-3f, 0.1f,   -0.1f,   0.99f,   -0.99f, -1.0f,  0x1p-15f, 0x1p-16f, 3 * 0x1p-16f};
+  const float z[] = {1.0f,   0.0f,   -0.0f,    1e-30f,   0.5f,        -0.5f, 1e-7f,
+                     3e-5f,  -3e-5f, 1e-3f,    -1e-3f,   0.1f,        -0.1f, 0.99f,
+                     -0.99f, -1.0f,  0x1p-15f, 0x1p-16f, 3 * 0x1p-16f};
   const uint8_t want_s[] = {255, 131, 131, 131, 219, 35, 131, 131, 123, 142,
                             112, 190, 64,  254, 0,   0,  132, 131, 132};
   const uint8_t want_u[] = {255, 7, 7, 7, 183, 0, 7, 7, 0, 30, 0, 126, 0, 253, 0, 0, 10, 7, 10};

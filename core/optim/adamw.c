@@ -129,7 +129,9 @@ lz_status lz_cpu_adamw_step(const lz_op_args *a) {
       .eps = args->eps,
       .grad_scale = args->grad_scale,
   };
-  if (a->t[2]->dtype == LZ_BF16) run_bf16_moments(&t, &k);
-  else lz_optim_run(&t, adamw_update, &k);
+  if (a->t[2]->dtype == LZ_BF16)
+    run_bf16_moments(&t, &k);
+  else
+    lz_optim_run(&t, adamw_update, &k);
   return LZ_OK;
 }

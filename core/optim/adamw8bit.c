@@ -61,15 +61,14 @@ static inline __attribute__((always_inline)) void block8_rest(
 }
 
 static inline __attribute__((always_inline)) void block8_finish(
-    uint8_t *restrict qm, uint8_t *restrict qv, float *restrict absmax_m,
-    float *restrict absmax_v, const a8_consts *k, int64_t n, const float *m, const float *v,
-    float max_m, float max_v) {
+    uint8_t *restrict qm, uint8_t *restrict qv, float *restrict absmax_m, float *restrict absmax_v,
+    const a8_consts *k, int64_t n, const float *m, const float *v, float max_m, float max_v) {
   *absmax_m = max_m, *absmax_v = max_v;
   k->quantize(k->map_m, m, max_m, qm, n);
   k->quantize(k->map_v, v, max_v, qv, n);
 }
 
-#define A8_BLOCK8_ARGS                                                                         \
+#define A8_BLOCK8_ARGS                                                                       \
   float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv, \
       float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t n
 
@@ -169,16 +168,16 @@ static inline __attribute__((always_inline)) void block32_body(float *restrict p
 
 /* fmaf is one instruction only where FMA is enabled, which target_clones'
  * "avx2" does not imply: hence clones of our own, picked once. */
-#define A8_CLONES(X)                                                                              \
+#define A8_CLONES(X)                                                             \
   X(avx512, __attribute__((target("avx512f,fma"), optimize("fp-contract=off")))) \
-  X(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=off"))))     \
+  X(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=off"))))      \
   X(base, __attribute__((optimize("fp-contract=off"))))
 
-#define A8_DEFINE(suffix, attrs)                                                       \
-  attrs static void block32_##suffix(float *restrict p, const float *restrict grad,              \
-                                     float *restrict m, float *restrict v, const a8_consts *k,   \
-                                     int64_t n) {                                                \
-    block32_body(p, grad, m, v, k, n);                                                           \
+#define A8_DEFINE(suffix, attrs)                                                               \
+  attrs static void block32_##suffix(float *restrict p, const float *restrict grad,            \
+                                     float *restrict m, float *restrict v, const a8_consts *k, \
+                                     int64_t n) {                                              \
+    block32_body(p, grad, m, v, k, n);                                                         \
   }
 A8_CLONES(A8_DEFINE)
 
