@@ -245,7 +245,8 @@ function T.state_formats_are_declared_and_configured()
   -- The plan counts each state's bytes by its format.
   local placement = require("luazero.zero.plan")
   local function opt_bytes(fmts)
-    local P = placement.new({ stage = 1, optimizer_states = { "m", "v" }, optimizer_formats = fmts })
+    local P = placement.new({ stage = 1, optimizer_states = { "m", "v" },
+                              optimizer_formats = fmts })
     return P:bytes({ full = 8192, shard = 4096 }).states.optimizer
   end
   assert(opt_bytes(nil) == 2 * 4096 * 4, opt_bytes(nil))
@@ -315,8 +316,9 @@ function T.bf16_moments_train_on_every_tier_and_resume()
                "convert-states: u8 states are block-scaled, which the engine does not place")
   -- The command line: one line saying what it wrote; --to beside another
   -- command is refused.
-  local out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt convert-states %s %s --to f32"):format(
-    q(lz.root), q(lz.executable()), q(dir .. "/step-000001"), q(tmp .. "/cli/step-000001")))
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt convert-states %s %s --to f32")
+    :format(q(lz.root), q(lz.executable()), q(dir .. "/step-000001"),
+            q(tmp .. "/cli/step-000001")))
   assert(st == 0 and out:find("the optimizer states (m bf16, v bf16) now in f32", 1, true), out)
   assert(manifest(tmp .. "/cli/step-000001").optimizer.state_formats.v == "f32")
   out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt inspect %s --to f32"):format(

@@ -25,7 +25,11 @@ local function copy(src, dst)
   while true do
     local chunk = i:read(2 ^ 22)
     if not chunk then break end
-    if not o:write(chunk) then i:close(); o:close(); fail("%s: the write failed (a full disk?)", dst) end
+    if not o:write(chunk) then
+      i:close()
+      o:close()
+      fail("%s: the write failed (a full disk?)", dst)
+    end
   end
   i:close()
   if not o:close() then fail("%s: the write failed (a full disk?)", dst) end

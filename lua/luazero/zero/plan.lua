@@ -264,7 +264,8 @@ function Plan:lines()
   row("master", self.master)
   for _, name in ipairs(self.optimizer.states) do
     local f = self.optimizer.formats[name]
-    row(name, f == "f32" and self.optimizer or setmetatable({ dtype = f }, { __index = self.optimizer }))
+    row(name, f == "f32" and self.optimizer
+              or setmetatable({ dtype = f }, { __index = self.optimizer }))
   end
   local r = self.reduce
   lines[#lines + 1] = ("  reduce     %s%s into the %s gradients, %s"):format(

@@ -302,7 +302,9 @@ function States:visit(write_back, fn)
       local st, wide = { ... }, {}
       for i, t in ipairs(st) do
         wide[i] = t
-        if t:dtype_name() ~= "f32" then wide[i] = lz.tensor(t:sizes(), "f32", "workspace"):copy(t) end
+        if t:dtype_name() ~= "f32" then
+          wide[i] = lz.tensor(t:sizes(), "f32", "workspace"):copy(t)
+        end
       end
       narrow(off, master, unpack(wide))
       for i, t in ipairs(st) do
