@@ -184,8 +184,8 @@ local function my_norms(engine)
       out.buffers[#out.buffers + 1] = { "master (fp32, " .. tier .. ")", "f32", n, math.sqrt(sq[1]) }
     end
     for i, name in ipairs(opt.states) do
-      out.buffers[#out.buffers + 1] = { opt.name .. " " .. name .. " (" .. tier .. ")", "f32", n,
-                                        math.sqrt(sq[i + 1]) }
+      out.buffers[#out.buffers + 1] = { opt.name .. " " .. name .. " (" .. tier .. ")",
+                                        st.dtypes[i], n, math.sqrt(sq[i + 1]) }
     end
   end
   -- Each parameter's part in this rank's slices (of the working copy), as
