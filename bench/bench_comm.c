@@ -1,9 +1,10 @@
 /* bench_comm.c — one side of bench/bench-comm: times all-reduce (sum),
- * reduce-scatter, all-gather and in-place all-gather of f32 from 4 KiB to 256 MiB on the
+ * reduce-scatter, all-gather, in-place all-gather and all-to-all (the size
+ * is each rank's send buffer, 1/W of it to each rank) of f32 from 4 KiB to 256 MiB on the
  * communicator it finds (shm under the launcher, mpi under mpirun) and rank 0
  * prints one line per point: "R backend ranks op bytes seconds".
  *   --raw-mpi   OpenMPI's own MPI_Allreduce / MPI_Reduce_scatter_block /
- *               MPI_Allgather instead of luazero's backends (run under mpirun)
+ *               MPI_Allgather / MPI_Alltoall instead of luazero's backends (run under mpirun)
  *   --memcpy    single-thread memcpy of the same sizes (the ceiling), and
  *               single-thread process_vm_readv from another process (the
  *               ceiling of one cross-memory-attach copy, which both shm's
@@ -34,9 +35,9 @@ static int iters_for(size_t bytes) {
 
 /* all_gather_in_place: the send buffer is this rank's shard of the receive
  * buffer (MPI_IN_PLACE; how the ZeRO engine gathers parameters). */
-#define NOPS 4
+#define NOPS 5
 static const char *op_names[NOPS] = {"all_reduce", "reduce_scatter", "all_gather",
-                                     "all_gather_in_place"};
+                                     "all_gather_in_place", "all_to_all"};
 
 static int run_memcpy(size_t max) {
   void *a, *b;
@@ -118,6 +119,7 @@ static int run_raw_mpi(size_t max) {
           else if (op == 1)
             MPI_Reduce_scatter_block(a, b, shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
           else if (op == 2) MPI_Allgather(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
+          else if (op == 4) MPI_Alltoall(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
           else
             MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
         }
@@ -158,6 +160,7 @@ static int run_luazero(size_t max) {
           if (op == 0) st = lz_comm_all_reduce(c, a, count, LZ_F32, LZ_RED_SUM, NULL);
           else if (op == 1) st = lz_comm_reduce_scatter(c, a, b, count, LZ_F32, LZ_RED_SUM, NULL);
           else if (op == 2) st = lz_comm_all_gather(c, a + off, b, count, LZ_F32, NULL);
+          else if (op == 4) st = lz_comm_all_to_all(c, a, b, count / W, LZ_F32, NULL);
           else st = lz_comm_all_gather(c, b + off, b, count, LZ_F32, NULL);
         }
         float t = (float)((now_s() - t0) / it);
