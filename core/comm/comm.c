@@ -268,13 +268,12 @@ lz_status lz_comm_a2a_check(const lz_comm *c, const int64_t *table) {
   return LZ_OK;
 }
 
-/* Backends that move host memory get the all-to-all with the ranks' counts
- * agreed first: one all-gather of every rank's four rows, so a mismatch
- * fails on every rank at once, the same way, instead of leaving the ranks
- * that expect more waiting. (nccl agrees through device memory itself.) */
+/* The all-to-all with the ranks' counts agreed first: one all-gather of
+ * every rank's four rows, so a mismatch fails on every rank at once, the
+ * same way, instead of leaving the ranks that expect more waiting. (shm
+ * folds this into its own first barrier, nccl goes through device memory.) */
 static lz_status run_on_host(lz_comm *c, const lz_coll_args *a) {
-  if (a->kind != LZ_COLL_ALL_TO_ALL || !(c->backend->moves >> LZ_CPU & 1u))
-    return c->ops->run(c, a);
+  if (a->kind != LZ_COLL_ALL_TO_ALL || c->ops->agrees_counts) return c->ops->run(c, a);
   size_t row = 4 * (size_t)c->size;
   int64_t *table = malloc(row * (size_t)c->size * sizeof *table);
   if (!table) return lz_fail(LZ_ERR_NOMEM, "all_to_all: rank %d: out of memory", c->rank);

@@ -28,7 +28,7 @@ typedef struct lz_coll_args {
   /* all_to_all: this rank's send counts, send offsets, receive counts and
    * receive offsets, size entries each; and every rank's four rows (size
    * rows of 4 * size, rank order) as the ranks agreed on them before any
-   * data moved (comm.c fills it for backends that move host memory). */
+   * data moved (comm.c fills it unless the backend agrees itself). */
   const int64_t *v;
   const int64_t *table;
 } lz_coll_args;
@@ -46,6 +46,9 @@ typedef struct lz_comm_backend_ops {
    * Runs while no other operation of the parent does, so it may run the
    * parent's collectives itself (parent->ops->run). */
   lz_status (*group)(lz_comm *parent, lz_comm *child);
+  /* 1: run() agrees on all-to-all counts itself (a->table NULL; it calls
+   * lz_comm_a2a_check); 0: comm.c all-gathers them first. */
+  int agrees_counts;
 } lz_comm_backend_ops;
 
 extern const lz_comm_backend_ops lz_comm_local_ops;

@@ -40,4 +40,4 @@ static lz_status local_group(lz_comm *parent, lz_comm *child) {
   return LZ_OK;
 }
 
-const lz_comm_backend_ops lz_comm_local_ops = {local_init, local_free, local_run, local_group};
+const lz_comm_backend_ops lz_comm_local_ops = {local_init, local_free, local_run, local_group, 0};

@@ -328,4 +328,4 @@ static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
   }
 }
 
-const lz_comm_backend_ops lz_comm_mpi_ops = {mpi_init, mpi_free, mpi_run, mpi_group};
+const lz_comm_backend_ops lz_comm_mpi_ops = {mpi_init, mpi_free, mpi_run, mpi_group, 0};

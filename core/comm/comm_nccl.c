@@ -269,4 +269,4 @@ static lz_status nccl_group(lz_comm *parent, lz_comm *child) {
   return LZ_OK;
 }
 
-const lz_comm_backend_ops lz_comm_nccl_ops = {nccl_init, nccl_free, nccl_run, nccl_group};
+const lz_comm_backend_ops lz_comm_nccl_ops = {nccl_init, nccl_free, nccl_run, nccl_group, 1};

@@ -722,4 +722,4 @@ static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   return segment_path(c, s, a);
 }
 
-const lz_comm_backend_ops lz_comm_shm_ops = {shm_init, shm_free, shm_run, shm_group};
+const lz_comm_backend_ops lz_comm_shm_ops = {shm_init, shm_free, shm_run, shm_group, 1};

@@ -1,7 +1,10 @@
 /* comm_shm_a2a.c — all-to-all (equal and per-peer counts) between the ranks
- * of one shared-memory segment. comm.c has already made the ranks agree on
- * every count (lz_coll_args.table), so every rank knows every message's
- * size and all choose the same path and the same number of rounds:
+ * of one shared-memory segment. First every rank writes its counts and
+ * offsets into its bank and its send buffer's address into its record; after
+ * one barrier every rank reads the whole table and checks it
+ * (lz_comm_a2a_check: a mismatch fails every rank alike, before any data
+ * moves). So every rank knows every message's size, and all choose the same
+ * path and the same number of rounds:
  *   - shared memory: every send buffer is in the job's shared memory; each
  *     rank copies what its peers hold for it straight out of their buffers
  *     (one copy per byte), then a barrier keeps the buffers valid until the
@@ -14,7 +17,7 @@
  * A rank with nothing to send or receive passes the same barriers. */
 #include "comm/comm_shm.h"
 
-#include <stdio.h> /* snprintf via lz_fail */
+#include <stdlib.h> /* malloc */
 
 #define A2A_CMA_MIN (64u << 10) /* the largest message from which process_vm_readv pays */
 
@@ -42,7 +45,7 @@ static size_t send_extent(const lz_coll_args *a, int W, int p, size_t es) {
 
 static lz_status through_segment(lz_comm *c, shm_comm *s, const lz_coll_args *a, size_t most);
 
-/* Publishes this rank's send buffer, then reads the peers' in place: through
+/* Reads the peers' send buffers (published with the counts) in place: through
  * shared memory where every send buffer is in it, else with
  * process_vm_readv where the kernel allows it, else through the segment.
  * Every rank sees the same published buffers, so all choose alike. */
@@ -50,10 +53,6 @@ static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a, cop
                              size_t most) {
   int W = c->size, me = c->rank;
   size_t es = lz_dtype_size(a->dt);
-  shm_rank *r = &s->ranks[me];
-  atomic_store(&r->send, (uint64_t)(uintptr_t)a->send);
-  atomic_store(&r->send_off, lz_shared_offset(a->send));
-  LZ_TRY(shm_barrier(c, s, "all_to_all")); /* every rank has published */
   const uint8_t *view[W];
   int shared = s->direct;
   for (int p = 0; p < W && shared; p++) {
@@ -105,7 +104,35 @@ static lz_status through_segment(lz_comm *c, shm_comm *s, const lz_coll_args *a,
   return LZ_OK;
 }
 
-lz_status shm_all_to_all(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
+static lz_status exchange(lz_comm *c, shm_comm *s, const lz_coll_args *a);
+
+lz_status shm_all_to_all(lz_comm *c, shm_comm *s, const lz_coll_args *in) {
+  int W = c->size, me = c->rank;
+  size_t row = 4 * (size_t)W * sizeof(int64_t);
+  if (row > s->chunk)
+    return lz_fail(LZ_ERR_INVALID, "all_to_all: %d ranks' counts do not fit a bank of %zu bytes; "
+                   "set LZ_SHM_CHUNK to %zu or more", W, s->chunk, row);
+  int64_t *table = malloc(row * (size_t)W);
+  if (!table) return lz_fail(LZ_ERR_NOMEM, "all_to_all: rank %d: out of memory", me);
+  memcpy(shm_bank(s, me, s->bank), in->v, row);
+  atomic_store(&s->ranks[me].send, (uint64_t)(uintptr_t)in->send);
+  atomic_store(&s->ranks[me].send_off, lz_shared_offset(in->send));
+  lz_status st = shm_barrier(c, s, "all_to_all"); /* every rank has published */
+  if (st == LZ_OK) {
+    for (int p = 0; p < W; p++) memcpy(table + (size_t)p * 4 * W, shm_bank(s, p, s->bank), row);
+    s->bank ^= 1;
+    st = lz_comm_a2a_check(c, table);
+  }
+  if (st == LZ_OK) {
+    lz_coll_args a = *in;
+    a.table = table;
+    st = exchange(c, s, &a);
+  }
+  free(table);
+  return st;
+}
+
+static lz_status exchange(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   int W = c->size, me = c->rank;
   size_t es = lz_dtype_size(a->dt), most = 0, total = 0;
   for (int p = 0; p < W; p++)
