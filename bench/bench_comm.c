@@ -9,7 +9,9 @@
  *               single-thread process_vm_readv from another process (the
  *               ceiling of one cross-memory-attach copy, which both shm's
  *               single-copy path and OpenMPI's vader BTL use)
- *   --max BYTES the largest size (default 256 MiB) */
+ *   --max BYTES the largest size (default 256 MiB)
+ *   --min BYTES the smallest size (default 4 KiB)
+ *   --only OP   that operation alone (all_reduce, ..., all_to_all) */
 #define _GNU_SOURCE /* process_vm_readv */
 #include "luazero.h"
 
@@ -27,6 +29,9 @@
 
 /* Timed batches per point; the best is reported (this kind of machine is noisy). */
 #define BATCHES 3
+
+static size_t min_bytes = 4096;
+static const char *only; /* NULL: every operation */
 
 static int iters_for(size_t bytes) {
   size_t it = ((size_t)1536 << 20) / bytes;
@@ -103,9 +108,10 @@ static int run_raw_mpi(size_t max) {
   MPI_Comm_size(MPI_COMM_WORLD, &W);
   float *a, *b;
   if (two_buffers(&a, &b, max)) return 1;
-  for (size_t n = 4096; n <= max; n *= 4) {
+  for (size_t n = min_bytes; n <= max; n *= 4) {
     int count = (int)(n / 4), shard = count / W;
     for (int op = 0; op < NOPS; op++) {
+      if (only && strcmp(only, op_names[op])) continue;
       int it = (iters_for(n) + BATCHES - 1) / BATCHES;
       double best = 1e30;
       for (int batch = 0; batch < BATCHES; batch++) {
@@ -143,10 +149,11 @@ static int run_luazero(size_t max) {
   int rank = lz_comm_rank(c), W = lz_comm_size(c);
   float *a, *b;
   if (two_buffers(&a, &b, max)) return 1;
-  for (size_t n = 4096; n <= max; n *= 4) {
+  for (size_t n = min_bytes; n <= max; n *= 4) {
     int64_t count = (int64_t)(n / 4), off, len;
     lz_comm_shard(count, W, rank, &off, &len);
     for (int op = 0; op < NOPS; op++) {
+      if (only && strcmp(only, op_names[op])) continue;
       int it = (iters_for(n) + BATCHES - 1) / BATCHES;
       float best = 1e30f;
       for (int batch = 0; batch < BATCHES; batch++) {
@@ -188,6 +195,8 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--raw-mpi")) raw = 1;
     else if (!strcmp(argv[i], "--memcpy")) mcp = 1;
     else if (!strcmp(argv[i], "--max") && i + 1 < argc) max = (size_t)atoll(argv[++i]);
+    else if (!strcmp(argv[i], "--min") && i + 1 < argc) min_bytes = (size_t)atoll(argv[++i]);
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
       fprintf(stderr, "bench_comm: unknown argument %s\n", argv[i]);
       return 2;
