@@ -530,7 +530,8 @@ lz_status lz_comm_all_to_all(lz_comm *c, const void *send, void *recv, int64_t c
  * elements; copied, so they may be freed once the call returns). A rank with
  * nothing to send or receive still calls it. Before any data moves the ranks
  * agree on every count: where rank q's recv_counts[p] differs from rank p's
- * send_counts[q], every rank fails with LZ_ERR_INVALID naming p and q. The
+ * send_counts[q], every rank fails with LZ_ERR_INVALID naming p and q (and
+ * the communicator stays usable: the ranks are still in step). The
  * receive ranges must not overlap each other or the send buffer. */
 lz_status lz_comm_all_to_all_v(lz_comm *c, const void *send, const int64_t *send_counts,
                                const int64_t *send_offsets, void *recv,

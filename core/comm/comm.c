@@ -280,6 +280,11 @@ static lz_status run_on_host(lz_comm *c, const lz_coll_args *a) {
   lz_coll_args g = {LZ_COLL_ALL_GATHER, a->v, table, (int64_t)(2 * row) * c->size, LZ_I32,
                     LZ_RED_SUM, 0, 0, 0, NULL, NULL};
   lz_status st = c->ops->run(c, &g);
+  if (st != LZ_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", lz_last_error());
+    st = lz_fail(st, "all_to_all (sharing the counts): %s", why);
+  }
   if (st == LZ_OK) st = lz_comm_a2a_check(c, table);
   if (st == LZ_OK) {
     lz_coll_args b = *a;
@@ -312,9 +317,11 @@ static lz_status run_coll(lz_comm *c, const lz_coll_args *a) {
   return run_on_host(c, &h);
 }
 
-/* Caller holds c->mu. */
+/* Caller holds c->mu. LZ_ERR_INVALID from a backend is a refusal every
+ * rank made alike (all-to-all counts that disagree): the ranks are still in
+ * step, so the communicator stays usable. */
 static void mark_broken(lz_comm *c, lz_status st, const char *msg) {
-  if (c->broken) return;
+  if (c->broken || st == LZ_ERR_INVALID) return;
   c->broken = st;
   snprintf(c->broken_msg, sizeof c->broken_msg, "%.1000s", msg);
 }
@@ -656,7 +663,7 @@ static lz_status hold(lz_comm *c, const char *op) {
 
 static void release(lz_comm *c, lz_status st) {
   pthread_mutex_lock(&c->mu);
-  if (st != LZ_OK && st != LZ_ERR_INVALID) mark_broken(c, st, lz_last_error());
+  if (st != LZ_OK) mark_broken(c, st, lz_last_error());
   c->busy = 0;
   pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);

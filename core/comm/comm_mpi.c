@@ -35,6 +35,10 @@ static pthread_mutex_t mpi_mu = PTHREAD_MUTEX_INITIALIZER;
     lz_rc_;                                                                                        \
   })
 
+/* Communicators alive (the world's and its groups'), and whether one of
+ * them initialised MPI: the last one freed finalises it, whatever the order. */
+static int mpi_live, mpi_finalize, mpi_broken;
+
 typedef struct mpi_comm {
   MPI_Comm comm;
   int own_init;
@@ -100,6 +104,7 @@ static lz_status setup(lz_comm *c, mpi_comm *m) {
     return lz_fail(LZ_ERR_NOMEM, "mpi: out of memory for %zu bytes of staging", want);
   }
   c->impl = m;
+  mpi_live++;
   return LZ_OK;
 }
 
@@ -111,10 +116,10 @@ static void mpi_free(lz_comm *c) {
   free(m->peer);
   /* After a failed collective, requests may still be pending: finalizing
    * could hang, so leave it to the process exit (mpirun then stops the job). */
-  if (!c->broken) {
-    LOCKED(MPI_Comm_free(&m->comm));
-    if (m->own_init) MPI_Finalize();
-  }
+  mpi_finalize |= m->own_init;
+  mpi_broken |= c->broken != LZ_OK;
+  if (!c->broken) LOCKED(MPI_Comm_free(&m->comm));
+  if (--mpi_live == 0 && mpi_finalize && !mpi_broken) MPI_Finalize();
   free(m);
   c->impl = NULL;
 }

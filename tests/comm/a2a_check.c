@@ -14,13 +14,16 @@
  * With --hashes rank 0 prints one line per all-to-all case (the xor of every
  * rank's result hash) so run.sh can compare backends and paths.
  *
- *   a2a_check [--hashes] [--buffers shared|private] */
+ *   a2a_check [--hashes] [--buffers shared|private]
+ *   a2a_check --never-join R    rank R skips an all_to_all_v; the others must
+ *                               fail with the timeout error naming it */
 #include "luazero.h"
 
 #include <stdio.h>  /* printf */
 #include <stdlib.h> /* malloc */
 #include <string.h> /* memcmp, strstr */
 #include <time.h>   /* clock_gettime */
+#include <unistd.h> /* sleep */
 
 static int rank, world, failures, cases, print_hash;
 static lz_comm *comm;
@@ -326,7 +329,7 @@ static void expect_error(lz_status st, const char *what, const char *needle, dou
 static void mismatches(void) {
   if (world < 2) return;
   /* Counts that disagree: rank 1 expects one element more from rank 0 than
-   * rank 0 sends. On a group of everyone, so the world stays usable. */
+   * rank 0 sends; on a group of everyone. */
   int all[4];
   for (int p = 0; p < world; p++) all[p] = p;
   lz_comm *g = group_of(all, world, "mismatch group");
@@ -341,6 +344,10 @@ static void mismatches(void) {
   double t0 = now_s();
   lz_status st = lz_comm_all_to_all_v(g, send, sc, so, recv, rc, ro, LZ_F32, NULL);
   expect_error(st, "all_to_all_v counts", "rank 0 sends 2 elements to rank 1, which expects 3", t0);
+  rc[0] = 2; /* every rank refused alike, so the group is still usable */
+  cases++;
+  if (lz_comm_all_to_all_v(g, send, sc, so, recv, rc, ro, LZ_F32, NULL) != LZ_OK)
+    FAIL("all_to_all_v after the refused counts: %s", lz_last_error());
   lz_comm_free(g);
   /* Group lists that disagree: rank 0 puts rank 1 in its group, rank 1
    * forms a group alone. Then a list without the caller. Then the world
@@ -361,10 +368,30 @@ static void mismatches(void) {
     FAIL("world all_reduce after the refused groups: %g (%s)", one, lz_last_error());
 }
 
+static int never_join(int who) {
+  if (rank == who) {
+    sleep(60); /* the others must give up long before */
+    return 0;
+  }
+  int64_t one[4] = {1, 1, 1, 1}, at[4] = {0, 1, 2, 3};
+  float send[4] = {0}, recv[4];
+  double t0 = now_s();
+  lz_status st = lz_comm_all_to_all_v(comm, send, one, at, recv, one, at, LZ_F32, NULL);
+  if (st == LZ_ERR_TIMEOUT) {
+    fprintf(stderr, "rank %d: timed out after %.1f s: %s\n", rank, now_s() - t0, lz_last_error());
+    return 3;
+  }
+  fprintf(stderr, "rank %d: expected a timeout, got %s: %s\n", rank, lz_status_name(st),
+          lz_last_error());
+  return 4;
+}
+
 int main(int argc, char **argv) {
   setvbuf(stdout, NULL, _IOLBF, 0);
+  int never = -1;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--hashes")) print_hash = 1;
+    else if (!strcmp(argv[i], "--never-join") && i + 1 < argc) never = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--buffers") && i + 1 < argc && !strcmp(argv[i + 1], "private"))
       category = LZ_MEM_WORKSPACE, i++;
     else if (!strcmp(argv[i], "--buffers") && i + 1 < argc && !strcmp(argv[i + 1], "shared"))
@@ -384,6 +411,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "a2a_check: at most 4 ranks (got %d)\n", world);
     return 2;
   }
+  if (never >= 0) return never_join(never);
   double t0 = now_s();
   all_to_all_cases();
   groups();

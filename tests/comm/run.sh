@@ -77,6 +77,23 @@ for launch in shm mpi; do
     ok "$launch: luazero.comm all_to_all, all_to_all_v (host and sim buffers) and groups, 2 ranks"
   else bad "$launch: luazero.comm all-to-all and groups" "$TMP/a2a_lua_$launch"; fi
 done
+
+# A rank that never joins an all-to-all: the others time out naming it.
+t0=$(now)
+LZ_COMM_TIMEOUT=2 "$BIN/lz_run" -n 3 "$BIN/a2a_check" --never-join 2 > "$TMP/a2a_never" 2>&1
+code=$?
+dt=$(echo "$(now) - $t0" | bc)
+if [ $code -ne 0 ] && [ "$(echo "$dt < 15" | bc)" = 1 ] &&
+   grep -q "all_to_all: rank 0 waited .* for ranks 2" "$TMP/a2a_never"; then
+  ok "shm: a rank that never joins an all-to-all: timeout naming it, exit $code in ${dt%????} s"
+else bad "shm: a rank that never joins an all-to-all (exit $code after $dt s)" "$TMP/a2a_never"; fi
+LZ_COMM_TIMEOUT=2 timeout 60 $MPIRUN -np 3 -x LZ_COMM_TIMEOUT "$BIN/a2a_check" --never-join 2 > "$TMP/a2a_mnever" 2>&1
+code=$?
+if [ $code -ne 0 ] && [ $code -ne 124 ] &&
+   grep -q "all_to_all (sharing the counts): all_gather: rank [01] waited .* for ranks 2" "$TMP/a2a_mnever"; then
+  ok "mpi: a rank that never joins an all-to-all: timeout naming it, exit $code"
+else bad "mpi: a rank that never joins an all-to-all (exit $code)" "$TMP/a2a_mnever"; fi
+
 # Under AddressSanitizer and UBSan, where the debug build is there
 # (make -C build config=debug a2a_check lz_run): every path, no report.
 DBG=$(dirname "$BIN")/debug/bin
