@@ -308,6 +308,21 @@ static void groups(void) {
   for (int p = 0; p < world; p++) rev[p] = world - 1 - p;
   if ((g = group_of(rev, world, "whole world, reversed"))) {
     exercise(g, rev, world, 2, "whole world, reversed");
+    /* A group of that group: pairs of its ranks (world ranks 3 2 and 1 0). */
+    if (world % 2 == 0) {
+      int me = lz_comm_rank(g), pair[2] = {me / 2 * 2, me / 2 * 2 + 1}, wpair[2];
+      for (int i = 0; i < 2; i++) wpair[i] = rev[pair[i]];
+      lz_comm *sub = NULL;
+      if (lz_comm_group_new(g, pair, 2, &sub) != LZ_OK)
+        FAIL("group of a group: %s", lz_last_error());
+      else {
+        if (lz_comm_parent_rank(sub, 1) != pair[1] || lz_comm_rank(sub) != me % 2)
+          FAIL("group of a group: rank %d, parent rank of 1 is %d", lz_comm_rank(sub),
+               lz_comm_parent_rank(sub, 1));
+        exercise(sub, wpair, 2, 2, "group of a group");
+        lz_comm_free(sub);
+      }
+    }
     lz_comm_free(g);
   }
   (void)all;
