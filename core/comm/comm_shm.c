@@ -180,6 +180,11 @@ static lz_status wait_all(lz_comm *c, shm_comm *s, uint64_t target, const char *
   }
 }
 
+void shm_arrive(lz_comm *c, shm_comm *s) { arrive(s, c->rank); }
+lz_status shm_wait(lz_comm *c, shm_comm *s, const char *op) {
+  return wait_all(c, s, s->step, op);
+}
+
 lz_status shm_barrier(lz_comm *c, shm_comm *s, const char *op) {
   arrive(s, c->rank);
   return wait_all(c, s, s->step, op);

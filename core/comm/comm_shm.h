@@ -75,6 +75,10 @@ size_t shm_stream_min(void);
 /* Every rank of the segment reaches this point, or the error names the
  * missing ones (timeout, a rank that exited or left). */
 lz_status shm_barrier(lz_comm *c, shm_comm *s, const char *op);
+/* A barrier in two halves, so that work in between overlaps the peers':
+ * this rank arrives, then waits for the others to arrive too. */
+void shm_arrive(lz_comm *c, shm_comm *s);
+lz_status shm_wait(lz_comm *c, shm_comm *s, const char *op);
 /* Copies `bytes` at address `remote` of rank p into `local` (process_vm_readv). */
 lz_status shm_cma_read(lz_comm *c, shm_comm *s, int p, void *local, uint64_t remote,
                        size_t bytes, const char *op);

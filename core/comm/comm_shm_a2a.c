@@ -45,6 +45,15 @@ static size_t send_extent(const lz_coll_args *a, int W, int p, size_t es) {
 
 static lz_status through_segment(lz_comm *c, shm_comm *s, const lz_coll_args *a, size_t most);
 
+/* This rank's part for itself, send to recv. */
+static void copy_own(lz_comm *c, const lz_coll_args *a, copy_fn copy) {
+  int W = c->size, me = c->rank;
+  size_t es = lz_dtype_size(a->dt), own = (size_t)a->v[me] * es;
+  if (own)
+    copy((uint8_t *)a->recv + (size_t)a->v[3 * W + me] * es,
+         (const uint8_t *)a->send + (size_t)a->v[W + me] * es, own);
+}
+
 /* Reads the peers' send buffers (published with the counts) in place: through
  * shared memory where every send buffer is in it, else with
  * process_vm_readv where the kernel allows it, else through the segment.
@@ -63,7 +72,10 @@ static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a, cop
                   : lz_shared_view(shm_launcher_rank(s, p), (size_t)off, bytes);
     shared = view[p] != NULL || !bytes;
   }
-  if (!shared && !s->cma) return through_segment(c, s, a, most);
+  if (!shared && !s->cma) {
+    copy_own(c, a, copy);
+    return through_segment(c, s, a, most);
+  }
   uint8_t *recv = a->recv;
   const int64_t *rc = a->v + 2 * W, *ro = a->v + 3 * W;
   for (int i = 1; i < W; i++) { /* start at the next rank: the ranks read different peers */
@@ -75,7 +87,9 @@ static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a, cop
       LZ_TRY(shm_cma_read(c, s, p, recv + (size_t)ro[p] * es, atomic_load(&s->ranks[p].send) + at,
                           n, "all_to_all"));
   }
-  return shm_barrier(c, s, "all_to_all"); /* every peer has read this rank's buffer */
+  shm_arrive(c, s); /* this rank has read its peers: its own part overlaps their reading */
+  copy_own(c, a, copy);
+  return shm_wait(c, s, "all_to_all"); /* every peer has read this rank's buffer */
 }
 
 static lz_status through_segment(lz_comm *c, shm_comm *s, const lz_coll_args *a, size_t most) {
@@ -142,11 +156,9 @@ static lz_status exchange(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
       if (q == me) total += n;
     }
   copy_fn copy = total >= shm_stream_min() ? copy_stream : memcpy;
-  size_t own = (size_t)a->v[me] * es;
-  if (own)
-    copy((uint8_t *)a->recv + (size_t)a->v[3 * W + me] * es,
-         (const uint8_t *)a->send + (size_t)a->v[W + me] * es, own);
+  if (most && (s->direct || (s->cma && most >= A2A_CMA_MIN)))
+    return single_copy(c, s, a, copy, most); /* its own part after the peers' */
+  copy_own(c, a, copy);
   if (most == 0) return LZ_OK; /* every rank sees the same table: none waits for another */
-  if (s->direct || (s->cma && most >= A2A_CMA_MIN)) return single_copy(c, s, a, copy, most);
   return through_segment(c, s, a, most);
 }
