@@ -108,6 +108,13 @@ struct lz_comm {
 
 const char *lz_coll_name(lz_coll_kind kind); /* "all_reduce", ... for messages */
 
+/* No other operation of c runs between hold and release: the caller may run
+ * c's collectives itself (c->ops->run), in order with the queued ones.
+ * release marks c unusable after a failure other than a refusal every rank
+ * made alike (LZ_ERR_INVALID). */
+lz_status lz_comm_hold(lz_comm *c, const char *op);
+void lz_comm_release(lz_comm *c, lz_status st);
+
 /* The start of an all_gather on the host: every rank's shard of a->count
  * (off and len, world entries each) and this rank's own shard moved from
  * send to its place in recv (unless it is there already). */
