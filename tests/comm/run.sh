@@ -100,10 +100,10 @@ DBG=$(dirname "$BIN")/debug/bin
 if [ -x "$DBG/a2a_check" ] && [ -x "$DBG/lz_run" ]; then
   for mode in shared private segment; do
     envs=; args=; [ $mode != shared ] && args="--buffers private"; [ $mode = segment ] && envs="LZ_SHM_CMA=0"
-    env $envs ASAN_OPTIONS=detect_leaks=1 "$DBG/lz_run" -n 3 "$DBG/a2a_check" $args > "$TMP/a2a_asan_$mode" 2>&1
+    env $envs ASAN_OPTIONS=detect_leaks=1 "$DBG/lz_run" -n 4 "$DBG/a2a_check" $args > "$TMP/a2a_asan_$mode" 2>&1
     if grep -q "all passed" "$TMP/a2a_asan_$mode" && ! grep -q -E "ERROR: AddressSanitizer|runtime error" "$TMP/a2a_asan_$mode"; then
-      ok "all-to-all and groups under AddressSanitizer, shm $mode, 3 ranks"
-    else bad "all-to-all and groups under AddressSanitizer, shm $mode, 3 ranks" "$TMP/a2a_asan_$mode"; fi
+      ok "all-to-all and groups under AddressSanitizer, shm $mode, 4 ranks"
+    else bad "all-to-all and groups under AddressSanitizer, shm $mode, 4 ranks" "$TMP/a2a_asan_$mode"; fi
   done
 fi
 
