@@ -39,7 +39,8 @@ done
 
 # --- all-to-all and sub-groups (a2a_check): shm and mpi at 1-4 ranks, the
 # local backend, and every shm path (shared memory, process_vm_readv, the
-# segment) bitwise equal; count and group-list mismatches fail on every rank
+# segment, non-temporal copies at every size) bitwise equal; count and
+# group-list mismatches fail on every rank
 for w in 1 2 3 4; do
   "$BIN/lz_run" -n $w "$BIN/a2a_check" --hashes > "$TMP/a2a_shm$w" 2>&1
   $MPIRUN -np $w "$BIN/a2a_check" --hashes > "$TMP/a2a_mpi$w" 2>&1
@@ -55,9 +56,11 @@ if grep -q "backend local, 1 ranks: .* all passed" "$TMP/a2a_local" &&
   ok "all-to-all and groups, local backend bitwise equal to shm"
 else bad "all-to-all and groups, local backend" "$TMP/a2a_local"; fi
 for w in 2 4; do
-  for mode in cma segment; do
-    envs=; [ $mode = segment ] && envs="LZ_SHM_CMA=0"
-    env $envs "$BIN/lz_run" -n $w "$BIN/a2a_check" --hashes --buffers private > "$TMP/a2a_$mode$w" 2>&1
+  for mode in cma segment stream; do
+    envs=; args="--buffers private"
+    [ $mode = segment ] && envs="LZ_SHM_CMA=0"
+    [ $mode = stream ] && envs="LZ_SHM_STREAM_MIN=1" && args=
+    env $envs "$BIN/lz_run" -n $w "$BIN/a2a_check" --hashes $args > "$TMP/a2a_$mode$w" 2>&1
     if grep -q "all passed" "$TMP/a2a_$mode$w" &&
        [ "$(grep '^hash' "$TMP/a2a_$mode$w")" = "$(cat "$TMP/h_a2a_shm$w")" ]; then
       ok "all-to-all and groups, shm through $mode bitwise equal, $w ranks"
