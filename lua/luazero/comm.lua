@@ -13,6 +13,8 @@
 --   comm.all_to_all_v(send, { 3, 0 }, recv, { 2, 5 }) -- elements to / from each rank
 --   local g = comm.group({ 0, 1 })                 -- ranks of this communicator
 --   g:all_reduce(t); g:all_to_all_v(...); g:free() -- every collective, on the group
+-- comm.world() is the process's communicator as such an object (comm.X(...)
+-- is comm.world():X(...)), for code that takes a communicator or a group.
 local bit = require("bit")
 local ffi = require("ffi")
 local lz = require("luazero")
