@@ -170,6 +170,7 @@ local function comm_tool(name, file)
 end
 comm_tool("lz_run", "tests/comm/lz_run.c")
 comm_tool("comm_check", "tests/comm/comm_check.c")
+comm_tool("a2a_check", "tests/comm/a2a_check.c")
 comm_tool("bench_comm", "bench/bench_comm.c")
 project "bench_comm"
   libdirs { mpi_lib }

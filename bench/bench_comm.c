@@ -1,14 +1,17 @@
 /* bench_comm.c — one side of bench/bench-comm: times all-reduce (sum),
- * reduce-scatter, all-gather and in-place all-gather of f32 from 4 KiB to 256 MiB on the
+ * reduce-scatter, all-gather, in-place all-gather and all-to-all (the size
+ * is each rank's send buffer, 1/W of it to each rank) of f32 from 4 KiB to 256 MiB on the
  * communicator it finds (shm under the launcher, mpi under mpirun) and rank 0
  * prints one line per point: "R backend ranks op bytes seconds".
  *   --raw-mpi   OpenMPI's own MPI_Allreduce / MPI_Reduce_scatter_block /
- *               MPI_Allgather instead of luazero's backends (run under mpirun)
+ *               MPI_Allgather / MPI_Alltoall instead of luazero's backends (run under mpirun)
  *   --memcpy    single-thread memcpy of the same sizes (the ceiling), and
  *               single-thread process_vm_readv from another process (the
  *               ceiling of one cross-memory-attach copy, which both shm's
  *               single-copy path and OpenMPI's vader BTL use)
- *   --max BYTES the largest size (default 256 MiB) */
+ *   --max BYTES the largest size (default 256 MiB)
+ *   --min BYTES the smallest size (default 4 KiB)
+ *   --only OP   that operation alone (all_reduce, ..., all_to_all) */
 #define _GNU_SOURCE /* process_vm_readv */
 #include "luazero.h"
 
@@ -27,6 +30,9 @@
 /* Timed batches per point; the best is reported (this kind of machine is noisy). */
 #define BATCHES 3
 
+static size_t min_bytes = 4096;
+static const char *only; /* NULL: every operation */
+
 static int iters_for(size_t bytes) {
   size_t it = ((size_t)1536 << 20) / bytes;
   return it < 6 ? 6 : it > 300 ? 300 : (int)it;
@@ -34,9 +40,9 @@ static int iters_for(size_t bytes) {
 
 /* all_gather_in_place: the send buffer is this rank's shard of the receive
  * buffer (MPI_IN_PLACE; how the ZeRO engine gathers parameters). */
-#define NOPS 4
+#define NOPS 5
 static const char *op_names[NOPS] = {"all_reduce", "reduce_scatter", "all_gather",
-                                     "all_gather_in_place"};
+                                     "all_gather_in_place", "all_to_all"};
 
 static int run_memcpy(size_t max) {
   void *a, *b;
@@ -102,9 +108,10 @@ static int run_raw_mpi(size_t max) {
   MPI_Comm_size(MPI_COMM_WORLD, &W);
   float *a, *b;
   if (two_buffers(&a, &b, max)) return 1;
-  for (size_t n = 4096; n <= max; n *= 4) {
+  for (size_t n = min_bytes; n <= max; n *= 4) {
     int count = (int)(n / 4), shard = count / W;
     for (int op = 0; op < NOPS; op++) {
+      if (only && strcmp(only, op_names[op])) continue;
       int it = (iters_for(n) + BATCHES - 1) / BATCHES;
       double best = 1e30;
       for (int batch = 0; batch < BATCHES; batch++) {
@@ -118,6 +125,7 @@ static int run_raw_mpi(size_t max) {
           else if (op == 1)
             MPI_Reduce_scatter_block(a, b, shard, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
           else if (op == 2) MPI_Allgather(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
+          else if (op == 4) MPI_Alltoall(a, shard, MPI_FLOAT, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
           else
             MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, b, shard, MPI_FLOAT, MPI_COMM_WORLD);
         }
@@ -141,10 +149,11 @@ static int run_luazero(size_t max) {
   int rank = lz_comm_rank(c), W = lz_comm_size(c);
   float *a, *b;
   if (two_buffers(&a, &b, max)) return 1;
-  for (size_t n = 4096; n <= max; n *= 4) {
+  for (size_t n = min_bytes; n <= max; n *= 4) {
     int64_t count = (int64_t)(n / 4), off, len;
     lz_comm_shard(count, W, rank, &off, &len);
     for (int op = 0; op < NOPS; op++) {
+      if (only && strcmp(only, op_names[op])) continue;
       int it = (iters_for(n) + BATCHES - 1) / BATCHES;
       float best = 1e30f;
       for (int batch = 0; batch < BATCHES; batch++) {
@@ -158,6 +167,7 @@ static int run_luazero(size_t max) {
           if (op == 0) st = lz_comm_all_reduce(c, a, count, LZ_F32, LZ_RED_SUM, NULL);
           else if (op == 1) st = lz_comm_reduce_scatter(c, a, b, count, LZ_F32, LZ_RED_SUM, NULL);
           else if (op == 2) st = lz_comm_all_gather(c, a + off, b, count, LZ_F32, NULL);
+          else if (op == 4) st = lz_comm_all_to_all(c, a, b, count / W, LZ_F32, NULL);
           else st = lz_comm_all_gather(c, b + off, b, count, LZ_F32, NULL);
         }
         float t = (float)((now_s() - t0) / it);
@@ -185,6 +195,8 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--raw-mpi")) raw = 1;
     else if (!strcmp(argv[i], "--memcpy")) mcp = 1;
     else if (!strcmp(argv[i], "--max") && i + 1 < argc) max = (size_t)atoll(argv[++i]);
+    else if (!strcmp(argv[i], "--min") && i + 1 < argc) min_bytes = (size_t)atoll(argv[++i]);
+    else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
     else {
       fprintf(stderr, "bench_comm: unknown argument %s\n", argv[i]);
       return 2;

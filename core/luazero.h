@@ -538,7 +538,8 @@ typedef enum lz_coll_kind {
   LZ_COLL_ALL_GATHER = 2,
   LZ_COLL_BROADCAST = 3,
   LZ_COLL_BARRIER = 4,
-  LZ_COLL_COUNT = 5
+  LZ_COLL_ALL_TO_ALL = 5, /* all_to_all and all_to_all_v */
+  LZ_COLL_COUNT = 6
 } lz_coll_kind;
 
 typedef struct lz_comm lz_comm;
@@ -582,13 +583,45 @@ lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t c
 lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,
                             lz_work **work);
 lz_status lz_comm_barrier(lz_comm *c);
+/* send: `count` elements for each rank, in rank order; recv: `count` from
+ * each rank, in rank order (W * count elements each). */
+lz_status lz_comm_all_to_all(lz_comm *c, const void *send, void *recv, int64_t count,
+                             lz_dtype dt, lz_work **work);
+/* The token exchange of expert parallelism: send_counts[p] elements at
+ * send + send_offsets[p] go to rank p; recv_counts[p] elements from rank p
+ * land at recv + recv_offsets[p] (arrays of lz_comm_size entries, counted in
+ * elements; copied, so they may be freed once the call returns). A rank with
+ * nothing to send or receive still calls it. Before any data moves the ranks
+ * agree on every count: where rank q's recv_counts[p] differs from rank p's
+ * send_counts[q], every rank fails with LZ_ERR_INVALID naming p and q (and
+ * the communicator stays usable: the ranks are still in step). The
+ * receive ranges must not overlap each other or the send buffer. */
+lz_status lz_comm_all_to_all_v(lz_comm *c, const void *send, const int64_t *send_counts,
+                               const int64_t *send_offsets, void *recv,
+                               const int64_t *recv_counts, const int64_t *recv_offsets,
+                               lz_dtype dt, lz_work **work);
+
+/* A sub-group of `parent`'s ranks (expert-parallel and expert-data-parallel
+ * groups): a communicator of its own, on the parent's backend, that every
+ * collective above runs on; its rank is this rank's index in `ranks`.
+ * Collective over the parent: every parent rank calls it with the list of
+ * the group it joins (parent ranks, ascending or not; the lists partition the
+ * parent's ranks). Lists that disagree (rank q missing from, or listing
+ * differently from, a group that names it) fail on every rank, naming them.
+ * Disjoint groups run concurrently; free a group with lz_comm_free, before
+ * its parent. */
+lz_status lz_comm_group_new(lz_comm *parent, const int *ranks, int n, lz_comm **out);
+/* The parent rank of this communicator's rank r (a group's list; identity
+ * for a communicator made by lz_comm_init). */
+int lz_comm_parent_rank(const lz_comm *c, int r);
 
 lz_status lz_work_wait(lz_work *w); /* waits, then frees the handle */
 lz_status lz_work_test(lz_work *w, int *done);
 
 /* Bytes this rank sent, per kind, counted as nccl-tests' bus volume:
  * all-reduce 2(W-1)/W*n, reduce-scatter and all-gather (W-1)/W*n, broadcast n
- * (root) — n being the full buffer in bytes. */
+ * (root) — n being the full buffer in bytes; all-to-all: the bytes this
+ * rank sends to other ranks. */
 uint64_t lz_comm_bytes(const lz_comm *c, lz_coll_kind kind);
 void lz_comm_bytes_reset(lz_comm *c);
 const char *lz_coll_kind_name(lz_coll_kind kind);

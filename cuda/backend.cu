@@ -201,5 +201,8 @@ extern "C" const lz_backend *lz_cuda_backend(void) {
   table.nccl_init = lz_cu_nccl_init;
   table.nccl_free = lz_cu_nccl_free;
   table.nccl_run = lz_cu_nccl_run;
+  table.nccl_gather_counts = lz_cu_nccl_gather_counts;
+  table.nccl_all_to_all = lz_cu_nccl_all_to_all;
+  table.nccl_split = lz_cu_nccl_split;
   return &table;
 }

@@ -78,5 +78,10 @@ void lz_cu_nccl_free(void *nc, int abort);
 lz_status lz_cu_nccl_run(void *nc, lz_coll_kind kind, const void *send, void *recv,
                          int64_t count, lz_dtype dt, lz_reduce_op op, int root,
                          double timeout_s);
+lz_status lz_cu_nccl_gather_counts(void *nc, const int64_t *row, int64_t *table, int n,
+                                   double timeout_s);
+lz_status lz_cu_nccl_all_to_all(void *nc, const void *send, void *recv, const int64_t *v,
+                                lz_dtype dt, double timeout_s);
+lz_status lz_cu_nccl_split(void *nc, int color, int key, int size, void **out);
 
 #endif  // LZ_CUDA_H

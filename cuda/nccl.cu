@@ -11,6 +11,8 @@
 // Shards that do not divide evenly (lz_comm_shard gives the first count %
 // size ranks one element more) go through grouped per-rank reduce or
 // broadcast calls; even ones through ncclReduceScatter / ncclAllGather.
+// All-to-all is grouped ncclSend/ncclRecv, after the ranks' counts went
+// through an all-gather (comm_nccl.c checks them); a group is ncclCommSplit.
 #include "lz_cuda.h"
 
 #include <nccl.h>    // the whole file
@@ -73,6 +75,8 @@ lz_status lz_cu_nccl_get_id(void *id) {
   return LZ_OK;
 }
 
+static lz_status joined(nccl_comm *c, lz_status st, void **out);
+
 lz_status lz_cu_nccl_init(void **out, const void *id, int rank, int size) {
   *out = NULL;
   nccl_comm *c = (nccl_comm *)calloc(1, sizeof *c);
@@ -86,6 +90,12 @@ lz_status lz_cu_nccl_init(void **out, const void *id, int rank, int size) {
   lz_status st = LZ_OK;
   ncclResult_t r = ncclCommInitRankConfig(&c->comm, size, u, rank, &config);
   if (r != ncclSuccess && r != ncclInProgress) st = nccl_fail(r, "ncclCommInitRankConfig", __FILE__, __LINE__);
+  return joined(c, st, out);
+}
+
+// The rest of a new communicator (init or split): wait for it, its events
+// and the barrier's float. Frees c on failure.
+static lz_status joined(nccl_comm *c, lz_status st, void **out) {
   const char *ts = getenv("LZ_COMM_TIMEOUT");
   double timeout = ts && atof(ts) > 0 ? atof(ts) : 300.0;
   if (st == LZ_OK) st = wait_comm(c, "joining the communicator", now_s() + timeout);
@@ -184,18 +194,32 @@ static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void
   return LZ_OK;
 }
 
+static lz_status start(nccl_comm *c, const char *what);
+static lz_status finish(nccl_comm *c, const char *what, double deadline, double timeout_s);
+
 lz_status lz_cu_nccl_run(void *p, lz_coll_kind kind, const void *send, void *recv,
                                     int64_t count, lz_dtype dt, lz_reduce_op op, int root,
                                     double timeout_s) {
   nccl_comm *c = (nccl_comm *)p;
   const char *what = lz_coll_kind_name(kind);
+  const double deadline = now_s() + timeout_s;
+  LZ_TRY(start(c, what));
+  LZ_TRY(enqueue(c, kind, send, recv, count, dt, op, root));
+  return finish(c, what, deadline, timeout_s);
+}
+
+// The communication stream waits for the compute stream's work so far.
+static lz_status start(nccl_comm *c, const char *what) {
   if (!c->comm)
     return lz_fail(LZ_ERR_COMM, "nccl: %s: rank %d: the communicator was aborted earlier", what,
                    c->rank);
-  const double deadline = now_s() + timeout_s;
   CUDA_CHECK(cudaEventRecord(c->ready, LZ_CU_COMPUTE));
   CUDA_CHECK(cudaStreamWaitEvent(lz_cu_stream[LZ_STREAM_COMM], c->ready, 0));
-  LZ_TRY(enqueue(c, kind, send, recv, count, dt, op, root));
+  return LZ_OK;
+}
+
+// Waits for what was enqueued on the communication stream, with the deadline.
+static lz_status finish(nccl_comm *c, const char *what, double deadline, double timeout_s) {
   LZ_TRY(wait_comm(c, what, deadline));
   CUDA_CHECK(cudaEventRecord(c->done, lz_cu_stream[LZ_STREAM_COMM]));
   // Kernels queued from here on run after the collective.
@@ -222,4 +246,64 @@ lz_status lz_cu_nccl_run(void *p, lz_coll_kind kind, const void *send, void *rec
     sched_yield();
   }
   return LZ_OK;
+}
+
+lz_status lz_cu_nccl_gather_counts(void *p, const int64_t *row, int64_t *table, int n,
+                                   double timeout_s) {
+  nccl_comm *c = (nccl_comm *)p;
+  const double deadline = now_s() + timeout_s;
+  cudaStream_t s = lz_cu_stream[LZ_STREAM_COMM];
+  int64_t *d = NULL;
+  size_t bytes = sizeof(int64_t) * (size_t)n;
+  if (cudaMalloc(&d, bytes * (size_t)(c->size + 1)) != cudaSuccess) {
+    cudaGetLastError();
+    return lz_fail(LZ_ERR_NOMEM, "nccl: all_to_all: rank %d: no device memory for the counts",
+                   c->rank);
+  }
+  lz_status st = start(c, "all_to_all");
+  if (st == LZ_OK && cudaMemcpyAsync(d, row, bytes, cudaMemcpyHostToDevice, s) != cudaSuccess)
+    st = lz_fail(LZ_ERR_INTERNAL, "nccl: all_to_all: copying the counts to the device failed");
+  ncclResult_t r = st == LZ_OK ? ncclAllGather(d, d + n, bytes, ncclUint8, c->comm, s) : ncclSuccess;
+  if (r != ncclSuccess && r != ncclInProgress) st = nccl_fail(r, "ncclAllGather", __FILE__, __LINE__);
+  if (st == LZ_OK) st = finish(c, "all_to_all", deadline, timeout_s);
+  if (st == LZ_OK && cudaMemcpy(table, d + n, bytes * (size_t)c->size, cudaMemcpyDeviceToHost) != cudaSuccess)
+    st = lz_fail(LZ_ERR_INTERNAL, "nccl: all_to_all: copying the counts back failed");
+  cudaFree(d);
+  return st;
+}
+
+lz_status lz_cu_nccl_all_to_all(void *p, const void *send, void *recv, const int64_t *v,
+                                lz_dtype dt, double timeout_s) {
+  nccl_comm *c = (nccl_comm *)p;
+  const double deadline = now_s() + timeout_s;
+  const int W = c->size;
+  const size_t es = lz_dtype_size(dt);
+  cudaStream_t s = lz_cu_stream[LZ_STREAM_COMM];
+  LZ_TRY(start(c, "all_to_all"));
+  NCCL_CHECK(ncclGroupStart());
+  for (int q = 0; q < W; q++) {
+    if (v[q])
+      NCCL_CHECK(ncclSend((const char *)send + (size_t)v[W + q] * es, (size_t)v[q] * es,
+                          ncclUint8, q, c->comm, s));
+    if (v[2 * W + q])
+      NCCL_CHECK(ncclRecv((char *)recv + (size_t)v[3 * W + q] * es, (size_t)v[2 * W + q] * es,
+                          ncclUint8, q, c->comm, s));
+  }
+  NCCL_CHECK(ncclGroupEnd());
+  return finish(c, "all_to_all", deadline, timeout_s);
+}
+
+lz_status lz_cu_nccl_split(void *p, int color, int key, int size, void **out) {
+  *out = NULL;
+  nccl_comm *parent = (nccl_comm *)p;
+  nccl_comm *c = (nccl_comm *)calloc(1, sizeof *c);
+  if (!c) return lz_fail(LZ_ERR_NOMEM, "nccl: out of memory");
+  c->rank = key;  // keys are the group's ranks, 0..size-1
+  c->size = size;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  lz_status st = LZ_OK;
+  ncclResult_t r = ncclCommSplit(parent->comm, color, key, &c->comm, &config);
+  if (r != ncclSuccess && r != ncclInProgress) st = nccl_fail(r, "ncclCommSplit", __FILE__, __LINE__);
+  return joined(c, st, out);
 }

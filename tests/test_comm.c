@@ -131,6 +131,53 @@ LZ_TEST(comm_bad_arguments_are_named) {
   CHECK_OK(lz_comm_free(c));
 }
 
+LZ_TEST(comm_local_all_to_all_and_groups) {
+  lz_comm *c = fresh_comm(LZ_COMM_LOCAL);
+  if (!c) return;
+  float a[6] = {1, 2, 3, 4, 5, 6}, b[6] = {0};
+  CHECK_OK(lz_comm_all_to_all(c, a, b, 6, LZ_F32, NULL));
+  CHECK(b[0] == 1.0f && b[5] == 6.0f);
+  /* Per-peer counts and offsets: 2 elements from a + 3 to b + 1. */
+  int64_t sc[1] = {2}, so[1] = {3}, rc[1] = {2}, ro[1] = {1};
+  memset(b, 0, sizeof b);
+  lz_work *w = NULL;
+  CHECK_OK(lz_comm_all_to_all_v(c, a, sc, so, b, rc, ro, LZ_F32, &w));
+  sc[0] = 99; /* the call copied the counts */
+  CHECK_OK(lz_work_wait(w));
+  CHECK(b[0] == 0.0f && b[1] == 4.0f && b[2] == 5.0f && b[3] == 0.0f);
+  CHECK_EQ_INT(lz_comm_bytes(c, LZ_COLL_ALL_TO_ALL), 0); /* nothing left the rank */
+  CHECK(!strcmp(lz_coll_kind_name(LZ_COLL_ALL_TO_ALL), "all_to_all"));
+  sc[0] = 2;
+  rc[0] = 3;
+  CHECK_ERR(lz_comm_all_to_all_v(c, a, sc, so, b, rc, ro, LZ_F32, NULL), LZ_ERR_INVALID,
+            "rank 0 sends 2 elements to rank 0, which expects 3");
+  lz_comm_free(c);
+  c = fresh_comm(LZ_COMM_LOCAL);
+  if (!c) return;
+  int64_t neg[1] = {-1};
+  CHECK_ERR(lz_comm_all_to_all_v(c, a, neg, so, b, rc, ro, LZ_F32, NULL), LZ_ERR_INVALID,
+            "send_counts[0] is -1");
+  CHECK_ERR(lz_comm_all_to_all_v(c, a, sc, NULL, b, rc, ro, LZ_F32, NULL), LZ_ERR_INVALID,
+            "count or offset array is NULL");
+  CHECK_ERR(lz_comm_all_to_all(c, a, b, -2, LZ_F32, NULL), LZ_ERR_INVALID, "count is -2");
+  /* Groups of the one rank. */
+  int me[1] = {0}, bad[2] = {0, 0}, out[1] = {1};
+  lz_comm *g = NULL;
+  CHECK_ERR(lz_comm_group_new(c, bad, 2, &g), LZ_ERR_INVALID, "the list has 2 ranks");
+  CHECK_ERR(lz_comm_group_new(c, out, 1, &g), LZ_ERR_INVALID, "ranks[0] is 1");
+  CHECK_ERR(lz_comm_group_new(c, me, 0, &g), LZ_ERR_INVALID, "give 1..1 ranks");
+  CHECK(g == NULL);
+  CHECK_OK(lz_comm_group_new(c, me, 1, &g));
+  CHECK_EQ_INT(lz_comm_size(g), 1);
+  CHECK_EQ_INT(lz_comm_parent_rank(g, 0), 0);
+  memset(b, 0, sizeof b);
+  CHECK_OK(lz_comm_all_gather(g, a, b, 6, LZ_F32, NULL));
+  CHECK(b[5] == 6.0f);
+  CHECK_OK(lz_comm_free(g));
+  CHECK_OK(lz_comm_barrier(c)); /* the parent is still usable */
+  CHECK_OK(lz_comm_free(c));
+}
+
 LZ_TEST(comm_environment_errors_name_the_fix) {
   clear_env();
   lz_comm *c = NULL;

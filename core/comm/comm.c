@@ -22,6 +22,7 @@ struct lz_work {
   int heap; /* allocated for an asynchronous call (freed by lz_work_wait) */
   lz_status st;
   char msg[1200];
+  int64_t *v; /* all_to_all: the caller's counts, copied (freed once run) */
 };
 
 double lz_now_s(void) {
@@ -31,7 +32,7 @@ double lz_now_s(void) {
 }
 
 static const char *coll_names[LZ_COLL_COUNT] = {"all_reduce", "reduce_scatter", "all_gather",
-                                                "broadcast", "barrier"};
+                                                "broadcast", "barrier", "all_to_all"};
 
 const char *lz_coll_kind_name(lz_coll_kind kind) {
   return (unsigned)kind < LZ_COLL_COUNT ? coll_names[kind] : "unknown";
@@ -229,12 +230,14 @@ lz_status lz_comm_free(lz_comm *c) {
   c->ops->free(c);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
+  free(c->ranks);
   free(c);
   return LZ_OK;
 }
 
 int lz_comm_rank(const lz_comm *c) { return c ? c->rank : 0; }
 int lz_comm_size(const lz_comm *c) { return c ? c->size : 1; }
+int lz_comm_parent_rank(const lz_comm *c, int r) { return c && c->ranks ? c->ranks[r] : r; }
 const char *lz_comm_backend_name(const lz_comm *c) { return c ? c->backend->name : "none"; }
 
 uint64_t lz_comm_bytes(const lz_comm *c, lz_coll_kind kind) {
@@ -247,13 +250,60 @@ void lz_comm_bytes_reset(lz_comm *c) {
   for (int k = 0; k < LZ_COLL_COUNT; k++) atomic_store(&c->bytes[k], 0);
 }
 
+/* ------------------------------------------------------------- all-to-all */
+
+lz_status lz_comm_a2a_check(const lz_comm *c, const int64_t *table) {
+  int W = c->size;
+  for (int p = 0; p < W; p++)
+    for (int q = 0; q < W; q++) {
+      int64_t sends = table[(size_t)p * 4 * W + q], takes = table[(size_t)q * 4 * W + 2 * W + p];
+      if (sends != takes)
+        return lz_fail(LZ_ERR_INVALID,
+                       "all_to_all: rank %d sends %lld elements to rank %d, which expects %lld "
+                       "from it; rank q's recv_counts[p] must equal rank p's send_counts[q] "
+                       "(noticed by rank %d)",
+                       lz_comm_parent_rank(c, p), (long long)sends, lz_comm_parent_rank(c, q),
+                       (long long)takes, lz_comm_parent_rank(c, c->rank));
+    }
+  return LZ_OK;
+}
+
+/* The all-to-all with the ranks' counts agreed first: one all-gather of
+ * every rank's four rows, so a mismatch fails on every rank at once, the
+ * same way, instead of leaving the ranks that expect more waiting. (shm
+ * folds this into its own first barrier, nccl goes through device memory.) */
+static lz_status run_on_host(lz_comm *c, const lz_coll_args *a) {
+  if (a->kind != LZ_COLL_ALL_TO_ALL || c->ops->agrees_counts) return c->ops->run(c, a);
+  size_t row = 4 * (size_t)c->size;
+  int64_t *table = malloc(row * (size_t)c->size * sizeof *table);
+  if (!table) return lz_fail(LZ_ERR_NOMEM, "all_to_all: rank %d: out of memory", c->rank);
+  lz_coll_args g = {LZ_COLL_ALL_GATHER, a->v, table, (int64_t)(2 * row) * c->size, LZ_I32,
+                    LZ_RED_SUM, 0, 0, 0, NULL, NULL};
+  lz_status st = c->ops->run(c, &g);
+  if (st != LZ_OK) {
+    char why[1024];
+    snprintf(why, sizeof why, "%s", lz_last_error());
+    st = lz_fail(st, "all_to_all (sharing the counts): %s", why);
+  }
+  if (st == LZ_OK) st = lz_comm_a2a_check(c, table);
+  if (st == LZ_OK) {
+    lz_coll_args b = *a;
+    b.table = table;
+    st = c->ops->run(c, &b);
+  }
+  free(table);
+  return st;
+}
+
 /* ------------------------------------------------------------------ queue */
 
 /* One collective, on this thread. Sim device buffers: first the compute
  * stream's work queued before the call, then the host backend on the
  * buffers' host views; when this returns the result is in device memory. */
+static lz_status run_on_host(lz_comm *c, const lz_coll_args *a);
+
 static lz_status run_coll(lz_comm *c, const lz_coll_args *a) {
-  if (!a->on_sim) return c->ops->run(c, a);
+  if (!a->on_sim) return run_on_host(c, a);
   if (lz_sim_wait_compute(a->sim_point) != LZ_OK) {
     char why[1024];
     snprintf(why, sizeof why, "%s", lz_last_error());
@@ -264,12 +314,14 @@ static lz_status run_coll(lz_comm *c, const lz_coll_args *a) {
   void *v;
   if (a->send && (v = lz_sim_host_view(a->send))) h.send = v;
   if (a->recv && (v = lz_sim_host_view(a->recv))) h.recv = v;
-  return c->ops->run(c, &h);
+  return run_on_host(c, &h);
 }
 
-/* Caller holds c->mu. */
+/* Caller holds c->mu. LZ_ERR_INVALID from a backend is a refusal every
+ * rank made alike (all-to-all counts that disagree): the ranks are still in
+ * step, so the communicator stays usable. */
 static void mark_broken(lz_comm *c, lz_status st, const char *msg) {
-  if (c->broken) return;
+  if (c->broken || st == LZ_ERR_INVALID) return;
   c->broken = st;
   snprintf(c->broken_msg, sizeof c->broken_msg, "%.1000s", msg);
 }
@@ -277,6 +329,8 @@ static void mark_broken(lz_comm *c, lz_status st, const char *msg) {
 static void run_work(lz_work *w) {
   lz_comm *c = w->c;
   lz_status st = run_coll(c, &w->a);
+  free(w->v);
+  w->v = NULL;
   pthread_mutex_lock(&c->mu);
   if (st != LZ_OK) {
     snprintf(w->msg, sizeof w->msg, "%.1000s", lz_last_error());
@@ -304,6 +358,8 @@ static void *progress_main(void *arg) {
       w->st = c->broken;
       snprintf(w->msg, sizeof w->msg, "%s: not run, an earlier collective failed: %s",
                lz_coll_name(w->a.kind), c->broken_msg);
+      free(w->v);
+      w->v = NULL;
       w->done = 1;
       pthread_cond_broadcast(&c->cv);
       continue;
@@ -325,6 +381,10 @@ static void count_bytes(lz_comm *c, const lz_coll_args *a) {
   case LZ_COLL_REDUCE_SCATTER:
   case LZ_COLL_ALL_GATHER: v = n * (W - 1) / W; break;
   case LZ_COLL_BROADCAST: v = (c->rank == a->root && W > 1) ? n : 0; break;
+  case LZ_COLL_ALL_TO_ALL:
+    for (int p = 0; p < c->size; p++)
+      if (p != c->rank) v += (uint64_t)a->v[p] * lz_dtype_size(a->dt);
+    break;
   default: break;
   }
   atomic_fetch_add(&c->bytes[a->kind], v);
@@ -334,6 +394,27 @@ static lz_status check_args(lz_comm *c, const lz_coll_args *a) {
   const char *op = lz_coll_name(a->kind);
   if (!c) return lz_fail(LZ_ERR_INVALID, "%s: communicator is NULL", op);
   if (a->kind == LZ_COLL_BARRIER) return LZ_OK;
+  if (a->kind == LZ_COLL_ALL_TO_ALL) {
+    if ((unsigned)a->dt >= LZ_DTYPE_COUNT)
+      return lz_fail(LZ_ERR_INVALID, "all_to_all: dtype %d is not a dtype", (int)a->dt);
+    if (!a->v) return lz_fail(LZ_ERR_INVALID, "all_to_all: a count or offset array is NULL");
+    int W = c->size;
+    int64_t sends = 0, takes = 0;
+    for (int i = 0; i < 4 * W; i++)
+      if (a->v[i] < 0)
+        return lz_fail(LZ_ERR_INVALID, "all_to_all: %s[%d] is %lld; it must be >= 0",
+                       (const char *[]){"send_counts", "send_offsets", "recv_counts",
+                                        "recv_offsets"}[i / W],
+                       i % W, (long long)a->v[i]);
+    for (int p = 0; p < W; p++) {
+      sends += a->v[p];
+      takes += a->v[2 * W + p];
+    }
+    if (sends > 0 && !a->send) return lz_fail(LZ_ERR_INVALID, "all_to_all: send buffer is NULL");
+    if (takes > 0 && !a->recv)
+      return lz_fail(LZ_ERR_INVALID, "all_to_all: receive buffer is NULL");
+    return LZ_OK;
+  }
   if (a->count < 0)
     return lz_fail(LZ_ERR_INVALID, "%s: count is %lld; it must be >= 0", op, (long long)a->count);
   int reducing = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
@@ -396,7 +477,10 @@ static lz_status check_buffers(lz_comm *c, const void *p, lz_coll_kind kind) {
                  lz_coll_name(kind), c->backend->name, lz_device_name(dev), names);
 }
 
-static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
+/* *owned (may be NULL): memory in->v points into that a queued operation
+ * takes over (then *owned is set to NULL). */
+static lz_status submit_owned(lz_comm *c, const lz_coll_args *in, lz_work **work,
+                              int64_t **owned) {
   if (work) *work = NULL;
   LZ_TRY(check_args(c, in));
   lz_coll_args sa = *in, *a = &sa;
@@ -439,6 +523,8 @@ static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
   w->c = c;
   w->a = *a;
   w->heap = work != NULL;
+  w->v = *owned;
+  *owned = NULL;
   if (!c->thread_started) {
     if (pthread_create(&c->thread, NULL, progress_main, c) != 0) {
       pthread_mutex_unlock(&c->mu);
@@ -461,6 +547,11 @@ static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
   pthread_mutex_unlock(&c->mu);
   if (w->st != LZ_OK) return lz_fail(w->st, "%s", w->msg);
   return LZ_OK;
+}
+
+static lz_status submit(lz_comm *c, const lz_coll_args *in, lz_work **work) {
+  int64_t *none = NULL;
+  return submit_owned(c, in, work, &none);
 }
 
 lz_status lz_work_wait(lz_work *w) {
@@ -489,29 +580,89 @@ lz_status lz_work_test(lz_work *w, int *done) {
 
 lz_status lz_comm_all_reduce(lz_comm *c, void *buf, int64_t count, lz_dtype dt, lz_reduce_op op,
                              lz_work **work) {
-  lz_coll_args a = {LZ_COLL_ALL_REDUCE, buf, buf, count, dt, op, 0, 0, 0};
+  lz_coll_args a = {LZ_COLL_ALL_REDUCE, buf, buf, count, dt, op, 0, 0, 0, NULL, NULL};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64_t count,
                                  lz_dtype dt, lz_reduce_op op, lz_work **work) {
-  lz_coll_args a = {LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, 0, 0};
+  lz_coll_args a = {LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, 0, 0, NULL, NULL};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
                              lz_dtype dt, lz_work **work) {
-  lz_coll_args a = {LZ_COLL_ALL_GATHER, send, recv, count, dt, LZ_RED_SUM, 0, 0, 0};
+  lz_coll_args a = {LZ_COLL_ALL_GATHER, send, recv, count, dt, LZ_RED_SUM, 0, 0, 0, NULL, NULL};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,
                             lz_work **work) {
-  lz_coll_args a = {LZ_COLL_BROADCAST, buf, buf, count, dt, LZ_RED_SUM, root, 0, 0};
+  lz_coll_args a = {LZ_COLL_BROADCAST, buf, buf, count, dt, LZ_RED_SUM, root, 0, 0, NULL, NULL};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_barrier(lz_comm *c) {
-  lz_coll_args a = {LZ_COLL_BARRIER, NULL, NULL, 0, LZ_F32, LZ_RED_SUM, 0, 0, 0};
+  lz_coll_args a = {LZ_COLL_BARRIER, NULL, NULL, 0, LZ_F32, LZ_RED_SUM, 0, 0, 0, NULL, NULL};
   return submit(c, &a, NULL);
+}
+
+/* The four count and offset arrays, copied for the operation to own
+ * (NULL arrays: the equal split, `count` per rank). */
+static lz_status all_to_all(lz_comm *c, const void *send, void *recv, const int64_t *const in[4],
+                            int64_t count, lz_dtype dt, lz_work **work) {
+  if (work) *work = NULL;
+  if (!c) return lz_fail(LZ_ERR_INVALID, "all_to_all: communicator is NULL");
+  int W = c->size;
+  int64_t *v = malloc(4 * (size_t)W * sizeof *v);
+  if (!v) return lz_fail(LZ_ERR_NOMEM, "all_to_all: out of memory for %d ranks' counts", W);
+  for (int k = 0; k < 4; k++)
+    for (int p = 0; p < W; p++)
+      v[k * W + p] = in ? (in[k] ? in[k][p] : -1) : (k & 1) ? (int64_t)p * count : count;
+  lz_coll_args a = {LZ_COLL_ALL_TO_ALL, send, recv, 0, dt, LZ_RED_SUM, 0, 0, 0, v, NULL};
+  lz_status st = in && (!in[0] || !in[1] || !in[2] || !in[3])
+                     ? lz_fail(LZ_ERR_INVALID, "all_to_all: a count or offset array is NULL")
+                     : submit_owned(c, &a, work, &v);
+  free(v);
+  return st;
+}
+
+lz_status lz_comm_all_to_all(lz_comm *c, const void *send, void *recv, int64_t count,
+                             lz_dtype dt, lz_work **work) {
+  if (count < 0)
+    return lz_fail(LZ_ERR_INVALID, "all_to_all: count is %lld; it must be >= 0",
+                   (long long)count);
+  return all_to_all(c, send, recv, NULL, count, dt, work);
+}
+
+lz_status lz_comm_all_to_all_v(lz_comm *c, const void *send, const int64_t *send_counts,
+                               const int64_t *send_offsets, void *recv,
+                               const int64_t *recv_counts, const int64_t *recv_offsets,
+                               lz_dtype dt, lz_work **work) {
+  const int64_t *const in[4] = {send_counts, send_offsets, recv_counts, recv_offsets};
+  return all_to_all(c, send, recv, in, 0, dt, work);
+}
+
+/* ----------------------------------------------- holding (comm_group.c) */
+
+lz_status lz_comm_hold(lz_comm *c, const char *op) {
+  pthread_mutex_lock(&c->mu);
+  while (c->busy || c->head) pthread_cond_wait(&c->cv, &c->mu);
+  lz_status st = c->broken;
+  if (st) {
+    pthread_mutex_unlock(&c->mu);
+    return lz_fail(st, "%s: communicator unusable, an earlier collective failed: %s", op,
+                   c->broken_msg);
+  }
+  c->busy = 1;
+  pthread_mutex_unlock(&c->mu);
+  return LZ_OK;
+}
+
+void lz_comm_release(lz_comm *c, lz_status st) {
+  pthread_mutex_lock(&c->mu);
+  if (st != LZ_OK) mark_broken(c, st, lz_last_error());
+  c->busy = 0;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
 }

@@ -25,6 +25,12 @@ typedef struct lz_coll_args {
    * call, as NCCL orders it), on the buffers' host views. */
   int on_sim;
   uint64_t sim_point;
+  /* all_to_all: this rank's send counts, send offsets, receive counts and
+   * receive offsets, size entries each; and every rank's four rows (size
+   * rows of 4 * size, rank order) as the ranks agreed on them before any
+   * data moved (comm.c fills it unless the backend agrees itself). */
+  const int64_t *v;
+  const int64_t *table;
 } lz_coll_args;
 
 /* A backend: one function per operation, ggml style. Each runs one
@@ -35,6 +41,14 @@ typedef struct lz_comm_backend_ops {
   lz_status (*init)(lz_comm *c); /* sets c->rank, c->size, c->impl */
   void (*free)(lz_comm *c);
   lz_status (*run)(lz_comm *c, const lz_coll_args *a);
+  /* Makes `child` a sub-group of `parent` (lz_comm_group_new has set its
+   * rank, size and ranks, and checked the lists agree): sets child->impl.
+   * Runs while no other operation of the parent does, so it may run the
+   * parent's collectives itself (parent->ops->run). */
+  lz_status (*group)(lz_comm *parent, lz_comm *child);
+  /* 1: run() agrees on all-to-all counts itself (a->table NULL; it calls
+   * lz_comm_a2a_check); 0: comm.c all-gathers them first. */
+  int agrees_counts;
 } lz_comm_backend_ops;
 
 extern const lz_comm_backend_ops lz_comm_local_ops;
@@ -75,6 +89,7 @@ struct lz_comm {
   const lz_comm_backend_ops *ops; /* backend->ops */
   void *impl;
   int rank, size;
+  int *ranks; /* a group: its ranks' ranks in the parent; NULL otherwise */
   double timeout_s; /* LZ_COMM_TIMEOUT */
   _Atomic uint64_t bytes[LZ_COLL_COUNT];
 
@@ -93,10 +108,23 @@ struct lz_comm {
 
 const char *lz_coll_name(lz_coll_kind kind); /* "all_reduce", ... for messages */
 
+/* No other operation of c runs between hold and release: the caller may run
+ * c's collectives itself (c->ops->run), in order with the queued ones.
+ * release marks c unusable after a failure other than a refusal every rank
+ * made alike (LZ_ERR_INVALID). */
+lz_status lz_comm_hold(lz_comm *c, const char *op);
+void lz_comm_release(lz_comm *c, lz_status st);
+
 /* The start of an all_gather on the host: every rank's shard of a->count
  * (off and len, world entries each) and this rank's own shard moved from
  * send to its place in recv (unless it is there already). */
 void lz_comm_gather_own(const lz_coll_args *a, int world, int rank, int64_t *off, int64_t *len);
+
+/* The all-to-all agreement: LZ_OK when every rank's receive count from
+ * each peer equals what that peer sends it in `table` (lz_coll_args.table),
+ * else LZ_ERR_INVALID naming the first such pair; every rank reads the same
+ * table, so every rank gives the same answer. */
+lz_status lz_comm_a2a_check(const lz_comm *c, const int64_t *table);
 
 /* dst[i] = op(srcs[0][i], ..., srcs[n-1][i]) in fp32, in source order, then
  * rounded once to dt. The one definition of a reduction every backend and

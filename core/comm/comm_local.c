@@ -14,17 +14,30 @@ static void local_free(lz_comm *c) { (void)c; }
 
 static lz_status local_run(lz_comm *c, const lz_coll_args *a) {
   (void)c;
-  size_t n = (size_t)a->count * lz_dtype_size(a->dt);
-  if ((a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER) && n &&
-      a->send != a->recv) {
+  size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
+  const void *send = a->send;
+  void *recv = a->recv;
+  if (a->kind == LZ_COLL_ALL_TO_ALL) { /* this rank's part to itself */
+    n = (size_t)a->v[0] * es;
+    send = (const uint8_t *)send + (size_t)a->v[1] * es;
+    recv = (uint8_t *)recv + (size_t)a->v[3] * es;
+  }
+  if ((a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER ||
+       a->kind == LZ_COLL_ALL_TO_ALL) && n && send != recv) {
     const lz_backend *gpu = lz_backend_of(LZ_CUDA);
     if (gpu && (gpu->is_device_pointer(a->send) || gpu->is_device_pointer(a->recv))) {
-      LZ_TRY(gpu->copy(a->recv, a->send, n, LZ_STREAM_COMPUTE));
+      LZ_TRY(gpu->copy(recv, send, n, LZ_STREAM_COMPUTE));
       return gpu->stream_sync(LZ_STREAM_COMPUTE);
     }
-    memmove(a->recv, a->send, n);
+    memmove(recv, send, n);
   }
   return LZ_OK;
 }
 
-const lz_comm_backend_ops lz_comm_local_ops = {local_init, local_free, local_run};
+static lz_status local_group(lz_comm *parent, lz_comm *child) {
+  (void)parent;
+  child->impl = NULL;
+  return LZ_OK;
+}
+
+const lz_comm_backend_ops lz_comm_local_ops = {local_init, local_free, local_run, local_group, 0};

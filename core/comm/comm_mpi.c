@@ -5,7 +5,11 @@
  * exchanged back — the same per-element order as the shm backend, so results
  * are bitwise the same across ranks, runs and backends, and bf16/f16
  * accumulate in fp32. Every wait polls with a deadline (LZ_COMM_TIMEOUT) and
- * names the ranks whose messages have not arrived. */
+ * names the ranks whose messages have not arrived. All-to-all is the same
+ * point-to-point exchange with per-peer counts (MPI_Alltoallv's, with the
+ * timeout), after comm.c has made the ranks agree on them. A group is an
+ * MPI_Comm_split of its parent; the communicators' progress threads take
+ * turns calling MPI (one lock), as MPI_THREAD_SERIALIZED asks. */
 #include "comm/comm_internal.h"
 
 #include <mpi.h>    /* the whole backend */
@@ -19,6 +23,21 @@
 #define MPI_DEFAULT_CHUNK (8u << 20) /* bytes of a reduction round (all ranks' parts) */
 #define MPI_DIRECT_MAX (64u << 10)
 #define MPI_MAX_MSG ((size_t)1 << 28) /* one message's bytes stay far below INT_MAX */
+
+/* Held around every MPI call: a group's communicator has a progress thread
+ * of its own. */
+static pthread_mutex_t mpi_mu = PTHREAD_MUTEX_INITIALIZER;
+#define LOCKED(call)                                                                               \
+  ({                                                                                               \
+    pthread_mutex_lock(&mpi_mu);                                                                   \
+    int lz_rc_ = (call);                                                                           \
+    pthread_mutex_unlock(&mpi_mu);                                                                 \
+    lz_rc_;                                                                                        \
+  })
+
+/* Communicators alive (the world's and its groups'), and whether one of
+ * them initialised MPI: the last one freed finalises it, whatever the order. */
+static int mpi_live, mpi_finalize, mpi_broken;
 
 typedef struct mpi_comm {
   MPI_Comm comm;
@@ -39,6 +58,8 @@ static lz_status mpi_fail(lz_comm *c, int rc, const char *op) {
   return lz_fail(LZ_ERR_COMM, "%s: rank %d: MPI failed: %s", op, c->rank, s);
 }
 
+static lz_status setup(lz_comm *c, mpi_comm *m);
+
 static lz_status mpi_init(lz_comm *c) {
   int inited = 0, provided = 0;
   MPI_Initialized(&inited);
@@ -53,6 +74,12 @@ static lz_status mpi_init(lz_comm *c) {
     m->own_init = 1;
   }
   MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
+  return setup(c, m);
+}
+
+/* The rest of a communicator on m->comm: rank, size, staging. Frees m on
+ * failure. */
+static lz_status setup(lz_comm *c, mpi_comm *m) {
   MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(m->comm, &c->rank);
   MPI_Comm_size(m->comm, &c->size);
@@ -77,6 +104,7 @@ static lz_status mpi_init(lz_comm *c) {
     return lz_fail(LZ_ERR_NOMEM, "mpi: out of memory for %zu bytes of staging", want);
   }
   c->impl = m;
+  mpi_live++;
   return LZ_OK;
 }
 
@@ -88,18 +116,19 @@ static void mpi_free(lz_comm *c) {
   free(m->peer);
   /* After a failed collective, requests may still be pending: finalizing
    * could hang, so leave it to the process exit (mpirun then stops the job). */
-  if (!c->broken) {
-    MPI_Comm_free(&m->comm);
-    if (m->own_init) MPI_Finalize();
-  }
+  mpi_finalize |= m->own_init;
+  mpi_broken |= c->broken != LZ_OK;
+  if (!c->broken) LOCKED(MPI_Comm_free(&m->comm));
+  if (--mpi_live == 0 && mpi_finalize && !mpi_broken) MPI_Finalize();
   free(m);
   c->impl = NULL;
 }
 
 static lz_status post(lz_comm *c, mpi_comm *m, int is_recv, void *buf, size_t bytes, int p,
                       const char *op) {
-  int rc = is_recv ? MPI_Irecv(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq])
-                   : MPI_Isend(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq]);
+  int rc = is_recv
+               ? LOCKED(MPI_Irecv(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq]))
+               : LOCKED(MPI_Isend(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq]));
   if (rc != MPI_SUCCESS) return mpi_fail(c, rc, op);
   m->peer[m->nreq++] = is_recv ? p : -1;
   return LZ_OK;
@@ -111,7 +140,7 @@ static lz_status wait_posted(lz_comm *c, mpi_comm *m, const char *op, const char
   double t0 = lz_now_s(), deadline = t0 + c->timeout_s;
   for (unsigned i = 1;; i++) {
     int done = 0;
-    int rc = MPI_Testall(m->nreq, m->reqs, &done, MPI_STATUSES_IGNORE);
+    int rc = LOCKED(MPI_Testall(m->nreq, m->reqs, &done, MPI_STATUSES_IGNORE));
     if (rc != MPI_SUCCESS) return mpi_fail(c, rc, op);
     if (done) {
       m->nreq = 0;
@@ -130,7 +159,7 @@ static lz_status wait_posted(lz_comm *c, mpi_comm *m, const char *op, const char
         buf[0] = 0;
         for (int r = 0; r < m->nreq && n < sizeof buf; r++) {
           int flag = 1;
-          if (m->peer[r] >= 0) MPI_Request_get_status(m->reqs[r], &flag, MPI_STATUS_IGNORE);
+          if (m->peer[r] >= 0) LOCKED(MPI_Request_get_status(m->reqs[r], &flag, MPI_STATUS_IGNORE));
           if (!flag) n += (size_t)snprintf(buf + n, sizeof buf - n, n ? ", %d" : "%d", m->peer[r]);
         }
         return lz_fail(LZ_ERR_TIMEOUT,
@@ -215,11 +244,62 @@ static lz_status all_gather(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
   return LZ_OK;
 }
 
+/* Rounds of at most MPI_MAX_MSG bytes per peer, each peer's receive and
+ * send posted together; this rank's own part is a copy. */
+static lz_status all_to_all(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
+  int W = c->size, me = c->rank;
+  size_t es = lz_dtype_size(a->dt), most = 0;
+  const int64_t *sc = a->v, *so = a->v + W, *rc = a->v + 2 * W, *ro = a->v + 3 * W;
+  const uint8_t *send = a->send;
+  uint8_t *recv = a->recv;
+  if (sc[me]) memmove(recv + (size_t)ro[me] * es, send + (size_t)so[me] * es, (size_t)sc[me] * es);
+  for (int p = 0; p < W; p++)
+    if (p != me) {
+      if ((size_t)sc[p] * es > most) most = (size_t)sc[p] * es;
+      if ((size_t)rc[p] * es > most) most = (size_t)rc[p] * es;
+    }
+  for (size_t j0 = 0; j0 < most; j0 += MPI_MAX_MSG) {
+    for (int i = 1; i < W; i++) {
+      int to = (me + i) % W, from = (me - i + W) % W;
+      size_t nr = (size_t)rc[from] * es, ns = (size_t)sc[to] * es;
+      if (nr > j0)
+        LZ_TRY(post(c, m, 1, recv + (size_t)ro[from] * es + j0,
+                    nr - j0 < MPI_MAX_MSG ? nr - j0 : MPI_MAX_MSG, from, "all_to_all"));
+      if (ns > j0)
+        LZ_TRY(post(c, m, 0, (void *)(send + (size_t)so[to] * es + j0),
+                    ns - j0 < MPI_MAX_MSG ? ns - j0 : MPI_MAX_MSG, to, "all_to_all"));
+    }
+    LZ_TRY(wait_posted(c, m, "all_to_all", NULL));
+  }
+  return LZ_OK;
+}
+
+static lz_status mpi_group(lz_comm *parent, lz_comm *c) {
+  mpi_comm *pm = parent->impl;
+  int color = c->ranks[0];
+  for (int i = 1; i < c->size; i++)
+    if (c->ranks[i] < color) color = c->ranks[i];
+  mpi_comm *m = calloc(1, sizeof *m);
+  if (!m) return lz_fail(LZ_ERR_NOMEM, "mpi: out of memory");
+  int want_rank = c->rank, want_size = c->size;
+  int rc = LOCKED(MPI_Comm_split(pm->comm, color, want_rank, &m->comm));
+  if (rc != MPI_SUCCESS) {
+    free(m);
+    return mpi_fail(parent, rc, "comm_group");
+  }
+  LZ_TRY(setup(c, m));
+  if (c->rank != want_rank || c->size != want_size)
+    return lz_fail(LZ_ERR_INTERNAL, "comm_group: MPI_Comm_split made rank %d of %d, not %d of %d",
+                   c->rank, c->size, want_rank, want_size);
+  return LZ_OK;
+}
+
 static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
   mpi_comm *m = c->impl;
   m->nreq = 0;
+  if (a->kind == LZ_COLL_ALL_TO_ALL) return all_to_all(c, m, a);
   if (a->kind == LZ_COLL_BARRIER) {
-    int rc = MPI_Ibarrier(m->comm, &m->reqs[0]);
+    int rc = LOCKED(MPI_Ibarrier(m->comm, &m->reqs[0]));
     if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "barrier");
     m->peer[0] = -1;
     m->nreq = 1;
@@ -241,7 +321,7 @@ static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
     snprintf(who, sizeof who, "root rank %d", a->root);
     for (size_t j0 = 0; j0 < n; j0 += MPI_MAX_MSG) {
       size_t k = n - j0 < MPI_MAX_MSG ? n - j0 : MPI_MAX_MSG;
-      int rc = MPI_Ibcast((uint8_t *)a->recv + j0, (int)k, MPI_BYTE, a->root, m->comm, &m->reqs[0]);
+      int rc = LOCKED(MPI_Ibcast((uint8_t *)a->recv + j0, (int)k, MPI_BYTE, a->root, m->comm, &m->reqs[0]));
       if (rc != MPI_SUCCESS) return mpi_fail(c, rc, "broadcast");
       m->peer[0] = -1;
       m->nreq = 1;
@@ -253,4 +333,4 @@ static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
   }
 }
 
-const lz_comm_backend_ops lz_comm_mpi_ops = {mpi_init, mpi_free, mpi_run};
+const lz_comm_backend_ops lz_comm_mpi_ops = {mpi_init, mpi_free, mpi_run, mpi_group, 0};

@@ -240,8 +240,33 @@ static void nccl_free(lz_comm *c) {
  * buffers only, and comm.c refuses the others before queueing. */
 static lz_status nccl_run(lz_comm *c, const lz_coll_args *a) {
   nccl_impl *m = c->impl;
+  if (a->kind == LZ_COLL_ALL_TO_ALL) { /* the counts agree first, as on the host backends */
+    int64_t *table = malloc(sizeof *table * 4 * (size_t)c->size * (size_t)c->size);
+    if (!table) return lz_fail(LZ_ERR_NOMEM, "all_to_all: rank %d: out of memory", c->rank);
+    lz_status st = m->be->nccl_gather_counts(m->nc, a->v, table, 4 * c->size, c->timeout_s);
+    if (st == LZ_OK) st = lz_comm_a2a_check(c, table);
+    free(table);
+    LZ_TRY(st);
+    return m->be->nccl_all_to_all(m->nc, a->send, a->recv, a->v, a->dt, c->timeout_s);
+  }
   return m->be->nccl_run(m->nc, a->kind, a->send, a->recv, a->count, a->dt, a->op, a->root,
                          c->timeout_s);
 }
 
-const lz_comm_backend_ops lz_comm_nccl_ops = {nccl_init, nccl_free, nccl_run};
+static lz_status nccl_group(lz_comm *parent, lz_comm *child) {
+  nccl_impl *pm = parent->impl, *m = calloc(1, sizeof *m);
+  if (!m) return lz_fail(LZ_ERR_NOMEM, "nccl: out of memory");
+  m->be = pm->be;
+  int color = child->ranks[0];
+  for (int i = 1; i < child->size; i++)
+    if (child->ranks[i] < color) color = child->ranks[i];
+  lz_status st = m->be->nccl_split(pm->nc, color, child->rank, child->size, &m->nc);
+  if (st != LZ_OK) {
+    free(m);
+    return st;
+  }
+  child->impl = m;
+  return LZ_OK;
+}
+
+const lz_comm_backend_ops lz_comm_nccl_ops = {nccl_init, nccl_free, nccl_run, nccl_group, 1};

@@ -47,7 +47,7 @@
  * the segment; every 100 ms a sleeper checks the deadline (LZ_COMM_TIMEOUT)
  * and whether the ranks it waits for are still alive. */
 #define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe */
-#include "comm/comm_internal.h"
+#include "comm/comm_shm.h"
 
 #include <errno.h>       /* errno from open, kill */
 #include <fcntl.h>       /* open, O_RDWR */
@@ -63,60 +63,6 @@
 #include <sys/uio.h>     /* process_vm_readv */
 #include <unistd.h>      /* getpid, close */
 
-#define SHM_MAGIC 0x3130306d68737a6cull /* "lzshm001" */
-#define SHM_DEFAULT_CHUNK (1u << 20)
-#define SHM_DIRECT_MAX (64u << 10) /* all-reduce below this: direct */
-#define RANK_RECORD 128
-#define SHM_CMA_MIN (256u << 10)     /* single copy from this many bytes */
-#define SHM_STAGE_BYTES (512u << 10) /* reduction staging, all peers together */
-#define SHM_SHARED_MIN (64u << 10)   /* in place through shared memory from this many bytes */
-#define SHM_STREAM_MIN (8u << 20)    /* non-temporal stores from this many bytes */
-#define SHM_PIECE (64u << 10)        /* reduced in cache, then written out */
-
-enum { RANK_EMPTY = 0, RANK_JOINED = 1, RANK_LEFT = 2 };
-
-typedef struct shm_header {
-  uint64_t magic;
-  int32_t world;
-  int32_t pad0;
-  uint64_t chunk;  /* bytes per rank per bank */
-  uint64_t data_offset;
-  _Alignas(64) _Atomic uint32_t futex_word; /* bumped on every arrival */
-  _Alignas(64) _Atomic uint32_t sleepers;
-  _Alignas(64) _Atomic int32_t joined;
-} shm_header;
-
-typedef struct shm_rank {
-  _Alignas(64) _Atomic uint64_t arrive; /* barriers this rank has reached */
-  _Alignas(64) _Atomic int32_t pid;
-  _Atomic int32_t state;
-  _Atomic int32_t cma_ok;    /* this rank's probe read of a peer worked */
-  _Atomic int32_t shared_ok; /* this rank maps the job's shared memory */
-  _Atomic uint64_t send;     /* single copy: this rank's send buffer, in its address space */
-  _Atomic uint64_t probe;    /* address of probe_word */
-  _Atomic uint64_t send_off; /* its send and receive buffers' offsets in its shared memory */
-  _Atomic uint64_t recv_off; /* (UINT64_MAX: private memory) */
-} shm_rank;
-
-_Static_assert(sizeof(shm_rank) == RANK_RECORD, "rank record is two cache lines");
-
-typedef struct shm_comm {
-  uint8_t *base;
-  size_t bytes;
-  shm_header *hdr;
-  shm_rank *ranks;
-  uint8_t *data;
-  size_t chunk;
-  uint64_t step; /* barriers passed by this rank */
-  int bank;
-  int cma;             /* every rank can read every other's memory */
-  int direct;          /* every rank maps every rank's shared memory */
-  uint64_t probe_word; /* what peers read at init */
-  uint8_t *stage;      /* SHM_STAGE_BYTES for the single-copy reductions */
-  uint8_t *piece;      /* SHM_PIECE: a reduced piece on its way out (shared memory) */
-  double spin_s;
-  char name[256];
-} shm_comm;
 
 static size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -143,7 +89,7 @@ void lz_shm_segment_format(void *base, int world) {
   h->magic = SHM_MAGIC;
 }
 
-static uint8_t *bank_ptr(shm_comm *s, int rank, int bank) {
+uint8_t *shm_bank(shm_comm *s, int rank, int bank) {
   return s->data + ((size_t)rank * 2 + (size_t)bank) * s->chunk;
 }
 
@@ -234,7 +180,12 @@ static lz_status wait_all(lz_comm *c, shm_comm *s, uint64_t target, const char *
   }
 }
 
-static lz_status barrier(lz_comm *c, shm_comm *s, const char *op) {
+void shm_arrive(lz_comm *c, shm_comm *s) { arrive(s, c->rank); }
+lz_status shm_wait(lz_comm *c, shm_comm *s, const char *op) {
+  return wait_all(c, s, s->step, op);
+}
+
+lz_status shm_barrier(lz_comm *c, shm_comm *s, const char *op) {
   arrive(s, c->rank);
   return wait_all(c, s, s->step, op);
 }
@@ -296,22 +247,30 @@ static lz_status shm_init(lz_comm *c) {
                    ws);
   int fd = -1;
   LZ_TRY(open_segment(rank, name, &fd));
+  return shm_attach(c, fd, name, rank, world, NULL);
+}
+
+lz_status shm_attach(lz_comm *c, int fd, const char *name, int rank, int world,
+                     int *launcher_rank) {
   struct stat st;
   if (fstat(fd, &st) != 0 || (size_t)st.st_size < data_offset(world)) {
     close(fd);
+    free(launcher_rank);
     return lz_fail(LZ_ERR_IO, "shm: segment %s is too small for %d ranks", name, world);
   }
   size_t bytes = (size_t)st.st_size;
   void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
-  if (base == MAP_FAILED)
-    return lz_fail(LZ_ERR_IO, "shm: mmap of %zu bytes of %s failed: %s", bytes, name,
-                   strerror(errno));
-  shm_comm *s = calloc(1, sizeof *s);
+  shm_comm *s = base == MAP_FAILED ? NULL : calloc(1, sizeof *s);
   if (!s) {
+    free(launcher_rank);
+    if (base == MAP_FAILED)
+      return lz_fail(LZ_ERR_IO, "shm: mmap of %zu bytes of %s failed: %s", bytes, name,
+                     strerror(errno));
     munmap(base, bytes);
     return lz_fail(LZ_ERR_NOMEM, "shm: out of memory");
   }
+  s->launcher_rank = launcher_rank;
   s->base = base;
   s->bytes = bytes;
   s->hdr = base;
@@ -320,12 +279,14 @@ static lz_status shm_init(lz_comm *c) {
   if (s->hdr->magic != SHM_MAGIC || s->hdr->world != world ||
       s->hdr->data_offset + (size_t)world * 2 * s->hdr->chunk > bytes) {
     munmap(base, bytes);
+    free(s->launcher_rank);
     free(s);
     return lz_fail(LZ_ERR_INVALID, "shm: segment %s was not made for %d ranks by this launcher",
                    name, world);
   }
   if (atomic_load(&s->ranks[rank].state) != RANK_EMPTY) {
     munmap(base, bytes);
+    free(s->launcher_rank);
     free(s);
     return lz_fail(LZ_ERR_INVALID, "shm: rank %d has joined segment %s already; one "
                    "communicator per process", rank, name);
@@ -346,17 +307,18 @@ static lz_status shm_init(lz_comm *c) {
   atomic_store(&s->ranks[rank].pid, (int32_t)getpid());
   atomic_store(&s->ranks[rank].state, RANK_JOINED);
   atomic_fetch_add(&s->hdr->joined, 1);
-  lz_status st_join = barrier(c, s, "comm_init");
+  lz_status st_join = shm_barrier(c, s, "comm_init");
   if (st_join == LZ_OK) {
     atomic_store(&s->ranks[rank].cma_ok, cma_probe(c, s));
     if (lz_shared_ready()) s->piece = aligned_alloc(64, SHM_PIECE);
     atomic_store(&s->ranks[rank].shared_ok, s->piece != NULL);
-    st_join = barrier(c, s, "comm_init"); /* every probe done: all agree on the path */
+    st_join = shm_barrier(c, s, "comm_init"); /* every probe done: all agree on the path */
   }
   if (st_join != LZ_OK) {
     free(s->stage);
     free(s->piece);
     munmap(base, bytes);
+    free(s->launcher_rank);
     free(s);
     c->impl = NULL;
     return st_join;
@@ -378,6 +340,7 @@ static void shm_free(lz_comm *c) {
   munmap(s->base, s->bytes);
   free(s->stage);
   free(s->piece);
+  free(s->launcher_rank);
   free(s);
   c->impl = NULL;
 }
@@ -394,10 +357,10 @@ static int64_t sub_elems(shm_comm *s, int world, size_t es) {
 static lz_status all_reduce_direct(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   int W = c->size, me = c->rank;
   size_t n = (size_t)a->count * lz_dtype_size(a->dt);
-  memcpy(bank_ptr(s, me, s->bank), a->recv, n);
-  LZ_TRY(barrier(c, s, "all_reduce"));
+  memcpy(shm_bank(s, me, s->bank), a->recv, n);
+  LZ_TRY(shm_barrier(c, s, "all_reduce"));
   const void *srcs[W];
-  for (int p = 0; p < W; p++) srcs[p] = p == me ? a->recv : bank_ptr(s, p, s->bank);
+  for (int p = 0; p < W; p++) srcs[p] = p == me ? a->recv : shm_bank(s, p, s->bank);
   lz_reduce_fixed(a->recv, srcs, W, a->count, a->dt, a->op, W);
   s->bank ^= 1;
   return LZ_OK;
@@ -420,27 +383,27 @@ static lz_status reduce_chunked(lz_comm *c, shm_comm *s, const lz_coll_args *a) 
   uint8_t *recv = a->recv; /* all-reduce: the whole buffer; reduce-scatter: my shard */
   const void *srcs[W];
   for (int64_t j0 = 0; j0 < len[0]; j0 += m) {
-    uint8_t *mine = bank_ptr(s, me, s->bank);
+    uint8_t *mine = shm_bank(s, me, s->bank);
     for (int q = 0; q < W; q++) {
       int64_t k = len[q] - j0 < m ? len[q] - j0 : m;
       if (q != me && k > 0) memcpy(mine + q * sub_bytes, send + (off[q] + j0) * es, (size_t)k * es);
     }
-    LZ_TRY(barrier(c, s, op));
+    LZ_TRY(shm_barrier(c, s, op));
     int64_t k = len[me] - j0 < m ? len[me] - j0 : m;
     if (k > 0) {
       for (int p = 0; p < W; p++)
         srcs[p] = p == me ? (const void *)(send + (off[me] + j0) * es)
-                          : bank_ptr(s, p, s->bank) + me * sub_bytes;
+                          : shm_bank(s, p, s->bank) + me * sub_bytes;
       uint8_t *dst = all ? recv + (off[me] + j0) * es : recv + j0 * es;
       lz_reduce_fixed(dst, srcs, W, k, a->dt, a->op, W);
       if (all) memcpy(mine + me * sub_bytes, dst, (size_t)k * es);
     }
     if (all) {
-      LZ_TRY(barrier(c, s, op));
+      LZ_TRY(shm_barrier(c, s, op));
       for (int q = 0; q < W; q++) {
         int64_t kq = len[q] - j0 < m ? len[q] - j0 : m;
         if (q != me && kq > 0)
-          memcpy(recv + (off[q] + j0) * es, bank_ptr(s, q, s->bank) + q * sub_bytes,
+          memcpy(recv + (off[q] + j0) * es, shm_bank(s, q, s->bank) + q * sub_bytes,
                  (size_t)kq * es);
       }
     }
@@ -459,12 +422,12 @@ static lz_status all_gather(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   uint8_t *recv = a->recv;
   for (int64_t j0 = 0; j0 < len[0]; j0 += m) {
     int64_t k = len[me] - j0 < m ? len[me] - j0 : m;
-    if (k > 0) memcpy(bank_ptr(s, me, s->bank), send + j0 * es, (size_t)k * es);
-    LZ_TRY(barrier(c, s, "all_gather"));
+    if (k > 0) memcpy(shm_bank(s, me, s->bank), send + j0 * es, (size_t)k * es);
+    LZ_TRY(shm_barrier(c, s, "all_gather"));
     for (int p = 0; p < W; p++) {
       int64_t kp = len[p] - j0 < m ? len[p] - j0 : m;
       if (p != me && kp > 0)
-        memcpy(recv + (off[p] + j0) * es, bank_ptr(s, p, s->bank), (size_t)kp * es);
+        memcpy(recv + (off[p] + j0) * es, shm_bank(s, p, s->bank), (size_t)kp * es);
     }
     s->bank ^= 1;
   }
@@ -477,9 +440,9 @@ static lz_status broadcast(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   uint8_t *buf = a->recv;
   for (size_t j0 = 0; j0 < n; j0 += s->chunk) {
     size_t k = n - j0 < s->chunk ? n - j0 : s->chunk;
-    if (me == root) memcpy(bank_ptr(s, root, s->bank), buf + j0, k);
-    LZ_TRY(barrier(c, s, "broadcast"));
-    if (me != root) memcpy(buf + j0, bank_ptr(s, root, s->bank), k);
+    if (me == root) memcpy(shm_bank(s, root, s->bank), buf + j0, k);
+    LZ_TRY(shm_barrier(c, s, "broadcast"));
+    if (me != root) memcpy(buf + j0, shm_bank(s, root, s->bank), k);
     s->bank ^= 1;
   }
   return LZ_OK;
@@ -488,8 +451,8 @@ static lz_status broadcast(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
 /* -------------------------------------------------------------- single copy */
 
 /* Copies `bytes` at address `remote` of rank p into `local`. */
-static lz_status cma_read(lz_comm *c, shm_comm *s, int p, void *local, uint64_t remote,
-                          size_t bytes, const char *op) {
+lz_status shm_cma_read(lz_comm *c, shm_comm *s, int p, void *local, uint64_t remote,
+                       size_t bytes, const char *op) {
   pid_t pid = (pid_t)atomic_load(&s->ranks[p].pid);
   uint8_t *dst = local;
   while (bytes > 0) {
@@ -535,7 +498,7 @@ static int shared_views(lz_comm *c, shm_comm *s, int recv, const size_t *bytes, 
   if (!s->direct) return 0;
   for (int p = 0; p < c->size; p++) {
     uint64_t off = atomic_load(recv ? &s->ranks[p].recv_off : &s->ranks[p].send_off);
-    view[p] = off == UINT64_MAX ? NULL : lz_shared_view(p, (size_t)off, bytes[p]);
+    view[p] = off == UINT64_MAX ? NULL : lz_shared_view(shm_launcher_rank(s, p), (size_t)off, bytes[p]);
     if (!view[p]) return 0;
   }
   return 1;
@@ -548,7 +511,7 @@ static void *copy_stream(void *dst, const void *src, size_t n) {
   lz_copy_stream(dst, src, n);
   return dst;
 }
-static size_t stream_min(void) {
+size_t shm_stream_min(void) {
   static size_t v;
   if (!v) {
     const char *e = getenv("LZ_SHM_STREAM_MIN");
@@ -561,7 +524,7 @@ static copy_fn copy_for(const lz_coll_args *a) {
    * stores to lines in cache cost more than they save (measured: 8 against
    * 13-22 GB/s at 16-256 MiB, 2 ranks). */
   if (a->kind == LZ_COLL_ALL_REDUCE) return memcpy;
-  return (size_t)a->count * lz_dtype_size(a->dt) >= stream_min() ? copy_stream : memcpy;
+  return (size_t)a->count * lz_dtype_size(a->dt) >= shm_stream_min() ? copy_stream : memcpy;
 }
 
 /* All-gather reading the peers' shards in place: from their shared memory
@@ -578,7 +541,7 @@ static lz_status all_gather_read(lz_comm *c, shm_comm *s, const lz_coll_args *a,
     if (!len[p]) continue;
     if (view) copy(recv + off[p] * es, view[p], (size_t)len[p] * es);
     else
-      LZ_TRY(cma_read(c, s, p, recv + off[p] * es, atomic_load(&s->ranks[p].send),
+      LZ_TRY(shm_cma_read(c, s, p, recv + off[p] * es, atomic_load(&s->ranks[p].send),
                       (size_t)len[p] * es, "all_gather"));
   }
   arrive(s, me); /* this rank has read its peers: its own copy overlaps their reading */
@@ -600,7 +563,7 @@ static lz_status all_gather_push(lz_comm *c, shm_comm *s, const lz_coll_args *a,
     if (len && rview[p] + off * es != (const uint8_t *)a->send)
       copy(rview[p] + off * es, a->send, (size_t)len * es);
   }
-  return barrier(c, s, "all_gather"); /* every shard is in every buffer */
+  return shm_barrier(c, s, "all_gather"); /* every shard is in every buffer */
 }
 
 /* Reduce-scatter (and, for all-reduce, the all-gather after it) reading the
@@ -629,22 +592,22 @@ static lz_status reduce_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
         continue;
       }
       uint8_t *st = s->stage + (size_t)slot++ * piece;
-      LZ_TRY(cma_read(c, s, p, st, atomic_load(&s->ranks[p].send) + at, (size_t)k * es, op));
+      LZ_TRY(shm_cma_read(c, s, p, st, atomic_load(&s->ranks[p].send) + at, (size_t)k * es, op));
       srcs[p] = st;
     }
     lz_reduce_fixed(all ? recv + at : recv + (size_t)j0 * es, srcs, W, k, a->dt, a->op, W);
   }
   if (all) {
-    LZ_TRY(barrier(c, s, op)); /* every shard reduced */
+    LZ_TRY(shm_barrier(c, s, op)); /* every shard reduced */
     for (int i = 1; i < W; i++) {
       int p = (me + i) % W;
       size_t at = (size_t)off[p] * es;
       if (len[p])
-        LZ_TRY(cma_read(c, s, p, recv + at, atomic_load(&s->ranks[p].send) + at,
+        LZ_TRY(shm_cma_read(c, s, p, recv + at, atomic_load(&s->ranks[p].send) + at,
                         (size_t)len[p] * es, op));
     }
   }
-  return barrier(c, s, op); /* every peer has read this rank's buffer */
+  return shm_barrier(c, s, op); /* every peer has read this rank's buffer */
 }
 
 /* Reduce-scatter and all-reduce over shared memory, one pass: each rank
@@ -677,13 +640,13 @@ static lz_status reduce_shared(lz_comm *c, shm_comm *s, const lz_coll_args *a, u
     }
   }
   /* every shard is in every buffer; every peer has read this rank's buffer */
-  return barrier(c, s, lz_coll_name(a->kind));
+  return shm_barrier(c, s, lz_coll_name(a->kind));
 }
 
 static lz_status broadcast_shared(lz_comm *c, shm_comm *s, const lz_coll_args *a,
                                   const uint8_t *root) {
   if (c->rank != a->root) copy_for(a)(a->recv, root, (size_t)a->count * lz_dtype_size(a->dt));
-  return barrier(c, s, "broadcast"); /* every rank has read the root's buffer */
+  return shm_barrier(c, s, "broadcast"); /* every rank has read the root's buffer */
 }
 
 static lz_status segment_path(lz_comm *c, shm_comm *s, const lz_coll_args *a);
@@ -701,7 +664,7 @@ static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   atomic_store(&r->send, (uint64_t)(uintptr_t)a->send);
   atomic_store(&r->send_off, lz_shared_offset(a->send));
   atomic_store(&r->recv_off, lz_shared_offset(a->recv));
-  LZ_TRY(barrier(c, s, op)); /* every rank has published */
+  LZ_TRY(shm_barrier(c, s, op)); /* every rank has published */
   size_t bytes[W];
   uint8_t *view[W];
   int64_t off, len;
@@ -726,7 +689,8 @@ static lz_status single_copy(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
     break;
   case LZ_COLL_BROADCAST: {
     uint64_t o = atomic_load(&s->ranks[a->root].send_off);
-    const uint8_t *root = o == UINT64_MAX ? NULL : lz_shared_view(a->root, (size_t)o, n);
+    const uint8_t *root =
+        o == UINT64_MAX ? NULL : lz_shared_view(shm_launcher_rank(s, a->root), (size_t)o, n);
     if (root) return broadcast_shared(c, s, a, root);
     break;
   }
@@ -750,7 +714,8 @@ static lz_status segment_path(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
 
 static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   shm_comm *s = c->impl;
-  if (a->kind == LZ_COLL_BARRIER) return barrier(c, s, "barrier");
+  if (a->kind == LZ_COLL_BARRIER) return shm_barrier(c, s, "barrier");
+  if (a->kind == LZ_COLL_ALL_TO_ALL) return shm_all_to_all(c, s, a);
   if (a->count == 0) return LZ_OK;
   size_t n = (size_t)a->count * lz_dtype_size(a->dt);
   if (c->size == 1) {
@@ -762,4 +727,4 @@ static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   return segment_path(c, s, a);
 }
 
-const lz_comm_backend_ops lz_comm_shm_ops = {shm_init, shm_free, shm_run};
+const lz_comm_backend_ops lz_comm_shm_ops = {shm_init, shm_free, shm_run, shm_group, 1};

@@ -137,6 +137,14 @@ typedef struct lz_backend {
    * so far; waits for it until timeout_s, then aborts the communicator. */
   lz_status (*nccl_run)(void *nc, lz_coll_kind kind, const void *send, void *recv, int64_t count,
                         lz_dtype dt, lz_reduce_op op, int root, double timeout_s);
+  /* All-to-all: every rank's `n` host int64 (row) into table (size rows),
+   * through device memory; then the exchange itself, v as in
+   * lz_coll_args.v. A group: ncclCommSplit of nc. */
+  lz_status (*nccl_gather_counts)(void *nc, const int64_t *row, int64_t *table, int n,
+                                  double timeout_s);
+  lz_status (*nccl_all_to_all)(void *nc, const void *send, void *recv, const int64_t *v,
+                               lz_dtype dt, double timeout_s);
+  lz_status (*nccl_split)(void *nc, int color, int key, int size, void **out);
 } lz_backend;
 
 typedef const lz_backend *(*lz_backend_entry_fn)(void);

@@ -336,7 +336,8 @@ typedef enum lz_coll_kind {
   LZ_COLL_ALL_GATHER = 2,
   LZ_COLL_BROADCAST = 3,
   LZ_COLL_BARRIER = 4,
-  LZ_COLL_COUNT = 5
+  LZ_COLL_ALL_TO_ALL = 5,
+  LZ_COLL_COUNT = 6
 } lz_coll_kind;
 
 typedef struct lz_comm lz_comm;
@@ -369,6 +370,18 @@ lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t c
 lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,
                             lz_work **work);
 lz_status lz_comm_barrier(lz_comm *c);
+
+lz_status lz_comm_all_to_all(lz_comm *c, const void *send, void *recv, int64_t count,
+                             lz_dtype dt, lz_work **work);
+
+lz_status lz_comm_all_to_all_v(lz_comm *c, const void *send, const int64_t *send_counts,
+                               const int64_t *send_offsets, void *recv,
+                               const int64_t *recv_counts, const int64_t *recv_offsets,
+                               lz_dtype dt, lz_work **work);
+
+lz_status lz_comm_group_new(lz_comm *parent, const int *ranks, int n, lz_comm **out);
+
+int lz_comm_parent_rank(const lz_comm *c, int r);
 
 lz_status lz_work_wait(lz_work *w);
 lz_status lz_work_test(lz_work *w, int *done);

@@ -18,6 +18,7 @@ local values = require("luazero.config.values")
 local defaults = require("luazero.config.defaults")
 local monitor = require("luazero.config.monitor")
 local checkpoint = require("luazero.config.checkpoint")
+local moe = require("luazero.config.moe")
 local Placement = require("luazero.zero.plan")
 local optimizers = require("luazero.optim.registry")
 local optim_schema = require("luazero.optim.schema")
@@ -720,11 +721,12 @@ function M.load(source, world_size, overrides)
   luazero_section(raw.luazero, cfg, ov)
   monitor.read(raw, cfg, unimpl)
   checkpoint.read(raw, cfg, unimpl)
+  moe.read(raw, cfg, unimpl)
   batch_sizes(raw, world_size, cfg, notes)
 
   for _, k in ipairs(sorted_keys(raw)) do
     if not handled_top[k] and not accepted_top[k] and not monitor.top_keys[k] and
-       not checkpoint.top_keys[k] and
+       not checkpoint.top_keys[k] and not moe.top_keys[k] and
        not asks_for_nothing(raw[k]) and
        not (k == "gradient_predivide_factor" and raw[k] == 1) then
       unimpl[#unimpl + 1] = k
@@ -766,6 +768,7 @@ function M.summary(cfg)
   }
   if cfg.optimizer then parts[#parts + 1] = optimizers.describe(cfg.optimizer) end
   if cfg.scheduler then parts[#parts + 1] = cfg.scheduler.type end
+  if cfg.moe.ep_size > 1 then parts[#parts + 1] = "moe.ep_size " .. cfg.moe.ep_size end
   return "config " .. cfg.source .. ": " .. table.concat(parts, ", ")
 end
 

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/../.."
 BIN=${LZ_BIN:-build/bin}
 QUICK=
 [ "$1" = "--quick" ] && QUICK=--quick
-for b in lz_run comm_check luazero; do
+for b in lz_run comm_check a2a_check luazero; do
   [ -x "$BIN/$b" ] || { echo "run.sh: $BIN/$b is missing; build first (or set LZ_BIN)"; exit 2; }
 done
 . tests/comm/lib.sh
@@ -36,6 +36,79 @@ for w in 1 2 3 4; do
     ok "shm and mpi results bitwise equal, $w ranks ($(wc -l < "$TMP/h_shm$w") cases)"
   else bad "shm and mpi results bitwise equal, $w ranks"; fi
 done
+
+# --- all-to-all and sub-groups (a2a_check): shm and mpi at 1-4 ranks, the
+# local backend, and every shm path (shared memory, process_vm_readv, the
+# segment, non-temporal copies at every size) bitwise equal; count and
+# group-list mismatches fail on every rank
+for w in 1 2 3 4; do
+  "$BIN/lz_run" -n $w "$BIN/a2a_check" --hashes > "$TMP/a2a_shm$w" 2>&1
+  $MPIRUN -np $w "$BIN/a2a_check" --hashes > "$TMP/a2a_mpi$w" 2>&1
+  grep '^hash' "$TMP/a2a_shm$w" > "$TMP/h_a2a_shm$w"
+  if grep -q "all passed" "$TMP/a2a_shm$w" && grep -q "all passed" "$TMP/a2a_mpi$w" &&
+     [ -s "$TMP/h_a2a_shm$w" ] && [ "$(grep '^hash' "$TMP/a2a_mpi$w")" = "$(cat "$TMP/h_a2a_shm$w")" ]; then
+    ok "all-to-all and groups, shm and mpi bitwise equal, $w ranks ($(wc -l < "$TMP/h_a2a_shm$w") cases)"
+  else bad "all-to-all and groups, shm and mpi, $w ranks" "$TMP/a2a_shm$w" "$TMP/a2a_mpi$w"; fi
+done
+"$BIN/a2a_check" --hashes > "$TMP/a2a_local" 2>&1
+if grep -q "backend local, 1 ranks: .* all passed" "$TMP/a2a_local" &&
+   [ "$(grep '^hash' "$TMP/a2a_local")" = "$(cat "$TMP/h_a2a_shm1")" ]; then
+  ok "all-to-all and groups, local backend bitwise equal to shm"
+else bad "all-to-all and groups, local backend" "$TMP/a2a_local"; fi
+for w in 2 4; do
+  for mode in cma segment stream; do
+    envs=; args="--buffers private"
+    [ $mode = segment ] && envs="LZ_SHM_CMA=0"
+    [ $mode = stream ] && envs="LZ_SHM_STREAM_MIN=1" && args=
+    env $envs "$BIN/lz_run" -n $w "$BIN/a2a_check" --hashes $args > "$TMP/a2a_$mode$w" 2>&1
+    if grep -q "all passed" "$TMP/a2a_$mode$w" &&
+       [ "$(grep '^hash' "$TMP/a2a_$mode$w")" = "$(cat "$TMP/h_a2a_shm$w")" ]; then
+      ok "all-to-all and groups, shm through $mode bitwise equal, $w ranks"
+    else bad "all-to-all and groups, shm through $mode, $w ranks" "$TMP/a2a_$mode$w"; fi
+  done
+done
+if [ "$(grep -c "^mismatch: " "$TMP/a2a_shm4")" = 3 ] && [ "$(grep -c "^mismatch: " "$TMP/a2a_mpi4")" = 3 ]; then
+  ok "all-to-all counts and group lists that disagree: an error naming the ranks, shm and mpi"
+else bad "all-to-all and group mismatches" "$TMP/a2a_shm4" "$TMP/a2a_mpi4"; fi
+for launch in shm mpi; do
+  case $launch in
+    shm) LZ_SIM_JITTER=5 "$BIN/luazero" -n 2 tests/comm/a2a_lua.lua > "$TMP/a2a_lua_$launch" 2>&1 ;;
+    mpi) LZ_SIM_JITTER=5 $MPIRUN -np 2 -x LZ_SIM_JITTER "$BIN/luazero" tests/comm/a2a_lua.lua \
+           > "$TMP/a2a_lua_$launch" 2>&1 ;;
+  esac
+  if [ "$(grep -c "a2a lua: all passed (2 ranks, $launch)" "$TMP/a2a_lua_$launch")" = 2 ]; then
+    ok "$launch: luazero.comm all_to_all, all_to_all_v (host and sim buffers) and groups, 2 ranks"
+  else bad "$launch: luazero.comm all-to-all and groups" "$TMP/a2a_lua_$launch"; fi
+done
+
+# A rank that never joins an all-to-all: the others time out naming it.
+t0=$(now)
+LZ_COMM_TIMEOUT=2 "$BIN/lz_run" -n 3 "$BIN/a2a_check" --never-join 2 > "$TMP/a2a_never" 2>&1
+code=$?
+dt=$(echo "$(now) - $t0" | bc)
+if [ $code -ne 0 ] && [ "$(echo "$dt < 15" | bc)" = 1 ] &&
+   grep -q "all_to_all: rank 0 waited .* for ranks 2" "$TMP/a2a_never"; then
+  ok "shm: a rank that never joins an all-to-all: timeout naming it, exit $code in ${dt%????} s"
+else bad "shm: a rank that never joins an all-to-all (exit $code after $dt s)" "$TMP/a2a_never"; fi
+LZ_COMM_TIMEOUT=2 timeout 60 $MPIRUN -np 3 -x LZ_COMM_TIMEOUT "$BIN/a2a_check" --never-join 2 > "$TMP/a2a_mnever" 2>&1
+code=$?
+if [ $code -ne 0 ] && [ $code -ne 124 ] &&
+   grep -q "all_to_all (sharing the counts): all_gather: rank [01] waited .* for ranks 2" "$TMP/a2a_mnever"; then
+  ok "mpi: a rank that never joins an all-to-all: timeout naming it, exit $code"
+else bad "mpi: a rank that never joins an all-to-all (exit $code)" "$TMP/a2a_mnever"; fi
+
+# Under AddressSanitizer and UBSan, where the debug build is there
+# (make -C build config=debug a2a_check lz_run): every path, no report.
+DBG=$(dirname "$BIN")/debug/bin
+if [ -x "$DBG/a2a_check" ] && [ -x "$DBG/lz_run" ]; then
+  for mode in shared private segment; do
+    envs=; args=; [ $mode != shared ] && args="--buffers private"; [ $mode = segment ] && envs="LZ_SHM_CMA=0"
+    env $envs ASAN_OPTIONS=detect_leaks=1 "$DBG/lz_run" -n 4 "$DBG/a2a_check" $args > "$TMP/a2a_asan_$mode" 2>&1
+    if grep -q "all passed" "$TMP/a2a_asan_$mode" && ! grep -q -E "ERROR: AddressSanitizer|runtime error" "$TMP/a2a_asan_$mode"; then
+      ok "all-to-all and groups under AddressSanitizer, shm $mode, 4 ranks"
+    else bad "all-to-all and groups under AddressSanitizer, shm $mode, 4 ranks" "$TMP/a2a_asan_$mode"; fi
+  done
+fi
 
 # --- a second run gives bitwise the same results
 for w in 3 4; do

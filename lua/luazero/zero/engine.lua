@@ -26,6 +26,7 @@
 local ffi = require("ffi")
 local lz = require("luazero")
 local config = require("luazero.config")
+local moe_config = require("luazero.config.moe")
 local optim = require("luazero.optim")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
@@ -75,6 +76,7 @@ local function settings(cfg)
     offload_param = z.offload_param or config.offload_param_defaults,
     sub_group = zget("sub_group_size"),
     aio = cfg.aio,
+    ep_size = (cfg.moe or moe_config.defaults).ep_size,
   }
 end
 M.settings = settings
@@ -152,6 +154,15 @@ function M.initialize(opts, above)
     loss_sum = 0, loss_count = 0,
     scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
   }, Engine)
+  -- Expert parallelism (config/moe.lua): every rank joins its
+  -- expert-parallel and its expert-data-parallel group.
+  if s.ep_size > 1 then
+    if W % s.ep_size ~= 0 then
+      error(("initialize: moe.ep_size %d does not divide the world size %d"):format(s.ep_size, W), 0)
+    end
+    local ep, edp = moe_config.groups(s.ep_size, W, rank)
+    self.ep_group, self.edp_group = comm.group(ep), comm.group(edp)
+  end
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
   -- the kernels still write fp32 module gradients into the staging buffer;
   -- it is rounded to gdt, reduced in gdt and added (in fp32, rounded back)
@@ -732,6 +743,10 @@ function Engine:free()
   for _, t in pairs(self.scratches) do t:free() end
   self.states:free()
   if self.pshard then self.pshard:free() end
+  if self.ep_group then
+    self.edp_group:free()
+    self.ep_group:free()
+  end
   self.master = nil
   f(self.work)
   for _, seg in ipairs(self.L.segments) do f(seg.persistent) end

@@ -14,19 +14,26 @@ local offloaded = require("luazero.zero.plan").offloaded
 local M = {}
 
 -- The start-up line of the run's settings: "zero stage 2, bf16 (grads
--- bf16), AdamW, 2 ranks, overlap_comm".
+-- bf16), AdamW, 4 ranks, overlap_comm, ep_size 2 (expert-parallel ranks
+-- 0 1, expert-data-parallel ranks 0 2)".
 -- An MoE model adds how its experts are gathered: whole blocks (each
 -- block's experts one segment) or expert by expert (every expert each
 -- pass), whatever the tokens did (nn/moe_experts.lua).
 function M.describe(engine)
   local W, s = engine.world, engine.s
+  local ep = ""
+  if engine.ep_group then
+    ep = (", ep_size %d (expert-parallel ranks %s, expert-data-parallel ranks %s)"):format(
+      s.ep_size, table.concat(engine.ep_group:ranks(), " "),
+      table.concat(engine.edp_group:ranks(), " "))
+  end
   local routers = engine.model and engine.model.routers or {}
-  return ("zero stage %d, %s, %s, %d rank%s%s%s"):format(engine.stage,
+  local moe = #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
+                               :format(routers[1].gather == "expert" and "per expert" or
+                                       "whole block", #routers, routers[1].n_experts) or ""
+  return ("zero stage %d, %s, %s, %d rank%s%s%s%s"):format(engine.stage,
     engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
-    engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "",
-    #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
-                     :format(routers[1].gather == "expert" and "per expert" or "whole block",
-                             #routers, routers[1].n_experts) or "")
+    engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far

@@ -1,0 +1,52 @@
+-- config/moe.lua — the "moe" block: expert parallelism. DeepSpeed has no
+-- config key for it: its MoE layer takes the size as an argument
+-- (deepspeed.moe.layer.MoE(..., ep_size=...)) and builds the groups in
+-- deepspeed/utils/groups.py; luazero reads that name here, and builds the
+-- same groups:
+--   { "moe": { "ep_size": 2 } }
+-- The expert-parallel group: ep_size consecutive ranks, which hold different
+-- experts and exchange tokens (world 4, ep_size 2: ranks 0 1 and 2 3). The
+-- expert-data-parallel group: the ranks ep_size apart, which hold the same
+-- experts and reduce their gradients (0 2 and 1 3).
+--   moe.read(raw, cfg, unimpl)        -- fills cfg.moe = { ep_size = n }
+--   moe.groups(ep_size, world, rank)  -- this rank's two lists of 0-based ranks
+local values = require("luazero.config.values")
+
+local M = {}
+
+local block, given, whole_at_least = values.block, values.given, values.whole_at_least
+local asks_for_nothing, sorted_keys, fail = values.asks_for_nothing, values.sorted_keys, values.fail
+
+M.top_keys = { moe = true }
+M.defaults = { ep_size = 1 }
+
+function M.read(raw, cfg, unimpl)
+  cfg.moe = { ep_size = M.defaults.ep_size }
+  local m = raw.moe
+  if not given(m) then return end
+  block("moe", m)
+  for _, k in ipairs(sorted_keys(m)) do
+    if k == "ep_size" then
+      if given(m.ep_size) then
+        local n = whole_at_least("moe.ep_size", m.ep_size, 1)
+        if cfg.world_size % n ~= 0 then
+          fail("moe.ep_size must divide the world size %d (got %d); each expert-parallel group " ..
+               "is ep_size consecutive ranks", cfg.world_size, n)
+        end
+        cfg.moe.ep_size = n
+      end
+    elseif not asks_for_nothing(m[k]) then
+      unimpl[#unimpl + 1] = "moe." .. k
+    end
+  end
+end
+
+function M.groups(ep_size, world, rank)
+  local ep, edp = {}, {}
+  local first = rank - rank % ep_size
+  for r = first, first + ep_size - 1 do ep[#ep + 1] = r end
+  for r = rank % ep_size, world - 1, ep_size do edp[#edp + 1] = r end
+  return ep, edp
+end
+
+return M

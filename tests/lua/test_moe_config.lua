@@ -1,0 +1,66 @@
+-- test_moe_config.lua — the "moe" block's ep_size (config/moe.lua): read,
+-- checked against the world size, its groups as DeepSpeed builds them
+-- (blocks of ep_size ranks, and the ranks ep_size apart), and an engine
+-- that joins both groups, says so in its start-up line and trains to the
+-- checksum of the same run without the block.
+local lz = require("luazero")
+local config = require("luazero.config")
+local moe = require("luazero.config.moe")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+
+local T = {}
+local q = support.quote
+local write_file = support.scratch()
+
+local function load_error(source, world)
+  local ok, err = pcall(config.load, source, world)
+  assert(not ok, "expected an error, the config loaded")
+  return tostring(err)
+end
+
+function T.ep_size_is_read_and_checked()
+  support.eq(config.load({ train_batch_size = 4 }, 4).moe.ep_size, 1, "default ep_size")
+  local cfg = config.load({ train_batch_size = 4, moe = { ep_size = 2 } }, 4)
+  support.eq(cfg.moe.ep_size, 2, "ep_size")
+  assert(config.summary(cfg):find("moe.ep_size 2", 1, true), config.summary(cfg))
+  support.eq(config.load({ train_batch_size = 4, moe = { ep_size = "auto" } }, 4).moe.ep_size, 1,
+             "ep_size auto")
+  support.eq(load_error({ train_batch_size = 4, moe = { ep_size = 3 } }, 4),
+             "config: moe.ep_size must divide the world size 4 (got 3); each expert-parallel " ..
+             "group is ep_size consecutive ranks")
+  support.eq(load_error({ train_batch_size = 4, moe = { ep_size = 0 } }, 4),
+             "config: moe.ep_size must be a whole number >= 1 (got 0)")
+  assert(load_error({ train_batch_size = 4, moe = 2 }, 4):find("moe", 1, true))
+  cfg = config.load({ train_batch_size = 4, moe = { ep_size = 1, top_k_gating = 2 } }, 4)
+  support.eq(table.concat(cfg.unimplemented, ","), "moe.top_k_gating", "reported keys")
+end
+
+function T.groups_are_deepspeeds_blocks_and_strides()
+  local function lists(ep_size, world, rank)
+    local ep, edp = moe.groups(ep_size, world, rank)
+    return table.concat(ep, " ") .. " / " .. table.concat(edp, " ")
+  end
+  support.eq(lists(2, 4, 3), "2 3 / 1 3", "world 4, ep_size 2, rank 3")
+  support.eq(lists(4, 16, 5), "4 5 6 7 / 1 5 9 13", "world 16, ep_size 4, rank 5")
+  support.eq(lists(1, 3, 2), "2 / 0 1 2", "ep_size 1")
+  support.eq(lists(4, 4, 0), "0 1 2 3 / 0", "ep_size = world")
+end
+
+local corpus = write_file("corpus.txt", ("A seed corpus line of text for a tiny model.\n"):rep(50))
+local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 16 --n-head 2 --context 8 --vocab 128 " ..
+              "--seq-len 8 --micro-batch 2 --sample 0 --eval-batches 1 --steps 2 --data " .. q(corpus)
+local train, ok_train = support.trainer(MODEL)
+
+function T.engine_joins_its_groups_and_trains_the_same()
+  local with = write_file("moe.json", '{"train_micro_batch_size_per_gpu": 2, "moe": {"ep_size": 2}}')
+  local without = write_file("plain.json", '{"train_micro_batch_size_per_gpu": 2}')
+  local out, sum = ok_train(4, "--config " .. q(with))
+  assert(out:find("ep_size 2 (expert-parallel ranks 0 1, expert-data-parallel ranks 0 2)", 1, true),
+         out)
+  local _, plain = ok_train(4, "--config " .. q(without))
+  support.eq(sum, plain, "params_checksum with and without moe.ep_size")
+  local bad, st = train(3, "--config " .. q(with))
+  assert(st ~= 0 and bad:find("moe.ep_size must divide the world size 3", 1, true), bad)
+end
+
+return T
