@@ -38,6 +38,7 @@ local reduce = require("luazero.zero.reduce")
 local gather = require("luazero.zero.gather")
 local Frozen = require("luazero.zero.frozen")
 local States = require("luazero.zero.states")
+local Matrices = require("luazero.zero.matrices")
 
 local M = {}
 local Engine = {}
@@ -487,11 +488,15 @@ function Engine:allocate(frozen_entries)
   end
   -- The model states as numbers: weights, the optimizer's calls, what
   -- checkpoints visit (zero/states.lua).
+  self.matrices = Matrices.new{
+    L = L, P = P, rank = self.rank, world = self.world, comm = self.comm, ring = self.states,
+    model = self.model, optimizer = self.optimizer,
+  }
   self.model_states = States.new{
     P = P, L = L, rank = self.rank, world = self.world, comm = self.comm, model = self.model,
     ring = self.states, master = self.master, work = self.work, wstage = self.wstage,
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
-    frozen = self.frozen, overlap = s.overlap,
+    frozen = self.frozen, overlap = s.overlap, matrices = self.matrices,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{

@@ -31,11 +31,13 @@ States.__index = States
 -- file), half_grads and scratches (device -> fp32 scratch: the optimizer
 -- reads half gradients through it), frozen (zero/frozen.lua: frozen weights
 -- in a draw go there), overlap (overlap_comm: pushed parameters are
--- copied on the copy stream).
+-- copied on the copy stream), matrices (zero/matrices.lua: the whole-matrix
+-- placement of an optimizer that has one, else nil).
 function M.new(parts)
   local self = setmetatable({}, States)
   for _, k in ipairs({ "P", "L", "rank", "world", "comm", "model", "ring", "master", "work",
-                       "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap" }) do
+                       "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap",
+                       "matrices" }) do
     self[k] = parts[k]
   end
   return self
@@ -198,10 +200,11 @@ function States:build_calls()
   local rounds = P.dtype ~= "f32" and not P:swapped("params")
   local runs = {}
   for _, r in ipairs(ranks) do
-    for _, run in ipairs(layout.shard_runs(L, r)) do
+    for _, run in ipairs(layout.shard_runs(L, r, self.matrices and self.matrices.matrix_of)) do
       local shape = { run.numel }
       local item = {
-        decay = run.decay, numel = run.numel, opt_off = at(P.optimizer.extent, run),
+        decay = run.decay, matrix = run.matrix, numel = run.numel,
+        opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
         -- (gradients on NVMe: the group's, read with its states)
         g = self.ograds and self.ograds:view(at(P.opt_grads.extent, run), shape),
@@ -229,7 +232,7 @@ function States:build_calls()
           local st = {}
           for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
           return {
-            decay = run.decay, s = st,
+            decay = run.decay, matrix = run.matrix, s = st,
             p = grouped_master and gv.master:view(rel + off, { n })
                 or self.master:view(run.master_off + d + off, { n }),
             g = run.g and run.g:view(d + off, { n }) or gv.g:view(rel + off, { n }),
@@ -260,6 +263,7 @@ end
 -- optimizer beside a device working copy copies each group's new working
 -- shard to the device after it (on the copy stream under overlap_comm).
 function States:update(opt, t, lr, scale)
+  if self.matrices then return self.matrices:update(self, opt, t, lr, scale) end
   local calls, push, overlap = self.calls, self.P.push_params, self.overlap
   self.ring:each_group(true, function(k)
     for _, c in ipairs(calls[k]) do
