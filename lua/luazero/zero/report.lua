@@ -14,12 +14,15 @@ local offloaded = require("luazero.zero.plan").offloaded
 local M = {}
 
 -- The start-up line of the run's settings: "zero stage 2, bf16 (grads
--- bf16), AdamW, 2 ranks, overlap_comm".
+-- bf16), AdamW, 2 ranks, overlap_comm"; an optimizer with whole matrices
+-- (Muon) adds a line of their placement (zero/matrices.lua).
 function M.describe(engine)
   local W, s = engine.world, engine.s
-  return ("zero stage %d, %s, %s, %d rank%s%s"):format(engine.stage,
+  local line = ("zero stage %d, %s, %s, %d rank%s%s"):format(engine.stage,
     engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
     engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "")
+  if engine.matrices then line = line .. "\n" .. engine.matrices:describe(engine.optimizer.name) end
+  return line
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far
