@@ -112,6 +112,10 @@ function T.every_stage_and_tier_gives_one_checksum()
   end
   local _, got = ok_train(2, "--steps 3 --grad-accum 2 --config " .. cpu)
   assert(got == want, ("cpu tier: %s, stage 0: %s"):format(got, want))
+  -- U gathered one segment at a time (a small allgather_bucket_size).
+  local small = q(config({ zero_optimization = { stage = 3, allgather_bucket_size = 1000 } }))
+  _, got = ok_train(2, "--steps 3 --grad-accum 2 --config " .. small)
+  assert(got == want, ("small gathers: %s, stage 0: %s"):format(got, want))
   -- bf16 working copies: stage 0 and 3 again agree.
   local _, b0 = ok_train(2, "--steps 3 --dtype bf16 --stage 0 --config " .. plain)
   local _, b3 = ok_train(2, "--steps 3 --dtype bf16 --stage 3 --config " .. plain)

@@ -16,7 +16,7 @@
 -- same GEMMs, so every stage and world size gets the same parameters.
 --
 --   local mx = matrices.new{ L = L, P = P, rank = r, world = W, comm = comm,
---                            ring = states, model = model, optimizer = opt }
+--                            ring = states, model = model, optimizer = opt, budget = n }
 --   mx.matrix_of(entry) -> { A, B, ... } or nil;   mx:update(ms, opt, t, lr, scale)
 local lz = require("luazero")
 
@@ -44,6 +44,9 @@ function M.new(parts)
   if not opt.matrix then return nil end
   local self = setmetatable({}, Matrices)
   for _, k in ipairs({ "L", "P", "rank", "world", "comm", "ring" }) do self[k] = parts[k] end
+  -- Elements of U gathered at once on a sharded optimizer (the config's
+  -- allgather_bucket_size, as the engine's parameter gathers).
+  self.budget = parts.budget or math.huge
   if parts.ring.swap then
     error(("initialize: %s orthogonalises whole matrices from states held in memory; " ..
            "offload_optimizer.device nvme is not supported with it (use cpu or none)")
@@ -117,37 +120,47 @@ function Matrices:orthogonalize(opt)
     end
     return
   end
-  -- Every segment holding a matrix gathered whole, then each owner's
-  -- matrices, then the broadcasts: the owners work at the same time.
-  local full = {}
-  for i, s in ipairs(self.segs) do
-    local seg = s.seg
-    full[i] = lz.tensor({ seg.padded }, "f32", "workspace", dev)
-    local mine = u:view(seg.shard_offset, { seg.slice })
-    self.comm.all_gather(mine, full[i])
-    mine:free()
-  end
-  for i, s in ipairs(self.segs) do
-    for _, m in ipairs(s.held) do
-      if m.owner == self.rank then
-        local x = full[i]:view(m.se.seg_offset, { m[1], m[2] })
-        opt:orthogonalize(x, m[1], m[2])
-        x:free()
+  -- Batches of segments, up to `budget` gathered elements (one segment at
+  -- least): each batch gathered whole, then each owner's matrices, then
+  -- the broadcasts, so the owners of a batch work at the same time.
+  local segs, i = self.segs, 1
+  while i <= #segs do
+    local j, n = i, segs[i].seg.padded
+    while j < #segs and n + segs[j + 1].seg.padded <= self.budget do
+      j = j + 1
+      n = n + segs[j].seg.padded
+    end
+    local full = {}
+    for k = i, j do
+      local seg = segs[k].seg
+      full[k] = lz.tensor({ seg.padded }, "f32", "workspace", dev)
+      local mine = u:view(seg.shard_offset, { seg.slice })
+      self.comm.all_gather(mine, full[k])
+      mine:free()
+    end
+    for k = i, j do
+      for _, m in ipairs(segs[k].held) do
+        if m.owner == self.rank then
+          local x = full[k]:view(m.se.seg_offset, { m[1], m[2] })
+          opt:orthogonalize(x, m[1], m[2])
+          x:free()
+        end
       end
     end
-  end
-  for i, s in ipairs(self.segs) do
-    local seg = s.seg
-    for _, m in ipairs(s.held) do
-      local x = full[i]:view(m.se.seg_offset, { m.numel })
-      self.comm.broadcast(x, m.owner)
-      x:free()
+    for k = i, j do
+      local seg = segs[k].seg
+      for _, m in ipairs(segs[k].held) do
+        local x = full[k]:view(m.se.seg_offset, { m.numel })
+        self.comm.broadcast(x, m.owner)
+        x:free()
+      end
+      local mine, got = u:view(seg.shard_offset, { seg.slice }),
+                        full[k]:view(self.rank * seg.slice, { seg.slice })
+      mine:copy(got)
+      mine:free(); got:free()
+      full[k]:free()
     end
-    local mine, got = u:view(seg.shard_offset, { seg.slice }),
-                      full[i]:view(self.rank * seg.slice, { seg.slice })
-    mine:copy(got)
-    mine:free(); got:free()
-    full[i]:free()
+    i = j + 1
   end
 end
 
