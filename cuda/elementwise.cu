@@ -1,6 +1,6 @@
 // elementwise.cu — flat ops over whole tensors on the device: add, axpy,
 // scale, fill, dtype conversion, GELU, SwiGLU, the fused AdamW and Lion
-// steps (and the 8-bit one), and the two reductions the engine runs over gradients (squared
+// steps (and the 8-bit one), bf16 stochastic rounding, and the two reductions the engine runs over gradients (squared
 // norm, inf/NaN). Same semantics as core/kernels/elementwise.c, core/kernels/gelu.c,
 // core/kernels/swiglu.c, core/kernels/softcap.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
 // element counts must agree, as the core checked).
