@@ -410,7 +410,8 @@ typedef struct lz_adamw_args {
   int64_t step;       /* 1-based, for bias correction */
 } lz_adamw_args;
 
-/* One fused AdamW step over fp32 master `param` with fp32 `grad`, moments m, v.
+/* One fused AdamW step over fp32 master `param` with fp32 `grad`, moments m, v
+ * (f32, or both bf16: updated in fp32 and rounded to nearest even).
  * `working` (may be NULL) receives the updated parameters in its dtype
  * (f32, bf16 or f16). All tensors the same element count. */
 lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,

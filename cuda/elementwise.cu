@@ -350,16 +350,17 @@ struct adamw_consts {
       grad_scale;
 };
 
-__global__ void adamw_kernel(float *p, const float *grad, float *m, float *v, void *working,
-                             lz_dtype wdt, adamw_consts k, int64_t n) {
+// m and v f32, or bf16 (mdt): widened, updated, rounded to nearest even.
+__global__ void adamw_kernel(float *p, const float *grad, void *m, void *v, lz_dtype mdt,
+                             void *working, lz_dtype wdt, adamw_consts k, int64_t n) {
   GRID_STRIDE(i, n) {
     float g = grad[i] * k.grad_scale;
-    float mi = k.beta1 * m[i] + k.one_minus_beta1 * g;
-    float vi = k.beta2 * v[i] + k.one_minus_beta2 * g * g;
+    float mi = k.beta1 * load_as_f32(m, mdt, i) + k.one_minus_beta1 * g;
+    float vi = k.beta2 * load_as_f32(v, mdt, i) + k.one_minus_beta2 * g * g;
     float denom = sqrtf(vi) * k.inv_bc2_sqrt + k.eps;
     float pi = p[i] * k.decay - k.step_size * mi / denom;
-    m[i] = mi;
-    v[i] = vi;
+    store_from_f32(m, mdt, i, mi);
+    store_from_f32(v, mdt, i, vi);
     p[i] = pi;
     if (working) store_from_f32(working, wdt, i, pi);
   }
@@ -385,8 +386,8 @@ lz_status lz_cu_adamw_step(const lz_op_args *a) {
   k.grad_scale = args->grad_scale;
   lz_tensor *w = a->t[4];
   adamw_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)a->t[0]->data, (const float *)a->t[1]->data, (float *)a->t[2]->data,
-      (float *)a->t[3]->data, w ? w->data : NULL, w ? w->dtype : LZ_F32, k, n);
+      (float *)a->t[0]->data, (const float *)a->t[1]->data, a->t[2]->data, a->t[3]->data,
+      a->t[2]->dtype, w ? w->data : NULL, w ? w->dtype : LZ_F32, k, n);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

@@ -3,6 +3,7 @@
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
+#include <string.h> /* memcmp */
 
 static uint64_t rng = 0x94D049BB133111EBull;
 static float frand(void) { return lz_test_uniform(&rng); }
@@ -223,4 +224,45 @@ LZ_TEST(adamw_f16_copy_is_bitwise_the_scalar_conversion) {
   check_f16_bits(bits, n);        /* over 2^16 elements: threaded blocks */
   check_f16_bits(bits + 3, 1001); /* a short, odd tail */
   free(bits);
+}
+
+/* bf16 moments: bitwise the fp32 step whose m and v are rounded to bf16
+ * (nearest even) after every step, with a working copy, over threads. */
+LZ_TEST(adamw_bf16_moments_are_the_fp32_step_rounded) {
+  const int64_t n = 100003, s1[1] = {n};
+  float *p = malloc(sizeof(float) * n), *q = malloc(sizeof(float) * n);
+  float *g = malloc(sizeof(float) * n), *m = malloc(sizeof(float) * n);
+  float *v = malloc(sizeof(float) * n);
+  uint16_t *mh = malloc(sizeof(uint16_t) * n), *vh = malloc(sizeof(uint16_t) * n);
+  uint16_t *w = malloc(sizeof(uint16_t) * n);
+  for (int64_t i = 0; i < n; i++) p[i] = q[i] = frand(), m[i] = v[i] = 0.0f, mh[i] = vh[i] = 0;
+  lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tq = lz_test_wrap(q, LZ_F32, 1, s1);
+  lz_tensor *tg = lz_test_wrap(g, LZ_F32, 1, s1), *tm = lz_test_wrap(m, LZ_F32, 1, s1);
+  lz_tensor *tv = lz_test_wrap(v, LZ_F32, 1, s1), *tmh = lz_test_wrap(mh, LZ_BF16, 1, s1);
+  lz_tensor *tvh = lz_test_wrap(vh, LZ_BF16, 1, s1), *tw = lz_test_wrap(w, LZ_BF16, 1, s1);
+  lz_adamw_args args = {.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                        .weight_decay = 0.1f, .grad_scale = 0.5f, .step = 0};
+  int same = 1, moved = 0;
+  for (int step = 1; step <= 5; step++) {
+    for (int64_t i = 0; i < n; i++) g[i] = i % 11 == 0 ? 0.0f : frand() * (i % 3 ? 1.0f : 1e-3f);
+    args.step = step;
+    CHECK_OK(lz_adamw_step(tp, tg, tm, tv, NULL, &args));
+    for (int64_t i = 0; i < n; i++) {
+      m[i] = lz_bf16_to_f32(lz_f32_to_bf16(m[i]));
+      v[i] = lz_bf16_to_f32(lz_f32_to_bf16(v[i]));
+    }
+    CHECK_OK(lz_adamw_step(tq, tg, tmh, tvh, tw, &args));
+    for (int64_t i = 0; i < n; i++) {
+      same &= memcmp(&p[i], &q[i], 4) == 0 && mh[i] == lz_f32_to_bf16(m[i]) &&
+              vh[i] == lz_f32_to_bf16(v[i]) && w[i] == lz_f32_to_bf16(q[i]);
+      moved |= mh[i] != 0;
+    }
+  }
+  CHECK(same);
+  CHECK(moved);
+  /* One moment bf16 and the other f32 is refused. */
+  CHECK(lz_adamw_step(tq, tg, tmh, tv, NULL, &args) == LZ_ERR_INVALID);
+  lz_tensor *all[] = {tp, tq, tg, tm, tv, tmh, tvh, tw};
+  for (int i = 0; i < 8; i++) lz_tensor_free(all[i]);
+  free(p), free(q), free(g), free(m), free(v), free(mh), free(vh), free(w);
 }

@@ -2,6 +2,7 @@
 --   luazero tools/ckpt.lua inspect CKPT
 --   luazero tools/ckpt.lua consolidate CKPT OUT.bin
 --   luazero tools/ckpt.lua export CKPT OUT.safetensors|FOLDER [--dtype fp32|bf16]
+--   luazero tools/ckpt.lua convert-states CKPT OUT --to f32|bf16
 local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
 local paths = require("luazero.io.paths")
@@ -26,6 +27,9 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   export CKPT FOLDER --merge-lora [--base PATH]
                                the adapters folded into the base weights (PATH: the run's --init,
                                by default) as a Hugging Face model folder
+  convert-states CKPT OUT --to f32|bf16
+                               a copy (OUT: a new step folder) whose optimizer states are kept
+                               in f32 or bf16 (AdamW's momentum_dtype/variance_dtype) on resume
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]):format(
   table.concat(families.architectures(), ", "))
 
@@ -65,6 +69,7 @@ local function inspect(ck)
 end
 
 local export = require("luazero.checkpoint.export")
+local convert = require("luazero.checkpoint.convert")
 
 local function main(argv)
   local cmd, ck_path, out = argv[1], argv[2], argv[3]
@@ -82,6 +87,9 @@ local function main(argv)
   local export_only = { ok = function() return cmd == "export" end,
                         says = ("goes with export (the weights it writes); %s does not read it: " ..
                                 "drop it"):format(cmd) }
+  local convert_only = { ok = function() return cmd == "convert-states" end,
+                         says = ("goes with convert-states; %s does not read it: drop it")
+                                :format(cmd) }
   local flags = checked(args.parse, rest, {
     { "dtype", "string", "fp32", "export: fp32 or bf16", choices = { "fp32", "bf16" },
       needs = export_only },
@@ -89,6 +97,8 @@ local function main(argv)
       needs = export_only },
     { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
       needs = "merge-lora" },
+    { "to", "string", nil, "convert-states: the states' format", choices = { "f32", "bf16" },
+      needs = convert_only },
   })
   if not ck_path then fail("missing CKPT\n" .. USAGE) end
   -- Every file it touches (io/paths.lua): OUT must not be an input. (An
@@ -113,6 +123,10 @@ local function main(argv)
     else
       print(checked(export.export, ck, out, flags.dtype))
     end
+  elseif cmd == "convert-states" then
+    if not out then fail("convert-states needs OUT (a new step folder) and --to f32|bf16") end
+    if not flags.to then fail("convert-states needs --to f32|bf16") end
+    print(checked(convert.states, ck_path, out, flags.to))
   else
     fail(("unknown command %q\n%s"):format(cmd, USAGE))
   end

@@ -7,7 +7,11 @@
  *   p  = p * (1 - lr wd)
  *   m  = b1 m + (1 - b1) g          v = b2 v + (1 - b2) g^2
  *   p -= (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps)
- * with g = grad * grad_scale (clipping and loss-scale undo folded in). */
+ * with g = grad * grad_scale (clipping and loss-scale undo folded in).
+ *
+ * m and v may be bf16 (the bf16-moment AdamW): each chunk's moments are
+ * widened to fp32, updated by the same loop, and rounded back to nearest
+ * even, in the same pass. */
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 
@@ -72,6 +76,38 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
   return lz_op_run(op, LZ_OP_ADAMW_STEP, &a);
 }
 
+/* Elements per chunk of the bf16-moment pass: 4 KiB per fp32 stream. */
+#define BF16_CHUNK 1024
+
+LZ_DISPATCH static void widen(float *restrict dst, const uint16_t *restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_to_f32_inline(src[i]);
+}
+
+LZ_DISPATCH static void narrow(uint16_t *restrict dst, const float *restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_from_f32_inline(src[i]);
+}
+
+static void run_bf16_moments(const lz_optim_tensors *t, const adamw_consts *k) {
+  const int64_t n = lz_tensor_numel(t->param);
+  float *p = t->param->data;
+  const float *g = t->grad->data;
+  uint16_t *m = t->states[0]->data, *v = t->states[1]->data;
+  char *w = t->working ? t->working->data : NULL;
+  const lz_optim_store_fn store = w ? lz_optim_working_store(t->working->dtype) : NULL;
+  const size_t wsize = w ? lz_dtype_size(t->working->dtype) : 0;
+#pragma omp parallel for schedule(static) if (n > (1 << 14))
+  for (int64_t i0 = 0; i0 < n; i0 += BF16_CHUNK) {
+    const int64_t len = n - i0 < BF16_CHUNK ? n - i0 : BF16_CHUNK;
+    float mf[BF16_CHUNK], vf[BF16_CHUNK];
+    widen(mf, m + i0, len);
+    widen(vf, v + i0, len);
+    adamw_update(p + i0, g + i0, mf, vf, k, len);
+    narrow(m + i0, mf, len);
+    narrow(v + i0, vf, len);
+    if (store) store(w + (size_t)i0 * wsize, p + i0, len);
+  }
+}
+
 lz_status lz_cpu_adamw_step(const lz_op_args *a) {
   const lz_optim_tensors t = {.param = a->t[0],
                               .grad = a->t[1],
@@ -93,6 +129,7 @@ lz_status lz_cpu_adamw_step(const lz_op_args *a) {
       .eps = args->eps,
       .grad_scale = args->grad_scale,
   };
-  lz_optim_run(&t, adamw_update, &k);
+  if (a->t[2]->dtype == LZ_BF16) run_bf16_moments(&t, &k);
+  else lz_optim_run(&t, adamw_update, &k);
   return LZ_OK;
 }

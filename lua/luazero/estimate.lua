@@ -112,7 +112,7 @@ function M.plan(stage, dtype, offload, grads, device, extra)
   return Placement.new{
     stage = stage, dtype = dtype, grad_dtype = grads == "working" and dtype or "fp32",
     offload_optimizer = pl.opt, offload_param = pl.param, device = device or "cuda",
-    accum = extra.accum, optimizer_states = extra.states,
+    accum = extra.accum, optimizer_states = extra.states, optimizer_formats = extra.formats,
   }
 end
 
@@ -132,7 +132,8 @@ end
 -- whole on every rank beside the shards, those in modules of at most
 -- stage3_param_persistence_threshold elements; 0), layout ({full, shard}:
 -- the engine's padded element counts, from model_params; default full =
--- params, shard = ceil(params / world)).
+-- params, shard = ceil(params / world)), states and formats (the
+-- optimizer's states and their formats, optim/formats.lua; AdamW's f32 m, v).
 -- Returns nil for combinations DeepSpeed does not have (offload at stage 0,
 -- offload_param below stage 3); else a table: device and cpu bytes, and
 -- each split by ledger category (device_parts, cpu_parts: params, grads,
@@ -158,7 +159,8 @@ function M.model_states(params, world, stage, opts)
   end
   local full, shard = params, math.ceil(params / world)
   if opts.layout then full, shard = opts.layout.full, opts.layout.shard end
-  local plan = M.plan(stage, opts.dtype or "bf16", offload, opts.grads, opts.device)
+  local plan = M.plan(stage, opts.dtype or "bf16", offload, opts.grads, opts.device,
+                      { states = opts.states, formats = opts.formats })
   local by = plan:bytes{ full = full, shard = shard, persistent = persistent }
   local dev, cpu = by.device, by.host
   local r = { stage = stage, offload = offload, dtype = opts.dtype or "bf16", params = params,

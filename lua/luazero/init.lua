@@ -326,6 +326,25 @@ end
 
 function Tensor:reshape(shape) return self:view(0, shape) end
 
+-- A view of `shape` in `dtype` over this tensor's bytes from byte `at`: a
+-- buffer that holds parts of several dtypes (a swap-file region). The view
+-- shares the memory and must not outlive it.
+function Tensor:view_bytes(at, dtype, shape)
+  local dt = dtype_of(dtype)
+  local dims, nd = shape_array(shape, dt)
+  local n = 1
+  for i = 0, nd - 1 do n = n * tonumber(dims[i]) end
+  if at < 0 or at % tonumber(C.lz_dtype_size(dt)) ~= 0 or
+     at + n * tonumber(C.lz_dtype_size(dt)) > self:bytes() then
+    error(("view_bytes: %d elements of %s at byte %d do not fit the tensor's %d bytes at an " ..
+           "offset aligned to the element"):format(n, dtype, at, self:bytes()), 2)
+  end
+  local out = tensor_out()
+  check(C.lz_tensor_wrap(out, ffi.cast("char *", self.data) + at, dt, nd, dims), 2)
+  out[0].device = self.device -- the memory's device (wrap assumes the host's)
+  return own(out[0])
+end
+
 function Tensor:sq_norm()
   local out = ffi.new("double[1]")
   check(C.lz_sq_norm(live(self, "sq_norm"), out), 2)

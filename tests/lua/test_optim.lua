@@ -39,8 +39,8 @@ function T.schema_kinds_name_the_key_and_the_range()
   local registry = require("luazero.optim.registry")
   expect_error(function()
     registry.define({ name = "Bad", step = function() end, params = {},
-                      states = { { name = "m", dtype = "bf16" } } }, "bad.lua")
-  end, "optim: bad.lua: state m has dtype bf16: the engine keeps optimizer states in f32")
+                      states = { { name = "m", format = "f16" } } }, "bad.lua")
+  end, "optim: bad.lua: state m has format f16: a state is kept in f32, bf16, u8")
   expect_error(function()
     registry.define({ name = "Bad", types = { "adamw" }, step = function() end, params = {},
                       states = {} }, "bad.lua")
@@ -217,6 +217,103 @@ function T.loads_read_the_manifest_s_optimizer_record()
   e:free()
   expect_error(open, "its manifest records no optimizer (a checkpoint saved without a config); " ..
                "consolidate it")
+end
+
+-- A state's format is data (optim/formats.lua): bytes per element and per
+-- block, what the plan counts, what a config asks with AnyPrecisionAdamW's
+-- momentum_dtype / variance_dtype, and what the record keeps.
+function T.state_formats_are_declared_and_configured()
+  local formats = require("luazero.optim.formats")
+  assert(formats.bytes("f32", 1000) == 4000 and formats.bytes("bf16", 1000) == 2000)
+  assert(formats.bytes("u8", 4096) == 4096 + 16 * 4 and formats.bytes("u8", 257) == 257 + 2 * 4)
+  assert(formats.per_element("u8") == 1 + 4 / 256)
+  expect_error(function() formats.master("u8") end, "master weights cannot be kept in u8")
+  local config = require("luazero.config")
+  local function cfg(params) return config.load({ train_micro_batch_size_per_gpu = 2,
+    optimizer = { type = "AdamW", params = params } }, 1) end
+  local c = cfg({ lr = 1e-3, momentum_dtype = "bfloat16", variance_dtype = "torch.bfloat16" })
+  local a = optim.new(c.optimizer)
+  assert(a.state_formats.m == "bf16" and a.state_formats.v == "bf16")
+  assert(a:record().state_formats.v == "bf16" and a:record().params.momentum_dtype == nil)
+  assert(optim.new(cfg({ lr = 1e-3 }).optimizer).state_formats.m == "f32")
+  expect_error(function() cfg({ momentum_dtype = "bfloat16" }) end,
+               "config: optimizer.params.momentum_dtype and optimizer.params.variance_dtype " ..
+               "must be the same (both float32 or both bfloat16; got \"bfloat16\" and")
+  expect_error(function() cfg({ momentum_dtype = "float16", variance_dtype = "float16" }) end,
+               "config: optimizer.params.momentum_dtype must be \"float32\" or \"bfloat16\" " ..
+               "(got \"float16\")")
+  -- The plan counts each state's bytes by its format.
+  local placement = require("luazero.zero.plan")
+  local function opt_bytes(fmts)
+    local P = placement.new({ stage = 1, optimizer_states = { "m", "v" }, optimizer_formats = fmts })
+    return P:bytes({ full = 8192, shard = 4096 }).states.optimizer
+  end
+  assert(opt_bytes(nil) == 2 * 4096 * 4, opt_bytes(nil))
+  assert(opt_bytes({ m = "bf16", v = "bf16" }) == 2 * 4096 * 2)
+  assert(opt_bytes({ m = "u8", v = "u8" }) == 2 * (4096 + 16 * 4))
+end
+
+-- bf16 moments in the engine: the states are bf16 tensors, the NVMe region
+-- of a sub-group holds 2 bytes an element for each moment, stages 0 and 3 (and
+-- the NVMe tier) end with the same parameters, a checkpoint's f32 copy of
+-- the moments resumes exactly, a resume into f32 moments is refused, and
+-- tools/ckpt convert-states changes the formats a checkpoint records.
+function T.bf16_moments_train_on_every_tier_and_resume()
+  local gpt2 = require("models.gpt2")
+  local zero = require("luazero.zero")
+  local function engine(zo)
+    local cfg = { train_micro_batch_size_per_gpu = 2, zero_optimization = zo,
+                  optimizer = { type = "AdamW", params = { lr = 1e-3, weight_decay = 0.1,
+                    momentum_dtype = "bfloat16", variance_dtype = "bfloat16" } } }
+    return zero.initialize{ model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32,
+                            n_head = 2, context = 16 })), config = cfg, seed = 3, batch = { 2, 8 } }
+  end
+  local x = lz.tensor({ 2, 8 }, "i32", "activations")
+  local y = lz.tensor({ 2, 8 }, "i32", "activations")
+  for i = 0, 15 do x:set(i, (i * 7) % 50); y:set(i, (i * 11) % 50) end
+  local function train(e, steps)
+    for _ = 1, steps do e:backward(e:forward(x, y)); e:step() end
+    return e:params_checksum()
+  end
+  local e0 = engine({ stage = 0 })
+  assert(e0.states.s[1]:dtype_name() == "bf16" and e0.states.s[2]:dtype_name() == "bf16")
+  local sum0 = train(e0, 3)
+  local dir = tmp .. "/bf16m"
+  local e3 = engine({ stage = 3 })
+  train(e3, 1)
+  e3:save(dir, {})
+  assert(train(e3, 2) == sum0)
+  e3:free()
+  local nv = engine({ stage = 3, offload_optimizer = { device = "nvme", nvme_path = tmp } })
+  -- (an fp32 master of 4 bytes where the tier keeps one, m and v of 2 each)
+  assert(nv.states.region == nv.states.G * ((nv.states.has_master and 4 or 0) + 4))
+  assert(train(nv, 3) == sum0)
+  nv:free()
+  local r = engine({ stage = 2 })
+  r:load(dir .. "/step-000001")
+  assert(train(r, 2) == sum0)
+  r:free()
+  assert(manifest(dir .. "/step-000001").optimizer.state_formats.m == "bf16")
+  local f32 = zero.initialize{ model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1,
+    n_embd = 32, n_head = 2, context = 16 })), config = { train_micro_batch_size_per_gpu = 2 },
+    seed = 3, batch = { 2, 8 } }
+  expect_error(function() f32:load(dir .. "/step-000001") end,
+               "keeps the optimizer state m in bf16; this run keeps it in f32: convert it " ..
+               "first (tools/ckpt convert-states")
+  -- tools/ckpt convert-states: to f32 the run with f32 moments loads it;
+  -- back to bf16 it resumes exactly as the original.
+  local convert = require("luazero.checkpoint.convert")
+  convert.states(dir .. "/step-000001", tmp .. "/c32/step-000001", "f32")
+  f32:load(tmp .. "/c32/step-000001")
+  f32:free()
+  convert.states(tmp .. "/c32/step-000001", tmp .. "/c16/step-000001", "bf16")
+  local r2 = engine({ stage = 1 })
+  r2:load(tmp .. "/c16/step-000001")
+  assert(train(r2, 2) == sum0)
+  r2:free()
+  expect_error(function() convert.states(dir .. "/step-000001", tmp .. "/c8/s", "u8") end,
+               "convert-states: u8 states are block-scaled, which the engine does not place")
+  e0:free()
 end
 
 return T

@@ -4,11 +4,13 @@ torch 2.15.
 
 bitsandbytes' CPU step dequantises m (signed dynamic map) and v (unsigned
 map), one absmax per 256 elements, updates in fp32 torch ops and requantises
-with its C quantiser; tensors under min_8bit_size (4096) keep fp32 states
+with its C quantiser (whose index is not always the nearest map entry:
+core/optim/quant8.c); tensors under min_8bit_size (4096) keep fp32 states
 and a differently arranged update. Both sides start from the same numpy
-arrays; each case runs 10 steps and compares, bit for bit, the parameters,
-the uint8 states (state1, state2), the absmaxes (or the fp32 states of a
-small tensor) and the map values. Tensors include zeros (a block of zero
+arrays and each carries its own states; each case runs 10 steps and
+compares, after every step, bit for bit, the parameters, the uint8 states
+(state1, state2) and the absmaxes (or the fp32 states of a small tensor),
+and the map values once. Tensors include zeros (a block of zero
 gradients: 0/0 in the quantiser), denormals and huge values (v overflows to
 inf in a block: inf/inf), sizes with a partial last block, and gradients of
 every magnitude.
@@ -135,54 +137,26 @@ def run_case(cls, n, lr, betas, eps, wd, tag):
         m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
         am = av = None
     args = lz.AdamwArgs(lr, b1, b2, eps, wd, 1.0, 0)
-    agree = total = 0
-    worst = 0
     torch.Tensor.sqrt = exact_sqrt
     try:
         for s, g in enumerate(grads):
-            st = opt.state[pt] if pt in opt.state else None
-            if eight and st:
-                # Start each step from bitsandbytes' quantised states: the
-                # update and the absmax are then compared bit for bit at
-                # every step, the quantiser's choices counted (below).
-                m[:], v[:] = st["state1"].numpy(), st["state2"].numpy()
-                am[:], av[:] = st["absmax1"].numpy(), st["absmax2"].numpy()
             pt.grad = torch.from_numpy(g.copy())
             opt.step()
             args.step = s + 1
             lz.call("lz_adamw8bit_step", lz.wrap(p), lz.wrap(g), lz.wrap(m), lz.wrap(v),
                     lz.wrap(am), lz.wrap(av), None, lz.ctypes.byref(args))
+            st = opt.state[pt]
+            check_equal(f"{tag}: step {s + 1} param", bits(p), bits(pt.detach().numpy()))
+            check_equal(f"{tag}: step {s + 1} state1 (m)", bits(m), bits(st["state1"].numpy()))
+            check_equal(f"{tag}: step {s + 1} state2 (v)", bits(v), bits(st["state2"].numpy()))
             if eight:
-                st = opt.state[pt]
-                for ours, theirs in ((m, st["state1"]), (v, st["state2"])):
-                    theirs = theirs.numpy()
-                    agree += int(np.sum(ours == theirs))
-                    total += ours.size
-                    worst = max(worst, int(np.max(np.abs(ours.astype(int) - theirs))))
                 check_equal(f"{tag}: step {s + 1} absmax1", bits(am), bits(st["absmax1"].numpy()))
                 check_equal(f"{tag}: step {s + 1} absmax2", bits(av), bits(st["absmax2"].numpy()))
-                check_equal(f"{tag}: step {s + 1} param", bits(p), bits(pt.detach().numpy()))
     finally:
         torch.Tensor.sqrt = _torch_sqrt
     st = opt.state[pt]
     check_true(f"{tag}: bitsandbytes kept {'uint8' if eight else 'fp32'} states",
                st["state1"].dtype == (torch.uint8 if eight else torch.float32))
-    if eight:
-        # bitsandbytes 0.50.2's quantiser picks from a table over 2^16 equal
-        # cells of [-1, 1] (transitions at multiples of 2^-15), not the
-        # nearest map entry: it differs where a cell holds a midpoint, and
-        # below 2^-15 (0 is its entry 131 in the signed map, 7 in the
-        # unsigned one, not the 0.0 entry). Until that table is matched the
-        # chosen indices are counted, not required equal.
-        frac = agree / total
-        print(f"       quantised indices equal to bitsandbytes': {frac:.4%} "
-              f"(largest index difference {worst})")
-        check_true(f"{tag}: >= 95% of quantised state bytes equal bitsandbytes'", frac >= 0.95,
-                   f"({frac:.4%})")
-    else:
-        check_equal(f"{tag}: param after {STEPS} steps", bits(p), bits(pt.detach().numpy()))
-        check_equal(f"{tag}: state1 (m)", bits(m), bits(st["state1"].numpy()))
-        check_equal(f"{tag}: state2 (v)", bits(v), bits(st["state2"].numpy()))
     moved = np.abs(p[20:] - p0[20:])
     check_true(f"{tag}: the step moves parameters", float(np.nanmax(moved)) > 0.0)
     lz.release()

@@ -83,6 +83,18 @@ function M.check(engine, path)
     fail("%s was saved by the optimizer %s; this run's is %s: resume with the optimizer that " ..
          "saved it (optimizer.type %q)", dir, rec.type, parts.optimizer_record.type, rec.type)
   end
+  -- The states' formats (f32 where a record predates them) must be this
+  -- run's: bytes of another format are not these numbers.
+  local ours = parts.optimizer_record.state_formats or {}
+  local theirs = rec and type(rec.state_formats) == "table" and rec.state_formats or {}
+  for _, name in ipairs(want) do
+    local a, b = theirs[name] or "f32", ours[name] or "f32"
+    if a ~= b then
+      fail("%s keeps the optimizer state %s in %s; this run keeps it in %s: convert it first " ..
+           "(tools/ckpt convert-states %s OUT --to %s) or resume with the formats that saved it",
+           dir, name, a, b, dir, b)
+    end
+  end
   return dir, m, saved, parts
 end
 

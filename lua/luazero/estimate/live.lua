@@ -63,7 +63,7 @@ end
 -- staging buffers) and nvme (its swap files' sizes). print() shows it.
 function M.estimate(engine, opts)
   local o = estimate.settings_from(engine.s, engine.dev == "cpu" and "cpu" or "cuda",
-                                   engine.optimizer.states)
+                                   engine.optimizer.states, engine.optimizer.state_formats)
   for k, v in pairs(opts or {}) do o[k] = v end
   local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence), o)
   local st = engine.states

@@ -10,6 +10,7 @@
 --   r.device.total, r.host.total, r.nvme.total, r.traffic.read, r.disk_s
 local Placement = require("luazero.zero.plan")
 local store = require("luazero.zero.store")
+local formats = require("luazero.optim.formats")
 
 local M = {}
 
@@ -108,18 +109,23 @@ function M.settings_of(cfg, device)
 end
 
 -- The same from the engine's settings (zero/engine.lua's settings(cfg));
--- states: the optimizer's per-element states (default: its config's).
-function M.settings_from(s, device, states)
+-- states: the optimizer's per-element states, formats their formats
+-- (default: its config's).
+function M.settings_from(s, device, states, formats)
   local opt = s.offload_opt or {}
   local par = s.offload_param or {}
-  states = states or require("luazero.optim").new(s.optimizer).states
+  if not states or not formats then
+    local o = require("luazero.optim").new(s.optimizer)
+    states, formats = states or o.states, formats or o.state_formats
+  end
   return {
     stage = s.stage, dtype = s.dtype, grads = s.grad_dtype ~= "fp32" and "working" or "fp32",
     device = device, offload = E.placement_name(opt.device or "none", par.device or "none"),
     opt = opt.device or "none", param = par.device or "none",
     sub_group_size = s.sub_group, opt_buffer_count = opt.buffer_count,
     param_buffer_count = par.buffer_count, param_buffer_size = par.buffer_size,
-    states = states, accum = s.accum, overlap = s.overlap, prefetch = s.prefetch,
+    states = states, formats = formats, accum = s.accum, overlap = s.overlap,
+    prefetch = s.prefetch,
     reduce_bucket = s.reduce_bucket,
   }
 end
@@ -237,7 +243,7 @@ function M.rank(counts, opts)
                            grad_dtype = opts.grads == "working" and dtype or "fp32",
                            offload_optimizer = opt, offload_param = param,
                            device = device == "cpu" and "cpu" or "cuda", accum = accum,
-                           optimizer_states = opts.states }
+                           optimizer_states = opts.states, optimizer_formats = opts.formats }
   local wdt, wb = P.dtype, esize[P.dtype]
   local overlap = opts.overlap
   if overlap == nil then overlap = stage == 3 end
@@ -295,15 +301,19 @@ function M.rank(counts, opts)
     groups = math.ceil(n_opt / G)
   end
   r.G, r.groups = G, groups
-  local parts = (P.master.alias and 0 or 1) + #P.optimizer.states
+  -- A sub-group's region of the state file: the master (where the tier
+  -- keeps one), then each state in its format's dtype.
+  local region = (P.master.alias and 0 or 1) * G * 4
+  for _, name in ipairs(P.optimizer.states) do
+    region = region + G * esize[formats.get(P.optimizer.formats[name]).dtype]
+  end
   -- The ring of staging buffers (offload.lua's States).
   local nb = math.min(math.max(2, opt_nb), groups)
   if on_disk or params_on_disk then
-    if on_disk then add(r.host, "optimizer staging", nb * staging_bytes(parts * G, "f32")) end
+    if on_disk then add(r.host, "optimizer staging", nb * staging_bytes(region / 4, "f32")) end
     if params_on_disk then add(r.host, "update staging", nb * staging_bytes(G, wdt)) end
   end
   if on_disk then
-    local region = parts * G * 4
     add(r.nvme, "optimizer", round_up(math.max(PAGE, groups * region), PAGE))
     io("optimizer states", P:store("optimizer").bytes_per_step(groups * region))
   end

@@ -8,6 +8,18 @@ local values = require("luazero.config.values")
 
 local ops = lz.ops
 
+-- A moment's dtype as AnyPrecisionAdamW spells it (torch's names, with or
+-- without "torch.") -> its state format; absent: float32.
+local MOMENT_DTYPES = { float32 = "f32", fp32 = "f32", bfloat16 = "bf16", bf16 = "bf16" }
+local function moment_format(key, v)
+  if not values.given(v) then return "f32" end
+  local f = type(v) == "string" and MOMENT_DTYPES[v:gsub("^torch%.", "")]
+  if not f then
+    values.fail("%s must be \"float32\" or \"bfloat16\" (got %s)", key, values.show(v))
+  end
+  return f
+end
+
 return {
   name = "AdamW",
   -- DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
@@ -20,9 +32,12 @@ return {
     { "weight_decay", "number", min = 0, default = 0 },
   },
   defaults_name = "adam_defaults",
-  states = { { name = "m", dtype = "f32" }, { name = "v", dtype = "f32" } },
-  -- torch_adam picks among DeepSpeed's implementations of the same update.
-  accepted = { adam_w_mode = true, torch_adam = true },
+  states = { { name = "m", format = "f32" }, { name = "v", format = "f32" } },
+  -- torch_adam picks among DeepSpeed's implementations of the same update;
+  -- momentum_dtype and variance_dtype (AnyPrecisionAdamW's names) the
+  -- moments' format.
+  accepted = { adam_w_mode = true, torch_adam = true, momentum_dtype = true,
+               variance_dtype = true },
   -- bias_correction: false is reported (the kernel always corrects).
   quiet = { bias_correction = true },
 
@@ -36,7 +51,17 @@ return {
       values.fail("%smax_grad_norm is not an optimizer parameter in DeepSpeed; use the " ..
                   "top-level gradient_clipping", key)
     end
-    return { decoupled_weight_decay = type_name ~= "Adam" or w_mode }
+    -- The moments in bf16 (8 bytes a parameter with the fp32 master, not
+    -- 12): both or neither, as the fused step updates them together.
+    local m_fmt = moment_format(key .. "momentum_dtype", p.momentum_dtype)
+    local v_fmt = moment_format(key .. "variance_dtype", p.variance_dtype)
+    if m_fmt ~= v_fmt then
+      values.fail("%smomentum_dtype and %svariance_dtype must be the same (both float32 or both " ..
+                  "bfloat16; got %s and %s)", key, key, values.show(p.momentum_dtype),
+                  values.show(p.variance_dtype))
+    end
+    return { decoupled_weight_decay = type_name ~= "Adam" or w_mode,
+             state_formats = { m = m_fmt, v = v_fmt } }
   end,
 
   init = function(self) self.args = lz.adamw_args({}) end,

@@ -17,7 +17,7 @@ return {
     { "weight_decay", "number", min = 0, default = 0 },
   },
   defaults_name = "lion_defaults",
-  states = { { name = "m", dtype = "f32" } },
+  states = { { name = "m", format = "f32" } },
 
   -- Its weight decay is decoupled, as FusedLion's.
   read_config = function() return { decoupled_weight_decay = true } end,

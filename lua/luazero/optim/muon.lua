@@ -77,7 +77,7 @@ return {
     { "betas", "betas", default = { 0.9, 0.95 } },
     { "adam_eps", "number", min = 0, default = 1e-8 },
   },
-  states = { { name = "m", dtype = "f32" }, { name = "v", dtype = "f32" } },
+  states = { { name = "m", format = "f32" }, { name = "v", format = "f32" } },
   matrix_state = 2,
 
   read_config = function() return { decoupled_weight_decay = true } end,

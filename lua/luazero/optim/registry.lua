@@ -15,7 +15,9 @@
 --   params        its config schema: { key, kind, default = ..., min, below }
 --                 (kinds: optim/schema.lua)
 --   states        its per-element states, in the order update's call.s holds
---                 them: { { name = "m", dtype = "f32" }, ... }
+--                 them: { { name = "m", format = "f32" }, ... }; a format is
+--                 one of optim/formats.lua's (f32 when absent; `dtype` is
+--                 its older spelling)
 --   step          step(self, call, step, lr, grad_scale): one update over a
 --                 call's views (the engine's interface, optim/adamw.lua)
 --   init          optional init(self): what new() adds (kernel arguments)
@@ -38,6 +40,7 @@
 --   local opt = optimizers.new({ type = "Lion", params = { lr = 1e-4 } })
 --   opt:record()                                       -- { type = "Lion", params = {...} }
 local schema = require("luazero.optim.schema")
+local formats = require("luazero.optim.formats")
 local hyper = require("luazero.optim.hyper")
 local values = require("luazero.config.values")
 
@@ -64,7 +67,17 @@ local Base = {}
 -- hyperparameters it was made with (the config's, not a schedule's
 -- current betas).
 function Base:record()
-  return { type = self.type, params = values.deep_copy(self.configured) }
+  return { type = self.type, params = values.deep_copy(self.configured),
+           state_formats = values.deep_copy(self.state_formats) }
+end
+
+-- A record's state formats (name -> format); a record saved before they
+-- were recorded held f32 states.
+function M.formats_of(rec, names)
+  local out = {}
+  local saved = type(rec) == "table" and type(rec.state_formats) == "table" and rec.state_formats
+  for _, n in ipairs(names) do out[n] = saved and saved[n] or formats.default end
+  return out
 end
 
 -- True when type_name (a config's or a record's optimizer.type) names this
@@ -76,21 +89,22 @@ end
 
 local function check_states(states, origin)
   if type(states) ~= "table" or #states > 7 then
-    bad(origin, "states must be a list of up to 7 { name = ..., dtype = \"f32\" }")
+    bad(origin, "states must be a list of up to 7 { name = ..., format = \"f32\" }")
   end
-  local names, dtypes = {}, {}
+  local names, fmts = {}, {}
   for i, s in ipairs(states) do
-    if type(s) ~= "table" or type(s.name) ~= "string" or s.name == "master" or dtypes[s.name] then
-      bad(origin, "states[%d] must be { name = ..., dtype = \"f32\" } with a name of its own " ..
+    if type(s) ~= "table" or type(s.name) ~= "string" or s.name == "master" or fmts[s.name] then
+      bad(origin, "states[%d] must be { name = ..., format = \"f32\" } with a name of its own " ..
           "(not \"master\")", i)
     end
-    if s.dtype ~= "f32" then
-      bad(origin, "state %s has dtype %s: the engine keeps optimizer states in f32; declare " ..
-          "dtype = \"f32\"", s.name, tostring(s.dtype))
+    local f = s.format or s.dtype or formats.default
+    if not formats.by_name[f] then
+      bad(origin, "state %s has format %s: a state is kept in %s", s.name, tostring(f),
+          table.concat(formats.names, ", "))
     end
-    names[i], dtypes[s.name] = s.name, s.dtype
+    names[i], fmts[s.name] = s.name, f
   end
-  return names, dtypes
+  return names, fmts
 end
 
 -- Adds an optimizer from its declaration (origin: where it came from, for
@@ -117,10 +131,10 @@ function M.define(spec, origin)
     end
   end
   local defaults = schema.check(spec.params, origin)
-  local names, dtypes = check_states(spec.states, origin)
+  local names, fmts = check_states(spec.states, origin)
   local class = {
     name = spec.name, types = types, params = spec.params, defaults = defaults,
-    states = names, state_dtypes = dtypes, origin = origin, update = spec.step,
+    states = names, state_formats = fmts, origin = origin, update = spec.step,
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
@@ -128,12 +142,19 @@ function M.define(spec, origin)
   class.__index = class
   setmetatable(class, { __index = Base })
   -- params: the config's optimizer.params (what is absent takes the
-  -- declared defaults); type_name: the type the config spelled.
-  function class.new(params, type_name)
+  -- declared defaults); type_name: the type the config spelled;
+  -- state_formats: name -> format for the states a config keeps in another
+  -- format than the declaration's (its read_config's extra field).
+  function class.new(params, type_name, state_formats)
     local self = hyper.read(params, class.defaults)
     self.type = type_name or class.name
     self.configured = {}
     for k in pairs(class.defaults) do self.configured[k] = values.deep_copy(self[k]) end
+    self.state_formats = {}
+    for _, n in ipairs(names) do
+      local f = state_formats and state_formats[n] or fmts[n]
+      self.state_formats[n] = formats.get(f).name
+    end
     setmetatable(self, class)
     if spec.init then spec.init(self) end
     return self
@@ -194,7 +215,14 @@ function M.new(block)
     error(("config: optimizer.type must be %s (got %s)"):format(M.types_text(false, "or"),
                                                                tostring(t)), 2)
   end
-  return class.new(block.params or {}, spelling)
+  -- The formats config.lua read from the params; a block made in Lua
+  -- (never through config.lua) has them read here.
+  local fmts = block.state_formats
+  if fmts == nil and class.read_config then
+    fmts = (class.read_config(block.params or {}, "optimizer.params.", spelling,
+                              function() end) or {}).state_formats
+  end
+  return class.new(block.params or {}, spelling, fmts)
 end
 
 -- The block DeepSpeed's engine uses when a config names no optimizer: the

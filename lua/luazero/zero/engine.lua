@@ -81,12 +81,12 @@ end
 M.settings = settings
 
 -- The placement plan a configuration gives (zero/plan.lua); states: the
--- optimizer class's per-element states.
-function M.plan_of(s, device, states)
+-- optimizer class's per-element states, formats their formats.
+function M.plan_of(s, device, states, formats)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
-                        accum = s.accum, optimizer_states = states }
+                        accum = s.accum, optimizer_states = states, optimizer_formats = formats }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -137,7 +137,7 @@ function M.initialize(opts, above)
   local W, rank = comm.size(), comm.rank()
   local optimizer = optim.new(s.optimizer)
   local device = opts.device or "cpu"
-  local ok, P = pcall(M.plan_of, s, device, optimizer.states)
+  local ok, P = pcall(M.plan_of, s, device, optimizer.states, optimizer.state_formats)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   if device ~= "cpu" then lz.device_init(device) end
   model.ctx.device = device
@@ -414,6 +414,7 @@ function Engine:allocate(frozen_entries)
   local oo = s.offload_opt
   self.states = offload.states{
     n = self:numel(P.optimizer.extent), master = not P.master.alias, names = self.optimizer.states,
+    formats = P.optimizer.formats,
     tier = P.optimizer.tier, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,

@@ -27,6 +27,7 @@
 local lz = require("luazero")
 local store = require("luazero.zero.store")
 local optimizers = require("luazero.optim.registry")
+local formats = require("luazero.optim.formats")
 
 local M = {}
 
@@ -36,6 +37,7 @@ M.GRAIN = 2048
 local PAGE = 4096
 
 local function round_up(n, m) return math.ceil(n / m) * m end
+local typed_view
 local esize = require("luazero.zero.plan").esize
 
 -- Staging buffers: at least 2 MiB, so the ledger hands out 2 MiB-aligned
@@ -65,8 +67,9 @@ States.__index = States
 
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
 -- master copy here; false: the working copy is the fp32 master), names
--- (the optimizer's per-element fp32 states, in order; the default
--- optimizer's: AdamW's m, v),
+-- (the optimizer's per-element states, in order; the default
+-- optimizer's: AdamW's m, v), formats (name -> format: f32, the one these
+-- stores place so far),
 -- tier (the plan's tier of the states: a store kind's name), nvme_path
 -- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
@@ -78,7 +81,20 @@ States.__index = States
 function M.states(opts)
   local n, kind = opts.n, store.get(opts.tier or "device")
   local names = opts.names or optimizers.default.states
+  -- Each state's element dtype (its format's: optim/formats.lua); a format
+  -- with block scales is not placed by these stores.
+  local dts = {}
+  for i, name in ipairs(names) do
+    local f = formats.get((opts.formats or {})[name] or formats.default)
+    if f.block then
+      error(("initialize: the optimizer keeps its state %s in %s (block-scaled); the engine's " ..
+             "tiers place f32 and bf16 states: use an optimizer with those (AdamW, or AdamW " ..
+             "with momentum_dtype and variance_dtype bfloat16)"):format(name, f.name), 0)
+    end
+    dts[i] = f.dtype
+  end
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
+                              dtypes = dts,
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
@@ -97,19 +113,25 @@ function M.states(opts)
   self.parts = (opts.master and 1 or 0) + #names -- master?, then the states
   self.s = {}
   if not on_disk then
-    local function new() return kind.allocate({ n }, "f32", "optimizer", self.compute) end
-    if opts.master then self.master = new() end
-    for i = 1, #names do self.s[i] = new():zero() end
+    local function new(dt) return kind.allocate({ n }, dt, "optimizer", self.compute) end
+    if opts.master then self.master = new("f32") end
+    for i = 1, #names do self.s[i] = new(dts[i]):zero() end
+  end
+  -- A group's region of the swap file: the master, then each state, at
+  -- byte offsets (G is a multiple of GRAIN: each part starts on a page).
+  self.part_at, self.region = {}, (opts.master and G * esize.f32 or 0)
+  for i = 1, #names do
+    self.part_at[i] = self.region
+    self.region = self.region + G * esize[dts[i]]
   end
   -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
   self.nb, self.buffers = 0, {}
   if on_disk or opts.params then
     self.nb = math.max(2, opts.buffer_count or 4)
     self.nb = math.min(self.nb, #self.groups)
-    self.region = self.parts * G * esize.f32 -- bytes of one group on the state file
     for b = 1, self.nb do
       local buf = {}
-      if on_disk then buf.state = staging(self.parts * G, "f32", self.compute) end
+      if on_disk then buf.state = staging(self.region / esize.f32, "f32", self.compute) end
       if opts.params then buf.work = staging(G, self.wdt, self.compute) end
       if opts.grads then buf.grad = staging(G, "f32", self.compute) end
       self.buffers[b] = buf
@@ -126,16 +148,22 @@ end
 
 function States:buffer(k) return self.buffers[(k - 1) % self.nb + 1] end
 
+-- n elements of dtype at byte offset `at` of an f32 staging buffer (a bf16
+-- state beside the f32 master in one region).
+typed_view = function(st, at, dtype, n)
+  if dtype == "f32" then return st:view(at / esize.f32, { n }) end
+  return st:view_bytes(at, dtype, { n })
+end
+
 -- Views of group k: master (if kept here), s (the states, in order), and
 -- work (the staging of its working copy when the parameter shard is on
 -- NVMe). Stable per group.
 function States:make_views(k, g)
   local v = { s = {} }
   if self.swap then
-    local st, G = self:buffer(k).state, self.G
-    local i = 0
-    if self.has_master then v.master = st:view(0, { g.n }); i = 1 end
-    for j = 1, #self.names do v.s[j] = st:view((i + j - 1) * G, { g.n }) end
+    local st = self:buffer(k).state
+    if self.has_master then v.master = st:view(0, { g.n }) end
+    for j = 1, #self.names do v.s[j] = typed_view(st, self.part_at[j], self.dtypes[j], g.n) end
   else
     if self.master then v.master = self.master:view(g.lo, { g.n }) end
     for j, t in ipairs(self.s) do v.s[j] = t:view(g.lo, { g.n }) end

@@ -25,6 +25,7 @@
 -- the gradients and updates the fp32 parameters where they already are.
 local store = require("luazero.zero.store")
 local optimizers = require("luazero.optim.registry")
+local formats = require("luazero.optim.formats")
 
 local M = {}
 
@@ -84,7 +85,8 @@ end
 -- gradients': fp32 or the working dtype; fp32), offload_optimizer and
 -- offload_param (none|cpu|nvme), device (cpu|sim|cuda; cpu), accum
 -- (gradient accumulation steps; 1), optimizer_states (the optimizer
--- class's per-element states; the default optimizer's: AdamW's m, v).
+-- class's per-element states; the default optimizer's: AdamW's m, v),
+-- optimizer_formats (state name -> optim/formats.lua's format; f32).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -145,10 +147,14 @@ function M.new(opts)
   -- Optimizer states: replicated at stage 0, sharded from stage 1.
   local opt_extent = stage == 0 and "full" or "shard"
   -- The optimizer's own per-element states (its class's `states`: AdamW m,
-  -- v; Lion m), fp32, beside the master.
+  -- v; Lion m), each in its format (f32 unless declared), beside the master.
+  local names = opts.optimizer_states or optimizers.default.states
+  local fmts = {}
+  for _, name in ipairs(names) do
+    fmts[name] = formats.get((opts.optimizer_formats or {})[name] or formats.default).name
+  end
   p.optimizer = { extent = opt_extent, dtype = "f32", tier = opt_tier,
-                  ranks = stage == 0 and "all" or "own",
-                  states = opts.optimizer_states or optimizers.default.states }
+                  ranks = stage == 0 and "all" or "own", states = names, formats = fmts }
   -- fp32 master: the working parameters themselves when they are fp32 and
   -- in memory the optimizer can update; else its own copy beside m and v.
   if wdt == "f32" and reachable(p.params.tier) then
@@ -217,9 +223,9 @@ function Plan:bytes(counts)
   for _, t in ipairs({ "device", "host", "nvme" }) do
     out[t] = { params = 0, grads = 0, optimizer = 0, total = 0 }
   end
-  local function add(name, s)
+  local function add(name, s, format)
     if not s or s.alias then return end
-    local b = n[s.extent] * esize[s.dtype]
+    local b = format and formats.bytes(format, n[s.extent]) or n[s.extent] * esize[s.dtype]
     local cat = categories[name]
     local mem = out[store.get(s.tier).memory]
     mem[cat] = mem[cat] + b
@@ -227,7 +233,9 @@ function Plan:bytes(counts)
     out.states[name] = (out.states[name] or 0) + b
   end
   for _, name in ipairs(M.states) do add(name, self[name]) end
-  for _ in ipairs(self.optimizer.states) do add("optimizer", self.optimizer) end
+  for _, st in ipairs(self.optimizer.states) do
+    add("optimizer", self.optimizer, self.optimizer.formats[st])
+  end
   if self.params.persistent then add("params", self.params.persistent) end
   local fc = counts.frozen
   if fc then
@@ -254,7 +262,10 @@ function Plan:lines()
   row("grads", self.grads)
   if not self.opt_grads.alias then row("opt_grads", self.opt_grads, " (what the optimizer reads)") end
   row("master", self.master)
-  for _, name in ipairs(self.optimizer.states) do row(name, self.optimizer) end
+  for _, name in ipairs(self.optimizer.states) do
+    local f = self.optimizer.formats[name]
+    row(name, f == "f32" and self.optimizer or setmetatable({ dtype = f }, { __index = self.optimizer }))
+  end
   local r = self.reduce
   lines[#lines + 1] = ("  reduce     %s%s into the %s gradients, %s"):format(
     r.bucketed and "bucketed " or "", r.op:gsub("_", "-"), r.into,

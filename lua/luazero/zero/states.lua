@@ -295,6 +295,28 @@ function States:numel() return numel(self, self.P.optimizer.extent) end
 -- master with them.
 function States:visit(write_back, fn)
   local P = self.P
+  local narrow_states = false
+  for _, dt in ipairs(self.ring.dtypes or {}) do narrow_states = narrow_states or dt ~= "f32" end
+  if narrow_states then
+    -- States kept narrower (bf16 moments): checkpoints see them in f32,
+    -- exactly, and a load's f32 values (saved from the same format) narrow
+    -- back exactly.
+    local narrow = fn
+    fn = function(off, master, ...)
+      local st, wide = { ... }, {}
+      for i, t in ipairs(st) do
+        wide[i] = t
+        if t:dtype_name() ~= "f32" then wide[i] = lz.tensor(t:sizes(), "f32", "workspace"):copy(t) end
+      end
+      narrow(off, master, unpack(wide))
+      for i, t in ipairs(st) do
+        if wide[i] ~= t then
+          if write_back then t:copy(wide[i]) end
+          wide[i]:free()
+        end
+      end
+    end
+  end
   if P:on_device("optimizer") then
     -- Host copies of the device's chunks (copied back when written).
     local inner = fn

@@ -1,0 +1,81 @@
+-- checkpoint/convert.lua — a checkpoint's optimizer states kept in other
+-- formats (tools/ckpt convert-states): a copy of the step folder whose
+-- manifest records the new formats. A checkpoint holds every state in fp32
+-- whatever its format (the values of a bf16 state are exactly bf16), so
+-- bf16 -> f32 changes no number, and f32 -> bf16 rounds each value to
+-- nearest even when the run loads it, as the run rounds its moments after
+-- each step. Block-scaled formats (u8) are refused: the engine does not
+-- place them.
+--
+--   local convert = require("luazero.checkpoint.convert")
+--   convert.states("ck/step-000020", "ck16/step-000020", "bf16")
+local disk = require("luazero.checkpoint.disk")
+local manifest_io = require("luazero.checkpoint.manifest")
+local atomic = require("luazero.io.atomic")
+local formats = require("luazero.optim.formats")
+
+local M = {}
+
+local fail = disk.fail
+
+local function copy(src, dst)
+  local i = assert(io.open(src, "rb"))
+  local o, err = io.open(dst, "wb")
+  if not o then i:close(); fail("%s: cannot write it (%s)", dst, tostring(err)) end
+  while true do
+    local chunk = i:read(2 ^ 22)
+    if not chunk then break end
+    if not o:write(chunk) then i:close(); o:close(); fail("%s: the write failed (a full disk?)", dst) end
+  end
+  i:close()
+  if not o:close() then fail("%s: the write failed (a full disk?)", dst) end
+end
+
+-- The formats a manifest records for each of its states (f32 where it
+-- predates them).
+function M.formats_of(m)
+  local rec = manifest_io.optimizer_of(m)
+  local saved = rec and type(rec.state_formats) == "table" and rec.state_formats or {}
+  local out = {}
+  for _, name in ipairs(disk.states_of(m)) do
+    if name ~= "master" then out[name] = saved[name] or formats.default end
+  end
+  return out
+end
+
+-- Writes out (a new step folder) as the checkpoint at path with every
+-- optimizer state in format `to` (f32 or bf16). Returns a one-line summary.
+function M.states(path, out, to)
+  local f = formats.by_name[to]
+  if not f then
+    fail("convert-states: --to must be f32 or bf16 (got %s)", tostring(to))
+  end
+  if f.block then
+    fail("convert-states: %s states are block-scaled, which the engine does not place; " ..
+         "convert to f32 or bf16", to)
+  end
+  local dir = disk.resolve(path)
+  local m = disk.read_manifest(dir)
+  local rec = manifest_io.optimizer_of(m)
+  if not rec then
+    fail("convert-states: %s records no optimizer (saved without a config); its states' " ..
+         "formats are unknown", dir)
+  end
+  local from = M.formats_of(m)
+  local names, was = {}, {}
+  for name, fmt in pairs(from) do names[#names + 1] = name; was[#was + 1] = name .. " " .. fmt end
+  table.sort(names)
+  table.sort(was)
+  m.optimizer = { type = rec.type, params = rec.params, state_formats = {} }
+  for _, name in ipairs(names) do m.optimizer.state_formats[name] = to end
+  m.manifest_xxh64 = nil
+  local owned = { "manifest.json" }
+  for _, s in ipairs(m.shards) do owned[#owned + 1] = s.file end
+  atomic.build_folder(out, owned, function(folder)
+    for _, s in ipairs(m.shards) do copy(dir .. "/" .. s.file, folder.tmp .. "/" .. s.file) end
+    atomic.write(folder.tmp .. "/manifest.json", manifest_io.encode(m))
+  end)
+  return ("%s: the optimizer states (%s) now in %s"):format(out, table.concat(was, ", "), to)
+end
+
+return M
