@@ -6,7 +6,7 @@
 --
 -- A matrix's step, with g = grad * grad_scale:
 --   B = B + (1 - mu) (g - B)                     (torch: buf.lerp_(g, 1 - mu))
---   U = g + mu (B - g) if nesterov, else B       (torch: g.lerp(B, mu))
+--   U = B - (B - g)(1 - mu) if nesterov, else B  (torch: g.lerp(B, mu))
 --   O = NS(U)                                    5 Newton-Schulz steps, fp32
 --   p = p (1 - lr wd) - adjust(lr, A, B) O
 -- The engine runs it in three passes (zero/matrices.lua): prepare (the
@@ -89,20 +89,29 @@ return {
   matrix = function(entry, hidden) return hidden and #entry.shape == 2 end,
 
   -- A matrix piece's momentum and its update U (into v); g is scaled in
-  -- place (it is read once).
+  -- place (it is read once). torch.lerp's two forms, operation for
+  -- operation: start + w (end - start) for a weight w below 1/2, else
+  -- end - (end - start)(1 - w).
   prepare = function(self, call, _, grad_scale)
     local g, m, u = call.g, call.s[1], call.s[2]
-    local mu = self.momentum
+    local w = 1 - self.momentum
     if grad_scale ~= 1 then ops.scale(g, grad_scale) end
-    ops.scale(m, mu)
-    ops.axpy(m, 1 - mu, g)
-    if self.nesterov then
-      u:copy(g)
-      ops.scale(u, 1 - mu)
-      ops.axpy(u, mu, m)
-    else
-      u:copy(m)
+    local function lerp(out, start, finish, weight) -- out = start.lerp(finish, weight)
+      if weight < 0.5 then
+        u:copy(finish)
+        ops.axpy(u, -1, start)
+        if out ~= start then out:copy(start) end
+        ops.axpy(out, weight, u)
+      else
+        u:copy(finish)
+        ops.axpy(u, -1, start)
+        ops.scale(u, -(1 - weight))
+        ops.axpy(u, 1, finish)
+        if out ~= u then out:copy(u) end
+      end
     end
+    lerp(m, m, g, w)
+    if self.nesterov then lerp(u, g, m, self.momentum) else u:copy(m) end
   end,
 
   -- The whole matrix u (an f32 A x B view of the gathered U) becomes O.
