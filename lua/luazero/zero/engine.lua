@@ -86,7 +86,8 @@ function M.plan_of(s, device, states, formats)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
-                        accum = s.accum, optimizer_states = states, optimizer_formats = formats }
+                        accum = s.accum, optimizer_states = states, optimizer_formats = formats,
+                        master_format = s.optimizer.master_format }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -497,7 +498,7 @@ function Engine:allocate(frozen_entries)
     P = P, L = L, rank = self.rank, world = self.world, comm = self.comm, model = self.model,
     ring = self.states, master = self.master, work = self.work, wstage = self.wstage,
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
-    frozen = self.frozen, overlap = s.overlap, matrices = self.matrices,
+    frozen = self.frozen, overlap = s.overlap, matrices = self.matrices, seed = self.seed,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{

@@ -69,22 +69,32 @@ end
 -- counts as no decay; it stays zero either way). Offsets in elements.
 -- matrix_of (optional): entry -> a table for a parameter the optimizer
 -- updates as a whole matrix, or nil; its pieces are runs of their own,
--- with run.matrix that table.
-function M.shard_runs(L, rank, matrix_of)
+-- with run.matrix that table. by_segment: runs never span two segments,
+-- and run.canonical is the canonical index of a run's first element (its
+-- segment's first parameter's offset plus its place in the segment; past
+-- the parameters, padding continues the count).
+function M.shard_runs(L, rank, matrix_of, by_segment)
   local runs = {}
+  local seg_now
   local function add(full_off, shard_off, n, decay, matrix)
     if n <= 0 then return end
     local last = runs[#runs]
     if last and last.decay == decay and last.matrix == matrix and
+       (not by_segment or last.seg == seg_now) and
        last.full_offset + last.numel == full_off and
        last.shard_offset + last.numel == shard_off then
       last.numel = last.numel + n
     else
       runs[#runs + 1] = { full_offset = full_off, shard_offset = shard_off, numel = n,
                           decay = decay, matrix = matrix }
+      if by_segment then
+        runs[#runs].seg = seg_now
+        runs[#runs].canonical = seg_now.entries[1].offset + (full_off - seg_now.full_offset)
+      end
     end
   end
   for _, s in ipairs(L.segments) do
+    seg_now = s
     local lo, hi = rank * s.slice, (rank + 1) * s.slice -- within the segment
     local pos = lo
     for _, e in ipairs(s.entries) do

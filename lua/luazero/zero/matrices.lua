@@ -172,13 +172,13 @@ function Matrices:update(ms, opt, t, lr, scale)
   ms.ring:each_group(true, function(k)
     for _, c in ipairs(calls[k]) do
       if c.half_g then c.g:copy(c.half_g) end
-      if c.matrix then opt:prepare(c, t, scale) else opt:update(c, t, lr, scale) end
+      if c.matrix then opt:prepare(c, t, scale) else ms:step_call(opt, c, t, lr, scale) end
     end
   end, nil, true)
   self:orthogonalize(opt)
   ms.ring:each_group(true, function(k)
     for _, c in ipairs(calls[k]) do
-      if c.matrix then opt:update(c, t, lr, scale) end
+      if c.matrix then ms:step_call(opt, c, t, lr, scale) end
     end
     if push then
       for _, c in ipairs(calls[k]) do
