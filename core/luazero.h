@@ -494,6 +494,14 @@ int64_t lz_adamw8bit_blocks(int64_t n);
 /* The 256 fp32 entries of the signed (m) or unsigned (v) map. */
 const float *lz_adamw8bit_map(int is_signed);
 
+/* dst (bf16) = src (f32) rounded stochastically: up or down with
+ * probabilities that make the expected result src itself (torchao's
+ * bf16_stochastic_round). The random bits of src[i] are a hash of (seed,
+ * step, index + i): index is the global index of src[0], so any split of the
+ * same elements draws the same bits. NaN stays NaN, infinities stay. */
+lz_status lz_bf16_round_stochastic(lz_tensor *dst, const lz_tensor *src, uint64_t seed,
+                                   uint64_t step, int64_t index);
+
 typedef struct lz_lion_args {
   float lr;
   float beta1;        /* the sign's interpolation: c = b1 m + (1 - b1) g */

@@ -1,10 +1,11 @@
 // elementwise.cu — flat ops over whole tensors on the device: add, axpy,
 // scale, fill, dtype conversion, GELU, SwiGLU, the fused AdamW and Lion
-// steps (and the 8-bit one), and the two reductions the engine runs over gradients (squared
+// steps (and the 8-bit one), bf16 stochastic rounding, and the two reductions the engine runs over gradients (squared
 // norm, inf/NaN). Same semantics as core/kernels/elementwise.c, core/kernels/gelu.c,
 // core/kernels/swiglu.c, core/kernels/softcap.c, core/optim/adamw.c and core/optim/lion.c; tensors are flat arrays (only
 // element counts must agree, as the core checked).
 #include "lz_cuda.h"
+#include "optim/lz_sround.h"  // the stochastic rounding's key and hash
 
 #include <math.h>    // pow, sqrt for AdamW's per-step constants
 #include <string.h>  // memcpy of the 8-bit maps
@@ -646,5 +647,23 @@ lz_status lz_cu_has_inf_nan(const lz_op_args *a) {
   CUDA_CHECK(cudaMemcpyAsync(&host, found, sizeof host, cudaMemcpyDeviceToHost, LZ_CU_COMPUTE));
   CUDA_CHECK(cudaStreamSynchronize(LZ_CU_COMPUTE));
   *a->out_int = host != 0;
+  return LZ_OK;
+}
+
+// ----------------------------------------------------- stochastic rounding
+
+// The cpu's bits: the same key and hash (core/optim/lz_sround.h).
+__global__ void bf16_round_stochastic_kernel(uint16_t *dst, const float *src, lz_sround_key k,
+                                             int64_t index, int64_t n) {
+  GRID_STRIDE(i, n) dst[i] = lz_sround_bf16(__float_as_uint(src[i]), lz_sround_bits(k, index + i));
+}
+
+lz_status lz_cu_bf16_round_stochastic(const lz_op_args *a) {
+  const int64_t n = lz_tensor_numel(a->t[1]);
+  if (n == 0) return LZ_OK;
+  const lz_sround_key k = lz_sround_key_of((uint64_t)a->i[0], (uint64_t)a->i[1]);
+  bf16_round_stochastic_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (uint16_t *)a->t[0]->data, (const float *)a->t[1]->data, k, a->i[2], n);
+  CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

@@ -295,6 +295,9 @@ static lz_status adamw8bit_f32(lz_tensor **t) {
   const lz_adamw_args a = {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 0.5f, 3};
   return lz_adamw8bit_step(t[0], t[1], t[2], t[3], NULL, NULL, t[4], &a);
 }
+static lz_status bf16_round_stochastic(lz_tensor **t) {
+  return lz_bf16_round_stochastic(t[0], t[1], 7, 3, 1000);
+}
 static lz_status rmsnorm_fwd(lz_tensor **t) {
   return lz_rmsnorm_forward(t[0], t[1], t[2], t[3], 1e-6f);
 }
@@ -390,7 +393,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 44);
+  CHECK_EQ_INT(LZ_OP_COUNT, 45);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));
@@ -459,6 +462,7 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
            F32(12, 5), F32(12, 8), F32(4, 5, 8));
   CHECK_OP(moe_gemm_bwd_dw, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2), F32(4, 5, 8),
            BF16(12, 5), BF16(12, 8), BF16(4, 5, 8));
+  CHECK_OP(bf16_round_stochastic, BF16(300), F32(300));
   check_reductions(LZ_F32);
   check_reductions(LZ_BF16);
   check_reductions(LZ_F16);

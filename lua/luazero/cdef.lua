@@ -301,6 +301,9 @@ int64_t lz_adamw8bit_blocks(int64_t n);
 
 const float *lz_adamw8bit_map(int is_signed);
 
+lz_status lz_bf16_round_stochastic(lz_tensor *dst, const lz_tensor *src, uint64_t seed,
+                                   uint64_t step, int64_t index);
+
 typedef struct lz_lion_args {
   float lr;
   float beta1;

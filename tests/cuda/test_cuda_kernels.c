@@ -796,6 +796,21 @@ static void test_lion(void) {
   lion_case(100003, 1, LZ_F16, &typical);
 }
 
+/* bf16 stochastic rounding: the device draws the cpu's bits (the same key
+ * and hash), at a global index past 2^32, twice the same. */
+static void test_sround(void) {
+  int64_t s[1] = {100003};
+  lz_tensor *x = host_rand(LZ_F32, 1, s, 100.0f), *h = host(LZ_BF16, 1, s);
+  lz_tensor *d_x = dev(x), *d_h = dev(h), *d_h2 = dev(h);
+  const int64_t index = (1ll << 32) + 5;
+  CHECK_OK(lz_bf16_round_stochastic(h, x, 1234, 17, index));
+  CHECK_OK(lz_bf16_round_stochastic(d_h, d_x, 1234, 17, index));
+  CHECK_OK(lz_bf16_round_stochastic(d_h2, d_x, 1234, 17, index));
+  expect_close("bf16_round_stochastic", d_h, h, 0.0);
+  expect_same_bits("bf16_round_stochastic", d_h, d_h2);
+  FREE(x, h, d_x, d_h, d_h2);
+}
+
 /* Grouped-query attention (qkv rows of q for NH heads, k and v for NKV),
  * forward and backward against the cpu, the backward twice. */
 static void gqa_case(int64_t B, int64_t T, int NH, int NKV, int64_t HS) {
@@ -1020,6 +1035,7 @@ static const struct {
     {"cuda_softcap", test_softcap},
     {"cuda_moe", test_moe},
     {"cuda_lion", test_lion},
+    {"cuda_bf16_round_stochastic", test_sround},
     {"cuda_attention_gqa", test_attention_gqa},
     {"cuda_attention_options", test_attention_options},
     {"cuda_embedding_tokens_only", test_embedding_tokens_only},

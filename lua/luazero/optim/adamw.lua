@@ -37,7 +37,7 @@ return {
   -- momentum_dtype and variance_dtype (AnyPrecisionAdamW's names) the
   -- moments' format.
   accepted = { adam_w_mode = true, torch_adam = true, momentum_dtype = true,
-               variance_dtype = true },
+               variance_dtype = true, bf16_stochastic_round = true },
   -- bias_correction: false is reported (the kernel always corrects).
   quiet = { bias_correction = true },
 
@@ -60,8 +60,12 @@ return {
                   "bfloat16; got %s and %s)", key, key, values.show(p.momentum_dtype),
                   values.show(p.variance_dtype))
     end
+    -- torchao's AdamW flag: no fp32 master, the bf16 parameters updated
+    -- through stochastic rounding (zero/plan.lua, zero/states.lua).
+    local sround = values.given(p.bf16_stochastic_round) and
+                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
     return { decoupled_weight_decay = type_name ~= "Adam" or w_mode,
-             state_formats = { m = m_fmt, v = v_fmt } }
+             state_formats = { m = m_fmt, v = v_fmt }, master_format = sround and "bf16" or nil }
   end,
 
   init = function(self) self.args = lz.adamw_args({}) end,

@@ -27,6 +27,13 @@
 --   quiet         key -> the value that asks for nothing (default: false)
 --   defaults_name optional: the name its defaults also go by in
 --                 luazero.config (adam_defaults)
+--   matrix        optional matrix(entry, hidden): true for a parameter the
+--                 optimizer updates as a whole matrix (Muon's); the engine
+--                 then runs prepare(self, call, step, grad_scale) over its
+--                 pieces, orthogonalize(self, u, A, B) over each whole
+--                 matrix on the rank that owns it, then step (zero/matrices.lua);
+--                 matrix_state: the index of the state that carries a
+--                 matrix's update from prepare to step
 --
 --   local optimizers = require("luazero.optim.registry")
 --   local class, spelling = optimizers.find("adamw")   -- AdamW, "AdamW"
@@ -43,7 +50,8 @@ local M = {}
 -- DeepSpeed's engine builds when a config names no optimizer. More come
 -- from LZ_OPTIMIZERS (below) and M.register.
 -- (Plain requires, so the layer check sees each arrow.)
-local BUILT_IN = { require("luazero.optim.adamw"), require("luazero.optim.lion") }
+local BUILT_IN = { require("luazero.optim.adamw"), require("luazero.optim.lion"),
+                   require("luazero.optim.muon") }
 
 M.list = {}    -- classes, in the order they were declared
 M.by_name = {} -- name -> class
@@ -103,6 +111,10 @@ function M.define(spec, origin)
   if type(spec.step) ~= "function" then
     bad(origin, "step must be a function(self, call, step, lr, grad_scale)")
   end
+  if spec.matrix and (type(spec.matrix) ~= "function" or type(spec.prepare) ~= "function" or
+                      type(spec.orthogonalize) ~= "function") then
+    bad(origin, "matrix, prepare and orthogonalize must be functions, all three or none")
+  end
   local types = spec.types or { spec.name }
   for i, t in ipairs(types) do
     if type(t) ~= "string" then bad(origin, "types[%d] must be a string", i) end
@@ -116,7 +128,8 @@ function M.define(spec, origin)
     name = spec.name, types = types, params = spec.params, defaults = defaults,
     states = names, state_formats = fmts, origin = origin, update = spec.step,
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
-    defaults_name = spec.defaults_name,
+    defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
+    orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
   }
   class.__index = class
   setmetatable(class, { __index = Base })

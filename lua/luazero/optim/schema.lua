@@ -34,6 +34,24 @@ M.KINDS = {
     return { b[1], b[2] }
   end,
   boolean = function(key, v) return values.boolean(key, v) end,
+  -- a whole number >= min (default 0), and below `below` when given
+  count = function(key, v, d)
+    local min = d.min or 0
+    if not values.is_whole(v) or v < min or (d.below and v >= d.below) then
+      fail("%s must be a whole number in [%s, %s) (got %s)", key, show(min),
+           d.below and show(d.below) or "inf", show(v))
+    end
+    return v
+  end,
+  -- one of the strings the declaration's `values` lists
+  choice = function(key, v, d)
+    for _, x in ipairs(d.values or {}) do
+      if v == x then return v end
+    end
+    local q = {}
+    for i, x in ipairs(d.values or {}) do q[i] = cjson.encode(x) end
+    fail("%s must be one of %s (got %s)", key, table.concat(q, ", "), show(v))
+  end,
 }
 
 -- A declaration's error (the optimizer file's, not the user's config):
@@ -50,7 +68,7 @@ function M.check(params, origin)
   for i, d in ipairs(params) do
     local key, kind = d[1], d[2]
     if type(key) ~= "string" or not M.KINDS[kind] then
-      bad(origin, "params[%d] must be { key, kind, ... } with kind number, betas or boolean " ..
+      bad(origin, "params[%d] must be { key, kind, ... } with kind number, betas, boolean, count or choice " ..
           "(got %s, %s)", i, tostring(key), tostring(kind))
     end
     if d.default == nil then bad(origin, "params[%d] (%s) has no default", i, key) end

@@ -39,6 +39,7 @@ local reduce = require("luazero.zero.reduce")
 local gather = require("luazero.zero.gather")
 local Frozen = require("luazero.zero.frozen")
 local States = require("luazero.zero.states")
+local Matrices = require("luazero.zero.matrices")
 
 local M = {}
 local Engine = {}
@@ -87,7 +88,8 @@ function M.plan_of(s, device, states, formats)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
-                        accum = s.accum, optimizer_states = states, optimizer_formats = formats }
+                        accum = s.accum, optimizer_states = states, optimizer_formats = formats,
+                        master_format = s.optimizer.master_format }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -499,11 +501,15 @@ function Engine:allocate(frozen_entries)
   end
   -- The model states as numbers: weights, the optimizer's calls, what
   -- checkpoints visit (zero/states.lua).
+  self.matrices = Matrices.new{
+    L = L, P = P, rank = self.rank, world = self.world, comm = self.comm, ring = self.states,
+    model = self.model, optimizer = self.optimizer, budget = s.allgather_bucket,
+  }
   self.model_states = States.new{
     P = P, L = L, rank = self.rank, world = self.world, comm = self.comm, model = self.model,
     ring = self.states, master = self.master, work = self.work, wstage = self.wstage,
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
-    frozen = self.frozen, overlap = s.overlap,
+    frozen = self.frozen, overlap = s.overlap, matrices = self.matrices, seed = self.seed,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{

@@ -64,30 +64,45 @@ function M.new(param_table, world, align)
   return L
 end
 
--- Runs {full_offset, shard_offset, numel, decay} over this rank's slices:
--- the pieces of each slice that one decay setting covers (padding counts as
--- no decay; it stays zero either way). Offsets in elements.
-function M.shard_runs(L, rank)
+-- Runs {full_offset, shard_offset, numel, decay, matrix} over this rank's
+-- slices: the pieces of each slice that one decay setting covers (padding
+-- counts as no decay; it stays zero either way). Offsets in elements.
+-- matrix_of (optional): entry -> a table for a parameter the optimizer
+-- updates as a whole matrix, or nil; its pieces are runs of their own,
+-- with run.matrix that table. by_segment: runs never span two segments,
+-- and run.canonical is the canonical index of a run's first element (its
+-- segment's first parameter's offset plus its place in the segment; past
+-- the parameters, padding continues the count).
+function M.shard_runs(L, rank, matrix_of, by_segment)
   local runs = {}
-  local function add(full_off, shard_off, n, decay)
+  local seg_now
+  local function add(full_off, shard_off, n, decay, matrix)
     if n <= 0 then return end
     local last = runs[#runs]
-    if last and last.decay == decay and last.full_offset + last.numel == full_off and
+    if last and last.decay == decay and last.matrix == matrix and
+       (not by_segment or last.seg == seg_now) and
+       last.full_offset + last.numel == full_off and
        last.shard_offset + last.numel == shard_off then
       last.numel = last.numel + n
     else
       runs[#runs + 1] = { full_offset = full_off, shard_offset = shard_off, numel = n,
-                          decay = decay }
+                          decay = decay, matrix = matrix }
+      if by_segment then
+        runs[#runs].seg = seg_now
+        runs[#runs].canonical = seg_now.entries[1].offset + (full_off - seg_now.full_offset)
+      end
     end
   end
   for _, s in ipairs(L.segments) do
+    seg_now = s
     local lo, hi = rank * s.slice, (rank + 1) * s.slice -- within the segment
     local pos = lo
     for _, e in ipairs(s.entries) do
       local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)
       if b > a then
         add(s.full_offset + pos, s.shard_offset + pos - lo, a - pos, false) -- gap (none)
-        add(s.full_offset + a, s.shard_offset + a - lo, b - a, e.decay)
+        add(s.full_offset + a, s.shard_offset + a - lo, b - a, e.decay,
+            matrix_of and matrix_of(e.entry) or nil)
         pos = b
       end
     end

@@ -86,7 +86,9 @@ end
 -- offload_param (none|cpu|nvme), device (cpu|sim|cuda; cpu), accum
 -- (gradient accumulation steps; 1), optimizer_states (the optimizer
 -- class's per-element states; the default optimizer's: AdamW's m, v),
--- optimizer_formats (state name -> optim/formats.lua's format; f32).
+-- optimizer_formats (state name -> optim/formats.lua's format; f32),
+-- master_format (f32, or bf16: no fp32 master, the bf16 working parameters
+-- are the master, updated through stochastic rounding).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -157,7 +159,14 @@ function M.new(opts)
                   ranks = stage == 0 and "all" or "own", states = names, formats = fmts }
   -- fp32 master: the working parameters themselves when they are fp32 and
   -- in memory the optimizer can update; else its own copy beside m and v.
-  if wdt == "f32" and reachable(p.params.tier) then
+  if formats.master(opts.master_format).name == "bf16" then
+    if wdt ~= "bf16" or not reachable(p.params.tier) or device ~= "cpu" then
+      error("plan: bf16 master weights (optimizer.params.bf16_stochastic_round) are the bf16 " ..
+            "working parameters themselves: they need bf16.enabled, the cpu device and the " ..
+            "parameters in memory the optimizer updates (no offload_param to nvme)", 0)
+    end
+    p.master = { extent = p.params.extent, dtype = "bf16", tier = p.params.tier, alias = "params" }
+  elseif wdt == "f32" and reachable(p.params.tier) then
     p.master = { extent = p.params.extent, dtype = "f32", tier = p.params.tier, alias = "params" }
   else
     p.master = { extent = opt_extent, dtype = "f32", tier = opt_tier }

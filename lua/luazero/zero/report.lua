@@ -18,7 +18,8 @@ local M = {}
 -- 0 1, expert-data-parallel ranks 0 2)".
 -- An MoE model adds how its experts are gathered: whole blocks (each
 -- block's experts one segment) or expert by expert (every expert each
--- pass), whatever the tokens did (nn/moe_experts.lua).
+-- pass), whatever the tokens did (nn/moe_experts.lua); an optimizer with
+-- whole matrices (Muon) adds a line of their placement (zero/matrices.lua).
 function M.describe(engine)
   local W, s = engine.world, engine.s
   local ep = ""
@@ -31,9 +32,11 @@ function M.describe(engine)
   local moe = #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
                                :format(routers[1].gather == "expert" and "per expert" or
                                        "whole block", #routers, routers[1].n_experts) or ""
-  return ("zero stage %d, %s, %s, %d rank%s%s%s%s"):format(engine.stage,
+  local line = ("zero stage %d, %s, %s, %d rank%s%s%s%s"):format(engine.stage,
     engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
     engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
+  if engine.matrices then line = line .. "\n" .. engine.matrices:describe(engine.optimizer.name) end
+  return line
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far

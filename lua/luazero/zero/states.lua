@@ -31,11 +31,14 @@ States.__index = States
 -- file), half_grads and scratches (device -> fp32 scratch: the optimizer
 -- reads half gradients through it), frozen (zero/frozen.lua: frozen weights
 -- in a draw go there), overlap (overlap_comm: pushed parameters are
--- copied on the copy stream).
+-- copied on the copy stream), matrices (zero/matrices.lua: the whole-matrix
+-- placement of an optimizer that has one, else nil), seed (the run's: the
+-- stochastic rounding of a bf16 master is keyed by it).
 function M.new(parts)
   local self = setmetatable({}, States)
   for _, k in ipairs({ "P", "L", "rank", "world", "comm", "model", "ring", "master", "work",
-                       "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap" }) do
+                       "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap",
+                       "matrices", "seed" }) do
     self[k] = parts[k]
   end
   return self
@@ -196,12 +199,21 @@ function States:build_calls()
   -- The working copy the update rounds into (none when it is the master
   -- itself, or on NVMe: each sub-group's staging then).
   local rounds = P.dtype ~= "f32" and not P:swapped("params")
+  -- A bf16 master is the working copy itself: each call's update runs on
+  -- an fp32 widening of it and rounds back stochastically (step_call).
+  local sround = P.master.dtype == "bf16"
+  if sround then
+    rounds = false
+    self.sround_scratch = self.sround_scratch or lz.tensor({ CHUNK }, "f32", "workspace")
+  end
   local runs = {}
   for _, r in ipairs(ranks) do
-    for _, run in ipairs(layout.shard_runs(L, r)) do
+    for _, run in ipairs(layout.shard_runs(L, r, self.matrices and self.matrices.matrix_of,
+                                           sround)) do
       local shape = { run.numel }
       local item = {
-        decay = run.decay, numel = run.numel, opt_off = at(P.optimizer.extent, run),
+        decay = run.decay, matrix = run.matrix, numel = run.numel, canonical = run.canonical,
+        opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
         -- (gradients on NVMe: the group's, read with its states)
         g = self.ograds and self.ograds:view(at(P.opt_grads.extent, run), shape),
@@ -229,7 +241,8 @@ function States:build_calls()
           local st = {}
           for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
           return {
-            decay = run.decay, s = st,
+            decay = run.decay, matrix = run.matrix, s = st,
+            canonical = run.canonical and run.canonical + d + off,
             p = grouped_master and gv.master:view(rel + off, { n })
                 or self.master:view(run.master_off + d + off, { n }),
             g = run.g and run.g:view(d + off, { n }) or gv.g:view(rel + off, { n }),
@@ -260,11 +273,12 @@ end
 -- optimizer beside a device working copy copies each group's new working
 -- shard to the device after it (on the copy stream under overlap_comm).
 function States:update(opt, t, lr, scale)
+  if self.matrices then return self.matrices:update(self, opt, t, lr, scale) end
   local calls, push, overlap = self.calls, self.P.push_params, self.overlap
   self.ring:each_group(true, function(k)
     for _, c in ipairs(calls[k]) do
       if c.half_g then c.g:copy(c.half_g) end
-      opt:update(c, t, lr, scale)
+      self:step_call(opt, c, t, lr, scale)
     end
     if push then
       for _, c in ipairs(calls[k]) do
@@ -272,6 +286,36 @@ function States:update(opt, t, lr, scale)
       end
     end
   end, nil, true)
+end
+
+-- One call's step. Over a bf16 master (c.canonical set): chunk by chunk,
+-- the master widened to fp32, the optimizer's step on that, and the result
+-- rounded back stochastically with bits keyed by (seed, step, canonical
+-- index), so every stage and world size rounds each element alike.
+function States:step_call(opt, c, t, lr, scale)
+  if not c.canonical then return opt:update(c, t, lr, scale) end
+  local n, scratch = c.p:numel(), self.sround_scratch
+  for off = 0, n - 1, CHUNK do
+    local len = math.min(CHUNK, n - off)
+    local sub = { decay = c.decay, matrix = c.matrix, s = {} }
+    for i, st in ipairs(c.s) do sub.s[i] = st:view(off, { len }) end
+    local master = c.p:view(off, { len })
+    sub.p, sub.g = scratch:view(0, { len }), c.g:view(off, { len })
+    sub.p:convert(master)
+    opt:update(sub, t, lr, scale)
+    lz.ops.bf16_round_stochastic(master, sub.p, self.seed or 0, t, c.canonical + off)
+    master:free(); sub.p:free(); sub.g:free()
+    for _, st in ipairs(sub.s) do st:free() end
+  end
+end
+
+-- The fp32 values of a master view: the view itself, or (a bf16 master) a
+-- widened copy the caller frees.
+local function widened(v)
+  if v:dtype_name() == "f32" then return v, false end
+  local out = lz.tensor({ v:numel() }, "f32", "workspace")
+  out:convert(v)
+  return out, true
 end
 
 -------------------------------------------- optimizer states (checkpoints)
@@ -289,6 +333,17 @@ function States:numel() return numel(self, self.P.optimizer.extent) end
 -- where they live there. write_back: fn modifies them (a load); on NVMe
 -- they are written back, and an NVMe parameter shard gets the rounded
 -- master with them.
+-- fn(master) over a master view as fp32: a bf16 master widened, and
+-- rounded back (to nearest) when written.
+local function visit_master(view, write_back, fn)
+  local m, own = widened(view)
+  fn(m)
+  if own then
+    if write_back then view:convert(m) end
+    m:free()
+  end
+end
+
 function States:visit(write_back, fn)
   local P = self.P
   local narrow_states = false
@@ -333,15 +388,15 @@ function States:visit(write_back, fn)
       fn(lo, v.master, unpack(v.s))
       if write_back and P:swapped("params") then v.work:copy(v.master) end
     elseif P.master.extent == P.optimizer.extent then
-      fn(lo, self.master:view(lo, { n }), unpack(v.s))
+      visit_master(self.master:view(lo, { n }), write_back, function(m) fn(lo, m, unpack(v.s)) end)
     else
       -- The master is the full working buffer, the states a shard: this
       -- rank's slices of it, one chunk per segment.
       self:shard_pieces(lo, n, function(seg, a, len)
         local st = {}
         for i, t in ipairs(v.s) do st[i] = t:view(a - lo, { len }) end
-        fn(a, self.master:view(seg.mine.full_offset + (a - seg.shard_offset), { len }),
-           unpack(st))
+        visit_master(self.master:view(seg.mine.full_offset + (a - seg.shard_offset), { len }),
+                     write_back, function(m) fn(a, m, unpack(st)) end)
       end)
     end
   end)
@@ -411,8 +466,13 @@ function States:full_master_segments(fn)
   local on_device = P:on_device("master")
   if not P:swapped("master") and P.master.extent == "full" then
     for _, seg in ipairs(self.L.segments) do
-      local full = self.master:view(seg.full_offset, { seg.padded })
-      if on_device then
+      local view = self.master:view(seg.full_offset, { seg.padded })
+      local full, own = widened(view)
+      if own then
+        view:free()
+        fn(seg, full)
+        full:free()
+      elseif on_device then
         full = full:to("cpu")
         fn(seg, full)
         full:free()
@@ -425,7 +485,9 @@ function States:full_master_segments(fn)
   self:master_slices(function(seg, slice)
     local full = lz.tensor({ seg.padded }, "f32", "workspace")
     local host = on_device and slice:to("cpu")
-    self.comm.all_gather(host or slice, full)
+    local wide, own = widened(host or slice)
+    self.comm.all_gather(wide, full)
+    if own then wide:free() end
     if host then host:free() end
     fn(seg, full)
     full:free()

@@ -1,0 +1,145 @@
+-- optim/muon.lua — Muon (Keller Jordan's, as torch.optim.Muon defines it
+-- in torch 2.15) for the 2-D weight matrices of the hidden layers, AdamW for
+-- everything else (embeddings, the head, norms, biases), as DeepSpeed and
+-- Moonlight run it: its declaration in the optimizer table
+-- (optim/registry.lua).
+--
+-- A matrix's step, with g = grad * grad_scale:
+--   B = B + (1 - mu) (g - B)                     (torch: buf.lerp_(g, 1 - mu))
+--   U = B - (B - g)(1 - mu) if nesterov, else B  (torch: g.lerp(B, mu))
+--   O = NS(U)                                    5 Newton-Schulz steps, fp32
+--   p = p (1 - lr wd) - adjust(lr, A, B) O
+-- The engine runs it in three passes (zero/matrices.lua): prepare (the
+-- momentum, on any slice of the matrix), orthogonalize (the whole matrix,
+-- on the rank that owns it) and step (the update, on every slice again).
+-- torch runs Newton-Schulz in bf16; here it is fp32 with the engine's GEMM.
+--
+-- States: m is Muon's momentum buffer on a matrix's elements and AdamW's m
+-- elsewhere; v is AdamW's v elsewhere and, on a matrix's elements, the
+-- step's update U then O (written before it is read in every step, so a
+-- resume or a reshard reads nothing stale from it).
+local lz = require("luazero")
+local values = require("luazero.config.values")
+
+local ops = lz.ops
+
+-- torch.optim.Muon's adjust_lr_fn: the learning rate of an A x B matrix.
+local ADJUST = {
+  original = function(lr, A, B) return lr * math.sqrt(math.max(1, A / B)) end,
+  match_rms_adamw = function(lr, A, B) return lr * 0.2 * math.sqrt(math.max(A, B)) end,
+  spectral_unclamped = function(lr, A, B) return lr * math.sqrt(A / B) end,
+}
+
+-- Newton-Schulz coefficients (torch's DEFAULT_A, _B, _C).
+local NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315
+
+-- X <- NS(X) in place, X an f32 A x B matrix. torch works on the wide
+-- orientation (rows <= cols): for a tall X it runs on X^T, which here is
+-- the same products with the GEMM's transpose flags, never a copy.
+local function newton_schulz(X, A, B, steps, eps)
+  local tall = A > B
+  local k = tall and B or A
+  local norm = math.sqrt(X:sq_norm())
+  ops.scale(X, 1 / math.max(norm, eps))
+  local dev = X:device_name()
+  local gram = lz.tensor({ k, k }, "f32", "workspace", dev)
+  local poly = lz.tensor({ k, k }, "f32", "workspace", dev)
+  local nxt = lz.tensor({ A, B }, "f32", "workspace", dev)
+  local cur, out = X, nxt
+  for _ = 1, steps do
+    -- gram = Y Y^T, with Y = X (wide) or X^T (tall)
+    if tall then ops.matmul(gram, cur, cur, 1, 0, 1, 0) else ops.matmul(gram, cur, cur, 0, 1, 1, 0) end
+    -- poly = b gram + c gram gram
+    poly:copy(gram)
+    ops.matmul(poly, gram, gram, 0, 0, NS_C, NS_B)
+    -- Y <- a Y + poly Y; for a tall X: X <- a X + X poly^T
+    out:copy(cur)
+    if tall then ops.matmul(out, cur, poly, 0, 1, 1, NS_A) else ops.matmul(out, poly, cur, 0, 0, 1, NS_A) end
+    cur, out = out, cur
+  end
+  if cur ~= X then X:copy(cur) end
+  gram:free(); poly:free(); nxt:free()
+end
+
+return {
+  name = "Muon",
+  types = { "Muon" },
+  -- torch.optim.Muon's defaults; betas and adam_eps: the AdamW that the
+  -- other parameters get (Moonlight's: the same lr and weight_decay).
+  params = {
+    { "lr", "number", min = 0, default = 1e-3 },
+    { "momentum", "number", min = 0, below = 1, default = 0.95 },
+    { "nesterov", "boolean", default = true },
+    { "ns_steps", "count", min = 1, below = 100, default = 5 },
+    { "eps", "number", min = 0, default = 1e-7 },
+    { "weight_decay", "number", min = 0, default = 0.1 },
+    { "adjust_lr_fn", "choice", values = { "original", "match_rms_adamw", "spectral_unclamped" },
+      default = "original" },
+    { "betas", "betas", default = { 0.9, 0.95 } },
+    { "adam_eps", "number", min = 0, default = 1e-8 },
+  },
+  states = { { name = "m", format = "f32" }, { name = "v", format = "f32" } },
+  matrix_state = 2,
+
+  -- bf16_stochastic_round (torchao's flag, as AdamW's): no fp32 master.
+  accepted = { bf16_stochastic_round = true },
+  read_config = function(p, key)
+    local sround = values.given(p.bf16_stochastic_round) and
+                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
+    return { decoupled_weight_decay = true, master_format = sround and "bf16" or nil }
+  end,
+
+  init = function(self) self.args = lz.adamw_args({}) end,
+
+  -- Which parameters are Muon's: a 2-D weight of a hidden layer (entry:
+  -- the engine's parameter entry; hidden: it lies in the model's blocks).
+  matrix = function(entry, hidden) return hidden and #entry.shape == 2 end,
+
+  -- A matrix piece's momentum and its update U (into v); g is scaled in
+  -- place (it is read once). torch.lerp's two forms, operation for
+  -- operation: start + w (end - start) for a weight w below 1/2, else
+  -- end - (end - start)(1 - w).
+  prepare = function(self, call, _, grad_scale)
+    local g, m, u = call.g, call.s[1], call.s[2]
+    local w = 1 - self.momentum
+    if grad_scale ~= 1 then ops.scale(g, grad_scale) end
+    local function lerp(out, start, finish, weight) -- out = start.lerp(finish, weight)
+      if weight < 0.5 then
+        u:copy(finish)
+        ops.axpy(u, -1, start)
+        if out ~= start then out:copy(start) end
+        ops.axpy(out, weight, u)
+      else
+        u:copy(finish)
+        ops.axpy(u, -1, start)
+        ops.scale(u, -(1 - weight))
+        ops.axpy(u, 1, finish)
+        if out ~= u then out:copy(u) end
+      end
+    end
+    lerp(m, m, g, w)
+    if self.nesterov then lerp(u, g, m, self.momentum) else u:copy(m) end
+  end,
+
+  -- The whole matrix u (an f32 A x B view of the gathered U) becomes O.
+  orthogonalize = function(self, u, A, B)
+    newton_schulz(u, A, B, self.ns_steps, self.eps)
+  end,
+
+  -- call: p, g, s = { m, v }, w, decay, matrix ({ A, B } for a Muon piece,
+  -- whose v holds O by now; nil: AdamW's piece).
+  step = function(self, call, step, lr, grad_scale)
+    local mat = call.matrix
+    if mat then
+      ops.scale(call.p, 1 - lr * self.weight_decay)
+      ops.axpy(call.p, -ADJUST[self.adjust_lr_fn](lr, mat[1], mat[2]), call.s[2])
+      if call.w then call.w:convert(call.p) end
+      return
+    end
+    local a = self.args
+    a.lr, a.beta1, a.beta2, a.eps = lr, self.beta1, self.beta2, self.adam_eps
+    a.grad_scale, a.step = grad_scale, step
+    a.weight_decay = call.decay and self.weight_decay or 0
+    ops.adamw_step(call.p, call.g, call.s[1], call.s[2], call.w, a)
+  end,
+}

@@ -1,0 +1,191 @@
+-- zero/matrices.lua — whole-matrix placement, for an optimizer that updates
+-- some parameters as whole matrices (Muon's Newton-Schulz: optim/muon.lua).
+-- Its states stay flat and partitioned as every optimizer's do (so
+-- checkpoints, resume and reshard read them as they read AdamW's), and the
+-- elementwise parts of its step run on each rank's slices; only the
+-- orthogonalisation needs a matrix whole. Each matrix has one owner rank,
+-- chosen to balance the elements each rank orthogonalises; a step is
+--   1. prepare: every rank, its slices of every matrix (the momentum and
+--      the update U, written into the optimizer's matrix_state);
+--   2. the slices of U are gathered (the engine's all-gather), each owner
+--      turns its matrices' U into O, and each O is broadcast from its owner;
+--   3. step: every rank applies O to its slices.
+-- Where the optimizer is replicated (stage 0) every rank holds every
+-- matrix and orthogonalises all of them itself, as stage 0 replicates
+-- AdamW. Either way a matrix is orthogonalised from the same bits by the
+-- same GEMMs, so every stage and world size gets the same parameters.
+--
+--   local mx = matrices.new{ L = L, P = P, rank = r, world = W, comm = comm,
+--                            ring = states, model = model, optimizer = opt, budget = n }
+--   mx.matrix_of(entry) -> { A, B, ... } or nil;   mx:update(ms, opt, t, lr, scale)
+local lz = require("luazero")
+
+local M = {}
+local Matrices = {}
+Matrices.__index = Matrices
+
+-- The modules of the model's hidden layers (model.layers.blocks), or nil
+-- when the model names none (then every module counts as hidden).
+local function hidden_modules(model)
+  local blocks = model.layers and model.layers.blocks
+  if not blocks then return nil end
+  local set = {}
+  local function mark(m)
+    set[m] = true
+    for _, c in ipairs(m.children) do mark(c.module) end
+  end
+  for _, b in ipairs(blocks) do mark(b) end
+  return set
+end
+
+-- The whole-matrix placement, or nil when the optimizer has no matrices.
+function M.new(parts)
+  local opt = parts.optimizer
+  if not opt.matrix then return nil end
+  local self = setmetatable({}, Matrices)
+  for _, k in ipairs({ "L", "P", "rank", "world", "comm", "ring" }) do self[k] = parts[k] end
+  -- Elements of U gathered at once on a sharded optimizer (the config's
+  -- allgather_bucket_size, as the engine's parameter gathers).
+  self.budget = parts.budget or math.huge
+  if parts.ring.swap then
+    error(("initialize: %s orthogonalises whole matrices from states held in memory; " ..
+           "offload_optimizer.device nvme is not supported with it (use cpu or none)")
+          :format(opt.name), 0)
+  end
+  self.slot = opt.matrix_state
+  local hidden = hidden_modules(parts.model)
+  self.list, self.segs, self.by_entry = {}, {}, {}
+  for _, seg in ipairs(self.L.segments) do
+    local held = {}
+    for _, se in ipairs(seg.entries) do
+      local e = se.entry
+      if opt.matrix(e, hidden == nil or hidden[e.module] == true) then
+        local m = { e.shape[1], e.shape[2], entry = e, seg = seg, se = se, numel = e.numel,
+                    index = #self.list + 1 }
+        self.list[#self.list + 1] = m
+        self.by_entry[e] = m
+        held[#held + 1] = m
+      end
+    end
+    if #held > 0 then self.segs[#self.segs + 1] = { seg = seg, held = held } end
+  end
+  -- Owners: the largest matrix first, each to the rank with the fewest
+  -- elements so far (the lowest rank on a tie).
+  local order = {}
+  for i, m in ipairs(self.list) do order[i] = m end
+  table.sort(order, function(a, b)
+    if a.numel ~= b.numel then return a.numel > b.numel end
+    return a.index < b.index
+  end)
+  self.load = {}
+  for r = 0, self.world - 1 do self.load[r] = 0 end
+  for _, m in ipairs(order) do
+    local best = 0
+    for r = 1, self.world - 1 do if self.load[r] < self.load[best] then best = r end end
+    m.owner = best
+    self.load[best] = self.load[best] + m.numel
+  end
+  self.replicated = self.P.optimizer.extent == "full"
+  self.matrix_of = function(e) return self.by_entry[e] end
+  return self
+end
+
+-- The placement as lines for the start-up report.
+function Matrices:describe(name)
+  local n, total = #self.list, 0
+  for _, m in ipairs(self.list) do total = total + m.numel end
+  local rest = self.L.numel - total
+  local how
+  if self.replicated then
+    how = "every rank orthogonalises all of them (the optimizer is replicated)"
+  else
+    local mine = 0
+    for _, m in ipairs(self.list) do if m.owner == self.rank then mine = mine + 1 end end
+    how = ("each owned whole by one rank (this rank: %d, %d elements)"):format(mine,
+                                                                                self.load[self.rank])
+  end
+  return ("%s: %d whole matrices (%d elements), %s; AdamW over the other %d elements, flat")
+         :format(name, n, total, how, rest)
+end
+
+-- Turns U into O for every matrix (step 2 above).
+function Matrices:orthogonalize(opt)
+  local u = self.ring.s[self.slot]
+  local dev = u:device_name()
+  if self.replicated then
+    for _, m in ipairs(self.list) do
+      local x = u:view(m.seg.full_offset + m.se.seg_offset, { m[1], m[2] })
+      opt:orthogonalize(x, m[1], m[2])
+      x:free()
+    end
+    return
+  end
+  -- Batches of segments, up to `budget` gathered elements (one segment at
+  -- least): each batch gathered whole, then each owner's matrices, then
+  -- the broadcasts, so the owners of a batch work at the same time.
+  local segs, i = self.segs, 1
+  while i <= #segs do
+    local j, n = i, segs[i].seg.padded
+    while j < #segs and n + segs[j + 1].seg.padded <= self.budget do
+      j = j + 1
+      n = n + segs[j].seg.padded
+    end
+    local full = {}
+    for k = i, j do
+      local seg = segs[k].seg
+      full[k] = lz.tensor({ seg.padded }, "f32", "workspace", dev)
+      local mine = u:view(seg.shard_offset, { seg.slice })
+      self.comm.all_gather(mine, full[k])
+      mine:free()
+    end
+    for k = i, j do
+      for _, m in ipairs(segs[k].held) do
+        if m.owner == self.rank then
+          local x = full[k]:view(m.se.seg_offset, { m[1], m[2] })
+          opt:orthogonalize(x, m[1], m[2])
+          x:free()
+        end
+      end
+    end
+    for k = i, j do
+      local seg = segs[k].seg
+      for _, m in ipairs(segs[k].held) do
+        local x = full[k]:view(m.se.seg_offset, { m.numel })
+        self.comm.broadcast(x, m.owner)
+        x:free()
+      end
+      local mine, got = u:view(seg.shard_offset, { seg.slice }),
+                        full[k]:view(self.rank * seg.slice, { seg.slice })
+      mine:copy(got)
+      mine:free(); got:free()
+      full[k]:free()
+    end
+    i = j + 1
+  end
+end
+
+-- The optimizer's step over model states ms (zero/states.lua) with its
+-- whole matrices: prepare and the other pieces' steps, the matrices, then
+-- the matrices' pieces' steps and the working copies' pushes.
+function Matrices:update(ms, opt, t, lr, scale)
+  local calls, push, overlap = ms.calls, ms.P.push_params, ms.overlap
+  ms.ring:each_group(true, function(k)
+    for _, c in ipairs(calls[k]) do
+      if c.half_g then c.g:copy(c.half_g) end
+      if c.matrix then opt:prepare(c, t, scale) else ms:step_call(opt, c, t, lr, scale) end
+    end
+  end, nil, true)
+  self:orthogonalize(opt)
+  ms.ring:each_group(true, function(k)
+    for _, c in ipairs(calls[k]) do
+      if c.matrix then ms:step_call(opt, c, t, lr, scale) end
+    end
+    if push then
+      for _, c in ipairs(calls[k]) do
+        if overlap then lz.copy_async(c.wdev, c.w, "copy") else c.wdev:copy(c.w) end
+      end
+    end
+  end, nil, true)
+end
+
+return M

@@ -1,0 +1,95 @@
+-- test_bf16_master.lua — bf16 master weights (optimizer.params.
+-- bf16_stochastic_round): no fp32 master, the bf16 working parameters
+-- updated through stochastic rounding keyed by (seed, step, canonical
+-- index). Updates far below half a bf16 step still move the weights on
+-- average (where rounding to nearest keeps none); stages 0-3 and world
+-- sizes give one checksum, AdamW's and Muon's; a resume continues bitwise;
+-- a run without bf16 working parameters is refused naming what it needs.
+local cjson = require("cjson")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local T = {}
+
+local q = support.quote
+local ops = lz.ops
+
+-- 100 steps of -1e-4 on weights of 1.0 (half a bf16 step there is 2^-9,
+-- about 0.002): rounding to nearest never moves them, stochastic rounding
+-- moves them by -0.01 on average.
+function T.small_updates_survive_on_average()
+  local n = 20000
+  local sr, rne = lz.tensor({ n }, "bf16"), lz.tensor({ n }, "bf16")
+  sr:fill(1); rne:fill(1)
+  local wide, delta = lz.tensor({ n }, "f32"), lz.tensor({ n }, "f32")
+  delta:fill(1e-4)
+  for t = 1, 100 do
+    wide:convert(sr)
+    ops.axpy(wide, -1, delta)
+    ops.bf16_round_stochastic(sr, wide, 7, t, 0)
+    wide:convert(rne)
+    ops.axpy(wide, -1, delta)
+    rne:convert(wide)
+  end
+  wide:convert(sr)
+  local mean = 0
+  for i = 0, n - 1 do mean = mean + wide:get(i) end
+  mean = mean / n
+  -- Each step's rounding error has sd <= 2^-9 (steps of 2^-8 below 1), so
+  -- the mean of n elements after 100 steps has sd <= 2^-9 * 10 / sqrt(n).
+  local sd = 2 ^ -9 * 10 / math.sqrt(n)
+  assert(math.abs(mean - (1 - 0.01)) < 4 * sd, ("mean %.6f, expected 0.99 (+- %.2g)"):format(mean, 4 * sd))
+  wide:convert(rne)
+  assert(wide:get(0) == 1 and wide:get(n - 1) == 1, "rounding to nearest moved a weight")
+  for _, x in ipairs({ sr, rne, wide, delta }) do x:free() end
+end
+
+local write_file, tmp = support.scratch()
+local lines = {}
+for i = 1, 80 do lines[i] = ("line %d of the corpus: %d\n"):format(i, i * 7919 % 1000) end
+local corpus = write_file("corpus.txt", table.concat(lines))
+local train, ok_train = support.trainer("--model gpt2-nano --n-layer 2 --n-embd 64 --n-head 4 " ..
+  "--context 32 --seq-len 16 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data " .. q(corpus))
+
+local function config(opt_type, params, bf16)
+  params.bf16_stochastic_round = true
+  local c = { train_micro_batch_size_per_gpu = 2, optimizer = { type = opt_type, params = params } }
+  if bf16 ~= false then c.bf16 = { enabled = true } end
+  return q(write_file(("sr%d.json"):format(math.random(1e9)), cjson.encode(c)))
+end
+
+function T.every_stage_and_world_size_gives_one_checksum()
+  local adamw = config("AdamW", { lr = 1e-3, weight_decay = 0.1 })
+  local _, want = ok_train(2, "--steps 3 --stage 0 --config " .. adamw)
+  for _, st in ipairs({ 1, 2, 3 }) do
+    local _, got = ok_train(2, ("--steps 3 --stage %d --config %s"):format(st, adamw))
+    assert(got == want, ("stage %d: %s, stage 0: %s"):format(st, got, want))
+  end
+  local _, w1s0 = ok_train(1, "--steps 3 --stage 0 --config " .. adamw)
+  local _, w1s3 = ok_train(1, "--steps 3 --stage 3 --config " .. adamw)
+  assert(w1s0 == w1s3, ("world 1: %s, %s"):format(w1s0, w1s3))
+  -- Not the fp32 master's bf16 run.
+  local _, fp32_master = ok_train(2, "--steps 3 --stage 0 --dtype bf16")
+  assert(fp32_master ~= want)
+  local muon = config("Muon", { lr = 0.01 })
+  local _, m0 = ok_train(2, "--steps 3 --stage 0 --config " .. muon)
+  local _, m3 = ok_train(2, "--steps 3 --stage 3 --config " .. muon)
+  assert(m0 == m3, ("Muon: %s, %s"):format(m0, m3))
+end
+
+function T.a_resume_continues_bitwise()
+  local cfg, dir = config("AdamW", { lr = 1e-3 }), tmp .. "/ck"
+  local _, straight = ok_train(2, "--steps 4 --stage 3 --save-every 2 --save " .. q(dir) ..
+                                  " --config " .. cfg)
+  local _, resumed = ok_train(2, "--steps 4 --stage 3 --resume " .. q(dir .. "/step-000002") ..
+                                 " --config " .. cfg)
+  assert(resumed == straight, ("resumed %s, straight %s"):format(resumed, straight))
+end
+
+function T.fp32_working_parameters_are_refused()
+  local out, st = train(1, "--steps 1 --config " .. config("AdamW", {}, false))
+  assert(st ~= 0 and out:find("bf16 master weights (optimizer.params.bf16_stochastic_round) " ..
+                              "are the bf16 working parameters themselves: they need " ..
+                              "bf16.enabled", 1, true), out)
+end
+
+return T
