@@ -27,9 +27,10 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   export CKPT FOLDER --merge-lora [--base PATH]
                                the adapters folded into the base weights (PATH: the run's --init,
                                by default) as a Hugging Face model folder
-  convert-states CKPT OUT --to f32|bf16
+  convert-states CKPT OUT [--to f32|bf16] [--master f32|bf16]
                                a copy (OUT: a new step folder) whose optimizer states are kept
-                               in f32 or bf16 (AdamW's momentum_dtype/variance_dtype) on resume
+                               in f32 or bf16 (AdamW's momentum_dtype/variance_dtype) on resume,
+                               and its master weights in f32 or bf16 (bf16_stochastic_round)
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]):format(
   table.concat(families.architectures(), ", "))
 
@@ -99,6 +100,8 @@ local function main(argv)
       needs = "merge-lora" },
     { "to", "string", nil, "convert-states: the states' format", choices = { "f32", "bf16" },
       needs = convert_only },
+    { "master", "string", nil, "convert-states: the master weights' format (bf16: " ..
+      "bf16_stochastic_round's)", choices = { "f32", "bf16" }, needs = convert_only },
   })
   if not ck_path then fail("missing CKPT\n" .. USAGE) end
   -- Every file it touches (io/paths.lua): OUT must not be an input. (An
@@ -124,9 +127,13 @@ local function main(argv)
       print(checked(export.export, ck, out, flags.dtype))
     end
   elseif cmd == "convert-states" then
-    if not out then fail("convert-states needs OUT (a new step folder) and --to f32|bf16") end
-    if not flags.to then fail("convert-states needs --to f32|bf16") end
-    print(checked(convert.states, ck_path, out, flags.to))
+    if not out then
+      fail("convert-states needs OUT (a new step folder) and --to f32|bf16 or --master f32|bf16")
+    end
+    if not (flags.to or flags.master) then
+      fail("convert-states needs --to f32|bf16 (the states) or --master f32|bf16 (the master weights)")
+    end
+    print(checked(convert.states, ck_path, out, flags.to, flags.master))
   else
     fail(("unknown command %q\n%s"):format(cmd, USAGE))
   end

@@ -83,6 +83,28 @@ function T.a_resume_continues_bitwise()
   local _, resumed = ok_train(2, "--steps 4 --stage 3 --resume " .. q(dir .. "/step-000002") ..
                                  " --config " .. cfg)
   assert(resumed == straight, ("resumed %s, straight %s"):format(resumed, straight))
+  -- The manifest records the bf16 master: a run with an fp32 master is
+  -- refused naming the conversion, which then lets it load.
+  local step2 = dir .. "/step-000002"
+  local plain = q(write_file("plain.json", cjson.encode({ train_micro_batch_size_per_gpu = 2,
+    bf16 = { enabled = true }, optimizer = { type = "AdamW", params = { lr = 1e-3 } } })))
+  local out, st = train(2, "--steps 4 --stage 3 --resume " .. q(step2) .. " --config " .. plain)
+  assert(st == 2 and out:find(step2 .. " keeps its master weights in bf16; this run keeps them " ..
+                              "in f32: convert it first (tools/ckpt convert-states " .. step2 ..
+                              " OUT --master f32)", 1, true), out)
+  local conv = tmp .. "/ck32/step-000002"
+  out, st = support.sh(("cd %s && %s tools/ckpt.lua convert-states %s %s --master f32")
+                       :format(q(lz.root), q(lz.executable()), q(step2), q(conv)))
+  assert(st == 0 and out:find("the master weights (bf16) now in f32", 1, true), out)
+  local _, from_conv = ok_train(2, "--steps 4 --stage 3 --resume " .. q(conv) .. " --config " .. plain)
+  -- and back: the bf16-master run resumes from the converted copy as from its own
+  local back = tmp .. "/ck16/step-000002"
+  out, st = support.sh(("cd %s && %s tools/ckpt.lua convert-states %s %s --master bf16")
+                       :format(q(lz.root), q(lz.executable()), q(conv), q(back)))
+  assert(st == 0, out)
+  local _, again = ok_train(2, "--steps 4 --stage 3 --resume " .. q(back) .. " --config " .. cfg)
+  assert(again == straight, ("back to bf16: %s, straight %s"):format(again, straight))
+  print(("    bf16 master resumed: %s; through an f32 master: %s"):format(resumed, from_conv))
 end
 
 function T.fp32_working_parameters_are_refused()

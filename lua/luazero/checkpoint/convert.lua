@@ -48,13 +48,24 @@ function M.formats_of(m)
 end
 
 -- Writes out (a new step folder) as the checkpoint at path with every
--- optimizer state in format `to` (f32 or bf16). Returns a one-line summary.
-function M.states(path, out, to)
-  local f = formats.by_name[to]
-  if not f then
+-- optimizer state in format `to` (f32 or bf16; nil: as saved) and the
+-- master weights in `master` (f32 or bf16; nil: as saved). The master too
+-- is held in fp32 whatever its format: bf16 -> f32 changes no number, f32
+-- -> bf16 rounds to nearest even as the run loads it. Returns a one-line
+-- summary.
+function M.states(path, out, to, master)
+  if to == nil and master == nil then
+    fail("convert-states: give --to f32|bf16 (the states) or --master f32|bf16 (the master weights)")
+  end
+  local f = to and formats.by_name[to]
+  if to and not f then
     fail("convert-states: --to must be f32 or bf16 (got %s)", tostring(to))
   end
-  if f.block then
+  local mf = master and formats.by_name[master]
+  if master and not (mf and mf.master) then
+    fail("convert-states: --master must be f32 or bf16 (got %s)", tostring(master))
+  end
+  if f and f.block then
     fail("convert-states: %s states are block-scaled, which the engine does not place; " ..
          "convert to f32 or bf16", to)
   end
@@ -70,8 +81,16 @@ function M.states(path, out, to)
   for name, fmt in pairs(from) do names[#names + 1] = name; was[#was + 1] = name .. " " .. fmt end
   table.sort(names)
   table.sort(was)
-  m.optimizer = { type = rec.type, params = rec.params, state_formats = {} }
-  for _, name in ipairs(names) do m.optimizer.state_formats[name] = to end
+  m.optimizer = { type = rec.type, params = rec.params, state_formats = {},
+                  master_format = rec.master_format }
+  for _, name in ipairs(names) do m.optimizer.state_formats[name] = to or from[name] end
+  local said = {}
+  if to then said[#said + 1] = ("the optimizer states (%s) now in %s"):format(table.concat(was, ", "), to) end
+  if master then
+    -- (f32 is the default: not recorded)
+    m.optimizer.master_format = master ~= "f32" and master or nil
+    said[#said + 1] = ("the master weights (%s) now in %s"):format(rec.master_format or "f32", master)
+  end
   m.manifest_xxh64 = nil
   local owned = { "manifest.json" }
   for _, s in ipairs(m.shards) do owned[#owned + 1] = s.file end
@@ -79,7 +98,7 @@ function M.states(path, out, to)
     for _, s in ipairs(m.shards) do copy(dir .. "/" .. s.file, folder.tmp .. "/" .. s.file) end
     atomic.write(folder.tmp .. "/manifest.json", manifest_io.encode(m))
   end)
-  return ("%s: the optimizer states (%s) now in %s"):format(out, table.concat(was, ", "), to)
+  return ("%s: %s"):format(out, table.concat(said, "; "))
 end
 
 return M

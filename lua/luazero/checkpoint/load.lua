@@ -95,6 +95,14 @@ function M.check(engine, path)
            dir, name, a, b, dir, b)
     end
   end
+  -- The master weights' format likewise (bf16_stochastic_round keeps no
+  -- fp32 master).
+  local a, b = rec and rec.master_format or "f32", parts.optimizer_record.master_format or "f32"
+  if a ~= b then
+    fail("%s keeps its master weights in %s; this run keeps them in %s: convert it first " ..
+         "(tools/ckpt convert-states %s OUT --master %s) or resume with the setting that saved " ..
+         "it (optimizer.params.bf16_stochastic_round %s)", dir, a, b, dir, b, tostring(a == "bf16"))
+  end
   return dir, m, saved, parts
 end
 

@@ -68,7 +68,8 @@ local Base = {}
 -- current betas).
 function Base:record()
   return { type = self.type, params = values.deep_copy(self.configured),
-           state_formats = values.deep_copy(self.state_formats) }
+           state_formats = values.deep_copy(self.state_formats),
+           master_format = self.master_format }
 end
 
 
@@ -209,12 +210,16 @@ function M.new(block)
   end
   -- The formats config.lua read from the params; a block made in Lua
   -- (never through config.lua) has them read here.
-  local fmts = block.state_formats
+  local fmts, master = block.state_formats, block.master_format
   if fmts == nil and class.read_config then
-    fmts = (class.read_config(block.params or {}, "optimizer.params.", spelling,
-                              function() end) or {}).state_formats
+    local extra = class.read_config(block.params or {}, "optimizer.params.", spelling,
+                                    function() end) or {}
+    fmts, master = extra.state_formats, master or extra.master_format
   end
-  return class.new(block.params or {}, spelling, fmts)
+  local self = class.new(block.params or {}, spelling, fmts)
+  -- (nil: the fp32 master; "bf16": bf16_stochastic_round, no fp32 master)
+  self.master_format = master
+  return self
 end
 
 -- The block DeepSpeed's engine uses when a config names no optimizer: the
