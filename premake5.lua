@@ -90,7 +90,8 @@ if have_cuda then
     .. "-gencode arch=compute_%s,code=compute_%s -Werror all-warnings "
     .. "-Xcompiler -fPIC,-Wall,-Wextra,-Werror -I%s/core -I%s/cuda", arch, arch, arch, arch, root, root)
   local headers = { "cuda/lz_cuda.h", "core/mem/lz_backend.h", "core/mem/lz_internal.h",
-                    "core/mem/lz_dtype.h", "core/mem/lz_ops.def", "core/luazero.h" }
+                    "core/mem/lz_dtype.h", "core/mem/lz_ops.def", "core/luazero.h",
+                    "core/luazero_kernels.h" }
   local cu_files = os.matchfiles("cuda/*.cu")
   local objs = {}
   local cmds = { "mkdir -p obj/cuda" }

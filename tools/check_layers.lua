@@ -19,7 +19,8 @@
 --   comm     the collectives and their backends (local, shm, mpi, nccl);
 --            they read sim buffers through the sim device's host view.
 --   launch   the launcher, which forks the ranks the collectives join.
--- core/luazero.h, the public header, stands outside the rooms: every room
+-- core/luazero.h, the public header (with the core/luazero_*.h parts it
+-- includes), stands outside the rooms: every room
 -- may include it, and it includes no room.
 --
 -- Checks:
@@ -197,8 +198,8 @@ local room_of = {} -- path -> room
 local problems = {}
 for _, path in ipairs(files) do
   local room = path:match("^core/([^/]+)/[^/]+$")
-  if path == "core/luazero.h" then
-    room_of[path] = "public"
+  if path == "core/luazero.h" or path:match("^core/luazero_[%w_]+%.h$") then
+    room_of[path] = "public" -- (luazero.h and the parts it includes)
   elseif room and rank[room] then
     room_of[path] = room
   else
@@ -226,7 +227,7 @@ for _, path in ipairs(files) do
       n_includes = n_includes + 1
       local where = ("%s:%d: #include \"%s\""):format(path, line_no, name)
       local target
-      if name == "luazero.h" then
+      if name == "luazero.h" or (room == "public" and name:match("^luazero_[%w_]+%.h$")) then
         target = "public"
       elseif name:match("^[^/]+/[^/]+$") and read("core/" .. name) then
         target = name:match("^([^/]+)/")

@@ -4,9 +4,15 @@
 -- With --check, compares instead of writing and exits 1 on a difference.
 local M = {}
 
+-- header_text: the header with its own includes in place (M.read); every
+-- LZ_CDEF block in it, in order, makes one body.
 function M.generate(header_text)
-  local body = header_text:match("/%* LZ_CDEF_BEGIN %*/(.-)/%* LZ_CDEF_END %*/")
-  if not body then error("gen-cdef: no LZ_CDEF_BEGIN/LZ_CDEF_END block in the header") end
+  local blocks = {}
+  for b in header_text:gmatch("/%* LZ_CDEF_BEGIN %*/(.-)/%* LZ_CDEF_END %*/") do
+    blocks[#blocks + 1] = b
+  end
+  if #blocks == 0 then error("gen-cdef: no LZ_CDEF_BEGIN/LZ_CDEF_END block in the header") end
+  local body = table.concat(blocks, "\n\n")
   body = body:gsub("/%*.-%*/", "")          -- comments
   body = body:gsub("[ \t]+\n", "\n")        -- trailing blanks
   body = body:gsub("\n\n+", "\n\n")         -- runs of blank lines
@@ -16,11 +22,17 @@ function M.generate(header_text)
          "return [[\n" .. body .. "\n]]\n"
 end
 
-local function read(path)
+-- The header's text, each `#include "luazero_*.h"` of it replaced by that
+-- header's text (read from the same folder).
+local read
+read = function(path)
   local f = assert(io.open(path, "rb"), "gen-cdef: cannot read " .. path)
   local s = f:read("*a")
   f:close()
-  return s
+  local dir = path:match("^(.*)/[^/]*$") or "."
+  return (s:gsub('\n#include "(luazero_[%w_]+%.h)"[^\n]*', function(name)
+    return "\n" .. read(dir .. "/" .. name)
+  end))
 end
 M.read = read
 

@@ -47,7 +47,8 @@ M.internal = {
   "Tensor", "pinned", "arena", "arena_over", "ARENA_ALIGN", "mem_device",
   "mem_device_peak", "mem_device_total_peak", "mem_reset_peak", "sim", "sim_copy_ns",
   "device_capacity", "device_synchronize", "copy_async", "stream_synchronize", "event",
-  "copy_bytes", "copy_bytes_reset", "cuda", "cpu_has", "bf16_matmul", "executable", "xxh64",
+  "copy_bytes", "copy_bytes_reset", "cuda", "cpu_has", "bf16_matmul", "bf16_attention",
+  "executable", "xxh64",
   "hasher", "swap", "Swap", "adamw_args", "lion_args", "mkdir", "read_file",
 }
 

@@ -159,6 +159,8 @@ local WRITERS = {
   ["core/io/swap.c"] = "NVMe swap files: made O_EXCL and unlinked at once, never a user's file",
   ["core/mem/shared_mem.c"] = "the memory the ranks share, under /dev/shm",
   ["core/comm/comm_shm.c"] = "the shm backend's segment, shared with the other ranks",
+  ["core/comm/comm_shm_group.c"] = "a group's segment: a memfd its leader makes, which the " ..
+                                   "group's other ranks open through /proc; no named file",
   ["core/comm/comm_nccl.c"] = "the NCCL id handed to the other ranks through a file of its own",
   ["core/launch/launch.c"] = "/dev/null for the children's streams",
   ["tools/gen-cdef.lua"] = "a developer's tool that regenerates lua/luazero/cdef.lua from the " ..

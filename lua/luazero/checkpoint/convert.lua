@@ -18,23 +18,6 @@ local M = {}
 
 local fail = disk.fail
 
-local function copy(src, dst)
-  local i = assert(io.open(src, "rb"))
-  local o, err = io.open(dst, "wb")
-  if not o then i:close(); fail("%s: cannot write it (%s)", dst, tostring(err)) end
-  while true do
-    local chunk = i:read(2 ^ 22)
-    if not chunk then break end
-    if not o:write(chunk) then
-      i:close()
-      o:close()
-      fail("%s: the write failed (a full disk?)", dst)
-    end
-  end
-  i:close()
-  if not o:close() then fail("%s: the write failed (a full disk?)", dst) end
-end
-
 -- The formats a manifest records for each of its states (f32 where it
 -- predates them).
 function M.formats_of(m)
@@ -95,7 +78,7 @@ function M.states(path, out, to, master)
   local owned = { "manifest.json" }
   for _, s in ipairs(m.shards) do owned[#owned + 1] = s.file end
   atomic.build_folder(out, owned, function(folder)
-    for _, s in ipairs(m.shards) do copy(dir .. "/" .. s.file, folder.tmp .. "/" .. s.file) end
+    for _, s in ipairs(m.shards) do atomic.copy(dir .. "/" .. s.file, folder.tmp .. "/" .. s.file) end
     atomic.write(folder.tmp .. "/manifest.json", manifest_io.encode(m))
   end)
   return ("%s: %s"):format(out, table.concat(said, "; "))

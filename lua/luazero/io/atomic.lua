@@ -10,6 +10,7 @@
 --   w:commit()                                       -- or w:abort()
 --   atomic.build_file("out.bin", total, function(w) ... end)  -- removed if fn raises
 --   atomic.write("results.csv", text)                -- the same, in one call
+--   atomic.copy("a.bin", "b.bin")                    -- a file's bytes, streamed
 --   local f = atomic.folder("hf-model", { "config.json", "model.safetensors" })
 --   f.tmp .. "/config.json"  ...  f:commit()         -- or f:abort()
 --   atomic.build_folder("hf-model", owned, function(f) ... end)
@@ -304,6 +305,24 @@ function Folder:commit()
 end
 
 function Folder:abort() lz.C.lz_ckpt_remove_tree(self.tmp) end
+
+-- dst written as a copy of src's bytes, 4 MiB at a time. Returns the bytes.
+function M.copy(src, dst)
+  local i, err = io.open(src, "rb")
+  if not i then error(("%s: cannot read it (%s)"):format(src, tostring(err)), 0) end
+  local total = i:seek("end")
+  i:seek("set", 0)
+  local ok, e = pcall(M.build_file, dst, total, function(w)
+    while true do
+      local chunk = i:read(2 ^ 22)
+      if not chunk then break end
+      w:write(chunk)
+    end
+  end)
+  i:close()
+  if not ok then error(e, 0) end
+  return total
+end
 
 -- fn(folder) inside a pcall: the folder committed when it returns, removed
 -- when it raises (the error raised again).
