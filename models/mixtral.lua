@@ -49,29 +49,16 @@ function M.finish(cfg)
   return cfg
 end
 
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
-M.description = {}
-for k, v in pairs(mistral.description) do M.description[k] = v end
-M.description.names = {}
-for k, v in pairs(mistral.description.names) do M.description.names[k] = v end
-M.description.names.block = {}
-for k, v in pairs(mistral.description.names.block) do M.description.names.block[k] = v end
-M.description.names.block.mlp = "block_sparse_moe"
-M.description.mlp = function(cfg, i) return moe.mlp(cfg, i, { "w1", "w3", "w2" }) end
-M.description.router_aux = moe.router_aux
+local names = mistral.description.names
+M.description = llama.derive(mistral.description, {
+  names = llama.derive(names, { block = llama.derive(names.block, { mlp = "block_sparse_moe" }) }),
+  mlp = function(cfg, i) return moe.mlp(cfg, i, { "w1", "w3", "w2" }) end,
+  router_aux = moe.router_aux,
+})
 -- LoRA on the attention projections (PEFT 0.21.2's default for mixtral:
 -- q_proj, v_proj); the router and experts stay frozen.
 M.description.lora_targets = {

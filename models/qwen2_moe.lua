@@ -163,28 +163,18 @@ function M.finish(cfg)
   return cfg
 end
 
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
-M.description = {}
-for k, v in pairs(llama.description) do M.description[k] = v end
-M.description.attention = function(cfg, shared)
-  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                    { bias = cfg.qkv_bias })
-end
-M.description.mlp = function(cfg, i) return moe.mlp(cfg, i) end
-M.description.router_aux = moe.router_aux
+M.description = llama.derive(llama.description, {
+  attention = function(cfg, shared)
+    return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
+                      { bias = cfg.qkv_bias })
+  end,
+  mlp = function(cfg, i) return moe.mlp(cfg, i) end,
+  router_aux = moe.router_aux,
+})
 -- LoRA on the attention projections (PEFT 0.21.2 has no default for
 -- qwen2_moe; the router and experts stay frozen).
 M.description.lora_targets = {

@@ -48,26 +48,16 @@ function M.finish(cfg)
   return cfg
 end
 
-function M.config(name, overrides)
-  local base = M.configs[name]
-  if not base then
-    error(("unknown model '%s' (known: %s)"):format(tostring(name), table.concat(M.names, ", ")),
-          0)
-  end
-  local cfg = { name = name }
-  for k, v in pairs(base) do cfg[k] = v end
-  for k, v in pairs(overrides or {}) do cfg[k] = v end
-  return M.finish(cfg)
-end
+M.config = llama.sizes(M)
 
 -------------------------------------------------------------------- model
 
-M.description = {}
-for k, v in pairs(qwen2_moe.description) do M.description[k] = v end
-M.description.attention = function(cfg, shared)
-  return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
-                    { qk_norm = { eps = cfg.eps, offset = 0 } })
-end
+M.description = llama.derive(qwen2_moe.description, {
+  attention = function(cfg, shared)
+    return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
+                      { qk_norm = { eps = cfg.eps, offset = 0 } })
+  end,
+})
 
 local Qwen3Moe = nn.CausalLM:extend("Qwen3Moe")
 M.Qwen3Moe = Qwen3Moe
