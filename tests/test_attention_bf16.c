@@ -5,6 +5,7 @@
  * the fp32 kernel (itself checked against finite differences), within what
  * rounding the operands to bf16 allows; bitwise the same for every thread
  * count; the fp32 entries, bitwise the fp32 kernel. */
+#include "attention_ref.h"
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
@@ -30,15 +31,7 @@ static lz_tensor *rand3(int64_t a, int64_t b, int64_t c, float amp) {
   return t;
 }
 
-typedef struct {
-  int64_t B, T;
-  int NH, NKV, HS;
-  int window;
-  float cap, scale;
-  int docs; /* documents per row (seg), 0: no seg */
-} shape;
-
-static int64_t row_of(const shape *s) { return (int64_t)(s->NH + 2 * s->NKV) * s->HS; }
+typedef attn_shape shape;
 
 static lz_tensor *make_seg(const shape *s) {
   if (!s->docs) return NULL;
@@ -54,40 +47,6 @@ static int native(void) {
   const char *what = NULL;
   CHECK_OK(lz_bf16_attention_path(&what));
   return what && !strncmp(what, "native", 6);
-}
-
-/* Reference of one (b, h) in double: out[T][HS] (stride C), lse[T]. */
-static void ref_head(double *out, double *lse, const float *x, const int32_t *seg, const shape *s,
-                     int64_t b, int64_t h) {
-  const int64_t T = s->T, HS = s->HS, row = row_of(s), C = (int64_t)s->NH * HS;
-  const int64_t g = h / (s->NH / s->NKV);
-  const double scale = s->scale ? s->scale : 1.0 / sqrt((double)HS);
-  const float *q = x + b * T * row + h * HS, *k = x + b * T * row + C + g * HS;
-  const float *v = k + (int64_t)s->NKV * HS;
-  const int32_t *sg = seg ? seg + b * T : NULL;
-  double *sc = malloc(sizeof(double) * (size_t)T);
-  for (int64_t i = 0; i < T; i++) {
-    double mx = -INFINITY;
-    for (int64_t j = 0; j < T; j++) {
-      int seen = j <= i && (!s->window || i - j < s->window) && (!sg || sg[i] == sg[j]);
-      if (!seen) {
-        sc[j] = -INFINITY;
-        continue;
-      }
-      double dot = 0;
-      for (int64_t c = 0; c < HS; c++) dot += (double)q[i * row + c] * k[j * row + c];
-      sc[j] = dot * scale;
-      if (s->cap) sc[j] = s->cap * tanh(sc[j] / s->cap);
-      if (sc[j] > mx) mx = sc[j];
-    }
-    double sum = 0;
-    for (int64_t j = 0; j < T; j++) sum += sc[j] = exp(sc[j] - mx);
-    lse[i] = mx + log(sum);
-    for (int64_t c = 0; c < HS; c++) out[i * C + c] = 0;
-    for (int64_t j = 0; j <= i; j++)
-      for (int64_t c = 0; c < HS; c++) out[i * C + c] += sc[j] / sum * v[j * row + c];
-  }
-  free(sc);
 }
 
 /* max |got - want| / max(max |want|, 1): the error against the tensor's scale. */
@@ -122,7 +81,7 @@ static void describe(char *buf, size_t n, const shape *s) {
 #define BWD_TOL 3e-2
 
 static void check_case(shape s) {
-  const int64_t C = (int64_t)s.NH * s.HS, row = row_of(&s);
+  const int64_t C = (int64_t)s.NH * s.HS, row = attn_row(&s);
   const int64_t n_out = s.B * s.T * C, n_lse = s.B * s.NH * s.T, n_qkv = s.B * s.T * row;
   lz_tensor *qkv = rand3(s.B, s.T, row, 1.5f), *dout = rand3(s.B, s.T, C, 1.0f);
   lz_tensor *out = rand3(s.B, s.T, C, 9), *lse = rand3(s.B, s.NH, s.T, 9);
@@ -137,10 +96,9 @@ static void check_case(shape s) {
   CHECK_OK(lz_attention_opts_backward(dqkv32, dout, qkv, out32, lse32, seg, s.NH, s.NKV, s.window,
                                       s.cap, s.scale));
   double *ro = malloc(sizeof(double) * (size_t)n_out), *rl = malloc(sizeof(double) * (size_t)n_lse);
-  for (int64_t b = 0; b < s.B; b++)
-    for (int64_t h = 0; h < s.NH; h++)
-      ref_head(ro + b * s.T * C + h * s.HS, rl + (b * s.NH + h) * s.T, qkv->data,
-               seg ? seg->data : NULL, &s, b, h);
+  double *xd = attn_to_double(qkv);
+  attn_ref_forward(ro, rl, xd, seg ? seg->data : NULL, &s);
+  free(xd);
   const double e_out = scaled_err(out->data, ro, n_out), e_lse = scaled_err(lse->data, rl, n_lse);
   const double e_d = scaled_err_f(dqkv->data, dqkv32->data, n_qkv);
   char d[160];
@@ -180,7 +138,7 @@ LZ_TEST(attention_bf16_matches_reference_every_option) {
 static char *run_bf16(const shape *s, lz_tensor *qkv, lz_tensor *dout, size_t *bytes) {
   const int64_t C = (int64_t)s->NH * s->HS;
   lz_tensor *out = rand3(s->B, s->T, C, 1), *lse = rand3(s->B, s->NH, s->T, 1);
-  lz_tensor *dqkv = rand3(s->B, s->T, row_of(s), 1);
+  lz_tensor *dqkv = rand3(s->B, s->T, attn_row(s), 1);
   CHECK_OK(
       lz_attention_bf16_forward(out, lse, qkv, NULL, s->NH, s->NKV, s->window, s->cap, s->scale));
   CHECK_OK(lz_attention_bf16_backward(dqkv, dout, qkv, out, lse, NULL, s->NH, s->NKV, s->window,
@@ -199,7 +157,7 @@ static char *run_bf16(const shape *s, lz_tensor *qkv, lz_tensor *dout, size_t *b
 
 LZ_TEST(attention_bf16_is_the_same_for_every_thread_count) {
   shape s = {2, 200, 4, 2, 32, 0, 0, 0, 0};
-  lz_tensor *qkv = rand3(s.B, s.T, row_of(&s), 1.5f), *dout = rand3(s.B, s.T, 128, 1.0f);
+  lz_tensor *qkv = rand3(s.B, s.T, attn_row(&s), 1.5f), *dout = rand3(s.B, s.T, 128, 1.0f);
   const int before = lz_threads_get();
   size_t n1, n2;
   CHECK_OK(lz_threads_set(1));
