@@ -2,7 +2,9 @@
 -- families (models/mixtral.lua, qwen2_moe.lua, qwen3_moe.lua, olmoe.lua): the named
 -- shapes' parameter counts (transformers' own), the checkpoint's names,
 -- which layers are sparse, config.json's routing fields and refusals, an
--- expert no token reached gets exactly zero gradient, the jitter is seeded,
+-- expert no token reached gets exactly zero gradient, the jitter is seeded
+-- and a checkpoint keeps its generators (a resumed run ends on the straight
+-- run's bits),
 -- the load-balancing loss joins the loss only where output_router_logits
 -- says; and no hang by construction: under the launcher at world 1-4 with
 -- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
@@ -186,6 +188,39 @@ function T.the_metrics_log_has_aux_loss_and_tokens_per_expert()
       eq(sum, 2 * 16 * 2 * 2, "rows of a step (B x T x top-k x micro-steps)")
     end
   end
+end
+
+-- Mixtral's router jitter draws from one generator per block; a checkpoint
+-- keeps where each stands (the manifest's generators), so a run resumed at
+-- step 2 draws the noise the uninterrupted run drew and ends on its bits.
+function T.a_resumed_run_with_router_jitter_ends_on_the_straight_runs_checksum()
+  local mixtral = require("models.mixtral")
+  local function trainer(jitter)
+    local mcfg = write_file(("jitter-%g.json"):format(jitter), cjson.encode(
+      mixtral.hf.config_json(models.config("mixtral-tiny", { jitter = jitter }))))
+    local _, train = support.trainer(("--model-config %s --seq-len 16 --sample 0 " ..
+                                      "--eval-batches 1 --seed 7 --micro-batch 2 --stage 3 " ..
+                                      "--data %s"):format(q(mcfg), q(corpus)))
+    return train
+  end
+  local train = trainer(0.1)
+  local ck = write_file("ck", ""):gsub("ck$", "jitter-ck")
+  local _, straight = train(2, "--steps 4")
+  local _, saved = train(2, "--steps 4 --save-every 2 --save " .. q(ck))
+  local _, resumed = train(2, "--steps 4 --resume " .. q(ck .. "/step-000002"))
+  eq(saved, straight, "the run that saved")
+  eq(resumed, straight, "resumed at step 2")
+  local f = assert(io.open(ck .. "/step-000002/manifest.json"))
+  local m = cjson.decode(f:read("*a"))
+  f:close()
+  local n = 0
+  for path, state in pairs(m.generators or {}) do
+    assert(path:find("block_sparse_moe$") and #state == 16, path .. " " .. tostring(state))
+    n = n + 1
+  end
+  eq(n, 2, "generators saved (one per MoE block)")
+  local _, without = trainer(0)(2, "--steps 4")
+  assert(without ~= straight, "jitter 0.1 left the run's checksum as it was")
 end
 
 -- No hang by construction: stages 0-3 at each world size, the experts

@@ -177,6 +177,9 @@ function M.load(engine, path)
     dtype = m.dtype, loss_scaler = m.loss_scaler,
     resumed_from = { dir = dir, step = m.global_steps },
   }
+  if m.generators and parts.model.set_generator_states then
+    parts.model:set_generator_states(m.generators)
+  end
   m.dir = dir
   return m
 end

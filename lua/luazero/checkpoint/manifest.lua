@@ -277,6 +277,10 @@ function M.validate(m, path)
     fail(path, "loss_scaler", "expected an object")
   end
   if m.extra ~= nil and type(m.extra) ~= "table" then fail(path, "extra", "expected an object") end
+  if m.generators ~= nil then
+    local g = tbl(path, m, "generators", "generators")
+    for k in pairs(g) do hex64(path, g, k, "generators." .. tostring(k)) end
+  end
   -- The optimizer that saved it: the type its config named and the
   -- hyperparameters (absent in checkpoints saved before it was recorded).
   if m.optimizer ~= nil then

@@ -279,6 +279,8 @@ function M.begin(engine, dir, extra, opts)
       -- A run with frozen parameters saves what trains: LoRA's settings,
       -- and where the frozen weights came from (--init), for the export.
       lora = model.lora, init = parts.init.path, init_xxh64 = parts.init.xxh64,
+      -- where the model's own training generators stand (MoE router jitter)
+      generators = model.generator_states and model:generator_states() or nil,
       optimizer_steps = parts.steps.optimizer, global_steps = parts.steps.global,
       skipped_steps = parts.steps.skipped,
       lr_schedule = parts.lr(),

@@ -225,6 +225,29 @@ function CausalLM:router_metrics()
   return out
 end
 
+-- The generators the MoE blocks draw from in training (Mixtral's router
+-- jitter), by block path, where they stand: a checkpoint keeps them so a
+-- resumed run draws what the uninterrupted run would. nil when none draws.
+function CausalLM:generator_states()
+  local out
+  for _, b in ipairs(self.routers) do
+    local s = b:generator_state()
+    if s then
+      out = out or {}
+      out[b.path] = s
+    end
+  end
+  return out
+end
+
+-- Back from generator_states(): each block's generator where the saved run
+-- left it; a block the checkpoint names no state for starts from its seed.
+function CausalLM:set_generator_states(states)
+  for _, b in ipairs(self.routers) do
+    if states[b.path] then b:set_generator_state(states[b.path]) end
+  end
+end
+
 -- The head's logits soft-capped in place where the family caps them:
 -- backward's cross-entropy carries its gradient through the cap.
 function CausalLM:capped(logits)

@@ -18,12 +18,14 @@
 -- pools the blocks of a model: MoE.aux_loss(blocks) after the forward, and
 -- ctx.router_aux = { grad =, scale = } for the blocks' backward.
 local ffi = require("ffi")
+local bit = require("bit")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
 local SwiGLUMLP = require("luazero.nn.swiglu_mlp")
 local Experts = require("luazero.nn.moe_experts")
 local rng = require("luazero.rng")
+local stream = require("luazero.data.stream")
 
 local ops = lz.ops
 
@@ -105,6 +107,23 @@ function MoE:rows(c)
   return c
 end
 
+-- The jitter's generator (one per block, seeded by its layer).
+function MoE:jitter_generator()
+  self.jitter_rng = self.jitter_rng or rng.new(self.seed, 11)
+  return self.jitter_rng
+end
+
+-- Where the jitter's generator stands, as 16 hex digits (a checkpoint keeps
+-- it, so a resumed run draws the noise the uninterrupted one would); nil
+-- without jitter.
+function MoE:generator_state()
+  if self.jitter > 0 then return bit.tohex(self:jitter_generator().state[0], 16) end
+end
+
+function MoE:set_generator_state(hex)
+  if self.jitter > 0 then self:jitter_generator().state[0] = stream.u64_hex(hex) end
+end
+
 -- Mixtral's jitter: x times uniform(1 - j, 1 + j) noise, drawn in training
 -- (a replay of activation checkpointing reuses the forward's draw).
 function MoE:jittered(x)
@@ -114,10 +133,10 @@ function MoE:jittered(x)
   end
   local n = x:numel()
   if not self.ctx.recomputing then
-    self.jitter_rng = self.jitter_rng or rng.new(self.seed, 11)
+    local g = self:jitter_generator()
     local noise = ffi.new("float[?]", n)
     local j = self.jitter
-    for i = 0, n - 1 do noise[i] = 1 - j + 2 * j * self.jitter_rng:uniform() end
+    for i = 0, n - 1 do noise[i] = 1 - j + 2 * j * g:uniform() end
     self.noise = noise
   end
   local y = self:activation(x:sizes())
