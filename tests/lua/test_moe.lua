@@ -10,7 +10,9 @@
 -- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
 -- its own expert, most experts routed nowhere), the experts gathered whole
 -- per block and one by one, every ZeRO stage finishes on the stage-0
--- checksum. (tests/ref/test5_moe.py holds them to transformers.)
+-- checksum; with the same global batch at world sizes 1, 2 and 4 the first
+-- step's language-model loss agrees within 1e-6 relative (the load-balancing
+-- loss is per rank). (tests/ref/test5_moe.py holds them to transformers.)
 local cjson = require("cjson")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
@@ -221,6 +223,51 @@ function T.a_resumed_run_with_router_jitter_ends_on_the_straight_runs_checksum()
   eq(n, 2, "generators saved (one per MoE block)")
   local _, without = trainer(0)(2, "--steps 4")
   assert(without ~= straight, "jitter 0.1 left the run's checksum as it was")
+end
+
+-- The same global batch at world sizes 1, 2 and 4 (tests/lua/moe_world_check.lua):
+-- the first step's language-model loss (the loss less the coefficient times
+-- the ranks' mean load-balancing loss) agrees within 1e-6 relative for each
+-- family at stages 0 and 3, while the loss itself does not: the
+-- load-balancing loss is each rank's own, over its own tokens.
+function T.the_first_steps_language_model_loss_agrees_across_world_sizes()
+  local lm, total = {}, {}
+  for _, n in ipairs({ 1, 2, 4 }) do
+    local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_world_check.lua %s 2>&1")
+                :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus))
+    local p = io.popen(cmd)
+    local out = p:read("*a")
+    p:close()
+    assert(out:find("\ndone", 1, true), out)
+    local aux = {}
+    for key, r, a in out:gmatch("(%S+ %d) rank (%d) aux (%S+)") do
+      aux[key] = aux[key] or {}
+      aux[key][tonumber(r) + 1] = tonumber(a)
+    end
+    for key, loss, coef in out:gmatch("(%S+ %d) loss (%S+) coef (%S+)") do
+      local a = aux[key] or {}
+      eq(#a, n, key .. ": ranks that printed their aux loss at world " .. n)
+      local sum = 0
+      for _, v in ipairs(a) do sum = sum + v end
+      lm[key] = lm[key] or {}
+      lm[key][n] = tonumber(loss) - tonumber(coef) * sum / n
+      total[key] = total[key] or {}
+      total[key][n] = tonumber(loss)
+    end
+  end
+  local seen = 0
+  for key, by in pairs(lm) do
+    seen = seen + 1
+    for _, n in ipairs({ 2, 4 }) do
+      local rel = math.abs(by[n] - by[1]) / math.abs(by[1])
+      assert(rel <= 1e-6, ("%s: language-model loss %.12g at world %d, %.12g at world 1 " ..
+                           "(relative %.1e)"):format(key, by[n], n, by[1], rel))
+    end
+    local rel = math.abs(total[key][4] - total[key][1]) / total[key][1]
+    assert(rel > 1e-5, ("%s: the loss with the per-rank aux loss is the same at world 4 and 1 " ..
+                        "(%.12g): the check would not see the aux loss"):format(key, total[key][1]))
+  end
+  eq(seen, 8, "families x stages checked")
 end
 
 -- No hang by construction: stages 0-3 at each world size, the experts
