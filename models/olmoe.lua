@@ -65,6 +65,11 @@ M.description = llama.derive(qwen2_moe.description, {
   end,
 })
 
+-- LoRA on the attention projections (the lora_targets of
+-- models/qwen2_moe.lua): q_proj and v_proj by default (PEFT 0.21.2 has no
+-- default for olmoe); the router and the experts stay frozen.
+M.description.lora_default = { "q_proj", "v_proj" }
+
 local Olmoe = nn.CausalLM:extend("Olmoe")
 M.Olmoe = Olmoe
 

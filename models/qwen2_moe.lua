@@ -175,8 +175,10 @@ M.description = llama.derive(llama.description, {
   mlp = function(cfg, i) return moe.mlp(cfg, i) end,
   router_aux = moe.router_aux,
 })
--- LoRA on the attention projections (PEFT 0.21.2 has no default for
--- qwen2_moe; the router and experts stay frozen).
+-- LoRA on the attention projections: q_proj and v_proj by default, as PEFT
+-- 0.21.2's for qwen2 (it has none for qwen2_moe); the router (mlp.gate), the
+-- shared expert's gate and the experts are no target, so they stay frozen.
+-- Qwen3-MoE and OLMoE take this table.
 M.description.lora_targets = {
   q_proj = { "self_attn", part = "q_proj" },
   k_proj = { "self_attn", part = "k_proj" },

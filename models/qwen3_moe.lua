@@ -59,6 +59,11 @@ M.description = llama.derive(qwen2_moe.description, {
   end,
 })
 
+-- LoRA on the attention projections (the lora_targets of
+-- models/qwen2_moe.lua): q_proj and v_proj by default, as PEFT 0.21.2's for
+-- qwen3 (it has none for qwen3_moe); the router and the experts stay frozen.
+M.description.lora_default = { "q_proj", "v_proj" }
+
 local Qwen3Moe = nn.CausalLM:extend("Qwen3Moe")
 M.Qwen3Moe = Qwen3Moe
 

@@ -192,6 +192,35 @@ function T.the_metrics_log_has_aux_loss_and_tokens_per_expert()
   end
 end
 
+-- LoRA on an MoE family: its default targets (each family file's
+-- lora_default: q_proj and v_proj) on every layer's attention; the routers,
+-- the shared expert's gate and the experts frozen, and no target reaches them.
+function T.lora_adapts_attention_and_leaves_routers_and_experts_frozen()
+  local lora = require("models.lora")
+  for _, name in ipairs({ "mixtral-tiny", "qwen2-moe-tiny", "qwen3-moe-tiny", "olmoe-tiny" }) do
+    local cfg = models.config(name)
+    local model = models.new(cfg)
+    eq(table.concat(lora.default_targets(model), ","), "q_proj,v_proj", name .. " default targets")
+    eq(lora.apply(model, { r = 2 }), 2 * cfg.n_layer, name .. " adapted weights")
+    local trained, routers = 0, 0
+    for _, e in ipairs(model.param_table) do
+      if not e.frozen then
+        trained = trained + 1
+        assert(e.name:find("%.self_attn%.[qv]_proj%.lora_[AB]%.weight$"), name .. ": " .. e.name ..
+               " trains")
+      elseif e.name:find("%.gate%.weight$") or e.name:find("experts%.") then
+        routers = routers + 1
+      end
+    end
+    eq(trained, 4 * cfg.n_layer, name .. " adapter tensors")
+    assert(routers > 0, name .. ": no router or expert weight found frozen")
+    for _, t in ipairs({ "gate", "experts", "w1", "gate_proj" }) do
+      support.expect_error(function() lora.apply(models.new(cfg), { r = 2, targets = { t } }) end,
+                           "no module named " .. t .. " to adapt")
+    end
+  end
+end
+
 -- Mixtral's router jitter draws from one generator per block; a checkpoint
 -- keeps where each stands (the manifest's generators), so a run resumed at
 -- step 2 draws the noise the uninterrupted run drew and ends on its bits.
