@@ -13,14 +13,18 @@
 --   gate_proj = { "mlp.gate_proj" }                -- every layer's mlp.gate_proj
 --   c_proj = { "attn.c_proj", "mlp.c_proj" }       -- two Linears per layer
 --   q_proj = { "self_attn", part = "q_proj" }      -- q's rows of the packed q|k|v
+--   ["experts.down_proj"] = { experts = "down_proj" } -- every MoE block's experts
+--                                                  -- (nn/lora_experts.lua)
 -- so adapting a new module is one entry there; the description's
 -- lora_default lists the targets when none are given. Parameter names follow PEFT:
 -- <module>.lora_A.weight, <module>.lora_B.weight. A starts normal with std
 -- 1/sqrt(in), B at zero, so the adapted model starts as the base one.
 local nn = require("luazero.nn")
 local families = require("luazero.families")
+local LoraExperts = require("luazero.nn.lora_experts")
 
 local M = {}
+local experts_target
 
 -- The targets LoRA adapts in `model` when none are given: its family's.
 function M.default_targets(model)
@@ -85,6 +89,17 @@ local function plan(model, targets, where)
   return by_linear, order, found
 end
 
+-- A target as the family's table names it: PEFT's target_parameters may
+-- give an expert kind's longer path (mlp.experts.gate_up_proj for the
+-- table's experts.gate_up_proj).
+experts_target = function(where, t)
+  if where[t] then return t end
+  for k, e in pairs(where) do
+    if e.experts and t:sub(-(#k + 1)) == "." .. k then return k end
+  end
+  return t
+end
+
 local function known(where)
   local names = {}
   for k in pairs(where) do names[#names + 1] = k end
@@ -112,17 +127,34 @@ function M.apply(model, opts)
   local scale = scale_of(r, opts.alpha or r)
   local targets, seen = {}, {}
   local chosen = opts.targets or M.default_targets(model)
+  local where = opts.where or model.lora_targets or {}
   for _, t in ipairs(chosen) do
+    t = experts_target(where, t)
     if not seen[t] then seen[t] = true; targets[#targets + 1] = t end
   end
-  local where = opts.where or model.lora_targets or {}
   for _, t in ipairs(targets) do
     if not where[t] then
       error(("lora: no module named %s to adapt (--lora-targets); this model has %s")
             :format(t, known(where)), 0)
     end
   end
-  local by_linear, order, found = plan(model, targets, where)
+  local linear_targets, expert_targets = {}, {}
+  for _, t in ipairs(targets) do
+    local list = where[t].experts and expert_targets or linear_targets
+    list[#list + 1] = t
+  end
+  local by_linear, order, found = plan(model, linear_targets, where)
+  local adapted_experts = {}
+  model:walk(function(m, path)
+    if not LoraExperts.is_experts(m) then return end
+    for _, t in ipairs(expert_targets) do
+      local kind = where[t].experts
+      local ar = opts.rank_of and opts.rank_of(path .. "." .. kind) or r
+      local alpha = opts.alpha_of and opts.alpha_of(path .. "." .. kind) or opts.alpha or r
+      adapted_experts[#adapted_experts + 1] = { m, kind, ar, scale_of(ar, alpha) }
+      found[t] = (found[t] or 0) + 1
+    end
+  end)
   for _, t in ipairs(targets) do
     if not found[t] then
       error(("lora: no module named %s to adapt (--lora-targets); this model has %s")
@@ -143,6 +175,7 @@ function M.apply(model, opts)
     p.parent:replace(linear, nn.LoRA.new(linear, p.adapters, r, scale))
     n = n + #p.adapters
   end
+  for _, a in ipairs(adapted_experts) do n = n + LoraExperts.attach(a[1], a[2], a[3], a[4]) end
   model.param_table, model.n_params = model:parameter_table()
   model:set_context(model.ctx)
   model:freeze(function(name) return not name:find("lora_[AB]%.weight$") end)

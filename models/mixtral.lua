@@ -59,15 +59,13 @@ M.description = llama.derive(mistral.description, {
   mlp = function(cfg, i) return moe.mlp(cfg, i, { "w1", "w3", "w2" }) end,
   router_aux = moe.router_aux,
 })
--- LoRA on the attention projections (PEFT 0.21.2's default for mixtral:
--- q_proj, v_proj); the router and experts stay frozen.
-M.description.lora_targets = {
-  q_proj = { "self_attn", part = "q_proj" },
-  k_proj = { "self_attn", part = "k_proj" },
-  v_proj = { "self_attn", part = "v_proj" },
-  o_proj = { "self_attn.o_proj" },
-}
+-- LoRA's targets as Qwen2-MoE's (the attention projections, the experts
+-- where asked); by default q_proj and v_proj, PEFT 0.21.2's default for
+-- mixtral. The router stays frozen. transformers 5.x names the block mlp,
+-- which PEFT's adapter names follow.
+M.description.lora_targets = qwen2_moe.description.lora_targets
 M.description.lora_default = { "q_proj", "v_proj" }
+M.description.lora_peft_paths = { { "block_sparse_moe", "mlp" } }
 
 local Mixtral = nn.CausalLM:extend("Mixtral")
 M.Mixtral = Mixtral

@@ -176,14 +176,18 @@ M.description = llama.derive(llama.description, {
   router_aux = moe.router_aux,
 })
 -- LoRA on the attention projections: q_proj and v_proj by default, as PEFT
--- 0.21.2's for qwen2 (it has none for qwen2_moe); the router (mlp.gate), the
--- shared expert's gate and the experts are no target, so they stay frozen.
--- Qwen3-MoE and OLMoE take this table.
+-- 0.21.2's for qwen2 (it has none for qwen2_moe); on the experts where asked
+-- (nn/lora_experts.lua: PEFT's target_parameters over the fused
+-- experts.gate_up_proj and experts.down_proj). The router (mlp.gate), the
+-- shared expert's gate and the dense layers are no target, so they stay
+-- frozen. Mixtral, Qwen3-MoE and OLMoE take this table.
 M.description.lora_targets = {
   q_proj = { "self_attn", part = "q_proj" },
   k_proj = { "self_attn", part = "k_proj" },
   v_proj = { "self_attn", part = "v_proj" },
   o_proj = { "self_attn.o_proj" },
+  ["experts.gate_up_proj"] = { experts = "gate_up_proj" },
+  ["experts.down_proj"] = { experts = "down_proj" },
 }
 M.description.lora_default = { "q_proj", "v_proj" }
 

@@ -1,6 +1,7 @@
 -- adapter_config.lua — PEFT's adapter_config.json, key by key: every field
 -- of PEFT 0.21.2's LoraConfig (and its PeftConfig base) is either honoured
--- (r, lora_alpha, target_modules, use_rslora, rank_pattern, alpha_pattern),
+-- (r, lora_alpha, target_modules, target_parameters (the MoE experts'),
+-- use_rslora, rank_pattern, alpha_pattern),
 -- without effect on a loaded adapter's math (names, dropout: off when
 -- evaluating, the initialisation the weights have left behind), or refused
 -- in one line naming the key and the fix when its value would change the
@@ -80,8 +81,7 @@ M.keys = {
                              "with the layers it adds)"),
   lora_bias = absent("merge the adapters with PEFT's merge_and_unload (the adapters' bias " ..
                      "comes with them) and load that with --hf"),
-  target_parameters = absent("adapt modules by target_modules (luazero adapts Linears, not " ..
-                             "parameters such as MoE experts)"),
+  target_parameters = "honour", -- the MoE experts' fused tensors (nn/lora_experts.lua)
   use_bdlora = absent(NOT_LORA),
   arrow_config = absent("Arrow routes among several adapters: give one adapter"),
   kasa_config = absent(NOT_LORA),
@@ -164,6 +164,18 @@ function M.options(path, j)
           :format(path, targets), 0)
   end
   if nothing(targets) then targets = nil end
+  local params = j.target_parameters
+  if not nothing(params) then
+    if type(params) ~= "table" or params[1] == nil then
+      error(("%s: target_parameters must be a list of parameter names " ..
+             "(experts.gate_up_proj, experts.down_proj); got %s"):format(path,
+             cjson.encode(params)), 0)
+    end
+    local all = {}
+    for _, t in ipairs(targets or {}) do all[#all + 1] = t end
+    for _, t in ipairs(params) do all[#all + 1] = t end
+    targets = all
+  end
   local rslora = j.use_rslora
   if not nothing(rslora) and rslora ~= true then
     error(("%s: use_rslora must be true or false (got %s)"):format(path, cjson.encode(rslora)), 0)

@@ -27,6 +27,7 @@ local hf = require("luazero.hf")
 local zero = require("luazero.zero")
 local optimizers = require("luazero.optim.registry")
 local manifest_io = require("luazero.checkpoint.manifest")
+local LoraExperts = require("luazero.nn.lora_experts")
 
 local M = {}
 
@@ -144,17 +145,24 @@ local function load_adapters(engine, dir)
       by_name[(n:gsub("^base_model%.model%.", ""))] = st.tensors[n]
     end
     local params = engine.ptable
+    -- The experts' adapters: each a slice of PEFT's fused tensor of its block.
+    local experts = LoraExperts.peft_names(params,
+                                           hf.family(engine.model.cfg).description.lora_peft_paths)
     for _, p in ipairs(params) do
-      local t = by_name[p.name]
+      local v = experts[p.name]
+      local key = v and v.key or p.name
+      local t = by_name[key]
       if not t then
         fail("--adapters %s: tensor %s is missing from adapter_model.safetensors; give the " ..
-             "adapters made for this base and adapter_config.json", dir, p.name)
+             "adapters made for this base and adapter_config.json", dir, key)
       end
-      if t.numel ~= p.numel then
+      local want = v and v.E * p.numel or p.numel
+      if t.numel ~= want then
         fail("--adapters %s: tensor %s has %d elements, this model's has %d (r or targets " ..
-             "differ?)", dir, p.name, t.numel, p.numel)
+             "differ?)", dir, key, t.numel, want)
       end
     end
+    local whole = {} -- fused tensors read once
     fill_master(engine, function(c, n, dst)
       while n > 0 do
         local p
@@ -162,7 +170,21 @@ local function load_adapters(engine, dir)
           if c >= e.offset and c < e.offset + e.numel then p = e; break end
         end
         local k = math.min(n, p.offset + p.numel - c)
-        st:read(by_name[p.name], c - p.offset, k, dst)
+        local v = experts[p.name]
+        if v then
+          local t = by_name[v.key]
+          local all = whole[v.key]
+          if not all then
+            all = ffi.new("float[?]", t.numel)
+            st:read(t, 0, t.numel, all)
+            whole[v.key] = all
+          end
+          for j = 0, k - 1 do
+            dst[j] = all[LoraExperts.fused_index(v, p.shape, c - p.offset + j)]
+          end
+        else
+          st:read(by_name[p.name], c - p.offset, k, dst)
+        end
         c, n, dst = c + k, n - k, dst + k
       end
     end)

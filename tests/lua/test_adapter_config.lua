@@ -84,13 +84,23 @@ function T.rslora_and_the_patterns_are_options()
   assert(#scales == 4, "two adapters in each of two layers")
 end
 
+-- PEFT's target_parameters (the MoE experts' fused tensors) join the
+-- targets models/lora.lua adapts (nn/lora_experts.lua).
+function T.target_parameters_join_the_targets()
+  local o = adapter_config.options("a.json", with(PEFT, {
+    target_modules = { "q_proj" }, target_parameters = { "mlp.experts.gate_up_proj",
+                                                          "experts.down_proj" } }))
+  eq(table.concat(o.targets, ","), "q_proj,mlp.experts.gate_up_proj,experts.down_proj",
+     "targets")
+end
+
 function T.keys_that_change_the_result_are_refused()
   local cases = {
     { { use_dora = true }, "use_dora true changes the result", "DoRA" },
     { { fan_in_fan_out = true }, "fan_in_fan_out true changes the result" },
     { { lora_alpha = 0 }, "lora_alpha must be > 0 (got 0)" },
     { { peft_type = "IA3" }, "peft_type \"IA3\" changes the result", "LORA" },
-    { { target_parameters = { "experts.gate_up_proj" } }, "target_parameters" },
+    { { target_parameters = "experts.gate_up_proj" }, "target_parameters must be a list" },
     { { lora_bias = true }, "lora_bias true" },
     { { layers_to_transform = { 0 } }, "layers_to_transform [0]" },
     { { modules_to_save = { "lm_head" } }, "modules_to_save [\"lm_head\"]" },

@@ -221,6 +221,75 @@ function T.lora_adapts_attention_and_leaves_routers_and_experts_frozen()
   end
 end
 
+-- LoRA on the experts (nn/lora_experts.lua): each expert's gate_up_proj and
+-- down_proj adapters, gathered whole per block or per expert, get the
+-- gradient a central difference of the loss gives (the last MoE block's, so
+-- no routing downstream flips), and train with the router frozen.
+local function expert_lora_gradients(gather)
+  local lora = require("models.lora")
+  local model = models.new(models.config("mixtral-tiny", { moe_gather = gather }))
+  eq(lora.apply(model, { r = 2, alpha = 16, targets = { "experts.gate_up_proj",
+                                                          "mlp.experts.down_proj" } }),
+     2 * 2 * 8, "expert units adapted (2 blocks, 2 kinds, 8 experts)")
+  model:allocate():init_weights(1):prepare(2, 16)
+  for _, e in ipairs(model.param_table) do
+    local adapter = e.name:find("experts%.%d+%.[%w_]+_proj%.lora_[AB]%.weight$") ~= nil
+    assert((e.frozen == true) ~= adapter, e.name .. (adapter and " is frozen" or " trains"))
+    if not e.frozen and e.name:find("lora_B") then -- B starts at zero
+      local t = e.module.p[e.key]
+      for i = 0, e.numel - 1 do t:set(i, 0.02 * math.sin(i + e.offset)) end
+    end
+  end
+  local x, y = lz.tensor({ 2, 16 }, "i32", "workspace"), lz.tensor({ 2, 16 }, "i32", "workspace")
+  for i = 0, 31 do x:set(i, (i * 37) % 256); y:set(i, (i * 37 + 11) % 256) end
+  model:forward(x, y)
+  model:zero_grad()
+  model:backward(1)
+  local checked = 0
+  for _, e in ipairs(model.param_table) do
+    if not e.frozen and e.name:find("^model%.layers%.1%.") then
+      local t, g = e.module.p[e.key], e.module.g[e.key]
+      local best, at = 0, 0
+      for i = 0, e.numel - 1 do
+        if math.abs(g:get(i)) > best then best, at = math.abs(g:get(i)), i end
+      end
+      if best > 0 then
+        local v, h = t:get(at), 2e-3
+        t:set(at, v + h)
+        local lp = model:forward(x, y)
+        t:set(at, v - h)
+        local lm = model:forward(x, y)
+        t:set(at, v)
+        local fd = (lp - lm) / (2 * h)
+        -- (5e-5: the central difference's rounding, fp32 losses over 2h)
+        assert(math.abs(fd - g:get(at)) <= 1e-2 * best + 5e-5,
+               ("%s[%d]: gradient %.6g, central difference %.6g"):format(e.name, at, g:get(at), fd))
+        checked = checked + 1
+      end
+    end
+  end
+  assert(checked >= 16, "adapters with a gradient checked: " .. checked)
+  x:free(); y:free()
+  model:free()
+end
+
+function T.expert_lora_gradients_match_central_differences()
+  expert_lora_gradients("block")
+  expert_lora_gradients("expert")
+end
+
+function T.expert_lora_trains_to_one_checksum_at_stages_0_and_3()
+  local _, train = support.trainer(("--model mixtral-tiny --seq-len 16 --sample 0 " ..
+                                    "--eval-batches 1 --seed 7 --micro-batch 2 --data %s " ..
+                                    "--lora-r 4 --lr 1e-2 --steps 3 --lora-targets " ..
+                                    "q_proj,experts.gate_up_proj,experts.down_proj")
+                                   :format(q(corpus)))
+  local out, s0 = train(2, "--stage 0")
+  assert(out:find("on 34 weights", 1, true), out)
+  local _, s3 = train(2, "--stage 3")
+  eq(s3, s0, "stage 3's checksum")
+end
+
 -- Mixtral's router jitter draws from one generator per block; a checkpoint
 -- keeps where each stands (the manifest's generators), so a run resumed at
 -- step 2 draws the noise the uninterrupted run drew and ends on its bits.

@@ -119,6 +119,53 @@ def init_and_grads(check, name, torch, model, folder, tmp):
     check(f"{name}.uneven_routing", any(min(c) < max(c) for c in counts), str(counts))
 
 
+def lora_experts(check, name, transformers, torch, peft, folder, corpus, tmp):
+    """LoRA on the attention and on the experts (PEFT's target_parameters
+    over transformers 5.x's fused gate_up_proj / down_proj), trained at
+    ZeRO-3 on 2 ranks: PEFT 0.21.2 loads the exported folder and gives the
+    loss luazero gives with --adapters, which the experts' adapters move."""
+    import json
+    targets = "q_proj,v_proj,experts.gate_up_proj,experts.down_proj"
+    ck, peft_dir = os.path.join(tmp, "lora-experts-ck"), os.path.join(tmp, "lora-experts-peft")
+    rc, out = family_ref.lz("-n", "2", "scripts/train.lua", "--init", folder, "--data", corpus,
+                            "--steps", "6", "--seq-len", "16", "--micro-batch", "2", "--sample",
+                            "0", "--stage", "3", "--lora-r", "4", "--lora-alpha", "8",
+                            "--lora-targets", targets, "--lr", "2e-2", "--save", ck)
+    rc2, out2 = family_ref.lz("tools/ckpt.lua", "export", ck, peft_dir) if rc == 0 else (1, "")
+    rc3, out3 = (family_ref.lz("tests/ref/family_run.lua", "--hf", folder, "--adapters", peft_dir)
+                 if rc2 == 0 else (1, ""))
+    if rc3 != 0:
+        check(f"{name}.lora_experts_loss", False, (out + out2 + out3)[-2000:])
+        return
+    res = family_ref.last_json(out3)
+    with open(os.path.join(peft_dir, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    check(f"{name}.lora_experts_config",
+          sorted(cfg["target_modules"]) == ["q_proj", "v_proj"] and
+          sorted(cfg["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"],
+          f"(target_modules {cfg['target_modules']}, target_parameters "
+          f"{cfg.get('target_parameters')})")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    with torch.no_grad():
+        plain = family_ref.batch_loss(torch, base, res["tokens"]).item()
+    tuned = peft.PeftModel.from_pretrained(base, peft_dir).eval()
+    wrapped = [n for n, m in tuned.named_modules() if type(m).__name__ == "ParamWrapper"]
+    with torch.no_grad():
+        loss = family_ref.batch_loss(torch, tuned, res["tokens"]).item()
+        # the attention's adapters alone: the experts' must move the loss too
+        for _, m in tuned.named_modules():
+            if type(m).__name__ == "ParamWrapper":
+                m.enable_adapters(False)
+        attention_only = family_ref.batch_loss(torch, tuned, res["tokens"]).item()
+    ours = float(res["loss"])
+    err = family_ref.rel(ours, loss)
+    check(f"{name}.lora_experts_loss", err <= family_ref.TOL and len(wrapped) > 0,
+          f"(luazero {ours:.9f}, peft {loss:.9f}, relative {err:.1e}; {len(wrapped)} "
+          f"ParamWrappers; base {plain:.9f})")
+    check(f"{name}.lora_experts_bite", family_ref.rel(attention_only, loss) > 1e-5,
+          f"(without the experts' adapters {attention_only:.9f}, with {loss:.9f})")
+
+
 def models_of(transformers):
     common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=250, max_position_embeddings=128,
@@ -181,6 +228,7 @@ def main():
             family_ref.export(check, name, transformers, torch, folder, corpus, tmp)
             family_ref.lora(check, name, transformers, torch, peft, folder, corpus, tmp,
                             want_targets=LORA_DEFAULT)
+            lora_experts(check, name, transformers, torch, peft, folder, corpus, tmp)
     return check.summary()
 
 

@@ -15,6 +15,7 @@ local progress = require("luazero.checkpoint.reader").progress
 local hf = require("luazero.hf")
 local safetensors = require("luazero.checkpoint.safetensors")
 local atomic = require("luazero.io.atomic")
+local LoraExperts = require("luazero.nn.lora_experts")
 
 pcall(ffi.cdef, "int getpid(void);")
 
@@ -236,6 +237,39 @@ local function merged(m, adapters, base)
   return out_list
 end
 
+-- The adapters under PEFT's names, and adapter_config.json's target lists:
+-- the experts' (nn/lora_experts.lua) fused into PEFT's per-block tensors
+-- and listed as target_parameters, the rest as they are (target_modules).
+local function peft_adapters(m, adapters)
+  local desc = hf.family(m.model.config).description
+  local where = desc.lora_targets or {}
+  local modules, params = {}, {}
+  for _, t in ipairs(m.lora.targets) do
+    local list = where[t] and where[t].experts and params or modules
+    list[#list + 1] = t
+  end
+  local experts = LoraExperts.peft_names(adapters, desc.lora_peft_paths)
+  local named, fused = {}, {}
+  for _, a in ipairs(adapters) do
+    local v = experts[a.name]
+    if v then
+      local n = a.data:numel()
+      local f = fused[v.key]
+      if not f then
+        f = { name = "base_model.model." .. v.key, data = lz.tensor({ v.E * n }, "f32", "workspace"),
+              shape = v.ab == "A" and { v.E * v.r, a.shape[2] } or { a.shape[1], v.r * v.E } }
+        fused[v.key] = f
+        named[#named + 1] = f
+      end
+      local src, dst = ffi.cast("float *", a.data.data), ffi.cast("float *", f.data.data)
+      for j = 0, n - 1 do dst[LoraExperts.fused_index(v, a.shape, j)] = src[j] end
+    else
+      named[#named + 1] = { name = "base_model.model." .. a.name, shape = a.shape, data = a.data }
+    end
+  end
+  return named, modules, params
+end
+
 -- PEFT's adapter folder, or (merge) the base model with the adapters folded
 -- in; the folder appears whole or not at all.
 function M.export_lora(ck, out, dtype, merge, base)
@@ -260,17 +294,24 @@ function M.export_lora(ck, out, dtype, merge, base)
   local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
     local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
     if not merge then
-      local named = {}
-      for i, a in ipairs(adapters) do
-        named[i] = { name = "base_model.model." .. a.name, shape = a.shape, data = a.data }
-      end
+      local named, modules, params = peft_adapters(m, adapters)
       write_safetensors(f.tmp .. "/adapter_model.safetensors", named, dtype, m)
-      write_json(f.tmp .. "/adapter_config.json", {
+      -- cjson writes an empty table as {}: target_modules is a list ([] when
+      -- only the experts are adapted; absent, PEFT would pick its default).
+      atomic.write(f.tmp .. "/adapter_config.json", (cjson.encode({
         peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
-        target_modules = lora.targets, lora_dropout = 0.0, bias = "none",
+        target_modules = modules, lora_dropout = 0.0, bias = "none",
+        target_parameters = #params > 0 and params or nil,
         fan_in_fan_out = false, inference_mode = true, base_model_name_or_path = m.init or "",
-      })
-      return #adapters
+      }):gsub('"target_modules":{}', '"target_modules":[]')) .. "\n")
+      return #named
+    end
+    for _, a in ipairs(adapters) do
+      if LoraExperts.peft_names({ a })[a.name] then
+        refuse(("export --merge-lora: %s adapts the experts (%s), which are not folded in " ..
+                "yet; export the PEFT folder and merge it with PEFT's merge_and_unload")
+               :format(ck.dir or "the checkpoint", a.name))
+      end
     end
     local out_list = merged(m, adapters, base)
     write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)

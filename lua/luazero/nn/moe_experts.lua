@@ -19,9 +19,12 @@
 -- the activations), and on the host count[e] and first[e], each expert's rows.
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
+-- LoRA on the experts (u.lora where models/lora.lua put adapters)
+local LoraExperts = require("luazero.nn.lora_experts")
 
 local ops = lz.ops
 local Experts = Module:extend("MoEExperts")
+Experts.is_moe_experts = true
 
 -- One expert's weights, gathered on its own (gather "expert"): its forward
 -- and backward run the work the Experts module hands them.
@@ -98,9 +101,11 @@ function Experts:forward(x, route)
       ops.linear_forward(ge, xw, w1, nil)
       local xw3, w3 = self:matmul_operands(xe, p[k[2]])
       ops.linear_forward(ue, xw3, w3, nil)
+      if u.lora then LoraExperts.gate_up_forward(self, u, xe, ge, ue, n) end
       ops.swiglu_forward(he, ge, ue)
       local hw, w2 = self:matmul_operands(he, p[k[3]])
       ops.linear_forward(yp:view(at * C, { 1, n, C }), hw, w2, nil)
+      if u.lora then LoraExperts.down_forward(self, u, he, yp:view(at * C, { 1, n, C }), n) end
     end)
   end
   local y = self:activation(x:sizes())
@@ -132,6 +137,10 @@ function Experts:backward(dy)
       local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), p[k[3]])
       local hw = self:matmul_operands(self.h:view(at * H, { 1, n, H }), w2)
       ops.linear_backward(dhe, g[k[3]], nil, dye, hw, w2)
+      if u.lora then
+        LoraExperts.down_backward(self, u, dyp:view(at * C, { 1, n, C }),
+                                  self.h:view(at * H, { 1, n, H }), dhe, n)
+      end
       ops.swiglu_backward(dhe, due, dhe, self.gate:view(at * H, { 1, n, H }),
                           self.up:view(at * H, { 1, n, H }))
       local xe = self.xp:view(at * C, { 1, n, C })
@@ -142,6 +151,9 @@ function Experts:backward(dy)
       ops.linear_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], nil, due_, xw, w3)
       ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
               dxu:view(at * C, { 1, n, C }))
+      if u.lora then
+        LoraExperts.gate_up_backward(self, u, xe, dhe, due, dxp:view(at * C, { 1, n, C }), n)
+      end
     end)
   end
   local dx = self:scratch(dy:sizes())
