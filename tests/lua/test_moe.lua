@@ -286,8 +286,14 @@ function T.expert_lora_trains_to_one_checksum_at_stages_0_and_3()
                                    :format(q(corpus)))
   local out, s0 = train(2, "--stage 0")
   assert(out:find("on 34 weights", 1, true), out)
-  local _, s3 = train(2, "--stage 3")
+  local ck = write_file("ck", ""):gsub("ck$", "expert-lora-ck")
+  local _, s3 = train(2, "--stage 3 --save " .. q(ck))
   eq(s3, s0, "stage 3's checksum")
+  -- folding them into the base is not here yet: refused in one line
+  local out2, st = support.sh(("cd %s && %s tools/ckpt.lua export %s %s --merge-lora")
+                              :format(q(lz.root), q(lz.executable()), q(ck), q(ck .. "-merged")))
+  assert(st ~= 0 and out2:find("adapts the experts", 1, true) and
+         out2:find("merge_and_unload", 1, true), out2)
 end
 
 -- Mixtral's router jitter draws from one generator per block; a checkpoint

@@ -277,6 +277,12 @@ function M.export_lora(ck, out, dtype, merge, base)
   local lora, mcfg = m.lora, m.model and m.model.config or {}
   out = out:gsub("/+$", "")
   base = base or m.init
+  local on_experts = merge and next(LoraExperts.peft_names(m.params))
+  if on_experts then
+    refuse(("export --merge-lora: the run adapts the experts (%s), which are not folded in " ..
+            "yet; export the PEFT folder and merge it with PEFT's merge_and_unload")
+           :format(on_experts))
+  end
   if merge and not base then
     refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
            "(no --init); give them with --base PATH")
@@ -306,13 +312,7 @@ function M.export_lora(ck, out, dtype, merge, base)
       }):gsub('"target_modules":{}', '"target_modules":[]')) .. "\n")
       return #named
     end
-    for _, a in ipairs(adapters) do
-      if LoraExperts.peft_names({ a })[a.name] then
-        refuse(("export --merge-lora: %s adapts the experts (%s), which are not folded in " ..
-                "yet; export the PEFT folder and merge it with PEFT's merge_and_unload")
-               :format(ck.dir or "the checkpoint", a.name))
-      end
-    end
+
     local out_list = merged(m, adapters, base)
     write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)
     atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
