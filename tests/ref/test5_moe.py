@@ -23,6 +23,12 @@ into gate_up_proj / down_proj at load time only).
               loads it with no missing or unexpected tensor, the same loss
   lora        PEFT 0.21.2 loads the adapters (the family's default targets,
               q_proj and v_proj, checked) and gives luazero's loss
+  lora_experts  adapters on the attention and the experts (--lora-targets
+              ...,experts.gate_up_proj,experts.down_proj) trained at ZeRO-3
+              on 2 ranks: the export's target_parameters, PEFT loads it (its
+              ParamWrappers over the fused expert tensors) and gives
+              luazero's --adapters loss, which switching the experts'
+              wrappers off moves
 
     /root/.cache/luazero/ref5-venv/bin/python tests/ref/test5_moe.py [family]
     tests/ref/run.py test5_moe.py       # ends with "N passed, N failed"
