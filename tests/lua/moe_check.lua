@@ -5,8 +5,9 @@
 -- token anywhere. Prints, on rank 0, "stage S <params checksum>
 -- <expert rows of step 1, block 1>" per stage, then "done". A stage whose
 -- collectives depended on the routing would hang here, not finish.
--- GATHER: the experts' gather granularity, block (default) or expert.
---   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER]
+-- GATHER: the experts' gather granularity, block (default) or expert;
+-- EP: moe.ep_size (1 by default: every rank computes every expert).
+--   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER [EP]]
 local ffi = require("ffi")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -28,13 +29,15 @@ function MoE:choose(logits, N)
 end
 
 local gather = arg[2] or "block"
+local ep_size = tonumber(arg[3] or "1")
 for stage = 0, 3 do
   local mcfg = mixtral.config("mixtral-tiny", { top_k = 1, moe_gather = gather })
   local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                       reduce_bucket_size = 5000,
                                       stage3_prefetch_bucket_size = 5000 },
-                optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
+                optimizer = { type = "AdamW", params = { lr = 1e-2 } },
+                moe = { ep_size = ep_size } }
   local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
                                    batch = { 2, 16 }, comm = comm })
   local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
