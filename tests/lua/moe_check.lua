@@ -6,8 +6,10 @@
 -- <expert rows of step 1, block 1>" per stage, then "done". A stage whose
 -- collectives depended on the routing would hang here, not finish.
 -- GATHER: the experts' gather granularity, block (default) or expert;
--- EP: moe.ep_size (1 by default: every rank computes every expert).
---   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER [EP]]
+-- EP: moe.ep_size (1 by default: every rank computes every expert);
+-- ROUTE: adversarial (the default) or router (the router's own top-2
+-- choice); each stage's line then ends with the first step's loss.
+--   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER [EP [ROUTE]]]
 local ffi = require("ffi")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -18,20 +20,24 @@ local comm = require("luazero.comm").init()
 local rank, world = comm.rank(), comm.size()
 local corpus = data.load(arg[1])
 
--- The router's choice, then every token of this rank sent to expert `rank`
--- (top-1, renormalised: weight 1).
+-- Adversarial routing: the router's choice, then every token of this rank
+-- sent to expert `rank` (top-1, renormalised: weight 1).
+local adversarial = (arg[4] or "adversarial") == "adversarial"
 local choose = MoE.choose
-function MoE:choose(logits, N)
-  local c = choose(self, logits, N)
-  local idx, w = ffi.cast("int32_t *", c.idx.data), ffi.cast("float *", c.weights.data)
-  for i = 0, N * self.top_k - 1 do idx[i], w[i] = rank, 1 end
-  return c
+if adversarial then
+  function MoE:choose(logits, N)
+    local c = choose(self, logits, N)
+    local idx, w = ffi.cast("int32_t *", c.idx.data), ffi.cast("float *", c.weights.data)
+    for i = 0, N * self.top_k - 1 do idx[i], w[i] = rank, 1 end
+    return c
+  end
 end
 
 local gather = arg[2] or "block"
 local ep_size = tonumber(arg[3] or "1")
 for stage = 0, 3 do
-  local mcfg = mixtral.config("mixtral-tiny", { top_k = 1, moe_gather = gather })
+  local mcfg = mixtral.config("mixtral-tiny", { top_k = adversarial and 1 or 2,
+                                                moe_gather = gather })
   local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                       reduce_bucket_size = 5000,
@@ -42,14 +48,15 @@ for stage = 0, 3 do
                                    batch = { 2, 16 }, comm = comm })
   local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
                                        rank = rank, world = world })
-  local rows
+  local rows, loss
   for step = 1, 3 do
-    engine:train_batch(loader)
+    local rec = engine:train_batch(loader)
+    loss = loss or rec.loss
     local m = engine.model:router_metrics()
     if step == 1 then rows = table.concat(m.expert_tokens[1], ",") end
   end
   local sum = engine:params_checksum()
-  if rank == 0 then print(("stage %d %s %s"):format(stage, sum, rows)) end
+  if rank == 0 then print(("stage %d %s %s %.9g"):format(stage, sum, rows, loss)) end
   if stage == 0 and rank == 0 then print("describe " .. engine:describe()) end
   engine:free()
   loader:free()

@@ -29,6 +29,9 @@ function M.describe(engine)
       table.concat(engine.edp_group:ranks(), " "))
   end
   local routers = engine.model and engine.model.routers or {}
+  if engine.ep_group and #routers > 0 then
+    ep = ep .. M.placement(routers[1].n_experts, s.ep_size)
+  end
   local moe = #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
                                :format(routers[1].gather == "expert" and "per expert" or
                                        "whole block", #routers, routers[1].n_experts) or ""
@@ -37,6 +40,17 @@ function M.describe(engine)
     engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
   if engine.matrices then line = line .. "\n" .. engine.matrices:describe(engine.optimizer.name) end
   return line
+end
+
+-- Where expert parallelism puts E experts over an expert-parallel group of
+-- P ranks (nn/moe_experts.lua): ", experts 0-3 | 4-7 on its ranks".
+function M.placement(E, P)
+  if E % P ~= 0 then return "" end
+  local L, parts = E / P, {}
+  for q = 0, P - 1 do
+    parts[#parts + 1] = L == 1 and tostring(q) or ("%d-%d"):format(q * L, (q + 1) * L - 1)
+  end
+  return ", experts " .. table.concat(parts, " | ") .. " on its ranks"
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far
