@@ -47,8 +47,9 @@ local function adversarial(n)
         assert(out:find("\ndone", 1, true), out)
         eq(#runs, 4, ("stages run (ep_size %d, %s)"):format(ep, gather))
         for _, r in ipairs(runs) do
-          eq(r.rows, "32,0,0,0,0,0,0,0", ("rank 0's tokens all at expert 0 (stage %d)"):format(r.stage))
-          eq(r.sum, base[1].sum, ("checksum at ep_size %d, stage %d, %s"):format(ep, r.stage, gather))
+          eq(r.rows, "32,0,0,0,0,0,0,0", ("rank 0's tokens at expert 0 (stage %d)"):format(r.stage))
+          eq(r.sum, base[1].sum, ("checksum at ep_size %d, stage %d, %s")
+                                 :format(ep, r.stage, gather))
         end
         assert(out:find(("ep_size %d (expert-parallel ranks"):format(ep), 1, true), out)
       end

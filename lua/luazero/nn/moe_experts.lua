@@ -89,15 +89,29 @@ end
 -- group, else { group, send, recv (rows to and from each group rank,
 -- 1-based lists), rows (received), runs (runs[e]: expert e's {at, n} in
 -- the received rows, one a source rank; none for another rank's experts) }.
-function Experts:exchange(route)
+function Experts:exchange(route, device)
   local g = self.ctx.ep_group
   if not g then return nil end
   local P, p, E = self:ep_size(), g:rank(), self.n_experts
   local L = E / P
-  local sent, got = lz.tensor({ E }, "i32", "workspace"), lz.tensor({ E }, "i32", "workspace")
-  local ps, pg = ffi.cast("int32_t *", sent.data), ffi.cast("int32_t *", got.data)
+  -- (the counts travel where the rows do: a device's communicator reads
+  -- device memory)
+  local sent, got = lz.tensor({ E }, "i32", "workspace"), nil
+  local ps = ffi.cast("int32_t *", sent.data)
   for e = 0, E - 1 do ps[e] = route.count[e] end
-  g:all_to_all(sent, got)
+  if device == "cpu" then
+    got = lz.tensor({ E }, "i32", "workspace")
+    g:all_to_all(sent, got)
+  else
+    local ds = lz.tensor({ E }, "i32", "workspace", device)
+    local dg = lz.tensor({ E }, "i32", "workspace", device)
+    ds:copy(sent)
+    g:all_to_all(ds, dg)
+    got = dg:to("cpu")
+    ds:free()
+    dg:free()
+  end
+  local pg = ffi.cast("int32_t *", got.data)
   local ex = { group = g, send = {}, recv = {}, rows = 0, runs = {} }
   for e = 1, E do ex.runs[e] = {} end
   for q = 0, P - 1 do
@@ -153,7 +167,7 @@ function Experts:forward(x, route)
   local N = x:numel() / C
   local xp = self:activation({ 1, R, C })
   ops.moe_permute_forward(xp:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
-  local ex = self:exchange(route)
+  local ex = self:exchange(route, xp:device_name())
   local rows, xr = R, xp
   if ex then
     rows = math.max(ex.rows, 1)
