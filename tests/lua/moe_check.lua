@@ -7,8 +7,8 @@
 -- collectives depended on the routing would hang here, not finish.
 -- GATHER: the experts' gather granularity, block (default) or expert;
 -- EP: moe.ep_size (1 by default: every rank computes every expert);
--- ROUTE: adversarial (the default) or router (the router's own top-2
--- choice); each stage's line then ends with the first step's loss.
+-- ROUTE: adversarial (the default), pile (below) or router (the router's
+-- own top-2 choice); each stage's line ends with the first step's loss.
 --   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER [EP [ROUTE]]]
 local ffi = require("ffi")
 local zero = require("luazero.zero")
@@ -21,14 +21,18 @@ local rank, world = comm.rank(), comm.size()
 local corpus = data.load(arg[1])
 
 -- Adversarial routing: the router's choice, then every token of this rank
--- sent to expert `rank` (top-1, renormalised: weight 1).
-local adversarial = (arg[4] or "adversarial") == "adversarial"
+-- sent to expert `rank` (top-1, renormalised: weight 1); "pile": every
+-- token of every rank to expert 0 (the most rows one rank's experts get
+-- under expert parallelism).
+local route = arg[4] or "adversarial"
+local adversarial = route ~= "router"
 local choose = MoE.choose
 if adversarial then
+  local to = route == "pile" and 0 or rank
   function MoE:choose(logits, N)
     local c = choose(self, logits, N)
     local idx, w = ffi.cast("int32_t *", c.idx.data), ffi.cast("float *", c.weights.data)
-    for i = 0, N * self.top_k - 1 do idx[i], w[i] = rank, 1 end
+    for i = 0, N * self.top_k - 1 do idx[i], w[i] = to, 1 end
     return c
   end
 end

@@ -6,8 +6,8 @@
 -- ep_size, gathered whole and per expert, on the checksum of ep_size 1 at
 -- the same world size; with the router's own top-2 choice at world 4,
 -- every stage at each ep_size ends on one checksum and the first step's
--- loss is ep_size 1's; experts that do not divide among the ranks are
--- refused by name.
+-- loss is ep_size 1's; every token piled on one expert fits the arenas;
+-- experts that do not divide among the ranks are refused by name.
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
 
@@ -78,6 +78,20 @@ function T.router_routing_at_world_4_ends_on_one_checksum_per_ep_size()
     assert(math.abs(runs[1].loss - loss1) <= 1e-6 * loss1,
            ("first-step loss %.9g at ep_size %d, %.9g at 1"):format(runs[1].loss, ep, loss1))
     if ep == 4 then assert(out:find("experts 0-1 | 2-3 | 4-5 | 6-7 on its ranks", 1, true), out) end
+  end
+end
+
+-- Every token of every rank to expert 0: its rank receives the rows of all
+-- ep_size ranks, the most the arenas are sized for (an arena sized for its
+-- own rows alone fails here), and the others receive none.
+function T.all_tokens_to_one_expert_fit_and_finish()
+  for _, ep in ipairs({ 2, 4 }) do
+    local out, runs = check(4, "expert", ep, "pile")
+    assert(out:find("\ndone", 1, true), out)
+    eq(#runs, 4, "stages run at ep_size " .. ep)
+    for _, r in ipairs(runs) do
+      eq(r.sum, runs[1].sum, ("ep_size %d, stage %d checksum"):format(ep, r.stage))
+    end
   end
 end
 
