@@ -43,14 +43,16 @@ function M.describe(engine)
 end
 
 -- Where expert parallelism puts E experts over an expert-parallel group of
--- P ranks (nn/moe_experts.lua): ", experts 0-3 | 4-7 on its ranks".
+-- P ranks (nn/moe_experts.lua): ", experts 0-3 | 4-7 on its ranks"; their
+-- parameters, as the others, are laid out over the whole world.
 function M.placement(E, P)
   if E % P ~= 0 then return "" end
   local L, parts = E / P, {}
   for q = 0, P - 1 do
     parts[#parts + 1] = L == 1 and tostring(q) or ("%d-%d"):format(q * L, (q + 1) * L - 1)
   end
-  return ", experts " .. table.concat(parts, " | ") .. " on its ranks"
+  return ", experts " .. table.concat(parts, " | ") ..
+         " on its ranks (their parameters under ZeRO over all ranks)"
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far
