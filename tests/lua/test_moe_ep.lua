@@ -1,6 +1,6 @@
 -- test_moe_ep.lua — expert parallelism in the MoE block (moe.ep_size;
 -- nn/moe_experts.lua's exchange): under the launcher with adversarial
--- routing (tests/lua/moe_check.lua: each rank's tokens all to its own
+-- routing (tests/lua/moe_ep_check.lua: each rank's tokens all to its own
 -- expert, so whole ranks send nothing to some group ranks and receive
 -- nothing from others), every ZeRO stage finishes at each world size and
 -- ep_size, gathered whole and per expert, on the checksum of ep_size 1 at
@@ -18,9 +18,9 @@ local write_file = support.scratch()
 local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
                                          "summer by this sun of York.\n"):rep(40))
 
--- Runs moe_check.lua; returns its output and { {stage, sum, rows, loss} }.
+-- Runs moe_ep_check.lua; returns its output and { {stage, sum, rows, loss} }.
 local function check(n, gather, ep, route)
-  local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s %s %d %s 2>&1")
+  local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_ep_check.lua %s %s %d %s 2>&1")
               :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
                       gather, ep, route)
   local p = io.popen(cmd)

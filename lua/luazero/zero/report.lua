@@ -26,12 +26,9 @@ function M.describe(engine)
   if engine.ep_group then
     ep = (", ep_size %d (expert-parallel ranks %s, expert-data-parallel ranks %s)"):format(
       s.ep_size, table.concat(engine.ep_group:ranks(), " "),
-      table.concat(engine.edp_group:ranks(), " "))
+      table.concat(engine.edp_group:ranks(), " ")) .. M.placement(engine)
   end
   local routers = engine.model and engine.model.routers or {}
-  if engine.ep_group and #routers > 0 then
-    ep = ep .. M.placement(routers[1].n_experts, s.ep_size)
-  end
   local moe = #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
                                :format(routers[1].gather == "expert" and "per expert" or
                                        "whole block", #routers, routers[1].n_experts) or ""
@@ -42,10 +39,14 @@ function M.describe(engine)
   return line
 end
 
--- Where expert parallelism puts E experts over an expert-parallel group of
--- P ranks (nn/moe_experts.lua): ", experts 0-3 | 4-7 on its ranks"; their
--- parameters, as the others, are laid out over the whole world.
-function M.placement(E, P)
+-- Where expert parallelism puts a model's E experts a block over an
+-- expert-parallel group of P ranks (nn/moe_experts.lua): ", experts 0-3 |
+-- 4-7 on its ranks"; their parameters, as the others, are laid out over
+-- the whole world. "" for a model without MoE blocks.
+function M.placement(engine)
+  local routers = engine.model and engine.model.routers or {}
+  if #routers == 0 then return "" end
+  local E, P = routers[1].n_experts, engine.s.ep_size
   if E % P ~= 0 then return "" end
   local L, parts = E / P, {}
   for q = 0, P - 1 do
