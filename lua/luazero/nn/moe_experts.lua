@@ -165,17 +165,19 @@ end
 function Experts:forward(x, route)
   local C, H, R = self.n_embd, self.n_hidden, route.rows
   local N = x:numel() / C
-  local xp = self:activation({ 1, R, C })
-  ops.moe_permute_forward(xp:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
-  local ex = self:exchange(route, xp:device_name())
-  local rows, xr = R, xp
+  -- (xo, yo: this rank's rows; xp, yp: the rows its experts compute, the
+  -- same tensors without expert parallelism)
+  local xo = self:activation({ 1, R, C })
+  ops.moe_permute_forward(xo:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
+  local ex = self:exchange(route, xo:device_name())
+  local rows, xp = R, xo
   if ex then
     rows = math.max(ex.rows, 1)
-    xr = self:activation({ 1, rows, C })
-    exchanged(ex, xp, xr, C, false)
+    xp = self:activation({ 1, rows, C })
+    exchanged(ex, xo, xp, C, false)
   end
   local gate, up = self:activation({ 1, rows, H }), self:activation({ 1, rows, H })
-  local h, yr = self:activation({ 1, rows, H }), self:activation({ 1, rows, C })
+  local h, yp = self:activation({ 1, rows, H }), self:activation({ 1, rows, C })
   for e = 1, self.n_experts do
     local runs = runs_of(ex, route, e)
     self:run_unit(e, false, function()
@@ -184,7 +186,7 @@ function Experts:forward(x, route)
         if n > 0 then
           local u = self.units[e]
           local k, p = u.keys, u.module.p
-          local xe = xr:view(at * C, { 1, n, C })
+          local xe = xp:view(at * C, { 1, n, C })
           local ge, ue = gate:view(at * H, { 1, n, H }), up:view(at * H, { 1, n, H })
           local he = h:view(at * H, { 1, n, H })
           local xw, w1 = self:matmul_operands(xe, p[k[1]])
@@ -193,20 +195,20 @@ function Experts:forward(x, route)
           ops.linear_forward(ue, xw3, w3, nil)
           ops.swiglu_forward(he, ge, ue)
           local hw, w2 = self:matmul_operands(he, p[k[3]])
-          ops.linear_forward(yr:view(at * C, { 1, n, C }), hw, w2, nil)
+          ops.linear_forward(yp:view(at * C, { 1, n, C }), hw, w2, nil)
         end
       end
     end)
   end
-  local yp = yr
+  local yo = yp
   if ex then
-    yp = self:activation({ 1, R, C })
-    exchanged(ex, yr, yp, C, true)
+    yo = self:activation({ 1, R, C })
+    exchanged(ex, yp, yo, C, true)
   end
   local y = self:activation(x:sizes())
-  ops.moe_combine_forward(y:view(0, { N, C }), yp:view(0, { R, C }), route.weights,
+  ops.moe_combine_forward(y:view(0, { N, C }), yo:view(0, { R, C }), route.weights,
                           route.row_of_slot)
-  self.xr, self.gate, self.up, self.h, self.yp, self.route = xr, gate, up, h, yp, route
+  self.xp, self.gate, self.up, self.h, self.yo, self.route = xp, gate, up, h, yo, route
   self.ex = ex
   return y
 end
@@ -217,18 +219,18 @@ function Experts:backward(dy)
   local C, H, route, ex = self.n_embd, self.n_hidden, self.route, self.ex
   local R = route.rows
   local N = dy:numel() / C
-  local dyp = self:scratch({ 1, R, C })
+  local dyo = self:scratch({ 1, R, C })
   local dweights = self:scratch(route.weights:sizes())
-  ops.moe_combine_backward(dyp:view(0, { R, C }), dweights, dy:view(0, { N, C }),
-                           self.yp:view(0, { R, C }), route.weights, route.row_of_slot)
-  local rows, dyr = R, dyp
+  ops.moe_combine_backward(dyo:view(0, { R, C }), dweights, dy:view(0, { N, C }),
+                           self.yo:view(0, { R, C }), route.weights, route.row_of_slot)
+  local rows, dyp = R, dyo
   if ex then
     rows = math.max(ex.rows, 1)
-    dyr = self:scratch({ 1, rows, C })
-    exchanged(ex, dyp, dyr, C, false)
+    dyp = self:scratch({ 1, rows, C })
+    exchanged(ex, dyo, dyp, C, false)
   end
   local dh, dup = self:scratch({ 1, rows, H }), self:scratch({ 1, rows, H })
-  local dxr, dxu = self:scratch({ 1, rows, C }), self:scratch({ 1, rows, C })
+  local dxp, dxu = self:scratch({ 1, rows, C }), self:scratch({ 1, rows, C })
   for e = 1, self.n_experts do
     local runs = runs_of(ex, route, e)
     self:run_unit(e, true, function()
@@ -238,30 +240,30 @@ function Experts:backward(dy)
           local u = self.units[e]
           local k, p, g = u.keys, u.module.p, u.module.g
           local dhe, due = dh:view(at * H, { 1, n, H }), dup:view(at * H, { 1, n, H })
-          local dye, w2 = self:matmul_operands(dyr:view(at * C, { 1, n, C }), p[k[3]])
+          local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), p[k[3]])
           local hw = self:matmul_operands(self.h:view(at * H, { 1, n, H }), w2)
           ops.linear_backward(dhe, g[k[3]], nil, dye, hw, w2)
           ops.swiglu_backward(dhe, due, dhe, self.gate:view(at * H, { 1, n, H }),
                               self.up:view(at * H, { 1, n, H }))
-          local xe = self.xr:view(at * C, { 1, n, C })
+          local xe = self.xp:view(at * C, { 1, n, C })
           local dge, w1 = self:matmul_operands(dhe, p[k[1]])
           local xw = self:matmul_operands(xe, w1)
-          ops.linear_backward(dxr:view(at * C, { 1, n, C }), g[k[1]], nil, dge, xw, w1)
+          ops.linear_backward(dxp:view(at * C, { 1, n, C }), g[k[1]], nil, dge, xw, w1)
           local due_, w3 = self:matmul_operands(due, p[k[2]])
           ops.linear_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], nil, due_, xw, w3)
-          ops.add(dxr:view(at * C, { 1, n, C }), dxr:view(at * C, { 1, n, C }),
+          ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
                   dxu:view(at * C, { 1, n, C }))
         end
       end
     end)
   end
-  local dxp = dxr
+  local dxo = dxp
   if ex then
-    dxp = self:scratch({ 1, R, C })
-    exchanged(ex, dxr, dxp, C, true)
+    dxo = self:scratch({ 1, R, C })
+    exchanged(ex, dxp, dxo, C, true)
   end
   local dx = self:scratch(dy:sizes())
-  ops.moe_permute_backward(dx:view(0, { N, C }), dxp:view(0, { R, C }), route.row_of_slot)
+  ops.moe_permute_backward(dx:view(0, { N, C }), dxo:view(0, { R, C }), route.row_of_slot)
   self.dweights = dweights
   return dx
 end
