@@ -6,14 +6,15 @@
 -- ep_size, gathered whole and per expert, on the checksum of ep_size 1 at
 -- the same world size; with the router's own top-2 choice at world 4,
 -- every stage at each ep_size ends on one checksum and the first step's
--- loss is ep_size 1's; every token piled on one expert fits the arenas;
--- experts that do not divide among the ranks are refused by name.
+-- loss is ep_size 1's; every token piled on one expert fits the arenas; a
+-- checkpoint saved under one ep_size resumes under another; experts that
+-- do not divide among the ranks are refused by name.
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 local q, eq = support.quote, support.eq
-local write_file = support.scratch()
+local write_file, scratch_dir = support.scratch()
 
 local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
                                          "summer by this sun of York.\n"):rep(40))
@@ -93,6 +94,29 @@ function T.all_tokens_to_one_expert_fit_and_finish()
       eq(r.sum, runs[1].sum, ("ep_size %d, stage %d checksum"):format(ep, r.stage))
     end
   end
+end
+
+-- The checkpoint holds every expert whatever ep_size saved it: saved under
+-- ep_size 2 on 4 ranks at step 2, it resumes under ep_size 2 on the
+-- straight run's checksum, and under ep_size 4 and 1 on one checksum (on 4
+-- ranks ep_size 4 computes ep_size 1's bits: one rank adds all four source
+-- ranks' expert gradients in the order the all-reduce would).
+function T.a_checkpoint_resumes_under_another_ep_size()
+  local dir = scratch_dir .. "/ep-ck"
+  local model = "--model mixtral-tiny --seq-len 16 --micro-batch 2 --sample 0 --eval-batches 1 " ..
+                "--steps 4 --stage 3 --dtype bf16 --data " .. q(corpus)
+  local _, ok_train = support.trainer(model)
+  local function cfg(ep)
+    return write_file(("ep%d.json"):format(ep),
+                      ('{"train_micro_batch_size_per_gpu": 2, "moe": {"ep_size": %d}}'):format(ep))
+  end
+  local _, straight = ok_train(4, ("--config %s --save-every 2 --save %s"):format(q(cfg(2)), q(dir)))
+  local from = q(dir .. "/step-000002")
+  local _, again = ok_train(4, ("--config %s --resume %s"):format(q(cfg(2)), from))
+  eq(again, straight, "resumed under ep_size 2")
+  local _, four = ok_train(4, ("--config %s --resume %s"):format(q(cfg(4)), from))
+  local _, one = ok_train(4, ("--config %s --resume %s"):format(q(cfg(1)), from))
+  eq(four, one, "resumed under ep_size 4 and 1")
 end
 
 function T.experts_must_divide_among_the_ranks()
