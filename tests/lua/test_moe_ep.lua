@@ -110,7 +110,8 @@ function T.a_checkpoint_resumes_under_another_ep_size()
     return write_file(("ep%d.json"):format(ep),
                       ('{"train_micro_batch_size_per_gpu": 2, "moe": {"ep_size": %d}}'):format(ep))
   end
-  local _, straight = ok_train(4, ("--config %s --save-every 2 --save %s"):format(q(cfg(2)), q(dir)))
+  local _, straight = ok_train(4, ("--config %s --save-every 2 --save %s")
+                                     :format(q(cfg(2)), q(dir)))
   local from = q(dir .. "/step-000002")
   local _, again = ok_train(4, ("--config %s --resume %s"):format(q(cfg(2)), from))
   eq(again, straight, "resumed under ep_size 2")
