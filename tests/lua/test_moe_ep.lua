@@ -20,10 +20,11 @@ local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, m
                                          "summer by this sun of York.\n"):rep(40))
 
 -- Runs moe_ep_check.lua; returns its output and { {stage, sum, rows, loss} }.
-local function check(n, gather, ep, route)
-  local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_ep_check.lua %s %s %d %s 2>&1")
-              :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
-                      gather, ep, route)
+-- backend: the launcher's --backend (shm by default).
+local function check(n, gather, ep, route, backend)
+  local cmd = ("cd %s && timeout 600 %s %s %s tests/lua/moe_ep_check.lua %s %s %d %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), backend and ("--backend " .. backend) or "",
+                      n > 1 and ("-n " .. n) or "", q(corpus), gather, ep, route)
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
@@ -74,6 +75,14 @@ function T.router_routing_at_world_4_ends_on_one_checksum_per_ep_size()
     eq(#runs, 4, "stages run at ep_size " .. ep)
     for _, r in ipairs(runs) do
       eq(r.sum, runs[1].sum, ("ep_size %d, stage %d checksum"):format(ep, r.stage))
+    end
+    -- OpenMPI's groups exchange the same rows (where mpirun is installed)
+    if ep == 2 and os.execute("command -v mpirun >/dev/null 2>&1") == 0 then
+      local mout, mpi = check(4, "block", ep, "router", "mpi")
+      eq(#mpi, 4, "stages run under mpi\n" .. mout)
+      for _, r in ipairs(mpi) do
+        eq(r.sum, runs[1].sum, ("mpi, stage %d checksum"):format(r.stage))
+      end
     end
     loss1 = loss1 or runs[1].loss
     assert(math.abs(runs[1].loss - loss1) <= 1e-6 * loss1,
