@@ -89,6 +89,10 @@ end
 -- group, else { group, send, recv (rows to and from each group rank,
 -- 1-based lists), rows (received), runs (runs[e]: expert e's {at, n} in
 -- the received rows, one a source rank; none for another rank's experts) }.
+-- The received rows are in source-rank order, so an expert's rows are up to
+-- P runs, not one span: route.offsets does not describe them, and the
+-- experts' GEMMs run per run (the GEMMs each source rank would run itself
+-- without expert parallelism).
 function Experts:exchange(route, device)
   local g = self.ctx.ep_group
   if not g then return nil end
