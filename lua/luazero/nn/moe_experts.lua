@@ -17,6 +17,7 @@
 -- expert order (expert, then token, then slot; the moe_sort op):
 -- weights [N, k], slot_of_row [R], row_of_slot [N, k] (i32 tensors beside
 -- the activations), and on the host count[e] and first[e], each expert's rows.
+local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 -- LoRA on the experts (u.lora where models/lora.lua put adapters)
@@ -78,103 +79,235 @@ function Experts:run_unit(e, backward, work)
   return self:run_forward(m, work)
 end
 
+-- Expert parallelism (ctx.ep_group, the engine's expert-parallel group of
+-- P ranks; DeepSpeed-MoE's scheme): the E experts are placed on the group's
+-- ranks, E / P each, contiguous (group rank q computes experts q*E/P ..
+-- (q+1)*E/P - 1). Each rank routes and sorts its own tokens, sends each
+-- rank the rows of that rank's experts (all-to-all-v, the counts first),
+-- computes its experts over the rows it received, by source rank, then
+-- expert, then token (a fixed order: the same bits every run), and sends
+-- the outputs back by the reverse exchange; backward is the mirror image.
+-- Every rank takes part in every exchange, with zero rows where its tokens
+-- went elsewhere, so nothing waits on the routing. Returns nil without a
+-- group, else { group, send, recv (rows to and from each group rank,
+-- 1-based lists), rows (received), runs (runs[e]: expert e's {at, n} in
+-- the received rows, one a source rank; none for another rank's experts) }.
+-- The received rows are in source-rank order, so an expert's rows are up to
+-- P runs, not one span: route.offsets does not describe them, and the
+-- experts' GEMMs run per run (the GEMMs each source rank would run itself
+-- without expert parallelism).
+function Experts:exchange(route, device)
+  local g = self.ctx.ep_group
+  if not g then return nil end
+  local P, p, E = self:ep_size(), g:rank(), self.n_experts
+  local L = E / P
+  -- (the counts travel where the rows do: a device's communicator reads
+  -- device memory)
+  local sent, got = lz.tensor({ E }, "i32", "workspace"), nil
+  local ps = ffi.cast("int32_t *", sent.data)
+  for e = 0, E - 1 do ps[e] = route.count[e] end
+  if device == "cpu" then
+    got = lz.tensor({ E }, "i32", "workspace")
+    g:all_to_all(sent, got)
+  else
+    local ds = lz.tensor({ E }, "i32", "workspace", device)
+    local dg = lz.tensor({ E }, "i32", "workspace", device)
+    ds:copy(sent)
+    g:all_to_all(ds, dg)
+    got = dg:to("cpu")
+    ds:free()
+    dg:free()
+  end
+  local pg = ffi.cast("int32_t *", got.data)
+  local ex = { group = g, send = {}, recv = {}, rows = 0, runs = {} }
+  for e = 1, E do ex.runs[e] = {} end
+  for q = 0, P - 1 do
+    local out, inn = 0, 0
+    for j = 0, L - 1 do
+      out = out + ps[q * L + j]
+      local n = pg[q * L + j]
+      local runs = ex.runs[p * L + j + 1]
+      runs[#runs + 1] = { at = ex.rows + inn, n = n }
+      inn = inn + n
+    end
+    ex.send[q + 1], ex.recv[q + 1] = out, inn
+    ex.rows = ex.rows + inn
+  end
+  sent:free()
+  got:free()
+  return ex
+end
+
+-- The ranks the experts are placed on (1 without expert parallelism),
+-- which must divide the experts evenly.
+function Experts:ep_size()
+  local g = self.ctx and self.ctx.ep_group
+  local P, E = g and g:size() or 1, self.n_experts
+  if E % P ~= 0 then
+    error(("moe: expert parallelism places the %d experts on the %d ranks of an expert-parallel " ..
+           "group, as many each: set moe.ep_size to a divisor of %d"):format(E, P, E), 0)
+  end
+  return P
+end
+
+-- Rows of `width` elements from src to dst through the exchange: to the
+-- experts' ranks, or (back) from them to the tokens' ranks.
+local function exchanged(ex, src, dst, width, back)
+  local to, from = {}, {}
+  for q = 1, #ex.send do to[q], from[q] = ex.send[q] * width, ex.recv[q] * width end
+  if back then to, from = from, to end
+  ex.group:all_to_all_v(src, to, dst, from)
+end
+
+-- Expert e's runs of rows: its rows of this rank's tokens, or what the
+-- exchange brought it.
+local function runs_of(ex, route, e)
+  if ex then return ex.runs[e] end
+  return { { at = route.first[e - 1], n = route.count[e - 1] } }
+end
+
 -- x [B, T, C] (the block's input), route: as the header says. Returns
 -- y [B, T, C]: each token's sum over its k rows of weight * expert(x), in
 -- expert order as transformers' index_add_ loop sums them.
 function Experts:forward(x, route)
   local C, H, R = self.n_embd, self.n_hidden, route.rows
   local N = x:numel() / C
-  local xp = self:activation({ 1, R, C })
-  ops.moe_permute_forward(xp:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
-  local gate, up = self:activation({ 1, R, H }), self:activation({ 1, R, H })
-  local h, yp = self:activation({ 1, R, H }), self:activation({ 1, R, C })
+  -- (xo, yo: this rank's rows; xp, yp: the rows its experts compute, the
+  -- same tensors without expert parallelism)
+  local xo = self:activation({ 1, R, C })
+  ops.moe_permute_forward(xo:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
+  local ex = self:exchange(route, xo:device_name())
+  local rows, xp = R, xo
+  if ex then
+    rows = math.max(ex.rows, 1)
+    xp = self:activation({ 1, rows, C })
+    exchanged(ex, xo, xp, C, false)
+  end
+  local gate, up = self:activation({ 1, rows, H }), self:activation({ 1, rows, H })
+  local h, yp = self:activation({ 1, rows, H }), self:activation({ 1, rows, C })
   for e = 1, self.n_experts do
-    local n, at = route.count[e - 1], route.first[e - 1]
+    local runs = runs_of(ex, route, e)
     self:run_unit(e, false, function()
-      if n == 0 then return end
-      local u = self.units[e]
-      local k, p = u.keys, u.module.p
-      local xe = xp:view(at * C, { 1, n, C })
-      local ge, ue = gate:view(at * H, { 1, n, H }), up:view(at * H, { 1, n, H })
-      local he = h:view(at * H, { 1, n, H })
-      local xw, w1 = self:matmul_operands(xe, p[k[1]])
-      ops.linear_forward(ge, xw, w1, nil)
-      local xw3, w3 = self:matmul_operands(xe, p[k[2]])
-      ops.linear_forward(ue, xw3, w3, nil)
-      if u.lora then LoraExperts.gate_up_forward(self, u, xe, ge, ue, n) end
-      ops.swiglu_forward(he, ge, ue)
-      local hw, w2 = self:matmul_operands(he, p[k[3]])
-      ops.linear_forward(yp:view(at * C, { 1, n, C }), hw, w2, nil)
-      if u.lora then LoraExperts.down_forward(self, u, he, yp:view(at * C, { 1, n, C }), n) end
+      for _, run in ipairs(runs) do
+        local n, at = run.n, run.at
+        if n > 0 then
+          local u = self.units[e]
+          local k, p = u.keys, u.module.p
+          local xe = xp:view(at * C, { 1, n, C })
+          local ge, ue = gate:view(at * H, { 1, n, H }), up:view(at * H, { 1, n, H })
+          local he = h:view(at * H, { 1, n, H })
+          local xw, w1 = self:matmul_operands(xe, p[k[1]])
+          ops.linear_forward(ge, xw, w1, nil)
+          local xw3, w3 = self:matmul_operands(xe, p[k[2]])
+          ops.linear_forward(ue, xw3, w3, nil)
+          if u.lora then LoraExperts.gate_up_forward(self, u, xe, ge, ue, n) end
+          ops.swiglu_forward(he, ge, ue)
+          local hw, w2 = self:matmul_operands(he, p[k[3]])
+          ops.linear_forward(yp:view(at * C, { 1, n, C }), hw, w2, nil)
+          if u.lora then LoraExperts.down_forward(self, u, he, yp:view(at * C, { 1, n, C }), n) end
+        end
+      end
     end)
   end
+  local yo = yp
+  if ex then
+    yo = self:activation({ 1, R, C })
+    exchanged(ex, yp, yo, C, true)
+  end
   local y = self:activation(x:sizes())
-  ops.moe_combine_forward(y:view(0, { N, C }), yp:view(0, { R, C }), route.weights,
+  ops.moe_combine_forward(y:view(0, { N, C }), yo:view(0, { R, C }), route.weights,
                           route.row_of_slot)
-  self.xp, self.gate, self.up, self.h, self.yp, self.route = xp, gate, up, h, yp, route
+  self.xp, self.gate, self.up, self.h, self.yo, self.route = xp, gate, up, h, yo, route
+  self.ex = ex
   return y
 end
 
 -- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate;
 -- self.dweights [N, k]: d(loss)/d(weights), for the router's backward.
 function Experts:backward(dy)
-  local C, H, route = self.n_embd, self.n_hidden, self.route
+  local C, H, route, ex = self.n_embd, self.n_hidden, self.route, self.ex
   local R = route.rows
   local N = dy:numel() / C
-  local dyp = self:scratch({ 1, R, C })
+  local dyo = self:scratch({ 1, R, C })
   local dweights = self:scratch(route.weights:sizes())
-  ops.moe_combine_backward(dyp:view(0, { R, C }), dweights, dy:view(0, { N, C }),
-                           self.yp:view(0, { R, C }), route.weights, route.row_of_slot)
-  local dh, dup = self:scratch({ 1, R, H }), self:scratch({ 1, R, H })
-  local dxp, dxu = self:scratch({ 1, R, C }), self:scratch({ 1, R, C })
+  ops.moe_combine_backward(dyo:view(0, { R, C }), dweights, dy:view(0, { N, C }),
+                           self.yo:view(0, { R, C }), route.weights, route.row_of_slot)
+  local rows, dyp = R, dyo
+  if ex then
+    rows = math.max(ex.rows, 1)
+    dyp = self:scratch({ 1, rows, C })
+    exchanged(ex, dyo, dyp, C, false)
+  end
+  local dh, dup = self:scratch({ 1, rows, H }), self:scratch({ 1, rows, H })
+  local dxp, dxu = self:scratch({ 1, rows, C }), self:scratch({ 1, rows, C })
   for e = 1, self.n_experts do
-    local n, at = route.count[e - 1], route.first[e - 1]
+    local runs = runs_of(ex, route, e)
     self:run_unit(e, true, function()
-      if n == 0 then return end
-      local u = self.units[e]
-      local k, p, g = u.keys, u.module.p, u.module.g
-      local dhe, due = dh:view(at * H, { 1, n, H }), dup:view(at * H, { 1, n, H })
-      local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), p[k[3]])
-      local hw = self:matmul_operands(self.h:view(at * H, { 1, n, H }), w2)
-      ops.linear_backward(dhe, g[k[3]], nil, dye, hw, w2)
-      if u.lora then
-        LoraExperts.down_backward(self, u, dyp:view(at * C, { 1, n, C }),
-                                  self.h:view(at * H, { 1, n, H }), dhe, n)
-      end
-      ops.swiglu_backward(dhe, due, dhe, self.gate:view(at * H, { 1, n, H }),
-                          self.up:view(at * H, { 1, n, H }))
-      local xe = self.xp:view(at * C, { 1, n, C })
-      local dge, w1 = self:matmul_operands(dhe, p[k[1]])
-      local xw = self:matmul_operands(xe, w1)
-      ops.linear_backward(dxp:view(at * C, { 1, n, C }), g[k[1]], nil, dge, xw, w1)
-      local due_, w3 = self:matmul_operands(due, p[k[2]])
-      ops.linear_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], nil, due_, xw, w3)
-      ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
-              dxu:view(at * C, { 1, n, C }))
-      if u.lora then
-        LoraExperts.gate_up_backward(self, u, xe, dhe, due, dxp:view(at * C, { 1, n, C }), n)
+      for _, run in ipairs(runs) do
+        local n, at = run.n, run.at
+        if n > 0 then
+          local u = self.units[e]
+          local k, p, g = u.keys, u.module.p, u.module.g
+          local dhe, due = dh:view(at * H, { 1, n, H }), dup:view(at * H, { 1, n, H })
+          local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), p[k[3]])
+          local hw = self:matmul_operands(self.h:view(at * H, { 1, n, H }), w2)
+          ops.linear_backward(dhe, g[k[3]], nil, dye, hw, w2)
+          if u.lora then
+            LoraExperts.down_backward(self, u, dyp:view(at * C, { 1, n, C }),
+                                      self.h:view(at * H, { 1, n, H }), dhe, n)
+          end
+          ops.swiglu_backward(dhe, due, dhe, self.gate:view(at * H, { 1, n, H }),
+                              self.up:view(at * H, { 1, n, H }))
+          local xe = self.xp:view(at * C, { 1, n, C })
+          local dge, w1 = self:matmul_operands(dhe, p[k[1]])
+          local xw = self:matmul_operands(xe, w1)
+          ops.linear_backward(dxp:view(at * C, { 1, n, C }), g[k[1]], nil, dge, xw, w1)
+          local due_, w3 = self:matmul_operands(due, p[k[2]])
+          ops.linear_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], nil, due_, xw, w3)
+          ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
+                  dxu:view(at * C, { 1, n, C }))
+          if u.lora then
+            LoraExperts.gate_up_backward(self, u, xe, dhe, due, dxp:view(at * C, { 1, n, C }), n)
+          end
+        end
       end
     end)
   end
+  local dxo = dxp
+  if ex then
+    dxo = self:scratch({ 1, R, C })
+    exchanged(ex, dxp, dxo, C, true)
+  end
   local dx = self:scratch(dy:sizes())
-  ops.moe_permute_backward(dx:view(0, { N, C }), dxp:view(0, { R, C }), route.row_of_slot)
+  ops.moe_permute_backward(dx:view(0, { N, C }), dxo:view(0, { R, C }), route.row_of_slot)
   self.dweights = dweights
   return dx
 end
 
 -- For B x T tokens at most every row goes to an expert k times: the
--- block passes k as self.top_k before the model sizes its arenas.
+-- block passes k as self.top_k before the model sizes its arenas. Under
+-- expert parallelism over P ranks a rank's experts may get the rows of all
+-- P ranks (Rm), in buffers beside this rank's own rows.
 function Experts:own_memory(B, T, dtype)
   local N, C, H = B * T, self.n_embd, self.n_hidden
   local R = N * (self.top_k or 1)
+  local P = self:ep_size()
+  local Rm, X = P * R, P > 1 and 1 or 0
   local w = C * H
+  local function cast(x, y)
+    return Module.matmul_cast_bytes(x, w, dtype) + Module.matmul_cast_bytes(y, w, dtype)
+  end
+  -- (exchanged: at most E runs of rows, Rm rows in all, each cast rounded up)
+  local casts = P == 1 and 3 * self.n_experts * cast(R * C, R * H)
+                or 3 * (self.n_experts * cast(C, H) + cast(Rm * C, Rm * H))
   return {
     input = lz.arena_bytes(N * C),
-    activations = 2 * lz.arena_bytes(R * C) + 3 * lz.arena_bytes(R * H) + lz.arena_bytes(N * C),
-    scratch = 3 * lz.arena_bytes(R * C) + 2 * lz.arena_bytes(R * H) + lz.arena_bytes(N * C) +
-              lz.arena_bytes(R),
-    casts = 3 * self.n_experts * (Module.matmul_cast_bytes(R * C, w, dtype)
-                                  + Module.matmul_cast_bytes(R * H, w, dtype)),
+    activations = 2 * lz.arena_bytes(R * C) + 2 * X * lz.arena_bytes(Rm * C) +
+                  3 * lz.arena_bytes(Rm * H) + lz.arena_bytes(N * C),
+    scratch = lz.arena_bytes(R * C) + 2 * lz.arena_bytes(Rm * C) +
+              X * (lz.arena_bytes(Rm * C) + lz.arena_bytes(R * C)) + 2 * lz.arena_bytes(Rm * H) +
+              lz.arena_bytes(N * C) + lz.arena_bytes(R),
+    casts = casts,
   }
 end
 

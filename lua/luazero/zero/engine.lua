@@ -164,6 +164,8 @@ function M.initialize(opts, above)
     end
     local ep, edp = moe_config.groups(s.ep_size, W, rank)
     self.ep_group, self.edp_group = comm.group(ep), comm.group(edp)
+    -- the MoE blocks exchange tokens in it (nn/moe_experts.lua)
+    model.ctx.ep_group = self.ep_group
   end
   -- Gradients kept in the working dtype (data_types.grad_accum_dtype):
   -- the kernels still write fp32 module gradients into the staging buffer;
@@ -750,6 +752,7 @@ function Engine:free()
   self.states:free()
   if self.pshard then self.pshard:free() end
   if self.ep_group then
+    self.model.ctx.ep_group = nil
     self.edp_group:free()
     self.ep_group:free()
   end

@@ -26,7 +26,7 @@ function M.describe(engine)
   if engine.ep_group then
     ep = (", ep_size %d (expert-parallel ranks %s, expert-data-parallel ranks %s)"):format(
       s.ep_size, table.concat(engine.ep_group:ranks(), " "),
-      table.concat(engine.edp_group:ranks(), " "))
+      table.concat(engine.edp_group:ranks(), " ")) .. M.placement(engine)
   end
   local routers = engine.model and engine.model.routers or {}
   local moe = #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
@@ -37,6 +37,23 @@ function M.describe(engine)
     engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
   if engine.matrices then line = line .. "\n" .. engine.matrices:describe(engine.optimizer.name) end
   return line
+end
+
+-- Where expert parallelism puts a model's E experts a block over an
+-- expert-parallel group of P ranks (nn/moe_experts.lua): ", experts 0-3 |
+-- 4-7 on its ranks"; their parameters, as the others, are laid out over
+-- the whole world. "" for a model without MoE blocks.
+function M.placement(engine)
+  local routers = engine.model and engine.model.routers or {}
+  if #routers == 0 then return "" end
+  local E, P = routers[1].n_experts, engine.s.ep_size
+  if E % P ~= 0 then return "" end
+  local L, parts = E / P, {}
+  for q = 0, P - 1 do
+    parts[#parts + 1] = L == 1 and tostring(q) or ("%d-%d"):format(q * L, (q + 1) * L - 1)
+  end
+  return ", experts " .. table.concat(parts, " | ") ..
+         " on its ranks (their parameters under ZeRO over all ranks)"
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far
