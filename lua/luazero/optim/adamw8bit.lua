@@ -31,7 +31,7 @@ return {
     { "weight_decay", "number", min = 0, default = 1e-2 },
     { "min_8bit_size", "count", default = 4096 },
   },
-  states = { { name = "m", format = "u8" }, { name = "v", format = "u8" } },
+  states = { { name = "m", format = "u8", signed = true }, { name = "v", format = "u8" } },
   quiet = QUIET,
 
   -- Weight decay is decoupled in bitsandbytes' 8-bit Adam and AdamW alike.

@@ -438,6 +438,7 @@ function Engine:allocate(frozen_entries)
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
     compute = self.dev, grads = P:swapped("opt_grads"),
     small = States.small_numel(L, P, self.rank, self.world, self.small_below),
+    signed = self.optimizer.state_signed,
   }
   if P.master.alias then self.master = self.work else self.master = self.states.master end
   -- The gradients (none on the device when stages 2-3 reduce straight into

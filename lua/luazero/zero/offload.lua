@@ -73,7 +73,8 @@ States.__index = States
 -- beside the elements, in the same tier), small (elements whose states a
 -- block-scaled optimizer keeps in f32 instead, a tensor under its minimum
 -- size: f32 arrays `small` of that many elements, in memory on every tier,
--- as small is a few kilobytes a tensor),
+-- as small is a few kilobytes a tensor), signed (name -> true: a
+-- block-scaled state in the signed map),
 -- tier (the plan's tier of the states: a store kind's name), nvme_path
 -- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
@@ -93,7 +94,7 @@ function M.states(opts)
     dts[i], blocks[i] = f.dtype, f.block
   end
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
-                              dtypes = dts, blocks = blocks,
+                              dtypes = dts, blocks = blocks, signed = {},
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
@@ -118,6 +119,7 @@ function M.states(opts)
       if blocks[i] then self.scales[i] = new({ math.max(1, math.ceil(n / blocks[i])) }, "f32"):zero() end
     end
   end
+  for i, name in ipairs(names) do self.signed[i] = (opts.signed or {})[name] == true end
   local small = opts.small or 0
   if small > 0 then
     local mem = kind.resident and kind or host

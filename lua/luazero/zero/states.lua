@@ -259,7 +259,11 @@ function States:build_calls()
         item.w = self.wstage:view(run.shard_offset, shape)
         item.wdev = self.work:view(at(P.params.extent, run), shape)
       end
-      if run.kind == "small" then small_at = small_at + run.numel end
+      if run.kind == "small" then
+        small_at = small_at + run.numel
+        self.small_runs = self.small_runs or {}
+        self.small_runs[#self.small_runs + 1] = item
+      end
       if run.kind ~= "pad" then runs[#runs + 1] = item end
     end
   end
@@ -402,12 +406,10 @@ end
 
 function States:visit(write_back, fn)
   local P = self.P
-  if next(self.ring.scales) or next(self.ring.small) or self.ring.scale_at and next(self.ring.scale_at) then
-    error("checkpoint: the optimizer's states are block-scaled (8-bit AdamW), which checkpoints " ..
-          "do not hold yet; train with AdamW (f32 or bf16 moments) to save", 0)
+  local narrow_states, blocks = false, next(self.ring.blocks) ~= nil
+  for i, dt in ipairs(self.ring.dtypes or {}) do
+    narrow_states = narrow_states or (dt ~= "f32" and not self.ring.blocks[i])
   end
-  local narrow_states = false
-  for _, dt in ipairs(self.ring.dtypes or {}) do narrow_states = narrow_states or dt ~= "f32" end
   if narrow_states then
     -- States kept narrower (bf16 moments): checkpoints see them in f32,
     -- exactly, and a load's f32 values (saved from the same format) narrow
@@ -444,6 +446,10 @@ function States:visit(write_back, fn)
     end
   end
   self.ring:each_group(write_back, function(_, lo, n, v)
+    -- (block-scaled states as their f32 values, set back after a load)
+    local ring_views = v
+    local states = blocks and self:widen(lo, n, v) or v.s
+    v = { master = v.master, s = states, work = v.work }
     if not P.master.alias then
       fn(lo, v.master, unpack(v.s))
       if write_back and P:swapped("params") then v.work:copy(v.master) end
@@ -459,7 +465,75 @@ function States:visit(write_back, fn)
                      write_back, function(m) fn(a, m, unpack(st)) end)
       end)
     end
+    if blocks then self:narrow(write_back, lo, n, ring_views, states) end
   end)
+end
+
+-- Calls fn(run, a, len) for the small runs' pieces within optimizer
+-- elements [lo, lo + n) (a: the piece's optimizer offset).
+function States:small_pieces(lo, n, fn)
+  for _, r in ipairs(self.small_runs or {}) do
+    local a, b = math.max(lo, r.opt_off), math.min(lo + n, r.opt_off + r.numel)
+    if b > a then fn(r, a, b - a) end
+  end
+end
+
+-- A host copy of t where it is on a device (the caller frees it), else t.
+local function on_host(t)
+  if t:device_name() == "cpu" then return t, false end
+  return t:to("cpu"), true
+end
+
+-- The f32 values of group [lo, lo + n)'s states (views v): a block-scaled
+-- state's dequantised (what the update reads for each element), the f32
+-- states of the small tensors in their places; others as they are.
+function States:widen(lo, n, v)
+  local ring, out = self.ring, {}
+  for i, t in ipairs(v.s) do
+    if ring.blocks[i] then
+      local w = lz.tensor({ n }, "f32", "workspace")
+      local q, own_q = on_host(t)
+      local sc, own_sc = on_host(v.scales[i])
+      lz.check(lz.C.lz_adamw8bit_dequantize(q, sc, ring.signed[i] and 1 or 0, w))
+      if own_q then q:free() end
+      if own_sc then sc:free() end
+      self:small_pieces(lo, n, function(r, a, len)
+        local dst = w:view(a - lo, { len })
+        local src = ring.small[i]:view(r.small_at + (a - r.opt_off), { len })
+        dst:copy(src)
+        dst:free(); src:free()
+      end)
+      out[i] = w
+    else
+      out[i] = t
+    end
+  end
+  return out
+end
+
+-- After fn saw widen's values: written back (a load), the small tensors'
+-- f32 states and the requantised blocks (lz_adamw8bit_requantize: the same
+-- bits as before the save where they came from one); then freed.
+function States:narrow(write_back, lo, n, v, wide)
+  local ring = self.ring
+  for i, w in ipairs(wide) do
+    if ring.blocks[i] then
+      if write_back then
+        self:small_pieces(lo, n, function(r, a, len)
+          local src = w:view(a - lo, { len })
+          local dst = ring.small[i]:view(r.small_at + (a - r.opt_off), { len })
+          dst:copy(src)
+          dst:free(); src:free()
+        end)
+        local q, own_q = on_host(v.s[i])
+        local sc, own_sc = on_host(v.scales[i])
+        lz.check(lz.C.lz_adamw8bit_requantize(w, ring.signed[i] and 1 or 0, q, sc))
+        if own_q then v.s[i]:copy(q); q:free() end
+        if own_sc then v.scales[i]:copy(sc); sc:free() end
+      end
+      w:free()
+    end
+  end
 end
 
 -- How optimizer-element offsets map to canonical parameter coordinates:
