@@ -144,6 +144,73 @@ function T.stages_tiers_and_resume_end_alike()
   end
 end
 
+-- A resume into another optimizer or other formats is refused, naming
+-- tools/ckpt convert-states; u8 -> f32 names AdamW (which resumes it),
+-- f32 -> u8 names AdamW8bit again, and since a checkpoint holds the values
+-- the 8-bit states stand for, that round trip resumes bit for bit as the
+-- run that was never converted. An AdamW checkpoint converts to u8 too.
+function T.convert_states_to_and_from_u8()
+  local convert = require("luazero.checkpoint.convert")
+  local cjson = require("cjson")
+  local function manifest(d)
+    local f = assert(io.open(d .. "/manifest.json", "rb"))
+    local m = cjson.decode(f:read("*a"))
+    f:close()
+    return m
+  end
+  local sum = train(engine({ stage = 0 }), 4)
+  local dir = tmp .. "/conv"
+  local e = engine({ stage = 2 })
+  train(e, 2)
+  e:save(dir, {})
+  e:free()
+  local step = dir .. "/step-000002"
+  local adamw = { type = "AdamW", params = { lr = 3e-3, weight_decay = 0.1 } }
+  local f32 = engine({ stage = 1 }, adamw)
+  expect_error(function() f32:load(step) end,
+               "was saved by the optimizer AdamW8bit; this run's is AdamW: resume with the " ..
+               "optimizer that saved it (optimizer.type \"AdamW8bit\"), or convert its states " ..
+               "first (tools/ckpt convert-states " .. step .. " OUT --to f32)")
+  local said = convert.states(step, tmp .. "/c32/step-000002", "f32")
+  assert(said:find("the optimizer states (m u8, v u8) now in f32; the optimizer now AdamW", 1, true),
+         said)
+  local rec = manifest(tmp .. "/c32/step-000002").optimizer
+  assert(rec.type == "AdamW" and rec.state_formats.m == "f32" and rec.params.min_8bit_size == nil
+         and rec.params.weight_decay == 0.1, cjson.encode(rec))
+  f32:load(tmp .. "/c32/step-000002")
+  train(f32, 1)
+  f32:free()
+  local e8 = engine({ stage = 3 })
+  expect_error(function() e8:load(tmp .. "/c32/step-000002") end,
+               "was saved by the optimizer AdamW; this run's is AdamW8bit")
+  e8:free()
+  -- Back to u8 on the command line: AdamW8bit with its default min_8bit_size.
+  local q = support.quote
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt convert-states %s %s --to u8")
+    :format(q(lz.root), q(lz.executable()), q(tmp .. "/c32/step-000002"),
+            q(tmp .. "/c8/step-000002")))
+  assert(st == 0 and out:find("now in u8; the optimizer now AdamW8bit (resume with " ..
+                              "optimizer.type \"AdamW8bit\")", 1, true), out)
+  rec = manifest(tmp .. "/c8/step-000002").optimizer
+  assert(rec.type == "AdamW8bit" and rec.params.min_8bit_size == 4096, cjson.encode(rec))
+  local back = engine({ stage = 1 })
+  back:load(tmp .. "/c8/step-000002")
+  assert(train(back, 2) == sum, "u8 -> f32 -> u8 resumes as the run that was not converted")
+  back:free()
+  -- An AdamW run's checkpoint in u8: AdamW8bit loads and trains it.
+  local a = engine({ stage = 0 }, adamw)
+  train(a, 1)
+  a:save(tmp .. "/aw", {})
+  a:free()
+  convert.states(tmp .. "/aw/step-000001", tmp .. "/aw8/step-000001", "u8")
+  local r = engine({ stage = 2 })
+  r:load(tmp .. "/aw8/step-000001")
+  local loss = r:forward(x, y)
+  assert(loss == loss, "the converted run trains")
+  r:backward(loss); r:step()
+  r:free()
+end
+
 -- lz_adamw8bit_requantize gives a dequantisation's values back bit for
 -- bit, blocks whose largest magnitude is negative (the signed map has no
 -- -1.0), denormal and zero blocks included. (The update stores its largest

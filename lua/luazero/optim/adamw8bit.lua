@@ -33,6 +33,10 @@ return {
   },
   states = { { name = "m", format = "u8", signed = true }, { name = "v", format = "u8" } },
   quiet = QUIET,
+  keeps = { "u8" },
+  -- (the same moments in f32 or bf16: a checkpoint converted to them
+  -- resumes as AdamW)
+  converts_to = { f32 = "AdamW", bf16 = "AdamW" },
 
   -- Weight decay is decoupled in bitsandbytes' 8-bit Adam and AdamW alike.
   read_config = function() return { decoupled_weight_decay = true } end,

@@ -29,6 +29,11 @@
 --   quiet         key -> the value that asks for nothing (default: false)
 --   defaults_name optional: the name its defaults also go by in
 --                 luazero.config (adam_defaults)
+--   keeps         optional: the formats its states may be kept in (a
+--                 config's choice: AdamW's f32 or bf16); tools/ckpt
+--                 convert-states to another is refused unless
+--   converts_to   names, per format, the optimizer.type that keeps the same
+--                 states in it (AdamW8bit's f32: AdamW)
 --   matrix        optional matrix(entry, hidden): true for a parameter the
 --                 optimizer updates as a whole matrix (Muon's); the engine
 --                 then runs prepare(self, call, step, grad_scale) over its
@@ -135,6 +140,7 @@ function M.define(spec, origin)
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
+    keeps = spec.keeps, converts_to = spec.converts_to,
   }
   class.__index = class
   setmetatable(class, { __index = Base })
