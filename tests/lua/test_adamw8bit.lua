@@ -144,6 +144,30 @@ function T.stages_tiers_and_resume_end_alike()
   end
 end
 
+-- Over bf16 master weights (bf16_stochastic_round): each chunk widened,
+-- stepped with its blocks' absmaxes, rounded back; stages 0 and 3 end alike,
+-- and the master moves (the 8-bit states drive it).
+function T.bf16_master_weights_end_alike_at_stages_0_and_3()
+  local zero = require("luazero.zero")
+  local function run(stage)
+    local p = {}
+    for k, v in pairs(PARAMS) do p[k] = v end
+    p.bf16_stochastic_round = true
+    local cfg = require("luazero.config").load({ train_micro_batch_size_per_gpu = 2,
+      bf16 = { enabled = true }, zero_optimization = { stage = stage },
+      optimizer = { type = "AdamW8bit", params = p } }, 1)
+    local e = zero.initialize{ model = model(), seed = 3, batch = { 2, 8 }, config = cfg }
+    assert(e.P.master.dtype == "bf16")
+    local before = e:params_checksum()
+    local after = train(e, 3)
+    e:free()
+    return before, after
+  end
+  local b0, a0 = run(0)
+  local _, a3 = run(3)
+  assert(a0 ~= b0 and a0 == a3, ("%s -> %s, stage 3 %s"):format(b0, a0, a3))
+end
+
 -- A resume into another optimizer or other formats is refused, naming
 -- tools/ckpt convert-states; u8 -> f32 names AdamW (which resumes it),
 -- f32 -> u8 names AdamW8bit again, and since a checkpoint holds the values

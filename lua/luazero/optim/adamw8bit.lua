@@ -12,6 +12,7 @@
 -- bits at every stage and world size. A call over a small tensor carries
 -- f32 m, v and no scales.
 local lz = require("luazero")
+local values = require("luazero.config.values")
 
 local ops = lz.ops
 
@@ -38,8 +39,16 @@ return {
   -- resumes as AdamW)
   converts_to = { f32 = "AdamW", bf16 = "AdamW" },
 
+  -- bf16_stochastic_round (torchao's flag, as AdamW reads it): no fp32
+  -- master, the bf16 parameters updated through stochastic rounding.
+  accepted = { bf16_stochastic_round = true },
+
   -- Weight decay is decoupled in bitsandbytes' 8-bit Adam and AdamW alike.
-  read_config = function() return { decoupled_weight_decay = true } end,
+  read_config = function(p, key)
+    local sround = values.given(p.bf16_stochastic_round) and
+                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
+    return { decoupled_weight_decay = true, master_format = sround and "bf16" or nil }
+  end,
 
   init = function(self)
     self.args = lz.adamw_args({})
