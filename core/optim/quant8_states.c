@@ -84,12 +84,10 @@ static lz_status check_pair(const char *op, const lz_tensor *q, const lz_tensor 
                             const lz_tensor *x) {
   if (!q || !absmax || !x) return lz_fail(LZ_ERR_INVALID, "%s: a tensor is NULL", op);
   if (q->dtype != LZ_U8 || absmax->dtype != LZ_F32 || x->dtype != LZ_F32)
-    return lz_fail(LZ_ERR_INVALID, "%s: q must be u8, absmax and values f32 (got %s, %s, %s)",
-                   op, lz_dtype_name(q->dtype), lz_dtype_name(absmax->dtype),
-                   lz_dtype_name(x->dtype));
+    return lz_fail(LZ_ERR_INVALID, "%s: q must be u8, absmax and values f32 (got %s, %s, %s)", op,
+                   lz_dtype_name(q->dtype), lz_dtype_name(absmax->dtype), lz_dtype_name(x->dtype));
   if (q->device != LZ_CPU || absmax->device != LZ_CPU || x->device != LZ_CPU)
-    return lz_fail(LZ_ERR_INVALID, "%s: the tensors must be in host memory (copy them there)",
-                   op);
+    return lz_fail(LZ_ERR_INVALID, "%s: the tensors must be in host memory (copy them there)", op);
   LZ_TRY(lz_check_numel(op, "values", x, lz_tensor_numel(q), "one per element of q"));
   return lz_check_numel(op, "absmax", absmax, lz_adamw8bit_blocks(lz_tensor_numel(q)),
                         "one per 256 elements of q");
