@@ -2,7 +2,7 @@
 --   luazero tools/ckpt.lua inspect CKPT
 --   luazero tools/ckpt.lua consolidate CKPT OUT.bin
 --   luazero tools/ckpt.lua export CKPT OUT.safetensors|FOLDER [--dtype fp32|bf16]
---   luazero tools/ckpt.lua convert-states CKPT OUT --to f32|bf16
+--   luazero tools/ckpt.lua convert-states CKPT OUT --to f32|bf16|u8
 local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
 local paths = require("luazero.io.paths")
@@ -12,6 +12,7 @@ local fs = require("luazero.io.fs")
 local families = require("luazero.families")
 require("models.registry")
 local optimizers = require("luazero.optim.registry")
+local formats = require("luazero.optim.formats")
 
 local USAGE = ([[
 usage: tools/ckpt COMMAND CKPT [OUT] [flags]
@@ -27,10 +28,11 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   export CKPT FOLDER --merge-lora [--base PATH]
                                the adapters folded into the base weights (PATH: the run's --init,
                                by default) as a Hugging Face model folder
-  convert-states CKPT OUT [--to f32|bf16] [--master f32|bf16]
+  convert-states CKPT OUT [--to f32|bf16|u8] [--master f32|bf16]
                                a copy (OUT: a new step folder) whose optimizer states are kept
-                               in f32 or bf16 (AdamW's momentum_dtype/variance_dtype) on resume,
-                               and its master weights in f32 or bf16 (bf16_stochastic_round)
+                               in f32 or bf16 (AdamW's momentum_dtype/variance_dtype) or u8
+                               (AdamW8bit's, which it then names) on resume, and its master
+                               weights in f32 or bf16 (bf16_stochastic_round)
 CKPT: a step folder (DIR/step-000020) or a --save folder (its latest).]]):format(
   table.concat(families.architectures(), ", "))
 
@@ -98,7 +100,7 @@ local function main(argv)
       needs = export_only },
     { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
       needs = "merge-lora" },
-    { "to", "string", nil, "convert-states: the states' format", choices = { "f32", "bf16" },
+    { "to", "string", nil, "convert-states: the states' format", choices = formats.names,
       needs = convert_only },
     { "master", "string", nil, "convert-states: the master weights' format (bf16: " ..
       "bf16_stochastic_round's)", choices = { "f32", "bf16" }, needs = convert_only },
@@ -128,10 +130,10 @@ local function main(argv)
     end
   elseif cmd == "convert-states" then
     if not out then
-      fail("convert-states needs OUT (a new step folder) and --to f32|bf16 or --master f32|bf16")
+      fail("convert-states needs OUT (a new step folder) and --to f32|bf16|u8 or --master f32|bf16")
     end
     if not (flags.to or flags.master) then
-      fail("convert-states needs --to f32|bf16 (the states) or --master f32|bf16 (the master weights)")
+      fail("convert-states needs --to f32|bf16|u8 (the states) or --master f32|bf16 (the master weights)")
     end
     print(checked(convert.states, ck_path, out, flags.to, flags.master))
   else

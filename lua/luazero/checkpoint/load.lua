@@ -7,6 +7,7 @@ local ffi = require("ffi")
 local lz = require("luazero")
 local disk = require("luazero.checkpoint.disk")
 local manifest_io = require("luazero.checkpoint.manifest")
+local optimizers = require("luazero.optim.registry")
 local agree = require("luazero.checkpoint.agree").agree
 
 local fail = disk.fail
@@ -80,8 +81,20 @@ function M.check(engine, path)
   end
   local rec = manifest_io.optimizer_of(m)
   if rec and not parts.optimizer_accepts(rec.type) then
+    -- (the same states in another format: the saving optimizer's
+    -- converts_to names this run's)
+    local class = optimizers.find(rec.type)
+    local ours, hint = parts.optimizer_record.state_formats or {}, ""
+    local _, mine = next(ours)
+    for fmt, t in pairs(class and class.converts_to or {}) do
+      if parts.optimizer_accepts(t) and mine == fmt then
+        hint = (", or convert its states first (tools/ckpt convert-states %s OUT --to %s)")
+               :format(dir, fmt)
+      end
+    end
     fail("%s was saved by the optimizer %s; this run's is %s: resume with the optimizer that " ..
-         "saved it (optimizer.type %q)", dir, rec.type, parts.optimizer_record.type, rec.type)
+         "saved it (optimizer.type %q)%s", dir, rec.type, parts.optimizer_record.type, rec.type,
+         hint)
   end
   -- The states' formats (f32 where a record predates them) must be this
   -- run's: bytes of another format are not these numbers.

@@ -33,6 +33,9 @@ return {
   },
   defaults_name = "adam_defaults",
   states = { { name = "m", format = "f32" }, { name = "v", format = "f32" } },
+  keeps = { "f32", "bf16" },
+  -- (the same moments, 8-bit: a checkpoint converted to u8 resumes as AdamW8bit)
+  converts_to = { u8 = "AdamW8bit" },
   -- torch_adam picks among DeepSpeed's implementations of the same update;
   -- momentum_dtype and variance_dtype (AnyPrecisionAdamW's names) the
   -- moments' format.
