@@ -58,4 +58,31 @@ function T.frozen_experts_on_nvme_are_read_only_where_routed()
         :format(fewer, routed[1].expert_bytes_read, routed[1].expert_bytes))
 end
 
+-- tools/estimate's MoE figures (estimate/moe.lua): the model's own total
+-- and active counts, and per step the expert bytes a rank's stage-3
+-- gathers read, the engine's full count above (fp32, 2 ranks, per expert).
+function T.the_estimate_knows_total_active_and_expert_bytes()
+  local models = require("models.registry")
+  local emoe = require("luazero.estimate.moe")
+  local model = models.new(models.config("mixtral-tiny", { moe_gather = "expert" }))
+  local m = emoe.of(model, { world = 2, dtype = "fp32", threshold = 0, tokens = 4 })
+  eq(m.total, model:count_params(), "total")
+  eq(m.active, model:count_active_params(), "active")
+  local C, H = model.cfg.n_embd, model.cfg.n_hidden
+  eq(m.expert_params, 2 * 8 * 3 * C * H, "2 blocks of 8 experts")
+  eq(m.total - m.active, m.expert_params - m.active_expert_params, "idle = unpicked experts")
+  eq(m.read_per_step, 589824, "what stage 3 at world 2 reads gathering every expert")
+  local share = 1 - (1 - 2 / 8) ^ 8
+  eq(m.routed_read_per_step, 589824 * share, "routed only, 8 tokens over 2 ranks, top 2 of 8")
+  eq(emoe.of(model, { world = 1, threshold = 1e5 }).read_per_step, 0,
+     "experts under the persistence threshold are kept whole, never gathered")
+  local dense = models.new(models.config("llama-tiny"))
+  eq(emoe.of(dense, {}), nil, "no MoE blocks, no figures")
+  local out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 2 " ..
+                          "--micro-batch 1 --seq-len 4 --moe-gather expert " ..
+                          "--persistence-threshold 0 2>&1"):format(q(lz.root)))
+  assert(out:find("moe: 2 blocks of 8 experts, top 2 a token", 1, true), out)
+  assert(out:find("about 265.4 kB (7.2 of 8 experts a block routed", 1, true), out)
+end
+
 return T
