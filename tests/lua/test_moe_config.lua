@@ -57,6 +57,23 @@ function T.gather_and_routed_only_are_read_and_checked()
   assert(tostring(p):find("moe        per expert, routed only (2 blocks of 8 experts)", 1, true),
          tostring(p))
   support.eq(plan.new({ stage = 3 }).moe, nil, "no moe field without MoE blocks")
+  -- An engine refuses a config whose granularity is not the model's, and
+  -- routed_only over whole blocks, by name.
+  local zero = require("luazero.zero")
+  local mixtral = require("models.mixtral")
+  local function init_error(moe_block)
+    local model = mixtral.new(mixtral.config("mixtral-tiny"))
+    local ok2, e = pcall(zero.initialize, { model = model, config = { moe = moe_block } })
+    assert(not ok2, "expected an error")
+    return e
+  end
+  support.eq(init_error({ gather = "expert" }),
+             'initialize: the config\'s moe.gather is "expert" but the model\'s experts were ' ..
+             'built gathered "block"; build it with models.config(name, { moe_gather = "expert" ' ..
+             '}) (scripts/train.lua does)')
+  support.eq(init_error({ routed_only = true }),
+             'initialize: moe.routed_only needs the experts gathered one by one; add "gather": ' ..
+             '"expert" to the config\'s moe block')
 end
 
 function T.groups_are_deepspeeds_blocks_and_strides()
