@@ -208,11 +208,16 @@ end
 
 -- A gather an unrouted expert skips: its place in the pass is kept (the
 -- recorded order and the prefetch along it stay aligned on every rank),
--- and the bytes it would have read counted.
+-- and the bytes it would have read counted. A gather prefetched before the
+-- ranks agreed (the prefetch follows the last pass's marks) is dropped.
 function Gatherer:skip_for(m, order, pass, counted)
   for _, seg in ipairs(self.segs_of[m]) do
     record(order, seg, pass)
-    if not counted and not seg.persistent and not seg.pbuf then
+    if seg.pbuf and seg.in_use == 0 then
+      self:gathered(seg)
+      seg.in_use = 1
+      self:release(seg)
+    elseif not counted and not seg.persistent and not seg.pbuf then
       self.expert_skipped = self.expert_skipped + seg.slice * esize[self.wdt]
     end
   end
