@@ -52,6 +52,8 @@ function T.frozen_experts_on_nvme_are_read_only_where_routed()
     assert(r.nvme_read < a.nvme_read, ("step %d: %d bytes read from NVMe, not fewer than %d")
                                       :format(i, r.nvme_read, a.nvme_read))
     fewer = fewer + (a.nvme_read - r.nvme_read)
+    -- The agreement: one all-reduce of 8 floats per block and micro-batch.
+    eq(r.comm.all_reduce - a.comm.all_reduce, 2 * 8 * 4, "the bitmasks' bytes (step " .. i .. ")")
   end
   assert(out:find("expert bytes read [%d.]+ of [%d.]+ MiB"), out)
   print(("    3 steps: %d fewer bytes read from NVMe, expert bytes %d of %d in step 1")
