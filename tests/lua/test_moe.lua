@@ -225,8 +225,8 @@ local function adversarial(n)
     local r3 = runs[4]
     if mode == "routed" then
       eq(r3.read * 8, r3.full * n, "stage 3 reads the bytes of the " .. n .. " routed experts")
-    elseif mode == "expert" then
-      eq(r3.read, r3.full, "stage 3 gathering every expert reads them all")
+    else
+      eq(r3.read, r3.full, "stage 3 gathering every expert reads them all (" .. mode .. ")")
       assert(r3.read > 0, "stage 3 gathers experts")
     end
     assert(out:find("moe gather: " .. lines[mode] .. " (2 blocks of 8 experts)", 1, true), out)

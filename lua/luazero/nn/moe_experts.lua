@@ -52,6 +52,8 @@ function Experts.new(n_embd, n_hidden, n_experts, std, names, gather)
   if self.gather ~= "block" and self.gather ~= "expert" then
     error(("moe: gather must be \"block\" or \"expert\" (got %s)"):format(tostring(gather)), 0)
   end
+  -- (the module holding expert weights: the engine counts their gathers)
+  self.is_expert_unit = self.gather == "block"
   -- units[e]: the module holding expert e's weights, and their keys there
   self.units = {}
   local init = { kind = "normal", std = std }
