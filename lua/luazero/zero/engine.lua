@@ -88,30 +88,13 @@ M.settings = settings
 
 -- The placement plan a configuration gives (zero/plan.lua); states: the
 -- optimizer class's per-element states, formats their formats; moe: the
--- model's MoE blocks' gather (moe_of), nil without.
+-- model's MoE blocks' gather (plan.moe_of), nil without.
 function M.plan_of(s, device, states, formats, moe)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
                         master_format = s.optimizer.master_format, moe = moe }
-end
-
--- The plan's moe field for a model (nil without MoE blocks): the
--- granularity the model's experts were built with, which the config's
--- moe.gather, where given, must match (the units are modules, made with
--- the model), and the config's routed_only.
-function M.moe_of(s, model)
-  local routers = model.routers or {}
-  if #routers == 0 then return nil end
-  local built = routers[1].gather
-  if s.moe_gather and s.moe_gather ~= built then
-    error(("the config's moe.gather is %q but the model's experts were built " ..
-           "gathered %q; build it with models.config(name, { moe_gather = %q }) " ..
-           "(scripts/train.lua does)"):format(s.moe_gather, built, s.moe_gather), 0)
-  end
-  return { gather = built, routed_only = s.routed_only, blocks = #routers,
-           experts = routers[1].n_experts }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -163,7 +146,8 @@ function M.initialize(opts, above)
   local optimizer = optim.new(s.optimizer)
   local device = opts.device or "cpu"
   local ok, P = pcall(function()
-    return M.plan_of(s, device, optimizer.states, optimizer.state_formats, M.moe_of(s, model))
+    return M.plan_of(s, device, optimizer.states, optimizer.state_formats,
+                     Placement.moe_of(model.routers, s.moe_gather, s.routed_only))
   end)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   if device ~= "cpu" then lz.device_init(device) end

@@ -310,6 +310,22 @@ function Plan:lines()
   return lines
 end
 
+-- The moe field for a model's MoE blocks (routers; nil or none: nil): the
+-- granularity its experts were built with, which the config's moe.gather,
+-- where given, must match (the units are modules, made with the model),
+-- and the config's routed_only.
+function M.moe_of(routers, gather, routed_only)
+  if not routers or #routers == 0 then return nil end
+  local built = routers[1].gather
+  if gather and gather ~= built then
+    error(("plan: the config's moe.gather is %q but the model's experts were built " ..
+           "gathered %q; build it with models.config(name, { moe_gather = %q }) " ..
+           "(scripts/train.lua does)"):format(gather, built, gather), 0)
+  end
+  return { gather = built, routed_only = routed_only, blocks = #routers,
+           experts = routers[1].n_experts }
+end
+
 -- "whole block (2 blocks of 8 experts)", "per expert, routed only (...)".
 function M.describe_moe(m)
   return ("%s%s (%d blocks of %d experts)"):format(
