@@ -197,6 +197,8 @@ local function set_up(flags)
                      checked(require("luazero.held_out").loader, val_corpus,
                              { B = B, T = T, seed = flags.seed, vocab = mcfg.vocab, rank = rank,
                                world = world, packing = flags.packing }) or loader
+  -- The config's moe.gather: the granularity the experts are built with.
+  if cfg.moe.gather and mcfg.moe_gather then mcfg.moe_gather = cfg.moe.gather end
   local model = models.new(mcfg)
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end

@@ -78,6 +78,10 @@ local spec = {
     "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
   { "json", "int", 0, "1: print the figures as one JSON object instead of tables",
     choices = { 0, 1 } },
+  { "moe-gather", "string", nil, "an MoE model's experts gathered per block or per expert " ..
+    "(the config's moe.gather; default the model's)", choices = { "block", "expert" },
+    needs = { ok = a_model, with = { "--model", "mixtral-tiny" },
+              says = "goes with --model or --model-config" } },
 }
 
 local function fail(msg)
@@ -269,6 +273,16 @@ local function main(argv)
                   flags.checkpoint_activations == 1 and ", checkpointed" or "",
                   estimate.thousands(a.device), a.device / 2 ^ 30,
                   a.offload > 0 and (", %s offload"):format(estimate.thousands(a.offload)) or ""))
+  end
+
+  -- An MoE model: its active parameters and the expert bytes its gathers read.
+  local moe = model and require("luazero.estimate.moe").of(model, {
+    world = N, dtype = dtype, gather = flags.moe_gather, accum = settings.accum,
+    tokens = flags.micro_batch and flags.micro_batch * flags.seq_len,
+    threshold = flags.persistence_threshold })
+  if moe then
+    print()
+    for _, line in ipairs(require("luazero.estimate.moe").lines(moe)) do print(line) end
   end
 
   print()

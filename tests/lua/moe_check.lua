@@ -5,8 +5,12 @@
 -- token anywhere. Prints, on rank 0, "stage S <params checksum>
 -- <expert rows of step 1, block 1>" per stage, then "done". A stage whose
 -- collectives depended on the routing would hang here, not finish.
--- GATHER: the experts' gather granularity, block (default) or expert.
---   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER]
+-- GATHER: the experts' gather granularity, block (default) or expert, or
+-- routed (per expert, only the experts some rank routed to: the config's
+-- moe.routed_only). ACCUM "accum": 2 micro-steps a step with activation
+-- checkpointing, rank r's tokens sent to expert r + 2m on micro-step m, so
+-- an expert routed in one micro-step is unrouted in the next.
+--   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER [ACCUM]]
 local ffi = require("ffi")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -19,34 +23,44 @@ local corpus = data.load(arg[1])
 
 -- The router's choice, then every token of this rank sent to expert `rank`
 -- (top-1, renormalised: weight 1).
+local accum = arg[3] == "accum" and 2 or 1
 local choose = MoE.choose
 function MoE:choose(logits, N)
   local c = choose(self, logits, N)
+  -- (a replay of activation checkpointing routes as its forward did)
+  if not self.ctx.recomputing then self.micro_seen = (self.micro_seen or -1) + 1 end
+  local e = (rank + 2 * (self.micro_seen % accum)) % self.n_experts
   local idx, w = ffi.cast("int32_t *", c.idx.data), ffi.cast("float *", c.weights.data)
-  for i = 0, N * self.top_k - 1 do idx[i], w[i] = rank, 1 end
+  for i = 0, N * self.top_k - 1 do idx[i], w[i] = e, 1 end
   return c
 end
 
-local gather = arg[2] or "block"
+local mode = arg[2] or "block"
+local gather = mode == "routed" and "expert" or mode
 for stage = 0, 3 do
   local mcfg = mixtral.config("mixtral-tiny", { top_k = 1, moe_gather = gather })
-  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
+  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                       reduce_bucket_size = 5000,
                                       stage3_prefetch_bucket_size = 5000 },
+                moe = { gather = gather, routed_only = mode == "routed" },
                 optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
   local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
-                                   batch = { 2, 16 }, comm = comm })
+                                   batch = { 2, 16 }, comm = comm,
+                                   checkpoint_activations = accum > 1 })
   local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
                                        rank = rank, world = world })
-  local rows
+  local rows, read, full
   for step = 1, 3 do
     engine:train_batch(loader)
     local m = engine.model:router_metrics()
-    if step == 1 then rows = table.concat(m.expert_tokens[1], ",") end
+    if step == 1 then
+      rows = table.concat(m.expert_tokens[1], ",")
+      read, full = engine:expert_bytes()
+    end
   end
   local sum = engine:params_checksum()
-  if rank == 0 then print(("stage %d %s %s"):format(stage, sum, rows)) end
+  if rank == 0 then print(("stage %d %s %s bytes %d %d"):format(stage, sum, rows, read, full)) end
   if stage == 0 and rank == 0 then print("describe " .. engine:describe()) end
   engine:free()
   loader:free()

@@ -373,37 +373,81 @@ function T.the_first_steps_language_model_loss_agrees_across_world_sizes()
   end
   eq(seen, 8, "families x stages checked")
 end
+-- moe_check.lua at world n in a mode (block, expert, routed) and ACCUM:
+-- its lines { stage, sum, rows, read, full } and describe line.
+local function moe_check(n, mode, accum)
+  local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s %s %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
+                      mode, accum or "")
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  assert(out:find("\ndone", 1, true), out)
+  local runs = {}
+  for stage, sum, rows, read, full in out:gmatch("stage (%d) (%x+) ([%d,]+) bytes (%d+) (%d+)") do
+    runs[#runs + 1] = { stage = tonumber(stage), sum = sum, rows = rows, read = tonumber(read),
+                        full = tonumber(full) }
+  end
+  eq(#runs, 4, "stages run (" .. mode .. ")")
+  return runs, out
+end
+
+local lines = { block = "whole block", expert = "per expert", routed = "per expert, routed only" }
 
 -- No hang by construction: stages 0-3 at each world size, the experts
--- gathered whole per block and one by one, end on one checksum.
+-- gathered whole per block, one by one, and only those some rank routed to
+-- (the bitmask), end on one checksum. At stage 3 the routed-only gathers
+-- read n of the 8 experts' bytes (rank r's tokens all go to expert r).
 local function adversarial(n)
   local sums = {}
-  for _, gather in ipairs({ "block", "expert" }) do
-    local cmd = ("cd %s && timeout 600 %s %s tests/lua/moe_check.lua %s %s 2>&1")
-                :format(q(lz.root), q(lz.executable()), n > 1 and ("-n " .. n) or "", q(corpus),
-                        gather)
-    local p = io.popen(cmd)
-    local out = p:read("*a")
-    p:close()
-    assert(out:find("\ndone", 1, true), out)
-    local runs = 0
-    for stage, sum, rows in out:gmatch("stage (%d) (%x+) ([%d,]+)") do
-      runs = runs + 1
-      sums[#sums + 1] = sum
-      eq(rows, "32,0,0,0,0,0,0,0", ("rank 0's tokens all at expert 0 (stage %s, %s)")
-                                   :format(stage, gather))
+  for _, mode in ipairs({ "block", "expert", "routed" }) do
+    local runs, out = moe_check(n, mode)
+    for _, r in ipairs(runs) do
+      sums[#sums + 1] = r.sum
+      eq(r.rows, "32,0,0,0,0,0,0,0", ("rank 0's tokens all at expert 0 (stage %d, %s)")
+                                     :format(r.stage, mode))
     end
-    eq(runs, 4, "stages run (" .. gather .. ")")
-    local line = gather == "block" and "whole block" or "per expert"
-    assert(out:find("moe gather: " .. line .. " (2 blocks of 8 experts)", 1, true), out)
+    local r3 = runs[4]
+    if mode == "routed" then
+      eq(r3.read * 8, r3.full * n, "stage 3 reads the bytes of the " .. n .. " routed experts")
+    else
+      eq(r3.read, r3.full, "stage 3 gathering every expert reads them all (" .. mode .. ")")
+      assert(r3.read > 0, "stage 3 gathers experts")
+    end
+    assert(out:find("moe gather: " .. lines[mode] .. " (2 blocks of 8 experts)", 1, true), out)
   end
   for i = 2, #sums do eq(sums[i], sums[1], "run " .. i .. " checksum") end
-  print(("    world %d: stages 0-3, gathered whole and per expert, end on %s"):format(n, sums[1]))
+  print(("    world %d: stages 0-3, gathered whole, per expert and routed only, end on %s")
+        :format(n, sums[1]))
 end
 
 for n = 1, 4 do
   T[("adversarial_routing_finishes_on_one_checksum_at_world_%d"):format(n)] =
     function() adversarial(n) end
+end
+
+-- With 2 micro-steps a step and activation checkpointing, rank r routing to
+-- expert r, then r + 2: an expert routed in the first micro-step and not in
+-- the second still has its (zero) second reduction; the routed-only runs
+-- end on the gather-all runs' checksum at every stage.
+local function accumulated(n)
+  local sums = {}
+  for _, mode in ipairs({ "expert", "routed" }) do
+    local runs = moe_check(n, mode, "accum")
+    for _, r in ipairs(runs) do sums[#sums + 1] = r.sum end
+    if mode == "routed" then
+      -- (each micro-step routes to n experts of 8, whichever they are)
+      eq(runs[4].read * 8, runs[4].full * n, "stage 3 reads n of 8 experts a micro-step")
+    end
+  end
+  for i = 2, #sums do eq(sums[i], sums[1], "run " .. i .. " checksum") end
+  print(("    world %d, 2 micro-steps, checkpointed: per expert and routed only end on %s")
+        :format(n, sums[1]))
+end
+
+for _, n in ipairs({ 2, 4 }) do
+  T[("routed_only_with_accumulation_and_checkpointing_ends_on_one_checksum_at_world_%d")
+    :format(n)] = function() accumulated(n) end
 end
 
 return T

@@ -35,6 +35,47 @@ function T.ep_size_is_read_and_checked()
   support.eq(table.concat(cfg.unimplemented, ","), "moe.top_k_gating", "reported keys")
 end
 
+function T.gather_and_routed_only_are_read_and_checked()
+  local cfg = config.load({ train_batch_size = 4 }, 4)
+  support.eq(cfg.moe.gather, nil, "default gather: as the model was built")
+  support.eq(cfg.moe.routed_only, false, "default routed_only")
+  cfg = config.load({ train_batch_size = 4, moe = { gather = "expert", routed_only = true } }, 4)
+  support.eq(cfg.moe.gather, "expert", "gather")
+  support.eq(cfg.moe.routed_only, true, "routed_only")
+  support.eq(load_error({ train_batch_size = 4, moe = { gather = "layer" } }, 4),
+             'config: moe.gather must be "block" or "expert" (got "layer")')
+  support.eq(load_error({ train_batch_size = 4, moe = { routed_only = 1 } }, 4),
+             "config: moe.routed_only must be true or false (got 1)")
+  local plan = require("luazero.zero.plan")
+  local ok, err = pcall(plan.new, { stage = 3, moe = { gather = "block", routed_only = true } })
+  assert(not ok)
+  support.eq(err, 'plan: moe.routed_only needs the experts gathered one by one; add "gather": ' ..
+                  '"expert" to the config\'s moe block')
+  local p = plan.new({ stage = 3, moe = { gather = "expert", routed_only = true, blocks = 2,
+                                          experts = 8 } })
+  support.eq(p.moe.gather, "expert", "plan field")
+  assert(tostring(p):find("moe        per expert, routed only (2 blocks of 8 experts)", 1, true),
+         tostring(p))
+  support.eq(plan.new({ stage = 3 }).moe, nil, "no moe field without MoE blocks")
+  -- An engine refuses a config whose granularity is not the model's, and
+  -- routed_only over whole blocks, by name.
+  local zero = require("luazero.zero")
+  local mixtral = require("models.mixtral")
+  local function init_error(moe_block)
+    local model = mixtral.new(mixtral.config("mixtral-tiny"))
+    local ok2, e = pcall(zero.initialize, { model = model, config = { moe = moe_block } })
+    assert(not ok2, "expected an error")
+    return e
+  end
+  support.eq(init_error({ gather = "expert" }),
+             'initialize: the config\'s moe.gather is "expert" but the model\'s experts were ' ..
+             'built gathered "block"; build it with models.config(name, { moe_gather = "expert" ' ..
+             '}) (scripts/train.lua does)')
+  support.eq(init_error({ routed_only = true }),
+             'initialize: moe.routed_only needs the experts gathered one by one; add "gather": ' ..
+             '"expert" to the config\'s moe block')
+end
+
 function T.groups_are_deepspeeds_blocks_and_strides()
   local function lists(ep_size, world, rank)
     local ep, edp = moe.groups(ep_size, world, rank)

@@ -1,4 +1,5 @@
--- config/moe.lua — the "moe" block: expert parallelism. DeepSpeed has no
+-- config/moe.lua — the "moe" block: expert parallelism, and how ZeRO-3
+-- gathers the experts. DeepSpeed has no
 -- config key for it: its MoE layer takes the size as an argument
 -- (deepspeed.moe.layer.MoE(..., ep_size=...)) and builds the groups in
 -- deepspeed/utils/groups.py; luazero reads that name here, and builds the
@@ -8,20 +9,29 @@
 -- experts and exchange tokens (world 4, ep_size 2: ranks 0 1 and 2 3). The
 -- expert-data-parallel group: the ranks ep_size apart, which hold the same
 -- experts and reduce their gradients (0 2 and 1 3).
---   moe.read(raw, cfg, unimpl)        -- fills cfg.moe = { ep_size = n }
+-- How the experts are gathered (luazero's own keys; DeepSpeed marks leaf
+-- modules by hand instead): "gather" is "block" (a block's experts one
+-- unit) or "expert" (one unit each; absent: as the model was built,
+-- models.config's moe_gather); "routed_only" true makes the ranks agree,
+-- by one all-reduce of a bitmask per block and micro-batch, on the experts
+-- any rank routed to, and gather and reduce those alone (needs "expert").
+--   { "moe": { "gather": "expert", "routed_only": true } }
+--   moe.read(raw, cfg, unimpl)        -- fills cfg.moe = { ep_size =, gather =, routed_only = }
 --   moe.groups(ep_size, world, rank)  -- this rank's two lists of 0-based ranks
 local values = require("luazero.config.values")
 
 local M = {}
 
 local block, given, whole_at_least = values.block, values.given, values.whole_at_least
+local boolean = values.boolean
 local asks_for_nothing, sorted_keys, fail = values.asks_for_nothing, values.sorted_keys, values.fail
 
 M.top_keys = { moe = true }
-M.defaults = { ep_size = 1 }
+M.defaults = { ep_size = 1, routed_only = false }
+M.gathers = { block = true, expert = true }
 
 function M.read(raw, cfg, unimpl)
-  cfg.moe = { ep_size = M.defaults.ep_size }
+  cfg.moe = { ep_size = M.defaults.ep_size, routed_only = M.defaults.routed_only }
   local m = raw.moe
   if not given(m) then return end
   block("moe", m)
@@ -35,6 +45,15 @@ function M.read(raw, cfg, unimpl)
         end
         cfg.moe.ep_size = n
       end
+    elseif k == "gather" then
+      if given(m.gather) then
+        if not M.gathers[m.gather] then
+          fail("moe.gather must be \"block\" or \"expert\" (got %s)", values.show(m.gather))
+        end
+        cfg.moe.gather = m.gather
+      end
+    elseif k == "routed_only" then
+      if given(m.routed_only) then cfg.moe.routed_only = boolean("moe.routed_only", m.routed_only) end
     elseif not asks_for_nothing(m[k]) then
       unimpl[#unimpl + 1] = "moe." .. k
     end

@@ -11,7 +11,10 @@
 -- module of its own (one segment each), and every expert runs through the
 -- hooks in order each time the block runs, its rows or none. Either way
 -- the collectives never depend on the routing: an expert no token reached
--- computes nothing and its gradient stays zero, yet takes part.
+-- computes nothing and its gradient stays zero, yet takes part. Where the
+-- engine asks (ctx.agree_routed: the plan's moe.routed_only), each forward
+-- first agrees with the other ranks on the experts any of them routed to
+-- and marks the others unrouted, which the engine's hooks then skip.
 --
 -- The routing a forward takes (nn/moe.lua's routing): R = N * k rows in
 -- expert order (expert, then token, then slot; the moe_sort op):
@@ -33,6 +36,7 @@ local Expert = Module:extend("MoEExpert")
 
 function Expert.new(n_embd, n_hidden, std, names)
   local self = setmetatable({}, Expert):init()
+  self.is_expert_unit = true
   local init = { kind = "normal", std = std }
   self:param("gate", { n_hidden, n_embd }, init, true, names[1] .. ".weight")
   self:param("up", { n_hidden, n_embd }, init, true, names[2] .. ".weight")
@@ -52,6 +56,8 @@ function Experts.new(n_embd, n_hidden, n_experts, std, names, gather)
   if self.gather ~= "block" and self.gather ~= "expert" then
     error(("moe: gather must be \"block\" or \"expert\" (got %s)"):format(tostring(gather)), 0)
   end
+  -- (the module holding expert weights: the engine counts their gathers)
+  self.is_expert_unit = self.gather == "block"
   -- units[e]: the module holding expert e's weights, and their keys there
   self.units = {}
   local init = { kind = "normal", std = std }
@@ -172,6 +178,11 @@ end
 function Experts:forward(x, route)
   local C, H, R = self.n_embd, self.n_hidden, route.rows
   local N = x:numel() / C
+  local agree = self.ctx.agree_routed
+  if agree and self.gather == "expert" and not self.ctx.recomputing then
+    local routed = agree(route.count, self.n_experts)
+    for e = 1, self.n_experts do self.units[e].module.unrouted = routed[e - 1] == 0 end
+  end
   -- (xo, yo: this rank's rows; xp, yp: the rows its experts compute, the
   -- same tensors without expert parallelism)
   local xo = self:activation({ 1, R, C })

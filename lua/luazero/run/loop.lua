@@ -44,6 +44,7 @@ local function train_step(run, step)
   local copy0 = flags.device == "sim" and lz.sim_copy_ns()
   local t0 = clock.now()
   local read0, written0 = engine:nvme_bytes()
+  engine:expert_bytes() -- (the step's count starts here)
   local r = ex.checked_rank(engine.train_batch, engine, run.loader)
   local dt = clock.now() - t0
   local read1, written1 = engine:nvme_bytes()
@@ -71,6 +72,10 @@ local function train_step(run, step)
   -- An MoE model's load-balancing loss and tokens per expert.
   local routed = run.model.router_metrics and run.model:router_metrics()
   if routed then rec.aux_loss, rec.expert_tokens = routed.aux_loss, routed.expert_tokens end
+  -- Stage 3: the experts' bytes this rank's gathers read in the step (from
+  -- NVMe under offload_param nvme), and what gathering every expert reads.
+  local xread, xfull = engine:expert_bytes()
+  if xfull > 0 then rec.expert_bytes_read, rec.expert_bytes = xread, xfull end
   if run.n_val > 0 and ((flags.eval_every > 0 and step % flags.eval_every == 0) or
                         step == flags.steps) then
     rec.val_loss = ex.checked_rank(engine.evaluate, engine, run.val_loader, run.n_val)
@@ -94,7 +99,7 @@ end
 
 local function say_step(run, step, rec, r, prof)
   run.ex.say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-              "mem %.1f MiB, rss %.0f MiB%s%s%s")
+              "mem %.1f MiB, rss %.0f MiB%s%s%s%s")
     :format(step, run.flags.steps, r.loss,
             rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
             rec.tokens_per_s, rec.step_ms, mib(lz.mem_total()),
@@ -102,7 +107,9 @@ local function say_step(run, step, rec, r, prof)
             r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
             prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
                       "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
-            or ""))
+            or "",
+            rec.expert_bytes and (" | expert bytes read %.1f of %.1f MiB")
+                                 :format(mib(rec.expert_bytes_read), mib(rec.expert_bytes)) or ""))
 end
 
 -- run.budget (run/config.lua's held_budget): a step whose peak RSS or

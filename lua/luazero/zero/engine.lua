@@ -58,6 +58,7 @@ local function settings(cfg)
   if fp16.enabled then dtype = "fp16" elseif bf16.enabled then dtype = "bf16" end
   local function zget(k) if z[k] == nil then return zd[k] end return z[k] end
   local opt = cfg.optimizer or config.optimizer_default
+  local moe = cfg.moe or {}
   return {
     stage = zget("stage"),
     dtype = dtype,
@@ -78,19 +79,23 @@ local function settings(cfg)
     offload_param = z.offload_param or config.offload_param_defaults,
     sub_group = zget("sub_group_size"),
     aio = cfg.aio,
-    ep_size = (cfg.moe or moe_config.defaults).ep_size,
+    ep_size = moe.ep_size or moe_config.defaults.ep_size,
+    -- how ZeRO-3 gathers the experts (nil: as the model was built)
+    moe_gather = moe.gather,
+    routed_only = moe.routed_only == true,
   }
 end
 M.settings = settings
 
 -- The placement plan a configuration gives (zero/plan.lua); states: the
--- optimizer class's per-element states, formats their formats.
-function M.plan_of(s, device, states, formats)
+-- optimizer class's per-element states, formats their formats; moe: the
+-- model's MoE blocks' gather (plan.moe_of), nil without.
+function M.plan_of(s, device, states, formats, moe)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
-                        master_format = s.optimizer.master_format }
+                        master_format = s.optimizer.master_format, moe = moe }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -141,7 +146,10 @@ function M.initialize(opts, above)
   local W, rank = comm.size(), comm.rank()
   local optimizer = optim.new(s.optimizer)
   local device = opts.device or "cpu"
-  local ok, P = pcall(M.plan_of, s, device, optimizer.states, optimizer.state_formats)
+  local ok, P = pcall(function()
+    return M.plan_of(s, device, optimizer.states, optimizer.state_formats,
+                     Placement.moe_of(model.routers, s.moe_gather, s.routed_only))
+  end)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   if device ~= "cpu" then lz.device_init(device) end
   model.ctx.device = device
@@ -541,6 +549,9 @@ end
 
 -- The gatherer's calls the engine's step, its parts and users make.
 function Engine:gather_params() self.gatherer:gather_params() end
+-- Expert bytes this rank's gathers read since the last call, and what
+-- gathering every expert would have read (zero/gather.lua).
+function Engine:expert_bytes() return self.gatherer:take_expert_bytes() end
 function Engine:shard_slice(seg) return self.gatherer:shard_slice(seg) end
 function Engine:release_slice(stage) self.gatherer:release_slice(stage) end
 
@@ -597,6 +608,9 @@ function Engine:install_hooks()
   model:register_hook("post_backward", function(m) self.gatherer:post_backward(m) end)
   model:register_hook("pre_recompute", function(m) self.gatherer:pre_recompute(m) end)
   model:register_hook("post_recompute", function(m) self.gatherer:post_recompute(m) end)
+  if self.P.moe and self.P.moe.routed_only then
+    model.ctx.agree_routed = function(count, n) return self.gatherer:agree_routed(count, n) end
+  end
 end
 
 ------------------------------------------------------- forward, backward

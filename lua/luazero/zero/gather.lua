@@ -10,8 +10,10 @@
 --
 --   local gatherer = gather.new{ P = P, s = s, comm = comm, ... }
 --   gatherer:pre_forward(m); gatherer:post_forward(m); gatherer:gather_params()
+local ffi = require("ffi")
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
+local esize = require("luazero.zero.plan").esize
 
 local M = {}
 local Gatherer = {}
@@ -29,6 +31,9 @@ function M.new(parts)
     -- (prefetching follows them), and how far the current pass is.
     fwd_order = {}, bwd_order = {}, fwd_pass = { k = 0 }, bwd_pass = { k = 0 },
     recompute_segs_of = {}, -- module -> the segments its replay gathers
+    -- Experts' slices gathered since take_expert_bytes, in bytes, and
+    -- those an unrouted expert's skipped gathers would have read.
+    expert_read = 0, expert_skipped = 0,
   }, Gatherer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "pool", "wdt", "L", "LF", "work", "staged",
                        "segs_of", "reducer" }) do
@@ -55,6 +60,9 @@ local function bind_params(seg, buf) layout.bind("p", seg, buf) end
 -- Parameters gathered per module: a segment's, into a pooled buffer.
 function Gatherer:gather(seg, async)
   if seg.persistent or seg.pbuf then return end
+  if seg.module.is_expert_unit then
+    self.expert_read = self.expert_read + seg.slice * esize[self.wdt]
+  end
   seg.pbuf = self.pool:get(seg.padded, self.wdt)
   self.live = self.live + seg.padded
   local send
@@ -131,7 +139,7 @@ function Gatherer:prefetch(order, k)
   local budget, s = self.s.prefetch, self.s
   for i = k + 1, #order do
     local seg = order[i]
-    if not seg.persistent and not seg.pbuf then
+    if not seg.persistent and not seg.pbuf and not seg.module.unrouted then
       if budget < seg.padded or self.live + seg.padded > s.max_live then break end
       local ps = seg.store.pshard
       if ps and not ps:can_prefetch() then break end
@@ -171,23 +179,85 @@ function Gatherer:drop_prefetched()
   end
 end
 
+---------------------------------------------------------- routed experts
+
+-- The plan's moe.routed_only: the experts any rank routed to in this
+-- block's micro-batch, agreed by one all-reduce (max) of a 0/1 mask of
+-- this rank's counts (count[0..n-1]). Returns the agreed mask (routed[e]
+-- nonzero: some rank routed to expert e). Every rank calls it once per
+-- block forward (the replay of activation checkpointing reuses the
+-- forward's), so the collective never depends on the routing.
+function Gatherer:agree_routed(count, n)
+  local t = lz.tensor({ n }, "f32", "workspace")
+  local p = ffi.cast("float *", t.data)
+  for e = 0, n - 1 do p[e] = count[e] > 0 and 1 or 0 end
+  self.comm.all_reduce(t, "max")
+  local routed = ffi.new("uint8_t[?]", n)
+  for e = 0, n - 1 do routed[e] = p[e] > 0 and 1 or 0 end
+  t:free()
+  return routed
+end
+
+-- Expert bytes read since the last call, and what gathering every expert
+-- at the same points would have read; both counts start again.
+function Gatherer:take_expert_bytes()
+  local read, full = self.expert_read, self.expert_read + self.expert_skipped
+  self.expert_read, self.expert_skipped = 0, 0
+  return read, full
+end
+
+-- A gather an unrouted expert skips: its place in the pass is kept (the
+-- recorded order and the prefetch along it stay aligned on every rank),
+-- and the bytes it would have read counted. A gather prefetched before the
+-- ranks agreed (the prefetch follows the last pass's marks) is dropped.
+function Gatherer:skip_for(m, order, pass, counted)
+  for _, seg in ipairs(self.segs_of[m]) do
+    record(order, seg, pass)
+    if seg.pbuf and seg.in_use == 0 then
+      self:gathered(seg)
+      seg.in_use = 1
+      self:release(seg)
+    elseif not counted and not seg.persistent and not seg.pbuf then
+      self.expert_skipped = self.expert_skipped + seg.slice * esize[self.wdt]
+    end
+  end
+end
+
+-- Whether an unrouted expert's backward skips its gradients' reduction:
+-- unless an earlier micro-step of this accumulation reduced them (then its
+-- zeros are reduced and added as the gather-all path adds them, so the
+-- gradients hold the same bits, signed zeros included).
+function Gatherer:skips_reduce(m)
+  return m.unrouted and m.reduced_cycle ~= self.reducer.cycle
+end
+
 ------------------------------------------------------------------- hooks
 
 function Gatherer:pre_forward(m)
   if not self.segs_of[m] or not self.P.params.gather then return end
+  if m.unrouted then return self:skip_for(m, self.fwd_order, self.fwd_pass) end
   self:gather_for(m, self.fwd_order, self.fwd_pass)
 end
 
 function Gatherer:post_forward(m)
   local segs = self.segs_of[m]
-  if not segs or not self.P.params.gather then return end
+  if not segs or not self.P.params.gather or m.unrouted then return end
   for _, seg in ipairs(segs) do self:release(seg) end
 end
 
 function Gatherer:pre_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
-  if self.P.params.gather then self:gather_for(m, self.bwd_order, self.bwd_pass) end
+  if self.P.params.gather then
+    if m.unrouted then
+      self:skip_for(m, self.bwd_order, self.bwd_pass, m.replay_skipped)
+    else
+      self:gather_for(m, self.bwd_order, self.bwd_pass)
+    end
+  end
+  m.skip_reduce = self:skips_reduce(m)
+  if m.skip_reduce then return end
+  m.reduced_cycle = self.reducer.cycle
   self.reducer:stage_grads(segs)
 end
 
@@ -195,7 +265,10 @@ function Gatherer:post_backward(m)
   local segs = self.segs_of[m]
   if not segs then return end
   for _, seg in ipairs(segs) do
-    if self.P.params.gather then self:release(seg) end
+    if self.P.params.gather and not m.unrouted then self:release(seg) end
+  end
+  if m.skip_reduce then return end
+  for _, seg in ipairs(segs) do
     if not seg.frozen then seg.pending = seg.pending - 1 end
     if seg.pending == 0 then
       seg.pending = nil
@@ -210,6 +283,8 @@ end
 -- so one gather serves both. The replay runs no forward hooks: the
 -- recorded prefetch orders and the gradient reductions see only the real
 -- forward and backward.
+-- An unrouted expert's segments are not gathered for the replay (its
+-- module, found beside each segment, says so as its forward left it).
 function Gatherer:recompute_segs(m)
   local list = self.recompute_segs_of[m]
   if list then return list end
@@ -217,7 +292,7 @@ function Gatherer:recompute_segs(m)
   local seen = {}
   local function visit(x)
     for _, seg in ipairs(self.segs_of[x] or {}) do
-      if not seen[seg] then seen[seg] = true; list[#list + 1] = seg end
+      if not seen[seg] then seen[seg] = true; list[#list + 1] = { seg = seg, holder = x } end
     end
     for _, c in ipairs(x.children) do visit(c.module) end
   end
@@ -228,12 +303,24 @@ end
 
 function Gatherer:pre_recompute(m)
   if not self.P.params.gather then return end
-  for _, seg in ipairs(self:recompute_segs(m)) do self:ensure(seg) end
+  for _, u in ipairs(self:recompute_segs(m)) do
+    local h = u.holder
+    if not h.unrouted then
+      self:ensure(u.seg)
+    elseif not h.replay_skipped then
+      -- (counted here, once: the gather-all path gathers it here, and its
+      -- backward finds it gathered)
+      self.expert_skipped = self.expert_skipped + u.seg.slice * esize[self.wdt]
+      h.replay_skipped = true
+    end
+  end
 end
 
 function Gatherer:post_recompute(m)
   if not self.P.params.gather then return end
-  for _, seg in ipairs(self:recompute_segs(m)) do self:release(seg) end
+  for _, u in ipairs(self:recompute_segs(m)) do
+    if u.holder.unrouted then u.holder.replay_skipped = nil else self:release(u.seg) end
+  end
 end
 
 ------------------------------------------------------------ after the step

@@ -88,7 +88,9 @@ end
 -- class's per-element states; the default optimizer's: AdamW's m, v),
 -- optimizer_formats (state name -> optim/formats.lua's format; f32),
 -- master_format (f32, or bf16: no fp32 master, the bf16 working parameters
--- are the master, updated through stochastic rounding).
+-- are the master, updated through stochastic rounding), moe (a model
+-- with MoE blocks: { gather = "block" | "expert", routed_only =, blocks =,
+-- experts = }; nil without).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -215,7 +217,27 @@ function M.new(opts)
   -- working copy (stages 1-2), the persistent parameters (stage 3).
   p.after_step = (stage == 1 or stage == 2) and "gather_full"
                  or stage == 3 and "gather_persistent" or "none"
+  p.moe = M.moe(opts.moe)
   return p
+end
+
+-- The experts' gather units (nn/moe_experts.lua): "block", a block's
+-- experts gathered and reduced as one; "expert", one by one, every one
+-- each pass. routed_only: the ranks agree by one all-reduce of a bitmask
+-- per block and micro-batch on the experts any rank routed to, and only
+-- those are gathered and reduced (zero/gather.lua); it needs "expert".
+function M.moe(m)
+  if not m then return nil end
+  local gather = m.gather or "block"
+  if gather ~= "block" and gather ~= "expert" then
+    error(("plan: moe.gather must be \"block\" or \"expert\" (got %s)"):format(tostring(gather)), 0)
+  end
+  if m.routed_only and gather ~= "expert" then
+    error("plan: moe.routed_only needs the experts gathered one by one; add \"gather\": " ..
+          "\"expert\" to the config's moe block", 0)
+  end
+  return { gather = gather, routed_only = m.routed_only == true, blocks = m.blocks,
+           experts = m.experts }
 end
 
 -- Bytes per rank of each state by tier and ledger category. counts: full,
@@ -284,7 +306,31 @@ function Plan:lines()
     lines[#lines + 1] = "  push       the updated working shard from the host to the device"
   end
   lines[#lines + 1] = "  after step " .. self.after_step:gsub("_", " ")
+  if self.moe then lines[#lines + 1] = "  moe        " .. M.describe_moe(self.moe) end
   return lines
+end
+
+-- The moe field for a model's MoE blocks (routers; nil or none: nil): the
+-- granularity its experts were built with, which the config's moe.gather,
+-- where given, must match (the units are modules, made with the model),
+-- and the config's routed_only.
+function M.moe_of(routers, gather, routed_only)
+  if not routers or #routers == 0 then return nil end
+  local built = routers[1].gather
+  if gather and gather ~= built then
+    error(("plan: the config's moe.gather is %q but the model's experts were built " ..
+           "gathered %q; build it with models.config(name, { moe_gather = %q }) " ..
+           "(scripts/train.lua does)"):format(gather, built, gather), 0)
+  end
+  return { gather = built, routed_only = routed_only, blocks = #routers,
+           experts = routers[1].n_experts }
+end
+
+-- "whole block (2 blocks of 8 experts)", "per expert, routed only (...)".
+function M.describe_moe(m)
+  return ("%s%s (%d blocks of %d experts)"):format(
+    m.gather == "expert" and "per expert" or "whole block",
+    m.routed_only and ", routed only" or "", m.blocks or 0, m.experts or 0)
 end
 
 function Plan:__tostring() return table.concat(self:lines(), "\n") end

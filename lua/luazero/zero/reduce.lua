@@ -37,6 +37,7 @@ function M.new(parts)
     bucket = false,                    -- the open all-reduce bucket (false: none)
     copy_wait = 0,                     -- seconds the host waited for overlapped copies
     spill_sq = {},                     -- segment -> its slice's squared norm (spill)
+    cycle = 0,                         -- accumulation cycles begun (zero_grad counts them)
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
@@ -305,6 +306,7 @@ end
 
 function Reducer:zero_grad()
   local P = self.P
+  self.cycle = self.cycle + 1
   if P.grads.extent ~= "none" then self.grads:zero() end
   if self.spill then self.spill_sq = {}
   elseif not P.opt_grads.alias then self.ograds:zero() end

@@ -9,7 +9,8 @@
 --
 --   local report = require("luazero.zero.report")
 --   print(report.describe(engine)); print(report.state_bytes(engine).total)
-local offloaded = require("luazero.zero.plan").offloaded
+local Placement = require("luazero.zero.plan")
+local offloaded = Placement.offloaded
 
 local M = {}
 
@@ -18,7 +19,7 @@ local M = {}
 -- 0 1, expert-data-parallel ranks 0 2)".
 -- An MoE model adds how its experts are gathered: whole blocks (each
 -- block's experts one segment) or expert by expert (every expert each
--- pass), whatever the tokens did (nn/moe_experts.lua); an optimizer with
+-- pass, or only those some rank routed to: the plan's moe field); an optimizer with
 -- whole matrices (Muon) adds a line of their placement (zero/matrices.lua).
 function M.describe(engine)
   local W, s = engine.world, engine.s
@@ -28,10 +29,7 @@ function M.describe(engine)
       s.ep_size, table.concat(engine.ep_group:ranks(), " "),
       table.concat(engine.edp_group:ranks(), " ")) .. M.placement(engine)
   end
-  local routers = engine.model and engine.model.routers or {}
-  local moe = #routers > 0 and (", moe gather: %s (%d blocks of %d experts)")
-                               :format(routers[1].gather == "expert" and "per expert" or
-                                       "whole block", #routers, routers[1].n_experts) or ""
+  local moe = engine.P.moe and ", moe gather: " .. Placement.describe_moe(engine.P.moe) or ""
   local line = ("zero stage %d, %s, %s, %d rank%s%s%s%s"):format(engine.stage,
     engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
     engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
