@@ -109,6 +109,9 @@ function T.engine_steps_are_a_loop_over_whole_tensors()
              ("step %d: the tensor at %d differs from the direct loop's"):format(t, d.off))
     end
   end
+  -- The REPL's norms show the 8-bit states by the values they stand for.
+  local text = tostring(require("luazero.ui.inspect").norms(e))
+  assert(text:find("AdamW8bit m (values) u8", 1, true), text)
   e:free()
 end
 

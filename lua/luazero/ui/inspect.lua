@@ -170,17 +170,22 @@ local function my_norms(engine)
   buf("grads (" .. P.grads.extent .. ")", engine.grads)
   if not P.opt_grads.alias and engine.ograds then buf("grads (host, f32)", engine.ograds) end
   local opt, st = engine.optimizer, engine.states
-  for i, name in ipairs(opt.states) do buf(opt.name .. " " .. name, st.s[i]) end
-  if P:swapped("optimizer") then
+  -- (block-scaled states, 8-bit AdamW's: the norms of the values they stand
+  -- for, which visit_states gives)
+  local scaled = next(st.blocks or {}) ~= nil
+  if not scaled then
+    for i, name in ipairs(opt.states) do buf(opt.name .. " " .. name, st.s[i]) end
+  end
+  if P:swapped("optimizer") or scaled then
     -- The optimizer states are in swap files: one pass over their sub-groups.
-    local tier = P.optimizer.tier
+    local tier = P:swapped("optimizer") and P.optimizer.tier or "values"
     local sq, n = {}, 0
     engine:visit_states(false, function(_, p, ...)
       local views = { p, ... }
       for i, t in ipairs(views) do sq[i] = (sq[i] or 0) + t:sq_norm() end
       n = n + p:numel()
     end)
-    if st.has_master then
+    if st.has_master and P:swapped("optimizer") then
       out.buffers[#out.buffers + 1] = { "master (fp32, " .. tier .. ")", "f32", n, math.sqrt(sq[1]) }
     end
     for i, name in ipairs(opt.states) do

@@ -241,9 +241,11 @@ function States:build_calls()
   end
   local runs = {}
   local small_at = 0 -- the next small run's place in the ring's small arrays
+  self.small_runs = {}
   for _, r in ipairs(ranks) do
     for _, run in ipairs(layout.shard_runs(L, r, self.matrices and self.matrices.matrix_of,
                                            sround, kinds(self.small_below))) do
+      if run.kind == "pad" then goto next end
       local shape = { run.numel }
       local item = {
         decay = run.decay, matrix = run.matrix, numel = run.numel, canonical = run.canonical,
@@ -261,10 +263,10 @@ function States:build_calls()
       end
       if run.kind == "small" then
         small_at = small_at + run.numel
-        self.small_runs = self.small_runs or {}
         self.small_runs[#self.small_runs + 1] = item
       end
-      if run.kind ~= "pad" then runs[#runs + 1] = item end
+      runs[#runs + 1] = item
+      ::next::
     end
   end
   local small = self.ring.small
