@@ -40,6 +40,12 @@ __device__ float block_reduce(float v, bool is_max) {
 // call computes on the widened values (as the cpu kernels do).
 __device__ __forceinline__ float widen(float v) { return v; }
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+// An f32 result stored as O: as is, or rounded to nearest even into bf16.
+template <typename O> __device__ __forceinline__ O narrow(float v);
+template <> __device__ __forceinline__ float narrow<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // --------------------------------------------------------------- LayerNorm
 
@@ -172,8 +178,10 @@ lz_status lz_cu_layernorm_backward(const lz_op_args *a) {
 
 // One warp per row: y = w * (x * s), s = 1 / sqrt(mean(x^2) + eps); x * s is
 // rounded before w multiplies it, as in LlamaRMSNorm. x and w f32 or bf16.
-template <typename T>
-__global__ void rmsnorm_forward_kernel(float *out, float *rstd, const T *x, const T *w,
+// out f32, or bf16 (the f32 value rounded to nearest even) for a norm whose
+// output only feeds bf16 GEMMs.
+template <typename T, typename O>
+__global__ void rmsnorm_forward_kernel(O *out, float *rstd, const T *x, const T *w,
                                        int64_t rows, int64_t C, float eps) {
   int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   int lane = threadIdx.x % WARP;
@@ -185,8 +193,8 @@ __global__ void rmsnorm_forward_kernel(float *out, float *rstd, const T *x, cons
     s2 += v * v;
   }
   const float s = 1.0f / sqrtf(warp_sum(s2) / (float)C + eps);
-  float *o = out + row * C;
-  for (int64_t i = lane; i < C; i += WARP) o[i] = widen(w[i]) * (widen(xr[i]) * s);
+  O *o = out + row * C;
+  for (int64_t i = lane; i < C; i += WARP) o[i] = narrow<O>(widen(w[i]) * (widen(xr[i]) * s));
   if (lane == 0) rstd[row] = s;
 }
 
@@ -235,16 +243,16 @@ __global__ void rmsnorm_dx_kernel(float *dx, const T *dy, const T *x, const T *w
     dxr[i] = (widen(w[i]) * widen(dyr[i]) - widen(xr[i]) * s * mean_gn) * s;
 }
 
-template <typename T>
+template <typename T, typename O>
 static lz_status rmsnorm_forward(const lz_op_args *a) {
   const lz_tensor *x = a->t[2];
   int64_t C = lz_cols(x), rows = lz_rows(x);
   if (rows == 0 || C == 0) return LZ_OK;
   const int rows_per_block = THREADS / WARP;
-  rmsnorm_forward_kernel<T><<<(unsigned)((rows + rows_per_block - 1) / rows_per_block), THREADS,
-                              0, LZ_CU_COMPUTE>>>((float *)a->t[0]->data, (float *)a->t[1]->data,
-                                                  (const T *)x->data, (const T *)a->t[3]->data,
-                                                  rows, C, a->f[0]);
+  rmsnorm_forward_kernel<T, O><<<(unsigned)((rows + rows_per_block - 1) / rows_per_block),
+                                 THREADS, 0, LZ_CU_COMPUTE>>>(
+      (O *)a->t[0]->data, (float *)a->t[1]->data, (const T *)x->data, (const T *)a->t[3]->data,
+      rows, C, a->f[0]);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -275,7 +283,11 @@ static lz_status rmsnorm_backward(const lz_op_args *a) {
 }
 
 lz_status lz_cu_rmsnorm_forward(const lz_op_args *a) {
-  return a->t[2]->dtype == LZ_BF16 ? rmsnorm_forward<__nv_bfloat16>(a) : rmsnorm_forward<float>(a);
+  const bool bf16_in = a->t[2]->dtype == LZ_BF16;
+  if (a->t[0]->dtype == LZ_BF16)
+    return bf16_in ? rmsnorm_forward<__nv_bfloat16, __nv_bfloat16>(a)
+                   : rmsnorm_forward<float, __nv_bfloat16>(a);
+  return bf16_in ? rmsnorm_forward<__nv_bfloat16, float>(a) : rmsnorm_forward<float, float>(a);
 }
 
 lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {

@@ -67,6 +67,9 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   return self
 end
 
+-- x goes to the q|k|v projection only.
+function GQA:gemm_input() return self.qkv_proj:gemm_input() end
+
 -- The q|k|v projection of x, its q and k heads normed when the family says so.
 function GQA:project(x)
   local qkv = self:run_forward(self.qkv_proj, x)

@@ -44,17 +44,26 @@ function SwiGLUMLP.new(n_embd, n_hidden, std, opts)
   return self
 end
 
+-- x goes to the gate and up projections only: a copy for each.
+function SwiGLUMLP:gemm_input()
+  if self.gate_up then return self.gate_up:gemm_input() end
+  local g, u = self.gate_proj:gemm_input(), self.up_proj:gemm_input()
+  return (g > 0 and u > 0) and g + u or 0
+end
+
+-- act(gate) * up feeds down_proj only: written bf16 for it under bf16
+-- training (backward reads gate and up, never it).
 function SwiGLUMLP:forward(x)
   if self.gate_up then
     local gu = self:run_forward(self.gate_up, x)
-    local h = self:activation({ gu:dim(1), gu:dim(2), self.n_hidden })
+    local h = self:output_for(self.down_proj, { gu:dim(1), gu:dim(2), self.n_hidden })
     ops.swiglu_packed_forward(h, gu)
     self.gu = gu
     return self:run_forward(self.down_proj, h)
   end
   local gate = self:run_forward(self.gate_proj, x)
   local up = self:run_forward(self.up_proj, x)
-  local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
+  local h = self:output_for(self.down_proj, { gate:dim(1), gate:dim(2), self.n_hidden })
   ops[self.forward_op](h, gate, up)
   self.gate, self.up = gate, up
   return self:run_forward(self.down_proj, h)
@@ -76,11 +85,12 @@ function SwiGLUMLP:backward(dy)
   return dx
 end
 
--- Besides the projections: act(gate) * up; dup.
-function SwiGLUMLP:own_memory(B, T)
-  local h = lz.arena_bytes(B * T * self.n_hidden)
-  if self.gate_up then return { activations = h, scratch = lz.arena_bytes(2 * B * T * self.n_hidden) } end
-  return { activations = h, scratch = h }
+-- Besides the projections: act(gate) * up (output_bytes_for); dup.
+function SwiGLUMLP:own_memory(B, T, dtype)
+  local n = B * T * self.n_hidden
+  local h, casts = Module.output_bytes_for(self.down_proj, n, dtype)
+  local scratch = lz.arena_bytes(self.gate_up and 2 * n or n)
+  return { activations = h, casts = casts, scratch = scratch }
 end
 
 return SwiGLUMLP
