@@ -775,12 +775,34 @@ static void gated_bf16_out_case(int64_t rows, int64_t H) {
     CHECK_OK(lz_swiglu_packed_forward(ob, p));
     check_rounded("swiglu packed forward", ob, of);
   }
+  /* backward: dgate and dup (dgu packed) in bf16 */
+  lz_tensor *db, *df, *dgf = new_t(LZ_F32, 2, s), *duf = new_t(LZ_F32, 2, s);
+  lz_tensor *dgb = new_t(LZ_BF16, 2, s), *dub = new_t(LZ_BF16, 2, s);
+  lz_tensor *dpf = new_t(LZ_F32, 2, sp), *dpb = new_t(LZ_BF16, 2, sp);
+  rand_pair(&db, &df, 2, s, 1.0f);
+  for (int in_bf16 = 0; in_bf16 < 2; in_bf16++) {
+    const lz_tensor *g = in_bf16 ? gb : gf, *u = in_bf16 ? ub : uf, *p = in_bf16 ? pb : pf;
+    const lz_tensor *d = in_bf16 ? db : df;
+    CHECK_OK(lz_swiglu_backward(dgf, duf, d, g, u));
+    CHECK_OK(lz_swiglu_backward(dgb, dub, d, g, u));
+    check_rounded("swiglu backward dgate", dgb, dgf);
+    check_rounded("swiglu backward dup", dub, duf);
+    CHECK_OK(lz_geglu_backward(dgf, duf, d, g, u));
+    CHECK_OK(lz_geglu_backward(dgb, dub, d, g, u));
+    check_rounded("geglu backward dgate", dgb, dgf);
+    check_rounded("geglu backward dup", dub, duf);
+    CHECK_OK(lz_swiglu_packed_backward(dpf, d, p));
+    CHECK_OK(lz_swiglu_packed_backward(dpb, d, p));
+    check_rounded("swiglu packed backward", dpb, dpf);
+  }
   lz_tensor over = *gf;
   over.dtype = LZ_BF16;
   CHECK_ERR(lz_swiglu_forward(&over, gf, uf), LZ_ERR_INVALID,
             "swiglu_forward: a bf16 out shares memory with an input");
-  lz_tensor *ts[] = {gb, gf, ub, uf, pb, pf, of, ob};
-  free_all(ts, 8);
+  CHECK_ERR(lz_swiglu_backward(dgb, &over, df, gf, uf), LZ_ERR_INVALID,
+            "swiglu_backward: a bf16 out shares memory with an input");
+  lz_tensor *ts[] = {gb, gf, ub, uf, pb, pf, of, ob, db, df, dgf, duf, dgb, dub, dpf, dpb};
+  free_all(ts, 16);
 }
 
 LZ_TEST(gated_bf16_out_is_the_f32_out_rounded) {

@@ -13,7 +13,8 @@
  * the result is bitwise the f32 one on the widened inputs. out is f32, or
  * bf16 where it only feeds a bf16 GEMM (the down projection): computed in f32
  * chunks on the stack and rounded as tensor_copy rounds, so the result is
- * bitwise the f32 out converted, without a cast pass reading it back.
+ * bitwise the f32 out converted, without a cast pass reading it back; dgate
+ * and dup likewise (both bf16: each feeds its projection's backward GEMMs).
  *
  * lz_swiglu_packed_* read gate and up from one tensor, each row gate's H
  * values then up's (Phi-3's gate_up_proj, chunked in two as Phi3MLP does):
@@ -110,6 +111,30 @@ LZ_DISPATCH static void gated_forward_span(void *out, lz_dtype odt, const void *
   }
 }
 
+/* dgate[0:n] and dup[0:n] (both of dtype odt) from dout, gate and up (of
+ * dtype dt). */
+LZ_DISPATCH static void gated_backward_span(void *dgate, void *dup, lz_dtype odt,
+                                            const void *dout, const void *gate, const void *up,
+                                            lz_dtype dt, int64_t n, gate_act act) {
+  if (odt == LZ_F32) {
+    if (dt == LZ_BF16) swiglu_backward_block_bf16(dgate, dup, dout, gate, up, n, act);
+    else swiglu_backward_block(dgate, dup, dout, gate, up, n, act);
+    return;
+  }
+  float dg[CHUNK], du[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    if (dt == LZ_BF16)
+      swiglu_backward_block_bf16(dg, du, (const uint16_t *)dout + i0, (const uint16_t *)gate + i0,
+                                 (const uint16_t *)up + i0, m, act);
+    else
+      swiglu_backward_block(dg, du, (const float *)dout + i0, (const float *)gate + i0,
+                            (const float *)up + i0, m, act);
+    lz_row_to_bf16((uint16_t *)dgate + i0, dg, m);
+    lz_row_to_bf16((uint16_t *)dup + i0, du, m);
+  }
+}
+
 /* Element i of a float buffer of dtype dt (f32, or 2-byte bf16). */
 static void *element(void *p, lz_dtype dt, int64_t i) {
   return (char *)p + i * (dt == LZ_F32 ? 4 : 2);
@@ -163,22 +188,16 @@ static lz_status swiglu_packed_forward_cpu(lz_tensor *out, const lz_tensor *gate
   return LZ_OK;
 }
 
-static lz_status swiglu_packed_backward_cpu(float *dg, const lz_tensor *dout,
+static lz_status swiglu_packed_backward_cpu(lz_tensor *dgu, const lz_tensor *dout,
                                             const lz_tensor *gate, int64_t H, gate_act act) {
   const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
-  if (gate->dtype == LZ_BF16) {
-    const uint16_t *g = gate->data, *d = dout->data;
-#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
-    for (int64_t r = 0; r < rows; r++)
-      swiglu_backward_block_bf16(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
-                                 g + 2 * H * r + H, H, act);
-    return LZ_OK;
-  }
-  const float *g = gate->data, *d = dout->data;
+  const lz_dtype dt = gate->dtype, odt = dgu->dtype;
+  void *dg = dgu->data, *g = gate->data, *d = dout->data;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
   for (int64_t r = 0; r < rows; r++)
-    swiglu_backward_block(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
-                          g + 2 * H * r + H, H, act);
+    gated_backward_span(element(dg, odt, 2 * H * r), element(dg, odt, 2 * H * r + H), odt,
+                        element(d, dt, H * r), element(g, dt, 2 * H * r),
+                        element(g, dt, 2 * H * r + H), dt, H, act);
   return LZ_OK;
 }
 
@@ -206,28 +225,24 @@ static lz_status gated_backward(const char *op, lz_op id, lz_tensor *dgate, lz_t
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
+  LZ_TRY(check_bf16_out(op, dgate, dout, gate));
+  LZ_TRY(check_bf16_out(op, dup, dout, gate));
+  LZ_TRY(check_bf16_out(op, dgate, up, NULL));
+  LZ_TRY(check_bf16_out(op, dup, up, NULL));
   return lz_op_run(op, id, &args);
 }
 
 static lz_status cpu_gated_backward(const lz_op_args *a, gate_act act) {
   lz_tensor *dgate = a->t[0], *dup = a->t[1];
   const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
-  if (!up) return swiglu_packed_backward_cpu(dgate->data, dout, gate, a->i[0], act);
+  if (!up) return swiglu_packed_backward_cpu(dgate, dout, gate, a->i[0], act);
   const int64_t n = lz_tensor_numel(gate);
-  float *dg = dgate->data, *du = dup->data;
-  if (gate->dtype == LZ_BF16) {
-    const uint16_t *dop = dout->data, *gp = gate->data, *up_ = up->data;
-#pragma omp parallel for schedule(static) if (n > BLOCK)
-    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-      swiglu_backward_block_bf16(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
-                                 n - i0 < BLOCK ? n - i0 : BLOCK, act);
-    return LZ_OK;
-  }
-  const float *dop = dout->data, *gp = gate->data, *up_ = up->data;
+  const lz_dtype dt = gate->dtype, odt = dgate->dtype;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-    swiglu_backward_block(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
-                          n - i0 < BLOCK ? n - i0 : BLOCK, act);
+    gated_backward_span(element(dgate->data, odt, i0), element(dup->data, odt, i0), odt,
+                        element(dout->data, dt, i0), element(gate->data, dt, i0),
+                        element(up->data, dt, i0), dt, n - i0 < BLOCK ? n - i0 : BLOCK, act);
   return LZ_OK;
 }
 
@@ -307,5 +322,6 @@ lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
                    "share it, give dgate its own buffer",
                    op);
   LZ_TRY(lz_check_no_alias(op, "dgate", dgate, "gate", gate));
+  LZ_TRY(check_bf16_out(op, dgate, gate, NULL));
   return lz_op_run(op, LZ_OP_SWIGLU_BACKWARD, &args);
 }

@@ -63,7 +63,8 @@ function Linear:backward(dy, w, dw)
   return dx
 end
 
--- Its input is a matmul operand only (LoRA's wrapper reads it itself).
+-- Its input and its output's gradient are matmul operands only (LoRA's
+-- wrapper reads both itself).
 function Linear:gemm_input() return 1 end
 
 -- Casts: the matmul operands in forward and backward, the bias in forward.

@@ -320,6 +320,14 @@ function Module:output_for(consumer, shape)
   return self:activation(shape)
 end
 
+-- A gradient of `shape` flowing back into `consumer` (a Linear: its
+-- backward multiplies it only): bf16 in the cast arena under bf16 training,
+-- where the consumer would have cast it, else f32 scratch.
+function Module:grad_for(consumer, shape)
+  if self:writes_bf16_for(consumer) then return self.ctx.cast_arena:tensor(shape, "bf16") end
+  return self:scratch(shape)
+end
+
 -- Memory of a producer's output of n elements for `consumer` under working
 -- dtype `dtype`: { activations, casts } bytes. Written bf16, it takes the
 -- cast arena's bytes one copy takes and saves the consumer's copies.
