@@ -120,7 +120,8 @@ lz_status lz_cpu_rmsnorm_forward(const lz_op_args *a) {
   if (out->dtype == LZ_BF16) {
     uint16_t *ob = out->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
-    for (int64_t r = 0; r < rows; r++) rmsnorm_forward_row_to_bf16(ob + r * C, rs + r, x, w, r, C, eps);
+    for (int64_t r = 0; r < rows; r++)
+      rmsnorm_forward_row_to_bf16(ob + r * C, rs + r, x, w, r, C, eps);
     return LZ_OK;
   }
   if (x->dtype == LZ_BF16) {

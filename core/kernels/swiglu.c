@@ -93,11 +93,12 @@ LZ_DISPATCH static void swiglu_backward_block_bf16(float *dgate, float *dup, con
 
 /* out[0:n] (of dtype odt) from gate[0:n] and up[0:n] (of dtype dt). */
 LZ_DISPATCH static void gated_forward_span(void *out, lz_dtype odt, const void *gate,
-                                           const void *up, lz_dtype dt, int64_t n,
-                                           gate_act act) {
+                                           const void *up, lz_dtype dt, int64_t n, gate_act act) {
   if (odt == LZ_F32) {
-    if (dt == LZ_BF16) swiglu_forward_block_bf16(out, gate, up, n, act);
-    else swiglu_forward_block(out, gate, up, n, act);
+    if (dt == LZ_BF16)
+      swiglu_forward_block_bf16(out, gate, up, n, act);
+    else
+      swiglu_forward_block(out, gate, up, n, act);
     return;
   }
   float o[CHUNK];
@@ -113,12 +114,14 @@ LZ_DISPATCH static void gated_forward_span(void *out, lz_dtype odt, const void *
 
 /* dgate[0:n] and dup[0:n] (both of dtype odt) from dout, gate and up (of
  * dtype dt). */
-LZ_DISPATCH static void gated_backward_span(void *dgate, void *dup, lz_dtype odt,
-                                            const void *dout, const void *gate, const void *up,
-                                            lz_dtype dt, int64_t n, gate_act act) {
+LZ_DISPATCH static void gated_backward_span(void *dgate, void *dup, lz_dtype odt, const void *dout,
+                                            const void *gate, const void *up, lz_dtype dt,
+                                            int64_t n, gate_act act) {
   if (odt == LZ_F32) {
-    if (dt == LZ_BF16) swiglu_backward_block_bf16(dgate, dup, dout, gate, up, n, act);
-    else swiglu_backward_block(dgate, dup, dout, gate, up, n, act);
+    if (dt == LZ_BF16)
+      swiglu_backward_block_bf16(dgate, dup, dout, gate, up, n, act);
+    else
+      swiglu_backward_block(dgate, dup, dout, gate, up, n, act);
     return;
   }
   float dg[CHUNK], du[CHUNK];
@@ -215,8 +218,7 @@ static lz_status cpu_gated_forward(const lz_op_args *a, gate_act act) {
 }
 
 static lz_status gated_backward(const char *op, lz_op id, lz_tensor *dgate, lz_tensor *dup,
-                                const lz_tensor *dout, const lz_tensor *gate,
-                                const lz_tensor *up) {
+                                const lz_tensor *dout, const lz_tensor *gate, const lz_tensor *up) {
   const lz_op_args args = {
       .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up}};
   LZ_TRY(lz_op_check_dtypes(op, id, &args));
@@ -312,9 +314,8 @@ lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
   LZ_TRY(check_packed(op, "dout", dout, gate));
   LZ_TRY(lz_check_present(op, "dgate", dgate));
   LZ_TRY(lz_check_same_shape(op, "dgate", dgate, "gate", gate));
-  const lz_op_args args = {
-      .t = {dgate, NULL, (lz_tensor *)dout, (lz_tensor *)gate, NULL},
-      .i = {dout->shape[dout->ndim - 1]}};
+  const lz_op_args args = {.t = {dgate, NULL, (lz_tensor *)dout, (lz_tensor *)gate, NULL},
+                           .i = {dout->shape[dout->ndim - 1]}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_BACKWARD, &args));
   if (dgate->data == dout->data)
     return lz_fail(LZ_ERR_INVALID,
