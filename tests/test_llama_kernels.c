@@ -809,3 +809,33 @@ LZ_TEST(gated_bf16_out_is_the_f32_out_rounded) {
   gated_bf16_out_case(3, 37);
   gated_bf16_out_case(16, 2048); /* threaded, chunks and rows */
 }
+
+/* RoPE's backward into a bf16 dx (the q|k|v projection's output gradient):
+ * packed rows (q and k heads turn, v passes), positions from an offset, from
+ * pos, and partial heads with scaled cos and sin. */
+LZ_TEST(rope_backward_bf16_dx_is_the_f32_dx_rounded) {
+  const int64_t B = 2, T = 9, HD = 8, NR = 3, NT = 5;
+  const int64_t sp[3] = {B, T, NT * HD}, sf[1] = {HD / 2}, sf2[1] = {HD / 4}, spos[2] = {B, T};
+  lz_tensor *yb, *y;
+  rand_pair(&yb, &y, 3, sp, 1.0f);
+  lz_tensor *df = new_t(LZ_F32, 3, sp), *db = new_t(LZ_BF16, 3, sp);
+  lz_tensor *f = new_t(LZ_F32, 1, sf), *f2 = new_t(LZ_F32, 1, sf2), *pos = new_t(LZ_I32, 2, spos);
+  float *fp = f->data, *fp2 = f2->data;
+  for (int i = 0; i < HD / 2; i++) fp[i] = 1.0f / (float)(i + 2);
+  for (int i = 0; i < HD / 4; i++) fp2[i] = 1.0f / (float)(i + 3);
+  int32_t *pp = pos->data;
+  for (int64_t i = 0; i < B * T; i++) pp[i] = (int32_t)((i * 5) % 7);
+  CHECK_OK(lz_rope_freqs_backward(df, y, f, (int)NR, 4));
+  CHECK_OK(lz_rope_freqs_backward(db, y, f, (int)NR, 4));
+  check_rounded("rope_freqs backward", db, df);
+  CHECK_OK(lz_rope_pos_backward(df, y, f, pos, (int)NR));
+  CHECK_OK(lz_rope_pos_backward(db, y, f, pos, (int)NR));
+  check_rounded("rope_pos backward", db, df);
+  CHECK_OK(lz_rope_ext_backward(df, y, f2, NULL, (int)NR, (int)HD, 3, 1.25f));
+  CHECK_OK(lz_rope_ext_backward(db, y, f2, NULL, (int)NR, (int)HD, 3, 1.25f));
+  check_rounded("rope_ext backward", db, df);
+  CHECK_ERR(lz_rope_freqs_backward(db, yb, f, (int)NR, 4), LZ_ERR_INVALID,
+            "rope_backward: a bf16 dx takes an f32 dy");
+  lz_tensor *ts[] = {yb, y, df, db, f, f2, pos};
+  free_all(ts, 7);
+}
