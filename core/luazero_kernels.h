@@ -44,11 +44,14 @@ lz_status lz_gelu_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tensor *
 
 /* Llama's layers (Hugging Face's equations), on the cpu and sim (not cuda
  * yet). Inputs f32, or bf16 with fp32 arithmetic (bitwise the f32 result on
- * the bf16 values widened); outputs and saved statistics f32. An f32 output
- * may alias an f32 input only. */
+ * the bf16 values widened); outputs and saved statistics f32, save where
+ * one says bf16: the f32 result rounded to nearest even, as tensor_copy
+ * rounds (an output that only feeds bf16 GEMMs, written without a cast
+ * pass). An f32 output may alias an f32 input only; a bf16 one no input. */
 
 /* RMSNorm over the last dimension C: out = w * (x / sqrt(mean(x^2) + eps)).
- * x, w: f32 or both bf16 (and dy, x, w in backward); out, rstd, dx, dw f32.
+ * x, w: f32 or both bf16 (and dy, x, w in backward); out f32 or bf16; rstd,
+ * dx, dw f32.
  * rstd: numel(x)/C floats, 1/sqrt(mean(x^2) + eps), saved for backward. */
 lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x,
                              const lz_tensor *w, float eps);
@@ -82,7 +85,8 @@ lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int he
 lz_status lz_rope_backward(lz_tensor *dx, const lz_tensor *dy, int n_head, int head_dim,
                            int64_t pos_offset, float theta);
 /* The same with the inverse frequencies given: inv_freq f32 [head_dim/2]
- * (Llama 3's rope_scaling). x, dy: f32 or bf16; out, dx: f32. The last
+ * (Llama 3's rope_scaling). x, dy: f32 or bf16; out f32; dx f32, or bf16
+ * from an f32 dy. The last
  * dimension may hold more than n_head heads: the first n_head turn, the rest
  * is copied (Llama's packed q|k|v rows: turn the q and k heads). */
 lz_status lz_rope_freqs_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor *inv_freq,
@@ -111,7 +115,8 @@ lz_status lz_rope_ext_backward(lz_tensor *dx, const lz_tensor *dy, const lz_tens
 
 /* out = silu(gate) * up, all one shape; out may alias gate or up. Backward
  * writes dgate and dup (two buffers; each may alias dout, gate or up).
- * gate, up (and dout): f32 or all bf16; out, dgate, dup: f32. */
+ * gate, up (and dout): f32 or all bf16; out f32 or bf16; dgate, dup both f32
+ * or both bf16. The GeGLU and packed forms likewise. */
 lz_status lz_swiglu_forward(lz_tensor *out, const lz_tensor *gate, const lz_tensor *up);
 lz_status lz_swiglu_backward(lz_tensor *dgate, lz_tensor *dup, const lz_tensor *dout,
                              const lz_tensor *gate, const lz_tensor *up);

@@ -162,48 +162,51 @@ __device__ __forceinline__ float widen(float v) { return v; }
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // out = silu(gate) * up, silu(g) = g / (1 + e^-g). out may be gate or up
-// (f32): each element is read before it is written.
+// (f32): each element is read before it is written. A bf16 out (feeding a
+// bf16 GEMM) is the f32 value rounded to nearest even, as a conversion would.
 template <typename T>
-__global__ void swiglu_forward_kernel(float *out, const T *gate, const T *up, int64_t n) {
+__global__ void swiglu_forward_kernel(void *out, lz_dtype odt, const T *gate, const T *up,
+                                      int64_t n) {
   GRID_STRIDE(i, n) {
     const float g = widen(gate[i]);
-    out[i] = g / (1.0f + expf(-g)) * widen(up[i]);
+    store_from_f32(out, odt, i, g / (1.0f + expf(-g)) * widen(up[i]));
   }
 }
 
 // With s = sigmoid(g): d silu / dg = s (1 + g (1 - s)), as torch's silu
 // backward. dgate and dup may each be dout, gate or up (f32).
 template <typename T>
-__global__ void swiglu_backward_kernel(float *dgate, float *dup, const T *dout, const T *gate,
-                                       const T *up, int64_t n) {
+__global__ void swiglu_backward_kernel(void *dgate, void *dup, lz_dtype odt, const T *dout,
+                                       const T *gate, const T *up, int64_t n) {
   GRID_STRIDE(i, n) {
     const float g = widen(gate[i]), u = widen(up[i]), d = widen(dout[i]);
     const float s = 1.0f / (1.0f + expf(-g));
-    dgate[i] = d * u * (s * (1.0f + g * (1.0f - s)));
-    dup[i] = d * (g * s);
+    store_from_f32(dgate, odt, i, d * u * (s * (1.0f + g * (1.0f - s))));
+    store_from_f32(dup, odt, i, d * (g * s));
   }
 }
 
 // The packed form (lz_swiglu_packed_*): element i of out is row i / H's
 // gate at 2H (i / H) + i % H, its up H further; dgate likewise.
 template <typename T>
-__global__ void swiglu_packed_forward_kernel(float *out, const T *gu, int64_t H, int64_t n) {
+__global__ void swiglu_packed_forward_kernel(void *out, lz_dtype odt, const T *gu, int64_t H,
+                                             int64_t n) {
   GRID_STRIDE(i, n) {
     const int64_t at = 2 * H * (i / H) + i % H;
     const float g = widen(gu[at]);
-    out[i] = g / (1.0f + expf(-g)) * widen(gu[at + H]);
+    store_from_f32(out, odt, i, g / (1.0f + expf(-g)) * widen(gu[at + H]));
   }
 }
 
 template <typename T>
-__global__ void swiglu_packed_backward_kernel(float *dgu, const T *dout, const T *gu, int64_t H,
-                                              int64_t n) {
+__global__ void swiglu_packed_backward_kernel(void *dgu, lz_dtype odt, const T *dout, const T *gu,
+                                              int64_t H, int64_t n) {
   GRID_STRIDE(i, n) {
     const int64_t at = 2 * H * (i / H) + i % H;
     const float g = widen(gu[at]), u = widen(gu[at + H]), d = widen(dout[i]);
     const float s = 1.0f / (1.0f + expf(-g));
-    dgu[at] = d * u * (s * (1.0f + g * (1.0f - s)));
-    dgu[at + H] = d * (g * s);
+    store_from_f32(dgu, odt, at, d * u * (s * (1.0f + g * (1.0f - s))));
+    store_from_f32(dgu, odt, at + H, d * (g * s));
   }
 }
 
@@ -212,21 +215,24 @@ static lz_status swiglu_packed(const lz_op_args *a, bool backward) {
   const int64_t H = a->i[0], n = H ? lz_tensor_numel(gu) / 2 : 0;
   if (n == 0) return LZ_OK;
   const unsigned blocks = lz_cu_blocks(n, THREADS);
-  float *o = (float *)a->t[0]->data;
+  void *o = a->t[0]->data;
+  const lz_dtype odt = a->t[0]->dtype;
   if (gu->dtype == LZ_BF16) {
     const __nv_bfloat16 *g = (const __nv_bfloat16 *)gu->data;
     if (backward)
       swiglu_packed_backward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(
-          o, (const __nv_bfloat16 *)a->t[2]->data, g, H, n);
+          o, odt, (const __nv_bfloat16 *)a->t[2]->data, g, H, n);
     else
-      swiglu_packed_forward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(o, g, H, n);
+      swiglu_packed_forward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(
+          o, odt, g, H, n);
   } else {
     const float *g = (const float *)gu->data;
     if (backward)
       swiglu_packed_backward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(
-          o, (const float *)a->t[2]->data, g, H, n);
+          o, odt, (const float *)a->t[2]->data, g, H, n);
     else
-      swiglu_packed_forward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(o, g, H, n);
+      swiglu_packed_forward_kernel<<<blocks, THREADS, 0, LZ_CU_COMPUTE>>>(
+          o, odt, g, H, n);
   }
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
@@ -237,13 +243,14 @@ lz_status lz_cu_swiglu_forward(const lz_op_args *a) {
   if (!up) return swiglu_packed(a, false);
   int64_t n = lz_tensor_numel(gate);
   if (n == 0) return LZ_OK;
-  float *out = (float *)a->t[0]->data;
+  void *out = a->t[0]->data;
+  const lz_dtype odt = a->t[0]->dtype;
   if (gate->dtype == LZ_BF16)
     swiglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        out, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
+        out, odt, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
   else
     swiglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        out, (const float *)gate->data, (const float *)up->data, n);
+        out, odt, (const float *)gate->data, (const float *)up->data, n);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -253,14 +260,15 @@ lz_status lz_cu_swiglu_backward(const lz_op_args *a) {
   if (!up) return swiglu_packed(a, true);
   int64_t n = lz_tensor_numel(gate);
   if (n == 0) return LZ_OK;
-  float *dg = (float *)a->t[0]->data, *du = (float *)a->t[1]->data;
+  void *dg = a->t[0]->data, *du = a->t[1]->data;
+  const lz_dtype odt = a->t[0]->dtype;
   if (gate->dtype == LZ_BF16)
     swiglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        dg, du, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
+        dg, du, odt, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
         (const __nv_bfloat16 *)up->data, n);
   else
     swiglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        dg, du, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
+        dg, du, odt, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -282,17 +290,18 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
 }
 
 template <typename T>
-__global__ void geglu_forward_kernel(float *out, const T *gate, const T *up, int64_t n) {
-  GRID_STRIDE(i, n) { out[i] = gelu_tanh(widen(gate[i])) * widen(up[i]); }
+__global__ void geglu_forward_kernel(void *out, lz_dtype odt, const T *gate, const T *up,
+                                     int64_t n) {
+  GRID_STRIDE(i, n) { store_from_f32(out, odt, i, gelu_tanh(widen(gate[i])) * widen(up[i])); }
 }
 
 template <typename T>
-__global__ void geglu_backward_kernel(float *dgate, float *dup, const T *dout, const T *gate,
-                                      const T *up, int64_t n) {
+__global__ void geglu_backward_kernel(void *dgate, void *dup, lz_dtype odt, const T *dout,
+                                      const T *gate, const T *up, int64_t n) {
   GRID_STRIDE(i, n) {
     const float g = widen(gate[i]), u = widen(up[i]), d = widen(dout[i]);
-    dgate[i] = d * u * gelu_tanh_grad(g);
-    dup[i] = d * gelu_tanh(g);
+    store_from_f32(dgate, odt, i, d * u * gelu_tanh_grad(g));
+    store_from_f32(dup, odt, i, d * gelu_tanh(g));
   }
 }
 
@@ -300,13 +309,14 @@ lz_status lz_cu_geglu_forward(const lz_op_args *a) {
   const lz_tensor *gate = a->t[1], *up = a->t[2];
   int64_t n = lz_tensor_numel(gate);
   if (n == 0) return LZ_OK;
-  float *out = (float *)a->t[0]->data;
+  void *out = a->t[0]->data;
+  const lz_dtype odt = a->t[0]->dtype;
   if (gate->dtype == LZ_BF16)
     geglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        out, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
+        out, odt, (const __nv_bfloat16 *)gate->data, (const __nv_bfloat16 *)up->data, n);
   else
     geglu_forward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        out, (const float *)gate->data, (const float *)up->data, n);
+        out, odt, (const float *)gate->data, (const float *)up->data, n);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -315,14 +325,15 @@ lz_status lz_cu_geglu_backward(const lz_op_args *a) {
   const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
   int64_t n = lz_tensor_numel(gate);
   if (n == 0) return LZ_OK;
-  float *dg = (float *)a->t[0]->data, *du = (float *)a->t[1]->data;
+  void *dg = a->t[0]->data, *du = a->t[1]->data;
+  const lz_dtype odt = a->t[0]->dtype;
   if (gate->dtype == LZ_BF16)
     geglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        dg, du, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
+        dg, du, odt, (const __nv_bfloat16 *)dout->data, (const __nv_bfloat16 *)gate->data,
         (const __nv_bfloat16 *)up->data, n);
   else
     geglu_backward_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-        dg, du, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
+        dg, du, odt, (const float *)dout->data, (const float *)gate->data, (const float *)up->data, n);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

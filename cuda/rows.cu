@@ -40,6 +40,12 @@ __device__ float block_reduce(float v, bool is_max) {
 // call computes on the widened values (as the cpu kernels do).
 __device__ __forceinline__ float widen(float v) { return v; }
 __device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+// An f32 result stored as O: as is, or rounded to nearest even into bf16.
+template <typename O> __device__ __forceinline__ O narrow(float v);
+template <> __device__ __forceinline__ float narrow<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // --------------------------------------------------------------- LayerNorm
 
@@ -172,8 +178,10 @@ lz_status lz_cu_layernorm_backward(const lz_op_args *a) {
 
 // One warp per row: y = w * (x * s), s = 1 / sqrt(mean(x^2) + eps); x * s is
 // rounded before w multiplies it, as in LlamaRMSNorm. x and w f32 or bf16.
-template <typename T>
-__global__ void rmsnorm_forward_kernel(float *out, float *rstd, const T *x, const T *w,
+// out f32, or bf16 (the f32 value rounded to nearest even) for a norm whose
+// output only feeds bf16 GEMMs.
+template <typename T, typename O>
+__global__ void rmsnorm_forward_kernel(O *out, float *rstd, const T *x, const T *w,
                                        int64_t rows, int64_t C, float eps) {
   int64_t row = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   int lane = threadIdx.x % WARP;
@@ -185,8 +193,8 @@ __global__ void rmsnorm_forward_kernel(float *out, float *rstd, const T *x, cons
     s2 += v * v;
   }
   const float s = 1.0f / sqrtf(warp_sum(s2) / (float)C + eps);
-  float *o = out + row * C;
-  for (int64_t i = lane; i < C; i += WARP) o[i] = widen(w[i]) * (widen(xr[i]) * s);
+  O *o = out + row * C;
+  for (int64_t i = lane; i < C; i += WARP) o[i] = narrow<O>(widen(w[i]) * (widen(xr[i]) * s));
   if (lane == 0) rstd[row] = s;
 }
 
@@ -235,16 +243,16 @@ __global__ void rmsnorm_dx_kernel(float *dx, const T *dy, const T *x, const T *w
     dxr[i] = (widen(w[i]) * widen(dyr[i]) - widen(xr[i]) * s * mean_gn) * s;
 }
 
-template <typename T>
+template <typename T, typename O>
 static lz_status rmsnorm_forward(const lz_op_args *a) {
   const lz_tensor *x = a->t[2];
   int64_t C = lz_cols(x), rows = lz_rows(x);
   if (rows == 0 || C == 0) return LZ_OK;
   const int rows_per_block = THREADS / WARP;
-  rmsnorm_forward_kernel<T><<<(unsigned)((rows + rows_per_block - 1) / rows_per_block), THREADS,
-                              0, LZ_CU_COMPUTE>>>((float *)a->t[0]->data, (float *)a->t[1]->data,
-                                                  (const T *)x->data, (const T *)a->t[3]->data,
-                                                  rows, C, a->f[0]);
+  rmsnorm_forward_kernel<T, O><<<(unsigned)((rows + rows_per_block - 1) / rows_per_block),
+                                 THREADS, 0, LZ_CU_COMPUTE>>>(
+      (O *)a->t[0]->data, (float *)a->t[1]->data, (const T *)x->data, (const T *)a->t[3]->data,
+      rows, C, a->f[0]);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -275,7 +283,11 @@ static lz_status rmsnorm_backward(const lz_op_args *a) {
 }
 
 lz_status lz_cu_rmsnorm_forward(const lz_op_args *a) {
-  return a->t[2]->dtype == LZ_BF16 ? rmsnorm_forward<__nv_bfloat16>(a) : rmsnorm_forward<float>(a);
+  const bool bf16_in = a->t[2]->dtype == LZ_BF16;
+  if (a->t[0]->dtype == LZ_BF16)
+    return bf16_in ? rmsnorm_forward<__nv_bfloat16, __nv_bfloat16>(a)
+                   : rmsnorm_forward<float, __nv_bfloat16>(a);
+  return bf16_in ? rmsnorm_forward<__nv_bfloat16, float>(a) : rmsnorm_forward<float, float>(a);
 }
 
 lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {
@@ -465,8 +477,8 @@ __global__ void rope_inv_freq_kernel(float *inv_freq, double theta, int64_t half
 // unless it is 0. out may be x (f32): a thread reads its pair before it
 // writes it.
 // pos (NULL: pos_offset + t): each row's position, as lz_rope_pos_*.
-template <typename T>
-__global__ void rope_kernel(float *out, const T *x, const float *inv_freq, const int32_t *pos,
+template <typename T, typename O>
+__global__ void rope_kernel(O *out, const T *x, const float *inv_freq, const int32_t *pos,
                             int64_t rows, int64_t seq, int64_t C, int64_t n_head, int64_t half,
                             int64_t stride, int64_t pos_offset, float sign, float scale) {
   const int64_t n = rows * n_head * half;
@@ -481,34 +493,34 @@ __global__ void rope_kernel(float *out, const T *x, const float *inv_freq, const
     sn *= sign;
     const int64_t at = r * C + h * stride + i;
     const float x1 = widen(x[at]), x2 = widen(x[at + half]);
-    out[at] = x1 * cs - x2 * sn;
-    out[at + half] = x2 * cs + x1 * sn;
+    out[at] = narrow<O>(x1 * cs - x2 * sn);
+    out[at + half] = narrow<O>(x2 * cs + x1 * sn);
   }
 }
 
 // The values of the first n_head heads that do not turn (from 2 * half to
 // stride in each): copied (widened) from x to out.
-template <typename T>
-__global__ void rope_copy_pass_kernel(float *out, const T *x, int64_t rows, int64_t C,
+template <typename T, typename O>
+__global__ void rope_copy_pass_kernel(O *out, const T *x, int64_t rows, int64_t C,
                                       int64_t n_head, int64_t half, int64_t stride) {
   const int64_t w = stride - 2 * half, n = rows * n_head * w;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (int64_t)gridDim.x * blockDim.x) {
     const int64_t j = e % w, rh = e / w, h = rh % n_head, r = rh / n_head;
     const int64_t at = r * C + h * stride + 2 * half + j;
-    out[at] = widen(x[at]);
+    out[at] = narrow<O>(widen(x[at]));
   }
 }
 
 // Columns [turned, C) of each row: copied (widened) from x to out.
-template <typename T>
-__global__ void rope_copy_rest_kernel(float *out, const T *x, int64_t rows, int64_t C,
+template <typename T, typename O>
+__global__ void rope_copy_rest_kernel(O *out, const T *x, int64_t rows, int64_t C,
                                       int64_t turned) {
   const int64_t w = C - turned, n = rows * w;
   for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < n;
        e += (int64_t)gridDim.x * blockDim.x) {
     const int64_t at = (e / w) * C + turned + e % w;
-    out[at] = widen(x[at]);
+    out[at] = narrow<O>(widen(x[at]));
   }
 }
 
@@ -516,8 +528,8 @@ __global__ void rope_copy_rest_kernel(float *out, const T *x, int64_t rows, int6
 // n_head, head_dim, pos_offset, rotary_dim (0: head_dim); f: theta, scale
 // (0: none). With inv_freq given a row may hold
 // more than the n_head heads: the rest is copied to out (left alone when out
-// is x).
-template <typename T>
+// is x). out is f32, or bf16 (the f32 values rounded to nearest even).
+template <typename T, typename O>
 static lz_status rope(const lz_op_args *a, float sign) {
   lz_tensor *out = a->t[0];
   const lz_tensor *x = a->t[1], *freqs = a->t[2];
@@ -537,21 +549,21 @@ static lz_status rope(const lz_op_args *a, float sign) {
     CUDA_LAUNCH_CHECK();
     inv_freq = (const float *)ws;
   }
-  rope_kernel<T><<<lz_cu_blocks(rows * n_head * half, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)out->data, (const T *)x->data, inv_freq,
+  rope_kernel<T, O><<<lz_cu_blocks(rows * n_head * half, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (O *)out->data, (const T *)x->data, inv_freq,
       a->t[3] ? (const int32_t *)a->t[3]->data : NULL, rows, seq, C, n_head, half, head_dim,
       pos_offset, sign, a->f[1]);
   CUDA_LAUNCH_CHECK();
   if (2 * half < head_dim && out->data != x->data) {
-    rope_copy_pass_kernel<T><<<lz_cu_blocks(rows * n_head * (head_dim - 2 * half), THREADS),
-                               THREADS, 0, LZ_CU_COMPUTE>>>((float *)out->data,
+    rope_copy_pass_kernel<T, O><<<lz_cu_blocks(rows * n_head * (head_dim - 2 * half), THREADS),
+                                  THREADS, 0, LZ_CU_COMPUTE>>>((O *)out->data,
                                                             (const T *)x->data, rows, C, n_head,
                                                             half, head_dim);
     CUDA_LAUNCH_CHECK();
   }
   if (C > turned && out->data != x->data) {
-    rope_copy_rest_kernel<T><<<lz_cu_blocks(rows * (C - turned), THREADS), THREADS, 0,
-                               LZ_CU_COMPUTE>>>((float *)out->data, (const T *)x->data, rows, C,
+    rope_copy_rest_kernel<T, O><<<lz_cu_blocks(rows * (C - turned), THREADS), THREADS, 0,
+                                  LZ_CU_COMPUTE>>>((O *)out->data, (const T *)x->data, rows, C,
                                                 turned);
     CUDA_LAUNCH_CHECK();
   }
@@ -560,13 +572,17 @@ static lz_status rope(const lz_op_args *a, float sign) {
 
 lz_status lz_cu_rope_forward(const lz_op_args *a) {
   LZ_TRY(check_rope_pos(LZ_OP_ROPE_FORWARD, a));
-  return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16>(a, 1.0f) : rope<float>(a, 1.0f);
+  return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16, float>(a, 1.0f)
+                                   : rope<float, float>(a, 1.0f);
 }
 
 // The rotation's transpose: the angles turned the other way.
 lz_status lz_cu_rope_backward(const lz_op_args *a) {
   LZ_TRY(check_rope_pos(LZ_OP_ROPE_BACKWARD, a));
-  return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16>(a, -1.0f) : rope<float>(a, -1.0f);
+  // a bf16 dx comes from an f32 dy (core/kernels/rope.c checks)
+  if (a->t[0]->dtype == LZ_BF16) return rope<float, __nv_bfloat16>(a, -1.0f);
+  return a->t[1]->dtype == LZ_BF16 ? rope<__nv_bfloat16, float>(a, -1.0f)
+                                   : rope<float, float>(a, -1.0f);
 }
 
 // ------------------------------------------------------------ cross-entropy

@@ -708,3 +708,134 @@ LZ_TEST(rope_freqs_turns_the_leading_heads_of_a_packed_row) {
   lz_tensor *ts[] = {xb, x, o, ob, lead, lo, f};
   free_all(ts, 7);
 }
+
+/* ------------------------------------------------------- bf16 outputs */
+
+/* A kernel's bf16 out (a GEMM operand written directly) must be bitwise its
+ * f32 out converted by tensor_copy: the cast pass it replaces. */
+static void check_rounded(const char *what, const lz_tensor *out_bf16, const lz_tensor *out_f32) {
+  lz_tensor *want = new_t(LZ_BF16, out_f32->ndim, out_f32->shape);
+  CHECK_OK(lz_tensor_copy(want, out_f32));
+  const int64_t n = lz_tensor_numel(want);
+  if (memcmp(want->data, out_bf16->data, (size_t)n * 2) != 0)
+    lz_test_fail(__FILE__, __LINE__, "%s: bf16 out differs from the f32 out converted", what);
+  lz_tensor_free(want);
+}
+
+static void rmsnorm_bf16_out_case(int64_t rows, int64_t C) {
+  const int64_t sx[2] = {rows, C}, sw[1] = {C}, sr[1] = {rows};
+  lz_tensor *xb, *xf, *wb, *wf;
+  rand_pair(&xb, &xf, 2, sx, 2.0f);
+  rand_pair(&wb, &wf, 1, sw, 1.5f);
+  lz_tensor *of = new_t(LZ_F32, 2, sx), *ob = new_t(LZ_BF16, 2, sx);
+  lz_tensor *r1 = new_t(LZ_F32, 1, sr), *r2 = new_t(LZ_F32, 1, sr);
+  for (int in_bf16 = 0; in_bf16 < 2; in_bf16++) {
+    const lz_tensor *x = in_bf16 ? xb : xf, *w = in_bf16 ? wb : wf;
+    CHECK_OK(lz_rmsnorm_forward(of, r1, x, w, 1e-5f));
+    CHECK_OK(lz_rmsnorm_forward(ob, r2, x, w, 1e-5f));
+    check_rounded("rmsnorm forward", ob, of);
+    check_same_bits("rmsnorm forward rstd (bf16 out)", r2, r1);
+  }
+  lz_tensor *ts[] = {xb, xf, wb, wf, of, ob, r1, r2};
+  free_all(ts, 8);
+}
+
+LZ_TEST(rmsnorm_bf16_out_is_the_f32_out_rounded) {
+  rmsnorm_bf16_out_case(3, 37);
+  rmsnorm_bf16_out_case(64, 1024); /* threaded */
+  const int64_t sx[2] = {2, 8}, sw[1] = {8}, sr[1] = {2};
+  lz_tensor *x = new_t(LZ_F32, 2, sx), *w = new_t(LZ_F32, 1, sw), *r = new_t(LZ_F32, 1, sr);
+  CHECK_OK(lz_fill(x, 1.0f));
+  CHECK_OK(lz_fill(w, 1.0f));
+  lz_tensor over = *x;
+  over.dtype = LZ_BF16; /* a bf16 view of x's own memory */
+  CHECK_ERR(lz_rmsnorm_forward(&over, r, x, w, 1e-5f), LZ_ERR_INVALID,
+            "rmsnorm_forward: a bf16 out must be its own memory");
+  lz_tensor *ts[] = {x, w, r};
+  free_all(ts, 3);
+}
+
+/* SwiGLU and GeGLU, f32 and bf16 inputs, and the packed form. */
+static void gated_bf16_out_case(int64_t rows, int64_t H) {
+  const int64_t s[2] = {rows, H}, sp[2] = {rows, 2 * H};
+  lz_tensor *gb, *gf, *ub, *uf, *pb, *pf;
+  rand_pair(&gb, &gf, 2, s, 6.0f);
+  rand_pair(&ub, &uf, 2, s, 2.0f);
+  rand_pair(&pb, &pf, 2, sp, 4.0f);
+  lz_tensor *of = new_t(LZ_F32, 2, s), *ob = new_t(LZ_BF16, 2, s);
+  for (int in_bf16 = 0; in_bf16 < 2; in_bf16++) {
+    const lz_tensor *g = in_bf16 ? gb : gf, *u = in_bf16 ? ub : uf, *p = in_bf16 ? pb : pf;
+    CHECK_OK(lz_swiglu_forward(of, g, u));
+    CHECK_OK(lz_swiglu_forward(ob, g, u));
+    check_rounded("swiglu forward", ob, of);
+    CHECK_OK(lz_geglu_forward(of, g, u));
+    CHECK_OK(lz_geglu_forward(ob, g, u));
+    check_rounded("geglu forward", ob, of);
+    CHECK_OK(lz_swiglu_packed_forward(of, p));
+    CHECK_OK(lz_swiglu_packed_forward(ob, p));
+    check_rounded("swiglu packed forward", ob, of);
+  }
+  /* backward: dgate and dup (dgu packed) in bf16 */
+  lz_tensor *db, *df, *dgf = new_t(LZ_F32, 2, s), *duf = new_t(LZ_F32, 2, s);
+  lz_tensor *dgb = new_t(LZ_BF16, 2, s), *dub = new_t(LZ_BF16, 2, s);
+  lz_tensor *dpf = new_t(LZ_F32, 2, sp), *dpb = new_t(LZ_BF16, 2, sp);
+  rand_pair(&db, &df, 2, s, 1.0f);
+  for (int in_bf16 = 0; in_bf16 < 2; in_bf16++) {
+    const lz_tensor *g = in_bf16 ? gb : gf, *u = in_bf16 ? ub : uf, *p = in_bf16 ? pb : pf;
+    const lz_tensor *d = in_bf16 ? db : df;
+    CHECK_OK(lz_swiglu_backward(dgf, duf, d, g, u));
+    CHECK_OK(lz_swiglu_backward(dgb, dub, d, g, u));
+    check_rounded("swiglu backward dgate", dgb, dgf);
+    check_rounded("swiglu backward dup", dub, duf);
+    CHECK_OK(lz_geglu_backward(dgf, duf, d, g, u));
+    CHECK_OK(lz_geglu_backward(dgb, dub, d, g, u));
+    check_rounded("geglu backward dgate", dgb, dgf);
+    check_rounded("geglu backward dup", dub, duf);
+    CHECK_OK(lz_swiglu_packed_backward(dpf, d, p));
+    CHECK_OK(lz_swiglu_packed_backward(dpb, d, p));
+    check_rounded("swiglu packed backward", dpb, dpf);
+  }
+  lz_tensor over = *gf;
+  over.dtype = LZ_BF16;
+  CHECK_ERR(lz_swiglu_forward(&over, gf, uf), LZ_ERR_INVALID,
+            "swiglu_forward: a bf16 out shares memory with an input");
+  CHECK_ERR(lz_swiglu_backward(dgb, &over, df, gf, uf), LZ_ERR_INVALID,
+            "swiglu_backward: a bf16 out shares memory with an input");
+  lz_tensor *ts[] = {gb, gf, ub, uf, pb, pf, of, ob, db, df, dgf, duf, dgb, dub, dpf, dpb};
+  free_all(ts, 16);
+}
+
+LZ_TEST(gated_bf16_out_is_the_f32_out_rounded) {
+  gated_bf16_out_case(3, 37);
+  gated_bf16_out_case(16, 2048); /* threaded, chunks and rows */
+}
+
+/* RoPE's backward into a bf16 dx (the q|k|v projection's output gradient):
+ * packed rows (q and k heads turn, v passes), positions from an offset, from
+ * pos, and partial heads with scaled cos and sin. */
+LZ_TEST(rope_backward_bf16_dx_is_the_f32_dx_rounded) {
+  const int64_t B = 2, T = 9, HD = 8, NR = 3, NT = 5;
+  const int64_t sp[3] = {B, T, NT * HD}, sf[1] = {HD / 2}, sf2[1] = {HD / 4}, spos[2] = {B, T};
+  lz_tensor *yb, *y;
+  rand_pair(&yb, &y, 3, sp, 1.0f);
+  lz_tensor *df = new_t(LZ_F32, 3, sp), *db = new_t(LZ_BF16, 3, sp);
+  lz_tensor *f = new_t(LZ_F32, 1, sf), *f2 = new_t(LZ_F32, 1, sf2), *pos = new_t(LZ_I32, 2, spos);
+  float *fp = f->data, *fp2 = f2->data;
+  for (int i = 0; i < HD / 2; i++) fp[i] = 1.0f / (float)(i + 2);
+  for (int i = 0; i < HD / 4; i++) fp2[i] = 1.0f / (float)(i + 3);
+  int32_t *pp = pos->data;
+  for (int64_t i = 0; i < B * T; i++) pp[i] = (int32_t)((i * 5) % 7);
+  CHECK_OK(lz_rope_freqs_backward(df, y, f, (int)NR, 4));
+  CHECK_OK(lz_rope_freqs_backward(db, y, f, (int)NR, 4));
+  check_rounded("rope_freqs backward", db, df);
+  CHECK_OK(lz_rope_pos_backward(df, y, f, pos, (int)NR));
+  CHECK_OK(lz_rope_pos_backward(db, y, f, pos, (int)NR));
+  check_rounded("rope_pos backward", db, df);
+  CHECK_OK(lz_rope_ext_backward(df, y, f2, NULL, (int)NR, (int)HD, 3, 1.25f));
+  CHECK_OK(lz_rope_ext_backward(db, y, f2, NULL, (int)NR, (int)HD, 3, 1.25f));
+  check_rounded("rope_ext backward", db, df);
+  CHECK_ERR(lz_rope_freqs_backward(db, yb, f, (int)NR, 4), LZ_ERR_INVALID,
+            "rope_backward: a bf16 dx takes an f32 dy");
+  lz_tensor *ts[] = {yb, y, df, db, f, f2, pos};
+  free_all(ts, 7);
+}

@@ -2,9 +2,12 @@
  * post_attention_layernorm and final norm), as Hugging Face's LlamaRMSNorm:
  *   y = w * (x / sqrt(mean(x^2) + eps)), in fp32. A cpu kernel (sim runs it too).
  *
- * x and w are f32 or both bf16; out, rstd, dx and dw are f32. A bf16 row is
+ * x and w are f32 or both bf16; rstd, dx and dw are f32. A bf16 row is
  * widened to f32 on the stack and goes through the f32 code, so a bf16 call
- * gives bitwise what the f32 call gives on the widened inputs.
+ * gives bitwise what the f32 call gives on the widened inputs. out is f32, or
+ * bf16 for a norm whose output only feeds bf16 GEMMs: each row is computed in
+ * f32 on the stack and rounded as tensor_copy rounds, so no separate cast
+ * pass reads it back, and the result is bitwise the f32 output converted.
  *
  * Forward saves each row's 1/rms so backward need not recompute it. Backward
  * writes dx and sums dw in one pass over fixed row blocks (lz_rowblocks.h),
@@ -53,6 +56,19 @@ LZ_DISPATCH static void rmsnorm_forward_row_bf16(float *out, float *rstd_out, co
   rmsnorm_forward_row(out, rstd_out, xf, wf, C, eps);
 }
 
+/* Row r of a bf16 out: the f32 row on the stack (from f32 or bf16 x and w),
+ * then rounded to nearest even. */
+LZ_DISPATCH static void rmsnorm_forward_row_to_bf16(uint16_t *out, float *rstd_out,
+                                                    const lz_tensor *x, const lz_tensor *w,
+                                                    int64_t r, int64_t C, float eps) {
+  float of[C];
+  if (x->dtype == LZ_BF16)
+    rmsnorm_forward_row_bf16(of, rstd_out, (const uint16_t *)x->data + r * C, w->data, C, eps);
+  else
+    rmsnorm_forward_row(of, rstd_out, (const float *)x->data + r * C, w->data, C, eps);
+  lz_row_to_bf16(out, of, C);
+}
+
 /* The shapes forward and backward share, their dtypes checked: x (and
  * `like`) of 1 to LZ_MAX_DIMS dimensions, w and `per_col` of C elements,
  * `out_like` shaped as x and overwriting no bf16 x, rstd one per row. */
@@ -86,6 +102,11 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
   LZ_TRY(check_args(op, x, none, w, out_like, none, rstd));
   if (!(eps >= 0.0f) || isinf(eps))
     return lz_fail(LZ_ERR_INVALID, "%s: eps is %g; it must be finite and >= 0", op, (double)eps);
+  if (out->dtype == LZ_BF16 && (out->data == x->data || lz_cols(x) > BF16_MAX_COLS))
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: a bf16 out must be its own memory, rows of at most %d columns (got %lld); "
+                   "pass an f32 out",
+                   op, BF16_MAX_COLS, (long long)lz_cols(x));
   return lz_op_run(op, LZ_OP_RMSNORM_FORWARD, &args);
 }
 
@@ -96,6 +117,13 @@ lz_status lz_cpu_rmsnorm_forward(const lz_op_args *a) {
   const int64_t C = lz_cols(x), rows = lz_rows(x);
 
   float *o = out->data, *rs = rstd->data;
+  if (out->dtype == LZ_BF16) {
+    uint16_t *ob = out->data;
+#pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
+    for (int64_t r = 0; r < rows; r++)
+      rmsnorm_forward_row_to_bf16(ob + r * C, rs + r, x, w, r, C, eps);
+    return LZ_OK;
+  }
   if (x->dtype == LZ_BF16) {
     const uint16_t *xp = x->data, *wp = w->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))

@@ -10,9 +10,11 @@
  * worked out once and serve every head.
  *
  * lz_rope_freqs_* take the inverse frequencies as a tensor instead (Llama 3's
- * rope_scaling rescales them). x may be bf16 (out stays f32): each head is
- * widened to f32 first, so the result is bitwise the f32 one on the widened
- * input.
+ * rope_scaling rescales them). x may be bf16: each head is widened to f32
+ * first, so the result is bitwise the f32 one on the widened input. out is
+ * f32, or bf16 (from f32 x) where it only feeds a bf16 GEMM (the gradient of
+ * the q|k|v projection's output): each row is turned in f32 on the stack and
+ * rounded as tensor_copy rounds, bitwise the f32 out converted.
  *
  * lz_rope_pos_* take each row's position from a tensor: in a packed batch
  * positions restart at 0 at each document, as Hugging Face's position_ids. */
@@ -24,6 +26,8 @@
 
 /* Widest head the kernel takes: its cos and sin tables live on the stack. */
 #define ROPE_MAX_HEAD_DIM 4096
+/* Widest row a bf16 out takes: the f32 row lives on the stack. */
+#define ROPE_MAX_BF16_COLS 65536
 
 /* Turns every head of one row by `sign` times its angles: sign 1 is forward,
  * -1 the backward (the rotation's transpose). In each head of `stride`
@@ -53,6 +57,17 @@ LZ_DISPATCH static void rope_row(float *out, const float *x, const float *inv_fr
     if (oh != xh)
       for (int64_t i = 2 * half; i < stride; i++) oh[i] = xh[i];
   }
+}
+
+/* rope_row into a bf16 row of C values (turned: the leading ones in heads,
+ * the rest copied): the f32 row on the stack, then rounded. */
+LZ_DISPATCH static void rope_row_to_bf16(uint16_t *out, const float *x, const float *inv_freq,
+                                         float pos, float sign, int64_t n_head, int64_t half,
+                                         int64_t stride, float scale, int64_t C, int64_t turned) {
+  float row[C];
+  rope_row(row, x, inv_freq, pos, sign, n_head, half, stride, scale);
+  memcpy(row + turned, x + turned, (size_t)(C - turned) * sizeof(float));
+  lz_row_to_bf16(out, row, C);
 }
 
 /* rope_row for a bf16 row: each head widened, then turned. */
@@ -104,13 +119,19 @@ static lz_status rope_apply_ext(const char *op, lz_op opcode, const char *out_na
                                 const char *x_name, const lz_tensor *x, int n_head, int head_dim,
                                 int64_t pos_offset, float theta, const lz_tensor *inv_freq_t,
                                 const lz_tensor *pos_t, int rotary_dim, float scale) {
-  const lz_op_args args = {
-      .t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
-      .i = {n_head, head_dim, pos_offset, rotary_dim}, .f = {theta, scale}};
+  const lz_op_args args = {.t = {out, (lz_tensor *)x, (lz_tensor *)inv_freq_t, (lz_tensor *)pos_t},
+                           .i = {n_head, head_dim, pos_offset, rotary_dim},
+                           .f = {theta, scale}};
   LZ_TRY(lz_op_check_dtypes(op, opcode, &args)); /* the alias check reads them */
   LZ_TRY(lz_check_ndim(op, x_name, x, 3, 3));
   LZ_TRY(lz_check_same_shape(op, out_name, out, x_name, x));
   LZ_TRY(lz_check_no_alias(op, out_name, out, x_name, x));
+  if (out->dtype == LZ_BF16 &&
+      (x->dtype != LZ_F32 || out->data == x->data || x->shape[2] > ROPE_MAX_BF16_COLS))
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: a bf16 %s takes an f32 %s in memory of its own, rows of at most %d values; "
+                   "pass an f32 %s",
+                   op, out_name, x_name, ROPE_MAX_BF16_COLS, out_name);
   const int freqs = inv_freq_t != NULL;
   if (n_head < 1) return lz_fail(LZ_ERR_INVALID, "%s: n_head is %d; it must be >= 1", op, n_head);
   if (head_dim < 2 || head_dim % 2 || head_dim > ROPE_MAX_HEAD_DIM)
@@ -167,8 +188,8 @@ static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
   const int64_t pos_offset = a->i[2];
   const float theta = a->f[0];
   const int freqs = inv_freq_t != NULL;
-  LZ_TRY(lz_rope_check_values(opcode, a, freqs ? inv_freq_t->data : NULL,
-                              pos_t ? pos_t->data : NULL));
+  LZ_TRY(
+      lz_rope_check_values(opcode, a, freqs ? inv_freq_t->data : NULL, pos_t ? pos_t->data : NULL));
   const int64_t C = x->shape[2];
   const int64_t turned = (int64_t)n_head * head_dim; /* leading columns of a row */
   const int64_t rotary = a->i[3] ? a->i[3] : head_dim;
@@ -181,6 +202,15 @@ static lz_status rope_cpu(lz_op opcode, const lz_op_args *a, float sign) {
   float *o = out->data;
   const int32_t *pp = pos_t ? pos_t->data : NULL;
 #define ROW_POS(r) (pp ? (float)pp[r] : (float)(pos_offset + (r) % T))
+  if (out->dtype == LZ_BF16) {
+    const float *xp = x->data;
+    uint16_t *ob = out->data;
+#pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
+    for (int64_t r = 0; r < rows; r++)
+      rope_row_to_bf16(ob + r * C, xp + r * C, inv_freq, ROW_POS(r), sign, n_head, half, head_dim,
+                       scale, C, turned);
+    return LZ_OK;
+  }
   if (x->dtype == LZ_BF16) {
     const uint16_t *xp = x->data;
 #pragma omp parallel for schedule(static) if (rows * C > (1 << 15))
@@ -210,9 +240,7 @@ static lz_status check_freqs(const char *op, const lz_tensor *inv_freq, int head
   return lz_check_numel(op, "inv_freq", inv_freq, head_dim / 2, "head_dim / 2");
 }
 
-lz_status lz_cpu_rope_forward(const lz_op_args *a) {
-  return rope_cpu(LZ_OP_ROPE_FORWARD, a, 1.0f);
-}
+lz_status lz_cpu_rope_forward(const lz_op_args *a) { return rope_cpu(LZ_OP_ROPE_FORWARD, a, 1.0f); }
 
 lz_status lz_cpu_rope_backward(const lz_op_args *a) {
   return rope_cpu(LZ_OP_ROPE_BACKWARD, a, -1.0f);

@@ -8,9 +8,13 @@
  * bound; e^x and tanh here are lz_exp and lz_tanh, plain arithmetic that
  * vectorizes.
  *
- * gate and up (and dout) are f32 or all bf16; out, dgate and dup are f32. bf16
+ * gate and up (and dout) are f32 or all bf16; dgate and dup are f32. bf16
  * inputs are widened in chunks on the stack and go through the f32 code, so
- * the result is bitwise the f32 one on the widened inputs.
+ * the result is bitwise the f32 one on the widened inputs. out is f32, or
+ * bf16 where it only feeds a bf16 GEMM (the down projection): computed in f32
+ * chunks on the stack and rounded as tensor_copy rounds, so the result is
+ * bitwise the f32 out converted, without a cast pass reading it back; dgate
+ * and dup likewise (both bf16: each feeds its projection's backward GEMMs).
  *
  * lz_swiglu_packed_* read gate and up from one tensor, each row gate's H
  * values then up's (Phi-3's gate_up_proj, chunked in two as Phi3MLP does):
@@ -87,6 +91,58 @@ LZ_DISPATCH static void swiglu_backward_block_bf16(float *dgate, float *dup, con
   }
 }
 
+/* out[0:n] (of dtype odt) from gate[0:n] and up[0:n] (of dtype dt). */
+LZ_DISPATCH static void gated_forward_span(void *out, lz_dtype odt, const void *gate,
+                                           const void *up, lz_dtype dt, int64_t n, gate_act act) {
+  if (odt == LZ_F32) {
+    if (dt == LZ_BF16)
+      swiglu_forward_block_bf16(out, gate, up, n, act);
+    else
+      swiglu_forward_block(out, gate, up, n, act);
+    return;
+  }
+  float o[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    if (dt == LZ_BF16)
+      swiglu_forward_block_bf16(o, (const uint16_t *)gate + i0, (const uint16_t *)up + i0, m, act);
+    else
+      swiglu_forward_block(o, (const float *)gate + i0, (const float *)up + i0, m, act);
+    lz_row_to_bf16((uint16_t *)out + i0, o, m);
+  }
+}
+
+/* dgate[0:n] and dup[0:n] (both of dtype odt) from dout, gate and up (of
+ * dtype dt). */
+LZ_DISPATCH static void gated_backward_span(void *dgate, void *dup, lz_dtype odt, const void *dout,
+                                            const void *gate, const void *up, lz_dtype dt,
+                                            int64_t n, gate_act act) {
+  if (odt == LZ_F32) {
+    if (dt == LZ_BF16)
+      swiglu_backward_block_bf16(dgate, dup, dout, gate, up, n, act);
+    else
+      swiglu_backward_block(dgate, dup, dout, gate, up, n, act);
+    return;
+  }
+  float dg[CHUNK], du[CHUNK];
+  for (int64_t i0 = 0; i0 < n; i0 += CHUNK) {
+    const int64_t m = n - i0 < CHUNK ? n - i0 : CHUNK;
+    if (dt == LZ_BF16)
+      swiglu_backward_block_bf16(dg, du, (const uint16_t *)dout + i0, (const uint16_t *)gate + i0,
+                                 (const uint16_t *)up + i0, m, act);
+    else
+      swiglu_backward_block(dg, du, (const float *)dout + i0, (const float *)gate + i0,
+                            (const float *)up + i0, m, act);
+    lz_row_to_bf16((uint16_t *)dgate + i0, dg, m);
+    lz_row_to_bf16((uint16_t *)dup + i0, du, m);
+  }
+}
+
+/* Element i of a float buffer of dtype dt (f32, or 2-byte bf16). */
+static void *element(void *p, lz_dtype dt, int64_t i) {
+  return (char *)p + i * (dt == LZ_F32 ? 4 : 2);
+}
+
 /* The shapes of a call whose dtypes are checked: the inputs shaped as gate,
  * the (f32) outputs too, overwriting no bf16 input. */
 static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz_arg *inputs,
@@ -103,74 +159,66 @@ static lz_status check_like_gate(const char *op, const lz_tensor *gate, const lz
   return LZ_OK;
 }
 
+/* A bf16 out is narrower than an f32 input: threads would overwrite
+ * elements others have yet to read. */
+static lz_status check_bf16_out(const char *op, const lz_tensor *out, const lz_tensor *gate,
+                                const lz_tensor *up) {
+  if (out->dtype == LZ_F32) return LZ_OK;
+  if (out->data == gate->data || (up && out->data == up->data))
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: a bf16 out shares memory with an input; give out its own buffer", op);
+  return LZ_OK;
+}
+
 static lz_status gated_forward(const char *op, lz_op id, lz_tensor *out, const lz_tensor *gate,
                                const lz_tensor *up) {
   const lz_op_args args = {.t = {out, (lz_tensor *)gate, (lz_tensor *)up}};
   LZ_TRY(lz_op_check_dtypes(op, id, &args)); /* the alias check reads them */
   LZ_TRY(check_like_gate(op, gate, (lz_arg[]){{"up", up}, {0}}, (lz_arg[]){{"out", out}, {0}}));
+  LZ_TRY(check_bf16_out(op, out, gate, up));
   return lz_op_run(op, id, &args);
 }
 
 /* The packed form: row r's gate at gate + 2H r, its up H further. */
-static lz_status swiglu_packed_forward_cpu(float *o, const lz_tensor *gate, int64_t H,
+static lz_status swiglu_packed_forward_cpu(lz_tensor *out, const lz_tensor *gate, int64_t H,
                                            gate_act act) {
   const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
-  if (gate->dtype == LZ_BF16) {
-    const uint16_t *g = gate->data;
-#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
-    for (int64_t r = 0; r < rows; r++)
-      swiglu_forward_block_bf16(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H, act);
-    return LZ_OK;
-  }
-  const float *g = gate->data;
+  const lz_dtype dt = gate->dtype, odt = out->dtype;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
   for (int64_t r = 0; r < rows; r++)
-    swiglu_forward_block(o + r * H, g + 2 * H * r, g + 2 * H * r + H, H, act);
+    gated_forward_span(element(out->data, odt, r * H), odt, element(gate->data, dt, 2 * H * r),
+                       element(gate->data, dt, 2 * H * r + H), dt, H, act);
   return LZ_OK;
 }
 
-static lz_status swiglu_packed_backward_cpu(float *dg, const lz_tensor *dout,
+static lz_status swiglu_packed_backward_cpu(lz_tensor *dgu, const lz_tensor *dout,
                                             const lz_tensor *gate, int64_t H, gate_act act) {
   const int64_t rows = H ? lz_tensor_numel(gate) / (2 * H) : 0;
-  if (gate->dtype == LZ_BF16) {
-    const uint16_t *g = gate->data, *d = dout->data;
-#pragma omp parallel for schedule(static) if (rows * H > BLOCK)
-    for (int64_t r = 0; r < rows; r++)
-      swiglu_backward_block_bf16(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
-                                 g + 2 * H * r + H, H, act);
-    return LZ_OK;
-  }
-  const float *g = gate->data, *d = dout->data;
+  const lz_dtype dt = gate->dtype, odt = dgu->dtype;
+  void *dg = dgu->data, *g = gate->data, *d = dout->data;
 #pragma omp parallel for schedule(static) if (rows * H > BLOCK)
   for (int64_t r = 0; r < rows; r++)
-    swiglu_backward_block(dg + 2 * H * r, dg + 2 * H * r + H, d + H * r, g + 2 * H * r,
-                          g + 2 * H * r + H, H, act);
+    gated_backward_span(element(dg, odt, 2 * H * r), element(dg, odt, 2 * H * r + H), odt,
+                        element(d, dt, H * r), element(g, dt, 2 * H * r),
+                        element(g, dt, 2 * H * r + H), dt, H, act);
   return LZ_OK;
 }
 
 static lz_status cpu_gated_forward(const lz_op_args *a, gate_act act) {
   lz_tensor *out = a->t[0];
   const lz_tensor *gate = a->t[1], *up = a->t[2];
-  if (!up) return swiglu_packed_forward_cpu(out->data, gate, a->i[0], act);
+  if (!up) return swiglu_packed_forward_cpu(out, gate, a->i[0], act);
   const int64_t n = lz_tensor_numel(gate);
-  float *o = out->data;
-  if (gate->dtype == LZ_BF16) {
-    const uint16_t *gp = gate->data, *up_ = up->data;
-#pragma omp parallel for schedule(static) if (n > BLOCK)
-    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-      swiglu_forward_block_bf16(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK, act);
-    return LZ_OK;
-  }
-  const float *gp = gate->data, *up_ = up->data;
+  const lz_dtype dt = gate->dtype, odt = out->dtype;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-    swiglu_forward_block(o + i0, gp + i0, up_ + i0, n - i0 < BLOCK ? n - i0 : BLOCK, act);
+    gated_forward_span(element(out->data, odt, i0), odt, element(gate->data, dt, i0),
+                       element(up->data, dt, i0), dt, n - i0 < BLOCK ? n - i0 : BLOCK, act);
   return LZ_OK;
 }
 
 static lz_status gated_backward(const char *op, lz_op id, lz_tensor *dgate, lz_tensor *dup,
-                                const lz_tensor *dout, const lz_tensor *gate,
-                                const lz_tensor *up) {
+                                const lz_tensor *dout, const lz_tensor *gate, const lz_tensor *up) {
   const lz_op_args args = {
       .t = {dgate, dup, (lz_tensor *)dout, (lz_tensor *)gate, (lz_tensor *)up}};
   LZ_TRY(lz_op_check_dtypes(op, id, &args));
@@ -179,28 +227,24 @@ static lz_status gated_backward(const char *op, lz_op id, lz_tensor *dgate, lz_t
   if (dgate->data == dup->data)
     return lz_fail(LZ_ERR_INVALID,
                    "%s: dgate and dup are the same memory; give each gradient its own buffer", op);
+  LZ_TRY(check_bf16_out(op, dgate, dout, gate));
+  LZ_TRY(check_bf16_out(op, dup, dout, gate));
+  LZ_TRY(check_bf16_out(op, dgate, up, NULL));
+  LZ_TRY(check_bf16_out(op, dup, up, NULL));
   return lz_op_run(op, id, &args);
 }
 
 static lz_status cpu_gated_backward(const lz_op_args *a, gate_act act) {
   lz_tensor *dgate = a->t[0], *dup = a->t[1];
   const lz_tensor *dout = a->t[2], *gate = a->t[3], *up = a->t[4];
-  if (!up) return swiglu_packed_backward_cpu(dgate->data, dout, gate, a->i[0], act);
+  if (!up) return swiglu_packed_backward_cpu(dgate, dout, gate, a->i[0], act);
   const int64_t n = lz_tensor_numel(gate);
-  float *dg = dgate->data, *du = dup->data;
-  if (gate->dtype == LZ_BF16) {
-    const uint16_t *dop = dout->data, *gp = gate->data, *up_ = up->data;
-#pragma omp parallel for schedule(static) if (n > BLOCK)
-    for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-      swiglu_backward_block_bf16(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
-                                 n - i0 < BLOCK ? n - i0 : BLOCK, act);
-    return LZ_OK;
-  }
-  const float *dop = dout->data, *gp = gate->data, *up_ = up->data;
+  const lz_dtype dt = gate->dtype, odt = dgate->dtype;
 #pragma omp parallel for schedule(static) if (n > BLOCK)
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK)
-    swiglu_backward_block(dg + i0, du + i0, dop + i0, gp + i0, up_ + i0,
-                          n - i0 < BLOCK ? n - i0 : BLOCK, act);
+    gated_backward_span(element(dgate->data, odt, i0), element(dup->data, odt, i0), odt,
+                        element(dout->data, dt, i0), element(gate->data, dt, i0),
+                        element(up->data, dt, i0), dt, n - i0 < BLOCK ? n - i0 : BLOCK, act);
   return LZ_OK;
 }
 
@@ -270,9 +314,8 @@ lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
   LZ_TRY(check_packed(op, "dout", dout, gate));
   LZ_TRY(lz_check_present(op, "dgate", dgate));
   LZ_TRY(lz_check_same_shape(op, "dgate", dgate, "gate", gate));
-  const lz_op_args args = {
-      .t = {dgate, NULL, (lz_tensor *)dout, (lz_tensor *)gate, NULL},
-      .i = {dout->shape[dout->ndim - 1]}};
+  const lz_op_args args = {.t = {dgate, NULL, (lz_tensor *)dout, (lz_tensor *)gate, NULL},
+                           .i = {dout->shape[dout->ndim - 1]}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_SWIGLU_BACKWARD, &args));
   if (dgate->data == dout->data)
     return lz_fail(LZ_ERR_INVALID,
@@ -280,5 +323,6 @@ lz_status lz_swiglu_packed_backward(lz_tensor *dgate, const lz_tensor *dout,
                    "share it, give dgate its own buffer",
                    op);
   LZ_TRY(lz_check_no_alias(op, "dgate", dgate, "gate", gate));
+  LZ_TRY(check_bf16_out(op, dgate, gate, NULL));
   return lz_op_run(op, LZ_OP_SWIGLU_BACKWARD, &args);
 }

@@ -82,6 +82,12 @@ static inline void lz_row_to_f32(float *dst, const void *src, lz_dtype dt, int64
   }
 }
 
+/* dst[0:n] = src[0:n] rounded to bf16 as tensor_copy rounds (nearest even),
+ * for kernels that write a bf16 output from f32 arithmetic. */
+static inline void lz_row_to_bf16(uint16_t *dst, const float *src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_from_f32_inline(src[i]);
+}
+
 /* Reads element i of a float-typed buffer (f32, bf16, f16) as float. */
 float lz_load_float(const void *data, lz_dtype dt, int64_t i);
 

@@ -127,6 +127,35 @@ local function gemm_key(self, part, dt, m, n, k)
                                             k)
 end
 
+---------------------------------------------- bytes per parameter per step
+
+-- The passes over every parameter's elements outside forward and backward:
+-- the tensor calls in these contexts, and the optimizer kernels.
+local PARAM_PASSES = { ["zero gradients"] = true, ["grad norm"] = true, optimizer = true }
+
+-- An optimizer kernel (an op named *_step): what each tensor argument moves
+-- per element, from its declaration (luazero.cdef): a const one is read (1),
+-- one updated in place is read and written (2), the working copy is
+-- written only (1).
+local function step_moves(name)
+  local decl = require("luazero.cdef"):match("lz_status lz_" .. name .. "%(([^)]*)%)")
+  local moves = {}
+  for p in (decl or ""):gmatch("[^,]+") do
+    if not p:find("lz_tensor", 1, true) then break end
+    local pname = p:match("([%w_]+)%s*$")
+    moves[#moves + 1] = (p:find("const", 1, true) or pname == "working") and 1 or 2
+  end
+  return moves
+end
+
+-- Bytes moved in pass `what`; elements: the parameters an optimizer call
+-- updated (the count the bytes are per).
+function Profile:param_pass(what, bytes, elements)
+  local pb = self.pbytes
+  pb[what] = (pb[what] or 0) + bytes
+  if elements then pb.elements = (pb.elements or 0) + elements end
+end
+
 -- The wrapped kernels: GEMMs with their FLOPs, linear_backward in its parts.
 local function wrap_ops(self, ops)
   local wrapped = {}
@@ -167,6 +196,18 @@ local function wrap_ops(self, ops)
                     dy, x, w)
         end
         if db then self:leaf("linear_backward (bias gradient)", 0, false, orig, nil, nil, db, dy, x, w) end
+      end
+    elseif name:match("_step$") then
+      local moves = step_moves(name)
+      fn = function(...)
+        if not self.active then return orig(...) end
+        local bytes = 0
+        for i, k in ipairs(moves) do
+          local t = select(i, ...)
+          if t ~= nil then bytes = bytes + k * t:bytes() end
+        end
+        self:param_pass("optimizer", bytes, (...):numel())
+        self:leaf(name, 0, false, orig, ...)
       end
     else
       fn = function(...)
@@ -210,6 +251,7 @@ local function wrap_tensor(self)
       -- bytes moved: read and written (copy), written (zero, fill), read (sq_norm)
       local bytes = t:bytes()
       if name == "copy" then bytes = bytes + a:bytes() end
+      if PARAM_PASSES[ctx_of()] then self:param_pass(key:gsub("^tensor ", ""), bytes) end
       return self:leaf(key, bytes, false, orig, t, a)
     end
   end
@@ -254,7 +296,7 @@ function Profile:end_step(t0, batches, raw, warmup, keep, ok, ...)
   self.active = false
   if raw ~= nil then batches.next_batch = raw or nil end
   if warmup then
-    self.warm, self.rows = 1, keep
+    self.warm, self.rows, self.pbytes = 1, keep, {}
   else
     self.steps, self.step_s = self.steps + 1, self.step_s + dt
   end
@@ -274,6 +316,7 @@ function M.attach(engine, opts)
   end
   local self = setmetatable({
     engine = engine, rows = {}, stack = {}, labels = {}, steps = 0, warm = 0, step_s = 0,
+    pbytes = {},
     saved_ops = {}, saved_tensor = {}, saved_fields = {}, active = false,
     sync = opts.sync or (engine.dev and engine.dev ~= "cpu" and lz.device_synchronize or nil),
   }, Profile)
@@ -373,6 +416,7 @@ function Profile:report()
     return a.ms > b.ms
   end)
   out.sum_ms = sum
+  out.param_bytes = self:param_bytes_report()
   out.gemm_pct = 100 * gemm_s / self.step_s
   out.gemm_gflops = gemm_s > 0 and gemm_flops / gemm_s / 1e9 or 0
   out.other_pct = 100 - out.gemm_pct
@@ -385,6 +429,27 @@ function Profile:report()
         pct = 100 * pt.s / self.step_s, gflops = pt.s > 0 and pt.flops / pt.s / 1e9 or 0 }
     end
   end
+  return out
+end
+
+-- Bytes each parameter moved per step in the passes over all of them (the
+-- optimizer's kernels, zeroing the gradients, their norm, conversions in
+-- the step): { per_param, minimum, parts = { {name, per_param} ... } }, or
+-- nil without an optimizer kernel seen. The minimum is one pass: the
+-- optimizer's own reads and writes (its states, the gradient, the master
+-- and the working copy), each once.
+function Profile:param_bytes_report()
+  local pb, n = self.pbytes, self.pbytes.elements
+  if not n or n == 0 then return nil end
+  local out, total = { parts = {} }, 0
+  for what, bytes in pairs(pb) do
+    if what ~= "elements" then
+      out.parts[#out.parts + 1] = { name = what, per_param = bytes / n }
+      total = total + bytes
+    end
+  end
+  table.sort(out.parts, function(a, b) return a.per_param > b.per_param end)
+  out.per_param, out.minimum = total / n, pb.optimizer / n
   return out
 end
 
@@ -420,6 +485,14 @@ function Profile:format(opts)
     parts[i] = ("%s %.1f%% at %.1f"):format(pt.part, pt.pct, pt.gflops)
   end
   lines[#lines + 1] = "GEMMs by part (% of the step at GFLOP/s): " .. table.concat(parts, ", ")
+  local pb = rep.param_bytes
+  if pb then
+    local each = {}
+    for i, pt in ipairs(pb.parts) do each[i] = ("%s %.1f"):format(pt.name, pt.per_param) end
+    lines[#lines + 1] = ("bytes per parameter per step: %.1f (%s); minimum %.1f (one pass: " ..
+                         "the optimizer's own reads and writes)")
+                        :format(pb.per_param, table.concat(each, ", "), pb.minimum)
+  end
   -- Which kernels ran the bf16 work on this machine (the start-up line's words).
   local bf16_gemm, bf16_attention = false, false
   for _, r in ipairs(rep.rows) do

@@ -77,7 +77,7 @@ end
 -- equal each arena's high-water mark.
 local function check_module(name, m, x, x_dtype, dy_width, dtype, B, S, root)
   local free = bind(root or m, dtype)
-  local ctx = { arena = lz.arena(2 ^ 22), scratch = lz.arena(2 ^ 22),
+  local ctx = { arena = lz.arena(2 ^ 22), scratch = lz.arena(2 ^ 22), cast_dtype = dtype,
                 cast_arena = dtype ~= "f32" and lz.arena(2 ^ 22) or nil }
   m:set_context(ctx)
   local r = m:memory(B, S, dtype)

@@ -84,6 +84,31 @@ function T.rows_add_up_to_the_step_measured_outside()
   engine:free(); loader:free(); data.free(c)
 end
 
+-- The bytes each parameter moves per step outside forward and backward:
+-- AdamW over an fp32 master reads and writes the master and both moments
+-- and reads the gradient (28 bytes), plus the bf16 working copy it writes
+-- (2); zeroing the gradients writes and their norm reads 4 bytes each.
+function T.parameter_bytes_per_step_are_counted()
+  for _, c in ipairs({ { "fp32", 28 }, { "bf16", 30 } }) do
+    local engine, loader, corpus_ = engine_of("llama-tiny", c[1])
+    local p = profile.attach(engine)
+    for _ = 1, 3 do engine:train_batch(loader) end
+    local pb = assert(p:report().param_bytes, "no parameter bytes in the report")
+    local text = p:format()
+    p:detach()
+    eq(pb.minimum, c[2], c[1] .. " optimizer bytes per parameter")
+    local parts = {}
+    for _, pt in ipairs(pb.parts) do parts[pt.name] = pt.per_param end
+    -- the gradient buffer may hold a few padding elements more than the optimizer updates
+    assert(math.abs(parts["zero (zero gradients)"] - 4) < 0.1, c[1] .. " zeroing bytes")
+    assert(math.abs(parts["sq_norm (grad norm)"] - 4) < 0.1, c[1] .. " grad-norm bytes")
+    assert(math.abs(pb.per_param - (c[2] + 8)) < 0.2, c[1] .. " bytes per parameter " .. pb.per_param)
+    assert(text:find(("bytes per parameter per step: [%%d.]+ %%(.*%%); minimum %d%%.0"):format(c[2])),
+           "no bytes line in:\n" .. text)
+    engine:free(); loader:free(); data.free(corpus_)
+  end
+end
+
 -- Steps run before attach let the JIT compile the engine's calls of tensor
 -- methods (the grad norm's sq_norm); attach must still see every call.
 function T.tensor_calls_are_counted_after_the_jit_compiled_their_callers()

@@ -32,6 +32,9 @@ function Block.new(parts)
       self[role] = self:add(part[1], part[2])
     end
   end
+  -- each pre-norm's output goes to its branch only (a norm may write it
+  -- as the branch's GEMMs read it: Module:output_for)
+  self.attn_norm.feeds, self.mlp_norm.feeds = self.attn, self.mlp
   return self
 end
 

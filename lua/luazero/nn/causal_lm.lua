@@ -80,6 +80,7 @@ function CausalLM.new(cls, desc, cfg)
     head = TiedHead.new(embedding, key, param_name(embedding, key, path), cfg.padded_vocab)
   end
   self:add(names.head, head)
+  norm.feeds = head -- the final norm's output goes to the head only
   self.layers = { stem = { embedding }, blocks = blocks, top = { norm }, output = head }
   self.param_table, self.n_params = self:parameter_table()
   self:set_context({})

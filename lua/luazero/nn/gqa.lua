@@ -67,6 +67,9 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   return self
 end
 
+-- x goes to the q|k|v projection only.
+function GQA:gemm_input() return self.qkv_proj:gemm_input() end
+
 -- The q|k|v projection of x, its q and k heads normed when the family says so.
 function GQA:project(x)
   local qkv = self:run_forward(self.qkv_proj, x)
@@ -96,21 +99,23 @@ local function span_of(pos)
   return top + 1
 end
 
--- Turns the q and k heads of t (in place; v passes) forward or back (sign
--- 1 or -1), row positions from pos or offset + t; seq_len: the largest
--- position + 1 (which frequencies a LongRoPE model uses).
-function GQA:turn(t, sign, pos, offset, seq_len)
+-- Turns the q and k heads of t forward or back (sign 1 or -1) into out
+-- (default: t itself; v passes), row positions from pos or offset + t;
+-- seq_len: the largest position + 1 (which frequencies a LongRoPE model
+-- uses).
+function GQA:turn(t, sign, pos, offset, seq_len, out)
   local heads, rope = self.n_head + self.n_kv_head, self.rope
   local freqs = self:freqs_for(t, seq_len)
+  out = out or t
   if self.opts.rotary_dim or rope.scale then
     local f = sign > 0 and ops.rope_ext_forward or ops.rope_ext_backward
-    f(t, t, freqs, pos, heads, self.head_dim, pos and 0 or offset, rope.scale or 0)
+    f(out, t, freqs, pos, heads, self.head_dim, pos and 0 or offset, rope.scale or 0)
   elseif pos then
     local f = sign > 0 and ops.rope_pos_forward or ops.rope_pos_backward
-    f(t, t, freqs, pos, heads)
+    f(out, t, freqs, pos, heads)
   else
     local f = sign > 0 and ops.rope_freqs_forward or ops.rope_freqs_backward
-    f(t, t, freqs, heads, offset)
+    f(out, t, freqs, heads, offset)
   end
 end
 
@@ -162,9 +167,15 @@ function GQA:backward(dy)
     ops.attention_gqa_backward(dqkv, dy_att, qkv, self.att_out, self.lse, self.n_head,
                                self.n_kv_head)
   end
-  self:turn(dqkv, -1, self.pos, 0, self.seq_span) -- the gradients of q and k before their turn
-  if self.qk_norm then dqkv = self:run_backward(self.qk_norm, dqkv) end
-  return self:run_backward(self.qkv_proj, dqkv)
+  -- the gradients of q and k before their turn: in place, or (no q/k norm
+  -- between) written as the projection's backward GEMMs read them
+  local d = dqkv
+  if not self.qk_norm and self:writes_bf16_for(self.qkv_proj) then
+    d = self.ctx.cast_arena:tensor(dqkv:sizes(), "bf16")
+  end
+  self:turn(dqkv, -1, self.pos, 0, self.seq_span, d)
+  if self.qk_norm then d = self:run_backward(self.qk_norm, d) end
+  return self:run_backward(self.qkv_proj, d)
 end
 
 -- Generation: x [B, T, n_embd] holds T new positions of each row, row b

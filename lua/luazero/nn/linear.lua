@@ -63,6 +63,10 @@ function Linear:backward(dy, w, dw)
   return dx
 end
 
+-- Its input and its output's gradient are matmul operands only (LoRA's
+-- wrapper reads both itself).
+function Linear:gemm_input() return 1 end
+
 -- Casts: the matmul operands in forward and backward, the bias in forward.
 function Linear:own_memory(B, T, dtype)
   local x, y, w = B * T * self.n_in, B * T * self.n_out, self.n_in * self.n_out

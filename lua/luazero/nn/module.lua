@@ -290,10 +290,51 @@ end
 
 -- A weight and input ready for a matmul: both bf16 when the weight is bf16
 -- (oneDNN, fp32 accumulation), else both f32 (an f16 weight computes in
--- f32: this CPU has no f16 GEMM).
+-- f32: this CPU has no f16 GEMM). An input that came bf16 (a producer that
+-- writes its GEMM operand directly) is used as is, or widened (exactly).
 function Module:matmul_operands(x, w)
   if tonumber(w.dtype) == BF16 then return self:cast(x, "bf16"), w end
-  return x, self:cast(w, "f32")
+  return self:cast(x, "f32"), self:cast(w, "f32")
+end
+
+-- How many bf16 copies of its forward input this module makes for matmuls,
+-- when that input is the only thing it reads it for (0: it reads it
+-- otherwise too, or not at all). A producer whose output this module takes
+-- writes it in bf16 directly under bf16 training when this is above 0: the
+-- copies then cost no cast pass and no bytes of their own.
+function Module:gemm_input() return 0 end
+
+-- Whether a producer writes its output for `consumer` in bf16 directly:
+-- bf16 training (the cast arena holds the copy, for as long as a cast would
+-- live) and a consumer that only multiplies it.
+function Module:writes_bf16_for(consumer)
+  local ctx = self.ctx
+  return consumer ~= nil and ctx.cast_dtype == "bf16" and ctx.cast_arena ~= nil and
+         consumer:gemm_input() > 0
+end
+
+-- A producer's output of `shape` for `consumer`: bf16 in the cast arena
+-- (writes_bf16_for), else an f32 activation.
+function Module:output_for(consumer, shape)
+  if self:writes_bf16_for(consumer) then return self.ctx.cast_arena:tensor(shape, "bf16") end
+  return self:activation(shape)
+end
+
+-- A gradient of `shape` flowing back into `consumer` (a Linear: its
+-- backward multiplies it only): bf16 in the cast arena under bf16 training,
+-- where the consumer would have cast it, else f32 scratch.
+function Module:grad_for(consumer, shape)
+  if self:writes_bf16_for(consumer) then return self.ctx.cast_arena:tensor(shape, "bf16") end
+  return self:scratch(shape)
+end
+
+-- Memory of a producer's output of n elements for `consumer` under working
+-- dtype `dtype`: { activations, casts } bytes. Written bf16, it takes the
+-- cast arena's bytes one copy takes and saves the consumer's copies.
+function Module.output_bytes_for(consumer, n, dtype)
+  local copies = consumer and consumer:gemm_input() or 0
+  if dtype ~= "bf16" or copies == 0 then return lz.arena_bytes(n), 0 end
+  return 0, lz.arena_bytes(n, "bf16") * (1 - copies)
 end
 
 ------------------------------------------------------------------ memory

@@ -30,10 +30,12 @@ function RMSNorm:scale_operand()
   return s
 end
 
--- x [B, T, C]; 1/rms per row is kept for backward.
+-- x [B, T, C]; 1/rms per row is kept for backward. y is written bf16 for a
+-- consumer that only multiplies it (self.feeds, set by the block or model
+-- that runs this norm before it; Module:output_for): backward never reads y.
 function RMSNorm:forward(x)
   local B, T = x:dim(1), x:dim(2)
-  local y = self:activation({ B, T, self.n })
+  local y = self:output_for(self.feeds, { B, T, self.n })
   self.rstd = self:activation({ B, T })
   local w = self:scale_operand()
   ops.rmsnorm_forward(y, self.rstd, x, w, self.eps)
@@ -49,13 +51,14 @@ function RMSNorm:backward(dy)
   return dx
 end
 
--- Casts: the weight in forward and in backward. An offset's sum is an
--- activation.
+-- Casts: the weight in forward and in backward; y as output_bytes_for. An
+-- offset's sum is an activation.
 function RMSNorm:own_memory(B, T, dtype)
   local x = lz.arena_bytes(B * T * self.n)
+  local y, y_casts = Module.output_bytes_for(self.feeds, B * T * self.n, dtype)
   local sum = self.offset and lz.arena_bytes(self.n) or 0
-  return { input = x, activations = x + lz.arena_bytes(B * T) + sum, scratch = x,
-           casts = 2 * Module.param_cast_bytes(self.n, dtype) }
+  return { input = x, activations = y + lz.arena_bytes(B * T) + sum, scratch = x,
+           casts = 2 * Module.param_cast_bytes(self.n, dtype) + y_casts }
 end
 
 return RMSNorm

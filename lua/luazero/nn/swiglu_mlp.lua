@@ -44,43 +44,74 @@ function SwiGLUMLP.new(n_embd, n_hidden, std, opts)
   return self
 end
 
+-- x goes to the gate and up projections only: a copy for each.
+function SwiGLUMLP:gemm_input()
+  if self.gate_up then return self.gate_up:gemm_input() end
+  local g, u = self.gate_proj:gemm_input(), self.up_proj:gemm_input()
+  return (g > 0 and u > 0) and g + u or 0
+end
+
+-- act(gate) * up feeds down_proj only: written bf16 for it under bf16
+-- training (backward reads gate and up, never it).
 function SwiGLUMLP:forward(x)
   if self.gate_up then
     local gu = self:run_forward(self.gate_up, x)
-    local h = self:activation({ gu:dim(1), gu:dim(2), self.n_hidden })
+    local h = self:output_for(self.down_proj, { gu:dim(1), gu:dim(2), self.n_hidden })
     ops.swiglu_packed_forward(h, gu)
     self.gu = gu
     return self:run_forward(self.down_proj, h)
   end
   local gate = self:run_forward(self.gate_proj, x)
   local up = self:run_forward(self.up_proj, x)
-  local h = self:activation({ gate:dim(1), gate:dim(2), self.n_hidden })
+  local h = self:output_for(self.down_proj, { gate:dim(1), gate:dim(2), self.n_hidden })
   ops[self.forward_op](h, gate, up)
   self.gate, self.up = gate, up
   return self:run_forward(self.down_proj, h)
 end
 
+-- Whether dgate and dup are written bf16 (Module:grad_for): both
+-- projections only multiply them.
+function SwiGLUMLP:bf16_grads()
+  return self:writes_bf16_for(self.gate_proj) and self:writes_bf16_for(self.up_proj)
+end
+
 -- The two projections read the same x: their input gradients add.
 function SwiGLUMLP:backward(dy)
   local dh = self:run_backward(self.down_proj, dy)
+  local B, T, H = dh:dim(1), dh:dim(2), self.n_hidden
   if self.gate_up then
-    local dgu = self:scratch({ dh:dim(1), dh:dim(2), 2 * self.n_hidden })
+    local dgu = self:grad_for(self.gate_up, { B, T, 2 * H })
     ops.swiglu_packed_backward(dgu, dh, self.gu)
     return self:run_backward(self.gate_up, dgu)
   end
-  local dup = self:scratch({ dh:dim(1), dh:dim(2), self.n_hidden })
-  ops[self.backward_op](dh, dup, dh, self.gate, self.up) -- dgate over dh
-  local dx = self:run_backward(self.gate_proj, dh)
+  local dgate, dup = dh, nil -- dgate over dh in f32
+  if self:bf16_grads() then
+    dgate = self.ctx.cast_arena:tensor({ B, T, H }, "bf16")
+    dup = self.ctx.cast_arena:tensor({ B, T, H }, "bf16")
+  else
+    dup = self:scratch({ B, T, H })
+  end
+  ops[self.backward_op](dgate, dup, dh, self.gate, self.up)
+  local dx = self:run_backward(self.gate_proj, dgate)
   local dx_up = self:run_backward(self.up_proj, dup)
   ops.add(dx, dx, dx_up)
   return dx
 end
 
--- Besides the projections: act(gate) * up; dup.
-function SwiGLUMLP:own_memory(B, T)
-  local h = lz.arena_bytes(B * T * self.n_hidden)
-  if self.gate_up then return { activations = h, scratch = lz.arena_bytes(2 * B * T * self.n_hidden) } end
-  return { activations = h, scratch = h }
+-- Besides the projections: act(gate) * up (output_bytes_for); dup (dgu
+-- when packed), in f32 scratch, or bf16 where the projections would have
+-- cast their output gradients (the same bytes: theirs not taken).
+function SwiGLUMLP:own_memory(B, T, dtype)
+  local n = B * T * self.n_hidden
+  local h, casts = Module.output_bytes_for(self.down_proj, n, dtype)
+  local bf16_grads
+  if self.gate_up then
+    bf16_grads = dtype == "bf16" and self.gate_up:gemm_input() > 0
+  else
+    bf16_grads = dtype == "bf16" and self.gate_proj:gemm_input() > 0 and self.up_proj:gemm_input() > 0
+  end
+  local scratch = bf16_grads and 0 or lz.arena_bytes(self.gate_up and 2 * n or n)
+  return { activations = h, casts = casts, scratch = scratch }
 end
 
 return SwiGLUMLP

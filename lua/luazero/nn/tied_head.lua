@@ -33,6 +33,8 @@ function TiedHead:backward(dlogits)
   return dx
 end
 
+function TiedHead:gemm_input() return 1 end
+
 -- Casts: the matmul operands in forward and backward.
 function TiedHead:own_memory(B, T, dtype)
   local C = self.embedding.n_embd
