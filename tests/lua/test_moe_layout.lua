@@ -4,7 +4,7 @@
 -- those sliced over its expert-data-parallel group; over all ranks every
 -- element lies in exactly one shard (each expert written once, by its
 -- owners), a rank holds 1/P of the expert elements, and ep_size 1 (or no
--- place) is the world layout, offset for offset.
+-- place) is the world layout, offset for offset. The plan's experts field.
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
@@ -132,6 +132,26 @@ function T.full_runs_cover_own_experts()
     for _, run in ipairs(layout.shard_runs(L, r)) do m = m + run.numel end
   end
   eq(m, L.full_numel, "every slice once")
+end
+
+-- The plan says where the experts' parameters live under expert
+-- parallelism: their group at stage 1 (states in memory, gradients reduced
+-- once a step), the world otherwise; and nothing of experts without it.
+function T.the_plan_says_where_experts_live()
+  local Placement = require("luazero.zero.plan")
+  for stage = 0, 3 do
+    local p = Placement.new{ stage = stage, ep_size = 2 }
+    local want = stage == 1 and "edp" or "world"
+    eq(p.experts, want, "placement at stage " .. stage)
+    local text = tostring(p)
+    assert(text:find("experts    ep_size 2, parameters under ZeRO over " ..
+                     (stage == 1 and "the expert-data-parallel group" or "all ranks"), 1, true),
+           text)
+    assert(not tostring(Placement.new{ stage = stage }):find("experts", 1, true))
+  end
+  eq(Placement.new{ stage = 1, ep_size = 2, accum = 2 }.experts, "world", "accumulation")
+  eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "world", "nvme")
+  eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "world", "sim device")
 end
 
 return T

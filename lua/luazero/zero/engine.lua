@@ -89,7 +89,7 @@ function M.plan_of(s, device, states, formats)
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
-                        master_format = s.optimizer.master_format }
+                        master_format = s.optimizer.master_format, ep_size = s.ep_size }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -186,6 +186,7 @@ function M.initialize(opts, above)
     error("initialize: every parameter is frozen (model:freeze); leave some to train", 0)
   end
   self.L = layout.new(self.ptable, W)
+  self:place_experts()
   self.pool = Pool.new(device)
   -- Host staging for gradients copied off the device (host-tier optimizer).
   self.hpool = Pool.new(device == "cpu" and "cpu" or "pinned")
@@ -217,6 +218,38 @@ function M.initialize(opts, above)
   return self
 end
 
+
+-- Expert placement (the plan's experts "edp"): the layout keeps only this
+-- rank's experts, sliced over its expert-data-parallel group. It needs
+-- every segment of the world layout to hold one owner's experts or none
+-- (experts gathered per expert), so that each gradient-norm partial and
+-- each reduced element is the world placement's, bit for bit; and an
+-- optimizer that updates elements one by one (not whole matrices). Else
+-- the experts stay under ZeRO over the world.
+function Engine:place_experts()
+  local P, s = self.P, self.s
+  if P.experts ~= "edp" then return end
+  local owner = layout.expert_owner(s.ep_size)
+  local ok = self.optimizer.matrix == nil
+  for _, seg in ipairs(self.L.segments) do
+    local o = owner(seg.entries[1].entry)
+    for _, se in ipairs(seg.entries) do ok = ok and owner(se.entry) == o end
+  end
+  if not ok then P.experts = "world"; return end
+  self.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
+  self.Lw = self.L
+  self.L = layout.new(self.ptable, self.world, nil, self.place_of(self.rank))
+  -- which world segment each of this rank's is (the same first parameter)
+  local at = {}
+  for i, seg in ipairs(self.Lw.segments) do at[seg.entries[1].entry] = i end
+  for _, seg in ipairs(self.L.segments) do seg.world_index = at[seg.entries[1].entry] end
+end
+
+-- The communicator a segment's collectives run over: its
+-- expert-data-parallel group, or the world.
+function Engine:comm_of(seg)
+  return seg.group == "edp" and self.edp_group or nil
+end
 
 -- The placement plan: print(engine:plan()) shows what lives where.
 function Engine:plan() return self.P end
@@ -272,7 +305,9 @@ function Engine:state_parts()
   local replicated = ms:replicated()
   return {
     comm = self.comm, rank = self.rank, world = self.world, stage = self.stage,
-    dtype = self.dtype, model = self.model, params = self.ptable, numel = self.L.numel,
+    -- (every parameter, the experts other ranks hold included)
+    dtype = self.dtype, model = self.model, params = self.ptable,
+    numel = self.L.numel + self.L.elsewhere,
     optimizer = self.optimizer.name,
     -- the manifest's record of the optimizer (type, hyperparameters), and
     -- whether a recorded type names this run's optimizer
@@ -286,7 +321,9 @@ function Engine:state_parts()
       -- {offset, canonical, numel} runs of rank r's shard
       runs_of = function(r)
         if r == self.rank then return ms:layout().runs end
-        return layout.canonical_runs(self.L, not replicated and r or nil)
+        local L = self.place_of and layout.new(self.ptable, self.world, nil, self.place_of(r))
+                  or self.L
+        return layout.canonical_runs(L, not replicated and r or nil)
       end,
       -- visit(writing, fn): fn(offset, master, state...) over the shard
       visit = function(writing, fn) return ms:visit(writing, fn) end,
@@ -347,7 +384,7 @@ function Engine:find_users()
     seg.in_use = 0 -- the modules running now that hold its gathered parameters
     self.segs_of[seg.module] = { seg }
     -- This rank's slice of the segment, as a run (layout.shard_runs).
-    seg.mine = { full_offset = seg.full_offset + self.rank * seg.slice,
+    seg.mine = { full_offset = seg.full_offset + layout.slice_of(L, seg, self.rank) * seg.slice,
                  shard_offset = seg.shard_offset, numel = seg.slice }
   end
   model:walk(function(m)
@@ -512,6 +549,10 @@ function Engine:allocate(frozen_entries)
     ring = self.states, master = self.master, work = self.work, wstage = self.wstage,
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
     frozen = self.frozen, overlap = s.overlap, matrices = self.matrices, seed = self.seed,
+    Lw = self.Lw, comm_of = function(seg) return self:comm_of(seg) end,
+    owner = self.Lw and function(wseg)
+      return layout.expert_owner(s.ep_size)(wseg.entries[1].entry)
+    end,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{
@@ -520,13 +561,14 @@ function Engine:allocate(frozen_entries)
     ograds = self.ograds, rgrads = self.rgrads, spill = self.spill, scratches = self.scratches,
     round_scratch = self.round_scratch,
     boundary = function() return self:is_gradient_accumulation_boundary() end,
+    comm_of = function(seg) return self:comm_of(seg) end,
   }
   -- Parameter gathers and the module hooks: a component over the
   -- parameter groups (segs_of) and the working copy (zero/gather.lua).
   self.gatherer = gather.new{
     P = P, s = s, comm = self.comm, rank = self.rank, pool = self.pool, wdt = self.wdt, L = L,
     LF = self.LF, work = self.work, staged = self.staged, segs_of = self.segs_of,
-    reducer = self.reducer,
+    reducer = self.reducer, comm_of = function(seg) return self:comm_of(seg) end,
   }
 end
 
@@ -560,6 +602,29 @@ function Engine:norm_parts()
     end
   end
   local K = #L.segments + 1 -- the loss, then one partial per segment
+  if self.Lw then
+    -- Experts in their group: one slot per world segment and slice, each
+    -- filled by one rank (the others' zeros add nothing), so the sum runs
+    -- over the world placement's partials in its order. A world slice of
+    -- an expert segment is taken from the whole reduced gradients (stage
+    -- 1 keeps them whole) by the owner whose group index covers it.
+    local W, Pn = self.world, self.s.ep_size
+    K = #self.Lw.segments * W + 1
+    self.norm_slots = {}
+    for _, seg in ipairs(L.segments) do
+      local wslice = seg.padded / W
+      for r = 0, W - 1 do
+        local mine = seg.group == "edp" and math.floor(r / Pn) == seg.grank or
+                     seg.group ~= "edp" and r == self.rank
+        if mine then
+          self.norm_slots[#self.norm_slots + 1] = {
+            slot = (seg.world_index - 1) * W + r + 1,
+            g = self.ograds:view(seg.full_offset + r * wslice, { wslice }),
+          }
+        end
+      end
+    end
+  end
   self.meta_k = K
   self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
   self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
@@ -652,6 +717,9 @@ function Engine:exchange(local_loss)
   if self.spill then
     local sq = self.reducer.spill_sq
     for i = 1, K - 1 do send[i] = sq[i] or 0 end
+  elseif self.norm_slots then
+    for i = 1, K - 1 do send[i] = 0 end
+    for _, ns in ipairs(self.norm_slots) do send[ns.slot] = ns.g:sq_norm() end
   else
     for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
   end
@@ -660,6 +728,14 @@ function Engine:exchange(local_loss)
   local loss = 0
   for r = 0, W - 1 do loss = loss + all[r * K] end
   local sq = 0
+  if self.norm_slots then
+    for i = 1, K - 1 do
+      local v = 0
+      for r = 0, W - 1 do v = v + all[r * K + i] end
+      sq = sq + v
+    end
+    return loss / W, sq
+  end
   for i = 1, K - 1 do
     for r = 0, W - 1 do sq = sq + all[r * K + i] end
   end

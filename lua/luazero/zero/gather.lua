@@ -21,7 +21,8 @@ Gatherer.__index = Gatherer
 -- L, LF (the trained and frozen layouts; LF nil without frozen segments),
 -- work (the full working copy, below stage 3), staged (the event uploads
 -- record, or nil), segs_of (module -> the segments it uses: the parameter
--- groups), reducer (whose grads hooks the backward hooks call).
+-- groups), reducer (whose grads hooks the backward hooks call), comm_of
+-- (optional: seg -> the group its slices are gathered over, nil: the world).
 function M.new(parts)
   local self = setmetatable({
     live = 0,               -- elements of the gathered parameters held now
@@ -31,7 +32,7 @@ function M.new(parts)
     recompute_segs_of = {}, -- module -> the segments its replay gathers
   }, Gatherer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "pool", "wdt", "L", "LF", "work", "staged",
-                       "segs_of", "reducer" }) do
+                       "segs_of", "reducer", "comm_of" }) do
     self[k] = parts[k]
   end
   return self
@@ -246,7 +247,14 @@ function Gatherer:gather_params()
   local async, works, slots = self.s.overlap, {}, {}
   for _, seg in ipairs(self.L.segments) do
     local send, recv, stg
-    if after == "gather_full" then
+    local group = self.comm_of and self.comm_of(seg)
+    if after == "gather_full" and group then
+      -- (an expert's slices from the ranks that hold it)
+      recv = self.work:view(seg.full_offset, { seg.padded })
+      send = recv:view(seg.grank * seg.slice, { seg.slice })
+      works[#works + 1] = group:all_gather(send, recv, async)
+      recv = nil
+    elseif after == "gather_full" then
       recv = self.work:view(seg.full_offset, { seg.padded })
       send = recv:view(self.rank * seg.slice, { seg.slice })
     elseif seg.persistent then

@@ -88,7 +88,8 @@ end
 -- class's per-element states; the default optimizer's: AdamW's m, v),
 -- optimizer_formats (state name -> optim/formats.lua's format; f32),
 -- master_format (f32, or bf16: no fp32 master, the bf16 working parameters
--- are the master, updated through stochastic rounding).
+-- are the master, updated through stochastic rounding), ep_size (moe.ep_size;
+-- 1).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -215,6 +216,16 @@ function M.new(opts)
   -- working copy (stages 1-2), the persistent parameters (stage 3).
   p.after_step = (stage == 1 or stage == 2) and "gather_full"
                  or stage == 3 and "gather_persistent" or "none"
+  -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
+  -- keeps only the experts it computes, under ZeRO within its
+  -- expert-data-parallel group (zero/layout.lua's place): at stage 1 with
+  -- the states in memory on a cpu device, gradients reduced once per step
+  -- in fp32. "world": under ZeRO over all ranks like every other parameter
+  -- (every other case; the engine also falls back to it for a layout the
+  -- placement cannot keep bitwise, engine.lua).
+  p.ep_size = opts.ep_size or 1
+  p.experts = p.ep_size > 1 and stage == 1 and device == "cpu" and not buffered and
+              opt_kind.resident and store.get(par_tier).resident and "edp" or "world"
   return p
 end
 
@@ -284,6 +295,10 @@ function Plan:lines()
     lines[#lines + 1] = "  push       the updated working shard from the host to the device"
   end
   lines[#lines + 1] = "  after step " .. self.after_step:gsub("_", " ")
+  if self.ep_size > 1 then
+    lines[#lines + 1] = ("  experts    ep_size %d, parameters under ZeRO over %s"):format(
+      self.ep_size, self.experts == "edp" and "the expert-data-parallel group" or "all ranks")
+  end
   return lines
 end
 
