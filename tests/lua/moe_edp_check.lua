@@ -45,8 +45,8 @@ for step = first, 4 do
 end
 local sum = engine:params_checksum()
 if rank == 0 then
-  print(("sum %s %s %s params %d grads %d"):format(sum, engine:plan().experts,
-                                                  table.concat(norms, " "), held.params, held.grads))
+  print(("sum %s %s %s params %d grads %d"):format(
+    sum, engine:plan().experts, table.concat(norms, " "), held.params, held.grads))
 end
 engine:free()
 loader:free()

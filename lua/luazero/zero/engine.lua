@@ -40,6 +40,7 @@ local gather = require("luazero.zero.gather")
 local Frozen = require("luazero.zero.frozen")
 local States = require("luazero.zero.states")
 local Matrices = require("luazero.zero.matrices")
+local experts = require("luazero.zero.experts")
 
 local M = {}
 local Engine = {}
@@ -186,7 +187,7 @@ function M.initialize(opts, above)
     error("initialize: every parameter is frozen (model:freeze); leave some to train", 0)
   end
   self.L = layout.new(self.ptable, W)
-  self:place_experts()
+  experts.place(self) -- (the plan's experts "edp": only this rank's)
   self.pool = Pool.new(device)
   -- Host staging for gradients copied off the device (host-tier optimizer).
   self.hpool = Pool.new(device == "cpu" and "cpu" or "pinned")
@@ -219,37 +220,8 @@ function M.initialize(opts, above)
 end
 
 
--- Expert placement (the plan's experts "edp"): the layout keeps only this
--- rank's experts, sliced over its expert-data-parallel group. It needs
--- every segment of the world layout to hold one owner's experts or none
--- (experts gathered per expert), so that each gradient-norm partial and
--- each reduced element is the world placement's, bit for bit; and an
--- optimizer that updates elements one by one (not whole matrices). Else
--- the experts stay under ZeRO over the world.
-function Engine:place_experts()
-  local P, s = self.P, self.s
-  if P.experts ~= "edp" then return end
-  local owner = layout.expert_owner(s.ep_size)
-  local ok = self.optimizer.matrix == nil
-  for _, seg in ipairs(self.L.segments) do
-    local o = owner(seg.entries[1].entry)
-    for _, se in ipairs(seg.entries) do ok = ok and owner(se.entry) == o end
-  end
-  if not ok then P.experts = "world"; return end
-  self.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
-  self.Lw = self.L
-  self.L = layout.new(self.ptable, self.world, nil, self.place_of(self.rank))
-  -- which world segment each of this rank's is (the same first parameter)
-  local at = {}
-  for i, seg in ipairs(self.Lw.segments) do at[seg.entries[1].entry] = i end
-  for _, seg in ipairs(self.L.segments) do seg.world_index = at[seg.entries[1].entry] end
-end
-
--- The communicator a segment's collectives run over: its
--- expert-data-parallel group, or the world.
-function Engine:comm_of(seg)
-  return seg.group == "edp" and self.edp_group or nil
-end
+-- The group a segment's collectives run over (zero/experts.lua).
+function Engine:comm_of(seg) return experts.comm_of(self, seg) end
 
 -- The placement plan: print(engine:plan()) shows what lives where.
 function Engine:plan() return self.P end
@@ -550,9 +522,7 @@ function Engine:allocate(frozen_entries)
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
     frozen = self.frozen, overlap = s.overlap, matrices = self.matrices, seed = self.seed,
     Lw = self.Lw, comm_of = function(seg) return self:comm_of(seg) end,
-    owner = self.Lw and function(wseg)
-      return layout.expert_owner(s.ep_size)(wseg.entries[1].entry)
-    end,
+    owner = self.Lw and function(wseg) return self.owner(wseg.entries[1].entry) end,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{
@@ -603,27 +573,9 @@ function Engine:norm_parts()
   end
   local K = #L.segments + 1 -- the loss, then one partial per segment
   if self.Lw then
-    -- Experts in their group: one slot per world segment and slice, each
-    -- filled by one rank (the others' zeros add nothing), so the sum runs
-    -- over the world placement's partials in its order. A world slice of
-    -- an expert segment is taken from the whole reduced gradients (stage
-    -- 1 keeps them whole) by the owner whose group index covers it.
-    local W, Pn = self.world, self.s.ep_size
-    K = #self.Lw.segments * W + 1
-    self.norm_slots = {}
-    for _, seg in ipairs(L.segments) do
-      local wslice = seg.padded / W
-      for r = 0, W - 1 do
-        local mine = seg.group == "edp" and math.floor(r / Pn) == seg.grank or
-                     seg.group ~= "edp" and r == self.rank
-        if mine then
-          self.norm_slots[#self.norm_slots + 1] = {
-            slot = (seg.world_index - 1) * W + r + 1,
-            g = self.ograds:view(seg.full_offset + r * wslice, { wslice }),
-          }
-        end
-      end
-    end
+    local k
+    k, self.norm_slots = experts.norm_slots(self)
+    K = k + 1
   end
   self.meta_k = K
   self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
