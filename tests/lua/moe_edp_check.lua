@@ -5,8 +5,9 @@
 -- <params checksum> <where the experts' parameters live: world|edp>
 -- <each step's gradient norm, %a> params <the ledger's parameter bytes>
 -- grads <its gradient bytes, after initialisation>". With SAVE a folder, it saves after
--- step 2; with LOAD one, it loads it and trains steps 3-4 only.
---   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|-
+-- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
+-- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16.
+--   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -17,10 +18,11 @@ local rank, world = comm.rank(), comm.size()
 local corpus = data.load(arg[1])
 local ep_size, stage = tonumber(arg[2]), tonumber(arg[3])
 local save, load = arg[4] ~= "-" and arg[4], arg[5] ~= "-" and arg[5]
+local accum, bf16 = tonumber(arg[6] or "1"), arg[7] == "bf16"
 
 local mcfg = mixtral.config("mixtral-tiny", { moe_gather = "expert" })
-local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
-              gradient_clipping = 0.05,
+local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
+              gradient_clipping = 0.05, bf16 = { enabled = bf16 },
               zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                     reduce_bucket_size = 5000,
                                     stage3_prefetch_bucket_size = 5000 },
@@ -35,7 +37,7 @@ local norms = {}
 local first = 1
 if load then
   engine:load(load)
-  for _ = 1, 2 do loader:next_batch() end
+  for _ = 1, 2 * accum do loader:next_batch() end
   first = 3
 end
 for step = first, 4 do

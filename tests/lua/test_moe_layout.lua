@@ -135,21 +135,24 @@ function T.full_runs_cover_own_experts()
 end
 
 -- The plan says where the experts' parameters live under expert
--- parallelism: their group at stage 1 (states in memory, gradients reduced
--- once a step), the world otherwise; and nothing of experts without it.
+-- parallelism: their group at stages 1-2 (states in memory, fp32
+-- gradients), the world otherwise; and nothing of experts without it.
 function T.the_plan_says_where_experts_live()
   local Placement = require("luazero.zero.plan")
   for stage = 0, 3 do
     local p = Placement.new{ stage = stage, ep_size = 2 }
-    local want = stage == 1 and "edp" or "world"
+    local edp = stage == 1 or stage == 2
+    local want = edp and "edp" or "world"
     eq(p.experts, want, "placement at stage " .. stage)
     local text = tostring(p)
     assert(text:find("experts    ep_size 2, parameters under ZeRO over " ..
-                     (stage == 1 and "the expert-data-parallel group" or "all ranks"), 1, true),
+                     (edp and "the expert-data-parallel group" or "all ranks"), 1, true),
            text)
     assert(not tostring(Placement.new{ stage = stage }):find("experts", 1, true))
   end
-  eq(Placement.new{ stage = 1, ep_size = 2, accum = 2 }.experts, "world", "accumulation")
+  eq(Placement.new{ stage = 1, ep_size = 2, accum = 2 }.experts, "edp", "accumulation")
+  eq(Placement.new{ stage = 2, ep_size = 2, dtype = "bf16", grad_dtype = "bf16" }.experts, "world",
+     "bf16 gradients")
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "world", "nvme")
   eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "world", "sim device")
 end

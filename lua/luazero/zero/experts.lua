@@ -10,6 +10,7 @@
 --   experts.place(engine)   -- engine.L, engine.Lw, engine.place_of; or the
 --                           -- plan's experts set back to "world"
 local layout = require("luazero.zero.layout")
+local Placement = require("luazero.zero.plan")
 
 local M = {}
 
@@ -48,20 +49,24 @@ end
 -- The gradient norm's partials: one slot per world segment and slice (K
 -- of them, after the loss's), each filled by one rank (the others' zeros
 -- add nothing), so the sum runs over the world placement's partials in its
--- order. A world slice of an expert segment is taken from the whole
--- reduced gradients (stage 1 keeps them whole) by the owner whose group
--- index covers it. Returns K, { {slot, g (the slice's gradients)} }.
+-- order. An expert segment's group slice k is world slices k*P .. k*P+P-1
+-- (padding is world-granular), so the owner of group index k takes those
+-- from its reduced gradients, whole (stage 1) or its shard (stage 2).
+-- Returns K, { {slot, g (the slice's gradients)} }.
 function M.norm_slots(engine)
-  local W, Pn = engine.world, engine.s.ep_size
+  local W, Pn, P = engine.world, engine.s.ep_size, engine.P
   local slots = {}
   for _, seg in ipairs(engine.L.segments) do
     local wslice = seg.padded / W
+    local k = layout.slice_of(engine.L, seg, engine.rank)
+    -- (where this rank's slice k starts in the gradients the optimizer reads)
+    local base = Placement.offset(P.opt_grads.extent, seg.mine) - k * seg.slice
     for r = 0, W - 1 do
-      local mine = seg.group == "edp" and math.floor(r / Pn) == seg.grank or
+      local mine = seg.group == "edp" and math.floor(r / Pn) == k or
                    seg.group ~= "edp" and r == engine.rank
       if mine then
         slots[#slots + 1] = { slot = (seg.world_index - 1) * W + r + 1,
-                              g = engine.ograds:view(seg.full_offset + r * wslice, { wslice }) }
+                              g = engine.ograds:view(base + r * wslice, { wslice }) }
       end
     end
   end

@@ -94,18 +94,22 @@ function Reducer:grads_ready(seg)
       seg.gbuf = h
     end
     local recv, dst, w
+    local group = self.comm_of and self.comm_of(seg)
     if R.op == "all_reduce" then
       recv = seg.gbuf
       dst = self.rgrads:view(seg.full_offset, { seg.padded })
       w = comm.all_reduce(seg.gbuf, "avg", async)
     else
-      recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
+      recv = seg.gbuf:view(seg.mine.full_offset - seg.full_offset, { seg.slice })
       -- Into the gradient shard, or (none on the device) the optimizer's,
       -- or (on NVMe) the gradient file's staging.
       dst = self.rgrads and self.rgrads:view(at(R.into, seg.mine), { seg.slice })
-      w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
+      -- (an expert's over its group: summed, divided as it finishes)
+      if group then w = group:reduce_scatter(seg.gbuf, recv, "sum", async)
+      else w = comm.reduce_scatter(seg.gbuf, recv, "avg", async) end
     end
-    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
+    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded,
+                   divide = group and recv or nil }
     if async then
       item.work = w
       self.inflight[#self.inflight + 1] = item
