@@ -148,16 +148,17 @@ local function edp(ep, stage, save, load, accum)
            grads = tonumber(grads) }
 end
 
--- Experts under ZeRO within their expert-data-parallel group (stages 1-2,
+-- Experts under ZeRO within their expert-data-parallel group (stages 1-3,
 -- experts gathered per expert): a rank keeps only the experts it computes
--- (the ledger's parameter bytes fall by (P - 1) / P of the experts', and
--- at stage 1 the whole gradients' too; stage 2's gradient shard is 1 / W
--- of them either way), and training with clipping in effect ends on the
+-- (the ledger's parameter bytes fall by (P - 1) / P of the experts' at
+-- stages 1-2, and at stage 1 the whole gradients' too; a shard is 1 / W of
+-- them either way; stage 3 gathers a rank's own experts only, over its
+-- group), and training with clipping in effect ends on the
 -- world placement's bits, gradient norms included; a checkpoint it saves
 -- holds every expert once and resumes under either placement and any
 -- ep_size, and one saved under the world placement resumes under it;
 -- with gradient accumulation too.
-function T.experts_live_in_their_group_at_stages_1_and_2()
+function T.experts_live_in_their_group_at_stages_1_to_3()
   local layout = require("luazero.zero.layout")
   local mixtral = require("models.mixtral")
   local pt = mixtral.new(mixtral.config("mixtral-tiny", { moe_gather = "expert" })).param_table
@@ -171,28 +172,28 @@ function T.experts_live_in_their_group_at_stages_1_and_2()
   local s0, s1, s2, s3 = edp(2, 0), edp(2, 1), edp(2, 2), edp(2, 3)
   eq(s1.placement, "edp", "stage 1's placement")
   eq(s2.placement, "edp", "stage 2's placement")
+  eq(s3.placement, "edp", "stage 3's placement")
   eq(s0.placement, "world", "stage 0's placement")
-  eq(s3.placement, "world", "stage 3's placement")
   for _, r in ipairs({ s1, s2, s3 }) do
     eq(r.sum, s0.sum, "checksum against stage 0")
     eq(r.norms, s0.norms, "gradient norms against stage 0")
   end
   -- with gradient accumulation (every micro-step's gradients reduced)
   local a0 = edp(2, 0, nil, nil, 2)
-  for stage = 1, 2 do
+  for stage = 1, 3 do
     local a = edp(2, stage, nil, nil, 2)
     eq(a.placement, "edp", "placement with accumulation")
     eq(a.sum, a0.sum, "checksum with accumulation at stage " .. stage)
     eq(a.norms, a0.norms, "gradient norms with accumulation at stage " .. stage)
   end
-  for _, stage in ipairs({ 1, 2 }) do
+  for _, stage in ipairs({ 1, 2, 3 }) do
     local one = edp(1, stage)
     eq(one.placement, "world", "ep_size 1's placement")
     for _, P in ipairs({ 2, 4 }) do
-      local r = P == 2 and (stage == 1 and s1 or s2) or edp(4, stage)
+      local r = P == 2 and ({ s1, s2, s3 })[stage] or edp(4, stage)
       eq(r.placement, "edp", "placement at ep_size " .. P)
       local what = (" at stage %d, ep_size %d"):format(stage, P)
-      eq(one.params - r.params, experts * (P - 1) / P, "parameter bytes" .. what)
+      eq(one.params - r.params, stage < 3 and experts * (P - 1) / P or 0, "parameter bytes" .. what)
       eq(one.grads - r.grads, stage == 1 and experts * (P - 1) / P or 0, "gradient bytes" .. what)
     end
   end
