@@ -4,7 +4,8 @@
 -- gradient norm's bits reach the weights). Prints, on rank 0, "sum
 -- <params checksum> <where the experts' parameters live: world|edp>
 -- <each step's gradient norm, %a> params <the ledger's parameter bytes>
--- grads <its gradient bytes, after initialisation>". With SAVE a folder, it saves after
+-- grads <its gradient bytes, after initialisation>" after "describe
+-- <engine:describe()>". With SAVE a folder, it saves after
 -- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
 -- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16.
 --   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE]
@@ -47,6 +48,7 @@ for step = first, 4 do
 end
 local sum = engine:params_checksum()
 if rank == 0 then
+  print("describe " .. engine:describe())
   print(("sum %s %s %s params %d grads %d"):format(
     sum, engine:plan().experts, table.concat(norms, " "), held.params, held.grads))
 end

@@ -145,7 +145,7 @@ local function edp(ep, stage, save, load, accum)
     out:match("sum (%x+) (%a+) (.-) params (%d+) grads (%d+)")
   assert(sum, out)
   return { sum = sum, placement = placement, norms = norms, params = tonumber(params),
-           grads = tonumber(grads) }
+           grads = tonumber(grads), describe = out:match("describe ([^\n]*)") }
 end
 
 -- Experts under ZeRO within their expert-data-parallel group (stages 1-3,
@@ -174,6 +174,10 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
   eq(s2.placement, "edp", "stage 2's placement")
   eq(s3.placement, "edp", "stage 3's placement")
   eq(s0.placement, "world", "stage 0's placement")
+  assert(s3.describe:find("ep_size 2 (expert-parallel ranks 0 1, expert-data-parallel ranks 0 " ..
+                          "2), experts 0-3 | 4-7 on its ranks (their parameters under ZeRO over " ..
+                          "their expert-data-parallel group)", 1, true), s3.describe)
+  assert(s0.describe:find("(their parameters under ZeRO over all ranks)", 1, true), s0.describe)
   for _, r in ipairs({ s1, s2, s3 }) do
     eq(r.sum, s0.sum, "checksum against stage 0")
     eq(r.norms, s0.norms, "gradient norms against stage 0")
