@@ -1,5 +1,5 @@
 -- moe_edp_check.lua — run by test_moe_ep.lua under the launcher: a tiny
--- Mixtral, experts gathered per expert, trained under expert parallelism
+-- Mixtral trained under expert parallelism
 -- at one ZeRO stage, with gradient clipping that takes effect (so the
 -- gradient norm's bits reach the weights). Prints, on rank 0, "sum
 -- <params checksum> <where the experts' parameters live: world|edp>
@@ -7,8 +7,9 @@
 -- grads <its gradient bytes, after initialisation>" after "describe
 -- <engine:describe()>". With SAVE a folder, it saves after
 -- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
--- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16.
---   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE]
+-- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16; GATHER:
+-- the experts' gather, expert (default) or block.
+--   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -20,8 +21,9 @@ local corpus = data.load(arg[1])
 local ep_size, stage = tonumber(arg[2]), tonumber(arg[3])
 local save, load = arg[4] ~= "-" and arg[4], arg[5] ~= "-" and arg[5]
 local accum, bf16 = tonumber(arg[6] or "1"), arg[7] == "bf16"
+local gather = arg[8] or "expert"
 
-local mcfg = mixtral.config("mixtral-tiny", { moe_gather = "expert" })
+local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
 local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
               gradient_clipping = 0.05, bf16 = { enabled = bf16 },
               zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,

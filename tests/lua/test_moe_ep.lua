@@ -134,10 +134,11 @@ end
 
 -- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
 -- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
-local function edp(ep, stage, save, load, accum)
-  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d 2>&1")
+local function edp(ep, stage, save, load, accum, gather)
+  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d fp32 " ..
+               "%s 2>&1")
               :format(q(lz.root), q(lz.executable()), q(corpus), ep, stage, save or "-",
-                      load or "-", accum or 1)
+                      load or "-", accum or 1, gather or "expert")
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
@@ -149,7 +150,7 @@ local function edp(ep, stage, save, load, accum)
 end
 
 -- Experts under ZeRO within their expert-data-parallel group (stages 1-3,
--- experts gathered per expert): a rank keeps only the experts it computes
+-- experts gathered per expert, and as whole blocks): a rank keeps only the experts it computes
 -- (the ledger's parameter bytes fall by (P - 1) / P of the experts' at
 -- stages 1-2, and at stage 1 the whole gradients' too; a shard is 1 / W of
 -- them either way; stage 3 gathers a rank's own experts only, over its
@@ -181,6 +182,16 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
   for _, r in ipairs({ s1, s2, s3 }) do
     eq(r.sum, s0.sum, "checksum against stage 0")
     eq(r.norms, s0.norms, "gradient norms against stage 0")
+  end
+  -- experts gathered as whole blocks: each block's segment is cut per
+  -- owner under either placement, so the norms agree too
+  local b0 = edp(2, 0, nil, nil, 1, "block")
+  for stage = 1, 3 do
+    local b = edp(2, stage, nil, nil, 1, "block")
+    eq(b.placement, "edp", "placement, block gather")
+    eq(b.sum, b0.sum, "checksum, block gather, stage " .. stage)
+    eq(b.norms, b0.norms, "gradient norms, block gather, stage " .. stage)
+    if stage == 1 then eq(b.params, s1.params, "parameter bytes, block gather") end
   end
   -- with gradient accumulation (every micro-step's gradients reduced)
   local a0 = edp(2, 0, nil, nil, 2)

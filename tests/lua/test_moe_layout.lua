@@ -118,6 +118,35 @@ for _, gather in ipairs({ "block", "expert" }) do
   end
 end
 
+-- The world placement under expert parallelism (place.everywhere): the
+-- same segments as any rank's group layout holds, cut per owner, every one
+-- kept and sliced over the world.
+function T.the_world_placement_cuts_alike()
+  local pt = model("block").param_table
+  local W = layout.new(pt, 4, nil, { rank = 1, ep_size = 2, owner = layout.expert_owner(2),
+                                     everywhere = true })
+  eq(W.elsewhere, 0, "elsewhere")
+  local plain = layout.new(pt, 4)
+  -- each block's one segment of experts becomes two
+  local blocks = 0
+  for _, s in ipairs(plain.segments) do
+    if s.module.expert_of and s.module.expert_of[s.entries[1].entry.key] then
+      blocks = blocks + 1
+    end
+  end
+  eq(#W.segments, #plain.segments + blocks, "segments")
+  local mine = layout.new(pt, 4, nil, place(1, 2))
+  local at = {}
+  for _, s in ipairs(W.segments) do
+    assert(s.group == nil and s.slice == s.padded / 4, "sliced over the world")
+    at[s.entries[1].entry] = s
+  end
+  for _, s in ipairs(mine.segments) do
+    local w = at[s.entries[1].entry]
+    assert(w and w.numel == s.numel and w.padded == s.padded, "a segment the world layout has")
+  end
+end
+
 -- The replicated optimizer's view (stage 0: every rank's slices, rank nil)
 -- covers this rank's parameters whole: the shared ones and its own experts.
 function T.full_runs_cover_own_experts()

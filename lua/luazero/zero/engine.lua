@@ -186,7 +186,7 @@ function M.initialize(opts, above)
   if #self.ptable == 0 then
     error("initialize: every parameter is frozen (model:freeze); leave some to train", 0)
   end
-  self.L = layout.new(self.ptable, W)
+  self.L = experts.world_layout(self)
   experts.place(self) -- (the plan's experts "edp": only this rank's)
   self.pool = Pool.new(device)
   -- Host staging for gradients copied off the device (host-tier optimizer).
@@ -354,7 +354,8 @@ function Engine:find_users()
   for _, seg in ipairs(L.segments) do
     seg.users = 1
     seg.in_use = 0 -- the modules running now that hold its gathered parameters
-    self.segs_of[seg.module] = { seg }
+    self.segs_of[seg.module] = self.segs_of[seg.module] or {}
+    table.insert(self.segs_of[seg.module], seg) -- (a block's experts: a segment per owner)
     -- This rank's slice of the segment, as a run (layout.shard_runs).
     seg.mine = { full_offset = seg.full_offset + layout.slice_of(L, seg, self.rank) * seg.slice,
                  shard_offset = seg.shard_offset, numel = seg.slice }

@@ -7,6 +7,7 @@
 -- a segment's collectives run over (comm_of), and the gradient norm's
 -- partials in the world placement's order (norm_slots).
 --
+--   engine.L = experts.world_layout(engine)
 --   experts.place(engine)   -- engine.L, engine.Lw, engine.place_of; or the
 --                           -- plan's experts set back to "world"
 local layout = require("luazero.zero.layout")
@@ -14,22 +15,28 @@ local Placement = require("luazero.zero.plan")
 
 local M = {}
 
--- The layout keeps only this rank's experts. It needs every segment of
--- the world layout to hold one owner's experts or none (experts gathered
--- per expert), so that each gradient-norm partial and each reduced element
--- is the world placement's, bit for bit; and an optimizer that updates
--- elements one by one (not whole matrices). Else the experts stay under
--- ZeRO over the world (P.experts = "world").
+-- The world layout under expert parallelism: a module's parameters cut
+-- where the experts' owner changes (a block's experts gathered whole are
+-- one segment per owner), every segment kept and sliced over the world,
+-- so that each segment's gradient-norm partials are the same under either
+-- placement. Without expert parallelism, the plain one.
+function M.world_layout(engine)
+  local P = engine.s.ep_size
+  if P <= 1 then return layout.new(engine.ptable, engine.world) end
+  return layout.new(engine.ptable, engine.world, nil, { rank = engine.rank, ep_size = P,
+                    owner = layout.expert_owner(P), everywhere = true })
+end
+
+-- The layout keeps only this rank's experts: each reduced element and
+-- each gradient-norm partial is then the world placement's, bit for bit.
+-- It needs an optimizer that updates elements one by one (not whole
+-- matrices); else the experts stay under ZeRO over the world
+-- (P.experts = "world").
 function M.place(engine)
   local P, s = engine.P, engine.s
   if P.experts ~= "edp" then return end
+  if engine.optimizer.matrix ~= nil then P.experts = "world"; return end
   local owner = layout.expert_owner(s.ep_size)
-  local ok = engine.optimizer.matrix == nil
-  for _, seg in ipairs(engine.L.segments) do
-    local o = owner(seg.entries[1].entry)
-    for _, se in ipairs(seg.entries) do ok = ok and owner(se.entry) == o end
-  end
-  if not ok then P.experts = "world"; return end
   engine.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
   engine.owner = owner
   engine.Lw = engine.L

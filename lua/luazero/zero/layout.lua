@@ -28,6 +28,9 @@
 -- stays a multiple of world * ALIGN, so a segment pads alike under either
 -- placement. Such a layout depends on the rank's place in its
 -- expert-parallel group: layout.new(table, world, nil, place) per rank.
+-- place.everywhere: the segments cut so, every one kept and sliced over
+-- the world (expert parallelism's world placement: its segments and norm
+-- partials are the group placement's).
 local M = {}
 
 -- Elements per slice are a multiple of this: 64 bytes of f32.
@@ -60,7 +63,7 @@ function M.new(param_table, world, align, place)
     local o = owner(e)
     if not seg or seg.module ~= e.module or seg.owner ~= o then
       seg = { module = e.module, entries = {}, numel = 0, owner = o }
-      if o == nil or o == mine then
+      if o == nil or o == mine or place.everywhere then
         seg.index = #L.segments + 1
         L.segments[#L.segments + 1] = seg
         -- (a module's first segment here: the one its tied readers name)
@@ -76,7 +79,7 @@ function M.new(param_table, world, align, place)
   end
   for _, s in ipairs(L.segments) do
     s.padded = round_up(s.numel, world * align)
-    if s.owner ~= nil then
+    if s.owner ~= nil and not place.everywhere then
       s.group, s.gworld = "edp", world / place.ep_size
       s.grank = math.floor(place.rank / place.ep_size)
     else
