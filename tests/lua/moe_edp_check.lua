@@ -4,7 +4,8 @@
 -- gradient norm's bits reach the weights). Prints, on rank 0, "sum
 -- <params checksum> <where the experts' parameters live: world|edp>
 -- <each step's gradient norm, %a> params <the ledger's parameter bytes>
--- grads <its gradient bytes, after initialisation>" after "describe
+-- grads <its gradient bytes, after initialisation> gathered <bytes its
+-- parameter gathers sent>" after "describe
 -- <engine:describe()>". With SAVE a folder, it saves after
 -- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
 -- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16; GATHER:
@@ -48,11 +49,14 @@ for step = first, 4 do
   norms[#norms + 1] = ("%a"):format(rec.grad_norm)
   if step == 2 and save then engine:save(save) end
 end
+-- the parameter gathers' bytes, the world's and the experts' groups'
+local gathered = require("luazero.comm").bytes().all_gather +
+                 (engine.edp_group and engine.edp_group:bytes().all_gather or 0)
 local sum = engine:params_checksum()
 if rank == 0 then
   print("describe " .. engine:describe())
-  print(("sum %s %s %s params %d grads %d"):format(
-    sum, engine:plan().experts, table.concat(norms, " "), held.params, held.grads))
+  print(("sum %s %s %s params %d grads %d gathered %d"):format(
+    sum, engine:plan().experts, table.concat(norms, " "), held.params, held.grads, gathered))
 end
 engine:free()
 loader:free()

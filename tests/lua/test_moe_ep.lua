@@ -142,11 +142,12 @@ local function edp(ep, stage, save, load, accum, gather)
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
-  local sum, placement, norms, params, grads =
-    out:match("sum (%x+) (%a+) (.-) params (%d+) grads (%d+)")
+  local sum, placement, norms, params, grads, gathered =
+    out:match("sum (%x+) (%a+) (.-) params (%d+) grads (%d+) gathered (%d+)")
   assert(sum, out)
   return { sum = sum, placement = placement, norms = norms, params = tonumber(params),
-           grads = tonumber(grads), describe = out:match("describe ([^\n]*)") }
+           grads = tonumber(grads), gathered = tonumber(gathered),
+           describe = out:match("describe ([^\n]*)") }
 end
 
 -- Experts under ZeRO within their expert-data-parallel group (stages 1-3,
@@ -154,7 +155,7 @@ end
 -- (the ledger's parameter bytes fall by (P - 1) / P of the experts' at
 -- stages 1-2, and at stage 1 the whole gradients' too; a shard is 1 / W of
 -- them either way; stage 3 gathers a rank's own experts only, over its
--- group), and training with clipping in effect ends on the
+-- group: fewer bytes sent as P grows), and training with clipping in effect ends on the
 -- world placement's bits, gradient norms included; a checkpoint it saves
 -- holds every expert once and resumes under either placement and any
 -- ep_size, and one saved under the world placement resumes under it;
@@ -210,6 +211,11 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
       local what = (" at stage %d, ep_size %d"):format(stage, P)
       eq(one.params - r.params, stage < 3 and experts * (P - 1) / P or 0, "parameter bytes" .. what)
       eq(one.grads - r.grads, stage == 1 and experts * (P - 1) / P or 0, "gradient bytes" .. what)
+      -- stage 3 gathers this rank's experts alone, over its group
+      if stage == 3 then
+        assert(r.gathered < (P == 2 and one.gathered or s3.gathered),
+               ("gathered %d bytes at ep_size %d"):format(r.gathered, P))
+      end
     end
   end
   local dir = scratch_dir .. "/edp-ck"
