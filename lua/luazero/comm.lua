@@ -156,6 +156,13 @@ function Comm:handle()
   return self.ptr
 end
 
+-- Bytes this rank sent in this group, per kind (as comm.bytes).
+function Comm:bytes()
+  local h, t = self:handle(), {}
+  for i, k in ipairs(kinds) do t[k] = tonumber(C.lz_comm_bytes(h, i - 1)) end
+  return t
+end
+
 function Comm:rank() return C.lz_comm_rank(self:handle()) end
 function Comm:size() return C.lz_comm_size(self:handle()) end
 

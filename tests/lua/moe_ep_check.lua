@@ -2,8 +2,9 @@
 -- Mixtral trained 3 steps at ZeRO stages 0-3 under expert parallelism
 -- (moe.ep_size EP: the experts placed on the expert-parallel group's ranks,
 -- rows exchanged by all-to-all-v). Prints, on rank 0, "stage S <params
--- checksum> <expert rows of step 1, block 1> <first step's loss>" per
--- stage, then "done". An exchange that depended on the routing would hang
+-- checksum> <expert rows of step 1, block 1> <first step's loss> <where the
+-- experts' parameters live: world|edp> <elements of the full layout>
+-- <expert elements other ranks hold>" per stage, then "done". An exchange that depended on the routing would hang
 -- here, not finish.
 -- GATHER: the experts' gather granularity, block or expert; ROUTE:
 -- adversarial (below), pile (below) or router (the router's own top-2).
@@ -58,7 +59,10 @@ for stage = 0, 3 do
     if step == 1 then rows = table.concat(m.expert_tokens[1], ",") end
   end
   local sum = engine:params_checksum()
-  if rank == 0 then print(("stage %d %s %s %.9g"):format(stage, sum, rows, loss)) end
+  if rank == 0 then
+    print(("stage %d %s %s %.9g %s %d %d"):format(stage, sum, rows, loss, engine:plan().experts,
+                                               engine.L.full_numel, engine.L.elsewhere))
+  end
   if stage == 0 and rank == 0 then print("describe " .. engine:describe()) end
   engine:free()
   loader:free()

@@ -87,7 +87,10 @@ function T.router_routing_at_world_4_ends_on_one_checksum_per_ep_size()
     loss1 = loss1 or runs[1].loss
     assert(math.abs(runs[1].loss - loss1) <= 1e-6 * loss1,
            ("first-step loss %.9g at ep_size %d, %.9g at 1"):format(runs[1].loss, ep, loss1))
-    if ep == 4 then assert(out:find("experts 0-1 | 2-3 | 4-5 | 6-7 on its ranks", 1, true), out) end
+    if ep == 4 then
+      assert(out:find("experts 0-1 | 2-3 | 4-5 | 6-7 on its ranks (their parameters under ZeRO " ..
+                      "over all ranks)", 1, true), out)
+    end
   end
 end
 
@@ -127,6 +130,109 @@ function T.a_checkpoint_resumes_under_another_ep_size()
   local _, four = ok_train(4, ("--config %s --resume %s"):format(q(cfg(4)), from))
   local _, one = ok_train(4, ("--config %s --resume %s"):format(q(cfg(1)), from))
   eq(four, one, "resumed under ep_size 4 and 1")
+end
+
+-- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
+-- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
+local function edp(ep, stage, save, load, accum, gather)
+  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d fp32 " ..
+               "%s 2>&1")
+              :format(q(lz.root), q(lz.executable()), q(corpus), ep, stage, save or "-",
+                      load or "-", accum or 1, gather or "expert")
+  local p = io.popen(cmd)
+  local out = p:read("*a")
+  p:close()
+  local sum, placement, norms, params, grads, gathered =
+    out:match("sum (%x+) (%a+) (.-) params (%d+) grads (%d+) gathered (%d+)")
+  assert(sum, out)
+  return { sum = sum, placement = placement, norms = norms, params = tonumber(params),
+           grads = tonumber(grads), gathered = tonumber(gathered),
+           describe = out:match("describe ([^\n]*)") }
+end
+
+-- Experts under ZeRO within their expert-data-parallel group (stages 1-3,
+-- experts gathered per expert, and as whole blocks): a rank keeps only the experts it computes
+-- (the ledger's parameter bytes fall by (P - 1) / P of the experts' at
+-- stages 1-2, and at stage 1 the whole gradients' too; a shard is 1 / W of
+-- them either way; stage 3 gathers a rank's own experts only, over its
+-- group: fewer bytes sent as P grows), and training with clipping in effect ends on the
+-- world placement's bits, gradient norms included; a checkpoint it saves
+-- holds every expert once and resumes under either placement and any
+-- ep_size, and one saved under the world placement resumes under it;
+-- with gradient accumulation too.
+function T.experts_live_in_their_group_at_stages_1_to_3()
+  local layout = require("luazero.zero.layout")
+  local mixtral = require("models.mixtral")
+  local pt = mixtral.new(mixtral.config("mixtral-tiny", { moe_gather = "expert" })).param_table
+  local experts = 0 -- bytes of the experts' padded segments, fp32
+  for _, seg in ipairs(layout.new(pt, 4).segments) do
+    local m = seg.module
+    if m.expert_of and m.expert_of[seg.entries[1].entry.key] then
+      experts = experts + 4 * seg.padded
+    end
+  end
+  local s0, s1, s2, s3 = edp(2, 0), edp(2, 1), edp(2, 2), edp(2, 3)
+  eq(s1.placement, "edp", "stage 1's placement")
+  eq(s2.placement, "edp", "stage 2's placement")
+  eq(s3.placement, "edp", "stage 3's placement")
+  eq(s0.placement, "world", "stage 0's placement")
+  assert(s3.describe:find("ep_size 2 (expert-parallel ranks 0 1, expert-data-parallel ranks 0 " ..
+                          "2), experts 0-3 | 4-7 on its ranks (their parameters under ZeRO over " ..
+                          "their expert-data-parallel group)", 1, true), s3.describe)
+  assert(s0.describe:find("(their parameters under ZeRO over all ranks)", 1, true), s0.describe)
+  for _, r in ipairs({ s1, s2, s3 }) do
+    eq(r.sum, s0.sum, "checksum against stage 0")
+    eq(r.norms, s0.norms, "gradient norms against stage 0")
+  end
+  -- experts gathered as whole blocks: each block's segment is cut per
+  -- owner under either placement, so the norms agree too
+  local b0 = edp(2, 0, nil, nil, 1, "block")
+  for stage = 1, 3 do
+    local b = edp(2, stage, nil, nil, 1, "block")
+    eq(b.placement, "edp", "placement, block gather")
+    eq(b.sum, b0.sum, "checksum, block gather, stage " .. stage)
+    eq(b.norms, b0.norms, "gradient norms, block gather, stage " .. stage)
+    if stage == 1 then eq(b.params, s1.params, "parameter bytes, block gather") end
+  end
+  -- with gradient accumulation (every micro-step's gradients reduced)
+  local a0 = edp(2, 0, nil, nil, 2)
+  for stage = 1, 3 do
+    local a = edp(2, stage, nil, nil, 2)
+    eq(a.placement, "edp", "placement with accumulation")
+    eq(a.sum, a0.sum, "checksum with accumulation at stage " .. stage)
+    eq(a.norms, a0.norms, "gradient norms with accumulation at stage " .. stage)
+  end
+  for _, stage in ipairs({ 1, 2, 3 }) do
+    local one = edp(1, stage)
+    eq(one.placement, "world", "ep_size 1's placement")
+    for _, P in ipairs({ 2, 4 }) do
+      local r = P == 2 and ({ s1, s2, s3 })[stage] or edp(4, stage)
+      eq(r.placement, "edp", "placement at ep_size " .. P)
+      local what = (" at stage %d, ep_size %d"):format(stage, P)
+      eq(one.params - r.params, stage < 3 and experts * (P - 1) / P or 0, "parameter bytes" .. what)
+      eq(one.grads - r.grads, stage == 1 and experts * (P - 1) / P or 0, "gradient bytes" .. what)
+      -- stage 3 gathers this rank's experts alone, over its group
+      if stage == 3 then
+        assert(r.gathered < (P == 2 and one.gathered or s3.gathered),
+               ("gathered %d bytes at ep_size %d"):format(r.gathered, P))
+      end
+    end
+  end
+  local dir = scratch_dir .. "/edp-ck"
+  edp(2, 1, dir .. "/edp")
+  edp(2, 0, dir .. "/world")
+  for _, saved in ipairs({ "edp", "world" }) do
+    local from = dir .. "/" .. saved .. "/step-000002"
+    for _, stage in ipairs({ 1, 2, 0, 3 }) do
+      eq(edp(2, stage, nil, from).sum, s0.sum, ("%s checkpoint resumed at stage %d")
+                                                 :format(saved, stage))
+    end
+    -- (on 4 ranks ep_size 4 adds an expert's four sources in the world's
+    -- all-reduce order, as ep_size 1 does)
+    local four, single = edp(4, 1, nil, from), edp(1, 1, nil, from)
+    eq(four.placement, "edp", "ep_size 4's placement")
+    eq(four.sum, single.sum, saved .. " checkpoint resumed under ep_size 4 and 1")
+  end
 end
 
 function T.experts_must_divide_among_the_ranks()

@@ -58,16 +58,21 @@ function Experts.new(n_embd, n_hidden, n_experts, std, names, gather)
   end
   -- (the module holding expert weights: the engine counts their gathers)
   self.is_expert_unit = self.gather == "block"
-  -- units[e]: the module holding expert e's weights, and their keys there
+  -- units[e]: the module holding expert e's weights, and their keys there;
+  -- expert_of[key] on that module: the expert (0-based) a parameter is,
+  -- for the engine's expert placement (zero/layout.lua's expert_owner)
   self.units = {}
+  self.expert_of = {}
   local init = { kind = "normal", std = std }
   for e = 0, n_experts - 1 do
     if self.gather == "expert" then
       local m = self:add(tostring(e), Expert.new(n_embd, n_hidden, std, names))
       self.units[e + 1] = { module = m, keys = { "gate", "up", "down" } }
+      m.n_experts, m.expert_of = n_experts, { gate = e, up = e, down = e }
     else
       local k = { "gate" .. e, "up" .. e, "down" .. e }
       self.units[e + 1] = { module = self, keys = k }
+      for _, key in ipairs(k) do self.expert_of[key] = e end
       self:param(k[1], { n_hidden, n_embd }, init, true, ("%d.%s.weight"):format(e, names[1]))
       self:param(k[2], { n_hidden, n_embd }, init, true, ("%d.%s.weight"):format(e, names[2]))
       self:param(k[3], { n_embd, n_hidden }, init, true, ("%d.%s.weight"):format(e, names[3]))

@@ -41,6 +41,7 @@ local gather = require("luazero.zero.gather")
 local Frozen = require("luazero.zero.frozen")
 local States = require("luazero.zero.states")
 local Matrices = require("luazero.zero.matrices")
+local experts = require("luazero.zero.experts")
 
 local M = {}
 local Engine = {}
@@ -95,7 +96,8 @@ function M.plan_of(s, device, states, formats, moe)
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
-                        master_format = s.optimizer.master_format, moe = moe }
+                        master_format = s.optimizer.master_format, moe = moe,
+                        ep_size = s.ep_size }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -198,7 +200,9 @@ function M.initialize(opts, above)
   -- shards are cut on blocks (zero/layout.lua); tensors under the
   -- optimizer's block_min_numel keep f32 states.
   local block = formats.block_of(P.optimizer.formats)
-  self.L = layout.new(self.ptable, W, nil, block)
+  self.block = block
+  self.L = experts.world_layout(self, block)
+  experts.place(self) -- (the plan's experts "edp": only this rank's)
   self.small_below = block and optimizer.block_min_numel or nil
   self.pool = Pool.new(device)
   -- Host staging for gradients copied off the device (host-tier optimizer).
@@ -231,6 +235,9 @@ function M.initialize(opts, above)
   return self
 end
 
+
+-- The group a segment's collectives run over (zero/experts.lua).
+function Engine:comm_of(seg) return experts.comm_of(self, seg) end
 
 -- The placement plan: print(engine:plan()) shows what lives where.
 function Engine:plan() return self.P end
@@ -286,7 +293,9 @@ function Engine:state_parts()
   local replicated = ms:replicated()
   return {
     comm = self.comm, rank = self.rank, world = self.world, stage = self.stage,
-    dtype = self.dtype, model = self.model, params = self.ptable, numel = self.L.numel,
+    -- (every parameter, the experts other ranks hold included)
+    dtype = self.dtype, model = self.model, params = self.ptable,
+    numel = self.L.numel + self.L.elsewhere,
     optimizer = self.optimizer.name,
     -- the manifest's record of the optimizer (type, hyperparameters), and
     -- whether a recorded type names this run's optimizer
@@ -300,7 +309,9 @@ function Engine:state_parts()
       -- {offset, canonical, numel} runs of rank r's shard
       runs_of = function(r)
         if r == self.rank then return ms:layout().runs end
-        return layout.canonical_runs(self.L, not replicated and r or nil)
+        local L = self.place_of and layout.new(self.ptable, self.world, nil, nil, self.place_of(r))
+                  or self.L
+        return layout.canonical_runs(L, not replicated and r or nil)
       end,
       -- visit(writing, fn): fn(offset, master, state...) over the shard
       visit = function(writing, fn) return ms:visit(writing, fn) end,
@@ -359,9 +370,10 @@ function Engine:find_users()
   for _, seg in ipairs(L.segments) do
     seg.users = 1
     seg.in_use = 0 -- the modules running now that hold its gathered parameters
-    self.segs_of[seg.module] = { seg }
+    self.segs_of[seg.module] = self.segs_of[seg.module] or {}
+    table.insert(self.segs_of[seg.module], seg) -- (a block's experts: a segment per owner)
     -- This rank's slice of the segment, as a run (layout.shard_runs).
-    seg.mine = { full_offset = seg.full_offset + self.rank * seg.slice,
+    seg.mine = { full_offset = seg.full_offset + layout.slice_of(L, seg, self.rank) * seg.slice,
                  shard_offset = seg.shard_offset, numel = seg.slice }
   end
   model:walk(function(m)
@@ -529,6 +541,8 @@ function Engine:allocate(frozen_entries)
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
     frozen = self.frozen, overlap = s.overlap, matrices = self.matrices, seed = self.seed,
     small_below = self.small_below,
+    Lw = self.Lw, comm_of = function(seg) return self:comm_of(seg) end,
+    owner = self.Lw and function(wseg) return self.owner(wseg.entries[1].entry) end,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{
@@ -537,13 +551,14 @@ function Engine:allocate(frozen_entries)
     ograds = self.ograds, rgrads = self.rgrads, spill = self.spill, scratches = self.scratches,
     round_scratch = self.round_scratch,
     boundary = function() return self:is_gradient_accumulation_boundary() end,
+    comm_of = function(seg) return self:comm_of(seg) end,
   }
   -- Parameter gathers and the module hooks: a component over the
   -- parameter groups (segs_of) and the working copy (zero/gather.lua).
   self.gatherer = gather.new{
     P = P, s = s, comm = self.comm, rank = self.rank, pool = self.pool, wdt = self.wdt, L = L,
     LF = self.LF, work = self.work, staged = self.staged, segs_of = self.segs_of,
-    reducer = self.reducer,
+    reducer = self.reducer, comm_of = function(seg) return self:comm_of(seg) end,
   }
 end
 
@@ -580,6 +595,11 @@ function Engine:norm_parts()
     end
   end
   local K = #L.segments + 1 -- the loss, then one partial per segment
+  if self.Lw then
+    local k
+    k, self.norm_slots = experts.norm_slots(self)
+    K = k + 1
+  end
   self.meta_k = K
   self.meta_send = lz.tensor({ 2 * K }, "i32", "workspace")
   self.meta_recv = lz.tensor({ 2 * K * self.world }, "i32", "workspace")
@@ -675,6 +695,9 @@ function Engine:exchange(local_loss)
   if self.spill then
     local sq = self.reducer.spill_sq
     for i = 1, K - 1 do send[i] = sq[i] or 0 end
+  elseif self.norm_slots then
+    for i = 1, K - 1 do send[i] = 0 end
+    for _, ns in ipairs(self.norm_slots) do send[ns.slot] = ns.g:sq_norm() end
   else
     for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
   end
@@ -683,6 +706,14 @@ function Engine:exchange(local_loss)
   local loss = 0
   for r = 0, W - 1 do loss = loss + all[r * K] end
   local sq = 0
+  if self.norm_slots then
+    for i = 1, K - 1 do
+      local v = 0
+      for r = 0, W - 1 do v = v + all[r * K + i] end
+      sq = sq + v
+    end
+    return loss / W, sq
+  end
   for i = 1, K - 1 do
     for r = 0, W - 1 do sq = sq + all[r * K + i] end
   end

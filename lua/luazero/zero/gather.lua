@@ -23,7 +23,8 @@ Gatherer.__index = Gatherer
 -- L, LF (the trained and frozen layouts; LF nil without frozen segments),
 -- work (the full working copy, below stage 3), staged (the event uploads
 -- record, or nil), segs_of (module -> the segments it uses: the parameter
--- groups), reducer (whose grads hooks the backward hooks call).
+-- groups), reducer (whose grads hooks the backward hooks call), comm_of
+-- (optional: seg -> the group its slices are gathered over, nil: the world).
 function M.new(parts)
   local self = setmetatable({
     live = 0,               -- elements of the gathered parameters held now
@@ -36,7 +37,7 @@ function M.new(parts)
     expert_read = 0, expert_skipped = 0,
   }, Gatherer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "pool", "wdt", "L", "LF", "work", "staged",
-                       "segs_of", "reducer" }) do
+                       "segs_of", "reducer", "comm_of" }) do
     self[k] = parts[k]
   end
   return self
@@ -57,6 +58,14 @@ end
 
 local function bind_params(seg, buf) layout.bind("p", seg, buf) end
 
+-- All-gathers seg's slices over its group (an expert's: the ranks that
+-- hold it), or the world.
+function Gatherer:all_gather(seg, send, recv, async)
+  local group = self.comm_of and self.comm_of(seg)
+  if group then return group:all_gather(send, recv, async) end
+  return self.comm.all_gather(send, recv, async)
+end
+
 -- Parameters gathered per module: a segment's, into a pooled buffer.
 function Gatherer:gather(seg, async)
   if seg.persistent or seg.pbuf then return end
@@ -67,7 +76,7 @@ function Gatherer:gather(seg, async)
   self.live = self.live + seg.padded
   local send
   send, seg.pslot = self:shard_slice(seg)
-  seg.pwork = self.comm.all_gather(send, seg.pbuf, async)
+  seg.pwork = self:all_gather(seg, send, seg.pbuf, async)
   if not async then seg.pwork = nil; self:gathered(seg) end
 end
 
@@ -328,19 +337,19 @@ end
 -- What the plan gathers after the step: every rank's updated slices into
 -- every rank's full working copy, or the persistent parameters.
 function Gatherer:gather_params()
-  local after, comm = self.P.after_step, self.comm
+  local after = self.P.after_step
   if after == "none" then return end
   local async, works, slots = self.s.overlap, {}, {}
   for _, seg in ipairs(self.L.segments) do
     local send, recv, stg
     if after == "gather_full" then
       recv = self.work:view(seg.full_offset, { seg.padded })
-      send = recv:view(self.rank * seg.slice, { seg.slice })
+      send = recv:view(seg.mine.full_offset - seg.full_offset, { seg.slice })
     elseif seg.persistent then
       recv = seg.persistent
       send, stg = self:shard_slice(seg)
     end
-    if recv then works[#works + 1] = comm.all_gather(send, recv, async) end
+    if recv then works[#works + 1] = self:all_gather(seg, send, recv, async) end
     if stg then
       if async then slots[#slots + 1] = stg else self:release_slice(stg) end
     end

@@ -24,6 +24,21 @@
 --   (numel: its parameters' elements; extent: where its last one ends,
 --   gaps included; the two differ only with a block)
 --   L.full_numel, L.shard_numel, L.numel (unpadded)
+--
+-- Expert placement (DeepSpeed-MoE's expert-data-parallel ZeRO), with
+-- place = { rank, ep_size P, owner = function(entry) -> the expert-parallel
+-- group rank that computes the parameter, or nil for every rank's }: a
+-- segment is cut where the owner changes (a block's experts become one
+-- segment per owner), the segments of experts this rank does not compute
+-- are left out (L.elsewhere counts their elements), and those it does are
+-- sliced over its expert-data-parallel group (the world / P ranks P apart:
+-- seg.group = "edp", seg.gworld = world / P, seg.grank = floor(rank / P)). Padding
+-- stays a multiple of world * ALIGN, so a segment pads alike under either
+-- placement. Such a layout depends on the rank's place in its
+-- expert-parallel group: layout.new(table, world, nil, block, place) per rank.
+-- place.everywhere: the segments cut so, every one kept and sliced over
+-- the world (expert parallelism's world placement: its segments and norm
+-- partials are the group placement's).
 local M = {}
 
 -- Elements per slice are a multiple of this: 64 bytes of f32.
@@ -44,17 +59,25 @@ function M.bind(field, seg, buf)
   end
 end
 
-function M.new(param_table, world, align, block)
+function M.new(param_table, world, align, block, place)
   align = align or M.ALIGN
   if block then align = math.max(align, block) end
-  local L = { world = world, segments = {}, by_module = {}, numel = 0, block = block }
+  local L = { world = world, segments = {}, by_module = {}, numel = 0, elsewhere = 0,
+              block = block, place = place }
+  local owner = place and place.ep_size > 1 and place.owner or function() return nil end
+  local mine = place and place.rank % place.ep_size
   local full, shard = 0, 0
   local seg
   for _, e in ipairs(param_table) do
-    if not seg or seg.module ~= e.module then
-      seg = { index = #L.segments + 1, module = e.module, entries = {}, numel = 0, extent = 0 }
-      L.segments[#L.segments + 1] = seg
-      L.by_module[e.module] = seg
+    local o = owner(e)
+    if not seg or seg.module ~= e.module or seg.owner ~= o then
+      seg = { module = e.module, entries = {}, numel = 0, extent = 0, owner = o }
+      if o == nil or o == mine or place.everywhere then
+        seg.index = #L.segments + 1
+        L.segments[#L.segments + 1] = seg
+        -- (a module's first segment here: the one its tied readers name)
+        L.by_module[e.module] = L.by_module[e.module] or seg
+      end
     end
     local at = block and round_up(seg.extent, block) or seg.extent
     seg.entries[#seg.entries + 1] = {
@@ -62,16 +85,45 @@ function M.new(param_table, world, align, block)
       offset = e.offset,
     }
     seg.numel, seg.extent = seg.numel + e.numel, at + e.numel
-    L.numel = L.numel + e.numel
+    if seg.index then L.numel = L.numel + e.numel else L.elsewhere = L.elsewhere + e.numel end
   end
   for _, s in ipairs(L.segments) do
     s.padded = round_up(s.extent, world * align)
-    s.slice = s.padded / world
+    if s.owner ~= nil and not place.everywhere then
+      s.group, s.gworld = "edp", world / place.ep_size
+      s.grank = math.floor(place.rank / place.ep_size)
+    else
+      s.gworld, s.grank = world, place and place.rank
+    end
+    s.slice = s.padded / s.gworld
     s.full_offset, s.shard_offset = full, shard
     full, shard = full + s.padded, shard + s.slice
   end
   L.full_numel, L.shard_numel = full, shard
   return L
+end
+
+-- The place.owner of a model whose expert modules say which expert each
+-- parameter is (module.expert_of[key], 0-based, of module.n_experts;
+-- nn/moe_experts.lua): expert e's owner in an expert-parallel group of P
+-- ranks is e // (E / P), as the block computes it.
+function M.expert_owner(P)
+  return function(entry)
+    local m = entry.module
+    local e = m.expert_of and m.expert_of[entry.key]
+    if e == nil then return nil end
+    return math.floor(e / (m.n_experts / P))
+  end
+end
+
+-- Which slice of segment s world rank r holds: r under ZeRO over the
+-- world; its index in the expert-data-parallel group for an expert
+-- segment (nil for a rank of another group, which holds none of it).
+function M.slice_of(L, s, r)
+  if s.group ~= "edp" then return r end
+  local P = L.place.ep_size
+  if r % P ~= L.place.rank % P then return nil end
+  return math.floor(r / P)
 end
 
 -- Runs {full_offset, shard_offset, numel, decay, matrix} over this rank's
@@ -109,7 +161,9 @@ function M.shard_runs(L, rank, matrix_of, by_segment, kind_of)
   end
   for _, s in ipairs(L.segments) do
     seg_now = s
-    local lo, hi = rank * s.slice, (rank + 1) * s.slice -- within the segment
+    local k = M.slice_of(L, s, rank)
+    local lo, hi = (k or 0) * s.slice, ((k or 0) + 1) * s.slice -- within the segment
+    if not k then hi = lo end
     local pos = lo
     for _, e in ipairs(s.entries) do
       local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)
@@ -120,7 +174,7 @@ function M.shard_runs(L, rank, matrix_of, by_segment, kind_of)
         pos = b
       end
     end
-    add(s.full_offset + pos, s.shard_offset + pos - lo, hi - pos, false) -- padding
+    if k then add(s.full_offset + pos, s.shard_offset + pos - lo, hi - pos, false) end -- padding
   end
   return runs
 end
@@ -141,7 +195,8 @@ function M.canonical_runs(L, rank)
   end
   for _, s in ipairs(L.segments) do
     local lo, hi = 0, s.padded
-    if rank then lo, hi = rank * s.slice, (rank + 1) * s.slice end
+    local k = rank and M.slice_of(L, s, rank)
+    if rank then lo, hi = (k or 0) * s.slice, k and (k + 1) * s.slice or 0 end
     local base = rank and (s.shard_offset - lo) or s.full_offset
     for _, e in ipairs(s.entries) do
       local a, b = math.max(lo, e.seg_offset), math.min(hi, e.seg_offset + e.numel)

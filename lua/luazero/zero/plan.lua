@@ -90,7 +90,7 @@ end
 -- master_format (f32, or bf16: no fp32 master, the bf16 working parameters
 -- are the master, updated through stochastic rounding), moe (a model
 -- with MoE blocks: { gather = "block" | "expert", routed_only =, blocks =,
--- experts = }; nil without).
+-- experts = }; nil without), ep_size (moe.ep_size; 1).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -218,6 +218,17 @@ function M.new(opts)
   p.after_step = (stage == 1 or stage == 2) and "gather_full"
                  or stage == 3 and "gather_persistent" or "none"
   p.moe = M.moe(opts.moe)
+  -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
+  -- keeps only the experts it computes, under ZeRO within its
+  -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua):
+  -- at stages 1-3 with the states in memory on a cpu device and fp32
+  -- gradients. "world": under ZeRO over all ranks like every other
+  -- parameter (every other case; the engine also falls back to it for a
+  -- layout the placement cannot keep bitwise, zero/experts.lua).
+  p.ep_size = opts.ep_size or 1
+  p.experts = p.ep_size > 1 and stage >= 1 and device == "cpu" and
+              gdt == "f32" and opt_kind.resident and store.get(par_tier).resident and
+              "edp" or "world"
   return p
 end
 
@@ -307,6 +318,10 @@ function Plan:lines()
   end
   lines[#lines + 1] = "  after step " .. self.after_step:gsub("_", " ")
   if self.moe then lines[#lines + 1] = "  moe        " .. M.describe_moe(self.moe) end
+  if self.ep_size > 1 then
+    lines[#lines + 1] = ("  experts    ep_size %d, parameters under ZeRO over %s"):format(
+      self.ep_size, self.experts == "edp" and "the expert-data-parallel group" or "all ranks")
+  end
   return lines
 end
 

@@ -11,6 +11,7 @@
 --
 --   local reducer = reduce.new{ P = P, s = s, comm = comm, ... }
 --   reducer:stage_grads(segs); reducer:grads_ready(seg); reducer:wait_all()
+local ffi = require("ffi")
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
@@ -29,7 +30,8 @@ Reducer.__index = Reducer
 -- gdt, grads, ograds, rgrads (the buffers: the gradients, the optimizer's,
 -- the one reductions add into), spill (the gradient file, or nil),
 -- scratches (device -> fp32 scratch), round_scratch, boundary (a function:
--- whether this micro-step ends the accumulation).
+-- whether this micro-step ends the accumulation), comm_of (optional: seg ->
+-- the group its gradients reduce over, nil for the world).
 function M.new(parts)
   local self = setmetatable({
     inflight = {}, inflight_elems = 0, -- reductions in flight, and their elements
@@ -41,13 +43,21 @@ function M.new(parts)
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
-                       "boundary" }) do
+                       "boundary", "comm_of" }) do
     self[k] = parts[k]
   end
   return self
 end
 
 local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
+
+-- t /= n elementwise on the host (f32): a float division, as the
+-- collectives' average makes it (the division in double rounds to the
+-- same float).
+local function divide(t, n)
+  local p, m = ffi.cast("float *", t.data), t:numel()
+  for i = 0, m - 1 do p[i] = p[i] / n end
+end
 
 -- A module's backward is about to run: its segments' gradients get a
 -- staging buffer (buffered), and every segment counts the modules still to
@@ -85,18 +95,22 @@ function Reducer:grads_ready(seg)
       seg.gbuf = h
     end
     local recv, dst, w
+    local group = self.comm_of and self.comm_of(seg)
     if R.op == "all_reduce" then
       recv = seg.gbuf
       dst = self.rgrads:view(seg.full_offset, { seg.padded })
       w = comm.all_reduce(seg.gbuf, "avg", async)
     else
-      recv = seg.gbuf:view(self.rank * seg.slice, { seg.slice })
+      recv = seg.gbuf:view(seg.mine.full_offset - seg.full_offset, { seg.slice })
       -- Into the gradient shard, or (none on the device) the optimizer's,
       -- or (on NVMe) the gradient file's staging.
       dst = self.rgrads and self.rgrads:view(at(R.into, seg.mine), { seg.slice })
-      w = comm.reduce_scatter(seg.gbuf, recv, "avg", async)
+      -- (an expert's over its group: summed, divided as it finishes)
+      if group then w = group:reduce_scatter(seg.gbuf, recv, "sum", async)
+      else w = comm.reduce_scatter(seg.gbuf, recv, "avg", async) end
     end
-    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
+    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded,
+                   divide = group and recv or nil }
     if async then
       item.work = w
       self.inflight[#self.inflight + 1] = item
@@ -112,6 +126,16 @@ function Reducer:grads_ready(seg)
     -- In place, in the full gradient buffer: this rank's slice is reduced.
     local full = self.grads:view(seg.full_offset, { seg.padded })
     local recv = self.grads:view(seg.mine.full_offset, { seg.slice })
+    local group = self.comm_of and self.comm_of(seg)
+    if group then
+      -- An expert's gradients come from its owners alone (the other ranks'
+      -- are zeros): summed over the expert-data-parallel group, then
+      -- divided by the world size, the world's average bit for bit.
+      local w = group:reduce_scatter(full, recv, "sum", async)
+      local item = { work = async and w or nil, divide = recv }
+      if async then self.inflight[#self.inflight + 1] = item else self:finish_reduce(item) end
+      return
+    end
     local w = comm.reduce_scatter(full, recv, "avg", async)
     if async then self.inflight[#self.inflight + 1] = { work = w } end
     return
@@ -141,6 +165,7 @@ end
 -- (reduce-scatter) into the gradients the optimizer reads.
 function Reducer:finish_reduce(item)
   if item.work then item.work:wait() end
+  if item.divide then divide(item.divide, self.comm.size()) end
   local seg = item.seg
   if seg then
     if item.work then self.inflight_elems = self.inflight_elems - item.elems end

@@ -39,8 +39,9 @@ end
 
 -- Where expert parallelism puts a model's E experts a block over an
 -- expert-parallel group of P ranks (nn/moe_experts.lua): ", experts 0-3 |
--- 4-7 on its ranks"; their parameters, as the others, are laid out over
--- the whole world. "" for a model without MoE blocks.
+-- 4-7 on its ranks", and where their parameters live (the plan's experts:
+-- over the whole world, as the others, or the expert-data-parallel group).
+-- "" for a model without MoE blocks.
 function M.placement(engine)
   local routers = engine.model and engine.model.routers or {}
   if #routers == 0 then return "" end
@@ -50,8 +51,9 @@ function M.placement(engine)
   for q = 0, P - 1 do
     parts[#parts + 1] = L == 1 and tostring(q) or ("%d-%d"):format(q * L, (q + 1) * L - 1)
   end
+  local over = engine.P.experts == "edp" and "their expert-data-parallel group" or "all ranks"
   return ", experts " .. table.concat(parts, " | ") ..
-         " on its ranks (their parameters under ZeRO over all ranks)"
+         " on its ranks (their parameters under ZeRO over " .. over .. ")"
 end
 
 -- Bytes this rank has read from and written to its NVMe swap files so far

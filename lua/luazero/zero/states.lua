@@ -36,12 +36,15 @@ States.__index = States
 -- placement of an optimizer that has one, else nil), seed (the run's: the
 -- stochastic rounding of a bf16 master is keyed by it), small_below (an
 -- optimizer with block-scaled states: tensors of fewer elements keep f32
--- states, the ring's `small` arrays; nil: none).
+-- states, the ring's `small` arrays; nil: none); with experts placed
+-- in their groups (the plan's experts "edp"): Lw (the world layout),
+-- comm_of (seg -> its expert-data-parallel group) and owner (world
+-- segment -> the expert-parallel rank holding it, nil for every rank's).
 function M.new(parts)
   local self = setmetatable({}, States)
   for _, k in ipairs({ "P", "L", "rank", "world", "comm", "model", "ring", "master", "work",
                        "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap",
-                       "matrices", "seed", "small_below" }) do
+                       "matrices", "seed", "small_below", "Lw", "comm_of", "owner" }) do
     self[k] = parts[k]
   end
   return self
@@ -120,7 +123,7 @@ function States:init_weights(seed)
       copy(buf:view(seg.full_offset, { seg.padded }), full:view(0, { seg.padded }), "convert")
     else
       copy(buf:view(seg.shard_offset, { seg.slice }),
-           full:view(self.rank * seg.slice, { seg.slice }), "convert")
+           full:view(seg.mine.full_offset - seg.full_offset, { seg.slice }), "convert")
     end
   end
   local function placed(seg, full)
@@ -133,6 +136,7 @@ function States:init_weights(seed)
   local function sink(e, a, t)
     if e.frozen then return self.frozen:write(e, a, t) end
     local w = where[e.name]
+    if not w then return end -- (an expert another rank's layout holds)
     local seg = w.seg
     local d = drawing[seg]
     if not d then
@@ -603,6 +607,7 @@ end
 -- master, or this rank's slices gathered into a temporary one segment at
 -- a time.
 function States:full_master_segments(fn)
+  if self.Lw then return self:placed_master_segments(fn) end
   local P = self.P
   local on_device = P:on_device("master")
   if not P:swapped("master") and P.master.extent == "full" then
@@ -633,6 +638,34 @@ function States:full_master_segments(fn)
     fn(seg, full)
     full:free()
   end)
+end
+
+-- full_master_segments with the experts in their groups (resident master
+-- on the cpu, the plan says): every world segment in order, this rank's
+-- whole (gathered over its group where sharded), an expert's broadcast by
+-- world rank q, which holds expert-parallel rank q's experts.
+function States:placed_master_segments(fn)
+  local P = self.P
+  local own = {}
+  for _, seg in ipairs(self.L.segments) do own[seg.world_index] = seg end
+  for i, wseg in ipairs(self.Lw.segments) do
+    local seg = own[i]
+    local full = lz.tensor({ wseg.padded }, "f32", "workspace")
+    if seg and P.master.extent == "full" then
+      local view = self.master:view(seg.full_offset, { seg.padded })
+      full:convert(view)
+      view:free()
+    elseif seg then
+      local wide = widened(self.master:view(seg.shard_offset, { seg.slice }))
+      local group = self.comm_of(seg)
+      if group then group:all_gather(wide, full) else self.comm.all_gather(wide, full) end
+      wide:free() -- (a view of the master, or the widened copy)
+    end
+    local q = self.owner(wseg)
+    if q ~= nil then self.comm.broadcast(full, q) end
+    fn(wseg, full)
+    full:free()
+  end
 end
 
 -- Calls fn(seg, slice) for every segment in order with this rank's fp32

@@ -1,0 +1,84 @@
+-- zero/experts.lua — expert parameters under ZeRO within their
+-- expert-data-parallel group (the plan's experts "edp"; DeepSpeed-MoE's
+-- placement): the engine's layout keeps only the experts this rank
+-- computes, sliced over its group (zero/layout.lua's place), beside the
+-- world layout (Lw) that says where every segment lies for everyone. What
+-- the engine asks of the placement: whether it can hold (place), the group
+-- a segment's collectives run over (comm_of), and the gradient norm's
+-- partials in the world placement's order (norm_slots).
+--
+--   engine.L = experts.world_layout(engine)
+--   experts.place(engine)   -- engine.L, engine.Lw, engine.place_of; or the
+--                           -- plan's experts set back to "world"
+local layout = require("luazero.zero.layout")
+local Placement = require("luazero.zero.plan")
+
+local M = {}
+
+-- The world layout under expert parallelism: a module's parameters cut
+-- where the experts' owner changes (a block's experts gathered whole are
+-- one segment per owner), every segment kept and sliced over the world,
+-- so that each segment's gradient-norm partials are the same under either
+-- placement. Without expert parallelism, the plain one.
+function M.world_layout(engine, block)
+  local P = engine.s.ep_size
+  if P <= 1 then return layout.new(engine.ptable, engine.world, nil, block) end
+  return layout.new(engine.ptable, engine.world, nil, block, { rank = engine.rank, ep_size = P,
+                    owner = layout.expert_owner(P), everywhere = true })
+end
+
+-- The layout keeps only this rank's experts: each reduced element and
+-- each gradient-norm partial is then the world placement's, bit for bit.
+-- It needs an optimizer that updates elements one by one (not whole
+-- matrices) and keeps no block-scaled states (8-bit AdamW's blocks are
+-- cut on the world layout); else the experts stay under ZeRO over the
+-- world (P.experts = "world").
+function M.place(engine)
+  local P, s = engine.P, engine.s
+  if P.experts ~= "edp" then return end
+  if engine.optimizer.matrix ~= nil or engine.block then P.experts = "world"; return end
+  local owner = layout.expert_owner(s.ep_size)
+  engine.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
+  engine.owner = owner
+  engine.Lw = engine.L
+  engine.L = layout.new(engine.ptable, engine.world, nil, nil, engine.place_of(engine.rank))
+  -- which world segment each of this rank's is (the same first parameter)
+  local at = {}
+  for i, seg in ipairs(engine.Lw.segments) do at[seg.entries[1].entry] = i end
+  for _, seg in ipairs(engine.L.segments) do seg.world_index = at[seg.entries[1].entry] end
+end
+
+-- The group a segment's collectives run over: its expert-data-parallel
+-- group, or nil (the world).
+function M.comm_of(engine, seg)
+  return seg.group == "edp" and engine.edp_group or nil
+end
+
+-- The gradient norm's partials: one slot per world segment and slice (K
+-- of them, after the loss's), each filled by one rank (the others' zeros
+-- add nothing), so the sum runs over the world placement's partials in its
+-- order. An expert segment's group slice k is world slices k*P .. k*P+P-1
+-- (padding is world-granular), so the owner of group index k takes those
+-- from its reduced gradients, whole (stage 1) or its shard (stage 2).
+-- Returns K, { {slot, g (the slice's gradients)} }.
+function M.norm_slots(engine)
+  local W, Pn, P = engine.world, engine.s.ep_size, engine.P
+  local slots = {}
+  for _, seg in ipairs(engine.L.segments) do
+    local wslice = seg.padded / W
+    local k = layout.slice_of(engine.L, seg, engine.rank)
+    -- (where this rank's slice k starts in the gradients the optimizer reads)
+    local base = Placement.offset(P.opt_grads.extent, seg.mine) - k * seg.slice
+    for r = 0, W - 1 do
+      local mine = seg.group == "edp" and math.floor(r / Pn) == k or
+                   seg.group ~= "edp" and r == engine.rank
+      if mine then
+        slots[#slots + 1] = { slot = (seg.world_index - 1) * W + r + 1,
+                              g = engine.ograds:view(base + r * wslice, { wslice }) }
+      end
+    end
+  end
+  return #engine.Lw.segments * W, slots
+end
+
+return M

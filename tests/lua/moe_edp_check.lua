@@ -1,0 +1,63 @@
+-- moe_edp_check.lua — run by test_moe_ep.lua under the launcher: a tiny
+-- Mixtral trained under expert parallelism
+-- at one ZeRO stage, with gradient clipping that takes effect (so the
+-- gradient norm's bits reach the weights). Prints, on rank 0, "sum
+-- <params checksum> <where the experts' parameters live: world|edp>
+-- <each step's gradient norm, %a> params <the ledger's parameter bytes>
+-- grads <its gradient bytes, after initialisation> gathered <bytes its
+-- parameter gathers sent>" after "describe
+-- <engine:describe()>". With SAVE a folder, it saves after
+-- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
+-- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16; GATHER:
+-- the experts' gather, expert (default) or block.
+--   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
+local lz = require("luazero")
+local zero = require("luazero.zero")
+local data = require("luazero.data")
+local mixtral = require("models.mixtral")
+
+local comm = require("luazero.comm").init()
+local rank, world = comm.rank(), comm.size()
+local corpus = data.load(arg[1])
+local ep_size, stage = tonumber(arg[2]), tonumber(arg[3])
+local save, load = arg[4] ~= "-" and arg[4], arg[5] ~= "-" and arg[5]
+local accum, bf16 = tonumber(arg[6] or "1"), arg[7] == "bf16"
+local gather = arg[8] or "expert"
+
+local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
+local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
+              gradient_clipping = 0.05, bf16 = { enabled = bf16 },
+              zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
+                                    reduce_bucket_size = 5000,
+                                    stage3_prefetch_bucket_size = 5000 },
+              optimizer = { type = "AdamW", params = { lr = 1e-2 } },
+              moe = { ep_size = ep_size } }
+local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
+                                 batch = { 2, 16 }, comm = comm })
+local held = lz.mem()
+local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
+                                     rank = rank, world = world })
+local norms = {}
+local first = 1
+if load then
+  engine:load(load)
+  for _ = 1, 2 * accum do loader:next_batch() end
+  first = 3
+end
+for step = first, 4 do
+  local rec = engine:train_batch(loader)
+  norms[#norms + 1] = ("%a"):format(rec.grad_norm)
+  if step == 2 and save then engine:save(save) end
+end
+-- the parameter gathers' bytes, the world's and the experts' groups'
+local gathered = require("luazero.comm").bytes().all_gather +
+                 (engine.edp_group and engine.edp_group:bytes().all_gather or 0)
+local sum = engine:params_checksum()
+if rank == 0 then
+  print("describe " .. engine:describe())
+  print(("sum %s %s %s params %d grads %d gathered %d"):format(
+    sum, engine:plan().experts, table.concat(norms, " "), held.params, held.grads, gathered))
+end
+engine:free()
+loader:free()
+corpus.tokens:free()
