@@ -425,7 +425,8 @@ function Engine:allocate(frozen_entries)
   -- the optimizer's states, where offload_optimizer puts them.
   local oo = s.offload_opt
   self.states = offload.states{
-    n = self:numel(P.optimizer.extent), master = not P.master.alias, names = self.optimizer.states,
+    n = self:numel(P.optimizer.extent), master = not P.master.alias, master_dtype = P.master.dtype,
+    names = self.optimizer.states,
     formats = P.optimizer.formats,
     tier = P.optimizer.tier, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,

@@ -64,8 +64,9 @@ local swap_opts = M.swap_opts
 local States = {}
 States.__index = States
 
--- opts: n (optimizer elements of this rank), master (true: keep an fp32
--- master copy here; false: the working copy is the fp32 master), names
+-- opts: n (optimizer elements of this rank), master (true: keep a master
+-- copy here; false: the working copy is the master), master_dtype (the
+-- copy's: f32, or bf16 for a bf16 master; f32), names
 -- (the optimizer's per-element states, in order; the default
 -- optimizer's: AdamW's m, v), formats (name -> format: f32 or bf16;
 -- block-scaled formats are refused; f32 when absent),
@@ -92,8 +93,9 @@ function M.states(opts)
     end
     dts[i] = f.dtype
   end
+  local mdt = opts.master_dtype or "f32"
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
-                              dtypes = dts,
+                              dtypes = dts, master_dtype = mdt,
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
@@ -112,12 +114,12 @@ function M.states(opts)
   self.s = {}
   if not on_disk then
     local function new(dt) return kind.allocate({ n }, dt, "optimizer", self.compute) end
-    if opts.master then self.master = new("f32") end
+    if opts.master then self.master = new(mdt) end
     for i = 1, #names do self.s[i] = new(dts[i]):zero() end
   end
   -- A group's region of the swap file: the master, then each state, at
   -- byte offsets (G is a multiple of GRAIN: each part starts on a page).
-  self.part_at, self.region = {}, (opts.master and G * esize.f32 or 0)
+  self.part_at, self.region = {}, (opts.master and G * esize[mdt] or 0)
   for i = 1, #names do
     self.part_at[i] = self.region
     self.region = self.region + G * esize[dts[i]]
@@ -160,7 +162,7 @@ function States:make_views(k, g)
   local v = { s = {} }
   if self.swap then
     local st = self:buffer(k).state
-    if self.has_master then v.master = st:view(0, { g.n }) end
+    if self.has_master then v.master = typed_view(st, 0, self.master_dtype, g.n) end
     for j = 1, #self.names do v.s[j] = typed_view(st, self.part_at[j], self.dtypes[j], g.n) end
   else
     if self.master then v.master = self.master:view(g.lo, { g.n }) end
