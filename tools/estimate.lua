@@ -15,6 +15,8 @@ local args = require("luazero.args")
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
 local models = require("models.registry")
+local optim = require("luazero.optim")
+local formats = require("luazero.optim.formats")
 
 local function a_model(f) return f.model ~= nil or f.model_config ~= nil end
 -- The activation arenas: a batch of a model's sequences.
@@ -78,6 +80,13 @@ local spec = {
     "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
   { "json", "int", 0, "1: print the figures as one JSON object instead of tables",
     choices = { 0, 1 } },
+  { "optimizer", "string", nil, "the optimizer.type whose states are counted (the --config's, " ..
+    "else " .. optim.registry.default.name .. "): " .. optim.registry.types_text(false, "or") },
+  { "state-format", "string", nil, "every optimizer state in this format: " ..
+    table.concat(formats.names, ", ") .. " (default: the optimizer's, or the --config's)",
+    choices = formats.names },
+  { "master", "string", nil, "the master weights' format: f32, or bf16 (bf16_stochastic_round; " ..
+    "needs --dtype bf16); default: the --config's, else f32", choices = { "f32", "bf16" } },
 }
 
 local function fail(msg)
@@ -191,7 +200,6 @@ local function main(argv)
     end
   end
   local dtype = flags.dtype
-  local b = estimate.dtype_bytes[dtype]
   local disk = { read_gbps = flags.read_gbps or estimate.disk.read_gbps,
                  write_gbps = flags.write_gbps or estimate.disk.write_gbps }
   disk.assumed = not (flags.read_gbps and flags.write_gbps)
@@ -219,11 +227,30 @@ local function main(argv)
       settings.overlap = cfg.zero_optimization.overlap_comm
     end
   end
+  -- The optimizer whose states are counted: the config's, the flags on top.
+  if flags.optimizer or not flags.config then
+    local o = checked(optim.new, { type = flags.optimizer })
+    settings.states, settings.formats = o.states, o.state_formats
+    settings.optimizer, settings.master_format = o.name, o.master_format
+    settings.whole_matrices = o.matrix and o.name or nil
+  end
+  if flags.state_format then
+    settings.formats = {}
+    for _, st in ipairs(settings.states) do settings.formats[st] = flags.state_format end
+  end
+  if flags.master then settings.master_format = flags.master ~= "f32" and flags.master or nil end
+  if settings.master_format == "bf16" and dtype ~= "bf16" then
+    fail(("bf16 master weights are the bf16 working parameters: give --dtype bf16 (got --dtype %s)")
+         :format(dtype))
+  end
   settings.dtype, settings.grads, settings.device = dtype, flags.grads, flags.device
   settings.accum = flags.grad_accum or settings.accum or 1
   settings.sub_group_size = flags.sub_group_size or settings.sub_group_size
   settings.read_gbps, settings.write_gbps = disk.read_gbps, disk.write_gbps
   local rows = estimate.rank_rows(counts, settings)
+  local optimizer_text = estimate.describe_optimizer{ name = settings.optimizer,
+    states = settings.states, formats = settings.formats, master_format = settings.master_format,
+    dtype = dtype }
   -- As the trainer picks: in memory, else on NVMe (a path is the trainer's to give).
   local ok, picked, why = pcall(estimate.pick_stage, params, N, budget, dtype, {
     grads = flags.grads, persistent = persistent, layout = layout, nvme = true,
@@ -234,21 +261,23 @@ local function main(argv)
   if flags.json == 1 then
     print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
                          device = flags.device, counts = counts, rows = rows, disk = disk,
-                         auto = why, budget = budget })
+                         auto = why, budget = budget, optimizer = optimizer_text })
     return
   end
   print(("model states per rank for %s"):format(what))
   local gdt = flags.grads == "fp32" and "fp32" or dtype
-  print(("world size N = %d; %s parameters, %s gradients, %s"):format(N, dtype, gdt,
-        b.master > 0 and "fp32 master weights, Adam moments (fp32)" or
-        "Adam moments (fp32), no master copy"))
+  print(("world size N = %d; %s parameters, %s gradients; %s"):format(N, dtype, gdt,
+        optimizer_text))
   print()
   print(("%-5s %-9s %17s %10s %17s %10s   %s"):format("stage", "offload", "device bytes",
         "device", "cpu bytes", "cpu", "bytes/parameter (device | cpu)"))
   for _, r in ipairs(estimate.table_rows(params, N, dtype, { grads = flags.grads,
                                                          persistent = persistent,
                                                          layout = layout,
-                                                         device = flags.device })) do
+                                                         device = flags.device,
+                                                         states = settings.states,
+                                                         formats = settings.formats,
+                                                         master_format = settings.master_format })) do
     print(("%-5d %-9s %17s %10s %17s %10s   %s"):format(r.stage, r.offload,
           estimate.thousands(r.device), ("%.2f GiB"):format(r.device / 2 ^ 30),
           estimate.thousands(r.cpu), ("%.2f GiB"):format(r.cpu / 2 ^ 30), r.formula))

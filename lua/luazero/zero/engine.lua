@@ -83,13 +83,15 @@ end
 M.settings = settings
 
 -- The placement plan a configuration gives (zero/plan.lua); states: the
--- optimizer class's per-element states, formats their formats.
-function M.plan_of(s, device, states, formats)
+-- optimizer class's per-element states, formats their formats, master its
+-- master weights' format (default: the config block's; a block written in
+-- Lua has it only once the optimizer is made from it).
+function M.plan_of(s, device, states, formats, master)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
-                        master_format = s.optimizer.master_format }
+                        master_format = master or s.optimizer.master_format }
 end
 
 -- What the engine cannot train, refused before anything is allocated: a
@@ -140,7 +142,8 @@ function M.initialize(opts, above)
   local W, rank = comm.size(), comm.rank()
   local optimizer = optim.new(s.optimizer)
   local device = opts.device or "cpu"
-  local ok, P = pcall(M.plan_of, s, device, optimizer.states, optimizer.state_formats)
+  local ok, P = pcall(M.plan_of, s, device, optimizer.states, optimizer.state_formats,
+                      optimizer.master_format)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   if device ~= "cpu" then lz.device_init(device) end
   model.ctx.device = device
