@@ -51,7 +51,8 @@ local M = {}
 -- from LZ_OPTIMIZERS (below) and M.register.
 -- (Plain requires, so the layer check sees each arrow.)
 local BUILT_IN = { require("luazero.optim.adamw"), require("luazero.optim.lion"),
-                   require("luazero.optim.muon") }
+                   require("luazero.optim.muon"), require("luazero.optim.adamw8bit"),
+                   require("luazero.optim.adam8bit") }
 
 M.list = {}    -- classes, in the order they were declared
 M.by_name = {} -- name -> class

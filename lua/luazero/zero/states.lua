@@ -10,6 +10,7 @@
 --   local ms = States.new{ P = P, L = L, ring = engine.states, master = m, ... }
 --   ms:init_weights(seed); ms:build_calls(); ms:update(opt, t, lr, scale)
 --   ms:visit(false, function(off, master, m, v) ... end); ms:checksum()
+local ffi = require("ffi")
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
@@ -33,15 +34,50 @@ States.__index = States
 -- in a draw go there), overlap (overlap_comm: pushed parameters are
 -- copied on the copy stream), matrices (zero/matrices.lua: the whole-matrix
 -- placement of an optimizer that has one, else nil), seed (the run's: the
--- stochastic rounding of a bf16 master is keyed by it).
+-- stochastic rounding of a bf16 master is keyed by it), small_below (an
+-- optimizer with block-scaled states: tensors of fewer elements keep f32
+-- states, the ring's `small` arrays; nil: none).
 function M.new(parts)
   local self = setmetatable({}, States)
   for _, k in ipairs({ "P", "L", "rank", "world", "comm", "model", "ring", "master", "work",
                        "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap",
-                       "matrices", "seed" }) do
+                       "matrices", "seed", "small_below" }) do
     self[k] = parts[k]
   end
   return self
+end
+
+-- The ranks whose slices this rank's optimizer updates (plan P).
+local function optimizer_ranks(P, rank, world)
+  local ranks = {}
+  if P.optimizer.ranks == "all" then
+    for r = 0, world - 1 do ranks[#ranks + 1] = r end
+  else
+    ranks[1] = rank
+  end
+  return ranks
+end
+
+-- Runs kind by what their states are where the optimizer's are
+-- block-scaled: "small" (a tensor under small_below: f32 states), "block"
+-- (the block-scaled states) or "pad" (padding: never updated, it stays
+-- zero); nil otherwise.
+local function kinds(small_below)
+  if not small_below then return nil end
+  return function(e) return e.numel < small_below and "small" or "block" end
+end
+
+-- Elements of this rank's optimizer runs whose states are kept in f32 beside
+-- block-scaled ones (the ring's `small` arrays): 0 without a small_below.
+function M.small_numel(L, P, rank, world, small_below)
+  local n, kind_of = 0, kinds(small_below)
+  if not kind_of then return 0 end
+  for _, r in ipairs(optimizer_ranks(P, rank, world)) do
+    for _, run in ipairs(layout.shard_runs(L, r, nil, false, kind_of)) do
+      if run.kind == "small" then n = n + run.numel end
+    end
+  end
+  return n
 end
 
 -- Elements of a buffer of this extent on this rank.
@@ -137,6 +173,7 @@ function States:init_weights(seed)
           end)
         end
         for _, t in ipairs(v.s) do t:zero() end
+        for _, t in pairs(v.scales or {}) do t:zero() end
       end
       if P:swapped("params") then v.work:copy(v.master) end
       for seg, full in pairs(full_of) do
@@ -163,6 +200,7 @@ function States:zero_weights()
     st:each_group(true, function(_, _, _, v)
       if not P.master.alias then v.master:zero() end
       for _, t in ipairs(v.s) do t:zero() end
+      for _, t in pairs(v.scales or {}) do t:zero() end
       if P:swapped("params") then v.work:zero() end
     end, true)
   end
@@ -190,12 +228,7 @@ end
 -- fp16, or an NVMe parameter shard) the working copy.
 function States:build_calls()
   local L, P = self.L, self.P
-  local ranks = {}
-  if P.optimizer.ranks == "all" then
-    for r = 0, self.world - 1 do ranks[#ranks + 1] = r end
-  else
-    ranks[1] = self.rank
-  end
+  local ranks = optimizer_ranks(P, self.rank, self.world)
   -- The working copy the update rounds into (none when it is the master
   -- itself, or on NVMe: each sub-group's staging then).
   local rounds = P.dtype ~= "f32" and not P:swapped("params")
@@ -206,12 +239,14 @@ function States:build_calls()
   if sround and P.master.alias then rounds = false end
   self.sround_scratch = self.sround_scratch or {}
   local runs = {}
+  local small_at = 0 -- the next small run's place in the ring's small arrays
   for _, r in ipairs(ranks) do
     for _, run in ipairs(layout.shard_runs(L, r, self.matrices and self.matrices.matrix_of,
-                                           sround)) do
+                                           sround, kinds(self.small_below))) do
       local shape = { run.numel }
       local item = {
         decay = run.decay, matrix = run.matrix, numel = run.numel, canonical = run.canonical,
+        kind = run.kind, small_at = run.kind == "small" and small_at or nil,
         opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
         -- (gradients on NVMe: the group's, read with its states)
@@ -223,9 +258,11 @@ function States:build_calls()
         item.w = self.wstage:view(run.shard_offset, shape)
         item.wdev = self.work:view(at(P.params.extent, run), shape)
       end
-      runs[#runs + 1] = item
+      if run.kind == "small" then small_at = small_at + run.numel end
+      if run.kind ~= "pad" then runs[#runs + 1] = item end
     end
   end
+  local small = self.ring.small
   local grouped_master = not P.master.alias
   local grouped_work = P:swapped("params")
   self.calls = {}
@@ -237,10 +274,23 @@ function States:build_calls()
       if b > a then
         local d, len, rel = a - run.opt_off, b - a, a - g.lo
         local function piece(off, n)
-          local st = {}
-          for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
+          local st, sc = {}, nil
+          if run.kind == "small" then
+            for i, t in ipairs(gv.s) do
+              st[i] = small[i] and small[i]:view(run.small_at + d + off, { n }) or t:view(rel + off, { n })
+            end
+          else
+            for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
+            -- (a block run starts on a block, and groups and chunks are
+            -- multiples of one: its scales start at its first block's)
+            for i, t in pairs(gv.scales or {}) do
+              local B = self.ring.blocks[i]
+              sc = sc or {}
+              sc[i] = t:view((rel + off) / B, { math.ceil(n / B) })
+            end
+          end
           return {
-            decay = run.decay, matrix = run.matrix, s = st,
+            decay = run.decay, matrix = run.matrix, s = st, scales = sc,
             canonical = run.canonical and run.canonical + d + off,
             p = grouped_master and gv.master:view(rel + off, { n })
                 or self.master:view(run.master_off + d + off, { n }),
@@ -304,6 +354,11 @@ function States:step_call(opt, c, t, lr, scale)
     local len = math.min(CHUNK, n - off)
     local sub = { decay = c.decay, matrix = c.matrix, s = {} }
     for i, st in ipairs(c.s) do sub.s[i] = st:view(off, { len }) end
+    for i, sc in pairs(c.scales or {}) do
+      local B = self.ring.blocks[i]
+      sub.scales = sub.scales or {}
+      sub.scales[i] = sc:view(off / B, { math.ceil(len / B) })
+    end
     local master = c.p:view(off, { len })
     sub.p, sub.g = scratch:view(0, { len }), c.g:view(off, { len })
     sub.p:convert(master)
@@ -316,6 +371,7 @@ function States:step_call(opt, c, t, lr, scale)
     end
     master:free(); sub.p:free(); sub.g:free()
     for _, st in ipairs(sub.s) do st:free() end
+    for _, sc in pairs(sub.scales or {}) do sc:free() end
   end
 end
 
@@ -356,6 +412,10 @@ end
 
 function States:visit(write_back, fn)
   local P = self.P
+  if next(self.ring.scales) or next(self.ring.small) or self.ring.scale_at and next(self.ring.scale_at) then
+    error("checkpoint: the optimizer's states are block-scaled (8-bit AdamW), which checkpoints " ..
+          "do not hold yet; train with AdamW (f32 or bf16 moments) to save", 0)
+  end
   local narrow_states = false
   for _, dt in ipairs(self.ring.dtypes or {}) do narrow_states = narrow_states or dt ~= "f32" end
   if narrow_states then
@@ -462,7 +522,12 @@ end
 function States:master_params()
   local out = lz.tensor({ self.L.numel }, "f32", "workspace")
   self:full_master_segments(function(seg, full)
-    out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
+    -- (parameter by parameter: a block layout leaves gaps between them)
+    for _, e in ipairs(seg.entries) do
+      local dst, src = out:view(e.offset, { e.numel }), full:view(e.seg_offset, { e.numel })
+      dst:copy(src)
+      dst:free(); src:free()
+    end
   end)
   return out
 end
@@ -542,7 +607,11 @@ end
 function States:checksum()
   local h = lz.hasher(0)
   local es = Placement.esize.f32
-  self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * es) end)
+  self:full_master_segments(function(seg, full)
+    for _, e in ipairs(seg.entries) do
+      h:update(ffi.cast("char *", full.data) + e.seg_offset * es, e.numel * es)
+    end
+  end)
   local hex = require("bit").tohex(h:digest(), 16)
   h:free()
   return hex
