@@ -154,6 +154,38 @@ local function main(argv)
     fail(("--sub-group-size must be a whole number >= 1 (got %s)"):format(flags.sub_group_size))
   end
 
+  local dtype = flags.dtype
+  -- The engine's settings: the config's (placements and stages are the
+  -- rows'), the flags on top.
+  local settings = {}
+  if flags.config then
+    local cfg = checked(config.load, flags.config, N)
+    settings = estimate.settings_of(cfg, flags.device)
+    settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
+    settings.dtype, settings.grads = nil, nil
+    settings.overlap = nil -- stage 3's default unless the config says
+    if cfg.zero_optimization.overlap_comm_given then
+      settings.overlap = cfg.zero_optimization.overlap_comm
+    end
+  end
+  -- The optimizer whose states are counted: the config's, the flags on top.
+  if flags.optimizer or not flags.config then
+    local o = checked(optim.new, { type = flags.optimizer })
+    settings.states, settings.formats = o.states, o.state_formats
+    settings.optimizer, settings.master_format = o.name, o.master_format
+    settings.whole_matrices = o.matrix and o.name or nil
+    settings.small_below = o.block_min_numel
+  end
+  if flags.state_format then
+    settings.formats = {}
+    for _, st in ipairs(settings.states) do settings.formats[st] = flags.state_format end
+  end
+  if flags.master then settings.master_format = flags.master ~= "f32" and flags.master or nil end
+  if settings.master_format == "bf16" and dtype ~= "bf16" then
+    fail(("bf16 master weights are the bf16 working parameters: give --dtype bf16 (got --dtype %s)")
+         :format(dtype))
+  end
+
   local params, persistent, largest, layout, what, model, counts
   if flags.model or flags.model_config then
     model = checked(function()
@@ -167,7 +199,9 @@ local function main(argv)
       for t in (flags.lora_targets or ""):gmatch("[^,%s]+") do targets[#targets + 1] = t end
       checked(lora.apply, model, { r = flags.lora_r, targets = targets })
     end
-    counts = estimate.counts(model, N, flags.persistence_threshold)
+    -- (block-scaled states lay each tensor out on whole blocks)
+    counts = estimate.counts(model, N, flags.persistence_threshold,
+                             formats.block_of(settings.formats))
     params, persistent, largest = counts.numel, counts.persistent, m.largest_layer
     layout = { full = counts.full, shard = counts.shard }
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
@@ -199,7 +233,6 @@ local function main(argv)
            model.cfg.context))
     end
   end
-  local dtype = flags.dtype
   local disk = { read_gbps = flags.read_gbps or estimate.disk.read_gbps,
                  write_gbps = flags.write_gbps or estimate.disk.write_gbps }
   disk.assumed = not (flags.read_gbps and flags.write_gbps)
@@ -213,35 +246,6 @@ local function main(argv)
     disk.read_gbps = flags.read_gbps or rd
     disk.write_gbps = flags.write_gbps or wr
     disk.assumed, disk.measured = false, flags.measure_disk
-  end
-  -- The engine's settings: the config's (placements and stages are the
-  -- rows'), the flags on top.
-  local settings = {}
-  if flags.config then
-    local cfg = checked(config.load, flags.config, N)
-    settings = estimate.settings_of(cfg, flags.device)
-    settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
-    settings.dtype, settings.grads = nil, nil
-    settings.overlap = nil -- stage 3's default unless the config says
-    if cfg.zero_optimization.overlap_comm_given then
-      settings.overlap = cfg.zero_optimization.overlap_comm
-    end
-  end
-  -- The optimizer whose states are counted: the config's, the flags on top.
-  if flags.optimizer or not flags.config then
-    local o = checked(optim.new, { type = flags.optimizer })
-    settings.states, settings.formats = o.states, o.state_formats
-    settings.optimizer, settings.master_format = o.name, o.master_format
-    settings.whole_matrices = o.matrix and o.name or nil
-  end
-  if flags.state_format then
-    settings.formats = {}
-    for _, st in ipairs(settings.states) do settings.formats[st] = flags.state_format end
-  end
-  if flags.master then settings.master_format = flags.master ~= "f32" and flags.master or nil end
-  if settings.master_format == "bf16" and dtype ~= "bf16" then
-    fail(("bf16 master weights are the bf16 working parameters: give --dtype bf16 (got --dtype %s)")
-         :format(dtype))
   end
   settings.dtype, settings.grads, settings.device = dtype, flags.grads, flags.device
   settings.accum = flags.grad_accum or settings.accum or 1

@@ -73,12 +73,16 @@ local function cases()
   -- Each optimizer choice on each kind of tier (in place, host memory, NVMe
   -- states, the NVMe parameter shard, the two apart): bf16 moments, the bf16
   -- master (a copy beside the states where the parameters are out of the
-  -- optimizer's reach), Muon (refused with its states on NVMe: the estimate
+  -- optimizer's reach), 8-bit states (u8 and their scales, small tensors'
+  -- f32 states beside), Muon (refused with its states on NVMe: the estimate
   -- gives no row, with the engine's reason).
   local choices = {
     { label = "adamw bf16 moments", type = "AdamW",
       params = { lr = 1e-3, momentum_dtype = "bfloat16", variance_dtype = "bfloat16" } },
     { label = "adamw bf16 master", type = "AdamW", params = { lr = 1e-3, bf16_stochastic_round = true } },
+    { label = "adamw8bit", type = "AdamW8bit", params = { lr = 1e-3, min_8bit_size = 1000 } },
+    { label = "adamw8bit bf16 master", type = "AdamW8bit",
+      params = { lr = 1e-3, min_8bit_size = 1000, bf16_stochastic_round = true } },
     { label = "muon", type = "Muon", params = { lr = 0.01 } },
     { label = "muon bf16 master", type = "Muon", params = { lr = 0.01, bf16_stochastic_round = true } },
   }
@@ -145,8 +149,9 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
         local mc = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
         model, vocab = gpt2.new(mc), mc.vocab
       end
-      local counts = estimate.counts(model, world, 600)
       local est_settings = estimate.settings_of(cfg, device == "cpu" and "cpu" or "cuda")
+      local counts = estimate.counts(model, world, 600,
+                                     require("luazero.optim.formats").block_of(est_settings.formats))
       local _, refused = estimate.rank(counts, est_settings)
       if refused then
         -- The estimate offers no row: the engine must refuse with its reason.

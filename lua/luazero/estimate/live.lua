@@ -65,7 +65,8 @@ function M.estimate(engine, opts)
   local o = estimate.settings_from(engine.s, engine.dev == "cpu" and "cpu" or "cuda",
                                    engine.optimizer.states, engine.optimizer.state_formats)
   for k, v in pairs(opts or {}) do o[k] = v end
-  local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence), o)
+  local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence,
+                                          engine.L.block), o)
   local st = engine.states
   local staging, nvme = st:staging_bytes(), 0
   if engine.pshard then

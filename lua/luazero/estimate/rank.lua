@@ -12,6 +12,7 @@ local Placement = require("luazero.zero.plan")
 local store = require("luazero.zero.store")
 local formats = require("luazero.optim.formats")
 local Matrices = require("luazero.zero.matrices")
+local States = require("luazero.zero.states")
 
 local M = {}
 
@@ -39,15 +40,17 @@ local function round_up(n, m) return math.ceil(n / m) * m end
 -- of the modules of at most `threshold` elements), segments ({padded,
 -- slice, shard_offset, numel, users: the modules that gather it, persistent}),
 -- largest (padded elements of the largest module); frozen ({numel, full,
--- shard, largest}: the frozen parameters, laid out as the trainable ones).
-function M.counts(model, world, threshold)
+-- shard, largest}: the frozen parameters, laid out as the trainable ones);
+-- L (the layout). block: an optimizer's block-scaled states' block
+-- (formats.block_of), which the trainable layout aligns each tensor to.
+function M.counts(model, world, threshold, block)
   threshold = threshold or 100000
   local layout = require("luazero.zero.layout")
   local trainable, frozen = model:trainable_table(), {}
   for _, e in ipairs(model.param_table) do
     if e.frozen then frozen[#frozen + 1] = e end
   end
-  local L = layout.new(trainable, world)
+  local L = layout.new(trainable, world, nil, block)
   local F = #frozen > 0 and layout.new(frozen, world)
   -- Modules that gather each segment: its own (or the LoRA wrapper around
   -- it), and those that read a tied table.
@@ -73,7 +76,7 @@ function M.counts(model, world, threshold)
     return list
   end
   local c = { world = world, threshold = threshold, full = L.full_numel, shard = L.shard_numel,
-              numel = L.numel, persistent = 0, largest = 0, segments = {} }
+              numel = L.numel, persistent = 0, largest = 0, segments = {}, L = L }
   c.segments = segments_of(L)
   for _, seg in ipairs(c.segments) do
     if seg.persistent then c.persistent = c.persistent + seg.padded end
@@ -120,6 +123,7 @@ function M.settings_from(s, device, states, formats)
   states, formats = states or o.states, formats or o.state_formats
   return {
     optimizer = o.name, master_format = o.master_format, whole_matrices = o.matrix and o.name or nil,
+    small_below = o.block_min_numel,
     stage = s.stage, dtype = s.dtype, grads = s.grad_dtype ~= "fp32" and "working" or "fp32",
     device = device, offload = E.placement_name(opt.device or "none", par.device or "none"),
     opt = opt.device or "none", param = par.device or "none",
@@ -279,6 +283,19 @@ function M.rank(counts, opts)
     for _, cat in ipairs({ "params", "grads", "optimizer" }) do add(mem[tier], cat, by[tier][cat]) end
   end
   local n_opt = P.optimizer.extent == "full" and counts.full or counts.shard
+  -- Tensors under a block-scaled optimizer's minimum (small_below) keep f32
+  -- states beside the block-scaled arrays (zero/states.lua's small runs):
+  -- in the optimizer's memory, or host memory beside states on NVMe.
+  local block = formats.block_of(P.optimizer.formats)
+  if block and opts.small_below and counts.L then
+    local small = States.small_numel(counts.L, P, 0, counts.world, opts.small_below)
+    local kind = P:store("optimizer")
+    for _, name in ipairs(P.optimizer.states) do
+      if formats.get(P.optimizer.formats[name]).block then
+        add(mem[kind.resident and kind.memory or "host"], "optimizer", small * esize.f32)
+      end
+    end
+  end
 
   -- Frozen parameters (LoRA's base): where the plan puts them, else (an
   -- engine without p.frozen) whole on the device in the working dtype.
@@ -311,7 +328,10 @@ function M.rank(counts, opts)
   -- keeps one), then each state in its format's dtype.
   local region = P.master.alias and 0 or G * esize[P.master.dtype]
   for _, name in ipairs(P.optimizer.states) do
-    region = region + formats.bytes(P.optimizer.formats[name], G)
+    -- (each state, and its scales, on whole pages: zero/offload.lua)
+    local f = formats.get(P.optimizer.formats[name])
+    region = region + round_up(G * esize[f.dtype], PAGE)
+    if f.block then region = region + round_up(G / f.block * esize.f32, PAGE) end
   end
   -- The ring of staging buffers (offload.lua's States).
   local nb = math.min(math.max(2, opt_nb), groups)

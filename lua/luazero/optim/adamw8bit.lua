@@ -12,6 +12,7 @@
 -- bits at every stage and world size. A call over a small tensor carries
 -- f32 m, v and no scales.
 local lz = require("luazero")
+local values = require("luazero.config.values")
 
 local ops = lz.ops
 
@@ -35,7 +36,13 @@ return {
   quiet = QUIET,
 
   -- Weight decay is decoupled in bitsandbytes' 8-bit Adam and AdamW alike.
-  read_config = function() return { decoupled_weight_decay = true } end,
+  -- bf16_stochastic_round (torchao's flag, as AdamW's): no fp32 master.
+  accepted = { bf16_stochastic_round = true },
+  read_config = function(p, key)
+    local sround = values.given(p.bf16_stochastic_round) and
+                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
+    return { decoupled_weight_decay = true, master_format = sround and "bf16" or nil }
+  end,
 
   init = function(self)
     self.args = lz.adamw_args({})
