@@ -17,6 +17,11 @@ local Placement = require("luazero.zero.plan")
 
 local at = Placement.offset
 local CHUNK = layout.CHUNK
+-- Elements a bf16 master's update widens at once (16 MiB of fp32 scratch):
+-- each chunk is three kernel calls, whose dispatch costs milliseconds on a
+-- loaded machine, so chunks of CHUNK would cost a 3B model minutes a step.
+-- (The bits do not depend on it: every element is rounded by its own key.)
+local SROUND_CHUNK = 2 ^ 22
 
 local M = {}
 local States = {}
@@ -347,11 +352,12 @@ function States:step_call(opt, c, t, lr, scale)
   local n, dev = c.p:numel(), c.p:device_name()
   local scratch = self.sround_scratch[dev]
   if not scratch then
-    scratch = lz.tensor({ CHUNK }, "f32", "workspace", dev)
+    scratch = lz.tensor({ math.min(SROUND_CHUNK, math.max(self:numel(), 1)) }, "f32", "workspace", dev)
     self.sround_scratch[dev] = scratch
   end
-  for off = 0, n - 1, CHUNK do
-    local len = math.min(CHUNK, n - off)
+  local chunk = scratch:numel()
+  for off = 0, n - 1, chunk do
+    local len = math.min(chunk, n - off)
     local sub = { decay = c.decay, matrix = c.matrix, s = {} }
     for i, st in ipairs(c.s) do sub.s[i] = st:view(off, { len }) end
     for i, sc in pairs(c.scales or {}) do
