@@ -25,7 +25,9 @@ function M.out_of_memory(engine, batch)
     local r = estimate.model_states(L.numel, engine.world, stage, {
       dtype = engine.dtype, offload = offload, device = "cuda",
       grads = engine.half_grads and "working" or "fp32",
-      layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
+      layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent,
+      states = engine.optimizer.states, formats = engine.optimizer.state_formats,
+      master_format = engine.optimizer.master_format })
     return r and r.device + acts
   end
   local offload = Placement.offloaded(s.offload_opt.device) and "cpu" or "none"
