@@ -80,11 +80,10 @@ local spec = {
     "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
   { "json", "int", 0, "1: print the figures as one JSON object instead of tables",
     choices = { 0, 1 } },
-  { "optimizer", "string", nil, "the optimizer.type whose states are counted (the --config's, " ..
-    "else " .. optim.registry.default.name .. "): " .. optim.registry.types_text(false, "or") },
-  { "state-format", "string", nil, "every optimizer state in this format: " ..
-    table.concat(formats.names, ", ") .. " (default: the optimizer's, or the --config's)",
-    choices = formats.names },
+  { "optimizer", "string", nil, "the optimizer.type whose states are counted, in its declared " ..
+    "formats (default: the --config's optimizer, whose params may change them, e.g. bf16 " ..
+    "moments; else " .. optim.registry.default.name .. "): " ..
+    optim.registry.types_text(false, "or") },
   { "master", "string", nil, "the master weights' format: f32, or bf16 (bf16_stochastic_round; " ..
     "needs --dtype bf16); default: the --config's, else f32", choices = { "f32", "bf16" } },
 }
@@ -175,10 +174,6 @@ local function main(argv)
     settings.optimizer, settings.master_format = o.name, o.master_format
     settings.whole_matrices = o.matrix and o.name or nil
     settings.small_below = o.block_min_numel
-  end
-  if flags.state_format then
-    settings.formats = {}
-    for _, st in ipairs(settings.states) do settings.formats[st] = flags.state_format end
   end
   if flags.master then settings.master_format = flags.master ~= "f32" and flags.master or nil end
   if settings.master_format == "bf16" and dtype ~= "bf16" then

@@ -558,13 +558,15 @@ function T.tools_estimate_counts_each_optimizer_choice()
     return o:match("\n" .. stage .. "%s+" .. offload .. "%s+[%d,]+%s+[%d.]+ GiB%s+[%d,]+%s+[%d.]+ GiB%s+([^\n]+)")
   end
   assert(row(out, 3, "cpu") == "2Ψ/N + 2P | 16Ψ/N", out)
-  out, status = run_tool("--params 1e9 --world 4 --state-format bf16 --budget 64GiB")
+  local bf16m = write_file("bf16m.json", '{"train_micro_batch_size_per_gpu": 1, "optimizer": ' ..
+    '{"type": "AdamW", "params": {"momentum_dtype": "bfloat16", "variance_dtype": "bfloat16"}}}')
+  out, status = run_tool("--params 1e9 --world 4 --budget 64GiB --config " .. bf16m)
   assert(status == 0 and out:find("AdamW: m, v in bf16, fp32 master weights (8 bytes a parameter)",
                                   1, true), out)
   assert(row(out, 3, "cpu") == "2Ψ/N + 2P | 12Ψ/N", out)
-  out, status = run_tool("--params 1e9 --world 4 --state-format u8 --master bf16 --budget 64GiB")
-  assert(status == 0 and out:find("AdamW: m, v in u8, bf16 master weights (stochastic rounding) " ..
-                                  "(4.03125 bytes a parameter)", 1, true), out)
+  out, status = run_tool("--params 1e9 --world 4 --optimizer AdamW8bit --master bf16 --budget 64GiB")
+  assert(status == 0 and out:find("AdamW8bit: m, v in u8, bf16 master weights (stochastic " ..
+                                  "rounding) (4.03125 bytes a parameter)", 1, true), out)
   -- (the bf16 master is the working shard in place; a host optimizer keeps its own copy)
   assert(row(out, 3, "none") == "8.03125Ψ/N + 2P", out)
   assert(row(out, 3, "cpu") == "2Ψ/N + 2P | 8.03125Ψ/N", out)
