@@ -580,6 +580,20 @@ function T.tools_estimate_counts_each_optimizer_choice()
          "give --dtype bf16 (got --dtype fp32)\n", out)
 end
 
+-- Stage "auto" does not fall back on NVMe for an optimizer the engine
+-- refuses there (Muon): it says why.
+function T.pick_stage_offers_no_nvme_to_muon()
+  local stage, why, fits = estimate.pick_stage(3e9, 1, 8 * 2 ^ 30, "bf16", {
+    nvme = true, nvme_path = "/x", settings = { whole_matrices = "Muon", sub_group_size = 1e7 } })
+  assert(stage == 3 and fits == false, why)
+  assert(why:find("; NVMe is not offered (Muon orthogonalises whole matrices from states held " ..
+                  "in memory;", 1, true), why)
+  -- (AdamW's states on NVMe fit that budget)
+  local _, why2, fits2 = estimate.pick_stage(3e9, 1, 8 * 2 ^ 30, "bf16", {
+    nvme = true, nvme_path = "/x", settings = { sub_group_size = 1e7 } })
+  assert(fits2 and why2:find("picked stage 3, the optimizer states", 1, true), why2)
+end
+
 -- Counts past 2^53, non-positive micro-batches and sequence lengths, a
 -- negative threshold: one line, exit 2, and no table before it.
 function T.tools_estimate_refuses_out_of_range_numbers_with_one_line()
