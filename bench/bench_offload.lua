@@ -19,7 +19,11 @@
 --      written, the step time next to what the disk alone allows at the read
 --      and write rates fio measures in the same run (O_DIRECT, libaio, 1 MiB
 --      blocks, queue depth 8), peak RSS; with --half-depth also the same
---      model at half the layers, whose peak RSS should be the same.
+--      model at half the layers, whose peak RSS should be the same; with
+--      --optimizer and --master the optimizer's states and master weights
+--      (AdamW8bit and bf16: 8-bit m and v over bf16 master weights), and with
+--      --baseline 1 the same model with AdamW's fp32 states first and the
+--      ratios of NVMe bytes per step, step time and peak RSS.
 --   luazero bench/bench_offload.lua [--part 1|2|3|4] [--nvme DIR] [--steps N]
 -- Part 2 writes a ~19 GB swap file in --nvme (default: the build folder, on
 -- the work disk) and takes a few minutes. Run it on a quiet machine.
@@ -39,6 +43,11 @@ local flags = assert(args.parse(arg, {
   { "half-depth", "int", 0, "part 4: 1: also the same model at half the layers" },
   { "fio-size", "string", "4G", "part 4: fio's file size for the disk yardstick" },
   { "lr", "number", 3e-5, "part 4: AdamW's learning rate (constant; a model this size from random weights)" },
+  { "optimizer", "string", "AdamW", "part 4: optimizer.type (AdamW, AdamW8bit: 8-bit m and v, ...)" },
+  { "master", "string", "f32", "part 4: the master weights: f32, or bf16 (bf16_stochastic_round)",
+    choices = { "f32", "bf16" } },
+  { "baseline", "int", 0, "part 4: 1: first the same model with AdamW's fp32 states and master, " ..
+    "then the ratios of NVMe bytes, step time and peak RSS", choices = { 0, 1 } },
   { "link-gbps", "number", 4, "part 3: the pace of the sim's host<->device copies, GB/s" },
   { "steps", "int", 3, "timed steps per run (the first step is not counted)" },
   { "seq-len", "int", 64, "tokens per sequence" },
@@ -224,12 +233,24 @@ if flags.part == 4 then
   local depths = { flags.layers }
   if flags.half_depth == 1 then depths[2] = math.floor(flags.layers / 2) end
   local peaks = {}
+  -- The runs: the optimizer and master asked for at each depth, after the
+  -- fp32 AdamW baseline at full depth when asked for.
+  local runs = {}
+  if flags.baseline == 1 then runs[1] = { layers = flags.layers, type = "AdamW", master = "f32" } end
   for _, layers in ipairs(depths) do
+    runs[#runs + 1] = { layers = layers, type = flags.optimizer, master = flags.master }
+  end
+  local done = {}
+  for _, run in ipairs(runs) do
+    local layers = run.layers
     local cfg = zero_cfg(3, nvme_block(), nvme_block({ buffer_count = 5, buffer_size = 200000000 }),
                          20000000)
     cfg.data_types = nil
     cfg.gradient_clipping = 1.0
+    cfg.optimizer.type = run.type
     cfg.optimizer.params.lr = flags.lr
+    cfg.optimizer.params.bf16_stochastic_round = run.master == "bf16" or nil
+    print(("-- %d layers, %s, %s master"):format(layers, run.type, run.master))
     local z = cfg.zero_optimization
     z.stage3_max_live_parameters, z.stage3_prefetch_bucket_size = 200000000, 50000000
     z.overlap_comm = true
@@ -267,13 +288,25 @@ if flags.part == 4 then
     local disk_s = s.read / 1e9 / read_gbps + s.written / 1e9 / write_gbps
     local losses = {}
     for _, r in ipairs(s.recs) do losses[#losses + 1] = ("%.3f"):format(r.loss) end
-    peaks[#peaks + 1] = s.peak_rss
+    if run.type == flags.optimizer and run.master == flags.master then
+      peaks[#peaks + 1] = s.peak_rss
+    end
+    done[#done + 1] = s
     print(("%d layers: step %.1f s (median), per step %.1f GB read and %.1f GB written " ..
            "(%.2f GB/s together); the disk alone at fio's rates: %.1f s; step / disk %.2f; " ..
            "peak RSS %.2f GiB; losses of the timed steps %s")
           :format(layers, s.step_ms / 1000, s.read / 1e9, s.written / 1e9,
                   (s.read + s.written) / s.step_ms / 1e6, disk_s, s.step_ms / 1000 / disk_s,
                   s.peak_rss / 2 ^ 30, table.concat(losses, " ")))
+  end
+  if flags.baseline == 1 then
+    local b, l = done[1], done[2]
+    print(("%s with %s master against AdamW with fp32 states and master, %d layers: NVMe bytes " ..
+           "per step %.1f / %.1f GB = %.3f; step time %.1f / %.1f s = %.3f; peak RSS %.2f / %.2f GiB")
+          :format(flags.optimizer, flags.master, flags.layers, (l.read + l.written) / 1e9,
+                  (b.read + b.written) / 1e9, (l.read + l.written) / (b.read + b.written),
+                  l.step_ms / 1000, b.step_ms / 1000, l.step_ms / b.step_ms, l.peak_rss / 2 ^ 30,
+                  b.peak_rss / 2 ^ 30))
   end
   if #peaks == 2 then
     print(("peak RSS at %d layers / at %d layers: %.3f"):format(depths[1], depths[2],

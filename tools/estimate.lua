@@ -15,6 +15,8 @@ local args = require("luazero.args")
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
 local models = require("models.registry")
+local optim = require("luazero.optim")
+local formats = require("luazero.optim.formats")
 
 local function a_model(f) return f.model ~= nil or f.model_config ~= nil end
 -- The activation arenas: a batch of a model's sequences.
@@ -82,6 +84,12 @@ local spec = {
     "(the config's moe.gather; default the model's)", choices = { "block", "expert" },
     needs = { ok = a_model, with = { "--model", "mixtral-tiny" },
               says = "goes with --model or --model-config" } },
+  { "optimizer", "string", nil, "the optimizer.type whose states are counted, in its declared " ..
+    "formats (default: the --config's optimizer, whose params may change them, e.g. bf16 " ..
+    "moments; else " .. optim.registry.default.name .. "): " ..
+    optim.registry.types_text(false, "or") },
+  { "master", "string", nil, "the master weights' format: f32, or bf16 (bf16_stochastic_round; " ..
+    "needs --dtype bf16); default: the --config's, else f32", choices = { "f32", "bf16" } },
 }
 
 local function fail(msg)
@@ -149,6 +157,34 @@ local function main(argv)
     fail(("--sub-group-size must be a whole number >= 1 (got %s)"):format(flags.sub_group_size))
   end
 
+  local dtype = flags.dtype
+  -- The engine's settings: the config's (placements and stages are the
+  -- rows'), the flags on top.
+  local settings = {}
+  if flags.config then
+    local cfg = checked(config.load, flags.config, N)
+    settings = estimate.settings_of(cfg, flags.device)
+    settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
+    settings.dtype, settings.grads = nil, nil
+    settings.overlap = nil -- stage 3's default unless the config says
+    if cfg.zero_optimization.overlap_comm_given then
+      settings.overlap = cfg.zero_optimization.overlap_comm
+    end
+  end
+  -- The optimizer whose states are counted: the config's, the flags on top.
+  if flags.optimizer or not flags.config then
+    local o = checked(optim.new, { type = flags.optimizer })
+    settings.states, settings.formats = o.states, o.state_formats
+    settings.optimizer, settings.master_format = o.name, o.master_format
+    settings.whole_matrices = o.matrix and o.name or nil
+    settings.small_below = o.block_min_numel
+  end
+  if flags.master then settings.master_format = flags.master ~= "f32" and flags.master or nil end
+  if settings.master_format == "bf16" and dtype ~= "bf16" then
+    fail(("bf16 master weights are the bf16 working parameters: give --dtype bf16 (got --dtype %s)")
+         :format(dtype))
+  end
+
   local params, persistent, largest, layout, what, model, counts
   if flags.model or flags.model_config then
     model = checked(function()
@@ -162,7 +198,9 @@ local function main(argv)
       for t in (flags.lora_targets or ""):gmatch("[^,%s]+") do targets[#targets + 1] = t end
       checked(lora.apply, model, { r = flags.lora_r, targets = targets })
     end
-    counts = estimate.counts(model, N, flags.persistence_threshold)
+    -- (block-scaled states lay each tensor out on whole blocks)
+    counts = estimate.counts(model, N, flags.persistence_threshold,
+                             formats.block_of(settings.formats))
     params, persistent, largest = counts.numel, counts.persistent, m.largest_layer
     layout = { full = counts.full, shard = counts.shard }
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
@@ -194,8 +232,6 @@ local function main(argv)
            model.cfg.context))
     end
   end
-  local dtype = flags.dtype
-  local b = estimate.dtype_bytes[dtype]
   local disk = { read_gbps = flags.read_gbps or estimate.disk.read_gbps,
                  write_gbps = flags.write_gbps or estimate.disk.write_gbps }
   disk.assumed = not (flags.read_gbps and flags.write_gbps)
@@ -210,24 +246,14 @@ local function main(argv)
     disk.write_gbps = flags.write_gbps or wr
     disk.assumed, disk.measured = false, flags.measure_disk
   end
-  -- The engine's settings: the config's (placements and stages are the
-  -- rows'), the flags on top.
-  local settings = {}
-  if flags.config then
-    local cfg = checked(config.load, flags.config, N)
-    settings = estimate.settings_of(cfg, flags.device)
-    settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
-    settings.dtype, settings.grads = nil, nil
-    settings.overlap = nil -- stage 3's default unless the config says
-    if cfg.zero_optimization.overlap_comm_given then
-      settings.overlap = cfg.zero_optimization.overlap_comm
-    end
-  end
   settings.dtype, settings.grads, settings.device = dtype, flags.grads, flags.device
   settings.accum = flags.grad_accum or settings.accum or 1
   settings.sub_group_size = flags.sub_group_size or settings.sub_group_size
   settings.read_gbps, settings.write_gbps = disk.read_gbps, disk.write_gbps
   local rows = estimate.rank_rows(counts, settings)
+  local optimizer_text = estimate.describe_optimizer{ name = settings.optimizer,
+    states = settings.states, formats = settings.formats, master_format = settings.master_format,
+    dtype = dtype }
   -- As the trainer picks: in memory, else on NVMe (a path is the trainer's to give).
   local ok, picked, why = pcall(estimate.pick_stage, params, N, budget, dtype, {
     grads = flags.grads, persistent = persistent, layout = layout, nvme = true,
@@ -238,21 +264,23 @@ local function main(argv)
   if flags.json == 1 then
     print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
                          device = flags.device, counts = counts, rows = rows, disk = disk,
-                         auto = why, budget = budget })
+                         auto = why, budget = budget, optimizer = optimizer_text })
     return
   end
   print(("model states per rank for %s"):format(what))
   local gdt = flags.grads == "fp32" and "fp32" or dtype
-  print(("world size N = %d; %s parameters, %s gradients, %s"):format(N, dtype, gdt,
-        b.master > 0 and "fp32 master weights, Adam moments (fp32)" or
-        "Adam moments (fp32), no master copy"))
+  print(("world size N = %d; %s parameters, %s gradients; %s"):format(N, dtype, gdt,
+        optimizer_text))
   print()
   print(("%-5s %-9s %17s %10s %17s %10s   %s"):format("stage", "offload", "device bytes",
         "device", "cpu bytes", "cpu", "bytes/parameter (device | cpu)"))
   for _, r in ipairs(estimate.table_rows(params, N, dtype, { grads = flags.grads,
                                                          persistent = persistent,
                                                          layout = layout,
-                                                         device = flags.device })) do
+                                                         device = flags.device,
+                                                         states = settings.states,
+                                                         formats = settings.formats,
+                                                         master_format = settings.master_format })) do
     print(("%-5d %-9s %17s %10s %17s %10s   %s"):format(r.stage, r.offload,
           estimate.thousands(r.device), ("%.2f GiB"):format(r.device / 2 ^ 30),
           estimate.thousands(r.cpu), ("%.2f GiB"):format(r.cpu / 2 ^ 30), r.formula))

@@ -14,6 +14,7 @@ local M = {}
 
 local Placement = require("luazero.zero.plan")
 local store = require("luazero.zero.store")
+local formats = require("luazero.optim.formats")
 
 local esize = Placement.esize
 
@@ -113,6 +114,7 @@ function M.plan(stage, dtype, offload, grads, device, extra)
     stage = stage, dtype = dtype, grad_dtype = grads == "working" and dtype or "fp32",
     offload_optimizer = pl.opt, offload_param = pl.param, device = device or "cuda",
     accum = extra.accum, optimizer_states = extra.states, optimizer_formats = extra.formats,
+    master_format = extra.master_format,
   }
 end
 
@@ -133,7 +135,8 @@ end
 -- stage3_param_persistence_threshold elements; 0), layout ({full, shard}:
 -- the engine's padded element counts, from model_params; default full =
 -- params, shard = ceil(params / world)), states and formats (the
--- optimizer's states and their formats, optim/formats.lua; AdamW's f32 m, v).
+-- optimizer's states and their formats, optim/formats.lua; AdamW's f32 m, v),
+-- master_format (f32, or bf16: bf16_stochastic_round's master).
 -- Returns nil for combinations DeepSpeed does not have (offload at stage 0,
 -- offload_param below stage 3); else a table: device and cpu bytes, and
 -- each split by ledger category (device_parts, cpu_parts: params, grads,
@@ -160,7 +163,8 @@ function M.model_states(params, world, stage, opts)
   local full, shard = params, math.ceil(params / world)
   if opts.layout then full, shard = opts.layout.full, opts.layout.shard end
   local plan = M.plan(stage, opts.dtype or "bf16", offload, opts.grads, opts.device,
-                      { states = opts.states, formats = opts.formats })
+                      { states = opts.states, formats = opts.formats,
+                        master_format = opts.master_format })
   local by = plan:bytes{ full = full, shard = shard, persistent = persistent }
   local dev, cpu = by.device, by.host
   local r = { stage = stage, offload = offload, dtype = opts.dtype or "bf16", params = params,
@@ -175,18 +179,20 @@ end
 
 -- The formula of a row, in bytes per parameter: Ψ parameters, N ranks, P
 -- persistent parameters; "device | cpu" with offload. The plan's bytes at
--- unit counts give each term's coefficient.
-function M.formula(stage, dtype, offload, grads, device)
+-- a count of whole scale blocks give each term's coefficient (an 8-bit
+-- state's 1 + 4/256). extra: states, formats, master_format (M.plan's).
+function M.formula(stage, dtype, offload, grads, device, extra)
   M.check_dtype(dtype)
   offload = offload or "none"
-  local plan = M.plan(stage, dtype, offload, grads, device)
+  local plan = M.plan(stage, dtype, offload, grads, device, extra)
+  local K = 2 ^ 20
   local function coeffs(counts)
     local by = plan:bytes(counts)
-    return by.device.total, by.host.total
+    return by.device.total / K, by.host.total / K
   end
-  local fd, fh = coeffs{ full = 1, shard = 0, persistent = 0 }
-  local sd, sh = coeffs{ full = 0, shard = 1, persistent = 0 }
-  local pd, ph = coeffs{ full = 0, shard = 0, persistent = 1 }
+  local fd, fh = coeffs{ full = K, shard = 0, persistent = 0 }
+  local sd, sh = coeffs{ full = 0, shard = K, persistent = 0 }
+  local pd, ph = coeffs{ full = 0, shard = 0, persistent = K }
   local function join(f, sh_, p)
     local out = {}
     if f > 0 then out[#out + 1] = f .. "Ψ" end
@@ -201,18 +207,21 @@ end
 
 -- Every row of the table: stages 0..3 without offload, 1..3 with the
 -- optimizer on the CPU, 3 with parameters on the CPU too.
--- opts: grads, persistent, layout, device (as in model_states).
+-- opts: grads, persistent, layout, device, states, formats, master_format
+-- (as in model_states).
 function M.table_rows(params, world, dtype, opts)
   opts = opts or {}
   local rows = {}
+  local extra = { states = opts.states, formats = opts.formats, master_format = opts.master_format }
   for _, offload in ipairs(M.offloads) do
     for stage = 0, 3 do
       local r = M.model_states(params, world, stage,
                                { dtype = dtype, offload = offload, grads = opts.grads,
                                  persistent = opts.persistent, layout = opts.layout,
-                                 device = opts.device })
+                                 device = opts.device, states = opts.states,
+                                 formats = opts.formats, master_format = opts.master_format })
       if r then
-        r.formula = M.formula(stage, dtype, offload, opts.grads, opts.device)
+        r.formula = M.formula(stage, dtype, offload, opts.grads, opts.device, extra)
         rows[#rows + 1] = r
       end
     end
@@ -221,6 +230,36 @@ function M.table_rows(params, world, dtype, opts)
 end
 
 ------------------------------------------------------------------ formatting
+
+-- What an optimizer keeps, in words, and its bytes a parameter (its states
+-- in their formats and the master): "AdamW: m, v in f32, fp32 master
+-- weights (12 bytes a parameter)". opts: name (the optimizer), states,
+-- formats (name -> format), master_format, dtype (the working one: in fp32
+-- training the parameters are the master).
+function M.describe_optimizer(opts)
+  local by_format, order = {}, {}
+  local per = 0
+  for _, st in ipairs(opts.states) do
+    local f = opts.formats[st] or formats.default
+    if not by_format[f] then by_format[f] = {}; order[#order + 1] = f end
+    table.insert(by_format[f], st)
+    per = per + formats.per_element(f)
+  end
+  local parts = {}
+  for _, f in ipairs(order) do parts[#parts + 1] = table.concat(by_format[f], ", ") .. " in " .. f end
+  local master
+  if opts.master_format == "bf16" then
+    master = "bf16 master weights (stochastic rounding)"
+    per = per + esize.bf16
+  elseif (opts.dtype or "bf16") == "fp32" then
+    master = "no master copy (the fp32 parameters are the master)"
+  else
+    master = "fp32 master weights"
+    per = per + esize.f32
+  end
+  return ("%s: %s, %s (%g bytes a parameter)"):format(opts.name, table.concat(parts, "; "),
+                                                     master, per)
+end
 
 function M.format_bytes(n)
   if n >= 2 ^ 30 then return ("%.1f GiB"):format(n / 2 ^ 30) end
@@ -284,8 +323,9 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
                  "(nvme_path %s)"):format(head, why, M.format_bytes(need), why, opts.nvme_path),
              true, pick
     end
-    nvme_note = ("; NVMe does not fit either (stage 3 with %s needs %s)"):format(why,
+    nvme_note = need and ("; NVMe does not fit either (stage 3 with %s needs %s)"):format(why,
                                                                                M.format_bytes(need))
+                or ("; NVMe is not offered (%s)"):format(why)
   end
   return 3, ("%s: no stage fits (stage %d needs the least, %s)%s; picked " ..
              "stage 3, which more ranks shrink: offload, more ranks or a larger budget would help")

@@ -2,8 +2,8 @@
 -- bf16_stochastic_round): no fp32 master, the bf16 working parameters
 -- updated through stochastic rounding keyed by (seed, step, canonical
 -- index). Updates far below half a bf16 step still move the weights on
--- average (where rounding to nearest keeps none); stages 0-3 and world
--- sizes give one checksum, AdamW's and Muon's; a resume continues bitwise;
+-- average (where rounding to nearest keeps none); stages 0-3, world sizes
+-- and tiers give one checksum, AdamW's and Muon's; a resume continues bitwise;
 -- a run without bf16 working parameters is refused naming what it needs.
 local cjson = require("cjson")
 local lz = require("luazero")
@@ -74,6 +74,32 @@ function T.every_stage_and_world_size_gives_one_checksum()
   local _, m0 = ok_train(2, "--steps 3 --stage 0 --config " .. muon)
   local _, m3 = ok_train(2, "--steps 3 --stage 3 --config " .. muon)
   assert(m0 == m3, ("Muon: %s, %s"):format(m0, m3))
+end
+
+-- Where the optimizer cannot update the working parameters in place (on
+-- NVMe, or in host memory beside the sim device), the bf16 master is a
+-- copy beside its states: the same checksum as stage 0's, and a resume
+-- from the NVMe tier into another tier and stage continues bitwise.
+function T.every_tier_gives_stage_0s_checksum()
+  local nvme = { stage = 3, offload_optimizer = { device = "nvme", nvme_path = tmp },
+                 offload_param = { device = "nvme", nvme_path = tmp } }
+  local function tiered(zero)
+    local c = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true }, zero_optimization = zero,
+                optimizer = { type = "AdamW", params = { lr = 1e-3, weight_decay = 0.1,
+                                                         bf16_stochastic_round = true } } }
+    return q(write_file(("tier%d.json"):format(math.random(1e9)), cjson.encode(c)))
+  end
+  local _, want = ok_train(2, "--steps 4 --stage 0 --config " .. config("AdamW", { lr = 1e-3, weight_decay = 0.1 }))
+  local dir = tmp .. "/ck_nvme"
+  local _, on_nvme = ok_train(2, "--steps 4 --save-every 2 --save " .. q(dir) .. " --config " ..
+                                 tiered(nvme))
+  assert(on_nvme == want, ("nvme: %s, stage 0: %s"):format(on_nvme, want))
+  local cpu = tiered({ stage = 2, offload_optimizer = { device = "cpu" } })
+  local _, on_sim = ok_train(2, "--steps 4 --device sim --config " .. cpu)
+  assert(on_sim == want, ("sim, optimizer on the cpu: %s, stage 0: %s"):format(on_sim, want))
+  local _, resumed = ok_train(2, "--steps 4 --device sim --config " .. cpu .. " --resume " ..
+                                 q(dir .. "/step-000002"))
+  assert(resumed == want, ("resumed from nvme on sim: %s, stage 0: %s"):format(resumed, want))
 end
 
 function T.a_resume_continues_bitwise()

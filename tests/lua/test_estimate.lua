@@ -70,6 +70,29 @@ local function cases()
     list[#list + 1] = { stage = c[1], pl = estimate.placement_of[c[2]], dtype = "bf16",
                         overlap = c[1] == 3, accum = 3 }
   end
+  -- Each optimizer choice on each kind of tier (in place, host memory, NVMe
+  -- states, the NVMe parameter shard, the two apart): bf16 moments, the bf16
+  -- master (a copy beside the states where the parameters are out of the
+  -- optimizer's reach), 8-bit states (u8 and their scales, small tensors'
+  -- f32 states beside), Muon (refused with its states on NVMe: the estimate
+  -- gives no row, with the engine's reason).
+  local choices = {
+    { label = "adamw bf16 moments", type = "AdamW",
+      params = { lr = 1e-3, momentum_dtype = "bfloat16", variance_dtype = "bfloat16" } },
+    { label = "adamw bf16 master", type = "AdamW", params = { lr = 1e-3, bf16_stochastic_round = true } },
+    { label = "adamw8bit", type = "AdamW8bit", params = { lr = 1e-3, min_8bit_size = 1000 } },
+    { label = "adamw8bit bf16 master", type = "AdamW8bit",
+      params = { lr = 1e-3, min_8bit_size = 1000, bf16_stochastic_round = true } },
+    { label = "muon", type = "Muon", params = { lr = 0.01 } },
+    { label = "muon bf16 master", type = "Muon", params = { lr = 0.01, bf16_stochastic_round = true } },
+  }
+  for _, o in ipairs(choices) do
+    for _, c in ipairs({ { 0, "none" }, { 2, "cpu" }, { 2, "nvme" }, { 3, "nvme+param" },
+                         { 3, "cpu+nvme-param" } }) do
+      list[#list + 1] = { stage = c[1], pl = estimate.placement_of[c[2]], dtype = "bf16",
+                          overlap = c[1] == 3, optimizer = o }
+    end
+  end
   return list
 end
 
@@ -102,9 +125,10 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
       end
     end
     if (device == "cpu" or c.dtype == "bf16") and allowed and not on_device_alone then
-      local name = ("world %d %s stage %d %s %s%s%s%s"):format(world, device, stage, c.dtype,
+      local name = ("world %d %s stage %d %s %s%s%s%s%s"):format(world, device, stage, c.dtype,
                    pl.name, c.overlap and " overlap" or "", c.lora and " lora" or "",
-                   c.accum and (" accumulation " .. c.accum) or "")
+                   c.accum and (" accumulation " .. c.accum) or "",
+                   c.optimizer and (" " .. c.optimizer.label) or "")
       local function dev(d)
         return d ~= "none" and { device = d, nvme_path = swap_dir, buffer_count = 3 } or nil
       end
@@ -114,7 +138,8 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
                                           sub_group_size = 4096, overlap_comm = c.overlap,
                                           offload_optimizer = dev(pl.opt),
                                           offload_param = dev(pl.param) },
-                    optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+                    optimizer = c.optimizer and { type = c.optimizer.type, params = c.optimizer.params }
+                                or { type = "AdamW", params = { lr = 1e-3 } } }
       local model, vocab
       if c.lora then
         local mc = llama.config("llama-tiny", { context = 16 })
@@ -124,7 +149,24 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
         local mc = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
         model, vocab = gpt2.new(mc), mc.vocab
       end
-      local counts = estimate.counts(model, world, 600)
+      local est_settings = estimate.settings_of(cfg, device == "cpu" and "cpu" or "cuda")
+      local counts = estimate.counts(model, world, 600,
+                                     require("luazero.optim.formats").block_of(est_settings.formats))
+      local _, refused = estimate.rank(counts, est_settings)
+      if refused then
+        -- The estimate offers no row: the engine must refuse with its reason.
+        local ok, err = pcall(zero.initialize, { model = model, config = cfg, seed = 1,
+                                                 batch = { 2, 16 }, comm = comm, device = device })
+        if ok then err:free() end
+        if ok or not tostring(err):find(refused, 1, true) then
+          bad = bad + 1
+          say(("BAD  %s: the estimate refuses it (%s); the engine %s"):format(name, refused,
+              ok and "trains it" or ("says " .. tostring(err))))
+        else
+          say(("ok   %s: refused by both (%s)"):format(name, refused))
+        end
+        goto next_case
+      end
       jit.flush(); collectgarbage(); collectgarbage()
       local before, before_dev = lz.mem(), lz.mem_device()
       local engine = zero.initialize({ model = model, config = cfg, seed = 1, batch = { 2, 16 },
@@ -144,7 +186,7 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
         if device ~= "cpu" and cat ~= "offload" then dev_bytes = dev_bytes + md[cat] - before_dev[cat] end
       end
       local files = swap_file_bytes(swap_dir)
-      local r = estimate.rank(counts, estimate.settings_of(cfg, device == "cpu" and "cpu" or "cuda"))
+      local r = estimate.rank(counts, est_settings)
       local live = engine:estimate()
       local why
       if not close_to(host, estimate.kept(r, "host")) then
@@ -191,6 +233,7 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
       engine:free()
       loader:free()
     end
+    ::next_case::
   end
   for what in pairs(pend) do pending(what) end
   return bad
@@ -501,6 +544,54 @@ function T.tools_estimate_prints_the_table_and_the_pick()
   assert(status == 2 and out:find("give either --params N", 1, true), out)
   out, status = run_tool("--help")
   assert(status == 0 and out:find("usage: tools/estimate", 1, true), out)
+end
+
+-- The optimizer's choices: the header says what is counted, the bytes a
+-- parameter follow the state formats and the master's (8-bit states: 1 +
+-- 4/256 bytes each), the NVMe rows the engine refuses for Muon are left
+-- out with its reason, and a bf16 master without bf16 parameters is one line.
+function T.tools_estimate_counts_each_optimizer_choice()
+  local out, status = run_tool("--params 1e9 --world 4 --budget 64GiB")
+  assert(status == 0 and out:find("bf16 parameters, fp32 gradients; AdamW: m, v in f32, fp32 " ..
+                                   "master weights (12 bytes a parameter)", 1, true), out)
+  local function row(o, stage, offload)
+    return o:match("\n" .. stage .. "%s+" .. offload .. "%s+[%d,]+%s+[%d.]+ GiB%s+[%d,]+%s+[%d.]+ GiB%s+([^\n]+)")
+  end
+  assert(row(out, 3, "cpu") == "2Ψ/N + 2P | 16Ψ/N", out)
+  local bf16m = write_file("bf16m.json", '{"train_micro_batch_size_per_gpu": 1, "optimizer": ' ..
+    '{"type": "AdamW", "params": {"momentum_dtype": "bfloat16", "variance_dtype": "bfloat16"}}}')
+  out, status = run_tool("--params 1e9 --world 4 --budget 64GiB --config " .. bf16m)
+  assert(status == 0 and out:find("AdamW: m, v in bf16, fp32 master weights (8 bytes a parameter)",
+                                  1, true), out)
+  assert(row(out, 3, "cpu") == "2Ψ/N + 2P | 12Ψ/N", out)
+  out, status = run_tool("--params 1e9 --world 4 --optimizer AdamW8bit --master bf16 --budget 64GiB")
+  assert(status == 0 and out:find("AdamW8bit: m, v in u8, bf16 master weights (stochastic " ..
+                                  "rounding) (4.03125 bytes a parameter)", 1, true), out)
+  -- (the bf16 master is the working shard in place; a host optimizer keeps its own copy)
+  assert(row(out, 3, "none") == "8.03125Ψ/N + 2P", out)
+  assert(row(out, 3, "cpu") == "2Ψ/N + 2P | 8.03125Ψ/N", out)
+  out, status = run_tool("--params 1e9 --world 4 --optimizer Muon --budget 64GiB")
+  assert(status == 0 and out:find("Muon: m, v in f32, fp32 master weights", 1, true), out)
+  assert(out:find("not offered: nvme, nvme+param, nvme+cpu-param (Muon orthogonalises whole " ..
+                  "matrices from states held in memory", 1, true), out)
+  assert(not out:find("\n  3     nvme ", 1, true), out)
+  out, status = run_tool("--params 1e9 --master bf16 --dtype fp32")
+  assert(status == 2 and out == "estimate: bf16 master weights are the bf16 working parameters: " ..
+         "give --dtype bf16 (got --dtype fp32)\n", out)
+end
+
+-- Stage "auto" does not fall back on NVMe for an optimizer the engine
+-- refuses there (Muon): it says why.
+function T.pick_stage_offers_no_nvme_to_muon()
+  local stage, why, fits = estimate.pick_stage(3e9, 1, 8 * 2 ^ 30, "bf16", {
+    nvme = true, nvme_path = "/x", settings = { whole_matrices = "Muon", sub_group_size = 1e7 } })
+  assert(stage == 3 and fits == false, why)
+  assert(why:find("; NVMe is not offered (Muon orthogonalises whole matrices from states held " ..
+                  "in memory;", 1, true), why)
+  -- (AdamW's states on NVMe fit that budget)
+  local _, why2, fits2 = estimate.pick_stage(3e9, 1, 8 * 2 ^ 30, "bf16", {
+    nvme = true, nvme_path = "/x", settings = { sub_group_size = 1e7 } })
+  assert(fits2 and why2:find("picked stage 3, the optimizer states", 1, true), why2)
 end
 
 -- Counts past 2^53, non-positive micro-batches and sequence lengths, a

@@ -25,7 +25,9 @@ function M.out_of_memory(engine, batch)
     local r = estimate.model_states(L.numel, engine.world, stage, {
       dtype = engine.dtype, offload = offload, device = "cuda",
       grads = engine.half_grads and "working" or "fp32",
-      layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent })
+      layout = { full = L.full_numel, shard = L.shard_numel }, persistent = persistent,
+      states = engine.optimizer.states, formats = engine.optimizer.state_formats,
+      master_format = engine.optimizer.master_format })
     return r and r.device + acts
   end
   local offload = Placement.offloaded(s.offload_opt.device) and "cpu" or "none"
@@ -65,7 +67,8 @@ function M.estimate(engine, opts)
   local o = estimate.settings_from(engine.s, engine.dev == "cpu" and "cpu" or "cuda",
                                    engine.optimizer.states, engine.optimizer.state_formats)
   for k, v in pairs(opts or {}) do o[k] = v end
-  local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence), o)
+  local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence,
+                                          engine.L.block), o)
   local st = engine.states
   local staging, nvme = st:staging_bytes(), 0
   if engine.pshard then

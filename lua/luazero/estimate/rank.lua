@@ -11,6 +11,8 @@
 local Placement = require("luazero.zero.plan")
 local store = require("luazero.zero.store")
 local formats = require("luazero.optim.formats")
+local Matrices = require("luazero.zero.matrices")
+local States = require("luazero.zero.states")
 
 local M = {}
 
@@ -38,15 +40,17 @@ local function round_up(n, m) return math.ceil(n / m) * m end
 -- of the modules of at most `threshold` elements), segments ({padded,
 -- slice, shard_offset, numel, users: the modules that gather it, persistent}),
 -- largest (padded elements of the largest module); frozen ({numel, full,
--- shard, largest}: the frozen parameters, laid out as the trainable ones).
-function M.counts(model, world, threshold)
+-- shard, largest}: the frozen parameters, laid out as the trainable ones);
+-- L (the layout). block: an optimizer's block-scaled states' block
+-- (formats.block_of), which the trainable layout aligns each tensor to.
+function M.counts(model, world, threshold, block)
   threshold = threshold or 100000
   local layout = require("luazero.zero.layout")
   local trainable, frozen = model:trainable_table(), {}
   for _, e in ipairs(model.param_table) do
     if e.frozen then frozen[#frozen + 1] = e end
   end
-  local L = layout.new(trainable, world)
+  local L = layout.new(trainable, world, nil, block)
   local F = #frozen > 0 and layout.new(frozen, world)
   -- Modules that gather each segment: its own (or the LoRA wrapper around
   -- it), and those that read a tied table.
@@ -72,7 +76,7 @@ function M.counts(model, world, threshold)
     return list
   end
   local c = { world = world, threshold = threshold, full = L.full_numel, shard = L.shard_numel,
-              numel = L.numel, persistent = 0, largest = 0, segments = {} }
+              numel = L.numel, persistent = 0, largest = 0, segments = {}, L = L }
   c.segments = segments_of(L)
   for _, seg in ipairs(c.segments) do
     if seg.persistent then c.persistent = c.persistent + seg.padded end
@@ -110,15 +114,16 @@ end
 
 -- The same from the engine's settings (zero/engine.lua's settings(cfg));
 -- states: the optimizer's per-element states, formats their formats
--- (default: its config's).
+-- (default: its config's). The optimizer's master format and whether it
+-- updates whole matrices come from its config.
 function M.settings_from(s, device, states, formats)
   local opt = s.offload_opt or {}
   local par = s.offload_param or {}
-  if not states or not formats then
-    local o = require("luazero.optim").new(s.optimizer)
-    states, formats = states or o.states, formats or o.state_formats
-  end
+  local o = require("luazero.optim").new(s.optimizer)
+  states, formats = states or o.states, formats or o.state_formats
   return {
+    optimizer = o.name, master_format = o.master_format, whole_matrices = o.matrix and o.name or nil,
+    small_below = o.block_min_numel,
     stage = s.stage, dtype = s.dtype, grads = s.grad_dtype ~= "fp32" and "working" or "fp32",
     device = device, offload = E.placement_name(opt.device or "none", par.device or "none"),
     opt = opt.device or "none", param = par.device or "none",
@@ -243,7 +248,12 @@ function M.rank(counts, opts)
                            grad_dtype = opts.grads == "working" and dtype or "fp32",
                            offload_optimizer = opt, offload_param = param,
                            device = device == "cpu" and "cpu" or "cuda", accum = accum,
-                           optimizer_states = opts.states, optimizer_formats = opts.formats }
+                           optimizer_states = opts.states, optimizer_formats = opts.formats,
+                           master_format = opts.master_format }
+  -- What the engine refuses for this optimizer here (its whole matrices
+  -- in swap files): no row, and the reason.
+  local refused = opts.whole_matrices and Matrices.refusal(P, opts.whole_matrices)
+  if refused then return nil, refused end
   local wdt, wb = P.dtype, esize[P.dtype]
   local overlap = opts.overlap
   if overlap == nil then overlap = stage == 3 end
@@ -273,6 +283,19 @@ function M.rank(counts, opts)
     for _, cat in ipairs({ "params", "grads", "optimizer" }) do add(mem[tier], cat, by[tier][cat]) end
   end
   local n_opt = P.optimizer.extent == "full" and counts.full or counts.shard
+  -- Tensors under a block-scaled optimizer's minimum (small_below) keep f32
+  -- states beside the block-scaled arrays (zero/states.lua's small runs):
+  -- in the optimizer's memory, or host memory beside states on NVMe.
+  local block = formats.block_of(P.optimizer.formats)
+  if block and opts.small_below and counts.L then
+    local small = States.small_numel(counts.L, P, 0, counts.world, opts.small_below)
+    local kind = P:store("optimizer")
+    for _, name in ipairs(P.optimizer.states) do
+      if formats.get(P.optimizer.formats[name]).block then
+        add(mem[kind.resident and kind.memory or "host"], "optimizer", small * esize.f32)
+      end
+    end
+  end
 
   -- Frozen parameters (LoRA's base): where the plan puts them, else (an
   -- engine without p.frozen) whole on the device in the working dtype.
@@ -303,9 +326,12 @@ function M.rank(counts, opts)
   r.G, r.groups = G, groups
   -- A sub-group's region of the state file: the master (where the tier
   -- keeps one), then each state in its format's dtype.
-  local region = (P.master.alias and 0 or 1) * G * 4
+  local region = P.master.alias and 0 or G * esize[P.master.dtype]
   for _, name in ipairs(P.optimizer.states) do
-    region = region + G * esize[formats.get(P.optimizer.formats[name]).dtype]
+    -- (each state, and its scales, on whole pages: zero/offload.lua)
+    local f = formats.get(P.optimizer.formats[name])
+    region = region + round_up(G * esize[f.dtype], PAGE)
+    if f.block then region = region + round_up(G / f.block * esize.f32, PAGE) end
   end
   -- The ring of staging buffers (offload.lua's States).
   local nb = math.min(math.max(2, opt_nb), groups)
@@ -469,16 +495,23 @@ function M.measure_disk(dir, bytes, aio)
   return err.read, err.write, err.direct
 end
 
--- Every placement at every stage it works at, as M.rank rows.
+-- Every placement at every stage it works at, as M.rank rows; rows.refused
+-- lists those the engine refuses for this optimizer ({ placement, why }, one
+-- per placement).
 function M.rank_rows(counts, opts)
-  local rows = {}
+  local rows = { refused = {} }
   for _, pl in ipairs(E.placements) do
+    local said = false
     for stage = 0, 3 do
       local o = {}
       for k, v in pairs(opts) do o[k] = v end
       o.stage, o.offload, o.opt, o.param = stage, pl.name, nil, nil
-      local r = M.rank(counts, o)
+      local r, why = M.rank(counts, o)
       if r then rows[#rows + 1] = r end
+      if why and not said then
+        rows.refused[#rows.refused + 1] = { placement = pl.name, why = why }
+        said = true
+      end
     end
   end
   return rows
@@ -569,6 +602,11 @@ function M.rank_table(rows, counts, disk, device)
   if device == "cpu" then
     notes[#notes + 1] = "device and host are one memory here (--device cpu): all of it under host"
   end
+  local refused, why = {}, nil
+  for _, x in ipairs(rows.refused or {}) do refused[#refused + 1] = x.placement; why = x.why end
+  if #refused > 0 then
+    notes[#notes + 1] = ("not offered: %s (%s)"):format(table.concat(refused, ", "), why)
+  end
   if not counts.segments then
     notes[#notes + 1] = "without --model: no modules known; comm buffers and the parameter " ..
                         "shard's staging are figured from its size"
@@ -601,6 +639,8 @@ function M.json(t)
     params = { trainable = c.numel, full = c.full, shard = c.shard, persistent = c.persistent,
                largest_module = c.largest, frozen = c.frozen.numel, frozen_shard = c.frozen.shard },
     disk = t.disk, stage_auto = t.auto, budget = t.budget, rows = rows,
+    not_offered = #(t.rows.refused or {}) > 0 and t.rows.refused or nil,
+    optimizer = t.optimizer,
   }
 end
 
@@ -635,16 +675,21 @@ function M.pick_nvme(params, world, budget_bytes, dtype, opts)
                      or "the optimizer states on NVMe"
     end
   end
-  local need, name
+  local need, name, refused
   for _, pl in ipairs(tries) do
     local o = {}
     for k, v in pairs(opts.settings or {}) do o[k] = v end
     o.stage, o.offload, o.opt, o.param = 3, pl, nil, nil
     o.dtype, o.grads, o.device = dtype, opts.grads, device
-    local r = M.rank(counts, o)
-    need, name = M.kept(r, "device") + M.kept(r, "host"), pl
-    if need <= budget_bytes then return pl, what[pl], need end
+    local r, why = M.rank(counts, o)
+    if r then
+      need, name = M.kept(r, "device") + M.kept(r, "host"), pl
+      if need <= budget_bytes then return pl, what[pl], need end
+    end
+    refused = refused or why
   end
+  -- (need nil: the engine refuses every NVMe placement for this optimizer)
+  if not need then return nil, refused, nil end
   return nil, what[name], need
 end
 

@@ -89,14 +89,16 @@ end
 M.settings = settings
 
 -- The placement plan a configuration gives (zero/plan.lua); states: the
--- optimizer class's per-element states, formats their formats; moe: the
--- model's MoE blocks' gather (plan.moe_of), nil without.
-function M.plan_of(s, device, states, formats, moe)
+-- optimizer class's per-element states, formats their formats, master its
+-- master weights' format (default: the config block's; a block written in
+-- Lua has it only once the optimizer is made from it); moe: the model's MoE
+-- blocks' gather (plan.moe_of), nil without.
+function M.plan_of(s, device, states, formats, master, moe)
   return Placement.new{ stage = s.stage, dtype = s.dtype, grad_dtype = s.grad_dtype,
                         offload_optimizer = s.offload_opt.device,
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
-                        master_format = s.optimizer.master_format, moe = moe,
+                        master_format = master or s.optimizer.master_format, moe = moe,
                         ep_size = s.ep_size }
 end
 
@@ -150,6 +152,7 @@ function M.initialize(opts, above)
   local device = opts.device or "cpu"
   local ok, P = pcall(function()
     return M.plan_of(s, device, optimizer.states, optimizer.state_formats,
+                     optimizer.master_format,
                      Placement.moe_of(model.routers, s.moe_gather, s.routed_only))
   end)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
@@ -453,7 +456,8 @@ function Engine:allocate(frozen_entries)
   -- the optimizer's states, where offload_optimizer puts them.
   local oo = s.offload_opt
   self.states = offload.states{
-    n = self:numel(P.optimizer.extent), master = not P.master.alias, names = self.optimizer.states,
+    n = self:numel(P.optimizer.extent), master = not P.master.alias, master_dtype = P.master.dtype,
+    names = self.optimizer.states,
     formats = P.optimizer.formats,
     tier = P.optimizer.tier, nvme_path = oo.nvme_path, aio = s.aio, sub_group_size = s.sub_group,
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,

@@ -38,6 +38,18 @@ local function hidden_modules(model)
   return set
 end
 
+-- Why a plan (zero/plan.lua) cannot hold an optimizer with whole matrices
+-- (named `name`), or nil when it can: the orthogonalisation reads each
+-- matrix's U whole from states held in memory, which a tier of swap files
+-- (NVMe) streams a sub-group at a time. (The estimator leaves such rows
+-- out with this reason.)
+function M.refusal(P, name)
+  if P:swapped("optimizer") then
+    return ("%s orthogonalises whole matrices from states held in memory; " ..
+            "offload_optimizer.device nvme is not supported with it (use cpu or none)"):format(name)
+  end
+end
+
 -- The whole-matrix placement, or nil when the optimizer has no matrices.
 function M.new(parts)
   local opt = parts.optimizer
@@ -47,11 +59,8 @@ function M.new(parts)
   -- Elements of U gathered at once on a sharded optimizer (the config's
   -- allgather_bucket_size, as the engine's parameter gathers).
   self.budget = parts.budget or math.huge
-  if parts.ring.swap then
-    error(("initialize: %s orthogonalises whole matrices from states held in memory; " ..
-           "offload_optimizer.device nvme is not supported with it (use cpu or none)")
-          :format(opt.name), 0)
-  end
+  local why = parts.ring.swap and M.refusal(parts.P, opt.name)
+  if why then error("initialize: " .. why, 0) end
   self.slot = opt.matrix_state
   local hidden = hidden_modules(parts.model)
   self.list, self.segs, self.by_entry = {}, {}, {}
@@ -165,20 +174,26 @@ function Matrices:orthogonalize(opt)
 end
 
 -- The optimizer's step over model states ms (zero/states.lua) with its
--- whole matrices: prepare and the other pieces' steps, the matrices, then
--- the matrices' pieces' steps and the working copies' pushes.
+-- whole matrices: the matrices' pieces prepared, the matrices, then every
+-- piece's step and the working copies' pushes. Only the second pass
+-- writes (the states are in memory: Matrices.refusal), so a working shard
+-- on NVMe is written once a step. (The other pieces' steps read nothing
+-- the matrices change: their place in the step changes no bit.)
 function Matrices:update(ms, opt, t, lr, scale)
   local calls, push, overlap = ms.calls, ms.P.push_params, ms.overlap
-  ms.ring:each_group(true, function(k)
+  ms.ring:each_group(false, function(k)
     for _, c in ipairs(calls[k]) do
-      if c.half_g then c.g:copy(c.half_g) end
-      if c.matrix then opt:prepare(c, t, scale) else ms:step_call(opt, c, t, lr, scale) end
+      if c.matrix then
+        if c.half_g then c.g:copy(c.half_g) end
+        opt:prepare(c, t, scale)
+      end
     end
   end, nil, true)
   self:orthogonalize(opt)
   ms.ring:each_group(true, function(k)
     for _, c in ipairs(calls[k]) do
-      if c.matrix then ms:step_call(opt, c, t, lr, scale) end
+      if not c.matrix and c.half_g then c.g:copy(c.half_g) end
+      ms:step_call(opt, c, t, lr, scale)
     end
     if push then
       for _, c in ipairs(calls[k]) do

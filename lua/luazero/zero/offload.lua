@@ -65,8 +65,9 @@ local swap_opts = M.swap_opts
 local States = {}
 States.__index = States
 
--- opts: n (optimizer elements of this rank), master (true: keep an fp32
--- master copy here; false: the working copy is the fp32 master), names
+-- opts: n (optimizer elements of this rank), master (true: keep a master
+-- copy here; false: the working copy is the master), master_dtype (the
+-- copy's: f32, or bf16 for a bf16 master; f32), names
 -- (the optimizer's per-element states, in order; the default
 -- optimizer's: AdamW's m, v), formats (name -> format: f32, bf16 or u8;
 -- f32 when absent; a block-scaled format keeps one f32 scale per block
@@ -93,8 +94,9 @@ function M.states(opts)
     local f = formats.get((opts.formats or {})[name] or formats.default)
     dts[i], blocks[i] = f.dtype, f.block
   end
+  local mdt = opts.master_dtype or "f32"
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
-                              dtypes = dts, blocks = blocks, signed = {},
+                              dtypes = dts, blocks = blocks, signed = {}, master_dtype = mdt,
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
@@ -113,7 +115,7 @@ function M.states(opts)
   self.s, self.scales, self.small = {}, {}, {}
   if not on_disk then
     local function new(shape, dt) return kind.allocate(shape, dt, "optimizer", self.compute) end
-    if opts.master then self.master = new({ n }, "f32") end
+    if opts.master then self.master = new({ n }, mdt) end
     for i = 1, #names do
       self.s[i] = new({ n }, dts[i]):zero()
       if blocks[i] then self.scales[i] = new({ math.max(1, math.ceil(n / blocks[i])) }, "f32"):zero() end
@@ -131,7 +133,7 @@ function M.states(opts)
   end
   -- A group's region of the swap file: the master, then each state (and
   -- its scales), at byte offsets on pages.
-  self.part_at, self.scale_at, self.region = {}, {}, (opts.master and G * esize.f32 or 0)
+  self.part_at, self.scale_at, self.region = {}, {}, (opts.master and G * esize[mdt] or 0)
   for i = 1, #names do
     self.part_at[i] = self.region
     self.region = self.region + round_up(G * esize[dts[i]], PAGE)
@@ -178,7 +180,7 @@ function States:make_views(k, g)
   local v = { s = {} }
   if self.swap then
     local st = self:buffer(k).state
-    if self.has_master then v.master = st:view(0, { g.n }) end
+    if self.has_master then v.master = typed_view(st, 0, self.master_dtype, g.n) end
     for j = 1, #self.names do v.s[j] = typed_view(st, self.part_at[j], self.dtypes[j], g.n) end
     for j, at in pairs(self.scale_at) do
       v.scales = v.scales or {}

@@ -162,12 +162,19 @@ function M.new(opts)
   -- fp32 master: the working parameters themselves when they are fp32 and
   -- in memory the optimizer can update; else its own copy beside m and v.
   if formats.master(opts.master_format).name == "bf16" then
-    if wdt ~= "bf16" or not reachable(p.params.tier) or device ~= "cpu" then
+    if wdt ~= "bf16" then
       error("plan: bf16 master weights (optimizer.params.bf16_stochastic_round) are the bf16 " ..
-            "working parameters themselves: they need bf16.enabled, the cpu device and the " ..
-            "parameters in memory the optimizer updates (no offload_param to nvme)", 0)
+            "working parameters themselves: they need bf16.enabled", 0)
     end
-    p.master = { extent = p.params.extent, dtype = "bf16", tier = p.params.tier, alias = "params" }
+    -- The working parameters themselves where the optimizer updates them
+    -- in place; else a bf16 copy beside its states (host memory beside an
+    -- accelerator, the state file on NVMe) whose values the working copy
+    -- takes after each update: the same numbers either way.
+    if reachable(p.params.tier) then
+      p.master = { extent = p.params.extent, dtype = "bf16", tier = p.params.tier, alias = "params" }
+    else
+      p.master = { extent = opt_extent, dtype = "bf16", tier = opt_tier }
+    end
   elseif wdt == "f32" and reachable(p.params.tier) then
     p.master = { extent = p.params.extent, dtype = "f32", tier = p.params.tier, alias = "params" }
   else

@@ -17,6 +17,11 @@ local Placement = require("luazero.zero.plan")
 
 local at = Placement.offset
 local CHUNK = layout.CHUNK
+-- Elements a bf16 master's update widens at once (16 MiB of fp32 scratch):
+-- each chunk is three kernel calls, whose dispatch costs milliseconds on a
+-- loaded machine, so chunks of CHUNK would cost a 3B model minutes a step.
+-- (The bits do not depend on it: every element is rounded by its own key.)
+local SROUND_CHUNK = 2 ^ 22
 
 local M = {}
 local States = {}
@@ -236,13 +241,12 @@ function States:build_calls()
   -- The working copy the update rounds into (none when it is the master
   -- itself, or on NVMe: each sub-group's staging then).
   local rounds = P.dtype ~= "f32" and not P:swapped("params")
-  -- A bf16 master is the working copy itself: each call's update runs on
-  -- an fp32 widening of it and rounds back stochastically (step_call).
+  -- A bf16 master: each call's update runs on an fp32 widening of it and
+  -- rounds back stochastically (step_call); where it is the working copy
+  -- itself there is nothing more to round into.
   local sround = P.master.dtype == "bf16"
-  if sround then
-    rounds = false
-    self.sround_scratch = self.sround_scratch or lz.tensor({ CHUNK }, "f32", "workspace")
-  end
+  if sround and P.master.alias then rounds = false end
+  self.sround_scratch = self.sround_scratch or {}
   local runs = {}
   local small_at = 0 -- the next small run's place in the ring's small arrays
   self.small_runs = {}
@@ -351,12 +355,19 @@ end
 -- One call's step. Over a bf16 master (c.canonical set): chunk by chunk,
 -- the master widened to fp32, the optimizer's step on that, and the result
 -- rounded back stochastically with bits keyed by (seed, step, canonical
--- index), so every stage and world size rounds each element alike.
+-- index), so every stage and world size rounds each element alike; a
+-- working copy apart from the master takes its values.
 function States:step_call(opt, c, t, lr, scale)
   if not c.canonical then return opt:update(c, t, lr, scale) end
-  local n, scratch = c.p:numel(), self.sround_scratch
-  for off = 0, n - 1, CHUNK do
-    local len = math.min(CHUNK, n - off)
+  local n, dev = c.p:numel(), c.p:device_name()
+  local scratch = self.sround_scratch[dev]
+  if not scratch then
+    scratch = lz.tensor({ math.min(SROUND_CHUNK, math.max(self:numel(), 1)) }, "f32", "workspace", dev)
+    self.sround_scratch[dev] = scratch
+  end
+  local chunk = scratch:numel()
+  for off = 0, n - 1, chunk do
+    local len = math.min(chunk, n - off)
     local sub = { decay = c.decay, matrix = c.matrix, s = {} }
     for i, st in ipairs(c.s) do sub.s[i] = st:view(off, { len }) end
     for i, sc in pairs(c.scales or {}) do
@@ -369,6 +380,11 @@ function States:step_call(opt, c, t, lr, scale)
     sub.p:convert(master)
     opt:update(sub, t, lr, scale)
     lz.ops.bf16_round_stochastic(master, sub.p, self.seed or 0, t, c.canonical + off)
+    if c.w then
+      local w = c.w:view(off, { len })
+      w:copy(master)
+      w:free()
+    end
     master:free(); sub.p:free(); sub.g:free()
     for _, st in ipairs(sub.s) do st:free() end
     for _, sc in pairs(sub.scales or {}) do sc:free() end
@@ -457,7 +473,7 @@ function States:visit(write_back, fn)
     local states = blocks and self:widen(lo, n, v) or v.s
     v = { master = v.master, s = states, work = v.work }
     if not P.master.alias then
-      fn(lo, v.master, unpack(v.s))
+      visit_master(v.master, write_back, function(m) fn(lo, m, unpack(v.s)) end)
       if write_back and P:swapped("params") then v.work:copy(v.master) end
     elseif P.master.extent == P.optimizer.extent then
       visit_master(self.master:view(lo, { n }), write_back, function(m) fn(lo, m, unpack(v.s)) end)
