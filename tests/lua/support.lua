@@ -77,6 +77,21 @@ function M.settle()
   collectgarbage("stop")
 end
 
+-- A fixed batch for a tiny model's engine: inputs x and targets y [2, 8],
+-- token ids below 50; train(e, steps) takes `steps` steps of engine e on
+-- it and returns e's params_checksum. Returns train, x, y.
+function M.engine_batch()
+  local lz = require("luazero")
+  local x = lz.tensor({ 2, 8 }, "i32", "activations")
+  local y = lz.tensor({ 2, 8 }, "i32", "activations")
+  for i = 0, 15 do x:set(i, (i * 7) % 50); y:set(i, (i * 11) % 50) end
+  local function train(e, steps)
+    for _ = 1, steps do e:backward(e:forward(x, y)); e:step() end
+    return e:params_checksum()
+  end
+  return train, x, y
+end
+
 -- got must equal want; the error names what and both values.
 function M.eq(got, want, what)
   assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
