@@ -92,6 +92,27 @@ function M.engine_batch()
   return train, x, y
 end
 
+-- For the MoE check scripts: a tiny Mixtral (mixtral.config's mcfg) in an
+-- engine at ZeRO stage `stage` over comm (micro-batches of 2 x 16, AdamW at
+-- lr 1e-2, buckets of 5000 elements), and a loader of corpus over comm's
+-- ranks. opts: accum (gradient_accumulation_steps, 1 by default), moe (the
+-- config's moe block), checkpoint_activations. Returns engine, loader.
+function M.moe_engine(comm, corpus, mcfg, stage, opts)
+  local zero, data = require("luazero.zero"), require("luazero.data")
+  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = opts.accum or 1,
+                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
+                                      reduce_bucket_size = 5000,
+                                      stage3_prefetch_bucket_size = 5000 },
+                moe = opts.moe,
+                optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
+  local engine = zero.initialize({ model = require("models.mixtral").new(mcfg), config = cfg,
+                                   seed = 1, batch = { 2, 16 }, comm = comm,
+                                   checkpoint_activations = opts.checkpoint_activations })
+  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
+                                       rank = comm.rank(), world = comm.size() })
+  return engine, loader
+end
+
 -- got must equal want; the error names what and both values.
 function M.eq(got, want, what)
   assert(got == want, ("%s: %s, expected %s"):format(what, tostring(got), tostring(want)))
