@@ -49,6 +49,9 @@ end
 -- Two lines the training tests repeat into a corpus.
 M.HAMLET = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 
+-- A line the MoE tests repeat into a corpus.
+M.YORK = "Now is the winter of our discontent, made glorious summer by this sun of York.\n"
+
 -- The tiny GPT-2s the training tests run through scripts/train.lua, seeded,
 -- without samples and with one eval batch: 1 layer of width 32 on 8-token
 -- sequences, or 2 layers of width 64 on 16-token ones.
