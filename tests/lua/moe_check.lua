@@ -12,13 +12,15 @@
 -- an expert routed in one micro-step is unrouted in the next.
 --   luazero [-n N] tests/lua/moe_check.lua CORPUS [GATHER [ACCUM]]
 local ffi = require("ffi")
-local zero = require("luazero.zero")
+local lz = require("luazero")
 local data = require("luazero.data")
 local MoE = require("luazero.nn.moe")
 local mixtral = require("models.mixtral")
 
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+
 local comm = require("luazero.comm").init()
-local rank, world = comm.rank(), comm.size()
+local rank = comm.rank()
 local corpus = data.load(arg[1])
 
 -- The router's choice, then every token of this rank sent to expert `rank`
@@ -39,17 +41,9 @@ local mode = arg[2] or "block"
 local gather = mode == "routed" and "expert" or mode
 for stage = 0, 3 do
   local mcfg = mixtral.config("mixtral-tiny", { top_k = 1, moe_gather = gather })
-  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
-                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
-                                      reduce_bucket_size = 5000,
-                                      stage3_prefetch_bucket_size = 5000 },
-                moe = { gather = gather, routed_only = mode == "routed" },
-                optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
-  local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
-                                   batch = { 2, 16 }, comm = comm,
-                                   checkpoint_activations = accum > 1 })
-  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
-                                       rank = rank, world = world })
+  local engine, loader = support.moe_engine(comm, corpus, mcfg, stage, {
+    accum = accum, moe = { gather = gather, routed_only = mode == "routed" },
+    checkpoint_activations = accum > 1 })
   local rows, read, full
   for step = 1, 3 do
     engine:train_batch(loader)

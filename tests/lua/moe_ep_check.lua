@@ -10,13 +10,15 @@
 -- adversarial (below), pile (below) or router (the router's own top-2).
 --   luazero -n N tests/lua/moe_ep_check.lua CORPUS GATHER EP ROUTE
 local ffi = require("ffi")
-local zero = require("luazero.zero")
+local lz = require("luazero")
 local data = require("luazero.data")
 local MoE = require("luazero.nn.moe")
 local mixtral = require("models.mixtral")
 
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+
 local comm = require("luazero.comm").init()
-local rank, world = comm.rank(), comm.size()
+local rank = comm.rank()
 local corpus = data.load(arg[1])
 
 -- Adversarial routing: the router's choice, then every token of this rank
@@ -41,16 +43,8 @@ local ep_size = tonumber(arg[3] or "1")
 for stage = 0, 3 do
   local mcfg = mixtral.config("mixtral-tiny", { top_k = adversarial and 1 or 2,
                                                 moe_gather = gather })
-  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 1,
-                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
-                                      reduce_bucket_size = 5000,
-                                      stage3_prefetch_bucket_size = 5000 },
-                optimizer = { type = "AdamW", params = { lr = 1e-2 } },
-                moe = { ep_size = ep_size } }
-  local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
-                                   batch = { 2, 16 }, comm = comm })
-  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
-                                       rank = rank, world = world })
+  local engine, loader = support.moe_engine(comm, corpus, mcfg, stage,
+                                             { moe = { ep_size = ep_size } })
   local rows, loss
   for step = 1, 3 do
     local rec = engine:train_batch(loader)

@@ -49,6 +49,9 @@ end
 -- Two lines the training tests repeat into a corpus.
 M.HAMLET = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer\n"
 
+-- A line the MoE tests repeat into a corpus.
+M.YORK = "Now is the winter of our discontent, made glorious summer by this sun of York.\n"
+
 -- The tiny GPT-2s the training tests run through scripts/train.lua, seeded,
 -- without samples and with one eval batch: 1 layer of width 32 on 8-token
 -- sequences, or 2 layers of width 64 on 16-token ones.
@@ -75,6 +78,42 @@ function M.settle()
   collectgarbage()
   collectgarbage()
   collectgarbage("stop")
+end
+
+-- A fixed batch for a tiny model's engine: inputs x and targets y [2, 8],
+-- token ids below 50; train(e, steps) takes `steps` steps of engine e on
+-- it and returns e's params_checksum. Returns train, x, y.
+function M.engine_batch()
+  local lz = require("luazero")
+  local x = lz.tensor({ 2, 8 }, "i32", "activations")
+  local y = lz.tensor({ 2, 8 }, "i32", "activations")
+  for i = 0, 15 do x:set(i, (i * 7) % 50); y:set(i, (i * 11) % 50) end
+  local function train(e, steps)
+    for _ = 1, steps do e:backward(e:forward(x, y)); e:step() end
+    return e:params_checksum()
+  end
+  return train, x, y
+end
+
+-- For the MoE check scripts: a tiny Mixtral (mixtral.config's mcfg) in an
+-- engine at ZeRO stage `stage` over comm (micro-batches of 2 x 16, AdamW at
+-- lr 1e-2, buckets of 5000 elements), and a loader of corpus over comm's
+-- ranks. opts: accum (gradient_accumulation_steps, 1 by default), moe (the
+-- config's moe block), checkpoint_activations. Returns engine, loader.
+function M.moe_engine(comm, corpus, mcfg, stage, opts)
+  local zero, data = require("luazero.zero"), require("luazero.data")
+  local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = opts.accum or 1,
+                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
+                                      reduce_bucket_size = 5000,
+                                      stage3_prefetch_bucket_size = 5000 },
+                moe = opts.moe,
+                optimizer = { type = "AdamW", params = { lr = 1e-2 } } }
+  local engine = zero.initialize({ model = require("models.mixtral").new(mcfg), config = cfg,
+                                   seed = 1, batch = { 2, 16 }, comm = comm,
+                                   checkpoint_activations = opts.checkpoint_activations })
+  local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
+                                       rank = comm.rank(), world = comm.size() })
+  return engine, loader
 end
 
 -- got must equal want; the error names what and both values.

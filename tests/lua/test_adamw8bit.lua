@@ -32,14 +32,7 @@ local function engine(zo, opt)
   return zero.initialize{ model = model(), config = cfg, seed = 3, batch = { 2, 8 } }
 end
 
-local x = lz.tensor({ 2, 8 }, "i32", "activations")
-local y = lz.tensor({ 2, 8 }, "i32", "activations")
-for i = 0, 15 do x:set(i, (i * 7) % 50); y:set(i, (i * 11) % 50) end
-
-local function train(e, steps)
-  for _ = 1, steps do e:backward(e:forward(x, y)); e:step() end
-  return e:params_checksum()
-end
+local train, x, y = support.engine_batch()
 
 local function bits_equal(a, b, n)
   return ffi.C.memcmp(a.data, b.data, n * 4) == 0

@@ -164,8 +164,7 @@ function T.router_jitter_is_seeded_and_off_in_evaluation()
   m1:free(); m2:free(); m3:free()
 end
 
-local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
-                                         "summer by this sun of York.\n"):rep(60))
+local corpus = write_file("corpus.txt", support.YORK:rep(60))
 
 -- The metrics log: aux_loss beside the loss, the rows each expert got per
 -- block (B x T x top-k a micro-step, over the step's micro-steps).

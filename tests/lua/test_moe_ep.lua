@@ -14,10 +14,7 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 local q, eq = support.quote, support.eq
-local write_file, scratch_dir = support.scratch()
-
-local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
-                                         "summer by this sun of York.\n"):rep(40))
+local write_file, scratch_dir, corpus = support.scratch_corpus(support.YORK, 40)
 
 -- Runs moe_ep_check.lua; returns its output and { {stage, sum, rows, loss} }.
 -- backend: the launcher's --backend (shm by default).

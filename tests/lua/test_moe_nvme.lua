@@ -8,9 +8,7 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 local q, eq = support.quote, support.eq
-local write_file, dir = support.scratch()
-local corpus = write_file("corpus.txt", ("Now is the winter of our discontent, made glorious " ..
-                                         "summer by this sun of York.\n"):rep(60))
+local write_file, dir, corpus = support.scratch_corpus(support.YORK, 60)
 -- 4 tokens a micro-batch, top-2 of 8 experts on 2 ranks: some experts get
 -- no token anywhere.
 local MODEL = "--model mixtral-tiny --seq-len 4 --sample 0 --eval-batches 1 --seed 7 " ..

@@ -269,13 +269,7 @@ function T.bf16_moments_train_on_every_tier_and_resume()
     return zero.initialize{ model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32,
                             n_head = 2, context = 16 })), config = cfg, seed = 3, batch = { 2, 8 } }
   end
-  local x = lz.tensor({ 2, 8 }, "i32", "activations")
-  local y = lz.tensor({ 2, 8 }, "i32", "activations")
-  for i = 0, 15 do x:set(i, (i * 7) % 50); y:set(i, (i * 11) % 50) end
-  local function train(e, steps)
-    for _ = 1, steps do e:backward(e:forward(x, y)); e:step() end
-    return e:params_checksum()
-  end
+  local train = support.engine_batch()
   local e0 = engine({ stage = 0 })
   assert(e0.states.s[1]:dtype_name() == "bf16" and e0.states.s[2]:dtype_name() == "bf16")
   local sum0 = train(e0, 3)

@@ -55,8 +55,9 @@ function LoRA:walk(fn, prefix)
   fn(self, prefix)
 end
 
--- fp32 workspace of the model's (ctx.lora_ws), grown to n elements.
-local function workspace(m, slot, n, device)
+-- fp32 workspace `slot` of the model's (ctx.lora_ws), grown to n elements;
+-- nn/lora_experts.lua's adapters use it too, so free_workspaces frees all.
+function LoRA.workspace(m, slot, n, device)
   local ws = m.ctx.lora_ws or {}
   m.ctx.lora_ws = ws
   local t = ws[slot]
@@ -72,7 +73,7 @@ end
 -- elsewhere), in the workspace (valid until the next call).
 function LoRA:operands(ad, dev)
   local r, n_in, n_out = ad.r, self.n_in, self.n_out
-  local ab = workspace(self, "ab", r * n_in + n_out * r, dev)
+  local ab = LoRA.workspace(self, "ab", r * n_in + n_out * r, dev)
   local a = ab:view(0, { r, n_in }):copy(self.p[ad.a])
   local bp = ab:view(r * n_in, { n_out, r })
   if ad.rows ~= n_out then bp:fill(0) end
@@ -83,7 +84,7 @@ end
 -- T = x A^T [rows of x, r] in the workspace (r: the adapter's).
 function LoRA:down(x, a, dev, r)
   local n = x:numel() / self.n_in
-  local t = workspace(self, "t", n * r, dev):view(0, { n, r })
+  local t = LoRA.workspace(self, "t", n * r, dev):view(0, { n, r })
   ops.matmul(t, x:view(0, { n, self.n_in }), a, 0, 1, 1, 0)
   return t
 end
@@ -111,9 +112,9 @@ function LoRA:backward(dy)
     local r, s = ad.r, ad.scale
     local a, bp = self:operands(ad, dev)
     local t = self:down(x, a, dev, r)
-    local g = workspace(self, "g", rows * r, dev):view(0, { rows, r })
+    local g = LoRA.workspace(self, "g", rows * r, dev):view(0, { rows, r })
     ops.matmul(g, dy2, bp, 0, 0, 1, 0)                          -- G = dy Bp
-    local gbp = workspace(self, "gbp", self.n_out * r, dev):view(0, { self.n_out, r })
+    local gbp = LoRA.workspace(self, "gbp", self.n_out * r, dev):view(0, { self.n_out, r })
     ops.matmul(gbp, dy2, t, 1, 0, 1, 0)                         -- dy^T T
     ops.axpy(self.g[ad.b], s, gbp:view(ad.row0 * r, { ad.rows, r }))
     ops.matmul(self.g[ad.a], g, x2, 1, 0, s, 1)                 -- gA += s G^T x

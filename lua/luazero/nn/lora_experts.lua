@@ -9,7 +9,7 @@
 -- Each expert's adapters are parameters of the module that holds its
 -- weights, so ZeRO gathers and reduces them with the expert's unit, named
 -- <experts>.<e>.gate_up_proj.lora_A.weight (and lora_B, and down_proj's).
--- They compute in fp32 (A and B widened into workspaces, as nn/lora.lua).
+-- They compute in fp32 (A and B widened into nn/lora.lua's workspaces).
 --
 -- PEFT's file holds one pair per block and kind (M.peft_names):
 -- lora_A [E * r, in] (expert e's rows e*r .. e*r + r - 1) and lora_B
@@ -18,6 +18,7 @@
 -- inside: <experts>.base_layer.lora_A.weight is gate_up_proj's,
 -- <experts>.lora_A.weight down_proj's.
 local lz = require("luazero")
+local LoRA = require("luazero.nn.lora")
 
 local ops = lz.ops
 local M = {}
@@ -46,28 +47,14 @@ function M.attach(experts, kind, r, s)
   return experts.n_experts
 end
 
--- fp32 workspace `slot` of the model's (shared with nn/lora.lua's, freed
--- with them: nn.LoRA.free_workspaces), n elements at least.
-local function workspace(m, slot, n, device)
-  local ws = m.ctx.lora_ws or {}
-  m.ctx.lora_ws = ws
-  local t = ws[slot]
-  if not t or t:numel() < n or t:device_name() ~= device then
-    if t then t:free() end
-    t = lz.tensor({ n }, "f32", "workspace", device)
-    ws[slot] = t
-  end
-  return t
-end
-
 -- Adapter ad's fp32 A [r, in] and B [out, r], and T = x A^T [n, r].
 local function operands(m, u, ad, x, n)
   local dev = x:device_name()
   local r, n_in, n_out = ad.r, ad.n_in, ad.n_out
-  local ab = workspace(m, "experts_ab", r * n_in + n_out * r, dev)
+  local ab = LoRA.workspace(m, "experts_ab", r * n_in + n_out * r, dev)
   local a = ab:view(0, { r, n_in }):copy(u.module.p[ad.a])
   local b = ab:view(r * n_in, { n_out, r }):copy(u.module.p[ad.b])
-  local t = workspace(m, "experts_t", n * r, dev):view(0, { n, r })
+  local t = LoRA.workspace(m, "experts_t", n * r, dev):view(0, { n, r })
   ops.matmul(t, x:view(0, { n, n_in }), a, 0, 1, 1, 0)
   return a, b, t
 end
@@ -99,7 +86,7 @@ function M.down_backward(m, u, dy, h, dh, n)
   local s, g_ = ad.scale, u.module.g
   local a, b, t = operands(m, u, ad, h, n)
   local dy2 = dy:view(0, { n, ad.n_out })
-  local g = workspace(m, "experts_g", n * ad.r, dy:device_name()):view(0, { n, ad.r })
+  local g = LoRA.workspace(m, "experts_g", n * ad.r, dy:device_name()):view(0, { n, ad.r })
   ops.matmul(g, dy2, b, 0, 0, 1, 0)                                 -- G = dy B
   ops.matmul(g_[ad.b], dy2, t, 1, 0, s, 1)                          -- gB += s dy^T T
   ops.matmul(g_[ad.a], g, h:view(0, { n, ad.n_in }), 1, 0, s, 1)    -- gA += s G^T h
@@ -115,7 +102,7 @@ function M.gate_up_backward(m, u, x, dgate, dup, dx, n)
   local H = ad.n_out / 2
   local a, b, t = operands(m, u, ad, x, n)
   local dg2, du2 = dgate:view(0, { n, H }), dup:view(0, { n, H })
-  local g = workspace(m, "experts_g", n * r, x:device_name()):view(0, { n, r })
+  local g = LoRA.workspace(m, "experts_g", n * r, x:device_name()):view(0, { n, r })
   ops.matmul(g, dg2, b:view(0, { H, r }), 0, 0, 1, 0)              -- G = dgate Bg + dup Bu
   ops.matmul(g, du2, b:view(H * r, { H, r }), 0, 0, 1, 1)
   ops.matmul(g_[ad.b]:view(0, { H, r }), dg2, t, 1, 0, s, 1)       -- gB += s [dgate | dup]^T T

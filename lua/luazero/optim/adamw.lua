@@ -5,6 +5,7 @@
 -- working copy.
 local lz = require("luazero")
 local values = require("luazero.config.values")
+local schema = require("luazero.optim.schema")
 
 local ops = lz.ops
 
@@ -63,12 +64,10 @@ return {
                   "bfloat16; got %s and %s)", key, key, values.show(p.momentum_dtype),
                   values.show(p.variance_dtype))
     end
-    -- torchao's AdamW flag: no fp32 master, the bf16 parameters updated
-    -- through stochastic rounding (zero/plan.lua, zero/states.lua).
-    local sround = values.given(p.bf16_stochastic_round) and
-                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
+    -- bf16_stochastic_round (torchao's AdamW flag): no fp32 master.
     return { decoupled_weight_decay = type_name ~= "Adam" or w_mode,
-             state_formats = { m = m_fmt, v = v_fmt }, master_format = sround and "bf16" or nil }
+             state_formats = { m = m_fmt, v = v_fmt },
+             master_format = schema.master_format(p, key) }
   end,
 
   init = function(self) self.args = lz.adamw_args({}) end,

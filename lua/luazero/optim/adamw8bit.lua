@@ -12,7 +12,7 @@
 -- bits at every stage and world size. A call over a small tensor carries
 -- f32 m, v and no scales.
 local lz = require("luazero")
-local values = require("luazero.config.values")
+local schema = require("luazero.optim.schema")
 
 local ops = lz.ops
 
@@ -45,9 +45,7 @@ return {
 
   -- Weight decay is decoupled in bitsandbytes' 8-bit Adam and AdamW alike.
   read_config = function(p, key)
-    local sround = values.given(p.bf16_stochastic_round) and
-                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
-    return { decoupled_weight_decay = true, master_format = sround and "bf16" or nil }
+    return { decoupled_weight_decay = true, master_format = schema.master_format(p, key) }
   end,
 
   init = function(self)

@@ -19,7 +19,7 @@
 -- step's update U then O (written before it is read in every step, so a
 -- resume or a reshard reads nothing stale from it).
 local lz = require("luazero")
-local values = require("luazero.config.values")
+local schema = require("luazero.optim.schema")
 
 local ops = lz.ops
 
@@ -84,9 +84,7 @@ return {
   -- bf16_stochastic_round (torchao's flag, as AdamW's): no fp32 master.
   accepted = { bf16_stochastic_round = true },
   read_config = function(p, key)
-    local sround = values.given(p.bf16_stochastic_round) and
-                   values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
-    return { decoupled_weight_decay = true, master_format = sround and "bf16" or nil }
+    return { decoupled_weight_decay = true, master_format = schema.master_format(p, key) }
   end,
 
   init = function(self) self.args = lz.adamw_args({}) end,

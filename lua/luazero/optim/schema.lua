@@ -101,6 +101,16 @@ function M.read(class, p, key, type_name, unimplemented)
   return out, extra
 end
 
+-- The master weights' format torchao's bf16_stochastic_round flag in p asks
+-- for: "bf16" (no fp32 master, the bf16 parameters updated through
+-- stochastic rounding: zero/plan.lua, zero/states.lua) or nil (the fp32
+-- master). For the read_config of every optimizer that accepts the flag.
+function M.master_format(p, key)
+  local sround = given(p.bf16_stochastic_round) and
+                 values.boolean(key .. "bf16_stochastic_round", p.bf16_stochastic_round)
+  return sround and "bf16" or nil
+end
+
 -- "lr 0.001 betas (0.9, 0.999) eps 1e-08": params in the schema's order
 -- (the rest sorted), for start-up lines and checkpoint summaries.
 function M.describe(params, schema)
