@@ -65,15 +65,15 @@ typedef struct {
   int32_t e, r0, n; /* expert; first row and rows of the block */
 } gemm_task;
 
-/* Row blocks of each expert's offsets[e] .. offsets[e + 1] (by_rows), or of
- * the D output rows of each expert that has rows. Returns the count; *out
- * is malloc'd (NULL with 0 tasks). */
+/* Blocks of `block` rows of each expert's offsets[e] .. offsets[e + 1]
+ * (by_rows), or of the D output rows of each expert that has rows. Returns
+ * the count; *out is malloc'd (NULL with 0 tasks). */
 static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off, int64_t E,
-                            int64_t D, int by_rows) {
+                            int64_t D, int by_rows, int64_t block) {
   int64_t n = 0;
   for (int64_t e = 0; e < E; e++) {
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
-    n += (len + TASK_ROWS - 1) / TASK_ROWS;
+    n += (len + block - 1) / block;
   }
   *count = n;
   *out = NULL;
@@ -84,9 +84,9 @@ static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off,
   for (int64_t e = 0; e < E; e++) {
     const int64_t base = by_rows ? off[e] : 0;
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
-    for (int64_t r = 0; r < len; r += TASK_ROWS)
+    for (int64_t r = 0; r < len; r += block)
       t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r),
-                           (int32_t)(len - r < TASK_ROWS ? len - r : TASK_ROWS)};
+                           (int32_t)(len - r < block ? len - r : block)};
   }
   *out = t;
   return LZ_OK;
@@ -118,22 +118,13 @@ static lz_status tasks_run(const lz_op_args *a, const gemm_task *t, int64_t n, t
   return st == LZ_OK ? LZ_OK : lz_fail(st, "%s", why);
 }
 
-/* bf16 runs its experts one after another, each GEMM on every thread:
- * matmul.c's bf16 primitives are cached per shape behind one lock. */
+/* A bf16 dw block is a whole expert's weight: lz_gemm takes no leading
+ * dimension for the column block of dy a part of it would read. */
 static lz_status tasks_for(const lz_op_args *a, lz_dtype dt, const int32_t *off, int64_t E,
                            int64_t D, int by_rows, task_fn fn) {
   gemm_task *t = NULL;
   int64_t n = 0;
-  if (dt == LZ_BF16) {
-    for (int64_t e = 0; e < E; e++)
-      if (off[e + 1] > off[e]) {
-        const gemm_task whole = {(int32_t)e, by_rows ? off[e] : 0,
-                                 by_rows ? off[e + 1] - off[e] : (int32_t)D};
-        LZ_TRY(fn(a, &whole));
-      }
-    return LZ_OK;
-  }
-  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows));
+  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows, !by_rows && dt == LZ_BF16 ? D : TASK_ROWS));
   lz_status st = tasks_run(a, t, n, fn);
   free(t);
   return st;
@@ -192,7 +183,7 @@ static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
   if (t->n == D)
     return lz_gemm(x->dtype, D, C, rows, 1, 0, 1.0f, dyp,
                    (const char *)x->data + (size_t)off[t->e] * C * es, 1.0f, c);
-  /* f32 only: bf16 runs whole experts (tasks_for) */
+  /* f32 only: a bf16 block is the whole expert (tasks_for) */
   const dnnl_status_t s = dnnl_sgemm('T', 'N', t->n, C, rows, 1.0f, (const float *)dyp, D,
                                      (const float *)x->data + (size_t)off[t->e] * C, C, 1.0f, c, C);
   if (s == dnnl_success) return LZ_OK;
