@@ -28,7 +28,7 @@ local lz = require("luazero")
 local Module = require("luazero.nn.module")
 
 local ops = lz.ops
-local C_ = lz.C
+local capi = lz.C
 local Experts = Module:extend("MoEExperts")
 
 -- One expert's weights, gathered on its own (gather "expert"): its forward
@@ -87,9 +87,9 @@ end
 -- has checked that the parameters it spans tile it exactly.
 local function span(t, shape)
   local out = ffi.new("lz_tensor *[1]")
-  lz.check(C_.lz_tensor_wrap(out, t.data, t.dtype, #shape, ffi.new("int64_t[?]", #shape, shape)))
+  lz.check(capi.lz_tensor_wrap(out, t.data, t.dtype, #shape, ffi.new("int64_t[?]", #shape, shape)))
   out[0].device = t.device
-  return ffi.gc(out[0], C_.lz_tensor_free)
+  return ffi.gc(out[0], capi.lz_tensor_free)
 end
 
 -- Whether the tensors of `map` (p or g) keyed by keys(e, part) lie as one
