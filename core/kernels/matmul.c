@@ -31,7 +31,7 @@ typedef struct {
   float alpha, beta;
   /* value: memory objects are made per run, so threads run it at once */
   dnnl_primitive_t prim;
-  dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
+  dnnl_memory_desc_t a_md, b_md, c_md, bias_md, scratch_md;
 } cache_entry;
 
 static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -94,8 +94,11 @@ static lz_status entry_build(cache_entry *e) {
   dnnl_primitive_attr_t attr;
   LZ_TRY(dnnl_check(dnnl_primitive_attr_create(&attr), "attr_create"));
   dnnl_post_ops_t ops = NULL;
-  dnnl_status_t s = dnnl_success;
-  if (e->alpha != 1.0f) s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha);
+  /* Each run brings its own scratchpad: runs of one primitive on several
+   * threads at once must not share oneDNN's. */
+  dnnl_status_t s = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+  if (s == dnnl_success && e->alpha != 1.0f)
+    s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha);
   if (s == dnnl_success && e->beta != 0.0f) {
     s = dnnl_post_ops_create(&ops);
     if (s == dnnl_success) s = dnnl_post_ops_append_sum(ops, e->beta);
@@ -106,6 +109,8 @@ static lz_status entry_build(cache_entry *e) {
   if (ops) dnnl_post_ops_destroy(ops);
   dnnl_primitive_attr_destroy(attr);
   LZ_TRY(dnnl_check(s, "primitive_desc_create"));
+  const dnnl_memory_desc_t *smd = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+  if (smd) e->scratch_md = *smd;
   s = dnnl_primitive_create(&e->prim, pd);
   dnnl_primitive_desc_destroy(pd);
   LZ_TRY(dnnl_check(s, "primitive_create"));
@@ -120,20 +125,29 @@ static lz_status entry_run(const cache_entry *e, const void *a, const void *b, f
   if (!stream)
     LZ_TRY(dnnl_check(dnnl_stream_create(&stream, engine, dnnl_stream_default_flags),
                       "stream_create"));
-  dnnl_memory_t m[4] = {NULL, NULL, NULL, NULL};
+  const size_t scratch = dnnl_memory_desc_get_size(&e->scratch_md);
+  void *pad = scratch ? malloc(scratch) : NULL;
+  if (scratch && !pad)
+    return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory for a %zu-byte bf16 scratchpad", scratch);
+  dnnl_memory_t m[5] = {NULL, NULL, NULL, NULL, NULL};
   dnnl_status_t s = dnnl_memory_create(&m[0], &e->a_md, engine, (void *)a);
   if (s == dnnl_success) s = dnnl_memory_create(&m[1], &e->b_md, engine, (void *)b);
   if (s == dnnl_success) s = dnnl_memory_create(&m[2], &e->c_md, engine, c);
-  if (s == dnnl_success && bias) s = dnnl_memory_create(&m[3], &e->bias_md, engine, (void *)bias);
+  if (s == dnnl_success && scratch) s = dnnl_memory_create(&m[3], &e->scratch_md, engine, pad);
+  if (s == dnnl_success && bias) s = dnnl_memory_create(&m[4], &e->bias_md, engine, (void *)bias);
   lz_status st = dnnl_check(s, "memory_create");
   if (st == LZ_OK) {
-    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, m[0]}, {DNNL_ARG_WEIGHTS, m[1]},
-                               {DNNL_ARG_DST, m[2]}, {DNNL_ARG_BIAS, m[3]}};
-    st = dnnl_check(dnnl_primitive_execute(e->prim, stream, bias ? 4 : 3, args), "execute");
+    dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, m[0]}, {DNNL_ARG_WEIGHTS, m[1]},
+                               {DNNL_ARG_DST, m[2]}};
+    int n = 3;
+    if (scratch) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, m[3]};
+    if (bias) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, m[4]};
+    st = dnnl_check(dnnl_primitive_execute(e->prim, stream, n, args), "execute");
     if (st == LZ_OK) st = dnnl_check(dnnl_stream_wait(stream), "stream_wait");
   }
-  for (int i = 0; i < 4; i++)
+  for (int i = 0; i < 5; i++)
     if (m[i]) dnnl_memory_destroy(m[i]);
+  free(pad);
   return st;
 }
 
