@@ -42,6 +42,10 @@ static dnnl_engine_t engine;
  * several threads at once (each single-threaded inside its parallel
  * region). */
 static _Thread_local dnnl_stream_t stream;
+/* This thread's scratchpad for the primitives it runs (user scratchpad
+ * mode: runs on several threads at once must not share oneDNN's). */
+static _Thread_local void *pad;
+static _Thread_local size_t pad_bytes;
 
 static lz_status dnnl_check(dnnl_status_t s, const char *what) {
   if (s == dnnl_success) return LZ_OK;
@@ -94,8 +98,8 @@ static lz_status entry_build(cache_entry *e) {
   dnnl_primitive_attr_t attr;
   LZ_TRY(dnnl_check(dnnl_primitive_attr_create(&attr), "attr_create"));
   dnnl_post_ops_t ops = NULL;
-  /* Each run brings its own scratchpad: runs of one primitive on several
-   * threads at once must not share oneDNN's. */
+  /* Each thread brings its own scratchpad (pad): runs on several threads
+   * at once must not share oneDNN's. */
   dnnl_status_t s = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
   if (s == dnnl_success && e->alpha != 1.0f)
     s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha);
@@ -126,9 +130,13 @@ static lz_status entry_run(const cache_entry *e, const void *a, const void *b, f
     LZ_TRY(dnnl_check(dnnl_stream_create(&stream, engine, dnnl_stream_default_flags),
                       "stream_create"));
   const size_t scratch = dnnl_memory_desc_get_size(&e->scratch_md);
-  void *pad = scratch ? malloc(scratch) : NULL;
-  if (scratch && !pad)
-    return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory for a %zu-byte bf16 scratchpad", scratch);
+  if (scratch > pad_bytes) { /* grown, never shrunk: no allocation (nor page faults) per run */
+    void *grown = realloc(pad, scratch);
+    if (!grown)
+      return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory for a %zu-byte bf16 scratchpad",
+                     scratch);
+    pad = grown, pad_bytes = scratch;
+  }
   dnnl_memory_t m[5] = {NULL, NULL, NULL, NULL, NULL};
   dnnl_status_t s = dnnl_memory_create(&m[0], &e->a_md, engine, (void *)a);
   if (s == dnnl_success) s = dnnl_memory_create(&m[1], &e->b_md, engine, (void *)b);
@@ -147,7 +155,6 @@ static lz_status entry_run(const cache_entry *e, const void *a, const void *b, f
   }
   for (int i = 0; i < 5; i++)
     if (m[i]) dnnl_memory_destroy(m[i]);
-  free(pad);
   return st;
 }
 
