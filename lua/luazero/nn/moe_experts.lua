@@ -15,9 +15,9 @@
 --
 -- Gathered whole, the experts' GEMMs run as three grouped GEMMs (the
 -- moe_gemm_part ops: every expert's rows at once, over the weights where the
--- block's parameters hold them), not one GEMM per expert and projection;
--- each expert's product is the GEMM it would run alone, so both give the
--- same bits.
+-- block's parameters hold them), not one GEMM per expert and projection
+-- (the same bits at the shapes tools/checksums trains; docs/moe.md, "Speed",
+-- says where fp32 differs).
 --
 -- The routing a forward takes (nn/moe.lua's routing): R = N * k rows in
 -- expert order (expert, then token, then slot; the moe_sort op):
@@ -138,9 +138,8 @@ end
 
 -- x [B, T, C] (the block's input), route: as the header says. Returns
 -- y [B, T, C]: each token's sum over its k rows of weight * expert(x), in
--- expert order as transformers' index_add_ loop sums them. Each GEMM of an
--- expert is the one it would run alone (the same rows, the same bits),
--- through the grouped GEMM where the weights allow it.
+-- expert order as transformers' index_add_ loop sums them. The GEMMs run
+-- through the grouped GEMM where the weights allow it, else one per expert.
 function Experts:forward(x, route)
   local C, H, R = self.n_embd, self.n_hidden, route.rows
   local N = x:numel() / C
