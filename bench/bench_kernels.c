@@ -16,7 +16,7 @@
  * ops timed in PyTorch (bench/bench_kernels_torch.py).
  *
  * Then the experts' grouped GEMM against one dense GEMM of the same FLOPs,
- * as lines "MOE ... ratio <grouped / dense>".
+ * as lines "MOE ... ratio <grouped / dense> (loop <per-expert loop / dense>)".
  *
  * Then the tiled attention at T 2048 (B1, 12 heads of 64, causal), fp32 and
  * bf16 entries, forward + backward in GFLOP/s counting per head 4 T^2 d
@@ -520,15 +520,44 @@ static void bench_ops(void) {
 /* ------------------------------------------------------ MoE grouped GEMM */
 
 /* The experts' grouped GEMM (lz_moe_gemm_*) against one dense GEMM
- * (lz_linear_*) of the same rows and so the same FLOPs: R rows of C in, D
- * out, split evenly over E experts (each expert's own [D, C] weight). The
- * two take turns within each repetition; the ratio is the median of the
- * paired time ratios. */
+ * (lz_linear_*) of the same rows and so the same FLOPs, and against a loop
+ * of one lz_linear_* per expert (`loop`, its ratio to dense beside): R rows of C in, D
+ * out, split evenly over E experts (each expert's own [D, C] weight), or
+ * (vary) unevenly and differently at each repetition, as a router splits
+ * them: each expert at least `per` rows, R = 2 * E * per. The two take
+ * turns within each repetition; the ratio is the median of the paired time
+ * ratios. */
 typedef struct {
   lz_tensor *x, *w, *we, *y, *dy, *dx, *dw, *dwe, *off;
 } moe_bufs;
 
+/* Each expert's own lz_linear_* on its rows: how a block ran its experts
+ * before the grouped GEMM (the `loop` column). */
+static void moe_loop(moe_bufs *b, int dir) {
+  const int64_t E = b->we->shape[0], D = b->we->shape[1], C = b->we->shape[2];
+  const int32_t *off = b->off->data;
+  for (int64_t e = 0; e < E; e++) {
+    const int64_t n = off[e + 1] - off[e];
+    if (n == 0) continue;
+    lz_tensor *v[6];
+    CHECK_LZ(lz_tensor_view(&v[0], b->x, off[e] * C, 2, (int64_t[]){n, C}));
+    CHECK_LZ(lz_tensor_view(&v[1], b->we, e * D * C, 2, (int64_t[]){D, C}));
+    CHECK_LZ(lz_tensor_view(&v[2], b->y, off[e] * D, 2, (int64_t[]){n, D}));
+    CHECK_LZ(lz_tensor_view(&v[3], b->dy, off[e] * D, 2, (int64_t[]){n, D}));
+    CHECK_LZ(lz_tensor_view(&v[4], b->dx, off[e] * C, 2, (int64_t[]){n, C}));
+    CHECK_LZ(lz_tensor_view(&v[5], b->dwe, e * D * C, 2, (int64_t[]){D, C}));
+    if (dir == 0) CHECK_LZ(lz_linear_forward(v[2], v[0], v[1], NULL));
+    else CHECK_LZ(lz_linear_backward(dir == 1 ? v[4] : NULL, dir == 2 ? v[5] : NULL, NULL, v[3],
+                                     v[0], v[1]));
+    free_all(v, 6);
+  }
+}
+
 static void moe_run(moe_bufs *b, int grouped, int dir) {
+  if (grouped == 2) {
+    moe_loop(b, dir);
+    return;
+  }
   if (dir == 0) {
     CHECK_LZ(grouped ? lz_moe_gemm_forward(b->y, b->x, b->we, b->off)
                      : lz_linear_forward(b->y, b->x, b->w, NULL));
@@ -539,8 +568,22 @@ static void moe_run(moe_bufs *b, int grouped, int dir) {
   }
 }
 
-static void bench_moe_case(int64_t E, int64_t per, int64_t C, int64_t D, lz_dtype dt) {
-  const int64_t R = E * per;
+/* Expert e's rows: per, plus (vary) a share of the other E * per rows that
+ * changes with the repetition r. */
+static void moe_split(int32_t *off, int64_t E, int64_t per, int vary, int r) {
+  uint32_t h = 2166136261u + (uint32_t)r * 16777619u;
+  int64_t left = vary ? E * per : 0;
+  off[0] = 0;
+  for (int64_t e = 0; e < E; e++) {
+    h = h * 1103515245u + 12345u;
+    int64_t extra = e == E - 1 ? left : (int64_t)((h >> 8) % (uint32_t)(left + 1));
+    left -= extra;
+    off[e + 1] = off[e] + (int32_t)(per + extra);
+  }
+}
+
+static void bench_moe_case(int64_t E, int64_t per, int64_t C, int64_t D, lz_dtype dt, int vary) {
+  const int64_t R = (vary ? 2 : 1) * E * per;
   moe_bufs b = {random_f32(2, R, C, 0, 1.0f), random_f32(2, D, C, 0, 0.1f),
                 random_f32(3, E, D, C, 0.1f), tensor(LZ_F32, 2, R, D, 0),
                 random_f32(2, R, D, 0, 1.0f), tensor(LZ_F32, 2, R, C, 0),
@@ -552,27 +595,33 @@ static void bench_moe_case(int64_t E, int64_t per, int64_t C, int64_t D, lz_dtyp
     free_all(keep, 4);
   }
   int32_t *off = b.off->data;
-  for (int64_t e = 0; e <= E; e++) off[e] = (int32_t)(e * per);
+  moe_split(off, E, per, vary, 0);
   const double flops = 2.0 * (double)R * (double)C * (double)D;
   for (int dir = 0; dir < 3; dir++) {
     moe_run(&b, 1, dir), moe_run(&b, 0, dir); /* warm-up: oneDNN's caches */
     double t0 = now_s();
     moe_run(&b, 0, dir);
     const int reps = reps_for(now_s() - t0, 5, 1.0);
-    double tg[50], td[50];
+    double tg[50], td[50], tl[50];
     for (int r = 0; r < reps; r++) {
+      moe_split(off, E, per, vary, 1 + r + 50 * dir);
       double s = now_s();
       moe_run(&b, 1, dir);
       tg[r] = now_s() - s;
       s = now_s();
       moe_run(&b, 0, dir);
       td[r] = now_s() - s;
+      s = now_s();
+      moe_run(&b, 2, dir);
+      tl[r] = now_s() - s;
     }
     const double gg = flops / median(tg, reps) / 1e9, gd = flops / median(td, reps) / 1e9;
-    printf("MOE %s E=%lld rows/expert=%lld C=%lld D=%lld %-6s | grouped %7.1f dense %7.1f "
-           "GFLOP/s | ratio %.3f\n",
-           lz_dtype_name(dt), (long long)E, (long long)per, (long long)C, (long long)D,
-           dir_name[dir], gg, gd, paired_ratio(tg, td, reps));
+    printf("MOE %s E=%lld rows/expert=%lld%s C=%lld D=%lld %-6s | grouped %7.1f dense %7.1f "
+           "loop %7.1f GFLOP/s | ratio %.3f (loop %.3f)\n",
+           lz_dtype_name(dt), (long long)E, (long long)per, vary ? "+ (varying)" : "",
+           (long long)C, (long long)D, dir_name[dir], gg, gd,
+           flops / median(tl, reps) / 1e9, paired_ratio(tg, td, reps),
+           paired_ratio(tl, td, reps));
     fflush(stdout);
   }
   free_all((lz_tensor *[]){b.x, b.w, b.we, b.y, b.dy, b.dx, b.dw, b.dwe, b.off}, 9);
@@ -582,10 +631,13 @@ static void bench_moe(int bf16) {
   printf("# MoE grouped GEMM vs one dense GEMM of the same FLOPs, %d threads "
          "(ratio: grouped / dense GFLOP/s)\n", lz_threads_get());
   const int64_t per[3] = {64, 128, 512};
-  for (int i = 0; i < 3; i++) bench_moe_case(8, per[i], 768, 2048, LZ_F32);
-  bench_moe_case(64, 64, 1024, 512, LZ_F32); /* OLMoE-like: many narrow experts */
-  if (bf16)
-    for (int i = 0; i < 2; i++) bench_moe_case(8, per[i], 768, 2048, LZ_BF16);
+  for (int i = 0; i < 3; i++) bench_moe_case(8, per[i], 768, 2048, LZ_F32, 0);
+  bench_moe_case(8, 64, 768, 2048, LZ_F32, 1);
+  bench_moe_case(64, 64, 1024, 512, LZ_F32, 0); /* OLMoE-like: many narrow experts */
+  if (bf16) {
+    for (int i = 0; i < 2; i++) bench_moe_case(8, per[i], 768, 2048, LZ_BF16, 0);
+    bench_moe_case(8, 64, 768, 2048, LZ_BF16, 1);
+  }
 }
 
 int main(int argc, char **argv) {

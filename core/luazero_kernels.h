@@ -294,6 +294,15 @@ lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor 
                               const lz_tensor *offsets);
 lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets);
+/* The same where each expert holds P matrices side by side, w [E, P, D, C]
+ * (a block's experts as their checkpoint lays them out, w1, w3, w2 each):
+ * part p (0 <= p < P) of each expert is the one multiplied; dw has w's
+ * layout. */
+lz_status lz_moe_gemm_part_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor *w,
+                                   const lz_tensor *offsets, int64_t part);
+lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                    const lz_tensor *x, const lz_tensor *w,
+                                    const lz_tensor *offsets, int64_t part);
 
 /* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);

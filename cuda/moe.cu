@@ -367,9 +367,21 @@ static lz_status host_offsets(lz_op op, const lz_tensor *t, int64_t E, int64_t R
   return LZ_OK;
 }
 
+// w [E, D, C], or [E, P, D, C] with part a->i[0] of each expert multiplied:
+// expert e's matrix starts (e * P + part) * D * C elements in.
+static void expert_dims(const lz_op_args *a, const lz_tensor *w, int64_t *E, int64_t *D,
+                        int64_t *C, int64_t *first, int64_t *step) {
+  const int o = w->ndim == 4;
+  const int64_t P = o ? w->shape[1] : 1;
+  *E = w->shape[0], *D = w->shape[o + 1], *C = w->shape[o + 2];
+  *first = a->i[0] * *D * *C, *step = P * *D * *C;
+}
+
 lz_status lz_cu_moe_gemm_forward(const lz_op_args *a) {
   const lz_tensor *y = a->t[0], *x = a->t[1], *w = a->t[2];
-  const int64_t E = w->shape[0], D = w->shape[1], C = w->shape[2], R = lz_rows(x);
+  int64_t E, D, C, first, step;
+  expert_dims(a, w, &E, &D, &C, &first, &step);
+  const int64_t R = lz_rows(x);
   int32_t *off = NULL;
   LZ_TRY(host_offsets(LZ_OP_MOE_GEMM_FORWARD, a->t[3], E, R, &off));
   const size_t es = lz_dtype_size(x->dtype);
@@ -378,7 +390,7 @@ lz_status lz_cu_moe_gemm_forward(const lz_op_args *a) {
     const int64_t r0 = off[e], n = off[e + 1] - off[e];
     if (n > 0)
       st = lz_cu_gemm(x->dtype, n, D, C, 0, 1, 1.0f, (const char *)x->data + (size_t)(r0 * C) * es,
-                      (const char *)w->data + (size_t)(e * D * C) * es, 0.0f,
+                      (const char *)w->data + (size_t)(first + e * step) * es, 0.0f,
                       (float *)y->data + r0 * D);
   }
   free(off);
@@ -387,7 +399,9 @@ lz_status lz_cu_moe_gemm_forward(const lz_op_args *a) {
 
 lz_status lz_cu_moe_gemm_backward(const lz_op_args *a) {
   const lz_tensor *dx = a->t[0], *dw = a->t[1], *dy = a->t[2], *x = a->t[3], *w = a->t[4];
-  const int64_t E = w->shape[0], D = w->shape[1], C = w->shape[2], R = lz_rows(x);
+  int64_t E, D, C, first, step;
+  expert_dims(a, w, &E, &D, &C, &first, &step);
+  const int64_t R = lz_rows(x);
   int32_t *off = NULL;
   LZ_TRY(host_offsets(LZ_OP_MOE_GEMM_BACKWARD, a->t[5], E, R, &off));
   const lz_dtype dt = x->dtype;
@@ -400,10 +414,10 @@ lz_status lz_cu_moe_gemm_backward(const lz_op_args *a) {
     if (n == 0) continue;
     if (dx)
       st = lz_cu_gemm(dt, n, C, D, 0, 0, 1.0f, dyp + (size_t)(r0 * D) * es,
-                      wp + (size_t)(e * D * C) * es, 0.0f, (float *)dx->data + r0 * C);
+                      wp + (size_t)(first + e * step) * es, 0.0f, (float *)dx->data + r0 * C);
     if (dw && st == LZ_OK)
       st = lz_cu_gemm(dt, D, C, n, 1, 0, 1.0f, dyp + (size_t)(r0 * D) * es,
-                      xp + (size_t)(r0 * C) * es, 1.0f, (float *)dw->data + e * D * C);
+                      xp + (size_t)(r0 * C) * es, 1.0f, (float *)dw->data + first + e * step);
   }
   free(off);
   return st;

@@ -3,7 +3,7 @@
  * ties to the lower expert, k = E, renormalised or not) and its backward
  * against central differences; sort with experts that get no token; permute,
  * combine and the grouped GEMM (f32, bf16, counts of 0) forward and
- * backward; a whole MoE layer against a per-token loop; the same bits at 1
+ * backward, and on one part of experts that hold several; a whole MoE layer against a per-token loop; the same bits at 1
  * and 2 threads; argument and value errors. */
 #include "lz_test.h"
 
@@ -346,6 +346,55 @@ LZ_TEST(moe_gemm_matches_naive) {
   gemm_case(200, 3, 2, 24, 300, LZ_BF16, 1e-5);
 }
 
+/* w [E, P, D, C] with a part: the same bits as that part stacked [E, D, C]
+ * on its own, and dw's other parts untouched. */
+static void part_case(int64_t N, int64_t E, int64_t P, int64_t part, int64_t C, int64_t D,
+                      lz_dtype dt) {
+  const int64_t K = 2, R = N * K, M = D * C, W = E * P * M;
+  routing rt = routing_new(N, E, K, 77 + (uint64_t)(part + dt), 1);
+  uint64_t rng = 5 + (uint64_t)part;
+  float *x = rand_f32(R * C, &rng, 1.0f), *w = rand_f32(W, &rng, 0.5f);
+  float *dy = rand_f32(R * D, &rng, 1.0f), *dw4 = rand_f32(W, &rng, 1.0f);
+  float *dw0 = malloc(4 * (size_t)W), *dws = malloc(4 * (size_t)(E * M));
+  float *ws = malloc(4 * (size_t)(E * M));
+  memcpy(dw0, dw4, 4 * (size_t)W);
+  for (int64_t e = 0; e < E; e++) {
+    memcpy(ws + e * M, w + (e * P + part) * M, 4 * (size_t)M);
+    memcpy(dws + e * M, dw4 + (e * P + part) * M, 4 * (size_t)M);
+  }
+  const int bf = dt == LZ_BF16;
+  uint16_t *xb = to_bf16(x, R * C), *wb = to_bf16(w, W), *wsb = to_bf16(ws, E * M);
+  uint16_t *dyb = to_bf16(dy, R * D);
+  float *y4 = calloc((size_t)(R * D), 4), *ys = calloc((size_t)(R * D), 4);
+  float *dx4 = calloc((size_t)(R * C), 4), *dxs = calloc((size_t)(R * C), 4);
+  lz_tensor *tx = T(bf ? (void *)xb : x, dt, R, C), *tdy = T(bf ? (void *)dyb : dy, dt, R, D);
+  lz_tensor *tw4 = T(bf ? (void *)wb : w, dt, E, P, D, C);
+  lz_tensor *tws = T(bf ? (void *)wsb : ws, dt, E, D, C), *toff = T(rt.off, LZ_I32, E + 1);
+  CHECK_OK(lz_moe_gemm_part_forward(T(y4, LZ_F32, R, D), tx, tw4, toff, part));
+  CHECK_OK(lz_moe_gemm_forward(T(ys, LZ_F32, R, D), tx, tws, toff));
+  CHECK(memcmp(y4, ys, 4 * (size_t)(R * D)) == 0);
+  CHECK_OK(lz_moe_gemm_part_backward(T(dx4, LZ_F32, R, C), T(dw4, LZ_F32, E, P, D, C), tdy, tx,
+                                     tw4, toff, part));
+  CHECK_OK(lz_moe_gemm_backward(T(dxs, LZ_F32, R, C), T(dws, LZ_F32, E, D, C), tdy, tx, tws,
+                                toff));
+  CHECK(memcmp(dx4, dxs, 4 * (size_t)(R * C)) == 0);
+  for (int64_t e = 0; e < E; e++)
+    for (int64_t q = 0; q < P; q++)
+      CHECK(memcmp(dw4 + (e * P + q) * M, q == part ? dws + e * M : dw0 + (e * P + q) * M,
+                   4 * (size_t)M) == 0);
+  free(x), free(w), free(dy), free(dw4), free(dw0), free(dws), free(ws), free(xb), free(wb);
+  free(wsb), free(dyb), free(y4), free(ys), free(dx4), free(dxs);
+  routing_free(&rt);
+  unwrap_all();
+}
+
+LZ_TEST(moe_gemm_part_matches_stacked) {
+  part_case(21, 5, 3, 0, 24, 40, LZ_F32);
+  part_case(200, 3, 3, 2, 24, 300, LZ_F32); /* blocks of 128 rows, of 128 dw rows */
+  part_case(21, 5, 3, 1, 24, 40, LZ_BF16);
+  part_case(200, 3, 3, 2, 24, 300, LZ_BF16);
+}
+
 /* ------------------------------------------------------------ whole layer */
 
 /* route, sort, permute, grouped GEMM, combine: out[t] = sum over the K
@@ -446,6 +495,10 @@ LZ_TEST(moe_errors_name_the_argument) {
   CHECK_ERR(lz_moe_gemm_forward(T(y, LZ_F32, 4, 4), T(x, LZ_F32, 4, 3), T(w, LZ_F32, 2, 4, 4),
                                 T(bad, LZ_I32, 3)),
             LZ_ERR_INVALID, "x's last dimension must be 4");
+  int32_t good[3] = {0, 2, 4};
+  CHECK_ERR(lz_moe_gemm_part_forward(T(y, LZ_F32, 4, 4), T(x, LZ_F32, 4, 2),
+                                     T(w, LZ_F32, 2, 2, 4, 2), T(good, LZ_I32, 3), 2),
+            LZ_ERR_INVALID, "moe_gemm_part_forward: part is 2");
   float wt[4], p[8];
   CHECK_ERR(lz_moe_route_forward(T(wt, LZ_F32, 1, 4), T(idx, LZ_I32, 1, 4), T(p, LZ_F32, 1, 2),
                                  T(x, LZ_F32, 1, 2), 1),

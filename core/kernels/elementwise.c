@@ -9,14 +9,20 @@
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 
+#include <stdlib.h> /* malloc, free: sq_norm's partial sums */
+
 /* Elements per thread task; small tensors stay on one thread. */
 #define BLOCK (1 << 15)
 /* sq_norm: elements per partial sum, and partials per parallel pass. The
  * block size is fixed (not derived from the thread count), the partials of a
- * pass sit in a stack array and are added in index order, and the passes are
- * added in order: the same bits on any number of threads. */
+ * pass are added in index order, and the passes are added in order: the same
+ * bits on any number of threads, whatever the pass size. A pass spans up to
+ * 256M elements: one parallel region per pass, since on a busy machine each
+ * region waits for every thread to get a core (a block's experts' gradient,
+ * tens of millions of elements, took one region per million). */
 #define SQ_BLOCK 4096
-#define SQ_GROUP 256
+#define SQ_GROUP 65536
+#define SQ_STACK 256 /* partials that live on the stack */
 /* Double partial sums inside a block, so the loop vectorizes. */
 #define LANES 8
 
@@ -210,11 +216,16 @@ lz_status lz_cpu_sq_norm(const lz_op_args *a) {
   const int64_t n = lz_tensor_numel(t);
   const lz_dtype dt = t->dtype;
   const void *p = t->data;
+  const int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
+  const int64_t group = blocks < SQ_GROUP ? blocks : SQ_GROUP;
+  double stack[SQ_STACK];
+  double *partial = group <= SQ_STACK ? stack : malloc((size_t)group * sizeof(double));
+  if (!partial)
+    return lz_fail(LZ_ERR_NOMEM, "sq_norm: out of memory for %lld partial sums", (long long)group);
   double total = 0.0;
-  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * SQ_GROUP) {
-    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * SQ_GROUP);
+  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * group) {
+    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * group);
     const int64_t nb = (g_len + SQ_BLOCK - 1) / SQ_BLOCK;
-    double partial[SQ_GROUP];
 #pragma omp parallel for schedule(static) if (nb > 8)
     for (int64_t k = 0; k < nb; k++) {
       int64_t i0 = g0 + k * SQ_BLOCK;
@@ -222,6 +233,7 @@ lz_status lz_cpu_sq_norm(const lz_op_args *a) {
     }
     for (int64_t k = 0; k < nb; k++) total += partial[k];
   }
+  if (partial != stack) free(partial);
   *out = total;
   return LZ_OK;
 }

@@ -14,25 +14,38 @@
 
 /* ------------------------------------------------------------ bf16 cache */
 
-#define CACHE_SLOTS 128
+/* A primitive is made for one exact shape: oneDNN's runtime-dimension
+ * matmul picks another kernel (gemm:jit instead of brgemm) whose sums round
+ * differently, so every shape keeps its own. The experts' GEMMs bring a
+ * shape per row count (up to about 6 x the rows of a batch): the cache holds
+ * that many rather than rebuilding them (some 0.2 ms and 90 KB each). */
+#define CACHE_SLOTS 1024
 
 typedef struct {
   int used;
+  int busy; /* runs in flight: not evicted meanwhile */
   uint64_t stamp;
   /* key */
   int64_t batch, m, n, k;
   int ta, tb, b_shared, has_bias;
   float alpha, beta;
-  /* value */
+  /* value: memory objects are made per run, so threads run it at once */
   dnnl_primitive_t prim;
-  dnnl_memory_t a, b, c, bias;
+  dnnl_memory_desc_t a_md, b_md, c_md, bias_md, scratch_md;
 } cache_entry;
 
 static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
 static cache_entry cache[CACHE_SLOTS];
 static uint64_t cache_clock;
 static dnnl_engine_t engine;
-static dnnl_stream_t stream;
+/* A stream per thread: the experts' grouped GEMM runs primitives from
+ * several threads at once (each single-threaded inside its parallel
+ * region). */
+static _Thread_local dnnl_stream_t stream;
+/* This thread's scratchpad for the primitives it runs (user scratchpad
+ * mode: runs on several threads at once must not share oneDNN's). */
+static _Thread_local void *pad;
+static _Thread_local size_t pad_bytes;
 
 static lz_status dnnl_check(dnnl_status_t s, const char *what) {
   if (s == dnnl_success) return LZ_OK;
@@ -46,10 +59,6 @@ static lz_status dnnl_check(dnnl_status_t s, const char *what) {
 
 static void entry_release(cache_entry *e) {
   if (e->prim) dnnl_primitive_destroy(e->prim);
-  if (e->a) dnnl_memory_destroy(e->a);
-  if (e->b) dnnl_memory_destroy(e->b);
-  if (e->c) dnnl_memory_destroy(e->c);
-  if (e->bias) dnnl_memory_destroy(e->bias);
   memset(e, 0, sizeof *e);
 }
 
@@ -69,11 +78,7 @@ static dnnl_status_t md_init(dnnl_memory_desc_t *md, int64_t batch, int64_t rows
 }
 
 static lz_status entry_build(cache_entry *e) {
-  if (!engine) {
-    LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
-    LZ_TRY(dnnl_check(dnnl_stream_create(&stream, engine, dnnl_stream_default_flags),
-                      "stream_create"));
-  }
+  if (!engine) LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
   dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
   LZ_TRY(dnnl_check(md_init(&a_md, e->batch, e->m, e->k, e->ta, 0, dnnl_bf16), "a desc"));
   LZ_TRY(dnnl_check(md_init(&b_md, e->batch, e->k, e->n, e->tb, e->b_shared, dnnl_bf16),
@@ -93,8 +98,11 @@ static lz_status entry_build(cache_entry *e) {
   dnnl_primitive_attr_t attr;
   LZ_TRY(dnnl_check(dnnl_primitive_attr_create(&attr), "attr_create"));
   dnnl_post_ops_t ops = NULL;
-  dnnl_status_t s = dnnl_success;
-  if (e->alpha != 1.0f) s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha);
+  /* Each thread brings its own scratchpad (pad): runs on several threads
+   * at once must not share oneDNN's. */
+  dnnl_status_t s = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+  if (s == dnnl_success && e->alpha != 1.0f)
+    s = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &e->alpha);
   if (s == dnnl_success && e->beta != 0.0f) {
     s = dnnl_post_ops_create(&ops);
     if (s == dnnl_success) s = dnnl_post_ops_append_sum(ops, e->beta);
@@ -105,17 +113,49 @@ static lz_status entry_build(cache_entry *e) {
   if (ops) dnnl_post_ops_destroy(ops);
   dnnl_primitive_attr_destroy(attr);
   LZ_TRY(dnnl_check(s, "primitive_desc_create"));
+  const dnnl_memory_desc_t *smd = dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+  if (smd) e->scratch_md = *smd;
   s = dnnl_primitive_create(&e->prim, pd);
   dnnl_primitive_desc_destroy(pd);
   LZ_TRY(dnnl_check(s, "primitive_create"));
-  /* Memory objects without buffers: handles are set at each run. */
-  LZ_TRY(dnnl_check(dnnl_memory_create(&e->a, &a_md, engine, DNNL_MEMORY_NONE), "memory a"));
-  LZ_TRY(dnnl_check(dnnl_memory_create(&e->b, &b_md, engine, DNNL_MEMORY_NONE), "memory b"));
-  LZ_TRY(dnnl_check(dnnl_memory_create(&e->c, &c_md, engine, DNNL_MEMORY_NONE), "memory c"));
-  if (e->has_bias)
-    LZ_TRY(dnnl_check(dnnl_memory_create(&e->bias, &bias_md, engine, DNNL_MEMORY_NONE),
-                      "memory bias"));
+  e->a_md = a_md, e->b_md = b_md, e->c_md = c_md;
+  if (e->has_bias) e->bias_md = bias_md;
   return LZ_OK;
+}
+
+/* One run of a cached primitive on these buffers, on this thread's stream. */
+static lz_status entry_run(const cache_entry *e, const void *a, const void *b, float *c,
+                           const float *bias) {
+  if (!stream)
+    LZ_TRY(dnnl_check(dnnl_stream_create(&stream, engine, dnnl_stream_default_flags),
+                      "stream_create"));
+  const size_t scratch = dnnl_memory_desc_get_size(&e->scratch_md);
+  if (scratch > pad_bytes) { /* grown, never shrunk: no allocation (nor page faults) per run */
+    void *grown = realloc(pad, scratch);
+    if (!grown)
+      return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory for a %zu-byte bf16 scratchpad",
+                     scratch);
+    pad = grown, pad_bytes = scratch;
+  }
+  dnnl_memory_t m[5] = {NULL, NULL, NULL, NULL, NULL};
+  dnnl_status_t s = dnnl_memory_create(&m[0], &e->a_md, engine, (void *)a);
+  if (s == dnnl_success) s = dnnl_memory_create(&m[1], &e->b_md, engine, (void *)b);
+  if (s == dnnl_success) s = dnnl_memory_create(&m[2], &e->c_md, engine, c);
+  if (s == dnnl_success && scratch) s = dnnl_memory_create(&m[3], &e->scratch_md, engine, pad);
+  if (s == dnnl_success && bias) s = dnnl_memory_create(&m[4], &e->bias_md, engine, (void *)bias);
+  lz_status st = dnnl_check(s, "memory_create");
+  if (st == LZ_OK) {
+    dnnl_exec_arg_t args[5] = {{DNNL_ARG_SRC, m[0]}, {DNNL_ARG_WEIGHTS, m[1]},
+                               {DNNL_ARG_DST, m[2]}};
+    int n = 3;
+    if (scratch) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD, m[3]};
+    if (bias) args[n++] = (dnnl_exec_arg_t){DNNL_ARG_BIAS, m[4]};
+    st = dnnl_check(dnnl_primitive_execute(e->prim, stream, n, args), "execute");
+    if (st == LZ_OK) st = dnnl_check(dnnl_stream_wait(stream), "stream_wait");
+  }
+  for (int i = 0; i < 5; i++)
+    if (m[i]) dnnl_memory_destroy(m[i]);
+  return st;
 }
 
 static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
@@ -217,18 +257,21 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   if (!native)
     return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
   pthread_mutex_lock(&cache_lock);
-  cache_entry *hit = NULL, *victim = &cache[0];
+  cache_entry *hit = NULL, *victim = NULL;
   for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
     cache_entry *e = &cache[i];
     if (e->used && e->batch == batch && e->m == m && e->n == n && e->k == k && e->ta == ta &&
         e->tb == tb && e->b_shared == b_shared && e->has_bias == (bias != NULL) &&
         e->alpha == alpha && e->beta == beta)
       hit = e;
-    else if (!e->used || (victim->used && e->stamp < victim->stamp))
+    else if (!e->busy && (!victim || !e->used || (victim->used && e->stamp < victim->stamp)))
       victim = e;
   }
   lz_status st = LZ_OK;
-  if (!hit) {
+  if (!hit && !victim)
+    st = lz_fail(LZ_ERR_INTERNAL, "matmul: all %d cached bf16 primitives are running at once; "
+                 "run fewer GEMMs in parallel", CACHE_SLOTS);
+  else if (!hit) {
     entry_release(victim);
     *victim = (cache_entry){.used = 1, .batch = batch, .m = m, .n = n, .k = k, .ta = ta,
                             .tb = tb, .b_shared = b_shared, .has_bias = bias != NULL,
@@ -239,16 +282,15 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   }
   if (st == LZ_OK) {
     hit->stamp = ++cache_clock;
-    dnnl_memory_set_data_handle(hit->a, (void *)a);
-    dnnl_memory_set_data_handle(hit->b, (void *)b);
-    dnnl_memory_set_data_handle(hit->c, c);
-    dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, hit->a}, {DNNL_ARG_WEIGHTS, hit->b},
-                               {DNNL_ARG_DST, hit->c}, {DNNL_ARG_BIAS, hit->bias}};
-    if (bias) dnnl_memory_set_data_handle(hit->bias, (void *)bias);
-    st = dnnl_check(dnnl_primitive_execute(hit->prim, stream, bias ? 4 : 3, args), "execute");
-    if (st == LZ_OK) st = dnnl_check(dnnl_stream_wait(stream), "stream_wait");
+    hit->busy++;
   }
   pthread_mutex_unlock(&cache_lock);
+  if (st == LZ_OK) {
+    st = entry_run(hit, a, b, c, bias);
+    pthread_mutex_lock(&cache_lock);
+    hit->busy--;
+    pthread_mutex_unlock(&cache_lock);
+  }
   if (st == LZ_ERR_UNSUPPORTED) {
     path_fall_back();
     return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);

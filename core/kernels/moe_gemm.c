@@ -2,8 +2,10 @@
  * moe_sort), expert e's rows offsets[e] .. offsets[e + 1] multiplied by its
  * own weight w[e] [D, C] (nn.Linear's layout, experts stacked as
  * transformers 5.x stacks them), forward and backward, through matmul.c's
- * GEMMs (lz_gemm). An expert with no rows costs nothing and leaves its dw
- * as it was. */
+ * GEMMs (lz_gemm). Or w [E, P, D, C] and a part: each expert's P matrices
+ * lie side by side (w1, w3, w2 as a block's parameters hold them) and part
+ * p of each is multiplied. An expert with no rows costs nothing and leaves
+ * its dw as it was. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_gemm.h" /* lz_gemm */
@@ -12,14 +14,36 @@
 #include <stdio.h>  /* snprintf: a worker thread's error message */
 #include <stdlib.h> /* malloc, free */
 
+/* w's dimensions: E experts of P parts [D, C] (P = 1 for a 3-D w). */
+typedef struct {
+  int64_t E, P, D, C;
+} expert_dims;
+
+static expert_dims dims_of(const lz_tensor *w) {
+  const int o = w->ndim == 4;
+  return (expert_dims){w->shape[0], o ? w->shape[1] : 1, w->shape[o + 1], w->shape[o + 2]};
+}
+
+/* Element offset of expert e's matrix `part` in w (and dw). */
+static size_t expert_at(const lz_tensor *w, int64_t part, int64_t e) {
+  const expert_dims d = dims_of(w);
+  return (size_t)((e * d.P + part) * d.D * d.C);
+}
+
 static lz_status gemm_shapes(const char *op, const lz_tensor *x, const lz_tensor *w,
-                             const lz_tensor *y, const char *yname, const lz_tensor *offsets) {
+                             const lz_tensor *y, const char *yname, const lz_tensor *offsets,
+                             int64_t part) {
   LZ_TRY(lz_check_ndim(op, "x", x, 1, LZ_MAX_DIMS));
-  LZ_TRY(lz_check_ndim(op, "w", w, 3, 3));
+  LZ_TRY(lz_check_ndim(op, "w", w, 3, 4));
   LZ_TRY(lz_check_ndim(op, "offsets", offsets, 1, 1));
   LZ_TRY(lz_check_ndim(op, yname, y, 1, LZ_MAX_DIMS));
-  const int64_t E = w->shape[0], D = w->shape[1], C = w->shape[2], R = lz_rows(x);
+  const expert_dims d = dims_of(w);
+  const int64_t E = d.E, D = d.D, C = d.C, R = lz_rows(x);
   char bx[96], bw[96], by[96];
+  if (part < 0 || part >= d.P)
+    return lz_fail(LZ_ERR_INVALID, "%s: part is %lld but w is %s; part must be 0 .. %lld (w's "
+                   "second dimension, of a 4-D w)", op, (long long)part,
+                   lz_tensor_describe(w, bw, sizeof bw), (long long)(d.P - 1));
   if (lz_cols(x) != C)
     return lz_fail(LZ_ERR_INVALID, "%s: x is %s but w is %s; x's last dimension must be %lld",
                    op, lz_tensor_describe(x, bx, sizeof bx), lz_tensor_describe(w, bw, sizeof bw),
@@ -44,10 +68,18 @@ static lz_status check_offsets(lz_op op, const int32_t *off, int64_t E, int64_t 
   return LZ_OK;
 }
 
+lz_status lz_moe_gemm_part_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor *w,
+                                   const lz_tensor *offsets, int64_t part) {
+  const char *op = "moe_gemm_part_forward";
+  LZ_TRY(gemm_shapes(op, x, w, y, "y", offsets, part));
+  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_FORWARD,
+            .t = {y, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)offsets}, .i = {part});
+}
+
 lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor *w,
                               const lz_tensor *offsets) {
   const char *op = "moe_gemm_forward";
-  LZ_TRY(gemm_shapes(op, x, w, y, "y", offsets));
+  LZ_TRY(gemm_shapes(op, x, w, y, "y", offsets, 0));
   LZ_OP_RUN(op, LZ_OP_MOE_GEMM_FORWARD,
             .t = {y, (lz_tensor *)x, (lz_tensor *)w, (lz_tensor *)offsets});
 }
@@ -65,15 +97,15 @@ typedef struct {
   int32_t e, r0, n; /* expert; first row and rows of the block */
 } gemm_task;
 
-/* Row blocks of each expert's offsets[e] .. offsets[e + 1] (by_rows), or of
- * the D output rows of each expert that has rows. Returns the count; *out
- * is malloc'd (NULL with 0 tasks). */
+/* Blocks of `block` rows of each expert's offsets[e] .. offsets[e + 1]
+ * (by_rows), or of the D output rows of each expert that has rows. Returns
+ * the count; *out is malloc'd (NULL with 0 tasks). */
 static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off, int64_t E,
-                            int64_t D, int by_rows) {
+                            int64_t D, int by_rows, int64_t block) {
   int64_t n = 0;
   for (int64_t e = 0; e < E; e++) {
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
-    n += (len + TASK_ROWS - 1) / TASK_ROWS;
+    n += (len + block - 1) / block;
   }
   *count = n;
   *out = NULL;
@@ -84,9 +116,9 @@ static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off,
   for (int64_t e = 0; e < E; e++) {
     const int64_t base = by_rows ? off[e] : 0;
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
-    for (int64_t r = 0; r < len; r += TASK_ROWS)
+    for (int64_t r = 0; r < len; r += block)
       t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r),
-                           (int32_t)(len - r < TASK_ROWS ? len - r : TASK_ROWS)};
+                           (int32_t)(len - r < block ? len - r : block)};
   }
   *out = t;
   return LZ_OK;
@@ -118,22 +150,13 @@ static lz_status tasks_run(const lz_op_args *a, const gemm_task *t, int64_t n, t
   return st == LZ_OK ? LZ_OK : lz_fail(st, "%s", why);
 }
 
-/* bf16 runs its experts one after another, each GEMM on every thread:
- * matmul.c's bf16 primitives are cached per shape behind one lock. */
+/* A bf16 dw block is a whole expert's weight: lz_gemm takes no leading
+ * dimension for the column block of dy a part of it would read. */
 static lz_status tasks_for(const lz_op_args *a, lz_dtype dt, const int32_t *off, int64_t E,
                            int64_t D, int by_rows, task_fn fn) {
   gemm_task *t = NULL;
   int64_t n = 0;
-  if (dt == LZ_BF16) {
-    for (int64_t e = 0; e < E; e++)
-      if (off[e + 1] > off[e]) {
-        const gemm_task whole = {(int32_t)e, by_rows ? off[e] : 0,
-                                 by_rows ? off[e + 1] - off[e] : (int32_t)D};
-        LZ_TRY(fn(a, &whole));
-      }
-    return LZ_OK;
-  }
-  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows));
+  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows, !by_rows && dt == LZ_BF16 ? D : TASK_ROWS));
   lz_status st = tasks_run(a, t, n, fn);
   free(t);
   return st;
@@ -142,27 +165,45 @@ static lz_status tasks_for(const lz_op_args *a, lz_dtype dt, const int32_t *off,
 /* y rows r0 .. r0 + n = x rows @ w[e]^T */
 static lz_status forward_task(const lz_op_args *a, const gemm_task *t) {
   const lz_tensor *y = a->t[0], *x = a->t[1], *w = a->t[2];
-  const int64_t D = w->shape[1], C = w->shape[2];
+  const expert_dims d = dims_of(w);
   const size_t es = lz_dtype_size(x->dtype);
-  return lz_gemm(x->dtype, t->n, D, C, 0, 1, 1.0f, (const char *)x->data + (size_t)t->r0 * C * es,
-                 (const char *)w->data + (size_t)t->e * D * C * es, 0.0f,
-                 (float *)y->data + (size_t)t->r0 * D);
+  return lz_gemm(x->dtype, t->n, d.D, d.C, 0, 1, 1.0f,
+                 (const char *)x->data + (size_t)t->r0 * d.C * es,
+                 (const char *)w->data + expert_at(w, a->i[0], t->e) * es, 0.0f,
+                 (float *)y->data + (size_t)t->r0 * d.D);
 }
 
 lz_status lz_cpu_moe_gemm_forward(const lz_op_args *a) {
   const lz_tensor *x = a->t[1], *w = a->t[2];
-  const int64_t E = w->shape[0], R = lz_rows(x);
+  const expert_dims d = dims_of(w);
   const int32_t *off = a->t[3]->data;
-  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_FORWARD, off, E, R));
-  return tasks_for(a, x->dtype, off, E, w->shape[1], 1, forward_task);
+  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_FORWARD, off, d.E, lz_rows(x)));
+  return tasks_for(a, x->dtype, off, d.E, d.D, 1, forward_task);
+}
+
+static lz_status backward_checks(const char *op, lz_tensor *dx, lz_tensor *dw,
+                                 const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
+                                 const lz_tensor *offsets, int64_t part) {
+  LZ_TRY(gemm_shapes(op, x, w, dy, "dy", offsets, part));
+  if (dx) LZ_TRY(lz_check_numel(op, "dx", dx, lz_tensor_numel(x), "the shape of x"));
+  if (dw) LZ_TRY(lz_check_numel(op, "dw", dw, lz_tensor_numel(w), "the shape of w"));
+  return LZ_OK;
+}
+
+lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                    const lz_tensor *x, const lz_tensor *w,
+                                    const lz_tensor *offsets, int64_t part) {
+  const char *op = "moe_gemm_part_backward";
+  LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
+  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
+            .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
+                  (lz_tensor *)offsets}, .i = {part});
 }
 
 lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets) {
   const char *op = "moe_gemm_backward";
-  LZ_TRY(gemm_shapes(op, x, w, dy, "dy", offsets));
-  if (dx) LZ_TRY(lz_check_numel(op, "dx", dx, lz_tensor_numel(x), "the shape of x"));
-  if (dw) LZ_TRY(lz_check_numel(op, "dw", dw, lz_tensor_numel(w), "the shape of w"));
+  LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, 0));
   LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
             .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
                   (lz_tensor *)offsets});
@@ -171,28 +212,29 @@ lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy
 /* dx rows r0 .. r0 + n = dy rows @ w[e] */
 static lz_status dx_task(const lz_op_args *a, const gemm_task *t) {
   const lz_tensor *dx = a->t[0], *dy = a->t[2], *w = a->t[4];
-  const int64_t D = w->shape[1], C = w->shape[2];
+  const expert_dims d = dims_of(w);
   const size_t es = lz_dtype_size(w->dtype);
-  return lz_gemm(w->dtype, t->n, C, D, 0, 0, 1.0f,
-                 (const char *)dy->data + (size_t)t->r0 * D * es,
-                 (const char *)w->data + (size_t)t->e * D * C * es, 0.0f,
-                 (float *)dx->data + (size_t)t->r0 * C);
+  return lz_gemm(w->dtype, t->n, d.C, d.D, 0, 0, 1.0f,
+                 (const char *)dy->data + (size_t)t->r0 * d.D * es,
+                 (const char *)w->data + expert_at(w, a->i[0], t->e) * es, 0.0f,
+                 (float *)dx->data + (size_t)t->r0 * d.C);
 }
 
 /* dw[e] rows r0 .. r0 + n += (the expert's dy columns r0 .. r0 + n)^T @ its
  * x rows: a GEMM over a column block of dy, whose rows are D apart. */
 static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
   const lz_tensor *dw = a->t[1], *dy = a->t[2], *x = a->t[3], *w = a->t[4];
-  const int64_t D = w->shape[1], C = w->shape[2];
+  const expert_dims d = dims_of(w);
+  const int64_t D = d.D, C = d.C;
   const int32_t *off = a->t[5]->data;
   const int64_t rows = off[t->e + 1] - off[t->e];
   const size_t es = lz_dtype_size(x->dtype);
   const char *dyp = (const char *)dy->data + ((size_t)off[t->e] * D + (size_t)t->r0) * es;
-  float *c = (float *)dw->data + ((size_t)t->e * D + (size_t)t->r0) * C;
+  float *c = (float *)dw->data + expert_at(w, a->i[0], t->e) + (size_t)t->r0 * C;
   if (t->n == D)
     return lz_gemm(x->dtype, D, C, rows, 1, 0, 1.0f, dyp,
                    (const char *)x->data + (size_t)off[t->e] * C * es, 1.0f, c);
-  /* f32 only: bf16 runs whole experts (tasks_for) */
+  /* f32 only: a bf16 block is the whole expert (tasks_for) */
   const dnnl_status_t s = dnnl_sgemm('T', 'N', t->n, C, rows, 1.0f, (const float *)dyp, D,
                                      (const float *)x->data + (size_t)off[t->e] * C, C, 1.0f, c, C);
   if (s == dnnl_success) return LZ_OK;
@@ -202,10 +244,10 @@ static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
 
 lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
   const lz_tensor *dx = a->t[0], *dw = a->t[1], *x = a->t[3], *w = a->t[4];
-  const int64_t E = w->shape[0], D = w->shape[1], R = lz_rows(x);
+  const expert_dims d = dims_of(w);
   const int32_t *off = a->t[5]->data;
-  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_BACKWARD, off, E, R));
-  if (dx) LZ_TRY(tasks_for(a, x->dtype, off, E, D, 1, dx_task));
-  if (dw) LZ_TRY(tasks_for(a, x->dtype, off, E, D, 0, dw_task));
+  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_BACKWARD, off, d.E, lz_rows(x)));
+  if (dx) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 1, dx_task));
+  if (dw) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 0, dw_task));
   return LZ_OK;
 }

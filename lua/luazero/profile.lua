@@ -156,7 +156,8 @@ function Profile:param_pass(what, bytes, elements)
   if elements then pb.elements = (pb.elements or 0) + elements end
 end
 
--- The wrapped kernels: GEMMs with their FLOPs, linear_backward in its parts.
+-- The wrapped kernels: GEMMs with their FLOPs (the experts' grouped ones
+-- too), linear_backward and moe_gemm_backward in their parts.
 local function wrap_ops(self, ops)
   local wrapped = {}
   for _, name in ipairs(require("luazero.op_args").names) do
@@ -208,6 +209,31 @@ local function wrap_ops(self, ops)
         end
         self:param_pass("optimizer", bytes, (...):numel())
         self:leaf(name, 0, false, orig, ...)
+      end
+    elseif name:match("^moe_gemm") then
+      -- the experts' grouped GEMM: every expert's rows, so the FLOPs of one
+      -- GEMM over all of them (w [E, D, C] or [E, P, D, C])
+      local backward = name:match("backward$") ~= nil
+      fn = function(...)
+        if not self.active then return orig(...) end
+        local a = { ... }
+        local x, w = a[backward and 4 or 2], a[backward and 5 or 3]
+        local nd = tonumber(w.ndim)
+        local D, C = w:dim(nd - 1), w:dim(nd)
+        local rows, dt = x:numel() / C, x:dtype_name()
+        local flops = 2 * rows * D * C
+        if not backward then
+          return self:leaf(gemm_key(self, "fwd", dt, rows, D, C) .. " grouped", flops, true, orig, ...)
+        end
+        local dx, dw = a[1], a[2]
+        if dx then
+          self:leaf(gemm_key(self, "dX", dt, rows, C, D) .. " grouped", flops, true, orig, dx, nil,
+                    a[3], a[4], a[5], a[6], a[7])
+        end
+        if dw then
+          self:leaf(gemm_key(self, "dW", dt, D, C, rows) .. " grouped", flops, true, orig, nil, dw,
+                    a[3], a[4], a[5], a[6], a[7])
+        end
       end
     else
       fn = function(...)

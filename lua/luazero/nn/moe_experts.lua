@@ -16,6 +16,12 @@
 -- first agrees with the other ranks on the experts any of them routed to
 -- and marks the others unrouted, which the engine's hooks then skip.
 --
+-- Gathered whole, the experts' GEMMs run as three grouped GEMMs (the
+-- moe_gemm_part ops: every expert's rows at once, over the weights where the
+-- block's parameters hold them), not one GEMM per expert and projection
+-- (the same bits at the shapes tools/checksums trains; docs/moe.md, "Speed",
+-- says where fp32 differs).
+--
 -- The routing a forward takes (nn/moe.lua's routing): R = N * k rows in
 -- expert order (expert, then token, then slot; the moe_sort op):
 -- weights [N, k], slot_of_row [R], row_of_slot [N, k] (i32 tensors beside
@@ -27,6 +33,7 @@ local Module = require("luazero.nn.module")
 local LoraExperts = require("luazero.nn.lora_experts")
 
 local ops = lz.ops
+local capi = lz.C
 local Experts = Module:extend("MoEExperts")
 Experts.is_moe_experts = true
 
@@ -177,9 +184,63 @@ local function runs_of(ex, route, e)
   return { { at = route.first[e - 1], n = route.count[e - 1] } }
 end
 
+-- A tensor of `shape` over memory from t's first element on: the caller
+-- has checked that the parameters it spans tile it exactly.
+local function span(t, shape)
+  local out = ffi.new("lz_tensor *[1]")
+  lz.check(capi.lz_tensor_wrap(out, t.data, t.dtype, #shape, ffi.new("int64_t[?]", #shape, shape)))
+  out[0].device = t.device
+  return ffi.gc(out[0], capi.lz_tensor_free)
+end
+
+-- Whether the tensors of `map` (p or g) keyed by keys(e, part) lie as one
+-- [E, 3, H * C] array in that order; the first of them if so.
+local function tiled(map, keys, E, per)
+  local first = map[keys(0, 1)]
+  if first == nil then return nil end
+  local base, es = ffi.cast("intptr_t", first.data), first:bytes() / first:numel()
+  for e = 0, E - 1 do
+    for part = 1, 3 do
+      local t = map[keys(e, part)]
+      if t == nil or t.dtype ~= first.dtype or t.device ~= first.device or
+         ffi.cast("intptr_t", t.data) ~= base + ((e * 3 + part - 1) * per) * es then
+        return nil
+      end
+    end
+  end
+  return first
+end
+
+-- The block's weights (and gradients) as the grouped GEMM reads them: w_in
+-- [E, 3, H, C] for the gate and up parts, w_out [E, 3, C, H] for the down
+-- part, over the parameters where they lie (each expert's gate, up, down
+-- side by side, as gather "block" binds them; g the same or absent, as
+-- frozen). nil where they do not lie so, or where a matmul would cast the
+-- weight (f16): the experts then run one GEMM each.
+function Experts:stacked()
+  if self.gather ~= "block" then return nil end
+  local E, C, H = self.n_experts, self.n_embd, self.n_hidden
+  local keys = function(e, part) return self.units[e + 1].keys[part] end
+  local w = tiled(self.p, keys, E, H * C)
+  if w == nil or not (w:dtype_name() == "f32" or w:dtype_name() == "bf16") then return nil end
+  local g = tiled(self.g, keys, E, H * C)
+  if g == nil and next(self.g) ~= nil then return nil end
+  return {
+    w_in = span(w, { E, 3, H, C }), w_out = span(w, { E, 3, C, H }),
+    g_in = g and span(g, { E, 3, H, C }), g_out = g and span(g, { E, 3, C, H }),
+  }
+end
+
+local function free_stacked(st)
+  for _, k in ipairs({ "w_in", "w_out", "g_in", "g_out" }) do
+    if st[k] then st[k]:free() end
+  end
+end
+
 -- x [B, T, C] (the block's input), route: as the header says. Returns
 -- y [B, T, C]: each token's sum over its k rows of weight * expert(x), in
--- expert order as transformers' index_add_ loop sums them.
+-- expert order as transformers' index_add_ loop sums them. The GEMMs run
+-- through the grouped GEMM where the weights allow it, else one per expert.
 function Experts:forward(x, route)
   local C, H, R = self.n_embd, self.n_hidden, route.rows
   local N = x:numel() / C
@@ -201,7 +262,22 @@ function Experts:forward(x, route)
   end
   local gate, up = self:activation({ 1, rows, H }), self:activation({ 1, rows, H })
   local h, yp = self:activation({ 1, rows, H }), self:activation({ 1, rows, C })
-  for e = 1, self.n_experts do
+  -- (gathered whole, without expert parallelism or adapters on the
+  -- experts: three grouped GEMMs over every expert's rows)
+  local st = not ex and not self.units[1].lora and self:stacked()
+  if st then
+    local xw = self:matmul_operands(xp, st.w_in)
+    ops.moe_gemm_part_forward(gate:view(0, { R, H }), xw:view(0, { R, C }), st.w_in,
+                              route.offsets, 0)
+    ops.moe_gemm_part_forward(up:view(0, { R, H }), xw:view(0, { R, C }), st.w_in,
+                              route.offsets, 1)
+    ops.swiglu_forward(h, gate, up)
+    local hw = self:matmul_operands(h, st.w_out)
+    ops.moe_gemm_part_forward(yp:view(0, { R, C }), hw:view(0, { R, H }), st.w_out,
+                              route.offsets, 2)
+    free_stacked(st)
+  end
+  for e = 1, st and 0 or self.n_experts do
     local runs = runs_of(ex, route, e)
     self:run_unit(e, false, function()
       for _, run in ipairs(runs) do
@@ -256,7 +332,25 @@ function Experts:backward(dy)
   end
   local dh, dup = self:scratch({ 1, rows, H }), self:scratch({ 1, rows, H })
   local dxp, dxu = self:scratch({ 1, rows, C }), self:scratch({ 1, rows, C })
-  for e = 1, self.n_experts do
+  local st = not ex and not self.units[1].lora and self:stacked()
+  if st then
+    local off = route.offsets
+    local dyw = self:matmul_operands(dyp, st.w_out)
+    local hw = self:matmul_operands(self.h, st.w_out)
+    ops.moe_gemm_part_backward(dh:view(0, { R, H }), st.g_out, dyw:view(0, { R, C }),
+                               hw:view(0, { R, H }), st.w_out, off, 2)
+    ops.swiglu_backward(dh, dup, dh, self.gate, self.up)
+    local dhw = self:matmul_operands(dh, st.w_in)
+    local xw = self:matmul_operands(self.xp, st.w_in)
+    ops.moe_gemm_part_backward(dxp:view(0, { R, C }), st.g_in, dhw:view(0, { R, H }),
+                               xw:view(0, { R, C }), st.w_in, off, 0)
+    local duw = self:matmul_operands(dup, st.w_in)
+    ops.moe_gemm_part_backward(dxu:view(0, { R, C }), st.g_in, duw:view(0, { R, H }),
+                               xw:view(0, { R, C }), st.w_in, off, 1)
+    ops.add(dxp, dxp, dxu)
+    free_stacked(st)
+  end
+  for e = 1, st and 0 or self.n_experts do
     local runs = runs_of(ex, route, e)
     self:run_unit(e, true, function()
       for _, run in ipairs(runs) do
