@@ -333,6 +333,15 @@ lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *
 int64_t lz_adamw8bit_blocks(int64_t n);
 /* The 256 fp32 entries of the signed (m) or unsigned (v) map. */
 const float *lz_adamw8bit_map(int is_signed);
+/* The values an 8-bit state stands for: out[i] = map[q[i]] * absmax[i / 256]
+ * (f32; the signed map for m, the unsigned one for v), in host memory. */
+lz_status lz_adamw8bit_dequantize(const lz_tensor *q, const lz_tensor *absmax, int is_signed,
+                                  lz_tensor *out);
+/* Its inverse: q and absmax (one per 256 elements) that dequantise to x bit
+ * for bit where x came from lz_adamw8bit_dequantize; other values quantised
+ * as the 8-bit update quantises its states. Host memory. */
+lz_status lz_adamw8bit_requantize(const lz_tensor *x, int is_signed, lz_tensor *q,
+                                  lz_tensor *absmax);
 
 /* dst (bf16) = src (f32) rounded stochastically: up or down with
  * probabilities that make the expected result src itself (torchao's

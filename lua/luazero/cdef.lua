@@ -301,6 +301,12 @@ int64_t lz_adamw8bit_blocks(int64_t n);
 
 const float *lz_adamw8bit_map(int is_signed);
 
+lz_status lz_adamw8bit_dequantize(const lz_tensor *q, const lz_tensor *absmax, int is_signed,
+                                  lz_tensor *out);
+
+lz_status lz_adamw8bit_requantize(const lz_tensor *x, int is_signed, lz_tensor *q,
+                                  lz_tensor *absmax);
+
 lz_status lz_bf16_round_stochastic(lz_tensor *dst, const lz_tensor *src, uint64_t seed,
                                    uint64_t step, int64_t index);
 

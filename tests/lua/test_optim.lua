@@ -20,7 +20,7 @@ function T.new_picks_the_class_by_type()
   assert(getmetatable(l) == optim.Lion)
   assert(l.lr == 3e-5 and l.beta1 == 0.95 and l.beta2 == 0.98 and l.weight_decay == 0)
   expect_error(function() optim.new({ type = "Lamb" }) end,
-               "config: optimizer.type must be Adam, AdamW, Lion or Muon (got Lamb)")
+               "config: optimizer.type must be Adam, AdamW, Lion, Muon, AdamW8bit or Adam8bit (got Lamb)")
   expect_error(function() optim.new({ type = 42 }) end, "(got 42)")
   -- A block without a type (a partial table from Lua) is the engine's AdamW.
   assert(getmetatable(optim.new({})) == optim.AdamW and getmetatable(optim.new()) == optim.AdamW)
@@ -152,12 +152,12 @@ function T.a_lua_optimizer_is_one_file()
   -- its checkpoint; tools/ckpt still shows the record.
   out, st = train(2, flags)
   assert(st ~= 0 and out:find('config: optimizer.type "sgdtoy" is not available; luazero has ' ..
-                              '"Adam", "AdamW", "Lion" and "Muon"', 1, true), out)
+                              '"Adam", "AdamW", "Lion", "Muon", "AdamW8bit" and "Adam8bit"', 1, true), out)
   out, st = script("eval", ("--load %s --data %s --seq-len 16"):format(q(dir), q(corpus)))
   assert(st ~= 0 and out:find("was saved by the optimizer SGDToy, which this luazero does not " ..
-                              "have (it has Adam, AdamW, Lion and Muon)", 1, true), out)
+                              "have (it has Adam, AdamW, Lion, Muon, AdamW8bit and Adam8bit)", 1, true), out)
   expect_error(function() optim.new({ type = "SGDToy" }) end,
-               "config: optimizer.type must be Adam, AdamW, Lion or Muon (got SGDToy)")
+               "config: optimizer.type must be Adam, AdamW, Lion, Muon, AdamW8bit or Adam8bit (got SGDToy)")
   out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt inspect %s"):format(q(lz.root),
                        q(lz.executable()), q(dir)))
   assert(st == 0 and out:find("optimizer SGDToy lr 0.05 momentum 0.5 weight_decay 0; states " ..

@@ -51,6 +51,19 @@ function M.per_element(name)
   return f.bytes + (f.block and 4 / f.block or 0)
 end
 
+-- The largest block of the formats in fmts (state name -> format name):
+-- the granularity a layout must give each tensor's start and each shard
+-- boundary so that no block straddles two tensors or two ranks; nil when
+-- no format has blocks.
+function M.block_of(fmts)
+  local b
+  for _, name in pairs(fmts or {}) do
+    local f = get(name)
+    if f.block and (not b or f.block > b) then b = f.block end
+  end
+  return b
+end
+
 -- The format of the master weights, checked: f32 or bf16.
 function M.master(name)
   local f = get(name or M.default, "master")

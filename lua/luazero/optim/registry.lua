@@ -17,7 +17,9 @@
 --   states        its per-element states, in the order update's call.s holds
 --                 them: { { name = "m", format = "f32" }, ... }; a format is
 --                 one of optim/formats.lua's (f32 when absent; `dtype` is
---                 its older spelling)
+--                 its older spelling); signed = true: a block-scaled
+--                 state whose values take either sign (8-bit AdamW's m:
+--                 the signed map; else the unsigned one)
 --   step          step(self, call, step, lr, grad_scale): one update over a
 --                 call's views (the engine's interface, optim/adamw.lua)
 --   init          optional init(self): what new() adds (kernel arguments)
@@ -51,7 +53,8 @@ local M = {}
 -- from LZ_OPTIMIZERS (below) and M.register.
 -- (Plain requires, so the layer check sees each arrow.)
 local BUILT_IN = { require("luazero.optim.adamw"), require("luazero.optim.lion"),
-                   require("luazero.optim.muon") }
+                   require("luazero.optim.muon"), require("luazero.optim.adamw8bit"),
+                   require("luazero.optim.adam8bit") }
 
 M.list = {}    -- classes, in the order they were declared
 M.by_name = {} -- name -> class
@@ -84,7 +87,7 @@ local function check_states(states, origin)
   if type(states) ~= "table" or #states > 7 then
     bad(origin, "states must be a list of up to 7 { name = ..., format = \"f32\" }")
   end
-  local names, fmts = {}, {}
+  local names, fmts, signed = {}, {}, {}
   for i, s in ipairs(states) do
     if type(s) ~= "table" or type(s.name) ~= "string" or s.name == "master" or fmts[s.name] then
       bad(origin, "states[%d] must be { name = ..., format = \"f32\" } with a name of its own " ..
@@ -95,9 +98,9 @@ local function check_states(states, origin)
       bad(origin, "state %s has format %s: a state is kept in %s", s.name, tostring(f),
           table.concat(formats.names, ", "))
     end
-    names[i], fmts[s.name] = s.name, f
+    names[i], fmts[s.name], signed[s.name] = s.name, f, s.signed == true
   end
-  return names, fmts
+  return names, fmts, signed
 end
 
 -- Adds an optimizer from its declaration (origin: where it came from, for
@@ -124,10 +127,11 @@ function M.define(spec, origin)
     end
   end
   local defaults = schema.check(spec.params, origin)
-  local names, fmts = check_states(spec.states, origin)
+  local names, fmts, signed = check_states(spec.states, origin)
   local class = {
     name = spec.name, types = types, params = spec.params, defaults = defaults,
-    states = names, state_formats = fmts, origin = origin, update = spec.step,
+    states = names, state_formats = fmts, state_signed = signed, origin = origin,
+    update = spec.step,
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,

@@ -28,6 +28,7 @@ local lz = require("luazero")
 local config = require("luazero.config")
 local moe_config = require("luazero.config.moe")
 local optim = require("luazero.optim")
+local formats = require("luazero.optim.formats")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
 local Pool = require("luazero.zero.pool")
@@ -183,7 +184,12 @@ function M.initialize(opts, above)
   if #self.ptable == 0 then
     error("initialize: every parameter is frozen (model:freeze); leave some to train", 0)
   end
-  self.L = layout.new(self.ptable, W)
+  -- Block-scaled states (8-bit AdamW): each tensor starts on a block and
+  -- shards are cut on blocks (zero/layout.lua); tensors under the
+  -- optimizer's block_min_numel keep f32 states.
+  local block = formats.block_of(P.optimizer.formats)
+  self.L = layout.new(self.ptable, W, nil, block)
+  self.small_below = block and optimizer.block_min_numel or nil
   self.pool = Pool.new(device)
   -- Host staging for gradients copied off the device (host-tier optimizer).
   self.hpool = Pool.new(device == "cpu" and "cpu" or "pinned")
@@ -431,6 +437,8 @@ function Engine:allocate(frozen_entries)
     buffer_count = oo.buffer_count, pipeline_read = oo.pipeline_read,
     pipeline_write = oo.pipeline_write, params = self.pshard, work_dtype = pp.dtype,
     compute = self.dev, grads = P:swapped("opt_grads"),
+    small = States.small_numel(L, P, self.rank, self.world, self.small_below),
+    signed = self.optimizer.state_signed,
   }
   if P.master.alias then self.master = self.work else self.master = self.states.master end
   -- The gradients (none on the device when stages 2-3 reduce straight into
@@ -510,6 +518,7 @@ function Engine:allocate(frozen_entries)
     ring = self.states, master = self.master, work = self.work, wstage = self.wstage,
     ograds = self.ograds, half_grads = self.half_grads, scratches = self.scratches,
     frozen = self.frozen, overlap = s.overlap, matrices = self.matrices, seed = self.seed,
+    small_below = self.small_below,
   }
   -- Gradient reduction: a component over these buffers (zero/reduce.lua).
   self.reducer = reduce.new{

@@ -12,9 +12,17 @@
 -- of all segments, one after another. The full ("gathered") buffer holds the
 -- segments one after another, each padded.
 --
---   local L = layout.new(param_table, world)
---   L.segments[i] = { index, module, entries, numel, padded, full_offset,
---                     slice, shard_offset }
+-- With a block (an optimizer whose states are block-scaled: 8-bit AdamW's
+-- 256), every parameter starts on a multiple of it within its segment and
+-- slices are multiples of it, so each block lies in one parameter and on
+-- one rank, counted from the parameter's start as a whole-tensor
+-- optimizer counts it; the gaps are padding.
+--
+--   local L = layout.new(param_table, world [, align [, block]])
+--   L.segments[i] = { index, module, entries, numel, extent, padded,
+--                     full_offset, slice, shard_offset }
+--   (numel: its parameters' elements; extent: where its last one ends,
+--   gaps included; the two differ only with a block)
 --   L.full_numel, L.shard_numel, L.numel (unpadded)
 local M = {}
 
@@ -36,26 +44,28 @@ function M.bind(field, seg, buf)
   end
 end
 
-function M.new(param_table, world, align)
+function M.new(param_table, world, align, block)
   align = align or M.ALIGN
-  local L = { world = world, segments = {}, by_module = {}, numel = 0 }
+  if block then align = math.max(align, block) end
+  local L = { world = world, segments = {}, by_module = {}, numel = 0, block = block }
   local full, shard = 0, 0
   local seg
   for _, e in ipairs(param_table) do
     if not seg or seg.module ~= e.module then
-      seg = { index = #L.segments + 1, module = e.module, entries = {}, numel = 0 }
+      seg = { index = #L.segments + 1, module = e.module, entries = {}, numel = 0, extent = 0 }
       L.segments[#L.segments + 1] = seg
       L.by_module[e.module] = seg
     end
+    local at = block and round_up(seg.extent, block) or seg.extent
     seg.entries[#seg.entries + 1] = {
-      entry = e, seg_offset = seg.numel, numel = e.numel, shape = e.shape, decay = e.decay,
+      entry = e, seg_offset = at, numel = e.numel, shape = e.shape, decay = e.decay,
       offset = e.offset,
     }
-    seg.numel = seg.numel + e.numel
+    seg.numel, seg.extent = seg.numel + e.numel, at + e.numel
     L.numel = L.numel + e.numel
   end
   for _, s in ipairs(L.segments) do
-    s.padded = round_up(s.numel, world * align)
+    s.padded = round_up(s.extent, world * align)
     s.slice = s.padded / world
     s.full_offset, s.shard_offset = full, shard
     full, shard = full + s.padded, shard + s.slice
@@ -71,25 +81,29 @@ end
 -- updates as a whole matrix, or nil; its pieces are runs of their own,
 -- with run.matrix that table. by_segment: runs never span two segments,
 -- and run.canonical is the canonical index of a run's first element (its
--- segment's first parameter's offset plus its place in the segment; past
--- the parameters, padding continues the count).
-function M.shard_runs(L, rank, matrix_of, by_segment)
+-- parameter's offset plus its place in it; past the parameters, padding
+-- continues the count of the segment's first). kind_of (optional): entry ->
+-- a value runs must share to merge (run.kind); padding then has kind "pad"
+-- and merges with nothing else.
+function M.shard_runs(L, rank, matrix_of, by_segment, kind_of)
   local runs = {}
   local seg_now
-  local function add(full_off, shard_off, n, decay, matrix)
+  local function add(full_off, shard_off, n, decay, matrix, e)
     if n <= 0 then return end
+    local kind = kind_of and (e and kind_of(e.entry) or "pad") or nil
     local last = runs[#runs]
-    if last and last.decay == decay and last.matrix == matrix and
+    if last and last.decay == decay and last.matrix == matrix and last.kind == kind and
        (not by_segment or last.seg == seg_now) and
        last.full_offset + last.numel == full_off and
        last.shard_offset + last.numel == shard_off then
       last.numel = last.numel + n
     else
       runs[#runs + 1] = { full_offset = full_off, shard_offset = shard_off, numel = n,
-                          decay = decay, matrix = matrix }
+                          decay = decay, matrix = matrix, kind = kind }
       if by_segment then
-        runs[#runs].seg = seg_now
-        runs[#runs].canonical = seg_now.entries[1].offset + (full_off - seg_now.full_offset)
+        local run, at = runs[#runs], full_off - seg_now.full_offset
+        run.seg = seg_now
+        run.canonical = e and e.offset + (at - e.seg_offset) or seg_now.entries[1].offset + at
       end
     end
   end
@@ -102,7 +116,7 @@ function M.shard_runs(L, rank, matrix_of, by_segment)
       if b > a then
         add(s.full_offset + pos, s.shard_offset + pos - lo, a - pos, false) -- gap (none)
         add(s.full_offset + a, s.shard_offset + a - lo, b - a, e.decay,
-            matrix_of and matrix_of(e.entry) or nil)
+            matrix_of and matrix_of(e.entry) or nil, e)
         pos = b
       end
     end

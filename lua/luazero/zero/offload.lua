@@ -22,6 +22,7 @@
 --
 --   local st = offload.states{ n = n, master = true, tier = "nvme", ... }
 --   st:each_group(write_back, function(k, lo, len, v) ... v.master, v.s (the states), v.work end [, fresh])
+--   (v.scales: a block-scaled state's f32 scales, one per block of the group)
 --   local ps = offload.param_shard{ n = shard_numel, dtype = "bf16", device = "nvme", ... }
 --   local view, stage = ps:slice(offset, len) ... ps:release(stage)
 local lz = require("luazero")
@@ -67,8 +68,13 @@ States.__index = States
 -- opts: n (optimizer elements of this rank), master (true: keep an fp32
 -- master copy here; false: the working copy is the fp32 master), names
 -- (the optimizer's per-element states, in order; the default
--- optimizer's: AdamW's m, v), formats (name -> format: f32 or bf16;
--- block-scaled formats are refused; f32 when absent),
+-- optimizer's: AdamW's m, v), formats (name -> format: f32, bf16 or u8;
+-- f32 when absent; a block-scaled format keeps one f32 scale per block
+-- beside the elements, in the same tier), small (elements whose states a
+-- block-scaled optimizer keeps in f32 instead, a tensor under its minimum
+-- size: f32 arrays `small` of that many elements, in memory on every tier,
+-- as small is a few kilobytes a tensor), signed (name -> true: a
+-- block-scaled state in the signed map),
 -- tier (the plan's tier of the states: a store kind's name), nvme_path
 -- (where a kind that is not resident opens its file), aio (the config's aio block),
 -- sub_group_size, buffer_count, pipeline_read, pipeline_write,
@@ -80,20 +86,15 @@ States.__index = States
 function M.states(opts)
   local n, kind = opts.n, store.get(opts.tier or "device")
   local names = opts.names or optimizers.default.states
-  -- Each state's element dtype (its format's: optim/formats.lua); a format
-  -- with block scales is not placed by these stores.
-  local dts = {}
+  -- Each state's element dtype (its format's: optim/formats.lua), and the
+  -- block of a block-scaled one (nil: none).
+  local dts, blocks = {}, {}
   for i, name in ipairs(names) do
     local f = formats.get((opts.formats or {})[name] or formats.default)
-    if f.block then
-      error(("initialize: the optimizer keeps its state %s in %s (block-scaled); the engine's " ..
-             "tiers place f32 and bf16 states: use an optimizer with those (AdamW, or AdamW " ..
-             "with momentum_dtype and variance_dtype bfloat16)"):format(name, f.name), 0)
-    end
-    dts[i] = f.dtype
+    dts[i], blocks[i] = f.dtype, f.block
   end
   local self = setmetatable({ n = n, kind = kind, has_master = opts.master, names = names,
-                              dtypes = dts,
+                              dtypes = dts, blocks = blocks, signed = {},
                               params = opts.params, wdt = opts.work_dtype,
                               compute = opts.compute or "cpu",
                               pipeline_read = opts.pipeline_read,
@@ -109,18 +110,35 @@ function M.states(opts)
     self.groups[#self.groups + 1] = { lo = lo, n = math.min(G, n - lo) }
   end
   if n == 0 then self.groups = {} end
-  self.s = {}
+  self.s, self.scales, self.small = {}, {}, {}
   if not on_disk then
-    local function new(dt) return kind.allocate({ n }, dt, "optimizer", self.compute) end
-    if opts.master then self.master = new("f32") end
-    for i = 1, #names do self.s[i] = new(dts[i]):zero() end
+    local function new(shape, dt) return kind.allocate(shape, dt, "optimizer", self.compute) end
+    if opts.master then self.master = new({ n }, "f32") end
+    for i = 1, #names do
+      self.s[i] = new({ n }, dts[i]):zero()
+      if blocks[i] then self.scales[i] = new({ math.max(1, math.ceil(n / blocks[i])) }, "f32"):zero() end
+    end
   end
-  -- A group's region of the swap file: the master, then each state, at
-  -- byte offsets (G is a multiple of GRAIN: each part starts on a page).
-  self.part_at, self.region = {}, (opts.master and G * esize.f32 or 0)
+  for i, name in ipairs(names) do self.signed[i] = (opts.signed or {})[name] == true end
+  local small = opts.small or 0
+  if small > 0 then
+    local mem = kind.resident and kind or host
+    for i = 1, #names do
+      if blocks[i] then
+        self.small[i] = mem.allocate({ small }, "f32", "optimizer", self.compute):zero()
+      end
+    end
+  end
+  -- A group's region of the swap file: the master, then each state (and
+  -- its scales), at byte offsets on pages.
+  self.part_at, self.scale_at, self.region = {}, {}, (opts.master and G * esize.f32 or 0)
   for i = 1, #names do
     self.part_at[i] = self.region
-    self.region = self.region + G * esize[dts[i]]
+    self.region = self.region + round_up(G * esize[dts[i]], PAGE)
+    if blocks[i] then
+      self.scale_at[i] = self.region
+      self.region = self.region + round_up(G / blocks[i] * esize.f32, PAGE)
+    end
   end
   -- The ring of staging buffers (NVMe states, or an NVMe parameter shard).
   self.nb, self.buffers = 0, {}
@@ -162,9 +180,17 @@ function States:make_views(k, g)
     local st = self:buffer(k).state
     if self.has_master then v.master = st:view(0, { g.n }) end
     for j = 1, #self.names do v.s[j] = typed_view(st, self.part_at[j], self.dtypes[j], g.n) end
+    for j, at in pairs(self.scale_at) do
+      v.scales = v.scales or {}
+      v.scales[j] = typed_view(st, at, "f32", math.ceil(g.n / self.blocks[j]))
+    end
   else
     if self.master then v.master = self.master:view(g.lo, { g.n }) end
     for j, t in ipairs(self.s) do v.s[j] = t:view(g.lo, { g.n }) end
+    for j, t in pairs(self.scales) do
+      v.scales = v.scales or {}
+      v.scales[j] = t:view(g.lo / self.blocks[j], { math.ceil(g.n / self.blocks[j]) })
+    end
   end
   if self.params then v.work = self:buffer(k).work:view(0, { g.n }) end
   local b = self.nb > 0 and self:buffer(k)
@@ -268,7 +294,9 @@ function States:free()
   if self.swap then self.swap:close(); self.swap = nil end
   if self.master then self.master:free(); self.master = nil end
   for _, t in ipairs(self.s) do t:free() end
-  self.s = {}
+  for _, t in pairs(self.scales) do t:free() end
+  for _, t in pairs(self.small) do t:free() end
+  self.s, self.scales, self.small = {}, {}, {}
 end
 
 ------------------------------------------------------------ parameter shard

@@ -36,7 +36,7 @@ local dtypes = { fp32 = "f32", bf16 = "bf16", fp16 = "f16", f32 = "f32", f16 = "
 -- The kernels' dtype name of a config dtype (fp32 -> f32, ...).
 M.dtypes = dtypes
 -- Bytes per element of each dtype: the one table every size is computed from.
-local esize = { f32 = 4, bf16 = 2, f16 = 2 }
+local esize = { f32 = 4, bf16 = 2, f16 = 2, u8 = 1 }
 M.esize = esize
 
 -- Which stages each offload works at (DeepSpeed's rule, as data): the

@@ -10,6 +10,7 @@
 --   local ms = States.new{ P = P, L = L, ring = engine.states, master = m, ... }
 --   ms:init_weights(seed); ms:build_calls(); ms:update(opt, t, lr, scale)
 --   ms:visit(false, function(off, master, m, v) ... end); ms:checksum()
+local ffi = require("ffi")
 local lz = require("luazero")
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
@@ -33,15 +34,50 @@ States.__index = States
 -- in a draw go there), overlap (overlap_comm: pushed parameters are
 -- copied on the copy stream), matrices (zero/matrices.lua: the whole-matrix
 -- placement of an optimizer that has one, else nil), seed (the run's: the
--- stochastic rounding of a bf16 master is keyed by it).
+-- stochastic rounding of a bf16 master is keyed by it), small_below (an
+-- optimizer with block-scaled states: tensors of fewer elements keep f32
+-- states, the ring's `small` arrays; nil: none).
 function M.new(parts)
   local self = setmetatable({}, States)
   for _, k in ipairs({ "P", "L", "rank", "world", "comm", "model", "ring", "master", "work",
                        "wstage", "ograds", "half_grads", "scratches", "frozen", "overlap",
-                       "matrices", "seed" }) do
+                       "matrices", "seed", "small_below" }) do
     self[k] = parts[k]
   end
   return self
+end
+
+-- The ranks whose slices this rank's optimizer updates (plan P).
+local function optimizer_ranks(P, rank, world)
+  local ranks = {}
+  if P.optimizer.ranks == "all" then
+    for r = 0, world - 1 do ranks[#ranks + 1] = r end
+  else
+    ranks[1] = rank
+  end
+  return ranks
+end
+
+-- Runs kind by what their states are where the optimizer's are
+-- block-scaled: "small" (a tensor under small_below: f32 states), "block"
+-- (the block-scaled states) or "pad" (padding: never updated, it stays
+-- zero); nil otherwise.
+local function kinds(small_below)
+  if not small_below then return nil end
+  return function(e) return e.numel < small_below and "small" or "block" end
+end
+
+-- Elements of this rank's optimizer runs whose states are kept in f32 beside
+-- block-scaled ones (the ring's `small` arrays): 0 without a small_below.
+function M.small_numel(L, P, rank, world, small_below)
+  local n, kind_of = 0, kinds(small_below)
+  if not kind_of then return 0 end
+  for _, r in ipairs(optimizer_ranks(P, rank, world)) do
+    for _, run in ipairs(layout.shard_runs(L, r, nil, false, kind_of)) do
+      if run.kind == "small" then n = n + run.numel end
+    end
+  end
+  return n
 end
 
 -- Elements of a buffer of this extent on this rank.
@@ -137,6 +173,7 @@ function States:init_weights(seed)
           end)
         end
         for _, t in ipairs(v.s) do t:zero() end
+        for _, t in pairs(v.scales or {}) do t:zero() end
       end
       if P:swapped("params") then v.work:copy(v.master) end
       for seg, full in pairs(full_of) do
@@ -163,6 +200,7 @@ function States:zero_weights()
     st:each_group(true, function(_, _, _, v)
       if not P.master.alias then v.master:zero() end
       for _, t in ipairs(v.s) do t:zero() end
+      for _, t in pairs(v.scales or {}) do t:zero() end
       if P:swapped("params") then v.work:zero() end
     end, true)
   end
@@ -190,12 +228,7 @@ end
 -- fp16, or an NVMe parameter shard) the working copy.
 function States:build_calls()
   local L, P = self.L, self.P
-  local ranks = {}
-  if P.optimizer.ranks == "all" then
-    for r = 0, self.world - 1 do ranks[#ranks + 1] = r end
-  else
-    ranks[1] = self.rank
-  end
+  local ranks = optimizer_ranks(P, self.rank, self.world)
   -- The working copy the update rounds into (none when it is the master
   -- itself, or on NVMe: each sub-group's staging then).
   local rounds = P.dtype ~= "f32" and not P:swapped("params")
@@ -207,12 +240,14 @@ function States:build_calls()
     self.sround_scratch = self.sround_scratch or lz.tensor({ CHUNK }, "f32", "workspace")
   end
   local runs = {}
+  local small_at = 0 -- the next small run's place in the ring's small arrays
   for _, r in ipairs(ranks) do
     for _, run in ipairs(layout.shard_runs(L, r, self.matrices and self.matrices.matrix_of,
-                                           sround)) do
+                                           sround, kinds(self.small_below))) do
       local shape = { run.numel }
       local item = {
         decay = run.decay, matrix = run.matrix, numel = run.numel, canonical = run.canonical,
+        kind = run.kind, small_at = run.kind == "small" and small_at or nil,
         opt_off = at(P.optimizer.extent, run),
         master_off = at(P.master.extent, run),
         -- (gradients on NVMe: the group's, read with its states)
@@ -224,9 +259,15 @@ function States:build_calls()
         item.w = self.wstage:view(run.shard_offset, shape)
         item.wdev = self.work:view(at(P.params.extent, run), shape)
       end
-      runs[#runs + 1] = item
+      if run.kind == "small" then
+        small_at = small_at + run.numel
+        self.small_runs = self.small_runs or {}
+        self.small_runs[#self.small_runs + 1] = item
+      end
+      if run.kind ~= "pad" then runs[#runs + 1] = item end
     end
   end
+  local small = self.ring.small
   local grouped_master = not P.master.alias
   local grouped_work = P:swapped("params")
   self.calls = {}
@@ -238,10 +279,23 @@ function States:build_calls()
       if b > a then
         local d, len, rel = a - run.opt_off, b - a, a - g.lo
         local function piece(off, n)
-          local st = {}
-          for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
+          local st, sc = {}, nil
+          if run.kind == "small" then
+            for i, t in ipairs(gv.s) do
+              st[i] = small[i] and small[i]:view(run.small_at + d + off, { n }) or t:view(rel + off, { n })
+            end
+          else
+            for i, t in ipairs(gv.s) do st[i] = t:view(rel + off, { n }) end
+            -- (a block run starts on a block, and groups and chunks are
+            -- multiples of one: its scales start at its first block's)
+            for i, t in pairs(gv.scales or {}) do
+              local B = self.ring.blocks[i]
+              sc = sc or {}
+              sc[i] = t:view((rel + off) / B, { math.ceil(n / B) })
+            end
+          end
           return {
-            decay = run.decay, matrix = run.matrix, s = st,
+            decay = run.decay, matrix = run.matrix, s = st, scales = sc,
             canonical = run.canonical and run.canonical + d + off,
             p = grouped_master and gv.master:view(rel + off, { n })
                 or self.master:view(run.master_off + d + off, { n }),
@@ -299,6 +353,11 @@ function States:step_call(opt, c, t, lr, scale)
     local len = math.min(CHUNK, n - off)
     local sub = { decay = c.decay, matrix = c.matrix, s = {} }
     for i, st in ipairs(c.s) do sub.s[i] = st:view(off, { len }) end
+    for i, sc in pairs(c.scales or {}) do
+      local B = self.ring.blocks[i]
+      sub.scales = sub.scales or {}
+      sub.scales[i] = sc:view(off / B, { math.ceil(len / B) })
+    end
     local master = c.p:view(off, { len })
     sub.p, sub.g = scratch:view(0, { len }), c.g:view(off, { len })
     sub.p:convert(master)
@@ -306,6 +365,7 @@ function States:step_call(opt, c, t, lr, scale)
     lz.ops.bf16_round_stochastic(master, sub.p, self.seed or 0, t, c.canonical + off)
     master:free(); sub.p:free(); sub.g:free()
     for _, st in ipairs(sub.s) do st:free() end
+    for _, sc in pairs(sub.scales or {}) do sc:free() end
   end
 end
 
@@ -346,8 +406,10 @@ end
 
 function States:visit(write_back, fn)
   local P = self.P
-  local narrow_states = false
-  for _, dt in ipairs(self.ring.dtypes or {}) do narrow_states = narrow_states or dt ~= "f32" end
+  local narrow_states, blocks = false, next(self.ring.blocks) ~= nil
+  for i, dt in ipairs(self.ring.dtypes or {}) do
+    narrow_states = narrow_states or (dt ~= "f32" and not self.ring.blocks[i])
+  end
   if narrow_states then
     -- States kept narrower (bf16 moments): checkpoints see them in f32,
     -- exactly, and a load's f32 values (saved from the same format) narrow
@@ -384,6 +446,10 @@ function States:visit(write_back, fn)
     end
   end
   self.ring:each_group(write_back, function(_, lo, n, v)
+    -- (block-scaled states as their f32 values, set back after a load)
+    local ring_views = v
+    local states = blocks and self:widen(lo, n, v) or v.s
+    v = { master = v.master, s = states, work = v.work }
     if not P.master.alias then
       fn(lo, v.master, unpack(v.s))
       if write_back and P:swapped("params") then v.work:copy(v.master) end
@@ -399,7 +465,75 @@ function States:visit(write_back, fn)
                      write_back, function(m) fn(a, m, unpack(st)) end)
       end)
     end
+    if blocks then self:narrow(write_back, lo, n, ring_views, states) end
   end)
+end
+
+-- Calls fn(run, a, len) for the small runs' pieces within optimizer
+-- elements [lo, lo + n) (a: the piece's optimizer offset).
+function States:small_pieces(lo, n, fn)
+  for _, r in ipairs(self.small_runs or {}) do
+    local a, b = math.max(lo, r.opt_off), math.min(lo + n, r.opt_off + r.numel)
+    if b > a then fn(r, a, b - a) end
+  end
+end
+
+-- A host copy of t where it is on a device (the caller frees it), else t.
+local function on_host(t)
+  if t:device_name() == "cpu" then return t, false end
+  return t:to("cpu"), true
+end
+
+-- The f32 values of group [lo, lo + n)'s states (views v): a block-scaled
+-- state's dequantised (what the update reads for each element), the f32
+-- states of the small tensors in their places; others as they are.
+function States:widen(lo, n, v)
+  local ring, out = self.ring, {}
+  for i, t in ipairs(v.s) do
+    if ring.blocks[i] then
+      local w = lz.tensor({ n }, "f32", "workspace")
+      local q, own_q = on_host(t)
+      local sc, own_sc = on_host(v.scales[i])
+      lz.check(lz.C.lz_adamw8bit_dequantize(q, sc, ring.signed[i] and 1 or 0, w))
+      if own_q then q:free() end
+      if own_sc then sc:free() end
+      self:small_pieces(lo, n, function(r, a, len)
+        local dst = w:view(a - lo, { len })
+        local src = ring.small[i]:view(r.small_at + (a - r.opt_off), { len })
+        dst:copy(src)
+        dst:free(); src:free()
+      end)
+      out[i] = w
+    else
+      out[i] = t
+    end
+  end
+  return out
+end
+
+-- After fn saw widen's values: written back (a load), the small tensors'
+-- f32 states and the requantised blocks (lz_adamw8bit_requantize: the same
+-- bits as before the save where they came from one); then freed.
+function States:narrow(write_back, lo, n, v, wide)
+  local ring = self.ring
+  for i, w in ipairs(wide) do
+    if ring.blocks[i] then
+      if write_back then
+        self:small_pieces(lo, n, function(r, a, len)
+          local src = w:view(a - lo, { len })
+          local dst = ring.small[i]:view(r.small_at + (a - r.opt_off), { len })
+          dst:copy(src)
+          dst:free(); src:free()
+        end)
+        local q, own_q = on_host(v.s[i])
+        local sc, own_sc = on_host(v.scales[i])
+        lz.check(lz.C.lz_adamw8bit_requantize(w, ring.signed[i] and 1 or 0, q, sc))
+        if own_q then v.s[i]:copy(q); q:free() end
+        if own_sc then v.scales[i]:copy(sc); sc:free() end
+      end
+      w:free()
+    end
+  end
 end
 
 -- How optimizer-element offsets map to canonical parameter coordinates:
@@ -452,7 +586,12 @@ end
 function States:master_params()
   local out = lz.tensor({ self.L.numel }, "f32", "workspace")
   self:full_master_segments(function(seg, full)
-    out:view(seg.entries[1].offset, { seg.numel }):copy(full:view(0, { seg.numel }))
+    -- (parameter by parameter: a block layout leaves gaps between them)
+    for _, e in ipairs(seg.entries) do
+      local dst, src = out:view(e.offset, { e.numel }), full:view(e.seg_offset, { e.numel })
+      dst:copy(src)
+      dst:free(); src:free()
+    end
   end)
   return out
 end
@@ -532,7 +671,11 @@ end
 function States:checksum()
   local h = lz.hasher(0)
   local es = Placement.esize.f32
-  self:full_master_segments(function(seg, full) h:update(full.data, seg.numel * es) end)
+  self:full_master_segments(function(seg, full)
+    for _, e in ipairs(seg.entries) do
+      h:update(ffi.cast("char *", full.data) + e.seg_offset * es, e.numel * es)
+    end
+  end)
   local hex = require("bit").tohex(h:digest(), 16)
   h:free()
   return hex
