@@ -90,11 +90,10 @@ LZ_TEST(quant8_vector_form_is_the_scalar_one) {
   free(x), free(q);
 }
 
-/* The vector quantisers multiply by 1 / absmax where that cannot change the
- * index and divide elsewhere: around every step of both maps, around the
- * cells' edges, 2^-26 and 1, at absmaxes across the range where they
- * multiply (and just outside it), every value within 12 floats of x / absmax
- * landing there gets the scalar index of x / absmax. */
+/* The vector quantisers against the scalar index where a wrong rounding or
+ * a wrong cell would show first: around every step of both maps, around the
+ * cells' edges, 2^-26 and 1, at absmaxes from tiny to huge, every value
+ * within 12 floats of x / absmax landing there. */
 LZ_TEST(quant8_vector_form_near_steps_and_edges) {
   enum { N = 256 };
   float x[N];

@@ -249,7 +249,7 @@ A8_VBMI static void blocks8_vbmi(float *restrict p, const float *restrict grad, 
   enum { B = LZ_ADAMW8BIT_BLOCK };
   float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
   const uint32_t *cells_m = k->map_m->cells, *cells_v = k->map_v->cells;
-  lz_q8_scale16 sm = lz_q8_scale16_of(1.0f), sv = sm;
+  __m512 sm = _mm512_set1_ps(1.0f), sv = sm; /* the previous block's absmaxes */
   for (int64_t b = 0; b <= blocks; b++) {
     const int cur = (int)(b & 1), prev = cur ^ 1, update = b < blocks, quantise = b > 0;
     const int64_t o = b * B, q = o - B;
@@ -267,14 +267,14 @@ A8_VBMI static void blocks8_vbmi(float *restrict p, const float *restrict grad, 
       if (quantise)
         for (int j = i; j < i + 64; j += 16) {
           _mm_storeu_si128((__m128i *)(qm + q + j),
-                           lz_q8_quantize16(cells_m, _mm512_load_ps(m[prev] + j), &sm));
+                           lz_q8_quantize16(cells_m, _mm512_load_ps(m[prev] + j), sm));
           _mm_storeu_si128((__m128i *)(qv + q + j),
-                           lz_q8_quantize16(cells_v, _mm512_load_ps(v[prev] + j), &sv));
+                           lz_q8_quantize16(cells_v, _mm512_load_ps(v[prev] + j), sv));
         }
     }
     if (update) {
       absmax_m[b] = _mm512_reduce_max_ps(mm), absmax_v[b] = _mm512_reduce_max_ps(mv);
-      sm = lz_q8_scale16_of(absmax_m[b]), sv = lz_q8_scale16_of(absmax_v[b]);
+      sm = _mm512_set1_ps(absmax_m[b]), sv = _mm512_set1_ps(absmax_v[b]);
     }
   }
 }

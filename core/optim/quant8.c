@@ -16,8 +16,7 @@
  * one table per sign. No cell holds more than one step, so a cell's entry is
  * the index below its step, the index at and above it, and where the step
  * is (the low 16 bits of the magnitude): one load and one compare per value,
- * which vectorises as one gather. The vector forms take x / absmax as x times
- * 1 / absmax where that provably gives the same index (lz_quant8.h). */
+ * which vectorises as one gather. */
 #include "optim/lz_quant8.h"
 
 #include <pthread.h>   /* pthread_once: the cell tables are built on first use */
@@ -360,15 +359,14 @@ static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, 
 __attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *map, const float *x,
                                                                float absmax, uint8_t *q,
                                                                int64_t n) {
-  const lz_q8_scale16 sc = lz_q8_scale16_of(absmax);
+  const __m512 vmax = _mm512_set1_ps(absmax);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), &sc));
+    _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
   quantize_scalar(map, x + i, absmax, q + i, n - i);
 }
 
-__attribute__((target("avx2"))) static inline __m256i index8(const uint32_t *cells, __m256i u,
-                                                             int *near) {
+__attribute__((target("avx2"))) static inline __m256i index8(const uint32_t *cells, __m256i u) {
   const __m256i lo = _mm256_set1_epi32((int)Q8_LO), low16 = _mm256_set1_epi32(0xffff);
   const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i ac = _mm256_min_epu32(_mm256_max_epu32(a, lo), _mm256_set1_epi32((int)Q8_ONE));
@@ -377,17 +375,6 @@ __attribute__((target("avx2"))) static inline __m256i index8(const uint32_t *cel
                        _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)Q8_SIDE)));
   const __m256i e = _mm256_i32gather_epi32((const int *)cells, cell, 4);
   const __m256i l = _mm256_and_si256(ac, low16), s = _mm256_and_si256(e, low16);
-  if (near) {
-    /* all operands below 2^31: the signed compares are the unsigned ones */
-    const __m256i slack = _mm256_set1_epi32((int)Q8_SLACK);
-    const __m256i width = _mm256_set1_epi32((int)(2 * Q8_SLACK));
-    const __m256i to_step = _mm256_and_si256(_mm256_add_epi32(_mm256_sub_epi32(l, s), slack), low16);
-    const __m256i to_edge = _mm256_and_si256(_mm256_add_epi32(l, slack), low16);
-    const __m256i close = _mm256_or_si256(_mm256_cmpgt_epi32(_mm256_add_epi32(width, _mm256_set1_epi32(1)), to_step),
-                                          _mm256_cmpgt_epi32(_mm256_add_epi32(width, _mm256_set1_epi32(1)), to_edge));
-    const __m256i far_below = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(Q8_LO - Q8_SLACK)), a);
-    *near = !_mm256_testc_si256(far_below, close);
-  }
   /* both operands < 2^16: the signed compare is the unsigned one */
   return _mm256_blendv_epi8(_mm256_srli_epi32(e, 24),
                             _mm256_and_si256(_mm256_srli_epi32(e, 16), _mm256_set1_epi32(0xff)),
@@ -396,23 +383,16 @@ __attribute__((target("avx2"))) static inline __m256i index8(const uint32_t *cel
 
 __attribute__((target("avx2"))) static void quantize_avx2(const lz_q8_map *map, const float *x,
                                                           float absmax, uint8_t *q, int64_t n) {
-  const __m256 vmax = _mm256_set1_ps(absmax), r = _mm256_set1_ps(1.0f / absmax);
-  const int fast = absmax >= Q8_FAST_MIN && absmax <= Q8_FAST_MAX;
+  const __m256 vmax = _mm256_set1_ps(absmax);
   /* byte 0 of each 32-bit lane into the low 4 bytes of each half */
   const __m256i gather_bytes =
       _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i);
-    int near = 1;
-    __m256i idx = _mm256_setzero_si256();
-    if (fast) idx = index8(map->cells, _mm256_castps_si256(_mm256_mul_ps(xv, r)), &near);
-    if (near) {
-      const __m256 z = _mm256_div_ps(xv, vmax);
-      idx = _mm256_and_si256(index8(map->cells, _mm256_castps_si256(z), NULL),
-                             _mm256_castps_si256(_mm256_cmp_ps(z, z, _CMP_ORD_Q)));
-    }
+    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), vmax);
+    const __m256i idx = _mm256_and_si256(index8(map->cells, _mm256_castps_si256(z)),
+                                         _mm256_castps_si256(_mm256_cmp_ps(z, z, _CMP_ORD_Q)));
     const __m256i packed = _mm256_shuffle_epi8(idx, gather_bytes);
     const uint32_t q0 = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(packed));
     const uint32_t q1 = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(packed, 1));
