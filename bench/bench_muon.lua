@@ -3,7 +3,9 @@
 -- on whole matrices of a Llama's shapes, beside AdamW's fused step over as
 -- many parameters and the GEMM yardstick (the same n x n x n lz_matmul rate
 -- bench_support measures). One line per shape:
---   muon AxB  <ns per parameter>  <parameters/s>  <Newton-Schulz GFLOP/s>  adamw <parameters/s>
+--   muon AxB  time per parameter <ns>  <parameters/s>  <Newton-Schulz GFLOP/s>  adamw <ns> <parameters/s>
+-- and at the end the time per parameter of a whole model's worth of these matrices (the
+-- shapes' parameter-weighted mean).
 --   luazero bench/bench_muon.lua [--reps R] [--shapes 768x768,2048x768,...]
 local lz = require("luazero")
 local optim = require("luazero.optim")
@@ -25,6 +27,7 @@ local function randomize(t, seed)
   for i = 0, t:numel() - 1 do x[i] = ((i * 7919 + seed * 104729) % 2003) / 2003 - 0.5 end
 end
 
+local total_s, total_n = 0, 0
 local peak = bench.gemm_gflops(2048, "f32")
 print(("bench_muon: %d threads; lz_matmul 2048^3 fp32 %.0f GFLOP/s (the yardstick)")
       :format(lz.threads(), peak))
@@ -55,7 +58,10 @@ for a, b in shapes_arg:gmatch("(%d+)x(%d+)") do
   local s, as = bench.median(times), bench.median(atimes)
   local k, l = math.min(A, B), math.max(A, B)
   local flops = muon.ns_steps * (4 * k * k * l + 2 * k * k * k)
-  print(("muon %dx%d  %.2f ns/param  %.3g params/s  NS %.0f GFLOP/s  adamw %.3g params/s")
-        :format(A, B, s * 1e9 / n, n / s, flops / s / 1e9, n / as))
+  print(("muon %dx%d  time per parameter %.2f ns  %.3g params/s  NS %.0f GFLOP/s  adamw %.2f ns %.3g params/s")
+        :format(A, B, s * 1e9 / n, n / s, flops / s / 1e9, as * 1e9 / n, n / as))
+  total_s, total_n = total_s + s, total_n + n
   for _, t in ipairs({ p, g, m, v }) do t:free() end
 end
+print(("muon all shapes  time per parameter %.2f ns (%d parameters)"):format(total_s * 1e9 / total_n,
+      total_n))

@@ -89,3 +89,134 @@ LZ_TEST(quant8_vector_form_is_the_scalar_one) {
   CHECK(ok);
   free(x), free(q);
 }
+
+/* The vector quantisers against the scalar index where a wrong rounding or
+ * a wrong cell would show first: around every step of both maps, around the
+ * cells' edges, 2^-26 and 1, at absmaxes from tiny to huge, every value
+ * within 12 floats of x / absmax landing there. */
+LZ_TEST(quant8_vector_form_near_steps_and_edges) {
+  enum { N = 256 };
+  float x[N];
+  uint8_t q[N];
+  const lz_q8_quantize_fn quantize = lz_q8_quantizer();
+  const float absmaxes[] = {1.0f,    0x1.8p-3f, 3.7e-3f, 0x1.234566p-60f, 0x1.fffffep-126f,
+                            0x1p-125f, 0x1p125f, 0x1.000002p125f, 7.5e20f, 1.3e-12f};
+  int ok = 1, points = 0;
+  for (int sgn = 0; sgn < 2; sgn++) {
+    const lz_q8_map *map = lz_q8_map_get(sgn);
+    /* the places to probe: each step (found by bisection), each cell edge */
+    uint32_t at[8192];
+    int n_at = 0;
+    for (int side = 0; side < 2; side++) {
+      const uint32_t s = (uint32_t)side << 31;
+      uint32_t prev = 0;
+      for (uint32_t b = 1024; b <= Q8_ONE + 1024; b += 1024) {
+        const uint32_t hi = b > Q8_ONE ? Q8_ONE : b;
+        if (lz_q8_index(map, from_bits(s | prev)) != lz_q8_index(map, from_bits(s | hi))) {
+          uint32_t lo = prev, h = hi; /* the first pattern with hi's index */
+          while (h - lo > 1) {
+            const uint32_t mid = lo + (h - lo) / 2;
+            if (lz_q8_index(map, from_bits(s | mid)) == lz_q8_index(map, from_bits(s | hi)))
+              h = mid;
+            else
+              lo = mid;
+          }
+          if (n_at < 8192) at[n_at++] = s | h;
+        }
+        prev = hi;
+      }
+      for (uint32_t c = Q8_LO; c <= Q8_ONE && n_at < 8192; c += 0x10000 * 97) at[n_at++] = s | c;
+      at[n_at++] = s | Q8_LO, at[n_at++] = s | Q8_ONE;
+    }
+    for (size_t a = 0; a < sizeof absmaxes / sizeof *absmaxes; a++) {
+      const float am = absmaxes[a];
+      int fill = 0;
+      for (int t = 0; t < n_at; t++)
+        for (int d = -12; d <= 12; d++) {
+          const float z = from_bits(at[t] + (uint32_t)d);
+          const float v = z * am;
+          x[fill++] = fabsf(v) <= am ? v : copysignf(am, v);
+          if (fill == N || (t == n_at - 1 && d == 12)) {
+            quantize(map, x, am, q, fill);
+            for (int i = 0; i < fill; i++) ok &= q[i] == lz_q8_index(map, x[i] / am);
+            points += fill, fill = 0;
+          }
+        }
+    }
+  }
+  CHECK(points > 100000);
+  CHECK(ok);
+}
+
+/* bitsandbytes' CPU update for one block, op for op (adamw8bit.c's
+ * formula, written out here as the reference). */
+__attribute__((optimize("fp-contract=off"))) static void ref_block(
+    float *p, const float *grad, uint8_t *qm, uint8_t *qv, float *am, float *av,
+    const lz_adamw_args *a, int64_t n) {
+  const double c1 = 1.0 - pow(a->beta1, (double)a->step);
+  const double c2 = sqrt(1.0 - pow(a->beta2, (double)a->step));
+  const float omb1 = (float)(1.0 - a->beta1), omb2 = (float)(1.0 - a->beta2);
+  const float decay = a->weight_decay > 0 ? (float)(1.0 - (double)a->lr * a->weight_decay) : 1.0f;
+  const float neg = (float)(-(double)a->lr / c1), fc2 = (float)c2;
+  const lz_q8_map *mm = lz_q8_map_get(1), *mv = lz_q8_map_get(0);
+  float m[256], v[256], max_m = 0.0f, max_v = 0.0f;
+  for (int64_t i = 0; i < n; i++) {
+    const float g = grad[i] * a->grad_scale;
+    m[i] = fmaf(g, omb1, mm->values[qm[i]] * *am * a->beta1);
+    v[i] = fmaf(omb2 * g, g, mv->values[qv[i]] * *av * a->beta2);
+    const float denom = sqrtf(v[i]) / fc2 + a->eps;
+    p[i] = p[i] * decay + neg * m[i] / denom;
+    max_m = fabsf(m[i]) > max_m ? fabsf(m[i]) : max_m;
+    max_v = fabsf(v[i]) > max_v ? fabsf(v[i]) : max_v;
+  }
+  *am = max_m, *av = max_v;
+  for (int64_t i = 0; i < n; i++)
+    qm[i] = lz_q8_index(mm, m[i] / max_m), qv[i] = lz_q8_index(mv, v[i] / max_v);
+}
+
+/* The fused step (its vector and pipelined forms, over several threads'
+ * chunks and a partial last block) against ref_block, bit for bit, over 4
+ * steps of gradients with zeros, denormals, NaN, a block of zeros and huge
+ * outliers. */
+LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
+  const int64_t n = 3 * 16384 + 5 * 256 + 77, blocks = (n + 255) / 256, s1[1] = {n};
+  const int64_t sb[1] = {blocks};
+  float *p = malloc(sizeof(float) * n), *rp = malloc(sizeof(float) * n);
+  float *g = malloc(sizeof(float) * n), *am = calloc((size_t)blocks, sizeof(float));
+  float *av = calloc((size_t)blocks, sizeof(float)), *ram = calloc((size_t)blocks, sizeof(float));
+  float *rav = calloc((size_t)blocks, sizeof(float));
+  uint8_t *qm = calloc((size_t)n, 1), *qv = calloc((size_t)n, 1), *rqm = calloc((size_t)n, 1);
+  uint8_t *rqv = calloc((size_t)n, 1);
+  for (int64_t i = 0; i < n; i++) rp[i] = p[i] = 0.05f * lz_test_uniform(&rng);
+  lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
+  lz_tensor *tm = lz_test_wrap(qm, LZ_U8, 1, s1), *tv = lz_test_wrap(qv, LZ_U8, 1, s1);
+  lz_tensor *tam = lz_test_wrap(am, LZ_F32, 1, sb), *tav = lz_test_wrap(av, LZ_F32, 1, sb);
+  lz_adamw_args a = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f,
+                     .weight_decay = 0.1f, .grad_scale = 0.5f, .step = 1};
+  int ok = 1;
+  for (; a.step <= 4; a.step++) {
+    const float scale = a.step == 3 ? 1e-6f : 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+      const uint64_t r = lz_test_xorshift(&rng);
+      g[i] = scale * lz_test_uniform(&rng) * (float)(1 << (r % 8));
+      if (r % 11 == 0) g[i] = 0.0f;
+      if (r % 29 == 0) g[i] = from_bits((uint32_t)(r >> 40)); /* denormal */
+      if (i == 1000 && a.step == 2) g[i] = nanf("");
+      if (i >= 2048 && i < 2304) g[i] = 0.0f;            /* a block of zeros */
+      if (i >= 4096 && i < 4100) g[i] *= 1e6f;           /* outliers */
+    }
+    CHECK_OK(lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, NULL, &a));
+    for (int64_t b = 0; b < blocks; b++) {
+      const int64_t o = b * 256, len = n - o < 256 ? n - o : 256;
+      ref_block(rp + o, g + o, rqm + o, rqv + o, ram + b, rav + b, &a, len);
+    }
+    ok &= !memcmp(p, rp, sizeof(float) * n) && !memcmp(qm, rqm, (size_t)n) &&
+          !memcmp(qv, rqv, (size_t)n) && !memcmp(am, ram, sizeof(float) * blocks) &&
+          !memcmp(av, rav, sizeof(float) * blocks);
+  }
+  CHECK(ok);
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
+  lz_tensor_free(tam), lz_tensor_free(tav);
+  free(p), free(rp), free(g), free(am), free(av), free(ram), free(rav);
+  free(qm), free(qv), free(rqm), free(rqv);
+}

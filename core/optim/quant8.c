@@ -19,7 +19,6 @@
  * which vectorises as one gather. */
 #include "optim/lz_quant8.h"
 
-#include <immintrin.h> /* the gathers of the vector quantisers */
 #include <pthread.h>   /* pthread_once: the cell tables are built on first use */
 #include <string.h>    /* memcpy */
 
@@ -271,9 +270,6 @@ static const lz_q8_run unsigned_runs[245] = {
     {0x1.ff19fep-1f, 255},
 };
 
-#define Q8_LO 0x32800000u /* 2^-26: every smaller magnitude has its index */
-#define Q8_ONE 0x3f800000u
-#define Q8_SIDE (((Q8_ONE - Q8_LO) >> 16) + 1) /* cells per sign */
 
 /* The index the runs give z (the scalar truth the cells are built from). */
 static uint8_t run_index(const lz_q8_run *runs, int n, float z) {
@@ -295,7 +291,9 @@ static float from_bits(uint32_t u) {
 }
 
 static uint32_t signed_cells[2 * Q8_SIDE], unsigned_cells[2 * Q8_SIDE];
-static const lz_q8_map maps[2] = {{unsigned_values, unsigned_cells}, {signed_values, signed_cells}};
+static uint8_t signed_planes[4][256], unsigned_planes[4][256];
+static const lz_q8_map maps[2] = {{unsigned_values, unsigned_cells, unsigned_planes},
+                                  {signed_values, signed_cells, signed_planes}};
 
 /* A cell's entry: bits 0-15 where the step is (the low bits of the first
  * magnitude at the upper index; 0 when the cell has one index), 16-23 the
@@ -320,8 +318,18 @@ static void build_cells(uint32_t *cells, const lz_q8_run *runs, int n) {
     }
 }
 
+static void build_planes(uint8_t planes[4][256], const float *values) {
+  for (int i = 0; i < 256; i++) {
+    uint32_t u;
+    memcpy(&u, &values[i], sizeof u);
+    for (int k = 0; k < 4; k++) planes[k][i] = (uint8_t)(u >> (8 * k));
+  }
+}
+
 static pthread_once_t built = PTHREAD_ONCE_INIT;
 static void build(void) {
+  build_planes(signed_planes, signed_values);
+  build_planes(unsigned_planes, unsigned_values);
   build_cells(signed_cells, signed_runs, (int)(sizeof signed_runs / sizeof *signed_runs));
   build_cells(unsigned_cells, unsigned_runs, (int)(sizeof unsigned_runs / sizeof *unsigned_runs));
 }
@@ -352,34 +360,30 @@ __attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *
                                                                float absmax, uint8_t *q,
                                                                int64_t n) {
   const __m512 vmax = _mm512_set1_ps(absmax);
-  const __m512i mag = _mm512_set1_epi32(0x7fffffff), lo = _mm512_set1_epi32((int)Q8_LO);
-  const __m512i one = _mm512_set1_epi32((int)Q8_ONE), side = _mm512_set1_epi32((int)Q8_SIDE);
-  const __m512i low16 = _mm512_set1_epi32(0xffff), byte = _mm512_set1_epi32(0xff);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 z = _mm512_div_ps(_mm512_loadu_ps(x + i), vmax);
-    const __m512i u = _mm512_castps_si512(z);
-    const __m512i a = _mm512_min_epu32(_mm512_max_epu32(_mm512_and_si512(u, mag), lo), one);
-    __m512i cell = _mm512_srli_epi32(_mm512_sub_epi32(a, lo), 16);
-    cell =
-        _mm512_mask_add_epi32(cell, _mm512_cmplt_epi32_mask(u, _mm512_setzero_si512()), cell, side);
-    const __m512i e = _mm512_i32gather_epi32(cell, (const int *)map->cells, 4);
-    const __mmask16 up =
-        _mm512_cmpge_epu32_mask(_mm512_and_si512(a, low16), _mm512_and_si512(e, low16));
-    __m512i idx = _mm512_mask_blend_epi32(up, _mm512_and_si512(_mm512_srli_epi32(e, 16), byte),
-                                          _mm512_srli_epi32(e, 24));
-    idx = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(z, z, _CMP_ORD_Q), idx);
-    _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(idx));
-  }
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
   quantize_scalar(map, x + i, absmax, q + i, n - i);
+}
+
+__attribute__((target("avx2"))) static inline __m256i index8(const uint32_t *cells, __m256i u) {
+  const __m256i lo = _mm256_set1_epi32((int)Q8_LO), low16 = _mm256_set1_epi32(0xffff);
+  const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i ac = _mm256_min_epu32(_mm256_max_epu32(a, lo), _mm256_set1_epi32((int)Q8_ONE));
+  const __m256i cell =
+      _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(ac, lo), 16),
+                       _mm256_and_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)Q8_SIDE)));
+  const __m256i e = _mm256_i32gather_epi32((const int *)cells, cell, 4);
+  const __m256i l = _mm256_and_si256(ac, low16), s = _mm256_and_si256(e, low16);
+  /* both operands < 2^16: the signed compare is the unsigned one */
+  return _mm256_blendv_epi8(_mm256_srli_epi32(e, 24),
+                            _mm256_and_si256(_mm256_srli_epi32(e, 16), _mm256_set1_epi32(0xff)),
+                            _mm256_cmpgt_epi32(s, l));
 }
 
 __attribute__((target("avx2"))) static void quantize_avx2(const lz_q8_map *map, const float *x,
                                                           float absmax, uint8_t *q, int64_t n) {
   const __m256 vmax = _mm256_set1_ps(absmax);
-  const __m256i mag = _mm256_set1_epi32(0x7fffffff), lo = _mm256_set1_epi32((int)Q8_LO);
-  const __m256i one = _mm256_set1_epi32((int)Q8_ONE), side = _mm256_set1_epi32((int)Q8_SIDE);
-  const __m256i low16 = _mm256_set1_epi32(0xffff), byte = _mm256_set1_epi32(0xff);
   /* byte 0 of each 32-bit lane into the low 4 bytes of each half */
   const __m256i gather_bytes =
       _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
@@ -387,17 +391,8 @@ __attribute__((target("avx2"))) static void quantize_avx2(const lz_q8_map *map, 
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), vmax);
-    const __m256i u = _mm256_castps_si256(z);
-    const __m256i a = _mm256_min_epu32(_mm256_max_epu32(_mm256_and_si256(u, mag), lo), one);
-    const __m256i cell = _mm256_add_epi32(_mm256_srli_epi32(_mm256_sub_epi32(a, lo), 16),
-                                          _mm256_and_si256(_mm256_srai_epi32(u, 31), side));
-    const __m256i e = _mm256_i32gather_epi32((const int *)map->cells, cell, 4);
-    /* both operands < 2^16: the signed compare is the unsigned one */
-    const __m256i below =
-        _mm256_cmpgt_epi32(_mm256_and_si256(e, low16), _mm256_and_si256(a, low16));
-    __m256i idx = _mm256_blendv_epi8(_mm256_srli_epi32(e, 24),
-                                     _mm256_and_si256(_mm256_srli_epi32(e, 16), byte), below);
-    idx = _mm256_and_si256(idx, _mm256_castps_si256(_mm256_cmp_ps(z, z, _CMP_ORD_Q)));
+    const __m256i idx = _mm256_and_si256(index8(map->cells, _mm256_castps_si256(z)),
+                                         _mm256_castps_si256(_mm256_cmp_ps(z, z, _CMP_ORD_Q)));
     const __m256i packed = _mm256_shuffle_epi8(idx, gather_bytes);
     const uint32_t q0 = (uint32_t)_mm_cvtsi128_si32(_mm256_castsi256_si128(packed));
     const uint32_t q1 = (uint32_t)_mm_cvtsi128_si32(_mm256_extracti128_si256(packed, 1));

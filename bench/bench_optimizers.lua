@@ -1,0 +1,163 @@
+-- bench/bench_optimizers.lua — the optimizers' quality benchmark (not CI): llama-100m's shape
+-- as a byte-level model (vocabulary 256, the text's bytes are its tokens) trained on a text
+-- with each optimizer from the same initial weights, the same batches and the same schedule,
+-- the validation loss every --eval-every steps; then the curves (gnuplot) and the table of
+-- final validation losses against fp32 AdamW's.
+--   luazero bench/bench_optimizers.lua --data /path/tinyshakespeare.txt --out DIR
+--           [--only fp32,bf16,8bit,muon] [--steps 1000] [--micro-batch 2] [--seq-len 32]
+--           [--threads 1] [--report-only] [--png docs/optimizers.png]
+-- Each run is scripts/train.lua in its own process, one at a time, its ds_config written to
+-- DIR/NAME.json, its log to DIR/NAME.log and its steps to DIR/NAME.jsonl. --report-only reads
+-- the .jsonl files already there (of runs finished or still going) and draws and tabulates
+-- them without training.
+local lz = require("luazero")
+local args = require("luazero.args")
+local json = require("cjson")
+
+-- The optimizers: AdamW's betas, eps, weight decay and lr for all (llama-100m's lr); Muon
+-- with Moonlight's lr adjustment, which lets it take AdamW's lr and weight decay.
+local ADAMW = { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
+local function with(extra)
+  local t = {}
+  for k, v in pairs(ADAMW) do t[k] = v end
+  for k, v in pairs(extra) do t[k] = v end
+  return t
+end
+local RUNS = {
+  { name = "fp32", title = "AdamW, fp32 moments", optimizer = { type = "AdamW", params = with({}) } },
+  { name = "bf16", title = "AdamW, bf16 moments", optimizer = { type = "AdamW",
+    params = with({ momentum_dtype = "bfloat16", variance_dtype = "bfloat16" }) } },
+  { name = "8bit", title = "AdamW, 8-bit moments", optimizer = { type = "AdamW8bit", params = with({}) } },
+  { name = "muon", title = "Muon (AdamW for embeddings and norms)", optimizer = { type = "Muon",
+    params = { lr = 6e-4, weight_decay = 0.1, adjust_lr_fn = "match_rms_adamw", momentum = 0.95,
+               betas = { 0.9, 0.95 }, adam_eps = 1e-8 } } },
+}
+
+local ok, flags = pcall(args.parse, arg, {
+  { "data", "string", nil, "the text to train on (bytes are tokens)" },
+  { "out", "string", "/tmp/bench_optimizers", "folder of the configs, logs and curves" },
+  { "only", "string", "fp32,bf16,8bit,muon", "the runs, comma-separated" },
+  { "steps", "int", 1000, "optimizer steps of each run" },
+  { "micro-batch", "int", 2, "sequences per step" },
+  { "seq-len", "int", 32, "tokens per sequence" },
+  { "eval-every", "int", 50, "validation loss every N steps" },
+  { "eval-batches", "int", 16, "validation batches per evaluation" },
+  { "threads", "int", 1, "compute threads of each run" },
+  { "report-only", "flag", false, "draw and tabulate the runs' logs without training" },
+  { "png", "string", nil, "write the curves to this PNG (gnuplot)" },
+})
+if not ok or not flags then
+  io.stderr:write("bench_optimizers: ", tostring(flags or "see bench/bench_optimizers.lua's header"),
+                  "\n")
+  os.exit(2)
+end
+
+local function fail(msg)
+  io.stderr:write("bench_optimizers: ", msg, "\n")
+  os.exit(1)
+end
+
+local wanted, chosen = {}, {}
+for name in flags.only:gmatch("[^,]+") do wanted[name] = true end
+for _, r in ipairs(RUNS) do
+  if wanted[r.name] then chosen[#chosen + 1] = r; wanted[r.name] = nil end
+end
+if next(wanted) then fail("--only: unknown run '" .. next(wanted) .. "' (fp32, bf16, 8bit, muon)") end
+os.execute("mkdir -p '" .. flags.out .. "'")
+
+local function path(name, ext) return flags.out .. "/" .. name .. ext end
+
+local function write(p, text)
+  local f = assert(io.open(p, "w"))
+  f:write(text)
+  f:close()
+end
+
+local function train(r)
+  if not flags.data then fail("--data: the text to train on is required to train") end
+  local warmup = math.max(2, math.min(100, math.floor(flags.steps / 10)))
+  write(path(r.name, ".json"), json.encode({
+    train_micro_batch_size_per_gpu = flags.micro_batch, gradient_clipping = 1.0,
+    optimizer = r.optimizer,
+    scheduler = { type = "WarmupCosineLR", params = { warmup_num_steps = warmup,
+                  total_num_steps = flags.steps, warmup_min_ratio = 0, cos_min_ratio = 0.1 } } }))
+  local cmd = ("OMP_NUM_THREADS=%d '%s/build/bin/luazero' '%s/scripts/train.lua' --model llama-100m " ..
+               "--vocab 256 --data '%s' --steps %d --micro-batch %d --seq-len %d --eval-every %d " ..
+               "--eval-batches %d --seed 1337 --sample 0 --config '%s' --log '%s' > '%s' 2>&1")
+              :format(flags.threads, lz.root, lz.root, flags.data, flags.steps, flags.micro_batch,
+                      flags.seq_len, flags.eval_every, flags.eval_batches, path(r.name, ".json"),
+                      path(r.name, ".jsonl"), path(r.name, ".log"))
+  print(("bench_optimizers: %s: training (%s)"):format(r.name, path(r.name, ".log")))
+  io.stdout:flush()
+  local rc = os.execute(cmd)
+  if rc ~= 0 and rc ~= true then print(("bench_optimizers: %s: failed, see %s"):format(r.name, path(r.name, ".log"))) end
+end
+
+-- (step, validation loss) pairs of a run's log, and its steps per second.
+local function curve(r)
+  local f = io.open(path(r.name, ".jsonl"))
+  if not f then return nil end
+  local points, ms = {}, {}
+  for line in f:lines() do
+    local okj, rec = pcall(json.decode, line)
+    if okj and type(rec) == "table" and rec.step then
+      if rec.val_loss then points[#points + 1] = { rec.step, rec.val_loss } end
+      if rec.step_ms and rec.step > 1 then ms[#ms + 1] = rec.step_ms end
+    end
+  end
+  f:close()
+  table.sort(ms)
+  return points, ms[math.max(1, math.ceil(#ms / 2))]
+end
+
+if not flags.report_only then for _, r in ipairs(chosen) do train(r) end end
+
+local curves, base = {}, nil
+for _, r in ipairs(chosen) do
+  local points, ms = curve(r)
+  if points and #points > 0 then
+    curves[#curves + 1] = { run = r, points = points, ms = ms }
+    if r.name == "fp32" then base = points end
+  end
+end
+if #curves == 0 then fail("no run has a validation loss yet in " .. flags.out) end
+
+local function at(points, step)
+  for _, p in ipairs(points) do if p[1] == step then return p[2] end end
+end
+
+print(("| optimizer | steps | final validation loss | vs fp32 AdamW | median step |"))
+print("| --- | --- | --- | --- | --- |")
+for _, c in ipairs(curves) do
+  local last = c.points[#c.points]
+  local ref = base and at(base, last[1])
+  print(("| %s | %d | %.4f | %s | %s |"):format(c.run.title, last[1], last[2],
+        ref and ("%+.2f%%"):format((last[2] / ref - 1) * 100) or "n/a",
+        c.ms and ("%.2f s"):format(c.ms / 1000) or "n/a"))
+end
+
+if flags.png then
+  local dat = {}
+  for i, c in ipairs(curves) do
+    local lines = {}
+    for _, p in ipairs(c.points) do lines[#lines + 1] = ("%d %.6f"):format(p[1], p[2]) end
+    dat[i] = path(c.run.name, ".dat")
+    write(dat[i], table.concat(lines, "\n") .. "\n")
+  end
+  local plots = {}
+  for i, c in ipairs(curves) do
+    plots[i] = ("'%s' using 1:2 with linespoints pt 7 ps 0.5 lw 2 title '%s'"):format(dat[i], c.run.title)
+  end
+  write(path("curves", ".gp"), table.concat({
+    "set terminal pngcairo size 900,560 font 'sans,11'",
+    ("set output '%s'"):format(flags.png),
+    ("set title 'llama-100m shape, bytes of tinyshakespeare, batch %d x %d, %d steps'")
+      :format(flags.micro_batch, flags.seq_len, flags.steps),
+    "set xlabel 'optimizer step'", "set ylabel 'validation loss (nats per byte)'",
+    "set grid", "set key top right",
+    "plot " .. table.concat(plots, ", \\\n     "), "" }, "\n"))
+  if os.execute("gnuplot '" .. path("curves", ".gp") .. "'") ~= 0 and not io.open(flags.png) then
+    fail("gnuplot failed on " .. path("curves", ".gp"))
+  end
+  print("bench_optimizers: curves in " .. flags.png)
+end
