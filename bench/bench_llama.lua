@@ -5,6 +5,7 @@
 --   luazero bench/bench_llama.lua [--model llama-100m] [--gpt2 gpt2] [--beside gemma-100m]
 --                                 [--micro-batch 4]
 --                                 [--seq-len 64] [--steps 3] [--torch-steps 2] [--hf-steps 2]
+--                                 [--hf5-steps 2]
 --                                 [--threads 2] [--ranks 2] [--stage 2] [--rounds 1] [--profile]
 --   luazero bench/bench_llama.lua --lora [--model tinyllama-1.1b] [--lora-r 8]
 --                                 [--micro-batch 2] [--seq-len 128] [--profile]
@@ -25,7 +26,13 @@
 --      by tools/setup; skipped when it cannot import transformers):
 --      LlamaForCausalLM of the same config, eager attention, AdamW, fp32 and
 --      bf16 under torch.autocast (bench/bench_llama_hf.py);
---   5. --beside: sizes of other families (qwen2-100m, qwen3-100m, ...) on one
+--   5. transformers 5.23 on torch 2.15 (the second reference venv's python,
+--      tests/ref/refenv.py's VENV5: LZ_REF5_VENV, or luazero/ref5-venv in
+--      the user's cache; skipped with one line when absent): the same
+--      LlamaForCausalLM with eager and with sdpa attention, fp32 and bf16
+--      under autocast; the ratio counts the faster of the two in each round
+--      (the best PyTorch a user would run);
+--   6. --beside: sizes of other families (qwen2-100m, qwen3-100m, ...) on one
 --      rank, each dtype, with the ratio of their MFU to the Llama's.
 -- --lora: the model (default tinyllama-1.1b, random weights) with LoRA
 -- adapters of rank --lora-r (alpha = r) on q_proj and v_proj, everything
@@ -62,6 +69,7 @@ local spec = {
   { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
   { "torch-steps", "int", 2, "timed PyTorch steps per run (after one warm-up step); 0 skips PyTorch" },
   { "hf-steps", "int", 2, "timed transformers (PEFT with --lora) steps per run (after one warm-up step); 0 skips them" },
+  { "hf5-steps", "int", 2, "timed transformers 5.23 (torch 2.15) steps per run, eager and sdpa attention; 0 skips them" },
   { "lora", "flag", false, "LoRA mode: adapters of --lora-r on q_proj, v_proj, bf16, one rank, beside PEFT" },
   { "lora-r", "int", 8, "--lora: the adapters' rank" },
   { "profile", "flag", false, "print each luazero run's profile (luazero.profile)" },
@@ -89,7 +97,7 @@ if not flags then
 end
 
 if flags.lora then
-  flags.gpt2, flags.ranks, flags.torch_steps = "none", 1, 0
+  flags.gpt2, flags.ranks, flags.torch_steps, flags.hf5_steps = "none", 1, 0, 0
   flags.dtypes = "bf16"
 end
 flags.model = flags.model or (flags.lora and "tinyllama-1.1b" or "llama-100m")
@@ -104,6 +112,7 @@ at_least("seq-len", T, 1)
 at_least("steps", flags.steps, 1)
 at_least("torch-steps", flags.torch_steps, 0)
 at_least("hf-steps", flags.hf_steps, 0)
+at_least("hf5-steps", flags.hf5_steps, 0)
 at_least("lora-r", flags.lora_r, 1)
 at_least("threads", flags.threads, 1)
 at_least("ranks", flags.ranks, 1)
@@ -296,6 +305,25 @@ local function hf_run(cfg, dtype)
                     flags.lora and (" --lora-r %d --lora-targets q_proj,v_proj"):format(flags.lora_r))
 end
 
+-- transformers 5.23 over torch 2.15 in the second reference venv (where
+-- tests/ref/refenv.py's VENV5 looks), when it imports.
+local home = os.getenv("HOME") or ""
+local hf5_python = (os.getenv("LZ_REF5_VENV") or ((os.getenv("XDG_CACHE_HOME") or
+                    (home .. "/.cache")) .. "/luazero/ref5-venv")) .. "/bin/python"
+local hf5_missing
+if flags.hf5_steps > 0 then
+  local out = sh(("%s -c %s"):format(q(hf5_python), q("import transformers")))
+  if out:find("%S") then
+    hf5_missing = ("(transformers 5.23 not importable by %s: run tools/setup or set " ..
+                   "LZ_REF5_VENV; the transformers5 rows are skipped)"):format(hf5_python)
+  end
+end
+
+local function hf5_run(cfg, dtype, attn)
+  return python_run(hf5_python, "bench_llama_hf.py", "hf", "transformers5 " .. attn, cfg, dtype,
+                    flags.hf5_steps, " --attn " .. attn)
+end
+
 -- The rows, in the order they run in each round.
 local rows = {}
 local function add(label, fn, cfg, dtype, ranks)
@@ -321,6 +349,12 @@ for _, d in ipairs(dtypes) do
     add(("%s %s %s, 1 rank"):format(HF, llama_cfg.name, d),
         function() return hf_run(llama_cfg, d) end, llama_cfg, d, 1)
   end
+  if flags.hf5_steps > 0 and not hf5_missing then
+    for _, attn in ipairs({ "eager", "sdpa" }) do
+      add(("transformers5 %s %s %s, 1 rank"):format(attn, llama_cfg.name, d),
+          function() return hf5_run(llama_cfg, d, attn) end, llama_cfg, d, 1)
+    end
+  end
   if multi then
     add(("luazero %s %s, %s"):format(llama_cfg.name, d, multi),
         function() return luazero_run(llama_cfg, d, flags.ranks, flags.stage) end,
@@ -340,6 +374,7 @@ print(("llama %s%s and gpt2 %s, batch %d x %d per rank, %d threads in all, %d ro
               flags.rounds, flags.rounds == 1 and "" or "s"))
 print(bench.machine())
 if hf_missing then print(hf_missing) end
+if hf5_missing then print(hf5_missing) end
 io.stdout:flush()
 local n_params = {}
 for round = 1, flags.rounds do
@@ -412,6 +447,15 @@ for _, d in ipairs(dtypes) do
         ("pytorch %s %s, 1 rank"):format(L, d))
   ratio(("luazero / %s, %s %s"):format(HF, L, d), ("luazero %s %s, 1 rank"):format(L, d),
         ("%s %s %s, 1 rank"):format(HF, L, d))
+  local e5 = find(("transformers5 eager %s %s, 1 rank"):format(L, d))
+  local s5 = find(("transformers5 sdpa %s %s, 1 rank"):format(L, d))
+  local lzr = find(("luazero %s %s, 1 rank"):format(L, d))
+  if e5 and s5 and lzr then
+    local rs = {}
+    for i = 1, flags.rounds do rs[i] = lzr.tps[i] / math.max(e5.tps[i], s5.tps[i]) end
+    print(("ratio %-58s %6.2fx"):format(("luazero / transformers5 (faster attn), %s %s")
+          :format(L, d), median(rs)))
+  end
   if G then
     ratio(("%s / %s, luazero %s"):format(L, G, d), ("luazero %s %s, 1 rank"):format(L, d),
           ("luazero %s %s, 1 rank"):format(G, d))
@@ -428,4 +472,9 @@ if #dtypes == 2 then
         ("pytorch %s fp32, 1 rank"):format(L))
   ratio(("bf16 / fp32, transformers %s"):format(L), ("transformers %s bf16, 1 rank"):format(L),
         ("transformers %s fp32, 1 rank"):format(L))
+  for _, attn in ipairs({ "eager", "sdpa" }) do
+    ratio(("bf16 / fp32, transformers5 %s %s"):format(attn, L),
+          ("transformers5 %s %s bf16, 1 rank"):format(attn, L),
+          ("transformers5 %s %s fp32, 1 rank"):format(attn, L))
+  end
 end

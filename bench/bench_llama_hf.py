@@ -1,12 +1,13 @@
 """bench_llama_hf.py — the Hugging Face side of bench/bench_llama.lua: training
-steps of transformers' LlamaForCausalLM (eager attention, random weights,
-random tokens) on the CPU: forward, the loss, backward, clipping at 1.0 and
+steps of transformers' LlamaForCausalLM (--attn eager or sdpa attention,
+random weights, random tokens) on the CPU: forward, the loss, backward, clipping at 1.0 and
 torch.optim.AdamW. --dtype bf16 runs forward and loss under
 torch.autocast("cpu", dtype=torch.bfloat16) with fp32 weights. --lora-r R
 wraps the model in PEFT LoRA adapters of rank R (alpha R, no dropout) on
 --lora-targets, everything else frozen, AdamW over the adapters only.
 Run with the reference venv's python (tools/setup: transformers 4.40.2,
-peft 0.10.0 over the system PyTorch). Each step is timed; prints
+peft 0.10.0 over the system PyTorch) or the second one's (torch 2.15,
+transformers 5.23, peft 0.21.2). Each step is timed; prints
 "hf_params TOTAL TRAINABLE", "hf_step_ms M1 M2 ..." and "hf_tokens_per_s X"
 (from the median step).
     build/ref-venv/bin/python bench/bench_llama_hf.py --micro-batch 4 --seq-len 128 --dtype bf16
@@ -30,15 +31,17 @@ def main():
     ap.add_argument("--rope-theta", type=float, default=10000.0)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--lora-targets", default="q_proj,v_proj")
+    ap.add_argument("--attn", choices=("eager", "sdpa"), default="eager")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(1)
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.n_embd, intermediate_size=a.n_hidden,
                       num_hidden_layers=a.n_layer, num_attention_heads=a.n_head,
                       num_key_value_heads=a.n_kv_head, max_position_embeddings=max(a.seq_len, 2048),
                       rms_norm_eps=a.eps, rope_theta=a.rope_theta,
-                      tie_word_embeddings=bool(a.tie), attn_implementation="eager")
+                      tie_word_embeddings=bool(a.tie), attn_implementation=a.attn)
     model = LlamaForCausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())
     if a.lora_r > 0:
@@ -47,6 +50,8 @@ def main():
                                                  target_modules=a.lora_targets.split(",")))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
+    print("hf_versions torch %s transformers %s attn %s" % (
+        torch.__version__, transformers.__version__, model.config._attn_implementation))
     print("hf_params %d %d" % (total, sum(p.numel() for p in params)), flush=True)
     opt = torch.optim.AdamW(params, lr=1e-4)
     B, T = a.micro_batch, a.seq_len

@@ -85,6 +85,60 @@ int lz_attention_bf16_native(void) {
   return lz_bf16_attention_path(&what) == LZ_OK && path.native;
 }
 
+/* ------------------------------------------------------------- decoding */
+
+/* The forward tile's arithmetic for one query: q * scale (* log2 e) rounded
+ * to bf16 once, each score a vdpbf16ps product with a cached key, the
+ * softmax in base 2 over fp32 vectors; the values are widened to fp32
+ * exactly and summed with fp32 weights (one query has no pair of rows for a
+ * bf16 product to share). Keys in order: the same result on every run. */
+BF void lz_attention_bf16_decode_query(float *out, const float *q, const uint16_t *k,
+                                       const uint16_t *v, int64_t n, int64_t stride, int64_t hs,
+                                       float scale, float cap, float *scores) {
+  const int64_t nw = hs / 32, nv = hs / 16, np = (n + VL - 1) / VL * VL;
+  __m512bh qb[MAX_HS / 32];
+  const __m512 mul = _mm512_set1_ps(cap ? scale : scale * LOG2E);
+  for (int64_t c = 0; c < nw; c++)
+    qb[c] = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(q + 32 * c + 16), mul),
+                                _mm512_mul_ps(_mm512_loadu_ps(q + 32 * c), mul));
+  for (int64_t j = 0; j < n; j++) {
+    const uint16_t *kj = k + j * stride;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nw; c++)
+      acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
+    scores[j] = _mm512_reduce_add_ps(acc);
+  }
+  for (int64_t j = n; j < np; j++) scores[j] = 0.0f;
+  if (cap) soft_cap(scores, NULL, np, cap, LOG2E);
+  for (int64_t j = n; j < np; j++) scores[j] = -INFINITY; /* exp2 gives them 0 */
+  vf mx;
+  v_splat(&mx, -INFINITY);
+  for (int64_t j = 0; j < np; j += VL) v_max(&mx, &mx, (const vf *)(scores + j));
+  float m = -INFINITY;
+  for (int i = 0; i < VL; i++) m = mx[i] > m ? mx[i] : m;
+  vf sum = {0};
+  for (int64_t j = 0; j < np; j += VL) {
+    vf x = *(vf *)(scores + j) - m, e;
+    v_exp2(&e, &x);
+    *(vf *)(scores + j) = e;
+    sum += e;
+  }
+  float l = 0.0f;
+  for (int i = 0; i < VL; i++) l += sum[i];
+  __m512 acc[MAX_HS / 16];
+  for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j++) {
+    const uint16_t *vj = v + j * stride;
+    const __m512 p = _mm512_set1_ps(scores[j]);
+    for (int64_t c = 0; c < nv; c++) {
+      const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vj + 16 * c)));
+      acc[c] = _mm512_fmadd_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc[c]);
+    }
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / l);
+  for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
 /* ------------------------------------------------------------ tile copies */
 
 /* The first n (<= 16) lanes of a row of fp32, the rest 0. */

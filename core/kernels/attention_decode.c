@@ -6,7 +6,11 @@
  * alike: the packed q|k|v rows of lz_attention_gqa_forward.
  *
  * The cache holds f32 or bf16 (half the memory; each key and value is
- * rounded once, when it is written); the arithmetic is fp32 either way. A
+ * rounded once, when it is written). A bf16 cache runs on the bf16 attention
+ * kernel's path (attention_bf16.c: the query rounded to bf16, the scores on
+ * the bf16 dot-product unit, exp2 on vectors) where that path is chosen
+ * (lz_attention_bf16_native) and head_dim is a multiple of 32; otherwise,
+ * and with a window, the arithmetic is fp32 on the widened cache. A
  * query row is one task: its scores in a buffer of the thread's, a softmax
  * over them, then the weighted sum of the values, in key order, so results
  * do not depend on the thread count.
@@ -17,7 +21,8 @@
  * call reads back), and the last S new positions are written only after
  * every query ran: a prompt longer than the ring overwrites nothing a query
  * of it still needs. */
-#include "mem/lz_backend.h" /* LZ_OP_RUN */
+#include "kernels/attention_tiles.h" /* lz_attention_bf16_decode_query */
+#include "mem/lz_backend.h"         /* LZ_OP_RUN */
 #include "mem/lz_internal.h"
 
 #include <math.h>   /* expf, sqrtf, INFINITY */
@@ -287,11 +292,13 @@ lz_status lz_cpu_attention_decode(const lz_op_args *a) {
   for (int64_t b = 0; b < d.B; b++)
     if (p[b] + d.T > longest) longest = p[b] + d.T;
   const int64_t n_tasks = d.B * d.T * d.NH;
+  const int tiles = bf16 && d.HS % 32 == 0 && d.HS <= MAX_HS && lz_attention_bf16_native();
   lz_status st = LZ_OK;
   float *o = out->data;
 #pragma omp parallel if (n_tasks > 1)
   {
-    float *scores = malloc((size_t)longest * sizeof(float));
+    /* whole aligned vectors of scores for the vector softmax */
+    float *scores = aligned_alloc(64, (size_t)(longest + 15) / 16 * 64);
     if (!scores) {
 #pragma omp atomic write
       st = LZ_ERR_NOMEM;
@@ -300,7 +307,16 @@ lz_status lz_cpu_attention_decode(const lz_op_args *a) {
     for (int64_t i = 0; i < n_tasks; i++) {
       if (!scores) continue;
       const int64_t h = i % d.NH, bt = i / d.NH, b = bt / d.T, t = bt % d.T;
-      decode_query(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h, p[b] + t + 1, scores);
+      if (tiles) {
+        const int64_t c0 = b * d.S * d.kv + h / (d.NH / d.NKV) * d.HS;
+        lz_attention_bf16_decode_query(o + (b * d.T + t) * d.NH * d.HS + h * d.HS,
+                                       x + (b * d.T + t) * d.row + h * d.HS,
+                                       (const uint16_t *)k_cache->data + c0,
+                                       (const uint16_t *)v_cache->data + c0, p[b] + t + 1, d.kv,
+                                       d.HS, d.scale, d.cap, scores);
+      } else {
+        decode_query(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h, p[b] + t + 1, scores);
+      }
     }
     free(scores);
   }

@@ -68,6 +68,13 @@ lz_status lz_attention_bf16_forward_run(float *out, float *lse, const float *qkv
 lz_status lz_attention_bf16_backward_run(float *dqkv, const float *dout, const float *qkv,
                                          const float *out, const float *lse, const int32_t *seg,
                                          attn_dims d);
+/* One decoding query (head_dim hs, a multiple of 32, at most MAX_HS) against
+ * n positions of a bf16 cache (keys and values stride elements apart): out =
+ * softmax(scale q K^T, soft-capped when cap) V. scores: room for n rounded up
+ * to 16 floats, 64-byte aligned. */
+void lz_attention_bf16_decode_query(float *out, const float *q, const uint16_t *k,
+                                    const uint16_t *v, int64_t n, int64_t stride, int64_t hs,
+                                    float scale, float cap, float *scores);
 
 /* ------------------------------------------------------------ vector math */
 

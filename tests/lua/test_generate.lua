@@ -111,6 +111,16 @@ function T.bf16_cache_is_close_to_the_full_forward()
   m:free()
 end
 
+-- Heads of 32 (a whole bf16 vector pair) decode on the bf16 attention
+-- kernel's path where the CPU has it (the query rounded too), else in fp32.
+function T.bf16_cache_with_heads_of_32_is_close_to_the_full_forward()
+  local m = model_of("llama-tiny", { context = 32, n_head = 2, n_kv_head = 1 })
+  eq(m.cfg.n_embd / m.cfg.n_head, 32, "head size")
+  local worst = check_cached_equals_full(m, "bf16", 5e-2)
+  assert(worst > 0, "a bf16 cache should round something")
+  m:free()
+end
+
 -- Rows of different lengths decode together: row b at its own position
 -- (GPT-2's position table and Llama's rotation per row).
 function T.rows_at_different_positions_decode_together()

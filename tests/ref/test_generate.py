@@ -17,7 +17,9 @@ against PyTorch's softmax(q k^T / sqrt(hd)) v over each row's cached keys and
 the new ones (causal among the new), multi-head and grouped-query, rows at
 different positions, one new position and several: out within 1e-5
 relative, the new keys and values written at each row's position; with a
-bf16 cache, against the same on the bf16-rounded keys and values.
+bf16 cache, against the same on the bf16-rounded keys and values (within
+1e-2 where head_dim is a multiple of 32: the bf16 attention kernel's path,
+where the CPU has AVX-512 BF16, rounds the query too).
 
 transformers 4.40.2 comes from build/ref-venv (tools/setup) or LZ_REF_VENV;
 without it the comparison with generate() says it skipped.
@@ -106,7 +108,8 @@ def decode_kernel(check):
                 worst = max(worst, err)
             lz.release()
             tag = f"kernel NH={NH} NKV={NKV} HS={HS} pos={pos} T={Tq} {dtype}"
-            check(f"{tag} out", worst <= 1e-5, f"err {worst:.2e}")
+            tol = 1e-2 if dtype == "bf16" and HS % 32 == 0 else 1e-5
+            check(f"{tag} out", worst <= tol, f"err {worst:.2e}")
             check(f"{tag} cache written", written)
 
 
