@@ -118,6 +118,9 @@ if have_cuda then
            "all: ", table.concat(objs, " "), "\n",
            "obj/cuda/%.o: ", root, "/cuda/%.cu ", table.concat(deps, " "), "\n",
            "\t@mkdir -p obj/cuda\n",
+           -- The libraries link the objects as options, not prerequisites:
+           -- a new object has them linked again by removing them.
+           "\t@rm -f lib/libluazero_cuda.so debug/lib/libluazero_cuda.so\n",
            "\t", nvcc, " ", nvflags, " -c $< -o $@\n")
   mk:close()
   local cmds = { "+$(MAKE) --no-print-directory -f cuda_objects.mk" }
