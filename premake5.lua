@@ -81,10 +81,12 @@ if have_cuda then
   -- premake4 has no build rules for .cu, and its prebuild step runs beside the
   -- link under make -j. So nvcc runs in the prebuild step of a project of its
   -- own (an empty archive), which luazero_cuda links after: make orders them.
-  -- Each object is rebuilt only when its source is newer. Commands run in build/.
+  -- The step runs a makefile written here, one rule per object, as a sub-make
+  -- that shares the top make's -j slots: the objects compile side by side and
+  -- beside the C build. An object is rebuilt when its source or a shared
+  -- header is newer. Commands run in build/.
   -- sm_90 (H100/H200) machine code plus compute_90 PTX, which the driver
   -- compiles for newer GPUs. LZ_CUDA_ARCH=80 (say) builds for another one.
-  -- An object is rebuilt when its source or a shared header is newer.
   local arch = os.getenv("LZ_CUDA_ARCH") or "90"
   local nvflags = string.format("-O3 -std=c++17 -gencode arch=compute_%s,code=sm_%s "
     .. "-gencode arch=compute_%s,code=compute_%s -Werror all-warnings "
@@ -92,17 +94,36 @@ if have_cuda then
   local headers = { "cuda/lz_cuda.h", "core/mem/lz_backend.h", "core/mem/lz_internal.h",
                     "core/mem/lz_dtype.h", "core/mem/lz_ops.def", "core/luazero.h",
                     "core/luazero_kernels.h" }
+  for _, h in ipairs(os.matchfiles("cuda/*.cuh")) do table.insert(headers, h) end
+  -- The largest sources first, so the longest compiles start first under -j.
   local cu_files = os.matchfiles("cuda/*.cu")
-  local objs = {}
-  local cmds = { "mkdir -p obj/cuda" }
-  for _, f in ipairs(cu_files) do
-    local base = path.getbasename(f)
-    local obj = "obj/cuda/" .. base .. ".o"
-    table.insert(objs, obj)
-    local fresh = string.format("test %s -nt %s/%s", obj, root, f)
-    for _, h in ipairs(headers) do fresh = fresh .. string.format(" -a %s -nt %s/%s", obj, root, h) end
-    table.insert(cmds, string.format("%s || %s %s -c %s/%s -o %s", fresh, nvcc, nvflags, root, f, obj))
+  local function cost(f) -- bytes of the source and of the local .cuh files it includes
+    local fh = io.open(f)
+    local text = fh and fh:read("*a") or ""
+    if fh then fh:close() end
+    local n = #text
+    for inc in text:gmatch('#include "([%w_]+%.cuh)"') do n = n + cost("cuda/" .. inc) end
+    return n
   end
+  local costs = {}
+  for _, f in ipairs(cu_files) do costs[f] = cost(f) end
+  table.sort(cu_files, function(a, b) return costs[a] > costs[b] or (costs[a] == costs[b] and a < b) end)
+  local objs = {}
+  for _, f in ipairs(cu_files) do table.insert(objs, "obj/cuda/" .. path.getbasename(f) .. ".o") end
+  local deps = {}
+  for _, h in ipairs(headers) do table.insert(deps, root .. "/" .. h) end
+  os.mkdir(out)
+  local mk = assert(io.open(out .. "/cuda_objects.mk", "w"))
+  mk:write("# Written by premake5.lua: the objects of libluazero_cuda.so.\n",
+           "all: ", table.concat(objs, " "), "\n",
+           "obj/cuda/%.o: ", root, "/cuda/%.cu ", table.concat(deps, " "), "\n",
+           "\t@mkdir -p obj/cuda\n",
+           -- The libraries link the objects as options, not prerequisites:
+           -- a new object has them linked again by removing them.
+           "\t@rm -f lib/libluazero_cuda.so debug/lib/libluazero_cuda.so\n",
+           "\t", nvcc, " ", nvflags, " -c $< -o $@\n")
+  mk:close()
+  local cmds = { "+$(MAKE) --no-print-directory -f cuda_objects.mk" }
   project "luazero_cuda_objects"
     kind "StaticLib"
     language "C"
