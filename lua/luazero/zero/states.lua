@@ -491,12 +491,18 @@ function States:visit(write_back, fn)
   end)
 end
 
--- Calls fn(run, a, len) for the small runs' pieces within optimizer
--- elements [lo, lo + n) (a: the piece's optimizer offset).
-function States:small_pieces(lo, n, fn)
+-- Copies state i of the small tensors' runs within optimizer elements
+-- [lo, lo + n) between their f32 arrays (ring.small[i]) and w, the group's
+-- widened values (w[0] is element lo): into the arrays, or out of them.
+function States:small_copy(lo, n, w, i, into_small)
   for _, r in ipairs(self.small_runs or {}) do
     local a, b = math.max(lo, r.opt_off), math.min(lo + n, r.opt_off + r.numel)
-    if b > a then fn(r, a, b - a) end
+    if b > a then
+      local wide = w:view(a - lo, { b - a })
+      local small = self.ring.small[i]:view(r.small_at + (a - r.opt_off), { b - a })
+      if into_small then small:copy(wide) else wide:copy(small) end
+      wide:free(); small:free()
+    end
   end
 end
 
@@ -519,12 +525,7 @@ function States:widen(lo, n, v)
       lz.check(lz.C.lz_adamw8bit_dequantize(q, sc, ring.signed[i] and 1 or 0, w))
       if own_q then q:free() end
       if own_sc then sc:free() end
-      self:small_pieces(lo, n, function(r, a, len)
-        local dst = w:view(a - lo, { len })
-        local src = ring.small[i]:view(r.small_at + (a - r.opt_off), { len })
-        dst:copy(src)
-        dst:free(); src:free()
-      end)
+      self:small_copy(lo, n, w, i, false)
       out[i] = w
     else
       out[i] = t
@@ -541,12 +542,7 @@ function States:narrow(write_back, lo, n, v, wide)
   for i, w in ipairs(wide) do
     if ring.blocks[i] then
       if write_back then
-        self:small_pieces(lo, n, function(r, a, len)
-          local src = w:view(a - lo, { len })
-          local dst = ring.small[i]:view(r.small_at + (a - r.opt_off), { len })
-          dst:copy(src)
-          dst:free(); src:free()
-        end)
+        self:small_copy(lo, n, w, i, true)
         local q, own_q = on_host(v.s[i])
         local sc, own_sc = on_host(v.scales[i])
         lz.check(lz.C.lz_adamw8bit_requantize(w, ring.signed[i] and 1 or 0, q, sc))
