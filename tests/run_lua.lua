@@ -1,14 +1,15 @@
 -- run_lua.lua — runs tests/lua/test_*.lua. Each file returns a table of
 -- name -> function; a test fails when it raises. Ends with "N passed, N failed".
---   luazero tests/run_lua.lua [--shuffle SEED] [--reverse] [--jit off] [substring]
+--   luazero tests/run_lua.lua [--shuffle SEED] [--reverse] [--jit off] [--skip substring] [substring]
 -- Tests run in file then name order; --shuffle runs them all in an order
 -- drawn from SEED (printed first, so a failing order can be replayed),
 -- --reverse in the reverse of the usual order, --jit off with the JIT
--- compiler off: a test must pass in any order and interpreted.
+-- compiler off: a test must pass in any order and interpreted. --skip leaves
+-- out the tests whose full name (file.test) contains its substring.
 local root = rawget(_G, "LUAZERO_ROOT") or "."
 local clock = require("luazero.clock") -- wall time per test
 
-local filter, seed, reverse = nil, nil, false
+local filter, skip, seed, reverse = nil, nil, nil, false
 local argv = arg or {}
 local i = 1
 while i <= #argv do
@@ -22,6 +23,13 @@ while i <= #argv do
     i = i + 1
   elseif a == "--reverse" then
     reverse = true
+  elseif a == "--skip" then
+    skip = argv[i + 1]
+    if not skip then
+      io.stderr:write("run_lua: --skip needs a substring of the tests to leave out\n")
+      os.exit(2)
+    end
+    i = i + 1
   elseif a == "--jit" then
     local v = argv[i + 1]
     if v ~= "off" and v ~= "on" then
@@ -31,7 +39,7 @@ while i <= #argv do
     if v == "off" then jit.off() end
     i = i + 1
   elseif a:sub(1, 2) == "--" then
-    io.stderr:write("run_lua: unknown option " .. a .. " (--shuffle SEED, --reverse, --jit off)\n")
+    io.stderr:write("run_lua: unknown option " .. a .. " (--shuffle SEED, --reverse, --jit off, --skip SUBSTRING)\n")
     os.exit(2)
   else
     filter = a
@@ -60,7 +68,8 @@ for _, file in ipairs(files) do
     local short = file:match("([^/]+)%.lua$")
     for _, name in ipairs(names) do
       local full = short .. "." .. name
-      if not filter or full:find(filter, 1, true) then tests[#tests + 1] = { full, suite[name] } end
+      local wanted = not filter or full:find(filter, 1, true)
+      if wanted and not (skip and full:find(skip, 1, true)) then tests[#tests + 1] = { full, suite[name] } end
     end
   end
 end
