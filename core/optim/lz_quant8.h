@@ -20,6 +20,7 @@ typedef struct lz_q8_map {
   const float *values;
   const uint32_t *cells;
   const uint8_t (*planes)[256];
+  const struct lz_q8_fast *fast; /* the permute form of the lookup (quant8.c); NULL: none */
 } lz_q8_map;
 
 /* The signed dynamic map (is_signed 1, m) or the unsigned one (0, v). */
@@ -30,6 +31,12 @@ const lz_q8_map *lz_q8_map_get(int is_signed);
 typedef void (*lz_q8_quantize_fn)(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                                   int64_t n);
 lz_q8_quantize_fn lz_q8_quantizer(void);
+
+/* The same for whole groups of 64 values (n a multiple of 64) without table
+ * gathers, where lz_q8_fast_ok(map): AVX-512 VBMI2 and the map's steps fit
+ * the permute tables (quant8.c). */
+int lz_q8_fast_ok(const lz_q8_map *map);
+void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float absmax, uint8_t *q, int64_t n);
 
 /* The scalar form of the same choice, for one value z = x / absmax. */
 uint8_t lz_q8_index(const lz_q8_map *map, float z);
@@ -69,6 +76,103 @@ __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const 
   const __m512 z = _mm512_div_ps(x, absmax);
   const __m512i idx = lz_q8_index16(cells, _mm512_castps_si512(z));
   return _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(z, z, _CMP_ORD_Q), idx));
+}
+
+/* The lookup as byte permutes (lz_q8_quantize64). A value's cell is
+ * picked by its binade and the top bits of its mantissa, as many as that
+ * binade of that sign needs for no cell to hold more than two steps; all
+ * cells of both signs are numbered 0..255. A cell gives the label of its
+ * first magnitude's run (labels count the runs of both signs, from the
+ * smallest magnitude up) and the mantissas of its steps (0xffffff: none); the
+ * value's label is the cell's plus the steps at or below its mantissa, and
+ * `index` maps a label to the map index. */
+typedef struct lz_q8_fast {
+  uint16_t binade[64];   /* [sign 32 + exponent % 32]: shift | first cell << 8 */
+  uint8_t cell[7][256];  /* label, then the two steps' mantissas, byte planes */
+  uint8_t index[256];    /* label -> map index */
+  uint16_t sel_hi[32];   /* the permutes' selectors, see lz_q8_quantize_fast */
+  uint8_t sel_cell[64], unorder[64];
+} lz_q8_fast;
+
+#define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2")))
+
+/* One byte plane of a cell table at 64 cells at once. */
+LZ_Q8_FAST static inline __m512i lz_q8_plane64(const uint8_t *t, __m512i cell, __mmask64 high) {
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), cell, _mm512_loadu_si512(t + 64));
+  const __m512i hi =
+      _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), cell, _mm512_loadu_si512(t + 192));
+  return _mm512_mask_blend_epi8(high, lo, hi);
+}
+
+/* A step's mantissa (three byte planes) at 64 cells in lz_q8_fast's order,
+ * as 16 dwords each of elements 16j..16j+15: unpacking within 128-bit lanes
+ * puts that order back in element order. */
+LZ_Q8_FAST static inline void lz_q8_step64(const uint8_t (*t)[256], __m512i cell, __mmask64 high,
+                                           __m512i out[4]) {
+  const __m512i b0 = lz_q8_plane64(t[0], cell, high), b1 = lz_q8_plane64(t[1], cell, high);
+  const __m512i b2 = lz_q8_plane64(t[2], cell, high), zero = _mm512_setzero_si512();
+  const __m512i t0 = _mm512_unpacklo_epi8(b0, b1), t1 = _mm512_unpackhi_epi8(b0, b1);
+  const __m512i t2 = _mm512_unpacklo_epi8(b2, zero), t3 = _mm512_unpackhi_epi8(b2, zero);
+  out[0] = _mm512_unpacklo_epi16(t0, t2);
+  out[1] = _mm512_unpackhi_epi16(t0, t2);
+  out[2] = _mm512_unpacklo_epi16(t1, t3);
+  out[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+
+LZ_Q8_FAST static inline __mmask64 lz_q8_mask64(__mmask16 a, __mmask16 b, __mmask16 c,
+                                                __mmask16 d) {
+  return _mm512_kunpackd((__mmask64)_mm512_kunpackw(d, c), (__mmask64)_mm512_kunpackw(b, a));
+}
+
+/* The indices of 64 values x of a block with this absmax (broadcast): the
+ * cell from the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa
+ * bits) in 16-bit lanes, the cell's label and steps by byte permutes, the
+ * steps compared with z's mantissa in 32-bit lanes. */
+LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
+                                               uint8_t *q) {
+  const __m512i mant = _mm512_set1_epi32(0x7fffff), zero = _mm512_setzero_si512();
+  __m512i z[4], c[2];
+  __mmask16 nan[4];
+  for (int j = 0; j < 4; j++) {
+    const __m512 zj = _mm512_div_ps(_mm512_loadu_ps(x + 16 * j), absmax);
+    z[j] = _mm512_castps_si512(zj);
+    nan[j] = _mm512_cmp_ps_mask(zj, zj, _CMP_UNORD_Q);
+  }
+  const __m512i hi_words = _mm512_loadu_si512(f->sel_hi);
+  const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
+  for (int h = 0; h < 2; h++) {
+    const __m512i hw = _mm512_permutex2var_epi16(z[2 * h], hi_words, z[2 * h + 1]);
+    const __m512i a = _mm512_min_epu16(
+        _mm512_max_epu16(_mm512_and_si512(hw, _mm512_set1_epi16(0x7fff)),
+                         _mm512_set1_epi16((short)(Q8_LO >> 16))),
+        _mm512_set1_epi16((short)(Q8_ONE >> 16)));
+    /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
+    const __m512i bi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw, 10),
+                                                 _mm512_set1_epi16(0x20), 0xd8);
+    const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
+    c[h] = _mm512_add_epi16(
+        _mm512_shrdv_epi16(_mm512_and_si512(a, _mm512_set1_epi16(0x7f)), zero, ent),
+        _mm512_srli_epi16(ent, 8));
+  }
+  const __m512i cell = _mm512_permutex2var_epi8(c[0], _mm512_loadu_si512(f->sel_cell), c[1]);
+  const __mmask64 high = _mm512_movepi8_mask(cell);
+  __m512i s1[4], s2[4];
+  lz_q8_step64((const uint8_t(*)[256])f->cell[1], cell, high, s1);
+  lz_q8_step64((const uint8_t(*)[256])f->cell[4], cell, high, s2);
+  __mmask16 ge1[4], ge2[4];
+  for (int j = 0; j < 4; j++) {
+    const __m512i m = _mm512_and_si512(z[j], mant);
+    ge1[j] = _mm512_cmpge_epu32_mask(m, s1[j]), ge2[j] = _mm512_cmpge_epu32_mask(m, s2[j]);
+  }
+  const __m512i one = _mm512_set1_epi8(1);
+  __m512i label = _mm512_permutexvar_epi8(_mm512_loadu_si512(f->unorder),
+                                          lz_q8_plane64(f->cell[0], cell, high));
+  label = _mm512_mask_add_epi8(label, lz_q8_mask64(ge1[0], ge1[1], ge1[2], ge1[3]), label, one);
+  label = _mm512_mask_add_epi8(label, lz_q8_mask64(ge2[0], ge2[1], ge2[2], ge2[3]), label, one);
+  __m512i idx = lz_q8_plane64(f->index, label, _mm512_movepi8_mask(label));
+  if (nan[0] | nan[1] | nan[2] | nan[3]) /* NaN (0 / 0) gets index 0 */
+    idx = _mm512_maskz_mov_epi8(~lz_q8_mask64(nan[0], nan[1], nan[2], nan[3]), idx);
+  _mm512_storeu_si512(q, idx);
 }
 
 #ifdef __cplusplus
