@@ -291,7 +291,9 @@ A8_FAST static void blocks8_fast(float *restrict p, const float *restrict grad, 
   enum { B = LZ_ADAMW8BIT_BLOCK };
   float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
   const lz_q8_fast *fast_m = k->map_m->fast, *fast_v = k->map_v->fast;
-  __m512 sm = _mm512_set1_ps(1.0f), sv = sm; /* the previous block's absmaxes */
+  /* the previous block's absmaxes, reciprocals and whether those serve */
+  __m512 sm = _mm512_set1_ps(1.0f), sv = sm, rm = sm, rv = sm;
+  int recip_m = 0, recip_v = 0;
   for (int64_t b = 0; b <= blocks; b++) {
     const int cur = (int)(b & 1), prev = cur ^ 1, update = b < blocks, quantise = b > 0;
     const int64_t o = b * B, q = o - B;
@@ -307,13 +309,16 @@ A8_FAST static void blocks8_fast(float *restrict p, const float *restrict grad, 
                    m[cur] + i + 16 * j, v[cur] + i + 16 * j, &mm, &mv);
       }
       if (quantise) {
-        lz_q8_quantize64(fast_m, m[prev] + i, sm, qm + q + i);
-        lz_q8_quantize64(fast_v, v[prev] + i, sv, qv + q + i);
+        lz_q8_quantize64(fast_m, m[prev] + i, sm, recip_m, rm, qm + q + i);
+        lz_q8_quantize64(fast_v, v[prev] + i, sv, recip_v, rv, qv + q + i);
       }
     }
     if (update) {
-      absmax_m[b] = _mm512_reduce_max_ps(mm), absmax_v[b] = _mm512_reduce_max_ps(mv);
-      sm = _mm512_set1_ps(absmax_m[b]), sv = _mm512_set1_ps(absmax_v[b]);
+      const float am = _mm512_reduce_max_ps(mm), av = _mm512_reduce_max_ps(mv);
+      absmax_m[b] = am, absmax_v[b] = av;
+      sm = _mm512_set1_ps(am), sv = _mm512_set1_ps(av);
+      rm = _mm512_set1_ps(1.0f / am), rv = _mm512_set1_ps(1.0f / av);
+      recip_m = lz_q8_recip_ok(am), recip_v = lz_q8_recip_ok(av);
     }
   }
 }

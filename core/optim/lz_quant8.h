@@ -94,7 +94,7 @@ typedef struct lz_q8_fast {
   uint8_t sel_cell[64], unorder[64];
 } lz_q8_fast;
 
-#define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2")))
+#define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,fma")))
 
 /* One byte plane of a cell table at 64 cells at once. */
 LZ_Q8_FAST static inline __m512i lz_q8_plane64(const uint8_t *t, __m512i cell, __mmask64 high) {
@@ -124,17 +124,34 @@ LZ_Q8_FAST static inline __mmask64 lz_q8_mask64(__mmask16 a, __mmask16 b, __mmas
   return _mm512_kunpackd((__mmask64)_mm512_kunpackw(d, c), (__mmask64)_mm512_kunpackw(b, a));
 }
 
-/* The indices of 64 values x of a block with this absmax (broadcast): the
- * cell from the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa
+/* x / b as RN(x * r) corrected by its remainder (Markstein's step), r =
+ * RN(1 / b), for b in [2^-64, 2^64] (lz_q8_recip_ok). The result is x / b
+ * or its neighbour on the other side of x / b (a faithful rounding: the
+ * product is within 1.5 units in the last place and the corrected value
+ * within a fraction of one more of a rounding; no remainder underflows where
+ * |x / b| >= 2^-27, and below that everything is the one cell of magnitudes
+ * under 2^-25, whose index is that of 0 of either sign). The index can only
+ * differ where x / b lies between a step and the float below it: test_quant8
+ * checks those quotients for every step of both maps. */
+LZ_Q8_FAST static inline __m512 lz_q8_div16(__m512 x, __m512 b, __m512 r) {
+  const __m512 q0 = _mm512_mul_ps(x, r);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, b, x), r, q0);
+}
+
+static inline int lz_q8_recip_ok(float absmax) { return absmax >= 0x1p-64f && absmax <= 0x1p64f; }
+
+/* The indices of 64 values x of a block with this absmax (broadcast; with
+ * recip, r its reciprocal and the division lz_q8_div16's): the cell from the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa
  * bits) in 16-bit lanes, the cell's label and steps by byte permutes, the
  * steps compared with z's mantissa in 32-bit lanes. */
 LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
-                                               uint8_t *q) {
+                                               int recip, __m512 r, uint8_t *q) {
   const __m512i mant = _mm512_set1_epi32(0x7fffff), zero = _mm512_setzero_si512();
   __m512i z[4], c[2];
   __mmask16 nan[4];
   for (int j = 0; j < 4; j++) {
-    const __m512 zj = _mm512_div_ps(_mm512_loadu_ps(x + 16 * j), absmax);
+    const __m512 xj = _mm512_loadu_ps(x + 16 * j);
+    const __m512 zj = recip ? lz_q8_div16(xj, absmax, r) : _mm512_div_ps(xj, absmax);
     z[j] = _mm512_castps_si512(zj);
     nan[j] = _mm512_cmp_ps_mask(zj, zj, _CMP_UNORD_Q);
   }

@@ -439,8 +439,9 @@ uint8_t lz_q8_index(const lz_q8_map *map, float z) { return index_of(map->cells,
 
 LZ_Q8_FAST void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                                     int64_t n) {
-  const __m512 b = _mm512_set1_ps(absmax);
-  for (int64_t i = 0; i + 64 <= n; i += 64) lz_q8_quantize64(map->fast, x + i, b, q + i);
+  const __m512 b = _mm512_set1_ps(absmax), r = _mm512_set1_ps(1.0f / absmax);
+  const int recip = lz_q8_recip_ok(absmax);
+  for (int64_t i = 0; i + 64 <= n; i += 64) lz_q8_quantize64(map->fast, x + i, b, recip, r, q + i);
 }
 
 static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
