@@ -294,3 +294,38 @@ LZ_TEST(quant8_reciprocal_division_keeps_every_step) {
   }
   CHECK(recip_division_indices(4099));
 }
+
+/* The bf16 working copy the 8-bit step writes (in its pass over the blocks,
+ * or after them) is lz_bf16_from_f32 of the new parameters bit for bit:
+ * parameters of every bit pattern (NaN, infinities, subnormals, halfway
+ * cases) kept by lr 0, then a step that moves them. */
+LZ_TEST(adamw8bit_step_bf16_working_copy_is_the_rounded_parameters) {
+  const int64_t n = 2 * 16384 + 3 * 256 + 45, blocks = (n + 255) / 256, s1[1] = {n};
+  const int64_t sb[1] = {blocks};
+  float *p = malloc(sizeof(float) * n), *g = malloc(sizeof(float) * n);
+  float *am = calloc((size_t)blocks, sizeof(float)), *av = calloc((size_t)blocks, sizeof(float));
+  uint8_t *qm = calloc((size_t)n, 1), *qv = calloc((size_t)n, 1);
+  uint16_t *w = malloc(sizeof(uint16_t) * n);
+  for (int64_t i = 0; i < n; i++) {
+    const uint64_t r = lz_test_xorshift(&rng);
+    p[i] = from_bits((uint32_t)r);
+    if (r % 7 == 0) p[i] = from_bits((uint32_t)(r >> 32) & 0x807fffffu);      /* subnormal */
+    if (r % 11 == 0) p[i] = from_bits(((uint32_t)(r >> 32) & ~0xffffu) | 0x8000u); /* tie */
+    g[i] = lz_test_uniform(&rng);
+  }
+  lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
+  lz_tensor *tm = lz_test_wrap(qm, LZ_U8, 1, s1), *tv = lz_test_wrap(qv, LZ_U8, 1, s1);
+  lz_tensor *tam = lz_test_wrap(am, LZ_F32, 1, sb), *tav = lz_test_wrap(av, LZ_F32, 1, sb);
+  lz_tensor *tw = lz_test_wrap(w, LZ_BF16, 1, s1);
+  lz_adamw_args a = {.lr = 0.0f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                     .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 1};
+  int ok = 1;
+  for (; a.step <= 2; a.step++, a.lr = 1e-3f, a.weight_decay = 0.01f) {
+    CHECK_OK(lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, tw, &a));
+    for (int64_t i = 0; i < n; i++) ok &= w[i] == lz_bf16_from_f32_inline(p[i]);
+  }
+  CHECK(ok);
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
+  lz_tensor_free(tam), lz_tensor_free(tav), lz_tensor_free(tw);
+  free(p), free(g), free(am), free(av), free(qm), free(qv), free(w);
+}

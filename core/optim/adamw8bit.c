@@ -283,11 +283,26 @@ A8_VBMI static void blocks8_vbmi(float *restrict p, const float *restrict grad, 
   }
 }
 
+/* 16 parameters to bf16 as lz_bf16_from_f32_inline rounds them (nearest
+ * even, NaN quieted; not vcvtneps2bf16, which flushes subnormals). */
+A8_FAST static inline void store_bf16x16(uint16_t *w, const float *p) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p)), top = _mm512_srli_epi32(u, 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_or_epi32(r, nan, top, _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256((__m256i *)w, _mm512_cvtepi32_epi16(r));
+}
+
 /* blocks8_vbmi with the quantiser's lookups as byte permutes
- * (lz_q8_quantize64) instead of gathers, where the maps have those tables. */
+ * (lz_q8_quantize64) instead of gathers, where the maps have those tables,
+ * and the bf16 working copy (wbf, or NULL) written while p is in cache. */
 A8_FAST static void blocks8_fast(float *restrict p, const float *restrict grad, uint8_t *restrict qm,
                                  uint8_t *restrict qv, float *restrict absmax_m,
-                                 float *restrict absmax_v, const a8_consts *k, int64_t blocks) {
+                                 float *restrict absmax_v, const a8_consts *k, int64_t blocks,
+                                 uint16_t *restrict wbf) {
   enum { B = LZ_ADAMW8BIT_BLOCK };
   float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
   const lz_q8_fast *fast_m = k->map_m->fast, *fast_v = k->map_v->fast;
@@ -307,6 +322,8 @@ A8_FAST static void blocks8_fast(float *restrict p, const float *restrict grad, 
         for (int j = 0; j < 4; j++)
           update16(p + o + i + 16 * j, grad + o + i + 16 * j, dm[j], dv[j], &c,
                    m[cur] + i + 16 * j, v[cur] + i + 16 * j, &mm, &mv);
+        if (wbf)
+          for (int j = 0; j < 64; j += 16) store_bf16x16(wbf + o + i + j, p + o + i + j);
       }
       if (quantise) {
         lz_q8_quantize64(fast_m, m[prev] + i, sm, recip_m, rm, qm + q + i);
@@ -439,14 +456,19 @@ lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
       const int64_t len = n - i0 < chunk ? n - i0 : chunk, whole = len / B * B;
       uint8_t *qm = (uint8_t *)a->t[2]->data + i0, *qv = (uint8_t *)a->t[3]->data + i0;
       float *am = (float *)a->t[4]->data + i0 / B, *av = (float *)a->t[5]->data + i0 / B;
-      if (fast)
-        blocks8_fast(p + i0, g + i0, qm, qv, am, av, &k, whole / B);
-      else
+      int64_t stored = 0; /* elements of the chunk whose working copy is written */
+      if (fast) {
+        uint16_t *wbf = w && w->dtype == LZ_BF16 ? (uint16_t *)w->data + i0 : NULL;
+        blocks8_fast(p + i0, g + i0, qm, qv, am, av, &k, whole / B, wbf);
+        stored = wbf ? whole : 0;
+      } else {
         blocks8_vbmi(p + i0, g + i0, qm, qv, am, av, &k, whole / B);
+      }
       if (len > whole)
         block8_vbmi(p + i0 + whole, g + i0 + whole, qm + whole, qv + whole, am + whole / B,
                     av + whole / B, &k, len - whole);
-      if (store) store((char *)w->data + (size_t)i0 * wsize, p + i0, len);
+      if (store && len > stored)
+        store((char *)w->data + (size_t)(i0 + stored) * wsize, p + i0 + stored, len - stored);
     }
     return LZ_OK;
   }
