@@ -249,7 +249,7 @@ static int steps_of(const lz_q8_map *map, float *at, int max) {
  * the index it gives can differ from the true quotient's only where x /
  * absmax lies between a step and the float below it. Every such x (and its
  * neighbours) for each step of both maps, at absmaxes of 2,047 mantissas
- * (the all-ones one among them) scaled by powers of two from 2^-60 to 2^60,
+ * (the all-ones one among them) scaled by powers of two from 2^-52 to 2^63,
  * through the permute quantiser against the scalar index of the true
  * quotient. With a stride of 1 (all 2^23 mantissas, minutes) it passed too. */
 static int recip_division_indices(int64_t mantissa_stride) {
@@ -263,7 +263,7 @@ static int recip_division_indices(int64_t mantissa_stride) {
     const int64_t len = ((int64_t)n_at * PER + 63) / 64 * 64;
     float *x = calloc((size_t)len, sizeof(float));
     uint8_t *q = malloc((size_t)len);
-    const int scales[] = {0, -60, 60, -23, 41};
+    const int scales[] = {0, -52, 63, -23, 41};
     for (int64_t m = 0; m < (1 << 23) && ok; m += mantissa_stride) {
       const uint32_t bm = m == 0 ? 0x7fffffu : (uint32_t)m;
       const float b = ldexpf(from_bits(0x3f800000u | bm), scales[(m / mantissa_stride) % 5]);

@@ -22,7 +22,9 @@
  * AdamW's 28). Where AVX-512 VBMI is there the map values come from byte
  * permutes instead of gathers, and whole blocks are software-pipelined
  * (blocks8_vbmi) so the quantiser's gathers overlap the next block's
- * divisions. */
+ * divisions; with VBMI2 the quantiser's lookups are byte permutes too and
+ * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize64), and
+ * the bf16 working copy is written in the same pass (docs/optimizers.md). */
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 #include "optim/lz_quant8.h"

@@ -87,10 +87,10 @@ __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const 
  * value's label is the cell's plus the steps at or below its mantissa, and
  * `index` maps a label to the map index. */
 typedef struct lz_q8_fast {
-  uint16_t binade[64];   /* [sign 32 + exponent % 32]: shift | first cell << 8 */
-  uint8_t cell[7][256];  /* label, then the two steps' mantissas, byte planes */
-  uint8_t index[256];    /* label -> map index */
-  uint16_t sel_hi[32];   /* the permutes' selectors, see lz_q8_quantize_fast */
+  uint16_t binade[64];  /* [sign 32 + exponent % 32]: shift | first cell << 8 */
+  uint8_t cell[7][256]; /* label, then the two steps' mantissas, byte planes */
+  uint8_t index[256];   /* label -> map index */
+  uint16_t sel_hi[32];  /* the permutes' selectors, see lz_q8_quantize64 */
   uint8_t sel_cell[64], unorder[64];
 } lz_q8_fast;
 
@@ -98,7 +98,8 @@ typedef struct lz_q8_fast {
 
 /* One byte plane of a cell table at 64 cells at once. */
 LZ_Q8_FAST static inline __m512i lz_q8_plane64(const uint8_t *t, __m512i cell, __mmask64 high) {
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), cell, _mm512_loadu_si512(t + 64));
+  const __m512i lo =
+      _mm512_permutex2var_epi8(_mm512_loadu_si512(t), cell, _mm512_loadu_si512(t + 64));
   const __m512i hi =
       _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), cell, _mm512_loadu_si512(t + 192));
   return _mm512_mask_blend_epi8(high, lo, hi);
@@ -125,25 +126,30 @@ LZ_Q8_FAST static inline __mmask64 lz_q8_mask64(__mmask16 a, __mmask16 b, __mmas
 }
 
 /* x / b as RN(x * r) corrected by its remainder (Markstein's step), r =
- * RN(1 / b), for b in [2^-64, 2^64] (lz_q8_recip_ok). The result is x / b
+ * RN(1 / b), for b in [2^-52, 2^64] (lz_q8_recip_ok). The result is x / b
  * or its neighbour on the other side of x / b (a faithful rounding: the
  * product is within 1.5 units in the last place and the corrected value
- * within a fraction of one more of a rounding; no remainder underflows where
- * |x / b| >= 2^-27, and below that everything is the one cell of magnitudes
- * under 2^-25, whose index is that of 0 of either sign). The index can only
- * differ where x / b lies between a step and the float below it: test_quant8
- * checks those quotients for every step of both maps. */
+ * within a small fraction of one before its rounding). Where |x / b| >=
+ * 2^-27 every intermediate is normal, so the result depends on the
+ * mantissas of x and b alone; below, it stays under 2^-26, in the one cell
+ * of magnitudes under 2^-25, whose index is that of 0 of either sign. So the
+ * index can only differ from the true quotient's where x / b lies between a
+ * step and the float below it: test_quant8 checks those quotients for every
+ * step of both maps. */
 LZ_Q8_FAST static inline __m512 lz_q8_div16(__m512 x, __m512 b, __m512 r) {
   const __m512 q0 = _mm512_mul_ps(x, r);
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, b, x), r, q0);
 }
 
-static inline int lz_q8_recip_ok(float absmax) { return absmax >= 0x1p-64f && absmax <= 0x1p64f; }
+static inline int lz_q8_recip_ok(float absmax) {
+  return absmax >= 0x1p-52f && absmax <= 0x1p64f;
+}
 
 /* The indices of 64 values x of a block with this absmax (broadcast; with
- * recip, r its reciprocal and the division lz_q8_div16's): the cell from the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa
- * bits) in 16-bit lanes, the cell's label and steps by byte permutes, the
- * steps compared with z's mantissa in 32-bit lanes. */
+ * recip, r its reciprocal and the division lz_q8_div16's): the cell from
+ * the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa bits) in
+ * 16-bit lanes, the cell's label and steps by byte permutes, the steps
+ * compared with z's mantissa in 32-bit lanes. */
 LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
                                                int recip, __m512 r, uint8_t *q) {
   const __m512i mant = _mm512_set1_epi32(0x7fffff), zero = _mm512_setzero_si512();

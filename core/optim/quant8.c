@@ -16,7 +16,9 @@
  * one table per sign. No cell holds more than one step, so a cell's entry is
  * the index below its step, the index at and above it, and where the step
  * is (the low 16 bits of the magnitude): one load and one compare per value,
- * which vectorises as one gather. */
+ * which vectorises as one gather. With AVX-512 VBMI2 a coarser form of the
+ * same cells, small enough for byte permutes, replaces the gather
+ * (lz_q8_fast, built from these cells). */
 #include "optim/lz_quant8.h"
 
 #include <pthread.h>   /* pthread_once: the cell tables are built on first use */
@@ -340,7 +342,6 @@ static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
   for (uint32_t side = 0; side < 2; side++) {
     const uint32_t sign = side << 31;
     uint32_t at[MAXS]; /* the magnitudes where the index changes, from Q8_LO up */
-    uint8_t to[MAXS];
     int n = 0;
     uint8_t cur = index_of(cells, from_bits(sign | Q8_LO));
     const int first = n_labels;
@@ -351,15 +352,14 @@ static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
       const uint8_t i0 = index_of(cells, from_bits(sign | a0));
       if (i0 != cur) {
         if (n >= MAXS || n_labels >= 256) return 0;
-        at[n] = a0, to[n++] = i0, f->index[n_labels++] = cur = i0;
+        at[n++] = a0, f->index[n_labels++] = cur = i0;
       }
       if ((e & 0xffff) && (uint8_t)(e >> 24) != cur) {
         if (n >= MAXS || n_labels >= 256) return 0;
-        at[n] = a0 + (e & 0xffff), to[n++] = (uint8_t)(e >> 24);
+        at[n++] = a0 + (e & 0xffff);
         f->index[n_labels++] = cur = (uint8_t)(e >> 24);
       }
     }
-    (void)to;
     for (uint32_t ex = Q8_LO >> 23; ex <= Q8_ONE >> 23; ex++) {
       const uint32_t lo = ex << 23, hi = lo + (1u << 23); /* the binade [lo, hi) */
       int k = 0;
@@ -381,8 +381,9 @@ static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
         int label = first, inner = 0;
         uint32_t step[2] = {0xffffff, 0xffffff};
         for (int s = 0; s < n; s++) {
-          if (at[s] <= start) label++;
-          else if (at[s] < end) {
+          if (at[s] <= start) {
+            label++;
+          } else if (at[s] < end) {
             if (inner == 2) return 0;
             step[inner++] = at[s] & 0x7fffff;
           }
