@@ -294,8 +294,6 @@ static float from_bits(uint32_t u) {
 
 static uint32_t signed_cells[2 * Q8_SIDE], unsigned_cells[2 * Q8_SIDE];
 static uint8_t signed_planes[4][256], unsigned_planes[4][256];
-
-
 static lz_q8_fast signed_fast, unsigned_fast;
 static lz_q8_map maps[2] = {{unsigned_values, unsigned_cells, unsigned_planes, NULL},
                             {signed_values, signed_cells, signed_planes, NULL}};
