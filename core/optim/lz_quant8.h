@@ -87,11 +87,12 @@ __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const 
  * value's label is the cell's plus the steps at or below its mantissa, and
  * `index` maps a label to the map index. */
 typedef struct lz_q8_fast {
-  uint16_t binade[64];  /* [sign 32 + exponent % 32]: shift | first cell << 8 */
-  uint8_t cell[7][256]; /* label, then the two steps' mantissas, byte planes */
-  uint8_t index[256];   /* label -> map index */
-  uint16_t sel_hi[32];  /* the permutes' selectors, see lz_q8_quantize64 */
-  uint8_t sel_cell[64], unorder[64];
+  uint16_t binade[64];     /* [sign 32 + exponent % 32]: shift | first cell << 8 */
+  uint8_t cell[7][256];    /* label, then the two steps' mantissas, byte planes */
+  uint8_t index[256];      /* label -> map index */
+  uint16_t sel_hi[32];     /* the permutes' selectors: the top 16 bits of 32 floats, */
+  uint8_t sel_cell[64];    /* the low byte of 64 words, */
+  uint8_t sel_byte[3][64]; /* byte k of 32 floats twice */
 } lz_q8_fast;
 
 #define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,fma")))
@@ -105,19 +106,16 @@ LZ_Q8_FAST static inline __m512i lz_q8_plane64(const uint8_t *t, __m512i cell, _
   return _mm512_mask_blend_epi8(high, lo, hi);
 }
 
-/* A step's mantissa (three byte planes) at 64 cells in lz_q8_fast's order,
- * as 16 dwords each of elements 16j..16j+15: unpacking within 128-bit lanes
- * puts that order back in element order. */
-LZ_Q8_FAST static inline void lz_q8_step64(const uint8_t (*t)[256], __m512i cell, __mmask64 high,
-                                           __m512i out[4]) {
-  const __m512i b0 = lz_q8_plane64(t[0], cell, high), b1 = lz_q8_plane64(t[1], cell, high);
-  const __m512i b2 = lz_q8_plane64(t[2], cell, high), zero = _mm512_setzero_si512();
-  const __m512i t0 = _mm512_unpacklo_epi8(b0, b1), t1 = _mm512_unpackhi_epi8(b0, b1);
-  const __m512i t2 = _mm512_unpacklo_epi8(b2, zero), t3 = _mm512_unpackhi_epi8(b2, zero);
-  out[0] = _mm512_unpacklo_epi16(t0, t2);
-  out[1] = _mm512_unpackhi_epi16(t0, t2);
-  out[2] = _mm512_unpacklo_epi16(t1, t3);
-  out[3] = _mm512_unpackhi_epi16(t1, t3);
+/* Whether each of 64 mantissas (byte planes m[0..2], low byte first) is
+ * at or above the step of its cell in the planes t[0..2]: compared byte by
+ * byte from the top, the lower bytes deciding where the upper are equal. */
+LZ_Q8_FAST static inline __mmask64 lz_q8_at_step64(const uint8_t (*t)[256], __m512i cell,
+                                                   __mmask64 high, const __m512i m[3]) {
+  const __m512i t0 = lz_q8_plane64(t[0], cell, high), t1 = lz_q8_plane64(t[1], cell, high);
+  const __m512i t2 = lz_q8_plane64(t[2], cell, high);
+  const __mmask64 ge10 = _mm512_cmpgt_epu8_mask(m[1], t1) |
+                         _mm512_mask_cmpge_epu8_mask(_mm512_cmpeq_epi8_mask(m[1], t1), m[0], t0);
+  return _mm512_cmpgt_epu8_mask(m[2], t2) | _mm512_mask_cmpeq_epi8_mask(ge10, m[2], t2);
 }
 
 LZ_Q8_FAST static inline __mmask64 lz_q8_mask64(__mmask16 a, __mmask16 b, __mmask16 c,
@@ -149,10 +147,10 @@ static inline int lz_q8_recip_ok(float absmax) {
  * recip, r its reciprocal and the division lz_q8_div16's): the cell from
  * the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa bits) in
  * 16-bit lanes, the cell's label and steps by byte permutes, the steps
- * compared with z's mantissa in 32-bit lanes. */
+ * compared with z's mantissa as three bytes, 64 values per compare. */
 LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
                                                int recip, __m512 r, uint8_t *q) {
-  const __m512i mant = _mm512_set1_epi32(0x7fffff), zero = _mm512_setzero_si512();
+  const __m512i zero = _mm512_setzero_si512();
   __m512i z[4], c[2];
   __mmask16 nan[4];
   for (int j = 0; j < 4; j++) {
@@ -179,19 +177,19 @@ LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float 
   }
   const __m512i cell = _mm512_permutex2var_epi8(c[0], _mm512_loadu_si512(f->sel_cell), c[1]);
   const __mmask64 high = _mm512_movepi8_mask(cell);
-  __m512i s1[4], s2[4];
-  lz_q8_step64((const uint8_t(*)[256])f->cell[1], cell, high, s1);
-  lz_q8_step64((const uint8_t(*)[256])f->cell[4], cell, high, s2);
-  __mmask16 ge1[4], ge2[4];
-  for (int j = 0; j < 4; j++) {
-    const __m512i m = _mm512_and_si512(z[j], mant);
-    ge1[j] = _mm512_cmpge_epu32_mask(m, s1[j]), ge2[j] = _mm512_cmpge_epu32_mask(m, s2[j]);
+  __m512i m[3]; /* z's mantissa as byte planes, elements in order */
+  for (int k = 0; k < 3; k++) {
+    const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
+    m[k] = _mm512_mask_blend_epi8(0xffffffff00000000ull, _mm512_permutex2var_epi8(z[0], sel, z[1]),
+                                  _mm512_permutex2var_epi8(z[2], sel, z[3]));
   }
+  m[2] = _mm512_and_si512(m[2], _mm512_set1_epi8(0x7f)); /* the exponent's low bit off */
   const __m512i one = _mm512_set1_epi8(1);
-  __m512i label = _mm512_permutexvar_epi8(_mm512_loadu_si512(f->unorder),
-                                          lz_q8_plane64(f->cell[0], cell, high));
-  label = _mm512_mask_add_epi8(label, lz_q8_mask64(ge1[0], ge1[1], ge1[2], ge1[3]), label, one);
-  label = _mm512_mask_add_epi8(label, lz_q8_mask64(ge2[0], ge2[1], ge2[2], ge2[3]), label, one);
+  __m512i label = lz_q8_plane64(f->cell[0], cell, high);
+  const uint8_t(*step1)[256] = (const uint8_t(*)[256])f->cell[1];
+  const uint8_t(*step2)[256] = (const uint8_t(*)[256])f->cell[4];
+  label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step1, cell, high, m), label, one);
+  label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step2, cell, high, m), label, one);
   __m512i idx = lz_q8_plane64(f->index, label, _mm512_movepi8_mask(label));
   if (nan[0] | nan[1] | nan[2] | nan[3]) /* NaN (0 / 0) gets index 0 */
     idx = _mm512_maskz_mov_epi8(~lz_q8_mask64(nan[0], nan[1], nan[2], nan[3]), idx);

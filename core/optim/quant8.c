@@ -396,9 +396,9 @@ static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
     }
   }
   for (int e = 0; e < 32; e++) f->sel_hi[e] = (uint16_t)(2 * e + 1); /* z's top 16 bits */
-  for (int p = 0; p < 64; p++) { /* byte p of the cells: element 16j + 4L + w (lookup64's order) */
-    const int L = p >> 4, j = (p >> 2) & 3, w = p & 3, e = 16 * j + 4 * L + w;
-    f->sel_cell[p] = (uint8_t)(2 * e), f->unorder[e] = (uint8_t)p;
+  for (int e = 0; e < 64; e++) { /* byte e: element e's cell, mantissa bytes from 2 of 4 dwords */
+    f->sel_cell[e] = (uint8_t)(2 * e);
+    for (int k = 0; k < 3; k++) f->sel_byte[k][e] = (uint8_t)(4 * (e % 32) + k);
   }
   return 1;
 }
