@@ -26,8 +26,9 @@ typedef struct lz_q8_map {
 /* The signed dynamic map (is_signed 1, m) or the unsigned one (0, v). */
 const lz_q8_map *lz_q8_map_get(int is_signed);
 
-/* q[i] = the index bitsandbytes picks for x[i] / absmax, n <= one block:
- * the fastest way this machine has. */
+/* q[i] = the index bitsandbytes picks for x[i] / absmax, n <= one block
+ * whose largest magnitude is at most absmax (an x of inf over a finite
+ * absmax is taken for NaN): the fastest way this machine has. */
 typedef void (*lz_q8_quantize_fn)(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                                   int64_t n);
 lz_q8_quantize_fn lz_q8_quantizer(void);
@@ -87,7 +88,7 @@ __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const 
  * value's label is the cell's plus the steps at or below its mantissa, and
  * `index` maps a label to the map index. */
 typedef struct lz_q8_fast {
-  uint16_t binade[64];     /* [sign 32 + exponent % 32]: shift | first cell << 8 */
+  uint16_t binade[64];     /* [sign 32 + exponent % 32]: shift | cell offset << 8 */
   uint8_t cell[7][256];    /* label, then the two steps' mantissas, byte planes */
   uint8_t index[256];      /* label -> map index */
   uint16_t sel_hi[32];     /* the permutes' selectors: the top 16 bits of 32 floats, */
@@ -116,11 +117,6 @@ LZ_Q8_FAST static inline __mmask64 lz_q8_at_step64(const uint8_t (*t)[256], __m5
   const __mmask64 ge10 = _mm512_cmpgt_epu8_mask(m[1], t1) |
                          _mm512_mask_cmpge_epu8_mask(_mm512_cmpeq_epi8_mask(m[1], t1), m[0], t0);
   return _mm512_cmpgt_epu8_mask(m[2], t2) | _mm512_mask_cmpeq_epi8_mask(ge10, m[2], t2);
-}
-
-LZ_Q8_FAST static inline __mmask64 lz_q8_mask64(__mmask16 a, __mmask16 b, __mmask16 c,
-                                                __mmask16 d) {
-  return _mm512_kunpackd((__mmask64)_mm512_kunpackw(d, c), (__mmask64)_mm512_kunpackw(b, a));
 }
 
 /* x / b as RN(x * r) corrected by its remainder (Markstein's step), r =
@@ -152,28 +148,25 @@ LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float 
                                                int recip, __m512 r, uint8_t *q) {
   const __m512i zero = _mm512_setzero_si512();
   __m512i z[4], c[2];
-  __mmask16 nan[4];
+  __mmask32 nan[2];
   for (int j = 0; j < 4; j++) {
     const __m512 xj = _mm512_loadu_ps(x + 16 * j);
-    const __m512 zj = recip ? lz_q8_div16(xj, absmax, r) : _mm512_div_ps(xj, absmax);
-    z[j] = _mm512_castps_si512(zj);
-    nan[j] = _mm512_cmp_ps_mask(zj, zj, _CMP_UNORD_Q);
+    z[j] = _mm512_castps_si512(recip ? lz_q8_div16(xj, absmax, r) : _mm512_div_ps(xj, absmax));
   }
   const __m512i hi_words = _mm512_loadu_si512(f->sel_hi);
   const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
   for (int h = 0; h < 2; h++) {
     const __m512i hw = _mm512_permutex2var_epi16(z[2 * h], hi_words, z[2 * h + 1]);
-    const __m512i a = _mm512_min_epu16(
-        _mm512_max_epu16(_mm512_and_si512(hw, _mm512_set1_epi16(0x7fff)),
-                         _mm512_set1_epi16((short)(Q8_LO >> 16))),
-        _mm512_set1_epi16((short)(Q8_ONE >> 16)));
+    const __m512i mag = _mm512_and_si512(hw, _mm512_set1_epi16(0x7fff));
+    /* NaN or inf; inf is no quotient of |x| <= absmax, and 0 / 0 is NaN */
+    nan[h] = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7f80));
+    const __m512i a = _mm512_min_epu16(_mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16))),
+                                       _mm512_set1_epi16((short)(Q8_ONE >> 16)));
     /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
     const __m512i bi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw, 10),
                                                  _mm512_set1_epi16(0x20), 0xd8);
     const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
-    c[h] = _mm512_add_epi16(
-        _mm512_shrdv_epi16(_mm512_and_si512(a, _mm512_set1_epi16(0x7f)), zero, ent),
-        _mm512_srli_epi16(ent, 8));
+    c[h] = _mm512_add_epi16(_mm512_shrdv_epi16(a, zero, ent), _mm512_srli_epi16(ent, 8));
   }
   const __m512i cell = _mm512_permutex2var_epi8(c[0], _mm512_loadu_si512(f->sel_cell), c[1]);
   const __mmask64 high = _mm512_movepi8_mask(cell);
@@ -191,8 +184,8 @@ LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float 
   label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step1, cell, high, m), label, one);
   label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step2, cell, high, m), label, one);
   __m512i idx = lz_q8_plane64(f->index, label, _mm512_movepi8_mask(label));
-  if (nan[0] | nan[1] | nan[2] | nan[3]) /* NaN (0 / 0) gets index 0 */
-    idx = _mm512_maskz_mov_epi8(~lz_q8_mask64(nan[0], nan[1], nan[2], nan[3]), idx);
+  if (nan[0] | nan[1]) /* NaN gets index 0 */
+    idx = _mm512_maskz_mov_epi8(~_mm512_kunpackd((__mmask64)nan[1], (__mmask64)nan[0]), idx);
   _mm512_storeu_si512(q, idx);
 }
 

@@ -372,7 +372,10 @@ static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
         if (ok) break;
       }
       if (n_cells + (1 << k) > 256) return 0;
-      f->binade[side * 32 + (ex & 31)] = (uint16_t)((7 - k) | n_cells << 8);
+      /* the cell is (top 16 bits >> shift) + offset, in a byte: the shifted
+       * exponent comes off modulo 256 */
+      const uint32_t off = ((uint32_t)n_cells - (ex << k)) & 0xff;
+      f->binade[side * 32 + (ex & 31)] = (uint16_t)((7 - k) | off << 8);
       const uint32_t w = 23 - (uint32_t)k;
       for (uint32_t c = 0; c < (1u << k); c++, n_cells++) {
         const uint32_t start = lo + (c << w), end = start + (1u << w);
