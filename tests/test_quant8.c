@@ -220,3 +220,112 @@ LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
   free(p), free(rp), free(g), free(am), free(av), free(ram), free(rav);
   free(qm), free(qv), free(rqm), free(rqv);
 }
+
+/* The steps of a map as the first z of each new index, magnitudes in
+ * [2^-26, 1] of both signs (no two steps lie within 2^16 floats). */
+static int steps_of(const lz_q8_map *map, float *at, int max) {
+  int n = 0;
+  for (uint32_t side = 0; side < 2; side++) {
+    const uint32_t s = side << 31;
+    for (uint32_t u = Q8_LO; u < Q8_ONE; u += 1u << 15) {
+      const uint32_t e = u + (1u << 15) > Q8_ONE ? Q8_ONE : u + (1u << 15);
+      const uint8_t hi = lz_q8_index(map, from_bits(s | e));
+      if (lz_q8_index(map, from_bits(s | u)) == hi) continue;
+      uint32_t lo = u, h = e; /* the first magnitude with e's index */
+      while (h - lo > 1) {
+        const uint32_t mid = lo + (h - lo) / 2;
+        if (lz_q8_index(map, from_bits(s | mid)) == hi)
+          h = mid;
+        else
+          lo = mid;
+      }
+      if (n < max) at[n++] = from_bits(s | h);
+    }
+  }
+  return n;
+}
+
+/* lz_q8_div16's quotient is x / absmax or the float on its other side, so
+ * the index it gives can differ from the true quotient's only where x /
+ * absmax lies between a step and the float below it. Every such x (and its
+ * neighbours) for each step of both maps, at absmaxes of 2,047 mantissas
+ * (the all-ones one among them) scaled by powers of two from 2^-52 to 2^63,
+ * through the permute quantiser against the scalar index of the true
+ * quotient. With a stride of 1 (all 2^23 mantissas, minutes) it passed too. */
+static int recip_division_indices(int64_t mantissa_stride) {
+  enum { MAXS = 600, PER = 7 };
+  static float at[MAXS];
+  int ok = 1;
+  for (int sgn = 0; sgn < 2 && ok; sgn++) {
+    const lz_q8_map *map = lz_q8_map_get(sgn);
+    if (!lz_q8_fast_ok(map)) return 1; /* no permute form on this machine */
+    const int n_at = steps_of(map, at, MAXS);
+    const int64_t len = ((int64_t)n_at * PER + 63) / 64 * 64;
+    float *x = calloc((size_t)len, sizeof(float));
+    uint8_t *q = malloc((size_t)len);
+    const int scales[] = {0, -52, 63, -23, 41};
+    for (int64_t m = 0; m < (1 << 23) && ok; m += mantissa_stride) {
+      const uint32_t bm = m == 0 ? 0x7fffffu : (uint32_t)m;
+      const float b = ldexpf(from_bits(0x3f800000u | bm), scales[(m / mantissa_stride) % 5]);
+      int64_t k = 0;
+      for (int t = 0; t < n_at; t++) {
+        uint32_t c;
+        const float cf = fabsf(at[t]) * b;
+        memcpy(&c, &cf, sizeof c);
+        for (int d = -4; d <= 2; d++) x[k++] = copysignf(from_bits(c + (uint32_t)d), at[t]);
+      }
+      CHECK(lz_q8_recip_ok(b));
+      lz_q8_quantize_fast(map, x, b, q, len);
+      for (int64_t i = 0; i < len; i++) ok &= q[i] == lz_q8_index(map, x[i] / b);
+    }
+    free(x), free(q);
+  }
+  return ok;
+}
+
+LZ_TEST(quant8_reciprocal_division_keeps_every_step) {
+  /* below 2^-25 the index does not depend on the sign (lz_q8_div16's claim) */
+  for (int sgn = 0; sgn < 2; sgn++) {
+    const lz_q8_map *map = lz_q8_map_get(sgn);
+    const float tiny[] = {0.0f, 1e-45f, 0x1p-126f, 0x1p-27f, 0x1p-26f, 0x1.fffffep-26f};
+    for (size_t i = 0; i < sizeof tiny / sizeof *tiny; i++)
+      CHECK(lz_q8_index(map, tiny[i]) == lz_q8_index(map, 0.0f) &&
+            lz_q8_index(map, -tiny[i]) == lz_q8_index(map, 0.0f));
+  }
+  CHECK(recip_division_indices(4099));
+}
+
+/* The bf16 working copy the 8-bit step writes (in its pass over the blocks,
+ * or after them) is lz_bf16_from_f32 of the new parameters bit for bit:
+ * parameters of every bit pattern (NaN, infinities, subnormals, halfway
+ * cases) kept by lr 0, then a step that moves them. */
+LZ_TEST(adamw8bit_step_bf16_working_copy_is_the_rounded_parameters) {
+  const int64_t n = 2 * 16384 + 3 * 256 + 45, blocks = (n + 255) / 256, s1[1] = {n};
+  const int64_t sb[1] = {blocks};
+  float *p = malloc(sizeof(float) * n), *g = malloc(sizeof(float) * n);
+  float *am = calloc((size_t)blocks, sizeof(float)), *av = calloc((size_t)blocks, sizeof(float));
+  uint8_t *qm = calloc((size_t)n, 1), *qv = calloc((size_t)n, 1);
+  uint16_t *w = malloc(sizeof(uint16_t) * n);
+  for (int64_t i = 0; i < n; i++) {
+    const uint64_t r = lz_test_xorshift(&rng);
+    p[i] = from_bits((uint32_t)r);
+    if (r % 7 == 0) p[i] = from_bits((uint32_t)(r >> 32) & 0x807fffffu);      /* subnormal */
+    if (r % 11 == 0) p[i] = from_bits(((uint32_t)(r >> 32) & ~0xffffu) | 0x8000u); /* tie */
+    g[i] = lz_test_uniform(&rng);
+  }
+  lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
+  lz_tensor *tm = lz_test_wrap(qm, LZ_U8, 1, s1), *tv = lz_test_wrap(qv, LZ_U8, 1, s1);
+  lz_tensor *tam = lz_test_wrap(am, LZ_F32, 1, sb), *tav = lz_test_wrap(av, LZ_F32, 1, sb);
+  lz_tensor *tw = lz_test_wrap(w, LZ_BF16, 1, s1);
+  lz_adamw_args a = {.lr = 0.0f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                     .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 1};
+  int ok = 1;
+  for (; a.step <= 2; a.step++, a.lr = 1e-3f, a.weight_decay = 0.01f) {
+    CHECK_OK(lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, tw, &a));
+    for (int64_t i = 0; i < n; i++) ok &= w[i] == lz_bf16_from_f32_inline(p[i]);
+  }
+  CHECK(ok);
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
+  lz_tensor_free(tam), lz_tensor_free(tav), lz_tensor_free(tw);
+  free(p), free(g), free(am), free(av), free(qm), free(qv), free(w);
+}

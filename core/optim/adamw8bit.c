@@ -22,7 +22,9 @@
  * AdamW's 28). Where AVX-512 VBMI is there the map values come from byte
  * permutes instead of gathers, and whole blocks are software-pipelined
  * (blocks8_vbmi) so the quantiser's gathers overlap the next block's
- * divisions. */
+ * divisions; with VBMI2 the quantiser's lookups are byte permutes too and
+ * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize64), and
+ * the bf16 working copy is written in the same pass (docs/optimizers.md). */
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 #include "optim/lz_quant8.h"
@@ -142,6 +144,10 @@ __attribute__((target("avx512f,fma"), optimize("fp-contract=off"))) static void 
  * indices are first put in the order that makes out[j] elements 16j..16j+15
  * (index byte 16L + 4j + w comes from 16j + 4L + w: a transpose of L and j). */
 #define A8_VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi,fma"), optimize("fp-contract=off")))
+
+#define A8_FAST                                                                         \
+  __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,fma"),                 \
+                 optimize("fp-contract=off")))
 
 A8_VBMI static inline void lookup64(const uint8_t (*planes)[256], const uint8_t *q, __m512 out[4]) {
   const __m512i order = _mm512_set_epi8(
@@ -279,6 +285,63 @@ A8_VBMI static void blocks8_vbmi(float *restrict p, const float *restrict grad, 
   }
 }
 
+/* 16 parameters to bf16 as lz_bf16_from_f32_inline rounds them (nearest
+ * even, NaN quieted; not vcvtneps2bf16, which flushes subnormals). */
+A8_FAST static inline void store_bf16x16(uint16_t *w, const float *p) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p)), top = _mm512_srli_epi32(u, 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_or_epi32(r, nan, top, _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256((__m256i *)w, _mm512_cvtepi32_epi16(r));
+}
+
+/* blocks8_vbmi with the quantiser's lookups as byte permutes
+ * (lz_q8_quantize64) instead of gathers, where the maps have those tables,
+ * and the bf16 working copy (wbf, or NULL) written while p is in cache. */
+A8_FAST static void blocks8_fast(float *restrict p, const float *restrict grad, uint8_t *restrict qm,
+                                 uint8_t *restrict qv, float *restrict absmax_m,
+                                 float *restrict absmax_v, const a8_consts *k, int64_t blocks,
+                                 uint16_t *restrict wbf) {
+  enum { B = LZ_ADAMW8BIT_BLOCK };
+  float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
+  const lz_q8_fast *fast_m = k->map_m->fast, *fast_v = k->map_v->fast;
+  /* the previous block's absmaxes, reciprocals and whether those serve */
+  __m512 sm = _mm512_set1_ps(1.0f), sv = sm, rm = sm, rv = sm;
+  int recip_m = 0, recip_v = 0;
+  for (int64_t b = 0; b <= blocks; b++) {
+    const int cur = (int)(b & 1), prev = cur ^ 1, update = b < blocks, quantise = b > 0;
+    const int64_t o = b * B, q = o - B;
+    const a8_vec512 c = vec512(k, update ? absmax_m[b] : 0.0f, update ? absmax_v[b] : 0.0f);
+    __m512 mm = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
+    for (int i = 0; i < B; i += 64) {
+      if (update) {
+        __m512 dm[4], dv[4];
+        lookup64(k->map_m->planes, qm + o + i, dm);
+        lookup64(k->map_v->planes, qv + o + i, dv);
+        for (int j = 0; j < 4; j++)
+          update16(p + o + i + 16 * j, grad + o + i + 16 * j, dm[j], dv[j], &c,
+                   m[cur] + i + 16 * j, v[cur] + i + 16 * j, &mm, &mv);
+        if (wbf)
+          for (int j = 0; j < 64; j += 16) store_bf16x16(wbf + o + i + j, p + o + i + j);
+      }
+      if (quantise) {
+        lz_q8_quantize64(fast_m, m[prev] + i, sm, recip_m, rm, qm + q + i);
+        lz_q8_quantize64(fast_v, v[prev] + i, sv, recip_v, rv, qv + q + i);
+      }
+    }
+    if (update) {
+      const float am = _mm512_reduce_max_ps(mm), av = _mm512_reduce_max_ps(mv);
+      absmax_m[b] = am, absmax_v[b] = av;
+      sm = _mm512_set1_ps(am), sv = _mm512_set1_ps(av);
+      rm = _mm512_set1_ps(1.0f / am), rv = _mm512_set1_ps(1.0f / av);
+      recip_m = lz_q8_recip_ok(am), recip_v = lz_q8_recip_ok(av);
+    }
+  }
+}
+
 /* fmaf is one instruction only where FMA is enabled, which target_clones'
  * "avx2" does not imply: hence clones of our own, picked once. */
 #define A8_CLONES(X)                                                             \
@@ -387,6 +450,7 @@ lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
   const lz_optim_store_fn store = w ? lz_optim_working_store(w->dtype) : NULL;
   const size_t wsize = w ? lz_dtype_size(w->dtype) : 0;
   const int64_t B = LZ_ADAMW8BIT_BLOCK;
+  const int fast = k.map_m->fast && k.map_v->fast;
   if (eight && isa == 3) {
     const int64_t chunk = 64 * B;
 #pragma omp parallel for schedule(static) if (n > (1 << 14))
@@ -394,11 +458,19 @@ lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
       const int64_t len = n - i0 < chunk ? n - i0 : chunk, whole = len / B * B;
       uint8_t *qm = (uint8_t *)a->t[2]->data + i0, *qv = (uint8_t *)a->t[3]->data + i0;
       float *am = (float *)a->t[4]->data + i0 / B, *av = (float *)a->t[5]->data + i0 / B;
-      blocks8_vbmi(p + i0, g + i0, qm, qv, am, av, &k, whole / B);
+      int64_t stored = 0; /* elements of the chunk whose working copy is written */
+      if (fast) {
+        uint16_t *wbf = w && w->dtype == LZ_BF16 ? (uint16_t *)w->data + i0 : NULL;
+        blocks8_fast(p + i0, g + i0, qm, qv, am, av, &k, whole / B, wbf);
+        stored = wbf ? whole : 0;
+      } else {
+        blocks8_vbmi(p + i0, g + i0, qm, qv, am, av, &k, whole / B);
+      }
       if (len > whole)
         block8_vbmi(p + i0 + whole, g + i0 + whole, qm + whole, qv + whole, am + whole / B,
                     av + whole / B, &k, len - whole);
-      if (store) store((char *)w->data + (size_t)i0 * wsize, p + i0, len);
+      if (store && len > stored)
+        store((char *)w->data + (size_t)(i0 + stored) * wsize, p + i0 + stored, len - stored);
     }
     return LZ_OK;
   }

@@ -20,16 +20,24 @@ typedef struct lz_q8_map {
   const float *values;
   const uint32_t *cells;
   const uint8_t (*planes)[256];
+  const struct lz_q8_fast *fast; /* the permute form of the lookup (quant8.c); NULL: none */
 } lz_q8_map;
 
 /* The signed dynamic map (is_signed 1, m) or the unsigned one (0, v). */
 const lz_q8_map *lz_q8_map_get(int is_signed);
 
-/* q[i] = the index bitsandbytes picks for x[i] / absmax, n <= one block:
- * the fastest way this machine has. */
+/* q[i] = the index bitsandbytes picks for x[i] / absmax, n <= one block
+ * whose largest magnitude is at most absmax (an x of inf over a finite
+ * absmax is taken for NaN): the fastest way this machine has. */
 typedef void (*lz_q8_quantize_fn)(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                                   int64_t n);
 lz_q8_quantize_fn lz_q8_quantizer(void);
+
+/* The same for whole groups of 64 values (n a multiple of 64) without table
+ * gathers, where lz_q8_fast_ok(map): AVX-512 VBMI2 and the map's steps fit
+ * the permute tables (quant8.c). */
+int lz_q8_fast_ok(const lz_q8_map *map);
+void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float absmax, uint8_t *q, int64_t n);
 
 /* The scalar form of the same choice, for one value z = x / absmax. */
 uint8_t lz_q8_index(const lz_q8_map *map, float z);
@@ -69,6 +77,116 @@ __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const 
   const __m512 z = _mm512_div_ps(x, absmax);
   const __m512i idx = lz_q8_index16(cells, _mm512_castps_si512(z));
   return _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(z, z, _CMP_ORD_Q), idx));
+}
+
+/* The lookup as byte permutes (lz_q8_quantize64). A value's cell is
+ * picked by its binade and the top bits of its mantissa, as many as that
+ * binade of that sign needs for no cell to hold more than two steps; all
+ * cells of both signs are numbered 0..255. A cell gives the label of its
+ * first magnitude's run (labels count the runs of both signs, from the
+ * smallest magnitude up) and the mantissas of its steps (0xffffff: none); the
+ * value's label is the cell's plus the steps at or below its mantissa, and
+ * `index` maps a label to the map index. */
+typedef struct lz_q8_fast {
+  uint16_t binade[64];     /* [sign 32 + exponent % 32]: shift | cell offset << 8 */
+  uint8_t cell[7][256];    /* label, then the two steps' mantissas, byte planes */
+  uint8_t index[256];      /* label -> map index */
+  uint16_t sel_hi[32];     /* the permutes' selectors: the top 16 bits of 32 floats, */
+  uint8_t sel_cell[64];    /* the low byte of 64 words, */
+  uint8_t sel_byte[3][64]; /* byte k of 32 floats twice */
+} lz_q8_fast;
+
+#define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,fma")))
+
+/* One byte plane of a cell table at 64 cells at once. */
+LZ_Q8_FAST static inline __m512i lz_q8_plane64(const uint8_t *t, __m512i cell, __mmask64 high) {
+  const __m512i lo =
+      _mm512_permutex2var_epi8(_mm512_loadu_si512(t), cell, _mm512_loadu_si512(t + 64));
+  const __m512i hi =
+      _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), cell, _mm512_loadu_si512(t + 192));
+  return _mm512_mask_blend_epi8(high, lo, hi);
+}
+
+/* Whether each of 64 mantissas (byte planes m[0..2], low byte first) is
+ * at or above the step of its cell in the planes t[0..2]: compared byte by
+ * byte from the top, the lower bytes deciding where the upper are equal. */
+LZ_Q8_FAST static inline __mmask64 lz_q8_at_step64(const uint8_t (*t)[256], __m512i cell,
+                                                   __mmask64 high, const __m512i m[3]) {
+  const __m512i t0 = lz_q8_plane64(t[0], cell, high), t1 = lz_q8_plane64(t[1], cell, high);
+  const __m512i t2 = lz_q8_plane64(t[2], cell, high);
+  const __mmask64 ge10 = _mm512_cmpgt_epu8_mask(m[1], t1) |
+                         _mm512_mask_cmpge_epu8_mask(_mm512_cmpeq_epi8_mask(m[1], t1), m[0], t0);
+  return _mm512_cmpgt_epu8_mask(m[2], t2) | _mm512_mask_cmpeq_epi8_mask(ge10, m[2], t2);
+}
+
+/* x / b as RN(x * r) corrected by its remainder (Markstein's step), r =
+ * RN(1 / b), for b in [2^-52, 2^64] (lz_q8_recip_ok). The result is x / b
+ * or its neighbour on the other side of x / b (a faithful rounding: the
+ * product is within 1.5 units in the last place and the corrected value
+ * within a small fraction of one before its rounding). Where |x / b| >=
+ * 2^-27 every intermediate is normal, so the result depends on the
+ * mantissas of x and b alone; below, it stays under 2^-26, in the one cell
+ * of magnitudes under 2^-25, whose index is that of 0 of either sign. So the
+ * index can only differ from the true quotient's where x / b lies between a
+ * step and the float below it: test_quant8 checks those quotients for every
+ * step of both maps. */
+LZ_Q8_FAST static inline __m512 lz_q8_div16(__m512 x, __m512 b, __m512 r) {
+  const __m512 q0 = _mm512_mul_ps(x, r);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, b, x), r, q0);
+}
+
+static inline int lz_q8_recip_ok(float absmax) {
+  return absmax >= 0x1p-52f && absmax <= 0x1p64f;
+}
+
+/* The indices of 64 values x of a block with this absmax (broadcast; with
+ * recip, r its reciprocal and the division lz_q8_div16's): the cell from
+ * the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa bits) in
+ * 16-bit lanes, the cell's label and steps by byte permutes, the steps
+ * compared with z's mantissa as three bytes, 64 values per compare. */
+LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
+                                               int recip, __m512 r, uint8_t *q) {
+  const __m512i zero = _mm512_setzero_si512();
+  __m512i z[4], c[2];
+  __mmask32 nan[2];
+  for (int j = 0; j < 4; j++) {
+    const __m512 xj = _mm512_loadu_ps(x + 16 * j);
+    z[j] = _mm512_castps_si512(recip ? lz_q8_div16(xj, absmax, r) : _mm512_div_ps(xj, absmax));
+  }
+  const __m512i hi_words = _mm512_loadu_si512(f->sel_hi);
+  const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
+  for (int h = 0; h < 2; h++) {
+    const __m512i hw = _mm512_permutex2var_epi16(z[2 * h], hi_words, z[2 * h + 1]);
+    const __m512i mag = _mm512_and_si512(hw, _mm512_set1_epi16(0x7fff));
+    /* NaN or inf; inf is no quotient of |x| <= absmax, and 0 / 0 is NaN */
+    nan[h] = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7f80));
+    const __m512i a = _mm512_min_epu16(_mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16))),
+                                       _mm512_set1_epi16((short)(Q8_ONE >> 16)));
+    /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
+    const __m512i bi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw, 10),
+                                                 _mm512_set1_epi16(0x20), 0xd8);
+    const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
+    c[h] = _mm512_add_epi16(_mm512_shrdv_epi16(a, zero, ent), _mm512_srli_epi16(ent, 8));
+  }
+  const __m512i cell = _mm512_permutex2var_epi8(c[0], _mm512_loadu_si512(f->sel_cell), c[1]);
+  const __mmask64 high = _mm512_movepi8_mask(cell);
+  __m512i m[3]; /* z's mantissa as byte planes, elements in order */
+  for (int k = 0; k < 3; k++) {
+    const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
+    m[k] = _mm512_mask_blend_epi8(0xffffffff00000000ull, _mm512_permutex2var_epi8(z[0], sel, z[1]),
+                                  _mm512_permutex2var_epi8(z[2], sel, z[3]));
+  }
+  m[2] = _mm512_and_si512(m[2], _mm512_set1_epi8(0x7f)); /* the exponent's low bit off */
+  const __m512i one = _mm512_set1_epi8(1);
+  __m512i label = lz_q8_plane64(f->cell[0], cell, high);
+  const uint8_t(*step1)[256] = (const uint8_t(*)[256])f->cell[1];
+  const uint8_t(*step2)[256] = (const uint8_t(*)[256])f->cell[4];
+  label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step1, cell, high, m), label, one);
+  label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step2, cell, high, m), label, one);
+  __m512i idx = lz_q8_plane64(f->index, label, _mm512_movepi8_mask(label));
+  if (nan[0] | nan[1]) /* NaN gets index 0 */
+    idx = _mm512_maskz_mov_epi8(~_mm512_kunpackd((__mmask64)nan[1], (__mmask64)nan[0]), idx);
+  _mm512_storeu_si512(q, idx);
 }
 
 #ifdef __cplusplus

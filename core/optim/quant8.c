@@ -16,7 +16,9 @@
  * one table per sign. No cell holds more than one step, so a cell's entry is
  * the index below its step, the index at and above it, and where the step
  * is (the low 16 bits of the magnitude): one load and one compare per value,
- * which vectorises as one gather. */
+ * which vectorises as one gather. With AVX-512 VBMI2 a coarser form of the
+ * same cells, small enough for byte permutes, replaces the gather
+ * (lz_q8_fast, built from these cells). */
 #include "optim/lz_quant8.h"
 
 #include <pthread.h>   /* pthread_once: the cell tables are built on first use */
@@ -292,8 +294,9 @@ static float from_bits(uint32_t u) {
 
 static uint32_t signed_cells[2 * Q8_SIDE], unsigned_cells[2 * Q8_SIDE];
 static uint8_t signed_planes[4][256], unsigned_planes[4][256];
-static const lz_q8_map maps[2] = {{unsigned_values, unsigned_cells, unsigned_planes},
-                                  {signed_values, signed_cells, signed_planes}};
+static lz_q8_fast signed_fast, unsigned_fast;
+static lz_q8_map maps[2] = {{unsigned_values, unsigned_cells, unsigned_planes, NULL},
+                            {signed_values, signed_cells, signed_planes, NULL}};
 
 /* A cell's entry: bits 0-15 where the step is (the low bits of the first
  * magnitude at the upper index; 0 when the cell has one index), 16-23 the
@@ -326,13 +329,98 @@ static void build_planes(uint8_t planes[4][256], const float *values) {
   }
 }
 
+static inline __attribute__((always_inline)) uint8_t index_of(const uint32_t *cells, float z);
+
+/* The fast tables from the cells (built first): 0 where the steps do not fit
+ * them (more than 256 cells or labels, or a step inside the cell that the
+ * magnitudes below 2^-26 are clamped into, whose mantissa is not theirs). */
+static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
+  enum { MAXS = 512 };
+  int n_cells = 0, n_labels = 0;
+  for (uint32_t side = 0; side < 2; side++) {
+    const uint32_t sign = side << 31;
+    uint32_t at[MAXS]; /* the magnitudes where the index changes, from Q8_LO up */
+    int n = 0;
+    uint8_t cur = index_of(cells, from_bits(sign | Q8_LO));
+    const int first = n_labels;
+    if (n_labels >= 256) return 0;
+    f->index[n_labels++] = cur;
+    for (uint32_t c = 0; c < Q8_SIDE; c++) {
+      const uint32_t a0 = Q8_LO + (c << 16), e = cells[side * Q8_SIDE + c];
+      const uint8_t i0 = index_of(cells, from_bits(sign | a0));
+      if (i0 != cur) {
+        if (n >= MAXS || n_labels >= 256) return 0;
+        at[n++] = a0, f->index[n_labels++] = cur = i0;
+      }
+      if ((e & 0xffff) && (uint8_t)(e >> 24) != cur) {
+        if (n >= MAXS || n_labels >= 256) return 0;
+        at[n++] = a0 + (e & 0xffff);
+        f->index[n_labels++] = cur = (uint8_t)(e >> 24);
+      }
+    }
+    for (uint32_t ex = Q8_LO >> 23; ex <= Q8_ONE >> 23; ex++) {
+      const uint32_t lo = ex << 23, hi = lo + (1u << 23); /* the binade [lo, hi) */
+      int k = 0;
+      for (;; k++) { /* the fewest top mantissa bits with at most 2 steps inside a cell */
+        if (k > 7) return 0;
+        int ok = 1;
+        for (int s = 2; s < n && ok; s++)
+          if (at[s] >= lo && at[s] < hi && at[s - 2] >= lo) {
+            const uint32_t w = 23 - (uint32_t)k;
+            ok = !((at[s] >> w) == (at[s - 2] >> w) && (at[s - 2] & ((1u << w) - 1)));
+          }
+        if (ok) break;
+      }
+      if (n_cells + (1 << k) > 256) return 0;
+      /* the cell is (top 16 bits >> shift) + offset, in a byte: the shifted
+       * exponent comes off modulo 256 */
+      const uint32_t off = ((uint32_t)n_cells - (ex << k)) & 0xff;
+      f->binade[side * 32 + (ex & 31)] = (uint16_t)((7 - k) | off << 8);
+      const uint32_t w = 23 - (uint32_t)k;
+      for (uint32_t c = 0; c < (1u << k); c++, n_cells++) {
+        const uint32_t start = lo + (c << w), end = start + (1u << w);
+        int label = first, inner = 0;
+        uint32_t step[2] = {0xffffff, 0xffffff};
+        for (int s = 0; s < n; s++) {
+          if (at[s] <= start) {
+            label++;
+          } else if (at[s] < end) {
+            if (inner == 2) return 0;
+            step[inner++] = at[s] & 0x7fffff;
+          }
+        }
+        if (ex == Q8_LO >> 23 && c == 0 && inner) return 0;
+        f->cell[0][n_cells] = (uint8_t)label;
+        for (int b = 0; b < 3; b++) {
+          f->cell[1 + b][n_cells] = (uint8_t)(step[0] >> (8 * b));
+          f->cell[4 + b][n_cells] = (uint8_t)(step[1] >> (8 * b));
+        }
+      }
+    }
+  }
+  for (int e = 0; e < 32; e++) f->sel_hi[e] = (uint16_t)(2 * e + 1); /* z's top 16 bits */
+  for (int e = 0; e < 64; e++) { /* byte e: element e's cell, mantissa bytes from 2 of 4 dwords */
+    f->sel_cell[e] = (uint8_t)(2 * e);
+    for (int k = 0; k < 3; k++) f->sel_byte[k][e] = (uint8_t)(4 * (e % 32) + k);
+  }
+  return 1;
+}
+
 static pthread_once_t built = PTHREAD_ONCE_INIT;
 static void build(void) {
   build_planes(signed_planes, signed_values);
   build_planes(unsigned_planes, unsigned_values);
   build_cells(signed_cells, signed_runs, (int)(sizeof signed_runs / sizeof *signed_runs));
   build_cells(unsigned_cells, unsigned_runs, (int)(sizeof unsigned_runs / sizeof *unsigned_runs));
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+      __builtin_cpu_supports("avx512vbmi2")) {
+    if (build_fast(&unsigned_fast, unsigned_cells)) maps[0].fast = &unsigned_fast;
+    if (build_fast(&signed_fast, signed_cells)) maps[1].fast = &signed_fast;
+  }
 }
+
+int lz_q8_fast_ok(const lz_q8_map *map) { return map->fast != NULL; }
 
 const lz_q8_map *lz_q8_map_get(int is_signed) {
   pthread_once(&built, build);
@@ -351,6 +439,13 @@ static inline __attribute__((always_inline)) uint8_t index_of(const uint32_t *ce
 
 uint8_t lz_q8_index(const lz_q8_map *map, float z) { return index_of(map->cells, z); }
 
+LZ_Q8_FAST void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
+                                    int64_t n) {
+  const __m512 b = _mm512_set1_ps(absmax), r = _mm512_set1_ps(1.0f / absmax);
+  const int recip = lz_q8_recip_ok(absmax);
+  for (int64_t i = 0; i + 64 <= n; i += 64) lz_q8_quantize64(map->fast, x + i, b, recip, r, q + i);
+}
+
 static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                             int64_t n) {
   for (int64_t i = 0; i < n; i++) q[i] = index_of(map->cells, x[i] / absmax);
@@ -361,6 +456,10 @@ __attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *
                                                                int64_t n) {
   const __m512 vmax = _mm512_set1_ps(absmax);
   int64_t i = 0;
+  if (map->fast) {
+    i = n / 64 * 64;
+    lz_q8_quantize_fast(map, x, absmax, q, i);
+  }
   for (; i + 16 <= n; i += 16)
     _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
   quantize_scalar(map, x + i, absmax, q + i, n - i);
