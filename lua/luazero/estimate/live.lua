@@ -68,7 +68,7 @@ function M.estimate(engine, opts)
                                    engine.optimizer.states, engine.optimizer.state_formats)
   for k, v in pairs(opts or {}) do o[k] = v end
   local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence,
-                                          engine.L.block), o)
+                                          engine.L.block, engine.s.ep_size), o)
   local st = engine.states
   local staging, nvme = st:staging_bytes(), 0
   if engine.pshard then

@@ -157,10 +157,13 @@ function Experts:exchange(route, device)
 end
 
 -- The ranks the experts are placed on (1 without expert parallelism),
--- which must divide the experts evenly.
+-- which must divide the experts evenly: the engine's group, else the
+-- context's ep_size (a model sized for a group it is not in: the
+-- estimate's arenas).
 function Experts:ep_size()
-  local g = self.ctx and self.ctx.ep_group
-  local P, E = g and g:size() or 1, self.n_experts
+  local ctx = self.ctx or {}
+  local g = ctx.ep_group
+  local P, E = g and g:size() or ctx.ep_size or 1, self.n_experts
   if E % P ~= 0 then
     error(("moe: expert parallelism places the %d experts on the %d ranks of an expert-parallel " ..
            "group, as many each: set moe.ep_size to a divisor of %d"):format(E, P, E), 0)

@@ -1,0 +1,65 @@
+-- moe_estimate_check.lua — run by test_estimate_moe.lua under the launcher:
+-- a tiny Mixtral (experts gathered per expert or per block) trained one
+-- step under moe.ep_size EP at each ZeRO stage, beside the estimate of the
+-- same configuration. Prints, on rank 0, one line a case:
+--   case <stage> <optimizer> <experts: world|edp, the engine's> <the
+--   estimate's> host <the ledger's params + grads + optimizer + offload>
+--   <the estimate's kept host bytes> params <ledger> <estimate> acts
+--   <the ledger's activations> <the estimate's>
+-- then "done".
+--   luazero -n N tests/lua/moe_estimate_check.lua CORPUS EP GATHER
+local lz = require("luazero")
+local zero = require("luazero.zero")
+local data = require("luazero.data")
+local estimate = require("luazero.estimate")
+local formats = require("luazero.optim.formats")
+local mixtral = require("models.mixtral")
+
+local comm = require("luazero.comm").init()
+local rank, world = comm.rank(), comm.size()
+local corpus = data.load(arg[1])
+local ep_size, gather = tonumber(arg[2]), arg[3] or "expert"
+local B, S = 2, 16
+
+local optimizers = {
+  adamw = { type = "AdamW", params = { lr = 1e-3 } },
+  -- (block-scaled states: the engine keeps the experts under ZeRO over the world)
+  adamw8bit = { type = "AdamW8bit", params = { lr = 1e-3, min_8bit_size = 1000 } },
+}
+local cases = { { 0, "adamw" }, { 1, "adamw" }, { 2, "adamw" }, { 3, "adamw" },
+                { 2, "adamw8bit" } }
+
+for _, c in ipairs(cases) do
+  local stage, oname = c[1], c[2]
+  local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
+  local cfg = { train_micro_batch_size_per_gpu = B,
+                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600 },
+                optimizer = optimizers[oname], moe = { ep_size = ep_size } }
+  -- The estimate, of a model declared beside the engine's (never placed).
+  local settings = estimate.settings_of(cfg, "cpu")
+  local counts = estimate.counts(mixtral.new(mcfg), world, 600, formats.block_of(settings.formats),
+                                 ep_size)
+  local r = estimate.rank(counts, settings)
+  local acts = estimate.activations(mixtral.new(mcfg), B, S, "fp32", ep_size).device
+  jit.flush(); collectgarbage(); collectgarbage()
+  local before = lz.mem()
+  local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
+                                   batch = { B, S }, comm = comm })
+  local loader = data.loader(corpus, { B = B, T = S, seed = 1, vocab = mcfg.vocab, rank = rank,
+                                       world = world })
+  engine:train_batch(loader)
+  local m = lz.mem()
+  local host = 0
+  for _, cat in ipairs({ "params", "grads", "optimizer", "offload" }) do
+    host = host + m[cat] - before[cat]
+  end
+  if rank == 0 then
+    print(("case %d %s %s %s host %d %d params %d %d acts %d %d"):format(stage, oname,
+          engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
+          m.params - before.params, r.host.params or 0, m.activations - before.activations, acts))
+  end
+  engine:free()
+  loader:free()
+end
+if rank == 0 then print("done") end
+corpus.tokens:free()
