@@ -23,11 +23,13 @@ local B, S = 2, 16
 
 local optimizers = {
   adamw = { type = "AdamW", params = { lr = 1e-3 } },
-  -- (block-scaled states: the engine keeps the experts under ZeRO over the world)
+  -- (block-scaled states, their blocks the world layout's under either placement)
   adamw8bit = { type = "AdamW8bit", params = { lr = 1e-3, min_8bit_size = 1000 } },
+  -- (whole matrices: the engine keeps the experts under ZeRO over the world)
+  muon = { type = "Muon", params = { lr = 0.01 } },
 }
 local cases = { { 0, "adamw" }, { 1, "adamw" }, { 2, "adamw" }, { 3, "adamw" },
-                { 2, "adamw8bit" } }
+                { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" } }
 
 for _, c in ipairs(cases) do
   local stage, oname = c[1], c[2]

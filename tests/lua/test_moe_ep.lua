@@ -131,11 +131,12 @@ end
 
 -- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
 -- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
-local function edp(ep, stage, save, load, accum, gather)
-  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d fp32 " ..
-               "%s 2>&1")
+local function edp(ep, stage, save, load, accum, gather, optimizer, dtype)
+  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
+               "%s %s 2>&1")
               :format(q(lz.root), q(lz.executable()), q(corpus), ep, stage, save or "-",
-                      load or "-", accum or 1, gather or "expert")
+                      load or "-", accum or 1, dtype or "fp32", gather or "expert",
+                      optimizer or "AdamW")
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
@@ -230,6 +231,52 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
     eq(four.placement, "edp", "ep_size 4's placement")
     eq(four.sum, single.sum, saved .. " checkpoint resumed under ep_size 4 and 1")
   end
+end
+
+-- 8-bit AdamW (block-scaled states) with the experts in their group: a
+-- segment pads to world x 256 elements under either placement, so an
+-- expert's group slice holds whole blocks of the world layout and every
+-- block is quantised as under ZeRO over the world. Stages 1-3 end on
+-- stage 0's checksum and gradient norms at ep_size 2 and 4, gathered per
+-- expert and per block, with accumulation and in bf16; a checkpoint saved
+-- under either placement resumes under the other.
+function T.eight_bit_adamw_keeps_the_experts_in_their_group()
+  local function q8(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "AdamW8bit", o.dtype)
+  end
+  local runs = 0
+  local function same_as_stage_0(ep, o, what)
+    local s0 = q8(ep, 0, o)
+    eq(s0.placement, "world", "stage 0's placement, " .. what)
+    for stage = 1, 3 do
+      local r = q8(ep, stage, o)
+      eq(r.placement, "edp", ("stage %d's placement, %s"):format(stage, what))
+      eq(r.sum, s0.sum, ("checksum at stage %d, %s"):format(stage, what))
+      eq(r.norms, s0.norms, ("gradient norms at stage %d, %s"):format(stage, what))
+      runs = runs + 1
+    end
+    return s0
+  end
+  local base = same_as_stage_0(2, {}, "ep_size 2")
+  same_as_stage_0(4, {}, "ep_size 4")
+  same_as_stage_0(2, { gather = "block" }, "ep_size 2, per block")
+  same_as_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
+  same_as_stage_0(2, { dtype = "bf16" }, "ep_size 2, bf16")
+  local world1 = edp(2, 1, nil, nil, 1, nil, "AdamW8bit")
+  local one = edp(1, 1, nil, nil, 1, nil, "AdamW8bit")
+  assert(world1.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
+                                     :format(world1.params, one.params))
+  local dir = scratch_dir .. "/q8-ck"
+  q8(2, 1, { save = dir .. "/edp" })
+  q8(2, 0, { save = dir .. "/world" })
+  for _, saved in ipairs({ "edp", "world" }) do
+    for _, stage in ipairs({ 0, 1, 3 }) do
+      eq(q8(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
+         ("8-bit states saved under the %s placement resumed at stage %d"):format(saved, stage))
+    end
+  end
+  print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
 end
 
 function T.experts_must_divide_among_the_ranks()

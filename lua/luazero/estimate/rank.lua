@@ -112,10 +112,8 @@ function M.counts(model, world, threshold, block, ep_size)
   end
   local c = trained(L)
   if place then
-    -- (the engine's place: no block-scaled states, whose blocks are cut on
-    -- the world layout; it falls back to the world placement with them)
-    local edp = layout.new(trainable, world, nil, nil, { rank = 0, ep_size = ep_size,
-                                                         owner = place.owner })
+    local edp = layout.new(trainable, world, nil, block, { rank = 0, ep_size = ep_size,
+                                                           owner = place.owner })
     if edp.elsewhere > 0 then
       for _, seg in ipairs(edp.segments) do users[seg] = users[L.by_module[seg.module]] end
       c.edp = trained(edp)
@@ -270,8 +268,8 @@ end
 -- (the config's defaults), read_gbps, write_gbps (the disk: 1.9 / 1.1).
 -- ep_size (moe.ep_size; 1): where the plan keeps the experts in their
 -- expert-data-parallel group (its experts "edp") and the engine does not
--- fall back (an optimizer of whole matrices or block-scaled states), the
--- counts' edp layout is the rank's; routed_only and tokens (moe.routed_only;
+-- fall back (an optimizer of whole matrices), the counts' edp layout is
+-- the rank's; routed_only and tokens (moe.routed_only;
 -- tokens a micro-batch on one rank): stage 3's reads of experts gathered
 -- one by one at the share uniform routing leaves routed.
 -- Returns nil where the placement needs another stage; else { device,
@@ -314,8 +312,7 @@ function M.rank(counts, opts)
   -- The experts in their group where the engine keeps them there
   -- (zero/experts.lua's place).
   local experts = P.ep_size > 1 and "world" or nil
-  if P.experts == "edp" and counts.edp and not opts.whole_matrices and
-     not formats.block_of(P.optimizer.formats) then
+  if P.experts == "edp" and counts.edp and not opts.whole_matrices then
     counts, experts = counts.edp, "edp"
   end
   local routed = opts.routed_only and opts.tokens and { tokens = opts.tokens * counts.world }

@@ -30,18 +30,21 @@ end
 -- The layout keeps only this rank's experts: each reduced element and
 -- each gradient-norm partial is then the world placement's, bit for bit.
 -- It needs an optimizer that updates elements one by one (not whole
--- matrices) and keeps no block-scaled states (8-bit AdamW's blocks are
--- cut on the world layout); else the experts stay under ZeRO over the
--- world (P.experts = "world").
+-- matrices); else the experts stay under ZeRO over the world (P.experts =
+-- "world"). Block-scaled states (8-bit AdamW's) keep their blocks: a
+-- segment pads to world x block elements under either placement, so an
+-- expert's group slice k is world slices kP..kP+P-1 and its blocks are
+-- the world layout's, each in one parameter, counted from its start.
 function M.place(engine)
   local P, s = engine.P, engine.s
   if P.experts ~= "edp" then return end
-  if engine.optimizer.matrix ~= nil or engine.block then P.experts = "world"; return end
+  if engine.optimizer.matrix ~= nil then P.experts = "world"; return end
   local owner = layout.expert_owner(s.ep_size)
   engine.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
   engine.owner = owner
   engine.Lw = engine.L
-  engine.L = layout.new(engine.ptable, engine.world, nil, nil, engine.place_of(engine.rank))
+  engine.L = layout.new(engine.ptable, engine.world, nil, engine.block,
+                        engine.place_of(engine.rank))
   -- which world segment each of this rank's is (the same first parameter)
   local at = {}
   for i, seg in ipairs(engine.Lw.segments) do at[seg.entries[1].entry] = i end
