@@ -145,8 +145,8 @@ local function main(argv)
          table.concat(models.names, ", ") .. ") or --model-config config.json; --help lists " ..
          "the flags")
   end
-  -- sim keeps its memory apart from the host's, as cuda does.
-  if flags.device == "sim" then flags.device = "cuda" end
+  -- (sim keeps its memory apart from the host's, as cuda does, and is
+  -- placed as the engine places it there)
   local pt = flags.persistence_threshold
   if pt < 0 or pt ~= math.floor(pt) or pt > 2 ^ 53 then
     fail(("--persistence-threshold must be a whole number of elements >= 0 (got %s)"):format(pt))

@@ -5,9 +5,11 @@
 --   case <stage> <optimizer> <experts: world|edp, the engine's> <the
 --   estimate's> host <the ledger's params + grads + optimizer + offload>
 --   <the estimate's kept host bytes> params <ledger> <estimate> acts
---   <the ledger's activations> <the estimate's>
--- then "done".
---   luazero -n N tests/lua/moe_estimate_check.lua CORPUS EP GATHER
+--   <the ledger's activations> <the estimate's> device <the device
+--   ledger's params + grads + optimizer> <the estimate's kept device bytes>
+-- then "done". DEVICE: cpu (default: one memory, all of it host) or sim
+-- (the device's memory apart).
+--   luazero -n N tests/lua/moe_estimate_check.lua CORPUS EP GATHER [DEVICE]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -18,7 +20,7 @@ local mixtral = require("models.mixtral")
 local comm = require("luazero.comm").init()
 local rank, world = comm.rank(), comm.size()
 local corpus = data.load(arg[1])
-local ep_size, gather = tonumber(arg[2]), arg[3] or "expert"
+local ep_size, gather, device = tonumber(arg[2]), arg[3] or "expert", arg[4] or "cpu"
 local B, S = 2, 16
 
 local optimizers = {
@@ -38,27 +40,33 @@ for _, c in ipairs(cases) do
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600 },
                 optimizer = optimizers[oname], moe = { ep_size = ep_size } }
   -- The estimate, of a model declared beside the engine's (never placed).
-  local settings = estimate.settings_of(cfg, "cpu")
+  local settings = estimate.settings_of(cfg, device)
   local counts = estimate.counts(mixtral.new(mcfg), world, 600, formats.block_of(settings.formats),
                                  ep_size)
   local r = estimate.rank(counts, settings)
   local acts = estimate.activations(mixtral.new(mcfg), B, S, "fp32", ep_size).device
   jit.flush(); collectgarbage(); collectgarbage()
-  local before = lz.mem()
+  local before, before_dev = lz.mem(), lz.mem_device()
   local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
-                                   batch = { B, S }, comm = comm })
+                                   batch = { B, S }, comm = comm, device = device })
   local loader = data.loader(corpus, { B = B, T = S, seed = 1, vocab = mcfg.vocab, rank = rank,
                                        world = world })
   engine:train_batch(loader)
-  local m = lz.mem()
-  local host = 0
+  local m, md = lz.mem(), lz.mem_device()
+  local host, dev = 0, 0
   for _, cat in ipairs({ "params", "grads", "optimizer", "offload" }) do
     host = host + m[cat] - before[cat]
+    if device ~= "cpu" and cat ~= "offload" then dev = dev + md[cat] - before_dev[cat] end
   end
+  -- (one memory on the cpu: the parameters and activations are host's)
+  local mem = device == "cpu" and m or md
+  local mem0 = device == "cpu" and before or before_dev
   if rank == 0 then
-    print(("case %d %s %s %s host %d %d params %d %d acts %d %d"):format(stage, oname,
+    local tier = device == "cpu" and r.host or r.device
+    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname,
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
-          m.params - before.params, r.host.params or 0, m.activations - before.activations, acts))
+          mem.params - mem0.params, tier.params or 0, mem.activations - mem0.activations, acts,
+          dev, estimate.kept(r, "device")))
   end
   engine:free()
   loader:free()

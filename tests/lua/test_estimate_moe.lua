@@ -2,10 +2,11 @@
 -- (lua/luazero/estimate/rank.lua's counts and rank with ep_size): on 4
 -- ranks, at ep_size 1, 2 and 4, every ZeRO stage, 8-bit AdamW (its
 -- block-scaled states in the group too) and a fall-back (Muon's whole
--- matrices keep the experts under ZeRO over the world),
--- the estimate's placement of the experts, host bytes and parameter bytes
--- equal the engine's ledger to the byte, and its activation arenas (sized
--- for every rank of the group's rows) what the engine prepares; with
+-- matrices keep the experts under ZeRO over the world), on the cpu and
+-- (ep_size 2) the sim device, the estimate's placement of the experts,
+-- host, device and parameter bytes equal the engine's ledger to the byte,
+-- and its activation arenas (sized for every rank of the group's rows)
+-- what the engine prepares; with
 -- moe.routed_only a stage-3 NVMe row reads the experts at the share the
 -- moe: lines expect; tools/estimate --ep-size says where the experts are.
 local lz = require("luazero")
@@ -19,39 +20,48 @@ local q, eq = support.quote, support.eq
 local _, _, corpus = support.scratch_corpus(support.YORK, 40)
 
 -- Runs moe_estimate_check.lua on 4 ranks; returns its cases by "stage optimizer".
-local function check(ep, gather)
+local function check(ep, gather, device)
   local out = support.sh(("cd %s && timeout 600 %s -n 4 tests/lua/moe_estimate_check.lua %s %d " ..
-                          "%s 2>&1"):format(q(lz.root), q(lz.executable()), q(corpus), ep, gather))
+                          "%s %s 2>&1"):format(q(lz.root), q(lz.executable()), q(corpus), ep, gather,
+                                               device or "cpu"))
   assert(out:find("\ndone", 1, true) or out:find("^done"), out)
   local cases = {}
-  for stage, opt, engine, est, host, ehost, params, eparams, acts, eacts in
-      out:gmatch("case (%d) (%S+) (%a+) (%a+) host (%d+) (%d+) params (%d+) (%d+) acts (%d+) (%d+)") do
+  for stage, opt, engine, est, host, ehost, params, eparams, acts, eacts, dev, edev in
+      out:gmatch("case (%d) (%S+) (%a+) (%a+) host (%d+) (%d+) params (%d+) (%d+) acts (%d+) " ..
+                 "(%d+) device (%d+) (%d+)") do
     cases[stage .. " " .. opt] = { engine = engine, estimate = est, host = tonumber(host),
                                    ehost = tonumber(ehost), params = tonumber(params),
                                    eparams = tonumber(eparams), acts = tonumber(acts),
-                                   eacts = tonumber(eacts) }
+                                   eacts = tonumber(eacts), dev = tonumber(dev),
+                                   edev = tonumber(edev) }
   end
   return cases
 end
 
 function T.ep_estimate_matches_the_engines_ledger_at_ep_size_1_2_and_4()
   local by_ep = {}
-  for _, c in ipairs({ { 1, "expert" }, { 2, "expert" }, { 4, "expert" }, { 2, "block" } }) do
-    local ep, gather = c[1], c[2]
-    local cases = check(ep, gather)
+  for _, c in ipairs({ { 1, "expert" }, { 2, "expert" }, { 4, "expert" }, { 2, "block" },
+                       { 2, "expert", "sim" } }) do
+    local ep, gather, device = c[1], c[2], c[3]
+    local cases = check(ep, gather, device)
     local n = 0
     for name, r in pairs(cases) do
       n = n + 1
-      local what = ("ep_size %d, %s, stage/optimizer %s"):format(ep, gather, name)
+      local what = ("ep_size %d, %s, %s, stage/optimizer %s"):format(ep, gather, device or "cpu",
+                                                                    name)
       local want = (ep > 1 and name ~= "0 adamw" and name ~= "2 muon") and "edp" or "world"
       eq(r.engine, want, what .. ": the engine's placement")
       eq(r.estimate, r.engine, what .. ": the estimate's placement")
       eq(r.ehost, r.host, what .. ": host bytes")
+      eq(r.edev, r.dev, what .. ": device bytes")
       eq(r.eparams, r.params, what .. ": parameter bytes")
-      eq(r.eacts, r.acts, what .. ": activation arenas")
+      -- (sim's allocations are whole 256-byte units)
+      assert(r.acts >= r.eacts and r.acts - r.eacts < (device and 4096 or 1),
+             ("%s: activation arenas %d, the estimate %d"):format(what, r.acts, r.eacts))
     end
     eq(n, 7, ("cases at ep_size %d"):format(ep))
-    if gather == "expert" then by_ep[ep] = cases end
+    if gather == "expert" and not device then by_ep[ep] = cases end
+    if device then assert(cases["1 adamw"].dev > 0, "sim: the states on the device") end
   end
   -- What expert parallelism changes: a rank's working copy at stage 1 holds
   -- 1/P of the experts (docs/moe.md's ledger figures), its arenas every

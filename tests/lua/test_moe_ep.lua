@@ -131,12 +131,12 @@ end
 
 -- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
 -- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
-local function edp(ep, stage, save, load, accum, gather, optimizer, dtype)
+local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload)
   local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
-               "%s %s 2>&1")
+               "%s %s %s %s 2>&1")
               :format(q(lz.root), q(lz.executable()), q(corpus), ep, stage, save or "-",
                       load or "-", accum or 1, dtype or "fp32", gather or "expert",
-                      optimizer or "AdamW")
+                      optimizer or "AdamW", device or "cpu", offload or "none")
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
@@ -277,6 +277,45 @@ function T.eight_bit_adamw_keeps_the_experts_in_their_group()
     end
   end
   print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
+end
+
+-- On the sim device (its memory apart from the host's, as a GPU's): the
+-- experts live in their group at stages 1-3 and end on the cpu's stage-0
+-- checksum and gradient norms, at ep_size 2 and 4, per expert and per
+-- block, with accumulation, in bf16, with the optimizer (and at stage 3
+-- the parameters) offloaded to the cpu; a checkpoint saved on sim resumes
+-- on the cpu, and one saved on the cpu on sim.
+function T.experts_live_in_their_group_on_sim()
+  local function on(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, o.device or "sim",
+               o.offload)
+  end
+  local runs = 0
+  local function same_as_cpu_stage_0(ep, o, what)
+    local c0 = on(ep, 0, { accum = o.accum, gather = o.gather, dtype = o.dtype, device = "cpu" })
+    for stage = 0, 3 do
+      local r = on(ep, stage, o)
+      eq(r.placement, stage == 0 and "world" or "edp", ("stage %d's placement, %s"):format(stage, what))
+      eq(r.sum, c0.sum, ("checksum at stage %d, %s"):format(stage, what))
+      eq(r.norms, c0.norms, ("gradient norms at stage %d, %s"):format(stage, what))
+      runs = runs + 1
+    end
+    return c0
+  end
+  local base = same_as_cpu_stage_0(2, {}, "ep_size 2")
+  same_as_cpu_stage_0(4, {}, "ep_size 4")
+  same_as_cpu_stage_0(2, { gather = "block" }, "ep_size 2, per block")
+  same_as_cpu_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
+  same_as_cpu_stage_0(2, { dtype = "bf16" }, "ep_size 2, bf16")
+  same_as_cpu_stage_0(2, { offload = "cpu" }, "ep_size 2, offloaded to the cpu")
+  local dir = scratch_dir .. "/sim-ck"
+  on(2, 1, { save = dir .. "/sim" })
+  on(2, 3, { save = dir .. "/cpu", device = "cpu" })
+  eq(on(2, 0, { load = dir .. "/sim/step-000002", device = "cpu" }).sum, base.sum,
+     "saved on sim, resumed on the cpu")
+  eq(on(2, 2, { load = dir .. "/cpu/step-000002" }).sum, base.sum, "saved on the cpu, resumed on sim")
+  print(("    %d runs on sim on the cpu's stage-0 bits"):format(runs))
 end
 
 function T.experts_must_divide_among_the_ranks()

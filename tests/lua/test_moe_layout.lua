@@ -183,7 +183,8 @@ function T.the_plan_says_where_experts_live()
   eq(Placement.new{ stage = 2, ep_size = 2, dtype = "bf16", grad_dtype = "bf16" }.experts, "world",
      "bf16 gradients")
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "world", "nvme")
-  eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "world", "sim device")
+  eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "edp", "sim device")
+  eq(Placement.new{ stage = 1, ep_size = 2, device = "cuda" }.experts, "world", "cuda device")
 end
 
 return T

@@ -260,8 +260,9 @@ end
 
 -- Per-rank bytes of one placement, the whole story. counts: M.counts or
 -- M.counts_of_params. opts: stage (0..3), dtype (bf16), grads (fp32 |
--- working), device ("cuda": an accelerator, its memory apart; "cpu": one
--- memory, all of it host), offload (a placement name: E.placements) or opt
+-- working), device ("cuda": an accelerator, its memory apart; "sim": the
+-- same, placed as the engine places it on sim; "cpu": one memory, all of
+-- it host), offload (a placement name: E.placements) or opt
 -- and param (offload devices), sub_group_size, opt_buffer_count,
 -- param_buffer_count, param_buffer_size, states ({ "m", "v" }), accum (1),
 -- overlap (overlap_comm; stage 3's default), prefetch, reduce_bucket
@@ -302,7 +303,8 @@ function M.rank(counts, opts)
   local P = Placement.new{ stage = stage, dtype = dtype,
                            grad_dtype = opts.grads == "working" and dtype or "fp32",
                            offload_optimizer = opt, offload_param = param,
-                           device = device == "cpu" and "cpu" or "cuda", accum = accum,
+                           device = (device == "cpu" or device == "sim") and device or "cuda",
+                           accum = accum,
                            optimizer_states = opts.states, optimizer_formats = opts.formats,
                            master_format = opts.master_format, ep_size = opts.ep_size }
   -- What the engine refuses for this optimizer here (its whole matrices
@@ -671,11 +673,15 @@ function M.rank_table(rows, counts, disk, device)
     for _, r in ipairs(rows) do
       if r.experts == "edp" then edp[#edp + 1] = ("%d %s"):format(r.stage, r.placement) end
     end
-    notes[#notes + 1] = ("experts: ep_size %d; %s the experts' parameters under ZeRO over " ..
-      "their expert-data-parallel group (a rank holds %s of them); the other rows over all " ..
-      "ranks, where the engine keeps them"):format(counts.ep_size,
-      #edp > 0 and ("in rows " .. table.concat(edp, ", ") .. ",") or "in no row",
-      counts.edp and ("1/%d"):format(counts.ep_size) or "none")
+    if #edp > 0 then
+      notes[#notes + 1] = ("experts: ep_size %d; in rows %s the experts' parameters under " ..
+        "ZeRO over their expert-data-parallel group (a rank holds 1/%d of them); the other " ..
+        "rows over all ranks, where the engine keeps them"):format(counts.ep_size,
+        table.concat(edp, ", "), counts.ep_size)
+    else
+      notes[#notes + 1] = ("experts: ep_size %d; in every row under ZeRO over all ranks, " ..
+        "where the engine keeps them here (docs/moe.md)"):format(counts.ep_size)
+    end
   end
   local refused, why = {}, nil
   for _, x in ipairs(rows.refused or {}) do refused[#refused + 1] = x.placement; why = x.why end

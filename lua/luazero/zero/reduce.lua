@@ -53,10 +53,15 @@ local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
 
 -- t /= n elementwise on the host (f32): a float division, as the
 -- collectives' average makes it (the division in double rounds to the
--- same float).
+-- same float). A device tensor goes through a host copy: no op divides.
 local function divide(t, n)
-  local p, m = ffi.cast("float *", t.data), t:numel()
+  local host = t:device_name() ~= "cpu" and t:to("cpu")
+  local p, m = ffi.cast("float *", (host or t).data), t:numel()
   for i = 0, m - 1 do p[i] = p[i] / n end
+  if host then
+    t:copy(host)
+    host:free()
+  end
 end
 
 -- A module's backward is about to run: its segments' gradients get a
