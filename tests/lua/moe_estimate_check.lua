@@ -9,7 +9,7 @@
 --   ledger's params + grads + optimizer> <the estimate's kept device bytes>
 -- then "done". DEVICE: cpu (default: one memory, all of it host) or sim
 -- (the device's memory apart).
---   luazero -n N tests/lua/moe_estimate_check.lua CORPUS EP GATHER [DEVICE]
+--   luazero -n N tests/lua/moe_estimate_check.lua CORPUS EP GATHER [DEVICE [NVME_DIR]]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -30,14 +30,20 @@ local optimizers = {
   -- (whole matrices: the engine keeps the experts under ZeRO over the world)
   muon = { type = "Muon", params = { lr = 0.01 } },
 }
+-- (nvme: the optimizer's states in a swap file under NVME, the third
+-- argument's folder; the cpu device only)
 local cases = { { 0, "adamw" }, { 1, "adamw" }, { 2, "adamw" }, { 3, "adamw" },
                 { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" } }
+local nvme_dir = arg[5]
+if nvme_dir then cases[#cases + 1] = { 2, "adamw", "nvme" } end
 
 for _, c in ipairs(cases) do
   local stage, oname = c[1], c[2]
+  local off = c[3] and { device = "nvme", nvme_path = nvme_dir } or nil
   local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
   local cfg = { train_micro_batch_size_per_gpu = B,
-                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600 },
+                zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600,
+                                      offload_optimizer = off },
                 optimizer = optimizers[oname], moe = { ep_size = ep_size } }
   -- The estimate, of a model declared beside the engine's (never placed).
   local settings = estimate.settings_of(cfg, device)
@@ -63,7 +69,7 @@ for _, c in ipairs(cases) do
   local mem0 = device == "cpu" and before or before_dev
   if rank == 0 then
     local tier = device == "cpu" and r.host or r.device
-    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname,
+    print(("case %d %s%s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname, c[3] and "-nvme" or "",
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
           mem.params - mem0.params, tier.params or 0, mem.activations - mem0.activations, acts,
           dev, estimate.kept(r, "device")))

@@ -674,7 +674,7 @@ function M.rank_table(rows, counts, disk, device)
       if r.experts == "edp" then edp[#edp + 1] = ("%d %s"):format(r.stage, r.placement) end
     end
     if #edp > 0 then
-      notes[#notes + 1] = ("experts: ep_size %d; in rows %s the experts' parameters under " ..
+      notes[#notes + 1] = ("experts: ep_size %d; in rows %s, the experts' parameters under " ..
         "ZeRO over their expert-data-parallel group (a rank holds 1/%d of them); the other " ..
         "rows over all ranks, where the engine keeps them"):format(counts.ep_size,
         table.concat(edp, ", "), counts.ep_size)

@@ -551,7 +551,7 @@ function Engine:norm_parts()
   local K = #L.segments + 1 -- the loss, then one partial per segment
   if self.Lw then
     local k
-    k, self.norm_slots = experts.norm_slots(self)
+    k, self.norm_slots, self.reducer.norm_of = experts.norm_slots(self)
     K = k + 1
   end
   self.meta_k = K
