@@ -56,8 +56,9 @@ M.config = llama.sizes(M)
 local names = mistral.description.names
 M.description = llama.derive(mistral.description, {
   names = llama.derive(names, { block = llama.derive(names.block, { mlp = "block_sparse_moe" }) }),
-  mlp = function(cfg, i) return moe.mlp(cfg, i, { "w1", "w3", "w2" }) end,
+  mlp = function(cfg, i) return moe.mlp(cfg, i, M.description.expert_names) end,
   router_aux = moe.router_aux,
+  expert_names = { "w1", "w3", "w2" },
 })
 -- LoRA's targets as Qwen2-MoE's (the attention projections, the experts
 -- where asked); by default q_proj and v_proj, PEFT 0.21.2's default for

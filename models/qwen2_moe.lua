@@ -172,8 +172,11 @@ M.description = llama.derive(llama.description, {
     return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std,
                       { bias = cfg.qkv_bias })
   end,
-  mlp = function(cfg, i) return moe.mlp(cfg, i) end,
+  mlp = function(cfg, i) return moe.mlp(cfg, i, M.description.expert_names) end,
   router_aux = moe.router_aux,
+  -- the experts' gate, up and down projections in the checkpoint
+  -- (mlp.experts.N.<name>.weight), which --merge-lora folds adapters into
+  expert_names = { "gate_proj", "up_proj", "down_proj" },
 })
 -- LoRA on the attention projections: q_proj and v_proj by default, as PEFT
 -- 0.21.2's for qwen2 (it has none for qwen2_moe); on the experts where asked

@@ -84,6 +84,16 @@ local spec = {
     "(the config's moe.gather; default the model's)", choices = { "block", "expert" },
     needs = { ok = a_model, with = { "--model", "mixtral-tiny" },
               says = "goes with --model or --model-config" } },
+  { "ep-size", "int", nil, "an MoE model's expert parallelism (the config's moe.ep_size; 1): " ..
+    "where the plan keeps the experts in their expert-data-parallel group, a rank holds its " ..
+    "E / ep_size experts of a block, and its arenas take every rank's rows", min = 1,
+    needs = { ok = a_model, with = { "--model", "mixtral-tiny" },
+              says = "goes with --model or --model-config" } },
+  { "routed-only", "int", nil, "1: stage 3 gathers only the experts some rank routed to " ..
+    "(the config's moe.routed_only; with --moe-gather expert): the NVMe reads count them, " ..
+    "for uniform routing of --micro-batch x --seq-len tokens a rank", choices = { 0, 1 },
+    needs = { ok = ACTIVATIONS.ok, with = ACTIVATIONS.with,
+              says = "counts the experts --micro-batch B --seq-len L route to: add them" } },
   { "optimizer", "string", nil, "the optimizer.type whose states are counted, in its declared " ..
     "formats (default: the --config's optimizer, whose params may change them, e.g. bf16 " ..
     "moments; else " .. optim.registry.default.name .. "): " ..
@@ -135,8 +145,8 @@ local function main(argv)
          table.concat(models.names, ", ") .. ") or --model-config config.json; --help lists " ..
          "the flags")
   end
-  -- sim keeps its memory apart from the host's, as cuda does.
-  if flags.device == "sim" then flags.device = "cuda" end
+  -- (sim keeps its memory apart from the host's, as cuda does, and is
+  -- placed as the engine places it there)
   local pt = flags.persistence_threshold
   if pt < 0 or pt ~= math.floor(pt) or pt > 2 ^ 53 then
     fail(("--persistence-threshold must be a whole number of elements >= 0 (got %s)"):format(pt))
@@ -199,8 +209,13 @@ local function main(argv)
       checked(lora.apply, model, { r = flags.lora_r, targets = targets })
     end
     -- (block-scaled states lay each tensor out on whole blocks)
-    counts = estimate.counts(model, N, flags.persistence_threshold,
-                             formats.block_of(settings.formats))
+    local ep = flags.ep_size or settings.ep_size or 1
+    if N % ep ~= 0 then
+      fail(("--ep-size %d must divide the world size %d"):format(ep, N))
+    end
+    settings.ep_size = ep
+    counts = checked(estimate.counts, model, N, flags.persistence_threshold,
+                     formats.block_of(settings.formats), ep)
     params, persistent, largest = counts.numel, counts.persistent, m.largest_layer
     layout = { full = counts.full, shard = counts.shard }
     what = ("%s: %s parameters (%s without the vocabulary padding)%s; P = %s in " ..
@@ -250,6 +265,8 @@ local function main(argv)
   settings.accum = flags.grad_accum or settings.accum or 1
   settings.sub_group_size = flags.sub_group_size or settings.sub_group_size
   settings.read_gbps, settings.write_gbps = disk.read_gbps, disk.write_gbps
+  if flags.routed_only then settings.routed_only = flags.routed_only == 1 end
+  settings.tokens = flags.micro_batch and flags.micro_batch * flags.seq_len
   local rows = estimate.rank_rows(counts, settings)
   local optimizer_text = estimate.describe_optimizer{ name = settings.optimizer,
     states = settings.states, formats = settings.formats, master_format = settings.master_format,
@@ -294,7 +311,8 @@ local function main(argv)
 
   if flags.micro_batch then
     model:checkpoint_activations(flags.checkpoint_activations == 1)
-    local a = estimate.activations(model, flags.micro_batch, flags.seq_len, dtype)
+    local a = checked(estimate.activations, model, flags.micro_batch, flags.seq_len, dtype,
+                      settings.ep_size)
     print()
     print(("activations per rank for micro-batches of %d x %d tokens%s: %s bytes (%.2f GiB)%s")
           :format(flags.micro_batch, flags.seq_len,
@@ -306,6 +324,7 @@ local function main(argv)
   -- An MoE model: its active parameters and the expert bytes its gathers read.
   local moe = model and require("luazero.estimate.moe").of(model, {
     world = N, dtype = dtype, gather = flags.moe_gather, accum = settings.accum,
+    ep_size = settings.ep_size,
     tokens = flags.micro_batch and flags.micro_batch * flags.seq_len,
     threshold = flags.persistence_threshold })
   if moe then

@@ -384,8 +384,16 @@ end
 -- its modules' memory reports, with the activation checkpointing it is set
 -- to: device (the activations category), offload (kept inputs under
 -- cpu_checkpointing), plan (nn.Model:arena_plan, arena by arena).
-function M.activations(model, B, T, dtype)
-  local plan = model:arena_plan(B, T, Placement.dtypes[dtype or "fp32"] or dtype)
+-- ep_size (moe.ep_size): an MoE model's arenas on a rank of an
+-- expert-parallel group of that many ranks, whose experts may receive
+-- every rank's rows (nn/moe_experts.lua); default the model's own group.
+function M.activations(model, B, T, dtype, ep_size)
+  local ctx = model.ctx or {}
+  local was = ctx.ep_size
+  if ep_size and model.ctx then ctx.ep_size = ep_size end
+  local ok, plan = pcall(model.arena_plan, model, B, T, Placement.dtypes[dtype or "fp32"] or dtype)
+  ctx.ep_size = was
+  if not ok then error(plan, 0) end
   return { device = plan.activations, offload = plan.offload, plan = plan }
 end
 

@@ -9,8 +9,13 @@
 -- <engine:describe()>". With SAVE a folder, it saves after
 -- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
 -- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16; GATHER:
--- the experts' gather, expert (default) or block.
+-- the experts' gather, expert (default) or block; OPTIMIZER: AdamW
+-- (default) or AdamW8bit (block-scaled states); DEVICE: cpu (default) or
+-- sim; OFFLOAD: none (default), cpu (offload_optimizer at stages 1-3,
+-- offload_param too at stage 3) or nvme:DIR (offload_optimizer on NVMe in
+-- DIR at stages 1-3).
 --   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
+--       [OPTIMIZER] [DEVICE] [OFFLOAD]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -23,17 +28,24 @@ local ep_size, stage = tonumber(arg[2]), tonumber(arg[3])
 local save, load = arg[4] ~= "-" and arg[4], arg[5] ~= "-" and arg[5]
 local accum, bf16 = tonumber(arg[6] or "1"), arg[7] == "bf16"
 local gather = arg[8] or "expert"
+local optimizer = arg[9] or "AdamW"
+local device, offload = arg[10] or "cpu", arg[11] == "cpu" and { device = "cpu" } or nil
+local nvme = (arg[11] or ""):match("^nvme:(.+)$")
+local offload_opt = nvme and { device = "nvme", nvme_path = nvme } or offload
 
 local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
 local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
               gradient_clipping = 0.05, bf16 = { enabled = bf16 },
               zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                     reduce_bucket_size = 5000,
-                                    stage3_prefetch_bucket_size = 5000 },
-              optimizer = { type = "AdamW", params = { lr = 1e-2 } },
+                                    stage3_prefetch_bucket_size = 5000,
+                                    offload_optimizer = stage > 0 and offload_opt or nil,
+                                    offload_param = stage == 3 and offload or nil },
+              optimizer = { type = optimizer, params = { lr = 1e-2, min_8bit_size = optimizer ==
+                                                         "AdamW8bit" and 1000 or nil } },
               moe = { ep_size = ep_size } }
 local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
-                                 batch = { 2, 16 }, comm = comm })
+                                 batch = { 2, 16 }, comm = comm, device = device })
 local held = lz.mem()
 local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = mcfg.vocab,
                                      rank = rank, world = world })

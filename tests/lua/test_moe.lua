@@ -288,11 +288,78 @@ function T.expert_lora_trains_to_one_checksum_at_stages_0_and_3()
   local ck = write_file("ck", ""):gsub("ck$", "expert-lora-ck")
   local _, s3 = train(2, "--stage 3 --save " .. q(ck))
   eq(s3, s0, "stage 3's checksum")
-  -- folding them into the base is not here yet: refused in one line
-  local out2, st = support.sh(("cd %s && %s tools/ckpt.lua export %s %s --merge-lora")
-                              :format(q(lz.root), q(lz.executable()), q(ck), q(ck .. "-merged")))
-  assert(st ~= 0 and out2:find("adapts the experts", 1, true) and
-         out2:find("merge_and_unload", 1, true), out2)
+end
+
+-- --merge-lora folds the experts' adapters into the base: expert e's gate
+-- and up weights gain s B_e[0:H] A_e and s B_e[H:2H] A_e (gate_up_proj's),
+-- its down weight s B_e A_e (down_proj's), each checked against the PEFT
+-- export's fused tensors for every expert of a block; the merged model's
+-- loss is the adapted model's to fp32 rounding.
+function T.merge_lora_folds_the_experts_adapters_into_the_base()
+  local st_open = require("luazero.checkpoint.safetensors").open
+  local dir = select(2, support.scratch())
+  local flags = ("--seq-len 16 --sample 0 --eval-batches 1 --seed 7 --micro-batch 2 --data %s")
+                :format(q(corpus))
+  local _, ok_train = support.trainer(flags)
+  local function ckpt(...)
+    local out, st = support.sh(("cd %s && %s tools/ckpt.lua export %s"):format(
+      q(lz.root), q(lz.executable()), table.concat({ ... }, " ")))
+    assert(st == 0, out)
+    return out
+  end
+  ok_train(1, ("--model mixtral-tiny --steps 1 --save %s/base"):format(dir))
+  ckpt(dir .. "/base", dir .. "/hf")
+  local lora = ("--init %s/hf --lora-r 4 --lora-alpha 8 --lr 2e-2 --stage 3 --lora-targets " ..
+                "q_proj,experts.gate_up_proj,experts.down_proj"):format(dir)
+  ok_train(2, ("--steps 3 %s --save %s/ft"):format(lora, dir))
+  local out = ok_train(2, ("--steps 3 %s --resume %s/ft"):format(lora, dir))
+  local v1 = tonumber((assert(out:match("val_loss (%S+)"), out)))
+  local said = ckpt(dir .. "/ft", dir .. "/merged", "--merge-lora")
+  -- q_proj on 2 layers, 3 projections of 8 experts on 2 blocks
+  assert(said:find("50 with adapters folded in", 1, true), said)
+  ckpt(dir .. "/ft", dir .. "/peft")
+  local base, merged = st_open(dir .. "/hf/model.safetensors"), st_open(dir .. "/merged/model.safetensors")
+  local peft = st_open(dir .. "/peft/adapter_model.safetensors")
+  local function read(f, name)
+    local t = assert(f.tensors[name], name)
+    local buf = require("ffi").new("float[?]", t.numel)
+    f:read(t, 0, t.numel, buf)
+    return buf, t.shape
+  end
+  local pre = "base_model.model.model.layers.1.mlp.experts."
+  local A1, a1s = read(peft, pre .. "base_layer.lora_A.weight") -- gate_up: [E r, C]
+  local B1, b1s = read(peft, pre .. "base_layer.lora_B.weight") -- [2H, r E]
+  local A2 = read(peft, pre .. "lora_A.weight")                   -- down: [E r, H]
+  local B2 = read(peft, pre .. "lora_B.weight")                   -- [C, r E]
+  local E, r, H2 = 8, 4, b1s[1]
+  local H, s, worst, moved = H2 / 2, 8 / 4, 0, 0
+  for e = 0, E - 1 do
+    for k, name in ipairs({ "w1", "w3", "w2" }) do
+      local n = ("model.layers.1.block_sparse_moe.experts.%d.%s.weight"):format(e, name)
+      local w, shape = read(base, n)
+      local m = read(merged, n)
+      local A, B, row = A1, B1, (k - 1) * H
+      if k == 3 then A, B, row = A2, B2, 0 end
+      for i = 0, shape[1] - 1 do
+        for j = 0, shape[2] - 1 do
+          local d = 0
+          for t = 0, r - 1 do d = d + B[(row + i) * r * E + t * E + e] * A[(e * r + t) * shape[2] + j] end
+          local want = w[i * shape[2] + j] + s * d
+          worst = math.max(worst, math.abs(m[i * shape[2] + j] - want))
+          moved = math.max(moved, math.abs(s * d))
+        end
+      end
+    end
+  end
+  base:close(); merged:close(); peft:close()
+  assert(moved > 1e-3, "the adapters trained: " .. moved)
+  assert(worst <= 1e-6, ("merged experts differ from W + s B A by %g"):format(worst))
+  out = ok_train(1, ("--steps 0 --init %s/merged"):format(dir))
+  local v2 = tonumber((assert(out:match("val_loss (%S+)"), out)))
+  assert(math.abs(v1 - v2) <= 1e-5 * math.abs(v1),
+         ("merged model's val_loss %s, the LoRA model's %s"):format(v2, v1))
+  print(("    16 experts x 3 weights within %g of W + s B A (largest change %g); val_loss %s " ..
+         "and %s"):format(worst, moved, v1, v2))
 end
 
 -- Mixtral's router jitter draws from one generator per block; a checkpoint

@@ -182,8 +182,16 @@ function T.the_plan_says_where_experts_live()
   eq(Placement.new{ stage = 1, ep_size = 2, accum = 2 }.experts, "edp", "accumulation")
   eq(Placement.new{ stage = 2, ep_size = 2, dtype = "bf16", grad_dtype = "bf16" }.experts, "world",
      "bf16 gradients")
-  eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "world", "nvme")
-  eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "world", "sim device")
+  eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "edp",
+     "nvme states, fp32 (the parameters are the master)")
+  eq(Placement.new{ stage = 2, ep_size = 2, offload_optimizer = "nvme", dtype = "bf16" }.experts,
+     "world", "nvme states with a bf16 run's master")
+  eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme", device = "sim" }.experts,
+     "world", "nvme states on sim")
+  eq(Placement.new{ stage = 3, ep_size = 2, offload_param = "nvme", offload_optimizer = "nvme" }
+     .experts, "world", "the parameter shard on nvme")
+  eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "edp", "sim device")
+  eq(Placement.new{ stage = 1, ep_size = 2, device = "cuda" }.experts, "world", "cuda device")
 end
 
 return T

@@ -170,6 +170,33 @@ def lora_experts(check, name, transformers, torch, peft, folder, corpus, tmp):
           f"ParamWrappers; base {plain:.9f})")
     check(f"{name}.lora_experts_bite", family_ref.rel(attention_only, loss) > 1e-5,
           f"(without the experts' adapters {attention_only:.9f}, with {loss:.9f})")
+    # --merge-lora folds the experts' adapters into the base as PEFT's
+    # merge_and_unload does: every weight equal to fp32 rounding, the
+    # merged model loaded with nothing missing or unexpected, PEFT's loss.
+    merged_dir = os.path.join(tmp, "lora-experts-merged")
+    rc4, out4 = family_ref.lz("tools/ckpt.lua", "export", ck, merged_dir, "--merge-lora")
+    if rc4 != 0:
+        check(f"{name}.lora_experts_merge", False, out4[-2000:])
+        return
+    ours, info = transformers.AutoModelForCausalLM.from_pretrained(merged_dir,
+                                                                   output_loading_info=True)
+    ours = ours.float().eval()
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    theirs = peft.PeftModel.from_pretrained(fresh, peft_dir).merge_and_unload().eval()
+    mine, want = ours.state_dict(), theirs.state_dict()
+    worst = max((mine[k] - want[k]).abs().max().item() for k in want) if mine.keys() == want.keys() \
+        else float("inf")
+    base0 = transformers.AutoModelForCausalLM.from_pretrained(folder).float().state_dict()
+    moved = max((want[k] - v).abs().max().item() for k, v in base0.items() if "experts" in k)
+    with torch.no_grad():
+        merged_loss = family_ref.batch_loss(torch, ours, res["tokens"]).item()
+    missing = sorted(info["missing_keys"]) + sorted(info["unexpected_keys"])
+    err = family_ref.rel(merged_loss, loss)
+    check(f"{name}.lora_experts_merge",
+          worst <= 1e-6 and moved > 1e-4 and not missing and err <= family_ref.TOL,
+          f"(largest difference from merge_and_unload {worst:.1e}, the experts moved "
+          f"{moved:.1e}; missing/unexpected {missing}; "
+          f"merged loss {merged_loss:.9f}, PEFT's {loss:.9f}, relative {err:.1e})")
 
 
 def models_of(transformers):

@@ -200,18 +200,35 @@ local function adapters_of(ck, near, out)
 end
 
 -- The base model with the adapters folded in: W + (alpha / r) B A,
--- computed as the adapted layers compute it; its tensors, in the base's order.
+-- computed as the adapted layers compute it; its tensors, in the base's
+-- order, and how many gained adapters. An expert's adapters
+-- (nn/lora_experts.lua) fold into its gate, up and down weights, each the
+-- rows of B that adapt it.
 local function merged(m, adapters, base)
   local lora = m.lora
-  local src = hf.open(base)
   local by_base = {}
+  local on_experts = false
   for _, a in ipairs(adapters) do
-    local w = a.name:gsub("%.lora_([AB])%.weight$", ".weight")
-    by_base[w] = by_base[w] or {}
-    by_base[w][a.name:match("lora_([AB])%.weight$")] = a
+    if LoraExperts.is_adapter(a.name) then
+      on_experts = true
+    else
+      local w = a.name:gsub("%.lora_([AB])%.weight$", ".weight")
+      by_base[w] = by_base[w] or {}
+      by_base[w][a.name:match("lora_([AB])%.weight$")] = a
+    end
   end
+  if on_experts then
+    local desc = hf.family(m.model.config).description
+    if not desc.expert_names then
+      refuse(("export --merge-lora: the %s family does not name its experts' projections " ..
+              "(its description's expert_names); export the PEFT folder instead")
+             :format(tostring(m.model.config.family)))
+    end
+    for w, t in pairs(LoraExperts.merge_targets(adapters, desc.expert_names)) do by_base[w] = t end
+  end
+  local src = hf.open(base)
   local scale = lora.alpha / lora.r
-  local out_list = {}
+  local out_list, folded = {}, 0
   for _, st in ipairs(src.files) do
     for _, n in ipairs(st.names) do
       local t = st.tensors[n]
@@ -220,10 +237,15 @@ local function merged(m, adapters, base)
       local ad = by_base[n]
       if ad then
         local rows, cols = t.shape[1], t.shape[2]
+        if ad.rows and ad.rows ~= rows then
+          refuse(("export --merge-lora: %s is [%d, %d] in %s; its adapters adapt %d rows: give " ..
+                  "the base the run started from (--base)"):format(n, rows, cols, base, ad.rows))
+        end
         local a = ad.A.data:view(0, { lora.r, cols })
-        local b = ad.B.data:view(0, { rows, lora.r })
+        local b = ad.B.data:view((ad.row or 0) * lora.r, { rows, lora.r })
         lz.ops.matmul(w:view(0, { rows, cols }), b, a, 0, 0, scale, 1)
         by_base[n] = nil
+        folded = folded + 1
       end
       out_list[#out_list + 1] = { name = n, shape = t.shape, data = w }
     end
@@ -234,7 +256,7 @@ local function merged(m, adapters, base)
     refuse(("export --merge-lora: %s has no tensor %s for its adapters; give the base the run " ..
             "started from (--base)"):format(base, missing))
   end
-  return out_list
+  return out_list, folded
 end
 
 -- The adapters under PEFT's names, and adapter_config.json's target lists:
@@ -277,12 +299,6 @@ function M.export_lora(ck, out, dtype, merge, base)
   local lora, mcfg = m.lora, m.model and m.model.config or {}
   out = out:gsub("/+$", "")
   base = base or m.init
-  local on_experts = merge and next(LoraExperts.peft_names(m.params))
-  if on_experts then
-    refuse(("export --merge-lora: the run adapts the experts (%s), which are not folded in " ..
-            "yet; export the PEFT folder and merge it with PEFT's merge_and_unload")
-           :format(on_experts))
-  end
   if merge and not base then
     refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
            "(no --init); give them with --base PATH")
@@ -313,17 +329,17 @@ function M.export_lora(ck, out, dtype, merge, base)
       return #named
     end
 
-    local out_list = merged(m, adapters, base)
+    local out_list, folded = merged(m, adapters, base)
     write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)
     atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
-    return #out_list
+    return { #out_list, folded }
   end)
   if not merge then
     return ("exported %d adapter tensors (%s) to %s/adapter_model.safetensors and " ..
             "adapter_config.json"):format(n_out, dtype, out)
   end
   return ("exported %d tensors (%s, %d with adapters folded in) to %s/model.safetensors and " ..
-          "config.json"):format(n_out, dtype, #ck.manifest.params / 2, out)
+          "config.json"):format(n_out[1], dtype, n_out[2], out)
 end
 
 return M

@@ -64,11 +64,11 @@ end
 -- where it can say without the process-wide ledger: staging (its offload
 -- staging buffers) and nvme (its swap files' sizes). print() shows it.
 function M.estimate(engine, opts)
-  local o = estimate.settings_from(engine.s, engine.dev == "cpu" and "cpu" or "cuda",
+  local o = estimate.settings_from(engine.s, engine.dev == "cuda" and "cuda" or engine.dev,
                                    engine.optimizer.states, engine.optimizer.state_formats)
   for k, v in pairs(opts or {}) do o[k] = v end
   local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence,
-                                          engine.L.block), o)
+                                          engine.L.block, engine.s.ep_size), o)
   local st = engine.states
   local staging, nvme = st:staging_bytes(), 0
   if engine.pshard then

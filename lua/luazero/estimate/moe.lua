@@ -15,13 +15,16 @@ local layout = require("luazero.zero.layout")
 local M = {}
 
 -- A block's experts at one rank: elements of its slices of every expert
--- gathered per pass (each expert a segment, or the block's experts one),
--- nothing where the segment is kept whole (persistence threshold).
-local function block_slices(b, per, world, gather, threshold)
-  local unit = gather == "expert" and per or per * b.n_experts
+-- gathered per pass (each expert a segment, or the block's experts one;
+-- under expert parallelism over P ranks one per owner, E / P experts
+-- each), nothing where the segment is kept whole (persistence threshold).
+-- The experts in their expert-data-parallel group read the same: E / P
+-- experts, each sliced over world / P ranks, padded alike.
+local function block_slices(b, per, world, gather, threshold, P)
+  local units = gather == "expert" and b.n_experts or P
+  local unit = per * b.n_experts / units
   if unit <= threshold then return 0 end
-  local slice = layout.round_up(unit, world * layout.ALIGN) / world
-  return gather == "expert" and slice * b.n_experts or slice
+  return layout.round_up(unit, world * layout.ALIGN) / world * units
 end
 
 -- The expected share of E experts that N tokens, each picking k distinct
@@ -31,8 +34,8 @@ function M.routed_share(E, k, N) return 1 - (1 - k / E) ^ N end
 -- opts: world (ranks; 1), dtype (the working dtype: fp32, bf16, fp16;
 -- bf16), gather (block or expert; the model's), tokens (per micro-batch
 -- on one rank; nil: no routed-only figure), accum (micro-steps a step; 1),
--- threshold (stage3_param_persistence_threshold; 1e5). nil for a model
--- without MoE blocks.
+-- threshold (stage3_param_persistence_threshold; 1e5), ep_size
+-- (moe.ep_size; 1). nil for a model without MoE blocks.
 function M.of(model, opts)
   local routers = model.routers or {}
   if #routers == 0 then return nil end
@@ -44,13 +47,14 @@ function M.of(model, opts)
   local m = { blocks = #routers, experts = routers[1].n_experts, top_k = routers[1].top_k,
               gather = gather, world = world, accum = accum, dtype = opts.dtype or "bf16",
               total = model:count_params(), active = model:count_active_params(),
-              expert_params = 0, active_expert_params = 0, tokens = opts.tokens }
+              expert_params = 0, active_expert_params = 0, tokens = opts.tokens,
+              ep_size = opts.ep_size or 1 }
   local slices, routed = 0, 0
   for _, b in ipairs(routers) do
     local per = 3 * b.n_embd * b.experts.n_hidden
     m.expert_params = m.expert_params + per * b.n_experts
     m.active_expert_params = m.active_expert_params + per * b.top_k
-    local s = block_slices(b, per, world, gather, threshold)
+    local s = block_slices(b, per, world, gather, threshold, opts.ep_size or 1)
     slices = slices + s
     if opts.tokens and gather == "expert" then
       routed = routed + s * M.routed_share(b.n_experts, b.top_k, opts.tokens * world)
@@ -90,6 +94,17 @@ function M.lines(m)
       :format(m.gather == "expert" and "per expert" or "per block", gb(m.read_per_step), m.accum,
               m.accum == 1 and "" or "es"),
   }
+  if m.ep_size > 1 then
+    lines[#lines + 1] = ("moe: ep_size %d: each rank computes %d of each block's %d experts, " ..
+                         "over the rows of its %d-rank expert-parallel group (arenas for all " ..
+                         "of them); at stages 1-3 on the cpu or sim device with the states in memory (on " ..
+                         "the cpu also on NVMe in fp32) " ..
+                         "and fp32 gradients, their parameters under ZeRO over the %d ranks " ..
+                         "of its expert-data-parallel group (a rank's stage-3 gathers read the slice bytes " ..
+                         "they read under ZeRO over all ranks)")
+      :format(m.ep_size, m.experts / m.ep_size, m.experts, m.ep_size, m.ep_size,
+              m.world / m.ep_size)
+  end
   if m.routed_read_per_step then
     lines[#lines + 1] = ("moe: with moe.routed_only, at %d tokens a micro-batch on each of %d " ..
                          "rank%s, about %s (%.1f of %d experts a block routed, for uniform " ..

@@ -43,15 +43,40 @@ local function round_up(n, m) return math.ceil(n / m) * m end
 -- shard, largest}: the frozen parameters, laid out as the trainable ones);
 -- L (the layout). block: an optimizer's block-scaled states' block
 -- (formats.block_of), which the trainable layout aligns each tensor to.
-function M.counts(model, world, threshold, block)
+-- ep_size (moe.ep_size; 1): the trainable layout cut where the experts'
+-- owner changes, as the engine cuts it (zero/experts.lua's world_layout),
+-- and beside it edp: the same counts for the layout that keeps only one
+-- rank's experts, sliced over its expert-data-parallel group (every rank
+-- holds as many: E / ep_size experts of each block), which M.rank takes
+-- where the plan places the experts so. A segment gathered per expert
+-- says its block's experts and top_k (expert = { n, k }) for the reads of
+-- moe.routed_only.
+function M.counts(model, world, threshold, block, ep_size)
   threshold = threshold or 100000
+  ep_size = ep_size or 1
   local layout = require("luazero.zero.layout")
   local trainable, frozen = model:trainable_table(), {}
   for _, e in ipairs(model.param_table) do
     if e.frozen then frozen[#frozen + 1] = e end
   end
-  local L = layout.new(trainable, world, nil, block)
+  local place
+  if ep_size > 1 then
+    place = { rank = 0, ep_size = ep_size, owner = layout.expert_owner(ep_size), everywhere = true }
+  end
+  local L = layout.new(trainable, world, nil, block, place)
   local F = #frozen > 0 and layout.new(frozen, world)
+  -- (the experts gathered one by one: each unit's block)
+  local expert_of = {}
+  for _, b in ipairs(model.routers or {}) do
+    if b.n_experts % ep_size ~= 0 then
+      error(("estimate: expert parallelism places the %d experts on the %d ranks of an " ..
+             "expert-parallel group, as many each: set moe.ep_size to a divisor of %d")
+            :format(b.n_experts, ep_size, b.n_experts), 0)
+    end
+    for _, u in ipairs(b.experts.units or {}) do
+      if u.module ~= b.experts then expert_of[u.module] = { n = b.n_experts, k = b.top_k } end
+    end
+  end
   -- Modules that gather each segment: its own (or the LoRA wrapper around
   -- it), and those that read a tied table.
   local by_name = {}
@@ -70,17 +95,30 @@ function M.counts(model, world, threshold, block)
     local list = {}
     for _, seg in ipairs(layout_.segments) do
       list[#list + 1] = { padded = seg.padded, slice = seg.slice, numel = seg.numel,
-                          shard_offset = seg.shard_offset, users = users[seg],
-                          persistent = seg.numel <= threshold }
+                          shard_offset = seg.shard_offset, users = users[seg] or 1,
+                          persistent = seg.numel <= threshold, expert = expert_of[seg.module] }
     end
     return list
   end
-  local c = { world = world, threshold = threshold, full = L.full_numel, shard = L.shard_numel,
-              numel = L.numel, persistent = 0, largest = 0, segments = {}, L = L }
-  c.segments = segments_of(L)
-  for _, seg in ipairs(c.segments) do
-    if seg.persistent then c.persistent = c.persistent + seg.padded end
-    c.largest = math.max(c.largest, seg.padded)
+  local function trained(layout_)
+    local c = { world = world, threshold = threshold, full = layout_.full_numel,
+                shard = layout_.shard_numel, numel = layout_.numel, persistent = 0, largest = 0,
+                segments = segments_of(layout_), L = layout_, ep_size = ep_size }
+    for _, seg in ipairs(c.segments) do
+      if seg.persistent then c.persistent = c.persistent + seg.padded end
+      c.largest = math.max(c.largest, seg.padded)
+    end
+    return c
+  end
+  local c = trained(L)
+  if place then
+    local edp = layout.new(trainable, world, nil, block, { rank = 0, ep_size = ep_size,
+                                                           owner = place.owner })
+    if edp.elsewhere > 0 then
+      for _, seg in ipairs(edp.segments) do users[seg] = users[L.by_module[seg.module]] end
+      c.edp = trained(edp)
+      c.edp.elsewhere = edp.elsewhere
+    end
   end
   c.frozen = { numel = 0, full = 0, shard = 0, largest = 0, persistent = 0, segments = {} }
   if F then
@@ -91,6 +129,7 @@ function M.counts(model, world, threshold, block)
       if seg.persistent then c.frozen.persistent = c.frozen.persistent + seg.padded end
     end
   end
+  if c.edp then c.edp.frozen = c.frozen end
   return c
 end
 
@@ -132,6 +171,7 @@ function M.settings_from(s, device, states, formats)
     states = states, formats = formats, accum = s.accum, overlap = s.overlap,
     prefetch = s.prefetch,
     reduce_bucket = s.reduce_bucket,
+    ep_size = s.ep_size, routed_only = s.routed_only,
   }
 end
 
@@ -173,14 +213,22 @@ end
 -- span size: as many of a size as are read at once (a module's own slice
 -- is released before the next ones are read ahead: up to buffer_count of
 -- the next modules' with overlap_comm; every persistent module's after the
--- step). Returns the bytes read per step and the staging bytes.
-local function slice_reads(segments, wb, wdt, accum, overlap, par_nb, after_step)
+-- step). routed (moe.routed_only): { tokens = N * W }, N tokens a
+-- micro-batch on each of W ranks: an expert gathered on its own is read
+-- only where some rank routed to it, its reads counted at the share
+-- uniform routing leaves routed (estimate/moe.lua's). Returns the bytes
+-- read per step and the staging bytes.
+local function slice_reads(segments, wb, wdt, accum, overlap, par_nb, after_step, routed)
   local read, stage_bytes = 0, 0
   local seq, after_need = {}, {}
   for _, seg in ipairs(segments) do
     local e = span_elems(seg.shard_offset, seg.slice, wb)
     if not seg.persistent then
-      read = read + 2 * accum * seg.users * e * wb
+      local share = 1
+      if routed and seg.expert then
+        share = 1 - (1 - seg.expert.k / seg.expert.n) ^ routed.tokens
+      end
+      read = read + 2 * accum * seg.users * e * wb * share
       seq[#seq + 1] = e
     elseif after_step then
       read = read + e * wb
@@ -212,16 +260,24 @@ end
 
 -- Per-rank bytes of one placement, the whole story. counts: M.counts or
 -- M.counts_of_params. opts: stage (0..3), dtype (bf16), grads (fp32 |
--- working), device ("cuda": an accelerator, its memory apart; "cpu": one
--- memory, all of it host), offload (a placement name: E.placements) or opt
+-- working), device ("cuda": an accelerator, its memory apart; "sim": the
+-- same, placed as the engine places it on sim; "cpu": one memory, all of
+-- it host), offload (a placement name: E.placements) or opt
 -- and param (offload devices), sub_group_size, opt_buffer_count,
 -- param_buffer_count, param_buffer_size, states ({ "m", "v" }), accum (1),
 -- overlap (overlap_comm; stage 3's default), prefetch, reduce_bucket
 -- (the config's defaults), read_gbps, write_gbps (the disk: 1.9 / 1.1).
+-- ep_size (moe.ep_size; 1): where the plan keeps the experts in their
+-- expert-data-parallel group (its experts "edp") and the engine does not
+-- fall back (an optimizer of whole matrices), the counts' edp layout is
+-- the rank's; routed_only and tokens (moe.routed_only;
+-- tokens a micro-batch on one rank): stage 3's reads of experts gathered
+-- one by one at the share uniform routing leaves routed.
 -- Returns nil where the placement needs another stage; else { device,
 -- host, nvme (each { total, <part> = bytes }), traffic = { read, written,
 -- parts = { [name] = {read, written} } }, disk_s (the step time the disk
--- alone allows), groups, G, plan, placement, stage }.
+-- alone allows), groups, G, plan, placement, stage, experts ("edp" or
+-- "world" under expert parallelism) }.
 function M.rank(counts, opts)
   local D = defaults()
   local stage = opts.stage or 0
@@ -247,13 +303,21 @@ function M.rank(counts, opts)
   local P = Placement.new{ stage = stage, dtype = dtype,
                            grad_dtype = opts.grads == "working" and dtype or "fp32",
                            offload_optimizer = opt, offload_param = param,
-                           device = device == "cpu" and "cpu" or "cuda", accum = accum,
+                           device = (device == "cpu" or device == "sim") and device or "cuda",
+                           accum = accum,
                            optimizer_states = opts.states, optimizer_formats = opts.formats,
-                           master_format = opts.master_format }
+                           master_format = opts.master_format, ep_size = opts.ep_size }
   -- What the engine refuses for this optimizer here (its whole matrices
   -- in swap files): no row, and the reason.
   local refused = opts.whole_matrices and Matrices.refusal(P, opts.whole_matrices)
   if refused then return nil, refused end
+  -- The experts in their group where the engine keeps them there
+  -- (zero/experts.lua's place).
+  local experts = P.ep_size > 1 and "world" or nil
+  if P.experts == "edp" and counts.edp and not opts.whole_matrices then
+    counts, experts = counts.edp, "edp"
+  end
+  local routed = opts.routed_only and opts.tokens and { tokens = opts.tokens * counts.world }
   local wdt, wb = P.dtype, esize[P.dtype]
   local overlap = opts.overlap
   if overlap == nil then overlap = stage == 3 end
@@ -265,6 +329,7 @@ function M.rank(counts, opts)
   local par_bs = opts.param_buffer_size or D.par.buffer_size
   local r = { stage = stage, placement = E.placement_name(opt, param) or (opt .. "/" .. param),
               opt = opt, param = param, dtype = dtype, device_kind = device, plan = P,
+              experts = experts,
               device = { total = 0 }, host = { total = 0 }, nvme = { total = 0 },
               traffic = { read = 0, written = 0, parts = {} } }
   -- On a cpu device the device is the host: one memory, counted as host.
@@ -367,7 +432,8 @@ function M.rank(counts, opts)
     end
     local read, stage_bytes
     if counts.segments then
-      read, stage_bytes = slice_reads(counts.segments, wb, wdt, accum, overlap, par_nb, true)
+      read, stage_bytes = slice_reads(counts.segments, wb, wdt, accum, overlap, par_nb, true,
+                                      routed)
     else
       read = 2 * accum * counts.shard * wb
       stage_bytes = par_nb * staging_bytes(math.min(par_bs, counts.shard), wdt)
@@ -381,7 +447,7 @@ function M.rank(counts, opts)
     add(r.nvme, "frozen", round_up(round_up(frozen_bytes, PAGE) + PAGE, PAGE))
     local read, stage_bytes
     if fc.segments then
-      read, stage_bytes = slice_reads(fc.segments, wb, wdt, accum, overlap, par_nb, false)
+      read, stage_bytes = slice_reads(fc.segments, wb, wdt, accum, overlap, par_nb, false, routed)
     else
       read = 2 * accum * frozen_bytes
       stage_bytes = par_nb * staging_bytes(math.min(par_bs, fc.shard), wdt)
@@ -601,6 +667,21 @@ function M.rank_table(rows, counts, disk, device)
     disk.measured and (" (measured in %s)"):format(disk.measured) or "")
   if device == "cpu" then
     notes[#notes + 1] = "device and host are one memory here (--device cpu): all of it under host"
+  end
+  if (counts.ep_size or 1) > 1 then
+    local edp = {}
+    for _, r in ipairs(rows) do
+      if r.experts == "edp" then edp[#edp + 1] = ("%d %s"):format(r.stage, r.placement) end
+    end
+    if #edp > 0 then
+      notes[#notes + 1] = ("experts: ep_size %d; in rows %s, the experts' parameters under " ..
+        "ZeRO over their expert-data-parallel group (a rank holds 1/%d of them); the other " ..
+        "rows over all ranks, where the engine keeps them"):format(counts.ep_size,
+        table.concat(edp, ", "), counts.ep_size)
+    else
+      notes[#notes + 1] = ("experts: ep_size %d; in every row under ZeRO over all ranks, " ..
+        "where the engine keeps them here (docs/moe.md)"):format(counts.ep_size)
+    end
   end
   local refused, why = {}, nil
   for _, x in ipairs(rows.refused or {}) do refused[#refused + 1] = x.placement; why = x.why end

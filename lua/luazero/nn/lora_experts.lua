@@ -150,6 +150,39 @@ function M.peft_names(params, renames)
   return out
 end
 
+-- Whether a parameter's name is an expert adapter's.
+function M.is_adapter(name) return parse(name) ~= nil end
+
+-- Where --merge-lora folds the expert adapters of a parameter list ({name,
+-- shape, ...} entries, the others skipped): base weight name -> { A, B (the
+-- entries), row (B's first row that adapts it), rows }. names: the
+-- family's expert projections in the checkpoint, { gate, up, down } (its
+-- description's expert_names). gate_up_proj's B holds the gate's rows then
+-- the up's over one A, so expert e's gate weight gains s B[0:H] A and its
+-- up weight s B[H:2H] A, as the forward adds them; down_proj's B the down
+-- projection's.
+function M.merge_targets(params, names)
+  local found, out = {}, {}
+  for _, p in ipairs(params) do
+    local path, e, kind, ab = parse(p.name)
+    if path then
+      local key = ("%s.%d.%s"):format(path, e, kind)
+      found[key] = found[key] or { base = ("%s.%d."):format(path, e), kind = kind }
+      found[key][ab] = p
+    end
+  end
+  for _, f in pairs(found) do
+    local n_out = f.B.shape[1]
+    if f.kind == "gate_up_proj" then
+      out[f.base .. names[1] .. ".weight"] = { A = f.A, B = f.B, row = 0, rows = n_out / 2 }
+      out[f.base .. names[2] .. ".weight"] = { A = f.A, B = f.B, row = n_out / 2, rows = n_out / 2 }
+    else
+      out[f.base .. names[3] .. ".weight"] = { A = f.A, B = f.B, row = 0, rows = n_out }
+    end
+  end
+  return out
+end
+
 -- Element j (0-based, row-major) of expert e's A or B within PEFT's fused
 -- tensor: A [E * r, in] stacks the experts' rows; B [out, r * E] interleaves
 -- their columns (column k * E + e is expert e's k-th).

@@ -157,10 +157,13 @@ function Experts:exchange(route, device)
 end
 
 -- The ranks the experts are placed on (1 without expert parallelism),
--- which must divide the experts evenly.
+-- which must divide the experts evenly: the engine's group, else the
+-- context's ep_size (a model sized for a group it is not in: the
+-- estimate's arenas).
 function Experts:ep_size()
-  local g = self.ctx and self.ctx.ep_group
-  local P, E = g and g:size() or 1, self.n_experts
+  local ctx = self.ctx or {}
+  local g = ctx.ep_group
+  local P, E = g and g:size() or ctx.ep_size or 1, self.n_experts
   if E % P ~= 0 then
     error(("moe: expert parallelism places the %d experts on the %d ranks of an expert-parallel " ..
            "group, as many each: set moe.ep_size to a divisor of %d"):format(E, P, E), 0)
@@ -407,9 +410,11 @@ function Experts:own_memory(B, T, dtype)
   local function cast(x, y)
     return Module.matmul_cast_bytes(x, w, dtype) + Module.matmul_cast_bytes(y, w, dtype)
   end
-  -- (exchanged: at most E runs of rows, Rm rows in all, each cast rounded up)
+  -- (exchanged: at most E runs of rows, Rm rows in all, each cast rounded
+  -- up; the forward's casts, 2C + H a row, live through the backward's,
+  -- 2C + 3H a row: 4 (C + H) a row, and 8 roundings a run)
   local casts = P == 1 and 3 * self.n_experts * cast(R * C, R * H)
-                or 3 * (self.n_experts * cast(C, H) + cast(Rm * C, Rm * H))
+                or 4 * (self.n_experts * cast(C, H) + cast(Rm * C, Rm * H))
   return {
     input = lz.arena_bytes(N * C),
     activations = 2 * lz.arena_bytes(R * C) + 2 * X * lz.arena_bytes(Rm * C) +

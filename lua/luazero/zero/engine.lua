@@ -261,7 +261,8 @@ function Engine:state_parts()
       -- {offset, canonical, numel} runs of rank r's shard
       runs_of = function(r)
         if r == self.rank then return ms:layout().runs end
-        local L = self.place_of and layout.new(self.ptable, self.world, nil, nil, self.place_of(r))
+        local L = self.place_of and layout.new(self.ptable, self.world, nil, self.block,
+                                               self.place_of(r))
                   or self.L
         return layout.canonical_runs(L, not replicated and r or nil)
       end,
@@ -550,7 +551,7 @@ function Engine:norm_parts()
   local K = #L.segments + 1 -- the loss, then one partial per segment
   if self.Lw then
     local k
-    k, self.norm_slots = experts.norm_slots(self)
+    k, self.norm_slots, self.reducer.norm_of = experts.norm_slots(self)
     K = k + 1
   end
   self.meta_k = K

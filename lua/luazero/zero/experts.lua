@@ -30,18 +30,21 @@ end
 -- The layout keeps only this rank's experts: each reduced element and
 -- each gradient-norm partial is then the world placement's, bit for bit.
 -- It needs an optimizer that updates elements one by one (not whole
--- matrices) and keeps no block-scaled states (8-bit AdamW's blocks are
--- cut on the world layout); else the experts stay under ZeRO over the
--- world (P.experts = "world").
+-- matrices); else the experts stay under ZeRO over the world (P.experts =
+-- "world"). Block-scaled states (8-bit AdamW's) keep their blocks: a
+-- segment pads to world x block elements under either placement, so an
+-- expert's group slice k is world slices kP..kP+P-1 and its blocks are
+-- the world layout's, each in one parameter, counted from its start.
 function M.place(engine)
   local P, s = engine.P, engine.s
   if P.experts ~= "edp" then return end
-  if engine.optimizer.matrix ~= nil or engine.block then P.experts = "world"; return end
+  if engine.optimizer.matrix ~= nil then P.experts = "world"; return end
   local owner = layout.expert_owner(s.ep_size)
   engine.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
   engine.owner = owner
   engine.Lw = engine.L
-  engine.L = layout.new(engine.ptable, engine.world, nil, nil, engine.place_of(engine.rank))
+  engine.L = layout.new(engine.ptable, engine.world, nil, engine.block,
+                        engine.place_of(engine.rank))
   -- which world segment each of this rank's is (the same first parameter)
   local at = {}
   for i, seg in ipairs(engine.Lw.segments) do at[seg.entries[1].entry] = i end
@@ -59,26 +62,34 @@ end
 -- add nothing), so the sum runs over the world placement's partials in its
 -- order. An expert segment's group slice k is world slices k*P .. k*P+P-1
 -- (padding is world-granular), so the owner of group index k takes those
--- from its reduced gradients, whole (stage 1) or its shard (stage 2).
--- Returns K, { {slot, g (the slice's gradients)} }.
+-- from its reduced gradients, whole (stage 1) or its shard (stage 2), or,
+-- where the gradients spill to NVMe (zero/spill.lua), from each slice's
+-- final values as the reducer writes them (by_seg).
+-- Returns K, { {slot, seg, at (the world slice's offset in this rank's
+-- slice of seg), n, g (its gradients; nil when they spill)} }, by_seg
+-- (segment index -> its slots).
 function M.norm_slots(engine)
   local W, Pn, P = engine.world, engine.s.ep_size, engine.P
-  local slots = {}
+  local slots, by_seg = {}, {}
   for _, seg in ipairs(engine.L.segments) do
     local wslice = seg.padded / W
     local k = layout.slice_of(engine.L, seg, engine.rank)
     -- (where this rank's slice k starts in the gradients the optimizer reads)
-    local base = Placement.offset(P.opt_grads.extent, seg.mine) - k * seg.slice
+    local base = engine.ograds and Placement.offset(P.opt_grads.extent, seg.mine) - k * seg.slice
+    by_seg[seg.index] = {}
     for r = 0, W - 1 do
       local mine = seg.group == "edp" and math.floor(r / Pn) == k or
                    seg.group ~= "edp" and r == engine.rank
       if mine then
-        slots[#slots + 1] = { slot = (seg.world_index - 1) * W + r + 1,
-                              g = engine.ograds:view(base + r * wslice, { wslice }) }
+        local s = { slot = (seg.world_index - 1) * W + r + 1, seg = seg,
+                    at = r * wslice - k * seg.slice, n = wslice,
+                    g = base and engine.ograds:view(base + r * wslice, { wslice }) }
+        slots[#slots + 1] = s
+        table.insert(by_seg[seg.index], s)
       end
     end
   end
-  return #engine.Lw.segments * W, slots
+  return #engine.Lw.segments * W, slots, by_seg
 end
 
 return M

@@ -228,13 +228,17 @@ function M.new(opts)
   -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
   -- keeps only the experts it computes, under ZeRO within its
   -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua):
-  -- at stages 1-3 with the states in memory on a cpu device and fp32
-  -- gradients. "world": under ZeRO over all ranks like every other
-  -- parameter (every other case; the engine also falls back to it for a
-  -- layout the placement cannot keep bitwise, zero/experts.lua).
+  -- at stages 1-3 with the states in memory on the cpu or sim device and
+  -- fp32 gradients (on cuda the group's division, zero/reduce.lua's,
+  -- would take its gradients through host memory); on the cpu also with
+  -- the states on NVMe where the master is not there (fp32: the
+  -- parameters are the master). "world": under ZeRO over all ranks like
+  -- every other parameter (every other case; the engine also falls back
+  -- to it for a layout the placement cannot keep bitwise, zero/experts.lua).
   p.ep_size = opts.ep_size or 1
-  p.experts = p.ep_size > 1 and stage >= 1 and device == "cpu" and
-              gdt == "f32" and opt_kind.resident and store.get(par_tier).resident and
+  local states_ok = opt_kind.resident or device == "cpu" and store.get(p.master.tier).resident
+  p.experts = p.ep_size > 1 and stage >= 1 and (device == "cpu" or device == "sim") and
+              gdt == "f32" and states_ok and store.get(par_tier).resident and
               "edp" or "world"
   return p
 end

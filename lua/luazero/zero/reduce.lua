@@ -53,10 +53,15 @@ local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
 
 -- t /= n elementwise on the host (f32): a float division, as the
 -- collectives' average makes it (the division in double rounds to the
--- same float).
+-- same float). A device tensor goes through a host copy: no op divides.
 local function divide(t, n)
-  local p, m = ffi.cast("float *", t.data), t:numel()
+  local host = t:device_name() ~= "cpu" and t:to("cpu")
+  local p, m = ffi.cast("float *", (host or t).data), t:numel()
   for i = 0, m - 1 do p[i] = p[i] / n end
+  if host then
+    t:copy(host)
+    host:free()
+  end
 end
 
 -- A module's backward is about to run: its segments' gradients get a
@@ -206,14 +211,25 @@ function Reducer:add_reduced(item, src)
   -- The norm's partial over the slice's final values. Without
   -- accumulation they are 0 + src, whose squares are src's: its own norm.
   -- Else of the one piece, or of the pieces copied together (sq_norm's
-  -- blocks follow the slice).
+  -- blocks follow the slice). With the experts in their groups
+  -- (norm_of: zero/experts.lua's slots), one partial per world slice the
+  -- slice holds, keyed by its slot.
   local lo, n = seg.shard_offset, src:numel()
+  local slots = self.norm_of and self.norm_of[seg.index]
+  local function partials(t)
+    if not slots then self.spill_sq[seg.index] = t:sq_norm(); return end
+    for _, s in ipairs(slots) do
+      local v = t:view(s.at, { s.n })
+      self.spill_sq[s.slot] = v:sq_norm()
+      v:free()
+    end
+  end
   if sp.first then
-    self.spill_sq[seg.index] = src:sq_norm()
+    partials(src)
     return sp:add(lo, src, add)
   end
   if sp:group_of(lo) == sp:group_of(lo + n - 1) then
-    return sp:add(lo, src, add, function(d) self.spill_sq[seg.index] = d:sq_norm() end)
+    return sp:add(lo, src, add, partials)
   end
   local whole = lz.tensor({ n }, "f32", "workspace")
   sp:add(lo, src, add, function(d, off)
@@ -221,7 +237,7 @@ function Reducer:add_reduced(item, src)
     part:copy(d)
     part:free() -- (a view keeps the storage until freed)
   end)
-  self.spill_sq[seg.index] = whole:sq_norm()
+  partials(whole)
   whole:free()
 end
 

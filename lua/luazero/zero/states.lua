@@ -652,26 +652,34 @@ function States:full_master_segments(fn)
   end)
 end
 
--- full_master_segments with the experts in their groups (resident master
--- on the cpu, the plan says): every world segment in order, this rank's
--- whole (gathered over its group where sharded), an expert's broadcast by
--- world rank q, which holds expert-parallel rank q's experts.
+-- full_master_segments with the experts in their groups (a resident
+-- master, on the host or the device): every world segment in order, this
+-- rank's whole (gathered over its group where sharded), an expert's
+-- broadcast by world rank q, which holds expert-parallel rank q's experts.
+-- The segments travel in host memory, a device master's copied off first.
 function States:placed_master_segments(fn)
   local P = self.P
+  local on_device = P:on_device("master")
   local own = {}
   for _, seg in ipairs(self.L.segments) do own[seg.world_index] = seg end
   for i, wseg in ipairs(self.Lw.segments) do
     local seg = own[i]
     local full = lz.tensor({ wseg.padded }, "f32", "workspace")
-    if seg and P.master.extent == "full" then
-      local view = self.master:view(seg.full_offset, { seg.padded })
-      full:convert(view)
+    if seg then
+      local whole = P.master.extent == "full"
+      local view = whole and self.master:view(seg.full_offset, { seg.padded })
+                   or self.master:view(seg.shard_offset, { seg.slice })
+      local host = on_device and view:to("cpu")
+      if whole then
+        full:convert(host or view)
+      else
+        local wide, widened_copy = widened(host or view)
+        local group = self.comm_of(seg)
+        if group then group:all_gather(wide, full) else self.comm.all_gather(wide, full) end
+        if widened_copy then wide:free() end
+      end
+      if host then host:free() end
       view:free()
-    elseif seg then
-      local wide = widened(self.master:view(seg.shard_offset, { seg.slice }))
-      local group = self.comm_of(seg)
-      if group then group:all_gather(wide, full) else self.comm.all_gather(wide, full) end
-      wide:free() -- (a view of the master, or the widened copy)
     end
     local q = self.owner(wseg)
     if q ~= nil then self.comm.broadcast(full, q) end
