@@ -29,6 +29,12 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
  * dx, dw, db: f32. */
 lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                              const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
+/* The same, with dw = dy^T @ x and db = sum(dy) written instead of added:
+ * the first micro-step of an accumulation needs no zeroed gradients. The
+ * bits are those of an add into zeros (tests/test_matmul.c), save a dw
+ * element whose every product is -0: written -0 where the add gives +0. */
+lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                   const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
 
 /* Over the last dimension C. mean, rstd: numel(x)/C floats, saved for backward. */
 lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,

@@ -120,6 +120,9 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
 lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                              const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
 
+lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                   const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
+
 lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *b,
                                float eps);
