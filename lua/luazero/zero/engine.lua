@@ -343,6 +343,15 @@ function Engine:find_users()
       self.segs_of[m] = list
     end
   end)
+  -- A segment its module's backward writes whole (Module:writes_grads: one
+  -- kernel call, its only segment, no gaps, no other module adding into
+  -- it) needs no zeros before the first micro-step of an accumulation.
+  local count = {}
+  for _, seg in ipairs(L.segments) do count[seg.module] = (count[seg.module] or 0) + 1 end
+  for _, seg in ipairs(L.segments) do
+    seg.writes = seg.users == 1 and count[seg.module] == 1 and seg.numel == seg.extent and
+                 seg.module:writes_grads()
+  end
 end
 
 -- Elements of a buffer of this extent on this rank.
@@ -421,7 +430,8 @@ function Engine:allocate(frozen_entries)
   -- buffer, or a shard of its own in host memory.
   local G, OG = P.grads, P.opt_grads
   if G.extent ~= "none" then
-    self.grads = self:buffer(self:numel(G.extent), G.dtype, "grads", G.tier)
+    -- (zeros from the start: padding and fresh segments rely on it)
+    self.grads = self:buffer(self:numel(G.extent), G.dtype, "grads", G.tier):zero()
   end
   if OG.alias then
     self.ograds = self.grads
@@ -525,6 +535,9 @@ function Engine:release_slice(stage) self.gatherer:release_slice(stage) end
 
 -- The reducer's calls the engine's step, hooks and users make.
 function Engine:zero_grad() self.reducer:zero_grad() end
+-- The gradient buffers as numbers between steps (the REPL's norms): zeros
+-- where the next backward would write.
+function Engine:settle_grads() self.reducer:zero_fresh() end
 function Engine:wait_all() self.reducer:wait_all() end
 function Engine:pull_grads() self.reducer:pull_grads() end
 function Engine:wait_copies(ev) self.reducer:wait_copies(ev) end

@@ -40,6 +40,7 @@ function M.new(parts)
     copy_wait = 0,                     -- seconds the host waited for overlapped copies
     spill_sq = {},                     -- segment -> its slice's squared norm (spill)
     cycle = 0,                         -- accumulation cycles begun (zero_grad counts them)
+    fresh = {},                        -- segment -> true: its gradients hold no sum yet
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
@@ -59,20 +60,34 @@ local function divide(t, n)
   for i = 0, m - 1 do p[i] = p[i] / n end
 end
 
--- A module's backward is about to run: its segments' gradients get a
+-- A module m's backward is about to run: its segments' gradients get a
 -- staging buffer (buffered), and every segment counts the modules still to
--- write into it.
-function Reducer:stage_grads(segs)
+-- write into it. A segment m writes whole (seg.writes) is not zeroed first:
+-- m writes it (m.grads_write), in a new staging buffer (buffered, its
+-- padding zeroed) or where zero_grad left it unzeroed (fresh).
+function Reducer:stage_grads(segs, m)
   local buffered = self.P.reduce.buffered
   for _, seg in ipairs(segs) do
     if seg.frozen then -- (no gradients)
     elseif buffered and not seg.gbuf then
       self:make_room(seg.padded)
-      seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
+      seg.gbuf = self.pool:get(seg.padded, "f32")
+      if m and seg.writes and seg.module == m then
+        if seg.padded > seg.numel then
+          seg.gbuf:view(seg.numel, { seg.padded - seg.numel }):zero()
+        end
+        m.grads_write = true
+      else
+        seg.gbuf:zero()
+      end
       bind_grads(seg, seg.gbuf)
       seg.pending = seg.users
     elseif not buffered and seg.pending == nil then
       seg.pending = seg.users
+      if self.fresh[seg] and seg.module == m then
+        self.fresh[seg] = nil
+        m.grads_write = true
+      end
     end
   end
 end
@@ -311,6 +326,7 @@ function Reducer:landing_elems()
 end
 
 function Reducer:wait_all()
+  if self.boundary() then self:zero_fresh() end -- (modules no backward reached)
   self:flush_bucket()
   while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
   self.inflight_elems = 0
@@ -329,12 +345,50 @@ function Reducer:pull_grads()
   end
 end
 
+-- Zeros the gradients the next backward does not write: a segment whose
+-- module writes it whole is left as it is, fresh, until its module's
+-- backward writes it or the accumulation's end finds it unwritten
+-- (zero_fresh); its padding keeps the zeros it was allocated with. Where
+-- reductions add micro-steps into the gradients (buffered) they are
+-- zeroed whole.
 function Reducer:zero_grad()
   local P = self.P
   self.cycle = self.cycle + 1
-  if P.grads.extent ~= "none" then self.grads:zero() end
+  if P.grads.extent == "full" and not P.reduce.buffered then
+    self:zero_unwritten()
+  elseif P.grads.extent ~= "none" then
+    self.grads:zero()
+  end
   if self.spill then self.spill_sq = {}
   elseif not P.opt_grads.alias then self.ograds:zero() end
+end
+
+-- zero_grad's zeros in the full gradient buffer: the runs of segments no
+-- module writes whole, each run one call; the others become fresh.
+function Reducer:zero_unwritten()
+  local lo, hi = nil, nil
+  local function flush()
+    if lo then self.grads:view(lo, { hi - lo }):zero() end
+    lo = nil
+  end
+  for _, seg in ipairs(self.L.segments) do
+    if seg.writes then
+      self.fresh[seg] = true
+      flush()
+    else
+      if not lo or hi ~= seg.full_offset then flush(); lo = seg.full_offset end
+      hi = seg.full_offset + seg.padded
+    end
+  end
+  flush()
+end
+
+-- The fresh segments (no backward wrote them since zero_grad), zeroed.
+function Reducer:zero_fresh()
+  for seg in pairs(self.fresh) do
+    self.grads:view(seg.full_offset, { seg.padded }):zero()
+    self.fresh[seg] = nil
+  end
 end
 
 return M
