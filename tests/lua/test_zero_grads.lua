@@ -1,0 +1,112 @@
+-- test_zero_grads.lua — the first micro-step of an accumulation writes the
+-- Linear gradients instead of adding them into zeroed buffers
+-- (linear_backward_write): whatever those buffers held, the gradients are
+-- bit for bit those of an add into zeros; gradients no backward writes
+-- read zero; zero_grad's own zeros cover only the rest.
+local ffi = require("ffi")
+local lz = require("luazero")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
+local T = {}
+
+local write_file = support.scratch()
+local corpus = write_file("corpus.txt", ("the engine writes its gradients once\n"):rep(80))
+
+local B, SEQ = 2, 8
+
+local function engine_and_loader(stage)
+  local zero = require("luazero.zero")
+  local data = require("luazero.data")
+  local gpt2 = require("models.gpt2")
+  local cfg = { train_micro_batch_size_per_gpu = B, zero_optimization = { stage = stage },
+                optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
+  local model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2,
+                                                    context = 16 }))
+  local engine = zero.initialize{ model = model, config = cfg, seed = 3, batch = { B, SEQ } }
+  local loaded = data.load(corpus)
+  return engine, data.loader(loaded, { B = B, T = SEQ, seed = 1, vocab = 256 }), loaded
+end
+
+local function bytes_of(t)
+  return ffi.string(t.data, t:numel() * 4)
+end
+
+-- After a step, the segments a Linear writes are left unzeroed (fresh):
+-- garbage there (NaN) changes nothing, and the same backward over a buffer
+-- zeroed whole gives the same bits.
+function T.first_micro_step_writes_linear_gradients_over_whatever_was_there()
+  local engines = {}
+  for k = 1, 2 do
+    local e, loader, loaded = engine_and_loader(0)
+    e:train_batch(loader)
+    local fresh = 0
+    for _, seg in ipairs(e.L.segments) do
+      if seg.writes then
+        fresh = fresh + 1
+        assert(e.reducer.fresh[seg], "a segment a Linear writes was zeroed by zero_grad")
+        if k == 1 then e.grads:view(seg.full_offset, { seg.numel }):fill(0 / 0) end
+      else
+        assert(not e.reducer.fresh[seg])
+      end
+    end
+    assert(fresh >= 4, "expected the block's Linear segments to be written, got " .. fresh)
+    if k == 2 then -- the add path everywhere: zeros, nothing fresh
+      e.grads:zero()
+      e.reducer.fresh = {}
+    end
+    local x, y = loader:next_batch()
+    e:backward(e:forward(x, y))
+    assert(next(e.reducer.fresh) == nil, "every fresh segment was written or zeroed")
+    engines[k] = { e = e, loader = loader, loaded = loaded }
+  end
+  local a, b = engines[1].e.grads, engines[2].e.grads
+  assert(bytes_of(a) == bytes_of(b), "written gradients differ from added ones")
+  assert(a:sq_norm() > 0 and a:sq_norm() < math.huge)
+  for _, r in ipairs(engines) do r.e:free(); r.loader:free(); r.loaded.tokens:free() end
+end
+
+-- A fresh segment no backward reached reads zero: at the accumulation's
+-- end (wait_all) and whenever the REPL reads the buffers (settle_grads).
+function T.unwritten_fresh_segments_read_zero()
+  local e, loader, loaded = engine_and_loader(1)
+  e:train_batch(loader)
+  local seg
+  for _, s in ipairs(e.L.segments) do if s.writes then seg = s end end
+  local g = e.grads:view(seg.full_offset, { seg.padded })
+  g:fill(1)
+  e:settle_grads()
+  assert(g:sq_norm() == 0, "settle_grads left a fresh segment unzeroed")
+  assert(next(e.reducer.fresh) == nil)
+  -- Fresh again after a step; the module skipped: wait_all at the boundary zeros it.
+  e:train_batch(loader)
+  assert(e.reducer.fresh[seg])
+  g:fill(1)
+  e.micro = e.micro + 1 -- (a backward that reached nothing)
+  e.reducer:wait_all()
+  assert(g:sq_norm() == 0, "wait_all at the boundary left a fresh segment unzeroed")
+  g:free()
+  e:free(); loader:free(); loaded.tokens:free()
+end
+
+-- The profile counts zero_grad's bytes: fewer than a whole gradient
+-- buffer's once the Linears write theirs.
+function T.zero_grad_zeros_only_what_no_backward_writes()
+  local e, loader, loaded = engine_and_loader(0)
+  local profile = require("luazero.profile")
+  local p = profile.attach(e)
+  for _ = 1, 3 do e:train_batch(loader) end
+  local rep = p:report()
+  p:detach()
+  local pb = assert(rep.param_bytes, "the profile has a bytes-per-parameter line")
+  local zero_part
+  for _, pt in ipairs(pb.parts) do if pt.name:find("zero", 1, true) then zero_part = pt end end
+  local written = 0
+  for _, seg in ipairs(e.L.segments) do if seg.writes then written = written + seg.padded end end
+  local want = 4 * (e.L.full_numel - written) / e.L.full_numel
+  assert(zero_part and math.abs(zero_part.per_param - want) < 1e-9,
+         ("zero gradients: %s bytes per parameter, want %.4f")
+         :format(zero_part and zero_part.per_param or "none", want))
+  assert(want < 4)
+  e:free(); loader:free(); loaded.tokens:free()
+end
+
+return T
