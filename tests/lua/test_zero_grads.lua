@@ -13,11 +13,12 @@ local corpus = write_file("corpus.txt", ("the engine writes its gradients once\n
 
 local B, SEQ = 2, 8
 
-local function engine_and_loader(stage)
+local function engine_and_loader(stage, accum)
   local zero = require("luazero.zero")
   local data = require("luazero.data")
   local gpt2 = require("models.gpt2")
   local cfg = { train_micro_batch_size_per_gpu = B, zero_optimization = { stage = stage },
+                gradient_accumulation_steps = accum or 1,
                 optimizer = { type = "AdamW", params = { lr = 1e-3 } } }
   local model = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2,
                                                     context = 16 }))
@@ -107,6 +108,24 @@ function T.zero_grad_zeros_only_what_no_backward_writes()
          :format(zero_part and zero_part.per_param or "none", want))
   assert(want < 4)
   e:free(); loader:free(); loaded.tokens:free()
+end
+
+-- Reductions add each micro-step's gradients into the optimizer's (stage 2,
+-- accumulation): the first micro-step copies instead, so whatever those
+-- held after the last step changes nothing.
+function T.first_reduction_copies_over_whatever_was_there()
+  local sums = {}
+  for k = 1, 2 do
+    local e, loader, loaded = engine_and_loader(2, 2)
+    assert(e:plan().reduce.buffered)
+    e:train_batch(loader)
+    if k == 1 then e.rgrads:fill(0 / 0) end
+    for _ = 1, 2 do e:train_batch(loader) end
+    sums[k] = e:params_checksum()
+    e:free(); loader:free(); loaded.tokens:free()
+  end
+  assert(sums[1] == sums[2], "garbage in the reduced gradients changed the run: " ..
+         sums[1] .. " vs " .. sums[2])
 end
 
 return T

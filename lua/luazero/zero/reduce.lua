@@ -41,6 +41,7 @@ function M.new(parts)
     spill_sq = {},                     -- segment -> its slice's squared norm (spill)
     cycle = 0,                         -- accumulation cycles begun (zero_grad counts them)
     fresh = {},                        -- segment -> true: its gradients hold no sum yet
+    added = {},                        -- segment -> its range of rgrads no reduction added into yet
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
@@ -212,7 +213,14 @@ end
 -- reads: item.dst, or the gradient file's staging (zero/spill.lua), taking
 -- the norm's partial of the slice on the last micro-step.
 function Reducer:add_reduced(item, src)
-  if not self.spill then return self:accumulate(item.dst, src) end
+  if not self.spill then
+    -- The first add of the accumulation copies (rgrads were not zeroed).
+    if self.added[item.seg] then
+      self.added[item.seg] = nil
+      return item.dst:copy(src)
+    end
+    return self:accumulate(item.dst, src)
+  end
   local seg, sp = item.seg, self.spill
   local add = function(d, s) self:accumulate(d, s) end
   if not self.boundary() then
@@ -331,6 +339,9 @@ function Reducer:wait_all()
   while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
   self.inflight_elems = 0
   self:land_all()
+  -- (after the first micro-step: what no reduction copied into is zeroed
+  -- before a later one adds into it)
+  self:zero_unadded()
 end
 
 -- A host optimizer's gradients when the device keeps whole ones (stage 1,
@@ -354,13 +365,39 @@ end
 function Reducer:zero_grad()
   local P = self.P
   self.cycle = self.cycle + 1
+  -- Reductions add into rgrads (buffered, no gradient file): the first
+  -- micro-step's copy instead, so they are not zeroed (added).
+  local copied = P.reduce.buffered and not self.spill and self.rgrads
+  if copied then self:mark_unadded() end
   if P.grads.extent == "full" and not P.reduce.buffered then
     self:zero_unwritten()
-  elseif P.grads.extent ~= "none" then
+  elseif P.grads.extent ~= "none" and copied ~= self.grads then
     self.grads:zero()
   end
   if self.spill then self.spill_sq = {}
-  elseif not P.opt_grads.alias then self.ograds:zero() end
+  elseif not P.opt_grads.alias and copied ~= self.ograds then self.ograds:zero() end
+end
+
+-- Every segment's range of rgrads, where its reduced micro-step gradient
+-- lands (P.reduce: this rank's slice, or all of it for an all-reduce).
+function Reducer:mark_unadded()
+  local R = self.P.reduce
+  for _, seg in ipairs(self.L.segments) do
+    if R.op == "all_reduce" then
+      self.added[seg] = { seg.full_offset, seg.padded }
+    else
+      self.added[seg] = { at(R.into, seg.mine), seg.slice }
+    end
+  end
+end
+
+-- The ranges no reduction copied into (segments the first micro-step's
+-- backward did not reach), zeroed.
+function Reducer:zero_unadded()
+  for seg, r in pairs(self.added) do
+    self.rgrads:view(r[1], { r[2] }):zero()
+    self.added[seg] = nil
+  end
 end
 
 -- zero_grad's zeros in the full gradient buffer: the runs of segments no
@@ -383,12 +420,14 @@ function Reducer:zero_unwritten()
   flush()
 end
 
--- The fresh segments (no backward wrote them since zero_grad), zeroed.
+-- The fresh segments (no backward wrote them since zero_grad) and the
+-- ranges no reduction copied into yet, zeroed.
 function Reducer:zero_fresh()
   for seg in pairs(self.fresh) do
     self.grads:view(seg.full_offset, { seg.padded }):zero()
     self.fresh[seg] = nil
   end
+  self:zero_unadded()
 end
 
 return M
