@@ -319,6 +319,11 @@ lz_status lz_fill(lz_tensor *t, float v);
 /* Sum of squares in double, over fixed-size blocks summed in a fixed order:
  * the result does not depend on the number of threads. f32, bf16, f16. */
 lz_status lz_sq_norm(const lz_tensor *t, double *out);
+/* y += x (write: y = x), then *out = the squared norm of y: the bits of
+ * lz_axpy(y, 1, x) (or a copy) and lz_sq_norm(y), in one pass over y. The
+ * last micro-step's add into the gradients the optimizer reads gives the
+ * gradient norm's partial without a pass of its own. y, x: f32, one count. */
+lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out);
 /* 1 if any element is NaN or Inf. */
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 

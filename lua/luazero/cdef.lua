@@ -287,6 +287,8 @@ lz_status lz_fill(lz_tensor *t, float v);
 
 lz_status lz_sq_norm(const lz_tensor *t, double *out);
 
+lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out);
+
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 
 typedef struct lz_adamw_args {

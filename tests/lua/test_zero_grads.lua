@@ -128,4 +128,33 @@ function T.first_reduction_copies_over_whatever_was_there()
          sums[1] .. " vs " .. sums[2])
 end
 
+-- The last micro-step's reduction adds into the slice the norm reads: its
+-- partial comes from that add (add_sq_norm), the norm's own pass reads
+-- nothing, and the norm is the one sq_norm gives, bit for bit.
+function T.grad_norm_comes_from_the_last_reduction()
+  local norms, passes = {}, {}
+  for k = 1, 2 do
+    local e, loader, loaded = engine_and_loader(2, 2)
+    if k == 2 then e.reducer.norm_slice = nil end -- (every partial its own sq_norm)
+    local profile = require("luazero.profile")
+    local p = profile.attach(e)
+    local recs = {}
+    for i = 1, 3 do recs[i] = e:train_batch(loader).grad_norm end
+    local rep = p:report()
+    p:detach()
+    norms[k] = recs
+    local parts = {}
+    for _, pt in ipairs(rep.param_bytes.parts) do parts[pt.name] = pt end
+    passes[k] = parts["sq_norm (grad norm)"] and parts["sq_norm (grad norm)"].passes or 0
+    e:free(); loader:free(); loaded.tokens:free()
+  end
+  for i = 1, 3 do
+    assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
+           ("step %d: grad norm %.17g from the reduction, %.17g from sq_norm")
+           :format(i, norms[1][i], norms[2][i]))
+  end
+  assert(passes[1] == 0, "the norm still read the gradients: " .. passes[1] .. " pass")
+  assert(passes[2] > 0.99, "sq_norm's pass: " .. passes[2])
+end
+
 return T

@@ -515,6 +515,9 @@ function Engine:allocate(frozen_entries)
     round_scratch = self.round_scratch,
     boundary = function() return self:is_gradient_accumulation_boundary() end,
     comm_of = function(seg) return self:comm_of(seg) end,
+    norm_slice = function(seg)
+      return not self.norm_slots and self.grad_slices and self.grad_slices[seg.index]
+    end,
   }
   -- Parameter gathers and the module hooks: a component over the
   -- parameter groups (segs_of) and the working copy (zero/gather.lua).
@@ -648,6 +651,7 @@ local function inject_inf(self)
     if self.spill then self.reducer.spill_sq[1] = math.huge; return end
     local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
     self.grad_slices[1]:view(0, { 1 }):copy(inf)
+    self.reducer.norm_sq[1] = nil
     inf:free()
   end
 end
@@ -665,7 +669,10 @@ function Engine:exchange(local_loss)
     for i = 1, K - 1 do send[i] = 0 end
     for _, ns in ipairs(self.norm_slots) do send[ns.slot] = ns.g:sq_norm() end
   else
-    for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
+    -- (a partial the last micro-step's add took, else a pass of its own)
+    local fused = self.reducer.norm_sq
+    for i, g in ipairs(self.grad_slices) do send[i] = fused[i] or g:sq_norm() end
+    self.reducer.norm_sq = {}
   end
   self.comm.all_gather(self.meta_send, self.meta_recv)
   local all = ffi.cast("double *", self.meta_recv.data)

@@ -31,7 +31,8 @@ Reducer.__index = Reducer
 -- the one reductions add into), spill (the gradient file, or nil),
 -- scratches (device -> fp32 scratch), round_scratch, boundary (a function:
 -- whether this micro-step ends the accumulation), comm_of (optional: seg ->
--- the group its gradients reduce over, nil for the world).
+-- the group its gradients reduce over, nil for the world), norm_slice
+-- (optional: seg -> the slice the gradient norm's partial reads, or nil).
 function M.new(parts)
   local self = setmetatable({
     inflight = {}, inflight_elems = 0, -- reductions in flight, and their elements
@@ -42,10 +43,11 @@ function M.new(parts)
     cycle = 0,                         -- accumulation cycles begun (zero_grad counts them)
     fresh = {},                        -- segment -> true: its gradients hold no sum yet
     added = {},                        -- segment -> its range of rgrads no reduction added into yet
+    norm_sq = {},                      -- segment index -> its slice's squared norm, from the last add
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
-                       "boundary", "comm_of" }) do
+                       "boundary", "comm_of", "norm_slice" }) do
     self[k] = parts[k]
   end
   return self
@@ -215,11 +217,20 @@ end
 function Reducer:add_reduced(item, src)
   if not self.spill then
     -- The first add of the accumulation copies (rgrads were not zeroed).
-    if self.added[item.seg] then
-      self.added[item.seg] = nil
-      return item.dst:copy(src)
+    local seg, dst = item.seg, item.dst
+    local first = self.added[seg] ~= nil
+    self.added[seg] = nil
+    -- The last one reads the slice the norm's partial reads: the partial
+    -- comes from the add (sq_norm's blocks on the final values: its bits).
+    local g = self.boundary() and self.norm_slice and self.norm_slice(seg)
+    if g and not self.half_grads and g.data == dst.data and g:numel() == dst:numel() then
+      local out = ffi.new("double[1]")
+      ops.add_sq_norm(dst, src, first and 1 or 0, ffi.cast("double *", out))
+      self.norm_sq[seg.index] = out[0]
+      return
     end
-    return self:accumulate(item.dst, src)
+    if first then return dst:copy(src) end
+    return self:accumulate(dst, src)
   end
   local seg, sp = item.seg, self.spill
   local add = function(d, s) self:accumulate(d, s) end
@@ -369,6 +380,7 @@ function Reducer:zero_grad()
   -- micro-step's copy instead, so they are not zeroed (added).
   local copied = P.reduce.buffered and not self.spill and self.rgrads
   if copied then self:mark_unadded() end
+  self.norm_sq = {}
   if P.grads.extent == "full" and not P.reduce.buffered then
     self:zero_unwritten()
   elseif P.grads.extent ~= "none" and copied ~= self.grads then
