@@ -157,4 +157,37 @@ function T.grad_norm_comes_from_the_last_reduction()
   assert(passes[2] > 0.99, "sq_norm's pass: " .. passes[2])
 end
 
+-- A Linear's backward given a wrapper's weight and gradient (Linear:backward's
+-- w, dw) on a first micro-step: its own weight gradient reads zero, its bias
+-- gradient is added into zeros.
+function T.a_wrapper_s_weight_leaves_the_own_gradients_as_zeros_would()
+  local e, loader, loaded = engine_and_loader(0)
+  e:train_batch(loader)
+  local x, y = loader:next_batch()
+  e:forward(x, y)
+  local seg
+  for _, sg in ipairs(e.L.segments) do
+    if sg.writes and sg.module.has_bias then seg = sg; break end
+  end
+  local m = seg.module
+  e.grads:view(seg.full_offset, { seg.numel }):fill(0 / 0)
+  local rows = m.input:numel() / m.n_in
+  local dy = lz.tensor({ m.input:dim(1), m.input:dim(2), m.n_out }, "f32"):fill(0.5)
+  local dw = lz.tensor({ m.n_out, m.n_in }, "f32"):zero()
+  local arena, saved = lz.arena(1048576, "workspace"), m.ctx.scratch
+  m.ctx.scratch = arena -- (dx goes here: the forward's arenas are full)
+  m.grads_write = true
+  m:backward(dy, m:weight(), dw)
+  m.ctx.scratch = saved
+  arena:free()
+  assert(m.grads_write == nil)
+  assert(m.g.weight:sq_norm() == 0, "the own weight gradient is not zero")
+  local want = m.n_out * (rows * 0.5) ^ 2
+  assert(m.g.bias:sq_norm() == want, ("bias gradient %.17g, want %.17g")
+                                     :format(m.g.bias:sq_norm(), want))
+  assert(dw:sq_norm() > 0 and dw:sq_norm() < math.huge)
+  dy:free(); dw:free()
+  e:free(); loader:free(); loaded.tokens:free()
+end
+
 return T
