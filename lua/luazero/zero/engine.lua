@@ -343,15 +343,7 @@ function Engine:find_users()
       self.segs_of[m] = list
     end
   end)
-  -- A segment its module's backward writes whole (Module:writes_grads: one
-  -- kernel call, its only segment, no gaps, no other module adding into
-  -- it) needs no zeros before the first micro-step of an accumulation.
-  local count = {}
-  for _, seg in ipairs(L.segments) do count[seg.module] = (count[seg.module] or 0) + 1 end
-  for _, seg in ipairs(L.segments) do
-    seg.writes = seg.users == 1 and count[seg.module] == 1 and seg.numel == seg.extent and
-                 seg.module:writes_grads()
-  end
+  reduce.mark_writes(L)
 end
 
 -- Elements of a buffer of this extent on this rank.

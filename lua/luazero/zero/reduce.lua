@@ -53,6 +53,19 @@ function M.new(parts)
   return self
 end
 
+-- seg.writes for each segment its module's backward writes whole
+-- (Module:writes_grads: one kernel call, the module's only segment, no
+-- gaps, no other module adding into it: seg.users, counted by the engine):
+-- it needs no zeros before the first micro-step of an accumulation.
+function M.mark_writes(L)
+  local count = {}
+  for _, seg in ipairs(L.segments) do count[seg.module] = (count[seg.module] or 0) + 1 end
+  for _, seg in ipairs(L.segments) do
+    seg.writes = seg.users == 1 and count[seg.module] == 1 and seg.numel == seg.extent and
+                 seg.module:writes_grads()
+  end
+end
+
 local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
 
 -- t /= n elementwise on the host (f32): a float division, as the
