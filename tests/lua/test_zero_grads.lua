@@ -1,8 +1,10 @@
--- test_zero_grads.lua — the first micro-step of an accumulation writes the
--- Linear gradients instead of adding them into zeroed buffers
--- (linear_backward_write): whatever those buffers held, the gradients are
--- bit for bit those of an add into zeros; gradients no backward writes
--- read zero; zero_grad's own zeros cover only the rest.
+-- test_zero_grads.lua — one pass per parameter: the first micro-step of an
+-- accumulation writes the Linear gradients instead of adding them into
+-- zeroed buffers (linear_backward_write), and the reductions copy it
+-- instead of adding it: whatever those buffers held, the gradients are bit
+-- for bit those of an add into zeros; gradients no backward writes read
+-- zero; zero_grad's own zeros cover only the rest; the norm's partials come
+-- from the last reduction's add (add_sq_norm) with sq_norm's bits.
 local ffi = require("ffi")
 local lz = require("luazero")
 local support = dofile(lz.root .. "/tests/lua/support.lua")
