@@ -62,8 +62,8 @@ function Linear:backward(dy, w, dw)
     own, gown = self:weight(), self:weight_grad()
     w, dw = own, gown
   elseif write then
-    -- (a wrapper's weight: its gradient goes elsewhere; the own ones still
-    -- read zero after this micro-step)
+    -- (a wrapper's weight, whose gradient goes where the wrapper says:
+    -- the own ones are zeroed, then added into as before)
     local g, b = self:weight_grad(), self.has_bias and self:bias_grad()
     if g then g:zero(); self:release(nil, g) end
     if b then b:zero(); self:release(b) end
