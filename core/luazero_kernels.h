@@ -29,6 +29,12 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
  * dx, dw, db: f32. */
 lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                              const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
+/* The same, with dw = dy^T @ x and db = sum(dy) written instead of added:
+ * the first micro-step of an accumulation needs no zeroed gradients. The
+ * bits are those of an add into zeros (tests/test_matmul.c), save a dw
+ * element whose every product is -0: written -0 where the add gives +0. */
+lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                   const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
 
 /* Over the last dimension C. mean, rstd: numel(x)/C floats, saved for backward. */
 lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
@@ -313,6 +319,11 @@ lz_status lz_fill(lz_tensor *t, float v);
 /* Sum of squares in double, over fixed-size blocks summed in a fixed order:
  * the result does not depend on the number of threads. f32, bf16, f16. */
 lz_status lz_sq_norm(const lz_tensor *t, double *out);
+/* y += x (write: y = x), then *out = the squared norm of y: the bits of
+ * lz_axpy(y, 1, x) (or a copy) and lz_sq_norm(y), in one pass over y. The
+ * last micro-step's add into the gradients the optimizer reads gives the
+ * gradient norm's partial without a pass of its own. y, x: f32, one count. */
+lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out);
 /* 1 if any element is NaN or Inf. */
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 

@@ -629,6 +629,25 @@ lz_status lz_cu_sq_norm(const lz_op_args *a) {
   return LZ_OK;
 }
 
+// y += x (or y = x), then sq_norm of y: two launches here (the cpu's one
+// pass is a cache's matter; the bits are axpy's and sq_norm's either way).
+lz_status lz_cu_add_sq_norm(const lz_op_args *a) {
+  lz_tensor *y = a->t[0];
+  int64_t n = lz_tensor_numel(y);
+  if (n > 0 && a->i[0]) {
+    CUDA_CHECK(cudaMemcpyAsync(y->data, a->t[1]->data, (size_t)n * sizeof(float),
+                               cudaMemcpyDeviceToDevice, LZ_CU_COMPUTE));
+  } else if (n > 0) {
+    axpy_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+        (float *)y->data, 1.0f, (const float *)a->t[1]->data, n);
+    CUDA_LAUNCH_CHECK();
+  }
+  lz_op_args s = {};
+  s.t[0] = y;
+  s.out_f64 = a->out_f64;
+  return lz_cu_sq_norm(&s);
+}
+
 // An exponent field of all ones is Inf or NaN, whatever the mantissa.
 __global__ void inf_nan_kernel(const void *x, lz_dtype dt, int64_t n, int *found) {
   int f = 0;

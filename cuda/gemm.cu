@@ -168,10 +168,11 @@ lz_status lz_cu_linear_forward(const lz_op_args *args) {
                        (float *)out->data, NULL);
 }
 
-// db[j] += sum over rows of dy[r, j]: one thread per column, rows in order
-// (the cpu's order, so the same bits for f32).
+// db[j] += sum over rows of dy[r, j] (write: db[j] = the sum, never -0 as
+// it starts from +0): one thread per column, rows in order (the cpu's
+// order, so the same bits for f32).
 __global__ void bias_grad_kernel(float *db, const void *dy, lz_dtype dt, int64_t rows,
-                                 int64_t n) {
+                                 int64_t n, int write) {
   int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n) return;
   float acc = 0.0f;
@@ -182,7 +183,7 @@ __global__ void bias_grad_kernel(float *db, const void *dy, lz_dtype dt, int64_t
     const float *p = (const float *)dy;
     for (int64_t r = 0; r < rows; r++) acc += p[r * n + j];
   }
-  db[j] += acc;
+  db[j] = write ? acc : db[j] + acc;
 }
 
 lz_status lz_cu_linear_backward(const lz_op_args *args) {
@@ -190,15 +191,16 @@ lz_status lz_cu_linear_backward(const lz_op_args *args) {
   const lz_tensor *dy = args->t[3], *x = args->t[4], *w = args->t[5];
   int64_t in = w->shape[1], outc = w->shape[0], rows = lz_rows(x);
   lz_dtype dt = x->dtype;
+  const int write = args->i[0] != 0; // linear_backward_write: dw, db written
   if (dx)
     LZ_TRY(gemm_or_scale(dt, 1, rows, in, outc, 0, 0, 0, 1.0f, dy->data, w->data, 0.0f,
                          (float *)dx->data, NULL));
   if (dw)
-    LZ_TRY(gemm_or_scale(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, 1.0f,
-                         (float *)dw->data, NULL));
-  if (db && rows > 0 && outc > 0) {
+    LZ_TRY(gemm_or_scale(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data,
+                         write ? 0.0f : 1.0f, (float *)dw->data, NULL));
+  if (db && outc > 0 && (rows > 0 || write)) {
     bias_grad_kernel<<<(unsigned)((outc + 255) / 256), 256, 0, LZ_CU_COMPUTE>>>(
-        (float *)db->data, dy->data, dt, rows, outc);
+        (float *)db->data, dy->data, dt, rows, outc, write);
     CUDA_LAUNCH_CHECK();
   }
   return LZ_OK;

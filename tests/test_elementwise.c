@@ -119,6 +119,35 @@ LZ_TEST(elementwise_sq_norm_thread_independent) {
   free(x);
 }
 
+/* add_sq_norm: the bits of axpy(y, 1, x) (or a copy of x) and sq_norm(y),
+ * the squares in the same blocks (several, and on threads, from 8 on). */
+LZ_TEST(elementwise_add_sq_norm_is_axpy_then_sq_norm) {
+  const int64_t more[] = {1, 17, 4096, 4097, 3 * 65536 + 5, 41 * 4096 + 3};
+  for (size_t k = 0; k < sizeof more / sizeof more[0]; k++) {
+    const int64_t n = more[k], s1[1] = {n};
+    float *x = malloc(sizeof(float) * n), *y = malloc(sizeof(float) * n);
+    float *y2 = malloc(sizeof(float) * n);
+    for (int64_t i = 0; i < n; i += 997) x[i] = frand(), y[i] = frand();
+    for (int64_t i = 0; i < n; i++)
+      if (i % 997) x[i] = x[i - i % 997] * 0.5f, y[i] = y[i - i % 997] * 0.25f;
+    lz_tensor *tx = lz_test_wrap(x, LZ_F32, 1, s1), *ty = lz_test_wrap(y, LZ_F32, 1, s1);
+    lz_tensor *ty2 = lz_test_wrap(y2, LZ_F32, 1, s1);
+    for (int write = 0; write < 2; write++) {
+      memcpy(y2, y, sizeof(float) * n);
+      double want = 0.0, got = -1.0;
+      if (write) CHECK_OK(lz_tensor_copy(ty, tx));
+      else CHECK_OK(lz_axpy(ty, 1.0f, tx));
+      CHECK_OK(lz_sq_norm(ty, &want));
+      CHECK_OK(lz_add_sq_norm(ty2, tx, write, &got));
+      CHECK(memcmp(y, y2, sizeof(float) * n) == 0);
+      CHECK(memcmp(&want, &got, sizeof want) == 0);
+      memcpy(y, y2, sizeof(float) * n);
+    }
+    lz_tensor_free(tx), lz_tensor_free(ty), lz_tensor_free(ty2);
+    free(x), free(y), free(y2);
+  }
+}
+
 LZ_TEST(elementwise_has_inf_nan) {
   const int64_t n = 100003, s1[1] = {n};
   float *x = malloc(sizeof(float) * n);

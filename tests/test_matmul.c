@@ -190,3 +190,48 @@ LZ_TEST(linear_bf16_close_to_f32) {
   lz_tensor *xs[] = {x, w, bias, y, xf, wf, yf};
   for (int i = 0; i < 7; i++) lz_tensor_free(xs[i]);
 }
+
+/* linear_backward_write over garbage gives the bits linear_backward gives
+ * added into zeros (dx too), on shapes small and as a model's layers have
+ * them: the first micro-step of an accumulation writes its gradients. A
+ * later linear_backward adds into the written ones as into the added ones. */
+static void check_write_case(lz_dtype dt, int64_t rows, int64_t in, int64_t outc) {
+  int64_t sx[2] = {rows, in}, sw[2] = {outc, in}, sb[1] = {outc}, sy[2] = {rows, outc};
+  lz_tensor *x = rand_tensor(dt, 2, sx), *w = rand_tensor(dt, 2, sw), *dy = rand_tensor(dt, 2, sy);
+  lz_tensor *dx[2], *dw[2], *db[2];
+  for (int v = 0; v < 2; v++) {
+    dx[v] = rand_tensor(LZ_F32, 2, sx);
+    dw[v] = rand_tensor(LZ_F32, 2, sw);
+    db[v] = rand_tensor(LZ_F32, 1, sb);
+  }
+  memset(dw[0]->data, 0, lz_tensor_bytes(dw[0]));
+  memset(db[0]->data, 0, lz_tensor_bytes(db[0]));
+  CHECK_OK(lz_linear_backward(dx[0], dw[0], db[0], dy, x, w));
+  CHECK_OK(lz_linear_backward_write(dx[1], dw[1], db[1], dy, x, w));
+  CHECK(memcmp(dx[0]->data, dx[1]->data, lz_tensor_bytes(dx[0])) == 0);
+  CHECK(memcmp(dw[0]->data, dw[1]->data, lz_tensor_bytes(dw[0])) == 0);
+  CHECK(memcmp(db[0]->data, db[1]->data, lz_tensor_bytes(db[0])) == 0);
+  for (int v = 0; v < 2; v++) CHECK_OK(lz_linear_backward(NULL, dw[v], db[v], dy, x, w));
+  CHECK(memcmp(dw[0]->data, dw[1]->data, lz_tensor_bytes(dw[0])) == 0);
+  CHECK(memcmp(db[0]->data, db[1]->data, lz_tensor_bytes(db[0])) == 0);
+  /* No rows: the gradients written are zeros. */
+  int64_t s0[2] = {0, in}, s0y[2] = {0, outc};
+  lz_tensor *x0 = rand_tensor(dt, 2, s0), *dy0 = rand_tensor(dt, 2, s0y);
+  CHECK_OK(lz_linear_backward_write(NULL, dw[1], db[1], dy0, x0, w));
+  int zeros = 1;
+  for (int64_t i = 0; i < outc * in; i++) zeros &= ((float *)dw[1]->data)[i] == 0.0f;
+  for (int64_t i = 0; i < outc; i++) zeros &= ((float *)db[1]->data)[i] == 0.0f;
+  CHECK(zeros);
+  lz_tensor *xs[] = {x, w, dy, x0, dy0, dx[0], dx[1], dw[0], dw[1], db[0], db[1]};
+  for (int i = 0; i < 11; i++) lz_tensor_free(xs[i]);
+}
+
+LZ_TEST(linear_backward_write_is_add_into_zeros) {
+  const lz_dtype dts[2] = {LZ_F32, LZ_BF16};
+  for (int d = 0; d < 2; d++) {
+    check_write_case(dts[d], 15, 12, 7);
+    check_write_case(dts[d], 512, 768, 768);
+    check_write_case(dts[d], 512, 768, 2048);
+    check_write_case(dts[d], 512, 2048, 768);
+  }
+}

@@ -276,6 +276,10 @@ static lz_status cross_entropy_bwd(lz_tensor **t) {
 }
 static lz_status add(lz_tensor **t) { return lz_add(t[0], t[1], t[2]); }
 static lz_status axpy(lz_tensor **t) { return lz_axpy(t[0], -0.75f, t[1]); }
+static lz_status add_sq_norm(lz_tensor **t) {
+  double sq = 0.0;
+  return lz_add_sq_norm(t[0], t[1], 0, &sq);
+}
 static lz_status scale(lz_tensor **t) { return lz_scale(t[0], 1.3f); }
 static lz_status fill(lz_tensor **t) { return lz_fill(t[0], 0.3f); }
 static lz_status convert(lz_tensor **t) { return lz_tensor_copy(t[0], t[1]); }
@@ -393,7 +397,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 45);
+  CHECK_EQ_INT(LZ_OP_COUNT, 46);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));
@@ -414,6 +418,7 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   CHECK_OP(cross_entropy_bwd, F32(2, 3, 8), F32(2, 3, 8), IDS(6, 2, 3));
   CHECK_OP(add, F32(1000), F32(1000), F32(1000));
   CHECK_OP(axpy, F32(1000), F32(1000));
+  CHECK_OP(add_sq_norm, F32(9000), F32(9000));
   CHECK_OP(scale, F32(1000));
   CHECK_OP(scale, BF16(1000));
   CHECK_OP(scale, F16(1000));

@@ -10,6 +10,7 @@
 #include "mem/lz_internal.h"
 
 #include <stdlib.h> /* malloc, free: sq_norm's partial sums */
+#include <string.h> /* memcpy: add_sq_norm's write */
 
 /* Elements per thread task; small tensors stay on one thread. */
 #define BLOCK (1 << 15)
@@ -235,6 +236,49 @@ lz_status lz_cpu_sq_norm(const lz_op_args *a) {
   }
   if (partial != stack) free(partial);
   *out = total;
+  return LZ_OK;
+}
+
+lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out) {
+  const char *op = "add_sq_norm";
+  if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
+  *out = 0.0;
+  LZ_TRY(lz_check_present(op, "y", y));
+  LZ_TRY(lz_check_numel(op, "x", x, lz_tensor_numel(y), "the element count of y"));
+  LZ_OP_RUN(op, LZ_OP_ADD_SQ_NORM, .t = {y, (lz_tensor *)x}, .i = {write != 0}, .out_f64 = out);
+}
+
+/* sq_norm's loop, each block first added into (axpy's arithmetic, alpha 1)
+ * or copied: the block's squares are read while it is in cache. */
+lz_status lz_cpu_add_sq_norm(const lz_op_args *a) {
+  lz_tensor *y = a->t[0];
+  const lz_tensor *x = a->t[1];
+  const int write = a->i[0] != 0;
+  const int64_t n = lz_tensor_numel(y);
+  float *yp = y->data;
+  const float *xp = x->data;
+  const int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
+  const int64_t group = blocks < SQ_GROUP ? blocks : SQ_GROUP;
+  double stack[SQ_STACK];
+  double *partial = group <= SQ_STACK ? stack : malloc((size_t)group * sizeof(double));
+  if (!partial)
+    return lz_fail(LZ_ERR_NOMEM, "add_sq_norm: out of memory for %lld partial sums",
+                   (long long)group);
+  double total = 0.0;
+  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * group) {
+    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * group);
+    const int64_t nb = (g_len + SQ_BLOCK - 1) / SQ_BLOCK;
+#pragma omp parallel for schedule(static) if (nb > 8)
+    for (int64_t k = 0; k < nb; k++) {
+      const int64_t i0 = g0 + k * SQ_BLOCK, len = block_len(n, i0, SQ_BLOCK);
+      if (write) memcpy(yp + i0, xp + i0, (size_t)len * sizeof(float));
+      else axpy_block(yp + i0, 1.0f, xp + i0, len);
+      partial[k] = sq_f32_block(yp + i0, len);
+    }
+    for (int64_t k = 0; k < nb; k++) total += partial[k];
+  }
+  if (partial != stack) free(partial);
+  *a->out_f64 = total;
   return LZ_OK;
 }
 

@@ -446,10 +446,12 @@ lz_status lz_cpu_linear_forward(const lz_op_args *a) {
   return gemm(LZ_F32, 1, rows, outc, in, 0, 1, 0, 1.0f, x->data, w->data, beta, out->data);
 }
 
-/* db[j] += sum over rows of dy[r, j], column blocks in parallel: each column's
- * sum runs over rows in order, so the result does not depend on threads. */
+/* db[j] += sum over rows of dy[r, j] (write: db[j] = the sum), column
+ * blocks in parallel: each column's sum runs over rows in order, so the
+ * result does not depend on threads. The sum starts from +0, so it is never
+ * -0 and writing it gives the bits adding it to +0 gives. */
 LZ_DISPATCH static void bias_grad_block(float *db, const void *dy, lz_dtype dt, int64_t rows,
-                                        int64_t n, int64_t j0, int64_t j1) {
+                                        int64_t n, int64_t j0, int64_t j1, int write) {
   float acc[256];
   for (int64_t j = j0; j < j1; j++) acc[j - j0] = 0.0f;
   for (int64_t r = 0; r < rows; r++) {
@@ -461,15 +463,19 @@ LZ_DISPATCH static void bias_grad_block(float *db, const void *dy, lz_dtype dt, 
       for (int64_t j = j0; j < j1; j++) acc[j - j0] += row[j];
     }
   }
-  for (int64_t j = j0; j < j1; j++) db[j] += acc[j - j0];
+  if (write)
+    for (int64_t j = j0; j < j1; j++) db[j] = acc[j - j0];
+  else
+    for (int64_t j = j0; j < j1; j++) db[j] += acc[j - j0];
 }
 
-lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const lz_tensor *dy,
-                             const lz_tensor *x, const lz_tensor *w) {
+static lz_status linear_backward_op(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                    const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
+                                    int write) {
   const char *op = "linear_backward";
   int64_t rows, in, outc;
   const lz_op_args args = {
-      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w}};
+      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w}, .i = {write}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LINEAR_BACKWARD, &args)); /* dy, x and w: one dtype */
   LZ_TRY(linear_shapes(op, x, w, dy, "dy", &rows, &in, &outc));
   if (dx) LZ_TRY(lz_check_numel(op, "dx", dx, rows * in, "the shape of x"));
@@ -478,18 +484,33 @@ lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const 
   return lz_op_run(op, LZ_OP_LINEAR_BACKWARD, &args);
 }
 
+lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const lz_tensor *dy,
+                             const lz_tensor *x, const lz_tensor *w) {
+  return linear_backward_op(dx, dw, db, dy, x, w, 0);
+}
+
+lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                   const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w) {
+  return linear_backward_op(dx, dw, db, dy, x, w, 1);
+}
+
 lz_status lz_cpu_linear_backward(const lz_op_args *a) {
   lz_tensor *dx = a->t[0], *dw = a->t[1], *db = a->t[2];
   const lz_tensor *dy = a->t[3], *x = a->t[4], *w = a->t[5];
   const int64_t rows = lz_rows(x), in = w->shape[1], outc = w->shape[0];
   lz_dtype dt = x->dtype;
+  const int write = a->i[0] != 0;
   if (dx) LZ_TRY(gemm(dt, 1, rows, in, outc, 0, 0, 0, 1.0f, dy->data, w->data, 0.0f, dx->data));
-  if (dw) LZ_TRY(gemm(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, 1.0f, dw->data));
+  if (dw)
+    LZ_TRY(gemm(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, write ? 0.0f : 1.0f,
+                dw->data));
+  if (db && rows == 0 && write) memset(db->data, 0, (size_t)outc * sizeof(float));
   if (db && rows > 0) {
     const int64_t block = 256;
 #pragma omp parallel for schedule(static) if (outc >= 2 * block)
     for (int64_t j0 = 0; j0 < outc; j0 += block)
-      bias_grad_block(db->data, dy->data, dt, rows, outc, j0, j0 + block < outc ? j0 + block : outc);
+      bias_grad_block(db->data, dy->data, dt, rows, outc, j0, j0 + block < outc ? j0 + block : outc,
+                      write);
   }
   return LZ_OK;
 }

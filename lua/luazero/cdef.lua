@@ -120,6 +120,9 @@ lz_status lz_linear_forward(lz_tensor *out, const lz_tensor *x, const lz_tensor 
 lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                              const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
 
+lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                   const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
+
 lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *b,
                                float eps);
@@ -283,6 +286,8 @@ lz_status lz_scale(lz_tensor *t, float s);
 lz_status lz_fill(lz_tensor *t, float v);
 
 lz_status lz_sq_norm(const lz_tensor *t, double *out);
+
+lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out);
 
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 

@@ -149,11 +149,13 @@ local function step_moves(name)
 end
 
 -- Bytes moved in pass `what`; elements: the parameters an optimizer call
--- updated (the count the bytes are per).
-function Profile:param_pass(what, bytes, elements)
+-- updated (the count the bytes are per); touched: the elements a tensor
+-- call moved (its share of a whole pass over the parameters).
+function Profile:param_pass(what, bytes, elements, touched)
   local pb = self.pbytes
   pb[what] = (pb[what] or 0) + bytes
   if elements then pb.elements = (pb.elements or 0) + elements end
+  if touched then self.ptouched[what] = (self.ptouched[what] or 0) + touched end
 end
 
 -- The wrapped kernels: GEMMs with their FLOPs (the experts' grouped ones
@@ -181,7 +183,7 @@ local function wrap_ops(self, ops)
         self:leaf(gemm_key(self, "fwd", x:dtype_name(), rows, n_out, n_in), 2 * rows * n_out * n_in,
                   true, orig, y, x, w, b)
       end
-    elseif name == "linear_backward" then
+    elseif name == "linear_backward" or name == "linear_backward_write" then
       fn = function(dx, dw, db, dy, x, w)
         if not self.active then return orig(dx, dw, db, dy, x, w) end
         local n_out = w:dim(1)
@@ -196,7 +198,7 @@ local function wrap_ops(self, ops)
           self:leaf(gemm_key(self, "dW", dt, n_out, n_in, rows), flops, true, orig, nil, dw, nil,
                     dy, x, w)
         end
-        if db then self:leaf("linear_backward (bias gradient)", 0, false, orig, nil, nil, db, dy, x, w) end
+        if db then self:leaf(name .. " (bias gradient)", 0, false, orig, nil, nil, db, dy, x, w) end
       end
     elseif name:match("_step$") then
       local moves = step_moves(name)
@@ -277,7 +279,9 @@ local function wrap_tensor(self)
       -- bytes moved: read and written (copy), written (zero, fill), read (sq_norm)
       local bytes = t:bytes()
       if name == "copy" then bytes = bytes + a:bytes() end
-      if PARAM_PASSES[ctx_of()] then self:param_pass(key:gsub("^tensor ", ""), bytes) end
+      if PARAM_PASSES[ctx_of()] then
+        self:param_pass((key:gsub("^tensor ", "")), bytes, nil, t:numel())
+      end
       return self:leaf(key, bytes, false, orig, t, a)
     end
   end
@@ -322,7 +326,7 @@ function Profile:end_step(t0, batches, raw, warmup, keep, ok, ...)
   self.active = false
   if raw ~= nil then batches.next_batch = raw or nil end
   if warmup then
-    self.warm, self.rows, self.pbytes = 1, keep, {}
+    self.warm, self.rows, self.pbytes, self.ptouched = 1, keep, {}, {}
   else
     self.steps, self.step_s = self.steps + 1, self.step_s + dt
   end
@@ -342,7 +346,7 @@ function M.attach(engine, opts)
   end
   local self = setmetatable({
     engine = engine, rows = {}, stack = {}, labels = {}, steps = 0, warm = 0, step_s = 0,
-    pbytes = {},
+    pbytes = {}, ptouched = {},
     saved_ops = {}, saved_tensor = {}, saved_fields = {}, active = false,
     sync = opts.sync or (engine.dev and engine.dev ~= "cpu" and lz.device_synchronize or nil),
   }, Profile)
@@ -460,17 +464,21 @@ end
 
 -- Bytes each parameter moved per step in the passes over all of them (the
 -- optimizer's kernels, zeroing the gradients, their norm, conversions in
--- the step): { per_param, minimum, parts = { {name, per_param} ... } }, or
--- nil without an optimizer kernel seen. The minimum is one pass: the
--- optimizer's own reads and writes (its states, the gradient, the master
--- and the working copy), each once.
+-- the step): { per_param, minimum, parts = { {name, per_param, passes} ... } },
+-- or nil without an optimizer kernel seen. passes (the tensor calls'
+-- parts): the share of a whole pass over the parameters the part moved
+-- (zeroing that skips the gradients backward writes is less than one). The minimum is one
+-- pass: the optimizer's own reads and writes (its states, the gradient,
+-- the master and the working copy), each once.
 function Profile:param_bytes_report()
   local pb, n = self.pbytes, self.pbytes.elements
   if not n or n == 0 then return nil end
   local out, total = { parts = {} }, 0
   for what, bytes in pairs(pb) do
     if what ~= "elements" then
-      out.parts[#out.parts + 1] = { name = what, per_param = bytes / n }
+      local touched = self.ptouched[what]
+      out.parts[#out.parts + 1] = { name = what, per_param = bytes / n,
+                                    passes = touched and touched / n }
       total = total + bytes
     end
   end
@@ -514,7 +522,10 @@ function Profile:format(opts)
   local pb = rep.param_bytes
   if pb then
     local each = {}
-    for i, pt in ipairs(pb.parts) do each[i] = ("%s %.1f"):format(pt.name, pt.per_param) end
+    for i, pt in ipairs(pb.parts) do
+      each[i] = ("%s %.1f"):format(pt.name, pt.per_param)
+      if pt.passes then each[i] = each[i] .. (" in %.2f pass"):format(pt.passes) end
+    end
     lines[#lines + 1] = ("bytes per parameter per step: %.1f (%s); minimum %.1f (one pass: " ..
                          "the optimizer's own reads and writes)")
                         :format(pb.per_param, table.concat(each, ", "), pb.minimum)

@@ -46,18 +46,33 @@ function Linear:forward(x, w)
   return y
 end
 
+-- One kernel call writes the weight's and the bias's gradients.
+function Linear:writes_grads() return true end
+
 -- w, dw: the weight forward was given and where its gradient accumulates.
+-- self.grads_write (set by the engine for this call): the own gradients
+-- hold no sum yet, and are written instead of added to.
 function Linear:backward(dy, w, dw)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n_in })
+  local write = self.grads_write
+  self.grads_write = nil
   local own, gown
   if not w then
     own, gown = self:weight(), self:weight_grad()
     w, dw = own, gown
+  elseif write then
+    -- (a wrapper's weight, whose gradient goes where the wrapper says:
+    -- the own ones are zeroed, then added into as before)
+    local g, b = self:weight_grad(), self.has_bias and self:bias_grad()
+    if g then g:zero(); self:release(nil, g) end
+    if b then b:zero(); self:release(b) end
+    write = false
   end
   local dyw, ww = self:matmul_operands(dy, w)
   local gb = self.has_bias and self:bias_grad()
-  ops.linear_backward(dx, dw, gb or nil, dyw, x, ww)
+  local backward = write and ops.linear_backward_write or ops.linear_backward
+  backward(dx, dw, gb or nil, dyw, x, ww)
   if own then self:release(own, gown) end
   if gb then self:release(gb) end
   return dx

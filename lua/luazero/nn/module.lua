@@ -158,6 +158,13 @@ function Module:trainable_table()
   return out, offset
 end
 
+-- Whether backward writes every gradient of this module's own parameters
+-- in one kernel call when self.grads_write is set (a Linear's weight and
+-- bias; nn/linear.lua), so a ZeRO engine may hand it gradients holding no
+-- zeros on the first micro-step of an accumulation. The others add into
+-- zeroed gradients.
+function Module:writes_grads() return false end
+
 -- Where a kernel that must write a gradient accumulates a frozen
 -- parameter's: a scratch of the model's (ctx.sinks), never read.
 function Module:grad_or_sink(key)

@@ -165,6 +165,7 @@ local function my_norms(engine)
     end
   end
   local P = engine:plan()
+  engine:settle_grads() -- (zeros where the next backward writes)
   buf("params (" .. P.params.extent .. ")", engine.work)
   if not P.master.alias then buf("master (fp32)", engine.master) end
   buf("grads (" .. P.grads.extent .. ")", engine.grads)

@@ -344,6 +344,7 @@ function Engine:find_users()
       self.segs_of[m] = list
     end
   end)
+  reduce.mark_writes(L)
 end
 
 -- Elements of a buffer of this extent on this rank.
@@ -422,7 +423,8 @@ function Engine:allocate(frozen_entries)
   -- buffer, or a shard of its own in host memory.
   local G, OG = P.grads, P.opt_grads
   if G.extent ~= "none" then
-    self.grads = self:buffer(self:numel(G.extent), G.dtype, "grads", G.tier)
+    -- (zeros from the start: padding and fresh segments rely on it)
+    self.grads = self:buffer(self:numel(G.extent), G.dtype, "grads", G.tier):zero()
   end
   if OG.alias then
     self.ograds = self.grads
@@ -506,6 +508,9 @@ function Engine:allocate(frozen_entries)
     round_scratch = self.round_scratch,
     boundary = function() return self:is_gradient_accumulation_boundary() end,
     comm_of = function(seg) return self:comm_of(seg) end,
+    norm_slice = function(seg)
+      return not self.norm_slots and self.grad_slices and self.grad_slices[seg.index]
+    end,
   }
   -- Parameter gathers and the module hooks: a component over the
   -- parameter groups (segs_of) and the working copy (zero/gather.lua).
@@ -526,6 +531,9 @@ function Engine:release_slice(stage) self.gatherer:release_slice(stage) end
 
 -- The reducer's calls the engine's step, hooks and users make.
 function Engine:zero_grad() self.reducer:zero_grad() end
+-- The gradient buffers as numbers between steps (the REPL's norms): zeros
+-- where the next backward would write.
+function Engine:settle_grads() self.reducer:zero_fresh() end
 function Engine:wait_all() self.reducer:wait_all() end
 function Engine:pull_grads() self.reducer:pull_grads() end
 function Engine:wait_copies(ev) self.reducer:wait_copies(ev) end
@@ -636,6 +644,7 @@ local function inject_inf(self)
     if self.spill then self.reducer.spill_sq[1] = math.huge; return end
     local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
     self.grad_slices[1]:view(0, { 1 }):copy(inf)
+    self.reducer.norm_sq[1] = nil
     inf:free()
   end
 end
@@ -653,7 +662,10 @@ function Engine:exchange(local_loss)
     for i = 1, K - 1 do send[i] = 0 end
     for _, ns in ipairs(self.norm_slots) do send[ns.slot] = ns.g:sq_norm() end
   else
-    for i, g in ipairs(self.grad_slices) do send[i] = g:sq_norm() end
+    -- (a partial the last micro-step's add took, else a pass of its own)
+    local fused = self.reducer.norm_sq
+    for i, g in ipairs(self.grad_slices) do send[i] = fused[i] or g:sq_norm() end
+    self.reducer.norm_sq = {}
   end
   self.comm.all_gather(self.meta_send, self.meta_recv)
   local all = ffi.cast("double *", self.meta_recv.data)

@@ -267,7 +267,7 @@ function Gatherer:pre_backward(m)
   m.skip_reduce = self:skips_reduce(m)
   if m.skip_reduce then return end
   m.reduced_cycle = self.reducer.cycle
-  self.reducer:stage_grads(segs)
+  self.reducer:stage_grads(segs, m)
 end
 
 function Gatherer:post_backward(m)

@@ -31,7 +31,8 @@ Reducer.__index = Reducer
 -- the one reductions add into), spill (the gradient file, or nil),
 -- scratches (device -> fp32 scratch), round_scratch, boundary (a function:
 -- whether this micro-step ends the accumulation), comm_of (optional: seg ->
--- the group its gradients reduce over, nil for the world).
+-- the group its gradients reduce over, nil for the world), norm_slice
+-- (optional: seg -> the slice the gradient norm's partial reads, or nil).
 function M.new(parts)
   local self = setmetatable({
     inflight = {}, inflight_elems = 0, -- reductions in flight, and their elements
@@ -40,13 +41,29 @@ function M.new(parts)
     copy_wait = 0,                     -- seconds the host waited for overlapped copies
     spill_sq = {},                     -- segment -> its slice's squared norm (spill)
     cycle = 0,                         -- accumulation cycles begun (zero_grad counts them)
+    fresh = {},                        -- segment -> true: its gradients hold no sum yet
+    added = {},                        -- segment -> its range of rgrads no reduction added into yet
+    norm_sq = {},                      -- segment index -> its slice's squared norm, from the last add
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
-                       "boundary", "comm_of" }) do
+                       "boundary", "comm_of", "norm_slice" }) do
     self[k] = parts[k]
   end
   return self
+end
+
+-- seg.writes for each segment its module's backward writes whole
+-- (Module:writes_grads: one kernel call, the module's only segment, no
+-- gaps, no other module adding into it: seg.users, counted by the engine):
+-- it needs no zeros before the first micro-step of an accumulation.
+function M.mark_writes(L)
+  local count = {}
+  for _, seg in ipairs(L.segments) do count[seg.module] = (count[seg.module] or 0) + 1 end
+  for _, seg in ipairs(L.segments) do
+    seg.writes = seg.users == 1 and count[seg.module] == 1 and seg.numel == seg.extent and
+                 seg.module:writes_grads()
+  end
 end
 
 local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
@@ -64,20 +81,34 @@ local function divide(t, n)
   end
 end
 
--- A module's backward is about to run: its segments' gradients get a
+-- A module m's backward is about to run: its segments' gradients get a
 -- staging buffer (buffered), and every segment counts the modules still to
--- write into it.
-function Reducer:stage_grads(segs)
+-- write into it. A segment m writes whole (seg.writes) is not zeroed first:
+-- m writes it (m.grads_write), in a new staging buffer (buffered, its
+-- padding zeroed) or where zero_grad left it unzeroed (fresh).
+function Reducer:stage_grads(segs, m)
   local buffered = self.P.reduce.buffered
   for _, seg in ipairs(segs) do
     if seg.frozen then -- (no gradients)
     elseif buffered and not seg.gbuf then
       self:make_room(seg.padded)
-      seg.gbuf = self.pool:get(seg.padded, "f32"):zero()
+      seg.gbuf = self.pool:get(seg.padded, "f32")
+      if m and seg.writes and seg.module == m then
+        if seg.padded > seg.numel then
+          seg.gbuf:view(seg.numel, { seg.padded - seg.numel }):zero()
+        end
+        m.grads_write = true
+      else
+        seg.gbuf:zero()
+      end
       bind_grads(seg, seg.gbuf)
       seg.pending = seg.users
     elseif not buffered and seg.pending == nil then
       seg.pending = seg.users
+      if self.fresh[seg] and seg.module == m then
+        self.fresh[seg] = nil
+        m.grads_write = true
+      end
     end
   end
 end
@@ -202,7 +233,23 @@ end
 -- reads: item.dst, or the gradient file's staging (zero/spill.lua), taking
 -- the norm's partial of the slice on the last micro-step.
 function Reducer:add_reduced(item, src)
-  if not self.spill then return self:accumulate(item.dst, src) end
+  if not self.spill then
+    -- The first add of the accumulation copies (rgrads were not zeroed).
+    local seg, dst = item.seg, item.dst
+    local first = self.added[seg] ~= nil
+    self.added[seg] = nil
+    -- The last one reads the slice the norm's partial reads: the partial
+    -- comes from the add (sq_norm's blocks on the final values: its bits).
+    local g = self.boundary() and self.norm_slice and self.norm_slice(seg)
+    if g and not self.half_grads and g.data == dst.data and g:numel() == dst:numel() then
+      local out = ffi.new("double[1]")
+      ops.add_sq_norm(dst, src, first and 1 or 0, ffi.cast("double *", out))
+      self.norm_sq[seg.index] = out[0]
+      return
+    end
+    if first then return dst:copy(src) end
+    return self:accumulate(dst, src)
+  end
   local seg, sp = item.seg, self.spill
   local add = function(d, s) self:accumulate(d, s) end
   if not self.boundary() then
@@ -327,10 +374,14 @@ function Reducer:landing_elems()
 end
 
 function Reducer:wait_all()
+  if self.boundary() then self:zero_fresh() end -- (modules no backward reached)
   self:flush_bucket()
   while #self.inflight > 0 do self:finish_reduce(table.remove(self.inflight, 1)) end
   self.inflight_elems = 0
   self:land_all()
+  -- (after the first micro-step: what no reduction copied into is zeroed
+  -- before a later one adds into it)
+  self:zero_unadded()
 end
 
 -- A host optimizer's gradients when the device keeps whole ones (stage 1,
@@ -345,12 +396,79 @@ function Reducer:pull_grads()
   end
 end
 
+-- Zeros the gradients the next backward does not write: a segment whose
+-- module writes it whole is left as it is, fresh, until its module's
+-- backward writes it or the accumulation's end finds it unwritten
+-- (zero_fresh); its padding keeps the zeros it was allocated with. Where
+-- reductions add micro-steps into the gradients (buffered) they are
+-- zeroed whole.
 function Reducer:zero_grad()
   local P = self.P
   self.cycle = self.cycle + 1
-  if P.grads.extent ~= "none" then self.grads:zero() end
+  -- Reductions add into rgrads (buffered, no gradient file): the first
+  -- micro-step's copy instead, so they are not zeroed (added).
+  local copied = P.reduce.buffered and not self.spill and self.rgrads
+  if copied then self:mark_unadded() end
+  self.norm_sq = {}
+  if P.grads.extent == "full" and not P.reduce.buffered then
+    self:zero_unwritten()
+  elseif P.grads.extent ~= "none" and copied ~= self.grads then
+    self.grads:zero()
+  end
   if self.spill then self.spill_sq = {}
-  elseif not P.opt_grads.alias then self.ograds:zero() end
+  elseif not P.opt_grads.alias and copied ~= self.ograds then self.ograds:zero() end
+end
+
+-- Every segment's range of rgrads, where its reduced micro-step gradient
+-- lands (P.reduce: this rank's slice, or all of it for an all-reduce).
+function Reducer:mark_unadded()
+  local R = self.P.reduce
+  for _, seg in ipairs(self.L.segments) do
+    if R.op == "all_reduce" then
+      self.added[seg] = { seg.full_offset, seg.padded }
+    else
+      self.added[seg] = { at(R.into, seg.mine), seg.slice }
+    end
+  end
+end
+
+-- The ranges no reduction copied into (segments the first micro-step's
+-- backward did not reach), zeroed.
+function Reducer:zero_unadded()
+  for seg, r in pairs(self.added) do
+    self.rgrads:view(r[1], { r[2] }):zero()
+    self.added[seg] = nil
+  end
+end
+
+-- zero_grad's zeros in the full gradient buffer: the runs of segments no
+-- module writes whole, each run one call; the others become fresh.
+function Reducer:zero_unwritten()
+  local lo, hi = nil, nil
+  local function flush()
+    if lo then self.grads:view(lo, { hi - lo }):zero() end
+    lo = nil
+  end
+  for _, seg in ipairs(self.L.segments) do
+    if seg.writes then
+      self.fresh[seg] = true
+      flush()
+    else
+      if not lo or hi ~= seg.full_offset then flush(); lo = seg.full_offset end
+      hi = seg.full_offset + seg.padded
+    end
+  end
+  flush()
+end
+
+-- The fresh segments (no backward wrote them since zero_grad) and the
+-- ranges no reduction copied into yet, zeroed.
+function Reducer:zero_fresh()
+  for seg in pairs(self.fresh) do
+    self.grads:view(seg.full_offset, { seg.padded }):zero()
+    self.fresh[seg] = nil
+  end
+  self:zero_unadded()
 end
 
 return M
