@@ -354,6 +354,14 @@ lz_status lz_adamw_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, l
 lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
                             lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
                             const lz_adamw_args *args);
+/* lz_adamw8bit_step over a bf16 master: each element widened to fp32,
+ * updated, and rounded back as lz_bf16_round_stochastic(param, updated,
+ * seed, args->step, index) rounds it, in one pass; `working` (bf16, may be
+ * NULL) receives the rounded master. */
+lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_tensor *m,
+                                 lz_tensor *v, lz_tensor *absmax_m, lz_tensor *absmax_v,
+                                 lz_tensor *working, const lz_adamw_args *args, uint64_t seed,
+                                 int64_t index);
 /* Absmax entries for n elements: ceil(n / LZ_ADAMW8BIT_BLOCK). */
 int64_t lz_adamw8bit_blocks(int64_t n);
 /* The 256 fp32 entries of the signed (m) or unsigned (v) map. */

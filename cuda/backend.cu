@@ -62,11 +62,13 @@ static lz_status cu_init(int device) {
 // An op without a cuda kernel yet holds NULL: lz_op_run refuses it as "not
 // supported on cuda yet", naming the op and its first tensor.
 #define lz_cu_attention_decode nullptr
+#define lz_cu_adamw8bit_step_bf16 nullptr // (the engine rounds in three passes there)
 static const lz_op_fn cu_ops[] = {
 #define LZ_OP(ID, name, ...) lz_cu_##name,
 #include "mem/lz_ops.def"
 };
 #undef lz_cu_attention_decode
+#undef lz_cu_adamw8bit_step_bf16
 static_assert(sizeof cu_ops / sizeof cu_ops[0] == LZ_OP_COUNT, "one kernel per declared op");
 
 // ----------------------------------------------------------------- memory

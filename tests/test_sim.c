@@ -397,7 +397,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 46);
+  CHECK_EQ_INT(LZ_OP_COUNT, 47);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LZ_BACKEND_ABI 8
+#define LZ_BACKEND_ABI 9
 
 /* The ops, in the order of their declaration (mem/lz_ops.def). */
 typedef enum lz_op {

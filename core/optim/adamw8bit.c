@@ -28,9 +28,11 @@
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 #include "optim/lz_quant8.h"
+#include "optim/lz_sround.h"
 
 #include <immintrin.h> /* the vector forms of the block update */
 #include <math.h>      /* fmaf, sqrtf, fabsf, pow, sqrt */
+#include <string.h>    /* memcpy: a bf16's bits */
 
 /* Per-step scalars, worked out once in double as bitsandbytes does in
  * Python, each rounded to fp32 where torch takes it as an operand. */
@@ -420,10 +422,8 @@ lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *
 
 /* ------------------------------------------------------------------- pass */
 
-lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
-  const lz_adamw_args *args = a->adamw;
-  const int64_t n = lz_tensor_numel(a->t[0]);
-  const int eight = a->t[2]->dtype == LZ_U8;
+/* The step's scalars (eight: u8 states; else the fp32 update's). */
+static a8_consts consts_of(const lz_adamw_args *args, int eight) {
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2, wd = args->weight_decay;
   const double c1 = 1.0 - pow(b1, (double)args->step);
   const double c2 = sqrt(1.0 - pow(b2, (double)args->step));
@@ -441,8 +441,43 @@ lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
       .map_v = lz_q8_map_get(0),
       .quantize = lz_q8_quantizer(),
   };
-  static const block8_fn b8[] = {block8_base, block8_avx2, block8_avx512, block8_vbmi};
-  static const block32_fn b32[] = {block32_base, block32_avx2, block32_avx512, block32_avx512};
+  return k;
+}
+
+static const block8_fn b8[] = {block8_base, block8_avx2, block8_avx512, block8_vbmi};
+static const block32_fn b32[] = {block32_base, block32_avx2, block32_avx512, block32_avx512};
+
+/* Elements [i0, i0 + len) of the update over p (their fp32 values; p[0] is
+ * element i0): whole blocks software-pipelined where VBMI is there (with the
+ * quantiser's byte-permute lookups where VBMI2 is too), else block by block. Every element's arithmetic is the same either way. */
+static void a8_tile(float *p, const lz_op_args *a, const a8_consts *k, int eight, int isa,
+                    int64_t i0, int64_t len) {
+  const int64_t B = LZ_ADAMW8BIT_BLOCK;
+  const float *g = (const float *)a->t[1]->data + i0;
+  if (!eight) {
+    float *m = (float *)a->t[2]->data + i0, *v = (float *)a->t[3]->data + i0;
+    for (int64_t j = 0; j < len; j += B)
+      b32[isa](p + j, g + j, m + j, v + j, k, len - j < B ? len - j : B);
+    return;
+  }
+  uint8_t *qm = (uint8_t *)a->t[2]->data + i0, *qv = (uint8_t *)a->t[3]->data + i0;
+  float *am = (float *)a->t[4]->data + i0 / B, *av = (float *)a->t[5]->data + i0 / B;
+  int64_t j = 0;
+  if (isa == 3) {
+    j = len / B * B;
+    if (k->map_m->fast && k->map_v->fast)
+      blocks8_fast(p, g, qm, qv, am, av, k, j / B, NULL);
+    else
+      blocks8_vbmi(p, g, qm, qv, am, av, k, j / B);
+  }
+  for (; j < len; j += B)
+    b8[isa](p + j, g + j, qm + j, qv + j, am + j / B, av + j / B, k, len - j < B ? len - j : B);
+}
+
+lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
+  const int64_t n = lz_tensor_numel(a->t[0]);
+  const int eight = a->t[2]->dtype == LZ_U8;
+  const a8_consts k = consts_of(a->adamw, eight);
   const int isa = isa_level();
   float *p = a->t[0]->data;
   const float *g = a->t[1]->data;
@@ -483,6 +518,71 @@ lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
     else
       b32[isa](p + i0, g + i0, (float *)a->t[2]->data + i0, (float *)a->t[3]->data + i0, &k, len);
     if (store) store((char *)w->data + (size_t)i0 * wsize, p + i0, len);
+  }
+  return LZ_OK;
+}
+
+/* ------------------------------------------------- over a bf16 master */
+
+/* bf16 to fp32 is exact: the bits shifted up. */
+LZ_DISPATCH static void widen_bf16(float *restrict dst, const uint16_t *restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t u = (uint32_t)src[i] << 16;
+    memcpy(dst + i, &u, sizeof u);
+  }
+}
+
+lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_tensor *m,
+                                 lz_tensor *v, lz_tensor *absmax_m, lz_tensor *absmax_v,
+                                 lz_tensor *working, const lz_adamw_args *args, uint64_t seed,
+                                 int64_t index) {
+  const char *op = "adamw8bit_step_bf16";
+  const lz_optim_tensors t = {.param = param,
+                              .grad = grad,
+                              .states = {m, v},
+                              .state_names = {"m", "v"},
+                              .n_states = 2,
+                              .working = working};
+  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
+                        .adamw = args,
+                        .i = {(int64_t)seed, index}};
+  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a));
+  LZ_TRY(lz_optim_check_tensors(op, &t));
+  if (m->dtype == LZ_U8) {
+    const int64_t blocks = lz_adamw8bit_blocks(lz_tensor_numel(param));
+    const char *why = "one per 256 elements of param";
+    LZ_TRY(lz_check_numel(op, "absmax_m", absmax_m, blocks, why));
+    LZ_TRY(lz_check_numel(op, "absmax_v", absmax_v, blocks, why));
+  }
+  if (index < 0)
+    return lz_fail(LZ_ERR_INVALID, "%s: index is %lld; it must be >= 0 (the global index of "
+                   "param's first element)", op, (long long)index);
+  LZ_TRY(check_args(op, args));
+  return lz_op_run(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a);
+}
+
+/* One pass where the unfused step takes three (widen the master into fp32
+ * scratch, update it, round it back): each tile is widened on the stack,
+ * updated as lz_cpu_adamw8bit_step updates it, and rounded stochastically
+ * with the bits of (seed, step, index + i), so memory sees the bf16 master
+ * once each way and the bits are the three passes' exactly. */
+lz_status lz_cpu_adamw8bit_step_bf16(const lz_op_args *a) {
+  enum { TILE = 64 * LZ_ADAMW8BIT_BLOCK };
+  const int64_t n = lz_tensor_numel(a->t[0]);
+  const int eight = a->t[2]->dtype == LZ_U8;
+  const a8_consts k = consts_of(a->adamw, eight);
+  const int isa = isa_level();
+  const lz_sround_key key = lz_sround_key_of((uint64_t)a->i[0], (uint64_t)a->adamw->step);
+  uint16_t *master = a->t[0]->data;
+  uint16_t *w = a->t[6] ? a->t[6]->data : NULL;
+#pragma omp parallel for schedule(static) if (n > (1 << 14))
+  for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+    float p[TILE] __attribute__((aligned(64)));
+    const int64_t len = n - i0 < TILE ? n - i0 : TILE;
+    widen_bf16(p, master + i0, len);
+    a8_tile(p, a, &k, eight, isa, i0, len);
+    lz_sround_block(master + i0, p, key, a->i[1] + i0, len);
+    if (w) memcpy(w + i0, master + i0, sizeof *w * (size_t)len);
   }
   return LZ_OK;
 }

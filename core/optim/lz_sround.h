@@ -65,4 +65,11 @@ LZ_SROUND_FN uint16_t lz_sround_bf16(uint32_t u, uint32_t r) {
   return (uint16_t)((u + r) >> 16);
 }
 
+#ifndef __CUDACC__
+/* dst[i] = src[i] rounded with the bits of global index index + i (the cpu
+ * kernel's loop, sround.c; what fused optimizer steps round through). */
+void lz_sround_block(uint16_t *restrict dst, const float *restrict src, lz_sround_key k,
+                     int64_t index, int64_t n);
+#endif
+
 #endif /* LZ_SROUND_H */

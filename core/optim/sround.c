@@ -11,8 +11,8 @@
 #include "optim/lz_sround.h"
 
 /* One straight loop of 32-bit integer ops: the clones vectorize it. */
-LZ_DISPATCH static void round_block(uint16_t *restrict dst, const float *restrict src,
-                                    lz_sround_key k, int64_t index, int64_t n) {
+LZ_DISPATCH void lz_sround_block(uint16_t *restrict dst, const float *restrict src,
+                                 lz_sround_key k, int64_t index, int64_t n) {
   for (int64_t i = 0; i < n; i++) {
     uint32_t u;
     memcpy(&u, src + i, sizeof u);
@@ -42,7 +42,7 @@ lz_status lz_cpu_bf16_round_stochastic(const lz_op_args *a) {
 #pragma omp parallel for schedule(static) if (n > block)
   for (int64_t i0 = 0; i0 < n; i0 += block) {
     const int64_t len = n - i0 < block ? n - i0 : block;
-    round_block(dst + i0, src + i0, k, a->i[2] + i0, len);
+    lz_sround_block(dst + i0, src + i0, k, a->i[2] + i0, len);
   }
   return LZ_OK;
 }

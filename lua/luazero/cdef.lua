@@ -308,6 +308,11 @@ lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *
                             lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
                             const lz_adamw_args *args);
 
+lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_tensor *m,
+                                 lz_tensor *v, lz_tensor *absmax_m, lz_tensor *absmax_v,
+                                 lz_tensor *working, const lz_adamw_args *args, uint64_t seed,
+                                 int64_t index);
+
 int64_t lz_adamw8bit_blocks(int64_t n);
 
 const float *lz_adamw8bit_map(int is_signed);

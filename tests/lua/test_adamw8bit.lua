@@ -255,4 +255,54 @@ function T.requantize_inverts_dequantize()
   end
 end
 
+-- The fused step over a bf16 master (what the engine runs on the cpu) is the
+-- three passes it replaces, bit for bit: widen, lz_adamw8bit_step,
+-- lz_bf16_round_stochastic keyed by the same (seed, step, index); u8 states
+-- with a partial last block and f32 ones, lengths past one 16384-element tile.
+function T.bf16_master_step_is_widen_step_round()
+  local function bytes_equal(a, b) return ffi.C.memcmp(a.data, b.data, a:bytes()) == 0 end
+  local a = lz.adamw_args({})
+  a.lr, a.beta1, a.beta2, a.eps, a.grad_scale, a.weight_decay = 1e-2, 0.9, 0.999, 1e-8, 0.7, 0.1
+  for _, n in ipairs({ 300, 16384 + 517, 50000 }) do
+    for _, eight in ipairs({ true, false }) do
+      local wide, g = lz.tensor({ n }, "f32"), lz.tensor({ n }, "f32")
+      for i = 0, n - 1 do
+        wide:set(i, math.sin(i * 0.37) * (i % 97 == 0 and 1e4 or 1))
+        g:set(i, math.cos(i * 1.3) * 0.1)
+      end
+      local fused, three = lz.tensor({ n }, "bf16"), lz.tensor({ n }, "bf16")
+      fused:convert(wide)
+      three:copy(fused)
+      local work = lz.tensor({ n }, "bf16"):zero()
+      local st = {}
+      for k = 1, 2 do
+        if eight then
+          local nb = math.ceil(n / 256)
+          st[k] = { lz.tensor({ n }, "u8"):zero(), lz.tensor({ n }, "u8"):zero(),
+                    lz.tensor({ nb }, "f32"):zero(), lz.tensor({ nb }, "f32"):zero() }
+        else
+          st[k] = { lz.tensor({ n }, "f32"):zero(), lz.tensor({ n }, "f32"):zero() }
+        end
+      end
+      local f, t = st[1], st[2]
+      for step = 1, 4 do
+        a.step = step
+        lz.ops.adamw8bit_step_bf16(fused, g, f[1], f[2], f[3], f[4], work, a, 1234, 777)
+        wide:convert(three)
+        lz.ops.adamw8bit_step(wide, g, t[1], t[2], t[3], t[4], nil, a)
+        lz.ops.bf16_round_stochastic(three, wide, 1234, step, 777)
+      end
+      local what = ("%d elements, %s states"):format(n, eight and "u8" or "f32")
+      assert(bytes_equal(fused, three), what .. ": the bf16 masters differ")
+      assert(bytes_equal(work, fused), what .. ": the working copy is not the master")
+      for k = 1, #f do assert(bytes_equal(f[k], t[k]), what .. ": state " .. k .. " differs") end
+    end
+  end
+  expect_error(function()
+    lz.ops.adamw8bit_step_bf16(lz.tensor({ 4 }, "bf16"), lz.tensor({ 4 }, "f32"),
+                               lz.tensor({ 4 }, "f32"), lz.tensor({ 4 }, "f32"), nil, nil, nil,
+                               a, 1, -1)
+  end, "index is -1")
+end
+
 return T

@@ -65,4 +65,15 @@ return {
     local sc = call.scales
     ops.adamw8bit_step(call.p, call.g, call.s[1], call.s[2], sc and sc[1], sc and sc[2], call.w, a)
   end,
+
+  -- The same over a bf16 master, rounded stochastically in the one pass.
+  step_sround = function(self, call, step, lr, grad_scale, seed, index)
+    local a = self.args
+    a.lr, a.beta1, a.beta2, a.eps = lr, self.beta1, self.beta2, self.eps
+    a.grad_scale, a.step = grad_scale, step
+    a.weight_decay = call.decay and self.weight_decay or 0
+    local sc = call.scales
+    ops.adamw8bit_step_bf16(call.p, call.g, call.s[1], call.s[2], sc and sc[1], sc and sc[2],
+                            call.w, a, seed, index)
+  end,
 }

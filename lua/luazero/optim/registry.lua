@@ -22,6 +22,11 @@
 --                 the signed map; else the unsigned one)
 --   step          step(self, call, step, lr, grad_scale): one update over a
 --                 call's views (the engine's interface, optim/adamw.lua)
+--   step_sround   optional step_sround(self, call, step, lr, grad_scale,
+--                 seed, index): step over a bf16 master (call.p bf16, on
+--                 the cpu) rounded stochastically in the same pass, the bits
+--                 of lz_bf16_round_stochastic(seed, step, index + i); absent,
+--                 the engine widens, steps and rounds in three
 --   init          optional init(self): what new() adds (kernel arguments)
 --   read_config   optional read_config(p, key, type, unimplemented): the
 --                 params block's other keys; returns the block's extra fields
@@ -136,7 +141,7 @@ function M.define(spec, origin)
   local class = {
     name = spec.name, types = types, params = spec.params, defaults = defaults,
     states = names, state_formats = fmts, state_signed = signed, origin = origin,
-    update = spec.step,
+    update = spec.step, update_sround = spec.step_sround,
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,

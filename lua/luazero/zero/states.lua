@@ -360,6 +360,11 @@ end
 function States:step_call(opt, c, t, lr, scale)
   if not c.canonical then return opt:update(c, t, lr, scale) end
   local n, dev = c.p:numel(), c.p:device_name()
+  -- An optimizer that rounds in its own pass does it all in one (the same
+  -- bits; a host master, and a working copy that is a bf16 copy of it).
+  if opt.update_sround and dev == "cpu" and (not c.w or c.w:dtype_name() == "bf16") then
+    return opt:update_sround(c, t, lr, scale, self.seed or 0, c.canonical)
+  end
   local scratch = self.sround_scratch[dev]
   if not scratch then
     scratch = lz.tensor({ math.min(SROUND_CHUNK, math.max(self:numel(), 1)) }, "f32", "workspace", dev)
