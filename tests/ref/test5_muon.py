@@ -159,6 +159,43 @@ for c in CASES:
     test(make_case(*c))
 
 
+# ns_dtype "bfloat16": torch.optim.Muon's own Newton-Schulz (bf16 products
+# from fp32 accumulation, rounded where torch rounds). Against torch.optim.Muon
+# itself, on what the steps change (p - p0, whose size is lr's, not p0's):
+# after one step that is O itself times the step's lr, after 10 steps the
+# drift of 10 bf16 iterations fed back through the momentum. The fp32 path
+# lies further from torch: the tolerances below sit under its error, so they
+# tell the two apart (printed beside them).
+BF16_CASES = [
+    ("tall 64x32 original", (64, 32), params()),
+    ("wide 32x96 match_rms_adamw", (32, 96), params(adjust_lr_fn="match_rms_adamw", lr=3e-3)),
+    ("square 48x48 no nesterov", (48, 48), params(nesterov=False, momentum=0.9)),
+    ("tall 256x96 original", (256, 96), params()),
+]
+BF16_TOL_1, BF16_TOL_10 = 2e-3, 5e-3
+
+
+def make_bf16_case(tag, shape, prm):
+    def case():
+        p0, grads = inputs(shape)
+        bf = dict(prm, ns_dtype="bfloat16")
+        for steps, tol in ((1, BF16_TOL_1), (STEPS, BF16_TOL_10)):
+            ref = torch.from_numpy(muon_torch(p0, grads[:steps], prm) - p0)
+            ours, _ = luazero(p0, grads[:steps], bf, 1.0, 2)
+            f32, _ = luazero(p0, grads[:steps], prm, 1.0, 2)
+            e32 = rel_err(f32 - p0, ref)
+            check(f"{tag}: {steps} steps, bf16 NS vs torch.optim.Muon (fp32 NS {e32:.1e})",
+                  ours - p0, ref, tol)
+            check_true(f"{tag}: {steps} steps, bf16 NS nearer torch than fp32 NS",
+                       rel_err(ours - p0, ref) < e32)
+    case.__name__ = "muon bf16 NS " + tag
+    return case
+
+
+for c in BF16_CASES:
+    test(make_bf16_case(*c))
+
+
 @test
 def muon_check_can_fail():
     """A different lr is caught by the 1e-6 comparison."""
