@@ -15,7 +15,8 @@ local args = require("luazero.args")
 local json = require("cjson")
 
 -- The optimizers: AdamW's betas, eps, weight decay and lr for all (llama-100m's lr); Muon
--- with Moonlight's lr adjustment, which lets it take AdamW's lr and weight decay.
+-- with Moonlight's lr adjustment, which lets it take AdamW's lr and weight decay, and its
+-- Newton-Schulz in bf16 as torch.optim.Muon runs it.
 local ADAMW = { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
 local function with(extra)
   local t = {}
@@ -28,9 +29,10 @@ local RUNS = {
   { name = "bf16", title = "AdamW, bf16 moments", optimizer = { type = "AdamW",
     params = with({ momentum_dtype = "bfloat16", variance_dtype = "bfloat16" }) } },
   { name = "8bit", title = "AdamW, 8-bit moments", optimizer = { type = "AdamW8bit", params = with({}) } },
-  { name = "muon", title = "Muon (AdamW for embeddings and norms)", optimizer = { type = "Muon",
+  { name = "muon", title = "Muon, bf16 Newton-Schulz (AdamW for embeddings and norms)",
+    optimizer = { type = "Muon",
     params = { lr = 6e-4, weight_decay = 0.1, adjust_lr_fn = "match_rms_adamw", momentum = 0.95,
-               betas = { 0.9, 0.95 }, adam_eps = 1e-8 } } },
+               betas = { 0.9, 0.95 }, adam_eps = 1e-8, ns_dtype = "bfloat16" } } },
 }
 
 local ok, flags = pcall(args.parse, arg, {
