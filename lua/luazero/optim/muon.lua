@@ -78,10 +78,11 @@ end
 
 -- torch.optim.Muon's Newton-Schulz itself: X in bf16, each product in bf16
 -- from an fp32 accumulation (the engine's bf16 GEMM writes fp32, rounded
--- once here as torch's bf16 addmm rounds its result), the norm taken in
--- fp32 over the bf16 values and rounded to bf16 (a bf16 tensor's norm()).
--- torch divides by the norm where this multiplies by its inverse: the two
--- differ in the last fp32 bit at most, below bf16's rounding.
+-- once here as torch's bf16 addmm rounds its result), the norm of the bf16
+-- values rounded to bf16 (a bf16 tensor's norm(); summed in double here,
+-- in fp32 by torch). torch divides by the norm where this multiplies by its
+-- inverse. Both differ from torch's in the last fp32 bit at most, which the
+-- rounding to bf16 hides but for values within that bit of a tie.
 local function newton_schulz_bf16(X, A, B, steps, eps)
   local tall = A > B
   local k = tall and B or A
