@@ -6,16 +6,21 @@
 --   luazero bench/bench_optimizers.lua --data /path/tinyshakespeare.txt --out DIR
 --           [--only fp32,bf16,8bit,muon] [--steps 1000] [--micro-batch 2] [--seq-len 32]
 --           [--threads 1] [--report-only] [--png docs/optimizers.png]
+--           [--runs-file docs/optimizers-runs.json] [--record]
 -- Each run is scripts/train.lua in its own process, one at a time, its ds_config written to
 -- DIR/NAME.json, its log to DIR/NAME.log and its steps to DIR/NAME.jsonl. --report-only reads
 -- the .jsonl files already there (of runs finished or still going) and draws and tabulates
--- them without training.
+-- them without training. A run with no .jsonl in DIR is taken from --runs-file (the
+-- validation curves and median step times docs/optimizers.md shows, kept in the repository);
+-- --record writes the runs drawn back into it. A run that has not reached --steps is drawn
+-- as far as it got, its title saying how far.
 local lz = require("luazero")
 local args = require("luazero.args")
 local json = require("cjson")
 
 -- The optimizers: AdamW's betas, eps, weight decay and lr for all (llama-100m's lr); Muon
--- with Moonlight's lr adjustment, which lets it take AdamW's lr and weight decay.
+-- with Moonlight's lr adjustment, which lets it take AdamW's lr and weight decay, and its
+-- Newton-Schulz in bf16 as torch.optim.Muon runs it.
 local ADAMW = { lr = 6e-4, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 }
 local function with(extra)
   local t = {}
@@ -28,9 +33,10 @@ local RUNS = {
   { name = "bf16", title = "AdamW, bf16 moments", optimizer = { type = "AdamW",
     params = with({ momentum_dtype = "bfloat16", variance_dtype = "bfloat16" }) } },
   { name = "8bit", title = "AdamW, 8-bit moments", optimizer = { type = "AdamW8bit", params = with({}) } },
-  { name = "muon", title = "Muon (AdamW for embeddings and norms)", optimizer = { type = "Muon",
+  { name = "muon", title = "Muon, bf16 Newton-Schulz (AdamW on the rest)",
+    optimizer = { type = "Muon",
     params = { lr = 6e-4, weight_decay = 0.1, adjust_lr_fn = "match_rms_adamw", momentum = 0.95,
-               betas = { 0.9, 0.95 }, adam_eps = 1e-8 } } },
+               betas = { 0.9, 0.95 }, adam_eps = 1e-8, ns_dtype = "bfloat16" } } },
 }
 
 local ok, flags = pcall(args.parse, arg, {
@@ -45,6 +51,9 @@ local ok, flags = pcall(args.parse, arg, {
   { "threads", "int", 1, "compute threads of each run" },
   { "report-only", "flag", false, "draw and tabulate the runs' logs without training" },
   { "png", "string", nil, "write the curves to this PNG (gnuplot)" },
+  { "runs-file", "string", lz.root .. "/docs/optimizers-runs.json",
+    "recorded runs, for those with no log in --out" },
+  { "record", "flag", false, "write the runs drawn into --runs-file" },
 })
 if not ok or not flags then
   io.stderr:write("bench_optimizers: ", tostring(flags or "see bench/bench_optimizers.lua's header"),
@@ -93,34 +102,71 @@ local function train(r)
   if rc ~= 0 and rc ~= true then print(("bench_optimizers: %s: failed, see %s"):format(r.name, path(r.name, ".log"))) end
 end
 
--- (step, validation loss) pairs of a run's log, and its steps per second.
-local function curve(r)
+-- The recorded runs: name -> { steps, median_step_ms, val_loss = { { step, loss }, ... } }.
+local function recorded()
+  local f = io.open(flags.runs_file)
+  if not f then return {} end
+  local text = f:read("*a")
+  f:close()
+  local okj, rec = pcall(json.decode, text)
+  if not okj or type(rec) ~= "table" or type(rec.runs) ~= "table" then
+    fail(flags.runs_file .. ": not a runs file ({\"runs\": {NAME: {...}}}); remove it or fix it")
+  end
+  return rec.runs
+end
+
+-- (step, validation loss) pairs of a run's log, its median step time (ms) and the steps it
+-- has made; from the recorded runs where DIR has no log of it.
+local function curve(r, saved)
   local f = io.open(path(r.name, ".jsonl"))
-  if not f then return nil end
-  local points, ms = {}, {}
+  if not f then
+    local s = saved[r.name]
+    if not s then return nil end
+    return s.val_loss, s.median_step_ms, s.steps
+  end
+  local points, ms, last = {}, {}, 0
   for line in f:lines() do
     local okj, rec = pcall(json.decode, line)
     if okj and type(rec) == "table" and rec.step then
       if rec.val_loss then points[#points + 1] = { rec.step, rec.val_loss } end
       if rec.step_ms and rec.step > 1 then ms[#ms + 1] = rec.step_ms end
+      last = math.max(last, rec.step)
     end
   end
   f:close()
   table.sort(ms)
-  return points, ms[math.max(1, math.ceil(#ms / 2))]
+  return points, ms[math.max(1, math.ceil(#ms / 2))], last
 end
 
 if not flags.report_only then for _, r in ipairs(chosen) do train(r) end end
 
-local curves, base = {}, nil
+local curves, base, saved = {}, nil, recorded()
 for _, r in ipairs(chosen) do
-  local points, ms = curve(r)
+  local points, ms, steps = curve(r, saved)
   if points and #points > 0 then
-    curves[#curves + 1] = { run = r, points = points, ms = ms }
+    -- a run still going (or stopped early) says how far it got
+    local title = steps < flags.steps and ("%s, %d of %d steps"):format(r.title, steps, flags.steps)
+                  or r.title
+    curves[#curves + 1] = { run = r, points = points, ms = ms, steps = steps, title = title }
     if r.name == "fp32" then base = points end
   end
 end
 if #curves == 0 then fail("no run has a validation loss yet in " .. flags.out) end
+
+if flags.record then
+  local runs = saved
+  for _, c in ipairs(curves) do
+    runs[c.run.name] = { steps = c.steps, median_step_ms = c.ms, val_loss = c.points }
+  end
+  local lines, names = {}, {}
+  for name in pairs(runs) do names[#names + 1] = name end
+  table.sort(names)
+  for i, name in ipairs(names) do
+    lines[i] = ("    %s: %s"):format(json.encode(name), json.encode(runs[name]))
+  end
+  write(flags.runs_file, '{"runs": {\n' .. table.concat(lines, ",\n") .. "\n}}\n")
+  print("bench_optimizers: runs recorded in " .. flags.runs_file)
+end
 
 local function at(points, step)
   for _, p in ipairs(points) do if p[1] == step then return p[2] end end
@@ -131,7 +177,7 @@ print("| --- | --- | --- | --- | --- |")
 for _, c in ipairs(curves) do
   local last = c.points[#c.points]
   local ref = base and at(base, last[1])
-  print(("| %s | %d | %.4f | %s | %s |"):format(c.run.title, last[1], last[2],
+  print(("| %s | %d | %.4f | %s | %s |"):format(c.title, last[1], last[2],
         ref and ("%+.2f%%"):format((last[2] / ref - 1) * 100) or "n/a",
         c.ms and ("%.2f s"):format(c.ms / 1000) or "n/a"))
 end
@@ -146,7 +192,7 @@ if flags.png then
   end
   local plots = {}
   for i, c in ipairs(curves) do
-    plots[i] = ("'%s' using 1:2 with linespoints pt 7 ps 0.5 lw 2 title '%s'"):format(dat[i], c.run.title)
+    plots[i] = ("'%s' using 1:2 with linespoints pt 7 ps 0.5 lw 2 title '%s'"):format(dat[i], c.title)
   end
   write(path("curves", ".gp"), table.concat({
     "set terminal pngcairo size 900,560 font 'sans,11'",

@@ -19,7 +19,7 @@ function T.defaults_are_torchs_and_the_config_is_checked()
   assert(getmetatable(o) == optim.Muon and o.type == "Muon")
   assert(o.lr == 1e-3 and o.momentum == 0.95 and o.nesterov == true and o.ns_steps == 5)
   assert(o.eps == 1e-7 and o.weight_decay == 0.1 and o.adjust_lr_fn == "original")
-  assert(o.beta1 == 0.9 and o.beta2 == 0.95 and o.adam_eps == 1e-8)
+  assert(o.beta1 == 0.9 and o.beta2 == 0.95 and o.adam_eps == 1e-8 and o.ns_dtype == "float32")
   local config = require("luazero.config")
   local function cfg(params)
     return config.load({ train_micro_batch_size_per_gpu = 1,
@@ -29,6 +29,9 @@ function T.defaults_are_torchs_and_the_config_is_checked()
   expect_error(function() cfg({ adjust_lr_fn = "moonlight" }) end,
                'config: optimizer.params.adjust_lr_fn must be one of "original", ' ..
                '"match_rms_adamw", "spectral_unclamped" (got "moonlight")')
+  assert(cfg({ ns_dtype = "bfloat16" }).optimizer.params.ns_dtype == "bfloat16")
+  expect_error(function() cfg({ ns_dtype = "bf16" }) end,
+               'config: optimizer.params.ns_dtype must be one of "float32", "bfloat16" (got "bf16")')
   expect_error(function() cfg({ ns_steps = 2.5 }) end,
                "config: optimizer.params.ns_steps must be a whole number in [1, 100) (got 2.5)")
   expect_error(function() cfg({ momentum = 1 }) end,
@@ -58,6 +61,37 @@ function T.one_step_on_an_orthogonal_matrix()
            :format(i, p:get(i), want[i + 1]))
   end
   for _, t in ipairs({ p, g, m, v }) do t:free() end
+end
+
+-- ns_dtype "bfloat16": the same matrix through torch's bf16 iteration. O is
+-- a bf16 value (its fp32 bits end in 16 zeros), the scalar recurrence with
+-- x rounded to bf16 after every step (b x^2 + c x^4, then a x + that x, each
+-- rounded as torch's bf16 addmm rounds), and not the fp32 one's.
+function T.bf16_newton_schulz_rounds_where_torch_does()
+  local ffi = require("ffi")
+  local o = optim.new({ type = "Muon", params = { ns_dtype = "bfloat16" } })
+  local v = lz.from_table({ 3, 0, 0, 3 })
+  o:orthogonalize(v:view(0, { 2, 2 }), 2, 2)
+  local bits = ffi.new("union { float f; uint32_t u; }")
+  local function bf16(y) -- to nearest, ties to even
+    bits.f = y
+    local u = bits.u
+    bits.u = bit.band(u + 0x7fff + bit.band(bit.rshift(u, 16), 1), 0xffff0000)
+    return bits.f
+  end
+  local x, x32 = bf16(bf16(3) / bf16(math.sqrt(18))), 3 / math.sqrt(18)
+  for _ = 1, 5 do
+    local g = bf16(x * x)
+    local poly = bf16(-4.7750 * g + 2.0315 * g * g)
+    x = bf16(3.4445 * x + poly * x)
+    x32 = 3.4445 * x32 - 4.7750 * x32 ^ 3 + 2.0315 * x32 ^ 5
+  end
+  for i = 0, 3 do
+    local want = (i == 0 or i == 3) and x or 0
+    assert(v:get(i) == want, ("O[%d] = %.9g, expected %.9g"):format(i, v:get(i), want))
+  end
+  assert(math.abs(x - x32) > 1e-6, "bf16 and fp32 recurrences agree: the test tells nothing")
+  v:free()
 end
 
 -- The hidden 2-D weights are Muon's; each has one owner, balanced.

@@ -2,7 +2,8 @@
 torch 2.15's torch.optim.Muon.
 
 torch.optim.Muon runs Newton-Schulz in bf16; luazero runs it in fp32 with
-its own GEMM. So each case is compared twice over 10 steps:
+its own GEMM unless ns_dtype is "bfloat16". So each fp32 case is compared
+twice over 10 steps:
 - with the same algorithm in fp32 (torch.optim.Muon's _single_tensor_muon,
   line for line, its Newton-Schulz in float32): the parameters within 1e-6
   relative (max |ours - ref| / max |ref|), the momentum buffer bit for bit
@@ -157,6 +158,79 @@ def make_case(tag, shape, prm, grad_scale, pieces):
 
 for c in CASES:
     test(make_case(*c))
+
+
+# ns_dtype "bfloat16": torch.optim.Muon's own Newton-Schulz (bf16 products
+# from fp32 accumulation, rounded where torch rounds), against torch.optim.Muon
+# itself, on what the steps change (p - p0, whose size is lr's, not p0's):
+# after one step that is O itself times lr, after 10 the iterations fed back
+# through the momentum. A bf16 rounding that falls the other way in one sum
+# spreads through the products, so how near two bf16 iterations come depends on
+# their sums' order: on small matrices (every sum at most 96 terms long)
+# oneDNN's and torch's mostly agree bit for bit (0 after 1 step, 0 to 1.4e-3
+# after 10 here), and the tolerance (BF16_TOL_SHORT) sits under the fp32
+# iteration's distance from torch (printed beside it: 7e-3 to 3e-2), so the
+# check tells the two apart; on llama-100m's k/v projection (256 x 768) torch
+# is about as far from itself with the columns summed in another order
+# (printed) as luazero is from it, and BF16_TOL_LONG is that spread's size.
+BF16_SHORT = [
+    ("tall 64x32 original", (64, 32), params(), 1.0, 1),
+    ("wide 32x96 match_rms_adamw", (32, 96), params(adjust_lr_fn="match_rms_adamw", lr=3e-3),
+     1.0, 3),
+    ("square 48x48 no nesterov", (48, 48), params(nesterov=False, momentum=0.9), 1.0, 2),
+    ("tall 96x40 grad_scale 0.25", (96, 40), params(), 0.25, 2),
+]
+BF16_TOL_SHORT = 5e-3
+BF16_LONG = ("wide 256x768 original", (256, 768), params(), 1.0, 2)
+BF16_TOL_LONG = {1: 5e-2, STEPS: 1e-2}
+COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def torch_spread(g):
+    """torch's bf16 Newton-Schulz of g against itself with g's columns summed in another
+    order (permuted, then put back): the rounding's own spread."""
+    ns = torch.optim._muon._zeropower_via_newtonschulz
+    g = torch.from_numpy(g)
+    perm = torch.from_numpy(np.random.default_rng(5).permutation(g.shape[1]))
+    ref = ns(g, COEFFS, 5, 1e-7)
+    other = ns(g[:, perm].contiguous(), COEFFS, 5, 1e-7)[:, torch.argsort(perm)]
+    return rel_err(other.float().numpy(), ref.float())
+
+
+def bf16_vs_torch(tag, shape, prm, grad_scale, pieces, tol):
+    p0, grads = inputs(shape)
+    bf = dict(prm, ns_dtype="bfloat16")
+    for steps in (1, STEPS):
+        ref = torch.from_numpy(muon_torch(p0, grads[:steps], prm) - p0)
+        ours, _ = luazero(p0, grads[:steps], bf, grad_scale, pieces)
+        f32, _ = luazero(p0, grads[:steps], prm, grad_scale, pieces)
+        e32 = rel_err(f32 - p0, ref)
+        t = tol(steps)
+        check(f"{tag}: {steps} steps, bf16 NS vs torch.optim.Muon (fp32 NS {e32:.1e})",
+              ours - p0, ref, t)
+        if t < e32:
+            check_true(f"{tag}: {steps} steps, the tolerance tells fp32 NS apart", e32 > t)
+    return grads
+
+
+def make_bf16_case(tag, shape, prm, grad_scale, pieces):
+    def case():
+        bf16_vs_torch(tag, shape, prm, grad_scale, pieces, lambda steps: BF16_TOL_SHORT)
+    case.__name__ = "muon bf16 NS " + tag
+    return case
+
+
+for c in BF16_SHORT:
+    test(make_bf16_case(*c))
+
+
+@test
+def muon_bf16_ns_on_a_projection():
+    tag = BF16_LONG[0]
+    grads = bf16_vs_torch(*BF16_LONG, lambda steps: BF16_TOL_LONG[steps])
+    spread = torch_spread(grads[0])
+    check_true(f"{tag}: torch's bf16 NS against itself, sums reordered: {spread:.1e} apart, "
+               f"under {BF16_TOL_LONG[1]:.0e}", spread <= BF16_TOL_LONG[1])
 
 
 @test

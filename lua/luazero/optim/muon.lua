@@ -8,16 +8,21 @@
 --   B = B + (1 - mu) (g - B)                     (torch: buf.lerp_(g, 1 - mu))
 --   U = B - (B - g)(1 - mu) if nesterov, else B  (torch: g.lerp(B, mu))
 --   O = NS(U)                                    5 Newton-Schulz steps, fp32
+--                                                or bf16 (ns_dtype), as torch
 --   p = p (1 - lr wd) - adjust(lr, A, B) O
 -- The engine runs it in three passes (zero/matrices.lua): prepare (the
 -- momentum, on any slice of the matrix), orthogonalize (the whole matrix,
 -- on the rank that owns it) and step (the update, on every slice again).
--- torch runs Newton-Schulz in bf16; here it is fp32 with the engine's GEMM.
+-- torch runs Newton-Schulz in bf16; here it is fp32 with the engine's GEMM
+-- unless ns_dtype is "bfloat16": then torch's bf16 iteration, rounding where
+-- torch rounds, on the engine's bf16 GEMM (fp32 accumulation).
 --
 -- States: m is Muon's momentum buffer on a matrix's elements and AdamW's m
 -- elsewhere; v is AdamW's v elsewhere and, on a matrix's elements, the
 -- step's update U then O (written before it is read in every step, so a
 -- resume or a reshard reads nothing stale from it).
+local bit = require("bit")
+local ffi = require("ffi")
 local lz = require("luazero")
 local schema = require("luazero.optim.schema")
 
@@ -61,6 +66,54 @@ local function newton_schulz(X, A, B, steps, eps)
   gram:free(); poly:free(); nxt:free()
 end
 
+-- A number rounded to bf16 (to nearest, ties to even): what a 0-d bf16
+-- tensor holds.
+local bits = ffi.new("union { float f; uint32_t u; }")
+local function round_bf16(x)
+  bits.f = x
+  local u = bits.u
+  bits.u = bit.band(u + 0x7fff + bit.band(bit.rshift(u, 16), 1), 0xffff0000)
+  return bits.f
+end
+
+-- torch.optim.Muon's Newton-Schulz itself: X in bf16, each product in bf16
+-- from an fp32 accumulation (the engine's bf16 GEMM writes fp32, rounded
+-- once here as torch's bf16 addmm rounds its result), the norm of the bf16
+-- values rounded to bf16 (a bf16 tensor's norm(); summed in double here,
+-- in fp32 by torch). torch divides by the norm where this multiplies by its
+-- inverse. Both differ from torch's in the last fp32 bit at most, which the
+-- rounding to bf16 hides but for values within that bit of a tie.
+local function newton_schulz_bf16(X, A, B, steps, eps)
+  local tall = A > B
+  local k = tall and B or A
+  local dev = X:device_name()
+  local x = lz.tensor({ A, B }, "bf16", "workspace", dev)
+  local gram = lz.tensor({ k, k }, "f32", "workspace", dev)
+  local gram_h = lz.tensor({ k, k }, "bf16", "workspace", dev)
+  local poly_h = lz.tensor({ k, k }, "bf16", "workspace", dev)
+  x:copy(X)
+  local norm = round_bf16(math.max(round_bf16(math.sqrt(x:sq_norm())), eps))
+  X:copy(x)
+  ops.scale(X, 1 / norm)
+  x:copy(X)
+  for _ = 1, steps do
+    if tall then ops.matmul(gram, x, x, 1, 0, 1, 0) else ops.matmul(gram, x, x, 0, 1, 1, 0) end
+    gram_h:copy(gram)
+    -- gram (its bf16 value) becomes b gram + c gram gram
+    gram:copy(gram_h)
+    ops.matmul(gram, gram_h, gram_h, 0, 0, NS_C, NS_B)
+    poly_h:copy(gram)
+    X:copy(x)
+    if tall then ops.matmul(X, x, poly_h, 0, 1, 1, NS_A) else ops.matmul(X, poly_h, x, 0, 0, 1, NS_A) end
+    x:copy(X)
+  end
+  X:copy(x)
+  x:free(); gram:free(); gram_h:free(); poly_h:free()
+end
+
+-- ns_dtype -> the Newton-Schulz that runs in it.
+local NEWTON_SCHULZ = { float32 = newton_schulz, bfloat16 = newton_schulz_bf16 }
+
 return {
   name = "Muon",
   types = { "Muon" },
@@ -71,6 +124,9 @@ return {
     { "momentum", "number", min = 0, below = 1, default = 0.95 },
     { "nesterov", "boolean", default = true },
     { "ns_steps", "count", min = 1, below = 100, default = 5 },
+    -- Newton-Schulz's dtype: torch.optim.Muon's (and Keller Jordan's,
+    -- Moonlight's, DeepSpeed's) is bfloat16; float32 is the default here.
+    { "ns_dtype", "choice", values = { "float32", "bfloat16" }, default = "float32" },
     { "eps", "number", min = 0, default = 1e-7 },
     { "weight_decay", "number", min = 0, default = 0.1 },
     { "adjust_lr_fn", "choice", values = { "original", "match_rms_adamw", "spectral_unclamped" },
@@ -121,7 +177,7 @@ return {
 
   -- The whole matrix u (an f32 A x B view of the gathered U) becomes O.
   orthogonalize = function(self, u, A, B)
-    newton_schulz(u, A, B, self.ns_steps, self.eps)
+    NEWTON_SCHULZ[self.ns_dtype](u, A, B, self.ns_steps, self.eps)
   end,
 
   -- call: p, g, s = { m, v }, w, decay, matrix ({ A, B } for a Muon piece,
