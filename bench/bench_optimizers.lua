@@ -6,9 +6,13 @@
 --   luazero bench/bench_optimizers.lua --data /path/tinyshakespeare.txt --out DIR
 --           [--only fp32,bf16,8bit,muon] [--steps 1000] [--micro-batch 2] [--seq-len 32]
 --           [--threads 1] [--report-only] [--png docs/optimizers.png]
---           [--runs-file docs/optimizers-runs.json] [--record]
+--           [--runs-file docs/optimizers-runs.json] [--record] [--save-every 50]
 -- Each run is scripts/train.lua in its own process, one at a time, its ds_config written to
--- DIR/NAME.json, its log to DIR/NAME.log and its steps to DIR/NAME.jsonl. --report-only reads
+-- DIR/NAME.json, its log to DIR/NAME.log and its steps to DIR/NAME.jsonl. It saves a
+-- checkpoint every --save-every steps into DIR/NAME.ckpt (the newest only): a run stopped
+-- midway continues from there, bitwise as if never stopped, when the bench is started again
+-- with the same --out, its later steps logged to DIR/NAME.jsonl.2, .3, ...; a run whose log
+-- reached --steps is not run again. --report-only reads
 -- the .jsonl files already there (of runs finished or still going) and draws and tabulates
 -- them without training. A run with no .jsonl in DIR is taken from --runs-file (the
 -- validation curves and median step times docs/optimizers.md shows, kept in the repository);
@@ -17,6 +21,7 @@
 local lz = require("luazero")
 local args = require("luazero.args")
 local json = require("cjson")
+local exists = require("luazero.io.fs").exists
 
 -- The optimizers: AdamW's betas, eps, weight decay and lr for all (llama-100m's lr); Muon
 -- with Moonlight's lr adjustment, which lets it take AdamW's lr and weight decay, and its
@@ -54,6 +59,7 @@ local ok, flags = pcall(args.parse, arg, {
   { "runs-file", "string", lz.root .. "/docs/optimizers-runs.json",
     "recorded runs, for those with no log in --out" },
   { "record", "flag", false, "write the runs drawn into --runs-file" },
+  { "save-every", "int", 50, "a checkpoint of each run every N steps, to continue it if stopped (0: none)" },
 })
 if not ok or not flags then
   io.stderr:write("bench_optimizers: ", tostring(flags or "see bench/bench_optimizers.lua's header"),
@@ -82,21 +88,54 @@ local function write(p, text)
   f:close()
 end
 
+-- A run's logs in order: DIR/NAME.jsonl, then one DIR/NAME.jsonl.K for each time it
+-- was continued from its checkpoint.
+local function logs(name)
+  local files, k = {}, 1
+  while true do
+    local p = path(name, ".jsonl") .. (k == 1 and "" or "." .. k)
+    if not exists(p) then return files, p end
+    files[#files + 1], k = p, k + 1
+  end
+end
+
+-- (step, validation loss) pairs of a run's logs, its median step time (ms) and the steps it
+-- has made; from the recorded runs (saved) where DIR has no log of it. Defined below.
+local curve
+
 local function train(r)
   if not flags.data then fail("--data: the text to train on is required to train") end
+  local ckpt = path(r.name, ".ckpt")
+  local resume = flags.save_every > 0 and exists(ckpt .. "/latest")
+  local _, _, made = curve(r, {})
+  if resume and made and made >= flags.steps then
+    print(("bench_optimizers: %s: already made its %d steps (%s)"):format(r.name, flags.steps, ckpt))
+    return
+  end
+  local log
+  if resume then
+    _, log = logs(r.name)
+  else
+    for _, p in ipairs((logs(r.name))) do os.remove(p) end
+    log = path(r.name, ".jsonl")
+  end
   local warmup = math.max(2, math.min(100, math.floor(flags.steps / 10)))
   write(path(r.name, ".json"), json.encode({
     train_micro_batch_size_per_gpu = flags.micro_batch, gradient_clipping = 1.0,
     optimizer = r.optimizer,
     scheduler = { type = "WarmupCosineLR", params = { warmup_num_steps = warmup,
                   total_num_steps = flags.steps, warmup_min_ratio = 0, cos_min_ratio = 0.1 } } }))
+  local save = flags.save_every > 0 and ("--save '%s' --save-every %d --keep 1 %s"):format(ckpt,
+               flags.save_every, resume and ("--resume '%s'"):format(ckpt) or "") or ""
   local cmd = ("OMP_NUM_THREADS=%d '%s/build/bin/luazero' '%s/scripts/train.lua' --model llama-100m " ..
                "--vocab 256 --data '%s' --steps %d --micro-batch %d --seq-len %d --eval-every %d " ..
-               "--eval-batches %d --seed 1337 --sample 0 --config '%s' --log '%s' > '%s' 2>&1")
+               "--eval-batches %d --seed 1337 --sample 0 --config '%s' --log '%s' %s >> '%s' 2>&1")
               :format(flags.threads, lz.root, lz.root, flags.data, flags.steps, flags.micro_batch,
                       flags.seq_len, flags.eval_every, flags.eval_batches, path(r.name, ".json"),
-                      path(r.name, ".jsonl"), path(r.name, ".log"))
-  print(("bench_optimizers: %s: training (%s)"):format(r.name, path(r.name, ".log")))
+                      log, save, path(r.name, ".log"))
+  if not resume then os.remove(path(r.name, ".log")) end
+  print(("bench_optimizers: %s: %s (%s)"):format(r.name, resume and "continuing from " .. ckpt
+        or "training", path(r.name, ".log")))
   io.stdout:flush()
   local rc = os.execute(cmd)
   if rc ~= 0 and rc ~= true then print(("bench_optimizers: %s: failed, see %s"):format(r.name, path(r.name, ".log"))) end
@@ -115,27 +154,33 @@ local function recorded()
   return rec.runs
 end
 
--- (step, validation loss) pairs of a run's log, its median step time (ms) and the steps it
--- has made; from the recorded runs where DIR has no log of it.
-local function curve(r, saved)
-  local f = io.open(path(r.name, ".jsonl"))
-  if not f then
+function curve(r, saved)
+  local files = logs(r.name)
+  if #files == 0 then
     local s = saved[r.name]
     if not s then return nil end
     return s.val_loss, s.median_step_ms, s.steps
   end
-  local points, ms, last = {}, {}, 0
-  for line in f:lines() do
-    local okj, rec = pcall(json.decode, line)
-    if okj and type(rec) == "table" and rec.step then
-      if rec.val_loss then points[#points + 1] = { rec.step, rec.val_loss } end
-      if rec.step_ms and rec.step > 1 then ms[#ms + 1] = rec.step_ms end
-      last = math.max(last, rec.step)
+  -- a continued run repeats the steps after its checkpoint: the later log's record counts
+  local val, ms, last = {}, {}, 0
+  for _, p in ipairs(files) do
+    local f = assert(io.open(p))
+    for line in f:lines() do
+      local okj, rec = pcall(json.decode, line)
+      if okj and type(rec) == "table" and rec.step then
+        if rec.val_loss then val[rec.step] = rec.val_loss end
+        if rec.step_ms and rec.step > 1 then ms[rec.step] = rec.step_ms end
+        last = math.max(last, rec.step)
+      end
     end
+    f:close()
   end
-  f:close()
-  table.sort(ms)
-  return points, ms[math.max(1, math.ceil(#ms / 2))], last
+  local points, times = {}, {}
+  for step, loss in pairs(val) do points[#points + 1] = { step, loss } end
+  table.sort(points, function(a, b) return a[1] < b[1] end)
+  for _, t in pairs(ms) do times[#times + 1] = t end
+  table.sort(times)
+  return points, times[math.max(1, math.ceil(#times / 2))], last
 end
 
 if not flags.report_only then for _, r in ipairs(chosen) do train(r) end end
