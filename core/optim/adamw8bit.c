@@ -396,27 +396,34 @@ int64_t lz_adamw8bit_blocks(int64_t n) {
 
 const float *lz_adamw8bit_map(int is_signed) { return lz_q8_map_get(is_signed)->values; }
 
-lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
-                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
-                            const lz_adamw_args *args) {
-  const char *op = "adamw8bit_step";
+/* The checks both entry points make (a's tensors are param, grad, m, v,
+ * absmax_m, absmax_v, working; a's dtypes are checked against op_id's). */
+static lz_status check_8bit(const char *op, lz_op op_id, const lz_op_args *a) {
+  lz_tensor *param = a->t[0], *m = a->t[2], *v = a->t[3];
   const lz_optim_tensors t = {.param = param,
-                              .grad = grad,
+                              .grad = a->t[1],
                               .states = {m, v},
                               .state_names = {"m", "v"},
                               .n_states = 2,
-                              .working = working};
-  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
-                        .adamw = args};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ADAMW8BIT_STEP, &a));
+                              .working = a->t[6]};
+  LZ_TRY(lz_op_check_dtypes(op, op_id, a));
   LZ_TRY(lz_optim_check_tensors(op, &t));
   if (m->dtype == LZ_U8) {
     const int64_t blocks = lz_adamw8bit_blocks(lz_tensor_numel(param));
     const char *why = "one per 256 elements of param";
-    LZ_TRY(lz_check_numel(op, "absmax_m", absmax_m, blocks, why));
-    LZ_TRY(lz_check_numel(op, "absmax_v", absmax_v, blocks, why));
+    LZ_TRY(lz_check_numel(op, "absmax_m", a->t[4], blocks, why));
+    LZ_TRY(lz_check_numel(op, "absmax_v", a->t[5], blocks, why));
   }
-  LZ_TRY(check_args(op, args));
+  return check_args(op, a->adamw);
+}
+
+lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
+                            const lz_adamw_args *args) {
+  const char *op = "adamw8bit_step";
+  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
+                        .adamw = args};
+  LZ_TRY(check_8bit(op, LZ_OP_ADAMW8BIT_STEP, &a));
   return lz_op_run(op, LZ_OP_ADAMW8BIT_STEP, &a);
 }
 
@@ -537,27 +544,13 @@ lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_ten
                                  lz_tensor *working, const lz_adamw_args *args, uint64_t seed,
                                  int64_t index) {
   const char *op = "adamw8bit_step_bf16";
-  const lz_optim_tensors t = {.param = param,
-                              .grad = grad,
-                              .states = {m, v},
-                              .state_names = {"m", "v"},
-                              .n_states = 2,
-                              .working = working};
   const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
                         .adamw = args,
                         .i = {(int64_t)seed, index}};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a));
-  LZ_TRY(lz_optim_check_tensors(op, &t));
-  if (m->dtype == LZ_U8) {
-    const int64_t blocks = lz_adamw8bit_blocks(lz_tensor_numel(param));
-    const char *why = "one per 256 elements of param";
-    LZ_TRY(lz_check_numel(op, "absmax_m", absmax_m, blocks, why));
-    LZ_TRY(lz_check_numel(op, "absmax_v", absmax_v, blocks, why));
-  }
+  LZ_TRY(check_8bit(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a));
   if (index < 0)
     return lz_fail(LZ_ERR_INVALID, "%s: index is %lld; it must be >= 0 (the global index of "
                    "param's first element)", op, (long long)index);
-  LZ_TRY(check_args(op, args));
   return lz_op_run(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a);
 }
 
