@@ -33,6 +33,11 @@ typedef void (*lz_q8_quantize_fn)(const lz_q8_map *map, const float *x, float ab
                                   int64_t n);
 lz_q8_quantize_fn lz_q8_quantizer(void);
 
+/* The same at most at a level (0 scalar, 1 AVX2, 2 AVX-512 with gathers, 3
+ * with byte permutes where the map has their tables), so that tests run
+ * every form the machine can; each gives the same indices. */
+lz_q8_quantize_fn lz_q8_quantizer_at(int level);
+
 /* The same for whole groups of 64 values (n a multiple of 64) without table
  * gathers, where lz_q8_fast_ok(map): AVX-512 VBMI2 and the map's steps fit
  * the permute tables (quant8.c). */

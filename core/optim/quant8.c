@@ -451,15 +451,11 @@ static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, 
   for (int64_t i = 0; i < n; i++) q[i] = index_of(map->cells, x[i] / absmax);
 }
 
-__attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *map, const float *x,
-                                                               float absmax, uint8_t *q,
-                                                               int64_t n) {
+__attribute__((target("avx512f"))) static void quantize_gathers(const lz_q8_map *map,
+                                                                const float *x, float absmax,
+                                                                uint8_t *q, int64_t n) {
   const __m512 vmax = _mm512_set1_ps(absmax);
   int64_t i = 0;
-  if (map->fast) {
-    i = n / 64 * 64;
-    lz_q8_quantize_fast(map, x, absmax, q, i);
-  }
   for (; i + 16 <= n; i += 16)
     _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
   quantize_scalar(map, x + i, absmax, q + i, n - i);
@@ -501,9 +497,23 @@ __attribute__((target("avx2"))) static void quantize_avx2(const lz_q8_map *map, 
   quantize_scalar(map, x + i, absmax, q + i, n - i);
 }
 
-lz_q8_quantize_fn lz_q8_quantizer(void) {
+__attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *map, const float *x,
+                                                               float absmax, uint8_t *q,
+                                                               int64_t n) {
+  int64_t i = 0;
+  if (map->fast) {
+    i = n / 64 * 64;
+    lz_q8_quantize_fast(map, x, absmax, q, i);
+  }
+  quantize_gathers(map, x + i, absmax, q + i, n - i);
+}
+
+lz_q8_quantize_fn lz_q8_quantizer_at(int level) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return quantize_avx512;
-  if (__builtin_cpu_supports("avx2")) return quantize_avx2;
+  if (level >= 2 && __builtin_cpu_supports("avx512f"))
+    return level == 2 ? quantize_gathers : quantize_avx512;
+  if (level >= 1 && __builtin_cpu_supports("avx2")) return quantize_avx2;
   return quantize_scalar;
 }
+
+lz_q8_quantize_fn lz_q8_quantizer(void) { return lz_q8_quantizer_at(3); }
