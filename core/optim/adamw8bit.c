@@ -268,23 +268,23 @@ typedef struct {
   int recip;
 } a8_scale;
 
-/* Quantises 64 values x of a block scaled by s into q. */
-typedef void (*a8_quantise64_fn)(const lz_q8_map *map, const float *x, const a8_scale *s,
-                                 uint8_t *q);
+/* Quantises 128 values x of a block scaled by s into q. */
+typedef void (*a8_quantise128_fn)(const lz_q8_map *map, const float *x, const a8_scale *s,
+                                  uint8_t *q);
 
-A8_VBMI static inline __attribute__((always_inline)) void quantise64_gather(const lz_q8_map *map,
-                                                                           const float *x,
-                                                                           const a8_scale *s,
-                                                                           uint8_t *q) {
-  for (int j = 0; j < 64; j += 16)
-    _mm_storeu_si128((__m128i *)(q + j), lz_q8_quantize16(map->cells, _mm512_load_ps(x + j), s->s));
-}
-
-A8_FAST static inline __attribute__((always_inline)) void quantise64_permute(const lz_q8_map *map,
+A8_VBMI static inline __attribute__((always_inline)) void quantise128_gather(const lz_q8_map *map,
                                                                             const float *x,
                                                                             const a8_scale *s,
                                                                             uint8_t *q) {
-  lz_q8_quantize64(map->fast, x, s->s, s->recip, s->r, q);
+  for (int j = 0; j < 128; j += 16)
+    _mm_storeu_si128((__m128i *)(q + j), lz_q8_quantize16(map->cells, _mm512_load_ps(x + j), s->s));
+}
+
+A8_FAST static inline __attribute__((always_inline)) void quantise128_permute(const lz_q8_map *map,
+                                                                             const float *x,
+                                                                             const a8_scale *s,
+                                                                             uint8_t *q) {
+  lz_q8_quantize128(map->fast, x, s->s, s->recip, s->r, q);
 }
 
 /* Whole blocks, software-pipelined: each pass over a block updates it and
@@ -296,7 +296,7 @@ A8_FAST static inline __attribute__((always_inline)) void quantise64_permute(con
 A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
     float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,
     float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t blocks,
-    uint16_t *restrict wbf, a8_quantise64_fn quantise64) {
+    uint16_t *restrict wbf, a8_quantise128_fn quantise128) {
   enum { B = LZ_ADAMW8BIT_BLOCK };
   float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
   a8_scale sm = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), 0}, sv = sm; /* the previous block's */
@@ -305,20 +305,21 @@ A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
     const int64_t o = b * B, q = o - B;
     const a8_vec512 c = vec512(k, update ? absmax_m[b] : 0.0f, update ? absmax_v[b] : 0.0f);
     __m512 mm = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-    for (int i = 0; i < B; i += 64) {
-      if (update) {
-        __m512 dm[4], dv[4];
-        lookup64(k->map_m->planes, qm + o + i, dm);
-        lookup64(k->map_v->planes, qv + o + i, dv);
-        for (int j = 0; j < 4; j++)
-          update16(p + o + i + 16 * j, grad + o + i + 16 * j, dm[j], dv[j], &c,
-                   m[cur] + i + 16 * j, v[cur] + i + 16 * j, &mm, &mv);
-        if (wbf)
-          for (int j = 0; j < 64; j += 16) store_bf16x16(wbf + o + i + j, p + o + i + j);
-      }
+    for (int i = 0; i < B; i += 128) {
+      if (update)
+        for (int h = i; h < i + 128; h += 64) {
+          __m512 dm[4], dv[4];
+          lookup64(k->map_m->planes, qm + o + h, dm);
+          lookup64(k->map_v->planes, qv + o + h, dv);
+          for (int j = 0; j < 4; j++)
+            update16(p + o + h + 16 * j, grad + o + h + 16 * j, dm[j], dv[j], &c,
+                     m[cur] + h + 16 * j, v[cur] + h + 16 * j, &mm, &mv);
+          if (wbf)
+            for (int j = 0; j < 64; j += 16) store_bf16x16(wbf + o + h + j, p + o + h + j);
+        }
       if (quantise) {
-        quantise64(k->map_m, m[prev] + i, &sm, qm + q + i);
-        quantise64(k->map_v, v[prev] + i, &sv, qv + q + i);
+        quantise128(k->map_m, m[prev] + i, &sm, qm + q + i);
+        quantise128(k->map_v, v[prev] + i, &sv, qv + q + i);
       }
     }
     if (update) {
@@ -337,13 +338,13 @@ A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
 
 /* The quantiser's lookups as gathers into the cells. */
 A8_VBMI static void blocks8_vbmi(A8_BLOCKS8_ARGS) {
-  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise64_gather);
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_gather);
 }
 
 /* The quantiser's lookups as byte permutes and its x / absmax a corrected
  * product (lz_q8_quantize64), where the maps have those tables. */
 A8_FAST static void blocks8_fast(A8_BLOCKS8_ARGS) {
-  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise64_permute);
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_permute);
 }
 
 /* fmaf is one instruction only where FMA is enabled, which target_clones'

@@ -443,7 +443,9 @@ LZ_Q8_FAST void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float 
                                     int64_t n) {
   const __m512 b = _mm512_set1_ps(absmax), r = _mm512_set1_ps(1.0f / absmax);
   const int recip = lz_q8_recip_ok(absmax);
-  for (int64_t i = 0; i + 64 <= n; i += 64) lz_q8_quantize64(map->fast, x + i, b, recip, r, q + i);
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) lz_q8_quantize128(map->fast, x + i, b, recip, r, q + i);
+  if (i + 64 <= n) lz_q8_quantize64(map->fast, x + i, b, recip, r, q + i);
 }
 
 static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
