@@ -261,6 +261,35 @@ A8_VBMI static inline void store_bf16x16(uint16_t *w, const float *p) {
   _mm256_storeu_si256((__m256i *)w, _mm512_cvtepi32_epi16(r));
 }
 
+/* Writes the working copy of 64 updated parameters. */
+typedef void (*a8_store64_fn)(uint16_t *w, const float *p);
+
+A8_VBMI static inline __attribute__((always_inline)) void store64_shifts(uint16_t *w,
+                                                                        const float *p) {
+  for (int j = 0; j < 64; j += 16) store_bf16x16(w + j, p + j);
+}
+
+#define A8_BF16                                                                          \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512vbmi2,avx512bf16,fma"), \
+                 optimize("fp-contract=off")))
+
+/* vcvtne2ps2bf16 rounds as lz_bf16_from_f32 does (nearest even, NaN
+ * quieted the same way) except that it flushes subnormals: 64 values
+ * without one take it, 2 instructions where the shifts take 14. */
+A8_BF16 static inline __attribute__((always_inline)) void store64_convert(uint16_t *w,
+                                                                         const float *p) {
+  __m512 x[4];
+  __mmask16 sub = 0;
+  for (int j = 0; j < 4; j++)
+    x[j] = _mm512_loadu_ps(p + 16 * j), sub |= _mm512_fpclass_ps_mask(x[j], 0x20);
+  if (sub) {
+    store64_shifts(w, p);
+    return;
+  }
+  for (int j = 0; j < 4; j += 2)
+    _mm512_storeu_si512(w + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(x[j + 1], x[j]));
+}
+
 /* A block's absmax as the quantisers take it: broadcast, and (for the
  * permute quantiser) its reciprocal and whether lz_q8_div16 may use it. */
 typedef struct {
@@ -296,7 +325,7 @@ A8_FAST static inline __attribute__((always_inline)) void quantise128_permute(co
 A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
     float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,
     float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t blocks,
-    uint16_t *restrict wbf, a8_quantise128_fn quantise128) {
+    uint16_t *restrict wbf, a8_quantise128_fn quantise128, a8_store64_fn store64) {
   enum { B = LZ_ADAMW8BIT_BLOCK };
   float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
   a8_scale sm = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), 0}, sv = sm; /* the previous block's */
@@ -314,8 +343,7 @@ A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
           for (int j = 0; j < 4; j++)
             update16(p + o + h + 16 * j, grad + o + h + 16 * j, dm[j], dv[j], &c,
                      m[cur] + h + 16 * j, v[cur] + h + 16 * j, &mm, &mv);
-          if (wbf)
-            for (int j = 0; j < 64; j += 16) store_bf16x16(wbf + o + h + j, p + o + h + j);
+          if (wbf) store64(wbf + o + h, p + o + h);
         }
       if (quantise) {
         quantise128(k->map_m, m[prev] + i, &sm, qm + q + i);
@@ -338,13 +366,21 @@ A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
 
 /* The quantiser's lookups as gathers into the cells. */
 A8_VBMI static void blocks8_vbmi(A8_BLOCKS8_ARGS) {
-  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_gather);
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_gather,
+                   store64_shifts);
 }
 
 /* The quantiser's lookups as byte permutes and its x / absmax a corrected
- * product (lz_q8_quantize64), where the maps have those tables. */
+ * product (lz_q8_quantize128), where the maps have those tables. */
 A8_FAST static void blocks8_fast(A8_BLOCKS8_ARGS) {
-  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_permute);
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_permute,
+                   store64_shifts);
+}
+
+/* blocks8_fast with the working copy rounded by vcvtne2ps2bf16. */
+A8_BF16 static void blocks8_bf16(A8_BLOCKS8_ARGS) {
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_permute,
+                   store64_convert);
 }
 
 /* fmaf is one instruction only where FMA is enabled, which target_clones'
@@ -370,10 +406,12 @@ typedef void (*block32_fn)(float *restrict, const float *restrict, float *restri
 typedef void (*blocks8_fn)(A8_BLOCKS8_ARGS);
 
 /* The forms of the update, by what the machine has: the scalar loop, AVX2
- * and AVX-512 with gathers, AVX-512 VBMI's pipelined blocks, and those with
- * the permute quantiser (VBMI2, where the maps have its tables). */
-enum { ISA_BASE, ISA_AVX2, ISA_AVX512, ISA_VBMI, ISA_VBMI2, ISA_LEVELS };
-static const char *const a8_level_names[ISA_LEVELS] = {"base", "avx2", "avx512", "vbmi", "vbmi2"};
+ * and AVX-512 with gathers, AVX-512 VBMI's pipelined blocks, those with the
+ * permute quantiser (VBMI2, where the maps have its tables), and those with
+ * the bf16 working copy converted by AVX512-BF16. */
+enum { ISA_BASE, ISA_AVX2, ISA_AVX512, ISA_VBMI, ISA_VBMI2, ISA_BF16, ISA_LEVELS };
+static const char *const a8_level_names[ISA_LEVELS] = {"base", "avx2",  "avx512",
+                                                       "vbmi", "vbmi2", "bf16"};
 
 static int machine_level(void) {
   __builtin_cpu_init();
@@ -382,11 +420,13 @@ static int machine_level(void) {
   if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vbmi"))
     return ISA_AVX512;
   const lz_q8_map *sm = lz_q8_map_get(1), *um = lz_q8_map_get(0);
-  return lz_q8_fast_ok(sm) && lz_q8_fast_ok(um) ? ISA_VBMI2 : ISA_VBMI;
+  if (!lz_q8_fast_ok(sm) || !lz_q8_fast_ok(um)) return ISA_VBMI;
+  const int bf16 = __builtin_cpu_supports("avx512dq") && lz_cpu_has("avx512bf16");
+  return bf16 ? ISA_BF16 : ISA_VBMI2;
 }
 
 /* The machine's best form, or a lower one named by LZ_ADAMW8BIT_ISA (base,
- * avx2, avx512, vbmi, vbmi2): every form gives the same bits, and the tests
+ * avx2, avx512, vbmi, vbmi2, bf16): every form gives the same bits, and the tests
  * run each one this machine can. */
 static int isa_level(void) {
   const int best = machine_level();
@@ -470,16 +510,17 @@ static a8_consts consts_of(const lz_adamw_args *args, int eight, int isa) {
       .grad_scale = args->grad_scale,
       .map_m = lz_q8_map_get(1),
       .map_v = lz_q8_map_get(0),
-      .quantize = lz_q8_quantizer_at(isa >= ISA_VBMI ? isa - 1 : isa), /* ours less VBMI's */
+      .quantize = lz_q8_quantizer_at(isa < ISA_VBMI ? isa : isa == ISA_VBMI ? 2 : 3),
   };
   return k;
 }
 
-static const block8_fn b8[ISA_LEVELS] = {block8_base, block8_avx2, block8_avx512, block8_vbmi,
-                                         block8_vbmi};
-static const block32_fn b32[ISA_LEVELS] = {block32_base, block32_avx2, block32_avx512,
-                                          block32_avx512, block32_avx512};
-static const blocks8_fn bs8[ISA_LEVELS] = {NULL, NULL, NULL, blocks8_vbmi, blocks8_fast};
+static const block8_fn b8[ISA_LEVELS] = {block8_base, block8_avx2,  block8_avx512,
+                                         block8_vbmi, block8_vbmi, block8_vbmi};
+static const block32_fn b32[ISA_LEVELS] = {block32_base,   block32_avx2,   block32_avx512,
+                                          block32_avx512, block32_avx512, block32_avx512};
+static const blocks8_fn bs8[ISA_LEVELS] = {NULL,         NULL,         NULL,
+                                           blocks8_vbmi, blocks8_fast, blocks8_bf16};
 
 /* Elements [i0, i0 + len) of the update over p (their fp32 values; p[0] is
  * element i0; wbf, or NULL, their bf16 working copy): whole blocks
@@ -499,9 +540,12 @@ static int64_t a8_tile(float *p, const lz_op_args *a, const a8_consts *k, int ei
   uint8_t *qm = (uint8_t *)a->t[2]->data + i0, *qv = (uint8_t *)a->t[3]->data + i0;
   float *am = (float *)a->t[4]->data + i0 / B, *av = (float *)a->t[5]->data + i0 / B;
   int64_t j = 0;
-  if (bs8[isa]) {
+  /* without a working copy the bf16 form is vbmi2's, whose build (no DQ)
+   * measured a few per cent faster */
+  const blocks8_fn blocks8 = isa == ISA_BF16 && !wbf ? blocks8_fast : bs8[isa];
+  if (blocks8) {
     j = len / B * B;
-    bs8[isa](p, g, qm, qv, am, av, k, j / B, wbf);
+    blocks8(p, g, qm, qv, am, av, k, j / B, wbf);
   }
   const int64_t stored = wbf ? j : 0;
   for (; j < len; j += B)
