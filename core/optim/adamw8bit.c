@@ -21,10 +21,12 @@
  * are the cost (the memory moved is 16 bytes per element against fp32
  * AdamW's 28). Where AVX-512 VBMI is there the map values come from byte
  * permutes instead of gathers, and whole blocks are software-pipelined
- * (blocks8_vbmi) so the quantiser's gathers overlap the next block's
+ * (blocks8_pipeline) so the quantiser's lookups overlap the next block's
  * divisions; with VBMI2 the quantiser's lookups are byte permutes too and
- * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize64), and
- * the bf16 working copy is written in the same pass (docs/optimizers.md). */
+ * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize128), and
+ * the bf16 working copy is written in the same pass, by vcvtne2ps2bf16 where
+ * AVX512-BF16 is there (blocks8_bf16). LZ_ADAMW8BIT_ISA forces a lower form;
+ * docs/optimizers.md says where the cycles go. */
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 #include "optim/lz_quant8.h"
@@ -265,11 +267,11 @@ A8_VBMI static inline void store_bf16x16(uint16_t *w, const float *p) {
 typedef void (*a8_store64_fn)(uint16_t *w, const float *p);
 
 A8_VBMI static inline __attribute__((always_inline)) void store64_shifts(uint16_t *w,
-                                                                        const float *p) {
+                                                                         const float *p) {
   for (int j = 0; j < 64; j += 16) store_bf16x16(w + j, p + j);
 }
 
-#define A8_BF16                                                                          \
+#define A8_BF16                                                                             \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512vbmi2,avx512bf16,fma"), \
                  optimize("fp-contract=off")))
 
@@ -277,7 +279,7 @@ A8_VBMI static inline __attribute__((always_inline)) void store64_shifts(uint16_
  * quieted the same way) except that it flushes subnormals: 64 values
  * without one take it, 2 instructions where the shifts take 14. */
 A8_BF16 static inline __attribute__((always_inline)) void store64_convert(uint16_t *w,
-                                                                         const float *p) {
+                                                                          const float *p) {
   __m512 x[4];
   __mmask16 sub = 0;
   for (int j = 0; j < 4; j++)
@@ -302,17 +304,17 @@ typedef void (*a8_quantise128_fn)(const lz_q8_map *map, const float *x, const a8
                                   uint8_t *q);
 
 A8_VBMI static inline __attribute__((always_inline)) void quantise128_gather(const lz_q8_map *map,
-                                                                            const float *x,
-                                                                            const a8_scale *s,
-                                                                            uint8_t *q) {
+                                                                             const float *x,
+                                                                             const a8_scale *s,
+                                                                             uint8_t *q) {
   for (int j = 0; j < 128; j += 16)
     _mm_storeu_si128((__m128i *)(q + j), lz_q8_quantize16(map->cells, _mm512_load_ps(x + j), s->s));
 }
 
 A8_FAST static inline __attribute__((always_inline)) void quantise128_permute(const lz_q8_map *map,
-                                                                             const float *x,
-                                                                             const a8_scale *s,
-                                                                             uint8_t *q) {
+                                                                              const float *x,
+                                                                              const a8_scale *s,
+                                                                              uint8_t *q) {
   lz_q8_quantize128(map->fast, x, s->s, s->recip, s->r, q);
 }
 
@@ -359,8 +361,8 @@ A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
   }
 }
 
-#define A8_BLOCKS8_ARGS                                                                         \
-  float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,   \
+#define A8_BLOCKS8_ARGS                                                                       \
+  float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,  \
       float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t blocks, \
       uint16_t *restrict wbf
 
@@ -416,7 +418,8 @@ static const char *const a8_level_names[ISA_LEVELS] = {"base", "avx2",  "avx512"
 static int machine_level(void) {
   __builtin_cpu_init();
   if (!__builtin_cpu_supports("fma")) return ISA_BASE;
-  if (!__builtin_cpu_supports("avx512f")) return __builtin_cpu_supports("avx2") ? ISA_AVX2 : ISA_BASE;
+  if (!__builtin_cpu_supports("avx512f"))
+    return __builtin_cpu_supports("avx2") ? ISA_AVX2 : ISA_BASE;
   if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vbmi"))
     return ISA_AVX512;
   const lz_q8_map *sm = lz_q8_map_get(1), *um = lz_q8_map_get(0);
@@ -493,6 +496,9 @@ lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *
 
 /* ------------------------------------------------------------------- pass */
 
+/* lz_q8_quantizer_at's level for each form (vbmi's quantiser gathers). */
+static const int quantizer_level[ISA_LEVELS] = {0, 1, 2, 2, 3, 3};
+
 /* The step's scalars (eight: u8 states; else the fp32 update's). */
 static a8_consts consts_of(const lz_adamw_args *args, int eight, int isa) {
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2, wd = args->weight_decay;
@@ -510,15 +516,15 @@ static a8_consts consts_of(const lz_adamw_args *args, int eight, int isa) {
       .grad_scale = args->grad_scale,
       .map_m = lz_q8_map_get(1),
       .map_v = lz_q8_map_get(0),
-      .quantize = lz_q8_quantizer_at(isa < ISA_VBMI ? isa : isa == ISA_VBMI ? 2 : 3),
+      .quantize = lz_q8_quantizer_at(quantizer_level[isa]),
   };
   return k;
 }
 
-static const block8_fn b8[ISA_LEVELS] = {block8_base, block8_avx2,  block8_avx512,
+static const block8_fn b8[ISA_LEVELS] = {block8_base, block8_avx2, block8_avx512,
                                          block8_vbmi, block8_vbmi, block8_vbmi};
 static const block32_fn b32[ISA_LEVELS] = {block32_base,   block32_avx2,   block32_avx512,
-                                          block32_avx512, block32_avx512, block32_avx512};
+                                           block32_avx512, block32_avx512, block32_avx512};
 static const blocks8_fn bs8[ISA_LEVELS] = {NULL,         NULL,         NULL,
                                            blocks8_vbmi, blocks8_fast, blocks8_bf16};
 
@@ -594,8 +600,10 @@ lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_ten
                         .i = {(int64_t)seed, index}};
   LZ_TRY(check_8bit(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a));
   if (index < 0)
-    return lz_fail(LZ_ERR_INVALID, "%s: index is %lld; it must be >= 0 (the global index of "
-                   "param's first element)", op, (long long)index);
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: index is %lld; it must be >= 0 (the global index of "
+                   "param's first element)",
+                   op, (long long)index);
   return lz_op_run(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a);
 }
 

@@ -105,8 +105,10 @@ typedef struct lz_q8_fast {
 
 /* One byte plane of a cell table at 64 cells at once, for each of g groups
  * of 64 (the table's four registers loaded once for all of them). */
-LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_plane64(
-    const uint8_t *t, int g, const __m512i *cell, const __mmask64 *high, __m512i *out) {
+LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_plane64(const uint8_t *t, int g,
+                                                                           const __m512i *cell,
+                                                                           const __mmask64 *high,
+                                                                           __m512i *out) {
   const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 64);
   const __m512i t2 = _mm512_loadu_si512(t + 128), t3 = _mm512_loadu_si512(t + 192);
   for (int j = 0; j < g; j++)
@@ -129,8 +131,8 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64(
     const __mmask64 ge10 =
         _mm512_cmpgt_epu8_mask(m[j][1], t1[j]) |
         _mm512_mask_cmpge_epu8_mask(_mm512_cmpeq_epi8_mask(m[j][1], t1[j]), m[j][0], t0[j]);
-    const __mmask64 ge = _mm512_cmpgt_epu8_mask(m[j][2], t2[j]) |
-                         _mm512_mask_cmpeq_epi8_mask(ge10, m[j][2], t2[j]);
+    const __mmask64 ge =
+        _mm512_cmpgt_epu8_mask(m[j][2], t2[j]) | _mm512_mask_cmpeq_epi8_mask(ge10, m[j][2], t2[j]);
     label[j] = _mm512_mask_add_epi8(label[j], ge, label[j], _mm512_set1_epi8(1));
   }
 }
@@ -164,7 +166,8 @@ static inline int lz_q8_recip_ok(float absmax) {
 LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_quantize_groups(
     const lz_q8_fast *f, const float *x, __m512 absmax, int recip, __m512 r, uint8_t *q, int g) {
   const __m512i zero = _mm512_setzero_si512();
-  const __m512i hi_words = _mm512_loadu_si512(f->sel_hi), sel_cell = _mm512_loadu_si512(f->sel_cell);
+  const __m512i hi_words = _mm512_loadu_si512(f->sel_hi),
+                sel_cell = _mm512_loadu_si512(f->sel_cell);
   const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
   __m512i z[2][4], cell[2], m[2][3], label[2], idx[2];
   __mmask64 high[2], nan[2];
@@ -203,10 +206,10 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_quantize_grou
   for (int j = 0; j < g; j++) /* the exponent's low bit off */
     m[j][2] = _mm512_and_si512(m[j][2], _mm512_set1_epi8(0x7f));
   lz_q8_plane64(f->cell[0], g, cell, high, label);
-  lz_q8_count_step64((const uint8_t(*)[256])f->cell[1], g, cell, high,
-                     (const __m512i(*)[3])m, label);
-  lz_q8_count_step64((const uint8_t(*)[256])f->cell[4], g, cell, high,
-                     (const __m512i(*)[3])m, label);
+  lz_q8_count_step64((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
+                     label);
+  lz_q8_count_step64((const uint8_t(*)[256])f->cell[4], g, cell, high, (const __m512i(*)[3])m,
+                     label);
   for (int j = 0; j < g; j++) high[j] = _mm512_movepi8_mask(label[j]);
   lz_q8_plane64(f->index, g, label, high, idx);
   for (int j = 0; j < g; j++) /* NaN gets index 0 */
