@@ -4,9 +4,10 @@
  * this machine runs equal to the scalar one on every kind of value.
  * tests/ref/test5_adam8bit.py compares with bitsandbytes itself. */
 #include "lz_test.h"
+#include "optim/lz_optim.h"
 #include "optim/lz_quant8.h"
 
-#include <stdlib.h> /* malloc */
+#include <stdlib.h> /* malloc, setenv */
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 
@@ -58,17 +59,17 @@ LZ_TEST(quant8_index_is_monotone) {
   }
 }
 
-/* The vector quantiser against the scalar index, x / absmax, on random
- * values, zeros, NaN, denormals and values a float apart, at several
- * absmaxes (0, tiny, huge, inf included). */
+/* The vector quantisers (each form this machine runs) against the scalar
+ * index, x / absmax, on random values, zeros, NaN, denormals and values a
+ * float apart, at several absmaxes (0, tiny, huge, inf included). */
 LZ_TEST(quant8_vector_form_is_the_scalar_one) {
   const int64_t n = 256;
   float *x = malloc(sizeof(float) * n);
   uint8_t *q = malloc((size_t)n);
-  const lz_q8_quantize_fn quantize = lz_q8_quantizer();
   const float absmaxes[] = {1.0f, 0.0f, 3.7e-3f, 1e-38f, 1e-44f, 3e38f, INFINITY};
   int ok = 1;
   for (int rep = 0; rep < 400; rep++) {
+    const lz_q8_quantize_fn quantize = lz_q8_quantizer_at(rep % 4);
     for (int sgn = 0; sgn < 2; sgn++) {
       const lz_q8_map *map = lz_q8_map_get(sgn);
       const float am = absmaxes[rep % 7];
@@ -93,12 +94,11 @@ LZ_TEST(quant8_vector_form_is_the_scalar_one) {
 /* The vector quantisers against the scalar index where a wrong rounding or
  * a wrong cell would show first: around every step of both maps, around the
  * cells' edges, 2^-26 and 1, at absmaxes from tiny to huge, every value
- * within 12 floats of x / absmax landing there. */
-LZ_TEST(quant8_vector_form_near_steps_and_edges) {
+ * within 12 floats of x / absmax landing there; each form this machine runs. */
+static int near_steps_and_edges(lz_q8_quantize_fn quantize) {
   enum { N = 256 };
   float x[N];
   uint8_t q[N];
-  const lz_q8_quantize_fn quantize = lz_q8_quantizer();
   const float absmaxes[] = {1.0f,    0x1.8p-3f, 3.7e-3f, 0x1.234566p-60f, 0x1.fffffep-126f,
                             0x1p-125f, 0x1p125f, 0x1.000002p125f, 7.5e20f, 1.3e-12f};
   int ok = 1, points = 0;
@@ -144,8 +144,11 @@ LZ_TEST(quant8_vector_form_near_steps_and_edges) {
         }
     }
   }
-  CHECK(points > 100000);
-  CHECK(ok);
+  return ok && points > 100000;
+}
+
+LZ_TEST(quant8_vector_form_near_steps_and_edges) {
+  for (int level = 0; level < 4; level++) CHECK(near_steps_and_edges(lz_q8_quantizer_at(level)));
 }
 
 /* bitsandbytes' CPU update for one block, op for op (adamw8bit.c's
@@ -174,11 +177,14 @@ __attribute__((optimize("fp-contract=off"))) static void ref_block(
     qm[i] = lz_q8_index(mm, m[i] / max_m), qv[i] = lz_q8_index(mv, v[i] / max_v);
 }
 
-/* The fused step (its vector and pipelined forms, over several threads'
+/* The forms of the 8-bit update (adamw8bit.c), lowest first. */
+static const char *const forms[] = {"base", "avx2", "avx512", "vbmi", "vbmi2", "bf16"};
+
+/* The fused step (in the form LZ_ADAMW8BIT_ISA names, over several threads'
  * chunks and a partial last block) against ref_block, bit for bit, over 4
  * steps of gradients with zeros, denormals, NaN, a block of zeros and huge
  * outliers. */
-LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
+static int step_is_the_blockwise_reference(void) {
   const int64_t n = 3 * 16384 + 5 * 256 + 77, blocks = (n + 255) / 256, s1[1] = {n};
   const int64_t sb[1] = {blocks};
   float *p = malloc(sizeof(float) * n), *rp = malloc(sizeof(float) * n);
@@ -205,7 +211,7 @@ LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
       if (i >= 2048 && i < 2304) g[i] = 0.0f;            /* a block of zeros */
       if (i >= 4096 && i < 4100) g[i] *= 1e6f;           /* outliers */
     }
-    CHECK_OK(lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, NULL, &a));
+    ok &= lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, NULL, &a) == LZ_OK;
     for (int64_t b = 0; b < blocks; b++) {
       const int64_t o = b * 256, len = n - o < 256 ? n - o : 256;
       ref_block(rp + o, g + o, rqm + o, rqv + o, ram + b, rav + b, &a, len);
@@ -214,11 +220,27 @@ LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
           !memcmp(qv, rqv, (size_t)n) && !memcmp(am, ram, sizeof(float) * blocks) &&
           !memcmp(av, rav, sizeof(float) * blocks);
   }
-  CHECK(ok);
   lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
   lz_tensor_free(tam), lz_tensor_free(tav);
   free(p), free(rp), free(g), free(am), free(av), free(ram), free(rav);
   free(qm), free(qv), free(rqm), free(rqv);
+  return ok;
+}
+
+/* Each form this machine has, LZ_ADAMW8BIT_ISA selecting it (a form above
+ * the machine's falls to its best); then the machine's best again. */
+LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
+  unsetenv("LZ_ADAMW8BIT_ISA");
+  const char *best = lz_adamw8bit_form();
+  int below = 1;
+  for (size_t f = 0; f < sizeof forms / sizeof *forms; f++) {
+    CHECK(setenv("LZ_ADAMW8BIT_ISA", forms[f], 1) == 0);
+    CHECK(!strcmp(lz_adamw8bit_form(), below ? forms[f] : best));
+    if (!strcmp(forms[f], best)) below = 0;
+    CHECK(step_is_the_blockwise_reference());
+  }
+  unsetenv("LZ_ADAMW8BIT_ISA");
+  CHECK(!strcmp(lz_adamw8bit_form(), best));
 }
 
 /* The steps of a map as the first z of each new index, magnitudes in
@@ -298,8 +320,9 @@ LZ_TEST(quant8_reciprocal_division_keeps_every_step) {
 /* The bf16 working copy the 8-bit step writes (in its pass over the blocks,
  * or after them) is lz_bf16_from_f32 of the new parameters bit for bit:
  * parameters of every bit pattern (NaN, infinities, subnormals, halfway
- * cases) kept by lr 0, then a step that moves them. */
-LZ_TEST(adamw8bit_step_bf16_working_copy_is_the_rounded_parameters) {
+ * cases) kept by lr 0, then a step that moves them; in every form, with
+ * groups of 64 parameters that hold a subnormal and groups that do not. */
+static int working_copy_is_the_rounded_parameters(void) {
   const int64_t n = 2 * 16384 + 3 * 256 + 45, blocks = (n + 255) / 256, s1[1] = {n};
   const int64_t sb[1] = {blocks};
   float *p = malloc(sizeof(float) * n), *g = malloc(sizeof(float) * n);
@@ -309,7 +332,8 @@ LZ_TEST(adamw8bit_step_bf16_working_copy_is_the_rounded_parameters) {
   for (int64_t i = 0; i < n; i++) {
     const uint64_t r = lz_test_xorshift(&rng);
     p[i] = from_bits((uint32_t)r);
-    if (r % 7 == 0) p[i] = from_bits((uint32_t)(r >> 32) & 0x807fffffu);      /* subnormal */
+    if (r % 7 == 0 && i / 1024 % 4 == 0) /* subnormal, in some groups of 64 only */
+      p[i] = from_bits((uint32_t)(r >> 32) & 0x807fffffu);
     if (r % 11 == 0) p[i] = from_bits(((uint32_t)(r >> 32) & ~0xffffu) | 0x8000u); /* tie */
     g[i] = lz_test_uniform(&rng);
   }
@@ -321,11 +345,19 @@ LZ_TEST(adamw8bit_step_bf16_working_copy_is_the_rounded_parameters) {
                      .weight_decay = 0.0f, .grad_scale = 1.0f, .step = 1};
   int ok = 1;
   for (; a.step <= 2; a.step++, a.lr = 1e-3f, a.weight_decay = 0.01f) {
-    CHECK_OK(lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, tw, &a));
+    ok &= lz_adamw8bit_step(tp, tg, tm, tv, tam, tav, tw, &a) == LZ_OK;
     for (int64_t i = 0; i < n; i++) ok &= w[i] == lz_bf16_from_f32_inline(p[i]);
   }
-  CHECK(ok);
   lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
   lz_tensor_free(tam), lz_tensor_free(tav), lz_tensor_free(tw);
   free(p), free(g), free(am), free(av), free(qm), free(qv), free(w);
+  return ok;
+}
+
+LZ_TEST(adamw8bit_step_bf16_working_copy_is_the_rounded_parameters) {
+  for (size_t f = 0; f < sizeof forms / sizeof *forms; f++) {
+    CHECK(setenv("LZ_ADAMW8BIT_ISA", forms[f], 1) == 0);
+    CHECK(working_copy_is_the_rounded_parameters());
+  }
+  unsetenv("LZ_ADAMW8BIT_ISA");
 }

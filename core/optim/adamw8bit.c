@@ -21,10 +21,12 @@
  * are the cost (the memory moved is 16 bytes per element against fp32
  * AdamW's 28). Where AVX-512 VBMI is there the map values come from byte
  * permutes instead of gathers, and whole blocks are software-pipelined
- * (blocks8_vbmi) so the quantiser's gathers overlap the next block's
+ * (blocks8_pipeline) so the quantiser's lookups overlap the next block's
  * divisions; with VBMI2 the quantiser's lookups are byte permutes too and
- * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize64), and
- * the bf16 working copy is written in the same pass (docs/optimizers.md). */
+ * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize128), and
+ * the bf16 working copy is written in the same pass, by vcvtne2ps2bf16 where
+ * AVX512-BF16 is there (blocks8_bf16). LZ_ADAMW8BIT_ISA forces a lower form;
+ * docs/optimizers.md says where the cycles go. */
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
 #include "optim/lz_quant8.h"
@@ -32,7 +34,8 @@
 
 #include <immintrin.h> /* the vector forms of the block update */
 #include <math.h>      /* fmaf, sqrtf, fabsf, pow, sqrt */
-#include <string.h>    /* memcpy: a bf16's bits */
+#include <stdlib.h>    /* getenv: LZ_ADAMW8BIT_ISA */
+#include <string.h>    /* memcpy: a bf16's bits; strcmp */
 
 /* Per-step scalars, worked out once in double as bitsandbytes does in
  * Python, each rounded to fp32 where torch takes it as an operand. */
@@ -247,49 +250,9 @@ static inline __attribute__((always_inline)) void block32_body(float *restrict p
   }
 }
 
-/* Whole blocks, software-pipelined: each pass over a block updates it and
- * quantises the block before it (whose absmax is now known), so the
- * quantiser's table lookups run beside the update's divisions and square
- * root instead of after them. Every element's arithmetic is block8_vbmi's. */
-A8_VBMI static void blocks8_vbmi(float *restrict p, const float *restrict grad, uint8_t *restrict qm,
-                                 uint8_t *restrict qv, float *restrict absmax_m,
-                                 float *restrict absmax_v, const a8_consts *k, int64_t blocks) {
-  enum { B = LZ_ADAMW8BIT_BLOCK };
-  float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
-  const uint32_t *cells_m = k->map_m->cells, *cells_v = k->map_v->cells;
-  __m512 sm = _mm512_set1_ps(1.0f), sv = sm; /* the previous block's absmaxes */
-  for (int64_t b = 0; b <= blocks; b++) {
-    const int cur = (int)(b & 1), prev = cur ^ 1, update = b < blocks, quantise = b > 0;
-    const int64_t o = b * B, q = o - B;
-    const a8_vec512 c = vec512(k, update ? absmax_m[b] : 0.0f, update ? absmax_v[b] : 0.0f);
-    __m512 mm = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-    for (int i = 0; i < B; i += 64) {
-      if (update) {
-        __m512 dm[4], dv[4];
-        lookup64(k->map_m->planes, qm + o + i, dm);
-        lookup64(k->map_v->planes, qv + o + i, dv);
-        for (int j = 0; j < 4; j++)
-          update16(p + o + i + 16 * j, grad + o + i + 16 * j, dm[j], dv[j], &c,
-                   m[cur] + i + 16 * j, v[cur] + i + 16 * j, &mm, &mv);
-      }
-      if (quantise)
-        for (int j = i; j < i + 64; j += 16) {
-          _mm_storeu_si128((__m128i *)(qm + q + j),
-                           lz_q8_quantize16(cells_m, _mm512_load_ps(m[prev] + j), sm));
-          _mm_storeu_si128((__m128i *)(qv + q + j),
-                           lz_q8_quantize16(cells_v, _mm512_load_ps(v[prev] + j), sv));
-        }
-    }
-    if (update) {
-      absmax_m[b] = _mm512_reduce_max_ps(mm), absmax_v[b] = _mm512_reduce_max_ps(mv);
-      sm = _mm512_set1_ps(absmax_m[b]), sv = _mm512_set1_ps(absmax_v[b]);
-    }
-  }
-}
-
 /* 16 parameters to bf16 as lz_bf16_from_f32_inline rounds them (nearest
  * even, NaN quieted; not vcvtneps2bf16, which flushes subnormals). */
-A8_FAST static inline void store_bf16x16(uint16_t *w, const float *p) {
+A8_VBMI static inline void store_bf16x16(uint16_t *w, const float *p) {
   const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p)), top = _mm512_srli_epi32(u, 16);
   const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
                                                 _mm512_set1_epi32(0x7f800000));
@@ -300,48 +263,126 @@ A8_FAST static inline void store_bf16x16(uint16_t *w, const float *p) {
   _mm256_storeu_si256((__m256i *)w, _mm512_cvtepi32_epi16(r));
 }
 
-/* blocks8_vbmi with the quantiser's lookups as byte permutes
- * (lz_q8_quantize64) instead of gathers, where the maps have those tables,
- * and the bf16 working copy (wbf, or NULL) written while p is in cache. */
-A8_FAST static void blocks8_fast(float *restrict p, const float *restrict grad, uint8_t *restrict qm,
-                                 uint8_t *restrict qv, float *restrict absmax_m,
-                                 float *restrict absmax_v, const a8_consts *k, int64_t blocks,
-                                 uint16_t *restrict wbf) {
+/* Writes the working copy of 64 updated parameters. */
+typedef void (*a8_store64_fn)(uint16_t *w, const float *p);
+
+A8_VBMI static inline __attribute__((always_inline)) void store64_shifts(uint16_t *w,
+                                                                         const float *p) {
+  for (int j = 0; j < 64; j += 16) store_bf16x16(w + j, p + j);
+}
+
+#define A8_BF16                                                                             \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi,avx512vbmi2,avx512bf16,fma"), \
+                 optimize("fp-contract=off")))
+
+/* vcvtne2ps2bf16 rounds as lz_bf16_from_f32 does (nearest even, NaN
+ * quieted the same way) except that it flushes subnormals: 64 values
+ * without one take it, 2 instructions where the shifts take 14. */
+A8_BF16 static inline __attribute__((always_inline)) void store64_convert(uint16_t *w,
+                                                                          const float *p) {
+  __m512 x[4];
+  __mmask16 sub = 0;
+  for (int j = 0; j < 4; j++)
+    x[j] = _mm512_loadu_ps(p + 16 * j), sub |= _mm512_fpclass_ps_mask(x[j], 0x20);
+  if (sub) {
+    store64_shifts(w, p);
+    return;
+  }
+  for (int j = 0; j < 4; j += 2)
+    _mm512_storeu_si512(w + 16 * j, (__m512i)_mm512_cvtne2ps_pbh(x[j + 1], x[j]));
+}
+
+/* A block's absmax as the quantisers take it: broadcast, and (for the
+ * permute quantiser) its reciprocal and whether lz_q8_div16 may use it. */
+typedef struct {
+  __m512 s, r;
+  int recip;
+} a8_scale;
+
+/* Quantises 128 values x of a block scaled by s into q. */
+typedef void (*a8_quantise128_fn)(const lz_q8_map *map, const float *x, const a8_scale *s,
+                                  uint8_t *q);
+
+A8_VBMI static inline __attribute__((always_inline)) void quantise128_gather(const lz_q8_map *map,
+                                                                             const float *x,
+                                                                             const a8_scale *s,
+                                                                             uint8_t *q) {
+  for (int j = 0; j < 128; j += 16)
+    _mm_storeu_si128((__m128i *)(q + j), lz_q8_quantize16(map->cells, _mm512_load_ps(x + j), s->s));
+}
+
+A8_FAST static inline __attribute__((always_inline)) void quantise128_permute(const lz_q8_map *map,
+                                                                              const float *x,
+                                                                              const a8_scale *s,
+                                                                              uint8_t *q) {
+  lz_q8_quantize128(map->fast, x, s->s, s->recip, s->r, q);
+}
+
+/* Whole blocks, software-pipelined: each pass over a block updates it and
+ * quantises the block before it (whose absmax is now known), so the
+ * quantiser's table lookups run beside the update's divisions and square
+ * root instead of after them; the bf16 working copy (wbf, or NULL) is
+ * written while p is in cache. Every element's arithmetic is block8_vbmi's.
+ * Inlined into one function per quantiser (its target the quantiser's). */
+A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
+    float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,
+    float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t blocks,
+    uint16_t *restrict wbf, a8_quantise128_fn quantise128, a8_store64_fn store64) {
   enum { B = LZ_ADAMW8BIT_BLOCK };
   float m[2][B] __attribute__((aligned(64))), v[2][B] __attribute__((aligned(64)));
-  const lz_q8_fast *fast_m = k->map_m->fast, *fast_v = k->map_v->fast;
-  /* the previous block's absmaxes, reciprocals and whether those serve */
-  __m512 sm = _mm512_set1_ps(1.0f), sv = sm, rm = sm, rv = sm;
-  int recip_m = 0, recip_v = 0;
+  a8_scale sm = {_mm512_set1_ps(1.0f), _mm512_set1_ps(1.0f), 0}, sv = sm; /* the previous block's */
   for (int64_t b = 0; b <= blocks; b++) {
     const int cur = (int)(b & 1), prev = cur ^ 1, update = b < blocks, quantise = b > 0;
     const int64_t o = b * B, q = o - B;
     const a8_vec512 c = vec512(k, update ? absmax_m[b] : 0.0f, update ? absmax_v[b] : 0.0f);
     __m512 mm = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-    for (int i = 0; i < B; i += 64) {
-      if (update) {
-        __m512 dm[4], dv[4];
-        lookup64(k->map_m->planes, qm + o + i, dm);
-        lookup64(k->map_v->planes, qv + o + i, dv);
-        for (int j = 0; j < 4; j++)
-          update16(p + o + i + 16 * j, grad + o + i + 16 * j, dm[j], dv[j], &c,
-                   m[cur] + i + 16 * j, v[cur] + i + 16 * j, &mm, &mv);
-        if (wbf)
-          for (int j = 0; j < 64; j += 16) store_bf16x16(wbf + o + i + j, p + o + i + j);
-      }
+    for (int i = 0; i < B; i += 128) {
+      if (update)
+        for (int h = i; h < i + 128; h += 64) {
+          __m512 dm[4], dv[4];
+          lookup64(k->map_m->planes, qm + o + h, dm);
+          lookup64(k->map_v->planes, qv + o + h, dv);
+          for (int j = 0; j < 4; j++)
+            update16(p + o + h + 16 * j, grad + o + h + 16 * j, dm[j], dv[j], &c,
+                     m[cur] + h + 16 * j, v[cur] + h + 16 * j, &mm, &mv);
+          if (wbf) store64(wbf + o + h, p + o + h);
+        }
       if (quantise) {
-        lz_q8_quantize64(fast_m, m[prev] + i, sm, recip_m, rm, qm + q + i);
-        lz_q8_quantize64(fast_v, v[prev] + i, sv, recip_v, rv, qv + q + i);
+        quantise128(k->map_m, m[prev] + i, &sm, qm + q + i);
+        quantise128(k->map_v, v[prev] + i, &sv, qv + q + i);
       }
     }
     if (update) {
       const float am = _mm512_reduce_max_ps(mm), av = _mm512_reduce_max_ps(mv);
       absmax_m[b] = am, absmax_v[b] = av;
-      sm = _mm512_set1_ps(am), sv = _mm512_set1_ps(av);
-      rm = _mm512_set1_ps(1.0f / am), rv = _mm512_set1_ps(1.0f / av);
-      recip_m = lz_q8_recip_ok(am), recip_v = lz_q8_recip_ok(av);
+      sm = (a8_scale){_mm512_set1_ps(am), _mm512_set1_ps(1.0f / am), lz_q8_recip_ok(am)};
+      sv = (a8_scale){_mm512_set1_ps(av), _mm512_set1_ps(1.0f / av), lz_q8_recip_ok(av)};
     }
   }
+}
+
+#define A8_BLOCKS8_ARGS                                                                       \
+  float *restrict p, const float *restrict grad, uint8_t *restrict qm, uint8_t *restrict qv,  \
+      float *restrict absmax_m, float *restrict absmax_v, const a8_consts *k, int64_t blocks, \
+      uint16_t *restrict wbf
+
+/* The quantiser's lookups as gathers into the cells. */
+A8_VBMI static void blocks8_vbmi(A8_BLOCKS8_ARGS) {
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_gather,
+                   store64_shifts);
+}
+
+/* The quantiser's lookups as byte permutes and its x / absmax a corrected
+ * product (lz_q8_quantize128), where the maps have those tables. */
+A8_FAST static void blocks8_fast(A8_BLOCKS8_ARGS) {
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_permute,
+                   store64_shifts);
+}
+
+/* blocks8_fast with the working copy rounded by vcvtne2ps2bf16. */
+A8_BF16 static void blocks8_bf16(A8_BLOCKS8_ARGS) {
+  blocks8_pipeline(p, grad, qm, qv, absmax_m, absmax_v, k, blocks, wbf, quantise128_permute,
+                   store64_convert);
 }
 
 /* fmaf is one instruction only where FMA is enabled, which target_clones'
@@ -364,16 +405,42 @@ typedef void (*block8_fn)(float *restrict, const float *restrict, uint8_t *restr
                           int64_t);
 typedef void (*block32_fn)(float *restrict, const float *restrict, float *restrict, float *restrict,
                            const a8_consts *, int64_t);
+typedef void (*blocks8_fn)(A8_BLOCKS8_ARGS);
 
-static int isa_level(void) {
+/* The forms of the update, by what the machine has: the scalar loop, AVX2
+ * and AVX-512 with gathers, AVX-512 VBMI's pipelined blocks, those with the
+ * permute quantiser (VBMI2, where the maps have its tables), and those with
+ * the bf16 working copy converted by AVX512-BF16. */
+enum { ISA_BASE, ISA_AVX2, ISA_AVX512, ISA_VBMI, ISA_VBMI2, ISA_BF16, ISA_LEVELS };
+static const char *const a8_level_names[ISA_LEVELS] = {"base", "avx2",  "avx512",
+                                                       "vbmi", "vbmi2", "bf16"};
+
+static int machine_level(void) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-    const int vbmi = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
-    return vbmi ? 3 : 2;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-  return 0;
+  if (!__builtin_cpu_supports("fma")) return ISA_BASE;
+  if (!__builtin_cpu_supports("avx512f"))
+    return __builtin_cpu_supports("avx2") ? ISA_AVX2 : ISA_BASE;
+  if (!__builtin_cpu_supports("avx512bw") || !__builtin_cpu_supports("avx512vbmi"))
+    return ISA_AVX512;
+  const lz_q8_map *sm = lz_q8_map_get(1), *um = lz_q8_map_get(0);
+  if (!lz_q8_fast_ok(sm) || !lz_q8_fast_ok(um)) return ISA_VBMI;
+  const int bf16 = __builtin_cpu_supports("avx512dq") && lz_cpu_has("avx512bf16");
+  return bf16 ? ISA_BF16 : ISA_VBMI2;
 }
+
+/* The machine's best form, or a lower one named by LZ_ADAMW8BIT_ISA (base,
+ * avx2, avx512, vbmi, vbmi2, bf16): every form gives the same bits, and the tests
+ * run each one this machine can. */
+static int isa_level(void) {
+  const int best = machine_level();
+  const char *want = getenv("LZ_ADAMW8BIT_ISA");
+  if (want)
+    for (int l = 0; l < best; l++)
+      if (!strcmp(want, a8_level_names[l])) return l;
+  return best;
+}
+
+const char *lz_adamw8bit_form(void) { return a8_level_names[isa_level()]; }
 
 /* ------------------------------------------------------------------ checks */
 
@@ -396,34 +463,44 @@ int64_t lz_adamw8bit_blocks(int64_t n) {
 
 const float *lz_adamw8bit_map(int is_signed) { return lz_q8_map_get(is_signed)->values; }
 
-lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
-                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
-                            const lz_adamw_args *args) {
-  const char *op = "adamw8bit_step";
+/* The checks both entry points make (a's tensors are param, grad, m, v,
+ * absmax_m, absmax_v, working; a's dtypes are checked against op_id's). */
+static lz_status check_8bit(const char *op, lz_op op_id, const lz_op_args *a) {
+  lz_tensor *param = a->t[0], *m = a->t[2], *v = a->t[3];
   const lz_optim_tensors t = {.param = param,
-                              .grad = grad,
+                              .grad = a->t[1],
                               .states = {m, v},
                               .state_names = {"m", "v"},
                               .n_states = 2,
-                              .working = working};
-  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
-                        .adamw = args};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ADAMW8BIT_STEP, &a));
+                              .working = a->t[6]};
+  LZ_TRY(lz_op_check_dtypes(op, op_id, a));
   LZ_TRY(lz_optim_check_tensors(op, &t));
   if (m->dtype == LZ_U8) {
     const int64_t blocks = lz_adamw8bit_blocks(lz_tensor_numel(param));
     const char *why = "one per 256 elements of param";
-    LZ_TRY(lz_check_numel(op, "absmax_m", absmax_m, blocks, why));
-    LZ_TRY(lz_check_numel(op, "absmax_v", absmax_v, blocks, why));
+    LZ_TRY(lz_check_numel(op, "absmax_m", a->t[4], blocks, why));
+    LZ_TRY(lz_check_numel(op, "absmax_v", a->t[5], blocks, why));
   }
-  LZ_TRY(check_args(op, args));
+  return check_args(op, a->adamw);
+}
+
+lz_status lz_adamw8bit_step(lz_tensor *param, const lz_tensor *grad, lz_tensor *m, lz_tensor *v,
+                            lz_tensor *absmax_m, lz_tensor *absmax_v, lz_tensor *working,
+                            const lz_adamw_args *args) {
+  const char *op = "adamw8bit_step";
+  const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
+                        .adamw = args};
+  LZ_TRY(check_8bit(op, LZ_OP_ADAMW8BIT_STEP, &a));
   return lz_op_run(op, LZ_OP_ADAMW8BIT_STEP, &a);
 }
 
 /* ------------------------------------------------------------------- pass */
 
+/* lz_q8_quantizer_at's level for each form (vbmi's quantiser gathers). */
+static const int quantizer_level[ISA_LEVELS] = {0, 1, 2, 2, 3, 3};
+
 /* The step's scalars (eight: u8 states; else the fp32 update's). */
-static a8_consts consts_of(const lz_adamw_args *args, int eight) {
+static a8_consts consts_of(const lz_adamw_args *args, int eight, int isa) {
   const double lr = args->lr, b1 = args->beta1, b2 = args->beta2, wd = args->weight_decay;
   const double c1 = 1.0 - pow(b1, (double)args->step);
   const double c2 = sqrt(1.0 - pow(b2, (double)args->step));
@@ -439,85 +516,66 @@ static a8_consts consts_of(const lz_adamw_args *args, int eight) {
       .grad_scale = args->grad_scale,
       .map_m = lz_q8_map_get(1),
       .map_v = lz_q8_map_get(0),
-      .quantize = lz_q8_quantizer(),
+      .quantize = lz_q8_quantizer_at(quantizer_level[isa]),
   };
   return k;
 }
 
-static const block8_fn b8[] = {block8_base, block8_avx2, block8_avx512, block8_vbmi};
-static const block32_fn b32[] = {block32_base, block32_avx2, block32_avx512, block32_avx512};
+static const block8_fn b8[ISA_LEVELS] = {block8_base, block8_avx2, block8_avx512,
+                                         block8_vbmi, block8_vbmi, block8_vbmi};
+static const block32_fn b32[ISA_LEVELS] = {block32_base,   block32_avx2,   block32_avx512,
+                                           block32_avx512, block32_avx512, block32_avx512};
+static const blocks8_fn bs8[ISA_LEVELS] = {NULL,         NULL,         NULL,
+                                           blocks8_vbmi, blocks8_fast, blocks8_bf16};
 
 /* Elements [i0, i0 + len) of the update over p (their fp32 values; p[0] is
- * element i0): whole blocks software-pipelined where VBMI is there (with the
- * quantiser's byte-permute lookups where VBMI2 is too), else block by block. Every element's arithmetic is the same either way. */
-static void a8_tile(float *p, const lz_op_args *a, const a8_consts *k, int eight, int isa,
-                    int64_t i0, int64_t len) {
+ * element i0; wbf, or NULL, their bf16 working copy): whole blocks
+ * software-pipelined where VBMI is there, else block by block, each form
+ * giving every element the same arithmetic. Returns how many elements of
+ * wbf it wrote (from the first). */
+static int64_t a8_tile(float *p, const lz_op_args *a, const a8_consts *k, int eight, int isa,
+                       int64_t i0, int64_t len, uint16_t *wbf) {
   const int64_t B = LZ_ADAMW8BIT_BLOCK;
   const float *g = (const float *)a->t[1]->data + i0;
   if (!eight) {
     float *m = (float *)a->t[2]->data + i0, *v = (float *)a->t[3]->data + i0;
     for (int64_t j = 0; j < len; j += B)
       b32[isa](p + j, g + j, m + j, v + j, k, len - j < B ? len - j : B);
-    return;
+    return 0;
   }
   uint8_t *qm = (uint8_t *)a->t[2]->data + i0, *qv = (uint8_t *)a->t[3]->data + i0;
   float *am = (float *)a->t[4]->data + i0 / B, *av = (float *)a->t[5]->data + i0 / B;
   int64_t j = 0;
-  if (isa == 3) {
+  /* without a working copy the bf16 form is vbmi2's, whose build (no DQ)
+   * measured a few per cent faster */
+  const blocks8_fn blocks8 = isa == ISA_BF16 && !wbf ? blocks8_fast : bs8[isa];
+  if (blocks8) {
     j = len / B * B;
-    if (k->map_m->fast && k->map_v->fast)
-      blocks8_fast(p, g, qm, qv, am, av, k, j / B, NULL);
-    else
-      blocks8_vbmi(p, g, qm, qv, am, av, k, j / B);
+    blocks8(p, g, qm, qv, am, av, k, j / B, wbf);
   }
+  const int64_t stored = wbf ? j : 0;
   for (; j < len; j += B)
     b8[isa](p + j, g + j, qm + j, qv + j, am + j / B, av + j / B, k, len - j < B ? len - j : B);
+  return stored;
 }
 
 lz_status lz_cpu_adamw8bit_step(const lz_op_args *a) {
   const int64_t n = lz_tensor_numel(a->t[0]);
-  const int eight = a->t[2]->dtype == LZ_U8;
-  const a8_consts k = consts_of(a->adamw, eight);
-  const int isa = isa_level();
+  const int eight = a->t[2]->dtype == LZ_U8, isa = isa_level();
+  const a8_consts k = consts_of(a->adamw, eight, isa);
   float *p = a->t[0]->data;
-  const float *g = a->t[1]->data;
   lz_tensor *w = a->t[6];
   const lz_optim_store_fn store = w ? lz_optim_working_store(w->dtype) : NULL;
   const size_t wsize = w ? lz_dtype_size(w->dtype) : 0;
-  const int64_t B = LZ_ADAMW8BIT_BLOCK;
-  const int fast = k.map_m->fast && k.map_v->fast;
-  if (eight && isa == 3) {
-    const int64_t chunk = 64 * B;
+  /* pipelined blocks run in chunks of 64 blocks, the others block by block */
+  const int64_t chunk = (eight && bs8[isa] ? 64 : 1) * LZ_ADAMW8BIT_BLOCK;
 #pragma omp parallel for schedule(static) if (n > (1 << 14))
-    for (int64_t i0 = 0; i0 < n; i0 += chunk) {
-      const int64_t len = n - i0 < chunk ? n - i0 : chunk, whole = len / B * B;
-      uint8_t *qm = (uint8_t *)a->t[2]->data + i0, *qv = (uint8_t *)a->t[3]->data + i0;
-      float *am = (float *)a->t[4]->data + i0 / B, *av = (float *)a->t[5]->data + i0 / B;
-      int64_t stored = 0; /* elements of the chunk whose working copy is written */
-      if (fast) {
-        uint16_t *wbf = w && w->dtype == LZ_BF16 ? (uint16_t *)w->data + i0 : NULL;
-        blocks8_fast(p + i0, g + i0, qm, qv, am, av, &k, whole / B, wbf);
-        stored = wbf ? whole : 0;
-      } else {
-        blocks8_vbmi(p + i0, g + i0, qm, qv, am, av, &k, whole / B);
-      }
-      if (len > whole)
-        block8_vbmi(p + i0 + whole, g + i0 + whole, qm + whole, qv + whole, am + whole / B,
-                    av + whole / B, &k, len - whole);
-      if (store && len > stored)
-        store((char *)w->data + (size_t)(i0 + stored) * wsize, p + i0 + stored, len - stored);
-    }
-    return LZ_OK;
-  }
-#pragma omp parallel for schedule(static) if (n > (1 << 14))
-  for (int64_t i0 = 0; i0 < n; i0 += B) {
-    const int64_t len = n - i0 < B ? n - i0 : B;
-    if (eight)
-      b8[isa](p + i0, g + i0, (uint8_t *)a->t[2]->data + i0, (uint8_t *)a->t[3]->data + i0,
-              (float *)a->t[4]->data + i0 / B, (float *)a->t[5]->data + i0 / B, &k, len);
-    else
-      b32[isa](p + i0, g + i0, (float *)a->t[2]->data + i0, (float *)a->t[3]->data + i0, &k, len);
-    if (store) store((char *)w->data + (size_t)i0 * wsize, p + i0, len);
+  for (int64_t i0 = 0; i0 < n; i0 += chunk) {
+    const int64_t len = n - i0 < chunk ? n - i0 : chunk;
+    uint16_t *wbf = w && w->dtype == LZ_BF16 ? (uint16_t *)w->data + i0 : NULL;
+    const int64_t stored = a8_tile(p + i0, a, &k, eight, isa, i0, len, wbf);
+    if (store && len > stored)
+      store((char *)w->data + (size_t)(i0 + stored) * wsize, p + i0 + stored, len - stored);
   }
   return LZ_OK;
 }
@@ -537,27 +595,15 @@ lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_ten
                                  lz_tensor *working, const lz_adamw_args *args, uint64_t seed,
                                  int64_t index) {
   const char *op = "adamw8bit_step_bf16";
-  const lz_optim_tensors t = {.param = param,
-                              .grad = grad,
-                              .states = {m, v},
-                              .state_names = {"m", "v"},
-                              .n_states = 2,
-                              .working = working};
   const lz_op_args a = {.t = {param, (lz_tensor *)grad, m, v, absmax_m, absmax_v, working},
                         .adamw = args,
                         .i = {(int64_t)seed, index}};
-  LZ_TRY(lz_op_check_dtypes(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a));
-  LZ_TRY(lz_optim_check_tensors(op, &t));
-  if (m->dtype == LZ_U8) {
-    const int64_t blocks = lz_adamw8bit_blocks(lz_tensor_numel(param));
-    const char *why = "one per 256 elements of param";
-    LZ_TRY(lz_check_numel(op, "absmax_m", absmax_m, blocks, why));
-    LZ_TRY(lz_check_numel(op, "absmax_v", absmax_v, blocks, why));
-  }
+  LZ_TRY(check_8bit(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a));
   if (index < 0)
-    return lz_fail(LZ_ERR_INVALID, "%s: index is %lld; it must be >= 0 (the global index of "
-                   "param's first element)", op, (long long)index);
-  LZ_TRY(check_args(op, args));
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: index is %lld; it must be >= 0 (the global index of "
+                   "param's first element)",
+                   op, (long long)index);
   return lz_op_run(op, LZ_OP_ADAMW8BIT_STEP_BF16, &a);
 }
 
@@ -570,8 +616,8 @@ lz_status lz_cpu_adamw8bit_step_bf16(const lz_op_args *a) {
   enum { TILE = 64 * LZ_ADAMW8BIT_BLOCK };
   const int64_t n = lz_tensor_numel(a->t[0]);
   const int eight = a->t[2]->dtype == LZ_U8;
-  const a8_consts k = consts_of(a->adamw, eight);
   const int isa = isa_level();
+  const a8_consts k = consts_of(a->adamw, eight, isa);
   const lz_sround_key key = lz_sround_key_of((uint64_t)a->i[0], (uint64_t)a->adamw->step);
   uint16_t *master = a->t[0]->data;
   uint16_t *w = a->t[6] ? a->t[6]->data : NULL;
@@ -580,7 +626,7 @@ lz_status lz_cpu_adamw8bit_step_bf16(const lz_op_args *a) {
     float p[TILE] __attribute__((aligned(64)));
     const int64_t len = n - i0 < TILE ? n - i0 : TILE;
     widen_bf16(p, master + i0, len);
-    a8_tile(p, a, &k, eight, isa, i0, len);
+    a8_tile(p, a, &k, eight, isa, i0, len, NULL);
     lz_sround_block(master + i0, p, key, a->i[1] + i0, len);
     if (w) memcpy(w + i0, master + i0, sizeof *w * (size_t)len);
   }

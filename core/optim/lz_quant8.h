@@ -33,6 +33,11 @@ typedef void (*lz_q8_quantize_fn)(const lz_q8_map *map, const float *x, float ab
                                   int64_t n);
 lz_q8_quantize_fn lz_q8_quantizer(void);
 
+/* The same at most at a level (0 scalar, 1 AVX2, 2 AVX-512 with gathers, 3
+ * with byte permutes where the map has their tables), so that tests run
+ * every form the machine can; each gives the same indices. */
+lz_q8_quantize_fn lz_q8_quantizer_at(int level);
+
 /* The same for whole groups of 64 values (n a multiple of 64) without table
  * gathers, where lz_q8_fast_ok(map): AVX-512 VBMI2 and the map's steps fit
  * the permute tables (quant8.c). */
@@ -98,25 +103,38 @@ typedef struct lz_q8_fast {
 
 #define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,fma")))
 
-/* One byte plane of a cell table at 64 cells at once. */
-LZ_Q8_FAST static inline __m512i lz_q8_plane64(const uint8_t *t, __m512i cell, __mmask64 high) {
-  const __m512i lo =
-      _mm512_permutex2var_epi8(_mm512_loadu_si512(t), cell, _mm512_loadu_si512(t + 64));
-  const __m512i hi =
-      _mm512_permutex2var_epi8(_mm512_loadu_si512(t + 128), cell, _mm512_loadu_si512(t + 192));
-  return _mm512_mask_blend_epi8(high, lo, hi);
+/* One byte plane of a cell table at 64 cells at once, for each of g groups
+ * of 64 (the table's four registers loaded once for all of them). */
+LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_plane64(const uint8_t *t, int g,
+                                                                           const __m512i *cell,
+                                                                           const __mmask64 *high,
+                                                                           __m512i *out) {
+  const __m512i t0 = _mm512_loadu_si512(t), t1 = _mm512_loadu_si512(t + 64);
+  const __m512i t2 = _mm512_loadu_si512(t + 128), t3 = _mm512_loadu_si512(t + 192);
+  for (int j = 0; j < g; j++)
+    out[j] = _mm512_mask_blend_epi8(high[j], _mm512_permutex2var_epi8(t0, cell[j], t1),
+                                    _mm512_permutex2var_epi8(t2, cell[j], t3));
 }
 
-/* Whether each of 64 mantissas (byte planes m[0..2], low byte first) is
- * at or above the step of its cell in the planes t[0..2]: compared byte by
- * byte from the top, the lower bytes deciding where the upper are equal. */
-LZ_Q8_FAST static inline __mmask64 lz_q8_at_step64(const uint8_t (*t)[256], __m512i cell,
-                                                   __mmask64 high, const __m512i m[3]) {
-  const __m512i t0 = lz_q8_plane64(t[0], cell, high), t1 = lz_q8_plane64(t[1], cell, high);
-  const __m512i t2 = lz_q8_plane64(t[2], cell, high);
-  const __mmask64 ge10 = _mm512_cmpgt_epu8_mask(m[1], t1) |
-                         _mm512_mask_cmpge_epu8_mask(_mm512_cmpeq_epi8_mask(m[1], t1), m[0], t0);
-  return _mm512_cmpgt_epu8_mask(m[2], t2) | _mm512_mask_cmpeq_epi8_mask(ge10, m[2], t2);
+/* Adds 1 to each of g groups of 64 labels whose mantissa (byte planes
+ * m[j][0..2], low byte first) is at or above the step of its cell in the
+ * planes t[0..2]: compared byte by byte from the top, the lower bytes
+ * deciding where the upper are equal. */
+LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64(
+    const uint8_t (*t)[256], int g, const __m512i *cell, const __mmask64 *high,
+    const __m512i (*m)[3], __m512i *label) {
+  __m512i t0[2], t1[2], t2[2];
+  lz_q8_plane64(t[0], g, cell, high, t0);
+  lz_q8_plane64(t[1], g, cell, high, t1);
+  lz_q8_plane64(t[2], g, cell, high, t2);
+  for (int j = 0; j < g; j++) {
+    const __mmask64 ge10 =
+        _mm512_cmpgt_epu8_mask(m[j][1], t1[j]) |
+        _mm512_mask_cmpge_epu8_mask(_mm512_cmpeq_epi8_mask(m[j][1], t1[j]), m[j][0], t0[j]);
+    const __mmask64 ge =
+        _mm512_cmpgt_epu8_mask(m[j][2], t2[j]) | _mm512_mask_cmpeq_epi8_mask(ge10, m[j][2], t2[j]);
+    label[j] = _mm512_mask_add_epi8(label[j], ge, label[j], _mm512_set1_epi8(1));
+  }
 }
 
 /* x / b as RN(x * r) corrected by its remainder (Markstein's step), r =
@@ -139,54 +157,73 @@ static inline int lz_q8_recip_ok(float absmax) {
   return absmax >= 0x1p-52f && absmax <= 0x1p64f;
 }
 
-/* The indices of 64 values x of a block with this absmax (broadcast; with
- * recip, r its reciprocal and the division lz_q8_div16's): the cell from
- * the top 16 bits of z = x / absmax (sign, exponent, 7 mantissa bits) in
- * 16-bit lanes, the cell's label and steps by byte permutes, the steps
- * compared with z's mantissa as three bytes, 64 values per compare. */
+/* The indices of g (1 or 2) groups of 64 values x of a block with this
+ * absmax (broadcast; with recip, r its reciprocal and the division
+ * lz_q8_div16's): the cell from the top 16 bits of z = x / absmax (sign,
+ * exponent, 7 mantissa bits) in 16-bit lanes, the cell's label and steps by
+ * byte permutes, the steps compared with z's mantissa as three bytes, 64
+ * values per compare. Two groups share each table's loads. */
+LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_quantize_groups(
+    const lz_q8_fast *f, const float *x, __m512 absmax, int recip, __m512 r, uint8_t *q, int g) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i hi_words = _mm512_loadu_si512(f->sel_hi),
+                sel_cell = _mm512_loadu_si512(f->sel_cell);
+  const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
+  __m512i z[2][4], cell[2], m[2][3], label[2], idx[2];
+  __mmask64 high[2], nan[2];
+  for (int j = 0; j < g; j++) {
+    __m512i c[2];
+    __mmask32 bad[2];
+    for (int i = 0; i < 4; i++) {
+      const __m512 xi = _mm512_loadu_ps(x + 64 * j + 16 * i);
+      z[j][i] = _mm512_castps_si512(recip ? lz_q8_div16(xi, absmax, r) : _mm512_div_ps(xi, absmax));
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m512i hw = _mm512_permutex2var_epi16(z[j][2 * h], hi_words, z[j][2 * h + 1]);
+      const __m512i mag = _mm512_and_si512(hw, _mm512_set1_epi16(0x7fff));
+      /* NaN or inf; inf is no quotient of |x| <= absmax, and 0 / 0 is NaN */
+      bad[h] = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7f80));
+      const __m512i a =
+          _mm512_min_epu16(_mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16))),
+                           _mm512_set1_epi16((short)(Q8_ONE >> 16)));
+      /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
+      const __m512i bi = _mm512_ternarylogic_epi32(
+          _mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw, 10), _mm512_set1_epi16(0x20), 0xd8);
+      const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
+      c[h] = _mm512_add_epi16(_mm512_shrdv_epi16(a, zero, ent), _mm512_srli_epi16(ent, 8));
+    }
+    nan[j] = _mm512_kunpackd((__mmask64)bad[1], (__mmask64)bad[0]);
+    cell[j] = _mm512_permutex2var_epi8(c[0], sel_cell, c[1]);
+    high[j] = _mm512_movepi8_mask(cell[j]);
+  }
+  for (int k = 0; k < 3; k++) { /* z's mantissa as byte planes, elements in order */
+    const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
+    for (int j = 0; j < g; j++)
+      m[j][k] = _mm512_mask_blend_epi8(0xffffffff00000000ull,
+                                       _mm512_permutex2var_epi8(z[j][0], sel, z[j][1]),
+                                       _mm512_permutex2var_epi8(z[j][2], sel, z[j][3]));
+  }
+  for (int j = 0; j < g; j++) /* the exponent's low bit off */
+    m[j][2] = _mm512_and_si512(m[j][2], _mm512_set1_epi8(0x7f));
+  lz_q8_plane64(f->cell[0], g, cell, high, label);
+  lz_q8_count_step64((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
+                     label);
+  lz_q8_count_step64((const uint8_t(*)[256])f->cell[4], g, cell, high, (const __m512i(*)[3])m,
+                     label);
+  for (int j = 0; j < g; j++) high[j] = _mm512_movepi8_mask(label[j]);
+  lz_q8_plane64(f->index, g, label, high, idx);
+  for (int j = 0; j < g; j++) /* NaN gets index 0 */
+    _mm512_storeu_si512(q + 64 * j, nan[j] ? _mm512_maskz_mov_epi8(~nan[j], idx[j]) : idx[j]);
+}
+
 LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
                                                int recip, __m512 r, uint8_t *q) {
-  const __m512i zero = _mm512_setzero_si512();
-  __m512i z[4], c[2];
-  __mmask32 nan[2];
-  for (int j = 0; j < 4; j++) {
-    const __m512 xj = _mm512_loadu_ps(x + 16 * j);
-    z[j] = _mm512_castps_si512(recip ? lz_q8_div16(xj, absmax, r) : _mm512_div_ps(xj, absmax));
-  }
-  const __m512i hi_words = _mm512_loadu_si512(f->sel_hi);
-  const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
-  for (int h = 0; h < 2; h++) {
-    const __m512i hw = _mm512_permutex2var_epi16(z[2 * h], hi_words, z[2 * h + 1]);
-    const __m512i mag = _mm512_and_si512(hw, _mm512_set1_epi16(0x7fff));
-    /* NaN or inf; inf is no quotient of |x| <= absmax, and 0 / 0 is NaN */
-    nan[h] = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7f80));
-    const __m512i a = _mm512_min_epu16(_mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16))),
-                                       _mm512_set1_epi16((short)(Q8_ONE >> 16)));
-    /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
-    const __m512i bi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw, 10),
-                                                 _mm512_set1_epi16(0x20), 0xd8);
-    const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
-    c[h] = _mm512_add_epi16(_mm512_shrdv_epi16(a, zero, ent), _mm512_srli_epi16(ent, 8));
-  }
-  const __m512i cell = _mm512_permutex2var_epi8(c[0], _mm512_loadu_si512(f->sel_cell), c[1]);
-  const __mmask64 high = _mm512_movepi8_mask(cell);
-  __m512i m[3]; /* z's mantissa as byte planes, elements in order */
-  for (int k = 0; k < 3; k++) {
-    const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
-    m[k] = _mm512_mask_blend_epi8(0xffffffff00000000ull, _mm512_permutex2var_epi8(z[0], sel, z[1]),
-                                  _mm512_permutex2var_epi8(z[2], sel, z[3]));
-  }
-  m[2] = _mm512_and_si512(m[2], _mm512_set1_epi8(0x7f)); /* the exponent's low bit off */
-  const __m512i one = _mm512_set1_epi8(1);
-  __m512i label = lz_q8_plane64(f->cell[0], cell, high);
-  const uint8_t(*step1)[256] = (const uint8_t(*)[256])f->cell[1];
-  const uint8_t(*step2)[256] = (const uint8_t(*)[256])f->cell[4];
-  label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step1, cell, high, m), label, one);
-  label = _mm512_mask_add_epi8(label, lz_q8_at_step64(step2, cell, high, m), label, one);
-  __m512i idx = lz_q8_plane64(f->index, label, _mm512_movepi8_mask(label));
-  if (nan[0] | nan[1]) /* NaN gets index 0 */
-    idx = _mm512_maskz_mov_epi8(~_mm512_kunpackd((__mmask64)nan[1], (__mmask64)nan[0]), idx);
-  _mm512_storeu_si512(q, idx);
+  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 1);
+}
+
+LZ_Q8_FAST static inline void lz_q8_quantize128(const lz_q8_fast *f, const float *x, __m512 absmax,
+                                                int recip, __m512 r, uint8_t *q) {
+  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 2);
 }
 
 #ifdef __cplusplus

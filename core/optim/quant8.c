@@ -443,7 +443,9 @@ LZ_Q8_FAST void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float 
                                     int64_t n) {
   const __m512 b = _mm512_set1_ps(absmax), r = _mm512_set1_ps(1.0f / absmax);
   const int recip = lz_q8_recip_ok(absmax);
-  for (int64_t i = 0; i + 64 <= n; i += 64) lz_q8_quantize64(map->fast, x + i, b, recip, r, q + i);
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) lz_q8_quantize128(map->fast, x + i, b, recip, r, q + i);
+  if (i + 64 <= n) lz_q8_quantize64(map->fast, x + i, b, recip, r, q + i);
 }
 
 static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
@@ -451,15 +453,11 @@ static void quantize_scalar(const lz_q8_map *map, const float *x, float absmax, 
   for (int64_t i = 0; i < n; i++) q[i] = index_of(map->cells, x[i] / absmax);
 }
 
-__attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *map, const float *x,
-                                                               float absmax, uint8_t *q,
-                                                               int64_t n) {
+__attribute__((target("avx512f"))) static void quantize_gathers(const lz_q8_map *map,
+                                                                const float *x, float absmax,
+                                                                uint8_t *q, int64_t n) {
   const __m512 vmax = _mm512_set1_ps(absmax);
   int64_t i = 0;
-  if (map->fast) {
-    i = n / 64 * 64;
-    lz_q8_quantize_fast(map, x, absmax, q, i);
-  }
   for (; i + 16 <= n; i += 16)
     _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
   quantize_scalar(map, x + i, absmax, q + i, n - i);
@@ -501,9 +499,23 @@ __attribute__((target("avx2"))) static void quantize_avx2(const lz_q8_map *map, 
   quantize_scalar(map, x + i, absmax, q + i, n - i);
 }
 
-lz_q8_quantize_fn lz_q8_quantizer(void) {
+__attribute__((target("avx512f"))) static void quantize_avx512(const lz_q8_map *map, const float *x,
+                                                               float absmax, uint8_t *q,
+                                                               int64_t n) {
+  int64_t i = 0;
+  if (map->fast) {
+    i = n / 64 * 64;
+    lz_q8_quantize_fast(map, x, absmax, q, i);
+  }
+  quantize_gathers(map, x + i, absmax, q + i, n - i);
+}
+
+lz_q8_quantize_fn lz_q8_quantizer_at(int level) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return quantize_avx512;
-  if (__builtin_cpu_supports("avx2")) return quantize_avx2;
+  if (level >= 2 && __builtin_cpu_supports("avx512f"))
+    return level == 2 ? quantize_gathers : quantize_avx512;
+  if (level >= 1 && __builtin_cpu_supports("avx2")) return quantize_avx2;
   return quantize_scalar;
 }
+
+lz_q8_quantize_fn lz_q8_quantizer(void) { return lz_q8_quantizer_at(3); }
