@@ -34,9 +34,9 @@ typedef struct {
   dnnl_primitive_t prim;
   dnnl_memory_desc_t a_md, b_md, c_md, bias_md, scratch_md;
   /* pack_b: b reordered into the kernel's own blocked layout (bw_md) before
-   * the run; NULL where the kernel takes b as it is */
+   * the run; NULL where the kernel takes b as it is (bw_md is b_md) */
   dnnl_primitive_t b_reorder;
-  dnnl_memory_desc_t bw_md;
+  dnnl_memory_desc_t bw_md, reorder_scratch_md;
 } cache_entry;
 
 static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -87,8 +87,9 @@ static dnnl_status_t md_init(dnnl_memory_desc_t *md, int64_t batch, int64_t rows
   return dnnl_memory_desc_init_by_strides(md, 3, dims, dt, strides);
 }
 
-static lz_status entry_build(cache_entry *e) {
-  if (!engine) LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
+/* e's primitive, b packed when `pack` (and its reorder made, e->b_reorder),
+ * else b as it is. */
+static lz_status entry_build_as(cache_entry *e, int pack) {
   dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
   LZ_TRY(dnnl_check(md_init(&a_md, e->batch, e->m, e->k, e->ta, 0, dnnl_bf16), "a desc"));
   LZ_TRY(dnnl_check(md_init(&b_md, e->batch, e->k, e->n, e->tb, e->b_shared, dnnl_bf16),
@@ -101,9 +102,9 @@ static lz_status entry_build(cache_entry *e) {
                                                    nd == 2 ? dnnl_ab : dnnl_abc),
                       "bias desc"));
   }
-  /* pack_b: the primitive chooses b's layout (format any) */
+  /* pack: the primitive chooses b's layout (format any) */
   dnnl_memory_desc_t b_any = b_md;
-  if (e->pack_b)
+  if (pack)
     LZ_TRY(dnnl_check(dnnl_memory_desc_init_by_tag(&b_any, b_md.ndims, b_md.dims, dnnl_bf16,
                                                    dnnl_format_tag_any),
                       "b desc (any)"));
@@ -135,15 +136,46 @@ static lz_status entry_build(cache_entry *e) {
   s = dnnl_primitive_create(&e->prim, pd);
   dnnl_primitive_desc_destroy(pd);
   LZ_TRY(dnnl_check(s, "primitive_create"));
-  if (e->pack_b && !dnnl_memory_desc_equal(&e->bw_md, &b_md)) {
-    dnnl_primitive_desc_t rpd = NULL;
-    s = dnnl_reorder_primitive_desc_create(&rpd, &b_md, engine, &e->bw_md, engine, NULL);
-    if (s == dnnl_success) s = dnnl_primitive_create(&e->b_reorder, rpd);
-    if (rpd) dnnl_primitive_desc_destroy(rpd);
-    LZ_TRY(dnnl_check(s, "b reorder"));
-  }
   e->a_md = a_md, e->b_md = b_md, e->c_md = c_md;
   if (e->has_bias) e->bias_md = bias_md;
+  if (!pack || dnnl_memory_desc_equal(&e->bw_md, &b_md)) return LZ_OK;
+  /* the reorder runs on the thread's own scratchpad too (pad) */
+  dnnl_primitive_desc_t rpd = NULL;
+  s = dnnl_primitive_attr_create(&attr);
+  if (s == dnnl_success) {
+    s = dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user);
+    if (s == dnnl_success)
+      s = dnnl_reorder_primitive_desc_create(&rpd, &b_md, engine, &e->bw_md, engine, attr);
+    dnnl_primitive_attr_destroy(attr);
+  }
+  if (s == dnnl_success) {
+    const dnnl_memory_desc_t *rsmd = dnnl_primitive_desc_query_md(rpd, dnnl_query_scratchpad_md, 0);
+    if (rsmd) e->reorder_scratch_md = *rsmd;
+    s = dnnl_primitive_create(&e->b_reorder, rpd);
+  }
+  if (rpd) dnnl_primitive_desc_destroy(rpd);
+  return dnnl_check(s, "b reorder");
+}
+
+/* With pack_b, a b that oneDNN cannot reorder is multiplied as it is. */
+static lz_status entry_build(cache_entry *e) {
+  if (!engine) LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
+  lz_status st = entry_build_as(e, e->pack_b);
+  if (st == LZ_OK || !e->pack_b) return st;
+  if (e->prim) dnnl_primitive_destroy(e->prim);
+  if (e->b_reorder) dnnl_primitive_destroy(e->b_reorder);
+  e->prim = e->b_reorder = NULL;
+  return entry_build_as(e, 0);
+}
+
+/* Grows this thread's scratchpad to `bytes` (never shrunk: no allocation,
+ * nor page faults, per run). */
+static lz_status pad_reserve(size_t bytes) {
+  if (bytes <= pad_bytes) return LZ_OK;
+  void *grown = realloc(pad, bytes);
+  if (!grown)
+    return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory for a %zu-byte bf16 scratchpad", bytes);
+  pad = grown, pad_bytes = bytes;
   return LZ_OK;
 }
 
@@ -158,16 +190,22 @@ static lz_status pack_b_run(const cache_entry *e, const void *b, const void **ou
                      bytes);
     packed_b = grown, packed_b_bytes = bytes;
   }
-  dnnl_memory_t from = NULL, to = NULL;
+  const size_t scratch = dnnl_memory_desc_get_size(&e->reorder_scratch_md);
+  LZ_TRY(pad_reserve(scratch));
+  dnnl_memory_t from = NULL, to = NULL, sp = NULL;
   dnnl_status_t s = dnnl_memory_create(&from, &e->b_md, engine, (void *)b);
   if (s == dnnl_success) s = dnnl_memory_create(&to, &e->bw_md, engine, packed_b);
+  if (s == dnnl_success && scratch)
+    s = dnnl_memory_create(&sp, &e->reorder_scratch_md, engine, pad);
   if (s == dnnl_success) {
-    dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
-    s = dnnl_primitive_execute(e->b_reorder, stream, 2, args);
+    dnnl_exec_arg_t args[3] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to},
+                               {DNNL_ARG_SCRATCHPAD, sp}};
+    s = dnnl_primitive_execute(e->b_reorder, stream, scratch ? 3 : 2, args);
   }
   if (s == dnnl_success) s = dnnl_stream_wait(stream);
   if (from) dnnl_memory_destroy(from);
   if (to) dnnl_memory_destroy(to);
+  if (sp) dnnl_memory_destroy(sp);
   *out = packed_b;
   return dnnl_check(s, "b reorder");
 }
@@ -180,13 +218,7 @@ static lz_status entry_run(const cache_entry *e, const void *a, const void *b, f
                       "stream_create"));
   if (e->b_reorder) LZ_TRY(pack_b_run(e, b, &b));
   const size_t scratch = dnnl_memory_desc_get_size(&e->scratch_md);
-  if (scratch > pad_bytes) { /* grown, never shrunk: no allocation (nor page faults) per run */
-    void *grown = realloc(pad, scratch);
-    if (!grown)
-      return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory for a %zu-byte bf16 scratchpad",
-                     scratch);
-    pad = grown, pad_bytes = scratch;
-  }
+  LZ_TRY(pad_reserve(scratch));
   dnnl_memory_t m[5] = {NULL, NULL, NULL, NULL, NULL};
   dnnl_status_t s = dnnl_memory_create(&m[0], &e->a_md, engine, (void *)a);
   if (s == dnnl_success) s = dnnl_memory_create(&m[1], &e->bw_md, engine, (void *)b);
