@@ -265,11 +265,15 @@ static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta
  * reorder plus the packed product took 1-5% less CPU time than the plain
  * product (the head's input gradient, k = 32000, the most). Transposed b
  * (the forward's weight) stays as it is: its reorder costs more than it
- * saves. Only outside parallel regions, where each thread would hold its
- * own copy (the experts' grouped GEMM), and for a b of PACK_MIN_BYTES (below,
- * the reorder's own call costs more than the copy it saves) to
- * PACK_MAX_BYTES, the copy's buffer living as long as the thread (as the
- * scratchpad does). LZ_BF16_PACK=0 turns it off. */
+ * saves. The reorder's cost is b's size while the product's grows with a's
+ * rows, so only from PACK_MIN_ROWS rows (with 64 to 256 rows of a the
+ * reorder plus the packed product took 4-15% more CPU time than the plain
+ * one, b in cache) and for a b of PACK_MIN_BYTES (smaller: the reorder's call
+ * is mostly overhead) to PACK_MAX_BYTES, the copy's buffer living as long as
+ * the thread (as the scratchpad does). Only outside parallel regions, where
+ * each thread would hold its own copy (the experts' grouped GEMM).
+ * LZ_BF16_PACK=0 turns it off. */
+#define PACK_MIN_ROWS 512
 #define PACK_MIN_BYTES ((int64_t)64 << 10)
 #define PACK_MAX_BYTES ((int64_t)128 << 20)
 typedef struct {
@@ -366,8 +370,9 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   LZ_TRY(path_get(&native));
   if (!native)
     return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
-  const int pack_b = path.pack_b && batch == 1 && !tb && k * n * 2 >= PACK_MIN_BYTES &&
-                     k * n * 2 <= PACK_MAX_BYTES && !omp_in_parallel();
+  const int pack_b = path.pack_b && batch == 1 && !tb && m >= PACK_MIN_ROWS &&
+                     k * n * 2 >= PACK_MIN_BYTES && k * n * 2 <= PACK_MAX_BYTES &&
+                     !omp_in_parallel();
   pthread_mutex_lock(&cache_lock);
   cache_entry *hit = NULL, *victim = NULL;
   for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
