@@ -235,3 +235,39 @@ LZ_TEST(linear_backward_write_is_add_into_zeros) {
     check_write_case(dts[d], 512, 2048, 768);
   }
 }
+
+/* A bf16 b not transposed is packed into oneDNN's blocked layout before the
+ * product (matmul.c); a transposed b is not. The same values either way give
+ * the same bits: the packed copy is what the kernel reads b as. Shapes grow
+ * and shrink so the thread's packed buffer is reused at each size. */
+static void check_packed_case(int64_t m, int64_t n, int64_t k, int ta, float alpha, float beta) {
+  int64_t sa[2] = {ta ? k : m, ta ? m : k}, sb[2] = {k, n}, sbt[2] = {n, k}, sc[2] = {m, n};
+  lz_tensor *a = rand_tensor(LZ_BF16, 2, sa), *b = rand_tensor(LZ_BF16, 2, sb);
+  lz_tensor *bt = NULL, *c = rand_tensor(LZ_F32, 2, sc), *ct = NULL;
+  CHECK_OK(lz_tensor_new(&bt, LZ_BF16, 2, sbt, LZ_MEM_WORKSPACE));
+  CHECK_OK(lz_tensor_new(&ct, LZ_F32, 2, sc, LZ_MEM_WORKSPACE));
+  for (int64_t l = 0; l < k; l++)
+    for (int64_t j = 0; j < n; j++)
+      ((uint16_t *)bt->data)[j * k + l] = ((uint16_t *)b->data)[l * n + j];
+  memcpy(ct->data, c->data, (size_t)(m * n) * sizeof(float));
+  CHECK_OK(lz_matmul(c, a, b, ta, 0, alpha, beta));
+  CHECK_OK(lz_matmul(ct, a, bt, ta, 1, alpha, beta));
+  int64_t differ = 0;
+  for (int64_t i = 0; i < m * n; i++)
+    differ += ((uint32_t *)c->data)[i] != ((uint32_t *)ct->data)[i];
+  if (differ)
+    lz_test_fail(__FILE__, __LINE__, "bf16 m%lld n%lld k%lld ta%d: %lld of %lld products differ "
+                 "between b packed and b transposed", (long long)m, (long long)n, (long long)k,
+                 ta, (long long)differ, (long long)(m * n));
+  lz_tensor *ts[] = {a, b, bt, c, ct};
+  for (int i = 0; i < 5; i++) lz_tensor_free(ts[i]);
+}
+
+LZ_TEST(matmul_bf16_packed_b_gives_the_bits_of_b_as_it_is) {
+  /* (from 512 rows of a and 64 KiB of b: smaller ones are multiplied as
+   * they are) */
+  check_packed_case(512, 768, 2048, 0, 1.0f, 0.0f); /* an input gradient */
+  check_packed_case(517, 129, 300, 0, 0.5f, 1.0f);  /* sizes off the blocks */
+  check_packed_case(768, 768, 512, 1, 1.0f, 1.0f);  /* a weight gradient, accumulated */
+  check_packed_case(515, 200, 190, 1, 1.0f, 0.0f);
+}

@@ -197,10 +197,39 @@ static double sq_f16_block(const uint16_t *x, int64_t n) {
   return s;
 }
 
-static double sq_block(const void *data, lz_dtype dt, int64_t i0, int64_t len) {
-  if (dt == LZ_F32) return sq_f32_block((const float *)data + i0, len);
-  if (dt == LZ_BF16) return sq_bf16_block((const uint16_t *)data + i0, len);
-  return sq_f16_block((const uint16_t *)data + i0, len);
+/* The one summation order of sq_norm and add_sq_norm: blocks of SQ_BLOCK
+ * elements, each block's sum from block(ctx, i0, len), the partials of a
+ * group added in index order, the groups in order. */
+typedef double (*sq_block_fn)(void *ctx, int64_t i0, int64_t len);
+
+static lz_status sq_sum(const char *op, int64_t n, sq_block_fn block, void *ctx, double *out) {
+  const int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
+  const int64_t group = blocks < SQ_GROUP ? blocks : SQ_GROUP;
+  double stack[SQ_STACK];
+  double *partial = group <= SQ_STACK ? stack : malloc((size_t)group * sizeof(double));
+  if (!partial)
+    return lz_fail(LZ_ERR_NOMEM, "%s: out of memory for %lld partial sums", op, (long long)group);
+  double total = 0.0;
+  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * group) {
+    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * group);
+    const int64_t nb = (g_len + SQ_BLOCK - 1) / SQ_BLOCK;
+#pragma omp parallel for schedule(static) if (nb > 8)
+    for (int64_t k = 0; k < nb; k++) {
+      const int64_t i0 = g0 + k * SQ_BLOCK;
+      partial[k] = block(ctx, i0, block_len(n, i0, SQ_BLOCK));
+    }
+    for (int64_t k = 0; k < nb; k++) total += partial[k];
+  }
+  if (partial != stack) free(partial);
+  *out = total;
+  return LZ_OK;
+}
+
+static double sq_block(void *ctx, int64_t i0, int64_t len) {
+  const lz_tensor *t = ctx;
+  if (t->dtype == LZ_F32) return sq_f32_block((const float *)t->data + i0, len);
+  if (t->dtype == LZ_BF16) return sq_bf16_block((const uint16_t *)t->data + i0, len);
+  return sq_f16_block((const uint16_t *)t->data + i0, len);
 }
 
 lz_status lz_sq_norm(const lz_tensor *t, double *out) {
@@ -213,30 +242,7 @@ lz_status lz_sq_norm(const lz_tensor *t, double *out) {
 
 lz_status lz_cpu_sq_norm(const lz_op_args *a) {
   const lz_tensor *t = a->t[0];
-  double *out = a->out_f64;
-  const int64_t n = lz_tensor_numel(t);
-  const lz_dtype dt = t->dtype;
-  const void *p = t->data;
-  const int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
-  const int64_t group = blocks < SQ_GROUP ? blocks : SQ_GROUP;
-  double stack[SQ_STACK];
-  double *partial = group <= SQ_STACK ? stack : malloc((size_t)group * sizeof(double));
-  if (!partial)
-    return lz_fail(LZ_ERR_NOMEM, "sq_norm: out of memory for %lld partial sums", (long long)group);
-  double total = 0.0;
-  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * group) {
-    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * group);
-    const int64_t nb = (g_len + SQ_BLOCK - 1) / SQ_BLOCK;
-#pragma omp parallel for schedule(static) if (nb > 8)
-    for (int64_t k = 0; k < nb; k++) {
-      int64_t i0 = g0 + k * SQ_BLOCK;
-      partial[k] = sq_block(p, dt, i0, block_len(n, i0, SQ_BLOCK));
-    }
-    for (int64_t k = 0; k < nb; k++) total += partial[k];
-  }
-  if (partial != stack) free(partial);
-  *out = total;
-  return LZ_OK;
+  return sq_sum("sq_norm", lz_tensor_numel(t), sq_block, (void *)t, a->out_f64);
 }
 
 lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out) {
@@ -248,38 +254,24 @@ lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *ou
   LZ_OP_RUN(op, LZ_OP_ADD_SQ_NORM, .t = {y, (lz_tensor *)x}, .i = {write != 0}, .out_f64 = out);
 }
 
-/* sq_norm's loop, each block first added into (axpy's arithmetic, alpha 1)
- * or copied: the block's squares are read while it is in cache. */
+typedef struct {
+  float *y;
+  const float *x;
+  int write;
+} add_sq_ctx;
+
+/* Each block first added into (axpy's arithmetic, alpha 1) or copied: its
+ * squares are read while it is in cache. */
+static double add_sq_block(void *ctx, int64_t i0, int64_t len) {
+  const add_sq_ctx *c = ctx;
+  if (c->write) memcpy(c->y + i0, c->x + i0, (size_t)len * sizeof(float));
+  else axpy_block(c->y + i0, 1.0f, c->x + i0, len);
+  return sq_f32_block(c->y + i0, len);
+}
+
 lz_status lz_cpu_add_sq_norm(const lz_op_args *a) {
-  lz_tensor *y = a->t[0];
-  const lz_tensor *x = a->t[1];
-  const int write = a->i[0] != 0;
-  const int64_t n = lz_tensor_numel(y);
-  float *yp = y->data;
-  const float *xp = x->data;
-  const int64_t blocks = (n + SQ_BLOCK - 1) / SQ_BLOCK;
-  const int64_t group = blocks < SQ_GROUP ? blocks : SQ_GROUP;
-  double stack[SQ_STACK];
-  double *partial = group <= SQ_STACK ? stack : malloc((size_t)group * sizeof(double));
-  if (!partial)
-    return lz_fail(LZ_ERR_NOMEM, "add_sq_norm: out of memory for %lld partial sums",
-                   (long long)group);
-  double total = 0.0;
-  for (int64_t g0 = 0; g0 < n; g0 += (int64_t)SQ_BLOCK * group) {
-    const int64_t g_len = block_len(n, g0, (int64_t)SQ_BLOCK * group);
-    const int64_t nb = (g_len + SQ_BLOCK - 1) / SQ_BLOCK;
-#pragma omp parallel for schedule(static) if (nb > 8)
-    for (int64_t k = 0; k < nb; k++) {
-      const int64_t i0 = g0 + k * SQ_BLOCK, len = block_len(n, i0, SQ_BLOCK);
-      if (write) memcpy(yp + i0, xp + i0, (size_t)len * sizeof(float));
-      else axpy_block(yp + i0, 1.0f, xp + i0, len);
-      partial[k] = sq_f32_block(yp + i0, len);
-    }
-    for (int64_t k = 0; k < nb; k++) total += partial[k];
-  }
-  if (partial != stack) free(partial);
-  *a->out_f64 = total;
-  return LZ_OK;
+  add_sq_ctx c = {a->t[0]->data, a->t[1]->data, a->i[0] != 0};
+  return sq_sum("add_sq_norm", lz_tensor_numel(a->t[0]), add_sq_block, &c, a->out_f64);
 }
 
 /* -------------------------------------------------------------- has_inf_nan */
