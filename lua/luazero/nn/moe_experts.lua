@@ -317,11 +317,21 @@ function Experts:forward(x, route)
   return y
 end
 
--- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate;
--- self.dweights [N, k]: d(loss)/d(weights), for the router's backward.
+-- Gathered whole, backward writes every gradient of the block's own
+-- parameters when the engine sets self.grads_write (the first micro-step
+-- of an accumulation): the three grouped GEMMs' dW write their parts, an
+-- expert no row reached getting zeros; the per-expert GEMMs add into the
+-- gradients zeroed first.
+function Experts:writes_grads() return self.gather == "block" end
+
+-- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate
+-- (or are written: writes_grads); self.dweights [N, k]: d(loss)/d(weights),
+-- for the router's backward.
 function Experts:backward(dy)
   local C, H, route, ex = self.n_embd, self.n_hidden, self.route, self.ex
   local R = route.rows
+  local write = self.grads_write
+  self.grads_write = nil
   local N = dy:numel() / C
   local dyo = self:scratch({ 1, R, C })
   local dweights = self:scratch(route.weights:sizes())
@@ -338,20 +348,23 @@ function Experts:backward(dy)
   local st = not ex and not self.units[1].lora and self:stacked()
   if st then
     local off = route.offsets
+    local gemm_backward = write and ops.moe_gemm_part_backward_write or ops.moe_gemm_part_backward
     local dyw = self:matmul_operands(dyp, st.w_out)
     local hw = self:matmul_operands(self.h, st.w_out)
-    ops.moe_gemm_part_backward(dh:view(0, { R, H }), st.g_out, dyw:view(0, { R, C }),
-                               hw:view(0, { R, H }), st.w_out, off, 2)
+    gemm_backward(dh:view(0, { R, H }), st.g_out, dyw:view(0, { R, C }), hw:view(0, { R, H }),
+                  st.w_out, off, 2)
     ops.swiglu_backward(dh, dup, dh, self.gate, self.up)
     local dhw = self:matmul_operands(dh, st.w_in)
     local xw = self:matmul_operands(self.xp, st.w_in)
-    ops.moe_gemm_part_backward(dxp:view(0, { R, C }), st.g_in, dhw:view(0, { R, H }),
-                               xw:view(0, { R, C }), st.w_in, off, 0)
+    gemm_backward(dxp:view(0, { R, C }), st.g_in, dhw:view(0, { R, H }), xw:view(0, { R, C }),
+                  st.w_in, off, 0)
     local duw = self:matmul_operands(dup, st.w_in)
-    ops.moe_gemm_part_backward(dxu:view(0, { R, C }), st.g_in, duw:view(0, { R, H }),
-                               xw:view(0, { R, C }), st.w_in, off, 1)
+    gemm_backward(dxu:view(0, { R, C }), st.g_in, duw:view(0, { R, H }), xw:view(0, { R, C }),
+                  st.w_in, off, 1)
     ops.add(dxp, dxp, dxu)
     free_stacked(st)
+  elseif write then
+    for _, g in pairs(self.g) do g:zero() end
   end
   for e = 1, st and 0 or self.n_experts do
     local runs = runs_of(ex, route, e)
