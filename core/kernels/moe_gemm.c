@@ -96,11 +96,22 @@ lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor 
 
 typedef struct {
   int32_t e, r0, n; /* expert; first row and rows of the block */
+  int64_t cost;     /* its GEMM's rows (dw: times the output rows it writes) */
 } gemm_task;
 
+/* Largest first (by the rows a task's GEMM runs over), then in expert and
+ * row order: the threads take the tasks in this order, so the last to
+ * finish are the shortest. Which thread runs a task never changes its sums. */
+static int largest_first(const void *a, const void *b) {
+  const gemm_task *x = a, *y = b;
+  if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+  if (x->e != y->e) return x->e < y->e ? -1 : 1;
+  return (x->r0 > y->r0) - (x->r0 < y->r0);
+}
+
 /* Blocks of `block` rows of each expert's offsets[e] .. offsets[e + 1]
- * (by_rows), or of the D output rows of each expert that has rows. Returns
- * the count; *out is malloc'd (NULL with 0 tasks). */
+ * (by_rows), or of the D output rows of each expert that has rows, largest
+ * first. Returns the count; *out is malloc'd (NULL with 0 tasks). */
 static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off, int64_t E,
                             int64_t D, int by_rows, int64_t block) {
   int64_t n = 0;
@@ -117,10 +128,13 @@ static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off,
   for (int64_t e = 0; e < E; e++) {
     const int64_t base = by_rows ? off[e] : 0;
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
-    for (int64_t r = 0; r < len; r += block)
-      t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r),
-                           (int32_t)(len - r < block ? len - r : block)};
+    for (int64_t r = 0; r < len; r += block) {
+      const int32_t b = (int32_t)(len - r < block ? len - r : block);
+      t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r), b,
+                           by_rows ? b : (int64_t)b * (off[e + 1] - off[e])};
+    }
   }
+  qsort(t, (size_t)n, sizeof *t, largest_first);
   *out = t;
   return LZ_OK;
 }
