@@ -309,6 +309,12 @@ lz_status lz_moe_gemm_part_forward(lz_tensor *y, const lz_tensor *x, const lz_te
 lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                     const lz_tensor *x, const lz_tensor *w,
                                     const lz_tensor *offsets, int64_t part);
+/* moe_gemm_part_backward with dw's part written, not added to: every
+ * expert's, zeros where it has no rows (the first micro-step of an
+ * accumulation needs no zeroed gradients). */
+lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                          const lz_tensor *x, const lz_tensor *w,
+                                          const lz_tensor *offsets, int64_t part);
 
 /* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);

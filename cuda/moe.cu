@@ -408,16 +408,23 @@ lz_status lz_cu_moe_gemm_backward(const lz_op_args *a) {
   const size_t es = lz_dtype_size(dt);
   const char *xp = (const char *)x->data, *wp = (const char *)w->data;
   const char *dyp = (const char *)dy->data;
+  const int write = a->i[1] != 0; // moe_gemm_part_backward_write: dw written
   lz_status st = LZ_OK;
   for (int64_t e = 0; e < E && st == LZ_OK; e++) {
     const int64_t r0 = off[e], n = off[e + 1] - off[e];
+    if (n == 0 && dw && write) {
+      const cudaError_t z = cudaMemsetAsync((float *)dw->data + first + e * step, 0,
+                                            (size_t)(D * C) * sizeof(float), LZ_CU_COMPUTE);
+      if (z != cudaSuccess) st = lz_cuda_fail(z, "cudaMemsetAsync", __FILE__, __LINE__);
+    }
     if (n == 0) continue;
     if (dx)
       st = lz_cu_gemm(dt, n, C, D, 0, 0, 1.0f, dyp + (size_t)(r0 * D) * es,
                       wp + (size_t)(first + e * step) * es, 0.0f, (float *)dx->data + r0 * C);
     if (dw && st == LZ_OK)
       st = lz_cu_gemm(dt, D, C, n, 1, 0, 1.0f, dyp + (size_t)(r0 * D) * es,
-                      xp + (size_t)(r0 * C) * es, 1.0f, (float *)dw->data + first + e * step);
+                      xp + (size_t)(r0 * C) * es, write ? 0.0f : 1.0f,
+                      (float *)dw->data + first + e * step);
   }
   free(off);
   return st;

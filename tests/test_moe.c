@@ -395,6 +395,56 @@ LZ_TEST(moe_gemm_part_matches_stacked) {
   part_case(200, 3, 3, 2, 24, 300, LZ_BF16);
 }
 
+/* moe_gemm_part_backward_write over garbage gives the bits of
+ * moe_gemm_part_backward added into zeros, its part of every expert
+ * written (zeros for the expert no row reached), the other parts untouched;
+ * a later add into the written dw as into the added one. At small shapes
+ * and at moe-100m's (64 rows an expert), f32 and bf16. */
+static void write_case(int64_t N, int64_t E, int64_t P, int64_t part, int64_t C, int64_t D,
+                       lz_dtype dt) {
+  const int64_t K = 2, R = N * K, M = D * C, W = E * P * M;
+  routing rt = routing_new(N, E, K, 91 + (uint64_t)part, 1);
+  uint64_t rng = 17 + (uint64_t)part;
+  float *x = rand_f32(R * C, &rng, 1.0f), *w = rand_f32(W, &rng, 0.5f);
+  float *dy = rand_f32(R * D, &rng, 1.0f), *dwa = rand_f32(W, &rng, 1.0f);
+  float *dww = rand_f32(W, &rng, 1.0f), *other = malloc(4 * (size_t)W);
+  float *dxa = calloc((size_t)(R * C), 4), *dxw = calloc((size_t)(R * C), 4);
+  memcpy(other, dww, 4 * (size_t)W);
+  for (int64_t e = 0; e < E; e++) memset(dwa + (e * P + part) * M, 0, 4 * (size_t)M);
+  const int bf = dt == LZ_BF16;
+  uint16_t *xb = to_bf16(x, R * C), *wb = to_bf16(w, W), *dyb = to_bf16(dy, R * D);
+  lz_tensor *tx = T(bf ? (void *)xb : x, dt, R, C), *tdy = T(bf ? (void *)dyb : dy, dt, R, D);
+  lz_tensor *tw = T(bf ? (void *)wb : w, dt, E, P, D, C), *toff = T(rt.off, LZ_I32, E + 1);
+  lz_tensor *ta = T(dwa, LZ_F32, E, P, D, C), *tw_ = T(dww, LZ_F32, E, P, D, C);
+  CHECK_OK(lz_moe_gemm_part_backward(T(dxa, LZ_F32, R, C), ta, tdy, tx, tw, toff, part));
+  CHECK_OK(lz_moe_gemm_part_backward_write(T(dxw, LZ_F32, R, C), tw_, tdy, tx, tw, toff, part));
+  CHECK(memcmp(dxa, dxw, 4 * (size_t)(R * C)) == 0);
+  for (int64_t e = 0; e < E; e++)
+    for (int64_t q = 0; q < P; q++)
+      CHECK(memcmp(dww + (e * P + q) * M, (q == part ? dwa : other) + (e * P + q) * M,
+                   4 * (size_t)M) == 0);
+  int zeros = 1; /* the last expert got no row */
+  for (int64_t i = 0; i < M; i++) zeros &= dww[((E - 1) * P + part) * M + i] == 0.0f;
+  CHECK(zeros);
+  CHECK_OK(lz_moe_gemm_part_backward(NULL, ta, tdy, tx, tw, toff, part));
+  CHECK_OK(lz_moe_gemm_part_backward(NULL, tw_, tdy, tx, tw, toff, part));
+  for (int64_t e = 0; e < E; e++)
+    CHECK(memcmp(dww + (e * P + part) * M, dwa + (e * P + part) * M, 4 * (size_t)M) == 0);
+  free(x), free(w), free(dy), free(dwa), free(dww), free(other), free(dxa), free(dxw);
+  free(xb), free(wb), free(dyb);
+  routing_free(&rt);
+  unwrap_all();
+}
+
+LZ_TEST(moe_gemm_part_backward_write_is_add_into_zeros) {
+  const lz_dtype dts[2] = {LZ_F32, LZ_BF16};
+  for (int d = 0; d < 2; d++) {
+    write_case(21, 5, 3, 1, 24, 40, dts[d]);
+    write_case(200, 3, 3, 2, 24, 300, dts[d]); /* blocks of 128 rows, of 128 dw rows */
+    write_case(128, 5, 2, 1, 768, 2048, dts[d]); /* 64 rows an expert, the last none */
+  }
+}
+
 /* ------------------------------------------------------------ whole layer */
 
 /* route, sort, permute, grouped GEMM, combine: out[t] = sum over the K

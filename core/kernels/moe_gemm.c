@@ -5,7 +5,7 @@
  * GEMMs (lz_gemm). Or w [E, P, D, C] and a part: each expert's P matrices
  * lie side by side (w1, w3, w2 as a block's parameters hold them) and part
  * p of each is multiplied. An expert with no rows costs nothing and leaves
- * its dw as it was. */
+ * its dw as it was (zeros where dw is written: the _write backward). */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_gemm.h" /* lz_gemm */
@@ -13,6 +13,7 @@
 #include <dnnl.h>   /* dnnl_sgemm: a dw block, its rows strided */
 #include <stdio.h>  /* snprintf: a worker thread's error message */
 #include <stdlib.h> /* malloc, free */
+#include <string.h> /* memset: a written dw's experts without rows */
 
 /* w's dimensions: E experts of P parts [D, C] (P = 1 for a 3-D w). */
 typedef struct {
@@ -95,11 +96,22 @@ lz_status lz_moe_gemm_forward(lz_tensor *y, const lz_tensor *x, const lz_tensor 
 
 typedef struct {
   int32_t e, r0, n; /* expert; first row and rows of the block */
+  int64_t cost;     /* its GEMM's rows (dw: times the output rows it writes) */
 } gemm_task;
 
+/* Largest first (by the rows a task's GEMM runs over), then in expert and
+ * row order: the threads take the tasks in this order, so the last to
+ * finish are the shortest. Which thread runs a task never changes its sums. */
+static int largest_first(const void *a, const void *b) {
+  const gemm_task *x = a, *y = b;
+  if (x->cost != y->cost) return x->cost > y->cost ? -1 : 1;
+  if (x->e != y->e) return x->e < y->e ? -1 : 1;
+  return (x->r0 > y->r0) - (x->r0 < y->r0);
+}
+
 /* Blocks of `block` rows of each expert's offsets[e] .. offsets[e + 1]
- * (by_rows), or of the D output rows of each expert that has rows. Returns
- * the count; *out is malloc'd (NULL with 0 tasks). */
+ * (by_rows), or of the D output rows of each expert that has rows, largest
+ * first. Returns the count; *out is malloc'd (NULL with 0 tasks). */
 static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off, int64_t E,
                             int64_t D, int by_rows, int64_t block) {
   int64_t n = 0;
@@ -116,10 +128,13 @@ static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off,
   for (int64_t e = 0; e < E; e++) {
     const int64_t base = by_rows ? off[e] : 0;
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
-    for (int64_t r = 0; r < len; r += block)
-      t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r),
-                           (int32_t)(len - r < block ? len - r : block)};
+    for (int64_t r = 0; r < len; r += block) {
+      const int32_t b = (int32_t)(len - r < block ? len - r : block);
+      t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r), b,
+                           by_rows ? b : (int64_t)b * (off[e + 1] - off[e])};
+    }
   }
+  qsort(t, (size_t)n, sizeof *t, largest_first);
   *out = t;
   return LZ_OK;
 }
@@ -200,6 +215,16 @@ lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tenso
                   (lz_tensor *)offsets}, .i = {part});
 }
 
+lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                          const lz_tensor *x, const lz_tensor *w,
+                                          const lz_tensor *offsets, int64_t part) {
+  const char *op = "moe_gemm_part_backward_write";
+  LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
+  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
+            .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
+                  (lz_tensor *)offsets}, .i = {part, 1});
+}
+
 lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets) {
   const char *op = "moe_gemm_backward";
@@ -221,7 +246,8 @@ static lz_status dx_task(const lz_op_args *a, const gemm_task *t) {
 }
 
 /* dw[e] rows r0 .. r0 + n += (the expert's dy columns r0 .. r0 + n)^T @ its
- * x rows: a GEMM over a column block of dy, whose rows are D apart. */
+ * x rows (= where i[1] says dw is written): a GEMM over a column block of
+ * dy, whose rows are D apart. */
 static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
   const lz_tensor *dw = a->t[1], *dy = a->t[2], *x = a->t[3], *w = a->t[4];
   const expert_dims d = dims_of(w);
@@ -231,12 +257,13 @@ static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
   const size_t es = lz_dtype_size(x->dtype);
   const char *dyp = (const char *)dy->data + ((size_t)off[t->e] * D + (size_t)t->r0) * es;
   float *c = (float *)dw->data + expert_at(w, a->i[0], t->e) + (size_t)t->r0 * C;
+  const float beta = a->i[1] ? 0.0f : 1.0f;
   if (t->n == D)
     return lz_gemm(x->dtype, D, C, rows, 1, 0, 1.0f, dyp,
-                   (const char *)x->data + (size_t)off[t->e] * C * es, 1.0f, c);
+                   (const char *)x->data + (size_t)off[t->e] * C * es, beta, c);
   /* f32 only: a bf16 block is the whole expert (tasks_for) */
   const dnnl_status_t s = dnnl_sgemm('T', 'N', t->n, C, rows, 1.0f, (const float *)dyp, D,
-                                     (const float *)x->data + (size_t)off[t->e] * C, C, 1.0f, c, C);
+                                     (const float *)x->data + (size_t)off[t->e] * C, C, beta, c, C);
   if (s == dnnl_success) return LZ_OK;
   return lz_fail(LZ_ERR_INTERNAL, "moe_gemm_backward: dnnl_sgemm(%d x %lld x %lld) failed: status %d",
                  (int)t->n, (long long)C, (long long)rows, (int)s);
@@ -248,6 +275,11 @@ lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
   const int32_t *off = a->t[5]->data;
   LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_BACKWARD, off, d.E, lz_rows(x)));
   if (dx) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 1, dx_task));
+  if (dw && a->i[1]) /* written: an expert no row reached gets zeros */
+    for (int64_t e = 0; e < d.E; e++)
+      if (off[e + 1] == off[e])
+        memset((float *)dw->data + expert_at(w, a->i[0], e), 0,
+               (size_t)(d.D * d.C) * sizeof(float));
   if (dw) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 0, dw_task));
   return LZ_OK;
 }

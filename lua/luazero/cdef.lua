@@ -280,6 +280,10 @@ lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tenso
                                     const lz_tensor *x, const lz_tensor *w,
                                     const lz_tensor *offsets, int64_t part);
 
+lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                          const lz_tensor *x, const lz_tensor *w,
+                                          const lz_tensor *offsets, int64_t part);
+
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
 lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x);
 lz_status lz_scale(lz_tensor *t, float s);

@@ -215,7 +215,7 @@ local function wrap_ops(self, ops)
     elseif name:match("^moe_gemm") then
       -- the experts' grouped GEMM: every expert's rows, so the FLOPs of one
       -- GEMM over all of them (w [E, D, C] or [E, P, D, C])
-      local backward = name:match("backward$") ~= nil
+      local backward = name:match("backward") ~= nil
       fn = function(...)
         if not self.active then return orig(...) end
         local a = { ... }

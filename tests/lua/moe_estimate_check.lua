@@ -16,6 +16,7 @@ local data = require("luazero.data")
 local estimate = require("luazero.estimate")
 local formats = require("luazero.optim.formats")
 local mixtral = require("models.mixtral")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local comm = require("luazero.comm").init()
 local rank, world = comm.rank(), comm.size()
@@ -51,27 +52,18 @@ for _, c in ipairs(cases) do
                                  ep_size)
   local r = estimate.rank(counts, settings)
   local acts = estimate.activations(mixtral.new(mcfg), B, S, "fp32", ep_size).device
-  jit.flush(); collectgarbage(); collectgarbage()
-  local before, before_dev = lz.mem(), lz.mem_device()
+  local states = support.ledger_mark()
   local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
                                    batch = { B, S }, comm = comm, device = device })
   local loader = data.loader(corpus, { B = B, T = S, seed = 1, vocab = mcfg.vocab, rank = rank,
                                        world = world })
   engine:train_batch(loader)
-  local m, md = lz.mem(), lz.mem_device()
-  local host, dev = 0, 0
-  for _, cat in ipairs({ "params", "grads", "optimizer", "offload" }) do
-    host = host + m[cat] - before[cat]
-    if device ~= "cpu" and cat ~= "offload" then dev = dev + md[cat] - before_dev[cat] end
-  end
-  -- (one memory on the cpu: the parameters and activations are host's)
-  local mem = device == "cpu" and m or md
-  local mem0 = device == "cpu" and before or before_dev
+  local host, dev, added = states(device)
   if rank == 0 then
     local tier = device == "cpu" and r.host or r.device
     print(("case %d %s%s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname, c[3] and "-nvme" or "",
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
-          mem.params - mem0.params, tier.params or 0, mem.activations - mem0.activations, acts,
+          added.params, tier.params or 0, added.activations, acts,
           dev, estimate.kept(r, "device")))
   end
   engine:free()

@@ -149,4 +149,53 @@ function M.trainer(model_flags)
   return train, ok_train
 end
 
+-- Marks the ledger before a test builds an engine (what earlier code left
+-- for the collector freed first). Returns states(device) -> host, dev, tier:
+-- the model-state bytes (params, grads, optimizer, offload) added since on
+-- the host's ledger, those but offload on the device's own ledger (0 on the
+-- cpu, whose one memory is all host), and the bytes added per category on
+-- the ledger that holds the device's tier (the host's on the cpu).
+function M.ledger_mark()
+  local lz = require("luazero")
+  jit.flush(); collectgarbage(); collectgarbage()
+  local before, before_dev = lz.mem(), lz.mem_device()
+  return function(device)
+    local m, md = lz.mem(), lz.mem_device()
+    local host, dev = 0, 0
+    for _, cat in ipairs({ "params", "grads", "optimizer", "offload" }) do
+      host = host + m[cat] - before[cat]
+      if device ~= "cpu" and cat ~= "offload" then dev = dev + md[cat] - before_dev[cat] end
+    end
+    local now, was = device == "cpu" and m or md, device == "cpu" and before or before_dev
+    local tier = {}
+    for cat, n in pairs(now) do
+      if type(n) == "number" and type(was[cat]) == "number" then tier[cat] = n - was[cat] end
+    end
+    return host, dev, tier
+  end
+end
+
+-- For the expert-placement tests: for each case { ep, o, what }, run(ep,
+-- stage, o) at stage 0 and then stages 1-3, each of those with the experts
+-- in their group (placement "edp") and on stage 0's checksum and gradient
+-- norms; stage 0 with them over the world where stage0_world says so.
+-- Returns the first case's stage-0 result and the runs compared.
+function M.same_as_stage_0(run, cases, stage0_world)
+  local first, runs = nil, 0
+  for _, c in ipairs(cases) do
+    local ep, o, what = c[1], c[2], c[3]
+    local s0 = run(ep, 0, o)
+    if stage0_world then M.eq(s0.placement, "world", "stage 0's placement, " .. what) end
+    for stage = 1, 3 do
+      local r = run(ep, stage, o)
+      M.eq(r.placement, "edp", ("stage %d's placement, %s"):format(stage, what))
+      M.eq(r.sum, s0.sum, ("checksum at stage %d, %s"):format(stage, what))
+      M.eq(r.norms, s0.norms, ("gradient norms at stage %d, %s"):format(stage, what))
+      runs = runs + 1
+    end
+    first = first or s0
+  end
+  return first, runs
+end
+
 return M

@@ -6,6 +6,7 @@ local estimate = require("luazero.estimate")
 local gpt2 = require("models.gpt2")
 local lz = require("luazero")
 local ffi = require("ffi")
+local support = dofile(lz.root .. "/tests/lua/support.lua")
 
 local T = {}
 
@@ -167,8 +168,7 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
         end
         goto next_case
       end
-      jit.flush(); collectgarbage(); collectgarbage()
-      local before, before_dev = lz.mem(), lz.mem_device()
+      local states = support.ledger_mark()
       local engine = zero.initialize({ model = model, config = cfg, seed = 1, batch = { 2, 16 },
                                        comm = comm, device = device })
       local loader = data.loader(corpus, { B = 2, T = 16, seed = 1, vocab = vocab, rank = rank,
@@ -179,12 +179,7 @@ local function check_engines(comm, corpus, swap_dir, say, pending, device)
       local r1, w1 = nvme_io(engine)
       -- A cpu rank's one memory is all host; on sim the device's ledger
       -- holds the device tier and the host's offload category the rest.
-      local m, md = lz.mem(), lz.mem_device()
-      local host, dev_bytes = 0, 0
-      for _, cat in ipairs({ "params", "grads", "optimizer", "offload" }) do
-        host = host + m[cat] - before[cat]
-        if device ~= "cpu" and cat ~= "offload" then dev_bytes = dev_bytes + md[cat] - before_dev[cat] end
-      end
+      local host, dev_bytes = states(device)
       local files = swap_file_bytes(swap_dir)
       local r = estimate.rank(counts, est_settings)
       local live = engine:estimate()
@@ -251,7 +246,6 @@ if arg and arg[1] == "check" and (arg[0] or ""):find("test_estimate%.lua$") then
   return T
 end
 
-local support = dofile(lz.root .. "/tests/lua/support.lua")
 local write_file, scratch = support.scratch()
 local corpus_path = write_file("corpus.txt", ("Now is the winter of our discontent\nMade " ..
                                               "glorious summer by this sun of York;\n"):rep(40))

@@ -245,24 +245,10 @@ function T.eight_bit_adamw_keeps_the_experts_in_their_group()
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, "AdamW8bit", o.dtype)
   end
-  local runs = 0
-  local function same_as_stage_0(ep, o, what)
-    local s0 = q8(ep, 0, o)
-    eq(s0.placement, "world", "stage 0's placement, " .. what)
-    for stage = 1, 3 do
-      local r = q8(ep, stage, o)
-      eq(r.placement, "edp", ("stage %d's placement, %s"):format(stage, what))
-      eq(r.sum, s0.sum, ("checksum at stage %d, %s"):format(stage, what))
-      eq(r.norms, s0.norms, ("gradient norms at stage %d, %s"):format(stage, what))
-      runs = runs + 1
-    end
-    return s0
-  end
-  local base = same_as_stage_0(2, {}, "ep_size 2")
-  same_as_stage_0(4, {}, "ep_size 4")
-  same_as_stage_0(2, { gather = "block" }, "ep_size 2, per block")
-  same_as_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
-  same_as_stage_0(2, { dtype = "bf16" }, "ep_size 2, bf16")
+  local base, runs = support.same_as_stage_0(q8, {
+    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
+    { 2, { accum = 2 }, "ep_size 2, accumulation" }, { 2, { dtype = "bf16" }, "ep_size 2, bf16" },
+  }, true)
   local world1 = edp(2, 1, nil, nil, 1, nil, "AdamW8bit")
   local one = edp(1, 1, nil, nil, 1, nil, "AdamW8bit")
   assert(world1.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
@@ -332,22 +318,10 @@ function T.experts_live_in_their_group_with_states_on_nvme()
     return edp(ep, stage, o.save, o.load, o.accum, nil, o.optimizer, nil, nil,
                stage > 0 and "nvme:" .. dir or nil)
   end
-  local runs = 0
-  local function same_as_stage_0(ep, o, what)
-    local s0 = nv(ep, 0, o)
-    for stage = 1, 3 do
-      local r = nv(ep, stage, o)
-      eq(r.placement, "edp", ("stage %d's placement, %s"):format(stage, what))
-      eq(r.sum, s0.sum, ("checksum at stage %d, %s"):format(stage, what))
-      eq(r.norms, s0.norms, ("gradient norms at stage %d, %s"):format(stage, what))
-      runs = runs + 1
-    end
-    return s0
-  end
-  local base = same_as_stage_0(2, {}, "ep_size 2")
-  same_as_stage_0(4, {}, "ep_size 4")
-  same_as_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
-  same_as_stage_0(2, { optimizer = "AdamW8bit" }, "ep_size 2, 8-bit states")
+  local base, runs = support.same_as_stage_0(nv, {
+    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { accum = 2 }, "ep_size 2, accumulation" },
+    { 2, { optimizer = "AdamW8bit" }, "ep_size 2, 8-bit states" },
+  })
   local ck = scratch_dir .. "/nvme-ck"
   nv(2, 2, { save = ck .. "/nvme" })
   eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "NVMe states resumed at stage 0")

@@ -240,6 +240,14 @@ local function free_stacked(st)
   end
 end
 
+-- The dtype the rows the grouped GEMMs read are written in: bf16 where
+-- the weights are (the permuted input, the activation, the output's and
+-- the gate's and up's gradients each written bf16 once, no cast pass; they
+-- feed nothing else), else nil (f32).
+local function bf16_rows(st)
+  if st and st.w_in:dtype_name() == "bf16" then return "bf16" end
+end
+
 -- x [B, T, C] (the block's input), route: as the header says. Returns
 -- y [B, T, C]: each token's sum over its k rows of weight * expert(x), in
 -- expert order as transformers' index_add_ loop sums them. The GEMMs run
@@ -254,9 +262,13 @@ function Experts:forward(x, route)
   end
   -- (xo, yo: this rank's rows; xp, yp: the rows its experts compute, the
   -- same tensors without expert parallelism)
-  local xo = self:activation({ 1, R, C })
+  local ex = self:exchange(route, x:device_name())
+  -- (gathered whole, without expert parallelism or adapters on the
+  -- experts: three grouped GEMMs over every expert's rows)
+  local st = not ex and not self.units[1].lora and self:stacked()
+  local half = bf16_rows(st)
+  local xo = self:activation({ 1, R, C }, half)
   ops.moe_permute_forward(xo:view(0, { R, C }), x:view(0, { N, C }), route.slot_of_row)
-  local ex = self:exchange(route, xo:device_name())
   local rows, xp = R, xo
   if ex then
     rows = math.max(ex.rows, 1)
@@ -264,10 +276,7 @@ function Experts:forward(x, route)
     exchanged(ex, xo, xp, C, false)
   end
   local gate, up = self:activation({ 1, rows, H }), self:activation({ 1, rows, H })
-  local h, yp = self:activation({ 1, rows, H }), self:activation({ 1, rows, C })
-  -- (gathered whole, without expert parallelism or adapters on the
-  -- experts: three grouped GEMMs over every expert's rows)
-  local st = not ex and not self.units[1].lora and self:stacked()
+  local h, yp = self:activation({ 1, rows, H }, half), self:activation({ 1, rows, C })
   if st then
     local xw = self:matmul_operands(xp, st.w_in)
     ops.moe_gemm_part_forward(gate:view(0, { R, H }), xw:view(0, { R, C }), st.w_in,
@@ -317,13 +326,25 @@ function Experts:forward(x, route)
   return y
 end
 
--- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate;
--- self.dweights [N, k]: d(loss)/d(weights), for the router's backward.
+-- Gathered whole, backward writes every gradient of the block's own
+-- parameters when the engine sets self.grads_write (the first micro-step
+-- of an accumulation): the three grouped GEMMs' dW write their parts, an
+-- expert no row reached getting zeros; the per-expert GEMMs add into the
+-- gradients zeroed first.
+function Experts:writes_grads() return self.gather == "block" end
+
+-- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate
+-- (or are written: writes_grads); self.dweights [N, k]: d(loss)/d(weights),
+-- for the router's backward.
 function Experts:backward(dy)
   local C, H, route, ex = self.n_embd, self.n_hidden, self.route, self.ex
   local R = route.rows
+  local write = self.grads_write
+  self.grads_write = nil
   local N = dy:numel() / C
-  local dyo = self:scratch({ 1, R, C })
+  local st = not ex and not self.units[1].lora and self:stacked()
+  local half = bf16_rows(st)
+  local dyo = self:scratch({ 1, R, C }, half)
   local dweights = self:scratch(route.weights:sizes())
   ops.moe_combine_backward(dyo:view(0, { R, C }), dweights, dy:view(0, { N, C }),
                            self.yo:view(0, { R, C }), route.weights, route.row_of_slot)
@@ -333,25 +354,28 @@ function Experts:backward(dy)
     dyp = self:scratch({ 1, rows, C })
     exchanged(ex, dyo, dyp, C, false)
   end
-  local dh, dup = self:scratch({ 1, rows, H }), self:scratch({ 1, rows, H })
+  local dh, dup = self:scratch({ 1, rows, H }), self:scratch({ 1, rows, H }, half)
   local dxp, dxu = self:scratch({ 1, rows, C }), self:scratch({ 1, rows, C })
-  local st = not ex and not self.units[1].lora and self:stacked()
   if st then
     local off = route.offsets
+    local gemm_backward = write and ops.moe_gemm_part_backward_write or ops.moe_gemm_part_backward
     local dyw = self:matmul_operands(dyp, st.w_out)
     local hw = self:matmul_operands(self.h, st.w_out)
-    ops.moe_gemm_part_backward(dh:view(0, { R, H }), st.g_out, dyw:view(0, { R, C }),
-                               hw:view(0, { R, H }), st.w_out, off, 2)
-    ops.swiglu_backward(dh, dup, dh, self.gate, self.up)
-    local dhw = self:matmul_operands(dh, st.w_in)
+    gemm_backward(dh:view(0, { R, H }), st.g_out, dyw:view(0, { R, C }), hw:view(0, { R, H }),
+                  st.w_out, off, 2)
+    local dg = half and self:scratch({ 1, rows, H }, half) or dh
+    ops.swiglu_backward(dg, dup, dh, self.gate, self.up)
+    local dhw = self:matmul_operands(dg, st.w_in)
     local xw = self:matmul_operands(self.xp, st.w_in)
-    ops.moe_gemm_part_backward(dxp:view(0, { R, C }), st.g_in, dhw:view(0, { R, H }),
-                               xw:view(0, { R, C }), st.w_in, off, 0)
+    gemm_backward(dxp:view(0, { R, C }), st.g_in, dhw:view(0, { R, H }), xw:view(0, { R, C }),
+                  st.w_in, off, 0)
     local duw = self:matmul_operands(dup, st.w_in)
-    ops.moe_gemm_part_backward(dxu:view(0, { R, C }), st.g_in, duw:view(0, { R, H }),
-                               xw:view(0, { R, C }), st.w_in, off, 1)
+    gemm_backward(dxu:view(0, { R, C }), st.g_in, duw:view(0, { R, H }), xw:view(0, { R, C }),
+                  st.w_in, off, 1)
     ops.add(dxp, dxp, dxu)
     free_stacked(st)
+  elseif write then
+    for _, g in pairs(self.g) do g:zero() end
   end
   for e = 1, st and 0 or self.n_experts do
     local runs = runs_of(ex, route, e)
