@@ -333,8 +333,10 @@ function Params:write_all(t)
 end
 
 -- Elements [off, off + len) read into a staging buffer; returns a view of
--- them and the staging buffer (give it back with release).
-function Params:slice(off, len)
+-- them and the staging buffer (give it back with release). async: the read
+-- is left in flight as stage.req (wait on it before reading the view), so
+-- a prefetch overlaps the disk with the compute before its use.
+function Params:slice(off, len, async)
   local a = math.floor(off * self.es / PAGE) * PAGE
   local b = round_up((off + len) * self.es, PAGE)
   local elems = (b - a) / self.es
@@ -344,9 +346,9 @@ function Params:slice(off, len)
     st = staging(elems, self.dtype, self.compute)
     self.all_stages[#self.all_stages + 1] = st
   end
-  self.swap:read(a, st, b - a, false)
+  local req = self.swap:read(a, st, b - a, async == true)
   self.outstanding = self.outstanding + 1
-  return st:view(off - a / self.es, { len }), { t = st, elems = elems, owner = self }
+  return st:view(off - a / self.es, { len }), { t = st, elems = elems, owner = self, req = req }
 end
 
 -- Whether another slice may be staged ahead of use (buffer_count).
@@ -354,6 +356,8 @@ function Params:can_prefetch() return self.outstanding < self.buffer_count end
 
 function Params:release(stage)
   if not stage then return end
+  -- (a read still in flight would land in the buffer's next use)
+  if stage.req then stage.req:wait(); stage.req = nil end
   self.outstanding = self.outstanding - 1
   local list = self.free_stages[stage.elems] or {}
   self.free_stages[stage.elems] = list
