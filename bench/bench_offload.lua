@@ -50,6 +50,10 @@ local flags = assert(args.parse(arg, {
     "then the ratios of NVMe bytes, step time and peak RSS", choices = { 0, 1 } },
   { "link-gbps", "number", 4, "part 3: the pace of the sim's host<->device copies, GB/s" },
   { "steps", "int", 3, "timed steps per run (the first step is not counted)" },
+  { "omp-wait", "string", "passive", "part 4: OMP_WAIT_POLICY of the runs (passive: idle OpenMP " ..
+    "threads sleep, leaving the cores to the I/O threads; active; default: libgomp's own; an " ..
+    "OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment wins)",
+    choices = { "passive", "active", "default" } },
   { "seq-len", "int", 64, "tokens per sequence" },
   { "micro-batch", "int", 1, "sequences per step" },
   { "nvme", "string", nil, "directory for the swap files (default: build/)" },
@@ -226,10 +230,17 @@ if flags.part == 4 then
     f:close()
     return path
   end
+  -- libgomp reads its wait policy at start: the runs get it from here.
+  local omp_env = ""
+  if flags.omp_wait ~= "default" and not os.getenv("OMP_WAIT_POLICY")
+     and not os.getenv("GOMP_SPINCOUNT") then
+    omp_env = "OMP_WAIT_POLICY=" .. flags.omp_wait
+  end
   local read_gbps, write_gbps = fio_rate(nvme, "read"), fio_rate(nvme, "write")
   print(("== 4. ZeRO-Infinity: Llama hidden %d, %d layers, stage 3, bf16, params and optimizer " ..
-         "on NVMe (%s); fio here: read %.2f GB/s, write %.2f GB/s")
-        :format(flags.hidden, flags.layers, nvme, read_gbps, write_gbps))
+         "on NVMe (%s); fio here: read %.2f GB/s, write %.2f GB/s; %s")
+        :format(flags.hidden, flags.layers, nvme, read_gbps, write_gbps,
+                omp_env ~= "" and omp_env or "OpenMP waits as the environment says"))
   local depths = { flags.layers }
   if flags.half_depth == 1 then depths[2] = math.floor(flags.layers / 2) end
   local peaks = {}
@@ -257,7 +268,7 @@ if flags.part == 4 then
     cfg.aio = { block_size = 1048576, queue_depth = 8, thread_count = 2 }
     local path = config_json(layers)
     local s = summary(train("--model-config " .. q(path) .. " --checkpoint-activations", cfg,
-                            flags.steps))
+                            flags.steps, omp_env))
     -- What tools/estimate predicts for the same config, beside the ledger.
     local cfg_path = tmp .. "/cfg.json"
     local p = io.popen(("cd %s && %s tools/estimate.lua --model-config %s --config %s " ..

@@ -102,6 +102,44 @@ function T.every_tier_gives_stage_0s_checksum()
   assert(resumed == want, ("resumed from nvme on sim: %s, stage 0: %s"):format(resumed, want))
 end
 
+-- With the working parameters on NVMe in bf16, the bf16 master is the
+-- working copy bit for bit: each sub-group's master is read from and written
+-- to the parameter file, and the state file holds m and v only, so a step
+-- writes the master once, not twice (checksums: tools/checksums' nvme lines).
+function T.on_nvme_the_master_is_the_parameter_file()
+  local zero, config_mod = require("luazero.zero"), require("luazero.config")
+  local gpt2, data = require("models.gpt2"), require("luazero.data")
+  local comm = require("luazero.comm").init("local")
+  local cfg = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 64, n_head = 4, context = 16 })
+  local ds = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
+               zero_optimization = { stage = 3, sub_group_size = 8192,
+                                     offload_optimizer = { device = "nvme", nvme_path = tmp },
+                                     offload_param = { device = "nvme", nvme_path = tmp } },
+               optimizer = { type = "AdamW", params = { lr = 1e-3, bf16_stochastic_round = true } } }
+  local engine = zero.initialize({ model = gpt2.new(cfg), seed = 3, batch = { 2, 16 }, comm = comm,
+                                   config = config_mod.load(ds, 1) })
+  local loader = data.loader(data.load(corpus), { B = 2, T = 16, seed = 1, vocab = cfg.vocab })
+  local ring = engine.states
+  assert(ring.master_in_params, "a bf16 master over bf16 parameters on NVMe kept a copy of its own")
+  local G, groups = ring.G, #ring.groups
+  assert(ring.region == 2 * G * 4, ("a sub-group's region is %d bytes; m and v take %d")
+                                   :format(ring.region, 2 * G * 4))
+  engine:train_batch(loader)
+  local s0, p0 = ring.swap:stats(), ring.params.swap:stats()
+  engine:train_batch(loader)
+  local s1, p1 = ring.swap:stats(), ring.params.swap:stats()
+  local state_w = s1.bytes_written - s0.bytes_written
+  assert(state_w == groups * 2 * G * 4, ("state file: %d bytes written in a step, want %d")
+                                        :format(state_w, groups * 2 * G * 4))
+  -- the parameter file: each group written once, and read for the update
+  -- beside the gathers' reads
+  local pw, pr = p1.bytes_written - p0.bytes_written, p1.bytes_read - p0.bytes_read
+  assert(pw >= ring.n * 2 and pw <= groups * G * 2,
+         "parameter file: " .. pw .. " bytes written")
+  assert(pr >= pw + ring.n * 2, ("parameter file: %d bytes read, %d written"):format(pr, pw))
+  engine:free()
+end
+
 function T.a_resume_continues_bitwise()
   local cfg, dir = config("AdamW", { lr = 1e-3 }), tmp .. "/ck"
   local _, straight = ok_train(2, "--steps 4 --stage 3 --save-every 2 --save " .. q(dir) ..

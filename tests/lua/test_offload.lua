@@ -333,4 +333,40 @@ function T.a_store_kind_from_one_file_is_a_tier()
   end)
 end
 
+-- A prefetch leaves its parameter read in flight (stage.req), so the disk
+-- works under the compute before the gather; the bytes are the file's once
+-- waited on, and a stage given back before anyone waited is waited on first.
+function T.a_prefetched_parameter_slice_reads_in_the_background()
+  local offload = require("luazero.zero.offload")
+  os.execute("mkdir -p " .. q(swap_dir))
+  local n = 3 * 4096 + 100
+  local ps = offload.param_shard{ n = n, dtype = "f32", tier = "nvme", nvme_path = swap_dir,
+                                  buffer_count = 2 }
+  local src = offload.staging(4 * 4096, "f32") -- (whole pages, aligned, as the file writes them)
+  local p = require("ffi").cast("float *", src.data)
+  for i = 0, n - 1 do p[i] = i end
+  ps:write_all(src)
+  src:free()
+  local v, stage = ps:slice(4096 + 7, 5000, true)
+  assert(stage.req, "an async slice returned no request in flight")
+  assert(ps:can_prefetch(), "one slice of two taken: another may be prefetched")
+  stage.req:wait()
+  stage.req = nil
+  local got = require("ffi").cast("float *", v.data)
+  for _, i in ipairs({ 0, 1, 4999 }) do
+    assert(got[i] == 4096 + 7 + i, ("element %d read %g, want %d"):format(i, got[i], 4096 + 7 + i))
+  end
+  v:free()
+  ps:release(stage)
+  local v2, stage2 = ps:slice(0, 10, true)
+  ps:release(stage2) -- given back in flight: waited on, not left to land in its next use
+  assert(stage2.req == nil, "release left the read in flight")
+  local v3, stage3 = ps:slice(0, 10, false)
+  assert(stage3.req == nil, "a blocking slice left a request")
+  assert(require("ffi").cast("float *", v3.data)[9] == 9, "blocking slice read the wrong bytes")
+  v2:free(); v3:free()
+  ps:release(stage3)
+  ps:free()
+end
+
 return T

@@ -390,8 +390,12 @@ function M.rank(counts, opts)
   end
   r.G, r.groups = G, groups
   -- A sub-group's region of the state file: the master (where the tier
-  -- keeps one), then each state in its format's dtype.
-  local region = P.master.alias and 0 or G * esize[P.master.dtype]
+  -- keeps one, unless it is the parameter file's working copy itself: a
+  -- master of its dtype, zero/offload.lua), then each state in its
+  -- format's dtype.
+  local master_in_params = not P.master.alias and on_disk and params_on_disk
+                           and P.master.dtype == wdt
+  local region = (P.master.alias or master_in_params) and 0 or G * esize[P.master.dtype]
   for _, name in ipairs(P.optimizer.states) do
     -- (each state, and its scales, on whole pages: zero/offload.lua)
     local f = formats.get(P.optimizer.formats[name])
@@ -438,6 +442,8 @@ function M.rank(counts, opts)
       read = 2 * accum * counts.shard * wb
       stage_bytes = par_nb * staging_bytes(math.min(par_bs, counts.shard), wdt)
     end
+    -- (the master read with each sub-group's states, as it is written)
+    if master_in_params then read = read + written end
     add(r.host, "parameter staging", stage_bytes)
     io("parameters", read, written)
   end

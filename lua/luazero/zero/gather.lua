@@ -75,8 +75,15 @@ function Gatherer:gather(seg, async)
   seg.pbuf = self.pool:get(seg.padded, self.wdt)
   self.live = self.live + seg.padded
   local send
-  send, seg.pslot = self:shard_slice(seg)
-  seg.pwork = self:all_gather(seg, send, seg.pbuf, async)
+  send, seg.pslot = self:shard_slice(seg, async)
+  if seg.pslot and seg.pslot.req then
+    -- Its slice is still being read from NVMe: the all-gather waits for the
+    -- read where the gather is needed (gathered), in the same order on
+    -- every rank.
+    seg.psend = send
+  else
+    seg.pwork = self:all_gather(seg, send, seg.pbuf, async)
+  end
   if not async then seg.pwork = nil; self:gathered(seg) end
 end
 
@@ -84,11 +91,13 @@ end
 -- the gather reads it: a view of the shard, or, read from the NVMe
 -- parameter file or copied from host memory to the device, a staging
 -- buffer (returned second, for release_slice once the gather has read it).
-function Gatherer:shard_slice(seg)
+-- async: a read from NVMe may be left in flight (stage.req) where nothing
+-- copies the slice at once.
+function Gatherer:shard_slice(seg, async)
   local v, stage
   local store = seg.store
   if store.pshard then
-    v, stage = store.pshard:slice(seg.shard_offset, seg.slice)
+    v, stage = store.pshard:slice(seg.shard_offset, seg.slice, async and not store.upload)
   else
     v = store.work:view(seg.shard_offset, { seg.slice })
   end
@@ -117,6 +126,12 @@ end
 
 -- A gather of seg has completed: its staging can go.
 function Gatherer:gathered(seg)
+  if seg.psend then
+    local send, req = seg.psend, seg.pslot.req
+    seg.psend, seg.pslot.req = nil, nil
+    req:wait()
+    self:all_gather(seg, send, seg.pbuf, false)
+  end
   if seg.pwork then seg.pwork:wait() end
   seg.pwork = nil
   if seg.pslot then self:release_slice(seg.pslot); seg.pslot = nil end
@@ -125,7 +140,7 @@ end
 function Gatherer:ensure(seg)
   if seg.persistent then return end
   if not seg.pbuf then self:gather(seg, false) end
-  if seg.pwork then self:gathered(seg) end
+  if seg.pwork or seg.psend then self:gathered(seg) end
   seg.in_use = seg.in_use + 1
   if seg.in_use == 1 then bind_params(seg, seg.pbuf) end
 end

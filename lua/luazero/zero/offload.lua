@@ -131,9 +131,16 @@ function M.states(opts)
       end
     end
   end
+  -- A master of the parameter file's dtype (bf16 over bf16) is the working
+  -- copy bit for bit (its rounding into that dtype is itself): each group's
+  -- master is then read from and written to the parameter file, and the
+  -- state file holds the optimizer's states only, which saves writing the
+  -- master twice a step.
+  self.master_in_params = opts.master and on_disk and opts.params ~= nil and mdt == opts.work_dtype
   -- A group's region of the swap file: the master, then each state (and
   -- its scales), at byte offsets on pages.
-  self.part_at, self.scale_at, self.region = {}, {}, (opts.master and G * esize[mdt] or 0)
+  self.part_at, self.scale_at = {}, {}
+  self.region = (opts.master and not self.master_in_params) and G * esize[mdt] or 0
   for i = 1, #names do
     self.part_at[i] = self.region
     self.region = self.region + round_up(G * esize[dts[i]], PAGE)
@@ -180,7 +187,11 @@ function States:make_views(k, g)
   local v = { s = {} }
   if self.swap then
     local st = self:buffer(k).state
-    if self.has_master then v.master = typed_view(st, 0, self.master_dtype, g.n) end
+    if self.master_in_params then
+      v.master = self:buffer(k).work:view(0, { g.n })
+    elseif self.has_master then
+      v.master = typed_view(st, 0, self.master_dtype, g.n)
+    end
     for j = 1, #self.names do v.s[j] = typed_view(st, self.part_at[j], self.dtypes[j], g.n) end
     for j, at in pairs(self.scale_at) do
       v.scales = v.scales or {}
@@ -194,7 +205,11 @@ function States:make_views(k, g)
       v.scales[j] = t:view(g.lo / self.blocks[j], { math.ceil(g.n / self.blocks[j]) })
     end
   end
-  if self.params then v.work = self:buffer(k).work:view(0, { g.n }) end
+  if self.master_in_params then
+    v.work = v.master
+  elseif self.params then
+    v.work = self:buffer(k).work:view(0, { g.n })
+  end
   local b = self.nb > 0 and self:buffer(k)
   if b and b.grad then v.g = b.grad:view(0, { g.n }) end
   return v
@@ -224,15 +239,18 @@ function States:each_group(write_back, fn, fresh, with_grads)
     local b = self:buffer(j)
     wait(b.write_state); wait(b.write_work)
     b.write_state, b.write_work = nil, nil
-    if not fresh then b.read = kind.read_group(self, j, b.state) end
+    if not fresh then
+      b.read = kind.read_group(self, j, b.state)
+      if self.master_in_params then b.mread = self.params:read_group(groups[j].lo, b.work, groups[j].n) end
+    end
     if with_grads and self.spill then b.gread = self.spill:read(j, b.grad) end
   end
   local ok, err = pcall(function()
     for j = 1, math.min(ahead, #groups) do issue_read(j) end
     for k, g in ipairs(groups) do
       local b = self:buffer(k) -- its read was issued `ahead` groups earlier
-      wait(b.read); wait(b.gread)
-      b.read, b.gread = nil, nil
+      wait(b.read); wait(b.gread); wait(b.mread)
+      b.read, b.gread, b.mread = nil, nil, nil
       fn(k, g.lo, g.n, self.views[k])
       if write_back then
         b.write_state = kind.write_group(self, k, b.state)
@@ -247,7 +265,7 @@ function States:each_group(write_back, fn, fresh, with_grads)
   end)
   -- Every request finishes before the buffers are touched again, error or not.
   for _, b in ipairs(self.buffers) do
-    for _, key in ipairs({ "read", "gread", "write_state", "write_work" }) do
+    for _, key in ipairs({ "read", "gread", "mread", "write_state", "write_work" }) do
       if b[key] then pcall(b[key].wait, b[key]); b[key] = nil end
     end
   end
@@ -327,14 +345,22 @@ function Params:write_group(lo, buf, len)
   return self.swap:write(lo * self.es, buf, round_up(len * self.es, PAGE), true)
 end
 
+-- An async read of len elements at element offset lo into buf (as
+-- write_group writes them). Returns the request.
+function Params:read_group(lo, buf, len)
+  return self.swap:read(lo * self.es, buf, round_up(len * self.es, PAGE), true)
+end
+
 -- Blocking write of a whole shard held in memory (initialisation).
 function Params:write_all(t)
   self.swap:write(0, t, round_up(self.n * self.es, PAGE), false)
 end
 
 -- Elements [off, off + len) read into a staging buffer; returns a view of
--- them and the staging buffer (give it back with release).
-function Params:slice(off, len)
+-- them and the staging buffer (give it back with release). async: the read
+-- is left in flight as stage.req (wait on it before reading the view), so
+-- a prefetch overlaps the disk with the compute before its use.
+function Params:slice(off, len, async)
   local a = math.floor(off * self.es / PAGE) * PAGE
   local b = round_up((off + len) * self.es, PAGE)
   local elems = (b - a) / self.es
@@ -344,9 +370,9 @@ function Params:slice(off, len)
     st = staging(elems, self.dtype, self.compute)
     self.all_stages[#self.all_stages + 1] = st
   end
-  self.swap:read(a, st, b - a, false)
+  local req = self.swap:read(a, st, b - a, async == true)
   self.outstanding = self.outstanding + 1
-  return st:view(off - a / self.es, { len }), { t = st, elems = elems, owner = self }
+  return st:view(off - a / self.es, { len }), { t = st, elems = elems, owner = self, req = req }
 end
 
 -- Whether another slice may be staged ahead of use (buffer_count).
@@ -354,6 +380,8 @@ function Params:can_prefetch() return self.outstanding < self.buffer_count end
 
 function Params:release(stage)
   if not stage then return end
+  -- (a read still in flight would land in the buffer's next use)
+  if stage.req then stage.req:wait(); stage.req = nil end
   self.outstanding = self.outstanding - 1
   local list = self.free_stages[stage.elems] or {}
   self.free_stages[stage.elems] = list

@@ -279,7 +279,8 @@ function States:build_calls()
   end
   local small = self.ring.small
   local grouped_master = not P.master.alias
-  local grouped_work = P:swapped("params")
+  -- (none apart from the master where the master is the working copy)
+  local grouped_work = P:swapped("params") and not self.ring.master_in_params
   self.calls = {}
   for k, g in ipairs(self.ring.groups) do
     local gv, calls = self.ring.views[k], {}
