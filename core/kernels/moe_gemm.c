@@ -205,24 +205,26 @@ static lz_status backward_checks(const char *op, lz_tensor *dx, lz_tensor *dw,
   return LZ_OK;
 }
 
-lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
-                                    const lz_tensor *x, const lz_tensor *w,
-                                    const lz_tensor *offsets, int64_t part) {
-  const char *op = "moe_gemm_part_backward";
+/* One part's backward; write: dw written (beta 0), not added into. */
+static lz_status part_backward(const char *op, lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets,
+                               int64_t part, int64_t write) {
   LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
   LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
             .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
-                  (lz_tensor *)offsets}, .i = {part});
+                  (lz_tensor *)offsets}, .i = {part, write});
+}
+
+lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                    const lz_tensor *x, const lz_tensor *w,
+                                    const lz_tensor *offsets, int64_t part) {
+  return part_backward("moe_gemm_part_backward", dx, dw, dy, x, w, offsets, part, 0);
 }
 
 lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                           const lz_tensor *x, const lz_tensor *w,
                                           const lz_tensor *offsets, int64_t part) {
-  const char *op = "moe_gemm_part_backward_write";
-  LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
-  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
-            .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
-                  (lz_tensor *)offsets}, .i = {part, 1});
+  return part_backward("moe_gemm_part_backward_write", dx, dw, dy, x, w, offsets, part, 1);
 }
 
 lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
