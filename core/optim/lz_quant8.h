@@ -71,14 +71,12 @@ __attribute__((target("avx512f"))) static inline __m512i lz_q8_index16(const uin
       _mm512_srli_epi32(e, 24));
 }
 
-
 /* The indices of 16 values x of a block with this absmax (broadcast). The
  * division is bitsandbytes' own: multiplying by 1 / absmax and dividing only
  * where that could change an index was measured slower than dividing (the
  * check costs more than the division, which runs beside the lookups). */
 __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const uint32_t *cells,
-                                                                          __m512 x,
-                                                                          __m512 absmax) {
+                                                                          __m512 x, __m512 absmax) {
   const __m512 z = _mm512_div_ps(x, absmax);
   const __m512i idx = lz_q8_index16(cells, _mm512_castps_si512(z));
   return _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(z, z, _CMP_ORD_Q), idx));
@@ -137,6 +135,25 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64(
   }
 }
 
+/* lz_q8_count_step64 on the top two of the three bytes only (mantissa bits
+ * 8-22): a larger or smaller top decides alone; where they are equal
+ * (`tie`, to which those lanes are added) the low byte would decide, and
+ * the caller takes the three-byte count instead. */
+LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64_top(
+    const uint8_t (*t)[256], int g, const __m512i *cell, const __mmask64 *high,
+    const __m512i (*m)[3], __m512i *label, __mmask64 *tie) {
+  __m512i t1[2], t2[2];
+  lz_q8_plane64(t[1], g, cell, high, t1);
+  lz_q8_plane64(t[2], g, cell, high, t2);
+  for (int j = 0; j < g; j++) {
+    const __mmask64 eq2 = _mm512_cmpeq_epi8_mask(m[j][2], t2[j]);
+    const __mmask64 gt =
+        _mm512_cmpgt_epu8_mask(m[j][2], t2[j]) | _mm512_mask_cmpgt_epu8_mask(eq2, m[j][1], t1[j]);
+    tie[j] |= _mm512_mask_cmpeq_epi8_mask(eq2, m[j][1], t1[j]);
+    label[j] = _mm512_mask_add_epi8(label[j], gt, label[j], _mm512_set1_epi8(1));
+  }
+}
+
 /* x / b as RN(x * r) corrected by its remainder (Markstein's step), r =
  * RN(1 / b), for b in [2^-52, 2^64] (lz_q8_recip_ok). The result is x / b
  * or its neighbour on the other side of x / b (a faithful rounding: the
@@ -153,24 +170,27 @@ LZ_Q8_FAST static inline __m512 lz_q8_div16(__m512 x, __m512 b, __m512 r) {
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, b, x), r, q0);
 }
 
-static inline int lz_q8_recip_ok(float absmax) {
-  return absmax >= 0x1p-52f && absmax <= 0x1p64f;
-}
+static inline int lz_q8_recip_ok(float absmax) { return absmax >= 0x1p-52f && absmax <= 0x1p64f; }
 
 /* The indices of g (1 or 2) groups of 64 values x of a block with this
  * absmax (broadcast; with recip, r its reciprocal and the division
  * lz_q8_div16's): the cell from the top 16 bits of z = x / absmax (sign,
  * exponent, 7 mantissa bits) in 16-bit lanes, the cell's label and steps by
- * byte permutes, the steps compared with z's mantissa as three bytes, 64
- * values per compare. Two groups share each table's loads. */
-LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_quantize_groups(
-    const lz_q8_fast *f, const float *x, __m512 absmax, int recip, __m512 r, uint8_t *q, int g) {
+ * byte permutes, the steps compared with z's mantissa as bytes, 64 values
+ * per compare. Two groups share each table's loads. With `top`, only the
+ * mantissa's top two bytes are compared (lz_q8_count_step64_top): returns 0,
+ * storing nothing, where a value's top bytes equal a step's, for the caller
+ * to take the three-byte form (a fraction of about 2^-15 of a cell's values
+ * lies there); 1 where it stored. */
+LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_groups(
+    const lz_q8_fast *f, const float *x, __m512 absmax, int recip, __m512 r, uint8_t *q, int g,
+    int top) {
   const __m512i zero = _mm512_setzero_si512();
   const __m512i hi_words = _mm512_loadu_si512(f->sel_hi),
                 sel_cell = _mm512_loadu_si512(f->sel_cell);
   const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
   __m512i z[2][4], cell[2], m[2][3], label[2], idx[2];
-  __mmask64 high[2], nan[2];
+  __mmask64 high[2], nan[2], tie[2] = {0, 0};
   for (int j = 0; j < g; j++) {
     __m512i c[2];
     __mmask32 bad[2];
@@ -196,7 +216,7 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_quantize_grou
     cell[j] = _mm512_permutex2var_epi8(c[0], sel_cell, c[1]);
     high[j] = _mm512_movepi8_mask(cell[j]);
   }
-  for (int k = 0; k < 3; k++) { /* z's mantissa as byte planes, elements in order */
+  for (int k = top ? 1 : 0; k < 3; k++) { /* z's mantissa as byte planes, elements in order */
     const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
     for (int j = 0; j < g; j++)
       m[j][k] = _mm512_mask_blend_epi8(0xffffffff00000000ull,
@@ -206,24 +226,42 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_quantize_grou
   for (int j = 0; j < g; j++) /* the exponent's low bit off */
     m[j][2] = _mm512_and_si512(m[j][2], _mm512_set1_epi8(0x7f));
   lz_q8_plane64(f->cell[0], g, cell, high, label);
-  lz_q8_count_step64((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
-                     label);
-  lz_q8_count_step64((const uint8_t(*)[256])f->cell[4], g, cell, high, (const __m512i(*)[3])m,
-                     label);
+  if (top) {
+    lz_q8_count_step64_top((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
+                           label, tie);
+    lz_q8_count_step64_top((const uint8_t(*)[256])f->cell[4], g, cell, high, (const __m512i(*)[3])m,
+                           label, tie);
+    if (tie[0] | tie[1]) return 0;
+  } else {
+    lz_q8_count_step64((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
+                       label);
+    lz_q8_count_step64((const uint8_t(*)[256])f->cell[4], g, cell, high, (const __m512i(*)[3])m,
+                       label);
+  }
   for (int j = 0; j < g; j++) high[j] = _mm512_movepi8_mask(label[j]);
   lz_q8_plane64(f->index, g, label, high, idx);
   for (int j = 0; j < g; j++) /* NaN gets index 0 */
     _mm512_storeu_si512(q + 64 * j, nan[j] ? _mm512_maskz_mov_epi8(~nan[j], idx[j]) : idx[j]);
+  return 1;
 }
+
+/* Three-byte forms, out of line (quant8.c): the rare groups the two-byte
+ * compare leaves undecided. */
+void lz_q8_quantize64_exact(const lz_q8_fast *f, const float *x, __m512 absmax, int recip, __m512 r,
+                            uint8_t *q);
+void lz_q8_quantize128_exact(const lz_q8_fast *f, const float *x, __m512 absmax, int recip,
+                             __m512 r, uint8_t *q);
 
 LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
                                                int recip, __m512 r, uint8_t *q) {
-  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 1);
+  if (!lz_q8_quantize_groups(f, x, absmax, recip, r, q, 1, 1))
+    lz_q8_quantize64_exact(f, x, absmax, recip, r, q);
 }
 
 LZ_Q8_FAST static inline void lz_q8_quantize128(const lz_q8_fast *f, const float *x, __m512 absmax,
                                                 int recip, __m512 r, uint8_t *q) {
-  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 2);
+  if (!lz_q8_quantize_groups(f, x, absmax, recip, r, q, 2, 1))
+    lz_q8_quantize128_exact(f, x, absmax, recip, r, q);
 }
 
 #ifdef __cplusplus

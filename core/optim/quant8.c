@@ -21,8 +21,8 @@
  * (lz_q8_fast, built from these cells). */
 #include "optim/lz_quant8.h"
 
-#include <pthread.h>   /* pthread_once: the cell tables are built on first use */
-#include <string.h>    /* memcpy */
+#include <pthread.h> /* pthread_once: the cell tables are built on first use */
+#include <string.h>  /* memcpy */
 
 /* bitsandbytes' create_dynamic_map(signed=True) and (signed=False): the
  * values it builds in fp32, sorted. */
@@ -272,7 +272,6 @@ static const lz_q8_run unsigned_runs[245] = {
     {0x1.ff19fep-1f, 255},
 };
 
-
 /* The index the runs give z (the scalar truth the cells are built from). */
 static uint8_t run_index(const lz_q8_run *runs, int n, float z) {
   int lo = 0, hi = n; /* count the runs starting at or below z */
@@ -439,6 +438,16 @@ static inline __attribute__((always_inline)) uint8_t index_of(const uint32_t *ce
 
 uint8_t lz_q8_index(const lz_q8_map *map, float z) { return index_of(map->cells, z); }
 
+LZ_Q8_FAST void lz_q8_quantize64_exact(const lz_q8_fast *f, const float *x, __m512 absmax,
+                                       int recip, __m512 r, uint8_t *q) {
+  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 1, 0);
+}
+
+LZ_Q8_FAST void lz_q8_quantize128_exact(const lz_q8_fast *f, const float *x, __m512 absmax,
+                                        int recip, __m512 r, uint8_t *q) {
+  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 2, 0);
+}
+
 LZ_Q8_FAST void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                                     int64_t n) {
   const __m512 b = _mm512_set1_ps(absmax), r = _mm512_set1_ps(1.0f / absmax);
@@ -459,7 +468,8 @@ __attribute__((target("avx512f"))) static void quantize_gathers(const lz_q8_map 
   const __m512 vmax = _mm512_set1_ps(absmax);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128((__m128i *)(q + i), lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
+    _mm_storeu_si128((__m128i *)(q + i),
+                     lz_q8_quantize16(map->cells, _mm512_loadu_ps(x + i), vmax));
   quantize_scalar(map, x + i, absmax, q + i, n - i);
 }
 
