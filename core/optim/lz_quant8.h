@@ -192,39 +192,40 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
   __m512i z[2][4], cell[2], m[2][3], label[2], idx[2];
   __mmask64 high[2], nan[2], tie[2] = {0, 0};
   for (int j = 0; j < g; j++) {
-    __m512i c[2];
+    __m512i c[2], hw[2];
     __mmask32 bad[2];
     for (int i = 0; i < 4; i++) {
       const __m512 xi = _mm512_loadu_ps(x + 64 * j + 16 * i);
       z[j][i] = _mm512_castps_si512(recip ? lz_q8_div16(xi, absmax, r) : _mm512_div_ps(xi, absmax));
     }
     for (int h = 0; h < 2; h++) {
-      const __m512i hw = _mm512_permutex2var_epi16(z[j][2 * h], hi_words, z[j][2 * h + 1]);
-      const __m512i mag = _mm512_and_si512(hw, _mm512_set1_epi16(0x7fff));
+      hw[h] = _mm512_permutex2var_epi16(z[j][2 * h], hi_words, z[j][2 * h + 1]);
+      const __m512i mag = _mm512_and_si512(hw[h], _mm512_set1_epi16(0x7fff));
       /* NaN or inf; inf is no quotient of |x| <= absmax, and 0 / 0 is NaN */
       bad[h] = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7f80));
-      const __m512i a =
-          _mm512_min_epu16(_mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16))),
-                           _mm512_set1_epi16((short)(Q8_ONE >> 16)));
+      /* |z| <= 1 but for NaN and inf (a quotient of |x| <= absmax, correctly
+       * or faithfully rounded): only the bottom needs clamping */
+      const __m512i a = _mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16)));
       /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
       const __m512i bi = _mm512_ternarylogic_epi32(
-          _mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw, 10), _mm512_set1_epi16(0x20), 0xd8);
+          _mm512_srli_epi16(a, 7), _mm512_srli_epi16(hw[h], 10), _mm512_set1_epi16(0x20), 0xd8);
       const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
       c[h] = _mm512_add_epi16(_mm512_shrdv_epi16(a, zero, ent), _mm512_srli_epi16(ent, 8));
     }
     nan[j] = _mm512_kunpackd((__mmask64)bad[1], (__mmask64)bad[0]);
     cell[j] = _mm512_permutex2var_epi8(c[0], sel_cell, c[1]);
     high[j] = _mm512_movepi8_mask(cell[j]);
+    /* the mantissa's top byte is the top words' low byte, the exponent's low bit off */
+    m[j][2] = _mm512_and_si512(_mm512_permutex2var_epi8(hw[0], sel_cell, hw[1]),
+                               _mm512_set1_epi8(0x7f));
   }
-  for (int k = top ? 1 : 0; k < 3; k++) { /* z's mantissa as byte planes, elements in order */
+  for (int k = top ? 1 : 0; k < 2; k++) { /* z's mantissa as byte planes, elements in order */
     const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
     for (int j = 0; j < g; j++)
       m[j][k] = _mm512_mask_blend_epi8(0xffffffff00000000ull,
                                        _mm512_permutex2var_epi8(z[j][0], sel, z[j][1]),
                                        _mm512_permutex2var_epi8(z[j][2], sel, z[j][3]));
   }
-  for (int j = 0; j < g; j++) /* the exponent's low bit off */
-    m[j][2] = _mm512_and_si512(m[j][2], _mm512_set1_epi8(0x7f));
   lz_q8_plane64(f->cell[0], g, cell, high, label);
   if (top) {
     lz_q8_count_step64_top((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
