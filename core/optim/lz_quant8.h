@@ -99,6 +99,9 @@ typedef struct lz_q8_fast {
   uint8_t sel_byte[3][64]; /* byte k of 32 floats twice */
 } lz_q8_fast;
 
+/* At most this many groups of 64 share each table's loads. */
+#define LZ_Q8_GROUPS 4
+
 #define LZ_Q8_FAST __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512vbmi2,fma")))
 
 /* One byte plane of a cell table at 64 cells at once, for each of g groups
@@ -121,7 +124,7 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_plane64(const
 LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64(
     const uint8_t (*t)[256], int g, const __m512i *cell, const __mmask64 *high,
     const __m512i (*m)[3], __m512i *label) {
-  __m512i t0[2], t1[2], t2[2];
+  __m512i t0[LZ_Q8_GROUPS], t1[LZ_Q8_GROUPS], t2[LZ_Q8_GROUPS];
   lz_q8_plane64(t[0], g, cell, high, t0);
   lz_q8_plane64(t[1], g, cell, high, t1);
   lz_q8_plane64(t[2], g, cell, high, t2);
@@ -142,7 +145,7 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64(
 LZ_Q8_FAST static inline __attribute__((always_inline)) void lz_q8_count_step64_top(
     const uint8_t (*t)[256], int g, const __m512i *cell, const __mmask64 *high,
     const __m512i (*m)[3], __m512i *label, __mmask64 *tie) {
-  __m512i t1[2], t2[2];
+  __m512i t1[LZ_Q8_GROUPS], t2[LZ_Q8_GROUPS];
   lz_q8_plane64(t[1], g, cell, high, t1);
   lz_q8_plane64(t[2], g, cell, high, t2);
   for (int j = 0; j < g; j++) {
@@ -189,8 +192,9 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
   const __m512i hi_words = _mm512_loadu_si512(f->sel_hi),
                 sel_cell = _mm512_loadu_si512(f->sel_cell);
   const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
-  __m512i z[2][4], cell[2], m[2][3], label[2], idx[2];
-  __mmask64 high[2], nan[2], tie[2] = {0, 0};
+  __m512i z[LZ_Q8_GROUPS][4], cell[LZ_Q8_GROUPS], m[LZ_Q8_GROUPS][3], label[LZ_Q8_GROUPS],
+      idx[LZ_Q8_GROUPS];
+  __mmask64 high[LZ_Q8_GROUPS], nan[LZ_Q8_GROUPS], tie[LZ_Q8_GROUPS] = {0};
   for (int j = 0; j < g; j++) {
     __m512i c[2], hw[2];
     __mmask32 bad[2];
@@ -232,7 +236,9 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
                            label, tie);
     lz_q8_count_step64_top((const uint8_t(*)[256])f->cell[4], g, cell, high, (const __m512i(*)[3])m,
                            label, tie);
-    if (tie[0] | tie[1]) return 0;
+    __mmask64 any = 0;
+    for (int j = 0; j < g; j++) any |= tie[j];
+    if (any) return 0;
   } else {
     lz_q8_count_step64((const uint8_t(*)[256])f->cell[1], g, cell, high, (const __m512i(*)[3])m,
                        label);
@@ -252,6 +258,8 @@ void lz_q8_quantize64_exact(const lz_q8_fast *f, const float *x, __m512 absmax, 
                             uint8_t *q);
 void lz_q8_quantize128_exact(const lz_q8_fast *f, const float *x, __m512 absmax, int recip,
                              __m512 r, uint8_t *q);
+void lz_q8_quantize256_exact(const lz_q8_fast *f, const float *x, __m512 absmax, int recip,
+                             __m512 r, uint8_t *q);
 
 LZ_Q8_FAST static inline void lz_q8_quantize64(const lz_q8_fast *f, const float *x, __m512 absmax,
                                                int recip, __m512 r, uint8_t *q) {
@@ -263,6 +271,12 @@ LZ_Q8_FAST static inline void lz_q8_quantize128(const lz_q8_fast *f, const float
                                                 int recip, __m512 r, uint8_t *q) {
   if (!lz_q8_quantize_groups(f, x, absmax, recip, r, q, 2, 1))
     lz_q8_quantize128_exact(f, x, absmax, recip, r, q);
+}
+
+LZ_Q8_FAST static inline void lz_q8_quantize256(const lz_q8_fast *f, const float *x, __m512 absmax,
+                                                int recip, __m512 r, uint8_t *q) {
+  if (!lz_q8_quantize_groups(f, x, absmax, recip, r, q, 4, 1))
+    lz_q8_quantize256_exact(f, x, absmax, recip, r, q);
 }
 
 #ifdef __cplusplus
