@@ -60,7 +60,7 @@ LZ_TEST(quant8_index_is_monotone) {
 }
 
 /* The vector quantisers (each form this machine runs) against the scalar
- * index, x / absmax, on random values, zeros, NaN, denormals and values a
+ * index, x / absmax, on random values, zeros, NaN of both signs, denormals and values a
  * float apart, at several absmaxes (0, tiny, huge, inf included). */
 LZ_TEST(quant8_vector_form_is_the_scalar_one) {
   const int64_t n = 256;
@@ -78,7 +78,7 @@ LZ_TEST(quant8_vector_form_is_the_scalar_one) {
         float v = lz_test_uniform(&rng) * am;
         if (r % 13 == 0) v = 0.0f;
         if (r % 17 == 0) v = from_bits((uint32_t)(r >> 32) & 0x807fffffu); /* denormal */
-        if (r % 19 == 0) v = nanf("");
+        if (r % 19 == 0) v = r & 128 ? -nanf("") : nanf(""); /* NaN of either sign */
         if (r % 23 == 0) v = from_bits((uint32_t)(r >> 40)) * am; /* tiny multiples */
         if (i > 0 && r % 5 == 0) v = nextafterf(x[i - 1], r & 64 ? INFINITY : -INFINITY);
         x[i] = fabsf(v) <= am || v != v ? v : am;

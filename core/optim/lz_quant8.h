@@ -89,7 +89,8 @@ __attribute__((target("avx512f"))) static inline __m128i lz_q8_quantize16(const 
  * first magnitude's run (labels count the runs of both signs, from the
  * smallest magnitude up) and the mantissas of its steps (0xffffff: none); the
  * value's label is the cell's plus the steps at or below its mantissa, and
- * `index` maps a label to the map index. */
+ * `index` maps a label to the map index. NaN and inf land in two cells of
+ * their own, labelled for index 0 (quant8.c, place_binades). */
 typedef struct lz_q8_fast {
   uint16_t binade[64];     /* [sign 32 + exponent % 32]: shift | cell offset << 8 */
   uint8_t cell[7][256];    /* label, then the two steps' mantissas, byte planes */
@@ -194,10 +195,9 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
   const __m512i bin0 = _mm512_loadu_si512(f->binade), bin1 = _mm512_loadu_si512(f->binade + 32);
   __m512i z[LZ_Q8_GROUPS][4], cell[LZ_Q8_GROUPS], m[LZ_Q8_GROUPS][3], label[LZ_Q8_GROUPS],
       idx[LZ_Q8_GROUPS];
-  __mmask64 high[LZ_Q8_GROUPS], nan[LZ_Q8_GROUPS], tie[LZ_Q8_GROUPS] = {0};
+  __mmask64 high[LZ_Q8_GROUPS], tie[LZ_Q8_GROUPS] = {0};
   for (int j = 0; j < g; j++) {
     __m512i c[2], hw[2];
-    __mmask32 bad[2];
     for (int i = 0; i < 4; i++) {
       const __m512 xi = _mm512_loadu_ps(x + 64 * j + 16 * i);
       z[j][i] = _mm512_castps_si512(recip ? lz_q8_div16(xi, absmax, r) : _mm512_div_ps(xi, absmax));
@@ -205,10 +205,10 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
     for (int h = 0; h < 2; h++) {
       hw[h] = _mm512_permutex2var_epi16(z[j][2 * h], hi_words, z[j][2 * h + 1]);
       const __m512i mag = _mm512_and_si512(hw[h], _mm512_set1_epi16(0x7fff));
-      /* NaN or inf; inf is no quotient of |x| <= absmax, and 0 / 0 is NaN */
-      bad[h] = _mm512_cmpge_epu16_mask(mag, _mm512_set1_epi16(0x7f80));
-      /* |z| <= 1 but for NaN and inf (a quotient of |x| <= absmax, correctly
-       * or faithfully rounded): only the bottom needs clamping */
+      /* |z| <= 1 (a quotient of |x| <= absmax, correctly or faithfully
+       * rounded) but for NaN and inf (0 / 0; inf / a finite absmax), whose
+       * cells quant8.c places so that they give index 0: only the bottom
+       * needs clamping */
       const __m512i a = _mm512_max_epu16(mag, _mm512_set1_epi16((short)(Q8_LO >> 16)));
       /* the binade % 32 with bit 5 (set in every binade here) the sign: 0xd8 is c ? b : a */
       const __m512i bi = _mm512_ternarylogic_epi32(
@@ -216,12 +216,11 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
       const __m512i ent = _mm512_permutex2var_epi16(bin0, bi, bin1);
       c[h] = _mm512_add_epi16(_mm512_shrdv_epi16(a, zero, ent), _mm512_srli_epi16(ent, 8));
     }
-    nan[j] = _mm512_kunpackd((__mmask64)bad[1], (__mmask64)bad[0]);
     cell[j] = _mm512_permutex2var_epi8(c[0], sel_cell, c[1]);
     high[j] = _mm512_movepi8_mask(cell[j]);
     /* the mantissa's top byte is the top words' low byte, the exponent's low bit off */
-    m[j][2] = _mm512_and_si512(_mm512_permutex2var_epi8(hw[0], sel_cell, hw[1]),
-                               _mm512_set1_epi8(0x7f));
+    m[j][2] =
+        _mm512_and_si512(_mm512_permutex2var_epi8(hw[0], sel_cell, hw[1]), _mm512_set1_epi8(0x7f));
   }
   for (int k = top ? 1 : 0; k < 2; k++) { /* z's mantissa as byte planes, elements in order */
     const __m512i sel = _mm512_loadu_si512(f->sel_byte[k]);
@@ -247,8 +246,7 @@ LZ_Q8_FAST static inline __attribute__((always_inline)) int lz_q8_quantize_group
   }
   for (int j = 0; j < g; j++) high[j] = _mm512_movepi8_mask(label[j]);
   lz_q8_plane64(f->index, g, label, high, idx);
-  for (int j = 0; j < g; j++) /* NaN gets index 0 */
-    _mm512_storeu_si512(q + 64 * j, nan[j] ? _mm512_maskz_mov_epi8(~nan[j], idx[j]) : idx[j]);
+  for (int j = 0; j < g; j++) _mm512_storeu_si512(q + 64 * j, idx[j]);
   return 1;
 }
 

@@ -330,18 +330,40 @@ static void build_planes(uint8_t planes[4][256], const float *values) {
 
 static inline __attribute__((always_inline)) uint8_t index_of(const uint32_t *cells, float z);
 
+/* Where the cells of each binade go in the tables (cell = the magnitude's
+ * top 16 bits >> shift, plus an offset, modulo 256, so a binade's cells are
+ * consecutive modulo 256 and may start anywhere). The cell of 1.0 (the binade
+ * [1, 2), where no other quotient lies) is placed at 0 for + and 1 for -:
+ * NaN and inf, whose exponent is that binade's modulo 32 and whose top bits
+ * are 128 cells further, land at 128 and 129, two cells of their own whose
+ * label is that of index 0, so the lookup gives NaN its index without a
+ * check. The other binades fill 2..127 and 130..255, largest first. Returns
+ * 0 where they do not fit. */
+static int place_binades(const int k[2][32], int pos[2][32]) {
+  int room[2] = {126, 126}, next[2] = {2, 130};
+  for (int size = 128; size >= 1; size /= 2)
+    for (int side = 0; side < 2; side++)
+      for (uint32_t ex = Q8_LO >> 23; ex < Q8_ONE >> 23; ex++) {
+        if ((1 << k[side][ex & 31]) != size) continue;
+        int bin = room[0] >= size ? 0 : 1;
+        if (room[bin] < size) return 0;
+        pos[side][ex & 31] = next[bin], next[bin] += size, room[bin] -= size;
+      }
+  return 1;
+}
+
 /* The fast tables from the cells (built first): 0 where the steps do not fit
- * them (more than 256 cells or labels, or a step inside the cell that the
+ * them (more than 252 cells or 256 labels, or a step inside the cell that the
  * magnitudes below 2^-26 are clamped into, whose mantissa is not theirs). */
 static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
-  enum { MAXS = 512 };
-  int n_cells = 0, n_labels = 0;
+  enum { MAXS = 512, ONE_EX = Q8_ONE >> 23 };
+  int n_labels = 0, k_of[2][32] = {{0}}, pos[2][32] = {{0}}, first[2], n_at[2];
+  uint32_t at[2][MAXS]; /* the magnitudes where the index changes, from Q8_LO up */
   for (uint32_t side = 0; side < 2; side++) {
     const uint32_t sign = side << 31;
-    uint32_t at[MAXS]; /* the magnitudes where the index changes, from Q8_LO up */
     int n = 0;
     uint8_t cur = index_of(cells, from_bits(sign | Q8_LO));
-    const int first = n_labels;
+    first[side] = n_labels;
     if (n_labels >= 256) return 0;
     f->index[n_labels++] = cur;
     for (uint32_t c = 0; c < Q8_SIDE; c++) {
@@ -349,54 +371,67 @@ static int build_fast(lz_q8_fast *f, const uint32_t *cells) {
       const uint8_t i0 = index_of(cells, from_bits(sign | a0));
       if (i0 != cur) {
         if (n >= MAXS || n_labels >= 256) return 0;
-        at[n++] = a0, f->index[n_labels++] = cur = i0;
+        at[side][n++] = a0, f->index[n_labels++] = cur = i0;
       }
       if ((e & 0xffff) && (uint8_t)(e >> 24) != cur) {
         if (n >= MAXS || n_labels >= 256) return 0;
-        at[n++] = a0 + (e & 0xffff);
+        at[side][n++] = a0 + (e & 0xffff);
         f->index[n_labels++] = cur = (uint8_t)(e >> 24);
       }
     }
-    for (uint32_t ex = Q8_LO >> 23; ex <= Q8_ONE >> 23; ex++) {
+    n_at[side] = n;
+    for (uint32_t ex = Q8_LO >> 23; ex <= ONE_EX; ex++) {
       const uint32_t lo = ex << 23, hi = lo + (1u << 23); /* the binade [lo, hi) */
       int k = 0;
       for (;; k++) { /* the fewest top mantissa bits with at most 2 steps inside a cell */
         if (k > 7) return 0;
         int ok = 1;
         for (int s = 2; s < n && ok; s++)
-          if (at[s] >= lo && at[s] < hi && at[s - 2] >= lo) {
+          if (at[side][s] >= lo && at[side][s] < hi && at[side][s - 2] >= lo) {
             const uint32_t w = 23 - (uint32_t)k;
-            ok = !((at[s] >> w) == (at[s - 2] >> w) && (at[s - 2] & ((1u << w) - 1)));
+            ok = !((at[side][s] >> w) == (at[side][s - 2] >> w) &&
+                   (at[side][s - 2] & ((1u << w) - 1)));
           }
         if (ok) break;
       }
-      if (n_cells + (1 << k) > 256) return 0;
-      /* the cell is (top 16 bits >> shift) + offset, in a byte: the shifted
-       * exponent comes off modulo 256 */
-      const uint32_t off = ((uint32_t)n_cells - (ex << k)) & 0xff;
+      if (ex == ONE_EX && k) return 0;
+      k_of[side][ex & 31] = k;
+    }
+  }
+  int nan_label = -1; /* NaN's: a label of index 0 */
+  for (int l = 0; l < n_labels && nan_label < 0; l++)
+    if (f->index[l] == 0) nan_label = l;
+  if (nan_label < 0 || !place_binades(k_of, pos)) return 0;
+  pos[0][ONE_EX & 31] = 0, pos[1][ONE_EX & 31] = 1;
+  for (int b = 0; b < 7; b++) memset(f->cell[b], 0xff, 256); /* no steps */
+  f->cell[0][128] = f->cell[0][129] = (uint8_t)nan_label;
+  for (uint32_t side = 0; side < 2; side++)
+    for (uint32_t ex = Q8_LO >> 23; ex <= ONE_EX; ex++) {
+      const int k = k_of[side][ex & 31];
+      const uint32_t lo = ex << 23, w = 23 - (uint32_t)k;
+      const uint32_t off = ((uint32_t)pos[side][ex & 31] - (ex << k)) & 0xff;
       f->binade[side * 32 + (ex & 31)] = (uint16_t)((7 - k) | off << 8);
-      const uint32_t w = 23 - (uint32_t)k;
-      for (uint32_t c = 0; c < (1u << k); c++, n_cells++) {
+      for (uint32_t c = 0; c < (1u << k); c++) {
         const uint32_t start = lo + (c << w), end = start + (1u << w);
-        int label = first, inner = 0;
+        const int at_cell = (pos[side][ex & 31] + (int)c) & 0xff;
+        int label = first[side], inner = 0;
         uint32_t step[2] = {0xffffff, 0xffffff};
-        for (int s = 0; s < n; s++) {
-          if (at[s] <= start) {
+        for (int s = 0; s < n_at[side]; s++) {
+          if (at[side][s] <= start) {
             label++;
-          } else if (at[s] < end) {
+          } else if (at[side][s] < end) {
             if (inner == 2) return 0;
-            step[inner++] = at[s] & 0x7fffff;
+            step[inner++] = at[side][s] & 0x7fffff;
           }
         }
         if (ex == Q8_LO >> 23 && c == 0 && inner) return 0;
-        f->cell[0][n_cells] = (uint8_t)label;
+        f->cell[0][at_cell] = (uint8_t)label;
         for (int b = 0; b < 3; b++) {
-          f->cell[1 + b][n_cells] = (uint8_t)(step[0] >> (8 * b));
-          f->cell[4 + b][n_cells] = (uint8_t)(step[1] >> (8 * b));
+          f->cell[1 + b][at_cell] = (uint8_t)(step[0] >> (8 * b));
+          f->cell[4 + b][at_cell] = (uint8_t)(step[1] >> (8 * b));
         }
       }
     }
-  }
   for (int e = 0; e < 32; e++) f->sel_hi[e] = (uint16_t)(2 * e + 1); /* z's top 16 bits */
   for (int e = 0; e < 64; e++) { /* byte e: element e's cell, mantissa bytes from 2 of 4 dwords */
     f->sel_cell[e] = (uint8_t)(2 * e);
@@ -449,7 +484,7 @@ LZ_Q8_FAST void lz_q8_quantize128_exact(const lz_q8_fast *f, const float *x, __m
 }
 
 LZ_Q8_FAST void lz_q8_quantize256_exact(const lz_q8_fast *f, const float *x, __m512 absmax,
-                                       int recip, __m512 r, uint8_t *q) {
+                                        int recip, __m512 r, uint8_t *q) {
   lz_q8_quantize_groups(f, x, absmax, recip, r, q, 4, 0);
 }
 
