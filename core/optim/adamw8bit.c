@@ -299,9 +299,6 @@ typedef struct {
   int recip;
 } a8_scale;
 
-#ifndef A8_SPAN
-#define A8_SPAN 128
-#endif
 /* Quantises 128 values x of a block scaled by s into q. */
 typedef void (*a8_quantise128_fn)(const lz_q8_map *map, const float *x, const a8_scale *s,
                                   uint8_t *q);
@@ -310,7 +307,7 @@ A8_VBMI static inline __attribute__((always_inline)) void quantise128_gather(con
                                                                              const float *x,
                                                                              const a8_scale *s,
                                                                              uint8_t *q) {
-  for (int j = 0; j < A8_SPAN; j += 16)
+  for (int j = 0; j < 128; j += 16)
     _mm_storeu_si128((__m128i *)(q + j), lz_q8_quantize16(map->cells, _mm512_load_ps(x + j), s->s));
 }
 
@@ -318,10 +315,7 @@ A8_FAST static inline __attribute__((always_inline)) void quantise128_permute(co
                                                                               const float *x,
                                                                               const a8_scale *s,
                                                                               uint8_t *q) {
-  if (A8_SPAN == 256)
-    lz_q8_quantize256(map->fast, x, s->s, s->recip, s->r, q);
-  else
-    lz_q8_quantize128(map->fast, x, s->s, s->recip, s->r, q);
+  lz_q8_quantize128(map->fast, x, s->s, s->recip, s->r, q);
 }
 
 /* Whole blocks, software-pipelined: each pass over a block updates it and
@@ -342,9 +336,9 @@ A8_VBMI static inline __attribute__((always_inline)) void blocks8_pipeline(
     const int64_t o = b * B, q = o - B;
     const a8_vec512 c = vec512(k, update ? absmax_m[b] : 0.0f, update ? absmax_v[b] : 0.0f);
     __m512 mm = _mm512_setzero_ps(), mv = _mm512_setzero_ps();
-    for (int i = 0; i < B; i += A8_SPAN) {
+    for (int i = 0; i < B; i += 128) {
       if (update)
-        for (int h = i; h < i + A8_SPAN; h += 64) {
+        for (int h = i; h < i + 128; h += 64) {
           __m512 dm[4], dv[4];
           lookup64(k->map_m->planes, qm + o + h, dm);
           lookup64(k->map_v->planes, qv + o + h, dv);

@@ -483,11 +483,6 @@ LZ_Q8_FAST void lz_q8_quantize128_exact(const lz_q8_fast *f, const float *x, __m
   lz_q8_quantize_groups(f, x, absmax, recip, r, q, 2, 0);
 }
 
-LZ_Q8_FAST void lz_q8_quantize256_exact(const lz_q8_fast *f, const float *x, __m512 absmax,
-                                        int recip, __m512 r, uint8_t *q) {
-  lz_q8_quantize_groups(f, x, absmax, recip, r, q, 4, 0);
-}
-
 LZ_Q8_FAST void lz_q8_quantize_fast(const lz_q8_map *map, const float *x, float absmax, uint8_t *q,
                                     int64_t n) {
   const __m512 b = _mm512_set1_ps(absmax), r = _mm512_set1_ps(1.0f / absmax);
