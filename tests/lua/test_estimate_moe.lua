@@ -62,8 +62,8 @@ function T.ep_estimate_matches_the_engines_ledger_at_ep_size_1_2_and_4()
       assert(r.acts >= r.eacts and r.acts - r.eacts < (device and 4096 or 1),
              ("%s: activation arenas %d, the estimate %d"):format(what, r.acts, r.eacts))
     end
-    -- (on the cpu, with the states on NVMe at stage 2 too)
-    eq(n, device and 7 or 8, ("cases at ep_size %d"):format(ep))
+    -- (on the cpu, with the states on NVMe at stage 2 too, in fp32 and bf16)
+    eq(n, device and 7 or 9, ("cases at ep_size %d"):format(ep))
     if gather == "expert" and not device then by_ep[ep] = cases end
     if device then assert(cases["1 adamw"].dev > 0, "sim: the states on the device") end
   end

@@ -304,31 +304,43 @@ function T.experts_live_in_their_group_on_sim()
   print(("    %d runs on sim on the cpu's stage-0 bits"):format(runs))
 end
 
--- The optimizer's states on NVMe (fp32: the parameters are the master,
--- so no master lives in the state file): the experts live in their group
--- at stages 1-3, the gradients spilled to NVMe at stages 2-3 with one norm
+-- The optimizer's states on NVMe: the experts live in their group at
+-- stages 1-3, the gradients spilled to NVMe at stages 2-3 with one norm
 -- partial per world slice, on stage 0's checksum and gradient norms at
--- ep_size 2 and 4, with accumulation and 8-bit states; checkpoints resume
--- across the placements.
+-- ep_size 2 and 4, with accumulation and 8-bit states, in fp32 (the
+-- parameters are the master) and in bf16 (the fp32 master in the state
+-- file: start-up writes each group's slice of the drawn weights there, the
+-- checksum and checkpoints read it back group by group); checkpoints
+-- resume across the placements and dtypes' tiers.
 function T.experts_live_in_their_group_with_states_on_nvme()
   local dir = scratch_dir .. "/nvme-states"
   os.execute("mkdir -p " .. q(dir))
   local function nv(ep, stage, o)
     o = o or {}
-    return edp(ep, stage, o.save, o.load, o.accum, nil, o.optimizer, nil, nil,
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
                stage > 0 and "nvme:" .. dir or nil)
   end
   local base, runs = support.same_as_stage_0(nv, {
     { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { accum = 2 }, "ep_size 2, accumulation" },
     { 2, { optimizer = "AdamW8bit" }, "ep_size 2, 8-bit states" },
+    { 2, { dtype = "bf16" }, "ep_size 2, bf16 (the master on NVMe)" },
+    { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
+    { 2, { dtype = "bf16", gather = "block" }, "ep_size 2, bf16, per block" },
+    { 2, { dtype = "bf16", optimizer = "AdamW8bit" }, "ep_size 2, bf16, 8-bit states" },
   })
   local ck = scratch_dir .. "/nvme-ck"
   nv(2, 2, { save = ck .. "/nvme" })
   eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "NVMe states resumed at stage 0")
   eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "NVMe states resumed at stage 3")
-  -- a bf16 master in the state file keeps the experts under ZeRO over the world
-  eq(edp(2, 2, nil, nil, 1, nil, nil, "bf16", nil, "nvme:" .. dir).placement, "world",
-     "bf16 with its master on NVMe")
+  -- a bf16 master saved from the state file, and one saved from memory
+  -- under the world placement loaded into it
+  local b0 = nv(2, 0, { dtype = "bf16", save = ck .. "/bf16-world" })
+  nv(2, 2, { dtype = "bf16", save = ck .. "/bf16-nvme" })
+  for _, c in ipairs({ { "bf16-nvme", 0 }, { "bf16-nvme", 3 }, { "bf16-world", 1 } }) do
+    local r = nv(2, c[2], { dtype = "bf16", load = ck .. "/" .. c[1] .. "/step-000002" })
+    eq(r.placement, c[2] == 0 and "world" or "edp", "placement resuming " .. c[1])
+    eq(r.sum, b0.sum, ("%s checkpoint resumed at stage %d"):format(c[1], c[2]))
+  end
   print(("    %d runs with the states on NVMe on stage 0's bits"):format(runs))
 end
 

@@ -185,7 +185,7 @@ function T.the_plan_says_where_experts_live()
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "edp",
      "nvme states, fp32 (the parameters are the master)")
   eq(Placement.new{ stage = 2, ep_size = 2, offload_optimizer = "nvme", dtype = "bf16" }.experts,
-     "world", "nvme states with a bf16 run's master")
+     "edp", "nvme states with a bf16 run's master")
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme", device = "sim" }.experts,
      "world", "nvme states on sim")
   eq(Placement.new{ stage = 3, ep_size = 2, offload_param = "nvme", offload_optimizer = "nvme" }

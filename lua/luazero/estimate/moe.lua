@@ -98,7 +98,7 @@ function M.lines(m)
     lines[#lines + 1] = ("moe: ep_size %d: each rank computes %d of each block's %d experts, " ..
                          "over the rows of its %d-rank expert-parallel group (arenas for all " ..
                          "of them); at stages 1-3 on the cpu or sim device with the states in memory (on " ..
-                         "the cpu also on NVMe in fp32) " ..
+                         "the cpu also on NVMe) " ..
                          "and fp32 gradients, their parameters under ZeRO over the %d ranks " ..
                          "of its expert-data-parallel group (a rank's stage-3 gathers read the slice bytes " ..
                          "they read under ZeRO over all ranks)")
