@@ -269,8 +269,9 @@ end
 -- experts live in their group at stages 1-3 and end on the cpu's stage-0
 -- checksum and gradient norms, at ep_size 2 and 4, per expert and per
 -- block, with accumulation, in bf16, with the optimizer (and at stage 3
--- the parameters) offloaded to the cpu; a checkpoint saved on sim resumes
--- on the cpu, and one saved on the cpu on sim.
+-- the parameters) offloaded to the cpu, and to NVMe (the states; in bf16
+-- the master; at stage 3 the parameter shard); a checkpoint saved on sim
+-- resumes on the cpu, and one saved on the cpu on sim.
 function T.experts_live_in_their_group_on_sim()
   local function on(ep, stage, o)
     o = o or {}
@@ -295,12 +296,22 @@ function T.experts_live_in_their_group_on_sim()
   same_as_cpu_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
   same_as_cpu_stage_0(2, { dtype = "bf16" }, "ep_size 2, bf16")
   same_as_cpu_stage_0(2, { offload = "cpu" }, "ep_size 2, offloaded to the cpu")
+  local nvme = scratch_dir .. "/sim-nvme"
+  os.execute("mkdir -p " .. q(nvme))
+  same_as_cpu_stage_0(2, { offload = "nvme:" .. nvme }, "ep_size 2, the states on NVMe")
+  same_as_cpu_stage_0(4, { dtype = "bf16", gather = "block", offload = "nvme+param:" .. nvme },
+                      "ep_size 4, bf16, per block, the master and at stage 3 the parameters on NVMe")
   local dir = scratch_dir .. "/sim-ck"
   on(2, 1, { save = dir .. "/sim" })
   on(2, 3, { save = dir .. "/cpu", device = "cpu" })
   eq(on(2, 0, { load = dir .. "/sim/step-000002", device = "cpu" }).sum, base.sum,
      "saved on sim, resumed on the cpu")
   eq(on(2, 2, { load = dir .. "/cpu/step-000002" }).sum, base.sum, "saved on the cpu, resumed on sim")
+  on(2, 3, { save = dir .. "/sim-nvme", offload = "nvme+param:" .. nvme })
+  eq(on(2, 0, { load = dir .. "/sim-nvme/step-000002", device = "cpu" }).sum, base.sum,
+     "saved on sim from NVMe, resumed on the cpu")
+  eq(on(2, 2, { load = dir .. "/cpu/step-000002", offload = "nvme:" .. nvme }).sum, base.sum,
+     "saved on the cpu, resumed on sim onto NVMe")
   print(("    %d runs on sim on the cpu's stage-0 bits"):format(runs))
 end
 
@@ -342,6 +353,34 @@ function T.experts_live_in_their_group_with_states_on_nvme()
     eq(r.sum, b0.sum, ("%s checkpoint resumed at stage %d"):format(c[1], c[2]))
   end
   print(("    %d runs with the states on NVMe on stage 0's bits"):format(runs))
+end
+
+-- The parameter shard on NVMe (offload_param at stage 3, the states on
+-- NVMe at stages 1-3): each rank's parameter file holds its slices of its
+-- own experts, sliced over its group, and a gather reads them from there;
+-- stages 1-3 end on stage 0's checksum and gradient norms at ep_size 2 and
+-- 4, per expert and per block, in fp32 and bf16, with accumulation and
+-- 8-bit states; checkpoints resume across the placements and tiers.
+function T.experts_live_in_their_group_with_the_parameter_shard_on_nvme()
+  local dir = scratch_dir .. "/nvme-param"
+  os.execute("mkdir -p " .. q(dir))
+  local function nv(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
+               stage > 0 and "nvme+param:" .. dir or nil)
+  end
+  local base, runs = support.same_as_stage_0(nv, {
+    { 2, {}, "ep_size 2" }, { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
+    { 2, { gather = "block", optimizer = "AdamW8bit" }, "ep_size 2, per block, 8-bit states" },
+  })
+  local ck = scratch_dir .. "/nvme-param-ck"
+  nv(2, 3, { save = ck .. "/nvme" })
+  edp(2, 0, ck .. "/world")
+  eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed at stage 0")
+  eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed there")
+  eq(nv(2, 3, { load = ck .. "/world/step-000002" }).sum, base.sum,
+     "saved under the world placement, resumed onto NVMe")
+  print(("    %d runs with the parameter shard on NVMe on stage 0's bits"):format(runs))
 end
 
 function T.experts_must_divide_among_the_ranks()

@@ -228,19 +228,17 @@ function M.new(opts)
   -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
   -- keeps only the experts it computes, under ZeRO within its
   -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua):
-  -- at stages 1-3 with the states in memory on the cpu or sim device and
-  -- fp32 gradients (on cuda the group's division, zero/reduce.lua's,
-  -- would take its gradients through host memory); on the cpu also with
-  -- the states on NVMe, the fp32 master of a bf16 or fp16 run among them
-  -- (zero/states.lua reads its group slices back for the checksum and
-  -- checkpoints). "world": under ZeRO over all ranks like
+  -- at stages 1-3 on the cpu or sim device with fp32 gradients (on cuda
+  -- the group's division, zero/reduce.lua's, would take its gradients
+  -- through host memory), wherever the optimizer's states, the master and
+  -- the parameter shard live (in memory, on the cpu, on NVMe: start-up,
+  -- the checksum and checkpoints read and write the rank's own slices of
+  -- each tier, zero/states.lua). "world": under ZeRO over all ranks like
   -- every other parameter (every other case; the engine also falls back
   -- to it for a layout the placement cannot keep bitwise, zero/experts.lua).
   p.ep_size = opts.ep_size or 1
-  -- NVMe states: placed on the cpu device
-  local states_ok = opt_kind.resident or device == "cpu"
   p.experts = p.ep_size > 1 and stage >= 1 and (device == "cpu" or device == "sim") and
-              gdt == "f32" and states_ok and store.get(par_tier).resident and
+              gdt == "f32" and
               "edp" or "world"
   return p
 end
