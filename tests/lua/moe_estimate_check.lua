@@ -28,7 +28,7 @@ local optimizers = {
   adamw = { type = "AdamW", params = { lr = 1e-3 } },
   -- (block-scaled states, their blocks the world layout's under either placement)
   adamw8bit = { type = "AdamW8bit", params = { lr = 1e-3, min_8bit_size = 1000 } },
-  -- (whole matrices: the engine keeps the experts under ZeRO over the world)
+  -- (whole matrices: an expert's owned by a rank of its group)
   muon = { type = "Muon", params = { lr = 0.01 } },
 }
 -- (nvme: the optimizer's states in a swap file under NVME, the fifth

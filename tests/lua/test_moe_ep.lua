@@ -265,6 +265,40 @@ function T.eight_bit_adamw_keeps_the_experts_in_their_group()
   print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
 end
 
+-- Muon (whole matrices) with the experts in their group: each expert's
+-- matrices are owned whole by a rank of its expert-data-parallel group,
+-- gathered and broadcast over that group, the others' over the world, and
+-- a matrix orthogonalised from the same bits by the same GEMMs on any
+-- rank. Stages 1-3 end on stage 0's checksum and gradient norms at
+-- ep_size 2 and 4, per expert and per block, with accumulation, in bf16,
+-- on sim and offloaded to the cpu; stage 1 holds fewer parameter bytes
+-- than at ep_size 1; a checkpoint saved under either placement resumes
+-- under the other.
+function T.muon_keeps_the_experts_in_their_group()
+  local function mu(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "Muon", o.dtype, o.device, o.offload)
+  end
+  local base, runs = support.same_as_stage_0(mu, {
+    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
+    { 2, { accum = 2, dtype = "bf16" }, "ep_size 2, accumulation, bf16" },
+    { 4, { device = "sim", offload = "cpu", gather = "block" }, "ep_size 4, sim, offloaded, per block" },
+  }, true)
+  local one = mu(1, 1)
+  assert(one.placement == "world" and mu(2, 1).params < one.params,
+         ("stage 1 parameter bytes at ep_size 1: %d"):format(one.params))
+  local dir = scratch_dir .. "/muon-ck"
+  mu(2, 2, { save = dir .. "/edp" })
+  mu(2, 0, { save = dir .. "/world" })
+  for _, saved in ipairs({ "edp", "world" }) do
+    for _, stage in ipairs({ 0, 1, 3 }) do
+      eq(mu(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
+         ("Muon saved under the %s placement resumed at stage %d"):format(saved, stage))
+    end
+  end
+  print(("    %d runs of Muon with the experts in their group on stage 0's bits"):format(runs))
+end
+
 -- On the sim device (its memory apart from the host's, as a GPU's): the
 -- experts live in their group at stages 1-3 and end on the cpu's stage-0
 -- checksum and gradient norms, at ep_size 2 and 4, per expert and per

@@ -233,9 +233,9 @@ function M.new(opts)
   -- through host memory), wherever the optimizer's states, the master and
   -- the parameter shard live (in memory, on the cpu, on NVMe: start-up,
   -- the checksum and checkpoints read and write the rank's own slices of
-  -- each tier, zero/states.lua). "world": under ZeRO over all ranks like
-  -- every other parameter (every other case; the engine also falls back
-  -- to it for a layout the placement cannot keep bitwise, zero/experts.lua).
+  -- each tier, zero/states.lua), whatever the optimizer (zero/matrices.lua
+  -- owns an expert's whole matrices within its group). "world": under ZeRO
+  -- over all ranks like every other parameter (every other case).
   p.ep_size = opts.ep_size or 1
   p.experts = p.ep_size > 1 and stage >= 1 and (device == "cpu" or device == "sim") and
               gdt == "f32" and
