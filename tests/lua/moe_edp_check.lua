@@ -12,8 +12,9 @@
 -- the experts' gather, expert (default) or block; OPTIMIZER: AdamW
 -- (default) or AdamW8bit (block-scaled states); DEVICE: cpu (default) or
 -- sim; OFFLOAD: none (default), cpu (offload_optimizer at stages 1-3,
--- offload_param too at stage 3) or nvme:DIR (offload_optimizer on NVMe in
--- DIR at stages 1-3).
+-- offload_param too at stage 3), nvme:DIR (offload_optimizer on NVMe in
+-- DIR at stages 1-3) or nvme+param:DIR (offload_param on NVMe too at
+-- stage 3).
 --   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
 --       [OPTIMIZER] [DEVICE] [OFFLOAD]
 local lz = require("luazero")
@@ -30,8 +31,9 @@ local accum, bf16 = tonumber(arg[6] or "1"), arg[7] == "bf16"
 local gather = arg[8] or "expert"
 local optimizer = arg[9] or "AdamW"
 local device, offload = arg[10] or "cpu", arg[11] == "cpu" and { device = "cpu" } or nil
-local nvme = (arg[11] or ""):match("^nvme:(.+)$")
+local with_param, nvme = (arg[11] or ""):match("^nvme(%+?p?a?r?a?m?):(.+)$")
 local offload_opt = nvme and { device = "nvme", nvme_path = nvme } or offload
+if with_param == "+param" then offload = offload_opt end
 
 local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
 local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,

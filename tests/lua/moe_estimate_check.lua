@@ -28,30 +28,37 @@ local optimizers = {
   adamw = { type = "AdamW", params = { lr = 1e-3 } },
   -- (block-scaled states, their blocks the world layout's under either placement)
   adamw8bit = { type = "AdamW8bit", params = { lr = 1e-3, min_8bit_size = 1000 } },
-  -- (whole matrices: the engine keeps the experts under ZeRO over the world)
+  -- (whole matrices: an expert's owned by a rank of its group)
   muon = { type = "Muon", params = { lr = 0.01 } },
 }
--- (nvme: the optimizer's states in a swap file under NVME, the third
--- argument's folder; the cpu device only)
+-- (nvme: the optimizer's states in a swap file under NVME, the fifth
+-- argument's folder; in bf16 the fp32 master there too;
+-- nvme+param: the parameter shard there too)
 local cases = { { 0, "adamw" }, { 1, "adamw" }, { 2, "adamw" }, { 3, "adamw" },
                 { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" } }
 local nvme_dir = arg[5]
-if nvme_dir then cases[#cases + 1] = { 2, "adamw", "nvme" } end
+if nvme_dir then
+  cases[#cases + 1] = { 2, "adamw", "nvme" }
+  cases[#cases + 1] = { 2, "adamw", "nvme", "bf16" }
+  cases[#cases + 1] = { 3, "adamw", "nvme+param" }
+end
 
 for _, c in ipairs(cases) do
   local stage, oname = c[1], c[2]
   local off = c[3] and { device = "nvme", nvme_path = nvme_dir } or nil
+  local off_param = c[3] == "nvme+param" and off or nil
   local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
-  local cfg = { train_micro_batch_size_per_gpu = B,
+  local dtype = c[4] or "fp32"
+  local cfg = { train_micro_batch_size_per_gpu = B, bf16 = { enabled = dtype == "bf16" },
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600,
-                                      offload_optimizer = off },
+                                      offload_optimizer = off, offload_param = off_param },
                 optimizer = optimizers[oname], moe = { ep_size = ep_size } }
   -- The estimate, of a model declared beside the engine's (never placed).
   local settings = estimate.settings_of(cfg, device)
   local counts = estimate.counts(mixtral.new(mcfg), world, 600, formats.block_of(settings.formats),
                                  ep_size)
   local r = estimate.rank(counts, settings)
-  local acts = estimate.activations(mixtral.new(mcfg), B, S, "fp32", ep_size).device
+  local acts = estimate.activations(mixtral.new(mcfg), B, S, dtype, ep_size).device
   local states = support.ledger_mark()
   local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
                                    batch = { B, S }, comm = comm, device = device })
@@ -61,7 +68,8 @@ for _, c in ipairs(cases) do
   local host, dev, added = states(device)
   if rank == 0 then
     local tier = device == "cpu" and r.host or r.device
-    print(("case %d %s%s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname, c[3] and "-nvme" or "",
+    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname .. (c[3] and "-" .. c[3] or "") ..
+          (c[4] and "-" .. c[4] or ""),
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
           added.params, tier.params or 0, added.activations, acts,
           dev, estimate.kept(r, "device")))

@@ -265,12 +265,47 @@ function T.eight_bit_adamw_keeps_the_experts_in_their_group()
   print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
 end
 
+-- Muon (whole matrices) with the experts in their group: each expert's
+-- matrices are owned whole by a rank of its expert-data-parallel group,
+-- gathered and broadcast over that group, the others' over the world, and
+-- a matrix orthogonalised from the same bits by the same GEMMs on any
+-- rank. Stages 1-3 end on stage 0's checksum and gradient norms at
+-- ep_size 2 and 4, per expert and per block, with accumulation, in bf16,
+-- on sim and offloaded to the cpu; stage 1 holds fewer parameter bytes
+-- than at ep_size 1; a checkpoint saved under either placement resumes
+-- under the other.
+function T.muon_keeps_the_experts_in_their_group()
+  local function mu(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "Muon", o.dtype, o.device, o.offload)
+  end
+  local base, runs = support.same_as_stage_0(mu, {
+    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
+    { 2, { accum = 2, dtype = "bf16" }, "ep_size 2, accumulation, bf16" },
+    { 4, { device = "sim", offload = "cpu", gather = "block" }, "ep_size 4, sim, offloaded, per block" },
+  }, true)
+  local one = mu(1, 1)
+  assert(one.placement == "world" and mu(2, 1).params < one.params,
+         ("stage 1 parameter bytes at ep_size 1: %d"):format(one.params))
+  local dir = scratch_dir .. "/muon-ck"
+  mu(2, 2, { save = dir .. "/edp" })
+  mu(2, 0, { save = dir .. "/world" })
+  for _, saved in ipairs({ "edp", "world" }) do
+    for _, stage in ipairs({ 0, 1, 3 }) do
+      eq(mu(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
+         ("Muon saved under the %s placement resumed at stage %d"):format(saved, stage))
+    end
+  end
+  print(("    %d runs of Muon with the experts in their group on stage 0's bits"):format(runs))
+end
+
 -- On the sim device (its memory apart from the host's, as a GPU's): the
 -- experts live in their group at stages 1-3 and end on the cpu's stage-0
 -- checksum and gradient norms, at ep_size 2 and 4, per expert and per
 -- block, with accumulation, in bf16, with the optimizer (and at stage 3
--- the parameters) offloaded to the cpu; a checkpoint saved on sim resumes
--- on the cpu, and one saved on the cpu on sim.
+-- the parameters) offloaded to the cpu, and to NVMe (the states; in bf16
+-- the master; at stage 3 the parameter shard); a checkpoint saved on sim
+-- resumes on the cpu, and one saved on the cpu on sim.
 function T.experts_live_in_their_group_on_sim()
   local function on(ep, stage, o)
     o = o or {}
@@ -295,41 +330,91 @@ function T.experts_live_in_their_group_on_sim()
   same_as_cpu_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
   same_as_cpu_stage_0(2, { dtype = "bf16" }, "ep_size 2, bf16")
   same_as_cpu_stage_0(2, { offload = "cpu" }, "ep_size 2, offloaded to the cpu")
+  local nvme = scratch_dir .. "/sim-nvme"
+  os.execute("mkdir -p " .. q(nvme))
+  same_as_cpu_stage_0(2, { offload = "nvme:" .. nvme }, "ep_size 2, the states on NVMe")
+  same_as_cpu_stage_0(4, { dtype = "bf16", gather = "block", offload = "nvme+param:" .. nvme },
+                      "ep_size 4, bf16, per block, the master and at stage 3 the parameters on NVMe")
   local dir = scratch_dir .. "/sim-ck"
   on(2, 1, { save = dir .. "/sim" })
   on(2, 3, { save = dir .. "/cpu", device = "cpu" })
   eq(on(2, 0, { load = dir .. "/sim/step-000002", device = "cpu" }).sum, base.sum,
      "saved on sim, resumed on the cpu")
   eq(on(2, 2, { load = dir .. "/cpu/step-000002" }).sum, base.sum, "saved on the cpu, resumed on sim")
+  on(2, 3, { save = dir .. "/sim-nvme", offload = "nvme+param:" .. nvme })
+  eq(on(2, 0, { load = dir .. "/sim-nvme/step-000002", device = "cpu" }).sum, base.sum,
+     "saved on sim from NVMe, resumed on the cpu")
+  eq(on(2, 2, { load = dir .. "/cpu/step-000002", offload = "nvme:" .. nvme }).sum, base.sum,
+     "saved on the cpu, resumed on sim onto NVMe")
   print(("    %d runs on sim on the cpu's stage-0 bits"):format(runs))
 end
 
--- The optimizer's states on NVMe (fp32: the parameters are the master,
--- so no master lives in the state file): the experts live in their group
--- at stages 1-3, the gradients spilled to NVMe at stages 2-3 with one norm
+-- The optimizer's states on NVMe: the experts live in their group at
+-- stages 1-3, the gradients spilled to NVMe at stages 2-3 with one norm
 -- partial per world slice, on stage 0's checksum and gradient norms at
--- ep_size 2 and 4, with accumulation and 8-bit states; checkpoints resume
--- across the placements.
+-- ep_size 2 and 4, with accumulation and 8-bit states, in fp32 (the
+-- parameters are the master) and in bf16 (the fp32 master in the state
+-- file: start-up writes each group's slice of the drawn weights there, the
+-- checksum and checkpoints read it back group by group); checkpoints
+-- resume across the placements and dtypes' tiers.
 function T.experts_live_in_their_group_with_states_on_nvme()
   local dir = scratch_dir .. "/nvme-states"
   os.execute("mkdir -p " .. q(dir))
   local function nv(ep, stage, o)
     o = o or {}
-    return edp(ep, stage, o.save, o.load, o.accum, nil, o.optimizer, nil, nil,
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
                stage > 0 and "nvme:" .. dir or nil)
   end
   local base, runs = support.same_as_stage_0(nv, {
     { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { accum = 2 }, "ep_size 2, accumulation" },
     { 2, { optimizer = "AdamW8bit" }, "ep_size 2, 8-bit states" },
+    { 2, { dtype = "bf16" }, "ep_size 2, bf16 (the master on NVMe)" },
+    { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
+    { 2, { dtype = "bf16", gather = "block" }, "ep_size 2, bf16, per block" },
+    { 2, { dtype = "bf16", optimizer = "AdamW8bit" }, "ep_size 2, bf16, 8-bit states" },
   })
   local ck = scratch_dir .. "/nvme-ck"
   nv(2, 2, { save = ck .. "/nvme" })
   eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "NVMe states resumed at stage 0")
   eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "NVMe states resumed at stage 3")
-  -- a bf16 master in the state file keeps the experts under ZeRO over the world
-  eq(edp(2, 2, nil, nil, 1, nil, nil, "bf16", nil, "nvme:" .. dir).placement, "world",
-     "bf16 with its master on NVMe")
+  -- a bf16 master saved from the state file, and one saved from memory
+  -- under the world placement loaded into it
+  local b0 = nv(2, 0, { dtype = "bf16", save = ck .. "/bf16-world" })
+  nv(2, 2, { dtype = "bf16", save = ck .. "/bf16-nvme" })
+  for _, c in ipairs({ { "bf16-nvme", 0 }, { "bf16-nvme", 3 }, { "bf16-world", 1 } }) do
+    local r = nv(2, c[2], { dtype = "bf16", load = ck .. "/" .. c[1] .. "/step-000002" })
+    eq(r.placement, c[2] == 0 and "world" or "edp", "placement resuming " .. c[1])
+    eq(r.sum, b0.sum, ("%s checkpoint resumed at stage %d"):format(c[1], c[2]))
+  end
   print(("    %d runs with the states on NVMe on stage 0's bits"):format(runs))
+end
+
+-- The parameter shard on NVMe (offload_param at stage 3, the states on
+-- NVMe at stages 1-3): each rank's parameter file holds its slices of its
+-- own experts, sliced over its group, and a gather reads them from there;
+-- stages 1-3 end on stage 0's checksum and gradient norms at ep_size 2 and
+-- 4, per expert and per block, in fp32 and bf16, with accumulation and
+-- 8-bit states; checkpoints resume across the placements and tiers.
+function T.experts_live_in_their_group_with_the_parameter_shard_on_nvme()
+  local dir = scratch_dir .. "/nvme-param"
+  os.execute("mkdir -p " .. q(dir))
+  local function nv(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
+               stage > 0 and "nvme+param:" .. dir or nil)
+  end
+  local base, runs = support.same_as_stage_0(nv, {
+    { 2, {}, "ep_size 2" }, { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
+    { 2, { gather = "block", optimizer = "AdamW8bit" }, "ep_size 2, per block, 8-bit states" },
+  })
+  local ck = scratch_dir .. "/nvme-param-ck"
+  nv(2, 3, { save = ck .. "/nvme" })
+  edp(2, 0, ck .. "/world")
+  eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed at stage 0")
+  eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed there")
+  eq(nv(2, 3, { load = ck .. "/world/step-000002" }).sum, base.sum,
+     "saved under the world placement, resumed onto NVMe")
+  print(("    %d runs with the parameter shard on NVMe on stage 0's bits"):format(runs))
 end
 
 function T.experts_must_divide_among_the_ranks()

@@ -164,8 +164,9 @@ function T.full_runs_cover_own_experts()
 end
 
 -- The plan says where the experts' parameters live under expert
--- parallelism: their group at stages 1-3 (states in memory, fp32
--- gradients), the world otherwise; and nothing of experts without it.
+-- parallelism: their group at stages 1-3 (cpu or sim, fp32 gradients; the
+-- states, master and parameter shard in memory or on NVMe), the world
+-- otherwise; and nothing of experts without it.
 function T.the_plan_says_where_experts_live()
   local Placement = require("luazero.zero.plan")
   for stage = 0, 3 do
@@ -185,11 +186,11 @@ function T.the_plan_says_where_experts_live()
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "edp",
      "nvme states, fp32 (the parameters are the master)")
   eq(Placement.new{ stage = 2, ep_size = 2, offload_optimizer = "nvme", dtype = "bf16" }.experts,
-     "world", "nvme states with a bf16 run's master")
+     "edp", "nvme states with a bf16 run's master")
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme", device = "sim" }.experts,
-     "world", "nvme states on sim")
+     "edp", "nvme states on sim")
   eq(Placement.new{ stage = 3, ep_size = 2, offload_param = "nvme", offload_optimizer = "nvme" }
-     .experts, "world", "the parameter shard on nvme")
+     .experts, "edp", "the parameter shard on nvme")
   eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "edp", "sim device")
   eq(Placement.new{ stage = 1, ep_size = 2, device = "cuda" }.experts, "world", "cuda device")
 end

@@ -268,9 +268,9 @@ end
 -- overlap (overlap_comm; stage 3's default), prefetch, reduce_bucket
 -- (the config's defaults), read_gbps, write_gbps (the disk: 1.9 / 1.1).
 -- ep_size (moe.ep_size; 1): where the plan keeps the experts in their
--- expert-data-parallel group (its experts "edp") and the engine does not
--- fall back (an optimizer of whole matrices), the counts' edp layout is
--- the rank's; routed_only and tokens (moe.routed_only;
+-- expert-data-parallel group (its experts "edp"), the counts' edp layout
+-- is the rank's (an optimizer of whole matrices too: each expert's owned
+-- by a rank of its group, zero/matrices.lua); routed_only and tokens (moe.routed_only;
 -- tokens a micro-batch on one rank): stage 3's reads of experts gathered
 -- one by one at the share uniform routing leaves routed.
 -- Returns nil where the placement needs another stage; else { device,
@@ -314,7 +314,7 @@ function M.rank(counts, opts)
   -- The experts in their group where the engine keeps them there
   -- (zero/experts.lua's place).
   local experts = P.ep_size > 1 and "world" or nil
-  if P.experts == "edp" and counts.edp and not opts.whole_matrices then
+  if P.experts == "edp" and counts.edp then
     counts, experts = counts.edp, "edp"
   end
   local routed = opts.routed_only and opts.tokens and { tokens = opts.tokens * counts.world }

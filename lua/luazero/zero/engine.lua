@@ -490,6 +490,7 @@ function Engine:allocate(frozen_entries)
   self.matrices = Matrices.new{
     L = L, P = P, rank = self.rank, world = self.world, comm = self.comm, ring = self.states,
     model = self.model, optimizer = self.optimizer, budget = s.allgather_bucket,
+    comm_of = function(seg) return self:comm_of(seg) end,
   }
   self.model_states = States.new{
     P = P, L = L, rank = self.rank, world = self.world, comm = self.comm, model = self.model,

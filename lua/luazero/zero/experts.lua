@@ -3,13 +3,12 @@
 -- placement): the engine's layout keeps only the experts this rank
 -- computes, sliced over its group (zero/layout.lua's place), beside the
 -- world layout (Lw) that says where every segment lies for everyone. What
--- the engine asks of the placement: whether it can hold (place), the group
--- a segment's collectives run over (comm_of), and the gradient norm's
+-- the engine asks of the placement: its layout (place), the group a
+-- segment's collectives run over (comm_of), and the gradient norm's
 -- partials in the world placement's order (norm_slots).
 --
 --   engine.L = experts.world_layout(engine)
---   experts.place(engine)   -- engine.L, engine.Lw, engine.place_of; or the
---                           -- plan's experts set back to "world"
+--   experts.place(engine)   -- engine.L, engine.Lw, engine.place_of
 local layout = require("luazero.zero.layout")
 local Placement = require("luazero.zero.plan")
 
@@ -29,16 +28,14 @@ end
 
 -- The layout keeps only this rank's experts: each reduced element and
 -- each gradient-norm partial is then the world placement's, bit for bit.
--- It needs an optimizer that updates elements one by one (not whole
--- matrices); else the experts stay under ZeRO over the world (P.experts =
--- "world"). Block-scaled states (8-bit AdamW's) keep their blocks: a
+-- An optimizer of whole matrices (Muon) orthogonalises an expert's on a
+-- rank of its group (zero/matrices.lua), from the same bits. Block-scaled states (8-bit AdamW's) keep their blocks: a
 -- segment pads to world x block elements under either placement, so an
 -- expert's group slice k is world slices kP..kP+P-1 and its blocks are
 -- the world layout's, each in one parameter, counted from its start.
 function M.place(engine)
   local P, s = engine.P, engine.s
   if P.experts ~= "edp" then return end
-  if engine.optimizer.matrix ~= nil then P.experts = "world"; return end
   local owner = layout.expert_owner(s.ep_size)
   engine.place_of = function(r) return { rank = r, ep_size = s.ep_size, owner = owner } end
   engine.owner = owner

@@ -14,9 +14,13 @@
 -- matrix and orthogonalises all of them itself, as stage 0 replicates
 -- AdamW. Either way a matrix is orthogonalised from the same bits by the
 -- same GEMMs, so every stage and world size gets the same parameters.
+-- With the experts in their expert-data-parallel group (zero/experts.lua)
+-- an expert's matrices are owned by a rank of its group, and their
+-- gathers and broadcasts run over that group (comm_of).
 --
 --   local mx = matrices.new{ L = L, P = P, rank = r, world = W, comm = comm,
---                            ring = states, model = model, optimizer = opt, budget = n }
+--                            ring = states, model = model, optimizer = opt, budget = n,
+--                            comm_of = function(seg) -> its group or nil (the world) }
 --   mx.matrix_of(entry) -> { A, B, ... } or nil;   mx:update(ms, opt, t, lr, scale)
 local lz = require("luazero")
 
@@ -56,6 +60,7 @@ function M.new(parts)
   if not opt.matrix then return nil end
   local self = setmetatable({}, Matrices)
   for _, k in ipairs({ "L", "P", "rank", "world", "comm", "ring" }) do self[k] = parts[k] end
+  self.comm_of = parts.comm_of or function() return nil end
   -- Elements of U gathered at once on a sharded optimizer (the config's
   -- allgather_bucket_size, as the engine's parameter gathers).
   self.budget = parts.budget or math.huge
@@ -79,20 +84,42 @@ function M.new(parts)
     if #held > 0 then self.segs[#self.segs + 1] = { seg = seg, held = held } end
   end
   -- Owners: the largest matrix first, each to the rank with the fewest
-  -- elements so far (the lowest rank on a tie).
-  local order = {}
-  for i, m in ipairs(self.list) do order[i] = m end
-  table.sort(order, function(a, b)
-    if a.numel ~= b.numel then return a.numel > b.numel end
-    return a.index < b.index
-  end)
+  -- elements so far (the lowest rank on a tie): the matrices every rank
+  -- holds among all ranks, then an expert group's among its ranks (which
+  -- all hold the same experts, so agree), on the loads the first left.
+  -- m.owner is a world rank; m.root the owner's rank in the matrix's
+  -- collectives' group.
+  local function by_size(list)
+    local order = {}
+    for i, m in ipairs(list) do order[i] = m end
+    table.sort(order, function(a, b)
+      if a.numel ~= b.numel then return a.numel > b.numel end
+      return a.index < b.index
+    end)
+    return order
+  end
   self.load = {}
   for r = 0, self.world - 1 do self.load[r] = 0 end
-  for _, m in ipairs(order) do
-    local best = 0
-    for r = 1, self.world - 1 do if self.load[r] < self.load[best] then best = r end end
-    m.owner = best
-    self.load[best] = self.load[best] + m.numel
+  local function assign(list, ranks)
+    for _, m in ipairs(by_size(list)) do
+      local best = 1
+      for i = 2, #ranks do if self.load[ranks[i]] < self.load[ranks[best]] then best = i end end
+      m.owner, m.root = ranks[best], best - 1
+      self.load[m.owner] = self.load[m.owner] + m.numel
+    end
+  end
+  local everyones, grouped, world_ranks, group_ranks = {}, {}, {}, {}
+  for _, m in ipairs(self.list) do
+    table.insert(m.seg.group == "edp" and grouped or everyones, m)
+  end
+  for r = 0, self.world - 1 do world_ranks[#world_ranks + 1] = r end
+  assign(everyones, world_ranks)
+  if #grouped > 0 then
+    -- (the ranks of this rank's expert-data-parallel group, by group rank)
+    local seg = grouped[1].seg
+    local P = self.world / seg.gworld
+    for k = 0, seg.gworld - 1 do group_ranks[#group_ranks + 1] = self.rank % P + k * P end
+    assign(grouped, group_ranks)
   end
   self.replicated = self.P.optimizer.extent == "full"
   self.matrix_of = function(e) return self.by_entry[e] end
@@ -144,7 +171,8 @@ function Matrices:orthogonalize(opt)
       local seg = segs[k].seg
       full[k] = lz.tensor({ seg.padded }, "f32", "workspace", dev)
       local mine = u:view(seg.shard_offset, { seg.slice })
-      self.comm.all_gather(mine, full[k])
+      local group = self.comm_of(seg)
+      if group then group:all_gather(mine, full[k]) else self.comm.all_gather(mine, full[k]) end
       mine:free()
     end
     for k = i, j do
@@ -158,13 +186,14 @@ function Matrices:orthogonalize(opt)
     end
     for k = i, j do
       local seg = segs[k].seg
+      local group = self.comm_of(seg)
       for _, m in ipairs(segs[k].held) do
         local x = full[k]:view(m.se.seg_offset, { m.numel })
-        self.comm.broadcast(x, m.owner)
+        if group then group:broadcast(x, m.root) else self.comm.broadcast(x, m.root) end
         x:free()
       end
       local mine, got = u:view(seg.shard_offset, { seg.slice }),
-                        full[k]:view(self.rank * seg.slice, { seg.slice })
+                        full[k]:view(seg.mine.full_offset - seg.full_offset, { seg.slice })
       mine:copy(got)
       mine:free(); got:free()
       full[k]:free()

@@ -228,17 +228,17 @@ function M.new(opts)
   -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
   -- keeps only the experts it computes, under ZeRO within its
   -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua):
-  -- at stages 1-3 with the states in memory on the cpu or sim device and
-  -- fp32 gradients (on cuda the group's division, zero/reduce.lua's,
-  -- would take its gradients through host memory); on the cpu also with
-  -- the states on NVMe where the master is not there (fp32: the
-  -- parameters are the master). "world": under ZeRO over all ranks like
-  -- every other parameter (every other case; the engine also falls back
-  -- to it for a layout the placement cannot keep bitwise, zero/experts.lua).
+  -- at stages 1-3 on the cpu or sim device with fp32 gradients (on cuda
+  -- the group's division, zero/reduce.lua's, would take its gradients
+  -- through host memory), wherever the optimizer's states, the master and
+  -- the parameter shard live (in memory, on the cpu, on NVMe: start-up,
+  -- the checksum and checkpoints read and write the rank's own slices of
+  -- each tier, zero/states.lua), whatever the optimizer (zero/matrices.lua
+  -- owns an expert's whole matrices within its group). "world": under ZeRO
+  -- over all ranks like every other parameter (every other case).
   p.ep_size = opts.ep_size or 1
-  local states_ok = opt_kind.resident or device == "cpu" and store.get(p.master.tier).resident
   p.experts = p.ep_size > 1 and stage >= 1 and (device == "cpu" or device == "sim") and
-              gdt == "f32" and states_ok and store.get(par_tier).resident and
+              gdt == "f32" and
               "edp" or "world"
   return p
 end

@@ -177,7 +177,7 @@ function States:init_weights(seed)
       if P:swapped("optimizer") then
         if not P.master.alias then
           self:shard_pieces(lo, n, function(seg, a, len)
-            local from = self.rank * seg.slice + (a - seg.shard_offset)
+            local from = seg.mine.full_offset - seg.full_offset + (a - seg.shard_offset)
             copy(v.master:view(a - lo, { len }), full_of[seg]:view(from, { len }), "copy")
           end)
         end
@@ -658,23 +658,35 @@ function States:full_master_segments(fn)
   end)
 end
 
--- full_master_segments with the experts in their groups (a resident
--- master, on the host or the device): every world segment in order, this
--- rank's whole (gathered over its group where sharded), an expert's
--- broadcast by world rank q, which holds expert-parallel rank q's experts.
--- The segments travel in host memory, a device master's copied off first.
+-- full_master_segments with the experts in their groups: every world
+-- segment in order, this rank's whole (gathered over its group where
+-- sharded), an expert's broadcast by world rank q, which holds
+-- expert-parallel rank q's experts. The segments travel in host memory, a
+-- device master's copied off first. A sharded master's slices come from
+-- master_slices (resident, or read sub-group by sub-group from NVMe),
+-- taken in step with the world segments: this rank's segments are theirs
+-- in the same order.
 function States:placed_master_segments(fn)
   local P = self.P
   local on_device = P:on_device("master")
+  local whole = P.master.extent == "full"
   local own = {}
   for _, seg in ipairs(self.L.segments) do own[seg.world_index] = seg end
+  local next_slice = not whole and coroutine.wrap(function()
+    self:master_slices(function(seg, slice) coroutine.yield(seg, slice) end)
+  end)
   for i, wseg in ipairs(self.Lw.segments) do
     local seg = own[i]
     local full = lz.tensor({ wseg.padded }, "f32", "workspace")
     if seg then
-      local whole = P.master.extent == "full"
-      local view = whole and self.master:view(seg.full_offset, { seg.padded })
-                   or self.master:view(seg.shard_offset, { seg.slice })
+      local view
+      if whole then
+        view = self.master:view(seg.full_offset, { seg.padded })
+      else
+        local from
+        from, view = next_slice()
+        assert(from == seg, "placed_master_segments: master slices out of step")
+      end
       local host = on_device and view:to("cpu")
       if whole then
         full:convert(host or view)
@@ -685,13 +697,14 @@ function States:placed_master_segments(fn)
         if widened_copy then wide:free() end
       end
       if host then host:free() end
-      view:free()
+      if whole or not P:swapped("master") then view:free() end
     end
     local q = self.owner(wseg)
     if q ~= nil then self.comm.broadcast(full, q) end
     fn(wseg, full)
     full:free()
   end
+  if next_slice then assert(next_slice() == nil, "placed_master_segments: master slices left") end
 end
 
 -- Calls fn(seg, slice) for every segment in order with this rank's fp32
