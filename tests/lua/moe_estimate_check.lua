@@ -32,26 +32,31 @@ local optimizers = {
   muon = { type = "Muon", params = { lr = 0.01 } },
 }
 -- (nvme: the optimizer's states in a swap file under NVME, the third
--- argument's folder; the cpu device only)
+-- argument's folder; the cpu device only. bf16g: bf16 training with bf16
+-- gradients, data_types.grad_accum_dtype)
 local cases = { { 0, "adamw" }, { 1, "adamw" }, { 2, "adamw" }, { 3, "adamw" },
-                { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" } }
+                { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" }, { 2, "adamw", "bf16g" } }
 local nvme_dir = arg[5]
 if nvme_dir then cases[#cases + 1] = { 2, "adamw", "nvme" } end
 
 for _, c in ipairs(cases) do
   local stage, oname = c[1], c[2]
-  local off = c[3] and { device = "nvme", nvme_path = nvme_dir } or nil
+  local off = c[3] == "nvme" and { device = "nvme", nvme_path = nvme_dir } or nil
+  local bf16g = c[3] == "bf16g"
   local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
   local cfg = { train_micro_batch_size_per_gpu = B,
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600,
                                       offload_optimizer = off },
-                optimizer = optimizers[oname], moe = { ep_size = ep_size } }
+                optimizer = optimizers[oname], moe = { ep_size = ep_size },
+                bf16 = bf16g and { enabled = true } or nil,
+                data_types = bf16g and { grad_accum_dtype = "bf16" } or nil }
   -- The estimate, of a model declared beside the engine's (never placed).
   local settings = estimate.settings_of(cfg, device)
   local counts = estimate.counts(mixtral.new(mcfg), world, 600, formats.block_of(settings.formats),
                                  ep_size)
   local r = estimate.rank(counts, settings)
-  local acts = estimate.activations(mixtral.new(mcfg), B, S, "fp32", ep_size).device
+  local acts = estimate.activations(mixtral.new(mcfg), B, S, bf16g and "bf16" or "fp32",
+                                    ep_size).device
   local states = support.ledger_mark()
   local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
                                    batch = { B, S }, comm = comm, device = device })
@@ -61,7 +66,7 @@ for _, c in ipairs(cases) do
   local host, dev, added = states(device)
   if rank == 0 then
     local tier = device == "cpu" and r.host or r.device
-    print(("case %d %s%s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname, c[3] and "-nvme" or "",
+    print(("case %d %s%s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname, c[3] and "-" .. c[3] or "",
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
           added.params, tier.params or 0, added.activations, acts,
           dev, estimate.kept(r, "device")))

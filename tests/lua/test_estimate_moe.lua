@@ -1,7 +1,8 @@
 -- test_estimate_moe.lua — the estimator under expert parallelism
 -- (lua/luazero/estimate/rank.lua's counts and rank with ep_size): on 4
 -- ranks, at ep_size 1, 2 and 4, every ZeRO stage, 8-bit AdamW (its
--- block-scaled states in the group too) and a fall-back (Muon's whole
+-- block-scaled states in the group too), bf16 gradients (in the group
+-- too: divided by the world size before rounding) and a fall-back (Muon's whole
 -- matrices keep the experts under ZeRO over the world), on the cpu and
 -- (ep_size 2) the sim device, the estimate's placement of the experts,
 -- host, device and parameter bytes equal the engine's ledger to the byte,
@@ -62,8 +63,8 @@ function T.ep_estimate_matches_the_engines_ledger_at_ep_size_1_2_and_4()
       assert(r.acts >= r.eacts and r.acts - r.eacts < (device and 4096 or 1),
              ("%s: activation arenas %d, the estimate %d"):format(what, r.acts, r.eacts))
     end
-    -- (on the cpu, with the states on NVMe at stage 2 too)
-    eq(n, device and 7 or 8, ("cases at ep_size %d"):format(ep))
+    -- (bf16 gradients at stage 2; on the cpu, with the states on NVMe at stage 2 too)
+    eq(n, device and 8 or 9, ("cases at ep_size %d"):format(ep))
     if gather == "expert" and not device then by_ep[ep] = cases end
     if device then assert(cases["1 adamw"].dev > 0, "sim: the states on the device") end
   end

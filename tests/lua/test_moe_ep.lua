@@ -131,10 +131,12 @@ end
 
 -- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
 -- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
-local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload)
-  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
+-- backend: the launcher's --backend (shm by default).
+local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload, backend)
+  local cmd = ("cd %s && timeout 600 %s %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
                "%s %s %s %s 2>&1")
-              :format(q(lz.root), q(lz.executable()), q(corpus), ep, stage, save or "-",
+              :format(q(lz.root), q(lz.executable()), backend and ("--backend " .. backend) or "",
+                      q(corpus), ep, stage, save or "-",
                       load or "-", accum or 1, dtype or "fp32", gather or "expert",
                       optimizer or "AdamW", device or "cpu", offload or "none")
   local p = io.popen(cmd)
@@ -263,6 +265,39 @@ function T.eight_bit_adamw_keeps_the_experts_in_their_group()
     end
   end
   print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
+end
+
+-- Half-precision gradients (data_types.grad_accum_dtype bf16 or fp16):
+-- the experts live in their group at stages 1-3, the group's sum divided
+-- by the world size before its one rounding to the gradients' dtype (as
+-- the world's average divides), and end on stage 0's checksum and gradient
+-- norms at ep_size 2 and 4 (groups of one rank: the division alone), with
+-- accumulation, under OpenMPI too; a checkpoint saved under the group
+-- placement resumes at stage 0.
+function T.half_gradients_keep_the_experts_in_their_group()
+  local function half(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, nil, nil, o.backend)
+  end
+  local base, runs = support.same_as_stage_0(half, {
+    { 2, { dtype = "bf16-grads" }, "ep_size 2, bf16 gradients" },
+    { 4, { dtype = "bf16-grads" }, "ep_size 4, bf16 gradients" },
+    { 2, { dtype = "bf16-grads", accum = 2, gather = "block" },
+      "ep_size 2, bf16 gradients, accumulation, per block" },
+    { 2, { dtype = "fp16-grads" }, "ep_size 2, fp16 gradients" },
+  }, true)
+  if os.execute("command -v mpirun >/dev/null 2>&1") == 0 then
+    local m = half(2, 2, { dtype = "bf16-grads", backend = "mpi" })
+    eq(m.placement, "edp", "placement under mpi")
+    eq(m.sum, base.sum, "bf16 gradients under mpi, stage 2")
+    eq(m.norms, base.norms, "bf16 gradients under mpi, stage 2's gradient norms")
+    runs = runs + 1
+  end
+  local dir = scratch_dir .. "/half-ck"
+  half(2, 3, { dtype = "bf16-grads", save = dir .. "/edp" })
+  eq(half(2, 0, { dtype = "bf16-grads", load = dir .. "/edp/step-000002" }).sum, base.sum,
+     "bf16 gradients: saved under the group placement, resumed at stage 0")
+  print(("    %d runs with half gradients in the experts' group on stage 0's bits"):format(runs))
 end
 
 -- On the sim device (its memory apart from the host's, as a GPU's): the

@@ -227,18 +227,25 @@ function M.new(opts)
   p.moe = M.moe(opts.moe)
   -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
   -- keeps only the experts it computes, under ZeRO within its
-  -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua):
-  -- at stages 1-3 with the states in memory on the cpu or sim device and
-  -- fp32 gradients (on cuda the group's division, zero/reduce.lua's,
-  -- would take its gradients through host memory); on the cpu also with
-  -- the states on NVMe where the master is not there (fp32: the
-  -- parameters are the master). "world": under ZeRO over all ranks like
+  -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua),
+  -- where every clause below holds. "world": under ZeRO over all ranks like
   -- every other parameter (every other case; the engine also falls back
   -- to it for a layout the placement cannot keep bitwise, zero/experts.lua).
   p.ep_size = opts.ep_size or 1
-  local states_ok = opt_kind.resident or device == "cpu" and store.get(p.master.tier).resident
-  p.experts = p.ep_size > 1 and stage >= 1 and (device == "cpu" or device == "sim") and
-              gdt == "f32" and states_ok and store.get(par_tier).resident and
+  -- Stages 1-3 (stage 0's checkpoint has one writer, which would hold
+  -- every expert).
+  local edp_stage = stage >= 1
+  -- The cpu and sim devices (on cuda, untested).
+  local edp_device = device == "cpu" or device == "sim"
+  -- (Gradients in any dtype: the group's sum is divided by the world size
+  -- before its one rounding, inside the collective, zero/reduce.lua, as
+  -- the world's average divides.)
+  -- The states in memory; on the cpu also on NVMe where the master is not
+  -- there (fp32: the parameters are the master).
+  local edp_states = opt_kind.resident or device == "cpu" and store.get(p.master.tier).resident
+  -- The parameter shard in memory.
+  local edp_params = store.get(par_tier).resident
+  p.experts = p.ep_size > 1 and edp_stage and edp_device and edp_states and edp_params and
               "edp" or "world"
   return p
 end
