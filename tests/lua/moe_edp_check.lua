@@ -15,9 +15,9 @@
 -- (default) or AdamW8bit (block-scaled states); DEVICE: cpu (default) or
 -- sim; OFFLOAD: none (default), cpu (offload_optimizer at stages 1-3,
 -- offload_param too at stage 3) or nvme:DIR (offload_optimizer on NVMe in
--- DIR at stages 1-3).
+-- DIR at stages 1-3); PLACEMENT: moe.placement, group (default) or world.
 --   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
---       [OPTIMIZER] [DEVICE] [OFFLOAD]
+--       [OPTIMIZER] [DEVICE] [OFFLOAD] [PLACEMENT]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -48,7 +48,7 @@ local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 
                                     offload_param = stage == 3 and offload or nil },
               optimizer = { type = optimizer, params = { lr = 1e-2, min_8bit_size = optimizer ==
                                                          "AdamW8bit" and 1000 or nil } },
-              moe = { ep_size = ep_size } }
+              moe = { ep_size = ep_size, placement = arg[12] } }
 local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
                                  batch = { 2, 16 }, comm = comm, device = device })
 local held = lz.mem()

@@ -90,7 +90,9 @@ end
 -- master_format (f32, or bf16: no fp32 master, the bf16 working parameters
 -- are the master, updated through stochastic rounding), moe (a model
 -- with MoE blocks: { gather = "block" | "expert", routed_only =, blocks =,
--- experts = }; nil without), ep_size (moe.ep_size; 1).
+-- experts = }; nil without), ep_size (moe.ep_size; 1), expert_placement
+-- (moe.placement: "world" keeps the experts under ZeRO over all ranks;
+-- else in their group where the clauses below allow).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -232,21 +234,22 @@ function M.new(opts)
   -- every other parameter (every other case; the engine also falls back
   -- to it for a layout the placement cannot keep bitwise, zero/experts.lua).
   p.ep_size = opts.ep_size or 1
-  -- Stages 1-3 (stage 0's checkpoint has one writer, which would hold
-  -- every expert).
-  local edp_stage = stage >= 1
-  -- The cpu and sim devices (on cuda, untested).
-  local edp_device = device == "cpu" or device == "sim"
-  -- (Gradients in any dtype: the group's sum is divided by the world size
-  -- before its one rounding, inside the collective, zero/reduce.lua, as
-  -- the world's average divides.)
+  -- (At every stage: at stage 0 each expert's states are replicated over
+  -- its group alone, an all-reduce within it, and a checkpoint has one
+  -- writer per rank, each writing its slices, zero/experts.lua's
+  -- save_view. On every device: the group's division runs inside its
+  -- collective; on cuda nccl's pre-multiplied sum, on the device,
+  -- untested there. With gradients in any dtype: the group's sum is
+  -- divided by the world size before its one rounding, zero/reduce.lua,
+  -- as the world's average divides.)
   -- The states in memory; on the cpu also on NVMe where the master is not
   -- there (fp32: the parameters are the master).
   local edp_states = opt_kind.resident or device == "cpu" and store.get(p.master.tier).resident
   -- The parameter shard in memory.
   local edp_params = store.get(par_tier).resident
-  p.experts = p.ep_size > 1 and edp_stage and edp_device and edp_states and edp_params and
-              "edp" or "world"
+  -- Not where the config asks for the world's (moe.placement "world").
+  local edp_asked = opts.expert_placement ~= "world"
+  p.experts = p.ep_size > 1 and edp_asked and edp_states and edp_params and "edp" or "world"
   return p
 end
 

@@ -162,13 +162,16 @@ function Reducer:grads_ready(seg)
     return
   end
   -- All-reduce, neighbouring segments batched into buckets of
-  -- reduce_bucket_size elements (backward visits them back to front).
+  -- reduce_bucket_size elements (backward visits them back to front); a
+  -- bucket holds segments of one group (the world, or an expert's
+  -- expert-data-parallel group: averaged over the world, as above).
   local b = self.bucket
-  if b and seg.full_offset + seg.padded == b.lo then
+  local group = self.comm_of and self.comm_of(seg)
+  if b and seg.full_offset + seg.padded == b.lo and b.group == group then
     b.lo = seg.full_offset
   else
     self:flush_bucket()
-    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded }
+    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded, group = group }
     self.bucket = b
   end
   if b.hi - b.lo >= self.s.reduce_bucket then self:flush_bucket() end
@@ -178,7 +181,9 @@ function Reducer:flush_bucket()
   local b = self.bucket
   if not b then return end
   self.bucket = false
-  local w = self.comm.all_reduce(self.grads:view(b.lo, { b.hi - b.lo }), "avg", self.s.overlap)
+  local t, w = self.grads:view(b.lo, { b.hi - b.lo })
+  if b.group then w = b.group:all_reduce(t, "avg", self.s.overlap, self.comm.size())
+  else w = self.comm.all_reduce(t, "avg", self.s.overlap) end
   if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
 end
 
