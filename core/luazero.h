@@ -232,6 +232,16 @@ lz_status lz_comm_all_reduce(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
 /* send: count elements; recv: this rank's shard (lz_comm_shard). */
 lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64_t count,
                                  lz_dtype dt, lz_reduce_op op, lz_work **work);
+/* all_reduce and reduce_scatter averaging over `divisor` ranks instead of
+ * this communicator's size: the rank-order sum divided by divisor before
+ * its one rounding to dt. A group's part of its parent's average (experts'
+ * gradients summed over their expert-data-parallel group, averaged over
+ * the world): the parent's avg bit for bit where the ranks outside the
+ * group add zeros, in every dtype. */
+lz_status lz_comm_all_reduce_avg_over(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
+                                      int divisor, lz_work **work);
+lz_status lz_comm_reduce_scatter_avg_over(lz_comm *c, const void *send, void *recv, int64_t count,
+                                          lz_dtype dt, int divisor, lz_work **work);
 /* send: this rank's shard; recv: count elements. */
 lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
                              lz_dtype dt, lz_work **work);

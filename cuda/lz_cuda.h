@@ -75,9 +75,8 @@ extern const size_t lz_cu_nccl_id_bytes;
 lz_status lz_cu_nccl_get_id(void *id);
 lz_status lz_cu_nccl_init(void **out, const void *id, int rank, int size);
 void lz_cu_nccl_free(void *nc, int abort);
-lz_status lz_cu_nccl_run(void *nc, lz_coll_kind kind, const void *send, void *recv,
-                         int64_t count, lz_dtype dt, lz_reduce_op op, int root,
-                         double timeout_s);
+lz_status lz_cu_nccl_run(void *nc, lz_coll_kind kind, const void *send, void *recv, int64_t count,
+                         lz_dtype dt, lz_reduce_op op, int divisor, int root, double timeout_s);
 lz_status lz_cu_nccl_gather_counts(void *nc, const int64_t *row, int64_t *table, int n,
                                    double timeout_s);
 lz_status lz_cu_nccl_all_to_all(void *nc, const void *send, void *recv, const int64_t *v,

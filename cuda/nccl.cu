@@ -15,11 +15,13 @@
 // through an all-gather (comm_nccl.c checks them); a group is ncclCommSplit.
 #include "lz_cuda.h"
 
-#include <nccl.h>    // the whole file
-#include <sched.h>   // sched_yield while polling
-#include <stdlib.h>  // calloc
-#include <string.h>  // memcpy
-#include <time.h>    // clock_gettime for deadlines
+#include <cuda_bf16.h> // __nv_bfloat16: the scalar of an average over another count
+#include <cuda_fp16.h> // __half: the same for f16
+#include <nccl.h>      // the whole file
+#include <sched.h>     // sched_yield while polling
+#include <stdlib.h>    // calloc
+#include <string.h>    // memcpy
+#include <time.h>      // clock_gettime for deadlines
 
 const size_t lz_cu_nccl_id_bytes = sizeof(ncclUniqueId);
 
@@ -145,8 +147,50 @@ static ncclRedOp_t nccl_op(lz_reduce_op op) {
   return op == LZ_RED_AVG ? ncclAvg : op == LZ_RED_MAX ? ncclMax : ncclSum;
 }
 
+// An average over `divisor` ranks where this communicator has another
+// count (a group's part of its parent's average): NCCL's pre-multiplied
+// sum by 1/divisor, the form its own ncclAvg takes for floating types, so
+// the division runs on the device inside the collective. The scalar is in
+// the data's type, as NCCL requires.
+static lz_status avg_over_op(nccl_comm *c, lz_dtype dt, int divisor, ncclRedOp_t *out) {
+  float inv = 1.0f / (float)divisor;
+  switch (dt) {
+  case LZ_F32:
+    NCCL_CHECK(ncclRedOpCreatePreMulSum(out, &inv, ncclFloat32, ncclScalarHostImmediate, c->comm));
+    return LZ_OK;
+  case LZ_BF16: {
+    __nv_bfloat16 h = __float2bfloat16(inv);
+    NCCL_CHECK(ncclRedOpCreatePreMulSum(out, &h, ncclBfloat16, ncclScalarHostImmediate, c->comm));
+    return LZ_OK;
+  }
+  case LZ_F16: {
+    __half h = __float2half(inv);
+    NCCL_CHECK(ncclRedOpCreatePreMulSum(out, &h, ncclFloat16, ncclScalarHostImmediate, c->comm));
+    return LZ_OK;
+  }
+  default:
+    return lz_fail(LZ_ERR_INVALID, "nccl: an average over %d ranks needs f32, bf16 or f16 data",
+                   divisor);
+  }
+}
+
 static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void *recv,
-                         int64_t count, lz_dtype dt, lz_reduce_op op, int root) {
+                         int64_t count, lz_dtype dt, ncclRedOp_t rop, int root);
+
+static lz_status enqueue_reduce(nccl_comm *c, lz_coll_kind kind, const void *send, void *recv,
+                                int64_t count, lz_dtype dt, lz_reduce_op op, int divisor,
+                                int root) {
+  if (op != LZ_RED_AVG || divisor == c->size)
+    return enqueue(c, kind, send, recv, count, dt, nccl_op(op), root);
+  ncclRedOp_t rop;
+  LZ_TRY(avg_over_op(c, dt, divisor, &rop));
+  lz_status st = enqueue(c, kind, send, recv, count, dt, rop, root);
+  ncclRedOpDestroy(rop, c->comm); // (allowed once the calls that use it have returned)
+  return st;
+}
+
+static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void *recv,
+                         int64_t count, lz_dtype dt, ncclRedOp_t rop, int root) {
   cudaStream_t s = lz_cu_stream[LZ_STREAM_COMM];
   const size_t es = lz_dtype_size(dt);
   const int W = c->size;
@@ -154,7 +198,7 @@ static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void
   switch (kind) {
   case LZ_COLL_ALL_REDUCE: {
     ncclDataType_t t = nccl_type(dt, &n);
-    NCCL_CHECK(ncclAllReduce(send, recv, (size_t)n, t, nccl_op(op), c->comm, s));
+    NCCL_CHECK(ncclAllReduce(send, recv, (size_t)n, t, rop, c->comm, s));
     return LZ_OK;
   }
   case LZ_COLL_BROADCAST: {
@@ -173,7 +217,7 @@ static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void
     int64_t shard = count / W;
     ncclDataType_t t = nccl_type(dt, &shard);
     if (kind == LZ_COLL_REDUCE_SCATTER)
-      NCCL_CHECK(ncclReduceScatter(send, recv, (size_t)shard, t, nccl_op(op), c->comm, s));
+      NCCL_CHECK(ncclReduceScatter(send, recv, (size_t)shard, t, rop, c->comm, s));
     else NCCL_CHECK(ncclAllGather(send, recv, (size_t)shard, t, c->comm, s));
     return LZ_OK;
   }
@@ -184,7 +228,7 @@ static lz_status enqueue(nccl_comm *c, lz_coll_kind kind, const void *send, void
     ncclDataType_t t = nccl_type(dt, &len);
     if (kind == LZ_COLL_REDUCE_SCATTER) {
       const char *src = (const char *)send + (size_t)off * es;
-      NCCL_CHECK(ncclReduce(src, recv, (size_t)len, t, nccl_op(op), r, c->comm, s));
+      NCCL_CHECK(ncclReduce(src, recv, (size_t)len, t, rop, r, c->comm, s));
     } else {
       char *dst = (char *)recv + (size_t)off * es;
       NCCL_CHECK(ncclBroadcast(send, dst, (size_t)len, t, r, c->comm, s));
@@ -198,13 +242,13 @@ static lz_status start(nccl_comm *c, const char *what);
 static lz_status finish(nccl_comm *c, const char *what, double deadline, double timeout_s);
 
 lz_status lz_cu_nccl_run(void *p, lz_coll_kind kind, const void *send, void *recv,
-                                    int64_t count, lz_dtype dt, lz_reduce_op op, int root,
-                                    double timeout_s) {
+                                    int64_t count, lz_dtype dt, lz_reduce_op op, int divisor,
+                                    int root, double timeout_s) {
   nccl_comm *c = (nccl_comm *)p;
   const char *what = lz_coll_kind_name(kind);
   const double deadline = now_s() + timeout_s;
   LZ_TRY(start(c, what));
-  LZ_TRY(enqueue(c, kind, send, recv, count, dt, op, root));
+  LZ_TRY(enqueue_reduce(c, kind, send, recv, count, dt, op, divisor, root));
   return finish(c, what, deadline, timeout_s);
 }
 

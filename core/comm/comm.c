@@ -153,6 +153,18 @@ void lz_reduce_fixed(void *dst, const void *const *srcs, int nsrc, int64_t count
   reduce_blocks(dst, srcs, nsrc, count, dt, op, world);
 }
 
+void lz_comm_one_rank(const lz_coll_args *a) {
+  size_t n = (size_t)a->count * lz_dtype_size(a->dt);
+  int reducing = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
+  if (reducing && a->op == LZ_RED_AVG && a->divisor != 1) {
+    const void *src = a->send;
+    lz_reduce_fixed(a->recv, &src, 1, a->count, a->dt, a->op, a->divisor);
+  } else if ((a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER) &&
+             a->send != a->recv) {
+    memmove(a->recv, a->send, n);
+  }
+}
+
 /* ------------------------------------------------------------ streaming copy */
 
 /* Non-temporal stores write whole lines without first reading them in
@@ -278,7 +290,7 @@ static lz_status run_on_host(lz_comm *c, const lz_coll_args *a) {
   int64_t *table = malloc(row * (size_t)c->size * sizeof *table);
   if (!table) return lz_fail(LZ_ERR_NOMEM, "all_to_all: rank %d: out of memory", c->rank);
   lz_coll_args g = {LZ_COLL_ALL_GATHER, a->v, table, (int64_t)(2 * row) * c->size, LZ_I32,
-                    LZ_RED_SUM, 0, 0, 0, NULL, NULL};
+                    LZ_RED_SUM, 0, 0, 0, NULL, NULL, 0};
   lz_status st = c->ops->run(c, &g);
   if (st != LZ_OK) {
     char why[1024];
@@ -423,6 +435,9 @@ static lz_status check_args(lz_comm *c, const lz_coll_args *a) {
     return lz_fail(LZ_ERR_INVALID, "%s: dtype %s (%d) is not supported; use f32, bf16 or f16%s",
                    op, lz_dtype_name(a->dt), (int)a->dt,
                    reducing ? "" : " (or i32, u16 for copies)");
+  if (reducing && a->divisor < 0)
+    return lz_fail(LZ_ERR_INVALID, "%s: the average's divisor is %d; it must be >= 1", op,
+                   a->divisor);
   if (reducing && (unsigned)a->op > LZ_RED_MAX)
     return lz_fail(LZ_ERR_INVALID, "%s: reduce op %d is not one of sum (0), avg (1), max (2)", op,
                    (int)a->op);
@@ -484,6 +499,7 @@ static lz_status submit_owned(lz_comm *c, const lz_coll_args *in, lz_work **work
   if (work) *work = NULL;
   LZ_TRY(check_args(c, in));
   lz_coll_args sa = *in, *a = &sa;
+  if (!a->divisor) a->divisor = c->size;
   if (a->kind != LZ_COLL_BARRIER) {
     LZ_TRY(check_buffers(c, a->send, a->kind));
     LZ_TRY(check_buffers(c, a->recv, a->kind));
@@ -580,30 +596,54 @@ lz_status lz_work_test(lz_work *w, int *done) {
 
 lz_status lz_comm_all_reduce(lz_comm *c, void *buf, int64_t count, lz_dtype dt, lz_reduce_op op,
                              lz_work **work) {
-  lz_coll_args a = {LZ_COLL_ALL_REDUCE, buf, buf, count, dt, op, 0, 0, 0, NULL, NULL};
+  lz_coll_args a = {LZ_COLL_ALL_REDUCE, buf, buf, count, dt, op, 0, 0, 0, NULL, NULL, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64_t count,
                                  lz_dtype dt, lz_reduce_op op, lz_work **work) {
-  lz_coll_args a = {LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, 0, 0, NULL, NULL};
+  lz_coll_args a = {LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, 0, 0, NULL, NULL, 0};
+  return submit(c, &a, work);
+}
+
+lz_status lz_comm_all_reduce_avg_over(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
+                                      int divisor, lz_work **work) {
+  if (divisor < 1) {
+    if (work) *work = NULL;
+    return lz_fail(LZ_ERR_INVALID, "all_reduce: the average's divisor is %d; it must be >= 1",
+                   divisor);
+  }
+  lz_coll_args a = {
+      LZ_COLL_ALL_REDUCE, buf, buf, count, dt, LZ_RED_AVG, 0, 0, 0, NULL, NULL, divisor};
+  return submit(c, &a, work);
+}
+
+lz_status lz_comm_reduce_scatter_avg_over(lz_comm *c, const void *send, void *recv, int64_t count,
+                                          lz_dtype dt, int divisor, lz_work **work) {
+  if (divisor < 1) {
+    if (work) *work = NULL;
+    return lz_fail(LZ_ERR_INVALID, "reduce_scatter: the average's divisor is %d; it must be >= 1",
+                   divisor);
+  }
+  lz_coll_args a = {
+      LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, LZ_RED_AVG, 0, 0, 0, NULL, NULL, divisor};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
                              lz_dtype dt, lz_work **work) {
-  lz_coll_args a = {LZ_COLL_ALL_GATHER, send, recv, count, dt, LZ_RED_SUM, 0, 0, 0, NULL, NULL};
+  lz_coll_args a = {LZ_COLL_ALL_GATHER, send, recv, count, dt, LZ_RED_SUM, 0, 0, 0, NULL, NULL, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,
                             lz_work **work) {
-  lz_coll_args a = {LZ_COLL_BROADCAST, buf, buf, count, dt, LZ_RED_SUM, root, 0, 0, NULL, NULL};
+  lz_coll_args a = {LZ_COLL_BROADCAST, buf, buf, count, dt, LZ_RED_SUM, root, 0, 0, NULL, NULL, 0};
   return submit(c, &a, work);
 }
 
 lz_status lz_comm_barrier(lz_comm *c) {
-  lz_coll_args a = {LZ_COLL_BARRIER, NULL, NULL, 0, LZ_F32, LZ_RED_SUM, 0, 0, 0, NULL, NULL};
+  lz_coll_args a = {LZ_COLL_BARRIER, NULL, NULL, 0, LZ_F32, LZ_RED_SUM, 0, 0, 0, NULL, NULL, 0};
   return submit(c, &a, NULL);
 }
 
@@ -619,7 +659,7 @@ static lz_status all_to_all(lz_comm *c, const void *send, void *recv, const int6
   for (int k = 0; k < 4; k++)
     for (int p = 0; p < W; p++)
       v[k * W + p] = in ? (in[k] ? in[k][p] : -1) : (k & 1) ? (int64_t)p * count : count;
-  lz_coll_args a = {LZ_COLL_ALL_TO_ALL, send, recv, 0, dt, LZ_RED_SUM, 0, 0, 0, v, NULL};
+  lz_coll_args a = {LZ_COLL_ALL_TO_ALL, send, recv, 0, dt, LZ_RED_SUM, 0, 0, 0, v, NULL, 0};
   lz_status st = in && (!in[0] || !in[1] || !in[2] || !in[3])
                      ? lz_fail(LZ_ERR_INVALID, "all_to_all: a count or offset array is NULL")
                      : submit_owned(c, &a, work, &v);

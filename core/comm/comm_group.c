@@ -83,8 +83,8 @@ lz_status lz_comm_group_new(lz_comm *parent, const int *ranks, int n, lz_comm **
   }
   lz_status st = lz_comm_hold(parent, "comm_group");
   if (st == LZ_OK) {
-    lz_coll_args g = {LZ_COLL_ALL_GATHER, row, table, (int64_t)W * W, LZ_I32, LZ_RED_SUM,
-                      0, 0, 0, NULL, NULL};
+    lz_coll_args g = {
+        LZ_COLL_ALL_GATHER, row, table, (int64_t)W * W, LZ_I32, LZ_RED_SUM, 0, 0, 0, NULL, NULL, 0};
     st = parent->ops->run(parent, &g);
     if (st == LZ_OK && mine != LZ_OK) st = lz_fail(mine, "%s", why);
     if (st == LZ_OK) st = groups_agree(parent, table);

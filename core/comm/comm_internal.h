@@ -31,6 +31,10 @@ typedef struct lz_coll_args {
    * data moved (comm.c fills it unless the backend agrees itself). */
   const int64_t *v;
   const int64_t *table;
+  /* avg: what the rank-order sum is divided by before its one rounding to
+   * dt; comm.c sets it (the communicator's size, or what
+   * lz_comm_*_avg_over names). Backends pass it to lz_reduce_fixed. */
+  int divisor;
 } lz_coll_args;
 
 /* A backend: one function per operation, ggml style. Each runs one
@@ -132,6 +136,11 @@ lz_status lz_comm_a2a_check(const lz_comm *c, const int64_t *table);
  * everywhere. dst may alias any source. */
 void lz_reduce_fixed(void *dst, const void *const *srcs, int nsrc, int64_t count, lz_dtype dt,
                      lz_reduce_op op, int world);
+
+/* A reduce or copy on a one-rank communicator's host buffers: recv =
+ * send (all_gather, reduce_scatter), and an average over more ranks than
+ * one (a->divisor) divided as lz_reduce_fixed divides. */
+void lz_comm_one_rank(const lz_coll_args *a);
 
 /* memcpy with non-temporal stores, for copies too big to stay in cache:
  * about 1.5x faster to memory, and it leaves the cache to the caller. */

@@ -14,6 +14,19 @@ static void local_free(lz_comm *c) { (void)c; }
 
 static lz_status local_run(lz_comm *c, const lz_coll_args *a) {
   (void)c;
+  const lz_backend *gpu = lz_backend_of(LZ_CUDA);
+  int on_gpu = gpu && (gpu->is_device_pointer(a->send) || gpu->is_device_pointer(a->recv));
+  int dividing = (a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER) &&
+                 a->op == LZ_RED_AVG && a->divisor != 1;
+  if (dividing && on_gpu)
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "%s: the local backend averages over %d ranks only on host buffers; run "
+                   "cuda buffers over nccl (LZ_BACKEND=nccl)",
+                   lz_coll_name(a->kind), a->divisor);
+  if (dividing) {
+    lz_comm_one_rank(a);
+    return LZ_OK;
+  }
   size_t es = lz_dtype_size(a->dt), n = (size_t)a->count * es;
   const void *send = a->send;
   void *recv = a->recv;
@@ -24,8 +37,7 @@ static lz_status local_run(lz_comm *c, const lz_coll_args *a) {
   }
   if ((a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER ||
        a->kind == LZ_COLL_ALL_TO_ALL) && n && send != recv) {
-    const lz_backend *gpu = lz_backend_of(LZ_CUDA);
-    if (gpu && (gpu->is_device_pointer(a->send) || gpu->is_device_pointer(a->recv))) {
+    if (on_gpu) {
       LZ_TRY(gpu->copy(recv, send, n, LZ_STREAM_COMPUTE));
       return gpu->stream_sync(LZ_STREAM_COMPUTE);
     }

@@ -186,7 +186,7 @@ static lz_status reduce(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
     LZ_TRY(wait_posted(c, m, op, NULL));
     for (int p = 0; p < W; p++)
       srcs[p] = p == me ? a->recv : m->tmp + (size_t)(p < me ? p : p - 1) * n;
-    lz_reduce_fixed(a->recv, srcs, W, a->count, a->dt, a->op, W);
+    lz_reduce_fixed(a->recv, srcs, W, a->count, a->dt, a->op, a->divisor);
     return LZ_OK;
   }
   size_t sub_bytes = m->tmp_bytes / (size_t)W / 64 * 64;
@@ -210,7 +210,7 @@ static lz_status reduce(lz_comm *c, mpi_comm *m, const lz_coll_args *a) {
     if (k[me]) {
       for (int p = 0; p < W; p++)
         srcs[p] = p == me ? (const void *)(send + (off[me] + j0) * es) : m->tmp + (size_t)p * sub_bytes;
-      lz_reduce_fixed(dst, srcs, W, k[me], a->dt, a->op, W);
+      lz_reduce_fixed(dst, srcs, W, k[me], a->dt, a->op, a->divisor);
     }
     if (!all) continue;
     for (int p = 0; p < W; p++) {
@@ -308,8 +308,7 @@ static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
   if (a->count == 0) return LZ_OK;
   size_t n = (size_t)a->count * lz_dtype_size(a->dt);
   if (c->size == 1) {
-    if ((a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER) && a->send != a->recv)
-      memmove(a->recv, a->send, n);
+    lz_comm_one_rank(a);
     return LZ_OK;
   }
   switch (a->kind) {

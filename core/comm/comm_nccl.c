@@ -249,8 +249,8 @@ static lz_status nccl_run(lz_comm *c, const lz_coll_args *a) {
     LZ_TRY(st);
     return m->be->nccl_all_to_all(m->nc, a->send, a->recv, a->v, a->dt, c->timeout_s);
   }
-  return m->be->nccl_run(m->nc, a->kind, a->send, a->recv, a->count, a->dt, a->op, a->root,
-                         c->timeout_s);
+  return m->be->nccl_run(m->nc, a->kind, a->send, a->recv, a->count, a->dt, a->op, a->divisor,
+                         a->root, c->timeout_s);
 }
 
 static lz_status nccl_group(lz_comm *parent, lz_comm *child) {

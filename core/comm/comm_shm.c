@@ -361,7 +361,7 @@ static lz_status all_reduce_direct(lz_comm *c, shm_comm *s, const lz_coll_args *
   LZ_TRY(shm_barrier(c, s, "all_reduce"));
   const void *srcs[W];
   for (int p = 0; p < W; p++) srcs[p] = p == me ? a->recv : shm_bank(s, p, s->bank);
-  lz_reduce_fixed(a->recv, srcs, W, a->count, a->dt, a->op, W);
+  lz_reduce_fixed(a->recv, srcs, W, a->count, a->dt, a->op, a->divisor);
   s->bank ^= 1;
   return LZ_OK;
 }
@@ -395,7 +395,7 @@ static lz_status reduce_chunked(lz_comm *c, shm_comm *s, const lz_coll_args *a) 
         srcs[p] = p == me ? (const void *)(send + (off[me] + j0) * es)
                           : shm_bank(s, p, s->bank) + me * sub_bytes;
       uint8_t *dst = all ? recv + (off[me] + j0) * es : recv + j0 * es;
-      lz_reduce_fixed(dst, srcs, W, k, a->dt, a->op, W);
+      lz_reduce_fixed(dst, srcs, W, k, a->dt, a->op, a->divisor);
       if (all) memcpy(mine + me * sub_bytes, dst, (size_t)k * es);
     }
     if (all) {
@@ -595,7 +595,7 @@ static lz_status reduce_cma(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
       LZ_TRY(shm_cma_read(c, s, p, st, atomic_load(&s->ranks[p].send) + at, (size_t)k * es, op));
       srcs[p] = st;
     }
-    lz_reduce_fixed(all ? recv + at : recv + (size_t)j0 * es, srcs, W, k, a->dt, a->op, W);
+    lz_reduce_fixed(all ? recv + at : recv + (size_t)j0 * es, srcs, W, k, a->dt, a->op, a->divisor);
   }
   if (all) {
     LZ_TRY(shm_barrier(c, s, op)); /* every shard reduced */
@@ -632,10 +632,10 @@ static lz_status reduce_shared(lz_comm *c, shm_comm *s, const lz_coll_args *a, u
     for (int i = 0; i < nd; i++)
       dst[i] = all ? view[(me + i) % W] + at : (uint8_t *)a->recv + (size_t)j0 * es;
     if (stream) {
-      lz_reduce_fixed(s->piece, srcs, W, k, a->dt, a->op, W);
+      lz_reduce_fixed(s->piece, srcs, W, k, a->dt, a->op, a->divisor);
       for (int i = 0; i < nd; i++) lz_copy_stream(dst[i], s->piece, bytes);
     } else {
-      lz_reduce_fixed(dst[0], srcs, W, k, a->dt, a->op, W);
+      lz_reduce_fixed(dst[0], srcs, W, k, a->dt, a->op, a->divisor);
       for (int i = 1; i < nd; i++) memcpy(dst[i], dst[0], bytes);
     }
   }
@@ -717,10 +717,8 @@ static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   if (a->kind == LZ_COLL_BARRIER) return shm_barrier(c, s, "barrier");
   if (a->kind == LZ_COLL_ALL_TO_ALL) return shm_all_to_all(c, s, a);
   if (a->count == 0) return LZ_OK;
-  size_t n = (size_t)a->count * lz_dtype_size(a->dt);
   if (c->size == 1) {
-    if (a->kind == LZ_COLL_REDUCE_SCATTER || a->kind == LZ_COLL_ALL_GATHER)
-      if (a->send != a->recv) memmove(a->recv, a->send, n);
+    lz_comm_one_rank(a);
     return LZ_OK;
   }
   if (single_copy_fits(s, a)) return single_copy(c, s, a);

@@ -41,7 +41,7 @@ static int make_segment(int n) {
 /* One all-gather of `k` int32 per parent rank, on the parent. */
 static lz_status gather(lz_comm *parent, const int32_t *mine, int32_t *all, int k) {
   lz_coll_args g = {LZ_COLL_ALL_GATHER, mine, all, (int64_t)k * parent->size, LZ_I32,
-                    LZ_RED_SUM, 0, 0, 0, NULL, NULL};
+                    LZ_RED_SUM, 0, 0, 0, NULL, NULL, 0};
   return parent->ops->run(parent, &g);
 }
 

@@ -134,9 +134,10 @@ typedef struct lz_backend {
   lz_status (*nccl_init)(void **out, const void *id, int rank, int size);
   void (*nccl_free)(void *nc, int abort);
   /* One collective queued on LZ_STREAM_COMM after the compute stream's work
-   * so far; waits for it until timeout_s, then aborts the communicator. */
+   * so far; waits for it until timeout_s, then aborts the communicator.
+   * divisor: what avg divides by (lz_coll_args.divisor). */
   lz_status (*nccl_run)(void *nc, lz_coll_kind kind, const void *send, void *recv, int64_t count,
-                        lz_dtype dt, lz_reduce_op op, int root, double timeout_s);
+                        lz_dtype dt, lz_reduce_op op, int divisor, int root, double timeout_s);
   /* All-to-all: every rank's `n` host int64 (row) into table (size rows),
    * through device memory; then the exchange itself, v as in
    * lz_coll_args.v. A group: ncclCommSplit of nc. */

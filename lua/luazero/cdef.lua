@@ -394,6 +394,11 @@ lz_status lz_comm_all_reduce(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
 lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64_t count,
                                  lz_dtype dt, lz_reduce_op op, lz_work **work);
 
+lz_status lz_comm_all_reduce_avg_over(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
+                                      int divisor, lz_work **work);
+lz_status lz_comm_reduce_scatter_avg_over(lz_comm *c, const void *send, void *recv, int64_t count,
+                                          lz_dtype dt, int divisor, lz_work **work);
+
 lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
                              lz_dtype dt, lz_work **work);
 lz_status lz_comm_broadcast(lz_comm *c, void *buf, int64_t count, lz_dtype dt, int root,

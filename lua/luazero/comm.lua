@@ -13,6 +13,7 @@
 --   comm.all_to_all_v(send, { 3, 0 }, recv, { 2, 5 }) -- elements to / from each rank
 --   local g = comm.group({ 0, 1 })                 -- ranks of this communicator
 --   g:all_reduce(t); g:all_to_all_v(...); g:free() -- every collective, on the group
+--   g:reduce_scatter(full, shard, "avg", false, 4) -- the group's part of a 4-rank average
 -- comm.world() is the process's communicator as such an object (comm.X(...)
 -- is comm.world():X(...)), for code that takes a communicator or a group.
 local bit = require("bit")
@@ -180,14 +181,34 @@ function Comm:ranks()
   return t
 end
 
-function Comm:all_reduce(t, op, async)
+-- over (optional, op "avg" only): the number of ranks the average divides
+-- by, when it is not this communicator's size — a group's part of its
+-- parent's average, the sum divided before its one rounding, so the bits
+-- are the parent's avg where the other ranks add zeros.
+local function over_of(op, over, fn)
+  if over == nil then return nil end
+  if op ~= "avg" or type(over) ~= "number" or over < 1 or over % 1 ~= 0 then
+    error(("%s: over (%s) is the average's divisor: a whole number >= 1, with op \"avg\" (got op %s)")
+          :format(fn, tostring(over), tostring(op)), 3)
+  end
+  return over
+end
+
+function Comm:all_reduce(t, op, async, over)
   tensor_arg(t, "comm.all_reduce", "t")
   local o, h = op_of(op, "comm.all_reduce"), self:handle()
+  local n = over_of(op, over, "comm.all_reduce")
+  if n then
+    return run(async, function(w)
+      return C.lz_comm_all_reduce_avg_over(h, t.data, t:numel(), t.dtype, n, w)
+    end, t)
+  end
   return run(async, function(w) return C.lz_comm_all_reduce(h, t.data, t:numel(), t.dtype, o, w) end, t)
 end
 
--- recv holds this rank's shard of send (comm.shard(send:numel())).
-function Comm:reduce_scatter(send, recv, op, async)
+-- recv holds this rank's shard of send (comm.shard(send:numel())); over as
+-- in all_reduce.
+function Comm:reduce_scatter(send, recv, op, async, over)
   tensor_arg(send, "comm.reduce_scatter", "send")
   tensor_arg(recv, "comm.reduce_scatter", "recv")
   local _, len = self:shard(send:numel())
@@ -196,7 +217,12 @@ function Comm:reduce_scatter(send, recv, op, async)
           :format(recv:describe(), len, send:describe()), 2)
   end
   local o, h = op_of(op, "comm.reduce_scatter"), self:handle()
+  local n = over_of(op, over, "comm.reduce_scatter")
   return run(async, function(w)
+    if n then
+      return C.lz_comm_reduce_scatter_avg_over(h, send.data, recv.data, send:numel(), send.dtype,
+                                               n, w)
+    end
     return C.lz_comm_reduce_scatter(h, send.data, recv.data, send:numel(), send.dtype, o, w)
   end, recv, send)
 end

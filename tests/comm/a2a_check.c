@@ -9,6 +9,10 @@
  *   - groups: two disjoint groups running every collective at the same time
  *     (a different number of them), expert-parallel and expert-data-parallel
  *     groups (blocks and strides) used in turn, groups of one rank and of all;
+ *   - averages over the world: a group's lz_comm_*_avg_over the world size
+ *     gives the world's own average, with zeros from the ranks outside the
+ *     group, bitwise in f32, bf16 and f16 (expert gradients reduced over
+ *     their expert-data-parallel group);
  *   - mismatches: counts that disagree, and group lists that disagree, fail
  *     on every rank at once with an error naming the ranks (no timeout).
  * With --hashes rank 0 prints one line per all-to-all case (the xor of every
@@ -267,6 +271,80 @@ static void exercise(lz_comm *g, const int *ranks, int n, int rounds, const char
   }
 }
 
+/* ------------------------------------------------- averages over the world */
+
+/* n terms of rank r in dtype dt (bits), case `seed`: finite, nonzero, of
+ * both signs and a spread of exponents, so that a rounding before the
+ * division would show where the divisor is not a power of two. */
+static void terms(uint8_t *dst, lz_dtype dt, int r, int n, uint32_t seed) {
+  for (int i = 0; i < n; i++) {
+    uint64_t m = mix(((uint64_t)seed << 40) ^ ((uint64_t)r << 32) ^ (uint64_t)i);
+    uint32_t sign = (uint32_t)(m & 1), e = (uint32_t)(m >> 1) % 12;
+    if (dt == LZ_F32) {
+      uint32_t bits = sign << 31 | (120 + e) << 23 | ((uint32_t)(m >> 8) & 0x7fffff);
+      memcpy(dst + 4 * (size_t)i, &bits, 4);
+    } else {
+      uint16_t bits = dt == LZ_BF16 ? (uint16_t)(sign << 15 | (120 + e) << 7 | (m >> 8 & 0x7f))
+                                    : (uint16_t)(sign << 15 | (9 + e) << 10 | (m >> 8 & 0x3ff));
+      memcpy(dst + 2 * (size_t)i, &bits, 2);
+    }
+  }
+}
+
+/* The expert-data-parallel groups of every ep_size that divides the world
+ * (stride ep_size; ep_size = world: groups of one, ep_size 1: the world
+ * itself): a group's all_reduce and reduce_scatter averaged over the world
+ * size equal, bit for bit, the world's all_reduce average where the ranks
+ * outside the group put zeros, in f32, bf16 and f16. */
+static void averages_over_the_world(void) {
+  enum { N = 1003 };
+  const lz_dtype dts[3] = {LZ_F32, LZ_BF16, LZ_F16};
+  static uint8_t mine[4 * N], want[4 * N], got[4 * N], shard[4 * N], y[4 * N];
+  for (int ep = 1; ep <= world; ep++) {
+    if (world % ep) continue;
+    int members[4], n = 0;
+    for (int p = rank % ep; p < world; p += ep) members[n++] = p;
+    lz_comm *g = group_of(members, n, "average group");
+    if (!g) continue;
+    for (int d = 0; d < 3; d++) {
+      lz_dtype dt = dts[d];
+      size_t es = dt == LZ_F32 ? 4 : 2;
+      cases++;
+      terms(mine, dt, rank, N, (uint32_t)(900 + 10 * ep + d));
+      for (int k = 0; k < ep; k++) { /* the world's average for group k */
+        if (rank % ep == k)
+          memcpy(y, mine, N * es);
+        else
+          memset(y, 0, N * es);
+        if (lz_comm_all_reduce(comm, y, N, dt, LZ_RED_AVG, NULL) != LZ_OK) {
+          FAIL("world average, ep_size %d: %s", ep, lz_last_error());
+          break;
+        }
+        if (rank % ep == k) memcpy(want, y, N * es);
+      }
+      memcpy(got, mine, N * es);
+      int64_t off, len;
+      lz_comm_shard(N, n, lz_comm_rank(g), &off, &len);
+      if (lz_comm_all_reduce_avg_over(g, got, N, dt, world, NULL) != LZ_OK ||
+          lz_comm_reduce_scatter_avg_over(g, mine, shard, N, dt, world, NULL) != LZ_OK) {
+        FAIL("group average over %d ranks, ep_size %d: %s", world, ep, lz_last_error());
+        continue;
+      }
+      if (memcmp(got, want, N * es))
+        FAIL("all_reduce_avg_over, ep_size %d, %s: not the world's average", ep, lz_dtype_name(dt));
+      if (memcmp(shard, want + (size_t)off * es, (size_t)len * es))
+        FAIL("reduce_scatter_avg_over, ep_size %d, %s: not the world's average", ep,
+             lz_dtype_name(dt));
+    }
+    lz_comm_free(g);
+  }
+  cases++; /* a divisor under 1 is refused before anything moves */
+  float x = 1;
+  if (lz_comm_all_reduce_avg_over(comm, &x, 1, LZ_F32, 0, NULL) != LZ_ERR_INVALID ||
+      !strstr(lz_last_error(), "divisor is 0"))
+    FAIL("all_reduce_avg_over with divisor 0: %s", lz_last_error());
+}
+
 static void groups(void) {
   int all[4], even[4], odd[4], ne = 0, no = 0;
   for (int p = 0; p < world; p++) {
@@ -430,6 +508,7 @@ int main(int argc, char **argv) {
   double t0 = now_s();
   all_to_all_cases();
   groups();
+  averages_over_the_world();
   mismatches();
   float f = (float)failures;
   if (lz_comm_all_reduce(comm, &f, 1, LZ_F32, LZ_RED_SUM, NULL) != LZ_OK) f = 1;

@@ -2,7 +2,8 @@
 -- under `luazero -n N` and mpirun, and by tests/lua/test_comm_a2a.lua):
 -- all_to_all and all_to_all_v (uneven and zero counts, given offsets, host
 -- and sim buffers) against values every rank can compute, a group's
--- collectives, and the binding's argument errors. Prints "a2a lua: all
+-- collectives (its average over the world's size too), and the binding's
+-- argument errors. Prints "a2a lua: all
 -- passed (N ranks, backend)" on each rank, or FAIL lines and exits 1.
 local lz = require("luazero")
 local comm = require("luazero.comm")
@@ -77,6 +78,22 @@ g:all_reduce(t, "sum")
 local want = 0
 for _, p in ipairs(mine) do want = want + p end
 expect(t:get(4), want, "group all_reduce")
+-- the group's part of the world's average: its sum over the world's size
+-- (a float division: the double quotient rounded once to f32)
+local f32 = function(x) return tonumber(require("ffi").new("float", x)) end
+t:fill(rank)
+g:all_reduce(t, "avg", false, size)
+expect(t:get(4), f32(want / size), "group all_reduce averaged over the world")
+local half = lz.tensor({ 2 * #mine }, "f32")
+local piece = lz.tensor({ 2 }, "f32")
+half:fill(rank)
+g:reduce_scatter(half, piece, "avg", false, size)
+expect(piece:get(1), f32(want / size), "group reduce_scatter averaged over the world")
+half:free(); piece:free()
+local bad_ok, bad = pcall(g.all_reduce, g, t, "sum", false, size)
+if bad_ok or not tostring(bad):find("the average's divisor", 1, true) then
+  fail("over with op sum: " .. tostring(bad))
+end
 local gs, gr = lz.tensor({ #mine }, "i32"), lz.tensor({ #mine }, "i32")
 for i = 0, #mine - 1 do gs:set(i, rank * 10 + i) end
 g:all_to_all(gs, gr)

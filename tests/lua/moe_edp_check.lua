@@ -8,15 +8,17 @@
 -- parameter gathers sent>" after "describe
 -- <engine:describe()>". With SAVE a folder, it saves after
 -- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
--- gradient accumulation steps (1); DTYPE: fp32 (default) or bf16; GATHER:
+-- gradient accumulation steps (1); DTYPE: fp32 (default), bf16 or fp16,
+-- with "-grads" (bf16-grads, fp16-grads) the gradients in it too
+-- (data_types.grad_accum_dtype); GATHER:
 -- the experts' gather, expert (default) or block; OPTIMIZER: AdamW
 -- (default) or AdamW8bit (block-scaled states); DEVICE: cpu (default) or
 -- sim; OFFLOAD: none (default), cpu (offload_optimizer at stages 1-3,
 -- offload_param too at stage 3), nvme:DIR (offload_optimizer on NVMe in
 -- DIR at stages 1-3) or nvme+param:DIR (offload_param on NVMe too at
--- stage 3).
+-- stage 3); PLACEMENT: moe.placement, group (default) or world.
 --   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
---       [OPTIMIZER] [DEVICE] [OFFLOAD]
+--       [OPTIMIZER] [DEVICE] [OFFLOAD] [PLACEMENT]
 local lz = require("luazero")
 local zero = require("luazero.zero")
 local data = require("luazero.data")
@@ -27,7 +29,8 @@ local rank, world = comm.rank(), comm.size()
 local corpus = data.load(arg[1])
 local ep_size, stage = tonumber(arg[2]), tonumber(arg[3])
 local save, load = arg[4] ~= "-" and arg[4], arg[5] ~= "-" and arg[5]
-local accum, bf16 = tonumber(arg[6] or "1"), arg[7] == "bf16"
+local accum, dtype = tonumber(arg[6] or "1"), (arg[7] or "fp32"):gsub("%-grads$", "")
+local half_grads = (arg[7] or ""):find("%-grads$") ~= nil
 local gather = arg[8] or "expert"
 local optimizer = arg[9] or "AdamW"
 local device, offload = arg[10] or "cpu", arg[11] == "cpu" and { device = "cpu" } or nil
@@ -37,7 +40,9 @@ if with_param == "+param" then offload = offload_opt end
 
 local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
 local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
-              gradient_clipping = 0.05, bf16 = { enabled = bf16 },
+              gradient_clipping = 0.05, bf16 = { enabled = dtype == "bf16" },
+              fp16 = { enabled = dtype == "fp16" },
+              data_types = half_grads and { grad_accum_dtype = dtype } or nil,
               zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0,
                                     reduce_bucket_size = 5000,
                                     stage3_prefetch_bucket_size = 5000,
@@ -45,7 +50,7 @@ local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 
                                     offload_param = stage == 3 and offload or nil },
               optimizer = { type = optimizer, params = { lr = 1e-2, min_8bit_size = optimizer ==
                                                          "AdamW8bit" and 1000 or nil } },
-              moe = { ep_size = ep_size } }
+              moe = { ep_size = ep_size, placement = arg[12] } }
 local engine = zero.initialize({ model = mixtral.new(mcfg), config = cfg, seed = 1,
                                  batch = { 2, 16 }, comm = comm, device = device })
 local held = lz.mem()

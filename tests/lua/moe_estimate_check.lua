@@ -32,10 +32,11 @@ local optimizers = {
   muon = { type = "Muon", params = { lr = 0.01 } },
 }
 -- (nvme: the optimizer's states in a swap file under NVME, the fifth
--- argument's folder; in bf16 the fp32 master there too;
--- nvme+param: the parameter shard there too)
+-- argument's folder; in bf16 the fp32 master there too; nvme+param: the
+-- parameter shard there too. bf16g: bf16 training with bf16 gradients,
+-- data_types.grad_accum_dtype)
 local cases = { { 0, "adamw" }, { 1, "adamw" }, { 2, "adamw" }, { 3, "adamw" },
-                { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" } }
+                { 1, "adamw8bit" }, { 3, "adamw8bit" }, { 2, "muon" }, { 2, "adamw", "bf16g" } }
 local nvme_dir = arg[5]
 if nvme_dir then
   cases[#cases + 1] = { 2, "adamw", "nvme" }
@@ -45,14 +46,18 @@ end
 
 for _, c in ipairs(cases) do
   local stage, oname = c[1], c[2]
-  local off = c[3] and { device = "nvme", nvme_path = nvme_dir } or nil
-  local off_param = c[3] == "nvme+param" and off or nil
+  local tag = c[3]
+  local off = (tag == "nvme" or tag == "nvme+param") and
+              { device = "nvme", nvme_path = nvme_dir } or nil
+  local off_param = tag == "nvme+param" and off or nil
+  local bf16g = tag == "bf16g"
   local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
-  local dtype = c[4] or "fp32"
+  local dtype = bf16g and "bf16" or c[4] or "fp32"
   local cfg = { train_micro_batch_size_per_gpu = B, bf16 = { enabled = dtype == "bf16" },
                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 600,
                                       offload_optimizer = off, offload_param = off_param },
-                optimizer = optimizers[oname], moe = { ep_size = ep_size } }
+                optimizer = optimizers[oname], moe = { ep_size = ep_size },
+                data_types = bf16g and { grad_accum_dtype = "bf16" } or nil }
   -- The estimate, of a model declared beside the engine's (never placed).
   local settings = estimate.settings_of(cfg, device)
   local counts = estimate.counts(mixtral.new(mcfg), world, 600, formats.block_of(settings.formats),
@@ -68,8 +73,8 @@ for _, c in ipairs(cases) do
   local host, dev, added = states(device)
   if rank == 0 then
     local tier = device == "cpu" and r.host or r.device
-    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname .. (c[3] and "-" .. c[3] or "") ..
-          (c[4] and "-" .. c[4] or ""),
+    local name = oname .. (tag and "-" .. tag or "") .. (c[4] and "-" .. c[4] or "")
+    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, name,
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
           added.params, tier.params or 0, added.activations, acts,
           dev, estimate.kept(r, "device")))

@@ -176,17 +176,21 @@ function M.ledger_mark()
 end
 
 -- For the expert-placement tests: for each case { ep, o, what }, run(ep,
--- stage, o) at stage 0 and then stages 1-3, each of those with the experts
--- in their group (placement "edp") and on stage 0's checksum and gradient
--- norms; stage 0 with them over the world where stage0_world says so.
--- Returns the first case's stage-0 result and the runs compared.
-function M.same_as_stage_0(run, cases, stage0_world)
+-- stage, o) at stage 0 with the experts under ZeRO over the world (o's
+-- copy with placement = "world", moe.placement), the reference, and then
+-- stages 0-3 with o, each with the experts in their group (placement
+-- "edp") and on the reference's checksum and gradient norms.
+-- Returns the first case's reference result and the runs compared.
+function M.same_as_stage_0(run, cases)
   local first, runs = nil, 0
   for _, c in ipairs(cases) do
     local ep, o, what = c[1], c[2], c[3]
-    local s0 = run(ep, 0, o)
-    if stage0_world then M.eq(s0.placement, "world", "stage 0's placement, " .. what) end
-    for stage = 1, 3 do
+    local ref = {}
+    for k, v in pairs(o) do ref[k] = v end
+    ref.placement = "world"
+    local s0 = run(ep, 0, ref)
+    M.eq(s0.placement, "world", "the reference's placement, " .. what)
+    for stage = 0, 3 do
       local r = run(ep, stage, o)
       M.eq(r.placement, "edp", ("stage %d's placement, %s"):format(stage, what))
       M.eq(r.sum, s0.sum, ("checksum at stage %d, %s"):format(stage, what))

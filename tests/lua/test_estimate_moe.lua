@@ -1,8 +1,9 @@
 -- test_estimate_moe.lua — the estimator under expert parallelism
 -- (lua/luazero/estimate/rank.lua's counts and rank with ep_size): on 4
 -- ranks, at ep_size 1, 2 and 4, every ZeRO stage, 8-bit AdamW (its
--- block-scaled states in the group too) and Muon (each expert's whole
--- matrices owned by a rank of its group), the states, master and
+-- block-scaled states in the group too), Muon (each expert's whole
+-- matrices owned by a rank of its group), bf16 gradients (in the group
+-- too: divided by the world size before rounding), the states, master and
 -- parameter shard on NVMe, on the cpu and
 -- (ep_size 2) the sim device, the estimate's placement of the experts,
 -- host, device and parameter bytes equal the engine's ledger to the byte,
@@ -53,7 +54,7 @@ function T.ep_estimate_matches_the_engines_ledger_at_ep_size_1_2_and_4()
       n = n + 1
       local what = ("ep_size %d, %s, %s, stage/optimizer %s"):format(ep, gather, device or "cpu",
                                                                     name)
-      local want = (ep > 1 and name ~= "0 adamw") and "edp" or "world"
+      local want = ep > 1 and "edp" or "world"
       eq(r.engine, want, what .. ": the engine's placement")
       eq(r.estimate, r.engine, what .. ": the estimate's placement")
       eq(r.ehost, r.host, what .. ": host bytes")
@@ -63,9 +64,9 @@ function T.ep_estimate_matches_the_engines_ledger_at_ep_size_1_2_and_4()
       assert(r.acts >= r.eacts and r.acts - r.eacts < (device and 4096 or 1),
              ("%s: activation arenas %d, the estimate %d"):format(what, r.acts, r.eacts))
     end
-    -- (with the states on NVMe at stage 2 too, in fp32 and bf16, and with
-    -- the parameter shard on NVMe at stage 3)
-    eq(n, 10, ("cases at ep_size %d"):format(ep))
+    -- (bf16 gradients at stage 2; the states on NVMe at stage 2 too, in
+    -- fp32 and bf16, and the parameter shard on NVMe at stage 3)
+    eq(n, 11, ("cases at ep_size %d"):format(ep))
     if gather == "expert" and not device then by_ep[ep] = cases end
     if device then assert(cases["1 adamw"].dev > 0, "sim: the states on the device") end
   end
@@ -132,7 +133,7 @@ function T.tools_estimate_says_where_the_experts_are()
   local out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 4 --ep-size 2 " ..
                           "--device cpu --micro-batch 1 --seq-len 4 2>&1"):format(q(lz.root)))
   assert(out:find("moe: ep_size 2: each rank computes 4 of each block's 8 experts", 1, true), out)
-  assert(out:find("experts: ep_size 2; in rows 1 none, 2 none, 3 none,", 1, true), out)
+  assert(out:find("experts: ep_size 2; in rows 0 none, 1 none, 2 none, 3 none,", 1, true), out)
   out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 4 --ep-size 3 2>&1")
                    :format(q(lz.root)))
   assert(out:find("--ep-size 3 must divide the world size 4", 1, true), out)

@@ -35,6 +35,24 @@ function T.ep_size_is_read_and_checked()
   support.eq(table.concat(cfg.unimplemented, ","), "moe.top_k_gating", "reported keys")
 end
 
+-- moe.placement: read, checked, and the plan's experts "world" where it
+-- says so (its own placement, "edp", otherwise: at stage 0 too).
+function T.placement_is_read_and_checked()
+  local plan = require("luazero.zero.plan")
+  support.eq(config.load({ train_batch_size = 4 }, 4).moe.placement, nil, "default placement")
+  support.eq(config.load({ train_batch_size = 4, moe = { placement = "world" } }, 4).moe.placement,
+             "world", "placement")
+  support.eq(load_error({ train_batch_size = 4, moe = { placement = "ranks" } }, 4),
+             'config: moe.placement must be "group" or "world" (got "ranks")')
+  for stage = 0, 3 do
+    support.eq(plan.new({ stage = stage, ep_size = 2 }).experts, "edp", "stage " .. stage)
+    support.eq(plan.new({ stage = stage, ep_size = 2, expert_placement = "world" }).experts,
+               "world", "stage " .. stage .. ", placement world")
+    support.eq(plan.new({ stage = stage, ep_size = 2, dtype = "bf16", grad_dtype = "bf16" })
+               .experts, "edp", "stage " .. stage .. ", bf16 gradients")
+  end
+end
+
 function T.gather_and_routed_only_are_read_and_checked()
   local cfg = config.load({ train_batch_size = 4 }, 4)
   support.eq(cfg.moe.gather, nil, "default gather: as the model was built")

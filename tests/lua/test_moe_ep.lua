@@ -86,7 +86,7 @@ function T.router_routing_at_world_4_ends_on_one_checksum_per_ep_size()
            ("first-step loss %.9g at ep_size %d, %.9g at 1"):format(runs[1].loss, ep, loss1))
     if ep == 4 then
       assert(out:find("experts 0-1 | 2-3 | 4-5 | 6-7 on its ranks (their parameters under ZeRO " ..
-                      "over all ranks)", 1, true), out)
+                      "over their expert-data-parallel group)", 1, true), out)
     end
   end
 end
@@ -131,12 +131,17 @@ end
 
 -- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
 -- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
-local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload)
-  local cmd = ("cd %s && timeout 600 %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
-               "%s %s %s %s 2>&1")
-              :format(q(lz.root), q(lz.executable()), q(corpus), ep, stage, save or "-",
+-- backend: the launcher's --backend (shm by default); placement:
+-- moe.placement (group by default; "world": the reference placement).
+local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload, backend,
+                   placement)
+  local cmd = ("cd %s && timeout 600 %s %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
+               "%s %s %s %s %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), backend and ("--backend " .. backend) or "",
+                      q(corpus), ep, stage, save or "-",
                       load or "-", accum or 1, dtype or "fp32", gather or "expert",
-                      optimizer or "AdamW", device or "cpu", offload or "none")
+                      optimizer or "AdamW", device or "cpu", offload or "none",
+                      placement or "group")
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
@@ -148,17 +153,18 @@ local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, devic
            describe = out:match("describe ([^\n]*)") }
 end
 
--- Experts under ZeRO within their expert-data-parallel group (stages 1-3,
+-- Experts under ZeRO within their expert-data-parallel group (stages 0-3,
 -- experts gathered per expert, and as whole blocks): a rank keeps only the experts it computes
 -- (the ledger's parameter bytes fall by (P - 1) / P of the experts' at
--- stages 1-2, and at stage 1 the whole gradients' too; a shard is 1 / W of
+-- stages 0-2, and at stages 0-1 the whole gradients' too; a shard is 1 / W of
 -- them either way; stage 3 gathers a rank's own experts only, over its
 -- group: fewer bytes sent as P grows), and training with clipping in effect ends on the
--- world placement's bits, gradient norms included; a checkpoint it saves
--- holds every expert once and resumes under either placement and any
--- ep_size, and one saved under the world placement resumes under it;
--- with gradient accumulation too.
-function T.experts_live_in_their_group_at_stages_1_to_3()
+-- world placement's bits (moe.placement "world" at stage 0), gradient
+-- norms included; a checkpoint it saves (at stage 0 one shard per rank,
+-- each rank's slices) holds every expert once and resumes under either
+-- placement and any ep_size, and one saved under the world placement
+-- resumes under it; with gradient accumulation too.
+function T.experts_live_in_their_group_at_stages_0_to_3()
   local layout = require("luazero.zero.layout")
   local mixtral = require("models.mixtral")
   local pt = mixtral.new(mixtral.config("mixtral-tiny", { moe_gather = "expert" })).param_table
@@ -169,23 +175,28 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
       experts = experts + 4 * seg.padded
     end
   end
+  local function world(ep, stage, accum, gather, load, save)
+    return edp(ep, stage, save, load, accum, gather, nil, nil, nil, nil, nil, "world")
+  end
+  local w0 = world(2, 0)
   local s0, s1, s2, s3 = edp(2, 0), edp(2, 1), edp(2, 2), edp(2, 3)
+  eq(s0.placement, "edp", "stage 0's placement")
   eq(s1.placement, "edp", "stage 1's placement")
   eq(s2.placement, "edp", "stage 2's placement")
   eq(s3.placement, "edp", "stage 3's placement")
-  eq(s0.placement, "world", "stage 0's placement")
+  eq(w0.placement, "world", "moe.placement world's placement")
   assert(s3.describe:find("ep_size 2 (expert-parallel ranks 0 1, expert-data-parallel ranks 0 " ..
                           "2), experts 0-3 | 4-7 on its ranks (their parameters under ZeRO over " ..
                           "their expert-data-parallel group)", 1, true), s3.describe)
-  assert(s0.describe:find("(their parameters under ZeRO over all ranks)", 1, true), s0.describe)
-  for _, r in ipairs({ s1, s2, s3 }) do
-    eq(r.sum, s0.sum, "checksum against stage 0")
-    eq(r.norms, s0.norms, "gradient norms against stage 0")
+  assert(w0.describe:find("(their parameters under ZeRO over all ranks)", 1, true), w0.describe)
+  for _, r in ipairs({ s0, s1, s2, s3 }) do
+    eq(r.sum, w0.sum, "checksum against stage 0 under the world placement")
+    eq(r.norms, w0.norms, "gradient norms against stage 0 under the world placement")
   end
   -- experts gathered as whole blocks: each block's segment is cut per
   -- owner under either placement, so the norms agree too
-  local b0 = edp(2, 0, nil, nil, 1, "block")
-  for stage = 1, 3 do
+  local b0 = world(2, 0, 1, "block")
+  for stage = 0, 3 do
     local b = edp(2, stage, nil, nil, 1, "block")
     eq(b.placement, "edp", "placement, block gather")
     eq(b.sum, b0.sum, "checksum, block gather, stage " .. stage)
@@ -193,22 +204,22 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
     if stage == 1 then eq(b.params, s1.params, "parameter bytes, block gather") end
   end
   -- with gradient accumulation (every micro-step's gradients reduced)
-  local a0 = edp(2, 0, nil, nil, 2)
-  for stage = 1, 3 do
+  local a0 = world(2, 0, 2)
+  for stage = 0, 3 do
     local a = edp(2, stage, nil, nil, 2)
     eq(a.placement, "edp", "placement with accumulation")
     eq(a.sum, a0.sum, "checksum with accumulation at stage " .. stage)
     eq(a.norms, a0.norms, "gradient norms with accumulation at stage " .. stage)
   end
-  for _, stage in ipairs({ 1, 2, 3 }) do
+  for _, stage in ipairs({ 0, 1, 2, 3 }) do
     local one = edp(1, stage)
     eq(one.placement, "world", "ep_size 1's placement")
     for _, P in ipairs({ 2, 4 }) do
-      local r = P == 2 and ({ s1, s2, s3 })[stage] or edp(4, stage)
+      local r = P == 2 and ({ [0] = s0, s1, s2, s3 })[stage] or edp(4, stage)
       eq(r.placement, "edp", "placement at ep_size " .. P)
       local what = (" at stage %d, ep_size %d"):format(stage, P)
       eq(one.params - r.params, stage < 3 and experts * (P - 1) / P or 0, "parameter bytes" .. what)
-      eq(one.grads - r.grads, stage == 1 and experts * (P - 1) / P or 0, "gradient bytes" .. what)
+      eq(one.grads - r.grads, stage <= 1 and experts * (P - 1) / P or 0, "gradient bytes" .. what)
       -- stage 3 gathers this rank's experts alone, over its group
       if stage == 3 then
         assert(r.gathered < (P == 2 and one.gathered or s3.gathered),
@@ -218,13 +229,15 @@ function T.experts_live_in_their_group_at_stages_1_to_3()
   end
   local dir = scratch_dir .. "/edp-ck"
   edp(2, 1, dir .. "/edp")
-  edp(2, 0, dir .. "/world")
-  for _, saved in ipairs({ "edp", "world" }) do
+  edp(2, 0, dir .. "/edp0")
+  world(2, 0, 1, nil, nil, dir .. "/world")
+  for _, saved in ipairs({ "edp", "edp0", "world" }) do
     local from = dir .. "/" .. saved .. "/step-000002"
     for _, stage in ipairs({ 1, 2, 0, 3 }) do
-      eq(edp(2, stage, nil, from).sum, s0.sum, ("%s checkpoint resumed at stage %d")
+      eq(edp(2, stage, nil, from).sum, w0.sum, ("%s checkpoint resumed at stage %d")
                                                  :format(saved, stage))
     end
+    eq(world(2, 0, 1, nil, from).sum, w0.sum, saved .. " checkpoint resumed under the world placement")
     -- (on 4 ranks ep_size 4 adds an expert's four sources in the world's
     -- all-reduce order, as ep_size 1 does)
     local four, single = edp(4, 1, nil, from), edp(1, 1, nil, from)
@@ -243,20 +256,22 @@ end
 function T.eight_bit_adamw_keeps_the_experts_in_their_group()
   local function q8(ep, stage, o)
     o = o or {}
-    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "AdamW8bit", o.dtype)
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "AdamW8bit", o.dtype, nil, nil, nil,
+               o.placement)
   end
   local base, runs = support.same_as_stage_0(q8, {
     { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
     { 2, { accum = 2 }, "ep_size 2, accumulation" }, { 2, { dtype = "bf16" }, "ep_size 2, bf16" },
-  }, true)
+  })
   local world1 = edp(2, 1, nil, nil, 1, nil, "AdamW8bit")
   local one = edp(1, 1, nil, nil, 1, nil, "AdamW8bit")
   assert(world1.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
                                      :format(world1.params, one.params))
   local dir = scratch_dir .. "/q8-ck"
   q8(2, 1, { save = dir .. "/edp" })
-  q8(2, 0, { save = dir .. "/world" })
-  for _, saved in ipairs({ "edp", "world" }) do
+  q8(2, 0, { save = dir .. "/edp0" })
+  q8(2, 0, { save = dir .. "/world", placement = "world" })
+  for _, saved in ipairs({ "edp", "edp0", "world" }) do
     for _, stage in ipairs({ 0, 1, 3 }) do
       eq(q8(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
          ("8-bit states saved under the %s placement resumed at stage %d"):format(saved, stage))
@@ -277,19 +292,20 @@ end
 function T.muon_keeps_the_experts_in_their_group()
   local function mu(ep, stage, o)
     o = o or {}
-    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "Muon", o.dtype, o.device, o.offload)
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "Muon", o.dtype, o.device, o.offload,
+               nil, o.placement)
   end
   local base, runs = support.same_as_stage_0(mu, {
     { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
     { 2, { accum = 2, dtype = "bf16" }, "ep_size 2, accumulation, bf16" },
     { 4, { device = "sim", offload = "cpu", gather = "block" }, "ep_size 4, sim, offloaded, per block" },
-  }, true)
+  })
   local one = mu(1, 1)
   assert(one.placement == "world" and mu(2, 1).params < one.params,
          ("stage 1 parameter bytes at ep_size 1: %d"):format(one.params))
   local dir = scratch_dir .. "/muon-ck"
   mu(2, 2, { save = dir .. "/edp" })
-  mu(2, 0, { save = dir .. "/world" })
+  mu(2, 0, { save = dir .. "/world", placement = "world" })
   for _, saved in ipairs({ "edp", "world" }) do
     for _, stage in ipairs({ 0, 1, 3 }) do
       eq(mu(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
@@ -299,9 +315,43 @@ function T.muon_keeps_the_experts_in_their_group()
   print(("    %d runs of Muon with the experts in their group on stage 0's bits"):format(runs))
 end
 
+-- Half-precision gradients (data_types.grad_accum_dtype bf16 or fp16):
+-- the experts live in their group at stages 1-3, the group's sum divided
+-- by the world size before its one rounding to the gradients' dtype (as
+-- the world's average divides), and end on stage 0's checksum and gradient
+-- norms at ep_size 2 and 4 (groups of one rank: the division alone), with
+-- accumulation, under OpenMPI too; a checkpoint saved under the group
+-- placement resumes at stage 0.
+function T.half_gradients_keep_the_experts_in_their_group()
+  local function half(ep, stage, o)
+    o = o or {}
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, nil, nil, o.backend,
+               o.placement)
+  end
+  local base, runs = support.same_as_stage_0(half, {
+    { 2, { dtype = "bf16-grads" }, "ep_size 2, bf16 gradients" },
+    { 4, { dtype = "bf16-grads" }, "ep_size 4, bf16 gradients" },
+    { 2, { dtype = "bf16-grads", accum = 2, gather = "block" },
+      "ep_size 2, bf16 gradients, accumulation, per block" },
+    { 2, { dtype = "fp16-grads" }, "ep_size 2, fp16 gradients" },
+  })
+  if os.execute("command -v mpirun >/dev/null 2>&1") == 0 then
+    local m = half(2, 2, { dtype = "bf16-grads", backend = "mpi" })
+    eq(m.placement, "edp", "placement under mpi")
+    eq(m.sum, base.sum, "bf16 gradients under mpi, stage 2")
+    eq(m.norms, base.norms, "bf16 gradients under mpi, stage 2's gradient norms")
+    runs = runs + 1
+  end
+  local dir = scratch_dir .. "/half-ck"
+  half(2, 3, { dtype = "bf16-grads", save = dir .. "/edp" })
+  eq(half(2, 0, { dtype = "bf16-grads", load = dir .. "/edp/step-000002" }).sum, base.sum,
+     "bf16 gradients: saved under the group placement, resumed at stage 0")
+  print(("    %d runs with half gradients in the experts' group on stage 0's bits"):format(runs))
+end
+
 -- On the sim device (its memory apart from the host's, as a GPU's): the
--- experts live in their group at stages 1-3 and end on the cpu's stage-0
--- checksum and gradient norms, at ep_size 2 and 4, per expert and per
+-- experts live in their group at stages 0-3 and end on the cpu's stage-0
+-- checksum and gradient norms (the experts over the world there), at ep_size 2 and 4, per expert and per
 -- block, with accumulation, in bf16, with the optimizer (and at stage 3
 -- the parameters) offloaded to the cpu, and to NVMe (the states; in bf16
 -- the master; at stage 3 the parameter shard); a checkpoint saved on sim
@@ -310,14 +360,16 @@ function T.experts_live_in_their_group_on_sim()
   local function on(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, o.device or "sim",
-               o.offload)
+               o.offload, nil, o.placement)
   end
   local runs = 0
   local function same_as_cpu_stage_0(ep, o, what)
-    local c0 = on(ep, 0, { accum = o.accum, gather = o.gather, dtype = o.dtype, device = "cpu" })
+    local c0 = on(ep, 0, { accum = o.accum, gather = o.gather, dtype = o.dtype, device = "cpu",
+                           placement = "world" })
+    eq(c0.placement, "world", "the reference's placement, " .. what)
     for stage = 0, 3 do
       local r = on(ep, stage, o)
-      eq(r.placement, stage == 0 and "world" or "edp", ("stage %d's placement, %s"):format(stage, what))
+      eq(r.placement, "edp", ("stage %d's placement, %s"):format(stage, what))
       eq(r.sum, c0.sum, ("checksum at stage %d, %s"):format(stage, what))
       eq(r.norms, c0.norms, ("gradient norms at stage %d, %s"):format(stage, what))
       runs = runs + 1
@@ -338,8 +390,11 @@ function T.experts_live_in_their_group_on_sim()
   local dir = scratch_dir .. "/sim-ck"
   on(2, 1, { save = dir .. "/sim" })
   on(2, 3, { save = dir .. "/cpu", device = "cpu" })
+  on(2, 0, { save = dir .. "/sim0" })
   eq(on(2, 0, { load = dir .. "/sim/step-000002", device = "cpu" }).sum, base.sum,
      "saved on sim, resumed on the cpu")
+  eq(on(2, 1, { load = dir .. "/sim0/step-000002", device = "cpu" }).sum, base.sum,
+     "saved on sim at stage 0, resumed on the cpu")
   eq(on(2, 2, { load = dir .. "/cpu/step-000002" }).sum, base.sum, "saved on the cpu, resumed on sim")
   on(2, 3, { save = dir .. "/sim-nvme", offload = "nvme+param:" .. nvme })
   eq(on(2, 0, { load = dir .. "/sim-nvme/step-000002", device = "cpu" }).sum, base.sum,
@@ -363,7 +418,7 @@ function T.experts_live_in_their_group_with_states_on_nvme()
   local function nv(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
-               stage > 0 and "nvme:" .. dir or nil)
+               stage > 0 and "nvme:" .. dir or nil, nil, o.placement)
   end
   local base, runs = support.same_as_stage_0(nv, {
     { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { accum = 2 }, "ep_size 2, accumulation" },
@@ -379,11 +434,11 @@ function T.experts_live_in_their_group_with_states_on_nvme()
   eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "NVMe states resumed at stage 3")
   -- a bf16 master saved from the state file, and one saved from memory
   -- under the world placement loaded into it
-  local b0 = nv(2, 0, { dtype = "bf16", save = ck .. "/bf16-world" })
+  local b0 = nv(2, 0, { dtype = "bf16", save = ck .. "/bf16-world", placement = "world" })
   nv(2, 2, { dtype = "bf16", save = ck .. "/bf16-nvme" })
   for _, c in ipairs({ { "bf16-nvme", 0 }, { "bf16-nvme", 3 }, { "bf16-world", 1 } }) do
     local r = nv(2, c[2], { dtype = "bf16", load = ck .. "/" .. c[1] .. "/step-000002" })
-    eq(r.placement, c[2] == 0 and "world" or "edp", "placement resuming " .. c[1])
+    eq(r.placement, "edp", "placement resuming " .. c[1])
     eq(r.sum, b0.sum, ("%s checkpoint resumed at stage %d"):format(c[1], c[2]))
   end
   print(("    %d runs with the states on NVMe on stage 0's bits"):format(runs))
@@ -401,7 +456,7 @@ function T.experts_live_in_their_group_with_the_parameter_shard_on_nvme()
   local function nv(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
-               stage > 0 and "nvme+param:" .. dir or nil)
+               stage > 0 and "nvme+param:" .. dir or nil, nil, o.placement)
   end
   local base, runs = support.same_as_stage_0(nv, {
     { 2, {}, "ep_size 2" }, { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
@@ -409,7 +464,7 @@ function T.experts_live_in_their_group_with_the_parameter_shard_on_nvme()
   })
   local ck = scratch_dir .. "/nvme-param-ck"
   nv(2, 3, { save = ck .. "/nvme" })
-  edp(2, 0, ck .. "/world")
+  nv(2, 0, { save = ck .. "/world", placement = "world" })
   eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed at stage 0")
   eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed there")
   eq(nv(2, 3, { load = ck .. "/world/step-000002" }).sum, base.sum,

@@ -164,25 +164,28 @@ function T.full_runs_cover_own_experts()
 end
 
 -- The plan says where the experts' parameters live under expert
--- parallelism: their group at stages 1-3 (cpu or sim, fp32 gradients; the
--- states, master and parameter shard in memory or on NVMe), the world
--- otherwise; and nothing of experts without it.
+-- parallelism: their group at stages 0-3 on every device, with gradients
+-- in any dtype, wherever the states, master and parameter shard live, the
+-- world where moe.placement says "world"; and nothing of experts without it.
 function T.the_plan_says_where_experts_live()
   local Placement = require("luazero.zero.plan")
   for stage = 0, 3 do
-    local p = Placement.new{ stage = stage, ep_size = 2 }
-    local edp = stage >= 1
-    local want = edp and "edp" or "world"
-    eq(p.experts, want, "placement at stage " .. stage)
-    local text = tostring(p)
-    assert(text:find("experts    ep_size 2, parameters under ZeRO over " ..
-                     (edp and "the expert-data-parallel group" or "all ranks"), 1, true),
-           text)
+    for _, where in ipairs({ "group", "world" }) do
+      local p = Placement.new{ stage = stage, ep_size = 2, expert_placement = where }
+      local edp = where == "group"
+      eq(p.experts, edp and "edp" or "world", ("placement at stage %d, %s"):format(stage, where))
+      local text = tostring(p)
+      assert(text:find("experts    ep_size 2, parameters under ZeRO over " ..
+                       (edp and "the expert-data-parallel group" or "all ranks"), 1, true),
+             text)
+    end
     assert(not tostring(Placement.new{ stage = stage }):find("experts", 1, true))
   end
   eq(Placement.new{ stage = 1, ep_size = 2, accum = 2 }.experts, "edp", "accumulation")
-  eq(Placement.new{ stage = 2, ep_size = 2, dtype = "bf16", grad_dtype = "bf16" }.experts, "world",
+  eq(Placement.new{ stage = 2, ep_size = 2, dtype = "bf16", grad_dtype = "bf16" }.experts, "edp",
      "bf16 gradients")
+  eq(Placement.new{ stage = 0, ep_size = 2, dtype = "fp16", grad_dtype = "fp16" }.experts, "edp",
+     "fp16 gradients at stage 0")
   eq(Placement.new{ stage = 1, ep_size = 2, offload_optimizer = "nvme" }.experts, "edp",
      "nvme states, fp32 (the parameters are the master)")
   eq(Placement.new{ stage = 2, ep_size = 2, offload_optimizer = "nvme", dtype = "bf16" }.experts,
@@ -192,7 +195,8 @@ function T.the_plan_says_where_experts_live()
   eq(Placement.new{ stage = 3, ep_size = 2, offload_param = "nvme", offload_optimizer = "nvme" }
      .experts, "edp", "the parameter shard on nvme")
   eq(Placement.new{ stage = 1, ep_size = 2, device = "sim" }.experts, "edp", "sim device")
-  eq(Placement.new{ stage = 1, ep_size = 2, device = "cuda" }.experts, "world", "cuda device")
+  eq(Placement.new{ stage = 1, ep_size = 2, device = "cuda" }.experts, "edp", "cuda device")
+  eq(Placement.new{ stage = 0, ep_size = 2, device = "cuda" }.experts, "edp", "cuda device, stage 0")
 end
 
 return T

@@ -219,7 +219,9 @@ function M.validate(m, path)
   check_model(path, m, params)
   -- Shards: their runs must cover canonical [0, numel) exactly once.
   local shards = tbl(path, m, "shards", "shards")
-  local writers = m.stage == 0 and 1 or world
+  -- (stage 0: one writer, or one per rank where the experts lived in their
+  -- groups, each rank saving its slices)
+  local writers = m.stage == 0 and #shards == world and world or m.stage == 0 and 1 or world
   if #shards ~= writers then
     fail(path, "shards", ("%d shards for world size %d at stage %d (expected %d)")
          :format(#shards, world, m.stage, writers))

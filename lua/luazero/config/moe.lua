@@ -16,7 +16,12 @@
 -- by one all-reduce of a bitmask per block and micro-batch, on the experts
 -- any rank routed to, and gather and reduce those alone (needs "expert").
 --   { "moe": { "gather": "expert", "routed_only": true } }
---   moe.read(raw, cfg, unimpl)        -- fills cfg.moe = { ep_size =, gather =, routed_only = }
+-- Where the experts' parameters live under expert parallelism (luazero's
+-- own key): "placement" "group" (the default: under ZeRO within their
+-- expert-data-parallel group, DeepSpeed-MoE's, where the plan allows it) or
+-- "world" (under ZeRO over all ranks like every other parameter: every
+-- rank keeps slices of every expert; the same bits, more memory).
+--   moe.read(raw, cfg, unimpl)        -- fills cfg.moe = { ep_size =, gather =, routed_only =, placement = }
 --   moe.groups(ep_size, world, rank)  -- this rank's two lists of 0-based ranks
 local values = require("luazero.config.values")
 
@@ -29,6 +34,7 @@ local asks_for_nothing, sorted_keys, fail = values.asks_for_nothing, values.sort
 M.top_keys = { moe = true }
 M.defaults = { ep_size = 1, routed_only = false }
 M.gathers = { block = true, expert = true }
+M.placements = { group = true, world = true }
 
 function M.read(raw, cfg, unimpl)
   cfg.moe = { ep_size = M.defaults.ep_size, routed_only = M.defaults.routed_only }
@@ -51,6 +57,13 @@ function M.read(raw, cfg, unimpl)
           fail("moe.gather must be \"block\" or \"expert\" (got %s)", values.show(m.gather))
         end
         cfg.moe.gather = m.gather
+      end
+    elseif k == "placement" then
+      if given(m.placement) then
+        if not M.placements[m.placement] then
+          fail("moe.placement must be \"group\" or \"world\" (got %s)", values.show(m.placement))
+        end
+        cfg.moe.placement = m.placement
       end
     elseif k == "routed_only" then
       if given(m.routed_only) then cfg.moe.routed_only = boolean("moe.routed_only", m.routed_only) end

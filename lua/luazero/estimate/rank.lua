@@ -171,7 +171,7 @@ function M.settings_from(s, device, states, formats)
     states = states, formats = formats, accum = s.accum, overlap = s.overlap,
     prefetch = s.prefetch,
     reduce_bucket = s.reduce_bucket,
-    ep_size = s.ep_size, routed_only = s.routed_only,
+    ep_size = s.ep_size, routed_only = s.routed_only, expert_placement = s.expert_placement,
   }
 end
 
@@ -306,7 +306,8 @@ function M.rank(counts, opts)
                            device = (device == "cpu" or device == "sim") and device or "cuda",
                            accum = accum,
                            optimizer_states = opts.states, optimizer_formats = opts.formats,
-                           master_format = opts.master_format, ep_size = opts.ep_size }
+                           master_format = opts.master_format, ep_size = opts.ep_size,
+                           expert_placement = opts.expert_placement }
   -- What the engine refuses for this optimizer here (its whole matrices
   -- in swap files): no row, and the reason.
   local refused = opts.whole_matrices and Matrices.refusal(P, opts.whole_matrices)

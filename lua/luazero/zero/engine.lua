@@ -243,7 +243,7 @@ function Engine:state_parts()
   for _, name in ipairs(self.optimizer.states) do states[#states + 1] = name end
   local P, steps, ms = self.P, self.optimizer_steps, self.model_states
   local replicated = ms:replicated()
-  return {
+  local parts = {
     comm = self.comm, rank = self.rank, world = self.world, stage = self.stage,
     -- (every parameter, the experts other ranks hold included)
     dtype = self.dtype, model = self.model, params = self.ptable,
@@ -278,6 +278,10 @@ function Engine:state_parts()
     init = { path = self.init_path, xxh64 = self.init_xxh64 },
     resumed_from = self.resumed_from,
   }
+  -- (a replicated optimizer with the experts in their groups: each rank
+  -- saves its slices)
+  if replicated and self.Lw then parts.shard = experts.save_view(self, parts.shard) end
+  return parts
 end
 
 -- After a checkpoint filled the shard (state_parts().shard.visit(true, ...)):

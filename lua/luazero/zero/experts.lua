@@ -4,8 +4,10 @@
 -- computes, sliced over its group (zero/layout.lua's place), beside the
 -- world layout (Lw) that says where every segment lies for everyone. What
 -- the engine asks of the placement: its layout (place), the group a
--- segment's collectives run over (comm_of), and the gradient norm's
--- partials in the world placement's order (norm_slots).
+-- segment's collectives run over (comm_of), the gradient norm's partials
+-- in the world placement's order (norm_slots), and, where the optimizer
+-- is replicated (stage 0), the slices a checkpoint's writers save
+-- (save_view).
 --
 --   engine.L = experts.world_layout(engine)
 --   experts.place(engine)   -- engine.L, engine.Lw, engine.place_of
@@ -87,6 +89,58 @@ function M.norm_slots(engine)
     end
   end
   return #engine.Lw.segments * W, slots, by_seg
+end
+
+-- A checkpoint's view of a replicated optimizer (stage 0) with the
+-- experts in their group: every rank holds the non-experts and its own
+-- experts whole, so no one rank holds every expert. Each rank writes its
+-- slices instead, as stage 1 would hold them (world slice r of a
+-- non-expert segment, group slice k of its experts'), so every element is
+-- saved once. shard: the engine's (state_parts) replicated view, whose
+-- visit goes over the whole layout; returns the fields a save reads:
+-- numel, replicated (false), runs_of(r), visit(false, fn) over this
+-- rank's slices in order. A load keeps the whole view (every rank reads
+-- all it holds).
+function M.save_view(engine, shard)
+  local L, rank = engine.L, engine.rank
+  -- this rank's slices: { full (offset in the whole layout), at (in the
+  -- saved shard), n }, in order
+  local pieces = {}
+  for _, seg in ipairs(L.segments) do
+    local k = layout.slice_of(L, seg, rank)
+    pieces[#pieces + 1] = { full = seg.full_offset + k * seg.slice, at = seg.shard_offset,
+                            n = seg.slice }
+  end
+  local view = {}
+  for k, v in pairs(shard) do view[k] = v end
+  view.numel, view.replicated = L.shard_numel, false
+  view.runs_of = function(r)
+    local Lr = r == rank and L or layout.new(engine.ptable, engine.world, nil, engine.block,
+                                             engine.place_of(r))
+    return layout.canonical_runs(Lr, r)
+  end
+  view.visit = function(writing, fn)
+    if writing then return shard.visit(true, fn) end
+    local i = 1
+    shard.visit(false, function(lo, ...)
+      local chunk = { ... }
+      local hi = lo + chunk[1]:numel()
+      while i <= #pieces and pieces[i].full + pieces[i].n <= lo do i = i + 1 end
+      local j = i
+      while j <= #pieces and pieces[j].full < hi do
+        local p = pieces[j]
+        local a, b = math.max(lo, p.full), math.min(hi, p.full + p.n)
+        if b > a then
+          local part = {}
+          for s, t in ipairs(chunk) do part[s] = t:view(a - lo, { b - a }) end
+          fn(p.at + (a - p.full), unpack(part))
+          for _, t in ipairs(part) do t:free() end
+        end
+        j = j + 1
+      end
+    end)
+  end
+  return view
 end
 
 return M

@@ -90,7 +90,9 @@ end
 -- master_format (f32, or bf16: no fp32 master, the bf16 working parameters
 -- are the master, updated through stochastic rounding), moe (a model
 -- with MoE blocks: { gather = "block" | "expert", routed_only =, blocks =,
--- experts = }; nil without), ep_size (moe.ep_size; 1).
+-- experts = }; nil without), ep_size (moe.ep_size; 1), expert_placement
+-- (moe.placement: "world" keeps the experts under ZeRO over all ranks;
+-- else in their group where the clauses below allow).
 function M.new(opts)
   local stage = opts.stage or 0
   if type(stage) ~= "number" or stage < 0 or stage > 3 or stage ~= math.floor(stage) then
@@ -227,19 +229,23 @@ function M.new(opts)
   p.moe = M.moe(opts.moe)
   -- Where expert parallelism's experts live (ep_size > 1). "edp": a rank
   -- keeps only the experts it computes, under ZeRO within its
-  -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua):
-  -- at stages 1-3 on the cpu or sim device with fp32 gradients (on cuda
-  -- the group's division, zero/reduce.lua's, would take its gradients
-  -- through host memory), wherever the optimizer's states, the master and
-  -- the parameter shard live (in memory, on the cpu, on NVMe: start-up,
-  -- the checksum and checkpoints read and write the rank's own slices of
-  -- each tier, zero/states.lua), whatever the optimizer (zero/matrices.lua
-  -- owns an expert's whole matrices within its group). "world": under ZeRO
-  -- over all ranks like every other parameter (every other case).
+  -- expert-data-parallel group (zero/layout.lua's place, zero/experts.lua),
+  -- unless the config asks for the world's (moe.placement "world"):
+  -- under ZeRO over all ranks like every other parameter.
   p.ep_size = opts.ep_size or 1
-  p.experts = p.ep_size > 1 and stage >= 1 and (device == "cpu" or device == "sim") and
-              gdt == "f32" and
-              "edp" or "world"
+  -- (At every stage: at stage 0 each expert's states are replicated over
+  -- its group alone, an all-reduce within it, and a checkpoint has one
+  -- writer per rank, each writing its slices, zero/experts.lua's
+  -- save_view. On every device: the group's division runs inside its
+  -- collective; on cuda nccl's pre-multiplied sum, on the device,
+  -- untested there. With gradients in any dtype: the group's sum is
+  -- divided by the world size before its one rounding, zero/reduce.lua,
+  -- as the world's average divides. Wherever the optimizer's states, the
+  -- master and the parameter shard live (in memory, on the cpu, on NVMe:
+  -- start-up, the checksum and checkpoints read and write the rank's own
+  -- slices of each tier, zero/states.lua), whatever the optimizer
+  -- (zero/matrices.lua owns an expert's whole matrices within its group).)
+  p.experts = p.ep_size > 1 and opts.expert_placement ~= "world" and "edp" or "world"
   return p
 end
 

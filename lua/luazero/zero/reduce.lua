@@ -68,19 +68,6 @@ end
 
 local function bind_grads(seg, buf) layout.bind("g", seg, buf) end
 
--- t /= n elementwise on the host (f32): a float division, as the
--- collectives' average makes it (the division in double rounds to the
--- same float). A device tensor goes through a host copy: no op divides.
-local function divide(t, n)
-  local host = t:device_name() ~= "cpu" and t:to("cpu")
-  local p, m = ffi.cast("float *", (host or t).data), t:numel()
-  for i = 0, m - 1 do p[i] = p[i] / n end
-  if host then
-    t:copy(host)
-    host:free()
-  end
-end
-
 -- A module m's backward is about to run: its segments' gradients get a
 -- staging buffer (buffered), and every segment counts the modules still to
 -- write into it. A segment m writes whole (seg.writes) is not zeroed first:
@@ -131,22 +118,26 @@ function Reducer:grads_ready(seg)
       seg.gbuf = h
     end
     local recv, dst, w
+    -- An expert's gradients come from its owners alone (the other ranks'
+    -- are zeros): its expert-data-parallel group's sum divided by the
+    -- world size before the one rounding, the world's average bit for bit
+    -- (in every dtype; on a device, inside the collective).
     local group = self.comm_of and self.comm_of(seg)
+    local over = group and comm.size()
     if R.op == "all_reduce" then
       recv = seg.gbuf
       dst = self.rgrads:view(seg.full_offset, { seg.padded })
-      w = comm.all_reduce(seg.gbuf, "avg", async)
+      if group then w = group:all_reduce(seg.gbuf, "avg", async, over)
+      else w = comm.all_reduce(seg.gbuf, "avg", async) end
     else
       recv = seg.gbuf:view(seg.mine.full_offset - seg.full_offset, { seg.slice })
       -- Into the gradient shard, or (none on the device) the optimizer's,
       -- or (on NVMe) the gradient file's staging.
       dst = self.rgrads and self.rgrads:view(at(R.into, seg.mine), { seg.slice })
-      -- (an expert's over its group: summed, divided as it finishes)
-      if group then w = group:reduce_scatter(seg.gbuf, recv, "sum", async)
+      if group then w = group:reduce_scatter(seg.gbuf, recv, "avg", async, over)
       else w = comm.reduce_scatter(seg.gbuf, recv, "avg", async) end
     end
-    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded,
-                   divide = group and recv or nil }
+    local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
     if async then
       item.work = w
       self.inflight[#self.inflight + 1] = item
@@ -162,28 +153,25 @@ function Reducer:grads_ready(seg)
     -- In place, in the full gradient buffer: this rank's slice is reduced.
     local full = self.grads:view(seg.full_offset, { seg.padded })
     local recv = self.grads:view(seg.mine.full_offset, { seg.slice })
+    -- (an expert's over its group, averaged over the world, as above)
     local group = self.comm_of and self.comm_of(seg)
-    if group then
-      -- An expert's gradients come from its owners alone (the other ranks'
-      -- are zeros): summed over the expert-data-parallel group, then
-      -- divided by the world size, the world's average bit for bit.
-      local w = group:reduce_scatter(full, recv, "sum", async)
-      local item = { work = async and w or nil, divide = recv }
-      if async then self.inflight[#self.inflight + 1] = item else self:finish_reduce(item) end
-      return
-    end
-    local w = comm.reduce_scatter(full, recv, "avg", async)
+    local w
+    if group then w = group:reduce_scatter(full, recv, "avg", async, comm.size())
+    else w = comm.reduce_scatter(full, recv, "avg", async) end
     if async then self.inflight[#self.inflight + 1] = { work = w } end
     return
   end
   -- All-reduce, neighbouring segments batched into buckets of
-  -- reduce_bucket_size elements (backward visits them back to front).
+  -- reduce_bucket_size elements (backward visits them back to front); a
+  -- bucket holds segments of one group (the world, or an expert's
+  -- expert-data-parallel group: averaged over the world, as above).
   local b = self.bucket
-  if b and seg.full_offset + seg.padded == b.lo then
+  local group = self.comm_of and self.comm_of(seg)
+  if b and seg.full_offset + seg.padded == b.lo and b.group == group then
     b.lo = seg.full_offset
   else
     self:flush_bucket()
-    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded }
+    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded, group = group }
     self.bucket = b
   end
   if b.hi - b.lo >= self.s.reduce_bucket then self:flush_bucket() end
@@ -193,7 +181,9 @@ function Reducer:flush_bucket()
   local b = self.bucket
   if not b then return end
   self.bucket = false
-  local w = self.comm.all_reduce(self.grads:view(b.lo, { b.hi - b.lo }), "avg", self.s.overlap)
+  local t, w = self.grads:view(b.lo, { b.hi - b.lo })
+  if b.group then w = b.group:all_reduce(t, "avg", self.s.overlap, self.comm.size())
+  else w = self.comm.all_reduce(t, "avg", self.s.overlap) end
   if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
 end
 
@@ -201,7 +191,6 @@ end
 -- (reduce-scatter) into the gradients the optimizer reads.
 function Reducer:finish_reduce(item)
   if item.work then item.work:wait() end
-  if item.divide then divide(item.divide, self.comm.size()) end
   local seg = item.seg
   if seg then
     if item.work then self.inflight_elems = self.inflight_elems - item.elems end

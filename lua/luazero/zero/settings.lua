@@ -47,6 +47,8 @@ function M.read(cfg)
     -- how ZeRO-3 gathers the experts (nil: as the model was built)
     moe_gather = moe.gather,
     routed_only = moe.routed_only == true,
+    -- where the experts live under expert parallelism (nil: their group)
+    expert_placement = moe.placement,
   }
 end
 
@@ -61,7 +63,7 @@ function M.plan_of(s, device, states, formats, master, moe)
                         offload_param = s.offload_param.device, device = device or "cpu",
                         accum = s.accum, optimizer_states = states, optimizer_formats = formats,
                         master_format = master or s.optimizer.master_format, moe = moe,
-                        ep_size = s.ep_size }
+                        ep_size = s.ep_size, expert_placement = s.expert_placement }
 end
 
 return M
