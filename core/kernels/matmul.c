@@ -159,7 +159,6 @@ static lz_status entry_build_as(cache_entry *e, int pack) {
 
 /* With pack_b, a b that oneDNN cannot reorder is multiplied as it is. */
 static lz_status entry_build(cache_entry *e) {
-  if (!engine) LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
   lz_status st = entry_build_as(e, e->pack_b);
   if (st == LZ_OK || !e->pack_b) return st;
   if (e->prim) dnnl_primitive_destroy(e->prim);
@@ -362,6 +361,41 @@ static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t 
   return st;
 }
 
+/* Whether cached entry e was made for key's shape and attributes. */
+static int entry_matches(const cache_entry *e, const cache_entry *key) {
+  return e->used && e->batch == key->batch && e->m == key->m && e->n == key->n &&
+         e->k == key->k && e->ta == key->ta && e->tb == key->tb &&
+         e->b_shared == key->b_shared && e->has_bias == key->has_bias &&
+         e->pack_b == key->pack_b && e->alpha == key->alpha && e->beta == key->beta;
+}
+
+/* key's cached entry, marked running (busy) and recently used, or NULL.
+ * Under cache_lock, as entry_take. */
+static cache_entry *entry_take(cache_entry *e) {
+  e->stamp = ++cache_clock;
+  e->busy++;
+  return e;
+}
+
+static cache_entry *cache_take(const cache_entry *key) {
+  for (int i = 0; i < CACHE_SLOTS; i++)
+    if (entry_matches(&cache[i], key)) return entry_take(&cache[i]);
+  return NULL;
+}
+
+/* An unused slot, else the least recently used entry not running; NULL if
+ * every one is running. Under cache_lock. */
+static cache_entry *cache_victim(void) {
+  cache_entry *victim = NULL;
+  for (int i = 0; i < CACHE_SLOTS; i++) {
+    cache_entry *e = &cache[i];
+    if (e->busy) continue;
+    if (!e->used) return e;
+    if (!victim || e->stamp < victim->stamp) victim = e;
+  }
+  return victim;
+}
+
 /* c[batch, m, n] = alpha * op(a) @ op(b) + beta * c (+ bias[n]); a and b bf16. */
 static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
                            int b_shared, float alpha, const void *a, const void *b, float beta,
@@ -373,35 +407,41 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   const int pack_b = path.pack_b && batch == 1 && !tb && m >= PACK_MIN_ROWS &&
                      k * n * 2 >= PACK_MIN_BYTES && k * n * 2 <= PACK_MAX_BYTES &&
                      !omp_in_parallel();
+  const cache_entry key = {.used = 1, .batch = batch, .m = m, .n = n, .k = k, .ta = ta,
+                           .tb = tb, .b_shared = b_shared, .has_bias = bias != NULL,
+                           .pack_b = pack_b, .alpha = alpha, .beta = beta};
   pthread_mutex_lock(&cache_lock);
-  cache_entry *hit = NULL, *victim = NULL;
-  for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
-    cache_entry *e = &cache[i];
-    if (e->used && e->batch == batch && e->m == m && e->n == n && e->k == k && e->ta == ta &&
-        e->tb == tb && e->b_shared == b_shared && e->has_bias == (bias != NULL) &&
-        e->pack_b == pack_b && e->alpha == alpha && e->beta == beta)
-      hit = e;
-    else if (!e->busy && (!victim || !e->used || (victim->used && e->stamp < victim->stamp)))
-      victim = e;
-  }
-  lz_status st = LZ_OK;
-  if (!hit && !victim)
-    st = lz_fail(LZ_ERR_INTERNAL, "matmul: all %d cached bf16 primitives are running at once; "
-                 "run fewer GEMMs in parallel", CACHE_SLOTS);
-  else if (!hit) {
-    entry_release(victim);
-    *victim = (cache_entry){.used = 1, .batch = batch, .m = m, .n = n, .k = k, .ta = ta,
-                            .tb = tb, .b_shared = b_shared, .has_bias = bias != NULL,
-                            .pack_b = pack_b, .alpha = alpha, .beta = beta};
-    st = entry_build(victim);
-    if (st != LZ_OK) entry_release(victim);
-    else hit = victim;
-  }
-  if (st == LZ_OK) {
-    hit->stamp = ++cache_clock;
-    hit->busy++;
-  }
+  lz_status st = engine ? LZ_OK
+                        : dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create");
+  cache_entry *hit = st == LZ_OK ? cache_take(&key) : NULL;
   pthread_mutex_unlock(&cache_lock);
+  if (st == LZ_OK && !hit) {
+    /* Built outside the lock (oneDNN's primitive creation is thread-safe):
+     * a build takes 0.2-0.8 ms, and the grouped GEMM's other threads keep
+     * running their cached shapes meanwhile instead of waiting on the lock. */
+    cache_entry built = key;
+    st = entry_build(&built);
+    if (st == LZ_OK) {
+      pthread_mutex_lock(&cache_lock);
+      hit = cache_take(&key); /* another thread may have built it meanwhile */
+      int keep = 0;
+      if (!hit) {
+        cache_entry *victim = cache_victim();
+        if (!victim)
+          st = lz_fail(LZ_ERR_INTERNAL, "matmul: all %d cached bf16 primitives are running at "
+                       "once; run fewer GEMMs in parallel", CACHE_SLOTS);
+        else {
+          entry_release(victim);
+          *victim = built, keep = 1;
+          hit = entry_take(victim);
+        }
+      }
+      pthread_mutex_unlock(&cache_lock);
+      if (!keep) entry_release(&built);
+    } else {
+      entry_release(&built);
+    }
+  }
   if (st == LZ_OK) {
     st = entry_run(hit, a, b, c, bias);
     pthread_mutex_lock(&cache_lock);
