@@ -271,3 +271,40 @@ LZ_TEST(matmul_bf16_packed_b_gives_the_bits_of_b_as_it_is) {
   check_packed_case(768, 768, 512, 1, 1.0f, 1.0f);  /* a weight gradient, accumulated */
   check_packed_case(515, 200, 190, 1, 1.0f, 0.0f);
 }
+
+/* bf16 primitives are built outside the cache's lock (matmul.c), so the
+ * experts' grouped GEMM builds new shapes on several threads at once, the
+ * same shape too (an expert of 300 rows runs two 128-row blocks side by
+ * side; the first to finish building keeps its primitive). Every expert's
+ * rows must be the bits of its own linear layer run alone afterwards. The
+ * shapes (C 40, D 56) are used nowhere else, so none is cached before. */
+LZ_TEST(matmul_bf16_shapes_built_on_threads_at_once) {
+  const int threads = lz_threads_get();
+  CHECK_OK(lz_threads_set(4));
+  enum { E = 12 };
+  const int64_t C = 40, D = 56, rows[E] = {300, 7, 129, 300, 13, 1, 64, 255, 300, 3, 0, 90};
+  int64_t R = 0;
+  for (int e = 0; e < E; e++) R += rows[e];
+  lz_tensor *x = rand_tensor(LZ_BF16, 2, (int64_t[]){R, C});
+  lz_tensor *w = rand_tensor(LZ_BF16, 3, (int64_t[]){E, D, C});
+  lz_tensor *y = rand_tensor(LZ_F32, 2, (int64_t[]){R, D});
+  lz_tensor *alone = rand_tensor(LZ_F32, 2, (int64_t[]){R, D}), *off = NULL;
+  CHECK_OK(lz_tensor_new(&off, LZ_I32, 1, (int64_t[]){E + 1}, LZ_MEM_WORKSPACE));
+  int32_t *o = off->data;
+  o[0] = 0;
+  for (int e = 0; e < E; e++) o[e + 1] = o[e] + (int32_t)rows[e];
+  CHECK_OK(lz_moe_gemm_forward(y, x, w, off));
+  for (int e = 0; e < E; e++) {
+    if (!rows[e]) continue;
+    lz_tensor *xe = NULL, *we = NULL, *ye = NULL;
+    CHECK_OK(lz_tensor_view(&xe, x, o[e] * C, 2, (int64_t[]){rows[e], C}));
+    CHECK_OK(lz_tensor_view(&we, w, e * D * C, 2, (int64_t[]){D, C}));
+    CHECK_OK(lz_tensor_view(&ye, alone, o[e] * D, 2, (int64_t[]){rows[e], D}));
+    CHECK_OK(lz_linear_forward(ye, xe, we, NULL));
+    lz_tensor_free(xe), lz_tensor_free(we), lz_tensor_free(ye);
+  }
+  CHECK(memcmp(y->data, alone->data, (size_t)(R * D) * sizeof(float)) == 0);
+  CHECK_OK(lz_threads_set(threads));
+  lz_tensor *ts[] = {x, w, y, alone, off};
+  for (int i = 0; i < 5; i++) lz_tensor_free(ts[i]);
+}

@@ -445,6 +445,60 @@ LZ_TEST(moe_gemm_part_backward_write_is_add_into_zeros) {
   }
 }
 
+/* A bf16 expert's dw runs in blocks of 128 of its D output rows while it
+ * has at most 384 rows, whole above (moe_gemm.c): every expert's dw, added
+ * into and written, must be the bits of its own linear layer's (one GEMM
+ * over all of D). Row counts around the block and the limit, D off the
+ * blocks (300: a last block of 44) and moe-100m's gate/up shape. */
+static void dw_blocks_case(int64_t D, int64_t C, const int64_t *rows, int64_t E) {
+  int64_t R = 0;
+  for (int64_t e = 0; e < E; e++) R += rows[e];
+  uint64_t rng = 5 + (uint64_t)D;
+  float *x = rand_f32(R * C, &rng, 1.0f), *dy = rand_f32(R * D, &rng, 1.0f);
+  float *w = rand_f32(E * D * C, &rng, 0.5f), *dw0 = rand_f32(E * D * C, &rng, 1.0f);
+  float *grouped = malloc(4 * (size_t)(E * D * C)), *alone = malloc(4 * (size_t)(E * D * C));
+  uint16_t *xb = to_bf16(x, R * C), *dyb = to_bf16(dy, R * D), *wb = to_bf16(w, E * D * C);
+  int32_t *off = calloc((size_t)E + 1, 4);
+  for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + (int32_t)rows[e];
+  lz_tensor *tx = T(xb, LZ_BF16, R, C), *tdy = T(dyb, LZ_BF16, R, D);
+  lz_tensor *tw = T(wb, LZ_BF16, E, D, C), *toff = T(off, LZ_I32, E + 1);
+  for (int write = 0; write < 2; write++) {
+    memcpy(grouped, dw0, 4 * (size_t)(E * D * C));
+    memcpy(alone, dw0, 4 * (size_t)(E * D * C));
+    lz_tensor *tg = T(grouped, LZ_F32, E, D, C);
+    CHECK_OK(write ? lz_moe_gemm_part_backward_write(NULL, tg, tdy, tx, tw, toff, 0)
+                   : lz_moe_gemm_backward(NULL, tg, tdy, tx, tw, toff));
+    for (int64_t e = 0; e < E; e++) {
+      if (!rows[e]) continue;
+      lz_tensor *xe = T(xb + off[e] * C, LZ_BF16, rows[e], C);
+      lz_tensor *dye = T(dyb + off[e] * D, LZ_BF16, rows[e], D);
+      lz_tensor *we = T(wb + e * D * C, LZ_BF16, D, C), *dwe = T(alone + e * D * C, LZ_F32, D, C);
+      CHECK_OK(write ? lz_linear_backward_write(NULL, dwe, NULL, dye, xe, we)
+                     : lz_linear_backward(NULL, dwe, NULL, dye, xe, we));
+    }
+    for (int64_t e = 0; e < E; e++) {
+      int64_t differ = 0;
+      for (int64_t i = e * D * C; i < (e + 1) * D * C; i++)
+        differ += rows[e] && memcmp(&grouped[i], &alone[i], 4) != 0;
+      if (differ)
+        lz_test_fail(__FILE__, __LINE__, "bf16 dw, D %lld C %lld, expert of %lld rows (%s): "
+                     "%lld of %lld differ from its linear layer's", (long long)D, (long long)C,
+                     (long long)rows[e], write ? "written" : "added into", (long long)differ,
+                     (long long)(D * C));
+    }
+  }
+  free(x), free(dy), free(w), free(dw0), free(grouped), free(alone), free(xb), free(dyb);
+  free(wb), free(off);
+  unwrap_all();
+}
+
+LZ_TEST(moe_gemm_bf16_dw_blocks_are_each_experts_own_bits) {
+  const int64_t small[] = {1, 2, 17, 64, 127, 128, 129, 255, 256, 0, 300, 383, 384, 385, 512};
+  dw_blocks_case(300, 200, small, (int64_t)(sizeof small / sizeof *small));
+  const int64_t wide[] = {64, 129, 384, 385};
+  dw_blocks_case(2048, 768, wide, 4);
+}
+
 /* ------------------------------------------------------------ whole layer */
 
 /* route, sort, permute, grouped GEMM, combine: out[t] = sum over the K

@@ -28,6 +28,7 @@ typedef struct {
   uint64_t stamp;
   /* key */
   int64_t batch, m, n, k;
+  int64_t lda; /* a's stored rows this many elements apart (a block of a wider matrix) */
   int ta, tb, b_shared, has_bias, pack_b;
   float alpha, beta;
   /* value: memory objects are made per run, so threads run it at once */
@@ -73,13 +74,15 @@ static void entry_release(cache_entry *e) {
 }
 
 /* Descriptor of a row-major matrix stored transposed when `trans`: 2-D for a
- * single product (oneDNN picks its plain GEMM kernels for those), else 3-D
- * [batch, rows, cols] where batch stride 0 broadcasts one matrix. */
+ * single product (oneDNN picks its plain GEMM kernels for those), its stored
+ * rows ld elements apart (ld: cols, or rows when trans, unless it is a block
+ * of a wider matrix), else 3-D [batch, rows, cols] where batch stride 0
+ * broadcasts one matrix. */
 static dnnl_status_t md_init(dnnl_memory_desc_t *md, int64_t batch, int64_t rows, int64_t cols,
-                             int trans, int shared, dnnl_data_type_t dt) {
+                             int64_t ld, int trans, int shared, dnnl_data_type_t dt) {
   if (batch == 1) {
     dnnl_dims_t dims = {rows, cols};
-    dnnl_dims_t strides = {trans ? 1 : cols, trans ? rows : 1};
+    dnnl_dims_t strides = {trans ? 1 : ld, trans ? ld : 1};
     return dnnl_memory_desc_init_by_strides(md, 2, dims, dt, strides);
   }
   dnnl_dims_t dims = {shared ? 1 : batch, rows, cols};
@@ -91,10 +94,11 @@ static dnnl_status_t md_init(dnnl_memory_desc_t *md, int64_t batch, int64_t rows
  * else b as it is. */
 static lz_status entry_build_as(cache_entry *e, int pack) {
   dnnl_memory_desc_t a_md, b_md, c_md, bias_md;
-  LZ_TRY(dnnl_check(md_init(&a_md, e->batch, e->m, e->k, e->ta, 0, dnnl_bf16), "a desc"));
-  LZ_TRY(dnnl_check(md_init(&b_md, e->batch, e->k, e->n, e->tb, e->b_shared, dnnl_bf16),
+  LZ_TRY(dnnl_check(md_init(&a_md, e->batch, e->m, e->k, e->lda, e->ta, 0, dnnl_bf16), "a desc"));
+  LZ_TRY(dnnl_check(md_init(&b_md, e->batch, e->k, e->n, e->tb ? e->k : e->n, e->tb, e->b_shared,
+                            dnnl_bf16),
                     "b desc"));
-  LZ_TRY(dnnl_check(md_init(&c_md, e->batch, e->m, e->n, 0, 0, dnnl_f32), "c desc"));
+  LZ_TRY(dnnl_check(md_init(&c_md, e->batch, e->m, e->n, e->n, 0, 0, dnnl_f32), "c desc"));
   if (e->has_bias) {
     dnnl_dims_t bd = {1, 1, e->n};
     int nd = e->batch == 1 ? 2 : 3;
@@ -159,7 +163,6 @@ static lz_status entry_build_as(cache_entry *e, int pack) {
 
 /* With pack_b, a b that oneDNN cannot reorder is multiplied as it is. */
 static lz_status entry_build(cache_entry *e) {
-  if (!engine) LZ_TRY(dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create"));
   lz_status st = entry_build_as(e, e->pack_b);
   if (st == LZ_OK || !e->pack_b) return st;
   if (e->prim) dnnl_primitive_destroy(e->prim);
@@ -343,8 +346,10 @@ static void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
   for (int64_t i = 0; i < n; i++) dst[i] = lz_bf16_to_f32_inline(src[i]);
 }
 
+/* a's stored rows lda apart (a block of a wider matrix: batch 1), widened
+ * into a packed copy. */
 static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t k, int ta,
-                                   int tb, int b_shared, float alpha, const void *a,
+                                   int tb, int b_shared, float alpha, const void *a, int64_t lda,
                                    const void *b, float beta, float *c, const float *bias) {
   const int64_t na = batch * m * k, nb = (b_shared ? 1 : batch) * k * n;
   float *fa = malloc((size_t)(na + nb) * sizeof(float));
@@ -352,7 +357,11 @@ static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t 
     return lz_fail(LZ_ERR_NOMEM, "matmul: out of memory widening a %lld x %lld x %lld bf16 GEMM",
                    (long long)m, (long long)n, (long long)k);
   float *fb = fa + na;
-  widen_bf16(fa, a, na);
+  const int64_t stored_rows = ta ? k : m, stored_cols = ta ? m : k;
+  if (lda == stored_cols) widen_bf16(fa, a, na);
+  else
+    for (int64_t r = 0; r < stored_rows; r++)
+      widen_bf16(fa + r * stored_cols, (const uint16_t *)a + r * lda, stored_cols);
   widen_bf16(fb, b, nb);
   lz_status st = gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, fa, fb, beta, c);
   free(fa);
@@ -362,46 +371,89 @@ static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t 
   return st;
 }
 
-/* c[batch, m, n] = alpha * op(a) @ op(b) + beta * c (+ bias[n]); a and b bf16. */
+/* Whether cached entry e was made for key's shape and attributes. */
+static int entry_matches(const cache_entry *e, const cache_entry *key) {
+  return e->used && e->batch == key->batch && e->m == key->m && e->n == key->n &&
+         e->k == key->k && e->lda == key->lda && e->ta == key->ta && e->tb == key->tb &&
+         e->b_shared == key->b_shared && e->has_bias == key->has_bias &&
+         e->pack_b == key->pack_b && e->alpha == key->alpha && e->beta == key->beta;
+}
+
+/* key's cached entry, marked running (busy) and recently used, or NULL.
+ * Under cache_lock, as entry_take. */
+static cache_entry *entry_take(cache_entry *e) {
+  e->stamp = ++cache_clock;
+  e->busy++;
+  return e;
+}
+
+static cache_entry *cache_take(const cache_entry *key) {
+  for (int i = 0; i < CACHE_SLOTS; i++)
+    if (entry_matches(&cache[i], key)) return entry_take(&cache[i]);
+  return NULL;
+}
+
+/* An unused slot, else the least recently used entry not running; NULL if
+ * every one is running. Under cache_lock. */
+static cache_entry *cache_victim(void) {
+  cache_entry *victim = NULL;
+  for (int i = 0; i < CACHE_SLOTS; i++) {
+    cache_entry *e = &cache[i];
+    if (e->busy) continue;
+    if (!e->used) return e;
+    if (!victim || e->stamp < victim->stamp) victim = e;
+  }
+  return victim;
+}
+
+/* c[batch, m, n] = alpha * op(a) @ op(b) + beta * c (+ bias[n]); a and b
+ * bf16, a's stored rows lda apart (k, or m when ta, unless a is a block of a
+ * wider matrix: batch 1 only). */
 static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
-                           int b_shared, float alpha, const void *a, const void *b, float beta,
-                           float *c, const float *bias) {
+                           int b_shared, float alpha, const void *a, int64_t lda, const void *b,
+                           float beta, float *c, const float *bias) {
   int native = 0;
   LZ_TRY(path_get(&native));
   if (!native)
-    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
+    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, lda, b, beta, c, bias);
   const int pack_b = path.pack_b && batch == 1 && !tb && m >= PACK_MIN_ROWS &&
                      k * n * 2 >= PACK_MIN_BYTES && k * n * 2 <= PACK_MAX_BYTES &&
                      !omp_in_parallel();
+  const cache_entry key = {.used = 1, .batch = batch, .m = m, .n = n, .k = k, .lda = lda, .ta = ta,
+                           .tb = tb, .b_shared = b_shared, .has_bias = bias != NULL,
+                           .pack_b = pack_b, .alpha = alpha, .beta = beta};
   pthread_mutex_lock(&cache_lock);
-  cache_entry *hit = NULL, *victim = NULL;
-  for (int i = 0; i < CACHE_SLOTS && !hit; i++) {
-    cache_entry *e = &cache[i];
-    if (e->used && e->batch == batch && e->m == m && e->n == n && e->k == k && e->ta == ta &&
-        e->tb == tb && e->b_shared == b_shared && e->has_bias == (bias != NULL) &&
-        e->pack_b == pack_b && e->alpha == alpha && e->beta == beta)
-      hit = e;
-    else if (!e->busy && (!victim || !e->used || (victim->used && e->stamp < victim->stamp)))
-      victim = e;
-  }
-  lz_status st = LZ_OK;
-  if (!hit && !victim)
-    st = lz_fail(LZ_ERR_INTERNAL, "matmul: all %d cached bf16 primitives are running at once; "
-                 "run fewer GEMMs in parallel", CACHE_SLOTS);
-  else if (!hit) {
-    entry_release(victim);
-    *victim = (cache_entry){.used = 1, .batch = batch, .m = m, .n = n, .k = k, .ta = ta,
-                            .tb = tb, .b_shared = b_shared, .has_bias = bias != NULL,
-                            .pack_b = pack_b, .alpha = alpha, .beta = beta};
-    st = entry_build(victim);
-    if (st != LZ_OK) entry_release(victim);
-    else hit = victim;
-  }
-  if (st == LZ_OK) {
-    hit->stamp = ++cache_clock;
-    hit->busy++;
-  }
+  lz_status st = engine ? LZ_OK
+                        : dnnl_check(dnnl_engine_create(&engine, dnnl_cpu, 0), "engine_create");
+  cache_entry *hit = st == LZ_OK ? cache_take(&key) : NULL;
   pthread_mutex_unlock(&cache_lock);
+  if (st == LZ_OK && !hit) {
+    /* Built outside the lock (oneDNN's primitive creation is thread-safe):
+     * a build takes 0.2-0.8 ms, and the grouped GEMM's other threads keep
+     * running their cached shapes meanwhile instead of waiting on the lock. */
+    cache_entry built = key;
+    st = entry_build(&built);
+    if (st == LZ_OK) {
+      pthread_mutex_lock(&cache_lock);
+      hit = cache_take(&key); /* another thread may have built it meanwhile */
+      int keep = 0;
+      if (!hit) {
+        cache_entry *victim = cache_victim();
+        if (!victim)
+          st = lz_fail(LZ_ERR_INTERNAL, "matmul: all %d cached bf16 primitives are running at "
+                       "once; run fewer GEMMs in parallel", CACHE_SLOTS);
+        else {
+          entry_release(victim);
+          *victim = built, keep = 1;
+          hit = entry_take(victim);
+        }
+      }
+      pthread_mutex_unlock(&cache_lock);
+      if (!keep) entry_release(&built);
+    } else {
+      entry_release(&built);
+    }
+  }
   if (st == LZ_OK) {
     st = entry_run(hit, a, b, c, bias);
     pthread_mutex_lock(&cache_lock);
@@ -410,7 +462,7 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   }
   if (st == LZ_ERR_UNSUPPORTED) {
     path_fall_back();
-    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, bias);
+    return gemm_bf16_widened(batch, m, n, k, ta, tb, b_shared, alpha, a, lda, b, beta, c, bias);
   }
   return st;
 }
@@ -438,13 +490,21 @@ static lz_status gemm(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t 
     for (int64_t i = 0; i < batch * m * n; i++) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
     return LZ_OK;
   }
-  if (dt == LZ_BF16) return gemm_bf16(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c, NULL);
+  if (dt == LZ_BF16)
+    return gemm_bf16(batch, m, n, k, ta, tb, b_shared, alpha, a, ta ? m : k, b, beta, c, NULL);
   return gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c);
 }
 
 lz_status lz_gemm(lz_dtype dt, int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha,
-                  const void *a, const void *b, float beta, float *c) {
-  return gemm(dt, 1, m, n, k, ta, tb, 0, alpha, a, b, beta, c);
+                  const void *a, int64_t lda, const void *b, float beta, float *c) {
+  if (lda == (ta ? m : k) || m == 0 || n == 0 || k == 0)
+    return gemm(dt, 1, m, n, k, ta, tb, 0, alpha, a, b, beta, c);
+  if (dt == LZ_BF16) return gemm_bf16(1, m, n, k, ta, tb, 0, alpha, a, lda, b, beta, c, NULL);
+  const dnnl_status_t s = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b,
+                                     tb ? k : n, beta, c, n);
+  if (s == dnnl_success) return LZ_OK;
+  return lz_fail(LZ_ERR_INTERNAL, "matmul: dnnl_sgemm(%lld x %lld x %lld, lda %lld) failed: "
+                 "status %d", (long long)m, (long long)n, (long long)k, (long long)lda, (int)s);
 }
 
 /* ----------------------------------------------------------------- matmul */
@@ -553,7 +613,7 @@ lz_status lz_cpu_linear_forward(const lz_op_args *a) {
   const int64_t rows = lz_rows(x), in = w->shape[1], outc = w->shape[0];
   if (rows == 0 || outc == 0) return LZ_OK;
   if (x->dtype == LZ_BF16)
-    return gemm_bf16(1, rows, outc, in, 0, 1, 0, 1.0f, x->data, w->data, 0.0f, out->data,
+    return gemm_bf16(1, rows, outc, in, 0, 1, 0, 1.0f, x->data, in, w->data, 0.0f, out->data,
                      bias ? bias->data : NULL);
   float beta = 0.0f;
   if (bias) {

@@ -10,7 +10,6 @@
 #include "mem/lz_internal.h"
 #include "kernels/lz_gemm.h" /* lz_gemm */
 
-#include <dnnl.h>   /* dnnl_sgemm: a dw block, its rows strided */
 #include <stdio.h>  /* snprintf: a worker thread's error message */
 #include <stdlib.h> /* malloc, free */
 #include <string.h> /* memset: a written dw's experts without rows */
@@ -109,14 +108,33 @@ static int largest_first(const void *a, const void *b) {
   return (x->r0 > y->r0) - (x->r0 < y->r0);
 }
 
-/* Blocks of `block` rows of each expert's offsets[e] .. offsets[e + 1]
- * (by_rows), or of the D output rows of each expert that has rows, largest
- * first. Returns the count; *out is malloc'd (NULL with 0 tasks). */
+/* A bf16 dw block of TASK_ROWS output rows is bitwise a block of the whole
+ * expert's product only while oneDNN sums the expert's rows in one run: for
+ * more than 384 rows the whole product's kernel splits the sum differently
+ * from a block's (measured on oneDNN 2.6 with blocks of 128 of D = 2048, 768
+ * and 300 output rows: the same bits for every row count 1 .. 384, others
+ * from 385), so those experts stay one block. The blocks keep each one's
+ * output (128 x C, f32) in the core's cache while the kernel adds into it:
+ * the whole expert's 2048 x 768 swept by columns ran its 64-row dw at 120
+ * GFLOP/s on one thread (adding into dw) against 177 in blocks. */
+#define BF16_DW_BLOCKED_MAX_ROWS 384
+
+/* The rows of one task of expert e: of its rows (by_rows), or of its D
+ * output rows (dw; all D for a bf16 expert of many rows, above). */
+static int64_t task_block(lz_dtype dt, int by_rows, int64_t D, int64_t rows) {
+  if (by_rows || dt != LZ_BF16 || rows <= BF16_DW_BLOCKED_MAX_ROWS) return TASK_ROWS;
+  return D;
+}
+
+/* Blocks of each expert's offsets[e] .. offsets[e + 1] (by_rows), or of the
+ * D output rows of each expert that has rows, largest first. Returns the
+ * count; *out is malloc'd (NULL with 0 tasks). */
 static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off, int64_t E,
-                            int64_t D, int by_rows, int64_t block) {
+                            int64_t D, int by_rows, lz_dtype dt) {
   int64_t n = 0;
   for (int64_t e = 0; e < E; e++) {
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
+    const int64_t block = task_block(dt, by_rows, D, off[e + 1] - off[e]);
     n += (len + block - 1) / block;
   }
   *count = n;
@@ -128,6 +146,7 @@ static lz_status tasks_make(gemm_task **out, int64_t *count, const int32_t *off,
   for (int64_t e = 0; e < E; e++) {
     const int64_t base = by_rows ? off[e] : 0;
     const int64_t len = by_rows ? off[e + 1] - off[e] : (off[e + 1] > off[e] ? D : 0);
+    const int64_t block = task_block(dt, by_rows, D, off[e + 1] - off[e]);
     for (int64_t r = 0; r < len; r += block) {
       const int32_t b = (int32_t)(len - r < block ? len - r : block);
       t[k++] = (gemm_task){(int32_t)e, (int32_t)(base + r), b,
@@ -165,13 +184,11 @@ static lz_status tasks_run(const lz_op_args *a, const gemm_task *t, int64_t n, t
   return st == LZ_OK ? LZ_OK : lz_fail(st, "%s", why);
 }
 
-/* A bf16 dw block is a whole expert's weight: lz_gemm takes no leading
- * dimension for the column block of dy a part of it would read. */
 static lz_status tasks_for(const lz_op_args *a, lz_dtype dt, const int32_t *off, int64_t E,
                            int64_t D, int by_rows, task_fn fn) {
   gemm_task *t = NULL;
   int64_t n = 0;
-  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows, !by_rows && dt == LZ_BF16 ? D : TASK_ROWS));
+  LZ_TRY(tasks_make(&t, &n, off, E, D, by_rows, dt));
   lz_status st = tasks_run(a, t, n, fn);
   free(t);
   return st;
@@ -183,7 +200,7 @@ static lz_status forward_task(const lz_op_args *a, const gemm_task *t) {
   const expert_dims d = dims_of(w);
   const size_t es = lz_dtype_size(x->dtype);
   return lz_gemm(x->dtype, t->n, d.D, d.C, 0, 1, 1.0f,
-                 (const char *)x->data + (size_t)t->r0 * d.C * es,
+                 (const char *)x->data + (size_t)t->r0 * d.C * es, d.C,
                  (const char *)w->data + expert_at(w, a->i[0], t->e) * es, 0.0f,
                  (float *)y->data + (size_t)t->r0 * d.D);
 }
@@ -242,7 +259,7 @@ static lz_status dx_task(const lz_op_args *a, const gemm_task *t) {
   const expert_dims d = dims_of(w);
   const size_t es = lz_dtype_size(w->dtype);
   return lz_gemm(w->dtype, t->n, d.C, d.D, 0, 0, 1.0f,
-                 (const char *)dy->data + (size_t)t->r0 * d.D * es,
+                 (const char *)dy->data + (size_t)t->r0 * d.D * es, d.D,
                  (const char *)w->data + expert_at(w, a->i[0], t->e) * es, 0.0f,
                  (float *)dx->data + (size_t)t->r0 * d.C);
 }
@@ -255,20 +272,11 @@ static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
   const expert_dims d = dims_of(w);
   const int64_t D = d.D, C = d.C;
   const int32_t *off = a->t[5]->data;
-  const int64_t rows = off[t->e + 1] - off[t->e];
   const size_t es = lz_dtype_size(x->dtype);
-  const char *dyp = (const char *)dy->data + ((size_t)off[t->e] * D + (size_t)t->r0) * es;
-  float *c = (float *)dw->data + expert_at(w, a->i[0], t->e) + (size_t)t->r0 * C;
-  const float beta = a->i[1] ? 0.0f : 1.0f;
-  if (t->n == D)
-    return lz_gemm(x->dtype, D, C, rows, 1, 0, 1.0f, dyp,
-                   (const char *)x->data + (size_t)off[t->e] * C * es, beta, c);
-  /* f32 only: a bf16 block is the whole expert (tasks_for) */
-  const dnnl_status_t s = dnnl_sgemm('T', 'N', t->n, C, rows, 1.0f, (const float *)dyp, D,
-                                     (const float *)x->data + (size_t)off[t->e] * C, C, beta, c, C);
-  if (s == dnnl_success) return LZ_OK;
-  return lz_fail(LZ_ERR_INTERNAL, "moe_gemm_backward: dnnl_sgemm(%d x %lld x %lld) failed: status %d",
-                 (int)t->n, (long long)C, (long long)rows, (int)s);
+  return lz_gemm(x->dtype, t->n, C, off[t->e + 1] - off[t->e], 1, 0, 1.0f,
+                 (const char *)dy->data + ((size_t)off[t->e] * D + (size_t)t->r0) * es, D,
+                 (const char *)x->data + (size_t)off[t->e] * C * es, a->i[1] ? 0.0f : 1.0f,
+                 (float *)dw->data + expert_at(w, a->i[0], t->e) + (size_t)t->r0 * C);
 }
 
 lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
