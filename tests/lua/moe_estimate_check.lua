@@ -68,8 +68,8 @@ for _, c in ipairs(cases) do
   local host, dev, added = states(device)
   if rank == 0 then
     local tier = device == "cpu" and r.host or r.device
-    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage, oname .. (c[3] and "-" .. c[3] or "") ..
-          (c[4] and "-" .. c[4] or ""),
+    print(("case %d %s %s %s host %d %d params %d %d acts %d %d device %d %d"):format(stage,
+          oname .. (c[3] and "-" .. c[3] or "") .. (c[4] and "-" .. c[4] or ""),
           engine:plan().experts, r.experts or "world", host, estimate.kept(r, "host"),
           added.params, tier.params or 0, added.activations, acts,
           dev, estimate.kept(r, "device")))
