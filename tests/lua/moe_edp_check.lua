@@ -87,6 +87,18 @@ hasher:update(master.data, master:numel() * 4)
 local master_sum = require("bit").tohex(hasher:digest(), 16)
 hasher:free()
 master:free()
+-- a sharded master's slices are lent for one call of master_slices' fn
+-- each: every one is freed when the walk ends
+local plan = engine:plan()
+if plan:swapped("master") or plan.master.extent ~= "full" then
+  local lent = {}
+  engine.model_states:master_slices(function(_, slice) lent[#lent + 1] = slice end)
+  for i, slice in ipairs(lent) do
+    if pcall(slice.numel, slice) then
+      error(("moe_edp_check: master slice %d of %d outlived master_slices"):format(i, #lent), 0)
+    end
+  end
+end
 if rank == 0 then
   print(("master_params %s %d"):format(master_sum, engine.L.numel + engine.L.elsewhere))
   print("describe " .. engine:describe())
