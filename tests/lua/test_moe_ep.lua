@@ -459,6 +459,20 @@ function T.experts_live_in_their_group_with_the_parameter_shard_on_nvme()
   print(("    %d runs with the parameter shard on NVMe on stage 0's bits"):format(runs))
 end
 
+-- moe_edp_check.lua takes the OFFLOAD forms it names, whole: a misspelt
+-- one stops it rather than running another placement.
+function T.the_edp_check_refuses_an_offload_it_does_not_name()
+  for _, how in ipairs({ "nvme+par:/tmp", "nvme+paramx:/tmp", "nvm:/tmp", "cpu+param" }) do
+    local p = io.popen(("cd %s && %s tests/lua/moe_edp_check.lua %s 1 3 - - 1 fp32 expert " ..
+                        "AdamW cpu %s 2>&1"):format(q(lz.root), q(lz.executable()), q(corpus),
+                                                    q(how)))
+    local out = p:read("*a")
+    p:close()
+    assert(out:find(("OFFLOAD %q: expected none, cpu, nvme:DIR"):format(how), 1, true), out)
+    assert(not out:find("\nsum ", 1, true), out)
+  end
+end
+
 function T.experts_must_divide_among_the_ranks()
   local out = check(3, "block", 3, "adversarial")
   assert(out:find("moe: expert parallelism places the 8 experts on the 3 ranks of an " ..
