@@ -1,22 +1,23 @@
 -- moe_edp_check.lua — run by test_moe_ep.lua under the launcher: a tiny
--- Mixtral trained under expert parallelism
--- at one ZeRO stage, with gradient clipping that takes effect (so the
--- gradient norm's bits reach the weights). Prints, on rank 0, "sum
--- <params checksum> <where the experts' parameters live: world|edp>
--- <each step's gradient norm, %a> params <the ledger's parameter bytes>
--- grads <its gradient bytes, after initialisation> gathered <bytes its
--- parameter gathers sent>" after "describe
--- <engine:describe()>". With SAVE a folder, it saves after
--- step 2; with LOAD one, it loads it and trains steps 3-4 only. ACCUM:
--- gradient accumulation steps (1); DTYPE: fp32 (default), bf16 or fp16,
--- with "-grads" (bf16-grads, fp16-grads) the gradients in it too
--- (data_types.grad_accum_dtype); GATHER:
--- the experts' gather, expert (default) or block; OPTIMIZER: AdamW
--- (default) or AdamW8bit (block-scaled states); DEVICE: cpu (default) or
--- sim; OFFLOAD: none (default), cpu (offload_optimizer at stages 1-3,
--- offload_param too at stage 3), nvme:DIR (offload_optimizer on NVMe in
--- DIR at stages 1-3) or nvme+param:DIR (offload_param on NVMe too at
--- stage 3); PLACEMENT: moe.placement, group (default) or world.
+-- Mixtral trained under expert parallelism at one ZeRO stage, with
+-- gradient clipping that takes effect (so the gradient norm's bits reach
+-- the weights). Prints, on rank 0, "master_params <xxh64 of
+-- engine:master_params()> <its elements>", "describe <engine:describe()>"
+-- and "sum <params checksum> <where the experts' parameters live:
+-- world|edp> <each step's gradient norm, %a> params <the ledger's
+-- parameter bytes> grads <its gradient bytes, after initialisation>
+-- gathered <bytes its parameter gathers sent>". With SAVE a folder, it
+-- saves after step 2; with LOAD one, it loads it and trains steps 3-4
+-- only. ACCUM: gradient accumulation steps (1); DTYPE: fp32 (default),
+-- bf16 or fp16, with "-grads" (bf16-grads, fp16-grads) the gradients in it
+-- too (data_types.grad_accum_dtype); GATHER: the experts' gather, expert (default) or block;
+-- OPTIMIZER: AdamW (default), AdamW8bit (block-scaled states) or Muon;
+-- DEVICE: cpu (default) or sim; OFFLOAD: none (default), cpu
+-- (offload_optimizer at stages 1-3, offload_param too at stage 3),
+-- nvme:DIR (offload_optimizer on NVMe in DIR at stages 1-3),
+-- nvme+param:DIR (offload_param on NVMe too at stage 3) or
+-- cpu+param-nvme:DIR (offload_optimizer on the cpu, offload_param on NVMe
+-- in DIR at stage 3); PLACEMENT: moe.placement, group (default) or world.
 --   luazero -n N tests/lua/moe_edp_check.lua CORPUS EP STAGE SAVE|- LOAD|- [ACCUM] [DTYPE] [GATHER]
 --       [OPTIMIZER] [DEVICE] [OFFLOAD] [PLACEMENT]
 local lz = require("luazero")
@@ -34,9 +35,19 @@ local half_grads = (arg[7] or ""):find("%-grads$") ~= nil
 local gather = arg[8] or "expert"
 local optimizer = arg[9] or "AdamW"
 local device, offload = arg[10] or "cpu", arg[11] == "cpu" and { device = "cpu" } or nil
-local with_param, nvme = (arg[11] or ""):match("^nvme(%+?p?a?r?a?m?):(.+)$")
+local how = arg[11] or "none"
+local nvme_param = how:match("^nvme%+param:(.+)$")
+local nvme = nvme_param or how:match("^nvme:(.+)$")
+local param_nvme = how:match("^cpu%+param%-nvme:(.+)$")
+if how ~= "none" and how ~= "cpu" and not nvme and not param_nvme then
+  error(("moe_edp_check: OFFLOAD %q: expected none, cpu, nvme:DIR, nvme+param:DIR or " ..
+         "cpu+param-nvme:DIR"):format(how), 0)
+end
 local offload_opt = nvme and { device = "nvme", nvme_path = nvme } or offload
-if with_param == "+param" then offload = offload_opt end
+if nvme_param then offload = offload_opt end
+if param_nvme then
+  offload_opt, offload = { device = "cpu" }, { device = "nvme", nvme_path = param_nvme }
+end
 
 local mcfg = mixtral.config("mixtral-tiny", { moe_gather = gather })
 local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = accum,
@@ -72,7 +83,28 @@ end
 local gathered = require("luazero.comm").bytes().all_gather +
                  (engine.edp_group and engine.edp_group:bytes().all_gather or 0)
 local sum = engine:params_checksum()
+-- the full master in canonical order (every rank's, the other groups'
+-- experts included): the checksum's bytes
+local master = engine:master_params()
+local hasher = lz.hasher(0)
+hasher:update(master.data, master:numel() * 4)
+local master_sum = require("bit").tohex(hasher:digest(), 16)
+hasher:free()
+master:free()
+-- a sharded master's slices are lent for one call of master_slices' fn
+-- each: every one is freed when the walk ends
+local plan = engine:plan()
+if plan:swapped("master") or plan.master.extent ~= "full" then
+  local lent = {}
+  engine.model_states:master_slices(function(_, slice) lent[#lent + 1] = slice end)
+  for i, slice in ipairs(lent) do
+    if pcall(slice.numel, slice) then
+      error(("moe_edp_check: master slice %d of %d outlived master_slices"):format(i, #lent), 0)
+    end
+  end
+end
 if rank == 0 then
+  print(("master_params %s %d"):format(master_sum, engine.L.numel + engine.L.elsewhere))
   print("describe " .. engine:describe())
   print(("sum %s %s %s params %d grads %d gathered %d"):format(
     sum, engine:plan().experts, table.concat(norms, " "), held.params, held.grads, gathered))

@@ -129,28 +129,40 @@ function T.a_checkpoint_resumes_under_another_ep_size()
   eq(four, one, "resumed under ep_size 4 and 1")
 end
 
--- Runs moe_edp_check.lua on 4 ranks; returns { sum, placement, norms (the
--- steps' gradient norms, one string), params, grads (the ledger's bytes) }.
--- backend: the launcher's --backend (shm by default); placement:
--- moe.placement (group by default; "world": the reference placement).
-local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload, backend,
-                   placement)
-  local cmd = ("cd %s && timeout 600 %s %s -n 4 tests/lua/moe_edp_check.lua %s %d %d %s %s %d %s " ..
-               "%s %s %s %s %s 2>&1")
-              :format(q(lz.root), q(lz.executable()), backend and ("--backend " .. backend) or "",
-                      q(corpus), ep, stage, save or "-",
+-- Runs moe_edp_check.lua on x.n ranks (4); returns { sum, placement,
+-- norms (the steps' gradient norms, one string), params, grads (the
+-- ledger's bytes), gathered, describe }, after checking that
+-- engine:master_params() holds the checksum's bytes (the whole model's,
+-- every group's experts included). x (optional): n, backend (the
+-- launcher's --backend, shm by default), placement (moe.placement, group
+-- by default; "world": the reference placement). A run that neither saves
+-- nor loads is a function of its arguments (training is deterministic),
+-- so one already made is not made again.
+local made = {}
+local function edp(ep, stage, save, load, accum, gather, optimizer, dtype, device, offload, x)
+  x = x or {}
+  local cmd = ("cd %s && timeout 600 %s %s -n %d tests/lua/moe_edp_check.lua %s %d %d %s %s %d " ..
+               "%s %s %s %s %s %s 2>&1")
+              :format(q(lz.root), q(lz.executable()), x.backend and ("--backend " .. x.backend) or "",
+                      x.n or 4, q(corpus), ep, stage, save or "-",
                       load or "-", accum or 1, dtype or "fp32", gather or "expert",
                       optimizer or "AdamW", device or "cpu", offload or "none",
-                      placement or "group")
+                      x.placement or "group")
+  local again = not save and not load and made[cmd]
+  if again then return again end
   local p = io.popen(cmd)
   local out = p:read("*a")
   p:close()
   local sum, placement, norms, params, grads, gathered =
     out:match("sum (%x+) (%a+) (.-) params (%d+) grads (%d+) gathered (%d+)")
   assert(sum, out)
-  return { sum = sum, placement = placement, norms = norms, params = tonumber(params),
-           grads = tonumber(grads), gathered = tonumber(gathered),
-           describe = out:match("describe ([^\n]*)") }
+  local master, numel = out:match("master_params (%x+) (%d+)")
+  eq(master, sum, "engine:master_params() against the checksum")
+  local r = { sum = sum, placement = placement, norms = norms, params = tonumber(params),
+              grads = tonumber(grads), gathered = tonumber(gathered),
+              describe = out:match("describe ([^\n]*)"), numel = tonumber(numel) }
+  if not save and not load then made[cmd] = r end
+  return r
 end
 
 -- Experts under ZeRO within their expert-data-parallel group (stages 0-3,
@@ -160,7 +172,7 @@ end
 -- them either way; stage 3 gathers a rank's own experts only, over its
 -- group: fewer bytes sent as P grows), and training with clipping in effect ends on the
 -- world placement's bits (moe.placement "world" at stage 0), gradient
--- norms included; a checkpoint it saves (at stage 0 one shard per rank,
+-- norms included; engine:master_params() holds every expert; a checkpoint it saves (at stage 0 one shard per rank,
 -- each rank's slices) holds every expert once and resumes under either
 -- placement and any ep_size, and one saved under the world placement
 -- resumes under it; with gradient accumulation too.
@@ -176,7 +188,7 @@ function T.experts_live_in_their_group_at_stages_0_to_3()
     end
   end
   local function world(ep, stage, accum, gather, load, save)
-    return edp(ep, stage, save, load, accum, gather, nil, nil, nil, nil, nil, "world")
+    return edp(ep, stage, save, load, accum, gather, nil, nil, nil, nil, { placement = "world" })
   end
   local w0 = world(2, 0)
   local s0, s1, s2, s3 = edp(2, 0), edp(2, 1), edp(2, 2), edp(2, 3)
@@ -192,20 +204,19 @@ function T.experts_live_in_their_group_at_stages_0_to_3()
   for _, r in ipairs({ s0, s1, s2, s3 }) do
     eq(r.sum, w0.sum, "checksum against stage 0 under the world placement")
     eq(r.norms, w0.norms, "gradient norms against stage 0 under the world placement")
+    eq(r.numel, w0.numel, "engine:master_params()'s elements against the world placement's")
   end
   -- experts gathered as whole blocks: each block's segment is cut per
-  -- owner under either placement, so the norms agree too
-  local b0 = world(2, 0, 1, "block")
-  for stage = 0, 3 do
-    local b = edp(2, stage, nil, nil, 1, "block")
-    eq(b.placement, "edp", "placement, block gather")
-    eq(b.sum, b0.sum, "checksum, block gather, stage " .. stage)
-    eq(b.norms, b0.norms, "gradient norms, block gather, stage " .. stage)
-    if stage == 1 then eq(b.params, s1.params, "parameter bytes, block gather") end
-  end
+  -- owner under either placement, so the norms agree too (stages 2-3 per
+  -- block run with 8-bit states, Muon, on sim and on NVMe below)
+  local b0, b1 = world(2, 0, 1, "block"), edp(2, 1, nil, nil, 1, "block")
+  eq(b1.placement, "edp", "placement, block gather")
+  eq(b1.sum, b0.sum, "checksum, block gather")
+  eq(b1.norms, b0.norms, "gradient norms, block gather")
+  eq(b1.params, s1.params, "parameter bytes, block gather")
   -- with gradient accumulation (every micro-step's gradients reduced)
   local a0 = world(2, 0, 2)
-  for stage = 0, 3 do
+  for _, stage in ipairs({ 0, 2, 3 }) do
     local a = edp(2, stage, nil, nil, 2)
     eq(a.placement, "edp", "placement with accumulation")
     eq(a.sum, a0.sum, "checksum with accumulation at stage " .. stage)
@@ -227,19 +238,22 @@ function T.experts_live_in_their_group_at_stages_0_to_3()
       end
     end
   end
+  -- saved under either placement, resumed under both (each stage once)
   local dir = scratch_dir .. "/edp-ck"
   edp(2, 1, dir .. "/edp")
   edp(2, 0, dir .. "/edp0")
   world(2, 0, 1, nil, nil, dir .. "/world")
+  for _, c in ipairs({ { "edp", 0 }, { "edp", 3 }, { "edp0", 1 }, { "edp0", 2 }, { "world", 0 },
+                       { "world", 2 } }) do
+    eq(edp(2, c[2], nil, dir .. "/" .. c[1] .. "/step-000002").sum, w0.sum,
+       ("%s checkpoint resumed at stage %d"):format(c[1], c[2]))
+  end
+  eq(world(2, 0, 1, nil, dir .. "/edp0/step-000002").sum, w0.sum,
+     "a stage-0 checkpoint of the group placement resumed under the world placement")
   for _, saved in ipairs({ "edp", "edp0", "world" }) do
-    local from = dir .. "/" .. saved .. "/step-000002"
-    for _, stage in ipairs({ 1, 2, 0, 3 }) do
-      eq(edp(2, stage, nil, from).sum, w0.sum, ("%s checkpoint resumed at stage %d")
-                                                 :format(saved, stage))
-    end
-    eq(world(2, 0, 1, nil, from).sum, w0.sum, saved .. " checkpoint resumed under the world placement")
     -- (on 4 ranks ep_size 4 adds an expert's four sources in the world's
     -- all-reduce order, as ep_size 1 does)
+    local from = dir .. "/" .. saved .. "/step-000002"
     local four, single = edp(4, 1, nil, from), edp(1, 1, nil, from)
     eq(four.placement, "edp", "ep_size 4's placement")
     eq(four.sum, single.sum, saved .. " checkpoint resumed under ep_size 4 and 1")
@@ -251,31 +265,31 @@ end
 -- expert's group slice holds whole blocks of the world layout and every
 -- block is quantised as under ZeRO over the world. Stages 1-3 end on
 -- stage 0's checksum and gradient norms at ep_size 2 and 4, gathered per
--- expert and per block, with accumulation and in bf16; a checkpoint saved
--- under either placement resumes under the other.
+-- expert and per block, with accumulation and in bf16; stage 1 holds
+-- fewer parameter bytes than at ep_size 1; a checkpoint saved under
+-- either placement resumes under the other.
 function T.eight_bit_adamw_keeps_the_experts_in_their_group()
   local function q8(ep, stage, o)
     o = o or {}
-    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "AdamW8bit", o.dtype, nil, nil, nil,
-               o.placement)
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, "AdamW8bit", o.dtype, nil, nil,
+               { placement = o.placement })
   end
   local base, runs = support.same_as_stage_0(q8, {
-    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
-    { 2, { accum = 2 }, "ep_size 2, accumulation" }, { 2, { dtype = "bf16" }, "ep_size 2, bf16" },
+    { 2, {}, "ep_size 2" },
+    { 4, { gather = "block", accum = 2 }, "ep_size 4, per block, accumulation" },
+    { 2, { dtype = "bf16" }, "ep_size 2, bf16" },
   })
-  local world1 = edp(2, 1, nil, nil, 1, nil, "AdamW8bit")
-  local one = edp(1, 1, nil, nil, 1, nil, "AdamW8bit")
-  assert(world1.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
-                                     :format(world1.params, one.params))
+  local two, one = q8(2, 1), q8(1, 1)
+  eq(two.placement, "edp", "ep_size 2's placement")
+  assert(two.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
+                                  :format(two.params, one.params))
   local dir = scratch_dir .. "/q8-ck"
   q8(2, 1, { save = dir .. "/edp" })
   q8(2, 0, { save = dir .. "/edp0" })
   q8(2, 0, { save = dir .. "/world", placement = "world" })
-  for _, saved in ipairs({ "edp", "edp0", "world" }) do
-    for _, stage in ipairs({ 0, 1, 3 }) do
-      eq(q8(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
-         ("8-bit states saved under the %s placement resumed at stage %d"):format(saved, stage))
-    end
+  for _, c in ipairs({ { "edp", 0 }, { "edp0", 3 }, { "world", 1 } }) do
+    eq(q8(2, c[2], { load = dir .. "/" .. c[1] .. "/step-000002" }).sum, base.sum,
+       ("8-bit states saved under the %s placement resumed at stage %d"):format(c[1], c[2]))
   end
   print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
 end
@@ -286,33 +300,45 @@ end
 -- a matrix orthogonalised from the same bits by the same GEMMs on any
 -- rank. Stages 1-3 end on stage 0's checksum and gradient norms at
 -- ep_size 2 and 4, per expert and per block, with accumulation, in bf16,
--- on sim and offloaded to the cpu; stage 1 holds fewer parameter bytes
--- than at ep_size 1; a checkpoint saved under either placement resumes
--- under the other.
+-- on sim with the states on the device (the groups' collectives of device
+-- tensors) and offloaded to the cpu, and at stage 3 with the parameter
+-- shard on NVMe; stage 1 holds fewer parameter bytes than at ep_size 1; a
+-- checkpoint saved under either placement resumes under the other, and
+-- under ep_size 4 as under ep_size 1.
 function T.muon_keeps_the_experts_in_their_group()
   local function mu(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, "Muon", o.dtype, o.device, o.offload,
-               nil, o.placement)
+               { placement = o.placement })
   end
   local base, runs = support.same_as_stage_0(mu, {
-    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { gather = "block" }, "ep_size 2, per block" },
-    { 2, { accum = 2, dtype = "bf16" }, "ep_size 2, accumulation, bf16" },
-    { 4, { device = "sim", offload = "cpu", gather = "block" }, "ep_size 4, sim, offloaded, per block" },
+    { 2, {}, "ep_size 2" },
+    { 4, { device = "sim", gather = "block" }, "ep_size 4, sim, per block" },
+    { 2, { accum = 2, dtype = "bf16", device = "sim", offload = "cpu" },
+      "ep_size 2, accumulation, bf16, sim, offloaded" },
   })
-  local one = mu(1, 1)
-  assert(one.placement == "world" and mu(2, 1).params < one.params,
-         ("stage 1 parameter bytes at ep_size 1: %d"):format(one.params))
+  local nvme = scratch_dir .. "/muon-nvme"
+  os.execute("mkdir -p " .. q(nvme))
+  local shard = mu(2, 3, { offload = "cpu+param-nvme:" .. nvme })
+  eq(shard.placement, "edp", "placement, the parameter shard on NVMe")
+  eq(shard.sum, base.sum, "checksum, the parameter shard on NVMe")
+  eq(shard.norms, base.norms, "gradient norms, the parameter shard on NVMe")
+  local two, one = mu(2, 1), mu(1, 1)
+  eq(two.placement, "edp", "ep_size 2's placement")
+  assert(two.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
+                                  :format(two.params, one.params))
   local dir = scratch_dir .. "/muon-ck"
   mu(2, 2, { save = dir .. "/edp" })
   mu(2, 0, { save = dir .. "/world", placement = "world" })
-  for _, saved in ipairs({ "edp", "world" }) do
-    for _, stage in ipairs({ 0, 1, 3 }) do
-      eq(mu(2, stage, { load = dir .. "/" .. saved .. "/step-000002" }).sum, base.sum,
-         ("Muon saved under the %s placement resumed at stage %d"):format(saved, stage))
-    end
+  for _, c in ipairs({ { "edp", 0 }, { "edp", 3 }, { "world", 1 } }) do
+    eq(mu(2, c[2], { load = dir .. "/" .. c[1] .. "/step-000002" }).sum, base.sum,
+       ("Muon saved under the %s placement resumed at stage %d"):format(c[1], c[2]))
   end
-  print(("    %d runs of Muon with the experts in their group on stage 0's bits"):format(runs))
+  local from = dir .. "/edp/step-000002"
+  local four, single = mu(4, 1, { load = from }), mu(1, 1, { load = from })
+  eq(four.placement, "edp", "ep_size 4's placement resuming Muon")
+  eq(four.sum, single.sum, "Muon checkpoint resumed under ep_size 4 and 1")
+  print(("    %d runs of Muon with the experts in their group on stage 0's bits"):format(runs + 1))
 end
 
 -- Half-precision gradients (data_types.grad_accum_dtype bf16 or fp16):
@@ -325,8 +351,8 @@ end
 function T.half_gradients_keep_the_experts_in_their_group()
   local function half(ep, stage, o)
     o = o or {}
-    return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, nil, nil, o.backend,
-               o.placement)
+    return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, nil, nil,
+               { backend = o.backend, placement = o.placement })
   end
   local base, runs = support.same_as_stage_0(half, {
     { 2, { dtype = "bf16-grads" }, "ep_size 2, bf16 gradients" },
@@ -360,7 +386,7 @@ function T.experts_live_in_their_group_on_sim()
   local function on(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, nil, o.dtype, o.device or "sim",
-               o.offload, nil, o.placement)
+               o.offload, { placement = o.placement })
   end
   local runs = 0
   local function same_as_cpu_stage_0(ep, o, what)
@@ -377,16 +403,15 @@ function T.experts_live_in_their_group_on_sim()
     return c0
   end
   local base = same_as_cpu_stage_0(2, {}, "ep_size 2")
-  same_as_cpu_stage_0(4, {}, "ep_size 4")
-  same_as_cpu_stage_0(2, { gather = "block" }, "ep_size 2, per block")
-  same_as_cpu_stage_0(2, { accum = 2 }, "ep_size 2, accumulation")
-  same_as_cpu_stage_0(2, { dtype = "bf16" }, "ep_size 2, bf16")
-  same_as_cpu_stage_0(2, { offload = "cpu" }, "ep_size 2, offloaded to the cpu")
+  same_as_cpu_stage_0(4, { gather = "block", accum = 2 }, "ep_size 4, per block, accumulation")
+  same_as_cpu_stage_0(2, { dtype = "bf16", offload = "cpu" },
+                      "ep_size 2, bf16, offloaded to the cpu")
   local nvme = scratch_dir .. "/sim-nvme"
   os.execute("mkdir -p " .. q(nvme))
   same_as_cpu_stage_0(2, { offload = "nvme:" .. nvme }, "ep_size 2, the states on NVMe")
   same_as_cpu_stage_0(4, { dtype = "bf16", gather = "block", offload = "nvme+param:" .. nvme },
-                      "ep_size 4, bf16, per block, the master and at stage 3 the parameters on NVMe")
+                      "ep_size 4, bf16, per block, the master and at stage 3 the parameters " ..
+                      "on NVMe")
   local dir = scratch_dir .. "/sim-ck"
   on(2, 1, { save = dir .. "/sim" })
   on(2, 3, { save = dir .. "/cpu", device = "cpu" })
@@ -395,7 +420,8 @@ function T.experts_live_in_their_group_on_sim()
      "saved on sim, resumed on the cpu")
   eq(on(2, 1, { load = dir .. "/sim0/step-000002", device = "cpu" }).sum, base.sum,
      "saved on sim at stage 0, resumed on the cpu")
-  eq(on(2, 2, { load = dir .. "/cpu/step-000002" }).sum, base.sum, "saved on the cpu, resumed on sim")
+  eq(on(2, 2, { load = dir .. "/cpu/step-000002" }).sum, base.sum,
+     "saved on the cpu, resumed on sim")
   on(2, 3, { save = dir .. "/sim-nvme", offload = "nvme+param:" .. nvme })
   eq(on(2, 0, { load = dir .. "/sim-nvme/step-000002", device = "cpu" }).sum, base.sum,
      "saved on sim from NVMe, resumed on the cpu")
@@ -411,22 +437,22 @@ end
 -- parameters are the master) and in bf16 (the fp32 master in the state
 -- file: start-up writes each group's slice of the drawn weights there, the
 -- checksum and checkpoints read it back group by group); checkpoints
--- resume across the placements and dtypes' tiers.
+-- resume across the placements and dtypes' tiers, and under ep_size 4 as
+-- under ep_size 1 (and on 2 ranks under ep_size 2 as under 1).
 function T.experts_live_in_their_group_with_states_on_nvme()
   local dir = scratch_dir .. "/nvme-states"
   os.execute("mkdir -p " .. q(dir))
   local function nv(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
-               stage > 0 and "nvme:" .. dir or nil, nil, o.placement)
+               stage > 0 and "nvme:" .. dir or nil, { n = o.n, placement = o.placement })
   end
   local base, runs = support.same_as_stage_0(nv, {
-    { 2, {}, "ep_size 2" }, { 4, {}, "ep_size 4" }, { 2, { accum = 2 }, "ep_size 2, accumulation" },
-    { 2, { optimizer = "AdamW8bit" }, "ep_size 2, 8-bit states" },
-    { 2, { dtype = "bf16" }, "ep_size 2, bf16 (the master on NVMe)" },
-    { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
-    { 2, { dtype = "bf16", gather = "block" }, "ep_size 2, bf16, per block" },
-    { 2, { dtype = "bf16", optimizer = "AdamW8bit" }, "ep_size 2, bf16, 8-bit states" },
+    { 2, {}, "ep_size 2" },
+    { 4, { accum = 2, optimizer = "AdamW8bit" }, "ep_size 4, accumulation, 8-bit states" },
+    { 2, { dtype = "bf16", gather = "block" }, "ep_size 2, bf16 (the master on NVMe), per block" },
+    { 4, { dtype = "bf16", accum = 2, optimizer = "AdamW8bit" },
+      "ep_size 4, bf16, accumulation, 8-bit states" },
   })
   local ck = scratch_dir .. "/nvme-ck"
   nv(2, 2, { save = ck .. "/nvme" })
@@ -441,6 +467,20 @@ function T.experts_live_in_their_group_with_states_on_nvme()
     eq(r.placement, "edp", "placement resuming " .. c[1])
     eq(r.sum, b0.sum, ("%s checkpoint resumed at stage %d"):format(c[1], c[2]))
   end
+  -- the NVMe checkpoints under another ep_size (on 4 ranks ep_size 4 adds
+  -- an expert's sources in the world's all-reduce order, as ep_size 1
+  -- does; on 2 ranks ep_size 2 as ep_size 1) and another world size
+  for _, c in ipairs({ { "nvme", "fp32" }, { "bf16-nvme", "bf16" } }) do
+    local from = ck .. "/" .. c[1] .. "/step-000002"
+    local four = nv(4, 2, { dtype = c[2], load = from })
+    local one = nv(1, 2, { dtype = c[2], load = from })
+    eq(four.placement, "edp", "ep_size 4's placement resuming " .. c[1])
+    eq(four.sum, one.sum, c[1] .. " checkpoint resumed under ep_size 4 and 1")
+  end
+  local from = ck .. "/nvme/step-000002"
+  local two, one = nv(2, 3, { load = from, n = 2 }), nv(1, 3, { load = from, n = 2 })
+  eq(two.placement, "edp", "ep_size 2's placement on 2 ranks")
+  eq(two.sum, one.sum, "NVMe checkpoint resumed on 2 ranks under ep_size 2 and 1")
   print(("    %d runs with the states on NVMe on stage 0's bits"):format(runs))
 end
 
@@ -456,20 +496,36 @@ function T.experts_live_in_their_group_with_the_parameter_shard_on_nvme()
   local function nv(ep, stage, o)
     o = o or {}
     return edp(ep, stage, o.save, o.load, o.accum, o.gather, o.optimizer, o.dtype, nil,
-               stage > 0 and "nvme+param:" .. dir or nil, nil, o.placement)
+               stage > 0 and "nvme+param:" .. dir or nil, { placement = o.placement })
   end
   local base, runs = support.same_as_stage_0(nv, {
-    { 2, {}, "ep_size 2" }, { 4, { dtype = "bf16", accum = 2 }, "ep_size 4, bf16, accumulation" },
-    { 2, { gather = "block", optimizer = "AdamW8bit" }, "ep_size 2, per block, 8-bit states" },
+    { 2, {}, "ep_size 2" },
+    { 4, { dtype = "bf16", accum = 2, gather = "block", optimizer = "AdamW8bit" },
+      "ep_size 4, bf16, accumulation, per block, 8-bit states" },
   })
   local ck = scratch_dir .. "/nvme-param-ck"
   nv(2, 3, { save = ck .. "/nvme" })
   nv(2, 0, { save = ck .. "/world", placement = "world" })
-  eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed at stage 0")
+  eq(nv(2, 0, { load = ck .. "/nvme/step-000002" }).sum, base.sum,
+     "saved from NVMe, resumed at stage 0")
   eq(nv(2, 3, { load = ck .. "/nvme/step-000002" }).sum, base.sum, "saved from NVMe, resumed there")
   eq(nv(2, 3, { load = ck .. "/world/step-000002" }).sum, base.sum,
      "saved under the world placement, resumed onto NVMe")
   print(("    %d runs with the parameter shard on NVMe on stage 0's bits"):format(runs))
+end
+
+-- moe_edp_check.lua takes the OFFLOAD forms it names, whole: a misspelt
+-- one stops it rather than running another placement.
+function T.the_edp_check_refuses_an_offload_it_does_not_name()
+  for _, how in ipairs({ "nvme+par:/tmp", "nvme+paramx:/tmp", "nvm:/tmp", "cpu+param" }) do
+    local p = io.popen(("cd %s && %s tests/lua/moe_edp_check.lua %s 1 3 - - 1 fp32 expert " ..
+                        "AdamW cpu %s 2>&1"):format(q(lz.root), q(lz.executable()), q(corpus),
+                                                    q(how)))
+    local out = p:read("*a")
+    p:close()
+    assert(out:find(("OFFLOAD %q: expected none, cpu, nvme:DIR"):format(how), 1, true), out)
+    assert(not out:find("\nsum ", 1, true), out)
+  end
 end
 
 function T.experts_must_divide_among_the_ranks()

@@ -97,11 +97,11 @@ function M.lines(m)
   if m.ep_size > 1 then
     lines[#lines + 1] = ("moe: ep_size %d: each rank computes %d of each block's %d experts, " ..
                          "over the rows of its %d-rank expert-parallel group (arenas for all " ..
-                         "of them); at stages 0-3 with the states, the master and the parameter " ..
-                         "shard in memory or on NVMe and gradients in any dtype, their parameters " ..
-                         "under ZeRO over the %d ranks " ..
-                         "of its expert-data-parallel group (a rank's stage-3 gathers read the slice bytes " ..
-                         "they read under ZeRO over all ranks)")
+                         "of them); at stages 0-3 with the states, the master and the " ..
+                         "parameter shard in memory or on NVMe and gradients in any dtype, " ..
+                         "their parameters under ZeRO over the %d ranks " ..
+                         "of its expert-data-parallel group (a rank's stage-3 gathers read " ..
+                         "the slice bytes they read under ZeRO over all ranks)")
       :format(m.ep_size, m.experts / m.ep_size, m.experts, m.ep_size, m.ep_size,
               m.world / m.ep_size)
   end

@@ -31,10 +31,11 @@ end
 -- The layout keeps only this rank's experts: each reduced element and
 -- each gradient-norm partial is then the world placement's, bit for bit.
 -- An optimizer of whole matrices (Muon) orthogonalises an expert's on a
--- rank of its group (zero/matrices.lua), from the same bits. Block-scaled states (8-bit AdamW's) keep their blocks: a
--- segment pads to world x block elements under either placement, so an
--- expert's group slice k is world slices kP..kP+P-1 and its blocks are
--- the world layout's, each in one parameter, counted from its start.
+-- rank of its group (zero/matrices.lua), from the same bits. Block-scaled
+-- states (8-bit AdamW's) keep their blocks: a segment pads to world x
+-- block elements under either placement, so an expert's group slice k is
+-- world slices kP..kP+P-1 and its blocks are the world layout's, each in
+-- one parameter, counted from its start.
 function M.place(engine)
   local P, s = engine.P, engine.s
   if P.experts ~= "edp" then return end

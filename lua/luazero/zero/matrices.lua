@@ -108,19 +108,15 @@ function M.new(parts)
       self.load[m.owner] = self.load[m.owner] + m.numel
     end
   end
-  local everyones, grouped, world_ranks, group_ranks = {}, {}, {}, {}
+  -- (a matrix runs its collectives over its segment's group: the world, or
+  -- this rank's expert-data-parallel group, whose ranks() are by group rank)
+  local everyones, grouped, world_ranks = {}, {}, {}
   for _, m in ipairs(self.list) do
-    table.insert(m.seg.group == "edp" and grouped or everyones, m)
+    table.insert(self.comm_of(m.seg) and grouped or everyones, m)
   end
   for r = 0, self.world - 1 do world_ranks[#world_ranks + 1] = r end
   assign(everyones, world_ranks)
-  if #grouped > 0 then
-    -- (the ranks of this rank's expert-data-parallel group, by group rank)
-    local seg = grouped[1].seg
-    local P = self.world / seg.gworld
-    for k = 0, seg.gworld - 1 do group_ranks[#group_ranks + 1] = self.rank % P + k * P end
-    assign(grouped, group_ranks)
-  end
+  if #grouped > 0 then assign(grouped, self.comm_of(grouped[1].seg):ranks()) end
   self.replicated = self.P.optimizer.extent == "full"
   self.matrix_of = function(e) return self.by_entry[e] end
   return self

@@ -608,7 +608,9 @@ end
 -- The full fp32 master parameters in canonical order (unpadded), as an f32
 -- tensor (category workspace) on every rank.
 function States:master_params()
-  local out = lz.tensor({ self.L.numel }, "f32", "workspace")
+  -- (with the experts in their groups the segments are the world's: this
+  -- rank's parameters and the other groups' experts)
+  local out = lz.tensor({ self.L.numel + self.L.elsewhere }, "f32", "workspace")
   self:full_master_segments(function(seg, full)
     -- (parameter by parameter: a block layout leaves gaps between them)
     for _, e in ipairs(seg.entries) do
@@ -697,7 +699,7 @@ function States:placed_master_segments(fn)
         if widened_copy then wide:free() end
       end
       if host then host:free() end
-      if whole or not P:swapped("master") then view:free() end
+      if whole then view:free() end -- (master_slices frees its own)
     end
     local q = self.owner(wseg)
     if q ~= nil then self.comm.broadcast(full, q) end
@@ -709,11 +711,17 @@ end
 
 -- Calls fn(seg, slice) for every segment in order with this rank's fp32
 -- master slice of it (a sharded master): a view of the resident master, or
--- assembled from the sub-groups read from NVMe.
+-- assembled from the sub-groups read from NVMe. The slice is valid during
+-- fn only: it is freed when fn returns (under a coroutine that yields in
+-- fn, at the next resume).
 function States:master_slices(fn)
   local segs = self.L.segments
   if not self.P:swapped("master") then
-    for _, seg in ipairs(segs) do fn(seg, self.master:view(seg.shard_offset, { seg.slice })) end
+    for _, seg in ipairs(segs) do
+      local slice = self.master:view(seg.shard_offset, { seg.slice })
+      fn(seg, slice)
+      slice:free()
+    end
     return
   end
   local i, part = 1, nil
@@ -725,7 +733,9 @@ function States:master_slices(fn)
       if so >= hi then break end
       local a, b = math.max(so, lo), math.min(se, hi)
       if a == so and b == se then
-        fn(seg, v.master:view(a - lo, { seg.slice }))
+        local slice = v.master:view(a - lo, { seg.slice })
+        fn(seg, slice)
+        slice:free()
       else
         part = part or lz.tensor({ seg.slice }, "f32", "workspace")
         local dst, src = part:view(a - so, { b - a }), v.master:view(a - lo, { b - a })
