@@ -133,7 +133,17 @@ function T.tools_estimate_says_where_the_experts_are()
   local out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 4 --ep-size 2 " ..
                           "--device cpu --micro-batch 1 --seq-len 4 2>&1"):format(q(lz.root)))
   assert(out:find("moe: ep_size 2: each rank computes 4 of each block's 8 experts", 1, true), out)
-  assert(out:find("experts: ep_size 2; in rows 0 none, 1 none, 2 none, 3 none,", 1, true), out)
+  assert(out:find("experts: ep_size 2; in every row the experts' parameters under ZeRO over " ..
+                  "their expert-data-parallel group (a rank holds 1/2 of them)\n", 1, true), out)
+  -- moe.placement "world" asks for every expert under ZeRO over all ranks
+  local cfg = scratch_dir .. "/world-placement.json"
+  local f = assert(io.open(cfg, "w"))
+  f:write('{"moe": {"ep_size": 2, "placement": "world"}, "train_micro_batch_size_per_gpu": 1}')
+  f:close()
+  out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 4 --config %s " ..
+                    "--device cpu --micro-batch 1 --seq-len 4 2>&1"):format(q(lz.root), q(cfg)))
+  assert(out:find('experts: ep_size 2; in every row under ZeRO over all ranks (moe.placement ' ..
+                  '"world"; docs/moe.md)', 1, true), out)
   out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 4 --ep-size 3 2>&1")
                    :format(q(lz.root)))
   assert(out:find("--ep-size 3 must divide the world size 4", 1, true), out)

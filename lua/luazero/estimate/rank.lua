@@ -680,14 +680,18 @@ function M.rank_table(rows, counts, disk, device)
     for _, r in ipairs(rows) do
       if r.experts == "edp" then edp[#edp + 1] = ("%d %s"):format(r.stage, r.placement) end
     end
-    if #edp > 0 then
+    if #edp == #rows then
+      notes[#notes + 1] = ("experts: ep_size %d; in every row the experts' parameters under " ..
+        "ZeRO over their expert-data-parallel group (a rank holds 1/%d of them)")
+        :format(counts.ep_size, counts.ep_size)
+    elseif #edp > 0 then
       notes[#notes + 1] = ("experts: ep_size %d; in rows %s, the experts' parameters under " ..
         "ZeRO over their expert-data-parallel group (a rank holds 1/%d of them); the other " ..
         "rows over all ranks, where the engine keeps them"):format(counts.ep_size,
         table.concat(edp, ", "), counts.ep_size)
     else
-      notes[#notes + 1] = ("experts: ep_size %d; in every row under ZeRO over all ranks, " ..
-        "where the engine keeps them here (docs/moe.md)"):format(counts.ep_size)
+      notes[#notes + 1] = ("experts: ep_size %d; in every row under ZeRO over all ranks " ..
+        "(moe.placement \"world\"; docs/moe.md)"):format(counts.ep_size)
     end
   end
   local refused, why = {}, nil
