@@ -606,28 +606,27 @@ lz_status lz_comm_reduce_scatter(lz_comm *c, const void *send, void *recv, int64
   return submit(c, &a, work);
 }
 
-lz_status lz_comm_all_reduce_avg_over(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
-                                      int divisor, lz_work **work) {
+/* An average over `divisor` ranks' worth (the world's, for a group's
+ * collective): the collective's sum divided by it before its one rounding. */
+static lz_status submit_avg_over(lz_comm *c, lz_coll_kind kind, const void *send, void *recv,
+                                 int64_t count, lz_dtype dt, int divisor, lz_work **work) {
   if (divisor < 1) {
     if (work) *work = NULL;
-    return lz_fail(LZ_ERR_INVALID, "all_reduce: the average's divisor is %d; it must be >= 1",
-                   divisor);
+    return lz_fail(LZ_ERR_INVALID, "%s: the average's divisor is %d; it must be >= 1",
+                   coll_names[kind], divisor);
   }
-  lz_coll_args a = {
-      LZ_COLL_ALL_REDUCE, buf, buf, count, dt, LZ_RED_AVG, 0, 0, 0, NULL, NULL, divisor};
+  lz_coll_args a = {kind, send, recv, count, dt, LZ_RED_AVG, 0, 0, 0, NULL, NULL, divisor};
   return submit(c, &a, work);
+}
+
+lz_status lz_comm_all_reduce_avg_over(lz_comm *c, void *buf, int64_t count, lz_dtype dt,
+                                      int divisor, lz_work **work) {
+  return submit_avg_over(c, LZ_COLL_ALL_REDUCE, buf, buf, count, dt, divisor, work);
 }
 
 lz_status lz_comm_reduce_scatter_avg_over(lz_comm *c, const void *send, void *recv, int64_t count,
                                           lz_dtype dt, int divisor, lz_work **work) {
-  if (divisor < 1) {
-    if (work) *work = NULL;
-    return lz_fail(LZ_ERR_INVALID, "reduce_scatter: the average's divisor is %d; it must be >= 1",
-                   divisor);
-  }
-  lz_coll_args a = {
-      LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, LZ_RED_AVG, 0, 0, 0, NULL, NULL, divisor};
-  return submit(c, &a, work);
+  return submit_avg_over(c, LZ_COLL_REDUCE_SCATTER, send, recv, count, dt, divisor, work);
 }
 
 lz_status lz_comm_all_gather(lz_comm *c, const void *send, void *recv, int64_t count,
