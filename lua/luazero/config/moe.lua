@@ -33,8 +33,17 @@ local asks_for_nothing, sorted_keys, fail = values.asks_for_nothing, values.sort
 
 M.top_keys = { moe = true }
 M.defaults = { ep_size = 1, routed_only = false }
-M.gathers = { block = true, expert = true }
-M.placements = { group = true, world = true }
+-- The keys that name one of a few values, in the order an error lists them.
+M.choices = { gather = { "block", "expert" }, placement = { "group", "world" } }
+
+-- v if it is one of key's choices; else the error that lists them.
+local function one_of(key, v)
+  for _, c in ipairs(M.choices[key]) do
+    if v == c then return v end
+  end
+  fail("moe.%s must be \"%s\" (got %s)", key, table.concat(M.choices[key], "\" or \""),
+       values.show(v))
+end
 
 function M.read(raw, cfg, unimpl)
   cfg.moe = { ep_size = M.defaults.ep_size, routed_only = M.defaults.routed_only }
@@ -51,20 +60,8 @@ function M.read(raw, cfg, unimpl)
         end
         cfg.moe.ep_size = n
       end
-    elseif k == "gather" then
-      if given(m.gather) then
-        if not M.gathers[m.gather] then
-          fail("moe.gather must be \"block\" or \"expert\" (got %s)", values.show(m.gather))
-        end
-        cfg.moe.gather = m.gather
-      end
-    elseif k == "placement" then
-      if given(m.placement) then
-        if not M.placements[m.placement] then
-          fail("moe.placement must be \"group\" or \"world\" (got %s)", values.show(m.placement))
-        end
-        cfg.moe.placement = m.placement
-      end
+    elseif M.choices[k] then
+      if given(m[k]) then cfg.moe[k] = one_of(k, m[k]) end
     elseif k == "routed_only" then
       if given(m.routed_only) then cfg.moe.routed_only = boolean("moe.routed_only", m.routed_only) end
     elseif not asks_for_nothing(m[k]) then
