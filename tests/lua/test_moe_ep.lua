@@ -260,6 +260,24 @@ function T.experts_live_in_their_group_at_stages_0_to_3()
   end
 end
 
+-- run(2, 1) keeps the experts in their group and fewer parameter bytes at
+-- stage 1 than run(1, 1).
+local function fewer_bytes_at_ep_size_2(run)
+  local two, one = run(2, 1), run(1, 1)
+  eq(two.placement, "edp", "ep_size 2's placement")
+  assert(two.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
+                                  :format(two.params, one.params))
+end
+
+-- Each { saved, stage } of cases: dir/saved's step-2 checkpoint resumed by
+-- run at that stage ends on want.
+local function resumed(run, dir, cases, want, what)
+  for _, c in ipairs(cases) do
+    eq(run(2, c[2], { load = dir .. "/" .. c[1] .. "/step-000002" }).sum, want,
+       ("%s saved under the %s placement resumed at stage %d"):format(what, c[1], c[2]))
+  end
+end
+
 -- 8-bit AdamW (block-scaled states) with the experts in their group: a
 -- segment pads to world x 256 elements under either placement, so an
 -- expert's group slice holds whole blocks of the world layout and every
@@ -279,18 +297,12 @@ function T.eight_bit_adamw_keeps_the_experts_in_their_group()
     { 4, { gather = "block", accum = 2 }, "ep_size 4, per block, accumulation" },
     { 2, { dtype = "bf16" }, "ep_size 2, bf16" },
   })
-  local two, one = q8(2, 1), q8(1, 1)
-  eq(two.placement, "edp", "ep_size 2's placement")
-  assert(two.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
-                                  :format(two.params, one.params))
+  fewer_bytes_at_ep_size_2(q8)
   local dir = scratch_dir .. "/q8-ck"
   q8(2, 1, { save = dir .. "/edp" })
   q8(2, 0, { save = dir .. "/edp0" })
   q8(2, 0, { save = dir .. "/world", placement = "world" })
-  for _, c in ipairs({ { "edp", 0 }, { "edp0", 3 }, { "world", 1 } }) do
-    eq(q8(2, c[2], { load = dir .. "/" .. c[1] .. "/step-000002" }).sum, base.sum,
-       ("8-bit states saved under the %s placement resumed at stage %d"):format(c[1], c[2]))
-  end
+  resumed(q8, dir, { { "edp", 0 }, { "edp0", 3 }, { "world", 1 } }, base.sum, "8-bit states")
   print(("    %d runs with 8-bit states in the experts' group on stage 0's bits"):format(runs))
 end
 
@@ -323,17 +335,11 @@ function T.muon_keeps_the_experts_in_their_group()
   eq(shard.placement, "edp", "placement, the parameter shard on NVMe")
   eq(shard.sum, base.sum, "checksum, the parameter shard on NVMe")
   eq(shard.norms, base.norms, "gradient norms, the parameter shard on NVMe")
-  local two, one = mu(2, 1), mu(1, 1)
-  eq(two.placement, "edp", "ep_size 2's placement")
-  assert(two.params < one.params, ("stage 1 parameter bytes %d at ep_size 2, %d at 1")
-                                  :format(two.params, one.params))
+  fewer_bytes_at_ep_size_2(mu)
   local dir = scratch_dir .. "/muon-ck"
   mu(2, 2, { save = dir .. "/edp" })
   mu(2, 0, { save = dir .. "/world", placement = "world" })
-  for _, c in ipairs({ { "edp", 0 }, { "edp", 3 }, { "world", 1 } }) do
-    eq(mu(2, c[2], { load = dir .. "/" .. c[1] .. "/step-000002" }).sum, base.sum,
-       ("Muon saved under the %s placement resumed at stage %d"):format(c[1], c[2]))
-  end
+  resumed(mu, dir, { { "edp", 0 }, { "edp", 3 }, { "world", 1 } }, base.sum, "Muon")
   local from = dir .. "/edp/step-000002"
   local four, single = mu(4, 1, { load = from }), mu(1, 1, { load = from })
   eq(four.placement, "edp", "ep_size 4's placement resuming Muon")
