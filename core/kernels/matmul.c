@@ -379,14 +379,14 @@ static int entry_matches(const cache_entry *e, const cache_entry *key) {
          e->pack_b == key->pack_b && e->alpha == key->alpha && e->beta == key->beta;
 }
 
-/* key's cached entry, marked running (busy) and recently used, or NULL.
- * Under cache_lock, as entry_take. */
+/* e, marked running (busy) and recently used. Under cache_lock. */
 static cache_entry *entry_take(cache_entry *e) {
   e->stamp = ++cache_clock;
   e->busy++;
   return e;
 }
 
+/* key's cached entry, taken (entry_take), or NULL. Under cache_lock. */
 static cache_entry *cache_take(const cache_entry *key) {
   for (int i = 0; i < CACHE_SLOTS; i++)
     if (entry_matches(&cache[i], key)) return entry_take(&cache[i]);
