@@ -308,3 +308,38 @@ LZ_TEST(matmul_bf16_shapes_built_on_threads_at_once) {
   lz_tensor *ts[] = {x, w, y, alone, off};
   for (int i = 0; i < 5; i++) lz_tensor_free(ts[i]);
 }
+
+/* More shapes than the bf16 primitive cache holds (1024): the first ones
+ * are evicted and rebuilt, the last ones found again, each product the same
+ * bits as its first run (the cache's chains by hash stay whole across
+ * evictions). */
+LZ_TEST(matmul_bf16_cache_evicts_and_finds_again) {
+  enum { SHAPES = 1100, K = 16, N = 8, KEEP = 12 };
+  lz_tensor *a = rand_tensor(LZ_BF16, 2, (int64_t[]){SHAPES, K});
+  lz_tensor *b = rand_tensor(LZ_BF16, 2, (int64_t[]){K, N});
+  float *first = malloc((size_t)2 * KEEP * SHAPES * N * sizeof(float));
+  CHECK(first != NULL);
+  const int64_t probe[KEEP] = {1, 2, 3, 5, 64, 500, 1023, 1024, 1050, 1098, 1099, 1100};
+  for (int pass = 0; pass < 2; pass++) {
+    int kept = 0;
+    for (int64_t m = 1; m <= SHAPES; m++) {
+      int is_probe = 0;
+      for (int i = 0; i < KEEP; i++) is_probe |= probe[i] == m;
+      if (pass == 1 && !is_probe) continue;
+      lz_tensor *am = NULL, *c = NULL;
+      CHECK_OK(lz_tensor_view(&am, a, 0, 2, (int64_t[]){m, K}));
+      CHECK_OK(lz_tensor_new(&c, LZ_F32, 2, (int64_t[]){m, N}, LZ_MEM_WORKSPACE));
+      CHECK_OK(lz_matmul(c, am, b, 0, 0, 1.0f, 0.0f));
+      if (is_probe) {
+        float *at = first + ((size_t)pass * KEEP + kept++) * SHAPES * N;
+        memcpy(at, c->data, (size_t)(m * N) * sizeof(float));
+        if (pass == 1)
+          CHECK(memcmp(at, first + (size_t)(kept - 1) * SHAPES * N,
+                       (size_t)(m * N) * sizeof(float)) == 0);
+      }
+      lz_tensor_free(am), lz_tensor_free(c);
+    }
+  }
+  free(first);
+  lz_tensor_free(a), lz_tensor_free(b);
+}

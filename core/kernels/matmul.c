@@ -43,6 +43,13 @@ typedef struct {
 static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
 static cache_entry cache[CACHE_SLOTS];
 static uint64_t cache_clock;
+/* The entries by their key's hash: chains of slot + 1 (0 ends a chain), so
+ * a lookup reads a few entries, not every slot (an entry is some 5 KB of
+ * descriptors: a training step of moe-100m, some 3,000 lookups in a cache of
+ * hundreds of row counts, read about 500 entries a lookup). */
+#define CACHE_BUCKETS 4096
+static int bucket_head[CACHE_BUCKETS];
+static int slot_next[CACHE_SLOTS];
 static dnnl_engine_t engine;
 /* A stream per thread: the experts' grouped GEMM runs primitives from
  * several threads at once (each single-threaded inside its parallel
@@ -386,11 +393,46 @@ static cache_entry *entry_take(cache_entry *e) {
   return e;
 }
 
+static uint64_t hash_mix(uint64_t h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h;
+}
+
+/* key's bucket: of every field entry_matches compares. */
+static int key_bucket(const cache_entry *key) {
+  uint32_t alpha, beta;
+  memcpy(&alpha, &key->alpha, sizeof alpha);
+  memcpy(&beta, &key->beta, sizeof beta);
+  const uint64_t v[] = {(uint64_t)key->batch, (uint64_t)key->m, (uint64_t)key->n,
+                        (uint64_t)key->k, (uint64_t)key->lda,
+                        (uint64_t)(key->ta | key->tb << 1 | key->b_shared << 2 |
+                                   key->has_bias << 3 | key->pack_b << 4),
+                        (uint64_t)alpha << 32 | beta};
+  uint64_t h = 0;
+  for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = hash_mix(h, v[i]);
+  return (int)(h % CACHE_BUCKETS);
+}
+
 /* key's cached entry, taken (entry_take), or NULL. Under cache_lock. */
 static cache_entry *cache_take(const cache_entry *key) {
-  for (int i = 0; i < CACHE_SLOTS; i++)
-    if (entry_matches(&cache[i], key)) return entry_take(&cache[i]);
+  for (int i = bucket_head[key_bucket(key)]; i; i = slot_next[i - 1])
+    if (entry_matches(&cache[i - 1], key)) return entry_take(&cache[i - 1]);
   return NULL;
+}
+
+/* Slot e out of its bucket's chain (e used), or into it. Under cache_lock. */
+static void chain_unlink(const cache_entry *e) {
+  const int slot = (int)(e - cache);
+  int *link = &bucket_head[key_bucket(e)];
+  while (*link && *link != slot + 1) link = &slot_next[*link - 1];
+  if (*link) *link = slot_next[slot];
+  slot_next[slot] = 0;
+}
+
+static void chain_link(const cache_entry *e) {
+  const int slot = (int)(e - cache), b = key_bucket(e);
+  slot_next[slot] = bucket_head[b];
+  bucket_head[b] = slot + 1;
 }
 
 /* An unused slot, else the least recently used entry not running; NULL if
@@ -443,8 +485,10 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
           st = lz_fail(LZ_ERR_INTERNAL, "matmul: all %d cached bf16 primitives are running at "
                        "once; run fewer GEMMs in parallel", CACHE_SLOTS);
         else {
+          if (victim->used) chain_unlink(victim);
           entry_release(victim);
           *victim = built, keep = 1;
+          chain_link(victim);
           hit = entry_take(victim);
         }
       }
