@@ -78,7 +78,7 @@ function moe.mlp(cfg, i, names)
   if not moe.sparse(cfg, i) then return nn.SwiGLUMLP.new(cfg.n_embd, cfg.n_hidden, cfg.std) end
   return nn.MoE.new(cfg.n_embd, {
     n_experts = cfg.n_experts, top_k = cfg.top_k, n_hidden = cfg.n_expert_hidden, std = cfg.std,
-    norm_topk_prob = cfg.norm_topk_prob, expert_names = names, jitter = cfg.jitter, seed = i,
+    norm_topk_prob = cfg.norm_topk_prob, expert_names = names, jitter = cfg.jitter, layer = i,
     shared = cfg.n_shared_hidden > 0 and { n_hidden = cfg.n_shared_hidden } or nil,
     gather = cfg.moe_gather,
   })

@@ -54,4 +54,12 @@ function Rng:fill_normal(ptr, n, std)
   end
 end
 
-return { new = new }
+-- A seed keyed by (seed, n), for a family of generators one run's seed
+-- keys (one per layer): a whole splitmix64 output, so neighbouring n and
+-- neighbouring seeds start far apart (rng.new(seed + 1, s) draws
+-- rng.new(seed, s)'s numbers shifted by one).
+local function keyed(seed, n)
+  return new(seed, n):u64()
+end
+
+return { new = new, keyed = keyed }

@@ -2,8 +2,8 @@
 -- families (models/mixtral.lua, qwen2_moe.lua, qwen3_moe.lua, olmoe.lua): the named
 -- shapes' parameter counts (transformers' own), the checkpoint's names,
 -- which layers are sparse, config.json's routing fields and refusals, an
--- expert no token reached gets exactly zero gradient, the jitter is seeded
--- and a checkpoint keeps its generators (a resumed run ends on the straight
+-- expert no token reached gets exactly zero gradient, the jitter is keyed
+-- by the run's seed and each block's layer and a checkpoint keeps its generators (a resumed run ends on the straight
 -- run's bits),
 -- the load-balancing loss joins the loss only where output_router_logits
 -- says; and no hang by construction: under the launcher at world 1-4 with
@@ -155,13 +155,36 @@ function T.the_aux_loss_joins_only_with_output_router_logits()
   m1:free(); m2:free()
 end
 
-function T.router_jitter_is_seeded_and_off_in_evaluation()
-  local a, m1 = one_batch("mixtral-tiny", { jitter = 0.2 })
-  local b, m2 = one_batch("mixtral-tiny", { jitter = 0.2 })
-  local c, m3 = one_batch("mixtral-tiny", { jitter = 0 })
+-- The jitter's generator is keyed by the run's seed (ctx.seed, which the
+-- engine sets) and the block's layer: the same seed draws the same noise,
+-- another seed other noise, jitter 0 draws none, and the second block's
+-- noise is not the first's shifted by one draw (as rng.new(layer, 11)
+-- would give).
+function T.router_jitter_is_keyed_by_the_runs_seed_and_layer()
+  local function seeded(seed) return function(m) m.ctx.seed = seed end end
+  local a, m1 = one_batch("mixtral-tiny", { jitter = 0.2 }, 1, seeded(5))
+  local b, m2 = one_batch("mixtral-tiny", { jitter = 0.2 }, 1, seeded(5))
+  local c, m3 = one_batch("mixtral-tiny", { jitter = 0.2 }, 1, seeded(6))
+  local d, m4 = one_batch("mixtral-tiny", { jitter = 0 }, 1, seeded(5))
+  local e, m5 = one_batch("mixtral-tiny", { jitter = 0 }, 1, seeded(6))
   eq(a, b, "the same seed, the same jitter")
-  assert(a ~= c, "jitter 0.2 left the loss as it was")
-  m1:free(); m2:free(); m3:free()
+  assert(a ~= c, ("seeds 5 and 6 drew the same jitter (loss %.17g)"):format(a))
+  assert(a ~= d, "jitter 0.2 left the loss as it was")
+  eq(d, e, "jitter 0: the loss under seeds 5 and 6")
+  local first, second = m1.routers[1].noise, m1.routers[2].noise
+  assert(first[0] ~= second[0] and first[1] ~= second[0],
+         "the second block's jitter repeats the first block's")
+  m1:free(); m2:free(); m3:free(); m4:free(); m5:free()
+end
+
+-- zero.initialize hands the run's seed to the model's generators.
+function T.the_engine_keys_the_models_generators_by_its_seed()
+  local zero = require("luazero.zero")
+  local model = models.new(models.config("mixtral-tiny", { jitter = 0.2 }))
+  local engine = zero.initialize({ model = model, seed = 9, batch = { 2, 16 },
+                                   config = { train_micro_batch_size_per_gpu = 2 } })
+  eq(model.ctx.seed, 9, "the model's ctx.seed")
+  engine:free()
 end
 
 local corpus = write_file("corpus.txt", support.YORK:rep(60))

@@ -10,7 +10,9 @@
 --
 --   MoE.new(n_embd, { n_experts =, top_k =, n_hidden =, std =, norm_topk_prob =,
 --                     expert_names = { "w1", "w3", "w2" }, shared = { n_hidden = } or nil,
---                     jitter = 0, seed = 0, gather = "block" })
+--                     jitter = 0, layer = 1, gather = "block" })
+-- layer: the block's layer index; with the run's seed (ctx.seed, which the
+-- engine sets) it keys the jitter's generator.
 -- gather: how ZeRO-3 gathers the experts, "block" (one unit) or "expert"
 -- (one at a time, every one each pass; nn/moe_experts.lua).
 --
@@ -50,7 +52,7 @@ function MoE.new(n_embd, opts)
   end
   self.n_embd, self.n_experts, self.top_k = n_embd, E, k
   self.norm_topk_prob = opts.norm_topk_prob == true
-  self.jitter, self.seed = opts.jitter or 0, opts.seed or 0
+  self.jitter, self.layer = opts.jitter or 0, opts.layer or 1
   self.is_router_block = true
   self:add("gate", Linear.new(n_embd, E, { bias = false, std = opts.std }))
   self:add("experts", Experts.new(n_embd, opts.n_hidden, E, opts.std,
@@ -107,9 +109,12 @@ function MoE:rows(c)
   return c
 end
 
--- The jitter's generator (one per block, seeded by its layer).
+-- The jitter's generator: one per block, keyed by the run's seed and the
+-- block's layer, so runs of different seeds draw different noise and a
+-- run's blocks draw apart. Made at the first draw (or restore), after the
+-- engine has set ctx.seed; a model run without an engine draws from seed 0.
 function MoE:jitter_generator()
-  self.jitter_rng = self.jitter_rng or rng.new(self.seed, 11)
+  self.jitter_rng = self.jitter_rng or rng.new(rng.keyed(self.ctx.seed or 0, self.layer), 11)
   return self.jitter_rng
 end
 

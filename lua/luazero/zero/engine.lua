@@ -107,6 +107,9 @@ function M.initialize(opts, above)
   if not ok then error("initialize: " .. tostring(P):gsub("^plan: ", ""), 0) end
   if device ~= "cpu" then lz.device_init(device) end
   model.ctx.device = device
+  -- the run's seed keys the generators the model draws from in training
+  -- (nn/moe.lua's router jitter)
+  model.ctx.seed = opts.seed or 0
   -- The learning rate without a schedule: the optimizer's own (the
   -- config's optimizer.params.lr, else its type's default).
   s.lr = optimizer.lr
