@@ -1,7 +1,8 @@
 -- test_checkpoint.lua — checkpoints end to end through scripts/train.lua
 -- under the launcher: exact resume at stages 0-3, resharding (world 4 stage
 -- 3 to world 2 stage 1 and world 1 stage 0), an interrupted save, refusals
--- (damaged shard, other model, garbled manifest), pruning, the reading API
+-- (damaged shard, other model, garbled manifest, a stage-0 shard missing or
+-- one too many for the writers recorded), pruning, the reading API
 -- and consolidate; in process: the working copy is round(master) bitwise.
 local ffi = require("ffi")
 local bit = require("bit")
@@ -10,7 +11,7 @@ local support = dofile(lz.root .. "/tests/lua/support.lua")
 local checkpoint = require("luazero.checkpoint")
 
 local T = {}
-local root, q = lz.root, support.quote
+local root, q, eq = lz.root, support.quote, support.eq
 local write_file, tmp, corpus = support.scratch_corpus(support.HAMLET, 40)
 local MODEL = support.GPT2_2L .. " --micro-batch 2 --data " .. q(corpus)
 
@@ -253,6 +254,53 @@ function T.manifest_fields_are_checked_by_name()
   refused(function(m) m.lr_schedule.lr = nil end, "lr_schedule.lr: expected a finite number")
   refused(function(m) m.lr_schedule.base_lr = -1 end, "lr_schedule.base_lr: expected a finite")
   assert(manifest.decode(manifest.encode(manifest.json.decode(text)), "x").dtype == "fp32")
+end
+
+-- The manifest records how many ranks wrote shards (writers) and the
+-- loader holds the shards to it: at stage 0 one rank writes (or every rank,
+-- where the experts lived in their groups), so a shard missing from the
+-- list or one too many is refused by file name; a manifest from before the
+-- field keeps the rule its shard count implies.
+function T.stage_0_shards_are_held_to_the_writers_recorded()
+  local manifest = require("luazero.checkpoint.manifest")
+  local function saved(stage)
+    local dir = ("%s/writers-%d"):format(tmp, stage)
+    ok_train(2, ("--steps 1 --stage %d --save %s"):format(stage, q(dir)))
+    return assert(lz.read_file(dir .. "/step-000001/manifest.json"))
+  end
+  local replicated, sharded = saved(0), saved(1)
+  local function check(text, edit)
+    local m = manifest.json.decode(text)
+    edit(m)
+    return pcall(manifest.decode, manifest.encode(m), "x/manifest.json")
+  end
+  local function refused(text, edit, needle)
+    local ok, err = check(text, edit)
+    assert(not ok and err:find("checkpoint: x/manifest.json: " .. needle, 1, true),
+           tostring(err) .. " does not name " .. needle)
+  end
+  local m0, m1 = manifest.json.decode(replicated), manifest.json.decode(sharded)
+  eq(m0.writers, 1, "stage 0, world 2: writers")
+  eq(#m0.shards, 1, "stage 0, world 2: shards")
+  eq(m1.writers, 2, "stage 1, world 2: writers")
+  -- stage 0 written by both ranks (as with the experts in their groups),
+  -- the second shard dropped from the list
+  refused(sharded, function(m) m.stage, m.shards[2] = 0, nil end,
+          "shards: shard-00001-of-00002.zst is missing: 1 listed, expected 2 for writers 2 " ..
+          "(world size 2, stage 0)")
+  -- stage 0 written by one rank, a second shard listed
+  refused(replicated, function(m)
+    m.shards[2] = manifest.json.decode(manifest.json.encode(m.shards[1]))
+    m.shards[2].file = "shard-00001-of-00002.zst"
+  end, 'shards[2]: "shard-00001-of-00002.zst" is one too many: 2 listed, expected 1 for ' ..
+       "writers 1 (world size 2, stage 0)")
+  refused(sharded, function(m) m.writers = 1 end,
+          "writers: 1 at stage 1, world size 2 (expected 2)")
+  refused(replicated, function(m) m.writers = 3 end, "writers: expected a whole number in 1..2")
+  -- a manifest from before writers: the rule the shard count implies
+  assert(check(replicated, function(m) m.writers = nil end), "stage 0 without writers, 1 shard")
+  assert(check(sharded, function(m) m.stage, m.writers = 0, nil end),
+         "stage 0 without writers, a shard a rank")
 end
 
 return T

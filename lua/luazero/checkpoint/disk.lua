@@ -39,7 +39,7 @@ local exists = M.exists
 local read_file = lz.read_file
 
 function M.step_name(step) return ("step-%06d"):format(step) end
-function M.shard_name(i, n) return ("shard-%05d-of-%05d.zst"):format(i, n) end
+M.shard_name = manifest_io.shard_name
 
 function M.hex(u64) return bit.tohex(u64, 16) end
 

@@ -144,6 +144,26 @@ local function check_model(path, m, params)
   end
 end
 
+-- Shard i's file name in a checkpoint of n shards (0-based i).
+function M.shard_name(i, n) return ("shard-%05d-of-%05d.zst"):format(i, n) end
+
+-- How many ranks wrote shards: the manifest's writers, which a save
+-- records (stages 1-3: every rank; stage 0: one, or every rank where the
+-- experts lived in their groups, each saving its slices). A manifest from
+-- before that field has the count its shards imply: world at stage 0 when
+-- it lists one a rank, else one.
+local function writers_of(path, m, world, listed)
+  if m.writers == nil then
+    return m.stage == 0 and listed ~= world and 1 or world
+  end
+  local writers = int(path, m, "writers", "writers", 1, world)
+  if writers ~= world and (m.stage ~= 0 or writers ~= 1) then
+    fail(path, "writers", ("%d at stage %d, world size %d (expected %s)"):format(writers, m.stage,
+         world, m.stage == 0 and world > 1 and ("1 or " .. world) or tostring(world)))
+  end
+  return writers
+end
+
 -- Checks a decoded manifest; returns it. Errors name path and field.
 function M.validate(m, path)
   if type(m) ~= "table" then fail(path, "(top level)", "expected a JSON object") end
@@ -219,12 +239,16 @@ function M.validate(m, path)
   check_model(path, m, params)
   -- Shards: their runs must cover canonical [0, numel) exactly once.
   local shards = tbl(path, m, "shards", "shards")
-  -- (stage 0: one writer, or one per rank where the experts lived in their
-  -- groups, each rank saving its slices)
-  local writers = m.stage == 0 and #shards == world and world or m.stage == 0 and 1 or world
-  if #shards ~= writers then
-    fail(path, "shards", ("%d shards for world size %d at stage %d (expected %d)")
-         :format(#shards, world, m.stage, writers))
+  local writers = writers_of(path, m, world, #shards)
+  local where = ("writers %d (world size %d, stage %d)"):format(writers, world, m.stage)
+  if #shards < writers then
+    fail(path, "shards", ("%s is missing: %d listed, expected %d for %s")
+         :format(M.shard_name(#shards, writers), #shards, writers, where))
+  elseif #shards > writers then
+    local extra = shards[writers + 1]
+    fail(path, ("shards[%d]"):format(writers + 1), ("%q is one too many: %d listed, expected %d " ..
+         "for %s"):format(tostring(type(extra) == "table" and extra.file):sub(1, 60), #shards,
+                          writers, where))
   end
   local all = {}
   for i = 1, #shards do
@@ -235,7 +259,7 @@ function M.validate(m, path)
       fail(path, f .. ".file", ("%q is not a shard file name (shard-NNNNN-of-NNNNN.zst)")
            :format(file:sub(1, 60)))
     end
-    local want = ("shard-%05d-of-%05d.zst"):format(i - 1, writers)
+    local want = M.shard_name(i - 1, writers)
     if file ~= want then fail(path, f .. ".file", ("%q, expected %q"):format(file, want)) end
     int(path, s, "rank", f .. ".rank", i - 1, i - 1)
     local elems = int(path, s, "elems", f .. ".elems")

@@ -239,6 +239,13 @@ local function prune(dir, keep, protected)
   end
 end
 
+-- How many ranks write shards (the manifest's writers): one where the
+-- optimizer is replicated (stage 0), every rank where it is sharded, or
+-- where the experts lived in their groups and each rank saves its slices.
+local function writers_of(parts)
+  return parts.shard.replicated and 1 or parts.world
+end
+
 -- The start of a save of engine's state as dir/step-NNNNNN (NNNNNN:
 -- engine.global_steps): rank 0 makes the temporary folder and every rank
 -- learns its name; the manifest is drawn now (the engine moves on during an
@@ -272,6 +279,7 @@ function M.begin(engine, dir, extra, opts)
       format = manifest_io.FORMAT, version = manifest_io.VERSION,
       model = { config = model_config(model), name = (model.cfg or {}).name },
       world_size = parts.world, stage = parts.stage, dtype = parts.dtype,
+      writers = writers_of(parts),
       master_dtype = "fp32", states = parts.shard.states, state_dtype = "f32",
       optimizer = parts.optimizer_record,
       block_elems = disk.BLOCK, zstd_level = o.zstd_level,
@@ -291,7 +299,7 @@ function M.begin(engine, dir, extra, opts)
   end
   return { dir = dir, name = name, step = step, final = dir .. "/" .. name,
            tmp = ("%s/.%s.tmp-%d"):format(dir, name, pid), pid = pid,
-           writers = parts.shard.replicated and 1 or parts.world, o = o, manifest = m,
+           writers = writers_of(parts), o = o, manifest = m,
            parts = parts }
 end
 
