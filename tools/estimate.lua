@@ -183,11 +183,7 @@ local function main(argv)
   end
   -- The optimizer whose states are counted: the config's, the flags on top.
   if flags.optimizer or not flags.config then
-    local o = checked(optim.new, { type = flags.optimizer })
-    settings.states, settings.formats = o.states, o.state_formats
-    settings.optimizer, settings.master_format = o.name, o.master_format
-    settings.whole_matrices = o.matrix and o.name or nil
-    settings.small_below = o.block_min_numel
+    estimate.optimizer_settings(checked(optim.new, { type = flags.optimizer }), settings)
   end
   if flags.master then settings.master_format = flags.master ~= "f32" and flags.master or nil end
   if settings.master_format == "bf16" and dtype ~= "bf16" then

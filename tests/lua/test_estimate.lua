@@ -705,6 +705,67 @@ function T.engine_estimate_is_the_tools_figures_for_the_live_engine()
   engine:free()
 end
 
+-- Muon's step makes and frees workspace: at stage 0 each matrix's
+-- Newton-Schulz scratch in turn (fp32: gram and poly k x k and the next X,
+-- A x B; bf16: X in bf16, gram in f32 and bf16, poly in bf16); sharded, each
+-- batch of gathered f32 segments (allgather_bucket_size elements) with the
+-- scratch of the largest matrix the rank owns in it. The estimate's
+-- "optimizer scratch" is the ledger's workspace peak in the step beyond what
+-- it held, to the byte; AdamW has none.
+function T.muon_newton_schulz_scratch_is_the_ledgers_workspace_peak()
+  local zero = require("luazero.zero")
+  local _, x, y = support.engine_batch()
+  local function peak_and_estimate(stage, optimizer, bucket)
+    local mc = gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+    local cfg = { train_micro_batch_size_per_gpu = 2, bf16 = { enabled = true },
+                  zero_optimization = { stage = stage, allgather_bucket_size = bucket },
+                  optimizer = optimizer }
+    local engine = zero.initialize({ model = gpt2.new(mc), config = cfg, seed = 1,
+                                     batch = { 2, 8 }, comm = require("luazero.comm").init("local") })
+    engine:backward(engine:forward(x, y))
+    local held = lz.mem().workspace
+    lz.mem_reset_peak()
+    engine:step()
+    local peak = lz.mem_peak().workspace - held
+    local r = estimate.rank(estimate.counts(gpt2.new(mc), 1), estimate.settings_of(cfg, "cpu"))
+    eq(engine:estimate().host["optimizer scratch"] or 0, r.host["optimizer scratch"] or 0,
+       "engine:estimate()")
+    engine:free()
+    return peak, r.host["optimizer scratch"] or 0
+  end
+  local muon = { type = "Muon", params = { lr = 0.01 } }
+  local bf16 = { type = "Muon", params = { lr = 0.01, ns_dtype = "bfloat16" } }
+  -- the largest matrix is the MLP's 128 x 32: k 32
+  local fp32_ns, bf16_ns = (2 * 32 * 32 + 128 * 32) * 4, 128 * 32 * 2 + 32 * 32 * (4 + 2 + 2)
+  -- the four segments holding matrices (weights and biases): 3168, 1056,
+  -- 4224, 4128 elements; a bucket of 4224 gathers them in three batches,
+  -- the MLP's 4224 beside its 128 x 32 the largest
+  local all = (3168 + 1056 + 4224 + 4128) * 4
+  for _, c in ipairs({ { 0, muon, nil, fp32_ns }, { 3, muon, nil, all + fp32_ns },
+                       { 0, bf16, nil, bf16_ns }, { 3, bf16, nil, all + bf16_ns },
+                       { 3, muon, 4224, 4224 * 4 + fp32_ns },
+                       { 3, { type = "AdamW", params = { lr = 1e-3 } }, nil, 0 } }) do
+    local what = ("stage %d %s%s%s"):format(c[1], c[2].type, c[2].params.ns_dtype and
+                                            (" " .. c[2].params.ns_dtype) or "",
+                                            c[3] and (" allgather_bucket_size " .. c[3]) or "")
+    local peak, est = peak_and_estimate(c[1], c[2], c[3])
+    eq(peak, c[4], what .. ": the ledger's workspace peak in the step")
+    eq(est, c[4], what .. ": the estimate's optimizer scratch")
+  end
+  -- (the scratch is no model state: kept leaves it out)
+  local r = estimate.rank(estimate.counts(named("gpt2-nano"), 1),
+                          estimate.settings_of({ optimizer = muon }, "cpu"))
+  assert(r.host["optimizer scratch"] > 0, "gpt2-nano under Muon: no optimizer scratch")
+  eq(estimate.kept(r, "host"), r.host.total - (r.host.comm or 0) - r.host["optimizer scratch"],
+     "kept")
+  -- tools/estimate --optimizer Muon prints it (gpt2-nano's largest matrix
+  -- 512 x 128 at stage 0: (2 x 128^2 + 512 x 128) x 4 bytes)
+  eq(r.host["optimizer scratch"], (2 * 128 * 128 + 512 * 128) * 4, "gpt2-nano at stage 0")
+  local out, status = run_tool("--model gpt2-nano --optimizer Muon --device cpu")
+  assert(status == 0 and out:find("\n  0 none +[^\n]*%+ optimizer scratch 384%.0 KiB\n") and
+         out:find("\n  1 none +[^\n]*optimizer scratch"), out)
+end
+
 function T.tools_estimate_has_nvme_rows_lora_and_json()
   local out, status = run_tool("--model llama-tiny --lora-r 4 --world 2 --budget 1GiB --json 1")
   assert(status == 0, out)

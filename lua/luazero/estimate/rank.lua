@@ -13,6 +13,7 @@ local store = require("luazero.zero.store")
 local formats = require("luazero.optim.formats")
 local Matrices = require("luazero.zero.matrices")
 local States = require("luazero.zero.states")
+local moe_config = require("luazero.config.moe")
 
 local M = {}
 
@@ -41,8 +42,9 @@ local function round_up(n, m) return math.ceil(n / m) * m end
 -- slice, shard_offset, numel, users: the modules that gather it, persistent}),
 -- largest (padded elements of the largest module); frozen ({numel, full,
 -- shard, largest}: the frozen parameters, laid out as the trainable ones);
--- L (the layout). block: an optimizer's block-scaled states' block
--- (formats.block_of), which the trainable layout aligns each tensor to.
+-- L (the layout); hidden (the hidden layers' modules, zero/matrices.lua's).
+-- block: an optimizer's block-scaled states' block (formats.block_of),
+-- which the trainable layout aligns each tensor to.
 -- ep_size (moe.ep_size; 1): the trainable layout cut where the experts'
 -- owner changes, as the engine cuts it (zero/experts.lua's world_layout),
 -- and beside it edp: the same counts for the layout that keeps only one
@@ -111,6 +113,9 @@ function M.counts(model, world, threshold, block, ep_size)
     return c
   end
   local c = trained(L)
+  -- (the hidden layers' modules: which weights an optimizer of whole
+  -- matrices updates so, zero/matrices.lua)
+  c.hidden = Matrices.hidden_modules(model)
   if place then
     local edp = layout.new(trainable, world, nil, block, { rank = 0, ep_size = ep_size,
                                                            owner = place.owner })
@@ -129,7 +134,7 @@ function M.counts(model, world, threshold, block, ep_size)
       if seg.persistent then c.frozen.persistent = c.frozen.persistent + seg.padded end
     end
   end
-  if c.edp then c.edp.frozen = c.frozen end
+  if c.edp then c.edp.frozen, c.edp.hidden = c.frozen, c.hidden end
   return c
 end
 
@@ -151,28 +156,40 @@ function M.settings_of(cfg, device)
   return M.settings_from(require("luazero.zero.engine").settings(cfg), device)
 end
 
+-- What the estimate reads of an optimizer (optim.new's), into t (returned):
+-- its name, states and their formats, master format, whether it updates
+-- whole matrices (whole_matrices: its name; matrix_optimizer: the optimizer,
+-- whose orthogonalize_scratch the estimate counts) and the size below
+-- which a block-scaled optimizer keeps f32 states (small_below).
+function M.optimizer_settings(o, t)
+  t = t or {}
+  t.optimizer, t.master_format = o.name, o.master_format
+  t.states, t.formats = o.states, o.state_formats
+  t.whole_matrices, t.matrix_optimizer = o.matrix and o.name or nil, o.matrix and o or nil
+  t.small_below = o.block_min_numel
+  return t
+end
+
 -- The same from the engine's settings (zero/engine.lua's settings(cfg));
 -- states: the optimizer's per-element states, formats their formats
--- (default: its config's). The optimizer's master format and whether it
--- updates whole matrices come from its config.
+-- (default: its config's); the rest of the optimizer's from its config
+-- (M.optimizer_settings).
 function M.settings_from(s, device, states, formats)
   local opt = s.offload_opt or {}
   local par = s.offload_param or {}
-  local o = require("luazero.optim").new(s.optimizer)
-  states, formats = states or o.states, formats or o.state_formats
-  return {
-    optimizer = o.name, master_format = o.master_format, whole_matrices = o.matrix and o.name or nil,
-    small_below = o.block_min_numel,
+  local t = M.optimizer_settings(require("luazero.optim").new(s.optimizer), {
     stage = s.stage, dtype = s.dtype, grads = s.grad_dtype ~= "fp32" and "working" or "fp32",
     device = device, offload = E.placement_name(opt.device or "none", par.device or "none"),
     opt = opt.device or "none", param = par.device or "none",
     sub_group_size = s.sub_group, opt_buffer_count = opt.buffer_count,
     param_buffer_count = par.buffer_count, param_buffer_size = par.buffer_size,
-    states = states, formats = formats, accum = s.accum, overlap = s.overlap,
+    accum = s.accum, overlap = s.overlap,
     prefetch = s.prefetch,
-    reduce_bucket = s.reduce_bucket,
+    reduce_bucket = s.reduce_bucket, allgather_bucket = s.allgather_bucket,
     ep_size = s.ep_size, routed_only = s.routed_only, expert_placement = s.expert_placement,
-  }
+  })
+  t.states, t.formats = states or t.states, formats or t.formats
+  return t
 end
 
 local config_defaults = nil
@@ -361,6 +378,21 @@ function M.rank(counts, opts)
         add(mem[kind.resident and kind.memory or "host"], "optimizer", small * esize.f32)
       end
     end
+  end
+
+  -- An optimizer of whole matrices (zero/matrices.lua): each step gathers
+  -- them (sharded) and orthogonalises those this rank owns, in workspace
+  -- beside its states, made and freed in the step: this rank's (rank 0,
+  -- which owns the largest matrix) peak, apart from what the engine keeps.
+  if opts.matrix_optimizer and counts.L then
+    local ep_ranks = P.ep_size > 1 and select(2, moe_config.groups(P.ep_size, counts.world, 0))
+    local placed = Matrices.placement(counts.L, counts.hidden, opts.matrix_optimizer,
+                                      counts.world, function(seg)
+      return seg.group == "edp" and ep_ranks or nil
+    end)
+    add(mem[P:store("optimizer").memory or "host"], "optimizer scratch",
+        Matrices.scratch_bytes(placed, opts.matrix_optimizer, 0, P.optimizer.extent == "full",
+                               opts.allgather_bucket or D.z.allgather_bucket_size))
   end
 
   -- Frozen parameters (LoRA's base): where the plan puts them, else (an
@@ -592,10 +624,11 @@ end
 
 -- The model states only (what the ledger's params, grads, optimizer and
 -- offload categories hold, staging included), the host total less the
--- working set: what the engine keeps whatever its batch.
+-- working set and the optimizer's scratch: what the engine keeps whatever
+-- its batch.
 function M.kept(r, tier)
   local t = r[tier]
-  return t.total - (t.comm or 0)
+  return t.total - (t.comm or 0) - (t["optimizer scratch"] or 0)
 end
 
 ------------------------------------------------------------------ formatting
@@ -603,7 +636,7 @@ end
 -- The order a tier's parts print in.
 local part_order = { "params", "grads", "optimizer", "frozen", "optimizer staging",
                      "gradient staging", "norm scratch", "parameter staging", "update staging", "gradient copies",
-                     "comm", "gradients" }
+                     "optimizer scratch", "comm", "gradients" }
 
 local function parts_line(t)
   local out = {}

@@ -38,18 +38,38 @@ local ADJUST = {
 -- Newton-Schulz coefficients (torch's DEFAULT_A, _B, _C).
 local NS_A, NS_B, NS_C = 3.4445, -4.7750, 2.0315
 
+-- The scratch each Newton-Schulz makes for an A x B matrix (k: the
+-- smaller side), as { shape, dtype } in the order it makes them: one
+-- declaration that the iteration allocates from and the estimator counts
+-- (orthogonalize_scratch below).
+local SCRATCH = {
+  float32 = function(A, B, k) -- gram, poly, the next X
+    return { { { k, k }, "f32" }, { { k, k }, "f32" }, { { A, B }, "f32" } }
+  end,
+  bfloat16 = function(A, B, k) -- X in bf16, gram (f32), gram and poly in bf16
+    return { { { A, B }, "bf16" }, { { k, k }, "f32" }, { { k, k }, "bf16" }, { { k, k }, "bf16" } }
+  end,
+}
+
+local ELEMENT_BYTES = { f32 = 4, bf16 = 2 }
+
+-- The scratch tensors of ns_dtype's Newton-Schulz for an A x B matrix on dev.
+local function scratch(ns_dtype, A, B, dev)
+  local out = {}
+  for i, t in ipairs(SCRATCH[ns_dtype](A, B, math.min(A, B))) do
+    out[i] = lz.tensor(t[1], t[2], "workspace", dev)
+  end
+  return unpack(out)
+end
+
 -- X <- NS(X) in place, X an f32 A x B matrix. torch works on the wide
 -- orientation (rows <= cols): for a tall X it runs on X^T, which here is
 -- the same products with the GEMM's transpose flags, never a copy.
 local function newton_schulz(X, A, B, steps, eps)
   local tall = A > B
-  local k = tall and B or A
   local norm = math.sqrt(X:sq_norm())
   ops.scale(X, 1 / math.max(norm, eps))
-  local dev = X:device_name()
-  local gram = lz.tensor({ k, k }, "f32", "workspace", dev)
-  local poly = lz.tensor({ k, k }, "f32", "workspace", dev)
-  local nxt = lz.tensor({ A, B }, "f32", "workspace", dev)
+  local gram, poly, nxt = scratch("float32", A, B, X:device_name())
   local cur, out = X, nxt
   for _ = 1, steps do
     -- gram = Y Y^T, with Y = X (wide) or X^T (tall)
@@ -85,12 +105,7 @@ end
 -- rounding to bf16 hides but for values within that bit of a tie.
 local function newton_schulz_bf16(X, A, B, steps, eps)
   local tall = A > B
-  local k = tall and B or A
-  local dev = X:device_name()
-  local x = lz.tensor({ A, B }, "bf16", "workspace", dev)
-  local gram = lz.tensor({ k, k }, "f32", "workspace", dev)
-  local gram_h = lz.tensor({ k, k }, "bf16", "workspace", dev)
-  local poly_h = lz.tensor({ k, k }, "bf16", "workspace", dev)
+  local x, gram, gram_h, poly_h = scratch("bfloat16", A, B, X:device_name())
   x:copy(X)
   local norm = round_bf16(math.max(round_bf16(math.sqrt(x:sq_norm())), eps))
   X:copy(x)
@@ -178,6 +193,15 @@ return {
   -- The whole matrix u (an f32 A x B view of the gathered U) becomes O.
   orthogonalize = function(self, u, A, B)
     NEWTON_SCHULZ[self.ns_dtype](u, A, B, self.ns_steps, self.eps)
+  end,
+
+  -- The workspace bytes orthogonalize makes and frees for an A x B matrix.
+  orthogonalize_scratch = function(self, A, B)
+    local bytes = 0
+    for _, t in ipairs(SCRATCH[self.ns_dtype](A, B, math.min(A, B))) do
+      bytes = bytes + t[1][1] * t[1][2] * ELEMENT_BYTES[t[2]]
+    end
+    return bytes
   end,
 
   -- call: p, g, s = { m, v }, w, decay, matrix ({ A, B } for a Muon piece,

@@ -45,7 +45,10 @@
 --                 pieces, orthogonalize(self, u, A, B) over each whole
 --                 matrix on the rank that owns it, then step (zero/matrices.lua);
 --                 matrix_state: the index of the state that carries a
---                 matrix's update from prepare to step
+--                 matrix's update from prepare to step; optional
+--                 orthogonalize_scratch(self, A, B): the workspace bytes
+--                 orthogonalize makes and frees for an A x B matrix (what
+--                 the estimator counts)
 --
 --   local optimizers = require("luazero.optim.registry")
 --   local class, spelling = optimizers.find("adamw")   -- AdamW, "AdamW"
@@ -145,6 +148,7 @@ function M.define(spec, origin)
     read_config = spec.read_config, accepted = spec.accepted, quiet = spec.quiet,
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
+    orthogonalize_scratch = spec.orthogonalize_scratch,
     keeps = spec.keeps, converts_to = spec.converts_to,
   }
   class.__index = class

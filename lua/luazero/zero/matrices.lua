@@ -30,7 +30,7 @@ Matrices.__index = Matrices
 
 -- The modules of the model's hidden layers (model.layers.blocks), or nil
 -- when the model names none (then every module counts as hidden).
-local function hidden_modules(model)
+function M.hidden_modules(model)
   local blocks = model.layers and model.layers.blocks
   if not blocks then return nil end
   local set = {}
@@ -54,22 +54,16 @@ function M.refusal(P, name)
   end
 end
 
--- The whole-matrix placement, or nil when the optimizer has no matrices.
-function M.new(parts)
-  local opt = parts.optimizer
-  if not opt.matrix then return nil end
-  local self = setmetatable({}, Matrices)
-  for _, k in ipairs({ "L", "P", "rank", "world", "comm", "ring" }) do self[k] = parts[k] end
-  self.comm_of = parts.comm_of or function() return nil end
-  -- Elements of U gathered at once on a sharded optimizer (the config's
-  -- allgather_bucket_size, as the engine's parameter gathers).
-  self.budget = parts.budget or math.huge
-  local why = parts.ring.swap and M.refusal(parts.P, opt.name)
-  if why then error("initialize: " .. why, 0) end
-  self.slot = opt.matrix_state
-  local hidden = hidden_modules(parts.model)
-  self.list, self.segs, self.by_entry = {}, {}, {}
-  for _, seg in ipairs(self.L.segments) do
+-- The matrices of layout L that optimizer opt updates whole, and their
+-- owners: { list (each { A, B, entry, seg, se, numel, index, owner, root }),
+-- segs ({ seg, held } for each segment that holds some), load (world rank
+-- -> elements it orthogonalises), by_entry }. hidden: M.hidden_modules's
+-- set (nil: every module counts as hidden). ranks_of(seg): the world ranks
+-- of the group a segment's collectives run over, by group rank, or nil for
+-- the world. Plain numbers: the estimator reads the same placement.
+function M.placement(L, hidden, opt, world, ranks_of)
+  local self = { list = {}, segs = {}, by_entry = {}, load = {} }
+  for _, seg in ipairs(L.segments) do
     local held = {}
     for _, se in ipairs(seg.entries) do
       local e = se.entry
@@ -98,8 +92,7 @@ function M.new(parts)
     end)
     return order
   end
-  self.load = {}
-  for r = 0, self.world - 1 do self.load[r] = 0 end
+  for r = 0, world - 1 do self.load[r] = 0 end
   local function assign(list, ranks)
     for _, m in ipairs(by_size(list)) do
       local best = 1
@@ -108,15 +101,79 @@ function M.new(parts)
       self.load[m.owner] = self.load[m.owner] + m.numel
     end
   end
-  -- (a matrix runs its collectives over its segment's group: the world, or
-  -- this rank's expert-data-parallel group, whose ranks() are by group rank)
   local everyones, grouped, world_ranks = {}, {}, {}
   for _, m in ipairs(self.list) do
-    table.insert(self.comm_of(m.seg) and grouped or everyones, m)
+    table.insert(ranks_of(m.seg) and grouped or everyones, m)
   end
-  for r = 0, self.world - 1 do world_ranks[#world_ranks + 1] = r end
+  for r = 0, world - 1 do world_ranks[#world_ranks + 1] = r end
   assign(everyones, world_ranks)
-  if #grouped > 0 then assign(grouped, self.comm_of(grouped[1].seg):ranks()) end
+  if #grouped > 0 then assign(grouped, ranks_of(grouped[1].seg)) end
+  return self
+end
+
+-- The segments a sharded optimizer gathers at once: from segs[i], up to
+-- `budget` gathered elements (one segment at least). Returns the last
+-- index of the batch and its elements.
+local function batch_end(segs, i, budget)
+  local j, n = i, segs[i].seg.padded
+  while j < #segs and n + segs[j + 1].seg.padded <= budget do
+    j = j + 1
+    n = n + segs[j].seg.padded
+  end
+  return j, n
+end
+
+-- The most workspace bytes orthogonalising takes at once on `rank`
+-- (placement: M.placement's): replicated, each matrix's own scratch in
+-- turn (opt:orthogonalize_scratch(A, B), the largest); sharded, each batch
+-- of gathered f32 segments together with the scratch of the largest
+-- matrix this rank owns in it. What the ledger's workspace peaks at in a
+-- step beyond what it held (the estimator's "optimizer scratch").
+function M.scratch_bytes(placement, opt, rank, replicated, budget)
+  local function scratch(m)
+    return opt.orthogonalize_scratch and opt:orthogonalize_scratch(m[1], m[2]) or 0
+  end
+  local peak = 0
+  if replicated then
+    for _, m in ipairs(placement.list) do peak = math.max(peak, scratch(m)) end
+    return peak
+  end
+  local segs, i = placement.segs, 1
+  while i <= #segs do
+    local j, n = batch_end(segs, i, budget or math.huge)
+    local own = 0
+    for k = i, j do
+      for _, m in ipairs(segs[k].held) do
+        if m.owner == rank then own = math.max(own, scratch(m)) end
+      end
+    end
+    peak = math.max(peak, n * 4 + own)
+    i = j + 1
+  end
+  return peak
+end
+
+-- The whole-matrix placement, or nil when the optimizer has no matrices.
+function M.new(parts)
+  local opt = parts.optimizer
+  if not opt.matrix then return nil end
+  local self = setmetatable({}, Matrices)
+  for _, k in ipairs({ "L", "P", "rank", "world", "comm", "ring" }) do self[k] = parts[k] end
+  self.comm_of = parts.comm_of or function() return nil end
+  -- Elements of U gathered at once on a sharded optimizer (the config's
+  -- allgather_bucket_size, as the engine's parameter gathers).
+  self.budget = parts.budget or math.huge
+  local why = parts.ring.swap and M.refusal(parts.P, opt.name)
+  if why then error("initialize: " .. why, 0) end
+  self.slot = opt.matrix_state
+  -- (a matrix runs its collectives over its segment's group: the world, or
+  -- this rank's expert-data-parallel group, whose ranks() are by group rank)
+  local placed = M.placement(self.L, M.hidden_modules(parts.model), opt, self.world, function(seg)
+    local group = self.comm_of(seg)
+    return group and group:ranks()
+  end)
+  self.list, self.segs, self.by_entry, self.load = placed.list, placed.segs, placed.by_entry,
+                                                   placed.load
   self.replicated = self.P.optimizer.extent == "full"
   self.matrix_of = function(e) return self.by_entry[e] end
   return self
@@ -157,11 +214,7 @@ function Matrices:orthogonalize(opt)
   -- the broadcasts, so the owners of a batch work at the same time.
   local segs, i = self.segs, 1
   while i <= #segs do
-    local j, n = i, segs[i].seg.padded
-    while j < #segs and n + segs[j + 1].seg.padded <= self.budget do
-      j = j + 1
-      n = n + segs[j].seg.padded
-    end
+    local j = batch_end(segs, i, self.budget)
     local full = {}
     for k = i, j do
       local seg = segs[k].seg
