@@ -721,7 +721,8 @@ function T.muon_newton_schulz_scratch_is_the_ledgers_workspace_peak()
                   zero_optimization = { stage = stage, allgather_bucket_size = bucket },
                   optimizer = optimizer }
     local engine = zero.initialize({ model = gpt2.new(mc), config = cfg, seed = 1,
-                                     batch = { 2, 8 }, comm = require("luazero.comm").init("local") })
+                                     batch = { 2, 8 },
+                                     comm = require("luazero.comm").init("local") })
     engine:backward(engine:forward(x, y))
     local held = lz.mem().workspace
     lz.mem_reset_peak()

@@ -3,8 +3,8 @@
 -- shapes' parameter counts (transformers' own), the checkpoint's names,
 -- which layers are sparse, config.json's routing fields and refusals, an
 -- expert no token reached gets exactly zero gradient, the jitter is keyed
--- by the run's seed and each block's layer and a checkpoint keeps its generators (a resumed run ends on the straight
--- run's bits),
+-- by the run's seed and each block's layer and a checkpoint keeps its
+-- generators (a resumed run ends on the straight run's bits),
 -- the load-balancing loss joins the loss only where output_router_logits
 -- says; and no hang by construction: under the launcher at world 1-4 with
 -- adversarial routing (tests/lua/moe_check.lua: each rank's tokens all to
