@@ -61,9 +61,8 @@ local function bind_params(seg, buf) layout.bind("p", seg, buf) end
 -- All-gathers seg's slices over its group (an expert's: the ranks that
 -- hold it), or the world.
 function Gatherer:all_gather(seg, send, recv, async)
-  local group = self.comm_of and self.comm_of(seg)
-  if group then return group:all_gather(send, recv, async) end
-  return self.comm.all_gather(send, recv, async)
+  local group_or_world = self.comm_of and self.comm_of(seg) or self.comm.world()
+  return group_or_world:all_gather(send, recv, async)
 end
 
 -- Parameters gathered per module: a segment's, into a pooled buffer.

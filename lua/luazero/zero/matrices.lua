@@ -220,8 +220,8 @@ function Matrices:orthogonalize(opt)
       local seg = segs[k].seg
       full[k] = lz.tensor({ seg.padded }, "f32", "workspace", dev)
       local mine = u:view(seg.shard_offset, { seg.slice })
-      local group = self.comm_of(seg)
-      if group then group:all_gather(mine, full[k]) else self.comm.all_gather(mine, full[k]) end
+      local group_or_world = self.comm_of(seg) or self.comm.world()
+      group_or_world:all_gather(mine, full[k])
       mine:free()
     end
     for k = i, j do
@@ -235,10 +235,10 @@ function Matrices:orthogonalize(opt)
     end
     for k = i, j do
       local seg = segs[k].seg
-      local group = self.comm_of(seg)
+      local group_or_world = self.comm_of(seg) or self.comm.world()
       for _, m in ipairs(segs[k].held) do
         local x = full[k]:view(m.se.seg_offset, { m.numel })
-        if group then group:broadcast(x, m.root) else self.comm.broadcast(x, m.root) end
+        group_or_world:broadcast(x, m.root)
         x:free()
       end
       local mine, got = u:view(seg.shard_offset, { seg.slice }),

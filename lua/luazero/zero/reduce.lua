@@ -100,10 +100,21 @@ function Reducer:stage_grads(segs, m)
   end
 end
 
+-- The communicator a segment's gradients are reduced over and the
+-- average's divisor: an expert's gradients come from its owners alone (the
+-- other ranks' are zeros), so its expert-data-parallel group sums them and
+-- divides by the world size before the one rounding, the world's average
+-- bit for bit (in every dtype; on a device, inside the collective); every
+-- other segment's, the world's own average.
+function Reducer:comm_for(seg)
+  local group = self.comm_of and self.comm_of(seg)
+  return group or self.comm.world(), group and self.comm.size()
+end
+
 -- A segment's gradients are complete for this micro-step: reduced as the
 -- plan says (P.reduce).
 function Reducer:grads_ready(seg)
-  local comm, async, R = self.comm, self.s.overlap, self.P.reduce
+  local async, R = self.s.overlap, self.P.reduce
   if R.buffered then
     -- Reduce the staging buffer: all-reduce of all of it (added into the
     -- full gradients), or reduce-scatter in place (this rank's slice, added
@@ -118,24 +129,17 @@ function Reducer:grads_ready(seg)
       seg.gbuf = h
     end
     local recv, dst, w
-    -- An expert's gradients come from its owners alone (the other ranks'
-    -- are zeros): its expert-data-parallel group's sum divided by the
-    -- world size before the one rounding, the world's average bit for bit
-    -- (in every dtype; on a device, inside the collective).
-    local group = self.comm_of and self.comm_of(seg)
-    local over = group and comm.size()
+    local group_or_world, over = self:comm_for(seg)
     if R.op == "all_reduce" then
       recv = seg.gbuf
       dst = self.rgrads:view(seg.full_offset, { seg.padded })
-      if group then w = group:all_reduce(seg.gbuf, "avg", async, over)
-      else w = comm.all_reduce(seg.gbuf, "avg", async) end
+      w = group_or_world:all_reduce(seg.gbuf, "avg", async, over)
     else
       recv = seg.gbuf:view(seg.mine.full_offset - seg.full_offset, { seg.slice })
       -- Into the gradient shard, or (none on the device) the optimizer's,
       -- or (on NVMe) the gradient file's staging.
       dst = self.rgrads and self.rgrads:view(at(R.into, seg.mine), { seg.slice })
-      if group then w = group:reduce_scatter(seg.gbuf, recv, "avg", async, over)
-      else w = comm.reduce_scatter(seg.gbuf, recv, "avg", async) end
+      w = group_or_world:reduce_scatter(seg.gbuf, recv, "avg", async, over)
     end
     local item = { seg = seg, recv = recv, dst = dst, elems = seg.padded }
     if async then
@@ -153,11 +157,8 @@ function Reducer:grads_ready(seg)
     -- In place, in the full gradient buffer: this rank's slice is reduced.
     local full = self.grads:view(seg.full_offset, { seg.padded })
     local recv = self.grads:view(seg.mine.full_offset, { seg.slice })
-    -- (an expert's over its group, averaged over the world, as above)
-    local group = self.comm_of and self.comm_of(seg)
-    local w
-    if group then w = group:reduce_scatter(full, recv, "avg", async, comm.size())
-    else w = comm.reduce_scatter(full, recv, "avg", async) end
+    local group_or_world, over = self:comm_for(seg)
+    local w = group_or_world:reduce_scatter(full, recv, "avg", async, over)
     if async then self.inflight[#self.inflight + 1] = { work = w } end
     return
   end
@@ -166,12 +167,13 @@ function Reducer:grads_ready(seg)
   -- bucket holds segments of one group (the world, or an expert's
   -- expert-data-parallel group: averaged over the world, as above).
   local b = self.bucket
-  local group = self.comm_of and self.comm_of(seg)
-  if b and seg.full_offset + seg.padded == b.lo and b.group == group then
+  local group_or_world, over = self:comm_for(seg)
+  if b and seg.full_offset + seg.padded == b.lo and b.comm == group_or_world then
     b.lo = seg.full_offset
   else
     self:flush_bucket()
-    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded, group = group }
+    b = { lo = seg.full_offset, hi = seg.full_offset + seg.padded, comm = group_or_world,
+          over = over }
     self.bucket = b
   end
   if b.hi - b.lo >= self.s.reduce_bucket then self:flush_bucket() end
@@ -182,8 +184,7 @@ function Reducer:flush_bucket()
   if not b then return end
   self.bucket = false
   local t, w = self.grads:view(b.lo, { b.hi - b.lo })
-  if b.group then w = b.group:all_reduce(t, "avg", self.s.overlap, self.comm.size())
-  else w = self.comm.all_reduce(t, "avg", self.s.overlap) end
+  w = b.comm:all_reduce(t, "avg", self.s.overlap, b.over)
   if self.s.overlap then self.inflight[#self.inflight + 1] = { work = w } end
 end
 

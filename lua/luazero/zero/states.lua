@@ -694,8 +694,8 @@ function States:placed_master_segments(fn)
         full:convert(host or view)
       else
         local wide, widened_copy = widened(host or view)
-        local group = self.comm_of(seg)
-        if group then group:all_gather(wide, full) else self.comm.all_gather(wide, full) end
+        local group_or_world = self.comm_of(seg) or self.comm.world()
+        group_or_world:all_gather(wide, full)
         if widened_copy then wide:free() end
       end
       if host then host:free() end
