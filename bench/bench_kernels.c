@@ -173,7 +173,7 @@ enum { OURS_F32, DNNL_F32, BLAS_F32, OURS_BF16, DNNL_BF16, N_IMPL };
 static const char *impl_name[N_IMPL] = {"ours f32", "dnnl f32", "blas f32", "ours bf16",
                                         "dnnl bf16"};
 enum { FWD, DX, DW };
-static const char *dir_name[3] = {"fwd", "bwd dx", "bwd dw"};
+static const char *dir_name[4] = {"fwd", "bwd dx", "bwd dw", "dw written"};
 
 typedef struct {
   const char *name;
@@ -547,6 +547,7 @@ static void moe_loop(moe_bufs *b, int dir) {
     CHECK_LZ(lz_tensor_view(&v[4], b->dx, off[e] * C, 2, (int64_t[]){n, C}));
     CHECK_LZ(lz_tensor_view(&v[5], b->dwe, e * D * C, 2, (int64_t[]){D, C}));
     if (dir == 0) CHECK_LZ(lz_linear_forward(v[2], v[0], v[1], NULL));
+    else if (dir == 3) CHECK_LZ(lz_linear_backward_write(NULL, v[5], NULL, v[3], v[0], v[1]));
     else CHECK_LZ(lz_linear_backward(dir == 1 ? v[4] : NULL, dir == 2 ? v[5] : NULL, NULL, v[3],
                                      v[0], v[1]));
     free_all(v, 6);
@@ -561,6 +562,9 @@ static void moe_run(moe_bufs *b, int grouped, int dir) {
   if (dir == 0) {
     CHECK_LZ(grouped ? lz_moe_gemm_forward(b->y, b->x, b->we, b->off)
                      : lz_linear_forward(b->y, b->x, b->w, NULL));
+  } else if (dir == 3) { /* a step's only (or first) micro-step writes dw */
+    CHECK_LZ(grouped ? lz_moe_gemm_part_backward_write(NULL, b->dwe, b->dy, b->x, b->we, b->off, 0)
+                     : lz_linear_backward_write(NULL, b->dw, NULL, b->dy, b->x, b->w));
   } else {
     lz_tensor *dx = dir == 1 ? b->dx : NULL;
     CHECK_LZ(grouped ? lz_moe_gemm_backward(dx, dir == 2 ? b->dwe : NULL, b->dy, b->x, b->we, b->off)
@@ -597,7 +601,7 @@ static void bench_moe_case(int64_t E, int64_t per, int64_t C, int64_t D, lz_dtyp
   int32_t *off = b.off->data;
   moe_split(off, E, per, vary, 0);
   const double flops = 2.0 * (double)R * (double)C * (double)D;
-  for (int dir = 0; dir < 3; dir++) {
+  for (int dir = 0; dir < 4; dir++) {
     moe_run(&b, 1, dir), moe_run(&b, 0, dir); /* warm-up: oneDNN's caches */
     double t0 = now_s();
     moe_run(&b, 0, dir);

@@ -17,8 +17,9 @@
 --      backward, clipping, AdamW), random tokens, for Llama and GPT-2, fp32
 --      and bf16, on one rank (stage 0) and on --ranks ranks (`luazero -n`,
 --      ZeRO --stage, --micro-batch sequences per rank, the launcher's threads:
---      --threads / ranks each). Each run is its own process; one warm-up
---      step, then --steps steps timed one by one, the median counts;
+--      --threads / ranks each). Each run is its own process; --warmup
+--      untimed steps (1), then --steps steps timed one by one, the median
+--      counts;
 --   3. PyTorch 1.13 (/usr/bin/python3, bench/bench_llama_torch.py): the same
 --      Llama written from Hugging Face's equations, one rank, same threads,
 --      fp32 and bf16 (torch.autocast on the CPU);
@@ -66,7 +67,8 @@ local spec = {
   { "beside", "string", "none", "sizes of other families run beside the Llama on one rank, comma-separated (e.g. qwen2-100m,qwen3-100m,gemma-100m; \"none\": no more)" },
   { "micro-batch", "int", nil, "sequences per step (per rank; default 4, with --lora 2)" },
   { "seq-len", "int", nil, "tokens per sequence (default 64, with --lora 128)" },
-  { "steps", "int", 3, "timed luazero steps per run (after one warm-up step)" },
+  { "steps", "int", 3, "timed luazero steps per run (after --warmup steps)" },
+  { "warmup", "int", 1, "untimed luazero steps before the timed ones (an MoE builds a GEMM kernel for each new expert row count in its first steps)" },
   { "torch-steps", "int", 2, "timed PyTorch steps per run (after one warm-up step); 0 skips PyTorch" },
   { "hf-steps", "int", 2, "timed transformers (PEFT with --lora) steps per run (after one warm-up step); 0 skips them" },
   { "hf5-steps", "int", 2, "timed transformers 5.23 (torch 2.15) steps per run, eager and sdpa attention; 0 skips them" },
@@ -110,6 +112,7 @@ end
 at_least("micro-batch", B, 1)
 at_least("seq-len", T, 1)
 at_least("steps", flags.steps, 1)
+at_least("warmup", flags.warmup, 1)
 at_least("torch-steps", flags.torch_steps, 0)
 at_least("hf-steps", flags.hf_steps, 0)
 at_least("hf5-steps", flags.hf5_steps, 0)
@@ -181,8 +184,9 @@ if flags.run then
                bf16 = { enabled = dtype == "bf16" }, zero_optimization = { stage = tonumber(stage) },
                optimizer = { type = "AdamW", params = { lr = 1e-4 } } } })
   local batches = require("luazero.data.random").new(B, T, cfg.vocab, rng.new(1 + comm.rank()))
+  for _ = 2, flags.warmup do engine:train_batch(batches) end -- untimed
   local prof = flags.profile and require("luazero.profile").attach(engine)
-  engine:train_batch(batches) -- warm-up (the profile's too)
+  engine:train_batch(batches) -- the last untimed step (the profile's warm-up too)
   local ms = {}
   for i = 1, flags.steps do
     local t0 = clock.now()
@@ -242,10 +246,10 @@ local sh = bench.sh
 local function luazero_run(cfg, dtype, ranks, stage)
   local lora = flags.lora and (":" .. flags.lora_r) or ""
   local out = sh(("cd %s && %s %s bench/bench_llama.lua --run %s --micro-batch %d " ..
-                  "--seq-len %d --steps %d --threads %d%s")
+                  "--seq-len %d --steps %d --warmup %d --threads %d%s")
                  :format(q(lz.root), q(lz.executable()), ranks > 1 and ("-n " .. ranks) or "",
                          q(("%s:%s:%d%s"):format(cfg.name, dtype, stage, lora)), B, T,
-                         flags.steps, threads,
+                         flags.steps, flags.warmup, threads,
                          flags.profile and (" --profile --peak %.1f,%.1f"):format(
                            peak.fp32 or 0, peak.bf16 or 0) or ""))
   local params, world, th, list =
