@@ -442,13 +442,16 @@ function M.deepspeed_zero3(total, largest_layer, gpus_per_node, nodes, cpu_offlo
   return math.floor(cpu), math.floor(gpu)
 end
 
--- The per-rank half (estimate/rank.lua): rank, counts, rank_table, pick_nvme, ...
+-- The per-rank half (estimate/rank.lua): rank, counts, rank_table, pick_nvme,
+-- ...; and the disk's speed (estimate/disk.lua): disk, measure_disk.
 local rank_half = require("luazero.estimate.rank")
 rank_half.bind(M)
-for k, v in pairs(rank_half) do
-  if k ~= "bind" then
-    assert(M[k] == nil, "estimate: two halves define " .. k)
-    M[k] = v
+for _, part in ipairs({ rank_half, require("luazero.estimate.disk") }) do
+  for k, v in pairs(part) do
+    if k ~= "bind" then
+      assert(M[k] == nil, "estimate: two parts define " .. k)
+      M[k] = v
+    end
   end
 end
 

@@ -14,6 +14,7 @@ local formats = require("luazero.optim.formats")
 local Matrices = require("luazero.zero.matrices")
 local States = require("luazero.zero.states")
 local moe_config = require("luazero.config.moe")
+local Disk = require("luazero.estimate.disk")
 
 local M = {}
 
@@ -555,49 +556,9 @@ function M.rank(counts, opts)
   comm = math.min(comm, (prefetch + 2 * largest) * wb + (reduce_bucket + largest) * 4)
   add(mem.device, "comm", comm)
 
-  local rg, wg = opts.read_gbps or M.disk.read_gbps, opts.write_gbps or M.disk.write_gbps
+  local rg, wg = opts.read_gbps or Disk.disk.read_gbps, opts.write_gbps or Disk.disk.write_gbps
   r.disk_s = r.traffic.read / (rg * 1e9) + r.traffic.written / (wg * 1e9)
   return r
-end
-
--- The disk's speed when not measured: NOTES.md's fio figures on the
--- development machines (O_DIRECT, 1 MiB blocks, queue depth 8).
-M.disk = { read_gbps = 1.9, write_gbps = 1.1, assumed = true }
-
--- The disk's speed as the engine's swap files see it: `bytes` (256 MiB)
--- written then read through lz.swap (libaio, O_DIRECT where the file
--- system allows it) in 32 MiB requests, two in flight, in a swap file in
--- `dir`. Returns read_gbps, write_gbps (GB/s, 1e9 bytes) and whether the
--- I/O was direct (buffered I/O goes through the page cache: no measure).
-function M.measure_disk(dir, bytes, aio)
-  local lz = require("luazero")
-  local clock = require("luazero.clock")
-  bytes = bytes or 2 ^ 28
-  local chunk = math.min(2 ^ 25, bytes)
-  local n = math.max(1, math.floor(bytes / chunk))
-  local swap = lz.swap(dir, n * chunk, "bench", aio)
-  local bufs = { lz.tensor({ chunk / 4 }, "f32", "offload"),
-                 lz.tensor({ chunk / 4 }, "f32", "offload") }
-  local ok, err = pcall(function()
-    for _, b in ipairs(bufs) do b:fill(1) end
-    local function pass(op)
-      local reqs = {}
-      local t0 = clock.now()
-      for i = 1, n do
-        local slot = (i - 1) % 2 + 1
-        if reqs[slot] then reqs[slot]:wait() end
-        reqs[slot] = swap[op](swap, (i - 1) * chunk, bufs[slot], chunk, true)
-      end
-      for _, r in pairs(reqs) do r:wait() end
-      return n * chunk / (clock.now() - t0) / 1e9
-    end
-    local w = pass("write")
-    return { read = pass("read"), write = w, direct = swap:stats().direct }
-  end)
-  for _, b in ipairs(bufs) do b:free() end
-  swap:close()
-  if not ok then error(err, 0) end
-  return err.read, err.write, err.direct
 end
 
 -- Every placement at every stage it works at, as M.rank rows; rows.refused
