@@ -393,11 +393,6 @@ static cache_entry *entry_take(cache_entry *e) {
   return e;
 }
 
-static uint64_t hash_mix(uint64_t h, uint64_t v) {
-  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-  return h;
-}
-
 /* key's bucket: of every field entry_matches compares. */
 static int key_bucket(const cache_entry *key) {
   uint32_t alpha, beta;
@@ -408,9 +403,7 @@ static int key_bucket(const cache_entry *key) {
                         (uint64_t)(key->ta | key->tb << 1 | key->b_shared << 2 |
                                    key->has_bias << 3 | key->pack_b << 4),
                         (uint64_t)alpha << 32 | beta};
-  uint64_t h = 0;
-  for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = hash_mix(h, v[i]);
-  return (int)(h % CACHE_BUCKETS);
+  return (int)(lz_hash_xxh64(v, sizeof v, 0) % CACHE_BUCKETS);
 }
 
 /* key's cached entry, taken (entry_take), or NULL. Under cache_lock. */
