@@ -119,6 +119,48 @@ LZ_TEST(elementwise_sq_norm_thread_independent) {
   free(x);
 }
 
+/* sq_norm's documented order, written out: blocks of 4,096 elements, each
+ * summed in 8 lanes (element i into lane i % 8, in order), the lanes added
+ * 0 to 7, then the block's tail; the blocks' sums added in order. The fast
+ * path (four blocks at once) must give these bits exactly, for every count
+ * of whole and partial blocks. */
+static double sq_norm_by_the_order(const float *x, int64_t n) {
+  double total = 0.0;
+  for (int64_t i0 = 0; i0 < n; i0 += 4096) {
+    const int64_t len = n - i0 < 4096 ? n - i0 : 4096;
+    double acc[8] = {0}, s = 0.0;
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      for (int l = 0; l < 8; l++) acc[l] += (double)x[i0 + i + l] * (double)x[i0 + i + l];
+    for (int l = 0; l < 8; l++) s += acc[l];
+    for (; i < len; i++) s += (double)x[i0 + i] * (double)x[i0 + i];
+    total += s;
+  }
+  return total;
+}
+
+LZ_TEST(elementwise_sq_norm_is_its_documented_order) {
+  const int64_t ns[] = {4096 * 4, 4096 * 4 + 1, 4096 * 7 + 77, 4096 * 12 + 4096 * 2 + 5,
+                        41 * 4096 + 3, 65536 * 4 + 4096 * 3 + 9};
+  for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+    const int64_t n = ns[k], s1[1] = {n};
+    float *x = malloc(sizeof(float) * n);
+    for (int64_t i = 0; i < n; i++) x[i] = frand() * (i % 5 == 0 ? 3e3f : i % 3 ? 1e-3f : 1.0f);
+    lz_tensor *t = lz_test_wrap(x, LZ_F32, 1, s1);
+    const double want = sq_norm_by_the_order(x, n);
+    const int saved = lz_threads_get();
+    for (int th = 1; th <= 2; th++) {
+      double got = -1.0;
+      CHECK_OK(lz_threads_set(th));
+      CHECK_OK(lz_sq_norm(t, &got));
+      CHECK(memcmp(&got, &want, sizeof got) == 0);
+    }
+    lz_threads_set(saved);
+    lz_tensor_free(t);
+    free(x);
+  }
+}
+
 /* add_sq_norm: the bits of axpy(y, 1, x) (or a copy of x) and sq_norm(y),
  * the squares in the same blocks (several, and on threads, from 8 on). */
 LZ_TEST(elementwise_add_sq_norm_is_axpy_then_sq_norm) {
