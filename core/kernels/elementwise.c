@@ -173,7 +173,7 @@ typedef double sq_v8d __attribute__((vector_size(LANES * sizeof(double))));
 typedef float sq_v8f __attribute__((vector_size(LANES * sizeof(float))));
 
 /* Each block's LANES sums added in order, as sq_f32_block adds its acc. */
-static void sq_quad_out(const double acc[SQ_QUAD][LANES], double out[SQ_QUAD]) {
+static void sq_quad_out(double acc[SQ_QUAD][LANES], double out[SQ_QUAD]) {
   for (int b = 0; b < SQ_QUAD; b++) {
     double s = 0.0;
     for (int l = 0; l < LANES; l++) s += acc[b][l];
@@ -192,7 +192,7 @@ LZ_DISPATCH static void sq_f32_quad_vec(const float *x, double out[SQ_QUAD]) {
     }
   double a[SQ_QUAD][LANES];
   memcpy(a, acc, sizeof a);
-  sq_quad_out((const double(*)[LANES])a, out);
+  sq_quad_out(a, out);
 }
 
 /* AVX-512: each 8 floats widened by one instruction (the generic vectors'
@@ -208,11 +208,13 @@ __attribute__((target("avx512f"))) static void sq_f32_quad_avx512(const float *x
     }
   double a[SQ_QUAD][LANES];
   for (int b = 0; b < SQ_QUAD; b++) _mm512_storeu_pd(a[b], acc[b]);
-  sq_quad_out((const double(*)[LANES])a, out);
+  sq_quad_out(a, out);
 }
 
+/* Once per SQ_QUAD blocks: the feature test is a load (no lz_cpu_has's
+ * string compares in the loop). */
 static void sq_f32_quad(const float *x, double out[SQ_QUAD]) {
-  if (lz_cpu_has("avx512f")) sq_f32_quad_avx512(x, out);
+  if (__builtin_cpu_supports("avx512f")) sq_f32_quad_avx512(x, out);
   else sq_f32_quad_vec(x, out);
 }
 
@@ -273,7 +275,7 @@ static lz_status sq_sum(const char *op, int64_t n, sq_block_fn block, sq_quad_fn
 #pragma omp parallel for schedule(static) if (nb > 8)
     for (int64_t q = 0; q < nq; q++) {
       const int64_t k0 = q * SQ_QUAD, i0 = g0 + k0 * SQ_BLOCK;
-      if (quad && k0 + SQ_QUAD <= nb && i0 + SQ_QUAD * SQ_BLOCK <= n) {
+      if (quad && i0 + SQ_QUAD * SQ_BLOCK <= g0 + g_len) { /* SQ_QUAD whole blocks of the group */
         quad(ctx, i0, partial + k0);
         continue;
       }
@@ -331,20 +333,19 @@ typedef struct {
 } add_sq_ctx;
 
 /* Each block first added into (axpy's arithmetic, alpha 1) or copied: its
- * squares are read while it is in cache. */
-static double add_sq_block(void *ctx, int64_t i0, int64_t len) {
-  const add_sq_ctx *c = ctx;
+ * squares are read while it is in cache. Returns y's block. */
+static const float *add_sq_add(const add_sq_ctx *c, int64_t i0, int64_t len) {
   if (c->write) memcpy(c->y + i0, c->x + i0, (size_t)len * sizeof(float));
   else axpy_block(c->y + i0, 1.0f, c->x + i0, len);
-  return sq_f32_block(c->y + i0, len);
+  return c->y + i0;
+}
+
+static double add_sq_block(void *ctx, int64_t i0, int64_t len) {
+  return sq_f32_block(add_sq_add(ctx, i0, len), len);
 }
 
 static void add_sq_quad(void *ctx, int64_t i0, double out[SQ_QUAD]) {
-  const add_sq_ctx *c = ctx;
-  const int64_t len = (int64_t)SQ_QUAD * SQ_BLOCK;
-  if (c->write) memcpy(c->y + i0, c->x + i0, (size_t)len * sizeof(float));
-  else axpy_block(c->y + i0, 1.0f, c->x + i0, len);
-  sq_f32_quad(c->y + i0, out);
+  sq_f32_quad(add_sq_add(ctx, i0, (int64_t)SQ_QUAD * SQ_BLOCK), out);
 }
 
 lz_status lz_cpu_add_sq_norm(const lz_op_args *a) {
