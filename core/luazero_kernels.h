@@ -315,6 +315,19 @@ lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tenso
 lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                           const lz_tensor *x, const lz_tensor *w,
                                           const lz_tensor *offsets, int64_t part);
+/* moe_gemm_part_backward (write: dw's part written, as _write) that also
+ * takes the gradient norm's partials of dw's final values while each task's
+ * block of them is still in cache. dw lies in a gradient slice of
+ * slice_numel elements at element dw_at; blocks[k] becomes the sum of
+ * squares of the slice's block k (lz_sq_norm's blocks of 4,096 elements,
+ * its bits) for every block that lies inside one task's rows or one row-less
+ * written expert; the other entries are left as they are. A device whose
+ * kernel takes no partials leaves them all. dx or dw may be NULL, as in
+ * moe_gemm_part_backward; blocks on the host. */
+lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                         const lz_tensor *x, const lz_tensor *w,
+                                         const lz_tensor *offsets, int64_t part, int write,
+                                         double *blocks, int64_t slice_numel, int64_t dw_at);
 
 /* Elementwise, f32 (fill and scale also bf16/f16, on any device). out may alias a or b. */
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
@@ -330,6 +343,12 @@ lz_status lz_sq_norm(const lz_tensor *t, double *out);
  * last micro-step's add into the gradients the optimizer reads gives the
  * gradient norm's partial without a pass of its own. y, x: f32, one count. */
 lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out);
+/* lz_sq_norm(t), f32, where blocks[k] (one per 4,096-element block of t),
+ * unless NaN, is taken as block k's sum of squares instead of reading the
+ * block; every entry is set back to NaN. The bits of lz_sq_norm(t) when each
+ * entry given is its block's sum (as lz_moe_gemm_part_backward_norm writes
+ * them); a NaN entry costs the block's read. */
+lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out);
 /* 1 if any element is NaN or Inf. */
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 

@@ -648,6 +648,18 @@ lz_status lz_cu_add_sq_norm(const lz_op_args *a) {
   return lz_cu_sq_norm(&s);
 }
 
+// sq_norm with the block partials a kernel took: the cuda kernels take
+// none (their sums run in chunks of their own), so the entries are all NaN
+// and the norm is sq_norm's; each is set back to NaN all the same.
+lz_status lz_cu_sq_norm_blocks(const lz_op_args *a) {
+  const int64_t n = lz_tensor_numel(a->t[0]), nb = (n + 4095) / 4096;
+  for (int64_t k = 0; k < nb; k++) a->blocks[k] = NAN;
+  lz_op_args s = {};
+  s.t[0] = a->t[0];
+  s.out_f64 = a->out_f64;
+  return lz_cu_sq_norm(&s);
+}
+
 // An exponent field of all ones is Inf or NaN, whatever the mantissa.
 __global__ void inf_nan_kernel(const void *x, lz_dtype dt, int64_t n, int *found) {
   int f = 0;

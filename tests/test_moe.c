@@ -445,6 +445,105 @@ LZ_TEST(moe_gemm_part_backward_write_is_add_into_zeros) {
   }
 }
 
+/* moe_gemm_part_backward_norm: dw's bits those of moe_gemm_part_backward
+ * (added into, or _write), every entry it gives (not NaN) the bits of
+ * sq_norm over that block of the slice, the count given as the tasks'
+ * whole blocks say where dw lies on the blocks, and sq_norm_blocks over
+ * the slice the bits of sq_norm, every entry NaN again after it. dw_at
+ * off the blocks (blocks that straddle dw's edges or two tasks are not
+ * given), the slice's last block short, f32 and bf16, moe-100m's shape.
+ * expect: the count of entries to be given, -1 for some, -2 for any. */
+static void norm_case(int64_t N, int64_t E, int64_t part, int64_t C, int64_t D, lz_dtype dt,
+                      int64_t dw_at, int64_t after, int write, int64_t expect) {
+  const int64_t K = 2, P = 3, R = N * K, M = D * C, W = E * P * M, n = dw_at + W + after;
+  const int64_t nb = (n + 4095) / 4096;
+  routing rt = routing_new(N, E, K, 31 + (uint64_t)part, 1);
+  uint64_t rng = 5 + (uint64_t)(dw_at + part);
+  float *x = rand_f32(R * C, &rng, 1.0f), *w = rand_f32(W, &rng, 0.5f);
+  float *dy = rand_f32(R * D, &rng, 1.0f), *fused = rand_f32(n, &rng, 1.0f);
+  float *plain = malloc(4 * (size_t)n);
+  memcpy(plain, fused, 4 * (size_t)n);
+  double *blocks = malloc(sizeof(double) * (size_t)nb);
+  for (int64_t k = 0; k < nb; k++) blocks[k] = NAN;
+  const int bf = dt == LZ_BF16;
+  uint16_t *xb = to_bf16(x, R * C), *wb = to_bf16(w, W), *dyb = to_bf16(dy, R * D);
+  lz_tensor *tx = T(bf ? (void *)xb : x, dt, R, C), *tdy = T(bf ? (void *)dyb : dy, dt, R, D);
+  lz_tensor *tw = T(bf ? (void *)wb : w, dt, E, P, D, C), *toff = T(rt.off, LZ_I32, E + 1);
+  lz_tensor *tp = T(plain + dw_at, LZ_F32, E, P, D, C), *tf = T(fused + dw_at, LZ_F32, E, P, D, C);
+  CHECK_OK(write ? lz_moe_gemm_part_backward_write(NULL, tp, tdy, tx, tw, toff, part)
+                 : lz_moe_gemm_part_backward(NULL, tp, tdy, tx, tw, toff, part));
+  CHECK_OK(lz_moe_gemm_part_backward_norm(NULL, tf, tdy, tx, tw, toff, part, write, blocks, n,
+                                          dw_at));
+  CHECK(memcmp(plain, fused, 4 * (size_t)n) == 0);
+  int64_t given = 0, wrong = 0;
+  for (int64_t k = 0; k < nb; k++) {
+    if (blocks[k] != blocks[k]) continue;
+    const int64_t len = n - 4096 * k < 4096 ? n - 4096 * k : 4096;
+    double want = -1.0;
+    lz_tensor *blk = lz_test_wrap(fused + 4096 * k, LZ_F32, 1, &len);
+    CHECK_OK(lz_sq_norm(blk, &want));
+    lz_tensor_free(blk);
+    given++;
+    wrong += memcmp(&want, &blocks[k], sizeof want) != 0;
+  }
+  CHECK(wrong == 0);
+  if (expect >= 0 && given != expect)
+    lz_test_fail(__FILE__, __LINE__, "norm partials: %lld given, %lld expected (D %lld C %lld "
+                 "at %lld)", (long long)given, (long long)expect, (long long)D, (long long)C,
+                 (long long)dw_at);
+  if (expect == -1) CHECK(given > 0);
+  double a = -1.0, b = -2.0;
+  lz_tensor *slice = T(fused, LZ_F32, n);
+  CHECK_OK(lz_sq_norm(slice, &a));
+  CHECK_OK(lz_sq_norm_blocks(slice, blocks, &b));
+  CHECK(memcmp(&a, &b, sizeof a) == 0);
+  int64_t left = 0;
+  for (int64_t k = 0; k < nb; k++) left += blocks[k] == blocks[k];
+  CHECK(left == 0);
+  free(x), free(w), free(dy), free(fused), free(plain), free(blocks), free(xb), free(wb), free(dyb);
+  routing_free(&rt);
+  unwrap_all();
+}
+
+LZ_TEST(moe_gemm_backward_norm_partials_are_sq_norms_bits) {
+  for (int write = 0; write < 2; write++) {
+    /* moe-100m's gate/up and down on the blocks: every block of the part's
+     * experts (5 of them, the last with no row: given only where written) */
+    norm_case(160, 5, 1, 768, 2048, LZ_BF16, 0, 0, write, (write ? 5 : 4) * 384);
+    norm_case(160, 5, 2, 2048, 768, LZ_F32, 4096, 100, write, (write ? 5 : 4) * 384);
+    /* off the blocks: tasks of 3,072 elements (no block inside one), of
+     * 8,192 (some) */
+    norm_case(200, 3, 2, 24, 300, LZ_F32, 100, 0, write, -2);
+    norm_case(200, 3, 0, 64, 300, LZ_BF16, 4000, 7, write, -1);
+  }
+  /* the slice's last block short, inside the last expert (no row: zeros) */
+  norm_case(160, 5, 2, 100, 333, LZ_F32, 5, 0, 1, -1);
+}
+
+LZ_TEST(sq_norm_blocks_takes_what_it_is_given) {
+  float z[9000] = {0};
+  double blocks[3] = {1.0, NAN, 0.25}, out = 0.0;
+  lz_tensor *t = T(z, LZ_F32, 9000);
+  CHECK_OK(lz_sq_norm_blocks(t, blocks, &out));
+  CHECK(out == 1.25);
+  CHECK(blocks[0] != blocks[0] && blocks[1] != blocks[1] && blocks[2] != blocks[2]);
+  CHECK_ERR(lz_sq_norm_blocks(t, NULL, &out), LZ_ERR_INVALID, "blocks is NULL");
+  /* one expert of 2 rows, all ones: dw (2 x 4) all 2, its block's sum 32 */
+  double few[1] = {NAN};
+  float g[8] = {0}, ones[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  int32_t off[2] = {0, 2};
+  lz_tensor *w = T(ones, LZ_F32, 1, 1, 2, 4), *x = T(ones, LZ_F32, 2, 4);
+  lz_tensor *d = T(ones, LZ_F32, 2, 2), *dw = T(g, LZ_F32, 1, 1, 2, 4), *o = T(off, LZ_I32, 2);
+  CHECK_ERR(lz_moe_gemm_part_backward_norm(NULL, dw, d, x, w, o, 0, 1, few, 8, 1),
+            LZ_ERR_INVALID, "does not lie in a slice of 8");
+  CHECK_ERR(lz_moe_gemm_part_backward_norm(NULL, dw, d, x, w, o, 0, 1, NULL, 8, 0),
+            LZ_ERR_INVALID, "blocks is NULL");
+  CHECK_OK(lz_moe_gemm_part_backward_norm(NULL, dw, d, x, w, o, 0, 1, few, 8, 0));
+  CHECK(g[0] == 2.0f && g[7] == 2.0f);
+  CHECK(few[0] == 32.0); /* the slice's one short block, inside the one task */
+  unwrap_all();
+}
+
 /* A bf16 expert's dw runs in blocks of 128 of its D output rows while it
  * has at most 384 rows, whole above (moe_gemm.c): every expert's dw, added
  * into and written, must be the bits of its own linear layer's (one GEMM

@@ -383,6 +383,12 @@ static void check_reductions(lz_dtype dt) {
   CHECK_OK(lz_sq_norm(h, &nh));
   CHECK_OK(lz_sq_norm(d, &nd));
   CHECK(memcmp(&nh, &nd, sizeof nh) == 0);
+  if (dt == LZ_F32) { /* sq_norm_blocks: the second block's sum given, the first read */
+    double bh[2] = {NAN, 7.0}, bd[2] = {NAN, 7.0};
+    CHECK_OK(lz_sq_norm_blocks(h, bh, &nh));
+    CHECK_OK(lz_sq_norm_blocks(d, bd, &nd));
+    CHECK(memcmp(&nh, &nd, sizeof nh) == 0 && bh[1] != bh[1] && bd[1] != bd[1]);
+  }
   int ih = -1, id = -2;
   CHECK_OK(lz_has_inf_nan(d, &id));
   CHECK_OK(lz_has_inf_nan(h, &ih));
@@ -397,7 +403,7 @@ static void check_reductions(lz_dtype dt) {
 LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   if (!sim_up()) return;
   /* Adding an op to the enum without a case here fails this line. */
-  CHECK_EQ_INT(LZ_OP_COUNT, 47);
+  CHECK_EQ_INT(LZ_OP_COUNT, 48);
   CHECK_OP(matmul_nt, F32(4, 6), F32(4, 5), F32(6, 5));
   CHECK_OP(matmul_nt, F32(4, 6), BF16(4, 5), BF16(6, 5));
   CHECK_OP(matmul_tn, F32(2, 4, 6), F32(2, 5, 4), F32(5, 6));

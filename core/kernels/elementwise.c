@@ -8,7 +8,9 @@
  * dtypes are the declaration's (mem/lz_ops.def), checked by lz_op_run. */
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
+#include "kernels/lz_sq_blocks.h" /* LZ_SQ_BLOCK, lz_sq_f32_blocks */
 
+#include <math.h>   /* NAN: sq_norm_blocks' entries not taken */
 #include <stdlib.h> /* malloc, free: sq_norm's partial sums */
 #include <string.h> /* memcpy: add_sq_norm's write */
 #include <immintrin.h> /* sq_norm's AVX-512 widening */
@@ -22,7 +24,7 @@
  * 256M elements: one parallel region per pass, since on a busy machine each
  * region waits for every thread to get a core (a block's experts' gradient,
  * tens of millions of elements, took one region per million). */
-#define SQ_BLOCK 4096
+#define SQ_BLOCK LZ_SQ_BLOCK
 #define SQ_GROUP 65536
 #define SQ_STACK 256 /* partials that live on the stack */
 /* Double partial sums inside a block, so the loop vectorizes. */
@@ -351,6 +353,61 @@ static void add_sq_quad(void *ctx, int64_t i0, double out[SQ_QUAD]) {
 lz_status lz_cpu_add_sq_norm(const lz_op_args *a) {
   add_sq_ctx c = {a->t[0]->data, a->t[1]->data, a->i[0] != 0};
   return sq_sum("add_sq_norm", lz_tensor_numel(a->t[0]), add_sq_block, add_sq_quad, &c,
+                a->out_f64);
+}
+
+/* ---------------------------------------------- block partials, sq_norm_blocks */
+
+void lz_sq_f32_blocks(const float *x, int64_t len, double *out) {
+  int64_t i = 0, k = 0;
+  for (; i + (int64_t)SQ_QUAD * SQ_BLOCK <= len; i += (int64_t)SQ_QUAD * SQ_BLOCK, k += SQ_QUAD)
+    sq_f32_quad(x + i, out + k);
+  for (; i < len; i += SQ_BLOCK, k++) out[k] = sq_f32_block(x + i, block_len(len, i, SQ_BLOCK));
+}
+
+lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out) {
+  const char *op = "sq_norm_blocks";
+  if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
+  *out = 0.0;
+  if (!blocks)
+    return lz_fail(LZ_ERR_INVALID, "%s: blocks is NULL; pass one double per %d elements of t "
+                   "(NaN where a block's sum is not known)", op, SQ_BLOCK);
+  LZ_TRY(lz_check_present(op, "t", t));
+  LZ_OP_RUN(op, LZ_OP_SQ_NORM_BLOCKS, .t = {(lz_tensor *)t}, .blocks = blocks, .out_f64 = out);
+}
+
+typedef struct {
+  const float *x;
+  double *blocks;
+} sq_given_ctx;
+
+/* A NaN entry is a block's sum not taken (or a block holding NaN, whose
+ * sum read again is NaN too). */
+static int sq_given(double v) { return v == v; }
+
+static double sq_given_block(void *ctx, int64_t i0, int64_t len) {
+  const sq_given_ctx *c = ctx;
+  double *b = c->blocks + i0 / SQ_BLOCK;
+  const double s = sq_given(*b) ? *b : sq_f32_block(c->x + i0, len);
+  *b = NAN;
+  return s;
+}
+
+static void sq_given_quad(void *ctx, int64_t i0, double out[SQ_QUAD]) {
+  const sq_given_ctx *c = ctx;
+  double *b = c->blocks + i0 / SQ_BLOCK;
+  int known = 0;
+  for (int k = 0; k < SQ_QUAD; k++) known += sq_given(b[k]);
+  if (known == 0) sq_f32_quad(c->x + i0, out);
+  else
+    for (int k = 0; k < SQ_QUAD; k++)
+      out[k] = sq_given(b[k]) ? b[k] : sq_f32_block(c->x + i0 + (int64_t)k * SQ_BLOCK, SQ_BLOCK);
+  for (int k = 0; k < SQ_QUAD; k++) b[k] = NAN;
+}
+
+lz_status lz_cpu_sq_norm_blocks(const lz_op_args *a) {
+  sq_given_ctx c = {a->t[0]->data, a->blocks};
+  return sq_sum("sq_norm_blocks", lz_tensor_numel(a->t[0]), sq_given_block, sq_given_quad, &c,
                 a->out_f64);
 }
 

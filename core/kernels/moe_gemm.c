@@ -9,6 +9,7 @@
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_gemm.h" /* lz_gemm */
+#include "kernels/lz_sq_blocks.h" /* the gradient norm's block partials */
 
 #include <stdio.h>  /* snprintf: a worker thread's error message */
 #include <stdlib.h> /* malloc, free */
@@ -244,6 +245,25 @@ lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz
   return part_backward("moe_gemm_part_backward_write", dx, dw, dy, x, w, offsets, part, 1);
 }
 
+lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                         const lz_tensor *x, const lz_tensor *w,
+                                         const lz_tensor *offsets, int64_t part, int write,
+                                         double *blocks, int64_t slice_numel, int64_t dw_at) {
+  const char *op = "moe_gemm_part_backward_norm";
+  LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
+  if (!blocks)
+    return lz_fail(LZ_ERR_INVALID, "%s: blocks is NULL; pass one double per 4096 elements of "
+                   "the slice, or call moe_gemm_part_backward", op);
+  if (dw && (dw_at < 0 || dw_at + lz_tensor_numel(dw) > slice_numel))
+    return lz_fail(LZ_ERR_INVALID, "%s: dw (%lld elements) at element %lld does not lie in a "
+                   "slice of %lld; dw_at must be 0 .. slice_numel - dw's elements", op,
+                   (long long)lz_tensor_numel(dw), (long long)dw_at, (long long)slice_numel);
+  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
+            .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
+                  (lz_tensor *)offsets}, .i = {part, write != 0, dw_at, slice_numel},
+            .blocks = blocks);
+}
+
 lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets) {
   const char *op = "moe_gemm_backward";
@@ -264,19 +284,42 @@ static lz_status dx_task(const lz_op_args *a, const gemm_task *t) {
                  (float *)dx->data + (size_t)t->r0 * d.C);
 }
 
+/* The gradient norm's partials (a->blocks: the _norm backward) of the
+ * slice's blocks that lie wholly in dw's elements lo .. lo + n, just
+ * written: their sums in the slice's blocks, the same bits as sq_norm's
+ * pass. Blocks that reach past lo .. lo + n are someone else's (another
+ * task's, or sq_norm_blocks' to read). zeros: the elements are +0. */
+static void dw_norm_partials(const lz_op_args *a, int64_t lo, int64_t n, int zeros) {
+  if (!a->blocks || n <= 0) return;
+  const int64_t B = LZ_SQ_BLOCK, slice = a->i[3];
+  const int64_t s_lo = a->i[2] + lo, s_hi = s_lo + n; /* in the slice */
+  const int64_t k0 = (s_lo + B - 1) / B;
+  /* whole blocks end by s_hi; the slice's last, short block where s_hi is its end */
+  const int64_t k1 = s_hi == slice ? (slice + B - 1) / B : s_hi / B;
+  if (k1 <= k0) return;
+  const int64_t from = k0 * B, to = k1 * B < slice ? k1 * B : slice;
+  if (zeros)
+    for (int64_t k = k0; k < k1; k++) a->blocks[k] = 0.0; /* a sum of +0 squares */
+  else
+    lz_sq_f32_blocks((const float *)a->t[1]->data + (from - a->i[2]), to - from, a->blocks + k0);
+}
+
 /* dw[e] rows r0 .. r0 + n += (the expert's dy columns r0 .. r0 + n)^T @ its
  * x rows (= where i[1] says dw is written): a GEMM over a column block of
- * dy, whose rows are D apart. */
+ * dy, whose rows are D apart; then its block's norm partials, in cache. */
 static lz_status dw_task(const lz_op_args *a, const gemm_task *t) {
   const lz_tensor *dw = a->t[1], *dy = a->t[2], *x = a->t[3], *w = a->t[4];
   const expert_dims d = dims_of(w);
   const int64_t D = d.D, C = d.C;
   const int32_t *off = a->t[5]->data;
   const size_t es = lz_dtype_size(x->dtype);
-  return lz_gemm(x->dtype, t->n, C, off[t->e + 1] - off[t->e], 1, 0, 1.0f,
+  const int64_t at = (int64_t)expert_at(w, a->i[0], t->e) + (int64_t)t->r0 * C;
+  LZ_TRY(lz_gemm(x->dtype, t->n, C, off[t->e + 1] - off[t->e], 1, 0, 1.0f,
                  (const char *)dy->data + ((size_t)off[t->e] * D + (size_t)t->r0) * es, D,
                  (const char *)x->data + (size_t)off[t->e] * C * es, a->i[1] ? 0.0f : 1.0f,
-                 (float *)dw->data + expert_at(w, a->i[0], t->e) + (size_t)t->r0 * C);
+                 (float *)dw->data + at));
+  dw_norm_partials(a, at, (int64_t)t->n * C, 0);
+  return LZ_OK;
 }
 
 lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
@@ -287,9 +330,11 @@ lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
   if (dx) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 1, dx_task));
   if (dw && a->i[1]) /* written: an expert no row reached gets zeros */
     for (int64_t e = 0; e < d.E; e++)
-      if (off[e + 1] == off[e])
+      if (off[e + 1] == off[e]) {
         memset((float *)dw->data + expert_at(w, a->i[0], e), 0,
                (size_t)(d.D * d.C) * sizeof(float));
+        dw_norm_partials(a, (int64_t)expert_at(w, a->i[0], e), d.D * d.C, 1);
+      }
   if (dw) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 0, dw_task));
   return LZ_OK;
 }

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LZ_BACKEND_ABI 9
+#define LZ_BACKEND_ABI 10
 
 /* The ops, in the order of their declaration (mem/lz_ops.def). */
 typedef enum lz_op {
@@ -48,6 +48,7 @@ typedef struct lz_op_args {
   const lz_lion_args *lion;
   double *out_f64;
   int *out_int;
+  double *blocks; /* host: the gradient norm's block partials (sq_norm_blocks, moe_gemm backward) */
 } lz_op_args;
 
 /* One op's kernel on one device. */

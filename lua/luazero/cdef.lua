@@ -284,6 +284,11 @@ lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz
                                           const lz_tensor *x, const lz_tensor *w,
                                           const lz_tensor *offsets, int64_t part);
 
+lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
+                                         const lz_tensor *x, const lz_tensor *w,
+                                         const lz_tensor *offsets, int64_t part, int write,
+                                         double *blocks, int64_t slice_numel, int64_t dw_at);
+
 lz_status lz_add(lz_tensor *out, const lz_tensor *a, const lz_tensor *b);
 lz_status lz_axpy(lz_tensor *y, float alpha, const lz_tensor *x);
 lz_status lz_scale(lz_tensor *t, float s);
@@ -292,6 +297,8 @@ lz_status lz_fill(lz_tensor *t, float v);
 lz_status lz_sq_norm(const lz_tensor *t, double *out);
 
 lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *out);
+
+lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out);
 
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 

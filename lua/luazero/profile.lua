@@ -227,15 +227,29 @@ local function wrap_ops(self, ops)
         if not backward then
           return self:leaf(gemm_key(self, "fwd", dt, rows, D, C) .. " grouped", flops, true, orig, ...)
         end
-        local dx, dw = a[1], a[2]
+        local dx, dw, n = a[1], a[2], select("#", ...)
         if dx then
           self:leaf(gemm_key(self, "dX", dt, rows, C, D) .. " grouped", flops, true, orig, dx, nil,
-                    a[3], a[4], a[5], a[6], a[7])
+                    unpack(a, 3, n))
         end
         if dw then
           self:leaf(gemm_key(self, "dW", dt, D, C, rows) .. " grouped", flops, true, orig, nil, dw,
-                    a[3], a[4], a[5], a[6], a[7])
+                    unpack(a, 3, n))
         end
+      end
+    elseif name == "sq_norm_blocks" then
+      -- the gradient norm's pass over the blocks no kernel took (NaN)
+      fn = function(t, blocks, out)
+        if not self.active then return orig(t, blocks, out) end
+        local n, read = t:numel(), 0
+        for k = 0, math.ceil(n / 4096) - 1 do
+          if blocks[k] ~= blocks[k] then read = read + math.min(4096, n - 4096 * k) end
+        end
+        local top = self.stack[#self.stack]
+        local ctx = top and top.ctx or "model"
+        if PARAM_PASSES[ctx] then self:param_pass(("sq_norm (%s)"):format(ctx), 4 * read, nil, read) end
+        local key = ("sq_norm_blocks (%s)"):format(ctx)
+        return self:leaf(key, 4 * read, false, orig, t, blocks, out)
       end
     else
       fn = function(...)

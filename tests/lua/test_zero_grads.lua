@@ -191,6 +191,52 @@ function T.grad_norm_comes_from_the_last_reduction()
   assert(passes[2] > 0.99, "sq_norm's pass: " .. passes[2])
 end
 
+-- At one rank the experts' grouped dW takes the norm's block partials of
+-- what it writes, in cache (zero/reduce.lua's norm_blocks_for): the norm
+-- reads the rest, and every step's norm and the run's checksum are those
+-- of sq_norm's own pass, bit for bit. (Without accumulation: with it the
+-- gradients are staged and the last reduction's add gives the partials,
+-- above. An expert's part of 128 x 64 is two blocks; 48 x 64 holds none.)
+function T.grad_norm_takes_the_experts_block_partials()
+  local mixtral = require("models.mixtral")
+  local norms, sums, passes, given = {}, {}, {}, 0
+  for k = 1, 2 do
+    local e, loader, loaded = engine_and_loader(0, 1,
+      mixtral.new(mixtral.config("mixtral-tiny", { vocab = 256, n_hidden = 128 })))
+    assert(not e:plan().reduce.buffered)
+    if k == 2 then e.reducer.norm_blocks_for = function() return nil end end
+    local read = e.reducer.slice_sq_norm
+    e.reducer.slice_sq_norm = function(r, i, g) -- (count the partials the dW took)
+      local nb = r.norm_blocks[i]
+      for b = 0, nb and nb.count - 1 or -1 do
+        if nb.blocks[b] == nb.blocks[b] then given = given + 1 end
+      end
+      return read(r, i, g)
+    end
+    local profile = require("luazero.profile")
+    local p = profile.attach(e)
+    norms[k] = {}
+    for i = 1, 3 do norms[k][i] = e:train_batch(loader).grad_norm end
+    local rep = p:report()
+    p:detach()
+    for _, pt in ipairs(rep.param_bytes.parts) do
+      if pt.name == "sq_norm (grad norm)" then passes[k] = pt.passes end
+    end
+    sums[k] = e:params_checksum()
+    e:free(); loader:free(); loaded.tokens:free()
+  end
+  assert(given > 0, "no block partial was taken by the experts' dW")
+  for i = 1, 3 do
+    assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
+           ("step %d: grad norm %.17g with the dW's partials, %.17g from sq_norm")
+           :format(i, norms[1][i], norms[2][i]))
+  end
+  assert(sums[1] == sums[2], "checksums differ: " .. sums[1] .. " vs " .. sums[2])
+  assert(passes[2] > 0.99 and passes[1] < 0.5,
+         ("the norm's pass read %.3f of the gradients with the partials, %.3f without")
+         :format(passes[1], passes[2]))
+end
+
 -- A Linear's backward given a wrapper's weight and gradient (Linear:backward's
 -- w, dw) on a first micro-step: its own weight gradient reads zero, its bias
 -- gradient is added into zeros.

@@ -332,6 +332,10 @@ end
 -- expert no row reached getting zeros; the per-expert GEMMs add into the
 -- gradients zeroed first.
 function Experts:writes_grads() return self.gather == "block" end
+-- The grouped dW takes the gradient norm's block partials of what it
+-- writes, where the engine hands them (self.norm_blocks: zero/reduce.lua's
+-- norm_blocks_for), while each task's block is in cache.
+Experts.takes_norm_blocks = true
 
 -- dy [B, T, C] -> dx [B, T, C]; the experts' weight gradients accumulate
 -- (or are written: writes_grads); self.dweights [N, k]: d(loss)/d(weights),
@@ -339,8 +343,8 @@ function Experts:writes_grads() return self.gather == "block" end
 function Experts:backward(dy)
   local C, H, route, ex = self.n_embd, self.n_hidden, self.route, self.ex
   local R = route.rows
-  local write = self.grads_write
-  self.grads_write = nil
+  local write, nb = self.grads_write, self.norm_blocks
+  self.grads_write, self.norm_blocks = nil, nil
   local N = dy:numel() / C
   local st = not ex and not self.units[1].lora and self:stacked()
   local half = bf16_rows(st)
@@ -359,6 +363,14 @@ function Experts:backward(dy)
   if st then
     local off = route.offsets
     local gemm_backward = write and ops.moe_gemm_part_backward_write or ops.moe_gemm_part_backward
+    if nb and st.g_in then
+      -- (where the block's gradients start in the slice the norm reads)
+      local at = tonumber(ffi.cast("char *", st.g_in.data) - ffi.cast("char *", nb.base)) / 4
+      gemm_backward = function(dx_, dw, dy_, x_, w, off_, part)
+        return ops.moe_gemm_part_backward_norm(dx_, dw, dy_, x_, w, off_, part, write and 1 or 0,
+                                               nb.ptr, nb.n, at)
+      end
+    end
     local dyw = self:matmul_operands(dyp, st.w_out)
     local hw = self:matmul_operands(self.h, st.w_out)
     gemm_backward(dh:view(0, { R, H }), st.g_out, dyw:view(0, { R, C }), hw:view(0, { R, H }),

@@ -653,6 +653,7 @@ local function inject_inf(self)
     local inf = lz.from_table({ math.huge }, { 1 }, self.grad_slices[1]:dtype_name())
     self.grad_slices[1]:view(0, { 1 }):copy(inf)
     self.reducer.norm_sq[1] = nil
+    self.reducer:forget_norm_blocks()
     inf:free()
   end
 end
@@ -672,7 +673,8 @@ function Engine:exchange(local_loss)
   else
     -- (a partial the last micro-step's add took, else a pass of its own)
     local fused = self.reducer.norm_sq
-    for i, g in ipairs(self.grad_slices) do send[i] = fused[i] or g:sq_norm() end
+    -- (or of block partials a backward took as it wrote them)
+    for i, g in ipairs(self.grad_slices) do send[i] = fused[i] or self.reducer:slice_sq_norm(i, g) end
     self.reducer.norm_sq = {}
   end
   self.comm.all_gather(self.meta_send, self.meta_recv)

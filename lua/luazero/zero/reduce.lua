@@ -44,6 +44,7 @@ function M.new(parts)
     fresh = {},                        -- segment -> true: its gradients hold no sum yet
     added = {},                        -- segment -> its range of rgrads no reduction added into yet
     norm_sq = {},                      -- segment index -> its slice's squared norm, from the last add
+    norm_blocks = {},                  -- segment index -> its slice's block partials (norm_blocks_for)
   }, Reducer)
   for _, k in ipairs({ "P", "s", "comm", "rank", "L", "pool", "hpool", "half_grads", "gdt",
                        "grads", "ograds", "rgrads", "spill", "scratches", "round_scratch",
@@ -96,6 +97,65 @@ function Reducer:stage_grads(segs, m)
         self.fresh[seg] = nil
         m.grads_write = true
       end
+      if m and m.takes_norm_blocks and seg.module == m then
+        m.norm_blocks = self:norm_blocks_for(seg)
+      end
+    end
+  end
+end
+
+-- The gradient norm's block partials of seg's slice, for a module whose
+-- backward can take them as it writes the gradients (m.takes_norm_blocks:
+-- the experts' grouped dW, in cache): { blocks = one double per 4,096
+-- elements of the slice, NaN where not taken; n = the slice's elements;
+-- base = its data }, or nil where the norm will not read the values that
+-- backward leaves: more than one rank (a reduction follows), not the
+-- accumulation's last micro-step, another module adding into seg, half or
+-- staged or spilled gradients, or a slice that is not seg's gradients on
+-- the cpu. Engine:exchange reads them (sq_norm_blocks), which sets them
+-- back to NaN; zero_grad forgets any not read.
+function Reducer:norm_blocks_for(seg)
+  local R = self.P.reduce
+  if self.comm.size() ~= 1 or R.buffered or R.to_host or self.spill or self.half_grads or
+     not seg.writes or not self.boundary() or not self.grads then
+    return nil
+  end
+  local g = self.norm_slice and self.norm_slice(seg)
+  if not g or g:dtype_name() ~= "f32" or g:device_name() ~= "cpu" or g:numel() ~= seg.padded or
+     ffi.cast("char *", g.data) ~= ffi.cast("char *", self.grads.data) + 4 * seg.full_offset then
+    return nil
+  end
+  local nb = self.norm_blocks[seg.index]
+  if not nb then
+    local count = math.ceil(g:numel() / 4096)
+    local blocks = ffi.new("double[?]", count)
+    nb = { blocks = blocks, ptr = ffi.cast("double *", blocks), n = g:numel(), base = g.data,
+           count = count }
+    for k = 0, count - 1 do nb.blocks[k] = 0 / 0 end
+    self.norm_blocks[seg.index] = nb
+  end
+  nb.handed = true
+  return nb
+end
+
+-- The squared norm of segment i's slice g: its block partials taken where
+-- a backward left them (the same bits as g:sq_norm()), else g:sq_norm().
+function Reducer:slice_sq_norm(i, g)
+  local nb = self.norm_blocks[i]
+  if not nb or not nb.handed then return g:sq_norm() end
+  nb.handed = false
+  local out = ffi.new("double[1]")
+  ops.sq_norm_blocks(g, nb.ptr, ffi.cast("double *", out))
+  return out[0]
+end
+
+-- Block partials handed out and not read (a step that did not come, or
+-- values changed since): forgotten.
+function Reducer:forget_norm_blocks()
+  for _, nb in pairs(self.norm_blocks) do
+    if nb.handed then
+      for k = 0, nb.count - 1 do nb.blocks[k] = 0 / 0 end
+      nb.handed = false
     end
   end
 end
@@ -400,6 +460,7 @@ function Reducer:zero_grad()
   local copied = P.reduce.buffered and not self.spill and self.rgrads
   if copied then self:mark_unadded() end
   self.norm_sq = {}
+  self:forget_norm_blocks()
   if P.grads.extent == "full" and not P.reduce.buffered then
     self:zero_unwritten()
   elseif P.grads.extent ~= "none" and copied ~= self.grads then
