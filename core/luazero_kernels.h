@@ -321,9 +321,10 @@ lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz
  * slice_numel elements at element dw_at; blocks[k] becomes the sum of
  * squares of the slice's block k (lz_sq_norm's blocks of 4,096 elements,
  * its bits) for every block that lies inside one task's rows or one row-less
- * written expert; the other entries are left as they are. A device whose
- * kernel takes no partials leaves them all. dx or dw may be NULL, as in
- * moe_gemm_part_backward; blocks on the host. */
+ * written expert; the other entries are left as they are. blocks is host
+ * memory: the sim device's worker writes it when the op runs there, a cuda
+ * device's kernel takes no partials and leaves them all. dx or dw may be
+ * NULL, as in moe_gemm_part_backward. */
 lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                          const lz_tensor *x, const lz_tensor *w,
                                          const lz_tensor *offsets, int64_t part, int write,
@@ -347,7 +348,8 @@ lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *ou
  * unless NaN, is taken as block k's sum of squares instead of reading the
  * block; every entry is set back to NaN. The bits of lz_sq_norm(t) when each
  * entry given is its block's sum (as lz_moe_gemm_part_backward_norm writes
- * them); a NaN entry costs the block's read. */
+ * them); a NaN entry costs the block's read. (On a cuda device every
+ * block is read, in its own sq_norm's order, and the entries set to NaN.) */
 lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out);
 /* 1 if any element is NaN or Inf. */
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);

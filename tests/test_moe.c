@@ -452,9 +452,10 @@ LZ_TEST(moe_gemm_part_backward_write_is_add_into_zeros) {
  * the slice the bits of sq_norm, every entry NaN again after it. dw_at
  * off the blocks (blocks that straddle dw's edges or two tasks are not
  * given), the slice's last block short, f32 and bf16, moe-100m's shape.
- * expect: the count of entries to be given, -1 for some, -2 for any. */
+ * expect: the count of entries to be given, -1 for some, -2 for any;
+ * last: the slice's last block must be among them. */
 static void norm_case(int64_t N, int64_t E, int64_t part, int64_t C, int64_t D, lz_dtype dt,
-                      int64_t dw_at, int64_t after, int write, int64_t expect) {
+                      int64_t dw_at, int64_t after, int write, int64_t expect, int last) {
   const int64_t K = 2, P = 3, R = N * K, M = D * C, W = E * P * M, n = dw_at + W + after;
   const int64_t nb = (n + 4095) / 4096;
   routing rt = routing_new(N, E, K, 31 + (uint64_t)part, 1);
@@ -492,6 +493,7 @@ static void norm_case(int64_t N, int64_t E, int64_t part, int64_t C, int64_t D, 
                  "at %lld)", (long long)given, (long long)expect, (long long)D, (long long)C,
                  (long long)dw_at);
   if (expect == -1) CHECK(given > 0);
+  if (last) CHECK(blocks[nb - 1] == blocks[nb - 1]); /* the short last block taken */
   double a = -1.0, b = -2.0;
   lz_tensor *slice = T(fused, LZ_F32, n);
   CHECK_OK(lz_sq_norm(slice, &a));
@@ -509,15 +511,15 @@ LZ_TEST(moe_gemm_backward_norm_partials_are_sq_norms_bits) {
   for (int write = 0; write < 2; write++) {
     /* moe-100m's gate/up and down on the blocks: every block of the part's
      * experts (5 of them, the last with no row: given only where written) */
-    norm_case(160, 5, 1, 768, 2048, LZ_BF16, 0, 0, write, (write ? 5 : 4) * 384);
-    norm_case(160, 5, 2, 2048, 768, LZ_F32, 4096, 100, write, (write ? 5 : 4) * 384);
+    norm_case(160, 5, 1, 768, 2048, LZ_BF16, 0, 0, write, (write ? 5 : 4) * 384, 0);
+    norm_case(160, 5, 2, 2048, 768, LZ_F32, 4096, 100, write, (write ? 5 : 4) * 384, 0);
     /* off the blocks: tasks of 3,072 elements (no block inside one), of
      * 8,192 (some) */
-    norm_case(200, 3, 2, 24, 300, LZ_F32, 100, 0, write, -2);
-    norm_case(200, 3, 0, 64, 300, LZ_BF16, 4000, 7, write, -1);
+    norm_case(200, 3, 2, 24, 300, LZ_F32, 100, 0, write, -2, 0);
+    norm_case(200, 3, 0, 64, 300, LZ_BF16, 4000, 7, write, -1, 0);
   }
   /* the slice's last block short, inside the last expert (no row: zeros) */
-  norm_case(160, 5, 2, 100, 333, LZ_F32, 5, 0, 1, -1);
+  norm_case(160, 5, 2, 100, 333, LZ_F32, 5, 0, 1, -1, 1);
 }
 
 LZ_TEST(sq_norm_blocks_takes_what_it_is_given) {

@@ -237,6 +237,35 @@ function T.grad_norm_takes_the_experts_block_partials()
          :format(passes[1], passes[2]))
 end
 
+-- Off the blocks (a width of 40: tasks end inside blocks, and an expert
+-- with no rows gives its blocks +0 that its 128-row tasks would not take
+-- when it has rows) and with two backwards before a step (the public API
+-- allows it: both add into the gradients), the partials of the first are
+-- forgotten, not mixed with the second's: the same norms as sq_norm's pass.
+function T.grad_norm_partials_of_a_backward_before_the_last_are_forgotten()
+  local mixtral = require("models.mixtral")
+  local norms = {}
+  for k = 1, 2 do
+    local e, loader, loaded = engine_and_loader(0, 1, mixtral.new(mixtral.config(
+      "mixtral-tiny", { vocab = 256, n_embd = 40, n_hidden = 200 })))
+    if k == 2 then e.reducer.norm_blocks_for = function() return nil end end
+    norms[k] = {}
+    for i = 1, 6 do
+      for _ = 1, 2 do
+        local x, y = loader:next_batch()
+        e:backward(e:forward(x, y))
+      end
+      norms[k][i] = e:step().grad_norm
+    end
+    e:free(); loader:free(); loaded.tokens:free()
+  end
+  for i = 1, 6 do
+    assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
+           ("step %d: grad norm %.17g with the dW's partials, %.17g from sq_norm")
+           :format(i, norms[1][i], norms[2][i]))
+  end
+end
+
 -- A Linear's backward given a wrapper's weight and gradient (Linear:backward's
 -- w, dw) on a first micro-step: its own weight gradient reads zero, its bias
 -- gradient is added into zeros.

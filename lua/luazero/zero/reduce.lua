@@ -113,8 +113,11 @@ end
 -- accumulation's last micro-step, another module adding into seg, half or
 -- staged or spilled gradients, or a slice that is not seg's gradients on
 -- the cpu. Engine:exchange reads them (sq_norm_blocks), which sets them
--- back to NaN; zero_grad forgets any not read.
+-- back to NaN; zero_grad forgets any not read, and so does a second
+-- backward before the step (its tasks need not take the same blocks).
 function Reducer:norm_blocks_for(seg)
+  local old = self.norm_blocks[seg.index]
+  if old and old.handed then self:forget_norm_blocks(old) end
   local R = self.P.reduce
   if self.comm.size() ~= 1 or R.buffered or R.to_host or self.spill or self.half_grads or
      not seg.writes or not self.boundary() or not self.grads then
@@ -126,7 +129,7 @@ function Reducer:norm_blocks_for(seg)
     return nil
   end
   local nb = self.norm_blocks[seg.index]
-  if not nb then
+  if not nb or nb.base ~= g.data or nb.n ~= g:numel() then
     local count = math.ceil(g:numel() / 4096)
     local blocks = ffi.new("double[?]", count)
     nb = { blocks = blocks, ptr = ffi.cast("double *", blocks), n = g:numel(), base = g.data,
@@ -150,9 +153,9 @@ function Reducer:slice_sq_norm(i, g)
 end
 
 -- Block partials handed out and not read (a step that did not come, or
--- values changed since): forgotten.
-function Reducer:forget_norm_blocks()
-  for _, nb in pairs(self.norm_blocks) do
+-- values changed since): forgotten, those of one segment (only) or all.
+function Reducer:forget_norm_blocks(only)
+  for _, nb in pairs(only and { only } or self.norm_blocks) do
     if nb.handed then
       for k = 0, nb.count - 1 do nb.blocks[k] = 0 / 0 end
       nb.handed = false
