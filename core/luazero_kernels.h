@@ -35,6 +35,17 @@ lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
  * element whose every product is -0: written -0 where the add gives +0. */
 lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                                    const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
+/* lz_linear_backward (write: _write) that also takes the gradient norm's
+ * partials of dw's final values right after its product wrote them (in the
+ * cache, at the size of a layer's weight): dw lies in a gradient slice of
+ * slice_numel elements at element dw_at, and blocks[k] becomes the sum of
+ * squares of the slice's block k (lz_sq_norm's blocks of 4,096 elements,
+ * its bits) for every block inside dw; the others are left as they are
+ * (lz_sq_norm_blocks reads them). blocks is host memory, as in
+ * lz_moe_gemm_part_backward_norm; a cuda device takes no partials. */
+lz_status lz_linear_backward_norm(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                  const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
+                                  int write, double *blocks, int64_t slice_numel, int64_t dw_at);
 
 /* Over the last dimension C. mean, rstd: numel(x)/C floats, saved for backward. */
 lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,

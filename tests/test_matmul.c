@@ -3,6 +3,7 @@
 #include "lz_test.h"
 
 #include <stdlib.h> /* malloc */
+#include <string.h> /* memcmp */
 
 static uint64_t rng_state = 0x1234567ull;
 static float frand(void) { /* uniform in [-1, 1) */
@@ -234,6 +235,62 @@ LZ_TEST(linear_backward_write_is_add_into_zeros) {
     check_write_case(dts[d], 512, 768, 2048);
     check_write_case(dts[d], 512, 2048, 768);
   }
+}
+
+/* linear_backward_norm: dw, db and dx the bits of linear_backward (written,
+ * then added into), every block of the slice inside dw given sq_norm's bits
+ * of it, none other touched, the slice's short last block where dw ends it;
+ * dw at `at` in a slice of at + numel(dw) + after elements. */
+static void check_norm_case(lz_dtype dt, int64_t rows, int64_t in, int64_t outc, int64_t at,
+                            int64_t after) {
+  int64_t sx[2] = {rows, in}, sw[2] = {outc, in}, sy[2] = {rows, outc};
+  lz_tensor *x = rand_tensor(dt, 2, sx), *w = rand_tensor(dt, 2, sw), *dy = rand_tensor(dt, 2, sy);
+  const int64_t n = at + outc * in + after, nb = (n + 4095) / 4096;
+  int64_t sn[1] = {n};
+  lz_tensor *slice = rand_tensor(LZ_F32, 1, sn), *plain = NULL, *dwn = NULL;
+  CHECK_OK(lz_tensor_new(&plain, LZ_F32, 2, sw, LZ_MEM_WORKSPACE));
+  CHECK_OK(lz_tensor_view(&dwn, slice, at, 2, sw));
+  double *blocks = malloc(sizeof(double) * (size_t)nb);
+  for (int write = 1; write >= 0; write--) {
+    for (int64_t k = 0; k < nb; k++) blocks[k] = -1.0;
+    if (write) CHECK_OK(lz_linear_backward_write(NULL, plain, NULL, dy, x, w));
+    else CHECK_OK(lz_linear_backward(NULL, plain, NULL, dy, x, w));
+    CHECK_OK(lz_linear_backward_norm(NULL, dwn, NULL, dy, x, w, write, blocks, n, at));
+    CHECK(memcmp(plain->data, dwn->data, lz_tensor_bytes(plain)) == 0);
+    int64_t wrong = 0, given = 0;
+    for (int64_t k = 0; k < nb; k++) {
+      const int64_t lo = 4096 * k, len = n - lo < 4096 ? n - lo : 4096;
+      const int inside = lo >= at && lo + len <= at + outc * in;
+      if (!inside) {
+        wrong += blocks[k] != -1.0;
+        continue;
+      }
+      int64_t sl[1] = {len};
+      lz_tensor *b = NULL;
+      double want = -2.0;
+      CHECK_OK(lz_tensor_view(&b, slice, lo, 1, sl));
+      CHECK_OK(lz_sq_norm(b, &want));
+      lz_tensor_free(b);
+      wrong += memcmp(&want, &blocks[k], sizeof want) != 0;
+      given++;
+    }
+    CHECK(wrong == 0);
+    CHECK(given == (at + outc * in) / 4096 - (at + 4095) / 4096 + (after == 0 && n % 4096 != 0));
+  }
+  CHECK_ERR(lz_linear_backward_norm(NULL, dwn, NULL, dy, x, w, 1, blocks, n - 1, at + after),
+            LZ_ERR_INVALID, "does not lie in a slice");
+  CHECK_ERR(lz_linear_backward_norm(NULL, dwn, NULL, dy, x, w, 1, NULL, n, at), LZ_ERR_INVALID,
+            "blocks is NULL");
+  free(blocks);
+  lz_tensor *ts[] = {x, w, dy, slice, plain, dwn};
+  for (int i = 0; i < 6; i++) lz_tensor_free(ts[i]);
+}
+
+LZ_TEST(linear_backward_norm_partials_are_sq_norms_bits) {
+  check_norm_case(LZ_F32, 15, 12, 7, 0, 0);          /* the slice one short block, in dw */
+  check_norm_case(LZ_F32, 64, 100, 333, 5, 0);       /* off the blocks, a short last block */
+  check_norm_case(LZ_BF16, 512, 768, 768, 4096, 7);  /* 144 blocks, two threads' share */
+  check_norm_case(LZ_BF16, 256, 768, 2048, 1000, 0); /* off the blocks, the slice ends in dw */
 }
 
 /* A bf16 b not transposed is packed into oneDNN's blocked layout before the

@@ -365,6 +365,40 @@ void lz_sq_f32_blocks(const float *x, int64_t len, double *out) {
   for (; i < len; i += SQ_BLOCK, k++) out[k] = sq_f32_block(x + i, block_len(len, i, SQ_BLOCK));
 }
 
+void lz_sq_f32_take_blocks(const float *p, int64_t at, int64_t n, int64_t slice, double *blocks,
+                           int parallel) {
+  if (n <= 0) return;
+  const int64_t B = SQ_BLOCK, k0 = (at + B - 1) / B;
+  const int64_t k1 = at + n == slice ? (slice + B - 1) / B : (at + n) / B;
+  if (k1 <= k0) return;
+  if (!p) {
+    for (int64_t k = k0; k < k1; k++) blocks[k] = 0.0; /* a sum of +0 squares */
+    return;
+  }
+  const float *from = p + (k0 * B - at);
+  const int64_t len = (k1 * B < slice ? k1 * B : slice) - k0 * B;
+  if (!parallel) {
+    lz_sq_f32_blocks(from, len, blocks + k0);
+    return;
+  }
+  const int64_t quads = (k1 - k0 + SQ_QUAD - 1) / SQ_QUAD, step = (int64_t)SQ_QUAD * B;
+#pragma omp parallel for schedule(static) if (quads > 1)
+  for (int64_t q = 0; q < quads; q++)
+    lz_sq_f32_blocks(from + q * step, block_len(len, q * step, step), blocks + k0 + q * SQ_QUAD);
+}
+
+lz_status lz_check_norm_blocks(const char *op, const lz_tensor *dw, const double *blocks,
+                               int64_t slice_numel, int64_t dw_at, const char *plain) {
+  if (!blocks)
+    return lz_fail(LZ_ERR_INVALID, "%s: blocks is NULL; pass one double per %d elements of the "
+                   "slice, or call %s", op, SQ_BLOCK, plain);
+  if (dw && (dw_at < 0 || dw_at + lz_tensor_numel(dw) > slice_numel))
+    return lz_fail(LZ_ERR_INVALID, "%s: dw (%lld elements) at element %lld does not lie in a "
+                   "slice of %lld; dw_at must be 0 .. slice_numel - dw's elements", op,
+                   (long long)lz_tensor_numel(dw), (long long)dw_at, (long long)slice_numel);
+  return LZ_OK;
+}
+
 lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out) {
   const char *op = "sq_norm_blocks";
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);

@@ -5,6 +5,7 @@
 #include "mem/lz_backend.h"
 #include "mem/lz_internal.h"
 #include "kernels/lz_gemm.h"
+#include "kernels/lz_sq_blocks.h" /* the gradient norm's block partials */
 
 #include <dnnl.h>    /* dnnl_sgemm, matmul primitive */
 #include <omp.h>     /* omp_in_parallel: where b is packed first */
@@ -683,13 +684,14 @@ LZ_DISPATCH static void bias_grad_block(float *db, const void *dy, lz_dtype dt, 
     for (int64_t j = j0; j < j1; j++) db[j] += acc[j - j0];
 }
 
-static lz_status linear_backward_op(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+/* blocks, slice, dw_at: the _norm variant's partials (blocks NULL: none). */
+static lz_status linear_backward_op(const char *op, lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                                     const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
-                                    int write) {
-  const char *op = "linear_backward";
+                                    int write, double *blocks, int64_t slice, int64_t dw_at) {
   int64_t rows, in, outc;
   const lz_op_args args = {
-      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w}, .i = {write}};
+      .t = {dx, dw, db, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w},
+      .i = {write, dw_at, slice}, .blocks = blocks};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_LINEAR_BACKWARD, &args)); /* dy, x and w: one dtype */
   LZ_TRY(linear_shapes(op, x, w, dy, "dy", &rows, &in, &outc));
   if (dx) LZ_TRY(lz_check_numel(op, "dx", dx, rows * in, "the shape of x"));
@@ -700,12 +702,20 @@ static lz_status linear_backward_op(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
 
 lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db, const lz_tensor *dy,
                              const lz_tensor *x, const lz_tensor *w) {
-  return linear_backward_op(dx, dw, db, dy, x, w, 0);
+  return linear_backward_op("linear_backward", dx, dw, db, dy, x, w, 0, NULL, 0, 0);
 }
 
 lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                                    const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w) {
-  return linear_backward_op(dx, dw, db, dy, x, w, 1);
+  return linear_backward_op("linear_backward_write", dx, dw, db, dy, x, w, 1, NULL, 0, 0);
+}
+
+lz_status lz_linear_backward_norm(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                  const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
+                                  int write, double *blocks, int64_t slice_numel, int64_t dw_at) {
+  const char *op = "linear_backward_norm";
+  LZ_TRY(lz_check_norm_blocks(op, dw, blocks, slice_numel, dw_at, "linear_backward"));
+  return linear_backward_op(op, dx, dw, db, dy, x, w, write != 0, blocks, slice_numel, dw_at);
 }
 
 lz_status lz_cpu_linear_backward(const lz_op_args *a) {
@@ -718,6 +728,8 @@ lz_status lz_cpu_linear_backward(const lz_op_args *a) {
   if (dw)
     LZ_TRY(gemm(dt, 1, outc, in, rows, 1, 0, 0, 1.0f, dy->data, x->data, write ? 0.0f : 1.0f,
                 dw->data));
+  if (dw && a->blocks) /* the norm's partials, in cache */
+    lz_sq_f32_take_blocks(dw->data, a->i[1], outc * in, a->i[2], a->blocks, 1);
   if (db && rows == 0 && write) memset(db->data, 0, (size_t)outc * sizeof(float));
   if (db && rows > 0) {
     const int64_t block = 256;

@@ -251,13 +251,7 @@ lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_
                                          double *blocks, int64_t slice_numel, int64_t dw_at) {
   const char *op = "moe_gemm_part_backward_norm";
   LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
-  if (!blocks)
-    return lz_fail(LZ_ERR_INVALID, "%s: blocks is NULL; pass one double per 4096 elements of "
-                   "the slice, or call moe_gemm_part_backward", op);
-  if (dw && (dw_at < 0 || dw_at + lz_tensor_numel(dw) > slice_numel))
-    return lz_fail(LZ_ERR_INVALID, "%s: dw (%lld elements) at element %lld does not lie in a "
-                   "slice of %lld; dw_at must be 0 .. slice_numel - dw's elements", op,
-                   (long long)lz_tensor_numel(dw), (long long)dw_at, (long long)slice_numel);
+  LZ_TRY(lz_check_norm_blocks(op, dw, blocks, slice_numel, dw_at, "moe_gemm_part_backward"));
   LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
             .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
                   (lz_tensor *)offsets}, .i = {part, write != 0, dw_at, slice_numel},
@@ -290,18 +284,9 @@ static lz_status dx_task(const lz_op_args *a, const gemm_task *t) {
  * pass. Blocks that reach past lo .. lo + n are someone else's (another
  * task's, or sq_norm_blocks' to read). zeros: the elements are +0. */
 static void dw_norm_partials(const lz_op_args *a, int64_t lo, int64_t n, int zeros) {
-  if (!a->blocks || n <= 0) return;
-  const int64_t B = LZ_SQ_BLOCK, slice = a->i[3];
-  const int64_t s_lo = a->i[2] + lo, s_hi = s_lo + n; /* in the slice */
-  const int64_t k0 = (s_lo + B - 1) / B;
-  /* whole blocks end by s_hi; the slice's last, short block where s_hi is its end */
-  const int64_t k1 = s_hi == slice ? (slice + B - 1) / B : s_hi / B;
-  if (k1 <= k0) return;
-  const int64_t from = k0 * B, to = k1 * B < slice ? k1 * B : slice;
-  if (zeros)
-    for (int64_t k = k0; k < k1; k++) a->blocks[k] = 0.0; /* a sum of +0 squares */
-  else
-    lz_sq_f32_blocks((const float *)a->t[1]->data + (from - a->i[2]), to - from, a->blocks + k0);
+  if (!a->blocks) return;
+  lz_sq_f32_take_blocks(zeros ? NULL : (const float *)a->t[1]->data + lo, a->i[2] + lo, n,
+                        a->i[3], a->blocks, 0);
 }
 
 /* dw[e] rows r0 .. r0 + n += (the expert's dy columns r0 .. r0 + n)^T @ its

@@ -123,6 +123,10 @@ lz_status lz_linear_backward(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
 lz_status lz_linear_backward_write(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
                                    const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w);
 
+lz_status lz_linear_backward_norm(lz_tensor *dx, lz_tensor *dw, lz_tensor *db,
+                                  const lz_tensor *dy, const lz_tensor *x, const lz_tensor *w,
+                                  int write, double *blocks, int64_t slice_numel, int64_t dw_at);
+
 lz_status lz_layernorm_forward(lz_tensor *out, lz_tensor *mean, lz_tensor *rstd,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *b,
                                float eps);

@@ -183,22 +183,25 @@ local function wrap_ops(self, ops)
         self:leaf(gemm_key(self, "fwd", x:dtype_name(), rows, n_out, n_in), 2 * rows * n_out * n_in,
                   true, orig, y, x, w, b)
       end
-    elseif name == "linear_backward" or name == "linear_backward_write" then
-      fn = function(dx, dw, db, dy, x, w)
-        if not self.active then return orig(dx, dw, db, dy, x, w) end
+    elseif name:match("^linear_backward") then
+      -- (..., the _norm variant's write flag and partials, passed on)
+      fn = function(dx, dw, db, dy, x, w, ...)
+        if not self.active then return orig(dx, dw, db, dy, x, w, ...) end
         local n_out = w:dim(1)
         local n_in = w:numel() / n_out
         local rows, dt = x:numel() / n_in, x:dtype_name()
         local flops = 2 * rows * n_out * n_in
         if dx then
           self:leaf(gemm_key(self, "dX", dt, rows, n_in, n_out), flops, true, orig, dx, nil, nil,
-                    dy, x, w)
+                    dy, x, w, ...)
         end
         if dw then
           self:leaf(gemm_key(self, "dW", dt, n_out, n_in, rows), flops, true, orig, nil, dw, nil,
-                    dy, x, w)
+                    dy, x, w, ...)
         end
-        if db then self:leaf(name .. " (bias gradient)", 0, false, orig, nil, nil, db, dy, x, w) end
+        if db then
+          self:leaf(name .. " (bias gradient)", 0, false, orig, nil, nil, db, dy, x, w, ...)
+        end
       end
     elseif name:match("_step$") then
       local moves = step_moves(name)

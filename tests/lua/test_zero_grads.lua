@@ -191,18 +191,18 @@ function T.grad_norm_comes_from_the_last_reduction()
   assert(passes[2] > 0.99, "sq_norm's pass: " .. passes[2])
 end
 
--- At one rank the experts' grouped dW takes the norm's block partials of
--- what it writes, in cache (zero/reduce.lua's norm_blocks_for): the norm
+-- At one rank the weight gradients' products take the norm's block
+-- partials of what they write, in cache (zero/reduce.lua's
+-- norm_blocks_for): the experts' grouped dW and the Linears' dW. The norm
 -- reads the rest, and every step's norm and the run's checksum are those
 -- of sq_norm's own pass, bit for bit. (Without accumulation: with it the
 -- gradients are staged and the last reduction's add gives the partials,
--- above. An expert's part of 128 x 64 is two blocks; 48 x 64 holds none.)
-function T.grad_norm_takes_the_experts_block_partials()
-  local mixtral = require("models.mixtral")
+-- above. An expert's part of 128 x 64 is two blocks, 48 x 64 none; GPT-2
+-- at width 128 has Linears of 4 to 16 blocks.)
+local function partials_against_the_pass(model_of)
   local norms, sums, passes, given = {}, {}, {}, 0
   for k = 1, 2 do
-    local e, loader, loaded = engine_and_loader(0, 1,
-      mixtral.new(mixtral.config("mixtral-tiny", { vocab = 256, n_hidden = 128 })))
+    local e, loader, loaded = engine_and_loader(0, 1, model_of())
     assert(not e:plan().reduce.buffered)
     if k == 2 then e.reducer.norm_blocks_for = function() return nil end end
     local read = e.reducer.slice_sq_norm
@@ -225,7 +225,7 @@ function T.grad_norm_takes_the_experts_block_partials()
     sums[k] = e:params_checksum()
     e:free(); loader:free(); loaded.tokens:free()
   end
-  assert(given > 0, "no block partial was taken by the experts' dW")
+  assert(given > 0, "no block partial was taken by a dW")
   for i = 1, 3 do
     assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
            ("step %d: grad norm %.17g with the dW's partials, %.17g from sq_norm")
@@ -235,6 +235,22 @@ function T.grad_norm_takes_the_experts_block_partials()
   assert(passes[2] > 0.99 and passes[1] < 0.5,
          ("the norm's pass read %.3f of the gradients with the partials, %.3f without")
          :format(passes[1], passes[2]))
+  return passes[1]
+end
+
+function T.grad_norm_takes_the_experts_block_partials()
+  local mixtral = require("models.mixtral")
+  partials_against_the_pass(function()
+    return mixtral.new(mixtral.config("mixtral-tiny", { vocab = 256, n_hidden = 128 }))
+  end)
+end
+
+function T.grad_norm_takes_the_linears_block_partials()
+  local gpt2 = require("models.gpt2")
+  partials_against_the_pass(function()
+    return gpt2.new(gpt2.config("gpt2-nano", { n_layer = 2, n_embd = 128, n_head = 2,
+                                               context = 16 }))
+  end)
 end
 
 -- Off the blocks (a width of 40: tasks end inside blocks, and an expert

@@ -5,6 +5,7 @@
 -- forward and backward take an optional weight to multiply by instead of the
 -- module's own (and, in backward, where that weight's gradient goes): a
 -- wrapper (nn/lora.lua) passes an effective weight it formed from this one.
+local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 
@@ -48,6 +49,10 @@ end
 
 -- One kernel call writes the weight's and the bias's gradients.
 function Linear:writes_grads() return true end
+-- Its weight gradient's product takes the gradient norm's block partials
+-- where the engine hands them (self.norm_blocks: zero/reduce.lua's
+-- norm_blocks_for), while the gradient is in the cache.
+Linear.takes_norm_blocks = true
 
 -- w, dw: the weight forward was given and where its gradient accumulates.
 -- self.grads_write (set by the engine for this call): the own gradients
@@ -55,8 +60,8 @@ function Linear:writes_grads() return true end
 function Linear:backward(dy, w, dw)
   local x = self.input
   local dx = self:scratch({ x:dim(1), x:dim(2), self.n_in })
-  local write = self.grads_write
-  self.grads_write = nil
+  local write, nb = self.grads_write, self.norm_blocks
+  self.grads_write, self.norm_blocks = nil, nil
   local own, gown
   if not w then
     own, gown = self:weight(), self:weight_grad()
@@ -71,8 +76,15 @@ function Linear:backward(dy, w, dw)
   end
   local dyw, ww = self:matmul_operands(dy, w)
   local gb = self.has_bias and self:bias_grad()
-  local backward = write and ops.linear_backward_write or ops.linear_backward
-  backward(dx, dw, gb or nil, dyw, x, ww)
+  local at = nb and gown and
+             tonumber(ffi.cast("char *", gown.data) - ffi.cast("char *", nb.base)) / 4
+  if at and at >= 0 and at + gown:numel() <= nb.n then
+    -- (its own gradient, where the slice the norm reads holds it)
+    ops.linear_backward_norm(dx, dw, gb or nil, dyw, x, ww, write and 1 or 0, nb.ptr, nb.n, at)
+  else
+    local backward = write and ops.linear_backward_write or ops.linear_backward
+    backward(dx, dw, gb or nil, dyw, x, ww)
+  end
   if own then self:release(own, gown) end
   if gb then self:release(gb) end
   return dx
