@@ -106,7 +106,8 @@ end
 
 -- The gradient norm's block partials of seg's slice, for a module whose
 -- backward can take them as it writes the gradients (m.takes_norm_blocks:
--- the experts' grouped dW, in cache): { blocks = one double per 4,096
+-- a Linear's dW and the experts' grouped dW, while what they wrote is in
+-- the cache): { blocks = one double per 4,096
 -- elements of the slice, NaN where not taken; n = the slice's elements;
 -- base = its data }, or nil where the norm will not read the values that
 -- backward leaves: more than one rank (a reduction follows), not the
