@@ -403,9 +403,7 @@ lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out) {
   const char *op = "sq_norm_blocks";
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);
   *out = 0.0;
-  if (!blocks)
-    return lz_fail(LZ_ERR_INVALID, "%s: blocks is NULL; pass one double per %d elements of t "
-                   "(NaN where a block's sum is not known)", op, SQ_BLOCK);
+  LZ_TRY(lz_check_norm_blocks(op, NULL, blocks, 0, 0, "sq_norm"));
   LZ_TRY(lz_check_present(op, "t", t));
   LZ_OP_RUN(op, LZ_OP_SQ_NORM_BLOCKS, .t = {(lz_tensor *)t}, .blocks = blocks, .out_f64 = out);
 }

@@ -223,26 +223,30 @@ static lz_status backward_checks(const char *op, lz_tensor *dx, lz_tensor *dw,
   return LZ_OK;
 }
 
-/* One part's backward; write: dw written (beta 0), not added into. */
+/* One part's backward; write: dw written (beta 0), not added into;
+ * blocks, slice, dw_at: the _norm variant's partials (blocks NULL: none). */
 static lz_status part_backward(const char *op, lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                const lz_tensor *x, const lz_tensor *w, const lz_tensor *offsets,
-                               int64_t part, int64_t write) {
+                               int64_t part, int64_t write, double *blocks, int64_t slice,
+                               int64_t dw_at) {
   LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
   LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
             .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
-                  (lz_tensor *)offsets}, .i = {part, write});
+                  (lz_tensor *)offsets}, .i = {part, write, dw_at, slice}, .blocks = blocks);
 }
 
 lz_status lz_moe_gemm_part_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                     const lz_tensor *x, const lz_tensor *w,
                                     const lz_tensor *offsets, int64_t part) {
-  return part_backward("moe_gemm_part_backward", dx, dw, dy, x, w, offsets, part, 0);
+  return part_backward("moe_gemm_part_backward", dx, dw, dy, x, w, offsets, part, 0, NULL, 0,
+                       0);
 }
 
 lz_status lz_moe_gemm_part_backward_write(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                                           const lz_tensor *x, const lz_tensor *w,
                                           const lz_tensor *offsets, int64_t part) {
-  return part_backward("moe_gemm_part_backward_write", dx, dw, dy, x, w, offsets, part, 1);
+  return part_backward("moe_gemm_part_backward_write", dx, dw, dy, x, w, offsets, part, 1,
+                       NULL, 0, 0);
 }
 
 lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
@@ -250,12 +254,9 @@ lz_status lz_moe_gemm_part_backward_norm(lz_tensor *dx, lz_tensor *dw, const lz_
                                          const lz_tensor *offsets, int64_t part, int write,
                                          double *blocks, int64_t slice_numel, int64_t dw_at) {
   const char *op = "moe_gemm_part_backward_norm";
-  LZ_TRY(backward_checks(op, dx, dw, dy, x, w, offsets, part));
   LZ_TRY(lz_check_norm_blocks(op, dw, blocks, slice_numel, dw_at, "moe_gemm_part_backward"));
-  LZ_OP_RUN(op, LZ_OP_MOE_GEMM_BACKWARD,
-            .t = {dx, dw, (lz_tensor *)dy, (lz_tensor *)x, (lz_tensor *)w,
-                  (lz_tensor *)offsets}, .i = {part, write != 0, dw_at, slice_numel},
-            .blocks = blocks);
+  return part_backward(op, dx, dw, dy, x, w, offsets, part, write != 0, blocks, slice_numel,
+                       dw_at);
 }
 
 lz_status lz_moe_gemm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,

@@ -34,6 +34,15 @@ local function bytes_of(t)
   return ffi.string(t.data, t:numel() * 4)
 end
 
+-- Each step's grad norm of one run (a, the way under test) the bits of the
+-- other's (b, sq_norm's own pass), and not zero.
+local function same_norms(a, b, how)
+  for i = 1, #b do
+    assert(a[i] == b[i] and a[i] > 0, ("step %d: grad norm %.17g %s, %.17g from sq_norm")
+                                      :format(i, a[i], how, b[i]))
+  end
+end
+
 -- After a step, the segments a Linear writes are left unzeroed (fresh):
 -- garbage there (NaN) changes nothing, and the same backward over a buffer
 -- zeroed whole gives the same bits.
@@ -182,11 +191,7 @@ function T.grad_norm_comes_from_the_last_reduction()
     passes[k] = parts["sq_norm (grad norm)"] and parts["sq_norm (grad norm)"].passes or 0
     e:free(); loader:free(); loaded.tokens:free()
   end
-  for i = 1, 3 do
-    assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
-           ("step %d: grad norm %.17g from the reduction, %.17g from sq_norm")
-           :format(i, norms[1][i], norms[2][i]))
-  end
+  same_norms(norms[1], norms[2], "from the reduction")
   assert(passes[1] == 0, "the norm still read the gradients: " .. passes[1] .. " pass")
   assert(passes[2] > 0.99, "sq_norm's pass: " .. passes[2])
 end
@@ -226,11 +231,7 @@ local function partials_against_the_pass(model_of)
     e:free(); loader:free(); loaded.tokens:free()
   end
   assert(given > 0, "no block partial was taken by a dW")
-  for i = 1, 3 do
-    assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
-           ("step %d: grad norm %.17g with the dW's partials, %.17g from sq_norm")
-           :format(i, norms[1][i], norms[2][i]))
-  end
+  same_norms(norms[1], norms[2], "with the dW's partials")
   assert(sums[1] == sums[2], "checksums differ: " .. sums[1] .. " vs " .. sums[2])
   assert(passes[2] > 0.99 and passes[1] < 0.5,
          ("the norm's pass read %.3f of the gradients with the partials, %.3f without")
@@ -275,11 +276,7 @@ function T.grad_norm_partials_of_a_backward_before_the_last_are_forgotten()
     end
     e:free(); loader:free(); loaded.tokens:free()
   end
-  for i = 1, 6 do
-    assert(norms[1][i] == norms[2][i] and norms[1][i] > 0,
-           ("step %d: grad norm %.17g with the dW's partials, %.17g from sq_norm")
-           :format(i, norms[1][i], norms[2][i]))
-  end
+  same_norms(norms[1], norms[2], "with the dW's partials")
 end
 
 -- A Linear's backward given a wrapper's weight and gradient (Linear:backward's

@@ -5,7 +5,6 @@
 -- forward and backward take an optional weight to multiply by instead of the
 -- module's own (and, in backward, where that weight's gradient goes): a
 -- wrapper (nn/lora.lua) passes an effective weight it formed from this one.
-local ffi = require("ffi")
 local lz = require("luazero")
 local Module = require("luazero.nn.module")
 
@@ -76,9 +75,8 @@ function Linear:backward(dy, w, dw)
   end
   local dyw, ww = self:matmul_operands(dy, w)
   local gb = self.has_bias and self:bias_grad()
-  local at = nb and gown and
-             tonumber(ffi.cast("char *", gown.data) - ffi.cast("char *", nb.base)) / 4
-  if at and at >= 0 and at + gown:numel() <= nb.n then
+  local at = nb and gown and nb.at(gown)
+  if at then
     -- (its own gradient, where the slice the norm reads holds it)
     ops.linear_backward_norm(dx, dw, gb or nil, dyw, x, ww, write and 1 or 0, nb.ptr, nb.n, at)
   else

@@ -363,9 +363,9 @@ function Experts:backward(dy)
   if st then
     local off = route.offsets
     local gemm_backward = write and ops.moe_gemm_part_backward_write or ops.moe_gemm_part_backward
-    if nb and st.g_in then
-      -- (where the block's gradients start in the slice the norm reads)
-      local at = tonumber(ffi.cast("char *", st.g_in.data) - ffi.cast("char *", nb.base)) / 4
+    -- (where the block's gradients start in the slice the norm reads)
+    local at = nb and st.g_in and nb.at(st.g_in)
+    if at then
       gemm_backward = function(dx_, dw, dy_, x_, w, off_, part)
         return ops.moe_gemm_part_backward_norm(dx_, dw, dy_, x_, w, off_, part, write and 1 or 0,
                                                nb.ptr, nb.n, at)

@@ -674,7 +674,9 @@ function Engine:exchange(local_loss)
     -- (a partial the last micro-step's add took, else a pass of its own)
     local fused = self.reducer.norm_sq
     -- (or of block partials a backward took as it wrote them)
-    for i, g in ipairs(self.grad_slices) do send[i] = fused[i] or self.reducer:slice_sq_norm(i, g) end
+    for i, g in ipairs(self.grad_slices) do
+      send[i] = fused[i] or self.reducer:slice_sq_norm(i, g)
+    end
     self.reducer.norm_sq = {}
   end
   self.comm.all_gather(self.meta_send, self.meta_recv)

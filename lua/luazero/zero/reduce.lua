@@ -107,15 +107,17 @@ end
 -- The gradient norm's block partials of seg's slice, for a module whose
 -- backward can take them as it writes the gradients (m.takes_norm_blocks:
 -- a Linear's dW and the experts' grouped dW, while what they wrote is in
--- the cache): { blocks = one double per 4,096
--- elements of the slice, NaN where not taken; n = the slice's elements;
--- base = its data }, or nil where the norm will not read the values that
--- backward leaves: more than one rank (a reduction follows), not the
--- accumulation's last micro-step, another module adding into seg, half or
--- staged or spilled gradients, or a slice that is not seg's gradients on
--- the cpu. Engine:exchange reads them (sq_norm_blocks), which sets them
--- back to NaN; zero_grad forgets any not read, and so does a second
--- backward before the step (its tasks need not take the same blocks).
+-- the cache): { blocks = one double per 4,096 elements of the slice, NaN
+-- where not taken (ptr: as a double *); n = the slice's elements; base =
+-- its data; at(t) = the element of the slice where tensor t starts, nil
+-- where t does not lie in it }, or nil where the norm will not read the
+-- values that backward leaves: more than one rank (a reduction follows),
+-- not the accumulation's last micro-step, another module adding into seg,
+-- half or staged or spilled gradients, or a slice that is not seg's
+-- gradients on the cpu. Engine:exchange reads them (sq_norm_blocks), which
+-- sets them back to NaN; zero_grad forgets any not read, and so does a
+-- second backward before the step (its tasks need not take the same
+-- blocks).
 function Reducer:norm_blocks_for(seg)
   local old = self.norm_blocks[seg.index]
   if old and old.handed then self:forget_norm_blocks(old) end
@@ -133,8 +135,13 @@ function Reducer:norm_blocks_for(seg)
   if not nb or nb.base ~= g.data or nb.n ~= g:numel() then
     local count = math.ceil(g:numel() / 4096)
     local blocks = ffi.new("double[?]", count)
-    nb = { blocks = blocks, ptr = ffi.cast("double *", blocks), n = g:numel(), base = g.data,
+    local n, base = g:numel(), ffi.cast("char *", g.data)
+    nb = { blocks = blocks, ptr = ffi.cast("double *", blocks), n = n, base = g.data,
            count = count }
+    nb.at = function(t)
+      local at = tonumber(ffi.cast("char *", t.data) - base) / 4
+      if at >= 0 and at + t:numel() <= n then return at end
+    end
     for k = 0, count - 1 do nb.blocks[k] = 0 / 0 end
     self.norm_blocks[seg.index] = nb
   end
