@@ -671,12 +671,10 @@ function Engine:exchange(local_loss)
     for i = 1, K - 1 do send[i] = 0 end
     for _, ns in ipairs(self.norm_slots) do send[ns.slot] = ns.g:sq_norm() end
   else
-    -- (a partial the last micro-step's add took, else a pass of its own)
-    local fused = self.reducer.norm_sq
-    -- (or of block partials a backward took as it wrote them)
-    for i, g in ipairs(self.grad_slices) do
-      send[i] = fused[i] or self.reducer:slice_sq_norm(i, g)
-    end
+    -- (a partial the last micro-step's add took, else of block partials a
+    -- backward took as it wrote them and a pass over the rest)
+    local r, fused = self.reducer, self.reducer.norm_sq
+    for i, g in ipairs(self.grad_slices) do send[i] = fused[i] or r:slice_sq_norm(i, g) end
     self.reducer.norm_sq = {}
   end
   self.comm.all_gather(self.meta_send, self.meta_recv)
