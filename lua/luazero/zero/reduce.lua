@@ -133,9 +133,9 @@ function Reducer:norm_blocks_for(seg)
   end
   local nb = self.norm_blocks[seg.index]
   if not nb or nb.base ~= g.data or nb.n ~= g:numel() then
-    local count = math.ceil(g:numel() / 4096)
-    local blocks = ffi.new("double[?]", count)
     local n, base = g:numel(), ffi.cast("char *", g.data)
+    local count = math.ceil(n / 4096)
+    local blocks = ffi.new("double[?]", count)
     nb = { blocks = blocks, ptr = ffi.cast("double *", blocks), n = n, base = g.data,
            count = count }
     nb.at = function(t)
