@@ -139,12 +139,13 @@ LZ_TEST(adamw_errors) {
   lz_test_operands_free(&o);
 }
 
-/* The f16 working copy is converted in the update's own vectorized pass, by
- * a different (branch-free) routine than lz_f32_to_f16: it must give the
- * same bits on every kind of value. With lr 0, no decay and zero gradients
- * the step leaves each parameter as it was, so the working copy is the
+/* The f16 and bf16 working copies are converted in the update's own
+ * vectorized pass, by other routines than lz_f32_to_f16 and lz_f32_to_bf16
+ * (branch-free; AVX-512 lanes and streaming stores): they must give the same
+ * bits on every kind of value. With lr 0, no decay and zero gradients the
+ * step leaves each parameter as it was, so the working copy is the
  * conversion of chosen bit patterns. */
-static void check_f16_bits(const uint32_t *bits, int64_t n) {
+static void check_half_bits(const uint32_t *bits, int64_t n, lz_dtype dt) {
   const int64_t s1[1] = {n};
   float *p = malloc(sizeof(float) * n), *g = calloc((size_t)n, sizeof(float));
   float *m = calloc((size_t)n, sizeof(float)), *v = calloc((size_t)n, sizeof(float));
@@ -152,7 +153,7 @@ static void check_f16_bits(const uint32_t *bits, int64_t n) {
   for (int64_t i = 0; i < n; i++) memcpy(&p[i], &bits[i], 4);
   lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
   lz_tensor *tm = lz_test_wrap(m, LZ_F32, 1, s1), *tv = lz_test_wrap(v, LZ_F32, 1, s1);
-  lz_tensor *tw = lz_test_wrap(w, LZ_F16, 1, s1);
+  lz_tensor *tw = lz_test_wrap(w, dt, 1, s1);
   const lz_adamw_args args = {.lr = 0.0f,
                               .beta1 = 0.9f,
                               .beta2 = 0.999f,
@@ -168,11 +169,11 @@ static void check_f16_bits(const uint32_t *bits, int64_t n) {
     /* Arithmetic quiets a signaling NaN; every other value comes through as is. */
     int is_nan = (bits[i] & 0x7fffffffu) > 0x7f800000u;
     if (is_nan ? u != (bits[i] | 0x400000u) : u != bits[i]) changed++;
-    uint16_t want = lz_f32_to_f16(p[i]);
+    uint16_t want = dt == LZ_F16 ? lz_f32_to_f16(p[i]) : lz_f32_to_bf16(p[i]);
     if (w[i] != want) {
       if (bad < 5)
-        printf("    f32 0x%08x: working copy 0x%04x, lz_f32_to_f16 0x%04x\n", (unsigned)u,
-               (unsigned)w[i], (unsigned)want);
+        printf("    f32 0x%08x: working copy 0x%04x, lz_f32_to_%s 0x%04x\n", (unsigned)u,
+               (unsigned)w[i], dt == LZ_F16 ? "f16" : "bf16", (unsigned)want);
       bad++;
     }
   }
@@ -183,7 +184,7 @@ static void check_f16_bits(const uint32_t *bits, int64_t n) {
   free(p), free(g), free(m), free(v), free(w);
 }
 
-LZ_TEST(adamw_f16_copy_is_bitwise_the_scalar_conversion) {
+LZ_TEST(adamw_half_copies_are_bitwise_the_scalar_conversions) {
   enum { MAX = 1 << 20 };
   uint32_t *bits = malloc(sizeof(uint32_t) * MAX);
   int64_t n = 0;
@@ -198,6 +199,8 @@ LZ_TEST(adamw_f16_copy_is_bitwise_the_scalar_conversion) {
       0x47800000u, 0x7f7fffffu, 0x7f800000u,              /* 65536, FLT_MAX, Inf */
       0x7f800001u, 0x7fbfffffu, 0x7fc00000u, 0x7fc02000u, /* NaNs: signaling, quiet, payloads */
       0x7fffffffu, 0x7f802000u, 0x7fa00000u, 0x7f801fffu,
+      0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, /* bf16's ties at 1, either way */
+      0x7f7f8000u, 0x7f7f7fffu, 0x00008000u, 0x00018000u, /* its overflow tie, subnormal ties */
   };
   for (size_t i = 0; i < sizeof special / sizeof special[0]; i++) {
     bits[n++] = special[i];
@@ -221,8 +224,11 @@ LZ_TEST(adamw_f16_copy_is_bitwise_the_scalar_conversion) {
     float f = lz_test_uniform(&r) * 4.0f;
     memcpy(&bits[n++], &f, 4);
   }
-  check_f16_bits(bits, n);        /* over 2^16 elements: threaded blocks */
-  check_f16_bits(bits + 3, 1001); /* a short, odd tail */
+  for (int k = 0; k < 2; k++) {
+    const lz_dtype dt = k ? LZ_BF16 : LZ_F16;
+    check_half_bits(bits, n, dt);        /* over 2^16 elements: threaded blocks */
+    check_half_bits(bits + 3, 1001, dt); /* a short, odd tail, unaligned */
+  }
   free(bits);
 }
 
