@@ -362,6 +362,8 @@ lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *ou
  * them); a NaN entry costs the block's read. (On a cuda device every
  * block is read, in its own sq_norm's order, and the entries set to NaN.) */
 lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out);
+/* Elements per block of lz_sq_norm_blocks' partials (4,096). */
+int64_t lz_sq_norm_block_size(void);
 /* 1 if any element is NaN or Inf. */
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 

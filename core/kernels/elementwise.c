@@ -399,6 +399,8 @@ lz_status lz_check_norm_blocks(const char *op, const lz_tensor *dw, const double
   return LZ_OK;
 }
 
+int64_t lz_sq_norm_block_size(void) { return SQ_BLOCK; }
+
 lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out) {
   const char *op = "sq_norm_blocks";
   if (!out) return lz_fail(LZ_ERR_INVALID, "%s: out is NULL", op);

@@ -304,6 +304,8 @@ lz_status lz_add_sq_norm(lz_tensor *y, const lz_tensor *x, int write, double *ou
 
 lz_status lz_sq_norm_blocks(const lz_tensor *t, double *blocks, double *out);
 
+int64_t lz_sq_norm_block_size(void);
+
 lz_status lz_has_inf_nan(const lz_tensor *t, int *out);
 
 typedef struct lz_adamw_args {

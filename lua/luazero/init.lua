@@ -31,6 +31,9 @@ end
 
 local C = load_library()
 lz.C = C
+-- Elements per block of the gradient norm's partials (lz_sq_norm_blocks:
+-- one double per block, NaN where no kernel took it).
+lz.SQ_NORM_BLOCK = tonumber(C.lz_sq_norm_block_size())
 lz.ffi = ffi
 
 function lz.version() return ffi.string(C.lz_version()) end

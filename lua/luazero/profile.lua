@@ -244,9 +244,9 @@ local function wrap_ops(self, ops)
       -- the gradient norm's pass over the blocks no kernel took (NaN)
       fn = function(t, blocks, out)
         if not self.active then return orig(t, blocks, out) end
-        local n, read = t:numel(), 0
-        for k = 0, math.ceil(n / 4096) - 1 do
-          if blocks[k] ~= blocks[k] then read = read + math.min(4096, n - 4096 * k) end
+        local n, read, B = t:numel(), 0, lz.SQ_NORM_BLOCK
+        for k = 0, math.ceil(n / B) - 1 do
+          if blocks[k] ~= blocks[k] then read = read + math.min(B, n - B * k) end
         end
         local top = self.stack[#self.stack]
         local ctx = top and top.ctx or "model"

@@ -134,7 +134,7 @@ function Reducer:norm_blocks_for(seg)
   local nb = self.norm_blocks[seg.index]
   if not nb or nb.base ~= g.data or nb.n ~= g:numel() then
     local n, base = g:numel(), ffi.cast("char *", g.data)
-    local count = math.ceil(n / 4096)
+    local count = math.ceil(n / lz.SQ_NORM_BLOCK)
     local blocks = ffi.new("double[?]", count)
     nb = { blocks = blocks, ptr = ffi.cast("double *", blocks), n = n, base = g.data,
            count = count }
