@@ -46,6 +46,7 @@ M.internal = {
   "C", "ffi", "check", "last_error", "dtypes", "categories", "category_order", "devices",
   "Tensor", "pinned", "arena", "arena_over", "ARENA_ALIGN", "mem_device",
   "mem_device_peak", "mem_device_total_peak", "mem_reset_peak", "sim", "sim_copy_ns",
+  "SQ_NORM_BLOCK",
   "device_capacity", "device_synchronize", "copy_async", "stream_synchronize", "event",
   "copy_bytes", "copy_bytes_reset", "cuda", "cpu_has", "bf16_matmul", "bf16_attention",
   "executable", "xxh64",
