@@ -250,17 +250,9 @@ static inline __attribute__((always_inline)) void block32_body(float *restrict p
   }
 }
 
-/* 16 parameters to bf16 as lz_bf16_from_f32_inline rounds them (nearest
- * even, NaN quieted; not vcvtneps2bf16, which flushes subnormals). */
+/* 16 parameters to bf16 as lz_bf16_from_f32_inline rounds them. */
 A8_VBMI static inline void store_bf16x16(uint16_t *w, const float *p) {
-  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p)), top = _mm512_srli_epi32(u, 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  const __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(
-      _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_or_epi32(r, nan, top, _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256((__m256i *)w, _mm512_cvtepi32_epi16(r));
+  _mm256_storeu_si256((__m256i *)w, lz_optim_bf16x16(p));
 }
 
 /* Writes the working copy of 64 updated parameters. */

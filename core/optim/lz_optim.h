@@ -7,6 +7,8 @@
 
 #include "mem/lz_internal.h"
 
+#include <immintrin.h> /* lz_optim_bf16x16 */
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -49,6 +51,22 @@ lz_status lz_optim_check_arg(const char *op, const char *name, float value, lz_o
  * f16), the fastest way this machine has. */
 typedef void (*lz_optim_store_fn)(void *restrict w, const float *restrict p, int64_t n);
 lz_optim_store_fn lz_optim_working_store(lz_dtype dt);
+
+/* 16 floats at p as bf16, rounded as lz_bf16_from_f32_inline rounds them
+ * (nearest even, NaN quieted; not vcvtneps2bf16, which flushes subnormals):
+ * the working copy's vector rounding, for optim_pass.c's store and the
+ * 8-bit step's. Inlined into AVX-512 code only. */
+static inline __attribute__((always_inline, target("avx512f"))) __m256i
+lz_optim_bf16x16(const float *p) {
+  const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p)), top = _mm512_srli_epi32(u, 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(top, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_or_epi32(r, nan, top, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
 
 /* The pass, checks done and the tensors on the cpu: chunks of the element
  * range, spread over threads in contiguous static ranges, each updated by

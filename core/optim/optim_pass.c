@@ -58,30 +58,19 @@ LZ_DISPATCH static void store_bf16(void *restrict w, const float *restrict p, in
   for (int64_t i = 0; i < n; i++) h[i] = lz_bf16_from_f32_inline(p[i]);
 }
 
-/* AVX-512: the same rounding on 16 lanes, and streaming stores: the working
- * copy is read again only by the next forward, long after it has left the
- * cache, so its lines are written without first being read (a plain store
- * reads each line before writing it: 2 of the 32 bytes AdamW moves a
- * parameter). The fence orders the streamed lines before whatever reads
- * them next. */
+/* AVX-512: the same rounding on 16 lanes (lz_optim_bf16x16), and streaming
+ * stores: the working copy is read again only by the next forward, long
+ * after it has left the cache, so its lines are written without first being
+ * read (a plain store reads each line before writing it: 2 of the 32 bytes
+ * AdamW moves a parameter). The fence orders the streamed lines before
+ * whatever reads them next. */
 __attribute__((target("avx512f,avx512bw"))) static void store_bf16_avx512(void *restrict w,
                                                                           const float *restrict p,
                                                                           int64_t n) {
   uint16_t *h = w;
   int64_t i = 0;
-  const __m512i lsb = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
-  const __m512i abs = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
-  const __m512i quiet = _mm512_set1_epi32(0x40);
   for (; i < n && ((uintptr_t)(h + i) & 31); i++) h[i] = lz_bf16_from_f32_inline(p[i]);
-  for (; i + 16 <= n; i += 16) {
-    const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(p + i));
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-    const __m512i up = _mm512_add_epi32(_mm512_add_epi32(u, half),
-                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), lsb));
-    const __m512i r = _mm512_mask_or_epi32(_mm512_srli_epi32(up, 16), nan,
-                                           _mm512_srli_epi32(u, 16), quiet);
-    _mm256_stream_si256((__m256i *)(h + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= n; i += 16) _mm256_stream_si256((__m256i *)(h + i), lz_optim_bf16x16(p + i));
   for (; i < n; i++) h[i] = lz_bf16_from_f32_inline(p[i]);
   _mm_sfence();
 }
