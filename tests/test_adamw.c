@@ -151,7 +151,8 @@ static void check_half_bits(const uint32_t *bits, int64_t n, lz_dtype dt, int64_
   float *m = calloc((size_t)n, sizeof(float)), *v = calloc((size_t)n, sizeof(float));
   /* the working copy w_at elements into a 64-byte-aligned buffer: off the
    * vector stores' alignment, so a vector pass meets a ragged head */
-  uint16_t *w_buf = aligned_alloc(64, sizeof(uint16_t) * (size_t)(n + 64)), *w = w_buf + w_at;
+  const size_t w_bytes = (sizeof(uint16_t) * (size_t)(n + w_at) + 63) / 64 * 64;
+  uint16_t *w_buf = aligned_alloc(64, w_bytes), *w = w_buf + w_at;
   for (int64_t i = 0; i < n; i++) memcpy(&p[i], &bits[i], 4);
   lz_tensor *tp = lz_test_wrap(p, LZ_F32, 1, s1), *tg = lz_test_wrap(g, LZ_F32, 1, s1);
   lz_tensor *tm = lz_test_wrap(m, LZ_F32, 1, s1), *tv = lz_test_wrap(v, LZ_F32, 1, s1);
