@@ -9,13 +9,18 @@ one line where it is absent; this prints each file's output, then the sums. A
 file that exits non-zero without failures, or prints no summary, counts as one
 failure. Run with Debian's /usr/bin/python3 (python3-torch):
     /usr/bin/python3 tests/ref/run.py [test_x.py ...]
-LZ_LIB picks the library (default build/lib/libluazero.so).
+LZ_LIB picks the library (default build/lib/libluazero.so). The files run
+LZ_REF_JOBS at a time (default: the CPU count, at most 2; most of a file's
+time is importing torch and transformers), their outputs printed whole and in
+order, each with its wall time.
 """
+import concurrent.futures
 import glob
 import os
 import re
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed\s*$", re.M)
@@ -36,29 +41,40 @@ def main(argv):
     files = [os.path.join(HERE, f) for f in argv] if argv else sorted(
         glob.glob(os.path.join(HERE, "test_*.py")) + glob.glob(os.path.join(HERE, "test5_*.py")))
     total_pass = total_fail = 0
-    for path in files:
+
+    def run(path):
         name = os.path.basename(path)
-        print(f"== {name}", flush=True)
         python = sys.executable
         if name.startswith("test5_"):
             python, why = refenv.python5()
             if python is None:
-                print(f"skip: {name}: {why}")
-                continue
+                return f"skip: {name}: {why}\n", None, 0.0
+        start = time.monotonic()
         proc = subprocess.run([python, path], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, cwd=HERE)
-        sys.stdout.write(proc.stdout)
-        found = SUMMARY.findall(proc.stdout)
-        if not found:
-            print(f"== {name}: exit {proc.returncode} without a summary line: 1 failure")
-            total_fail += 1
-            continue
-        p, f = map(int, found[-1])
-        if proc.returncode != 0 and f == 0:
-            print(f"== {name}: exit {proc.returncode} with no failed check: 1 failure")
-            f = 1
-        total_pass += p
-        total_fail += f
+        return proc.stdout, proc.returncode, time.monotonic() - start
+
+    jobs = int(os.environ.get("LZ_REF_JOBS") or min(2, os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for path, done in zip(files, [pool.submit(run, path) for path in files]):
+            name = os.path.basename(path)
+            print(f"== {name}", flush=True)
+            out, rc, took = done.result()
+            sys.stdout.write(out)
+            if rc is None:
+                continue
+            print(f"== {name}: {took:.1f} s", flush=True)
+            found = SUMMARY.findall(out)
+            if not found:
+                print(f"== {name}: exit {rc} without a summary line: 1 failure")
+                total_fail += 1
+                continue
+            p, f = map(int, found[-1])
+            if rc != 0 and f == 0:
+                print(f"== {name}: exit {rc} with no failed check: 1 failure")
+                f = 1
+            total_pass += p
+            total_fail += f
     if not files:
         print("ref: no tests/ref/test_*.py found")
         total_fail += 1
