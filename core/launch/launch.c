@@ -512,8 +512,12 @@ static int relay_output(job *j, int timeout_ms) {
   int np = 0;
   for (int i = 0; i < j->nranks * 2; i++)
     if (j->streams[i].fd >= 0) j->pfds[np++] = (struct pollfd){j->streams[i].fd, POLLIN, 0};
-  if (!np) {
-    if (timeout_ms > 0) usleep((useconds_t)timeout_ms * 1000);
+  if (!np) { /* no pipe open: wait for a rank to end (none left: no wait), in 1 ms naps */
+    for (int waited = 0; waited < timeout_ms && !got_signal; waited++) {
+      siginfo_t ended = {0};
+      if (waitid(P_ALL, 0, &ended, WEXITED | WNOHANG | WNOWAIT) != 0 || ended.si_pid) break;
+      usleep(1000);
+    }
     return 0;
   }
   if (poll(j->pfds, (nfds_t)np, timeout_ms) <= 0) return np;
