@@ -710,5 +710,32 @@ LZ_TEST(moe_errors_name_the_argument) {
             LZ_ERR_INVALID, "1 <= K <= E");
   CHECK_ERR(lz_moe_permute_forward(T(y, LZ_F32, 5, 4), T(x, LZ_F32, 2, 4), T(sor, LZ_I32, 5)),
             LZ_ERR_INVALID, "a whole number K of slots");
+  /* row_of_slot with a row twice (token 1's second slot repeats token 0's
+   * row 2): refused by every op that takes it as moe_sort's permutation,
+   * where it would sum the row once (combine forward, permute backward) or
+   * have two threads write it (combine backward), naming both slots */
+  int32_t twice[4] = {2, 0, 1, 2};
+  float wts[4] = {0.5f, 0.5f, 0.25f, 0.75f}, o[8], yy[8] = {1, 2, 3, 4, 5, 6, 7, 8}, dy[8], dws[4];
+  const char *want = "row_of_slot[3] is 2, as row_of_slot[0] is";
+  CHECK_ERR(lz_moe_combine_forward(T(o, LZ_F32, 2, 2), T(yy, LZ_F32, 4, 2), T(wts, LZ_F32, 2, 2),
+                                   T(twice, LZ_I32, 2, 2)),
+            LZ_ERR_INVALID, want);
+  CHECK_ERR(lz_moe_combine_backward(T(dy, LZ_F32, 4, 2), T(dws, LZ_F32, 2, 2),
+                                    T(o, LZ_F32, 2, 2), T(yy, LZ_F32, 4, 2),
+                                    T(wts, LZ_F32, 2, 2), T(twice, LZ_I32, 2, 2)),
+            LZ_ERR_INVALID, want);
+  CHECK_ERR(lz_moe_permute_backward(T(o, LZ_F32, 2, 2), T(yy, LZ_F32, 4, 2),
+                                    T(twice, LZ_I32, 2, 2)),
+            LZ_ERR_INVALID, "moe_permute_backward: row_of_slot[3] is 2");
+  /* the same ops over moe_sort's own permutation run */
+  int32_t perm[4] = {2, 0, 1, 3};
+  CHECK(lz_moe_combine_forward(T(o, LZ_F32, 2, 2), T(yy, LZ_F32, 4, 2), T(wts, LZ_F32, 2, 2),
+                               T(perm, LZ_I32, 2, 2)) == LZ_OK);
+  CHECK(o[0] == 0.5f * 5 + 0.5f * 1 && o[3] == 0.25f * 4 + 0.75f * 8);
+  /* more slots than an i32 row index holds: refused before anything is
+   * read (the tensors only describe 2^31 slots over a small buffer) */
+  CHECK_ERR(lz_moe_sort(T(ros, LZ_I32, 1073741824, 2), T(sor, LZ_I32, 2147483648LL),
+                        T(off, LZ_I32, 5), T(idx, LZ_I32, 1073741824, 2)),
+            LZ_ERR_INVALID, "moe_sort: idx has 2147483648 slots");
   unwrap_all();
 }

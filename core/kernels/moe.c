@@ -15,7 +15,8 @@
 #include "mem/lz_internal.h"
 
 #include <math.h>   /* expf */
-#include <stdlib.h> /* calloc, free */
+#include <stdint.h> /* INT32_MAX */
+#include <stdlib.h> /* calloc, malloc, free */
 
 /* Rows per thread task where rows are short. */
 #define ROWS_PER_TASK 16
@@ -47,6 +48,33 @@ static lz_status check_ids(lz_op op, const char *name, const int32_t *ids, int64
   if (i < 0) return LZ_OK;
   return lz_fail(LZ_ERR_INVALID, "%s: %s[%lld] is %d, outside [0, %lld) (%s)",
                  lz_op_infos[op].name, name, (long long)i, (int)v, (long long)hi, what);
+}
+
+/* row_of_slot as moe_sort makes it: its n values (each in [0, n), already
+ * checked) a permutation of 0 .. n - 1. A repeated row would be summed once
+ * by combine forward and permute backward, and written by two threads at
+ * once by combine backward: refused, naming both slots. */
+static lz_status check_permutation(lz_op op, const int32_t *rows, int64_t n) {
+  int64_t *first = malloc((size_t)(n ? n : 1) * sizeof *first);
+  if (!first)
+    return lz_fail(LZ_ERR_NOMEM, "%s: out of memory checking row_of_slot's %lld rows",
+                   lz_op_infos[op].name, (long long)n);
+  for (int64_t r = 0; r < n; r++) first[r] = -1;
+  for (int64_t s = 0; s < n; s++) {
+    if (first[rows[s]] < 0) {
+      first[rows[s]] = s;
+      continue;
+    }
+    const int64_t was = first[rows[s]];
+    free(first);
+    return lz_fail(LZ_ERR_INVALID,
+                   "%s: row_of_slot[%lld] is %d, as row_of_slot[%lld] is: each row must be one "
+                   "slot's; pass row_of_slot as moe_sort makes it (a permutation of 0 .. %lld)",
+                   lz_op_infos[op].name, (long long)s, (int)rows[s], (long long)was,
+                   (long long)(n - 1));
+  }
+  free(first);
+  return LZ_OK;
 }
 
 static inline float load(const void *p, lz_dtype dt, int64_t i) {
@@ -195,6 +223,11 @@ lz_status lz_moe_sort(lz_tensor *row_of_slot, lz_tensor *slot_of_row, lz_tensor 
   LZ_TRY(lz_check_same_shape(op, "row_of_slot", row_of_slot, "idx", idx));
   LZ_TRY(lz_check_numel(op, "slot_of_row", slot_of_row, lz_tensor_numel(idx),
                         "one row per slot of idx"));
+  if (lz_tensor_numel(idx) > INT32_MAX)
+    return lz_fail(LZ_ERR_INVALID,
+                   "moe_sort: idx has %lld slots (tokens x top-k); rows and offsets are i32, so "
+                   "at most %d: route fewer tokens per call (a smaller micro-batch or sequence)",
+                   (long long)lz_tensor_numel(idx), INT32_MAX);
   LZ_OP_RUN(op, LZ_OP_MOE_SORT,
             .t = {row_of_slot, slot_of_row, offsets, (lz_tensor *)idx});
 }
@@ -311,6 +344,7 @@ lz_status lz_cpu_moe_permute_backward(const lz_op_args *a) {
   const int32_t *rows = ros->data;
   LZ_TRY(check_ids(LZ_OP_MOE_PERMUTE_BACKWARD, "row_of_slot", rows, N * K, N * K,
                    "R, the rows of dout"));
+  LZ_TRY(check_permutation(LZ_OP_MOE_PERMUTE_BACKWARD, rows, N * K));
   float *d = dx->data;
 #pragma omp parallel for schedule(static) if (moe_tasks(N, K * H))
   for (int64_t t = 0; t < N; t++)
@@ -345,6 +379,7 @@ lz_status lz_cpu_moe_combine_forward(const lz_op_args *a) {
   const int32_t *rows = ros->data;
   LZ_TRY(check_ids(LZ_OP_MOE_COMBINE_FORWARD, "row_of_slot", rows, N * K, N * K,
                    "R, the rows of y"));
+  LZ_TRY(check_permutation(LZ_OP_MOE_COMBINE_FORWARD, rows, N * K));
   const float *w = a->t[2]->data;
   float *o = out->data;
 #pragma omp parallel for schedule(static) if (moe_tasks(N, K * H))
@@ -398,6 +433,7 @@ lz_status lz_cpu_moe_combine_backward(const lz_op_args *a) {
   const int32_t *rows = ros->data;
   LZ_TRY(check_ids(LZ_OP_MOE_COMBINE_BACKWARD, "row_of_slot", rows, N * K, N * K,
                    "R, the rows of y"));
+  LZ_TRY(check_permutation(LZ_OP_MOE_COMBINE_BACKWARD, rows, N * K));
   const float *w = a->t[4]->data, *d = dout->data;
 #pragma omp parallel for schedule(static) if (moe_tasks(N, K * H))
   for (int64_t t = 0; t < N; t++)
