@@ -231,6 +231,48 @@ function T.convert_states_to_and_from_u8()
   r:free()
 end
 
+-- convert-states never writes over a folder that exists (another step of
+-- the run, another run's checkpoint); refuses a copy no run could resume
+-- (Lion keeps its state in f32 only and has no bf16 master); and
+-- Adam8bit, AdamW8bit's update under another default, resumes an
+-- AdamW8bit checkpoint (what an Adam8bit run's u8 -> f32 -> u8 round trip
+-- records) and AdamW8bit an Adam8bit one.
+function T.convert_states_refuses_what_no_run_resumes()
+  local convert = require("luazero.checkpoint.convert")
+  local e = engine({ stage = 0 }, { type = "Adam8bit", params = { lr = 3e-3, min_8bit_size = 500 } })
+  train(e, 1)
+  e:save(tmp .. "/adam8", {})
+  e:free()
+  local step = tmp .. "/adam8/step-000001"
+  expect_error(function() convert.states(step, step, "f32") end,
+               "convert-states: " .. step .. " exists; give a new folder (convert-states never " ..
+               "replaces a checkpoint)")
+  convert.states(step, tmp .. "/adam8f/step-000001", "f32")
+  expect_error(function() convert.states(step, tmp .. "/adam8f/step-000001", "u8") end,
+               "exists; give a new folder")
+  convert.states(tmp .. "/adam8f/step-000001", tmp .. "/adam8b/step-000001", "u8")
+  local back = engine({ stage = 1 }, { type = "Adam8bit", params = { lr = 3e-3, min_8bit_size = 500 } })
+  back:load(tmp .. "/adam8b/step-000001") -- recorded as AdamW8bit
+  back:free()
+  local w8 = engine({ stage = 0 })
+  w8:load(step) -- an Adam8bit checkpoint
+  w8:free()
+  local lion = engine({ stage = 0 }, { type = "Lion", params = { lr = 1e-4 } })
+  train(lion, 1)
+  lion:save(tmp .. "/lion", {})
+  lion:free()
+  local ls = tmp .. "/lion/step-000001"
+  expect_error(function() convert.states(ls, tmp .. "/l16/step-000001", "bf16") end,
+               "the optimizer Lion keeps its states in f32, not bf16, and names no optimizer " ..
+               "that keeps them in bf16: no run could resume the copy")
+  expect_error(function() convert.states(ls, tmp .. "/lm/step-000001", nil, "bf16") end,
+               "the optimizer Lion keeps no bf16 master weights (it has no " ..
+               "bf16_stochastic_round): no run could resume the copy")
+  for _, d in ipairs({ "/l16", "/lm" }) do
+    assert(io.open(tmp .. d .. "/step-000001/manifest.json") == nil, d .. " was written")
+  end
+end
+
 -- lz_adamw8bit_requantize gives a dequantisation's values back bit for
 -- bit, blocks whose largest magnitude is negative (the signed map has no
 -- -1.0), denormal and zero blocks included. (The update stores its largest

@@ -15,6 +15,7 @@
 local disk = require("luazero.checkpoint.disk")
 local manifest_io = require("luazero.checkpoint.manifest")
 local atomic = require("luazero.io.atomic")
+local fs = require("luazero.io.fs")
 local formats = require("luazero.optim.formats")
 local optimizers = require("luazero.optim.registry")
 
@@ -36,18 +37,30 @@ end
 
 -- The optimizer type and params a record becomes with its states in
 -- format `to` (dir: the checkpoint, for errors).
+-- The formats an optimizer's states may be kept in: its declaration's
+-- keeps, else the formats its states are declared in (Lion's f32).
+local function kept(c)
+  if c.keeps then return c.keeps end
+  local list, seen = {}, {}
+  for _, name in ipairs(c.states) do
+    local f = c.state_formats[name]
+    if not seen[f] then seen[f] = true; list[#list + 1] = f end
+  end
+  return list
+end
+
 local function converted(rec, to, dir)
   local class = optimizers.of_record(rec, dir)
   local function keeps(c)
-    if not c.keeps then return true end
-    for _, f in ipairs(c.keeps) do if f == to then return true end end
+    for _, f in ipairs(kept(c)) do if f == to then return true end end
     return false
   end
   if keeps(class) then return rec.type, rec.params end
   local target, spelling = optimizers.find(class.converts_to and class.converts_to[to])
   if not target or not keeps(target) then
     fail("convert-states: the optimizer %s keeps its states in %s, not %s, and names no " ..
-         "optimizer that keeps them in %s", class.name, table.concat(class.keeps, " or "), to, to)
+         "optimizer that keeps them in %s: no run could resume the copy", class.name,
+         table.concat(kept(class), " or "), to, to)
   end
   local params = {}
   for k, v in pairs(target.defaults) do
@@ -78,11 +91,22 @@ function M.states(path, out, to, master)
     fail("convert-states: --master must be f32 or bf16 (got %s)", tostring(master))
   end
   local dir = disk.resolve(path)
+  if fs.exists(out) then
+    fail("convert-states: %s exists; give a new folder (convert-states never replaces a " ..
+         "checkpoint)", out)
+  end
   local m = disk.read_manifest(dir)
   local rec = manifest_io.optimizer_of(m)
   if not rec then
     fail("convert-states: %s records no optimizer (saved without a config); its states' " ..
          "formats are unknown", dir)
+  end
+  if master == "bf16" and rec.master_format ~= "bf16" then
+    local class = optimizers.of_record(rec, dir)
+    if not (class.accepted and class.accepted.bf16_stochastic_round) then
+      fail("convert-states: the optimizer %s keeps no bf16 master weights (it has no " ..
+           "bf16_stochastic_round): no run could resume the copy", class.name)
+    end
   end
   local from = M.formats_of(m)
   local names, was = {}, {}

@@ -5,7 +5,7 @@ local adamw8bit = require("luazero.optim.adamw8bit")
 
 local spec = {}
 for k, v in pairs(adamw8bit) do spec[k] = v end
-spec.name, spec.types = "Adam8bit", { "Adam8bit" }
+spec.name, spec.types, spec.resumes = "Adam8bit", { "Adam8bit" }, { "AdamW8bit" }
 spec.params = {}
 for i, d in ipairs(adamw8bit.params) do
   local copy = {}

@@ -38,6 +38,8 @@ return {
   -- (the same moments in f32 or bf16: a checkpoint converted to them
   -- resumes as AdamW)
   converts_to = { f32 = "AdamW", bf16 = "AdamW" },
+  -- (Adam8bit is this update under another default weight decay)
+  resumes = { "Adam8bit" },
 
   -- bf16_stochastic_round (torchao's flag, as AdamW reads it): no fp32
   -- master, the bf16 parameters updated through stochastic rounding.

@@ -39,6 +39,9 @@
 --                 convert-states to another is refused unless
 --   converts_to   names, per format, the optimizer.type that keeps the same
 --                 states in it (AdamW8bit's f32: AdamW)
+--   resumes       optional: other optimizers' names whose checkpoints it
+--                 resumes as its own (the same update and states under
+--                 other defaults: Adam8bit's AdamW8bit and back)
 --   matrix        optional matrix(entry, hidden): true for a parameter the
 --                 optimizer updates as a whole matrix (Muon's); the engine
 --                 then runs prepare(self, call, step, grad_scale) over its
@@ -93,7 +96,13 @@ end
 -- optimizer.
 function Base:accepts(type_name)
   local e = type(type_name) == "string" and by_type[type_name:lower()]
-  return e ~= nil and e ~= false and e.class == getmetatable(self)
+  if not e then return false end
+  local mine = getmetatable(self)
+  if e.class == mine then return true end
+  for _, name in ipairs(mine.resumes or {}) do
+    if name == e.class.name then return true end
+  end
+  return false
 end
 
 local function check_states(states, origin)
@@ -139,6 +148,12 @@ function M.define(spec, origin)
       bad(origin, "optimizer.type %s is %s's already", t, by_type[t:lower()].class.name)
     end
   end
+  if spec.resumes ~= nil then
+    if type(spec.resumes) ~= "table" then bad(origin, "resumes must be a list of optimizer names") end
+    for i, t in ipairs(spec.resumes) do
+      if type(t) ~= "string" then bad(origin, "resumes[%d] must be a string", i) end
+    end
+  end
   local defaults = schema.check(spec.params, origin)
   local names, fmts, signed = check_states(spec.states, origin)
   local class = {
@@ -149,7 +164,7 @@ function M.define(spec, origin)
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
     orthogonalize_scratch = spec.orthogonalize_scratch,
-    keeps = spec.keeps, converts_to = spec.converts_to,
+    keeps = spec.keeps, converts_to = spec.converts_to, resumes = spec.resumes,
   }
   class.__index = class
   setmetatable(class, { __index = Base })
