@@ -287,21 +287,27 @@ static void describe(int status, char *buf, size_t len) {
  * the default action (which would skip the clean-up). */
 static const int job_signals[] = {SIGINT, SIGTERM, SIGHUP};
 #define N_JOB_SIGNALS 3
-static struct sigaction saved_actions[N_JOB_SIGNALS], saved_pipe;
+static struct sigaction saved_actions[N_JOB_SIGNALS], saved_pipe, saved_child;
 
+/* SIGCHLD back to its default too: ignored (as a parent may leave it, and
+ * exec keeps), the kernel would reap the ranks itself and the launcher
+ * would never see them end. */
 static void signals_catch(void) {
-  struct sigaction sa = {0}, ign = {0};
+  struct sigaction sa = {0}, ign = {0}, dfl = {0};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   got_signal = 0;
   for (int i = 0; i < N_JOB_SIGNALS; i++) sigaction(job_signals[i], &sa, &saved_actions[i]);
   ign.sa_handler = SIG_IGN;
   sigaction(SIGPIPE, &ign, &saved_pipe);
+  dfl.sa_handler = SIG_DFL;
+  sigaction(SIGCHLD, &dfl, &saved_child);
 }
 
 static void signals_restore(void) {
   for (int i = 0; i < N_JOB_SIGNALS; i++) sigaction(job_signals[i], &saved_actions[i], NULL);
   sigaction(SIGPIPE, &saved_pipe, NULL);
+  sigaction(SIGCHLD, &saved_child, NULL);
 }
 
 /* Bytes of memory the system can give without swapping (MemAvailable), 0
@@ -512,11 +518,20 @@ static int relay_output(job *j, int timeout_ms) {
   int np = 0;
   for (int i = 0; i < j->nranks * 2; i++)
     if (j->streams[i].fd >= 0) j->pfds[np++] = (struct pollfd){j->streams[i].fd, POLLIN, 0};
-  if (!np) { /* no pipe open: wait for a rank to end (none left: no wait), in 1 ms naps */
-    for (int waited = 0; waited < timeout_ms && !got_signal; waited++) {
+  if (!np) {
+    /* No pipe open (the ranks' output not relayed, or closed as they end):
+     * up to timeout_ms for a rank to end (none left: no wait) or a new
+     * signal, in naps of 1, 2, 4 ... ms, so a job's end is seen within a
+     * few ms of its last rank's and a long run wakes a few times per
+     * timeout, not every millisecond. */
+    const sig_atomic_t had = got_signal;
+    for (int waited = 0, nap = 1; waited < timeout_ms && got_signal == had;) {
       siginfo_t ended = {0};
       if (waitid(P_ALL, 0, &ended, WEXITED | WNOHANG | WNOWAIT) != 0 || ended.si_pid) break;
-      usleep(1000);
+      if (nap > timeout_ms - waited) nap = timeout_ms - waited;
+      usleep((useconds_t)nap * 1000);
+      waited += nap;
+      if (nap < 64) nap *= 2;
     }
     return 0;
   }

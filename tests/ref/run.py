@@ -50,12 +50,17 @@ def main(argv):
             if python is None:
                 return f"skip: {name}: {why}\n", None, 0.0
         start = time.monotonic()
-        proc = subprocess.run([python, path], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=HERE)
+        try:
+            proc = subprocess.run([python, path], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, errors="replace",
+                                  cwd=HERE)
+        except OSError as e:
+            return f"== {name}: cannot run {python}: {e}\n", 1, time.monotonic() - start
         return proc.stdout, proc.returncode, time.monotonic() - start
 
     jobs = int(os.environ.get("LZ_REF_JOBS") or min(2, os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
         for path, done in zip(files, [pool.submit(run, path) for path in files]):
             name = os.path.basename(path)
             print(f"== {name}", flush=True)
@@ -75,6 +80,9 @@ def main(argv):
                 f = 1
             total_pass += p
             total_fail += f
+    finally:
+        # Ctrl-C or an error here: the files not started yet are not run
+        pool.shutdown(wait=True, cancel_futures=True)
     if not files:
         print("ref: no tests/ref/test_*.py found")
         total_fail += 1
