@@ -44,17 +44,28 @@ static int same_bits(const lz_tensor *a, const lz_tensor *b) {
   return same;
 }
 
-/* A tensor's contents: uniform in [-1, 1), |.| for POS, ids in [0, RANGE). */
+/* A tensor's contents: uniform in [-1, 1), |.| for POS, ids in [0, RANGE),
+ * or (PERM) a random permutation of 0 .. numel - 1. */
 typedef struct {
   lz_dtype dt;
   int nd;
   int64_t shape[4];
-  int ids; /* > 0: i32 ids in [0, ids) */
+  int ids; /* > 0: i32 ids in [0, ids); -1: a permutation */
   int pos; /* positive values */
 } spec;
 
 static void fill_random(lz_tensor *t, const spec *s, uint64_t *rng) {
   int64_t n = lz_tensor_numel(t);
+  if (s->ids < 0) {
+    int32_t *p = t->data;
+    for (int64_t i = 0; i < n; i++) p[i] = (int32_t)i;
+    for (int64_t i = n - 1; i > 0; i--) {
+      const int64_t j = (int64_t)(lz_test_xorshift(rng) % (uint64_t)(i + 1));
+      const int32_t v = p[i];
+      p[i] = p[j], p[j] = v;
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; i++) {
     if (s->ids) {
       ((int32_t *)t->data)[i] = (int32_t)(lz_test_xorshift(rng) % (uint64_t)s->ids);
@@ -113,6 +124,8 @@ static void check_op(const char *name, op_fn fn, int n, const spec *specs) {
   { LZ_U8, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, 0, 0 }
 #define IDS(range, ...) \
   { LZ_I32, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, range, 0 }
+#define PERM(...) \
+  { LZ_I32, sizeof((int64_t[]){__VA_ARGS__}) / 8, {__VA_ARGS__}, -1, 0 }
 #define CHECK_OP(name, ...) \
   check_op(#name, name, sizeof((spec[]){__VA_ARGS__}) / sizeof(spec), (spec[]){__VA_ARGS__})
 
@@ -463,10 +476,10 @@ LZ_TEST(sim_every_op_matches_cpu_bitwise) {
   CHECK_OP(moe_route_bwd, BF16(6, 4), F32(6, 2), F32(6, 4), F32P(6, 4), IDS(4, 6, 2));
   CHECK_OP(moe_sort, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2));
   CHECK_OP(moe_permute_fwd, BF16(12, 8), F32(6, 8), IDS(12, 12));
-  CHECK_OP(moe_permute_bwd, F32(6, 8), BF16(12, 8), IDS(12, 6, 2));
-  CHECK_OP(moe_combine_fwd, F32(6, 8), BF16(12, 8), F32(6, 2), IDS(12, 6, 2));
+  CHECK_OP(moe_permute_bwd, F32(6, 8), BF16(12, 8), PERM(6, 2));
+  CHECK_OP(moe_combine_fwd, F32(6, 8), BF16(12, 8), F32(6, 2), PERM(6, 2));
   CHECK_OP(moe_combine_bwd, F32(12, 8), F32(6, 2), F32(6, 8), F32(12, 8), F32(6, 2),
-           IDS(12, 6, 2));
+           PERM(6, 2));
   CHECK_OP(moe_gemm_fwd, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2), F32(12, 5),
            BF16(12, 8), BF16(4, 5, 8));
   CHECK_OP(moe_gemm_bwd_dx, IDS(1, 6, 2), IDS(1, 12), IDS(1, 5), IDS(4, 6, 2), F32(12, 8),
