@@ -132,6 +132,41 @@ if [ $code = 143 ] && [ -z "$left" ] && [ "$(echo "$dt < 5" | bc)" = 1 ] &&
   ok "SIGTERM while 8 ranks start: exit 143 in ${dt%????} s with a message, no process left"
 else bad "SIGTERM while 8 ranks start (exit $code after $dt s, left '$left')" "$TMP/startup"; fi
 
+# --- a parent that ignores SIGCHLD (exec keeps it ignored): the launcher
+# puts it back to its default, so it still sees its ranks end
+/usr/bin/python3 -c '
+import signal, subprocess, sys, time
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+t = time.time()
+p = subprocess.Popen([sys.argv[1], "-n", "2", "-e", "io.write(\"done\\n\")"], stdout=subprocess.PIPE)
+try:
+    out, _ = p.communicate(timeout=20)
+    print("exit", p.returncode, "lines", out.decode().count("done"), "in %.2f s" % (time.time() - t))
+except subprocess.TimeoutExpired:
+    p.kill()
+    print("no end after 20 s")
+' "$BIN/luazero" > "$TMP/sigchld" 2>&1
+if grep -Eq "^exit 0 lines 2 in [0-9.]+ s$" "$TMP/sigchld"; then
+  ok "SIGCHLD ignored by the launcher's parent: the job ends ($(cut -d' ' -f5- "$TMP/sigchld"))"
+else bad "SIGCHLD ignored by the launcher's parent" "$TMP/sigchld"; fi
+
+# --- SIGINT to a launcher whose ranks ignore SIGTERM and relay no output:
+# it waits for them (3 s, then SIGKILL) asleep, not spinning
+IGNORER='local ffi = require("ffi"); ffi.cdef("typedef void (*lz_sh)(int); lz_sh signal(int, lz_sh); int poll(void *, unsigned long, int);"); ffi.C.signal(15, ffi.cast("lz_sh", 1)); ffi.C.signal(2, ffi.cast("lz_sh", 1)); ffi.C.poll(nil, 0, 30000)'
+tag="launcher-$$-quiet"
+LZ_TEST_JOB=$tag LZ_RANK_OUTPUT=quiet "$BIN/luazero" -n 2 -e "$IGNORER" > "$TMP/quiet" 2>&1 &
+lpid=$!
+sleep 1
+kill -INT $lpid
+sleep 2.5
+ticks=$(awk '{print $14 + $15}' "/proc/$lpid/stat" 2>/dev/null)
+wait $lpid
+code=$?
+left=$(job_left "$tag" $lpid)
+if [ -n "$ticks" ] && [ "$ticks" -lt 50 ] && [ $code = 130 ] && [ -z "$left" ]; then
+  ok "SIGINT, ranks ignoring SIGTERM, output quiet: $ticks CPU ticks of the launcher in 3.5 s, exit 130, no process left"
+else bad "SIGINT, ranks ignoring SIGTERM, output quiet (ticks '$ticks', exit $code, left '$left')" "$TMP/quiet"; fi
+
 # --- under mpirun: OpenMPI's rank variables become RANK, WORLD_SIZE,
 # LOCAL_RANK, LOCAL_WORLD_SIZE, and the cores are shared among the ranks
 want=$((cores / 3)); [ $want -lt 1 ] && want=1
