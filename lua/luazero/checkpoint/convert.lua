@@ -37,22 +37,10 @@ end
 
 -- The optimizer type and params a record becomes with its states in
 -- format `to` (dir: the checkpoint, for errors).
--- The formats an optimizer's states may be kept in: its declaration's
--- keeps, else the formats its states are declared in (Lion's f32).
-local function kept(c)
-  if c.keeps then return c.keeps end
-  local list, seen = {}, {}
-  for _, name in ipairs(c.states) do
-    local f = c.state_formats[name]
-    if not seen[f] then seen[f] = true; list[#list + 1] = f end
-  end
-  return list
-end
-
 local function converted(rec, to, dir)
   local class = optimizers.of_record(rec, dir)
   local function keeps(c)
-    for _, f in ipairs(kept(c)) do if f == to then return true end end
+    for _, f in ipairs(c.keeps) do if f == to then return true end end
     return false
   end
   if keeps(class) then return rec.type, rec.params end
@@ -60,7 +48,7 @@ local function converted(rec, to, dir)
   if not target or not keeps(target) then
     fail("convert-states: the optimizer %s keeps its states in %s, not %s, and names no " ..
          "optimizer that keeps them in %s: no run could resume the copy", class.name,
-         table.concat(kept(class), " or "), to, to)
+         table.concat(class.keeps, " or "), to, to)
   end
   local params = {}
   for k, v in pairs(target.defaults) do

@@ -35,7 +35,8 @@
 --   defaults_name optional: the name its defaults also go by in
 --                 luazero.config (adam_defaults)
 --   keeps         optional: the formats its states may be kept in (a
---                 config's choice: AdamW's f32 or bf16); tools/ckpt
+--                 config's choice: AdamW's f32 or bf16; by default the
+--                 formats its states are declared in); tools/ckpt
 --                 convert-states to another is refused unless
 --   converts_to   names, per format, the optimizer.type that keeps the same
 --                 states in it (AdamW8bit's f32: AdamW)
@@ -156,6 +157,15 @@ function M.define(spec, origin)
   end
   local defaults = schema.check(spec.params, origin)
   local names, fmts, signed = check_states(spec.states, origin)
+  -- keeps by default: the formats its states are declared in (Lion's f32)
+  local keeps = spec.keeps
+  if not keeps then
+    local seen = {}
+    keeps = {}
+    for _, n in ipairs(names) do
+      if not seen[fmts[n]] then seen[fmts[n]] = true; keeps[#keeps + 1] = fmts[n] end
+    end
+  end
   local class = {
     name = spec.name, types = types, params = spec.params, defaults = defaults,
     states = names, state_formats = fmts, state_signed = signed, origin = origin,
@@ -164,7 +174,7 @@ function M.define(spec, origin)
     defaults_name = spec.defaults_name, matrix = spec.matrix, prepare = spec.prepare,
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
     orthogonalize_scratch = spec.orthogonalize_scratch,
-    keeps = spec.keeps, converts_to = spec.converts_to, resumes = spec.resumes,
+    keeps = keeps, converts_to = spec.converts_to, resumes = spec.resumes,
   }
   class.__index = class
   setmetatable(class, { __index = Base })
