@@ -212,7 +212,8 @@ function T.convert_states_to_and_from_u8()
   assert(st == 0 and out:find("now in u8; the optimizer now AdamW8bit (resume with " ..
                               "optimizer.type \"AdamW8bit\")", 1, true), out)
   rec = manifest(tmp .. "/c8/step-000002").optimizer
-  assert(rec.type == "AdamW8bit" and rec.params.min_8bit_size == 4096, cjson.encode(rec))
+  assert(rec.type == "AdamW8bit" and rec.params.min_8bit_size == 4096 and
+         rec.converted_from == "f32", cjson.encode(rec))
   local back = engine({ stage = 1 })
   back:load(tmp .. "/c8/step-000002")
   assert(train(back, 2) == sum, "u8 -> f32 -> u8 resumes as the run that was not converted")
@@ -271,6 +272,51 @@ function T.convert_states_refuses_what_no_run_resumes()
   for _, d in ipairs({ "/l16", "/lm" }) do
     assert(io.open(tmp .. d .. "/step-000001/manifest.json") == nil, d .. " was written")
   end
+end
+
+-- A resume whose min_8bit_size is lower than the saving run's would
+-- quantise f32 moments: refused, naming the setting (a checkpoint
+-- convert-states brought into u8, above, is quantised by whatever
+-- min_8bit_size loads it). A higher one keeps every bit (u8 values into
+-- f32) and resumes.
+function T.resume_refuses_quantising_f32_states()
+  local function run(min)
+    return engine({ stage = 0 }, { type = "AdamW8bit", params = { lr = 3e-3, min_8bit_size = min } })
+  end
+  local e = run(4096)
+  train(e, 2)
+  e:save(tmp .. "/small", {})
+  e:free()
+  local step = tmp .. "/small/step-000002"
+  local low = run(500)
+  expect_error(function() low:load(step) end,
+               step .. " was saved keeping the optimizer states of tensors under 4096 elements " ..
+               "in f32 (min_8bit_size 4096); this run's 500 would quantise those of " ..
+               "transformer.h.0.attn.c_attn.weight (1728 elements): " ..
+               "resume with optimizer.params.min_8bit_size 4096")
+  low:free()
+  local same = run(4096)
+  same:load(step)
+  local want = train(same, 1)
+  same:free()
+  local high = run(8192)
+  high:load(step)
+  high:free()
+  -- u8 moments saved under 500 resume under 4096 (kept in f32 from then on)
+  -- and, back in a run under 500, give the same bits as one never changed.
+  local a = run(500)
+  train(a, 2)
+  a:save(tmp .. "/small5", {})
+  local sum = train(a, 1)
+  a:free()
+  local b = run(4096)
+  b:load(tmp .. "/small5/step-000002")
+  b:free()
+  local c = run(500)
+  c:load(tmp .. "/small5/step-000002")
+  assert(train(c, 1) == sum, "the reloaded u8 states give the same step")
+  c:free()
+  assert(want ~= nil)
 end
 
 -- lz_adamw8bit_requantize gives a dequantisation's values back bit for

@@ -103,8 +103,19 @@ function M.states(path, out, to, master)
   table.sort(was)
   local type_name, params = rec.type, rec.params
   if to then type_name, params = converted(rec, to, dir) end
+  -- converted_from: states brought into a block-scaled format from another
+  -- hold f32 values in every tensor, which the loading run quantises where
+  -- it keeps them so (checkpoint/load.lua's check_small: whatever its
+  -- min_8bit_size); what a run saved records no such thing.
+  local converted_from = rec.converted_from
+  if to then
+    converted_from = nil
+    for _, name in ipairs(names) do
+      if f.block and not formats.by_name[from[name]].block then converted_from = from[name] end
+    end
+  end
   m.optimizer = { type = type_name, params = params, state_formats = {},
-                  master_format = rec.master_format }
+                  master_format = rec.master_format, converted_from = converted_from }
   for _, name in ipairs(names) do m.optimizer.state_formats[name] = to or from[name] end
   local said = {}
   if to then said[#said + 1] = ("the optimizer states (%s) now in %s"):format(table.concat(was, ", "), to) end

@@ -8,6 +8,7 @@ local lz = require("luazero")
 local disk = require("luazero.checkpoint.disk")
 local manifest_io = require("luazero.checkpoint.manifest")
 local optimizers = require("luazero.optim.registry")
+local formats = require("luazero.optim.formats")
 local agree = require("luazero.checkpoint.agree").agree
 
 local fail = disk.fail
@@ -63,6 +64,34 @@ local function plan(m, runs)
   return pieces
 end
 
+-- The tensors an optimizer with block-scaled states keeps in f32 (under
+-- its block_min_numel: AdamW8bit's min_8bit_size), by a manifest's record.
+local function small_below(rec)
+  return optimizers.new({ type = rec.type, params = rec.params, state_formats = rec.state_formats,
+                          master_format = rec.master_format }).block_min_numel
+end
+
+-- Where this run keeps block-scaled states, a tensor the saving run kept in
+-- f32 (under its threshold) and this one would quantise (at or above this
+-- run's) would lose its moments' bits: refused, naming the setting. A
+-- checkpoint converted into u8 by tools/ckpt convert-states (its record's
+-- converted_from) holds f32 values for every tensor, for the loading run to
+-- quantise as it keeps them. (The other way, a tensor quantised there and
+-- kept in f32 here, keeps every bit.)
+local function check_small(dir, m, rec, parts)
+  local ours = parts.optimizer_record
+  if not rec or rec.converted_from or not formats.block_of(ours.state_formats) then return end
+  local was, now = small_below(rec), small_below(ours)
+  if not was or not now or was <= now then return end
+  for _, p in ipairs(m.params) do
+    if p.numel >= now and p.numel < was then
+      fail("%s was saved keeping the optimizer states of tensors under %d elements in f32 " ..
+           "(min_8bit_size %d); this run's %d would quantise those of %s (%d elements): resume " ..
+           "with optimizer.params.min_8bit_size %d", dir, was, was, now, p.name, p.numel, was)
+    end
+  end
+end
+
 -- The checkpoint at path fits engine: the same model, and the same
 -- optimizer's states and optimizer (the manifest's record, or an older
 -- checkpoint's config). Every rank reads the same manifest, so a refusal here
@@ -108,6 +137,7 @@ function M.check(engine, path)
            dir, name, a, b, dir, b)
     end
   end
+  check_small(dir, m, rec, parts)
   -- The master weights' format likewise (bf16_stochastic_round keeps no
   -- fp32 master).
   local a, b = rec and rec.master_format or "f32", parts.optimizer_record.master_format or "f32"
