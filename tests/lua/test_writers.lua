@@ -240,6 +240,20 @@ function T.export_refuses_a_folder_with_other_files_and_leaves_none_when_refused
   eq(listing(tmp):find("never%-merged"), nil, "leftovers of the refused export in " .. tmp)
 end
 
+-- A folder output named by a symbolic link to nothing is refused before
+-- anything is written (the rename at the end would fail on the link), the
+-- link left as it was.
+function T.a_folder_output_at_a_dangling_link_is_refused_first()
+  local c = ck("gpt2")
+  os.execute("mkdir -p " .. q(tmp .. "/links"))
+  local out = tmp .. "/links/hf"
+  os.execute(("ln -sfn %s %s"):format(q(tmp .. "/links/nowhere"), q(out)))
+  refused(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)), out,
+          { out, "a symbolic link to " .. tmp .. "/links/nowhere, which does not exist" })
+  refused(nil, ("tools/ckpt convert-states %s %s --to bf16"):format(q(c.dir), q(out)), out,
+          { out, "a symbolic link to", "remove the link" })
+end
+
 -- An output that is one of its own inputs (the same file by real path or
 -- device and inode: ./ forms, symlinks, hard links) or a file inside an
 -- input folder is refused, naming both, and the input stays as it was.

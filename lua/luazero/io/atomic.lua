@@ -26,7 +26,8 @@ for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                        "int64_t pwrite(int fd, const void *buf, size_t n, int64_t offset);",
                        "int fsync(int fd);", "int close(int fd);", "int unlink(const char *path);",
                        "int rename(const char *from, const char *to);", "int getpid(void);",
-                       "char *strerror(int errnum);" }) do
+                       "char *strerror(int errnum);",
+                       "long readlink(const char *path, char *buf, unsigned long n);" }) do
   pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
 end
 
@@ -254,6 +255,15 @@ end
 -- output of this kind, and replacing it would lose those files).
 function M.folder(path, owned)
   path = path:gsub("/+$", "")
+  if not exists(path) then
+    -- (a symbolic link to nothing: the rename at the end would fail on it)
+    local buf = ffi.new("char[4096]")
+    local n = tonumber(C.readlink(path, buf, 4096))
+    if n >= 0 then
+      error(("%s: a symbolic link to %s, which does not exist; remove the link or give another " ..
+             "folder name"):format(path, ffi.string(buf, n)), 0)
+    end
+  end
   if exists(path) and not is_dir(path) then
     error(("%s: a file is there, not a folder; give a new folder name"):format(path), 0)
   end
