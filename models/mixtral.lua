@@ -93,9 +93,12 @@ for _, e in ipairs(mistral.hf.fields) do
   fields_but_window[#fields_but_window + 1] = e
 end
 
+-- (MixtralConfig's defaults)
+local routing = moe.fields({ top_k = 2, aux_coef = 0.001 })
+
 M.hf = {
   architectures = { "MixtralForCausalLM" }, model_type = "mixtral",
-  fields = qwen2.with_fields(fields_but_window, qwen2.with_fields(moe.fields, {
+  fields = qwen2.with_fields(fields_but_window, qwen2.with_fields(routing, {
     { "n_experts", "num_local_experts", "int", default = 8 },
     { "jitter", "router_jitter_noise", "number", default = 0 },
   })),

@@ -90,9 +90,12 @@ local function config_json(cfg)
   return j
 end
 
+-- (OlmoeConfig's defaults)
+local routing = moe.fields({ top_k = 8, aux_coef = 0.01 })
+
 M.hf = {
   architectures = { "OlmoeForCausalLM" }, model_type = "olmoe",
-  fields = qwen2.with_fields(qwen2.with_fields(qwen2.common_fields("olmoe"), moe.fields), {
+  fields = qwen2.with_fields(qwen2.with_fields(qwen2.common_fields("olmoe"), routing), {
     { "n_experts", "num_experts", "int",
       default = function(_, get) return get("num_local_experts") end },
     { "norm_topk_prob", "norm_topk_prob", "bool", default = false },

@@ -88,12 +88,16 @@ end
 function moe.router_aux(cfg) return cfg.router_logits and cfg.aux_coef or nil end
 
 -- config.json's routing fields every MoE family has (each names its own
--- expert count and width).
-moe.fields = {
-  { "top_k", "num_experts_per_tok", "int" },
-  { "router_logits", "output_router_logits", "bool", default = false },
-  { "aux_coef", "router_aux_loss_coef", "number", default = 0.001 },
-}
+-- expert count and width), with the defaults its transformers config class
+-- gives where the file leaves them out: d.top_k (num_experts_per_tok) and
+-- d.aux_coef (router_aux_loss_coef).
+function moe.fields(d)
+  return {
+    { "top_k", "num_experts_per_tok", "int", default = d.top_k },
+    { "router_logits", "output_router_logits", "bool", default = false },
+    { "aux_coef", "router_aux_loss_coef", "number", default = d.aux_coef },
+  }
+end
 
 -- Qwen-MoE's own: sparse layers, shared expert, renormalisation.
 moe.qwen_fields = {
@@ -210,9 +214,12 @@ local function config_json(cfg)
   return moe.qwen_json(j, cfg)
 end
 
+-- (Qwen2MoeConfig's defaults)
+local routing = moe.fields({ top_k = 4, aux_coef = 0.001 })
+
 M.hf = {
   architectures = { "Qwen2MoeForCausalLM" }, model_type = "qwen2_moe",
-  fields = qwen2.with_fields(qwen2.with_fields(qwen2.common_fields("qwen2_moe"), moe.fields),
+  fields = qwen2.with_fields(qwen2.with_fields(qwen2.common_fields("qwen2_moe"), routing),
     qwen2.with_fields(moe.qwen_fields, {
       { "n_shared_hidden", "shared_expert_intermediate_size", "int" },
       { "qkv_bias", "qkv_bias", "bool", default = true },

@@ -78,9 +78,12 @@ local function config_json(cfg)
   return moe.qwen_json(j, cfg)
 end
 
+-- (Qwen3MoeConfig's defaults)
+local routing = moe.fields({ top_k = 8, aux_coef = 0.001 })
+
 M.hf = {
   architectures = { "Qwen3MoeForCausalLM" }, model_type = "qwen3_moe",
-  fields = qwen2.with_fields(qwen2.with_fields(qwen2.common_fields("qwen3_moe"), moe.fields),
+  fields = qwen2.with_fields(qwen2.with_fields(qwen2.common_fields("qwen3_moe"), routing),
     qwen2.with_fields(moe.qwen_fields, {
       { "head_dim", "head_dim", "int", default = 128 },
       { false, "attention_bias", "bool", default = false, allowed = { false },

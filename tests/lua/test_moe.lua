@@ -104,6 +104,32 @@ function T.config_json_routing_fields_are_read_not_assumed()
                        "use_sliding_window is not implemented for qwen3_moe")
 end
 
+-- A config.json without num_experts_per_tok or router_aux_loss_coef takes
+-- each family's transformers config class defaults (MixtralConfig 2 and
+-- 0.001, Qwen2MoeConfig 4 and 0.001, Qwen3MoeConfig 8 and 0.001,
+-- OlmoeConfig 8 and 0.01).
+function T.routing_defaults_are_each_familys_transformers_defaults()
+  local common = { hidden_size = 64, intermediate_size = 96, num_hidden_layers = 2,
+                   num_attention_heads = 4, num_key_value_heads = 2, vocab_size = 256,
+                   max_position_embeddings = 64 }
+  local cases = {
+    { "MixtralForCausalLM", { num_local_experts = 8 }, 2, 0.001 },
+    { "Qwen2MoeForCausalLM", { num_experts = 8, moe_intermediate_size = 32,
+                               shared_expert_intermediate_size = 32 }, 4, 0.001 },
+    { "Qwen3MoeForCausalLM", { num_experts = 8, moe_intermediate_size = 32, head_dim = 16 }, 8,
+      0.001 },
+    { "OlmoeForCausalLM", { num_experts = 8 }, 8, 0.01 },
+  }
+  for _, c in ipairs(cases) do
+    local j = { architectures = { c[1] } }
+    for k, v in pairs(common) do j[k] = v end
+    for k, v in pairs(c[2]) do j[k] = v end
+    local cfg = models.from_hf_config(folder_with(j))
+    eq(cfg.top_k, c[3], c[1] .. "'s num_experts_per_tok")
+    eq(cfg.aux_coef, c[4], c[1] .. "'s router_aux_loss_coef")
+  end
+end
+
 -- A model on one batch: its loss, the model.
 -- before(model), when given, runs before the forward.
 local function one_batch(name, overrides, seed, before)
