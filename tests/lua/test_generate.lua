@@ -357,6 +357,27 @@ end
 -- A consolidated file (with the model's config.json) and a LoRA run's
 -- checkpoint (with its base from --init, or the adapters exported for PEFT
 -- on that base) give what their checkpoints give.
+-- The consolidated header's element count for a model of 2^31 elements or
+-- more past a multiple of 2^32 (7-8B models: 7,615,616,512 here): its low
+-- word's bits, read back whole (the header only; the floats are not written).
+function T.consolidated_header_counts_billions()
+  local dir = trained()
+  local ck = require("luazero.checkpoint").open(dir .. "/ck")
+  ck.manifest.numel = 7615616512
+  ck.stream = function() end
+  local path = dir .. "/big.bin"
+  local build_file = require("luazero.io.atomic").build_file
+  package.loaded["luazero.io.atomic"].build_file = function(out, _, fn)
+    return build_file(out, 1024, fn)
+  end
+  local ok, err = pcall(ck.consolidate, ck, path)
+  package.loaded["luazero.io.atomic"].build_file = build_file
+  assert(ok, err)
+  local raw = assert(lz.read_file(path))
+  local u = ffi.cast("const uint32_t *", raw)
+  eq(tonumber(u[3]) + tonumber(u[4]) * 2 ^ 32, 7615616512, "the element count read back")
+end
+
 function T.consolidated_files_and_lora_adapters_load_alike()
   local dir = trained()
   local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))

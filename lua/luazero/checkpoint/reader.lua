@@ -1,6 +1,7 @@
 -- checkpoint/reader.lua — a checkpoint read without an engine (tools/ckpt,
 -- the REPL): its summary, shard table, per-tensor norms, one tensor whole,
 -- and the consolidated fp32 master; a progress bar for long reads.
+local bit = require("bit")
 local ffi = require("ffi")
 local lz = require("luazero")
 local clock = require("luazero.clock")
@@ -174,7 +175,9 @@ function Checkpoint:consolidate(out)
   atomic.build_file(out, 1024 + m.numel * SB, function(w)
     local header = ffi.new("int32_t[256]")
     header[0], header[1], header[2] = M.CONSOLIDATED_MAGIC, 1, #m.params
-    header[3], header[4] = m.numel % 2 ^ 32, math.floor(m.numel / 2 ^ 32)
+    -- (the low word's bits: an int32 field takes 2^31 and above as they
+    -- wrap, which bit.tobit gives; a plain assignment would saturate)
+    header[3], header[4] = bit.tobit(m.numel % 2 ^ 32), math.floor(m.numel / 2 ^ 32)
     w:write(header, 1024)
     self:stream(function(state, canon, p, n)
       if state == 1 then w:pwrite(p, n * SB, 1024 + canon * SB) end
