@@ -57,6 +57,7 @@ local function same_checkpoints(a, b, what)
     local ma = checkpoint.read_manifest(a .. "/" .. name)
     local mb = checkpoint.read_manifest(b .. "/" .. name)
     ma.created, mb.created, ma.manifest_xxh64, mb.manifest_xxh64 = nil, nil, nil, nil
+    ma.job, mb.job = nil, nil -- (the launcher job that wrote each)
     if type(ma.config) == "table" and type(mb.config) == "table" then -- the writer's own key
       ma.config.source, mb.config.source, ma.config.checkpoint, mb.config.checkpoint = nil, nil, nil, nil
       local ra, rb = ma.config.raw, mb.config.raw

@@ -3,7 +3,8 @@
 -- the --save folder's latest checkpoint on the ranks left (stage 3: the
 -- shards resharded), bitwise as a resume by hand on that many ranks, and
 -- appends a restart record to the metrics log; without --save it starts
--- again from step 0; a first run that a restart could not continue warns. The launcher's
+-- again from step 0, and it resumes only checkpoints its own job wrote; a
+-- first run that a restart could not continue warns. The launcher's
 -- refusals and its giving up. The fault is the test hook LZ_FAULT_KILL=R:S:
 -- rank R SIGKILLs itself after step S, before that step's save.
 local lz = require("luazero")
@@ -59,10 +60,36 @@ function T.a_killed_rank_restarts_on_the_ranks_left_as_a_resume_by_hand()
   support.eq(recs[#recs].params_checksum, sum, "the end record's checksum")
   local _, by_hand = ok_train(2, "--steps 6 --stage 3 --resume " .. q(dir .. "/step-000004"))
   support.eq(sum, by_hand, "the restart's checksum against -n 2 --resume step-000004")
-  -- A first run into a --save folder holding checkpoints it does not resume: warned.
-  out = train_launched("", "-n 2 --restarts 1", "--steps 1 --save " .. q(dir))
-  assert(out:find("train: warning: --save " .. dir .. " already holds checkpoints this run " ..
-                  "does not resume", 1, true), out)
+end
+
+-- Before a job's first save, --save's latest is not its own: a run that
+-- --resumes an earlier step of the folder (a rewind) and is killed before
+-- it saves restarts from that step, not from the newer history it rewound;
+-- a fresh run into a folder holding another run's checkpoints restarts
+-- from step 0. Each ends where the same run without the fault ends.
+function T.a_restart_resumes_only_checkpoints_its_own_job_wrote()
+  local dir = tmp .. "/rewound"
+  local _, first = ok_train(1, "--steps 6 --save-every 2 --save " .. q(dir))
+  local back = q(dir .. "/step-000002")
+  local _, straight = ok_train(1, "--steps 6 --lr 1e-3 --resume " .. back)
+  assert(straight ~= first, "the rewound run trains otherwise")
+  local out, st = train_launched("LZ_FAULT_KILL=0:3", "-n 1 --restarts 1",
+                                 "--steps 6 --lr 1e-3 --save-every 2 --resume " .. back ..
+                                 " --save " .. q(dir))
+  assert(st == 0, ("exit %s:\n%s"):format(tostring(st), out))
+  assert(out:find("--save " .. dir .. "'s latest is not this job's (another run's, or a " ..
+                  "history its --resume rewound), and nothing saved yet: resuming from " ..
+                  "--resume " .. dir .. "/step-000002", 1, true), out)
+  support.eq(out:match("params_checksum (%x+)"), straight, "the restart's checksum")
+  -- a fresh run into a folder of another run's checkpoints
+  local other = tmp .. "/other"
+  ok_train(1, "--steps 2 --save " .. q(other))
+  local _, fresh = ok_train(1, "--steps 3")
+  out, st = train_launched("LZ_FAULT_KILL=0:1", "-n 1 --restarts 1",
+                           "--steps 3 --save-every 5 --save " .. q(other))
+  assert(st == 0, ("exit %s:\n%s"):format(tostring(st), out))
+  assert(out:find("and nothing saved yet: starting again from step 0", 1, true), out)
+  support.eq(out:match("params_checksum (%x+)"), fresh, "the fresh run's checksum")
 end
 
 function T.without_save_a_restart_warns_then_starts_again_from_step_0()

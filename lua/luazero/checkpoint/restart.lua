@@ -21,6 +21,30 @@ local M = {}
 local Restart = {}
 Restart.__index = Restart
 
+-- This job's identity, the same for each of its restarts: the launcher's
+-- pid (LZ_LAUNCHER_PID) and start time (field 22 of /proc/PID/stat, so a
+-- later process given the same pid is another job); nil outside the
+-- launcher. A save records it in the manifest (`job`).
+function M.job()
+  local pid = tonumber(os.getenv("LZ_LAUNCHER_PID") or "")
+  if not pid then return nil end
+  local f = io.open(("/proc/%d/stat"):format(pid), "rb")
+  local stat = f and f:read("*a")
+  if f then f:close() end
+  -- (the fields after the command, which may hold ") ", start at field 3)
+  local rest = stat and stat:match(".*%) (.*)$")
+  local fields = {}
+  for v in (rest or ""):gmatch("%S+") do fields[#fields + 1] = v end
+  return fields[20] and (pid .. "-" .. fields[20]) or nil
+end
+
+-- The job that wrote the checkpoint `latest` names in dir (nil: unknown).
+local function job_of_latest(dir)
+  local disk = require("luazero.checkpoint.disk")
+  local ok, m = pcall(function() return disk.read_manifest(disk.resolve(dir)) end)
+  return ok and type(m) == "table" and m.job or nil
+end
+
 -- k of LZ_RESTART=<k> (1 for the first restart), nil on a first run.
 function M.count()
   local k = tonumber(os.getenv("LZ_RESTART") or "")
@@ -34,25 +58,22 @@ end
 
 -- A first run that may be restarted (LZ_RESTARTS): rank 0 warns when a
 -- restart could not continue it, without --save (it would begin again from
--- step 0), or when --save already holds another run's checkpoints (a
--- restart before this run's first save would resume from those).
+-- step 0).
 local function check_first_run(flags, rank)
   local restarts = tonumber(os.getenv("LZ_RESTARTS") or "") or 0
   if restarts == 0 or rank ~= 0 then return end
   if not flags.save then
     warn("--restarts %d without --save: a restart would begin again from step 0; add --save " ..
          "DIR (and --save-every N) to continue from the latest checkpoint", restarts)
-  elseif not flags.resume and exists(flags.save .. "/latest") then
-    warn("--save %s already holds checkpoints this run does not resume: a restart before its " ..
-         "first save would resume from that latest; give --resume %s to continue them, or " ..
-         "another --save folder", flags.save, flags.save)
   end
 end
 
--- On a restart: flags.resume becomes the --save folder when it has a
--- `latest` (else the run's own --resume, or none, stays), and rank 0 says
--- where the run continues from. Returns the restart, nil on a first run
--- (after check_first_run's warnings).
+-- On a restart: flags.resume becomes the --save folder when its `latest`
+-- names a checkpoint this job wrote (its manifest's job is M.job()); before
+-- the job's first save `latest` may name another run's, or a history this
+-- run's --resume rewound, and the run's own --resume (or step 0) stays.
+-- Rank 0 says where the run continues from. Returns the restart, nil on a
+-- first run (after check_first_run's warning).
 function M.prepare(flags, rank)
   local k = M.count()
   if not k then
@@ -60,13 +81,18 @@ function M.prepare(flags, rank)
     return nil
   end
   local again = setmetatable({ count = k, cause = os.getenv("LZ_RESTART_CAUSE") or "" }, Restart)
-  local saved = flags.save and exists(flags.save .. "/latest")
-  if saved then flags.resume = flags.save end
+  local latest = flags.save and exists(flags.save .. "/latest")
+  local job = M.job()
+  local ours = latest and job ~= nil and job_of_latest(flags.save) == job
+  if ours then flags.resume = flags.save end
   if rank == 0 then
-    print(("restart %d (%s): %s"):format(k, again.cause, saved and
+    local before = latest and not ours and
+                   ("--save " .. flags.save .. "'s latest is not this job's (another run's, or " ..
+                    "a history its --resume rewound), and ") or ""
+    print(("restart %d (%s): %s"):format(k, again.cause, ours and
           ("resuming from the latest checkpoint in --save " .. flags.save) or flags.resume and
-          ("nothing saved yet: resuming from --resume " .. flags.resume) or
-          "nothing saved yet: starting again from step 0"))
+          (before .. "nothing saved yet: resuming from --resume " .. flags.resume) or
+          (before .. "nothing saved yet: starting again from step 0")))
     io.stdout:flush()
   end
   return again

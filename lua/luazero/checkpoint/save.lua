@@ -295,6 +295,8 @@ function M.begin(engine, dir, extra, opts)
       loss_scaler = parts.loss_scaler,
       extra = extra or {}, config = opts.config or {},
       created = os.date("!%Y-%m-%dT%H:%M:%SZ"),
+      -- the launcher job that wrote it (a restart resumes only its own)
+      job = require("luazero.checkpoint.restart").job(),
     }
   end
   return { dir = dir, name = name, step = step, final = dir .. "/" .. name,
