@@ -64,20 +64,20 @@ __global__ void route_forward_kernel(float *w, int32_t *id, float *p, const T *l
     s += pr[e];
   }
   for (int64_t e = 0; e < E; e++) pr[e] /= s;
-  float pv = INFINITY;
-  int64_t pi = -1;
+  // The cpu's selection (core/kernels/moe.c route_row): the largest
+  // probability of the experts not taken yet, the lowest index on a tie; a
+  // row of NaN (a NaN or +inf logit) takes experts 0 .. K - 1.
   float sum = 0.0f;
   for (int64_t j = 0; j < K; j++) {
     int64_t best = -1;
     for (int64_t e = 0; e < E; e++) {
-      const bool below = pr[e] < pv || (pr[e] == pv && e > pi);
-      if (below && (best < 0 || pr[e] > pr[best])) best = e;
+      bool taken = false;
+      for (int64_t q = 0; q < j && !taken; q++) taken = id[t * K + q] == e;
+      if (!taken && (best < 0 || pr[e] > pr[best])) best = e;
     }
     id[t * K + j] = (int32_t)best;
     w[t * K + j] = pr[best];
     sum += pr[best];
-    pv = pr[best];
-    pi = best;
   }
   if (norm)
     for (int64_t j = 0; j < K; j++) w[t * K + j] /= sum;
@@ -348,8 +348,8 @@ lz_status lz_cu_moe_combine_backward(const lz_op_args *a) {
 // ------------------------------------------------------------ grouped GEMM
 
 // The offsets on the host, checked as the cpu checks them. Free *out.
-static lz_status host_offsets(lz_op op, const lz_tensor *t, int64_t E, int64_t R,
-                              int32_t **out) {
+static lz_status host_offsets(lz_op op, const lz_op_args *a, const lz_tensor *t, int64_t E,
+                              int64_t R, int32_t **out) {
   LZ_TRY(host_i32(t, out));
   const int32_t *off = *out;
   for (int64_t e = 0; e <= E; e++) {
@@ -358,7 +358,7 @@ static lz_status host_offsets(lz_op op, const lz_tensor *t, int64_t E, int64_t R
       lz_status st = lz_fail(LZ_ERR_INVALID,
                              "%s: offsets[%lld] is %d; offsets must rise from 0 or more to at "
                              "most %lld (the rows of x)",
-                             lz_op_infos[op].name, (long long)e, (int)off[e], (long long)R);
+                             LZ_OP_NAME(op, a), (long long)e, (int)off[e], (long long)R);
       free(*out);
       *out = NULL;
       return st;
@@ -383,7 +383,7 @@ lz_status lz_cu_moe_gemm_forward(const lz_op_args *a) {
   expert_dims(a, w, &E, &D, &C, &first, &step);
   const int64_t R = lz_rows(x);
   int32_t *off = NULL;
-  LZ_TRY(host_offsets(LZ_OP_MOE_GEMM_FORWARD, a->t[3], E, R, &off));
+  LZ_TRY(host_offsets(LZ_OP_MOE_GEMM_FORWARD, a, a->t[3], E, R, &off));
   const size_t es = lz_dtype_size(x->dtype);
   lz_status st = LZ_OK;
   for (int64_t e = 0; e < E && st == LZ_OK; e++) {
@@ -403,7 +403,7 @@ lz_status lz_cu_moe_gemm_backward(const lz_op_args *a) {
   expert_dims(a, w, &E, &D, &C, &first, &step);
   const int64_t R = lz_rows(x);
   int32_t *off = NULL;
-  LZ_TRY(host_offsets(LZ_OP_MOE_GEMM_BACKWARD, a->t[5], E, R, &off));
+  LZ_TRY(host_offsets(LZ_OP_MOE_GEMM_BACKWARD, a, a->t[5], E, R, &off));
   const lz_dtype dt = x->dtype;
   const size_t es = lz_dtype_size(dt);
   const char *xp = (const char *)x->data, *wp = (const char *)w->data;

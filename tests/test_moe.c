@@ -104,6 +104,22 @@ LZ_TEST(moe_route_forward_matches_naive) {
   route_case(23, 8, 2, 1, LZ_BF16);
 }
 
+/* A NaN logit, or +inf (whose exp(inf - inf) is NaN), makes the row's
+ * probabilities NaN: the row takes experts 0 .. K - 1 with NaN weights (the
+ * loss turns NaN, which the loss scaler skips), never an index outside
+ * the experts (cuda/moe.cu picks the same). */
+LZ_TEST(moe_route_nan_rows_take_the_first_experts) {
+  float l[8] = {0.5f, NAN, 1, 2, 1, 2, INFINITY, 0};
+  float w[4], p[8];
+  int32_t id[4];
+  CHECK_OK(lz_moe_route_forward(T(w, LZ_F32, 2, 2), T(id, LZ_I32, 2, 2), T(p, LZ_F32, 2, 4),
+                                T(l, LZ_F32, 2, 4), 1));
+  const int32_t want[4] = {0, 1, 0, 1};
+  for (int i = 0; i < 4; i++) CHECK_EQ_INT(id[i], want[i]);
+  CHECK(isnan(w[0]) && isnan(w[3]));
+  unwrap_all();
+}
+
 LZ_TEST(moe_route_ties_go_to_the_lower_expert) {
   /* Row 0: all equal; row 1: experts 1 and 3 tie for the top, 0 and 2 for
    * the next; row 2: k = E of a tie. */
@@ -704,6 +720,15 @@ LZ_TEST(moe_errors_name_the_argument) {
   CHECK_ERR(lz_moe_gemm_part_forward(T(y, LZ_F32, 4, 4), T(x, LZ_F32, 4, 2),
                                      T(w, LZ_F32, 2, 2, 4, 2), T(good, LZ_I32, 3), 2),
             LZ_ERR_INVALID, "moe_gemm_part_forward: part is 2");
+  float w2[64] = {0};
+  CHECK_ERR(lz_moe_gemm_part_forward(T(y, LZ_F32, 4, 4), T(x, LZ_F32, 4, 2),
+                                     T(w2, LZ_F32, 2, 2, 4, 2), T(bad, LZ_I32, 3), 1),
+            LZ_ERR_INVALID, "moe_gemm_part_forward: offsets[2] is 2; offsets must rise");
+  float dxb[16], dw2[64], dyb[16] = {0};
+  CHECK_ERR(lz_moe_gemm_part_backward_write(T(dxb, LZ_F32, 4, 2), T(dw2, LZ_F32, 2, 2, 4, 2),
+                                            T(dyb, LZ_F32, 4, 4), T(x, LZ_F32, 4, 2),
+                                            T(w2, LZ_F32, 2, 2, 4, 2), T(bad, LZ_I32, 3), 0),
+            LZ_ERR_INVALID, "moe_gemm_part_backward_write: offsets[2] is 2; offsets must rise");
   float wt[4], p[8];
   CHECK_ERR(lz_moe_route_forward(T(wt, LZ_F32, 1, 4), T(idx, LZ_I32, 1, 4), T(p, LZ_F32, 1, 2),
                                  T(x, LZ_F32, 1, 2), 1),

@@ -57,14 +57,15 @@ static lz_status gemm_shapes(const char *op, const lz_tensor *x, const lz_tensor
 }
 
 /* The offsets' values, where they are: nondecreasing within [0, R]. */
-static lz_status check_offsets(lz_op op, const int32_t *off, int64_t E, int64_t R) {
+static lz_status check_offsets(lz_op op, const lz_op_args *a, const int32_t *off, int64_t E,
+                               int64_t R) {
   for (int64_t e = 0; e <= E; e++) {
     const int64_t lo = e ? off[e - 1] : 0;
     if (off[e] < lo || off[e] > R)
       return lz_fail(LZ_ERR_INVALID,
                      "%s: offsets[%lld] is %d; offsets must rise from 0 or more to at most "
                      "%lld (the rows of x)",
-                     lz_op_infos[op].name, (long long)e, (int)off[e], (long long)R);
+                     LZ_OP_NAME(op, a), (long long)e, (int)off[e], (long long)R);
   }
   return LZ_OK;
 }
@@ -210,7 +211,7 @@ lz_status lz_cpu_moe_gemm_forward(const lz_op_args *a) {
   const lz_tensor *x = a->t[1], *w = a->t[2];
   const expert_dims d = dims_of(w);
   const int32_t *off = a->t[3]->data;
-  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_FORWARD, off, d.E, lz_rows(x)));
+  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_FORWARD, a, off, d.E, lz_rows(x)));
   return tasks_for(a, x->dtype, off, d.E, d.D, 1, forward_task);
 }
 
@@ -312,7 +313,7 @@ lz_status lz_cpu_moe_gemm_backward(const lz_op_args *a) {
   const lz_tensor *dx = a->t[0], *dw = a->t[1], *x = a->t[3], *w = a->t[4];
   const expert_dims d = dims_of(w);
   const int32_t *off = a->t[5]->data;
-  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_BACKWARD, off, d.E, lz_rows(x)));
+  LZ_TRY(check_offsets(LZ_OP_MOE_GEMM_BACKWARD, a, off, d.E, lz_rows(x)));
   if (dx) LZ_TRY(tasks_for(a, x->dtype, off, d.E, d.D, 1, dx_task));
   if (dw && a->i[1]) /* written: an expert no row reached gets zeros */
     for (int64_t e = 0; e < d.E; e++)

@@ -29,7 +29,7 @@
 extern "C" {
 #endif
 
-#define LZ_BACKEND_ABI 10
+#define LZ_BACKEND_ABI 11
 
 /* The ops, in the order of their declaration (mem/lz_ops.def). */
 typedef enum lz_op {
@@ -49,7 +49,13 @@ typedef struct lz_op_args {
   double *out_f64;
   int *out_int;
   double *blocks; /* host: the gradient norm's block partials (sq_norm_blocks, moe_gemm backward) */
+  const char *name; /* the public function's name, for errors (LZ_OP_RUN sets it; NULL: the op's) */
 } lz_op_args;
+
+/* The name an op's errors give: the public function that ran it (several
+ * may run one op: moe_gemm_part_forward and moe_gemm_forward), else the
+ * op's own. */
+#define LZ_OP_NAME(op, a) ((a)->name ? (a)->name : lz_op_infos[op].name)
 
 /* One op's kernel on one device. */
 typedef lz_status (*lz_op_fn)(const lz_op_args *a);
@@ -187,7 +193,7 @@ lz_status lz_op_run(const char *op_name, lz_op op, const lz_op_args *a);
  * into lz_op_args, and run. One whose checks need the dtypes first packs
  * its lz_op_args, runs lz_op_check_dtypes, and ends in lz_op_run. */
 #define LZ_OP_RUN(op_name, opcode, ...) \
-  return lz_op_run(op_name, opcode, &(lz_op_args){__VA_ARGS__})
+  return lz_op_run(op_name, opcode, &(lz_op_args){.name = op_name, __VA_ARGS__})
 
 /* lz_tensor_copy when either side lives on a device (checks done). */
 lz_status lz_tensor_copy_device(lz_tensor *dst, const lz_tensor *src);

@@ -727,7 +727,26 @@ static void moe_case(lz_dtype dt, int64_t N, int64_t E, int64_t K, int64_t C, in
   FREE(lg, x, w, gy, dlg, dx_, dw_, dgy);
 }
 
+/* A row with a NaN logit and one with +inf (every probability NaN): the
+ * cpu takes experts 0 .. K - 1 there, and the device the same experts. */
+static void moe_route_nan_case(void) {
+  const int64_t N = 3, E = 4, K = 2;
+  int64_t sl[2] = {N, E}, sk[2] = {N, K};
+  lz_tensor *lg = host_rand(LZ_F32, 2, sl, 3);
+  ((float *)lg->data)[1] = NAN;
+  ((float *)lg->data)[E + 2] = INFINITY;
+  lz_tensor *w = host(LZ_F32, 2, sk), *id = host(LZ_I32, 2, sk), *p = host(LZ_F32, 2, sl);
+  lz_tensor *dl = dev(lg), *dw = dev(w), *did = dev(id), *dp = dev(p);
+  CHECK_OK(lz_moe_route_forward(w, id, p, lg, 1));
+  CHECK_OK(lz_moe_route_forward(dw, did, dp, dl, 1));
+  const int32_t *hi = id->data;
+  CHECK(hi[0] == 0 && hi[1] == 1 && hi[2] == 0 && hi[3] == 1);
+  expect_close("moe idx of NaN rows", did, id, 0.0);
+  FREE(lg, w, id, p, dl, dw, did, dp);
+}
+
 static void test_moe(void) {
+  moe_route_nan_case();
   moe_case(LZ_F32, 300, 8, 2, 64, 96);
   moe_case(LZ_F32, 50, 6, 6, 32, 16); /* k = E */
   moe_case(LZ_BF16, 300, 8, 2, 64, 96);
