@@ -238,7 +238,8 @@ local function set_up(flags)
                                        B = B, T = T, resumed = flags.resume ~= nil })
   return {
     ex = ex, flags = flags, mcfg = mcfg, comm = comm, world = world, rank = rank, cfg = cfg,
-    B = B, T = T, accum = cfg.gradient_accumulation_steps, lr = cfg.optimizer.params.lr,
+    B = B, T = T, accum = cfg.gradient_accumulation_steps,
+    lr = optim.schedule.peak(cfg.scheduler, cfg.optimizer.params.lr),
     sched = sched, warmup = warmup, corpus = corpus, loader = loader, log = log or nil,
     model = model, engine = engine, n_val = math.min(flags.eval_batches, val_loader.val_batches),
     first = 1, tok = tok, mon = mon, val_loader = val_loader, val_corpus = val_corpus,

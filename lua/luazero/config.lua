@@ -159,6 +159,21 @@ local function scheduler_section(raw, cfg, unimpl, ov)
   if ov.total_steps ~= nil and not given(p.total_num_steps) and takes("total_num_steps") then
     p.total_num_steps = ov.total_steps
   end
+  -- --lr is the schedule's peak: WarmupLR's and WarmupDecayLR's warmup_max_lr
+  -- (WarmupCosineLR's is the optimizer's lr, which --lr sets); OneCycle and
+  -- LRRangeTest name their own rates. A warmup_max_lr of "auto" (Hugging
+  -- Face's template) is the optimizer's lr, as its Trainer fills it in.
+  local max_auto = p.warmup_max_lr == "auto" and takes("warmup_max_lr")
+  if ov.lr ~= nil then
+    if t == "OneCycle" or t == "LRRangeTest" then
+      fail("--lr does not apply to scheduler %s (its rates are scheduler.params.%s); set them " ..
+           "in the config and remove --lr", t,
+           t == "OneCycle" and "cycle_min_lr and cycle_max_lr" or "lr_range_test_min_lr")
+    end
+    if takes("warmup_max_lr") or (spec.optional and spec.optional.warmup_max_lr) then
+      p.warmup_max_lr, max_auto = ov.lr, false
+    end
+  end
   local out, key = {}, "scheduler.params."
   for k, v in pairs(spec.defaults) do out[k] = v end
   for _, k in ipairs(sorted_keys(p)) do
@@ -193,6 +208,7 @@ local function scheduler_section(raw, cfg, unimpl, ov)
       fail("%s%s is required by %s (%s)", key, r, t, M.scheduler_required[r])
     end
   end
+  if max_auto then out.warmup_max_lr = nil end -- (lr_at_iteration: the optimizer's lr)
   cfg.scheduler = { type = t, params = out }
 end
 
@@ -323,9 +339,21 @@ local function offload_block(key, raw, defaults, unimpl, notes)
   local out = deep_copy(defaults)
   if not given(raw) then return out end
   block(key, raw)
+  -- (a key DeepSpeed's block does not have, a misspelt one among them, is
+  -- reported with the keys not implemented, never stored)
+  local unknown, known = {}, sorted_keys(defaults)
+  known[#known + 1] = "nvme_path"
+  table.sort(known)
+  for _, k in ipairs(sorted_keys(raw)) do
+    if k ~= "device" and k ~= "nvme_path" and defaults[k] == nil then
+      unimpl[#unimpl + 1] = ("%s.%s%s"):format(key, k, next(unknown) and "" or
+        (" (not a key of %s, which has %s)"):format(key:match("[^.]+$"), table.concat(known, ", ")))
+      unknown[k] = true
+    end
+  end
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
-    if given(v) then
+    if given(v) and not unknown[k] then
       if k == "device" then
         -- The tiers are the store kinds' table (zero/store/).
         if type(v) ~= "string" or not store.of_config(v) then
@@ -358,7 +386,7 @@ local function offload_block(key, raw, defaults, unimpl, notes)
     M.check_writable_dir(key .. ".nvme_path", out.nvme_path)
   elseif out.device == "none" then
     for _, k in ipairs(sorted_keys(raw)) do
-      if k ~= "device" and given(raw[k]) then
+      if k ~= "device" and given(raw[k]) and not unknown[k] then
         notes[#notes + 1] = ('%s.%s (nothing is offloaded: "device" is "none")'):format(key, k)
       end
     end

@@ -289,26 +289,30 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
   end
   opts = opts or {}
   local too_big, least = {}, nil
-  for stage = 0, 3 do
+  -- (opts.min_stage: the least stage the config allows, its offloads'; the
+  -- stages below are not offered, and opts.min_why says why)
+  local from = opts.min_stage or 0
+  local first = from > 0 and ("%s, so stage %d at least; "):format(opts.min_why, from) or ""
+  for stage = from, 3 do
     local r = M.model_states(params, world, stage, { dtype = dtype, grads = opts.grads,
                              persistent = opts.persistent, layout = opts.layout })
     if not least or r.device < least.device then least = { stage = stage, device = r.device } end
     if r.device <= budget_bytes then
       local why
       if #too_big == 0 then
-        why = ("stage %d needs %s per rank; budget %s: picked stage %d")
-              :format(stage, M.format_bytes(r.device), M.format_bytes(budget_bytes), stage)
+        why = ("%sstage %d needs %s per rank; budget %s: picked stage %d")
+              :format(first, stage, M.format_bytes(r.device), M.format_bytes(budget_bytes), stage)
       else
-        why = ("%s per rank; budget %s; stage %d needs %s: picked stage %d")
-              :format(table.concat(too_big, ", "), M.format_bytes(budget_bytes), stage,
+        why = ("%s%s per rank; budget %s; stage %d needs %s: picked stage %d")
+              :format(first, table.concat(too_big, ", "), M.format_bytes(budget_bytes), stage,
                       M.format_bytes(r.device), stage)
       end
       return stage, why, true
     end
     too_big[#too_big + 1] = ("stage %d needs %s"):format(stage, M.format_bytes(r.device))
   end
-  local head = ("%s per rank; budget %s"):format(table.concat(too_big, ", "),
-                                                M.format_bytes(budget_bytes))
+  local head = ("%s%s per rank; budget %s"):format(first, table.concat(too_big, ", "),
+                                                  M.format_bytes(budget_bytes))
   local nvme_note = ""
   if opts.nvme then
     local pick, why, need = M.pick_nvme(params, world, budget_bytes, dtype, opts)

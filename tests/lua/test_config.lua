@@ -347,6 +347,19 @@ function T.offload_and_aio_keys()
     offload_param = { device = "nvme", nvme_path = dir, max_in_cpu = 1e6 } } }, 1)
   assert(table.concat(cfg.unimplemented, ",") ==
          "zero_optimization.offload_optimizer.ratio,zero_optimization.offload_param.max_in_cpu")
+  -- A key the block does not have (a misspelling) is reported, never taken:
+  -- the first with the block's keys.
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 2,
+    offload_optimizer = { device = "cpu", pipline_read = true, pin_memroy = true } } }, 1)
+  assert(table.concat(cfg.unimplemented, ",") == "zero_optimization.offload_optimizer." ..
+         "pin_memroy (not a key of offload_optimizer, which has buffer_count, device, " ..
+         "fast_init, nvme_path, pin_memory, pipeline_read, pipeline_write, ratio)," ..
+         "zero_optimization.offload_optimizer.pipline_read", table.concat(cfg.unimplemented, ","))
+  assert(cfg.zero_optimization.offload_optimizer.pipline_read == nil)
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 2,
+    offload_optimizer = { devcie = "cpu" } } }, 1)
+  assert(cfg.unimplemented[1]:find("offload_optimizer.devcie (not a key", 1, true) and
+         #cfg.no_effect == 0, table.concat(cfg.unimplemented, ","))
   expect_error({ train_batch_size = 8, aio = { block_size = 1000 } }, 1,
                "config: aio.block_size must be a multiple of 4096 (got 1000): O_DIRECT " ..
                "transfers whole 4 KiB blocks")
@@ -520,6 +533,25 @@ function T.warmup_decay_lr()
   -- DeepSpeed's WarmupDecayLR default max is 0.001, not the optimizer's lr.
   lr = lrs({ type = "WarmupDecayLR", params = { total_num_steps = 2000 } }, 0.5)
   close(lr(1002), 0.001, "it 1000, warmup done")
+  -- "auto" (Hugging Face's template) is the optimizer's lr, as its Trainer
+  -- fills it in; --lr is the peak, over the file's; the start-up line's lr
+  -- is the peak (schedule.peak).
+  lr = lrs({ type = "WarmupDecayLR", params = { total_num_steps = 2000,
+                                               warmup_max_lr = "auto" } }, 0.5)
+  close(lr(1002), 0.5, "auto: the optimizer's lr")
+  for _, t in ipairs({ "WarmupLR", "WarmupDecayLR" }) do
+    local cfg = config.load({ train_batch_size = 1, scheduler = { type = t, params = {
+                              total_num_steps = t == "WarmupDecayLR" and 2000 or nil,
+                              warmup_max_lr = 0.01 } } }, 1, { lr = 0.25 })
+    close(schedule.lr_schedule(cfg)(1002), 0.25, t .. ": --lr is the peak")
+    close(schedule.peak(cfg.scheduler, 1), 0.25, t .. "'s peak")
+  end
+  load_error({ train_batch_size = 1, scheduler = { type = "OneCycle", params = {
+               cycle_min_lr = 1e-3, cycle_max_lr = 1e-2 } } }, 1, { lr = 0.25 })
+  local ok, err = pcall(config.load, { train_batch_size = 1, scheduler = { type = "LRRangeTest" } },
+                        1, { lr = 0.25 })
+  assert(not ok and err:find("--lr does not apply to scheduler LRRangeTest (its rates are " ..
+                             "scheduler.params.lr_range_test_min_lr)", 1, true), err)
 end
 
 function T.warmup_cosine_lr()

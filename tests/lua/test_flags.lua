@@ -97,6 +97,23 @@ function T.stage_auto_says_which_stage_needs_the_least_when_none_fits()
          not out:find("step     1", 1, true), out)
 end
 
+-- An offload in the config allows only the stages it works at: stage auto
+-- picks among those (it picked 0 and then refused its own pick).
+function T.stage_auto_picks_among_the_stages_an_offload_allows()
+  for _, c in ipairs({ { '"offload_optimizer": {"device": "cpu"}', "offload_optimizer needs " ..
+                         "stage 1, 2 or 3, so stage 1 at least; stage 1 needs", "stage 1" },
+                       { '"offload_param": {"device": "cpu"}, "offload_optimizer": ' ..
+                         '{"device": "cpu"}', "offload_param needs stage 3, so stage 3 at " ..
+                         "least; stage 3 needs", "stage 3" } }) do
+    local cfg = write_file("auto-offload.json", ('{"train_micro_batch_size_per_gpu": 2, ' ..
+      '"zero_optimization": {"stage": "auto", %s}}'):format(c[1]))
+    local out, st = train(1, "--steps 1 --config " .. support.quote(cfg))
+    assert(st == 0, out)
+    assert(out:find("stage auto: zero_optimization." .. c[2], 1, true) and
+           out:find(": picked " .. c[3], 1, true), out)
+  end
+end
+
 function T.a_resume_with_other_steps_says_the_schedule_changes()
   local dir = select(2, support.scratch())
   ok_train(1, ("--steps 4 --save-every 2 --save %s"):format(dir))
@@ -121,6 +138,15 @@ function T.another_model_resumed_a_refused_config_and_too_many_ranks_exit_2()
   ok_train(1, ("--steps 1 --save %s"):format(dir))
   refused("--steps 2 --vocab 300 --resume " .. support.quote(dir), "holds a different model: " ..
           "parameter 1 is transformer.wte.weight")
+  -- the same shapes in another arrangement (8 heads of 4 for 2 of 16)
+  local heads = support.trainer("--model gpt2-nano --n-layer 1 --n-embd 32 --context 16 " ..
+                                "--seq-len 8 --micro-batch 2 --data " .. support.quote(corpus))
+  local hd = select(2, support.scratch())
+  local out, st = heads(1, "--steps 1 --n-head 2 --save " .. support.quote(hd))
+  assert(st == 0, out)
+  out, st = heads(1, "--steps 2 --n-head 8 --resume " .. support.quote(hd))
+  assert(st == 2 and out:find("holds a different model: its n_head is 2, this model's 8; load " ..
+                              "it with the model flags it was saved with", 1, true), out)
   -- what the engine refuses to build from a config is bad input too
   local nvme = select(2, support.scratch())
   local cfg = write_file("buffer.json", ('{"train_micro_batch_size_per_gpu": 2, ' ..

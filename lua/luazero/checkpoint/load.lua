@@ -17,18 +17,68 @@ local states_of = disk.states_of
 
 local M = {}
 
--- The first tensor where the checkpoint's model and this one differ.
+-- Fields of a model's config that are the run's settings, not its
+-- architecture: a resume may change them (the default learning rate and
+-- batch, the name, the context of a model without a position table, how
+-- experts are gathered, the initialisation's scale, the router's auxiliary
+-- loss and jitter).
+local RUN_FIELDS = { lr = true, micro_batch = true, name = true, context = true,
+                     moe_gather = true, std = true, router_logits = true, aux_coef = true,
+                     jitter = true }
+
+local function same_value(a, b)
+  if type(a) == "number" and type(b) == "number" then
+    return a == b or math.abs(a - b) <= 1e-12 * math.max(math.abs(a), math.abs(b))
+  end
+  return a == b
+end
+
+-- The first field of the architecture both configs have where they differ
+-- (a table's entries one by one): key, saved value, this model's.
+local function config_difference(saved, here)
+  local keys = {}
+  for k in pairs(saved) do
+    if here[k] ~= nil and not RUN_FIELDS[k] then keys[#keys + 1] = k end
+  end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local a, b = saved[k], here[k]
+    if type(a) == "table" and type(b) == "table" then
+      for tk, tv in pairs(a) do
+        if type(b[tk]) ~= "table" and type(b[tk]) ~= "function" and not same_value(tv, b[tk]) then
+          return k .. "." .. tostring(tk), tv, b[tk]
+        end
+      end
+    elseif type(a) ~= "table" and type(b) ~= "table" and type(b) ~= "function" and
+           not same_value(a, b) then
+      return k, a, b
+    end
+  end
+end
+
+-- The first tensor where the checkpoint's model and this one differ, or
+-- the first field of its architecture (tensors of the same shapes in
+-- another arrangement: heads, norms, rotary base, routing).
 local function check_model(m, parts, dir)
   local here = parts.params
   local function shape(s) return "[" .. table.concat(s, ", ") .. "]" end
+  local model_name = m.model and m.model.name or "see its manifest.json"
   for i = 1, math.max(#here, #m.params) do
     local a, b = m.params[i], here[i]
     if not a or not b or a.name ~= b.name or shape(a.shape) ~= shape(b.shape) then
       fail("%s holds a different model: parameter %d is %s there but %s here; load it with " ..
            "the model flags it was saved with (%s)", dir, i,
            a and (a.name .. " " .. shape(a.shape)) or "absent",
-           b and (b.name .. " " .. shape(b.shape)) or "absent",
-           m.model and m.model.name or "see its manifest.json")
+           b and (b.name .. " " .. shape(b.shape)) or "absent", model_name)
+    end
+  end
+  local saved = type(m.model) == "table" and type(m.model.config) == "table" and m.model.config
+  local cfg = parts.model and parts.model.cfg
+  if saved and type(cfg) == "table" then
+    local key, a, b = config_difference(saved, cfg)
+    if key then
+      fail("%s holds a different model: its %s is %s, this model's %s; load it with the model " ..
+           "flags it was saved with (%s)", dir, key, tostring(a), tostring(b), model_name)
     end
   end
 end

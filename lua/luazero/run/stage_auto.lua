@@ -6,6 +6,7 @@
 local config = require("luazero.config")
 local estimate = require("luazero.estimate")
 local store = require("luazero.zero.store")
+local Placement = require("luazero.zero.plan")
 local M = {}
 
 -- Sets cfg's stage (and NVMe placement) for model on `world` ranks
@@ -50,9 +51,19 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   if z.overlap_comm_given then settings.overlap = z.overlap_comm end
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
   local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
+  -- An offload the config asks for allows only the stages it works at
+  -- (offload_optimizer from 1, offload_param 3).
+  local min_stage, min_why = 0, nil
+  for _, key in ipairs({ "offload_optimizer", "offload_param" }) do
+    local rule = Placement.offload_stages[key]
+    if Placement.offloaded(z[key].device) and rule.least > min_stage then
+      min_stage, min_why = rule.least, ("zero_optimization.%s needs %s"):format(key, rule.names)
+    end
+  end
   local stage, why, fits, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
     { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
-      nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts })
+      nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts,
+      min_stage = min_stage, min_why = min_why })
   why = why:gsub("budget [%d.]+ %a+", function(b) return b .. act_note end, 1)
   -- A budget the run holds (--memory-budget, luazero.memory_budget,
   -- LZ_MEMORY_BUDGET; run/loop.lua checks each step) that no placement
