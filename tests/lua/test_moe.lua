@@ -337,6 +337,24 @@ function T.expert_lora_trains_to_one_checksum_at_stages_0_and_3()
   local ck = write_file("ck", ""):gsub("ck$", "expert-lora-ck")
   local _, s3 = train(2, "--stage 3 --save " .. q(ck))
   eq(s3, s0, "stage 3's checksum")
+  -- Gathered per expert, each expert's adapters sit after its own weights in
+  -- the table, not after all experts' (so the checksum, over the table in
+  -- its order, is another), and draw the same numbers (keyed by their
+  -- names): every step's loss, auxiliary loss and gradient norm are the
+  -- same numbers.
+  local logs = {}
+  for _, g in ipairs({ "block", "expert" }) do
+    local cfg = write_file("gather-" .. g .. ".json", ('{"moe": {"gather": "%s"}}'):format(g))
+    local log = cfg:gsub("%.json$", ".jsonl")
+    train(2, ("--stage 3 --config %s --log %s"):format(q(cfg), q(log)))
+    logs[g] = support.records(log)
+  end
+  eq(#logs.expert, #logs.block, "records")
+  for i, r in ipairs(logs.block) do
+    for _, k in ipairs({ "loss", "aux_loss", "grad_norm" }) do
+      eq(logs.expert[i][k], r[k], ("step %s's %s, gathered per expert"):format(r.step, k))
+    end
+  end
 end
 
 -- --merge-lora folds the experts' adapters into the base: expert e's gate

@@ -38,7 +38,9 @@ function M.attach(experts, kind, r, s)
     local m = u.module
     local prefix = m == experts and ((e - 1) .. ".") or ""
     local a, b = ("lora_%s_A%d"):format(kind, e), ("lora_%s_B%d"):format(kind, e)
-    m:param(a, { r, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in) }, false,
+    -- (keyed: the same numbers under gather "block", where the adapters
+    -- follow every expert's weights, and "expert", where each follows its own)
+    m:param(a, { r, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in), keyed = true }, false,
             prefix .. kind .. ".lora_A.weight")
     m:param(b, { n_out, r }, { kind = "zeros" }, false, prefix .. kind .. ".lora_B.weight")
     u.lora = u.lora or {}

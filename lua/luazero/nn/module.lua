@@ -118,6 +118,16 @@ function Module.fill_init(init, ptr, n, r)
   end
 end
 
+-- The generator of a parameter whose init is keyed (init.keyed): its
+-- numbers depend on the seed and the parameter's full name alone, not on
+-- its place in the table (an expert's adapters sit at other places under
+-- gather "block" and "expert": nn/lora_experts.lua). draw_params,
+-- draw_stream and hf.lua's drawn adapters take it.
+function Module.keyed_rng(seed, name)
+  local rng = require("luazero.rng")
+  return rng.new(lz.C.lz_hash_xxh64(name, #name, rng.keyed(seed, 6)), 6)
+end
+
 -- Freezes the parameters whose full name matches `what` (a Lua pattern,
 -- or a function of the name returning true): they get no gradients, no
 -- optimizer states and no gradient communication, and stay exactly as they
