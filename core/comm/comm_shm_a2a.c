@@ -123,9 +123,13 @@ static lz_status exchange(lz_comm *c, shm_comm *s, const lz_coll_args *a);
 lz_status shm_all_to_all(lz_comm *c, shm_comm *s, const lz_coll_args *in) {
   int W = c->size, me = c->rank;
   size_t row = 4 * (size_t)W * sizeof(int64_t);
-  if (row > s->chunk)
-    return lz_fail(LZ_ERR_INVALID, "all_to_all: %d ranks' counts do not fit a bank of %zu bytes; "
-                   "set LZ_SHM_CHUNK to %zu or more", W, s->chunk, row);
+  /* 64 bytes a rank: through_segment's share of a bank for each rank (a
+   * smaller bank would move 0 bytes a turn, forever), more than the counts'
+   * row (32 a rank). The bank is the segment's: every rank refuses alike. */
+  const size_t need = 64 * (size_t)W;
+  if (need > s->chunk)
+    return lz_fail(LZ_ERR_INVALID, "all_to_all: %d ranks need a bank of %zu bytes or more (got "
+                   "%zu); set LZ_SHM_CHUNK to %zu or more", W, need, s->chunk, need);
   int64_t *table = malloc(row * (size_t)W);
   if (!table) return lz_fail(LZ_ERR_NOMEM, "all_to_all: rank %d: out of memory", me);
   memcpy(shm_bank(s, me, s->bank), in->v, row);
