@@ -200,6 +200,19 @@ local function set_up(flags)
   -- The config's moe.gather: the granularity the experts are built with.
   if cfg.moe.gather and mcfg.moe_gather then mcfg.moe_gather = cfg.moe.gather end
   local model = models.new(mcfg)
+  -- A moe block beside a model without MoE blocks does nothing: said so.
+  if #(model.routers or {}) == 0 then
+    local moe_config, keys = require("luazero.config.moe"), {}
+    for _, k in ipairs({ "ep_size", "gather", "routed_only", "placement" }) do
+      if cfg.moe[k] ~= nil and cfg.moe[k] ~= moe_config.defaults[k] then
+        keys[#keys + 1] = "moe." .. k
+      end
+    end
+    if #keys > 0 then
+      cfg.no_effect[#cfg.no_effect + 1] = ("%s (the model %s has no mixture-of-experts blocks)")
+                                          :format(table.concat(keys, ", "), mcfg.name or "given")
+    end
+  end
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end
   -- a restarted run (luazero --restarts) appends to its log

@@ -114,6 +114,26 @@ function T.stage_auto_picks_among_the_stages_an_offload_allows()
   end
 end
 
+-- A moe block beside a dense model does nothing, and the run says so.
+function T.a_moe_block_beside_a_dense_model_is_named_as_without_effect()
+  local cfg = write_file("dense-moe.json", '{"train_micro_batch_size_per_gpu": 2, ' ..
+                         '"moe": {"gather": "expert", "routed_only": true}}')
+  local out, st = train(1, "--steps 1 --config " .. support.quote(cfg))
+  assert(st == 0 and out:find("config: no effect here: moe.gather, moe.routed_only (the model " ..
+                              "gpt2-nano has no mixture-of-experts blocks)", 1, true), out)
+end
+
+-- The config's save settings without --save save nothing: said so.
+function T.save_settings_without_save_are_named_as_without_effect()
+  local cfg = write_file("saves.json", '{"train_micro_batch_size_per_gpu": 2, "checkpoint": ' ..
+                         '{"writer": {"decoupled": true}}, "zero_optimization": {"stage": 3, ' ..
+                         '"stage3_gather_16bit_weights_on_model_save": true}}')
+  local out, st = train(1, "--steps 1 --config " .. support.quote(cfg))
+  assert(st == 0 and out:find("config: no effect here: checkpoint.writer.decoupled, " ..
+                              "zero_optimization.stage3_gather_16bit_weights_on_model_save " ..
+                              "(nothing is saved without --save DIR)", 1, true), out)
+end
+
 function T.a_resume_with_other_steps_says_the_schedule_changes()
   local dir = select(2, support.scratch())
   ok_train(1, ("--steps 4 --save-every 2 --save %s"):format(dir))

@@ -71,6 +71,19 @@ function M.train_config(ex, flags, cfg)
                    "config, or drop --warmup")
                   :format(flags.warmup, flags.config))
   end
+  -- The config's save settings without --save: nothing is saved, said so
+  -- (--async-save without --save is refused; these come from a shared file).
+  if not flags.save then
+    local keys = {}
+    if cfg.checkpoint.async then keys[#keys + 1] = "checkpoint.writer.decoupled" end
+    if cfg.zero_optimization.gather_16bit_weights_on_model_save then
+      keys[#keys + 1] = "zero_optimization.stage3_gather_16bit_weights_on_model_save"
+    end
+    if #keys > 0 then
+      cfg.no_effect[#cfg.no_effect + 1] = ("%s (nothing is saved without --save DIR)")
+                                          :format(table.concat(keys, ", "))
+    end
+  end
   local fp = cfg.flops_profiler
   if fp.enabled and fp.profile_step > flags.steps then
     ex.user_error(("config: flops_profiler.profile_step %d is past the run's last step " ..
