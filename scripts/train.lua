@@ -226,7 +226,7 @@ local function set_up(flags)
         :format(flags.lora_r, flags.lora_alpha or flags.lora_r, n, table.concat(targets, ","),
                 select(2, model:trainable_table())))
   end
-  outputs.check_save_target(ex, flags, model.n_params)
+  outputs.check_save_target(ex, flags, model.n_params, cfg)
   -- (before --stage auto, which counts the activations it leaves)
   if flags.checkpoint_activations then
     checked(model.checkpoint_activations, model, cfg.activation_checkpointing)

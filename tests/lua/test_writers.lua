@@ -240,6 +240,31 @@ function T.export_refuses_a_folder_with_other_files_and_leaves_none_when_refused
   eq(listing(tmp):find("never%-merged"), nil, "leftovers of the refused export in " .. tmp)
 end
 
+-- The 16-bit export beside a checkpoint (stage3_gather_16bit_weights_on_
+-- model_save) that fails: the checkpoint is whole and latest names it, and
+-- the error says so and how to write the export again, not that nothing
+-- was written.
+function T.a_failed_16bit_export_says_its_checkpoint_is_saved()
+  local cfg = write_file("hf16.json", '{"train_micro_batch_size_per_gpu": 2, ' ..
+                         '"zero_optimization": {"stage": 3, ' ..
+                         '"stage3_gather_16bit_weights_on_model_save": true}}')
+  local dir = tmp .. "/hf16-run"
+  local out, st = tool("LZ_WRITE_FAIL_AFTER_BYTES=1000", (q(lz.executable()) ..
+    " scripts/train.lua --model gpt2-nano " ..
+    "--n-layer 1 --n-embd 32 --n-head 2 --context 16 --seq-len 8 --micro-batch 2 --sample 0 " ..
+    "--eval-batches 1 --data %s --steps 2 --save-every 2 --config %s --save %s")
+    :format(q(corpus), q(cfg), q(dir)))
+  assert(st == 1, out)
+  local step = dir .. "/step-000002"
+  assert(out:find(step .. " is saved (latest names it), but its 16-bit export " ..
+                  "(stage3_gather_16bit_weights_on_model_save) failed: ", 1, true) and
+         out:find("`tools/ckpt export " .. step .. " OUT --dtype bf16` writes it again", 1, true),
+         out)
+  eq(lz.read_file(dir .. "/latest"), "step-000002\n", "latest")
+  checkpoint.open(step) -- whole: its manifest reads
+  assert(not exists(step .. "/hf16"), "a partial hf16 folder")
+end
+
 -- A folder output named by a symbolic link to nothing is refused before
 -- anything is written (the rename at the end would fail on the link), the
 -- link left as it was.

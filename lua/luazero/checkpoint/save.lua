@@ -375,7 +375,14 @@ function M.finish(engine, ctx, all)
         local ckpt = require("luazero.checkpoint.reader").open(final)
         local ex = require("luazero.checkpoint.export")
         local write = m.lora and ex.export_lora or ex.export -- LoRA: PEFT's adapter folder
-        write(ckpt, final .. "/hf16", "bf16")
+        -- (the checkpoint is whole and `latest` names it: a failed export
+        -- says so, and how to write it again)
+        local done, why = pcall(write, ckpt, final .. "/hf16", "bf16")
+        if not done then
+          error(("%s is saved (latest names it), but its 16-bit export " ..
+                 "(stage3_gather_16bit_weights_on_model_save) failed: %s; `tools/ckpt export " ..
+                 "%s OUT --dtype bf16` writes it again"):format(final, tostring(why), final), 0)
+        end
       end
     end)
     if not ok then C.lz_ckpt_remove_tree(tmp) end

@@ -58,7 +58,7 @@ typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, 
 int statvfs(const char *path, lz_statvfs *buf);
 ]])
 pcall(ffi.cdef, "int getpid(void);")
-function M.check_save_target(ex, flags, n_params)
+function M.check_save_target(ex, flags, n_params, cfg)
   if not flags.save then return end
   local dir = flags.save:gsub("(.)/+$", "%1")
   -- The folders mkdir -p makes (deepest first): removed again when the
@@ -85,11 +85,16 @@ function M.check_save_target(ex, flags, n_params)
   local st = ffi.new("lz_statvfs")
   if ffi.C.statvfs(dir, st) == 0 then
     local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
-    local need = n_params * 12 + 2 ^ 20
+    -- (a 16-bit export beside each checkpoint: 4 bytes a parameter of
+    -- scratch and 2 of output more)
+    local per = 12
+    if cfg and cfg.zero_optimization.gather_16bit_weights_on_model_save then per = 18 end
+    local need = n_params * per + 2 ^ 20
     if free < need then
       refuse(("--save %s: %.1f MiB free, one checkpoint needs about %.1f MiB (%d parameters " ..
-              "x 12 bytes); free space there or save elsewhere")
-             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params))
+              "x %d bytes%s); free space there or save elsewhere")
+             :format(dir, free / 2 ^ 20, need / 2 ^ 20, n_params, per, per > 12 and
+                     ", its 16-bit export included" or ""))
     end
   end
 end
