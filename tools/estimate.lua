@@ -172,7 +172,15 @@ local function main(argv)
   -- rows'), the flags on top.
   local settings = {}
   if flags.config then
-    local cfg = checked(config.load, flags.config, N)
+    -- (the batch does not enter the model states: a file without one is
+    -- read as one sequence a rank)
+    local raw = checked(config.read_json, flags.config)
+    local source = flags.config
+    if type(raw) == "table" and raw.train_batch_size == nil and
+       raw.train_micro_batch_size_per_gpu == nil then
+      raw.train_micro_batch_size_per_gpu, source = flags.micro_batch or 1, raw
+    end
+    local cfg = checked(config.load, source, N)
     settings = estimate.settings_of(cfg, flags.device)
     settings.stage, settings.offload, settings.opt, settings.param = nil, nil, nil, nil
     settings.dtype, settings.grads = nil, nil

@@ -807,6 +807,10 @@ function T.tools_estimate_has_nvme_rows_lora_and_json()
     '"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "buffer_count": 2}}}')
   out, status = run_tool("--params 1e8 --json 1 --config " .. support.quote(cfg))
   assert(status == 0, out)
+  -- a config without a batch key (the batch is no model state) reads
+  local nobatch = write_file("nobatch.json", '{"zero_optimization": {"stage": 1}}')
+  local out2, status2 = run_tool("--params 1e8 --config " .. support.quote(nobatch))
+  assert(status2 == 0 and out2:find("stage", 1, true), out2)
   local G = 10000384
   for _, row in ipairs(require("cjson").decode(out).rows) do
     if row.stage == 3 and row.placement == "nvme" then
