@@ -485,10 +485,16 @@ local function zero_section(raw, cfg, unimpl)
   end
   out.overlap_comm_given = out.overlap_comm ~= nil
   -- DeepSpeed's deprecated "cpu_offload": true is offload_optimizer on the CPU.
+  -- (spelt: the key the file wrote, for errors)
   local opt_raw = raw.offload_optimizer
-  if raw.cpu_offload == true and not given(opt_raw) then opt_raw = { device = "cpu" } end
+  out.spelt = {}
+  if raw.cpu_offload == true and not given(opt_raw) then
+    opt_raw, out.spelt.offload_optimizer = { device = "cpu" }, "cpu_offload"
+  end
   local param_raw = raw.offload_param
-  if raw.cpu_offload_param == true and not given(param_raw) then param_raw = { device = "cpu" } end
+  if raw.cpu_offload_param == true and not given(param_raw) then
+    param_raw, out.spelt.offload_param = { device = "cpu" }, "cpu_offload_param"
+  end
   out.offload_optimizer = offload_block(z .. "offload_optimizer", opt_raw,
                                         M.offload_optimizer_defaults, unimpl, cfg.no_effect)
   out.offload_param = offload_block(z .. "offload_param", param_raw, M.offload_param_defaults,
@@ -533,8 +539,15 @@ function M.set_stage(cfg, stage)
     for _, key in ipairs({ "offload_optimizer", "offload_param" }) do
       local rule = Placement.offload_stages[key]
       if Placement.offloaded(z[key].device) and not Placement.stage_allows(key, stage) then
-        fail("zero_optimization.%s needs %s (got stage %s); set %s or remove %s", key,
-             rule.names, show(stage), rule.set, key)
+        -- (named as given: --stage, and cpu_offload where the file wrote it)
+        local spelt = z.spelt and z.spelt[key] or key
+        if cfg.overrides and cfg.overrides.stage ~= nil then
+          fail("--stage %s: zero_optimization.%s needs %s; give --stage %s, or remove %s from " ..
+               "the config", show(stage), spelt, rule.names,
+               rule.least == 3 and "3" or "1, 2 or 3", spelt)
+        end
+        fail("zero_optimization.%s needs %s (got stage %s); set %s or remove %s", spelt,
+             rule.names, show(stage), rule.set, spelt)
       end
     end
   end

@@ -380,11 +380,15 @@ function T.offload_and_aio_keys()
                  offload_optimizer = { device = "cpu" } } }, 1,
                "config: zero_optimization.offload_optimizer needs stage 1, 2 or 3 (got " ..
                "stage 0); set zero_optimization.stage or remove offload_optimizer")
-  -- --stage overrides the file's stage before the check.
+  -- --stage overrides the file's stage before the check, and the error
+  -- names the flag; a deprecated cpu_offload is named as the file spells it.
   expect_error({ train_batch_size = 8, zero_optimization = { stage = 3,
                  offload_param = { device = "cpu" } } }, 1,
-               "config: zero_optimization.offload_param needs stage 3 (got stage 1); set " ..
-               "zero_optimization.stage to 3 or remove offload_param", { stage = 1 })
+               "config: --stage 1: zero_optimization.offload_param needs stage 3; give --stage " ..
+               "3, or remove offload_param from the config", { stage = 1 })
+  expect_error({ train_batch_size = 8, zero_optimization = { stage = 0, cpu_offload = true } }, 1,
+               "config: zero_optimization.cpu_offload needs stage 1, 2 or 3 (got stage 0); set " ..
+               "zero_optimization.stage or remove cpu_offload")
   local missing = dir .. "/not-there"
   expect_error({ train_batch_size = 8, zero_optimization = { stage = 1,
                  offload_optimizer = { device = "nvme", nvme_path = missing } } }, 1,
