@@ -485,6 +485,9 @@ local function zero_section(raw, cfg, unimpl)
   end
   out.overlap_comm_given = out.overlap_comm ~= nil
   -- DeepSpeed's deprecated "cpu_offload": true is offload_optimizer on the CPU.
+  for _, k in ipairs({ "cpu_offload", "cpu_offload_param" }) do
+    if given(raw[k]) then boolean(z .. k, raw[k]) end
+  end
   -- (spelt: the key the file wrote, for errors)
   local opt_raw = raw.offload_optimizer
   out.spelt = {}

@@ -386,6 +386,7 @@ function T.offload_and_aio_keys()
                  offload_param = { device = "cpu" } } }, 1,
                "config: --stage 1: zero_optimization.offload_param needs stage 3; give --stage " ..
                "3, or remove offload_param from the config", { stage = 1 })
+  load_error({ train_batch_size = 8, zero_optimization = { stage = 1, cpu_offload = "yes" } }, 1)
   expect_error({ train_batch_size = 8, zero_optimization = { stage = 0, cpu_offload = true } }, 1,
                "config: zero_optimization.cpu_offload needs stage 1, 2 or 3 (got stage 0); set " ..
                "zero_optimization.stage or remove cpu_offload")
