@@ -164,6 +164,12 @@ LZ_TEST(checkpoint_atomic_file_and_step_listing) {
   }
   snprintf(p, sizeof p, "%s/.step-000200.tmp-1", base);
   CHECK_OK(lz_ckpt_mkdir(p));
+  /* names no save writes: not steps */
+  const char *odd[] = {"step-7", "step-+000008", "step-0000009", "step-", "step-00001x"};
+  for (int i = 0; i < 5; i++) {
+    snprintf(p, sizeof p, "%s/%s", base, odd[i]);
+    CHECK_OK(lz_ckpt_mkdir(p));
+  }
   int64_t got[8];
   int count = 0;
   CHECK_OK(lz_ckpt_steps(base, got, 8, &count));

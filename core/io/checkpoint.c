@@ -524,6 +524,11 @@ lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count) {
     char *end = NULL;
     long long v = strtoll(s + 5, &end, 10);
     if (*end || v < 0) continue;
+    /* only the names a save writes (step-%06lld): "step-7" or "step-+7"
+     * would count as step 7, whose folder is another name */
+    char want[40];
+    snprintf(want, sizeof want, "step-%06lld", v);
+    if (strcmp(want, s) != 0) continue;
     if (n < cap) steps[n] = v;
     n++;
   }
