@@ -88,6 +88,19 @@ function T.keep_spares_the_new_and_resumed_checkpoints_and_a_rewind_sets_history
          not names:find("step-000004", 1, true), names)
 end
 
+-- A resume through a symbolic link to a step folder of the --save folder
+-- spares that folder as a resume by its own name does (--keep 1 would
+-- otherwise remove it, leaving the link to nothing).
+function T.keep_spares_a_resumed_folder_named_through_a_link()
+  local dir = tmp .. "/linked"
+  ok_train(1, "--steps 4 --save " .. q(dir) .. " --save-every 2")
+  local link = tmp .. "/linked-step"
+  os.execute(("ln -sfn %s %s"):format(q(dir .. "/step-000002"), q(link)))
+  ok_train(1, "--steps 3 --keep 1 --save " .. q(dir) .. " --resume " .. q(link))
+  local names = ls(dir)
+  assert(names:find("step-000002", 1, true) and names:find("step-000003", 1, true), names)
+end
+
 ---------------------------------------------------- 2. manifest checksum
 
 function T.manifest_with_any_byte_changed_is_refused()

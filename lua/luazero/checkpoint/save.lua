@@ -363,7 +363,9 @@ function M.finish(engine, ctx, all)
       local latest = name .. "\n"
       check(C.lz_ckpt_write_file(dir .. "/latest", latest, #latest))
       local protected = { [step] = true }
-      if from and real_path(from.dir:match("^(.*)/[^/]+$") or ".") == real then
+      -- (the resumed step folder's own real path: a link to DIR/step-N is
+      -- that folder)
+      if from and (real_path(from.dir):match("^(.*)/[^/]+$") or ".") == real then
         protected[from.step] = true
       end
       prune(dir, o.keep, protected)
