@@ -234,7 +234,9 @@ function States:each_group(write_back, fn, fresh, with_grads)
     end
     return
   end
-  local ahead = (self.swap and self.pipeline_read) and self.nb - 1 or 1
+  -- (one group, one buffer: read before its update, as without pipelining;
+  -- nb - 1 = 0 would issue no read and re-read the region after writing it)
+  local ahead = (self.swap and self.pipeline_read) and math.max(1, self.nb - 1) or 1
   local function issue_read(j)
     local b = self:buffer(j)
     wait(b.write_state); wait(b.write_work)
