@@ -21,7 +21,7 @@
 #include <stdio.h>     /* snprintf, fprintf for the buffered-I/O warning */
 #include <stdlib.h>    /* calloc, free */
 #include <sys/stat.h>  /* stat */
-#include <unistd.h>    /* unlink, close, getpid */
+#include <unistd.h>    /* unlink, close, getpid, usleep */
 
 #define ALIGN 4096
 #define MAX_THREADS 64
@@ -181,13 +181,23 @@ static void fail_submit(worker *w, piece *p, long err) {
 }
 
 /* Submits cbs[0..n): all at once or one at a time. Pieces the kernel refuses
- * complete with its error. Returns how many are in flight now. */
+ * complete with its error. Returns how many are in flight now. -EAGAIN (no
+ * room for now: the worker never has more than queue_depth in flight, so
+ * this is the kernel's) is tried again after a pause, for at most
+ * SUBMIT_AGAIN_MAX tries (about 10 s), then fails the piece: a submission
+ * that never gets room ends as an error, not a spinning thread. */
+#define SUBMIT_AGAIN_MAX 100000
 static int submit(worker *w, struct iocb **cbs, int n) {
-  int inflight = 0, i = 0;
+  int inflight = 0, i = 0, again = 0;
   while (i < n) {
     int batch = w->swap->opts.single_submit ? 1 : n - i;
     int rc = io_submit(w->ctx, batch, cbs + i);
-    if (rc == -EINTR || rc == -EAGAIN) continue;
+    if (rc == -EINTR) continue;
+    if (rc == -EAGAIN && ++again < SUBMIT_AGAIN_MAX) {
+      usleep(100);
+      continue;
+    }
+    again = 0;
     if (rc <= 0) { /* the first of the batch was refused; the rest are tried again */
       fail_submit(w, cbs[i]->data, rc < 0 ? rc : -EIO);
       i++;
