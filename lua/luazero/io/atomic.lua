@@ -27,7 +27,9 @@ for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                        "int fsync(int fd);", "int close(int fd);", "int unlink(const char *path);",
                        "int rename(const char *from, const char *to);", "int getpid(void);",
                        "char *strerror(int errnum);",
-                       "long readlink(const char *path, char *buf, unsigned long n);" }) do
+                       "long readlink(const char *path, char *buf, unsigned long n);",
+                       "int renameat2(int olddirfd, const char *oldpath, int newdirfd, " ..
+                       "const char *newpath, unsigned int flags);" }) do
   pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
 end
 
@@ -286,10 +288,26 @@ function M.folder(path, owned)
   return setmetatable({ path = path, tmp = tmp }, Folder)
 end
 
--- The temporary folder renamed into place (an earlier one set aside first,
--- then removed).
+local AT_FDCWD, RENAME_EXCHANGE = -100, 2
+
+-- The temporary folder renamed into place. An earlier one is swapped with
+-- it in one step (renameat2's RENAME_EXCHANGE: there is no moment without
+-- the folder, whenever the process dies) and then removed; where the file
+-- system cannot swap, it is set aside first, then removed.
 function Folder:commit()
   local old
+  if is_dir(self.path) and lz.C.lz_ckpt_fsync(self.tmp) == 0 and
+     C.renameat2(AT_FDCWD, self.tmp, AT_FDCWD, self.path, RENAME_EXCHANGE) == 0 then
+    -- (self.tmp holds the earlier folder now)
+    if lz.C.lz_ckpt_remove_tree(self.tmp) ~= 0 then
+      error(("%s: written, but the earlier one, swapped to %s, could not be removed (%s)")
+            :format(self.path, self.tmp, lz.last_error():gsub("^checkpoint: ", "")), 0)
+    end
+    if lz.C.lz_ckpt_fsync((dir_of(self.path))) ~= 0 then
+      error(("%s: written, but %s"):format(self.path, lz.last_error():gsub("^checkpoint: ", "")), 0)
+    end
+    return
+  end
   if is_dir(self.path) then
     old = ("%s/.%s.old-%d"):format(dir_of(self.path), select(2, dir_of(self.path)), C.getpid())
     lz.C.lz_ckpt_remove_tree(old)
