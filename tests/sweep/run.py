@@ -145,6 +145,31 @@ def test_bad_sweep_file_is_a_user_error():
     assert "grid.lr must be a non-empty list of values" in p.stderr, p.stderr
 
 
+def test_a_flag_in_either_spelling_is_one_flag():
+    """micro_batch in a run replaces base's ["micro-batch"] (one --micro-batch
+    on the command line, one run id from one invocation to the next); one
+    table giving both spellings is refused."""
+    path = os.path.join(WORK, "spell.lua")
+    open(path, "w").write(
+        'return { base = { model = "gpt2-nano", data = "corpus.txt", steps = 1, ["n-layer"] = 1, '
+        '["n-embd"] = 32, ["n-head"] = 2, context = 32, ["seq-len"] = 16, ["micro-batch"] = 2, '
+        'sample = 0, ["eval-batches"] = 1 }, runs = { { micro_batch = 1 } } }')
+    ids = []
+    for flags in ([], ["--retry-failed"]):
+        p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out",
+                            os.path.join(WORK, "spell")] + flags, cwd=WORK, capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        ids.append(sorted(os.listdir(os.path.join(WORK, "spell", "runs"))))
+    assert ids[0] == ids[1] and len(ids[0]) == 1 and ids[0][0].startswith("micro-batch1-"), ids
+    open(path, "w").write('return { base = { micro_batch = 1, ["micro-batch"] = 2 }, '
+                          'runs = { { lr = 1 } } }')
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path], cwd=WORK,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "base gives --micro-batch twice (micro-batch and micro_batch)" \
+        in p.stderr, (p.returncode, p.stderr)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from pyrun import run_tests

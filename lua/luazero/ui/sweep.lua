@@ -139,12 +139,32 @@ local function run_id(flags, swept_keys, ranks)
   return slug:sub(1, 80) .. "-" .. h
 end
 
+-- t's keys as the flags they name (micro_batch and ["micro-batch"] are one
+-- flag, --micro-batch); a table that gives one flag both ways is refused.
+local function as_flags(t, where)
+  local out, from = {}, {}
+  for k, v in pairs(t or {}) do
+    local n = flag_name(k)
+    if from[n] ~= nil then
+      local a, b = tostring(from[n]), tostring(k)
+      if b < a then a, b = b, a end
+      fail(("%s gives --%s twice (%s and %s); give it once"):format(where, n, a, b))
+    end
+    out[n], from[n] = v, k
+  end
+  return out
+end
+
 -- Every run: the grid's product (keys in name order) and then the listed
--- runs, each on top of base. A key "ranks" sets the run's ranks.
+-- runs, each on top of base (a key as either spelling: as_flags). A key
+-- "ranks" sets the run's ranks.
 function M.expand(spec)
+  local where = spec.source and (spec.source .. ": ") or ""
+  local base = as_flags(spec.base, where .. "base")
+  local grid = spec.grid and as_flags(spec.grid, where .. "grid")
   local combos = {}
-  if spec.grid then
-    local keys = sorted_keys(spec.grid)
+  if grid then
+    local keys = sorted_keys(grid)
     local function rec(i, acc)
       if i > #keys then
         local c = {}
@@ -152,7 +172,7 @@ function M.expand(spec)
         combos[#combos + 1] = c
         return
       end
-      for _, v in ipairs(spec.grid[keys[i]]) do
+      for _, v in ipairs(grid[keys[i]]) do
         acc[keys[i]] = v
         rec(i + 1, acc)
       end
@@ -160,7 +180,9 @@ function M.expand(spec)
     end
     rec(1, {})
   end
-  for _, r in ipairs(spec.runs or {}) do combos[#combos + 1] = r end
+  for i, r in ipairs(spec.runs or {}) do
+    combos[#combos + 1] = as_flags(r, ("%sruns[%d]"):format(where, i))
+  end
   -- The swept keys: whatever the grid or a run sets.
   local swept_set = {}
   for _, c in ipairs(combos) do for k in pairs(c) do swept_set[k] = true end end
@@ -168,7 +190,7 @@ function M.expand(spec)
   local runs, seen = {}, {}
   for _, c in ipairs(combos) do
     local flags = {}
-    for k, v in pairs(spec.base) do flags[k] = v end
+    for k, v in pairs(base) do flags[k] = v end
     local ranks = spec.ranks
     for k, v in pairs(c) do
       if k == "ranks" then ranks = v else flags[k] = v end
