@@ -67,5 +67,15 @@ cd "$root"
 out=$(tools/install --uninstall --prefix "$prefix" 2>&1)
 check uninstall_leaves_nothing '[ ! -e "$prefix/bin/luazero" ] && [ ! -e "$prefix/lib/luazero" ]' "$out"
 
+# A prefix spelt with a trailing slash and ./ parts: the link install makes is
+# the one uninstall recognises (it left a link to nothing behind, saying it
+# had removed it), and only what was removed is reported.
+odd="$prefix/./odd/"
+tools/install --prefix "$odd" >/dev/null 2>&1
+out=$(tools/install --uninstall --prefix "$odd" 2>&1)
+check uninstall_of_an_odd_prefix_removes_its_link '[ ! -L "$prefix/odd/bin/luazero" ] && [ ! -e "$prefix/odd/lib/luazero" ] && echo "$out" | grep -q "bin/luazero"' "$out"
+out=$(tools/install --uninstall --prefix "$odd" 2>&1)
+check uninstall_again_says_nothing_was_there 'echo "$out" | grep -q "nothing of luazero" ' "$out"
+
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]
