@@ -21,7 +21,7 @@
 #include <lualib.h>            /* luaL_openlibs */
 #include <poll.h>              /* poll on stdin while the REPL waits */
 #include <stdio.h>             /* fprintf, getchar */
-#include <stdlib.h>            /* setenv, getenv, strtol */
+#include <stdlib.h>            /* setenv, getenv, strtol, malloc */
 #include <string.h>            /* strcmp, strerror */
 #include <unistd.h>            /* readlink, isatty */
 
@@ -342,8 +342,12 @@ int main(int argc, char **argv) {
       fputs(usage_tail, stdout);
       return 0;
     } else if (!strcmp(a, "-e")) {
-      if (i + 1 >= argc || n_exec == 64) {
+      if (i + 1 >= argc) {
         fprintf(stderr, "luazero: -e needs a chunk of Lua code (luazero -e 'print(1)')\n");
+        return 2;
+      }
+      if (n_exec == 64) {
+        fprintf(stderr, "luazero: at most 64 -e chunks; join some with ';'\n");
         return 2;
       }
       exec_chunks[n_exec++] = argv[++i];
@@ -426,16 +430,22 @@ int main(int argc, char **argv) {
               "(how many times to run the job again)\n", min_ranks);
       return 2;
     }
-    char *child[512];
+    /* every argument passed on: the exe, each -e and its chunk, -i, -m,
+     * the script and its arguments, the NULL */
+    char **child = malloc(sizeof *child * (size_t)(2 * n_exec + argc + 4));
+    if (!child) {
+      fprintf(stderr, "luazero: out of memory for %d arguments\n", argc);
+      return 1;
+    }
     int c = 0;
     child[c++] = "/proc/self/exe";
-    for (int k = 0; k < n_exec && c < 508; k++) {
+    for (int k = 0; k < n_exec; k++) {
       child[c++] = "-e";
       child[c++] = (char *)exec_chunks[k];
     }
     if (interactive) child[c++] = "-i";
     if (by_name) child[c++] = "-m";
-    for (int k = first_script; first_script && k < argc && c < 511; k++) child[c++] = argv[k];
+    for (int k = first_script; first_script && k < argc; k++) child[c++] = argv[k];
     child[c] = NULL;
     char exe[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -445,6 +455,7 @@ int main(int argc, char **argv) {
     }
     int code = 1;
     lz_status st = lz_launch_restarting(nranks, child, restarts, min_ranks, &code);
+    free(child);
     if (st != LZ_OK) {
       fprintf(stderr, "luazero: %s\n", lz_last_error());
       return st == LZ_ERR_INVALID ? 2 : 1; /* a job this machine cannot run is bad input */

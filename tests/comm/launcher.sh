@@ -200,5 +200,19 @@ if [ $code = 143 ] && [ -z "$left" ] && grep -q "luazero: received SIGTERM; stop
   ok "--backend mpi: SIGTERM to the launcher: exit 143, mpirun and its ranks gone"
 else bad "--backend mpi: SIGTERM to the launcher (exit $code, left '$left')" "$TMP/mpiterm"; fi
 
+# --- -n passes every argument on (it kept the first 509 of a command line);
+# more than 64 -e chunks are refused naming the limit
+echo 'print("args", #arg, arg[#arg])' > "$TMP/count.lua"
+"$BIN/luazero" -n 2 "$TMP/count.lua" $(seq 600) > "$TMP/args" 2>&1
+if [ "$(grep -c 'args	600	600' "$TMP/args")" = 2 ]; then
+  ok "-n 2 script with 600 arguments: each rank gets all 600"
+else bad "-n 2 script with 600 arguments" "$TMP/args"; fi
+"$BIN/luazero" -n 1 $(for i in $(seq 65); do printf -- '-e x=1 '; done) "$TMP/count.lua" \
+  > "$TMP/e65" 2>&1
+code=$?
+if [ $code = 2 ] && grep -q "at most 64 -e chunks" "$TMP/e65"; then
+  ok "65 -e chunks: refused naming the limit (exit 2)"
+else bad "65 -e chunks (exit $code)" "$TMP/e65"; fi
+
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]
