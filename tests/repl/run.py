@@ -160,6 +160,22 @@ def test_dash_i_after_a_failing_script_keeps_its_globals():
         s.close()
 
 
+def test_dash_i_after_a_script_that_stops_on_bad_input():
+    """A script that stops through its exits (scripts/train.lua's bad flag,
+    exit 2) still reaches the REPL under -i, then exits 2."""
+    s = Session(["-i", os.path.join(ROOT, "scripts", "train.lua"), "--steps", "-2", "--data",
+                 os.path.join(ROOT, "README.md")])
+    try:
+        s.expect(r"train: --steps must be >= 1 \(got -2\)")
+        s.expect(PROMPT)
+        s.send("1 + 1")
+        s.expect(r"\n2\s*\n")
+        code = s.quit()
+        assert code == 2, "bad input should still exit 2 after the REPL, got %d" % code
+    finally:
+        s.close()
+
+
 def expected_ranges(W, rows, cols, bias):
     """Rank ranges of a Linear's weight and bias: one segment (weight, then
     bias) padded to a multiple of W * 16 and cut into W slices

@@ -54,6 +54,13 @@ function M.new(opts)
     local line = opts.at_exit and opts.at_exit()
     if line and ex.rank == 0 then io.stderr:write(head:format(line)) end
     io.stderr:flush()
+    -- luazero -i: the REPL after a script that stops here, as after one that
+    -- raises (lua/main.c), then the exit status
+    if rawget(_G, "LUAZERO_INTERACTIVE") then
+      local ok, why = pcall(function() require("luazero.ui.repl").run({ script_failed = true }) end)
+      if not ok then io.stderr:write(head:format(tostring(why))) end
+      io.stdout:flush()
+    end
     os.exit(code or 2)
   end
 
