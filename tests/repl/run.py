@@ -127,7 +127,7 @@ def test_plain_repl_values_multiline_history_ctrl_d():
         s.send("{ a = 1, b = { c = 'x' } }")
         s.expect(r'b = \{\s*\n\s*c = "x"')
         s.send("error('bad thing')")
-        s.expect(r"bad thing")
+        s.expect(r"stdin:1: bad thing")  # (its line kept: no tail call)
         s.send("lz.mem()")
         s.expect(r"workspace\s+24 B\s+24 B")
         code = s.quit()

@@ -28,10 +28,12 @@ end
 
 -- Compiles a chunk: an expression first (its values are printed), then a
 -- statement. Returns the function, or nil and whether the chunk is
--- incomplete, or nil and the syntax error.
+-- incomplete, or nil and the syntax error. (The expression is select's
+-- argument, not a tail call, so an error it raises keeps its line:
+-- `stdin:1: boom`.)
 local function compile(chunk)
   local text = chunk:sub(1, 1) == "=" and chunk:sub(2) or chunk
-  local f = loadstring("return " .. text, "=stdin")
+  local f = loadstring("return select(1, " .. text .. "\n)", "=stdin")
   if f then return f end
   local err
   f, err = loadstring(text, "=stdin")
