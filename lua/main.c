@@ -509,7 +509,10 @@ int main(int argc, char **argv) {
     const char *script = argv[first_script];
     char bundled[PATH_MAX + 64];
     if (by_name) {
-      snprintf(bundled, sizeof bundled, "%s/scripts/%s.lua", root, script);
+      /* (-m train and -m train.lua alike) */
+      const size_t sl = strlen(script);
+      const int has_ext = sl > 4 && !strcmp(script + sl - 4, ".lua");
+      snprintf(bundled, sizeof bundled, "%s/scripts/%s%s", root, script, has_ext ? "" : ".lua");
       if (strstr(script, "..") || access(bundled, R_OK) != 0) {
         fprintf(stderr, "luazero: -m %s: no bundled script %s; the bundled scripts are the .lua "
                 "files under %s/scripts (luazero -m train, -m examples/own_model)\n", script,

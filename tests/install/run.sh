@@ -57,6 +57,9 @@ check bundled_train_by_name 'echo "$out" | grep -q "^params_checksum [0-9a-f]"' 
 out=$(luazero -n 2 -m examples/own_model corpus.txt 4 2>&1)
 check bundled_example_on_2_ranks 'echo "$out" | grep -q "^params_checksum [0-9a-f]" && [ "$(echo "$out" | grep -c "^step ")" = 4 ]' "$out"
 
+out=$(luazero -m train.lua --help 2>&1); st=$?
+check bundled_name_with_its_extension '[ $st = 0 ] && echo "$out" | grep -q "^usage: luazero scripts/train.lua"' "$out"
+
 out=$(luazero -m nothing-here 2>&1); st=$?
 check unknown_name_is_one_line '[ $st = 2 ] && [ "$(echo "$out" | wc -l)" = 1 ] && echo "$out" | grep -q "no bundled script"' "$out"
 

@@ -168,6 +168,10 @@ def test_a_flag_in_either_spelling_is_one_flag():
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and "base gives --micro-batch twice (micro-batch and micro_batch)" \
         in p.stderr, (p.returncode, p.stderr)
+    open(path, "w").write('return { base = { log = "x.jsonl" }, runs = { { lr = 1 } } }')
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path], cwd=WORK,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and "--log is the sweep's own" in p.stderr, (p.returncode, p.stderr)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,7 @@ end
 function M.expand(spec)
   local where = spec.source and (spec.source .. ": ") or ""
   local base = as_flags(spec.base, where .. "base")
+
   local grid = spec.grid and as_flags(spec.grid, where .. "grid")
   local combos = {}
   if grid then
@@ -194,6 +195,10 @@ function M.expand(spec)
     local ranks = spec.ranks
     for k, v in pairs(c) do
       if k == "ranks" then ranks = v else flags[k] = v end
+    end
+    if flags.log ~= nil then
+      fail(("%s--log is the sweep's own (each run's runs/<id>/log.jsonl); remove it from the " ..
+            "sweep file"):format(where))
     end
     if type(ranks) ~= "number" or ranks < 1 or ranks ~= math.floor(ranks) then
       fail(("ranks must be a whole number >= 1 (got %s)"):format(tostring(ranks)))
