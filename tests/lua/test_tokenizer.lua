@@ -164,6 +164,20 @@ function T.sentencepiece_llama2()
   same(tok:decode({ 233, 154, 261, 233, 154, 168 }), "\u{FFFD}\u{FFFD}b日")
 end
 
+-- A completion read back (run/text.lua, what generate prints and --stop
+-- matches) is the tokenizer's decode of the ids as one sequence: spaces
+-- between pieces and characters of byte-fallback pieces kept; an id past the
+-- vocabulary shows as <id> between runs decoded whole.
+function T.completions_decode_as_one_sequence()
+  local tok = tokenizer.load(sentencepiece())
+  local text = require("luazero.run.text")
+  local ids = { 263, 261, 259, 263, 261, 266, 233, 154, 168, 261 }
+  same(text.decode(tok, ids), tok:decode(ids))
+  same(text.decode(tok, ids), "ab  abé日b")
+  same(text.decode(tok, { 263, 261, 9999, 259, 263, 261 }),
+       tok:decode({ 263, 261 }) .. "<9999>" .. tok:decode({ 259, 263, 261 }))
+end
+
 function T.sentencepiece_metaspace()
   local tok = tokenizer.load(sentencepiece(function(j)
     j.normalizer = cjson.null
