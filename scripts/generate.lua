@@ -246,8 +246,11 @@ local function main(argv)
     if #outs > 1 then print(("--- %d (%s)"):format(i, o.reason)) end
     print(text or table.concat(o.ids, " "))
     if log then
+      -- (JSON holds UTF-8: bytes a byte vocabulary or a cut character left
+      -- invalid become U+FFFD there, as the tokenizers library decodes them)
+      local valid = text and require("luazero.tokenizer.sentencepiece").lossy_utf8(text)
       log[#log + 1] = cjson.encode({ prompt = list[i].text, messages = list[i].messages,
-                                     prompt_ids = prompts[i], ids = o.ids, completion = text,
+                                     prompt_ids = prompts[i], ids = o.ids, completion = valid,
                                      finish = o.reason }) .. "\n"
     end
   end

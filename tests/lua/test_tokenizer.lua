@@ -164,6 +164,16 @@ function T.sentencepiece_llama2()
   same(tok:decode({ 233, 154, 261, 233, 154, 168 }), "\u{FFFD}\u{FFFD}b日")
 end
 
+-- What generate's --out writes (JSON holds UTF-8): each byte of an invalid
+-- sequence becomes U+FFFD, valid text stays as it is.
+function T.lossy_utf8_replaces_each_invalid_byte()
+  local S = require("luazero.tokenizer.sentencepiece")
+  same(S.lossy_utf8("ab\230"), "ab\u{FFFD}")
+  same(S.lossy_utf8("\230\151\165x\255\254y"), "日x\u{FFFD}\u{FFFD}y")
+  same(S.lossy_utf8("\u{1F600} ok"), "\u{1F600} ok")
+  same(S.lossy_utf8(""), "")
+end
+
 -- A completion read back (run/text.lua, what generate prints and --stop
 -- matches) is the tokenizer's decode of the ids as one sequence: spaces
 -- between pieces and characters of byte-fallback pieces kept; an id past the

@@ -211,6 +211,21 @@ local function valid_utf8(s)
 end
 S.valid_utf8 = valid_utf8
 
+-- s with each byte of an invalid sequence replaced by U+FFFD (valid UTF-8:
+-- what JSON must hold).
+function S.lossy_utf8(s)
+  local out, from = {}, 1
+  while true do
+    local ok, at = valid_utf8(s:sub(from))
+    if ok then break end
+    out[#out + 1] = s:sub(from, from + at - 2)
+    out[#out + 1] = REPLACEMENT_CHAR
+    from = from + at
+  end
+  out[#out + 1] = s:sub(from)
+  return table.concat(out)
+end
+
 local function byte_fallback(tokens)
   local out, bytes = {}, {}
   local function flush()
