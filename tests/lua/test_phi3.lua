@@ -151,4 +151,33 @@ function T.runs_agree_across_stages_and_the_options_change_them()
   assert(run(3) ~= windowed, "the window changes nothing at seq-len 16")
 end
 
+-- A checkpoint keeps LongRoPE's factor lists (the manifest's model config),
+-- so its export's config.json has them: they were dropped (tables two deep),
+-- and the export was a short-context model.
+function T.a_longrope_checkpoint_exports_its_factors()
+  local j = {
+    architectures = { "Phi3ForCausalLM" }, hidden_size = 64, intermediate_size = 96,
+    num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2,
+    max_position_embeddings = 256, vocab_size = 256, rms_norm_eps = 1e-5,
+    partial_rotary_factor = 0.5, original_max_position_embeddings = 8,
+    rope_scaling = { type = "longrope", short_factor = { 1, 1.5, 2, 3 },
+                     long_factor = { 2, 4, 6, 8 } },
+  }
+  local dir = write_file("lr.json", cjson.encode(j)):gsub("lr%.json$", "lr-ck")
+  local corpus = write_file("corpus.txt", ("a line of the corpus, %d words and more\n"):rep(60))
+  local q = support.quote
+  local out, st = support.sh(("cd %s && %s scripts/train.lua --model-config %s --seq-len 16 " ..
+    "--sample 0 --eval-batches 1 --micro-batch 2 --steps 1 --data %s --save %s && %s " ..
+    "tools/ckpt.lua export %s %s"):format(q(lz.root), q(lz.executable()),
+    q(write_file("lr.json", cjson.encode(j))), q(corpus), q(dir), q(lz.executable()), q(dir),
+    q(dir .. "-hf")))
+  assert(st == 0, out)
+  local f = assert(io.open(dir .. "-hf/config.json"))
+  local c = cjson.decode(f:read("*a"))
+  f:close()
+  local rs = assert(c.rope_scaling, "config.json has no rope_scaling")
+  eq(table.concat(rs.long_factor, ","), "2,4,6,8", "long_factor")
+  eq(table.concat(rs.short_factor, ","), "1,1.5,2,3", "short_factor")
+end
+
 return T

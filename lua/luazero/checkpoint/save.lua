@@ -107,19 +107,20 @@ end
 
 -- The model's config: its scalar fields, and tables of scalars (Llama's
 -- rope_scaling), which an export's config.json needs.
+-- (tables of plain values, two levels down: Phi-3's rope_scaling with its
+-- short_factor and long_factor lists; functions and cdata left out)
+local function plain(v, depth)
+  local t = type(v)
+  if t == "string" or t == "number" or t == "boolean" then return v end
+  if t ~= "table" or depth == 0 then return nil end
+  local out = {}
+  for k, x in pairs(v) do out[k] = plain(x, depth - 1) end
+  return next(out) and out or nil
+end
+
 local function model_config(model)
   local cfg = {}
-  for k, v in pairs(model.cfg or {}) do
-    if type(v) == "table" then
-      local t = {}
-      for tk, tv in pairs(v) do
-        if type(tv) ~= "table" and type(tv) ~= "function" then t[tk] = tv end
-      end
-      if next(t) then cfg[k] = t end
-    elseif type(v) ~= "function" then
-      cfg[k] = v
-    end
-  end
+  for k, v in pairs(model.cfg or {}) do cfg[k] = plain(v, 2) end
   return cfg
 end
 
