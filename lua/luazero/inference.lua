@@ -245,6 +245,9 @@ function M.open(opts)
              "export --merge-lora", opts.load, tostring(init))
       end
       w.dir = init
+    elseif type(m.init) == "string" and require("luazero.io.fs").is_dir(m.init) then
+      -- a full fine-tune of a Hugging Face folder: its tokenizer is the folder's
+      w.dir = m.init
     end
   else
     local cfg_path = hf.config_path(opts.hf)

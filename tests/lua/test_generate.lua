@@ -357,6 +357,47 @@ end
 -- A consolidated file (with the model's config.json) and a LoRA run's
 -- checkpoint (with its base from --init, or the adapters exported for PEFT
 -- on that base) give what their checkpoints give.
+-- A full fine-tune of a Hugging Face folder (--init, no LoRA) reads its
+-- prompts with that folder's tokenizer under --load, as a LoRA checkpoint
+-- does (it read them as bytes): a SentencePiece tokenizer's "ab ab" is
+-- pieces 263 261 263 261, not the bytes 97 98 32 97 98.
+function T.a_fine_tunes_load_reads_with_its_init_folders_tokenizer()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(200, 3))
+  local m = MODEL .. "--vocab 268 "
+  local out, st = script("train", m .. ("--data %s --steps 1 --save %s/ck"):format(q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s %s export %s/ck %s/hf"):format(q(lz.executable()),
+                        q(lz.root .. "/tools/ckpt.lua"), dir, dir))
+  assert(st == 0, out)
+  local vocab = { ["<unk>"] = 0, ["<s>"] = 1, ["</s>"] = 2 }
+  for b = 0, 255 do vocab[("<0x%02X>"):format(b)] = 3 + b end
+  for i, t in ipairs({ "▁", "a", "b", "c", "▁a", "ab", "▁ab", "é", "▁▁" }) do vocab[t] = 258 + i end
+  support.write(dir .. "/hf/tokenizer.json", require("cjson").encode({
+    added_tokens = { { id = 0, content = "<unk>", special = true },
+                     { id = 1, content = "<s>", special = true },
+                     { id = 2, content = "</s>", special = true } },
+    normalizer = { type = "Sequence", normalizers = {
+      { type = "Prepend", prepend = "▁" },
+      { type = "Replace", pattern = { String = " " }, content = "▁" } } },
+    pre_tokenizer = require("cjson").null,
+    decoder = { type = "Sequence", decoders = {
+      { type = "Replace", pattern = { String = "▁" }, content = " " },
+      { type = "ByteFallback" }, { type = "Fuse" },
+      { type = "Strip", content = " ", start = 1, stop = 0 } } },
+    model = { type = "BPE", unk_token = "<unk>", fuse_unk = true, byte_fallback = true,
+              vocab = vocab, merges = { "▁ a", "a b", "▁ ab", "▁ ▁" } },
+  }))
+  out, st = script("train", ("--init %s/hf --data %s --seq-len 16 --micro-batch 2 --sample 0 " ..
+                             "--steps 1 --save %s/ft"):format(dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = script("generate", ("--load %s/ft --prompt 'ab ab' --max-new-tokens 2 --out %s/g.jsonl")
+                               :format(dir, dir))
+  assert(st == 0, out)
+  local ids = table.concat(support.records(dir .. "/g.jsonl")[1].prompt_ids, ",")
+  assert(ids:find("263,261,263,261", 1, true), "prompt_ids " .. ids)
+end
+
 -- The consolidated header's element count for a model of 2^31 elements or
 -- more past a multiple of 2^32 (7-8B models: 7,615,616,512 here): its low
 -- word's bits, read back whole (the header only; the floats are not written).
