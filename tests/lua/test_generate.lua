@@ -357,6 +357,35 @@ end
 -- A consolidated file (with the model's config.json) and a LoRA run's
 -- checkpoint (with its base from --init, or the adapters exported for PEFT
 -- on that base) give what their checkpoints give.
+-- --merge-lora on GPT-2: the base file names its weights without
+-- "transformer." and holds c_attn as Conv1D ([in, out]); the adapters fold
+-- in there (W^T += s A^T B^T), and the merged folder evaluates as the LoRA
+-- checkpoint does (it was refused: no tensor transformer.h.0.attn.c_attn.weight).
+function T.merge_lora_folds_gpt2s_conv1d_weights()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(200, 5))
+  local out, st = script("train", MODEL .. ("--data %s --steps 1 --save %s/ck")
+                                            :format(q(data), dir))
+  assert(st == 0, out)
+  local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))
+  out, st = support.sh(("%s export %s/ck %s/hf"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  out, st = script("train", ("--init %s/hf --seq-len 16 --micro-batch 2 --sample 0 --seed 7 " ..
+                             "--data %s --steps 2 --lora-r 4 --lr 3e-2 --save %s/lora")
+                            :format(dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s export %s/lora %s/merged --merge-lora"):format(ckpt, dir, dir))
+  assert(st == 0 and out:find("with adapters folded in", 1, true), out)
+  local got = {}
+  for _, src in ipairs({ "--load " .. dir .. "/lora", "--hf " .. dir .. "/merged" }) do
+    out, st = script("eval", src .. (" --data %s --seq-len 16 --micro-batch 2"):format(q(data)))
+    assert(st == 0, out)
+    got[#got + 1] = tonumber(out:match("val_loss (%S+)"))
+  end
+  assert(math.abs(got[1] - got[2]) < 1e-5 * math.abs(got[1]),
+         ("%.9g vs %.9g"):format(got[1], got[2]))
+end
+
 -- A full fine-tune of a Hugging Face folder (--init, no LoRA) reads its
 -- prompts with that folder's tokenizer under --load, as a LoRA checkpoint
 -- does (it read them as bytes): a SentencePiece tokenizer's "ab ab" is

@@ -208,13 +208,16 @@ local function merged(m, adapters, base)
   local lora = m.lora
   local by_base = {}
   local on_experts = false
+  -- (keyed by the base file's name of the weight: the family's, GPT-2's
+  -- without "transformer.", and conv where the file holds it transposed)
+  local fam = hf.family(m.model.config)
   for _, a in ipairs(adapters) do
     if LoraExperts.is_adapter(a.name) then
       on_experts = true
     else
-      local w = a.name:gsub("%.lora_([AB])%.weight$", ".weight")
-      by_base[w] = by_base[w] or {}
-      by_base[w][a.name:match("lora_([AB])%.weight$")] = a
+      local f = hf.tensor_of(fam, (a.name:gsub("%.lora_([AB])%.weight$", ".weight")), { 1, 1 })
+      by_base[f.name] = by_base[f.name] or { conv = f.conv }
+      by_base[f.name][a.name:match("lora_([AB])%.weight$")] = a
     end
   end
   if on_experts then
@@ -237,13 +240,18 @@ local function merged(m, adapters, base)
       local ad = by_base[n]
       if ad then
         local rows, cols = t.shape[1], t.shape[2]
+        if ad.conv then rows, cols = cols, rows end -- (the file's [in, out])
         if ad.rows and ad.rows ~= rows then
           refuse(("export --merge-lora: %s is [%d, %d] in %s; its adapters adapt %d rows: give " ..
                   "the base the run started from (--base)"):format(n, rows, cols, base, ad.rows))
         end
         local a = ad.A.data:view(0, { lora.r, cols })
         local b = ad.B.data:view((ad.row or 0) * lora.r, { rows, lora.r })
-        lz.ops.matmul(w:view(0, { rows, cols }), b, a, 0, 0, scale, 1)
+        if ad.conv then -- W^T [in, out] += s A^T B^T
+          lz.ops.matmul(w:view(0, { cols, rows }), a, b, 1, 1, scale, 1)
+        else
+          lz.ops.matmul(w:view(0, { rows, cols }), b, a, 0, 0, scale, 1)
+        end
         by_base[n] = nil
         folded = folded + 1
       end
