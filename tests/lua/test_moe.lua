@@ -327,7 +327,7 @@ function T.expert_lora_gradients_match_central_differences()
 end
 
 function T.expert_lora_trains_to_one_checksum_at_stages_0_and_3()
-  local _, train = support.trainer(("--model mixtral-tiny --seq-len 16 --sample 0 " ..
+  local try, train = support.trainer(("--model mixtral-tiny --seq-len 16 --sample 0 " ..
                                     "--eval-batches 1 --seed 7 --micro-batch 2 --data %s " ..
                                     "--lora-r 4 --lr 1e-2 --steps 3 --lora-targets " ..
                                     "q_proj,experts.gate_up_proj,experts.down_proj")
@@ -349,6 +349,12 @@ function T.expert_lora_trains_to_one_checksum_at_stages_0_and_3()
     train(2, ("--stage 3 --config %s --log %s"):format(q(cfg), q(log)))
     logs[g] = support.records(log)
   end
+  -- a checkpoint of one gathering resumes under it only (its table's
+  -- order): the refusal names the config key
+  local per = write_file("gather-expert.json", '{"moe": {"gather": "expert"}}')
+  local out2, st2 = try(2, ("--stage 3 --config %s --resume %s"):format(q(per), q(ck)))
+  assert(st2 == 2 and out2:find('holds a different model: ', 1, true) and
+         out2:find(', and the config\'s "moe": {"gather": "block"}', 1, true), out2)
   eq(#logs.expert, #logs.block, "records")
   for i, r in ipairs(logs.block) do
     for _, k in ipairs({ "loss", "aux_loss", "grad_norm" }) do

@@ -63,17 +63,21 @@ local function check_model(m, parts, dir)
   local here = parts.params
   local function shape(s) return "[" .. table.concat(s, ", ") .. "]" end
   local model_name = m.model and m.model.name or "see its manifest.json"
+  local saved = type(m.model) == "table" and type(m.model.config) == "table" and m.model.config
+  local cfg = parts.model and parts.model.cfg
   for i = 1, math.max(#here, #m.params) do
     local a, b = m.params[i], here[i]
     if not a or not b or a.name ~= b.name or shape(a.shape) ~= shape(b.shape) then
+      -- (experts' adapters sit in another order under another moe.gather)
+      local g = saved and saved.moe_gather
+      local hint = g and cfg and cfg.moe_gather and g ~= cfg.moe_gather and
+                   (', and the config\'s "moe": {"gather": "%s"}'):format(g) or ""
       fail("%s holds a different model: parameter %d is %s there but %s here; load it with " ..
-           "the model flags it was saved with (%s)", dir, i,
+           "the model flags it was saved with (%s)%s", dir, i,
            a and (a.name .. " " .. shape(a.shape)) or "absent",
-           b and (b.name .. " " .. shape(b.shape)) or "absent", model_name)
+           b and (b.name .. " " .. shape(b.shape)) or "absent", model_name, hint)
     end
   end
-  local saved = type(m.model) == "table" and type(m.model.config) == "table" and m.model.config
-  local cfg = parts.model and parts.model.cfg
   if saved and type(cfg) == "table" then
     local key, a, b = config_difference(saved, cfg)
     if key then
