@@ -65,8 +65,10 @@ end
 function T.keep_spares_the_new_and_resumed_checkpoints_and_a_rewind_sets_history_aside()
   local dir = tmp .. "/rewind"
   ok_train(1, "--steps 12 --save " .. q(dir) .. " --save-every 2")
-  -- A crashed save's temporary folder (its process is gone).
+  -- A crashed save's temporary folder (its process is gone), and a crashed
+  -- 16-bit export's inside a step folder.
   os.execute("mkdir -p " .. q(dir .. "/.step-000013.tmp-999999999"))
+  os.execute("mkdir -p " .. q(dir .. "/step-000004/.hf16.tmp-999999999/x"))
   local out = ok_train(1, "--steps 5 --keep 2 --save " .. q(dir) .. " --resume " ..
                        q(dir .. "/step-000004"))
   assert(out:find("saved " .. dir .. "/step-000005", 1, true), out)
@@ -74,6 +76,7 @@ function T.keep_spares_the_new_and_resumed_checkpoints_and_a_rewind_sets_history
   local names = ls(dir)
   assert(read(dir .. "/latest") == "step-000005\n", "latest: " .. tostring(read(dir .. "/latest")))
   assert(names:find("step-000005", 1, true) and names:find("step-000004", 1, true), names)
+  assert(not ls(dir .. "/step-000004"):find(".hf16.tmp-", 1, true), "a dead export's temporary")
   for _, gone in ipairs({ "step-000002", "step-000006", "step-000012", ".tmp-" }) do
     assert(not names:find(gone, 1, true), gone .. " is still in " .. dir .. ":\n" .. names)
   end

@@ -179,12 +179,20 @@ end
 -- latest.tmp-PID): removed when PID is gone or is this process.
 local function remove_dead_saves(dir)
   local me = tonumber(ffi.C.getpid())
+  local function gone(pid) pid = tonumber(pid); return pid and (pid == me or not running(pid)) end
   for _, name in ipairs(list_dir(dir)) do
     local pid = name:match("^%.step%-%d+%.tmp%-(%d+)$") or name:match("^%.step%-%d+%.old%-(%d+)$")
                 or name:match("^latest%.tmp%-(%d+)$")
-    pid = tonumber(pid)
-    if pid and (pid == me or not running(pid)) then
-      check(C.lz_ckpt_remove_tree(dir .. "/" .. name))
+    if gone(pid) then check(C.lz_ckpt_remove_tree(dir .. "/" .. name)) end
+    -- a step folder's 16-bit export whose process died while writing it
+    -- (io/atomic.lua's .hf16.tmp-PID, with its fp32 scratch inside)
+    if name:match("^step%-%d+$") then
+      for _, inner in ipairs(list_dir(dir .. "/" .. name)) do
+        local p = tonumber(inner:match("^%.hf16%.tmp%-(%d+)$"))
+        if p and p ~= me and not running(p) then
+          check(C.lz_ckpt_remove_tree(dir .. "/" .. name .. "/" .. inner))
+        end
+      end
     end
   end
 end
