@@ -170,6 +170,10 @@ local function text_side(flags, w)
   if dir then
     local c = read_json(dir .. "/config.json") or {}
     id_set(c.eos_token_id, side.eos)
+    -- (generation_config.json's, which transformers' generate stops at too:
+    -- Llama 3 Instruct's <|eot_id|> is there)
+    local gc = read_json(dir .. "/generation_config.json") or {}
+    id_set(gc.eos_token_id, side.eos)
     side.bos = side.bos or (type(c.bos_token_id) == "number" and c.bos_token_id or nil)
     local tc = read_json(dir .. "/tokenizer_config.json") or {}
     side.add_bos = tc.add_bos_token == true

@@ -357,6 +357,34 @@ end
 -- A consolidated file (with the model's config.json) and a LoRA run's
 -- checkpoint (with its base from --init, or the adapters exported for PEFT
 -- on that base) give what their checkpoints give.
+-- A Hugging Face folder's generation_config.json eos_token_id ends a
+-- completion as config.json's does (transformers' generate stops at both).
+function T.generation_configs_eos_ends_a_completion()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(200, 6))
+  local out, st = script("train", MODEL .. ("--data %s --steps 1 --save %s/ck")
+                                            :format(q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s %s export %s/ck %s/hf"):format(q(lz.executable()),
+                        q(lz.root .. "/tools/ckpt.lua"), dir, dir))
+  assert(st == 0, out)
+  local function gen()
+    local o, s = script("generate", ("--hf %s/hf --prompt-ids 108,105 --max-new-tokens 8 " ..
+                                     "--out %s/g.jsonl"):format(dir, dir))
+    assert(s == 0, o)
+    return support.records(dir .. "/g.jsonl")[1]
+  end
+  local free = gen()
+  eq(free.finish, "length", "without an eos")
+  local eos = free.ids[3]
+  local n = 1
+  while free.ids[n] ~= eos do n = n + 1 end
+  support.write(dir .. "/hf/generation_config.json",
+                require("cjson").encode({ eos_token_id = { 99999, eos } }))
+  local r = gen()
+  eq(r.finish, "eos", "finish"); eq(#r.ids, n, "ids up to the eos")
+end
+
 -- --merge-lora on GPT-2: the base file names its weights without
 -- "transformer." and holds c_attn as Conv1D ([in, out]); the adapters fold
 -- in there (W^T += s A^T B^T), and the merged folder evaluates as the LoRA
