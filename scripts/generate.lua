@@ -111,6 +111,12 @@ local function read_prompts(flags)
             fail(("--prompts %s: line %d holds messages; add --chat to render them with the " ..
                   "chat template"):format(flags.prompts, n))
           end
+          for k, v in ipairs(type(j.prompt_ids) == "table" and j.prompt_ids or {}) do
+            if type(v) ~= "number" or v ~= math.floor(v) or v < 0 then
+              fail(("--prompts %s: line %d: prompt_ids[%d] is %s, not a token id; give whole " ..
+                    "numbers"):format(flags.prompts, n, k - 1, cjson.encode(v)))
+            end
+          end
           list[#list + 1] = { text = j.prompt, messages = j.messages,
                               ids = j.prompt_ids and { unpack(j.prompt_ids) } }
         else

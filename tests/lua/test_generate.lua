@@ -352,6 +352,10 @@ function T.generate_continues_prompts_from_a_checkpoint()
   out, st = script("generate", ("--load %s/ck --prompts %s"):format(dir, prompts))
   assert(st == 2 and out:find(("--prompts %s: line 2 is not UTF-8 (byte 16 of the line is 0xE9); " ..
                                "save the file as UTF-8"):format(prompts), 1, true), out)
+  -- prompt_ids that are not whole numbers are named (2.5 was read as 2).
+  f = assert(io.open(prompts, "wb")); f:write('{"prompt_ids": [108, 2.5]}\n'); f:close()
+  out, st = script("generate", ("--load %s/ck --prompts %s"):format(dir, prompts))
+  assert(st == 2 and out:find("line 1: prompt_ids[1] is 2.5, not a token id", 1, true), out)
 end
 
 -- A consolidated file (with the model's config.json) and a LoRA run's
