@@ -361,6 +361,18 @@ local function main(argv)
   end
   say_start(run)
   run.budget, run.budget_source = run_config.held_budget(run.cfg)
+  -- The flops profiler's step and file, before the steps: a step the run
+  -- resumed past would profile nothing; an unwritable file failed there.
+  local fp = run.cfg.flops_profiler
+  if fp.enabled and fp.profile_step < run.first then
+    ex.user_error(("config: flops_profiler.profile_step %d is before this run's first step %d " ..
+                   "(it resumes after step %d), so nothing would be profiled; give a " ..
+                   "profile_step from %d to %d"):format(fp.profile_step, run.first, run.first - 1,
+                                                      run.first, flags.steps))
+  end
+  if fp.enabled and fp.output_file and run.rank == 0 then
+    outputs.check_writable(ex, "flops_profiler.output_file", fp.output_file)
+  end
   if flags.profile or flags.profile_json then
     if flags.profile_json and run.rank == 0 then -- an unwritable path fails before the steps
       outputs.check_writable(ex, "--profile-json", flags.profile_json)

@@ -191,7 +191,9 @@ function M.run(model, prompts, opts)
     for _, i in ipairs(rows) do
       local n = #prompts[i]
       if n == 0 then error(("generate: prompt %d has no tokens"):format(i), 0) end
-      if n >= cfg.context then
+      -- (a prompt that fills the context still gives one token: the last
+      -- position's logits, as transformers' generate does)
+      if n > cfg.context then
         error(("generate: prompt %d has %d tokens; the model's context is %d: shorten it")
               :format(i, n, cfg.context), 0)
       end

@@ -199,6 +199,14 @@ function T.rows_end_at_eos_stop_or_the_context()
   eq(#o.ids, 2, "ids up to stop"); eq(o.reason, "stop", "reason")
   o = generate.run(m, { some_ids(10, V) }, { max_new = 100 })[1]
   eq(#o.ids, 7, "ids up to the context (16 - 10 + 1)"); eq(o.reason, "context", "reason")
+  -- a prompt that fills the context still gives one token (its last
+  -- position's logits), beside a row that goes on; one past it is refused
+  local outs = generate.run(m, { some_ids(16, V), prompt }, { max_new = 3 })
+  eq(#outs[1].ids, 1, "one id after a full context"); eq(outs[1].reason, "context", "reason")
+  eq(#outs[2].ids, 3, "the other row"); eq(outs[2].reason, "length", "reason")
+  local ok, err = pcall(generate.run, m, { some_ids(17, V) }, { max_new = 3 })
+  assert(not ok and tostring(err):find("prompt 1 has 17 tokens; the model's context is 16", 1, true),
+         tostring(err))
   m:free()
 end
 

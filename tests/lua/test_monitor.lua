@@ -228,4 +228,22 @@ function T.flops_profiler_totals_are_the_models()
          and report:find("depth 2:", 1, true) and not report:find("depth 3:", 1, true), report)
 end
 
+-- Refused before step 1: an output_file that cannot be written (it failed
+-- at profile_step, after the steps before it), and a profile_step the run
+-- resumed past (it profiled nothing, silently).
+function T.flops_profiler_settings_that_would_fail_late_are_refused_first()
+  local bad = config_file("flops-nodir", { train_micro_batch_size_per_gpu = 2,
+    flops_profiler = { enabled = true, profile_step = 2, output_file = tmp .. "/no/dir/f.txt" } })
+  local out, st = train(1, ("--steps 3 --config %s"):format(q(bad)))
+  assert(st == 2 and out:find("flops_profiler.output_file: cannot write " .. tmp ..
+                              "/no/dir/f.txt", 1, true) and not out:find("step +1/"), out)
+  local ck = tmp .. "/flops-ck"
+  ok_train(1, "--steps 2 --save " .. q(ck))
+  local early = config_file("flops-early", { train_micro_batch_size_per_gpu = 2,
+    flops_profiler = { enabled = true, profile_step = 1 } })
+  out, st = train(1, ("--steps 4 --config %s --resume %s"):format(q(early), q(ck)))
+  assert(st == 2 and out:find("config: flops_profiler.profile_step 1 is before this run's " ..
+                              "first step 3 (it resumes after step 2)", 1, true), out)
+end
+
 return T
