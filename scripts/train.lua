@@ -359,6 +359,8 @@ local function main(argv)
   if again and run.log then
     run.log.write(again:record(run.world, run.first), "the restart record")
   end
+  -- the monitors' files hold no step twice after a resume or a restart
+  if again or flags.resume then ex.checked_write(run.mon.continue_from, run.mon, run.first) end
   say_start(run)
   run.budget, run.budget_source = run_config.held_budget(run.cfg)
   -- The flops profiler's step and file, before the steps: a step the run

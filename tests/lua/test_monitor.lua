@@ -68,6 +68,22 @@ function T.csv_monitor_files_match_the_log()
   eq(#lines_of(out_dir .. "/run1/Train_Samples_val_loss.csv"), 3, "val_loss rows (steps 2, 4)")
 end
 
+-- A resume from an earlier step into the same files keeps each step once:
+-- the rows of the steps trained again are dropped first (they were there
+-- twice, 12 and 16 after 12 and 16).
+function T.csv_rows_after_a_resume_hold_each_step_once()
+  local out_dir = tmp .. "/csv-resumed"
+  local cfg = config_file("csv-resumed", { train_micro_batch_size_per_gpu = 2,
+    csv_monitor = { enabled = true, output_path = out_dir, job_name = "j" } })
+  local ck = tmp .. "/csv-ck"
+  ok_train(1, ("--steps 4 --config %s --save %s --save-every 2"):format(q(cfg), q(ck)))
+  ok_train(1, ("--steps 4 --config %s --resume %s"):format(q(cfg), q(ck .. "/step-000002")))
+  local rows = lines_of(out_dir .. "/j/Train_Samples_train_loss.csv")
+  local steps = {}
+  for i = 2, #rows do steps[#steps + 1] = rows[i]:match("^(%d+),") end
+  eq(table.concat(steps, ","), "2,4,6,8", "the x of each step, once")
+end
+
 -- The framing of every record, read back here (TensorBoard reads it in
 -- tests/ref/test_tensorboard.py).
 function T.tensorboard_records_read_back()

@@ -9,7 +9,8 @@ file_version "brain.Event:2", every scalar tag of the run present
 grad_norm, tokens_per_s, step_ms, peak_rss, peak_ledger, val_loss,
 elapsed_time_ms_<phase>), each tag's steps the log's step x train_batch_size and
 its values the log's rounded to float32 (TensorBoard's simple_value), and no
-events from rank 1 (one value per step).
+events from rank 1 (one value per step); a resume into the same job starts with a
+SessionLog START, so TensorBoard shows each step once.
 
 Without `tensorboard` (pip install tensorboard; tools/setup installs it into
 build/ref-venv) prints a skip line and "0 passed, 0 failed". LZ_REF_VENV
@@ -126,6 +127,37 @@ def main():
                                    for (_, g), (_, w) in zip(got, want))
         check(f"{tag}: {len(want)} values equal the log's", close and len(want) > 0,
               f"got {got[:6]}, want {want[:6]}")
+    # A resume from step 2 into the same job: its file starts with a
+    # SessionLog START at step 3's x (TensorBoard's own parser), and
+    # TensorBoard shows each step once (the first run's steps 3 to 5 purged).
+    cfg["tensorboard"]["job_name"] = "resumed"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    ck = os.path.join(tmp, "ck")
+    base = cmd[:cmd.index("--log")]
+    first = subprocess.run(base + ["--save", ck, "--save-every", "2"], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    again = subprocess.run(base + ["--resume", os.path.join(ck, "step-000002")], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    check("a run and its resume from step 2 run", first.returncode == 0 and
+          again.returncode == 0, first.stdout[-1000:] + again.stdout[-1000:])
+    jobdir = os.path.join(tmp, "tb", "resumed")
+    starts = []
+    for path in glob.glob(os.path.join(jobdir, "events.out.tfevents.*")):
+        raw, pos = open(path, "rb").read(), 0
+        while pos < len(raw):
+            n = int.from_bytes(raw[pos:pos + 8], "little")
+            e = event_pb2.Event.FromString(raw[pos + 12:pos + 12 + n])
+            if e.HasField("session_log"):
+                starts.append((e.step, e.session_log.status))
+            pos += 16 + n
+    check("the resume's file holds a SessionLog START at step 3 x the batch",
+          starts == [(3 * batch, event_pb2.SessionLog.START)], str(starts))
+    acc = EventAccumulator(jobdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("Train/Samples/train_loss")]
+    check("each step shown once after the resume", steps == [s * batch for s in range(1, 6)],
+          str(steps))
     return check.summary()
 
 

@@ -59,6 +59,30 @@ function Csv:scalars(step, scalars)
   return true
 end
 
+-- A run that continues (a resume, a restart) from `step` on: each of the
+-- files of `tags` keeps its header and the rows before that step, so the
+-- steps trained again are not there twice. true, or nil and the reason.
+function Csv:purge_from(step, tags)
+  local atomic = require("luazero.io.atomic")
+  for _, tag in ipairs(tags) do
+    local path = self.dir .. "/" .. M.file_name(tag)
+    local f = io.open(path, "rb")
+    if f then
+      local keep, dropped = {}, false
+      for line in f:lines() do
+        local s = tonumber(line:match("^(%d+),"))
+        if s and s >= step then dropped = true else keep[#keep + 1] = line .. "\n" end
+      end
+      f:close()
+      if dropped then
+        local ok, err = pcall(atomic.write, path, table.concat(keep))
+        if not ok then return nil, tostring(err) end
+      end
+    end
+  end
+  return true
+end
+
 function Csv:close()
   for _, f in pairs(self.files) do f:close() end
   self.files = {}

@@ -169,6 +169,21 @@ function Monitor:after_step(rec)
   end
 end
 
+-- A run that continues from step `first` (a resume, a restart): the
+-- monitors' files drop what they hold for that step and later (the steps
+-- trained again), so no step is shown twice. Rank 0; errors are one line.
+function Monitor:continue_from(first)
+  local tags = {}
+  for i, t in ipairs(M.tags) do tags[i] = t[1] end
+  for _, w in ipairs(self.writers) do
+    local ok, err = w.w:purge_from(first * self.samples, tags)
+    if not ok then
+      error(("%s: dropping the rows of steps %d and later failed (%s)"):format(w.kind, first,
+                                                                              tostring(err)), 0)
+    end
+  end
+end
+
 function Monitor:close()
   for _, w in ipairs(self.writers) do w.w:close() end
   self.writers = {}

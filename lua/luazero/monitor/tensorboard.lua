@@ -69,12 +69,15 @@ end
 local function bytes_field(key, s) return string.char(key) .. varint(#s) .. s end
 
 -- Event { double wall_time = 1; int64 step = 2; string file_version = 3;
---         Summary summary = 5 }; Summary { repeated Value value = 1 };
--- Value { string tag = 1; float simple_value = 2 }.
+--         Summary summary = 5; SessionLog session_log = 7 };
+-- Summary { repeated Value value = 1 };
+-- Value { string tag = 1; float simple_value = 2 };
+-- SessionLog { SessionStatus status = 1 } (START = 1).
 function M.event(wall_time, step, fields)
   f64[0] = wall_time
   local parts = { "\9", ffi.string(f64, 8), "\16", varint(step) }
   if fields.file_version then parts[#parts + 1] = bytes_field(0x1a, fields.file_version) end
+  if fields.session_start then parts[#parts + 1] = bytes_field(0x3a, "\8\1") end
   if fields.scalars then
     local values = {}
     for i, sv in ipairs(fields.scalars) do
@@ -140,6 +143,14 @@ end
 -- scalars: { {tag, value}, ... } of one step, in one event.
 function Writer:scalars(step, scalars, wall_time)
   return self:put(M.event(wall_time or M.wall_time(), step, { scalars = scalars }))
+end
+
+-- A run that continues (a resume, a restart) from `step` on: a SessionLog
+-- START there, after which TensorBoard drops the earlier files' points at
+-- that step and later (what torch's SummaryWriter(purge_step=) writes), so
+-- the steps trained again are not shown twice.
+function Writer:purge_from(step)
+  return self:put(M.event(M.wall_time(), step, { session_start = true }))
 end
 
 -- A run without a step still leaves a valid events file (its header).
