@@ -117,7 +117,10 @@ local function read_prompts(flags)
                     "numbers"):format(flags.prompts, n, k - 1, cjson.encode(v)))
             end
           end
-          list[#list + 1] = { text = j.prompt, messages = j.messages,
+          -- (messages as the template reads JSON: key order and {} kept)
+          local jok, jj = pcall(require("luazero.jinja.json").decode, line)
+          local msgs = j.messages and jok and type(jj) == "table" and jj.messages or j.messages
+          list[#list + 1] = { text = j.prompt, messages = msgs,
                               ids = j.prompt_ids and { unpack(j.prompt_ids) } }
         else
           list[#list + 1] = { text = line }

@@ -212,22 +212,45 @@ function ChatTemplate:render(messages, opts)
   end
   local spans = {}
   for i, m in ipairs(messages) do
+    -- (a message's tool calls are its output too: rendered without them,
+    -- their text is part of the difference, and a template that writes no
+    -- content beside them, Mistral's, needs no marker)
+    local calls = type(m.tool_calls) == "table" and next(m.tool_calls) ~= nil
+    local first, last, whole
     if opts.spans ~= false and m.role == "assistant" and type(m.content) == "string" then
       local marker = ("\1\1luazero-span-%d\2\2"):format(i)
       local probe = copy_messages(messages)
       probe[i].content = marker
+      if calls then probe[i].tool_calls = nil end
       local mok, marked = pcall(render_once, self, probe, agp, opts.vars)
       local at = mok and marked:find(marker, 1, true)
-      if not at or marked:find(marker, at + 1, true) then
+      if calls and not at then
+        -- A template that refuses the message without its calls, or writes
+        -- no content beside them (Mistral's): the span is what the message
+        -- adds to the conversation before it, where both renderings are the
+        -- text's beginnings; else none.
+        local before, upto = {}, {}
+        for k = 1, i do upto[k] = messages[k]; before[k] = k < i and messages[k] or nil end
+        local aok, a = pcall(render_once, self, before, false, opts.vars)
+        local bok, b = pcall(render_once, self, upto, false, opts.vars)
+        if aok and bok and #b > #a and text:sub(1, #a) == a and text:sub(1, #b) == b then
+          first, last, whole = #a, #b, true -- (its end-of-turn text inside)
+        end
+      elseif not mok or not at or marked:find(marker, at + 1, true) then
         fail(self, ("assistant message %d is not written once, unchanged, by the template; " ..
                     "spans need a template that writes each assistant content once"):format(i))
+      else
+        -- The span is where the text differs from the rendering with the
+        -- marker (whose first and last bytes no text holds): the content as
+        -- written, and whatever the template writes from it (Qwen3's <think>
+        -- block out of a content that holds one; the message's tool calls).
+        first = common_prefix(text, marked)
+        last = #text - math.min(common_suffix(text, marked), #text - first)
       end
-      -- The span is where the text differs from the rendering with the marker
-      -- (whose first and last bytes no text holds): the content as written,
-      -- and whatever the template writes from it (Qwen3's <think> block out
-      -- of a content that holds one).
-      local first = common_prefix(text, marked)
-      local last = #text - math.min(common_suffix(text, marked), #text - first)
+    end
+    if first and whole then
+      spans[#spans + 1] = { first = first, last = last, role = "assistant", message = i }
+    elseif first then
       -- The blanks the template writes just before the content go with it:
       -- tokenizers glue them to its first word ("▁Paris", "ĠParis").
       first = first - #(text:sub(1, first):match("[ \t]*$"))

@@ -194,6 +194,56 @@ function T.spans_are_where_the_content_changes_the_text()
           { "A1<|im_end|>", "r2\n</think>\n\nA2<|im_end|>" })
 end
 
+-- An assistant message's tool calls are its output: the span covers them
+-- with its end of turn (Qwen2.5: the content, each <tool_call> with its
+-- arguments in the line's key order and {} as written, then <|im_end|>);
+-- a template that writes no content beside the calls (Mistral v0.3) gets
+-- what the message adds to the conversation before it, not a refusal.
+function T.tool_calls_are_part_of_the_assistant_span()
+  local json = require("luazero.jinja.json")
+  local line = '{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", ' ..
+    '"content": "Let me check.", "tool_calls": [{"type": "function", "function": {"name": ' ..
+    '"get_weather", "arguments": {"unit": "celsius", "city": "Zurich"}}}, {"type": "function", ' ..
+    '"function": {"name": "now", "arguments": {}}}]}, {"role": "tool", "content": "21"}, ' ..
+    '{"role": "assistant", "content": "21 C."}]}'
+  local qwen = chat_template.load(FIXTURES .. "qwen2.5")
+  local text, spans = qwen:render(json.decode(line).messages)
+  same(span_texts(text, spans), {
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius", ' ..
+    '"city": "Zurich"}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n' ..
+    '</tool_call><|im_end|>', "21 C.<|im_end|>" })
+  local mistral = chat_template.load(FIXTURES .. "mistral-v0.3")
+  local m = json.decode(('{"messages": [{"role": "user", "content": "Weather?"}, {"role": ' ..
+    '"assistant", "content": "", "tool_calls": [{"id": "call00001", "type": "function", ' ..
+    '"function": {"name": "get_weather", "arguments": {"city": "Zurich"}}}]}, {"role": "tool", ' ..
+    '"tool_call_id": "call00001", "content": "21"}, {"role": "assistant", "content": "21 C."}]}'))
+  text, spans = mistral:render(m.messages)
+  same(span_texts(text, spans), {
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Zurich"}, "id": ' ..
+    '"call00001"}]</s>', " 21 C.</s>" })
+end
+
+-- A JSON Lines file of tool calls reads as the template reads JSON (the
+-- arguments' key order, {} not []), and its tool-call turn trains.
+function T.jsonl_tool_calls_keep_their_json()
+  local line = '{"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", ' ..
+    '"content": "", "tool_calls": [{"type": "function", "function": {"name": "get_weather", ' ..
+    '"arguments": {"unit": "celsius", "city": "Zurich"}}}, {"type": "function", "function": ' ..
+    '{"name": "now", "arguments": {}}}]}]}\n'
+  local path = os.tmpname()
+  local f = assert(io.open(path, "wb")); f:write(line); f:close()
+  local qwen = chat_template.load(FIXTURES .. "qwen2.5")
+  local c = require("luazero.data.instruct").tokenize_jsonl(path, {
+    template = function() return qwen end })
+  os.remove(path)
+  local n, bytes, trained = c.count, {}, 0
+  for i = 0, n - 1 do bytes[#bytes + 1] = string.char(c.ids[i]); trained = trained + c.w[i] end
+  local text = table.concat(bytes)
+  assert(text:find('"arguments": {"unit": "celsius", "city": "Zurich"}}', 1, true) and
+         text:find('"arguments": {}}', 1, true), text)
+  assert(trained > 0, "the tool-call turn trains nothing")
+end
+
 function T.extra_variables_as_keyword_arguments()
   local ct = chat_template.new("{{ bos_token }}{{ date_string | default('no date') }}|" ..
                                "{% for t in tools %}{{ t | tojson }}{% endfor %}",

@@ -158,7 +158,7 @@ local function prompt_completion(tok, obj, path, line)
   return ids, w
 end
 
-local function messages(tok, template, obj, path, line, vars)
+local function messages(tok, template, obj, path, line, vars, ordered)
   local msgs = obj.messages
   if type(msgs) ~= "table" or #msgs == 0 then
     line_fail(path, line, '"messages" is not a list of messages; give [{"role": "user", ' ..
@@ -171,8 +171,11 @@ local function messages(tok, template, obj, path, line, vars)
   end
   local tok_ok, ct = pcall(template)
   if not tok_ok then line_fail(path, line, (tostring(ct):gsub("^data: ", ""))) end
-  local ok, text, spans = pcall(ct.render, ct, msgs, { add_generation_prompt = false,
-                                                     vars = vars })
+  -- (rendered from the line read as the template reads JSON: its objects'
+  -- key order and {} kept, as transformers' tojson writes a tool call's
+  -- arguments; cjson loses both)
+  local ok, text, spans = pcall(ct.render, ct, ordered or msgs, { add_generation_prompt = false,
+                                                                vars = vars })
   if not ok then line_fail(path, line, tostring(text):gsub("^data: ", "")) end
   local ids, starts = encode_with_offsets(tok, text)
   table.sort(spans, function(a, b) return a.first < b.first end)
@@ -241,7 +244,9 @@ function M.tokenize_jsonl(path, opts)
           if obj.prompt ~= nil or obj.completion ~= nil then
             line_fail(path, line, 'has both "messages" and "prompt"/"completion"; give one form')
           end
-          x, w = messages(tok, template, obj, path, line, opts.chat_vars)
+          local jok, jobj = pcall(require("luazero.jinja.json").decode, text)
+          x, w = messages(tok, template, obj, path, line, opts.chat_vars,
+                          jok and type(jobj) == "table" and jobj.messages or nil)
         elseif obj.prompt ~= nil or obj.completion ~= nil then
           x, w = prompt_completion(tok, obj, path, line)
         else
