@@ -217,8 +217,9 @@ local function prompt_ids(list, side, flags)
       local text = p.text
       if flags.chat then
         local messages = p.messages or { { role = "user", content = p.text } }
+        -- (the text alone: no assistant spans, which a template may not give)
         text = checked(side.template.render, side.template, messages,
-                       { add_generation_prompt = true, vars = side.chat_vars })
+                       { add_generation_prompt = true, vars = side.chat_vars, spans = false })
       end
       out[i] = side.encode(text)
       if not flags.chat and side.add_bos and side.bos and out[i][1] ~= side.bos then
