@@ -68,13 +68,15 @@ M.activation_checkpointing_defaults = {
 
 -- Scheduler parameters each type takes, with DeepSpeed's defaults;
 -- `required` ones have none. warmup_max_lr of WarmupLR defaults to the
--- optimizer's lr (base_lr below).
+-- optimizer's lr (base_lr below). `peak`: the parameter the schedule peaks
+-- at (none: the optimizer's lr), which --lr sets, unless `rates` names the
+-- parameters that are its rates (--lr is refused there).
 M.scheduler_params = {
   WarmupLR = { defaults = { warmup_min_lr = 0, warmup_num_steps = 1000, warmup_type = "log" },
-               optional = { warmup_max_lr = true } },
+               optional = { warmup_max_lr = true }, peak = "warmup_max_lr" },
   WarmupDecayLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001,
                                  warmup_num_steps = 1000, warmup_type = "log" },
-                    required = { "total_num_steps" } },
+                    required = { "total_num_steps" }, peak = "warmup_max_lr" },
   WarmupCosineLR = { defaults = { warmup_min_ratio = 0, warmup_num_steps = 1000,
                                   cos_min_ratio = 0.0001, warmup_type = "log" },
                      required = { "total_num_steps" } },
@@ -85,9 +87,12 @@ M.scheduler_params = {
                             cycle_momentum = true, cycle_min_mom = 0.8, cycle_max_mom = 0.9,
                             decay_mom_rate = 0 },
                optional = { cycle_second_step_size = true, cycle_second_stair_count = true },
-               required = { "cycle_min_lr", "cycle_max_lr" } },
+               required = { "cycle_min_lr", "cycle_max_lr" },
+               peak = "cycle_max_lr", rates = "cycle_min_lr and cycle_max_lr" },
+  -- (LRRangeTest rises without a peak: its starting rate is the one named)
   LRRangeTest = { defaults = { lr_range_test_min_lr = 1e-3, lr_range_test_step_size = 2000,
-                               lr_range_test_step_rate = 1.0, lr_range_test_staircase = false } },
+                               lr_range_test_step_rate = 1.0, lr_range_test_staircase = false },
+                  peak = "lr_range_test_min_lr", rates = "lr_range_test_min_lr" },
 }
 
 -- What each required scheduler parameter is, for the error when it is missing.

@@ -53,20 +53,18 @@ function M.read(raw, cfg, unimpl, ov)
   if ov.total_steps ~= nil and not given(p.total_num_steps) and takes("total_num_steps") then
     p.total_num_steps = ov.total_steps
   end
-  -- --lr is the schedule's peak: WarmupLR's and WarmupDecayLR's warmup_max_lr
-  -- (WarmupCosineLR's is the optimizer's lr, which --lr sets); OneCycle and
-  -- LRRangeTest name their own rates. A warmup_max_lr of "auto" (Hugging
-  -- Face's template) is the optimizer's lr, as its Trainer fills it in.
-  local max_auto = p.warmup_max_lr == "auto" and takes("warmup_max_lr")
+  -- --lr is the schedule's peak (spec.peak: WarmupLR's and WarmupDecayLR's
+  -- warmup_max_lr; none, WarmupCosineLR's, is the optimizer's lr, which --lr
+  -- sets); a schedule whose params are its rates (spec.rates: OneCycle,
+  -- LRRangeTest) refuses it. A peak of "auto" (Hugging Face's template) is
+  -- the optimizer's lr, as its Trainer fills it in.
+  local peak_auto = spec.peak and not spec.rates and p[spec.peak] == "auto"
   if ov.lr ~= nil then
-    if t == "OneCycle" or t == "LRRangeTest" then
+    if spec.rates then
       fail("--lr does not apply to scheduler %s (its rates are scheduler.params.%s); set them " ..
-           "in the config and remove --lr", t,
-           t == "OneCycle" and "cycle_min_lr and cycle_max_lr" or "lr_range_test_min_lr")
+           "in the config and remove --lr", t, spec.rates)
     end
-    if takes("warmup_max_lr") or (spec.optional and spec.optional.warmup_max_lr) then
-      p.warmup_max_lr, max_auto = ov.lr, false
-    end
+    if spec.peak then p[spec.peak], peak_auto = ov.lr, false end
   end
   local out, key = {}, "scheduler.params."
   for k, v in pairs(spec.defaults) do out[k] = v end
@@ -102,8 +100,8 @@ function M.read(raw, cfg, unimpl, ov)
       fail("%s%s is required by %s (%s)", key, r, t, defaults.scheduler_required[r])
     end
   end
-  if max_auto then out.warmup_max_lr = nil end -- (lr_at_iteration: the optimizer's lr)
-  cfg.scheduler = { type = t, params = out }
+  if peak_auto then out[spec.peak] = nil end -- (lr_at_iteration: the optimizer's lr)
+  cfg.scheduler = { type = t, params = out, peak = spec.peak }
 end
 
 return M

@@ -92,15 +92,11 @@ function M.lr_at_iteration(sched, base_lr, it)
 end
 
 -- The learning rate a config's schedule (nil: none) peaks at over base_lr,
--- the optimizer's: what the start-up line names. LRRangeTest rises without
--- a peak: its starting rate.
+-- the optimizer's: what the start-up line names. sched.peak is the
+-- parameter it peaks at (config/defaults.lua's scheduler_params; none, or
+-- not given: the optimizer's lr).
 function M.peak(sched, base_lr)
-  if not sched then return base_lr end
-  local p, t = sched.params, sched.type
-  if t == "WarmupLR" or t == "WarmupDecayLR" then return p.warmup_max_lr or base_lr end
-  if t == "OneCycle" then return p.cycle_max_lr end
-  if t == "LRRangeTest" then return p.lr_range_test_min_lr end
-  return base_lr
+  return sched and sched.peak and sched.params[sched.peak] or base_lr
 end
 
 -- lr(step): the learning rate DeepSpeed uses for the step-th optimizer step
