@@ -119,10 +119,12 @@ local function plan(m, runs)
 end
 
 -- The tensors an optimizer with block-scaled states keeps in f32 (under
--- its block_min_numel: AdamW8bit's min_8bit_size), by a manifest's record.
+-- its block_min_numel), by a manifest's record; and the param that sets it
+-- (its declaration's small_below: AdamW8bit's min_8bit_size).
 local function small_below(rec)
-  return optimizers.new({ type = rec.type, params = rec.params, state_formats = rec.state_formats,
-                          master_format = rec.master_format }).block_min_numel
+  local o = optimizers.new({ type = rec.type, params = rec.params,
+                             state_formats = rec.state_formats, master_format = rec.master_format })
+  return o.block_min_numel, o.small_below
 end
 
 -- Where this run keeps block-scaled states, a tensor the saving run kept in
@@ -135,13 +137,14 @@ end
 local function check_small(dir, m, rec, parts)
   local ours = parts.optimizer_record
   if not rec or rec.converted_from or not formats.block_of(ours.state_formats) then return end
-  local was, now = small_below(rec), small_below(ours)
+  local was = small_below(rec)
+  local now, key = small_below(ours)
   if not was or not now or was <= now then return end
   for _, p in ipairs(m.params) do
     if p.numel >= now and p.numel < was then
       fail("%s was saved keeping the optimizer states of tensors under %d elements in f32 " ..
-           "(min_8bit_size %d); this run's %d would quantise those of %s (%d elements): resume " ..
-           "with optimizer.params.min_8bit_size %d", dir, was, was, now, p.name, p.numel, was)
+           "(%s %d); this run's %d would quantise those of %s (%d elements): resume " ..
+           "with optimizer.params.%s %d", dir, was, key, was, now, p.name, p.numel, key, was)
     end
   end
 end

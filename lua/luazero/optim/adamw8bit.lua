@@ -50,11 +50,10 @@ return {
     return { decoupled_weight_decay = true, master_format = schema.master_format(p, key) }
   end,
 
-  init = function(self)
-    self.args = lz.adamw_args({})
-    -- Tensors of fewer elements keep their states in f32 (the engine reads it).
-    self.block_min_numel = self.min_8bit_size
-  end,
+  -- Tensors of fewer elements keep their states in f32.
+  small_below = "min_8bit_size",
+
+  init = function(self) self.args = lz.adamw_args({}) end,
 
   -- call: p, g (f32 views), s = { m, v } (u8, or f32 for a small tensor),
   -- scales = { absmax_m, absmax_v } (f32, one per block; nil beside f32

@@ -28,6 +28,9 @@
 --                 of lz_bf16_round_stochastic(seed, step, index + i); absent,
 --                 the engine widens, steps and rounds in three
 --   init          optional init(self): what new() adds (kernel arguments)
+--   small_below   optional: the param under whose element count a tensor
+--                 keeps f32 states beside block-scaled ones (AdamW8bit's
+--                 min_8bit_size); new() sets block_min_numel from it
 --   read_config   optional read_config(p, key, type, unimplemented): the
 --                 params block's other keys; returns the block's extra fields
 --   accepted      keys read_config reads (never reported as unimplemented)
@@ -175,6 +178,7 @@ function M.define(spec, origin)
     orthogonalize = spec.orthogonalize, matrix_state = spec.matrix_state,
     orthogonalize_scratch = spec.orthogonalize_scratch,
     keeps = keeps, converts_to = spec.converts_to, resumes = spec.resumes,
+    small_below = spec.small_below,
   }
   class.__index = class
   setmetatable(class, { __index = Base })
@@ -193,6 +197,8 @@ function M.define(spec, origin)
       self.state_formats[n] = formats.get(f).name
     end
     setmetatable(self, class)
+    -- (tensors of fewer elements keep their states in f32: the engine reads it)
+    if spec.small_below then self.block_min_numel = self[spec.small_below] end
     if spec.init then spec.init(self) end
     return self
   end
