@@ -6,8 +6,9 @@
 --   print(config.unimplemented_message(cfg))   -- nil when every key is implemented
 --
 -- Its parts: config/values.lua (checking one value), config/defaults.lua
--- (DeepSpeed's defaults), config/scheduler.lua (the scheduler block); the stage rules are zero/plan.lua's, the
--- learning-rate schedules optim/schedule.lua's.
+-- (DeepSpeed's defaults), config/scheduler.lua (the scheduler block); the
+-- stage rules are zero/plan.lua's, the learning-rate schedules
+-- optim/schedule.lua's.
 -- Errors are Lua errors whose message is one line starting "config: ", raised
 -- at level 0 (no position prefix), naming the key and the allowed values.
 -- Keys luazero does not implement are collected, by full dotted name, in

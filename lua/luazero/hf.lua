@@ -267,14 +267,13 @@ end
 
 -- A parameter the files do not hold (a LoRA adapter): drawn whole as its
 -- init says, from its own generator (the seed and its place in the table;
--- a keyed init's, Module.keyed_rng: the seed and its name), so every rank
+-- a keyed init's, Module.init_rng: the seed and its name), so every rank
 -- and every chunking draws the same numbers. Cached by name.
 local function drawn(p, index, seed, cache)
   local t = cache[p.name]
   if t then return t end
   t = ffi.new("float[?]", p.numel)
-  Module.fill_init(p.init, t, p.numel, p.init and p.init.keyed and
-                   Module.keyed_rng(seed, p.name) or rng.new(seed, 1000 + index))
+  Module.fill_init(p.init, t, p.numel, Module.init_rng(p, seed, rng.new(seed, 1000 + index)))
   cache[p.name] = t
   return t
 end

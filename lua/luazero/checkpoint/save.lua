@@ -105,10 +105,10 @@ local function param_table(parts)
   return t
 end
 
--- The model's config: its scalar fields, and tables of scalars (Llama's
--- rope_scaling), which an export's config.json needs.
--- (tables of plain values, two levels down: Phi-3's rope_scaling with its
--- short_factor and long_factor lists; functions and cdata left out)
+-- The model's config, which an export's config.json needs: its plain
+-- values (strings, numbers, booleans) and tables of them two levels down
+-- (Phi-3's rope_scaling with its short_factor and long_factor lists);
+-- functions and cdata left out.
 local function plain(v, depth)
   local t = type(v)
   if t == "string" or t == "number" or t == "boolean" then return v end
@@ -179,13 +179,16 @@ end
 -- latest.tmp-PID): removed when PID is gone or is this process.
 local function remove_dead_saves(dir)
   local me = tonumber(ffi.C.getpid())
-  local function gone(pid) pid = tonumber(pid); return pid and (pid == me or not running(pid)) end
   for _, name in ipairs(list_dir(dir)) do
     local pid = name:match("^%.step%-%d+%.tmp%-(%d+)$") or name:match("^%.step%-%d+%.old%-(%d+)$")
                 or name:match("^latest%.tmp%-(%d+)$")
-    if gone(pid) then check(C.lz_ckpt_remove_tree(dir .. "/" .. name)) end
+    pid = tonumber(pid)
+    if pid and (pid == me or not running(pid)) then
+      check(C.lz_ckpt_remove_tree(dir .. "/" .. name))
+    end
     -- a step folder's 16-bit export whose process died while writing it
-    -- (io/atomic.lua's .hf16.tmp-PID, with its fp32 scratch inside)
+    -- (io/atomic.lua's .hf16.tmp-PID, with its fp32 scratch inside; this
+    -- process's own may be a background save's, still writing)
     if name:match("^step%-%d+$") then
       for _, inner in ipairs(list_dir(dir .. "/" .. name)) do
         local p = tonumber(inner:match("^%.hf16%.tmp%-(%d+)$"))

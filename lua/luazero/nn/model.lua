@@ -53,14 +53,14 @@ function Model:zero_grad() self.grads_flat:zero() end
 -- Every parameter as its init spec says, deterministic for a seed: one
 -- generator walks the table in canonical order (drawn on the host, then
 -- copied where a parameter lives on a device); a keyed init has its own
--- (Module.keyed_rng) and takes nothing from the walk's.
+-- (Module.init_rng) and takes nothing from the walk's.
 function Model:draw_params(seed)
   local r = rng.new(seed, 1)
   for _, e in ipairs(self.param_table) do
     local t = e.module.p[e.key]
     local host = t:device_name() ~= "cpu" and lz.tensor(t:sizes(), "f32", "workspace")
-    local g = e.init and e.init.keyed and Module.keyed_rng(seed, e.name) or r
-    Module.fill_init(e.init, ffi.cast("float *", (host or t).data), e.numel, g)
+    Module.fill_init(e.init, ffi.cast("float *", (host or t).data), e.numel,
+                     Module.init_rng(e, seed, r))
     if host then
       t:copy(host)
       host:free()
@@ -84,7 +84,7 @@ function Model:draw_stream(seed, sink, chunk)
   local ok, err = pcall(function()
     for _, e in ipairs(self.param_table) do
       local zero_from = self:zero_from(e) or e.numel
-      local g = e.init and e.init.keyed and Module.keyed_rng(seed, e.name) or r
+      local g = Module.init_rng(e, seed, r)
       for a = 0, e.numel - 1, chunk do
         local n = math.min(chunk, e.numel - a)
         Module.fill_init(e.init, ptr, n, g)

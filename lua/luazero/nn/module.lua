@@ -118,14 +118,16 @@ function Module.fill_init(init, ptr, n, r)
   end
 end
 
--- The generator of a parameter whose init is keyed (init.keyed): its
--- numbers depend on the seed and the parameter's full name alone, not on
--- its place in the table (an expert's adapters sit at other places under
--- gather "block" and "expert": nn/lora_experts.lua). draw_params,
--- draw_stream and hf.lua's drawn adapters take it.
-function Module.keyed_rng(seed, name)
+-- The generator parameter e draws from: `walk` (the one shared along the
+-- table), or, where its init is keyed (init.keyed), its own, whose numbers
+-- depend on the seed and e's full name alone, not on its place in the
+-- table (an expert's adapters sit at other places under gather "block" and
+-- "expert": nn/lora_experts.lua). draw_params, draw_stream and hf.lua's
+-- drawn adapters take it.
+function Module.init_rng(e, seed, walk)
+  if not (e.init and e.init.keyed) then return walk end
   local rng = require("luazero.rng")
-  return rng.new(lz.C.lz_hash_xxh64(name, #name, rng.keyed(seed, 6)), 6)
+  return rng.new(lz.C.lz_hash_xxh64(e.name, #e.name, rng.keyed(seed, 6)), 6)
 end
 
 -- Freezes the parameters whose full name matches `what` (a Lua pattern,
