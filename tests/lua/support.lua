@@ -202,4 +202,31 @@ function M.same_as_stage_0(run, cases)
   return first, runs
 end
 
+-- A tokenizer.json table in Llama 2's layout: <unk> <s> </s>, the 256
+-- byte tokens <0x00>..<0xFF>, then 9 pieces (ids 259..267); Llama 2's
+-- normalizer and decoder (test_tokenizer.lua's SentencePiece cases).
+function M.sentencepiece_tokenizer()
+  local cjson = require("cjson")
+  local vocab = { ["<unk>"] = 0, ["<s>"] = 1, ["</s>"] = 2 }
+  for b = 0, 255 do vocab[("<0x%02X>"):format(b)] = 3 + b end
+  for i, t in ipairs({ "▁", "a", "b", "c", "▁a", "ab", "▁ab", "é", "▁▁" }) do vocab[t] = 258 + i end
+  local added = {}
+  for i, c in ipairs({ "<unk>", "<s>", "</s>" }) do
+    added[i] = { id = i - 1, content = c, special = true, normalized = false }
+  end
+  return {
+    added_tokens = added,
+    normalizer = { type = "Sequence", normalizers = {
+      { type = "Prepend", prepend = "▁" },
+      { type = "Replace", pattern = { String = " " }, content = "▁" } } },
+    pre_tokenizer = cjson.null,
+    decoder = { type = "Sequence", decoders = {
+      { type = "Replace", pattern = { String = "▁" }, content = " " },
+      { type = "ByteFallback" }, { type = "Fuse" },
+      { type = "Strip", content = " ", start = 1, stop = 0 } } },
+    model = { type = "BPE", unk_token = "<unk>", fuse_unk = true, byte_fallback = true,
+              vocab = vocab, merges = { "▁ a", "a b", "▁ ab", "▁ ▁" } },
+  }
+end
+
 return M

@@ -366,20 +366,23 @@ function T.generate_continues_prompts_from_a_checkpoint()
   assert(st == 2 and out:find("line 1: prompt_ids[1] is 2.5, not a token id", 1, true), out)
 end
 
--- A consolidated file (with the model's config.json) and a LoRA run's
--- checkpoint (with its base from --init, or the adapters exported for PEFT
--- on that base) give what their checkpoints give.
+-- A checkpoint of one step of MODEL (with `extra` flags) on data, in
+-- dir/ck, and its export, dir/hf. Returns tools/ckpt's command line.
+local function exported(dir, data, extra)
+  local out, st = script("train", MODEL .. (extra or "") ..
+                                  (" --data %s --steps 1 --save %s/ck"):format(q(data), dir))
+  assert(st == 0, out)
+  local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))
+  out, st = support.sh(("%s export %s/ck %s/hf"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  return ckpt
+end
+
 -- A Hugging Face folder's generation_config.json eos_token_id ends a
 -- completion as config.json's does (transformers' generate stops at both).
 function T.generation_configs_eos_ends_a_completion()
   local write, dir = support.scratch()
-  local data = write("d.txt", corpus(200, 6))
-  local out, st = script("train", MODEL .. ("--data %s --steps 1 --save %s/ck")
-                                            :format(q(data), dir))
-  assert(st == 0, out)
-  out, st = support.sh(("%s %s export %s/ck %s/hf"):format(q(lz.executable()),
-                        q(lz.root .. "/tools/ckpt.lua"), dir, dir))
-  assert(st == 0, out)
+  exported(dir, write("d.txt", corpus(200, 6)))
   local function gen()
     local o, s = script("generate", ("--hf %s/hf --prompt-ids 108,105 --max-new-tokens 8 " ..
                                      "--out %s/g.jsonl"):format(dir, dir))
@@ -404,13 +407,8 @@ end
 function T.merge_lora_folds_gpt2s_conv1d_weights()
   local write, dir = support.scratch()
   local data = write("d.txt", corpus(200, 5))
-  local out, st = script("train", MODEL .. ("--data %s --steps 1 --save %s/ck")
-                                            :format(q(data), dir))
-  assert(st == 0, out)
-  local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))
-  out, st = support.sh(("%s export %s/ck %s/hf"):format(ckpt, dir, dir))
-  assert(st == 0, out)
-  out, st = script("train", ("--init %s/hf --seq-len 16 --micro-batch 2 --sample 0 --seed 7 " ..
+  local ckpt = exported(dir, data)
+  local out, st = script("train", ("--init %s/hf --seq-len 16 --micro-batch 2 --sample 0 --seed 7 " ..
                              "--data %s --steps 2 --lora-r 4 --lr 3e-2 --save %s/lora")
                             :format(dir, q(data), dir))
   assert(st == 0, out)
@@ -433,31 +431,10 @@ end
 function T.a_fine_tunes_load_reads_with_its_init_folders_tokenizer()
   local write, dir = support.scratch()
   local data = write("d.txt", corpus(200, 3))
-  local m = MODEL .. "--vocab 268 "
-  local out, st = script("train", m .. ("--data %s --steps 1 --save %s/ck"):format(q(data), dir))
-  assert(st == 0, out)
-  out, st = support.sh(("%s %s export %s/ck %s/hf"):format(q(lz.executable()),
-                        q(lz.root .. "/tools/ckpt.lua"), dir, dir))
-  assert(st == 0, out)
-  local vocab = { ["<unk>"] = 0, ["<s>"] = 1, ["</s>"] = 2 }
-  for b = 0, 255 do vocab[("<0x%02X>"):format(b)] = 3 + b end
-  for i, t in ipairs({ "▁", "a", "b", "c", "▁a", "ab", "▁ab", "é", "▁▁" }) do vocab[t] = 258 + i end
-  support.write(dir .. "/hf/tokenizer.json", require("cjson").encode({
-    added_tokens = { { id = 0, content = "<unk>", special = true },
-                     { id = 1, content = "<s>", special = true },
-                     { id = 2, content = "</s>", special = true } },
-    normalizer = { type = "Sequence", normalizers = {
-      { type = "Prepend", prepend = "▁" },
-      { type = "Replace", pattern = { String = " " }, content = "▁" } } },
-    pre_tokenizer = require("cjson").null,
-    decoder = { type = "Sequence", decoders = {
-      { type = "Replace", pattern = { String = "▁" }, content = " " },
-      { type = "ByteFallback" }, { type = "Fuse" },
-      { type = "Strip", content = " ", start = 1, stop = 0 } } },
-    model = { type = "BPE", unk_token = "<unk>", fuse_unk = true, byte_fallback = true,
-              vocab = vocab, merges = { "▁ a", "a b", "▁ ab", "▁ ▁" } },
-  }))
-  out, st = script("train", ("--init %s/hf --data %s --seq-len 16 --micro-batch 2 --sample 0 " ..
+  exported(dir, data, " --vocab 268")
+  support.write(dir .. "/hf/tokenizer.json",
+                require("cjson").encode(support.sentencepiece_tokenizer()))
+  local out, st = script("train", ("--init %s/hf --data %s --seq-len 16 --micro-batch 2 --sample 0 " ..
                              "--steps 1 --save %s/ft"):format(dir, q(data), dir))
   assert(st == 0, out)
   out, st = script("generate", ("--load %s/ft --prompt 'ab ab' --max-new-tokens 2 --out %s/g.jsonl")
@@ -488,6 +465,9 @@ function T.consolidated_header_counts_billions()
   eq(tonumber(u[3]) + tonumber(u[4]) * 2 ^ 32, 7615616512, "the element count read back")
 end
 
+-- A consolidated file (with the model's config.json) and a LoRA run's
+-- checkpoint (with its base from --init, or the adapters exported for PEFT
+-- on that base) give what their checkpoints give.
 function T.consolidated_files_and_lora_adapters_load_alike()
   local dir = trained()
   local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))

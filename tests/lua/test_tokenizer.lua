@@ -7,6 +7,7 @@
 -- with tokenizers itself.
 local cjson = require("cjson")
 local tokenizer = require("luazero.tokenizer")
+local support = dofile(require("luazero").root .. "/tests/lua/support.lua")
 
 local T = {}
 
@@ -110,29 +111,9 @@ function T.added_tokens_strip_blanks()
   same(tok:encode("<|eot|> <|sys|>"), { 6, 7 })
 end
 
--- Llama 2's layout: <unk> <s> </s>, the 256 byte tokens <0x00>..<0xFF>, then
--- pieces; Llama 2's normalizer and decoder unless edit changes them.
+-- Llama 2's layout (support.sentencepiece_tokenizer), unless edit changes it.
 local function sentencepiece(edit)
-  local vocab = { ["<unk>"] = 0, ["<s>"] = 1, ["</s>"] = 2 }
-  for b = 0, 255 do vocab[("<0x%02X>"):format(b)] = 3 + b end
-  for i, t in ipairs({ "▁", "a", "b", "c", "▁a", "ab", "▁ab", "é", "▁▁" }) do vocab[t] = 258 + i end
-  local added = {}
-  for i, c in ipairs({ "<unk>", "<s>", "</s>" }) do
-    added[i] = { id = i - 1, content = c, special = true, normalized = false }
-  end
-  local j = {
-    added_tokens = added,
-    normalizer = { type = "Sequence", normalizers = {
-      { type = "Prepend", prepend = "▁" },
-      { type = "Replace", pattern = { String = " " }, content = "▁" } } },
-    pre_tokenizer = cjson.null,
-    decoder = { type = "Sequence", decoders = {
-      { type = "Replace", pattern = { String = "▁" }, content = " " },
-      { type = "ByteFallback" }, { type = "Fuse" },
-      { type = "Strip", content = " ", start = 1, stop = 0 } } },
-    model = { type = "BPE", unk_token = "<unk>", fuse_unk = true, byte_fallback = true,
-              vocab = vocab, merges = { "▁ a", "a b", "▁ ab", "▁ ▁" } },
-  }
+  local j = support.sentencepiece_tokenizer()
   if edit then edit(j) end
   return write(cjson.encode(j))
 end
