@@ -2,9 +2,12 @@
  * parameters (working copy none, f32, bf16, f16), the fused 8-bit step
  * (lz_adamw8bit_step, u8 m and v, working none and bf16), and a STREAM-like copy and
  * triad on the same kind of memory (2 MiB-aligned, huge pages), on the
- * threads OMP_NUM_THREADS gives. One line per figure, medians of --reps:
+ * threads OMP_NUM_THREADS gives. One line per figure, medians of --reps;
+ * each 8-bit rep runs right after an fp32 step of the same working copy,
+ * and its line gives both rates and the median of the pairs' ratios (the
+ * machine's memory speed drifts between minutes; a pair shares it):
  *   R adam <working> <params per second>
- *   R adam8bit <working> <params per second>
+ *   R adam8bit <working> <params per second> <fp32 AdamW's, same reps> <ratio>
  *   R stream <copy|triad> <bytes/s as STREAM counts> <bytes/s moved>
  * STREAM counts copy 8 B and triad 12 B per element; the memory moves one
  * more 4 B per element (the line written is read first: write-allocate), as
@@ -131,11 +134,14 @@ int main(int argc, char **argv) {
     }
     printf("R adam %s %.6e\n", variants[k].name, (double)n / median(t, reps));
   }
-  /* The 8-bit step over the same parameters and gradients; the fp32 m, v
-   * buffers hold its u8 states and absmaxes. */
+  /* The 8-bit step over the same parameters and gradients, its u8 states
+   * and absmaxes in buffers of their own, each rep paired with an fp32 step
+   * of the same working copy just before it: both see the machine of the
+   * same moment, and the line's ratio is the median of the pairs'. */
   const int64_t blocks = lz_adamw8bit_blocks(n), bshape[1] = {blocks};
-  uint8_t *m8 = (uint8_t *)m, *v8 = (uint8_t *)v;
-  float *am = v + n / 2, *av = am + blocks;
+  uint8_t *m8 = alloc_or_die((size_t)n), *v8 = alloc_or_die((size_t)n);
+  float *am = alloc_or_die((size_t)blocks * sizeof(float));
+  float *av = alloc_or_die((size_t)blocks * sizeof(float));
   for (int64_t i = 0; i < n; i++) m8[i] = v8[i] = 0;
   for (int64_t i = 0; i < blocks; i++) am[i] = av[i] = 0.0f;
   lz_tensor *tm8, *tv8, *tam, *tav;
@@ -145,26 +151,34 @@ int main(int argc, char **argv) {
     return 1;
   }
   const int eight_variants[2] = {0, 2};
-  args.step = 1;
+  lz_adamw_args args8 = args;
+  args8.step = 1;
   for (int e = 0; e < 2; e++) {
     lz_tensor *w = variants[eight_variants[e]].w;
-    if (lz_adamw8bit_step(tp, tg, tm8, tv8, tam, tav, w, &args) != LZ_OK) {
+    if (lz_adamw8bit_step(tp, tg, tm8, tv8, tam, tav, w, &args8) != LZ_OK) { /* warm-up */
       fprintf(stderr, "bench_adam: %s\n", lz_last_error());
       return 1;
     }
-    args.step++;
+    args8.step++;
+    double t32[100], ratio[100];
     for (int r = 0; r < reps; r++) {
       double t0 = step_clock();
-      lz_adamw8bit_step(tp, tg, tm8, tv8, tam, tav, w, &args);
-      t[r] = step_clock() - t0;
+      lz_adamw_step(tp, tg, tm, tv, w, &args);
+      t32[r] = step_clock() - t0;
       args.step++;
+      t0 = step_clock();
+      lz_adamw8bit_step(tp, tg, tm8, tv8, tam, tav, w, &args8);
+      t[r] = step_clock() - t0;
+      args8.step++;
+      ratio[r] = t32[r] / t[r];
     }
-    printf("R adam8bit %s %.6e\n", variants[eight_variants[e]].name, (double)n / median(t, reps));
+    printf("R adam8bit %s %.6e %.6e %.4f\n", variants[eight_variants[e]].name,
+           (double)n / median(t, reps), (double)n / median(t32, reps), median(ratio, reps));
   }
   lz_tensor_free(tm8), lz_tensor_free(tv8), lz_tensor_free(tam), lz_tensor_free(tav);
   lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
   lz_tensor_free(tw32), lz_tensor_free(twbf), lz_tensor_free(twh);
   lz_mem_free(p), lz_mem_free(g), lz_mem_free(m), lz_mem_free(v), lz_mem_free(wf);
-  lz_mem_free(wh);
+  lz_mem_free(wh), lz_mem_free(m8), lz_mem_free(v8), lz_mem_free(am), lz_mem_free(av);
   return 0;
 }
