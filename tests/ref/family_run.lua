@@ -7,6 +7,8 @@
 --       written to FILE (raw f32), and the parameter table in the JSON
 --   luazero tests/ref/family_run.lua --hf FOLDER --adapters DIR
 --       the base with PEFT adapters, as scripts/eval.lua --adapters loads them
+--   --pad N   the second row's last N tokens are padding, as data/packed.lua
+--             lays it (target -1, a segment of its own, mask 0)
 local cjson = require("cjson")
 local ffi = require("ffi")
 local lz = require("luazero")
@@ -42,7 +44,21 @@ for k = 0, B * T - 1 do x:set(k, r:int(cfg.vocab)) end
 for k = 0, B * T - 1 do y:set(k, r:int(cfg.vocab)) end
 for k = 0, B * T - 1 do tokens[#tokens + 1] = x:get(k) end
 for k = 0, B * T - 1 do tokens[#tokens + 1] = y:get(k) end
-local loss = engine:forward(x, y)
+local extra
+local pad = tonumber(opts.pad or 0)
+if pad > 0 then
+  extra = { pos = lz.tensor({ B, T }, "i32"), seg = lz.tensor({ B, T }, "i32"),
+            mask = lz.tensor({ B, T }, "i32") }
+  for k = 0, B * T - 1 do
+    local t, padding = k % T, k >= B * T - pad
+    local j = padding and T - pad or 0
+    extra.pos:set(k, t - j)
+    extra.seg:set(k, padding and 1 or 0)
+    extra.mask:set(k, padding and 0 or 1)
+    if padding then y:set(k, -1) end
+  end
+end
+local loss = engine:forward(x, y, extra)
 local out = { loss = ("%.17g"):format(loss), tokens = tokens, vocab = cfg.vocab,
               padded_vocab = cfg.padded_vocab }
 -- An MoE model's load-balancing loss (without its coefficient) and tokens per expert.

@@ -14,6 +14,10 @@ into gate_up_proj / down_proj at load time only).
   init_loss   the loss (cross-entropy + coef * aux) of a fixed batch within
               1e-5 relative (fp32), tests/ref/family_run.lua --init
   aux         luazero's load-balancing loss alone equals transformers' aux_loss
+  padded      the same three with the second row's last 5 tokens padding
+              (data/packed.lua's layout: mask 0, target -1) against
+              transformers given the attention_mask and labels -100: the
+              padding out of the load-balancing loss and its gradient
   clip        (OLMoE) the same weights without clip_qkv give another loss
   grads       every parameter's gradient within 1e-4 relative (per tensor,
               max |ours - theirs| / max |theirs|), transformers' fused expert
@@ -49,14 +53,24 @@ LORA_DEFAULT = ["q_proj", "v_proj"]
 CLIP = 1.5  # OLMoE's clip_qkv: low enough that the clamp bites at the test's weights
 
 
-def moe_loss(torch, model, tokens):
+PAD = 5  # the padded check's padding: the second row's last tokens
+
+
+def moe_loss(torch, model, tokens, pad=0):
     """Cross-entropy of the fixed batch (inputs then targets, 2 x 16) plus the
-    routers' load-balancing loss times its coefficient, as the model adds it."""
+    routers' load-balancing loss times its coefficient, as the model adds it;
+    pad: the second row's last tokens are padding (attention_mask 0, label
+    -100)."""
     t = torch.tensor(tokens, dtype=torch.int64).reshape(2, 2, 16)
-    out = model(t[0], output_router_logits=True)
+    labels, mask = t[1].clone(), None
+    if pad:
+        mask = torch.ones(2, 16, dtype=torch.int64)
+        mask[1, 16 - pad:] = 0
+        labels[1, 16 - pad:] = -100
+    out = model(t[0], attention_mask=mask, output_router_logits=True)
     logits = out.logits
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                           t[1].reshape(-1))
+                                           labels.reshape(-1), ignore_index=-100)
     model._last_aux = float(out.aux_loss.detach())
     return ce + model.config.router_aux_loss_coef * out.aux_loss
 
@@ -77,24 +91,31 @@ def theirs_of(named, name):
     return gu[:h] if proj in ("w1", "gate_proj") else gu[h:]
 
 
-def init_and_grads(check, name, torch, model, folder, tmp):
-    import json
+def init_and_grads(check, name, torch, model, folder, tmp, pad=0):
     gfile = os.path.join(tmp, "grads.f32")
-    rc, out = family_ref.lz("tests/ref/family_run.lua", "--init", folder, "--grads", gfile)
+    label = f"{name}.padded" if pad else name
+    rc, out = family_ref.lz("tests/ref/family_run.lua", "--init", folder, "--grads", gfile,
+                            *(["--pad", str(pad)] if pad else []))
     if rc != 0:
-        check(f"{name}.init_loss", False, out[-2000:])
+        check(f"{label}.init_loss", False, out[-2000:])
         return
     res = family_ref.last_json(out)
     model.zero_grad()
-    loss = moe_loss(torch, model, res["tokens"])
+    loss = moe_loss(torch, model, res["tokens"], pad)
     ours = float(res["loss"])
     err = family_ref.rel(ours, loss.item())
-    check(f"{name}.init_loss", err <= family_ref.TOL,
+    check(f"{label}.init_loss", err <= family_ref.TOL,
           f"(luazero {ours:.9f}, transformers {loss.item():.9f}, relative {err:.1e})")
     aux = res.get("aux_loss")
-    check(f"{name}.aux_loss", aux is not None and
-          family_ref.rel(float(aux), model._last_aux) <= family_ref.TOL,
-          f"(luazero {aux}, transformers {model._last_aux:.9f})")
+    theirs_aux = model._last_aux
+    check(f"{label}.aux_loss", aux is not None and
+          family_ref.rel(float(aux), theirs_aux) <= family_ref.TOL,
+          f"(luazero {aux}, transformers {theirs_aux:.9f})")
+    if pad:  # the mask matters at this batch: without it transformers counts the padding
+        with torch.no_grad():
+            moe_loss(torch, model, res["tokens"])
+        check(f"{label}.mask_matters", family_ref.rel(model._last_aux, theirs_aux) > 1e-4,
+              f"(aux without the mask {model._last_aux:.9f}, with it {theirs_aux:.9f})")
     loss.backward()
     with open(gfile, "rb") as f:
         flat = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
@@ -103,7 +124,7 @@ def init_and_grads(check, name, torch, model, folder, tmp):
     for p in res["params"]:
         r = theirs_of(named, p["name"])
         if r is None:
-            check(f"{name}.grads", False, f"transformers has no parameter {p['name']}")
+            check(f"{label}.grads", False, f"transformers has no parameter {p['name']}")
             return
         g = flat[p["offset"]:p["offset"] + p["numel"]].reshape(p["shape"])
         g = g[:r.shape[0]]  # the token tables: the real vocabulary's rows
@@ -111,8 +132,10 @@ def init_and_grads(check, name, torch, model, folder, tmp):
         seen += 1
         if e > worst:
             worst, where = e, p["name"]
-    check(f"{name}.grads", worst <= family_ref.GRAD_TOL and seen == len(res["params"]),
+    check(f"{label}.grads", worst <= family_ref.GRAD_TOL and seen == len(res["params"]),
           f"({seen} tensors, worst {worst:.1e} at {where})")
+    if pad:
+        return
     if getattr(model.config, "clip_qkv", None):
         # the clamp bites: the same weights without it give another loss
         free = type(model)(type(model.config)(**{**model.config.to_dict(), "clip_qkv": None}))
@@ -257,6 +280,7 @@ def main():
                 f.write(family_ref.CORPUS)
             model = model.float().eval()
             init_and_grads(check, name, torch, model, folder, tmp)
+            init_and_grads(check, name, torch, model, folder, tmp, PAD)
             family_ref.generate(check, name, torch, model, folder, tmp)
             family_ref.export(check, name, transformers, torch, folder, corpus, tmp)
             family_ref.lora(check, name, transformers, torch, peft, folder, corpus, tmp,

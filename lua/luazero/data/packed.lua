@@ -5,9 +5,11 @@
 --         does not fit the rest of a row starts the next one.
 --   pad:  one example per row.
 -- Either way the rest of a row is padding: token pad_id, target -1, its own
--- segment. Each batch returns tokens, targets and extra = { pos, seg } (i32
--- [B, T]): pos counts from 0 at each example's first token, seg numbers the
--- examples of a row from 0 (attention never crosses a change of seg).
+-- segment. Each batch returns tokens, targets and extra = { pos, seg, mask }
+-- (i32 [B, T]): pos counts from 0 at each example's first token, seg numbers
+-- the examples of a row from 0 (attention never crosses a change of seg),
+-- mask is 1 on the examples' tokens and 0 on the padding (transformers'
+-- attention_mask: the MoE routers' load-balancing loss leaves padding out).
 -- targets[t] is the next token when it is trained (weight 1) and in the
 -- same example, else -1.
 --
@@ -77,7 +79,8 @@ function M.loader(c, opts)
     inputs = lz.tensor({ B, T }, "i32", "workspace"),
     targets = lz.tensor({ B, T }, "i32", "workspace"),
     extra = { pos = lz.tensor({ B, T }, "i32", "workspace"),
-              seg = lz.tensor({ B, T }, "i32", "workspace") },
+              seg = lz.tensor({ B, T }, "i32", "workspace"),
+              mask = lz.tensor({ B, T }, "i32", "workspace") },
   }, Loader)
   local val = {}
   for d = n_train, c.docs - 1 do val[#val + 1] = d end
@@ -118,17 +121,18 @@ local function fill_row(self, b, order, first, last)
   local y = ffi.cast("int32_t *", self.targets.data) + b * T
   local pos = ffi.cast("int32_t *", self.extra.pos.data) + b * T
   local seg = ffi.cast("int32_t *", self.extra.seg.data) + b * T
+  local mask = ffi.cast("int32_t *", self.extra.mask.data) + b * T
   local j, s = 0, 0
   for i = first, last - 1 do
     local a = st[order[i]]
     local len = st[order[i] + 1] - a
     for k = 0, len - 1 do
-      x[j + k], pos[j + k], seg[j + k] = ids[a + k], k, s
+      x[j + k], pos[j + k], seg[j + k], mask[j + k] = ids[a + k], k, s, 1
       y[j + k] = (k + 1 < len and w[a + k + 1] ~= 0) and ids[a + k + 1] or -1
     end
     j, s = j + len, s + 1
   end
-  for k = j, T - 1 do x[k], y[k], pos[k], seg[k] = self.pad_id, -1, k - j, s end
+  for k = j, T - 1 do x[k], y[k], pos[k], seg[k], mask[k] = self.pad_id, -1, k - j, s, 0 end
 end
 
 -- The next training batch: tokens, targets, extra (reused each call).
@@ -183,6 +187,7 @@ function Loader:free()
   self.targets:free()
   self.extra.pos:free()
   self.extra.seg:free()
+  self.extra.mask:free()
 end
 
 return M

@@ -302,9 +302,10 @@ function Model:check_batch(tokens, targets)
 end
 
 -- extra.pos and extra.seg (packed documents: a position and a document id
--- per token) must be i32 tensors shaped as the tokens.
+-- per token) and extra.mask (0 on padding) must be i32 tensors shaped as
+-- the tokens; the mask is read on the host.
 local function check_extra(tokens, extra)
-  for _, key in ipairs({ "pos", "seg" }) do
+  for _, key in ipairs({ "pos", "seg", "mask" }) do
     local t = extra[key]
     if t ~= nil and (type(t) ~= "cdata" or t:dtype_name() ~= "i32" or t.ndim ~= 2 or
                      t:dim(1) ~= tokens:dim(1) or t:dim(2) ~= tokens:dim(2)) then
@@ -312,11 +313,16 @@ local function check_extra(tokens, extra)
             key, tokens:dim(1), tokens:dim(2), tostring(t)), 0)
     end
   end
+  if extra.mask ~= nil and extra.mask:device_name() ~= "cpu" then
+    error(("model: extra.mask must be in host memory (got a tensor on %s); make it with " ..
+           "lz.tensor({B, T}, \"i32\")"):format(extra.mask:device_name()), 0)
+  end
 end
 
 -- A batch's tokens and targets (host i32 [B, T]; targets may be nil) and
--- its extra (nil, or { pos =, seg = } of host i32 [B, T]) where the model
--- computes: themselves on the cpu, copies on a device.
+-- its extra (nil, or { pos =, seg =, mask = } of host i32 [B, T]) where the
+-- model computes: themselves on the cpu, copies on a device (the mask stays
+-- on the host, where the routers' loss reads it).
 function Model:place_inputs(tokens, targets, extra)
   if extra then check_extra(tokens, extra) end
   if not self.inputs or tokens:device_name() ~= "cpu" then return tokens, targets, extra end
@@ -331,6 +337,7 @@ function Model:place_inputs(tokens, targets, extra)
   local placed = {
     pos = extra.pos and self.extra_inputs:view(0, { B, T }):copy(extra.pos),
     seg = extra.seg and self.extra_inputs:view(B * T, { B, T }):copy(extra.seg),
+    mask = extra.mask,
   }
   return x, y, placed
 end

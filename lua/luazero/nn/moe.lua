@@ -86,9 +86,38 @@ function MoE:choose(logits, N)
   return c
 end
 
+-- What the load-balancing loss counts of a choice: every token's, or, where
+-- the batch has a mask (ctx.extra.mask, 0 on padding), the unmasked tokens'
+-- (transformers' attention_mask): their top-k assignments per expert
+-- (c.aux_count), their probabilities summed per expert (c.probsum), their
+-- number (c.aux_n) and, with a mask, which tokens count (c.counted).
+function MoE:balance(c, p)
+  local E, k, N = self.n_experts, self.top_k, c.n
+  local extra = self.ctx.extra
+  local mask = extra and extra.mask and ffi.cast("int32_t *", extra.mask.data)
+  c.probsum = ffi.new("double[?]", E)
+  if not mask then
+    for n = 0, N - 1 do
+      for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
+    end
+    c.aux_count, c.aux_n = c.count, N
+    return
+  end
+  local idx, held = on_host(c.idx, "int32_t *")
+  c.aux_count, c.aux_n, c.counted = ffi.new("int32_t[?]", E), 0, mask
+  for n = 0, N - 1 do
+    if mask[n] ~= 0 then
+      for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
+      for j = 0, k - 1 do c.aux_count[idx[n * k + j]] = c.aux_count[idx[n * k + j]] + 1 end
+      c.aux_n = c.aux_n + 1
+    end
+  end
+  if held then held:free() end
+end
+
 -- The rows of a choice in expert order (the moe_sort op; nn/moe_experts.lua's
--- route), each expert's row count and first row on the host, and its summed
--- probability (the load-balancing loss's).
+-- route), each expert's row count and first row on the host, and what the
+-- load-balancing loss counts (MoE:balance).
 function MoE:rows(c)
   local E, k, N = self.n_experts, self.top_k, c.n
   local R = N * k
@@ -101,10 +130,7 @@ function MoE:rows(c)
   for e = 0, E - 1 do c.first[e], c.count[e] = off[e], off[e + 1] - off[e] end
   if held then held:free() end
   local p, held_p = on_host(c.probs, "float *")
-  c.probsum = ffi.new("double[?]", E)
-  for n = 0, N - 1 do
-    for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
-  end
+  self:balance(c, p)
   if held_p then held_p:free() end
   return c
 end
@@ -180,7 +206,8 @@ end
 
 -- dlogits [B, T, E] from the experts' weight gradients (through the
 -- renormalisation and the softmax: the moe_route_backward op) and the
--- load-balancing loss's, the same for every token: scale * grad[e].
+-- load-balancing loss's, the same for every token it counts (MoE:balance):
+-- scale * grad[e]; 0 for a masked one.
 function MoE:router_grad(dlogits)
   local r, E, N = self.routing, self.n_experts, self.routing.n
   local aux = self.ctx.router_aux
@@ -189,8 +216,10 @@ function MoE:router_grad(dlogits)
     dprobs = self:scratch({ N, E })
     local host = dprobs:device_name() ~= "cpu" and lz.tensor({ N, E }, "f32", "workspace")
     local p = ffi.cast("float *", (host or dprobs).data)
+    local counted = r.counted
     for n = 0, N - 1 do
-      for e = 0, E - 1 do p[n * E + e] = aux.scale * aux.grad[e] end
+      local on = not counted or counted[n] ~= 0
+      for e = 0, E - 1 do p[n * E + e] = on and aux.scale * aux.grad[e] or 0 end
     end
     if host then dprobs:copy(host); host:free() end
   end
@@ -260,12 +289,14 @@ function MoE.take_tallies(blocks)
   return out
 end
 
--- transformers' load_balancing_loss_func over the blocks' last forwards
--- (no attention mask): the top-k assignment counts and the router
--- probabilities summed over every block's tokens, each over the rows of all
--- blocks, their products summed, times E. Returns the loss and its
--- gradient with respect to each router probability (the same for every
--- token and block: E * count_e / rows^2).
+-- transformers' load_balancing_loss_func over the blocks' last forwards:
+-- the top-k assignment counts and the router probabilities summed over
+-- every block's counted tokens (all, or the unmasked ones: MoE:balance),
+-- each over the counted rows of all blocks, their products summed, times E.
+-- Returns the loss and its gradient with respect to each counted token's
+-- router probability (the same for every such token and block: E * count_e
+-- / rows^2). A batch of padding only counts nothing: 0, where transformers
+-- divides by 0.
 function MoE.aux_loss(blocks)
   local E = blocks[1].n_experts
   local count, psum, rows = {}, {}, 0
@@ -273,12 +304,16 @@ function MoE.aux_loss(blocks)
   for _, b in ipairs(blocks) do
     local r = b.routing
     for e = 0, E - 1 do
-      count[e] = count[e] + r.count[e]
+      count[e] = count[e] + r.aux_count[e]
       psum[e] = psum[e] + r.probsum[e]
     end
-    rows = rows + r.n
+    rows = rows + r.aux_n
   end
   local loss, grad = 0, {}
+  if rows == 0 then
+    for e = 0, E - 1 do grad[e] = 0 end
+    return 0, grad
+  end
   for e = 0, E - 1 do
     loss = loss + (count[e] / rows) * (psum[e] / rows)
     grad[e] = E * count[e] / (rows * rows)
