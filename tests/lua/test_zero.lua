@@ -444,6 +444,29 @@ function T.fp16_overflow_skips_the_step_and_halves_the_scale()
   end
 end
 
+-- An overflow at the minimum scale stops the run, as DeepSpeed's
+-- raise_error_at_min_scale: every rank, with the error named, no hang.
+function T.fp16_overflow_at_the_minimum_scale_stops_the_run()
+  local Scaler = require("luazero.zero.scaler")
+  local s = Scaler.new({ initial_scale_power = 2, min_loss_scale = 2, hysteresis = 2 })
+  s:update(true) -- absorbed by the hysteresis
+  s:update(true) -- halves to the minimum
+  assert(s.scale == 2, s.scale)
+  local ok, err = pcall(s.update, s, true)
+  assert(not ok and tostring(err):find("minimum loss scale (2, fp16.min_loss_scale)", 1, true),
+         tostring(err))
+  local cfg = config_file("fp16_min.json", {
+    train_batch_size = 4,
+    fp16 = { enabled = true, initial_scale_power = 10, hysteresis = 1, min_loss_scale = 1024 },
+    zero_optimization = { stage = 2 },
+  })
+  local out, status = train(2, ("%s --data %s --config %s --steps 5"):format(model_flags, corpus,
+                                                                             cfg),
+                            "LZ_INJECT_INF_STEP=3")
+  assert(status ~= 0 and out:find("overflowed at the minimum loss scale (1024", 1, true) and
+         out:find("step     2", 1, true) and not out:find("step     4", 1, true), out)
+end
+
 ----------------------------------------------------- (g) config errors
 
 local function expect_config_error(n, flags, needle)

@@ -1,8 +1,11 @@
 -- zero/scaler.lua — fp16 loss scaling with DeepSpeed's semantics
 -- (DynamicLossScaler): on overflow skip the step and, once `hysteresis`
 -- overflows have been absorbed, halve the scale (not below min_loss_scale);
--- after loss_scale_window steps without overflow, double it. A non-zero
--- loss_scale is static. Without fp16 the scale is 1 and never moves.
+-- after loss_scale_window steps without overflow, double it; an overflow
+-- that would halve a scale already at min_loss_scale stops the run, as
+-- DeepSpeed's does (raise_error_at_min_scale): it would only skip every
+-- step from then on. A non-zero loss_scale is static. Without fp16 the
+-- scale is 1 and never moves.
 local Scaler = {}
 Scaler.__index = Scaler
 
@@ -27,6 +30,12 @@ function Scaler:update(overflow)
   if not self.dynamic then return end
   if overflow then
     if self.delayed_shift == 1 or self.hysteresis == 1 then
+      if self.scale <= self.min_scale then
+        error(("fp16: the gradients overflowed at the minimum loss scale (%g, " ..
+               "fp16.min_loss_scale), so every step from here on would be skipped; the run " ..
+               "stops. Lower fp16.min_loss_scale, lower the learning rate, or train in bf16 " ..
+               "(--dtype bf16)"):format(self.scale), 0)
+      end
       self.scale = math.max(self.scale / 2, self.min_scale)
     else
       self.hysteresis = self.hysteresis - 1
