@@ -148,18 +148,32 @@ function M.read_layer_types(v, fail)
 end
 
 -- config.json's fields of Gemma 2 and of Gemma 3 (`family`, with `more`
--- of its own): Llama's with Gemma's defaults, no rotary scaling.
-function M.hf_fields(family, more)
+-- of its own): Llama's with Gemma's defaults, no rotary scaling. `absent`:
+-- transformers' values of sliding_window, attn_logit_softcapping and
+-- final_logit_softcapping where the file leaves them out (an explicit null
+-- is none); a key of `absent` set to false is not read (Gemma 3's
+-- attention cap, which transformers 5.23 keeps but never applies).
+function M.hf_fields(family, more, absent)
+  local function capped(field, key)
+    if absent[field] == false then
+      return { false, key, "number", optional = true }
+    end
+    return { field, key, "number", default = absent[field], optional = absent[field] == nil,
+             null_is_none = true }
+  end
   local list = llama.hf_fields(family, { head_dim = 256, tie = true }, {
     { "query_pre_attn_scalar", "query_pre_attn_scalar", "number", default = 256 },
-    { "window", "sliding_window", "int", optional = true },
-    { "attn_softcap", "attn_logit_softcapping", "number", optional = true },
-    { "final_softcap", "final_logit_softcapping", "number", optional = true },
+    { "window", "sliding_window", "int", default = absent.window, null_is_none = true },
+    capped("attn_softcap", "attn_logit_softcapping"),
+    capped("final_softcap", "final_logit_softcapping"),
     { "layer_types", "layer_types", "object", optional = true, read = M.read_layer_types },
     { false, "hidden_activation", "string", default = "gelu_pytorch_tanh",
       allowed = { "gelu_pytorch_tanh" }, refusal = "luazero's Gemma 2 has the tanh GELU" },
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's Gemma 2 has no biases" },
+    { false, "use_bidirectional_attention", "bool", default = false, allowed = { false },
+      refusal = "luazero's Gemma is a causal language model; bidirectional attention " ..
+                "(an encoder's) is not supported" },
   })
   for _, e in ipairs(more or {}) do list[#list + 1] = e end
   return list
@@ -167,7 +181,7 @@ end
 
 M.hf = llama.hf_of({
   architectures = { "Gemma2ForCausalLM" }, model_type = "gemma2",
-  fields = M.hf_fields("gemma2"),
+  fields = M.hf_fields("gemma2", nil, { window = 4096, attn_softcap = 50, final_softcap = 30 }),
   lr_of = "gemma-2-2b",
   config_json = config_json,
   float_keys = { "rms_norm_eps", "rope_theta", "initializer_range", "attn_logit_softcapping",

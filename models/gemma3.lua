@@ -4,7 +4,9 @@
 -- RMSNorm over each q and k head before the rotary turn (QK-norm, 1 + weight,
 -- nn/qk_norm.lua), and local and global layers: the sliding ones turn by
 -- their own RoPE base (rope_local_base_freq, 10000), the full ones by
--- rope_theta (1000000). Soft-capping is off unless a config sets it.
+-- rope_theta (1000000). The final logits are soft-capped where a config sets
+-- final_logit_softcapping; attn_logit_softcapping is not read, as
+-- transformers 5.23's Gemma3Attention keeps it but never applies it.
 --
 -- A config.json is read as transformers 4.x writes it (rope_theta,
 -- rope_local_base_freq, sliding_window_pattern: every pattern-th layer full)
@@ -103,7 +105,7 @@ for _, e in ipairs(gemma2.hf_fields("gemma3", {
       return theta_of(get, "sliding_attention", "rope_local_base_freq", 10000)
     end },
   { "sliding_window_pattern", "sliding_window_pattern", "int", default = 6 },
-})) do
+}, { window = 4096, attn_softcap = false })) do
   if e[1] == "rope_theta" then
     e = { "rope_theta", "rope_theta", "number", default = function(_, get)
             return theta_of(get, "full_attention", "rope_theta", 1000000)

@@ -105,12 +105,14 @@ local KIND_WANTS = { int = "; expected a whole number", number = "; expected a n
                      object = " is not an object" }
 
 -- One field of a family's schema (hf.fields: { field, key, kind, default =,
--- optional =, allowed =, refusal =, read =, if_null = }) read from
--- config.json `j`. if_null: the value of an explicit null, where null and
--- absent differ (Mistral's sliding_window: null is none, absent 4096).
+-- optional =, allowed =, refusal =, read =, if_null =, null_is_none = })
+-- read from config.json `j`. if_null: the value of an explicit null, where
+-- null and absent differ (Mistral's sliding_window: null is none, absent
+-- 4096); null_is_none: an explicit null is nil (none), absent the default.
 local function read_field(e, j, cfg, fail)
   local key, kind = e[2], e[3]
   local v = j[key]
+  if v == null and e.null_is_none then return nil end
   if v == null and e.if_null ~= nil then return e.if_null end
   if not present(v) then
     if e.optional then return nil end

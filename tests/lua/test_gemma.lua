@@ -97,6 +97,35 @@ function T.config_json_fields_and_refusals()
   path = write_file("g2bad.json", cjson.encode(j))
   support.expect_error(function() models.from_hf_config(path) end,
                        "field layer_types[1] is \"chunked_attention\"")
+  -- transformers' values where the file leaves the keys out (Gemma 2: a
+  -- window of 4096, caps 50 and 30; Gemma 3: a window of 4096), none where
+  -- it says null; Gemma 3's attention cap is not applied, as in
+  -- transformers 5.23; bidirectional attention is refused.
+  j.layer_types = nil
+  cfg = models.from_hf_config(write_file("g2min.json", cjson.encode(j)))
+  eq(cfg.window, 4096, "Gemma 2's window where absent")
+  eq(cfg.attn_softcap, 50, "attention cap where absent")
+  eq(cfg.final_softcap, 30, "final cap where absent")
+  j.sliding_window, j.attn_logit_softcapping = cjson.null, cjson.null
+  j.final_logit_softcapping = cjson.null
+  cfg = models.from_hf_config(write_file("g2null.json", cjson.encode(j)))
+  assert(cfg.window == nil and cfg.attn_softcap == nil and cfg.final_softcap == nil,
+         "null is none")
+  j.sliding_window, j.attn_logit_softcapping, j.final_logit_softcapping = nil, nil, nil
+  j.architectures = { "Gemma3ForCausalLM" }
+  cfg = models.from_hf_config(write_file("g3min.json", cjson.encode(j)))
+  assert(cfg.window == 4096 and cfg.attn_softcap == nil and cfg.final_softcap == nil,
+         "Gemma 3's defaults")
+  j.attn_logit_softcapping, j.final_logit_softcapping = 30, 15
+  cfg = models.from_hf_config(write_file("g3cap.json", cjson.encode(j)))
+  assert(cfg.attn_softcap == nil and cfg.final_softcap == 15, "Gemma 3 caps the logits only")
+  for _, arch in ipairs({ "Gemma2ForCausalLM", "Gemma3ForCausalLM" }) do
+    j.architectures, j.use_bidirectional_attention = { arch }, true
+    path = write_file("gbidi.json", cjson.encode(j))
+    support.expect_error(function() models.from_hf_config(path) end,
+                         "field use_bidirectional_attention is true; luazero's Gemma is a " ..
+                         "causal language model")
+  end
 end
 
 -- Gemma 3's config.json as transformers 4.x writes it (rope_theta,
