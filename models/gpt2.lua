@@ -59,6 +59,9 @@ function M.finish(cfg)
   if cfg.n_embd % cfg.n_head ~= 0 then
     error(("n_embd %d is not a multiple of n_head %d"):format(cfg.n_embd, cfg.n_head), 0)
   end
+  if cfg.eps ~= nil and (type(cfg.eps) ~= "number" or not (cfg.eps > 0)) then
+    error(("eps must be a number > 0 (got %s)"):format(tostring(cfg.eps)), 0)
+  end
   if cfg.vocab > 65536 then
     error(("vocab %d is above 65536, the most a token file's uint16 ids can name")
           :format(cfg.vocab), 0)
@@ -85,7 +88,7 @@ M.description = {
             head = "lm_head",
             block = { attn_norm = "ln_1", attn = "attn", mlp_norm = "ln_2", mlp = "mlp" } },
   embedding = function(cfg) return nn.Embedding.new(cfg.padded_vocab, cfg.context, cfg.n_embd) end,
-  norm = function(cfg) return nn.LayerNorm.new(cfg.n_embd) end,
+  norm = function(cfg) return nn.LayerNorm.new(cfg.n_embd, cfg.eps) end,
   attention = function(cfg)
     return nn.CausalSelfAttention.new(cfg.n_embd, cfg.n_head, proj_std(cfg))
   end,
@@ -126,7 +129,8 @@ local function config_json(cfg)
     architectures = { "GPT2LMHeadModel" }, model_type = "gpt2",
     n_layer = cfg.n_layer, n_head = cfg.n_head, n_embd = cfg.n_embd,
     n_positions = cfg.context, n_ctx = cfg.context, vocab_size = cfg.vocab, n_inner = cjson.null,
-    activation_function = "gelu_new", layer_norm_epsilon = 1e-5, initializer_range = 0.02,
+    activation_function = "gelu_new", layer_norm_epsilon = cfg.eps or 1e-5,
+    initializer_range = 0.02,
     resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, tie_word_embeddings = true,
   }
 end
@@ -141,6 +145,20 @@ M.hf = {
     { "n_embd", "n_embd", "int" },
     { "vocab", "vocab_size", "int" },
     { "context", "n_positions", "int", default = function(_, get) return get("n_ctx") end },
+    { "eps", "layer_norm_epsilon", "number", default = 1e-5 },
+    { false, "activation_function", "string", default = "gelu_new",
+      allowed = { "gelu_new", "gelu_pytorch_tanh" },
+      refusal = "luazero's GPT-2 has the tanh GELU (gelu_new)" },
+    { false, "n_inner", "int", optional = true, read = function(v, fail, cfg)
+        if v ~= 4 * cfg.n_embd then
+          fail(("field n_inner is %d; luazero's GPT-2 MLP is 4 x n_embd wide (%d), or null")
+               :format(v, 4 * cfg.n_embd))
+        end
+      end },
+    { false, "scale_attn_weights", "bool", default = true, allowed = { true },
+      refusal = "luazero's GPT-2 scales attention scores by 1 / sqrt(head size)" },
+    { false, "scale_attn_by_inverse_layer_idx", "bool", default = false, allowed = { false },
+      refusal = "luazero's GPT-2 does not scale attention scores by layer" },
     { false, "tie_word_embeddings", "bool", default = true, allowed = { true },
       refusal = "luazero's GPT-2 ties the LM head to wte" },
   },

@@ -108,7 +108,8 @@ local KIND_WANTS = { int = "; expected a whole number", number = "; expected a n
 -- optional =, allowed =, refusal =, read =, if_null =, null_is_none = })
 -- read from config.json `j`. if_null: the value of an explicit null, where
 -- null and absent differ (Mistral's sliding_window: null is none, absent
--- 4096); null_is_none: an explicit null is nil (none), absent the default.
+-- 4096); null_is_none: an explicit null is nil (none), absent the default;
+-- read(v, fail, cfg): the value as kept, cfg holding the fields before it.
 local function read_field(e, j, cfg, fail)
   local key, kind = e[2], e[3]
   local v = j[key]
@@ -138,7 +139,7 @@ local function read_field(e, j, cfg, fail)
            e.refusal or ("expected " .. table.concat(want, " or "))))
     end
   end
-  if e.read then v = e.read(v, fail) end
+  if e.read then v = e.read(v, fail, cfg) end
   return v
 end
 

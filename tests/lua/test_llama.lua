@@ -87,6 +87,22 @@ function T.hugging_face_config_json_gives_the_named_shape()
   for _, k in ipairs({ "n_layer", "n_head", "n_embd", "context", "vocab", "family" }) do
     eq(g[k], named_g[k], "gpt2 config.json " .. k)
   end
+  -- GPT-2's fields the model is built from (layer_norm_epsilon), and those
+  -- it does not build, refused rather than ignored.
+  gpt2_json.layer_norm_epsilon = 0.1
+  eq(models.new(models.from_hf_config(write_file("gpt2e.json", cjson.encode(gpt2_json))))
+     .transformer.ln_f.eps, 0.1, "layer_norm_epsilon")
+  gpt2_json.n_inner = 3072
+  models.from_hf_config(write_file("gpt2i.json", cjson.encode(gpt2_json)))
+  for key, v in pairs({ activation_function = "relu", n_inner = 1024, scale_attn_weights = false,
+                        scale_attn_by_inverse_layer_idx = true }) do
+    local j = {}
+    for k, x in pairs(gpt2_json) do j[k] = x end
+    j[key] = v
+    local path = write_file("gpt2bad.json", cjson.encode(j))
+    support.expect_error(function() models.from_hf_config(path) end,
+                         ("field %s is %s"):format(key, cjson.encode(v)))
+  end
 end
 
 -- transformers 5.x writes the rope into rope_parameters (rope_theta and
