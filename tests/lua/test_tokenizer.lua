@@ -90,6 +90,16 @@ function T.encode_and_decode()
   assert(not ok and tostring(err):find("id 99 at position 1 is not in the vocabulary", 1, true), err)
 end
 
+-- A merge listed twice takes its last rank, as the tokenizers library's
+-- merge map does: "b b" listed again after "a b" merges after it.
+function T.a_repeated_merge_takes_its_last_rank()
+  local function with(merges)
+    return tokenizer.load(tiny(function(j) j.model.vocab.bb, j.model.merges = 7, merges end))
+  end
+  same(with({ "b b", "a b", "Ġ ab" }):encode("abb"), { 0, 7 })
+  same(with({ "b b", "a b", "Ġ ab", { "b", "b" } }):encode("abb"), { 4, 1 })
+end
+
 function T.byte_level_offsets()
   local tok = tokenizer.load(tiny())
   local ids, starts = tok:encode("ab abc<|eot|>c ab", { offsets = true })
@@ -223,6 +233,12 @@ function T.refusals_name_the_field()
     { function(j) j.decoder = { type = "WordPiece" } end, 'decoder is "WordPiece"; supported: "ByteLevel"' },
     { function(j) j.model.merges = { "a" } end, 'model.merges[1] is "a"' },
     { function(j) j.model.continuing_subword_prefix = "##" end, "model.continuing_subword_prefix" },
+    { function(j)
+        j.pre_tokenizer = { type = "Sequence", pretokenizers = {
+          { type = "Split", behavior = "Isolated", invert = false,
+            pattern = { Regex = require("luazero.tokenizer.split").LLAMA3_PATTERN } },
+          { type = "ByteLevel", add_prefix_space = true, use_regex = false } } }
+      end, "ByteLevel (use_regex false, add_prefix_space false)" },
   }
   for _, c in ipairs(cases) do
     local ok, err = pcall(tokenizer.load, tiny(c[1]))

@@ -270,11 +270,12 @@ local function pre_tokenizer(path, pre)
     local how = pattern and split.SPLIT_PATTERNS[pattern]
     if not (#list == 2 and sp1.type == "Split" and how and
             sp1.behavior == "Isolated" and sp1.invert ~= true and type(bl) == "table" and
-            bl.type == "ByteLevel" and bl.use_regex == false) then
+            bl.type == "ByteLevel" and bl.use_regex == false and bl.add_prefix_space ~= true) then
+      -- (ByteLevel's add_prefix_space there would prefix every split piece)
       fail(path, "pre_tokenizer is a Sequence other than Llama 3's or Qwen2's; supported: " ..
                  "\"ByteLevel\", \"Metaspace\", Split (a string, MergedWithPrevious), or " ..
                  "Sequence [Split (Llama 3's or Qwen2's pattern, Isolated), ByteLevel " ..
-                 "(use_regex false)]")
+                 "(use_regex false, add_prefix_space false)]")
     end
     return "byte_level", how, bl
   end
@@ -406,8 +407,10 @@ function M.load(path)
       fail(path, ("model.merges[%d] (%s %s) names a token missing from model.vocab (%s)")
                  :format(rank, a, b, not ia and a or not ib and b or a .. b))
     end
+    -- a pair listed twice takes its last rank, as the tokenizers library's
+    -- merge map does (later entries overwrite earlier ones)
     local key = ia * PAIR + ib
-    if not self.merge_rank[key] then self.merge_rank[key], self.merge_result[key] = rank, ic end
+    self.merge_rank[key], self.merge_result[key] = rank, ic
   end
 
   local added = j.added_tokens
