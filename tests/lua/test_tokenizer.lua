@@ -58,6 +58,21 @@ function T.nfc()
   local s, map = nfc.normalize("xe\u{301}q\u{307}\u{323}", 10, true)
   same(s, "x\u{E9}q\u{323}\u{307}")
   same(map, { 10, 11, 11, 14, 15, 15, 17, 17 })
+  -- Bytes of no well-formed character (Latin-1 text, a stray continuation
+  -- byte, an overlong form, a surrogate, a cut-off character) stay as they
+  -- are, and so do their neighbours; a mark after one composes with nothing.
+  for _, bad in ipairs({ "caf\xe9 au lait, na\xefve r\xe9sum\xe9", "a\x80b", "\xC0\xAF x",
+                         "\xED\xA0\x80 y", "\xF4\x90\x80\x80z", "ok \xF0\x9F\x98",
+                         "\xff\u{301}e\u{301}" }) do
+    local want = bad:gsub("e\u{301}", "\u{E9}")
+    same(norm(bad), want)
+  end
+  local split = require("luazero.tokenizer.split")
+  for s, len in pairs({ ["\u{E9}"] = 2, ["\u{20AC}"] = 3, ["\u{1F600}"] = 4, ["\xC1\xBF"] = 1,
+                        ["\xE0\x9F\xBF"] = 1, ["\xED\xA0\x80"] = 1, ["\xF4\x90\x80\x80"] = 1,
+                        ["\xE2\x82"] = 1, ["\x80"] = 1, ["\xF5\x80\x80\x80"] = 1 }) do
+    support.eq(split.char_len(s, 1), len, ("char_len %q"):format(s))
+  end
 end
 
 local function write(text)

@@ -12,6 +12,7 @@
 local B = {}
 
 local byte, sub, floor = string.byte, string.sub, math.floor
+local char_len = require("luazero.tokenizer.split").char_len
 
 local PAIR = 2 ^ 24 -- pair key: left * PAIR + right (ids stay below 2^24)
 local POS = 2 ^ 24  -- heap key: rank * POS + position
@@ -158,9 +159,7 @@ function B.char_word(model, word)
   local pending_len, lead = nil, 0 -- an unknown run not yet written; bytes before any symbol
   local p, len = 1, #word
   while p <= len do
-    local b = byte(word, p)
-    local l = b < 0xC0 and 1 or b < 0xE0 and 2 or b < 0xF0 and 3 or 4
-    if p + l - 1 > len then l = len - p + 1 end
+    local l = char_len(word, p)
     local c = sub(word, p, p + l - 1)
     local id = vocab[c]
     if id then

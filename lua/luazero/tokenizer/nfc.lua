@@ -67,9 +67,13 @@ function N.normalize(s, start, want_map)
   local cps, change, starts = {}, {}, {}
   local p, n = 1, #s
   while p <= n do
-    local cp, l = code_point(s, p)
+    local cp, l, raw = code_point(s, p)
     starts[#starts + 1] = start + p - 1
-    decompose(cp, cps, change)
+    if raw then -- a byte of no character: kept as it is (-byte), a starter
+      cps[#cps + 1], change[#change + 1] = -raw, 0
+    else
+      decompose(cp, cps, change)
+    end
     p = p + l
   end
   local m = #cps
@@ -93,7 +97,7 @@ function N.normalize(s, start, want_map)
   for i = 1, m do
     local cp, c = cps[i], CCC[cps[i]] or 0
     local joined = starter and (last_class < c or (last_class == 0 and w == starter)) and
-                   compose(cps[starter], cp)
+                   cp > 0 and cps[starter] > 0 and compose(cps[starter], cp)
     if joined then
       cps[starter], change[starter] = joined, change[starter] + change[i] - 1
     else
@@ -105,7 +109,7 @@ function N.normalize(s, start, want_map)
   end
   local out, map, at = {}, want_map and {} or nil, 1 -- at: the next original character
   for i = 1, w do
-    local ch = utf8_char(cps[i])
+    local ch = cps[i] < 0 and string.char(-cps[i]) or utf8_char(cps[i])
     out[i] = ch
     if map then
       local from

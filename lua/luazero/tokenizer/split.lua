@@ -48,25 +48,45 @@ local function class_of(cp)
   return k
 end
 
--- The code point at byte p of s and its length in bytes. A malformed byte
--- counts as a one-byte code point of its own value (it is still encoded).
+local function cont(c) return c and c >= 0x80 and c < 0xC0 end
+
+-- The length in bytes of the well-formed UTF-8 character at byte p of s
+-- (RFC 3629: no overlong forms, surrogates or code points past U+10FFFF),
+-- or 1 where the bytes there are not one (a byte of its own).
+local function char_len(s, p)
+  local b = byte(s, p)
+  if b < 0x80 then return 1 end
+  local b1, b2, b3 = byte(s, p + 1, p + 3)
+  if b >= 0xC2 and b < 0xE0 then return cont(b1) and 2 or 1 end
+  if b >= 0xE0 and b < 0xF0 then
+    local lo, hi = b == 0xE0 and 0xA0 or 0x80, b == 0xED and 0xA0 or 0xC0
+    return b1 and b1 >= lo and b1 < hi and cont(b2) and 3 or 1
+  end
+  if b >= 0xF0 and b < 0xF5 then
+    local lo, hi = b == 0xF0 and 0x90 or 0x80, b == 0xF4 and 0x90 or 0xC0
+    return b1 and b1 >= lo and b1 < hi and cont(b2) and cont(b3) and 4 or 1
+  end
+  return 1
+end
+
+-- The code point at byte p of s and its length in bytes. A byte that does
+-- not begin a well-formed character is one of its own: U+FFFD for the
+-- character classes (what decoding with errors="replace" reads there), and
+-- the byte itself as the third value, so what rewrites the text (NFC)
+-- writes that byte back unchanged and its neighbours stay theirs.
 local function code_point(s, p)
   local b = byte(s, p)
   if b < 0x80 then return b, 1 end
-  if b >= 0xF0 then
-    local b1, b2, b3 = byte(s, p + 1, p + 3)
-    if b3 then
-      return bor(lshift(band(b, 7), 18), lshift(band(b1, 63), 12), lshift(band(b2, 63), 6),
-                 band(b3, 63)), 4
-    end
-  elseif b >= 0xE0 then
-    local b1, b2 = byte(s, p + 1, p + 2)
-    if b2 then return bor(lshift(band(b, 15), 12), lshift(band(b1, 63), 6), band(b2, 63)), 3 end
-  elseif b >= 0xC0 then
-    local b1 = byte(s, p + 1)
-    if b1 then return bor(lshift(band(b, 31), 6), band(b1, 63)), 2 end
+  local l = char_len(s, p)
+  if l == 1 then return 0xFFFD, 1, b end
+  local b1, b2, b3 = byte(s, p + 1, p + 3)
+  if l == 4 then
+    return bor(lshift(band(b, 7), 18), lshift(band(b1, 63), 12), lshift(band(b2, 63), 6),
+               band(b3, 63)), 4
+  elseif l == 3 then
+    return bor(lshift(band(b, 15), 12), lshift(band(b1, 63), 6), band(b2, 63)), 3
   end
-  return b, 1
+  return bor(lshift(band(b, 31), 6), band(b1, 63)), 2
 end
 
 local function utf8_char(cp)
@@ -224,6 +244,6 @@ local function split_qwen2(s, emit) each_piece(s, emit, true, qwen2_piece_end) e
 -- by their exact text in tokenizer.json.
 local SPLIT_PATTERNS = { [LLAMA3_PATTERN] = split_llama3, [QWEN2_PATTERN] = split_qwen2 }
 
-return { code_point = code_point, utf8_char = utf8_char, unbyte = unbyte, split_gpt2 = split_gpt2,
+return { code_point = code_point, char_len = char_len, utf8_char = utf8_char, unbyte = unbyte, split_gpt2 = split_gpt2,
          split_llama3 = split_llama3, split_qwen2 = split_qwen2, LLAMA3_PATTERN = LLAMA3_PATTERN,
          QWEN2_PATTERN = QWEN2_PATTERN, SPLIT_PATTERNS = SPLIT_PATTERNS }
