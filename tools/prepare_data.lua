@@ -139,7 +139,9 @@ if #text == 0 then fail("the inputs are empty; give a text file with something i
 local tokens, what, version = text, "byte level, vocab 256", nil
 if tok then
   local t0 = os.clock()
-  tokens = tok:encode(text)
+  local ok, got = pcall(tok.encode, tok, text)
+  if not ok then fail(tostring(got)) end
+  tokens = got
   what = ("%s, vocab %d, %.1f MB/s"):format(opt.tokenizer, vocab_of(tok),
                                            #text / 1e6 / math.max(os.clock() - t0, 1e-9))
   if vocab_of(tok) > UINT16_TOKENS then version = 2 end

@@ -239,6 +239,28 @@ function T.heap_merges_equal_scanning_merges()
   assert(tok:decode(tok:encode(word)) == word)
 end
 
+-- A word longer than bpe.LONG bytes (a whole text, without a
+-- pre-tokenizer: Llama 2's layout) is merged in parts, cut only where no
+-- merge reaches across: the ids and offsets of the whole word.
+function T.long_words_merge_in_parts_to_the_same_tokens()
+  local bpe = require("luazero.tokenizer.bpe")
+  local tok = tokenizer.load(sentencepiece())
+  local alphabet = { "a", "b", "c", " ", " ", "é", "x", "\n", "a", "b" }
+  math.randomseed(11)
+  local saved = bpe.LONG
+  for _ = 1, 20 do
+    local t = {}
+    for i = 1, math.random(200, 3000) do t[i] = alphabet[math.random(#alphabet)] end
+    local text = table.concat(t)
+    bpe.LONG = 2 ^ 20
+    local ids, starts = tok:encode(text, { offsets = true })
+    bpe.LONG = math.random(8, 120)
+    local ids2, starts2 = tok:encode(text, { offsets = true })
+    bpe.LONG = saved
+    same({ ids2, starts2 }, { ids, starts })
+  end
+end
+
 function T.refusals_name_the_field()
   local cases = {
     { function(j) j.model.type = "Unigram" end, 'model.type is "Unigram"; supported: "BPE"' },

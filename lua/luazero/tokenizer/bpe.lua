@@ -149,15 +149,14 @@ local function push(syms, lens, n, sym, len)
   return n
 end
 
--- The ids and byte lengths of a character-level word (UTF-8 text).
-function B.char_word(model, word)
+-- The ids and byte lengths of bytes `from` .. `to` of a character-level
+-- word (UTF-8 text), merged.
+local function char_part(model, word, from, to)
   local vocab = model.by_text
-  local whole = model.ignore_merges and vocab[word]
-  if whole then return { whole }, { #word }, 0 end
   local syms, lens, n = {}, {}, 0
   local byte_token, unk, fuse_unk = model.byte_token, model.unk_id, model.fuse_unk
   local pending_len, lead = nil, 0 -- an unknown run not yet written; bytes before any symbol
-  local p, len = 1, #word
+  local p, len = from, to
   while p <= len do
     local l = char_len(word, p)
     local c = sub(word, p, p + l - 1)
@@ -193,6 +192,73 @@ function B.char_word(model, word)
   end
   if pending_len then n = push(syms, lens, n, unk, pending_len) end
   merge(model, syms, lens, n)
+  return syms, lens, lead
+end
+
+-- The pairs of adjacent characters inside the vocabulary's tokens (made at
+-- the first long word): a token, and so a merge, can span two characters
+-- only if it holds them side by side.
+local function char_pairs(model)
+  if model.char_pairs then return model.char_pairs end
+  local pairs_in = {}
+  for text in pairs(model.by_text) do
+    local p, prev = 1, nil
+    while p <= #text do
+      local l = char_len(text, p)
+      local c = sub(text, p, p + l - 1)
+      if prev then pairs_in[prev .. c] = true end
+      prev, p = c, p + l
+    end
+  end
+  model.char_pairs = pairs_in
+  return pairs_in
+end
+
+B.LONG = 2 ^ 20 -- bytes: a longer word is merged in parts of about this size
+
+-- Where a long word may be cut after byte `at` or later without changing
+-- its tokens: before a character that is a token, after one that is, the
+-- two never side by side in a token (so no merge joins them, and neither
+-- is an unknown or byte-fallback character, which a cut could change).
+-- Returns the first byte of the next part, or nil: none before the end.
+local function safe_cut(model, word, at)
+  local vocab, inside = model.by_text, char_pairs(model)
+  local p = at
+  while p <= #word and byte(word, p) >= 0x80 and byte(word, p) < 0xC0 do p = p + 1 end
+  local l = p <= #word and char_len(word, p)
+  local prev = nil
+  while p <= #word do
+    local c = sub(word, p, p + l - 1)
+    if prev and vocab[prev] and vocab[c] and not inside[prev .. c] then return p end
+    prev, p = c, p + l
+    l = p <= #word and char_len(word, p)
+  end
+  return nil
+end
+
+-- The ids and byte lengths of a character-level word (UTF-8 text), and the
+-- bytes before its first symbol. A word longer than B.LONG bytes (a whole
+-- text, without a pre-tokenizer) is merged part by part, cut where no merge
+-- can reach across (safe_cut): the same tokens, in memory of a part's size.
+function B.char_word(model, word)
+  local whole = model.ignore_merges and model.by_text[word]
+  if whole then return { whole }, { #word }, 0 end
+  local long = B.LONG
+  if #word <= long then return char_part(model, word, 1, #word) end
+  local syms, lens, lead = {}, {}, nil
+  local from = 1
+  while from <= #word do
+    local cut = safe_cut(model, word, from + long)
+    local to = cut and cut - 1 or #word
+    local s, l, before = char_part(model, word, from, to)
+    if lead == nil then
+      lead = before
+    elseif before > 0 then -- bytes that make no symbol go to the symbol before
+      if #lens > 0 then lens[#lens] = lens[#lens] + before else lead = lead + before end
+    end
+    for i = 1, #s do syms[#syms + 1], lens[#lens + 1] = s[i], l[i] end
+    from = to + 1
+  end
   return syms, lens, lead
 end
 
