@@ -245,6 +245,11 @@ lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, cons
                                    const lz_tensor *wte, const lz_tensor *wpe);
 lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                     const lz_tensor *tokens, const lz_tensor *pos);
+/* lz_embedding_pos_backward where dwte's row `skip` takes nothing (torch's
+ * nn.Embedding padding_idx: the positions holding that token add no
+ * gradient to its row; dwpe's rows take theirs). skip < 0: none. */
+lz_status lz_embedding_skip_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                     const lz_tensor *tokens, const lz_tensor *pos, int64_t skip);
 
 /* logits [B, T, Vp]; only the first `vocab` columns take part (Vp >= vocab
  * allows padding). targets i32 [B, T]; a negative target is ignored (loss 0,

@@ -752,15 +752,15 @@ __global__ void embedding_forward_kernel(float *out, const int32_t *tok, const i
 
 // One thread per channel walks every position in order, as the cpu does:
 // repeated tokens add into their row in the same order, so the bits match
-// the cpu's.
+// the cpu's. dwte's row skip (< 0: none) takes nothing.
 __global__ void embedding_backward_kernel(float *dwte, float *dwpe, const float *dout,
                                           const int32_t *tok, const int32_t *pos, int64_t BT,
-                                          int64_t T, int64_t C) {
+                                          int64_t T, int64_t C, int64_t skip) {
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   for (int64_t bt = 0; bt < BT; bt++) {
     float d = dout[bt * C + c];
-    if (dwte) dwte[(int64_t)tok[bt] * C + c] += d;
+    if (dwte && tok[bt] != skip) dwte[(int64_t)tok[bt] * C + c] += d;
     if (dwpe) dwpe[(pos ? (int64_t)pos[bt] : bt % T) * C + c] += d;
   }
 }
@@ -793,7 +793,7 @@ lz_status lz_cu_embedding_backward(const lz_op_args *a) {
   embedding_backward_kernel<<<(unsigned)((C + 63) / 64), 64, 0, LZ_CU_COMPUTE>>>(
       dwte ? (float *)dwte->data : NULL, dwpe ? (float *)dwpe->data : NULL,
       (const float *)dout->data, (const int32_t *)tokens->data,
-      a->t[4] ? (const int32_t *)a->t[4]->data : NULL, B * T, T, C);
+      a->t[4] ? (const int32_t *)a->t[4]->data : NULL, B * T, T, C, a->i[0] - 1);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

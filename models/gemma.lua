@@ -57,7 +57,8 @@ M.config = llama.sizes(M)
 -- N(0, initializer_range), norm weights 0 (a factor of 1).
 M.description = llama.derive(llama.description, {
   embedding = function(cfg)
-    return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std, math.sqrt(cfg.n_embd))
+    return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std, math.sqrt(cfg.n_embd),
+                                 cfg.pad_id)
   end,
   norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps, 1) end,
   mlp = function(cfg)
@@ -88,7 +89,7 @@ local TANH = "luazero's Gemma has the tanh GELU (gelu_pytorch_tanh)"
 -- rotary scaling, the tanh GELU.
 M.hf = llama.hf_of({
   architectures = { "GemmaForCausalLM" }, model_type = "gemma",
-  fields = llama.hf_fields("gemma", { head_dim = 256, tie = true }, {
+  fields = llama.hf_fields("gemma", { head_dim = 256, tie = true, pad = 0 }, {
     { false, "hidden_act", "string", default = "gelu_pytorch_tanh",
       allowed = { "gelu", "gelu_pytorch_tanh" }, refusal = TANH },
     { false, "hidden_activation", "string", optional = true, allowed = { "gelu_pytorch_tanh" },

@@ -161,7 +161,7 @@ function M.hf_fields(family, more, absent)
     return { field, key, "number", default = absent[field], optional = absent[field] == nil,
              null_is_none = true }
   end
-  local list = llama.hf_fields(family, { head_dim = 256, tie = true }, {
+  local list = llama.hf_fields(family, { head_dim = 256, tie = true, pad = 0 }, {
     { "query_pre_attn_scalar", "query_pre_attn_scalar", "number", default = 256 },
     { "window", "sliding_window", "int", default = absent.window, null_is_none = true },
     capped("attn_softcap", "attn_logit_softcapping"),

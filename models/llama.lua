@@ -184,7 +184,9 @@ M.description = {
                       mlp_norm = "post_attention_layernorm", mlp = "mlp" } },
   -- The rotary frequencies, one table for every layer.
   shared = function(cfg) return { rope = nn.Rope.new(M.inv_freq(cfg)) } end,
-  embedding = function(cfg) return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std) end,
+  embedding = function(cfg)
+    return nn.TokenEmbedding.new(cfg.padded_vocab, cfg.n_embd, cfg.std, nil, cfg.pad_id)
+  end,
   norm = function(cfg) return nn.RMSNorm.new(cfg.n_embd, cfg.eps) end,
   attention = function(cfg, shared)
     return nn.GQA.new(cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.head_dim, shared.rope, cfg.std)
@@ -286,7 +288,9 @@ end
 -- hf.fields every family built on Llama's layer reads (as llama.hf.fields
 -- below), then `more`: opts.eps, opts.tie, opts.theta the defaults of
 -- rms_norm_eps, tie_word_embeddings and rope_theta, opts.head_dim
--- head_dim's (nil: optional), opts.scalings as rope_fields'.
+-- head_dim's (nil: optional), opts.scalings as rope_fields', opts.pad
+-- pad_token_id's (transformers' class default; nil: none), the token
+-- table's padding_idx.
 function M.hf_fields(family, opts, more)
   local list = {
     { "n_layer", "num_hidden_layers", "int" },
@@ -300,6 +304,8 @@ function M.hf_fields(family, opts, more)
     { "eps", "rms_norm_eps", "number", default = opts.eps or 1e-6 },
     { "tie", "tie_word_embeddings", "bool", default = opts.tie or false },
     { "std", "initializer_range", "number", default = 0.02 },
+    { "pad_id", "pad_token_id", "int", default = opts.pad, optional = opts.pad == nil,
+      null_is_none = true },
   }
   for _, e in ipairs(M.rope_fields(family, opts.scalings, opts.theta)) do list[#list + 1] = e end
   for _, e in ipairs(more or {}) do list[#list + 1] = e end
@@ -317,7 +323,7 @@ function M.config_json_of(cfg, architecture, model_type)
     rms_norm_eps = cfg.eps, rope_theta = cfg.rope_theta,
     vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
     tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
-    hidden_act = "silu", attention_dropout = 0,
+    hidden_act = "silu", attention_dropout = 0, pad_token_id = cfg.pad_id or cjson.null,
   }
 end
 

@@ -100,6 +100,7 @@ M.hf = {
       default = function(_, get) return get("num_local_experts") end },
     { "norm_topk_prob", "norm_topk_prob", "bool", default = false },
     { "clip_qkv", "clip_qkv", "number", optional = true },
+    { "pad_id", "pad_token_id", "int", default = 1, null_is_none = true }, -- OlmoeConfig's
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's OLMoE has no attention biases" },
   }),

@@ -227,13 +227,13 @@ M.hf = llama.hf_of({
   architectures = { "Phi3ForCausalLM" }, model_type = "phi3",
   fields = llama.hf_fields("phi3", {
     eps = 1e-5, scalings = { longrope = read_longrope, su = read_longrope, yarn = read_longrope },
+    pad = 32000,
   }, {
     { "partial_rotary_factor", "partial_rotary_factor", "number",
       default = in_rope_parameters("partial_rotary_factor", 1) },
     { "original_max", "original_max_position_embeddings", "int",
       default = in_rope_parameters("original_max_position_embeddings", 4096) },
     { "window", "sliding_window", "int", optional = true },
-    { "pad_id", "pad_token_id", "int", optional = true },
     { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
     { false, "attention_bias", "bool", default = false, allowed = { false },
       refusal = "luazero's Phi-3 has no biases" },

@@ -150,6 +150,37 @@ LZ_TEST(embedding_backward_deterministic) {
   free(dout);
 }
 
+/* skip: the positions holding that token add nothing to its dwte row (and
+ * their dwpe rows take theirs); every other row as without it. */
+LZ_TEST(embedding_skip_backward_leaves_the_padding_row) {
+  enum { B = 2, T = 6, C = 5, V = 4 };
+  float dout[B * T * C], dwte[2][V * C], dwpe[2][T * C];
+  int32_t tok[B * T];
+  for (int i = 0; i < B * T * C; i++) dout[i] = frand();
+  for (int i = 0; i < B * T; i++) tok[i] = i % V;
+  const int64_t s_tok[2] = {B, T}, s_out[3] = {B, T, C}, s_wte[2] = {V, C}, s_wpe[2] = {T, C};
+  lz_tensor *ttok = lz_test_wrap(tok, LZ_I32, 2, s_tok), *tdout = lz_test_wrap(dout, LZ_F32, 3, s_out);
+  for (int k = 0; k < 2; k++) {
+    for (int i = 0; i < V * C; i++) dwte[k][i] = 0.5f;
+    for (int i = 0; i < T * C; i++) dwpe[k][i] = 0.0f;
+    lz_tensor *a = lz_test_wrap(dwte[k], LZ_F32, 2, s_wte), *b = lz_test_wrap(dwpe[k], LZ_F32, 2, s_wpe);
+    if (k == 0)
+      CHECK_OK(lz_embedding_backward(a, b, tdout, ttok));
+    else
+      CHECK_OK(lz_embedding_skip_backward(a, b, tdout, ttok, NULL, 2));
+    lz_tensor_free(a), lz_tensor_free(b);
+  }
+  for (int v = 0; v < V; v++)
+    for (int c = 0; c < C; c++) {
+      if (v == 2)
+        CHECK(dwte[1][v * C + c] == 0.5f && dwte[0][v * C + c] != 0.5f);
+      else
+        CHECK(dwte[1][v * C + c] == dwte[0][v * C + c]);
+    }
+  CHECK(memcmp(dwpe[0], dwpe[1], sizeof dwpe[0]) == 0);
+  lz_tensor_free(ttok), lz_tensor_free(tdout);
+}
+
 LZ_TEST(embedding_errors) {
   enum { B = 2, T = 3, C = 4, V = 7 };
   float wte[V * C] = {0}, wpe[8 * C] = {0}, out[B * T * C] = {0};

@@ -164,13 +164,15 @@ lz_status lz_cpu_embedding_forward(const lz_op_args *a) {
 
 /* --------------------------------------------------------------- backward */
 
-/* Columns [c0, c0+nc) of dwte and dwpe, positions in order. */
+/* Columns [c0, c0+nc) of dwte and dwpe, positions in order; dwte's row
+ * skip (< 0: none) takes nothing. */
 LZ_DISPATCH static void embedding_backward_block(float *dwte, float *dwpe, const float *dout,
                                                  const int32_t *tok, const int32_t *pos, int64_t B,
-                                                 int64_t T, int64_t C, int64_t c0, int64_t nc) {
+                                                 int64_t T, int64_t C, int64_t c0, int64_t nc,
+                                                 int64_t skip) {
   for (int64_t bt = 0; bt < B * T; bt++) {
     const float *d = dout + bt * C + c0;
-    if (dwte) {
+    if (dwte && tok[bt] != skip) {
       float *row = dwte + (int64_t)tok[bt] * C + c0;
       for (int64_t j = 0; j < nc; j++) row[j] += d[j];
     }
@@ -188,10 +190,16 @@ lz_status lz_embedding_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tenso
 
 lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                     const lz_tensor *tokens, const lz_tensor *pos) {
+  return lz_embedding_skip_backward(dwte, dwpe, dout, tokens, pos, -1);
+}
+
+lz_status lz_embedding_skip_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                     const lz_tensor *tokens, const lz_tensor *pos, int64_t skip) {
   const char *op = "embedding_backward";
   if (!dwpe) pos = NULL; /* no position table: nothing to index */
   const lz_op_args args = {
-      .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens, (lz_tensor *)pos}};
+      .t = {dwte, dwpe, (lz_tensor *)dout, (lz_tensor *)tokens, (lz_tensor *)pos},
+      .i = {skip < 0 ? 0 : skip + 1}};
   LZ_TRY(lz_op_check_dtypes(op, LZ_OP_EMBEDDING_BACKWARD, &args));
   LZ_TRY(lz_check_ndim(op, "dout", dout, 3, 3));
   const int64_t C = dout->shape[2];
@@ -223,7 +231,7 @@ lz_status lz_cpu_embedding_backward(const lz_op_args *a) {
 #pragma omp parallel for schedule(static) if (B * T * C > (1 << 15))
   for (int64_t k = 0; k < n_blocks; k++) {
     int64_t c0 = k * COL_BLOCK, nc = C - c0 < COL_BLOCK ? C - c0 : COL_BLOCK;
-    embedding_backward_block(te, pe, d, tok, pp, B, T, C, c0, nc);
+    embedding_backward_block(te, pe, d, tok, pp, B, T, C, c0, nc, a->i[0] - 1);
   }
   return LZ_OK;
 }

@@ -241,6 +241,9 @@ lz_status lz_embedding_pos_forward(lz_tensor *out, const lz_tensor *tokens, cons
 lz_status lz_embedding_pos_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
                                     const lz_tensor *tokens, const lz_tensor *pos);
 
+lz_status lz_embedding_skip_backward(lz_tensor *dwte, lz_tensor *dwpe, const lz_tensor *dout,
+                                     const lz_tensor *tokens, const lz_tensor *pos, int64_t skip);
+
 lz_status lz_cross_entropy_forward(lz_tensor *losses, const lz_tensor *logits,
                                    const lz_tensor *targets, int64_t vocab);
 

@@ -7,6 +7,9 @@ save_pretrained, against luazero's family of the same architecture.
               relative (fp32)
   grads       one backward on that batch: every parameter's gradient within
               1e-4 relative (max |luazero - torch| / max |torch| per tensor)
+  padding_idx the same with pad_token_id set to a token the batch holds:
+              transformers' nn.Embedding(padding_idx) gives that row no
+              gradient from the inputs, and neither does luazero
   generate    scripts/generate.lua --hf, greedy, 64 new tokens for each of
               several prompts: the ids of transformers' generate(do_sample=False)
   export      scripts/train.lua --init, 20 steps at ZeRO-3 on 2 ranks, --save;
@@ -103,6 +106,36 @@ def init_and_grads(check, name, torch, model, folder, tmp):
             worst, where = e, p["name"]
     check(f"{name}.grads", worst <= GRAD_TOL and seen == len(theirs),
           f"({seen} of {len(theirs)} tensors, worst {worst:.1e} at {where})")
+
+
+def padding_idx(check, name, torch, model, folder, tmp):
+    import shutil
+    from collections import Counter
+    rc, out = lz("tests/ref/family_run.lua", "--init", folder)
+    if rc != 0:
+        check(f"{name}.padding_idx", False, out[-2000:])
+        return
+    tokens = last_json(out)["tokens"]
+    pad = Counter(tokens[:len(tokens) // 2]).most_common(1)[0][0]  # an input token
+    padded = os.path.join(tmp, "padded")
+    shutil.rmtree(padded, ignore_errors=True)
+    shutil.copytree(folder, padded)
+    with open(os.path.join(padded, "config.json")) as f:
+        config = json.load(f)
+    config["pad_token_id"] = pad
+    with open(os.path.join(padded, "config.json"), "w") as f:
+        json.dump(config, f)
+    emb = model.get_input_embeddings()
+    kept = emb.padding_idx
+    model.zero_grad()
+    batch_loss(torch, model, tokens).backward()
+    free = emb.weight.grad[pad].clone()  # the row's gradient without padding_idx
+    emb.padding_idx = pad
+    init_and_grads(check, f"{name}.padding_idx", torch, model, padded, tmp)
+    moved = float((emb.weight.grad[pad] - free).abs().max())
+    check(f"{name}.padding_idx_bites", moved > 1e-6,
+          f"(token {pad}: its row's gradient moved by {moved:.1e})")
+    emb.padding_idx = kept
 
 
 def generate(check, name, torch, model, folder, tmp):
@@ -202,6 +235,7 @@ def run_family(check, name, transformers, torch, peft, model_class, config, targ
             f.write(CORPUS)
         model = model.float().eval()
         init_and_grads(check, name, torch, model, folder, tmp)
+        padding_idx(check, name, torch, model, folder, tmp)
         generate(check, name, torch, model, folder, tmp)
         export(check, name, transformers, torch, folder, corpus, tmp)
         if peft is not None:
@@ -242,6 +276,7 @@ def run_gemma(check, transformers, peft, model_class, config, bites, arch):
         base = os.path.join(tmp, "base")
         model.save_pretrained(base, safe_serialization=True)
         g.check_init(check, model, base, tmp)
+        padding_idx(check, arch, torch, model, base, tmp)
         g.check_export(check, transformers, base, tmp, arch=arch)
         g.check_generate(check, model, base, tmp)
         g.check_lora(check, model, base, tmp, peft)

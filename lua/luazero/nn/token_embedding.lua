@@ -2,7 +2,9 @@
 -- embed_tokens: positions come from the rotary embeddings inside attention).
 -- With a scale, each row comes out times it (Gemma's sqrt(hidden_size)
 -- normalizer), rounded as transformers rounds it: to the dtype of the
--- hidden states, f32, or bf16 under bf16 working parameters.
+-- hidden states, f32, or bf16 under bf16 working parameters. With a
+-- padding_idx (transformers' pad_token_id) the positions holding that
+-- token add no gradient to its row, as torch's nn.Embedding(padding_idx).
 local bit = require("bit")
 local ffi = require("ffi")
 local lz = require("luazero")
@@ -23,10 +25,14 @@ local function rounded(x, dtype)
 end
 
 -- vocab: rows of the table (may be padded past the real vocabulary).
--- scale: what every row is multiplied by (nil: none).
-function TokenEmbedding.new(vocab, n_embd, std, scale)
+-- scale: what every row is multiplied by (nil: none). padding_idx: the
+-- row the input side never trains (nil, or past the table: none).
+function TokenEmbedding.new(vocab, n_embd, std, scale, padding_idx)
   local self = setmetatable({}, TokenEmbedding):init()
   self.vocab, self.n_embd, self.scale = vocab, n_embd, scale
+  if padding_idx and padding_idx >= 0 and padding_idx < vocab then
+    self.padding_idx = padding_idx
+  end
   self.token_key = "weight" -- the token table (an LM head tied to it reads it)
   self:param("weight", { vocab, n_embd }, { kind = "normal", std = std or 0.02 }, true)
   return self
@@ -49,7 +55,11 @@ end
 -- (nothing reads it after this, the first module).
 function TokenEmbedding:backward(dy)
   if self.scale then ops.scale(dy, self:scale_factor()) end
-  ops.embedding_backward(self.g.weight, nil, dy, self.input)
+  if self.padding_idx then
+    ops.embedding_skip_backward(self.g.weight, nil, dy, self.input, nil, self.padding_idx)
+  else
+    ops.embedding_backward(self.g.weight, nil, dy, self.input)
+  end
 end
 
 -- Input: the i32 token ids. Casts: the table in forward (none in bf16).
