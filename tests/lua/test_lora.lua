@@ -56,6 +56,8 @@ function T.lora_trains_the_adapters_alone_and_the_base_stays_bitwise()
   for _, e in ipairs(model.param_table) do
     if not e.frozen then
       assert(e.name:find("lora_[AB]%.weight$"), e.name .. " trains")
+      -- 2-D weights: decayed, as DeepSpeed and the Trainer decay adapters
+      assert(e.decay == true, e.name .. " is not decayed")
       adapters = adapters + e.numel
     end
   end

@@ -38,9 +38,11 @@ function LoRA.new(linear, adapters, r, scale)
     local a_key, b_key = "lora_A_" .. i, "lora_B_" .. i
     local ar = ad[4] or r
     self.r = math.max(self.r, ar) -- the workspaces' width
-    self:param(a_key, { ar, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in) }, false,
+    -- (2-D weights: decayed, as DeepSpeed decays every parameter and the
+    -- Trainer every one but biases and norms)
+    self:param(a_key, { ar, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in) }, true,
                prefix .. "lora_A.weight")
-    self:param(b_key, { ad[3], ar }, { kind = "zeros" }, false, prefix .. "lora_B.weight")
+    self:param(b_key, { ad[3], ar }, { kind = "zeros" }, true, prefix .. "lora_B.weight")
     self.adapters[i] = { a = a_key, b = b_key, row0 = ad[2], rows = ad[3], r = ar,
                          scale = ad[5] or scale }
   end

@@ -40,9 +40,9 @@ function M.attach(experts, kind, r, s)
     local a, b = ("lora_%s_A%d"):format(kind, e), ("lora_%s_B%d"):format(kind, e)
     -- (keyed: the same numbers under gather "block", where the adapters
     -- follow every expert's weights, and "expert", where each follows its own)
-    m:param(a, { r, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in), keyed = true }, false,
+    m:param(a, { r, n_in }, { kind = "normal", std = 1 / math.sqrt(n_in), keyed = true }, true,
             prefix .. kind .. ".lora_A.weight")
-    m:param(b, { n_out, r }, { kind = "zeros" }, false, prefix .. kind .. ".lora_B.weight")
+    m:param(b, { n_out, r }, { kind = "zeros" }, true, prefix .. kind .. ".lora_B.weight")
     u.lora = u.lora or {}
     u.lora[kind] = { a = a, b = b, r = r, scale = s, n_in = n_in, n_out = n_out }
   end
