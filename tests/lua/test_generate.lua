@@ -422,6 +422,33 @@ function T.merge_lora_folds_gpt2s_conv1d_weights()
   end
   assert(math.abs(got[1] - got[2]) < 1e-5 * math.abs(got[1]),
          ("%.9g vs %.9g"):format(got[1], got[2]))
+  -- A base as GPT2LMHeadModel.save_pretrained writes it, its names under
+  -- "transformer.": the same merge.
+  local cjson = require("cjson")
+  local text = assert(lz.read_file(dir .. "/hf/model.safetensors"))
+  local n = 0
+  for i = 8, 1, -1 do n = n * 256 + text:byte(i) end
+  local header, renamed = cjson.decode(text:sub(9, 8 + n)), {}
+  for k, v in pairs(header) do renamed[k == "__metadata__" and k or "transformer." .. k] = v end
+  local h = cjson.encode(renamed)
+  h = h .. (" "):rep((8 - #h % 8) % 8)
+  local len = {}
+  for i = 0, 7 do len[i + 1] = string.char(math.floor(#h / 256 ^ i) % 256) end
+  os.execute(("mkdir -p %s/hfp && cp %s/hf/config.json %s/hfp/"):format(dir, dir, dir))
+  support.write(dir .. "/hfp/model.safetensors", table.concat(len) .. h .. text:sub(9 + n))
+  out, st = script("train", ("--init %s/hfp --seq-len 16 --micro-batch 2 --sample 0 --seed 7 " ..
+                              "--data %s --steps 2 --lora-r 4 --lr 3e-2 --save %s/lora2")
+                             :format(dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = support.sh(("%s export %s/lora2 %s/merged2 --merge-lora"):format(ckpt, dir, dir))
+  assert(st == 0 and out:find("with adapters folded in", 1, true), out)
+  for i, src in ipairs({ "--load " .. dir .. "/lora2", "--hf " .. dir .. "/merged2" }) do
+    out, st = script("eval", src .. (" --data %s --seq-len 16 --micro-batch 2"):format(q(data)))
+    assert(st == 0, out)
+    local loss = tonumber(out:match("val_loss (%S+)"))
+    assert(math.abs(loss - got[1]) < 1e-5 * math.abs(got[1]), ("%s: %.9g vs %.9g")
+           :format(src, loss, got[1]))
+  end
 end
 
 -- A full fine-tune of a Hugging Face folder (--init, no LoRA) reads its

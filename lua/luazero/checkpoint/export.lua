@@ -230,6 +230,9 @@ local function merged(m, adapters, base)
     for w, t in pairs(LoraExperts.merge_targets(adapters, desc.expert_names)) do by_base[w] = t end
   end
   local src = hf.open(base)
+  -- (a file's names as the family reads them: GPT2LMHeadModel's carry
+  -- "transformer.", which tensor_of's leave out)
+  local from_hf = fam and fam.hf and fam.hf.from_hf or function(x) return x end
   local scale = lora.alpha / lora.r
   local out_list, folded = {}, 0
   for _, st in ipairs(src.files) do
@@ -237,7 +240,8 @@ local function merged(m, adapters, base)
       local t = st.tensors[n]
       local w = lz.tensor({ t.numel }, "f32", "workspace")
       st:read(t, 0, t.numel, ffi.cast("float *", w.data))
-      local ad = by_base[n]
+      local key = by_base[n] and n or from_hf(n)
+      local ad = by_base[key]
       if ad then
         local rows, cols = t.shape[1], t.shape[2]
         if ad.conv then rows, cols = cols, rows end -- (the file's [in, out])
@@ -252,7 +256,7 @@ local function merged(m, adapters, base)
         else
           lz.ops.matmul(w:view(0, { rows, cols }), b, a, 0, 0, scale, 1)
         end
-        by_base[n] = nil
+        by_base[key] = nil
         folded = folded + 1
       end
       out_list[#out_list + 1] = { name = n, shape = t.shape, data = w }
