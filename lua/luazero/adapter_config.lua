@@ -48,8 +48,10 @@ M.keys = {
   megatron_core = "none", runtime_config = "none", qalora_group_size = "none",
   exclude_modules = absent("adapt the modules by target_modules alone (merge the adapters " ..
                            "with PEFT's merge_and_unload to keep the exclusion)"),
-  fan_in_fan_out = absent("export adapters of a model whose weights are stored [out, in] " ..
-                          "(nn.Linear), as luazero's are"),
+  -- how the base weight is stored (PEFT sets it true for GPT-2's Conv1D,
+  -- false for nn.Linear, whatever the file says): lora_A [r, in] and
+  -- lora_B [out, r] and their forward are the same either way
+  fan_in_fan_out = "none",
   bias = unless(function(v) return nothing(v) or v == "none" end,
                 "give adapters trained with bias \"none\" (the base biases stay frozen), or " ..
                 "merge them into the model with PEFT's merge_and_unload and load that with --hf"),

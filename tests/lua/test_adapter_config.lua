@@ -97,7 +97,6 @@ end
 function T.keys_that_change_the_result_are_refused()
   local cases = {
     { { use_dora = true }, "use_dora true changes the result", "DoRA" },
-    { { fan_in_fan_out = true }, "fan_in_fan_out true changes the result" },
     { { lora_alpha = 0 }, "lora_alpha must be > 0 (got 0)" },
     { { peft_type = "IA3" }, "peft_type \"IA3\" changes the result", "LORA" },
     { { target_parameters = "experts.gate_up_proj" }, "target_parameters must be a list" },

@@ -4,7 +4,9 @@ use_rslora (scale alpha / sqrt(r)), rank_pattern and alpha_pattern (per-module r
 and alpha, by name and by dotted path), their weights drawn at random so every
 adapter counts, saved with save_pretrained; scripts/eval.lua --hf --adapters
 gives PEFT's loss on the same window (1e-5); rsLoRA's loss is not plain
-LoRA's, so honouring it is seen.
+LoRA's, so honouring it is seen. And GPT-2's: PEFT saves adapters of its
+Conv1D layers with fan_in_fan_out true (how the base weight is stored),
+which luazero reads as PEFT does.
 
 Run with the python of ~/.cache/luazero/ref5-venv (tests/ref/run.py does).
 """
@@ -93,6 +95,31 @@ def main():
             losses[name] = ref
         check("rslora_changes_the_loss", abs(losses["rslora"] - losses["plain"]) > 1e-4,
               f"plain {losses['plain']:.8g} rslora {losses['rslora']:.8g}")
+        g2 = os.path.join(tmp, "gpt2")
+        torch.manual_seed(5)
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4)).save_pretrained(g2)
+        model = transformers.GPT2LMHeadModel.from_pretrained(g2).float().eval()
+        pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                        target_modules=["c_attn", "c_proj"],
+                                                        task_type="CAUSAL_LM"))
+        with torch.no_grad():
+            for pname, p in pm.named_parameters():
+                if "lora_" in pname:
+                    p.copy_(0.2 * torch.randn_like(p))
+        pm.eval()
+        ad = os.path.join(tmp, "ad-gpt2")
+        pm.save_pretrained(ad)
+        with torch.no_grad():
+            ref = float(pm(input_ids=ids, labels=ids).loss)
+        st, out = lz("scripts/eval.lua", "--hf", g2, "--adapters", ad, "--data", data,
+                     "--seq-len", str(T), "--micro-batch", "1", "--max-batches", "1")
+        ours = val_loss(out)
+        err = abs(ours - ref) / abs(ref) if ours is not None else float("inf")
+        check("gpt2_fan_in_fan_out.loss", st == 0 and err <= TOL and
+              pm.peft_config["default"].fan_in_fan_out,
+              f"luazero {ours} peft {ref:.10g} err {err:.1e}" +
+              ("" if st == 0 else " " + out[-1500:]))
     return check.summary()
 
 
