@@ -294,6 +294,12 @@ function T.lora_resume_checks_its_settings_and_its_base()
   refused_resume(init .. "--lora-r 2 --lora-alpha 8 --lora-targets q_proj",
                  { "--lora-targets q_proj", "saved with --lora-targets q_proj,v_proj" })
   refused_resume("", { "trained LoRA adapters", "--lora-r 2 --lora-alpha 8" })
+  -- An alpha of more digits than the manifest keeps (14) resumes with itself.
+  local e_flags = "--lora-r 2 --lora-alpha 2.718281828459045 --lora-targets q_proj,v_proj"
+  out, st = run(("--steps 1 --init %s %s --save %s-e"):format(q(base), e_flags, q(ft)))
+  eq(st, 0, out)
+  out, st = run(("--steps 2 --init %s %s --resume %s-e"):format(q(base), e_flags, q(ft)))
+  eq(st, 0, out)
   -- Without --init (the model from --model-config): the recorded base.
   local _, _, want = ok_run(1, ("%s%s --steps 3 --resume %s %s %s"):format(RUN, q(corpus_path()),
                             q(ft), init, LORA))

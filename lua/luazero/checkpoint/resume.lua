@@ -42,7 +42,7 @@ local function check_lora(flags, lora, where)
   -- A manifest without targets comes from a version whose one default was q_proj,v_proj.
   local targets = table.concat(lora.targets or { "q_proj", "v_proj" }, ",")
   if not flags.lora_r then
-    fail("the checkpoint %s trained LoRA adapters; resume with --lora-r %d --lora-alpha %g " ..
+    fail("the checkpoint %s trained LoRA adapters; resume with --lora-r %d --lora-alpha %.14g " ..
          "--lora-targets %s", where, lora.r, lora.alpha, targets)
   end
   if flags.lora_r ~= lora.r then
@@ -50,9 +50,10 @@ local function check_lora(flags, lora, where)
          flags.lora_r, where, lora.r, lora.r)
   end
   local alpha = flags.lora_alpha or flags.lora_r
-  if alpha ~= lora.alpha then
-    fail("--lora-alpha %g%s: the checkpoint %s was saved with --lora-alpha %g; resume with " ..
-         "--lora-alpha %g", alpha, flags.lora_alpha and "" or " (the default: --lora-r)", where,
+  -- (the manifest keeps 14 digits: an alpha of more is the same to them)
+  if math.abs(alpha - lora.alpha) > 1e-13 * math.abs(lora.alpha) then
+    fail("--lora-alpha %.14g%s: the checkpoint %s was saved with --lora-alpha %.14g; resume with " ..
+         "--lora-alpha %.14g", alpha, flags.lora_alpha and "" or " (the default: --lora-r)", where,
          lora.alpha, lora.alpha)
   end
   if flags.lora_targets and sorted_set(targets_of(flags.lora_targets)) ~= sorted_set(targets) then
