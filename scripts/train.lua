@@ -54,8 +54,8 @@ local spec = {
     min = 1 },
   { "lr", "number", nil, "peak learning rate (default: the model size's)",
     over = 0 },
-  { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100)",
-    min = 1 },
+  { "warmup", "int", nil, "linear warmup steps (default: 10% of --steps, at most 100; 0: none)",
+    min = 0 },
   { "seed", "int", 1337, "seed of the initial weights, the batches and the sample" },
   { "dtype", "string", nil, "training precision: fp32, bf16 or fp16 (default: the config's, else fp32)" },
   { "device", "string", "cpu", "cpu, sim (a device the host cannot touch, for tests) or cuda " ..

@@ -536,7 +536,7 @@ local function apply_overrides(raw, ov, notes)
     end
   end
   if ov.gradient_clipping ~= nil then raw.gradient_clipping = ov.gradient_clipping end
-  if ov.warmup ~= nil then whole_at_least("--warmup", ov.warmup, 1) end
+  if ov.warmup ~= nil then whole_at_least("--warmup", ov.warmup, 0) end
   if ov.total_steps ~= nil then whole_at_least("--steps", ov.total_steps, 1) end
 end
 

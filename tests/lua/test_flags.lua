@@ -148,6 +148,12 @@ function T.a_resume_with_other_steps_says_the_schedule_changes()
   local cfg = write_file("constant.json", '{"train_micro_batch_size_per_gpu": 2}')
   out = ok_train(1, ("--steps 8 --config %s --resume %s"):format(cfg, ck))
   assert(not out:find("resume: --steps", 1, true), out)
+  -- Below the saved step: refused, naming the step itself (equal runs nothing).
+  local o, st = train(1, "--steps 1 --resume " .. ck)
+  assert(st == 2 and o:find("give --steps 2 or more", 1, true), o)
+  -- --warmup 0, which the default gives a short run, may be given too.
+  out = ok_train(1, "--steps 2 --warmup 0")
+  assert(out:find("warmup 0 + cosine", 1, true), out)
 end
 
 -- Bad input exits 2, a failure during the run 1: a resume of another model

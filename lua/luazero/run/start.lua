@@ -17,7 +17,7 @@ function M.check_resume(ex, flags)
   if flags.steps < m.global_steps then
     ex.user_error(("--steps %d is below the checkpoint's step %d (%s): there is nothing to run; " ..
                    "give --steps %d or more (the run's total, as when it was saved)")
-                  :format(flags.steps, m.global_steps, flags.resume, m.global_steps + 1))
+                  :format(flags.steps, m.global_steps, flags.resume, m.global_steps))
   end
   local init = ex.checked(require("luazero.checkpoint.resume").check, flags, m, flags.resume)
   if init then
