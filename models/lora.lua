@@ -47,9 +47,21 @@ local function ends_with(path, tail)
   return path == tail or path:sub(-(#tail + 1)) == "." .. tail
 end
 
+-- A target as PEFT matches it: a name of `where`, or a dotted path whose
+-- last part is one (self_attn.q_proj, model.layers.0.mlp.down_proj): that
+-- name where the adapted weight's full name ends with the path. Returns
+-- the name and the path (nil: every module of that name).
+local function split_target(where, t)
+  if where[t] then return t, nil end
+  local short = t:match("%.([^.]+)$")
+  if short and where[short] and not where[short].experts then return short, t end
+  return t, nil
+end
+
 -- The adapters each Linear of the model gets for `targets` (names of
--- `where`): { [linear] = {parent, adapters = { {name, row0, rows}, ... }} }
--- in the model's order, and how many weights each target found.
+-- `where`, or dotted paths: split_target): { [linear] = {parent, adapters =
+-- { {name, row0, rows}, ... }} } in the model's order, and how many weights
+-- each target found.
 local function plan(model, targets, where)
   local found, by_linear, order = {}, {}, {}
   local function visit(m, path)
@@ -59,7 +71,8 @@ local function plan(model, targets, where)
                     (path == "" and c.name or (path .. "." .. c.name))
       if is_linear(child) then
         for _, t in ipairs(targets) do
-          local entry = where[t]
+          local key, path_tail = split_target(where, t)
+          local entry = where[key]
           for _, tail in ipairs(entry) do
             if ends_with(cpath, tail) then
               local ad
@@ -69,6 +82,8 @@ local function plan(model, targets, where)
               else
                 ad = { "", 0, child.n_out }
               end
+              local full = ad and (ad[1] == "" and cpath or (cpath .. "." .. ad[1]))
+              if ad and path_tail and not ends_with(full, path_tail) then ad = nil end
               if ad then
                 if not by_linear[child] then
                   by_linear[child] = { parent = m, adapters = {}, path = cpath }
@@ -133,14 +148,14 @@ function M.apply(model, opts)
     if not seen[t] then seen[t] = true; targets[#targets + 1] = t end
   end
   for _, t in ipairs(targets) do
-    if not where[t] then
+    if not where[(split_target(where, t))] then
       error(("lora: no module named %s to adapt (--lora-targets); this model has %s")
             :format(t, known(where)), 0)
     end
   end
   local linear_targets, expert_targets = {}, {}
   for _, t in ipairs(targets) do
-    local list = where[t].experts and expert_targets or linear_targets
+    local list = where[(split_target(where, t))].experts and expert_targets or linear_targets
     list[#list + 1] = t
   end
   local by_linear, order, found = plan(model, linear_targets, where)

@@ -361,4 +361,23 @@ function T.freezing_nothing_or_adapting_nothing_is_an_error()
   assert(st == 2 and out:find("lora: r must be", 1, true), out)
 end
 
+-- A dotted target adapts the modules whose full name ends with it, as
+-- PEFT's target_modules match: self_attn.q_proj every layer's q_proj,
+-- layers.1.mlp.down_proj one layer's down_proj.
+function T.dotted_targets_match_the_end_of_the_path()
+  local model = registry.new(registry.config("llama-tiny"))
+  local n = lora.apply(model, { r = 2, targets = { "self_attn.q_proj", "layers.1.mlp.down_proj" } })
+  local names = {}
+  for _, e in ipairs(model.param_table) do
+    if e.name:find("lora_A") then names[#names + 1] = e.name end
+  end
+  support.eq(n, model.cfg.n_layer + 1, "adapted: " .. table.concat(names, " "))
+  for _, name in ipairs(names) do
+    assert(name:find("self_attn%.q_proj%.lora_A") or name:find("layers%.1%.mlp%.down_proj"), name)
+  end
+  support.expect_error(function()
+    lora.apply(registry.new(registry.config("llama-tiny")), { r = 2, targets = { "mlp.qq_proj" } })
+  end, "lora: no module named mlp.qq_proj to adapt")
+end
+
 return T

@@ -1,7 +1,7 @@
 """test5_peft_config.py — the adapter_config.json keys luazero honours, against
 PEFT 0.21.2 (reference environment 5): adapters of a tiny Llama made by PEFT with
 use_rslora (scale alpha / sqrt(r)), rank_pattern and alpha_pattern (per-module r
-and alpha, by name and by dotted path), their weights drawn at random so every
+and alpha, by name and by dotted path), dotted target_modules, their weights drawn at random so every
 adapter counts, saved with save_pretrained; scripts/eval.lua --hf --adapters
 gives PEFT's loss on the same window (1e-5); rsLoRA's loss is not plain
 LoRA's, so honouring it is seen. And GPT-2's: PEFT saves adapters of its
@@ -32,6 +32,8 @@ CASES = {
     "patterns": {"rank_pattern": {"q_proj": 2, "model.layers.1.self_attn.v_proj": 6,
                                   "gate_proj": 3},
                  "alpha_pattern": {"v_proj": 3, "layers.0.self_attn.o_proj": 20}},
+    # dotted targets: PEFT matches the end of a module's path
+    "dotted": {"target_modules": ["self_attn.q_proj", "layers.1.mlp.gate_proj", "v_proj"]},
 }
 
 
@@ -72,8 +74,8 @@ def main():
         losses = {}
         for name, extra in CASES.items():
             model = transformers.LlamaForCausalLM.from_pretrained(base).float().eval()
-            lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
-                                 task_type="CAUSAL_LM", **extra)
+            lc = peft.LoraConfig(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+                                 **{"target_modules": TARGETS, **extra})
             pm = peft.get_peft_model(model, lc)
             torch.manual_seed(7)  # plain and rslora: the same adapter weights
             with torch.no_grad():
