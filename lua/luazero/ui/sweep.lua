@@ -108,12 +108,21 @@ end
 
 local function flag_name(k) return (tostring(k):gsub("_", "-")) end
 
+-- A value as a flag's text: a whole number without a point, another
+-- number in the fewest digits that read back the same (tostring keeps 14:
+-- 1/3 would reach the run as another number, and 0.3 and
+-- 0.30000000000000004 would be one run).
 local function value_text(v)
-  if type(v) == "number" and v == math.floor(v) and math.abs(v) < 2 ^ 53 then
-    return ("%d"):format(v)
+  if type(v) ~= "number" then return tostring(v) end
+  if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
+  for digits = 14, 17 do
+    local t = ("%." .. digits .. "g"):format(v)
+    if tonumber(t) == v then return t end
   end
   return tostring(v)
 end
+
+M.value_text = value_text
 
 local function sorted_keys(t)
   local ks = {}
@@ -122,11 +131,12 @@ local function sorted_keys(t)
   return ks
 end
 
--- A stable id: the swept values as a slug, then 8 hex digits of a hash of
--- every flag (so two runs never share an id).
-local function run_id(flags, swept_keys, ranks)
+-- A stable id: the values the run's own grid combination or runs entry
+-- sets (its keys: another entry's keys leave it be) as a slug, then 8 hex
+-- digits of a hash of every flag (so two runs never share an id).
+local function run_id(flags, own_keys, ranks)
   local parts = {}
-  for _, k in ipairs(swept_keys) do
+  for _, k in ipairs(own_keys) do
     if k == "ranks" then parts[#parts + 1] = "ranks" .. ranks
     elseif flags[k] ~= nil then parts[#parts + 1] = flag_name(k) .. value_text(flags[k]) end
   end
@@ -205,7 +215,7 @@ function M.expand(spec)
     end
     local swept = {}
     for _, k in ipairs(swept_keys) do swept[k] = k == "ranks" and ranks or flags[k] end
-    local id = run_id(flags, swept_keys, ranks)
+    local id = run_id(flags, sorted_keys(c), ranks)
     if not seen[id] then
       seen[id] = true
       runs[#runs + 1] = { id = id, flags = flags, swept = swept, ranks = ranks }
