@@ -22,7 +22,9 @@
 #include <poll.h>              /* poll on stdin while the REPL waits */
 #include <stdio.h>             /* fprintf, getchar */
 #include <stdlib.h>            /* setenv, getenv, strtol, malloc */
+#include <signal.h>            /* SIGTERM */
 #include <string.h>            /* strcmp, strerror */
+#include <sys/prctl.h>         /* PR_SET_PDEATHSIG: LZ_PARENT_PID */
 #include <unistd.h>            /* readlink, isatty */
 
 static const char *usage_head =
@@ -326,7 +328,25 @@ static void adopt_mpirun_ranks(void) {
   lz_threads_set(threads);
 }
 
+/* LZ_PARENT_PID=N (a sweep sets it for its runs): this process stops with
+ * SIGTERM when that parent goes, killed or not, as a launcher's ranks stop
+ * when it goes; gone already (this process reparented), it stops now. Not
+ * passed on: a launcher's ranks follow the launcher. */
+static void follow_parent(void) {
+  const char *p = getenv("LZ_PARENT_PID");
+  if (!p) return;
+  const long want = strtol(p, NULL, 10);
+  unsetenv("LZ_PARENT_PID");
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if ((long)getppid() != want) {
+    fprintf(stderr, "luazero: the process that started this one (pid %ld, LZ_PARENT_PID) has "
+                    "ended; stopping\n", want);
+    exit(143);
+  }
+}
+
 int main(int argc, char **argv) {
+  follow_parent();
   int interactive = 0, nranks = 0, quiet = 0, first_script = 0, by_name = 0;
   const char *backend = NULL, *restarts_flag = NULL, *min_ranks_flag = NULL;
   int n_exec = 0;

@@ -174,6 +174,39 @@ def test_a_flag_in_either_spelling_is_one_flag():
     assert p.returncode == 2 and "--log is the sweep's own" in p.stderr, (p.returncode, p.stderr)
 
 
+def test_a_killed_sweep_leaves_no_run_behind():
+    """SIGTERM to the sweep (a scheduler's, timeout's) stops its running job
+    too, one rank or a launcher of two; none outlives it (LZ_PARENT_PID)."""
+    import signal
+    import time
+    first()  # the corpus
+    for ranks in (1, 2):
+        out = os.path.join(WORK, "killed%d" % ranks)
+        path = os.path.join(WORK, "long%d.lua" % ranks)
+        open(path, "w").write(
+            'return { ranks = %d, base = { model = "gpt2-nano", data = "corpus.txt", '
+            'steps = 100000, ["n-layer"] = 1, ["n-embd"] = 32, ["n-head"] = 2, context = 32, '
+            '["seq-len"] = 16, ["micro-batch"] = 2, sample = 0 }, runs = { { lr = 1e-3 } } }'
+            % ranks)
+        p = subprocess.Popen([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out", out],
+                             cwd=WORK, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def running():
+            r = subprocess.run(["pgrep", "-f", out], capture_output=True, text=True)
+            return [l for l in r.stdout.split() if int(l) != p.pid]
+        deadline = time.time() + 60
+        while not running() and time.time() < deadline:
+            time.sleep(0.2)
+        assert running(), "the run did not start"
+        time.sleep(1.0)
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        deadline = time.time() + 20
+        while running() and time.time() < deadline:
+            time.sleep(0.2)
+        assert not running(), "left running: %s" % running()
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from pyrun import run_tests

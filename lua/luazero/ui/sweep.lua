@@ -30,6 +30,7 @@ int waitpid(int pid, int *status, int options);
 int poll(void *fds, unsigned long nfds, int timeout);
 extern char **environ;
 ]])
+pcall(ffi.cdef, "int getpid(void);")
 
 local function fail(msg) error("sweep: " .. msg, 0) end
 
@@ -337,8 +338,9 @@ local function command(spec, run, dir, threads)
       if v ~= true then args[#args + 1] = q(value_text(v)) end
     end
   end
-  return ("OMP_NUM_THREADS=%d exec %s %s %s %s --log %s > %s 2> %s"):format(
-    threads, q(lz.executable()), run.ranks > 1 and ("-n " .. run.ranks) or "", q(script),
+  -- (LZ_PARENT_PID: the run stops when the sweep does, killed or not)
+  return ("LZ_PARENT_PID=%d OMP_NUM_THREADS=%d exec %s %s %s %s --log %s > %s 2> %s"):format(
+    ffi.C.getpid(), threads, q(lz.executable()), run.ranks > 1 and ("-n " .. run.ranks) or "", q(script),
     table.concat(args, " "), q(dir .. "/metrics.jsonl"), q(dir .. "/stdout.log"),
     q(dir .. "/stderr.log"))
 end
