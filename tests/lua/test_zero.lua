@@ -455,6 +455,20 @@ function T.fp16_overflow_at_the_minimum_scale_stops_the_run()
   local ok, err = pcall(s.update, s, true)
   assert(not ok and tostring(err):find("minimum loss scale (2, fp16.min_loss_scale)", 1, true),
          tostring(err))
+  -- A start below the minimum is raised to it, as DeepSpeed's max(scale / 2, min).
+  local low = Scaler.new({ initial_scale_power = 0, min_loss_scale = 4, hysteresis = 1 })
+  low:update(true)
+  assert(low.scale == 4, low.scale)
+  -- A resume takes back where a dynamic scaler stood, never the config: a
+  -- static run's state leaves a dynamic config's scaler as it starts.
+  local dyn = Scaler.new({ initial_scale_power = 4, loss_scale_window = 2 })
+  dyn:restore(Scaler.new({ loss_scale = 128 }):state())
+  assert(dyn.dynamic and dyn.scale == 16 and dyn.window == 2, "static state taken")
+  local saved = Scaler.new({ initial_scale_power = 8, loss_scale_window = 5, hysteresis = 3 })
+  saved:update(false)
+  dyn:restore(saved:state())
+  assert(dyn.scale == 256 and dyn.iter == 1 and dyn.window == 2 and dyn.delayed_shift == 2,
+         "the state, not the config")
   local cfg = config_file("fp16_min.json", {
     train_batch_size = 4,
     fp16 = { enabled = true, initial_scale_power = 10, hysteresis = 1, min_loss_scale = 1024 },

@@ -30,7 +30,7 @@ function Scaler:update(overflow)
   if not self.dynamic then return end
   if overflow then
     if self.delayed_shift == 1 or self.hysteresis == 1 then
-      if self.scale <= self.min_scale then
+      if self.scale == self.min_scale then
         error(("fp16: the gradients overflowed at the minimum loss scale (%g, " ..
                "fp16.min_loss_scale), so every step from here on would be skipped; the run " ..
                "stops. Lower fp16.min_loss_scale, lower the learning rate, or train in bf16 " ..
@@ -57,12 +57,18 @@ function Scaler:state()
   return t
 end
 
--- Takes a saved state back (a dynamic scaler only: a static scale is the
--- config's).
+-- What a resume takes back: where the dynamic scaler stood. The rest
+-- (dynamic or static, the window, the minimum, the hysteresis it refills
+-- to) is this run's config.
+local STATE = { scale = true, hysteresis = true, iter = true, last_overflow = true }
+
+-- Takes a saved state back: a dynamic scaler from a dynamic one's state
+-- (a static scale is the config's; a static run's state starts a dynamic
+-- one at its initial scale).
 function Scaler:restore(t)
-  if not self.dynamic then return end
-  for k, v in pairs(t or {}) do
-    if type(self[k]) == type(v) then self[k] = v end
+  if not self.dynamic or not (t and t.dynamic) then return end
+  for k, v in pairs(t) do
+    if STATE[k] and type(self[k]) == type(v) then self[k] = v end
   end
 end
 
