@@ -124,6 +124,10 @@ def test_plain_repl_values_multiline_history_ctrl_d():
         s.expect(r"(?m)^>> ")
         s.send("end")
         s.expect(r"11;22;33;")
+        s.send("= 40 +")  # an expression cut short continues as well
+        s.expect(r"(?m)^>> ")
+        s.send("2")
+        s.expect(r"\n42\s*\n")
         s.send("{ a = 1, b = { c = 'x' } }")
         s.expect(r'b = \{\s*\n\s*c = "x"')
         s.send("error('bad thing')")

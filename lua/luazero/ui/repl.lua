@@ -39,6 +39,9 @@ local function compile(chunk)
   f, err = loadstring(text, "=stdin")
   if f then return f end
   if err:find("'<eof>'$") then return nil, true end
+  -- an expression cut short (`{1,` or `1 +` at a line's end) continues too
+  local _, expr_err = loadstring("return " .. text, "=stdin")
+  if expr_err and expr_err:find("'<eof>'$") then return nil, true end
   return nil, false, err
 end
 
