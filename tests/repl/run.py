@@ -232,6 +232,16 @@ def test_multi_rank_repl_rank0_leads_and_ctrl_d_ends_every_rank():
         s.expect(r"gather: no parameter 'no\.such\.weight'")
         s.send("shards(engine, 'ln_f')")  # the ranks still answer after an error
         s.expect(r"transformer\.ln_f\.weight\s+\[64\]\s+r0 \[0, 64\)")
+        # An engine under a global the other rank has as something else:
+        # refused, naming the rank, before any rank enters the collectives.
+        s.send("cfg, engine = engine, nil")
+        s.expect(PROMPT)
+        s.send("shards(cfg, 'ln_f')")
+        s.expect(r"shards: rank 1: the global cfg is not an engine on this rank")
+        s.send("engine = cfg")
+        s.expect(PROMPT)
+        s.send("shards(engine, 'ln_f')")
+        s.expect(r"transformer\.ln_f\.weight\s+\[64\]\s+r0 \[0, 64\)")
         code = s.quit(timeout=20)
         assert code == 0, "exit code %d:\n%s" % (code, s.text()[-2000:])
         assert "timeout" not in s.text().lower() and "waited" not in s.text(), s.text()[-2000:]

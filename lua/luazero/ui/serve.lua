@@ -61,11 +61,16 @@ local function receive()
 end
 
 -- The name of the global holding `v` (the other ranks hold their own
--- engine under the same name: they ran the same script).
+-- engine under the same name: they ran the same script): `engine` where it
+-- does, else the first such name in order.
 local function global_name(v)
+  if rawequal(rawget(_G, "engine"), v) then return "engine" end
+  local names = {}
   for k, x in pairs(_G) do
-    if rawequal(x, v) and type(k) == "string" then return k end
+    if rawequal(x, v) and type(k) == "string" then names[#names + 1] = k end
   end
+  table.sort(names)
+  return names[1]
 end
 
 local function is_engine(v)
@@ -107,8 +112,10 @@ end
 
 -- Called by a helper before its collectives: on rank 0 of a multi-rank
 -- REPL it tells the serving ranks to run the same helper with the same
--- arguments; everywhere else it does nothing (a script calls helpers on
--- every rank itself).
+-- arguments, then hears from every rank whether it can (its engine found
+-- under the global's name); one that cannot is named in the error, and no
+-- rank enters the helper's collectives. Everywhere else it does nothing (a
+-- script calls helpers on every rank itself).
 function M.together(name, ...)
   if not leading then return end
   assert(handlers[name], "serve: no helper registered as " .. name)
@@ -117,6 +124,9 @@ function M.together(name, ...)
     error(("%s: the command is %d bytes; commands are at most %d"):format(name, #text, CMD_BYTES), 0)
   end
   send(text)
+  for r, answer in ipairs(M.collect("ok")) do
+    if answer ~= "ok" then error(("%s: rank %d: %s"):format(name, r - 1, answer), 0) end
+  end
 end
 
 -- Every rank's string, on every rank (a list indexed by rank + 1).
@@ -162,20 +172,41 @@ end
 
 ------------------------------------------------------------------ the others
 
--- Answers rank 0's commands until "quit". A helper's error is reported with
--- this rank's number (rank 0 reports its own) and the loop goes on.
+-- Why this rank cannot run command `text` (nil: it can), and the helper
+-- with its arguments: the helper registered, every engine argument found
+-- under its global's name.
+local function prepare(text)
+  local ok, cmd = pcall(cjson.decode, text)
+  if not ok or type(cmd) ~= "table" or type(cmd.args) ~= "table" then
+    return "cannot read the command"
+  end
+  local fn = handlers[cmd.op]
+  if not fn then return "no helper named " .. tostring(cmd.op) .. " on this rank" end
+  for _, x in pairs(cmd.args.a or {}) do
+    if type(x) == "table" and x.global and not is_engine(rawget(_G, x.global)) then
+      return ("the global %s is not an engine on this rank; keep the engine in a global of " ..
+              "the same name on every rank"):format(tostring(x.global))
+    end
+  end
+  return nil, fn, cmd.args
+end
+
+-- Answers rank 0's commands until "quit": says whether it can run each
+-- (together's agreement), runs it if every rank can. A helper's error is
+-- reported with this rank's number (rank 0 reports its own) and the loop
+-- goes on.
 function M.loop()
   local rank = M.rank()
   while true do
     local text = receive()
     if text == "quit" then return end
     if text ~= "ping" then
-      local ok, err = pcall(function()
-        local cmd = cjson.decode(text)
-        local fn = handlers[cmd.op]
-        if not fn then error("no helper named " .. tostring(cmd.op) .. " on this rank", 0) end
-        fn(decode_args(cmd.args))
-      end)
+      local why, fn, args = prepare(text)
+      local answers = M.collect(why or "ok")
+      local all = true
+      for _, a in ipairs(answers) do all = all and a == "ok" end
+      local ok, err = true, nil
+      if all then ok, err = pcall(function() fn(decode_args(args)) end) end
       if not ok then
         io.stderr:write(("luazero: rank %d: %s\n"):format(rank, tostring(err)))
         io.stderr:flush()
