@@ -173,7 +173,9 @@ local function bf16_section(raw, cfg, unimpl, name)
       local v = raw[k]
       if k == "enabled" then
         if given(v) then out.enabled = boolean(name .. ".enabled", v) end
-      elseif not (v == false or v == cjson.null or
+      -- (immediate_grad_update false: micro-steps' gradients added up in bf16
+      -- before the fp32 ones, which this engine does not do)
+      elseif not ((v == false and k ~= "immediate_grad_update") or v == cjson.null or
                   (k == "immediate_grad_update" and v == true)) then
         unimpl[#unimpl + 1] = name .. "." .. k
       end

@@ -322,6 +322,12 @@ function T.unimplemented_keys_are_listed_by_dotted_name()
   cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 1, cpu_offload = true } },
                       1)
   assert(cfg.zero_optimization.offload_optimizer.device == "cpu")
+  -- bf16's immediate_grad_update: true is this engine's way, false is not
+  for v, want_u in pairs({ [true] = "", [false] = "bf16.immediate_grad_update" }) do
+    local c = config.load({ train_batch_size = 8,
+                            bf16 = { enabled = true, immediate_grad_update = v } }, 1)
+    assert(table.concat(c.unimplemented, ",") == want_u, table.concat(c.unimplemented, ","))
+  end
   cfg = config.load({ train_batch_size = 8, zero_optimization = true }, 1)
   assert(cfg.zero_optimization.stage == 1)
   cfg = config.load({ train_batch_size = 8, bfloat16 = { enabled = true } }, 1)
