@@ -411,6 +411,14 @@ lz_status lz_adamw8bit_step_bf16(lz_tensor *param, const lz_tensor *grad, lz_ten
 int64_t lz_adamw8bit_blocks(int64_t n);
 /* The 256 fp32 entries of the signed (m) or unsigned (v) map. */
 const float *lz_adamw8bit_map(int is_signed);
+/* The cells that give bitsandbytes' index of z = x / absmax for that map
+ * (core/optim/quant8.c's index_of): bounds[0] and [1] the fp32 bits of
+ * 2^-26 and 1, between which |z|'s bits are clamped, bounds[2] the cells
+ * per sign; cell ((|z| bits - bounds[0]) >> 16) + sign * bounds[2] holds in
+ * bits 16-23 the index below its step, in 24-31 the one at and above it,
+ * in 0-15 where the step is (the low 16 bits of |z|); NaN gets index 0.
+ * 2 * bounds[2] entries. */
+const uint32_t *lz_adamw8bit_cells(int is_signed, uint32_t bounds[3]);
 /* The values an 8-bit state stands for: out[i] = map[q[i]] * absmax[i / 256]
  * (f32; the signed map for m, the unsigned one for v), in host memory. */
 lz_status lz_adamw8bit_dequantize(const lz_tensor *q, const lz_tensor *absmax, int is_signed,

@@ -454,23 +454,53 @@ lz_status lz_cu_lion_step(const lz_op_args *a) {
 // contracted, so the bits are the cpu's): one thread block of
 // LZ_ADAMW8BIT_BLOCK threads per block of elements, which dequantises,
 // updates, takes the new absmax (from 0; fmaxf skips NaN, as the cpu's does) and
-// requantises against the maps, copied from the cpu's at each call.
+// requantises with the cpu's cells (lz_adamw8bit_cells: bitsandbytes'
+// index, which is not always the nearest entry), copied to the device once.
 struct a8_consts {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, decay, neg_step, c2, eps, grad_scale;
 };
 
 __constant__ float a8_maps[2][256];  // [0] signed (m), [1] unsigned (v)
 
-__device__ __forceinline__ unsigned char a8_nearest(const float *map, float z) {
-  unsigned i = 0;
-  for (unsigned s = 128; s; s >>= 1) i += map[i + s] <= z ? s : 0;
-  if (i < 255 && fabsf(__fsub_rn(z, map[i + 1])) < fabsf(__fsub_rn(z, map[i]))) i++;
-  return (unsigned char)i;
+struct a8_cells {
+  const uint32_t *m, *v;  // the signed map's cells, the unsigned one's (device)
+  uint32_t lo, one, side;
+};
+
+// core/optim/quant8.c's index_of, on the device.
+__device__ __forceinline__ unsigned char a8_index(const uint32_t *cells, const a8_cells &c,
+                                                  float z) {
+  const uint32_t u = __float_as_uint(z);
+  uint32_t a = u & 0x7fffffffu;
+  a = a < c.lo ? c.lo : a > c.one ? c.one : a;
+  const uint32_t e = __ldg(cells + ((a - c.lo) >> 16) + (u >> 31) * c.side);
+  const unsigned char i = (unsigned char)((a & 0xffffu) >= (e & 0xffffu) ? e >> 24 : e >> 16);
+  return z == z ? i : 0;
+}
+
+// The cells on the current device, copied at its first 8-bit step.
+static lz_status a8_device_cells(a8_cells *out) {
+  static uint32_t *copies[64];
+  int dev = 0;
+  CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return lz_fail(LZ_ERR_INVALID, "adamw8bit_step: device %d", dev);
+  uint32_t bounds[3];
+  const uint32_t *m = lz_adamw8bit_cells(1, bounds), *v = lz_adamw8bit_cells(0, bounds);
+  const size_t n = 2 * (size_t)bounds[2];
+  if (!copies[dev]) {
+    uint32_t *d = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&d, 2 * n * sizeof(uint32_t)));
+    CUDA_CHECK(cudaMemcpy(d, m, n * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d + n, v, n * sizeof(uint32_t), cudaMemcpyHostToDevice));
+    copies[dev] = d;
+  }
+  *out = a8_cells{copies[dev], copies[dev] + n, bounds[0], bounds[1], bounds[2]};
+  return LZ_OK;
 }
 
 __global__ void adamw8bit_kernel(float *p, const float *grad, unsigned char *qm, unsigned char *qv,
                                  float *absmax_m, float *absmax_v, void *working, lz_dtype wdt,
-                                 a8_consts k, int64_t n) {
+                                 a8_consts k, a8_cells cells, int64_t n) {
   __shared__ float red_m[LZ_ADAMW8BIT_BLOCK], red_v[LZ_ADAMW8BIT_BLOCK];
   const int64_t b = blockIdx.x, i = b * LZ_ADAMW8BIT_BLOCK + threadIdx.x;
   float mi = 0.0f, vi = 0.0f;
@@ -500,8 +530,8 @@ __global__ void adamw8bit_kernel(float *p, const float *grad, unsigned char *qm,
   const float am = red_m[0], av = red_v[0];
   if (threadIdx.x == 0) absmax_m[b] = am, absmax_v[b] = av;
   if (in) {
-    qm[i] = a8_nearest(a8_maps[0], __fdiv_rn(mi, am));
-    qv[i] = a8_nearest(a8_maps[1], __fdiv_rn(vi, av));
+    qm[i] = a8_index(cells.m, cells, __fdiv_rn(mi, am));
+    qv[i] = a8_index(cells.v, cells, __fdiv_rn(vi, av));
   }
 }
 
@@ -550,10 +580,12 @@ lz_status lz_cu_adamw8bit_step(const lz_op_args *a) {
     memcpy(maps[1], lz_adamw8bit_map(0), sizeof maps[1]);
     CUDA_CHECK(cudaMemcpyToSymbolAsync(a8_maps, maps, sizeof maps, 0, cudaMemcpyHostToDevice,
                                        LZ_CU_COMPUTE));
+    a8_cells cells;
+    LZ_TRY(a8_device_cells(&cells));
     const unsigned blocks = (unsigned)lz_adamw8bit_blocks(n);
     adamw8bit_kernel<<<blocks, LZ_ADAMW8BIT_BLOCK, 0, LZ_CU_COMPUTE>>>(
         p, g, (unsigned char *)a->t[2]->data, (unsigned char *)a->t[3]->data,
-        (float *)a->t[4]->data, (float *)a->t[5]->data, wd_, wdt, k, n);
+        (float *)a->t[4]->data, (float *)a->t[5]->data, wd_, wdt, k, cells, n);
   } else {
     adamw8bit_f32_kernel<<<lz_cu_blocks(n, THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
         p, g, (float *)a->t[2]->data, (float *)a->t[3]->data, wd_, wdt, k, n);

@@ -8,6 +8,7 @@
 #include "lz_cuda.h"
 
 #include <stdlib.h>  // malloc, calloc, free
+#include <string.h>  // strcmp: which rows check_rows checks
 
 #define THREADS 256
 #define WARP 32
@@ -130,6 +131,13 @@ lz_status lz_cu_moe_route_backward(const lz_op_args *a) {
   const lz_tensor *dl = a->t[0], *dp = a->t[2], *probs = a->t[3], *idx = a->t[4];
   const int64_t N = lz_rows(probs), E = lz_cols(probs), K = lz_cols(idx);
   if (N == 0) return LZ_OK;
+  {  // the experts chosen, on the host, as the cpu checks them
+    int32_t *h = NULL;
+    LZ_TRY(host_i32(idx, &h));
+    const lz_status st = ids_fail(LZ_OP_MOE_ROUTE_BACKWARD, "idx", h, N * K, E, "E, the experts");
+    free(h);
+    LZ_TRY(st);
+  }
   const float *dw = (const float *)a->t[1]->data, *p = (const float *)probs->data;
   const float *dpp = dp ? (const float *)dp->data : NULL;
   const int32_t *id = (const int32_t *)idx->data;
@@ -198,12 +206,16 @@ __global__ void permute_forward_kernel(TO *out, const TI *x, const int32_t *slot
   }
 }
 
-// slot_of_row's values, on the host: a bad one would read outside x.
+// slot_of_row's or row_of_slot's values, on the host: a bad one would read
+// outside x; row_of_slot's must also be a permutation, as the cpu checks
+// (a repeated row would be summed once, or written by two threads at once).
 static lz_status check_rows(lz_op op, const lz_tensor *t, const char *name, int64_t hi,
                             const char *what) {
   int32_t *h = NULL;
   LZ_TRY(host_i32(t, &h));
-  lz_status st = ids_fail(op, name, h, lz_tensor_numel(t), hi, what);
+  const int64_t n = lz_tensor_numel(t);
+  lz_status st = ids_fail(op, name, h, n, hi, what);
+  if (st == LZ_OK && !strcmp(name, "row_of_slot")) st = lz_moe_check_permutation(op, h, n);
   free(h);
   return st;
 }

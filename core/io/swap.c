@@ -16,10 +16,12 @@
 #include <errno.h>     /* errno codes */
 #include <fcntl.h>     /* open, fcntl, posix_fallocate */
 #include <libaio.h>    /* io_setup, io_submit, io_getevents */
+#include <limits.h>    /* PATH_MAX: the folders warned about */
 #include <pthread.h>   /* I/O threads, queue lock, completion condvars */
 #include <stdatomic.h> /* byte counters, the file name counter */
 #include <stdio.h>     /* snprintf, fprintf for the buffered-I/O warning */
 #include <stdlib.h>    /* calloc, free */
+#include <string.h>    /* strcmp, strerror */
 #include <sys/stat.h>  /* stat */
 #include <unistd.h>    /* unlink, close, getpid, usleep */
 
@@ -423,10 +425,22 @@ lz_status lz_swap_open(lz_swap **out, const char *dir, int64_t bytes, const char
   if (fcntl(s->fd, F_SETFL, flags | O_DIRECT) == 0) {
     s->direct = 1;
   } else if (errno == EINVAL) {
-    fprintf(stderr,
-            "luazero: swap: %s does not allow O_DIRECT (tmpfs or similar); using buffered "
-            "I/O, which goes through the page cache\n",
-            dir);
+    /* once per folder in a process: its params, optimizer and grads files
+     * would each say it */
+    static char warned[4][PATH_MAX];
+    int seen = 0;
+    for (int i = 0; i < 4 && warned[i][0] && !seen; i++) seen = !strcmp(warned[i], dir);
+    if (!seen) {
+      fprintf(stderr,
+              "luazero: swap: %s does not allow O_DIRECT (tmpfs or similar); using buffered "
+              "I/O, which goes through the page cache\n",
+              dir);
+      for (int i = 0; i < 4; i++)
+        if (!warned[i][0]) {
+          snprintf(warned[i], sizeof warned[i], "%s", dir);
+          break;
+        }
+    }
   } else {
     int e = errno;
     destroy(s);

@@ -54,7 +54,7 @@ static lz_status check_ids(lz_op op, const char *name, const int32_t *ids, int64
  * checked) a permutation of 0 .. n - 1. A repeated row would be summed once
  * by combine forward and permute backward, and written by two threads at
  * once by combine backward: refused, naming both slots. */
-static lz_status check_permutation(lz_op op, const int32_t *rows, int64_t n) {
+lz_status lz_moe_check_permutation(lz_op op, const int32_t *rows, int64_t n) {
   int64_t *first = malloc((size_t)(n ? n : 1) * sizeof *first);
   if (!first)
     return lz_fail(LZ_ERR_NOMEM, "%s: out of memory checking row_of_slot's %lld rows",
@@ -344,7 +344,7 @@ lz_status lz_cpu_moe_permute_backward(const lz_op_args *a) {
   const int32_t *rows = ros->data;
   LZ_TRY(check_ids(LZ_OP_MOE_PERMUTE_BACKWARD, "row_of_slot", rows, N * K, N * K,
                    "R, the rows of dout"));
-  LZ_TRY(check_permutation(LZ_OP_MOE_PERMUTE_BACKWARD, rows, N * K));
+  LZ_TRY(lz_moe_check_permutation(LZ_OP_MOE_PERMUTE_BACKWARD, rows, N * K));
   float *d = dx->data;
 #pragma omp parallel for schedule(static) if (moe_tasks(N, K * H))
   for (int64_t t = 0; t < N; t++)
@@ -379,7 +379,7 @@ lz_status lz_cpu_moe_combine_forward(const lz_op_args *a) {
   const int32_t *rows = ros->data;
   LZ_TRY(check_ids(LZ_OP_MOE_COMBINE_FORWARD, "row_of_slot", rows, N * K, N * K,
                    "R, the rows of y"));
-  LZ_TRY(check_permutation(LZ_OP_MOE_COMBINE_FORWARD, rows, N * K));
+  LZ_TRY(lz_moe_check_permutation(LZ_OP_MOE_COMBINE_FORWARD, rows, N * K));
   const float *w = a->t[2]->data;
   float *o = out->data;
 #pragma omp parallel for schedule(static) if (moe_tasks(N, K * H))
@@ -433,7 +433,7 @@ lz_status lz_cpu_moe_combine_backward(const lz_op_args *a) {
   const int32_t *rows = ros->data;
   LZ_TRY(check_ids(LZ_OP_MOE_COMBINE_BACKWARD, "row_of_slot", rows, N * K, N * K,
                    "R, the rows of y"));
-  LZ_TRY(check_permutation(LZ_OP_MOE_COMBINE_BACKWARD, rows, N * K));
+  LZ_TRY(lz_moe_check_permutation(LZ_OP_MOE_COMBINE_BACKWARD, rows, N * K));
   const float *w = a->t[4]->data, *d = dout->data;
 #pragma omp parallel for schedule(static) if (moe_tasks(N, K * H))
   for (int64_t t = 0; t < N; t++)

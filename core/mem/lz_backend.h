@@ -98,6 +98,9 @@ lz_status lz_embedding_check_ids(lz_op op, const lz_op_args *a, const int32_t *t
                                  const int32_t *pos);
 lz_status lz_rope_check_values(lz_op op, const lz_op_args *a, const float *inv_freq,
                                const int32_t *pos);
+/* row_of_slot's n values (each in [0, n), already checked) a permutation
+ * of 0 .. n - 1, as moe_sort makes it (core/kernels/moe.c). */
+lz_status lz_moe_check_permutation(lz_op op, const int32_t *rows, int64_t n);
 
 /* Every function returns through lz_fail with a message naming the call, the
  * file:line and the library's own error string. Work is queued on the

@@ -455,6 +455,11 @@ int64_t lz_adamw8bit_blocks(int64_t n) {
 
 const float *lz_adamw8bit_map(int is_signed) { return lz_q8_map_get(is_signed)->values; }
 
+const uint32_t *lz_adamw8bit_cells(int is_signed, uint32_t bounds[3]) {
+  bounds[0] = Q8_LO, bounds[1] = Q8_ONE, bounds[2] = Q8_SIDE;
+  return lz_q8_map_get(is_signed)->cells;
+}
+
 /* The checks both entry points make (a's tensors are param, grad, m, v,
  * absmax_m, absmax_v, working; a's dtypes are checked against op_id's). */
 static lz_status check_8bit(const char *op, lz_op op_id, const lz_op_args *a) {

@@ -337,6 +337,8 @@ int64_t lz_adamw8bit_blocks(int64_t n);
 
 const float *lz_adamw8bit_map(int is_signed);
 
+const uint32_t *lz_adamw8bit_cells(int is_signed, uint32_t bounds[3]);
+
 lz_status lz_adamw8bit_dequantize(const lz_tensor *q, const lz_tensor *absmax, int is_signed,
                                   lz_tensor *out);
 

@@ -353,6 +353,10 @@ local function aio_section(raw, cfg, unimpl)
     fail("aio.block_size must be a multiple of 4096 (got %s): O_DIRECT transfers whole " ..
          "4 KiB blocks", show(out.block_size))
   end
+  -- (the swap files' limits, core/io/swap.c, checked here before any work)
+  for k, most in pairs({ queue_depth = 1024, thread_count = 64 }) do
+    if out[k] > most then fail("aio.%s must be 1..%d (got %s)", k, most, show(out[k])) end
+  end
 end
 
 -- Keys that tune stage 3's parameter gathers only.

@@ -137,6 +137,16 @@ static void expect_same_bits(const char *what, const lz_tensor *d1, const lz_ten
   lz_tensor_free(h2);
 }
 
+/* The device tensor d holds the cpu's bits h. */
+static void expect_cpu_bits(const char *what, const lz_tensor *d, const lz_tensor *h) {
+  lz_tensor *b = back(d);
+  if (b && memcmp(b->data, h->data, lz_tensor_bytes(h)) != 0) {
+    printf("    %s: the device's bits differ from the cpu's\n", what);
+    failures++;
+  }
+  lz_tensor_free(b);
+}
+
 #define FREE(...)                                                                       \
   do {                                                                                  \
     lz_tensor *fr_[] = {__VA_ARGS__};                                                   \
@@ -745,7 +755,61 @@ static void moe_route_nan_case(void) {
   FREE(lg, w, id, p, dl, dw, did, dp);
 }
 
+/* A repeated row in row_of_slot and an expert id past E: refused on the
+ * device with the cpu's messages (a repeated row was summed once). */
+static void moe_bad_rows_case(void) {
+  const int64_t N = 4, K = 2, C = 8, E = 3, R = N * K;
+  int64_t sr[1] = {R}, sx[2] = {R, C}, so[2] = {N, C}, sk[2] = {N, K}, sl[2] = {N, E};
+  lz_tensor *ros = host(LZ_I32, 1, sr), *xp = host_rand(LZ_F32, 2, sx, 1);
+  lz_tensor *out = host(LZ_F32, 2, so), *wt = host_rand(LZ_F32, 2, sk, 1);
+  for (int64_t s = 0; s < R; s++) ((int32_t *)ros->data)[s] = (int32_t)(s == 3 ? 1 : s);
+  lz_tensor *d_ros = dev(ros), *d_xp = dev(xp), *d_out = dev(out), *d_wt = dev(wt);
+  CHECK(lz_moe_combine_forward(out, xp, wt, ros) == LZ_ERR_INVALID);
+  lz_status st = lz_moe_combine_forward(d_out, d_xp, d_wt, d_ros);
+  CHECK(st == LZ_ERR_INVALID && strstr(lz_last_error(), "row_of_slot[3] is 1, as row_of_slot[1]"));
+  lz_tensor *idx = host(LZ_I32, 2, sk), *probs = host_rand(LZ_F32, 2, sl, 1);
+  lz_tensor *dl = host(LZ_F32, 2, sl);
+  for (int64_t i = 0; i < N * K; i++) ((int32_t *)idx->data)[i] = (int32_t)(i % K);
+  ((int32_t *)idx->data)[5] = (int32_t)E;
+  lz_tensor *d_idx = dev(idx), *d_probs = dev(probs), *d_dl = dev(dl);
+  st = lz_moe_route_backward(d_dl, d_wt, NULL, d_probs, d_idx, 1);
+  CHECK(st == LZ_ERR_INVALID && strstr(lz_last_error(), "idx[5] is 3, outside [0, 3)"));
+  FREE(ros, xp, out, wt, d_ros, d_xp, d_out, d_wt, idx, probs, dl, d_idx, d_probs, d_dl);
+}
+
+/* The fused 8-bit AdamW on the device: the cpu's bits (bitsandbytes'
+ * indices, which are not always the nearest entry: zero moments take
+ * index 131 and 7), over a few steps from zero states. */
+static void test_adamw8bit(void) {
+  const int64_t n = 4096 + 300, blocks = lz_adamw8bit_blocks(n);
+  int64_t s[1] = {n}, sb[1] = {blocks};
+  lz_adamw_args args = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f,
+                        .weight_decay = 0.01f, .grad_scale = 1.0f, .step = 1};
+  lz_tensor *p = host_rand(LZ_F32, 1, s, 1), *m = host(LZ_U8, 1, s), *v = host(LZ_U8, 1, s);
+  lz_tensor *am = host(LZ_F32, 1, sb), *av = host(LZ_F32, 1, sb);
+  memset(m->data, 0, (size_t)n), memset(v->data, 0, (size_t)n);
+  memset(am->data, 0, sizeof(float) * (size_t)blocks);
+  memset(av->data, 0, sizeof(float) * (size_t)blocks);
+  lz_tensor *dp = dev(p), *dm = dev(m), *dv = dev(v), *dam = dev(am), *dav = dev(av);
+  for (int step = 1; step <= 3; step++, args.step++) {
+    lz_tensor *g = host_rand(LZ_F32, 1, s, 1);
+    for (int64_t i = 0; i < 64; i++) ((float *)g->data)[i] = 0.0f; /* zero moments */
+    lz_tensor *dg = dev(g);
+    CHECK_OK(lz_adamw8bit_step(p, g, m, v, am, av, NULL, &args));
+    CHECK_OK(lz_adamw8bit_step(dp, dg, dm, dv, dam, dav, NULL, &args));
+    FREE(g, dg);
+  }
+  expect_cpu_bits("adamw8bit param", dp, p);
+  expect_cpu_bits("adamw8bit m", dm, m);
+  expect_cpu_bits("adamw8bit v", dv, v);
+  expect_cpu_bits("adamw8bit absmax_m", dam, am);
+  expect_cpu_bits("adamw8bit absmax_v", dav, av);
+  CHECK(((uint8_t *)m->data)[0] == 131 && ((uint8_t *)v->data)[0] == 7);
+  FREE(p, m, v, am, av, dp, dm, dv, dam, dav);
+}
+
 static void test_moe(void) {
+  moe_bad_rows_case();
   moe_route_nan_case();
   moe_case(LZ_F32, 300, 8, 2, 64, 96);
   moe_case(LZ_F32, 50, 6, 6, 32, 16); /* k = E */
@@ -1046,6 +1110,7 @@ static const struct {
     {"cuda_elementwise", test_elementwise},
     {"cuda_convert", test_convert},
     {"cuda_adamw", test_adamw},
+    {"cuda_adamw8bit", test_adamw8bit},
     {"cuda_rmsnorm", test_rmsnorm},
     {"cuda_qk_norm", test_qk_norm},
     {"cuda_rope", test_rope},

@@ -371,6 +371,10 @@ function T.offload_and_aio_keys()
                "transfers whole 4 KiB blocks")
   expect_error({ train_batch_size = 8, aio = { queue_depth = 0 } }, 1,
                "config: aio.queue_depth must be a positive number (got 0)")
+  expect_error({ train_batch_size = 8, aio = { queue_depth = 1025 } }, 1,
+               "config: aio.queue_depth must be 1..1024 (got 1025)")
+  expect_error({ train_batch_size = 8, aio = { thread_count = 65 } }, 1,
+               "config: aio.thread_count must be 1..64 (got 65)")
   cfg = config.load({ train_batch_size = 8, aio = { use_gds = false, blocksize = 4096 },
                       optimizer = { type = "Adam", params = { adam_w_mode = false,
                                                               bias_correction = false } },

@@ -211,7 +211,7 @@ function T.steps_below_the_checkpoint_is_an_error_with_the_numbers()
   local dir = tmp .. "/below"
   ok_train(1, "--steps 6 --save " .. q(dir))
   fails(1, "--steps 4 --resume " .. q(dir), 2,
-        { "--steps 4 is below the checkpoint's step 6", "--steps 7 or more" },
+        { "--steps 4 is below the checkpoint's step 6", "--steps 6 or more" },
         { before_step_1 = true })
 end
 
