@@ -275,13 +275,36 @@ local function main(argv)
   local optimizer_text = estimate.describe_optimizer{ name = settings.optimizer,
     states = settings.states, formats = settings.formats, master_format = settings.master_format,
     dtype = dtype }
-  -- As the trainer picks: in memory, else on NVMe (a path is the trainer's to give).
-  local ok, picked, why = pcall(estimate.pick_stage, params, N, budget, dtype, {
-    grads = flags.grads, persistent = persistent, layout = layout, nvme = true,
-    nvme_path = "given", counts = counts, device = flags.device,
-    settings = settings })
-  if not ok then fail(picked) end
-  why = why:gsub(" %(nvme_path given%)", "")
+  -- As the trainer picks: the activations of one micro-batch off the budget
+  -- first (where --micro-batch gives one), then in memory, else on NVMe (a
+  -- path is the trainer's to give).
+  local act
+  if flags.micro_batch and model then
+    model:checkpoint_activations(flags.checkpoint_activations == 1)
+    act = checked(estimate.activations, model, flags.micro_batch, flags.seq_len, dtype,
+                  settings.ep_size)
+  end
+  local ok, picked, why
+  if act and act.device >= budget then
+    ok, why = true, ("the activations of a %d x %d micro-batch need %s per rank, more than the " ..
+                     "whole budget %s: lower --micro-batch or --seq-len, or add " ..
+                     "--checkpoint-activations"):format(flags.micro_batch, flags.seq_len,
+                     estimate.format_bytes(act.device), estimate.format_bytes(budget))
+  else
+    ok, picked, why = pcall(estimate.pick_stage, params, N, budget - (act and act.device or 0),
+                            dtype, { grads = flags.grads, persistent = persistent,
+                                     layout = layout, nvme = true, nvme_path = "given",
+                                     counts = counts, device = flags.device,
+                                     settings = settings })
+    if not ok then fail(picked) end
+    why = why:gsub(" %(nvme_path given%)", "")
+    if act then
+      why = why:gsub("budget [%d.]+ %a+", function(b)
+        return ("%s (what is left after %s of activations for a %d x %d micro-batch)")
+               :format(b, estimate.format_bytes(act.device), flags.micro_batch, flags.seq_len)
+      end, 1)
+    end
+  end
   if flags.json == 1 then
     print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
                          device = flags.device, counts = counts, rows = rows, disk = disk,
@@ -313,10 +336,8 @@ local function main(argv)
         "device and cpu are one memory here (--device cpu): cpu is what the ledger counts as offload." or
         "device: the accelerator's memory; cpu: host memory (pinned for transfers).")
 
-  if flags.micro_batch then
-    model:checkpoint_activations(flags.checkpoint_activations == 1)
-    local a = checked(estimate.activations, model, flags.micro_batch, flags.seq_len, dtype,
-                      settings.ep_size)
+  if act then
+    local a = act
     print()
     print(("activations per rank for micro-batches of %d x %d tokens%s: %s bytes (%.2f GiB)%s")
           :format(flags.micro_batch, flags.seq_len,

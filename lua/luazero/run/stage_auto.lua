@@ -23,10 +23,13 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   local act_note = ""
+  -- (an MoE model's experts over moe.ep_size ranks: their arenas take every
+  -- rank's rows, their parameters are a share)
+  local ep_size = cfg.moe and cfg.moe.ep_size or 1
   if batch then
     -- (what the model's arenas hold for one micro-batch, with the
     -- activation checkpointing it is set to)
-    local act = estimate.activations(model, batch[1], batch[2], cfg.dtype).device
+    local act = estimate.activations(model, batch[1], batch[2], cfg.dtype, ep_size).device
     local what = ("the activations of a %d x %d micro-batch need %s"):format(batch[1], batch[2],
                                                                          estimate.format_bytes(act))
     if act >= budget then
@@ -50,7 +53,9 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   settings.overlap = nil -- stage 3's default unless the config says
   if z.overlap_comm_given then settings.overlap = z.overlap_comm end
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
-  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold)
+  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold,
+                                 require("luazero.optim.formats").block_of(settings.formats),
+                                 ep_size)
   -- An offload the config asks for allows only the stages it works at
   -- (offload_optimizer from 1, offload_param 3).
   local min_stage, min_why = 0, nil
