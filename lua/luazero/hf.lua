@@ -83,8 +83,8 @@ local function list_safetensors(dir)
 end
 
 -- The files of `path` opened and their headers checked: a .safetensors
--- file, or a folder with model.safetensors.index.json (its weight_map names
--- the shards), model.safetensors, or *.safetensors. Returns {files, by_name
+-- file, or a folder with model.safetensors, else model.safetensors.index.json
+-- (its weight_map names the shards), else *.safetensors (transformers' order). Returns {files, by_name
 -- (a tensor's name as tensor_of gives it, through fam.hf.from_hf ->
 -- {file, t}), where (what names the source in messages)}. fam: the family
 -- whose names the files hold (nil: names as they are).
@@ -94,8 +94,9 @@ function M.open(path, fam)
   local src = { files = {}, by_name = {}, where = path }
   local names, index = {}, nil
   if is_dir(path) then
+    -- (model.safetensors first, then the index, as transformers looks)
     local ipath = path .. "/model.safetensors.index.json"
-    local text = require("luazero").read_file(ipath)
+    local text = not exists(path .. "/model.safetensors") and require("luazero").read_file(ipath)
     if text then
       local ok, j = pcall(cjson.decode, text)
       if not ok or type(j) ~= "table" or type(j.weight_map) ~= "table" then

@@ -91,6 +91,8 @@ function T.gpt2_export_then_init_is_bitwise() round_trip("gpt2", GPT2) end
 -- The export's tensors split in two shards named by an index, given with
 -- --model-config instead of the folder's config.json: the same checksum.
 function T.sharded_folder_with_index_loads_the_same()
+  -- (and beside a model.safetensors, that file is read, as transformers
+  -- reads it: below)
   local c = get("llama", LLAMA)
   local src = safetensors.open(c.out .. "/model.safetensors")
   local dir = tmp .. "/sharded"
@@ -121,6 +123,13 @@ function T.sharded_folder_with_index_loads_the_same()
                              q(corpus_path()), q(c.out .. "/config.json"), q(dir)))
   eq(sum, c.sum, "sharded folder: params_checksum")
   eq(val, c.val, "sharded folder: val_loss")
+  local both = tmp .. "/both"
+  os.execute(("mkdir -p %s && cp %s %s/"):format(q(both), q(c.out .. "/model.safetensors"), q(both)))
+  write_file("both/model.safetensors.index.json",
+             cjson.encode({ weight_map = { ["model.embed_tokens.weight"] = "gone.safetensors" } }))
+  _, _, sum = ok_run(1, ("%s%s --steps 0 --model-config %s --init %s"):format(RUN,
+                     q(corpus_path()), q(c.out .. "/config.json"), q(both)))
+  eq(sum, c.sum, "model.safetensors beside an index: params_checksum")
 end
 
 -- BF16 and F16 tensors read as fp32: exact values, subnormals and signs.
@@ -157,6 +166,20 @@ function T.bf16_and_f16_read_as_fp32()
   end)
   jit.on()
   if not ok then error(err, 0) end
+  -- The format's other dtypes open (GPT-2's causal mask in U8 or BOOL, an
+  -- I64 inv_freq: nothing a model reads); reading one is refused.
+  path = write_file("mask.safetensors", safetensors.header({
+    { name = "w", dtype = "F32", shape = { 1 }, bytes = 4 },
+    { name = "h.0.attn.bias", dtype = "BOOL", shape = { 2, 2 }, bytes = 4 },
+    { name = "inv_freq", dtype = "I64", shape = { 1 }, bytes = 8 } }, {}) ..
+    ffi.string(ffi.new("float[1]", 3), 4) .. "\1\0\1\1" .. ("\0"):rep(8))
+  st = safetensors.open(path)
+  local one = ffi.new("float[1]")
+  st:read(st.tensors.w, 0, 1, one)
+  eq(one[0], 3, "the F32 tensor beside them")
+  support.expect_error(function() st:read(st.tensors["h.0.attn.bias"], 0, 4, ffi.new("float[4]")) end,
+                       'tensor h.0.attn.bias: dtype "BOOL" is not one luazero reads')
+  st:close()
 end
 
 -- A bf16 export loads with --init: the weights are the fp32 master rounded,

@@ -26,6 +26,11 @@ end
 local M = {}
 
 M.DTYPES = { F32 = 4, BF16 = 2, F16 = 2 }
+-- The format's other dtypes, by element size: a file may hold them (GPT-2's
+-- causal-mask buffer in U8 or BOOL, a rotary inv_freq in I64) where they
+-- are nothing a model reads; reading one is refused (File:read).
+local OTHER_DTYPES = { F64 = 8, I64 = 8, U64 = 8, I32 = 4, U32 = 4, I16 = 2, U16 = 2, I8 = 1,
+                       U8 = 1, BOOL = 1, F8_E4M3 = 1, F8_E5M2 = 1 }
 -- A header longer than this is not one (the format's own limit is 100 MB).
 local MAX_HEADER = 100000000
 -- Elements converted per pread of a 2-byte dtype.
@@ -156,10 +161,10 @@ function File:add(name, e)
                :format(name, ...))
   end
   if type(e) ~= "table" then refuse("header entry %s is not an object", quoted.encode(e)) end
-  local es = M.DTYPES[e.dtype]
+  local es = M.DTYPES[e.dtype] or OTHER_DTYPES[e.dtype]
   if not es then
-    fail(path, ("tensor %s: dtype %s is not one luazero reads; convert the file to F32, BF16 " ..
-                "or F16"):format(name, quoted.encode(e.dtype == nil and cjson.null or e.dtype)))
+    fail(path, ("tensor %s: dtype %s is not a safetensors dtype; the file is damaged or not " ..
+                "safetensors"):format(name, quoted.encode(e.dtype == nil and cjson.null or e.dtype)))
   end
   if type(e.shape) ~= "table" or not is_array(e.shape) then
     refuse("shape %s is not a list", quoted.encode(e.shape == nil and cjson.null or e.shape))
@@ -247,6 +252,10 @@ end
 
 -- Elements [first, first + n) of tensor t, as fp32, into dst (float *).
 function File:read(t, first, n, dst)
+  if not M.DTYPES[t.dtype] then
+    fail(self.path, ("tensor %s: dtype %s is not one luazero reads; convert the file to F32, " ..
+                     "BF16 or F16"):format(t.name, quoted.encode(t.dtype)))
+  end
   if n <= 0 then return end
   assert(first >= 0 and first + n <= t.numel, "safetensors: read past the tensor")
   local at = t.begin + first * t.esize
