@@ -132,6 +132,7 @@ local function config_json(cfg)
     activation_function = "gelu_new", layer_norm_epsilon = cfg.eps or 1e-5,
     initializer_range = 0.02,
     resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, tie_word_embeddings = true,
+    bos_token_id = cfg.bos_id, eos_token_id = cfg.eos_id,
   }
 end
 
@@ -146,6 +147,8 @@ M.hf = {
     { "vocab", "vocab_size", "int" },
     { "context", "n_positions", "int", default = function(_, get) return get("n_ctx") end },
     { "eps", "layer_norm_epsilon", "number", default = 1e-5 },
+    { "bos_id", "bos_token_id", "ids", optional = true },
+    { "eos_id", "eos_token_id", "ids", optional = true },
     { false, "activation_function", "string", default = "gelu_new",
       allowed = { "gelu_new", "gelu_pytorch_tanh" },
       refusal = "luazero's GPT-2 has the tanh GELU (gelu_new)" },

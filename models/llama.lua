@@ -306,6 +306,9 @@ function M.hf_fields(family, opts, more)
     { "std", "initializer_range", "number", default = 0.02 },
     { "pad_id", "pad_token_id", "int", default = opts.pad, optional = opts.pad == nil,
       null_is_none = true },
+    -- (kept to be exported: transformers' generate stops at eos_token_id)
+    { "bos_id", "bos_token_id", "ids", optional = true },
+    { "eos_id", "eos_token_id", "ids", optional = true },
   }
   for _, e in ipairs(M.rope_fields(family, opts.scalings, opts.theta)) do list[#list + 1] = e end
   for _, e in ipairs(more or {}) do list[#list + 1] = e end
@@ -324,6 +327,7 @@ function M.config_json_of(cfg, architecture, model_type)
     vocab_size = cfg.vocab, max_position_embeddings = cfg.context,
     tie_word_embeddings = cfg.tie == true, initializer_range = cfg.std or 0.02,
     hidden_act = "silu", attention_dropout = 0, pad_token_id = cfg.pad_id or cjson.null,
+    bos_token_id = cfg.bos_id, eos_token_id = cfg.eos_id,
   }
 end
 

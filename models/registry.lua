@@ -99,10 +99,20 @@ local KIND_CHECKS = {
   bool = function(v) return type(v) == "boolean" end,
   string = function(v) return type(v) == "string" end,
   object = function(v) return type(v) == "table" end,
+  -- a token id or a list of them (eos_token_id)
+  ids = function(v)
+    if type(v) == "number" then return v == math.floor(v) and v >= 0 end
+    if type(v) ~= "table" or #v == 0 then return false end
+    for _, x in ipairs(v) do
+      if type(x) ~= "number" or x ~= math.floor(x) or x < 0 then return false end
+    end
+    return true
+  end,
 }
 local KIND_WANTS = { int = "; expected a whole number", number = "; expected a number",
                      bool = "; expected true or false", string = "; expected a string",
-                     object = " is not an object" }
+                     object = " is not an object",
+                     ids = "; expected a token id or a list of token ids" }
 
 -- One field of a family's schema (hf.fields: { field, key, kind, default =,
 -- optional =, allowed =, refusal =, read =, if_null =, null_is_none = })

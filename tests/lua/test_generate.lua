@@ -398,6 +398,24 @@ function T.generation_configs_eos_ends_a_completion()
                 require("cjson").encode({ eos_token_id = { 99999, eos } }))
   local r = gen()
   eq(r.finish, "eos", "finish"); eq(#r.ids, n, "ids up to the eos")
+  -- A model trained from that folder exports its bos and eos ids and the
+  -- generation_config.json (transformers' generate would take its config's
+  -- defaults and stop elsewhere): the export generates as the folder does.
+  local cjson = require("cjson")
+  local cfg = cjson.decode(lz.read_file(dir .. "/hf/config.json"))
+  cfg.bos_token_id, cfg.eos_token_id = 5, { 7, eos }
+  support.write(dir .. "/hf/config.json", cjson.encode(cfg))
+  local out, st = script("train", ("--init %s/hf --data %s/d.txt --seq-len 16 --micro-batch 2 " ..
+                                   "--sample 0 --steps 1 --lr 1e-9 --save %s/ck2"):format(dir, dir, dir))
+  assert(st == 0, out)
+  local ckpt = ("%s %s"):format(q(lz.executable()), q(lz.root .. "/tools/ckpt.lua"))
+  out, st = support.sh(("%s export %s/ck2 %s/hf2"):format(ckpt, dir, dir))
+  assert(st == 0, out)
+  local got = cjson.decode(lz.read_file(dir .. "/hf2/config.json"))
+  eq(got.bos_token_id, 5, "bos_token_id")
+  eq(table.concat(got.eos_token_id, ","), "7," .. eos, "eos_token_id")
+  eq(lz.read_file(dir .. "/hf2/generation_config.json"),
+     lz.read_file(dir .. "/hf/generation_config.json"), "generation_config.json")
 end
 
 -- --merge-lora on GPT-2: the base file names its weights without

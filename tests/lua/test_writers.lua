@@ -225,9 +225,9 @@ function T.export_refuses_a_folder_with_other_files_and_leaves_none_when_refused
   local out = tmp .. "/other-model"
   os.execute("mkdir -p " .. q(out))
   write_file("other-model/config.json", "{}")
-  write_file("other-model/generation_config.json", "{}")
+  write_file("other-model/tokenizer.json", "{}")
   refused(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)), out,
-          { out, "generation_config.json", "new or empty folder" })
+          { out, "tokenizer.json", "new or empty folder" })
   local lc = ck("lora")
   local none = tmp .. "/never-merged"
   local text, st = tool(nil, ("tools/ckpt export %s %s --merge-lora"):format(q(lc.dir), q(none)))

@@ -24,7 +24,15 @@ local M = {}
 -- What an export folder holds; an existing folder holding anything else is
 -- refused rather than left with stale files of another model beside ours.
 local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json",
-                       "adapter_model.safetensors" }
+                       "adapter_model.safetensors", "generation_config.json" }
+
+-- The --init folder's generation_config.json (the tokens transformers'
+-- generate stops at, its sampling defaults), copied into an export of a
+-- model trained from it, where it is still there.
+local function copy_generation_config(m, dir)
+  local text = m.init and lz.read_file(m.init .. "/generation_config.json")
+  if text then atomic.write(dir .. "/generation_config.json", text) end
+end
 
 local function refuse(msg) error(msg, 0) end
 
@@ -150,6 +158,7 @@ function M.export(ck, out, dtype)
     local r = atomic.build_folder(out, FOLDER_FILES, function(f)
       local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
       atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
+      copy_generation_config(ck.manifest, f.tmp)
       return { n, total }
     end)
     return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json")
@@ -344,6 +353,7 @@ function M.export_lora(ck, out, dtype, merge, base)
     local out_list, folded = merged(m, adapters, base)
     write_safetensors(f.tmp .. "/model.safetensors", out_list, dtype, m)
     atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
+    copy_generation_config(m, f.tmp)
     return { #out_list, folded }
   end)
   if not merge then

@@ -21,10 +21,10 @@ local M = {}
 -- architecture: a resume may change them (the default learning rate and
 -- batch, the name, the context of a model without a position table, how
 -- experts are gathered, the initialisation's scale, the router's auxiliary
--- loss and jitter).
+-- loss and jitter, the token ids generation starts and stops at).
 local RUN_FIELDS = { lr = true, micro_batch = true, name = true, context = true,
                      moe_gather = true, std = true, router_logits = true, aux_coef = true,
-                     jitter = true }
+                     jitter = true, bos_id = true, eos_id = true }
 
 local function same_value(a, b)
   if type(a) == "number" and type(b) == "number" then
