@@ -359,6 +359,9 @@ function T.jinja_expressions()
   same(render("{{ {'b': 1.5, 'a': 'é'} | tojson(indent=2, sort_keys=true, ensure_ascii=true) }}"),
        '{\n  "a": "\\u00e9",\n  "b": 1.5\n}')
   same(render("{{ {'b': [], 'a': 0.1} | tojson(separators=(',', ':')) }}"), '{"b":[],"a":0.1}')
+  -- positionally in transformers' order: ensure_ascii, then indent
+  same(render("{{ ['é'] | tojson(true) }}|{{ ['é'] | tojson(false, 1) }}"),
+       '["\\u00e9"]|[\n "é"\n]')
   local json = require("luazero.jinja.json")
   local tools = json.decode('[{"type": "function", "function": {"name": "f", "parameters": ' ..
                             '{"type": "object", "properties": {}, "required": []}}}]')

@@ -511,6 +511,13 @@ function T.chat_kwargs_reach_the_template()
   local c = data.load(tmp .. "/tools.bin")
   same(list(c.ids, c.count), ids1, "prepare-data's ids")
   data.free(c)
+  -- a line's own "tools" (as TRL's datasets keep them): the same ids
+  local own = jsonl("own_tools.jsonl", { '{"messages": [{"role": "user", "content": "Hi"}, ' ..
+    '{"role": "assistant", "content": "Yo"}], "tools": [{"function": {"description": ' ..
+    '"The weather", "name": "get_weather"}, "type": "function"}]}' })
+  c = data.load(own, { tokenizer = tok, template = template })
+  same(list(c.ids, c.count), ids1, "a line's own tools")
+  data.free(c)
   out, st = tool(("tools/prepare-data --tokenizer %s --chat-kwargs '[1]' %s %s")
                  :format(q(dir), q(path), q(tmp .. "/bad.bin")))
   assert(st == 2 and out:find("prepare-data: --chat-kwargs: [1] is not a JSON object of " ..

@@ -245,7 +245,15 @@ function M.tokenize_jsonl(path, opts)
             line_fail(path, line, 'has both "messages" and "prompt"/"completion"; give one form')
           end
           local jok, jobj = pcall(require("luazero.jinja.json").decode, text)
-          x, w = messages(tok, template, obj, path, line, opts.chat_vars,
+          -- a line's own "tools" (as TRL's datasets keep them per row) are
+          -- the template's tools for that line, over --chat-kwargs'
+          local vars = opts.chat_vars
+          if jok and type(jobj) == "table" and type(jobj.tools) == "table" then
+            vars = {}
+            for k, v in pairs(opts.chat_vars or {}) do vars[k] = v end
+            vars.tools = jobj.tools
+          end
+          x, w = messages(tok, template, obj, path, line, vars,
                           jok and type(jobj) == "table" and jobj.messages or nil)
         elseif obj.prompt ~= nil or obj.completion ~= nil then
           x, w = prompt_completion(tok, obj, path, line)

@@ -417,16 +417,17 @@ end
 
 -- The tojson filter of transformers' renderer (4.43 and later, 5.x):
 -- json.dumps(x, ensure_ascii=False, indent=None, separators=None,
--- sort_keys=False): keys in their written order, UTF-8 kept, no HTML escapes.
+-- sort_keys=False): keys in their written order, UTF-8 kept, no HTML escapes;
+-- positional arguments in that order (ensure_ascii first).
 local function tojson(v, args, kw)
   local indent = kw.indent
-  if indent == nil then indent = args[1] end
+  if indent == nil then indent = args[2] end
   if indent == NONE then indent = nil end
   if indent ~= nil and type(indent) ~= "number" then
     fail(("tojson: indent %s is not supported; give a number"):format(repr(indent)))
   end
   local ascii = kw.ensure_ascii
-  if ascii == nil then ascii = args[2] end
+  if ascii == nil then ascii = args[1] end
   local seps = kw.separators
   if seps == nil then seps = args[3] end
   local sort = kw.sort_keys
