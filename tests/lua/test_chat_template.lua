@@ -359,6 +359,12 @@ function T.jinja_expressions()
   same(render("{{ {'b': 1.5, 'a': 'é'} | tojson(indent=2, sort_keys=true, ensure_ascii=true) }}"),
        '{\n  "a": "\\u00e9",\n  "b": 1.5\n}')
   same(render("{{ {'b': [], 'a': 0.1} | tojson(separators=(',', ':')) }}"), '{"b":[],"a":0.1}')
+  -- numbers as the JSON wrote them, as Python's json.loads then dumps does:
+  -- whole floats keep their point, big integers their digits
+  local decoded = require("luazero.jinja.json").decode(
+    '{"t": 1.0, "l": [100.0, -0.0, 1e3, 1e16, 12345678901234567890, 7, 0.1, 1e-05]}')
+  same(render("{{ x | tojson }}", { x = decoded }),
+       '{"t": 1.0, "l": [100.0, -0.0, 1000.0, 1e+16, 12345678901234567890, 7, 0.1, 1e-05]}')
   -- positionally in transformers' order: ensure_ascii, then indent
   same(render("{{ ['é'] | tojson(true) }}|{{ ['é'] | tojson(false, 1) }}"),
        '["\\u00e9"]|[\n "é"\n]')

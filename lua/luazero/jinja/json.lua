@@ -5,7 +5,7 @@
 -- null is jinja's None.
 local values = require("luazero.jinja.values")
 
-local NONE, ORDER = values.NONE, values.ORDER
+local NONE, ORDER, NUMTEXT = values.NONE, values.ORDER, values.NUMTEXT
 local byte, sub, char, concat = string.byte, string.sub, string.char, table.concat
 
 local J = {}
@@ -59,6 +59,22 @@ local function str(src, p) -- p at the opening quote
   end
 end
 
+-- Notes in NUMTEXT how the JSON wrote number v (its text lit) at key k of
+-- table t, where a Lua number cannot tell: a whole float, a big integer.
+local function note_number(t, k, v, lit)
+  if not lit then return end
+  local how
+  if lit:find("[.eE]") then
+    if v == math.floor(v) and v - v == 0 then how = "float" end
+  elseif math.abs(v) >= 2 ^ 53 then
+    how = lit
+  end
+  if how then
+    NUMTEXT[t] = NUMTEXT[t] or {}
+    NUMTEXT[t][k] = how
+  end
+end
+
 function value(src, p)
   p = skip(src, p)
   local c = sub(src, p, p)
@@ -73,10 +89,11 @@ function value(src, p)
       k, p = str(src, p)
       p = skip(src, p)
       if sub(src, p, p) ~= ":" then fail(src, p, "expected : after an object key") end
-      local v
-      v, p = value(src, p + 1)
+      local v, lit
+      v, p, lit = value(src, p + 1)
       if obj[k] == nil then keys[#keys + 1] = k end
       obj[k] = v
+      note_number(obj, k, v, lit)
       p = skip(src, p)
       local d = sub(src, p, p)
       if d == "}" then return obj, p + 1 end
@@ -88,7 +105,10 @@ function value(src, p)
     p = skip(src, p + 1)
     if sub(src, p, p) == "]" then return list, p + 1 end
     while true do
-      list[#list + 1], p = value(src, p)
+      local v, lit
+      v, p, lit = value(src, p)
+      list[#list + 1] = v
+      note_number(list, #list, v, lit)
       p = skip(src, p)
       local d = sub(src, p, p)
       if d == "]" then return list, p + 1 end
@@ -102,7 +122,7 @@ function value(src, p)
   elseif src:find("^null", p) then return NONE, p + 4
   end
   local num = src:match("^-?%d+%.?%d*[eE]?[-+]?%d*", p)
-  if num and tonumber(num) then return tonumber(num), p + #num end
+  if num and tonumber(num) then return tonumber(num), p + #num, num end
   fail(src, p, ("unexpected %q"):format(sub(src, p, p + 9)))
 end
 

@@ -12,6 +12,12 @@ local UNDEF = setmetatable({}, { __tostring = function() return "" end })
 -- records it; a dict without one iterates in sorted key order). A table in
 -- ORDER is a dict even when empty.
 local ORDER = setmetatable({}, { __mode = "k" })
+-- NUMTEXT[t][key]: how JSON text wrote a number that a Lua number cannot
+-- tell apart (jinja/json.lua records it): "float" for a whole number written
+-- as one (1.0, 1e3: Python's json.loads makes a float, which tojson writes
+-- back as 1.0, 1000.0), or the digits of an integer past 2^53 (Python's is
+-- exact). tojson writes the value so while it is the one read.
+local NUMTEXT = setmetatable({}, { __mode = "k" })
 
 local function fail(msg) error(msg, 0) end
 
@@ -387,6 +393,39 @@ local function json_number(v)
   end
 end
 
+-- Python's repr of a float: the fewest digits that read back the same, in
+-- positional form from 1e-4 to below 1e16 (with ".0" when whole), else
+-- d.ddde+XX.
+local function float_repr(v)
+  if v ~= v then return "NaN" end
+  if v == math.huge then return "Infinity" elseif v == -math.huge then return "-Infinity" end
+  local s
+  for p = 0, 17 do
+    s = ("%." .. p .. "e"):format(v)
+    if tonumber(s) == v then break end
+  end
+  local sign, m, e = s:match("^(-?)([%d%.]+)e([-+]%d+)$")
+  local digits, exp = m:gsub("%.", ""), tonumber(e)
+  digits = digits:gsub("(%d)0+$", "%1")
+  if exp >= -4 and exp < 16 then
+    if exp < 0 then return sign .. "0." .. ("0"):rep(-exp - 1) .. digits end
+    local int = digits:sub(1, exp + 1)
+    int = int .. ("0"):rep(exp + 1 - #int)
+    local frac = digits:sub(exp + 2)
+    return sign .. int .. "." .. (frac == "" and "0" or frac)
+  end
+  local mant = digits:sub(1, 1) .. (#digits > 1 and ("." .. digits:sub(2)) or "")
+  return ("%s%se%s%02d"):format(sign, mant, exp < 0 and "-" or "+", math.abs(exp))
+end
+
+-- A number at key k of table t, as the JSON it was read from wrote it.
+local function json_number_at(t, k, v)
+  local how = NUMTEXT[t] and NUMTEXT[t][k]
+  if how == "float" then return float_repr(v) end
+  if how and tonumber(how) == v then return how end
+  return json_number(v)
+end
+
 -- json.dumps(v, ensure_ascii, indent, separators, sort_keys) as Python
 -- writes it (opts: ascii, html, indent, item_sep, key_sep, sort).
 local function to_json(v, opts, level)
@@ -402,7 +441,10 @@ local function to_json(v, opts, level)
   local parts = {}
   if is_list(v) then
     if #v == 0 then return "[]" end
-    for i = 1, #v do parts[i] = pad .. to_json(v[i], opts, level + 1) end
+    for i = 1, #v do
+      parts[i] = pad .. (type(v[i]) == "number" and json_number_at(v, i, v[i]) or
+                         to_json(v[i], opts, level + 1))
+    end
     return "[" .. concat(parts, opts.item_sep) .. close .. "]"
   end
   local keys = keys_of(v)
@@ -410,7 +452,8 @@ local function to_json(v, opts, level)
   if opts.sort then table.sort(keys, by_name) end
   for i, k in ipairs(keys) do
     parts[i] = pad .. json_string(tostring(k), opts.ascii, opts.html) .. opts.key_sep ..
-               to_json(v[k], opts, level + 1)
+               (type(v[k]) == "number" and json_number_at(v, k, v[k]) or
+                to_json(v[k], opts, level + 1))
   end
   return "{" .. concat(parts, opts.item_sep) .. close .. "}"
 end
@@ -563,6 +606,7 @@ local GLOBALS = {
 }
 
 V.NONE, V.UNDEF, V.ORDER, V.fail, V.keys_of, V.tojson = NONE, UNDEF, ORDER, fail, keys_of, tojson
+V.NUMTEXT, V.float_repr = NUMTEXT, float_repr
 V.chars, V.strip, V.str, V.repr, V.truthy, V.length, V.is_list = chars, strip, str, repr, truthy, length, is_list
 V.python_slice, V.getitem, V.getattr, V.arith, V.compare, V.contains, V.number =
   python_slice, getitem, getattr, arith, compare, contains, number
