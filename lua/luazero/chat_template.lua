@@ -188,6 +188,20 @@ local function common_suffix(a, b)
   return k
 end
 
+-- Where the model's own text of assistant message i begins: the end of the
+-- conversation before it rendered with the generation prompt, where that
+-- is a prefix of the text and the template writes a prompt (nil where not:
+-- Llama 2's, which has none). Qwen3's last turn opens with "<think>\n",
+-- which a rendering with the marker shares: the difference alone would
+-- leave that opening untrained while training the reasoning after it.
+local function generation_start(self, messages, i, vars, text)
+  local before = {}
+  for k = 1, i - 1 do before[k] = messages[k] end
+  local aok, a = pcall(render_once, self, before, false, vars)
+  local gok, g = pcall(render_once, self, before, true, vars)
+  if aok and gok and #g > #a and text:sub(1, #g) == g then return #g end
+end
+
 -- The exact text of the conversation, and the assistant spans in it;
 -- opts: add_generation_prompt, spans (false: no spans, and no rendering
 -- again per assistant message), vars (more template variables, as
@@ -246,6 +260,8 @@ function ChatTemplate:render(messages, opts)
         -- block out of a content that holds one; the message's tool calls).
         first = common_prefix(text, marked)
         last = #text - math.min(common_suffix(text, marked), #text - first)
+        local from = generation_start(self, messages, i, opts.vars, text)
+        if from and from < first then first = from end
       end
     end
     if first and whole then

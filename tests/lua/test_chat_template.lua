@@ -183,15 +183,20 @@ function T.spans_are_where_the_content_changes_the_text()
   local ok, err = pcall(twice.render, twice, msgs)
   assert(not ok and err:find("chat_template: t.json: assistant message 2 is not written once", 1, true) and
          not err:find("\n"), err)
-  -- Qwen3: the reasoning of the last turn is part of its span, older ones are dropped
+  -- Qwen3: the reasoning of the last turn is part of its span, its <think>
+  -- opening too (what the model writes after the generation prompt), older
+  -- ones are dropped; the same reasoning as reasoning_content, the same span
   local qwen3 = chat_template.load(FIXTURES .. "qwen3")
-  renders(qwen3, { { role = "user", content = "1?" },
-                   { role = "assistant", content = "<think>\nr1\n</think>\n\nA1" },
-                   { role = "user", content = "2?" },
-                   { role = "assistant", content = "<think>\nr2\n</think>\n\nA2" } }, nil,
-          "<|im_start|>user\n1?<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\n" ..
-          "2?<|im_end|>\n<|im_start|>assistant\n<think>\nr2\n</think>\n\nA2<|im_end|>\n",
-          { "A1<|im_end|>", "r2\n</think>\n\nA2<|im_end|>" })
+  local conv = { { role = "user", content = "1?" },
+                 { role = "assistant", content = "<think>\nr1\n</think>\n\nA1" },
+                 { role = "user", content = "2?" },
+                 { role = "assistant", content = "<think>\nr2\n</think>\n\nA2" } }
+  local want = "<|im_start|>user\n1?<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n" ..
+               "<|im_start|>user\n2?<|im_end|>\n<|im_start|>assistant\n<think>\nr2\n</think>\n\n" ..
+               "A2<|im_end|>\n"
+  renders(qwen3, conv, nil, want, { "A1<|im_end|>", "<think>\nr2\n</think>\n\nA2<|im_end|>" })
+  conv[4] = { role = "assistant", content = "A2", reasoning_content = "r2" }
+  renders(qwen3, conv, nil, want, { "A1<|im_end|>", "<think>\nr2\n</think>\n\nA2<|im_end|>" })
 end
 
 -- An assistant message's tool calls are its output: the span covers them
