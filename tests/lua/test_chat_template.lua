@@ -370,6 +370,10 @@ function T.jinja_expressions()
     '{"t": 1.0, "l": [100.0, -0.0, 1e3, 1e16, 12345678901234567890, 7, 0.1, 1e-05]}')
   same(render("{{ x | tojson }}", { x = decoded }),
        '{"t": 1.0, "l": [100.0, -0.0, 1000.0, 1e+16, 12345678901234567890, 7, 0.1, 1e-05]}')
+  -- Python's str of a float and repr of a string (a template printing a
+  -- list of content parts): the fewest digits, the quote Python picks
+  same(render("{{ x }}|{{ 0.1 }}|{{ 1 / 3 }}", { x = { "it's\tok", 'a"b', "x'y\"z" } }),
+       "[\"it's\\tok\", 'a\"b', 'x\\'y\"z']|0.1|0.3333333333333333")
   -- positionally in transformers' order: ensure_ascii, then indent
   same(render("{{ ['é'] | tojson(true) }}|{{ ['é'] | tojson(false, 1) }}"),
        '["\\u00e9"]|[\n "é"\n]')

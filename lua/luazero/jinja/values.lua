@@ -88,6 +88,31 @@ local function keys_of(d)
   return out
 end
 
+-- Python's repr of a float: the fewest digits that read back the same, in
+-- positional form from 1e-4 to below 1e16 (with ".0" when whole), else
+-- d.ddde+XX.
+local function float_repr(v)
+  if v ~= v then return "NaN" end
+  if v == math.huge then return "Infinity" elseif v == -math.huge then return "-Infinity" end
+  local s
+  for p = 0, 17 do
+    s = ("%." .. p .. "e"):format(v)
+    if tonumber(s) == v then break end
+  end
+  local sign, m, e = s:match("^(-?)([%d%.]+)e([-+]%d+)$")
+  local digits, exp = m:gsub("%.", ""), tonumber(e)
+  digits = digits:gsub("(%d)0+$", "%1")
+  if exp >= -4 and exp < 16 then
+    if exp < 0 then return sign .. "0." .. ("0"):rep(-exp - 1) .. digits end
+    local int = digits:sub(1, exp + 1)
+    int = int .. ("0"):rep(exp + 1 - #int)
+    local frac = digits:sub(exp + 2)
+    return sign .. int .. "." .. (frac == "" and "0" or frac)
+  end
+  local mant = digits:sub(1, 1) .. (#digits > 1 and ("." .. digits:sub(2)) or "")
+  return ("%s%se%s%02d"):format(sign, mant, exp < 0 and "-" or "+", math.abs(exp))
+end
+
 local repr
 
 -- Python's str() of a value, as {{ }} prints it.
@@ -99,15 +124,26 @@ local function str(v)
   if t == "boolean" then return v and "True" or "False" end
   if t == "number" then
     if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
-    return ("%.17g"):format(v)
+    return float_repr(v)
   end
   return repr(v)
 end
 
+-- Python's repr of a string: in single quotes, or double ones when it holds
+-- a single quote and no double one; backslash, the quote, \t \n \r and the
+-- other ASCII control characters escaped (\xNN).
+local REPR_ESC = { ["\\"] = "\\\\", ["\t"] = "\\t", ["\n"] = "\\n", ["\r"] = "\\r" }
+local function repr_string(v)
+  local q = (v:find("'", 1, true) and not v:find('"', 1, true)) and '"' or "'"
+  return q .. v:gsub("[%c\\'\"]", function(c)
+    if c == q then return "\\" .. c end
+    if c == "'" or c == '"' then return c end
+    return REPR_ESC[c] or ("\\x%02x"):format(c:byte())
+  end) .. q
+end
+
 function repr(v)
-  if type(v) == "string" then
-    return "'" .. v:gsub("\\", "\\\\"):gsub("'", "\\'"):gsub("\n", "\\n") .. "'"
-  end
+  if type(v) == "string" then return repr_string(v) end
   if type(v) ~= "table" or v == NONE or v == UNDEF then return str(v) end
   local parts = {}
   if is_list(v) then
@@ -391,31 +427,6 @@ local function json_number(v)
     local t = ("%." .. digits .. "g"):format(v)
     if tonumber(t) == v then return t end
   end
-end
-
--- Python's repr of a float: the fewest digits that read back the same, in
--- positional form from 1e-4 to below 1e16 (with ".0" when whole), else
--- d.ddde+XX.
-local function float_repr(v)
-  if v ~= v then return "NaN" end
-  if v == math.huge then return "Infinity" elseif v == -math.huge then return "-Infinity" end
-  local s
-  for p = 0, 17 do
-    s = ("%." .. p .. "e"):format(v)
-    if tonumber(s) == v then break end
-  end
-  local sign, m, e = s:match("^(-?)([%d%.]+)e([-+]%d+)$")
-  local digits, exp = m:gsub("%.", ""), tonumber(e)
-  digits = digits:gsub("(%d)0+$", "%1")
-  if exp >= -4 and exp < 16 then
-    if exp < 0 then return sign .. "0." .. ("0"):rep(-exp - 1) .. digits end
-    local int = digits:sub(1, exp + 1)
-    int = int .. ("0"):rep(exp + 1 - #int)
-    local frac = digits:sub(exp + 2)
-    return sign .. int .. "." .. (frac == "" and "0" or frac)
-  end
-  local mant = digits:sub(1, 1) .. (#digits > 1 and ("." .. digits:sub(2)) or "")
-  return ("%s%se%s%02d"):format(sign, mant, exp < 0 and "-" or "+", math.abs(exp))
 end
 
 -- A number at key k of table t, as the JSON it was read from wrote it.
