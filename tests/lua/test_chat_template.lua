@@ -374,6 +374,11 @@ function T.jinja_expressions()
   -- list of content parts): the fewest digits, the quote Python picks
   same(render("{{ x }}|{{ 0.1 }}|{{ 1 / 3 }}", { x = { "it's\tok", 'a"b', "x'y\"z" } }),
        "[\"it's\\tok\", 'a\"b', 'x\\'y\"z']|0.1|0.3333333333333333")
+  -- jinja2's title, int toward zero, a tuple of suffixes, join by attribute
+  same(render("{{ \"it's a x-ray (big)\" | title }}|{{ -3.7 | int }}|" ..
+              "{{ 'abc'.endswith(('x', 'c')) }}|{{ xs | join(', ', attribute='n') }}",
+              { xs = { { n = "a" }, { n = "b" } } }),
+       "It's A X-Ray (Big)|-3|True|a, b")
   -- positionally in transformers' order: ensure_ascii, then indent
   same(render("{{ ['é'] | tojson(true) }}|{{ ['é'] | tojson(false, 1) }}"),
        '["\\u00e9"]|[\n "é"\n]')

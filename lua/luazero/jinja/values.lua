@@ -226,8 +226,21 @@ local STRING_METHODS = {
   lower = function(s) return s:lower() end,
   title = function(s) return (s:lower():gsub("(%a)([%w]*)", function(a, b) return a:upper() .. b end)) end,
   capitalize = function(s) return s:sub(1, 1):upper() .. s:sub(2):lower() end,
-  startswith = function(s, p) return sub(s, 1, #p) == p end,
-  endswith = function(s, p) return p == "" or sub(s, -#p) == p end,
+  -- (a tuple of prefixes or suffixes: any of them)
+  startswith = function(s, p)
+    if type(p) == "table" then
+      for _, x in ipairs(p) do if sub(s, 1, #x) == x then return true end end
+      return false
+    end
+    return sub(s, 1, #p) == p
+  end,
+  endswith = function(s, p)
+    if type(p) == "table" then
+      for _, x in ipairs(p) do if x == "" or sub(s, -#x) == x then return true end end
+      return false
+    end
+    return p == "" or sub(s, -#p) == p
+  end,
   replace = function(s, a, b)
     local out, i = {}, 1
     if a == "" then fail("str.replace with an empty pattern is not supported") end
@@ -503,10 +516,22 @@ local FILTERS = {
   upper = function(v) return str(v):upper() end,
   lower = function(v) return str(v):lower() end,
   capitalize = function(v) return STRING_METHODS.capitalize(str(v)) end,
-  title = function(v) return STRING_METHODS.title(str(v)) end,
+  -- jinja2's: each word's first letter up and the rest down, words
+  -- begun by blanks, dashes and opening brackets (not by an apostrophe,
+  -- which str.title begins one at)
+  title = function(v)
+    return (str(v):lower():gsub("()(%a)", function(at, c)
+      local before = at > 1 and str(v):sub(at - 1, at - 1) or ""
+      return (before == "" or before:find("^[%s%-%({%[<]$")) and c:upper() or c
+    end))
+  end,
   string = function(v) return str(v) end,
   safe = function(v) return v end,
-  int = function(v) return math.floor(tonumber(v) or 0) end,
+  -- Python's int(): toward zero
+  int = function(v)
+    local x = tonumber(v) or 0
+    return x < 0 and math.ceil(x) or math.floor(x)
+  end,
   float = function(v) return tonumber(v) or 0 end,
   abs = function(v) return math.abs(number(v, "abs")) end,
   default = function(v, d, boolean)
@@ -521,11 +546,6 @@ local FILTERS = {
     local out = {}
     for i = #items, 1, -1 do out[#out + 1] = items[i] end
     return type(v) == "string" and concat(out) or out
-  end,
-  join = function(v, sep)
-    local parts = {}
-    for i, x in ipairs(v) do parts[i] = str(x) end
-    return concat(parts, sep or "")
   end,
   replace = function(v, a, b) return STRING_METHODS.replace(str(v), a, b) end,
   items = function(v) return DICT_METHODS.items(v) end,
@@ -578,6 +598,12 @@ local SEQ_FILTERS = {
       end
     end
     return out
+  end,
+  -- jinja2's join(value, d="", attribute=None)
+  join = function(v, args, kw)
+    local sep, attr, parts = args[1] or kw.d or "", kw.attribute, {}
+    for i, x in ipairs(sequence(v, "|join")) do parts[i] = str(attr ~= nil and getattr(x, attr) or x) end
+    return concat(parts, str(sep))
   end,
   unique = function(v)
     local out = {}
