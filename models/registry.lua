@@ -93,18 +93,26 @@ end
 local null = cjson.null
 local function present(v) return v ~= nil and v ~= null end
 
+-- A value of the file as JSON text in a message (NaN and infinities, which
+-- cjson reads but will not write, as they are: nan, inf).
+local function shown(v)
+  local ok, text = pcall(cjson.encode, v)
+  return ok and text or tostring(v)
+end
+
 local KIND_CHECKS = {
-  int = function(v) return type(v) == "number" and v == math.floor(v) end,
+  int = function(v) return type(v) == "number" and v == math.floor(v) and v - v == 0 end,
   number = function(v) return type(v) == "number" end,
   bool = function(v) return type(v) == "boolean" end,
   string = function(v) return type(v) == "string" end,
   object = function(v) return type(v) == "table" end,
   -- a token id or a list of them (eos_token_id)
   ids = function(v)
-    if type(v) == "number" then return v == math.floor(v) and v >= 0 end
+    local function id(x) return type(x) == "number" and x == math.floor(x) and x >= 0 and x < 2 ^ 31 end
+    if type(v) == "number" then return id(v) end
     if type(v) ~= "table" or #v == 0 then return false end
     for _, x in ipairs(v) do
-      if type(x) ~= "number" or x ~= math.floor(x) or x < 0 then return false end
+      if not id(x) then return false end
     end
     return true
   end,
@@ -137,7 +145,7 @@ local function read_field(e, j, cfg, fail)
   -- A string with a list of allowed values is checked against the list alone.
   if not (kind == "string" and e.allowed) and not KIND_CHECKS[kind](v) then
     if kind == "object" then fail(("field %s is not an object"):format(key)) end
-    fail(("field %s is %s%s"):format(key, cjson.encode(v), KIND_WANTS[kind]))
+    fail(("field %s is %s%s"):format(key, shown(v), KIND_WANTS[kind]))
   end
   if e.allowed then
     local ok = false
@@ -145,7 +153,7 @@ local function read_field(e, j, cfg, fail)
     if not ok then
       local want = {}
       for i, a in ipairs(e.allowed) do want[i] = cjson.encode(a) end
-      fail(("field %s is %s; %s"):format(key, cjson.encode(v),
+      fail(("field %s is %s; %s"):format(key, shown(v),
            e.refusal or ("expected " .. table.concat(want, " or "))))
     end
   end
@@ -188,7 +196,7 @@ function M.from_hf_config(path, overrides, opts)
   end
   local fam = families.of_architecture(arch)
   if not fam then
-    fail(("field %s is %s: unknown architecture (known: %s)"):format(where, cjson.encode(arch),
+    fail(("field %s is %s: unknown architecture (known: %s)"):format(where, shown(arch),
          table.concat(families.architectures(), ", ")))
   end
   local cfg = { name = path:match("([^/]+/[^/]+)$") or path }
