@@ -50,6 +50,27 @@ def val_loss(out):
     return None
 
 
+def adapters_agree(check, label, torch, pm, base, ad, ids, data, also=True):
+    """pm's adapters drawn at random (the generator as seeded), saved to ad:
+    scripts/eval.lua --hf base --adapters ad gives PEFT's loss on ids (and
+    `also` holds). Returns PEFT's loss."""
+    with torch.no_grad():
+        for pname, p in pm.named_parameters():
+            if "lora_" in pname:
+                p.copy_(0.2 * torch.randn_like(p))
+    pm.eval()
+    pm.save_pretrained(ad)
+    with torch.no_grad():
+        ref = float(pm(input_ids=ids, labels=ids).loss)
+    st, out = lz("scripts/eval.lua", "--hf", base, "--adapters", ad, "--data", data,
+                 "--seq-len", str(T), "--micro-batch", "1", "--max-batches", "1")
+    ours = val_loss(out)
+    err = abs(ours - ref) / abs(ref) if ours is not None else float("inf")
+    check(label, st == 0 and err <= TOL and also,
+          f"luazero {ours} peft {ref:.10g} err {err:.1e}" + ("" if st == 0 else " " + out[-1500:]))
+    return ref
+
+
 def main():
     check = Checks("peft_config")
     import torch
@@ -78,22 +99,8 @@ def main():
                                  **{"target_modules": TARGETS, **extra})
             pm = peft.get_peft_model(model, lc)
             torch.manual_seed(7)  # plain and rslora: the same adapter weights
-            with torch.no_grad():
-                for pname, p in pm.named_parameters():
-                    if "lora_" in pname:
-                        p.copy_(0.2 * torch.randn_like(p))
-            pm.eval()
-            ad = os.path.join(tmp, "ad-" + name)
-            pm.save_pretrained(ad)
-            with torch.no_grad():
-                ref = float(pm(input_ids=ids, labels=ids).loss)
-            st, out = lz("scripts/eval.lua", "--hf", base, "--adapters", ad, "--data", data,
-                         "--seq-len", str(T), "--micro-batch", "1", "--max-batches", "1")
-            ours = val_loss(out)
-            err = abs(ours - ref) / abs(ref) if ours is not None else float("inf")
-            check(f"{name}.loss", st == 0 and err <= TOL,
-                  f"luazero {ours} peft {ref:.10g} err {err:.1e}" +
-                  ("" if st == 0 else " " + out[-1500:]))
+            ref = adapters_agree(check, f"{name}.loss", torch, pm, base,
+                                 os.path.join(tmp, "ad-" + name), ids, data)
             losses[name] = ref
         check("rslora_changes_the_loss", abs(losses["rslora"] - losses["plain"]) > 1e-4,
               f"plain {losses['plain']:.8g} rslora {losses['rslora']:.8g}")
@@ -105,23 +112,9 @@ def main():
         pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
                                                         target_modules=["c_attn", "c_proj"],
                                                         task_type="CAUSAL_LM"))
-        with torch.no_grad():
-            for pname, p in pm.named_parameters():
-                if "lora_" in pname:
-                    p.copy_(0.2 * torch.randn_like(p))
-        pm.eval()
-        ad = os.path.join(tmp, "ad-gpt2")
-        pm.save_pretrained(ad)
-        with torch.no_grad():
-            ref = float(pm(input_ids=ids, labels=ids).loss)
-        st, out = lz("scripts/eval.lua", "--hf", g2, "--adapters", ad, "--data", data,
-                     "--seq-len", str(T), "--micro-batch", "1", "--max-batches", "1")
-        ours = val_loss(out)
-        err = abs(ours - ref) / abs(ref) if ours is not None else float("inf")
-        check("gpt2_fan_in_fan_out.loss", st == 0 and err <= TOL and
-              pm.peft_config["default"].fan_in_fan_out,
-              f"luazero {ours} peft {ref:.10g} err {err:.1e}" +
-              ("" if st == 0 else " " + out[-1500:]))
+        adapters_agree(check, "gpt2_fan_in_fan_out.loss", torch, pm, g2,
+                       os.path.join(tmp, "ad-gpt2"), ids, data,
+                       pm.peft_config["default"].fan_in_fan_out)
     return check.summary()
 
 
