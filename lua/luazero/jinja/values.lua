@@ -3,6 +3,7 @@
 -- slicing by code point, attributes and the string and dict methods, ==, in,
 -- arithmetic, comparisons, and the tests, filters and globals of luazero.jinja.
 local cjson = require("cjson")
+local decimal = require("luazero.io.decimal")
 
 local V = {}
 
@@ -435,11 +436,7 @@ end
 local function json_number(v)
   if v ~= v then return "NaN" end
   if v == math.huge then return "Infinity" elseif v == -math.huge then return "-Infinity" end
-  if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
-  for digits = 15, 17 do
-    local t = ("%." .. digits .. "g"):format(v)
-    if tonumber(t) == v then return t end
-  end
+  return decimal.shortest(v)
 end
 
 -- A number at key k of table t, as the JSON it was read from wrote it.

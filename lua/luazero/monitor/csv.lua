@@ -9,6 +9,7 @@
 --   c:scalars(step, { { "Train/Samples/lr", 1e-3 }, ... })
 --   c:close()
 local jsonl = require("luazero.jsonl")
+local decimal = require("luazero.io.decimal")
 
 local M = {}
 local Csv = {}
@@ -23,11 +24,7 @@ function M.file_name(tag) return (tag:gsub("[/ ]", "_")) .. ".csv" end
 function M.number(v)
   if v ~= v then return "nan" end
   if v == math.huge or v == -math.huge then return v > 0 and "inf" or "-inf" end
-  if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
-  for digits = 15, 17 do
-    local s = ("%." .. digits .. "g"):format(v)
-    if tonumber(s) == v then return s end
-  end
+  return decimal.shortest(v)
 end
 
 function Csv:file(tag)

@@ -13,6 +13,7 @@ local ffi = require("ffi")
 local cjson = require("cjson")
 local lz = require("luazero")
 local atomic = require("luazero.io.atomic")
+local decimal = require("luazero.io.decimal")
 
 local M = {}
 
@@ -115,12 +116,7 @@ local function flag_name(k) return (tostring(k):gsub("_", "-")) end
 -- 0.30000000000000004 would be one run).
 local function value_text(v)
   if type(v) ~= "number" then return tostring(v) end
-  if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return ("%d"):format(v) end
-  for digits = 14, 17 do
-    local t = ("%." .. digits .. "g"):format(v)
-    if tonumber(t) == v then return t end
-  end
-  return tostring(v)
+  return decimal.shortest(v)
 end
 
 M.value_text = value_text
