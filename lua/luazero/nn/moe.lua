@@ -95,20 +95,18 @@ function MoE:balance(c, p)
   local E, k, N = self.n_experts, self.top_k, c.n
   local extra = self.ctx.extra
   local mask = extra and extra.mask and ffi.cast("int32_t *", extra.mask.data)
-  c.probsum = ffi.new("double[?]", E)
-  if not mask then
-    for n = 0, N - 1 do
-      for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
-    end
-    c.aux_count, c.aux_n = c.count, N
-    return
+  c.probsum, c.aux_n, c.aux_count = ffi.new("double[?]", E), 0, c.count
+  local idx, held
+  if mask then -- (the counts of the unmasked tokens' choices alone)
+    idx, held = on_host(c.idx, "int32_t *")
+    c.aux_count, c.counted = ffi.new("int32_t[?]", E), mask
   end
-  local idx, held = on_host(c.idx, "int32_t *")
-  c.aux_count, c.aux_n, c.counted = ffi.new("int32_t[?]", E), 0, mask
   for n = 0, N - 1 do
-    if mask[n] ~= 0 then
+    if not mask or mask[n] ~= 0 then
       for e = 0, E - 1 do c.probsum[e] = c.probsum[e] + p[n * E + e] end
-      for j = 0, k - 1 do c.aux_count[idx[n * k + j]] = c.aux_count[idx[n * k + j]] + 1 end
+      if mask then
+        for j = 0, k - 1 do c.aux_count[idx[n * k + j]] = c.aux_count[idx[n * k + j]] + 1 end
+      end
       c.aux_n = c.aux_n + 1
     end
   end
