@@ -298,20 +298,15 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
   -- and formats, the master), what M.rank keeps on the device and the host
   -- with nothing offloaded, as pick_nvme measures its placements; else
   -- AdamW's fp32 states over `params`.
-  local function need_at(stage)
-    if opts.counts then
-      local o = {}
-      for k, v in pairs(opts.settings or {}) do o[k] = v end
-      o.stage, o.offload, o.opt, o.param = stage, "none", nil, nil
-      o.dtype, o.grads, o.device = dtype, opts.grads, opts.device or "cuda"
-      local r = M.rank(opts.counts, o)
-      if r then return { device = M.kept(r, "device") + M.kept(r, "host") } end
-    end
+  local function stage_need(stage)
+    local bytes = opts.counts and M.need_at(opts.counts, opts.settings, stage, "none", dtype,
+                                            opts.grads, opts.device or "cuda")
+    if bytes then return { device = bytes } end
     return M.model_states(params, world, stage, { dtype = dtype, grads = opts.grads,
                           persistent = opts.persistent, layout = opts.layout })
   end
   for stage = from, 3 do
-    local r = need_at(stage)
+    local r = stage_need(stage)
     if not least or r.device < least.device then least = { stage = stage, device = r.device } end
     if r.device <= budget_bytes then
       local why

@@ -743,6 +743,20 @@ end
 -- settings (M.settings_of's: sub_group_size, buffer counts, ...). Returns
 -- the placement name or nil, what it puts on NVMe, and the bytes it needs
 -- (the last tried when none fits).
+-- What a rank keeps on the device and the host (M.kept) at `stage` with
+-- `placement` (estimate.placements' name), the run's settings (the
+-- optimizer's states and formats, ep_size, ...) on top: the bytes, or nil
+-- and why M.rank refuses the placement.
+function M.need_at(counts, settings, stage, placement, dtype, grads, device)
+  local o = {}
+  for k, v in pairs(settings or {}) do o[k] = v end
+  o.stage, o.offload, o.opt, o.param = stage, placement, nil, nil
+  o.dtype, o.grads, o.device = dtype, grads, device
+  local r, why = M.rank(counts, o)
+  if not r then return nil, why end
+  return M.kept(r, "device") + M.kept(r, "host")
+end
+
 function M.pick_nvme(params, world, budget_bytes, dtype, opts)
   local counts = opts.counts
   if not counts then
@@ -763,13 +777,9 @@ function M.pick_nvme(params, world, budget_bytes, dtype, opts)
   end
   local need, name, refused
   for _, pl in ipairs(tries) do
-    local o = {}
-    for k, v in pairs(opts.settings or {}) do o[k] = v end
-    o.stage, o.offload, o.opt, o.param = 3, pl, nil, nil
-    o.dtype, o.grads, o.device = dtype, opts.grads, device
-    local r, why = M.rank(counts, o)
-    if r then
-      need, name = M.kept(r, "device") + M.kept(r, "host"), pl
+    local bytes, why = M.need_at(counts, opts.settings, 3, pl, dtype, opts.grads, device)
+    if bytes then
+      need, name = bytes, pl
       if need <= budget_bytes then return pl, what[pl], need end
     end
     refused = refused or why

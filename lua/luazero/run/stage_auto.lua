@@ -23,9 +23,12 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
   local act_note = ""
+  -- (the estimate reads any device but cpu as an accelerator's memory apart)
+  local device = flags.device
+  local settings = estimate.settings_of(cfg, device)
   -- (an MoE model's experts over moe.ep_size ranks: their arenas take every
   -- rank's rows, their parameters are a share)
-  local ep_size = cfg.moe and cfg.moe.ep_size or 1
+  local ep_size = settings.ep_size
   if batch then
     -- (what the model's arenas hold for one micro-batch, with the
     -- activation checkpointing it is set to)
@@ -47,9 +50,6 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   for _, e in ipairs(model.param_table) do
     if e.numel <= z.stage3_param_persistence_threshold then persistent = persistent + e.numel end
   end
-  -- (the estimate reads any device but cpu as an accelerator's memory apart)
-  local device = flags.device
-  local settings = estimate.settings_of(cfg, device)
   settings.overlap = nil -- stage 3's default unless the config says
   if z.overlap_comm_given then settings.overlap = z.overlap_comm end
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
