@@ -11,6 +11,12 @@ local mpi_lib = "/usr/lib/x86_64-linux-gnu/openmpi/lib"
 local cuda = os.getenv("CUDA_HOME") or "/usr/local/cuda"
 local nvcc = cuda .. "/bin/nvcc"
 local have_cuda = os.isfile(nvcc) and os.getenv("LZ_NO_CUDA") == nil
+-- nvcc through ccache where it is on PATH and LZ_CCACHE is not 0, as
+-- tools/setup runs gcc: paths under the checkout hash relative to it, so
+-- a new clone anywhere reuses the objects of an earlier one.
+local ccache = os.getenv("LZ_CCACHE") ~= "0" and os.pathsearch("ccache", os.getenv("PATH") or "")
+local nvcc_launcher = ccache and string.format("CCACHE_BASEDIR=%s CCACHE_NOHASHDIR=1 %s/ccache ",
+                                               root, ccache) or ""
 
 -- LZ_BUILD=DIR puts the whole build somewhere else (default: build/).
 local out = os.getenv("LZ_BUILD") or "build"
@@ -121,7 +127,7 @@ if have_cuda then
            -- The libraries link the objects as options, not prerequisites:
            -- a new object has them linked again by removing them.
            "\t@rm -f lib/libluazero_cuda.so debug/lib/libluazero_cuda.so\n",
-           "\t", nvcc, " ", nvflags, " -c $< -o $@\n")
+           "\t", nvcc_launcher, nvcc, " ", nvflags, " -c $< -o $@\n")
   mk:close()
   local cmds = { "+$(MAKE) --no-print-directory -f cuda_objects.mk" }
   project "luazero_cuda_objects"
