@@ -76,22 +76,26 @@ lz_status lz_rmsnorm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *x
 lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
                               const lz_tensor *x, const lz_tensor *w, const lz_tensor *rstd);
 
-/* QK-norm (Qwen3's q_norm and k_norm, Gemma 3's): RMSNorm over each head of
- * q and of k inside packed q|k|v rows, qkv [..., C] f32, C >= (n_head +
- * n_kv_head) * head_dim: out = (offset + w) * (x / sqrt(mean(x^2) + eps)) per
- * head, q_w for the n_head q heads, k_w for the n_kv_head k heads that
- * follow (head_dim = numel(q_w) = numel(k_w)); the columns after them are
- * copied (offset 0: Qwen3, 1: Gemma 3's x * (1 + w)). rstd: one 1/rms per
- * q and k head of each row. out may alias qkv. All f32. */
+/* QK-norm (Qwen3's q_norm and k_norm, Gemma 3's, OLMoE's whole-projection
+ * one): RMSNorm over each head of q and of k inside packed q|k|v rows, qkv
+ * [..., C] f32, C >= n_head * numel(q_w) + n_kv_head * numel(k_w):
+ * out = (offset + w) * (x / sqrt(mean(x^2) + eps)) per head, q_w for the
+ * n_head q heads, k_w for the n_kv_head k heads that follow (each head as
+ * wide as its weight); the columns after them are copied (offset 0: Qwen3,
+ * 1: Gemma 3's x * (1 + w)). clip > 0 (OLMoE's clip_qkv) then clamps every
+ * output, the copied columns too, to [-clip, clip]; 0 is none. rstd: one
+ * 1/rms per q and k head of each row. out may alias qkv. All f32. */
 lz_status lz_qk_norm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *qkv,
                              const lz_tensor *q_w, const lz_tensor *k_w, int n_head, int n_kv_head,
-                             float eps, float offset);
-/* dx written (may alias dy; the columns after the k heads are dy's);
- * dq_w, dk_w += sums over rows and heads of dy * x * rstd. qkv: forward's
- * input. */
+                             float eps, float offset, float clip);
+/* dx written (may alias dy; the columns after the k heads are dy's, 0
+ * where forward clamped them); dq_w, dk_w += sums over rows and heads of
+ * dy * x * rstd; where forward clamped an output (clip > 0) its dy counts
+ * as 0. qkv: forward's input. */
 lz_status lz_qk_norm_backward(lz_tensor *dx, lz_tensor *dq_w, lz_tensor *dk_w, const lz_tensor *dy,
                               const lz_tensor *qkv, const lz_tensor *q_w, const lz_tensor *k_w,
-                              const lz_tensor *rstd, int n_head, int n_kv_head, float offset);
+                              const lz_tensor *rstd, int n_head, int n_kv_head, float offset,
+                              float clip);
 
 /* Rotary embeddings, rotate_half convention: x [B, T, n_head * head_dim]; in
  * each head, element i pairs with i + head_dim/2 and turns by the angle

@@ -297,100 +297,138 @@ lz_status lz_cu_rmsnorm_backward(const lz_op_args *a) {
 
 // ---------------------------------------------------------------- QK-norm
 
+// Where head h of a row starts: n_q q heads of Dq, then k heads of Dk.
+static __device__ __forceinline__ int64_t qk_head_at(int h, int n_q, int64_t Dq, int64_t Dk) {
+  return h < n_q ? h * Dq : n_q * Dq + (h - n_q) * Dk;
+}
+
+// x clamped to [-clip, clip] (clip > 0), as torch's clamp (NaN stays).
+static __device__ __forceinline__ float qk_clamp(float x, float clip) {
+  return x > clip ? clip : x < -clip ? -clip : x;
+}
+
 // One warp per (row, head) of the q and k heads (core/kernels/qk_norm.c):
-// y = (offset + w) * (x * s); warp `heads` of a row copies the columns after
-// the k heads when out is not x.
+// y = (offset + w) * (x * s), clamped where clip > 0; warp `heads` of a row
+// copies (or clamps) the columns after the k heads.
 __global__ void qk_norm_forward_kernel(float *out, float *rstd, const float *x, const float *qw,
-                                       const float *kw, int64_t rows, int64_t C, int64_t D,
-                                       int n_q, int heads, float eps, float offset) {
+                                       const float *kw, int64_t rows, int64_t C, int64_t Dq,
+                                       int64_t Dk, int n_q, int heads, float eps, float offset,
+                                       float clip) {
   int64_t warp = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   int lane = threadIdx.x % WARP;
   int64_t row = warp / (heads + 1);
   int h = (int)(warp % (heads + 1));
   if (row >= rows) return;
   if (h == heads) {
-    if (out != x)
-      for (int64_t i = (int64_t)heads * D + lane; i < C; i += WARP) out[row * C + i] = x[row * C + i];
+    for (int64_t i = qk_head_at(heads, n_q, Dq, Dk) + lane; i < C; i += WARP) {
+      const float v = x[row * C + i];
+      if (clip > 0.0f || out != x) out[row * C + i] = clip > 0.0f ? qk_clamp(v, clip) : v;
+    }
     return;
   }
-  const float *xr = x + row * C + h * D, *w = h < n_q ? qw : kw;
+  const int64_t D = h < n_q ? Dq : Dk, at = row * C + qk_head_at(h, n_q, Dq, Dk);
+  const float *xr = x + at, *w = h < n_q ? qw : kw;
   float s2 = 0.0f;
   for (int64_t i = lane; i < D; i += WARP) s2 += xr[i] * xr[i];
   const float s = 1.0f / sqrtf(warp_sum(s2) / (float)D + eps);
   __syncwarp();  // every lane has read its x before out (which may be x) is written
-  float *o = out + row * C + h * D;
-  for (int64_t i = lane; i < D; i += WARP) o[i] = (offset + w[i]) * (xr[i] * s);
+  float *o = out + at;
+  for (int64_t i = lane; i < D; i += WARP) {
+    const float y = (offset + w[i]) * (xr[i] * s);
+    o[i] = clip > 0.0f ? qk_clamp(y, clip) : y;
+  }
   if (lane == 0) rstd[row * heads + h] = s;
 }
 
-// dw partials: column c of [q | k] (2D of them) summed over a fixed range of
-// rows per blockIdx.y, heads in order within a row.
+// dy where forward did not clamp the output (offset + w) * (x * s).
+static __device__ __forceinline__ float qk_kept(float dy, float x, float w, float s, float offset,
+                                                float clip) {
+  if (!(clip > 0.0f)) return dy;
+  const float y = (offset + w) * (x * s);
+  return y > clip || y < -clip ? 0.0f : dy;
+}
+
+// dw partials: column c of [q | k] (Dq + Dk of them) summed over a fixed
+// range of rows per blockIdx.y, heads in order within a row.
 __global__ void qk_norm_dw_kernel(float *partials, const float *dy, const float *x,
-                                  const float *rstd, int64_t rows, int64_t C, int64_t D, int n_q,
-                                  int heads) {
+                                  const float *qw, const float *kw, const float *rstd,
+                                  int64_t rows, int64_t C, int64_t Dq, int64_t Dk, int n_q,
+                                  int heads, float offset, float clip) {
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= 2 * D) return;
+  if (c >= Dq + Dk) return;
   int64_t per = (rows + RMS_ROW_CHUNKS - 1) / RMS_ROW_CHUNKS;
   int64_t r0 = blockIdx.y * per, r1 = r0 + per < rows ? r0 + per : rows;
-  int h0 = c < D ? 0 : n_q, h1 = c < D ? n_q : heads;
-  int64_t col = c < D ? c : c - D;
+  const int q = c < Dq;
+  int h0 = q ? 0 : n_q, h1 = q ? n_q : heads;
+  int64_t col = q ? c : c - Dq;
+  const float w = q ? qw[col] : kw[col];
   float sw = 0.0f;
   for (int64_t r = r0; r < r1; r++)
     for (int h = h0; h < h1; h++) {
-      int64_t at = r * C + h * D + col;
-      sw += dy[at] * (x[at] * rstd[r * heads + h]);
+      int64_t at = r * C + qk_head_at(h, n_q, Dq, Dk) + col;
+      const float s = rstd[r * heads + h];
+      sw += qk_kept(dy[at], x[at], w, s, offset, clip) * (x[at] * s);
     }
-  partials[(int64_t)blockIdx.y * 2 * D + c] = sw;
+  partials[(int64_t)blockIdx.y * (Dq + Dk) + c] = sw;
 }
 
-__global__ void qk_norm_dw_sum_kernel(float *dqw, float *dkw, const float *partials, int64_t D) {
+__global__ void qk_norm_dw_sum_kernel(float *dqw, float *dkw, const float *partials, int64_t Dq,
+                                      int64_t Dk) {
   int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= 2 * D) return;
+  if (c >= Dq + Dk) return;
   float t = 0.0f;
-  for (int k = 0; k < RMS_ROW_CHUNKS; k++) t += partials[k * 2 * D + c];
-  if (c < D)
+  for (int k = 0; k < RMS_ROW_CHUNKS; k++) t += partials[k * (Dq + Dk) + c];
+  if (c < Dq)
     dqw[c] += t;
   else
-    dkw[c - D] += t;
+    dkw[c - Dq] += t;
 }
 
 // dx per (row, head) as qk_norm_forward_kernel's warps; dx may be dy.
 __global__ void qk_norm_dx_kernel(float *dx, const float *dy, const float *x, const float *qw,
                                   const float *kw, const float *rstd, int64_t rows, int64_t C,
-                                  int64_t D, int n_q, int heads, float offset) {
+                                  int64_t Dq, int64_t Dk, int n_q, int heads, float offset,
+                                  float clip) {
   int64_t warp = (int64_t)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
   int lane = threadIdx.x % WARP;
   int64_t row = warp / (heads + 1);
   int h = (int)(warp % (heads + 1));
   if (row >= rows) return;
   if (h == heads) {
-    if (dx != dy)
-      for (int64_t i = (int64_t)heads * D + lane; i < C; i += WARP) dx[row * C + i] = dy[row * C + i];
+    for (int64_t i = qk_head_at(heads, n_q, Dq, Dk) + lane; i < C; i += WARP) {
+      const float v = x[row * C + i], d = dy[row * C + i];
+      if (clip > 0.0f || dx != dy)
+        dx[row * C + i] = clip > 0.0f && (v > clip || v < -clip) ? 0.0f : d;
+    }
     return;
   }
-  const int64_t at = row * C + h * D;
+  const int64_t D = h < n_q ? Dq : Dk, at = row * C + qk_head_at(h, n_q, Dq, Dk);
   const float *dyr = dy + at, *xr = x + at, *w = h < n_q ? qw : kw;
   const float s = rstd[row * heads + h];
   float sgn = 0.0f;
-  for (int64_t i = lane; i < D; i += WARP) sgn += ((offset + w[i]) * dyr[i]) * (xr[i] * s);
+  for (int64_t i = lane; i < D; i += WARP)
+    sgn += ((offset + w[i]) * qk_kept(dyr[i], xr[i], w[i], s, offset, clip)) * (xr[i] * s);
   const float mean_gn = warp_sum(sgn) / (float)D;
   __syncwarp();
   float *dxr = dx + at;
-  for (int64_t i = lane; i < D; i += WARP)
-    dxr[i] = ((offset + w[i]) * dyr[i] - xr[i] * s * mean_gn) * s;
+  for (int64_t i = lane; i < D; i += WARP) {
+    const float d = qk_kept(dyr[i], xr[i], w[i], s, offset, clip);
+    dxr[i] = ((offset + w[i]) * d - xr[i] * s * mean_gn) * s;
+  }
 }
 
 lz_status lz_cu_qk_norm_forward(const lz_op_args *a) {
   const lz_tensor *x = a->t[2];
   const int n_q = (int)a->i[0], heads = (int)(a->i[0] + a->i[1]);
-  const int64_t C = lz_cols(x), rows = lz_rows(x), D = lz_tensor_numel(a->t[3]);
+  const int64_t C = lz_cols(x), rows = lz_rows(x), Dq = lz_tensor_numel(a->t[3]),
+                Dk = lz_tensor_numel(a->t[4]);
   if (rows == 0) return LZ_OK;
   const int64_t warps = rows * (heads + 1), per_block = THREADS / WARP;
   qk_norm_forward_kernel<<<(unsigned)((warps + per_block - 1) / per_block), THREADS, 0,
                            LZ_CU_COMPUTE>>>(
       (float *)a->t[0]->data, (float *)a->t[1]->data, (const float *)x->data,
-      (const float *)a->t[3]->data, (const float *)a->t[4]->data, rows, C, D, n_q, heads,
-      a->f[0], a->f[1]);
+      (const float *)a->t[3]->data, (const float *)a->t[4]->data, rows, C, Dq, Dk, n_q, heads,
+      a->f[0], a->f[1], a->f[2]);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }
@@ -399,26 +437,28 @@ lz_status lz_cu_qk_norm_backward(const lz_op_args *a) {
   lz_tensor *dx = a->t[0], *dqw = a->t[1], *dkw = a->t[2];
   const lz_tensor *dy = a->t[3], *x = a->t[4], *qw = a->t[5], *kw = a->t[6], *rstd = a->t[7];
   const int n_q = (int)a->i[0], heads = (int)(a->i[0] + a->i[1]);
-  const int64_t C = lz_cols(x), rows = lz_rows(x), D = lz_tensor_numel(qw);
+  const float offset = a->f[0], clip = a->f[1];
+  const int64_t C = lz_cols(x), rows = lz_rows(x), Dq = lz_tensor_numel(qw),
+                Dk = lz_tensor_numel(kw), W = Dq + Dk;
   if (rows == 0) return LZ_OK;
   void *ws;
-  LZ_TRY(lz_cu_scratch(&ws, (size_t)RMS_ROW_CHUNKS * 2 * (size_t)D * sizeof(float)));
+  LZ_TRY(lz_cu_scratch(&ws, (size_t)RMS_ROW_CHUNKS * (size_t)W * sizeof(float)));
   // dw first: dx may share memory with dy.
-  dim3 grid((unsigned)((2 * D + THREADS - 1) / THREADS), RMS_ROW_CHUNKS);
+  dim3 grid((unsigned)((W + THREADS - 1) / THREADS), RMS_ROW_CHUNKS);
   qk_norm_dw_kernel<<<grid, THREADS, 0, LZ_CU_COMPUTE>>>(
-      (float *)ws, (const float *)dy->data, (const float *)x->data, (const float *)rstd->data,
-      rows, C, D, n_q, heads);
+      (float *)ws, (const float *)dy->data, (const float *)x->data, (const float *)qw->data,
+      (const float *)kw->data, (const float *)rstd->data, rows, C, Dq, Dk, n_q, heads, offset,
+      clip);
   CUDA_LAUNCH_CHECK();
-  qk_norm_dw_sum_kernel<<<(unsigned)((2 * D + THREADS - 1) / THREADS), THREADS, 0,
-                          LZ_CU_COMPUTE>>>((float *)dqw->data, (float *)dkw->data,
-                                           (const float *)ws, D);
+  qk_norm_dw_sum_kernel<<<(unsigned)((W + THREADS - 1) / THREADS), THREADS, 0, LZ_CU_COMPUTE>>>(
+      (float *)dqw->data, (float *)dkw->data, (const float *)ws, Dq, Dk);
   CUDA_LAUNCH_CHECK();
   const int64_t warps = rows * (heads + 1), per_block = THREADS / WARP;
   qk_norm_dx_kernel<<<(unsigned)((warps + per_block - 1) / per_block), THREADS, 0,
                       LZ_CU_COMPUTE>>>((float *)dx->data, (const float *)dy->data,
                                        (const float *)x->data, (const float *)qw->data,
                                        (const float *)kw->data, (const float *)rstd->data, rows,
-                                       C, D, n_q, heads, a->f[0]);
+                                       C, Dq, Dk, n_q, heads, offset, clip);
   CUDA_LAUNCH_CHECK();
   return LZ_OK;
 }

@@ -1,6 +1,6 @@
 -- models/olmoe.lua — the OLMoE family as Hugging Face's OlmoeForCausalLM
 -- defines it: Llama's layer with QK-norm over the whole q and k projections
--- (not per head; nn/qk_norm_full.lua), q, k and v clamped to [-clip_qkv,
+-- (not per head; QKNorm.whole in nn/qk_norm.lua), q, k and v clamped to [-clip_qkv,
 -- clip_qkv] where clip_qkv is set, and a sparse MoE block (nn/moe.lua) on
 -- every layer: num_experts SwiGLU experts of intermediate_size,
 -- num_experts_per_tok a token, norm_topk_prob as the config says (false in

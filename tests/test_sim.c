@@ -341,12 +341,13 @@ static lz_status attention_decode(lz_tensor **t) {
   return lz_attention_decode(t[0], t[1], t[2], t[3], t[4], 2, 1);
 }
 
-/* q|k|v rows of 2 q heads, 1 k head, 1 v head of 4; Gemma 3's offset. */
+/* q|k|v rows of 2 q heads, 1 k head, 1 v head of 4; Gemma 3's offset and
+ * a clip (OLMoE's clip_qkv). */
 static lz_status qk_norm_fwd(lz_tensor **t) {
-  return lz_qk_norm_forward(t[0], t[1], t[2], t[3], t[4], 2, 1, 1e-6f, 1.0f);
+  return lz_qk_norm_forward(t[0], t[1], t[2], t[3], t[4], 2, 1, 1e-6f, 1.0f, 0.5f);
 }
 static lz_status qk_norm_bwd(lz_tensor **t) {
-  return lz_qk_norm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], 2, 1, 1.0f);
+  return lz_qk_norm_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], 2, 1, 1.0f, 0.5f);
 }
 
 /* MoE: 6 tokens, K = 2, E = 4 experts (R = 12 rows). */

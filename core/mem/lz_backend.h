@@ -43,7 +43,7 @@ typedef enum lz_op {
 typedef struct lz_op_args {
   lz_tensor *t[LZ_OP_MAX_TENSORS]; /* in the public function's argument order */
   int64_t i[4];
-  float f[2];
+  float f[3];
   const lz_adamw_args *adamw;
   const lz_lion_args *lion;
   double *out_f64;

@@ -145,11 +145,12 @@ lz_status lz_rmsnorm_backward(lz_tensor *dx, lz_tensor *dw, const lz_tensor *dy,
 
 lz_status lz_qk_norm_forward(lz_tensor *out, lz_tensor *rstd, const lz_tensor *qkv,
                              const lz_tensor *q_w, const lz_tensor *k_w, int n_head, int n_kv_head,
-                             float eps, float offset);
+                             float eps, float offset, float clip);
 
 lz_status lz_qk_norm_backward(lz_tensor *dx, lz_tensor *dq_w, lz_tensor *dk_w, const lz_tensor *dy,
                               const lz_tensor *qkv, const lz_tensor *q_w, const lz_tensor *k_w,
-                              const lz_tensor *rstd, int n_head, int n_kv_head, float offset);
+                              const lz_tensor *rstd, int n_head, int n_kv_head, float offset,
+                              float clip);
 
 lz_status lz_rope_forward(lz_tensor *out, const lz_tensor *x, int n_head, int head_dim,
                           int64_t pos_offset, float theta);

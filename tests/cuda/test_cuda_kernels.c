@@ -472,46 +472,54 @@ static void test_rmsnorm(void) {
   rmsnorm_case(LZ_BF16, 5, 5000, 1e-5); /* the cpu's two-pass backward */
 }
 
-/* QK-norm on packed q|k|v rows [rows, (nq + 2 nkv) hd] (offset 0 and 1),
- * forward and backward (dw accumulates onto nonzero values; dx also over
- * dy), twice on the device; the v columns pass unchanged. */
-static void qk_norm_case(int64_t rows, int nq, int nkv, int64_t hd, float offset) {
-  int64_t xs[2] = {rows, (nq + 2 * nkv) * hd}, ds[1] = {hd}, rs[1] = {rows * (nq + nkv)};
+/* QK-norm on packed q|k|v rows [rows, nq hq + 2 nkv hk] (offset 0 and 1;
+ * clip 0 or OLMoE's clip_qkv), forward and backward (dw accumulates onto
+ * nonzero values; dx also over dy), twice on the device; the v columns pass
+ * unchanged or clamped. */
+static void qk_norm_case(int64_t rows, int nq, int nkv, int64_t hq, int64_t hk, float offset,
+                         float clip) {
+  int64_t xs[2] = {rows, nq * hq + 2 * nkv * hk}, ds[1] = {hq}, ks[1] = {hk},
+          rs[1] = {rows * (nq + nkv)};
   lz_tensor *x = host_rand(LZ_F32, 2, xs, 2), *qw = host_rand(LZ_F32, 1, ds, 1.5f);
-  lz_tensor *kw = host_rand(LZ_F32, 1, ds, 1.5f);
+  lz_tensor *kw = host_rand(LZ_F32, 1, ks, 1.5f);
   lz_tensor *y = host(LZ_F32, 2, xs), *r = host(LZ_F32, 1, rs);
   lz_tensor *d_x = dev(x), *d_qw = dev(qw), *d_kw = dev(kw), *d_y = dev(y), *d_r = dev(r),
             *d_y2 = dev(y), *d_r2 = dev(r);
-  CHECK_OK(lz_qk_norm_forward(y, r, x, qw, kw, nq, nkv, 1e-6f, offset));
-  CHECK_OK(lz_qk_norm_forward(d_y, d_r, d_x, d_qw, d_kw, nq, nkv, 1e-6f, offset));
-  CHECK_OK(lz_qk_norm_forward(d_y2, d_r2, d_x, d_qw, d_kw, nq, nkv, 1e-6f, offset));
+  CHECK_OK(lz_qk_norm_forward(y, r, x, qw, kw, nq, nkv, 1e-6f, offset, clip));
+  CHECK_OK(lz_qk_norm_forward(d_y, d_r, d_x, d_qw, d_kw, nq, nkv, 1e-6f, offset, clip));
+  CHECK_OK(lz_qk_norm_forward(d_y2, d_r2, d_x, d_qw, d_kw, nq, nkv, 1e-6f, offset, clip));
   expect_close("qk_norm_forward out", d_y, y, 1e-5);
   expect_close("qk_norm_forward rstd", d_r, r, 1e-5);
   expect_same_bits("qk_norm_forward out", d_y, d_y2);
 
   lz_tensor *gy = host_rand(LZ_F32, 2, xs, 1), *gx = host(LZ_F32, 2, xs);
-  lz_tensor *gq = host_rand(LZ_F32, 1, ds, 1), *gk = host_rand(LZ_F32, 1, ds, 1);
+  lz_tensor *gq = host_rand(LZ_F32, 1, ds, 1), *gk = host_rand(LZ_F32, 1, ks, 1);
   lz_tensor *d_gy = dev(gy), *d_gx = dev(gx), *d_gx2 = dev(gx), *d_gq = dev(gq), *d_gk = dev(gk),
             *d_gq2 = dev(gq), *d_gk2 = dev(gk);
-  CHECK_OK(lz_qk_norm_backward(gx, gq, gk, gy, x, qw, kw, r, nq, nkv, offset));
-  CHECK_OK(lz_qk_norm_backward(d_gx, d_gq, d_gk, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset));
-  CHECK_OK(lz_qk_norm_backward(d_gx2, d_gq2, d_gk2, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset));
+  CHECK_OK(lz_qk_norm_backward(gx, gq, gk, gy, x, qw, kw, r, nq, nkv, offset, clip));
+  CHECK_OK(
+      lz_qk_norm_backward(d_gx, d_gq, d_gk, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset, clip));
+  CHECK_OK(lz_qk_norm_backward(d_gx2, d_gq2, d_gk2, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset,
+                               clip));
   expect_close("qk_norm_backward dx", d_gx, gx, 1e-5);
   expect_close("qk_norm_backward dq_w", d_gq, gq, 1e-4);
   expect_close("qk_norm_backward dk_w", d_gk, gk, 1e-4);
   expect_same_bits("qk_norm_backward dx", d_gx, d_gx2);
   expect_same_bits("qk_norm_backward dq_w", d_gq, d_gq2);
   lz_tensor *d_gq3 = dev(gq), *d_gk3 = dev(gk);
-  CHECK_OK(lz_qk_norm_backward(d_gy, d_gq3, d_gk3, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset));
+  CHECK_OK(
+      lz_qk_norm_backward(d_gy, d_gq3, d_gk3, d_gy, d_x, d_qw, d_kw, d_r, nq, nkv, offset, clip));
   expect_same_bits("qk_norm_backward dx over dy", d_gy, d_gx);
   FREE(x, qw, kw, y, r, d_x, d_qw, d_kw, d_y, d_r, d_y2, d_r2, gy, gx, gq, gk, d_gy, d_gx, d_gx2,
        d_gq, d_gk, d_gq2, d_gk2, d_gq3, d_gk3);
 }
 
 static void test_qk_norm(void) {
-  qk_norm_case(2 * 3, 4, 2, 8, 0.0f);
-  qk_norm_case(1000, 16, 8, 128, 0.0f); /* Qwen3-0.6B's heads, uneven row chunks */
-  qk_norm_case(64, 4, 1, 256, 1.0f);    /* Gemma 3's offset */
+  qk_norm_case(2 * 3, 4, 2, 8, 8, 0.0f, 0.0f);
+  qk_norm_case(1000, 16, 8, 128, 128, 0.0f, 0.0f); /* Qwen3-0.6B's heads, uneven row chunks */
+  qk_norm_case(64, 4, 1, 256, 256, 1.0f, 0.0f);    /* Gemma 3's offset */
+  qk_norm_case(100, 1, 1, 2048, 2048, 0.0f, 0.0f); /* OLMoE-1B-7B's whole projections */
+  qk_norm_case(30, 1, 1, 96, 48, 0.0f, 1.0f);      /* of another width each, clip_qkv */
 }
 
 /* RoPE with theta on x of `dt` [B, T, n_head * head_dim], forward and

@@ -20,7 +20,7 @@
 --            the rotary turn (nn/qk_norm.lua; Qwen3 offset 0, Gemma 3 1)
 --   qk_norm_full { eps =, clip = }: an RMSNorm over the whole q and the whole
 --            k projection, then q, k, v clamped to [-clip, clip] where clip
---            is set (OLMoE; nn/qk_norm_full.lua)
+--            is set (OLMoE; QKNorm.whole in nn/qk_norm.lua)
 --   qkv_name the one tensor's name of a fused q|k|v projection (Phi-3)
 --   rotary_dim (Phi-3's partial_rotary_factor): only the first rotary_dim
 --            values of each head turn; with it, or a rope whose cos and sin
@@ -31,7 +31,6 @@ local Module = require("luazero.nn.module")
 local Linear = require("luazero.nn.linear")
 local PackedLinear = require("luazero.nn.packed_linear")
 local QKNorm = require("luazero.nn.qk_norm")
-local QKNormFull = require("luazero.nn.qk_norm_full")
 
 local ops = lz.ops
 local GQA = Module:extend("GroupedQueryAttention")
@@ -62,7 +61,7 @@ function GQA.new(n_embd, n_head, n_kv_head, head_dim, rope, std, opts)
   end
   local full = self.opts.qk_norm_full
   if full then
-    self.qk_norm = self:add(false, QKNormFull.new(self.q_width, self.kv_width, full.eps, full.clip))
+    self.qk_norm = self:add(false, QKNorm.whole(self.q_width, self.kv_width, full.eps, full.clip))
   end
   return self
 end
