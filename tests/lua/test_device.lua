@@ -135,6 +135,46 @@ function T.llama_on_sim_gives_the_cpus_checksum()
   end
 end
 
+-- Every MoE family on sim: Qwen2-MoE's shared expert and its gate, OLMoE's
+-- whole-projection QK-norm and its clip_qkv (0.3 here, which clamps many of
+-- the normed q and k values), Mixtral's router jitter (0.1; on the host, a
+-- copy each way), at stages 0 and 3, fp32 and bf16, on the cpu's checksum.
+function T.moe_families_on_sim_give_the_cpus_checksum()
+  local olmoe = write_file("olmoe.json", cjson.encode({
+    architectures = { "OlmoeForCausalLM" }, model_type = "olmoe", num_hidden_layers = 2,
+    num_attention_heads = 4, num_key_value_heads = 2, hidden_size = 64, intermediate_size = 32,
+    max_position_embeddings = 256, vocab_size = 256, rms_norm_eps = 1e-5, rope_theta = 10000,
+    tie_word_embeddings = false, num_experts = 8, num_experts_per_tok = 2, clip_qkv = 0.3,
+    norm_topk_prob = false, output_router_logits = true, router_aux_loss_coef = 0.01 }))
+  local mixtral = write_file("mixtral.json", cjson.encode({
+    architectures = { "MixtralForCausalLM" }, model_type = "mixtral", num_hidden_layers = 2,
+    num_attention_heads = 4, num_key_value_heads = 2, hidden_size = 64, intermediate_size = 48,
+    max_position_embeddings = 256, vocab_size = 256, rms_norm_eps = 1e-5, rope_theta = 1e6,
+    tie_word_embeddings = false, num_local_experts = 8, num_experts_per_tok = 2,
+    output_router_logits = true, router_aux_loss_coef = 0.02, router_jitter_noise = 0.1 }))
+  for _, model in ipairs({ "--model qwen2-moe-tiny", "--model qwen3-moe-tiny",
+                           "--model-config " .. olmoe, "--model-config " .. mixtral }) do
+    local flags = ("%s --seq-len 16 --sample 0 --eval-batches 1 --seed 7 --data %s")
+                  :format(model, support.quote(corpus))
+    for _, dtype in ipairs({ "fp32", "bf16" }) do
+      local function run(device, cfg)
+        local out, st = support.sh(("cd %s && %s %s scripts/train.lua %s --steps 2 --device %s " ..
+                                    "--config %s"):format(support.quote(lz.root),
+                                   device == "sim" and JITTER or "",
+                                   support.quote(lz.executable()), flags, device, cfg))
+        assert(st == 0, out)
+        return assert(out:match("params_checksum (%x+)"), out)
+      end
+      local want = run("cpu", config(0, dtype))
+      for _, stage in ipairs({ 0, 3 }) do
+        local got = run("sim", config(stage, dtype))
+        assert(got == want, ("%s %s on sim at stage %d: %s, on cpu %s"):format(model, dtype,
+                                                                              stage, got, want))
+      end
+    end
+  end
+end
+
 function T.save_on_sim_resumes_on_sim_and_on_cpu_to_the_same_checksum()
   -- The optimizer's states on the device (stage 1), and in host memory (stage 3).
   for i, cfg in ipairs({ config(1, "bf16"),

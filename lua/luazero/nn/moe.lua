@@ -31,16 +31,6 @@ local stream = require("luazero.data.stream")
 
 local ops = lz.ops
 
--- Host pointers of cpu tensors: the jitter and the shared expert's gate
--- run there.
-local function floats(t)
-  if t:device_name() ~= "cpu" then
-    error(("moe: the router jitter and the shared expert's gate run on the cpu for now (got " ..
-           "a tensor on %s); use --device cpu"):format(t:device_name()), 0)
-  end
-  return ffi.cast("float *", t.data)
-end
-
 local MoE = Module:extend("SparseMoE")
 
 function MoE.new(n_embd, opts)
@@ -153,6 +143,20 @@ function MoE:set_generator_state(hex)
   if self.jitter > 0 then self:jitter_generator().state[0] = stream.u64_hex(hex) end
 end
 
+-- dst = src * noise, element by element on the host (src and dst f32, on
+-- any device: one copy each way off the cpu).
+local function times_noise(dst, src, noise)
+  local ps, held = on_host(src, "float *")
+  local out = dst:device_name() == "cpu" and dst or lz.tensor(dst:sizes(), "f32", "workspace")
+  local pd = ffi.cast("float *", out.data)
+  for i = 0, dst:numel() - 1 do pd[i] = ps[i] * noise[i] end
+  if held then held:free() end
+  if out ~= dst then
+    dst:copy(out)
+    out:free()
+  end
+end
+
 -- Mixtral's jitter: x times uniform(1 - j, 1 + j) noise, drawn in training
 -- (a replay of activation checkpointing reuses the forward's draw).
 function MoE:jittered(x)
@@ -169,8 +173,7 @@ function MoE:jittered(x)
     self.noise = noise
   end
   local y = self:activation(x:sizes())
-  local px, py, noise = floats(x), floats(y), self.noise
-  for i = 0, n - 1 do py[i] = px[i] * noise[i] end
+  times_noise(y, x, self.noise)
   return y
 end
 
@@ -182,24 +185,46 @@ function MoE:forward(x)
   local route = self:rows(self:choose(logits:view(0, { N, self.n_experts }), N))
   self.routing = route
   local y = self:run_forward(self.experts, x, route)
-  if self.shared_expert then
-    local s = self:run_forward(self.shared_expert, x)
-    local g = self:run_forward(self.shared_expert_gate, x)
-    local ps, pg, py = floats(s), floats(g), floats(y)
-    local sig = ffi.new("float[?]", N)
-    for n = 0, N - 1 do
-      sig[n] = 1 / (1 + math.exp(-pg[n]))
-      local a, b = py + n * C, ps + n * C
-      for c = 0, C - 1 do a[c] = a[c] + sig[n] * b[c] end
-    end
-    self.sig, self.shared_out = sig, s
-  end
+  if self.shared_expert then self:add_shared(y, x, N, C) end
   if not self.ctx.recomputing and self.training then
     local tally = self.tally or ffi.new("double[?]", self.n_experts)
     for e = 0, self.n_experts - 1 do tally[e] = tally[e] + route.count[e] end
     self.tally = tally
   end
   return y
+end
+
+-- Writes the host's floats (or i32s) p into t, on any device.
+local function fill(t, p)
+  if t:device_name() == "cpu" then
+    ffi.copy(t.data, p, t:bytes())
+  else
+    local h = lz.tensor(t:sizes(), t:dtype_name(), "workspace")
+    ffi.copy(h.data, p, h:bytes())
+    t:copy(h)
+    h:free()
+  end
+  return t
+end
+
+-- Qwen2-MoE's shared expert, added into y: its output scaled per token by
+-- sigmoid of the shared gate's logit, that one number a token on the host,
+-- the scaling and its backward the moe_combine ops' (one slot a token), so
+-- every device computes the same bits.
+function MoE:add_shared(y, x, N, C)
+  local s = self:run_forward(self.shared_expert, x)
+  local g = self:run_forward(self.shared_expert_gate, x)
+  local pg, held = on_host(g, "float *")
+  local sig, slot = ffi.new("float[?]", N), ffi.new("int32_t[?]", N)
+  for n = 0, N - 1 do sig[n], slot[n] = 1 / (1 + math.exp(-pg[n])), n end
+  if held then held:free() end
+  self.sig = sig
+  self.sig_t = fill(self:activation({ N, 1 }), sig)
+  self.slot_t = fill(self:activation({ N, 1 }, "i32"), slot)
+  local scaled = self:activation({ N, C })
+  ops.moe_combine_forward(scaled, s:view(0, { N, C }), self.sig_t, self.slot_t)
+  ops.add(y, y, scaled:view(0, y:sizes()))
+  self.shared_out = s
 end
 
 -- dlogits [B, T, E] from the experts' weight gradients (through the
@@ -232,39 +257,34 @@ function MoE:backward(dy)
   self:router_grad(dlogits)
   ops.add(dx, dx, self:run_backward(self.gate, dlogits))
   if self.shared_expert then
-    local N = self.routing.n
-    local ds = self:scratch(dy:sizes())
-    local dg = self:scratch({ dy:dim(1), dy:dim(2), 1 })
-    local pdy, pds, pdg, ps = floats(dy), floats(ds), floats(dg), floats(self.shared_out)
-    local sig = self.sig
-    for n = 0, N - 1 do
-      local a, b, d = pdy + n * C, ps + n * C, pds + n * C
-      local dot = 0
-      for c = 0, C - 1 do
-        d[c] = sig[n] * a[c]
-        dot = dot + a[c] * b[c]
-      end
-      pdg[n] = sig[n] * (1 - sig[n]) * dot
-    end
+    local N, sig = self.routing.n, self.sig
+    local ds, dsig = self:scratch(dy:sizes()), self:scratch({ N, 1 })
+    ops.moe_combine_backward(ds:view(0, { N, C }), dsig, dy:view(0, { N, C }),
+                             self.shared_out:view(0, { N, C }), self.sig_t, self.slot_t)
+    local pd, held = on_host(dsig, "float *")
+    local dg_host = ffi.new("float[?]", N)
+    for n = 0, N - 1 do dg_host[n] = sig[n] * (1 - sig[n]) * pd[n] end
+    if held then held:free() end
+    local dg = fill(self:scratch({ dy:dim(1), dy:dim(2), 1 }), dg_host)
     ops.add(dx, dx, self:run_backward(self.shared_expert, ds))
     ops.add(dx, dx, self:run_backward(self.shared_expert_gate, dg))
   end
-  if self.noise then
-    local pdx, noise = floats(dx), self.noise
-    for i = 0, dx:numel() - 1 do pdx[i] = pdx[i] * noise[i] end
-  end
+  if self.noise then times_noise(dx, dx, self.noise) end
   return dx
 end
 
--- The jittered input; the router's and the shared expert's gradients.
+-- The jittered input, the routing, the shared expert's scaled output and its
+-- per-token gate and slot; the router's and the shared expert's gradients.
 function MoE:own_memory(B, T)
   local N, C = B * T, self.n_embd
   return {
     activations = (self.jitter > 0 and lz.arena_bytes(N * C) or 0) +
                   2 * lz.arena_bytes(N * self.top_k) + 2 * lz.arena_bytes(N * self.top_k, "i32") +
-                  lz.arena_bytes(N * self.n_experts) + lz.arena_bytes(self.n_experts + 1, "i32"),
+                  lz.arena_bytes(N * self.n_experts) + lz.arena_bytes(self.n_experts + 1, "i32") +
+                  (self.shared_expert and lz.arena_bytes(N * C) + lz.arena_bytes(N) +
+                   lz.arena_bytes(N, "i32") or 0),
     scratch = 2 * lz.arena_bytes(N * self.n_experts) +
-              (self.shared_expert and lz.arena_bytes(N * C) + lz.arena_bytes(N) or 0),
+              (self.shared_expert and lz.arena_bytes(N * C) + 2 * lz.arena_bytes(N) or 0),
   }
 end
 
