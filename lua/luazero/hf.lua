@@ -195,6 +195,39 @@ end
 
 ------------------------------------------------------------------ plan
 
+-- A tied model's file may hold the LM head beside the token table: a copy
+-- of it is skipped; a head that differs is refused, since the model would
+-- train the table in its place (transformers 5 keeps such a checkpoint's
+-- head apart, untied; 4.x drops it). head: the file's entry (by_name's).
+local function check_tied_head(src, h, fam, cfg, head)
+  local tab = src.by_name[h.from_hf(fam.hf.vocab_tables[1])]
+  if not tab then return end -- (the plan names a missing table)
+  local a, b = head.t, tab.t
+  local same = shape_text(a.shape) == shape_text(b.shape)
+  local CHUNK = 2 ^ 20
+  local x, y = ffi.new("float[?]", CHUNK), ffi.new("float[?]", CHUNK)
+  local xb, yb = ffi.cast("uint32_t *", x), ffi.cast("uint32_t *", y)
+  local at = 0
+  while same and at < a.numel do
+    local k = math.min(CHUNK, a.numel - at)
+    head.file:read(a, at, k, x)
+    tab.file:read(b, at, k, y)
+    for i = 0, k - 1 do
+      if xb[i] ~= yb[i] then
+        same = false
+        break
+      end
+    end
+    at = at + k
+  end
+  if not same then
+    fail("%s: tensor %s differs from %s, but this model (%s) ties its LM head to the token " ..
+         "table (config.json's tie_word_embeddings); to train the file's head, set " ..
+         "\"tie_word_embeddings\": false in config.json (as transformers 5 reads such a file)",
+         head.file.path, a.name, b.name, cfg.name or "?")
+  end
+end
+
 -- For each of the model's parameters (param_table order), the tensor that
 -- fills it; every tensor of the source used once. Errors name the tensor
 -- and the file.
@@ -232,6 +265,7 @@ local function plan(src, model, fam)
     for _, n in ipairs(st.names) do
       local key = h.from_hf(n)
       local skip = key == tied_head
+      if skip then check_tied_head(src, h, fam, cfg, src.by_name[key]) end
       for _, pat in ipairs(h.ignored) do skip = skip or key:match(pat) ~= nil end
       if not used[key] and not skip then
         fail("%s: tensor %s is not a parameter of this model (%s); give the --model / " ..

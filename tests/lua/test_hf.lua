@@ -450,6 +450,44 @@ local function altered(name, edit, cut, append)
   return dir, path
 end
 
+-- config.json of folder dir with tie_word_embeddings set to true.
+local function tie_config(dir)
+  local f = assert(io.open(dir .. "/config.json", "rb"))
+  local c = cjson.decode(f:read("*a"))
+  f:close()
+  c.tie_word_embeddings = true
+  f = assert(io.open(dir .. "/config.json", "wb"))
+  f:write(cjson.encode(c))
+  f:close()
+end
+
+-- A tied config whose file holds an lm_head.weight: refused where it differs
+-- from the token table (the run would train the table in its place;
+-- transformers 5 keeps such a head apart), read where it is the table's copy.
+function T.a_tied_config_refuses_a_different_head_and_reads_a_copy()
+  local dir, path = altered("tied-different")
+  tie_config(dir)
+  refused("--init " .. q(dir), { path, "lm_head.weight", "model.embed_tokens.weight",
+                                 "tie_word_embeddings" })
+  local copy
+  copy, path = altered("tied-copy")
+  tie_config(copy)
+  local f = assert(io.open(path, "rb"))
+  local bytes = f:read("*a")
+  f:close()
+  local b, len = { bytes:byte(1, 8) }, 0
+  for i = 8, 1, -1 do len = len * 256 + b[i] end
+  local h = cjson.decode(bytes:sub(9, 8 + len))
+  local e, l = h["model.embed_tokens.weight"].data_offsets, h["lm_head.weight"].data_offsets
+  eq(e[2] - e[1], l[2] - l[1], "the table's and the head's bytes")
+  local at = 8 + len
+  bytes = bytes:sub(1, at + l[1]) .. bytes:sub(at + e[1] + 1, at + e[2]) .. bytes:sub(at + l[2] + 1)
+  f = assert(io.open(path, "wb"))
+  f:write(bytes)
+  f:close()
+  ok_run(1, ("%s%s --steps 1 --init %s"):format(RUN, q(corpus_path()), q(copy)))
+end
+
 function T.wrong_shape_is_refused_naming_tensor_and_file()
   local dir, path = altered("bad-shape", function(h)
     local e = h["model.norm.weight"]
