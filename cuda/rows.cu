@@ -302,6 +302,11 @@ static __device__ __forceinline__ int64_t qk_head_at(int h, int n_q, int64_t Dq,
   return h < n_q ? h * Dq : n_q * Dq + (h - n_q) * Dk;
 }
 
+// Whether clip (> 0) moves x: x outside [-clip, clip] (NaN is not).
+static __device__ __forceinline__ bool qk_clamped(float x, float clip) {
+  return x > clip || x < -clip;
+}
+
 // x clamped to [-clip, clip] (clip > 0), as torch's clamp (NaN stays).
 static __device__ __forceinline__ float qk_clamp(float x, float clip) {
   return x > clip ? clip : x < -clip ? -clip : x;
@@ -345,7 +350,7 @@ static __device__ __forceinline__ float qk_kept(float dy, float x, float w, floa
                                                 float clip) {
   if (!(clip > 0.0f)) return dy;
   const float y = (offset + w) * (x * s);
-  return y > clip || y < -clip ? 0.0f : dy;
+  return qk_clamped(y, clip) ? 0.0f : dy;
 }
 
 // dw partials: column c of [q | k] (Dq + Dk of them) summed over a fixed
@@ -398,7 +403,7 @@ __global__ void qk_norm_dx_kernel(float *dx, const float *dy, const float *x, co
     for (int64_t i = qk_head_at(heads, n_q, Dq, Dk) + lane; i < C; i += WARP) {
       const float v = x[row * C + i], d = dy[row * C + i];
       if (clip > 0.0f || dx != dy)
-        dx[row * C + i] = clip > 0.0f && (v > clip || v < -clip) ? 0.0f : d;
+        dx[row * C + i] = clip > 0.0f && qk_clamped(v, clip) ? 0.0f : d;
     }
     return;
   }

@@ -43,6 +43,9 @@ static inline int64_t head_at(const qk_geom *g, int h) {
   return h < g->n_q ? h * g->Dq : g->n_q * g->Dq + (h - g->n_q) * g->Dk;
 }
 
+/* Whether clip (> 0) moves x: x outside [-clip, clip] (NaN is not). */
+static inline int clamped(float x, float clip) { return x > clip || x < -clip; }
+
 /* x clamped to [-clip, clip] (clip > 0), as torch's clamp (NaN stays). */
 static inline float clamp_to(float x, float clip) {
   return x > clip ? clip : x < -clip ? -clip : x;
@@ -166,7 +169,7 @@ LZ_DISPATCH static void head_backward(float *dx, float *restrict pw, const float
   if (clip > 0.0f) {
     for (int64_t i = 0; i < D; i++) {
       const float y = (offset + w[i]) * (x[i] * s);
-      kept[i] = y > clip || y < -clip ? 0.0f : dy[i];
+      kept[i] = clamped(y, clip) ? 0.0f : dy[i];
     }
     dy = kept;
   }
@@ -187,7 +190,7 @@ LZ_DISPATCH static void head_backward(float *dx, float *restrict pw, const float
 /* The columns after the k heads: dy passes, but where forward clamped x. */
 static void rest_backward(float *dx, const float *dy, const float *x, int64_t n, float clip) {
   if (clip > 0.0f)
-    for (int64_t i = 0; i < n; i++) dx[i] = x[i] > clip || x[i] < -clip ? 0.0f : dy[i];
+    for (int64_t i = 0; i < n; i++) dx[i] = clamped(x[i], clip) ? 0.0f : dy[i];
   else if (dx != dy)
     memcpy(dx, dy, (size_t)n * sizeof(float));
 }
