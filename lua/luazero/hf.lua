@@ -199,10 +199,16 @@ end
 -- of it is skipped; a head that differs is refused, since the model would
 -- train the table in its place (transformers 5 keeps such a checkpoint's
 -- head apart, untied; 4.x drops it). head: the file's entry (by_name's).
+-- A head found the table's copy is remembered by file and name, as
+-- M.checksum remembers its sums: hf.check and hf.load_into each plan, and
+-- the comparison reads both tables whole.
+local tied_copies = {}
 local function check_tied_head(src, h, fam, cfg, head)
   local tab = src.by_name[h.from_hf(fam.hf.vocab_tables[1])]
   if not tab then return end -- (the plan names a missing table)
   local a, b = head.t, tab.t
+  local key = head.file.path .. "\0" .. a.name .. "\0" .. tab.file.path .. "\0" .. b.name
+  if tied_copies[key] then return end
   local same = shape_text(a.shape) == shape_text(b.shape)
   local CHUNK = 2 ^ 20
   local x, y = ffi.new("float[?]", CHUNK), ffi.new("float[?]", CHUNK)
@@ -226,6 +232,7 @@ local function check_tied_head(src, h, fam, cfg, head)
          "\"tie_word_embeddings\": false in config.json (as transformers 5 reads such a file)",
          head.file.path, a.name, b.name, cfg.name or "?")
   end
+  tied_copies[key] = true
 end
 
 -- For each of the model's parameters (param_table order), the tensor that
