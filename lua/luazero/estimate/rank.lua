@@ -732,17 +732,6 @@ end
 
 ------------------------------------------------------------------ stage "auto" on NVMe
 
--- The NVMe placement stage "auto" falls back on when no stage fits in
--- memory: stage 3 with the optimizer states on NVMe, else with the
--- parameter shard there too, the first whose memory per rank (model states
--- and staging, device and host together, as the stages' rows count it)
--- fits budget_bytes. (Offload to the CPU moves bytes between device and
--- host, not their sum: no such row fits where stage 3 does not.) opts: as
--- pick_stage's, and counts (M.counts; else figured from params, layout and
--- persistent), device ("cpu" | "cuda"),
--- settings (M.settings_of's: sub_group_size, buffer counts, ...). Returns
--- the placement name or nil, what it puts on NVMe, and the bytes it needs
--- (the last tried when none fits).
 -- What a rank keeps on the device and the host (M.kept) at `stage` with
 -- `placement` (estimate.placements' name), the run's settings (the
 -- optimizer's states and formats, ep_size, ...) on top: the bytes, or nil
@@ -757,6 +746,17 @@ function M.need_at(counts, settings, stage, placement, dtype, grads, device)
   return M.kept(r, "device") + M.kept(r, "host")
 end
 
+-- The NVMe placement stage "auto" falls back on when no stage fits in
+-- memory: stage 3 with the optimizer states on NVMe, else with the
+-- parameter shard there too, the first whose memory per rank (model states
+-- and staging, device and host together, as the stages' rows count it)
+-- fits budget_bytes. (Offload to the CPU moves bytes between device and
+-- host, not their sum: no such row fits where stage 3 does not.) opts: as
+-- pick_stage's, and counts (M.counts; else figured from params, layout and
+-- persistent), device ("cpu" | "cuda"),
+-- settings (M.settings_of's: sub_group_size, buffer counts, ...). Returns
+-- the placement name or nil, what it puts on NVMe, and the bytes it needs
+-- (the last tried when none fits).
 function M.pick_nvme(params, world, budget_bytes, dtype, opts)
   local counts = opts.counts
   if not counts then
