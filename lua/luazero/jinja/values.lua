@@ -219,6 +219,16 @@ local function getitem(obj, key)
   return UNDEF
 end
 
+-- Whether test holds for p, or for any of a tuple p (str.startswith's and
+-- endswith's argument).
+local function any_of(p, test)
+  if type(p) ~= "table" then return test(p) end
+  for _, x in ipairs(p) do
+    if test(x) then return true end
+  end
+  return false
+end
+
 local STRING_METHODS = {
   strip = function(s, set) return strip(s, set, true, true) end,
   lstrip = function(s, set) return strip(s, set, true, false) end,
@@ -227,20 +237,9 @@ local STRING_METHODS = {
   lower = function(s) return s:lower() end,
   title = function(s) return (s:lower():gsub("(%a)([%w]*)", function(a, b) return a:upper() .. b end)) end,
   capitalize = function(s) return s:sub(1, 1):upper() .. s:sub(2):lower() end,
-  -- (a tuple of prefixes or suffixes: any of them)
-  startswith = function(s, p)
-    if type(p) == "table" then
-      for _, x in ipairs(p) do if sub(s, 1, #x) == x then return true end end
-      return false
-    end
-    return sub(s, 1, #p) == p
-  end,
+  startswith = function(s, p) return any_of(p, function(x) return sub(s, 1, #x) == x end) end,
   endswith = function(s, p)
-    if type(p) == "table" then
-      for _, x in ipairs(p) do if x == "" or sub(s, -#x) == x then return true end end
-      return false
-    end
-    return p == "" or sub(s, -#p) == p
+    return any_of(p, function(x) return x == "" or sub(s, -#x) == x end)
   end,
   replace = function(s, a, b)
     local out, i = {}, 1
@@ -517,8 +516,9 @@ local FILTERS = {
   -- begun by blanks, dashes and opening brackets (not by an apostrophe,
   -- which str.title begins one at)
   title = function(v)
-    return (str(v):lower():gsub("()(%a)", function(at, c)
-      local before = at > 1 and str(v):sub(at - 1, at - 1) or ""
+    local text = str(v)
+    return (text:lower():gsub("()(%a)", function(at, c)
+      local before = at > 1 and text:sub(at - 1, at - 1) or ""
       return (before == "" or before:find("^[%s%-%({%[<]$")) and c:upper() or c
     end))
   end,
