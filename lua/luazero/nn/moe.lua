@@ -143,18 +143,32 @@ function MoE:set_generator_state(hex)
   if self.jitter > 0 then self:jitter_generator().state[0] = stream.u64_hex(hex) end
 end
 
+-- t's elements written by the host: write(p) gets a pointer to them (t's
+-- own memory on the cpu, else a host copy that then goes to t). Returns t.
+local function from_host(t, write)
+  local h = t:device_name() ~= "cpu" and lz.tensor(t:sizes(), t:dtype_name(), "workspace")
+  write((h or t).data)
+  if h then
+    t:copy(h)
+    h:free()
+  end
+  return t
+end
+
+-- t holding the host's array p (floats or i32s, t's bytes of them).
+local function fill(t, p)
+  return from_host(t, function(d) ffi.copy(d, p, t:bytes()) end)
+end
+
 -- dst = src * noise, element by element on the host (src and dst f32, on
 -- any device: one copy each way off the cpu).
 local function times_noise(dst, src, noise)
   local ps, held = on_host(src, "float *")
-  local out = dst:device_name() == "cpu" and dst or lz.tensor(dst:sizes(), "f32", "workspace")
-  local pd = ffi.cast("float *", out.data)
-  for i = 0, dst:numel() - 1 do pd[i] = ps[i] * noise[i] end
+  from_host(dst, function(d)
+    local pd = ffi.cast("float *", d)
+    for i = 0, dst:numel() - 1 do pd[i] = ps[i] * noise[i] end
+  end)
   if held then held:free() end
-  if out ~= dst then
-    dst:copy(out)
-    out:free()
-  end
 end
 
 -- Mixtral's jitter: x times uniform(1 - j, 1 + j) noise, drawn in training
@@ -194,19 +208,6 @@ function MoE:forward(x)
   return y
 end
 
--- Writes the host's floats (or i32s) p into t, on any device.
-local function fill(t, p)
-  if t:device_name() == "cpu" then
-    ffi.copy(t.data, p, t:bytes())
-  else
-    local h = lz.tensor(t:sizes(), t:dtype_name(), "workspace")
-    ffi.copy(h.data, p, h:bytes())
-    t:copy(h)
-    h:free()
-  end
-  return t
-end
-
 -- Qwen2-MoE's shared expert, added into y: its output scaled per token by
 -- sigmoid of the shared gate's logit, that one number a token on the host,
 -- the scaling and its backward the moe_combine ops' (one slot a token), so
@@ -236,15 +237,14 @@ function MoE:router_grad(dlogits)
   local aux = self.ctx.router_aux
   local dprobs
   if aux then
-    dprobs = self:scratch({ N, E })
-    local host = dprobs:device_name() ~= "cpu" and lz.tensor({ N, E }, "f32", "workspace")
-    local p = ffi.cast("float *", (host or dprobs).data)
     local counted = r.counted
-    for n = 0, N - 1 do
-      local on = not counted or counted[n] ~= 0
-      for e = 0, E - 1 do p[n * E + e] = on and aux.scale * aux.grad[e] or 0 end
-    end
-    if host then dprobs:copy(host); host:free() end
+    dprobs = from_host(self:scratch({ N, E }), function(d)
+      local p = ffi.cast("float *", d)
+      for n = 0, N - 1 do
+        local on = not counted or counted[n] ~= 0
+        for e = 0, E - 1 do p[n * E + e] = on and aux.scale * aux.grad[e] or 0 end
+      end
+    end)
   end
   ops.moe_route_backward(dlogits:view(0, { N, E }), self.experts.dweights, dprobs, r.probs, r.idx,
                          self.norm_topk_prob and 1 or 0)
