@@ -446,10 +446,12 @@ function Experts:own_memory(B, T, dtype)
   local function cast(x, y)
     return Module.matmul_cast_bytes(x, w, dtype) + Module.matmul_cast_bytes(y, w, dtype)
   end
-  -- (exchanged: at most E runs of rows, Rm rows in all, each cast rounded
-  -- up; the forward's casts, 2C + H a row, live through the backward's,
-  -- 2C + 3H a row: 4 (C + H) a row, and 8 roundings a run)
-  local casts = P == 1 and 3 * self.n_experts * cast(R * C, R * H)
+  -- (bf16 casts rows: at most E runs of rows, Rm rows in all, each cast
+  -- rounded up; the forward's casts, 2C + H a row, live through the
+  -- backward's, 2C + 3H a row: 4 (C + H) a row, and 8 roundings a run. The
+  -- grouped GEMMs' rows come bf16 and cast nothing. An f16 weight is cast
+  -- whole: each expert's three in the forward and again in the backward)
+  local casts = (P == 1 and dtype ~= "bf16") and 3 * self.n_experts * cast(R * C, R * H)
                 or 4 * (self.n_experts * cast(C, H) + cast(Rm * C, Rm * H))
   return {
     input = lz.arena_bytes(N * C),
