@@ -38,6 +38,7 @@ M.configs = {
                        router_logits = false, aux_coef = 0.02, lr = 3e-4 },
 }
 M.names = { "mixtral-tiny", "moe-100m", "mixtral-8x7b" }
+M.run_fields = qwen2_moe.moe.run_fields
 
 function M.finish(cfg)
   mistral.finish(cfg)

@@ -34,6 +34,7 @@ M.configs = {
                       aux_coef = 0.01, lr = 3e-4 },
 }
 M.names = { "olmoe-tiny", "olmoe-1b-7b" }
+M.run_fields = qwen2_moe.moe.run_fields
 
 function M.finish(cfg)
   if cfg.rope_scaling then

@@ -27,6 +27,12 @@ local M = { name = "qwen2_moe" }
 local moe = {}
 M.moe = moe
 
+-- The MoE fields that are the run's settings, not the architecture: a
+-- resume may change them (how ZeRO-3 gathers the experts, whether the
+-- load-balancing loss joins and its weight, the router's jitter). Every
+-- MoE family declares these as its run_fields (luazero/families.lua).
+moe.run_fields = { "moe_gather", "router_logits", "aux_coef", "jitter" }
+
 -- The MoE fields of a config: n_experts, top_k, n_expert_hidden (each
 -- expert's width), n_shared_hidden (0: no shared expert), norm_topk_prob,
 -- sparse_step, mlp_only_layers (0-based, as the file has them),
@@ -154,6 +160,7 @@ M.configs = {
                             lr = 3e-4 },
 }
 M.names = { "qwen2-moe-tiny", "qwen1.5-moe-a2.7b" }
+M.run_fields = moe.run_fields
 
 function M.finish(cfg)
   if cfg.rope_scaling then

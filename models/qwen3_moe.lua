@@ -36,6 +36,7 @@ M.configs = {
                         router_logits = false, aux_coef = 0.001, lr = 3e-4 },
 }
 M.names = { "qwen3-moe-tiny", "qwen3-30b-a3b" }
+M.run_fields = qwen2_moe.moe.run_fields
 
 function M.finish(cfg)
   if cfg.rope_scaling then

@@ -6,13 +6,17 @@
 -- models/registry.lua registers the families it lists; the layers below
 -- models/ (hf.lua, checkpoint/export.lua) find a family here by the name a
 -- model config or a checkpoint's manifest carries (cfg.family), so they hold
--- no family names and never reach up to models/.
+-- no family names and never reach up to models/. A family may also declare
+-- run_fields: the fields of its configs that are the run's settings, not
+-- its architecture, which a resume may change (the MoE families' routing
+-- options).
 --
 --   local families = require("luazero.families")
 --   families.register(require("models.llama"))
 --   families.get("llama")                      -- the declaration, or an error
 --   families.of_architecture("LlamaForCausalLM") -- or a model_type ("llama"), or nil
 --   families.list()                            -- in the order registered
+--   families.run_fields("mixtral")             -- its run_fields, or {}
 local M = {}
 
 local by_name, order = {}, {}
@@ -100,6 +104,13 @@ function M.get(name)
   for i, f in ipairs(order) do known[i] = f.name end
   error(("model family %s is unknown (known: %s); register its file (models/registry.lua)")
         :format(tostring(name), table.concat(known, ", ")), 0)
+end
+
+-- The run_fields the family named `name` declares ({} for none, or for a
+-- model of no registered family).
+function M.run_fields(name)
+  local fam = name and by_name[name]
+  return fam and fam.run_fields or {}
 end
 
 -- The family whose config.json says `arch` (one of its architectures, or

@@ -496,6 +496,28 @@ function T.a_resumed_run_with_router_jitter_ends_on_the_straight_runs_checksum()
   assert(without ~= straight, "jitter 0.1 left the run's checksum as it was")
 end
 
+-- The routing options the MoE families declare as run settings (their
+-- run_fields: the jitter, the load-balancing loss and its weight) may change
+-- on a resume; the architecture (top_k here) may not, and the refusal names it.
+function T.a_resume_may_change_the_routers_run_settings_not_its_top_k()
+  local mixtral = require("models.mixtral")
+  local function trainer(over)
+    local mcfg = write_file("run-fields.json", cjson.encode(
+      mixtral.hf.config_json(models.config("mixtral-tiny", over))))
+    return support.trainer(("--model-config %s --seq-len 16 --sample 0 --eval-batches 1 " ..
+                            "--seed 7 --micro-batch 2 --data %s"):format(q(mcfg), q(corpus)))
+  end
+  local ck = write_file("ck", ""):gsub("ck$", "run-fields-ck")
+  local _, train = trainer({ jitter = 0.1, aux_coef = 0.02, router_logits = true })
+  train(1, "--steps 1 --save " .. q(ck))
+  _, train = trainer({ jitter = 0, aux_coef = 0.5, router_logits = false })
+  train(1, "--steps 2 --resume " .. q(ck))
+  local try = trainer({ jitter = 0.1, aux_coef = 0.02, router_logits = true, top_k = 1 })
+  local out, st = try(1, "--steps 2 --resume " .. q(ck))
+  assert(st == 2 and out:find("holds a different model: its top_k is 2, this model's 1", 1, true),
+         out)
+end
+
 -- The same global batch at world sizes 1, 2 and 4 (tests/lua/moe_world_check.lua):
 -- the first step's language-model loss (the loss less the coefficient times
 -- the ranks' mean load-balancing loss) agrees within 1e-6 relative for each

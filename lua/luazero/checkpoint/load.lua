@@ -9,6 +9,7 @@ local disk = require("luazero.checkpoint.disk")
 local manifest_io = require("luazero.checkpoint.manifest")
 local optimizers = require("luazero.optim.registry")
 local formats = require("luazero.optim.formats")
+local families = require("luazero.families")
 local agree = require("luazero.checkpoint.agree").agree
 
 local fail = disk.fail
@@ -17,14 +18,21 @@ local states_of = disk.states_of
 
 local M = {}
 
--- Fields of a model's config that are the run's settings, not its
+-- Fields of every model's config that are the run's settings, not its
 -- architecture: a resume may change them (the default learning rate and
--- batch, the name, the context of a model without a position table, how
--- experts are gathered, the initialisation's scale, the router's auxiliary
--- loss and jitter, the token ids generation starts and stops at).
-local RUN_FIELDS = { lr = true, micro_batch = true, name = true, context = true,
-                     moe_gather = true, std = true, router_logits = true, aux_coef = true,
-                     jitter = true, bos_id = true, eos_id = true }
+-- batch, the name, the context of a model without a position table, the
+-- initialisation's scale, the token ids generation starts and stops at).
+-- A family adds its own (its run_fields: luazero/families.lua).
+local RUN_FIELDS = { lr = true, micro_batch = true, name = true, context = true, std = true,
+                     bos_id = true, eos_id = true }
+
+-- The run's settings of a model of config cfg: every model's and its family's.
+local function run_fields(cfg)
+  local out = {}
+  for k in pairs(RUN_FIELDS) do out[k] = true end
+  for _, k in ipairs(families.run_fields(cfg.family)) do out[k] = true end
+  return out
+end
 
 local function same_value(a, b)
   if type(a) == "number" and type(b) == "number" then
@@ -36,9 +44,9 @@ end
 -- The first field of the architecture both configs have where they differ
 -- (a table's entries one by one): key, saved value, this model's.
 local function config_difference(saved, here)
-  local keys = {}
+  local keys, run = {}, run_fields(here)
   for k in pairs(saved) do
-    if here[k] ~= nil and not RUN_FIELDS[k] then keys[#keys + 1] = k end
+    if here[k] ~= nil and not run[k] then keys[#keys + 1] = k end
   end
   table.sort(keys)
   for _, k in ipairs(keys) do
