@@ -212,6 +212,17 @@ local function set_up(flags)
       cfg.no_effect[#cfg.no_effect + 1] = ("%s (the model %s has no mixture-of-experts blocks)")
                                           :format(table.concat(keys, ", "), mcfg.name or "given")
     end
+    cfg.moe.ep_size = 1 -- (no experts to place: no expert-parallel groups)
+  else
+    -- each rank of an expert-parallel group holds as many of a block's experts
+    for _, r in ipairs(model.routers) do
+      if r.n_experts % cfg.moe.ep_size ~= 0 then
+        user_error(("config: moe.ep_size %d does not divide the %d experts of %s's MoE blocks; " ..
+                    "set moe.ep_size to a divisor of %d that divides the world size %d")
+                   :format(cfg.moe.ep_size, r.n_experts, mcfg.name or "the model", r.n_experts,
+                           world))
+      end
+    end
   end
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end

@@ -121,6 +121,28 @@ function T.a_moe_block_beside_a_dense_model_is_named_as_without_effect()
   local out, st = train(1, "--steps 1 --config " .. support.quote(cfg))
   assert(st == 0 and out:find("config: no effect here: moe.gather, moe.routed_only (the model " ..
                               "gpt2-nano has no mixture-of-experts blocks)", 1, true), out)
+  -- nor does an ep_size: no expert-parallel groups, none described
+  cfg = write_file("dense-ep.json", '{"train_micro_batch_size_per_gpu": 2, "moe": {"ep_size": 2}}')
+  out, st = train(2, "--steps 1 --config " .. support.quote(cfg))
+  assert(st == 0 and out:find("config: no effect here: moe.ep_size (the model gpt2-nano has " ..
+                              "no mixture-of-experts blocks)", 1, true), out)
+  assert(out:find("zero stage 0, fp32, AdamW, 2 ranks\n") and not out:find("ep_size 2"), out)
+end
+
+-- An ep_size that divides the world size but not a block's experts is
+-- refused as the config's error (exit 2) before any log or save is made.
+function T.an_ep_size_not_dividing_the_experts_is_refused_before_anything_is_written()
+  local cfg = write_file("ep3.json", '{"train_micro_batch_size_per_gpu": 2, "moe": {"ep_size": 3}}')
+  local dir, log = write_file("ep3-ck", ""), write_file("ep3.jsonl", "")
+  os.remove(dir); os.remove(log)
+  local out, st = support.sh(("cd %s && %s -n 3 scripts/train.lua --model mixtral-tiny " ..
+    "--seq-len 16 --sample 0 --data %s --steps 1 --config %s --save %s --log %s"):format(
+    support.quote(lz.root), support.quote(lz.executable()), support.quote(corpus),
+    support.quote(cfg), support.quote(dir), support.quote(log)))
+  assert(st == 2 and out:find("train: config: moe.ep_size 3 does not divide the 8 experts of " ..
+                              "mixtral-tiny's MoE blocks; set moe.ep_size to a divisor of 8 " ..
+                              "that divides the world size 3", 1, true), out)
+  assert(not io.open(dir) and not io.open(log), "a save folder or log was left: " .. out)
 end
 
 -- The config's save settings without --save save nothing: said so.

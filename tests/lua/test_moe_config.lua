@@ -1,8 +1,8 @@
 -- test_moe_config.lua — the "moe" block's ep_size (config/moe.lua): read,
 -- checked against the world size, its groups as DeepSpeed builds them
 -- (blocks of ep_size ranks, and the ranks ep_size apart), and an engine
--- that joins both groups, says so in its start-up line and trains to the
--- checksum of the same run without the block.
+-- that joins both groups for an MoE model, says so in its start-up line
+-- and ends every stage on one checksum (a dense model joins none).
 local lz = require("luazero")
 local config = require("luazero.config")
 local moe = require("luazero.config.moe")
@@ -106,18 +106,26 @@ function T.groups_are_deepspeeds_blocks_and_strides()
 end
 
 local corpus = write_file("corpus.txt", ("A seed corpus line of text for a tiny model.\n"):rep(50))
-local MODEL = "--model gpt2-nano --n-layer 1 --n-embd 16 --n-head 2 --context 8 --vocab 128 " ..
-              "--seq-len 8 --micro-batch 2 --sample 0 --eval-batches 1 --steps 2 --data " .. q(corpus)
-local train, ok_train = support.trainer(MODEL)
+local RUN = "--seq-len 8 --micro-batch 2 --sample 0 --eval-batches 1 --steps 2 --data " .. q(corpus)
+local train, ok_train = support.trainer("--model mixtral-tiny --n-layer 1 " .. RUN)
+local _, ok_dense = support.trainer("--model gpt2-nano --n-layer 1 --n-embd 16 --n-head 2 " ..
+                                    "--context 8 --vocab 128 " .. RUN)
 
+-- An MoE model's engine joins both groups and says so; every stage ends on
+-- one checksum. A dense model has no experts to place: it joins none and
+-- trains as without the block.
 function T.engine_joins_its_groups_and_trains_the_same()
   local with = write_file("moe.json", '{"train_micro_batch_size_per_gpu": 2, "moe": {"ep_size": 2}}')
   local without = write_file("plain.json", '{"train_micro_batch_size_per_gpu": 2}')
   local out, sum = ok_train(4, "--config " .. q(with))
   assert(out:find("ep_size 2 (expert-parallel ranks 0 1, expert-data-parallel ranks 0 2)", 1, true),
          out)
-  local _, plain = ok_train(4, "--config " .. q(without))
-  support.eq(sum, plain, "params_checksum with and without moe.ep_size")
+  local _, s2 = ok_train(4, "--stage 2 --config " .. q(with))
+  support.eq(s2, sum, "params_checksum at stage 2 under moe.ep_size 2")
+  local dense_out, dense = ok_dense(4, "--config " .. q(with))
+  assert(not dense_out:find("ep_size 2", 1, true), dense_out)
+  local _, plain = ok_dense(4, "--config " .. q(without))
+  support.eq(dense, plain, "a dense model's params_checksum with and without moe.ep_size")
   local bad, st = train(3, "--config " .. q(with))
   assert(st ~= 0 and bad:find("moe.ep_size must divide the world size 3", 1, true), bad)
 end
