@@ -47,8 +47,8 @@ function moe.check(cfg)
     end
   end
   if cfg.top_k > cfg.n_experts then
-    error(("top_k %d (num_experts_per_tok) is more than the %d experts"):format(cfg.top_k,
-          cfg.n_experts), 0)
+    error(("top_k %d is more than the %d experts (n_experts); set top_k to at most %d")
+          :format(cfg.top_k, cfg.n_experts, cfg.n_experts), 0)
   end
   cfg.n_shared_hidden = cfg.n_shared_hidden or 0
   cfg.norm_topk_prob = cfg.norm_topk_prob == true
