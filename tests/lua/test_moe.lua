@@ -98,7 +98,7 @@ function T.config_json_routing_fields_are_read_not_assumed()
   eq(cfg.mlp_only_layers[1], 0, "mlp_only_layers")
   base.num_experts_per_tok = 5
   support.expect_error(function() models.from_hf_config(folder_with(base)) end,
-                       "is more than the 4 experts")
+                       "top_k 5 is more than the 4 experts (n_experts); set top_k to at most 4")
   base.num_experts_per_tok, base.use_sliding_window = 2, true
   support.expect_error(function() models.from_hf_config(folder_with(base)) end,
                        "use_sliding_window is not implemented for qwen3_moe")
@@ -171,8 +171,9 @@ function T.an_unrouted_expert_gets_zero_gradient()
 end
 
 -- Under bf16 the cast arena holds the experts' rows cast for their GEMMs
--- (one expert at a time, or none where the grouped GEMMs read rows written
--- bf16): planned for the rows there are, not for every row at every expert.
+-- (each expert's own rows, every copy kept to the end of the step; none
+-- where the grouped GEMMs read rows written bf16): planned for the rows
+-- there are, not for every row at every expert.
 function T.bf16_expert_casts_are_planned_for_the_rows_there_are()
   for _, gather in ipairs({ "expert", "block" }) do
     local B, S = 2, 16
