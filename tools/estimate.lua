@@ -201,9 +201,18 @@ local function main(argv)
 
   local params, persistent, largest, layout, what, model, counts
   if flags.model or flags.model_config then
+    -- (an MoE model's experts gathered as --moe-gather, else the config's
+    -- moe.gather, else as its family builds them)
+    local gather = flags.moe_gather or settings.moe_gather
     model = checked(function()
-      return models.new(flags.model and models.config(flags.model) or
-                        models.from_hf_config(flags.model_config))
+      local over = gather and { moe_gather = gather } or nil
+      local m = models.new(flags.model and models.config(flags.model) or
+                           models.from_hf_config(flags.model_config))
+      if over and #(m.routers or {}) > 0 then
+        m = models.new(flags.model and models.config(flags.model, over) or
+                       models.from_hf_config(flags.model_config, over))
+      end
+      return m
     end)
     local m = estimate.model_params(model, flags.persistence_threshold, N)
     if flags.lora_r then
@@ -348,7 +357,8 @@ local function main(argv)
 
   -- An MoE model: its active parameters and the expert bytes its gathers read.
   local moe = model and require("luazero.estimate.moe").of(model, {
-    world = N, dtype = dtype, gather = flags.moe_gather, accum = settings.accum,
+    world = N, dtype = dtype, gather = flags.moe_gather or settings.moe_gather,
+    accum = settings.accum,
     ep_size = settings.ep_size,
     tokens = flags.micro_batch and flags.micro_batch * flags.seq_len,
     threshold = flags.persistence_threshold })

@@ -150,6 +150,22 @@ function T.tools_estimate_says_where_the_experts_are()
   out = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 6 --ep-size 3 2>&1")
                    :format(q(lz.root)))
   assert(out:find("set moe.ep_size to a divisor of 8", 1, true), out)
+  -- the config's moe.gather and routed_only, as --moe-gather would give them
+  cfg = scratch_dir .. "/expert-gather.json"
+  f = assert(io.open(cfg, "w"))
+  f:write('{"moe": {"gather": "expert", "routed_only": true}, ' ..
+          '"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}')
+  f:close()
+  local by = {}
+  for _, how in ipairs({ "--config " .. q(cfg), "--moe-gather expert" }) do
+    by[how] = support.sh(("cd %s && tools/estimate --model mixtral-tiny --world 2 %s " ..
+                          "--micro-batch 1 --seq-len 4 2>&1"):format(q(lz.root), how))
+    assert(by[how]:find("moe: at stage 3, gathered per expert, ", 1, true) and
+           by[how]:find("moe: with moe.routed_only, at 4 tokens", 1, true), by[how])
+  end
+  local function moe_lines(s) return assert(s:match("\n(moe: at stage 3.-)\n\n"), s) end
+  eq(moe_lines(by["--config " .. q(cfg)]), moe_lines(by["--moe-gather expert"]),
+     "the config's gather and --moe-gather's")
 end
 
 return T

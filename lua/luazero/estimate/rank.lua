@@ -188,6 +188,7 @@ function M.settings_from(s, device, states, formats)
     prefetch = s.prefetch,
     reduce_bucket = s.reduce_bucket, allgather_bucket = s.allgather_bucket,
     ep_size = s.ep_size, routed_only = s.routed_only, expert_placement = s.expert_placement,
+    moe_gather = s.moe_gather,
   })
   t.states, t.formats = states or t.states, formats or t.formats
   return t
