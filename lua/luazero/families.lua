@@ -41,6 +41,18 @@ end
 local REQUIRED = { "name", "names", "configs", "config", "finish", "new", "description", "hf" }
 local REQUIRED_HF = { "architectures", "model_type", "fields", "config_json", "tied", "lr_of" }
 
+-- Whether t is a list of strings and nothing else (a family's run_fields).
+local function is_name_list(t)
+  if type(t) ~= "table" then return false end
+  local n = 0
+  for _ in pairs(t) do n = n + 1 end
+  if n ~= #t then return false end
+  for _, k in ipairs(t) do
+    if type(k) ~= "string" then return false end
+  end
+  return true
+end
+
 local function check(fam)
   if type(fam) ~= "table" then
     error(("families: a family is a table (got %s); a family file returns its declaration")
@@ -51,6 +63,10 @@ local function check(fam)
       error(("families: family %s declares no %s; see docs/extending.md, \"Adding a model " ..
              "family\""):format(tostring(fam.name), k), 0)
     end
+  end
+  if fam.run_fields ~= nil and not is_name_list(fam.run_fields) then
+    error(("families: family %s's run_fields must be a list of config field names " ..
+           "({ \"jitter\", ... })"):format(tostring(fam.name)), 0)
   end
   for _, k in ipairs(REQUIRED_HF) do
     if fam.hf[k] == nil then

@@ -94,6 +94,23 @@ function T.toy_family_reads_its_own_config_json_and_builds()
 end
 
 -- LoRA's default targets are the family's (its description's lora_default).
+-- A family's run_fields (the config fields a resume may change) are a list
+-- of names; anything else is refused when the family registers.
+function T.run_fields_are_a_list_of_names()
+  for _, bad in ipairs({ { jitter = true }, { "jitter", 3 }, "jitter" }) do
+    local fam = dofile(FIXTURE)
+    fam.run_fields = bad
+    support.expect_error(function() families.register(fam) end,
+                         "families: family llamax's run_fields must be a list of config field names")
+    eq(families.run_fields("llamax")[1], nil, "a refused family's run_fields")
+  end
+  with_toy(function(fam)
+    eq(#families.run_fields(fam.name), 0, "a family declaring none")
+  end)
+  eq(families.run_fields("mixtral")[1], "moe_gather", "mixtral's first run field")
+  eq(#families.run_fields(nil), 0, "a model of no family")
+end
+
 function T.lora_default_targets_are_the_familys()
   local lora = require("models.lora")
   local g = models.new(models.config("gpt2-nano", { n_layer = 1 }))

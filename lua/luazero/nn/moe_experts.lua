@@ -450,7 +450,8 @@ function Experts:own_memory(B, T, dtype)
   -- rounded up; the forward's casts, 2C + H a row, live through the
   -- backward's, 2C + 3H a row: 4 (C + H) a row, and 8 roundings a run. The
   -- grouped GEMMs' rows come bf16 and cast nothing. An f16 weight is cast
-  -- whole: each expert's three in the forward and again in the backward)
+  -- whole: each expert's three in the forward and again in the backward,
+  -- 6 E weights, within the second form's 8 (E + 1) under expert parallelism)
   local casts = (P == 1 and dtype ~= "bf16") and 3 * self.n_experts * cast(R * C, R * H)
                 or 4 * (self.n_experts * cast(C, H) + cast(Rm * C, Rm * H))
   return {
