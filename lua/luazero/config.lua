@@ -437,7 +437,7 @@ local function zero_section(raw, cfg, unimpl)
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
     if not handled[k] and not asks_for_nothing(v) and not (zero_default_ok[k] and v == true) then
-      unimpl[#unimpl + 1] = z .. k
+      unimpl[#unimpl + 1] = z .. k .. values.did_you_mean(k, handled, z)
     end
   end
   cfg.zero_optimization = out
@@ -636,6 +636,13 @@ local handled_top = {
 -- overrides: { stage, dtype, micro_batch, grad_accum, train_batch, lr,
 -- gradient_clipping, warmup, total_steps, memory_budget } from flags; they
 -- win over the file. Returns the normalised configuration.
+-- Every top-level key luazero reads (for a misspelt one's suggestion).
+local top_known = {}
+for _, t in ipairs({ handled_top, accepted_top, monitor.top_keys, checkpoint.top_keys,
+                     moe.top_keys }) do
+  for k in pairs(t) do top_known[k] = true end
+end
+
 function M.load(source, world_size, overrides)
   world_size = world_size or 1
   if not is_whole(world_size) or world_size < 1 then
@@ -691,7 +698,7 @@ function M.load(source, world_size, overrides)
        not checkpoint.top_keys[k] and not moe.top_keys[k] and
        not asks_for_nothing(raw[k]) and
        not (k == "gradient_predivide_factor" and raw[k] == 1) then
-      unimpl[#unimpl + 1] = k
+      unimpl[#unimpl + 1] = k .. values.did_you_mean(k, top_known)
     end
   end
   table.sort(unimpl)

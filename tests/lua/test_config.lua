@@ -334,6 +334,24 @@ function T.unimplemented_keys_are_listed_by_dotted_name()
   assert(cfg.dtype == "bf16")
 end
 
+-- A key one or two letters from one luazero reads is reported with the one
+-- it likely meant; a key near none is reported as it is.
+function T.a_misspelt_key_is_reported_with_the_key_it_likely_meant()
+  local cfg = config.load({ train_batch_size = 8, gradient_clippin = 1.0,
+                            zero_optimization = { stagee = 2, overlap_com = true },
+                            moe = { ep_sise = 1, min_capacity = 4 } }, 1)
+  local want = { "gradient_clippin (did you mean gradient_clipping?)",
+                 "moe.ep_sise (did you mean moe.ep_size?)", "moe.min_capacity",
+                 "zero_optimization.overlap_com (did you mean zero_optimization.overlap_comm?)",
+                 "zero_optimization.stagee (did you mean zero_optimization.stage?)" }
+  assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
+         table.concat(cfg.unimplemented, ","))
+  -- (a short key takes one edit: "stag" is one from "stage", "stg" two)
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stg = 2 } }, 1)
+  assert(table.concat(cfg.unimplemented, ",") == "zero_optimization.stg",
+         table.concat(cfg.unimplemented, ","))
+end
+
 function T.offload_and_aio_keys()
   local dir = os.tmpname()
   os.remove(dir)

@@ -32,6 +32,8 @@ local boolean = values.boolean
 local asks_for_nothing, sorted_keys, fail = values.asks_for_nothing, values.sorted_keys, values.fail
 
 M.top_keys = { moe = true }
+-- The keys of the block luazero reads.
+M.keys = { ep_size = true, gather = true, routed_only = true, placement = true }
 M.defaults = { ep_size = 1, routed_only = false }
 -- The keys that name one of a few values, in the order an error lists them.
 M.choices = { gather = { "block", "expert" }, placement = { "group", "world" } }
@@ -65,7 +67,7 @@ function M.read(raw, cfg, unimpl)
     elseif k == "routed_only" then
       if given(m.routed_only) then cfg.moe.routed_only = boolean("moe.routed_only", m.routed_only) end
     elseif not asks_for_nothing(m[k]) then
-      unimpl[#unimpl + 1] = "moe." .. k
+      unimpl[#unimpl + 1] = "moe." .. k .. values.did_you_mean(k, M.keys, "moe.")
     end
   end
 end

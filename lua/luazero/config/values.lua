@@ -114,4 +114,38 @@ M.boolean, M.block, M.asks_for_nothing, M.sorted_keys = boolean, block, asks_for
                                                         sorted_keys
 M.deep_copy = deep_copy
 
+-- The edits (letters inserted, deleted, replaced, or two neighbours
+-- swapped) that take a to b.
+local function edits(a, b)
+  local d = {}
+  for i = 0, #a do d[i] = { [0] = i } end
+  for j = 0, #b do d[0][j] = j end
+  for i = 1, #a do
+    for j = 1, #b do
+      local cost = a:byte(i) == b:byte(j) and 0 or 1
+      d[i][j] = math.min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+      if i > 1 and j > 1 and a:byte(i) == b:byte(j - 1) and a:byte(i - 1) == b:byte(j) then
+        d[i][j] = math.min(d[i][j], d[i - 2][j - 2] + 1)
+      end
+    end
+  end
+  return d[#a][#b]
+end
+
+-- " (did you mean <prefix><key>?)" for the key of `known` (a set of the
+-- keys a section reads) that k is likely a misspelling of: the nearest, at
+-- most two edits away (one for a key of under six letters); "" for none.
+function M.did_you_mean(k, known, prefix)
+  if type(k) ~= "string" then return "" end
+  local best, best_d = nil, math.huge
+  for _, c in ipairs(sorted_keys(known)) do
+    local d = edits(k, c)
+    if d < best_d then best, best_d = c, d end
+  end
+  if best and best_d > 0 and best_d <= (#best < 6 and 1 or 2) then
+    return (" (did you mean %s%s?)"):format(prefix or "", best)
+  end
+  return ""
+end
+
 return M
