@@ -173,13 +173,14 @@ local function set_up(flags)
   -- the configuration's outputs (monitors, profiler, NVMe) beside the flags'
   checks.train_config(ex, flags, cfg)
   run_config.check_memory_budget_env(ex, cfg)
-  start.note_resumed_schedule(ex, flags, cfg, resumed)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
   if T > mcfg.context then
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
                 "or less, or --context %d"):format(T, mcfg.context, mcfg.name, mcfg.context, T))
   end
   local schedule, sched, warmup = run_config.schedule(cfg, flags)
+  start.note_resumed_schedule(ex, flags, cfg, resumed, sched,
+                              optim.schedule.peak(cfg.scheduler, cfg.optimizer.params.lr))
   local jsonl = { tokenizer = tok, template = template, max_len = T,
                   chat_vars = flags.chat_kwargs and
                               checked(require("luazero.chat_template").kwargs, flags.chat_kwargs,

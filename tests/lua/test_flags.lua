@@ -165,11 +165,19 @@ function T.a_resume_with_other_steps_says_the_schedule_changes()
                   "schedule now spans 8 steps, not 4 (--steps 4 keeps the saved run's)\n", 1, true),
          out)
   out = ok_train(1, "--steps 4 --resume " .. ck)
-  assert(not out:find("resume: --steps", 1, true), out)
-  -- A config without a scheduler keeps its lr whatever --steps is: nothing to say.
+  assert(not out:find("resume: --steps", 1, true) and not out:find("lr schedule was", 1, true) and
+         not out:find("resume: peak lr", 1, true), out)
+  -- A config without a scheduler keeps its lr whatever --steps is: nothing to
+  -- say of the steps; that it replaces the saved run's schedule is said.
   local cfg = write_file("constant.json", '{"train_micro_batch_size_per_gpu": 2}')
   out = ok_train(1, ("--steps 8 --config %s --resume %s"):format(cfg, ck))
   assert(not out:find("resume: --steps", 1, true), out)
+  assert(out:find("resume: the saved run's lr schedule was warmup 0 + cosine, this run's is " ..
+                  "constant (the --config has no scheduler block); from step 3 the lr follows " ..
+                  "this run's (the saved run's --config and flags keep its own)\n", 1, true), out)
+  out = ok_train(1, "--steps 4 --lr 0.01 --resume " .. ck)
+  assert(out:find("resume: peak lr 0.01, the saved run's 0.003; from step 3 the lr follows " ..
+                  "this run's\n", 1, true) and not out:find("lr schedule was", 1, true), out)
   -- Below the saved step: refused, naming the step itself (equal runs nothing).
   local o, st = train(1, "--steps 1 --resume " .. ck)
   assert(st == 2 and o:find("give --steps 2 or more", 1, true), o)

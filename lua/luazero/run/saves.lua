@@ -43,6 +43,7 @@ function M.if_due(run, step)
   local extra = {
     data = run.loader:position(),
     seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
+    schedule = run.sched,
   }
   extra.data.batches = step * run.accum
   extra.data.fingerprint, extra.data.file = run.data_fingerprint, flags.data

@@ -28,10 +28,28 @@ function M.check_resume(ex, flags)
   return m
 end
 
+-- A schedule's kind: its name without the step counts (warmup 6 + cosine
+-- is warmup + cosine).
+local function schedule_kind(name) return (name:gsub("%d+ ", "")) end
+
 -- A --steps other than the saved run's stretches (or shrinks) a schedule
--- laid over --steps: said at start. m: check_resume's manifest.
-function M.note_resumed_schedule(ex, flags, cfg, m)
+-- laid over --steps, and a schedule of another kind or peak (a --config
+-- without a scheduler block: a constant lr) replaces the saved run's from
+-- the next step: each said at start. m: check_resume's manifest; sched and
+-- peak: this run's schedule name and peak lr.
+function M.note_resumed_schedule(ex, flags, cfg, m, sched, peak)
   if not m then return end
+  local was = type(m.extra) == "table" and m.extra.schedule
+  if type(was) == "string" and schedule_kind(was) ~= schedule_kind(sched) then
+    ex.say(("resume: the saved run's lr schedule was %s, this run's is %s%s; from step %d the " ..
+            "lr follows this run's (the saved run's --config and flags keep its own)")
+           :format(was, sched, sched == "constant" and " (the --config has no scheduler block)" or "",
+                   m.global_steps + 1))
+  elseif type(was) == "string" and tonumber(m.extra.lr) and
+         math.abs(m.extra.lr - peak) > 1e-9 * math.abs(peak) then
+    ex.say(("resume: peak lr %g, the saved run's %g; from step %d the lr follows this run's")
+           :format(peak, m.extra.lr, m.global_steps + 1))
+  end
   local saved = type(m.extra) == "table" and tonumber(m.extra.steps)
   local sch = cfg.scheduler
   local total = sch and sch.type ~= "WarmupLR" and (sch.params or {}).total_num_steps
