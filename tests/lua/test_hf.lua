@@ -88,6 +88,21 @@ end
 function T.llama_export_then_init_is_bitwise() round_trip("llama", LLAMA) end
 function T.gpt2_export_then_init_is_bitwise() round_trip("gpt2", GPT2) end
 
+-- An export into a folder that held another model's export replaces it and
+-- says so; the same model's again says nothing of it.
+function T.an_export_over_another_models_says_it_replaced_it()
+  local llama, gpt2 = get("llama", LLAMA), get("gpt2", GPT2)
+  local out = tmp .. "/shared-out-hf"
+  local text, st = ckpt(("export %s %s"):format(q(gpt2.dir), q(out)))
+  eq(st, 0, text)
+  assert(not text:find("; it replaced", 1, true), text)
+  text, st = ckpt(("export %s %s"):format(q(llama.dir), q(out)))
+  eq(st, 0, text)
+  assert(text:find("config.json; it replaced an export of GPT2LMHeadModel there\n", 1, true), text)
+  text, st = ckpt(("export %s %s"):format(q(llama.dir), q(out)))
+  assert(st == 0 and not text:find("; it replaced", 1, true), text)
+end
+
 -- The export's tensors split in two shards named by an index, given with
 -- --model-config instead of the folder's config.json: the same checksum.
 function T.sharded_folder_with_index_loads_the_same()

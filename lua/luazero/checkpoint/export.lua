@@ -36,6 +36,24 @@ end
 
 local function refuse(msg) error(msg, 0) end
 
+-- What an export folder holds, in words: "an export of <architecture>",
+-- "PEFT adapters", or nil (nothing of ours).
+local function held(dir)
+  local ok, j = pcall(cjson.decode, lz.read_file(dir .. "/config.json") or "")
+  if ok and type(j) == "table" and type(j.architectures) == "table" then
+    return "an export of " .. tostring(j.architectures[1])
+  end
+  if lz.read_file(dir .. "/adapter_config.json") then return "PEFT adapters" end
+end
+
+-- The end of an export's message where the folder held something else
+-- before (`before`, held's words) that it replaced.
+local function replaced(before, dir)
+  local now = held(dir)
+  if before and before ~= now then return ("; it replaced %s there"):format(before) end
+  return ""
+end
+
 local function path_exists(path)
   local f = io.open(path, "rb")
   if f then f:close() end
@@ -155,14 +173,15 @@ function M.export(ck, out, dtype)
   local mcfg = ck.manifest.model and ck.manifest.model.config or {}
   if not out:match("%.safetensors$") then
     out = out:gsub("/+$", "")
+    local before = held(out)
     local r = atomic.build_folder(out, FOLDER_FILES, function(f)
       local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
       atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
       copy_generation_config(ck.manifest, f.tmp)
       return { n, total }
     end)
-    return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json")
-           :format(r[1], dtype, r[2] / 2 ^ 20, out)
+    return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json%s")
+           :format(r[1], dtype, r[2] / 2 ^ 20, out, replaced(before, out))
   end
   local n, total = write_model(ck, out, dtype)
   return ("exported %d tensors (%s, %.1f MiB) to %s"):format(n, dtype, total / 2 ^ 20, out)
@@ -334,6 +353,7 @@ function M.export_lora(ck, out, dtype, merge, base)
     require("luazero.checkpoint.resume").check_base_checksum(base, m, ck.dir,
       base == m.init and "the run's --init" or "--base")
   end
+  local before = held(out)
   local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
     local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
     if not merge then
@@ -358,10 +378,10 @@ function M.export_lora(ck, out, dtype, merge, base)
   end)
   if not merge then
     return ("exported %d adapter tensors (%s) to %s/adapter_model.safetensors and " ..
-            "adapter_config.json"):format(n_out, dtype, out)
+            "adapter_config.json%s"):format(n_out, dtype, out, replaced(before, out))
   end
   return ("exported %d tensors (%s, %d with adapters folded in) to %s/model.safetensors and " ..
-          "config.json"):format(n_out[1], dtype, n_out[2], out)
+          "config.json%s"):format(n_out[1], dtype, n_out[2], out, replaced(before, out))
 end
 
 return M
