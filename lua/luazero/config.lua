@@ -631,11 +631,6 @@ local handled_top = {
   luazero = true, data_types = true, aio = true, activation_checkpointing = true,
 }
 
--- source: a path to a JSON file, a table (an already decoded config), or nil
--- (no file: DeepSpeed's defaults and the overrides). world_size: ranks (1).
--- overrides: { stage, dtype, micro_batch, grad_accum, train_batch, lr,
--- gradient_clipping, warmup, total_steps, memory_budget } from flags; they
--- win over the file. Returns the normalised configuration.
 -- Every top-level key luazero reads (for a misspelt one's suggestion).
 local top_known = {}
 for _, t in ipairs({ handled_top, accepted_top, monitor.top_keys, checkpoint.top_keys,
@@ -643,6 +638,11 @@ for _, t in ipairs({ handled_top, accepted_top, monitor.top_keys, checkpoint.top
   for k in pairs(t) do top_known[k] = true end
 end
 
+-- source: a path to a JSON file, a table (an already decoded config), or nil
+-- (no file: DeepSpeed's defaults and the overrides). world_size: ranks (1).
+-- overrides: { stage, dtype, micro_batch, grad_accum, train_batch, lr,
+-- gradient_clipping, warmup, total_steps, memory_budget } from flags; they
+-- win over the file. Returns the normalised configuration.
 function M.load(source, world_size, overrides)
   world_size = world_size or 1
   if not is_whole(world_size) or world_size < 1 then
@@ -694,9 +694,7 @@ function M.load(source, world_size, overrides)
   batch_sizes(raw, world_size, cfg, notes)
 
   for _, k in ipairs(sorted_keys(raw)) do
-    if not handled_top[k] and not accepted_top[k] and not monitor.top_keys[k] and
-       not checkpoint.top_keys[k] and not moe.top_keys[k] and
-       not asks_for_nothing(raw[k]) and
+    if not top_known[k] and not asks_for_nothing(raw[k]) and
        not (k == "gradient_predivide_factor" and raw[k] == 1) then
       unimpl[#unimpl + 1] = k .. values.did_you_mean(k, top_known)
     end
