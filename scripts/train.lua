@@ -227,8 +227,6 @@ local function set_up(flags)
   end
   -- --init's files checked (headers, names, shapes) before anything is written.
   if flags.init then checked(hf.check, flags.init, model) end
-  -- a restarted run (luazero --restarts) appends to its log
-  local log = flags.log and rank == 0 and outputs.open_log(ex, flags.log, restart.count() ~= nil)
   if flags.lora_r then
     local targets = flags.lora_targets and {} or require("models.lora").default_targets(model)
     for t in (flags.lora_targets or ""):gmatch("[^,%s]+") do targets[#targets + 1] = t end
@@ -253,6 +251,9 @@ local function set_up(flags)
   if not flags.checkpoint_activations and cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
+  -- a restarted run (luazero --restarts) appends to its log, opened once
+  -- every input is checked (a refusal above leaves no file)
+  local log = flags.log and rank == 0 and outputs.open_log(ex, flags.log, restart.count() ~= nil)
   local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,
                                                  batch = { B, T }, lr = schedule, comm = comm,
                                                  device = flags.device,

@@ -355,10 +355,15 @@ function T.freezing_nothing_or_adapting_nothing_is_an_error()
   local model = registry.new(registry.config("llama-tiny"))
   support.expect_error(function() model:freeze("no_such_weight") end,
                        'freeze: no parameter name matches "no_such_weight"')
-  local out, st = train(1, "--steps 1 --lora-r 4 --lora-targets qq_proj")
+  -- (refused before the run writes anything: no --log file)
+  local log = write_file("refused.jsonl", "")
+  os.remove(log)
+  local out, st = train(1, "--steps 1 --lora-r 4 --lora-targets qq_proj --log " ..
+                           support.quote(log))
   assert(st == 2 and out:find("lora: no module named qq_proj to adapt", 1, true), out)
-  out, st = train(1, "--steps 1 --lora-r 0")
+  out, st = train(1, "--steps 1 --lora-r 0 --log " .. support.quote(log))
   assert(st == 2 and out:find("lora: r must be", 1, true), out)
+  assert(not io.open(log), "a refused LoRA run left its --log file")
 end
 
 -- A dotted target adapts the modules whose full name ends with it, as
