@@ -58,7 +58,13 @@ local function main(argv)
   local w = inputs.weights(ex, flags, { dtype = flags.dtype, micro_batch = B,
                                         seq_len = flags.seq_len })
   local T = flags.seq_len or w.cfg.context
-  local loader = checked(held_out.loader, corpus, { B = B, T = T, vocab = w.cfg.vocab })
+  -- (the weights fix the vocabulary: the data's ids must be the model's tokenizer's)
+  local fixed = "the weights in " .. (flags.hf or flags.load)
+  if jsonl and flags.tokenizer then
+    inputs.check_tokenizer_vocab(ex, jsonl.tokenizer, flags.tokenizer, w.cfg.vocab, fixed)
+  end
+  local loader = checked(held_out.loader, corpus, { B = B, T = T, vocab = w.cfg.vocab,
+                                                    vocab_fixed = fixed })
   local n = loader.val_batches
   if flags.max_batches > 0 then n = math.min(n, flags.max_batches) end
   local loss = checked(w.engine.evaluate, w.engine, loader, n)

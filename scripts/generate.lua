@@ -164,6 +164,11 @@ local function text_side(flags, w)
   local V = w.cfg.vocab
   if tok_path then
     local tok = inputs.tokenizer(ex, tok_path)
+    -- (another tokenizer than the model folder's own must fit its vocabulary)
+    if flags.tokenizer then
+      inputs.check_tokenizer_vocab(ex, tok, tok_path, V, "the weights in " ..
+                                   (flags.hf or flags.load))
+    end
     side.encode = function(text) return tok:encode(text) end
     side.decode = function(ids) return run_text.decode(tok, ids) end
     if tok.eos_id then side.eos[tok.eos_id] = true end

@@ -157,12 +157,12 @@ local function set_up(flags)
   local resumed = start.check_resume(ex, flags)
   local mcfg = model_config(flags)
   local tok, template
+  -- (weights from a folder or a checkpoint fix the vocabulary: no --vocab helps)
+  local vocab_fixed = flags.init and ("the weights in " .. flags.init) or
+                      flags.resume and ("the checkpoint " .. flags.resume) or nil
   if flags.tokenizer then
     tok, template = inputs.tokenizer(ex, flags.tokenizer)
-    if tok:vocab_size() > mcfg.vocab then
-      user_error(("--tokenizer %s: %d tokens, more than the model's vocab %d; give --vocab %d " ..
-                  "or more"):format(flags.tokenizer, tok:vocab_size(), mcfg.vocab, tok:vocab_size()))
-    end
+    inputs.check_tokenizer_vocab(ex, tok, flags.tokenizer, mcfg.vocab, vocab_fixed)
   end
   local comm = checked(function() return require("luazero.comm").init() end)
   local world, rank = comm.size(), comm.rank()
@@ -189,15 +189,17 @@ local function set_up(flags)
   -- which data the checkpoints' position belongs to (checked on resume)
   local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
-                                                vocab = mcfg.vocab, rank = rank, world = world,
+                                                vocab = mcfg.vocab, vocab_fixed = vocab_fixed,
+                                                rank = rank, world = world,
                                                 packing = flags.packing,
                                                 val_fraction = flags.val_data and 0 or nil })
   -- --val-data: its windows are the validation batches; --data trains whole.
   local val_corpus = flags.val_data and inputs.corpus(ex, flags.val_data, jsonl)
   local val_loader = val_corpus and
                      checked(require("luazero.held_out").loader, val_corpus,
-                             { B = B, T = T, seed = flags.seed, vocab = mcfg.vocab, rank = rank,
-                               world = world, packing = flags.packing }) or loader
+                             { B = B, T = T, seed = flags.seed, vocab = mcfg.vocab,
+                               vocab_fixed = vocab_fixed, rank = rank, world = world,
+                               packing = flags.packing }) or loader
   -- The config's moe.gather: the granularity the experts are built with.
   if cfg.moe.gather and mcfg.moe_gather then mcfg.moe_gather = cfg.moe.gather end
   local model = models.new(mcfg)

@@ -418,6 +418,34 @@ function T.sample_is_decoded_with_the_tokenizer()
   eq(text:gsub("\n$", ""), want:gsub("\n$", ""), "decoded sample")
 end
 
+-- Weights fix the vocabulary: a tokenizer, or data, past it is refused
+-- naming them and the fix (the model's own tokenizer), not a --vocab that
+-- the weights' shapes would refuse next; in train, eval and generate alike.
+function T.a_tokenizer_past_the_weights_vocabulary_names_the_weights()
+  local c, tok_path = get("llama", LLAMA), byte_level_tokenizer() -- 259 tokens, vocab 250
+  local bin = tmp .. "/tok-past.bin"
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s %s %s")
+                             :format(q(lz.root), q(lz.executable()), q(tok_path),
+                                     q(corpus_path()), q(bin)))
+  eq(st, 0, out)
+  local want = ("--tokenizer %s: 259 tokens, more than the model's vocab 250 (fixed by the " ..
+                "weights in %s); use the tokenizer the model was trained with"):format(tok_path,
+                                                                                       c.out)
+  out, st = train(1, ("%s%s --steps 1 --init %s --tokenizer %s"):format(RUN, q(corpus_path()),
+                                                                        q(c.out), q(tok_path)))
+  assert(st == 2 and out:find("train: " .. want, 1, true), out)
+  local past = ("is not below the model's vocabulary 250 (fixed by the weights in %s): the data " ..
+                "was made with another tokenizer; prepare it with the model's"):format(c.out)
+  out, st = train(1, ("%s%s --steps 1 --init %s"):format(RUN, q(bin), q(c.out)))
+  assert(st == 2 and out:find(past, 1, true), out)
+  for script, needle in pairs({ ["eval.lua --data " .. q(bin)] = past,
+                                ["generate.lua --prompt hello --tokenizer " .. q(tok_path)] = want }) do
+    out, st = support.sh(("cd %s && %s scripts/%s --hf %s 2>&1"):format(q(lz.root),
+                         q(lz.executable()), script, q(c.out)))
+    assert(st == 2 and out:find(needle, 1, true), out)
+  end
+end
+
 --------------------------------------------------------------- refusals
 
 -- One line on stderr naming `needles`, exit status 2, and no --save folder

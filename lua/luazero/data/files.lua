@@ -102,8 +102,15 @@ end
 -- Refuses data whose largest id `max_id` the model's vocabulary `vocab`
 -- cannot embed, suggesting the --vocab that can (or, past what --vocab
 -- takes, naming the file as not this tokenizer's); `more`: a further fix.
-function M.check_vocab(path, max_id, vocab, more)
+-- fixed: the words naming weights that fix the vocabulary ("the weights in
+-- DIR"), where no --vocab can help: the data's tokenizer is another.
+function M.check_vocab(path, max_id, vocab, more, fixed)
   if max_id < vocab then return end
+  if fixed then
+    fail(path, ("token id %d is not below the model's vocabulary %d (fixed by %s): the data was " ..
+                "made with another tokenizer; prepare it with the model's"):format(max_id, vocab,
+                                                                                   fixed))
+  end
   if max_id + 1 > require("luazero.args").INT_MAX then
     fail(path, ("token id %d is larger than any vocabulary (--vocab takes at most %d): the file " ..
                 "is damaged or not made with a tokenizer; re-create it with tools/prepare-data")

@@ -21,7 +21,7 @@ function M.u64_hex(hex)
 end
 
 -- data: from data.load. opts: B, T, seed, vocab (the model's: every id must be
--- below it), val_fraction (0.1), rank and world (default 0 and 1): each batch
+-- below it; vocab_fixed: what fixes it, for the refusal's words), val_fraction (0.1), rank and world (default 0 and 1): each batch
 -- draws world * B windows, the same on every rank, and rank r takes windows
 -- r*B+1 .. (r+1)*B, so the global batch does not depend on the world size.
 -- The last val_fraction of the tokens is held out; training windows start at
@@ -29,7 +29,7 @@ end
 function M.loader(data, opts)
   local B, T = opts.B, opts.T
   local path = data.path
-  require("luazero.data.files").check_vocab(path, data.max_id, opts.vocab)
+  require("luazero.data.files").check_vocab(path, data.max_id, opts.vocab, nil, opts.vocab_fixed)
   local n = data.count
   local n_val = math.floor(n * (opts.val_fraction or 0.1))
   local n_train = n - n_val

@@ -17,6 +17,21 @@ function M.tokenizer(ex, path)
   return ex.checked(require("luazero.data.instruct").open_tokenizer, path)
 end
 
+-- Refuses a tokenizer (opened from `path`) whose ids the model's vocabulary
+-- `vocab` cannot embed: with weights that fix the vocabulary (`fixed`, the
+-- words naming them: "the weights in DIR"), the fix is the model's own
+-- tokenizer; else a larger --vocab.
+function M.check_tokenizer_vocab(ex, tok, path, vocab, fixed)
+  local n = tok:vocab_size()
+  if n <= vocab then return end
+  if fixed then
+    ex.user_error(("--tokenizer %s: %d tokens, more than the model's vocab %d (fixed by %s); " ..
+                   "use the tokenizer the model was trained with"):format(path, n, vocab, fixed))
+  end
+  ex.user_error(("--tokenizer %s: %d tokens, more than the model's vocab %d; give --vocab %d " ..
+                 "or more"):format(path, n, vocab, n))
+end
+
 -- A data file as a corpus (luazero.data.load); text: nil, or { tokenizer,
 -- template, max_len } for instruction examples (.jsonl).
 function M.corpus(ex, path, text)
