@@ -9,6 +9,7 @@
 --   comm.reduce_scatter(full, shard, "sum")        -- shard = comm.shard(numel)
 --   comm.all_gather(shard, full)
 --   comm.broadcast(t, 0); comm.barrier()
+--   comm.mean(x)                                   -- a number's mean over the ranks
 --   comm.all_to_all(send, recv)                    -- send:numel() / size() to each rank
 --   comm.all_to_all_v(send, { 3, 0 }, recv, { 2, 5 }) -- elements to / from each rank
 --   local g = comm.group({ 0, 1 })                 -- ranks of this communicator
@@ -252,6 +253,21 @@ end
 
 function Comm:barrier() check(C.lz_comm_barrier(self:handle()), 2) end
 
+-- The mean over the ranks of the number x each holds, summed in rank order
+-- (every rank gets the same bits).
+function Comm:mean(x)
+  local W = self:size()
+  -- (a double as two i32s: no f64 tensors)
+  local send = lz.tensor({ 2 }, "i32", "workspace")
+  local recv = lz.tensor({ 2 * W }, "i32", "workspace")
+  ffi.cast("double *", send.data)[0] = x
+  self:all_gather(send, recv)
+  local all, sum = ffi.cast("double *", recv.data), 0
+  for r = 0, W - 1 do sum = sum + all[r] end
+  send:free(); recv:free()
+  return sum / W
+end
+
 -- send and recv of the same numel and dtype, a multiple of size(): the
 -- k-th 1/size() of send goes to rank k, the k-th of recv comes from it.
 function Comm:all_to_all(send, recv, async)
@@ -343,7 +359,7 @@ local world = setmetatable({ get = get }, Comm)
 function comm.world() return world end
 
 for _, name in ipairs({ "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
-                        "all_to_all_v", "group", "ranks" }) do
+                        "all_to_all_v", "group", "ranks", "mean" }) do
   local method = Comm[name]
   comm[name] = function(...) return method(world, ...) end
 end

@@ -23,14 +23,15 @@ function M.loader(corpus, opts)
     if loader.val_batches < 1 then
       error(("data: %s: %d examples fill %d rows, too few for one validation batch of %d " ..
              "rows; use a longer file or a smaller --micro-batch"):format(corpus.path,
-             corpus.docs, #loader.val_rows - 1, B), 0)
+             corpus.docs, #loader.val_rows - 1, (opts.world or 1) * B), 0)
     end
     return loader
   end
-  if corpus.count < B * T + 1 then
+  local W = opts.world or 1
+  if corpus.count < W * B * T + 1 then
     error(("data: %s: %d tokens, too few for one validation batch of %d x %d (needs %d); use " ..
            "a longer file or a smaller --micro-batch / --seq-len")
-          :format(corpus.path, corpus.count, B, T, B * T + 1), 0)
+          :format(corpus.path, corpus.count, W * B, T, W * B * T + 1), 0)
   end
   local o = {}
   for k, v in pairs(opts) do o[k] = v end
@@ -38,7 +39,7 @@ function M.loader(corpus, opts)
   local loader = data.loader(corpus, o)
   -- Nothing of it trains: the held-out part is all of it.
   loader.n_train, loader.n_val = 0, corpus.count
-  loader.val_batches = math.floor((corpus.count - 1) / (B * T))
+  loader.val_batches = math.floor((corpus.count - 1) / (W * B * T))
   return loader
 end
 

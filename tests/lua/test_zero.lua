@@ -102,6 +102,10 @@ function T.world_1_2_4_losses_agree_at_one_global_batch()
     end
     print(("    world %d vs 1: largest relative loss difference %.2e"):format(n, worst))
     assert(worst < 1e-4, ("world %d: losses differ by %.2e relative"):format(n, worst))
+    -- the validation batch is global too: each rank evaluates its part
+    local a, b = base[20].val_loss, recs[20].val_loss
+    assert(a and b and math.abs(a - b) <= 1e-4 * math.abs(a),
+           ("world %d: val_loss %s, world 1's %s"):format(n, tostring(b), tostring(a)))
   end
 end
 

@@ -86,7 +86,8 @@ function M.loader(c, opts)
   local val = {}
   for d = n_train, c.docs - 1 do val[#val + 1] = d end
   self.val_order, self.val_rows = val, lay_rows(c, val, T, packing)
-  self.val_batches = math.floor((#self.val_rows - 1) / B)
+  -- (a validation batch is world * B rows, rank r's the r-th B)
+  self.val_batches = math.floor((#self.val_rows - 1) / (self.world * B))
   self:new_epoch()
   local trained = 0
   for i = 0, self.n_train - 1 do trained = trained + c.w[i] end
@@ -150,10 +151,10 @@ function Loader:next_batch()
   return self.inputs, self.targets, self.extra
 end
 
--- Validation batch i (1-based, i <= val_batches).
+-- Validation batch i (1-based, i <= val_batches): this rank's rows of it.
 function Loader:val_batch(i)
   for b = 0, self.B - 1 do
-    local r = (i - 1) * self.B + b + 1
+    local r = ((i - 1) * self.world + self.rank) * self.B + b + 1
     fill_row(self, b, self.val_order, self.val_rows[r], self.val_rows[r + 1])
   end
   return self.inputs, self.targets, self.extra

@@ -47,8 +47,10 @@ function M.loader(data, opts)
     inputs = lz.tensor({ B, T }, "i32", "workspace"),
     targets = lz.tensor({ B, T }, "i32", "workspace"),
   }, Loader)
-  -- Validation windows: consecutive, non-overlapping, from the held-out part.
-  self.val_batches = math.floor(math.max(n_val - 1, 0) / (B * T))
+  -- Validation windows: consecutive, non-overlapping, from the held-out part;
+  -- a validation batch is world * B of them, rank r's the r-th B (as a
+  -- training batch is), so it does not depend on the world size either.
+  self.val_batches = math.floor(math.max(n_val - 1, 0) / (self.world * B * T))
   return self
 end
 
@@ -77,9 +79,9 @@ function Loader:next_batch()
   return fill(self, starts)
 end
 
--- Validation batch i (1-based, i <= val_batches).
+-- Validation batch i (1-based, i <= val_batches): this rank's windows of it.
 function Loader:val_batch(i)
-  local starts, base = {}, self.n_train + (i - 1) * self.B * self.T
+  local starts, base = {}, self.n_train + ((i - 1) * self.world + self.rank) * self.B * self.T
   for b = 1, self.B do starts[b] = base + (b - 1) * self.T end
   return fill(self, starts)
 end

@@ -757,16 +757,16 @@ function Engine:train_batch(batches)
   return self:step()
 end
 
--- Mean loss over validation batches 1..n (the same batches on every rank).
+-- Mean loss over validation batches 1..n, each rank's part of every batch
+-- (the loader's val_batch) averaged over the ranks.
 function Engine:evaluate(loader, n)
   local model, sum = self.model, 0
   model:evaluate()
   for i = 1, n do sum = sum + self:forward(loader:val_batch(i)) end
   model:train()
   self.forwarded = false -- nothing to run backward on
-  return sum / n
+  return self.world == 1 and sum / n or self.comm.mean(sum / n)
 end
-
 
 function Engine:free()
   self:wait_all()
