@@ -185,6 +185,9 @@ function T.resume_and_reading_messages_are_one_line_without_lua_positions()
   local ok, err = pcall(require("luazero.ui.inspect").ckpt, damaged, "norms")
   assert(not ok and tostring(err):find("shard-00000-of-00001.zst", 1, true), tostring(err))
   assert(not tostring(err):find("%.lua:%d+:"), err)
+  -- resumed, its damage is the input's (exit 2: a restart would read the same bytes)
+  local out2, st2 = train(1, "--steps 3 --resume " .. q(damaged))
+  assert(st2 == 2 and out2:find("the shard is damaged", 1, true), out2)
 end
 
 function T.keep_prunes_old_step_folders_after_latest_moved()

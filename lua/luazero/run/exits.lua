@@ -84,9 +84,12 @@ function M.new(opts)
     local res = { xpcall(fn, debug_on and debug.traceback or tostring, ...) }
     if not res[1] then
       -- Out of device memory is the configuration's to fix, as is what the
-      -- engine refuses to build ("initialize: ..."): exit 2, as bad input.
+      -- engine refuses to build ("initialize: ...") and a checkpoint shard
+      -- whose bytes fail their hash (another try reads the same): exit 2, as
+      -- bad input.
       local msg = tostring(res[2])
-      local bad = msg:find("out of device memory", 1, true) or msg:find("^initialize: ")
+      local bad = msg:find("out of device memory", 1, true) or msg:find("^initialize: ") or
+                  msg:find("the shard is damaged", 1, true)
       ex.fail(res[2], bad and 2 or 1, true)
     end
     return unpack(res, 2, table.maxn(res))
