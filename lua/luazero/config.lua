@@ -84,7 +84,17 @@ local function batch_sizes(raw, world, cfg, notes)
          "DeepSpeed needs one of them")
   end
   local hint = derived and ("; " .. derived) or ""
-  if notes.batch then hint = hint .. "; " .. notes.batch .. " override the file" end
+  if notes.batch then
+    hint = hint .. ("; %s %s the file"):format(notes.batch,
+                                              notes.batch:find(",", 1, true) and "override" or
+                                              "overrides")
+  end
+  if v.train_batch_size and v.train_micro_batch_size_per_gpu and v.gradient_accumulation_steps then
+    -- (the three given fix the world size: a run on other ranks, a restart
+    -- on fewer, needs one left out)
+    hint = hint .. "; all three are given, so one world size fits: leave one out and it " ..
+           "follows from the other two and the world size"
+  end
   if mb < 1 or ga < 1 then
     fail("train_batch_size %d is too small for world size %d: it gives " ..
          "train_micro_batch_size_per_gpu %d, gradient_accumulation_steps %d%s",

@@ -6,6 +6,9 @@ local config = require("luazero.config")
 local schedule = require("luazero.optim.schedule")
 
 local T = {}
+-- The end of a batch-size refusal where the file gives all three keys.
+local ALL3 = "; all three are given, so one world size fits: leave one out and it follows " ..
+             "from the other two and the world size"
 
 local tmp = os.tmpname()
 os.remove(tmp)
@@ -117,9 +120,9 @@ function T.batch_size_rule_at_world_sizes_1_2_4()
                 gradient_accumulation_steps = 2 }
   assert(config.load(all, 4).train_batch_size == 16)
   expect_error(all, 2, "config: train_batch_size 16 != train_micro_batch_size_per_gpu 2 * " ..
-               "gradient_accumulation_steps 2 * world size 2 (= 8)")
+               "gradient_accumulation_steps 2 * world size 2 (= 8)" .. ALL3)
   expect_error(all, 1, "config: train_batch_size 16 != train_micro_batch_size_per_gpu 2 * " ..
-               "gradient_accumulation_steps 2 * world size 1 (= 4)")
+               "gradient_accumulation_steps 2 * world size 1 (= 4)" .. ALL3)
 end
 
 function T.batch_sizes_that_do_not_divide_are_errors()
@@ -145,7 +148,7 @@ function T.bad_configs_of_issue_5_name_the_key_or_file()
   expect_error({ train_batch_size = 32, train_micro_batch_size_per_gpu = 4,
                  gradient_accumulation_steps = 2 }, 2,
                "config: train_batch_size 32 != train_micro_batch_size_per_gpu 4 * " ..
-               "gradient_accumulation_steps 2 * world size 2 (= 16)")
+               "gradient_accumulation_steps 2 * world size 2 (= 16)" .. ALL3)
   expect_error({ train_batch_size = 8, fp16 = { enabled = true }, bf16 = { enabled = true } }, 1,
                "config: fp16.enabled and bf16.enabled are both true; enable at most one")
   expect_error({ train_batch_size = 8, zero_optimization = { reduce_bucket_size = -5 } }, 1,
@@ -466,7 +469,9 @@ function T.a_file_with_overrides_that_win()
   assert(config.load(fixed, 2).train_batch_size == 16)
   local err = load_error(fixed, 2, { micro_batch = 4 })
   assert(err == "config: train_batch_size 16 != train_micro_batch_size_per_gpu 4 * " ..
-         "gradient_accumulation_steps 4 * world size 2 (= 32); --micro-batch override the file",
+         "gradient_accumulation_steps 4 * world size 2 (= 32); --micro-batch overrides the " ..
+         "file; all three are given, so one world size fits: leave one out and it follows " ..
+         "from the other two and the world size",
          err)
   expect_error(fixed, 2, "config: unknown override 'micro' (known: dtype, grad_accum, " ..
                "gradient_clipping, lr, memory_budget, micro_batch, stage, total_steps, " ..
