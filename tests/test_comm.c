@@ -199,6 +199,10 @@ LZ_TEST(comm_environment_errors_name_the_fix) {
     CHECK(strstr(lz_last_error(), nccl_built ? "nccl: rank 0 needs GPU 0: cuda: "
                                              : "comm: the nccl backend is not in this build") !=
           NULL);
+    if (nccl_built) {
+      CHECK(strstr(lz_last_error(), "without one use --backend shm (one machine) or mpi"));
+      CHECK(!strstr(lz_last_error(), "--device cpu"));
+    }
   }
   setenv("WORLD_SIZE", "2", 1);
   CHECK_ERR(lz_comm_init(&c, LZ_COMM_AUTO), LZ_ERR_INVALID, "luazero -n 2");

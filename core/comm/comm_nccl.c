@@ -22,6 +22,7 @@
 #include <sched.h>      /* sched_yield */
 #include <stdio.h>      /* snprintf, rename */
 #include <stdlib.h>     /* getenv, calloc */
+#include <string.h>     /* strstr: cuda's advice cut off */
 #include <sys/socket.h> /* the TCP rendezvous */
 #include <time.h>       /* nanosleep */
 #include <unistd.h>     /* read, write, close, unlink */
@@ -193,9 +194,16 @@ static lz_status nccl_init(lz_comm *c) {
   if (!lz_cuda_ready()) {
     lz_status st = lz_cuda_init(local);
     if (st != LZ_OK) {
+      /* cuda's advice (--device cpu) is not this backend's: it is the
+       * backend that needs the GPU */
       char why[1024];
       snprintf(why, sizeof why, "%s", lz_last_error());
-      return lz_fail(st, "nccl: rank %d needs GPU %d: %s", c->rank, local, why);
+      char *advice = strstr(why, "; run with --device cpu");
+      if (advice) *advice = '\0';
+      return lz_fail(st,
+                     "nccl: rank %d needs GPU %d: %s; the nccl backend runs between GPUs: "
+                     "without one use --backend shm (one machine) or mpi",
+                     c->rank, local, why);
     }
   }
   const lz_backend *be = lz_backend_cuda();
