@@ -21,11 +21,12 @@ function M.plan(run)
            ": saving synchronously: " .. why)
     run.async = false
   elseif run.async and flags.device == "cpu" then
-    ex.say(("%s: the background writer compresses on the cores the steps use (%d threads); " ..
-            "on a CPU run a save then slows the steps beside it, and OMP_NUM_THREADS one below " ..
-            "the cores leaves it a core (docs/checkpoints.md)")
-           :format(flags.async_save and "--async-save" or "checkpoint.writer.decoupled",
-                   lz.threads()))
+    local ranks = tonumber(os.getenv("LOCAL_WORLD_SIZE") or "") or 1
+    ex.say(("%s: the background writer compresses on the cores the steps use (%d rank%s here " ..
+            "x %d thread%s); on a CPU run a save then slows the steps beside it, and leaving a " ..
+            "core free (fewer OMP_NUM_THREADS per rank) gives it one (docs/checkpoints.md)")
+           :format(flags.async_save and "--async-save" or "checkpoint.writer.decoupled", ranks,
+                   ranks == 1 and "" or "s", lz.threads(), lz.threads() == 1 and "" or "s"))
   end
 end
 

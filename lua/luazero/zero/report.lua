@@ -81,8 +81,10 @@ function M.offload_summary(engine)
   if par_off then parts[#parts + 1] = "parameter shard on " .. op.device end
   local line = "offload: " .. table.concat(parts, ", ")
   if st.nb > 0 then
-    line = line .. ("; %d sub-groups of %d elements, %d staging buffers (%.1f MiB)")
-                   :format(#st.groups, st.G, st.nb, st:staging_bytes() / 2 ^ 20)
+    local function n_of(n, what) return ("%d %s%s"):format(n, what, n == 1 and "" or "s") end
+    line = line .. ("; %s of %d elements, %s (%.1f MiB)")
+                   :format(n_of(#st.groups, "sub-group"), st.G, n_of(st.nb, "staging buffer"),
+                           st:staging_bytes() / 2 ^ 20)
     local P = engine.P
     local sw = P:swapped("optimizer") and st.swap
                or P:swapped("params") and engine.pshard.swap
