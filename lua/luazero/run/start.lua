@@ -33,9 +33,9 @@ end
 local function schedule_kind(name) return (name:gsub("%d+ ", "")) end
 
 -- A --steps other than the saved run's stretches (or shrinks) a schedule
--- laid over --steps, and a schedule of another kind or peak (a --config
+-- laid over --steps, a schedule of another kind or peak (a --config
 -- without a scheduler block: a constant lr) replaces the saved run's from
--- the next step: each said at start. m: check_resume's manifest; sched and
+-- the next step, and so does another gradient_clipping: each said at start. m: check_resume's manifest; sched and
 -- peak: this run's schedule name and peak lr.
 function M.note_resumed_schedule(ex, flags, cfg, m, sched, peak)
   if not m then return end
@@ -49,6 +49,11 @@ function M.note_resumed_schedule(ex, flags, cfg, m, sched, peak)
          math.abs(m.extra.lr - peak) > 1e-9 * math.abs(peak) then
     ex.say(("resume: peak lr %g, the saved run's %g; from step %d the lr follows this run's")
            :format(peak, m.extra.lr, m.global_steps + 1))
+  end
+  local clip = type(m.config) == "table" and tonumber(m.config.gradient_clipping)
+  if clip and clip ~= cfg.gradient_clipping then
+    ex.say(("resume: gradient_clipping %g, the saved run's %g (0: none)"):format(
+      cfg.gradient_clipping, clip))
   end
   local saved = type(m.extra) == "table" and tonumber(m.extra.steps)
   local sch = cfg.scheduler
