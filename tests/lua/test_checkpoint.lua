@@ -167,6 +167,10 @@ function T.resume_and_reading_messages_are_one_line_without_lua_positions()
   out = fails(1, "--steps 3 --resume " .. q(dir), [[holds "../x\n", not a step folder name]])
   local _, lines = out:gsub("\n", "")
   assert(lines == 1, out)
+  -- a folder holding only a save that was cut short says so
+  os.execute("mkdir -p " .. q(tmp .. "/cut/.step-000002.tmp-4242"))
+  fails(1, "--steps 3 --resume " .. q(tmp .. "/cut"), "cut: holds no complete checkpoint, only " ..
+        ".step-000002.tmp-4242, a save that was interrupted before it finished")
   local damaged = tmp .. "/damaged"
   ok_train(1, "--steps 2 --save " .. q(damaged))
   local shard = damaged .. "/step-000002/shard-00000-of-00001.zst"

@@ -93,6 +93,15 @@ function M.resolve(path)
     end
     return path .. "/" .. name
   end
+  -- (a save that stopped before its rename leaves only its temporary folder)
+  local cut
+  for _, name in ipairs(require("luazero.io.fs").list(path)) do
+    if name:match("^%.step%-%d+%.tmp%-") and (not cut or name > cut) then cut = name end
+  end
+  if cut then
+    fail("%s: holds no complete checkpoint, only %s, a save that was interrupted before it " ..
+         "finished; resume from an earlier checkpoint, or start the run again", path, cut)
+  end
   fail("%s: holds neither manifest.json nor latest; give a step folder (DIR/step-000020) or " ..
        "the --save folder", path)
 end

@@ -135,29 +135,12 @@ local function step_list(dir)
   return t
 end
 
--- Names in a folder (readdir through libc: glibc's 64-bit struct dirent).
 pcall(ffi.cdef, [[
-typedef struct lz_dirent { uint64_t d_ino; int64_t d_off; unsigned short d_reclen;
-                           unsigned char d_type; char d_name[256]; } lz_dirent;
-void *opendir(const char *name);
-lz_dirent *readdir(void *dirp);
-int closedir(void *dirp);
 int kill(int pid, int sig);
 char *realpath(const char *path, char *resolved);
 void free(void *p);
 ]])
-local function list_dir(dir)
-  local d = ffi.C.opendir(dir)
-  if d == nil then return {} end
-  local names = {}
-  while true do
-    local e = ffi.C.readdir(d)
-    if e == nil then break end
-    names[#names + 1] = ffi.string(e.d_name)
-  end
-  ffi.C.closedir(d)
-  return names
-end
+local list_dir = require("luazero.io.fs").list
 
 local function real_path(path)
   local p = ffi.C.realpath(path, nil)
