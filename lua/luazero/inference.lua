@@ -267,9 +267,17 @@ function M.open(opts)
   local model = models.new(w.cfg)
   if lora then
     assert(opts.lora, "inference.open: opts.lora (models.lora) is required for adapters")
-    opts.lora.apply(model, { r = lora.r, alpha = lora.alpha, targets = targets_list(lora.targets),
-                             rslora = lora.rslora, rank_of = lora.rank_of,
-                             alpha_of = lora.alpha_of })
+    local ok, err = pcall(opts.lora.apply, model, { r = lora.r, alpha = lora.alpha,
+      targets = targets_list(lora.targets), rslora = lora.rslora, rank_of = lora.rank_of,
+      alpha_of = lora.alpha_of })
+    if not ok then
+      -- (the targets are the adapters' or the checkpoint's, not a flag of this script)
+      local what = opts.adapters and ("--adapters %s: its adapter_config.json's target_modules")
+                                     :format(opts.adapters)
+                   or ("--load %s: the LoRA targets it was trained with"):format(opts.load)
+      fail("%s do not fit this model: %s; give the base model the adapters were trained on",
+           what, (tostring(err):gsub(" %(%-%-lora%-targets%)", "")))
+    end
   end
   if opts.hf and not lora then
     -- Nothing trains here: frozen weights take no optimizer states (a

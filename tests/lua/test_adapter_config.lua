@@ -148,6 +148,15 @@ function T.eval_refuses_a_dora_adapter_naming_the_key()
   eq(st, 2, out)
   assert(out:find("eval: --adapters " .. dir .. "/ad/adapter_config.json: use_dora true changes " ..
                   "the result and is not implemented", 1, true), out)
+  -- adapters of another model's modules: the adapters' file named, no flag of ours
+  os.execute("mkdir -p " .. q(dir .. "/phi"))
+  write("phi/adapter_config.json", cjson.encode(with(OURS, { target_modules = { "qkv_proj" } })))
+  out, st = support.sh(("cd %s && %s scripts/eval.lua --hf %s/hf --adapters %s/phi --data " ..
+                        "%s/val.txt --seq-len 16"):format(q(lz.root), lzx, dir, dir, dir))
+  eq(st, 2, out)
+  assert(out:find("eval: --adapters " .. dir .. "/phi: its adapter_config.json's target_modules " ..
+                  "do not fit this model: lora: no module named qkv_proj to adapt; this model " ..
+                  "has ", 1, true) and not out:find("--lora-targets", 1, true), out)
 end
 
 return T
