@@ -398,7 +398,7 @@ function T.every_bad_line_is_one_line_with_file_line_and_fix()
   -- messages with no template at all: where to get one
   expect_error(function()
     data.load(jsonl("nt.jsonl", { { messages = { { role = "user", content = "a" } } } }))
-  end, "nt.jsonl: a \"messages\" line needs a chat template: give --tokenizer with a " ..
+  end, "nt.jsonl:1: a \"messages\" line needs a chat template: give --tokenizer with a " ..
        "Hugging Face tokenizer folder")
   expect_error(function() data.load(write("empty.jsonl", "\n\n")) end,
                "empty.jsonl: holds no examples")

@@ -170,7 +170,12 @@ local function messages(tok, template, obj, path, line, vars, ordered)
     end
   end
   local tok_ok, ct = pcall(template)
-  if not tok_ok then line_fail(path, line, (tostring(ct):gsub("^data: ", ""))) end
+  if not tok_ok then
+    -- (the line's position names the file: its own "data: FILE: " goes)
+    local why = tostring(ct):gsub("^data: ", "")
+    if why:sub(1, #path + 2) == path .. ": " then why = why:sub(#path + 3) end
+    line_fail(path, line, why)
+  end
   -- (rendered from the line read as the template reads JSON: its objects'
   -- key order and {} kept, as transformers' tojson writes a tool call's
   -- arguments; cjson loses both)
