@@ -252,6 +252,10 @@ function T.lora_exports_peft_adapters_and_a_merged_model_with_the_same_loss()
   -- PEFT's folder: every adapter under base_model.model., the settings.
   local o, st = ckpt(dir .. "/ft", dir .. "/peft")
   assert(st == 0, o)
+  -- (a folder, never one .safetensors file: that name is refused, nothing made)
+  o, st = ckpt(dir .. "/ft", dir .. "/one.safetensors")
+  assert(st == 2 and o:find("a LoRA checkpoint exports a folder", 1, true) and
+         not io.open(dir .. "/one.safetensors"), o)
   local cfg = require("cjson").decode(lz.read_file(dir .. "/peft/adapter_config.json"))
   assert(cfg.peft_type == "LORA" and cfg.r == 4 and cfg.lora_alpha == 8 and
          #cfg.target_modules == 3, lz.read_file(dir .. "/peft/adapter_config.json"))

@@ -338,6 +338,11 @@ function M.export_lora(ck, out, dtype, merge, base)
   local m = ck.manifest
   local lora, mcfg = m.lora, m.model and m.model.config or {}
   out = out:gsub("/+$", "")
+  if out:match("%.safetensors$") then
+    refuse(("export: %s: a LoRA checkpoint exports a folder (PEFT's adapter_model.safetensors " ..
+            "and adapter_config.json, or with --merge-lora the merged model's files), not one " ..
+            ".safetensors file; give a folder name"):format(out))
+  end
   base = base or m.init
   if merge and not base then
     refuse("export --merge-lora: the checkpoint does not say where its base weights came from " ..
