@@ -281,7 +281,8 @@ end
 -- The lowest stage whose per-rank model states (no offload) fit in
 -- budget_bytes; with the reason, as one line, and whether it fits. When no
 -- stage fits, stage 3 (the least memory) and fits = false.
--- opts: grads, persistent, layout (as in model_states).
+-- opts: grads, persistent, layout (as in model_states); with counts, all:
+-- count the comm buffers and the optimizer's scratch too (need_at's).
 function M.pick_stage(params, world, budget_bytes, dtype, opts)
   if type(budget_bytes) ~= "number" or not (budget_bytes > 0) then
     error(("estimate: the memory budget must be a positive number of bytes (got %s)")
@@ -300,7 +301,7 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
   -- AdamW's fp32 states over `params`.
   local function stage_need(stage)
     local bytes = opts.counts and M.need_at(opts.counts, opts.settings, stage, "none", dtype,
-                                            opts.grads, opts.device or "cuda")
+                                            opts.grads, opts.device or "cuda", opts.all)
     if bytes then return { device = bytes } end
     return M.model_states(params, world, stage, { dtype = dtype, grads = opts.grads,
                           persistent = opts.persistent, layout = opts.layout })

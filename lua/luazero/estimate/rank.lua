@@ -736,14 +736,17 @@ end
 -- What a rank keeps on the device and the host (M.kept) at `stage` with
 -- `placement` (estimate.placements' name), the run's settings (the
 -- optimizer's states and formats, ep_size, ...) on top: the bytes, or nil
--- and why M.rank refuses the placement.
-function M.need_at(counts, settings, stage, placement, dtype, grads, device)
+-- and why M.rank refuses the placement. all: everything the engine
+-- allocates for the model, its comm buffers and the optimizer's scratch
+-- too (what a budget the run holds sees at its first step).
+function M.need_at(counts, settings, stage, placement, dtype, grads, device, all)
   local o = {}
   for k, v in pairs(settings or {}) do o[k] = v end
   o.stage, o.offload, o.opt, o.param = stage, placement, nil, nil
   o.dtype, o.grads, o.device = dtype, grads, device
   local r, why = M.rank(counts, o)
   if not r then return nil, why end
+  if all then return r.device.total + r.host.total end
   return M.kept(r, "device") + M.kept(r, "host")
 end
 
@@ -778,7 +781,8 @@ function M.pick_nvme(params, world, budget_bytes, dtype, opts)
   end
   local need, name, refused
   for _, pl in ipairs(tries) do
-    local bytes, why = M.need_at(counts, opts.settings, 3, pl, dtype, opts.grads, device)
+    local bytes, why = M.need_at(counts, opts.settings, 3, pl, dtype, opts.grads, device,
+                                 opts.all)
     if bytes then
       need, name = bytes, pl
       if need <= budget_bytes then return pl, what[pl], need end

@@ -22,6 +22,8 @@ function M.resolve(ex, cfg, model, world, flags, batch)
     return
   end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+  -- (a budget the run holds, which each step checks: nil for MemAvailable's)
+  local held = require("luazero.run.config").held_budget(cfg)
   local act_note = ""
   -- (the estimate reads any device but cpu as an accelerator's memory apart)
   local device = flags.device
@@ -36,7 +38,6 @@ function M.resolve(ex, cfg, model, world, flags, batch)
     local what = ("the activations of a %d x %d micro-batch need %s"):format(batch[1], batch[2],
                                                                          estimate.format_bytes(act))
     if act >= budget then
-      local held = require("luazero.run.config").held_budget(cfg)
       ex.user_error(("stage auto: %s per rank, more than the whole budget %s (%s)%s: lower " ..
                      "--micro-batch or --seq-len, add --checkpoint-activations, or raise %s")
                     :format(what, estimate.format_bytes(budget), source,
@@ -45,6 +46,22 @@ function M.resolve(ex, cfg, model, world, flags, batch)
     budget = budget - act
     act_note = (" (what is left after %s of activations for a %d x %d micro-batch)")
                :format(estimate.format_bytes(act), batch[1], batch[2])
+  end
+  -- A held budget is checked against the process's whole memory: what it
+  -- holds already (libraries, the model's description) comes off it too.
+  if held then
+    local rss = require("luazero").peak_rss()
+    if rss >= budget then
+      ex.user_error(("stage auto: this process holds %s already, before any model state, " ..
+                     "more than the budget %s%s: the run would stop at its first step over " ..
+                     "it; raise %s"):format(estimate.format_bytes(rss),
+                                            estimate.format_bytes(budget), act_note, source))
+    end
+    budget = budget - rss
+    act_note = act_note == "" and (" (what is left after the %s this process holds)")
+                                  :format(estimate.format_bytes(rss))
+               or act_note:gsub("%)$", (", and the %s this process holds)")
+                                       :format(estimate.format_bytes(rss)))
   end
   local persistent = 0
   for _, e in ipairs(model.param_table) do
@@ -65,27 +82,29 @@ function M.resolve(ex, cfg, model, world, flags, batch)
       min_stage, min_why = rule.least, ("zero_optimization.%s needs %s"):format(key, rule.names)
     end
   end
+  -- (a budget the run holds sees the comm buffers and the optimizer's
+  -- scratch at the first step too: counted then)
   local stage, why, fits, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
     { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
       nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts,
-      min_stage = min_stage, min_why = min_why })
+      min_stage = min_stage, min_why = min_why, all = held ~= nil })
   why = why:gsub("budget [%d.]+ %a+", function(b) return b .. act_note end, 1)
   -- A budget the run holds (--memory-budget, luazero.memory_budget,
   -- LZ_MEMORY_BUDGET; run/loop.lua checks each step) that no placement
   -- meets, or that this process's own memory fills before any model state,
   -- would stop the run after its first step: refused now.
-  if require("luazero.run.config").held_budget(cfg) then
+  if held then
     local fix = ("raise %s, add ranks, or offload (zero_optimization.offload_optimizer / " ..
                  "offload_param with nvme_path)"):format(source)
+    if why:find("NVMe does not fit either", 1, true) then
+      -- (what NVMe's placement keeps beside the swap files)
+      fix = ("raise %s, add ranks, or lower zero_optimization.sub_group_size, " ..
+             "stage3_prefetch_bucket_size and reduce_bucket_size (the staging and comm " ..
+             "buffers beside the swap files)"):format(source)
+    end
     if not fits then
       ex.user_error(("stage auto: %s; the run would stop at its first step over the budget " ..
                      "it holds: %s"):format((why:gsub("; picked stage 3.*$", "")), fix))
-    end
-    local rss = require("luazero").peak_rss()
-    if rss >= budget then
-      ex.user_error(("stage auto: %s, but this process holds %s already, before any model " ..
-                     "state: the run would stop at its first step over the budget; raise %s")
-                    :format(why, estimate.format_bytes(rss), source))
     end
   end
   if placement then
