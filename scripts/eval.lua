@@ -42,9 +42,17 @@ local function main(argv)
                                 "luazero scripts/eval.lua (--load DIR | --hf DIR) --data FILE [flags]")
   if not flags then return end
   local jsonl
-  if data.is_jsonl(flags.data) and (flags.tokenizer or flags.hf) then
+  -- (the tokenizer: --tokenizer, else the --hf folder's, else that of the
+  -- folder a --load checkpoint was trained from, as generate.lua finds it)
+  local fs = require("luazero.io.fs")
+  local tok_dir = flags.tokenizer or flags.hf
+  if not tok_dir and flags.load and fs.is_dir(flags.load) then
+    local m = inputs.manifest(ex, flags.load)
+    if type(m.init) == "string" and fs.exists(m.init .. "/tokenizer.json") then tok_dir = m.init end
+  end
+  if data.is_jsonl(flags.data) and tok_dir then
     -- Instruction examples: tokenised and masked as scripts/train.lua does.
-    local tok, template = inputs.tokenizer(ex, flags.tokenizer or flags.hf)
+    local tok, template = inputs.tokenizer(ex, tok_dir)
     jsonl = { tokenizer = tok, template = template, max_len = flags.seq_len }
   end
   local corpus = inputs.corpus(ex, flags.data, jsonl)

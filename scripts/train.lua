@@ -37,7 +37,7 @@ local spec = {
   { "model-config", "string", nil, "a Hugging Face config.json (" ..
     table.concat(require("luazero.families").architectures(), ", ") .. ") instead of --model" },
   { "init", "string", nil, "start from Hugging Face weights: a model.safetensors, or a folder (config.json, *.safetensors, model.safetensors.index.json)" },
-  { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it" },
+  { "tokenizer", "string", nil, "the tokenizer.json (or Hugging Face tokenizer folder) of the data: tokenises a .jsonl --data (messages with the folder's chat template); the sample is decoded with it (default for a .jsonl --data: --init's folder, when it holds one)" },
   { "chat-kwargs", "string", nil, "more variables of the --tokenizer folder's chat template for a .jsonl --data's messages: a JSON object, as apply_chat_template's keyword arguments (e.g. '{\"enable_thinking\": false}')" },
   { "data", "string", nil, "a text file (bytes are tokens), a token file or instruction file (tools/prepare-data), or instruction examples (.jsonl)",
     required = "a text file, a token file made by tools/prepare-data, or instruction examples (.jsonl)" },
@@ -160,6 +160,13 @@ local function set_up(flags)
   -- (weights from a folder or a checkpoint fix the vocabulary: no --vocab helps)
   local vocab_fixed = flags.init and ("the weights in " .. flags.init) or
                       flags.resume and ("the checkpoint " .. flags.resume) or nil
+  -- (instruction data from --init's folder, which holds its tokenizer: that one)
+  if not flags.tokenizer and flags.init and data.is_jsonl(flags.data) and
+     require("luazero.io.fs").exists(flags.init .. "/tokenizer.json") then
+    flags.tokenizer = flags.init
+    ex.say(("data: %s tokenised with --init's tokenizer (%s/tokenizer.json)"):format(flags.data,
+           flags.init))
+  end
   if flags.tokenizer then
     tok, template = inputs.tokenizer(ex, flags.tokenizer)
     inputs.check_tokenizer_vocab(ex, tok, flags.tokenizer, mcfg.vocab, vocab_fixed)

@@ -446,6 +446,28 @@ function T.a_tokenizer_past_the_weights_vocabulary_names_the_weights()
   end
 end
 
+-- Instruction data beside --init's folder, which holds its tokenizer: that
+-- tokenizer, without --tokenizer; and eval of a checkpoint trained from the
+-- folder finds it the same way (as generate does).
+function T.jsonl_data_takes_the_init_folders_tokenizer()
+  local c = get("llama259", "--model llama-tiny --vocab 259 --context 64")
+  os.execute(("cp %s %s/tokenizer.json"):format(q(byte_level_tokenizer()), q(c.out)))
+  local data = write_file("pc.jsonl", ('{"prompt": "the question", "completion": " the answer"}\n')
+                                      :rep(40))
+  local flags = ("--seq-len 32 --micro-batch 2 --sample 0 --eval-batches 1 --data %s --init %s")
+                :format(q(data), q(c.out))
+  local ck = tmp .. "/pc-ck"
+  local out = ok_run(1, flags .. " --steps 1 --save " .. q(ck))
+  assert(out:find(("data: %s tokenised with --init's tokenizer (%s/tokenizer.json)")
+                  :format(data, c.out), 1, true), out)
+  local with = ok_run(1, flags .. " --steps 1 --tokenizer " .. q(c.out))
+  eq(with:match("params_checksum (%x+)"), out:match("params_checksum (%x+)"),
+     "the same run as with --tokenizer")
+  local ev, st = support.sh(("cd %s && %s scripts/eval.lua --load %s --data %s --seq-len 32")
+                            :format(q(lz.root), q(lz.executable()), q(ck), q(data)))
+  assert(st == 0 and ev:find("val_loss ", 1, true), ev)
+end
+
 --------------------------------------------------------------- refusals
 
 -- One line on stderr naming `needles`, exit status 2, and no --save folder
