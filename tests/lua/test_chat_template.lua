@@ -390,6 +390,9 @@ function T.jinja_expressions()
        '{"type": "function", "function": {"name": "f", "parameters": {"type": "object", ' ..
        '"properties": {}, "required": []}}}|typefunction|3')
   same(render("{{ x | default('d') }}{{ '' | default('e', true) }}{{ [3, 4] | join('-') }}"), "de3-4")
+  -- Python's bool is an int in comparisons
+  same(render("{{ true == 1 }}{{ false == 0 }}{{ true == 2 }}{{ 1 == true }}{{ 0 != false }}"),
+       "TrueTrueFalseTrueFalse")
   local ms = { { role = "user", content = "A" }, { role = "assistant", content = "B", tool = true },
                { role = "user", content = "C" } }
   same(render("{{ ['a', 'code', 'b'] | reject('equalto', 'code') | join(', ') }}|" ..

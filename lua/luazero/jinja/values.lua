@@ -312,6 +312,9 @@ end
 local function equal(a, b)
   if a == b then return true end
   if (a == NONE or a == cjson.null) and (b == NONE or b == cjson.null) then return true end
+  -- (Python's bool is an int: True == 1, False == 0)
+  if type(a) == "boolean" and type(b) == "number" then return (a and 1 or 0) == b end
+  if type(b) == "boolean" and type(a) == "number" then return (b and 1 or 0) == a end
   if type(a) ~= "table" or type(b) ~= "table" or a == NONE or b == NONE or a == UNDEF or
      b == UNDEF then
     return false
