@@ -37,6 +37,9 @@ function M.is_jsonl(path) return path:match("%.jsonl$") ~= nil end
 -- weights, starts, lines, docs (data/instruct.lua). opts for a .jsonl
 -- (data/instruct.lua's tokenize_jsonl): tokenizer, template, max_len, chat_vars.
 function M.load(path, opts)
+  if type(path) ~= "string" then
+    error(("data.load: path must be a file name (got %s)"):format(tostring(path)), 2)
+  end
   if M.is_jsonl(path) then return instruct.tokenize_jsonl(path, opts) end
   local f, size = files.open(path)
   if size == 0 then
@@ -86,7 +89,36 @@ M.write_instruction_file = instruct.write
 -- "pad") and pad_id. loader:next_batch() returns tokens, targets and, for
 -- instruction data, extra = { pos, seg }; loader:val_batch(i) the same;
 -- loader:position() / loader:set_position(pos) for a checkpoint.
+-- The options every loader takes, checked (each refusal names the option).
+local function check_loader_opts(c, opts)
+  local function whole(k, least)
+    local v = opts[k]
+    if type(v) ~= "number" or v ~= math.floor(v) or v < least then
+      fail(c.path, ("the loader's %s must be a whole number >= %d (got %s)"):format(k, least,
+                                                                                 tostring(v)))
+    end
+  end
+  whole("B", 1); whole("T", 1); whole("vocab", 1)
+  local rank, world = opts.rank or 0, opts.world or 1
+  if type(world) ~= "number" or world ~= math.floor(world) or world < 1 or type(rank) ~= "number" or
+     rank ~= math.floor(rank) or rank < 0 or rank >= world then
+    fail(c.path, ("the loader's rank %s must be one of 0 .. world - 1 (world %s)")
+                 :format(tostring(rank), tostring(world)))
+  end
+  local f = opts.val_fraction
+  if f ~= nil and not (type(f) == "number" and f >= 0 and f <= 1) then
+    fail(c.path, ("the loader's val_fraction must be in [0, 1] (got %s)"):format(tostring(f)))
+  end
+end
+
 function M.loader(c, opts)
+  if type(c) ~= "table" or not c.kind then
+    error(("data.loader: c must be a corpus (data.load's); got %s"):format(tostring(c)), 2)
+  end
+  if type(opts) ~= "table" then
+    error("data.loader: opts must be a table ({ B = , T = , vocab = , ... })", 2)
+  end
+  check_loader_opts(c, opts)
   if c.kind == "instruct" then return require("luazero.data.packed").loader(c, opts) end
   if opts.packing then
     fail(c.path, ("--packing %s applies to instruction data (a .jsonl or a file made by " ..

@@ -81,6 +81,10 @@ end
 
 -- Validation batch i (1-based, i <= val_batches): this rank's windows of it.
 function Loader:val_batch(i)
+  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > self.val_batches then
+    error(("data: validation batch %s is not one of 1 .. %d (loader.val_batches)")
+          :format(tostring(i), self.val_batches), 2)
+  end
   local starts, base = {}, self.n_train + ((i - 1) * self.world + self.rank) * self.B * self.T
   for b = 1, self.B do starts[b] = base + (b - 1) * self.T end
   return fill(self, starts)

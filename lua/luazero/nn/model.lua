@@ -276,10 +276,15 @@ end
 -- prepared for it; resets them (one forward per micro-step).
 function Model:begin_forward(B, T)
   local ctx = self.ctx
-  if not ctx.arena then error("model: call model:prepare(B, T) before forward", 3) end
+  if not ctx.arena then
+    error("model: no batch shape yet: call model:prepare(B, T) before forward (an engine: " ..
+          "zero.initialize{..., batch = {B, T}}, or engine:prepare(B, T))", 3)
+  end
   if B * T > self.prepared then
     error(("model: a batch of %d x %d tokens does not fit the activation arena, sized for " ..
-           "%d tokens: call model:prepare(%d, %d) first"):format(B, T, self.prepared, B, T), 3)
+           "%d tokens: call model:prepare(%d, %d) first (an engine: engine:prepare(%d, %d), or " ..
+           "batch = {%d, %d} to zero.initialize)"):format(B, T, self.prepared, B, T, B, T, B, T),
+          3)
   end
   if self.ckpt then self:restore_arenas() end
   ctx.arena:reset()

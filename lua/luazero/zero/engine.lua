@@ -37,6 +37,7 @@ local spill = require("luazero.zero.spill")
 local store = require("luazero.zero.store")
 local reduce = require("luazero.zero.reduce")
 local gather = require("luazero.zero.gather")
+local api = require("luazero.zero.api")
 local Frozen = require("luazero.zero.frozen")
 local States = require("luazero.zero.states")
 local Matrices = require("luazero.zero.matrices")
@@ -92,6 +93,7 @@ end
 function M.initialize(opts, above)
   above = above or {}
   local estimator = above.estimate
+  api.initialize(opts)
   local model = assert(opts.model, "initialize: model is required")
   check_modules(model)
   local s = settings(opts.config)
@@ -117,7 +119,7 @@ function M.initialize(opts, above)
     model = model, s = s, comm = comm, world = W, rank = rank, P = P, stage = P.stage,
     dev = device, seed = opts.seed or 0, above = above,
     dtype = s.dtype, wdt = P.dtype, gdt = P.grad_dtype,
-    lr = opts.lr or function() return s.lr end,
+    lr = opts.lr and api.lr(opts.lr) or function() return s.lr end,
     micro = 0, stepped_at = 0, optimizer_steps = 0, global_steps = 0, skipped_steps = 0,
     loss_sum = 0, loss_count = 0,
     scratches = {},         -- device -> fp32 scratch for half gradients (allocate)
@@ -189,7 +191,6 @@ function M.initialize(opts, above)
   end
   return self
 end
-
 
 -- The group a segment's collectives run over (zero/experts.lua).
 function Engine:comm_of(seg) return experts.comm_of(self, seg) end
@@ -749,17 +750,14 @@ end
 
 -- One optimizer step: accumulation micro-steps from batches:next_batch().
 function Engine:train_batch(batches)
-  for _ = 1, self.s.accum do
-    local x, y, extra = batches:next_batch()
-    local loss = self:forward(x, y, extra)
-    self:backward(loss)
-  end
+  api.batches(batches)
+  for _ = 1, self.s.accum do self:backward(self:forward(batches:next_batch())) end
   return self:step()
 end
 
--- Mean loss over validation batches 1..n, each rank's part of every batch
--- (the loader's val_batch) averaged over the ranks.
+-- Mean loss over validation batches 1..n (each rank's part of each), over the ranks.
 function Engine:evaluate(loader, n)
+  api.evaluate(loader, n)
   local model, sum = self.model, 0
   model:evaluate()
   for i = 1, n do sum = sum + self:forward(loader:val_batch(i)) end
