@@ -208,11 +208,19 @@ local function text_side(flags, w)
   return side
 end
 
--- Each prompt's ids (and the text they came from).
-local function prompt_ids(list, side, flags)
+-- Each prompt's ids (and the text they came from); ids given as such must
+-- be below the model's vocabulary V.
+local function prompt_ids(list, side, flags, V)
   local out = {}
   for i, p in ipairs(list) do
     if p.ids then
+      for _, id in ipairs(p.ids) do
+        if id >= V then
+          fail(("%s: token id %d is not below the model's vocabulary %d"):format(
+               flags.prompt_ids and "--prompt-ids" or ("--prompts %s: prompt %d"):format(
+               flags.prompts, i), id, V))
+        end
+      end
       out[i] = p.ids
     else
       if not side.encode then
@@ -242,7 +250,7 @@ local function main(argv)
   local list = read_prompts(flags)
   local w = inputs.weights(ex, flags, { dtype = flags.dtype, seed = flags.seed })
   local side = text_side(flags, w)
-  local prompts = prompt_ids(list, side, flags)
+  local prompts = prompt_ids(list, side, flags, w.cfg.vocab)
   -- --stop: the completion so far, decoded, holds the text.
   local stop
   if flags.stop then

@@ -67,6 +67,9 @@ do
 end
 
 if #args < 2 then
+  io.stderr:write(("prepare-data: %s; give the input file(s), then the OUTPUT.bin to write\n")
+                  :format(#args == 0 and "no files given" or
+                          ("one file given (%s)"):format(args[1])))
   print(USAGE)
   os.exit(2)
 end

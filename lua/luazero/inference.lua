@@ -259,7 +259,15 @@ function M.open(opts)
     if opts.adapters then
       local ok, a = pcall(require("luazero.adapter_config").read,
                           opts.adapters .. "/adapter_config.json")
-      if not ok then fail("--adapters %s", tostring(a)) end
+      if not ok then
+        -- (a luazero checkpoint given for PEFT's folder: where it goes instead)
+        local fs = require("luazero.io.fs")
+        local ours = fs.exists(opts.adapters .. "/manifest.json") or
+                     fs.exists(opts.adapters .. "/latest")
+        fail("--adapters %s%s", tostring(a), ours and ("; %s is a luazero checkpoint: give it " ..
+             "to --load (it brings its base), or export its adapters first (tools/ckpt export " ..
+             "%s DIR)"):format(opts.adapters, opts.adapters) or "")
+      end
       lora = a
     end
   end

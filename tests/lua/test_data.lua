@@ -129,6 +129,10 @@ function T.prepare_data_picks_version_2_for_a_large_vocabulary()
   local out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(small), q(text),
                        q(tmp .. "/p1.bin")))
   assert(st == 0 and out:find("version 1 (uint16 ids", 1, true), out)
+  -- one file and no output: said, before the usage
+  out, st = tool(("tools/prepare-data %s"):format(q(text)))
+  assert(st == 2 and out:find("prepare-data: one file given (" .. text .. "); give the input " ..
+                              "file(s), then the OUTPUT.bin to write", 1, true), out)
   out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(large), q(text),
                  q(tmp .. "/p2.bin")))
   assert(st == 0 and out:find("13 tokens, version 2 (uint32 ids", 1, true), out)

@@ -342,6 +342,17 @@ function T.generate_continues_prompts_from_a_checkpoint()
   eq(#recs[2].ids, 5, "--max-new-tokens"); eq(recs[2].finish, "length", "finish")
   out, st = script("generate", ("--load %s/ck --prompt hi --top-p 0"):format(dir))
   assert(st == 2 and out:find("generate: --top-p must be in (0, 1]", 1, true), out)
+  -- ids past the vocabulary, refused by the flag (not in the embedding kernel)
+  out, st = script("generate", ("--load %s/ck --prompt-ids 1,300"):format(dir))
+  assert(st == 2 and out:find("generate: --prompt-ids: token id 300 is not below the model's " ..
+                              "vocabulary 256", 1, true), out)
+  -- a luazero checkpoint given as PEFT's adapters: where it goes instead
+  out, st = support.sh(("cd %s && %s tools/ckpt.lua export %s/ck %s/hf"):format(q(lz.root),
+                       q(lz.executable()), dir, dir))
+  assert(st == 0, out)
+  out, st = script("generate", ("--hf %s/hf --adapters %s/ck --prompt hi"):format(dir, dir))
+  assert(st == 2 and out:find(dir .. "/ck is a luazero checkpoint: give it to --load", 1, true),
+         out)
   out, st = script("generate", ("--load %s/ck"):format(dir))
   assert(st == 2 and out:find("no prompt: give --prompt TEXT", 1, true), out)
   out, st = script("generate", ("--load %s/ck --prompt x --chat"):format(dir))

@@ -204,7 +204,7 @@ function M.expand(spec)
       if k == "ranks" then ranks = v else flags[k] = v end
     end
     if flags.log ~= nil then
-      fail(("%s--log is the sweep's own (each run's runs/<id>/log.jsonl); remove it from the " ..
+      fail(("%s--log is the sweep's own (each run's runs/<id>/metrics.jsonl); remove it from the " ..
             "sweep file"):format(where))
     end
     if type(ranks) ~= "number" or ranks < 1 or ranks ~= math.floor(ranks) then
