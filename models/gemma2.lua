@@ -154,6 +154,7 @@ end
 -- is none); a key of `absent` set to false is not read (Gemma 3's
 -- attention cap, which transformers 5.23 keeps but never applies).
 function M.hf_fields(family, more, absent)
+  local name = ({ gemma2 = "Gemma 2", gemma3 = "Gemma 3" })[family] or family
   local function capped(field, key)
     if absent[field] == false then
       return { false, key, "number", optional = true }
@@ -168,9 +169,10 @@ function M.hf_fields(family, more, absent)
     capped("final_softcap", "final_logit_softcapping"),
     { "layer_types", "layer_types", "object", optional = true, read = M.read_layer_types },
     { false, "hidden_activation", "string", default = "gelu_pytorch_tanh",
-      allowed = { "gelu_pytorch_tanh" }, refusal = "luazero's Gemma 2 has the tanh GELU" },
+      allowed = { "gelu_pytorch_tanh" },
+      refusal = ("luazero's %s has the tanh GELU (gelu_pytorch_tanh)"):format(name) },
     { false, "attention_bias", "bool", default = false, allowed = { false },
-      refusal = "luazero's Gemma 2 has no biases" },
+      refusal = ("luazero's %s has no biases"):format(name) },
     { false, "use_bidirectional_attention", "bool", default = false, allowed = { false },
       refusal = "luazero's Gemma is a causal language model; bidirectional attention " ..
                 "(an encoder's) is not supported" },

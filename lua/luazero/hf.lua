@@ -235,6 +235,20 @@ local function check_tied_head(src, h, fam, cfg, head)
   tied_copies[key] = true
 end
 
+-- What fixes weights that do not fit the model: the model described by the
+-- config.json beside them (its name is its folder's, as models.registry
+-- names one) has sizes that do not match them; another, the model flags.
+local function fit_fix(src, cfg)
+  local folder = (src.where:gsub("/+$", "")):match("([^/]+)$")
+  local named = type(cfg.name) == "string" and cfg.name:match("([^/]+)/config%.json$")
+  if folder and named == folder then
+    return "the config.json beside them does not describe them: check the sizes it gives " ..
+           "(hidden_size, num_attention_heads, num_key_value_heads, head_dim, " ..
+           "intermediate_size, vocab_size)"
+  end
+  return "give the --model / --model-config the weights were made for"
+end
+
 -- For each of the model's parameters (param_table order), the tensor that
 -- fills it; every tensor of the source used once. Errors name the tensor
 -- and the file.
@@ -255,9 +269,9 @@ local function plan(src, model, fam)
            shape_text(e.shape), cfg.name or "?")
     end
     if shape_text(have.t.shape) ~= shape_text(e.shape) then
-      fail("%s: tensor %s has shape %s, this model (%s) wants %s; give the --model / " ..
-           "--model-config the weights were made for", have.file.path, have.t.name,
-           shape_text(have.t.shape), cfg.name or "?", shape_text(e.shape))
+      fail("%s: tensor %s has shape %s, this model (%s) wants %s; %s", have.file.path,
+           have.t.name, shape_text(have.t.shape), cfg.name or "?", shape_text(e.shape),
+           fit_fix(src, cfg))
     end
     used[e.name] = true
     e.file, e.t, e.p = have.file, have.t, p
