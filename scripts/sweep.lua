@@ -82,6 +82,13 @@ local function main(argv)
   end
   print(("sweep %s: %d ok, %d failed; %s/results.csv, %s/results.md, %s"):format(spec.name,
         n_ok, n_failed, opts.out, opts.out, png or ("no plot: " .. why)))
+  -- (nothing to compare: the sweep itself failed, as a script's caller sees)
+  if n_ok == 0 and n_failed > 0 then
+    local first = records[1] and records[1].error or ""
+    io.stderr:write(("sweep %s: every run failed (the first: %s); see %s/runs/<id>/stderr.log\n")
+                    :format(spec.name, (first:gsub("\n", " | ")), opts.out))
+    os.exit(1)
+  end
 end
 
 main(arg)

@@ -21,8 +21,28 @@ local M = {}
 
 local by_name, order = {}, {}
 
+-- The fields a family's configs may hold: its sizes' own, what its finish
+-- derives from them, and what its config.json fields fill (once a family).
+local known_cache = setmetatable({}, { __mode = "k" })
+local function known_fields(fam)
+  if known_cache[fam] then return known_cache[fam] end
+  local known = { name = true }
+  for _, n in ipairs(fam.names) do
+    local cfg = { name = n }
+    for k, v in pairs(fam.configs[n]) do cfg[k], known[k] = v, true end
+    local ok, done = pcall(fam.finish, cfg)
+    if ok and type(done) == "table" then for k in pairs(done) do known[k] = true end end
+  end
+  for _, e in ipairs(fam.hf and fam.hf.fields or {}) do
+    if type(e[1]) == "string" then known[e[1]] = true end
+  end
+  known_cache[fam] = known
+  return known
+end
+
 -- The config(name, overrides) a family declares, over its configs, names
--- and finish: a named size with overrides (any field of its sizes).
+-- and finish: a named size with overrides (any field of its sizes; another
+-- is refused, naming the one it likely meant).
 function M.sizes(fam)
   return function(name, overrides)
     local base = fam.configs[name]
@@ -32,7 +52,14 @@ function M.sizes(fam)
     end
     local cfg = { name = name }
     for k, v in pairs(base) do cfg[k] = v end
-    for k, v in pairs(overrides or {}) do cfg[k] = v end
+    local known = known_fields(fam)
+    for k, v in pairs(overrides or {}) do
+      if not known[k] then
+        error(("model %s: no field %s in a %s config%s"):format(name, tostring(k), fam.name,
+              require("luazero.config.values").did_you_mean(k, known)), 0)
+      end
+      cfg[k] = v
+    end
     return fam.finish(cfg)
   end
 end

@@ -111,6 +111,16 @@ function T.run_fields_are_a_list_of_names()
   eq(#families.run_fields(nil), 0, "a model of no family")
 end
 
+-- A named size's overrides are fields of the family's configs: a typo is
+-- refused naming the field it likely meant, not stored beside them.
+function T.a_sizes_overrides_are_its_familys_fields()
+  support.expect_error(function() models.config("gpt2-nano", { n_lyer = 2 }) end,
+                       "model gpt2-nano: no field n_lyer in a gpt2 config (did you mean n_layer?)")
+  eq(models.config("gpt2-nano", { n_layer = 2 }).n_layer, 2, "a field of the family")
+  eq(models.config("mixtral-tiny", { moe_gather = "expert" }).moe_gather, "expert",
+     "a field its finish fills")
+end
+
 function T.lora_default_targets_are_the_familys()
   local lora = require("models.lora")
   local g = models.new(models.config("gpt2-nano", { n_layer = 1 }))

@@ -39,10 +39,14 @@ def sweep(*flags):
     return p.returncode, p.stdout + p.stderr
 
 
-def setup():
+def write_corpus():
     text = ("To be, or not to be, that is the question:\n"
             "Whether 'tis nobler in the mind to suffer\n") * 80
     open(os.path.join(WORK, "corpus.txt"), "w").write(text)
+
+
+def setup():
+    write_corpus()
     open(os.path.join(WORK, "tiny.lua"), "w").write(SWEEP)
     return sweep()
 
@@ -145,10 +149,26 @@ def test_bad_sweep_file_is_a_user_error():
     assert "grid.lr must be a non-empty list of values" in p.stderr, p.stderr
 
 
+def test_a_sweep_whose_every_run_fails_exits_1_naming_the_first_error():
+    """An unknown flag in the grid fails every run: the sweep says so and
+    exits 1, as a script calling it would want (some failed runs: exit 0)."""
+    path = os.path.join(WORK, "allfail.lua")
+    open(path, "w").write(
+        'return { base = { model = "gpt2-nano", data = "corpus.txt", steps = 1 }, '
+        'grid = { lrr = { 1e-3, 2e-3 } } }')
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out",
+                        os.path.join(WORK, "allfail")], cwd=WORK, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1, (p.returncode, p.stdout + p.stderr)
+    assert "sweep allfail: 0 ok, 2 failed" in p.stdout, p.stdout
+    assert "every run failed (the first: " in p.stderr and "--lrr" in p.stderr, p.stderr
+
+
 def test_a_flag_in_either_spelling_is_one_flag():
     """micro_batch in a run replaces base's ["micro-batch"] (one --micro-batch
     on the command line, one run id from one invocation to the next); one
     table giving both spellings is refused."""
+    write_corpus()
     path = os.path.join(WORK, "spell.lua")
     open(path, "w").write(
         'return { base = { model = "gpt2-nano", data = "corpus.txt", steps = 1, ["n-layer"] = 1, '
