@@ -1,6 +1,6 @@
 -- test_api_args.lua — the public API's arguments refused where a script
 -- gives them, each naming the argument and what it takes (docs/api.md):
--- zero.initialize's lr, seed and batch, an lr function's result,
+-- zero.initialize's options, lr, seed and batch, an lr function's result,
 -- train_batch's batches, evaluate's loader and n, a loader's options and a
 -- validation batch past the held-out part (which used to read past the
 -- corpus), and a forward before any batch shape.
@@ -51,6 +51,8 @@ function T.the_engines_arguments_are_checked()
   expect_error(function() engine({ seed = "abc" }) end,
                "zero.initialize: seed must be a whole number (got abc)")
   expect_error(function() engine({ batch = { 2 } }) end, "zero.initialize: batch must be { B, T }")
+  expect_error(function() engine({ seeds = 1 }) end,
+               "zero.initialize: no option seeds (did you mean seed?) (its options: batch, ")
   local L = data.loader(data.load(corpus_path), { B = 2, T = 16, seed = 1, vocab = CFG.vocab })
   local e = engine({ lr = function() return 0 / 0 end })
   expect_error(function() e:train_batch(L) end,

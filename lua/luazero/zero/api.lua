@@ -7,12 +7,23 @@ local function fail(fmt, ...) error(fmt:format(...), 0) end
 
 local function whole(v) return type(v) == "number" and v == math.floor(v) and v == v end
 
--- zero.initialize's opts: model, lr (a number, or a function of the step
--- giving one), seed (a whole number), batch ({B, T}).
+-- zero.initialize's options (docs/api.md).
+local OPTIONS = { model = true, config = true, seed = true, batch = true, lr = true, comm = true,
+                  device = true, draw_weights = true, checkpoint_activations = true }
+
+-- zero.initialize's opts: only its options; lr (a number, or a function of
+-- the step giving one), seed (a whole number), batch ({B, T}).
 function M.initialize(opts)
   if type(opts) ~= "table" then
     fail("zero.initialize: takes a table of options ({ model = ..., config = ... }); got %s",
          type(opts))
+  end
+  for k in pairs(opts) do
+    if not OPTIONS[k] then
+      fail("zero.initialize: no option %s%s (its options: batch, checkpoint_activations, comm, " ..
+           "config, device, draw_weights, lr, model, seed)", tostring(k),
+           require("luazero.config.values").did_you_mean(k, OPTIONS))
+    end
   end
   local lr = opts.lr
   if lr ~= nil and type(lr) ~= "function" and not (type(lr) == "number" and lr >= 0 and
