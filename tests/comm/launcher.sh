@@ -78,7 +78,11 @@ for i in $(seq 1 "$RUNS"); do
   esac
   tag="launcher-$$-$i"
   d=$(delay)
-  LZ_TEST_JOB=$tag "$BIN/lz_run" -n 3 "$BIN/comm_check" --loop 30 > "$TMP/fault" 2>&1 &
+  # (a non-interactive shell starts a background job with SIGINT ignored; a
+  # SIGINT before the launcher sets its handler would then be lost, where at
+  # a terminal, SIGINT's default disposition, it ends the launcher: that one)
+  LZ_TEST_JOB=$tag env --default-signal=INT "$BIN/lz_run" -n 3 "$BIN/comm_check" --loop 30 \
+    > "$TMP/fault" 2>&1 &
   lpid=$!
   sleep "$d"
   started=$(pgrep -P $lpid | head -1)
