@@ -394,15 +394,21 @@ local function byte_level_tokenizer()
   }))
 end
 
--- Data prepared with a tokenizer: the sample is its text with --tokenizer,
--- the ids it decodes without.
-function T.sample_is_decoded_with_the_tokenizer()
-  local tok_path = byte_level_tokenizer()
-  local bin = tmp .. "/tok.bin"
+-- The corpus as a token file `name` by tools/prepare-data with the
+-- byte-level tokenizer (259 tokens): its tokenizer.json and the file.
+local function prepared(name)
+  local tok_path, bin = byte_level_tokenizer(), tmp .. "/" .. name
   local out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s %s %s")
                              :format(q(lz.root), q(lz.executable()), q(tok_path),
                                      q(corpus_path()), q(bin)))
   eq(st, 0, out)
+  return tok_path, bin
+end
+
+-- Data prepared with a tokenizer: the sample is its text with --tokenizer,
+-- the ids it decodes without.
+function T.sample_is_decoded_with_the_tokenizer()
+  local tok_path, bin = prepared("tok.bin")
   local flags = ("--model llama-tiny --vocab 259 --seq-len 32 --micro-batch 4 --steps 1 " ..
                  "--sample 40 --data %s"):format(q(bin))
   local plain = select(1, ok_run(1, flags))
@@ -422,16 +428,12 @@ end
 -- naming them and the fix (the model's own tokenizer), not a --vocab that
 -- the weights' shapes would refuse next; in train, eval and generate alike.
 function T.a_tokenizer_past_the_weights_vocabulary_names_the_weights()
-  local c, tok_path = get("llama", LLAMA), byte_level_tokenizer() -- 259 tokens, vocab 250
-  local bin = tmp .. "/tok-past.bin"
-  local out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s %s %s")
-                             :format(q(lz.root), q(lz.executable()), q(tok_path),
-                                     q(corpus_path()), q(bin)))
-  eq(st, 0, out)
+  local c = get("llama", LLAMA) -- vocab 250
+  local tok_path, bin = prepared("tok-past.bin")
   local want = ("--tokenizer %s: 259 tokens, more than the model's vocab 250 (fixed by the " ..
                 "weights in %s); use the tokenizer the model was trained with"):format(tok_path,
                                                                                        c.out)
-  out, st = train(1, ("%s%s --steps 1 --init %s --tokenizer %s"):format(RUN, q(corpus_path()),
+  local out, st = train(1, ("%s%s --steps 1 --init %s --tokenizer %s"):format(RUN, q(corpus_path()),
                                                                         q(c.out), q(tok_path)))
   assert(st == 2 and out:find("train: " .. want, 1, true), out)
   local past = ("is not below the model's vocabulary 250 (fixed by the weights in %s): the data " ..
