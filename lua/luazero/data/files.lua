@@ -99,6 +99,15 @@ function M.fingerprint(path)
   return ("%d:%s"):format(size, sum)
 end
 
+-- Refuses a validation batch index i outside 1 .. n (a loader's
+-- val_batches), which would read past the held-out part.
+function M.check_val_batch(i, n)
+  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > n then
+    error(("data: validation batch %s is not one of 1 .. %d (loader.val_batches)")
+          :format(tostring(i), n), 3)
+  end
+end
+
 -- Refuses data whose largest id `max_id` the model's vocabulary `vocab`
 -- cannot embed, suggesting the --vocab that can (or, past what --vocab
 -- takes, naming the file as not this tokenizer's); `more`: a further fix.

@@ -153,10 +153,7 @@ end
 
 -- Validation batch i (1-based, i <= val_batches): this rank's rows of it.
 function Loader:val_batch(i)
-  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > self.val_batches then
-    error(("data: validation batch %s is not one of 1 .. %d (loader.val_batches)")
-          :format(tostring(i), self.val_batches), 2)
-  end
+  require("luazero.data.files").check_val_batch(i, self.val_batches)
   for b = 0, self.B - 1 do
     local r = ((i - 1) * self.world + self.rank) * self.B + b + 1
     fill_row(self, b, self.val_order, self.val_rows[r], self.val_rows[r + 1])

@@ -21,8 +21,9 @@ function M.u64_hex(hex)
 end
 
 -- data: from data.load. opts: B, T, seed, vocab (the model's: every id must be
--- below it; vocab_fixed: what fixes it, for the refusal's words), val_fraction (0.1), rank and world (default 0 and 1): each batch
--- draws world * B windows, the same on every rank, and rank r takes windows
+-- below it; vocab_fixed: what fixes it, for the refusal's words),
+-- val_fraction (0.1), rank and world (default 0 and 1): each batch draws
+-- world * B windows, the same on every rank, and rank r takes windows
 -- r*B+1 .. (r+1)*B, so the global batch does not depend on the world size.
 -- The last val_fraction of the tokens is held out; training windows start at
 -- random positions of the rest.
@@ -81,10 +82,7 @@ end
 
 -- Validation batch i (1-based, i <= val_batches): this rank's windows of it.
 function Loader:val_batch(i)
-  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > self.val_batches then
-    error(("data: validation batch %s is not one of 1 .. %d (loader.val_batches)")
-          :format(tostring(i), self.val_batches), 2)
-  end
+  require("luazero.data.files").check_val_batch(i, self.val_batches)
   local starts, base = {}, self.n_train + ((i - 1) * self.world + self.rank) * self.B * self.T
   for b = 1, self.B do starts[b] = base + (b - 1) * self.T end
   return fill(self, starts)
