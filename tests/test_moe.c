@@ -565,8 +565,9 @@ LZ_TEST(sq_norm_blocks_takes_what_it_is_given) {
 /* A bf16 expert's dw runs in blocks of 128 of its D output rows while it
  * has at most 384 rows, whole above (moe_gemm.c): every expert's dw, added
  * into and written, must be the bits of its own linear layer's (one GEMM
- * over all of D). Row counts around the block and the limit, D off the
- * blocks (300: a last block of 44) and moe-100m's gate/up shape. */
+ * over all of D), and so must its rows of the forward. Row counts around
+ * the block and the limit, D off the blocks (300: a last block of 44) and
+ * moe-100m's gate/up and down shapes. */
 static void dw_blocks_case(int64_t D, int64_t C, const int64_t *rows, int64_t E) {
   int64_t R = 0;
   for (int64_t e = 0; e < E; e++) R += rows[e];
@@ -579,6 +580,22 @@ static void dw_blocks_case(int64_t D, int64_t C, const int64_t *rows, int64_t E)
   for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + (int32_t)rows[e];
   lz_tensor *tx = T(xb, LZ_BF16, R, C), *tdy = T(dyb, LZ_BF16, R, D);
   lz_tensor *tw = T(wb, LZ_BF16, E, D, C), *toff = T(off, LZ_I32, E + 1);
+  /* the forward: each expert's rows the bits of its own linear layer's */
+  float *yg = calloc((size_t)(R * D), 4), *ya = calloc((size_t)(R * D), 4);
+  CHECK_OK(lz_moe_gemm_forward(T(yg, LZ_F32, R, D), tx, tw, toff));
+  for (int64_t e = 0; e < E; e++) {
+    if (!rows[e]) continue;
+    CHECK_OK(lz_linear_forward(T(ya + off[e] * D, LZ_F32, rows[e], D),
+                               T(xb + off[e] * C, LZ_BF16, rows[e], C),
+                               T(wb + e * D * C, LZ_BF16, D, C), NULL));
+    int64_t differ = 0;
+    for (int64_t i = off[e] * D; i < off[e + 1] * D; i++) differ += memcmp(&yg[i], &ya[i], 4) != 0;
+    if (differ)
+      lz_test_fail(__FILE__, __LINE__, "bf16 forward, D %lld C %lld, expert of %lld rows: %lld "
+                   "of %lld differ from its linear layer's", (long long)D, (long long)C,
+                   (long long)rows[e], (long long)differ, (long long)(rows[e] * D));
+  }
+  free(yg), free(ya);
   for (int write = 0; write < 2; write++) {
     memcpy(grouped, dw0, 4 * (size_t)(E * D * C));
     memcpy(alone, dw0, 4 * (size_t)(E * D * C));
@@ -609,11 +626,12 @@ static void dw_blocks_case(int64_t D, int64_t C, const int64_t *rows, int64_t E)
   unwrap_all();
 }
 
-LZ_TEST(moe_gemm_bf16_dw_blocks_are_each_experts_own_bits) {
+LZ_TEST(moe_gemm_bf16_is_each_experts_own_linear_bits) {
   const int64_t small[] = {1, 2, 17, 64, 127, 128, 129, 255, 256, 0, 300, 383, 384, 385, 512};
   dw_blocks_case(300, 200, small, (int64_t)(sizeof small / sizeof *small));
   const int64_t wide[] = {64, 129, 384, 385};
   dw_blocks_case(2048, 768, wide, 4);
+  dw_blocks_case(768, 2048, wide, 4); /* moe-100m's down shape */
 }
 
 /* ------------------------------------------------------------ whole layer */
