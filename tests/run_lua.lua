@@ -1,11 +1,12 @@
 -- run_lua.lua — runs tests/lua/test_*.lua. Each file returns a table of
 -- name -> function; a test fails when it raises. Ends with "N passed, N failed".
---   luazero tests/run_lua.lua [--shuffle SEED] [--reverse] [--jit off] [--skip substring] [substring]
+--   luazero tests/run_lua.lua [--shuffle SEED] [--reverse] [--jit off] [--skip substring] [substring | tests/lua/FILE.lua]
 -- Tests run in file then name order; --shuffle runs them all in an order
 -- drawn from SEED (printed first, so a failing order can be replayed),
 -- --reverse in the reverse of the usual order, --jit off with the JIT
 -- compiler off: a test must pass in any order and interpreted. --skip leaves
--- out the tests whose full name (file.test) contains its substring.
+-- out the tests whose full name (file.test) contains its substring. A
+-- substring (or a test file's path) that names no test is an error.
 local root = rawget(_G, "LUAZERO_ROOT") or "."
 local clock = require("luazero.clock") -- wall time per test
 
@@ -42,7 +43,7 @@ while i <= #argv do
     io.stderr:write("run_lua: unknown option " .. a .. " (--shuffle SEED, --reverse, --jit off, --skip SUBSTRING)\n")
     os.exit(2)
   else
-    filter = a
+    filter = a:match("([^/]+)%.lua$") or a -- a test file's path: its tests
   end
   i = i + 1
 end
@@ -74,6 +75,12 @@ for _, file in ipairs(files) do
   end
 end
 
+if filter and #tests == 0 and failed == 0 then
+  io.stderr:write(("run_lua: no test's name contains '%s'%s (names are file.test, such as " ..
+                   "test_api_args.a_loaders_position_is_checked)\n")
+                  :format(filter, skip and " without '" .. skip .. "'" or ""))
+  os.exit(1)
+end
 if reverse then
   for a = 1, math.floor(#tests / 2) do
     local b = #tests + 1 - a

@@ -44,6 +44,24 @@ function T.a_loaders_options_and_validation_batches_are_checked()
   L:free()
 end
 
+-- set_position takes what position() returned; anything else used to be
+-- taken without a word, the loader left where it was.
+function T.a_loaders_position_is_checked()
+  local c = data.load(corpus_path)
+  local L = data.loader(c, { B = 2, T = 16, seed = 1, vocab = CFG.vocab })
+  local pos = L:position()
+  local _, first = L:next_batch()
+  local want = { first[0], first[1], first[2] }
+  for _, bad in ipairs({ "x", 7, {}, { rng_state = 12 }, { rng_state = "zz" } }) do
+    expect_error(function() L:set_position(bad) end,
+                 "data: set_position takes what loader:position() returned")
+  end
+  L:set_position(pos)
+  local _, again = L:next_batch()
+  assert(again[0] == want[1] and again[1] == want[2] and again[2] == want[3],
+         "the batch after set_position(position()) is the first batch again")
+end
+
 function T.the_engines_arguments_are_checked()
   expect_error(function() engine({ lr = "fast" }) end,
                "zero.initialize: lr must be a number >= 0 or a function of the step returning " ..

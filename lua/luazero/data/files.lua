@@ -108,6 +108,18 @@ function M.check_val_batch(i, n)
   end
 end
 
+-- Refuses a loader position that is not what loader:position() returns:
+-- a table whose rng_state is a hex string (a checkpoint's extra.data).
+function M.check_position(pos)
+  if type(pos) ~= "table" or type(pos.rng_state) ~= "string" or
+     not pos.rng_state:match("^%x+$") or #pos.rng_state > 16 then
+    error(("data: set_position takes what loader:position() returned (a table with its " ..
+           "rng_state, a hex string), not %s"):format(type(pos) == "table"
+             and "a table with rng_state " .. tostring(pos.rng_state) or
+             type(pos) .. " " .. tostring(pos)), 3)
+  end
+end
+
 -- Refuses data whose largest id `max_id` the model's vocabulary `vocab`
 -- cannot embed, suggesting the --vocab that can (or, past what --vocab
 -- takes, naming the file as not this tokenizer's); `more`: a further fix.

@@ -169,6 +169,7 @@ function Loader:position()
 end
 
 function Loader:set_position(pos)
+  require("luazero.data.files").check_position(pos)
   local saved = ("%s %s, %s training examples, sequences of %s"):format(
     pos.packing and "--packing" or "a token stream", tostring(pos.packing or ""),
     tostring(pos.examples or "?"), tostring(pos.seq or "?"))

@@ -92,11 +92,12 @@ end
 function Loader:position() return { rng_state = M.hex_u64(self.rng.state[0]) } end
 
 function Loader:set_position(pos)
+  require("luazero.data.files").check_position(pos)
   if pos.packing then
     error(("data: the checkpoint was saved training on instruction data (--packing %s); " ..
            "resume with the same --data"):format(pos.packing), 0)
   end
-  if pos.rng_state then self.rng.state[0] = M.u64_hex(pos.rng_state) end
+  self.rng.state[0] = M.u64_hex(pos.rng_state)
 end
 
 function Loader:free()
