@@ -62,6 +62,22 @@ function T.a_loaders_position_is_checked()
          "the batch after set_position(position()) is the first batch again")
 end
 
+-- forward(x) without targets is the logits only; a backward after it is
+-- refused before it changes anything, and a forward with targets goes on.
+function T.a_backward_after_a_forward_without_targets_is_refused()
+  local e = engine()
+  local x, y = lz.tensor({ 2, 16 }, "i32"), lz.tensor({ 2, 16 }, "i32")
+  assert(e:forward(x) == nil, "forward(x) without targets returns no loss")
+  assert(e.model.logits and e.model.logits:dim(3) >= CFG.vocab, "forward(x) leaves the logits")
+  expect_error(function() e:backward(nil) end,
+               "engine: backward after engine:forward(x) without targets, which computes " ..
+               "the logits only")
+  local loss = e:forward(x, y)
+  assert(type(loss) == "number", "forward(x, y) after the refusal returns the loss")
+  e:backward(loss)
+  e:free()
+end
+
 function T.the_engines_arguments_are_checked()
   expect_error(function() engine({ lr = "fast" }) end,
                "zero.initialize: lr must be a number >= 0 or a function of the step returning " ..

@@ -39,6 +39,9 @@ local rng = require("luazero.rng")
 
 local ops = lz.ops
 local CausalLM = Model:extend("CausalLM")
+-- Its backward starts from the loss: a forward without targets (the logits
+-- only) has none (engine:backward refuses it first).
+CausalLM.backward_needs_targets = true
 
 -- The full name of a module's parameter `key`, the module at `path`.
 local function param_name(m, key, path)
@@ -264,7 +267,10 @@ end
 -- it sees a copy of the logits, since their gradient overwrites them.
 function CausalLM:backward(scale, extra_term)
   local logits, targets = self.logits, self.targets
-  assert(targets, "model: backward needs a forward with targets")
+  if not targets then
+    error("model: backward needs a forward with targets: model:forward(x) without them " ..
+          "computes the logits only; call model:forward(x, y) first", 2)
+  end
   local count = self.target_count
   local dloss = count > 0 and (scale or 1) / count or 0
   -- Under bf16 working parameters the head's backward GEMM reads its

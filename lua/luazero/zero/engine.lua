@@ -616,7 +616,7 @@ function Engine:forward(x, y, extra)
   self.gatherer:begin_pass(false)
   local loss = model:forward(x, y, extra)
   self.gatherer:end_pass(false)
-  self.forwarded = true
+  self.forwarded = (y == nil and model.backward_needs_targets) and "logits" or true
   return loss
 end
 
@@ -625,8 +625,10 @@ end
 -- backward after that scale (a model of one's own: the gradient of its
 -- output, say).
 function Engine:backward(loss, ...)
-  if not self.forwarded then
-    error("engine: backward without a forward before it (backward twice?): call " ..
+  if self.forwarded ~= true then
+    error(self.forwarded and "engine: backward after engine:forward(x) without targets, " ..
+          "which computes the logits only: call engine:forward(x, y) before engine:backward" or
+          "engine: backward without a forward before it (backward twice?): call " ..
           "engine:forward(x, y) before each engine:backward(loss)", 2)
   end
   self.forwarded = false
