@@ -9,7 +9,8 @@ local zero = require("luazero.zero")
 local models = require("models.registry")
 
 local path, steps, save_dir, resume = arg[1], tonumber(arg[2]), arg[3], arg[4]
-assert(path and steps and save_dir, "usage: custom_loop.lua corpus.txt STEPS SAVE_DIR [CHECKPOINT]")
+assert(path and steps and steps >= 1 and steps % 1 == 0 and save_dir,
+       "usage: luazero -m examples/custom_loop corpus.txt STEPS SAVE_DIR [CHECKPOINT] (STEPS: a whole number >= 1)")
 local mcfg = models.config("gpt2-nano", { n_layer = 2, n_embd = 64, n_head = 4, context = 32 })
 local B, T, accum, every = 4, 32, 2, 3
 local ds = config.load({ train_micro_batch_size_per_gpu = B, gradient_accumulation_steps = accum,

@@ -11,7 +11,8 @@ local models = require("models.registry")
 local lora = require("models.lora")
 
 local folder, jsonl, save_dir, steps = arg[1], arg[2], arg[3], tonumber(arg[4] or "10")
-assert(save_dir, "usage: lora.lua HF_FOLDER chat.jsonl SAVE_DIR [steps]")
+assert(save_dir and steps and steps >= 1 and steps % 1 == 0,
+       "usage: luazero -m examples/lora HF_FOLDER chat.jsonl SAVE_DIR [steps] (steps: a whole number >= 1, default 10)")
 local B, T = 2, 128
 
 -- The model as its config.json says, adapters on its default targets (q_proj,

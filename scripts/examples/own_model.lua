@@ -9,7 +9,8 @@ local data = require("luazero.data")
 local zero = require("luazero.zero")
 
 local path, steps = arg[1], tonumber(arg[2] or "20")
-assert(path, "usage: luazero -n 2 scripts/examples/own_model.lua corpus.txt [steps]")
+assert(path and steps and steps >= 1 and steps % 1 == 0,
+       "usage: luazero -n 2 -m examples/own_model corpus.txt [steps] (steps: a whole number >= 1, default 20)")
 comm.init() -- joins the ranks `luazero -n 2` started (one rank without -n)
 local rank, world = comm.rank(), comm.size()
 

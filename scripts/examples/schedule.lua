@@ -9,7 +9,8 @@ local zero = require("luazero.zero")
 local models = require("models.registry")
 
 local path, steps = arg[1], tonumber(arg[2] or "30")
-assert(path, "usage: luazero scripts/examples/schedule.lua corpus.txt [steps]")
+assert(path and steps and steps >= 1 and steps % 1 == 0,
+       "usage: luazero -m examples/schedule corpus.txt [steps] (steps: a whole number >= 1, default 30)")
 local mcfg = models.config("llama-tiny", { context = 64 })
 local B, T, check_every = 4, 32, 5
 

@@ -26,6 +26,18 @@ local function losses(out)
   return l
 end
 
+-- Each refuses missing arguments or a steps that is not a whole number with
+-- its usage line, written as README runs it (luazero -m examples/NAME).
+function T.each_example_names_its_usage()
+  for _, c in ipairs({ { "own_model", "" }, { "custom_loop", "c.txt 0 out" },
+                       { "lora", "folder c.jsonl out 2.5" }, { "schedule", "c.txt abc" } }) do
+    local out, st = sh(("cd %s && %s -m examples/%s %s"):format(q(tmp), q(lz.executable()),
+                                                               c[1], c[2]))
+    assert(st ~= 0 and out:find("usage: luazero .*-m examples/" .. c[1] .. " "),
+           c[1] .. " " .. c[2] .. ": " .. out)
+  end
+end
+
 function T.each_example_is_short_and_commented()
   local n = 0
   for _, name in ipairs({ "own_model.lua", "custom_loop.lua", "lora.lua", "schedule.lua" }) do
