@@ -19,7 +19,9 @@
 -- t[1] ~= nil or empty, else a dict; a dict in values.ORDER keeps its key
 -- order, as jinja/json.lua reads JSON); jinja.NONE is Python's None, a
 -- missing value renders as "". Errors are strings without a prefix; the
--- caller names the file.
+-- caller names the file. Not as Python: a float with no fraction renders
+-- without one (4 / 2 is "2"), and case filters change ASCII letters only
+-- (docs/formats.md).
 local values = require("luazero.jinja.values")
 local lex = require("luazero.jinja.lexer").lex
 local parse = require("luazero.jinja.parser").parse
