@@ -351,7 +351,7 @@ local function finish(run)
     if run.tok then
       say("sample:\n" .. text.decode(run.tok, ids))
     elseif mcfg.vocab <= 256 then
-      say("sample:\n" .. data.decode_bytes(ids))
+      say("sample:\n" .. data.decode_bytes(ids, true))
     else
       say("sample (token ids): " .. table.concat(ids, " "))
     end

@@ -128,10 +128,18 @@ function M.loader(c, opts)
   return require("luazero.data.stream").loader(c, opts)
 end
 
--- Tokens to text for a byte vocabulary: printable bytes as they are.
-function M.decode_bytes(ids)
+-- Tokens to text for a byte vocabulary: each id below 256 its byte, others
+-- "?". escape: control bytes other than newline and tab written \xNN, for a
+-- terminal (a model of binary data would otherwise send it escape codes).
+function M.decode_bytes(ids, escape)
   local chars = {}
-  for i, id in ipairs(ids) do chars[i] = string.char(id < 256 and id or 63) end
+  for i, id in ipairs(ids) do
+    local c = string.char(id < 256 and id or 63)
+    if escape and (id < 32 or id == 127) and id ~= 10 and id ~= 9 then
+      c = ("\\x%02x"):format(id)
+    end
+    chars[i] = c
+  end
   return table.concat(chars)
 end
 

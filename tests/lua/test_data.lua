@@ -758,4 +758,13 @@ function T.train_on_jsonl_resumes_bitwise()
   assert(st == 2 and out:find("--packing pad applies to instruction data", 1, true), out)
 end
 
+-- A byte model's text: bytes as they are, or (for a terminal, train.lua's
+-- sample) control bytes other than newline and tab as \xNN.
+function T.decode_bytes_escapes_control_bytes_when_asked()
+  local ids = { 72, 27, 91, 50, 74, 10, 9, 0, 127, 300, 233 }
+  assert(data.decode_bytes(ids) == "H\27[2J\n\t\0\127?\233")
+  local shown = data.decode_bytes(ids, true)
+  assert(shown == "H\\x1b[2J\n\t\\x00\\x7f?\233", shown)
+end
+
 return T
