@@ -93,7 +93,7 @@ M.write_instruction_file = instruct.write
 local function check_loader_opts(c, opts)
   local function whole(k, least)
     local v = opts[k]
-    if type(v) ~= "number" or v ~= math.floor(v) or v < least then
+    if not require("luazero.config.values").is_whole(v) or v < least then
       fail(c.path, ("the loader's %s must be a whole number >= %d (got %s)"):format(k, least,
                                                                                  tostring(v)))
     end

@@ -35,6 +35,8 @@ function T.a_loaders_options_and_validation_batches_are_checked()
   expect_error(function() data.load(42) end, "data.load: path must be a file name (got 42)")
   expect_error(function() data.loader(c, { B = 2, vocab = 256 }) end,
                "the loader's T must be a whole number >= 1 (got nil)")
+  expect_error(function() data.loader(c, { B = math.huge, T = 16, vocab = 256 }) end,
+               "the loader's B must be a whole number >= 1 (got inf)")
   expect_error(function() data.loader(c, { B = 2, T = 16 }) end,
                "the loader's vocab must be a whole number >= 1 (got nil)")
   expect_error(function() data.loader(c, { B = 2, T = 16, vocab = 256, rank = 3, world = 2 }) end,

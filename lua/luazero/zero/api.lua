@@ -5,7 +5,7 @@ local M = {}
 
 local function fail(fmt, ...) error(fmt:format(...), 0) end
 
-local function whole(v) return type(v) == "number" and v == math.floor(v) and v == v end
+local whole = require("luazero.config.values").is_whole -- finite, no fraction
 
 -- zero.initialize's options (docs/api.md).
 local OPTIONS = { model = true, config = true, seed = true, batch = true, lr = true, comm = true,
