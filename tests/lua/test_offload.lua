@@ -246,6 +246,34 @@ function T.a_budget_smaller_than_the_optimizer_states_holds_through_nvme()
          out:find("offload the optimizer states", 1, true), out)
 end
 
+-- A swap file the disk has no room for: the error gives what this
+-- configuration's swap files take a rank, part by part (the sizes the
+-- engine's files really have), beside the disk's free space.
+function T.a_full_disk_names_what_the_swap_files_take()
+  local models, zero = require("models.registry"), require("luazero.zero")
+  local live = require("luazero.estimate.live")
+  lz.mkdir(swap_dir)
+  local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+  local e = zero.initialize{ model = models.new(cfg), batch = { 2, 16 }, config = {
+    train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = 3,
+      offload_optimizer = { device = "nvme", nvme_path = swap_dir },
+      offload_param = { device = "nvme", nvme_path = swap_dir } } } }
+  local c_err = ("swap: %s/luazero-swap-1-0-params: cannot preallocate 4096 bytes: No space " ..
+                 "left on device (free space in %s or point nvme_path at a larger disk)")
+                :format(swap_dir, swap_dir)
+  local msg = live.allocation_error(e, nil, c_err)
+  local est = e:estimate()
+  local total = require("luazero.estimate").format_bytes(est.live.nvme)
+  assert(msg:find("No space left on device; this configuration's swap files take " .. total ..
+                  " a rank (gradients ", 1, true) and msg:find(", optimizer ", 1, true) and
+         msg:find(", params ", 1, true), msg)
+  assert(msg:find(", and " .. swap_dir .. " has ", 1, true) and
+         msg:find(" free: free that much there for each rank on this machine, or point " ..
+                  "nvme_path at a larger disk", 1, true), msg)
+  assert(live.allocation_error(e, nil, "something else") == nil)
+  e:free()
+end
+
 function T.bad_offload_settings_name_the_key()
   local r = train(1, config(2, nil, nvme), "fp32", 1)
   assert(r.status ~= 0)

@@ -56,6 +56,37 @@ function M.out_of_memory(engine, batch)
     fit or "no ZeRO stage or offload tier fits: use a smaller model or micro-batch, or more ranks")
 end
 
+-- The error when a swap file cannot be made full size (the disk is too
+-- full): what this configuration's swap files take per rank, part by part,
+-- beside what nvme_path's disk has free.
+function M.out_of_disk(engine, err)
+  local o = estimate.settings_from(engine.s, engine.dev == "cuda" and "cuda" or engine.dev,
+                                   engine.optimizer.states, engine.optimizer.state_formats)
+  local r = estimate.rank(estimate.counts(engine.model, engine.world, engine.s.persistence,
+                                          engine.L.block, engine.s.ep_size), o)
+  local parts = {}
+  for k, v in pairs(r.nvme) do
+    if k ~= "total" then parts[#parts + 1] = ("%s %s"):format(k, estimate.format_bytes(v)) end
+  end
+  table.sort(parts)
+  local path = err:match("swap: (.-)/luazero%-swap") or engine.s.offload_opt.nvme_path or
+               engine.s.offload_param.nvme_path
+  local free = path and require("luazero.io.fs").free_bytes(path)
+  return ("%s; this configuration's swap files take %s a rank (%s)%s: free that much there " ..
+          "for each rank on this machine, or point nvme_path at a larger disk")
+         :format(err:gsub(" %(free space in .*$", ""), estimate.format_bytes(r.nvme.total),
+                 table.concat(parts, ", "), free and (", and %s has %s free"):format(path,
+                   estimate.format_bytes(free)) or "")
+end
+
+-- The error to raise for a failure while the engine places its buffers: out
+-- of device memory or of disk, explained (above); else nil (err as it is).
+function M.allocation_error(engine, batch, err)
+  err = tostring(err)
+  if err:find("out of device memory", 1, true) then return M.out_of_memory(engine, batch) end
+  if err:find("cannot preallocate", 1, true) then return M.out_of_disk(engine, err) end
+end
+
 -- What tools/estimate figures for this engine, per rank: device, host and
 -- NVMe bytes part by part (states, frozen parameters, staging, comm
 -- buffers), the NVMe bytes read and written per optimizer step and the

@@ -11,6 +11,9 @@ typedef struct lz_dirent { uint64_t d_ino; int64_t d_off; unsigned short d_recle
 void *opendir(const char *name);
 lz_dirent *readdir(void *dirp);
 int closedir(void *dirp);
+typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, f_bfree, f_bavail,
+  f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
+int statvfs(const char *path, lz_statvfs *buf);
 ]])
 
 -- True when path names something that can be opened (a file or a folder).
@@ -39,6 +42,14 @@ function M.list(dir)
   end
   ffi.C.closedir(d)
   return names
+end
+
+-- The bytes an unprivileged writer may still take on path's file system
+-- (statvfs's f_bavail), or nil where it cannot be asked.
+function M.free_bytes(path)
+  local st = ffi.new("lz_statvfs")
+  if ffi.C.statvfs(path, st) ~= 0 then return nil end
+  return tonumber(st.f_bavail) * tonumber(st.f_frsize)
 end
 
 return M

@@ -52,11 +52,6 @@ end
 -- written, free space for one checkpoint (fp32 master, Adam m and v: 12
 -- bytes a parameter). Every rank checks, so all stop alike. (The zstd
 -- level's range is declared with its flag.)
-pcall(ffi.cdef, [[
-typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, f_bfree, f_bavail,
-  f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
-int statvfs(const char *path, lz_statvfs *buf);
-]])
 pcall(ffi.cdef, "int getpid(void);")
 function M.check_save_target(ex, flags, n_params, cfg)
   if not flags.save then return end
@@ -82,9 +77,8 @@ function M.check_save_target(ex, flags, n_params, cfg)
     refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
            err))
   end
-  local st = ffi.new("lz_statvfs")
-  if ffi.C.statvfs(dir, st) == 0 then
-    local free = tonumber(st.f_bavail) * tonumber(st.f_frsize)
+  local free = require("luazero.io.fs").free_bytes(dir)
+  if free then
     -- (a 16-bit export beside each checkpoint: 4 bytes a parameter of
     -- scratch and 2 of output more)
     local per = 12

@@ -183,12 +183,7 @@ function M.initialize(opts, above)
     end
     if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   end)
-  if not ok then
-    if estimator and tostring(err):find("out of device memory", 1, true) then
-      error(estimator.out_of_memory(self, opts.batch), 0)
-    end
-    error(err, 0)
-  end
+  if not ok then error(estimator and estimator.allocation_error(self, opts.batch, err) or err, 0) end
   return self
 end
 
