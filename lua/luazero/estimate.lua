@@ -282,7 +282,11 @@ end
 -- budget_bytes; with the reason, as one line, and whether it fits. When no
 -- stage fits, stage 3 (the least memory) and fits = false.
 -- opts: grads, persistent, layout (as in model_states); with counts, all:
--- count the comm buffers and the optimizer's scratch too (need_at's).
+-- count the comm buffers and the optimizer's scratch too (need_at's);
+-- budget_note: words after the budget's bytes (what came off it).
+-- Returns stage, why, fits, placement (an NVMe pick's), and detail:
+-- { reason = why without its "picked ..." end, nvme_short = true when NVMe
+-- was offered and its least placement needs more than the budget }.
 function M.pick_stage(params, world, budget_bytes, dtype, opts)
   if type(budget_bytes) ~= "number" or not (budget_bytes > 0) then
     error(("estimate: the memory budget must be a positive number of bytes (got %s)")
@@ -293,6 +297,7 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
   -- (opts.min_stage: the least stage the config allows, its offloads'; the
   -- stages below are not offered, and opts.min_why says why)
   local from = opts.min_stage or 0
+  local budget = M.format_bytes(budget_bytes) .. (opts.budget_note or "")
   local first = from > 0 and ("%s, so stage %d at least; "):format(opts.min_why, from) or ""
   -- A stage's need: with the engine's counts (opts.counts: a LoRA run's
   -- frozen base, experts over ep_size) and settings (the optimizer's states
@@ -310,22 +315,22 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
     local r = stage_need(stage)
     if not least or r.device < least.device then least = { stage = stage, device = r.device } end
     if r.device <= budget_bytes then
-      local why
+      local reason
       if #too_big == 0 then
-        why = ("%sstage %d needs %s per rank; budget %s: picked stage %d")
-              :format(first, stage, M.format_bytes(r.device), M.format_bytes(budget_bytes), stage)
+        reason = ("%sstage %d needs %s per rank; budget %s")
+                 :format(first, stage, M.format_bytes(r.device), budget)
       else
-        why = ("%s%s per rank; budget %s; stage %d needs %s: picked stage %d")
-              :format(first, table.concat(too_big, ", "), M.format_bytes(budget_bytes), stage,
-                      M.format_bytes(r.device), stage)
+        reason = ("%s%s per rank; budget %s; stage %d needs %s")
+                 :format(first, table.concat(too_big, ", "), budget, stage,
+                         M.format_bytes(r.device))
       end
-      return stage, why, true
+      return stage, ("%s: picked stage %d"):format(reason, stage), true, nil,
+             { reason = reason, nvme_short = false }
     end
     too_big[#too_big + 1] = ("stage %d needs %s"):format(stage, M.format_bytes(r.device))
   end
-  local head = ("%s%s per rank; budget %s"):format(first, table.concat(too_big, ", "),
-                                                  M.format_bytes(budget_bytes))
-  local nvme_note = ""
+  local head = ("%s%s per rank; budget %s"):format(first, table.concat(too_big, ", "), budget)
+  local nvme_note, nvme_short = "", false
   if opts.nvme then
     local pick, why, need = M.pick_nvme(params, world, budget_bytes, dtype, opts)
     if pick then
@@ -335,17 +340,20 @@ function M.pick_stage(params, world, budget_bytes, dtype, opts)
                "zero_optimization.offload_optimizer.nvme_path"):format(head, why,
                M.format_bytes(need)), 0)
       end
-      return 3, ("%s: no stage fits in memory; stage 3 with %s needs %s: picked stage 3, %s " ..
-                 "(nvme_path %s)"):format(head, why, M.format_bytes(need), why, opts.nvme_path),
-             true, pick
+      local reason = ("%s: no stage fits in memory; stage 3 with %s needs %s")
+                     :format(head, why, M.format_bytes(need))
+      return 3, ("%s: picked stage 3, %s (nvme_path %s)"):format(reason, why, opts.nvme_path),
+             true, pick, { reason = reason, nvme_short = false }
     end
+    nvme_short = need ~= nil
     nvme_note = need and ("; NVMe does not fit either (stage 3 with %s needs %s)"):format(why,
                                                                                M.format_bytes(need))
                 or ("; NVMe is not offered (%s)"):format(why)
   end
-  return 3, ("%s: no stage fits (stage %d needs the least, %s)%s; picked " ..
-             "stage 3, which more ranks shrink: offload, more ranks or a larger budget would help")
-            :format(head, least.stage, M.format_bytes(least.device), nvme_note), false
+  local reason = ("%s: no stage fits (stage %d needs the least, %s)%s")
+                 :format(head, least.stage, M.format_bytes(least.device), nvme_note)
+  return 3, reason .. "; picked stage 3, which more ranks shrink: offload, more ranks or a " ..
+            "larger budget would help", false, nil, { reason = reason, nvme_short = nvme_short }
 end
 
 ------------------------------------------------------------------ models

@@ -84,11 +84,10 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   end
   -- (a budget the run holds sees the comm buffers and the optimizer's
   -- scratch at the first step too: counted then)
-  local stage, why, fits, placement = estimate.pick_stage(model.n_params, world, budget, cfg.dtype,
-    { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
+  local stage, why, fits, placement, detail = estimate.pick_stage(model.n_params, world, budget,
+    cfg.dtype, { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
       nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts,
-      min_stage = min_stage, min_why = min_why, all = held ~= nil })
-  why = why:gsub("budget [%d.]+ %a+", function(b) return b .. act_note end, 1)
+      min_stage = min_stage, min_why = min_why, all = held ~= nil, budget_note = act_note })
   -- A budget the run holds (--memory-budget, luazero.memory_budget,
   -- LZ_MEMORY_BUDGET; run/loop.lua checks each step) that no placement
   -- meets, or that this process's own memory fills before any model state,
@@ -96,7 +95,7 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   if held then
     local fix = ("raise %s, add ranks, or offload (zero_optimization.offload_optimizer / " ..
                  "offload_param with nvme_path)"):format(source)
-    if why:find("NVMe does not fit either", 1, true) then
+    if detail.nvme_short then
       -- (what NVMe's placement keeps beside the swap files)
       fix = ("raise %s, add ranks, or lower zero_optimization.sub_group_size, " ..
              "stage3_prefetch_bucket_size and reduce_bucket_size (the staging and comm " ..
@@ -104,7 +103,7 @@ function M.resolve(ex, cfg, model, world, flags, batch)
     end
     if not fits then
       ex.user_error(("stage auto: %s; the run would stop at its first step over the budget " ..
-                     "it holds: %s"):format((why:gsub("; picked stage 3.*$", "")), fix))
+                     "it holds: %s"):format(detail.reason, fix))
     end
   end
   if placement then
