@@ -59,6 +59,8 @@ do
     elseif a == "--help" then
       print(USAGE)
       os.exit(0)
+    elseif a:sub(1, 2) == "--" then
+      fail(("unknown flag %s (--help lists the flags)"):format(name or a))
     else
       args[#args + 1] = a
       i = i + 1
@@ -84,6 +86,15 @@ if opt.seq_len and not (seq_len and seq_len >= 2 and seq_len % 1 == 0) then
 end
 if seq_len and format ~= "jsonl" then
   fail("--seq-len applies to --format jsonl (examples longer than it are refused); drop it")
+end
+if not opt.format and #args > 2 then
+  for i = 1, #args - 1 do
+    if data.is_jsonl(args[i]) then
+      fail(("%s is JSON Lines (instruction data), read as such only alone: give one .jsonl " ..
+            "input (concatenate them first), or --format text to take the files as plain text")
+           :format(args[i]))
+    end
+  end
 end
 if format == "jsonl" and #args ~= 2 then
   fail(("--format jsonl takes one input and the output (got %d inputs); concatenate the " ..
@@ -116,8 +127,9 @@ if format == "jsonl" then
                                                                        "--chat-kwargs")
   end)
   if not vok then fail(tostring(vars)) end
-  local ok, c = pcall(data.load, args[1], { tokenizer = tok, template = template,
-                                           max_len = seq_len, chat_vars = vars or nil })
+  -- (JSON Lines whatever the file's name: --format says so)
+  local ok, c = pcall(instruct.tokenize_jsonl, args[1], { tokenizer = tok, template = template,
+                                                        max_len = seq_len, chat_vars = vars or nil })
   if not ok then fail(tostring(c)) end
   local wok, err = pcall(data.write_instruction_file, out, c)
   if not wok then fail(tostring(err)) end
@@ -136,6 +148,22 @@ for i = 1, #args - 1 do
   if not f then fail(args[i] .. ": cannot read it (" .. tostring(err) .. ")") end
   parts[#parts + 1] = f:read("*a") or ""
   f:close()
+  -- A token or instruction file is data already: as text its header and ids
+  -- would become byte tokens.
+  local magic = #parts[#parts] >= 4 and require("ffi").cast("const int32_t *", parts[#parts])[0]
+  if magic == data.MAGIC or magic == data.INSTRUCT_MAGIC then
+    fail(("%s is already a%s file (made by tools/prepare-data): train on it as it is " ..
+          "(--data %s), or give the text it was made from"):format(args[i],
+          magic == data.MAGIC and " token" or "n instruction", args[i]))
+  end
+  -- A Hugging Face tokenizer reads text (Python's str): as in JSON Lines,
+  -- bytes that are not UTF-8 are refused rather than passed on as bytes.
+  local bad = tok and instruct.bad_utf8_at(parts[#parts])
+  if bad then
+    local line = select(2, parts[#parts]:sub(1, bad):gsub("\n", "")) + 1
+    fail(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file as " ..
+          "UTF-8"):format(args[i], line, bad, parts[#parts]:byte(bad)))
+  end
 end
 local text = table.concat(parts)
 if #text == 0 then fail("the inputs are empty; give a text file with something in it") end

@@ -142,6 +142,39 @@ function T.prepare_data_picks_version_2_for_a_large_vocabulary()
   eq(data.load(tmp .. "/p1.bin").version, 1, "small vocabulary's version")
 end
 
+-- prepare-data reads what it is told: --format jsonl whatever the input's
+-- name; and it refuses what it would turn into wrong data without a word
+-- (a .jsonl among several inputs, a token or instruction file as text,
+-- bytes that are not UTF-8 for a tokenizer) and flags it does not know.
+function T.prepare_data_refuses_what_it_would_get_wrong()
+  local jl = write("ex.jsonl", '{"prompt": "a", "completion": "b"}\n')
+  local as_txt = write("ex.txt", '{"prompt": "a", "completion": "b"}\n')
+  local text = write("q.txt", "hello world\n")
+  local bad = write("bad.txt", "fine\nab\255\254cd\n")
+  local tokzr = byte_tokenizer("q.json", {})
+  local function run(args)
+    return tool("tools/prepare-data " .. args)
+  end
+  local out, st = run(("--format jsonl %s %s"):format(q(as_txt), q(tmp .. "/q1.bin")))
+  assert(st == 0 and out:find("1 examples, 2 tokens, 1 trained", 1, true), out)
+  out, st = run(("%s %s %s"):format(q(jl), q(jl), q(tmp .. "/q2.bin")))
+  assert(st == 2 and out:find(jl .. " is JSON Lines (instruction data), read as such only " ..
+                              "alone", 1, true), out)
+  out, st = run(("%s %s"):format(q(text), q(tmp .. "/q3.bin")))
+  assert(st == 0, out)
+  out, st = run(("%s %s"):format(q(tmp .. "/q3.bin"), q(tmp .. "/q4.bin")))
+  assert(st == 2 and out:find("q3.bin is already a token file", 1, true), out)
+  out, st = run(("%s %s"):format(q(tmp .. "/q1.bin"), q(tmp .. "/q5.bin")))
+  assert(st == 2 and out:find("q1.bin is already an instruction file", 1, true), out)
+  out, st = run(("--tokenizer %s %s %s"):format(q(tokzr), q(bad), q(tmp .. "/q6.bin")))
+  assert(st == 2 and out:find(bad .. ":2: byte 8 (0xFF) is not UTF-8", 1, true), out)
+  out, st = run(("--packing pad %s %s"):format(q(jl), q(tmp .. "/q7.bin")))
+  assert(st == 2 and out:find("unknown flag --packing (--help lists the flags)", 1, true), out)
+  for _, f in ipairs({ "q2.bin", "q4.bin", "q5.bin", "q6.bin", "q7.bin" }) do
+    assert(not io.open(tmp .. "/" .. f), f .. " written by a refused run")
+  end
+end
+
 -- A version 2 file of a Llama 3 vocabulary (128256) trains a tiny Llama.
 function T.llama3_vocabulary_trains_from_a_version_2_file()
   local ids = {}

@@ -411,4 +411,7 @@ function M.read(path, f, size, head)
   return c
 end
 
+-- The first byte of text that is not UTF-8 (its 1-based offset), or nil.
+M.bad_utf8_at = bad_utf8_at
+
 return M
