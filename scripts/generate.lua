@@ -151,6 +151,8 @@ local function parse(argv)
          "give the text to stop at, or drop --stop")
   end
   checked(function() touches(flags):check() end)
+  -- (--out is written after every completion: a path it cannot take fails now)
+  if flags.out then require("luazero.run.outputs").check_writable(ex, "--out", flags.out) end
   return flags
 end
 
@@ -162,6 +164,18 @@ local function text_side(flags, w)
   -- a tokenizer.json or a Hugging Face folder, as train and eval take it
   local tok_path = flags.tokenizer or (dir and exists(dir .. "/tokenizer.json") and dir)
   local V = w.cfg.vocab
+  -- (else the one a checkpoint's data was read with, which its manifest names)
+  local trained = not tok_path and w.manifest and type(w.manifest.extra) == "table" and
+                  type(w.manifest.extra.data) == "table" and w.manifest.extra.data.tokenizer
+  if type(trained) == "string" then
+    if not exists(trained) then
+      fail(("--load %s was trained on data read with the tokenizer %s, which is not there " ..
+            "now; give --tokenizer (that tokenizer.json or its folder)"):format(flags.load, trained))
+    end
+    tok_path = trained
+    io.stderr:write(("generate: text read and written with the tokenizer the checkpoint " ..
+                     "trained with (%s)\n"):format(trained))
+  end
   if tok_path then
     local tok = inputs.tokenizer(ex, tok_path)
     -- (another tokenizer than the model folder's own must fit its vocabulary)

@@ -264,6 +264,10 @@ local function main(argv)
                  write_gbps = flags.write_gbps or estimate.disk.write_gbps }
   disk.assumed = not (flags.read_gbps and flags.write_gbps)
   if flags.measure_disk then
+    if not require("luazero.io.fs").is_dir(flags.measure_disk) then
+      fail(("--measure-disk %s: no such folder; give a folder on the disk the swap files would " ..
+            "use (nvme_path)"):format(flags.measure_disk))
+    end
     local rd, wr, direct = checked(estimate.measure_disk, flags.measure_disk)
     if not direct then
       fail(("--measure-disk %s: the file system refuses O_DIRECT (tmpfs?), so the page cache " ..

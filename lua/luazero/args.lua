@@ -82,8 +82,8 @@ function M.parse(argv, spec)
     local name, value = a:match("^%-%-([%w%-]+)=(.*)$")
     if not name then name = a:match("^%-%-([%w%-]+)$") end
     if not name then
-      error(("unexpected argument '%s' (flags look like --steps 100; --help lists them)")
-            :format(a), 0)
+      error(("unexpected argument '%s' (only flags are taken, each --name or --name VALUE; " ..
+             "--help lists them)"):format(a), 0)
     end
     local s = by_name[name]
     if not s then error(("unknown flag --%s (--help lists the flags)"):format(name), 0) end

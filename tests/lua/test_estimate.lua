@@ -827,6 +827,13 @@ function T.tools_estimate_has_nvme_rows_lora_and_json()
   assert(status == 0 and tonumber(rd) > 0 and tonumber(wr) > 0, out)
   out, status = run_tool("--params 1e9 --lora-r 4")
   assert(status == 2 and out:find("--lora-r and --lora-targets go with --model", 1, true), out)
+  -- a folder that is not there, and a word that is not a flag, named as such
+  out, status = run_tool("--params 1e9 --measure-disk " .. support.quote(swap_dir .. "/none"))
+  assert(status == 2 and out:find("--measure-disk " .. swap_dir .. "/none: no such folder; " ..
+                                  "give a folder on the disk", 1, true), out)
+  out, status = run_tool("--params 1e9 extra")
+  assert(status == 2 and out:find("unexpected argument 'extra' (only flags are taken, each " ..
+                                  "--name or --name VALUE; --help lists them)", 1, true), out)
 end
 
 -- The trainer's --stage auto on a budget no stage fits in memory: stage 3

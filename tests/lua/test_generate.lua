@@ -500,6 +500,34 @@ function T.a_fine_tunes_load_reads_with_its_init_folders_tokenizer()
   assert(ids:find("263,261,263,261", 1, true), "prompt_ids " .. ids)
 end
 
+-- A checkpoint trained on data read with --tokenizer (no --init) records
+-- it: generate --load reads and writes text with it (it took bytes), and
+-- names it when it is gone; an --out it cannot write fails before any work.
+function T.a_checkpoint_generates_with_the_tokenizer_its_data_was_read_with()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(200, 3))
+  local tok = dir .. "/sp/tokenizer.json"
+  lz.mkdir(dir .. "/sp")
+  support.write(tok, require("cjson").encode(support.sentencepiece_tokenizer()))
+  local out, st = script("train", ("--model gpt2-nano --n-layer 1 --vocab 268 --tokenizer %s " ..
+                         "--data %s --seq-len 16 --micro-batch 2 --sample 0 --steps 1 " ..
+                         "--eval-batches 0 --save %s/ck"):format(dir .. "/sp", q(data), dir))
+  assert(st == 0, out)
+  out, st = script("generate", ("--load %s/ck --prompt 'ab ab' --max-new-tokens 2 --out %s/g.jsonl")
+                               :format(dir, dir))
+  assert(st == 0 and out:find("the tokenizer the checkpoint trained with (", 1, true), out)
+  local ids = table.concat(support.records(dir .. "/g.jsonl")[1].prompt_ids, ",")
+  assert(ids:find("263,261,263,261", 1, true), "prompt_ids " .. ids)
+  os.rename(dir .. "/sp", dir .. "/sp-moved")
+  out, st = script("generate", ("--load %s/ck --prompt 'ab' --max-new-tokens 2"):format(dir))
+  assert(st == 2 and out:find("was trained on data read with the tokenizer " .. dir ..
+                              "/sp, which is not there now; give --tokenizer", 1, true), out)
+  out, st = script("generate", ("--load %s/ck --tokenizer %s/sp-moved --prompt 'ab' " ..
+                                "--max-new-tokens 2 --out %s/none/g.jsonl"):format(dir, dir, dir))
+  assert(st == 2 and out:find("--out: cannot write " .. dir .. "/none/g.jsonl", 1, true) and
+         not out:find("prompt_ids"), out)
+end
+
 -- The consolidated header's element count for a model of 2^31 elements or
 -- more past a multiple of 2^32 (7-8B models: 7,615,616,512 here): its low
 -- word's bits, read back whole (the header only; the floats are not written).

@@ -18,7 +18,8 @@ function M.measure_disk(dir, bytes, aio)
   bytes = bytes or 2 ^ 28
   local chunk = math.min(2 ^ 25, bytes)
   local n = math.max(1, math.floor(bytes / chunk))
-  local swap = lz.swap(dir, n * chunk, "bench", aio)
+  local made, swap = pcall(lz.swap, dir, n * chunk, "bench", aio)
+  if not made then error((tostring(swap):gsub("^[^:]*%.lua:%d+: ", "")), 0) end
   local bufs = { lz.tensor({ chunk / 4 }, "f32", "offload"),
                  lz.tensor({ chunk / 4 }, "f32", "offload") }
   local ok, err = pcall(function()

@@ -48,6 +48,11 @@ function M.if_due(run, step)
   }
   extra.data.batches = step * run.accum
   extra.data.fingerprint, extra.data.file = run.data_fingerprint, flags.data
+  -- (the tokenizer the data was read with, for generate.lua to decode with)
+  if flags.tokenizer then
+    extra.data.tokenizer = flags.tokenizer:sub(1, 1) == "/" and flags.tokenizer or
+                           (os.getenv("PWD") or ".") .. "/" .. flags.tokenizer
+  end
   local opts = { zstd_level = flags.save_zstd_level, keep = flags.keep, config = run.cfg }
   local t1 = clock.now()
   if run.async then
