@@ -322,6 +322,21 @@ function T.os_exit_in_the_multi_rank_repl_ends_every_rank_cleanly()
   assert(not out:find("traceback", 1, true) and not out:find("waited", 1, true), out)
 end
 
+-- Commands piped into the REPL: a chunk that fails, a syntax error or one
+-- left unfinished at the end of the input makes the exit status 1 (a script
+-- of commands can be checked by it); all fine, 0.
+function T.a_piped_repl_exits_1_when_a_command_fails()
+  for input, want in pairs({ ["x = 1\\nprint(x)\\n"] = 0, ["error(\"boom\")\\nx = 1\\n"] = 1,
+                             ["x = = 1\\n"] = 1, ["x = 1 +\\n"] = 1 }) do
+    local out, st = sh(("cd %s && printf '%s' | timeout 30 %s"):format(q(root), input,
+                                                                     q(lz.executable())))
+    assert(st == want, ("%s: exit %s, not %d:\n%s"):format(input, tostring(st), want, out))
+    if input == "x = 1 +\\n" then
+      assert(out:find("input ended inside an unfinished chunk, not run: x = 1 +", 1, true), out)
+    end
+  end
+end
+
 ------------------------------------------ acceptance: SIGKILL at random
 
 -- 20 runs of 6 steps on 2 ranks saving every step, each SIGKILLed (a rank or

@@ -2,7 +2,8 @@
 -- A line at a time: "=expr" or a bare expression prints its values
 -- (luazero.ui.show: tensors, modules, the engine, the ledger, tables); an
 -- incomplete chunk continues at a ">> " prompt; errors print with their
--- traceback and the loop goes on. The helpers of luazero.ui.inspect (shards,
+-- traceback and the loop goes on (read from a pipe or a file, any error
+-- makes the exit status 1). The helpers of luazero.ui.inspect (shards,
 -- norms, mem, gather, estimate) are globals.
 --
 -- Under `luazero -n N -i` rank 0 runs the loop and the other ranks serve its
@@ -99,6 +100,9 @@ function M.run(opts)
   end
   local idle = multi and serve.idle_seconds() or nil
   local on_idle = multi and serve.ping or nil
+  -- (read from a pipe or a file, a chunk that fails, or one left incomplete
+  -- at the end, makes the exit status 1, as a script's would)
+  local failed = opts.script_failed or false
   local chunk = nil
   while true do
     local line = read(chunk and ">> " or "> ", idle, on_idle)
@@ -109,6 +113,7 @@ function M.run(opts)
       chunk = nil
       local res = pack(xpcall(f, traceback))
       if not res[1] then
+        failed = true
         io.stderr:write(tostring(res[2]), "\n")
         io.stderr:flush()
       elseif res.n > 1 then
@@ -116,13 +121,19 @@ function M.run(opts)
       end
       io.stdout:flush()
     elseif not incomplete then
-      chunk = nil
+      chunk, failed = nil, true
       io.stderr:write(err, "\n")
       io.stderr:flush()
     end
   end
+  if chunk then
+    failed = true
+    io.stderr:write(("input ended inside an unfinished chunk, not run: %s\n")
+                    :format((chunk:gsub("\n", " "))))
+  end
   if tty then io.stdout:write("\n") end
   serve.quit()
+  if failed and not tty then os.exit(1) end
 end
 
 return M
