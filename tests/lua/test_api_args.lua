@@ -80,6 +80,23 @@ function T.a_backward_after_a_forward_without_targets_is_refused()
   e:free()
 end
 
+-- The REPL's helpers: a pattern that is not a string is refused, one that
+-- names no parameter says so, and mem takes no argument.
+function T.the_repl_helpers_arguments_are_checked()
+  local inspect = require("luazero.ui.inspect")
+  local e = engine()
+  expect_error(function() inspect.shards(e, 5) end,
+               "shards: the pattern is number 5; give a part of a parameter's name as a string")
+  for _, helper in ipairs({ "shards", "norms" }) do
+    local text = tostring(inspect[helper](e, "zzz"))
+    assert(text:find("(no parameter's name contains 'zzz': " .. helper ..
+                     "(engine) lists them all)", 1, true), text)
+    assert(not tostring(inspect[helper](e, "wte")):find("no parameter's name", 1, true))
+  end
+  expect_error(function() inspect.mem(3) end, "mem: takes no argument")
+  e:free()
+end
+
 function T.the_engines_arguments_are_checked()
   expect_error(function() engine({ lr = "fast" }) end,
                "zero.initialize: lr must be a number >= 0 or a function of the step returning " ..

@@ -102,11 +102,20 @@ local function every_rank(mine)
 end
 
 -- The helper `name` on every rank together: its engine and every rank's
--- report(engine).
+-- report(engine). pattern: nil, or a part of parameter names to show.
 local function engine_reports(name, engine, pattern, report)
+  if pattern ~= nil and type(pattern) ~= "string" then
+    error(("%s: the pattern is %s %s; give a part of a parameter's name as a string, or " ..
+           "none for all"):format(name, type(pattern), tostring(pattern)), 0)
+  end
   engine = the_engine(engine, name)
   serve.together(name, engine, pattern)
   return engine, every_rank(function() return report(engine) end)
+end
+
+-- The line a pattern that names no parameter gets.
+local function no_match(name, pattern)
+  return ("(no parameter's name contains '%s': %s(engine) lists them all)"):format(pattern, name)
 end
 
 function M.shards(engine, pattern)
@@ -149,6 +158,7 @@ function M.shards(engine, pattern)
                                                  table.concat(parts, "  "))
     end
   end
+  if pattern and #rows == 0 then lines[#lines + 1] = no_match("shards", pattern) end
   return report({ stage = engine.stage, world = engine.world, ranks = ranks, rows = rows },
                 table.concat(lines, "\n"))
 end
@@ -229,7 +239,7 @@ function M.norms(engine, pattern)
   end
   lines[#lines + 1] = ("parameters (working copy, %s): norm, then each rank's part of it:")
                       :format(engine.wdt)
-  local params, i, width = {}, 0, 0
+  local params, i, width, shown = {}, 0, 0, 0
   for _, seg in ipairs(engine.L.segments) do
     for _, e in ipairs(seg.entries) do width = math.max(width, #e.entry.name) end
   end
@@ -246,18 +256,23 @@ function M.norms(engine, pattern)
       params[#params + 1] = { name = name, dtype = engine.wdt, norm = math.sqrt(total),
                               ranks = per_rank }
       if not pattern or name:find(pattern, 1, true) then
+        shown = shown + 1
         lines[#lines + 1] = ("  %s %-9s | %s"):format(pad(name, width), show.num(math.sqrt(total)),
                                                       table.concat(parts, "  "))
       end
     end
   end
+  if pattern and shown == 0 then lines[#lines + 1] = "  " .. no_match("norms", pattern) end
   return report({ ranks = ranks, params = params }, table.concat(lines, "\n"))
 end
 
 ------------------------------------------------------------------ memory
 
 
-function M.mem()
+function M.mem(...)
+  if select("#", ...) > 0 then
+    error("mem: takes no argument (it reports every rank's memory)", 0)
+  end
   serve.together("mem")
   local ranks = every_rank(function()
     return { rank = serve.rank(), current = lz.mem(), peak = lz.mem_peak(),
