@@ -90,6 +90,16 @@ function T.reshards_world_4_stage_3_to_world_2_stage_1_and_world_1_stage_0()
   local t = ck:tensor(e.name)
   assert(ffi.string(t.data, t:bytes()) == body:sub(e.offset * 4 + 1, (e.offset + e.numel) * 4))
   t:free()
+  -- the end of a name after a dot serves where it is one tensor's; else refused
+  local short = e.name:match("^transformer%.(.+)$") or e.name:match("%.(.-%..-)$")
+  local t2 = ck:tensor(short)
+  assert(ffi.string(t2.data, t2:bytes()) == body:sub(e.offset * 4 + 1, (e.offset + e.numel) * 4),
+         short)
+  t2:free()
+  support.expect_error(function() ck:tensor("weight") end, "tensors' names (")
+  support.expect_error(function() ck:tensor() end, "tensor: give a tensor's name, e.g.")
+  support.expect_error(function() ck:tensor("nope") end,
+                       "has no tensor \"nope\" (the checkpoint's :norms() lists them, e.g.")
   assert(#ck:norms() == #ck.manifest.params and ck:norms()[1].norm > 0)
   for _, ws in ipairs({ { 2, 1 }, { 1, 0 } }) do
     -- --steps 4: nothing to run; the checksum is the loaded master's.

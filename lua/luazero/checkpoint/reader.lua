@@ -137,8 +137,27 @@ end
 -- state: "master" (default) or one of the optimizer's ("m", "v" for AdamW).
 -- Reads only the shards holding it.
 function Checkpoint:tensor(name, state)
+  if type(name) ~= "string" then
+    fail("tensor: give a tensor's name, e.g. %q (its :norms() lists them)",
+         self.manifest.params[1] and self.manifest.params[1].name or "")
+  end
   local i = self.by_name[name]
-  if not i then fail("%s has no tensor %q (ck:norms() lists them)", self.dir, tostring(name)) end
+  if not i then
+    -- (or the end of one name, after a dot: "wte.weight" for "transformer.wte.weight")
+    local hits = {}
+    for k, e in ipairs(self.manifest.params) do
+      if e.name:sub(-#name - 1) == "." .. name then hits[#hits + 1] = k end
+    end
+    if #hits > 1 then
+      fail("%s: %q ends %d tensors' names (%s, ...); give more of the name", self.dir, name,
+           #hits, self.manifest.params[hits[1]].name)
+    end
+    i = hits[1]
+  end
+  if not i then
+    fail("%s has no tensor %q (the checkpoint's :norms() lists them, e.g. %q)", self.dir, name,
+         self.manifest.params[1] and self.manifest.params[1].name or "")
+  end
   local names = states_of(self.manifest)
   local which
   for k, n in ipairs(names) do if n == (state or "master") then which = k end end
