@@ -125,6 +125,7 @@ local function without_prefix(name) return (name:gsub("^transformer%.", "")) end
 
 -- The config.json (GPT2LMHeadModel) of a config, loadable by transformers.
 local function config_json(cfg)
+  local no_id = cfg.vocab > M.END_OF_TEXT and M.END_OF_TEXT or cjson.null
   return {
     architectures = { "GPT2LMHeadModel" }, model_type = "gpt2",
     n_layer = cfg.n_layer, n_head = cfg.n_head, n_embd = cfg.n_embd,
@@ -132,7 +133,9 @@ local function config_json(cfg)
     activation_function = "gelu_new", layer_norm_epsilon = cfg.eps or 1e-5,
     initializer_range = 0.02,
     resid_pdrop = 0, embd_pdrop = 0, attn_pdrop = 0, tie_word_embeddings = true,
-    bos_token_id = cfg.bos_id, eos_token_id = cfg.eos_id,
+    -- (unset: <|endoftext|> where the vocabulary holds it, else none;
+    -- transformers would take 50256, past a smaller vocabulary)
+    bos_token_id = cfg.bos_id or no_id, eos_token_id = cfg.eos_id or no_id,
   }
 end
 
