@@ -100,13 +100,17 @@ local function read_prompts(flags)
               "file as UTF-8"):format(flags.prompts, n, at, line:byte(at)))
       end
       if line:find("%S") then
-        if line:match("^%s*{") then
-          local ok, j = pcall(cjson.decode, line)
-          if not ok or type(j) ~= "table" or (j.prompt == nil and j.messages == nil and
-                                              type(j.prompt_ids) ~= "table") then
-            fail(("--prompts %s: line %d is not a JSON object with \"prompt\", \"messages\" " ..
-                  "or \"prompt_ids\""):format(flags.prompts, n))
-          end
+        local ok, j = false, nil
+        if line:match("^%s*{") then ok, j = pcall(cjson.decode, line) end
+        local object = ok and type(j) == "table" and (j.prompt ~= nil or j.messages ~= nil or
+                                                      type(j.prompt_ids) == "table")
+        -- (a .jsonl file's lines are objects; elsewhere a line that is not one,
+        -- "{" or not, is a prompt as written)
+        if not object and line:match("^%s*{") and flags.prompts:match("%.jsonl$") then
+          fail(("--prompts %s: line %d is not a JSON object with \"prompt\", \"messages\" " ..
+                "or \"prompt_ids\""):format(flags.prompts, n))
+        end
+        if object then
           if j.messages and not flags.chat then
             fail(("--prompts %s: line %d holds messages; add --chat to render them with the " ..
                   "chat template"):format(flags.prompts, n))

@@ -375,6 +375,20 @@ function T.generate_continues_prompts_from_a_checkpoint()
   f = assert(io.open(prompts, "wb")); f:write('{"prompt_ids": [108, 2.5]}\n'); f:close()
   out, st = script("generate", ("--load %s/ck --prompts %s"):format(dir, prompts))
   assert(st == 2 and out:find("line 1: prompt_ids[1] is 2.5, not a token id", 1, true), out)
+  -- A text file's line that is not a prompt object is a prompt as written,
+  -- "{" or not; in a .jsonl file it is refused.
+  f = assert(io.open(prompts, "wb")); f:write('{"prompt": "ab"}\n{"x": 1}\n'); f:close()
+  out, st = script("generate", ("--load %s/ck --prompts %s --max-new-tokens 1 --out %s/p.jsonl")
+                               :format(dir, prompts, dir))
+  assert(st == 0, out)
+  local p = support.records(dir .. "/p.jsonl")
+  eq(table.concat(p[1].prompt_ids, ","), "97,98", "the object's prompt")
+  eq(#p[2].prompt_ids, #'{"x": 1}', "the other line as written")
+  local jl = dir .. "/prompts.jsonl"
+  f = assert(io.open(jl, "wb")); f:write('{"prompt": "ab"}\n{"x": 1}\n'); f:close()
+  out, st = script("generate", ("--load %s/ck --prompts %s"):format(dir, jl))
+  assert(st == 2 and out:find(("--prompts %s: line 2 is not a JSON object with"):format(jl), 1,
+                              true), out)
 end
 
 -- A checkpoint of one step of MODEL (with `extra` flags) on data, in
