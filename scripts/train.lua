@@ -251,7 +251,11 @@ local function set_up(flags)
     checked(model.checkpoint_activations, model, cfg.activation_checkpointing)
   end
   checked(stage_auto.resolve, ex, cfg, model, world, flags, { B, T })
-  local note = config.unimplemented_message(cfg)
+  local note = config.auto_message(cfg)
+  if note then say(note) end
+  note = run_config.schedule_note(cfg, flags)
+  if note then say(note) end
+  note = config.unimplemented_message(cfg)
   if note then say(note) end
   -- Without --checkpoint-activations one line covers the whole block.
   note = config.no_effect_message(cfg, not flags.checkpoint_activations and
@@ -295,6 +299,7 @@ local function say_start(run)
               vc and vc.count or loader.n_val,
               vc and (" in --val-data %s (%s)"):format(vc.path, vc.kind) or "",
               run.n_val > 0 and ("validation on " .. run.n_val .. " batches")
+              or run.flags.eval_batches == 0 and "no validation (--eval-batches 0)"
               or "the held-out part is too small for one validation batch"))
   if loader.layout then say(loader.layout) end
   if run.flags.checkpoint_activations then

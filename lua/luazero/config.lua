@@ -125,7 +125,10 @@ local function optimizer_section(raw, cfg, unimpl)
          optimizers.types_text(true, "and"))
   end
   for _, k in ipairs(sorted_keys(raw)) do
-    if k ~= "type" and k ~= "params" then unimpl[#unimpl + 1] = "optimizer." .. k end
+    if k ~= "type" and k ~= "params" then
+      values.refuse_misspelt(k, { type = true, params = true }, "optimizer.")
+      unimpl[#unimpl + 1] = "optimizer." .. k
+    end
   end
   local p = given(raw.params) and block("optimizer.params", raw.params) or {}
   local params, extra = optim_schema.read(class, p, "optimizer.params.", spelling,
@@ -133,6 +136,10 @@ local function optimizer_section(raw, cfg, unimpl)
   cfg.optimizer = { type = spelling, params = params }
   for k, v in pairs(extra) do cfg.optimizer[k] = v end
 end
+
+local fp16_keys = { enabled = true, consecutive_hysteresis = true, loss_scale = true,
+                    initial_scale_power = true, loss_scale_window = true, hysteresis = true,
+                    min_loss_scale = true, fused_mode = true }
 
 local function fp16_section(raw, cfg, unimpl)
   local out = deep_copy(M.fp16_defaults)
@@ -157,6 +164,8 @@ local function fp16_section(raw, cfg, unimpl)
         end
         out.min_loss_scale = v
       elseif not (v == false or (name == "fused_mode" and v == true)) then
+        values.refuse_misspelt(name, fp16_keys, k, { auto_cast = true,
+                               fp16_master_weights_and_grads = true })
         unimpl[#unimpl + 1] = k .. name
       end
     end
@@ -187,6 +196,8 @@ local function bf16_section(raw, cfg, unimpl, name)
       -- before the fp32 ones, which this engine does not do)
       elseif not ((v == false and k ~= "immediate_grad_update") or v == cjson.null or
                   (k == "immediate_grad_update" and v == true)) then
+        values.refuse_misspelt(k, { enabled = true, immediate_grad_update = true }, name .. ".",
+                               { check_grad_overflow = true })
         unimpl[#unimpl + 1] = name .. "." .. k
       end
     end
@@ -268,8 +279,12 @@ local function offload_block(key, raw, defaults, unimpl, notes)
   local unknown, known = {}, sorted_keys(defaults)
   known[#known + 1] = "nvme_path"
   table.sort(known)
+  local known_set = {}
+  for _, k in ipairs(known) do known_set[k] = true end
+  known_set.device = true
   for _, k in ipairs(sorted_keys(raw)) do
     if k ~= "device" and k ~= "nvme_path" and defaults[k] == nil then
+      values.refuse_misspelt(k, known_set, key .. ".")
       unimpl[#unimpl + 1] = ("%s.%s%s"):format(key, k, next(unknown) and "" or
         (" (not a key of %s, which has %s)"):format(key:match("[^.]+$"), table.concat(known, ", ")))
       unknown[k] = true
@@ -447,7 +462,8 @@ local function zero_section(raw, cfg, unimpl)
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
     if not handled[k] and not asks_for_nothing(v) and not (zero_default_ok[k] and v == true) then
-      unimpl[#unimpl + 1] = z .. k .. values.did_you_mean(k, handled, z)
+      values.refuse_misspelt(k, handled, z, M.deepspeed_zero_keys)
+      unimpl[#unimpl + 1] = z .. k
     end
   end
   cfg.zero_optimization = out
@@ -496,8 +512,34 @@ local override_flags = {
   grad_accum = "--grad-accum", train_batch = "--train-batch", lr = "--lr",
   gradient_clipping = "--gradient-clipping", warmup = "--warmup",
   total_steps = "--steps", memory_budget = "--memory-budget",
+  auto = "the trainer's values for \"auto\"",
 }
 M.override_flags = override_flags
+
+-- "auto" (Hugging Face's templates) filled as its Trainer fills it, from
+-- the trainer's own values (ov.auto: lr, warmup; scripts/train.lua's): the
+-- optimizer's lr, the scheduler's warmup_num_steps, and gradient_clipping
+-- (1.0 without one, as the Trainer's max_grad_norm). Each fill is listed in
+-- cfg.auto_filled for the start-up line. (warmup_max_lr "auto" is the
+-- optimizer's lr and total_num_steps "auto" --steps: config/scheduler.lua.)
+local function fill_auto(raw, auto, filled)
+  local o = type(raw.optimizer) == "table" and type(raw.optimizer.params) == "table" and
+            raw.optimizer.params
+  if o and o.lr == "auto" and auto.lr then
+    o.lr = auto.lr
+    filled[#filled + 1] = ("optimizer.params.lr %g"):format(auto.lr)
+  end
+  local sp = type(raw.scheduler) == "table" and type(raw.scheduler.params) == "table" and
+             raw.scheduler.params
+  if sp and sp.warmup_num_steps == "auto" and auto.warmup then
+    sp.warmup_num_steps = math.max(1, auto.warmup)
+    filled[#filled + 1] = ("scheduler.params.warmup_num_steps %d"):format(sp.warmup_num_steps)
+  end
+  if raw.gradient_clipping == "auto" then
+    raw.gradient_clipping = auto.gradient_clipping or M.train_defaults.gradient_clipping
+    filled[#filled + 1] = ("gradient_clipping %g"):format(raw.gradient_clipping)
+  end
+end
 
 local function apply_overrides(raw, ov, notes)
   for k in pairs(ov) do
@@ -671,9 +713,11 @@ function M.load(source, world_size, overrides)
   local original = deep_copy(raw)
   local ov, notes = overrides or {}, {}
   apply_overrides(raw, ov, notes)
+  local filled = {}
+  fill_auto(raw, ov.auto or {}, filled)
 
   local cfg = { source = name, world_size = world_size, raw = original,
-                overrides = deep_copy(ov) }
+                overrides = deep_copy(ov), auto_filled = filled }
   local unimpl = {}
   cfg.no_effect = {}
   cfg.gradient_clipping = M.gradient_clipping_default
@@ -712,6 +756,13 @@ function M.load(source, world_size, overrides)
   table.sort(unimpl)
   cfg.unimplemented = unimpl
   return cfg
+end
+
+-- The start-up line for the "auto" values filled (fill_auto); nil if none.
+function M.auto_message(cfg)
+  if #cfg.auto_filled == 0 then return nil end
+  return 'config: "auto" filled as the Hugging Face Trainer fills it, with this run\'s values: ' ..
+         table.concat(cfg.auto_filled, ", ")
 end
 
 -- The start-up line for keys that are read but not acted on; nil if none.

@@ -79,12 +79,24 @@ function T.optimizer_type_is_case_insensitive_with_fused_adam_defaults()
   assert(o.type == "Adam" and o.params.lr == 1e-3 and o.params.betas[1] == 0.9 and
          o.params.betas[2] == 0.999 and o.params.eps == 1e-8 and o.params.weight_decay == 0)
   assert(o.decoupled_weight_decay == true, "DeepSpeed's Adam is AdamW unless adam_w_mode is false")
+  -- Adam with L2 decay is another update: refused where the decay is not 0
+  expect_error({ train_batch_size = 1, optimizer = { type = "adam", params = {
+                 adam_w_mode = false, lr = 2e-4, weight_decay = 0.1 } } }, 1,
+               "config: optimizer.params.adam_w_mode false asks for Adam with L2 weight decay " ..
+               "(added to the gradient), which luazero does not have: its update decouples the " ..
+               "decay (AdamW); drop adam_w_mode, or set weight_decay 0, where the two agree")
   cfg = config.load({ train_batch_size = 1, optimizer = { type = "adam",
-                      params = { adam_w_mode = false, lr = 2e-4, betas = { 0.8, 0.95 },
-                                 weight_decay = 0.1 } } }, 1)
+                      params = { adam_w_mode = false, lr = 2e-4, betas = { 0.8, 0.95 } } } }, 1)
   o = cfg.optimizer
   assert(o.decoupled_weight_decay == false and o.params.lr == 2e-4 and o.params.betas[2] == 0.95
-         and o.params.weight_decay == 0.1)
+         and o.params.weight_decay == 0 and #cfg.unimplemented == 0)
+  expect_error({ train_batch_size = 1, optimizer = { type = "Adam", params = { amsgrad = true } } },
+               1, "config: optimizer.params.amsgrad true (AMSGrad) is not implemented, and the " ..
+               "update would differ from the one asked for; set it false or drop it")
+  expect_error({ train_batch_size = 1, optimizer = { type = "Adam",
+                 params = { bias_correction = false } } }, 1,
+               "config: optimizer.params.bias_correction false is not implemented (the update " ..
+               "always corrects the moments' bias), and the update would differ; drop it")
   cfg = config.load({ train_batch_size = 1, optimizer = { type = "adamW",
                       params = { adam_w_mode = false } } }, 1)
   assert(cfg.optimizer.type == "AdamW" and cfg.optimizer.decoupled_weight_decay == true)
@@ -305,14 +317,14 @@ function T.unimplemented_keys_are_listed_by_dotted_name()
     tensorboard = { enabled = false },       -- asks for nothing
     comms_logger = { enabled = true },
     fp16 = { enabled = false, auto_cast = true },
-    optimizer = { type = "AdamW", params = { lr = 1e-4, amsgrad = true, torch_adam = true } },
+    optimizer = { type = "AdamW", params = { lr = 1e-4, foreach = true, torch_adam = true } },
     zero_optimization = { stage = 2, allgather_partitions = true, round_robin_gradients = false,
                           sub_group_size = 1e9, offload_optimizer = { device = "cpu" },
                           offload_param = { device = "none" } },
     aio = { block_size = 1048576 },
   }, 1)
   local want = { "activation_checkpointing.offload_to_nvme", "comms_logger", "fp16.auto_cast",
-                 "optimizer.params.amsgrad", "prescale_gradients" }
+                 "optimizer.params.foreach", "prescale_gradients" }
   assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
          table.concat(cfg.unimplemented, ","))
   assert(config.unimplemented_message(cfg) == "config: not implemented (ignored): " ..
@@ -340,18 +352,43 @@ end
 -- A key one or two letters from one luazero reads is reported with the one
 -- it likely meant; a key near none is reported as it is.
 function T.a_misspelt_key_is_reported_with_the_key_it_likely_meant()
+  -- At the top level and in moe (DeepSpeed ignores unknown top-level keys):
+  -- reported with the key it likely meant.
   local cfg = config.load({ train_batch_size = 8, gradient_clippin = 1.0,
-                            zero_optimization = { stagee = 2, overlap_com = true },
                             moe = { ep_sise = 1, min_capacity = 4 } }, 1)
   local want = { "gradient_clippin (did you mean gradient_clipping?)",
-                 "moe.ep_sise (did you mean moe.ep_size?)", "moe.min_capacity",
-                 "zero_optimization.overlap_com (did you mean zero_optimization.overlap_comm?)",
-                 "zero_optimization.stagee (did you mean zero_optimization.stage?)" }
+                 "moe.ep_sise (did you mean moe.ep_size?)", "moe.min_capacity" }
   assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
          table.concat(cfg.unimplemented, ","))
-  -- (a short key takes one edit: "stag" is one from "stage", "stg" two)
-  cfg = config.load({ train_batch_size = 8, zero_optimization = { stg = 2 } }, 1)
-  assert(table.concat(cfg.unimplemented, ",") == "zero_optimization.stg",
+  -- Inside a block whose keys decide what runs (zero_optimization, its
+  -- offloads, optimizer and its params, scheduler, fp16, bf16): refused, as
+  -- DeepSpeed's ZeRO config refuses keys it does not have; ignored, it would
+  -- leave the run without what it meant.
+  for _, c in ipairs({
+    { { zero_optimization = { stagee = 2 } }, "zero_optimization.stagee", "stage" },
+    { { zero_optimization = { overlap_com = true } }, "zero_optimization.overlap_com",
+      "overlap_comm" },
+    { { zero_optimization = { offload_optimizer = { device = "cpu", pin_memroy = true } } },
+      "zero_optimization.offload_optimizer.pin_memroy", "pin_memory" },
+    { { optimizer = { type = "AdamW", param = { lr = 1e-5 } } }, "optimizer.param", "params" },
+    { { optimizer = { type = "AdamW", params = { weight_deacy = 0.1 } } },
+      "optimizer.params.weight_deacy", "weight_decay" },
+    { { scheduler = { type = "WarmupLR", param = {} } }, "scheduler.param", "params" },
+    { { fp16 = { enable = true } }, "fp16.enable", "enabled" },
+    { { bf16 = { enable = true } }, "bf16.enable", "enabled" },
+  }) do
+    c[1].train_batch_size = 8
+    local prefix = c[2]:match("^(.*%.)")
+    expect_error(c[1], 1, ("config: %s is not a key there; did you mean %s%s? (a misspelt key " ..
+                           "would be ignored and the run go on without it)"):format(c[2], prefix,
+                                                                                    c[3]))
+  end
+  -- (a short key takes one edit: "stag" is one from "stage", "stg" two; and
+  -- DeepSpeed's own keys, implemented or not, are never taken for misspellings)
+  cfg = config.load({ train_batch_size = 8, zero_optimization = { stg = 2,
+                      zero_quantized_weights = true } }, 1)
+  assert(table.concat(cfg.unimplemented, ",") ==
+         "zero_optimization.stg,zero_optimization.zero_quantized_weights",
          table.concat(cfg.unimplemented, ","))
 end
 
@@ -374,19 +411,16 @@ function T.offload_and_aio_keys()
     offload_param = { device = "nvme", nvme_path = dir, max_in_cpu = 1e6 } } }, 1)
   assert(table.concat(cfg.unimplemented, ",") ==
          "zero_optimization.offload_optimizer.ratio,zero_optimization.offload_param.max_in_cpu")
-  -- A key the block does not have (a misspelling) is reported, never taken:
-  -- the first with the block's keys.
+  -- A key the block does not have, and no misspelling of one, is reported
+  -- (the first with the block's keys), never taken; a misspelling is
+  -- refused (test a_misspelt_key_...).
   cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 2,
-    offload_optimizer = { device = "cpu", pipline_read = true, pin_memroy = true } } }, 1)
+    offload_optimizer = { device = "cpu", pipelines = true } } }, 1)
   assert(table.concat(cfg.unimplemented, ",") == "zero_optimization.offload_optimizer." ..
-         "pin_memroy (not a key of offload_optimizer, which has buffer_count, device, " ..
-         "fast_init, nvme_path, pin_memory, pipeline_read, pipeline_write, ratio)," ..
-         "zero_optimization.offload_optimizer.pipline_read", table.concat(cfg.unimplemented, ","))
-  assert(cfg.zero_optimization.offload_optimizer.pipline_read == nil)
-  cfg = config.load({ train_batch_size = 8, zero_optimization = { stage = 2,
-    offload_optimizer = { devcie = "cpu" } } }, 1)
-  assert(cfg.unimplemented[1]:find("offload_optimizer.devcie (not a key", 1, true) and
-         #cfg.no_effect == 0, table.concat(cfg.unimplemented, ","))
+         "pipelines (not a key of offload_optimizer, which has buffer_count, device, " ..
+         "fast_init, nvme_path, pin_memory, pipeline_read, pipeline_write, ratio)",
+         table.concat(cfg.unimplemented, ","))
+  assert(cfg.zero_optimization.offload_optimizer.pipelines == nil and #cfg.no_effect == 0)
   expect_error({ train_batch_size = 8, aio = { block_size = 1000 } }, 1,
                "config: aio.block_size must be a multiple of 4096 (got 1000): O_DIRECT " ..
                "transfers whole 4 KiB blocks")
@@ -397,12 +431,10 @@ function T.offload_and_aio_keys()
   expect_error({ train_batch_size = 8, aio = { thread_count = 65 } }, 1,
                "config: aio.thread_count must be 1..64 (got 65)")
   cfg = config.load({ train_batch_size = 8, aio = { use_gds = false, blocksize = 4096 },
-                      optimizer = { type = "Adam", params = { adam_w_mode = false,
-                                                              bias_correction = false } },
+                      optimizer = { type = "Adam", params = { fused = true } },
                       fp16 = { enabled = true, consecutive_hysteresis = true } }, 1)
   assert(table.concat(cfg.unimplemented, ",") == "aio.blocksize,fp16.consecutive_hysteresis," ..
-         "optimizer.params.adam_w_mode,optimizer.params.bias_correction",
-         table.concat(cfg.unimplemented, ","))
+         "optimizer.params.fused", table.concat(cfg.unimplemented, ","))
   expect_error({ train_batch_size = 8, zero_optimization = { stage = 2,
                  offload_param = { device = "cpu" } } }, 1,
                "config: zero_optimization.offload_param needs stage 3 (got stage 2); set " ..
@@ -473,7 +505,7 @@ function T.a_file_with_overrides_that_win()
          "file; all three are given, so one world size fits: leave one out and it follows " ..
          "from the other two and the world size",
          err)
-  expect_error(fixed, 2, "config: unknown override 'micro' (known: dtype, grad_accum, " ..
+  expect_error(fixed, 2, "config: unknown override 'micro' (known: auto, dtype, grad_accum, " ..
                "gradient_clipping, lr, memory_budget, micro_batch, stage, total_steps, " ..
                "train_batch, warmup)", { micro = 4 })
 end
@@ -486,8 +518,39 @@ function T.auto_values_are_filled_by_defaults_and_flags()
     fp16 = { enabled = "auto" }, bf16 = { enabled = "auto" },
     zero_optimization = { stage = 2, reduce_bucket_size = "auto" },
   }, 2, { micro_batch = 3, grad_accum = 2, dtype = "bf16" })
-  assert(cfg.train_batch_size == 12 and cfg.gradient_clipping == 0 and cfg.dtype == "bf16")
+  -- (gradient_clipping "auto" is 1.0, the Trainer's max_grad_norm)
+  assert(cfg.train_batch_size == 12 and cfg.gradient_clipping == 1 and cfg.dtype == "bf16")
   assert(cfg.zero_optimization.reduce_bucket_size == 5e8)
+  -- The optimizer's lr and the scheduler's warmup from the trainer's values
+  -- (ov.auto), as the Trainer fills them from its arguments; each listed.
+  cfg = config.load({
+    train_micro_batch_size_per_gpu = 2, gradient_clipping = "auto",
+    optimizer = { type = "AdamW", params = { lr = "auto", weight_decay = "auto" } },
+    scheduler = { type = "WarmupDecayLR", params = { total_num_steps = "auto",
+                  warmup_num_steps = "auto", warmup_max_lr = "auto" } },
+  }, 1, { total_steps = 20, auto = { lr = 3e-3, warmup = 2, gradient_clipping = 0.5 } })
+  assert(cfg.optimizer.params.lr == 3e-3 and cfg.gradient_clipping == 0.5)
+  assert(cfg.scheduler.params.warmup_num_steps == 2 and cfg.scheduler.params.total_num_steps == 20)
+  assert(config.auto_message(cfg) == 'config: "auto" filled as the Hugging Face Trainer fills ' ..
+         "it, with this run's values: optimizer.params.lr 0.003, " ..
+         "scheduler.params.warmup_num_steps 2, gradient_clipping 0.5", config.auto_message(cfg))
+  assert(config.auto_message(config.load({ train_batch_size = 2 }, 1)) == nil)
+end
+
+-- DeepSpeed refuses a file with a key twice in one object (a decoder keeps
+-- the last); a file that is not JSON is named with the line and column.
+function T.a_key_given_twice_or_a_syntax_error_is_named_with_its_line()
+  local dup = write_file("dup.json", '{"train_batch_size": 2,\n "zero_optimization": ' ..
+                         '{"stage": 1, "stage": 2}}')
+  expect_error(dup, 1, ("config: %s: line 2: key \"stage\" is given twice in one object; keep " ..
+                        "one (DeepSpeed refuses the file too)"):format(dup))
+  -- the same key in two objects, or inside a string, is fine
+  local ok = write_file("ok.json", '{"train_batch_size": 2, "bf16": {"enabled": false}, ' ..
+                        '"fp16": {"enabled": false, "x": "\\"enabled\\""}}')
+  assert(config.load(ok, 1).train_batch_size == 2)
+  local comma = write_file("comma.json", '{"train_batch_size": 2,\n "gradient_clipping": 1.0,\n}')
+  local err = load_error(comma, 1)
+  assert(err:find("not valid JSON (", 1, true) and err:find(": line 3, column 1)", 1, true), err)
 end
 
 function T.memory_budget_comes_from_flag_env_file_or_memavailable()
@@ -551,10 +614,11 @@ function T.warmup_lr_log_and_linear()
   close(lr(4), 5.5e-4, "it 2")
   close(lr(5), 7.75e-4, "it 3")
   close(lr(6), 1e-3, "it 4")
-  -- warmup_max_lr defaults to the optimizer's lr; warmup_num_steps is at least 2.
+  -- warmup_max_lr defaults to 0.001 (DeepSpeed's, not the optimizer's lr);
+  -- warmup_num_steps is at least 2.
   lr = lrs({ type = "WarmupLR", params = { warmup_num_steps = 1, warmup_type = "linear" } }, 3e-4)
-  close(lr(3), 1.5e-4, "W = max(2, 1): it 1 -> 1/2")
-  close(lr(4), 3e-4, "it 2 -> max = optimizer lr")
+  close(lr(3), 5e-4, "W = max(2, 1): it 1 -> 1/2")
+  close(lr(4), 1e-3, "it 2 -> max = 0.001")
 end
 
 function T.warmup_decay_lr()

@@ -67,13 +67,14 @@ M.activation_checkpointing_defaults = {
 }
 
 -- Scheduler parameters each type takes, with DeepSpeed's defaults;
--- `required` ones have none. warmup_max_lr of WarmupLR defaults to the
--- optimizer's lr (base_lr below). `peak`: the parameter the schedule peaks
+-- `required` ones have none (warmup_max_lr is 0.001 for WarmupLR as for
+-- WarmupDecayLR, as DeepSpeed's lr_schedules.py has it; "auto" is the
+-- optimizer's lr). `peak`: the parameter the schedule peaks
 -- at (none: the optimizer's lr), which --lr sets, unless `rates` names the
 -- parameters that are its rates (--lr is refused there).
 M.scheduler_params = {
-  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_num_steps = 1000, warmup_type = "log" },
-               optional = { warmup_max_lr = true }, peak = "warmup_max_lr" },
+  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001, warmup_num_steps = 1000,
+                            warmup_type = "log" }, peak = "warmup_max_lr" },
   WarmupDecayLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001,
                                  warmup_num_steps = 1000, warmup_type = "log" },
                     required = { "total_num_steps" }, peak = "warmup_max_lr" },
@@ -101,5 +102,28 @@ M.scheduler_required = {
   cycle_min_lr = "a number >= 0: the learning rate the cycle starts and ends at",
   cycle_max_lr = "a number >= 0: the learning rate at the top of the cycle",
 }
+
+-- Every key of DeepSpeed's zero_optimization block (DeepSpeedZeroConfig's
+-- fields and their aliases), implemented here or not: none of them is taken
+-- for a misspelling of another.
+M.deepspeed_zero_keys = {}
+for _, k in ipairs({
+  "stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
+  "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+  "overlap_comm", "load_from_fp32_weights", "elastic_checkpoint", "offload_param",
+  "offload_optimizer", "sub_group_size", "cpu_offload_param", "cpu_offload_use_pin_memory",
+  "cpu_offload", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+  "param_persistence_threshold", "stage3_param_persistence_threshold",
+  "model_persistence_threshold", "stage3_model_persistence_threshold", "max_live_parameters",
+  "stage3_max_live_parameters", "max_reuse_distance", "stage3_max_reuse_distance",
+  "gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save",
+  "module_granularity_threshold", "stage3_module_granularity_threshold",
+  "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
+  "stage3_gather_fp16_weights_on_model_save", "ignore_unused_parameters", "legacy_stage1",
+  "round_robin_gradients", "zero_hpz_partition_size", "zero_quantized_weights",
+  "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
+  "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
+  "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+}) do M.deepspeed_zero_keys[k] = true end
 
 return M

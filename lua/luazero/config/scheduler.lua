@@ -35,7 +35,10 @@ function M.read(raw, cfg, unimpl, ov)
     fail("scheduler.type must be %s (got %s)", scheduler_names, show(t))
   end
   for _, k in ipairs(sorted_keys(raw)) do
-    if k ~= "type" and k ~= "params" then unimpl[#unimpl + 1] = "scheduler." .. k end
+    if k ~= "type" and k ~= "params" then
+      values.refuse_misspelt(k, { type = true, params = true }, "scheduler.")
+      unimpl[#unimpl + 1] = "scheduler." .. k
+    end
   end
   local p = given(raw.params) and block("scheduler.params", raw.params) or {}
   p = deep_copy(p)

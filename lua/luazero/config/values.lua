@@ -77,6 +77,40 @@ end
 
 ------------------------------------------------------------------ reading
 
+-- The first key an object of JSON text holds twice (DeepSpeed refuses such
+-- a file; a decoder keeps the last), with its line; nil if none. text is
+-- valid JSON.
+local function duplicate_key(text)
+  local stack, i, n, line = {}, 1, #text, 1
+  while i <= n do
+    local c = text:sub(i, i)
+    if c == '"' then
+      local j = i + 1
+      while true do
+        local q = text:find('["\\]', j)
+        if text:sub(q, q) == "\\" then j = q + 2 else j = q break end
+      end
+      local top = stack[#stack]
+      if top and top.object and top.want_key then
+        local key = text:sub(i + 1, j - 1)
+        if top.keys[key] then return key, line end
+        top.keys[key], top.want_key = true, false
+      end
+      i = j
+    elseif c == "{" or c == "[" then
+      stack[#stack + 1] = { object = c == "{", keys = {}, want_key = c == "{" }
+    elseif c == "}" or c == "]" then
+      stack[#stack] = nil
+    elseif c == "," then
+      local top = stack[#stack]
+      if top and top.object then top.want_key = true end
+    elseif c == "\n" then
+      line = line + 1
+    end
+    i = i + 1
+  end
+end
+
 local function read_json(path)
   local f, err = io.open(path, "rb")
   if not f then
@@ -91,7 +125,19 @@ local function read_json(path)
   end
   local ok, decoded = pcall(cjson.decode, text)
   if not ok then
-    fail("%s: not valid JSON (%s)", path, tostring(decoded):gsub("^.-:%d+: ", ""))
+    local why = tostring(decoded):gsub("^.-:%d+: ", "")
+    local at = tonumber(why:match("at character (%d+)"))
+    if at then -- (the line and column of cjson's character offset)
+      local before = text:sub(1, at)
+      why = ("%s: line %d, column %d"):format(why, select(2, before:gsub("\n", "")) + 1,
+                                              #before - (before:match(".*\n()") or 1) + 1)
+    end
+    fail("%s: not valid JSON (%s)", path, why)
+  end
+  local dup, dup_line = duplicate_key(text)
+  if dup then
+    fail('%s: line %d: key "%s" is given twice in one object; keep one (DeepSpeed refuses ' ..
+         "the file too)", path, dup_line, dup)
   end
   if type(decoded) ~= "table" or (next(decoded) ~= nil and decoded[1] ~= nil) then
     fail("%s: the top level must be a JSON object {...} (got %s)", path, show(decoded))
@@ -135,17 +181,34 @@ end
 -- " (did you mean <prefix><key>?)" for the key of `known` (a set of the
 -- keys a section reads) that k is likely a misspelling of: the nearest, at
 -- most two edits away (one for a key of under six letters); "" for none.
-function M.did_you_mean(k, known, prefix)
-  if type(k) ~= "string" then return "" end
+-- The key of `known` (a set) that k is a likely misspelling of: one edit
+-- from a key under 6 letters, two from a longer one; nil if none.
+local function closest(k, known)
+  if type(k) ~= "string" then return nil end
   local best, best_d = nil, math.huge
   for _, c in ipairs(sorted_keys(known)) do
     local d = edits(k, c)
     if d < best_d then best, best_d = c, d end
   end
-  if best and best_d > 0 and best_d <= (#best < 6 and 1 or 2) then
-    return (" (did you mean %s%s?)"):format(prefix or "", best)
+  if best and best_d > 0 and best_d <= (#best < 6 and 1 or 2) then return best end
+end
+
+function M.did_you_mean(k, known, prefix)
+  local best = closest(k, known)
+  return best and (" (did you mean %s%s?)"):format(prefix or "", best) or ""
+end
+
+-- Refuses key k of a block (prefix: "zero_optimization.") when it is a
+-- likely misspelling of one of the block's keys `known` (a set) and none of
+-- `real` (keys DeepSpeed has that are no misspelling): ignored, it would
+-- leave the run without what it meant (a stage, an offload, an lr).
+function M.refuse_misspelt(k, known, prefix, real)
+  if real and real[k] then return end
+  local best = closest(k, known)
+  if best then
+    fail("%s%s is not a key there; did you mean %s%s? (a misspelt key would be ignored and the " ..
+         "run go on without it)", prefix, k, prefix, best)
   end
-  return ""
 end
 
 return M

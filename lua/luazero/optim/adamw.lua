@@ -42,15 +42,30 @@ return {
   -- moments' format.
   accepted = { adam_w_mode = true, torch_adam = true, momentum_dtype = true,
                variance_dtype = true, bf16_stochastic_round = true },
-  -- bias_correction: false is reported (the kernel always corrects).
+  -- bias_correction: false is refused (the kernel always corrects).
   quiet = { bias_correction = true },
 
   -- luazero's update is always AdamW (decoupled weight decay): "Adam" with
-  -- adam_w_mode false (L2 in the gradient) is reported.
+  -- adam_w_mode false (L2 in the gradient) is refused unless weight_decay is 0.
   read_config = function(p, key, type_name, unimplemented)
     local w_mode = true
     if values.given(p.adam_w_mode) then w_mode = values.boolean(key .. "adam_w_mode", p.adam_w_mode) end
-    if type_name == "Adam" and not w_mode then unimplemented(key .. "adam_w_mode") end
+    -- (Adam with L2 decay is another update wherever the decay is not 0;
+    -- amsgrad and no bias correction likewise: refused, not run otherwise)
+    local decay = values.given(p.weight_decay) and p.weight_decay or 0
+    if type_name == "Adam" and not w_mode and decay ~= 0 then
+      values.fail("%sadam_w_mode false asks for Adam with L2 weight decay (added to the " ..
+                  "gradient), which luazero does not have: its update decouples the decay " ..
+                  "(AdamW); drop adam_w_mode, or set weight_decay 0, where the two agree", key)
+    end
+    if p.amsgrad == true then
+      values.fail("%samsgrad true (AMSGrad) is not implemented, and the update would differ " ..
+                  "from the one asked for; set it false or drop it", key)
+    end
+    if p.bias_correction == false then
+      values.fail("%sbias_correction false is not implemented (the update always corrects " ..
+                  "the moments' bias), and the update would differ; drop it", key)
+    end
     if p.max_grad_norm ~= nil then
       values.fail("%smax_grad_norm is not an optimizer parameter in DeepSpeed; use the " ..
                   "top-level gradient_clipping", key)

@@ -14,6 +14,8 @@ function M.load(flags, world, model_cfg)
     stage = flags.stage, dtype = flags.dtype, micro_batch = flags.micro_batch,
     grad_accum = flags.grad_accum, lr = flags.lr, warmup = flags.warmup,
     total_steps = flags.steps > 0 and flags.steps or nil, memory_budget = flags.memory_budget,
+    -- (what a config's "auto" takes: this run's lr and warmup)
+    auto = { lr = flags.lr or model_cfg.lr, warmup = M.warmup(flags) },
   }
   local td = config.train_defaults
   local source = flags.config
@@ -37,9 +39,14 @@ end
 -- the warmup: the config's scheduler, a constant lr (a config without one,
 -- as DeepSpeed), or without a config file warmup + cosine
 -- (config.train_defaults' warmup unless --warmup).
+-- The run's warmup: --warmup, else config.train_defaults' share of --steps.
+function M.warmup(flags)
+  local td = config.train_defaults
+  return flags.warmup or math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction))
+end
+
 function M.schedule(cfg, flags)
-  local lr, td = cfg.optimizer.params.lr, config.train_defaults
-  local warmup = flags.warmup or math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction))
+  local lr, warmup = cfg.optimizer.params.lr, M.warmup(flags)
   if cfg.scheduler then
     return optim.schedule.lr_schedule(cfg), ("scheduler %s"):format(cfg.scheduler.type), warmup
   elseif flags.config then
@@ -47,6 +54,18 @@ function M.schedule(cfg, flags)
   end
   return optim.schedule.warmup_cosine(lr, warmup, flags.steps),
          ("warmup %d + cosine"):format(warmup), warmup
+end
+
+-- A note when the config's scheduler warms up over more steps than the run
+-- has (its total_num_steps, else --steps): the lr never reaches its peak
+-- (DeepSpeed warns too); nil otherwise.
+function M.schedule_note(cfg, flags)
+  local p = cfg.scheduler and cfg.scheduler.params
+  local total = p and (p.total_num_steps or (flags.steps > 0 and flags.steps))
+  if not (p and p.warmup_num_steps and total and p.warmup_num_steps > total) then return nil end
+  return ("config: scheduler.params.warmup_num_steps %d is more than the %d steps of %s: the " ..
+          "learning rate never reaches its peak; lower it (or set it \"auto\", or give --warmup)")
+         :format(p.warmup_num_steps, total, p.total_num_steps and "total_num_steps" or "--steps")
 end
 
 local function local_world() return tonumber(os.getenv("LOCAL_WORLD_SIZE") or "") end
