@@ -1,7 +1,7 @@
 -- tools/ckpt.lua — checkpoint tools, run by tools/ckpt. docs/checkpoints.md.
 --   luazero tools/ckpt.lua inspect CKPT
 --   luazero tools/ckpt.lua consolidate CKPT OUT.bin
---   luazero tools/ckpt.lua export CKPT OUT.safetensors|FOLDER [--dtype fp32|bf16]
+--   luazero tools/ckpt.lua export CKPT OUT.safetensors|FOLDER [--dtype fp32|bf16|fp16]
 --   luazero tools/ckpt.lua convert-states CKPT OUT --to f32|bf16|u8
 local args = require("luazero.args")
 local checkpoint = require("luazero.checkpoint")
@@ -20,7 +20,7 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
   consolidate CKPT OUT.bin     the fp32 master weights in canonical order (header: 256 int32,
                                magic 20240521, version 1, tensors, elements low/high 32 bits)
   export CKPT OUT.safetensors  safetensors with Hugging Face names, as the model's family
-                               (models/) maps them; --dtype fp32|bf16
+                               (models/) maps them; --dtype fp32|bf16|fp16
   export CKPT FOLDER           the same as FOLDER/model.safetensors, with FOLDER/config.json
                                (%s): a Hugging Face model folder
   A LoRA run's checkpoint (--lora-r) holds its adapters:
@@ -94,7 +94,7 @@ local function main(argv)
                          says = ("goes with convert-states; %s does not read it: drop it")
                                 :format(cmd) }
   local flags = checked(args.parse, rest, {
-    { "dtype", "string", "fp32", "export: fp32 or bf16", choices = { "fp32", "bf16" },
+    { "dtype", "string", "fp32", "export: fp32, bf16 or fp16", choices = { "fp32", "bf16", "fp16" },
       needs = export_only },
     { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base",
       needs = export_only },

@@ -1,5 +1,5 @@
 -- test_save16.lua — zero_optimization.stage3_gather_16bit_weights_on_model_save:
--- each save also writes STEP/hf16, a bf16 Hugging Face folder byte for byte
+-- each save also writes STEP/hf16, a bf16 (an fp16 run: fp16) Hugging Face folder byte for byte
 -- tools/ckpt export --dtype bf16's, that train.lua --init loads; and
 -- zero_hpz_partition_size 1 is accepted silently, other sizes reported.
 local cjson = require("cjson")
@@ -73,6 +73,41 @@ function T.save_writes_a_bf16_export_beside_each_checkpoint()
   local plain = tmp .. "/plain"
   ok_train(1, ("--steps 1 --save %s"):format(q(plain)))
   assert(not support.exists(plain .. "/step-000001/hf16"), "hf16 written without the key")
+end
+
+-- An fp16 run's export is fp16, as DeepSpeed saves its model's dtype: the
+-- bytes of tools/ckpt export --dtype fp16, each F16 value the fp32 master
+-- rounded to nearest even, config.json's torch_dtype float16; --init loads it.
+function T.an_fp16_runs_export_is_fp16()
+  local cfg = write_file("ds16f.json", cjson.encode({
+    train_micro_batch_size_per_gpu = 2, fp16 = { enabled = true },
+    zero_optimization = { stage = 2, stage3_gather_16bit_weights_on_model_save = true } }))
+  local dir = tmp .. "/ckf"
+  ok_train(1, ("--steps 2 --config %s --save %s"):format(q(cfg), q(dir)))
+  local hf16 = dir .. "/step-000002/hf16"
+  local out = tmp .. "/export-f16"
+  local text, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt export %s %s --dtype fp16")
+                              :format(q(lz.root), q(lz.executable()), q(dir .. "/step-000002"),
+                                      q(out)))
+  support.eq(st, 0, text)
+  local a, b = split(read(hf16 .. "/model.safetensors")), split(read(out .. "/model.safetensors"))
+  assert(a.data == b.data and same(a.json, b.json), "hf16 differs from --dtype fp16's export")
+  for name, e in pairs(a.json) do
+    if name ~= "__metadata__" then assert(e.dtype == "F16", name .. " " .. tostring(e.dtype)) end
+  end
+  -- one tensor against the master, rounded through f16 here
+  local ck = require("luazero.checkpoint").open(dir .. "/step-000002")
+  local master = ck:tensor("wte.weight")
+  local e = a.json["wte.weight"] or a.json["transformer.wte.weight"]
+  local n = master:numel()
+  local want = lz.tensor({ n }, "f16", "workspace"):copy(master:view(0, { n }))
+  assert(a.data:sub(e.data_offsets[1] + 1, e.data_offsets[2]) ==
+         require("ffi").string(want.data, want:bytes()), "wte.weight is not the master in f16")
+  master:free(); want:free()
+  assert(cjson.decode(read(hf16 .. "/config.json")).torch_dtype == "float16")
+  local o = ok_train(1, ("--steps 0 --micro-batch 2 --init %s"):format(q(hf16)))
+  local val = tonumber(o:match("val_loss (%S+)"))
+  assert(val and val > 0 and val < 10, o)
 end
 
 function T.hpz_partition_size_one_is_accepted()

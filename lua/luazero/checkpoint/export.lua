@@ -1,5 +1,5 @@
 -- checkpoint/export.lua — a checkpoint as Hugging Face files: a
--- model.safetensors (Hugging Face's tensor names, fp32 or bf16) or a model
+-- model.safetensors (Hugging Face's tensor names, fp32, bf16 or fp16) or a model
 -- folder (with config.json), and a LoRA run's adapter folder (PEFT's) or its
 -- adapters merged into the base. tools/ckpt export and the 16-bit export
 -- beside each save (zero_optimization.stage3_gather_16bit_weights_on_model_save)
@@ -97,10 +97,17 @@ local function read_floats(src, scratch, offset, n)
   return raw
 end
 
--- An f32 tensor's data written to w in dtype (fp32 as is, bf16 rounded).
+-- What each export dtype writes: bytes an element, the safetensors dtype
+-- and the tensor dtype it is rounded through (none: fp32 as is).
+local DTYPES = { fp32 = { size = 4, st = "F32" }, bf16 = { size = 2, st = "BF16", lz = "bf16" },
+                 fp16 = { size = 2, st = "F16", lz = "f16" } }
+
+-- An f32 tensor's data written to w in dtype (fp32 as is, bf16 and fp16
+-- rounded to nearest even).
 local function write_data(w, t, dtype)
-  if dtype == "bf16" then
-    local h = lz.tensor({ t:numel() }, "bf16", "workspace"):copy(t)
+  local lz_dtype = DTYPES[dtype].lz
+  if lz_dtype then
+    local h = lz.tensor({ t:numel() }, lz_dtype, "workspace"):copy(t)
     local ok, err = pcall(w.write, w, h.data, h:bytes())
     h:free()
     if not ok then error(err, 0) end
@@ -118,14 +125,14 @@ local function write_model(ck, file, dtype, out)
   local m = ck.manifest
   local mcfg = m.model and m.model.config or {}
   local fam = hf.family(mcfg)
-  local esize = dtype == "bf16" and 2 or 4
+  local esize = DTYPES[dtype].size
   local entries = {}
   for _, p in ipairs(m.params) do
     local e = hf.tensor_of(fam, p.name, p.shape, mcfg.vocab)
     local n = 1
     for _, d in ipairs(e.shape) do n = n * d end
     e.p, e.numel, e.bytes = p, n, n * esize
-    e.dtype = dtype == "bf16" and "BF16" or "F32"
+    e.dtype = DTYPES[dtype].st
     entries[#entries + 1] = e
   end
   local head, total = safetensors.header(entries, { format = "pt",
@@ -190,14 +197,14 @@ end
 ------------------------------------------------------------------ LoRA
 
 -- Writes a safetensors file of `tensors` ({name, shape, data = f32 tensor})
--- in dtype (fp32|bf16).
+-- in dtype (fp32|bf16|fp16).
 local function write_safetensors(file, tensors, dtype, m)
-  local esize = dtype == "bf16" and 2 or 4
+  local esize = DTYPES[dtype].size
   local entries = {}
   for _, t in ipairs(tensors) do
     local n = t.data:numel()
     entries[#entries + 1] = { name = t.name, shape = t.shape, numel = n, bytes = n * esize,
-                              dtype = dtype == "bf16" and "BF16" or "F32", src = t.data }
+                              dtype = DTYPES[dtype].st, src = t.data }
   end
   local head, total = safetensors.header(entries, { format = "pt",
     source = "luazero " .. lz.version(), step = tostring(m.global_steps) })

@@ -365,20 +365,22 @@ function M.finish(engine, ctx, all)
       end
       prune(dir, o.keep, protected)
       -- zero_optimization.stage3_gather_16bit_weights_on_model_save: the
-      -- weights in bf16 as a Hugging Face folder inside the step folder
-      -- (tools/ckpt export --dtype bf16's, through the same code).
+      -- weights in 16 bits as a Hugging Face folder inside the step folder
+      -- (tools/ckpt export --dtype's, through the same code): fp16 for an
+      -- fp16 run, as DeepSpeed saves its model's dtype, else bf16.
       local z = (o.config or {}).zero_optimization
+      local d16 = (o.config or {}).dtype == "fp16" and "fp16" or "bf16"
       if z and z.gather_16bit_weights_on_model_save then
         local ckpt = require("luazero.checkpoint.reader").open(final)
         local ex = require("luazero.checkpoint.export")
         local write = m.lora and ex.export_lora or ex.export -- LoRA: PEFT's adapter folder
         -- (the checkpoint is whole and `latest` names it: a failed export
         -- says so, and how to write it again)
-        local done, why = pcall(write, ckpt, final .. "/hf16", "bf16")
+        local done, why = pcall(write, ckpt, final .. "/hf16", d16)
         if not done then
           error(("%s is saved (latest names it), but its 16-bit export " ..
                  "(stage3_gather_16bit_weights_on_model_save) failed: %s; `tools/ckpt export " ..
-                 "%s OUT --dtype bf16` writes it again"):format(final, tostring(why), final), 0)
+                 "%s OUT --dtype %s` writes it again"):format(final, tostring(why), final, d16), 0)
         end
       end
     end)
