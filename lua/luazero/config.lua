@@ -226,6 +226,7 @@ local function data_types_section(raw, cfg, unimpl)
         cfg.grad_accum_dtype = v
       end
     elseif not asks_for_nothing(v) then
+      values.refuse_misspelt(k, { grad_accum_dtype = true }, "data_types.")
       unimpl[#unimpl + 1] = "data_types." .. k
     end
   end
@@ -249,6 +250,9 @@ local function activation_checkpointing_section(raw, cfg, unimpl)
     elseif type(M.activation_checkpointing_defaults[k]) == "boolean" then
       if given(v) then out[k] = boolean(key .. k, v) end
     elseif not asks_for_nothing(v) then
+      local known = { number_checkpoints = true }
+      for d in pairs(M.activation_checkpointing_defaults) do known[d] = true end
+      values.refuse_misspelt(k, known, key)
       unimpl[#unimpl + 1] = key .. k
     end
   end

@@ -360,8 +360,9 @@ function T.a_misspelt_key_is_reported_with_the_key_it_likely_meant()
                  "moe.ep_sise (did you mean moe.ep_size?)", "moe.min_capacity" }
   assert(table.concat(cfg.unimplemented, ",") == table.concat(want, ","),
          table.concat(cfg.unimplemented, ","))
-  -- Inside a block whose keys decide what runs (zero_optimization, its
-  -- offloads, optimizer and its params, scheduler, fp16, bf16): refused, as
+  -- Inside a block (zero_optimization, its offloads, optimizer and its
+  -- params, scheduler, fp16, bf16, the monitors, data_types,
+  -- activation_checkpointing): refused, as
   -- DeepSpeed's ZeRO config refuses keys it does not have; ignored, it would
   -- leave the run without what it meant.
   for _, c in ipairs({
@@ -376,6 +377,12 @@ function T.a_misspelt_key_is_reported_with_the_key_it_likely_meant()
     { { scheduler = { type = "WarmupLR", param = {} } }, "scheduler.param", "params" },
     { { fp16 = { enable = true } }, "fp16.enable", "enabled" },
     { { bf16 = { enable = true } }, "bf16.enable", "enabled" },
+    { { tensorboard = { enable = true } }, "tensorboard.enable", "enabled" },
+    { { flops_profiler = { enable = true } }, "flops_profiler.enable", "enabled" },
+    { { data_types = { grad_accum_dtyp = "fp32" } }, "data_types.grad_accum_dtyp",
+      "grad_accum_dtype" },
+    { { activation_checkpointing = { partition_activation = true } },
+      "activation_checkpointing.partition_activation", "partition_activations" },
   }) do
     c[1].train_batch_size = 8
     local prefix = c[2]:match("^(.*%.)")

@@ -40,6 +40,8 @@ local function file_monitor(name, raw, unimpl)
     elseif k == "output_path" or k == "job_name" then
       if given(v) then out[k] = string_value(key, v) end
     elseif not asks_for_nothing(v) then
+      values.refuse_misspelt(k, { enabled = true, output_path = true, job_name = true },
+                             name .. ".", { team = true, group = true, project = true })
       unimpl[#unimpl + 1] = key
     end
   end
@@ -70,6 +72,9 @@ local function flops_profiler(raw, unimpl)
       -- the FLOPs of forwards replayed by activation checkpointing: not counted here
       if v ~= 0 then unimpl[#unimpl + 1] = key end
     else
+      values.refuse_misspelt(k, { enabled = true, detailed = true, profile_step = true,
+                                  top_modules = true, module_depth = true, output_file = true,
+                                  recompute_fwd_factor = true }, name)
       unimpl[#unimpl + 1] = key
     end
   end
