@@ -178,11 +178,9 @@ local function edits(a, b)
   return d[#a][#b]
 end
 
--- " (did you mean <prefix><key>?)" for the key of `known` (a set of the
--- keys a section reads) that k is likely a misspelling of: the nearest, at
--- most two edits away (one for a key of under six letters); "" for none.
--- The key of `known` (a set) that k is a likely misspelling of: one edit
--- from a key under 6 letters, two from a longer one; nil if none.
+-- The key of `known` (a set of the keys a section reads) that k is likely a
+-- misspelling of: the nearest, at most two edits away (one for a key of
+-- under six letters); nil for none.
 local function closest(k, known)
   if type(k) ~= "string" then return nil end
   local best, best_d = nil, math.huge
@@ -193,6 +191,7 @@ local function closest(k, known)
   if best and best_d > 0 and best_d <= (#best < 6 and 1 or 2) then return best end
 end
 
+-- " (did you mean <prefix><key>?)" for closest's key; "" for none.
 function M.did_you_mean(k, known, prefix)
   local best = closest(k, known)
   return best and (" (did you mean %s%s?)"):format(prefix or "", best) or ""
