@@ -345,8 +345,23 @@ static void follow_parent(void) {
   }
 }
 
+/* A process a rank started (a sweep's run, os.execute in a script) inherits
+ * the launcher's variables but is none of its ranks (the launcher is not its
+ * parent): they are dropped, so it runs as a job of its own instead of
+ * joining the outer one's segment. */
+static void leave_outer_job(void) {
+  const char *p = getenv("LZ_LAUNCHER_PID");
+  if (!p || strtol(p, NULL, 10) == (long)getppid()) return;
+  static const char *const names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                      "LZ_SHM_NAME", "LZ_SHM_FD", "LZ_LAUNCHER_PID",
+                                      "LZ_SHM_SHARED", "LZ_RESTART", "LZ_RESTART_CAUSE",
+                                      "LZ_RESTARTS"};
+  for (size_t i = 0; i < sizeof names / sizeof *names; i++) unsetenv(names[i]);
+}
+
 int main(int argc, char **argv) {
   follow_parent();
+  leave_outer_job();
   int interactive = 0, nranks = 0, quiet = 0, first_script = 0, by_name = 0;
   const char *backend = NULL, *restarts_flag = NULL, *min_ranks_flag = NULL;
   int n_exec = 0;

@@ -73,12 +73,20 @@ local function main(argv)
     print(line)
     io.stdout:flush()
   end
-  local records = sweep.run(spec, runs, opts)
+  local records, stopped = sweep.run(spec, runs, opts)
   sweep.write_results(spec, runs, records, swept, opts.out)
   local png, why = sweep.plot(spec, runs, records, swept, opts.out)
-  local n_ok, n_failed = 0, 0
+  local n_ok, n_failed, n_left = 0, 0, 0
   for k = 1, #runs do
-    if records[k] and records[k].status == "ok" then n_ok = n_ok + 1 else n_failed = n_failed + 1 end
+    if not records[k] then n_left = n_left + 1
+    elseif records[k].status == "ok" then n_ok = n_ok + 1 else n_failed = n_failed + 1 end
+  end
+  if stopped then
+    -- (the finished runs' results written; the rest run on the next call)
+    print(("sweep %s: stopped by %s: %d ok, %d failed, %d not run; %s/results.csv; the same " ..
+           "command runs the rest"):format(spec.name, stopped == 2 and "SIGINT" or "SIGTERM",
+           n_ok, n_failed, n_left, opts.out))
+    os.exit(128 + stopped)
   end
   print(("sweep %s: %d ok, %d failed; %s/results.csv, %s/results.md, %s"):format(spec.name,
         n_ok, n_failed, opts.out, opts.out, png or ("no plot: " .. why)))

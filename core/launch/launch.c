@@ -720,6 +720,12 @@ lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int 
                                     lz_comm_backend_parse(backend, &asked) == LZ_OK
                                         ? lz_comm_backend_entry_of(asked)
                                         : NULL;
+  /* A backend of one rank (local) under -n N would run N jobs of one rank
+   * each, writing the same files: refused before any starts. */
+  if (st == LZ_OK && be && be->max_ranks && nranks > be->max_ranks)
+    st = lz_fail(LZ_ERR_INVALID, "launch: --backend %s (LZ_BACKEND) serves at most %d rank%s, "
+                 "but -n asks for %d: use shm (the default) or mpi, or drop -n", be->name,
+                 be->max_ranks, be->max_ranks == 1 ? "" : "s", nranks);
   if (st == LZ_OK && be && be->under_mpirun) {
     if (restarts > 0)
       st = lz_fail(LZ_ERR_INVALID, "launch: --restarts %d under --backend %s: mpirun does not "

@@ -218,5 +218,32 @@ if [ $code = 2 ] && grep -q "at most 64 -e chunks" "$TMP/e65"; then
   ok "65 -e chunks: refused naming the limit (exit 2)"
 else bad "65 -e chunks (exit $code)" "$TMP/e65"; fi
 
+# --- a backend of one rank under -n 2 would run two jobs of one rank each,
+# writing the same files: refused before any starts (exit 2)
+LZ_BACKEND=local "$BIN/luazero" -n 2 -e 'print("started")' > "$TMP/local" 2>&1
+code=$?
+if [ $code = 2 ] && grep -q "backend local (LZ_BACKEND) serves at most 1 rank, but -n asks for 2" \
+   "$TMP/local" && ! grep -q started "$TMP/local"; then
+  ok "LZ_BACKEND=local -n 2: refused before any rank starts (exit 2)"
+else bad "LZ_BACKEND=local -n 2 (exit $code)" "$TMP/local"; fi
+
+# --- a luazero a rank starts is a job of its own: it does not join the
+# outer job's segment (a sweep under -n, os.execute in a script)
+cat > "$TMP/child.lua" <<'LUA'
+local comm = require("luazero.comm"); comm.init()
+print("child", os.getenv("RANK"), comm.size())
+LUA
+cat > "$TMP/parent.lua" <<LUA
+local comm = require("luazero.comm"); comm.init()
+if comm.rank() == 0 then os.execute("'$BIN/luazero' '$TMP/child.lua'") end
+comm.barrier()
+print("parent", comm.rank())
+LUA
+LZ_COMM_TIMEOUT=10 timeout 60 "$BIN/luazero" -n 2 "$TMP/parent.lua" > "$TMP/nested" 2>&1
+code=$?
+if [ $code = 0 ] && grep -q "^child	nil	1$" "$TMP/nested" && [ "$(grep -c parent "$TMP/nested")" = 2 ]; then
+  ok "a luazero started by a rank runs alone (RANK unset, world 1), the outer job goes on"
+else bad "a luazero started by a rank (exit $code)" "$TMP/nested"; fi
+
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]

@@ -4,7 +4,8 @@ training runs (one on 2 ranks, one made to fail with an invalid --dtype) at
 2 jobs at once; results.csv, results.md and loss.png (decoded here: PNG
 signature, IHDR size as the sweep file asked, IDAT inflated with zlib and
 its pixels varying); a second run skips every finished run, and
---retry-failed reruns only the failed one. Ends with "N passed, N failed"."""
+--retry-failed reruns only the failed one; a sweep file's mistakes refused
+before any run. Ends with "N passed, N failed"."""
 import csv
 import os
 import struct
@@ -149,6 +150,52 @@ def test_bad_sweep_file_is_a_user_error():
     assert "grid.lr must be a non-empty list of values" in p.stderr, p.stderr
 
 
+def test_a_sweep_files_name_plot_base_and_script_are_checked_before_any_run():
+    """A name that is not a plain folder name (it could write outside --out's
+    parent), a plot that is not { width, height } of whole pixels, ranks in
+    base (passed on as a flag, failing every run), a script that is not there:
+    exit 2 with one line, before any run."""
+    cases = [
+        ('return { name = "../up", grid = { lr = {1} } }', "name must be a plain folder name"),
+        ('return { grid = { lr = {1} }, plot = { width = -5 } }',
+         "plot.width must be a whole number of pixels, 64 to 16384 (got -5)"),
+        ('return { grid = { lr = {1} }, plot = { widht = 300 } }',
+         "plot.widht is not a key of plot (width, height)"),
+        ('return { grid = { lr = {1} }, plot = 5 }', "plot must be a table"),
+        ('return { grid = { lr = {1} }, base = { ranks = 2 } }', "base.ranks: ranks is the sweep's"),
+        ('return { grid = { lr = {1} }, script = "nope.lua" }', "script nope.lua is not there"),
+    ]
+    for i, (text, want) in enumerate(cases):
+        path = os.path.join(WORK, "check%d.lua" % i)
+        open(path, "w").write(text)
+        out = os.path.join(WORK, "check%d-out" % i)
+        p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out", out],
+                           cwd=WORK, capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2 and want in p.stderr, (text, p.returncode, p.stderr)
+        assert not os.path.exists(out), out
+
+
+def test_a_script_is_found_beside_the_sweep_file_and_is_part_of_the_run_id():
+    """A script named relative to the sweep file's folder is found from any
+    folder; another script gives other run ids (its results are not taken
+    for the first one's)."""
+    sub = os.path.join(WORK, "sub")
+    os.makedirs(sub, exist_ok=True)
+    for name in ("a.lua", "b.lua"):
+        open(os.path.join(sub, name), "w").write('print("%s", table.concat(arg, " "))' % name)
+    ids = []
+    for name in ("a.lua", "b.lua"):
+        path = os.path.join(sub, "s.lua")
+        open(path, "w").write('return { script = "%s", grid = { lr = { 1 } } }' % name)
+        p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out",
+                            os.path.join(WORK, "scr-out")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 0 and "1 ok, 0 failed" in p.stdout, p.stdout + p.stderr
+        assert "skipped" not in p.stdout, p.stdout
+        ids.append([l for l in p.stdout.split() if l.startswith("lr1-")][0])
+    assert ids[0] != ids[1], ids
+
+
 def test_a_sweep_whose_every_run_fails_exits_1_naming_the_first_error():
     """An unknown flag in the grid fails every run: the sweep says so and
     exits 1, as a script calling it would want (some failed runs: exit 0)."""
@@ -225,6 +272,48 @@ def test_a_killed_sweep_leaves_no_run_behind():
         while running() and time.time() < deadline:
             time.sleep(0.2)
         assert not running(), "left running: %s" % running()
+
+
+def long_run_started(out):
+    """Whether the sweep in `out` has started its 100000-step run."""
+    runs = os.path.join(out, "runs")
+    return os.path.isdir(runs) and any(
+        d.startswith("steps100000") and os.path.exists(os.path.join(runs, d, "command.txt"))
+        for d in os.listdir(runs))
+
+
+def test_an_interrupted_sweep_writes_the_finished_runs_and_the_same_command_goes_on():
+    """SIGINT to the sweep: the running run is stopped and keeps no record,
+    the finished run's results are written, the sweep says what happened and
+    exits 130; the same command skips the finished run and starts the other."""
+    import signal
+    import time
+    first()  # the corpus
+    out = os.path.join(WORK, "stopped")
+    path = os.path.join(WORK, "stop.lua")
+    open(path, "w").write(
+        'return { base = { model = "gpt2-nano", data = "corpus.txt", ["n-layer"] = 1, '
+        '["n-embd"] = 32, ["n-head"] = 2, context = 32, ["seq-len"] = 16, ["micro-batch"] = 2, '
+        'sample = 0, ["eval-batches"] = 0 }, grid = { steps = { 2, 100000 } } }')
+    cmd = [EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out", out]
+    for attempt in (1, 2):
+        p = subprocess.Popen(cmd, cwd=WORK, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+        deadline = time.time() + 60
+        while time.time() < deadline and not long_run_started(out):
+            time.sleep(0.2)
+        time.sleep(0.5)
+        p.send_signal(signal.SIGINT)
+        text, _ = p.communicate(timeout=30)
+        assert p.returncode == 130, (p.returncode, text)
+        assert "stopped by SIGINT: 1 ok, 0 failed, 1 not run" in text, text
+        if attempt == 2:
+            assert "skipped (ok before)" in text, text
+        with open(os.path.join(out, "results.csv")) as f:
+            got = list(csv.DictReader(f))
+        assert [r["steps"] for r in got] == ["2"], got
+    left = subprocess.run(["pgrep", "-f", out], capture_output=True, text=True).stdout.split()
+    assert not left, left
 
 
 if __name__ == "__main__":

@@ -32,6 +32,24 @@ int poll(void *fds, unsigned long nfds, int timeout);
 extern char **environ;
 ]])
 pcall(ffi.cdef, "int getpid(void);")
+-- (SIGINT and SIGTERM held while the sweep runs, so it stops its runs and
+-- writes the results of the finished ones; each run starts with none held)
+pcall(ffi.cdef, [[
+typedef struct { unsigned long val[16]; } lz_sigset_t;
+int sigemptyset(lz_sigset_t *set);
+int sigaddset(lz_sigset_t *set, int sig);
+int sigismember(const lz_sigset_t *set, int sig);
+int sigprocmask(int how, const lz_sigset_t *set, lz_sigset_t *old);
+int sigpending(lz_sigset_t *set);
+int sigtimedwait(const lz_sigset_t *set, void *info, const void *timeout);
+int posix_spawnattr_init(void *attr);
+int posix_spawnattr_destroy(void *attr);
+int posix_spawnattr_setsigmask(void *attr, const lz_sigset_t *mask);
+int posix_spawnattr_setflags(void *attr, short flags);
+int kill(int pid, int sig);
+]])
+local SIGINT, SIGTERM, SIG_BLOCK, SIG_SETMASK = 2, 15, 0, 2
+local POSIX_SPAWN_SETSIGMASK = 0x08
 
 local function fail(msg) error("sweep: " .. msg, 0) end
 
@@ -82,11 +100,45 @@ function M.load(path)
          :format(path))
   end
   spec.name = spec.name or path:match("([^/]+)%.lua$") or "sweep"
+  -- (the name is a folder inside --out's parent: one plain name)
+  if type(spec.name) ~= "string" or not spec.name:match("^[%w%._%-]+$") or
+     spec.name:match("^%.+$") then
+    fail(("%s: name must be a plain folder name (letters, digits, . _ -; got %s)")
+         :format(path, type(spec.name) == "string" and ("'" .. spec.name .. "'") or
+                 type(spec.name)))
+  end
+  -- script: a path to a script taking --flags, from the current folder, else
+  -- from the sweep file's folder (as sweeps/example.lua finds its data)
+  if spec.script ~= nil then
+    if type(spec.script) ~= "string" or spec.script == "" then
+      fail(("%s: script must be the path of a Lua script (got %s)"):format(path,
+           tostring(spec.script)))
+    end
+    spec.script_named = spec.script
+    local here = path:match("^(.*)/[^/]*$")
+    if not io.open(spec.script, "rb") and spec.script:sub(1, 1) ~= "/" and here and
+       io.open(here .. "/" .. spec.script, "rb") then
+      spec.script = here .. "/" .. spec.script
+    end
+    local f = io.open(spec.script, "rb")
+    if not f then
+      fail(("%s: script %s is not there (looked in the current folder%s)"):format(path,
+           spec.script, here and " and in " .. here or ""))
+    end
+    f:close()
+  end
   spec.ranks = spec.ranks or 1
   if type(spec.ranks) ~= "number" or spec.ranks < 1 or spec.ranks ~= math.floor(spec.ranks) then
     fail(("%s: ranks must be a whole number >= 1 (got %s)"):format(path, tostring(spec.ranks)))
   end
   spec.base = spec.base or {}
+  if type(spec.base) ~= "table" then
+    fail(("%s: base must be a table of flags ({ steps = 100 })"):format(path))
+  end
+  if spec.base.ranks ~= nil then
+    fail(("%s: base.ranks: ranks is the sweep's, not a flag of the script; give it at the top " ..
+          "level (ranks = 2) or in grid or runs"):format(path))
+  end
   for k, v in pairs(spec.base) do check_value(path .. ": base", k, v) end
   for k, vs in pairs(spec.grid or {}) do
     if not is_list(vs) or #vs == 0 then
@@ -102,6 +154,19 @@ function M.load(path)
     for k, v in pairs(r) do check_value(("%s: runs[%d]"):format(path, i), k, v) end
   end
   spec.plot = spec.plot or {}
+  if type(spec.plot) ~= "table" then
+    fail(("%s: plot must be a table ({ width = 900, height = 500 }); got a %s"):format(path,
+         type(spec.plot)))
+  end
+  for k, v in pairs(spec.plot) do
+    if k ~= "width" and k ~= "height" then
+      fail(("%s: plot.%s is not a key of plot (width, height)"):format(path, tostring(k)))
+    end
+    if type(v) ~= "number" or v ~= math.floor(v) or v < 64 or v > 16384 then
+      fail(("%s: plot.%s must be a whole number of pixels, 64 to 16384 (got %s)"):format(path, k,
+           tostring(v)))
+    end
+  end
   spec.source = path
   return spec
 end
@@ -131,14 +196,16 @@ end
 -- A stable id: the values the run's own grid combination or runs entry
 -- sets (its keys: another entry's keys leave it be) as a slug, then 8 hex
 -- digits of a hash of every flag (so two runs never share an id).
-local function run_id(flags, own_keys, ranks)
+local function run_id(flags, own_keys, ranks, script)
   local parts = {}
   for _, k in ipairs(own_keys) do
     if k == "ranks" then parts[#parts + 1] = "ranks" .. ranks
     elseif flags[k] ~= nil then parts[#parts + 1] = flag_name(k) .. value_text(flags[k]) end
   end
   local slug = table.concat(parts, "_"):gsub("[^%w%.%-_]", "")
-  local all = { "ranks=" .. ranks }
+  -- (a script of the sweep's own is part of the hash: another script's runs
+  -- are other runs; the default's ids stay as they were)
+  local all = { "ranks=" .. ranks, script and ("script=" .. script) or nil }
   for _, k in ipairs(sorted_keys(flags)) do all[#all + 1] = flag_name(k) .. "=" .. value_text(flags[k]) end
   local text = table.concat(all, "\n")
   local h = require("bit").tohex(lz.xxh64(ffi.cast("const char *", text), #text, 0), 8)
@@ -212,7 +279,7 @@ function M.expand(spec)
     end
     local swept = {}
     for _, k in ipairs(swept_keys) do swept[k] = k == "ranks" and ranks or flags[k] end
-    local id = run_id(flags, sorted_keys(c), ranks)
+    local id = run_id(flags, sorted_keys(c), ranks, spec.script_named)
     if not seen[id] then
       seen[id] = true
       runs[#runs + 1] = { id = id, flags = flags, swept = swept, ranks = ranks }
@@ -308,9 +375,33 @@ local function spawn(cmd)
   end
   argv[3] = nil
   local pid = ffi.new("int[1]")
-  local rc = ffi.C.posix_spawnp(pid, "/bin/sh", nil, nil, argv, ffi.C.environ)
+  -- (the run starts with no signal held, whatever the sweep holds)
+  local attr, none = ffi.new("char[1024]"), ffi.new("lz_sigset_t")
+  ffi.C.sigemptyset(none)
+  ffi.C.posix_spawnattr_init(attr)
+  ffi.C.posix_spawnattr_setsigmask(attr, none)
+  ffi.C.posix_spawnattr_setflags(attr, POSIX_SPAWN_SETSIGMASK)
+  local rc = ffi.C.posix_spawnp(pid, "/bin/sh", nil, attr, argv, ffi.C.environ)
+  ffi.C.posix_spawnattr_destroy(attr)
   if rc ~= 0 then fail(("cannot start a job (posix_spawnp error %d): %s"):format(rc, cmd)) end
   return pid[0]
+end
+
+-- SIGINT or SIGTERM sent to the sweep while it holds them (taken off the
+-- pending set), or nil.
+local function stop_signal(held)
+  local pending = ffi.new("lz_sigset_t")
+  ffi.C.sigpending(pending)
+  for _, sig in ipairs({ SIGINT, SIGTERM }) do
+    if ffi.C.sigismember(pending, sig) == 1 then
+      local one = ffi.new("lz_sigset_t")
+      ffi.C.sigemptyset(one)
+      ffi.C.sigaddset(one, sig)
+      ffi.C.sigtimedwait(one, nil, ffi.new("long[2]", 0, 0))
+      return sig
+    end
+  end
+  return held
 end
 
 -- nil while the job runs; else exit code (128 + signal when killed).
@@ -341,7 +432,9 @@ local function command(spec, run, dir, threads)
     q(dir .. "/stderr.log"))
 end
 
--- Runs what is not finished; returns the records of every run.
+-- Runs what is not finished; returns the records of every run and, when a
+-- SIGINT or SIGTERM stopped the sweep, that signal: the runs it cut off
+-- (SIGTERM sent to each) keep no record, so the same command runs them again.
 -- opts: out (folder), jobs (at once), retry_failed, say (progress function).
 function M.run(spec, runs, opts)
   local out, jobs = opts.out, math.max(1, opts.jobs or 1)
@@ -363,7 +456,12 @@ function M.run(spec, runs, opts)
       queue[#queue + 1] = k
     end
   end
-  local running, active = {}, 0
+  local running, active, stopped = {}, 0, nil
+  local hold, before = ffi.new("lz_sigset_t"), ffi.new("lz_sigset_t")
+  ffi.C.sigemptyset(hold)
+  ffi.C.sigaddset(hold, SIGINT)
+  ffi.C.sigaddset(hold, SIGTERM)
+  ffi.C.sigprocmask(SIG_BLOCK, hold, before)
   while #queue > 0 or active > 0 do
     while #queue > 0 and active < jobs do
       local k = table.remove(queue, 1)
@@ -380,9 +478,23 @@ function M.run(spec, runs, opts)
           threads == 1 and "" or "s"))
     end
     sleep_ms(100)
+    if not stopped then
+      stopped = stop_signal()
+      if stopped then
+        say(("sweep %s: %s: stopping %d running run%s (each is run again by the same " ..
+             "command), %d not started"):format(spec.name, stopped == SIGINT and "SIGINT" or
+             "SIGTERM", active, active == 1 and "" or "s", #queue))
+        queue = {}
+        for pid in pairs(running) do ffi.C.kill(pid, SIGTERM) end
+      end
+    end
     for pid, job in pairs(running) do
       local code = reap(pid)
-      if code then
+      if code and stopped then
+        running[pid] = nil
+        active = active - 1
+        say(("[%d/%d] %s  stopped"):format(job.k, n, runs[job.k].id))
+      elseif code then
         running[pid] = nil
         active = active - 1
         local r = runs[job.k]
@@ -406,7 +518,8 @@ function M.run(spec, runs, opts)
       end
     end
   end
-  return records
+  ffi.C.sigprocmask(SIG_SETMASK, before, nil)
+  return records, stopped
 end
 
 ------------------------------------------------------------------ results
