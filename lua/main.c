@@ -398,6 +398,10 @@ int main(int argc, char **argv) {
       interactive = 1;
       with_traceback = 1;
     } else if (!strcmp(a, "-n")) {
+      if (nranks) {
+        fprintf(stderr, "luazero: -n given twice; give it once\n");
+        return 2;
+      }
       const char *v = i + 1 < argc ? argv[++i] : "";
       char *end = NULL;
       errno = 0;
@@ -410,6 +414,10 @@ int main(int argc, char **argv) {
       }
       nranks = (int)n;
     } else if (!strcmp(a, "--backend")) {
+      if (backend) {
+        fprintf(stderr, "luazero: --backend given twice; give it once\n");
+        return 2;
+      }
       lz_comm_backend parsed;
       if (lz_comm_backend_parse(i + 1 < argc ? argv[i + 1] : "", &parsed) != LZ_OK) {
         fprintf(stderr, "luazero: --backend: %s\n", lz_last_error());
@@ -420,6 +428,10 @@ int main(int argc, char **argv) {
       quiet = 1;
     } else if (!strcmp(a, "--restarts") || !strcmp(a, "--min-ranks")) {
       const char **v = a[2] == 'r' ? &restarts_flag : &min_ranks_flag;
+      if (*v) {
+        fprintf(stderr, "luazero: %s given twice; give it once\n", a);
+        return 2;
+      }
       *v = i + 1 < argc ? argv[++i] : "";
     } else if (a[0] == '-' && a[1] != 0) {
       fprintf(stderr, "luazero: unknown option '%s' (see luazero --help)\n", a);
@@ -443,6 +455,13 @@ int main(int argc, char **argv) {
      * OpenMP state out of the children. */
     if (!first_script && !n_exec) {
       fprintf(stderr, "luazero: -n needs a script to run (luazero -n 2 train.lua ...)\n");
+      return 2;
+    }
+    /* A script that is not there: said once, before any rank starts. */
+    if (first_script && !by_name && strcmp(argv[first_script], "-") &&
+        access(argv[first_script], R_OK) != 0) {
+      fprintf(stderr, "luazero: cannot open script '%s' (%s)\n", argv[first_script],
+              strerror(errno));
       return 2;
     }
     /* Restarts: the flags, else LZ_RESTARTS and LZ_MIN_RANKS (only here: the
@@ -502,6 +521,13 @@ int main(int argc, char **argv) {
   /* A rank's output goes through the launcher's pipes: flush it by line so
    * it arrives while the job runs. */
   if (getenv("LZ_SHM_NAME") || getenv("OMPI_COMM_WORLD_RANK")) setvbuf(stdout, NULL, _IOLBF, 0);
+  /* --quiet-ranks under mpirun, whose output the launcher does not carry:
+   * ranks other than 0 silence their own stdout. */
+  const char *om = getenv("LZ_RANK_OUTPUT"), *mpi_rank = getenv("OMPI_COMM_WORLD_RANK");
+  if (om && !strcmp(om, "quiet") && mpi_rank && strcmp(mpi_rank, "0") &&
+      !freopen("/dev/null", "w", stdout))
+    fprintf(stderr, "luazero: rank %s: cannot silence stdout (--quiet-ranks): %s\n", mpi_rank,
+            strerror(errno));
 
   lua_State *L = luaL_newstate();
   if (!L) {
@@ -559,10 +585,12 @@ int main(int argc, char **argv) {
     }
     if (luaL_loadfile(L, strcmp(script, "-") ? script : NULL) != 0) {
       const char *msg = lua_tostring(L, -1);
-      if (strstr(msg, "cannot open"))
+      if (strstr(msg, "cannot open")) {
         fprintf(stderr, "luazero: cannot open script '%s' (no such file?)\n", script);
-      else
-        fprintf(stderr, "luazero: %s\n", msg);
+        fflush(NULL);
+        _exit(2); /* bad input, as everywhere */
+      }
+      fprintf(stderr, "luazero: %s\n", msg);
       lua_pop(L, 1);
       status = 1;
     } else {

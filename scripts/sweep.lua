@@ -19,16 +19,22 @@ local function user_error(msg)
 end
 
 local function main(argv)
-  local file, opts = nil, { jobs = 1 }
+  local file, opts, given = nil, { jobs = 1 }, {}
   local i = 1
   while i <= #argv do
     local a = argv[i]
+    -- (--name=value as train.lua takes it)
+    local name, inline = a:match("^(%-%-[%w-]+)=(.*)$")
+    if name then a = name end
     if a == "--help" or a == "-h" then
       print(usage)
       return
     elseif a == "--jobs" or a == "--out" then
-      local v = argv[i + 1]
+      if given[a] then user_error(a .. " given twice; give it once") end
+      given[a] = true
+      local v = inline or argv[i + 1]
       if v == nil then user_error(a .. " needs a value") end
+      if inline then i = i - 1 end
       if a == "--jobs" then
         opts.jobs = tonumber(v)
         if not opts.jobs or opts.jobs < 1 or opts.jobs ~= math.floor(opts.jobs) then

@@ -245,5 +245,25 @@ if [ $code = 0 ] && grep -q "^child	nil	1$" "$TMP/nested" && [ "$(grep -c parent
   ok "a luazero started by a rank runs alone (RANK unset, world 1), the outer job goes on"
 else bad "a luazero started by a rank (exit $code)" "$TMP/nested"; fi
 
+# --- a flag given twice, and a script that is not there, are said once by
+# the launcher before any rank starts (exit 2)
+"$BIN/luazero" -n 2 -n 3 -e 'print("started")' > "$TMP/twice" 2>&1
+code1=$?
+"$BIN/luazero" -n 2 "$TMP/no-such-script.lua" > "$TMP/noscript" 2>&1
+code2=$?
+if [ $code1 = 2 ] && grep -q "^luazero: -n given twice; give it once$" "$TMP/twice" &&
+   [ $code2 = 2 ] && [ "$(grep -c "cannot open script" "$TMP/noscript")" = 1 ] &&
+   ! grep -q "\[rank" "$TMP/noscript"; then
+  ok "-n given twice, and a missing script under -n 2: one line from the launcher, exit 2"
+else bad "-n twice (exit $code1) / missing script (exit $code2)" "$TMP/noscript"; fi
+
+# --- --quiet-ranks under --backend mpi: ranks other than 0 silence their own stdout
+"$BIN/luazero" -n 2 --backend mpi --quiet-ranks -e 'print("hello", os.getenv("RANK"))' \
+  > "$TMP/mpiquiet" 2>&1
+code=$?
+if [ $code = 0 ] && [ "$(grep -c hello "$TMP/mpiquiet")" = 1 ] && grep -q "hello	0" "$TMP/mpiquiet"; then
+  ok "--backend mpi --quiet-ranks: rank 0 alone prints"
+else bad "--backend mpi --quiet-ranks (exit $code)" "$TMP/mpiquiet"; fi
+
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]

@@ -148,6 +148,12 @@ def test_bad_sweep_file_is_a_user_error():
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2, (p.returncode, p.stderr)
     assert "grid.lr must be a non-empty list of values" in p.stderr, p.stderr
+    # a flag given twice is refused (the last one used to win), --name=value taken
+    first()  # tiny.lua
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), "tiny.lua", "--jobs",
+                        "2", "--jobs=3", "--list"], cwd=WORK, capture_output=True, text=True,
+                       timeout=30)
+    assert p.returncode == 2 and "--jobs given twice; give it once" in p.stderr, p.stderr
 
 
 def test_a_sweep_files_name_plot_base_and_script_are_checked_before_any_run():
