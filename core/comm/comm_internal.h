@@ -153,5 +153,8 @@ double lz_now_s(void); /* CLOCK_MONOTONIC seconds */
 size_t lz_shm_segment_bytes(int world);
 /* Writes the header into the launcher's freshly sized (zeroed) segment. */
 void lz_shm_segment_format(void *base, int world);
+/* Records rank's pid in the segment (memfd fd) as the launcher starts it, so
+ * the others see it gone even if it exits before joining. */
+void lz_shm_segment_rank_started(int fd, int world, int rank, int pid);
 
 #endif /* LZ_COMM_INTERNAL_H */

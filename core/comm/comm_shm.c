@@ -81,6 +81,15 @@ size_t lz_shm_segment_bytes(int world) {
   return data_offset(world) + (size_t)world * 2 * chunk_from_env();
 }
 
+void lz_shm_segment_rank_started(int fd, int world, int rank, int pid) {
+  const size_t bytes = data_offset(world);
+  void *base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return; /* a rank that never joins is then found by the timeout */
+  shm_rank *ranks = (shm_rank *)((uint8_t *)base + sizeof(shm_header));
+  atomic_store(&ranks[rank].pid, (int32_t)pid);
+  munmap(base, bytes);
+}
+
 void lz_shm_segment_format(void *base, int world) {
   shm_header *h = base;
   h->world = world;
@@ -133,8 +142,9 @@ static lz_status check_peers(lz_comm *c, shm_comm *s, uint64_t target, const cha
                      "joining this collective (the ranks called different collectives)",
                      op, c->rank, p);
     if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
-      return lz_fail(LZ_ERR_COMM, "%s: rank %d is waiting for rank %d (pid %d), which has exited",
-                     op, c->rank, p, pid);
+      return lz_fail(LZ_ERR_COMM, "%s: rank %d is waiting for rank %d (pid %d), which has exited%s",
+                     op, c->rank, p, pid, state == RANK_EMPTY ? " without joining (before its "
+                     "comm.init)" : "");
   }
   if (getppid() == 1)
     return lz_fail(LZ_ERR_COMM, "%s: rank %d: the launcher has exited; stopping", op, c->rank);

@@ -484,6 +484,7 @@ static lz_status fork_rank(job *j, int r) {
   }
   j->procs[r] = (rank_proc){pid, 1, 0};
   j->running++;
+  if (j->segment >= 0) lz_shm_segment_rank_started(j->segment, j->nranks, r, pid);
   if (pout[0] >= 0) {
     j->streams[2 * r] = (stream){pout[0], 1, r, NULL, 0, 0};
     j->streams[2 * r + 1] = (stream){perr[0], 2, r, NULL, 0, 0};

@@ -265,5 +265,17 @@ if [ $code = 0 ] && [ "$(grep -c hello "$TMP/mpiquiet")" = 1 ] && grep -q "hello
   ok "--backend mpi --quiet-ranks: rank 0 alone prints"
 else bad "--backend mpi --quiet-ranks (exit $code)" "$TMP/mpiquiet"; fi
 
+# --- a rank that exits (code 0) before its comm.init: the others stop at
+# once naming it, not after LZ_COMM_TIMEOUT
+t0=$(now)
+LZ_COMM_TIMEOUT=60 timeout 90 "$BIN/luazero" -n 2 -e 'if os.getenv("RANK") == "1" then os.exit(0) end
+local c = require("luazero.comm"); c.init(); c.barrier()' > "$TMP/early" 2>&1
+code=$?
+dt=$(echo "$(now) - $t0" | bc)
+if [ $code = 1 ] && grep -q "waiting for rank 1 (pid [0-9]*), which has exited without joining" \
+   "$TMP/early" && [ "$(echo "$dt < 10" | bc)" = 1 ]; then
+  ok "a rank gone before its comm.init: the other stops in ${dt%????} s naming it"
+else bad "a rank gone before its comm.init (exit $code, ${dt%????} s)" "$TMP/early"; fi
+
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]
