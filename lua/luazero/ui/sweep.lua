@@ -275,7 +275,8 @@ function M.expand(spec)
             "sweep file"):format(where))
     end
     if type(ranks) ~= "number" or ranks < 1 or ranks ~= math.floor(ranks) then
-      fail(("ranks must be a whole number >= 1 (got %s)"):format(tostring(ranks)))
+      fail(("%sranks must be a whole number >= 1 (got %s)"):format(where,
+           type(ranks) == "string" and ("the string '%s'"):format(ranks) or tostring(ranks)))
     end
     local swept = {}
     for _, k in ipairs(swept_keys) do swept[k] = k == "ranks" and ranks or flags[k] end
