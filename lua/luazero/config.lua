@@ -6,7 +6,8 @@
 --   print(config.unimplemented_message(cfg))   -- nil when every key is implemented
 --
 -- Its parts: config/values.lua (checking one value), config/defaults.lua
--- (DeepSpeed's defaults), config/scheduler.lua (the scheduler block); the
+-- (DeepSpeed's defaults), config/scheduler.lua (the scheduler block),
+-- config/auto.lua ("auto" filled as the Hugging Face Trainer fills it); the
 -- stage rules are zero/plan.lua's, the learning-rate schedules
 -- optim/schedule.lua's.
 -- Errors are Lua errors whose message is one line starting "config: ", raised
@@ -17,6 +18,7 @@ local cjson = require("cjson")
 
 local values = require("luazero.config.values")
 local defaults = require("luazero.config.defaults")
+local auto = require("luazero.config.auto")
 local monitor = require("luazero.config.monitor")
 local checkpoint = require("luazero.config.checkpoint")
 local moe = require("luazero.config.moe")
@@ -520,31 +522,6 @@ local override_flags = {
 }
 M.override_flags = override_flags
 
--- "auto" (Hugging Face's templates) filled as its Trainer fills it, from
--- the trainer's own values (ov.auto: lr, warmup; scripts/train.lua's): the
--- optimizer's lr, the scheduler's warmup_num_steps, and gradient_clipping
--- (1.0 without one, as the Trainer's max_grad_norm). Each fill is listed in
--- cfg.auto_filled for the start-up line. (warmup_max_lr "auto" is the
--- optimizer's lr and total_num_steps "auto" --steps: config/scheduler.lua.)
-local function fill_auto(raw, auto, filled)
-  local o = type(raw.optimizer) == "table" and type(raw.optimizer.params) == "table" and
-            raw.optimizer.params
-  if o and o.lr == "auto" and auto.lr then
-    o.lr = auto.lr
-    filled[#filled + 1] = ("optimizer.params.lr %g"):format(auto.lr)
-  end
-  local sp = type(raw.scheduler) == "table" and type(raw.scheduler.params) == "table" and
-             raw.scheduler.params
-  if sp and sp.warmup_num_steps == "auto" and auto.warmup then
-    sp.warmup_num_steps = math.max(1, auto.warmup)
-    filled[#filled + 1] = ("scheduler.params.warmup_num_steps %d"):format(sp.warmup_num_steps)
-  end
-  if raw.gradient_clipping == "auto" then
-    raw.gradient_clipping = auto.gradient_clipping or M.train_defaults.gradient_clipping
-    filled[#filled + 1] = ("gradient_clipping %g"):format(raw.gradient_clipping)
-  end
-end
-
 local function apply_overrides(raw, ov, notes)
   for k in pairs(ov) do
     if not override_flags[k] then
@@ -718,7 +695,7 @@ function M.load(source, world_size, overrides)
   local ov, notes = overrides or {}, {}
   apply_overrides(raw, ov, notes)
   local filled = {}
-  fill_auto(raw, ov.auto or {}, filled)
+  auto.fill(raw, ov.auto or {}, filled)
 
   local cfg = { source = name, world_size = world_size, raw = original,
                 overrides = deep_copy(ov), auto_filled = filled }
@@ -762,12 +739,7 @@ function M.load(source, world_size, overrides)
   return cfg
 end
 
--- The start-up line for the "auto" values filled (fill_auto); nil if none.
-function M.auto_message(cfg)
-  if #cfg.auto_filled == 0 then return nil end
-  return 'config: "auto" filled as the Hugging Face Trainer fills it, with this run\'s values: ' ..
-         table.concat(cfg.auto_filled, ", ")
-end
+M.auto_message = auto.message -- the start-up line of the "auto" values filled
 
 -- The start-up line for keys that are read but not acted on; nil if none.
 function M.unimplemented_message(cfg)
