@@ -404,6 +404,11 @@ lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
  * the job's shared-memory name set; shares the cores among them; stops them all
  * when one fails. *exit_code: 0 when every rank exited 0. */
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
+/* In a process a rank started (a sweep's run, os.execute in a script): it
+ * inherits the launcher's variables but is none of its ranks (the launcher
+ * is not its parent), so they are dropped and it runs as a job of its own
+ * instead of joining the outer one's segment. Does nothing elsewhere. */
+void lz_launch_leave_outer_job(void);
 /* lz_launch, and when a rank fails (a non-zero exit, a signal) the job again, up to
  * `restarts` times, its ranks told by LZ_RESTART=<k> and LZ_RESTART_CAUSE=<one line>
  * (and LZ_RESTARTS=<restarts> from the first run). min_ranks 0: every run has nranks

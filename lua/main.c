@@ -345,23 +345,15 @@ static void follow_parent(void) {
   }
 }
 
-/* A process a rank started (a sweep's run, os.execute in a script) inherits
- * the launcher's variables but is none of its ranks (the launcher is not its
- * parent): they are dropped, so it runs as a job of its own instead of
- * joining the outer one's segment. */
-static void leave_outer_job(void) {
-  const char *p = getenv("LZ_LAUNCHER_PID");
-  if (!p || strtol(p, NULL, 10) == (long)getppid()) return;
-  static const char *const names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                      "LZ_SHM_NAME", "LZ_SHM_FD", "LZ_LAUNCHER_PID",
-                                      "LZ_SHM_SHARED", "LZ_RESTART", "LZ_RESTART_CAUSE",
-                                      "LZ_RESTARTS"};
-  for (size_t i = 0; i < sizeof names / sizeof *names; i++) unsetenv(names[i]);
+/* A launcher option given twice: refused (the last one would win). */
+static int given_twice(const char *flag) {
+  fprintf(stderr, "luazero: %s given twice; give it once\n", flag);
+  return 2;
 }
 
 int main(int argc, char **argv) {
   follow_parent();
-  leave_outer_job();
+  lz_launch_leave_outer_job();
   int interactive = 0, nranks = 0, quiet = 0, first_script = 0, by_name = 0;
   const char *backend = NULL, *restarts_flag = NULL, *min_ranks_flag = NULL;
   int n_exec = 0;
@@ -398,10 +390,7 @@ int main(int argc, char **argv) {
       interactive = 1;
       with_traceback = 1;
     } else if (!strcmp(a, "-n")) {
-      if (nranks) {
-        fprintf(stderr, "luazero: -n given twice; give it once\n");
-        return 2;
-      }
+      if (nranks) return given_twice(a);
       const char *v = i + 1 < argc ? argv[++i] : "";
       char *end = NULL;
       errno = 0;
@@ -414,10 +403,7 @@ int main(int argc, char **argv) {
       }
       nranks = (int)n;
     } else if (!strcmp(a, "--backend")) {
-      if (backend) {
-        fprintf(stderr, "luazero: --backend given twice; give it once\n");
-        return 2;
-      }
+      if (backend) return given_twice(a);
       lz_comm_backend parsed;
       if (lz_comm_backend_parse(i + 1 < argc ? argv[i + 1] : "", &parsed) != LZ_OK) {
         fprintf(stderr, "luazero: --backend: %s\n", lz_last_error());
@@ -428,10 +414,7 @@ int main(int argc, char **argv) {
       quiet = 1;
     } else if (!strcmp(a, "--restarts") || !strcmp(a, "--min-ranks")) {
       const char **v = a[2] == 'r' ? &restarts_flag : &min_ranks_flag;
-      if (*v) {
-        fprintf(stderr, "luazero: %s given twice; give it once\n", a);
-        return 2;
-      }
+      if (*v) return given_twice(a);
       *v = i + 1 < argc ? argv[++i] : "";
     } else if (a[0] == '-' && a[1] != 0) {
       fprintf(stderr, "luazero: unknown option '%s' (see luazero --help)\n", a);

@@ -182,12 +182,20 @@ static int free_port(void) {
   return port;
 }
 
+/* The variables the launcher gives each rank (rank_env). */
+static const char *const job_vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                       "LZ_SHM_NAME", "LZ_SHM_FD", "LZ_LAUNCHER_PID",
+                                       "LZ_SHM_SHARED", "LZ_RESTART", "LZ_RESTART_CAUSE",
+                                       "LZ_RESTARTS", NULL};
+
+void lz_launch_leave_outer_job(void) {
+  const char *p = getenv("LZ_LAUNCHER_PID");
+  if (!p || strtol(p, NULL, 10) == (long)getppid()) return;
+  for (int i = 0; job_vars[i]; i++) unsetenv(job_vars[i]);
+}
+
 /* environ without the variables we set, plus ours. */
 static char **rank_env(const job *j, int rank) {
-  static const char *ours[] = {"RANK=", "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                               "LZ_SHM_NAME=", "LZ_SHM_FD=", "LZ_LAUNCHER_PID=",
-                               "LZ_SHM_SHARED=", "LZ_RESTART=", "LZ_RESTART_CAUSE=",
-                               "LZ_RESTARTS=", NULL};
   size_t n = 0;
   while (environ[n]) n++;
   char **env = calloc(n + 24, sizeof *env);
@@ -195,8 +203,10 @@ static char **rank_env(const job *j, int rank) {
   size_t k = 0;
   for (size_t i = 0; i < n; i++) {
     int skip = 0;
-    for (int j = 0; ours[j]; j++)
-      if (!strncmp(environ[i], ours[j], strlen(ours[j]))) skip = 1;
+    for (int v = 0; job_vars[v]; v++) {
+      const size_t len = strlen(job_vars[v]);
+      if (!strncmp(environ[i], job_vars[v], len) && environ[i][len] == '=') skip = 1;
+    }
     if (!skip) env[k++] = environ[i];
   }
   char tmp[512];

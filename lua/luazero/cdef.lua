@@ -516,6 +516,8 @@ lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
 
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
+void lz_launch_leave_outer_job(void);
+
 lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int min_ranks,
                                int *exit_code);
 
