@@ -106,7 +106,7 @@ local function read_prompts(flags)
                                                       type(j.prompt_ids) == "table")
         -- (a .jsonl file's lines are objects; elsewhere a line that is not one,
         -- "{" or not, is a prompt as written)
-        if not object and line:match("^%s*{") and flags.prompts:match("%.jsonl$") then
+        if not object and line:match("^%s*{") and data.is_jsonl(flags.prompts) then
           fail(("--prompts %s: line %d is not a JSON object with \"prompt\", \"messages\" " ..
                 "or \"prompt_ids\""):format(flags.prompts, n))
         end

@@ -90,7 +90,7 @@ local function main(argv)
   if stopped then
     -- (the finished runs' results written; the rest run on the next call)
     print(("sweep %s: stopped by %s: %d ok, %d failed, %d not run; %s/results.csv; the same " ..
-           "command runs the rest"):format(spec.name, stopped == 2 and "SIGINT" or "SIGTERM",
+           "command runs the rest"):format(spec.name, sweep.SIGNAL_NAMES[stopped],
            n_ok, n_failed, n_left, opts.out))
     os.exit(128 + stopped)
   end

@@ -91,17 +91,17 @@ M.write_instruction_file = instruct.write
 -- loader:position() / loader:set_position(pos) for a checkpoint.
 -- The options every loader takes, checked (each refusal names the option).
 local function check_loader_opts(c, opts)
+  local is_whole = require("luazero.config.values").is_whole
   local function whole(k, least)
     local v = opts[k]
-    if not require("luazero.config.values").is_whole(v) or v < least then
+    if not is_whole(v) or v < least then
       fail(c.path, ("the loader's %s must be a whole number >= %d (got %s)"):format(k, least,
                                                                                  tostring(v)))
     end
   end
   whole("B", 1); whole("T", 1); whole("vocab", 1)
   local rank, world = opts.rank or 0, opts.world or 1
-  if type(world) ~= "number" or world ~= math.floor(world) or world < 1 or type(rank) ~= "number" or
-     rank ~= math.floor(rank) or rank < 0 or rank >= world then
+  if not (is_whole(world) and world >= 1 and is_whole(rank) and rank >= 0 and rank < world) then
     fail(c.path, ("the loader's rank %s must be one of 0 .. world - 1 (world %s)")
                  :format(tostring(rank), tostring(world)))
   end

@@ -102,7 +102,7 @@ end
 -- Refuses a validation batch index i outside 1 .. n (a loader's
 -- val_batches), which would read past the held-out part.
 function M.check_val_batch(i, n)
-  if type(i) ~= "number" or i ~= math.floor(i) or i < 1 or i > n then
+  if not require("luazero.config.values").is_whole(i) or i < 1 or i > n then
     error(("data: validation batch %s is not one of 1 .. %d (loader.val_batches)")
           :format(tostring(i), n), 3)
   end

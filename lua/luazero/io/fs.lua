@@ -44,6 +44,13 @@ function M.list(dir)
   return names
 end
 
+-- path as an absolute path: a relative one is taken from $PWD (the folder
+-- the user ran the command in, as the shell names it).
+function M.absolute(path)
+  if path:sub(1, 1) == "/" then return path end
+  return (os.getenv("PWD") or ".") .. "/" .. path
+end
+
 -- The bytes an unprivileged writer may still take on path's file system
 -- (statvfs's f_bavail), or nil where it cannot be asked.
 function M.free_bytes(path)

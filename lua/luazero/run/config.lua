@@ -35,15 +35,16 @@ function M.load(flags, world, model_cfg)
   return cfg
 end
 
--- The learning-rate schedule that runs, its name for the start-up line and
--- the warmup: the config's scheduler, a constant lr (a config without one,
--- as DeepSpeed), or without a config file warmup + cosine
--- (config.train_defaults' warmup unless --warmup).
 -- The run's warmup: --warmup, else config.train_defaults' share of --steps.
 function M.warmup(flags)
   local td = config.train_defaults
   return flags.warmup or math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction))
 end
+
+-- The learning-rate schedule that runs, its name for the start-up line and
+-- the warmup: the config's scheduler, a constant lr (a config without one,
+-- as DeepSpeed), or without a config file warmup + cosine
+-- (M.warmup's).
 
 function M.schedule(cfg, flags)
   local lr, warmup = cfg.optimizer.params.lr, M.warmup(flags)

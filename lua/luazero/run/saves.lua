@@ -50,8 +50,7 @@ function M.if_due(run, step)
   extra.data.fingerprint, extra.data.file = run.data_fingerprint, flags.data
   -- (the tokenizer the data was read with, for generate.lua to decode with)
   if flags.tokenizer then
-    extra.data.tokenizer = flags.tokenizer:sub(1, 1) == "/" and flags.tokenizer or
-                           (os.getenv("PWD") or ".") .. "/" .. flags.tokenizer
+    extra.data.tokenizer = require("luazero.io.fs").absolute(flags.tokenizer)
   end
   local opts = { zstd_level = flags.save_zstd_level, keep = flags.keep, config = run.cfg }
   local t1 = clock.now()

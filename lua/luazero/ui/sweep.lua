@@ -49,6 +49,7 @@ int posix_spawnattr_setflags(void *attr, short flags);
 int kill(int pid, int sig);
 ]])
 local SIGINT, SIGTERM, SIG_BLOCK, SIG_SETMASK = 2, 15, 0, 2
+M.SIGNAL_NAMES = { [SIGINT] = "SIGINT", [SIGTERM] = "SIGTERM" } -- what stops a sweep
 local POSIX_SPAWN_SETSIGMASK = 0x08
 
 local function fail(msg) error("sweep: " .. msg, 0) end
@@ -115,17 +116,16 @@ function M.load(path)
            tostring(spec.script)))
     end
     spec.script_named = spec.script
+    local exists = require("luazero.io.fs").exists
     local here = path:match("^(.*)/[^/]*$")
-    if not io.open(spec.script, "rb") and spec.script:sub(1, 1) ~= "/" and here and
-       io.open(here .. "/" .. spec.script, "rb") then
+    if not exists(spec.script) and spec.script:sub(1, 1) ~= "/" and here and
+       exists(here .. "/" .. spec.script) then
       spec.script = here .. "/" .. spec.script
     end
-    local f = io.open(spec.script, "rb")
-    if not f then
+    if not exists(spec.script) then
       fail(("%s: script %s is not there (looked in the current folder%s)"):format(path,
            spec.script, here and " and in " .. here or ""))
     end
-    f:close()
   end
   spec.ranks = spec.ranks or 1
   if type(spec.ranks) ~= "number" or spec.ranks < 1 or spec.ranks ~= math.floor(spec.ranks) then
@@ -390,7 +390,7 @@ end
 
 -- SIGINT or SIGTERM sent to the sweep while it holds them (taken off the
 -- pending set), or nil.
-local function stop_signal(held)
+local function stop_signal()
   local pending = ffi.new("lz_sigset_t")
   ffi.C.sigpending(pending)
   for _, sig in ipairs({ SIGINT, SIGTERM }) do
@@ -402,7 +402,6 @@ local function stop_signal(held)
       return sig
     end
   end
-  return held
 end
 
 -- nil while the job runs; else exit code (128 + signal when killed).
@@ -483,8 +482,8 @@ function M.run(spec, runs, opts)
       stopped = stop_signal()
       if stopped then
         say(("sweep %s: %s: stopping %d running run%s (each is run again by the same " ..
-             "command), %d not started"):format(spec.name, stopped == SIGINT and "SIGINT" or
-             "SIGTERM", active, active == 1 and "" or "s", #queue))
+             "command), %d not started"):format(spec.name, M.SIGNAL_NAMES[stopped], active,
+             active == 1 and "" or "s", #queue))
         queue = {}
         for pid in pairs(running) do ffi.C.kill(pid, SIGTERM) end
       end

@@ -215,7 +215,7 @@ function Engine:state_bytes() return report(self, "state_bytes") end
 -- manifest: an absolute path (a relative one is taken from $PWD), and the
 -- xxh64 of its files where a resume must find the same base (LoRA).
 function Engine:set_init_path(path, xxh64)
-  self.init_path = path:sub(1, 1) == "/" and path or ((os.getenv("PWD") or ".") .. "/" .. path)
+  self.init_path = require("luazero.io.fs").absolute(path)
   self.init_xxh64 = xxh64
 end
 
