@@ -5,7 +5,8 @@ local M = {}
 
 local function fail(fmt, ...) error(fmt:format(...), 0) end
 
-local whole = require("luazero.config.values").is_whole -- finite, no fraction
+local values = require("luazero.config.values")
+local whole = values.is_whole -- finite, no fraction
 
 -- zero.initialize's options (docs/api.md).
 local OPTIONS = { model = true, config = true, seed = true, batch = true, lr = true, comm = true,
@@ -20,9 +21,8 @@ function M.initialize(opts)
   end
   for k in pairs(opts) do
     if not OPTIONS[k] then
-      fail("zero.initialize: no option %s%s (its options: batch, checkpoint_activations, comm, " ..
-           "config, device, draw_weights, lr, model, seed)", tostring(k),
-           require("luazero.config.values").did_you_mean(k, OPTIONS))
+      fail("zero.initialize: no option %s%s (its options: %s)", tostring(k),
+           values.did_you_mean(k, OPTIONS), table.concat(values.sorted_keys(OPTIONS), ", "))
     end
   end
   local lr = opts.lr
