@@ -97,10 +97,12 @@ local function read_floats(src, scratch, offset, n)
   return raw
 end
 
--- What each export dtype writes: bytes an element, the safetensors dtype
--- and the tensor dtype it is rounded through (none: fp32 as is).
-local DTYPES = { fp32 = { size = 4, st = "F32" }, bf16 = { size = 2, st = "BF16", lz = "bf16" },
-                 fp16 = { size = 2, st = "F16", lz = "f16" } }
+-- What each export dtype writes: the safetensors dtype (its bytes an
+-- element: safetensors.DTYPES) and the tensor dtype it is rounded through
+-- (none: fp32 as is).
+local DTYPES = { fp32 = { st = "F32" }, bf16 = { st = "BF16", lz = "bf16" },
+                 fp16 = { st = "F16", lz = "f16" } }
+for _, d in pairs(DTYPES) do d.size = safetensors.DTYPES[d.st] end
 
 -- An f32 tensor's data written to w in dtype (fp32 as is, bf16 and fp16
 -- rounded to nearest even).
