@@ -80,5 +80,15 @@ check uninstall_of_an_odd_prefix_removes_its_link '[ ! -L "$prefix/odd/bin/luaze
 out=$(tools/install --uninstall --prefix "$odd" 2>&1)
 check uninstall_again_says_nothing_was_there 'echo "$out" | grep -q "nothing of luazero" ' "$out"
 
+# A checkout whose folders are links (here a copy of lua/, linked): the
+# install holds files of its own, and the linked tree keeps its lua/main.c.
+linked="$work/linked"
+mkdir -p "$linked"
+cp -R lua "$work/lua-copy"
+ln -s "$work/lua-copy" "$linked/lua"
+for d in build models scripts tools; do ln -s "$root/$d" "$linked/$d"; done
+out=$("$linked/tools/install" --prefix "$work/prefix2" 2>&1)
+check linked_checkout_keeps_its_files '[ -f "$work/lua-copy/main.c" ] && [ ! -L "$work/prefix2/lib/luazero/lua" ] && [ -f "$work/prefix2/lib/luazero/lua/luazero/args.lua" ] && [ ! -e "$work/prefix2/lib/luazero/lua/main.c" ]' "$out"
+
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]
