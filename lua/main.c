@@ -45,6 +45,24 @@ static const char *usage_tail =
     "  --help           print this help\n"
     "With no script and no -e, starts the REPL.\n";
 
+/* The options above that a user may also write after the script by mistake:
+ * the script's argument parser (luazero.args) names them as luazero's own
+ * (LUAZERO_OPTIONS: name -> whether it takes a value). */
+static const struct {
+  const char *name;
+  int takes_value;
+} own_options[] = {{"-e", 1},          {"-m", 1},         {"-i", 0},           {"-n", 1},
+                   {"--backend", 1},   {"--quiet-ranks", 0}, {"--restarts", 1}, {"--min-ranks", 1}};
+
+static void set_own_options(lua_State *L) {
+  lua_newtable(L);
+  for (size_t k = 0; k < sizeof own_options / sizeof own_options[0]; k++) {
+    lua_pushboolean(L, own_options[k].takes_value);
+    lua_setfield(L, -2, own_options[k].name);
+  }
+  lua_setglobal(L, "LUAZERO_OPTIONS");
+}
+
 /* The collective backends, from the library's table (core/comm/backends.c). */
 static void print_backends(void) {
   for (int i = 0; i < lz_comm_backend_count(); i++)
@@ -538,6 +556,7 @@ int main(int argc, char **argv) {
   /* A script can keep what the REPL should see (scripts/train.lua keeps its engine). */
   lua_pushboolean(L, repl_after);
   lua_setglobal(L, "LUAZERO_INTERACTIVE");
+  set_own_options(L);
 
   int status = 0;
   for (int k = 0; k < n_exec && status == 0; k++) {

@@ -65,6 +65,17 @@ end
 -- argv: a list of strings; spec: { {name, kind, default, help}, ... }.
 -- Returns { [name with - turned into _] = value }. "--help" returns nil and
 -- the usage text. A flag given twice is an error (which one was meant?).
+-- An option of the luazero executable (-n, --restarts, ...) written after
+-- the script: said so, with where it goes, instead of "unknown flag".
+local function own_option(argv, i)
+  local own = rawget(_G, "LUAZERO_OPTIONS")
+  local a = argv[i]
+  if type(own) ~= "table" or own[a] == nil then return end
+  local given = own[a] and argv[i + 1] and a .. " " .. argv[i + 1] or a
+  error(("%s is an option of luazero itself, not of this script: give it before the script " ..
+         "(luazero %s %s ...; luazero --help lists them)"):format(a, given, arg and arg[0] or "script.lua"), 0)
+end
+
 function M.parse(argv, spec)
   local by_name, out, seen = {}, {}, {}
   for _, s in ipairs(spec) do
@@ -81,6 +92,7 @@ function M.parse(argv, spec)
     if a == "--help" or a == "-h" then return nil, M.usage(spec) end
     local name, value = a:match("^%-%-([%w%-]+)=(.*)$")
     if not name then name = a:match("^%-%-([%w%-]+)$") end
+    if not name or not by_name[name] then own_option(argv, i) end
     if not name then
       error(("unexpected argument '%s' (only flags are taken, each --name or --name VALUE; " ..
              "--help lists them)"):format(a), 0)

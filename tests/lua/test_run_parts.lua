@@ -74,6 +74,21 @@ function T.a_shared_flag_with_a_bad_value_is_refused_alike_by_train_eval_and_gen
   end
 end
 
+-- An option of the executable written after the script (-n, --restarts,
+-- --quiet-ranks) is named as luazero's, with where it goes, by each script.
+function T.luazeros_own_options_after_the_script_say_where_they_go()
+  for _, name in ipairs({ "train", "eval", "generate" }) do
+    for _, c in ipairs({ { "--restarts 2", "--restarts 2" }, { "-n 2", "-n 2" },
+                         { "--quiet-ranks --data x", "--quiet-ranks" } }) do
+      local line = refusal(name, "--dtype fp32 " .. c[1])
+      local flag = c[2]:match("^%S+")
+      local want = ("%s is an option of luazero itself, not of this script: give it before the " ..
+                    "script (luazero %s scripts/%s.lua ...;"):format(flag, c[2], name)
+      assert(line:find(want, 1, true), ("%s: %q does not hold %q"):format(name, line, want))
+    end
+  end
+end
+
 -- --help: each script's usage line, and the flags naming trained weights
 -- (--load, --model, --model-config, --adapters) word for word in eval and
 -- generate; train's --model says the named sizes.

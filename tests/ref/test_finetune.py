@@ -239,6 +239,17 @@ def main():
                   f"{ref_ids}" if st == 0 else out[-2000:])
             if st == 0 and rec.get("ids") != ref_ids:
                 print(f"  luazero {rec}")
+        # The folder docs/finetune.md makes: this file's model and its
+        # SentencePiece-style tokenizer, as plain files.
+        import make_tiny_chat_model
+        made = os.path.join(tmp, "made")
+        code = make_tiny_chat_model.main([made])
+        same = code == 0 and all(
+            open(os.path.join(made, n), "rb").read() ==
+            open(os.path.join(tmp, "sentencepiece", n), "rb").read()
+            for n in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"))
+        check("docs_tiny_folder", same and not any(
+            os.path.islink(os.path.join(made, n)) for n in os.listdir(made)), f"exit {code}")
     return check.summary()
 
 
