@@ -165,10 +165,12 @@ local function fp16_section(raw, cfg, unimpl)
           fail("%smin_loss_scale must be a number > 0 (got %s)", k, show(v))
         end
         out.min_loss_scale = v
-      elseif not (v == false or (name == "fused_mode" and v == true)) then
+      else -- (a misspelling is refused whatever its value)
         values.refuse_misspelt(name, fp16_keys, k, { auto_cast = true,
                                fp16_master_weights_and_grads = true })
-        unimpl[#unimpl + 1] = k .. name
+        if not (v == false or (name == "fused_mode" and v == true)) then
+          unimpl[#unimpl + 1] = k .. name
+        end
       end
     end
   end
@@ -196,11 +198,13 @@ local function bf16_section(raw, cfg, unimpl, name)
         if given(v) then out.enabled = boolean(name .. ".enabled", v) end
       -- (immediate_grad_update false: micro-steps' gradients added up in bf16
       -- before the fp32 ones, which this engine does not do)
-      elseif not ((v == false and k ~= "immediate_grad_update") or v == cjson.null or
-                  (k == "immediate_grad_update" and v == true)) then
+      else
         values.refuse_misspelt(k, { enabled = true, immediate_grad_update = true }, name .. ".",
                                { check_grad_overflow = true })
-        unimpl[#unimpl + 1] = name .. "." .. k
+        if not ((v == false and k ~= "immediate_grad_update") or v == cjson.null or
+                (k == "immediate_grad_update" and v == true)) then
+          unimpl[#unimpl + 1] = name .. "." .. k
+        end
       end
     end
   end
@@ -227,9 +231,9 @@ local function data_types_section(raw, cfg, unimpl)
         end
         cfg.grad_accum_dtype = v
       end
-    elseif not asks_for_nothing(v) then
+    else
       values.refuse_misspelt(k, { grad_accum_dtype = true }, "data_types.")
-      unimpl[#unimpl + 1] = "data_types." .. k
+      if not asks_for_nothing(v) then unimpl[#unimpl + 1] = "data_types." .. k end
     end
   end
 end
@@ -251,11 +255,11 @@ local function activation_checkpointing_section(raw, cfg, unimpl)
       if given(v) then out.number_checkpoints = whole_at_least(key .. k, v, 1) end
     elseif type(M.activation_checkpointing_defaults[k]) == "boolean" then
       if given(v) then out[k] = boolean(key .. k, v) end
-    elseif not asks_for_nothing(v) then
+    else
       local known = { number_checkpoints = true }
       for d in pairs(M.activation_checkpointing_defaults) do known[d] = true end
       values.refuse_misspelt(k, known, key)
-      unimpl[#unimpl + 1] = key .. k
+      if not asks_for_nothing(v) then unimpl[#unimpl + 1] = key .. k end
     end
   end
   local notes = cfg.no_effect
@@ -467,9 +471,11 @@ local function zero_section(raw, cfg, unimpl)
   for k in pairs(M.zero_defaults) do handled[k] = true end
   for _, k in ipairs(sorted_keys(raw)) do
     local v = raw[k]
-    if not handled[k] and not asks_for_nothing(v) and not (zero_default_ok[k] and v == true) then
+    if not handled[k] then
       values.refuse_misspelt(k, handled, z, M.deepspeed_zero_keys)
-      unimpl[#unimpl + 1] = z .. k
+      if not asks_for_nothing(v) and not (zero_default_ok[k] and v == true) then
+        unimpl[#unimpl + 1] = z .. k
+      end
     end
   end
   cfg.zero_optimization = out

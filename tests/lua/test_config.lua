@@ -374,6 +374,19 @@ function T.a_misspelt_key_is_reported_with_the_key_it_likely_meant()
     { { optimizer = { type = "AdamW", param = { lr = 1e-5 } } }, "optimizer.param", "params" },
     { { optimizer = { type = "AdamW", params = { weight_deacy = 0.1 } } },
       "optimizer.params.weight_deacy", "weight_decay" },
+    -- (whatever the value: false is no "asks for nothing" when the key is a
+    -- misspelling, as of Muon's nesterov or DeepSpeedCPUAdam's adamw_mode)
+    { { optimizer = { type = "Muon", params = { nestrov = false } } },
+      "optimizer.params.nestrov", "nesterov" },
+    { { optimizer = { type = "AdamW", params = { weight_decay = 0.1, adamw_mode = false } } },
+      "optimizer.params.adamw_mode", "adam_w_mode" },
+    { { zero_optimization = { reduce_scater = false } }, "zero_optimization.reduce_scater",
+      "reduce_scatter" },
+    { { tensorboard = { output_pat = false } }, "tensorboard.output_pat", "output_path" },
+    { { data_types = { grad_accum_dtyp = false } }, "data_types.grad_accum_dtyp",
+      "grad_accum_dtype" },
+    -- (a misspelling of a key DeepSpeed has and luazero does not implement)
+    { { fp16 = { auto_cas = false } }, "fp16.auto_cas", "auto_cast" },
     { { scheduler = { type = "WarmupLR", param = {} } }, "scheduler.param", "params" },
     { { fp16 = { enable = true } }, "fp16.enable", "enabled" },
     { { bf16 = { enable = true } }, "bf16.enable", "enabled" },

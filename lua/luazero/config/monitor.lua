@@ -39,10 +39,10 @@ local function file_monitor(name, raw, unimpl)
       if given(v) then out.enabled = boolean(key, v) end
     elseif k == "output_path" or k == "job_name" then
       if given(v) then out[k] = string_value(key, v) end
-    elseif not asks_for_nothing(v) then
+    else
       values.refuse_misspelt(k, { enabled = true, output_path = true, job_name = true },
                              name .. ".", { team = true, group = true, project = true })
-      unimpl[#unimpl + 1] = key
+      if not asks_for_nothing(v) then unimpl[#unimpl + 1] = key end
     end
   end
   if out.job_name == "" then

@@ -199,11 +199,18 @@ end
 
 -- Refuses key k of a block (prefix: "zero_optimization.") when it is a
 -- likely misspelling of one of the block's keys `known` (a set) and none of
--- `real` (keys DeepSpeed has that are no misspelling): ignored, it would
--- leave the run without what it meant (a stage, an offload, an lr).
+-- `real` (keys DeepSpeed has that are no misspelling, themselves misspelt
+-- too): ignored, it would leave the run without what it meant (a stage, an
+-- offload, an lr).
 function M.refuse_misspelt(k, known, prefix, real)
   if real and real[k] then return end
-  local best = closest(k, known)
+  local both = known
+  if real then
+    both = {}
+    for c in pairs(known) do both[c] = true end
+    for c in pairs(real) do both[c] = true end
+  end
+  local best = closest(k, both)
   if best then
     fail("%s%s is not a key there; did you mean %s%s? (a misspelt key would be ignored and the " ..
          "run go on without it)", prefix, k, prefix, best)

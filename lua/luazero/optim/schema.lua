@@ -92,17 +92,19 @@ function M.read(class, p, key, type_name, unimplemented)
   end
   local extra = class.read_config and class.read_config(p, key, type_name, unimplemented) or {}
   local accepted, quiet = class.accepted or {}, class.quiet or {}
-  -- (a misspelling of a parameter is refused: weight_deacy is no decay)
+  -- (a misspelling of a parameter is refused, whatever its value:
+  -- weight_deacy is no decay, "nestrov": false leaves Nesterov on)
   local known = {}
   for _, d in ipairs(class.params) do known[d[1]] = true end
   for k in pairs(accepted) do known[k] = true end
+  for k in pairs(quiet) do known[k] = true end
   for _, k in ipairs(values.sorted_keys(p)) do
     local v = p[k]
     local asks_nothing
     if quiet[k] ~= nil then asks_nothing = v == quiet[k] else asks_nothing = v == false end
-    if out[k] == nil and not accepted[k] and not asks_nothing then
+    if out[k] == nil and not accepted[k] then
       values.refuse_misspelt(k, known, key, quiet)
-      unimplemented(key .. k)
+      if not asks_nothing then unimplemented(key .. k) end
     end
   end
   return out, extra
