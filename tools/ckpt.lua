@@ -56,7 +56,7 @@ local function inspect(ck)
         :format(s.global_steps, s.optimizer_steps, s.skipped_steps, tostring(s.loss_scale),
                 tostring(s.created)))
   print(("  optimizer %s; states %s"):format(optimizers.describe(s.optimizer, s.optimizer_from),
-                                             table.concat(s.states, ", ")))
+                                             s.states_text))
   print(("  %d shard%s: %.3f GiB raw, %.3f GiB compressed (ratio %.3f)")
         :format(s.shards, s.shards == 1 and "" or "s", gib(s.raw_bytes), gib(s.compressed_bytes),
                 s.ratio))

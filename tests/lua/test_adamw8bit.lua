@@ -181,10 +181,14 @@ function T.convert_states_to_and_from_u8()
   local sum = train(engine({ stage = 0 }), 4)
   local dir = tmp .. "/conv"
   local e = engine({ stage = 2 })
+  -- (the start-up line and a checkpoint's summary say the states' formats)
+  assert(e:describe():find("AdamW8bit (m, v in u8),", 1, true), e:describe())
   train(e, 2)
   e:save(dir, {})
   e:free()
   local step = dir .. "/step-000002"
+  local summary = require("luazero.checkpoint").open(step):summary()
+  support.eq(summary.states_text, "master, m (u8), v (u8)", "the saved states in words")
   local adamw = { type = "AdamW", params = { lr = 3e-3, weight_decay = 0.1 } }
   local f32 = engine({ stage = 1 }, adamw)
   expect_error(function() f32:load(step) end,
@@ -211,6 +215,8 @@ function T.convert_states_to_and_from_u8()
             q(tmp .. "/c8/step-000002")))
   assert(st == 0 and out:find("now in u8; the optimizer now AdamW8bit (resume with " ..
                               "optimizer.type \"AdamW8bit\")", 1, true), out)
+  support.eq(require("luazero.checkpoint").open(tmp .. "/c32/step-000002"):summary().states_text,
+             "master, m, v", "f32 states in words")
   rec = manifest(tmp .. "/c8/step-000002").optimizer
   assert(rec.type == "AdamW8bit" and rec.params.min_8bit_size == 4096 and
          rec.converted_from == "f32", cjson.encode(rec))

@@ -142,8 +142,9 @@ end
 
 function T.a_resume_continues_bitwise()
   local cfg, dir = config("AdamW", { lr = 1e-3 }), tmp .. "/ck"
-  local _, straight = ok_train(2, "--steps 4 --stage 3 --save-every 2 --save " .. q(dir) ..
-                                  " --config " .. cfg)
+  local out0, straight = ok_train(2, "--steps 4 --stage 3 --save-every 2 --save " .. q(dir) ..
+                                     " --config " .. cfg)
+  assert(out0:find("zero stage 3, bf16, AdamW (bf16 master), 2 ranks", 1, true), out0)
   local _, resumed = ok_train(2, "--steps 4 --stage 3 --resume " .. q(dir .. "/step-000002") ..
                                  " --config " .. cfg)
   assert(resumed == straight, ("resumed %s, straight %s"):format(resumed, straight))

@@ -53,9 +53,23 @@ function M.open(path)
   return setmetatable({ dir = dir, manifest = m, by_name = by_name }, Checkpoint)
 end
 
+-- The saved states in words, each with its format where it is not f32 (the
+-- master's from the record's master_format): "master (bf16), m (u8), v (u8)".
+local function states_text(states, optimizer)
+  local rec = type(optimizer) == "table" and optimizer or {}
+  local fmts = type(rec.state_formats) == "table" and rec.state_formats or {}
+  local out = {}
+  for i, name in ipairs(states) do
+    local f = name == "master" and rec.master_format or fmts[name]
+    out[i] = (f and f ~= "f32") and ("%s (%s)"):format(name, f) or name
+  end
+  return table.concat(out, ", ")
+end
+
 -- A one-table summary: step counters, world, stage, dtypes, sizes, the
 -- optimizer (its record { type, params }, and where it came from:
--- checkpoint/manifest.lua's optimizer_of) and the states it saved.
+-- checkpoint/manifest.lua's optimizer_of) and the states it saved (states,
+-- and states_text with their formats).
 function Checkpoint:summary()
   local m = self.manifest
   local raw, comp = 0, 0
@@ -69,6 +83,7 @@ function Checkpoint:summary()
     shards = #m.shards, raw_bytes = raw, compressed_bytes = comp,
     ratio = comp > 0 and raw / comp or 0, created = m.created,
     optimizer = optimizer, optimizer_from = optimizer_from, states = states_of(m),
+    states_text = states_text(states_of(m), optimizer),
   }
 end
 

@@ -411,7 +411,7 @@ function M.ckpt(dir, what)
               sm.shards == 1 and "" or "s", show.bytes(sm.raw_bytes),
               show.bytes(sm.compressed_bytes), sm.ratio),
     ("optimizer %s; states %s"):format(optimizers.describe(sm.optimizer, sm.optimizer_from),
-                                       table.concat(sm.states, ", ")),
+                                       sm.states_text),
     ("%-28s %5s %14s %12s %12s  %s"):format("shard", "rank", "elements", "raw",
                                            "compressed", "canonical ranges"),
   }

@@ -15,12 +15,29 @@ local offloaded = Placement.offloaded
 local M = {}
 
 -- The start-up line of the run's settings: "zero stage 2, bf16 (grads
--- bf16), AdamW, 4 ranks, overlap_comm, ep_size 2 (expert-parallel ranks
--- 0 1, expert-data-parallel ranks 0 2)".
+-- bf16), AdamW (m, v in bf16), 4 ranks, overlap_comm, ep_size 2
+-- (expert-parallel ranks 0 1, expert-data-parallel ranks 0 2)".
 -- An MoE model adds how its experts are gathered: whole blocks (each
 -- block's experts one segment) or expert by expert (every expert each
 -- pass, or only those some rank routed to: the plan's moe field); an optimizer with
 -- whole matrices (Muon) adds a line of their placement (zero/matrices.lua).
+-- An optimizer's states kept in other formats than f32, and a bf16 master:
+-- " (m, v in u8; bf16 master)"; "" for f32 states over an fp32 master.
+function M.formats(optimizer)
+  local by, order = {}, {}
+  for _, name in ipairs(optimizer.states or {}) do
+    local f = (optimizer.state_formats or {})[name]
+    if f and f ~= "f32" then
+      if not by[f] then by[f] = {}; order[#order + 1] = f end
+      table.insert(by[f], name)
+    end
+  end
+  local parts = {}
+  for _, f in ipairs(order) do parts[#parts + 1] = table.concat(by[f], ", ") .. " in " .. f end
+  if optimizer.master_format == "bf16" then parts[#parts + 1] = "bf16 master" end
+  return #parts > 0 and " (" .. table.concat(parts, "; ") .. ")" or ""
+end
+
 function M.describe(engine)
   local W, s = engine.world, engine.s
   local ep = ""
@@ -32,7 +49,7 @@ function M.describe(engine)
   local moe = engine.P.moe and ", moe gather: " .. Placement.describe_moe(engine.P.moe) or ""
   local line = ("zero stage %d, %s, %s, %d rank%s%s%s%s"):format(engine.stage,
     engine.dtype .. (engine.half_grads and (" (grads " .. s.grad_dtype .. ")") or ""),
-    engine.optimizer.name, W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
+    engine.optimizer.name .. M.formats(engine.optimizer), W, W == 1 and "" or "s", s.overlap and ", overlap_comm" or "", moe, ep)
   if engine.matrices then line = line .. "\n" .. engine.matrices:describe(engine.optimizer.name) end
   return line
 end
