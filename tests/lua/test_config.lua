@@ -553,7 +553,9 @@ function T.auto_values_are_filled_by_defaults_and_flags()
   assert(cfg.scheduler.params.warmup_num_steps == 2 and cfg.scheduler.params.total_num_steps == 20)
   assert(config.auto_message(cfg) == 'config: "auto" filled as the Hugging Face Trainer fills ' ..
          "it, with this run's values: optimizer.params.lr 0.003, " ..
-         "scheduler.params.warmup_num_steps 2, gradient_clipping 0.5", config.auto_message(cfg))
+         "scheduler.params.warmup_num_steps 2, gradient_clipping 0.5, " ..
+         "scheduler.params.total_num_steps 20, scheduler.params.warmup_max_lr 0.003",
+         config.auto_message(cfg))
   assert(config.auto_message(config.load({ train_batch_size = 2 }, 1)) == nil)
 end
 

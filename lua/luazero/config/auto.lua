@@ -2,7 +2,8 @@
 -- Trainer fills it, from the trainer's own values: the optimizer's lr, the
 -- scheduler's warmup_num_steps and gradient_clipping. (warmup_max_lr "auto"
 -- is the optimizer's lr and total_num_steps "auto" --steps:
--- config/scheduler.lua; every other "auto" is the default.)
+-- config/scheduler.lua, which adds them to the same list; every other
+-- "auto" is the default.)
 --
 --   auto.fill(raw, { lr = 3e-3, warmup = 2 }, filled)  -- before the blocks are read
 --   print(auto.message(cfg))

@@ -54,6 +54,10 @@ function M.read(raw, cfg, unimpl, ov)
     p.warmup_num_steps = ov.warmup
   end
   if ov.total_steps ~= nil and not given(p.total_num_steps) and takes("total_num_steps") then
+    if p.total_num_steps == "auto" and cfg.auto_filled then
+      cfg.auto_filled[#cfg.auto_filled + 1] = ("scheduler.params.total_num_steps %d")
+                                               :format(ov.total_steps)
+    end
     p.total_num_steps = ov.total_steps
   end
   -- --lr is the schedule's peak (spec.peak: WarmupLR's and WarmupDecayLR's
@@ -103,7 +107,13 @@ function M.read(raw, cfg, unimpl, ov)
       fail("%s%s is required by %s (%s)", key, r, t, defaults.scheduler_required[r])
     end
   end
-  if peak_auto then out[spec.peak] = nil end -- (lr_at_iteration: the optimizer's lr)
+  if peak_auto then -- (lr_at_iteration: the optimizer's lr)
+    out[spec.peak] = nil
+    local lr = cfg.optimizer and cfg.optimizer.params and cfg.optimizer.params.lr
+    if cfg.auto_filled and lr then
+      cfg.auto_filled[#cfg.auto_filled + 1] = ("scheduler.params.%s %g"):format(spec.peak, lr)
+    end
+  end
   cfg.scheduler = { type = t, params = out, peak = spec.peak }
 end
 
