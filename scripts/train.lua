@@ -61,7 +61,8 @@ local spec = {
   { "device", "string", "cpu", "cpu, sim (a device the host cannot touch, for tests) or cuda " ..
                               "(one GPU per rank, LOCAL_RANK's)",
     choices = { "cpu", "sim", "cuda" } },
-  { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it" },
+  { "config", "string", nil, "a DeepSpeed configuration (ds_config.json); flags override it",
+    aliases = { "deepspeed", "deepspeed_config" } },
   { "stage", "string", nil, "ZeRO stage 0..3 or auto (default: the config's, else 0)" },
   { "nvme-path", "string", nil, "--stage auto: where the swap files go when only an NVMe placement fits (default: the config's nvme_path)" },
   { "memory-budget", "string", nil, "per-rank memory: --stage auto plans for it; a step that passes it stops the run (\"2GiB\"; default: free memory, not enforced)" },

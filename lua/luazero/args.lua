@@ -30,13 +30,16 @@
 --                                  that fail it where the defaults meet it
 --                                  (examples tests/lua/test_flag_schema.lua
 --                                  runs)
+--   aliases = { "deepspeed" }      what other tools call this flag: given,
+--                                  it is refused naming this one
 -- A `needs` holds only when the flag's value differs from its default:
 -- the default is what it does when not given.
 local M = {}
 
 local kinds = { int = true, number = true, string = true, flag = true }
 local fields = { required = "string", min = true, max = "number", over = "number",
-                 why = "string", choices = "table", needs = true, arg = "string" }
+                 why = "string", choices = "table", needs = true, arg = "string",
+                 aliases = "table" }
 
 -- The largest whole-number flag: counts and sizes reach C as int.
 M.INT_MAX = 2 ^ 31 - 1
@@ -77,8 +80,9 @@ local function own_option(argv, i)
 end
 
 function M.parse(argv, spec)
-  local by_name, out, seen = {}, {}, {}
+  local by_name, out, seen, alias_of = {}, {}, {}, {}
   for _, s in ipairs(spec) do
+    for _, a in ipairs(s.aliases or {}) do alias_of[a] = s[1] end
     assert(kinds[s[2]], "args: kind of --" .. s[1] .. " must be int, number, string or flag")
     -- (a second declaration would silently replace the first's default)
     assert(not by_name[s[1]], "args: --" .. s[1] .. " is declared twice")
@@ -90,14 +94,21 @@ function M.parse(argv, spec)
   while i <= #argv do
     local a = argv[i]
     if a == "--help" or a == "-h" then return nil, M.usage(spec) end
-    local name, value = a:match("^%-%-([%w%-]+)=(.*)$")
-    if not name then name = a:match("^%-%-([%w%-]+)$") end
+    local name, value = a:match("^%-%-([%w%-_]+)=(.*)$")
+    if not name then name = a:match("^%-%-([%w%-_]+)$") end
     if not name or not by_name[name] then own_option(argv, i) end
     if not name then
       error(("unexpected argument '%s' (only flags are taken, each --name or --name VALUE; " ..
              "--help lists them)"):format(a), 0)
     end
     local s = by_name[name]
+    if not s and alias_of[name] then
+      error(("--%s is --%s here (--help lists the flags)"):format(name, alias_of[name]), 0)
+    end
+    if not s and by_name[name:gsub("_", "-")] then
+      error(("unknown flag --%s; did you mean --%s? (--help lists the flags)")
+            :format(name, (name:gsub("_", "-"))), 0)
+    end
     if not s then error(("unknown flag --%s (--help lists the flags)"):format(name), 0) end
     if value == nil and s[2] == "flag" then
       value = "true"

@@ -188,6 +188,11 @@ function T.the_scripts_and_tools_refuse_with_exit_2_and_one_line()
     { "scripts/train.lua --data x --save-zstd-level 9", "train: --save-zstd-level without --save " ..
       "does nothing: add --save DIR (the checkpoint folder) or drop --save-zstd-level" },
     { "tools/ckpt.lua inspect nope --dtype bf16", "ckpt: --dtype goes with export" },
+    -- DeepSpeed's name of a flag (its aliases), a flag spelt with _ for -
+    { "scripts/train.lua --deepspeed ds.json", "train: --deepspeed is --config here" },
+    { "scripts/train.lua --deepspeed_config=ds.json", "train: --deepspeed_config is --config here" },
+    { "scripts/train.lua --micro_batch 2", "train: unknown flag --micro_batch; did you mean " ..
+      "--micro-batch?" },
     { "tools/ckpt.lua export nope out --base b", "ckpt: --base b without --merge-lora does nothing" },
     { "tools/estimate.lua --model gpt2 --checkpoint-activations 1", "estimate: " ..
       "--checkpoint-activations counts the activation arenas of --micro-batch B --seq-len L" },
