@@ -30,6 +30,8 @@ function T.defaults_are_torchs_and_the_config_is_checked()
                'config: optimizer.params.adjust_lr_fn must be one of "original", ' ..
                '"match_rms_adamw", "spectral_unclamped" (got "moonlight")')
   assert(cfg({ ns_dtype = "bfloat16" }).optimizer.params.ns_dtype == "bfloat16")
+  -- (with or without "torch.", as momentum_dtype takes torch's names)
+  assert(cfg({ ns_dtype = "torch.bfloat16" }).optimizer.params.ns_dtype == "bfloat16")
   expect_error(function() cfg({ ns_dtype = "bf16" }) end,
                'config: optimizer.params.ns_dtype must be one of "float32", "bfloat16" (got "bf16")')
   expect_error(function() cfg({ ns_steps = 2.5 }) end,

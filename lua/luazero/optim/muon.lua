@@ -141,7 +141,8 @@ return {
     { "ns_steps", "count", min = 1, below = 100, default = 5 },
     -- Newton-Schulz's dtype: torch.optim.Muon's (and Keller Jordan's,
     -- Moonlight's, DeepSpeed's) is bfloat16; float32 is the default here.
-    { "ns_dtype", "choice", values = { "float32", "bfloat16" }, default = "float32" },
+    { "ns_dtype", "choice", values = { "float32", "bfloat16" }, prefix = "torch.",
+      default = "float32" },
     { "eps", "number", min = 0, default = 1e-7 },
     { "weight_decay", "number", min = 0, default = 0.1 },
     { "adjust_lr_fn", "choice", values = { "original", "match_rms_adamw", "spectral_unclamped" },

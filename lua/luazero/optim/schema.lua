@@ -43,10 +43,15 @@ M.KINDS = {
     end
     return v
   end,
-  -- one of the strings the declaration's `values` lists
+  -- one of the strings the declaration's `values` lists (after the
+  -- declaration's `prefix`, where given: "torch." of torch's dtype names)
   choice = function(key, v, d)
+    local bare = v
+    if d.prefix and type(v) == "string" and v:sub(1, #d.prefix) == d.prefix then
+      bare = v:sub(#d.prefix + 1)
+    end
     for _, x in ipairs(d.values or {}) do
-      if v == x then return v end
+      if bare == x then return bare end
     end
     local q = {}
     for i, x in ipairs(d.values or {}) do q[i] = cjson.encode(x) end
