@@ -176,7 +176,7 @@ function T.fp32_working_parameters_are_refused()
   local out, st = train(1, "--steps 1 --config " .. config("AdamW", {}, false))
   assert(st ~= 0 and out:find("bf16 master weights (optimizer.params.bf16_stochastic_round) " ..
                               "are the bf16 working parameters themselves: they need " ..
-                              "bf16.enabled", 1, true), out)
+                              "a bf16 run (bf16.enabled, and no --dtype but bf16)", 1, true), out)
 end
 
 return T

@@ -166,7 +166,8 @@ function M.new(opts)
   if formats.master(opts.master_format).name == "bf16" then
     if wdt ~= "bf16" then
       error("plan: bf16 master weights (optimizer.params.bf16_stochastic_round) are the bf16 " ..
-            "working parameters themselves: they need bf16.enabled", 0)
+            "working parameters themselves: they need a bf16 run (bf16.enabled, and no --dtype " ..
+            "but bf16)", 0)
     end
     -- The working parameters themselves where the optimizer updates them
     -- in place; else a bf16 copy beside its states (host memory beside an
