@@ -84,14 +84,14 @@ end
 
 -- rope_parameters (5.x) of one layer type: its rope_theta; only the default
 -- rotary embedding is implemented.
-local function theta_of(get, kind, legacy, default)
+local function theta_of(get, kind, legacy, default, fail)
   local rp = get("rope_parameters")
   local p = type(rp) == "table" and rp[kind]
   if type(p) == "table" then
     local t = p.rope_type or p.type or "default"
     if t ~= "default" then
-      error(("field rope_parameters.%s.rope_type is %s; only \"default\" is implemented")
-            :format(kind, cjson.encode(t)), 0)
+      fail(("field rope_parameters.%s.%s is %s; only \"default\" is implemented")
+           :format(kind, p.rope_type and "rope_type" or "type", cjson.encode(t)))
     end
     if type(p.rope_theta) == "number" then return p.rope_theta end
   end
@@ -101,14 +101,14 @@ end
 -- Gemma 2's fields, the two RoPE bases read per layer type.
 local fields = {}
 for _, e in ipairs(gemma2.hf_fields("gemma3", {
-  { "rope_local", "rope_local_base_freq", "number", default = function(_, get)
-      return theta_of(get, "sliding_attention", "rope_local_base_freq", 10000)
+  { "rope_local", "rope_local_base_freq", "number", default = function(_, get, fail)
+      return theta_of(get, "sliding_attention", "rope_local_base_freq", 10000, fail)
     end },
   { "sliding_window_pattern", "sliding_window_pattern", "int", default = 6 },
 }, { window = 4096, attn_softcap = false })) do
   if e[1] == "rope_theta" then
-    e = { "rope_theta", "rope_theta", "number", default = function(_, get)
-            return theta_of(get, "full_attention", "rope_theta", 1000000)
+    e = { "rope_theta", "rope_theta", "number", default = function(_, get, fail)
+            return theta_of(get, "full_attention", "rope_theta", 1000000, fail)
           end }
   end
   fields[#fields + 1] = e

@@ -249,8 +249,9 @@ function M.rope_fields(family, scalings, theta)
       local kind = rope_kind(s)
       if kind == nil or kind == "default" then return false end
       if not scalings[kind] then
-        fail(("field %s.rope_type is %s; only %s is implemented for %s")
-             :format(key, cjson.encode(kind), listed, family))
+        fail(("field %s.%s is %s; only %s is implemented for %s")
+             :format(key, s.rope_type ~= nil and "rope_type" or "type", cjson.encode(kind), listed,
+                     family))
       end
       return scalings[kind](s, fail, key)
     end

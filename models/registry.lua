@@ -127,7 +127,8 @@ local KIND_WANTS = { int = "; expected a whole number", number = "; expected a n
 -- read from config.json `j`. if_null: the value of an explicit null, where
 -- null and absent differ (Mistral's sliding_window: null is none, absent
 -- 4096); null_is_none: an explicit null is nil (none), absent the default;
--- read(v, fail, cfg): the value as kept, cfg holding the fields before it.
+-- read(v, fail, cfg): the value as kept, cfg holding the fields before it;
+-- a default function(cfg, get, fail): get(key) the file's value or nil.
 local function read_field(e, j, cfg, fail)
   local key, kind = e[2], e[3]
   local v = j[key]
@@ -137,7 +138,7 @@ local function read_field(e, j, cfg, fail)
     if e.optional then return nil end
     local d = e.default
     if type(d) == "function" then
-      d = d(cfg, function(k) return present(j[k]) and j[k] or nil end)
+      d = d(cfg, function(k) return present(j[k]) and j[k] or nil end, fail)
     end
     if d == nil then fail(("field %s is missing"):format(key)) end
     return d

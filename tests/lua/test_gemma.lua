@@ -162,7 +162,8 @@ function T.gemma3_reads_4x_and_5x_configs()
   j5.rope_parameters.full_attention.rope_type = "linear"
   local path = write_file("g3bad.json", cjson.encode(j5))
   support.expect_error(function() models.from_hf_config(path) end,
-                       "rope_parameters.full_attention.rope_type is \"linear\"")
+                       "model config " .. path .. ": field rope_parameters.full_attention." ..
+                       "rope_type is \"linear\"")
 end
 
 ---------------------------------------------------------- end to end

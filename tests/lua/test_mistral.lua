@@ -54,7 +54,7 @@ function T.config_json_of_4x_and_5x()
   ok, why = read({ rope_parameters = { rope_type = "yarn", rope_theta = 1e4, factor = 4 } })
   assert(not ok and why:find("rope_parameters.rope_type is \"yarn\"", 1, true), why)
   ok, why = read({ rope_scaling = { type = "linear", factor = 2 } })
-  assert(not ok and why:find("field rope_scaling.rope_type is \"linear\"; only \"default\" is " ..
+  assert(not ok and why:find("field rope_scaling.type is \"linear\"; only \"default\" is " ..
                              "implemented for mistral", 1, true), why)
   ok, why = read({ sliding_window = 2.5 })
   assert(not ok and why:find("sliding_window", 1, true), why)

@@ -89,7 +89,7 @@ function T.refusals_name_the_field()
   j.rope_scaling.type = "dynamic"
   support.expect_error(function()
     models.from_hf_config(write_file("dyn.json", cjson.encode(j)))
-  end, "field rope_scaling.rope_type is \"dynamic\"; only \"longrope\", \"su\", " ..
+  end, "field rope_scaling.type is \"dynamic\"; only \"longrope\", \"su\", " ..
      "\"yarn\" or \"default\" is implemented for phi3")
   j.rope_scaling.type = "longrope"
   j.rope_scaling.short_factor = { 1, 1 }

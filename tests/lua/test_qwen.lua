@@ -147,7 +147,7 @@ function T.what_is_not_implemented_is_refused_in_one_line_exit_2()
                                                     rope_theta = 1e6 } }),
       "field rope_parameters.rope_type is \"yarn\"; only \"default\" is implemented for qwen3" },
     { copy(qwen25_json, { rope_scaling = { type = "yarn", factor = 4 } }),
-      "field rope_scaling.rope_type is \"yarn\"; only \"default\" is implemented for qwen2" },
+      "field rope_scaling.type is \"yarn\"; only \"default\" is implemented for qwen2" },
     { copy(qwen3_json, { attention_bias = true }),
       "field attention_bias is true; luazero's Qwen3 has no attention biases" },
   }
