@@ -300,6 +300,16 @@ local function main(argv)
     end
   end
   if log then ex.checked_write(atomic.write, flags.out, table.concat(log)) end
+  -- (a completion cut by the model's context, not --max-new-tokens: said,
+  -- since the text alone does not show it)
+  local cut = {}
+  for i, o in ipairs(outs) do if o.reason == "context" then cut[#cut + 1] = tostring(i) end end
+  if #cut > 0 then
+    io.stderr:write(("generate: %s %s stopped at the model's context of %d tokens, before " ..
+                     "--max-new-tokens %d\n"):format(#cut == 1 and "completion" or "completions",
+                                                     table.concat(cut, ", "), w.cfg.context,
+                                                     flags.max_new_tokens))
+  end
   w.free()
 end
 

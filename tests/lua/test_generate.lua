@@ -340,6 +340,11 @@ function T.generate_continues_prompts_from_a_checkpoint()
   w.free()
   eq(table.concat(recs[2].ids, ","), table.concat(o[1].ids, ","), "greedy ids")
   eq(#recs[2].ids, 5, "--max-new-tokens"); eq(recs[2].finish, "length", "finish")
+  -- A completion the context (32) cuts before --max-new-tokens is said.
+  out, st = script("generate", ("--load %s/ck --prompt-ids 108,105,110 --max-new-tokens 40")
+                               :format(dir))
+  assert(st == 0 and out:find("generate: completion 1 stopped at the model's context of 32 " ..
+                              "tokens, before --max-new-tokens 40", 1, true), out)
   out, st = script("generate", ("--load %s/ck --prompt hi --top-p 0"):format(dir))
   assert(st == 2 and out:find("generate: --top-p must be in (0, 1]", 1, true), out)
   -- ids past the vocabulary, refused by the flag (not in the embedding kernel)
