@@ -162,6 +162,27 @@ function T.save_target_is_checked_before_step_1()
   assert(ok, err)
 end
 
+-- A --save folder another live run holds (here this process, through the
+-- lock a run takes) is refused before step 1, naming that run; what a dead
+-- save left there is cleared at start, so its space counts as free.
+function T.a_save_folder_another_run_holds_is_refused()
+  local dir = tmp .. "/held"
+  os.execute("mkdir -p " .. q(dir))
+  local lock = require("luazero.checkpoint.lock")
+  assert(lock.claim(dir) == true and lock.claim(dir) == false, "a second claim is this run's")
+  local pid = tonumber(require("ffi").C.getpid())
+  fails(1, "--steps 2 --save " .. q(dir), 2,
+        { ("--save %s is in use by another run (pid %d, which holds %s/.lock)"):format(dir, pid, dir),
+          "give this run another --save folder, or stop that run first" }, { before_step_1 = true })
+  -- a dead save's leftover (pid 2^22 + 1 runs nowhere) is gone before step 1
+  local free = tmp .. "/free"
+  os.execute(("mkdir -p %s/.step-000002.tmp-4194305"):format(q(free)))
+  fails(1, "--steps 2 --save " .. q(free) .. " --stage auto --micro-batch 100000000", 2,
+        { "stage auto:" }, { model = model_but("micro-batch") })
+  local left = ls(free)
+  assert(not left:find("tmp-4194305", 1, true), left)
+end
+
 ----------------------------------------------------- 4. --log write fails
 
 function T.log_write_failure_stops_the_run_and_keeps_whole_records()
@@ -199,7 +220,9 @@ function T.an_error_on_rank_1_alone_is_shown_once_with_its_rank()
   local good = read(shard)
   local mid = math.floor(#good / 2)
   put(shard, good:sub(1, mid) .. string.char(bit.bxor(good:byte(mid + 1), 1)) .. good:sub(mid + 2))
-  local out = fails(2, "--steps 3 --stage 1 --resume " .. q(dir), 1,
+  -- (exit 2, a damaged input, as at one rank: the rank that met it is the
+  -- job's status)
+  local out = fails(2, "--steps 3 --stage 1 --resume " .. q(dir), 2,
                     { "[rank 1] train: checkpoint: " .. shard, "failed on rank 1" })
   assert(count(out, "shard-00001-of-00002.zst: xxh64") == 1, out)
   put(shard, good)

@@ -109,7 +109,8 @@ end
 function M.read_manifest(dir)
   local path = dir .. "/manifest.json"
   local text = read_file(path)
-  if not text then fail("%s: missing or unreadable; the checkpoint is incomplete", path) end
+  if not text then fail("%s: missing or unreadable; the checkpoint is incomplete: restore it, or resume " ..
+                         "from another checkpoint", path) end
   local m = manifest_io.decode(text, path)
   -- Each shard's size agrees with its entry (its header and hashes are
   -- checked when it is read).
@@ -118,7 +119,8 @@ function M.read_manifest(dir)
     local f = io.open(file, "rb")
     local size = f and f:seek("end")
     if f then f:close() end
-    if not size then fail("%s: missing or unreadable; the checkpoint is incomplete", file) end
+    if not size then fail("%s: missing or unreadable; the checkpoint is incomplete: restore it, or " ..
+                          "resume from another checkpoint", file) end
     if size ~= SHARD_HEADER + s.compressed_bytes then
       fail("%s: %d bytes, but %s says %d (%d-byte header + compressed_bytes %d, xxh64 %s); " ..
            "the shard is truncated or damaged: restore it, or resume from another checkpoint",

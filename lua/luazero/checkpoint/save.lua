@@ -10,6 +10,7 @@ local lz = require("luazero")
 local manifest_io = require("luazero.checkpoint.manifest")
 local disk = require("luazero.checkpoint.disk")
 local agree = require("luazero.checkpoint.agree").agree
+local lock = require("luazero.checkpoint.lock")
 
 local C = lz.C
 local check, fail, hex, exists = disk.check, disk.fail, disk.hex, disk.exists
@@ -183,6 +184,13 @@ local function remove_dead_saves(dir)
   end
 end
 
+-- Claims dir for this run (checkpoint/lock.lua: another live run saving
+-- there is refused) and, holding it, removes what dead saves left there.
+-- Rank 0's, before it writes in dir.
+function M.claim(dir)
+  if lock.claim(dir) then remove_dead_saves(dir) end
+end
+
 -- Where an engine's history in a --save folder starts: the step it resumed
 -- from (0: a fresh run), and the folders of its first save (weak keys).
 local history_checked = setmetatable({}, { __mode = "k" })
@@ -218,6 +226,9 @@ local function set_aside_abandoned(dir, since, step, pid)
   end
   check(C.lz_ckpt_fsync(dir))
   local names = disk.step_name(gone[1]) .. (#gone > 1 and (".." .. disk.step_name(gone[#gone])) or "")
+  if since == math.huge then -- (a second save of this run at one step)
+    return ("checkpoint: %s in %s, saved before at this step, moved to %s"):format(names, dir, aside)
+  end
   return ("checkpoint: this run started at step %d, so %s in %s (%d folder%s, a history it " ..
           "rewound) moved to %s"):format(since, names, dir, #gone, #gone > 1 and "s" or "", aside)
 end
@@ -261,6 +272,7 @@ function M.begin(engine, dir, extra, opts)
     pid = tonumber(ffi.C.getpid())
     ok, err = pcall(function()
       check(C.lz_ckpt_mkdir(dir))
+      M.claim(dir)
       remove_dead_saves(dir)
       check(C.lz_ckpt_mkdir(("%s/.%s.tmp-%d"):format(dir, name, pid)))
     end)

@@ -54,6 +54,11 @@ function M.new(opts)
     local line = opts.at_exit and opts.at_exit()
     if line and ex.rank == 0 then io.stderr:write(head:format(line)) end
     io.stderr:flush()
+    -- A pointer to another rank's error: that rank, the cause, exits first,
+    -- so `luazero -n N` returns its status (the launcher's first to fail).
+    if ex.world > 1 and msg:find("failed on rank", 1, true) then
+      require("luazero.clock").sleep(0.3)
+    end
     -- luazero -i: the REPL after a script that stops here, as after one that
     -- raises (lua/main.c), then the exit status
     if rawget(_G, "LUAZERO_INTERACTIVE") then

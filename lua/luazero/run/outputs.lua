@@ -49,8 +49,9 @@ end
 
 -- --save DIR: everything a save will need, before step 1 (a run with
 -- --save-every 0 saves only at its end): a folder that can be created and
--- written, free space for one checkpoint (fp32 master, Adam m and v: 12
--- bytes a parameter). Every rank checks, so all stop alike. (The zstd
+-- written, no other run saving there (checkpoint/lock.lua), free space for
+-- one checkpoint (fp32 master, Adam m and v: 12 bytes a parameter). Every
+-- rank checks, so all stop alike. (The zstd
 -- level's range is declared with its flag.)
 pcall(ffi.cdef, "int getpid(void);")
 function M.check_save_target(ex, flags, n_params, cfg)
@@ -76,6 +77,13 @@ function M.check_save_target(ex, flags, n_params, cfg)
   if not wrote then
     refuse(("--save %s: cannot write in it (%s); give a writable folder"):format(dir,
            err))
+  end
+  -- Rank 0 claims the folder now (another run saving there is refused
+  -- before step 1) and clears what dead saves left, so the space they held
+  -- counts as free.
+  if ex.rank == 0 then
+    local ok, claim_err = pcall(require("luazero.checkpoint.save").claim, dir)
+    if not ok then ex.user_error(tostring(claim_err):gsub("^checkpoint: ", "--save ")) end
   end
   local free = require("luazero.io.fs").free_bytes(dir)
   if free then
