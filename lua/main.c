@@ -63,6 +63,34 @@ static void set_own_options(lua_State *L) {
   lua_setglobal(L, "LUAZERO_OPTIONS");
 }
 
+/* A script run alone (no launcher relaying its end) stopped by SIGINT or
+ * SIGTERM says so before it dies of the signal (SA_RESETHAND: the default
+ * action again, taken once the handler returns). A script may set its own
+ * handlers (scripts/sweep.lua stops gracefully). */
+static void say_stopped(int sig) {
+  static const char intr[] = "\nluazero: received SIGINT; stopping\n";
+  static const char term[] = "luazero: received SIGTERM; stopping\n";
+  ssize_t w = sig == SIGINT ? write(2, intr, sizeof intr - 1) : write(2, term, sizeof term - 1);
+  (void)w;
+  raise(sig);
+}
+
+static void say_when_stopped(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = say_stopped;
+  sa.sa_flags = SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  /* (a signal the parent ignores stays ignored: a background job of a
+   * shell script, nohup) */
+  const int sigs[] = {SIGINT, SIGTERM};
+  for (int k = 0; k < 2; k++) {
+    struct sigaction old;
+    if (sigaction(sigs[k], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+    sigaction(sigs[k], &sa, NULL);
+  }
+}
+
 /* The collective backends, from the library's table (core/comm/backends.c). */
 static void print_backends(void) {
   for (int i = 0; i < lz_comm_backend_count(); i++)
@@ -553,6 +581,7 @@ int main(int argc, char **argv) {
   }
   lua_setglobal(L, "arg");
   int repl_after = interactive || (!first_script && !n_exec);
+  if (!repl_after && !getenv("LZ_SHM_NAME") && !getenv("OMPI_COMM_WORLD_RANK")) say_when_stopped();
   /* A script can keep what the REPL should see (scripts/train.lua keeps its engine). */
   lua_pushboolean(L, repl_after);
   lua_setglobal(L, "LUAZERO_INTERACTIVE");

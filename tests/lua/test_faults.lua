@@ -162,6 +162,17 @@ function T.save_target_is_checked_before_step_1()
   assert(ok, err)
 end
 
+-- A script run alone (no launcher to say it) stopped by SIGTERM says so on
+-- stderr and dies of the signal (status 143).
+function T.a_script_alone_stopped_by_sigterm_says_so()
+  local err = tmp .. "/sigterm.err"
+  local out = sh(("%s -e 'require(\"luazero.clock\").sleep(30)' 2>%s & p=$!; sleep 1; " ..
+                  "kill -TERM $p; wait $p; echo status=$?"):format(q(lz.executable()), q(err)))
+  assert(out:find("status=143", 1, true), out)
+  local said = read(err) or ""
+  assert(said:find("luazero: received SIGTERM; stopping", 1, true), said)
+end
+
 -- A --save folder another live run holds (here this process, through the
 -- lock a run takes) is refused before step 1, naming that run; what a dead
 -- save left there is cleared at start, so its space counts as free.
