@@ -176,15 +176,13 @@ local function fp16_section(raw, cfg, unimpl)
   end
   if not out.enabled and given(raw) then
     for _, name in ipairs({ "loss_scale", "initial_scale_power", "loss_scale_window",
-                            "hysteresis", "min_loss_scale" }) do
+                            "hysteresis", "min_loss_scale", "consecutive_hysteresis" }) do
       if given(raw[name]) then
         cfg.no_effect[#cfg.no_effect + 1] = ("fp16.%s (the loss scaler runs only with " ..
                                              "fp16.enabled true)"):format(name)
       end
     end
   end
-  -- The loss scaler always resets hysteresis after an overflow-free step.
-  if out.consecutive_hysteresis then unimpl[#unimpl + 1] = "fp16.consecutive_hysteresis" end
   cfg.fp16 = out
 end
 

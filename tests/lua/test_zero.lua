@@ -451,6 +451,32 @@ function T.fp16_overflow_skips_the_step_and_halves_the_scale()
   end
 end
 
+-- The scale's steps as DeepSpeed's DynamicLossScaler.update_scale takes
+-- them: it doubles when the steps since the last overflow, less one, are a
+-- positive multiple of the window; consecutive_hysteresis refills the
+-- hysteresis on every step without overflow.
+function T.fp16_scale_doubles_and_absorbs_as_deepspeeds_scaler()
+  local Scaler = require("luazero.zero.scaler")
+  local s = Scaler.new({ initial_scale_power = 16, loss_scale_window = 3, hysteresis = 1 })
+  local seen = {}
+  for step = 1, 10 do
+    seen[step] = s.scale
+    s:update(step == 5)
+  end
+  support.eq(table.concat(seen, " "), "65536 65536 65536 65536 131072 65536 65536 65536 65536 " ..
+             "131072", "the scale used at steps 1-10, an overflow at step 5")
+  for _, c in ipairs({ { false, "4 4 2 2" }, { true, "4 4 4 4" } }) do
+    local h = Scaler.new({ initial_scale_power = 2, loss_scale_window = 100, hysteresis = 2,
+                           consecutive_hysteresis = c[1] })
+    local scales = {}
+    for i, overflow in ipairs({ true, false, true, false }) do
+      h:update(overflow)
+      scales[i] = h.scale
+    end
+    support.eq(table.concat(scales, " "), c[2], "consecutive_hysteresis " .. tostring(c[1]))
+  end
+end
+
 -- An overflow at the minimum scale stops the run, as DeepSpeed's
 -- raise_error_at_min_scale: every rank, with the error named, no hang.
 function T.fp16_overflow_at_the_minimum_scale_stops_the_run()

@@ -67,14 +67,14 @@ M.activation_checkpointing_defaults = {
 }
 
 -- Scheduler parameters each type takes, with DeepSpeed's defaults;
--- `required` ones have none (warmup_max_lr is 0.001 for WarmupLR as for
--- WarmupDecayLR, as DeepSpeed's lr_schedules.py has it; "auto" is the
--- optimizer's lr). `peak`: the parameter the schedule peaks
+-- `required` ones have none (WarmupLR's warmup_max_lr is the optimizer's lr
+-- when not given, WarmupDecayLR's 0.001, as DeepSpeed's lr_schedules.py has
+-- them; "auto" is the optimizer's lr). `peak`: the parameter the schedule peaks
 -- at (none: the optimizer's lr), which --lr sets, unless `rates` names the
 -- parameters that are its rates (--lr is refused there).
 M.scheduler_params = {
-  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001, warmup_num_steps = 1000,
-                            warmup_type = "log" }, peak = "warmup_max_lr" },
+  WarmupLR = { defaults = { warmup_min_lr = 0, warmup_num_steps = 1000, warmup_type = "log" },
+              optional = { warmup_max_lr = true }, peak = "warmup_max_lr" },
   WarmupDecayLR = { defaults = { warmup_min_lr = 0, warmup_max_lr = 0.001,
                                  warmup_num_steps = 1000, warmup_type = "log" },
                     required = { "total_num_steps" }, peak = "warmup_max_lr" },

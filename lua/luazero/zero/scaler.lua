@@ -1,11 +1,14 @@
 -- zero/scaler.lua — fp16 loss scaling with DeepSpeed's semantics
--- (DynamicLossScaler): on overflow skip the step and, once `hysteresis`
--- overflows have been absorbed, halve the scale (not below min_loss_scale);
--- after loss_scale_window steps without overflow, double it; an overflow
--- that would halve a scale already at min_loss_scale stops the run, as
--- DeepSpeed's does (raise_error_at_min_scale): it would only skip every
--- step from then on. A non-zero loss_scale is static. Without fp16 the
--- scale is 1 and never moves.
+-- (runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale): on
+-- overflow skip the step and, once `hysteresis` overflows have been
+-- absorbed, halve the scale (not below min_loss_scale); when the steps since
+-- the last overflow, less the one after it, are a positive multiple of
+-- loss_scale_window, double it (and refill the hysteresis; with
+-- consecutive_hysteresis every step without overflow refills it); an
+-- overflow that would halve a scale already at min_loss_scale stops the
+-- run, as ZeRO's scaler does (raise_error_at_min_scale): it would only skip
+-- every step from then on. A non-zero loss_scale is static. Without fp16
+-- the scale is 1 and never moves.
 local Scaler = {}
 Scaler.__index = Scaler
 
@@ -22,6 +25,7 @@ function Scaler.new(fp16)
     window = fp16.loss_scale_window or 1000,
     min_scale = fp16.min_loss_scale or 1,
     delayed_shift = hysteresis, hysteresis = hysteresis,
+    consecutive = fp16.consecutive_hysteresis or false,
     iter = 0, last_overflow = -1,
   }, Scaler)
 end
@@ -41,9 +45,13 @@ function Scaler:update(overflow)
       self.hysteresis = self.hysteresis - 1
     end
     self.last_overflow = self.iter
-  elseif (self.iter - self.last_overflow) % self.window == 0 then
-    self.hysteresis = self.delayed_shift
-    self.scale = self.scale * 2
+  else
+    if self.consecutive then self.hysteresis = self.delayed_shift end
+    local stable = self.iter - self.last_overflow - 1
+    if stable > 0 and stable % self.window == 0 then
+      if not self.consecutive then self.hysteresis = self.delayed_shift end
+      self.scale = self.scale * 2
+    end
   end
   self.iter = self.iter + 1
 end
