@@ -731,6 +731,11 @@ function M.load(source, world_size, overrides)
   checkpoint.read(raw, cfg, unimpl)
   moe.read(raw, cfg, unimpl)
   batch_sizes(raw, world_size, cfg, notes)
+  -- (not implemented, but a value DeepSpeed refuses is refused here too)
+  local cdt = raw.communication_data_type
+  if given(cdt) and not (cdt == "fp32" or cdt == "fp16" or cdt == "bf16" or cdt == "bfp16") then
+    fail('communication_data_type must be "fp32", "fp16" or "bf16" (got %s)', show(cdt))
+  end
 
   for _, k in ipairs(sorted_keys(raw)) do
     if not top_known[k] and not asks_for_nothing(raw[k]) and

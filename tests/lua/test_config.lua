@@ -560,6 +560,17 @@ function T.auto_values_are_filled_by_defaults_and_flags()
   assert(config.auto_message(config.load({ train_batch_size = 2 }, 1)) == nil)
 end
 
+-- A communication_data_type DeepSpeed refuses (config.py's
+-- get_communication_data_type) is refused; a valid one is reported as not
+-- implemented.
+function T.communication_data_type_values_are_deepspeeds()
+  expect_error({ train_batch_size = 8, communication_data_type = "int8" }, 1,
+               'config: communication_data_type must be "fp32", "fp16" or "bf16" (got "int8")')
+  local cfg = config.load({ train_batch_size = 8, communication_data_type = "bf16" }, 1)
+  assert(table.concat(cfg.unimplemented, ",") == "communication_data_type",
+         table.concat(cfg.unimplemented, ","))
+end
+
 -- DeepSpeed refuses a file with a key twice in one object (a decoder keeps
 -- the last); a file that is not JSON is named with the line and column.
 function T.a_key_given_twice_or_a_syntax_error_is_named_with_its_line()
