@@ -288,6 +288,41 @@ function T.the_engine_runs_at_its_own_optimizer_s_learning_rate()
   assert(ok, err)
 end
 
+-- params_checksum streams the master a chunk at a time: the process's
+-- resident peak grows by about one chunk (4 MiB), not by a gathered copy
+-- of the 4M-element token table (16 MiB), resident or read from NVMe, and
+-- the bits are the same both ways. (VmHWM, reset through clear_refs.)
+local function kib(field)
+  local f = io.open("/proc/self/status", "rb")
+  local s = f and f:read("*a") or ""
+  if f then f:close() end
+  return tonumber(s:match(field .. ":%s*(%d+)"))
+end
+
+function T.the_checksum_adds_one_chunk_not_a_segment()
+  local zero = require("luazero.zero")
+  local sums = {}
+  for _, c in ipairs({ { stage = 0 }, { stage = 2, offload_optimizer = { device = "nvme",
+                                                                          nvme_path = tmp } } }) do
+    -- (bf16: the fp32 master is the optimizer's, on NVMe with its states)
+    local cfg = { train_micro_batch_size_per_gpu = 1, zero_optimization = c,
+                  bf16 = { enabled = true } }
+    local m = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 1, n_embd = 1024, n_head = 4,
+                                                  context = 8, vocab = 4096 }))
+    local engine = zero.initialize{ model = m, config = cfg, seed = 1, batch = { 1, 8 } }
+    local reset = io.open("/proc/self/clear_refs", "wb")
+    if not (reset and reset:write("5") and reset:close() and kib("VmHWM")) then
+      print("    (skipped the resident peak: no /proc/self/clear_refs)")
+    end
+    local before = kib("VmRSS")
+    sums[#sums + 1] = engine:params_checksum()
+    local added = (kib("VmHWM") or 0) - (before or 0)
+    engine:free()
+    assert(added <= 8 * 1024, ("stage %d: the checksum's peak added %d KiB"):format(c.stage, added))
+  end
+  support.eq(sums[2], sums[1], "the same checksum from NVMe")
+end
+
 -- data_types.grad_accum_dtype = bf16: gradients kept in the working dtype
 -- (2 bytes), DeepSpeed's accounting: stage 1 4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N,
 -- stage 3 16Ψ/N (+ 2·persistent). The fp32 module gradients live only in

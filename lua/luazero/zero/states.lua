@@ -751,18 +751,9 @@ function States:master_slices(fn)
 end
 
 -- xxh64 of the full fp32 master parameters in canonical order (hex),
--- streamed one segment at a time: memory of one gathered segment.
-function States:checksum()
-  local h = lz.hasher(0)
-  local es = Placement.esize.f32
-  self:full_master_segments(function(seg, full)
-    for _, e in ipairs(seg.entries) do
-      h:update(ffi.cast("char *", full.data) + e.seg_offset * es, e.numel * es)
-    end
-  end)
-  local hex = require("bit").tohex(h:digest(), 16)
-  h:free()
-  return hex
-end
+-- streamed a chunk at a time (zero/checksum.lua).
+function States:checksum() return require("luazero.zero.checksum").of(self) end
+
+M.widened = widened -- (an fp32 copy of a bf16 view: zero/checksum.lua)
 
 return M
