@@ -67,21 +67,16 @@ function M.of(S)
   elseif P:swapped("master") and S.world == 1 then
     -- One rank reading its master from NVMe: hashed in the sub-groups'
     -- buffers as they come (a segment may span several)
-    local segs, i, j = S.L.segments, 1, 1
-    S.ring:each_group(false, function(_, lo, n, v)
-      local hi = lo + n
-      while i <= #segs do
-        local seg = segs[i]
-        local so, se = seg.shard_offset, seg.shard_offset + seg.slice
-        if so >= hi then break end
-        for c = math.max(so, lo), math.min(se, hi) - 1, CHUNK do
-          local m = math.min(CHUNK, math.min(se, hi) - c)
-          local view = v.master:view(c - lo, { m })
-          j = as_host_f32(view, on_device, function(t) return hash_range(h, seg, j, t, c - so, m) end)
-          view:free()
-        end
-        if se > hi then break end
-        i, j = i + 1, 1
+    local at, j = nil, 1
+    S:swapped_master_pieces(function(seg, a, b, master, lo)
+      if seg ~= at then at, j = seg, 1 end
+      for c = a, b - 1, CHUNK do
+        local m = math.min(CHUNK, b - c)
+        local view = master:view(c - lo, { m })
+        j = as_host_f32(view, on_device, function(t)
+          return hash_range(h, seg, j, t, c - seg.shard_offset, m)
+        end)
+        view:free()
       end
     end)
   else

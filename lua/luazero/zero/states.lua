@@ -724,26 +724,37 @@ function States:master_slices(fn)
     end
     return
   end
-  local i, part = 1, nil
+  local part
+  self:swapped_master_pieces(function(seg, a, b, master, lo)
+    local so, se = seg.shard_offset, seg.shard_offset + seg.slice
+    if a == so and b == se then
+      local slice = master:view(a - lo, { seg.slice })
+      fn(seg, slice)
+      slice:free()
+    else
+      part = part or lz.tensor({ seg.slice }, "f32", "workspace")
+      local dst, src = part:view(a - so, { b - a }), master:view(a - lo, { b - a })
+      dst:copy(src)
+      dst:free() -- (a view keeps its storage until freed)
+      src:free()
+      if b == se then fn(seg, part); part:free(); part = nil end
+    end
+  end)
+end
+
+-- A master on NVMe read sub-group by sub-group: fn(seg, a, b, master, lo)
+-- for each piece [a, b) (shard offsets) of each segment in order, in the
+-- sub-group buffer `master` that holds shard elements from lo; a segment
+-- spanning sub-groups comes in several pieces.
+function States:swapped_master_pieces(fn)
+  local segs, i = self.L.segments, 1
   self.ring:each_group(false, function(_, lo, n, v)
     local hi = lo + n
     while i <= #segs do
       local seg = segs[i]
       local so, se = seg.shard_offset, seg.shard_offset + seg.slice
       if so >= hi then break end
-      local a, b = math.max(so, lo), math.min(se, hi)
-      if a == so and b == se then
-        local slice = v.master:view(a - lo, { seg.slice })
-        fn(seg, slice)
-        slice:free()
-      else
-        part = part or lz.tensor({ seg.slice }, "f32", "workspace")
-        local dst, src = part:view(a - so, { b - a }), v.master:view(a - lo, { b - a })
-        dst:copy(src)
-        dst:free() -- (a view keeps its storage until freed)
-        src:free()
-        if b == se then fn(seg, part); part:free(); part = nil end
-      end
+      fn(seg, math.max(so, lo), math.min(se, hi), v.master, lo)
       if se > hi then break end
       i = i + 1
     end
