@@ -308,7 +308,7 @@ local function main(argv)
                             dtype, { grads = flags.grads, persistent = persistent,
                                      layout = layout, nvme = true, nvme_path = "given",
                                      counts = counts, device = flags.device,
-                                     settings = settings })
+                                     settings = settings, all = true })
     if not ok then fail(picked) end
     why = why:gsub(" %(nvme_path given%)", "")
     if act then

@@ -604,20 +604,11 @@ function M.parse_bytes(v)
   return math.floor(n * scale)
 end
 
--- MemAvailable of /proc/meminfo in bytes (nil where there is none).
-function M.mem_available()
-  local f = io.open("/proc/meminfo", "r")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  local kb = s:match("MemAvailable:%s*(%d+)")
-  return kb and tonumber(kb) * 1024 or nil
-end
-
 -- The per-rank memory "stage": "auto" may use, and where that number came
 -- from: --memory-budget, then LZ_MEMORY_BUDGET, then luazero.memory_budget of
--- the file, then what the machine has free (MemAvailable) divided among the
--- ranks of this machine (local_ranks, default the world size).
+-- the file, then what this process may take (io/memory.lua: MemAvailable, or
+-- a memory cgroup's or ulimit -v's room where less) divided among the ranks
+-- of this machine (local_ranks, default the world size).
 function M.memory_budget(cfg, local_ranks)
   if cfg.memory_budget_source == "--memory-budget" then
     return cfg.memory_budget, cfg.memory_budget_source
@@ -629,13 +620,13 @@ function M.memory_budget(cfg, local_ranks)
     return b, "LZ_MEMORY_BUDGET"
   end
   if cfg.memory_budget then return cfg.memory_budget, cfg.memory_budget_source end
-  local avail = M.mem_available()
+  local avail, from = require("luazero.io.memory").available()
   if not avail then
     fail("cannot read MemAvailable from /proc/meminfo; set luazero.memory_budget, " ..
          "LZ_MEMORY_BUDGET or --memory-budget")
   end
   local n = local_ranks or cfg.world_size or 1
-  return math.floor(avail / n), ("MemAvailable / %d local rank%s"):format(n, n == 1 and "" or "s")
+  return math.floor(avail / n), ("%s / %d local rank%s"):format(from, n, n == 1 and "" or "s")
 end
 
 local function luazero_section(raw, cfg, ov)

@@ -19,6 +19,51 @@ local function need(line, stage)
   return line:match("stage " .. stage .. " needs ([%d.]+ %a+)")
 end
 
+-- The budget without one given is what this process may take: the least of
+-- MemAvailable, the room its memory cgroups leave (v1 and v2, the group and
+-- its parents) and ulimit -v's room.
+function T.the_machines_budget_heeds_cgroups_and_ulimit()
+  local memory = require("luazero.io.memory")
+  local write, dir = support.scratch()
+  os.execute(("mkdir -p %s/memory/job/step %s/job/step"):format(dir, dir))
+  write("memory/job/memory.limit_in_bytes", "1468006400\n") -- 1400 MiB
+  write("memory/job/memory.usage_in_bytes", "104857600\n")  -- 100 MiB
+  write("memory/job/step/memory.limit_in_bytes", "9223372036854771712\n")
+  write("memory/job/step/memory.usage_in_bytes", "52428800\n")
+  local room, file = memory.cgroup_room(dir, "4:memory:/job/step\n0::/\n")
+  support.eq(room, 1300 * 2 ^ 20, "v1: the parent's limit less its use")
+  support.eq(file, dir .. "/memory/job/memory.limit_in_bytes", "the limit's file")
+  write("job/step/memory.max", "max\n")
+  write("job/step/memory.current", "1\n")
+  write("job/memory.max", "3221225472\n") -- 3 GiB
+  write("job/memory.current", "1073741824\n")
+  room = memory.cgroup_room(dir, "0::/job/step\n")
+  support.eq(room, 2 * 2 ^ 30, "v2: memory.max less memory.current")
+  assert(memory.cgroup_room(dir, "0::/\n") == nil, "no limit")
+  -- ulimit -v: the trainer's budget says where it came from
+  local out = support.sh(("ulimit -v 3000000; cd %s && %s -e 'local b, s = " ..
+                          "require(\"luazero.config\").memory_budget({ world_size = 1 }); " ..
+                          "print(s)'"):format(support.quote(lz.root), support.quote(lz.executable())))
+  assert(out:find("ulimit -v / 1 local rank", 1, true), out)
+end
+
+-- A stage the config names is checked too: over a budget the run holds it
+-- is refused before any allocation; over what the machine has (here
+-- ulimit -v's room) it is said before the run meets the limit.
+function T.a_named_stage_over_the_budget_is_refused_or_said()
+  local corpus = select(3, support.scratch_corpus("a line of the corpus, and another one\n", 400))
+  local train = ("cd %s && %s scripts/train.lua --model gpt2-nano --steps 1 --sample 0 --data %s ")
+                :format(support.quote(lz.root), support.quote(lz.executable()), support.quote(corpus))
+  local out, st = support.sh(train .. "--seq-len 16 --micro-batch 2 --stage 0 --memory-budget 5MiB")
+  assert(st == 2 and out:find("stage 0 needs about", 1, true) and
+         out:find("more than 5.0 MiB (--memory-budget): the run would stop at its first step " ..
+                  "over the budget it holds; --stage auto picks", 1, true) and
+         not out:find("step +1/", 1), out)
+  out = support.sh("ulimit -v 1500000; " .. train .. "--micro-batch 256 --seq-len 256")
+  assert(out:find("memory: stage 0 needs about 2.9 GiB per rank", 1, true) and
+         out:find("(ulimit -v / 1 local rank): the run may be killed when it gets there", 1, true), out)
+end
+
 function T.the_pick_counts_the_optimizers_states()
   -- gpt2-nano fp32 at world 2: AdamW 16 bytes a parameter at stage 0, Lion 12
   local adamw = tool("--model gpt2-nano --world 2 --dtype fp32 --budget 12MiB")

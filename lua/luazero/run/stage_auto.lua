@@ -12,6 +12,49 @@ local M = {}
 -- Sets cfg's stage (and NVMe placement) for model on `world` ranks
 -- training micro-batches of batch = { B, T } (nil: activations not
 -- counted); a stage given outright is kept, and --nvme-path refused beside it.
+-- What a held budget keeps free beside the estimate, as a share of it:
+-- memory the ledger does not see, which grows during the steps.
+local HEADROOM = 0.05
+
+-- A stage the config names, on the CPU: its estimate (model states, comm
+-- buffers, one micro-batch's activations) against a budget the run holds is
+-- refused now, not at the first step; against what the machine has (a
+-- cgroup's or ulimit -v's room, MemAvailable) it is said, since the kernel
+-- may kill the run there. (The estimate is within a few percent of the
+-- ledger, over it at stage 3.)
+local function check_named_stage(ex, cfg, model, world, flags, batch)
+  local z = cfg.zero_optimization
+  local device = flags.device or "cpu"
+  if device ~= "cpu" or not batch then return end
+  local placement = estimate.placement_name(z.offload_optimizer.device or "none",
+                                            z.offload_param.device or "none")
+  if not placement then return end
+  local settings = estimate.settings_of(cfg, device)
+  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold,
+                                 require("luazero.optim.formats").block_of(settings.formats),
+                                 settings.ep_size)
+  local states = estimate.need_at(counts, settings, z.stage, placement, cfg.dtype,
+                                  cfg.grad_accum_dtype ~= "fp32" and "working" or nil, device, true)
+  if not states then return end
+  local act = estimate.activations(model, batch[1], batch[2], cfg.dtype, settings.ep_size).device
+  local need = states + act
+  local held = require("luazero.run.config").held_budget(cfg)
+  local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+  if budget >= need then return end
+  local what = ("stage %d needs about %s per rank (%s of model states and buffers, %s of " ..
+                "activations for a %d x %d micro-batch), more than %s (%s)")
+               :format(z.stage, estimate.format_bytes(need), estimate.format_bytes(states),
+                       estimate.format_bytes(act), batch[1], batch[2],
+                       estimate.format_bytes(budget), source)
+  local fix = "--stage auto picks a stage or an NVMe offload that fits; or add ranks, lower " ..
+              "--micro-batch, add --checkpoint-activations"
+  if held then
+    ex.user_error(("%s: the run would stop at its first step over the budget it holds; %s")
+                  :format(what, fix))
+  end
+  ex.say(("memory: %s: the run may be killed when it gets there; %s"):format(what, fix))
+end
+
 function M.resolve(ex, cfg, model, world, flags, batch)
   local z = cfg.zero_optimization
   if z.stage ~= "auto" then
@@ -19,6 +62,7 @@ function M.resolve(ex, cfg, model, world, flags, batch)
       ex.user_error("--nvme-path is where --stage auto puts swap files when it picks NVMe; " ..
                     "without --stage auto set zero_optimization.offload_optimizer.nvme_path")
     end
+    check_named_stage(ex, cfg, model, world, flags, batch)
     return
   end
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
@@ -57,11 +101,15 @@ function M.resolve(ex, cfg, model, world, flags, batch)
                      "it; raise %s"):format(estimate.format_bytes(rss),
                                             estimate.format_bytes(budget), act_note, source))
     end
-    budget = budget - rss
-    act_note = act_note == "" and (" (what is left after the %s this process holds)")
-                                  :format(estimate.format_bytes(rss))
-               or act_note:gsub("%)$", (", and the %s this process holds)")
-                                       :format(estimate.format_bytes(rss)))
+    -- (and room for what grows outside the ledger while the steps run:
+    -- thread stacks, the libraries' scratch, Lua's heap; about 50 MiB at
+    -- gpt2's size, 4% of its 1.3 GiB)
+    local room = math.floor(HEADROOM * budget)
+    budget = budget - rss - room
+    local off = ("the %s this process holds and %s of headroom"):format(
+      estimate.format_bytes(rss), estimate.format_bytes(room))
+    act_note = act_note == "" and (" (what is left after %s)"):format(off)
+               or act_note:gsub("%)$", (", and %s)"):format(off))
   end
   local persistent = 0
   for _, e in ipairs(model.param_table) do
@@ -82,17 +130,20 @@ function M.resolve(ex, cfg, model, world, flags, batch)
       min_stage, min_why = rule.least, ("zero_optimization.%s needs %s"):format(key, rule.names)
     end
   end
-  -- (a budget the run holds sees the comm buffers and the optimizer's
-  -- scratch at the first step too: counted then)
+  -- (the comm buffers and the optimizer's scratch are counted too: the
+  -- first step allocates them, whatever the budget's source)
   local stage, why, fits, placement, detail = estimate.pick_stage(model.n_params, world, budget,
     cfg.dtype, { persistent = persistent, grads = cfg.grad_accum_dtype ~= "fp32" and "working" or nil,
       nvme = true, nvme_path = nvme_path, device = device, settings = settings, counts = counts,
-      min_stage = min_stage, min_why = min_why, all = held ~= nil, budget_note = act_note })
+      min_stage = min_stage, min_why = min_why, all = true, budget_note = act_note })
   -- A budget the run holds (--memory-budget, luazero.memory_budget,
   -- LZ_MEMORY_BUDGET; run/loop.lua checks each step) that no placement
   -- meets, or that this process's own memory fills before any model state,
-  -- would stop the run after its first step: refused now.
-  if held then
+  -- would stop the run after its first step: refused now. So is a memory
+  -- cgroup's or ulimit -v's room that none meets: past it the kernel kills
+  -- the run (or an allocation fails), where MemAvailable only estimates.
+  local hard = source:find("^the memory cgroup") or source:find("^ulimit %-v")
+  if held or (hard and not fits) then
     local fix = ("raise %s, add ranks, or offload (zero_optimization.offload_optimizer / " ..
                  "offload_param with nvme_path)"):format(source)
     if detail.nvme_short then
@@ -102,8 +153,9 @@ function M.resolve(ex, cfg, model, world, flags, batch)
              "buffers beside the swap files)"):format(source)
     end
     if not fits then
-      ex.user_error(("stage auto: %s; the run would stop at its first step over the budget " ..
-                     "it holds: %s"):format(detail.reason, fix))
+      ex.user_error(("stage auto: %s; %s: %s"):format(detail.reason, held and
+                     "the run would stop at its first step over the budget it holds" or
+                     "past that limit the run would be killed", fix))
     end
   end
   if placement then

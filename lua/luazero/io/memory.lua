@@ -1,0 +1,91 @@
+-- io/memory.lua — how much memory this process may still take: the least of
+-- what the machine has free (MemAvailable), the room its memory cgroup
+-- leaves (v2 memory.max, v1 memory.limit_in_bytes, less what the group
+-- uses, over the group and its parents) and the room `ulimit -v` leaves
+-- (RLIMIT_AS less the address space mapped). A container's or a job
+-- scheduler's limit is met before the machine's.
+--
+--   local bytes, source = memory.available()  -- source: "MemAvailable", ...
+local ffi = require("ffi")
+
+pcall(ffi.cdef, [[
+typedef struct { uint64_t cur, max; } lz_rlimit;
+int getrlimit(int resource, lz_rlimit *rl);
+]])
+
+local M = {}
+
+local function read(path)
+  local f = io.open(path, "r")
+  if not f then return nil end
+  local s = f:read("*a")
+  f:close()
+  return s
+end
+
+local function number_in(path)
+  local s = read(path)
+  return s and tonumber(s:match("^%s*(%d+)"))
+end
+
+-- A limit this large is none (v1's "unlimited" is 2^63 rounded to a page).
+local NONE = 2 ^ 60
+
+-- The room the memory cgroups of this process leave (bytes), and the
+-- limit's file; nil where none is set. cgroup_root: /sys/fs/cgroup (tests
+-- give another), self_cgroup: the text of /proc/self/cgroup.
+function M.cgroup_room(cgroup_root, self_cgroup)
+  cgroup_root = cgroup_root or "/sys/fs/cgroup"
+  self_cgroup = self_cgroup or read("/proc/self/cgroup") or ""
+  local best, file
+  local function consider(dir, limit_name, usage_name)
+    -- the group and each parent up to the hierarchy's root
+    while true do
+      local limit = number_in(dir .. "/" .. limit_name)
+      local used = number_in(dir .. "/" .. usage_name)
+      if limit and used and limit < NONE then
+        local room = math.max(0, limit - used)
+        if not best or room < best then best, file = room, dir .. "/" .. limit_name end
+      end
+      local up = dir:match("^(.+)/[^/]+$")
+      if not up or #up < #cgroup_root then break end
+      dir = up
+    end
+  end
+  for line in self_cgroup:gmatch("[^\n]+") do
+    local id, controllers, path = line:match("^(%d+):([^:]*):(.*)$")
+    if id == "0" and controllers == "" then
+      consider(cgroup_root .. (path == "/" and "" or path), "memory.max", "memory.current")
+    elseif controllers and (("," .. controllers .. ","):find(",memory,", 1, true)) then
+      consider(cgroup_root .. "/memory" .. (path == "/" and "" or path),
+               "memory.limit_in_bytes", "memory.usage_in_bytes")
+    end
+  end
+  return best, file
+end
+
+-- The room RLIMIT_AS (ulimit -v) leaves: the limit less VmSize; nil when unlimited.
+function M.address_room()
+  local rl = ffi.new("lz_rlimit")
+  if ffi.C.getrlimit(9, rl) ~= 0 then return nil end -- RLIMIT_AS
+  local cur = tonumber(rl.cur)
+  if cur >= NONE then return nil end
+  local kb = (read("/proc/self/status") or ""):match("VmSize:%s*(%d+)")
+  return math.max(0, cur - (tonumber(kb) or 0) * 1024)
+end
+
+-- The least of the three and where it comes from ("MemAvailable", "the
+-- memory cgroup's limit (FILE)", "ulimit -v"); nil where none can be read.
+function M.available()
+  local kb = (read("/proc/meminfo") or ""):match("MemAvailable:%s*(%d+)")
+  local best, source = kb and tonumber(kb) * 1024, "MemAvailable"
+  local room, file = M.cgroup_room()
+  if room and (not best or room < best) then
+    best, source = room, ("the memory cgroup's limit (%s)"):format(file)
+  end
+  room = M.address_room()
+  if room and (not best or room < best) then best, source = room, "ulimit -v" end
+  return best, source
+end
+
+return M
