@@ -15,13 +15,7 @@ int getrlimit(int resource, lz_rlimit *rl);
 
 local M = {}
 
-local function read(path)
-  local f = io.open(path, "r")
-  if not f then return nil end
-  local s = f:read("*a")
-  f:close()
-  return s
-end
+local read = require("luazero").read_file
 
 local function number_in(path)
   local s = read(path)
