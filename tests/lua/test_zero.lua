@@ -288,6 +288,35 @@ function T.the_engine_runs_at_its_own_optimizer_s_learning_rate()
   assert(ok, err)
 end
 
+-- Stage 3's prefetch is a window of stage3_prefetch_bucket_size elements
+-- ahead: the parameters gathered at once stay within it and the module in
+-- use (they grew by a bucket at every module, to the whole model).
+function T.the_prefetch_window_slides_and_does_not_grow()
+  local zero, data = require("luazero.zero"), require("luazero.data")
+  local bucket = 20000
+  local m = gpt2.new(gpt2.config("gpt2-nano", { n_layer = 4, n_embd = 64, n_head = 4, context = 16 }))
+  local engine = zero.initialize{ model = m, seed = 1, batch = { 2, 16 }, config = {
+    train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = 3, overlap_comm = true,
+      stage3_prefetch_bucket_size = bucket, stage3_param_persistence_threshold = 100 } } }
+  local g = engine.gatherer
+  local largest, total = 0, 0
+  for _, seg in ipairs(g.L.segments) do
+    largest, total = math.max(largest, seg.padded), total + seg.padded
+  end
+  local peak, gather = 0, g.gather
+  g.gather = function(self, seg, async)
+    gather(self, seg, async)
+    peak = math.max(peak, self.live)
+  end
+  local loader = data.loader(data.load(corpus), { B = 2, T = 16, seed = 1, vocab = m.cfg.vocab })
+  for _ = 1, 3 do engine:train_batch(loader) end
+  engine:free()
+  assert(total > 3 * (bucket + largest), "a model larger than the window")
+  assert(peak <= bucket + 2 * largest, ("%d elements gathered at once: more than the window %d " ..
+                                        "and two of the largest module's %d"):format(peak, bucket,
+                                                                                    largest))
+end
+
 -- params_checksum streams the master a chunk at a time: the process's
 -- resident peak grows by about one chunk (4 MiB), not by a gathered copy
 -- of the 4M-element token table (16 MiB), resident or read from NVMe, and

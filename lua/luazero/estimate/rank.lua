@@ -547,7 +547,9 @@ function M.rank(counts, opts)
     end
   else
     if P.params.gather then
-      comm = comm + (largest + (overlap and math.min(prefetch, counts.full) or 0)) * wb
+      -- (the prefetch window holds frozen modules as well as trained ones)
+      local gathered = counts.full + (F.extent == "shard" and fc.full or 0)
+      comm = comm + (largest + (overlap and math.min(prefetch, gathered) or 0)) * wb
     end
     if P.reduce.buffered then
       comm = comm + (counts.largest + (overlap and math.min(reduce_bucket, counts.full) or 0)) *

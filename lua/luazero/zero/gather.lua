@@ -155,19 +155,24 @@ function Gatherer:release(seg)
 end
 
 -- Prefetch along the order recorded on the first pass: segments of the
--- next modules, up to stage3_prefetch_bucket_size elements ahead and
--- stage3_max_live_parameters gathered at once.
+-- next modules, up to stage3_prefetch_bucket_size elements ahead (those
+-- gathered by an earlier prefetch count: the window slides, it does not
+-- grow by a bucket at every module) and stage3_max_live_parameters
+-- gathered at once.
 function Gatherer:prefetch(order, k)
   if not (self.s.overlap and order.done) then return end
   local budget, s = self.s.prefetch, self.s
   for i = k + 1, #order do
     local seg = order[i]
-    if not seg.persistent and not seg.pbuf and not seg.module.unrouted then
-      if budget < seg.padded or self.live + seg.padded > s.max_live then break end
-      local ps = seg.store.pshard
-      if ps and not ps:can_prefetch() then break end
+    if not seg.persistent and not seg.module.unrouted then
+      if budget < seg.padded then break end
+      if not seg.pbuf then
+        if self.live + seg.padded > s.max_live then break end
+        local ps = seg.store.pshard
+        if ps and not ps:can_prefetch() then break end
+        self:gather(seg, true)
+      end
       budget = budget - seg.padded
-      self:gather(seg, true)
     end
   end
 end
