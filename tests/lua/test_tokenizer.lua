@@ -170,14 +170,26 @@ function T.sentencepiece_llama2()
   same(tok:decode({ 233, 154, 261, 233, 154, 168 }), "\u{FFFD}\u{FFFD}b日")
 end
 
--- What generate's --out writes (JSON holds UTF-8): each byte of an invalid
--- sequence becomes U+FFFD, valid text stays as it is.
-function T.lossy_utf8_replaces_each_invalid_byte()
+-- What generate's --out writes (JSON holds UTF-8) and a byte-level decode
+-- gives: each invalid sequence, its maximal subpart, becomes one U+FFFD (as
+-- Rust's String::from_utf8_lossy and Python's decode("utf-8", "replace")),
+-- valid text stays as it is.
+function T.lossy_utf8_replaces_each_invalid_sequence()
   local S = require("luazero.tokenizer.sentencepiece")
   same(S.lossy_utf8("ab\230"), "ab\u{FFFD}")
   same(S.lossy_utf8("\230\151\165x\255\254y"), "日x\u{FFFD}\u{FFFD}y")
   same(S.lossy_utf8("\u{1F600} ok"), "\u{1F600} ok")
   same(S.lossy_utf8(""), "")
+  -- a character cut after two of its three bytes, or three of four: one
+  same(S.lossy_utf8("\230\157"), "\u{FFFD}")
+  same(S.lossy_utf8("a\240\159\152b"), "a\u{FFFD}b")
+  -- a surrogate (ED A0 80) and an overlong form (E0 80 80): one each byte
+  same(S.lossy_utf8("\237\160\128"), ("\u{FFFD}"):rep(3))
+  same(S.lossy_utf8("\224\128\128"), ("\u{FFFD}"):rep(3))
+  -- a byte-level vocabulary's tokens ending inside a character
+  local tok = tokenizer.load(tiny(function(j) j.model.vocab["æ"], j.model.vocab["¡"] = 7, 8 end))
+  same(tok:decode({ 7, 8 }), "\u{FFFD}")
+  same(tok:decode({ 0, 7 }), "a\u{FFFD}")
 end
 
 -- A completion read back (run/text.lua, what generate prints and --stop

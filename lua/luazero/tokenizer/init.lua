@@ -228,7 +228,11 @@ function Tokenizer:decode(ids, opts)
     if not (skip and special[ids[i]]) then parts[#parts + 1] = b end
   end
   if self.decode_tokens then return self.decode_tokens(parts) end
-  return concat(parts)
+  -- (the ByteLevel decoder's bytes as String::from_utf8_lossy reads them: a
+  -- character cut by the end, or a lone byte's token, is one U+FFFD)
+  local s = concat(parts)
+  if not sp.valid_utf8(s) then s = sp.lossy_utf8(s) end
+  return s
 end
 
 function Tokenizer:vocab_size() return self.size end

@@ -211,8 +211,34 @@ local function valid_utf8(s)
 end
 S.valid_utf8 = valid_utf8
 
--- s with each byte of an invalid sequence replaced by U+FFFD (valid UTF-8:
--- what JSON must hold).
+-- The bytes at i that one U+FFFD replaces: the longest start of a valid
+-- sequence there (its lead and the continuation bytes that fit it: E0 takes
+-- A0..BF next, ED 80..9F, F0 90..BF, F4 80..8F), at least 1 — Unicode's
+-- "maximal subpart", which Rust's String::from_utf8_lossy (and so the
+-- tokenizers library's decode) and Python's decode("utf-8", "replace") use.
+local function invalid_length(s, i)
+  local b = byte(s, i)
+  local need, lo, hi = 0, 0x80, 0xBF
+  if b >= 0xC2 and b <= 0xDF then need = 1
+  elseif b >= 0xE0 and b <= 0xEF then
+    need = 2
+    if b == 0xE0 then lo = 0xA0 elseif b == 0xED then hi = 0x9F end
+  elseif b >= 0xF0 and b <= 0xF4 then
+    need = 3
+    if b == 0xF0 then lo = 0x90 elseif b == 0xF4 then hi = 0x8F end
+  end
+  local n = 1
+  for k = 1, need do
+    local c = byte(s, i + k)
+    if not c or c < lo or c > hi then break end
+    n, lo, hi = n + 1, 0x80, 0xBF
+  end
+  return n
+end
+
+-- s with each invalid sequence (its maximal subpart) replaced by one
+-- U+FFFD, as the tokenizers library's decode does: valid UTF-8, what JSON
+-- must hold.
 function S.lossy_utf8(s)
   local out, from = {}, 1
   while true do
@@ -220,7 +246,7 @@ function S.lossy_utf8(s)
     if ok then break end
     out[#out + 1] = s:sub(from, from + at - 2)
     out[#out + 1] = REPLACEMENT_CHAR
-    from = from + at
+    from = from + at - 1 + invalid_length(s, from + at - 1)
   end
   out[#out + 1] = s:sub(from)
   return table.concat(out)
