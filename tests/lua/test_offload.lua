@@ -239,11 +239,13 @@ function T.a_budget_smaller_than_the_optimizer_states_holds_through_nvme()
   assert(mem.optimizer == 0)
   assert(recs[2].nvme_read >= states and recs[2].nvme_written >= states)
   assert(leftovers() == "", "swap files left behind: " .. leftovers())
-  -- The same budget without offload: the run stops, naming the budget.
+  -- The same budget without offload: refused before step 1, naming the
+  -- budget and the offload.
   out, status = run(nil)
-  assert(status ~= 0, "a run without offload held a budget below its optimizer states")
-  assert(out:find("is over the memory budget", 1, true) and
-         out:find("offload the optimizer states", 1, true), out)
+  assert(status == 2, "a run without offload held a budget below its optimizer states")
+  assert(out:find("MiB (--memory-budget): the run would stop at its first step",
+                  1, true) and out:find("offload the optimizer states", 1, true) and
+         not out:find("step +1/", 1), out)
 end
 
 -- A swap file the disk has no room for: the error gives what this

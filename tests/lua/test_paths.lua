@@ -163,6 +163,8 @@ local WRITERS = {
                                    "group's other ranks open through /proc; no named file",
   ["core/comm/comm_nccl.c"] = "the NCCL id handed to the other ranks through a file of its own",
   ["core/launch/launch.c"] = "/dev/null for the children's streams",
+  ["lua/luazero/checkpoint/lock.lua"] = "a --save folder's .lock: one pid, held by flock while " ..
+                                        "the run lives, never a user's file",
   ["tools/gen-cdef.lua"] = "a developer's tool that regenerates lua/luazero/cdef.lua from the " ..
                            "header, run by hand",
 }

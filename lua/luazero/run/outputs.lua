@@ -67,6 +67,8 @@ function M.check_save_target(ex, flags, n_params, cfg)
     there = up and (up == "" and "/" or up) or "."
   end
   local function refuse(msg)
+    -- (a folder made here goes whole: the lock a claim left in it too)
+    if #made_dirs > 0 then os.remove(dir .. "/.lock") end
     for _, d in ipairs(made_dirs) do os.remove(d) end
     ex.user_error(msg)
   end

@@ -46,7 +46,8 @@ local function check_named_stage(ex, cfg, model, world, flags, batch)
                :format(z.stage, estimate.format_bytes(need), estimate.format_bytes(states),
                        estimate.format_bytes(act), batch[1], batch[2],
                        estimate.format_bytes(budget), source)
-  local fix = "--stage auto picks a stage or an NVMe offload that fits; or add ranks, lower " ..
+  local fix = "--stage auto picks a stage or an NVMe offload that fits; or offload the " ..
+              "optimizer states (zero_optimization.offload_optimizer), add ranks, lower " ..
               "--micro-batch, add --checkpoint-activations"
   if held then
     ex.user_error(("%s: the run would stop at its first step over the budget it holds; %s")
