@@ -62,7 +62,12 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[i], "--n") && i + 1 < argc) n = atoll(argv[++i]);
     else if (!strcmp(argv[i], "--reps") && i + 1 < argc) reps = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--cpu-time")) cpu_time = 1;
-    else {
+    else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      printf("usage: bench_adam [--n N] [--reps R] [--cpu-time]\n  --n N       parameters "
+             "(default 50000000)\n  --reps R    timed steps, 1..100 (default 7)\n  --cpu-time  "
+             "steps timed in process CPU time, not the wall clock\n");
+      return 0;
+    } else {
       fprintf(stderr, "bench_adam: unknown argument %s (--n N, --reps R, --cpu-time)\n", argv[i]);
       return 2;
     }

@@ -8,12 +8,12 @@
 --   luazero bench/bench_ckpt.lua --async [--dtype bf16] [--rounds 3] [--every 4] [--threads N] [--device cpu]
 local ffi = require("ffi")
 local lz = require("luazero")
-local args = require("luazero.args")
 local clock = require("luazero.clock")
 local gpt2 = require("models.gpt2")
 local checkpoint = require("luazero.checkpoint")
 
-local flags = assert(args.parse(arg, {
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_ckpt", arg, {
   { "model", "string", "gpt2", "model size" },
   { "dir", "string", "/tmp", "folder on the disk to measure (a scratch folder is made in it)" },
   { "zstd-level", "int", 3, "zstd level" },
@@ -25,7 +25,7 @@ local flags = assert(args.parse(arg, {
   { "rounds", "int", 3, "with --async: rounds of sync then async (order alternating)" },
   { "threads", "int", 0, "with --async: compute threads (0: all cores; fewer leave a core to the writer)" },
   { "every", "int", 4, "with --async: steps from one save to the next (the window a save is charged for)" },
-}))
+})
 
 -- --async: rounds of [2 plain steps, then 2 windows of --every steps, each
 -- beginning with a step that saves] for a sync and an async engine in turn

@@ -216,8 +216,13 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--max") && i + 1 < argc) max = (size_t)atoll(argv[++i]);
     else if (!strcmp(argv[i], "--min") && i + 1 < argc) min_bytes = (size_t)atoll(argv[++i]);
     else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-    else {
-      fprintf(stderr, "bench_comm: unknown argument %s\n", argv[i]);
+    else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      printf("usage: lz_run -n N bench_comm [--raw-mpi] [--max BYTES] [--min BYTES] [--only OP]\n"
+             "       bench_comm --memcpy [--max BYTES]\n(bench/bench-comm runs it; its header "
+             "says what it prints)\n");
+      return 0;
+    } else {
+      fprintf(stderr, "bench_comm: unknown argument %s (--help)\n", argv[i]);
       return 2;
     }
   }

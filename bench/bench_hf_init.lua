@@ -6,15 +6,16 @@
 -- FOLDER: a Hugging Face folder (config.json, *.safetensors), e.g. from
 -- tools/ckpt export CKPT FOLDER.
 local lz = require("luazero")
-local args = require("luazero.args")
 local clock = require("luazero.clock")
 local models = require("models.registry")
 local hf = require("luazero.hf")
 
 local folder = arg[1]
-local rest = {}
+if folder == "--help" or folder == "-h" then folder = nil end
+local rest = folder and {} or { "--help" }
 for i = 2, #arg do rest[#rest + 1] = arg[i] end
-local flags = assert(args.parse(rest, { { "stage", "int", 3, "ZeRO stage" } }))
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_hf_init", rest, { { "stage", "int", 3, "ZeRO stage" } }, "FOLDER ")
 assert(folder and hf.config_path(folder), "usage: luazero -n 2 bench/bench_hf_init.lua FOLDER [--stage 3]")
 
 local function status(key)

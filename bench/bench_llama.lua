@@ -57,7 +57,6 @@
 -- square and the query heads, C = n_head * head_dim); with LoRA 4 N + 12 L C T
 -- (the frozen weights' forward and input gradients, no weight gradients).
 local lz = require("luazero")
-local args = require("luazero.args")
 local clock = require("luazero.clock")
 local models = require("models.registry")
 
@@ -91,12 +90,8 @@ local function fail(msg)
   os.exit(2)
 end
 
-local ok, flags, usage = pcall(args.parse, arg, spec)
-if not ok then fail(flags) end
-if not flags then
-  print("luazero bench/bench_llama.lua [flags]\n" .. usage)
-  os.exit(0)
-end
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_llama", arg, spec)
 
 if flags.lora then
   flags.gpt2, flags.ranks, flags.torch_steps, flags.hf5_steps = "none", 1, 0, 0
@@ -224,7 +219,6 @@ for name in (flags.beside .. ","):gmatch("([^,]*),") do
     beside[#beside + 1] = cfg
   end
 end
-local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local threads = flags.threads
 
@@ -286,6 +280,17 @@ local function python_run(python, script, prefix, name, cfg, dtype, steps, extra
   return { tps = tps, ms = ms }
 end
 
+-- PyTorch at /usr/bin/python3, when it imports (else its rows are skipped,
+-- said in one line).
+local torch_missing
+if flags.torch_steps > 0 then
+  local out = sh(("/usr/bin/python3 -c %s"):format(q("import torch")))
+  if out:find("%S") then
+    torch_missing = "(torch not importable by /usr/bin/python3: apt-get install python3-torch; " ..
+                    "the pytorch rows are skipped)"
+  end
+end
+
 local function torch_run(cfg, dtype)
   return python_run("/usr/bin/python3", "bench_llama_torch.py", "torch", "pytorch", cfg, dtype,
                     flags.torch_steps)
@@ -345,7 +350,7 @@ for _, d in ipairs(dtypes) do
     add(("luazero %s %s, 1 rank"):format(cfg.name, d),
         function() return luazero_run(cfg, d, 1, 0) end, cfg, d, 1)
   end
-  if flags.torch_steps > 0 then
+  if flags.torch_steps > 0 and not torch_missing then
     add(("pytorch %s %s, 1 rank"):format(llama_cfg.name, d),
         function() return torch_run(llama_cfg, d) end, llama_cfg, d, 1)
   end
@@ -377,6 +382,7 @@ print(("llama %s%s and gpt2 %s, batch %d x %d per rank, %d threads in all, %d ro
               gpt2_cfg and gpt2_cfg.name or "(none)", B, T, threads,
               flags.rounds, flags.rounds == 1 and "" or "s"))
 print(bench.machine())
+if torch_missing then print(torch_missing) end
 if hf_missing then print(hf_missing) end
 if hf5_missing then print(hf5_missing) end
 io.stdout:flush()

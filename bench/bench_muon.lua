@@ -16,19 +16,33 @@ local optim = require("luazero.optim")
 local clock = require("luazero.clock")
 local bench = dofile(lz.root .. "/bench/bench_support.lua")
 
-local reps, shapes_arg, dtypes_arg = 5, "768x768,2048x768,768x2048,2048x2048,5632x2048",
-                                     "float32,bfloat16"
-for i = 1, #arg do
-  if arg[i] == "--reps" then reps = tonumber(arg[i + 1]) end
-  if arg[i] == "--shapes" then shapes_arg = arg[i + 1] end
-  if arg[i] == "--ns-dtypes" then dtypes_arg = arg[i + 1] end
+local flags = bench.flags("bench_muon", arg, {
+  { "reps", "int", 5, "timed steps per shape and dtype", min = 1 },
+  { "shapes", "string", "768x768,2048x768,768x2048,2048x2048,5632x2048",
+    "the matrices, AxB comma-separated" },
+  { "ns-dtypes", "string", "float32,bfloat16", "Newton-Schulz's dtypes, comma-separated" },
+  { "cpu-time", "flag", false, "time in the process's CPU time, not the wall clock" },
+})
+local reps, shapes_arg, dtypes_arg = flags.reps, flags.shapes, flags.ns_dtypes
+local now = flags.cpu_time and os.clock or clock.now
+
+local function refuse(msg)
+  io.stderr:write("bench_muon: ", msg, "\n")
+  os.exit(2)
 end
-local cpu_time = false
-for i = 1, #arg do cpu_time = cpu_time or arg[i] == "--cpu-time" end
-local now = cpu_time and os.clock or clock.now
+-- (each shape AxB, A and B at least 2: Newton-Schulz of a matrix)
+for s in shapes_arg:gmatch("[^,]+") do
+  local a, b = s:match("^(%d+)x(%d+)$")
+  if not a or tonumber(a) < 2 or tonumber(b) < 2 then
+    refuse(("--shapes: %s is not AxB with A and B of 2 or more (e.g. 768x2048)"):format(s))
+  end
+end
 
 local muons, dtypes = {}, {}
 for dt in dtypes_arg:gmatch("[^,]+") do
+  if dt ~= "float32" and dt ~= "bfloat16" then
+    refuse(("--ns-dtypes: %s is not float32 or bfloat16"):format(dt))
+  end
   dtypes[#dtypes + 1] = dt
   muons[dt] = optim.new({ type = "Muon", params = { lr = 0.02, ns_dtype = dt } })
 end
@@ -44,7 +58,7 @@ local total_s, total_n = {}, 0
 for _, dt in ipairs(dtypes) do total_s[dt] = 0 end
 local peak = bench.gemm_gflops(2048, "f32")
 print(("bench_muon: %d threads%s; lz_matmul 2048^3 fp32 %.0f GFLOP/s (the yardstick, wall clock); " ..
-       "bf16 GEMM %s"):format(lz.threads(), cpu_time and ", steps in CPU time" or "", peak,
+       "bf16 GEMM %s"):format(lz.threads(), flags.cpu_time and ", steps in CPU time" or "", peak,
                               lz.bf16_matmul()))
 for a, b in shapes_arg:gmatch("(%d+)x(%d+)") do
   local A, B = tonumber(a), tonumber(b)

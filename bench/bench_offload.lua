@@ -29,12 +29,13 @@
 -- the work disk) and takes a few minutes. Run it on a quiet machine.
 local cjson = require("cjson")
 local lz = require("luazero")
-local args = require("luazero.args")
 local gpt2 = require("models.gpt2")
 local layout = require("luazero.zero.layout")
 
-local flags = assert(args.parse(arg, {
-  { "part", "int", 0, "1, 2, 3 or 4 (0: 1 to 3)" },
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_offload", arg, {
+  { "part", "int", 0, "1, 2, 3 or 4 (0: 1 to 3, which includes part 2's gpt2-xl with about " ..
+    "19 GB of swap files)", choices = { 0, 1, 2, 3, 4 } },
   { "hidden", "int", 2560, "part 4: the Llama's hidden size" },
   { "layers", "int", 24, "part 4: layers" },
   { "heads", "int", 20, "part 4: attention heads" },
@@ -59,10 +60,9 @@ local flags = assert(args.parse(arg, {
   { "nvme", "string", nil, "directory for the swap files (default: build/)" },
   { "sub-group", "int", 50000000, "zero_optimization.sub_group_size for gpt2-xl" },
   { "data", "string", nil, "corpus (default: a generated text)" },
-}))
+})
 
 local root = lz.root
-local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local nvme = flags.nvme or (root .. "/build")
 
@@ -131,9 +131,11 @@ local function zero_cfg(stage, opt, param, sub_group)
            aio = { block_size = 1048576, queue_depth = 8 } }
 end
 
-local function nvme_block(extra)
-  local b = { device = "nvme", nvme_path = nvme, pipeline_read = true, pipeline_write = true,
-              buffer_count = 4 }
+-- offload_optimizer's NVMe block (its pipelines on), or offload_param's
+-- (param: true; offload_param has no pipelines).
+local function nvme_block(extra, param)
+  local b = { device = "nvme", nvme_path = nvme, buffer_count = 4 }
+  if not param then b.pipeline_read, b.pipeline_write = true, true end
   for k, v in pairs(extra or {}) do b[k] = v end
   return b
 end
@@ -146,7 +148,7 @@ if flags.part == 0 or flags.part == 1 then
     { "stage 2, optimizer on cpu", zero_cfg(2, { device = "cpu" }, nil, sub) },
     { "stage 2, optimizer on nvme", zero_cfg(2, nvme_block(), nil, sub) },
     { "stage 3, states in memory", zero_cfg(3, nil, nil, sub) },
-    { "stage 3, optimizer + params on nvme", zero_cfg(3, nvme_block(), nvme_block(), sub) },
+    { "stage 3, optimizer + params on nvme", zero_cfg(3, nvme_block(), nvme_block(nil, true), sub) },
   }
   local base = {}
   print(("%-38s %10s %10s %8s %10s %12s %12s"):format("run", "tok/s", "step ms", "vs off",
@@ -254,7 +256,7 @@ if flags.part == 4 then
   local done = {}
   for _, run in ipairs(runs) do
     local layers = run.layers
-    local cfg = zero_cfg(3, nvme_block(), nvme_block({ buffer_count = 5, buffer_size = 200000000 }),
+    local cfg = zero_cfg(3, nvme_block(), nvme_block({ buffer_count = 5, buffer_size = 200000000 }, true),
                          20000000)
     cfg.data_types = nil
     cfg.gradient_clipping = 1.0

@@ -19,7 +19,6 @@
 -- --record writes the runs drawn back into it. A run that has not reached --steps is drawn
 -- as far as it got, its title saying how far.
 local lz = require("luazero")
-local args = require("luazero.args")
 local json = require("cjson")
 local exists = require("luazero.io.fs").exists
 
@@ -44,7 +43,8 @@ local RUNS = {
                betas = { 0.9, 0.95 }, adam_eps = 1e-8, ns_dtype = "bfloat16" } } },
 }
 
-local ok, flags = pcall(args.parse, arg, {
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_optimizers", arg, {
   { "data", "string", nil, "the text to train on (bytes are tokens)" },
   { "out", "string", "/tmp/bench_optimizers", "folder of the configs, logs and curves" },
   { "only", "string", "fp32,bf16,8bit,muon", "the runs, comma-separated" },
@@ -61,11 +61,6 @@ local ok, flags = pcall(args.parse, arg, {
   { "record", "flag", false, "write the runs drawn into --runs-file" },
   { "save-every", "int", 50, "a checkpoint of each run every N steps, to continue it if stopped (0: none)" },
 })
-if not ok or not flags then
-  io.stderr:write("bench_optimizers: ", tostring(flags or "see bench/bench_optimizers.lua's header"),
-                  "\n")
-  os.exit(2)
-end
 
 local function fail(msg)
   io.stderr:write("bench_optimizers: ", msg, "\n")

@@ -14,6 +14,21 @@ local M = {}
 
 function M.quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
+-- A bench's flags (luazero.args): --help prints the usage and exits 0; a
+-- refused flag is one line "NAME: ..." and exit 2. name: "bench_llama".
+function M.flags(name, argv, spec, usage_args)
+  local ok, flags, usage = pcall(require("luazero.args").parse, argv, spec)
+  if not ok then
+    io.stderr:write(name, ": ", tostring(flags), "\n")
+    os.exit(2)
+  end
+  if not flags then
+    print(("usage: luazero bench/%s.lua %s[flags]\n%s"):format(name, usage_args or "", usage))
+    os.exit(0)
+  end
+  return flags
+end
+
 function M.scratch()
   local dir = os.tmpname()
   os.remove(dir)

@@ -11,13 +11,13 @@
 -- parameters without the position table; the attention term counts the whole
 -- T x T square, though causal attention computes half of it).
 local lz = require("luazero")
-local args = require("luazero.args")
 local clock = require("luazero.clock")
 local rng = require("luazero.rng")
 local zero = require("luazero.zero")
 local gpt2 = require("models.gpt2")
 
-local ok, flags = pcall(args.parse, arg, {
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_train", arg, {
   { "model", "string", "gpt2", "model size" },
   { "micro-batch", "int", 4, "sequences per step" },
   { "seq-len", "int", 64, "tokens per sequence" },
@@ -26,18 +26,12 @@ local ok, flags = pcall(args.parse, arg, {
   { "threads", "int", 2, "compute threads for both" },
   { "gemm", "int", 2048, "size n of the n x n x n yardstick GEMM" },
 })
-if not ok or not flags then
-  io.stderr:write("bench_train: ", tostring(flags or "see the header of bench/bench_train.lua"),
-                  "\n")
-  os.exit(2)
-end
 
 local B, T, threads = flags.micro_batch, flags.seq_len, flags.threads
 lz.threads(threads)
 
 ------------------------------------------------------------- GEMM peak
 
-local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local gemm_gflops = bench.gemm_gflops
 
 -- Measured before and after the training runs; the better figure counts, so

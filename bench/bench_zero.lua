@@ -9,18 +9,17 @@
 -- Takes minutes and both cores: run it on a quiet machine.
 local cjson = require("cjson")
 local lz = require("luazero")
-local args = require("luazero.args")
 
-local flags = assert(args.parse(arg, {
+local bench = dofile(lz.root .. "/bench/bench_support.lua")
+local flags = bench.flags("bench_zero", arg, {
   { "part", "int", 0, "1 or 2 (0: both)" },
   { "steps", "int", 4, "timed steps per run (the first step is not counted)" },
   { "seq-len", "int", 64, "tokens per sequence" },
   { "micro-batch", "int", 4, "sequences per rank" },
   { "data", "string", nil, "corpus (default: a generated text)" },
-}))
+})
 
 local root = lz.root
-local bench = dofile(lz.root .. "/bench/bench_support.lua")
 local q = bench.quote
 local exe = lz.executable
 

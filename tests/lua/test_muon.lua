@@ -32,6 +32,11 @@ function T.defaults_are_torchs_and_the_config_is_checked()
   assert(cfg({ ns_dtype = "bfloat16" }).optimizer.params.ns_dtype == "bfloat16")
   -- (with or without "torch.", as momentum_dtype takes torch's names)
   assert(cfg({ ns_dtype = "torch.bfloat16" }).optimizer.params.ns_dtype == "bfloat16")
+  -- optim.new holds a table it is handed to the same rules (it failed at
+  -- the first step)
+  expect_error(function()
+    require("luazero.optim").new({ type = "Muon", params = { ns_dtype = "fp16" } })
+  end, 'optimizer.params.ns_dtype must be one of "float32", "bfloat16" (got "fp16")')
   expect_error(function() cfg({ ns_dtype = "bf16" }) end,
                'config: optimizer.params.ns_dtype must be one of "float32", "bfloat16" (got "bf16")')
   expect_error(function() cfg({ ns_steps = 2.5 }) end,

@@ -187,7 +187,17 @@ function M.define(spec, origin)
   -- state_formats: name -> format for the states a config keeps in another
   -- format than the declaration's (its read_config's extra field).
   function class.new(params, type_name, state_formats)
-    local self = hyper.read(params, class.defaults)
+    -- (each declared parameter given is checked as a config's is: a table
+    -- handed to optim.new directly is held to the same rules)
+    local checked = {}
+    for k, v in pairs(params or {}) do checked[k] = v end
+    for _, d in ipairs(spec.params) do
+      local v = checked[d[1]]
+      if values.given(v) then
+        checked[d[1]] = schema.KINDS[d[2]]("optimizer.params." .. d[1], v, d)
+      end
+    end
+    local self = hyper.read(checked, class.defaults)
     self.type = type_name or class.name
     self.configured = {}
     for k in pairs(class.defaults) do self.configured[k] = values.deep_copy(self[k]) end
