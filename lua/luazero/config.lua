@@ -620,13 +620,12 @@ function M.memory_budget(cfg, local_ranks)
     return b, "LZ_MEMORY_BUDGET"
   end
   if cfg.memory_budget then return cfg.memory_budget, cfg.memory_budget_source end
-  local avail, from = require("luazero.io.memory").available()
+  local avail, from = require("luazero.io.memory").available(local_ranks or cfg.world_size or 1)
   if not avail then
     fail("cannot read MemAvailable from /proc/meminfo; set luazero.memory_budget, " ..
          "LZ_MEMORY_BUDGET or --memory-budget")
   end
-  local n = local_ranks or cfg.world_size or 1
-  return math.floor(avail / n), ("%s / %d local rank%s"):format(from, n, n == 1 and "" or "s")
+  return avail, from
 end
 
 local function luazero_section(raw, cfg, ov)
