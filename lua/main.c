@@ -581,7 +581,10 @@ int main(int argc, char **argv) {
   }
   lua_setglobal(L, "arg");
   int repl_after = interactive || (!first_script && !n_exec);
-  if (!repl_after && !getenv("LZ_SHM_NAME") && !getenv("OMPI_COMM_WORLD_RANK")) say_when_stopped();
+  /* (a rank of a job: its launcher says it, once; ours, OpenMPI's, MPICH's, Slurm's) */
+  if (!repl_after && !getenv("LZ_SHM_NAME") && !getenv("OMPI_COMM_WORLD_RANK") &&
+      !getenv("PMI_RANK") && !getenv("SLURM_PROCID"))
+    say_when_stopped();
   /* A script can keep what the REPL should see (scripts/train.lua keeps its engine). */
   lua_pushboolean(L, repl_after);
   lua_setglobal(L, "LUAZERO_INTERACTIVE");

@@ -181,6 +181,12 @@ function T.a_save_folder_another_run_holds_is_refused()
   os.execute("mkdir -p " .. q(dir))
   local lock = require("luazero.checkpoint.lock")
   assert(lock.claim(dir) == true and lock.claim(dir) == false, "a second claim is this run's")
+  -- a folder removed and made again under a held lock is claimed anew
+  local again = tmp .. "/again"
+  os.execute("mkdir -p " .. q(again))
+  assert(lock.claim(again) == true)
+  os.execute(("rm -rf %s && mkdir %s"):format(q(again), q(again)))
+  assert(lock.claim(again) == true and read(again .. "/.lock"), "the new folder is locked")
   local pid = tonumber(require("ffi").C.getpid())
   fails(1, "--steps 2 --save " .. q(dir), 2,
         { ("--save %s is in use by another run (pid %d, which holds %s/.lock)"):format(dir, pid, dir),

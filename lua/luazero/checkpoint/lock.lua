@@ -16,6 +16,7 @@ for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                         "int ftruncate(int fd, int64_t length);", "int close(int fd);",
                         "int getpid(void);", "char *strerror(int errnum);",
                         "char *realpath(const char *path, char *resolved);",
+                        "long readlink(const char *path, char *buf, unsigned long n);",
                         "void free(void *p);" }) do
   pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
 end
@@ -40,13 +41,32 @@ local function real_path(path)
   return s
 end
 
+-- Whether the lock file held through fd is still dir's .lock (not removed,
+-- with its folder, since: then it locks nothing).
+local function still_there(fd, dir)
+  local buf = ffi.new("char[4096]")
+  local n = tonumber(C.readlink(("/proc/self/fd/%d"):format(fd), buf, 4095))
+  if n < 0 then return true end -- (no /proc: trust it)
+  return ffi.string(buf, n) == real_path(dir) .. "/.lock"
+end
+
+-- Drops this process's lock of dir (a refused --save folder about to be
+-- removed).
+function M.release(dir)
+  local real = real_path(dir)
+  if held[real] then C.close(held[real]); held[real] = nil end
+end
+
 -- Takes dir's lock for this process. Raises, naming the holder's pid (the
 -- number it wrote there), when another process holds it. A file system
 -- without flock (some network ones) locks nothing: the claim goes on.
 -- Returns true when this call took the lock (false: already held here).
 function M.claim(dir)
   local real = real_path(dir)
-  if held[real] then return false end
+  if held[real] then
+    if still_there(held[real], dir) then return false end
+    M.release(dir)
+  end
   local path = dir .. "/.lock"
   local fd = C.open(path, O_RDWR + O_CREAT + O_CLOEXEC, 420) -- 0644
   if fd < 0 then

@@ -116,7 +116,8 @@ end
 -- The ids of text and each one's first byte (0-based): the tokenizer's
 -- offsets, or for a tokenizer without encode(text, {offsets = true}) the
 -- lengths of its tokens decoded one by one, used only when they add up to
--- the text itself (byte-level BPE's do).
+-- the text itself (a tokenizer whose decode gives each token's raw bytes;
+-- one that replaces a cut character by U+FFFD is refused here).
 local function encode_with_offsets(tok, text)
   local ids, starts = tok:encode(text, { offsets = true })
   if starts then return ids, starts end

@@ -55,9 +55,11 @@ function M.new(opts)
     if line and ex.rank == 0 then io.stderr:write(head:format(line)) end
     io.stderr:flush()
     -- A pointer to another rank's error: that rank, the cause, exits first,
-    -- so `luazero -n N` returns its status (the launcher's first to fail).
+    -- so `luazero -n N` returns its status (the launcher's first to fail;
+    -- it stops the other ranks half a second after, this one among them,
+    -- however loaded the machine). Under another launcher, a short wait.
     if ex.world > 1 and msg:find("failed on rank", 1, true) then
-      require("luazero.clock").sleep(0.3)
+      require("luazero.clock").sleep(os.getenv("LZ_SHM_NAME") and 10 or 0.3)
     end
     -- luazero -i: the REPL after a script that stops here, as after one that
     -- raises (lua/main.c), then the exit status

@@ -68,7 +68,10 @@ function M.check_save_target(ex, flags, n_params, cfg)
   end
   local function refuse(msg)
     -- (a folder made here goes whole: the lock a claim left in it too)
-    if #made_dirs > 0 then os.remove(dir .. "/.lock") end
+    if #made_dirs > 0 then
+      require("luazero.checkpoint.lock").release(dir)
+      os.remove(dir .. "/.lock")
+    end
     for _, d in ipairs(made_dirs) do os.remove(d) end
     ex.user_error(msg)
   end
