@@ -100,6 +100,10 @@ local function pattern_matcher(path, key, tbl)
   end
   local list = {}
   for k, v in pairs(tbl) do
+    -- (".*\\.gate_up_proj", which PEFT writes itself for a fused expert
+    -- tensor, is a name matched as a suffix: the name)
+    local plain = k:match("^%.%*\\%.([%w_\\%.]+)$")
+    if plain then k = plain:gsub("\\%.", ".") end
     if not k:match("^[%w_%.]+$") then
       error(("%s: %s key %q is a regular expression; luazero matches module names and dotted " ..
              "paths (q_proj, layers.0.self_attn.q_proj): give those"):format(path, key, k), 0)
@@ -178,6 +182,20 @@ function M.options(path, j)
     for _, t in ipairs(params) do all[#all + 1] = t end
     targets = all
   end
+  -- Targets outside the blocks' Linear layers and experts: the head, the
+  -- token table, an MoE router (PEFT's all-linear puts it in
+  -- target_parameters as gate.weight).
+  for _, t in ipairs(targets or {}) do
+    local what = (t == "lm_head" or t == "embed_out") and "the LM head" or
+                 (t == "embed_tokens" or t == "wte" or t == "wpe") and "the token table" or
+                 (t == "gate" or t == "gate.weight") and "an MoE block's router" or nil
+    if what then
+      error(("%s: target %s (%s): LoRA there is not implemented (luazero adapts the blocks' " ..
+             "Linear layers and experts); merge the adapters into the base with PEFT " ..
+             "(merge_and_unload, save_pretrained) and give the merged folder to --hf, or train " ..
+             "adapters without it"):format(path, t, what), 0)
+    end
+  end
   local rslora = j.use_rslora
   if not nothing(rslora) and rslora ~= true then
     error(("%s: use_rslora must be true or false (got %s)"):format(path, cjson.encode(rslora)), 0)
@@ -193,7 +211,19 @@ end
 -- adapter_config.json at `path`, read and checked.
 function M.read(path)
   local f = io.open(path, "rb")
-  if not f then error(("%s is not there; give PEFT's adapter folder"):format(path), 0) end
+  if not f then
+    -- (an adapter saved under a name: PEFT's save_pretrained puts it in DIR/NAME)
+    local dir = path:match("^(.*)/[^/]*$") or "."
+    local fs, inner = require("luazero.io.fs"), {}
+    for _, name in ipairs(fs.is_dir(dir) and fs.list(dir) or {}) do
+      if name ~= "." and name ~= ".." and fs.exists(dir .. "/" .. name .. "/adapter_config.json") then
+        inner[#inner + 1] = dir .. "/" .. name
+      end
+    end
+    error(("%s is not there; give PEFT's adapter folder%s"):format(path, #inner > 0 and
+          (" (an adapter saved under a name is in its own folder: %s)"):format(
+            table.concat(inner, ", ")) or ""), 0)
+  end
   local text = f:read("*a")
   f:close()
   local ok, j = pcall(cjson.decode, text)

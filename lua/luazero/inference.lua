@@ -138,6 +138,11 @@ end
 -- adapters alone), then the working copy derived from it.
 local function load_adapters(engine, dir)
   local path = dir .. "/adapter_model.safetensors"
+  local fs = require("luazero.io.fs")
+  if not fs.exists(path) and fs.exists(dir .. "/adapter_model.bin") then
+    fail("--adapters %s holds adapter_model.bin (PyTorch's pickle), which luazero does not read: " ..
+         "save the adapters as safetensors (PEFT's save_pretrained, whose default it is)", dir)
+  end
   local st = require("luazero.checkpoint.safetensors").open(path)
   local ok, err = pcall(function()
     local by_name = {}

@@ -62,6 +62,13 @@ function T.rslora_and_the_patterns_are_options()
   eq(o.rank_of("model.layers.0.self_attn.v_proj"), nil, "no match: r")
   eq(o.rank_of("model.layers.0.self_attn.xq_proj"), nil, "only at a dot")
   eq(o.alpha_of("model.layers.0.self_attn.v_proj"), 3, "alpha_pattern")
+  -- the key PEFT 0.21 writes itself for a fused expert tensor (all-linear on
+  -- an MoE): ".*\\.NAME", a name matched at a dot
+  local moe = adapter_config.options("a.json", with(PEFT, {
+    rank_pattern = { [".*\\.gate_up_proj"] = 8 }, alpha_pattern = { [".*\\.gate_up_proj"] = 16 } }))
+  eq(moe.rank_of("model.layers.0.mlp.experts.gate_up_proj"), 8, "a suffix regex's name")
+  eq(moe.alpha_of("model.layers.0.mlp.experts.gate_up_proj"), 16, "in alpha_pattern too")
+  eq(moe.rank_of("model.layers.0.mlp.experts.down_proj"), nil, "other names")
   -- models/lora.lua: rsLoRA scales by alpha / sqrt(r), the patterns per module
   local models = require("models.registry")
   local m = models.new(models.config("llama-tiny", { n_layer = 2 }))
@@ -116,6 +123,12 @@ function T.keys_that_change_the_result_are_refused()
     { { rank_pattern = { ["^model.*q_proj$"] = 2 } }, "is a regular expression" },
     { { rank_pattern = { q_proj = 2.5 } }, "rank_pattern[\"q_proj\"] must be a whole number" },
     { { a_new_key = 3 }, "a_new_key is not a field of PEFT 0.21.2's LoraConfig" },
+    -- targets outside the blocks: named as such, with the merge as the way
+    { { target_modules = { "q_proj", "lm_head" } }, "target lm_head (the LM head): LoRA there " ..
+      "is not implemented", "merge_and_unload" },
+    { { target_modules = { "embed_tokens" } }, "target embed_tokens (the token table)" },
+    { { target_parameters = { "experts.gate_up_proj", "gate.weight" } },
+      "target gate.weight (an MoE block's router)" },
   }
   for _, c in ipairs(cases) do
     local ok, err = pcall(adapter_config.options, "ad/adapter_config.json", with(PEFT, c[1]))
@@ -127,6 +140,22 @@ function T.keys_that_change_the_result_are_refused()
   -- keys that ask for nothing pass, known or not
   adapter_config.options("a.json", with(PEFT, { a_new_key = cjson.null, init_lora_weights = "gaussian",
                                                 lora_dropout = 0.1 }))
+end
+
+-- An adapter saved under a name (save_pretrained(..., adapter_name)) sits in
+-- its own folder: a read of the parent names it; a PEFT folder given to
+-- --resume says what it is.
+function T.a_named_adapters_folder_and_a_peft_resume_are_named()
+  local support = dofile(lz.root .. "/tests/lua/support.lua")
+  local write, dir = support.scratch()
+  os.execute(("mkdir -p %s/foo"):format(dir))
+  write("foo/adapter_config.json", cjson.encode(PEFT))
+  local ok, err = pcall(adapter_config.read, dir .. "/adapter_config.json")
+  assert(not ok and tostring(err):find(("(an adapter saved under a name is in its own folder: " ..
+                                        "%s/foo)"):format(dir), 1, true), tostring(err))
+  ok, err = pcall(require("luazero.checkpoint.disk").resolve, dir .. "/foo")
+  assert(not ok and tostring(err):find("is PEFT's adapter folder, not a luazero checkpoint", 1, true),
+         tostring(err))
 end
 
 -- scripts/eval.lua refuses it before anything is loaded: exit 2, the flag,

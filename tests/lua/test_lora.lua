@@ -157,6 +157,20 @@ local train, ok_train = support.trainer(("--model llama-tiny --seq-len 16 --samp
                                          "--eval-batches 1 --data %s"):format(
                                          support.quote(corpus_path)))
 
+-- GPT-2's adapters exported for its Conv1D layers, stored [in, out]: PEFT's
+-- fan_in_fan_out true (false warned in PEFT, which set it itself).
+function T.gpt2_adapters_export_fan_in_fan_out()
+  local _, dir = support.scratch()
+  local q = support.quote
+  local out, st = support.sh(("cd %s && %s scripts/train.lua --model gpt2-nano --n-layer 1 " ..
+    "--lora-r 2 --steps 1 --sample 0 --eval-batches 0 --seq-len 16 --micro-batch 2 --data %s " ..
+    "--save %s/g && %s tools/ckpt.lua export %s/g %s/p"):format(q(lz.root), q(lz.executable()),
+    q(corpus_path), dir, q(lz.executable()), dir, dir))
+  assert(st == 0, out)
+  local cfg = require("cjson").decode(lz.read_file(dir .. "/p/adapter_config.json"))
+  assert(cfg.fan_in_fan_out == true, lz.read_file(dir .. "/p/adapter_config.json"))
+end
+
 function T.lora_flags_train_at_world_2_with_the_same_checksum_at_every_stage()
   local sums = {}
   for stage = 0, 3 do
@@ -258,7 +272,8 @@ function T.lora_exports_peft_adapters_and_a_merged_model_with_the_same_loss()
          not io.open(dir .. "/one.safetensors"), o)
   local cfg = require("cjson").decode(lz.read_file(dir .. "/peft/adapter_config.json"))
   assert(cfg.peft_type == "LORA" and cfg.r == 4 and cfg.lora_alpha == 8 and
-         #cfg.target_modules == 3, lz.read_file(dir .. "/peft/adapter_config.json"))
+         #cfg.target_modules == 3 and cfg.fan_in_fan_out == false,
+         lz.read_file(dir .. "/peft/adapter_config.json"))
   local st_file = require("luazero.checkpoint.safetensors").open(dir .. "/peft/adapter_model.safetensors")
   assert(#st_file.names == 2 * 3 * 2, #st_file.names .. " adapter tensors")
   for _, n in ipairs(st_file.names) do

@@ -102,6 +102,12 @@ function M.resolve(path)
     fail("%s: holds no complete checkpoint, only %s, a save that was interrupted before it " ..
          "finished; resume from an earlier checkpoint, or start the run again", path, cut)
   end
+  if exists(path .. "/adapter_config.json") then
+    fail("%s: is PEFT's adapter folder, not a luazero checkpoint: adapters do not seed a " ..
+         "resumed run (its optimizer states and step are not there); evaluate or generate " ..
+         "with --hf BASE --adapters %s, or merge them into the base (PEFT's merge_and_unload) " ..
+         "and start from that with --init", path, path)
+  end
   fail("%s: holds neither manifest.json nor latest; give a step folder (DIR/step-000020) or " ..
        "the --save folder", path)
 end

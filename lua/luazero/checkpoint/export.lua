@@ -379,7 +379,9 @@ function M.export_lora(ck, out, dtype, merge, base)
         peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
         target_modules = modules, lora_dropout = 0.0, bias = "none",
         target_parameters = #params > 0 and params or nil,
-        fan_in_fan_out = false, inference_mode = true, base_model_name_or_path = m.init or "",
+        -- (GPT-2's Conv1D stores its weights [in, out]: PEFT's flag for that)
+        fan_in_fan_out = mcfg.family == "gpt2", inference_mode = true,
+        base_model_name_or_path = m.init or "",
       }):gsub('"target_modules":{}', '"target_modules":[]')) .. "\n")
       return #named
     end
