@@ -187,6 +187,7 @@ local function text_side(flags, w)
       inputs.check_tokenizer_vocab(ex, tok, tok_path, V, "the weights in " ..
                                    (flags.hf or flags.load))
     end
+    side.tok = tok
     side.encode = function(text) return tok:encode(text) end
     side.decode = function(ids) return run_text.decode(tok, ids) end
     if tok.eos_id then side.eos[tok.eos_id] = true end
@@ -206,9 +207,28 @@ local function text_side(flags, w)
     -- Llama 3 Instruct's <|eot_id|> is there)
     local gc = read_json(dir .. "/generation_config.json") or {}
     id_set(gc.eos_token_id, side.eos)
+    -- (its sampling settings, which transformers' generate() takes by
+    -- default: said where this run decodes greedily instead)
+    if gc.do_sample == true and flags.temperature == 0 then
+      local s = { "--temperature " .. tostring(type(gc.temperature) == "number" and gc.temperature or 1) }
+      -- (transformers' top_k is 50 where the file gives none)
+      local k = gc.top_k == nil and 50 or gc.top_k
+      if type(k) == "number" and k > 0 then s[#s + 1] = "--top-k " .. k end
+      if type(gc.top_p) == "number" and gc.top_p < 1 then s[#s + 1] = "--top-p " .. gc.top_p end
+      io.stderr:write(("generate: %s/generation_config.json asks for sampling (do_sample true), " ..
+                       "as transformers' generate() would run it; this run decodes greedily: add " ..
+                       "%s to sample\n"):format(dir, table.concat(s, " ")))
+    end
     side.bos = side.bos or (type(c.bos_token_id) == "number" and c.bos_token_id or nil)
     local tc = read_json(dir .. "/tokenizer_config.json") or {}
-    side.add_bos = tc.add_bos_token == true
+    -- The special tokens transformers' tokenizer(prompt) adds: a BOS where
+    -- tokenizer_config.json says add_bos_token, else what tokenizer.json's
+    -- post-processor template puts around one sequence (Llama 3's BOS).
+    if type(tc.add_bos_token) == "boolean" then
+      side.add_bos = tc.add_bos_token
+    elseif side.tok then
+      side.prefix, side.suffix = side.tok.single_prefix, side.tok.single_suffix
+    end
   end
   if flags.chat then
     if not dir then
@@ -255,6 +275,15 @@ local function prompt_ids(list, side, flags, V)
       out[i] = side.encode(text)
       if not flags.chat and side.add_bos and side.bos and out[i][1] ~= side.bos then
         table.insert(out[i], 1, side.bos)
+      end
+      if not flags.chat and side.prefix then
+        local ids = {}
+        for _, id in ipairs(side.prefix) do ids[#ids + 1] = id end
+        -- (one BOS where the text begins with it already, as above)
+        local from = (#side.prefix == 1 and out[i][1] == side.prefix[1]) and 2 or 1
+        for k = from, #out[i] do ids[#ids + 1] = out[i][k] end
+        for _, id in ipairs(side.suffix) do ids[#ids + 1] = id end
+        out[i] = ids
       end
     end
     if #out[i] == 0 then fail(("prompt %d encodes to no tokens"):format(i)) end

@@ -107,6 +107,21 @@ end
 
 -- A merge listed twice takes its last rank, as the tokenizers library's
 -- merge map does: "b b" listed again after "a b" merges after it.
+-- The special tokens a TemplateProcessing post-processor puts around one
+-- sequence (what transformers' tokenizer(text) adds; generate adds them to a
+-- plain prompt where tokenizer_config.json has no add_bos_token).
+function T.the_templates_specials_around_one_sequence()
+  local tok = tokenizer.load(tiny(function(j)
+    j.post_processor = { type = "TemplateProcessing",
+      single = { { SpecialToken = { id = "<|eot|>", type_id = 0 } }, { Sequence = { id = "A", type_id = 0 } } },
+      pair = { { Sequence = { id = "A", type_id = 0 } }, { Sequence = { id = "B", type_id = 1 } } },
+      special_tokens = { ["<|eot|>"] = { id = "<|eot|>", ids = { 6 }, tokens = { "<|eot|>" } } } }
+  end))
+  same(tok.single_prefix, { 6 })
+  same(tok.single_suffix, {})
+  same(tokenizer.load(tiny()).single_prefix, {})
+end
+
 function T.a_repeated_merge_takes_its_last_rank()
   local function with(merges)
     return tokenizer.load(tiny(function(j) j.model.vocab.bb, j.model.merges = 7, merges end))

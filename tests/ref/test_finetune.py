@@ -250,6 +250,15 @@ def main():
             for n in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"))
         check("docs_tiny_folder", same and not any(
             os.path.islink(os.path.join(made, n)) for n in os.listdir(made)), f"exit {code}")
+        # A plain prompt's ids are transformers' tokenizer(prompt): its BOS
+        # comes from tokenizer.json's post-processor (no add_bos_token).
+        hf = PreTrainedTokenizerFast.from_pretrained(made)
+        plain = os.path.join(tmp, "plain.jsonl")
+        st, out = lz("scripts/generate.lua", "--hf", made, "--prompt", "Hello world",
+                     "--max-new-tokens", "1", "--out", plain)
+        ids = json.loads(open(plain).readline())["prompt_ids"] if st == 0 else None
+        check("plain_prompt_ids", ids == hf("Hello world").input_ids,
+              f"luazero {ids}, transformers {hf('Hello world').input_ids}")
     return check.summary()
 
 

@@ -322,6 +322,30 @@ local function special_ids(self, path, j)
   if eos == nil then eos = named({ "</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>" }) end
   self.bos_id = bos and self:token_id(bos) or nil
   self.eos_id = eos and self:token_id(eos) or nil
+  -- The special tokens the post-processor's template puts around one
+  -- sequence (TemplateProcessing's "single": [<s>, $A] gives prefix {id of
+  -- <s>}), which tokenizers' encode(text) adds (add_special_tokens=True).
+  local tmpl = type(post) == "table" and post.type == "TemplateProcessing" and post or nil
+  if type(post) == "table" and post.type == "Sequence" then
+    for _, p in ipairs(post.processors or {}) do
+      if type(p) == "table" and p.type == "TemplateProcessing" then tmpl = p end
+    end
+  end
+  self.single_prefix, self.single_suffix = {}, {}
+  if tmpl and type(tmpl.single) == "table" then
+    local side = self.single_prefix
+    for _, piece in ipairs(tmpl.single) do
+      if type(piece) == "table" and type(piece.Sequence) == "table" then
+        side = self.single_suffix
+      elseif type(piece) == "table" and type(piece.SpecialToken) == "table" then
+        local name = piece.SpecialToken.id
+        local spec = type(tmpl.special_tokens) == "table" and tmpl.special_tokens[name]
+        local ids = type(spec) == "table" and type(spec.ids) == "table" and spec.ids or
+                    { self:token_id(name) }
+        for _, id in ipairs(ids) do side[#side + 1] = id end
+      end
+    end
+  end
 end
 
 function M.load(path)
