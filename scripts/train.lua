@@ -184,8 +184,21 @@ local function set_up(flags)
   run_config.check_memory_budget_env(ex, cfg)
   local B, T = cfg.train_micro_batch_size_per_gpu, flags.seq_len or mcfg.context
   if T > mcfg.context then
+    -- (--context cannot grow a learned position table loaded with --init)
+    local fixed = flags.init and mcfg.family == "gpt2"
     user_error(("--seq-len %d is longer than the model's context %d (%s); use --seq-len %d " ..
-                "or less, or --context %d"):format(T, mcfg.context, mcfg.name, mcfg.context, T))
+                "or less%s"):format(T, mcfg.context, mcfg.name, mcfg.context, fixed and
+                (" (its position table, from --init, holds %d positions)"):format(mcfg.context)
+                or (", or --context %d"):format(T)))
+  end
+  -- (LongRoPE's attention scale follows the context where its config gives
+  -- no factor: models/phi3.lua)
+  local rs = mcfg.rope_scaling
+  if flags.init and flags.context and type(rs) == "table" and rs.long_factor and
+     not rs.factor and not rs.attention_factor then
+    say(("model: --context %d sets LongRoPE's attention scale (from the context over " ..
+         "original_max_position_embeddings): the model's numbers differ from --init's folder, " ..
+         "whose context is its max_position_embeddings"):format(flags.context))
   end
   local schedule, sched, warmup = run_config.schedule(cfg, flags)
   start.note_resumed_schedule(ex, flags, cfg, resumed, sched,

@@ -410,6 +410,19 @@ end
 
 -- A Hugging Face folder's generation_config.json eos_token_id ends a
 -- completion as config.json's does (transformers' generate stops at both).
+-- A --seq-len past a GPT-2 folder's position table: --context cannot grow
+-- the table --init loads, so the refusal does not offer it.
+function T.a_learned_position_tables_context_is_not_offered_to_grow()
+  local write, dir = support.scratch()
+  local data = write("d.txt", corpus(200, 6))
+  exported(dir, data)
+  local out, st = script("train", ("--init %s/hf --data %s --seq-len 64 --steps 0"):format(dir,
+                                                                                      q(data)))
+  assert(st == 2 and out:find("use --seq-len 32 or less (its position table, from --init, " ..
+                              "holds 32 positions)", 1, true) and not out:find("--context", 1, true),
+         out)
+end
+
 function T.generation_configs_eos_ends_a_completion()
   local write, dir = support.scratch()
   exported(dir, write("d.txt", corpus(200, 6)))
