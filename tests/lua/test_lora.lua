@@ -157,6 +157,19 @@ local train, ok_train = support.trainer(("--model llama-tiny --seq-len 16 --samp
                                          "--eval-batches 1 --data %s"):format(
                                          support.quote(corpus_path)))
 
+-- Frozen weights from no --init (drawn from the seed) are not saved: their
+-- hash is, and a resume whose frozen weights differ (another seed) is
+-- refused; the same seed resumes, at another stage and world size too.
+function T.a_resume_checks_the_frozen_weights_it_does_not_hold()
+  local _, dir = support.scratch()
+  local flags = "--lora-r 2 --steps 3 --save-every 2 --save " .. support.quote(dir .. "/ck")
+  ok_train(1, flags)
+  local out, st = train(1, "--lora-r 2 --steps 3 --seed 5 --resume " .. support.quote(dir .. "/ck"))
+  assert(st == 2 and out:find("was saved with frozen weights hashing to xxh64", 1, true) and
+         out:find("make them as that run did (its seed, 1337", 1, true), out)
+  ok_train(2, "--lora-r 2 --steps 3 --stage 3 --resume " .. support.quote(dir .. "/ck"))
+end
+
 -- GPT-2's adapters exported for its Conv1D layers, stored [in, out]: PEFT's
 -- fan_in_fan_out true (false warned in PEFT, which set it itself).
 function T.gpt2_adapters_export_fan_in_fan_out()

@@ -180,6 +180,9 @@ local function write_json(path, t) atomic.write(path, cjson.encode(t) .. "\n") e
 -- from_pretrained. Either appears whole or not at all.
 function M.export(ck, out, dtype)
   local mcfg = ck.manifest.model and ck.manifest.model.config or {}
+  -- (frozen weights drawn from a seed, or set by hand, are in no file)
+  local missing = ck.manifest.frozen_xxh64 and "; the model's frozen weights are not in it: " ..
+                  "a checkpoint holds what trains, and they came from no --init" or ""
   if not out:match("%.safetensors$") then
     out = out:gsub("/+$", "")
     local before = held(out)
@@ -189,11 +192,12 @@ function M.export(ck, out, dtype)
       copy_generation_config(ck.manifest, f.tmp)
       return { n, total }
     end)
-    return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json%s")
-           :format(r[1], dtype, r[2] / 2 ^ 20, out, replaced(before, out))
+    return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json%s%s")
+           :format(r[1], dtype, r[2] / 2 ^ 20, out, replaced(before, out), missing)
   end
   local n, total = write_model(ck, out, dtype)
-  return ("exported %d tensors (%s, %.1f MiB) to %s"):format(n, dtype, total / 2 ^ 20, out)
+  return ("exported %d tensors (%s, %.1f MiB) to %s%s"):format(n, dtype, total / 2 ^ 20, out,
+                                                                missing)
 end
 
 ------------------------------------------------------------------ LoRA

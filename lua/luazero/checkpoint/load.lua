@@ -203,6 +203,19 @@ function M.check(engine, path)
     end
   end
   check_small(dir, m, rec, parts)
+  -- Frozen weights are not in a checkpoint: where they came from no file
+  -- (drawn from the seed, or set by hand), their hash was recorded, and this
+  -- engine's must be it. (Collective at stage 3: every rank checks.)
+  if m.frozen_xxh64 and engine.frozen and #(engine.frozen.entries or {}) > 0 and
+     not engine.init_path then
+    local got = engine:frozen_checksum()
+    if got ~= m.frozen_xxh64 then
+      fail("%s was saved with frozen weights hashing to xxh64 %s, which it does not hold (only " ..
+           "what trains is saved); this engine's hash to %s: make them as that run did (its " ..
+           "seed, %s, or the weights it set) before loading", dir, m.frozen_xxh64, got,
+           tostring(m.frozen_seed))
+    end
+  end
   -- The master weights' format likewise (bf16_stochastic_round keeps no
   -- fp32 master).
   local a, b = rec and rec.master_format or "f32", parts.optimizer_record.master_format or "f32"

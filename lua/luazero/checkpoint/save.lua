@@ -267,6 +267,13 @@ function M.begin(engine, dir, extra, opts)
   local step = parts.steps.global
   local name = disk.step_name(step)
 
+  -- Frozen weights from no --init (drawn from the seed, or set by hand)
+  -- are not saved: their hash is, for a resume to check (every rank: a
+  -- gather at stage 3).
+  local frozen_sum
+  if engine.frozen and #(engine.frozen.entries or {}) > 0 and not parts.init.path then
+    frozen_sum = engine:frozen_checksum()
+  end
   local ok, err, pid = true, nil, 0
   if rank == 0 then
     pid = tonumber(ffi.C.getpid())
@@ -294,6 +301,7 @@ function M.begin(engine, dir, extra, opts)
       -- A run with frozen parameters saves what trains: LoRA's settings,
       -- and where the frozen weights came from (--init), for the export.
       lora = model.lora, init = parts.init.path, init_xxh64 = parts.init.xxh64,
+      frozen_xxh64 = frozen_sum, frozen_seed = frozen_sum and engine.seed or nil,
       -- where the model's own training generators stand (MoE router jitter)
       generators = model.generator_states and model:generator_states() or nil,
       optimizer_steps = parts.steps.optimizer, global_steps = parts.steps.global,
