@@ -288,6 +288,34 @@ function T.the_engine_runs_at_its_own_optimizer_s_learning_rate()
   assert(ok, err)
 end
 
+-- A step before the accumulation boundary does nothing (nil), as
+-- DeepSpeed's engine.step(): stepping after every micro-batch is
+-- train_batch's one update.
+function T.a_step_before_the_accumulation_boundary_does_nothing()
+  local zero, data = require("luazero.zero"), require("luazero.data")
+  local sums = {}
+  for _, each in ipairs({ false, true }) do
+    local m = gpt2.new(gpt2.config("gpt2-nano", MODEL))
+    local engine = zero.initialize{ model = m, seed = 1, batch = { 2, 16 }, config = {
+      train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 2 } }
+    local loader = data.loader(data.load(corpus), { B = 2, T = 16, seed = 1, vocab = m.cfg.vocab })
+    for _ = 1, 2 do
+      if each then
+        for k = 1, 2 do
+          engine:backward(engine:forward(loader:next_batch()))
+          local rec = engine:step()
+          assert((rec == nil) == (k == 1), "a step at micro-batch " .. k)
+        end
+      else
+        engine:train_batch(loader)
+      end
+    end
+    sums[#sums + 1] = engine:params_checksum()
+    engine:free()
+  end
+  support.eq(sums[2], sums[1], "stepping after every micro-batch")
+end
+
 -- Stage 3's prefetch is a window of stage3_prefetch_bucket_size elements
 -- ahead: the parameters gathered at once stay within it and the module in
 -- use (they grew by a bucket at every module, to the whole model).

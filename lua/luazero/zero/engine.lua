@@ -703,6 +703,10 @@ function Engine:step()
     error("engine: step before backward: no gradients since the last step; call " ..
           "engine:forward(x, y) and engine:backward(loss) first (or engine:train_batch)", 2)
   end
+  -- Before the accumulation boundary a step does nothing, as DeepSpeed's
+  -- engine.step(): a loop that steps after every micro-batch updates once
+  -- per gradient_accumulation_steps of them. Returns nil then.
+  if not is_boundary(self) then return nil end
   self.stepped_at = self.micro
   if self.spill then self.spill:finish() end
   self:pull_grads()
