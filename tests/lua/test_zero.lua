@@ -288,6 +288,20 @@ function T.the_engine_runs_at_its_own_optimizer_s_learning_rate()
   assert(ok, err)
 end
 
+-- One engine a model: a second initialize of the same model is refused
+-- (its parameters are the first engine's views), and after free it builds.
+function T.a_model_serves_one_engine_at_a_time()
+  local zero = require("luazero.zero")
+  local m = gpt2.new(gpt2.config("gpt2-nano", MODEL))
+  local opts = { model = m, seed = 1, batch = { 2, 16 }, config = { train_micro_batch_size_per_gpu = 2 } }
+  local e = zero.initialize(opts)
+  local ok, err = pcall(zero.initialize, opts)
+  assert(not ok and tostring(err):find("initialize: this model is an engine's already", 1, true),
+         tostring(err))
+  e:free()
+  zero.initialize(opts):free()
+end
+
 -- A step before the accumulation boundary does nothing (nil), as
 -- DeepSpeed's engine.step(): stepping after every micro-batch is
 -- train_batch's one update.

@@ -95,6 +95,12 @@ function M.initialize(opts, above)
   local estimator = above.estimate
   api.initialize(opts)
   local model = assert(opts.model, "initialize: model is required")
+  -- (one engine a model: its parameters are that engine's buffers' views)
+  if model.zero_engine then
+    error("initialize: this model is an engine's already (its parameters are views of that " ..
+          "engine's buffers); build another with models.new for a second engine, or " ..
+          "engine:free() the first", 0)
+  end
   check_modules(model)
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
@@ -184,6 +190,7 @@ function M.initialize(opts, above)
     if opts.batch then self:prepare(opts.batch[1], opts.batch[2]) end
   end)
   if not ok then error(estimator and estimator.allocation_error(self, opts.batch, err) or err, 0) end
+  model.zero_engine = self -- (once built: a failed initialize leaves the model free)
   return self
 end
 
@@ -793,6 +800,7 @@ function Engine:free()
   local ctx = self.model.ctx
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()
+  self.model.zero_engine = nil
 end
 
 M.Engine = Engine
