@@ -425,7 +425,9 @@ lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int 
  * across devices, streams and events below work on whichever is initialized,
  * and their errors name it. */
 
-/* In libluazero_cuda.so (built where nvcc exists, loaded at run time). */
+/* The CUDA devices, through libluazero_cuda.so (built where nvcc exists,
+ * loaded at run time: by the first of these or lz_cuda_init). Without the
+ * library or a GPU: LZ_ERR_UNSUPPORTED naming why, and "unknown". */
 lz_status lz_cuda_device_count(int *out);
 const char *lz_cuda_device_name(int device);
 

@@ -43,7 +43,7 @@ lz_status lz_cu_scratch(void **out, size_t bytes) {
 
 static lz_status cu_init(int device) {
   int n = 0;
-  LZ_TRY(lz_cuda_device_count(&n));  // (device.cu: the clear "no GPU" errors)
+  LZ_TRY(lz_cu_device_count(&n));  // (device.cu: the clear "no GPU" errors)
   if (device >= n)
     return lz_fail(LZ_ERR_INVALID, "cuda: device %d does not exist; this machine has %d (0..%d)",
                    device, n, n - 1);

@@ -41,6 +41,11 @@ extern void *lz_cu_lt_workspace; // cuBLASLt's workspace, LZ_CU_LT_WORKSPACE byt
 #define LZ_CU_LT_WORKSPACE ((size_t)32 << 20)
 #define LZ_CU_COMPUTE (lz_cu_stream[LZ_STREAM_COMPUTE])
 
+// device.cu: the devices (the core's lz_cuda_device_count and
+// lz_cuda_device_name find these by name in this library).
+extern "C" lz_status lz_cu_device_count(int *out);
+extern "C" const char *lz_cu_device_name(int device);
+
 // A device scratch buffer of at least `bytes`, grown on demand (on the ledger
 // as workspace). Valid until the next call; ops on the compute stream only.
 lz_status lz_cu_scratch(void **out, size_t bytes);

@@ -87,6 +87,38 @@ lz_status lz_cuda_init(int device) {
   return st;
 }
 
+/* The devices, from libluazero_cuda.so's device.cu (loaded, or loaded
+ * now: counting needs no lz_cuda_init). */
+static void *cuda_symbol(const char *name, char *why, size_t len) {
+  static void *h;
+  pthread_mutex_lock(&init_lock);
+  if (!h) h = open_cuda_library(why, len);
+  void *f = h ? dlsym(h, name) : NULL;
+  if (h && !f) snprintf(why, len, "%s", dlerror());
+  pthread_mutex_unlock(&init_lock);
+  return f;
+}
+
+lz_status lz_cuda_device_count(int *out) {
+  *out = 0;
+  char why[512] = "";
+  lz_status (*count)(int *) = (lz_status(*)(int *))cuda_symbol("lz_cu_device_count", why,
+                                                               sizeof why);
+  if (!count)
+    return lz_fail(LZ_ERR_UNSUPPORTED,
+                   "cuda: libluazero_cuda.so could not be loaded (%s); build where nvcc exists, "
+                   "or run with --device cpu",
+                   why);
+  return count(out);
+}
+
+const char *lz_cuda_device_name(int device) {
+  char why[512] = "";
+  const char *(*name)(int) = (const char *(*)(int))cuda_symbol("lz_cu_device_name", why,
+                                                                 sizeof why);
+  return name ? name(device) : "unknown";
+}
+
 lz_status lz_sim_init(void) {
   pthread_mutex_lock(&init_lock);
   lz_status st = one_accelerator("sim_init", "sim");

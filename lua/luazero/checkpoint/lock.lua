@@ -70,7 +70,8 @@ function M.claim(dir)
   local path = dir .. "/.lock"
   local fd = C.open(path, O_RDWR + O_CREAT + O_CLOEXEC, 420) -- 0644
   if fd < 0 then
-    error(("checkpoint: %s: cannot open it (%s)"):format(path, ffi.string(C.strerror(ffi.errno()))), 0)
+    error(("checkpoint: %s: cannot open it (%s)"):format(path,
+          ffi.string(C.strerror(ffi.errno()))), 0)
   end
   if C.flock(fd, LOCK_EX + LOCK_NB) ~= 0 then
     local errno = ffi.errno()

@@ -7,7 +7,8 @@
 -- limit is met before the machine's. The first two are the machine's or the
 -- group's, shared by the ranks on it; ulimit -v's is each process's own.
 --
---   local bytes, source = memory.available(ranks)  -- a rank's share; source: "MemAvailable / 2 local ranks", ...
+--   local bytes, source = memory.available(ranks)  -- a rank's share
+--   -- source: "MemAvailable / 2 local ranks", "ulimit -v", ...
 local ffi = require("ffi")
 
 pcall(ffi.cdef, [[

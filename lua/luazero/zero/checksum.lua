@@ -6,7 +6,6 @@
 local ffi = require("ffi")
 local lz = require("luazero")
 local Placement = require("luazero.zero.plan")
-local widened = require("luazero.zero.states").widened
 
 local M = {}
 
@@ -31,8 +30,9 @@ local function hash_range(h, seg, j, chunk, a, n)
 end
 
 -- fn(t) with t an fp32 host tensor of view v's values (v itself where it
--- is one), freed after.
-local function as_host_f32(v, on_device, fn)
+-- is one), freed after; widened(v): an fp32 copy of a bf16 view, and
+-- whether it is one (zero/states.lua's).
+local function as_host_f32(v, on_device, widened, fn)
   local host = on_device and v:to("cpu")
   local wide, own = widened(host or v)
   local r = fn(wide)
@@ -43,7 +43,7 @@ end
 
 -- States S's checksum (hex): a resident full master read in place, a
 -- sharded one broadcast from each rank's slice in turn, CHUNK values a time.
-function M.of(S)
+function M.of(S, widened)
   local h = lz.hasher(0)
   local es = Placement.esize.f32
   local P = S.P
@@ -60,7 +60,9 @@ function M.of(S)
       for a = 0, seg.extent - 1, CHUNK do
         local n = math.min(CHUNK, seg.extent - a)
         local v = S.master:view(seg.full_offset + a, { n })
-        j = as_host_f32(v, on_device, function(t) return hash_range(h, seg, j, t, a, n) end)
+        j = as_host_f32(v, on_device, widened, function(t)
+          return hash_range(h, seg, j, t, a, n)
+        end)
         v:free()
       end
     end
@@ -73,7 +75,7 @@ function M.of(S)
       for c = a, b - 1, CHUNK do
         local m = math.min(CHUNK, b - c)
         local view = master:view(c - lo, { m })
-        j = as_host_f32(view, on_device, function(t)
+        j = as_host_f32(view, on_device, widened, function(t)
           return hash_range(h, seg, j, t, c - seg.shard_offset, m)
         end)
         view:free()
@@ -89,7 +91,7 @@ function M.of(S)
           local out = buf:view(0, { n })
           if r == S.rank then
             local v = slice:view(a, { n })
-            as_host_f32(v, on_device, function(t) out:copy(t) end)
+            as_host_f32(v, on_device, widened, function(t) out:copy(t) end)
             v:free()
           end
           S.comm.broadcast(out, r)

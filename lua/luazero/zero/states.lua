@@ -763,8 +763,6 @@ end
 
 -- xxh64 of the full fp32 master parameters in canonical order (hex),
 -- streamed a chunk at a time (zero/checksum.lua).
-function States:checksum() return require("luazero.zero.checksum").of(self) end
-
-M.widened = widened -- (an fp32 copy of a bf16 view: zero/checksum.lua)
+function States:checksum() return require("luazero.zero.checksum").of(self, widened) end
 
 return M
