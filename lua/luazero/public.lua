@@ -12,7 +12,7 @@ M.modules = {
                   "mem_total", "mem_total_peak", "peak_rss", "device_init", "ops", "root",
                   "arena_bytes" },
   ["luazero.comm"] = { "init", "rank", "size", "barrier", "all_reduce", "broadcast" },
-  ["luazero.config"] = { "load" },
+  ["luazero.config"] = { "load", "unimplemented_message" },
   ["luazero.optim"] = { "schedule" },
   ["luazero.zero"] = { "initialize" },
   ["luazero.data"] = { "load", "loader", "free", "decode_bytes" },
