@@ -299,7 +299,15 @@ function T.a_model_serves_one_engine_at_a_time()
   assert(not ok and tostring(err):find("initialize: this model is an engine's already", 1, true),
          tostring(err))
   e:free()
+  -- (a freed engine's methods refuse in one line)
+  ok, err = pcall(e.params_checksum, e)
+  assert(not ok and tostring(err):find("engine:params_checksum: this engine was freed", 1, true),
+         tostring(err))
   zero.initialize(opts):free()
+  -- a model's config given for the model
+  ok, err = pcall(zero.initialize, { model = gpt2.config("gpt2-nano", MODEL), seed = 1 })
+  assert(not ok and tostring(err):find("zero.initialize: model must be a model", 1, true),
+         tostring(err))
 end
 
 -- A step before the accumulation boundary does nothing (nil), as

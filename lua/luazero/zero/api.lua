@@ -40,6 +40,31 @@ function M.initialize(opts)
     fail("zero.initialize: batch must be { B, T }, sequences and tokens a micro-batch, whole " ..
          "numbers >= 1 (got %s)", tostring(b))
   end
+  local m = opts.model
+  if m ~= nil and (type(m) ~= "table" or type(m.walk) ~= "function") then
+    fail("zero.initialize: model must be a model (models.new(cfg), or an nn.Model); got %s",
+         type(m) == "table" and "a table that is not one (a config? give models.new(it))" or
+         type(m))
+  end
+  -- (one engine a model: its parameters are that engine's buffers' views)
+  if m and m.zero_engine then
+    fail("initialize: this model is an engine's already (its parameters are views of that " ..
+         "engine's buffers); build another with models.new for a second engine, or " ..
+         "engine:free() the first")
+  end
+end
+
+-- The metatable a freed engine takes (Engine: the engine's class): its
+-- fields stay, each method refuses in one line.
+function M.freed(Engine)
+  return { __index = function(_, k)
+    if type(Engine[k]) == "function" then
+      return function()
+        error(("engine:%s: this engine was freed (engine:free()); make another with " ..
+               "zero.initialize"):format(k), 2)
+      end
+    end
+  end }
 end
 
 -- The engine's lr(step): a function's result, checked each step.

@@ -95,12 +95,6 @@ function M.initialize(opts, above)
   local estimator = above.estimate
   api.initialize(opts)
   local model = assert(opts.model, "initialize: model is required")
-  -- (one engine a model: its parameters are that engine's buffers' views)
-  if model.zero_engine then
-    error("initialize: this model is an engine's already (its parameters are views of that " ..
-          "engine's buffers); build another with models.new for a second engine, or " ..
-          "engine:free() the first", 0)
-  end
   check_modules(model)
   local s = settings(opts.config)
   local comm = opts.comm or require("luazero.comm")
@@ -710,9 +704,7 @@ function Engine:step()
     error("engine: step before backward: no gradients since the last step; call " ..
           "engine:forward(x, y) and engine:backward(loss) first (or engine:train_batch)", 2)
   end
-  -- Before the accumulation boundary a step does nothing, as DeepSpeed's
-  -- engine.step(): a loop that steps after every micro-batch updates once
-  -- per gradient_accumulation_steps of them. Returns nil then.
+  -- (before the accumulation boundary: nothing, and nil, as DeepSpeed's step)
   if not is_boundary(self) then return nil end
   self.stepped_at = self.micro
   if self.spill then self.spill:finish() end
@@ -801,6 +793,7 @@ function Engine:free()
   if ctx.cast_arena then ctx.cast_arena:free(); ctx.cast_arena = nil end
   self.model:release_arenas()
   self.model.zero_engine = nil
+  setmetatable(self, api.freed(Engine))
 end
 
 M.Engine = Engine
