@@ -656,6 +656,24 @@ function T.warmup_lr_log_and_linear()
   close(lr(4), 3e-4, "it 2 -> max = the optimizer's lr")
 end
 
+-- The start-up notes of a schedule: a warmup longer than the run, and a
+-- WarmupLR whose peak is the optimizer's lr for want of warmup_max_lr.
+function T.schedule_notes_say_the_warmup_and_the_peak()
+  local note = require("luazero.run.config").schedule_note
+  local function cfg(sched)
+    return config.load({ train_batch_size = 2, scheduler = sched,
+                         optimizer = { type = "AdamW", params = { lr = 5e-4 } } }, 1)
+  end
+  local n = note(cfg({ type = "WarmupLR", params = { warmup_num_steps = 4 } }), { steps = 2 })
+  assert(n and n:find("warmup_num_steps 4 is more than the 2 steps of --steps", 1, true) and
+         n:find("\nconfig: WarmupLR without scheduler.params.warmup_max_lr peaks at the " ..
+                "optimizer's lr, 0.0005", 1, true), tostring(n))
+  assert(note(cfg({ type = "WarmupLR", params = { warmup_num_steps = 2, warmup_max_lr = 1e-3 } }),
+              { steps = 9 }) == nil)
+  assert(note(cfg({ type = "WarmupDecayLR", params = { warmup_num_steps = 2,
+                                                       total_num_steps = 9 } }), { steps = 9 }) == nil)
+end
+
 function T.warmup_decay_lr()
   -- after warmup: max * max(0, (T - it) / max(1, T - W)); W = 10, T = 110.
   local lr = lrs({ type = "WarmupDecayLR", params = { warmup_max_lr = 0.01,

@@ -60,13 +60,27 @@ end
 -- A note when the config's scheduler warms up over more steps than the run
 -- has (its total_num_steps, else --steps): the lr never reaches its peak
 -- (DeepSpeed warns too); nil otherwise.
+-- Also where a WarmupLR's peak is the optimizer's lr for want of
+-- warmup_max_lr (WarmupDecayLR's default is 0.001: the two differ).
 function M.schedule_note(cfg, flags)
+  local notes = {}
   local p = cfg.scheduler and cfg.scheduler.params
   local total = p and (p.total_num_steps or (flags.steps > 0 and flags.steps))
-  if not (p and p.warmup_num_steps and total and p.warmup_num_steps > total) then return nil end
-  return ("config: scheduler.params.warmup_num_steps %d is more than the %d steps of %s: the " ..
-          "learning rate never reaches its peak; lower it (or set it \"auto\", or give --warmup)")
-         :format(p.warmup_num_steps, total, p.total_num_steps and "total_num_steps" or "--steps")
+  if p and p.warmup_num_steps and total and p.warmup_num_steps > total then
+    notes[#notes + 1] = ("config: scheduler.params.warmup_num_steps %d is more than the %d " ..
+      "steps of %s: the learning rate never reaches its peak; lower it (or set it \"auto\", or " ..
+      "give --warmup)"):format(p.warmup_num_steps, total,
+                               p.total_num_steps and "total_num_steps" or "--steps")
+  end
+  local raw = type(cfg.raw) == "table" and type(cfg.raw.scheduler) == "table" and
+              type(cfg.raw.scheduler.params) == "table" and cfg.raw.scheduler.params or {}
+  if cfg.scheduler and cfg.scheduler.type == "WarmupLR" and p.warmup_max_lr == nil and
+     raw.warmup_max_lr ~= "auto" then
+    notes[#notes + 1] = ("config: WarmupLR without scheduler.params.warmup_max_lr peaks at the " ..
+      "optimizer's lr, %g, as DeepSpeed's does (WarmupDecayLR's default peak is 0.001)")
+      :format(cfg.optimizer.params.lr)
+  end
+  return #notes > 0 and table.concat(notes, "\n") or nil
 end
 
 local function local_world() return tonumber(os.getenv("LOCAL_WORLD_SIZE") or "") end
