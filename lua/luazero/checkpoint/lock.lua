@@ -15,9 +15,7 @@ for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                         "long pwrite(int fd, const void *buf, unsigned long n, int64_t off);",
                         "int ftruncate(int fd, int64_t length);", "int close(int fd);",
                         "int getpid(void);", "char *strerror(int errnum);",
-                        "char *realpath(const char *path, char *resolved);",
-                        "long readlink(const char *path, char *buf, unsigned long n);",
-                        "void free(void *p);" }) do
+                        "long readlink(const char *path, char *buf, unsigned long n);" }) do
   pcall(ffi.cdef, decl) -- one at a time: another module may have declared some
 end
 
@@ -33,13 +31,8 @@ local M = {}
 -- resumed run saving where it resumed from) is the same run's.
 local held = {}
 
-local function real_path(path)
-  local p = C.realpath(path, nil)
-  if p == nil then return path end
-  local s = ffi.string(p)
-  C.free(p)
-  return s
-end
+-- (the folder's one spelling: links, "." and ".." resolved)
+local function real_path(path) return require("luazero.io.atomic").real_path(path) or path end
 
 -- Whether the lock file held through fd is still dir's .lock (not removed,
 -- with its folder, since: then it locks nothing).

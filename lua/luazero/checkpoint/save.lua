@@ -136,20 +136,11 @@ local function step_list(dir)
   return t
 end
 
-pcall(ffi.cdef, [[
-int kill(int pid, int sig);
-char *realpath(const char *path, char *resolved);
-void free(void *p);
-]])
+pcall(ffi.cdef, "int kill(int pid, int sig);")
 local list_dir = require("luazero.io.fs").list
 
-local function real_path(path)
-  local p = ffi.C.realpath(path, nil)
-  if p == nil then return path end
-  local s = ffi.string(p)
-  ffi.C.free(p)
-  return s
-end
+-- (a folder's one spelling: links, "." and ".." resolved)
+local function real_path(path) return require("luazero.io.atomic").real_path(path) or path end
 
 -- Whether process pid runs (a zombie, dead but not yet reaped, does not).
 local function running(pid)
