@@ -225,7 +225,7 @@ local function text_side(flags, w)
     -- tokenizer_config.json says add_bos_token, else what tokenizer.json's
     -- post-processor template puts around one sequence (Llama 3's BOS).
     if type(tc.add_bos_token) == "boolean" then
-      side.add_bos = tc.add_bos_token
+      side.prefix, side.suffix = (tc.add_bos_token and side.bos) and { side.bos } or {}, {}
     elseif side.tok then
       side.prefix, side.suffix = side.tok.single_prefix, side.tok.single_suffix
     end
@@ -273,13 +273,10 @@ local function prompt_ids(list, side, flags, V)
                        { add_generation_prompt = true, vars = side.chat_vars, spans = false })
       end
       out[i] = side.encode(text)
-      if not flags.chat and side.add_bos and side.bos and out[i][1] ~= side.bos then
-        table.insert(out[i], 1, side.bos)
-      end
       if not flags.chat and side.prefix then
         local ids = {}
         for _, id in ipairs(side.prefix) do ids[#ids + 1] = id end
-        -- (one BOS where the text begins with it already, as above)
+        -- (one BOS where the text begins with it already)
         local from = (#side.prefix == 1 and out[i][1] == side.prefix[1]) and 2 or 1
         for k = from, #out[i] do ids[#ids + 1] = out[i][k] end
         for _, id in ipairs(side.suffix) do ids[#ids + 1] = id end
