@@ -22,6 +22,17 @@ local HEADROOM = 0.05
 -- cgroup's or ulimit -v's room, MemAvailable) it is said, since the kernel
 -- may kill the run there. (The estimate is within a few percent of the
 -- ledger, over it at stage 3.)
+-- What the estimate reads of this run: its settings (the engine's, on
+-- device) and the model's counts at world ranks.
+local function estimate_inputs(cfg, model, world, device)
+  local settings = estimate.settings_of(cfg, device)
+  local counts = estimate.counts(model, world,
+                                 cfg.zero_optimization.stage3_param_persistence_threshold,
+                                 require("luazero.optim.formats").block_of(settings.formats),
+                                 settings.ep_size)
+  return settings, counts
+end
+
 local function check_named_stage(ex, cfg, model, world, flags, batch)
   local z = cfg.zero_optimization
   local device = flags.device or "cpu"
@@ -29,10 +40,7 @@ local function check_named_stage(ex, cfg, model, world, flags, batch)
   local placement = estimate.placement_name(z.offload_optimizer.device or "none",
                                             z.offload_param.device or "none")
   if not placement then return end
-  local settings = estimate.settings_of(cfg, device)
-  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold,
-                                 require("luazero.optim.formats").block_of(settings.formats),
-                                 settings.ep_size)
+  local settings, counts = estimate_inputs(cfg, model, world, device)
   local states = estimate.need_at(counts, settings, z.stage, placement, cfg.dtype,
                                   cfg.grad_accum_dtype ~= "fp32" and "working" or nil, device, true)
   if not states then return end
@@ -72,7 +80,7 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   local act_note = ""
   -- (the estimate reads any device but cpu as an accelerator's memory apart)
   local device = flags.device
-  local settings = estimate.settings_of(cfg, device)
+  local settings, counts = estimate_inputs(cfg, model, world, device)
   -- (an MoE model's experts over moe.ep_size ranks: their arenas take every
   -- rank's rows, their parameters are a share)
   local ep_size = settings.ep_size
@@ -119,9 +127,6 @@ function M.resolve(ex, cfg, model, world, flags, batch)
   settings.overlap = nil -- stage 3's default unless the config says
   if z.overlap_comm_given then settings.overlap = z.overlap_comm end
   local nvme_path = z.offload_optimizer.nvme_path or z.offload_param.nvme_path or flags.nvme_path
-  local counts = estimate.counts(model, world, z.stage3_param_persistence_threshold,
-                                 require("luazero.optim.formats").block_of(settings.formats),
-                                 ep_size)
   -- An offload the config asks for allows only the stages it works at
   -- (offload_optimizer from 1, offload_param 3).
   local min_stage, min_why = 0, nil
