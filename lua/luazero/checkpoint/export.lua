@@ -376,6 +376,8 @@ function M.export_lora(ck, out, dtype, merge, base)
     local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
     if not merge then
       local named, modules, params = peft_adapters(m, adapters)
+      local fam = hf.family(mcfg)
+      local transposed = fam and fam.hf and fam.hf.transposed or {}
       write_safetensors(f.tmp .. "/adapter_model.safetensors", named, dtype, m)
       -- cjson writes an empty table as {}: target_modules is a list ([] when
       -- only the experts are adapted; absent, PEFT would pick its default).
@@ -383,8 +385,9 @@ function M.export_lora(ck, out, dtype, merge, base)
         peft_type = "LORA", task_type = "CAUSAL_LM", r = lora.r, lora_alpha = lora.alpha,
         target_modules = modules, lora_dropout = 0.0, bias = "none",
         target_parameters = #params > 0 and params or nil,
-        -- (GPT-2's Conv1D stores its weights [in, out]: PEFT's flag for that)
-        fan_in_fan_out = mcfg.family == "gpt2", inference_mode = true,
+        -- (a family whose file stores weights [in, out], GPT-2's Conv1D:
+        -- PEFT's flag for that)
+        fan_in_fan_out = #transposed > 0, inference_mode = true,
         base_model_name_or_path = m.init or "",
       }):gsub('"target_modules":{}', '"target_modules":[]')) .. "\n")
       return #named
