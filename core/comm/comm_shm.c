@@ -110,6 +110,8 @@ static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct tim
 
 static void arrive(shm_comm *s, int me) {
   s->step++;
+  for (int i = 0; i < 4; i++)
+    atomic_store_explicit(&s->ranks[me].sig[s->step & 1][i], s->sig[i], memory_order_relaxed);
   atomic_store(&s->ranks[me].arrive, s->step);
   atomic_fetch_add(&s->hdr->futex_word, 1);
   if (atomic_load(&s->hdr->sleepers)) futex(&s->hdr->futex_word, FUTEX_WAKE, INT32_MAX, NULL);
@@ -151,7 +153,7 @@ static lz_status check_peers(lz_comm *c, shm_comm *s, uint64_t target, const cha
   return LZ_OK;
 }
 
-static lz_status wait_all(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
+static lz_status wait_arrived(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
   int world = c->size;
   if (all_arrived(s, world, target)) return LZ_OK;
   double t0 = lz_now_s();
@@ -188,6 +190,56 @@ static lz_status wait_all(lz_comm *c, shm_comm *s, uint64_t target, const char *
                      op, c->rank, t - t0, missing_ranks(s, world, target, who, sizeof who));
     }
   }
+}
+
+/* The collective a signature names, for messages: "all_reduce (sum) of 8
+ * float32", "broadcast of 4 bfloat16 from rank 1", "joining". */
+static const char *sig_text(const uint64_t *sig, char *buf, size_t len) {
+  static const char *ops[] = {" (sum)", " (avg)", " (max)"};
+  if (sig[1] == 0) return snprintf(buf, len, "joining the communicator"), buf;
+  lz_coll_kind kind = (lz_coll_kind)((sig[1] & 0xff) - 1);
+  const char *dt = lz_dtype_name((lz_dtype)((sig[1] >> 8) & 0xff));
+  unsigned op = (unsigned)((sig[1] >> 16) & 0xff);
+  int reduce = kind == LZ_COLL_ALL_REDUCE || kind == LZ_COLL_REDUCE_SCATTER;
+  if (kind == LZ_COLL_BARRIER) snprintf(buf, len, "barrier");
+  else if (kind == LZ_COLL_ALL_TO_ALL) snprintf(buf, len, "all_to_all of %s", dt);
+  else
+    snprintf(buf, len, "%s%s of %llu %s%s", lz_coll_name(kind), reduce && op < 3 ? ops[op] : "",
+             (unsigned long long)sig[2], dt, kind == LZ_COLL_BROADCAST ? " from rank " : "");
+  if (kind == LZ_COLL_BROADCAST)
+    snprintf(buf + strlen(buf), len - strlen(buf), "%d", (int)(uint32_t)sig[3]);
+  return buf;
+}
+
+/* After the barrier at `target`: every rank arrived there running the same
+ * collective, as the same one of its calls. Each rank compares every
+ * peer's record, so a mismatch fails every rank at this barrier, before
+ * any of them reads a peer's data. */
+static lz_status check_sigs(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
+  for (int p = 0; p < c->size; p++) {
+    uint64_t peer[4];
+    int same = 1;
+    for (int i = 0; i < 4; i++) {
+      peer[i] = atomic_load_explicit(&s->ranks[p].sig[target & 1][i], memory_order_relaxed);
+      same &= peer[i] == s->sig[i];
+    }
+    if (same) continue;
+    char mine[160], theirs[160];
+    return lz_fail(LZ_ERR_COMM,
+                   "%s: the ranks called different collectives: rank %d's collective #%llu is "
+                   "%s, rank %d's #%llu is %s. Every rank must make the same collective calls "
+                   "in the same order (a call made on some ranks only, such as a save or an "
+                   "evaluation under `if rank == 0`, puts them out of step)",
+                   op, c->rank, (unsigned long long)s->sig[0],
+                   sig_text(s->sig, mine, sizeof mine), p, (unsigned long long)peer[0],
+                   sig_text(peer, theirs, sizeof theirs));
+  }
+  return LZ_OK;
+}
+
+static lz_status wait_all(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
+  LZ_TRY(wait_arrived(c, s, target, op));
+  return check_sigs(c, s, target, op);
 }
 
 void shm_arrive(lz_comm *c, shm_comm *s) { arrive(s, c->rank); }
@@ -722,8 +774,24 @@ static lz_status segment_path(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   }
 }
 
+/* The signature every rank's barriers carry while `a` runs (check_sigs):
+ * its number among this communicator's calls, its kind, dtype and reduce
+ * op, its count (an all-to-all's counts are checked by its own table), its
+ * root and an average's divisor. */
+static void set_sig(shm_comm *s, const lz_coll_args *a) {
+  int reduce = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
+  int data = a->kind != LZ_COLL_BARRIER;
+  s->sig[0] = ++s->calls;
+  s->sig[1] = (uint64_t)(a->kind + 1) | (data ? (uint64_t)a->dt << 8 : 0) |
+              (reduce ? (uint64_t)a->op << 16 : 0);
+  s->sig[2] = data && a->kind != LZ_COLL_ALL_TO_ALL ? (uint64_t)a->count : 0;
+  s->sig[3] = (a->kind == LZ_COLL_BROADCAST ? (uint64_t)(uint32_t)a->root : 0) |
+              (reduce && a->op == LZ_RED_AVG ? (uint64_t)(uint32_t)a->divisor << 32 : 0);
+}
+
 static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {
   shm_comm *s = c->impl;
+  set_sig(s, a);
   if (a->kind == LZ_COLL_BARRIER) return shm_barrier(c, s, "barrier");
   if (a->kind == LZ_COLL_ALL_TO_ALL) return shm_all_to_all(c, s, a);
   if (a->count == 0) return LZ_OK;

@@ -11,7 +11,7 @@
 #define SHM_MAGIC 0x3130306d68737a6cull /* "lzshm001" */
 #define SHM_DEFAULT_CHUNK (1u << 20)
 #define SHM_DIRECT_MAX (64u << 10) /* all-reduce below this: direct */
-#define RANK_RECORD 128
+#define RANK_RECORD 192
 #define SHM_CMA_MIN (256u << 10)     /* single copy from this many bytes */
 #define SHM_STAGE_BYTES (512u << 10) /* reduction staging, all peers together */
 #define SHM_SHARED_MIN (64u << 10)   /* in place through shared memory from this many bytes */
@@ -41,9 +41,13 @@ typedef struct shm_rank {
   _Atomic uint64_t probe;    /* address of probe_word */
   _Atomic uint64_t send_off; /* its send and receive buffers' offsets in its shared memory */
   _Atomic uint64_t recv_off; /* (UINT64_MAX: private memory) */
+  /* The collective of each barrier this rank arrived at, by the barrier's
+   * parity (shm_sig): a peer reads slot step & 1 after the barrier, and
+   * this rank cannot reach step + 2 before that peer reaches step + 1. */
+  _Alignas(64) _Atomic uint64_t sig[2][4];
 } shm_rank;
 
-_Static_assert(sizeof(shm_rank) == RANK_RECORD, "rank record is two cache lines");
+_Static_assert(sizeof(shm_rank) == RANK_RECORD, "rank record is three cache lines");
 
 typedef struct shm_comm {
   uint8_t *base;
@@ -53,6 +57,8 @@ typedef struct shm_comm {
   uint8_t *data;
   size_t chunk;
   uint64_t step; /* barriers passed by this rank */
+  uint64_t calls;  /* collectives run on this communicator (shm_run) */
+  uint64_t sig[4]; /* the one running: calls, what, count, extra (shm_sig) */
   int bank;
   int cma;             /* every rank can read every other's memory */
   int direct;          /* every rank maps every rank's shared memory */

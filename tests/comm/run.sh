@@ -2,7 +2,8 @@
 # run.sh — the multi-rank tests: the correctness matrix (comm_check) for the
 # shm backend (under lz_run) and the mpi backend (under mpirun) at 1-4 ranks,
 # bitwise equality across two runs, across the two backends and with the
-# shm backend's single-copy path turned off, a rank killed
+# shm backend's single-copy path turned off, collectives that differ between
+# ranks, a rank killed
 # with SIGKILL mid-collective, a rank that never joins, collectives on sim
 # device buffers (sim_collectives.lua), and the launcher's
 # promises (launcher.sh: signals at start-up, -n, mpirun's ranks). Ends with
@@ -79,6 +80,16 @@ for launch in shm mpi; do
   if [ "$(grep -c "a2a lua: all passed (2 ranks, $launch)" "$TMP/a2a_lua_$launch")" = 2 ]; then
     ok "$launch: luazero.comm all_to_all, all_to_all_v (host and sim buffers) and groups, 2 ranks"
   else bad "$launch: luazero.comm all-to-all and groups" "$TMP/a2a_lua_$launch"; fi
+done
+
+# Ranks calling different collectives (kind, count, reduce op, root, a call
+# that moves nothing on one rank, a save's gather on rank 0 only): every rank
+# fails at once naming both calls, none returns the other's data (shm).
+for w in 2 3 4; do
+  timeout 60 "$BIN/luazero" -n $w tests/comm/mismatch.lua > "$TMP/mismatch$w" 2>&1
+  if [ "$(grep -c "mismatch: all passed" "$TMP/mismatch$w")" = $w ]; then
+    ok "shm: ranks calling different collectives fail alike naming both, $w ranks"
+  else bad "shm: ranks calling different collectives, $w ranks" "$TMP/mismatch$w"; fi
 done
 
 # A rank that never joins an all-to-all: the others time out naming it.
