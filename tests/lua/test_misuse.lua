@@ -110,4 +110,40 @@ engine:step()
              "engine:train_batch)\n", "output")
 end
 
+-- Ranks given different seeds, lr or stages: zero.initialize refuses on
+-- every rank, naming what differs (before, each trained its own copy or
+-- shard apart, exit 0); the same settings build.
+function T.ranks_given_different_settings_are_refused_on_every_rank()
+  local write = support.scratch()
+  local script = write("ranks.lua", [[
+local zero, models = require("luazero.zero"), require("models.registry")
+local comm = require("luazero.comm")
+local rank, what = comm.rank(), arg[1]
+local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+local lr = what == "lr" and rank == 1 and 1e-2 or 1e-3
+local stage = what == "stage" and rank == 1 and 3 or 2
+local ok, err = pcall(zero.initialize, { model = models.new(cfg), batch = { 2, 8 },
+  seed = what == "seed" and rank + 1 or 1,
+  config = { train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = stage },
+             optimizer = { type = "AdamW", params = { lr = lr } } } })
+print(ok and "built" or err)
+]])
+  local cmd = support.quote(lz.executable()) .. " -n 2 " .. support.quote(script) .. " "
+  local out, st = support.sh(cmd .. "same")
+  support.eq(st, 0, "exit status, same settings")
+  support.eq(select(2, out:gsub("built", "")), 2, "both ranks built: " .. out)
+  for what, needles in pairs({
+    seed = { "different seed: rank 1 differs from rank 0's (this rank, ", "has 1)", "has 2)" },
+    lr = { "different optimizer: rank 1 differs", "lr=0.001", "lr=0.01" },
+    stage = { "different zero_optimization.stage", "has 2)", "has 3)" },
+  }) do
+    out, st = support.sh(cmd .. what)
+    support.eq(st, 0, "exit status, " .. what)
+    for _, needle in ipairs(needles) do
+      assert(out:find(needle, 1, true), ("%s: %q does not say %q"):format(what, out, needle))
+    end
+    assert(not out:find("built", 1, true), what .. ": a rank built its engine: " .. out)
+  end
+end
+
 return T

@@ -19,6 +19,13 @@ local function initialize(opts)
                                               (opts.comm or require("luazero.comm")).size())
     opts = o
   end
+  -- every rank given the same seed, settings and model, before any other
+  -- collective (zero/agree.lua)
+  require("luazero.zero.api").initialize(opts)
+  if opts.model then
+    require("luazero.zero.agree").check(opts.comm or require("luazero.comm"),
+                                        engine.settings(opts.config), opts, opts.model)
+  end
   return engine.initialize(opts, above)
 end
 

@@ -1,0 +1,99 @@
+-- zero/agree.lua — the ranks build one engine: before any other collective,
+-- zero.initialize checks that every rank was given the same seed, the same
+-- settings (stage, dtype, optimizer and its parameters, clipping,
+-- accumulation, buckets, offload) and the same trainable parameters. A rank
+-- given its own seed or lr would otherwise train its copy or its shard
+-- apart from the others with no error (DeepSpeed broadcasts rank 0's weights
+-- at start-up; here each rank draws them from the seed).
+--
+--   agree.check(comm, s, opts, model)   -- errors on every rank alike
+local ffi = require("ffi")
+local lz = require("luazero")
+
+local M = {}
+
+-- Per-rank by nature: each rank's own files (DeepSpeed's nvme_path is one
+-- string for the job; a script may still point ranks at their own disks).
+local PER_RANK = { nvme_path = true, aio = true }
+
+-- The config's names for the engine's settings, for messages.
+local CONFIG_NAME = {
+  stage = "zero_optimization.stage", dtype = "fp16/bf16.enabled",
+  accum = "gradient_accumulation_steps", micro_batch = "train_micro_batch_size_per_gpu",
+  clip = "gradient_clipping", optimizer = "optimizer", grad_dtype = "data_types.grad_accum_dtype",
+  offload_opt = "zero_optimization.offload_optimizer",
+  offload_param = "zero_optimization.offload_param", ep_size = "moe.ep_size",
+}
+
+-- A value as text, the same on every rank for the same value: numbers to
+-- 17 digits, tables by sorted keys.
+local function text(v)
+  if type(v) == "number" then return ("%.17g"):format(v) end
+  if type(v) ~= "table" then return tostring(v) end
+  local keys = {}
+  for k in pairs(v) do
+    if not PER_RANK[k] then keys[#keys + 1] = k end
+  end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  local parts = {}
+  for _, k in ipairs(keys) do parts[#parts + 1] = tostring(k) .. "=" .. text(v[k]) end
+  return "{" .. table.concat(parts, ", ") .. "}"
+end
+
+-- The trainable parameters: names and sizes in order.
+local function params_text(model)
+  local parts = {}
+  for _, e in ipairs(model:trainable_table()) do
+    parts[#parts + 1] = e.name .. ":" .. tostring(e.numel)
+  end
+  return table.concat(parts, ";")
+end
+
+-- What must agree, in a fixed order: { name, text } pairs.
+local function items(s, opts, model)
+  local list = { { "seed", text(opts.seed or 0) } }
+  if type(opts.lr) == "number" then list[#list + 1] = { "lr (zero.initialize)", text(opts.lr) } end
+  local keys = {}
+  for k in pairs(s) do
+    if not PER_RANK[k] then keys[#keys + 1] = k end
+  end
+  table.sort(keys)
+  for _, k in ipairs(keys) do list[#list + 1] = { CONFIG_NAME[k] or k, text(s[k]) } end
+  list[#list + 1] = { "the model's trainable parameters", params_text(model) }
+  return list
+end
+
+function M.check(comm, s, opts, model)
+  local W, rank = comm.size(), comm.rank()
+  if W == 1 then return end
+  local list = items(s, opts, model)
+  local n = #list
+  -- two 32-bit words of each item's xxh64, every rank's side by side
+  local mine = lz.tensor({ 2 * n }, "i32")
+  local all = lz.tensor({ 2 * n * W }, "i32")
+  local w = ffi.cast("uint32_t *", mine.data)
+  for i, it in ipairs(list) do
+    local h = lz.xxh64(it[2], #it[2])
+    w[2 * i - 2] = tonumber(h % 4294967296ULL)
+    w[2 * i - 1] = tonumber(h / 4294967296ULL)
+  end
+  comm.all_gather(mine, all)
+  local a = ffi.cast("uint32_t *", all.data)
+  for i, it in ipairs(list) do
+    local differ = {}
+    for r = 1, W - 1 do
+      if a[r * 2 * n + 2 * i - 2] ~= a[2 * i - 2] or a[r * 2 * n + 2 * i - 1] ~= a[2 * i - 1] then
+        differ[#differ + 1] = tostring(r)
+      end
+    end
+    if #differ > 0 then
+      local shown = #it[2] > 200 and it[2]:sub(1, 200) .. "..." or it[2]
+      error(("initialize: the ranks were given different %s: rank%s %s differ%s from rank 0's " ..
+             "(this rank, %d, has %s). Every rank must build its engine from the same config, " ..
+             "seed and model"):format(it[1], #differ > 1 and "s" or "", table.concat(differ, ", "),
+                                      #differ > 1 and "" or "s", rank, shown), 0)
+    end
+  end
+end
+
+return M
