@@ -395,8 +395,9 @@ function T.sigkill_at_random_moments_then_latest_resumes_to_the_same_checksum()
                 "echo $! > %s; wait $!; echo $? > %s) 2>/dev/null &")
                :format(q(root), exe, MODEL, flags, q(dir), q(dir), q(pidfile), q(rcfile)))
     local t0 = clock.now()
-    while not read(pidfile) and clock.now() - t0 < 10 do clock.sleep(0.01) end
-    local launcher = assert(tonumber(read(pidfile)), "no launcher pid")
+    -- (the shell creates the file before it writes the pid into it)
+    while not tonumber(read(pidfile) or "") and clock.now() - t0 < 10 do clock.sleep(0.01) end
+    local launcher = assert(tonumber(read(pidfile) or ""), ("run %d: no launcher pid"):format(run))
     local delay = math.random() * 0.8
     local target = math.random(3) -- 1: the launcher, 2: rank 0, 3: rank 1
     clock.sleep(delay)
