@@ -791,6 +791,37 @@ function T.train_on_jsonl_resumes_bitwise()
   assert(st == 2 and out:find("--packing pad applies to instruction data", 1, true), out)
 end
 
+-- Instruction data trains on the mean over the step's trained targets: the
+-- same loss and gradient norm whatever the split into ranks and
+-- micro-batches (before, each micro-batch's mean counted alike: 1 rank x 4
+-- and 2 ranks x 2 parted in the third digit).
+function T.instruction_data_loss_is_the_same_at_any_split()
+  local lines = {}
+  for i = 1, 40 do
+    lines[i] = { prompt = ("Q%s?\n"):format(("x"):rep(i % 7 + 1)),
+                 completion = ("A%s."):format(("y"):rep((i * 5) % 11 + 1)) }
+  end
+  local path = jsonl("split.jsonl", lines)
+  local _, ok_train = support.trainer("--model gpt2-nano --n-layer 1 --n-embd 32 --n-head 2 " ..
+    "--context 32 --seq-len 32 --sample 0 --eval-batches 1 --seed 3 --steps 2 --data " .. q(path))
+  local got = {}
+  for _, run in ipairs({ { 1, "--micro-batch 4" }, { 1, "--micro-batch 2 --grad-accum 2" },
+                         { 1, "--micro-batch 1 --grad-accum 4" }, { 2, "--micro-batch 2" } }) do
+    local log = ("%s/split-%d.jsonl"):format(tmp, #got)
+    local _, sum = ok_train(run[1], run[2] .. " --log " .. q(log))
+    local rec = support.records(log)[1]
+    got[#got + 1] = { what = run[1] .. " rank(s) " .. run[2], loss = rec.loss,
+                      norm = rec.grad_norm, sum = sum }
+  end
+  for _, g in ipairs(got) do
+    assert(math.abs(g.loss - got[1].loss) <= 1e-6 * got[1].loss and
+           math.abs(g.norm - got[1].norm) <= 1e-5 * got[1].norm,
+           ("%s: step 1 loss %.9g norm %.9g, against %s's %.9g and %.9g"):format(
+             g.what, g.loss, g.norm, got[1].what, got[1].loss, got[1].norm))
+  end
+  eq(got[4].sum, got[2].sum, "2 ranks x 2 against 1 rank x 2 x 2 accumulated")
+end
+
 -- A byte model's text: bytes as they are, or (for a terminal, train.lua's
 -- sample) control bytes other than newline and tab as \xNN.
 function T.decode_bytes_escapes_control_bytes_when_asked()

@@ -151,6 +151,32 @@ function Loader:next_batch()
   return self.inputs, self.targets, self.extra
 end
 
+-- The trained targets of the next n training batches, every rank's rows
+-- together, the loader left where it is: what a step's loss is the mean
+-- over (zero/batches.lua), as the rows' own counts would give it at any
+-- split into ranks and micro-batches.
+function Loader:step_targets(n)
+  local c = self.data
+  if not self.doc_targets then -- a document's trained targets: w of tokens 2 .. len
+    local t = ffi.new("int32_t[?]", c.docs)
+    for d = 0, c.docs - 1 do
+      for i = c.st[d] + 1, c.st[d + 1] - 1 do t[d] = t[d] + (c.w[i] ~= 0 and 1 or 0) end
+    end
+    self.doc_targets = t
+  end
+  local t, state = self.doc_targets, self.rng.state[0]
+  local kept = { self.epoch, self.epoch_state, self.order, self.rows, self.row }
+  local total = 0
+  for _ = 1, n * self.world * self.B do
+    if self.row >= #self.rows then self:new_epoch() end
+    for i = self.rows[self.row], self.rows[self.row + 1] - 1 do total = total + t[self.order[i]] end
+    self.row = self.row + 1
+  end
+  self.rng.state[0] = state
+  self.epoch, self.epoch_state, self.order, self.rows, self.row = unpack(kept, 1, 5)
+  return total
+end
+
 -- Validation batch i (1-based, i <= val_batches): this rank's rows of it.
 function Loader:val_batch(i)
   require("luazero.data.files").check_val_batch(i, self.val_batches)

@@ -629,13 +629,15 @@ function Engine:backward(loss, ...)
   end
   self.forwarded = false
   self.micro = self.micro + 1
+  local w = self.loss_weight -- (a micro-batch's share of its step's targets: zero/batches.lua)
   if loss then
-    self.loss_sum = self.loss_sum + loss
+    self.loss_sum = self.loss_sum + (w and loss * w or loss)
     self.loss_count = self.loss_count + 1
   end
   self.gatherer:begin_pass(true)
   if self.spill then self.spill:begin_micro((self.micro - 1) % self.s.accum == 0) end
-  self.model:backward(self.scaler.scale / self.s.accum, ...)
+  local scale = self.scaler.scale / self.s.accum
+  self.model:backward(w and scale * w or scale, ...)
   self.gatherer:end_pass(true)
   if self.P.reduce.buffered or is_boundary(self) then self:wait_all() end
   if self.spill then self.spill:end_micro() end
@@ -748,23 +750,8 @@ function Engine:step()
   return rec
 end
 
--- One optimizer step: accumulation micro-steps from batches:next_batch().
-function Engine:train_batch(batches)
-  api.batches(batches)
-  for _ = 1, self.s.accum do self:backward(self:forward(batches:next_batch())) end
-  return self:step()
-end
-
--- Mean loss over validation batches 1..n (each rank's part of each), over the ranks.
-function Engine:evaluate(loader, n)
-  api.evaluate(loader, n)
-  local model, sum = self.model, 0
-  model:evaluate()
-  for i = 1, n do sum = sum + self:forward(loader:val_batch(i)) end
-  model:train()
-  self.forwarded = false -- nothing to run backward on
-  return self.world == 1 and sum / n or self.comm.mean(sum / n)
-end
+local batches = require("luazero.zero.batches")
+Engine.train_batch, Engine.evaluate = batches.train_batch, batches.evaluate
 
 function Engine:free()
   self:wait_all()
