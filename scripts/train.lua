@@ -279,9 +279,11 @@ local function set_up(flags)
   if not flags.checkpoint_activations and cfg.activation_checkpointing_given then
     say("config: activation_checkpointing has no effect without --checkpoint-activations")
   end
-  -- a restarted run (luazero --restarts) appends to its log, opened once
-  -- every input is checked (a refusal above leaves no file)
-  local log = flags.log and rank == 0 and outputs.open_log(ex, flags.log, restart.count() ~= nil)
+  -- a resumed or restarted run (luazero --restarts) appends to its log
+  -- (main cuts it back to the steps before its first), opened once every
+  -- input is checked (a refusal above leaves no file)
+  local log = flags.log and rank == 0 and
+              outputs.open_log(ex, flags.log, restart.count() ~= nil or flags.resume ~= nil)
   local engine = checked_rank(zero.initialize, { model = model, config = cfg, seed = flags.seed,
                                                  batch = { B, T }, lr = schedule, comm = comm,
                                                  device = flags.device,
@@ -398,11 +400,14 @@ local function main(argv)
   local run = set_up(flags)
   if flags.init then start.init_from_hf(ex, run) end
   if flags.resume then start.resume(ex, run) end
-  if again and run.log then
-    run.log.write(again:record(run.world, run.first), "the restart record")
+  if (again or flags.resume) and run.log then
+    run.log.keep_before(run.first)
+    run.log.write(again and again:record(run.world, run.first) or
+                  { event = "resume", from = flags.resume, resumed_from_step = run.first - 1,
+                    world_size = run.world }, "the resume record")
   end
   -- the monitors' files hold no step twice after a resume or a restart
-  if again or flags.resume then ex.checked_write(run.mon.continue_from, run.mon, run.first) end
+  if again or flags.resume then ex.checked_write(run.mon.continue_from, run.mon, run.first, run.samples0) end
   say_start(run)
   run.budget, run.budget_source = run_config.held_budget(run.cfg)
   -- The flops profiler's step and file, before the steps: a step the run

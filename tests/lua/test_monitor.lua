@@ -84,6 +84,35 @@ function T.csv_rows_after_a_resume_hold_each_step_once()
   eq(table.concat(steps, ","), "2,4,6,8", "the x of each step, once")
 end
 
+-- A resume at another micro-batch into the same --log and CSV files: the
+-- log keeps steps 1-2, drops 3-4 (trained again) and the end record, then
+-- holds a resume record and steps 3-4 again; tokens and samples count on
+-- from the checkpoint's (before: the log was emptied, tokens were step x the
+-- new batch, and the CSV kept the dropped steps at the new batch's x).
+function T.a_resume_at_another_batch_keeps_the_history_and_counts_on()
+  local out_dir = tmp .. "/csv-batch"
+  local function cfg(B)
+    return config_file("csv-batch-" .. B, { train_micro_batch_size_per_gpu = B,
+      csv_monitor = { enabled = true, output_path = out_dir, job_name = "j" } })
+  end
+  local ck, log = tmp .. "/batch-ck", tmp .. "/batch.jsonl"
+  ok_train(1, ("--steps 4 --seq-len 16 --config %s --save %s --save-every 2 --log %s")
+              :format(q(cfg(2)), q(ck), q(log)))
+  local out = ok_train(1, ("--steps 4 --seq-len 16 --config %s --resume %s --log %s")
+                          :format(q(cfg(4)), q(ck .. "/step-000002"), q(log)))
+  assert(out:find("resume: 64 tokens a step (batch 4 x 16, micro-batches 1, ranks 1); the " ..
+                  "saved run trained 64 tokens in 2 steps (32 a step)", 1, true), out)
+  local got = {}
+  for _, r in ipairs(support.records(log)) do
+    got[#got + 1] = r.step and ("%d:%d:%d"):format(r.step, r.tokens, r.samples) or r.event
+  end
+  eq(table.concat(got, " "), "1:32:2 2:64:4 resume 3:128:8 4:192:12 end", "the log")
+  local rows = lines_of(out_dir .. "/j/Train_Samples_train_loss.csv")
+  local xs = {}
+  for i = 2, #rows do xs[#xs + 1] = rows[i]:match("^(%d+),") end
+  eq(table.concat(xs, ","), "2,4,8,12", "the CSV's x of each step, once")
+end
+
 -- The framing of every record, read back here (TensorBoard reads it in
 -- tests/ref/test_tensorboard.py).
 function T.tensorboard_records_read_back()

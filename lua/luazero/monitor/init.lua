@@ -161,7 +161,7 @@ function Monitor:after_step(rec)
   if #self.writers == 0 then return end
   local scalars = M.scalars(rec)
   for _, w in ipairs(self.writers) do
-    local ok, err = w.w:scalars(rec.step * self.samples, scalars)
+    local ok, err = w.w:scalars(rec.samples or rec.step * self.samples, scalars)
     if not ok then
       error(("%s: writing step %d failed (%s); free space there or turn %s off")
             :format(w.kind, rec.step, err, w.kind), 0)
@@ -169,14 +169,16 @@ function Monitor:after_step(rec)
   end
 end
 
--- A run that continues from step `first` (a resume, a restart): the
--- monitors' files drop what they hold for that step and later (the steps
--- trained again), so no step is shown twice. Rank 0; errors are one line.
-function Monitor:continue_from(first)
+-- A run that continues from step `first` (a resume, a restart) after
+-- samples0 samples (default: steps of this run's batch): the monitors'
+-- files drop what they hold past it (the steps trained again), so no step is
+-- shown twice, whatever batch the steps before had. Rank 0; errors are one
+-- line.
+function Monitor:continue_from(first, samples0)
   local tags = {}
   for i, t in ipairs(M.tags) do tags[i] = t[1] end
   for _, w in ipairs(self.writers) do
-    local ok, err = w.w:purge_from(first * self.samples, tags)
+    local ok, err = w.w:purge_from((samples0 or (first - 1) * self.samples) + 1, tags)
     if not ok then
       error(("%s: dropping the rows of steps %d and later failed (%s)"):format(w.kind, first,
                                                                               tostring(err)), 0)

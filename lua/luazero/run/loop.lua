@@ -52,7 +52,8 @@ local function train_step(run, step)
     -- JSON has no inf: an overflowed step logs grad_norm -1 (skipped true).
     step = step, loss = r.loss, lr = r.lr,
     grad_norm = r.grad_norm < math.huge and r.grad_norm or -1,
-    loss_scale = r.loss_scale, skipped = r.skipped, tokens = step * tokens_per_step,
+    loss_scale = r.loss_scale, skipped = r.skipped, tokens = saves.tokens(run, step),
+    samples = saves.samples(run, step),
     tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
     dev_mem = dev_mem_record(flags.device), comm = run.comm.bytes(),
   }

@@ -19,11 +19,23 @@ function M.writable(path)
   return nil, tostring(err):match("%((.-)%)") or tostring(err)
 end
 
+-- The records of a metrics log a run resumed at step `first` keeps: those
+-- of earlier steps (and a restart's record from before them), not the end
+-- record nor the steps the resumed run trains again.
+local function kept_before(line, first)
+  local ok, rec = pcall(cjson.decode, line)
+  if not ok or type(rec) ~= "table" or rec.event == "end" then return false end
+  local at = rec.step or rec.resumed_from_step
+  return at == nil or (type(at) == "number" and at < first)
+end
+
 -- --log FILE: one write per record, checked; a failed one is cut back to
 -- the last complete record, so the file stays JSON Lines, and stops the run
--- (exit 1). append: a restarted run adds to the file.
+-- (exit 1). append: a resumed or restarted run adds to the file, once
+-- keep_before(first) has cut it back to the steps before its first.
 function M.open_log(ex, path, append)
-  local log, err = require("luazero.jsonl").open(path, { append = append })
+  local jsonl = require("luazero.jsonl")
+  local log, err = jsonl.open(path, { append = append })
   if not log then ex.user_error(cannot_write("--log", path, err)) end
   return {
     write = function(rec, what)
@@ -32,6 +44,25 @@ function M.open_log(ex, path, append)
         ex.fail(("--log %s: writing %s failed (%s); the file ends at the record before it; " ..
                  "free space there or log elsewhere"):format(path, what, werr), 1)
       end
+    end,
+    keep_before = function(first)
+      log:close()
+      local kept, dropped = {}, 0
+      for line in io.lines(path) do
+        if kept_before(line, first) then kept[#kept + 1] = line .. "\n"
+        else dropped = dropped + 1 end
+      end
+      if dropped > 0 then
+        local ok, werr = pcall(function()
+          local w = require("luazero.io.atomic").open(path)
+          w:write(table.concat(kept))
+          w:commit()
+        end)
+        if not ok then ex.fail(("--log %s: %s"):format(path, tostring(werr)), 1) end
+      end
+      log = jsonl.open(path, { append = true })
+      if not log then ex.fail(cannot_write("--log", path, "reopening it"), 1) end
+      return #kept, dropped
     end,
     close = function() log:close() end,
   }

@@ -34,6 +34,18 @@ local function say_async_saved(ex, dir, t)
   if dir then ex.say(("saved %s in the background (%.2f s from its step)"):format(dir, t.total_s)) end
 end
 
+-- The tokens trained up to step `step` (the metrics log's tokens): the
+-- resumed checkpoint's count (run.tokens0, at step run.first - 1) and this
+-- run's steps since, each of this run's global batch; a checkpoint keeps
+-- it, so a resume at another batch size or world counts on from it.
+function M.tokens(run, step)
+  return (run.tokens0 or 0) + (step - run.first + 1) * run.B * run.T * run.accum * run.world
+end
+-- The samples (sequences) likewise: the monitors' x axis.
+function M.samples(run, step)
+  return (run.samples0 or 0) + (step - run.first + 1) * run.B * run.accum * run.world
+end
+
 -- After step `step`: a background save that finished is said, and a due
 -- checkpoint written (or started).
 function M.if_due(run, step)
@@ -44,7 +56,7 @@ function M.if_due(run, step)
   local extra = {
     data = run.loader:position(),
     seed = flags.seed, steps = flags.steps, warmup = run.warmup, lr = run.lr,
-    schedule = run.sched,
+    schedule = run.sched, tokens = M.tokens(run, step), samples = M.samples(run, step),
   }
   extra.data.batches = step * run.accum
   extra.data.fingerprint, extra.data.file = run.data_fingerprint, flags.data

@@ -95,6 +95,19 @@ function M.resume(ex, run)
   end
   if pos then ex.checked(run.loader.set_position, run.loader, pos) end
   run.first = m.global_steps + 1
+  -- the tokens trained so far (the log's count goes on from them), and a
+  -- global batch other than the saved run's, said
+  local per_step = run.B * run.T * run.accum * run.world
+  local saved = type(m.extra) == "table" and tonumber(m.extra.tokens)
+  run.tokens0 = saved or m.global_steps * per_step
+  run.samples0 = type(m.extra) == "table" and tonumber(m.extra.samples) or
+                 m.global_steps * run.B * run.accum * run.world
+  if saved and m.global_steps > 0 and saved ~= m.global_steps * per_step then
+    ex.say(("resume: %d tokens a step (batch %d x %d, micro-batches %d, ranks %d); the saved " ..
+            "run trained %d tokens in %d steps (%.0f a step); the log's tokens count on from %d")
+           :format(per_step, run.B, run.T, run.accum, run.world, saved, m.global_steps,
+                   saved / m.global_steps, saved))
+  end
   ex.say(("resumed from %s: step %d (%d optimizer steps), saved at world %d stage %d")
          :format(m.dir, m.global_steps, m.optimizer_steps, m.world_size, m.stage))
 end
