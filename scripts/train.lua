@@ -157,6 +157,7 @@ end
 -- model and the engine. Returns the run (a table the steps share).
 local function set_up(flags)
   local resumed = start.check_resume(ex, flags)
+  start.keep_warmup(flags, resumed)
   local mcfg = model_config(flags)
   local tok, template
   -- (weights from a folder or a checkpoint fix the vocabulary: no --vocab helps)

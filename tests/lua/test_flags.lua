@@ -178,6 +178,17 @@ function T.a_resume_with_other_steps_says_the_schedule_changes()
   out = ok_train(1, "--steps 4 --lr 0.01 --resume " .. ck)
   assert(out:find("resume: peak lr 0.01, the saved run's 0.003; from step 3 the lr follows " ..
                   "this run's\n", 1, true) and not out:find("lr schedule was", 1, true), out)
+  -- A longer run keeps the saved run's warmup (2 of 20 steps), not 10% of
+  -- the new --steps (4 of 40): before, the lr warmed up again past step 20.
+  local dir20 = select(2, support.scratch())
+  ok_train(1, ("--steps 20 --save-every 10 --save %s"):format(dir20))
+  out = ok_train(1, "--steps 40 --resume " .. dir20 .. "/step-000010")
+  assert(out:find("(--steps 20 keeps the saved run's); its warmup stays the saved run's 2 " ..
+                  "steps (--warmup sets another)\n", 1, true) and
+         out:find("warmup 2 + cosine, 40 steps", 1, true), out)
+  out = ok_train(1, "--steps 40 --warmup 4 --resume " .. dir20 .. "/step-000010")
+  assert(out:find("warmup 4 + cosine, 40 steps", 1, true) and
+         not out:find("its warmup stays", 1, true), out)
   -- Below the saved step: refused, naming the step itself (equal runs nothing).
   local o, st = train(1, "--steps 1 --resume " .. ck)
   assert(st == 2 and o:find("give --steps 2 or more", 1, true), o)

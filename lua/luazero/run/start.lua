@@ -62,8 +62,24 @@ function M.note_resumed_schedule(ex, flags, cfg, m, sched, peak)
                      total == flags.steps and ("scheduler %s"):format(sch.type)
   if saved and saved ~= flags.steps and over_steps then
     ex.say(("resume: --steps %d, the saved run had --steps %d: %s now spans %d steps, not %d " ..
-            "(--steps %d keeps the saved run's)")
-           :format(flags.steps, saved, over_steps, flags.steps, saved, saved))
+            "(--steps %d keeps the saved run's)%s")
+           :format(flags.steps, saved, over_steps, flags.steps, saved, saved,
+                   flags.warmup_kept and
+                   ("; its warmup stays the saved run's %d steps (--warmup sets another)")
+                   :format(flags.warmup) or ""))
+  end
+end
+
+-- A resume with another --steps, no --warmup and no --config keeps the
+-- saved run's warmup steps (m: check_resume's manifest): the cosine
+-- stretches over the new --steps, the warmup, done already, is not started
+-- again over 10% of them.
+function M.keep_warmup(flags, m)
+  local w = m and type(m.extra) == "table" and tonumber(m.extra.warmup)
+  if not w or flags.warmup ~= nil or flags.config then return end
+  local td = require("luazero.config").train_defaults
+  if math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction)) ~= w then
+    flags.warmup, flags.warmup_kept = w, true
   end
 end
 
