@@ -230,12 +230,12 @@ function T.same_seed_same_checksum_and_the_log_has_every_field()
   f:close()
   assert(#records == 5, "4 steps and the end record")
   local fields = { "step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens",
-                   "tokens_per_s", "step_ms", "mem", "comm" }
+                   "samples", "tokens_per_s", "step_ms", "mem", "comm" }
   for i = 1, 4 do
     local r = records[i]
     for _, k in ipairs(fields) do assert(r[k] ~= nil, "step record lacks " .. k) end
     assert(r.step == i and r.loss_scale == 1 and r.skipped == false)
-    assert(r.tokens == i * 2 * 2 * 16)
+    assert(r.tokens == i * 2 * 2 * 16 and r.samples == i * 2 * 2)
     assert(r.mem.params > 0 and r.mem.grads == r.mem.params and r.mem.optimizer > 0)
     assert(r.mem.activations > 0 and r.mem.peak_rss > 0)
     assert(r.comm.all_reduce == 0 and r.comm.reduce_scatter == 0)
