@@ -24,6 +24,7 @@
 #include <stdlib.h>            /* setenv, getenv, strtol, malloc */
 #include <signal.h>            /* SIGTERM */
 #include <string.h>            /* strcmp, strerror */
+#include <time.h>              /* clock_gettime: a second signal's time */
 #include <sys/prctl.h>         /* PR_SET_PDEATHSIG: LZ_PARENT_PID */
 #include <unistd.h>            /* readlink, isatty */
 
@@ -89,6 +90,85 @@ static void say_when_stopped(void) {
     if (sigaction(sigs[k], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
     sigaction(sigs[k], &sa, NULL);
   }
+}
+
+/* A stop at the next step's end (scripts/train.lua with --save, through
+ * LUAZERO_SIGNALS): the first SIGINT or SIGTERM is noted, said once (by
+ * rank 0, or a script run alone), and the run saves and stops after its
+ * step. One coming within a second of the first is the same request
+ * (Ctrl-C reaches a launcher's ranks, then the launcher relays it); a later
+ * one stops the process at once, as without. */
+static volatile sig_atomic_t stop_signal, stop_quiet;
+static struct timespec stop_at;
+
+static void note_stop(int sig) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  if (!stop_signal) {
+    stop_signal = sig;
+    stop_at = now;
+    static const char intr[] = "\nluazero: received SIGINT: stopping after this step, saving it "
+                               "(again to stop at once)\n";
+    static const char term[] = "luazero: received SIGTERM: stopping after this step, saving it "
+                               "(again to stop at once)\n";
+    if (!stop_quiet) {
+      ssize_t w = sig == SIGINT ? write(2, intr, sizeof intr - 1) : write(2, term, sizeof term - 1);
+      (void)w;
+    }
+    return;
+  }
+  double since = (double)(now.tv_sec - stop_at.tv_sec) + 1e-9 * (double)(now.tv_nsec - stop_at.tv_nsec);
+  if (since < 1.0) return;
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+/* LUAZERO_SIGNALS.graceful(): SIGINT and SIGTERM (unless ignored) noted
+ * from now on. */
+static int signals_graceful(lua_State *L) {
+  (void)L;
+  const char *rank = getenv("RANK");
+  stop_quiet = rank && strcmp(rank, "0") != 0;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = note_stop;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  const int sigs[] = {SIGINT, SIGTERM};
+  for (int k = 0; k < 2; k++) {
+    struct sigaction old;
+    if (sigaction(sigs[k], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
+    sigaction(sigs[k], &sa, NULL);
+  }
+  return 0;
+}
+
+/* LUAZERO_SIGNALS.pending(): the signal noted (2, 15), or 0. */
+static int signals_pending(lua_State *L) {
+  lua_pushinteger(L, stop_signal);
+  return 1;
+}
+
+/* LUAZERO_SIGNALS.die(sig): ends the process by that signal (its default
+ * action), as an unhandled one would: the exit status is 128 + sig. */
+static int signals_die(lua_State *L) {
+  int sig = (int)luaL_checkinteger(L, 1);
+  fflush(stdout);
+  fflush(stderr);
+  signal(sig, SIG_DFL);
+  raise(sig);
+  _exit(128 + sig);
+}
+
+static void set_signals(lua_State *L) {
+  lua_newtable(L);
+  lua_pushcfunction(L, signals_graceful);
+  lua_setfield(L, -2, "graceful");
+  lua_pushcfunction(L, signals_pending);
+  lua_setfield(L, -2, "pending");
+  lua_pushcfunction(L, signals_die);
+  lua_setfield(L, -2, "die");
+  lua_setglobal(L, "LUAZERO_SIGNALS");
 }
 
 /* The collective backends, from the library's table (core/comm/backends.c). */
@@ -589,6 +669,7 @@ int main(int argc, char **argv) {
   lua_pushboolean(L, repl_after);
   lua_setglobal(L, "LUAZERO_INTERACTIVE");
   set_own_options(L);
+  set_signals(L);
 
   int status = 0;
   for (int k = 0; k < n_exec && status == 0; k++) {

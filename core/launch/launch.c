@@ -46,8 +46,11 @@
 
 extern char **environ;
 
-static volatile sig_atomic_t got_signal;
-static void on_signal(int sig) { got_signal = sig; }
+static volatile sig_atomic_t got_signal, signals_got;
+static void on_signal(int sig) {
+  got_signal = sig;
+  signals_got++;
+}
 
 enum { OUT_PREFIX, OUT_QUIET, OUT_RAW };
 
@@ -516,11 +519,19 @@ static void kill_all(job *j, int sig) {
     if (j->procs[r].running) kill(j->procs[r].pid, sig);
 }
 
-/* SIGTERM now, SIGKILL for whoever still runs 3 s later. */
-static void stop_all(job *j) {
+/* A signal to the launcher gives its ranks this long to stop (a training
+ * run saves after its step: scripts/train.lua with --save) before SIGKILL:
+ * LZ_STOP_GRACE seconds, 30 by default; a rank's failure, 3 s. */
+static double stop_grace(void) {
+  const char *e = getenv("LZ_STOP_GRACE");
+  return e && *e && atof(e) >= 0 ? atof(e) : 30.0;
+}
+
+/* SIGTERM now, SIGKILL for whoever still runs `grace` s later. */
+static void stop_all(job *j, double grace) {
   j->stopping = 1;
   kill_all(j, SIGTERM);
-  j->kill_at = lz_now_s() + 3.0;
+  j->kill_at = lz_now_s() + grace;
 }
 
 /* Relays what the ranks wrote, waiting up to timeout_ms; returns the number
@@ -591,7 +602,9 @@ static int supervise(job *j) {
   if (got_signal)
     fprintf(stderr, "luazero: received %s during start-up; stopping the %d rank%s started\n",
             signal_name(got_signal), j->running, j->running == 1 ? "" : "s");
-  if (got_signal || j->stopping) stop_all(j);
+  if (got_signal || j->stopping) stop_all(j, got_signal ? stop_grace() : 3.0);
+  sig_atomic_t signals_at_stop = signals_got;
+  double stopped_at = lz_now_s();
   while (j->running > 0) {
     relay_output(j, 100);
     reap(j, &grace_until);
@@ -602,12 +615,24 @@ static int supervise(job *j) {
         fprintf(stderr, "luazero: rank %d %s; stopping the other %d rank%s\n", j->failed_rank,
                 how, j->running, j->running == 1 ? "" : "s");
       else fprintf(stderr, "luazero: rank %d %s\n", j->failed_rank, how);
-      stop_all(j);
+      stop_all(j, 3.0);
+      stopped_at = lz_now_s();
     }
     if (got_signal && !j->stopping) {
       fprintf(stderr, "luazero: received %s; stopping %d rank%s\n", signal_name(got_signal),
               j->running, j->running == 1 ? "" : "s");
-      stop_all(j);
+      stop_all(j, stop_grace());
+      signals_at_stop = signals_got;
+      stopped_at = lz_now_s();
+    } else if (j->stopping && signals_got != signals_at_stop) {
+      /* a second signal a second or more after the stop: SIGKILL at once
+       * (one within the second is the same request, sent twice) */
+      signals_at_stop = signals_got;
+      if (lz_now_s() - stopped_at >= 1.0 && j->kill_at > lz_now_s()) {
+        fprintf(stderr, "luazero: received %s again; killing %d rank%s\n",
+                signal_name(got_signal), j->running, j->running == 1 ? "" : "s");
+        j->kill_at = lz_now_s();
+      }
     }
     if (j->stopping && j->running > 0 && lz_now_s() > j->kill_at) {
       kill_all(j, SIGKILL);

@@ -382,6 +382,62 @@ end
 -- 20 runs of 6 steps on 2 ranks saving every step, each SIGKILLed (a rank or
 -- the launcher) at a random moment; then no process of it is left, and the
 -- newest `latest` resumes to the params_checksum of a run never stopped.
+-- SIGTERM to a run with --save (a script run alone, and a launcher of 2
+-- ranks): the run finishes its step, saves it and ends by the signal (exit
+-- 143), and --resume from that save goes on bitwise as the run that never
+-- stopped. Before, the signal ended it at once, losing every step since the
+-- last save. A second SIGTERM a second later stops it at once.
+function T.sigterm_saves_the_step_and_the_resume_is_bitwise()
+  local cfg = write_file("constant-lr.json", '{"train_micro_batch_size_per_gpu": 2}')
+  local exe = q(lz.executable())
+  for _, n in ipairs({ 1, 2 }) do
+    local dir = ("%s/term-%d"):format(tmp, n)
+    local log, pidfile, rcfile = dir .. ".jsonl", dir .. ".pid", dir .. ".rc"
+    local launch = n == 1 and exe or exe .. " -n 2"
+    os.execute(("cd %s && (%s scripts/train.lua %s --stage 1 --steps 100000 --config %s " ..
+                "--save %s --save-every 100000 --log %s > %s.out 2>&1 & echo $! > %s; " ..
+                "wait $!; echo $? > %s) 2>/dev/null &")
+               :format(q(root), launch, MODEL, q(cfg), q(dir), q(log), q(dir), q(pidfile),
+                       q(rcfile)))
+    local t0 = clock.now()
+    while not (read(log) or ""):find('"step":3[,}]') and clock.now() - t0 < 60 do
+      clock.sleep(0.02)
+    end
+    local pid = assert(tonumber(read(pidfile) or ""), n .. " rank(s): no pid")
+    os.execute("kill -TERM " .. pid)
+    while not tonumber(read(rcfile) or "") and clock.now() - t0 < 90 do clock.sleep(0.02) end
+    local out = read(dir .. ".out") or ""
+    support.eq(tonumber(read(rcfile) or ""), 143, n .. " rank(s): exit status\n" .. out)
+    local k = tonumber((read(dir .. "/latest") or ""):match("step%-0*(%d+)"))
+    assert(k and k >= 3, n .. " rank(s): no save after the signal\n" .. out)
+    assert(out:find(("stopped by SIGTERM after step %d, saved: --resume %s goes on from it")
+                    :format(k, dir), 1, true) and
+           out:find("received SIGTERM: stopping after this step, saving it", 1, true), out)
+    local flags = ("--stage 1 --steps %d --config %s"):format(k + 2, q(cfg))
+    local _, straight = ok_train(n, flags)
+    local _, resumed = ok_train(n, flags .. " --resume " .. q(dir))
+    support.eq(resumed, straight, n .. " rank(s): resumed after the signal")
+  end
+  -- A second SIGTERM within a second is the same request (Ctrl-C reaches
+  -- the ranks, then the launcher relays it); a second later, it ends the
+  -- process at once.
+  local script = write_file("twice.lua", [[
+local ffi = require("ffi")
+pcall(ffi.cdef, "int kill(int pid, int sig); int getpid(void); int poll(void *f, unsigned long n, int t);")
+LUAZERO_SIGNALS.graceful()
+ffi.C.kill(ffi.C.getpid(), 15)
+io.stderr:write("pending " .. LUAZERO_SIGNALS.pending() .. "\n")
+ffi.C.poll(nil, 0, tonumber(arg[1]))
+ffi.C.kill(ffi.C.getpid(), 15)
+io.stderr:write("survived\n")
+]])
+  local out, st = sh(exe .. " " .. q(script) .. " 100")
+  assert(st == 0 and out:find("pending 15\nsurvived", 1, true), out)
+  out, st = sh(exe .. " " .. q(script) .. " 1100")
+  assert(st == 143 and out:find("pending 15", 1, true) and not out:find("survived", 1, true),
+         st .. "\n" .. out)
+end
+
 function T.sigkill_at_random_moments_then_latest_resumes_to_the_same_checksum()
   local flags = "--steps 6 --stage 1 --save-every 1"
   local _, straight = ok_train(2, "--steps 6 --stage 1") -- saves change no number

@@ -12,7 +12,12 @@ local M = {}
 function M.plan(run)
   local flags, ex = run.flags, run.ex
   if not flags.save then return end
-  run.due = due_saves.new(run.comm, flags.save_every, flags.save_every_minutes, flags.steps)
+  -- SIGINT or SIGTERM (lua/main.c's LUAZERO_SIGNALS) stops the run after
+  -- its step, saved (a second one, a second later, at once)
+  local signals = rawget(_G, "LUAZERO_SIGNALS")
+  if signals then signals.graceful() end
+  run.due = due_saves.new(run.comm, flags.save_every, flags.save_every_minutes, flags.steps,
+                          signals and signals.pending)
   -- ds_config's checkpoint.writer.decoupled asks for the same.
   run.async = flags.async_save or run.cfg.checkpoint.async
   local why = run.async and async_saves.refusal(run.engine)
@@ -75,6 +80,15 @@ function M.if_due(run, step)
     ex.say(("saved %s in %.2f s"):format(dir, clock.now() - t1))
   end
   run.due:saved()
+  local sig = run.due.stop
+  if sig then -- the save in flight finished, then the process ends by the signal
+    M.finish(run)
+    ex.say(("stopped by %s after step %d, saved: --resume %s goes on from it")
+           :format(sig == 2 and "SIGINT" or sig == 15 and "SIGTERM" or ("signal " .. sig), step,
+                   flags.save))
+    if run.log then run.log.close() end
+    rawget(_G, "LUAZERO_SIGNALS").die(sig)
+  end
 end
 
 -- The end of the run: the save in flight finished, its buffer freed.
