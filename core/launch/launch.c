@@ -21,8 +21,8 @@
  * those left, never fewer than min_ranks. A signal to the launcher is never
  * restarted.
  *
- * Environment read here: LZ_RANK_OUTPUT = prefix (default) | quiet (ranks
- * other than 0 silenced) | raw (inherited, no prefix); LZ_BACKEND=mpi runs
+ * Environment read here: LZ_RANK_OUTPUT = prefix (default) | quiet (the
+ * stdout of ranks other than 0 silenced, their stderr prefixed) | raw (inherited, no prefix); LZ_BACKEND=mpi runs
  * the ranks under mpirun instead. */
 #define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe, memfd_create */
 #include "comm/comm_internal.h"
@@ -455,15 +455,11 @@ __attribute__((noreturn)) static void exec_rank(const job *j, int r, pid_t launc
     }
     if (dn != 0) close(dn);
   }
-  if (pout[1] >= 0) {
-    dup2(pout[1], 1);
-    dup2(perr[1], 2);
-  } else if (r > 0 && j->mode == OUT_QUIET) {
+  if (pout[1] >= 0) dup2(pout[1], 1);
+  if (perr[1] >= 0) dup2(perr[1], 2);
+  if (r > 0 && j->mode == OUT_QUIET) {
     int dn = open("/dev/null", O_WRONLY);
-    if (dn >= 0) {
-      dup2(dn, 1);
-      dup2(dn, 2);
-    }
+    if (dn >= 0) dup2(dn, 1);
   }
   execvpe(j->argv[0], j->argv, env);
   fprintf(stderr, "luazero: rank %d: cannot run %s: %s\n", r, j->argv[0], strerror(errno));
@@ -477,7 +473,10 @@ static void close_pair(int *p) {
 
 static lz_status fork_rank(job *j, int r) {
   int pout[2] = {-1, -1}, perr[2] = {-1, -1};
-  if (r > 0 && j->mode == OUT_PREFIX && (pipe2(pout, O_CLOEXEC) || pipe2(perr, O_CLOEXEC))) {
+  /* quiet: the others' stderr still comes through (prefixed), so a failing
+   * rank's own error is seen; their stdout goes to /dev/null */
+  if (r > 0 && j->mode != OUT_RAW &&
+      ((j->mode == OUT_PREFIX && pipe2(pout, O_CLOEXEC)) || pipe2(perr, O_CLOEXEC))) {
     int e = errno;
     close_pair(pout);
     close_pair(perr);
@@ -489,19 +488,19 @@ static lz_status fork_rank(job *j, int r) {
   if (pid == 0) exec_rank(j, r, launcher, pout, perr, env);
   int e = errno;
   if (env) free_rank_env(env);
-  if (pout[1] >= 0) close(pout[1]), close(perr[1]);
+  if (pout[1] >= 0) close(pout[1]);
+  if (perr[1] >= 0) close(perr[1]);
   if (pid < 0) {
-    if (pout[0] >= 0) close(pout[0]), close(perr[0]);
+    if (pout[0] >= 0) close(pout[0]);
+    if (perr[0] >= 0) close(perr[0]);
     return env ? lz_fail(LZ_ERR_IO, "launch: fork of rank %d failed: %s", r, strerror(e))
                : lz_fail(LZ_ERR_NOMEM, "launch: out of memory");
   }
   j->procs[r] = (rank_proc){pid, 1, 0};
   j->running++;
   if (j->segment >= 0) lz_shm_segment_rank_started(j->segment, j->nranks, r, pid);
-  if (pout[0] >= 0) {
-    j->streams[2 * r] = (stream){pout[0], 1, r, NULL, 0, 0};
-    j->streams[2 * r + 1] = (stream){perr[0], 2, r, NULL, 0, 0};
-  }
+  if (pout[0] >= 0) j->streams[2 * r] = (stream){pout[0], 1, r, NULL, 0, 0};
+  if (perr[0] >= 0) j->streams[2 * r + 1] = (stream){perr[0], 2, r, NULL, 0, 0};
   return LZ_OK;
 }
 

@@ -155,10 +155,10 @@ if grep -Eq "^exit 0 lines 2 in [0-9.]+ s$" "$TMP/sigchld"; then
 else bad "SIGCHLD ignored by the launcher's parent" "$TMP/sigchld"; fi
 
 # --- SIGINT to a launcher whose ranks ignore SIGTERM and relay no output:
-# it waits for them (3 s, then SIGKILL) asleep, not spinning
+# it waits for them (LZ_STOP_GRACE 3 s, then SIGKILL) asleep, not spinning
 IGNORER='local ffi = require("ffi"); ffi.cdef("typedef void (*lz_sh)(int); lz_sh signal(int, lz_sh); int poll(void *, unsigned long, int);"); ffi.C.signal(15, ffi.cast("lz_sh", 1)); ffi.C.signal(2, ffi.cast("lz_sh", 1)); ffi.C.poll(nil, 0, 30000)'
 tag="launcher-$$-quiet"
-LZ_TEST_JOB=$tag LZ_RANK_OUTPUT=quiet "$BIN/luazero" -n 2 -e "$IGNORER" > "$TMP/quiet" 2>&1 &
+LZ_TEST_JOB=$tag LZ_STOP_GRACE=3 LZ_RANK_OUTPUT=quiet "$BIN/luazero" -n 2 -e "$IGNORER" > "$TMP/quiet" 2>&1 &
 lpid=$!
 sleep 1
 kill -INT $lpid
@@ -170,6 +170,14 @@ left=$(job_left "$tag" $lpid)
 if [ -n "$ticks" ] && [ "$ticks" -lt 50 ] && [ $code = 130 ] && [ -z "$left" ]; then
   ok "SIGINT, ranks ignoring SIGTERM, output quiet: $ticks CPU ticks of the launcher in 3.5 s, exit 130, no process left"
 else bad "SIGINT, ranks ignoring SIGTERM, output quiet (ticks '$ticks', exit $code, left '$left')" "$TMP/quiet"; fi
+
+# --- LZ_RANK_OUTPUT=quiet: rank 1's stdout silenced, its stderr (an error
+# of its own) still shown, prefixed
+LZ_RANK_OUTPUT=quiet "$BIN/luazero" -n 2 -e 'print("out " .. os.getenv("RANK")); io.stderr:write("err " .. os.getenv("RANK") .. "\n")' > "$TMP/quiet2" 2>&1
+if [ "$(grep -c '^out' "$TMP/quiet2")" = 1 ] && grep -qx "out 0" "$TMP/quiet2" &&
+   grep -qx "\[rank 1\] err 1" "$TMP/quiet2" && grep -qx "err 0" "$TMP/quiet2"; then
+  ok "LZ_RANK_OUTPUT=quiet: rank 1's stdout silenced, its stderr shown prefixed"
+else bad "LZ_RANK_OUTPUT=quiet: rank 1's stdout silenced, its stderr shown" "$TMP/quiet2"; fi
 
 # --- under mpirun: OpenMPI's rank variables become RANK, WORLD_SIZE,
 # LOCAL_RANK, LOCAL_WORLD_SIZE, and the cores are shared among the ranks
