@@ -153,6 +153,10 @@ static lz_status check_peers(lz_comm *c, shm_comm *s, uint64_t target, const cha
   return LZ_OK;
 }
 
+/* A wait this long says so on stderr, and again as often: a third of
+ * LZ_COMM_TIMEOUT, at most 60 s. */
+#define SHM_WAIT_NOTE_S(c) ((c)->timeout_s / 3 < 60.0 ? (c)->timeout_s / 3 : 60.0)
+
 static lz_status wait_arrived(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
   int world = c->size;
   if (all_arrived(s, world, target)) return LZ_OK;
@@ -168,7 +172,7 @@ static lz_status wait_arrived(lz_comm *c, shm_comm *s, uint64_t target, const ch
     sched_yield();
     if (all_arrived(s, world, target)) return LZ_OK;
   }
-  double deadline = t0 + c->timeout_s, next_check = t0 + 0.1;
+  double deadline = t0 + c->timeout_s, next_check = t0 + 0.1, next_note = t0 + SHM_WAIT_NOTE_S(c);
   struct timespec nap = {0, 20 * 1000 * 1000};
   for (;;) {
     atomic_fetch_add(&s->hdr->sleepers, 1);
@@ -180,6 +184,13 @@ static lz_status wait_arrived(lz_comm *c, shm_comm *s, uint64_t target, const ch
     if (t >= next_check) {
       LZ_TRY(check_peers(c, s, target, op));
       next_check = t + 0.1;
+    }
+    if (t >= next_note && t < deadline) { /* a long wait is said, not silent */
+      char who[256];
+      fprintf(stderr, "luazero: %s: rank %d has waited %.0f s for ranks %s (a rank stuck or busy "
+              "elsewhere); LZ_COMM_TIMEOUT stops the run at %.0f s\n", op, c->rank, t - t0,
+              missing_ranks(s, world, target, who, sizeof who), c->timeout_s);
+      next_note = t + SHM_WAIT_NOTE_S(c);
     }
     if (t >= deadline) {
       char who[256];

@@ -349,6 +349,9 @@ function T.a_stopped_rank_ends_the_run_with_one_line()
     assert(out:find("EXIT:1", 1, true), out:sub(-2000))
     assert(out:match("train: [%w_]+: rank 0 waited [%d.]+ s %(LZ_COMM_TIMEOUT%) for ranks 1"),
            out:sub(-2000))
+    -- (said while it waited, a third of the timeout in)
+    assert(out:match("luazero: [%w_]+: rank 0 has waited 1 s for ranks 1 %(a rank stuck or " ..
+                     "busy elsewhere%); LZ_COMM_TIMEOUT stops the run at 2 s"), out:sub(-2000))
     assert(not out:find("traceback", 1, true), out:sub(-2000))
   end)
   os.execute("kill -KILL " .. launcher .. " 2>/dev/null") -- whatever happened
