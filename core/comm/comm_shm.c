@@ -43,15 +43,13 @@
  * destination: 1.5x less memory traffic on messages that do not stay in
  * cache.
  *
- * Waiting: spin while the ranks have a core each, then sleep on a futex in
- * the segment; every 100 ms a sleeper checks the deadline (LZ_COMM_TIMEOUT)
- * and whether the ranks it waits for are still alive. */
+ * Waiting and the barriers' check that every rank runs the same collective:
+ * comm_shm_wait.c. */
 #define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe */
 #include "comm/comm_shm.h"
 
 #include <errno.h>       /* errno from open, kill */
 #include <fcntl.h>       /* open, O_RDWR */
-#include <linux/futex.h> /* FUTEX_WAIT, FUTEX_WAKE */
 #include <sched.h>       /* sched_getaffinity, sched_yield */
 #include <signal.h>      /* kill(pid, 0) to check a peer */
 #include <stdio.h>       /* snprintf */
@@ -59,7 +57,6 @@
 #include <sys/mman.h>    /* mmap */
 #include <sys/stat.h>    /* fstat */
 #include <sys/prctl.h>   /* PR_SET_PTRACER: let sibling ranks read this one under Yama */
-#include <sys/syscall.h> /* SYS_futex */
 #include <sys/uio.h>     /* process_vm_readv */
 #include <unistd.h>      /* getpid, close */
 
@@ -100,167 +97,6 @@ void lz_shm_segment_format(void *base, int world) {
 
 uint8_t *shm_bank(shm_comm *s, int rank, int bank) {
   return s->data + ((size_t)rank * 2 + (size_t)bank) * s->chunk;
-}
-
-/* ------------------------------------------------------------------ waiting */
-
-static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
-  return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
-}
-
-static void arrive(shm_comm *s, int me) {
-  s->step++;
-  for (int i = 0; i < 4; i++)
-    atomic_store_explicit(&s->ranks[me].sig[s->step & 1][i], s->sig[i], memory_order_relaxed);
-  atomic_store(&s->ranks[me].arrive, s->step);
-  atomic_fetch_add(&s->hdr->futex_word, 1);
-  if (atomic_load(&s->hdr->sleepers)) futex(&s->hdr->futex_word, FUTEX_WAKE, INT32_MAX, NULL);
-}
-
-static int all_arrived(shm_comm *s, int world, uint64_t target) {
-  for (int p = 0; p < world; p++)
-    if (atomic_load_explicit(&s->ranks[p].arrive, memory_order_acquire) < target) return 0;
-  return 1;
-}
-
-/* "2, 3" into buf: the ranks that have not reached `target`. */
-static const char *missing_ranks(shm_comm *s, int world, uint64_t target, char *buf, size_t len) {
-  size_t n = 0;
-  buf[0] = 0;
-  for (int p = 0; p < world && n < len; p++)
-    if (atomic_load(&s->ranks[p].arrive) < target)
-      n += (size_t)snprintf(buf + n, len - n, n ? ", %d" : "%d", p);
-  return buf;
-}
-
-static lz_status check_peers(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
-  for (int p = 0; p < c->size; p++) {
-    if (atomic_load(&s->ranks[p].arrive) >= target) continue;
-    int state = atomic_load(&s->ranks[p].state);
-    int pid = atomic_load(&s->ranks[p].pid);
-    if (state == RANK_LEFT)
-      return lz_fail(LZ_ERR_COMM,
-                     "%s: rank %d is waiting for rank %d, which freed its communicator before "
-                     "joining this collective (the ranks called different collectives)",
-                     op, c->rank, p);
-    if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH)
-      return lz_fail(LZ_ERR_COMM, "%s: rank %d is waiting for rank %d (pid %d), which has exited%s",
-                     op, c->rank, p, pid, state == RANK_EMPTY ? " without joining (before its "
-                     "comm.init)" : "");
-  }
-  if (getppid() == 1)
-    return lz_fail(LZ_ERR_COMM, "%s: rank %d: the launcher has exited; stopping", op, c->rank);
-  return LZ_OK;
-}
-
-/* A wait this long says so on stderr, and again as often: a third of
- * LZ_COMM_TIMEOUT, at most 60 s. */
-#define SHM_WAIT_NOTE_S(c) ((c)->timeout_s / 3 < 60.0 ? (c)->timeout_s / 3 : 60.0)
-
-static lz_status wait_arrived(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
-  int world = c->size;
-  if (all_arrived(s, world, target)) return LZ_OK;
-  double t0 = lz_now_s();
-  if (s->spin_s > 0) {
-    for (int i = 0;; i++) {
-      __builtin_ia32_pause();
-      if (all_arrived(s, world, target)) return LZ_OK;
-      if ((i & 255) == 255 && lz_now_s() - t0 > s->spin_s) break;
-    }
-  }
-  for (int i = 0; i < 4; i++) { /* a peer may be waiting for this core */
-    sched_yield();
-    if (all_arrived(s, world, target)) return LZ_OK;
-  }
-  double deadline = t0 + c->timeout_s, next_check = t0 + 0.1, next_note = t0 + SHM_WAIT_NOTE_S(c);
-  struct timespec nap = {0, 20 * 1000 * 1000};
-  for (;;) {
-    atomic_fetch_add(&s->hdr->sleepers, 1);
-    uint32_t v = atomic_load(&s->hdr->futex_word);
-    if (!all_arrived(s, world, target)) futex(&s->hdr->futex_word, FUTEX_WAIT, v, &nap);
-    atomic_fetch_sub(&s->hdr->sleepers, 1);
-    if (all_arrived(s, world, target)) return LZ_OK;
-    double t = lz_now_s();
-    if (t >= next_check) {
-      LZ_TRY(check_peers(c, s, target, op));
-      next_check = t + 0.1;
-    }
-    if (t >= next_note && t < deadline) { /* a long wait is said, not silent */
-      char who[256];
-      fprintf(stderr, "luazero: %s: rank %d has waited %.0f s for ranks %s (a rank stuck or busy "
-              "elsewhere); LZ_COMM_TIMEOUT stops the run at %.0f s\n", op, c->rank, t - t0,
-              missing_ranks(s, world, target, who, sizeof who), c->timeout_s);
-      next_note = t + SHM_WAIT_NOTE_S(c);
-    }
-    if (t >= deadline) {
-      char who[256];
-      return lz_fail(LZ_ERR_TIMEOUT,
-                     "%s: rank %d waited %.1f s (LZ_COMM_TIMEOUT) for ranks %s; they never "
-                     "joined this collective (a rank stuck, or ranks calling different "
-                     "collectives)",
-                     op, c->rank, t - t0, missing_ranks(s, world, target, who, sizeof who));
-    }
-  }
-}
-
-/* The collective a signature names, for messages: "all_reduce (sum) of 8
- * float32", "broadcast of 4 bfloat16 from rank 1", "joining". */
-static const char *sig_text(const uint64_t *sig, char *buf, size_t len) {
-  static const char *ops[] = {" (sum)", " (avg)", " (max)"};
-  if (sig[1] == 0) return snprintf(buf, len, "joining the communicator"), buf;
-  lz_coll_kind kind = (lz_coll_kind)((sig[1] & 0xff) - 1);
-  const char *dt = lz_dtype_name((lz_dtype)((sig[1] >> 8) & 0xff));
-  unsigned op = (unsigned)((sig[1] >> 16) & 0xff);
-  int reduce = kind == LZ_COLL_ALL_REDUCE || kind == LZ_COLL_REDUCE_SCATTER;
-  if (kind == LZ_COLL_BARRIER) snprintf(buf, len, "barrier");
-  else if (kind == LZ_COLL_ALL_TO_ALL) snprintf(buf, len, "all_to_all of %s", dt);
-  else
-    snprintf(buf, len, "%s%s of %llu %s%s", lz_coll_name(kind), reduce && op < 3 ? ops[op] : "",
-             (unsigned long long)sig[2], dt, kind == LZ_COLL_BROADCAST ? " from rank " : "");
-  if (kind == LZ_COLL_BROADCAST)
-    snprintf(buf + strlen(buf), len - strlen(buf), "%d", (int)(uint32_t)sig[3]);
-  return buf;
-}
-
-/* After the barrier at `target`: every rank arrived there running the same
- * collective, as the same one of its calls. Each rank compares every
- * peer's record, so a mismatch fails every rank at this barrier, before
- * any of them reads a peer's data. */
-static lz_status check_sigs(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
-  for (int p = 0; p < c->size; p++) {
-    uint64_t peer[4];
-    int same = 1;
-    for (int i = 0; i < 4; i++) {
-      peer[i] = atomic_load_explicit(&s->ranks[p].sig[target & 1][i], memory_order_relaxed);
-      same &= peer[i] == s->sig[i];
-    }
-    if (same) continue;
-    char mine[160], theirs[160];
-    return lz_fail(LZ_ERR_COMM,
-                   "%s: the ranks called different collectives: rank %d's collective #%llu is "
-                   "%s, rank %d's #%llu is %s. Every rank must make the same collective calls "
-                   "in the same order (a call made on some ranks only, such as a save or an "
-                   "evaluation under `if rank == 0`, puts them out of step)",
-                   op, c->rank, (unsigned long long)s->sig[0],
-                   sig_text(s->sig, mine, sizeof mine), p, (unsigned long long)peer[0],
-                   sig_text(peer, theirs, sizeof theirs));
-  }
-  return LZ_OK;
-}
-
-static lz_status wait_all(lz_comm *c, shm_comm *s, uint64_t target, const char *op) {
-  LZ_TRY(wait_arrived(c, s, target, op));
-  return check_sigs(c, s, target, op);
-}
-
-void shm_arrive(lz_comm *c, shm_comm *s) { arrive(s, c->rank); }
-lz_status shm_wait(lz_comm *c, shm_comm *s, const char *op) {
-  return wait_all(c, s, s->step, op);
-}
-
-lz_status shm_barrier(lz_comm *c, shm_comm *s, const char *op) {
-  arrive(s, c->rank);
-  return wait_all(c, s, s->step, op);
 }
 
 /* ---------------------------------------------------------------- init/free */
@@ -408,8 +244,7 @@ static void shm_free(lz_comm *c) {
   shm_comm *s = c->impl;
   if (!s) return;
   atomic_store(&s->ranks[c->rank].state, RANK_LEFT);
-  atomic_fetch_add(&s->hdr->futex_word, 1);
-  futex(&s->hdr->futex_word, FUTEX_WAKE, INT32_MAX, NULL);
+  shm_wake_all(s);
   munmap(s->base, s->bytes);
   free(s->stage);
   free(s->piece);
@@ -617,10 +452,10 @@ static lz_status all_gather_read(lz_comm *c, shm_comm *s, const lz_coll_args *a,
       LZ_TRY(shm_cma_read(c, s, p, recv + off[p] * es, atomic_load(&s->ranks[p].send),
                       (size_t)len[p] * es, "all_gather"));
   }
-  arrive(s, me); /* this rank has read its peers: its own copy overlaps their reading */
+  shm_arrive(c, s); /* this rank has read its peers: its own copy overlaps their reading */
   if (len[me] && a->send != recv + off[me] * es)
     copy(recv + off[me] * es, a->send, (size_t)len[me] * es);
-  return wait_all(c, s, s->step, "all_gather"); /* every peer has read this rank's shard */
+  return shm_wait(c, s, "all_gather"); /* every peer has read this rank's shard */
 }
 
 /* All-gather writing this rank's shard into every rank's shared receive

@@ -1,8 +1,9 @@
 /* comm_shm.h — what the shared-memory backend's files share: the segment's
  * layout (header, rank records, banks), a rank's view of it, and the steps
- * every algorithm is made of. comm_shm.c holds the segment, the waiting and
- * the reductions; comm_shm_a2a.c the all-to-all; comm_shm_group.c the
- * segments of sub-groups. Not part of the public API. */
+ * every algorithm is made of. comm_shm.c holds the segment and the
+ * reductions; comm_shm_wait.c the waiting and the barriers' check that the
+ * ranks run the same collective; comm_shm_a2a.c the all-to-all;
+ * comm_shm_group.c the segments of sub-groups. Not part of the public API. */
 #ifndef LZ_COMM_SHM_H
 #define LZ_COMM_SHM_H
 
@@ -85,6 +86,8 @@ lz_status shm_barrier(lz_comm *c, shm_comm *s, const char *op);
  * this rank arrives, then waits for the others to arrive too. */
 void shm_arrive(lz_comm *c, shm_comm *s);
 lz_status shm_wait(lz_comm *c, shm_comm *s, const char *op);
+/* Wakes every rank asleep in a wait (this rank left: they look again). */
+void shm_wake_all(shm_comm *s);
 /* Copies `bytes` at address `remote` of rank p into `local` (process_vm_readv). */
 lz_status shm_cma_read(lz_comm *c, shm_comm *s, int p, void *local, uint64_t remote,
                        size_t bytes, const char *op);
