@@ -218,6 +218,11 @@ local function set_up(flags)
                                                 val_fraction = flags.val_data and 0 or nil })
   -- --val-data: its windows are the validation batches; --data trains whole.
   local val_corpus = flags.val_data and inputs.corpus(ex, flags.val_data, jsonl)
+  if val_corpus and checked(data.fingerprint, flags.val_data) == checked(data.fingerprint, flags.data) then
+    say(("data: --val-data %s holds the same bytes as --data %s: the validation loss is the " ..
+         "training data's (drop --val-data to hold out the last 10%% of --data)")
+        :format(flags.val_data, flags.data))
+  end
   local val_loader = val_corpus and
                      checked(require("luazero.held_out").loader, val_corpus,
                              { B = B, T = T, seed = flags.seed, vocab = mcfg.vocab,

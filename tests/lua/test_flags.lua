@@ -153,6 +153,16 @@ function T.save_settings_without_save_are_named_as_without_effect()
                               "(nothing is saved without --save DIR)", 1, true), out)
 end
 
+-- --val-data holding --data's bytes: said (the validation loss would be the
+-- training data's).
+function T.val_data_that_is_the_training_data_is_said()
+  local out = ok_train(1, "--steps 1 --val-data " .. support.quote(corpus))
+  assert(out:find("holds the same bytes as --data", 1, true), out)
+  local other = write_file("other-val.txt", ("Another text altogether. "):rep(80))
+  out = ok_train(1, "--steps 1 --val-data " .. support.quote(other))
+  assert(not out:find("holds the same bytes", 1, true), out)
+end
+
 function T.a_resume_with_other_steps_says_the_schedule_changes()
   local dir = select(2, support.scratch())
   ok_train(1, ("--steps 4 --save-every 2 --save %s"):format(dir))
@@ -189,6 +199,14 @@ function T.a_resume_with_other_steps_says_the_schedule_changes()
   out = ok_train(1, "--steps 40 --warmup 4 --resume " .. dir20 .. "/step-000010")
   assert(out:find("warmup 4 + cosine, 40 steps", 1, true) and
          not out:find("its warmup stays", 1, true), out)
+  -- Another --seed on resume changes nothing, and says so.
+  assert(MODEL:find("--seed 7", 1, true))
+  local _, ok_seed8 = support.trainer((MODEL:gsub("%-%-seed 7", "--seed 8")))
+  out = ok_seed8(1, "--steps 4 --resume " .. ck)
+  assert(out:find("resume: --seed 8, the saved run's 7: the weights, the data's order and " ..
+                  "position and every generator come from the checkpoint", 1, true), out)
+  out = ok_train(1, "--steps 4 --resume " .. ck)
+  assert(not out:find("resume: --seed", 1, true), out)
   -- Below the saved step: refused, naming the step itself (equal runs nothing).
   local o, st = train(1, "--steps 1 --resume " .. ck)
   assert(st == 2 and o:find("give --steps 2 or more", 1, true), o)

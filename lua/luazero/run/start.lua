@@ -55,6 +55,12 @@ function M.note_resumed_schedule(ex, flags, cfg, m, sched, peak)
     ex.say(("resume: gradient_clipping %g, the saved run's %g (0: none)"):format(
       cfg.gradient_clipping, clip))
   end
+  local seed = type(m.extra) == "table" and tonumber(m.extra.seed)
+  if seed and flags.seed and seed ~= flags.seed then
+    ex.say(("resume: --seed %d, the saved run's %d: the weights, the data's order and position " ..
+            "and every generator come from the checkpoint, so the seed changes nothing; start a " ..
+            "new run (no --resume) for another draw"):format(flags.seed, seed))
+  end
   local saved = type(m.extra) == "table" and tonumber(m.extra.steps)
   local sch = cfg.scheduler
   local total = sch and sch.type ~= "WarmupLR" and (sch.params or {}).total_num_steps
