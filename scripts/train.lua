@@ -30,6 +30,8 @@ local run_config = require("luazero.run.config")
 local stage_auto = require("luazero.run.stage_auto")
 local start = require("luazero.run.start")
 local loop = require("luazero.run.loop")
+local saves = require("luazero.run.saves")
+local clock = require("luazero.clock")
 local text = require("luazero.run.text")
 
 local spec = {
@@ -348,8 +350,15 @@ end
 local function finish(run)
   local sum = run.engine:params_checksum()
   if run.log then
-    run.log.write({ event = "end", params_checksum = sum }, "the end record")
+    run.log.write({ event = "end", params_checksum = sum, wall_time = clock.unix(),
+                    elapsed_s = run.started and clock.now() - run.started or 0,
+                    steps = run.flags.steps, tokens = saves.tokens(run, run.flags.steps) },
+                  "the end record")
     run.log.close()
+  end
+  if run.started and run.first <= run.flags.steps then
+    say(("trained steps %d-%d in %s"):format(run.first, run.flags.steps,
+                                             clock.span(clock.now() - run.started)))
   end
   say("params_checksum " .. sum)
   run.mon:close()

@@ -1,5 +1,6 @@
--- clock.lua — wall-clock time in seconds (CLOCK_MONOTONIC). os.clock is CPU
--- time of all threads, useless for throughput.
+-- clock.lua — wall-clock time in seconds (CLOCK_MONOTONIC; unix(): the
+-- epoch's, for logs). os.clock is CPU time of all threads, useless for
+-- throughput.
 local ffi = require("ffi")
 
 pcall(ffi.cdef, [[
@@ -16,6 +17,20 @@ local M = {}
 function M.now()
   ffi.C.clock_gettime(CLOCK_MONOTONIC, ts)
   return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+
+-- Seconds since the epoch (CLOCK_REALTIME): when something happened, for logs.
+function M.unix()
+  ffi.C.clock_gettime(0, ts)
+  return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+
+-- A duration for people: 42s, 12m04s, 3h05m.
+function M.span(s)
+  s = math.max(0, math.floor(s + 0.5))
+  if s < 60 then return ("%ds"):format(s) end
+  if s < 3600 then return ("%dm%02ds"):format(math.floor(s / 60), s % 60) end
+  return ("%dh%02dm"):format(math.floor(s / 3600), math.floor(s % 3600 / 60))
 end
 
 -- Waits `s` seconds.

@@ -230,7 +230,7 @@ function T.same_seed_same_checksum_and_the_log_has_every_field()
   f:close()
   assert(#records == 5, "4 steps and the end record")
   local fields = { "step", "loss", "lr", "grad_norm", "loss_scale", "skipped", "tokens",
-                   "samples", "tokens_per_s", "step_ms", "mem", "comm" }
+                   "samples", "tokens_per_s", "step_ms", "wall_time", "mem", "comm" }
   for i = 1, 4 do
     local r = records[i]
     for _, k in ipairs(fields) do assert(r[k] ~= nil, "step record lacks " .. k) end
@@ -244,7 +244,9 @@ function T.same_seed_same_checksum_and_the_log_has_every_field()
     for _ in pairs(r) do n = n + 1 end
     assert(n == #fields + (r.val_loss and 1 or 0), "no other fields")
   end
-  assert(records[5].event == "end" and records[5].params_checksum == a)
+  assert(records[5].event == "end" and records[5].params_checksum == a and
+         records[5].steps == 4 and records[5].tokens == 4 * 2 * 2 * 16 and
+         records[5].elapsed_s > 0 and records[5].wall_time >= records[4].wall_time)
 end
 
 function T.prints_progress_and_a_sample()

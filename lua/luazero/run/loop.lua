@@ -54,7 +54,8 @@ local function train_step(run, step)
     grad_norm = r.grad_norm < math.huge and r.grad_norm or -1,
     loss_scale = r.loss_scale, skipped = r.skipped, tokens = saves.tokens(run, step),
     samples = saves.samples(run, step),
-    tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, mem = mem_record(),
+    tokens_per_s = tokens_per_step / dt, step_ms = dt * 1000, wall_time = clock.unix(),
+    mem = mem_record(),
     dev_mem = dev_mem_record(flags.device), comm = run.comm.bytes(),
   }
   -- Bytes copied between host and device memory in the step.
@@ -98,9 +99,17 @@ local function train_step(run, step)
   return rec, r, prof
 end
 
+-- The time left: the steps to go at this run's pace so far (its evaluations
+-- and saves included), "" at the last step.
+local function eta(run, step)
+  if step >= run.flags.steps then return "" end
+  local per = (clock.now() - run.started) / (step - run.first + 1)
+  return " | eta " .. clock.span(per * (run.flags.steps - step))
+end
+
 local function say_step(run, step, rec, r, prof)
   run.ex.say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
-              "mem %.1f MiB, rss %.0f MiB%s%s%s%s")
+              "mem %.1f MiB, rss %.0f MiB%s%s%s%s%s")
     :format(step, run.flags.steps, r.loss,
             rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
             rec.tokens_per_s, rec.step_ms, mib(lz.mem_total()),
@@ -110,7 +119,8 @@ local function say_step(run, step, rec, r, prof)
                       "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
             or "",
             rec.expert_bytes and (" | expert bytes read %.1f of %.1f MiB")
-                                 :format(mib(rec.expert_bytes_read), mib(rec.expert_bytes)) or ""))
+                                 :format(mib(rec.expert_bytes_read), mib(rec.expert_bytes)) or "",
+            eta(run, step)))
 end
 
 -- run.budget (run/config.lua's held_budget): a step whose peak RSS or
@@ -133,6 +143,7 @@ end
 function M.run(run)
   local flags, ex = run.flags, run.ex
   saves.plan(run)
+  run.started = clock.now()
   for step = run.first, flags.steps do
     run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)
