@@ -89,6 +89,17 @@ function T.keep_spares_the_new_and_resumed_checkpoints_and_a_rewind_sets_history
   names = ls(dir)
   assert(names:find("step-000006", 1, true) and names:find("step-000005", 1, true) and
          not names:find("step-000004", 1, true), names)
+  -- A second rewind sets step 6 aside; --keep then removes the older
+  -- set-aside history and keeps the newest (disk use stays bounded).
+  os.execute("sleep 1.1") -- (set-aside folders are named to the second)
+  out = ok_train(1, "--steps 6 --keep 2 --save " .. q(dir) .. " --resume " ..
+                 q(dir .. "/step-000005"))
+  names = ls(dir)
+  local asides = {}
+  for a in names:gmatch("(%.abandoned%-%S+)") do asides[#asides + 1] = a end
+  assert(#asides == 1 and asides[1] ~= aside and
+         ls(dir .. "/" .. asides[1]):find("step-000006", 1, true),
+         names .. out)
 end
 
 -- A resume through a symbolic link to a step folder of the --save folder

@@ -226,6 +226,9 @@ end
 
 -- Beyond the newest `keep` step folders, the oldest go (keep 0: none);
 -- `protected` step numbers (the one just written, the one resumed from) stay.
+-- Of the histories rewound runs set aside (.abandoned-TIME-PID, named in
+-- time order), the newest stays and older ones go too: --keep bounds the
+-- folder's disk use.
 local function prune(dir, keep, protected)
   if not keep or keep <= 0 then return end
   local steps = step_list(dir)
@@ -233,6 +236,18 @@ local function prune(dir, keep, protected)
     if not protected[steps[i]] then
       check(C.lz_ckpt_remove_tree(dir .. "/" .. disk.step_name(steps[i])))
     end
+  end
+  local aside, newest = {}, ""
+  for _, name in ipairs(list_dir(dir)) do
+    local t = name:match("^%.abandoned%-(%d+T%d+Z)%-%d+$")
+    if t then
+      aside[#aside + 1] = { name = name, t = t }
+      if t > newest then newest = t end
+    end
+  end
+  -- (those of the newest second all stay: their pids do not order them)
+  for _, a in ipairs(aside) do
+    if a.t < newest then check(C.lz_ckpt_remove_tree(dir .. "/" .. a.name)) end
   end
 end
 

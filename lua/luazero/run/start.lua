@@ -71,8 +71,8 @@ function M.note_resumed_schedule(ex, flags, cfg, m, sched, peak)
             "(--steps %d keeps the saved run's)%s")
            :format(flags.steps, saved, over_steps, flags.steps, saved, saved,
                    flags.warmup_kept and
-                   ("; its warmup stays the saved run's %d steps (--warmup sets another)")
-                   :format(flags.warmup) or ""))
+                   ("; its warmup stays the saved run's %d step%s (--warmup sets another)")
+                   :format(flags.warmup, flags.warmup == 1 and "" or "s") or ""))
   end
 end
 
