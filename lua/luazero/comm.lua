@@ -10,6 +10,7 @@
 --   comm.all_gather(shard, full)
 --   comm.broadcast(t, 0); comm.barrier()
 --   comm.mean(x)                                   -- a number's mean over the ranks
+--   comm.numbers({ a, b })                         -- every rank's numbers, on every rank
 --   comm.all_to_all(send, recv)                    -- send:numel() / size() to each rank
 --   comm.all_to_all_v(send, { 3, 0 }, recv, { 2, 5 }) -- elements to / from each rank
 --   local g = comm.group({ 0, 1 })                 -- ranks of this communicator
@@ -253,19 +254,31 @@ end
 
 function Comm:barrier() check(C.lz_comm_barrier(self:handle()), 2) end
 
+-- Every rank's numbers `vals` (a list, as many on every rank), gathered on
+-- every rank as doubles: all[r + 1][i] is rank r's vals[i].
+function Comm:numbers(vals)
+  local K, W = #vals, self:size()
+  -- (a double as two i32s: no f64 tensors)
+  local send = lz.tensor({ 2 * K }, "i32", "workspace")
+  local recv = lz.tensor({ 2 * K * W }, "i32", "workspace")
+  local d = ffi.cast("double *", send.data)
+  for i = 1, K do d[i - 1] = vals[i] end
+  self:all_gather(send, recv)
+  local a, all = ffi.cast("double *", recv.data), {}
+  for r = 0, W - 1 do
+    all[r + 1] = {}
+    for i = 1, K do all[r + 1][i] = a[r * K + i - 1] end
+  end
+  send:free(); recv:free()
+  return all
+end
+
 -- The mean over the ranks of the number x each holds, summed in rank order
 -- (every rank gets the same bits).
 function Comm:mean(x)
-  local W = self:size()
-  -- (a double as two i32s: no f64 tensors)
-  local send = lz.tensor({ 2 }, "i32", "workspace")
-  local recv = lz.tensor({ 2 * W }, "i32", "workspace")
-  ffi.cast("double *", send.data)[0] = x
-  self:all_gather(send, recv)
-  local all, sum = ffi.cast("double *", recv.data), 0
-  for r = 0, W - 1 do sum = sum + all[r] end
-  send:free(); recv:free()
-  return sum / W
+  local sum = 0
+  for _, v in ipairs(self:numbers({ x })) do sum = sum + v[1] end
+  return sum / self:size()
 end
 
 -- send and recv of the same numel and dtype, a multiple of size(): the
@@ -359,7 +372,7 @@ local world = setmetatable({ get = get }, Comm)
 function comm.world() return world end
 
 for _, name in ipairs({ "all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all",
-                        "all_to_all_v", "group", "ranks", "mean" }) do
+                        "all_to_all_v", "group", "ranks", "mean", "numbers" }) do
   local method = Comm[name]
   comm[name] = function(...) return method(world, ...) end
 end

@@ -132,6 +132,27 @@ print(ok and "built" or err)
   local out, st = support.sh(cmd .. "same")
   support.eq(st, 0, "exit status, same settings")
   support.eq(select(2, out:gsub("built", "")), 2, "both ranks built: " .. out)
+  -- evaluate with another n per rank: refused on every rank (before, each
+  -- averaged other batches into one wrong number)
+  local ev = write("evaluate.lua", [[
+local zero, models, data = require("luazero.zero"), require("models.registry"), require("luazero.data")
+local comm = require("luazero.comm")
+local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
+local engine = zero.initialize({ model = models.new(cfg), batch = { 2, 8 }, seed = 1,
+  config = { train_micro_batch_size_per_gpu = 2 } })
+local corpus = data.load(arg[1])
+local loader = data.loader(corpus, { B = 2, T = 8, seed = 1, vocab = cfg.vocab,
+                                     rank = comm.rank(), world = comm.size() })
+print(select(2, pcall(engine.evaluate, engine, loader, comm.rank() == 0 and 2 or 1)))
+print(("same n: %.6f"):format(engine:evaluate(loader, 1)))
+]])
+  local text = write("stage.txt", ("All the world's a stage. "):rep(200))
+  local eout, est = support.sh(support.quote(lz.executable()) .. " -n 2 " .. support.quote(ev) ..
+                               " " .. support.quote(text))
+  support.eq(est, 0, "exit status, evaluate\n" .. eout)
+  support.eq(select(2, eout:gsub("engine:evaluate: the ranks asked for different numbers of " ..
+                                 "batches %(rank 0: 2, rank 1: 1%)", "")), 2, eout)
+  assert(eout:match("same n: ([%d.]+)") == eout:match("%[rank 1%] same n: ([%d.]+)"), eout)
   for what, needles in pairs({
     seed = { "different seed: rank 1 differs from rank 0's (this rank, ", "has 1)", "has 2)" },
     lr = { "different optimizer: rank 1 differs", "lr=0.001", "lr=0.01" },

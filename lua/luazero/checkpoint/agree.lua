@@ -2,31 +2,13 @@
 -- gathered on every rank, and a failure on any rank raised on all of them
 -- (its own message where it happened, a pointer to it elsewhere), so a
 -- collective save or load never leaves ranks apart.
-local ffi = require("ffi")
-local lz = require("luazero")
 local fail = require("luazero.checkpoint.disk").fail
 
 local M = {}
 
 -- Every rank's `vals` (numbers exact in a double), gathered on every rank:
--- all[r + 1][i].
-function M.gather(comm, vals)
-  local K, W = #vals, comm.size()
-  local send = lz.tensor({ 2 * K }, "i32", "workspace")
-  local recv = lz.tensor({ 2 * K * W }, "i32", "workspace")
-  local d = ffi.cast("double *", send.data)
-  for i = 1, K do d[i - 1] = vals[i] end
-  comm.all_gather(send, recv)
-  local a = ffi.cast("double *", recv.data)
-  local all = {}
-  for r = 0, W - 1 do
-    all[r + 1] = {}
-    for i = 1, K do all[r + 1][i] = a[r * K + i - 1] end
-  end
-  send:free()
-  recv:free()
-  return all
-end
+-- all[r + 1][i] (luazero.comm's numbers).
+function M.gather(comm, vals) return comm.numbers(vals) end
 
 -- Whether every rank succeeded; raises on every rank otherwise (its own
 -- message where it failed, the failing ranks' numbers elsewhere).

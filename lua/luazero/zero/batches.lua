@@ -53,11 +53,23 @@ function M.evaluate(self, loader, n)
   end
   model:train()
   self.forwarded = false -- nothing to run backward on
-  if targets then
-    if self.world > 1 then sum, targets = self.comm.mean(sum), self.comm.mean(targets) end
-    return targets > 0 and sum / targets or 0
+  if self.world == 1 then
+    if targets then return targets > 0 and sum / targets or 0 end
+    return sum / n
   end
-  return self.world == 1 and sum / n or self.comm.mean(sum / n)
+  -- every rank's numbers, in rank order (the same bits on every rank), and
+  -- the same n on every one (else each would average other batches)
+  local all = self.comm.numbers({ targets and sum or sum / n, targets or 0, n })
+  local total, count = 0, 0
+  for r, v in ipairs(all) do
+    if v[3] ~= all[1][3] then
+      error(("engine:evaluate: the ranks asked for different numbers of batches (rank 0: %d, " ..
+             "rank %d: %d); give every rank the same n"):format(all[1][3], r - 1, v[3]), 0)
+    end
+    total, count = total + v[1], count + v[2]
+  end
+  if targets then return count > 0 and total / count or 0 end
+  return total / self.world
 end
 
 return M
