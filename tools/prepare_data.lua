@@ -178,7 +178,11 @@ if tok then
   if vocab_of(tok) > UINT16_TOKENS then version = 2 end
 end
 if #tokens > 2 ^ 31 - 1 then fail("more than 2^31 tokens; split the input") end
-local ok, n, v = pcall(data.write_token_file, out, tokens, { version = version })
+-- (the header records the tokenizer: train.lua refuses the file with another)
+local files = require("luazero.data.files")
+local made_with = tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or files.BYTE_LEVEL
+local ok, n, v = pcall(data.write_token_file, out, tokens, { version = version,
+                                                             made_with = made_with })
 if not ok then fail(tostring(n)) end
 print(("prepare-data: %s: %d tokens, version %d (%s ids; %s)"):format(out, n, v,
       v == 2 and "uint32" or "uint16", what))

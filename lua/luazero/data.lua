@@ -61,8 +61,8 @@ function M.load(path, opts)
     if require("ffi").cast("const int32_t *", head)[0] == M.INSTRUCT_MAGIC then
       return instruct.read(path, f, size, head)
     end
-    local t, ids, max, version = files.read_token_file(path, f, size, head)
-    return { tokens = t, ids = ids, max_id = max, version = version }
+    local t, ids, max, version, made_with = files.read_token_file(path, f, size, head)
+    return { tokens = t, ids = ids, max_id = max, version = version, made_with = made_with }
   end)
   f:close()
   if not ok then error(c, 0) end

@@ -195,6 +195,52 @@ function T.llama3_vocabulary_trains_from_a_version_2_file()
   eq(n, 3, "steps with a finite loss")
 end
 
+-- prepare-data records the tokenizer in the token file's header (its
+-- vocabulary, its tokenizer.json's xxh64; byte level 256): train.lua refuses
+-- the file with another --tokenizer or with one when it was made at byte
+-- level (before, the ids trained as other tokens and samples decoded as
+-- garbage), and its vocabulary hint is the tokenizer's. llm.c's files and
+-- older ones (zeros there) are taken as they are.
+function T.a_token_file_records_its_tokenizer()
+  local text = write("rec.txt", ("the cat sat on the mat. "):rep(300))
+  local fixtures = lz.root .. "/tests/fixtures/tokenizer/"
+  local bl, sp = fixtures .. "byte_level.json", fixtures .. "sentencepiece.json"
+  local made, byte = tmp .. "/rec-tok.bin", tmp .. "/rec-byte.bin"
+  local out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(bl), q(text), q(made)))
+  assert(st == 0, out)
+  out, st = tool(("tools/prepare-data %s %s"):format(q(text), q(byte)))
+  assert(st == 0, out)
+  local c = data.load(made)
+  local files = require("luazero.data.files")
+  assert(files.same_tokenizer(c.made_with, files.tokenizer_record(bl, 267)), "recorded")
+  data.free(c)
+  c = data.load(byte)
+  assert(files.same_tokenizer(c.made_with, files.BYTE_LEVEL), "byte level recorded")
+  data.free(c)
+  local function train(flags)
+    return tool(("build/bin/luazero scripts/train.lua --model gpt2-nano --n-layer 1 --n-embd 32 " ..
+                 "--n-head 2 --context 16 --seq-len 8 --steps 1 --sample 0 %s"):format(flags))
+  end
+  out, st = train(("--vocab 300 --data %s --tokenizer %s"):format(q(made), q(bl)))
+  assert(st == 0, out)
+  out, st = train(("--vocab 40000 --data %s --tokenizer %s"):format(q(made), q(sp)))
+  assert(st == 2 and out:find("is not the tokenizer --data " .. made .. " was made with " ..
+                              "(tools/prepare-data recorded one of 267 tokens", 1, true), out)
+  out, st = train(("--vocab 300 --data %s --tokenizer %s"):format(q(byte), q(bl)))
+  assert(st == 2 and out:find("was made at byte level (each byte a token), not with --tokenizer",
+                              1, true), out)
+  out, st = train(("--vocab 200 --data %s"):format(q(made)))
+  assert(st == 2 and out:find("the file was made with a tokenizer of 267 tokens: use --vocab 267 " ..
+                              "or larger", 1, true), out)
+  -- a file recording none (llm.c's header of zeros past the count) trains with any
+  local ids = {}
+  for i = 1, 400 do ids[i] = i % 250 end
+  local plain = tmp .. "/rec-plain.bin"
+  data.write_token_file(plain, ids)
+  out, st = train(("--vocab 300 --data %s --tokenizer %s"):format(q(plain), q(bl)))
+  assert(st == 0, out)
+end
+
 ------------------------------------------------------------ instruction data
 
 local function jsonl(name, lines)

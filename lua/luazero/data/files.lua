@@ -125,8 +125,33 @@ end
 -- takes, naming the file as not this tokenizer's); `more`: a further fix.
 -- fixed: the words naming weights that fix the vocabulary ("the weights in
 -- DIR"), where no --vocab can help: the data's tokenizer is another.
-function M.check_vocab(path, max_id, vocab, more, fixed)
+-- The tokenizer a token file records (header int32 3: its vocabulary; 4
+-- and 5: the xxh64 of its tokenizer.json, low and high words; a byte-level
+-- file: 256 and 0, 0). Files without it (llm.c's, older ones) hold zeros.
+M.BYTE_LEVEL = { vocab = 256, lo = 0, hi = 0 }
+
+-- A tokenizer's record: its vocabulary and its tokenizer.json's xxh64 words
+-- (path: the file, or a Hugging Face folder holding it).
+function M.tokenizer_record(path, vocab)
+  local json = require("luazero.io.fs").is_dir(path) and path .. "/tokenizer.json" or path
+  local bytes = assert(lz.read_file(json), json)
+  local h = lz.xxh64(bytes, #bytes)
+  return { vocab = vocab, lo = tonumber(h % 4294967296ULL), hi = tonumber(h / 4294967296ULL) }
+end
+
+-- Whether two records name the same tokenizer.
+function M.same_tokenizer(a, b)
+  return a.vocab == b.vocab and a.lo == b.lo and a.hi == b.hi
+end
+
+function M.check_vocab(path, max_id, vocab, more, fixed, made_with)
   if max_id < vocab then return end
+  -- (the tokenizer the file records says the vocabulary to give)
+  if made_with and made_with.vocab > max_id and not fixed then
+    fail(path, ("token id %d is not below the model's vocabulary %d; the file was made with a " ..
+                "tokenizer of %d tokens: use --vocab %d or larger%s")
+               :format(max_id, vocab, made_with.vocab, made_with.vocab, more or ""))
+  end
   if fixed then
     fail(path, ("token id %d is not below the model's vocabulary %d (fixed by %s): the data was " ..
                 "made with another tokenizer; prepare it with the model's"):format(max_id, vocab,
@@ -205,7 +230,10 @@ function M.read_token_file(path, f, size, head)
   f:seek("set", M.HEADER_BYTES)
   M.read_into(path, f, t.data, count * width)
   local ids = ffi.cast(width == 2 and "uint16_t *" or "uint32_t *", t.data)
-  return t, ids, M.max_id(ids, count), version
+  local made_with = header[3] > 0 and
+                    { vocab = header[3], lo = tonumber(ffi.cast("uint32_t", header[4])),
+                      hi = tonumber(ffi.cast("uint32_t", header[5])) } or nil
+  return t, ids, M.max_id(ids, count), version, made_with
 end
 
 -- Plain text: one token per byte (vocabulary 256), as a u16 tensor.
@@ -237,8 +265,10 @@ end
 
 -- Writes tokens as a token file: a Lua string of bytes (one token each) or a
 -- list of ids. opts.version: 1 (uint16 ids, 0..65535), 2 (uint32 ids), or
--- nil: 2 when an id needs it, else 1. llm.c's header, then the ids; written
--- whole or not at all (io/atomic.lua). Returns the token count and version.
+-- nil: 2 when an id needs it, else 1; opts.made_with: the tokenizer's record
+-- (tokenizer_record; BYTE_LEVEL), kept in the header. llm.c's header, then
+-- the ids; written whole or not at all (io/atomic.lua). Returns the token
+-- count and version.
 function M.write_token_file(path, tokens, opts)
   local n = #tokens
   local version = opts and opts.version or M.version_for(tokens)
@@ -249,6 +279,11 @@ function M.write_token_file(path, tokens, opts)
   local top = width == 2 and 65535 or 4294967295
   local header = ffi.new("int32_t[256]")
   header[0], header[1], header[2] = M.MAGIC, version, n
+  local made = opts and opts.made_with
+  if made then
+    header[3], header[4], header[5] = made.vocab, ffi.cast("int32_t", ffi.cast("uint32_t", made.lo)),
+                                      ffi.cast("int32_t", ffi.cast("uint32_t", made.hi))
+  end
   local body = ffi.new(width == 2 and "uint16_t[?]" or "uint32_t[?]", math.max(n, 1))
   if type(tokens) == "string" then
     local src = ffi.cast("const uint8_t *", tokens)

@@ -30,7 +30,8 @@ end
 function M.loader(data, opts)
   local B, T = opts.B, opts.T
   local path = data.path
-  require("luazero.data.files").check_vocab(path, data.max_id, opts.vocab, nil, opts.vocab_fixed)
+  require("luazero.data.files").check_vocab(path, data.max_id, opts.vocab, nil, opts.vocab_fixed,
+                                            data.made_with)
   local n = data.count
   local n_val = math.floor(n * (opts.val_fraction or 0.1))
   local n_train = n - n_val

@@ -32,6 +32,27 @@ function M.check_tokenizer_vocab(ex, tok, path, vocab, fixed)
                  "or more"):format(path, n, vocab, n))
 end
 
+-- A token file made with one tokenizer read with another (--tokenizer, at
+-- `path`, opened as tok) would decode as other text and train on ids that
+-- mean other tokens: refused, naming the fix. A file recording none
+-- (llm.c's, an older one) is taken as it is.
+function M.check_made_with(ex, c, path, tok)
+  local made = c.made_with
+  if not (made and path) then return end
+  local files = require("luazero.data.files")
+  if files.same_tokenizer(made, files.BYTE_LEVEL) then
+    ex.user_error(("--data %s was made at byte level (each byte a token), not with --tokenizer " ..
+                   "%s: drop --tokenizer, or make it with that tokenizer (tools/prepare-data " ..
+                   "--tokenizer %s ...)"):format(c.path, path, path))
+  end
+  if not files.same_tokenizer(made, files.tokenizer_record(path, tok:vocab_size())) then
+    ex.user_error(("--tokenizer %s is not the tokenizer --data %s was made with (tools/prepare-data " ..
+                   "recorded one of %d tokens whose tokenizer.json differs): give that " ..
+                   "tokenizer, or make the data again with this one"):format(path, c.path,
+                   made.vocab))
+  end
+end
+
 -- A data file as a corpus (luazero.data.load); text: nil, or { tokenizer,
 -- template, max_len } for instruction examples (.jsonl).
 function M.corpus(ex, path, text)
