@@ -100,13 +100,15 @@ static void say_when_stopped(void) {
  * one stops the process at once, as without. */
 static volatile sig_atomic_t stop_signal, stop_quiet;
 static struct timespec stop_at;
+static struct sigaction stop_old[2]; /* SIGINT's and SIGTERM's before graceful() */
+static int stop_saved[2];
 
 static void note_stop(int sig) {
   struct timespec now;
   clock_gettime(CLOCK_MONOTONIC, &now);
   if (!stop_signal) {
+    stop_at = now; /* (before the flag: a second signal reads it once the flag is set) */
     stop_signal = sig;
-    stop_at = now;
     static const char intr[] = "\nluazero: received SIGINT: stopping after this step, saving it "
                                "(again to stop at once)\n";
     static const char term[] = "luazero: received SIGTERM: stopping after this step, saving it "
@@ -133,13 +135,28 @@ static int signals_graceful(lua_State *L) {
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = note_stop;
   sa.sa_flags = SA_RESTART;
-  sigemptyset(&sa.sa_mask);
+  sigemptyset(&sa.sa_mask); /* one handler at a time: SIGINT and SIGTERM wait for each other */
+  sigaddset(&sa.sa_mask, SIGINT);
+  sigaddset(&sa.sa_mask, SIGTERM);
   const int sigs[] = {SIGINT, SIGTERM};
   for (int k = 0; k < 2; k++) {
     struct sigaction old;
     if (sigaction(sigs[k], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
-    sigaction(sigs[k], &sa, NULL);
+    if (sigaction(sigs[k], &sa, stop_saved[k] ? NULL : &stop_old[k]) == 0) stop_saved[k] = 1;
   }
+  return 0;
+}
+
+/* LUAZERO_SIGNALS.restore(): SIGINT and SIGTERM as before graceful() (a
+ * run past its last step stops at once again). */
+static int signals_restore(lua_State *L) {
+  (void)L;
+  const int sigs[] = {SIGINT, SIGTERM};
+  for (int k = 0; k < 2; k++)
+    if (stop_saved[k]) {
+      sigaction(sigs[k], &stop_old[k], NULL);
+      stop_saved[k] = 0;
+    }
   return 0;
 }
 
@@ -168,6 +185,8 @@ static void set_signals(lua_State *L) {
   lua_setfield(L, -2, "pending");
   lua_pushcfunction(L, signals_die);
   lua_setfield(L, -2, "die");
+  lua_pushcfunction(L, signals_restore);
+  lua_setfield(L, -2, "restore");
   lua_setglobal(L, "LUAZERO_SIGNALS");
 }
 

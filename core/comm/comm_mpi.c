@@ -19,7 +19,6 @@
 #include <time.h>   /* nanosleep for long waits */
 #include <unistd.h> /* sysconf */
 
-#define MPI_TAG_LZ 0x4c5a
 #define MPI_DEFAULT_CHUNK (8u << 20) /* bytes of a reduction round (all ranks' parts) */
 #define MPI_DIRECT_MAX (64u << 10)
 #define MPI_MAX_MSG ((size_t)1 << 28) /* one message's bytes stay far below INT_MAX */
@@ -48,7 +47,30 @@ typedef struct mpi_comm {
   MPI_Request *reqs;
   int *peer; /* the rank a receive waits for; -1 for sends */
   int nreq;
+  uint64_t calls; /* collectives run on this communicator */
+  int tag;        /* the running one's messages' tag (call_tag) */
 } mpi_comm;
+
+/* A collective's messages carry its number among the communicator's calls
+ * (mod 64) and a hash of what it is (kind, dtype, reduce op, count, root,
+ * an average's divisor) in their tag, so messages of ranks that called
+ * different collectives never match each other's receives; a waiting rank
+ * that finds a peer's message of its own call number but another hash (or
+ * of another call but the next) knows the ranks parted (check_parted). */
+#define TAG_CALL_BITS 6
+#define TAG_HASH_BITS 9
+static int call_tag(uint64_t call, const lz_coll_args *a) {
+  int reduce = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
+  uint64_t h = 1469598103934665603ull, v[5] = {
+      (uint64_t)a->kind, a->kind == LZ_COLL_BARRIER ? 0 : (uint64_t)a->dt,
+      reduce ? (uint64_t)a->op : 0,
+      a->kind == LZ_COLL_BARRIER || a->kind == LZ_COLL_ALL_TO_ALL ? 0 : (uint64_t)a->count,
+      (a->kind == LZ_COLL_BROADCAST ? (uint64_t)(uint32_t)a->root : 0) ^
+          (reduce && a->op == LZ_RED_AVG ? (uint64_t)(uint32_t)a->divisor << 32 : 0)};
+  for (int i = 0; i < 5; i++) h = (h ^ v[i]) * 1099511628211ull; /* FNV-1a over the words */
+  return (int)(((call & ((1u << TAG_CALL_BITS) - 1)) << TAG_HASH_BITS) |
+               ((h ^ (h >> 32)) & ((1u << TAG_HASH_BITS) - 1)));
+}
 
 static lz_status mpi_fail(lz_comm *c, int rc, const char *op) {
   char s[MPI_MAX_ERROR_STRING];
@@ -127,11 +149,35 @@ static void mpi_free(lz_comm *c) {
 static lz_status post(lz_comm *c, mpi_comm *m, int is_recv, void *buf, size_t bytes, int p,
                       const char *op) {
   int rc = is_recv
-               ? LOCKED(MPI_Irecv(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq]))
-               : LOCKED(MPI_Isend(buf, (int)bytes, MPI_BYTE, p, MPI_TAG_LZ, m->comm, &m->reqs[m->nreq]));
+               ? LOCKED(MPI_Irecv(buf, (int)bytes, MPI_BYTE, p, m->tag, m->comm, &m->reqs[m->nreq]))
+               : LOCKED(MPI_Isend(buf, (int)bytes, MPI_BYTE, p, m->tag, m->comm, &m->reqs[m->nreq]));
   if (rc != MPI_SUCCESS) return mpi_fail(c, rc, op);
   m->peer[m->nreq++] = is_recv ? p : -1;
   return LZ_OK;
+}
+
+/* Whether a message waits from `from` (MPI_ANY_SOURCE: anyone) whose tag
+ * says its sender runs another collective than this rank's: of this call
+ * number with another hash, or of a call other than the next (a peer done
+ * with this one may have sent the next's). Only messages no posted receive
+ * took are seen, so a receive of this collective still pending from a peer
+ * means its message of this collective has not come. */
+static lz_status check_parted(lz_comm *c, mpi_comm *m, int from, const char *op) {
+  int flag = 0;
+  MPI_Status st;
+  if (LOCKED(MPI_Iprobe(from, MPI_ANY_TAG, m->comm, &flag, &st)) != MPI_SUCCESS || !flag)
+    return LZ_OK;
+  unsigned mask = (1u << TAG_CALL_BITS) - 1;
+  unsigned call = (unsigned)st.MPI_TAG >> TAG_HASH_BITS, mine = (unsigned)m->tag >> TAG_HASH_BITS;
+  if (st.MPI_TAG == m->tag || call == ((mine + 1) & mask)) return LZ_OK;
+  return lz_fail(LZ_ERR_COMM,
+                 "%s: the ranks called different collectives: rank %d's collective #%llu is %s, "
+                 "rank %d sent a message of %s. Every rank must make the same collective calls in "
+                 "the same order (a call made on some ranks only, such as a save or an evaluation "
+                 "under `if rank == 0`, puts them out of step)",
+                 op, c->rank, (unsigned long long)m->calls, op, st.MPI_SOURCE,
+                 call == (mine & mask) ? "another kind, count, dtype, op or root at that number"
+                                       : "a collective of another number");
 }
 
 /* Waits for the posted requests; `who` names the peers for collectives MPI
@@ -148,6 +194,12 @@ static lz_status wait_posted(lz_comm *c, mpi_comm *m, const char *op, const char
     }
     if (m->yield) sched_yield();
     if ((i & 1023) == 0) {
+      if (who) LZ_TRY(check_parted(c, m, MPI_ANY_SOURCE, op));
+      for (int r = 0; !who && r < m->nreq; r++) {
+        int done = 1;
+        if (m->peer[r] >= 0) LOCKED(MPI_Request_get_status(m->reqs[r], &done, MPI_STATUS_IGNORE));
+        if (!done) LZ_TRY(check_parted(c, m, m->peer[r], op));
+      }
       double t = lz_now_s();
       if (t - t0 > 1.0) { /* a long wait: stop burning the core */
         struct timespec nap = {0, 1000 * 1000};
@@ -297,6 +349,7 @@ static lz_status mpi_group(lz_comm *parent, lz_comm *c) {
 static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
   mpi_comm *m = c->impl;
   m->nreq = 0;
+  m->tag = call_tag(++m->calls, a);
   if (a->kind == LZ_COLL_ALL_TO_ALL) return all_to_all(c, m, a);
   if (a->kind == LZ_COLL_BARRIER) {
     int rc = LOCKED(MPI_Ibarrier(m->comm, &m->reqs[0]));

@@ -779,6 +779,14 @@ lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int 
       fprintf(stderr, "luazero: rank %d refused its input (exit 2): not restarting\n", j.failed_rank);
       break;
     }
+    if (WIFSIGNALED(j.failed_status) &&
+        (WTERMSIG(j.failed_status) == SIGTERM || WTERMSIG(j.failed_status) == SIGINT)) {
+      /* Asked to stop (a scheduler's SIGTERM to the ranks; train.lua --save
+       * ends so once its step is saved), not a fault: no restart. */
+      fprintf(stderr, "luazero: rank %d stopped on %s: not restarting\n", j.failed_rank,
+              signal_name(WTERMSIG(j.failed_status)));
+      break;
+    }
     int world = next_world(&j, min_ranks, exit_code);
     if (!world) break;
     job next = {.nranks = world, .argv = argv, .mode = j.mode, .segment = -1,

@@ -92,6 +92,19 @@ for w in 2 3 4; do
   else bad "shm: ranks calling different collectives, $w ranks" "$TMP/mismatch$w"; fi
 done
 
+# The same under mpirun, a case a job (a failed rank ends the job): a rank
+# finds a message of another collective and fails naming it; none returns
+# another collective's data.
+for w in 2 3; do
+  for c in kind count op skipped; do
+    timeout 60 $MPIRUN -np $w "$BIN/luazero" tests/comm/mismatch.lua $c > "$TMP/mpimis$w$c" 2>&1
+    if grep -q "^case $c: .*the ranks called different collectives" "$TMP/mpimis$w$c" &&
+       ! grep -q "returned without an error" "$TMP/mpimis$w$c"; then
+      ok "mpi: ranks calling different collectives ($c) fail naming it, $w ranks"
+    else bad "mpi: ranks calling different collectives ($c), $w ranks" "$TMP/mpimis$w$c"; fi
+  done
+done
+
 # A rank that never joins an all-to-all: the others time out naming it.
 t0=$(now)
 LZ_COMM_TIMEOUT=2 "$BIN/lz_run" -n 3 "$BIN/a2a_check" --never-join 2 > "$TMP/a2a_never" 2>&1

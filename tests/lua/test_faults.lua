@@ -432,6 +432,29 @@ function T.sigterm_saves_the_step_and_the_resume_is_bitwise()
     local _, resumed = ok_train(n, flags .. " --resume " .. q(dir))
     support.eq(resumed, straight, n .. " rank(s): resumed after the signal")
   end
+  -- SIGTERM to the ranks (not the launcher) of a job with --restarts: they
+  -- stop saved, and the launcher does not restart them (before, it took
+  -- their ends for a failure and trained on from the save).
+  do
+    local dir = tmp .. "/term-restarts"
+    local log, pidfile, rcfile = dir .. ".jsonl", dir .. ".pid", dir .. ".rc"
+    os.execute(("cd %s && (%s -n 2 --restarts 1 scripts/train.lua %s --stage 1 --steps 100000 " ..
+                "--config %s --save %s --save-every 100000 --log %s > %s.out 2>&1 & " ..
+                "echo $! > %s; wait $!; echo $? > %s) 2>/dev/null &")
+               :format(q(root), exe, MODEL, q(cfg), q(dir), q(log), q(dir), q(pidfile), q(rcfile)))
+    local t0 = clock.now()
+    while not (read(log) or ""):find('"step":3[,}]') and clock.now() - t0 < 60 do
+      clock.sleep(0.02)
+    end
+    local launcher = assert(tonumber(read(pidfile) or ""), "no launcher pid")
+    local kids = read(("/proc/%d/task/%d/children"):format(launcher, launcher)) or ""
+    os.execute("kill -TERM " .. kids:gsub("%s+", " "))
+    while not tonumber(read(rcfile) or "") and clock.now() - t0 < 90 do clock.sleep(0.02) end
+    local out = read(dir .. ".out") or ""
+    support.eq(tonumber(read(rcfile) or ""), 143, "--restarts, SIGTERM to the ranks\n" .. out)
+    assert(out:find("stopped on SIGTERM: not restarting", 1, true) and
+           not out:find("restart 1 of 1", 1, true), out)
+  end
   -- A second SIGTERM within a second is the same request (Ctrl-C reaches
   -- the ranks, then the launcher relays it); a second later, it ends the
   -- process at once.

@@ -154,6 +154,7 @@ function M.run(run)
     restart.fault_hook(run.rank, step) -- test hook: LZ_FAULT_KILL
     saves.if_due(run, step)
   end
+  saves.steps_done(run)
   -- No step ran (--steps 0 with --init, or a resume at its last step): the
   -- validation loss of the weights as loaded, to the last bit.
   if run.first > flags.steps and run.n_val > 0 then

@@ -81,7 +81,7 @@ function M.if_due(run, step)
   end
   run.due:saved()
   local sig = run.due.stop
-  if sig then -- the save in flight finished, then the process ends by the signal
+  if sig and step < flags.steps then -- the save in flight finished, then the process ends by the signal
     M.finish(run)
     ex.say(("stopped by %s after step %d, saved: --resume %s goes on from it")
            :format(sig == 2 and "SIGINT" or sig == 15 and "SIGTERM" or ("signal " .. sig), step,
@@ -89,6 +89,13 @@ function M.if_due(run, step)
     if run.log then run.log.close() end
     rawget(_G, "LUAZERO_SIGNALS").die(sig)
   end
+end
+
+-- After the last step: SIGINT and SIGTERM stop the run at once again (a
+-- stop asked at the last step was that step's save).
+function M.steps_done(run)
+  local signals = rawget(_G, "LUAZERO_SIGNALS")
+  if run.flags.save and signals then signals.restore() end
 end
 
 -- The end of the run: the save in flight finished, its buffer freed.

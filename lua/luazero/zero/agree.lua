@@ -29,6 +29,12 @@ local CONFIG_NAME = {
 -- 17 digits, tables by sorted keys.
 local function text(v)
   if type(v) == "number" then return ("%.17g"):format(v) end
+  -- (a function's or a pointer's text is its address, another on each rank)
+  if type(v) == "function" or type(v) == "userdata" then return "<" .. type(v) .. ">" end
+  if type(v) == "cdata" then
+    local ok, n = pcall(tonumber, v)
+    return ok and n and ("%.17g"):format(n) or "<cdata>"
+  end
   if type(v) ~= "table" then return tostring(v) end
   local keys = {}
   for k in pairs(v) do
@@ -69,8 +75,8 @@ function M.check(comm, s, opts, model)
   local list = items(s, opts, model)
   local n = #list
   -- two 32-bit words of each item's xxh64, every rank's side by side
-  local mine = lz.tensor({ 2 * n }, "i32")
-  local all = lz.tensor({ 2 * n * W }, "i32")
+  local mine = lz.tensor({ 2 * n }, "i32", "workspace")
+  local all = lz.tensor({ 2 * n * W }, "i32", "workspace")
   local w = ffi.cast("uint32_t *", mine.data)
   for i, it in ipairs(list) do
     local h = lz.xxh64(it[2], #it[2])
@@ -79,6 +85,11 @@ function M.check(comm, s, opts, model)
   end
   comm.all_gather(mine, all)
   local a = ffi.cast("uint32_t *", all.data)
+  local words = {}
+  for i = 0, 2 * n * W - 1 do words[i] = a[i] end
+  mine:free()
+  all:free()
+  a = words
   for i, it in ipairs(list) do
     local differ = {}
     for r = 1, W - 1 do

@@ -40,6 +40,17 @@ end
 -- the ranks; over their trained targets for instruction data.
 function M.evaluate(self, loader, n)
   api.evaluate(loader, n)
+  -- the same n on every rank, before any forward (each forward of stage 3
+  -- gathers parameters: other counts would part the ranks' collectives)
+  if self.world > 1 then
+    local all = self.comm.numbers({ n })
+    for r, v in ipairs(all) do
+      if v[1] ~= all[1][1] then
+        error(("engine:evaluate: the ranks asked for different numbers of batches (rank 0: %d, " ..
+               "rank %d: %d); give every rank the same n"):format(all[1][1], r - 1, v[1]), 0)
+      end
+    end
+  end
   local model, sum = self.model, 0
   local targets = weighted(self, loader) and 0
   model:evaluate()
@@ -57,15 +68,9 @@ function M.evaluate(self, loader, n)
     if targets then return targets > 0 and sum / targets or 0 end
     return sum / n
   end
-  -- every rank's numbers, in rank order (the same bits on every rank), and
-  -- the same n on every one (else each would average other batches)
-  local all = self.comm.numbers({ targets and sum or sum / n, targets or 0, n })
+  -- every rank's numbers, summed in rank order (the same bits on every rank)
   local total, count = 0, 0
-  for r, v in ipairs(all) do
-    if v[3] ~= all[1][3] then
-      error(("engine:evaluate: the ranks asked for different numbers of batches (rank 0: %d, " ..
-             "rank %d: %d); give every rank the same n"):format(all[1][3], r - 1, v[3]), 0)
-    end
+  for _, v in ipairs(self.comm.numbers({ targets and sum or sum / n, targets or 0 })) do
     total, count = total + v[1], count + v[2]
   end
   if targets then return count > 0 and total / count or 0 end
