@@ -131,7 +131,11 @@ if format == "jsonl" then
   local ok, c = pcall(instruct.tokenize_jsonl, args[1], { tokenizer = tok, template = template,
                                                         max_len = seq_len, chat_vars = vars or nil })
   if not ok then fail(tostring(c)) end
-  local wok, err = pcall(data.write_instruction_file, out, c)
+  -- (the header records the tokenizer: train.lua refuses the file with another)
+  local files = require("luazero.data.files")
+  local wok, err = pcall(data.write_instruction_file, out, c,
+                         tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or
+                         files.BYTE_LEVEL)
   if not wok then fail(tostring(err)) end
   local trained = 0
   for i = 0, c.count - 1 do trained = trained + c.w[i] end

@@ -232,6 +232,16 @@ function T.a_token_file_records_its_tokenizer()
   out, st = train(("--vocab 200 --data %s"):format(q(made)))
   assert(st == 2 and out:find("the file was made with a tokenizer of 267 tokens: use --vocab 267 " ..
                               "or larger", 1, true), out)
+  -- an instruction file records its tokenizer alike
+  local sft = write("rec.jsonl", ('{"prompt": "a", "completion": "b"}\n'):rep(30))
+  local ins = tmp .. "/rec-ins.bin"
+  out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(bl), q(sft), q(ins)))
+  assert(st == 0, out)
+  out, st = train(("--vocab 40000 --data %s --tokenizer %s"):format(q(ins), q(sp)))
+  assert(st == 2 and out:find("is not the tokenizer --data " .. ins .. " was made with", 1, true),
+         out)
+  out, st = train(("--vocab 300 --data %s --tokenizer %s"):format(q(ins), q(bl)))
+  assert(st == 0, out)
   -- a file recording none (llm.c's header of zeros past the count) trains with any
   local ids = {}
   for i = 1, 400 do ids[i] = i % 250 end

@@ -139,6 +139,20 @@ function M.tokenizer_record(path, vocab)
   return { vocab = vocab, lo = tonumber(h % 4294967296ULL), hi = tonumber(h / 4294967296ULL) }
 end
 
+-- The record in header words at .. at + 2 (nil when none is there), and
+-- put there (a token file's at 3, an instruction file's at 4).
+function M.made_with_at(header, at)
+  if header[at] <= 0 then return nil end
+  return { vocab = header[at], lo = tonumber(ffi.cast("uint32_t", header[at + 1])),
+           hi = tonumber(ffi.cast("uint32_t", header[at + 2])) }
+end
+function M.put_made_with(header, at, made)
+  if not made then return end
+  header[at] = made.vocab
+  header[at + 1] = ffi.cast("int32_t", ffi.cast("uint32_t", made.lo))
+  header[at + 2] = ffi.cast("int32_t", ffi.cast("uint32_t", made.hi))
+end
+
 -- Whether two records name the same tokenizer.
 function M.same_tokenizer(a, b)
   return a.vocab == b.vocab and a.lo == b.lo and a.hi == b.hi
@@ -230,10 +244,7 @@ function M.read_token_file(path, f, size, head)
   f:seek("set", M.HEADER_BYTES)
   M.read_into(path, f, t.data, count * width)
   local ids = ffi.cast(width == 2 and "uint16_t *" or "uint32_t *", t.data)
-  local made_with = header[3] > 0 and
-                    { vocab = header[3], lo = tonumber(ffi.cast("uint32_t", header[4])),
-                      hi = tonumber(ffi.cast("uint32_t", header[5])) } or nil
-  return t, ids, M.max_id(ids, count), version, made_with
+  return t, ids, M.max_id(ids, count), version, M.made_with_at(header, 3)
 end
 
 -- Plain text: one token per byte (vocabulary 256), as a u16 tensor.
@@ -279,11 +290,7 @@ function M.write_token_file(path, tokens, opts)
   local top = width == 2 and 65535 or 4294967295
   local header = ffi.new("int32_t[256]")
   header[0], header[1], header[2] = M.MAGIC, version, n
-  local made = opts and opts.made_with
-  if made then
-    header[3], header[4], header[5] = made.vocab, ffi.cast("int32_t", ffi.cast("uint32_t", made.lo)),
-                                      ffi.cast("int32_t", ffi.cast("uint32_t", made.hi))
-  end
+  M.put_made_with(header, 3, opts and opts.made_with)
   local body = ffi.new(width == 2 and "uint16_t[?]" or "uint32_t[?]", math.max(n, 1))
   if type(tokens) == "string" then
     local src = ffi.cast("const uint8_t *", tokens)

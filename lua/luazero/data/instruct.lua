@@ -340,11 +340,13 @@ end
 
 --------------------------------------------------------------- the file
 
--- Writes corpus c as an instruction file, whole or not at all.
-function M.write(path, c)
+-- Writes corpus c as an instruction file, whole or not at all; made_with:
+-- the tokenizer's record (data/files.lua), kept in header words 4-6.
+function M.write(path, c, made_with)
   local n, d = c.count, c.docs
   local header = ffi.new("int32_t[256]")
   header[0], header[1], header[2], header[3] = files.INSTRUCT_MAGIC, M.VERSION, n, d
+  files.put_made_with(header, 4, made_with)
   local total = files.HEADER_BYTES + n * 5 + (d + 1) * 4 + d * 4
   require("luazero.io.atomic").build_file(path, total, function(w)
     w:write(header, files.HEADER_BYTES)
@@ -409,6 +411,7 @@ function M.read(path, f, size, head)
     fail(path, bad .. "; re-create it with tools/prepare-data --format jsonl")
   end
   c.max_id = files.max_id(c.ids, n)
+  c.made_with = files.made_with_at(h, 4)
   return c
 end
 

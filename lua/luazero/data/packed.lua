@@ -49,7 +49,7 @@ local function check(c, opts)
   local path, T = c.path, opts.T
   require("luazero.data.files").check_vocab(path, c.max_id, opts.vocab,
                                             ", or prepare the data with the model's tokenizer",
-                                            opts.vocab_fixed)
+                                            opts.vocab_fixed, c.made_with)
   for d = 0, c.docs - 1 do
     local len = c.st[d + 1] - c.st[d]
     if len > T then
