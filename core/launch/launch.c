@@ -518,9 +518,8 @@ static void kill_all(job *j, int sig) {
     if (j->procs[r].running) kill(j->procs[r].pid, sig);
 }
 
-/* A signal to the launcher gives its ranks this long to stop (a training
- * run saves after its step: scripts/train.lua with --save) before SIGKILL:
- * LZ_STOP_GRACE seconds, 30 by default; a rank's failure, 3 s. */
+/* After a signal to the launcher, its ranks' time to stop before SIGKILL
+ * (train.lua --save saves its step): LZ_STOP_GRACE s, 30; a failure, 3 s. */
 static double stop_grace(void) {
   const char *e = getenv("LZ_STOP_GRACE");
   return e && *e && atof(e) >= 0 ? atof(e) : 30.0;
@@ -624,8 +623,7 @@ static int supervise(job *j) {
       signals_at_stop = signals_got;
       stopped_at = lz_now_s();
     } else if (j->stopping && signals_got != signals_at_stop) {
-      /* a second signal a second or more after the stop: SIGKILL at once
-       * (one within the second is the same request, sent twice) */
+      /* a second signal a second or more after the stop: SIGKILL at once */
       signals_at_stop = signals_got;
       if (lz_now_s() - stopped_at >= 1.0 && j->kill_at > lz_now_s()) {
         fprintf(stderr, "luazero: received %s again; killing %d rank%s\n",
@@ -781,8 +779,7 @@ lz_status lz_launch_restarting(int nranks, char *const *argv, int restarts, int 
     }
     if (WIFSIGNALED(j.failed_status) &&
         (WTERMSIG(j.failed_status) == SIGTERM || WTERMSIG(j.failed_status) == SIGINT)) {
-      /* Asked to stop (a scheduler's SIGTERM to the ranks; train.lua --save
-       * ends so once its step is saved), not a fault: no restart. */
+      /* Asked to stop (train.lua --save ends so, saved), not a fault. */
       fprintf(stderr, "luazero: rank %d stopped on %s: not restarting\n", j.failed_rank,
               signal_name(WTERMSIG(j.failed_status)));
       break;

@@ -128,7 +128,7 @@ def main():
         check(f"{tag}: {len(want)} values equal the log's", close and len(want) > 0,
               f"got {got[:6]}, want {want[:6]}")
     # A resume from step 2 into the same job: its file starts with a
-    # SessionLog START at step 3's x (TensorBoard's own parser), and
+    # SessionLog START just past step 2's x (TensorBoard's own parser), and
     # TensorBoard shows each step once (the first run's steps 3 to 5 purged).
     cfg["tensorboard"]["job_name"] = "resumed"
     with open(cfg_path, "w") as f:
@@ -151,8 +151,8 @@ def main():
             if e.HasField("session_log"):
                 starts.append((e.step, e.session_log.status))
             pos += 16 + n
-    check("the resume's file holds a SessionLog START at step 3 x the batch",
-          starts == [(3 * batch, event_pb2.SessionLog.START)], str(starts))
+    check("the resume's file holds a SessionLog START just past step 2 x the batch",
+          starts == [(2 * batch + 1, event_pb2.SessionLog.START)], str(starts))
     acc = EventAccumulator(jobdir, size_guidance={"scalars": 0})
     acc.Reload()
     steps = [e.step for e in acc.Scalars("Train/Samples/train_loss")]
