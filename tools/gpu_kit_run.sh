@@ -107,6 +107,15 @@ if [ -z "${LUAZERO_HOME:-}" ]; then
   LUAZERO_HOME=$(cd "$kit/.." && pwd)
 fi
 export LUAZERO_HOME
+# The checkout's Lua binds the C API through cdef.lua: a kit built from
+# another API would crash or misread, so it is refused (a kit from before
+# the field was recorded is taken as it is).
+api=$(field api)
+if [ -n "$api" ] && [ -f "$LUAZERO_HOME/core/luazero.h" ] && [ -f "$LUAZERO_HOME/lua/luazero/cdef.lua" ]; then
+  here=$(cat "$LUAZERO_HOME/core/luazero.h" "$LUAZERO_HOME/lua/luazero/cdef.lua" | sha256sum | cut -c1-16)
+  [ "$here" = "$api" ] ||
+    { say "the kit's library was built from another C API ($(field built)) than $LUAZERO_HOME's core/luazero.h: make the kit again from this checkout (tools/gpu-kit)"; exit 1; }
+fi
 
 case "${1:-}" in
   --env)

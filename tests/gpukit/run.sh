@@ -4,7 +4,8 @@
 # tools/gpu-check --kit runs on a machine that has only those:
 #  * the kit is built here, its size printed and kept under 48 MiB, and with
 #    the working tree (what travels to a lent machine) under 64 MiB; its
-#    manifest records this glibc, and a machine with an older one is refused;
+#    manifest records this glibc, and a machine with an older one is refused,
+#    and the C API it was built from, and a checkout of another is refused;
 #  * every program and library of the kit resolves in a sandbox that holds
 #    only the kit, glibc, the C++ runtime and the CUDA libraries: each run
 #    through the sandbox's own loader with --inhibit-cache and --library-path,
@@ -77,6 +78,18 @@ if ! "$kit/run" --env > /dev/null 2> "$work/unpack.log"; then
   finish
 fi
 root=$LZ_KIT_ROOT
+
+# A kit built from another C API than the checkout's (core/luazero.h and
+# its cdef) is refused in one line: the Lua would bind the wrong functions.
+other=$work/kit-api
+cp -al "$kit" "$other"
+sed 's/^api: .*/api: 0000000000000000/' "$kit/KIT" > "$work/KIT.api" && mv "$work/KIT.api" "$other/KIT"
+said=$("$other/run" --env 2>&1)
+rc=$?
+if [ -n "$(field api)" ] && [ "$rc" = 1 ] && [ "$(echo "$said" | wc -l)" = 1 ] &&
+   echo "$said" | grep -q "built from another C API"; then
+  ok a_kit_of_another_api_is_refused
+else bad a_kit_of_another_api_is_refused "exit $rc: $said"; fi
 
 # Every soname the build's programs load (ldd, here, where all resolve) is
 # either the machine's (glibc, C++ runtime, CUDA: the manifest's lists) or in
