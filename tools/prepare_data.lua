@@ -7,7 +7,7 @@
 --   luazero tools/prepare_data.lua [--tokenizer T] INPUT... OUTPUT.bin
 --   luazero tools/prepare_data.lua --format jsonl [--tokenizer T] [--seq-len N]
 --                                  [--chat-kwargs JSON] IN.jsonl OUT.bin
--- Several text inputs are concatenated in order.
+-- Several text inputs: each tokenised on its own, their ids in order.
 local data = require("luazero.data")
 local instruct = require("luazero.data.instruct")
 local paths = require("luazero.io.paths")
@@ -146,47 +146,58 @@ if format == "jsonl" then
   os.exit(0)
 end
 
-local parts = {}
+-- Text: each input tokenised on its own and its ids written after the
+-- previous input's (no token spans two files; one input's text and ids in
+-- memory at a time), the whole file or nothing.
+local files = require("luazero.data.files")
+-- (the header records the tokenizer: train.lua refuses the file with another)
+local made_with = tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or files.BYTE_LEVEL
+local version = tok and vocab_of(tok) > UINT16_TOKENS and 2 or 1
+local wok, tw = pcall(files.token_writer, out, version, made_with)
+if not wok then fail(tostring(tw)) end
+local function refuse(msg)
+  tw:abort()
+  fail(msg)
+end
+local bytes, t0 = 0, os.clock()
 for i = 1, #args - 1 do
   local f, err = io.open(args[i], "rb")
-  if not f then fail(args[i] .. ": cannot read it (" .. tostring(err) .. ")") end
-  parts[#parts + 1] = f:read("*a") or ""
+  if not f then refuse(args[i] .. ": cannot read it (" .. tostring(err) .. ")") end
+  local text = f:read("*a") or ""
   f:close()
   -- A token or instruction file is data already: as text its header and ids
   -- would become byte tokens.
-  local magic = #parts[#parts] >= 4 and require("ffi").cast("const int32_t *", parts[#parts])[0]
+  local magic = #text >= 4 and require("ffi").cast("const int32_t *", text)[0]
   if magic == data.MAGIC or magic == data.INSTRUCT_MAGIC then
-    fail(("%s is already a%s file (made by tools/prepare-data): train on it as it is " ..
-          "(--data %s), or give the text it was made from"):format(args[i],
-          magic == data.MAGIC and " token" or "n instruction", args[i]))
+    refuse(("%s is already a%s file (made by tools/prepare-data): train on it as it is " ..
+            "(--data %s), or give the text it was made from"):format(args[i],
+            magic == data.MAGIC and " token" or "n instruction", args[i]))
   end
   -- A Hugging Face tokenizer reads text (Python's str): as in JSON Lines,
   -- bytes that are not UTF-8 are refused rather than passed on as bytes.
-  local bad = tok and instruct.bad_utf8_at(parts[#parts])
+  local bad = tok and instruct.bad_utf8_at(text)
   if bad then
-    local line = select(2, parts[#parts]:sub(1, bad):gsub("\n", "")) + 1
-    fail(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file as " ..
-          "UTF-8"):format(args[i], line, bad, parts[#parts]:byte(bad)))
+    local line = select(2, text:sub(1, bad):gsub("\n", "")) + 1
+    refuse(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file as " ..
+            "UTF-8"):format(args[i], line, bad, text:byte(bad)))
   end
+  bytes = bytes + #text
+  local ids = text
+  if tok and #text > 0 then
+    local ok, got = pcall(tok.encode, tok, text)
+    if not ok then refuse(tostring(got)) end
+    ids = got
+  end
+  if tw.count() + #ids > 2 ^ 31 - 1 then refuse("more than 2^31 tokens; split the input") end
+  local ok, aerr = pcall(tw.add, tw, ids) -- (a failed add has removed the file)
+  if not ok then fail(tostring(aerr)) end
+  text, ids = nil, nil -- luacheck: ignore
+  collectgarbage()
 end
-local text = table.concat(parts)
-if #text == 0 then fail("the inputs are empty; give a text file with something in it") end
-local tokens, what, version = text, "byte level, vocab 256", nil
-if tok then
-  local t0 = os.clock()
-  local ok, got = pcall(tok.encode, tok, text)
-  if not ok then fail(tostring(got)) end
-  tokens = got
-  what = ("%s, vocab %d, %.1f MB/s"):format(opt.tokenizer, vocab_of(tok),
-                                           #text / 1e6 / math.max(os.clock() - t0, 1e-9))
-  if vocab_of(tok) > UINT16_TOKENS then version = 2 end
-end
-if #tokens > 2 ^ 31 - 1 then fail("more than 2^31 tokens; split the input") end
--- (the header records the tokenizer: train.lua refuses the file with another)
-local files = require("luazero.data.files")
-local made_with = tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or files.BYTE_LEVEL
-local ok, n, v = pcall(data.write_token_file, out, tokens, { version = version,
-                                                             made_with = made_with })
-if not ok then fail(tostring(n)) end
-print(("prepare-data: %s: %d tokens, version %d (%s ids; %s)"):format(out, n, v,
-      v == 2 and "uint32" or "uint16", what))
+if bytes == 0 then refuse("the inputs are empty; give a text file with something in it") end
+local fok, n = pcall(tw.finish, tw)
+if not fok then fail(tostring(n)) end
+local what = tok and ("%s, vocab %d, %.1f MB/s"):format(opt.tokenizer, vocab_of(tok),
+                       bytes / 1e6 / math.max(os.clock() - t0, 1e-9)) or "byte level, vocab 256"
+print(("prepare-data: %s: %d tokens, version %d (%s ids; %s)"):format(out, n, version,
+      version == 2 and "uint32" or "uint16", what))

@@ -242,6 +242,25 @@ function T.a_token_file_records_its_tokenizer()
          out)
   out, st = train(("--vocab 300 --data %s --tokenizer %s"):format(q(ins), q(bl)))
   assert(st == 0, out)
+  -- several inputs: each tokenised on its own, the ids one after another
+  -- (before, the joined text was tokenised: a token could span two files)
+  -- (a tokenizer merging "c a" and "ca t": the joined text would hold "cat")
+  local mt = byte_tokenizer("rec-merges.json", {}, { "c a", "ca t" })
+  local a, b = write("rec-a.txt", "the ca"), write("rec-b.txt", "t sat on the mat.\n")
+  local both, one = tmp .. "/rec-ab.bin", tmp .. "/rec-a.bin"
+  out, st = tool(("tools/prepare-data --tokenizer %s %s %s %s"):format(q(mt), q(a), q(b), q(both)))
+  assert(st == 0, out)
+  local want = {}
+  for _, f in ipairs({ a, b }) do
+    out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(mt), q(f), q(one)))
+    assert(st == 0, out)
+    local c1 = data.load(one)
+    for i = 0, c1.count - 1 do want[#want + 1] = c1.ids[i] end
+    data.free(c1)
+  end
+  c = data.load(both)
+  same(list(c.ids, c.count), want, "ids of the two inputs, each on its own")
+  data.free(c)
   -- a file recording none (llm.c's header of zeros past the count) trains with any
   local ids = {}
   for i = 1, 400 do ids[i] = i % 250 end

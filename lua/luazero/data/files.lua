@@ -274,24 +274,12 @@ function M.version_for(tokens)
   return 1
 end
 
--- Writes tokens as a token file: a Lua string of bytes (one token each) or a
--- list of ids. opts.version: 1 (uint16 ids, 0..65535), 2 (uint32 ids), or
--- nil: 2 when an id needs it, else 1; opts.made_with: the tokenizer's record
--- (tokenizer_record; BYTE_LEVEL), kept in the header. llm.c's header, then
--- the ids; written whole or not at all (io/atomic.lua). Returns the token
--- count and version.
-function M.write_token_file(path, tokens, opts)
-  local n = #tokens
-  local version = opts and opts.version or M.version_for(tokens)
-  local width = M.VERSIONS[version]
-  if not width then
-    error(("%s: token file version %s is not one of 1, 2"):format(path, tostring(version)), 0)
-  end
-  local top = width == 2 and 65535 or 4294967295
-  local header = ffi.new("int32_t[256]")
-  header[0], header[1], header[2] = M.MAGIC, version, n
-  M.put_made_with(header, 3, opts and opts.made_with)
-  local body = ffi.new(width == 2 and "uint16_t[?]" or "uint32_t[?]", math.max(n, 1))
+-- Appends tokens to writer w (io/atomic.lua) as `width`-byte ids: a Lua
+-- string of bytes (one token each) or a list of ids. Returns their count.
+local function put_tokens(path, w, tokens, version, width)
+  local n, top = #tokens, width == 2 and 65535 or 4294967295
+  if n == 0 then return 0 end
+  local body = ffi.new(width == 2 and "uint16_t[?]" or "uint32_t[?]", n)
   if type(tokens) == "string" then
     local src = ffi.cast("const uint8_t *", tokens)
     for i = 0, n - 1 do body[i] = src[i] end
@@ -305,11 +293,53 @@ function M.write_token_file(path, tokens, opts)
       body[i - 1] = id
     end
   end
-  require("luazero.io.atomic").build_file(path, M.HEADER_BYTES + n * width, function(w)
-    w:write(header, M.HEADER_BYTES)
-    w:write(body, n * width)
-  end)
-  return n, version
+  w:write(body, n * width)
+  return n
+end
+
+-- A token file written piece by piece, whole or not at all (io/atomic.lua):
+--   local tw = files.token_writer(path, version, made_with)
+--   tw:add(ids); tw:add(more_ids); tw:finish()   -- or tw:abort()
+-- version 1 (uint16 ids) or 2 (uint32); made_with: the tokenizer's record.
+-- finish writes the header's count and returns it.
+function M.token_writer(path, version, made_with)
+  local width = M.VERSIONS[version]
+  if not width then
+    error(("%s: token file version %s is not one of 1, 2"):format(path, tostring(version)), 0)
+  end
+  local header = ffi.new("int32_t[256]")
+  header[0], header[1] = M.MAGIC, version
+  M.put_made_with(header, 3, made_with)
+  local w = require("luazero.io.atomic").open(path)
+  w:write(header, M.HEADER_BYTES)
+  local tw, n = {}, 0
+  function tw.add(_, tokens)
+    local ok, k = pcall(put_tokens, path, w, tokens, version, width)
+    if not ok then w:abort(); error(k, 0) end
+    n = n + k
+  end
+  function tw.finish()
+    header[2] = n
+    w:pwrite(header, M.HEADER_BYTES, 0)
+    w:commit()
+    return n
+  end
+  function tw.abort() w:abort() end
+  function tw.count() return n end
+  return tw
+end
+
+-- Writes tokens as a token file: a Lua string of bytes (one token each) or a
+-- list of ids. opts.version: 1 (uint16 ids, 0..65535), 2 (uint32 ids), or
+-- nil: 2 when an id needs it, else 1; opts.made_with: the tokenizer's record
+-- (tokenizer_record; BYTE_LEVEL), kept in the header. llm.c's header, then
+-- the ids; written whole or not at all (io/atomic.lua). Returns the token
+-- count and version.
+function M.write_token_file(path, tokens, opts)
+  local version = opts and opts.version or M.version_for(tokens)
+  local tw = M.token_writer(path, version, opts and opts.made_with)
+  tw:add(tokens)
+  return tw:finish(), version
 end
 
 return M
