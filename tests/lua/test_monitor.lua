@@ -208,6 +208,20 @@ function T.wall_clock_breakdown_parts_are_positive_and_within_the_step()
       end
     end
   end
+  -- Stage 3 on 2 ranks: the gathers the module hooks make count as gather,
+  -- as --profile counts them (before, they went to forward and backward and
+  -- gather showed a few percent of them).
+  local cfg3 = config_file("wcb-st3", { train_micro_batch_size_per_gpu = 4,
+    wall_clock_breakdown = true, zero_optimization = { stage = 3, overlap_comm = false } })
+  local _, ok_wide = support.trainer("--model gpt2-nano --n-layer 4 --n-embd 256 --n-head 4 " ..
+                                     "--context 128 --sample 0 --eval-batches 1 --data " ..
+                                     q(corpus))
+  local out = ok_wide(2, ("--steps 4 --seq-len 128 --config %s --profile"):format(q(cfg3)))
+  local gather = tonumber(out:match("step +4/4 |.- gather (%d+) ms"))
+  local prof = tonumber(out:match("\nparameter gather +[%d.]+ +([%d.]+)")) +
+               tonumber(out:match("\nparameter gather %(after the step%) +[%d.]+ +([%d.]+)"))
+  assert(gather and gather >= 0.6 * prof, ("breakdown gather %s ms, profile %.2f ms\n%s")
+                                             :format(tostring(gather), prof, out))
   -- Without the key: no "time" in the log.
   local log = tmp .. "/plain.jsonl"
   ok_train(1, ("--steps 1 --log %s"):format(q(log)))

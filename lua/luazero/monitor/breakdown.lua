@@ -17,12 +17,21 @@ local M = {}
 
 M.phases = { "forward", "backward", "reduce", "step", "gather" }
 
--- The engine's methods (zero/engine.lua, reduce.lua, gather.lua) and the
--- phase each one's time goes to.
+-- The engine's methods (zero/engine.lua) and the phase each one's time goes
+-- to; and its components' (the gatherer's, zero/gather.lua, whose module
+-- hooks run inside forward and backward; the reducer's, zero/reduce.lua).
 M.methods = {
   forward = "forward", backward = "backward", step = "step",
-  grads_ready = "reduce", flush_bucket = "reduce", wait_all = "reduce", pull_grads = "reduce",
-  exchange = "reduce", gather = "gather", gather_params = "gather",
+  wait_all = "reduce", pull_grads = "reduce", exchange = "reduce", gather_params = "gather",
+}
+-- (the module hooks as luazero.profile counts them: gathers before and after
+-- a module runs, the reduction after its backward)
+M.components = {
+  gatherer = { pre_forward = "gather", post_forward = "gather", pre_backward = "gather",
+               pre_recompute = "gather", post_recompute = "gather", post_backward = "reduce",
+               gather_params = "gather" },
+  reducer = { grads_ready = "reduce", flush_bucket = "reduce", wait_all = "reduce",
+              pull_grads = "reduce" },
 }
 
 local Breakdown = {}
@@ -68,6 +77,13 @@ function M.attach(engine)
     -- a method this engine lacks (a stage or layout without it) times nothing
     local fn = engine[name]
     if type(fn) == "function" then engine[name] = timed(b, fn, phase) end
+  end
+  for field, methods in pairs(M.components) do
+    local obj = engine[field]
+    for name, phase in pairs(obj and methods or {}) do
+      local fn = obj[name]
+      if type(fn) == "function" then obj[name] = timed(b, fn, phase) end
+    end
   end
   local train_batch = engine.train_batch
   engine.train_batch = function(...)
