@@ -70,6 +70,13 @@ function T.a_named_stage_over_the_budget_is_refused_or_said()
          out:find("more than 5.0 MiB (--memory-budget): the run would stop at its first step " ..
                   "over the budget it holds; --stage auto picks", 1, true) and
          not out:find("step +1/", 1), out)
+  -- a budget the estimate alone fits but not with what the process holds
+  -- already: refused before step 1 (before, the step's RSS stopped the run)
+  out, st = support.sh(train .. "--seq-len 16 --micro-batch 2 --stage 0 --memory-budget 20MiB")
+  assert(st == 2 and out:find("MiB this process holds and ", 1, true) and
+         out:find("more than 20.0 MiB (--memory-budget)", 1, true) and
+         out:find("offload the optimizer states to NVMe", 1, true) and
+         not out:find("step +1/", 1), out)
   out = support.sh("ulimit -v 1500000; " .. train .. "--micro-batch 256 --seq-len 256")
   assert(out:find("memory: stage 0 needs about 2.9 GiB per rank", 1, true) and
          out:find("(ulimit -v): the run may be killed when it gets there", 1, true), out)

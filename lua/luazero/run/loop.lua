@@ -130,12 +130,18 @@ local function check_budget(run, step, rec)
   local ledger = lz.mem_total_peak()
   local over = math.max(rec.mem.peak_rss, ledger)
   if over > run.budget then
+    -- (on the cpu only NVMe takes states out of memory; a higher stage
+    -- shards them only over more ranks)
+    local cpu = run.flags.device == "cpu"
     run.ex.user_error(("step %d: rank %d's peak memory %.0f MiB (RSS %.0f MiB, ledger %.0f MiB) " ..
                        "is over the memory budget %.0f MiB (%s); offload the optimizer states " ..
-                       "or parameters (zero_optimization.offload_optimizer / offload_param), " ..
-                       "raise the ZeRO stage, or raise the budget")
+                       "or parameters%s (zero_optimization.offload_optimizer / offload_param%s), " ..
+                       "%s, or raise the budget")
                       :format(step, run.rank, mib(over), mib(rec.mem.peak_rss), mib(ledger),
-                              mib(run.budget), run.budget_source))
+                              mib(run.budget), run.budget_source, cpu and " to NVMe" or "",
+                              cpu and ": device nvme, nvme_path" or "",
+                              run.world > 1 and "raise the ZeRO stage" or
+                              "run more ranks at a higher ZeRO stage"))
   end
 end
 

@@ -48,15 +48,26 @@ local function check_named_stage(ex, cfg, model, world, flags, batch)
   local need = states + act
   local held = require("luazero.run.config").held_budget(cfg)
   local budget, source = config.memory_budget(cfg, tonumber(os.getenv("LOCAL_WORLD_SIZE") or ""))
+  -- A held budget is checked against the process's whole memory, as the
+  -- steps check it: what it holds already and the headroom --stage auto
+  -- keeps come on top of the estimate.
+  local also = ""
+  if held then
+    local rss, room = require("luazero").peak_rss(), math.floor(HEADROOM * budget)
+    need = need + rss + room
+    also = (", the %s this process holds and %s of headroom"):format(
+      estimate.format_bytes(rss), estimate.format_bytes(room))
+  end
   if budget >= need then return end
   local what = ("stage %d needs about %s per rank (%s of model states and buffers, %s of " ..
-                "activations for a %d x %d micro-batch), more than %s (%s)")
+                "activations for a %d x %d micro-batch%s), more than %s (%s)")
                :format(z.stage, estimate.format_bytes(need), estimate.format_bytes(states),
-                       estimate.format_bytes(act), batch[1], batch[2],
+                       estimate.format_bytes(act), batch[1], batch[2], also,
                        estimate.format_bytes(budget), source)
+  -- (on the cpu, an optimizer "offloaded" to the cpu stays in the same memory)
   local fix = "--stage auto picks a stage or an NVMe offload that fits; or offload the " ..
-              "optimizer states (zero_optimization.offload_optimizer), add ranks, lower " ..
-              "--micro-batch, add --checkpoint-activations"
+              "optimizer states to NVMe (zero_optimization.offload_optimizer: device nvme, " ..
+              "nvme_path), add ranks, lower --micro-batch, add --checkpoint-activations"
   if held then
     ex.user_error(("%s: the run would stop at its first step over the budget it holds; %s")
                   :format(what, fix))
