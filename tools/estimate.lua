@@ -328,6 +328,14 @@ local function main(argv)
   local gdt = flags.grads == "fp32" and "fp32" or dtype
   print(("world size N = %d; %s parameters, %s gradients; %s"):format(N, dtype, gdt,
         optimizer_text))
+  -- (bf16 by default, as DeepSpeed's estimator counts mixed precision;
+  -- scripts/train.lua's own default is fp32)
+  local dtype_given = flags.config ~= nil
+  for _, a in ipairs(arg) do dtype_given = dtype_given or a == "--dtype" or a:find("^%-%-dtype=") end
+  if not dtype_given then
+    print("(bf16 mixed precision, as DeepSpeed's estimator counts; scripts/train.lua trains in " ..
+          "fp32 unless told: --dtype fp32 for its default)")
+  end
   print()
   print(("%-5s %-9s %17s %10s %17s %10s   %s"):format("stage", "offload", "device bytes",
         "device", "cpu bytes", "cpu", "bytes/parameter (device | cpu)"))
