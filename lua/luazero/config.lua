@@ -414,12 +414,12 @@ local function zero_section(raw, cfg, unimpl)
   elseif raw.stage == "auto" then
     out.stage = "auto"
   end
-  for _, k in ipairs({ "reduce_bucket_size", "allgather_bucket_size",
-                       "stage3_prefetch_bucket_size", "sub_group_size" }) do
+  for _, k in ipairs({ "reduce_bucket_size", "allgather_bucket_size", "sub_group_size" }) do
     if given(raw[k]) then out[k] = positive_whole(z .. k, raw[k]) end
   end
-  for _, k in ipairs({ "stage3_param_persistence_threshold", "stage3_max_live_parameters",
-                       "stage3_max_reuse_distance" }) do
+  -- (stage3_prefetch_bucket_size 0: no prefetch, as DeepSpeed reads it)
+  for _, k in ipairs({ "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                       "stage3_max_live_parameters", "stage3_max_reuse_distance" }) do
     if given(raw[k]) then out[k] = whole_at_least(z .. k, raw[k], 0) end
   end
   for _, k in ipairs({ "overlap_comm", "contiguous_gradients", "reduce_scatter" }) do

@@ -189,6 +189,12 @@ function T.other_bad_values_name_the_key_and_allowed_values()
                'config: zero_optimization.stage must be 0..3 or "auto" (got "two")')
   expect_error(base({ zero_optimization = { allgather_bucket_size = 0 } }), 1,
                "config: zero_optimization.allgather_bucket_size must be a positive number (got 0)")
+  -- stage3_prefetch_bucket_size 0 is DeepSpeed's "no prefetch"; below it, refused
+  assert(config.load(base({ zero_optimization = { stage = 3, stage3_prefetch_bucket_size = 0 } }),
+                     1).zero_optimization.stage3_prefetch_bucket_size == 0)
+  expect_error(base({ zero_optimization = { stage3_prefetch_bucket_size = -1 } }), 1,
+               "config: zero_optimization.stage3_prefetch_bucket_size must be a whole number " ..
+               ">= 0 (got -1)")
   expect_error(base({ zero_optimization = { stage3_max_live_parameters = -1 } }), 1,
                "config: zero_optimization.stage3_max_live_parameters must be a whole number " ..
                ">= 0 (got -1)")
