@@ -341,6 +341,17 @@ local function say_start(run)
   end
   local where = engine:offload_summary()
   if where then say(where) end
+  -- A busy machine: threads that spin while they wait (OpenMP's active
+  -- policy) take cores from the others' work; passive waiting gave 2-3x
+  -- faster steps beside another job (docs/training.md, Progress).
+  local load = tonumber((lz.read_file("/proc/loadavg") or ""):match("^(%S+)"))
+  local _, cores = (lz.read_file("/proc/cpuinfo") or ""):gsub("\nprocessor%s*:", "")
+  cores = cores + ((lz.read_file("/proc/cpuinfo") or ""):find("^processor") and 1 or 0)
+  if load and cores and lz.threads() * run.world > 1 and load >= cores and
+     not os.getenv("OMP_WAIT_POLICY") then
+    say(("threads: the machine is busy (load average %.1f on %d cores); OMP_WAIT_POLICY=passive " ..
+         "or fewer threads (OMP_NUM_THREADS) can make the steps faster here"):format(load, cores))
+  end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
        "%s, %d steps, %d threads")
       :format(run.B * run.world, run.T, run.accum, run.B * run.T * run.accum * run.world, run.lr,
