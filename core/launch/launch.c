@@ -8,22 +8,19 @@
  * "[rank N] " prefix; when a rank fails, or the launcher gets SIGINT, SIGTERM
  * or SIGHUP (at any moment, start-up included), the ranks get SIGTERM, then
  * SIGKILL, and the launcher exits non-zero naming the rank or the signal.
- * Rank 0 keeps the launcher's stdin (the terminal of a REPL); the others read
- * /dev/null.
- *
- * Nothing outlives a SIGKILLed launcher: the ranks die with it (PDEATHSIG),
- * and the job's memory is in memfds, which have no name to leave behind.
+ * Rank 0 keeps the launcher's stdin (a REPL's terminal); the others read
+ * /dev/null. Nothing outlives a SIGKILLed launcher: the ranks die with it
+ * (PDEATHSIG), and the job's memory is in memfds, which have no name.
  *
  * lz_launch_restarting runs the job again when a rank fails, up to
  * `restarts` times, with LZ_RESTART=<k> and LZ_RESTART_CAUSE=<one line> in
  * the ranks' environment (scripts/train.lua resumes from its --save folder
  * then). With min_ranks the ranks that died are lost: a restart runs on
- * those left, never fewer than min_ranks. A signal to the launcher is never
- * restarted.
+ * those left, never fewer than min_ranks. A signal is never restarted.
  *
- * Environment read here: LZ_RANK_OUTPUT = prefix (default) | quiet (the
- * stdout of ranks other than 0 silenced, their stderr prefixed) | raw (inherited, no prefix); LZ_BACKEND=mpi runs
- * the ranks under mpirun instead. */
+ * Environment: LZ_RANK_OUTPUT = prefix (default) | quiet (the stdout of ranks
+ * other than 0 silenced, their stderr prefixed) | raw (inherited, no
+ * prefix); LZ_BACKEND=mpi runs the ranks under mpirun instead. */
 #define _GNU_SOURCE /* sched_getaffinity, pipe2, execvpe, memfd_create */
 #include "comm/comm_internal.h"
 
@@ -47,10 +44,7 @@
 extern char **environ;
 
 static volatile sig_atomic_t got_signal, signals_got;
-static void on_signal(int sig) {
-  got_signal = sig;
-  signals_got++;
-}
+static void on_signal(int sig) { got_signal = sig, signals_got++; }
 
 enum { OUT_PREFIX, OUT_QUIET, OUT_RAW };
 
@@ -64,8 +58,7 @@ typedef struct stream {
 
 typedef struct rank_proc {
   pid_t pid;
-  int running;
-  int status;
+  int running, status;
 } rank_proc;
 
 /* What a job holds while it runs. */
@@ -518,13 +511,12 @@ static void kill_all(job *j, int sig) {
     if (j->procs[r].running) kill(j->procs[r].pid, sig);
 }
 
-/* After a signal to the launcher, its ranks' time to stop before SIGKILL
- * (train.lua --save saves its step): LZ_STOP_GRACE s, 30; a failure, 3 s. */
+/* The ranks' time to stop after a signal, before SIGKILL (train.lua --save
+ * saves its step first): LZ_STOP_GRACE s, 30 (a failure: 3 s). */
 static double stop_grace(void) {
   const char *e = getenv("LZ_STOP_GRACE");
   return e && *e && atof(e) >= 0 ? atof(e) : 30.0;
 }
-
 /* SIGTERM now, SIGKILL for whoever still runs `grace` s later. */
 static void stop_all(job *j, double grace) {
   j->stopping = 1;
@@ -532,8 +524,8 @@ static void stop_all(job *j, double grace) {
   j->kill_at = lz_now_s() + grace;
 }
 
-/* Relays what the ranks wrote, waiting up to timeout_ms; returns the number
- * of pipes still open. */
+/* Relays what the ranks wrote, waiting up to timeout_ms; returns how many
+ * pipes are still open. */
 static int relay_output(job *j, int timeout_ms) {
   int np = 0;
   for (int i = 0; i < j->nranks * 2; i++)
@@ -632,6 +624,10 @@ static int supervise(job *j) {
       }
     }
     if (j->stopping && j->running > 0 && lz_now_s() > j->kill_at) {
+      if (got_signal && lz_now_s() - stopped_at >= stop_grace())
+        fprintf(stderr, "luazero: %d rank%s still running %.0f s after the stop "
+                "(LZ_STOP_GRACE); killing them\n", j->running, j->running == 1 ? "" : "s",
+                lz_now_s() - stopped_at);
       kill_all(j, SIGKILL);
       j->kill_at = lz_now_s() + 1e9;
     }
@@ -643,7 +639,10 @@ static int supervise(job *j) {
     int code = status_code(j->procs[j->failed_rank].status);
     return code ? code : 1;
   }
-  return got_signal ? 128 + got_signal : 0;
+  int done = 1; /* a signal every rank finished despite (each exited 0): the job is done */
+  for (int r = 0; r < j->nranks; r++)
+    done &= j->procs[r].pid > 0 && WIFEXITED(j->procs[r].status) && !WEXITSTATUS(j->procs[r].status);
+  return got_signal && !done ? 128 + got_signal : 0;
 }
 
 static void tear_down(job *j) {

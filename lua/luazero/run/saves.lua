@@ -81,6 +81,12 @@ function M.if_due(run, step)
   end
   run.due:saved()
   local sig = run.due.stop
+  if not sig and run.due.stop_signal then
+    -- a signal that came while this step saved: this save is the stop's
+    -- (every rank saved at this step, so every rank asks)
+    local _, now = run.due:agreed()
+    sig = now > 0 and now or nil
+  end
   if sig and step < flags.steps then -- the save in flight finished, then the process ends by the signal
     M.finish(run)
     ex.say(("stopped by %s after step %d, saved: --resume %s goes on from it")
