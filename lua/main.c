@@ -121,6 +121,11 @@ static void note_stop(int sig) {
   }
   double since = (double)(now.tv_sec - stop_at.tv_sec) + 1e-9 * (double)(now.tv_nsec - stop_at.tv_nsec);
   if (since < 1.0) return;
+  static const char again[] = "luazero: received the signal again; stopping at once\n";
+  if (!stop_quiet) {
+    ssize_t w = write(2, again, sizeof again - 1);
+    (void)w;
+  }
   signal(sig, SIG_DFL);
   raise(sig);
 }

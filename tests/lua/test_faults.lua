@@ -471,7 +471,8 @@ io.stderr:write("survived\n")
   local out, st = sh(exe .. " " .. q(script) .. " 100")
   assert(st == 0 and out:find("pending 15\nsurvived", 1, true), out)
   out, st = sh(exe .. " " .. q(script) .. " 1100")
-  assert(st == 143 and out:find("pending 15", 1, true) and not out:find("survived", 1, true),
+  assert(st == 143 and out:find("pending 15", 1, true) and not out:find("survived", 1, true) and
+         out:find("luazero: received the signal again; stopping at once", 1, true),
          st .. "\n" .. out)
 end
 
