@@ -120,6 +120,10 @@ local function vocab_of(t)
   return t.vocab_size
 end
 
+-- (either file's header records the tokenizer: train.lua refuses it with another)
+local files = require("luazero.data.files")
+local made_with = tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or files.BYTE_LEVEL
+
 if format == "jsonl" then
   local t0 = os.clock()
   local vok, vars = pcall(function()
@@ -131,11 +135,7 @@ if format == "jsonl" then
   local ok, c = pcall(instruct.tokenize_jsonl, args[1], { tokenizer = tok, template = template,
                                                         max_len = seq_len, chat_vars = vars or nil })
   if not ok then fail(tostring(c)) end
-  -- (the header records the tokenizer: train.lua refuses the file with another)
-  local files = require("luazero.data.files")
-  local wok, err = pcall(data.write_instruction_file, out, c,
-                         tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or
-                         files.BYTE_LEVEL)
+  local wok, err = pcall(data.write_instruction_file, out, c, made_with)
   if not wok then fail(tostring(err)) end
   local trained = 0
   for i = 0, c.count - 1 do trained = trained + c.w[i] end
@@ -149,9 +149,6 @@ end
 -- Text: each input tokenised on its own and its ids written after the
 -- previous input's (no token spans two files; one input's text and ids in
 -- memory at a time), the whole file or nothing.
-local files = require("luazero.data.files")
--- (the header records the tokenizer: train.lua refuses the file with another)
-local made_with = tok and files.tokenizer_record(opt.tokenizer, vocab_of(tok)) or files.BYTE_LEVEL
 local version = tok and vocab_of(tok) > UINT16_TOKENS and 2 or 1
 local wok, tw = pcall(files.token_writer, out, version, made_with)
 if not wok then fail(tostring(tw)) end

@@ -83,8 +83,8 @@ end
 function M.keep_warmup(flags, m)
   local w = m and type(m.extra) == "table" and tonumber(m.extra.warmup)
   if not w or flags.warmup ~= nil or flags.config then return end
-  local td = require("luazero.config").train_defaults
-  if math.min(td.warmup_max, math.floor(flags.steps * td.warmup_fraction)) ~= w then
+  -- (flags.warmup unset: the default warmup of the new --steps)
+  if require("luazero.run.config").warmup(flags) ~= w then
     flags.warmup, flags.warmup_kept = w, true
   end
 end

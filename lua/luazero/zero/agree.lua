@@ -7,7 +7,6 @@
 -- at start-up; here each rank draws them from the seed).
 --
 --   agree.check(comm, s, opts, model)   -- errors on every rank alike
-local ffi = require("ffi")
 local lz = require("luazero")
 
 local M = {}
@@ -73,28 +72,18 @@ function M.check(comm, s, opts, model)
   local W, rank = comm.size(), comm.rank()
   if W == 1 then return end
   local list = items(s, opts, model)
-  local n = #list
-  -- two 32-bit words of each item's xxh64, every rank's side by side
-  local mine = lz.tensor({ 2 * n }, "i32", "workspace")
-  local all = lz.tensor({ 2 * n * W }, "i32", "workspace")
-  local w = ffi.cast("uint32_t *", mine.data)
+  -- each item's xxh64 as two 32-bit words (exact in a double), every rank's
+  local vals = {}
   for i, it in ipairs(list) do
     local h = lz.xxh64(it[2], #it[2])
-    w[2 * i - 2] = tonumber(h % 4294967296ULL)
-    w[2 * i - 1] = tonumber(h / 4294967296ULL)
+    vals[2 * i - 1], vals[2 * i] = tonumber(h % 4294967296ULL), tonumber(h / 4294967296ULL)
   end
-  comm.all_gather(mine, all)
-  local a = ffi.cast("uint32_t *", all.data)
-  local words = {}
-  for i = 0, 2 * n * W - 1 do words[i] = a[i] end
-  mine:free()
-  all:free()
-  a = words
+  local all = comm.numbers(vals)
   for i, it in ipairs(list) do
     local differ = {}
-    for r = 1, W - 1 do
-      if a[r * 2 * n + 2 * i - 2] ~= a[2 * i - 2] or a[r * 2 * n + 2 * i - 1] ~= a[2 * i - 1] then
-        differ[#differ + 1] = tostring(r)
+    for r = 2, W do
+      if all[r][2 * i - 1] ~= all[1][2 * i - 1] or all[r][2 * i] ~= all[1][2 * i] then
+        differ[#differ + 1] = tostring(r - 1)
       end
     end
     if #differ > 0 then
