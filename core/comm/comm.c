@@ -39,6 +39,34 @@ const char *lz_coll_kind_name(lz_coll_kind kind) {
 }
 const char *lz_coll_name(lz_coll_kind kind) { return lz_coll_kind_name(kind); }
 
+void lz_coll_signature(const lz_coll_args *a, uint64_t w[3]) {
+  int reduce = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
+  int data = a->kind != LZ_COLL_BARRIER;
+  w[0] = (uint64_t)(a->kind + 1) | (data ? (uint64_t)a->dt << 8 : 0) |
+         (reduce ? (uint64_t)a->op << 16 : 0);
+  w[1] = data && a->kind != LZ_COLL_ALL_TO_ALL ? (uint64_t)a->count : 0;
+  w[2] = (a->kind == LZ_COLL_BROADCAST ? (uint64_t)(uint32_t)a->root : 0) |
+         (reduce && a->op == LZ_RED_AVG ? (uint64_t)(uint32_t)a->divisor << 32 : 0);
+}
+
+const char *lz_coll_signature_text(const uint64_t w[3], char *buf, size_t len) {
+  static const char *ops[] = {" (sum)", " (avg)", " (max)"};
+  if (w[0] == 0) return snprintf(buf, len, "joining the communicator"), buf;
+  lz_coll_kind kind = (lz_coll_kind)((w[0] & 0xff) - 1);
+  const char *dt = lz_dtype_name((lz_dtype)((w[0] >> 8) & 0xff));
+  unsigned op = (unsigned)((w[0] >> 16) & 0xff);
+  int reduce = kind == LZ_COLL_ALL_REDUCE || kind == LZ_COLL_REDUCE_SCATTER;
+  if (kind == LZ_COLL_BARRIER) snprintf(buf, len, "barrier");
+  else if (kind == LZ_COLL_ALL_TO_ALL) snprintf(buf, len, "all_to_all of %s", dt);
+  else if (kind == LZ_COLL_BROADCAST)
+    snprintf(buf, len, "broadcast of %llu %s from rank %d", (unsigned long long)w[1], dt,
+             (int)(uint32_t)w[2]);
+  else
+    snprintf(buf, len, "%s%s of %llu %s", lz_coll_name(kind), reduce && op < 3 ? ops[op] : "",
+             (unsigned long long)w[1], dt);
+  return buf;
+}
+
 void lz_comm_shard(int64_t count, int size, int rank, int64_t *offset, int64_t *len) {
   if (size < 1 || rank < 0 || rank >= size || count < 0) {
     *offset = 0;

@@ -112,6 +112,16 @@ struct lz_comm {
 
 const char *lz_coll_name(lz_coll_kind kind); /* "all_reduce", ... for messages */
 
+/* What names a collective for the check that every rank runs the same one
+ * (shm's barriers, mpi's message tags): w[0] its kind + 1 | its dtype << 8 |
+ * its reduce op << 16 (those that apply), w[1] its count (0 for a barrier
+ * and an all-to-all, whose counts agree apart), w[2] a broadcast's root |
+ * an average's divisor << 32. */
+void lz_coll_signature(const lz_coll_args *a, uint64_t w[3]);
+/* w as words for messages: "all_reduce (sum) of 8 f32", "broadcast of 4 bf16
+ * from rank 1"; all zeros: "joining the communicator". Returns buf. */
+const char *lz_coll_signature_text(const uint64_t w[3], char *buf, size_t len);
+
 /* No other operation of c runs between hold and release: the caller may run
  * c's collectives itself (c->ops->run), in order with the queued ones.
  * release marks c unusable after a failure other than a refusal every rank

@@ -49,6 +49,7 @@ typedef struct mpi_comm {
   int nreq;
   uint64_t calls; /* collectives run on this communicator */
   int tag;        /* the running one's messages' tag (call_tag) */
+  uint64_t sig[3]; /* and what it is (lz_coll_signature) */
 } mpi_comm;
 
 /* A collective's messages carry its number among the communicator's calls
@@ -59,15 +60,9 @@ typedef struct mpi_comm {
  * of another call but the next) knows the ranks parted (check_parted). */
 #define TAG_CALL_BITS 6
 #define TAG_HASH_BITS 9
-static int call_tag(uint64_t call, const lz_coll_args *a) {
-  int reduce = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
-  uint64_t h = 1469598103934665603ull, v[5] = {
-      (uint64_t)a->kind, a->kind == LZ_COLL_BARRIER ? 0 : (uint64_t)a->dt,
-      reduce ? (uint64_t)a->op : 0,
-      a->kind == LZ_COLL_BARRIER || a->kind == LZ_COLL_ALL_TO_ALL ? 0 : (uint64_t)a->count,
-      (a->kind == LZ_COLL_BROADCAST ? (uint64_t)(uint32_t)a->root : 0) ^
-          (reduce && a->op == LZ_RED_AVG ? (uint64_t)(uint32_t)a->divisor << 32 : 0)};
-  for (int i = 0; i < 5; i++) h = (h ^ v[i]) * 1099511628211ull; /* FNV-1a over the words */
+static int call_tag(uint64_t call, const uint64_t w[3]) {
+  uint64_t h = 1469598103934665603ull;
+  for (int i = 0; i < 3; i++) h = (h ^ w[i]) * 1099511628211ull; /* FNV-1a over the words */
   return (int)(((call & ((1u << TAG_CALL_BITS) - 1)) << TAG_HASH_BITS) |
                ((h ^ (h >> 32)) & ((1u << TAG_HASH_BITS) - 1)));
 }
@@ -168,6 +163,7 @@ static lz_status check_parted(lz_comm *c, mpi_comm *m, int from, const char *op)
   if (LOCKED(MPI_Iprobe(from, MPI_ANY_TAG, m->comm, &flag, &st)) != MPI_SUCCESS || !flag)
     return LZ_OK;
   unsigned mask = (1u << TAG_CALL_BITS) - 1;
+  char what[160];
   unsigned call = (unsigned)st.MPI_TAG >> TAG_HASH_BITS, mine = (unsigned)m->tag >> TAG_HASH_BITS;
   if (st.MPI_TAG == m->tag || call == ((mine + 1) & mask)) return LZ_OK;
   return lz_fail(LZ_ERR_COMM,
@@ -175,7 +171,8 @@ static lz_status check_parted(lz_comm *c, mpi_comm *m, int from, const char *op)
                  "rank %d sent a message of %s. Every rank must make the same collective calls in "
                  "the same order (a call made on some ranks only, such as a save or an evaluation "
                  "under `if rank == 0`, puts them out of step)",
-                 op, c->rank, (unsigned long long)m->calls, op, st.MPI_SOURCE,
+                 op, c->rank, (unsigned long long)m->calls,
+                 lz_coll_signature_text(m->sig, what, sizeof what), st.MPI_SOURCE,
                  call == (mine & mask) ? "another kind, count, dtype, op or root at that number"
                                        : "a collective of another number");
 }
@@ -349,7 +346,8 @@ static lz_status mpi_group(lz_comm *parent, lz_comm *c) {
 static lz_status mpi_run(lz_comm *c, const lz_coll_args *a) {
   mpi_comm *m = c->impl;
   m->nreq = 0;
-  m->tag = call_tag(++m->calls, a);
+  lz_coll_signature(a, m->sig);
+  m->tag = call_tag(++m->calls, m->sig);
   if (a->kind == LZ_COLL_ALL_TO_ALL) return all_to_all(c, m, a);
   if (a->kind == LZ_COLL_BARRIER) {
     int rc = LOCKED(MPI_Ibarrier(m->comm, &m->reqs[0]));

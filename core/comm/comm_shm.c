@@ -620,19 +620,12 @@ static lz_status segment_path(lz_comm *c, shm_comm *s, const lz_coll_args *a) {
   }
 }
 
-/* The signature every rank's barriers carry while `a` runs (check_sigs):
- * its number among this communicator's calls, its kind, dtype and reduce
- * op, its count (an all-to-all's counts are checked by its own table), its
- * root and an average's divisor. */
+/* The signature every rank's barriers carry while `a` runs (check_sigs in
+ * comm_shm_wait.c): its number among this communicator's calls, then
+ * lz_coll_signature's words. */
 static void set_sig(shm_comm *s, const lz_coll_args *a) {
-  int reduce = a->kind == LZ_COLL_ALL_REDUCE || a->kind == LZ_COLL_REDUCE_SCATTER;
-  int data = a->kind != LZ_COLL_BARRIER;
   s->sig[0] = ++s->calls;
-  s->sig[1] = (uint64_t)(a->kind + 1) | (data ? (uint64_t)a->dt << 8 : 0) |
-              (reduce ? (uint64_t)a->op << 16 : 0);
-  s->sig[2] = data && a->kind != LZ_COLL_ALL_TO_ALL ? (uint64_t)a->count : 0;
-  s->sig[3] = (a->kind == LZ_COLL_BROADCAST ? (uint64_t)(uint32_t)a->root : 0) |
-              (reduce && a->op == LZ_RED_AVG ? (uint64_t)(uint32_t)a->divisor << 32 : 0);
+  lz_coll_signature(a, s->sig + 1);
 }
 
 static lz_status shm_run(lz_comm *c, const lz_coll_args *a) {

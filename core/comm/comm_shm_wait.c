@@ -118,25 +118,6 @@ static lz_status wait_arrived(lz_comm *c, shm_comm *s, uint64_t target, const ch
   }
 }
 
-/* The collective a signature names, for messages: "all_reduce (sum) of 8
- * float32", "broadcast of 4 bfloat16 from rank 1", "joining". */
-static const char *sig_text(const uint64_t *sig, char *buf, size_t len) {
-  static const char *ops[] = {" (sum)", " (avg)", " (max)"};
-  if (sig[1] == 0) return snprintf(buf, len, "joining the communicator"), buf;
-  lz_coll_kind kind = (lz_coll_kind)((sig[1] & 0xff) - 1);
-  const char *dt = lz_dtype_name((lz_dtype)((sig[1] >> 8) & 0xff));
-  unsigned op = (unsigned)((sig[1] >> 16) & 0xff);
-  int reduce = kind == LZ_COLL_ALL_REDUCE || kind == LZ_COLL_REDUCE_SCATTER;
-  if (kind == LZ_COLL_BARRIER) snprintf(buf, len, "barrier");
-  else if (kind == LZ_COLL_ALL_TO_ALL) snprintf(buf, len, "all_to_all of %s", dt);
-  else
-    snprintf(buf, len, "%s%s of %llu %s%s", lz_coll_name(kind), reduce && op < 3 ? ops[op] : "",
-             (unsigned long long)sig[2], dt, kind == LZ_COLL_BROADCAST ? " from rank " : "");
-  if (kind == LZ_COLL_BROADCAST)
-    snprintf(buf + strlen(buf), len - strlen(buf), "%d", (int)(uint32_t)sig[3]);
-  return buf;
-}
-
 /* After the barrier at `target`: every rank arrived there running the same
  * collective, as the same one of its calls. Each rank compares every
  * peer's record, so a mismatch fails every rank at this barrier, before
@@ -157,8 +138,8 @@ static lz_status check_sigs(lz_comm *c, shm_comm *s, uint64_t target, const char
                    "in the same order (a call made on some ranks only, such as a save or an "
                    "evaluation under `if rank == 0`, puts them out of step)",
                    op, c->rank, (unsigned long long)s->sig[0],
-                   sig_text(s->sig, mine, sizeof mine), p, (unsigned long long)peer[0],
-                   sig_text(peer, theirs, sizeof theirs));
+                   lz_coll_signature_text(s->sig + 1, mine, sizeof mine), p, (unsigned long long)peer[0],
+                   lz_coll_signature_text(peer + 1, theirs, sizeof theirs));
   }
   return LZ_OK;
 }
