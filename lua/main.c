@@ -76,20 +76,26 @@ static void say_stopped(int sig) {
   raise(sig);
 }
 
+/* SIGINT and SIGTERM take `sa`, each unless the parent ignores it (a
+ * background job of a shell script, nohup: it stays ignored); saved[k]
+ * set, old[k] holds what SIGINT's (k 0) or SIGTERM's (k 1) was, unless
+ * already saved. old NULL: none kept. */
+static void stop_signals_take(const struct sigaction *sa, struct sigaction *old, int *saved) {
+  const int sigs[] = {SIGINT, SIGTERM};
+  for (int k = 0; k < 2; k++) {
+    struct sigaction was;
+    if (sigaction(sigs[k], NULL, &was) == 0 && was.sa_handler == SIG_IGN) continue;
+    if (sigaction(sigs[k], sa, old && !saved[k] ? &old[k] : NULL) == 0 && old) saved[k] = 1;
+  }
+}
+
 static void say_when_stopped(void) {
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = say_stopped;
   sa.sa_flags = SA_RESETHAND;
   sigemptyset(&sa.sa_mask);
-  /* (a signal the parent ignores stays ignored: a background job of a
-   * shell script, nohup) */
-  const int sigs[] = {SIGINT, SIGTERM};
-  for (int k = 0; k < 2; k++) {
-    struct sigaction old;
-    if (sigaction(sigs[k], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
-    sigaction(sigs[k], &sa, NULL);
-  }
+  stop_signals_take(&sa, NULL, NULL);
 }
 
 /* A stop at the next step's end (scripts/train.lua with --save, through
@@ -143,12 +149,7 @@ static int signals_graceful(lua_State *L) {
   sigemptyset(&sa.sa_mask); /* one handler at a time: SIGINT and SIGTERM wait for each other */
   sigaddset(&sa.sa_mask, SIGINT);
   sigaddset(&sa.sa_mask, SIGTERM);
-  const int sigs[] = {SIGINT, SIGTERM};
-  for (int k = 0; k < 2; k++) {
-    struct sigaction old;
-    if (sigaction(sigs[k], NULL, &old) == 0 && old.sa_handler == SIG_IGN) continue;
-    if (sigaction(sigs[k], &sa, stop_saved[k] ? NULL : &stop_old[k]) == 0) stop_saved[k] = 1;
-  }
+  stop_signals_take(&sa, stop_old, stop_saved);
   return 0;
 }
 
