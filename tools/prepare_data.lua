@@ -147,8 +147,9 @@ if format == "jsonl" then
 end
 
 -- Text: each input tokenised on its own and its ids written after the
--- previous input's (no token spans two files; one input's text and ids in
--- memory at a time), the whole file or nothing.
+-- previous input's (no token spans two files), the whole file or nothing.
+-- An input is read by blocks and encoded by pieces (tokenizer/stream.lua:
+-- the ids of encoding it whole), so a corpus larger than memory fits.
 local version = tok and vocab_of(tok) > UINT16_TOKENS and 2 or 1
 local wok, tw = pcall(files.token_writer, out, version, made_with)
 if not wok then fail(tostring(tw)) end
@@ -156,39 +157,83 @@ local function refuse(msg)
   tw:abort()
   fail(msg)
 end
-local bytes, t0 = 0, os.clock()
-for i = 1, #args - 1 do
-  local f, err = io.open(args[i], "rb")
-  if not f then refuse(args[i] .. ": cannot read it (" .. tostring(err) .. ")") end
-  local text = f:read("*a") or ""
-  f:close()
-  -- A token or instruction file is data already: as text its header and ids
-  -- would become byte tokens.
-  local magic = #text >= 4 and require("ffi").cast("const int32_t *", text)[0]
-  if magic == data.MAGIC or magic == data.INSTRUCT_MAGIC then
-    refuse(("%s is already a%s file (made by tools/prepare-data): train on it as it is " ..
-            "(--data %s), or give the text it was made from"):format(args[i],
-            magic == data.MAGIC and " token" or "n instruction", args[i]))
+local stream = require("luazero.tokenizer.stream")
+local BLOCK = 2 ^ 20
+local piece_bytes = tonumber(os.getenv("LZ_PREPARE_PIECE_BYTES") or "") or stream.PIECE_BYTES
+
+-- The bytes at the end of s that begin a character not yet whole.
+local function open_char(s)
+  for back = 1, math.min(3, #s) do
+    local c = s:byte(#s - back + 1)
+    if c < 0x80 then return 0 end
+    if c >= 0xC0 then
+      local len = c >= 0xF0 and 4 or c >= 0xE0 and 3 or 2
+      return back < len and back or 0
+    end
   end
-  -- A Hugging Face tokenizer reads text (Python's str): as in JSON Lines,
-  -- bytes that are not UTF-8 are refused rather than passed on as bytes.
-  local bad = tok and instruct.bad_utf8_at(text)
-  if bad then
-    local line = select(2, text:sub(1, bad):gsub("\n", "")) + 1
-    refuse(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file as " ..
-            "UTF-8"):format(args[i], line, bad, text:byte(bad)))
-  end
-  bytes = bytes + #text
-  local ids = text
-  if tok and #text > 0 then
-    local ok, got = pcall(tok.encode, tok, text)
-    if not ok then refuse(tostring(got)) end
-    ids = got
-  end
+  return 0
+end
+
+local function add(ids)
   if tw.count() + #ids > 2 ^ 31 - 1 then refuse("more than 2^31 tokens; split the input") end
   local ok, aerr = pcall(tw.add, tw, ids) -- (a failed add has removed the file)
   if not ok then fail(tostring(aerr)) end
-  text, ids = nil, nil -- luacheck: ignore
+end
+
+local bytes, t0, shown = 0, os.clock(), os.time()
+for i = 1, #args - 1 do
+  local f, err = io.open(args[i], "rb")
+  if not f then refuse(args[i] .. ": cannot read it (" .. tostring(err) .. ")") end
+  local enc = tok and stream.encoder(tok, { piece_bytes = piece_bytes })
+  local carry, at = "", 0 -- at: the file's bytes before carry
+  while true do
+    local block = f:read(BLOCK)
+    if not block then break end
+    if at == 0 and #carry == 0 then
+      -- A token or instruction file is data already: as text its header and
+      -- ids would become byte tokens.
+      local magic = #block >= 4 and require("ffi").cast("const int32_t *", block)[0]
+      if magic == data.MAGIC or magic == data.INSTRUCT_MAGIC then
+        refuse(("%s is already a%s file (made by tools/prepare-data): train on it as it is " ..
+                "(--data %s), or give the text it was made from"):format(args[i],
+                magic == data.MAGIC and " token" or "n instruction", args[i]))
+      end
+    end
+    bytes = bytes + #block
+    if not tok then
+      add(block)
+    else
+      -- A Hugging Face tokenizer reads text (Python's str): as in JSON Lines,
+      -- bytes that are not UTF-8 are refused rather than passed on as bytes.
+      local text = carry .. block
+      local whole = #text - open_char(text)
+      local bad = instruct.bad_utf8_at(text:sub(1, whole))
+      if bad then
+        f:seek("set", 0)
+        local before = f:read(at + bad)
+        local line = select(2, before:gsub("\n", "")) + 1
+        refuse(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file " ..
+                "as UTF-8"):format(args[i], line, at + bad, text:byte(bad)))
+      end
+      carry, at = text:sub(whole + 1), at + whole
+      local ok, perr = pcall(enc.feed, enc, text:sub(1, whole), add)
+      if not ok then refuse(tostring(perr)) end
+    end
+    if os.time() - shown >= 10 then
+      shown = os.time()
+      io.stderr:write(("prepare-data: %s: %.0f MB read, %d tokens so far\n")
+                      :format(args[i], bytes / 1e6, tw.count()))
+    end
+  end
+  f:close()
+  if tok then
+    if #carry > 0 then
+      refuse(("%s: the file ends inside a character (byte %d, 0x%02X, is not UTF-8, which " ..
+              "--tokenizer reads); save the file as UTF-8"):format(args[i], at + 1, carry:byte(1)))
+    end
+    local ok, perr = pcall(enc.finish, enc, add)
+    if not ok then refuse(tostring(perr)) end
+  end
   collectgarbage()
 end
 if bytes == 0 then refuse("the inputs are empty; give a text file with something in it") end

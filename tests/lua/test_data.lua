@@ -175,6 +175,51 @@ function T.prepare_data_refuses_what_it_would_get_wrong()
   end
 end
 
+-- prepare-data reads an input by blocks and encodes it by pieces
+-- (tokenizer/stream.lua), with the ids of encoding it whole; a byte that is
+-- not UTF-8 past the first block, or a file ending inside a character, is
+-- refused naming its line and byte.
+function T.prepare_data_encodes_a_large_input_by_pieces()
+  local root = lz.root .. "/tests/fixtures/tokenizer/"
+  local tok = require("luazero.tokenizer").load(root .. "byte_level.json")
+  local uni = io.open(root .. "unicode_corpus.txt"):read("*a")
+  local lines = {}
+  for i = 1, 40000 do
+    lines[i] = ("line %d: the cat's <|endoftext|> %s"):format(i, i % 97 == 0 and uni or "")
+  end
+  local text = table.concat(lines, "\n")
+  assert(#text > 1.5 * 2 ^ 20, #text) -- (two pieces of the default size, two blocks)
+  local big = write("big.txt", text)
+  for _, env in ipairs({ "", "LZ_PREPARE_PIECE_BYTES=70000 " }) do
+    local out, st = tool(("%stools/prepare-data --tokenizer %s %s %s")
+                         :format(env, q(root .. "byte_level.json"), q(big), q(tmp .. "/big.bin")))
+    assert(st == 0, out)
+    local d = data.load(tmp .. "/big.bin")
+    local whole = tok:encode(text)
+    assert(d.count == #whole, ("%s%d ids, whole %d"):format(env, d.count, #whole))
+    for i = 1, #whole do
+      if d.ids[i - 1] ~= whole[i] then error(("%sid %d differs"):format(env, i)) end
+    end
+    data.free(d)
+  end
+  -- the bad byte past the first block (1 MiB)
+  local before = table.concat(lines, "\n", 1, 30000) .. "\nab"
+  local bad = write("bad-late.txt", before .. "\255cd\n")
+  local line, at = select(2, before:gsub("\n", "")) + 1, #before + 1
+  local out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(root .. "byte_level.json"),
+                                                                     q(bad), q(tmp .. "/bad.bin")))
+  assert(at > 2 ^ 20 and st == 2 and
+         out:find(("%s:%d: byte %d (0xFF) is not UTF-8"):format(bad, line, at), 1, true), out)
+  -- a character cut by the end of the file ("é" is C3 A9)
+  local cut = write("cut.txt", text:sub(1, 2 ^ 20 + 5) .. "\195")
+  out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(root .. "byte_level.json"),
+                                                                 q(cut), q(tmp .. "/cut.bin")))
+  assert(st == 2 and out:find(("%s: the file ends inside a character (byte %d, 0xC3")
+                              :format(cut, 2 ^ 20 + 6), 1, true), out)
+  assert(not io.open(tmp .. "/bad.bin") and not io.open(tmp .. "/cut.bin"),
+         "a refused run wrote its output")
+end
+
 -- A version 2 file of a Llama 3 vocabulary (128256) trains a tiny Llama.
 function T.llama3_vocabulary_trains_from_a_version_2_file()
   local ids = {}

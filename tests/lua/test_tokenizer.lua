@@ -2,7 +2,8 @@
 -- tokenizers: the GPT-2, Llama 3 and Qwen2 splits against pieces worked out by hand
 -- from their patterns, BPE merges on tiny tokenizer.json files (byte-level,
 -- and SentencePiece-style with byte fallback, unknown tokens, Metaspace),
--- offsets, added tokens, decode and the refusals. The expected ids are
+-- offsets, added tokens, decode and the refusals; a long text encoded piece
+-- by piece (tokenizer/stream.lua) as it is whole. The expected ids are
 -- tokenizers 0.19's for the same files; tests/ref/test_tokenizer.py compares
 -- with tokenizers itself.
 local cjson = require("cjson")
@@ -285,6 +286,84 @@ function T.long_words_merge_in_parts_to_the_same_tokens()
     local ids2, starts2 = tok:encode(text, { offsets = true })
     bpe.LONG = saved
     same({ ids2, starts2 }, { ids, starts })
+  end
+end
+
+-- tokenizer/stream.lua: a text fed in blocks of any size and cut into
+-- pieces gives the ids of encoding it whole, for byte-level and
+-- SentencePiece-style tokenizers, texts with and without newlines, long
+-- blank runs, added tokens, and a tokenizer whose merges cross newlines and
+-- spaces (where a cut's check must refuse places).
+function T.stream_pieces_encode_as_the_whole_text()
+  local stream = require("luazero.tokenizer.stream")
+  local root = require("luazero").root .. "/tests/fixtures/tokenizer/"
+  local uni = io.open(root .. "unicode_corpus.txt"):read("*a")
+  local crossing = cjson.decode(io.open(root .. "byte_level.json"):read("*a"))
+  crossing.pre_tokenizer.use_regex = false -- the whole text is one word
+  local n = 300 -- (past the fixture's ids and its added token's)
+  for _, m in ipairs({ "Ċ T", "s Ġ", "Ġ t", "e Ċ" }) do
+    crossing.model.vocab[m:gsub(" ", "")] = n
+    crossing.model.merges[#crossing.model.merges + 1] = m
+    n = n + 1
+  end
+  local toks = {
+    byte_level = tokenizer.load(root .. "byte_level.json"),
+    sentencepiece = tokenizer.load(root .. "sentencepiece.json"),
+    llama2 = tokenizer.load(sentencepiece()),
+    metaspace_first = tokenizer.load(sentencepiece(function(j)
+      j.normalizer = cjson.null
+      j.pre_tokenizer = { type = "Metaspace", replacement = "▁", prepend_scheme = "first", split = true }
+    end)),
+    metaspace_always = tokenizer.load(sentencepiece(function(j)
+      j.normalizer = cjson.null
+      j.pre_tokenizer = { type = "Metaspace", replacement = "▁", prepend_scheme = "always", split = false }
+    end)),
+    crossing = tokenizer.load(write(cjson.encode(crossing))),
+  }
+  local rng = require("luazero.rng").new(7)
+  local words = { "the", "The", "cat's", "sat", "on", "ab", "aba", "e", "Tea", "tset", "1234567",
+                  "naïve", "日本語", "<|endoftext|>", "</s>", "x\u{00A0}y", ",", "--", "\t" }
+  local function text_of(len, blanks)
+    local parts = {}
+    local size = 0
+    while size < len do
+      local w = words[rng:int(#words) + 1]
+      local b = blanks[rng:int(#blanks) + 1]
+      parts[#parts + 1] = w .. b
+      size = size + #w + #b
+    end
+    return table.concat(parts)
+  end
+  local texts = {
+    lines = text_of(30000, { " ", " ", " ", "\n", "\n\n", "  ", "\r\n", " \n" }),
+    one_line = text_of(30000, { " ", " ", "  " }),
+    unicode = (uni .. "\n"):rep(20),
+    long_blanks = text_of(12000, { " ", "\n" }) .. (" "):rep(9000) .. text_of(12000, { " ", "\n" }),
+    no_blanks = text_of(20000, { "", "." }),
+  }
+  for tname, tok in pairs(toks) do
+    for xname, text in pairs(texts) do
+      local whole = tok:encode(text)
+      for _, sizes in ipairs({ { 1000, 777 }, { 3000, 4096 }, { 50000, 100 } }) do
+        local got, pieces = {}, 0
+        local function emit(ids)
+          pieces = pieces + 1
+          for i = 1, #ids do got[#got + 1] = ids[i] end
+        end
+        local enc = stream.encoder(tok, { piece_bytes = sizes[1] })
+        for at = 1, #text, sizes[2] do enc:feed(text:sub(at, at + sizes[2] - 1), emit) end
+        enc:finish(emit)
+        local what = ("%s on %s, pieces of %d fed by %d (%d pieces)")
+                     :format(tname, xname, sizes[1], sizes[2], pieces)
+        assert(#got == #whole, what .. (": %d ids, whole %d"):format(#got, #whole))
+        for i = 1, #whole do
+          if got[i] ~= whole[i] then error(what .. (": id %d differs"):format(i)) end
+        end
+        if sizes[1] == 1000 and xname ~= "no_blanks" and xname ~= "long_blanks" then
+          assert(pieces > 5, what .. ": the text was not cut")
+        end
+      end
+    end
   end
 end
 

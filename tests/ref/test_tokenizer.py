@@ -20,7 +20,8 @@ Checks: identical ids, identical offsets (luazero's byte offsets read as the
 character tokenizers counts), decode round-trips and decode as tokenizers
 does with and without special tokens, bos and eos ids, the same ids from
 "a b" string merges as from [a, b] list merges, tools/prepare-data
---tokenizer writes the same ids, and an unsupported tokenizer.json is refused
+--tokenizer writes the same ids (also cutting a long text into pieces of a
+few KB, for each kind), and an unsupported tokenizer.json is refused
 naming the field; a vocabulary over 65536 writes token file version 2.
 Prints encoding MB/s of both.
 
@@ -111,7 +112,8 @@ def read_token_file(path):
         magic, version, n = struct.unpack("<3i", f.read(12))
         f.seek(1024)
         body = f.read()
-    return magic, version, list(struct.unpack(f"<{n}H", body[:2 * n]))
+    width, code = (4, "I") if version == 2 else (2, "H")  # uint32 ids in version 2
+    return magic, version, list(struct.unpack(f"<{n}{code}", body[:width * n]))
 
 
 def char_starts(text, byte_starts):
@@ -243,9 +245,35 @@ def check_sentencepiece(check, tk, tmp, texts, run_lua):
         stats = lua[names[0]][2]
         check(f"sentencepiece.{name}.bos_eos", (stats["bos_id"], stats["eos_id"]) == (1, 2),
               f"bos_id {stats['bos_id']} eos_id {stats['eos_id']}")
+        if name in ("legacy", "metaspace_first", "phi3_strip"):
+            prepare_in_pieces(check, f"sentencepiece.{name}", path, texts, tmp, hf)
         if name == "legacy":
             print(f"speed: sentencepiece legacy: corpus {lua['corpus'][2]['bytes'] / 1e6:.2f} MB "
                   f"in {lua['corpus'][2]['seconds']:.2f} s (one word: no pre-tokenizer)")
+
+
+def prepare_in_pieces(check, prefix, path, texts, tmp, tok=None):
+    """tools/prepare-data cuts a long text into pieces of a few KB
+    (LZ_PREPARE_PIECE_BYTES; tokenizer/stream.lua) and writes the ids
+    tokenizers gives for the whole text."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(path) if tok is None else tok
+    others = "\n".join(texts[n] for n in sorted(texts) if n != "corpus")
+    text = texts["corpus"][:300000] + "\n" + (others + "\n") * 4 + texts["corpus"][300000:400000]
+    src, out = os.path.join(tmp, prefix + "-long.txt"), os.path.join(tmp, prefix + "-long.bin")
+    with open(src, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    r = subprocess.run([os.path.join(REPO, "tools", "prepare-data"), "--tokenizer", path, src, out],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       env=dict(os.environ, LUAZERO=LUAZERO, LZ_PREPARE_PIECE_BYTES="5000"))
+    want = tok.encode(text, add_special_tokens=False).ids
+    got = read_token_file(out)[2] if r.returncode == 0 else None
+    detail = r.stdout.strip()[-500:]
+    if got is not None and got != want:
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        detail = (f"{len(got)} ids against {len(want)}; first difference at token {k}: luazero "
+                  f"{got[k:k + 6]} tokenizers {want[k:k + 6]}")
+    check(f"{prefix}.prepare_data_in_pieces", got == want, detail)
 
 
 def compare(check, prefix, hf, path, texts, run_lua, round_trip):
@@ -309,6 +337,7 @@ def check_qwen2(check, tmp, texts, run_lua):
     check("qwen2.normalizes", q.encode(nfd).ids == q.encode("\u00e9 \u00c5 \uac01").ids,
           "tokenizers does not compose NFD input: the test would prove nothing")
     compare(check, "qwen2", q, path, texts, run_lua, round_trip=False)
+    prepare_in_pieces(check, "qwen2", path, texts, tmp, q)
 
 
 def gemma_spec(tk):
@@ -364,6 +393,7 @@ def check_gemma(check, tk, tmp, texts, run_lua):
     check("gemma.layout", len(spec["model"]["vocab"]) == 256000 and
           max(spec["model"]["vocab"].values()) == 255999, f"{len(spec['model']['vocab'])} entries")
     lua = compare(check, "gemma", None, path, texts, run_lua, round_trip=False)
+    prepare_in_pieces(check, "gemma", path, texts, tmp)
     if lua is not None:
         ids = lua["unicode"][0]
         stats = lua["gemma_turns"][2]
@@ -498,6 +528,7 @@ def main():
                              env=dict(os.environ, LUAZERO=LUAZERO))
         ok = run.returncode == 0 and read_token_file(bin_path) == (20240520, 1, hf_ids["corpus"])
         check("prepare_data", ok, run.stdout.strip())
+        prepare_in_pieces(check, "byte_level", tok_json, texts, tmp, hf)
 
         # Refusals name the field and what is supported.
         def refused(name, edit, expect):
@@ -566,6 +597,7 @@ def main():
             check(f"llama3.same_ids.{name}", got == want, detail)
             check(f"llama3.decode_round_trip.{name}", lua3 is not None and lua3[name][1] == text)
 
+        prepare_in_pieces(check, "llama3", l3_json, texts, tmp, l3)
         check("llama3.offsets", lua3 is not None and all(
             char_starts(t, lua3[n][3]) == [o[0] for o in l3.encode(t, add_special_tokens=False).offsets]
             for n, t in texts.items()))
