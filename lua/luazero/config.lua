@@ -158,6 +158,10 @@ local function fp16_section(raw, cfg, unimpl)
         out.loss_scale = number_at_least(k .. name, v, 0)
       elseif name == "initial_scale_power" then
         out.initial_scale_power = whole_at_least(k .. name, v, 0)
+        if out.initial_scale_power > 127 then -- (2^128 is past fp32's range: an inf scale)
+          fail("%sinitial_scale_power must be at most 127 (got %s): 2^%s is past fp32's range; " ..
+               "DeepSpeed's default is 16", k, show(v), show(v))
+        end
       elseif name == "loss_scale_window" or name == "hysteresis" then
         out[name] = whole_at_least(k .. name, v, 1)
       elseif name == "min_loss_scale" then
@@ -173,6 +177,11 @@ local function fp16_section(raw, cfg, unimpl)
         end
       end
     end
+  end
+  if out.enabled and out.loss_scale == 0 and out.min_loss_scale > 2 ^ out.initial_scale_power then
+    fail("fp16.min_loss_scale (%s) is above the starting scale 2^initial_scale_power (%s), so " ..
+         "an overflow would raise the scale; lower min_loss_scale or raise initial_scale_power",
+         show(out.min_loss_scale), show(2 ^ out.initial_scale_power))
   end
   if not out.enabled and given(raw) then
     for _, name in ipairs({ "loss_scale", "initial_scale_power", "loss_scale_window",

@@ -229,6 +229,13 @@ function T.other_bad_values_name_the_key_and_allowed_values()
                "config: fp16.loss_scale_window must be a whole number >= 1 (got 0)")
   expect_error(base({ fp16 = { min_loss_scale = 0 } }), 1,
                "config: fp16.min_loss_scale must be a number > 0 (got 0)")
+  expect_error(base({ fp16 = { enabled = true, initial_scale_power = 1100 } }), 1,
+               "config: fp16.initial_scale_power must be at most 127 (got 1100): 2^1100 is past " ..
+               "fp32's range; DeepSpeed's default is 16")
+  expect_error(base({ fp16 = { enabled = true, initial_scale_power = 0, min_loss_scale = 64 } }), 1,
+               "config: fp16.min_loss_scale (64) is above the starting scale 2^initial_scale_power " ..
+               "(1), so an overflow would raise the scale; lower min_loss_scale or raise " ..
+               "initial_scale_power")
   expect_error(base({ luazero = { budget = 1 } }), 1,
                "config: luazero.budget is not a luazero key (known: memory_budget)")
   expect_error(base({}), 1, 'config: --stage must be 0..3 or "auto" (got 5)', { stage = 5 })
