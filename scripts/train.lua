@@ -365,13 +365,16 @@ local function finish(run)
   if run.log then
     run.log.write({ event = "end", params_checksum = sum, wall_time = clock.unix(),
                     elapsed_s = run.started and clock.now() - run.started or 0,
-                    steps = run.flags.steps, tokens = saves.tokens(run, run.flags.steps) },
-                  "the end record")
+                    steps = run.flags.steps, tokens = saves.tokens(run, run.flags.steps),
+                    skipped_steps = run.engine.skipped_steps }, "the end record")
     run.log.close()
   end
   if run.started and run.first <= run.flags.steps then
-    say(("trained steps %d-%d in %s"):format(run.first, run.flags.steps,
-                                             clock.span(clock.now() - run.started)))
+    local skipped = run.engine.skipped_steps - (run.skipped0 or 0)
+    say(("trained steps %d-%d in %s%s"):format(run.first, run.flags.steps,
+                                               clock.span(clock.now() - run.started),
+                                               skipped > 0 and (" (%d skipped on overflow)")
+                                                               :format(skipped) or ""))
   end
   say("params_checksum " .. sum)
   run.mon:close()

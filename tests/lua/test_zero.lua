@@ -561,14 +561,39 @@ function T.fp16_overflow_skips_the_step_and_halves_the_scale()
       assert(recs[i].loss_scale == scale,
              ("step %d: loss_scale %s, expected %d"):format(i, recs[i].loss_scale, scale))
     end
-    assert(out:find("skipped %(overflow%)"), out)
+    assert(out:find("skipped (overflow), loss scale 1024, next 512", 1, true) and
+           out:find("trained steps 1%-5 in .* %(1 skipped on overflow%)"), out)
+    assert(recs[6].event == "end" and recs[6].skipped_steps == 1, "the end record's skipped_steps")
   end
 end
 
--- The scale's steps as DeepSpeed's DynamicLossScaler.update_scale takes
--- them: it doubles when the steps since the last overflow, less one, are a
--- positive multiple of the window; consecutive_hysteresis refills the
--- hysteresis on every step without overflow.
+-- Without fp16 no loss scale can fall: a gradient that is not finite (fp32
+-- here, bf16 alike) means the run diverged. It stops with exit 2 at that
+-- step, naming where its learning rate came from, the step's record
+-- written (its non-finite numbers null) and no end record.
+function T.a_non_finite_gradient_stops_an_fp32_run()
+  local cfg = config_file("lr.json", { train_batch_size = 4, optimizer = { type = "AdamW",
+                                       params = { lr = 1e-3 } } })
+  for _, c in ipairs({ { "--lr 1e-3", "lower --lr (it was 0.001)" },
+                       { "--config " .. cfg, "lower the learning rate (--lr, or --config " .. cfg ..
+                         "'s optimizer.params.lr or the scheduler's warmup_max_lr) (it was 0.001)" } }) do
+    local log = tmp .. "/diverged.jsonl"
+    os.remove(log)
+    local out, status = train(1, ("%s --data %s --steps 5 --log %s %s")
+                                 :format(model_flags, corpus, log, c[1]), "LZ_INJECT_INF_STEP=3")
+    assert(status == 2 and out:find("train: step 3: the gradient norm is inf: training diverged; " ..
+                                    c[2], 1, true), out)
+    local recs = support.records(log)
+    assert(#recs == 3 and recs[3].diverged == true and recs[3].skipped == true and
+           recs[3].grad_norm == -1, "the diverged step's record, and no end record")
+  end
+end
+
+-- The scale's steps as DeepSpeed's DynamicLossScaler.update_scale (the
+-- scaler of ZeRO stages 1-3) takes them: it doubles when
+-- (cur_iter - last_overflow_iter) % scale_window == 0, after window clean
+-- steps; consecutive_hysteresis refills the hysteresis on every step
+-- without overflow.
 function T.fp16_scale_doubles_and_absorbs_as_deepspeeds_scaler()
   local Scaler = require("luazero.zero.scaler")
   local s = Scaler.new({ initial_scale_power = 16, loss_scale_window = 3, hysteresis = 1 })
@@ -577,7 +602,7 @@ function T.fp16_scale_doubles_and_absorbs_as_deepspeeds_scaler()
     seen[step] = s.scale
     s:update(step == 5)
   end
-  support.eq(table.concat(seen, " "), "65536 65536 65536 65536 131072 65536 65536 65536 65536 " ..
+  support.eq(table.concat(seen, " "), "65536 65536 65536 131072 131072 65536 65536 65536 131072 " ..
              "131072", "the scale used at steps 1-10, an overflow at step 5")
   for _, c in ipairs({ { false, "4 4 2 2" }, { true, "4 4 4 4" } }) do
     local h = Scaler.new({ initial_scale_power = 2, loss_scale_window = 100, hysteresis = 2,

@@ -32,6 +32,13 @@ end
 -- A loss that is not finite: the run stops, naming the step.
 local function not_finite(v) return not (math.abs(v) < math.huge) end
 
+-- Where the peak learning rate came from, for a diverged run's message.
+local function lr_knob(flags)
+  if flags.lr or not flags.config then return "--lr" end
+  return ("the learning rate (--lr, or --config %s's optimizer.params.lr or the " ..
+          "scheduler's warmup_max_lr)"):format(flags.config)
+end
+
 -- One optimizer step and, when due, the validation loss; returns the
 -- metrics record (docs/formats.md), the step's result and the
 -- checkpointing profile.
@@ -83,17 +90,23 @@ local function train_step(run, step)
     rec.val_loss = ex.checked_rank(engine.evaluate, engine, run.val_loader, run.n_val)
     run.model:checkpoint_profile(true) -- the next step's profile counts training only
   end
-  -- A skipped step's overflow is in its gradients (fp16 loss scaling); a
-  -- loss that is not finite means the weights diverged: the run stops.
+  -- A skipped step's overflow is in its gradients: under fp16's dynamic
+  -- loss scaling the scale falls and a later step goes through. A loss
+  -- that is not finite means the weights diverged, and so does a gradient
+  -- that is not finite where no scale can fall (fp32, bf16): every step
+  -- from there would be skipped. The run stops, the step's record logged.
   -- The first step's loss is the starting weights' own, before any update.
   if step == run.first and not_finite(r.loss) then
     ex.user_error(("step %d: the loss is %s before any update: %s give a non-finite loss; " ..
                    "check those weights"):format(step, tostring(r.loss), start.describe(flags)))
   end
-  for _, l in ipairs({ { "loss", r.loss }, { "validation loss", rec.val_loss or 0 } }) do
+  for _, l in ipairs({ { "loss", r.loss }, { "validation loss", rec.val_loss or 0 },
+                       { "gradient norm", engine.dtype ~= "fp16" and r.grad_norm or 0 } }) do
     if not_finite(l[2]) then
-      ex.user_error(("step %d: the %s is %s: training diverged; lower --lr (it was %g)")
-                    :format(step, l[1], tostring(l[2]), run.lr))
+      rec.diverged = true
+      if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
+      ex.user_error(("step %d: the %s is %s: training diverged; lower %s (it was %g)")
+                    :format(step, l[1], tostring(l[2]), lr_knob(flags), run.lr))
     end
   end
   return rec, r, prof
@@ -107,6 +120,14 @@ local function eta(run, step)
   return " | eta " .. clock.span(per * (run.flags.steps - step))
 end
 
+-- After a skipped step: what the dynamic scaler did with the overflow
+-- (DeepSpeed's OVERFLOW line says the same).
+local function next_scale(scaler, tried)
+  if not scaler.dynamic then return " (static)" end
+  if scaler.scale < tried then return (", next %g"):format(scaler.scale) end
+  return (", kept: hysteresis %d left"):format(scaler.hysteresis)
+end
+
 local function say_step(run, step, rec, r, prof)
   run.ex.say(("step %5d/%d | loss %.4f%s | lr %.2e | norm %.3f | %.0f tok/s | %.0f ms | " ..
               "mem %.1f MiB, rss %.0f MiB%s%s%s%s%s")
@@ -114,7 +135,8 @@ local function say_step(run, step, rec, r, prof)
             rec.val_loss and (" | val %.4f"):format(rec.val_loss) or "", r.lr, r.grad_norm,
             rec.tokens_per_s, rec.step_ms, mib(lz.mem_total()),
             mib(rec.mem.peak_rss), rec.time and monitor.breakdown.line(rec.time) or "",
-            r.skipped and (" | skipped (overflow), loss scale %g"):format(r.loss_scale) or "",
+            r.skipped and (" | skipped (overflow), loss scale %g%s"):format(r.loss_scale,
+              next_scale(run.engine.scaler, r.loss_scale)) or "",
             prof and (" | checkpointed blocks: forward %.0f ms, recompute %.0f ms, " ..
                       "backward %.0f ms"):format(prof.forward, prof.recompute, prof.backward)
             or "",
@@ -149,7 +171,7 @@ end
 function M.run(run)
   local flags, ex = run.flags, run.ex
   saves.plan(run)
-  run.started = clock.now()
+  run.started, run.skipped0 = clock.now(), run.engine.skipped_steps
   for step = run.first, flags.steps do
     run.mon:before_step(step)
     local rec, r, prof = train_step(run, step)

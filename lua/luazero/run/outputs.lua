@@ -29,6 +29,11 @@ local function kept_before(line, first)
   return at == nil or (type(at) == "number" and at < first)
 end
 
+-- JSON has no NaN or inf: a record's numbers that are not finite (a
+-- diverged step's loss) are written null rather than stopping the write.
+local json_line = cjson.new()
+json_line.encode_invalid_numbers("null")
+
 -- --log FILE: one write per record, checked; a failed one is cut back to
 -- the last complete record, so the file stays JSON Lines, and stops the run
 -- (exit 1). append: a resumed or restarted run adds to the file, once
@@ -39,7 +44,7 @@ function M.open_log(ex, path, append)
   if not log then ex.user_error(cannot_write("--log", path, err)) end
   return {
     write = function(rec, what)
-      local ok, werr = log:write(cjson.encode(rec) .. "\n")
+      local ok, werr = log:write(json_line.encode(rec) .. "\n")
       if not ok then
         ex.fail(("--log %s: writing %s failed (%s); the file ends at the record before it; " ..
                  "free space there or log elsewhere"):format(path, what, werr), 1)

@@ -2,8 +2,9 @@
 -- (runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale): on
 -- overflow skip the step and, once `hysteresis` overflows have been
 -- absorbed, halve the scale (not below min_loss_scale); when the steps since
--- the last overflow, less the one after it, are a positive multiple of
--- loss_scale_window, double it (and refill the hysteresis; with
+-- the last overflow (the overflow's own step counted; from the start, steps
+-- since step 0) are a multiple of loss_scale_window, that is after
+-- loss_scale_window clean steps, double it (and refill the hysteresis; with
 -- consecutive_hysteresis every step without overflow refills it); an
 -- overflow that would halve a scale already at min_loss_scale stops the
 -- run, as ZeRO's scaler does (raise_error_at_min_scale): it would only skip
@@ -47,8 +48,7 @@ function Scaler:update(overflow)
     self.last_overflow = self.iter
   else
     if self.consecutive then self.hysteresis = self.delayed_shift end
-    local stable = self.iter - self.last_overflow - 1
-    if stable > 0 and stable % self.window == 0 then
+    if (self.iter - self.last_overflow) % self.window == 0 then
       if not self.consecutive then self.hysteresis = self.delayed_shift end
       self.scale = self.scale * 2
     end
