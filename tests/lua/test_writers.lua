@@ -268,18 +268,48 @@ function T.a_failed_16bit_export_says_its_checkpoint_is_saved()
   assert(not exists(step .. "/hf16"), "a partial hf16 folder")
 end
 
--- A folder output named by a symbolic link to nothing is refused before
--- anything is written (the rename at the end would fail on the link), the
--- link left as it was.
-function T.a_folder_output_at_a_dangling_link_is_refused_first()
+-- A folder output named by a symbolic link to a name not there yet is
+-- made at that name, the link left a link; a link in a loop is refused
+-- before anything is written.
+function T.a_folder_output_at_a_dangling_link_is_made_at_its_target()
   local c = ck("gpt2")
   os.execute("mkdir -p " .. q(tmp .. "/links"))
   local out = tmp .. "/links/hf"
   os.execute(("ln -sfn %s %s"):format(q(tmp .. "/links/nowhere"), q(out)))
-  refused(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)), out,
-          { out, "a symbolic link to " .. tmp .. "/links/nowhere, which does not exist" })
-  refused(nil, ("tools/ckpt convert-states %s %s --to bf16"):format(q(c.dir), q(out)), out,
-          { out, "a symbolic link to", "remove the link" })
+  ok_tool(nil, ("tools/ckpt export %s %s"):format(q(c.dir), q(out)))
+  eq(select(2, support.sh("test -L " .. q(out))), 0, "the link is still a link")
+  assert(exists(tmp .. "/links/nowhere/config.json"), "the export at the link's target")
+  local loop = tmp .. "/links/loop"
+  os.execute(("ln -sfn loop %s"):format(q(loop)))
+  refused(nil, ("tools/ckpt convert-states %s %s --to bf16"):format(q(c.dir), q(loop)), loop,
+          { loop, "a symbolic link that cannot be followed (a loop?)", "remove the link" })
+end
+
+-- An output named by a symbolic link is written where the link points, the
+-- link left a link (a rename would put a file in its place); a FIFO or a
+-- device named as the output is refused and left as it was (a rename would
+-- replace it: /dev/null itself, for root).
+function T.an_output_through_a_link_lands_at_its_target_and_a_device_is_refused()
+  local dir = tmp .. "/linked"
+  os.execute(("mkdir -p %s/real %s/realdir"):format(q(dir), q(dir)))
+  local text = write_file("linked/in.txt", "abc abc abc\n")
+  os.execute(("ln -sfn real/out.bin %s/link.bin && ln -sfn realdir %s/linkdir"):format(q(dir), q(dir)))
+  ok_tool(nil, ("tools/prepare-data %s %s/link.bin"):format(q(text), q(dir)))
+  eq(select(2, support.sh("test -L " .. q(dir .. "/link.bin"))), 0, "the link is still a link")
+  eq(#(lz.read_file(dir .. "/real/out.bin") or ""), 1024 + 12 * 2, "the token file at the target")
+  local c = ck("gpt2")
+  ok_tool(nil, ("tools/ckpt export %s %s/linkdir"):format(q(c.dir), q(dir)))
+  eq(select(2, support.sh("test -L " .. q(dir .. "/linkdir"))), 0, "the folder link is still a link")
+  assert(exists(dir .. "/realdir/config.json"), "the export in the link's target folder")
+  os.execute("mkfifo " .. q(dir .. "/pipe"))
+  refused(nil, ("tools/prepare-data %s %s/pipe"):format(q(text), q(dir)), dir .. "/pipe",
+          { dir .. "/pipe is a FIFO (named pipe), not a file", "give a file path" })
+  eq(select(2, support.sh("test -p " .. q(dir .. "/pipe"))), 0, "the FIFO after a refused write")
+  if select(2, support.sh("mknod " .. q(dir .. "/null") .. " c 1 3")) == 0 then -- (as root)
+    refused(nil, ("tools/ckpt consolidate %s %s/null"):format(q(c.dir), q(dir)), dir .. "/null",
+            { dir .. "/null is a character device, not a file" })
+    eq(select(2, support.sh("test -c " .. q(dir .. "/null"))), 0, "the device after a refused write")
+  end
 end
 
 -- An output that is one of its own inputs (the same file by real path or

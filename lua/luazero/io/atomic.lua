@@ -19,6 +19,7 @@
 -- fail with "No space left on device" once N bytes have been written in
 -- all (counted across files), as a full disk would.
 local ffi = require("ffi")
+local bit = require("bit")
 local lz = require("luazero")
 
 for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
@@ -138,11 +139,51 @@ function M.refuse_overlap(out, out_what, input, in_what)
   end
 end
 
+-- The file type bits of an existing path's st_mode (without following a
+-- last link: lstat), or nil. (st_mode's place in struct stat: x86-64, arm64.)
+pcall(ffi.cdef, "int lstat(const char *path, lz_stat_id *buf);")
+local MODE_AT = ffi.arch == "arm64" and 16 or 24
+local S_IFMT, S_IFREG, S_IFDIR, S_IFLNK = 0xF000, 0x8000, 0x4000, 0xA000
+local KIND = { [0x1000] = "a FIFO (named pipe)", [0x2000] = "a character device",
+               [0x6000] = "a block device", [0xC000] = "a socket" }
+local function file_type(path, follow)
+  local st = ffi.new("lz_stat_id")
+  if (follow and C.stat(path, st) or C.lstat(path, st)) ~= 0 then return nil end
+  return bit.band(ffi.cast("uint32_t *", ffi.cast("uint8_t *", st) + MODE_AT)[0], S_IFMT)
+end
+
+-- Where an output named `path` is written: through a symbolic link to what
+-- it points at, there or not yet (the rename would otherwise put a file in
+-- the link's place), and never over a device, pipe or socket (a rename
+-- would replace /dev/null itself, for root): those are refused.
+local function target(path, what, depth)
+  local kind = file_type(path, true) -- (what a link leads to: /dev/stdout, a pipe)
+  if kind and kind ~= S_IFREG and kind ~= S_IFDIR then
+    error(("%s is %s, not a %s: an output is written whole to a temporary name beside it and " ..
+           "renamed into place, which would replace it; give a file path"):format(path,
+           KIND[kind] or "not a regular file", what), 0)
+  end
+  if file_type(path) == S_IFLNK then
+    -- (a link to a name not there yet: that name, beside the link when relative)
+    local buf = ffi.new("char[4096]")
+    local n = tonumber(C.readlink(path, buf, 4096))
+    local to = n >= 0 and ffi.string(buf, n) or nil
+    if not to or (depth or 0) > 40 then
+      error(("%s: a symbolic link that cannot be followed (a loop?); remove the link or give " ..
+             "another %s name"):format(path, what), 0)
+    end
+    if to:sub(1, 1) ~= "/" then to = dir_of(path) .. "/" .. to end
+    return target(to, what, (depth or 0) + 1)
+  end
+  return path
+end
+
 local Writer = {}
 Writer.__index = Writer
 
 -- A writer of `path` (total: the bytes it will hold, for messages).
 function M.open(path, total)
+  path = target(path, "file")
   local tmp = temporary(path)
   local fd = C.open(tmp, O_WRONLY + O_CREAT + O_TRUNC + O_CLOEXEC, 420) -- 0644
   if fd < 0 then
@@ -256,16 +297,7 @@ end
 -- existing folder holding anything else is refused (it is not an earlier
 -- output of this kind, and replacing it would lose those files).
 function M.folder(path, owned)
-  path = path:gsub("/+$", "")
-  if not exists(path) then
-    -- (a symbolic link to nothing: the rename at the end would fail on it)
-    local buf = ffi.new("char[4096]")
-    local n = tonumber(C.readlink(path, buf, 4096))
-    if n >= 0 then
-      error(("%s: a symbolic link to %s, which does not exist; remove the link or give another " ..
-             "folder name"):format(path, ffi.string(buf, n)), 0)
-    end
-  end
+  path = target(path:gsub("/+$", ""), "folder")
   if exists(path) and not is_dir(path) then
     error(("%s: a file is there, not a folder; give a new folder name"):format(path), 0)
   end
