@@ -56,7 +56,7 @@ do
       if opt[key] then fail(("%s given twice; give it once"):format(name or a)) end
       opt[key] = value
       i = i + 1
-    elseif a == "--help" then
+    elseif a == "--help" or a == "-h" then
       print(USAGE)
       os.exit(0)
     elseif a:sub(1, 2) == "--" then
@@ -72,8 +72,13 @@ if #args < 2 then
   io.stderr:write(("prepare-data: %s; give the input file(s), then the OUTPUT.bin to write\n")
                   :format(#args == 0 and "no files given" or
                           ("one file given (%s)"):format(args[1])))
-  print(USAGE)
+  io.stderr:write(USAGE, "\n")
   os.exit(2)
+end
+for i = 1, #args - 1 do
+  if fs.is_dir(args[i]) then
+    fail(("%s is a folder; give the text file(s) in it"):format(args[i]))
+  end
 end
 local out = args[#args]
 local format = opt.format or (#args == 2 and data.is_jsonl(args[1]) and "jsonl") or "text"
@@ -108,6 +113,19 @@ touches:read("--tokenizer", opt.tokenizer, { whole = opt.tokenizer and fs.is_dir
 touches:write("the output", out)
 local checked_ok, overlap = pcall(touches.check, touches)
 if not checked_ok then fail(overlap) end
+-- An output that is there already is replaced only when it is data this
+-- tool made (a forgotten OUTPUT would make the last input the output).
+do
+  local f = fs.kind(out, true) == "file" and io.open(out, "rb")
+  local head = f and f:read(4)
+  if f then f:close() end
+  local magic = head and #head == 4 and require("ffi").cast("const int32_t *", head)[0]
+  if head and magic ~= data.MAGIC and magic ~= data.INSTRUCT_MAGIC then
+    fail(("%s is there and is not a token or instruction file, so writing the output would " ..
+          "destroy it: give the OUTPUT.bin to write after the inputs, a new name, or remove it " ..
+          "first"):format(out))
+  end
+end
 
 local tok, template
 if opt.tokenizer then

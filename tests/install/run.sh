@@ -4,7 +4,9 @@
 # `luazero --version`, a script of one's own (`luazero my_train.lua`), a
 # bundled script by name (`luazero -m train`, `luazero -n 2 -m
 # examples/own_model`), an example's loss falling; then the documented
-# uninstall leaves nothing behind. Ends with "N passed, N failed".
+# uninstall leaves nothing behind; the tools through a link to them, an
+# empty --prefix refused, tools/checksums failing when its runs fail. Ends
+# with "N passed, N failed".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
@@ -89,6 +91,28 @@ ln -s "$work/lua-copy" "$linked/lua"
 for d in build models scripts tools; do ln -s "$root/$d" "$linked/$d"; done
 out=$("$linked/tools/install" --prefix "$work/prefix2" 2>&1)
 check linked_checkout_keeps_its_files '[ -f "$work/lua-copy/main.c" ] && [ ! -L "$work/prefix2/lib/luazero/lua" ] && [ -f "$work/prefix2/lib/luazero/lua/luazero/args.lua" ] && [ ! -e "$work/prefix2/lib/luazero/lua/main.c" ]' "$out"
+
+# The tools run through a link to them (as one links them into a bin
+# folder), from another folder.
+mkdir -p "$work/mybin"
+ln -s "$root/tools/estimate" "$work/mybin/estimate"
+ln -s ../mybin/estimate "$work/mybin/estimate2" # (a link to the link)
+out=$(cd "$work" && mybin/estimate2 --model gpt2-nano 2>&1); st=$?
+check a_tool_through_a_link '[ $st = 0 ] && echo "$out" | grep -q "model states per rank for gpt2-nano"' "$out"
+
+# An empty --prefix (an unset $PREFIX) is refused, not taken as this folder.
+mkdir -p "$work/here"
+out=$(cd "$work/here" && "$root/tools/install" --prefix= 2>&1); st=$?
+check an_empty_prefix_is_refused '[ $st = 2 ] && echo "$out" | grep -q "install: --prefix is empty" && [ -z "$(ls -A "$work/here")" ]' "$out"
+
+# tools/checksums with a luazero that fails exits 1 (each run's line says
+# FAILED), and names a luazero given relative to the caller's folder.
+printf '#!/bin/sh\nexit 3\n' > "$work/here/fake-lz"
+chmod +x "$work/here/fake-lz"
+out=$(cd "$work/here" && "$root/tools/checksums" ./fake-lz 2>&1); st=$?
+check checksums_fails_when_runs_fail '[ $st = 1 ] && echo "$out" | grep -q "^gpt2 w1 s0 fp32 FAILED" && echo "$out" | grep -q "runs FAILED"' "$out"
+out=$(cd "$work/here" && "$root/tools/checksums" ./not-there 2>&1); st=$?
+check checksums_refuses_a_missing_luazero '[ $st = 2 ] && echo "$out" | grep -q "not-there: no such executable"' "$out"
 
 echo "$pass passed, $fail failed"
 [ "$fail" = 0 ]

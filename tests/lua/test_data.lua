@@ -173,6 +173,19 @@ function T.prepare_data_refuses_what_it_would_get_wrong()
   for _, f in ipairs({ "q2.bin", "q4.bin", "q5.bin", "q6.bin", "q7.bin" }) do
     assert(not io.open(tmp .. "/" .. f), f .. " written by a refused run")
   end
+  -- a folder as input; an OUTPUT forgotten, so the last input (notes) would
+  -- be the output; -h
+  out, st = run(("%s %s"):format(q(tmp), q(tmp .. "/q8.bin")))
+  assert(st == 2 and out:find(tmp .. " is a folder; give the text file(s) in it", 1, true), out)
+  local notes = write("notes.txt", "my notes\n")
+  out, st = run(("%s %s"):format(q(text), q(notes)))
+  assert(st == 2 and out:find(notes .. " is there and is not a token or instruction file, so " ..
+                              "writing the output would destroy it", 1, true), out)
+  eq(lz.read_file(notes), "my notes\n", "the notes after a refused run")
+  out, st = run(("%s %s"):format(q(text), q(tmp .. "/q3.bin"))) -- (an earlier token file: replaced)
+  assert(st == 0, out)
+  out, st = run("-h")
+  assert(st == 0 and out:find("^usage: tools/prepare%-data"), out)
 end
 
 -- prepare-data reads an input by blocks and encodes it by pieces

@@ -19,8 +19,8 @@
 -- fail with "No space left on device" once N bytes have been written in
 -- all (counted across files), as a full disk would.
 local ffi = require("ffi")
-local bit = require("bit")
 local lz = require("luazero")
+local fs = require("luazero.io.fs")
 
 for _, decl in ipairs({ "int open(const char *path, int flags, int mode);",
                        "long write(int fd, const void *buf, unsigned long n);",
@@ -84,12 +84,11 @@ end
 
 ------------------------------------------------- outputs that are inputs
 
-pcall(ffi.cdef, [[
-typedef struct lz_stat_id { uint64_t st_dev, st_ino; uint8_t rest[256]; } lz_stat_id;
-int stat(const char *path, lz_stat_id *buf);
-char *realpath(const char *path, char *resolved);
-void free(void *p);
-]])
+-- (struct stat and stat(): io/fs.lua's)
+for _, decl in ipairs({ "char *realpath(const char *path, char *resolved);",
+                       "void free(void *p);" }) do
+  pcall(ffi.cdef, decl)
+end
 
 -- path with links, "." and ".." resolved (a path that does not exist yet:
 -- its folder resolved, its name kept), or nil when its folder is not there.
@@ -139,31 +138,21 @@ function M.refuse_overlap(out, out_what, input, in_what)
   end
 end
 
--- The file type bits of an existing path's st_mode (without following a
--- last link: lstat), or nil. (st_mode's place in struct stat: x86-64, arm64.)
-pcall(ffi.cdef, "int lstat(const char *path, lz_stat_id *buf);")
-local MODE_AT = ffi.arch == "arm64" and 16 or 24
-local S_IFMT, S_IFREG, S_IFDIR, S_IFLNK = 0xF000, 0x8000, 0x4000, 0xA000
-local KIND = { [0x1000] = "a FIFO (named pipe)", [0x2000] = "a character device",
-               [0x6000] = "a block device", [0xC000] = "a socket" }
-local function file_type(path, follow)
-  local st = ffi.new("lz_stat_id")
-  if (follow and C.stat(path, st) or C.lstat(path, st)) ~= 0 then return nil end
-  return bit.band(ffi.cast("uint32_t *", ffi.cast("uint8_t *", st) + MODE_AT)[0], S_IFMT)
-end
+local A = { fifo = "a FIFO (named pipe)", socket = "a socket", other = "not a regular file",
+            ["character device"] = "a character device", ["block device"] = "a block device" }
 
 -- Where an output named `path` is written: through a symbolic link to what
 -- it points at, there or not yet (the rename would otherwise put a file in
 -- the link's place), and never over a device, pipe or socket (a rename
 -- would replace /dev/null itself, for root): those are refused.
 local function target(path, what, depth)
-  local kind = file_type(path, true) -- (what a link leads to: /dev/stdout, a pipe)
-  if kind and kind ~= S_IFREG and kind ~= S_IFDIR then
+  local kind = fs.kind(path, true) -- (what a link leads to: /dev/stdout, a pipe)
+  if A[kind] then
     error(("%s is %s, not a %s: an output is written whole to a temporary name beside it and " ..
-           "renamed into place, which would replace it; give a file path"):format(path,
-           KIND[kind] or "not a regular file", what), 0)
+           "renamed into place, which would replace it; give a file path"):format(path, A[kind],
+           what), 0)
   end
-  if file_type(path) == S_IFLNK then
+  if fs.kind(path) == "link" then
     -- (a link to a name not there yet: that name, beside the link when relative)
     local buf = ffi.new("char[4096]")
     local n = tonumber(C.readlink(path, buf, 4096))
@@ -281,7 +270,6 @@ end
 local Folder = {}
 Folder.__index = Folder
 
-local fs = require("luazero.io.fs")
 local exists, is_dir = fs.exists, fs.is_dir
 
 local function list(dir)

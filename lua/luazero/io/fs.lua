@@ -1,6 +1,7 @@
 -- io/fs.lua — what the file system holds at a path, asked the same way
 -- everywhere: a file or folder that can be opened, a folder, a folder's names.
 local ffi = require("ffi")
+local bit = require("bit")
 
 local M = {}
 
@@ -15,6 +16,25 @@ typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, 
   f_files, f_ffree, f_favail; unsigned long f_fsid, f_flag, f_namemax; int spare[6]; } lz_statvfs;
 int statvfs(const char *path, lz_statvfs *buf);
 ]])
+
+pcall(ffi.cdef, [[
+typedef struct lz_stat_id { uint64_t st_dev, st_ino; uint8_t rest[256]; } lz_stat_id;
+int stat(const char *path, lz_stat_id *buf);
+int lstat(const char *path, lz_stat_id *buf);
+]])
+local MODE_AT = ffi.arch == "arm64" and 16 or 24 -- st_mode in struct stat (x86-64, arm64)
+local KINDS = { [0x8000] = "file", [0x4000] = "folder", [0xA000] = "link", [0x1000] = "fifo",
+                [0x2000] = "character device", [0x6000] = "block device", [0xC000] = "socket" }
+
+-- What path is: "file", "folder", "link" (follow false: the link itself),
+-- "fifo", "character device", "block device", "socket"; nil when nothing is
+-- there. Asked without opening it (opening a FIFO waits for a writer).
+function M.kind(path, follow)
+  local st = ffi.new("lz_stat_id")
+  if (follow and ffi.C.stat(path, st) or ffi.C.lstat(path, st)) ~= 0 then return nil end
+  local mode = ffi.cast("uint32_t *", ffi.cast("uint8_t *", st) + MODE_AT)[0]
+  return KINDS[bit.band(mode, 0xF000)] or "other"
+end
 
 -- True when path names something that can be opened (a file or a folder).
 function M.exists(path)
