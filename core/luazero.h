@@ -54,6 +54,15 @@ int lz_threads_get(void);
 /* How bf16 GEMMs run here: "native (...)" (oneDNN bf16) or "f32 (...)"
  * (widened, fp32 sgemm), and why; LZ_BF16_MATMUL=native|f32 overrides. */
 lz_status lz_bf16_matmul_path(const char **what);
+/* The CPU code paths that decide a run's bits, each the machine's best
+ * unless overridden: the form the hot loops were compiled for and run here
+ * ("avx512f", "avx2", "x86-64"), oneDNN's instruction set for the GEMMs
+ * ("avx512_core_bf16", "avx2", ...), and the 8-bit AdamW update's form
+ * ("base", "avx2", "avx512", "vbmi", "vbmi2", "bf16"; LZ_ADAMW8BIT_ISA picks
+ * a lower one, and a name that is none, or above the machine's, fails). */
+const char *lz_cpu_kernels(void);
+const char *lz_gemm_isa(void);
+lz_status lz_adamw8bit_form(const char **what);
 
 /* -------------------------------------------------------------- ledger */
 

@@ -336,6 +336,10 @@ local function say_start(run)
         ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
   end
   say(engine:describe())
+  if engine.dev == "cpu" then
+    local ty = tostring(cfg.optimizer and cfg.optimizer.type or ""):lower()
+    say("cpu: " .. lz.cpu_path({ adamw8bit = ty:find("8bit") ~= nil }))
+  end
   if engine.wdt == "bf16" and engine.dev == "cpu" then
     say("bf16 matmul: " .. lz.bf16_matmul() .. "; bf16 attention: " .. lz.bf16_attention())
   end
@@ -353,9 +357,9 @@ local function say_start(run)
          "or fewer threads (OMP_NUM_THREADS) can make the steps faster here"):format(load, cores))
   end
   say(("batch %d x %d tokens, %d micro-batches per step: %d tokens per step; lr %g, " ..
-       "%s, %d steps, %d threads")
+       "%s, %d steps, %d thread%s")
       :format(run.B * run.world, run.T, run.accum, run.B * run.T * run.accum * run.world, run.lr,
-              run.sched, run.flags.steps, lz.threads()))
+              run.sched, run.flags.steps, lz.threads(), lz.threads() == 1 and "" or "s"))
 end
 
 -- After the last step: the checksum (and the log's end record), a sample,

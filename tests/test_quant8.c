@@ -227,20 +227,40 @@ static int step_is_the_blockwise_reference(void) {
   return ok;
 }
 
-/* Each form this machine has, LZ_ADAMW8BIT_ISA selecting it (a form above
- * the machine's falls to its best); then the machine's best again. */
+/* Each form this machine has, LZ_ADAMW8BIT_ISA selecting it; a form above
+ * the machine's, or a name that is no form, is refused by the step and by
+ * lz_adamw8bit_form, naming the best; then the machine's best again. */
 LZ_TEST(adamw8bit_step_is_the_blockwise_reference) {
   unsetenv("LZ_ADAMW8BIT_ISA");
-  const char *best = lz_adamw8bit_form();
+  const char *best = NULL, *form = NULL;
+  CHECK(lz_adamw8bit_form(&best) == LZ_OK);
   int below = 1;
   for (size_t f = 0; f < sizeof forms / sizeof *forms; f++) {
     CHECK(setenv("LZ_ADAMW8BIT_ISA", forms[f], 1) == 0);
-    CHECK(!strcmp(lz_adamw8bit_form(), below ? forms[f] : best));
+    if (below) {
+      CHECK(lz_adamw8bit_form(&form) == LZ_OK && !strcmp(form, forms[f]));
+      CHECK(step_is_the_blockwise_reference());
+    } else {
+      CHECK(lz_adamw8bit_form(&form) == LZ_ERR_INVALID);
+      CHECK(strstr(lz_last_error(), "above this machine's best form") != NULL);
+      CHECK(strstr(lz_last_error(), best) != NULL);
+    }
     if (!strcmp(forms[f], best)) below = 0;
-    CHECK(step_is_the_blockwise_reference());
   }
+  CHECK(setenv("LZ_ADAMW8BIT_ISA", "AVX-2", 1) == 0);
+  CHECK(lz_adamw8bit_form(&form) == LZ_ERR_INVALID);
+  CHECK(strstr(lz_last_error(), "LZ_ADAMW8BIT_ISA is 'AVX-2'; set it to base, avx2") != NULL);
+  float p = 1, g = 1, m = 0, v = 0;
+  const int64_t one[1] = {1};
+  lz_tensor *tp = lz_test_wrap(&p, LZ_F32, 1, one), *tg = lz_test_wrap(&g, LZ_F32, 1, one);
+  lz_tensor *tm = lz_test_wrap(&m, LZ_F32, 1, one), *tv = lz_test_wrap(&v, LZ_F32, 1, one);
+  const lz_adamw_args args = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .step = 1,
+                              .grad_scale = 1};
+  CHECK(lz_adamw8bit_step(tp, tg, tm, tv, NULL, NULL, NULL, &args) == LZ_ERR_INVALID);
+  CHECK(strstr(lz_last_error(), "adamw8bit_step: LZ_ADAMW8BIT_ISA is 'AVX-2'") != NULL);
+  lz_tensor_free(tp), lz_tensor_free(tg), lz_tensor_free(tm), lz_tensor_free(tv);
   unsetenv("LZ_ADAMW8BIT_ISA");
-  CHECK(!strcmp(lz_adamw8bit_form(), best));
+  CHECK(lz_adamw8bit_form(&form) == LZ_OK && !strcmp(form, best));
 }
 
 /* The steps of a map as the first z of each new index, magnitudes in

@@ -312,7 +312,9 @@ static void path_choose(void) {
       return;
     }
     path.native = !strcmp(env, "native");
-    snprintf(path.why, sizeof path.why, "%s (LZ_BF16_MATMUL)", env);
+    snprintf(path.why, sizeof path.why, "%s (LZ_BF16_MATMUL%s)", env,
+             path.native && !lz_cpu_has("avx512bf16") ? "; no avx512_bf16 here"
+                                                      : "");
     return;
   }
   path.native = lz_cpu_has("avx512bf16");
@@ -330,6 +332,20 @@ static lz_status path_get(int *native) {
                    "default: b packed where it is not transposed)", pack_env_bad);
   *native = __atomic_load_n(&path.native, __ATOMIC_ACQUIRE);
   return LZ_OK;
+}
+
+const char *lz_gemm_isa(void) {
+  switch (dnnl_get_effective_cpu_isa()) {
+  case dnnl_cpu_isa_sse41: return "sse41";
+  case dnnl_cpu_isa_avx: return "avx";
+  case dnnl_cpu_isa_avx2: return "avx2";
+  case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+  case dnnl_cpu_isa_avx512_core: return "avx512_core";
+  case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+  case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+  case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+  default: return "other";
+  }
 }
 
 lz_status lz_bf16_matmul_path(const char **what) {

@@ -47,6 +47,15 @@ int lz_cpu_has(const char *feature) {
   return 0;
 }
 
+/* The clone of an LZ_DISPATCH function (mem/lz_internal.h) GCC's resolver
+ * picks here: avx512f where the CPU has it, else avx2, else the default. */
+const char *lz_cpu_kernels(void) {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") ? "avx512f"
+         : __builtin_cpu_supports("avx2") ? "avx2"
+                                          : "x86-64";
+}
+
 lz_status lz_threads_set(int n) {
   if (n < 1) return lz_fail(LZ_ERR_INVALID, "threads: count must be >= 1 (got %d)", n);
   omp_set_num_threads(n);

@@ -420,19 +420,44 @@ static int machine_level(void) {
   return bf16 ? ISA_BF16 : ISA_VBMI2;
 }
 
-/* The machine's best form, or a lower one named by LZ_ADAMW8BIT_ISA (base,
- * avx2, avx512, vbmi, vbmi2, bf16): every form gives the same bits, and the tests
- * run each one this machine can. */
-static int isa_level(void) {
+/* The machine's best form, or the one LZ_ADAMW8BIT_ISA names (base, avx2,
+ * avx512, vbmi, vbmi2, bf16) at or below it: every form gives the same bits,
+ * and the tests run each one this machine can. A name that is no form, or a
+ * form above the machine's, is refused (op names the caller) rather than
+ * run as the best form in silence. */
+static lz_status isa_checked(const char *op, int *level) {
   const int best = machine_level();
   const char *want = getenv("LZ_ADAMW8BIT_ISA");
-  if (want)
-    for (int l = 0; l < best; l++)
-      if (!strcmp(want, a8_level_names[l])) return l;
-  return best;
+  *level = best;
+  if (!want || !*want) return LZ_OK;
+  for (int l = 0; l < ISA_LEVELS; l++)
+    if (!strcmp(want, a8_level_names[l])) {
+      if (l > best)
+        return lz_fail(LZ_ERR_INVALID,
+                       "%s: LZ_ADAMW8BIT_ISA is '%s', above this machine's best form, %s; set "
+                       "it to %s or a form below it, or unset it",
+                       op, want, a8_level_names[best], a8_level_names[best]);
+      *level = l;
+      return LZ_OK;
+    }
+  return lz_fail(LZ_ERR_INVALID,
+                 "%s: LZ_ADAMW8BIT_ISA is '%s'; set it to base, avx2, avx512, vbmi, vbmi2 or "
+                 "bf16 (this machine's best: %s), or unset it",
+                 op, want, a8_level_names[best]);
 }
 
-const char *lz_adamw8bit_form(void) { return a8_level_names[isa_level()]; }
+/* The form a step runs (the entry points have checked LZ_ADAMW8BIT_ISA). */
+static int isa_level(void) {
+  int level;
+  return isa_checked("adamw8bit", &level) == LZ_OK ? level : machine_level();
+}
+
+lz_status lz_adamw8bit_form(const char **what) {
+  int level;
+  LZ_TRY(isa_checked("adamw8bit", &level));
+  *what = a8_level_names[level];
+  return LZ_OK;
+}
 
 /* ------------------------------------------------------------------ checks */
 
@@ -472,6 +497,8 @@ static lz_status check_8bit(const char *op, lz_op op_id, const lz_op_args *a) {
                               .working = a->t[6]};
   LZ_TRY(lz_op_check_dtypes(op, op_id, a));
   LZ_TRY(lz_optim_check_tensors(op, &t));
+  int level;
+  LZ_TRY(isa_checked(op, &level));
   if (m->dtype == LZ_U8) {
     const int64_t blocks = lz_adamw8bit_blocks(lz_tensor_numel(param));
     const char *why = "one per 256 elements of param";

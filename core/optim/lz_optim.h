@@ -73,11 +73,6 @@ lz_optim_bf16x16(const float *p) {
  * `update` and then, where working is given, converted into it. */
 void lz_optim_run(const lz_optim_tensors *t, lz_optim_update_fn update, const void *consts);
 
-/* The form of the 8-bit AdamW update (adamw8bit.c) a step runs now:
- * "base", "avx2", "avx512", "vbmi" or "vbmi2", the machine's best or a
- * lower one named by the environment's LZ_ADAMW8BIT_ISA. */
-const char *lz_adamw8bit_form(void);
-
 #ifdef __cplusplus
 }
 #endif

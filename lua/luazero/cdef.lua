@@ -21,6 +21,10 @@ int lz_threads_get(void);
 
 lz_status lz_bf16_matmul_path(const char **what);
 
+const char *lz_cpu_kernels(void);
+const char *lz_gemm_isa(void);
+lz_status lz_adamw8bit_form(const char **what);
+
 typedef enum lz_mem_category {
   LZ_MEM_PARAMS = 0,
   LZ_MEM_GRADS = 1,

@@ -658,6 +658,25 @@ function lz.bf16_attention()
   return ffi.string(what[0])
 end
 
+-- The CPU code paths that decide a run's bits here (docs/training.md,
+-- "Determinism"): the form the hot loops run in, oneDNN's instruction set
+-- for the GEMMs; with opts.adamw8bit the 8-bit update's form, with opts.bf16
+-- the bf16 GEMM and attention paths. "kernels avx512f, GEMMs oneDNN ...".
+function lz.cpu_path(opts)
+  local parts = { "kernels " .. ffi.string(C.lz_cpu_kernels()),
+                  "GEMMs oneDNN " .. ffi.string(C.lz_gemm_isa()) }
+  if opts and opts.adamw8bit then
+    local what = ffi.new("const char *[1]")
+    check(C.lz_adamw8bit_form(what), 2)
+    parts[#parts + 1] = "AdamW8bit " .. ffi.string(what[0])
+  end
+  if opts and opts.bf16 then
+    parts[#parts + 1] = "bf16 matmul " .. lz.bf16_matmul()
+    parts[#parts + 1] = "bf16 attention " .. lz.bf16_attention()
+  end
+  return table.concat(parts, ", ")
+end
+
 -- The executable running this script (to start more of it: train runs,
 -- tools). A rebuild while it runs unlinks the old file: name the new one.
 function lz.executable()

@@ -48,7 +48,7 @@ M.internal = {
   "mem_device_peak", "mem_device_total_peak", "mem_reset_peak", "sim", "sim_copy_ns",
   "SQ_NORM_BLOCK",
   "device_capacity", "device_synchronize", "copy_async", "stream_synchronize", "event",
-  "copy_bytes", "copy_bytes_reset", "cuda", "cpu_has", "bf16_matmul", "bf16_attention",
+  "copy_bytes", "copy_bytes_reset", "cuda", "cpu_has", "bf16_matmul", "bf16_attention", "cpu_path",
   "executable", "xxh64",
   "hasher", "swap", "Swap", "adamw_args", "lion_args", "mkdir", "read_file",
 }

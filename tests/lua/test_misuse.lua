@@ -110,9 +110,10 @@ engine:step()
              "engine:train_batch)\n", "output")
 end
 
--- Ranks given different seeds, lr or stages: zero.initialize refuses on
--- every rank, naming what differs (before, each trained its own copy or
--- shard apart, exit 0); the same settings build.
+-- Ranks given different seeds, lr or stages, or running other CPU code
+-- paths at stage 0: zero.initialize refuses on every rank, naming what
+-- differs (before, each trained its own copy or shard apart, exit 0); the
+-- same settings build, and other code paths do from stage 1.
 function T.ranks_given_different_settings_are_refused_on_every_rank()
   local write = support.scratch()
   local script = write("ranks.lua", [[
@@ -121,17 +122,28 @@ local comm = require("luazero.comm")
 local rank, what = comm.rank(), arg[1]
 local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
 local lr = what == "lr" and rank == 1 and 1e-2 or 1e-3
-local stage = what == "stage" and rank == 1 and 3 or 2
+local stage = what == "stage" and rank == 1 and 3 or (what == "cpu0" and 0 or 2)
+-- (cpu0, cpu2: rank 1 runs the 8-bit update in its plainest form, as a CPU
+-- without AVX-512 would)
+if what:find("^cpu") and rank == 1 then
+  local ffi = require("ffi")
+  ffi.cdef("int setenv(const char *name, const char *value, int overwrite);")
+  ffi.C.setenv("LZ_ADAMW8BIT_ISA", "base", 1)
+end
 local ok, err = pcall(zero.initialize, { model = models.new(cfg), batch = { 2, 8 },
   seed = what == "seed" and rank + 1 or 1,
   config = { train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = stage },
-             optimizer = { type = "AdamW", params = { lr = lr } } } })
+             optimizer = { type = what:find("^cpu") and "AdamW8bit" or "AdamW",
+                           params = { lr = lr } } } })
 print(ok and "built" or err)
 ]])
   local cmd = support.quote(lz.executable()) .. " -n 2 " .. support.quote(script) .. " "
-  local out, st = support.sh(cmd .. "same")
-  support.eq(st, 0, "exit status, same settings")
-  support.eq(select(2, out:gsub("built", "")), 2, "both ranks built: " .. out)
+  for _, same in ipairs({ "same", "cpu2" }) do -- (cpu2: stage 2 takes other CPU code paths)
+    local out, st = support.sh(cmd .. same)
+    support.eq(st, 0, "exit status, " .. same)
+    support.eq(select(2, out:gsub("built", "")), 2, same .. ": both ranks built: " .. out)
+  end
+  local out, st
   -- evaluate with another n per rank: refused on every rank (before, each
   -- averaged other batches into one wrong number)
   local ev = write("evaluate.lua", [[
@@ -157,6 +169,8 @@ print(("same n: %.6f"):format(engine:evaluate(loader, 1)))
     seed = { "different seed: rank 1 differs from rank 0's (this rank, ", "has 1)", "has 2)" },
     lr = { "different optimizer: rank 1 differs", "lr=0.001", "lr=0.01" },
     stage = { "different zero_optimization.stage", "has 2)", "has 3)" },
+    cpu0 = { "the ranks run different CPU code paths: rank 1 differs from rank 0's (this rank, ",
+             "AdamW8bit base", "at ZeRO stage 0 every rank updates its own copy of the weights" },
   }) do
     out, st = support.sh(cmd .. what)
     support.eq(st, 0, "exit status, " .. what)

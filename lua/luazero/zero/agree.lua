@@ -1,7 +1,8 @@
 -- zero/agree.lua — the ranks build one engine: before any other collective,
 -- zero.initialize checks that every rank was given the same seed, the same
 -- settings (stage, dtype, optimizer and its parameters, clipping,
--- accumulation, buckets, offload) and the same trainable parameters. A rank
+-- accumulation, buckets, offload) and the same trainable parameters (and,
+-- at stage 0, runs the same CPU code paths). A rank
 -- given its own seed or lr would otherwise train its copy or its shard
 -- apart from the others with no error (DeepSpeed broadcasts rank 0's weights
 -- at start-up; here each rank draws them from the seed).
@@ -54,6 +55,21 @@ local function params_text(model)
   return table.concat(parts, ";")
 end
 
+-- At stage 0 on the CPU every rank updates its own copy of every
+-- parameter, so the ranks' CPU code paths (lz.cpu_path) must be the same
+-- too: ranks on CPUs with other paths (AVX2 beside AVX-512) would update
+-- their copies to other bits and part. From stage 1 one rank updates each
+-- parameter and the others receive its bits.
+local function cpu_item(s, opts)
+  if s.stage ~= 0 or (opts.device and opts.device ~= "cpu") then return nil end
+  local ty = type(s.optimizer) == "table" and tostring(s.optimizer.type or "") or ""
+  return { "CPU code paths", lz.cpu_path({ adamw8bit = ty:lower():find("8bit") ~= nil,
+                                           bf16 = s.dtype == "bf16" }),
+           why = "at ZeRO stage 0 every rank updates its own copy of the weights, and copies " ..
+                 "updated on other code paths would part: run the ranks on one kind of CPU, " ..
+                 "or give stage 1 or higher (each parameter updated by one rank)" }
+end
+
 -- What must agree, in a fixed order: { name, text } pairs.
 local function items(s, opts, model)
   local list = { { "seed", text(opts.seed or 0) } }
@@ -65,6 +81,7 @@ local function items(s, opts, model)
   table.sort(keys)
   for _, k in ipairs(keys) do list[#list + 1] = { CONFIG_NAME[k] or k, text(s[k]) } end
   list[#list + 1] = { "the model's trainable parameters", params_text(model) }
+  list[#list + 1] = cpu_item(s, opts)
   return list
 end
 
@@ -88,6 +105,11 @@ function M.check(comm, s, opts, model)
     end
     if #differ > 0 then
       local shown = #it[2] > 200 and it[2]:sub(1, 200) .. "..." or it[2]
+      if it.why then
+        error(("initialize: the ranks run different %s: rank%s %s differ%s from rank 0's (this " ..
+               "rank, %d, runs %s); %s"):format(it[1], #differ > 1 and "s" or "",
+               table.concat(differ, ", "), #differ > 1 and "" or "s", rank, shown, it.why), 0)
+      end
       error(("initialize: the ranks were given different %s: rank%s %s differ%s from rank 0's " ..
              "(this rank, %d, has %s). Every rank must build its engine from the same config, " ..
              "seed and model"):format(it[1], #differ > 1 and "s" or "", table.concat(differ, ", "),
