@@ -6,7 +6,7 @@
 local sweep = require("luazero.ui.sweep")
 
 local usage = [[
-usage: luazero scripts/sweep.lua SWEEP.lua [--jobs K] [--out DIR] [--retry-failed]
+usage: luazero scripts/sweep.lua SWEEP.lua [--jobs K] [--out DIR] [--retry-failed] [--list]
   --jobs K         runs at once (default 1); the cores are shared among them
   --out DIR        where runs/<id>/, results.csv, results.md and loss.png go
                    (default sweeps-out/<the sweep's name>)

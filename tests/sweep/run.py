@@ -170,6 +170,10 @@ def test_a_sweep_files_name_plot_base_and_script_are_checked_before_any_run():
         ('return { grid = { lr = {1} }, plot = 5 }', "plot must be a table"),
         ('return { grid = { lr = {1} }, base = { ranks = 2 } }', "base.ranks: ranks is the sweep's"),
         ('return { grid = { lr = {1} }, script = "nope.lua" }', "script nope.lua is not there"),
+        ('return { grid = { lr = {1} }, base = { data = "nope.txt" } }',
+         "base.data: nope.txt is not there (looked in the current folder and in "),
+        ('return { grid = { ["val-data"] = { "a.txt", "nope.txt" } } }',
+         'grid.val-data[1]: a.txt is not there'),
     ]
     for i, (text, want) in enumerate(cases):
         path = os.path.join(WORK, "check%d.lua" % i)
@@ -179,6 +183,27 @@ def test_a_sweep_files_name_plot_base_and_script_are_checked_before_any_run():
                            cwd=WORK, capture_output=True, text=True, timeout=30)
         assert p.returncode == 2 and want in p.stderr, (text, p.returncode, p.stderr)
         assert not os.path.exists(out), out
+
+
+def test_a_data_file_is_found_beside_the_sweep_file():
+    """A data file named relative to the sweep file's folder (the script's
+    rule): the run reads it from any folder; the current folder's comes
+    first."""
+    sub = os.path.join(WORK, "datasub")
+    os.makedirs(sub, exist_ok=True)
+    open(os.path.join(sub, "echo.lua"), "w").write('print("args", table.concat(arg, " "))')
+    open(os.path.join(sub, "corpus.txt"), "w").write("some text\n")
+    path = os.path.join(sub, "s.lua")
+    open(path, "w").write('return { script = "echo.lua", base = { data = "corpus.txt" }, '
+                          'grid = { lr = { 1 } } }')
+    p = subprocess.run([EXE, os.path.join(ROOT, "scripts", "sweep.lua"), path, "--out",
+                        os.path.join(WORK, "data-out")], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and "1 ok, 0 failed" in p.stdout, p.stdout + p.stderr
+    logs = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(WORK, "data-out")) for f in fs
+            if f.endswith(".log") or f == "output.txt"]
+    text = "".join(open(f).read() for f in logs)
+    assert "--data " + os.path.join(sub, "corpus.txt") in text, text
 
 
 def test_a_script_is_found_beside_the_sweep_file_and_is_part_of_the_run_id():

@@ -71,6 +71,23 @@ local function is_list(t)
   return n == #t
 end
 
+-- The flags that name files a run reads: a relative one is read from the
+-- current folder, else from the sweep file's folder (as script is), and
+-- one in neither is refused now rather than failing every run.
+local INPUTS = { data = true, val_data = true, init = true, tokenizer = true, config = true,
+                 model_config = true }
+local function input_beside(path, where, k, v)
+  if not INPUTS[(tostring(k):gsub("-", "_"))] or type(v) ~= "string" or v:sub(1, 1) == "/" then
+    return v
+  end
+  local exists = require("luazero.io.fs").exists
+  if exists(v) then return v end
+  local here = path:match("^(.*)/[^/]*$")
+  if here and exists(here .. "/" .. v) then return here .. "/" .. v end
+  fail(("%s: %s: %s is not there (looked in the current folder%s)"):format(path, where, v,
+       here and " and in " .. here or ""))
+end
+
 local function check_value(where, k, v)
   local t = type(v)
   if t ~= "string" and t ~= "number" and t ~= "boolean" then
@@ -139,19 +156,28 @@ function M.load(path)
     fail(("%s: base.ranks: ranks is the sweep's, not a flag of the script; give it at the top " ..
           "level (ranks = 2) or in grid or runs"):format(path))
   end
-  for k, v in pairs(spec.base) do check_value(path .. ": base", k, v) end
+  for k, v in pairs(spec.base) do
+    check_value(path .. ": base", k, v)
+    spec.base[k] = input_beside(path, "base." .. tostring(k), k, v)
+  end
   for k, vs in pairs(spec.grid or {}) do
     if not is_list(vs) or #vs == 0 then
       fail(("%s: grid.%s must be a non-empty list of values ({1e-3, 3e-4})"):format(path, tostring(k)))
     end
-    for _, v in ipairs(vs) do check_value(path .. ": grid", k, v) end
+    for i, v in ipairs(vs) do
+      check_value(path .. ": grid", k, v)
+      vs[i] = input_beside(path, ("grid.%s[%d]"):format(tostring(k), i), k, v)
+    end
   end
   if spec.runs ~= nil and not is_list(spec.runs) then
     fail(("%s: runs must be a list of tables ({ {lr = 1e-3}, {lr = 3e-4} })"):format(path))
   end
   for i, r in ipairs(spec.runs or {}) do
     if type(r) ~= "table" then fail(("%s: runs[%d] must be a table of flags"):format(path, i)) end
-    for k, v in pairs(r) do check_value(("%s: runs[%d]"):format(path, i), k, v) end
+    for k, v in pairs(r) do
+      check_value(("%s: runs[%d]"):format(path, i), k, v)
+      r[k] = input_beside(path, ("runs[%d].%s"):format(i, tostring(k)), k, v)
+    end
   end
   spec.plot = spec.plot or {}
   if type(spec.plot) ~= "table" then
