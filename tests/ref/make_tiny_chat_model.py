@@ -4,8 +4,10 @@ A random LlamaForCausalLM (2 layers, 64 wide, 0.27M parameters, fp32
 safetensors) and a SentencePiece-style tokenizer with Zephyr's chat template
 in one Hugging Face folder: the model and tokenizer tests/ref/test_finetune.py
 checks against transformers and PEFT. Its text is noise; it is there to run
-the guide's commands without a download. Needs transformers and tokenizers
-(build/ref-venv, which tools/setup makes):
+the guide's commands without a download. Its tokenizer trains on
+../shared/data/tinyshakespeare.txt beside the checkout where that is there,
+else on docs/*.md (other ids: the guide's numbers come from the first).
+Needs transformers and tokenizers (build/ref-venv, which tools/setup makes):
     build/ref-venv/bin/python tests/ref/make_tiny_chat_model.py tiny
 """
 import os
@@ -15,6 +17,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+
+def find_corpus_name(tt):
+    return os.path.join(tt.REPO, "..", "shared", "data", "tinyshakespeare.txt")
 
 
 def main(argv):
@@ -34,7 +40,21 @@ def main(argv):
               "(tools/setup makes it)", file=sys.stderr)
         return 2
     import test_finetune as tf
+    import test_tokenizer as tt
     with tempfile.TemporaryDirectory(dir=os.path.dirname(folder)) as tmp:
+        if not os.path.exists(tt.CORPUS):
+            # The tokenizer trains on tinyshakespeare beside the checkout
+            # (../shared/data); without it, on this checkout's docs.
+            docs = os.path.join(tt.REPO, "docs")
+            tt.CORPUS = os.path.join(tmp, "corpus.txt")
+            with open(tt.CORPUS, "w", encoding="utf-8") as out:
+                for name in sorted(os.listdir(docs)):
+                    if name.endswith(".md"):
+                        with open(os.path.join(docs, name), encoding="utf-8") as f:
+                            out.write(f.read())
+            print(f"make_tiny_chat_model: no {os.path.normpath(find_corpus_name(tt))}: the "
+                  "tokenizer is trained on docs/*.md instead (its ids, and the guide's "
+                  "numbers, differ)", file=sys.stderr)
         base, tok = os.path.join(tmp, "base"), os.path.join(tmp, "tok")
         tf.tiny_llama(transformers, torch, base)
         tf.tokenizer_folder(tokenizers, transformers.PreTrainedTokenizerFast, "sentencepiece",
