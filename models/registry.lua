@@ -177,6 +177,14 @@ end
 -- naming the file and the field. opts.file_words: the family's own checks
 -- (finish) speak of the file's fields (num_attention_heads), not ours.
 function M.from_hf_config(path, overrides, opts)
+  local fs = require("luazero.io.fs")
+  if fs.is_dir(path) then -- (a Hugging Face folder: its config.json)
+    if not fs.exists(path .. "/config.json") then
+      error(("model config %s: a folder without a config.json; give a Hugging Face model " ..
+             "folder or its config.json"):format(path), 0)
+    end
+    path = path .. "/config.json"
+  end
   local f, why = io.open(path, "rb")
   if not f then error(("model config %s: cannot open it (%s)"):format(path, why), 0) end
   local text = f:read("*a")

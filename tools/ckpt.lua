@@ -74,18 +74,43 @@ end
 local export = require("luazero.checkpoint.export")
 local convert = require("luazero.checkpoint.convert")
 
+local COMMANDS = { inspect = 1, consolidate = 2, export = 2, ["convert-states"] = 2 }
+local TAKES_VALUE = { ["--dtype"] = true, ["--base"] = true, ["--to"] = true, ["--master"] = true }
+
 local function main(argv)
-  local cmd, ck_path, out = argv[1], argv[2], argv[3]
-  if cmd == "--help" or cmd == "-h" then
-    print(USAGE)
-    return
+  -- the command, then CKPT [OUT] and the flags in any order
+  local words, rest = {}, {}
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    if a == "--help" or a == "-h" then
+      print(USAGE)
+      return
+    end
+    if a:sub(1, 2) == "--" and #words > 0 then
+      rest[#rest + 1] = a
+      if TAKES_VALUE[a] and argv[i + 1] then
+        rest[#rest + 1] = argv[i + 1]
+        i = i + 1
+      end
+    else
+      words[#words + 1] = a
+    end
+    i = i + 1
   end
+  local cmd = words[1]
   if not cmd then
     io.stderr:write(USAGE, "\n")
     os.exit(2)
   end
-  local rest = {}
-  for i = (cmd == "inspect" and 3 or 4), #argv do rest[#rest + 1] = argv[i] end
+  if not COMMANDS[cmd] then
+    fail(("unknown command '%s' (inspect, consolidate, export, convert-states; --help)"):format(cmd))
+  end
+  local ck_path, out = words[2], words[3]
+  if #words > COMMANDS[cmd] + 1 then
+    fail(("unexpected argument '%s' (%s takes CKPT%s)"):format(words[COMMANDS[cmd] + 2], cmd,
+         COMMANDS[cmd] == 2 and " OUT" or ""))
+  end
   -- the flags shape what export writes: beside another command they would be ignored
   local export_only = { ok = function() return cmd == "export" end,
                         says = ("goes with export (the weights it writes); %s does not read it: " ..

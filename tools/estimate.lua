@@ -49,14 +49,13 @@ local spec = {
   { "budget", "string", nil,
     "memory per rank for stage \"auto\": 12GiB, 16GB, bytes (default LZ_MEMORY_BUDGET, " ..
     "else MemAvailable / world)" },
-  { "deepspeed", "int", 0, "1: also print DeepSpeed's own estimator functions' figures",
-    choices = { 0, 1 } },
+  { "deepspeed", "flag", false, "also print DeepSpeed's own estimator functions' figures" },
   { "micro-batch", "int", nil,
     "with --model and --seq-len: also the activation arenas for this many sequences",
     min = 1, needs = ACTIVATIONS },
   { "seq-len", "int", nil, "with --micro-batch: tokens per sequence", min = 1, needs = ACTIVATIONS },
-  { "checkpoint-activations", "int", 0, "1: the activation arenas with activation checkpointing",
-    choices = { 0, 1 }, needs = { ok = ACTIVATIONS.ok, with = ACTIVATIONS.with,
+  { "checkpoint-activations", "flag", false, "the activation arenas with activation checkpointing",
+    needs = { ok = ACTIVATIONS.ok, with = ACTIVATIONS.with,
                                   says = "counts the activation arenas of --micro-batch B " ..
                                          "--seq-len L with --model: add them, or drop it" } },
   { "lora-r", "int", nil, "with --model: LoRA adapters of rank r train, the base is frozen",
@@ -78,8 +77,7 @@ local spec = {
     over = 0, why = "a speed in GB/s" },
   { "measure-disk", "string", nil, "a directory on the disk the swap files would use: measure " ..
     "its read and write speed there first (256 MiB through the swap file's I/O, a second)" },
-  { "json", "int", 0, "1: print the figures as one JSON object instead of tables",
-    choices = { 0, 1 } },
+  { "json", "flag", false, "print the figures as one JSON object instead of tables" },
   { "moe-gather", "string", nil, "an MoE model's experts gathered per block or per expert " ..
     "(the config's moe.gather; default the model's)", choices = { "block", "expert" },
     needs = { ok = a_model, with = { "--model", "mixtral-tiny" },
@@ -293,7 +291,7 @@ local function main(argv)
   -- path is the trainer's to give).
   local act
   if flags.micro_batch and model then
-    model:checkpoint_activations(flags.checkpoint_activations == 1)
+    model:checkpoint_activations(flags.checkpoint_activations)
     act = checked(estimate.activations, model, flags.micro_batch, flags.seq_len, dtype,
                   settings.ep_size)
   end
@@ -318,7 +316,7 @@ local function main(argv)
       end, 1)
     end
   end
-  if flags.json == 1 then
+  if flags.json then
     print(estimate.json{ what = what, world = N, dtype = dtype, grads = flags.grads,
                          device = flags.device, counts = counts, rows = rows, disk = disk,
                          auto = why, budget = budget, optimizer = optimizer_text })
@@ -362,7 +360,7 @@ local function main(argv)
     print()
     print(("activations per rank for micro-batches of %d x %d tokens%s: %s bytes (%.2f GiB)%s")
           :format(flags.micro_batch, flags.seq_len,
-                  flags.checkpoint_activations == 1 and ", checkpointed" or "",
+                  flags.checkpoint_activations and ", checkpointed" or "",
                   estimate.thousands(a.device), a.device / 2 ^ 30,
                   a.offload > 0 and (", %s offload"):format(estimate.thousands(a.offload)) or ""))
   end
@@ -384,7 +382,7 @@ local function main(argv)
   print()
   print(("stage \"auto\" (budget from %s): %s"):format(source, why))
 
-  if flags.deepspeed == 1 then
+  if flags.deepspeed then
     print()
     print("DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (1 node, N GPUs, buffer " ..
           "factor 1.5; cpu per node):")

@@ -109,15 +109,27 @@ function M.parse(argv, spec)
       error(("unknown flag --%s; did you mean --%s? (--help lists the flags)")
             :format(name, (name:gsub("_", "-"))), 0)
     end
-    if not s then error(("unknown flag --%s (--help lists the flags)"):format(name), 0) end
+    if not s then
+      local near = require("luazero.config.values").closest(name, by_name)
+      error(("unknown flag --%s%s (--help lists the flags)")
+            :format(name, near and ("; did you mean --%s?"):format(near) or ""), 0)
+    end
     if value == nil and s[2] == "flag" then
-      value = "true"
+      -- (a switch given a value as a word, --json 1: taken as =1)
+      local nxt = argv[i + 1]
+      if nxt == "1" or nxt == "0" or nxt == "true" or nxt == "false" then
+        i = i + 1
+        value = nxt
+      else
+        value = "true"
+      end
     elseif value == nil then
       i = i + 1
       value = argv[i]
       if value == nil then error(("--%s needs a value"):format(name), 0) end
     end
-    local given = (a:find("=", 1, true) or s[2] == "flag") and a or a .. " " .. value
+    local given = (a:find("=", 1, true) or (s[2] == "flag" and value == "true")) and a or
+                  a .. " " .. value
     if seen[name] then
       error(("--%s is given twice (%s, then %s); give it once"):format(name, seen[name], given), 0)
     end

@@ -685,6 +685,12 @@ function T.schedule_notes_say_the_warmup_and_the_peak()
               { steps = 9 }) == nil)
   assert(note(cfg({ type = "WarmupDecayLR", params = { warmup_num_steps = 2,
                                                        total_num_steps = 9 } }), { steps = 9 }) == nil)
+  -- --warmup without a scheduler in the config (train.lua's warmup + cosine)
+  local none = config.load({ train_batch_size = 2 }, 1)
+  local n3 = note(none, { steps = 3, warmup = 50 })
+  assert(n3 == "--warmup 50 is not less than the 3 steps of --steps: the learning rate never " ..
+         "reaches its peak; lower it", tostring(n3))
+  assert(note(none, { steps = 60, warmup = 50 }) == nil and note(none, { steps = 3 }) == nil)
 end
 
 function T.warmup_decay_lr()

@@ -220,16 +220,16 @@ function T.prepare_data_encodes_a_large_input_by_pieces()
   local bad = write("bad-late.txt", before .. "\255cd\n")
   local line, at = select(2, before:gsub("\n", "")) + 1, #before + 1
   local out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(root .. "byte_level.json"),
-                                                                     q(bad), q(tmp .. "/bad.bin")))
+                                                                     q(bad), q(tmp .. "/bad-late.bin")))
   assert(at > 2 ^ 20 and st == 2 and
          out:find(("%s:%d: byte %d (0xFF) is not UTF-8"):format(bad, line, at), 1, true), out)
   -- a character cut by the end of the file ("é" is C3 A9)
   local cut = write("cut.txt", text:sub(1, 2 ^ 20 + 5) .. "\195")
   out, st = tool(("tools/prepare-data --tokenizer %s %s %s"):format(q(root .. "byte_level.json"),
-                                                                 q(cut), q(tmp .. "/cut.bin")))
+                                                                 q(cut), q(tmp .. "/cut-end.bin")))
   assert(st == 2 and out:find(("%s: the file ends inside a character (byte %d, 0xC3")
                               :format(cut, 2 ^ 20 + 6), 1, true), out)
-  assert(not io.open(tmp .. "/bad.bin") and not io.open(tmp .. "/cut.bin"),
+  assert(not io.open(tmp .. "/bad-late.bin") and not io.open(tmp .. "/cut-end.bin"),
          "a refused run wrote its output")
 end
 

@@ -193,6 +193,10 @@ function T.the_scripts_and_tools_refuse_with_exit_2_and_one_line()
     { "scripts/train.lua --deepspeed_config=ds.json", "train: --deepspeed_config is --config here" },
     { "scripts/train.lua --micro_batch 2", "train: unknown flag --micro_batch; did you mean " ..
       "--micro-batch?" },
+    -- a typo: the nearest flag, at most two edits away
+    { "scripts/train.lua --stpes 2", "train: unknown flag --stpes; did you mean --steps? " ..
+      "(--help lists the flags)" },
+    { "scripts/eval.lua --jsno", "eval: unknown flag --jsno; did you mean --json?" },
     { "tools/ckpt.lua export nope out --base b", "ckpt: --base b without --merge-lora does nothing" },
     { "tools/estimate.lua --model gpt2 --checkpoint-activations 1", "estimate: " ..
       "--checkpoint-activations counts the activation arenas of --micro-batch B --seq-len L" },

@@ -191,6 +191,8 @@ local function closest(k, known)
   if best and best_d > 0 and best_d <= (#best < 6 and 1 or 2) then return best end
 end
 
+M.closest = closest
+
 -- " (did you mean <prefix><key>?)" for closest's key; "" for none.
 function M.did_you_mean(k, known, prefix)
   local best = closest(k, known)

@@ -72,6 +72,10 @@ function M.schedule_note(cfg, flags)
       "give --warmup)"):format(p.warmup_num_steps, total,
                                p.total_num_steps and "total_num_steps" or "--steps")
   end
+  if not cfg.scheduler and flags.warmup and flags.steps > 0 and flags.warmup >= flags.steps then
+    notes[#notes + 1] = ("--warmup %d is not less than the %d steps of --steps: the learning " ..
+      "rate never reaches its peak; lower it"):format(flags.warmup, flags.steps)
+  end
   local raw = type(cfg.raw) == "table" and type(cfg.raw.scheduler) == "table" and
               type(cfg.raw.scheduler.params) == "table" and cfg.raw.scheduler.params or {}
   if cfg.scheduler and cfg.scheduler.type == "WarmupLR" and p.warmup_max_lr == nil and
