@@ -191,8 +191,13 @@ function T.resume_and_reading_messages_are_one_line_without_lua_positions()
   f:seek("set", math.floor(size / 2))
   f:write(string.char(bit.bxor(b:byte(), 0xff)))
   f:close()
-  local text, st = sh(("cd %s && LUAZERO=%s tools/ckpt export %s %s"):format(q(root),
-                      q(lz.executable()), q(damaged), q(tmp .. "/damaged-hf")))
+  -- (flags before CKPT OUT too; an unknown command is named)
+  local text, st = sh(("cd %s && LUAZERO=%s tools/ckpt frobnicate %s"):format(q(root),
+                      q(lz.executable()), q(damaged)))
+  assert(st == 2 and text == "ckpt: unknown command 'frobnicate' (inspect, consolidate, export, " ..
+         "convert-states; --help)\n", text)
+  text, st = sh(("cd %s && LUAZERO=%s tools/ckpt export --dtype bf16 %s %s"):format(q(root),
+                q(lz.executable()), q(damaged), q(tmp .. "/damaged-hf")))
   assert(st ~= 0 and text:find("shard-00000-of-00001.zst", 1, true), text)
   assert(not text:find("%.lua:%d+:"), text)
   assert(not io.open(tmp .. "/damaged-hf"), "the failed export left a folder")

@@ -775,7 +775,12 @@ end
 function T.tools_estimate_has_nvme_rows_lora_and_json()
   local out, status = run_tool("--model llama-tiny --lora-r 4 --world 2 --budget 1GiB --json 1")
   assert(status == 0, out)
+  -- --json is a switch: bare, or with a 1 after it (the same output)
+  local bare, bst = run_tool("--model llama-tiny --lora-r 4 --world 2 --budget 1GiB --json")
   local j = require("cjson").decode(out)
+  local jb = bst == 0 and require("cjson").decode(bare)
+  assert(jb and jb.stage_auto == j.stage_auto and #jb.rows == #j.rows and
+         jb.params.trainable == j.params.trainable, bare)
   local llama = require("models.llama")
   local m = llama.new(llama.config("llama-tiny"))
   local base = m.n_params
