@@ -193,6 +193,12 @@ local function text_side(flags, w)
     if tok.eos_id then side.eos[tok.eos_id] = true end
     side.bos = tok.bos_id
   elseif V >= 256 then
+    if V > 256 and flags.hf then
+      io.stderr:write(("generate: %s holds no tokenizer.json: text is read and written as " ..
+                       "bytes (ids 0-255), which a model of %d ids trained with a tokenizer " ..
+                       "takes for other tokens; give --tokenizer (its tokenizer.json or " ..
+                       "folder)\n"):format(flags.hf, V))
+    end
     side.encode = function(text)
       local ids = {}
       for i = 1, #text do ids[i] = text:byte(i) end

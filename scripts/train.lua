@@ -211,7 +211,11 @@ local function set_up(flags)
                               checked(require("luazero.chat_template").kwargs, flags.chat_kwargs,
                                       "--chat-kwargs") }
   local corpus = inputs.corpus(ex, flags.data, jsonl)
-  inputs.check_made_with(ex, corpus, flags.tokenizer, tok)
+  -- (the ids the model reads: --tokenizer's, or --init's folder's tokenizer)
+  local init_tok = not flags.tokenizer and flags.init and
+                   require("luazero.io.fs").exists(flags.init .. "/tokenizer.json") and flags.init
+  inputs.check_made_with(ex, corpus, flags.tokenizer or init_tok, tok,
+                         init_tok and ("--init %s's tokenizer.json"):format(init_tok))
   -- which data the checkpoints' position belongs to (checked on resume)
   local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
@@ -221,7 +225,10 @@ local function set_up(flags)
                                                 val_fraction = flags.val_data and 0 or nil })
   -- --val-data: its windows are the validation batches; --data trains whole.
   local val_corpus = flags.val_data and inputs.corpus(ex, flags.val_data, jsonl)
-  if val_corpus then inputs.check_made_with(ex, val_corpus, flags.tokenizer, tok) end
+  if val_corpus then
+    inputs.check_made_with(ex, val_corpus, flags.tokenizer or init_tok, tok,
+                           init_tok and ("--init %s's tokenizer.json"):format(init_tok))
+  end
   if val_corpus and checked(data.fingerprint, flags.val_data) == checked(data.fingerprint, flags.data) then
     say(("data: --val-data %s holds the same bytes as --data %s: the validation loss is the " ..
          "training data's (drop --val-data to hold out the last 10%% of --data)")

@@ -119,6 +119,13 @@ function M.open(path, fam)
       names = list_safetensors(path)
     end
     if #names == 0 then
+      -- (an older Hub folder: PyTorch's pickles, which are not read here)
+      if exists(path .. "/pytorch_model.bin") or exists(path .. "/pytorch_model.bin.index.json") then
+        fail("%s: its weights are pytorch_model*.bin (PyTorch pickles), which luazero does not " ..
+             "read; convert them once to safetensors with transformers: " ..
+             "AutoModelForCausalLM.from_pretrained(%q).save_pretrained(OUT, " ..
+             "safe_serialization=True)", path, path)
+      end
       fail("%s: a folder without model.safetensors, model.safetensors.index.json or any " ..
            "*.safetensors; give a Hugging Face model folder or a .safetensors file", path)
     end

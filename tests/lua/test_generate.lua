@@ -520,16 +520,44 @@ function T.a_fine_tunes_load_reads_with_its_init_folders_tokenizer()
   local write, dir = support.scratch()
   local data = write("d.txt", corpus(200, 3))
   exported(dir, data, " --vocab 268")
+  -- (without a tokenizer, a text prompt to a model of more than 256 ids is
+  -- read as bytes: said so)
+  local gout, gst = script("generate", ("--hf %s/hf --prompt 'ab' --max-new-tokens 1"):format(dir))
+  assert(gst == 0 and gout:find("generate: " .. dir .. "/hf holds no tokenizer.json: text is " ..
+                                "read and written as bytes (ids 0-255), which a model of 268 ids",
+                                1, true), gout)
   support.write(dir .. "/hf/tokenizer.json",
                 require("cjson").encode(support.sentencepiece_tokenizer()))
+  -- (text beside a folder with a tokenizer is refused: its ids, made first)
   local out, st = script("train", ("--init %s/hf --data %s --seq-len 16 --micro-batch 2 --sample 0 " ..
-                             "--steps 1 --save %s/ft"):format(dir, q(data), dir))
+                         "--steps 1"):format(dir, q(data)))
+  assert(st == 2 and out:find("is text, read as bytes (each byte a token), but the model reads " ..
+                              "the ids of --init " .. dir .. "/hf's tokenizer.json", 1, true), out)
+  out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s/hf %s %s/d.bin")
+                       :format(q(lz.root), q(lz.executable()), dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = script("train", ("--init %s/hf --data %s/d.bin --seq-len 16 --micro-batch 2 " ..
+                             "--sample 0 --steps 1 --save %s/ft"):format(dir, dir, dir))
   assert(st == 0, out)
   out, st = script("generate", ("--load %s/ft --prompt 'ab ab' --max-new-tokens 2 --out %s/g.jsonl")
                                :format(dir, dir))
   assert(st == 0, out)
   local ids = table.concat(support.records(dir .. "/g.jsonl")[1].prompt_ids, ",")
   assert(ids:find("263,261,263,261", 1, true), "prompt_ids " .. ids)
+  -- its export holds --init's tokenizer (twice: the second replaces the
+  -- first), so generate --hf on it reads the prompt with it
+  for _ = 1, 2 do
+    out, st = support.sh(("cd %s && LUAZERO=%s tools/ckpt export %s/ft %s/ex")
+                         :format(q(lz.root), q(lz.executable()), dir, dir))
+    assert(st == 0, out)
+  end
+  support.eq(lz.read_file(dir .. "/ex/tokenizer.json"), lz.read_file(dir .. "/hf/tokenizer.json"),
+             "the export's tokenizer.json")
+  out, st = script("generate", ("--hf %s/ex --prompt 'ab ab' --max-new-tokens 2 --out %s/g2.jsonl")
+                               :format(dir, dir))
+  assert(st == 0, out)
+  ids = table.concat(support.records(dir .. "/g2.jsonl")[1].prompt_ids, ",")
+  assert(ids:find("263,261,263,261", 1, true), "the export's prompt_ids " .. ids)
 end
 
 -- A checkpoint trained on data read with --tokenizer (no --init) records
@@ -541,9 +569,12 @@ function T.a_checkpoint_generates_with_the_tokenizer_its_data_was_read_with()
   local tok = dir .. "/sp/tokenizer.json"
   lz.mkdir(dir .. "/sp")
   support.write(tok, require("cjson").encode(support.sentencepiece_tokenizer()))
-  local out, st = script("train", ("--model gpt2-nano --n-layer 1 --vocab 268 --tokenizer %s " ..
-                         "--data %s --seq-len 16 --micro-batch 2 --sample 0 --steps 1 " ..
-                         "--eval-batches 0 --save %s/ck"):format(dir .. "/sp", q(data), dir))
+  local out, st = support.sh(("cd %s && LUAZERO=%s tools/prepare-data --tokenizer %s/sp %s %s/d.bin")
+                             :format(q(lz.root), q(lz.executable()), dir, q(data), dir))
+  assert(st == 0, out)
+  out, st = script("train", ("--model gpt2-nano --n-layer 1 --vocab 268 --tokenizer %s " ..
+                   "--data %s/d.bin --seq-len 16 --micro-batch 2 --sample 0 --steps 1 " ..
+                   "--eval-batches 0 --save %s/ck"):format(dir .. "/sp", dir, dir))
   assert(st == 0, out)
   out, st = script("generate", ("--load %s/ck --prompt 'ab ab' --max-new-tokens 2 --out %s/g.jsonl")
                                :format(dir, dir))

@@ -85,6 +85,22 @@ local function round_trip(name, model)
   eq(rsum2, c.sum, name .. " resume at world 2 stage 3: params_checksum")
 end
 
+-- --steps 0 with --save says nothing is saved; a folder holding only
+-- pytorch_model.bin names the conversion to safetensors.
+function T.steps_0_save_says_so_and_a_pickle_folder_names_the_conversion()
+  local c = get("llama", LLAMA)
+  local out = ok_run(1, ("%s%s --steps 0 --init %s --save %s"):format(RUN, q(corpus_path()),
+                                                                       q(c.out), q(tmp .. "/s0")))
+  assert(out:find("--save " .. tmp .. "/s0: --steps 0 trains nothing, so nothing is saved " ..
+                  "there", 1, true), out)
+  local bin = tmp .. "/pickled"
+  os.execute(("mkdir -p %s && cp %s/config.json %s/ && touch %s/pytorch_model.bin")
+             :format(q(bin), q(c.out), q(bin), q(bin)))
+  local o, st = train(1, ("%s%s --steps 0 --init %s"):format(RUN, q(corpus_path()), q(bin)))
+  assert(st == 2 and o:find("its weights are pytorch_model*.bin (PyTorch pickles), which " ..
+                            "luazero does not read; convert them once to safetensors", 1, true), o)
+end
+
 function T.llama_export_then_init_is_bitwise() round_trip("llama", LLAMA) end
 function T.gpt2_export_then_init_is_bitwise()
   round_trip("gpt2", GPT2)

@@ -23,15 +23,65 @@ local M = {}
 
 -- What an export folder holds; an existing folder holding anything else is
 -- refused rather than left with stale files of another model beside ours.
+-- The tokenizer's files a Hugging Face folder holds (AutoTokenizer's).
+local TOKENIZER_FILES = { "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                          "tokenizer.model", "chat_template.jinja", "added_tokens.json",
+                          "vocab.json", "merges.txt" }
 local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json",
                        "adapter_model.safetensors", "generation_config.json" }
 
+-- The tokenizer the model reads: the --init folder's, else the one its data
+-- was read with (the manifest's extra.data.tokenizer: a folder, or a
+-- tokenizer.json of any name). Returns its folder and, for a lone file, its
+-- path; nil for none (byte level).
+local function tokenizer_source(m)
+  local fs = require("luazero.io.fs")
+  if m.init and fs.exists(m.init .. "/tokenizer.json") then return m.init end
+  local t = type(m.extra) == "table" and type(m.extra.data) == "table" and m.extra.data.tokenizer
+  if type(t) ~= "string" then return nil end
+  if fs.is_dir(t) then return fs.exists(t .. "/tokenizer.json") and t or nil end
+  if fs.exists(t) then return t:match("^(.*)/[^/]*$") or ".", t end
+end
+
 -- The --init folder's generation_config.json (the tokens transformers'
--- generate stops at, its sampling defaults), copied into an export of a
--- model trained from it, where it is still there.
+-- generate stops at, its sampling defaults), and the model's tokenizer
+-- (tokenizer_source), copied into an export of a model trained from them,
+-- where they are still there: the folder loads in transformers with its
+-- tokenizer, and generate.lua --hf reads text with it.
+-- The tokenizer's files an export of m copies: { name = source path }.
+local function tokenizer_files(m)
+  local from, file = tokenizer_source(m)
+  local out = {}
+  if not from then return out end
+  local fs = require("luazero.io.fs")
+  for _, name in ipairs(TOKENIZER_FILES) do
+    local src = (file and name == "tokenizer.json") and file or from .. "/" .. name
+    -- (a lone tokenizer.json: its folder's tokenizer_config.json beside it)
+    if (not file or name == "tokenizer.json" or name == "tokenizer_config.json") and
+       fs.exists(src) and not fs.is_dir(src) then
+      out[name] = src
+    end
+  end
+  return out
+end
+
+-- What an export folder of m holds: FOLDER_FILES and the tokenizer's files
+-- it copies (a folder holding another tokenizer.json is refused when this
+-- export writes none).
+local function folder_files(m)
+  local names = {}
+  for _, n in ipairs(FOLDER_FILES) do names[#names + 1] = n end
+  for n in pairs(tokenizer_files(m)) do names[#names + 1] = n end
+  return names
+end
+
 local function copy_generation_config(m, dir)
   local text = m.init and lz.read_file(m.init .. "/generation_config.json")
   if text then atomic.write(dir .. "/generation_config.json", text) end
+  for name, src in pairs(tokenizer_files(m)) do
+    local t = lz.read_file(src)
+    if t then atomic.write(dir .. "/" .. name, t) end
+  end
 end
 
 local function refuse(msg) error(msg, 0) end
@@ -186,7 +236,7 @@ function M.export(ck, out, dtype)
   if not out:match("%.safetensors$") then
     out = out:gsub("/+$", "")
     local before = held(out)
-    local r = atomic.build_folder(out, FOLDER_FILES, function(f)
+    local r = atomic.build_folder(out, folder_files(ck.manifest), function(f)
       local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
       atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
       copy_generation_config(ck.manifest, f.tmp)
@@ -372,7 +422,7 @@ function M.export_lora(ck, out, dtype, merge, base)
       base == m.init and "the run's --init" or "--base")
   end
   local before = held(out)
-  local n_out = atomic.build_folder(out, FOLDER_FILES, function(f)
+  local n_out = atomic.build_folder(out, merge and folder_files(m) or FOLDER_FILES, function(f)
     local adapters = adapters_of(ck, f.tmp .. "/adapters", out)
     if not merge then
       local named, modules, params = peft_adapters(m, adapters)

@@ -84,6 +84,12 @@ function M.train_config(ex, flags, cfg)
                                           :format(table.concat(keys, ", "))
     end
   end
+  -- --steps 0 trains no step, so --save has no step to save: said so
+  -- (the weights as loaded export straight from --init's folder)
+  if flags.save and flags.steps == 0 then
+    ex.say(("--save %s: --steps 0 trains nothing, so nothing is saved there (the weights as " ..
+            "loaded are --init's or --resume's already)"):format(flags.save))
+  end
   local fp = cfg.flops_profiler
   if fp.enabled and fp.profile_step > flags.steps then
     ex.user_error(("config: flops_profiler.profile_step %d is past the run's last step " ..

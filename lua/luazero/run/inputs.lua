@@ -35,16 +35,27 @@ end
 -- A token file made with one tokenizer read with another (--tokenizer, at
 -- `path`, opened as tok) would decode as other text and train on ids that
 -- mean other tokens: refused, naming the fix. A file recording none
--- (llm.c's, an older one) is taken as it is.
-function M.check_made_with(ex, c, path, tok)
+-- (llm.c's, an older one) is taken as it is. Text (each byte a token) or a
+-- byte-level token file beside a model that reads a tokenizer's ids
+-- (--tokenizer, or `named`: "--init DIR's tokenizer.json", tok nil) is
+-- refused too: its bytes would train as unrelated tokens.
+function M.check_made_with(ex, c, path, tok, named)
+  if not path then return end
+  named = named or ("--tokenizer " .. path)
+  if c.kind == "text" then
+    ex.user_error(("--data %s is text, read as bytes (each byte a token), but the model reads " ..
+                   "the ids of %s: make a token file with that tokenizer (tools/prepare-data " ..
+                   "--tokenizer %s %s OUT.bin) and train on it"):format(c.path, named, path, c.path))
+  end
   local made = c.made_with
-  if not (made and path) then return end
+  if not made then return end
   local files = require("luazero.data.files")
   if files.same_tokenizer(made, files.BYTE_LEVEL) then
-    ex.user_error(("--data %s was made at byte level (each byte a token), not with --tokenizer " ..
-                   "%s: drop --tokenizer, or make it with that tokenizer (tools/prepare-data " ..
-                   "--tokenizer %s ...)"):format(c.path, path, path))
+    ex.user_error(("--data %s was made at byte level (each byte a token), not with %s: " ..
+                   "%smake it with that tokenizer (tools/prepare-data --tokenizer %s ...)")
+                  :format(c.path, named, tok and "drop --tokenizer, or " or "", path))
   end
+  if not tok then return end
   if not files.same_tokenizer(made, files.tokenizer_record(path, tok:vocab_size())) then
     ex.user_error(("--tokenizer %s is not the tokenizer --data %s was made with (tools/prepare-data " ..
                    "recorded one of %d tokens whose tokenizer.json differs): give that " ..
