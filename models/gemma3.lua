@@ -75,27 +75,46 @@ local function config_json(cfg)
   local j = gemma2.hf.config_json(cfg)
   j.architectures, j.model_type = { "Gemma3ForCausalLM" }, "gemma3_text"
   j.rope_theta = nil
+  local full = { rope_type = "default", rope_theta = cfg.rope_theta }
+  if type(cfg.rope_scaling) == "table" then -- (linear: Gemma 3 4B and up)
+    full = { rope_type = "linear", factor = cfg.rope_scaling.factor, rope_theta = cfg.rope_theta }
+  end
   j.rope_parameters = {
-    full_attention = { rope_type = "default", rope_theta = cfg.rope_theta },
+    full_attention = full,
     sliding_attention = { rope_type = "default", rope_theta = cfg.rope_local },
   }
   return j
 end
 
--- rope_parameters (5.x) of one layer type: its rope_theta; only the default
--- rotary embedding is implemented.
+-- rope_parameters (5.x) of one layer type: its rope_theta; the default
+-- rotary embedding, and on the full layers linear scaling (Gemma 3 4B, 12B
+-- and 27B's factor 8; the local layers keep theirs unscaled).
 local function theta_of(get, kind, legacy, default, fail)
   local rp = get("rope_parameters")
   local p = type(rp) == "table" and rp[kind]
   if type(p) == "table" then
     local t = p.rope_type or p.type or "default"
-    if t ~= "default" then
-      fail(("field rope_parameters.%s.%s is %s; only \"default\" is implemented")
-           :format(kind, p.rope_type and "rope_type" or "type", cjson.encode(t)))
+    if t ~= "default" and not (t == "linear" and kind == "full_attention") then
+      fail(("field rope_parameters.%s.%s is %s; only \"default\"%s is implemented")
+           :format(kind, p.rope_type and "rope_type" or "type", cjson.encode(t),
+                   kind == "full_attention" and ' or "linear"' or ""))
     end
     if type(p.rope_theta) == "number" then return p.rope_theta end
   end
   return get(legacy) or default
+end
+
+-- The full layers' scaling from a rope_scaling (4.x, which scales the
+-- global layers only) or rope_parameters.full_attention (5.x) table: false
+-- for the default rope, linear's, or refused.
+local function scaling_of(p, key, fail)
+  local t = p.rope_type or p.type or "default"
+  if t == "default" then return false end
+  if t ~= "linear" then
+    fail(("field %s.%s is %s; only \"default\" or \"linear\" is implemented for gemma3")
+         :format(key, p.rope_type and "rope_type" or "type", cjson.encode(t)))
+  end
+  return llama.read_linear(p, fail, key)
 end
 
 -- Gemma 2's fields, the two RoPE bases read per layer type.
@@ -110,16 +129,30 @@ for _, e in ipairs(gemma2.hf_fields("gemma3", {
     e = { "rope_theta", "rope_theta", "number", default = function(_, get, fail)
             return theta_of(get, "full_attention", "rope_theta", 1000000, fail)
           end }
+  elseif e[2] == "rope_parameters" then
+    e = { false, "rope_parameters", "object", optional = true }
+  elseif e[1] == "rope_scaling" then
+    e = { "rope_scaling", "rope_scaling", "object", null_is_none = true,
+          read = function(v, fail) return scaling_of(v, "rope_scaling", fail) end,
+          default = function(_, get, fail)
+            local rp = get("rope_parameters")
+            local p = type(rp) == "table" and rp.full_attention
+            return type(p) == "table" and scaling_of(p, "rope_parameters.full_attention", fail)
+                   or false
+          end }
   end
   fields[#fields + 1] = e
 end
+
+local float_keys = { "rope_parameters.full_attention.factor" }
+for _, k in ipairs(gemma2.hf.float_keys) do float_keys[#float_keys + 1] = k end
 
 M.hf = llama.hf_of({
   architectures = { "Gemma3ForCausalLM" }, model_type = "gemma3_text",
   fields = fields,
   lr_of = "gemma-3-1b",
   config_json = config_json,
-  float_keys = gemma2.hf.float_keys,
+  float_keys = float_keys,
 })
 
 return M

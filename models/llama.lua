@@ -64,11 +64,18 @@ local function whole(cfg, k, lo)
 end
 M.whole = whole
 
--- Checks a Llama 3 rope_scaling table; errors name the key.
+-- Checks a rope_scaling table (Llama 3's, or linear's: the frequencies
+-- divided by factor); errors name the key.
 local function check_scaling(s)
+  if s.rope_type == "linear" then
+    if type(s.factor) ~= "number" or not (s.factor > 0) then
+      error(("rope_scaling.factor must be a number > 0 (got %s)"):format(tostring(s.factor)), 0)
+    end
+    return
+  end
   if s.rope_type ~= "llama3" then
-    error(("rope_scaling.rope_type must be \"llama3\" (got %s); other scalings are not " ..
-           "implemented"):format(tostring(s.rope_type)), 0)
+    error(("rope_scaling.rope_type must be \"llama3\" or \"linear\" (got %s); other scalings " ..
+           "are not implemented"):format(tostring(s.rope_type)), 0)
   end
   for _, k in ipairs({ "factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings" }) do
@@ -152,6 +159,11 @@ function M.inv_freq(cfg)
     out[i + 1] = round32(1 / round32(theta ^ e))
   end
   if not s then return out end
+  if s.rope_type == "linear" then -- (_compute_linear_scaling_rope_parameters: inv_freq / factor)
+    local factor = round32(s.factor)
+    for i, f in ipairs(out) do out[i] = round32(f / factor) end
+    return out
+  end
   local factor, low, high = round32(s.factor), round32(s.low_freq_factor),
                             round32(s.high_freq_factor)
   local old = s.original_max_position_embeddings
@@ -286,6 +298,25 @@ local function read_llama3(s, fail, key)
   return out
 end
 
+-- Linear scaling, from rope_scaling or rope_parameters: the rotary
+-- frequencies divided by factor.
+function M.read_linear(s, fail, key)
+  if type(s.factor) ~= "number" or not (s.factor > 0) then
+    fail(("field %s.factor must be a number > 0 (got %s)"):format(key, cjson.encode(s.factor)))
+  end
+  return { rope_type = "linear", factor = s.factor }
+end
+
+-- A rope_scaling table as config.json holds it: linear's as transformers
+-- 4.x validates it ({type, factor} and nothing else; 5.x reads it too).
+function M.scaling_json(s)
+  if type(s) ~= "table" then return cjson.null end
+  if s.rope_type == "linear" then return { type = "linear", factor = s.factor } end
+  local j = {}
+  for k, v in pairs(s) do j[k] = v end
+  return j
+end
+
 -- hf.fields every family built on Llama's layer reads (as llama.hf.fields
 -- below), then `more`: opts.eps, opts.tie, opts.theta the defaults of
 -- rms_norm_eps, tie_word_embeddings and rope_theta, opts.head_dim
@@ -335,11 +366,7 @@ end
 -- The config.json (LlamaForCausalLM) of a config, loadable by transformers.
 local function config_json(cfg)
   local j = M.config_json_of(cfg, "LlamaForCausalLM", "llama")
-  j.rope_scaling = cjson.null
-  if type(cfg.rope_scaling) == "table" then
-    j.rope_scaling = {}
-    for k, v in pairs(cfg.rope_scaling) do j.rope_scaling[k] = v end
-  end
+  j.rope_scaling = M.scaling_json(cfg.rope_scaling)
   j.attention_bias, j.mlp_bias = false, false
   return j
 end
@@ -363,7 +390,7 @@ M.hf = {
   architectures = { "LlamaForCausalLM" }, model_type = "llama",
   -- config.json fields in the order read: { ours (false: only checked),
   -- the file's key, kind, default (or required), allowed values }
-  fields = M.hf_fields("llama", { scalings = { llama3 = read_llama3 } }, {
+  fields = M.hf_fields("llama", { scalings = { llama3 = read_llama3, linear = M.read_linear } }, {
     { false, "hidden_act", "string", default = "silu", allowed = { "silu" } },
     { false, "attention_bias", "bool", default = false, allowed = { false }, refusal = NO_BIAS },
     { false, "mlp_bias", "bool", default = false, allowed = { false }, refusal = NO_BIAS },
@@ -371,6 +398,7 @@ M.hf = {
   -- the size whose learning rate a config.json's run trains with
   lr_of = "llama-100m",
   config_json = config_json,
+  float_keys = { "rope_scaling.factor" }, -- (transformers 4.x refuses an int factor)
   vocab_tables = { "model.embed_tokens.weight", "lm_head.weight" },
   ignored = { "%.rotary_emb%.inv_freq$" },
   head = "lm_head.weight",

@@ -467,9 +467,13 @@ function M.config_json_text(cfg, dtype)
   local j = M.config_json(cfg, dtype)
   local text = cjson.encode(j)
   for _, k in ipairs(M.family(cfg).hf.float_keys or {}) do
-    local v = j[k]
+    -- (a key inside objects: "rope_scaling.factor"; the file holds one such name)
+    local v, last = j, k
+    for part in k:gmatch("[^.]+") do
+      v, last = type(v) == "table" and v[part] or nil, part
+    end
     if type(v) == "number" and v == math.floor(v) and math.abs(v) < 2 ^ 53 then
-      text = text:gsub('("' .. k .. '":)(%-?%d+)([,}])', "%1%2.0%3")
+      text = text:gsub('("' .. last .. '":)(%-?%d+)([,}])', "%1%2.0%3")
     end
   end
   return text

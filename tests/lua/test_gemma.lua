@@ -159,11 +159,27 @@ function T.gemma3_reads_4x_and_5x_configs()
   assert(blocks[1].attn.rope == m.shared.rope_local and blocks[3].attn.rope == m.shared.rope,
          "local layers turn by the local base")
   eq(blocks[1].attn.qk_norm.offset, 1, "QK-norm scales by 1 + w")
+  -- the full layers' linear scaling (Gemma 3 4B and up), a factor needed;
+  -- another scaling, or one on the local layers, refused
   j5.rope_parameters.full_attention.rope_type = "linear"
   local path = write_file("g3bad.json", cjson.encode(j5))
   support.expect_error(function() models.from_hf_config(path) end,
                        "model config " .. path .. ": field rope_parameters.full_attention." ..
-                       "rope_type is \"linear\"")
+                       "factor must be a number > 0 (got null)")
+  j5.rope_parameters.full_attention.factor = 8
+  local lin = models.from_hf_config(write_file("g3lin.json", cjson.encode(j5)))
+  eq(lin.rope_scaling.rope_type .. " " .. lin.rope_scaling.factor, "linear 8", "linear scaling")
+  j5.rope_parameters.full_attention.rope_type = "yarn"
+  path = write_file("g3yarn.json", cjson.encode(j5))
+  support.expect_error(function() models.from_hf_config(path) end,
+                       "field rope_parameters.full_attention.rope_type is \"yarn\"; only " ..
+                       "\"default\" or \"linear\" is implemented")
+  j5.rope_parameters.full_attention.rope_type = "default"
+  j5.rope_parameters.sliding_attention.rope_type = "linear"
+  path = write_file("g3loc.json", cjson.encode(j5))
+  support.expect_error(function() models.from_hf_config(path) end,
+                       "field rope_parameters.sliding_attention.rope_type is \"linear\"; only " ..
+                       "\"default\" is implemented")
 end
 
 ---------------------------------------------------------- end to end

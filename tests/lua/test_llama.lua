@@ -151,8 +151,8 @@ function T.bad_config_json_is_one_line_naming_the_file_and_field_exit_2()
         for k, v in pairs(tinyllama_json) do j[k] = v end
         j.rope_scaling = { rope_type = "yarn", factor = 4 }
         return j
-      end)(), "field rope_scaling.rope_type is \"yarn\"; only \"llama3\" or \"default\" is " ..
-      "implemented for llama" },
+      end)(), "field rope_scaling.rope_type is \"yarn\"; only \"linear\", \"llama3\" or " ..
+      "\"default\" is implemented for llama" },
   }
   local corpus = write_file("c.txt", ("abc "):rep(100))
   for i, c in ipairs(cases) do

@@ -6,8 +6,9 @@ reference environment (refenv.VENV5: torch 2.15, transformers 5.23, peft
 A tiny random Gemma3ForCausalLM (2 layers, hidden 64, 4 query heads, 2
 key/value heads, head_dim 32, vocabulary 250 padded to 256, every norm weight
 drawn, the QK-norms' too) whose first layer is local (RoPE base 10000) and
-second global (RoPE base 1000000, rope_parameters per layer type as 5.x
-writes them), saved with save_pretrained; the checks are test_gemma.py's:
+second global (RoPE base 1000000 with linear scaling of factor 8, as Gemma 3
+4B, 12B and 27B have, rope_parameters per layer type as 5.x writes them),
+saved with save_pretrained; the checks are test_gemma.py's:
 --init loss (1e-5) and gradients (1e-4), 20 steps then tools/ckpt export
 loaded back with the same loss, greedy generate of 64 tokens, LoRA adapters
 in PEFT. The local layer's window is 4 (T = 16; prompts of up to 11 tokens
@@ -33,7 +34,8 @@ def build(transformers):
         query_pre_attn_scalar=24, sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1000000.0}},
         bos_token_id=2, eos_token_id=1, pad_token_id=None, tie_word_embeddings=True,
         attn_implementation="eager")
     return transformers.Gemma3ForCausalLM, config, {
