@@ -23,6 +23,7 @@ usage: tools/ckpt COMMAND CKPT [OUT] [flags]
                                (models/) maps them; --dtype fp32|bf16|fp16
   export CKPT FOLDER           the same as FOLDER/model.safetensors, with FOLDER/config.json
                                (%s): a Hugging Face model folder
+                               (past --max-shard-size, 5GB by default: shards and their index)
   A LoRA run's checkpoint (--lora-r) holds its adapters:
   export CKPT FOLDER           PEFT's adapter folder: adapter_model.safetensors, adapter_config.json
   export CKPT FOLDER --merge-lora [--base PATH]
@@ -75,7 +76,8 @@ local export = require("luazero.checkpoint.export")
 local convert = require("luazero.checkpoint.convert")
 
 local COMMANDS = { inspect = 1, consolidate = 2, export = 2, ["convert-states"] = 2 }
-local TAKES_VALUE = { ["--dtype"] = true, ["--base"] = true, ["--to"] = true, ["--master"] = true }
+local TAKES_VALUE = { ["--dtype"] = true, ["--base"] = true, ["--to"] = true, ["--master"] = true,
+                      ["--max-shard-size"] = true }
 
 local function main(argv)
   -- the command, then CKPT [OUT] and the flags in any order
@@ -125,6 +127,9 @@ local function main(argv)
       needs = export_only },
     { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
       needs = "merge-lora" },
+    { "max-shard-size", "string", nil, "export to a FOLDER: shards of at most this many bytes " ..
+      "(\"5GB\", save_pretrained's default; \"200MB\"), model-0000k-of-0000n.safetensors and " ..
+      "model.safetensors.index.json", needs = export_only },
     { "to", "string", nil, "convert-states: the states' format", choices = formats.names,
       needs = convert_only },
     { "master", "string", nil, "convert-states: the master weights' format (bf16: " ..
@@ -151,7 +156,16 @@ local function main(argv)
     elseif flags.merge_lora then
       fail(("export --merge-lora: %s is not a LoRA run's checkpoint (no adapters)"):format(ck_path))
     else
-      print(checked(export.export, ck, out, flags.dtype))
+      local shard
+      if flags.max_shard_size then
+        local why
+        shard, why = require("luazero.config").parse_bytes(flags.max_shard_size)
+        if not shard then fail(("--max-shard-size %s %s"):format(flags.max_shard_size, why)) end
+        if out:match("%.safetensors$") then
+          fail("--max-shard-size shards a FOLDER export; OUT.safetensors is one file: give a folder")
+        end
+      end
+      print(checked(export.export, ck, out, flags.dtype, shard))
     end
   elseif cmd == "convert-states" then
     if not out then

@@ -128,6 +128,17 @@ function T.export_to_a_folder_that_fails_leaves_the_earlier_folder()
   -- A complete export replaces it whole.
   ok_tool(nil, cmd .. " --dtype bf16")
   assert(#lz.read_file(out .. "/model.safetensors") < model_bytes, "the bf16 export is not there")
+  -- In shards: one failing in a later shard leaves the earlier folder;
+  -- a complete one replaces it (model.safetensors gone), and a single file
+  -- replaces the shards again.
+  local sharded = cmd .. " --max-shard-size 100KB"
+  refused(fail_at(c.scratch + 150000), sharded, out, { out .. "/model-0000", "writing failed after" })
+  ok_tool(nil, sharded)
+  assert(exists(out .. "/model.safetensors.index.json") and not exists(out .. "/model.safetensors"),
+         "the sharded export")
+  ok_tool(nil, cmd)
+  assert(exists(out .. "/model.safetensors") and not exists(out .. "/model.safetensors.index.json")
+         and not exists(out .. "/model-00001-of-00005.safetensors"), "the single file again")
 end
 
 function T.peft_adapters_that_fail_leave_the_earlier_folder()

@@ -69,7 +69,7 @@ end
 -- it copies (a folder holding another tokenizer.json is refused when this
 -- export writes none).
 local function folder_files(m)
-  local names = {}
+  local names = { "model.safetensors.index.json", "^model%-%d+%-of%-%d+%.safetensors$" }
   for _, n in ipairs(FOLDER_FILES) do names[#names + 1] = n end
   for n in pairs(tokenizer_files(m)) do names[#names + 1] = n end
   return names
@@ -173,7 +173,27 @@ end
 -- their padding rows, streamed from
 -- the consolidated fp32 master (a scratch file beside), one tensor in
 -- memory. Returns the tensor count and bytes.
-local function write_model(ck, file, dtype, out)
+-- The tensors of an export in shards of at most max_bytes each (a larger
+-- tensor alone), in order, as save_pretrained's max_shard_size splits them;
+-- one shard when max_bytes is nil.
+local function shards_of(entries, max_bytes)
+  local shards, cur, size = {}, nil, 0
+  for _, e in ipairs(entries) do
+    if not cur or (max_bytes and size + e.bytes > max_bytes and #cur > 0) then
+      cur, size = {}, 0
+      shards[#shards + 1] = cur
+    end
+    cur[#cur + 1] = e
+    size = size + e.bytes
+  end
+  return shards
+end
+
+-- Writes the model's tensors: into `file`, or with opts.max_shard_bytes and
+-- more than one shard's worth, into model-0000k-of-0000n.safetensors beside
+-- `file` and model.safetensors.index.json (transformers' sharded layout).
+-- Returns the tensor count, the bytes of data and the files written.
+local function write_model(ck, file, dtype, out, max_shard_bytes)
   local m = ck.manifest
   local mcfg = m.model and m.model.config or {}
   local fam = hf.family(mcfg)
@@ -187,48 +207,83 @@ local function write_model(ck, file, dtype, out)
     e.dtype = DTYPES[dtype].st
     entries[#entries + 1] = e
   end
-  local head, total = safetensors.header(entries, { format = "pt",
-    source = "luazero " .. lz.version(), step = tostring(m.global_steps) })
+  local shards = shards_of(entries, max_shard_bytes)
+  local dir = file:match("^(.*)/[^/]*$") or "."
+  local files, grand = {}, 0
+  for k, list in ipairs(shards) do
+    files[k] = #shards == 1 and file or
+               ("%s/model-%05d-of-%05d.safetensors"):format(dir, k, #shards)
+    for _, e in ipairs(list) do grand = grand + e.bytes end
+  end
+  local meta = { format = "pt", source = "luazero " .. lz.version(),
+                 step = tostring(m.global_steps) }
   with_consolidated(ck, file, out or file, function(scratch)
-    atomic.build_file(file, #head + total, function(w)
-      w:write(head)
-      local src = assert(io.open(scratch, "rb"))
-      local bar = progress("export", total)
-      local ok, err = pcall(function()
-        for _, e in ipairs(entries) do
-          local p = e.p
-          local n_in = e.conv and p.numel or e.numel -- token tables: the real vocabulary rows
-          local raw = read_floats(src, scratch, p.offset, n_in)
-          local t = lz.tensor({ e.numel }, "f32", "workspace")
-          if e.conv then
-            local a, b = ffi.cast("const float *", raw), ffi.cast("float *", t.data)
-            local rows, cols = p.shape[1], p.shape[2] -- ours [out, in] -> [in, out]
-            for r = 0, rows - 1 do
-              for c = 0, cols - 1 do b[c * rows + r] = a[r * cols + c] end
+    local src = assert(io.open(scratch, "rb"))
+    local bar = progress("export", grand)
+    local before = 0
+    local ok, err = pcall(function()
+      for k, list in ipairs(shards) do
+        local head, total = safetensors.header(list, meta)
+        atomic.build_file(files[k], #head + total, function(w)
+          w:write(head)
+          for _, e in ipairs(list) do
+            local p = e.p
+            local n_in = e.conv and p.numel or e.numel -- token tables: the real vocabulary rows
+            local raw = read_floats(src, scratch, p.offset, n_in)
+            local t = lz.tensor({ e.numel }, "f32", "workspace")
+            if e.conv then
+              local a, b = ffi.cast("const float *", raw), ffi.cast("float *", t.data)
+              local rows, cols = p.shape[1], p.shape[2] -- ours [out, in] -> [in, out]
+              for r = 0, rows - 1 do
+                for c = 0, cols - 1 do b[c * rows + r] = a[r * cols + c] end
+              end
+            else
+              ffi.copy(t.data, raw, e.numel * 4)
             end
-          else
-            ffi.copy(t.data, raw, e.numel * 4)
+            local wok, werr = pcall(write_data, w, t, dtype)
+            t:free()
+            if not wok then error(werr, 0) end
+            bar.update(before + e.data_offset + e.bytes)
           end
-          local wok, werr = pcall(write_data, w, t, dtype)
-          t:free()
-          if not wok then error(werr, 0) end
-          bar.update(e.data_offset + e.bytes)
-        end
-      end)
-      src:close()
-      bar.finish()
-      if not ok then error(err, 0) end
+        end)
+        for _, e in ipairs(list) do before = before + e.bytes end
+      end
     end)
+    src:close()
+    bar.finish()
+    if not ok then error(err, 0) end
   end)
-  return #entries, total
+  if #shards > 1 then
+    local map = {}
+    for k, list in ipairs(shards) do
+      for _, e in ipairs(list) do map[e.name] = files[k]:match("([^/]*)$") end
+    end
+    atomic.write(dir .. "/model.safetensors.index.json",
+                 cjson.encode({ metadata = { total_size = grand }, weight_map = map }) .. "\n")
+  end
+  return #entries, grand, #shards
 end
 
 local function write_json(path, t) atomic.write(path, cjson.encode(t) .. "\n") end
 
+-- A folder's shards at most this big, as save_pretrained's max_shard_size
+-- ("5GB": 5e9 bytes).
+M.MAX_SHARD_BYTES = 5e9
+
+-- Bytes as save_pretrained's max_shard_size writes them: "5GB", "300KB".
+local function decimal_bytes(b)
+  for _, u in ipairs({ { 1e12, "TB" }, { 1e9, "GB" }, { 1e6, "MB" }, { 1e3, "KB" } }) do
+    if b >= u[1] then return ("%.4g%s"):format(b / u[1], u[2]) end
+  end
+  return ("%dB"):format(b)
+end
+
 -- The export: OUT ending in .safetensors: that file; anything else: a
--- folder with model.safetensors and config.json, loadable by transformers'
--- from_pretrained. Either appears whole or not at all.
-function M.export(ck, out, dtype)
+-- folder with model.safetensors (or, past max_shard_bytes, default
+-- MAX_SHARD_BYTES, model-0000k-of-0000n.safetensors and their index) and
+-- config.json, loadable by transformers' from_pretrained. Either appears
+-- whole or not at all.
+function M.export(ck, out, dtype, max_shard_bytes)
   local mcfg = ck.manifest.model and ck.manifest.model.config or {}
   -- (frozen weights drawn from a seed, or set by hand, are in no file)
   local missing = ck.manifest.frozen_xxh64 and "; the model's frozen weights are not in it: " ..
@@ -237,13 +292,18 @@ function M.export(ck, out, dtype)
     out = out:gsub("/+$", "")
     local before = held(out)
     local r = atomic.build_folder(out, folder_files(ck.manifest), function(f)
-      local n, total = write_model(ck, f.tmp .. "/model.safetensors", dtype, out)
+      local n, total, shards = write_model(ck, f.tmp .. "/model.safetensors", dtype, out,
+                                           max_shard_bytes or M.MAX_SHARD_BYTES)
       atomic.write(f.tmp .. "/config.json", hf.config_json_text(mcfg, dtype) .. "\n")
       copy_generation_config(ck.manifest, f.tmp)
-      return { n, total }
+      return { n, total, shards }
     end)
-    return ("exported %d tensors (%s, %.1f MiB) to %s/model.safetensors and config.json%s%s")
-           :format(r[1], dtype, r[2] / 2 ^ 20, out, replaced(before, out), missing)
+    local where = r[3] == 1 and "model.safetensors" or
+                  ("model-00001-of-%05d.safetensors ... (%d shards of at most %s) and " ..
+                   "model.safetensors.index.json"):format(r[3], r[3],
+                   decimal_bytes(max_shard_bytes or M.MAX_SHARD_BYTES))
+    return ("exported %d tensors (%s, %.1f MiB) to %s/%s and config.json%s%s")
+           :format(r[1], dtype, r[2] / 2 ^ 20, out, where, replaced(before, out), missing)
   end
   local n, total = write_model(ck, out, dtype)
   return ("exported %d tensors (%s, %.1f MiB) to %s%s"):format(n, dtype, total / 2 ^ 20, out,

@@ -281,7 +281,8 @@ local function list(dir)
 end
 
 -- A folder `path` built in a temporary folder beside it (f.tmp) and renamed
--- into place by f:commit(). `owned`: the names such a folder holds; an
+-- into place by f:commit(). `owned`: the names such a folder holds (a name
+-- starting with ^ is a Lua pattern of names); an
 -- existing folder holding anything else is refused (it is not an earlier
 -- output of this kind, and replacing it would lose those files).
 function M.folder(path, owned)
@@ -292,8 +293,14 @@ function M.folder(path, owned)
   if is_dir(path) then
     local ok = {}
     for _, n in ipairs(owned or {}) do ok[n] = true end
+    local function owns(n)
+      if ok[n] then return true end
+      for _, o in ipairs(owned or {}) do -- (a name pattern: "^model%-%d+%-of%-%d+%.safetensors$")
+        if o:sub(1, 1) == "^" and n:match(o) then return true end
+      end
+    end
     for _, n in ipairs(list(path)) do
-      if not ok[n] then
+      if not owns(n) then
         error(("%s: the folder holds %s, which this output does not write (another model's " ..
                "folder?); give a new or empty folder, or remove it"):format(path, n), 0)
       end
