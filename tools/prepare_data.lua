@@ -203,11 +203,13 @@ for i = 1, #args - 1 do
   local f, err = io.open(args[i], "rb")
   if not f then refuse(args[i] .. ": cannot read it (" .. tostring(err) .. ")") end
   local enc = tok and stream.encoder(tok, { piece_bytes = piece_bytes })
-  local carry, at = "", 0 -- at: the file's bytes before carry
+  local carry, at, lines = "", 0, 0 -- the file's bytes before carry, and their newlines
+  local first_block = true
   while true do
     local block = f:read(BLOCK)
     if not block then break end
-    if at == 0 and #carry == 0 then
+    if first_block then
+      first_block = false
       -- A token or instruction file is data already: as text its header and
       -- ids would become byte tokens.
       local magic = #block >= 4 and require("ffi").cast("const int32_t *", block)[0]
@@ -227,12 +229,11 @@ for i = 1, #args - 1 do
       local whole = #text - open_char(text)
       local bad = instruct.bad_utf8_at(text:sub(1, whole))
       if bad then
-        f:seek("set", 0)
-        local before = f:read(at + bad)
-        local line = select(2, before:gsub("\n", "")) + 1
+        local line = lines + select(2, text:sub(1, bad):gsub("\n", "")) + 1
         refuse(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file " ..
                 "as UTF-8"):format(args[i], line, at + bad, text:byte(bad)))
       end
+      lines = lines + select(2, text:sub(1, whole):gsub("\n", ""))
       carry, at = text:sub(whole + 1), at + whole
       local ok, perr = pcall(enc.feed, enc, text:sub(1, whole), add)
       if not ok then refuse(tostring(perr)) end

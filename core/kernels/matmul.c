@@ -344,7 +344,11 @@ const char *lz_gemm_isa(void) {
   case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
   case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
   case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
-  default: return "other";
+  default: { /* (a newer one: its number, so two of them still differ) */
+    static char other[32];
+    snprintf(other, sizeof other, "isa 0x%x", (unsigned)dnnl_get_effective_cpu_isa());
+    return other;
+  }
   }
 }
 

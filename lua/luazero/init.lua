@@ -658,10 +658,12 @@ function lz.bf16_attention()
   return ffi.string(what[0])
 end
 
--- The CPU code paths that decide a run's bits here (docs/training.md,
+-- The CPU code paths that decide a run's bits here (docs/zero.md,
 -- "Determinism"): the form the hot loops run in, oneDNN's instruction set
--- for the GEMMs; with opts.adamw8bit the 8-bit update's form, with opts.bf16
--- the bf16 GEMM and attention paths. "kernels avx512f, GEMMs oneDNN ...".
+-- for the GEMMs; with opts.adamw8bit the 8-bit update's form (the same
+-- bits in every form: said, not a difference), with opts.bf16 the bf16 GEMM
+-- and attention paths (opts.brief: "native" or "f32" alone, not why).
+-- "kernels avx512f, GEMMs oneDNN ...".
 function lz.cpu_path(opts)
   local parts = { "kernels " .. ffi.string(C.lz_cpu_kernels()),
                   "GEMMs oneDNN " .. ffi.string(C.lz_gemm_isa()) }
@@ -671,8 +673,10 @@ function lz.cpu_path(opts)
     parts[#parts + 1] = "AdamW8bit " .. ffi.string(what[0])
   end
   if opts and opts.bf16 then
-    parts[#parts + 1] = "bf16 matmul " .. lz.bf16_matmul()
-    parts[#parts + 1] = "bf16 attention " .. lz.bf16_attention()
+    local mm, at = lz.bf16_matmul(), lz.bf16_attention()
+    if opts.brief then mm, at = mm:match("^%S+"), at:match("^%S+") end
+    parts[#parts + 1] = "bf16 matmul " .. mm
+    parts[#parts + 1] = "bf16 attention " .. at
   end
   return table.concat(parts, ", ")
 end

@@ -231,6 +231,11 @@ function T.prepare_data_encodes_a_large_input_by_pieces()
                               :format(cut, 2 ^ 20 + 6), 1, true), out)
   assert(not io.open(tmp .. "/bad-late.bin") and not io.open(tmp .. "/cut-end.bin"),
          "a refused run wrote its output")
+  -- a token file's magic is looked for at the start only, not in each block
+  local magic = ffi.new("int32_t[1]", data.MAGIC)
+  local mid = write("magic-mid.txt", ("a"):rep(2 ^ 20) .. ffi.string(magic, 4) .. "text\n")
+  out, st = tool(("tools/prepare-data %s %s"):format(q(mid), q(tmp .. "/magic-mid.bin")))
+  assert(st == 0 and out:find(("%d tokens"):format(2 ^ 20 + 9), 1, true), out)
 end
 
 -- A version 2 file of a Llama 3 vocabulary (128256) trains a tiny Llama.

@@ -123,22 +123,25 @@ local rank, what = comm.rank(), arg[1]
 local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, context = 16 })
 local lr = what == "lr" and rank == 1 and 1e-2 or 1e-3
 local stage = what == "stage" and rank == 1 and 3 or (what == "cpu0" and 0 or 2)
--- (cpu0, cpu2: rank 1 runs the 8-bit update in its plainest form, as a CPU
--- without AVX-512 would)
-if what:find("^cpu") and rank == 1 then
-  local ffi = require("ffi")
-  ffi.cdef("int setenv(const char *name, const char *value, int overwrite);")
-  ffi.C.setenv("LZ_ADAMW8BIT_ISA", "base", 1)
-end
+-- (cpu0, cpu2: rank 1 runs bf16 GEMMs widened to fp32, as a CPU without
+-- avx512_bf16 does; a8: rank 1 runs the 8-bit update in its plainest form,
+-- which gives the same bits)
+local ffi = require("ffi")
+ffi.cdef("int setenv(const char *name, const char *value, int overwrite);")
+if what:find("^cpu") and rank == 1 then ffi.C.setenv("LZ_BF16_MATMUL", "f32", 1) end
+if what == "a8" and rank == 1 then ffi.C.setenv("LZ_ADAMW8BIT_ISA", "base", 1) end
+if what == "a8" then stage = 0 end
 local ok, err = pcall(zero.initialize, { model = models.new(cfg), batch = { 2, 8 },
   seed = what == "seed" and rank + 1 or 1,
   config = { train_micro_batch_size_per_gpu = 2, zero_optimization = { stage = stage },
-             optimizer = { type = what:find("^cpu") and "AdamW8bit" or "AdamW",
+             bf16 = { enabled = what:find("^cpu") ~= nil },
+             optimizer = { type = what == "a8" and "AdamW8bit" or "AdamW",
                            params = { lr = lr } } } })
 print(ok and "built" or err)
 ]])
   local cmd = support.quote(lz.executable()) .. " -n 2 " .. support.quote(script) .. " "
-  for _, same in ipairs({ "same", "cpu2" }) do -- (cpu2: stage 2 takes other CPU code paths)
+  -- (cpu2: stage 2 takes other CPU code paths; a8: other 8-bit forms, one set of bits)
+  for _, same in ipairs({ "same", "cpu2", "a8" }) do
     local out, st = support.sh(cmd .. same)
     support.eq(st, 0, "exit status, " .. same)
     support.eq(select(2, out:gsub("built", "")), 2, same .. ": both ranks built: " .. out)
@@ -170,7 +173,7 @@ print(("same n: %.6f"):format(engine:evaluate(loader, 1)))
     lr = { "different optimizer: rank 1 differs", "lr=0.001", "lr=0.01" },
     stage = { "different zero_optimization.stage", "has 2)", "has 3)" },
     cpu0 = { "the ranks run different CPU code paths: rank 1 differs from rank 0's (this rank, ",
-             "AdamW8bit base", "at ZeRO stage 0 every rank updates its own copy of the weights" },
+             "bf16 matmul f32", "at ZeRO stage 0 every rank updates its own copy of the weights" },
   }) do
     out, st = support.sh(cmd .. what)
     support.eq(st, 0, "exit status, " .. what)

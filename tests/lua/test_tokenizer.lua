@@ -340,6 +340,16 @@ function T.stream_pieces_encode_as_the_whole_text()
     unicode = (uni .. "\n"):rep(20),
     long_blanks = text_of(12000, { " ", "\n" }) .. (" "):rep(9000) .. text_of(12000, { " ", "\n" }),
     no_blanks = text_of(20000, { "", "." }),
+    -- CJK lines longer than a window's widening: cut at character boundaries
+    cjk = (function()
+      local cjk, lines = { "日", "本", "語", "の", "テ", "キ", "ス", "ト", "。", "中", "文" }, {}
+      for l = 1, 4 do
+        local t = {}
+        for _ = 1, 2500 do t[#t + 1] = cjk[rng:int(#cjk) + 1] end
+        lines[l] = table.concat(t)
+      end
+      return table.concat(lines, "\n")
+    end)(),
   }
   for tname, tok in pairs(toks) do
     for xname, text in pairs(texts) do
@@ -361,6 +371,9 @@ function T.stream_pieces_encode_as_the_whole_text()
         end
         if sizes[1] == 1000 and xname ~= "no_blanks" and xname ~= "long_blanks" then
           assert(pieces > 5, what .. ": the text was not cut")
+        end
+        if xname == "cjk" and sizes[1] == 1000 and tname == "byte_level" then
+          assert(pieces > 10, what .. ": the CJK text was not cut inside its lines")
         end
       end
     end

@@ -136,9 +136,10 @@ function T.export_to_a_folder_that_fails_leaves_the_earlier_folder()
   ok_tool(nil, sharded)
   assert(exists(out .. "/model.safetensors.index.json") and not exists(out .. "/model.safetensors"),
          "the sharded export")
+  assert(listing(out):find("model%-00001%-of%-%d+%.safetensors"), "the shards")
   ok_tool(nil, cmd)
   assert(exists(out .. "/model.safetensors") and not exists(out .. "/model.safetensors.index.json")
-         and not exists(out .. "/model-00001-of-00005.safetensors"), "the single file again")
+         and not listing(out):find("model%-%d+%-of%-%d+%.safetensors"), "the single file again")
 end
 
 function T.peft_adapters_that_fail_leave_the_earlier_folder()
@@ -312,6 +313,18 @@ function T.an_output_through_a_link_lands_at_its_target_and_a_device_is_refused(
   ok_tool(nil, ("tools/ckpt export %s %s/linkdir"):format(q(c.dir), q(dir)))
   eq(select(2, support.sh("test -L " .. q(dir .. "/linkdir"))), 0, "the folder link is still a link")
   assert(exists(dir .. "/realdir/config.json"), "the export in the link's target folder")
+  -- a link to a folder spelt with a trailing slash: that folder
+  os.execute(("mkdir -p %s/slashed && ln -sfn slashed/ %s/slashlink"):format(q(dir), q(dir)))
+  ok_tool(nil, ("tools/ckpt export %s %s/slashlink"):format(q(c.dir), q(dir)))
+  assert(exists(dir .. "/slashed/config.json"), "the export in the folder a slashed link names")
+  -- /dev/stdout redirected to a file: refused, the file keeping what was printed
+  local script = write_file("linked/stdout.lua", 'print("before")\n' ..
+    'local ok, err = pcall(require("luazero.io.atomic").write, "/dev/stdout", "DATA\\n")\n' ..
+    'io.stderr:write(tostring(err), "\\n")\nprint("after")\n')
+  local serr, sst = support.sh(("(%s %s > %s/redirected.txt)"):format(q(lz.executable()),
+                                                                     q(script), q(dir)))
+  assert(sst == 0 and serr:find("/dev/stdout is a file descriptor of this process", 1, true), serr)
+  eq(lz.read_file(dir .. "/redirected.txt"), "before\nafter\n", "the redirected output")
   os.execute("mkfifo " .. q(dir .. "/pipe"))
   refused(nil, ("tools/prepare-data %s %s/pipe"):format(q(text), q(dir)), dir .. "/pipe",
           { dir .. "/pipe is a FIFO (named pipe), not a file", "give a file path" })

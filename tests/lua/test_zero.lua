@@ -587,6 +587,19 @@ function T.a_non_finite_gradient_stops_an_fp32_run()
     assert(#recs == 3 and recs[3].diverged == true and recs[3].skipped == true and
            recs[3].grad_norm == -1, "the diverged step's record, and no end record")
   end
+  -- a scheduler's warmup_max_lr is the peak where --lr is not given: named
+  local sched = config_file("sched.json", { train_batch_size = 4, scheduler = { type = "WarmupLR",
+                            params = { warmup_max_lr = 2e-3, warmup_num_steps = 2 } } })
+  local out, status = train(1, ("%s --data %s --steps 5 --config %s")
+                               :format(model_flags, corpus, sched), "LZ_INJECT_INF_STEP=3")
+  assert(status == 2 and out:find("lower --lr, or --config " .. sched .. "'s scheduler.params." ..
+                                  "warmup_max_lr (it was 0.002)", 1, true), out)
+  -- at a fresh run's first step, before any update: the weights or the data
+  out, status = train(1, ("%s --data %s --steps 5"):format(model_flags, corpus),
+                      "LZ_INJECT_INF_STEP=1")
+  assert(status == 2 and out:find("train: step 1: the gradient norm is inf before any update: " ..
+                                  "the weights drawn from --seed and this data give non-finite " ..
+                                  "gradients", 1, true), out)
 end
 
 -- The scale's steps as DeepSpeed's DynamicLossScaler.update_scale (the

@@ -146,6 +146,13 @@ local A = { fifo = "a FIFO (named pipe)", socket = "a socket", other = "not a re
 -- the link's place), and never over a device, pipe or socket (a rename
 -- would replace /dev/null itself, for root): those are refused.
 local function target(path, what, depth)
+  -- (a descriptor of this process, such as /dev/stdout redirected to a file:
+  -- a rename there would replace the file the shell opened, its other
+  -- output lost)
+  if path:match("^/dev/std") or path:match("^/dev/fd/") or path:match("^/proc/[^/]+/fd/") then
+    error(("%s is a file descriptor of this process, not a %s: an output is written whole to a " ..
+           "temporary name and renamed into place; give a file path"):format(path, what), 0)
+  end
   local kind = fs.kind(path, true) -- (what a link leads to: /dev/stdout, a pipe)
   if A[kind] then
     error(("%s is %s, not a %s: an output is written whole to a temporary name beside it and " ..
@@ -162,6 +169,7 @@ local function target(path, what, depth)
              "another %s name"):format(path, what), 0)
     end
     if to:sub(1, 1) ~= "/" then to = dir_of(path) .. "/" .. to end
+    to = to:gsub("(.)/+$", "%1") -- (a link to "dir/": the folder, not inside it)
     return target(to, what, (depth or 0) + 1)
   end
   return path

@@ -88,7 +88,7 @@ function M.train_config(ex, flags, cfg)
   -- (the weights as loaded export straight from --init's folder)
   if flags.save and flags.steps == 0 then
     ex.say(("--save %s: --steps 0 trains nothing, so nothing is saved there (the weights as " ..
-            "loaded are --init's or --resume's already)"):format(flags.save))
+            "loaded are where they were loaded from)"):format(flags.save))
   end
   local fp = cfg.flops_profiler
   if fp.enabled and fp.profile_step > flags.steps then

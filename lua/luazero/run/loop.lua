@@ -32,9 +32,16 @@ end
 -- A loss that is not finite: the run stops, naming the step.
 local function not_finite(v) return not (math.abs(v) < math.huge) end
 
--- Where the peak learning rate came from, for a diverged run's message.
-local function lr_knob(flags)
+-- Where the peak learning rate came from, for a diverged run's message:
+-- --lr where given (it sets a scheduler's warmup_max_lr too), else a
+-- config's scheduler warmup_max_lr where it sets one, else its lr.
+local function lr_knob(flags, cfg)
   if flags.lr or not flags.config then return "--lr" end
+  local raw = cfg and type(cfg.raw) == "table" and type(cfg.raw.scheduler) == "table" and
+              type(cfg.raw.scheduler.params) == "table" and cfg.raw.scheduler.params
+  if raw and type(raw.warmup_max_lr) == "number" then
+    return ("--lr, or --config %s's scheduler.params.warmup_max_lr"):format(flags.config)
+  end
   return ("the learning rate (--lr, or --config %s's optimizer.params.lr or the " ..
           "scheduler's warmup_max_lr)"):format(flags.config)
 end
@@ -105,8 +112,15 @@ local function train_step(run, step)
     if not_finite(l[2]) then
       rec.diverged = true
       if run.log then run.log.write(rec, ("step %d's record"):format(step)) end
+      -- (a fresh run's first gradients come before any update: the weights
+      -- or the data, not the lr)
+      if step == 1 and l[1] == "gradient norm" then
+        ex.user_error(("step 1: the gradient norm is %s before any update: %s and this data " ..
+                       "give non-finite gradients; check those weights and the data")
+                      :format(tostring(l[2]), start.describe(flags)))
+      end
       ex.user_error(("step %d: the %s is %s: training diverged; lower %s (it was %g)")
-                    :format(step, l[1], tostring(l[2]), lr_knob(flags), run.lr))
+                    :format(step, l[1], tostring(l[2]), lr_knob(flags, run.cfg), run.lr))
     end
   end
   return rec, r, prof

@@ -9,7 +9,8 @@
 --
 -- Where a piece may end. A cut goes where the whole text's tokens part
 -- anyway: after a newline or before a space that stand between two
--- characters that are not blanks ("word\nWord", "word word"): every
+-- characters that are not blanks ("word\nWord", "word word"; in a long
+-- stretch with neither, a character boundary the check allows): every
 -- pre-tokenizer here (GPT-2's, Llama 3's and Qwen2's patterns, Metaspace,
 -- Gemma's split on " ") starts a new piece of text there or keeps the blank
 -- with one side. What makes it exact is not that argument but a check at
@@ -66,32 +67,45 @@ local function same(x, y, z)
   return true
 end
 
--- The first byte of the blank-bounded stretch around p, going back (dir -1)
--- or on (+1) at most WIDEN bytes; nil where none is that close.
-local function to_blank(text, p, dir)
+-- The first byte of a character at or after byte p.
+local function char_start(text, p)
+  while p <= #text and byte(text, p) >= 0x80 and byte(text, p) < 0xC0 do p = p + 1 end
+  return p
+end
+
+-- A window's edge near p, going back (dir -1) or on (+1): just past a blank
+-- within WIDEN bytes, else (text without blanks: CJK, one long word) the
+-- character boundary at p. Either way the edge is the same in the two
+-- encodings a check compares.
+local function edge(text, p, dir)
+  local q = p
   for _ = 1, WIDEN do
-    if p <= 1 then return 1 end
-    if p >= #text then return #text end
-    local c = byte(text, p)
-    if c == 10 or c == 32 then return dir < 0 and p + 1 or p - 1 end
-    p = p + dir
+    if q <= 1 or q >= #text then break end
+    local c = byte(text, q)
+    if c == 10 or c == 32 then return dir < 0 and q + 1 or q - 1 end
+    q = q + dir
   end
+  if dir < 0 then return char_start(text, p) end
+  return char_start(text, p + 1) - 1 -- (the last byte of the character at p)
 end
 
 -- Whether cutting text before byte `cut` leaves the ids the same around it.
 local function cut_holds(tok, text, cut)
-  local a = to_blank(text, cut - M.WINDOW, -1)
-  local b = to_blank(text, cut + M.WINDOW, 1)
-  if not (a and b) or a <= M.CONTEXT or a >= cut or b <= cut or b >= #text then return false end
+  local a = edge(text, cut - M.WINDOW, -1)
+  local b = edge(text, cut + M.WINDOW, 1)
+  if a <= M.CONTEXT or a >= cut or b <= cut or b >= #text then return false end
   local whole = encode_from(tok, text, a, b)
   local left, right = encode_from(tok, text, a, cut - 1), encode_from(tok, text, cut, b)
   return whole and left and right and same(whole, left, right)
 end
 
 -- The first place from byte p on where text may be cut (the first byte of
--- the next piece), keeping WINDOW bytes and the widening after it; nil if
--- none. Each search looks SEARCH bytes ahead, not through all that is held.
-local SEARCH = 65536
+-- the next piece), keeping WINDOW bytes and the widening after it, and the
+-- byte the search reached (where the next search of a longer text goes on
+-- from). Each search looks SEARCH bytes ahead, not through all that is
+-- held. A stretch with no blank between characters (CJK text, a line of
+-- one word) is tried at character boundaries, FALLBACK of them per stretch.
+local SEARCH, FALLBACK = 65536, 16
 local function next_cut(tok, text, p)
   local limit = #text - M.WINDOW - WIDEN
   while p <= limit do
@@ -100,12 +114,21 @@ local function next_cut(tok, text, p)
     local sp = not nl and find(ahead, "[^%s] [^%s]")
     if nl or sp then
       local cut = p - 1 + (nl and nl + 2 or sp + 1)
-      if cut <= limit and cut_holds(tok, text, cut) then return cut end
+      if cut <= limit and cut_holds(tok, text, cut) then return cut, cut end
       p = cut
     else
-      p = p + SEARCH - 2
+      local cut = char_start(text, p + math.floor(#ahead / 2))
+      for _ = 1, FALLBACK do
+        if cut > limit then break end
+        if cut_holds(tok, text, cut) then return cut, cut end
+        cut = char_start(text, cut + 1)
+      end
+      -- (on past the stretch, less the byte a candidate's first character
+      -- needs before it; past limit when the stretch reached it)
+      p = p + #ahead >= limit and limit + 1 or p + #ahead - 1
     end
   end
+  return nil, math.max(math.min(p, limit + 1), 1)
 end
 
 local Encoder = {}
@@ -142,15 +165,21 @@ function Encoder:feed(block, emit)
   self.held = self.held + #block
   if self.held < self.try_at then return end
   local text, first = table.concat(self.blocks), 1
-  -- cuts from about three quarters of a piece's size on
+  -- cuts from about three quarters of a piece's size on, or where the last
+  -- search of what is held stopped (no place searched twice)
   local ahead = math.floor(self.piece_bytes * 3 / 4)
   while #text - first + 1 >= self.piece_bytes do
-    local cut = next_cut(self.tok, text, first + ahead)
-    if not cut then break end
+    local cut, reached = next_cut(self.tok, text, math.max(first + ahead, self.searched or 0))
+    if not cut then
+      self.searched = reached
+      break
+    end
+    self.searched = nil
     self:emit_piece(text, first, cut - 1, emit)
     first = cut
   end
   text = sub(text, first)
+  if self.searched then self.searched = self.searched - first + 1 end
   self.blocks, self.held = { text }, #text
   -- (where what is held has no cut yet, look again after half a piece more)
   self.try_at = math.max(self.piece_bytes, #text + math.floor(self.piece_bytes / 2))

@@ -75,7 +75,7 @@ end
 -- current folder, else from the sweep file's folder (as script is), and
 -- one in neither is refused now rather than failing every run.
 local INPUTS = { data = true, val_data = true, init = true, tokenizer = true, config = true,
-                 model_config = true }
+                 model_config = true, resume = true }
 local function input_beside(path, where, k, v)
   if not INPUTS[(tostring(k):gsub("-", "_"))] or type(v) ~= "string" or v:sub(1, 1) == "/" then
     return v

@@ -61,10 +61,12 @@ end
 -- their copies to other bits and part. From stage 1 one rank updates each
 -- parameter and the others receive its bits.
 local function cpu_item(s, opts)
-  if s.stage ~= 0 or (opts.device and opts.device ~= "cpu") then return nil end
-  local ty = type(s.optimizer) == "table" and tostring(s.optimizer.type or "") or ""
-  return { "CPU code paths", lz.cpu_path({ adamw8bit = ty:lower():find("8bit") ~= nil,
-                                           bf16 = s.dtype == "bf16" }),
+  -- (the sim device runs the CPU's kernels; the 8-bit update's forms give
+  -- one set of bits, and a bf16 path is told by native or f32, not why)
+  if s.stage ~= 0 or (opts.device and opts.device ~= "cpu" and opts.device ~= "sim") then
+    return nil
+  end
+  return { "CPU code paths", lz.cpu_path({ bf16 = s.dtype == "bf16", brief = true }),
            why = "at ZeRO stage 0 every rank updates its own copy of the weights, and copies " ..
                  "updated on other code paths would part: run the ranks on one kind of CPU, " ..
                  "or give stage 1 or higher (each parameter updated by one rank)" }
