@@ -405,6 +405,11 @@ lz_status lz_ckpt_rename(const char *from, const char *to);
 lz_status lz_ckpt_write_file(const char *path, const void *data, size_t bytes);
 lz_status lz_ckpt_remove_tree(const char *path);
 lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
+/* What is at `path` without opening it (a FIFO would block): its st_mode's
+ * type bits (S_IFREG 0x8000, S_IFDIR 0x4000, S_IFLNK 0xA000, ...), following
+ * a last link when `follow`, and where id is not NULL its device and inode;
+ * -1 when nothing is there. */
+int lz_path_kind(const char *path, int follow, uint64_t id[2]);
 
 /* ------------------------------------------------------------ launcher */
 

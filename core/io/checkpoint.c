@@ -416,6 +416,13 @@ lz_status lz_shard_reader_close(lz_shard_reader *r, int verify) {
 
 /* -------------------------------------------------------- file system */
 
+int lz_path_kind(const char *path, int follow, uint64_t id[2]) {
+  struct stat st;
+  if (!path || (follow ? stat(path, &st) : lstat(path, &st)) != 0) return -1;
+  if (id) id[0] = (uint64_t)st.st_dev, id[1] = (uint64_t)st.st_ino;
+  return (int)(st.st_mode & S_IFMT);
+}
+
 lz_status lz_ckpt_mkdir(const char *path) {
   char buf[4096];
   int n = snprintf(buf, sizeof buf, "%s", path);

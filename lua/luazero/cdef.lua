@@ -518,6 +518,8 @@ lz_status lz_ckpt_write_file(const char *path, const void *data, size_t bytes);
 lz_status lz_ckpt_remove_tree(const char *path);
 lz_status lz_ckpt_steps(const char *dir, int64_t *steps, int cap, int *count);
 
+int lz_path_kind(const char *path, int follow, uint64_t id[2]);
+
 lz_status lz_launch(int nranks, char *const *argv, int *exit_code);
 
 void lz_launch_leave_outer_job(void);

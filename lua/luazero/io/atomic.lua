@@ -109,12 +109,7 @@ function M.real_path(path)
   return s
 end
 
--- "device:inode" of an existing path, or nil.
-local function identity(path)
-  local ok, st = pcall(ffi.new, "lz_stat_id")
-  if not ok or C.stat(path, st) ~= 0 then return nil end
-  return tostring(st.st_dev) .. ":" .. tostring(st.st_ino)
-end
+local identity = fs.identity
 
 -- How writing `out` would touch `input`: "the same file as" (by device and
 -- inode, or real path), "inside" (a file the folder `input` already holds:

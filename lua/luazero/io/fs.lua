@@ -1,7 +1,6 @@
 -- io/fs.lua — what the file system holds at a path, asked the same way
 -- everywhere: a file or folder that can be opened, a folder, a folder's names.
 local ffi = require("ffi")
-local bit = require("bit")
 
 local M = {}
 
@@ -17,12 +16,6 @@ typedef struct lz_statvfs { unsigned long f_bsize, f_frsize; uint64_t f_blocks, 
 int statvfs(const char *path, lz_statvfs *buf);
 ]])
 
-pcall(ffi.cdef, [[
-typedef struct lz_stat_id { uint64_t st_dev, st_ino; uint8_t rest[256]; } lz_stat_id;
-int stat(const char *path, lz_stat_id *buf);
-int lstat(const char *path, lz_stat_id *buf);
-]])
-local MODE_AT = ffi.arch == "arm64" and 16 or 24 -- st_mode in struct stat (x86-64, arm64)
 local KINDS = { [0x8000] = "file", [0x4000] = "folder", [0xA000] = "link", [0x1000] = "fifo",
                 [0x2000] = "character device", [0x6000] = "block device", [0xC000] = "socket" }
 
@@ -30,10 +23,16 @@ local KINDS = { [0x8000] = "file", [0x4000] = "folder", [0xA000] = "link", [0x10
 -- "fifo", "character device", "block device", "socket"; nil when nothing is
 -- there. Asked without opening it (opening a FIFO waits for a writer).
 function M.kind(path, follow)
-  local st = ffi.new("lz_stat_id")
-  if (follow and ffi.C.stat(path, st) or ffi.C.lstat(path, st)) ~= 0 then return nil end
-  local mode = ffi.cast("uint32_t *", ffi.cast("uint8_t *", st) + MODE_AT)[0]
-  return KINDS[bit.band(mode, 0xF000)] or "other"
+  local k = require("luazero").C.lz_path_kind(path, follow and 1 or 0, nil)
+  if k < 0 then return nil end
+  return KINDS[k] or "other"
+end
+
+-- "device:inode" of what path names (following links), or nil.
+function M.identity(path)
+  local id = ffi.new("uint64_t[2]")
+  if require("luazero").C.lz_path_kind(path, 1, id) < 0 then return nil end
+  return tostring(id[0]) .. ":" .. tostring(id[1])
 end
 
 -- True when path names something that can be opened (a file or a folder).
