@@ -205,6 +205,8 @@ function T.other_bad_values_name_the_key_and_allowed_values()
                '"nvme" (got "gpu")')
   expect_error(base({ gradient_clipping = -1 }), 1,
                "config: gradient_clipping must be a number >= 0 (got -1)")
+  expect_error(base({ gradient_clipping = math.huge }), 1,
+               "config: gradient_clipping must be a finite number >= 0 (got inf)")
   expect_error(base({ optimizer = { type = "Lamb" } }), 1,
                'config: optimizer.type "Lamb" is not available; luazero has "Adam", "AdamW", "Lion", "Muon", "AdamW8bit" and "Adam8bit"')
   expect_error(base({ optimizer = { type = "Adam", params = { betas = { 0.9 } } } }), 1,

@@ -28,7 +28,10 @@ local function is_whole(v) return type(v) == "number" and v == math.floor(v) and
                                   v ~= math.huge and v ~= -math.huge end
 
 local function number_at_least(key, v, min)
-  if type(v) ~= "number" or v ~= v or v < min or v == math.huge then
+  if type(v) == "number" and v == math.huge then
+    fail("%s must be a finite number >= %s (got %s)", key, show(min), show(v))
+  end
+  if type(v) ~= "number" or v ~= v or v < min then
     fail("%s must be a number >= %s (got %s)", key, show(min), show(v))
   end
   return v
