@@ -214,8 +214,11 @@ local function set_up(flags)
   -- (the ids the model reads: --tokenizer's, or --init's folder's tokenizer)
   local init_tok = not flags.tokenizer and flags.init and
                    require("luazero.io.fs").exists(flags.init .. "/tokenizer.json") and flags.init
-  inputs.check_made_with(ex, corpus, flags.tokenizer or init_tok, tok,
-                         init_tok and ("--init %s's tokenizer.json"):format(init_tok))
+  local function check_ids(c)
+    inputs.check_made_with(ex, c, flags.tokenizer or init_tok, tok,
+                           init_tok and ("--init %s's tokenizer.json"):format(init_tok))
+  end
+  check_ids(corpus)
   -- which data the checkpoints' position belongs to (checked on resume)
   local fingerprint = (flags.save or flags.resume) and checked(data.fingerprint, flags.data)
   local loader = checked(data.loader, corpus, { B = B, T = T, seed = flags.seed,
@@ -225,10 +228,7 @@ local function set_up(flags)
                                                 val_fraction = flags.val_data and 0 or nil })
   -- --val-data: its windows are the validation batches; --data trains whole.
   local val_corpus = flags.val_data and inputs.corpus(ex, flags.val_data, jsonl)
-  if val_corpus then
-    inputs.check_made_with(ex, val_corpus, flags.tokenizer or init_tok, tok,
-                           init_tok and ("--init %s's tokenizer.json"):format(init_tok))
-  end
+  if val_corpus then check_ids(val_corpus) end
   if val_corpus and checked(data.fingerprint, flags.val_data) == checked(data.fingerprint, flags.data) then
     say(("data: --val-data %s holds the same bytes as --data %s: the validation loss is the " ..
          "training data's (drop --val-data to hold out the last 10%% of --data)")
@@ -343,9 +343,10 @@ local function say_start(run)
         ac.contiguous_memory_optimization and ", one contiguous buffer" or ""))
   end
   say(engine:describe())
-  if engine.dev == "cpu" then
-    local ty = tostring(cfg.optimizer and cfg.optimizer.type or ""):lower()
-    say("cpu: " .. lz.cpu_path({ adamw8bit = ty:find("8bit") ~= nil }))
+  if engine.dev == "cpu" then -- (the 8-bit update's form where a state is kept in u8)
+    local u8 = false
+    for _, f in pairs(engine.optimizer.state_formats or {}) do u8 = u8 or f == "u8" end
+    say("cpu: " .. lz.cpu_path({ adamw8bit = u8 }))
   end
   if engine.wdt == "bf16" and engine.dev == "cpu" then
     say("bf16 matmul: " .. lz.bf16_matmul() .. "; bf16 attention: " .. lz.bf16_attention())

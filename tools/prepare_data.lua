@@ -113,14 +113,19 @@ touches:read("--tokenizer", opt.tokenizer, { whole = opt.tokenizer and fs.is_dir
 touches:write("the output", out)
 local checked_ok, overlap = pcall(touches.check, touches)
 if not checked_ok then fail(overlap) end
+-- "token" or "instruction" where the first bytes `head` are those files'
+-- header (made by this tool), else nil.
+local function data_kind(head)
+  local magic = #head >= 4 and require("ffi").cast("const int32_t *", head)[0]
+  return magic == data.MAGIC and "token" or magic == data.INSTRUCT_MAGIC and "instruction" or nil
+end
 -- An output that is there already is replaced only when it is data this
 -- tool made (a forgotten OUTPUT would make the last input the output).
 do
   local f = fs.kind(out, true) == "file" and io.open(out, "rb")
   local head = f and f:read(4)
   if f then f:close() end
-  local magic = head and #head == 4 and require("ffi").cast("const int32_t *", head)[0]
-  if head and magic ~= data.MAGIC and magic ~= data.INSTRUCT_MAGIC then
+  if head and not data_kind(head) then
     fail(("%s is there and is not a token or instruction file, so writing the output would " ..
           "destroy it: give the OUTPUT.bin to write after the inputs, a new name, or remove it " ..
           "first"):format(out))
@@ -212,11 +217,11 @@ for i = 1, #args - 1 do
       first_block = false
       -- A token or instruction file is data already: as text its header and
       -- ids would become byte tokens.
-      local magic = #block >= 4 and require("ffi").cast("const int32_t *", block)[0]
-      if magic == data.MAGIC or magic == data.INSTRUCT_MAGIC then
+      local kind = data_kind(block)
+      if kind then
         refuse(("%s is already a%s file (made by tools/prepare-data): train on it as it is " ..
                 "(--data %s), or give the text it was made from"):format(args[i],
-                magic == data.MAGIC and " token" or "n instruction", args[i]))
+                kind == "token" and " token" or "n instruction", args[i]))
       end
     end
     bytes = bytes + #block
@@ -227,15 +232,16 @@ for i = 1, #args - 1 do
       -- bytes that are not UTF-8 are refused rather than passed on as bytes.
       local text = carry .. block
       local whole = #text - open_char(text)
-      local bad = instruct.bad_utf8_at(text:sub(1, whole))
+      local chars = text:sub(1, whole) -- (whole characters; the rest waits for the next block)
+      local bad = instruct.bad_utf8_at(chars)
       if bad then
-        local line = lines + select(2, text:sub(1, bad):gsub("\n", "")) + 1
+        local line = lines + select(2, chars:sub(1, bad):gsub("\n", "")) + 1
         refuse(("%s:%d: byte %d (0x%02X) is not UTF-8, which --tokenizer reads; save the file " ..
-                "as UTF-8"):format(args[i], line, at + bad, text:byte(bad)))
+                "as UTF-8"):format(args[i], line, at + bad, chars:byte(bad)))
       end
-      lines = lines + select(2, text:sub(1, whole):gsub("\n", ""))
+      lines = lines + select(2, chars:gsub("\n", ""))
       carry, at = text:sub(whole + 1), at + whole
-      local ok, perr = pcall(enc.feed, enc, text:sub(1, whole), add)
+      local ok, perr = pcall(enc.feed, enc, chars, add)
       if not ok then refuse(tostring(perr)) end
     end
     if os.time() - shown >= 10 then

@@ -15,18 +15,19 @@ local progress = require("luazero.checkpoint.reader").progress
 local hf = require("luazero.hf")
 local safetensors = require("luazero.checkpoint.safetensors")
 local atomic = require("luazero.io.atomic")
+local fs = require("luazero.io.fs")
 local LoraExperts = require("luazero.nn.lora_experts")
 
 pcall(ffi.cdef, "int getpid(void);")
 
 local M = {}
 
--- What an export folder holds; an existing folder holding anything else is
--- refused rather than left with stale files of another model beside ours.
 -- The tokenizer's files a Hugging Face folder holds (AutoTokenizer's).
 local TOKENIZER_FILES = { "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                           "tokenizer.model", "chat_template.jinja", "added_tokens.json",
                           "vocab.json", "merges.txt" }
+-- What an export folder holds; an existing folder holding anything else is
+-- refused rather than left with stale files of another model beside ours.
 local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json",
                        "adapter_model.safetensors", "generation_config.json" }
 
@@ -35,7 +36,6 @@ local FOLDER_FILES = { "config.json", "model.safetensors", "adapter_config.json"
 -- tokenizer.json of any name). Returns its folder and, for a lone file, its
 -- path; nil for none (byte level).
 local function tokenizer_source(m)
-  local fs = require("luazero.io.fs")
   if m.init and fs.exists(m.init .. "/tokenizer.json") then return m.init end
   local t = type(m.extra) == "table" and type(m.extra.data) == "table" and m.extra.data.tokenizer
   if type(t) ~= "string" then return nil end
@@ -43,17 +43,11 @@ local function tokenizer_source(m)
   if fs.exists(t) then return t:match("^(.*)/[^/]*$") or ".", t end
 end
 
--- The --init folder's generation_config.json (the tokens transformers'
--- generate stops at, its sampling defaults), and the model's tokenizer
--- (tokenizer_source), copied into an export of a model trained from them,
--- where they are still there: the folder loads in transformers with its
--- tokenizer, and generate.lua --hf reads text with it.
 -- The tokenizer's files an export of m copies: { name = source path }.
 local function tokenizer_files(m)
   local from, file = tokenizer_source(m)
   local out = {}
   if not from then return out end
-  local fs = require("luazero.io.fs")
   for _, name in ipairs(TOKENIZER_FILES) do
     local src = (file and name == "tokenizer.json") and file or from .. "/" .. name
     -- (a lone tokenizer.json: its folder's tokenizer_config.json beside it)
@@ -75,6 +69,11 @@ local function folder_files(m)
   return names
 end
 
+-- The --init folder's generation_config.json (the tokens transformers'
+-- generate stops at, its sampling defaults), and the model's tokenizer
+-- (tokenizer_files), copied into an export of a model trained from them,
+-- where they are still there: the folder loads in transformers with its
+-- tokenizer, and generate.lua --hf reads text with it.
 local function copy_generation_config(m, dir)
   local text = m.init and lz.read_file(m.init .. "/generation_config.json")
   if text then atomic.write(dir .. "/generation_config.json", text) end
@@ -168,11 +167,8 @@ local function write_data(w, t, dtype)
   end
 end
 
--- model.safetensors of a checkpoint at `file`: Hugging Face's names (as the
--- checkpoint's family maps them, luazero/hf.lua), token tables without
--- their padding rows, streamed from
--- the consolidated fp32 master (a scratch file beside), one tensor in
--- memory. Returns the tensor count and bytes.
+local function write_json(path, t) atomic.write(path, cjson.encode(t) .. "\n") end
+
 -- The tensors of an export in shards of at most max_bytes each (a larger
 -- tensor alone), in order, as save_pretrained's max_shard_size splits them;
 -- one shard when max_bytes is nil.
@@ -189,10 +185,14 @@ local function shards_of(entries, max_bytes)
   return shards
 end
 
--- Writes the model's tensors: into `file`, or with opts.max_shard_bytes and
--- more than one shard's worth, into model-0000k-of-0000n.safetensors beside
--- `file` and model.safetensors.index.json (transformers' sharded layout).
--- Returns the tensor count, the bytes of data and the files written.
+-- model.safetensors of a checkpoint at `file`: Hugging Face's names (as the
+-- checkpoint's family maps them, luazero/hf.lua), token tables without
+-- their padding rows, streamed from
+-- the consolidated fp32 master (a scratch file beside), one tensor in
+-- memory. With max_shard_bytes and more than one shard's worth, they go into
+-- model-0000k-of-0000n.safetensors beside `file` and
+-- model.safetensors.index.json (transformers' sharded layout). Returns the
+-- tensor count, the bytes of data and the number of files.
 local function write_model(ck, file, dtype, out, max_shard_bytes)
   local m = ck.manifest
   local mcfg = m.model and m.model.config or {}
@@ -258,13 +258,11 @@ local function write_model(ck, file, dtype, out, max_shard_bytes)
     for k, list in ipairs(shards) do
       for _, e in ipairs(list) do map[e.name] = files[k]:match("([^/]*)$") end
     end
-    atomic.write(dir .. "/model.safetensors.index.json",
-                 cjson.encode({ metadata = { total_size = grand }, weight_map = map }) .. "\n")
+    write_json(dir .. "/model.safetensors.index.json",
+               { metadata = { total_size = grand }, weight_map = map })
   end
   return #entries, grand, #shards
 end
-
-local function write_json(path, t) atomic.write(path, cjson.encode(t) .. "\n") end
 
 -- A folder's shards at most this big, as save_pretrained's max_shard_size
 -- ("5GB": 5e9 bytes).

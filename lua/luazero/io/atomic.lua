@@ -84,7 +84,6 @@ end
 
 ------------------------------------------------- outputs that are inputs
 
--- (struct stat and stat(): io/fs.lua's)
 for _, decl in ipairs({ "char *realpath(const char *path, char *resolved);",
                        "void free(void *p);" }) do
   pcall(ffi.cdef, decl)
@@ -294,12 +293,14 @@ function M.folder(path, owned)
     error(("%s: a file is there, not a folder; give a new folder name"):format(path), 0)
   end
   if is_dir(path) then
-    local ok = {}
-    for _, n in ipairs(owned or {}) do ok[n] = true end
+    local ok, patterns = {}, {} -- (a pattern: "^model%-%d+%-of%-%d+%.safetensors$")
+    for _, n in ipairs(owned or {}) do
+      if n:sub(1, 1) == "^" then patterns[#patterns + 1] = n else ok[n] = true end
+    end
     local function owns(n)
       if ok[n] then return true end
-      for _, o in ipairs(owned or {}) do -- (a name pattern: "^model%-%d+%-of%-%d+%.safetensors$")
-        if o:sub(1, 1) == "^" and n:match(o) then return true end
+      for _, p in ipairs(patterns) do
+        if n:match(p) then return true end
       end
     end
     for _, n in ipairs(list(path)) do

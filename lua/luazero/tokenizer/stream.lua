@@ -15,7 +15,7 @@
 -- Gemma's split on " ") starts a new piece of text there or keeps the blank
 -- with one side. What makes it exact is not that argument but a check at
 -- each cut: a window of the text around it (WINDOW bytes each side, widened
--- to whole lines or words) is encoded whole and in two parts, and the cut
+-- to a blank where one is near) is encoded whole and in two parts, and the cut
 -- is taken only where the two agree; else the next place is tried.
 --
 -- A piece after the first is encoded behind a little of the text before it
@@ -33,12 +33,17 @@ local WIDEN = 4096 -- how far the window may grow to reach a blank
 
 local sub, find, byte = string.sub, string.find, string.byte
 
+-- The first byte of a character at or after byte p.
+local function char_start(text, p)
+  while p <= #text and byte(text, p) >= 0x80 and byte(text, p) < 0xC0 do p = p + 1 end
+  return p
+end
+
 -- The ids of text[a, b] as they come in the middle of text: encoded behind
 -- up to CONTEXT bytes before a (from a character's first byte), the
 -- context's ids dropped. nil where an id crosses a (no cut there).
 local function encode_from(tok, text, a, b)
-  local c = math.max(1, a - M.CONTEXT)
-  while c < a and byte(text, c) >= 0x80 and byte(text, c) < 0xC0 do c = c + 1 end
+  local c = math.min(char_start(text, math.max(1, a - M.CONTEXT)), a)
   local ids, starts = tok:encode(sub(text, c, b), { offsets = true })
   local skip, at = #ids, a - c
   for i = 1, #ids do
@@ -65,12 +70,6 @@ local function same(x, y, z)
     if x[#y + i] ~= z[i] then return false end
   end
   return true
-end
-
--- The first byte of a character at or after byte p.
-local function char_start(text, p)
-  while p <= #text and byte(text, p) >= 0x80 and byte(text, p) < 0xC0 do p = p + 1 end
-  return p
 end
 
 -- A window's edge near p, going back (dir -1) or on (+1): just past a blank
@@ -154,9 +153,8 @@ function Encoder:emit_piece(text, first, last, emit)
     end
   end
   self.first = false
-  local c = math.max(first, last - M.CONTEXT + 1)
-  while c < last and byte(text, c) >= 0x80 and byte(text, c) < 0xC0 do c = c + 1 end
-  self.context = sub(text, c, last)
+  self.context = sub(text, math.min(char_start(text, math.max(first, last - M.CONTEXT + 1)), last),
+                     last)
   emit(ids, piece)
 end
 
