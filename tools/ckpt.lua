@@ -76,8 +76,37 @@ local export = require("luazero.checkpoint.export")
 local convert = require("luazero.checkpoint.convert")
 
 local COMMANDS = { inspect = 1, consolidate = 2, export = 2, ["convert-states"] = 2 }
-local TAKES_VALUE = { ["--dtype"] = true, ["--base"] = true, ["--to"] = true, ["--master"] = true,
-                      ["--max-shard-size"] = true }
+-- The flags of `cmd`: the ones that shape what export or convert-states
+-- writes refuse to stand beside another command (they would be ignored).
+local function flag_spec(cmd)
+  local export_only = { ok = function() return cmd == "export" end,
+                        says = ("goes with export (the weights it writes); %s does not read it: " ..
+                                "drop it"):format(cmd) }
+  local convert_only = { ok = function() return cmd == "convert-states" end,
+                         says = ("goes with convert-states; %s does not read it: drop it")
+                                :format(cmd) }
+  return {
+    { "dtype", "string", "fp32", "export: fp32, bf16 or fp16", choices = { "fp32", "bf16", "fp16" },
+      needs = export_only },
+    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base",
+      needs = export_only },
+    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
+      needs = "merge-lora" },
+    { "max-shard-size", "string", nil, "export to a FOLDER: shards of at most this many bytes " ..
+      "(\"5GB\", save_pretrained's default; \"200MB\"), model-0000k-of-0000n.safetensors and " ..
+      "model.safetensors.index.json", needs = export_only },
+    { "to", "string", nil, "convert-states: the states' format", choices = formats.names,
+      needs = convert_only },
+    { "master", "string", nil, "convert-states: the master weights' format (bf16: " ..
+      "bf16_stochastic_round's)", choices = { "f32", "bf16" }, needs = convert_only },
+  }
+end
+
+-- The flags given a value as the next word (--dtype bf16), told from their spec.
+local TAKES_VALUE = {}
+for _, f in ipairs(flag_spec("")) do
+  if f[2] ~= "flag" then TAKES_VALUE["--" .. f[1]] = true end
+end
 
 local function main(argv)
   -- the command, then CKPT [OUT] and the flags in any order
@@ -113,28 +142,7 @@ local function main(argv)
     fail(("unexpected argument '%s' (%s takes CKPT%s)"):format(words[COMMANDS[cmd] + 2], cmd,
          COMMANDS[cmd] == 2 and " OUT" or ""))
   end
-  -- the flags shape what export writes: beside another command they would be ignored
-  local export_only = { ok = function() return cmd == "export" end,
-                        says = ("goes with export (the weights it writes); %s does not read it: " ..
-                                "drop it"):format(cmd) }
-  local convert_only = { ok = function() return cmd == "convert-states" end,
-                         says = ("goes with convert-states; %s does not read it: drop it")
-                                :format(cmd) }
-  local flags = checked(args.parse, rest, {
-    { "dtype", "string", "fp32", "export: fp32, bf16 or fp16", choices = { "fp32", "bf16", "fp16" },
-      needs = export_only },
-    { "merge-lora", "flag", false, "export of a LoRA checkpoint: the adapters folded into the base",
-      needs = export_only },
-    { "base", "string", nil, "with --merge-lora: the base weights (default: the run's --init)",
-      needs = "merge-lora" },
-    { "max-shard-size", "string", nil, "export to a FOLDER: shards of at most this many bytes " ..
-      "(\"5GB\", save_pretrained's default; \"200MB\"), model-0000k-of-0000n.safetensors and " ..
-      "model.safetensors.index.json", needs = export_only },
-    { "to", "string", nil, "convert-states: the states' format", choices = formats.names,
-      needs = convert_only },
-    { "master", "string", nil, "convert-states: the master weights' format (bf16: " ..
-      "bf16_stochastic_round's)", choices = { "f32", "bf16" }, needs = convert_only },
-  })
+  local flags = checked(args.parse, rest, flag_spec(cmd))
   if not ck_path then fail("missing CKPT\n" .. USAGE) end
   -- Every file it touches (io/paths.lua): OUT must not be an input. (An
   -- export's base from the run's --init is checked where it is read.)
