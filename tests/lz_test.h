@@ -80,5 +80,9 @@ typedef struct {
 } lz_test_operands;
 lz_test_operands lz_test_operands_new(int ndim, const int64_t *shape);
 void lz_test_operands_free(lz_test_operands *o);
+/* 1 where bf16 GEMMs run oneDNN's bf16 kernels (lz_bf16_matmul_path);
+ * else 0, having printed that the test's claim (one of those kernels') is
+ * skipped on this machine, where they run widened to fp32 sgemm. */
+int lz_test_bf16_native(void);
 
 #endif /* LZ_TEST_H */

@@ -321,6 +321,7 @@ static void check_packed_case(int64_t m, int64_t n, int64_t k, int ta, float alp
 }
 
 LZ_TEST(matmul_bf16_packed_b_gives_the_bits_of_b_as_it_is) {
+  if (!lz_test_bf16_native()) return;
   /* (from 512 rows of a and 64 KiB of b: smaller ones are multiplied as
    * they are) */
   check_packed_case(512, 768, 2048, 0, 1.0f, 0.0f); /* an input gradient */
@@ -336,6 +337,7 @@ LZ_TEST(matmul_bf16_packed_b_gives_the_bits_of_b_as_it_is) {
  * rows must be the bits of its own linear layer run alone afterwards. The
  * shapes (C 40, D 56) are used nowhere else, so none is cached before. */
 LZ_TEST(matmul_bf16_shapes_built_on_threads_at_once) {
+  if (!lz_test_bf16_native()) return;
   const int threads = lz_threads_get();
   CHECK_OK(lz_threads_set(4));
   enum { E = 12 };

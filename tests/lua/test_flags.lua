@@ -51,15 +51,21 @@ end
 
 -- A loss or validation loss that is not finite stops the run: exit 2, one
 -- line naming the step and --lr. fp16's skipped overflow steps (inf in the
--- gradients, the loss finite) run on.
+-- gradients, the loss finite) run on. (Step 1's loss comes before any
+-- update, its validation after one; which later step's loss is the first
+-- nan depends on the CPU's code paths: an AVX2 part's is step 2's.)
 function T.a_loss_that_is_not_finite_stops_the_run_but_skipped_fp16_steps_run_on()
-  for _, case in ipairs({ { "--steps 2", "step 2: the validation loss is nan" },
-                          { "--steps 3", "step 3: the loss is nan" },
-                          { "--steps 4 --dtype fp16", "step 2: the loss is nan" } }) do
+  for _, case in ipairs({ { "--steps 1", { "step 1: the validation loss is nan" } },
+                          { "--steps 3", { "step 2: the loss is nan", "step 3: the loss is nan" } },
+                          { "--steps 4 --dtype fp16", { "step 2: the loss is nan" } } }) do
     local out, st = train(1, "--lr 1e9 " .. case[1])
     assert(st == 2, ("%s: exit %s:\n%s"):format(case[1], tostring(st), out))
-    assert(out:find("train: " .. case[2] .. ": training diverged; lower --lr (it was 1e+09)\n",
-                    1, true), out)
+    local said = false
+    for _, line in ipairs(case[2]) do
+      said = said or out:find("train: " .. line .. ": training diverged; lower --lr (it was " ..
+                              "1e+09)\n", 1, true)
+    end
+    assert(said, out)
     assert(not out:find("params_checksum", 1, true), out)
   end
   local out = ok_train(1, "--steps 3 --dtype fp16", "LZ_INJECT_INF_STEP=2")

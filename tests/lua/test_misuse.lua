@@ -124,11 +124,15 @@ local cfg = models.config("gpt2-nano", { n_layer = 1, n_embd = 32, n_head = 2, c
 local lr = what == "lr" and rank == 1 and 1e-2 or 1e-3
 local stage = what == "stage" and rank == 1 and 3 or (what == "cpu0" and 0 or 2)
 -- (cpu0, cpu2: rank 1 runs bf16 GEMMs widened to fp32, as a CPU without
--- avx512_bf16 does; a8: rank 1 runs the 8-bit update in its plainest form,
--- which gives the same bits)
+-- avx512_bf16 does, and oneDNN's GEMMs in SSE4.1, which any CPU has; a8:
+-- rank 1 runs the 8-bit update in its plainest form, which gives the same
+-- bits)
 local ffi = require("ffi")
 ffi.cdef("int setenv(const char *name, const char *value, int overwrite);")
-if what:find("^cpu") and rank == 1 then ffi.C.setenv("LZ_BF16_MATMUL", "f32", 1) end
+if what:find("^cpu") and rank == 1 then
+  ffi.C.setenv("LZ_BF16_MATMUL", "f32", 1)
+  ffi.C.setenv("DNNL_MAX_CPU_ISA", "SSE41", 1)
+end
 if what == "a8" and rank == 1 then ffi.C.setenv("LZ_ADAMW8BIT_ISA", "base", 1) end
 if what == "a8" then stage = 0 end
 local ok, err = pcall(zero.initialize, { model = models.new(cfg), batch = { 2, 8 },
@@ -173,7 +177,7 @@ print(("same n: %.6f"):format(engine:evaluate(loader, 1)))
     lr = { "different optimizer: rank 1 differs", "lr=0.001", "lr=0.01" },
     stage = { "different zero_optimization.stage", "has 2)", "has 3)" },
     cpu0 = { "the ranks run different CPU code paths: rank 1 differs from rank 0's (this rank, ",
-             "bf16 matmul f32", "at ZeRO stage 0 every rank updates its own copy of the weights" },
+             "GEMMs oneDNN sse41", "at ZeRO stage 0 every rank updates its own copy of the weights" },
   }) do
     out, st = support.sh(cmd .. what)
     support.eq(st, 0, "exit status, " .. what)
