@@ -18,9 +18,9 @@
 --
 -- Gathered whole, the experts' GEMMs run as three grouped GEMMs (the
 -- moe_gemm_part ops: every expert's rows at once, over the weights where the
--- block's parameters hold them), not one GEMM per expert and projection
--- (the same bits at the shapes tools/checksums trains; docs/moe.md, "Speed",
--- says where fp32 differs).
+-- block's parameters hold them); otherwise one per expert and projection,
+-- through the same op on that expert alone (expert_forward/backward), so
+-- every mode gives an expert's rows the same bits.
 --
 -- The routing a forward takes (nn/moe.lua's routing): R = N * k rows in
 -- expert order (expert, then token, then slot; the moe_sort op):
@@ -182,6 +182,42 @@ end
 
 -- Expert e's runs of rows: its rows of this rank's tokens, or what the
 -- exchange brought it.
+-- One expert's GEMMs outside the grouped ones (gathered per expert, under
+-- expert parallelism, with adapters on the experts) run the grouped GEMM's
+-- op on that expert alone: tasks of 128 rows, each on one thread, so an
+-- expert's rows get the bits the grouped GEMM gives them at any thread
+-- count (one threaded GEMM over the expert need not: oneDNN's sgemm splits
+-- some sums by the thread count, on AVX2 parts at two threads already).
+-- off: an i32 tensor { 0, n } on the rows' device, for n rows.
+local function expert_rows(n, device)
+  local off = lz.tensor({ 2 }, "i32", "workspace")
+  local p = ffi.cast("int32_t *", off.data)
+  p[0], p[1] = 0, n
+  if device == "cpu" then return off end
+  local d = lz.tensor({ 2 }, "i32", "workspace", device)
+  d:copy(off)
+  off:free()
+  return d
+end
+
+-- y [1, n, D] = x [1, n, C] @ w^T (w [D, C]), as linear_forward without a bias.
+local function expert_forward(y, x, w, off)
+  local s = w:sizes()
+  local n = x:numel() / s[2]
+  ops.moe_gemm_forward(y:view(0, { n, s[1] }), x:view(0, { n, s[2] }),
+                       w:view(0, { 1, s[1], s[2] }), off)
+end
+
+-- dx = dy @ w (written), dw += dy^T @ x (dw may be nil), as linear_backward
+-- without a bias.
+local function expert_backward(dx, dw, dy, x, w, off)
+  local s = w:sizes()
+  local n = x:numel() / s[2]
+  ops.moe_gemm_backward(dx:view(0, { n, s[2] }), dw and dw:view(0, { 1, s[1], s[2] }),
+                        dy:view(0, { n, s[1] }), x:view(0, { n, s[2] }),
+                        w:view(0, { 1, s[1], s[2] }), off)
+end
+
 local function runs_of(ex, route, e)
   if ex then return ex.runs[e] end
   return { { at = route.first[e - 1], n = route.count[e - 1] } }
@@ -300,14 +336,16 @@ function Experts:forward(x, route)
           local xe = xp:view(at * C, { 1, n, C })
           local ge, ue = gate:view(at * H, { 1, n, H }), up:view(at * H, { 1, n, H })
           local he = h:view(at * H, { 1, n, H })
+          local off = expert_rows(n, xp:device_name())
           local xw, w1 = self:matmul_operands(xe, p[k[1]])
-          ops.linear_forward(ge, xw, w1, nil)
+          expert_forward(ge, xw, w1, off)
           local xw3, w3 = self:matmul_operands(xe, p[k[2]])
-          ops.linear_forward(ue, xw3, w3, nil)
+          expert_forward(ue, xw3, w3, off)
           if u.lora then LoraExperts.gate_up_forward(self, u, xe, ge, ue, n) end
           ops.swiglu_forward(he, ge, ue)
           local hw, w2 = self:matmul_operands(he, p[k[3]])
-          ops.linear_forward(yp:view(at * C, { 1, n, C }), hw, w2, nil)
+          expert_forward(yp:view(at * C, { 1, n, C }), hw, w2, off)
+          off:free()
           if u.lora then LoraExperts.down_forward(self, u, he, yp:view(at * C, { 1, n, C }), n) end
         end
       end
@@ -400,7 +438,8 @@ function Experts:backward(dy)
           local dhe, due = dh:view(at * H, { 1, n, H }), dup:view(at * H, { 1, n, H })
           local dye, w2 = self:matmul_operands(dyp:view(at * C, { 1, n, C }), p[k[3]])
           local hw = self:matmul_operands(self.h:view(at * H, { 1, n, H }), w2)
-          ops.linear_backward(dhe, g[k[3]], nil, dye, hw, w2)
+          local off = expert_rows(n, dyp:device_name())
+          expert_backward(dhe, g[k[3]], dye, hw, w2, off)
           if u.lora then
             LoraExperts.down_backward(self, u, dyp:view(at * C, { 1, n, C }),
                                       self.h:view(at * H, { 1, n, H }), dhe, n)
@@ -410,9 +449,10 @@ function Experts:backward(dy)
           local xe = self.xp:view(at * C, { 1, n, C })
           local dge, w1 = self:matmul_operands(dhe, p[k[1]])
           local xw = self:matmul_operands(xe, w1)
-          ops.linear_backward(dxp:view(at * C, { 1, n, C }), g[k[1]], nil, dge, xw, w1)
+          expert_backward(dxp:view(at * C, { 1, n, C }), g[k[1]], dge, xw, w1, off)
           local due_, w3 = self:matmul_operands(due, p[k[2]])
-          ops.linear_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], nil, due_, xw, w3)
+          expert_backward(dxu:view(at * C, { 1, n, C }), g[k[2]], due_, xw, w3, off)
+          off:free()
           ops.add(dxp:view(at * C, { 1, n, C }), dxp:view(at * C, { 1, n, C }),
                   dxu:view(at * C, { 1, n, C }))
           if u.lora then
