@@ -25,7 +25,9 @@
  * divisions; with VBMI2 the quantiser's lookups are byte permutes too and
  * its x / absmax a corrected product (blocks8_fast, lz_q8_quantize128), and
  * the bf16 working copy is written in the same pass, by vcvtne2ps2bf16 where
- * AVX512-BF16 is there (blocks8_bf16). LZ_ADAMW8BIT_ISA forces a lower form;
+ * AVX512-BF16 is there (blocks8_bf16). With AVX2 alone the map values come
+ * from scalar loads (faster than gathers on Zen 3) and the quantiser's
+ * x / absmax is the same corrected product. LZ_ADAMW8BIT_ISA forces a lower form;
  * docs/optimizers.md says where the cycles go. */
 #include "mem/lz_backend.h"
 #include "optim/lz_optim.h"
@@ -196,42 +198,63 @@ A8_VBMI static void block8_vbmi(A8_BLOCK8_ARGS) {
   block8_finish(qm, qv, absmax_m, absmax_v, k, n, m, v, max_m, max_v);
 }
 
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) static float max8(__m256 x) {
+/* The AVX2 update of 8 elements: update16's arithmetic 8 lanes at a time
+ * (the maps' values with the step's scalars, read once a block). */
+typedef struct {
+  __m256 am, av, gs, b1, b2, omb1, omb2, decay, neg, c2, eps;
+  const float *map_m, *map_v;
+} a8_vec256;
+
+#define A8_AVX2 __attribute__((target("avx2,fma"), optimize("fp-contract=off")))
+
+A8_AVX2 static inline a8_vec256 vec256(const a8_consts *k, float am, float av) {
+  return (a8_vec256){_mm256_set1_ps(am),          _mm256_set1_ps(av),
+                     _mm256_set1_ps(k->grad_scale), _mm256_set1_ps(k->beta1),
+                     _mm256_set1_ps(k->beta2),      _mm256_set1_ps(k->one_minus_beta1),
+                     _mm256_set1_ps(k->one_minus_beta2), _mm256_set1_ps(k->decay),
+                     _mm256_set1_ps(k->neg_step),   _mm256_set1_ps(k->c2),
+                     _mm256_set1_ps(k->eps), k->map_m->values, k->map_v->values};
+}
+
+/* Eight map values by scalar loads: on an AVX2 part (Zen 3) faster than a
+ * gather (docs/optimizers.md). */
+A8_AVX2 static inline __m256 map8(const float *t, const uint8_t *q) {
+  return _mm256_setr_ps(t[q[0]], t[q[1]], t[q[2]], t[q[3]], t[q[4]], t[q[5]], t[q[6]], t[q[7]]);
+}
+
+A8_AVX2 static inline void update8(float *restrict p, const float *restrict grad,
+                                   const uint8_t *qm, const uint8_t *qv, const a8_vec256 *c,
+                                   float *restrict m, float *restrict v, __m256 *mm, __m256 *mv) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad), c->gs);
+  const __m256 m0 = _mm256_mul_ps(_mm256_mul_ps(map8(c->map_m, qm), c->am), c->b1);
+  const __m256 v0 = _mm256_mul_ps(_mm256_mul_ps(map8(c->map_v, qv), c->av), c->b2);
+  const __m256 mi = _mm256_fmadd_ps(g, c->omb1, m0);
+  const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(c->omb2, g), g, v0);
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), c->c2), c->eps);
+  const __m256 step = _mm256_div_ps(_mm256_mul_ps(c->neg, mi), denom);
+  _mm256_storeu_ps(p, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p), c->decay), step));
+  _mm256_storeu_ps(m, mi);
+  _mm256_storeu_ps(v, vi);
+  *mm = _mm256_max_ps(_mm256_andnot_ps(sign, mi), *mm);
+  *mv = _mm256_max_ps(_mm256_andnot_ps(sign, vi), *mv);
+}
+
+A8_AVX2 static float max8(__m256 x) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
   return _mm_cvtss_f32(h);
 }
 
-__attribute__((target("avx2,fma"), optimize("fp-contract=off"))) static void block8_avx2(
-    A8_BLOCK8_ARGS) {
+A8_AVX2 static void block8_avx2(A8_BLOCK8_ARGS) {
   float m[LZ_ADAMW8BIT_BLOCK], v[LZ_ADAMW8BIT_BLOCK];
   const float am = *absmax_m, av = *absmax_v;
-  const float *map_m = k->map_m->values, *map_v = k->map_v->values;
-  const __m256 vam = _mm256_set1_ps(am), vav = _mm256_set1_ps(av);
-  const __m256 gs = _mm256_set1_ps(k->grad_scale), b1 = _mm256_set1_ps(k->beta1);
-  const __m256 b2 = _mm256_set1_ps(k->beta2), omb1 = _mm256_set1_ps(k->one_minus_beta1);
-  const __m256 omb2 = _mm256_set1_ps(k->one_minus_beta2), decay = _mm256_set1_ps(k->decay);
-  const __m256 neg = _mm256_set1_ps(k->neg_step), c2 = _mm256_set1_ps(k->c2);
-  const __m256 eps = _mm256_set1_ps(k->eps), sign = _mm256_set1_ps(-0.0f);
+  const a8_vec256 c = vec256(k, am, av);
   __m256 mm = _mm256_setzero_ps(), mv = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), gs);
-    const __m256i im = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qm + i)));
-    const __m256i iv = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qv + i)));
-    const __m256 m0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_i32gather_ps(map_m, im, 4), vam), b1);
-    const __m256 v0 = _mm256_mul_ps(_mm256_mul_ps(_mm256_i32gather_ps(map_v, iv, 4), vav), b2);
-    const __m256 mi = _mm256_fmadd_ps(g, omb1, m0);
-    const __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, v0);
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), c2), eps);
-    const __m256 step = _mm256_div_ps(_mm256_mul_ps(neg, mi), denom);
-    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), decay), step));
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
-    mm = _mm256_max_ps(_mm256_andnot_ps(sign, mi), mm);
-    mv = _mm256_max_ps(_mm256_andnot_ps(sign, vi), mv);
-  }
+  for (; i + 8 <= n; i += 8)
+    update8(p + i, grad + i, qm + i, qv + i, &c, m + i, v + i, &mm, &mv);
   float max_m = max8(mm), max_v = max8(mv);
   block8_rest(p, grad, qm, qv, am, av, k, i, n, m, v, &max_m, &max_v);
   block8_finish(qm, qv, absmax_m, absmax_v, k, n, m, v, max_m, max_v);

@@ -523,16 +523,28 @@ __attribute__((target("avx2"))) static inline __m256i index8(const uint32_t *cel
                             _mm256_cmpgt_epi32(s, l));
 }
 
-__attribute__((target("avx2"))) static void quantize_avx2(const lz_q8_map *map, const float *x,
-                                                          float absmax, uint8_t *q, int64_t n) {
-  const __m256 vmax = _mm256_set1_ps(absmax);
+/* lz_q8_div16 eight lanes at a time: the same operations, so the same
+ * quotients and indices (test_quant8 checks every step through both). */
+__attribute__((target("avx2,fma"))) static inline __m256 div8(__m256 x, __m256 b, __m256 r) {
+  const __m256 q0 = _mm256_mul_ps(x, r);
+  return _mm256_fmadd_ps(_mm256_fnmadd_ps(q0, b, x), r, q0);
+}
+
+/* z = x / absmax by lz_q8_div16's corrected product where lz_q8_recip_ok
+ * (two of the 8-bit step's four divisions an element), else divided. */
+__attribute__((target("avx2,fma"))) static void quantize_avx2(const lz_q8_map *map, const float *x,
+                                                              float absmax, uint8_t *q,
+                                                              int64_t n) {
+  const __m256 vmax = _mm256_set1_ps(absmax), r = _mm256_set1_ps(1.0f / absmax);
+  const int recip = lz_q8_recip_ok(absmax);
   /* byte 0 of each 32-bit lane into the low 4 bytes of each half */
   const __m256i gather_bytes =
       _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 z = _mm256_div_ps(_mm256_loadu_ps(x + i), vmax);
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    const __m256 z = recip ? div8(xi, vmax, r) : _mm256_div_ps(xi, vmax);
     const __m256i idx = _mm256_and_si256(index8(map->cells, _mm256_castps_si256(z)),
                                          _mm256_castps_si256(_mm256_cmp_ps(z, z, _CMP_ORD_Q)));
     const __m256i packed = _mm256_shuffle_epi8(idx, gather_bytes);
@@ -559,7 +571,8 @@ lz_q8_quantize_fn lz_q8_quantizer_at(int level) {
   __builtin_cpu_init();
   if (level >= 2 && __builtin_cpu_supports("avx512f"))
     return level == 2 ? quantize_gathers : quantize_avx512;
-  if (level >= 1 && __builtin_cpu_supports("avx2")) return quantize_avx2;
+  if (level >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return quantize_avx2;
   return quantize_scalar;
 }
 
