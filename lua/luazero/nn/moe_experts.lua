@@ -180,11 +180,9 @@ local function exchanged(ex, src, dst, width, back)
   ex.group:all_to_all_v(src, to, dst, from)
 end
 
--- Expert e's runs of rows: its rows of this rank's tokens, or what the
--- exchange brought it.
 -- One expert's GEMMs outside the grouped ones (gathered per expert, under
 -- expert parallelism, with adapters on the experts) run the grouped GEMM's
--- op on that expert alone: tasks of 128 rows, each on one thread, so an
+-- op on that expert alone: its tasks, each on one thread, so an
 -- expert's rows get the bits the grouped GEMM gives them at any thread
 -- count (one threaded GEMM over the expert need not: oneDNN's sgemm splits
 -- some sums by the thread count, on AVX2 parts at two threads already).
@@ -218,6 +216,8 @@ local function expert_backward(dx, dw, dy, x, w, off)
                         w:view(0, { 1, s[1], s[2] }), off)
 end
 
+-- Expert e's runs of rows: its rows of this rank's tokens, or what the
+-- exchange brought it.
 local function runs_of(ex, route, e)
   if ex then return ex.runs[e] end
   return { { at = route.first[e - 1], n = route.count[e - 1] } }
