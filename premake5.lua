@@ -162,7 +162,7 @@ project "lz_tests"
   kind "ConsoleApp"
   files { "tests/*.c", "tests/*.h" }
   includedirs { "tests" }
-  links { "luazero", "m", "dl" }
+  links { "luazero", "dnnl", "m", "dl" }
   linkoptions { "-Wl,-rpath,'$$ORIGIN/../lib'" }
   output_dirs("bin")
 
