@@ -14,7 +14,9 @@
  *
  * The tile products are register-blocked with GCC vector types (16 floats:
  * one AVX-512 register, two AVX2 ones) and compiled per instruction set by
- * LZ_DISPATCH; all helpers are inlined into the two dispatched functions.
+ * LZ_DISPATCH; where AVX2 and FMA are there but not AVX-512, kernels of their
+ * own (the _fma ones) run the same sums on 8-float vectors, fused as the
+ * AVX-512 clone's are. All helpers are inlined into the dispatched functions.
  *
  * Every output row is computed by one thread in a fixed order, so results are
  * bitwise the same on every run and for every thread count. All scratch is on
@@ -140,15 +142,135 @@ INLINE void rows_nn(float *restrict out, int64_t ldo, const float *restrict coef
   }
 }
 
+/* ------------------------------------------------ AVX2 + FMA tile products */
+
+/* On a part with AVX2 but not AVX-512, a 64-byte vf is a pair of 8-float
+ * registers and a block of 4 rows x 4 of them needs 32 of the 16 there are:
+ * the products above spilled every accumulator and, with no FMA in GCC's
+ * "avx2" clone, ran unfused (6 GFLOP/s at T 2048 on a 2-core Zen 3). These
+ * forms compute the same sums, each element in the same order, on 8-float
+ * vectors in blocks of ROWS rows x up to NC8 vectors (8 accumulators, the
+ * vectors of b and the broadcasts of a: 3 vectors spilled one accumulator,
+ * and that loop ran at the latency of a store and a load); they are inlined only into the _fma kernels below, compiled
+ * for AVX2 and FMA, where every acc += x * y is one fused multiply-add, as it
+ * is in the AVX-512 clone. */
+typedef float v8 __attribute__((vector_size(32)));
+#define NC8 2 /* 8-float vectors of a register block */
+
+/* s[r][c0 : c0 + nc*8] = sum_d a[r*lda + d] * bt[d*TILE + c0 ...], r < ROWS
+ * (s, bt: at column c0 already). */
+INLINE void block8_nt(float *restrict s, const float *restrict a, int64_t lda,
+                      const float *restrict bt, int64_t n, const int nc) {
+  const v8 zero = {0};
+  v8 acc[ROWS][NC8];
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < nc; c++) acc[r][c] = zero;
+  for (int64_t d = 0; d < n; d++) {
+    const v8 *b = (const v8 *)(bt + d * TILE);
+    for (int c = 0; c < nc; c++) {
+      const v8 bv = b[c];
+      for (int r = 0; r < ROWS; r++) acc[r][c] += a[r * lda + d] * bv;
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < nc; c++) ((v8 *)(s + r * TILE))[c] = acc[r][c];
+}
+
+/* One register block of rows against the tile's columns c0 .. c1 (multiples
+ * of 8). */
+INLINE void row8_nt(float *restrict s, const float *restrict a, int64_t lda,
+                    const float *restrict bt, int64_t n, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; c += NC8 * 8) {
+    switch ((c1 - c) / 8) {
+      case 1:
+        block8_nt(s + c, a, lda, bt + c, n, 1);
+        break;
+      default:
+        block8_nt(s + c, a, lda, bt + c, n, 2);
+        break;
+    }
+  }
+}
+
+/* block_nn's sums on 8-float vectors, nc of them. */
+INLINE void block8_nn(float *restrict out, int64_t ldo, const float *restrict coef, int64_t rs,
+                      int64_t ks, const float *restrict m, int64_t ldm, int64_t k0, int64_t k1,
+                      const float *restrict alpha, const int nc) {
+  const v8 zero = {0};
+  v8 acc[ROWS][NC8];
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < nc; c++) acc[r][c] = alpha ? ((const v8 *)(out + r * ldo))[c] * alpha[r] : zero;
+  for (int64_t k = k0; k < k1; k++) {
+    const v8 *mv = (const v8 *)(m + k * ldm);
+    for (int c = 0; c < nc; c++) {
+      const v8 x = mv[c];
+      for (int r = 0; r < ROWS; r++) acc[r][c] += coef[r * rs + k * ks] * x;
+    }
+  }
+  for (int r = 0; r < ROWS; r++)
+    for (int c = 0; c < nc; c++) ((v8 *)(out + r * ldo))[c] = acc[r][c];
+}
+
+/* ------------------------------------------------- the products, either form */
+
+/* tile_nt (fma8: in row8_nt's blocks). */
+INLINE void products_nt(float *restrict s, const float *restrict a, int64_t lda,
+                        const float *restrict bt, int64_t n, int64_t nrows, int diag,
+                        const int fma8) {
+  if (!fma8) {
+    tile_nt(s, a, lda, bt, n, nrows, diag);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < nrows; r0 += ROWS) {
+    const int64_t nv = diag ? (r0 + ROWS - 1) / VL + 1 : TILE / VL;
+    row8_nt(s + r0 * TILE, a + r0 * lda, lda, bt, n, 0, nv * VL);
+  }
+}
+
+/* tile_nt_cols: columns from vector v0 (of VL floats) on. */
+INLINE void products_nt_cols(float *restrict s, const float *restrict a, int64_t lda,
+                             const float *restrict bt, int64_t n, int v0, const int fma8) {
+  if (fma8) row8_nt(s, a, lda, bt, n, (int64_t)v0 * VL, TILE);
+  else tile_nt_cols(s, a, lda, bt, n, v0);
+}
+
+/* rows_nn. */
+INLINE void products_nn(float *restrict out, int64_t ldo, const float *restrict coef, int64_t rs,
+                        int64_t ks, const float *restrict m, int64_t ldm, int64_t k0, int64_t k1,
+                        const float *restrict alpha, int64_t hsp, const int fma8) {
+  if (!fma8) {
+    rows_nn(out, ldo, coef, rs, ks, m, ldm, k0, k1, alpha, hsp);
+    return;
+  }
+  for (int64_t c = 0; c < hsp; c += NC8 * 8) {
+    switch ((hsp - c) / 8) {
+      case 1:
+        block8_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 1);
+        break;
+      default:
+        block8_nn(out + c, ldo, coef, rs, ks, m + c, ldm, k0, k1, alpha, 2);
+        break;
+    }
+  }
+}
+
+/* The kernels' forms: LZ_DISPATCH's clones (AVX-512, AVX2 without FMA,
+ * plain), and FMA8's, run where AVX2 and FMA are there but not AVX-512F. */
+#define FMA8 __attribute__((target("avx2,fma")))
+
+static int fma8_here(void) {
+  return !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+         __builtin_cpu_supports("fma");
+}
+
 /* ---------------------------------------------------------------- forward */
 
 /* One query tile of one (batch, head): out rows [qb*TILE, +TILE) and their lse.
  * Scores are held transposed, st[key][query], so the online softmax runs
  * down the keys with a vector of 16 queries at a time: its maxima, sums and
  * rescale factors are vectors, with no reduction across lanes. */
-LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const float *qkv,
-                                               const int32_t *seg, attn_dims d, int64_t b,
-                                               int64_t h, int64_t qb) {
+INLINE void forward_tile(float *out, float *lse, const float *qkv, const int32_t *seg,
+                         attn_dims d, int64_t b, int64_t h, int64_t qb, const int fma8) {
   const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = d.row;
   const int64_t i0 = qb * TILE, nq = T - i0 < TILE ? T - i0 : TILE;
   const float *qbase = qkv + b * T * row + h * HS;
@@ -194,7 +316,7 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
     /* On the diagonal, key block r0 is seen only by queries from r0 on. */
     for (int64_t r0 = 0; r0 < nkr; r0 += ROWS) {
       const int v0 = diag ? (int)(r0 / VL) : 0;
-      tile_nt_cols(st + r0 * TILE, k + r0 * HSP, HSP, qt, HS, v0);
+      products_nt_cols(st + r0 * TILE, k + r0 * HSP, HSP, qt, HS, v0, fma8);
     }
     if (d.cap) soft_cap(st, NULL, nk * TILE, d.cap, LOG2E);
     if (cut) /* keys W or more behind the query */
@@ -238,7 +360,7 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
 
     for (int64_t r0 = 0; r0 < nq; r0 += ROWS) {
       const int64_t k1 = diag ? (r0 + ROWS < nk ? r0 + ROWS : nk) : nk;
-      rows_nn(o + r0 * HSP, HSP, st + r0, 1, TILE, v, HSP, 0, k1, alpha + r0, HSP);
+      products_nn(o + r0 * HSP, HSP, st + r0, 1, TILE, v, HSP, 0, k1, alpha + r0, HSP, fma8);
     }
   }
 
@@ -250,16 +372,27 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
   }
 }
 
+LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const float *qkv,
+                                               const int32_t *seg, attn_dims d, int64_t b,
+                                               int64_t h, int64_t qb) {
+  forward_tile(out, lse, qkv, seg, d, b, h, qb, 0);
+}
+
+FMA8 static void attention_forward_tile_fma(float *out, float *lse, const float *qkv,
+                                            const int32_t *seg, attn_dims d, int64_t b,
+                                            int64_t h, int64_t qb) {
+  forward_tile(out, lse, qkv, seg, d, b, h, qb, 1);
+}
+
 /* --------------------------------------------------------------- backward */
 
 /* All of dk, dv of one (batch, key/value head g) and dq of the query heads
  * that share it. With P = softmax, D_i = dout_i . out_i:
  *   dv_j = sum_i P_ij dout_i,  dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i),
  *   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i. */
-LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout, const float *qkv,
-                                                 const float *out, const float *lse,
-                                                 const int32_t *seg, attn_dims d, int64_t b,
-                                                 int64_t g) {
+INLINE void backward_group(float *dqkv, const float *dout, const float *qkv, const float *out,
+                           const float *lse, const int32_t *seg, attn_dims d, int64_t b,
+                           int64_t g, const int fma8) {
   const int64_t T = d.T, C = d.C, HS = d.HS, HSP = d.HSP, row = d.row;
   const int64_t group = d.NH / d.NKV;
   const int64_t koff = b * T * row + C + g * HS, voff = koff + d.NKV * HS;
@@ -339,8 +472,8 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
           lse2[i] = lse_bh[i0 + i] * LOG2E;
         }
 
-        tile_nt(p, q, HSP, kt, HS, nqr, diag);
-        tile_nt(dp, dO, HSP, vt, HS, nqr, diag);
+        products_nt(p, q, HSP, kt, HS, nqr, diag, fma8);
+        products_nt(dp, dO, HSP, vt, HS, nqr, diag, fma8);
         /* P = exp2(S - lse2) and dS = P (dP - D), over the same lanes forward used. */
         for (int64_t i = 0; i < nqr; i++) {
           float *pi = p + i * TILE, *dpi = dp + i * TILE;
@@ -373,12 +506,12 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
         /* dv, dk rows are keys: query i reaches key j only from i = j on. */
         for (int64_t r0 = 0; r0 < nkr; r0 += ROWS) {
           const int64_t i_begin = diag ? r0 : 0;
-          rows_nn(dv + r0 * HSP, HSP, p + r0, 1, TILE, dO, HSP, i_begin, nq, ones, HSP);
-          rows_nn(dk + r0 * HSP, HSP, dp + r0, 1, TILE, q, HSP, i_begin, nq, ones, HSP);
+          products_nn(dv + r0 * HSP, HSP, p + r0, 1, TILE, dO, HSP, i_begin, nq, ones, HSP, fma8);
+          products_nn(dk + r0 * HSP, HSP, dp + r0, 1, TILE, q, HSP, i_begin, nq, ones, HSP, fma8);
         }
         for (int64_t r0 = 0; r0 < nqr; r0 += ROWS) {
           const int64_t k1 = diag ? (r0 + ROWS < nk ? r0 + ROWS : nk) : nk;
-          rows_nn(dq + r0 * HSP, HSP, dp + r0 * TILE, TILE, 1, k, HSP, 0, k1, NULL, HSP);
+          products_nn(dq + r0 * HSP, HSP, dp + r0 * TILE, TILE, 1, k, HSP, 0, k1, NULL, HSP, fma8);
         }
         /* The first key tile to reach a query row writes, later ones add. */
         for (int64_t i = 0; i < nq; i++) {
@@ -402,6 +535,20 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
   }
 }
 
+LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout, const float *qkv,
+                                                 const float *out, const float *lse,
+                                                 const int32_t *seg, attn_dims d, int64_t b,
+                                                 int64_t g) {
+  backward_group(dqkv, dout, qkv, out, lse, seg, d, b, g, 0);
+}
+
+FMA8 static void attention_backward_group_fma(float *dqkv, const float *dout, const float *qkv,
+                                              const float *out, const float *lse,
+                                              const int32_t *seg, attn_dims d, int64_t b,
+                                              int64_t g) {
+  backward_group(dqkv, dout, qkv, out, lse, seg, d, b, g, 1);
+}
+
 /* ------------------------------------------------------------------ runners */
 
 lz_status lz_cpu_attention_forward(const lz_op_args *a) {
@@ -416,12 +563,14 @@ lz_status lz_cpu_attention_forward(const lz_op_args *a) {
   if (a->i[3] && lz_attention_bf16_native()) /* bf16 tile products asked for, and here */
     return lz_attention_bf16_forward_run(o, l, x, sg, d);
   const int64_t BH = d.B * d.NH, n_tasks = BH * d.nb;
+  const int fma8 = fma8_here();
   /* Head by head, so the threads share its keys and values in cache; within
    * a head the longest tasks (last query tiles) first, for balance. */
 #pragma omp parallel for schedule(dynamic, 1) if (n_tasks > 1)
   for (int64_t t = 0; t < n_tasks; t++) {
     const int64_t bh = t / d.nb, qb = d.nb - 1 - t % d.nb;
-    attention_forward_tile(o, l, x, sg, d, bh / d.NH, bh % d.NH, qb);
+    if (fma8) attention_forward_tile_fma(o, l, x, sg, d, bh / d.NH, bh % d.NH, qb);
+    else attention_forward_tile(o, l, x, sg, d, bh / d.NH, bh % d.NH, qb);
   }
   return LZ_OK;
 }
@@ -439,8 +588,10 @@ lz_status lz_cpu_attention_backward(const lz_op_args *a) {
     return lz_attention_bf16_backward_run(dx, dy, x, y, l, sg, d);
   /* One task per key/value head: it alone writes its dk and dv. */
   const int64_t BG = d.B * d.NKV;
+  const int fma8 = fma8_here();
 #pragma omp parallel for schedule(dynamic, 1) if (BG > 1)
   for (int64_t bg = 0; bg < BG; bg++)
-    attention_backward_group(dx, dy, x, y, l, sg, d, bg / d.NKV, bg % d.NKV);
+    if (fma8) attention_backward_group_fma(dx, dy, x, y, l, sg, d, bg / d.NKV, bg % d.NKV);
+    else attention_backward_group(dx, dy, x, y, l, sg, d, bg / d.NKV, bg % d.NKV);
   return LZ_OK;
 }
