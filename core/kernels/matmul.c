@@ -1,4 +1,4 @@
-/* matmul.c — GEMMs through oneDNN: fp32 through dnnl_sgemm, bf16 inputs with
+/* matmul.c — GEMMs through oneDNN: fp32 through dnnl_sgemm (sgemm.c), bf16 inputs with
  * fp32 accumulation through the matmul primitive (cached per shape, since
  * creating one costs far more than running a small one). Then the linear
  * layer's forward and backward on top. */
@@ -251,10 +251,6 @@ static lz_status entry_run(const cache_entry *e, const void *a, const void *b, f
   return st;
 }
 
-static lz_status gemm_f32_ld(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
-                             int b_shared, float alpha, const float *a, int64_t lda,
-                             const float *b, int64_t b_ld, float beta, float *c);
-static int64_t padded_ldb(int64_t m, int64_t n, int tb);
 
 /* How a bf16 GEMM runs on this machine, chosen once per process:
  *   native  oneDNN's bf16 matmul (fp32 accumulation): AVX512-BF16 parts run
@@ -380,7 +376,7 @@ static void widen_bf16(float *dst, const uint16_t *src, int64_t n) {
 static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t k, int ta,
                                    int tb, int b_shared, float alpha, const void *a, int64_t lda,
                                    const void *b, float beta, float *c, const float *bias) {
-  const int64_t ldb = padded_ldb(m, n, tb); /* b widened straight into padded rows */
+  const int64_t ldb = lz_sgemm_padded_ldb(m, n, tb); /* b widened straight into padded rows */
   const int64_t na = batch * m * k, nb = (b_shared ? 1 : batch) * k * (ldb ? ldb : n);
   float *fa = malloc((size_t)(na + nb) * sizeof(float));
   if (!fa)
@@ -396,7 +392,7 @@ static lz_status gemm_bf16_widened(int64_t batch, int64_t m, int64_t n, int64_t 
   else
     for (int64_t r = 0; r < nb / ldb; r++) widen_bf16(fb + r * ldb, (const uint16_t *)b + r * n, n);
   lz_status st =
-      gemm_f32_ld(batch, m, n, k, ta, tb, b_shared, alpha, fa, ta ? m : k, fb, ldb, beta, c);
+      lz_sgemm_batch(batch, m, n, k, ta, tb, b_shared, alpha, fa, ta ? m : k, fb, ldb, beta, c);
   free(fa);
   if (st == LZ_OK && bias) /* only with alpha 1, beta 0 (linear_forward) */
     for (int64_t r = 0; r < batch * m; r++)
@@ -530,89 +526,6 @@ static lz_status gemm_bf16(int64_t batch, int64_t m, int64_t n, int64_t k, int t
   return st;
 }
 
-/* b's rows for sgemm. Below some 256 rows of a (m), oneDNN 2.6's sgemm
- * reads b as it lies, without packing it; where b's rows are a multiple of
- * 2 KB apart (n a multiple of 512) its loads of a column block then fall in
- * the same few sets of the core's cache and evict each other. On a Zen 3
- * (AVX2), one thread, k 512 or 2048: 40-67 GFLOP/s for n 512-4096 and m
- * 32-256, 71-96 with b first copied to rows n + 16 apart, copy included;
- * two threads, m 128-256: 88-136 against 147-184. The same bits: the copy
- * changes where b's rows lie, not the sums. */
-#define PAD_MAX_ROWS 256
-#define PAD_COLS 16
-
-static int64_t padded_ldb(int64_t m, int64_t n, int tb) {
-  return !tb && m <= PAD_MAX_ROWS && n % 512 == 0 ? n + PAD_COLS : 0;
-}
-
-/* This thread's copy of b with its rows ldb apart (grown; one over 64 MB is
- * freed after its GEMM by pad_release). */
-static _Thread_local float *padded_b;
-static _Thread_local size_t padded_b_bytes;
-#define PAD_KEEP_BYTES ((size_t)64 << 20)
-
-static const float *pad_b(const float *b, int64_t k, int64_t n, int64_t ldb) {
-  const size_t bytes = (size_t)(k * ldb) * sizeof(float);
-  if (bytes > padded_b_bytes) {
-    float *grown = realloc(padded_b, bytes);
-    if (!grown) return NULL;
-    padded_b = grown, padded_b_bytes = bytes;
-  }
-  float *to = padded_b;
-#pragma omp parallel for if (!omp_in_parallel() && k * n >= (1 << 18))
-  for (int64_t r = 0; r < k; r++) memcpy(to + r * ldb, b + r * n, (size_t)n * sizeof(float));
-  return to;
-}
-
-static void pad_release(void) {
-  if (padded_b_bytes <= PAD_KEEP_BYTES) return;
-  free(padded_b);
-  padded_b = NULL, padded_b_bytes = 0;
-}
-
-/* One dnnl_sgemm, b's rows ldb apart (0: as op(b) is stored, k or n). */
-static lz_status sgemm(int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha,
-                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
-                       float *c) {
-  const dnnl_status_t s = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b,
-                                     ldb ? ldb : tb ? k : n, beta, c, n);
-  if (s == dnnl_success) return LZ_OK;
-  return lz_fail(LZ_ERR_INTERNAL, "matmul: dnnl_sgemm(%lld x %lld x %lld, lda %lld) failed: "
-                 "status %d", (long long)m, (long long)n, (long long)k, (long long)lda, (int)s);
-}
-
-/* The same contract in fp32: a loop of dnnl_sgemm (each one multithreaded),
- * b padded where padded_ldb says (b_ld: b is already stored so, its rows
- * b_ld apart). */
-static lz_status gemm_f32_ld(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
-                             int b_shared, float alpha, const float *a, int64_t lda,
-                             const float *b, int64_t b_ld, float beta, float *c) {
-  const int64_t ldb = b_ld ? b_ld : padded_ldb(m, n, tb);
-  lz_status st = LZ_OK;
-  const float *bp = NULL;
-  for (int64_t i = 0; i < batch && st == LZ_OK; i++) {
-    const float *bi = b + (b_shared ? 0 : i * k * (b_ld ? b_ld : n));
-    if (ldb && !b_ld && (!bp || !b_shared)) {
-      bp = pad_b(bi, k, n, ldb);
-      if (!bp) {
-        st = lz_fail(LZ_ERR_NOMEM, "matmul: out of memory copying b (%lld x %lld) for sgemm",
-                     (long long)k, (long long)n);
-        break;
-      }
-    }
-    st = sgemm(m, n, k, ta, tb, alpha, a + i * m * k, lda, ldb && !b_ld ? bp : bi, ldb, beta,
-               c + i * m * n);
-  }
-  if (ldb && !b_ld) pad_release();
-  return st;
-}
-
-static lz_status gemm_f32(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
-                          int b_shared, float alpha, const float *a, const float *b, float beta,
-                          float *c) {
-  return gemm_f32_ld(batch, m, n, k, ta, tb, b_shared, alpha, a, ta ? m : k, b, 0, beta, c);
-}
-
 static lz_status gemm(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t k, int ta,
                       int tb, int b_shared, float alpha, const void *a, const void *b,
                       float beta, float *c) {
@@ -623,7 +536,7 @@ static lz_status gemm(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t 
   }
   if (dt == LZ_BF16)
     return gemm_bf16(batch, m, n, k, ta, tb, b_shared, alpha, a, ta ? m : k, b, beta, c, NULL);
-  return gemm_f32(batch, m, n, k, ta, tb, b_shared, alpha, a, b, beta, c);
+  return lz_sgemm_batch(batch, m, n, k, ta, tb, b_shared, alpha, a, ta ? m : k, b, 0, beta, c);
 }
 
 lz_status lz_gemm(lz_dtype dt, int64_t m, int64_t n, int64_t k, int ta, int tb, float alpha,
@@ -631,7 +544,7 @@ lz_status lz_gemm(lz_dtype dt, int64_t m, int64_t n, int64_t k, int ta, int tb, 
   if (lda == (ta ? m : k) || m == 0 || n == 0 || k == 0)
     return gemm(dt, 1, m, n, k, ta, tb, 0, alpha, a, b, beta, c);
   if (dt == LZ_BF16) return gemm_bf16(1, m, n, k, ta, tb, 0, alpha, a, lda, b, beta, c, NULL);
-  return gemm_f32_ld(1, m, n, k, ta, tb, 0, alpha, a, lda, b, 0, beta, c);
+  return lz_sgemm_batch(1, m, n, k, ta, tb, 0, alpha, a, lda, b, 0, beta, c);
 }
 
 /* ----------------------------------------------------------------- matmul */
