@@ -327,8 +327,9 @@ static void check_packed_case(int64_t m, int64_t n, int64_t k, int ta, float alp
  * nothing but the speed. bf16 where it runs widened to fp32: its widened b
  * is padded in the same pass. */
 static void check_padded_case(lz_dtype dt, int64_t batch, int64_t m, int64_t n, int64_t k,
-                              int b_shared) {
-  const int64_t sa[3] = {batch, m, k}, sb[3] = {batch, k, n}, sc[3] = {batch, m, n};
+                              int ta, int b_shared) {
+  const int64_t sa[3] = {batch, ta ? k : m, ta ? m : k}, sb[3] = {batch, k, n},
+                sc[3] = {batch, m, n};
   const int nd = batch > 1 ? 3 : 2;
   lz_tensor *a = rand_tensor(dt, nd, sa + 3 - nd);
   lz_tensor *b = b_shared ? rand_tensor(dt, 2, sb + 1) : rand_tensor(dt, nd, sb + 3 - nd);
@@ -340,13 +341,15 @@ static void check_padded_case(lz_dtype dt, int64_t batch, int64_t m, int64_t n, 
   for (int64_t i = 0; i < lz_tensor_numel(b); i++) fb[i] = (float)at(b, i);
   memcpy(want, c->data, sizeof(float) * (size_t)(batch * m * n));
   for (int64_t p = 0; p < batch; p++)
-    CHECK(dnnl_sgemm('N', 'N', m, n, k, 0.5f, fa + p * m * k, k, fb + (b_shared ? 0 : p * k * n),
-                     n, 1.0f, want + p * m * n, n) == dnnl_success);
-  CHECK_OK(lz_matmul(c, a, b, 0, 0, 0.5f, 1.0f));
+    CHECK(dnnl_sgemm(ta ? 'T' : 'N', 'N', m, n, k, 0.5f, fa + p * m * k, ta ? m : k,
+                     fb + (b_shared ? 0 : p * k * n), n, 1.0f, want + p * m * n,
+                     n) == dnnl_success);
+  CHECK_OK(lz_matmul(c, a, b, ta, 0, 0.5f, 1.0f));
   if (memcmp(c->data, want, sizeof(float) * (size_t)(batch * m * n)) != 0)
-    lz_test_fail(__FILE__, __LINE__, "%s b%lld m%lld n%lld k%lld shared %d: not sgemm's bits",
+    lz_test_fail(__FILE__, __LINE__,
+                 "%s b%lld m%lld n%lld k%lld ta %d shared %d: not sgemm's bits",
                  lz_dtype_name(dt), (long long)batch, (long long)m, (long long)n, (long long)k,
-                 b_shared);
+                 ta, b_shared);
   free(want);
   free(fa);
   free(fb);
@@ -356,12 +359,15 @@ static void check_padded_case(lz_dtype dt, int64_t batch, int64_t m, int64_t n, 
 }
 
 static void check_padded_cases(lz_dtype dt) {
-  check_padded_case(dt, 1, 64, 1024, 512, 0); /* an expert's input gradient */
-  check_padded_case(dt, 1, 256, 512, 300, 0);
-  check_padded_case(dt, 1, 17, 2048, 65, 0);
-  check_padded_case(dt, 1, 257, 1024, 64, 0); /* past the rows that pad: as it lies */
-  check_padded_case(dt, 3, 40, 512, 33, 0);
-  check_padded_case(dt, 3, 40, 512, 33, 1);
+  check_padded_case(dt, 1, 64, 1024, 512, 0, 0); /* an expert's input gradient */
+  check_padded_case(dt, 1, 256, 512, 300, 0, 0);
+  check_padded_case(dt, 1, 17, 2048, 65, 0, 0);
+  check_padded_case(dt, 1, 257, 1024, 64, 0, 0); /* past the rows that pad: as it lies */
+  check_padded_case(dt, 3, 40, 512, 33, 0, 0);
+  check_padded_case(dt, 3, 40, 512, 33, 0, 1);
+  check_padded_case(dt, 1, 2048, 96, 300, 1, 0); /* a weight gradient: a transposed */
+  check_padded_case(dt, 1, 1024, 512, 64, 1, 0); /* both padded */
+  check_padded_case(dt, 2, 1024, 40, 20, 1, 1);
 }
 
 LZ_TEST(matmul_f32_padded_b_gives_sgemms_bits) { check_padded_cases(LZ_F32); }
