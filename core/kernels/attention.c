@@ -339,12 +339,8 @@ INLINE void forward_tile(float *out, float *lse, const float *qkv, const int32_t
       vf mx = mv[vq];
       for (int64_t j = 0; j < jend; j++) v_max(&mx, &mx, (const vf *)(st + j * TILE) + vq);
       vf ms = mx; /* what the exponentials subtract */
-      if (meet == MEET_SOME || cut) {
-        vf ninf;
-        v_splat(&ninf, -INFINITY);
-        vi none = ms == ninf; /* rows that saw no key yet subtract 0 */
-        ms = (vf)((vi)ms & ~none);
-      }
+      if (meet == MEET_SOME || cut) /* rows that saw no key yet subtract 0 */
+        for (int l = 0; l < VL; l++) ms[l] = ms[l] == -INFINITY ? 0.0f : ms[l];
       vf x = mv[vq] - ms, sum;
       v_exp2(&av[vq], &x);
       v_splat(&sum, 0.0f);

@@ -83,21 +83,23 @@ INLINE void v_splat(vf *y, float x) {
   *y = z + x;
 }
 
+/* Selects are written lane by lane (a > b ? a : b): GCC makes one max, min
+ * or blend per register of them, while a comparison of whole 64-byte
+ * vectors where AVX-512 is not there became a compare and a move per lane. */
 INLINE void v_max(vf *y, const vf *a, const vf *b) {
-  vi gt = *a > *b;
-  *y = (vf)(((vi)*a & gt) | ((vi)*b & ~gt));
+  vf r;
+  for (int l = 0; l < VL; l++) r[l] = (*a)[l] > (*b)[l] ? (*a)[l] : (*b)[l];
+  *y = r;
 }
 
 /* 2^x, relative error about 2e-7; 0 for x <= -127 (and for -inf). Cephes'
  * exp2f polynomial on the fraction in [-0.5, 0.5]. */
 INLINE void v_exp2(vf *y, const vf *xp) {
-  vf lo, hi, x = *xp;
-  v_splat(&lo, -127.0f);
-  v_splat(&hi, 127.0f);
-  vi m = x < lo;
-  x = (vf)(((vi)x & ~m) | ((vi)lo & m));
-  m = x > hi;
-  x = (vf)(((vi)x & ~m) | ((vi)hi & m));
+  vf x; /* x clamped to [-127, 127] (NaN stays NaN) */
+  for (int l = 0; l < VL; l++) {
+    const float t = -127.0f > (*xp)[l] ? -127.0f : (*xp)[l];
+    x[l] = 127.0f < t ? 127.0f : t;
+  }
   vf r = x + 12582912.0f; /* 1.5 * 2^23: rounds x to an integer in the low bits */
   vf n = r - 12582912.0f;
   vf f = x - n;
@@ -115,10 +117,8 @@ INLINE void v_exp2(vf *y, const vf *xp) {
  * below |x| = 0.625 and 1 - 2 / (e^2|x| + 1) above, with the sign. */
 INLINE void v_tanh(vf *y, const vf *xp) {
   const vf x = *xp;
-  vf zero, z, e, big, small;
-  v_splat(&zero, 0.0f);
-  const vi neg = x < zero;
-  z = (vf)(((vi)-x & neg) | ((vi)x & ~neg)); /* |x| */
+  vf z, e, big, small;
+  for (int l = 0; l < VL; l++) z[l] = x[l] < 0.0f ? -x[l] : x[l]; /* |x| */
   vf t = z * (2.0f * LOG2E);
   v_exp2(&e, &t);
   big = 1.0f - 2.0f / (e + 1.0f);
@@ -128,9 +128,10 @@ INLINE void v_tanh(vf *y, const vf *xp) {
   p = p * s + 1.33314422036e-1f;
   p = p * s - 3.33332819422e-1f;
   small = p * s * z + z;
-  const vi low = z <= 0.625f;
-  z = (vf)(((vi)small & low) | ((vi)big & ~low));
-  *y = (vf)(((vi)-z & neg) | ((vi)z & ~neg));
+  for (int l = 0; l < VL; l++) {
+    const float r = z[l] <= 0.625f ? small[l] : big[l];
+    (*y)[l] = x[l] < 0.0f ? -r : r;
+  }
 }
 
 /* s -> cap tanh(s / cap) * mul over n floats (a multiple of VL, s aligned);
