@@ -151,9 +151,9 @@ INLINE void rows_nn(float *restrict out, int64_t ldo, const float *restrict coef
  * forms compute the same sums, each element in the same order, on 8-float
  * vectors in blocks of ROWS rows x up to NC8 vectors (8 accumulators, the
  * vectors of b and the broadcasts of a: 3 vectors spilled one accumulator,
- * and that loop ran at the latency of a store and a load); they are inlined only into the _fma kernels below, compiled
- * for AVX2 and FMA, where every acc += x * y is one fused multiply-add, as it
- * is in the AVX-512 clone. */
+ * and that loop ran at the latency of a store and a load); they are inlined
+ * only into the _fma kernels below, compiled for AVX2 and FMA, where every
+ * acc += x * y is one fused multiply-add, as it is in the AVX-512 clone. */
 typedef float v8 __attribute__((vector_size(32)));
 #define NC8 2 /* 8-float vectors of a register block */
 
@@ -199,7 +199,8 @@ INLINE void block8_nn(float *restrict out, int64_t ldo, const float *restrict co
   const v8 zero = {0};
   v8 acc[ROWS][NC8];
   for (int r = 0; r < ROWS; r++)
-    for (int c = 0; c < nc; c++) acc[r][c] = alpha ? ((const v8 *)(out + r * ldo))[c] * alpha[r] : zero;
+    for (int c = 0; c < nc; c++)
+      acc[r][c] = alpha ? ((const v8 *)(out + r * ldo))[c] * alpha[r] : zero;
   for (int64_t k = k0; k < k1; k++) {
     const v8 *mv = (const v8 *)(m + k * ldm);
     for (int c = 0; c < nc; c++) {
