@@ -259,10 +259,7 @@ INLINE void products_nn(float *restrict out, int64_t ldo, const float *restrict 
  * plain), and FMA8's, run where AVX2 and FMA are there but not AVX-512F. */
 #define FMA8 __attribute__((target("avx2,fma")))
 
-static int fma8_here(void) {
-  return !__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
-         __builtin_cpu_supports("fma");
-}
+static int fma8_here(void) { return lz_cpu_form_here() == LZ_FORM_AVX2_FMA; }
 
 /* ---------------------------------------------------------------- forward */
 

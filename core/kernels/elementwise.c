@@ -62,11 +62,12 @@ lz_status lz_cpu_add(const lz_op_args *args) {
   return LZ_OK;
 }
 
-/* y += alpha x, one fused multiply-add an element wherever the CPU has FMA,
+/* y += alpha x, one fused multiply-add an element where the CPU has FMA,
  * as torch's vector code computes lerp_ and add_(x, alpha) (Muon's momentum
  * is bitwise torch's, tests/ref/test5_muon.py). LZ_DISPATCH's "avx2" clone
  * does not imply FMA (an AVX2 part's loops are not contracted), hence these
- * forms of our own, picked once; a CPU without FMA rounds the product. */
+ * forms of our own, picked once by lz_cpu_form_here; a CPU without AVX2 and
+ * FMA (or AVX-512) rounds the product. */
 typedef void (*axpy_fn)(float *y, float alpha, const float *x, int64_t n);
 
 __attribute__((target("avx512f,fma"))) static void axpy_avx512(float *y, float alpha,
@@ -88,10 +89,8 @@ static void axpy_block(float *y, float alpha, const float *x, int64_t n) {
   static axpy_fn form; /* (threads that race store the same form) */
   axpy_fn f = __atomic_load_n(&form, __ATOMIC_RELAXED);
   if (!f) {
-    __builtin_cpu_init();
-    f = !__builtin_cpu_supports("fma")       ? axpy_plain
-        : __builtin_cpu_supports("avx512f") ? axpy_avx512
-                                             : axpy_avx2;
+    const lz_cpu_form here = lz_cpu_form_here();
+    f = here == LZ_FORM_AVX512 ? axpy_avx512 : here == LZ_FORM_AVX2_FMA ? axpy_avx2 : axpy_plain;
     __atomic_store_n(&form, f, __ATOMIC_RELAXED);
   }
   f(y, alpha, x, n);

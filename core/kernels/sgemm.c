@@ -84,22 +84,23 @@ static lz_status sgemm(int64_t m, int64_t n, int64_t k, int ta, int tb, float al
 lz_status lz_sgemm_batch(int64_t batch, int64_t m, int64_t n, int64_t k, int ta, int tb,
                          int b_shared, float alpha, const float *a, int64_t lda, const float *b,
                          int64_t b_ld, float beta, float *c) {
-  const int64_t ldb = b_ld ? b_ld : lz_sgemm_padded_ldb(m, n, tb);
+  /* the padded rows of the copies made here (0: none) */
+  const int64_t ldb_p = b_ld ? 0 : lz_sgemm_padded_ldb(m, n, tb);
   const int64_t lda_p = padded_lda(m, lda, ta);
   lz_status st = LZ_OK;
   const float *bp = NULL, *ap = NULL;
   for (int64_t i = 0; i < batch && st == LZ_OK; i++) {
     const float *bi = b + (b_shared ? 0 : i * k * (b_ld ? b_ld : n)), *ai = a + i * m * k;
-    if (ldb && !b_ld && (!bp || !b_shared)) bp = pad_copy(&padded[1], bi, k, n, ldb);
+    if (ldb_p && (!bp || !b_shared)) bp = pad_copy(&padded[1], bi, k, n, ldb_p);
     if (lda_p) ap = pad_copy(&padded[0], ai, k, m, lda_p);
-    if ((ldb && !b_ld && !bp) || (lda_p && !ap)) {
+    if ((ldb_p && !bp) || (lda_p && !ap)) {
       st = lz_fail(LZ_ERR_NOMEM, "matmul: out of memory copying %s (%lld x %lld) for sgemm",
                    lda_p && !ap ? "a" : "b", (long long)k, (long long)(lda_p && !ap ? m : n));
       break;
     }
-    st = sgemm(m, n, k, ta, tb, alpha, lda_p ? ap : ai, lda_p ? lda_p : lda,
-               ldb && !b_ld ? bp : bi, ldb, beta, c + i * m * n);
+    st = sgemm(m, n, k, ta, tb, alpha, lda_p ? ap : ai, lda_p ? lda_p : lda, ldb_p ? bp : bi,
+               ldb_p ? ldb_p : b_ld, beta, c + i * m * n);
   }
-  if ((ldb && !b_ld) || lda_p) pad_release();
+  if (ldb_p || lda_p) pad_release();
   return st;
 }

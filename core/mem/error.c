@@ -48,15 +48,20 @@ int lz_cpu_has(const char *feature) {
 }
 
 /* The clone of an LZ_DISPATCH function (mem/lz_internal.h) GCC's resolver
- * picks here: avx512f where the CPU has it, else avx2, else the default. */
-const char *lz_cpu_kernels(void) {
+ * picks here: avx512f where the CPU has it, else avx2, else the default;
+ * with AVX2 and FMA, the fused forms beside the avx2 clones. */
+lz_cpu_form lz_cpu_form_here(void) {
   __builtin_cpu_init();
-  /* AVX2 with FMA: the clones of the hot loops are AVX2's, the fp32
-   * attention and axpy fuse their multiply-adds (their own forms) */
-  return __builtin_cpu_supports("avx512f")                                     ? "avx512f"
-         : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? "avx2+fma"
-         : __builtin_cpu_supports("avx2")                                  ? "avx2"
-                                                                           : "x86-64";
+  if (__builtin_cpu_supports("avx512f")) return LZ_FORM_AVX512;
+  if (!__builtin_cpu_supports("avx2")) return LZ_FORM_PLAIN;
+  return __builtin_cpu_supports("fma") ? LZ_FORM_AVX2_FMA : LZ_FORM_AVX2;
+}
+
+const char *lz_cpu_kernels(void) {
+  static const char *const names[] = {
+      [LZ_FORM_PLAIN] = "x86-64", [LZ_FORM_AVX2] = "avx2", [LZ_FORM_AVX2_FMA] = "avx2+fma",
+      [LZ_FORM_AVX512] = "avx512f"};
+  return names[lz_cpu_form_here()];
 }
 
 lz_status lz_threads_set(int n) {

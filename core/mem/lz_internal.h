@@ -19,6 +19,13 @@ extern "C" {
  * from the parallel loop. */
 #define LZ_DISPATCH __attribute__((target_clones("avx512f", "avx2", "default")))
 
+/* The form this CPU's hot loops run in: LZ_DISPATCH's clone (AVX-512, AVX2
+ * or plain), and where AVX2 comes with FMA (and not AVX-512) the forms of
+ * their own that fuse multiply-adds there (the fp32 attention, axpy).
+ * lz_cpu_kernels names it. */
+typedef enum { LZ_FORM_PLAIN, LZ_FORM_AVX2, LZ_FORM_AVX2_FMA, LZ_FORM_AVX512 } lz_cpu_form;
+lz_cpu_form lz_cpu_form_here(void);
+
 /* Records a message for lz_last_error() and returns `st`, so callers write
  * `return lz_fail(LZ_ERR_INVALID, "op: ...", ...)`. */
 lz_status lz_fail(lz_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
