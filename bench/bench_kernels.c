@@ -23,7 +23,13 @@
  * forward and 10 T^2 d backward (recomputation), halved for the mask,
  * beside the same run's oneDNN bf16 2048^3 GEMM: one line "FLASH ...".
  *
+ * Then the generation path's attention (lz_attention_decode) at 2048
+ * positions, Llama's grouping (12 query heads of 64 on 4 key/value heads):
+ * a prompt's call (2048 new positions, empty rows) and one decoding step
+ * against the full cache, fp32 and bf16 caches: one line "DECODE ...".
+ *
  *   bench_kernels [--rows "256 1024"] [--no-gemm] [--no-ops] [--no-moe] [--no-flash]
+ *                 [--no-decode]
  * Threads: OMP_NUM_THREADS for ours and oneDNN, OPENBLAS_NUM_THREADS for OpenBLAS
  * (bench/bench-kernels sets both). */
 #include "luazero.h"
@@ -457,6 +463,47 @@ static void bench_flash(int bf16) {
   free_all((lz_tensor *[]){c.qkv, c.out, c.lse, c.dout, c.dqkv}, 5);
 }
 
+typedef struct {
+  lz_tensor *qkv, *out, *kc, *vc, *pos;
+  int32_t at;
+  int reps;
+} decode_ctx;
+static void decode_calls(void *p) {
+  decode_ctx *c = p;
+  for (int r = 0; r < c->reps; r++) {
+    ((int32_t *)c->pos->data)[0] = c->at;
+    CHECK_LZ(lz_attention_decode(c->out, c->qkv, c->kc, c->vc, c->pos, 12, 4));
+  }
+}
+
+static void bench_decode(void) {
+  const int64_t T = 2048, NH = 12, NKV = 4, HS = 64, C = NH * HS, row = (NH + 2 * NKV) * HS;
+  double prompt_ms[2], step_ms[2];
+  for (int k = 0; k < 2; k++) {
+    const lz_dtype dt = k ? LZ_BF16 : LZ_F32;
+    decode_ctx prompt = {random_f32(3, 1, T, row, 1.0f), tensor(LZ_F32, 3, 1, T, C),
+                         tensor(dt, 3, 1, T, NKV * HS), tensor(dt, 3, 1, T, NKV * HS),
+                         tensor(LZ_I32, 1, 1, 0, 0), 0, 1};
+    prompt_ms[k] = time_ms(decode_calls, &prompt, 3);
+    decode_ctx one = {random_f32(3, 1, 1, row, 1.0f), tensor(LZ_F32, 3, 1, 1, C), prompt.kc,
+                      prompt.vc, prompt.pos, (int32_t)(T - 1), 20};
+    step_ms[k] = time_ms(decode_calls, &one, 5) / one.reps;
+    free_all((lz_tensor *[]){prompt.qkv, prompt.out, prompt.kc, prompt.vc, prompt.pos, one.qkv,
+                             one.out},
+             7);
+  }
+  const double fp = (double)NH * 4.0 * (double)T * (double)T * (double)HS / 2.0;
+  const double cache_bytes = 2.0 * (double)T * (double)(NKV * HS);
+  printf("DECODE attention B=1,NH=%lld,NKV=%lld,HS=%lld: a prompt of %lld: f32 cache %.1f ms "
+         "%.1f GFLOP/s, bf16 %.1f ms %.1f GFLOP/s; a step at %lld positions: f32 %.3f ms (cache "
+         "read at %.1f GB/s), bf16 %.3f ms (%.1f GB/s)\n",
+         (long long)NH, (long long)NKV, (long long)HS, (long long)T, prompt_ms[0],
+         fp / (prompt_ms[0] * 1e6), prompt_ms[1], fp / (prompt_ms[1] * 1e6), (long long)T,
+         step_ms[0], 4.0 * cache_bytes / (step_ms[0] * 1e6), step_ms[1],
+         2.0 * cache_bytes / (step_ms[1] * 1e6));
+  fflush(stdout);
+}
+
 static void free_all(lz_tensor **t, int n) {
   for (int i = 0; i < n; i++) lz_tensor_free(t[i]);
 }
@@ -646,7 +693,7 @@ static void bench_moe(int bf16) {
 
 int main(int argc, char **argv) {
   int64_t rows[16] = {256, 1024};
-  int nrows = 2, gemms = 1, ops = 1, moe = 1, flash = 1;
+  int nrows = 2, gemms = 1, ops = 1, moe = 1, flash = 1, decode = 1;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--rows") && i + 1 < argc) {
       nrows = 0;
@@ -664,9 +711,11 @@ int main(int argc, char **argv) {
       moe = 0;
     } else if (!strcmp(argv[i], "--no-flash")) {
       flash = 0;
+    } else if (!strcmp(argv[i], "--no-decode")) {
+      decode = 0;
     } else {
       fprintf(stderr, "usage: bench_kernels [--rows \"256 1024\"] [--no-gemm] [--no-ops] "
-                      "[--no-moe] [--no-flash]\n");
+                      "[--no-moe] [--no-flash] [--no-decode]\n");
       return 2;
     }
   }
@@ -680,5 +729,6 @@ int main(int argc, char **argv) {
   if (ops) bench_ops();
   if (moe) bench_moe(bf16);
   if (flash) bench_flash(bf16);
+  if (decode) bench_decode();
   return 0;
 }

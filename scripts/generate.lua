@@ -46,6 +46,7 @@ local spec = run_flags.spec(run_flags.weights("config.json, *.safetensors, token
   { "kv-dtype", "string", "fp32", "the key/value cache: fp32, or bf16 for half its memory",
     choices = { "fp32", "bf16" } },
   { "out", "string", nil, "write one JSON object per prompt to this file (JSON Lines)" },
+  { "stats", "flag", false, "say on stderr how fast the prompts and the new tokens went" },
 })
 
 local ex = exits.new({ script = "generate" })
@@ -307,10 +308,11 @@ local function main(argv)
     if not side.decode then fail("--stop needs a tokenizer (or a byte vocabulary) to read text") end
     stop = function(_, ids) return side.decode(ids):find(flags.stop, 1, true) ~= nil end
   end
+  local stats = flags.stats and {} or nil
   local outs = checked(generate.run, w.model, prompts, {
     max_new = flags.max_new_tokens, temperature = flags.temperature, top_k = flags.top_k,
     top_p = flags.top_p, seed = flags.seed, eos = side.eos, stop = stop, batch = flags.batch,
-    kv_dtype = flags.kv_dtype == "bf16" and "bf16" or "f32",
+    kv_dtype = flags.kv_dtype == "bf16" and "bf16" or "f32", stats = stats,
   })
   -- --out: whole or not at all, written once every completion is known
   local log = flags.out and {}
@@ -341,6 +343,14 @@ local function main(argv)
                      "--max-new-tokens %d\n"):format(#cut == 1 and "completion" or "completions",
                                                      table.concat(cut, ", "), w.cfg.context,
                                                      flags.max_new_tokens))
+  end
+  if stats then
+    local function rate(n, secs) return secs > 0 and n / secs or 0 end
+    io.stderr:write(("generate: prompts %d tokens in %.2f s (%.1f tokens/s); %d new tokens " ..
+                     "after them in %.2f s (%.1f tokens/s, rows of up to %d together)\n")
+                    :format(stats.prompt_tokens, stats.prompt_s,
+                            rate(stats.prompt_tokens, stats.prompt_s), stats.new_tokens,
+                            stats.new_s, rate(stats.new_tokens, stats.new_s), flags.batch))
   end
   w.free()
 end

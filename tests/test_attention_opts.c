@@ -205,8 +205,10 @@ LZ_TEST(attention_options_reject_bad_values) {
   lz_tensor_free(pos);
 }
 
-/* A prompt of P positions then one position a call through a ring cache of
- * S slots (S < P + n), against forward over the whole sequence. */
+/* A prompt of P positions, three more in one call, then one position a call
+ * through a ring cache of S slots (S < P + n), against forward over the
+ * whole sequence; the prompt's call, whose rows start empty, runs as forward
+ * and equals it bit for bit with an fp32 cache. */
 static void check_decode_ring(shape s, int64_t P, int64_t S, lz_dtype cache_dt) {
   const int64_t row = attn_row(&s), C = (int64_t)s.NH * s.HS, kvw = (int64_t)s.NKV * s.HS;
   lz_tensor *qkv = rand3(s.B, s.T, row, 1.5f), *out = rand3(s.B, s.T, C, 1);
@@ -222,8 +224,9 @@ static void check_decode_ring(shape s, int64_t P, int64_t S, lz_dtype cache_dt) 
   int32_t *p = pos->data;
   for (int64_t b = 0; b < s.B; b++) p[b] = 0;
   double worst = 0;
+  int differs = 0;
   for (int64_t t0 = 0; t0 < s.T;) {
-    const int64_t n = t0 == 0 ? P : 1;
+    const int64_t n = t0 == 0 ? P : t0 == P && t0 + 3 <= s.T ? 3 : 1;
     lz_tensor *x = new_t(LZ_F32, 3, s.B, n, row), *y = new_t(LZ_F32, 3, s.B, n, C);
     for (int64_t b = 0; b < s.B; b++)
       memcpy((float *)x->data + b * n * row, (float *)qkv->data + (b * s.T + t0) * row,
@@ -234,6 +237,12 @@ static void check_decode_ring(shape s, int64_t P, int64_t S, lz_dtype cache_dt) 
         double want = ((float *)out->data)[(b * s.T + t0) * C + i];
         double e = fabs(((float *)y->data)[b * n * C + i] - want);
         if (!(e <= worst)) worst = e;
+        if (t0 == 0 && cache_dt == LZ_F32 && e != 0 && !differs) {
+          differs = 1;
+          lz_test_fail(__FILE__, __LINE__, "prompt of %lld: element %lld of row %lld is %g, "
+                       "forward's %g", (long long)P, (long long)i, (long long)b,
+                       ((float *)y->data)[b * n * C + i], want);
+        }
       }
       p[b] += (int32_t)n;
     }
@@ -261,4 +270,6 @@ LZ_TEST(attention_decode_window_ring_equals_forward) {
   check_decode_ring((shape){1, 80, 2, 2, 16, 9, 2.0f, 0.3f, 0}, 30, 9, LZ_F32);
   check_decode_ring((shape){2, 60, 2, 1, 16, 10, 0, 0, 0}, 25, 10, LZ_BF16);
   check_decode_ring((shape){1, 50, 2, 2, 8, 0, 3.0f, 0.5f, 0}, 20, 50, LZ_F32); /* no window */
+  check_decode_ring((shape){1, 40, 4, 2, 16, 0, 0, 0, 0}, 16, 40, LZ_BF16);
+  check_decode_ring((shape){2, 30, 3, 1, 24, 0, 1.5f, 0, 0}, 10, 30, LZ_F32); /* head of 24 */
 }

@@ -146,6 +146,19 @@ LZ_TEST(ledger_arena) {
   const int64_t neg[1] = {-1};
   CHECK_ERR(lz_arena_tensor(a, &t3, LZ_F32, 1, neg), LZ_ERR_INVALID, "arena_tensor: dimension 0");
 
+  /* rewound: the bytes taken since a mark go to the next tensors */
+  CHECK_OK(lz_arena_reset(a));
+  CHECK_OK(lz_arena_tensor(a, &t1, LZ_F32, 1, s10));
+  const size_t mark = lz_arena_used(a);
+  CHECK_OK(lz_arena_tensor(a, &t2, LZ_F32, 1, s100));
+  void *dead = t2->data;
+  CHECK_OK(lz_arena_rewind(a, mark));
+  CHECK_EQ_INT(lz_arena_used(a), 64);
+  CHECK_OK(lz_arena_tensor(a, &t3, LZ_F32, 1, s10));
+  CHECK(t3->data == dead && t1->data == start);
+  CHECK_ERR(lz_arena_rewind(a, 1024), LZ_ERR_INVALID, "arena_rewind: 1024 bytes; give what");
+  CHECK_ERR(lz_arena_rewind(a, 32), LZ_ERR_INVALID, "arena_rewind: 32 bytes");
+
   CHECK_OK(lz_arena_free(a));
   CHECK_EQ_INT(lz_mem_current(LZ_MEM_ACTIVATIONS), act0);
   CHECK_OK(lz_arena_free(NULL));

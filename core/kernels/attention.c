@@ -256,9 +256,7 @@ INLINE void products_nn(float *restrict out, int64_t ldo, const float *restrict 
 }
 
 /* The kernels' forms: LZ_DISPATCH's clones (AVX-512, AVX2 without FMA,
- * plain), and FMA8's, run where AVX2 and FMA are there but not AVX-512F. */
-#define FMA8 __attribute__((target("avx2,fma")))
-
+ * plain), and LZ_FMA8's, run where AVX2 and FMA are there but not AVX-512F. */
 static int fma8_here(void) { return lz_cpu_form_here() == LZ_FORM_AVX2_FMA; }
 
 /* ---------------------------------------------------------------- forward */
@@ -372,7 +370,7 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
   forward_tile(out, lse, qkv, seg, d, b, h, qb, 0);
 }
 
-FMA8 static void attention_forward_tile_fma(float *out, float *lse, const float *qkv,
+LZ_FMA8 static void attention_forward_tile_fma(float *out, float *lse, const float *qkv,
                                             const int32_t *seg, attn_dims d, int64_t b,
                                             int64_t h, int64_t qb) {
   forward_tile(out, lse, qkv, seg, d, b, h, qb, 1);
@@ -536,7 +534,7 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
   backward_group(dqkv, dout, qkv, out, lse, seg, d, b, g, 0);
 }
 
-FMA8 static void attention_backward_group_fma(float *dqkv, const float *dout, const float *qkv,
+LZ_FMA8 static void attention_backward_group_fma(float *dqkv, const float *dout, const float *qkv,
                                               const float *out, const float *lse,
                                               const int32_t *seg, attn_dims d, int64_t b,
                                               int64_t g) {

@@ -108,23 +108,7 @@ BF void lz_attention_bf16_decode_query(float *out, const float *q, const uint16_
       acc = _mm512_dpbf16_ps(acc, qb[c], (__m512bh)_mm512_loadu_si512(kj + 32 * c));
     scores[j] = _mm512_reduce_add_ps(acc);
   }
-  for (int64_t j = n; j < np; j++) scores[j] = 0.0f;
-  if (cap) soft_cap(scores, NULL, np, cap, LOG2E);
-  for (int64_t j = n; j < np; j++) scores[j] = -INFINITY; /* exp2 gives them 0 */
-  vf mx;
-  v_splat(&mx, -INFINITY);
-  for (int64_t j = 0; j < np; j += VL) v_max(&mx, &mx, (const vf *)(scores + j));
-  float m = -INFINITY;
-  for (int i = 0; i < VL; i++) m = mx[i] > m ? mx[i] : m;
-  vf sum = {0};
-  for (int64_t j = 0; j < np; j += VL) {
-    vf x = *(vf *)(scores + j) - m, e;
-    v_exp2(&e, &x);
-    *(vf *)(scores + j) = e;
-    sum += e;
-  }
-  float l = 0.0f;
-  for (int i = 0; i < VL; i++) l += sum[i];
+  const float l = scores_to_weights(scores, n, np, cap);
   __m512 acc[MAX_HS / 16];
   for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j++) {

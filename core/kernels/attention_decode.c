@@ -22,10 +22,12 @@
  * every query ran: a prompt longer than the ring overwrites nothing a query
  * of it still needs. */
 #include "kernels/attention_tiles.h" /* lz_attention_bf16_decode_query */
+#include "kernels/lz_lanes.h"       /* lz_v8, lz_sums8 */
 #include "mem/lz_backend.h"         /* LZ_OP_RUN */
 #include "mem/lz_internal.h"
 
-#include <math.h>   /* expf, sqrtf, INFINITY */
+#include <math.h>   /* sqrtf, INFINITY */
+#include <stdint.h> /* INT64_MAX */
 #include <stdlib.h> /* malloc, free */
 #include <string.h> /* memcpy */
 
@@ -49,102 +51,127 @@ static void store_row(void *dst, int64_t at, const float *x, int64_t n, int bf16
   }
 }
 
-/* Cache element i as f32. */
-static inline float cached(const void *c, int64_t i, int bf16) {
-  return bf16 ? lz_bf16_to_f32_inline(((const uint16_t *)c)[i]) : ((const float *)c)[i];
+/* Where one query's keys and values are: positions below p0 in the caches
+ * (position j at slot j % ring of a ring, else at slot j), those from p0 on
+ * in qkv's new rows, read through the cache's dtype (the values a later call
+ * reads back). */
+typedef struct {
+  const void *kc, *vc;  /* the row's and key/value head's slot 0 */
+  const float *kn, *vn; /* the row's and head's first new key and value in qkv */
+  int64_t p0, ring;     /* ring 0: no ring */
+  int64_t kv, row;      /* elements per cache slot, floats per qkv row */
+  int bf16;
+} kv_src;
+
+/* Columns c0 .. c0 + w - 1 of key or value j (c: that cache, nw: its new
+ * rows; slot: j's slot): in place where they are fp32 and all below hs,
+ * else copied into buf, 0 from hs on. */
+INLINE const float *cols_at(const kv_src *s, const void *c, const float *nw, int64_t j,
+                            int64_t slot, int64_t c0, int64_t w, int64_t hs, float *buf) {
+  const int64_t n = hs - c0 < w ? hs - c0 : w;
+  if (j < s->p0 && s->bf16) {
+    const uint16_t *h = (const uint16_t *)c + slot * s->kv + c0;
+    for (int64_t i = 0; i < n; i++) buf[i] = lz_bf16_to_f32_inline(h[i]);
+  } else {
+    const float *r = (j < s->p0 ? (const float *)c + slot * s->kv : nw + (j - s->p0) * s->row) + c0;
+    if (!s->bf16 && n == w) return r;
+    for (int64_t i = 0; i < n; i++)
+      buf[i] = s->bf16 ? lz_bf16_to_f32_inline(lz_bf16_from_f32_inline(r[i])) : r[i];
+  }
+  for (int64_t i = n; i < w; i++) buf[i] = 0.0f;
+  return buf;
 }
 
-/* Element i of a new position's key or value x, as the cache will hold it. */
-static inline float as_cached(const float *x, int64_t i, int bf16) {
-  return bf16 ? lz_bf16_to_f32_inline(lz_bf16_from_f32_inline(x[i])) : x[i];
+INLINE void ld8(lz_v8 *y, const float *p) { memcpy(y, p, sizeof *y); }
+
+enum { KEYS = 8, CW = 64 }; /* keys scored together; value columns summed together */
+
+/* One query (hs floats at q) against positions lo .. n - 1 of src: out =
+ * softmax(scale q K^T, soft-capped when cap) V, the scores in base-2 units
+ * as the tiled kernel keeps them (scale log2(e) folded into q). Eight keys'
+ * dot products at a time, each over lanes of 8 then summed by lz_sums8's tree;
+ * exp2 on vectors; the values weighted in key order, CW columns at a time:
+ * the same bits whatever the thread count. w: the thread's scratch
+ * (decode_scratch), 64-byte aligned. */
+INLINE void query_body(float *out, const float *q, const kv_src *s, int64_t lo, int64_t n,
+                       int64_t hs, float scale, float cap, float *w) {
+  const int64_t hsp = (hs + VL - 1) / VL * VL, m = n - lo, np = (m + VL - 1) / VL * VL;
+  float *qs = w, *zero = w + hsp, *buf = w + 2 * hsp, *sc = w + 2 * hsp + KEYS * hsp;
+  const float mul = cap ? scale : scale * LOG2E;
+  for (int64_t i = 0; i < hsp; i++) qs[i] = i < hs ? q[i] * mul : 0.0f, zero[i] = 0.0f;
+  int64_t slot = s->ring ? lo % s->ring : lo;
+  for (int64_t j0 = lo; j0 < n; j0 += KEYS) {
+    const float *k[KEYS];
+    for (int l = 0; l < KEYS; l++) {
+      k[l] = j0 + l < n ? cols_at(s, s->kc, s->kn, j0 + l, slot, 0, hsp, hs, buf + l * hsp)
+                        : zero;
+      if (j0 + l < n && ++slot == s->ring) slot = 0;
+    }
+    lz_v8 a[KEYS] = {{0}}, x, y, t;
+    for (int64_t c = 0; c < hsp; c += 8) {
+      ld8(&x, qs + c);
+      for (int l = 0; l < KEYS; l++) {
+        ld8(&y, k[l] + c);
+        a[l] += x * y;
+      }
+    }
+    lz_sums8(&t, a);
+    memcpy(sc + (j0 - lo), &t, sizeof t); /* np >= m rounded up to KEYS */
+  }
+  const float total = scores_to_weights(sc, m, np, cap);
+  const float inv = 1.0f / total;
+  for (int64_t c0 = 0; c0 < hsp; c0 += CW) {
+    const int64_t cw = hsp - c0 < CW ? hsp - c0 : CW;
+    lz_v8 acc[CW / 8] = {{0}};
+    slot = s->ring ? lo % s->ring : lo;
+    for (int64_t j = lo; j < n; j++) {
+      const float *v = cols_at(s, s->vc, s->vn, j, slot, c0, cw, hs, buf);
+      const float p = sc[j - lo];
+      lz_v8 x;
+      if (cw == CW) {
+        for (int u = 0; u < CW / 8; u++) ld8(&x, v + 8 * u), acc[u] += p * x;
+      } else {
+        for (int u = 0; u < cw / 8; u++) ld8(&x, v + 8 * u), acc[u] += p * x;
+      }
+      if (++slot == s->ring) slot = 0;
+    }
+    for (int64_t i = c0; i < c0 + cw && i < hs; i++) out[i] = acc[(i - c0) / 8][(i - c0) % 8] * inv;
+  }
 }
 
-/* The windowed query: keys lo .. n - 1, those before p0 (the row's cached
- * length) from the rings, the rest from qkv's new rows. */
-static void decode_query_ring(float *out, const float *qkv, const void *kc, const void *vc,
-                              int bf16, decode_dims d, int64_t b, int64_t t, int64_t h,
-                              int64_t p0, float *scores) {
-  const float *q = qkv + (b * d.T + t) * d.row + h * d.HS;
-  const int64_t g = h / (d.NH / d.NKV);
-  const int64_t n = p0 + t + 1, lo = n - d.W > 0 ? n - d.W : 0;
-  const float *knew = qkv + b * d.T * d.row + d.NH * d.HS + g * d.HS;
-  const float *vnew = knew + d.NKV * d.HS;
-  float max = -INFINITY;
-  for (int64_t j = lo; j < n; j++) {
-    float s = 0.0f;
-    if (j < p0) {
-      const int64_t k0 = (b * d.S + j % d.S) * d.kv + g * d.HS;
-      for (int64_t i = 0; i < d.HS; i++) s += q[i] * cached(kc, k0 + i, bf16);
-    } else {
-      const float *k = knew + (j - p0) * d.row;
-      for (int64_t i = 0; i < d.HS; i++) s += q[i] * as_cached(k, i, bf16);
-    }
-    s *= d.scale;
-    if (d.cap) s = d.cap * tanhf(s / d.cap);
-    scores[j - lo] = s;
-    if (s > max) max = s;
-  }
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n - lo; j++) {
-    scores[j] = expf(scores[j] - max);
-    sum += scores[j];
-  }
-  const float inv = 1.0f / sum;
-  float *o = out + (b * d.T + t) * d.NH * d.HS + h * d.HS;
-  for (int64_t i = 0; i < d.HS; i++) o[i] = 0.0f;
-  for (int64_t j = lo; j < n; j++) {
-    const float p = scores[j - lo] * inv;
-    if (j < p0) {
-      const int64_t v0 = (b * d.S + j % d.S) * d.kv + g * d.HS;
-      for (int64_t i = 0; i < d.HS; i++) o[i] += p * cached(vc, v0 + i, bf16);
-    } else {
-      const float *v = vnew + (j - p0) * d.row;
-      for (int64_t i = 0; i < d.HS; i++) o[i] += p * as_cached(v, i, bf16);
-    }
-  }
+/* The forms, as the tiled kernel's: LZ_DISPATCH's clones, and LZ_FMA8's where
+ * AVX2 and FMA are there but not AVX-512F. */
+LZ_DISPATCH static void decode_query(float *out, const float *q, const kv_src *s, int64_t lo,
+                                     int64_t n, int64_t hs, float scale, float cap, float *w) {
+  query_body(out, q, s, lo, n, hs, scale, cap, w);
 }
 
-/* Query head h of new position t in row b: out = softmax(q K^T * scale) V
- * over the cached positions 0 .. n - 1. scores: n floats of the thread's. */
-LZ_DISPATCH static void decode_query(float *out, const float *qkv, const void *kc, const void *vc,
-                                     int bf16, decode_dims d, int64_t b, int64_t t, int64_t h,
-                                     int64_t n, float *scores) {
-  const float *q = qkv + (b * d.T + t) * d.row + h * d.HS;
-  const int64_t g = h / (d.NH / d.NKV); /* the key/value head serving query head h */
-  const int64_t base = b * d.S * d.kv + g * d.HS;
-  float max = -INFINITY;
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t k0 = base + j * d.kv;
-    float s = 0.0f;
-    if (bf16) {
-      for (int64_t i = 0; i < d.HS; i++) s += q[i] * cached(kc, k0 + i, 1);
-    } else {
-      const float *k = (const float *)kc + k0;
-      for (int64_t i = 0; i < d.HS; i++) s += q[i] * k[i];
-    }
-    s *= d.scale;
-    if (d.cap) s = d.cap * tanhf(s / d.cap);
-    scores[j] = s;
-    if (s > max) max = s;
-  }
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; j++) {
-    scores[j] = expf(scores[j] - max);
-    sum += scores[j];
-  }
-  const float inv = 1.0f / sum;
-  float *o = out + (b * d.T + t) * d.NH * d.HS + h * d.HS;
-  for (int64_t i = 0; i < d.HS; i++) o[i] = 0.0f;
-  for (int64_t j = 0; j < n; j++) {
-    const float p = scores[j] * inv;
-    const int64_t v0 = base + j * d.kv;
-    if (bf16) {
-      for (int64_t i = 0; i < d.HS; i++) o[i] += p * cached(vc, v0 + i, 1);
-    } else {
-      const float *v = (const float *)vc + v0;
-      for (int64_t i = 0; i < d.HS; i++) o[i] += p * v[i];
-    }
-  }
+LZ_FMA8 static void decode_query_fma(float *out, const float *q, const kv_src *s, int64_t lo,
+                                  int64_t n, int64_t hs, float scale, float cap, float *w) {
+  query_body(out, q, s, lo, n, hs, scale, cap, w);
+}
+
+/* Floats of a thread's scratch for queries of up to n keys. */
+static size_t decode_scratch(int64_t n, int64_t hs) {
+  return (size_t)((2 + KEYS) * ((hs + VL - 1) / VL * VL) + (n + VL - 1) / VL * VL);
+}
+
+/* Query head h of new position t in row b, with positions lo .. n - 1
+ * (p0 of them, or all where p0 is past n, already in the caches). */
+static void decode_one(float *out, const float *qkv, const void *kc, const void *vc, int bf16,
+                       const decode_dims *d, int64_t b, int64_t t, int64_t h, int64_t p0,
+                       int64_t lo, int64_t n, int fma8, float *w) {
+  const int64_t g = h / (d->NH / d->NKV); /* the key/value head serving query head h */
+  const size_t esize = bf16 ? sizeof(uint16_t) : sizeof(float);
+  const size_t c0 = (size_t)(b * d->S * d->kv + g * d->HS) * esize;
+  const float *kn = qkv + b * d->T * d->row + d->NH * d->HS + g * d->HS;
+  const kv_src s = {.kc = (const char *)kc + c0, .vc = (const char *)vc + c0,
+                    .kn = kn, .vn = kn + d->NKV * d->HS, .p0 = p0, .ring = d->W ? d->S : 0,
+                    .kv = d->kv, .row = d->row, .bf16 = bf16};
+  const float *q = qkv + (b * d->T + t) * d->row + h * d->HS;
+  float *o = out + (b * d->T + t) * d->NH * d->HS + h * d->HS;
+  if (fma8) decode_query_fma(o, q, &s, lo, n, d->HS, d->scale, d->cap, w);
+  else decode_query(o, q, &s, lo, n, d->HS, d->scale, d->cap, w);
 }
 
 /* The sizes of a checked call: qkv [B, T, (NH + 2 NKV) HS], caches
@@ -213,62 +240,137 @@ lz_status lz_attention_opts_decode(lz_tensor *out, const lz_tensor *qkv, lz_tens
             .i = {n_head, n_kv_head, window}, .f = {softcap, scale});
 }
 
-/* The windowed call: every query first, reading the new keys from qkv, then
- * the last S new positions of each row into the rings. */
-static lz_status decode_ring(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
-                             lz_tensor *v_cache, const int32_t *p, decode_dims d) {
-  for (int64_t b = 0; b < d.B; b++) {
-    if (p[b] < 0)
-      return lz_fail(LZ_ERR_INVALID, "attention_decode: row %lld holds %d cached positions; "
-                     "it must be >= 0", (long long)b, p[b]);
-    if (d.S < d.W && p[b] + d.T > d.S) /* a ring shorter than the window loses keys */
-      return lz_fail(LZ_ERR_INVALID,
-                     "attention_decode: row %lld reaches position %lld but the cache holds %lld, "
-                     "fewer than the window %lld: give it the window's length or more",
-                     (long long)b, (long long)(p[b] + d.T), (long long)d.S, (long long)d.W);
+/* A call whose rows all start empty (prompts filling their caches): each
+ * query sees only the call's own keys, so this is the training forward's
+ * causal attention over qkv, with its window and soft-capping, and the
+ * tiled kernel (attention.c, or attention_bf16.c's where a bf16 cache
+ * decodes on it) runs it, O(T) memory. A bf16 cache's keys and values are
+ * read through bf16 first, as the cache will hold them. */
+static lz_status prefill(lz_tensor *out, const lz_tensor *qkv, const decode_dims *d, int bf16,
+                         int tiles) {
+  const int64_t n = d->B * d->T * d->row;
+  float *lse = malloc((size_t)(d->B * d->NH * d->T) * sizeof(float));
+  float *copy = bf16 ? malloc((size_t)n * sizeof(float)) : NULL;
+  lz_tensor *tl = NULL, *tx = NULL;
+  lz_status st = LZ_ERR_NOMEM;
+  const int64_t lshape[3] = {d->B, d->NH, d->T};
+  if (!lse || (bf16 && !copy) || lz_tensor_wrap(&tl, lse, LZ_F32, 3, lshape) != LZ_OK ||
+      (bf16 && lz_tensor_wrap(&tx, copy, LZ_F32, 3, qkv->shape) != LZ_OK))
+    goto done;
+  if (bf16) {
+    const float *x = qkv->data;
+    const int64_t q = d->NH * d->HS;
+#pragma omp parallel for schedule(static) if (n > (1 << 16))
+    for (int64_t r = 0; r < d->B * d->T; r++)
+      for (int64_t i = 0; i < d->row; i++) {
+        const float v = x[r * d->row + i];
+        copy[r * d->row + i] = i < q ? v : lz_bf16_to_f32_inline(lz_bf16_from_f32_inline(v));
+      }
   }
-  if (d.B == 0 || d.T == 0 || d.HS == 0) return LZ_OK;
-  const int bf16 = k_cache->dtype == LZ_BF16;
-  const float *x = qkv->data;
-  const int64_t n_tasks = d.B * d.T * d.NH;
+  const lz_op_args a = {.t = {out, tl, bf16 ? tx : (lz_tensor *)qkv, NULL},
+                        .i = {d->NH, d->NKV, d->W, tiles},
+                        .f = {d->cap, d->scale}};
+  st = lz_cpu_attention_forward(&a);
+done:
+  lz_tensor_free(tl), lz_tensor_free(tx);
+  free(lse), free(copy);
+  if (st != LZ_OK)
+    return lz_fail(st, "attention_decode: no memory for a prompt of %lld positions' scratch",
+                   (long long)d->T);
+  return LZ_OK;
+}
+
+/* Every query of the call, one task per row, position and head, each
+ * thread with scratch for the most keys a query sees. ring: the windowed
+ * caches, whose new keys are read from qkv (written after). */
+static lz_status queries(float *o, const float *x, const lz_tensor *k_cache,
+                         const lz_tensor *v_cache, const int32_t *p, const decode_dims *d,
+                         int tiles) {
+  const int bf16 = k_cache->dtype == LZ_BF16, ring = d->W != 0, fma8 = lz_cpu_form_here() ==
+                                                                      LZ_FORM_AVX2_FMA;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < d->B; b++)
+    if (p[b] + d->T > longest) longest = p[b] + d->T;
+  if (ring && d->W < longest) longest = d->W;
+  const int64_t n_tasks = d->B * d->T * d->NH;
+  const size_t bytes = (decode_scratch(longest, d->HS) * sizeof(float) + 63) / 64 * 64;
   lz_status st = LZ_OK;
-  float *o = out->data;
 #pragma omp parallel if (n_tasks > 1)
   {
-    float *scores = malloc((size_t)d.W * sizeof(float)); /* a query sees W keys at most */
-    if (!scores) {
+    float *w = aligned_alloc(64, bytes);
+    if (!w) {
 #pragma omp atomic write
       st = LZ_ERR_NOMEM;
     }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n_tasks; i++) {
-      if (!scores) continue;
-      const int64_t h = i % d.NH, bt = i / d.NH, b = bt / d.T, t = bt % d.T;
-      decode_query_ring(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h, p[b], scores);
+      if (!w) continue;
+      const int64_t h = i % d->NH, bt = i / d->NH, b = bt / d->T, t = bt % d->T;
+      const int64_t n = p[b] + t + 1, lo = ring && n > d->W ? n - d->W : 0;
+      if (tiles) {
+        const int64_t c0 = b * d->S * d->kv + h / (d->NH / d->NKV) * d->HS;
+        lz_attention_bf16_decode_query(o + (b * d->T + t) * d->NH * d->HS + h * d->HS,
+                                       x + (b * d->T + t) * d->row + h * d->HS,
+                                       (const uint16_t *)k_cache->data + c0,
+                                       (const uint16_t *)v_cache->data + c0, n, d->kv, d->HS,
+                                       d->scale, d->cap, w);
+      } else {
+        decode_one(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h,
+                   ring ? p[b] : INT64_MAX, lo, n, fma8, w);
+      }
     }
-    free(scores);
+    free(w);
   }
   if (st != LZ_OK)
-    return lz_fail(st, "attention_decode: no memory for %lld scores per thread", (long long)d.W);
-  for (int64_t b = 0; b < d.B; b++)
-    for (int64_t t = d.T > d.S ? d.T - d.S : 0; t < d.T; t++) {
-      const float *r = x + (b * d.T + t) * d.row;
-      const int64_t at = (b * d.S + (p[b] + t) % d.S) * d.kv;
-      store_row(k_cache->data, at, r + d.NH * d.HS, d.kv, bf16);
-      store_row(v_cache->data, at, r + (d.NH + d.NKV) * d.HS, d.kv, bf16);
+    return lz_fail(st, "attention_decode: no memory for %lld scores per thread",
+                   (long long)longest);
+  return LZ_OK;
+}
+
+/* The windowed call: every query first, reading the new keys from qkv, then
+ * the last S new positions of each row into the rings. */
+static lz_status decode_ring(lz_tensor *out, const lz_tensor *qkv, lz_tensor *k_cache,
+                             lz_tensor *v_cache, const int32_t *p, const decode_dims *d,
+                             int fresh) {
+  for (int64_t b = 0; b < d->B; b++) {
+    if (p[b] < 0)
+      return lz_fail(LZ_ERR_INVALID, "attention_decode: row %lld holds %d cached positions; "
+                     "it must be >= 0", (long long)b, p[b]);
+    if (d->S < d->W && p[b] + d->T > d->S) /* a ring shorter than the window loses keys */
+      return lz_fail(LZ_ERR_INVALID,
+                     "attention_decode: row %lld reaches position %lld but the cache holds %lld, "
+                     "fewer than the window %lld: give it the window's length or more",
+                     (long long)b, (long long)(p[b] + d->T), (long long)d->S, (long long)d->W);
+  }
+  if (d->B == 0 || d->T == 0 || d->HS == 0) return LZ_OK;
+  const int bf16 = k_cache->dtype == LZ_BF16;
+  const float *x = qkv->data;
+  if (fresh) LZ_TRY(prefill(out, qkv, d, bf16, 0));
+  else LZ_TRY(queries(out->data, x, k_cache, v_cache, p, d, 0));
+  for (int64_t b = 0; b < d->B; b++)
+    for (int64_t t = d->T > d->S ? d->T - d->S : 0; t < d->T; t++) {
+      const float *r = x + (b * d->T + t) * d->row;
+      const int64_t at = (b * d->S + (p[b] + t) % d->S) * d->kv;
+      store_row(k_cache->data, at, r + d->NH * d->HS, d->kv, bf16);
+      store_row(v_cache->data, at, r + (d->NH + d->NKV) * d->HS, d->kv, bf16);
     }
   return LZ_OK;
 }
 
 /* Checked by lz_attention_decode but pos's values, read here (where the
- * cache lives): each row's cached length leaves room for the T new ones. */
+ * cache lives): each row's cached length leaves room for the T new ones.
+ * Rows that all start empty with more than one new position (prompts) run
+ * as the training forward (prefill); the others query by query. */
 lz_status lz_cpu_attention_decode(const lz_op_args *a) {
   const char *op = "attention_decode";
   lz_tensor *out = a->t[0], *k_cache = a->t[2], *v_cache = a->t[3];
   const lz_tensor *qkv = a->t[1], *pos = a->t[4];
-  const decode_dims d = dims_of(qkv, k_cache, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
+  const decode_dims d =
+      dims_of(qkv, k_cache, (int)a->i[0], (int)a->i[1], a->i[2], a->f[0], a->f[1]);
   const int32_t *p = pos->data;
-  if (d.W) return decode_ring(out, qkv, k_cache, v_cache, p, d);
+  int fresh = d.T > 1;
+  for (int64_t b = 0; b < d.B; b++) fresh = fresh && p[b] == 0;
+  if (d.W) return decode_ring(out, qkv, k_cache, v_cache, p, &d, fresh);
   for (int64_t b = 0; b < d.B; b++) {
     if (p[b] < 0 || p[b] + d.T > d.S)
       return lz_fail(LZ_ERR_INVALID,
@@ -288,39 +390,7 @@ lz_status lz_cpu_attention_decode(const lz_op_args *a) {
       store_row(v_cache->data, at, r + (d.NH + d.NKV) * d.HS, d.kv, bf16);
     }
   }
-  int64_t longest = 0;
-  for (int64_t b = 0; b < d.B; b++)
-    if (p[b] + d.T > longest) longest = p[b] + d.T;
-  const int64_t n_tasks = d.B * d.T * d.NH;
   const int tiles = bf16 && d.HS % 32 == 0 && d.HS <= MAX_HS && lz_attention_bf16_native();
-  lz_status st = LZ_OK;
-  float *o = out->data;
-#pragma omp parallel if (n_tasks > 1)
-  {
-    /* whole aligned vectors of scores for the vector softmax */
-    float *scores = aligned_alloc(64, (size_t)(longest + 15) / 16 * 64);
-    if (!scores) {
-#pragma omp atomic write
-      st = LZ_ERR_NOMEM;
-    }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n_tasks; i++) {
-      if (!scores) continue;
-      const int64_t h = i % d.NH, bt = i / d.NH, b = bt / d.T, t = bt % d.T;
-      if (tiles) {
-        const int64_t c0 = b * d.S * d.kv + h / (d.NH / d.NKV) * d.HS;
-        lz_attention_bf16_decode_query(o + (b * d.T + t) * d.NH * d.HS + h * d.HS,
-                                       x + (b * d.T + t) * d.row + h * d.HS,
-                                       (const uint16_t *)k_cache->data + c0,
-                                       (const uint16_t *)v_cache->data + c0, p[b] + t + 1, d.kv,
-                                       d.HS, d.scale, d.cap, scores);
-      } else {
-        decode_query(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h, p[b] + t + 1, scores);
-      }
-    }
-    free(scores);
-  }
-  if (st != LZ_OK)
-    return lz_fail(st, "%s: no memory for %lld scores per thread", op, (long long)longest);
-  return LZ_OK;
+  if (fresh) return prefill(out, qkv, &d, bf16, tiles);
+  return queries(out->data, x, k_cache, v_cache, p, &d, tiles);
 }

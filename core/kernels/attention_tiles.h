@@ -146,6 +146,31 @@ INLINE void soft_cap(float *s, float *tn, int64_t n, float cap, float mul) {
   }
 }
 
+/* A query's n scores (base-2 units; with cap, scaled scores, capped and
+ * turned base-2 here) become its softmax's weights before normalizing,
+ * exp2(s - max), in place over np floats (n rounded up to VL, 64-byte
+ * aligned; the padding gets 0). Returns their sum. */
+INLINE float scores_to_weights(float *sc, int64_t n, int64_t np, float cap) {
+  for (int64_t j = n; j < np; j++) sc[j] = 0.0f;
+  if (cap) soft_cap(sc, NULL, np, cap, LOG2E);
+  for (int64_t j = n; j < np; j++) sc[j] = -INFINITY; /* exp2 gives them 0 */
+  vf mx;
+  v_splat(&mx, -INFINITY);
+  for (int64_t j = 0; j < np; j += VL) v_max(&mx, &mx, (const vf *)(sc + j));
+  float m = -INFINITY;
+  for (int i = 0; i < VL; i++) m = mx[i] > m ? mx[i] : m;
+  vf sum = {0};
+  for (int64_t j = 0; j < np; j += VL) {
+    vf x = *(vf *)(sc + j) - m, e;
+    v_exp2(&e, &x);
+    *(vf *)(sc + j) = e;
+    sum += e;
+  }
+  float l = 0.0f;
+  for (int i = 0; i < VL; i++) l += sum[i];
+  return l;
+}
+
 /* ------------------------------------------------------------ tile copies */
 
 /* dst[i][0:hsp] = src[i*stride + 0:hs] * mul for i < n, zero beyond (columns

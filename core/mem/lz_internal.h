@@ -18,6 +18,9 @@ extern "C" {
  * per-row or per-block work in a function carrying this attribute and call it
  * from the parallel loop. */
 #define LZ_DISPATCH __attribute__((target_clones("avx512f", "avx2", "default")))
+/* A kernel's form for parts with AVX2 and FMA but not AVX-512F (LZ_FORM_AVX2_FMA),
+ * beside its LZ_DISPATCH clones, whose "avx2" has no FMA. */
+#define LZ_FMA8 __attribute__((target("avx2,fma")))
 
 /* The form this CPU's hot loops run in: LZ_DISPATCH's clone (AVX-512, AVX2
  * or plain), and where AVX2 comes with FMA (and not AVX-512) the forms of

@@ -279,6 +279,16 @@ lz_status lz_arena_reset(lz_arena *a) {
   return LZ_OK;
 }
 
+lz_status lz_arena_rewind(lz_arena *a, size_t used) {
+  if (used > a->used || used % ARENA_ALIGN)
+    return lz_fail(LZ_ERR_INVALID,
+                   "arena_rewind: %zu bytes; give what lz_arena_used said before the tensors "
+                   "to drop (%zu in use now)",
+                   used, a->used);
+  a->used = used;
+  return LZ_OK;
+}
+
 size_t lz_arena_used(const lz_arena *a) { return a->used; }
 size_t lz_arena_peak(const lz_arena *a) { return a->peak; }
 size_t lz_arena_capacity(const lz_arena *a) { return a->capacity; }

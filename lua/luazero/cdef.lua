@@ -109,6 +109,8 @@ lz_status lz_arena_free(lz_arena *a);
 lz_status lz_arena_tensor(lz_arena *a, lz_tensor **out, lz_dtype dt, int ndim,
                           const int64_t *shape);
 lz_status lz_arena_reset(lz_arena *a);
+
+lz_status lz_arena_rewind(lz_arena *a, size_t used);
 size_t lz_arena_used(const lz_arena *a);
 size_t lz_arena_peak(const lz_arena *a);
 size_t lz_arena_capacity(const lz_arena *a);

@@ -13,6 +13,7 @@
 local ffi = require("ffi")
 local lz = require("luazero")
 local rng = require("luazero.rng")
+local clock = require("luazero.clock")
 
 local M = {}
 
@@ -172,9 +173,12 @@ end
 -- temperature (0: greedy), top_k, top_p, seed (one generator for the whole
 -- call, drawn from in row order), eos (a set of ids that end a row; the id
 -- is kept), kv_dtype ("f32" or "bf16"), stop(i, ids): true to end row i
--- (its prompt's index) after its new ids so far. Returns one { ids, reason }
--- per prompt: reason "eos", "stop", "length" (max_new reached) or "context"
--- (the model's context is full).
+-- (its prompt's index) after its new ids so far; stats, a table: filled
+-- with prompt_tokens and prompt_s (the prompts' forwards, each giving its
+-- first new token), new_tokens and new_s (the decoding steps after them;
+-- the tokens their rows kept). Returns one { ids, reason } per prompt:
+-- reason "eos", "stop", "length" (max_new reached) or "context" (the
+-- model's context is full).
 function M.run(model, prompts, opts)
   opts = opts or {}
   local cfg = model.cfg
@@ -182,6 +186,8 @@ function M.run(model, prompts, opts)
   local r = rng.new(opts.seed or 0, 4)
   local eos = opts.eos or {}
   local out = {}
+  local stats = opts.stats
+  if stats then stats.prompt_tokens, stats.prompt_s, stats.new_tokens, stats.new_s = 0, 0, 0, 0 end
   local was_training = model.training
   model:evaluate()
   for first = 1, #prompts, batch do
@@ -214,10 +220,15 @@ function M.run(model, prompts, opts)
     for b, i in ipairs(rows) do
       out[i] = { ids = {} }
       local row = cache:row(b)
+      local t0 = stats and clock.now()
       local tokens = tokens_of({ prompts[i] }, #prompts[i])
-      local logits = model:forward_cached(tokens, row)
+      local logits = model:forward_cached(tokens, row, true)
       tokens:free()
-      next_ids[b] = M.pick(logits_row(logits, 1, #prompts[i] - 1), cfg.vocab, opts, r)
+      next_ids[b] = M.pick(logits_row(logits, 1, 0), cfg.vocab, opts, r)
+      if stats then
+        stats.prompt_tokens = stats.prompt_tokens + #prompts[i]
+        stats.prompt_s = stats.prompt_s + (clock.now() - t0)
+      end
     end
     local function take(b, id)
       local i = rows[b]
@@ -236,6 +247,7 @@ function M.run(model, prompts, opts)
       if not live then break end
       -- Finished rows ride along, rewriting their last position each step;
       -- what they compute is dropped.
+      local t0 = stats and clock.now()
       local lists, refilled = {}, {}
       for b = 1, B do
         lists[b] = { next_ids[b] }
@@ -247,9 +259,9 @@ function M.run(model, prompts, opts)
           for _, id in ipairs(out[i].ids) do all[#all + 1] = id end
           cache:set(b, 0)
           local tokens = tokens_of({ all }, #all)
-          local logits = model:forward_cached(tokens, cache:row(b))
+          local logits = model:forward_cached(tokens, cache:row(b), true)
           tokens:free()
-          next_ids[b] = M.pick(logits_row(logits, 1, #all - 1), cfg.vocab, opts, r)
+          next_ids[b] = M.pick(logits_row(logits, 1, 0), cfg.vocab, opts, r)
           refilled[b], lists[b] = true, { all[#all] }
         end
         if done[b] or refilled[b] then cache:set(b, cache.at[b] - 1) end
@@ -263,8 +275,10 @@ function M.run(model, prompts, opts)
         elseif not done[b] then
           next_ids[b] = M.pick(logits_row(logits, b, 0), cfg.vocab, opts, r)
           take(b, next_ids[b])
+          if stats then stats.new_tokens = stats.new_tokens + 1 end
         end
       end
+      if stats then stats.new_s = stats.new_s + (clock.now() - t0) end
     end
     cache:free()
   end

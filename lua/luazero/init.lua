@@ -441,6 +441,9 @@ function Arena:tensor(shape, dtype)
 end
 
 function Arena:reset() check(C.lz_arena_reset(arena_handle(self)), 2) end
+-- Gives back the bytes taken since arena:used() said `used`: the tensors
+-- made since are dead, the earlier ones live on.
+function Arena:rewind(used) check(C.lz_arena_rewind(arena_handle(self), used), 2) end
 function Arena:used() return tonumber(C.lz_arena_used(arena_handle(self))) end
 function Arena:peak() return tonumber(C.lz_arena_peak(arena_handle(self))) end
 function Arena:capacity() return tonumber(C.lz_arena_capacity(arena_handle(self))) end

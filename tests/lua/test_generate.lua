@@ -92,6 +92,35 @@ function T.llama_cached_logits_equal_the_full_forward()
   m:free()
 end
 
+-- A prompt's call with `last` gives each row's last logits alone, within
+-- 1e-5 of the call's without it (the head runs on one position); and no
+-- block's activations outlive the next block, so the arena's peak over a
+-- prompt stays far below a training forward's of the same shape.
+function T.a_prompt_keeps_one_block_and_with_last_its_last_logits()
+  local m = model_of("llama-tiny", { context = 32, n_layer = 6 })
+  local V, Vp, n = m.cfg.vocab, m.cfg.padded_vocab, 16
+  local ids = some_ids(n, V, 3)
+  m:prepare(1, n)
+  local prompt = ids_tensor(ids)
+  local cache = generate.Cache.new(m, 1, n, "f32")
+  local all = m:forward_cached(prompt, cache)
+  eq(all:dim(2), n, "positions without last")
+  local want = lz.tensor({ Vp }, "f32", "workspace"):copy(all:view((n - 1) * Vp, { Vp }))
+  local cached_peak = m.ctx.arena:peak()
+  cache:set(1, 0)
+  local last = m:forward_cached(prompt, cache, true)
+  eq(last:dim(1), 1, "rows")
+  eq(last:dim(2), 1, "positions with last")
+  local a, w, worst = ffi.cast("float *", last.data), ffi.cast("float *", want.data), 0
+  for j = 0, V - 1 do worst = math.max(worst, math.abs(a[j] - w[j])) end
+  assert(worst <= 1e-5, ("last logits differ by %g"):format(worst))
+  m:forward(prompt, nil)
+  local full_peak = m.ctx.arena:peak()
+  assert(cached_peak < full_peak / 2,
+         ("a prompt's arena peak %d against a forward's %d"):format(cached_peak, full_peak))
+  want:free(); prompt:free(); cache:free(); m:free()
+end
+
 -- A windowed model keeps a ring of W positions a layer, and a prompt
 -- longer than the ring still matches the full (windowed) forward.
 function T.windowed_cache_is_a_ring_of_the_window()
@@ -327,8 +356,13 @@ end
 function T.generate_continues_prompts_from_a_checkpoint()
   local dir = trained()
   local out, st = script("generate", ("--load %s/ck --prompt-ids 108,105,110 --prompt 'line 7' " ..
-                                      "--max-new-tokens 5 --out %s/o.jsonl"):format(dir, dir))
+                                      "--max-new-tokens 5 --out %s/o.jsonl --stats")
+                                     :format(dir, dir))
   assert(st == 0, out)
+  -- --stats: both prompts' 9 tokens, then 4 steps of 2 rows (each prompt's
+  -- forward gives its first token)
+  assert(out:find("generate: prompts 9 tokens in [%d.]+ s %([%d.]+ tokens/s%); 8 new tokens " ..
+                  "after them in [%d.]+ s %([%d.]+ tokens/s, rows of up to 8 together%)"), out)
   local recs = support.records(dir .. "/o.jsonl")
   eq(#recs, 2, "one record per prompt")
   -- --prompt first, then --prompt-ids

@@ -327,10 +327,15 @@ end
 -- Generation: tokens i32 [B, T] (host) are the next T positions of each of
 -- the B rows of `cache` (luazero.generate's Cache, whose row b already holds
 -- cache.at[b] positions); their keys and values join it, and the cache
--- moves on by T. Returns the logits [B, T, Vp], valid until the next
--- forward. Bitwise the model's own modules: norms, MLPs and the head are the
--- same calls as forward; only attention reads the cache.
-function CausalLM:forward_cached(tokens, cache)
+-- moves on by T. Returns the logits [B, T, Vp], or with `last` those of each
+-- row's last position only, [B, 1, Vp] (a prompt's: the final norm and the
+-- head run on one position instead of T), valid until the next forward.
+-- The model's own modules: norms, MLPs and the head are the same calls as
+-- forward; only attention reads the cache. Nothing runs backward, so no
+-- block's activations outlive the next block: each block's output is copied
+-- to one of two buffers and the arenas are rewound, so a prompt of T tokens
+-- touches one block's activations, not every block's.
+function CausalLM:forward_cached(tokens, cache, last)
   local B, T = tokens:dim(1), tokens:dim(2)
   for b = 1, B do
     if cache.at[b] + T > self.cfg.context then
@@ -340,8 +345,24 @@ function CausalLM:forward_cached(tokens, cache)
     end
   end
   self:begin_forward(B, T)
+  local ctx = self.ctx
   local x = self:embed_cached(tokens, cache)
-  for i, blk in ipairs(self.layers.blocks) do x = blk:forward_cached(x, cache.layers[i]) end
+  local turns = { ctx.arena:tensor(x:sizes()), ctx.arena:tensor(x:sizes()) }
+  local mark, cast_mark = ctx.arena:used(), ctx.cast_arena and ctx.cast_arena:used()
+  for i, blk in ipairs(self.layers.blocks) do
+    local y = blk:forward_cached(x, cache.layers[i])
+    x = turns[i % 2 + 1]:copy(y)
+    ctx.arena:rewind(mark)
+    if cast_mark then ctx.cast_arena:rewind(cast_mark) end
+  end
+  if last and T > 1 then
+    local C = x:dim(3)
+    local ends = ctx.arena:tensor({ B, 1, C })
+    for b = 1, B do
+      ends:view((b - 1) * C, { 1, 1, C }):copy(x:view(((b - 1) * T + T - 1) * C, { 1, 1, C }))
+    end
+    x = ends
+  end
   for _, m in ipairs(self.layers.top) do x = self:run_forward(m, x) end
   local logits = self:capped(self:run_forward(self.layers.output, x))
   cache:advance(T)
