@@ -1,6 +1,6 @@
 /* lz_lanes.h — float sums in independent lanes, for the row reductions of the
- * norm kernels and the dot products of decoding (attention_decode.c,
- * gemv.c). Not part of the public API.
+ * norm kernels and the dot products of decoding (attention_decode.c). Not
+ * part of the public API.
  *
  * Without -ffast-math GCC will not reorder a single running sum, and so would
  * not vectorize it; LZ_LANES partial sums let it. The lanes are a GCC vector:
@@ -9,7 +9,7 @@
 #ifndef LZ_LANES_H
 #define LZ_LANES_H
 
-#include <stdint.h> /* int32_t, uint16_t */
+#include <stdint.h> /* int32_t */
 #include <string.h> /* memcpy */
 
 #define LZ_LANES 16
@@ -29,7 +29,6 @@ static inline float lz_sum_lanes(const lz_lanes_f32 *acc) {
  * a kernel's clones). */
 typedef float lz_v8 __attribute__((vector_size(32)));
 typedef int32_t lz_v8i __attribute__((vector_size(32)));
-typedef uint16_t lz_v8h __attribute__((vector_size(16)));
 
 /* Lane l of *y: the sum of a[l]'s lanes, in a fixed tree (pairs, quads,
  * halves), all eight at once. */
