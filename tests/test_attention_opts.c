@@ -273,3 +273,29 @@ LZ_TEST(attention_decode_window_ring_equals_forward) {
   check_decode_ring((shape){1, 40, 4, 2, 16, 0, 0, 0, 0}, 16, 40, LZ_BF16);
   check_decode_ring((shape){2, 30, 3, 1, 24, 0, 1.5f, 0, 0}, 10, 30, LZ_F32); /* head of 24 */
 }
+
+/* A decoding step runs a key/value head's query heads together where every
+ * thread gets a task (one thread here), else head by head (eight threads
+ * for two key/value heads): each head's output has the same bits. */
+LZ_TEST(attention_decode_grouped_heads_give_each_heads_bits) {
+  const int NH = 8, NKV = 2, HS = 24, P = 50, row = (NH + 2 * NKV) * HS;
+  const int saved = lz_threads_get();
+  for (int k = 0; k < 2; k++) {
+    const lz_dtype dt = k ? LZ_BF16 : LZ_F32;
+    lz_tensor *prompt = rand3(1, P, row, 1.5f), *step = rand3(1, 1, row, 1.5f);
+    lz_tensor *kc = new_t(dt, 3, 1, P + 1, NKV * HS), *vc = new_t(dt, 3, 1, P + 1, NKV * HS);
+    lz_tensor *pos = new_t(LZ_I32, 1, 1, 1, 1), *yp = rand3(1, P, NH * HS, 1);
+    lz_tensor *y[2] = {rand3(1, 1, NH * HS, 1), rand3(1, 1, NH * HS, 1)};
+    ((int32_t *)pos->data)[0] = 0;
+    CHECK_OK(lz_attention_decode(yp, prompt, kc, vc, pos, NH, NKV));
+    for (int t = 0; t < 2; t++) {
+      CHECK_OK(lz_threads_set(t ? 8 : 1));
+      ((int32_t *)pos->data)[0] = P;
+      CHECK_OK(lz_attention_decode(y[t], step, kc, vc, pos, NH, NKV));
+    }
+    lz_threads_set(saved);
+    CHECK(memcmp(y[0]->data, y[1]->data, sizeof(float) * NH * HS) == 0);
+    lz_tensor_free(prompt), lz_tensor_free(step), lz_tensor_free(kc), lz_tensor_free(vc);
+    lz_tensor_free(pos), lz_tensor_free(yp), lz_tensor_free(y[0]), lz_tensor_free(y[1]);
+  }
+}

@@ -27,6 +27,7 @@
 #include "mem/lz_internal.h"
 
 #include <math.h>   /* sqrtf, INFINITY */
+#include <omp.h>    /* omp_get_max_threads */
 #include <stdint.h> /* INT64_MAX */
 #include <stdlib.h> /* malloc, free */
 #include <string.h> /* memcpy */
@@ -84,21 +85,29 @@ INLINE const float *cols_at(const kv_src *s, const void *c, const float *nw, int
 
 INLINE void ld8(lz_v8 *y, const float *p) { memcpy(y, p, sizeof *y); }
 
-enum { KEYS = 8, CW = 64 }; /* keys scored together; value columns summed together */
+/* keys scored together; value columns summed together; keys a value block holds */
+enum { KEYS = 8, CW = 64, VB = 64 };
 
-/* One query (hs floats at q) against positions lo .. n - 1 of src: out =
+/* nq queries of one key/value head (hs floats each, hs apart at q; their
+ * outputs hs apart at out) against positions lo .. n - 1 of src: out =
  * softmax(scale q K^T, soft-capped when cap) V, the scores in base-2 units
- * as the tiled kernel keeps them (scale log2(e) folded into q). Eight keys'
- * dot products at a time, each over lanes of 8 then summed by lz_sums8's tree;
- * exp2 on vectors; the values weighted in key order, CW columns at a time:
- * the same bits whatever the thread count. w: the thread's scratch
- * (decode_scratch), 64-byte aligned. */
-INLINE void query_body(float *out, const float *q, const kv_src *s, int64_t lo, int64_t n,
-                       int64_t hs, float scale, float cap, float *w) {
+ * as the tiled kernel keeps them (scale log2(e) folded into q). Each key and
+ * value is read from memory once for all the queries. A query's arithmetic
+ * is its own whatever nq: eight keys' dot products at a time, each over
+ * lanes of 8 then summed by lz_sums8's tree; exp2 on vectors; the values
+ * weighted in key order, CW columns at a time (VB keys' values at a time,
+ * the sums kept between blocks): the same bits whatever the thread count.
+ * w: the thread's scratch (decode_scratch), 64-byte aligned. */
+INLINE void query_body(float *out, const float *q, int64_t nq, const kv_src *s, int64_t lo,
+                       int64_t n, int64_t hs, float scale, float cap, float *w) {
   const int64_t hsp = (hs + VL - 1) / VL * VL, m = n - lo, np = (m + VL - 1) / VL * VL;
-  float *qs = w, *zero = w + hsp, *buf = w + 2 * hsp, *sc = w + 2 * hsp + KEYS * hsp;
+  float *qs = w, *zero = qs + nq * hsp, *acc = zero + hsp, *buf = acc + nq * hsp;
+  float *sc = buf + (KEYS * hsp > VB * CW ? KEYS * hsp : VB * CW);
   const float mul = cap ? scale : scale * LOG2E;
-  for (int64_t i = 0; i < hsp; i++) qs[i] = i < hs ? q[i] * mul : 0.0f, zero[i] = 0.0f;
+  for (int64_t i = 0; i < hsp; i++) {
+    zero[i] = 0.0f;
+    for (int64_t h = 0; h < nq; h++) qs[h * hsp + i] = i < hs ? q[h * hs + i] * mul : 0.0f;
+  }
   int64_t slot = s->ring ? lo % s->ring : lo;
   for (int64_t j0 = lo; j0 < n; j0 += KEYS) {
     const float *k[KEYS];
@@ -107,60 +116,80 @@ INLINE void query_body(float *out, const float *q, const kv_src *s, int64_t lo, 
                         : zero;
       if (j0 + l < n && ++slot == s->ring) slot = 0;
     }
-    lz_v8 a[KEYS] = {{0}}, x, y, t;
-    for (int64_t c = 0; c < hsp; c += 8) {
-      ld8(&x, qs + c);
-      for (int l = 0; l < KEYS; l++) {
-        ld8(&y, k[l] + c);
-        a[l] += x * y;
+    for (int64_t h = 0; h < nq; h++) {
+      lz_v8 a[KEYS] = {{0}}, x, y, t;
+      for (int64_t c = 0; c < hsp; c += 8) {
+        ld8(&x, qs + h * hsp + c);
+        for (int l = 0; l < KEYS; l++) {
+          ld8(&y, k[l] + c);
+          a[l] += x * y;
+        }
       }
+      lz_sums8(&t, a);
+      memcpy(sc + h * np + (j0 - lo), &t, sizeof t); /* np >= m rounded up to KEYS */
     }
-    lz_sums8(&t, a);
-    memcpy(sc + (j0 - lo), &t, sizeof t); /* np >= m rounded up to KEYS */
   }
-  const float total = scores_to_weights(sc, m, np, cap);
-  const float inv = 1.0f / total;
+  float *inv = sc + nq * np;
+  for (int64_t h = 0; h < nq; h++) inv[h] = 1.0f / scores_to_weights(sc + h * np, m, np, cap);
   for (int64_t c0 = 0; c0 < hsp; c0 += CW) {
     const int64_t cw = hsp - c0 < CW ? hsp - c0 : CW;
-    lz_v8 acc[CW / 8] = {{0}};
+    for (int64_t h = 0; h < nq; h++)
+      for (int64_t i = 0; i < cw; i++) acc[h * hsp + c0 + i] = 0.0f;
     slot = s->ring ? lo % s->ring : lo;
-    for (int64_t j = lo; j < n; j++) {
-      const float *v = cols_at(s, s->vc, s->vn, j, slot, c0, cw, hs, buf);
-      const float p = sc[j - lo];
-      lz_v8 x;
-      if (cw == CW) {
-        for (int u = 0; u < CW / 8; u++) ld8(&x, v + 8 * u), acc[u] += p * x;
-      } else {
-        for (int u = 0; u < cw / 8; u++) ld8(&x, v + 8 * u), acc[u] += p * x;
+    for (int64_t j0 = lo; j0 < n; j0 += VB) {
+      const int64_t nb = n - j0 < VB ? n - j0 : VB;
+      const float *v[VB];
+      for (int64_t r = 0; r < nb; r++) {
+        v[r] = cols_at(s, s->vc, s->vn, j0 + r, slot, c0, cw, hs, buf + r * CW);
+        if (++slot == s->ring) slot = 0;
       }
-      if (++slot == s->ring) slot = 0;
+      for (int64_t h = 0; h < nq; h++) {
+        const float *p = sc + h * np + (j0 - lo);
+        float *ah = acc + h * hsp + c0;
+        lz_v8 a[CW / 8], x;
+        for (int u = 0; u < cw / 8; u++) ld8(&a[u], ah + 8 * u);
+        for (int64_t r = 0; r < nb; r++) {
+          if (cw == CW) {
+            for (int u = 0; u < CW / 8; u++) ld8(&x, v[r] + 8 * u), a[u] += p[r] * x;
+          } else {
+            for (int u = 0; u < cw / 8; u++) ld8(&x, v[r] + 8 * u), a[u] += p[r] * x;
+          }
+        }
+        for (int u = 0; u < cw / 8; u++) memcpy(ah + 8 * u, &a[u], sizeof a[u]);
+      }
     }
-    for (int64_t i = c0; i < c0 + cw && i < hs; i++) out[i] = acc[(i - c0) / 8][(i - c0) % 8] * inv;
+    for (int64_t h = 0; h < nq; h++)
+      for (int64_t i = c0; i < c0 + cw && i < hs; i++) out[h * hs + i] = acc[h * hsp + i] * inv[h];
   }
 }
 
 /* The forms, as the tiled kernel's: LZ_DISPATCH's clones, and LZ_FMA8's where
  * AVX2 and FMA are there but not AVX-512F. */
-LZ_DISPATCH static void decode_query(float *out, const float *q, const kv_src *s, int64_t lo,
-                                     int64_t n, int64_t hs, float scale, float cap, float *w) {
-  query_body(out, q, s, lo, n, hs, scale, cap, w);
+LZ_DISPATCH static void decode_query(float *out, const float *q, int64_t nq, const kv_src *s,
+                                     int64_t lo, int64_t n, int64_t hs, float scale, float cap,
+                                     float *w) {
+  query_body(out, q, nq, s, lo, n, hs, scale, cap, w);
 }
 
-LZ_FMA8 static void decode_query_fma(float *out, const float *q, const kv_src *s, int64_t lo,
-                                  int64_t n, int64_t hs, float scale, float cap, float *w) {
-  query_body(out, q, s, lo, n, hs, scale, cap, w);
+LZ_FMA8 static void decode_query_fma(float *out, const float *q, int64_t nq, const kv_src *s,
+                                     int64_t lo, int64_t n, int64_t hs, float scale, float cap,
+                                     float *w) {
+  query_body(out, q, nq, s, lo, n, hs, scale, cap, w);
 }
 
-/* Floats of a thread's scratch for queries of up to n keys. */
-static size_t decode_scratch(int64_t n, int64_t hs) {
-  return (size_t)((2 + KEYS) * ((hs + VL - 1) / VL * VL) + (n + VL - 1) / VL * VL);
+/* Floats of a thread's scratch for nq queries of up to n keys. */
+static size_t decode_scratch(int64_t nq, int64_t n, int64_t hs) {
+  const int64_t hsp = (hs + VL - 1) / VL * VL, np = (n + VL - 1) / VL * VL;
+  return (size_t)((2 * nq + 1) * hsp + (KEYS * hsp > VB * CW ? KEYS * hsp : VB * CW) + nq * np +
+                  nq);
 }
 
-/* Query head h of new position t in row b, with positions lo .. n - 1
- * (p0 of them, or all where p0 is past n, already in the caches). */
-static void decode_one(float *out, const float *qkv, const void *kc, const void *vc, int bf16,
-                       const decode_dims *d, int64_t b, int64_t t, int64_t h, int64_t p0,
-                       int64_t lo, int64_t n, int fma8, float *w) {
+/* Query heads h .. h + nq - 1 (of one key/value head) of new position t in
+ * row b, with positions lo .. n - 1 (p0 of them, or all where p0 is past n,
+ * already in the caches). */
+static void decode_heads(float *out, const float *qkv, const void *kc, const void *vc, int bf16,
+                         const decode_dims *d, int64_t b, int64_t t, int64_t h, int64_t nq,
+                         int64_t p0, int64_t lo, int64_t n, int fma8, float *w) {
   const int64_t g = h / (d->NH / d->NKV); /* the key/value head serving query head h */
   const size_t esize = bf16 ? sizeof(uint16_t) : sizeof(float);
   const size_t c0 = (size_t)(b * d->S * d->kv + g * d->HS) * esize;
@@ -170,8 +199,8 @@ static void decode_one(float *out, const float *qkv, const void *kc, const void 
                     .kv = d->kv, .row = d->row, .bf16 = bf16};
   const float *q = qkv + (b * d->T + t) * d->row + h * d->HS;
   float *o = out + (b * d->T + t) * d->NH * d->HS + h * d->HS;
-  if (fma8) decode_query_fma(o, q, &s, lo, n, d->HS, d->scale, d->cap, w);
-  else decode_query(o, q, &s, lo, n, d->HS, d->scale, d->cap, w);
+  if (fma8) decode_query_fma(o, q, nq, &s, lo, n, d->HS, d->scale, d->cap, w);
+  else decode_query(o, q, nq, &s, lo, n, d->HS, d->scale, d->cap, w);
 }
 
 /* The sizes of a checked call: qkv [B, T, (NH + 2 NKV) HS], caches
@@ -280,20 +309,25 @@ done:
   return LZ_OK;
 }
 
-/* Every query of the call, one task per row, position and head, each
- * thread with scratch for the most keys a query sees. ring: the windowed
- * caches, whose new keys are read from qkv (written after). */
+/* Every query of the call, one task per row, position and key/value head
+ * (its query heads together, each key and value read once for them) where
+ * that gives every thread a task, else per query head (the same bits
+ * either way), each thread with scratch for the most keys a query sees.
+ * ring: the windowed caches, whose new keys are read from qkv (written
+ * after). */
 static lz_status queries(float *o, const float *x, const lz_tensor *k_cache,
                          const lz_tensor *v_cache, const int32_t *p, const decode_dims *d,
                          int tiles) {
-  const int bf16 = k_cache->dtype == LZ_BF16, ring = d->W != 0, fma8 = lz_cpu_form_here() ==
-                                                                      LZ_FORM_AVX2_FMA;
+  const int bf16 = k_cache->dtype == LZ_BF16, ring = d->W != 0;
+  const int fma8 = lz_cpu_form_here() == LZ_FORM_AVX2_FMA;
   int64_t longest = 0;
   for (int64_t b = 0; b < d->B; b++)
     if (p[b] + d->T > longest) longest = p[b] + d->T;
   if (ring && d->W < longest) longest = d->W;
-  const int64_t n_tasks = d->B * d->T * d->NH;
-  const size_t bytes = (decode_scratch(longest, d->HS) * sizeof(float) + 63) / 64 * 64;
+  const int64_t group = d->NH / d->NKV;
+  const int64_t nq = !tiles && d->B * d->T * d->NKV >= omp_get_max_threads() ? group : 1;
+  const int64_t per_row = d->NH / nq, n_tasks = d->B * d->T * per_row;
+  const size_t bytes = (decode_scratch(nq, longest, d->HS) * sizeof(float) + 63) / 64 * 64;
   lz_status st = LZ_OK;
 #pragma omp parallel if (n_tasks > 1)
   {
@@ -305,18 +339,18 @@ static lz_status queries(float *o, const float *x, const lz_tensor *k_cache,
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n_tasks; i++) {
       if (!w) continue;
-      const int64_t h = i % d->NH, bt = i / d->NH, b = bt / d->T, t = bt % d->T;
+      const int64_t h = i % per_row * nq, bt = i / per_row, b = bt / d->T, t = bt % d->T;
       const int64_t n = p[b] + t + 1, lo = ring && n > d->W ? n - d->W : 0;
       if (tiles) {
-        const int64_t c0 = b * d->S * d->kv + h / (d->NH / d->NKV) * d->HS;
+        const int64_t c0 = b * d->S * d->kv + h / group * d->HS;
         lz_attention_bf16_decode_query(o + (b * d->T + t) * d->NH * d->HS + h * d->HS,
                                        x + (b * d->T + t) * d->row + h * d->HS,
                                        (const uint16_t *)k_cache->data + c0,
                                        (const uint16_t *)v_cache->data + c0, n, d->kv, d->HS,
                                        d->scale, d->cap, w);
       } else {
-        decode_one(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h,
-                   ring ? p[b] : INT64_MAX, lo, n, fma8, w);
+        decode_heads(o, x, k_cache->data, v_cache->data, bf16, d, b, t, h, nq,
+                     ring ? p[b] : INT64_MAX, lo, n, fma8, w);
       }
     }
     free(w);
