@@ -56,8 +56,9 @@ int lz_threads_get(void);
 lz_status lz_bf16_matmul_path(const char **what);
 /* The CPU code paths that decide a run's bits, each the machine's best
  * unless overridden: the form the hot loops were compiled for and run here
- * ("avx512f"; "avx2+fma", where the fp32 attention and axpy fuse their
- * multiply-adds and the other loops do not; "avx2"; "x86-64"), oneDNN's instruction set for the GEMMs
+ * ("avx512f"; "avx2+fma", where the fp32 attention, training's and
+ * decoding's, and axpy fuse their multiply-adds and the other loops do not;
+ * "avx2"; "x86-64"), oneDNN's instruction set for the GEMMs
  * ("avx512_core_bf16", "avx2", ...), and the 8-bit AdamW update's form
  * ("base", "avx2", "avx512", "vbmi", "vbmi2", "bf16"; LZ_ADAMW8BIT_ISA picks
  * a lower one, and a name that is none, or above the machine's, fails). */

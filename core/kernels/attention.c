@@ -371,8 +371,8 @@ LZ_DISPATCH static void attention_forward_tile(float *out, float *lse, const flo
 }
 
 LZ_FMA8 static void attention_forward_tile_fma(float *out, float *lse, const float *qkv,
-                                            const int32_t *seg, attn_dims d, int64_t b,
-                                            int64_t h, int64_t qb) {
+                                               const int32_t *seg, attn_dims d, int64_t b,
+                                               int64_t h, int64_t qb) {
   forward_tile(out, lse, qkv, seg, d, b, h, qb, 1);
 }
 
@@ -534,10 +534,10 @@ LZ_DISPATCH static void attention_backward_group(float *dqkv, const float *dout,
   backward_group(dqkv, dout, qkv, out, lse, seg, d, b, g, 0);
 }
 
-LZ_FMA8 static void attention_backward_group_fma(float *dqkv, const float *dout, const float *qkv,
-                                              const float *out, const float *lse,
-                                              const int32_t *seg, attn_dims d, int64_t b,
-                                              int64_t g) {
+LZ_FMA8 static void attention_backward_group_fma(float *dqkv, const float *dout,
+                                                 const float *qkv, const float *out,
+                                                 const float *lse, const int32_t *seg,
+                                                 attn_dims d, int64_t b, int64_t g) {
   backward_group(dqkv, dout, qkv, out, lse, seg, d, b, g, 1);
 }
 

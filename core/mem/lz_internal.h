@@ -18,13 +18,14 @@ extern "C" {
  * per-row or per-block work in a function carrying this attribute and call it
  * from the parallel loop. */
 #define LZ_DISPATCH __attribute__((target_clones("avx512f", "avx2", "default")))
-/* A kernel's form for parts with AVX2 and FMA but not AVX-512F (LZ_FORM_AVX2_FMA),
- * beside its LZ_DISPATCH clones, whose "avx2" has no FMA. */
+/* A kernel's form for parts with AVX2 and FMA but not AVX-512F
+ * (LZ_FORM_AVX2_FMA), beside its LZ_DISPATCH clones, whose "avx2" has no FMA. */
 #define LZ_FMA8 __attribute__((target("avx2,fma")))
 
 /* The form this CPU's hot loops run in: LZ_DISPATCH's clone (AVX-512, AVX2
  * or plain), and where AVX2 comes with FMA (and not AVX-512) the forms of
- * their own that fuse multiply-adds there (the fp32 attention, axpy).
+ * their own that fuse multiply-adds there (the fp32 attention, the decode
+ * attention, axpy).
  * lz_cpu_kernels names it. */
 typedef enum { LZ_FORM_PLAIN, LZ_FORM_AVX2, LZ_FORM_AVX2_FMA, LZ_FORM_AVX512 } lz_cpu_form;
 lz_cpu_form lz_cpu_form_here(void);

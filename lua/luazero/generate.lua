@@ -168,6 +168,15 @@ local function logits_row(logits, b, t)
   return ffi.cast("float *", logits.data) + ((b - 1) * T + t) * Vp
 end
 
+-- A whole sequence `ids` into the empty cache row `row`: the id its last
+-- position picks.
+local function fill(model, ids, row, opts, r)
+  local tokens = tokens_of({ ids }, #ids)
+  local logits = model:forward_cached(tokens, row, true)
+  tokens:free()
+  return M.pick(logits_row(logits, 1, 0), model.cfg.vocab, opts, r)
+end
+
 -- Continues each prompt (a list of token ids, at least one) of `prompts`,
 -- opts.batch rows at a time (default 8). opts: max_new (default 64),
 -- temperature (0: greedy), top_k, top_p, seed (one generator for the whole
@@ -219,12 +228,8 @@ function M.run(model, prompts, opts)
     -- Each prompt fills its row of the cache; its last logits give the first new token.
     for b, i in ipairs(rows) do
       out[i] = { ids = {} }
-      local row = cache:row(b)
       local t0 = stats and clock.now()
-      local tokens = tokens_of({ prompts[i] }, #prompts[i])
-      local logits = model:forward_cached(tokens, row, true)
-      tokens:free()
-      next_ids[b] = M.pick(logits_row(logits, 1, 0), cfg.vocab, opts, r)
+      next_ids[b] = fill(model, prompts[i], cache:row(b), opts, r)
       if stats then
         stats.prompt_tokens = stats.prompt_tokens + #prompts[i]
         stats.prompt_s = stats.prompt_s + (clock.now() - t0)
@@ -258,10 +263,7 @@ function M.run(model, prompts, opts)
           for _, id in ipairs(prompts[i]) do all[#all + 1] = id end
           for _, id in ipairs(out[i].ids) do all[#all + 1] = id end
           cache:set(b, 0)
-          local tokens = tokens_of({ all }, #all)
-          local logits = model:forward_cached(tokens, cache:row(b), true)
-          tokens:free()
-          next_ids[b] = M.pick(logits_row(logits, 1, 0), cfg.vocab, opts, r)
+          next_ids[b] = fill(model, all, cache:row(b), opts, r)
           refilled[b], lists[b] = true, { all[#all] }
         end
         if done[b] or refilled[b] then cache:set(b, cache.at[b] - 1) end
